@@ -1,0 +1,34 @@
+# WeightBridge: two commands do everything on a fresh Debian 12 machine.
+#   make demo   install what is missing, build, run the main job
+#   make test   install what is missing, build //..., run every test
+SHELL := /bin/bash
+BAZEL ?= bazel
+BAZEL_FLAGS ?=
+
+# Debian packages the build, the tests and the demo need.
+DEB_PACKAGES := bazel-bootstrap bazel-rules-java protobuf-compiler protobuf-compiler-grpc \
+  libgrpc++-dev libprotobuf-dev libabsl-dev libgtest-dev libgmock-dev libxxhash-dev \
+  nlohmann-json3-dev prometheus-cpp-dev libssl-dev zlib1g-dev openssl iperf3 \
+  python3-grpcio python3-protobuf python3-numpy python3-matplotlib
+
+.PHONY: deps build test demo clean help
+
+help:
+	@echo "make demo   - install missing packages, build, run the main job"
+	@echo "make test   - install missing packages, build and run every test"
+	@echo "make build  - build //..."
+
+deps:
+	@bash tools/install_deps.sh $(DEB_PACKAGES)
+
+build: deps
+	$(BAZEL) build $(BAZEL_FLAGS) //...
+
+test: deps
+	@bash tools/run_tests.sh $(BAZEL_FLAGS)
+
+demo: deps
+	@bash tools/demo.sh
+
+clean:
+	$(BAZEL) clean

@@ -1,0 +1,130 @@
+#pragma once
+// Plain value types shared by the planner, the presets, the daemon and the benches.
+// Pure: no I/O, no protobuf, no CUDA. Protos are converted to/from these in daemon/ and client/.
+//
+// Coordinates: a canonical tensor is an HF checkpoint tensor (name, shape, dtype). A Box is a
+// half-open N-D range [begin, end) in that tensor's coordinates. A Piece says where a canonical
+// box lives in one worker's local memory: element at canonical coordinate c (begin <= c < end) is
+// at byte offset  offset_bytes + sum_i (c_i - begin_i) * strides[i] * element_size  of buffer
+// `buffer`. Transposed placements permute strides; fused tensors (qkv_proj, gate_up_proj,
+// Megatron's interleaved linear_qkv) are several pieces into one local buffer.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace wb::planner {
+
+enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64 };
+
+// Bytes per element.
+int DTypeSize(DType dtype);
+const char* DTypeName(DType dtype);  // "bfloat16", "float16", "float32", "float8_e4m3", "int64"
+
+struct TensorSpec {
+  std::string name;            // HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // HF (PyTorch) shape, row-major
+  DType dtype = DType::kBF16;
+};
+
+// The canonical tensors of one model, in a deterministic order (HF order by layer).
+struct Inventory {
+  std::string architecture;  // e.g. "Qwen2ForCausalLM"
+  std::vector<TensorSpec> tensors;
+};
+
+struct Box {
+  std::vector<int64_t> begin;
+  std::vector<int64_t> end;  // exclusive
+};
+
+struct Piece {
+  int32_t tensor = -1;           // index into Inventory::tensors
+  Box box;                       // canonical box
+  int32_t buffer = 0;            // index into WorkerLayout::buffers
+  int64_t offset_bytes = 0;      // byte offset of canonical element `box.begin` in the buffer
+  std::vector<int64_t> strides;  // local stride (in elements) per canonical dim
+};
+
+struct BufferInfo {
+  int64_t size_bytes = 0;
+};
+
+// Everything one worker holds (trainer: source; rollout: destination).
+struct WorkerLayout {
+  std::vector<BufferInfo> buffers;
+  std::vector<Piece> pieces;
+};
+
+enum class Role : uint8_t { kTrainer, kRollout };
+
+// A worker in the planning problem. Workers are referred to by their index in Problem::workers.
+struct Worker {
+  std::string id;  // e.g. "trainer/3", "rollout/r1/2"
+  Role role = Role::kTrainer;
+  int32_t node = 0;  // node index
+  int32_t gpu = 0;   // GPU (or host slot) index within the node
+  WorkerLayout layout;
+};
+
+struct Topology {
+  double intra_node_GBps = 370.0;   // GPU<->GPU copy inside a node, per direction, per GPU
+  double nic_GBps_per_gpu = 50.0;   // network per GPU per direction
+  bool colocated = false;           // rollout and trainer workers with the same (node, gpu) share memory space
+  double same_gpu_GBps = 2000.0;    // device-local copy (colocated)
+};
+
+enum class Strategy : uint8_t {
+  kWeightBridge,     // dedup per destination node + intra-node relays + cross-node relay trees
+  kRank0Broadcast,   // gather everything on trainer 0, send every rollout worker its bytes from it
+  kOwnerBroadcast,   // each tensor sent by one owner (its first source) to every destination
+  kP2PNoDedup,       // each destination pulls its own pieces from a source, no intra-node sharing
+};
+const char* StrategyName(Strategy s);  // "weightbridge", "rank0_broadcast", "owner_broadcast", "p2p_no_dedup"
+
+struct Problem {
+  Inventory inventory;
+  std::vector<Worker> workers;  // trainers and rollouts, any order
+  Topology topology;
+  int64_t staging_budget_bytes = int64_t{2} << 30;  // per GPU, per bucket
+};
+
+enum class Route : uint8_t { kSameGpu, kIntraNode, kInterNode };
+
+// Copy one canonical box from a source worker's memory to a destination worker's memory.
+// src_worker may be a rollout worker (a relay): it then reads what an earlier bucket delivered.
+struct TransferOp {
+  int32_t src_worker = -1;
+  int32_t dst_worker = -1;
+  int32_t src_piece = -1;  // index into the source worker's layout.pieces that holds `box`
+  int32_t dst_piece = -1;  // index into the destination worker's layout.pieces that receives it
+  int32_t tensor = -1;
+  Box box;                 // canonical box (inside both pieces' boxes)
+  int64_t bytes = 0;
+  Route route = Route::kInterNode;
+};
+
+// Ops of one bucket may run concurrently. A bucket only reads relay data written by earlier buckets.
+struct Bucket {
+  std::vector<TransferOp> ops;
+};
+
+struct PlanStats {
+  bool complete = false;
+  int64_t redundant_bytes = 0;    // bytes crossing the network more than once into one node
+  int64_t bytes_inter_node = 0;
+  int64_t bytes_intra_node = 0;   // includes same-GPU copies
+  int64_t num_ops = 0;
+  double lower_bound_s = 0;       // link-capacity lower bound
+  double makespan_s = 0;          // predicted under the cost model
+  double plan_ms = 0;             // time spent planning (filled by the caller that measured it)
+};
+
+struct Plan {
+  Strategy strategy = Strategy::kWeightBridge;
+  std::vector<Bucket> buckets;
+  PlanStats stats;
+  std::string fingerprint;  // hex; equal inputs give equal fingerprints
+};
+
+}  // namespace wb::planner

@@ -1,0 +1,47 @@
+#include "proto/grpc_status.h"
+
+#include "gtest/gtest.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb {
+namespace {
+
+TEST(GrpcStatus, RoundTripsEveryCode) {
+  for (int c = 0; c <= 16; ++c) {
+    absl::Status s(static_cast<absl::StatusCode>(c), c == 0 ? "" : "why");
+    grpc::Status g = ToGrpcStatus(s);
+    EXPECT_EQ(static_cast<int>(g.error_code()), c);
+    absl::Status back = FromGrpcStatus(g);
+    EXPECT_EQ(back.code(), s.code());
+    if (c != 0) {
+      EXPECT_EQ(back.message(), "why");
+    }
+  }
+}
+
+TEST(GrpcStatus, NamedCodesMatch) {
+  EXPECT_EQ(ToGrpcStatus(absl::InvalidArgumentError("bad box")).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(ToGrpcStatus(absl::DeadlineExceededError("late")).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no token")).code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
+TEST(Protos, MessagesSerialize) {
+  weightbridge::v1::Piece p;
+  p.set_tensor("model.layers.0.self_attn.q_proj.weight");
+  p.mutable_box()->add_begin(0);
+  p.mutable_box()->add_end(128);
+  p.set_offset_bytes(4096);
+  std::string bytes;
+  ASSERT_TRUE(p.SerializeToString(&bytes));
+  weightbridge::v1::Piece q;
+  ASSERT_TRUE(q.ParseFromString(bytes));
+  EXPECT_EQ(q.tensor(), p.tensor());
+  EXPECT_EQ(q.box().end(0), 128);
+  EXPECT_EQ(q.offset_bytes(), 4096u);
+}
+
+}  // namespace
+}  // namespace wb
