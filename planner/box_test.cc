@@ -1,0 +1,61 @@
+#include "planner/box.h"
+
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace wb::planner {
+namespace {
+
+TEST(Box, VolumeIntersectContains) {
+  Box a{{0, 0}, {4, 6}};
+  Box b{{2, 3}, {8, 5}};
+  EXPECT_EQ(BoxVolume(a), 24);
+  auto c = Intersect(a, b);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(BoxToString(*c), "[2:4, 3:5]");
+  EXPECT_TRUE(BoxContains(a, *c));
+  EXPECT_FALSE(BoxContains(*c, a));
+  EXPECT_FALSE(Intersect(a, Box{{4, 0}, {5, 6}}).has_value());
+  EXPECT_TRUE(BoxInside(a, {4, 6}));
+  EXPECT_FALSE(BoxInside(b, {4, 6}));
+}
+
+// Every element of [lo, hi) is covered exactly once, nothing else, and there are few boxes.
+TEST(Box, FlatRangeDecompositionIsExact) {
+  std::mt19937 rng(7);
+  for (int iter = 0; iter < 300; ++iter) {
+    int rank = 1 + rng() % 4;
+    std::vector<int64_t> shape;
+    int64_t n = 1;
+    for (int i = 0; i < rank; ++i) {
+      shape.push_back(1 + rng() % 5);
+      n *= shape.back();
+    }
+    int64_t lo = rng() % (n + 1);
+    int64_t hi = lo + rng() % (n - lo + 1);
+    std::vector<Box> boxes = FlatRangeToBoxes(shape, lo, hi);
+    EXPECT_LE(static_cast<int>(boxes.size()), 2 * rank - 1);
+    std::vector<int> hits(n, 0);
+    std::vector<int64_t> strides = ContiguousStrides(shape);
+    for (const Box& b : boxes) {
+      ASSERT_TRUE(BoxInside(b, shape));
+      // Enumerate elements of b.
+      std::vector<int64_t> c = b.begin;
+      int64_t vol = BoxVolume(b);
+      for (int64_t k = 0; k < vol; ++k) {
+        int64_t flat = 0;
+        for (int i = 0; i < rank; ++i) flat += c[i] * strides[i];
+        hits[flat]++;
+        for (int i = rank - 1; i >= 0; --i) {
+          if (++c[i] < b.end[i]) break;
+          c[i] = b.begin[i];
+        }
+      }
+    }
+    for (int64_t f = 0; f < n; ++f) EXPECT_EQ(hits[f], (f >= lo && f < hi) ? 1 : 0) << f;
+  }
+}
+
+}  // namespace
+}  // namespace wb::planner
