@@ -1,0 +1,69 @@
+#pragma once
+// The few fields of a Hugging Face `config.json` that decide a model's canonical tensors.
+// Pure: callers read the file; this only parses text.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace wb::planner {
+
+enum class ModelFamily : uint8_t {
+  kLlama,       // LlamaForCausalLM (also MistralForCausalLM: same tensors)
+  kQwen2,       // Qwen2ForCausalLM: q/k/v bias
+  kQwen2Moe,    // Qwen2MoeForCausalLM: q/k/v bias, experts, one gated shared expert
+  kQwen3,       // Qwen3ForCausalLM: q_norm/k_norm
+  kQwen3Moe,    // Qwen3MoeForCausalLM: q_norm/k_norm, experts
+  kMixtral,     // MixtralForCausalLM: block_sparse_moe with w1/w2/w3
+  kDeepseekV3,  // DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2): MLA, shared experts, dense prefix
+};
+const char* ModelFamilyName(ModelFamily family);
+
+struct ModelConfig {
+  std::string architecture;  // architectures[0]
+  std::string model_type;    // informational ("" when absent)
+  ModelFamily family = ModelFamily::kLlama;
+
+  int64_t hidden = 0;        // hidden_size
+  int64_t intermediate = 0;  // intermediate_size: dense MLP (Mixtral: each expert)
+  int64_t heads = 0;         // num_attention_heads
+  int64_t kv_heads = 0;      // num_key_value_heads (defaults to heads)
+  int64_t head_dim = 0;      // head_dim, or hidden / heads
+  int64_t layers = 0;        // num_hidden_layers (DeepSeek MTP layers are not counted)
+  int64_t vocab = 0;         // vocab_size
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // q/k/v projections have a bias (Qwen2, attention_bias)
+  bool o_bias = false;    // o_proj has a bias (attention_bias on Llama/Qwen3)
+  bool qk_norm = false;   // per-head q_norm/k_norm (Qwen3)
+
+  // Mixture of experts (experts == 0: dense model).
+  int64_t experts = 0;                    // num_experts / n_routed_experts / num_local_experts
+  int64_t moe_intermediate = 0;           // per routed expert
+  int64_t n_shared_experts = 0;           // DeepSeek: shared experts fused into one MLP
+  int64_t shared_expert_intermediate = 0; // width of the shared-expert MLP (0: none)
+  int64_t first_k_dense_replace = 0;      // DeepSeek: layers [0, k) are dense
+  int64_t moe_layer_freq = 1;             // DeepSeek: layer l >= k is MoE when l % freq == 0
+  int64_t decoder_sparse_step = 1;        // Qwen MoE: layer l is MoE when (l + 1) % step == 0
+  std::vector<int64_t> mlp_only_layers;   // Qwen MoE: forced dense layers
+  bool router_bias = false;               // DeepSeek-V3: gate.e_score_correction_bias
+
+  // Multi-head latent attention (DeepSeek-V3 family).
+  bool mla = false;
+  int64_t q_lora_rank = 0;  // 0 when the config has null: q_proj instead of q_a/q_b
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+
+  // True when layer `layer` has routed experts.
+  bool IsMoeLayer(int64_t layer) const;
+};
+
+// Parses config.json text. Unknown architecture, malformed JSON, or a missing/ill-typed required
+// field -> InvalidArgument naming the field.
+absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text);
+
+}  // namespace wb::planner
