@@ -1,0 +1,138 @@
+#include "transport/shm_segment.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace wb::transport {
+namespace {
+
+TEST(ShmSegmentTest, CreateIsZeroedMode0600AndVisibleToAnotherProcess) {
+  const std::string name = ShmSegment::UniqueName("test");
+  auto seg = ShmSegment::Create(name, 1 << 20);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  ASSERT_EQ(seg->size(), 1 << 20);
+  const auto* bytes = static_cast<const unsigned char*>(seg->data());
+  for (int i = 0; i < (1 << 20); i += 4096) ASSERT_EQ(bytes[i], 0);
+
+  auto uid = seg->OwnerUid();
+  ASSERT_TRUE(uid.ok());
+  EXPECT_EQ(*uid, getuid());
+  EXPECT_TRUE(seg->CheckOwner(getuid()).ok());
+  EXPECT_EQ(seg->CheckOwner(getuid() + 1).code(), absl::StatusCode::kPermissionDenied);
+
+  // A real second process maps it by name and writes; we see the bytes.
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto other = ShmSegment::Open(name, 1 << 20);
+    if (!other.ok()) _exit(2);
+    std::memcpy(static_cast<char*>(other->data()) + 12345, "hello", 5);
+    _exit(0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFEXITED(wstatus));
+  ASSERT_EQ(WEXITSTATUS(wstatus), 0);
+  EXPECT_EQ(std::memcmp(static_cast<char*>(seg->data()) + 12345, "hello", 5), 0);
+}
+
+TEST(ShmSegmentTest, CreateFailsWhenNameExists) {
+  const std::string name = ShmSegment::UniqueName("dup");
+  auto a = ShmSegment::Create(name, 4096);
+  ASSERT_TRUE(a.ok());
+  auto b = ShmSegment::Create(name, 4096);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(b.status().message().find(name), std::string::npos) << b.status();
+}
+
+TEST(ShmSegmentTest, DestructorUnlinksCreatedSegmentButNotOpenedOne) {
+  const std::string name = ShmSegment::UniqueName("raii");
+  {
+    auto created = ShmSegment::Create(name, 4096);
+    ASSERT_TRUE(created.ok());
+    {
+      auto opened = ShmSegment::Open(name);
+      ASSERT_TRUE(opened.ok()) << opened.status();
+      EXPECT_EQ(opened->size(), 4096);
+    }
+    // The opened mapping going away must not remove the name.
+    EXPECT_TRUE(ShmSegment::Open(name).ok());
+  }
+  EXPECT_EQ(ShmSegment::Open(name).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmSegmentTest, KeepNameWhenAsked) {
+  const std::string name = ShmSegment::UniqueName("keep");
+  {
+    auto created = ShmSegment::Create(name, 100);
+    ASSERT_TRUE(created.ok());
+    created->set_unlink_on_destroy(false);
+  }
+  EXPECT_TRUE(ShmSegment::Open(name).ok());
+  EXPECT_TRUE(ShmSegment::Unlink(name).ok());
+  EXPECT_EQ(ShmSegment::Unlink(name).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmSegmentTest, OpenChecksExpectedSize) {
+  const std::string name = ShmSegment::UniqueName("size");
+  auto created = ShmSegment::Create(name, 8192);
+  ASSERT_TRUE(created.ok());
+  auto wrong = ShmSegment::Open(name, 4096);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.status().message().find("8192"), std::string::npos) << wrong.status();
+}
+
+TEST(ShmSegmentTest, CheckOwnerRejectsGroupOrOtherAccess) {
+  const std::string name = ShmSegment::UniqueName("mode");
+  auto created = ShmSegment::Create(name, 4096);
+  ASSERT_TRUE(created.ok());
+  auto opened = ShmSegment::Open(name);
+  ASSERT_TRUE(opened.ok());
+  struct stat st;
+  ASSERT_EQ(stat(("/dev/shm" + name).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(chmod(("/dev/shm" + name).c_str(), 0644), 0);
+  EXPECT_EQ(opened->CheckOwner(getuid()).code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST(ShmSegmentTest, InvalidNamesAreRejected) {
+  EXPECT_EQ(ShmSegment::Create("noslash", 10).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmSegment::Create("/a/b", 10).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmSegment::Create("/", 10).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmSegment::Create("/" + std::string(300, 'x'), 10).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmSegment::Open("/wb-does-not-exist-xyz").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ShmSegment::Create(ShmSegment::UniqueName("neg"), -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ShmSegmentTest, MoveTransfersOwnership) {
+  const std::string name = ShmSegment::UniqueName("move");
+  auto created = ShmSegment::Create(name, 4096);
+  ASSERT_TRUE(created.ok());
+  ShmSegment a = std::move(*created);
+  ShmSegment b;
+  b = std::move(a);
+  EXPECT_EQ(a.data(), nullptr);
+  ASSERT_NE(b.data(), nullptr);
+  static_cast<char*>(b.data())[0] = 7;
+  EXPECT_EQ(b.name(), name);
+}
+
+TEST(ShmSegmentTest, ZeroSizeSegment) {
+  auto created = ShmSegment::Create(ShmSegment::UniqueName("zero"), 0);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->size(), 0);
+  auto opened = ShmSegment::Open(created->name());
+  ASSERT_TRUE(opened.ok());
+  EXPECT_EQ(opened->size(), 0);
+}
+
+}  // namespace
+}  // namespace wb::transport
