@@ -1,0 +1,138 @@
+#include "daemon/version_machine.h"
+
+#include "gtest/gtest.h"
+#include "tools/cc/clock.h"
+
+namespace wb::daemon {
+namespace {
+
+VersionMachine Make(ModeKind mode, uint32_t k = 0) {
+  VersionMachine m(mode, k);
+  m.SetTrainers({"t0", "t1"});
+  m.SetRollouts({"r0", "r1"});
+  return m;
+}
+
+TEST(VersionMachineTest, SyncWaitsForEveryTrainerAndPausedRollout) {
+  FakeClock clock;
+  VersionMachine m = Make(ModeKind::kSync);
+  ASSERT_TRUE(m.RecordPublish("t0", 1).ok());
+  EXPECT_FALSE(m.NextToStart());
+  ASSERT_TRUE(m.RecordPublish("t1", 1).ok());
+  EXPECT_FALSE(m.NextToStart());  // rollouts not paused
+  m.RecordReady("r0");
+  EXPECT_FALSE(m.NextToStart());
+  m.RecordReady("r1");
+  ASSERT_EQ(m.NextToStart(), 1u);
+  m.Start(1, {"a", "b"}, clock.Now(), absl::Seconds(5), 100);
+  EXPECT_FALSE(m.Outcome(1));
+  EXPECT_FALSE(m.NodeDone("a", 1));
+  EXPECT_TRUE(m.NodeDone("b", 1));
+  m.Commit(1, clock.Now());
+  ASSERT_TRUE(m.Outcome(1));
+  EXPECT_TRUE(m.Outcome(1)->ok());
+  EXPECT_EQ(m.Applied("r0"), 1u);
+  EXPECT_FALSE(m.IsPaused("r0"));
+  EXPECT_FALSE(m.RecordPublish("t0", 1).ok() && m.Find(1)->state != VState::kCommitted);
+}
+
+TEST(VersionMachineTest, TimeoutAbortKeepsPreviousCommitted) {
+  FakeClock clock;
+  VersionMachine m = Make(ModeKind::kOneStepOff);
+  for (uint64_t v : {1u, 2u}) {
+    ASSERT_TRUE(m.RecordPublish("t0", v).ok());
+    ASSERT_TRUE(m.RecordPublish("t1", v).ok());
+    ASSERT_EQ(m.NextToStart(), v);
+    m.Start(v, {"a"}, clock.Now(), absl::Seconds(5), 10);
+    if (v == 1) {
+      ASSERT_TRUE(m.NodeDone("a", 1));
+      m.Commit(1, clock.Now());
+    }
+  }
+  clock.Advance(absl::Seconds(4));
+  EXPECT_FALSE(m.TimedOut(clock.Now()));
+  clock.Advance(absl::Seconds(2));
+  ASSERT_EQ(m.TimedOut(clock.Now()), 2u);
+  m.Abort(2, "transfer timed out", clock.Now());
+  EXPECT_EQ(m.committed(), 1u);
+  ASSERT_TRUE(m.Outcome(2));
+  EXPECT_EQ(m.Outcome(2)->code(), absl::StatusCode::kAborted);
+  EXPECT_NE(m.Outcome(2)->message().find("timed out"), std::string::npos);
+  EXPECT_TRUE(m.Outcome(1)->ok());
+  EXPECT_TRUE(m.Idle());
+  // A late done from the aborted transfer changes nothing; the next version proceeds.
+  EXPECT_FALSE(m.NodeDone("a", 2));
+  ASSERT_TRUE(m.RecordPublish("t0", 3).ok());
+  ASSERT_TRUE(m.RecordPublish("t1", 3).ok());
+  EXPECT_EQ(m.NextToStart(), 3u);
+}
+
+TEST(VersionMachineTest, NewerPublishSupersedesUnstartedOlder) {
+  FakeClock clock;
+  VersionMachine m = Make(ModeKind::kAsync);
+  for (const char* t : {"t0", "t1"}) ASSERT_TRUE(m.RecordPublish(t, 1).ok());
+  m.Start(1, {"a"}, clock.Now(), absl::Seconds(5), 1);
+  for (const char* t : {"t0", "t1"}) ASSERT_TRUE(m.RecordPublish(t, 2).ok());
+  for (const char* t : {"t0", "t1"}) ASSERT_TRUE(m.RecordPublish(t, 3).ok());
+  EXPECT_EQ(m.Find(2)->state, VState::kSuperseded);
+  EXPECT_FALSE(m.NextToStart());  // one transfer at a time
+  ASSERT_TRUE(m.NodeDone("a", 1));
+  m.Commit(1, clock.Now());
+  EXPECT_EQ(m.NextToStart(), 3u);
+  m.Start(3, {"a"}, clock.Now(), absl::Seconds(5), 1);
+  EXPECT_FALSE(m.Outcome(2));  // satisfied only by a newer commit
+  ASSERT_TRUE(m.NodeDone("a", 3));
+  m.Commit(3, clock.Now());
+  EXPECT_TRUE(m.Outcome(2)->ok());
+}
+
+TEST(VersionMachineTest, StalenessBoundHoldsPublish) {
+  VersionMachine m = Make(ModeKind::kAsync, /*k=*/2);
+  EXPECT_TRUE(m.PublishAdmissible(1));
+  EXPECT_TRUE(m.PublishAdmissible(2));
+  EXPECT_FALSE(m.PublishAdmissible(3));  // r0, r1 applied nothing: 3 - 0 > 2
+  m.RecordApplied("r0", 1);
+  EXPECT_FALSE(m.PublishAdmissible(3));  // r1 still behind
+  m.RecordApplied("r1", 2);
+  EXPECT_TRUE(m.PublishAdmissible(3));
+  EXPECT_FALSE(m.PublishAdmissible(4));
+  // Unbounded (k = 0) and non-async modes never hold.
+  VersionMachine u = Make(ModeKind::kAsync, 0);
+  EXPECT_TRUE(u.PublishAdmissible(100));
+  VersionMachine o = Make(ModeKind::kOneStepOff, 1);
+  EXPECT_TRUE(o.PublishAdmissible(100));
+}
+
+TEST(VersionMachineTest, DrainRefusesNewVersionsButFinishesStarted) {
+  FakeClock clock;
+  VersionMachine m = Make(ModeKind::kOneStepOff);
+  ASSERT_TRUE(m.RecordPublish("t0", 1).ok());
+  m.set_draining(true);
+  EXPECT_TRUE(m.RecordPublish("t1", 1).ok());  // already being published: allowed to finish
+  EXPECT_EQ(m.RecordPublish("t0", 2).code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(m.Idle());
+  m.Start(1, {"a"}, clock.Now(), absl::Seconds(1), 1);
+  ASSERT_TRUE(m.NodeDone("a", 1));
+  m.Commit(1, clock.Now());
+  EXPECT_TRUE(m.Idle());
+}
+
+TEST(VersionMachineTest, RejectsOldVersionsAndStrangers) {
+  VersionMachine m = Make(ModeKind::kSync);
+  EXPECT_EQ(m.RecordPublish("r0", 1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m.RecordPublish("t0", 0).code(), absl::StatusCode::kInvalidArgument);
+  FakeClock clock;
+  for (const char* t : {"t0", "t1"}) ASSERT_TRUE(m.RecordPublish(t, 5).ok());
+  m.RecordReady("r0");
+  m.RecordReady("r1");
+  m.Start(5, {"a"}, clock.Now(), absl::Seconds(1), 1);
+  EXPECT_EQ(m.RecordPublish("t0", 4).code(), absl::StatusCode::kFailedPrecondition);
+  // Lost node: the coordinator aborts; paused rollouts are released (must pause again).
+  EXPECT_TRUE(m.InFlightInvolves("a"));
+  m.Abort(5, "node a lost its lease", clock.Now());
+  EXPECT_FALSE(m.IsPaused("r0"));
+  EXPECT_EQ(m.committed(), 0u);
+}
+
+}  // namespace
+}  // namespace wb::daemon
