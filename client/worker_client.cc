@@ -1,0 +1,353 @@
+#include "client/worker_client.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "proto/grpc_status.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::client {
+namespace {
+
+// The daemon answers a version call with its own timeout error a little before the gRPC
+// deadline fires, so callers see the daemon's message (which version, which worker) rather than
+// a bare DEADLINE_EXCEEDED from the transport.
+constexpr absl::Duration kDeadlineGrace = absl::Seconds(2);
+
+int64_t ToMillis(absl::Duration d) {
+  return d <= absl::ZeroDuration() ? 1 : absl::ToInt64Milliseconds(d);
+}
+
+struct VisitLayout {
+  pb::LayoutSpec* out;
+  void operator()(const ExplicitLayout& l) const {
+    auto* pieces = out->mutable_pieces();
+    for (const auto& p : l.pieces) *pieces->add_pieces() = p;
+  }
+  void operator()(const PresetLayout& l) const {
+    auto* pc = out->mutable_preset();
+    pc->set_preset(l.preset);
+    pc->set_tp(l.tp);
+    pc->set_pp(l.pp);
+    pc->set_dp(l.dp);
+    pc->set_ep(l.ep);
+    pc->set_etp(l.etp);
+    pc->set_expert_parallel(l.expert_parallel);
+    pc->set_replicas(l.replicas);
+    pc->set_rank(l.rank);
+  }
+  void operator()(const IndexProbeLayout& l) const {
+    auto* probe = out->mutable_index_probe();
+    for (const auto& t : l.tensors) *probe->add_tensors() = t;
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<pb::ModelSpec> ModelSpecToProto(const ModelConfig& model) {
+  if (model.model_id.empty()) return absl::InvalidArgumentError("model_id is empty");
+  const bool has_config = !model.hf_config_json.empty();
+  const bool has_tensors = !model.explicit_inventory.tensors.empty();
+  if (has_config == has_tensors) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", model.model_id, ": give exactly one of hf_config_json and explicit tensors"));
+  }
+  pb::ModelSpec spec;
+  spec.set_model_id(model.model_id);
+  if (has_config) {
+    spec.set_hf_config_json(model.hf_config_json);
+  } else {
+    *spec.mutable_explicit_tensors() = ToProto(model.explicit_inventory);
+  }
+  spec.set_dtype(ToProto(model.dtype));
+  spec.set_num_trainer_workers(model.num_trainer_workers);
+  spec.set_num_rollout_workers(model.num_rollout_workers);
+  spec.set_mode(ToProto(model.mode));
+  spec.set_max_staleness(model.max_staleness);
+  if (model.strategy == planner::Strategy::kOwnerBroadcast) {
+    return absl::InvalidArgumentError("owner_broadcast is a planning baseline, not executable");
+  }
+  spec.set_strategy(ToProto(model.strategy));
+  return spec;
+}
+
+WorkerClient::WorkerClient(std::string socket_path, ClientOptions options)
+    : socket_path_(std::move(socket_path)), options_(std::move(options)) {}
+
+WorkerClient::~WorkerClient() {
+  // Segments unlink their names in their destructors (created here, default unlink policy).
+  buffers_.clear();
+  segments_.clear();
+}
+
+absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const std::string& socket_path,
+                                                                    ClientOptions options) {
+  if (socket_path.empty()) return absl::InvalidArgumentError("empty daemon socket path");
+  std::string path = socket_path;
+  if (absl::StartsWith(path, "unix:")) path = path.substr(5);
+  // sockaddr_un::sun_path holds 108 bytes including the terminator; gRPC fails obscurely beyond.
+  if (path.size() > 107) {
+    return absl::InvalidArgumentError(absl::StrCat("daemon socket path is ", path.size(),
+                                                   " bytes, the Unix limit is 107: ", path));
+  }
+  if (options.clock == nullptr) options.clock = Clock::Real();
+  std::unique_ptr<WorkerClient> client(new WorkerClient(path, std::move(options)));
+  RETURN_IF_ERROR(client->OpenChannel());
+  RETURN_IF_ERROR(client->WaitConnected(client->options_.clock->Now() +
+                                        client->options_.connect_timeout));
+  return client;
+}
+
+absl::Status WorkerClient::OpenChannel() {
+  grpc::ChannelArguments args;
+  // A restarted daemon should be found within a fraction of a second, not after gRPC's default
+  // exponential backoff (up to two minutes).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  channel_ = grpc::CreateCustomChannel(absl::StrCat("unix:", socket_path_),
+                                       grpc::InsecureChannelCredentials(), args);
+  if (channel_ == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot create a channel to unix:", socket_path_));
+  }
+  stub_ = pb::WorkerService::NewStub(channel_);
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::WaitConnected(absl::Time deadline) {
+  // WaitForConnected is driven by gRPC's own connectivity watch (no polling here).
+  if (channel_->WaitForConnected(absl::ToChronoTime(deadline))) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("daemon at unix:", socket_path_, " did not accept a connection in time"));
+}
+
+pb::WorkerService::Stub* WorkerClient::stub() const { return stub_.get(); }
+
+template <typename Fn>
+absl::Status WorkerClient::CallWithReconnect(absl::Time deadline, Fn rpc) {
+  if (options_.reconnect && registered_ && channel_->GetState(false) != GRPC_CHANNEL_READY) {
+    // The connection dropped since the last call. gRPC would silently reconnect on this call, to
+    // a daemon that may have restarted and forgotten us: reconnect explicitly and replay first.
+    absl::Time reconnect_deadline =
+        std::min(deadline, options_.clock->Now() + options_.reconnect_timeout);
+    RETURN_IF_ERROR(WaitConnected(reconnect_deadline));
+    RETURN_IF_ERROR_WITH(Replay(reconnect_deadline), "replaying registration after reconnect");
+    ++reconnects_;
+  }
+  absl::Status status = rpc(deadline);
+  if (status.code() != absl::StatusCode::kUnavailable || !options_.reconnect) return status;
+  // The daemon went away (or restarted). Wait for a daemon at the same socket, bounded by both the
+  // call's deadline and the reconnect budget, replay our registrations, retry once.
+  absl::Time reconnect_deadline =
+      std::min(deadline, options_.clock->Now() + options_.reconnect_timeout);
+  RETURN_IF_ERROR(OpenChannel());
+  absl::Status connected = WaitConnected(reconnect_deadline);
+  if (!connected.ok()) {
+    return absl::UnavailableError(absl::StrCat(status.message(), "; reconnect failed: ",
+                                               connected.message()));
+  }
+  RETURN_IF_ERROR_WITH(Replay(reconnect_deadline), "replaying registration after reconnect");
+  ++reconnects_;
+  return rpc(deadline);
+}
+
+absl::Status WorkerClient::Replay(absl::Time deadline) {
+  if (!registered_) return absl::OkStatus();
+  absl::Status s = DoRegisterWorker(deadline);
+  // ALREADY_EXISTS: the daemon did not restart after all (a transient UNAVAILABLE) and still
+  // knows this worker; the registration we would replay is in place.
+  if (!s.ok() && s.code() != absl::StatusCode::kAlreadyExists) return s;
+  if (layout_registered_) {
+    auto resp = DoRegisterLayout(layout_request_, deadline);
+    if (!resp.ok()) return resp.status();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerClient::DoRegisterWorker(absl::Time deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
+  pb::RegisterWorkerResponse resp;
+  return FromGrpcStatus(stub()->RegisterWorker(&ctx, register_request_, &resp));
+}
+
+absl::StatusOr<pb::RegisterLayoutResponse> WorkerClient::DoRegisterLayout(
+    const pb::RegisterLayoutRequest& req, absl::Time deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
+  pb::RegisterLayoutResponse resp;
+  RETURN_IF_ERROR(FromGrpcStatus(stub()->RegisterLayout(&ctx, req, &resp)));
+  return resp;
+}
+
+absl::Status WorkerClient::RegisterWorker(const ModelConfig& model, const WorkerIdentity& who) {
+  if (registered_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", register_request_.worker_id(), " is already registered"));
+  }
+  if (who.worker_id.empty()) return absl::InvalidArgumentError("worker_id is empty");
+  ASSIGN_OR_RETURN(pb::ModelSpec spec, ModelSpecToProto(model));
+  pb::RegisterWorkerRequest req;
+  req.set_model_id(model.model_id);
+  req.set_worker_id(who.worker_id);
+  req.set_role(ToProto(who.role));
+  req.set_gpu(who.gpu);
+  *req.mutable_model() = std::move(spec);
+  register_request_ = req;
+  absl::Time deadline = options_.clock->Now() + options_.call_timeout;
+  // Not registered yet, so a reconnect replays nothing and the retry is the registration itself.
+  absl::Status s = CallWithReconnect(deadline, [&](absl::Time d) { return DoRegisterWorker(d); });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("RegisterWorker ", who.worker_id, " for model ",
+                                       model.model_id));
+  registered_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Buffer*> WorkerClient::CreateBuffer(int64_t size_bytes) {
+  if (size_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("buffer size must be > 0, got ", size_bytes));
+  }
+  transport::ShmSegment::CreateOptions opts;
+  opts.populate = options_.populate_buffers;
+  ASSIGN_OR_RETURN(
+      transport::ShmSegment seg,
+      transport::ShmSegment::Create(transport::ShmSegment::UniqueName(options_.shm_prefix),
+                                    size_bytes, opts));
+  auto buf = std::make_unique<Buffer>();
+  buf->id = static_cast<uint32_t>(buffers_.size());
+  buf->shm_name = seg.name();
+  buf->data = seg.data();
+  buf->size_bytes = seg.size();
+  segments_.push_back(std::move(seg));
+  buffers_.push_back(std::move(buf));
+  return buffers_.back().get();
+}
+
+absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layout) {
+  if (!registered_) return absl::FailedPreconditionError("RegisterLayout before RegisterWorker");
+  pb::RegisterLayoutRequest req;
+  req.set_model_id(register_request_.model_id());
+  req.set_worker_id(register_request_.worker_id());
+  for (const auto& b : buffers_) {
+    pb::BufferSpec* spec = req.add_buffers();
+    spec->set_buffer_id(b->id);
+    spec->set_size_bytes(static_cast<uint64_t>(b->size_bytes));
+    spec->set_shm_name(b->shm_name);
+    spec->set_gpu(-1);
+  }
+  std::visit(VisitLayout{req.mutable_layout()}, layout);
+  absl::Time deadline = options_.clock->Now() + options_.call_timeout;
+  pb::RegisterLayoutResponse resp;
+  absl::Status s = CallWithReconnect(deadline, [&](absl::Time d) {
+    auto r = DoRegisterLayout(req, d);
+    if (r.ok()) resp = *r;
+    return r.status();
+  });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("RegisterLayout of worker ", req.worker_id()));
+  layout_request_ = std::move(req);
+  layout_registered_ = true;
+  return LayoutInfo{resp.num_pieces(), resp.bytes()};
+}
+
+absl::StatusOr<PublishResult> WorkerClient::Publish(uint64_t version, absl::Duration timeout) {
+  if (version == 0) return absl::InvalidArgumentError("versions start at 1");
+  const absl::Time deadline = options_.clock->Now() + timeout;
+  pb::PublishResponse resp;
+  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
+    pb::PublishRequest req;
+    req.set_model_id(register_request_.model_id());
+    req.set_worker_id(register_request_.worker_id());
+    req.set_version(version);
+    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    return FromGrpcStatus(stub()->Publish(&ctx, req, &resp));
+  });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("Publish v", version, " by ", register_request_.worker_id()));
+  return PublishResult{resp.version(), resp.stall_seconds()};
+}
+
+absl::Status WorkerClient::BeginUpdate(absl::Duration timeout) {
+  const absl::Time deadline = options_.clock->Now() + timeout;
+  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
+    pb::BeginUpdateRequest req;
+    req.set_model_id(register_request_.model_id());
+    req.set_worker_id(register_request_.worker_id());
+    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    pb::BeginUpdateResponse resp;
+    return FromGrpcStatus(stub()->BeginUpdate(&ctx, req, &resp));
+  });
+  return Annotate(s, absl::StrCat("BeginUpdate by ", register_request_.worker_id()));
+}
+
+absl::StatusOr<ApplyResult> WorkerClient::Apply(uint64_t version, absl::Duration timeout) {
+  const absl::Time deadline = options_.clock->Now() + timeout;
+  pb::ApplyResponse resp;
+  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
+    pb::ApplyRequest req;
+    req.set_model_id(register_request_.model_id());
+    req.set_worker_id(register_request_.worker_id());
+    req.set_version(version);
+    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    return FromGrpcStatus(stub()->Apply(&ctx, req, &resp));
+  });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("Apply v", version, " by ", register_request_.worker_id()));
+  return ApplyResult{resp.applied_version(), resp.stall_seconds()};
+}
+
+absl::StatusOr<uint64_t> WorkerClient::WaitVersion(uint64_t version, absl::Duration timeout) {
+  const absl::Time deadline = options_.clock->Now() + timeout;
+  pb::WaitVersionResponse resp;
+  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
+    pb::WaitVersionRequest req;
+    req.set_model_id(register_request_.model_id());
+    req.set_version(version);
+    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    return FromGrpcStatus(stub()->WaitVersion(&ctx, req, &resp));
+  });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("WaitVersion v", version, " of model ",
+                                       register_request_.model_id()));
+  return resp.committed_version();
+}
+
+absl::Status WorkerClient::Deregister() {
+  if (!registered_) return absl::FailedPreconditionError("Deregister before RegisterWorker");
+  pb::DeregisterRequest req;
+  req.set_model_id(register_request_.model_id());
+  req.set_worker_id(register_request_.worker_id());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(options_.clock->Now() + options_.call_timeout));
+  pb::DeregisterResponse resp;
+  // No reconnect: a daemon that restarted has already forgotten this worker.
+  absl::Status s = FromGrpcStatus(stub()->Deregister(&ctx, req, &resp));
+  registered_ = false;
+  layout_registered_ = false;
+  return Annotate(s, absl::StrCat("Deregister ", req.worker_id()));
+}
+
+absl::StatusOr<pb::StatusResponse> WorkerClient::Status() {
+  pb::StatusResponse resp;
+  absl::Time deadline = options_.clock->Now() + options_.call_timeout;
+  absl::Status s = CallWithReconnect(deadline, [&](absl::Time d) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    return FromGrpcStatus(stub()->Status(&ctx, pb::StatusRequest(), &resp));
+  });
+  RETURN_IF_ERROR_WITH(s, "Status");
+  return resp;
+}
+
+}  // namespace wb::client

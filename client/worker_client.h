@@ -1,0 +1,199 @@
+#pragma once
+// Worker-side client of a node daemon's WorkerService (gRPC over a Unix socket).
+//
+// A worker (a trainer or rollout rank) uses it to:
+//   1. RegisterWorker: join a model (creating the model on first use),
+//   2. CreateBuffer: allocate its weights in POSIX shared memory that the daemon maps,
+//   3. RegisterLayout: hand the buffers' names and its layout (explicit pieces, a preset by name
+//      with a parallel config and rank, or an index probe) to the daemon,
+//   4. move versions: Publish(v) on trainers; BeginUpdate / WaitVersion (sync), Apply(v)
+//      (one-step-off, async) on rollouts,
+//   5. Deregister.
+//
+// Contract:
+//  - Every call has a deadline: control calls use Options::call_timeout, the version calls take an
+//    explicit timeout (which is also sent to the daemon as timeout_ms so both sides give up
+//    together). Nothing waits forever.
+//  - Errors are absl::Status; gRPC statuses are converted only through proto/grpc_status.h, so
+//    the daemon's code (INVALID_ARGUMENT, ABORTED, DEADLINE_EXCEEDED, ...) reaches the caller.
+//  - Reconnect: when the connection dropped since the previous call, or a call fails with
+//    UNAVAILABLE (daemon gone or restarted), and Options::reconnect is set, the client waits
+//    (bounded by Options::reconnect_timeout and the call's own deadline) for the daemon socket to
+//    accept connections again, replays what it had registered (RegisterWorker, then
+//    RegisterLayout with the same shm names: the segments are owned by this process and survive
+//    the daemon), and (after UNAVAILABLE) retries the call once. The daemon must treat a
+//    re-registration with an identical spec as idempotent (ALREADY_EXISTS is accepted too).
+//  - Buffers created here belong to this client: their shm names are unlinked when the client is
+//    destroyed. Pointers returned by CreateBuffer stay valid for the client's lifetime.
+//  - Thread-compatible: one thread drives a client at a time (a worker is one rank).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/proto_convert.h"
+#include "planner/types.h"
+#include "proto/weightbridge.grpc.pb.h"
+#include "proto/weightbridge.pb.h"
+#include "tools/cc/clock.h"
+#include "transport/shm_segment.h"
+
+namespace wb::client {
+
+struct ClientOptions {
+  // Deadline of each control call (register, deregister, status).
+  absl::Duration call_timeout = absl::Seconds(30);
+  // How long Connect waits for the daemon socket to accept a connection.
+  absl::Duration connect_timeout = absl::Seconds(10);
+  // Reconnect and replay registrations after UNAVAILABLE (see the contract above).
+  bool reconnect = true;
+  // Upper bound on waiting for a restarted daemon (also bounded by the failed call's deadline).
+  absl::Duration reconnect_timeout = absl::Seconds(30);
+  // Prefix of the shm segment names this client creates ("/wb-<prefix>-<pid>-...").
+  std::string shm_prefix = "worker";
+  // Pre-fault shm pages on creation (large weights: avoids page faults inside the first copy).
+  bool populate_buffers = false;
+  Clock* clock = Clock::Real();
+};
+
+// The model a worker joins. The first worker to register creates it; later ones must match.
+struct ModelConfig {
+  std::string model_id;
+  // Exactly one inventory source: an HF config.json text, or explicit tensors.
+  std::string hf_config_json;
+  planner::Inventory explicit_inventory;
+  planner::DType dtype = planner::DType::kBF16;
+  uint32_t num_trainer_workers = 0;
+  uint32_t num_rollout_workers = 0;
+  Mode mode = Mode::kSync;
+  uint32_t max_staleness = 0;  // async only; 0 = unbounded
+  planner::Strategy strategy = planner::Strategy::kWeightBridge;
+};
+
+struct WorkerIdentity {
+  std::string worker_id;  // unique within the model, e.g. "trainer/3", "rollout/r1/0"
+  planner::Role role = planner::Role::kTrainer;
+  int32_t gpu = -1;  // -1: host memory worker
+};
+
+// One shared-memory buffer owned by the client. `id` is its buffer_id in layouts (and its index
+// in planner::WorkerLayout::buffers): buffers are numbered 0, 1, ... in creation order.
+struct Buffer {
+  uint32_t id = 0;
+  std::string shm_name;
+  void* data = nullptr;
+  int64_t size_bytes = 0;
+};
+
+// Layout sources (design.md "Canonical space and layouts").
+struct ExplicitLayout {
+  std::vector<pb::Piece> pieces;  // tensor by HF name; see PiecesToProto for planner pieces
+};
+struct PresetLayout {
+  std::string preset;  // megatron | fsdp | vllm | sglang
+  uint32_t tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;
+  bool expert_parallel = false;
+  uint32_t replicas = 1;
+  uint32_t rank = 0;  // this worker's rank in the preset's world
+};
+struct IndexProbeLayout {
+  std::vector<pb::IndexProbe::LocalTensor> tensors;
+};
+using LayoutSource = std::variant<ExplicitLayout, PresetLayout, IndexProbeLayout>;
+
+struct LayoutInfo {
+  uint32_t num_pieces = 0;
+  uint64_t bytes = 0;
+};
+struct PublishResult {
+  uint64_t version = 0;
+  double stall_seconds = 0;
+};
+struct ApplyResult {
+  uint64_t applied_version = 0;
+  double stall_seconds = 0;
+};
+
+class WorkerClient {
+ public:
+  // Opens a channel to the daemon's worker socket (a filesystem path; "unix:" is added) and waits
+  // up to options.connect_timeout for it to connect. UNAVAILABLE if it does not.
+  static absl::StatusOr<std::unique_ptr<WorkerClient>> Connect(const std::string& socket_path,
+                                                               ClientOptions options = {});
+
+  ~WorkerClient();
+  WorkerClient(const WorkerClient&) = delete;
+  WorkerClient& operator=(const WorkerClient&) = delete;
+
+  // Joins `model` as `who`. Remembered for reconnects. FAILED_PRECONDITION if already registered.
+  absl::Status RegisterWorker(const ModelConfig& model, const WorkerIdentity& who);
+
+  // Creates a new zero-filled shm segment of `size_bytes` (> 0) owned by this client. Buffers are
+  // sent to the daemon by the next RegisterLayout. The pointer stays valid for the client's life.
+  absl::StatusOr<Buffer*> CreateBuffer(int64_t size_bytes);
+  const std::vector<std::unique_ptr<Buffer>>& buffers() const { return buffers_; }
+
+  // Sends every buffer created so far and `layout`. Requires RegisterWorker. On error nothing is
+  // remembered (a malformed layout leaves the previously registered one, if any, in place).
+  absl::StatusOr<LayoutInfo> RegisterLayout(const LayoutSource& layout);
+
+  // Trainer: declares version `version` (> 0) ready in this worker's buffers. Returns when the
+  // daemon no longer needs the buffers unchanged (snapshot taken, or sync transfer done), or when
+  // the staleness bound released it. The buffers must not change until it returns.
+  absl::StatusOr<PublishResult> Publish(uint64_t version, absl::Duration timeout);
+  // Rollout (sync mode): the worker has paused and its live weights may be overwritten.
+  absl::Status BeginUpdate(absl::Duration timeout);
+  // Rollout (one-step-off / async): make `version` (0 = newest committed) live at this step
+  // boundary. Returns the version now live.
+  absl::StatusOr<ApplyResult> Apply(uint64_t version, absl::Duration timeout);
+  // Waits until `version` is committed; ABORTED (or the daemon's code) if it failed.
+  absl::StatusOr<uint64_t> WaitVersion(uint64_t version, absl::Duration timeout);
+  // Leaves the model; the client forgets its registration (buffers stay mapped until destroyed).
+  absl::Status Deregister();
+  // The daemon's view (nodes, workers, models, versions).
+  absl::StatusOr<pb::StatusResponse> Status();
+
+  const std::string& socket_path() const { return socket_path_; }
+  // Number of successful reconnect-and-replay cycles (tests and progress lines read it).
+  int reconnects() const { return reconnects_; }
+
+ private:
+  WorkerClient(std::string socket_path, ClientOptions options);
+  absl::Status OpenChannel();
+  // Waits until the channel is connected or `deadline` passes.
+  absl::Status WaitConnected(absl::Time deadline);
+  // Runs `rpc` (which makes one attempt with the given deadline); on UNAVAILABLE, reconnects,
+  // replays registrations and retries once, all before `deadline`.
+  template <typename Fn>
+  absl::Status CallWithReconnect(absl::Time deadline, Fn rpc);
+  absl::Status Replay(absl::Time deadline);
+  absl::Status DoRegisterWorker(absl::Time deadline);
+  absl::StatusOr<pb::RegisterLayoutResponse> DoRegisterLayout(const pb::RegisterLayoutRequest& req,
+                                                              absl::Time deadline);
+  pb::WorkerService::Stub* stub() const;
+
+  const std::string socket_path_;
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<pb::WorkerService::Stub> stub_;
+
+  // What to replay after a reconnect.
+  bool registered_ = false;
+  pb::RegisterWorkerRequest register_request_;
+  bool layout_registered_ = false;
+  pb::RegisterLayoutRequest layout_request_;
+
+  std::vector<transport::ShmSegment> segments_;
+  std::vector<std::unique_ptr<Buffer>> buffers_;
+  int reconnects_ = 0;
+};
+
+// Builds the RegisterWorker model spec (exposed for tests and for wbctl).
+absl::StatusOr<pb::ModelSpec> ModelSpecToProto(const ModelConfig& model);
+
+}  // namespace wb::client
