@@ -1,0 +1,311 @@
+#include "planner/fragments.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "planner/box.h"
+
+namespace wb::planner {
+namespace {
+
+inline uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Calls fn(cell_index) for every cell of the index box [lo, hi) of a row-major grid with `dims`.
+template <typename Fn>
+void ForEachCell(const std::vector<int64_t>& dims, const int64_t* lo, const int64_t* hi, Fn&& fn) {
+  const size_t rank = dims.size();
+  for (size_t d = 0; d < rank; ++d) {
+    if (lo[d] >= hi[d]) return;
+  }
+  if (rank == 0) {
+    fn(0);
+    return;
+  }
+  int64_t idx[16];
+  for (size_t d = 0; d < rank; ++d) idx[d] = lo[d];
+  while (true) {
+    int64_t c = 0;
+    for (size_t d = 0; d < rank; ++d) c = c * dims[d] + idx[d];
+    // The last dimension is contiguous in cell order.
+    const int64_t run = hi[rank - 1] - lo[rank - 1];
+    for (int64_t k = 0; k < run; ++k) fn(c + k);
+    if (rank == 1) return;
+    size_t d = rank - 2;
+    while (true) {
+      if (++idx[d] < hi[d]) break;
+      idx[d] = lo[d];
+      if (d == 0) return;
+      --d;
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<std::vector<int64_t>> bp;
+  std::vector<int64_t> dims;
+  std::vector<uint64_t> sig_a, sig_b;
+  std::vector<int32_t> dcount, scount;
+  std::vector<uint8_t> assigned;
+  std::vector<int64_t> lo, hi;
+};
+
+std::string PieceName(const Problem& p, PieceRef r) {
+  return absl::StrCat("worker ", p.workers[r.worker].id, " piece ", r.piece);
+}
+
+}  // namespace
+
+std::vector<Box> SplitBox(const Box& box, int64_t n) {
+  std::vector<Box> out;
+  size_t dim = 0;
+  while (dim < box.begin.size() && box.end[dim] - box.begin[dim] <= 1) ++dim;
+  if (n <= 1 || dim == box.begin.size()) {
+    out.push_back(box);
+    return out;
+  }
+  const int64_t extent = box.end[dim] - box.begin[dim];
+  n = std::min(n, extent);
+  for (int64_t i = 0; i < n; ++i) {
+    Box b = box;
+    b.begin[dim] = box.begin[dim] + extent * i / n;
+    b.end[dim] = box.begin[dim] + extent * (i + 1) / n;
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptions& options) {
+  const auto& tensors = p.inventory.tensors;
+  const size_t nt = tensors.size();
+  // Index pieces per tensor (CSR), sources and destinations separately, in worker order.
+  std::vector<uint32_t> src_off(nt + 1, 0), dst_off(nt + 1, 0);
+  FragmentSet out;
+  for (size_t w = 0; w < p.workers.size(); ++w) {
+    const Worker& worker = p.workers[w];
+    for (size_t i = 0; i < worker.layout.pieces.size(); ++i) {
+      const Piece& piece = worker.layout.pieces[i];
+      if (piece.tensor < 0 || static_cast<size_t>(piece.tensor) >= nt) {
+        return absl::InvalidArgumentError(absl::StrCat("worker ", worker.id, " piece ", i,
+                                                       ": unknown tensor index ", piece.tensor));
+      }
+      const TensorSpec& ts = tensors[piece.tensor];
+      if (ts.shape.size() > 16 || !BoxInside(piece.box, ts.shape)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("worker ", worker.id, " piece ", i, ": box ", BoxToString(piece.box),
+                         " is not inside tensor ", ts.name, " of rank ", ts.shape.size()));
+      }
+      if (BoxEmpty(piece.box) && !ts.shape.empty()) continue;
+      if (worker.role == Role::kTrainer) {
+        ++src_off[piece.tensor + 1];
+      } else {
+        ++dst_off[piece.tensor + 1];
+        out.total_dst_bytes += BoxVolume(piece.box) * DTypeSize(ts.dtype);
+      }
+    }
+  }
+  for (size_t t = 0; t < nt; ++t) {
+    src_off[t + 1] += src_off[t];
+    dst_off[t + 1] += dst_off[t];
+  }
+  std::vector<PieceRef> srcs(src_off[nt]), dsts(dst_off[nt]);
+  {
+    std::vector<uint32_t> sfill(src_off.begin(), src_off.end() - 1);
+    std::vector<uint32_t> dfill(dst_off.begin(), dst_off.end() - 1);
+    for (size_t w = 0; w < p.workers.size(); ++w) {
+      const Worker& worker = p.workers[w];
+      for (size_t i = 0; i < worker.layout.pieces.size(); ++i) {
+        const Piece& piece = worker.layout.pieces[i];
+        if (BoxEmpty(piece.box) && !tensors[piece.tensor].shape.empty()) continue;
+        PieceRef r{static_cast<int32_t>(w), static_cast<int32_t>(i)};
+        if (worker.role == Role::kTrainer) {
+          srcs[sfill[piece.tensor]++] = r;
+        } else {
+          dsts[dfill[piece.tensor]++] = r;
+        }
+      }
+    }
+  }
+  auto box_of = [&](PieceRef r) -> const Box& {
+    return p.workers[r.worker].layout.pieces[r.piece].box;
+  };
+
+  Scratch s;
+  for (size_t t = 0; t < nt; ++t) {
+    const uint32_t d0 = dst_off[t], d1 = dst_off[t + 1];
+    if (d0 == d1) continue;
+    const uint32_t s0 = src_off[t], s1 = src_off[t + 1];
+    const TensorSpec& ts = tensors[t];
+    const size_t rank = ts.shape.size();
+    const int64_t esize = DTypeSize(ts.dtype);
+
+    // Hull of the destination boxes, and the grid breakpoints clipped to it.
+    s.bp.resize(rank);
+    std::vector<int64_t> hull_lo(rank), hull_hi(rank);
+    for (size_t d = 0; d < rank; ++d) {
+      hull_lo[d] = ts.shape[d];
+      hull_hi[d] = 0;
+      s.bp[d].clear();
+    }
+    for (uint32_t k = d0; k < d1; ++k) {
+      const Box& b = box_of(dsts[k]);
+      for (size_t d = 0; d < rank; ++d) {
+        hull_lo[d] = std::min(hull_lo[d], b.begin[d]);
+        hull_hi[d] = std::max(hull_hi[d], b.end[d]);
+        s.bp[d].push_back(b.begin[d]);
+        s.bp[d].push_back(b.end[d]);
+      }
+    }
+    for (uint32_t k = s0; k < s1; ++k) {
+      const Box& b = box_of(srcs[k]);
+      for (size_t d = 0; d < rank; ++d) {
+        if (b.begin[d] > hull_lo[d] && b.begin[d] < hull_hi[d]) s.bp[d].push_back(b.begin[d]);
+        if (b.end[d] > hull_lo[d] && b.end[d] < hull_hi[d]) s.bp[d].push_back(b.end[d]);
+      }
+    }
+    s.dims.assign(rank, 0);
+    int64_t cells = 1;
+    for (size_t d = 0; d < rank; ++d) {
+      auto& v = s.bp[d];
+      std::sort(v.begin(), v.end());
+      v.erase(std::unique(v.begin(), v.end()), v.end());
+      s.dims[d] = static_cast<int64_t>(v.size()) - 1;
+      cells *= s.dims[d];
+      if (cells > (int64_t{1} << 24)) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("tensor ", ts.name, ": piece boundaries form more than 2^24 grid cells"));
+      }
+    }
+    s.sig_a.assign(cells, 0);
+    s.sig_b.assign(cells, 0);
+    s.dcount.assign(cells, 0);
+    s.scount.assign(cells, 0);
+    s.assigned.assign(cells, 0);
+    s.lo.resize(rank);
+    s.hi.resize(rank);
+
+    auto index_range = [&](const Box& b) -> bool {
+      for (size_t d = 0; d < rank; ++d) {
+        const int64_t lo = std::max(b.begin[d], hull_lo[d]);
+        const int64_t hi = std::min(b.end[d], hull_hi[d]);
+        if (lo >= hi) return false;
+        s.lo[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), lo) - s.bp[d].begin();
+        s.hi[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), hi) - s.bp[d].begin();
+      }
+      return true;
+    };
+    for (uint32_t k = d0; k < d1; ++k) {
+      if (!index_range(box_of(dsts[k]))) continue;
+      const uint64_t ha = Mix(2 * uint64_t{k} + 1), hb = Mix(ha ^ 0x5bd1e995ULL);
+      ForEachCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t c) {
+        s.sig_a[c] += ha;
+        s.sig_b[c] += hb;
+        ++s.dcount[c];
+      });
+    }
+    for (uint32_t k = s0; k < s1; ++k) {
+      if (!index_range(box_of(srcs[k]))) continue;
+      const uint64_t ha = Mix(2 * uint64_t{k}), hb = Mix(ha ^ 0x27d4eb2fULL);
+      ForEachCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t c) {
+        s.sig_a[c] += ha;
+        s.sig_b[c] += hb;
+        ++s.scount[c];
+      });
+    }
+
+    // Greedy merge of equal-signature cells into boxes, row-major.
+    std::vector<int64_t> idx(rank), ext(rank), slab_lo(rank), slab_hi(rank);
+    for (int64_t c = 0; c < cells; ++c) {
+      if (s.assigned[c] || s.dcount[c] == 0) continue;
+      int64_t rem = c;
+      for (size_t d = rank; d-- > 0;) {
+        idx[d] = rem % s.dims[d];
+        rem /= s.dims[d];
+      }
+      if (s.scount[c] == 0) {
+        Box cell;
+        for (size_t d = 0; d < rank; ++d) {
+          cell.begin.push_back(s.bp[d][idx[d]]);
+          cell.end.push_back(s.bp[d][idx[d] + 1]);
+        }
+        return absl::FailedPreconditionError(absl::StrCat("tensor ", ts.name, " box ",
+                                                          BoxToString(cell),
+                                                          " is needed by a destination but held by no source"));
+      }
+      const uint64_t sa = s.sig_a[c], sb = s.sig_b[c];
+      for (size_t d = 0; d < rank; ++d) ext[d] = 1;
+      for (size_t d = rank; d-- > 0;) {
+        while (idx[d] + ext[d] < s.dims[d]) {
+          for (size_t e = 0; e < rank; ++e) {
+            slab_lo[e] = idx[e];
+            slab_hi[e] = idx[e] + ext[e];
+          }
+          slab_lo[d] = idx[d] + ext[d];
+          slab_hi[d] = slab_lo[d] + 1;
+          bool ok = true;
+          ForEachCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) {
+            if (s.assigned[x] || s.dcount[x] == 0 || s.sig_a[x] != sa || s.sig_b[x] != sb) ok = false;
+          });
+          if (!ok) break;
+          ++ext[d];
+        }
+      }
+      for (size_t e = 0; e < rank; ++e) {
+        slab_lo[e] = idx[e];
+        slab_hi[e] = idx[e] + ext[e];
+      }
+      ForEachCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) { s.assigned[x] = 1; });
+
+      Fragment f;
+      f.tensor = static_cast<int32_t>(t);
+      f.box.begin.resize(rank);
+      f.box.end.resize(rank);
+      for (size_t d = 0; d < rank; ++d) {
+        f.box.begin[d] = s.bp[d][idx[d]];
+        f.box.end[d] = s.bp[d][idx[d] + ext[d]];
+      }
+      f.bytes = BoxVolume(f.box) * esize;
+      // Exact membership by containment; a partial overlap means the signature lied.
+      auto collect = [&](const std::vector<PieceRef>& refs, uint32_t a, uint32_t b) -> absl::Status {
+        for (uint32_t k = a; k < b; ++k) {
+          const Box& pb = box_of(refs[k]);
+          if (BoxContains(pb, f.box)) {
+            out.refs.push_back(refs[k]);
+          } else if (Intersect(pb, f.box).has_value()) {
+            return absl::InternalError(absl::StrCat("fragment signature collision on tensor ", ts.name,
+                                                    " box ", BoxToString(f.box), " (",
+                                                    PieceName(p, refs[k]), ")"));
+          }
+        }
+        return absl::OkStatus();
+      };
+      f.src_begin = static_cast<uint32_t>(out.refs.size());
+      if (auto st = collect(srcs, s0, s1); !st.ok()) return st;
+      f.src_end = static_cast<uint32_t>(out.refs.size());
+      f.dst_begin = f.src_end;
+      if (auto st = collect(dsts, d0, d1); !st.ok()) return st;
+      f.dst_end = static_cast<uint32_t>(out.refs.size());
+
+      if (options.max_fragment_bytes > 0 && f.bytes > options.max_fragment_bytes) {
+        const int64_t n = (f.bytes + options.max_fragment_bytes - 1) / options.max_fragment_bytes;
+        for (Box& b : SplitBox(f.box, n)) {
+          Fragment g = f;
+          g.box = std::move(b);
+          g.bytes = BoxVolume(g.box) * esize;
+          out.fragments.push_back(std::move(g));
+        }
+      } else {
+        out.fragments.push_back(std::move(f));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace wb::planner

@@ -1,0 +1,55 @@
+#pragma once
+// The global transfer planner. Pure: no I/O, no clocks (plan_ms is filled by callers that time it).
+//
+// MakePlan(problem, kWeightBridge) returns a plan that is
+//  - complete: every destination element is written exactly once;
+//  - redundancy-free: a byte crosses the network at most once into each destination node; other
+//    GPUs on that node get it by an intra-node relay (an op whose src_worker is the rollout worker
+//    that received it in an earlier bucket, src_piece being that worker's destination piece);
+//  - relayed across nodes: when a trainer GPU's NIC egress would pass the lower bound, later copies
+//    of its bytes are forwarded by rollout GPUs that received them in an earlier bucket (pipelined
+//    broadcast tree), so trainers send each byte about once when their egress is the bottleneck;
+//  - load-balanced: per fragment (a box with one set of holders and one set of needers, split along
+//    dim 0 when large), the sender is the least-loaded holder and the receiver the least-loaded
+//    needer of the node, so every trainer GPU and NIC sends;
+//  - colocated-aware: bytes whose holder shares the destination's GPU are kSameGpu copies, bytes
+//    held elsewhere on the node are kIntraNode copies; neither touches the network;
+//  - bucketed: per bucket, each GPU slot sends at most and receives at most
+//    problem.staging_budget_bytes (a single op larger than the budget gets a bucket of its own
+//    for that GPU), and every relay op sits in a later bucket than the op that delivered its data;
+//  - deterministic: equal problems give equal plans and fingerprints.
+//
+// Baselines (real executable plans):
+//  - kRank0Broadcast: every byte trainer 0 (the lowest-indexed trainer worker) lacks is first
+//    gathered into trainer 0's staging area (ops with dst_piece = -1), then trainer 0 sends every
+//    rollout worker all it needs (src_piece = -1 when it reads the gathered staging copy);
+//  - kOwnerBroadcast: each fragment is sent by its first holder to every destination, no dedup;
+//  - kP2PNoDedup: each destination pulls each fragment from the least-loaded holder, no dedup.
+// All strategies fill stats (lower_bound_s, makespan_s under cost_model.h) and the fingerprint.
+//
+// Errors: INVALID_ARGUMENT for malformed pieces, FAILED_PRECONDITION when a destination element has
+// no source (both name the tensor and the box), INVALID_ARGUMENT for a non-positive budget or
+// bandwidth.
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "planner/types.h"
+
+namespace wb::planner {
+
+absl::StatusOr<Plan> MakePlan(const Problem& problem, Strategy strategy);
+
+struct PlanOptions {
+  // Fragment split size (load-balancing grain). 0: automatic (about 1/64 of one GPU's share of
+  // the destination bytes, at least 4 MiB, at most a quarter of the staging budget); < 0: never.
+  int64_t max_fragment_bytes = 0;
+};
+absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,
+                                         const PlanOptions& options);
+
+// The baselines MakePlan knows, in report order.
+inline constexpr Strategy kBaselines[] = {Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
+                                          Strategy::kP2PNoDedup};
+
+}  // namespace wb::planner
