@@ -1,0 +1,610 @@
+#include "planner/presets.h"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "planner/box.h"
+#include "planner/inventory.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::planner {
+
+namespace {
+
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+enum class Kind { kMegatron, kFsdp, kVllm };
+
+absl::StatusOr<Kind> KindOf(const std::string& preset) {
+  if (preset == "megatron") return Kind::kMegatron;
+  if (preset == "fsdp") return Kind::kFsdp;
+  if (preset == "vllm" || preset == "sglang") return Kind::kVllm;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown layout preset `", preset, "` (expected megatron, fsdp, vllm or sglang)"));
+}
+
+struct LayerIds {
+  int32_t input_norm = -1, post_norm = -1;
+  int32_t q = -1, k = -1, v = -1, o = -1, qb = -1, kb = -1, vb = -1, ob = -1, qn = -1, kn = -1;
+  int32_t q_a = -1, q_a_norm = -1, q_b = -1, q_proj = -1, kv_a = -1, kv_a_norm = -1, kv_b = -1;
+  bool moe = false;
+  int32_t gate = -1, up = -1, down = -1;
+  int32_t router = -1, router_bias = -1;
+  std::vector<std::array<int32_t, 3>> experts;  // {gate, up, down} (Mixtral: {w1, w3, w2})
+  int32_t sh_gate = -1, sh_up = -1, sh_down = -1, sh_expert_gate = -1;
+};
+
+// Writes local tensors and their pieces into one buffer.
+class Writer {
+ public:
+  explicit Writer(const Inventory& inv) : inv_(inv) {}
+
+  // Starts a local tensor whose dtype is that of canonical tensor `dtype_of`.
+  void Begin(std::string name, std::vector<int64_t> shape, int32_t dtype_of) {
+    Close();
+    cursor_ = AlignUp(cursor_, kLocalTensorAlignment);
+    LocalTensor lt;
+    lt.name = std::move(name);
+    lt.dtype = inv_.tensors[dtype_of].dtype;
+    lt.offset_bytes = cursor_;
+    lt.first_piece = static_cast<int32_t>(out_.layout.pieces.size());
+    elsize_ = DTypeSize(lt.dtype);
+    cursor_ += Numel(shape) * elsize_;
+    lt.shape = std::move(shape);
+    out_.local_tensors.push_back(std::move(lt));
+  }
+
+  // Canonical tensor `t` restricted to [lo, hi) along dim `d` (d < 0: whole tensor), stored
+  // row-major-contiguous at local element offset `at` of the current local tensor.
+  void Block(int32_t t, int d, int64_t lo, int64_t hi, int64_t at) {
+    const std::vector<int64_t>& shape = inv_.tensors[t].shape;
+    Piece p;
+    p.tensor = t;
+    p.box.begin.assign(shape.size(), 0);
+    p.box.end = shape;
+    if (d >= 0) {
+      p.box.begin[d] = lo;
+      p.box.end[d] = hi;
+      if (hi <= lo) return;
+    }
+    std::vector<int64_t> extents(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) extents[i] = p.box.end[i] - p.box.begin[i];
+    p.strides = ContiguousStrides(extents);
+    p.buffer = 0;
+    p.offset_bytes = out_.local_tensors.back().offset_bytes + at * elsize_;
+    out_.layout.pieces.push_back(std::move(p));
+  }
+
+  // A flat 1-D shard [lo, hi) of tensor `t` (the current local tensor holds exactly that range).
+  void Flat(int32_t t, int64_t lo, int64_t hi) {
+    const std::vector<int64_t>& shape = inv_.tensors[t].shape;
+    std::vector<int64_t> strides = ContiguousStrides(shape);
+    for (Box& b : FlatRangeToBoxes(shape, lo, hi)) {
+      int64_t flat = 0;
+      for (size_t i = 0; i < shape.size(); ++i) flat += b.begin[i] * strides[i];
+      Piece p;
+      p.tensor = t;
+      p.box = std::move(b);
+      p.strides = strides;
+      p.offset_bytes = out_.local_tensors.back().offset_bytes + (flat - lo) * elsize_;
+      out_.layout.pieces.push_back(std::move(p));
+    }
+  }
+
+  // Whole tensor, replicated.
+  void Replicated(std::string name, int32_t t) {
+    Begin(std::move(name), inv_.tensors[t].shape, t);
+    Block(t, -1, 0, 0, 0);
+  }
+
+  // Part `idx` of `parts` equal parts along dim `d`.
+  void Split(std::string name, int32_t t, int d, int64_t parts, int64_t idx) {
+    std::vector<int64_t> shape = inv_.tensors[t].shape;
+    const int64_t n = shape[d] / parts;
+    shape[d] = n;
+    Begin(std::move(name), std::move(shape), t);
+    Block(t, d, idx * n, (idx + 1) * n, 0);
+  }
+
+  // [a_part; b_part] along dim 0, each part `idx` of `parts` (gate_up_proj, linear_fc1).
+  void FusedRows(std::string name, int32_t a, int32_t b, int64_t parts, int64_t idx) {
+    std::vector<int64_t> shape = inv_.tensors[a].shape;
+    const int64_t n = shape[0] / parts;
+    const int64_t row = Numel(shape) / shape[0];
+    shape[0] = 2 * n;
+    Begin(std::move(name), std::move(shape), a);
+    Block(a, 0, idx * n, (idx + 1) * n, 0);
+    Block(b, 0, idx * n, (idx + 1) * n, n * row);
+  }
+
+  // Vocab-parallel: rows [idx*per_rank, (idx+1)*per_rank) of a padded vocabulary.
+  void Vocab(std::string name, int32_t t, int64_t per_rank, int64_t idx) {
+    std::vector<int64_t> shape = inv_.tensors[t].shape;
+    const int64_t vocab = shape[0];
+    shape[0] = per_rank;
+    Begin(std::move(name), std::move(shape), t);
+    const int64_t lo = idx * per_rank;
+    Block(t, 0, std::min(lo, vocab), std::min(lo + per_rank, vocab), 0);
+  }
+
+  PresetLayout Finish() {
+    Close();
+    out_.layout.buffers = {BufferInfo{AlignUp(cursor_, kLocalTensorAlignment)}};
+    return std::move(out_);
+  }
+
+ private:
+  void Close() {
+    if (out_.local_tensors.empty()) return;
+    LocalTensor& lt = out_.local_tensors.back();
+    lt.num_pieces = static_cast<int32_t>(out_.layout.pieces.size()) - lt.first_piece;
+  }
+
+  const Inventory& inv_;
+  PresetLayout out_;
+  int64_t cursor_ = 0;
+  int elsize_ = 2;
+};
+
+}  // namespace
+
+struct PresetBuilder::Ids {
+  int32_t embed = -1, final_norm = -1, lm_head = -1;
+  std::vector<LayerIds> layers;
+};
+
+namespace {
+
+class Resolver {
+ public:
+  explicit Resolver(const Inventory& inv) : index_(inv) {}
+  absl::StatusOr<int32_t> Need(const std::string& name) const {
+    auto i = index_.Find(name);
+    if (!i) return absl::InvalidArgumentError(absl::StrCat("inventory lacks tensor `", name, "`"));
+    return *i;
+  }
+  int32_t Maybe(const std::string& name) const { return index_.Find(name).value_or(-1); }
+
+ private:
+  TensorIndex index_;
+};
+
+absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const ModelConfig& c,
+                                                                     const Inventory& inv) {
+  Resolver r(inv);
+  auto ids = std::make_shared<PresetBuilder::Ids>();
+  ASSIGN_OR_RETURN(ids->embed, r.Need("model.embed_tokens.weight"));
+  ASSIGN_OR_RETURN(ids->final_norm, r.Need("model.norm.weight"));
+  if (!c.tie_word_embeddings) {
+    ASSIGN_OR_RETURN(ids->lm_head, r.Need("lm_head.weight"));
+  }
+  ids->layers.resize(c.layers);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    LayerIds& L = ids->layers[l];
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    ASSIGN_OR_RETURN(L.input_norm, r.Need(p + "input_layernorm.weight"));
+    ASSIGN_OR_RETURN(L.post_norm, r.Need(p + "post_attention_layernorm.weight"));
+    if (c.mla) {
+      if (c.q_lora_rank > 0) {
+        ASSIGN_OR_RETURN(L.q_a, r.Need(a + "q_a_proj.weight"));
+        ASSIGN_OR_RETURN(L.q_a_norm, r.Need(a + "q_a_layernorm.weight"));
+        ASSIGN_OR_RETURN(L.q_b, r.Need(a + "q_b_proj.weight"));
+      } else {
+        ASSIGN_OR_RETURN(L.q_proj, r.Need(a + "q_proj.weight"));
+      }
+      ASSIGN_OR_RETURN(L.kv_a, r.Need(a + "kv_a_proj_with_mqa.weight"));
+      ASSIGN_OR_RETURN(L.kv_a_norm, r.Need(a + "kv_a_layernorm.weight"));
+      ASSIGN_OR_RETURN(L.kv_b, r.Need(a + "kv_b_proj.weight"));
+      ASSIGN_OR_RETURN(L.o, r.Need(a + "o_proj.weight"));
+    } else {
+      ASSIGN_OR_RETURN(L.q, r.Need(a + "q_proj.weight"));
+      ASSIGN_OR_RETURN(L.k, r.Need(a + "k_proj.weight"));
+      ASSIGN_OR_RETURN(L.v, r.Need(a + "v_proj.weight"));
+      ASSIGN_OR_RETURN(L.o, r.Need(a + "o_proj.weight"));
+      if (c.qkv_bias) {
+        ASSIGN_OR_RETURN(L.qb, r.Need(a + "q_proj.bias"));
+        ASSIGN_OR_RETURN(L.kb, r.Need(a + "k_proj.bias"));
+        ASSIGN_OR_RETURN(L.vb, r.Need(a + "v_proj.bias"));
+      }
+      if (c.o_bias) {
+        ASSIGN_OR_RETURN(L.ob, r.Need(a + "o_proj.bias"));
+      }
+      if (c.qk_norm) {
+        ASSIGN_OR_RETURN(L.qn, r.Need(a + "q_norm.weight"));
+        ASSIGN_OR_RETURN(L.kn, r.Need(a + "k_norm.weight"));
+      }
+    }
+    L.moe = c.IsMoeLayer(l);
+    if (!L.moe) {
+      ASSIGN_OR_RETURN(L.gate, r.Need(p + "mlp.gate_proj.weight"));
+      ASSIGN_OR_RETURN(L.up, r.Need(p + "mlp.up_proj.weight"));
+      ASSIGN_OR_RETURN(L.down, r.Need(p + "mlp.down_proj.weight"));
+      continue;
+    }
+    L.experts.resize(c.experts);
+    if (c.family == ModelFamily::kMixtral) {
+      const std::string m = p + "block_sparse_moe.";
+      ASSIGN_OR_RETURN(L.router, r.Need(m + "gate.weight"));
+      for (int64_t e = 0; e < c.experts; ++e) {
+        const std::string x = absl::StrCat(m, "experts.", e, ".");
+        ASSIGN_OR_RETURN(L.experts[e][0], r.Need(x + "w1.weight"));
+        ASSIGN_OR_RETURN(L.experts[e][1], r.Need(x + "w3.weight"));
+        ASSIGN_OR_RETURN(L.experts[e][2], r.Need(x + "w2.weight"));
+      }
+      continue;
+    }
+    const std::string m = p + "mlp.";
+    ASSIGN_OR_RETURN(L.router, r.Need(m + "gate.weight"));
+    if (c.router_bias) {
+      ASSIGN_OR_RETURN(L.router_bias, r.Need(m + "gate.e_score_correction_bias"));
+    }
+    for (int64_t e = 0; e < c.experts; ++e) {
+      const std::string x = absl::StrCat(m, "experts.", e, ".");
+      ASSIGN_OR_RETURN(L.experts[e][0], r.Need(x + "gate_proj.weight"));
+      ASSIGN_OR_RETURN(L.experts[e][1], r.Need(x + "up_proj.weight"));
+      ASSIGN_OR_RETURN(L.experts[e][2], r.Need(x + "down_proj.weight"));
+    }
+    if (c.shared_expert_intermediate > 0) {
+      const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
+      ASSIGN_OR_RETURN(L.sh_gate, r.Need(s + "gate_proj.weight"));
+      ASSIGN_OR_RETURN(L.sh_up, r.Need(s + "up_proj.weight"));
+      ASSIGN_OR_RETURN(L.sh_down, r.Need(s + "down_proj.weight"));
+      if (c.family == ModelFamily::kQwen2Moe) {
+        ASSIGN_OR_RETURN(L.sh_expert_gate, r.Need(m + "shared_expert_gate.weight"));
+      }
+    }
+  }
+  return std::shared_ptr<const PresetBuilder::Ids>(std::move(ids));
+}
+
+absl::Status Divides(int64_t d, int64_t n, const char* what_d, const char* what_n, const char* preset) {
+  if (d <= 0 || n % d != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(preset, ": ", what_d, "=", d, " must divide ", what_n, "=", n));
+  }
+  return absl::OkStatus();
+}
+
+int EffectiveEtp(const ParallelConfig& p) { return p.etp > 0 ? p.etp : p.tp; }
+
+absl::Status CheckMegatron(const ModelConfig& c, const ParallelConfig& p) {
+  const char* m = "megatron";
+  if (p.pp > c.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("megatron: pp=", p.pp, " exceeds num_hidden_layers=", c.layers));
+  }
+  RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m));
+  if (!c.mla) {
+    if (c.kv_heads % p.tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "megatron: tp=", p.tp, " must divide num_key_value_heads=", c.kv_heads,
+          " (Megatron splits linear_qkv by query group and cannot replicate KV heads)"));
+    }
+  }
+  RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m));
+  if (c.experts > 0) {
+    const int etp = EffectiveEtp(p);
+    RETURN_IF_ERROR(Divides(p.ep, c.experts, "ep", "num_experts", m));
+    RETURN_IF_ERROR(Divides(etp, c.moe_intermediate, "etp", "moe_intermediate_size", m));
+    if (int64_t{p.tp} * p.dp % (int64_t{p.ep} * etp) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("megatron: ep*etp=", p.ep * etp,
+                                                     " must divide tp*dp=", p.tp * p.dp));
+    }
+    if (c.shared_expert_intermediate > 0) {
+      RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m));
+    }
+  } else if (p.ep != 1 || (p.etp != 0 && p.etp != p.tp)) {
+    return absl::InvalidArgumentError("megatron: ep/etp given for a dense model");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
+  const char* m = "vllm";
+  RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m));
+  if (!c.mla) {
+    if (p.tp >= c.kv_heads ? p.tp % c.kv_heads != 0 : c.kv_heads % p.tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "vllm: tp=", p.tp, " and num_key_value_heads=", c.kv_heads, " must divide one another"));
+    }
+  }
+  RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m));
+  if (c.experts > 0) {
+    if (p.expert_parallel) {
+      RETURN_IF_ERROR(Divides(p.tp, c.experts, "tp (expert parallel)", "num_experts", m));
+    } else {
+      RETURN_IF_ERROR(Divides(p.tp, c.moe_intermediate, "tp", "moe_intermediate_size", m));
+    }
+    if (c.shared_expert_intermediate > 0) {
+      RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- Megatron ----
+
+void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv, const LayerIds& L,
+                   const std::string& p, int tp_rank, int expert_local, Writer& w) {
+  const int64_t tp = par.tp;
+  const int64_t H = c.hidden;
+  if (c.mla) {
+    w.Replicated(p + "input_layernorm.weight", L.input_norm);
+    if (L.q_b >= 0) {
+      w.Replicated(p + "self_attention.linear_q_down_proj.weight", L.q_a);
+      w.Replicated(p + "self_attention.linear_q_up_proj.layer_norm_weight", L.q_a_norm);
+      w.Split(p + "self_attention.linear_q_up_proj.weight", L.q_b, 0, tp, tp_rank);
+    } else {
+      w.Split(p + "self_attention.linear_q_proj.weight", L.q_proj, 0, tp, tp_rank);
+    }
+    w.Replicated(p + "self_attention.linear_kv_down_proj.weight", L.kv_a);
+    w.Replicated(p + "self_attention.linear_kv_up_proj.layer_norm_weight", L.kv_a_norm);
+    w.Split(p + "self_attention.linear_kv_up_proj.weight", L.kv_b, 0, tp, tp_rank);
+    w.Split(p + "self_attention.linear_proj.weight", L.o, 1, tp, tp_rank);
+  } else {
+    w.Replicated(p + "self_attention.linear_qkv.layer_norm_weight", L.input_norm);
+    const int64_t hd = c.head_dim, qpg = c.heads / c.kv_heads, groups = c.kv_heads / tp;
+    for (int bias = 0; bias < (L.qb >= 0 ? 2 : 1); ++bias) {
+      const int32_t q = bias ? L.qb : L.q, k = bias ? L.kb : L.k, v = bias ? L.vb : L.v;
+      const int64_t row = bias ? 1 : H;
+      std::vector<int64_t> shape = {groups * (qpg + 2) * hd};
+      if (!bias) shape.push_back(H);
+      w.Begin(p + (bias ? "self_attention.linear_qkv.bias" : "self_attention.linear_qkv.weight"), shape, q);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t G = tp_rank * groups + g;
+        const int64_t base = g * (qpg + 2) * hd;
+        w.Block(q, 0, G * qpg * hd, (G + 1) * qpg * hd, base * row);
+        w.Block(k, 0, G * hd, (G + 1) * hd, (base + qpg * hd) * row);
+        w.Block(v, 0, G * hd, (G + 1) * hd, (base + (qpg + 1) * hd) * row);
+      }
+    }
+    w.Split(p + "self_attention.linear_proj.weight", L.o, 1, tp, tp_rank);
+    if (L.ob >= 0) w.Replicated(p + "self_attention.linear_proj.bias", L.ob);
+    if (L.qn >= 0) {
+      w.Replicated(p + "self_attention.q_layernorm.weight", L.qn);
+      w.Replicated(p + "self_attention.k_layernorm.weight", L.kn);
+    }
+  }
+  if (!L.moe) {
+    w.Replicated(p + "mlp.linear_fc1.layer_norm_weight", L.post_norm);
+    w.FusedRows(p + "mlp.linear_fc1.weight", L.gate, L.up, tp, tp_rank);
+    w.Split(p + "mlp.linear_fc2.weight", L.down, 1, tp, tp_rank);
+    return;
+  }
+  w.Replicated(p + "pre_mlp_layernorm.weight", L.post_norm);
+  w.Replicated(p + "mlp.router.weight", L.router);
+  if (L.router_bias >= 0) w.Replicated(p + "mlp.router.expert_bias", L.router_bias);
+  const int etp = EffectiveEtp(par);
+  const int etp_rank = expert_local % etp;
+  const int ep_rank = (expert_local / etp) % par.ep;
+  const int64_t per_ep = c.experts / par.ep;
+  for (int64_t j = 0; j < per_ep; ++j) {
+    const auto& e = L.experts[ep_rank * per_ep + j];
+    const std::string x = absl::StrCat(p, "mlp.experts.local_experts.", j, ".");
+    w.FusedRows(x + "linear_fc1.weight", e[0], e[1], etp, etp_rank);
+    w.Split(x + "linear_fc2.weight", e[2], 1, etp, etp_rank);
+  }
+  if (L.sh_gate >= 0) {
+    w.FusedRows(p + "mlp.shared_experts.linear_fc1.weight", L.sh_gate, L.sh_up, tp, tp_rank);
+    w.Split(p + "mlp.shared_experts.linear_fc2.weight", L.sh_down, 1, tp, tp_rank);
+    if (L.sh_expert_gate >= 0) w.Replicated(p + "mlp.shared_experts.gate_weight", L.sh_expert_gate);
+  }
+  (void)inv;
+}
+
+PresetLayout MakeMegatron(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
+                          const PresetBuilder::Ids& ids, int rank) {
+  const int tp_rank = rank % par.tp;
+  const int dp_rank = (rank / par.tp) % par.dp;
+  const int pp_rank = rank / (par.tp * par.dp);
+  const int expert_local = tp_rank + par.tp * dp_rank;
+  const int64_t base = c.layers / par.pp, extra = c.layers % par.pp;
+  const int64_t l0 = pp_rank * base + std::min<int64_t>(pp_rank, extra);
+  const int64_t l1 = l0 + base + (pp_rank < extra ? 1 : 0);
+  const int64_t vocab_per_rank = CeilDiv(c.vocab, int64_t{128} * par.tp) * 128;
+  Writer w(inv);
+  if (pp_rank == 0) w.Vocab("embedding.word_embeddings.weight", ids.embed, vocab_per_rank, tp_rank);
+  for (int64_t l = l0; l < l1; ++l) {
+    MegatronLayer(c, par, inv, ids.layers[l], absl::StrCat("decoder.layers.", l - l0, "."), tp_rank,
+                  expert_local, w);
+  }
+  if (pp_rank == par.pp - 1) {
+    w.Replicated("decoder.final_layernorm.weight", ids.final_norm);
+    if (ids.lm_head >= 0) {
+      w.Vocab("output_layer.weight", ids.lm_head, vocab_per_rank, tp_rank);
+    } else if (par.pp > 1) {
+      // Tied embeddings: the last stage keeps its own copy as the output layer.
+      w.Vocab("output_layer.weight", ids.embed, vocab_per_rank, tp_rank);
+    }
+  }
+  return w.Finish();
+}
+
+// ---- vLLM / SGLang ----
+
+void VllmExperts(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L, const std::string& m,
+                 int tp_rank, Writer& w) {
+  const int64_t H = c.hidden;
+  const int64_t tp = par.tp;
+  int64_t e0 = 0, ne = c.experts, parts = tp, idx = tp_rank;
+  if (par.expert_parallel) {
+    ne = c.experts / tp;
+    e0 = tp_rank * ne;
+    parts = 1;
+    idx = 0;
+  }
+  const int64_t n = c.moe_intermediate / parts;
+  w.Begin(m + "experts.w13_weight", {ne, 2 * n, H}, L.experts[e0][0]);
+  for (int64_t j = 0; j < ne; ++j) {
+    const auto& e = L.experts[e0 + j];
+    w.Block(e[0], 0, idx * n, (idx + 1) * n, j * 2 * n * H);
+    w.Block(e[1], 0, idx * n, (idx + 1) * n, j * 2 * n * H + n * H);
+  }
+  w.Begin(m + "experts.w2_weight", {ne, H, n}, L.experts[e0][2]);
+  for (int64_t j = 0; j < ne; ++j) {
+    w.Block(L.experts[e0 + j][2], 1, idx * n, (idx + 1) * n, j * H * n);
+  }
+}
+
+PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
+                      const PresetBuilder::Ids& ids, int rank) {
+  const int tp_rank = rank % par.tp;
+  const int64_t tp = par.tp;
+  const int64_t H = c.hidden;
+  const int64_t vocab_per_rank = CeilDiv(AlignUp(c.vocab, 64), tp);
+  Writer w(inv);
+  w.Vocab("model.embed_tokens.weight", ids.embed, vocab_per_rank, tp_rank);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const LayerIds& L = ids.layers[l];
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    const std::string a = p + "self_attn.";
+    w.Replicated(p + "input_layernorm.weight", L.input_norm);
+    if (c.mla) {
+      if (L.q_b >= 0) {
+        w.Begin(a + "fused_qkv_a_proj.weight", {c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, H}, L.q_a);
+        w.Block(L.q_a, -1, 0, 0, 0);
+        w.Block(L.kv_a, -1, 0, 0, c.q_lora_rank * H);
+        w.Replicated(a + "q_a_layernorm.weight", L.q_a_norm);
+        w.Split(a + "q_b_proj.weight", L.q_b, 0, tp, tp_rank);
+      } else {
+        w.Split(a + "q_proj.weight", L.q_proj, 0, tp, tp_rank);
+        w.Replicated(a + "kv_a_proj_with_mqa.weight", L.kv_a);
+      }
+      w.Replicated(a + "kv_a_layernorm.weight", L.kv_a_norm);
+      w.Split(a + "kv_b_proj.weight", L.kv_b, 0, tp, tp_rank);
+      w.Split(a + "o_proj.weight", L.o, 1, tp, tp_rank);
+    } else {
+      const int64_t hd = c.head_dim, nq = c.heads / tp;
+      int64_t nkv, kv0;
+      if (tp >= c.kv_heads) {
+        nkv = 1;
+        kv0 = tp_rank / (tp / c.kv_heads);
+      } else {
+        nkv = c.kv_heads / tp;
+        kv0 = tp_rank * nkv;
+      }
+      for (int bias = 0; bias < (L.qb >= 0 ? 2 : 1); ++bias) {
+        const int32_t q = bias ? L.qb : L.q, k = bias ? L.kb : L.k, v = bias ? L.vb : L.v;
+        const int64_t row = bias ? 1 : H;
+        std::vector<int64_t> shape = {(nq + 2 * nkv) * hd};
+        if (!bias) shape.push_back(H);
+        w.Begin(a + (bias ? "qkv_proj.bias" : "qkv_proj.weight"), shape, q);
+        w.Block(q, 0, tp_rank * nq * hd, (tp_rank + 1) * nq * hd, 0);
+        w.Block(k, 0, kv0 * hd, (kv0 + nkv) * hd, nq * hd * row);
+        w.Block(v, 0, kv0 * hd, (kv0 + nkv) * hd, (nq + nkv) * hd * row);
+      }
+      w.Split(a + "o_proj.weight", L.o, 1, tp, tp_rank);
+      if (L.ob >= 0) w.Replicated(a + "o_proj.bias", L.ob);
+      if (L.qn >= 0) {
+        w.Replicated(a + "q_norm.weight", L.qn);
+        w.Replicated(a + "k_norm.weight", L.kn);
+      }
+    }
+    w.Replicated(p + "post_attention_layernorm.weight", L.post_norm);
+    if (!L.moe) {
+      w.FusedRows(p + "mlp.gate_up_proj.weight", L.gate, L.up, tp, tp_rank);
+      w.Split(p + "mlp.down_proj.weight", L.down, 1, tp, tp_rank);
+      continue;
+    }
+    const std::string m = p + (c.family == ModelFamily::kMixtral ? "block_sparse_moe." : "mlp.");
+    w.Replicated(m + "gate.weight", L.router);
+    if (L.router_bias >= 0) w.Replicated(m + "gate.e_score_correction_bias", L.router_bias);
+    VllmExperts(c, par, L, m, tp_rank, w);
+    if (L.sh_gate >= 0) {
+      const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
+      w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, tp, tp_rank);
+      w.Split(s + "down_proj.weight", L.sh_down, 1, tp, tp_rank);
+      if (L.sh_expert_gate >= 0) w.Replicated(m + "shared_expert_gate.weight", L.sh_expert_gate);
+    }
+  }
+  w.Replicated("model.norm.weight", ids.final_norm);
+  if (ids.lm_head >= 0) w.Vocab("lm_head.weight", ids.lm_head, vocab_per_rank, tp_rank);
+  return w.Finish();
+}
+
+// ---- FSDP ----
+
+PresetLayout MakeFsdp(const ParallelConfig& par, const Inventory& inv, int rank) {
+  Writer w(inv);
+  for (size_t t = 0; t < inv.tensors.size(); ++t) {
+    const int64_t n = Numel(inv.tensors[t].shape);
+    const int64_t chunk = CeilDiv(n, par.dp);
+    const int64_t lo = std::min(n, rank * chunk), hi = std::min(n, lo + chunk);
+    if (lo >= hi) continue;
+    w.Begin(inv.tensors[t].name, {hi - lo}, static_cast<int32_t>(t));
+    w.Flat(static_cast<int32_t>(t), lo, hi);
+  }
+  return w.Finish();
+}
+
+}  // namespace
+
+absl::StatusOr<int> PresetWorldSize(const ParallelConfig& p) {
+  ASSIGN_OR_RETURN(Kind kind, KindOf(p.preset));
+  if (p.tp < 1 || p.pp < 1 || p.dp < 1 || p.ep < 1 || p.etp < 0 || p.replicas < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(p.preset, ": tp, pp, dp, ep, replicas must be >= 1 (got tp=",
+                                                   p.tp, " pp=", p.pp, " dp=", p.dp, " ep=", p.ep,
+                                                   " etp=", p.etp, " replicas=", p.replicas, ")"));
+  }
+  switch (kind) {
+    case Kind::kMegatron:
+      return p.tp * p.pp * p.dp;
+    case Kind::kFsdp:
+      return p.dp;
+    case Kind::kVllm:
+      return p.tp * p.replicas;
+  }
+  return absl::InternalError("unreachable");
+}
+
+absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, const Inventory& inventory,
+                                                    const ParallelConfig& parallel) {
+  ASSIGN_OR_RETURN(Kind kind, KindOf(parallel.preset));
+  PresetBuilder b;
+  ASSIGN_OR_RETURN(b.world_, PresetWorldSize(parallel));
+  b.config_ = config;
+  b.parallel_ = parallel;
+  b.inventory_ = &inventory;
+  if (kind == Kind::kFsdp) return b;
+  if (kind == Kind::kMegatron) {
+    RETURN_IF_ERROR(CheckMegatron(config, parallel));
+  } else {
+    RETURN_IF_ERROR(CheckVllm(config, parallel));
+  }
+  ASSIGN_OR_RETURN(b.ids_, ResolveIds(config, inventory));
+  return b;
+}
+
+absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
+  if (rank < 0 || rank >= world_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(parallel_.preset, ": rank ", rank, " outside world of ", world_));
+  }
+  ASSIGN_OR_RETURN(Kind kind, KindOf(parallel_.preset));
+  switch (kind) {
+    case Kind::kMegatron:
+      return MakeMegatron(config_, parallel_, *inventory_, *ids_, rank);
+    case Kind::kFsdp:
+      return MakeFsdp(parallel_, *inventory_, rank);
+    case Kind::kVllm:
+      return MakeVllm(config_, parallel_, *inventory_, *ids_, rank);
+  }
+  return absl::InternalError("unreachable");
+}
+
+absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,
+                                              const ParallelConfig& parallel, int rank) {
+  ASSIGN_OR_RETURN(PresetBuilder b, PresetBuilder::Create(config, inventory, parallel));
+  return b.Make(rank);
+}
+
+}  // namespace wb::planner

@@ -1,0 +1,94 @@
+#pragma once
+// Layout presets: every worker's pieces for the frameworks' real local tensors, computed from a
+// model config and a parallel config. Semantics follow ../shared/specs/README.md.
+//
+// megatron (Megatron-Core, Transformer-Engine spec):
+//   world = tp*pp*dp, rank = tp_rank + tp*(dp_rank + dp*pp_rank). Layers split into pp contiguous
+//   stages (floor/ceil, earlier stages take the extra); local names use the stage-local layer index
+//   (`decoder.layers.{i}` as named_parameters() shows them). embedding.word_embeddings on stage 0,
+//   decoder.final_layernorm + output_layer on the last stage (tied embeddings with pp > 1: the last
+//   stage's output_layer is another replica of model.embed_tokens.weight). Vocab padded to a
+//   multiple of 128*tp and split by tp (padding rows are not covered by pieces). linear_qkv is
+//   interleaved per query group ([q heads of group; k; v]) and groups are split by tp (requires
+//   tp | kv heads). linear_fc1 = [gate shard; up shard]. Experts: ep contiguous ranges, each expert
+//   split by etp (default tp), replicated over edp = tp*dp/(ep*etp); expert rank within a stage:
+//   local = tp_rank + tp*dp_rank, etp_rank = local % etp, ep_rank = (local / etp) % ep.
+//   Local experts: mlp.experts.local_experts.{j}.linear_fc{1,2}.weight.
+// fsdp: world = dp; every tensor flattened and split into dp contiguous ranges of ceil(n/dp)
+//   elements; local tensors keep the HF name and are 1-D; empty shards are omitted.
+// vllm / sglang: world = tp*replicas, rank = replica*tp + tp_rank. qkv_proj = [q;k;v] per rank (KV
+//   heads replicated when tp > kv heads), gate_up_proj = [gate;up], o_proj/down_proj row-parallel,
+//   embed_tokens/lm_head vocab-parallel (vocab padded to a multiple of 64, split by tp), MLA as
+//   vLLM's DeepseekV2 model (fused_qkv_a_proj replicated when q_lora_rank is set; q_b_proj/kv_b_proj
+//   by heads; o_proj row-parallel), FusedMoE experts.w13_weight [E_local, 2*I/tp, H] and
+//   experts.w2_weight [E_local, H, I/tp]; with expert_parallel the experts are split contiguously
+//   over the replica's tp ranks and not tensor-split. Norms, routers and biases replicated.
+//
+// Every worker has ONE buffer holding its local tensors packed in order at 256-byte aligned offsets.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "planner/model_config.h"
+#include "planner/types.h"
+
+namespace wb::planner {
+
+struct ParallelConfig {
+  std::string preset;  // "megatron", "fsdp", "vllm", "sglang"
+  int tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;  // etp 0 = tp
+  bool expert_parallel = false;                 // vllm/sglang
+  int replicas = 1;                             // vllm/sglang
+};
+
+// One framework-local tensor inside the worker's buffer.
+struct LocalTensor {
+  std::string name;            // framework name, e.g. "model.layers.0.self_attn.qkv_proj.weight"
+  std::vector<int64_t> shape;  // local shape
+  DType dtype = DType::kBF16;
+  int64_t offset_bytes = 0;    // in buffer 0
+  int32_t first_piece = 0;     // its pieces are layout.pieces[first_piece, first_piece + num_pieces)
+  int32_t num_pieces = 0;
+};
+
+struct PresetLayout {
+  WorkerLayout layout;  // exactly one buffer
+  std::vector<LocalTensor> local_tensors;
+};
+
+inline constexpr int64_t kLocalTensorAlignment = 256;
+
+// World size of the preset, or InvalidArgument for an unknown preset / non-positive sizes.
+absl::StatusOr<int> PresetWorldSize(const ParallelConfig& parallel);
+
+// Resolves the inventory once, then makes any rank's layout cheaply. `inventory` must be the one
+// BuildInventory(config, ...) returned (it is referenced, not copied, and must outlive the object).
+class PresetBuilder {
+ public:
+  // InvalidArgument when the parallel config does not fit the model (names the constraint).
+  static absl::StatusOr<PresetBuilder> Create(const ModelConfig& config, const Inventory& inventory,
+                                              const ParallelConfig& parallel);
+  int world_size() const { return world_; }
+  // Layout of `rank` in [0, world_size()).
+  absl::StatusOr<PresetLayout> Make(int rank) const;
+
+  struct Ids;  // resolved tensor indices (implementation detail)
+
+ private:
+  PresetBuilder() = default;
+  ModelConfig config_;
+  ParallelConfig parallel_;
+  const Inventory* inventory_ = nullptr;
+  int world_ = 0;
+  std::shared_ptr<const Ids> ids_;
+};
+
+// Convenience: PresetBuilder::Create(...) then Make(rank).
+absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,
+                                              const ParallelConfig& parallel, int rank);
+
+}  // namespace wb::planner

@@ -1,0 +1,435 @@
+#include "planner/presets.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "planner/box.h"
+#include "planner/inventory.h"
+
+namespace wb::planner {
+namespace {
+
+std::string ReadTestdata(const std::string& name) {
+  std::ifstream f("planner/testdata/" + name);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+struct Model {
+  ModelConfig config;
+  Inventory inv;
+};
+
+// Loads a test config; `layers` > 0 shrinks the model (runtime only: sharding rules do not change).
+Model Load(const std::string& name, int64_t layers = 0) {
+  auto c = ParseHfConfig(ReadTestdata(name));
+  EXPECT_TRUE(c.ok()) << c.status();
+  Model m{*c, {}};
+  if (layers > 0) m.config.layers = layers;
+  auto inv = BuildInventory(m.config, DType::kBF16);
+  EXPECT_TRUE(inv.ok()) << inv.status();
+  m.inv = *inv;
+  return m;
+}
+
+Model FromText(const std::string& text) {
+  auto c = ParseHfConfig(text);
+  EXPECT_TRUE(c.ok()) << c.status();
+  auto inv = BuildInventory(*c, DType::kBF16);
+  EXPECT_TRUE(inv.ok()) << inv.status();
+  return Model{*c, *inv};
+}
+
+const LocalTensor* FindLocal(const PresetLayout& l, const std::string& name) {
+  for (const LocalTensor& t : l.local_tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+// Canonical (tensor, row-major flat index) held at local element `local` of `lt`, or {-1, -1}.
+// Independent of the preset code's arithmetic: it inverts each piece's strides generically.
+std::pair<int32_t, int64_t> CanonicalAt(const Inventory& inv, const PresetLayout& l, const LocalTensor& lt,
+                                        int64_t local) {
+  const int es = DTypeSize(lt.dtype);
+  std::pair<int32_t, int64_t> found{-1, -1};
+  for (int32_t i = lt.first_piece; i < lt.first_piece + lt.num_pieces; ++i) {
+    const Piece& p = l.layout.pieces[i];
+    int64_t rel = lt.offset_bytes + local * es - p.offset_bytes;
+    if (rel < 0 || rel % es) continue;
+    rel /= es;
+    // Decompose using strides in decreasing order (pieces here have positive distinct strides).
+    const size_t r = p.strides.size();
+    std::vector<size_t> order(r);
+    for (size_t k = 0; k < r; ++k) order[k] = k;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p.strides[a] > p.strides[b]; });
+    std::vector<int64_t> c(r);
+    bool inside = true;
+    for (size_t k : order) {
+      c[k] = rel / p.strides[k];
+      rel -= c[k] * p.strides[k];
+      if (c[k] >= p.box.end[k] - p.box.begin[k]) inside = false;
+    }
+    if (!inside || rel != 0) continue;
+    const auto strides = ContiguousStrides(inv.tensors[p.tensor].shape);
+    int64_t flat = 0;
+    for (size_t k = 0; k < r; ++k) flat += (c[k] + p.box.begin[k]) * strides[k];
+    EXPECT_EQ(found.first, -1) << "local element " << local << " of " << lt.name << " held twice";
+    found = {p.tensor, flat};
+  }
+  return found;
+}
+
+TEST(Presets, VllmTp4Rank1QkvProjOfQwen25_7B) {
+  Model m = Load("qwen2.5-7b.json", 2);
+  TensorIndex idx(m.inv);
+  ParallelConfig par{.preset = "vllm", .tp = 4, .replicas = 2};
+  auto l = MakePresetLayout(m.config, m.inv, par, /*rank=*/4 + 1);  // replica 1, tp rank 1
+  ASSERT_TRUE(l.ok()) << l.status();
+  const LocalTensor* qkv = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  ASSERT_EQ(qkv->shape, (std::vector<int64_t>{(7 + 2) * 128, 3584}));
+  const int32_t q = *idx.Find("model.layers.1.self_attn.q_proj.weight");
+  const int32_t k = *idx.Find("model.layers.1.self_attn.k_proj.weight");
+  const int32_t v = *idx.Find("model.layers.1.self_attn.v_proj.weight");
+  const int64_t H = 3584;
+  for (int64_t row = 0; row < 9 * 128; ++row) {
+    // Rank 1 of 4: q heads 7..13, kv head 1.
+    int32_t want_t;
+    int64_t want_row;
+    if (row < 7 * 128) {
+      want_t = q, want_row = 7 * 128 + row;
+    } else if (row < 8 * 128) {
+      want_t = k, want_row = 128 + (row - 7 * 128);
+    } else {
+      want_t = v, want_row = 128 + (row - 8 * 128);
+    }
+    for (int64_t col = 0; col < H; ++col) {
+      auto got = CanonicalAt(m.inv, *l, *qkv, row * H + col);
+      ASSERT_EQ(got.first, want_t) << row << "," << col;
+      ASSERT_EQ(got.second, want_row * H + col) << row << "," << col;
+    }
+  }
+  const LocalTensor* bias = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.bias");
+  ASSERT_NE(bias, nullptr);
+  auto b = CanonicalAt(m.inv, *l, *bias, 7 * 128 + 5);
+  EXPECT_EQ(b.first, *idx.Find("model.layers.1.self_attn.k_proj.bias"));
+  EXPECT_EQ(b.second, 128 + 5);
+}
+
+TEST(Presets, MegatronTp2LinearQkvInterleave) {
+  Model m = Load("qwen2.5-7b.json", 2);
+  TensorIndex idx(m.inv);
+  ParallelConfig par{.preset = "megatron", .tp = 2, .pp = 2, .dp = 2};
+  // rank = tp_rank + tp*(dp_rank + dp*pp_rank): tp_rank 1, dp_rank 1, pp_rank 1 -> 7. Stage 1 holds
+  // global layer 1 as local layer 0.
+  auto l = MakePresetLayout(m.config, m.inv, par, 7);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const LocalTensor* qkv = FindLocal(*l, "decoder.layers.0.self_attention.linear_qkv.weight");
+  ASSERT_NE(qkv, nullptr);
+  const int64_t H = 3584, hd = 128, qpg = 7, groups = 2;
+  ASSERT_EQ(qkv->shape, (std::vector<int64_t>{groups * (qpg + 2) * hd, H}));
+  const int32_t q = *idx.Find("model.layers.1.self_attn.q_proj.weight");
+  const int32_t k = *idx.Find("model.layers.1.self_attn.k_proj.weight");
+  const int32_t v = *idx.Find("model.layers.1.self_attn.v_proj.weight");
+  for (int64_t row = 0; row < groups * (qpg + 2) * hd; ++row) {
+    const int64_t g = row / ((qpg + 2) * hd), in = row % ((qpg + 2) * hd);
+    const int64_t G = 2 + g;  // tp rank 1 owns query groups 2 and 3
+    int32_t want_t;
+    int64_t want_row;
+    if (in < qpg * hd) {
+      want_t = q, want_row = G * qpg * hd + in;
+    } else if (in < (qpg + 1) * hd) {
+      want_t = k, want_row = G * hd + in - qpg * hd;
+    } else {
+      want_t = v, want_row = G * hd + in - (qpg + 1) * hd;
+    }
+    for (int64_t col = 0; col < H; col += 7) {
+      auto got = CanonicalAt(m.inv, *l, *qkv, row * H + col);
+      ASSERT_EQ(got.first, want_t) << row;
+      ASSERT_EQ(got.second, want_row * H + col) << row;
+    }
+  }
+  EXPECT_EQ(FindLocal(*l, "embedding.word_embeddings.weight"), nullptr);  // first stage only
+  const LocalTensor* out = FindLocal(*l, "output_layer.weight");
+  ASSERT_NE(out, nullptr);
+  EXPECT_EQ(out->shape, (std::vector<int64_t>{152064 / 2, H}));  // 152064 is a multiple of 256
+}
+
+TEST(Presets, FusedGateUpAndExperts) {
+  Model m = Load("qwen3-30b-a3b.json", 2);
+  TensorIndex idx(m.inv);
+  const int64_t H = 2048, I = 768;
+  {  // vLLM tp=4, no EP: w13 [128, 2*192, H]; expert 5 of tp rank 2.
+    auto l = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 4}, 2);
+    ASSERT_TRUE(l.ok()) << l.status();
+    const LocalTensor* w13 = FindLocal(*l, "model.layers.1.mlp.experts.w13_weight");
+    ASSERT_NE(w13, nullptr);
+    ASSERT_EQ(w13->shape, (std::vector<int64_t>{128, 2 * I / 4, H}));
+    const int64_t n = I / 4;
+    for (int64_t r = 0; r < 2 * n; r += 5) {
+      auto got = CanonicalAt(m.inv, *l, *w13, (5 * 2 * n + r) * H + 17);
+      const char* part = r < n ? "gate_proj" : "up_proj";
+      EXPECT_EQ(got.first, *idx.Find(absl::StrCat("model.layers.1.mlp.experts.5.", part, ".weight")));
+      EXPECT_EQ(got.second, (2 * n + r % n) * H + 17);
+    }
+    const LocalTensor* w2 = FindLocal(*l, "model.layers.1.mlp.experts.w2_weight");
+    ASSERT_NE(w2, nullptr);
+    ASSERT_EQ(w2->shape, (std::vector<int64_t>{128, H, n}));
+    auto got = CanonicalAt(m.inv, *l, *w2, (9 * H + 100) * n + 3);
+    EXPECT_EQ(got.first, *idx.Find("model.layers.1.mlp.experts.9.down_proj.weight"));
+    EXPECT_EQ(got.second, 100 * I + 2 * n + 3);
+  }
+  {  // vLLM tp=8 expert parallel: rank 3 holds experts 48..63 whole.
+    auto l = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 8, .expert_parallel = true}, 3);
+    ASSERT_TRUE(l.ok()) << l.status();
+    const LocalTensor* w13 = FindLocal(*l, "model.layers.0.mlp.experts.w13_weight");
+    ASSERT_NE(w13, nullptr);
+    ASSERT_EQ(w13->shape, (std::vector<int64_t>{16, 2 * I, H}));
+    auto got = CanonicalAt(m.inv, *l, *w13, (2 * 2 * I + I + 7) * H + 1);
+    EXPECT_EQ(got.first, *idx.Find("model.layers.0.mlp.experts.50.up_proj.weight"));
+    EXPECT_EQ(got.second, 7 * H + 1);
+  }
+  {  // Megatron tp=2 dp=4 ep=8 etp=1: rank 5 = tp 1, dp 2 -> expert-local 5 -> ep rank 5: experts 80..95.
+    auto l = MakePresetLayout(m.config, m.inv, {.preset = "megatron", .tp = 2, .dp = 4, .ep = 8, .etp = 1}, 5);
+    ASSERT_TRUE(l.ok()) << l.status();
+    const LocalTensor* fc1 = FindLocal(*l, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight");
+    ASSERT_NE(fc1, nullptr);
+    ASSERT_EQ(fc1->shape, (std::vector<int64_t>{2 * I, H}));
+    auto got = CanonicalAt(m.inv, *l, *fc1, (I + 4) * H + 9);
+    EXPECT_EQ(got.first, *idx.Find("model.layers.1.mlp.experts.83.up_proj.weight"));
+    EXPECT_EQ(got.second, 4 * H + 9);
+    const LocalTensor* proj = FindLocal(*l, "decoder.layers.1.self_attention.linear_proj.weight");
+    ASSERT_NE(proj, nullptr);
+    ASSERT_EQ(proj->shape, (std::vector<int64_t>{H, 32 * 128 / 2}));
+    got = CanonicalAt(m.inv, *l, *proj, 3 * 2048 + 10);
+    EXPECT_EQ(got.first, *idx.Find("model.layers.1.self_attn.o_proj.weight"));
+    EXPECT_EQ(got.second, 3 * 4096 + 2048 + 10);
+  }
+}
+
+TEST(Presets, VllmMlaFusedQkvA) {
+  Model m = Load("deepseek-v3.json", 4);
+  TensorIndex idx(m.inv);
+  auto l = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 32, .expert_parallel = true}, 31);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const LocalTensor* f = FindLocal(*l, "model.layers.0.self_attn.fused_qkv_a_proj.weight");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(f->shape, (std::vector<int64_t>{1536 + 576, 7168}));
+  auto got = CanonicalAt(m.inv, *l, *f, (1536 + 2) * 7168 + 5);
+  EXPECT_EQ(got.first, *idx.Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"));
+  EXPECT_EQ(got.second, 2 * 7168 + 5);
+  const LocalTensor* qb = FindLocal(*l, "model.layers.0.self_attn.q_b_proj.weight");
+  ASSERT_NE(qb, nullptr);
+  EXPECT_EQ(qb->shape, (std::vector<int64_t>{4 * 192, 1536}));
+  got = CanonicalAt(m.inv, *l, *qb, 0);
+  EXPECT_EQ(got.second, 31 * 4 * 192 * 1536);
+  const LocalTensor* w2 = FindLocal(*l, "model.layers.3.mlp.experts.w2_weight");
+  ASSERT_NE(w2, nullptr);
+  EXPECT_EQ(w2->shape, (std::vector<int64_t>{8, 7168, 2048}));
+  EXPECT_NE(FindLocal(*l, "model.layers.3.mlp.gate.e_score_correction_bias"), nullptr);
+  EXPECT_NE(FindLocal(*l, "model.layers.3.mlp.shared_experts.gate_up_proj.weight"), nullptr);
+}
+
+TEST(Presets, LocalTensorsAreAlignedAndDisjoint) {
+  Model m = Load("qwen2.5-0.5b.json", 3);
+  for (ParallelConfig par : {ParallelConfig{.preset = "vllm", .tp = 2}, ParallelConfig{.preset = "fsdp", .dp = 3},
+                             ParallelConfig{.preset = "megatron", .tp = 2, .pp = 2}}) {
+    auto l = MakePresetLayout(m.config, m.inv, par, 1);
+    ASSERT_TRUE(l.ok()) << l.status();
+    ASSERT_EQ(l->layout.buffers.size(), 1u);
+    int64_t end = 0;
+    for (const LocalTensor& t : l->local_tensors) {
+      EXPECT_EQ(t.offset_bytes % kLocalTensorAlignment, 0) << t.name;
+      EXPECT_GE(t.offset_bytes, end) << t.name;
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      end = t.offset_bytes + n * DTypeSize(t.dtype);
+      EXPECT_GT(t.num_pieces, 0) << t.name;
+    }
+    EXPECT_LE(end, l->layout.buffers[0].size_bytes);
+  }
+}
+
+// Counts, cell by cell, how many times the union of all ranks' boxes covers each tensor.
+// Returns per tensor the coverage count if uniform, -1 if not uniform (some cells differ).
+std::vector<int64_t> CoverageCounts(const Inventory& inv, const std::vector<PresetLayout>& ranks) {
+  std::vector<std::vector<const Box*>> boxes(inv.tensors.size());
+  for (const PresetLayout& l : ranks) {
+    for (const Piece& p : l.layout.pieces) boxes[p.tensor].push_back(&p.box);
+  }
+  std::vector<int64_t> out(inv.tensors.size(), 0);
+  for (size_t t = 0; t < inv.tensors.size(); ++t) {
+    const auto& shape = inv.tensors[t].shape;
+    const size_t r = shape.size();
+    std::vector<std::vector<int64_t>> cuts(r);
+    for (size_t d = 0; d < r; ++d) {
+      cuts[d] = {0, shape[d]};
+      for (const Box* b : boxes[t]) {
+        cuts[d].push_back(b->begin[d]);
+        cuts[d].push_back(b->end[d]);
+      }
+      std::sort(cuts[d].begin(), cuts[d].end());
+      cuts[d].erase(std::unique(cuts[d].begin(), cuts[d].end()), cuts[d].end());
+    }
+    std::vector<int64_t> dims(r);
+    int64_t cells = 1;
+    for (size_t d = 0; d < r; ++d) cells *= (dims[d] = cuts[d].size() - 1);
+    std::vector<int64_t> count(cells, 0);
+    for (const Box* b : boxes[t]) {
+      std::vector<int64_t> lo(r), hi(r);
+      for (size_t d = 0; d < r; ++d) {
+        lo[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), b->begin[d]) - cuts[d].begin();
+        hi[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), b->end[d]) - cuts[d].begin();
+      }
+      std::vector<int64_t> c = lo;
+      while (true) {
+        int64_t flat = 0;
+        for (size_t d = 0; d < r; ++d) flat = flat * dims[d] + c[d];
+        count[flat]++;
+        size_t d = r;
+        while (d > 0) {
+          --d;
+          if (++c[d] < hi[d]) break;
+          c[d] = lo[d];
+          if (d == 0) goto done;
+        }
+        if (r == 0) break;
+      }
+    done:;
+    }
+    const int64_t first = count[0];
+    out[t] = std::all_of(count.begin(), count.end(), [&](int64_t x) { return x == first; }) ? first : -1;
+  }
+  return out;
+}
+
+struct CoverCase {
+  const char* model;
+  int64_t layers;
+  ParallelConfig par;
+};
+
+// Expected copies of each canonical element across all ranks, from the name (test's own rules).
+int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std::string& name) {
+  const bool replicated = absl::EndsWith(name, "norm.weight") || absl::StrContains(name, "gate.weight") ||
+                          absl::StrContains(name, "e_score_correction_bias") ||
+                          absl::StrContains(name, "q_a_proj") || absl::StrContains(name, "kv_a_proj") ||
+                          absl::StrContains(name, "o_proj.bias");
+  const bool expert = absl::StrContains(name, ".experts.");
+  if (p.preset == "fsdp") return 1;
+  if (p.preset == "megatron") {
+    const int etp = p.etp ? p.etp : p.tp;
+    if (expert) return int64_t{p.tp} * p.dp / (p.ep * etp);
+    if (replicated) return int64_t{p.tp} * p.dp;
+    if (name == "model.embed_tokens.weight" && c.tie_word_embeddings && p.pp > 1) return 2 * p.dp;
+    return p.dp;
+  }
+  if (replicated) return int64_t{p.tp} * p.replicas;
+  const bool kv = absl::StrContains(name, "k_proj") || absl::StrContains(name, "v_proj");
+  if (kv && p.tp > c.kv_heads) return int64_t{p.replicas} * p.tp / c.kv_heads;
+  return p.replicas;
+}
+
+class Coverage : public ::testing::TestWithParam<CoverCase> {};
+
+TEST_P(Coverage, UnionOfRanksCoversEveryElementTheExpectedNumberOfTimes) {
+  const CoverCase& cc = GetParam();
+  Model m = Load(cc.model, cc.layers);
+  auto b = PresetBuilder::Create(m.config, m.inv, cc.par);
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<PresetLayout> ranks;
+  for (int r = 0; r < b->world_size(); ++r) {
+    auto l = b->Make(r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    for (const Piece& p : l->layout.pieces) {
+      ASSERT_TRUE(BoxInside(p.box, m.inv.tensors[p.tensor].shape)) << BoxToString(p.box);
+    }
+    ranks.push_back(std::move(*l));
+  }
+  std::vector<int64_t> counts = CoverageCounts(m.inv, ranks);
+  for (size_t t = 0; t < m.inv.tensors.size(); ++t) {
+    EXPECT_EQ(counts[t], ExpectedCopies(m.config, cc.par, m.inv.tensors[t].name)) << m.inv.tensors[t].name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RealConfigs, Coverage,
+    ::testing::Values(
+        CoverCase{"qwen2.5-0.5b.json", 4, {.preset = "megatron", .tp = 2, .pp = 3, .dp = 2}},
+        CoverCase{"qwen2.5-0.5b.json", 4, {.preset = "megatron", .tp = 1, .pp = 1, .dp = 2}},
+        CoverCase{"qwen2.5-0.5b.json", 4, {.preset = "vllm", .tp = 2, .replicas = 2}},
+        CoverCase{"qwen2.5-0.5b.json", 4, {.preset = "fsdp", .dp = 3}},
+        CoverCase{"qwen2.5-7b.json", 4, {.preset = "megatron", .tp = 4, .pp = 2, .dp = 2}},
+        CoverCase{"qwen2.5-7b.json", 4, {.preset = "vllm", .tp = 4, .replicas = 2}},
+        CoverCase{"qwen2.5-7b.json", 4, {.preset = "fsdp", .dp = 8}},
+        CoverCase{"qwen3-30b-a3b.json", 4, {.preset = "megatron", .tp = 2, .pp = 2, .dp = 4, .ep = 8, .etp = 1}},
+        CoverCase{"qwen3-30b-a3b.json", 4, {.preset = "megatron", .tp = 2, .pp = 1, .dp = 2, .ep = 2}},
+        CoverCase{"qwen3-30b-a3b.json", 4, {.preset = "vllm", .tp = 4, .replicas = 2}},
+        CoverCase{"qwen3-30b-a3b.json", 4, {.preset = "vllm", .tp = 8, .expert_parallel = true}},
+        CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "fsdp", .dp = 5}},
+        CoverCase{"deepseek-v3.json", 5, {.preset = "megatron", .tp = 1, .pp = 5, .dp = 16, .ep = 16, .etp = 1}},
+        CoverCase{"deepseek-v3.json", 5, {.preset = "megatron", .tp = 4, .pp = 2, .dp = 2, .ep = 8, .etp = 1}},
+        CoverCase{"deepseek-v3.json", 5, {.preset = "vllm", .tp = 32, .expert_parallel = true, .replicas = 2}},
+        CoverCase{"deepseek-v3.json", 4, {.preset = "vllm", .tp = 8, .replicas = 1}},
+        CoverCase{"kimi-k2.json", 3, {.preset = "megatron", .tp = 8, .pp = 3, .dp = 4, .ep = 32, .etp = 1}},
+        CoverCase{"kimi-k2.json", 3, {.preset = "vllm", .tp = 16, .expert_parallel = true, .replicas = 2}}));
+
+TEST(Presets, SmallFamiliesCover) {
+  // Mixtral, DeepSeek without q_lora, Qwen2-MoE with a gated shared expert, Llama with bias.
+  const std::string mixtral = R"({"architectures":["MixtralForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"num_hidden_layers":3,"num_attention_heads":8,"num_key_value_heads":2,
+    "vocab_size":1000,"num_local_experts":8})";
+  const std::string dsv2lite = R"({"architectures":["DeepseekV3ForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":8,
+    "vocab_size":1000,"n_routed_experts":8,"n_shared_experts":2,"first_k_dense_replace":1,
+    "q_lora_rank":null,"kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":4,"v_head_dim":8})";
+  const std::string qwen2moe = R"({"architectures":["Qwen2MoeForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
+    "num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":1000,
+    "num_experts":8,"decoder_sparse_step":2})";
+  const std::string llama = R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":2,
+    "vocab_size":1000,"attention_bias":true,"tie_word_embeddings":true})";
+  for (const std::string* text : {&mixtral, &dsv2lite, &qwen2moe, &llama}) {
+    Model m = FromText(*text);
+    for (ParallelConfig par : {ParallelConfig{.preset = "megatron", .tp = 2, .pp = 2, .dp = 2, .ep = 2, .etp = 1},
+                               ParallelConfig{.preset = "vllm", .tp = 4, .replicas = 2},
+                               ParallelConfig{.preset = "sglang", .tp = 4, .expert_parallel = true},
+                               ParallelConfig{.preset = "fsdp", .dp = 3}}) {
+      if (m.config.experts == 0 && par.preset == "megatron") par.ep = 1, par.etp = 0;
+      auto b = PresetBuilder::Create(m.config, m.inv, par);
+      ASSERT_TRUE(b.ok()) << m.config.architecture << " " << par.preset << ": " << b.status();
+      std::vector<PresetLayout> ranks;
+      for (int r = 0; r < b->world_size(); ++r) ranks.push_back(*b->Make(r));
+      std::vector<int64_t> counts = CoverageCounts(m.inv, ranks);
+      for (size_t t = 0; t < m.inv.tensors.size(); ++t) {
+        EXPECT_EQ(counts[t], ExpectedCopies(m.config, par, m.inv.tensors[t].name))
+            << m.config.architecture << " " << par.preset << " " << m.inv.tensors[t].name;
+      }
+    }
+  }
+}
+
+TEST(Presets, ClearErrors) {
+  Model moe = Load("qwen3-30b-a3b.json", 1);  // 32 heads, 4 KV heads
+  auto bad = MakePresetLayout(moe.config, moe.inv, {.preset = "megatron", .tp = 8}, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("num_key_value_heads"), std::string::npos) << bad.status();
+  EXPECT_TRUE(MakePresetLayout(moe.config, moe.inv, {.preset = "vllm", .tp = 8}, 0).ok());  // vLLM replicates
+  Model m = Load("qwen2.5-7b.json", 2);
+  EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "deepspeed"}, 0).ok());
+  EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 2}, 2).ok());  // rank outside
+  EXPECT_FALSE(PresetWorldSize({.preset = "vllm", .tp = 0}).ok());
+  EXPECT_EQ(*PresetWorldSize({.preset = "megatron", .tp = 8, .pp = 8, .dp = 4, .ep = 32}), 256);
+  EXPECT_EQ(*PresetWorldSize({.preset = "sglang", .tp = 16, .replicas = 8}), 128);
+}
+
+}  // namespace
+}  // namespace wb::planner
