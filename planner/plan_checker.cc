@@ -1,0 +1,185 @@
+#include "planner/plan_checker.h"
+
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "planner/box.h"
+
+namespace wb::planner {
+namespace {
+
+// Calls fn(offset) for each element of `box` with its row-major offset inside `outer`.
+template <typename Fn>
+void ForEachElement(const Box& outer, const Box& box, Fn&& fn) {
+  const size_t rank = box.begin.size();
+  if (rank == 0) {
+    fn(int64_t{0});
+    return;
+  }
+  if (BoxEmpty(box)) return;
+  std::vector<int64_t> idx(box.begin);
+  std::vector<int64_t> stride(rank, 1);
+  for (size_t d = rank - 1; d-- > 0;) stride[d] = stride[d + 1] * (outer.end[d + 1] - outer.begin[d + 1]);
+  while (true) {
+    int64_t off = 0;
+    for (size_t d = 0; d < rank; ++d) off += (idx[d] - outer.begin[d]) * stride[d];
+    fn(off);
+    size_t d = rank;
+    while (d-- > 0) {
+      if (++idx[d] < box.end[d]) break;
+      idx[d] = box.begin[d];
+      if (d == 0) return;
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status CheckPlanElementwise(const Problem& p, const Plan& plan, const CheckOptions& opt) {
+  const auto& tensors = p.inventory.tensors;
+  // written[worker][piece][element] = bucket of the write, -1 if none.
+  std::vector<std::vector<std::vector<int32_t>>> written(p.workers.size());
+  for (size_t w = 0; w < p.workers.size(); ++w) {
+    if (p.workers[w].role != Role::kRollout) continue;
+    for (const Piece& pc : p.workers[w].layout.pieces) {
+      written[w].emplace_back(BoxVolume(pc.box), -1);
+    }
+  }
+  // Trainer staging (rank0 gather): (worker, tensor) -> bucket per element of the full tensor.
+  std::map<std::pair<int32_t, int32_t>, std::vector<int32_t>> staging;
+  // Network deliveries per (node, tensor) per element.
+  std::map<std::pair<int32_t, int32_t>, std::vector<int32_t>> net;
+  std::map<std::pair<int32_t, int32_t>, int32_t> slot_of;
+  for (const Worker& w : p.workers) slot_of.emplace(std::make_pair(w.node, w.gpu), static_cast<int32_t>(slot_of.size()));
+
+  for (size_t bi = 0; bi < plan.buckets.size(); ++bi) {
+    const int32_t b = static_cast<int32_t>(bi);
+    std::map<int32_t, int64_t> sent, recv;
+    std::map<int32_t, int32_t> sent_ops, recv_ops;
+    for (size_t oi = 0; oi < plan.buckets[bi].ops.size(); ++oi) {
+      const TransferOp& op = plan.buckets[bi].ops[oi];
+      const std::string where = absl::StrCat("bucket ", bi, " op ", oi, ": ");
+      if (op.src_worker < 0 || op.src_worker >= static_cast<int32_t>(p.workers.size()) ||
+          op.dst_worker < 0 || op.dst_worker >= static_cast<int32_t>(p.workers.size())) {
+        return absl::InternalError(where + "worker out of range");
+      }
+      if (op.tensor < 0 || op.tensor >= static_cast<int32_t>(tensors.size())) {
+        return absl::InternalError(where + "tensor out of range");
+      }
+      const TensorSpec& ts = tensors[op.tensor];
+      if (!BoxInside(op.box, ts.shape) || (BoxEmpty(op.box) && !ts.shape.empty())) {
+        return absl::InternalError(where + "box outside tensor " + ts.name);
+      }
+      const int64_t vol = BoxVolume(op.box);
+      if (op.bytes != vol * DTypeSize(ts.dtype)) return absl::InternalError(where + "bytes mismatch");
+      const Worker& sw = p.workers[op.src_worker];
+      const Worker& dw = p.workers[op.dst_worker];
+      const Route want = (sw.node == dw.node && sw.gpu == dw.gpu) ? Route::kSameGpu
+                         : sw.node == dw.node                     ? Route::kIntraNode
+                                                                  : Route::kInterNode;
+      if (op.route != want) return absl::InternalError(where + "wrong route");
+
+      // Source.
+      if (op.src_piece < 0) {
+        if (!opt.allow_staging || sw.role != Role::kTrainer) {
+          return absl::InternalError(where + "source piece missing");
+        }
+        auto it = staging.find({op.src_worker, op.tensor});
+        if (it == staging.end()) return absl::InternalError(where + "staging read before gather");
+        bool ok = true;
+        ForEachElement(FullBox(ts.shape), op.box, [&](int64_t e) { ok &= it->second[e] >= 0 && it->second[e] < b; });
+        if (!ok) return absl::InternalError(where + "staging read of bytes not gathered earlier");
+      } else {
+        if (op.src_piece >= static_cast<int32_t>(sw.layout.pieces.size())) {
+          return absl::InternalError(where + "source piece out of range");
+        }
+        const Piece& sp = sw.layout.pieces[op.src_piece];
+        if (sp.tensor != op.tensor || !BoxContains(sp.box, op.box)) {
+          return absl::InternalError(absl::StrCat(where, "source piece ", BoxToString(sp.box),
+                                                  " does not hold ", BoxToString(op.box)));
+        }
+        if (sw.role == Role::kRollout) {
+          bool ok = true;
+          const auto& wr = written[op.src_worker][op.src_piece];
+          ForEachElement(sp.box, op.box, [&](int64_t e) { ok &= wr[e] >= 0 && wr[e] < b; });
+          if (!ok) return absl::InternalError(where + "relay reads bytes not delivered in an earlier bucket");
+        }
+      }
+      // Destination.
+      if (op.dst_piece < 0) {
+        if (!opt.allow_staging || dw.role != Role::kTrainer) {
+          return absl::InternalError(where + "destination piece missing");
+        }
+        auto& st = staging[{op.dst_worker, op.tensor}];
+        if (st.empty()) st.assign(BoxVolume(FullBox(ts.shape)), -1);
+        ForEachElement(FullBox(ts.shape), op.box, [&](int64_t e) { st[e] = b; });
+      } else {
+        if (dw.role != Role::kRollout || op.dst_piece >= static_cast<int32_t>(dw.layout.pieces.size())) {
+          return absl::InternalError(where + "destination piece invalid");
+        }
+        const Piece& dp = dw.layout.pieces[op.dst_piece];
+        if (dp.tensor != op.tensor || !BoxContains(dp.box, op.box)) {
+          return absl::InternalError(absl::StrCat(where, "destination piece ", BoxToString(dp.box),
+                                                  " does not contain ", BoxToString(op.box)));
+        }
+        bool twice = false;
+        auto& wr = written[op.dst_worker][op.dst_piece];
+        ForEachElement(dp.box, op.box, [&](int64_t e) {
+          twice |= wr[e] >= 0;
+          wr[e] = b;
+        });
+        if (twice) {
+          return absl::InternalError(absl::StrCat(where, "element of ", ts.name, " ", BoxToString(op.box),
+                                                  " written twice on ", dw.id));
+        }
+      }
+      if (op.route == Route::kInterNode) {
+        auto& nv = net[{dw.node, op.tensor}];
+        if (nv.empty()) nv.assign(BoxVolume(FullBox(ts.shape)), 0);
+        bool dup = false;
+        ForEachElement(FullBox(ts.shape), op.box, [&](int64_t e) { dup |= ++nv[e] > 1; });
+        if (dup && opt.require_no_redundancy) {
+          return absl::InternalError(absl::StrCat(where, ts.name, " ", BoxToString(op.box),
+                                                  " crosses the network twice into node ", dw.node));
+        }
+      }
+      const int32_t ss = slot_of[{sw.node, sw.gpu}], ds = slot_of[{dw.node, dw.gpu}];
+      sent[ss] += op.bytes;
+      recv[ds] += op.bytes;
+      ++sent_ops[ss];
+      ++recv_ops[ds];
+    }
+    if (opt.check_budget) {
+      for (const auto& [slot, bytes] : sent) {
+        if (bytes > p.staging_budget_bytes && sent_ops[slot] > 1) {
+          return absl::InternalError(absl::StrCat("bucket ", bi, ": slot ", slot, " sends ", bytes,
+                                                  " > budget ", p.staging_budget_bytes));
+        }
+      }
+      for (const auto& [slot, bytes] : recv) {
+        if (bytes > p.staging_budget_bytes && recv_ops[slot] > 1) {
+          return absl::InternalError(absl::StrCat("bucket ", bi, ": slot ", slot, " receives ", bytes,
+                                                  " > budget ", p.staging_budget_bytes));
+        }
+      }
+    }
+  }
+  for (size_t w = 0; w < p.workers.size(); ++w) {
+    for (size_t i = 0; i < written[w].size(); ++i) {
+      for (int32_t v : written[w][i]) {
+        if (v < 0) {
+          const Piece& pc = p.workers[w].layout.pieces[i];
+          return absl::InternalError(absl::StrCat("incomplete: ", p.workers[w].id, " piece ", i, " of ",
+                                                  tensors[pc.tensor].name, " ", BoxToString(pc.box),
+                                                  " has unwritten elements"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace wb::planner

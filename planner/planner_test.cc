@@ -1,0 +1,273 @@
+#include "planner/planner.h"
+
+#include <algorithm>
+#include <map>
+
+#include "gtest/gtest.h"
+#include "planner/box.h"
+#include "planner/cost_model.h"
+#include "planner/fingerprint.h"
+#include "planner/plan_checker.h"
+
+namespace wb::planner {
+namespace {
+
+Box B(std::vector<int64_t> b, std::vector<int64_t> e) { return Box{std::move(b), std::move(e)}; }
+
+// Adds a worker whose pieces are packed contiguously into one buffer.
+int AddWorker(Problem& p, Role role, int node, int gpu, const std::vector<std::pair<int, Box>>& pieces) {
+  Worker w;
+  w.id = absl::StrCat(role == Role::kTrainer ? "trainer/" : "rollout/", p.workers.size());
+  w.role = role;
+  w.node = node;
+  w.gpu = gpu;
+  int64_t off = 0;
+  for (const auto& [t, box] : pieces) {
+    Piece pc;
+    pc.tensor = t;
+    pc.box = box;
+    pc.offset_bytes = off;
+    std::vector<int64_t> shape;
+    for (size_t d = 0; d < box.begin.size(); ++d) shape.push_back(box.end[d] - box.begin[d]);
+    pc.strides = ContiguousStrides(shape);
+    off += BoxVolume(box) * DTypeSize(p.inventory.tensors[t].dtype);
+    w.layout.pieces.push_back(pc);
+  }
+  w.layout.buffers.push_back(BufferInfo{off});
+  p.workers.push_back(std::move(w));
+  return static_cast<int>(p.workers.size()) - 1;
+}
+
+Problem OneTensor(int64_t rows, int64_t cols) {
+  Problem p;
+  p.inventory.architecture = "Test";
+  p.inventory.tensors.push_back(TensorSpec{"w", {rows, cols}, DType::kBF16});
+  return p;
+}
+
+std::vector<const TransferOp*> AllOps(const Plan& plan) {
+  std::vector<const TransferOp*> ops;
+  for (const Bucket& b : plan.buckets) {
+    for (const TransferOp& op : b.ops) ops.push_back(&op);
+  }
+  return ops;
+}
+
+int BucketOf(const Plan& plan, const TransferOp* op) {
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    for (const TransferOp& o : plan.buckets[b].ops) {
+      if (&o == op) return static_cast<int>(b);
+    }
+  }
+  return -1;
+}
+
+TEST(PlannerTest, DedupsPerNodeAndRelaysInsideTheNode) {
+  Problem p = OneTensor(64, 32);
+  const Box full = FullBox({64, 32});
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, full}});
+  for (int g = 0; g < 4; ++g) AddWorker(p, Role::kRollout, 1, g, {{0, full}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  EXPECT_TRUE(plan->stats.complete);
+  EXPECT_EQ(plan->stats.redundant_bytes, 0);
+  const int64_t bytes = 64 * 32 * 2;
+  EXPECT_EQ(plan->stats.bytes_inter_node, bytes);
+  EXPECT_EQ(plan->stats.bytes_intra_node, 3 * bytes);
+  int relays = 0;
+  for (const TransferOp* op : AllOps(*plan)) {
+    if (op->route == Route::kIntraNode) {
+      ++relays;
+      EXPECT_EQ(p.workers[op->src_worker].role, Role::kRollout);
+      EXPECT_GT(BucketOf(*plan, op), 0);
+    }
+  }
+  EXPECT_EQ(relays, 3);
+  // Baseline without dedup sends it four times.
+  auto p2p = MakePlan(p, Strategy::kP2PNoDedup);
+  ASSERT_TRUE(p2p.ok());
+  EXPECT_EQ(p2p->stats.bytes_inter_node, 4 * bytes);
+  EXPECT_EQ(p2p->stats.redundant_bytes, 3 * bytes);
+  EXPECT_GT(p2p->stats.makespan_s, plan->stats.makespan_s);
+}
+
+TEST(PlannerTest, ColocatedUsesSameGpuAndIntraNodeCopies) {
+  Problem p = OneTensor(8, 8);
+  p.topology.colocated = true;
+  // FSDP-like: two trainers on node 0 gpus 0/1 each hold half the rows.
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {4, 8})}});
+  AddWorker(p, Role::kTrainer, 0, 1, {{0, B({4, 0}, {8, 8})}});
+  // Rollout GPU i is trainer GPU i; TP=2 over columns.
+  AddWorker(p, Role::kRollout, 0, 0, {{0, B({0, 0}, {8, 4})}});
+  AddWorker(p, Role::kRollout, 0, 1, {{0, B({0, 4}, {8, 8})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok());
+  EXPECT_EQ(plan->stats.bytes_inter_node, 0);
+  int same = 0, intra = 0;
+  for (const TransferOp* op : AllOps(*plan)) {
+    same += op->route == Route::kSameGpu;
+    intra += op->route == Route::kIntraNode;
+    if (op->route == Route::kSameGpu) {
+      EXPECT_EQ(p.workers[op->src_worker].gpu, p.workers[op->dst_worker].gpu);
+    }
+  }
+  EXPECT_EQ(same, 2);
+  EXPECT_EQ(intra, 2);
+}
+
+TEST(PlannerTest, BalancesOverReplicatedSources) {
+  // Four trainer replicas hold the whole (large) tensor; one rollout node of 4 GPUs needs it split
+  // by rows. Every trainer NIC must send about a quarter.
+  Problem p = OneTensor(4096, 2048);  // 16 MiB
+  const Box full = FullBox({4096, 2048});
+  for (int t = 0; t < 4; ++t) AddWorker(p, Role::kTrainer, 0, t, {{0, full}});
+  for (int g = 0; g < 4; ++g) AddWorker(p, Role::kRollout, 1, g, {{0, B({1024 * g, 0}, {1024 * (g + 1), 2048})}});
+  PlanOptions opt;
+  opt.max_fragment_bytes = 1 << 20;
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, opt);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok());
+  std::map<int, int64_t> sent;
+  for (const TransferOp* op : AllOps(*plan)) sent[op->src_worker] += op->bytes;
+  ASSERT_EQ(sent.size(), 4u);
+  for (const auto& [w, bytes] : sent) EXPECT_EQ(bytes, int64_t{4} << 20) << "trainer " << w;
+  EXPECT_NEAR(plan->stats.makespan_s, plan->stats.lower_bound_s, 1e-12);
+  // rank0 funnels everything through trainer 0.
+  auto r0 = MakePlan(p, Strategy::kRank0Broadcast);
+  ASSERT_TRUE(r0.ok());
+  EXPECT_NEAR(r0->stats.makespan_s, 4 * plan->stats.makespan_s, 1e-9);
+}
+
+TEST(PlannerTest, CrossNodeRelaysWhenTrainerEgressIsTheBottleneck) {
+  Problem p = OneTensor(1024, 1024);  // 2 MiB
+  const Box full = FullBox({1024, 1024});
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, full}});
+  for (int n = 1; n <= 6; ++n) AddWorker(p, Role::kRollout, n, 0, {{0, full}});
+  PlanOptions opt;
+  opt.max_fragment_bytes = 64 << 10;
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, opt);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  int64_t trainer_sent = 0, relayed = 0;
+  for (const TransferOp* op : AllOps(*plan)) {
+    if (op->src_worker == 0) {
+      trainer_sent += op->bytes;
+    } else {
+      EXPECT_EQ(op->route, Route::kInterNode);
+      relayed += op->bytes;
+    }
+  }
+  const int64_t bytes = 1024 * 1024 * 2;
+  EXPECT_LE(trainer_sent, bytes + bytes / 8);  // about once
+  EXPECT_EQ(trainer_sent + relayed, 6 * bytes);
+  EXPECT_LE(plan->stats.makespan_s, 1.15 * plan->stats.lower_bound_s);
+  auto owner = MakePlan(p, Strategy::kOwnerBroadcast);
+  ASSERT_TRUE(owner.ok());
+  EXPECT_NEAR(owner->stats.makespan_s, 6 * plan->stats.lower_bound_s, 1e-9);
+}
+
+TEST(PlannerTest, StagingBudgetBoundsBuckets) {
+  Problem p = OneTensor(256, 256);  // 128 KiB
+  p.staging_budget_bytes = 16 << 10;
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, FullBox({256, 256})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({256, 256})}});
+  AddWorker(p, Role::kRollout, 1, 1, {{0, FullBox({256, 256})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_GE(plan->buckets.size(), 8u);
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+}
+
+TEST(PlannerTest, Rank0GathersIntoStagingThenBroadcasts) {
+  Problem p = OneTensor(16, 16);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {8, 16})}});
+  AddWorker(p, Role::kTrainer, 0, 1, {{0, B({8, 0}, {16, 16})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({16, 16})}});
+  AddWorker(p, Role::kRollout, 1, 1, {{0, FullBox({16, 16})}});
+  auto plan = MakePlan(p, Strategy::kRank0Broadcast);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  CheckOptions co;
+  co.allow_staging = true;
+  co.require_no_redundancy = false;
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, co).ok()) << CheckPlanElementwise(p, *plan, co);
+  int gathers = 0;
+  for (const TransferOp* op : AllOps(*plan)) {
+    if (op->dst_piece < 0) {
+      ++gathers;
+      EXPECT_EQ(op->dst_worker, 0);
+    } else {
+      EXPECT_EQ(op->src_worker, 0);
+    }
+  }
+  EXPECT_EQ(gathers, 1);
+  EXPECT_EQ(plan->stats.redundant_bytes, 16 * 16 * 2);
+}
+
+TEST(PlannerTest, UncoveredDestinationIsAnErrorNamingTheTensor) {
+  Problem p = OneTensor(8, 8);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {4, 8})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({8, 8})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("tensor w box [4:8, 0:8]"), std::string::npos) << plan.status();
+}
+
+TEST(PlannerTest, BadBoxIsInvalidArgument) {
+  Problem p = OneTensor(8, 8);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {9, 8})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({8, 8})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("trainer/0"), std::string::npos);
+}
+
+TEST(PlannerTest, DeterministicFingerprint) {
+  Problem p = OneTensor(64, 64);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, FullBox({64, 64})}});
+  AddWorker(p, Role::kTrainer, 0, 1, {{0, FullBox({64, 64})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, B({0, 0}, {32, 64})}});
+  AddWorker(p, Role::kRollout, 1, 1, {{0, B({32, 0}, {64, 64})}});
+  auto a = MakePlan(p, Strategy::kWeightBridge);
+  auto b = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->fingerprint, b->fingerprint);
+  EXPECT_EQ(a->fingerprint.size(), 32u);
+  EXPECT_EQ(a->fingerprint, Fingerprint(p, *a));
+  p.workers[2].layout.pieces[0].offset_bytes = 128;  // any layout change changes it
+  EXPECT_NE(Fingerprint(p, *a), a->fingerprint);
+  auto c = MakePlan(p, Strategy::kP2PNoDedup);
+  ASSERT_TRUE(c.ok());
+  EXPECT_NE(c->fingerprint, a->fingerprint);
+}
+
+TEST(PlannerTest, ReplicatedDestinationOverlapCrossesOnceIntoTheNode) {
+  // Two rollout GPUs on one node need overlapping (not identical) row ranges.
+  Problem p = OneTensor(30, 4);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, FullBox({30, 4})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, B({0, 0}, {20, 4})}});
+  AddWorker(p, Role::kRollout, 1, 1, {{0, B({10, 0}, {30, 4})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  EXPECT_EQ(plan->stats.bytes_inter_node, 30 * 4 * 2);
+  EXPECT_EQ(plan->stats.bytes_intra_node, 10 * 4 * 2);
+}
+
+TEST(PlannerTest, ScalarAndOneDimTensors) {
+  Problem p;
+  p.inventory.tensors.push_back(TensorSpec{"scale", {}, DType::kF32});
+  p.inventory.tensors.push_back(TensorSpec{"bias", {10}, DType::kF32});
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, Box{}}, {1, B({0}, {10})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, Box{}}, {1, B({0}, {5})}});
+  AddWorker(p, Role::kRollout, 1, 1, {{1, B({5}, {10})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  EXPECT_EQ(plan->stats.bytes_inter_node, 4 + 40);
+}
+
+}  // namespace
+}  // namespace wb::planner
