@@ -1,21 +1,106 @@
-// weightbridged: flags and wiring only. (First cut: flags; the daemon issue wires the services.)
+// weightbridged: flags and wiring only. Logic lives in daemon/server.h and what it starts.
+#include <signal.h>
+
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "tools/cc/gpu_info.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/data_channel.h"
+#include "daemon/server.h"
+#include "daemon/simple_plan.h"
+#include "planner/inventory.h"
+#include "planner/model_config.h"
 
 ABSL_FLAG(std::string, role, "standalone", "node | coordinator | standalone");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC listen address (port 0 = pick one)");
 ABSL_FLAG(std::string, port_file, "", "write the chosen port here once listening");
+ABSL_FLAG(std::string, worker_socket, "", "Unix socket path for WorkerService (node/standalone)");
+ABSL_FLAG(std::string, coordinator, "", "coordinator host:port (role=node)");
+ABSL_FLAG(std::string, node_id, "node0", "this node's id");
+ABSL_FLAG(std::string, data_listen, "127.0.0.1:0", "TCP data-plane listen address (port 0 = pick one)");
+ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
+ABSL_FLAG(int64_t, heartbeat_ms, 500, "node -> coordinator heartbeat period");
+ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost");
+ABSL_FLAG(int64_t, transfer_timeout_ms, 60000, "a version not transferred in this time is aborted");
+ABSL_FLAG(std::string, log_level, "info", "info | debug | warning | error");
+
+namespace {
+
+int Fail(const std::string& msg) {
+  std::fprintf(stderr, "weightbridged: %s\n", msg.c_str());
+  return 2;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("WeightBridge daemon: weightbridged --role=node|coordinator|standalone");
-  absl::ParseCommandLine(argc, argv);
-  wb::GpuInfo gpu = wb::ProbeGpus();
-  std::printf("weightbridged role=%s gpus=%d (%s)\n", absl::GetFlag(FLAGS_role).c_str(),
-              gpu.device_count, gpu.unavailable_reason.c_str());
+  absl::SetProgramUsageMessage("WeightBridge daemon: weightbridged --role=node|coordinator|standalone --worker_socket=PATH ...");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) return Fail(absl::StrCat("unexpected argument '", rest[1], "'"));
+  auto role = wb::daemon::ParseRole(absl::GetFlag(FLAGS_role));
+  if (!role.ok()) return Fail(std::string(role.status().message()));
+  const std::string level = absl::GetFlag(FLAGS_log_level);
+  if (level != "info" && level != "debug" && level != "warning" && level != "error") {
+    return Fail(absl::StrCat("--log_level must be info, debug, warning or error, got '", level, "'"));
+  }
+  for (auto [name, v] : {std::pair{"heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
+                         std::pair{"lease_ms", absl::GetFlag(FLAGS_lease_ms)},
+                         std::pair{"transfer_timeout_ms", absl::GetFlag(FLAGS_transfer_timeout_ms)},
+                         std::pair{"staging_budget_bytes", absl::GetFlag(FLAGS_staging_budget_bytes)}}) {
+    if (v <= 0) return Fail(absl::StrCat("--", name, " must be > 0"));
+  }
+
+  // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  wb::daemon::ServerOptions o;
+  o.role = *role;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.worker_socket = absl::GetFlag(FLAGS_worker_socket);
+  o.coordinator = absl::GetFlag(FLAGS_coordinator);
+  o.node_id = absl::GetFlag(FLAGS_node_id);
+  o.data_listen = absl::GetFlag(FLAGS_data_listen);
+  o.staging_budget_bytes = absl::GetFlag(FLAGS_staging_budget_bytes);
+  o.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
+  o.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
+  o.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
+  // Concrete implementations are picked here and only here.
+  o.make_plan = wb::daemon::SimplePlan;  // TODO: planner::MakePlan once it lands
+  o.inventory_from_hf = [](const std::string& json, wb::planner::DType dtype) -> absl::StatusOr<wb::planner::Inventory> {
+    auto config = wb::planner::ParseHfConfig(json);
+    if (!config.ok()) return config.status();
+    return wb::planner::BuildInventory(*config, dtype);
+  };
+  o.make_data_channel = [] { return wb::daemon::NewTcpDataChannel(); };
+
+  auto server = wb::daemon::Server::Start(std::move(o));
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  std::printf("weightbridged role=%s node_id=%s listening on %s port %d\n", absl::GetFlag(FLAGS_role).c_str(),
+              absl::GetFlag(FLAGS_node_id).c_str(), (*server)->address().c_str(), (*server)->port());
+  std::fflush(stdout);
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty()) {
+    // Write then rename, so a reader never sees a partial file.
+    std::string tmp = port_file + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << (*server)->port() << "\n";
+      if (!f) return Fail(absl::StrCat("cannot write --port_file ", port_file));
+    }
+    if (std::rename(tmp.c_str(), port_file.c_str()) != 0) return Fail(absl::StrCat("cannot write --port_file ", port_file));
+  }
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("weightbridged: signal %d, shutting down\n", sig);
+  std::fflush(stdout);
+  (*server)->Shutdown();
   return 0;
 }

@@ -1,0 +1,780 @@
+#include "daemon/coordinator.h"
+
+#include <grpcpp/grpcpp.h>
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/box_copy.h"
+#include "daemon/convert.h"
+#include "planner/box.h"
+#include "proto/grpc_status.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::daemon {
+namespace {
+
+ModeKind ToMode(pb::Mode mode) {
+  switch (mode) {
+    case pb::MODE_ONE_STEP_OFF: return ModeKind::kOneStepOff;
+    case pb::MODE_ASYNC: return ModeKind::kAsync;
+    default: return ModeKind::kSync;
+  }
+}
+
+absl::Time RequestDeadline(int64_t timeout_ms) {
+  return absl::Now() + (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60));
+}
+
+// Layout checks the coordinator can do without the planner: boxes inside shapes, pieces inside
+// their buffers, and (destinations) no two pieces of one worker overlapping. Errors name the tensor
+// and the box.
+absl::Status ValidateLayout(const planner::Inventory& inv, const planner::WorkerLayout& layout,
+                            planner::Role role) {
+  for (size_t i = 0; i < layout.pieces.size(); ++i) {
+    const planner::Piece& p = layout.pieces[i];
+    const planner::TensorSpec& t = inv.tensors[p.tensor];
+    std::string what = absl::StrCat("tensor ", t.name, " box ", planner::BoxToString(p.box));
+    if (!planner::BoxInside(p.box, t.shape) || planner::BoxEmpty(p.box)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": empty or outside the tensor shape"));
+    }
+    RETURN_IF_ERROR(CheckPieceInBuffer(p, planner::DTypeSize(t.dtype), layout.buffers[p.buffer].size_bytes, what));
+  }
+  if (role == planner::Role::kRollout) {
+    std::map<int32_t, std::vector<const planner::Piece*>> by_tensor;
+    for (const planner::Piece& p : layout.pieces) by_tensor[p.tensor].push_back(&p);
+    for (auto& [t, ps] : by_tensor) {
+      for (size_t a = 0; a < ps.size(); ++a) {
+        for (size_t b = a + 1; b < ps.size(); ++b) {
+          if (planner::Intersect(ps[a]->box, ps[b]->box)) {
+            return absl::InvalidArgumentError(absl::StrCat("tensor ", inv.tensors[t].name, " box ",
+                                                           planner::BoxToString(ps[b]->box),
+                                                           ": overlaps another destination piece ",
+                                                           planner::BoxToString(ps[a]->box)));
+          }
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Coordinator::Coordinator(Options options) : options_(std::move(options)) {}
+
+Coordinator::~Coordinator() { Shutdown(); }
+
+void Coordinator::Start() { driver_ = std::thread([this] { DriverLoop(); }); }
+
+void Coordinator::Shutdown() {
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+  }
+  if (driver_.joinable()) driver_.join();
+}
+
+absl::StatusOr<Coordinator::Model*> Coordinator::GetModelLocked(const std::string& id) {
+  auto it = models_.find(id);
+  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("unknown model '", id, "'"));
+  return &it->second;
+}
+
+absl::Status Coordinator::CreateModelLocked(const pb::ModelSpec& spec, bool* created) {
+  *created = false;
+  if (spec.model_id().empty()) return absl::InvalidArgumentError("model_id is empty");
+  auto it = models_.find(spec.model_id());
+  if (it != models_.end()) {
+    const pb::ModelSpec& have = it->second.spec;
+    if (have.mode() != spec.mode() || have.num_trainer_workers() != spec.num_trainer_workers() ||
+        have.num_rollout_workers() != spec.num_rollout_workers() || have.strategy() != spec.strategy() ||
+        have.max_staleness() != spec.max_staleness()) {
+      return absl::AlreadyExistsError(absl::StrCat("model ", spec.model_id(), " exists with a different spec"));
+    }
+    return absl::OkStatus();
+  }
+  if (spec.num_trainer_workers() == 0 || spec.num_rollout_workers() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": worker counts must be > 0"));
+  }
+  Model m;
+  m.spec = spec;
+  if (spec.has_explicit_tensors()) {
+    ASSIGN_OR_RETURN(m.inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
+  } else if (!spec.hf_config_json().empty()) {
+    if (!options_.inventory_from_hf) return absl::UnimplementedError("HF config inventories are not available in this build");
+    ASSIGN_OR_RETURN(planner::DType dtype, FromProto(spec.dtype()));
+    ASSIGN_OR_RETURN(m.inventory, options_.inventory_from_hf(spec.hf_config_json(), dtype));
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
+  }
+  if (m.inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
+  m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
+  models_.emplace(spec.model_id(), std::move(m));
+  *created = true;
+  return absl::OkStatus();
+}
+
+grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterNodeRequest* req,
+                                       pb::RegisterNodeResponse* resp) {
+  if (req->node_id().empty() || req->address().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("node_id and address are required"));
+  }
+  auto channel = grpc::CreateChannel(req->address(), grpc::InsecureChannelCredentials());
+  absl::MutexLock l(&mu_);
+  Node& n = nodes_[req->node_id()];
+  if (n.incarnation > 0) {
+    // A restarted node: whatever its workers had registered is gone with the old process.
+    for (auto& [id, m] : models_) {
+      std::vector<std::string> gone;
+      for (auto& [w, rec] : m.workers) if (rec.node == req->node_id()) gone.push_back(w);
+      for (const std::string& w : gone) DropWorkerLocked(m, w, absl::StrCat("node ", req->node_id(), " restarted"));
+      // The version in flight cannot finish with the old process gone.
+      if (m.machine->InFlightInvolves(req->node_id())) {
+        AbortLocked(id, m, *m.machine->InFlight(), absl::StrCat("node ", req->node_id(), " restarted"));
+      }
+    }
+  }
+  n.address = req->address();
+  n.data_address = req->data_address();
+  n.incarnation += 1;
+  n.alive = true;
+  n.draining = false;
+  n.lease_expiry = options_.clock->Now() + options_.lease;
+  n.stub = pb::NodeService::NewStub(channel);
+  resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  resp->set_incarnation(n.incarnation);
+  wake_ = true;
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::Heartbeat(grpc::ServerContext*, const pb::HeartbeatRequest* req,
+                                    pb::HeartbeatResponse* resp) {
+  absl::MutexLock l(&mu_);
+  auto it = nodes_.find(req->node_id());
+  if (it == nodes_.end() || !it->second.alive || it->second.incarnation != req->incarnation()) {
+    return ToGrpcStatus(absl::NotFoundError(absl::StrCat("node ", req->node_id(), " is not registered (lease lost?): register again")));
+  }
+  it->second.lease_expiry = options_.clock->Now() + options_.lease;
+  for (const pb::VersionProgress& p : req->progress()) {
+    auto m = models_.find(p.model_id());
+    if (m != models_.end()) m->second.progress[p.version()][req->node_id()] = p.bytes_done();
+  }
+  resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::CreateModel(grpc::ServerContext*, const pb::CreateModelRequest* req,
+                                      pb::CreateModelResponse* resp) {
+  absl::MutexLock l(&mu_);
+  bool created = false;
+  absl::Status s = CreateModelLocked(req->model(), &created);
+  if (!s.ok()) return ToGrpcStatus(s);
+  resp->set_created(created);
+  InventoryToProto(models_.at(req->model().model_id()).inventory, resp->mutable_tensors());
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::JoinWorker(grpc::ServerContext*, const pb::JoinWorkerRequest* req,
+                                     pb::JoinWorkerResponse* resp) {
+  absl::MutexLock l(&mu_);
+  if (req->worker_id().empty()) return ToGrpcStatus(absl::InvalidArgumentError("worker_id is empty"));
+  if (!nodes_.count(req->node_id()) || !nodes_.at(req->node_id()).alive) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("node ", req->node_id(), " is not registered")));
+  }
+  if (req->has_model() && !models_.count(req->model_id())) {
+    pb::ModelSpec spec = req->model();
+    if (spec.model_id().empty()) spec.set_model_id(req->model_id());
+    bool created = false;
+    absl::Status s = CreateModelLocked(spec, &created);
+    if (!s.ok()) return ToGrpcStatus(s);
+  }
+  auto m = GetModelLocked(req->model_id());
+  if (!m.ok()) return ToGrpcStatus(m.status());
+  Model& model = **m;
+  if (model.workers.count(req->worker_id())) {
+    DropWorkerLocked(model, req->worker_id(), absl::StrCat("worker ", req->worker_id(), " registered again"));
+  }
+  WorkerRec rec;
+  rec.node = req->node_id();
+  rec.role = FromProto(req->role());
+  rec.gpu = req->gpu();
+  model.workers[req->worker_id()] = std::move(rec);
+  InventoryToProto(model.inventory, resp->mutable_tensors());
+  resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::SubmitLayout(grpc::ServerContext*, const pb::SubmitLayoutRequest* req,
+                                       pb::SubmitLayoutResponse* resp) {
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  Model& m = **mm;
+  auto w = m.workers.find(req->worker_id());
+  if (w == m.workers.end()) {
+    return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " has not joined model ", req->model_id())));
+  }
+  pb::ResolvedLayout resolved;
+  *resolved.mutable_buffers() = req->buffers();
+  planner::WorkerLayout layout;
+  if (req->layout().has_pieces()) {
+    *resolved.mutable_pieces() = req->layout().pieces().pieces();
+    auto l2 = LayoutFromProto(resolved, m.inventory);
+    if (!l2.ok()) return ToGrpcStatus(l2.status());
+    layout = std::move(*l2);
+  } else if (req->layout().has_preset()) {
+    if (!options_.preset_layout) return ToGrpcStatus(absl::UnimplementedError("preset layouts are not available in this build"));
+    auto l2 = options_.preset_layout(m.spec, m.inventory, req->layout().preset());
+    if (!l2.ok()) return ToGrpcStatus(l2.status());
+    layout = std::move(*l2);
+    if (layout.buffers.size() != static_cast<size_t>(req->buffers_size())) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("preset needs ", layout.buffers.size(),
+                                                                  " buffers, worker registered ", req->buffers_size())));
+    }
+    for (size_t i = 0; i < layout.buffers.size(); ++i) {
+      if (layout.buffers[i].size_bytes > static_cast<int64_t>(req->buffers(i).size_bytes())) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("preset buffer ", i, " needs ", layout.buffers[i].size_bytes,
+                                                                    " bytes, registered ", req->buffers(i).size_bytes())));
+      }
+      layout.buffers[i].size_bytes = static_cast<int64_t>(req->buffers(i).size_bytes());
+    }
+    resolved.clear_pieces();
+    LayoutToProto(layout, m.inventory, req->buffers(), &resolved);
+  } else {
+    return ToGrpcStatus(absl::InvalidArgumentError("layout: pieces or preset required (index probes are resolved by the node)"));
+  }
+  absl::Status s = ValidateLayout(m.inventory, layout, w->second.role);
+  if (!s.ok()) return ToGrpcStatus(Annotate(s, absl::StrCat("worker ", req->worker_id())));
+  // Valid: replace (a changed layout of a worker in flight aborts that version).
+  if (w->second.has_layout) DropWorkerLocked(m, req->worker_id(), absl::StrCat("worker ", req->worker_id(), " changed its layout"));
+  w = m.workers.find(req->worker_id());
+  if (w == m.workers.end()) return ToGrpcStatus(absl::AbortedError("worker dropped concurrently"));
+  w->second.has_layout = true;
+  w->second.layout = std::move(layout);
+  w->second.layout_proto = resolved;
+  *resp->mutable_layout() = std::move(resolved);
+  m.plan_dirty = true;
+  wake_ = true;
+  return grpc::Status::OK;
+}
+
+void Coordinator::DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) {
+  auto it = m.workers.find(worker);
+  if (it == m.workers.end()) return;
+  bool in_plan = false;
+  for (const std::string& id : m.plan.worker_ids) in_plan |= id == worker;
+  m.workers.erase(it);
+  if (in_plan) {
+    m.plan_dirty = true;
+    if (auto v = m.machine->InFlight()) {
+      for (auto& [id, model] : models_) {
+        if (&model == &m) AbortLocked(id, m, *v, reason);
+      }
+    }
+  }
+  wake_ = true;
+}
+
+void Coordinator::AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason) {
+  const VersionRecord* rec = m.machine->Find(version);
+  if (rec && (rec->state == VState::kCommitted || rec->state == VState::kAborted)) return;
+  if (m.committing == version) return;  // commit already decided
+  m.machine->Abort(version, reason, options_.clock->Now());
+  std::vector<std::pair<std::string, pb::NodeService::Stub*>> targets;
+  for (const std::string& n : m.plan.nodes) {
+    auto it = nodes_.find(n);
+    if (it != nodes_.end() && it->second.alive && it->second.stub) targets.push_back({n, it->second.stub.get()});
+  }
+  pending_rpcs_.push_back([targets, model_id, version, reason] {
+    for (auto& [n, stub] : targets) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      pb::AbortVersionRequest req;
+      req.set_model_id(model_id);
+      req.set_version(version);
+      req.set_reason(reason);
+      pb::AbortVersionResponse resp;
+      stub->AbortVersion(&ctx, req, &resp);  // best effort: a dead node has nothing to drop
+    }
+  });
+  wake_ = true;
+}
+
+grpc::Status Coordinator::LeaveWorker(grpc::ServerContext*, const pb::LeaveWorkerRequest* req, pb::LeaveWorkerResponse*) {
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  DropWorkerLocked(**mm, req->worker_id(),
+                   absl::StrCat("worker ", req->worker_id(), " left", req->reason().empty() ? "" : ": ", req->reason()));
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::Publish(grpc::ServerContext*, const pb::CoordPublishRequest* req, pb::PublishResponse* resp) {
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = RequestDeadline(req->timeout_ms());
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  Model* m = *mm;
+  const uint64_t v = req->version();
+  if (cluster_draining_ && !m->machine->Find(v)) {
+    return ToGrpcStatus(absl::UnavailableError(absl::StrCat("cluster is draining: version ", v, " refused")));
+  }
+  for (const std::string& n : m->plan.nodes) {
+    auto it = nodes_.find(n);
+    if (it != nodes_.end() && it->second.draining && !m->machine->Find(v)) {
+      return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", n, " is draining: version ", v, " refused")));
+    }
+  }
+  // Staleness bound (async): hold the trainer while a rollout is too far behind.
+  auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stopping_ || m->machine->PublishAdmissible(v);
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&admissible), deadline)) {
+    return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("publish of version ", v, ": a rollout is more than ",
+                                                                 m->machine->max_staleness(), " versions behind")));
+  }
+  if (stopping_) return ToGrpcStatus(absl::UnavailableError("coordinator shutting down"));
+  absl::Status s = m->machine->RecordPublish(req->worker_id(), v);
+  if (!s.ok()) return ToGrpcStatus(Annotate(s, absl::StrCat("publish by ", req->worker_id())));
+  wake_ = true;
+  if (m->machine->mode() == ModeKind::kSync) {
+    // Sync: the trainer's live weights are the source, so it waits until the version is in.
+    auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+      return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("version ", v, " not committed before the publish deadline")));
+    }
+    if (stopping_) return ToGrpcStatus(absl::UnavailableError("coordinator shutting down"));
+    s = *m->machine->Outcome(v);
+    if (!s.ok()) return ToGrpcStatus(s);
+  }
+  resp->set_version(v);
+  resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::ReportReady(grpc::ServerContext*, const pb::ReportReadyRequest* req, pb::ReportReadyResponse* resp) {
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  auto w = (*mm)->workers.find(req->worker_id());
+  if (w == (*mm)->workers.end() || w->second.role != planner::Role::kRollout) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), " is not a registered rollout worker")));
+  }
+  (*mm)->machine->RecordReady(req->worker_id());
+  resp->set_committed_version((*mm)->machine->committed());
+  wake_ = true;
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::ReportDone(grpc::ServerContext*, const pb::ReportDoneRequest* req, pb::ReportDoneResponse*) {
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  Model& m = **mm;
+  if (!req->ok()) {
+    AbortLocked(req->model_id(), m, req->version(), absl::StrCat("node ", req->node_id(), ": ", req->error()));
+    return grpc::Status::OK;
+  }
+  m.progress[req->version()][req->node_id()] = req->bytes();
+  if (m.machine->NodeDone(req->node_id(), req->version())) {
+    m.committing = req->version();
+    wake_ = true;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::ReportApplied(grpc::ServerContext*, const pb::ReportAppliedRequest* req, pb::ReportAppliedResponse*) {
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  (*mm)->machine->RecordApplied(req->worker_id(), req->version());
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) {
+  const absl::Time deadline = RequestDeadline(req->timeout_ms());
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  Model* m = *mm;
+  const uint64_t v = std::max<uint64_t>(req->version(), 1);
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+    return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("version ", v, " of model ", req->model_id(),
+                                                                 " not committed in time (committed: ", m->machine->committed(), ")")));
+  }
+  if (stopping_) return ToGrpcStatus(absl::UnavailableError("coordinator shutting down"));
+  absl::Status s = *m->machine->Outcome(v);
+  if (!s.ok()) return ToGrpcStatus(s);
+  resp->set_committed_version(m->machine->committed());
+  return grpc::Status::OK;
+}
+
+void Coordinator::FillStatusLocked(pb::StatusResponse* out) {
+  const absl::Time now = options_.clock->Now();
+  for (auto& [id, n] : nodes_) {
+    pb::NodeStatus* ns = out->add_nodes();
+    ns->set_node_id(id);
+    ns->set_address(n.address);
+    ns->set_data_address(n.data_address);
+    ns->set_alive(n.alive);
+    ns->set_draining(n.draining);
+    ns->set_lease_left_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(n.lease_expiry - now)));
+    uint32_t count = 0;
+    bool busy = false;
+    for (auto& [mid, m] : models_) {
+      for (auto& [w, rec] : m.workers) count += rec.node == id;
+      busy |= m.machine->InFlightInvolves(id);
+    }
+    ns->set_num_workers(count);
+    ns->set_drained(n.draining && !busy);
+  }
+  for (auto& [mid, m] : models_) {
+    pb::ModelStatus* ms = out->add_models();
+    ms->set_model_id(mid);
+    ms->set_mode(m.spec.mode());
+    ms->set_strategy(m.spec.strategy());
+    ms->set_committed_version(m.machine->committed());
+    ms->set_plan_fingerprint(m.plan.plan.fingerprint);
+    ms->set_last_transfer_seconds(m.last_seconds);
+    ms->set_last_transfer_bytes(m.last_bytes);
+    ms->set_last_transfer_gbps(m.last_seconds > 0 ? m.last_bytes / m.last_seconds / 1e9 : 0);
+    ms->set_num_trainer_workers(m.spec.num_trainer_workers());
+    ms->set_num_rollout_workers(m.spec.num_rollout_workers());
+    ms->set_max_staleness(m.spec.max_staleness());
+    ms->set_draining(cluster_draining_ || m.machine->draining());
+    uint32_t nt = 0, nr = 0;
+    for (auto& [w, rec] : m.workers) {
+      if (!rec.has_layout) continue;
+      (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
+    }
+    ms->set_registered_trainers(nt);
+    ms->set_registered_rollouts(nr);
+    StatsToProto(m.plan.plan.stats, static_cast<int>(m.plan.plan.buckets.size()), ms->mutable_plan_stats());
+    for (auto& [w, rec] : m.workers) {
+      pb::WorkerStatus* ws = out->add_workers();
+      ws->set_worker_id(w);
+      ws->set_model_id(mid);
+      ws->set_role(ToProto(rec.role));
+      ws->set_node_id(rec.node);
+      ws->set_applied_version(m.machine->Applied(w));
+      ws->set_has_layout(rec.has_layout);
+      ws->set_paused(m.machine->IsPaused(w));
+    }
+    for (auto& [v, rec] : m.machine->records()) {
+      pb::VersionStatus* vs = out->add_versions();
+      vs->set_model_id(mid);
+      vs->set_version(v);
+      vs->set_state(VStateName(rec.state));
+      vs->set_bytes_total(rec.bytes_total);
+      uint64_t done = 0;
+      auto p = m.progress.find(v);
+      if (p != m.progress.end()) for (auto& [n, b] : p->second) done += b;
+      vs->set_bytes_done(rec.state == VState::kCommitted ? rec.bytes_total : std::min(done, rec.bytes_total));
+      if (rec.started != absl::InfinitePast()) {
+        absl::Time end = rec.finished != absl::InfinitePast() ? rec.finished : now;
+        vs->set_seconds(absl::ToDoubleSeconds(end - rec.started));
+      }
+      vs->set_error(rec.error);
+      vs->set_num_ops(static_cast<uint32_t>(m.plan.plan.stats.num_ops));
+    }
+  }
+}
+
+grpc::Status Coordinator::ClusterStatus(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse* resp) {
+  absl::MutexLock l(&mu_);
+  resp->set_role("coordinator");
+  FillStatusLocked(resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::Drain(grpc::ServerContext*, const pb::DrainRequest* req, pb::DrainResponse* resp) {
+  const absl::Time deadline = RequestDeadline(req->timeout_ms());
+  absl::MutexLock l(&mu_);
+  if (req->node_id().empty()) {
+    cluster_draining_ = true;
+    for (auto& [id, m] : models_) m.machine->set_draining(true);
+  } else {
+    auto it = nodes_.find(req->node_id());
+    if (it == nodes_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("unknown node ", req->node_id())));
+    it->second.draining = true;
+  }
+  // Drained when nothing the drain covers is queued or transferring.
+  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (stopping_) return true;
+    for (auto& [id, m] : models_) {
+      if (req->node_id().empty() ? !m.machine->Idle() : m.machine->InFlightInvolves(req->node_id())) return false;
+    }
+    return true;
+  };
+  bool drained = mu_.AwaitWithDeadline(absl::Condition(&idle), deadline) && !stopping_;
+  uint32_t in_flight = 0;
+  for (auto& [id, m] : models_) in_flight += m.machine->InFlight().has_value();
+  resp->set_drained(drained);
+  resp->set_in_flight_versions(in_flight);
+  return grpc::Status::OK;
+}
+
+grpc::Status Coordinator::Plan(grpc::ServerContext*, const pb::PlanRequest* req, pb::PlanResponse* resp) {
+  absl::MutexLock l(&mu_);
+  auto mm = GetModelLocked(req->model_id());
+  if (!mm.ok()) return ToGrpcStatus(mm.status());
+  Model& m = **mm;
+  if (m.plan.epoch == 0) {
+    return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("model ", req->model_id(), " has no plan yet",
+                                                                   m.plan_error.empty() ? "" : ": ", m.plan_error)));
+  }
+  resp->set_fingerprint(m.plan.plan.fingerprint);
+  resp->set_strategy(ToProto(m.plan.plan.strategy));
+  StatsToProto(m.plan.plan.stats, static_cast<int>(m.plan.plan.buckets.size()), resp->mutable_stats());
+  resp->set_total_bytes(m.plan.total_bytes);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLocked(const std::string& model_id, Model& m) {
+  // Problem: trainers then rollouts (ids sorted: std::map order), only workers with a layout.
+  planner::Problem problem;
+  problem.inventory = m.inventory;
+  problem.topology = options_.topology;
+  std::vector<std::string> ids;
+  std::map<std::string, int32_t> node_index;
+  std::set<std::string> trainers, rollouts;
+  for (planner::Role role : {planner::Role::kTrainer, planner::Role::kRollout}) {
+    for (auto& [id, w] : m.workers) {
+      if (!w.has_layout || w.role != role) continue;
+      planner::Worker pw;
+      pw.id = id;
+      pw.role = role;
+      pw.node = node_index.emplace(w.node, static_cast<int32_t>(node_index.size())).first->second;
+      pw.gpu = w.gpu;
+      pw.layout = w.layout;
+      problem.workers.push_back(std::move(pw));
+      ids.push_back(id);
+      (role == planner::Role::kTrainer ? trainers : rollouts).insert(id);
+    }
+  }
+  // Cache key: everything the planner sees (layouts, placement, strategy).
+  std::string key_src = absl::StrCat(model_id, "|", static_cast<int>(m.spec.strategy()));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const WorkerRec& w = m.workers.at(ids[i]);
+    absl::StrAppend(&key_src, "|", ids[i], "@", problem.workers[i].node, ":", w.gpu, ":", w.layout_proto.SerializeAsString());
+  }
+  std::string key = absl::StrCat(absl::Hex(XXH3_64bits(key_src.data(), key_src.size())));
+  planner::Plan plan;
+  auto cached = plan_cache_.find(key);
+  if (cached != plan_cache_.end()) {
+    plan = cached->second;
+  } else {
+    absl::Time t0 = absl::Now();
+    ASSIGN_OR_RETURN(plan, options_.make_plan(problem, FromProto(m.spec.strategy())));
+    plan.stats.plan_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    if (plan_cache_.size() > 64) plan_cache_.clear();
+    plan_cache_[key] = plan;
+  }
+  m.plan.epoch = next_epoch_++;
+  m.plan.plan = plan;
+  m.plan.worker_ids = ids;
+  m.plan.nodes.clear();
+  m.plan.total_bytes = 0;
+  m.plan.installed = false;
+  m.machine->SetTrainers(trainers);
+  m.machine->SetRollouts(rollouts);
+  for (auto& [n, idx] : node_index) m.plan.nodes.insert(n);
+
+  std::map<std::string, pb::PlanSlice> slices;
+  for (const std::string& n : m.plan.nodes) {
+    pb::PlanSlice& s = slices[n];
+    s.set_model_id(model_id);
+    s.set_plan_epoch(m.plan.epoch);
+    s.set_fingerprint(plan.fingerprint);
+    s.set_strategy(ToProto(plan.strategy));
+    s.set_mode(m.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : m.spec.mode());
+    InventoryToProto(m.inventory, s.mutable_tensors());
+    s.set_num_buckets(static_cast<uint32_t>(plan.buckets.size()));
+    StatsToProto(plan.stats, static_cast<int>(plan.buckets.size()), s.mutable_stats());
+    for (const std::string& id : ids) {
+      const WorkerRec& w = m.workers.at(id);
+      pb::PlanWorker* pw = s.add_workers();
+      pw->set_worker_id(id);
+      pw->set_role(ToProto(w.role));
+      pw->set_node_id(w.node);
+      pw->set_gpu(w.gpu);
+      auto node = nodes_.find(w.node);
+      if (node != nodes_.end()) pw->set_data_address(node->second.data_address);
+      if (w.node == n) *pw->mutable_layout() = w.layout_proto;
+    }
+  }
+  uint32_t index = 0;
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    for (const planner::TransferOp& op : plan.buckets[b].ops) {
+      m.plan.total_bytes += static_cast<uint64_t>(op.bytes);
+      pb::TransferOp pop;
+      pop.set_index(index++);
+      pop.set_bucket(static_cast<uint32_t>(b));
+      pop.set_src_worker(static_cast<uint32_t>(op.src_worker));
+      pop.set_dst_worker(static_cast<uint32_t>(op.dst_worker));
+      pop.set_src_piece(op.src_piece);
+      pop.set_dst_piece(op.dst_piece);
+      pop.set_tensor(op.tensor);
+      ToProto(op.box, pop.mutable_box());
+      pop.set_bytes(static_cast<uint64_t>(op.bytes));
+      pop.set_route(ToProto(op.route));
+      const std::string& src_node = m.workers.at(ids[op.src_worker]).node;
+      const std::string& dst_node = m.workers.at(ids[op.dst_worker]).node;
+      *slices[src_node].add_ops() = pop;
+      if (dst_node != src_node) *slices[dst_node].add_ops() = pop;
+    }
+  }
+  for (auto& [n, s] : slices) s.set_total_bytes(m.plan.total_bytes);
+  return slices;
+}
+
+std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
+  std::vector<std::function<void()>> work;
+  const absl::Time now = options_.clock->Now();
+  // Leases.
+  for (auto& [nid, n] : nodes_) {
+    if (!n.alive || now < n.lease_expiry) continue;
+    n.alive = false;
+    std::string reason = absl::StrCat("node ", nid, " lost its lease");
+    for (auto& [mid, m] : models_) {
+      if (m.machine->InFlightInvolves(nid)) AbortLocked(mid, m, *m.machine->InFlight(), reason);
+      std::vector<std::string> gone;
+      for (auto& [w, rec] : m.workers) if (rec.node == nid) gone.push_back(w);
+      for (const std::string& w : gone) DropWorkerLocked(m, w, reason);
+    }
+  }
+  for (auto& [mid, m] : models_) {
+    if (auto v = m.machine->TimedOut(now); v && m.committing != *v) {
+      AbortLocked(mid, m, *v, absl::StrCat("transfer timed out after ", absl::FormatDuration(options_.transfer_timeout)));
+    }
+    Model* mp = &m;
+    const std::string model_id = mid;
+    // Commit: every node done. Send CommitVersion everywhere, then mark committed.
+    if (m.committing != 0) {
+      uint64_t v = m.committing;
+      std::vector<pb::NodeService::Stub*> stubs;
+      for (const std::string& n : m.plan.nodes) {
+        auto it = nodes_.find(n);
+        if (it != nodes_.end() && it->second.stub) stubs.push_back(it->second.stub.get());
+      }
+      m.committing = 0;
+      m.committing = v;  // keeps aborts off until the commit is recorded
+      work.push_back([this, mp, model_id, v, stubs] {
+        for (auto* stub : stubs) {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+          pb::CommitVersionRequest req;
+          req.set_model_id(model_id);
+          req.set_version(v);
+          pb::CommitVersionResponse resp;
+          stub->CommitVersion(&ctx, req, &resp);  // a node that died now has no live rollouts left
+        }
+        absl::MutexLock l(&mu_);
+        const absl::Time t = options_.clock->Now();
+        mp->machine->Commit(v, t);
+        if (const VersionRecord* rec = mp->machine->Find(v)) {
+          mp->last_seconds = absl::ToDoubleSeconds(rec->finished - rec->started);
+          mp->last_bytes = rec->bytes_total;
+        }
+        mp->progress.erase(v);
+        mp->machine->Prune(64);
+        mp->committing = 0;
+        wake_ = true;
+      });
+      continue;
+    }
+    if (m.machine->InFlight()) continue;
+    // (Re-)plan: trainers complete; rollouts complete the first time, any non-empty set later.
+    if (m.plan_dirty) {
+      uint32_t nt = 0, nr = 0;
+      for (auto& [w, rec] : m.workers) {
+        if (!rec.has_layout) continue;
+        (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
+      }
+      bool ready = nt >= m.spec.num_trainer_workers() && nr > 0 && (m.planned_once || nr >= m.spec.num_rollout_workers());
+      if (!ready) continue;
+      auto slices = MakeSlicesLocked(mid, m);
+      m.plan_dirty = false;
+      if (!slices.ok()) {
+        m.plan_error = std::string(slices.status().message());
+        continue;
+      }
+      m.plan_error.clear();
+      m.planned_once = true;
+      std::vector<std::pair<pb::NodeService::Stub*, pb::PlanSlice>> installs;
+      for (auto& [n, s] : *slices) installs.push_back({nodes_.at(n).stub.get(), std::move(s)});
+      uint64_t epoch = m.plan.epoch;
+      work.push_back([this, mp, installs, epoch] {
+        absl::Status status;
+        for (auto& [stub, slice] : installs) {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+          pb::InstallPlanRequest req;
+          *req.mutable_slice() = slice;
+          pb::InstallPlanResponse resp;
+          absl::Status s = FromGrpcStatus(stub->InstallPlan(&ctx, req, &resp));
+          if (!s.ok()) status = s;
+        }
+        absl::MutexLock l(&mu_);
+        if (mp->plan.epoch != epoch) return;
+        if (status.ok()) {
+          mp->plan.installed = true;
+        } else {
+          mp->plan_error = std::string(status.message());
+          mp->plan_dirty = true;  // retry on the next pass
+        }
+        wake_ = true;
+      });
+      continue;
+    }
+    if (!m.plan.installed) continue;
+    auto next = m.machine->NextToStart();
+    if (!next) continue;
+    uint64_t v = *next;
+    m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes);
+    std::vector<std::pair<std::string, pb::NodeService::Stub*>> stubs;
+    for (const std::string& n : m.plan.nodes) stubs.push_back({n, nodes_.at(n).stub.get()});
+    uint64_t epoch = m.plan.epoch;
+    int64_t timeout_ms = absl::ToInt64Milliseconds(options_.transfer_timeout);
+    work.push_back([this, mp, model_id, v, epoch, stubs, timeout_ms] {
+      for (auto& [n, stub] : stubs) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+        pb::ExecuteVersionRequest req;
+        req.set_model_id(model_id);
+        req.set_version(v);
+        req.set_plan_epoch(epoch);
+        req.set_timeout_ms(timeout_ms);
+        pb::ExecuteVersionResponse resp;
+        absl::Status s = FromGrpcStatus(stub->ExecuteVersion(&ctx, req, &resp));
+        if (!s.ok()) {
+          absl::MutexLock l(&mu_);
+          AbortLocked(model_id, *mp, v, absl::StrCat("node ", n, " could not start: ", s.message()));
+          return;
+        }
+      }
+    });
+  }
+  for (auto& f : pending_rpcs_) work.push_back(std::move(f));
+  pending_rpcs_.clear();
+  return work;
+}
+
+void Coordinator::DriverLoop() {
+  while (true) {
+    std::vector<std::function<void()>> work;
+    {
+      absl::MutexLock l(&mu_);
+      auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&woken), options_.tick);
+      if (stopping_) return;
+      wake_ = false;
+      work = CollectWorkLocked();
+    }
+    for (auto& f : work) f();
+  }
+}
+
+}  // namespace wb::daemon

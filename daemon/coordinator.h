@@ -1,0 +1,138 @@
+#pragma once
+// CoordinatorService: node membership with leases, models, layouts, planning (cached by
+// fingerprint, re-planned on membership change), plan slices to nodes, and the version state
+// machine (daemon/version_machine.h) driven by one driver thread. See docs/daemon.md.
+//
+// Threads: gRPC handlers mutate state under mu_ and wake the driver; the driver does every
+// coordinator -> node RPC (install/execute/commit/abort) outside the lock. Waiting handlers
+// (Publish, WaitVersion, Drain) block on mu_ with a real-time deadline from the request.
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/version_machine.h"
+#include "planner/types.h"
+#include "proto/weightbridge.grpc.pb.h"
+#include "tools/cc/clock.h"
+
+namespace wb::daemon {
+
+namespace pb = ::weightbridge::v1;
+
+using PlanFn = std::function<absl::StatusOr<planner::Plan>(const planner::Problem&, planner::Strategy)>;
+// HF config.json text + transfer dtype -> canonical inventory.
+using InventoryFn = std::function<absl::StatusOr<planner::Inventory>(const std::string&, planner::DType)>;
+// (model spec, inventory, preset parallel config, buffers) -> layout. Optional.
+using PresetFn = std::function<absl::StatusOr<planner::WorkerLayout>(
+    const pb::ModelSpec&, const planner::Inventory&, const pb::ParallelConfig&)>;
+
+class Coordinator final : public pb::CoordinatorService::Service {
+ public:
+  struct Options {
+    Clock* clock = Clock::Real();
+    absl::Duration lease = absl::Seconds(3);
+    absl::Duration transfer_timeout = absl::Seconds(60);
+    absl::Duration tick = absl::Milliseconds(20);  // driver wake-up cap
+    PlanFn make_plan;                               // required
+    InventoryFn inventory_from_hf;                  // optional: hf_config_json models need it
+    PresetFn preset_layout;                         // optional: preset layouts need it
+    planner::Topology topology;
+  };
+
+  explicit Coordinator(Options options);
+  ~Coordinator() override;
+  // Starts the driver thread. Shutdown() stops it and fails every waiter (UNAVAILABLE).
+  void Start();
+  void Shutdown();
+
+  grpc::Status RegisterNode(grpc::ServerContext*, const pb::RegisterNodeRequest*, pb::RegisterNodeResponse*) override;
+  grpc::Status Heartbeat(grpc::ServerContext*, const pb::HeartbeatRequest*, pb::HeartbeatResponse*) override;
+  grpc::Status CreateModel(grpc::ServerContext*, const pb::CreateModelRequest*, pb::CreateModelResponse*) override;
+  grpc::Status JoinWorker(grpc::ServerContext*, const pb::JoinWorkerRequest*, pb::JoinWorkerResponse*) override;
+  grpc::Status SubmitLayout(grpc::ServerContext*, const pb::SubmitLayoutRequest*, pb::SubmitLayoutResponse*) override;
+  grpc::Status LeaveWorker(grpc::ServerContext*, const pb::LeaveWorkerRequest*, pb::LeaveWorkerResponse*) override;
+  grpc::Status Publish(grpc::ServerContext*, const pb::CoordPublishRequest*, pb::PublishResponse*) override;
+  grpc::Status ReportReady(grpc::ServerContext*, const pb::ReportReadyRequest*, pb::ReportReadyResponse*) override;
+  grpc::Status ReportDone(grpc::ServerContext*, const pb::ReportDoneRequest*, pb::ReportDoneResponse*) override;
+  grpc::Status ReportApplied(grpc::ServerContext*, const pb::ReportAppliedRequest*, pb::ReportAppliedResponse*) override;
+  grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest*, pb::WaitVersionResponse*) override;
+  grpc::Status ClusterStatus(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
+  grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest*, pb::DrainResponse*) override;
+  grpc::Status Plan(grpc::ServerContext*, const pb::PlanRequest*, pb::PlanResponse*) override;
+
+ private:
+  struct Node {
+    std::string address, data_address;
+    uint64_t incarnation = 0;
+    absl::Time lease_expiry;
+    bool alive = true;
+    bool draining = false;
+    std::unique_ptr<pb::NodeService::Stub> stub;
+  };
+  struct WorkerRec {
+    std::string node;
+    planner::Role role = planner::Role::kTrainer;
+    int32_t gpu = 0;
+    bool has_layout = false;
+    pb::ResolvedLayout layout_proto;
+    planner::WorkerLayout layout;
+  };
+  struct PlanState {
+    uint64_t epoch = 0;
+    planner::Plan plan;
+    std::vector<std::string> worker_ids;  // Problem::workers order
+    std::set<std::string> nodes;
+    uint64_t total_bytes = 0;
+    bool installed = false;
+  };
+  struct Model {
+    pb::ModelSpec spec;
+    planner::Inventory inventory;
+    std::unique_ptr<VersionMachine> machine;
+    std::map<std::string, WorkerRec> workers;
+    PlanState plan;
+    bool plan_dirty = false;
+    bool planned_once = false;
+    std::string plan_error;
+    uint64_t committing = 0;  // version whose commit the driver is sending
+    std::map<uint64_t, std::map<std::string, uint64_t>> progress;  // version -> node -> bytes
+    double last_seconds = 0;
+    uint64_t last_bytes = 0;
+  };
+
+  absl::StatusOr<Model*> GetModelLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CreateModelLocked(const pb::ModelSpec& spec, bool* created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
+  void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DriverLoop();
+  // One driver pass: returns RPC work to run outside the lock.
+  std::vector<std::function<void()>> CollectWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::map<std::string, pb::PlanSlice>> MakeSlicesLocked(const std::string& model_id, Model& m)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Options options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, planner::Plan> plan_cache_ ABSL_GUARDED_BY(mu_);  // problem key -> plan
+  std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);   // aborts to send
+  uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread driver_;
+};
+
+}  // namespace wb::daemon

@@ -1,0 +1,61 @@
+#pragma once
+// One weightbridged process: coordinator, node daemon, or both (standalone), with their gRPC
+// servers (TCP for CoordinatorService/NodeService + grpc.health.v1, a Unix socket for
+// WorkerService). main.cc only parses flags into Options and calls Start(); tests start several
+// of these in one process on 127.0.0.1:0.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/coordinator.h"
+#include "daemon/data_channel.h"
+#include "daemon/node_daemon.h"
+#include "tools/cc/clock.h"
+
+namespace wb::daemon {
+
+enum class DaemonRole { kNode, kCoordinator, kStandalone };
+absl::StatusOr<DaemonRole> ParseRole(const std::string& role);
+
+struct ServerOptions {
+  DaemonRole role = DaemonRole::kStandalone;
+  std::string listen = "127.0.0.1:0";  // TCP gRPC
+  std::string worker_socket;           // node/standalone: Unix socket path for WorkerService
+  std::string coordinator;             // node: coordinator address
+  std::string node_id = "node0";
+  std::string data_listen = "127.0.0.1:0";
+  int64_t staging_budget_bytes = int64_t{64} << 30;
+  absl::Duration heartbeat = absl::Milliseconds(500);
+  absl::Duration lease = absl::Seconds(3);
+  absl::Duration transfer_timeout = absl::Seconds(60);
+  Clock* clock = Clock::Real();
+  // Injected dependencies (main.cc picks the concrete ones).
+  PlanFn make_plan;
+  InventoryFn inventory_from_hf;
+  PresetFn preset_layout;
+  std::function<std::unique_ptr<DataChannel>()> make_data_channel;
+};
+
+class Server {
+ public:
+  static absl::StatusOr<std::unique_ptr<Server>> Start(ServerOptions options);
+  ~Server();
+  // Stops accepting, fails waiters, joins threads. Idempotent.
+  void Shutdown();
+  int port() const { return port_; }
+  std::string address() const;  // host:port of the TCP server
+  const std::string& worker_socket() const { return options_.worker_socket; }
+
+ private:
+  Server() = default;
+  ServerOptions options_;
+  int port_ = 0;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<NodeDaemon> node_;
+  std::unique_ptr<grpc::Server> tcp_server_, unix_server_;
+  bool shut_ = false;
+};
+
+}  // namespace wb::daemon
