@@ -1,0 +1,97 @@
+// Planner bench: plans every spec of a directory (default ../shared/specs relative to the
+// workspace) and prints plan_ms, makespan, lower bound, their ratio, redundant bytes and every
+// baseline's makespan with its ratio to ours, then checks the targets (complete, no redundant
+// bytes, makespan <= 1.10x lower bound, plan_ms < 1000).
+//
+//   bazel run //bench:planner [-- --specs_dir DIR]
+
+#include <algorithm>
+#include <cstdlib>
+#include <dirent.h>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "client/plan_command.h"
+
+namespace {
+
+std::vector<std::string> JsonFiles(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (dirent* e = readdir(d)) {
+    std::string n = e->d_name;
+    if (n.size() > 5 && n.substr(n.size() - 5) == ".json") out.push_back(dir + "/" + n);
+  }
+  closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string Basename(const std::string& p) {
+  const size_t s = p.rfind('/');
+  return s == std::string::npos ? p : p.substr(s + 1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--specs_dir" && i + 1 < argc) {
+      dir = argv[++i];
+    } else if (a.rfind("--specs_dir=", 0) == 0) {
+      dir = a.substr(12);
+    } else {
+      std::cerr << "usage: planner [--specs_dir DIR]\n";
+      return 2;
+    }
+  }
+  if (dir.empty()) {
+    const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY");
+    dir = ws != nullptr ? std::string(ws) + "/../shared/specs" : "../shared/specs";
+  }
+  const std::vector<std::string> files = JsonFiles(dir);
+  if (files.empty()) {
+    std::cerr << "no *.json specs in " << dir << " (use --specs_dir DIR)\n";
+    return 2;
+  }
+  std::cout << absl::StrFormat("%-38s %8s %8s %10s %10s %6s %10s %5s", "spec", "plan_ms", "build_ms",
+                               "makespan_s", "lower_bd_s", "ratio", "redund_B", "cmpl");
+  std::cout << absl::StrFormat(" %22s %22s %22s\n", "rank0_broadcast", "owner_broadcast", "p2p_no_dedup");
+  bool all_ok = true;
+  for (const std::string& f : files) {
+    auto spec = wb::client::LoadPlanSpecFile(f);
+    if (!spec.ok()) {
+      std::cout << Basename(f) << ": " << spec.status() << "\n";
+      all_ok = false;
+      continue;
+    }
+    auto r = wb::client::ReportForSpec(*spec);
+    if (!r.ok()) {
+      std::cout << Basename(f) << ": " << r.status() << "\n";
+      all_ok = false;
+      continue;
+    }
+    const double ratio = r->stats.lower_bound_s > 0 ? r->stats.makespan_s / r->stats.lower_bound_s : 1;
+    std::cout << absl::StrFormat("%-38s %8.1f %8.1f %10.4f %10.4f %6.3f %10d %5s", Basename(f),
+                                 r->stats.plan_ms, r->build_ms, r->stats.makespan_s,
+                                 r->stats.lower_bound_s, ratio, r->stats.redundant_bytes,
+                                 r->stats.complete ? "yes" : "NO");
+    for (const auto& [name, t] : r->baselines) {
+      std::cout << absl::StrFormat(" %10.4f (%7.2fx)", t, r->stats.makespan_s > 0 ? t / r->stats.makespan_s : 0);
+    }
+    std::cout << absl::StrFormat("\n    ops %d, buckets %d, inter %.1f GB, intra %.1f GB, pieces %d, busiest %s\n",
+                                 r->stats.num_ops, r->num_buckets, r->stats.bytes_inter_node / 1e9,
+                                 r->stats.bytes_intra_node / 1e9, r->num_pieces, r->bottleneck);
+    const bool ok = r->stats.complete && r->stats.redundant_bytes == 0 && ratio <= 1.10 &&
+                    r->stats.plan_ms < 1000;
+    if (!ok) std::cout << "    TARGET MISSED\n";
+    all_ok &= ok;
+  }
+  std::cout << (all_ok ? "all targets met\n" : "some targets missed\n");
+  return all_ok ? 0 : 1;
+}

@@ -1,0 +1,160 @@
+#include "client/plan_command.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "planner/cost_model.h"
+#include "planner/planner.h"
+#include "tools/cc/clock.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::client {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
+  return ss.str();
+}
+
+std::string DirOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+double MsSince(absl::Time start) { return absl::ToDoubleMilliseconds(Clock::Real()->Now() - start); }
+
+std::string Usage() { return "usage: wbctl plan --spec FILE [--json]\n"; }
+
+}  // namespace
+
+absl::StatusOr<planner::PlanSpec> LoadPlanSpecFile(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  const std::string dir = DirOf(path);
+  auto resolve = [&](std::string_view model) -> absl::StatusOr<std::string> {
+    std::string p(model);
+    if (p.empty() || p[0] != '/') p = absl::StrCat(dir, "/", p);
+    return ReadFile(p);
+  };
+  auto spec = planner::ParsePlanSpec(text, resolve);
+  if (!spec.ok()) return Annotate(spec.status(), path);
+  return spec;
+}
+
+absl::StatusOr<PlanReport> ReportForSpec(const planner::PlanSpec& spec) {
+  PlanReport report;
+  absl::Time t0 = Clock::Real()->Now();
+  ASSIGN_OR_RETURN(planner::Problem problem, planner::BuildProblem(spec));
+  report.build_ms = MsSince(t0);
+  report.num_workers = static_cast<int64_t>(problem.workers.size());
+  for (const planner::Worker& w : problem.workers) report.num_pieces += w.layout.pieces.size();
+
+  t0 = Clock::Real()->Now();
+  ASSIGN_OR_RETURN(planner::Plan plan, planner::MakePlan(problem, planner::Strategy::kWeightBridge));
+  report.stats = plan.stats;
+  report.stats.plan_ms = MsSince(t0);
+  report.num_buckets = static_cast<int64_t>(plan.buckets.size());
+  report.fingerprint = plan.fingerprint;
+  {
+    const planner::ClusterIndex ci = planner::IndexCluster(problem);
+    planner::MakespanOf(planner::AccumulateLoads(ci, plan), ci, problem.topology, &report.bottleneck);
+  }
+  for (planner::Strategy s : planner::kBaselines) {
+    ASSIGN_OR_RETURN(planner::Plan b, planner::MakePlan(problem, s));
+    report.baselines.emplace_back(planner::StrategyName(s), b.stats.makespan_s);
+  }
+  return report;
+}
+
+std::string ReportJson(const PlanReport& r) {
+  nlohmann::ordered_json j;
+  j["complete"] = r.stats.complete;
+  j["redundant_bytes"] = r.stats.redundant_bytes;
+  j["bytes_inter_node"] = r.stats.bytes_inter_node;
+  j["bytes_intra_node"] = r.stats.bytes_intra_node;
+  j["num_ops"] = r.stats.num_ops;
+  j["num_buckets"] = r.num_buckets;
+  j["plan_ms"] = r.stats.plan_ms;
+  j["lower_bound_s"] = r.stats.lower_bound_s;
+  j["makespan_s"] = r.stats.makespan_s;
+  nlohmann::ordered_json b = nlohmann::ordered_json::object();
+  for (const auto& [name, s] : r.baselines) b[name] = s;
+  j["baselines"] = b;
+  j["fingerprint"] = r.fingerprint;
+  j["bottleneck"] = r.bottleneck;
+  j["build_ms"] = r.build_ms;
+  j["num_workers"] = r.num_workers;
+  j["num_pieces"] = r.num_pieces;
+  return j.dump(2) + "\n";
+}
+
+std::string ReportTable(const PlanReport& r) {
+  std::string s;
+  const double ratio = r.stats.lower_bound_s > 0 ? r.stats.makespan_s / r.stats.lower_bound_s : 1.0;
+  absl::StrAppendFormat(&s, "%-18s %s\n", "complete", r.stats.complete ? "yes" : "NO");
+  absl::StrAppendFormat(&s, "%-18s %d\n", "redundant_bytes", r.stats.redundant_bytes);
+  absl::StrAppendFormat(&s, "%-18s %.3f GB\n", "bytes_inter_node", r.stats.bytes_inter_node / 1e9);
+  absl::StrAppendFormat(&s, "%-18s %.3f GB\n", "bytes_intra_node", r.stats.bytes_intra_node / 1e9);
+  absl::StrAppendFormat(&s, "%-18s %d\n", "num_ops", r.stats.num_ops);
+  absl::StrAppendFormat(&s, "%-18s %d\n", "num_buckets", r.num_buckets);
+  absl::StrAppendFormat(&s, "%-18s %.1f (problem build %.1f)\n", "plan_ms", r.stats.plan_ms, r.build_ms);
+  absl::StrAppendFormat(&s, "%-18s %.4f\n", "lower_bound_s", r.stats.lower_bound_s);
+  absl::StrAppendFormat(&s, "%-18s %.4f  (%.3fx lower bound; busiest link: %s)\n", "makespan_s",
+                        r.stats.makespan_s, ratio, r.bottleneck);
+  for (const auto& [name, t] : r.baselines) {
+    absl::StrAppendFormat(&s, "%-18s %.4f  (%.2fx ours)\n", name, t,
+                          r.stats.makespan_s > 0 ? t / r.stats.makespan_s : 0.0);
+  }
+  absl::StrAppendFormat(&s, "%-18s %s\n", "fingerprint", r.fingerprint);
+  return s;
+}
+
+int RunPlanCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  std::string spec_path;
+  bool json = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--json") {
+      json = true;
+    } else if (a == "--spec" && i + 1 < args.size()) {
+      spec_path = args[++i];
+    } else if (a.rfind("--spec=", 0) == 0) {
+      spec_path = a.substr(7);
+    } else if (a == "-h" || a == "--help") {
+      out << Usage();
+      return 0;
+    } else {
+      err << "wbctl plan: unexpected argument '" << a << "'\n" << Usage();
+      return 2;
+    }
+  }
+  if (spec_path.empty()) {
+    err << "wbctl plan: --spec FILE is required\n" << Usage();
+    return 2;
+  }
+  auto spec = LoadPlanSpecFile(spec_path);
+  if (!spec.ok()) {
+    err << "wbctl plan: bad spec: " << spec.status().message() << "\n";
+    return 2;
+  }
+  auto report = ReportForSpec(*spec);
+  if (!report.ok()) {
+    const bool bad_input = report.status().code() == absl::StatusCode::kInvalidArgument ||
+                           report.status().code() == absl::StatusCode::kFailedPrecondition;
+    err << "wbctl plan: " << (bad_input ? "bad spec: " : "planning failed: ")
+        << report.status().message() << "\n";
+    return bad_input ? 2 : 1;
+  }
+  out << (json ? ReportJson(*report) : ReportTable(*report));
+  return 0;
+}
+
+}  // namespace wb::client

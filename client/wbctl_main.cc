@@ -1,0 +1,48 @@
+// wbctl: the WeightBridge operator CLI. A small dispatcher: each subcommand lives in its own file
+// pair (plan_command.{h,cc}, ...) and is registered in kCommands below.
+
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "client/plan_command.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  const char* help;
+  int (*run)(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+};
+
+const Command kCommands[] = {
+    {"plan", "plan --spec FILE [--json]   plan a spec offline and print its figures",
+     &wb::client::RunPlanCommand},
+};
+
+void Usage(std::ostream& os) {
+  os << "usage: wbctl COMMAND [ARGS...]\ncommands:\n";
+  for (const Command& c : kCommands) os << "  " << c.help << "\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    Usage(std::cerr);
+    return 2;
+  }
+  const std::string name = argv[1];
+  if (name == "-h" || name == "--help" || name == "help") {
+    Usage(std::cout);
+    return 0;
+  }
+  std::vector<std::string> args(argv + 2, argv + argc);
+  for (const Command& c : kCommands) {
+    if (name == c.name) return c.run(args, std::cout, std::cerr);
+  }
+  std::cerr << "wbctl: unknown command '" << name << "'\n";
+  Usage(std::cerr);
+  return 2;
+}
