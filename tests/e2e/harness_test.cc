@@ -1,0 +1,81 @@
+#include "tests/e2e/harness.h"
+
+#include <signal.h>
+
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace wb::e2e {
+namespace {
+
+TEST(HarnessTest, CapturesEventsAndExitCode) {
+  auto h = Harness::Create("harness");
+  ASSERT_TRUE(h.ok()) << h.status();
+  auto p = (*h)->Spawn("sh", {"/bin/sh", "-c",
+                              "echo 'not json'; echo '{\"event\":\"applied\",\"version\":2}'; "
+                              "echo oops >&2; exit 3"});
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto ev = (*p)->WaitForEvent("applied", 2, absl::Seconds(10));
+  ASSERT_TRUE(ev.ok()) << ev.status();
+  EXPECT_EQ((*ev)["version"].get<int>(), 2);
+  auto code = (*p)->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 3);
+  EXPECT_EQ((*p)->Events().size(), 1u);
+  EXPECT_NE((*p)->LogTail().find("oops"), std::string::npos);
+  // A line that never comes: the exit is reported instead of waiting out the deadline.
+  absl::Time start = absl::Now();
+  auto missing = (*p)->WaitForEvent("committed", 0, absl::Seconds(30));
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+TEST(HarnessTest, KillAndDeadlines) {
+  auto h = Harness::Create("harness");
+  ASSERT_TRUE(h.ok());
+  auto p = (*h)->Spawn("sleeper", {"/bin/sleep", "60"});
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ((*p)->WaitExit(absl::Milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ((*p)->WaitForEvent("x", 0, absl::Milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  (*p)->Signal(SIGTERM);
+  auto code = (*p)->WaitExit(absl::Seconds(10));
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, -SIGTERM);
+}
+
+TEST(HarnessTest, PortFileAndEarlyExit) {
+  auto h = Harness::Create("harness");
+  ASSERT_TRUE(h.ok());
+  std::string port_file = (*h)->Path("port");
+  auto writer = (*h)->Spawn("writer", {"/bin/sh", "-c", "sleep 0.2; echo 4242 > " + port_file});
+  ASSERT_TRUE(writer.ok());
+  auto port = (*h)->WaitForPortFile(port_file, absl::Seconds(10), *writer);
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_EQ(*port, 4242);
+
+  auto dies = (*h)->Spawn("dies", {"/bin/sh", "-c", "echo bad config >&2; exit 2"});
+  ASSERT_TRUE(dies.ok());
+  absl::Time start = absl::Now();
+  auto none = (*h)->WaitForPortFile((*h)->Path("never"), absl::Seconds(30), *dies);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(none.status().message().find("bad config"), std::string::npos);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+TEST(HarnessTest, DestructorKillsChildren) {
+  pid_t pid;
+  {
+    auto h = Harness::Create("harness");
+    ASSERT_TRUE(h.ok());
+    auto p = (*h)->Spawn("sleeper", {"/bin/sleep", "60"});
+    ASSERT_TRUE(p.ok());
+    pid = (*p)->pid();
+  }
+  EXPECT_NE(::kill(pid, 0), 0);  // gone (and reaped)
+}
+
+}  // namespace
+}  // namespace wb::e2e

@@ -1,0 +1,97 @@
+// trainer_worker: a trainer rank for end-to-end tests. Builds its layout from a preset (megatron
+// or fsdp), keeps its weights in POSIX shared memory, and for each version fills every piece with
+// the canonical weights of that version (tools/cc/weight_gen.h) and publishes it. Progress lines
+// and exit codes: tests/e2e/worker_common.h.
+//
+// Per mode:
+//   sync:          fill v, Publish(v) (returns once the version no longer needs the buffers),
+//                  WaitVersion(v) before touching the buffers again.
+//   one_step_off:  fill v, Publish(v) (returns after the daemon's snapshot), go on computing v+1.
+//   async:         as one_step_off; Publish blocks while a rollout lags more than max_staleness.
+#include <cstdio>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "tests/e2e/worker_common.h"
+
+namespace wb::e2e {
+namespace {
+
+int Run() {
+  auto ctx_or = SetUpWorker(planner::Role::kTrainer);
+  if (!ctx_or.ok()) {
+    EmitError("trainer", ctx_or.status());
+    return ctx_or.status().code() == absl::StatusCode::kInvalidArgument ? kExitUsage : kExitRpc;
+  }
+  WorkerContext& ctx = *ctx_or;
+  std::vector<uint64_t> published, failed;
+  for (uint64_t v = ctx.first_version; v <= ctx.last_version; ++v) {
+    if (!ctx.gate_dir.empty()) {
+      absl::Status gate = WaitForGate(absl::StrCat(ctx.gate_dir, "/publish-", v), ctx.version_timeout);
+      if (!gate.ok()) {
+        EmitError(ctx.worker_id, gate);
+        return kExitRpc;
+      }
+    }
+    double fill_start = MonotonicSeconds();
+    auto filled = FillPieces(ctx.inventory, ctx.preset.layout, ctx.memory, v);
+    if (!filled.ok()) {
+      EmitError(ctx.worker_id, filled.status());
+      return kExitUsage;
+    }
+    Emit(ctx, {{"event", "filled"}, {"version", v}, {"bytes", *filled},
+               {"fill_s", MonotonicSeconds() - fill_start}});
+    if (ctx.step > absl::ZeroDuration()) absl::SleepFor(ctx.step);  // simulated training step
+
+    double t_start = MonotonicSeconds();
+    auto pub = ctx.client->Publish(v, ctx.version_timeout);
+    absl::Status status = pub.status();
+    if (status.ok()) {
+      Emit(ctx, {{"event", "published"}, {"version", v}, {"t_start", t_start},
+                 {"stall_s", pub->stall_seconds}, {"reconnects", ctx.client->reconnects()}});
+      if (ctx.mode == client::Mode::kSync) {
+        auto committed = ctx.client->WaitVersion(v, ctx.version_timeout);
+        status = committed.status();
+        if (status.ok()) Emit(ctx, {{"event", "committed"}, {"version", *committed}});
+      }
+    }
+    if (!status.ok()) {
+      Emit(ctx, {{"event", "publish_failed"}, {"version", v},
+                 {"code", absl::StatusCodeToString(status.code())},
+                 {"message", std::string(status.message())}});
+      std::fprintf(stderr, "%s: version %llu failed: %s\n", ctx.worker_id.c_str(),
+                   static_cast<unsigned long long>(v), status.ToString().c_str());
+      if (!ctx.tolerate_failures) return kExitRpc;
+      failed.push_back(v);
+      continue;
+    }
+    published.push_back(v);
+  }
+  if (ctx.mode != client::Mode::kSync && !published.empty()) {
+    // The run is complete once the last published version landed (or failed) everywhere.
+    auto committed = ctx.client->WaitVersion(published.back(), ctx.version_timeout);
+    if (committed.ok()) {
+      Emit(ctx, {{"event", "committed"}, {"version", *committed}});
+    } else {
+      Emit(ctx, {{"event", "publish_failed"}, {"version", published.back()},
+                 {"code", absl::StatusCodeToString(committed.status().code())},
+                 {"message", std::string(committed.status().message())}});
+      if (!ctx.tolerate_failures) return kExitRpc;
+    }
+  }
+  Emit(ctx, {{"event", "done"}, {"published", published}, {"failed", failed},
+             {"reconnects", ctx.client->reconnects()}});
+  return kExitOk;
+}
+
+}  // namespace
+}  // namespace wb::e2e
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "trainer_worker --socket=PATH --config=config.json --preset=megatron|fsdp --rank=R ...");
+  absl::ParseCommandLine(argc, argv);
+  return wb::e2e::Run();
+}

@@ -1,0 +1,172 @@
+#include "tests/e2e/weights.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "planner/box.h"
+#include "tools/cc/status_macros.h"
+#include "tools/cc/weight_gen.h"
+
+namespace wb::e2e {
+namespace {
+
+// Checks that every byte a piece addresses lies inside its buffer.
+absl::Status CheckPiece(const planner::Inventory& inventory, const planner::WorkerLayout& layout,
+                        const MemoryView& memory, int piece_index) {
+  const planner::Piece& p = layout.pieces[piece_index];
+  if (p.tensor < 0 || p.tensor >= static_cast<int>(inventory.tensors.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("piece ", piece_index, " names tensor index ",
+                                                   p.tensor, " outside the inventory"));
+  }
+  const planner::TensorSpec& t = inventory.tensors[p.tensor];
+  auto where = [&] { return absl::StrCat("tensor ", t.name, " box ", planner::BoxToString(p.box)); };
+  if (p.box.begin.size() != t.shape.size() || p.box.end.size() != t.shape.size() ||
+      p.strides.size() != t.shape.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where(), ": rank does not match shape"));
+  }
+  if (!planner::BoxInside(p.box, t.shape)) {
+    return absl::InvalidArgumentError(absl::StrCat(where(), ": outside the tensor's shape"));
+  }
+  if (p.buffer < 0 || p.buffer >= static_cast<int>(memory.buffers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(where(), ": buffer ", p.buffer, " not mapped"));
+  }
+  if (planner::BoxEmpty(p.box)) return absl::OkStatus();
+  const int64_t esize = planner::DTypeSize(t.dtype);
+  int64_t lo = p.offset_bytes, hi = p.offset_bytes;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    int64_t span = (p.box.end[d] - p.box.begin[d] - 1) * p.strides[d] * esize;
+    (span < 0 ? lo : hi) += span;
+  }
+  hi += esize;
+  if (lo < 0 || hi > memory.sizes[p.buffer]) {
+    return absl::InvalidArgumentError(absl::StrCat(where(), ": addresses bytes [", lo, ", ", hi,
+                                                   ") outside buffer ", p.buffer, " of ",
+                                                   memory.sizes[p.buffer], " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+// Calls fn(row_ptr, canonical_flat_of_first, local_stride_bytes_inner, canonical_inner_step, n)
+// once per innermost row of the piece's box.
+template <typename Fn>
+void ForEachRow(const planner::TensorSpec& t, const planner::Piece& p, char* base, Fn fn) {
+  const size_t rank = t.shape.size();
+  const int64_t esize = planner::DTypeSize(t.dtype);
+  if (rank == 0) {
+    fn(base + p.offset_bytes, int64_t{0}, esize, int64_t{1}, int64_t{1});
+    return;
+  }
+  std::vector<int64_t> cstride = planner::ContiguousStrides(t.shape);
+  std::vector<int64_t> c(p.box.begin);  // current coordinate (inner dim fixed at begin)
+  const size_t inner = rank - 1;
+  const int64_t n = p.box.end[inner] - p.box.begin[inner];
+  while (true) {
+    int64_t flat = 0, local = 0;
+    for (size_t d = 0; d < rank; ++d) {
+      flat += c[d] * cstride[d];
+      local += (c[d] - p.box.begin[d]) * p.strides[d];
+    }
+    fn(base + p.offset_bytes + local * esize, flat, p.strides[inner] * esize, cstride[inner], n);
+    // Odometer over the outer dims.
+    size_t d = inner;
+    while (d > 0) {
+      --d;
+      if (++c[d] < p.box.end[d]) break;
+      c[d] = p.box.begin[d];
+      if (d == 0) return;
+    }
+    if (inner == 0) return;
+  }
+}
+
+bool IsZero(const char* p, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (p[i] != 0) return false;
+  }
+  return true;
+}
+
+std::string Coord(const planner::TensorSpec& t, int64_t flat) {
+  std::vector<int64_t> idx(t.shape.size());
+  for (size_t d = t.shape.size(); d-- > 0;) {
+    idx[d] = t.shape[d] ? flat % t.shape[d] : 0;
+    flat = t.shape[d] ? flat / t.shape[d] : 0;
+  }
+  return absl::StrCat("[", absl::StrJoin(idx, ", "), "]");
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> FillPieces(const planner::Inventory& inventory,
+                                   const planner::WorkerLayout& layout, const MemoryView& memory,
+                                   uint64_t version) {
+  if (memory.buffers.size() != memory.sizes.size()) {
+    return absl::InvalidArgumentError("buffers and sizes differ in length");
+  }
+  for (int i = 0; i < static_cast<int>(layout.pieces.size()); ++i) {
+    RETURN_IF_ERROR(CheckPiece(inventory, layout, memory, i));
+  }
+  int64_t bytes = 0;
+  for (const planner::Piece& p : layout.pieces) {
+    if (planner::BoxEmpty(p.box)) continue;
+    const planner::TensorSpec& t = inventory.tensors[p.tensor];
+    const int esize = planner::DTypeSize(t.dtype);
+    const uint32_t tensor = static_cast<uint32_t>(p.tensor);
+    ForEachRow(t, p, static_cast<char*>(memory.buffers[p.buffer]),
+               [&](char* dst, int64_t flat, int64_t step_bytes, int64_t flat_step, int64_t n) {
+                 for (int64_t i = 0; i < n; ++i) {
+                   WriteWeight(tensor, version, static_cast<uint64_t>(flat + i * flat_step), esize,
+                               dst + i * step_bytes);
+                 }
+               });
+    bytes += planner::BoxVolume(p.box) * esize;
+  }
+  return bytes;
+}
+
+absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
+                                          const planner::WorkerLayout& layout,
+                                          const MemoryView& memory, uint64_t version) {
+  if (memory.buffers.size() != memory.sizes.size()) {
+    return absl::InvalidArgumentError("buffers and sizes differ in length");
+  }
+  for (int i = 0; i < static_cast<int>(layout.pieces.size()); ++i) {
+    RETURN_IF_ERROR(CheckPiece(inventory, layout, memory, i));
+  }
+  VerifyResult result;
+  for (int pi = 0; pi < static_cast<int>(layout.pieces.size()); ++pi) {
+    const planner::Piece& p = layout.pieces[pi];
+    if (planner::BoxEmpty(p.box)) continue;
+    const planner::TensorSpec& t = inventory.tensors[p.tensor];
+    const int esize = planner::DTypeSize(t.dtype);
+    const uint32_t tensor = static_cast<uint32_t>(p.tensor);
+    ForEachRow(t, p, static_cast<char*>(memory.buffers[p.buffer]),
+               [&](char* src, int64_t flat, int64_t step_bytes, int64_t flat_step, int64_t n) {
+                 for (int64_t i = 0; i < n; ++i) {
+                   const uint64_t f = static_cast<uint64_t>(flat + i * flat_step);
+                   if (version == 0 ? IsZero(src + i * step_bytes, esize)
+                                    : CheckWeight(tensor, version, f, esize, src + i * step_bytes)) {
+                     continue;
+                   }
+                   if (result.mismatches++ == 0) {
+                     uint64_t got = 0;
+                     std::memcpy(&got, src + i * step_bytes, esize);
+                     result.first_mismatch = absl::StrCat(
+                         "tensor ", t.name, " element ", Coord(t, static_cast<int64_t>(f)),
+                         " (piece ", pi, ", box ", planner::BoxToString(p.box), "): got 0x",
+                         absl::Hex(got), ", want version ", version, "'s 0x",
+                         absl::Hex(version == 0 ? 0
+                                                : WeightBits(tensor, version, f) &
+                                                      (esize == 8 ? ~0ull
+                                                                  : ((1ull << (8 * esize)) - 1))));
+                   }
+                 }
+               });
+    result.elements += planner::BoxVolume(p.box);
+    result.bytes += planner::BoxVolume(p.box) * esize;
+  }
+  return result;
+}
+
+}  // namespace wb::e2e
