@@ -22,43 +22,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "transport/config.h"
 #include "transport/transport.h"
 
 namespace wb::transport {
-
-struct HostShmOptions {
-  int threads = 4;                          // copy thread pool size
-  int64_t split_bytes = int64_t{4} << 20;   // contiguous runs longer than this are split across threads
-};
-
-struct TcpOptions {
-  std::string bind_address = "127.0.0.1";  // data-channel listen address (port chosen by the kernel)
-  std::string advertise_address;           // address peers dial; empty = bind_address
-  int streams = 4;                         // parallel TCP connections per peer
-  int64_t chunk_bytes = int64_t{1} << 20;  // max payload per frame
-};
-
-struct CudaIpcOptions {
-  int streams = 2;  // dedicated copy streams per device
-};
-
-struct NcclOptions {
-  int device = 0;  // CUDA device the communicators live on
-};
-
-struct TransportConfig {
-  std::vector<std::string> kinds;  // empty = every usable kind
-  // Identity of this node; descriptors from another node are rejected by same-node transports.
-  // Empty = derived from the kernel boot id (shared by every process/container of one machine).
-  std::string node_id;
-  HostShmOptions host_shm;
-  TcpOptions tcp;
-  CudaIpcOptions cuda_ipc;
-  NcclOptions nccl;
-  // TEST ONLY: flip one payload byte of every checksummed batch after the sender's checksum is
-  // taken, so tests can prove mismatches are detected. Never set in production.
-  bool test_corrupt_checksummed_payload = false;
-};
 
 // Kinds compiled into this binary, in preference order.
 std::vector<std::string> BuiltInKinds();

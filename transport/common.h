@@ -1,0 +1,25 @@
+#pragma once
+// Pieces shared by the transport implementations (not part of the public interface).
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace wb::transport {
+
+// 16 random hex characters.
+std::string RandomInstanceId();
+
+// The kernel boot id (same for every process and container of one machine), or the hostname if
+// unreadable.
+std::string DefaultNodeId();
+
+// Header common to descriptors and endpoints: magic "WBT1", record type, transport kind, owner
+// instance, node id. Decode returns INVALID_ARGUMENT with `what` in the message if the bytes are not
+// such a record of `expect_kind`.
+inline constexpr uint32_t kWireMagic = 0x31544257;  // "WBT1"
+enum class RecordType : uint8_t { kEndpoint = 1, kDescriptor = 2 };
+
+}  // namespace wb::transport

@@ -1,0 +1,497 @@
+#include "transport/conformance.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "transport/factory.h"
+#include "transport/peer_process.h"
+#include "transport/test_buffer.h"
+
+namespace wb::transport {
+namespace {
+
+constexpr uint64_t kLocalSeed = 11;
+constexpr uint64_t kPeerSeed = 22;
+
+// Element-by-element reference copy (independent of transport/strided.h).
+void ReferenceCopy(const CopyOp& op, const std::vector<uint8_t>& src, std::vector<uint8_t>& dst) {
+  int64_t n = 1;
+  for (auto d : op.shape) n *= d;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t rem = i, so = op.src.offset_bytes, dof = op.dst.offset_bytes;
+    for (int d = static_cast<int>(op.shape.size()) - 1; d >= 0; --d) {
+      int64_t idx = rem % op.shape[d];
+      rem /= op.shape[d];
+      so += idx * op.src.strides[d] * op.element_size;
+      dof += idx * op.dst.strides[d] * op.element_size;
+    }
+    std::memcpy(&dst[dof], &src[so], op.element_size);
+  }
+}
+
+std::vector<uint8_t> Pattern(uint64_t seed, int64_t n) {
+  std::vector<uint8_t> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = PatternByte(seed, i);
+  return v;
+}
+
+uint64_t Hash(const std::vector<uint8_t>& v) { return XXH3_64bits(v.data(), v.size()); }
+
+CopyOp Contig(int64_t src_off, int64_t dst_off, int64_t n_elems, int32_t elem) {
+  CopyOp op;
+  op.shape = {n_elems};
+  op.element_size = elem;
+  op.src.offset_bytes = src_off;
+  op.src.strides = {1};
+  op.dst.offset_bytes = dst_off;
+  op.dst.strides = {1};
+  return op;
+}
+
+// An op in test terms: does it read from the LOCAL buffer (and write the peer's) or the reverse?
+struct TOp {
+  bool src_local = true;
+  CopyOp op;
+};
+
+struct Peer {
+  std::unique_ptr<PeerProcess> proc;
+  PeerId id;
+  RegionHandle remote;  // our import of the peer's buffer
+  int64_t size = 0;
+};
+
+class Harness {
+ public:
+  explicit Harness(const ConformanceParam& p) : p_(p) {}
+
+  absl::Status Init(int64_t local_size, bool corrupt = false) {
+    TransportConfig config;
+    config.test_corrupt_checksummed_payload = corrupt;
+    config.nccl.device = 0;
+    auto t = CreateTransport(p_.kind, config);
+    if (!t.ok()) return t.status();
+    t_ = std::move(*t);
+    auto b = MakeTestBuffer(p_.memory, local_size, 0, "test-local buffer");
+    if (!b.ok()) return b.status();
+    local_ = std::move(*b);
+    if (auto s = local_->Fill(kLocalSeed); !s.ok()) return s;
+    auto h = t_->RegisterMemory(local_->spec());
+    if (!h.ok()) return h.status();
+    local_region_ = *h;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Peer> StartPeer(int64_t size, std::vector<std::string> extra = {}) {
+    Peer peer;
+    peer.size = size;
+    std::vector<std::string> args = {"--kind=" + p_.kind, std::string("--memory=") + MemoryKindName(p_.memory),
+                                     absl::StrCat("--size=", size), absl::StrCat("--seed=", kPeerSeed),
+                                     absl::StrCat("--device=", p_.peer_device)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto proc = PeerProcess::Spawn(p_.peer_binary, args);
+    if (!proc.ok()) return proc.status();
+    peer.proc = std::move(*proc);
+    auto inst = peer.proc->Command("ID");
+    if (!inst.ok()) return inst.status();
+    auto my_ep = t_->ExportEndpoint(*inst);
+    if (!my_ep.ok()) return my_ep.status();
+    auto peer_ep_hex = peer.proc->Command("ENDPOINT " + t_->instance_id());
+    if (!peer_ep_hex.ok()) return peer_ep_hex.status();
+    auto peer_ep = HexDecode(*peer_ep_hex);
+    if (!peer_ep.ok()) return peer_ep.status();
+    absl::StatusOr<PeerId> local_conn = absl::UnknownError("not run");
+    std::thread th([&] { local_conn = t_->Connect(*peer_ep, absl::Now() + absl::Seconds(30)); });
+    auto remote_conn = peer.proc->Command("CONNECT " + HexEncode(*my_ep));
+    th.join();
+    if (!local_conn.ok()) return local_conn.status();
+    if (!remote_conn.ok()) return remote_conn.status();
+    peer.id = *local_conn;
+    auto desc = peer.proc->Command("DESC");
+    if (!desc.ok()) return desc.status();
+    auto desc_bytes = HexDecode(*desc);
+    if (!desc_bytes.ok()) return desc_bytes.status();
+    auto remote = t_->ImportDescriptor(*desc_bytes);
+    if (!remote.ok()) return remote.status();
+    peer.remote = *remote;
+    auto my_desc = t_->ExportDescriptor(local_region_);
+    if (!my_desc.ok()) return my_desc.status();
+    auto imp = peer.proc->Command("IMPORT " + HexEncode(*my_desc));
+    if (!imp.ok()) return imp.status();
+    return peer;
+  }
+
+  Batch MakeBatch(const Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum) {
+    Batch b;
+    b.tag = tag;
+    b.peer = peer.id;
+    b.checksum = checksum;
+    for (const TOp& o : ops) {
+      CopyOp op = o.op;
+      op.src.region = o.src_local ? local_region_ : peer.remote;
+      op.dst.region = o.src_local ? peer.remote : local_region_;
+      b.ops.push_back(op);
+    }
+    return b;
+  }
+
+  // Tells the peer to post the mirror (two-sided transports only). Returns the peer's batch id.
+  absl::StatusOr<std::string> PostMirror(Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum) {
+    MirrorBatch m;
+    m.tag = tag;
+    m.checksum = checksum;
+    for (const TOp& o : ops) m.ops.push_back({!o.src_local, o.op});
+    return peer.proc->Command("POST " + HexEncode(EncodeMirror(m)));
+  }
+
+  // Runs ops to completion on both sides; returns the first error (local first).
+  absl::Status Run(Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum,
+                   absl::Duration timeout = absl::Seconds(60)) {
+    std::string peer_batch;
+    if (two_sided()) {
+      auto id = PostMirror(peer, ops, tag, checksum);
+      if (!id.ok()) return id.status();
+      peer_batch = *id;
+      if (auto s = peer.proc->Send(absl::StrCat("WAIT ", peer_batch, " ", absl::ToInt64Milliseconds(timeout)));
+          !s.ok()) {
+        return s;
+      }
+    }
+    auto id = t_->Post(MakeBatch(peer, ops, tag, checksum));
+    absl::Status local = id.ok() ? t_->Wait(*id, absl::Now() + timeout) : id.status();
+    absl::Status remote;
+    if (two_sided()) {
+      auto r = peer.proc->Reply(timeout + absl::Seconds(10));
+      remote = r.status();
+    }
+    if (!local.ok()) return local;
+    return remote;
+  }
+
+  // Expected contents of both buffers after `ops` applied to their initial patterns.
+  void Expect(const Peer& peer, const std::vector<TOp>& ops, std::vector<uint8_t>* local,
+              std::vector<uint8_t>* remote) {
+    const auto local0 = Pattern(kLocalSeed, local_->size());
+    const auto remote0 = Pattern(kPeerSeed, peer.size);
+    *local = local0;
+    *remote = remote0;
+    for (const TOp& o : ops) {
+      if (o.src_local) {
+        ReferenceCopy(o.op, local0, *remote);
+      } else {
+        ReferenceCopy(o.op, remote0, *local);
+      }
+    }
+  }
+
+  absl::StatusOr<uint64_t> PeerHash(Peer& peer) {
+    auto r = peer.proc->Command(absl::StrCat("HASH 0 ", peer.size));
+    if (!r.ok()) return r.status();
+    uint64_t h = 0;
+    if (!absl::SimpleAtoi(*r, &h)) return absl::InternalError("bad HASH reply " + *r);
+    return h;
+  }
+
+  // Checks both buffers against the expectation; "" if equal, else what differs.
+  std::string Verify(Peer& peer, const std::vector<TOp>& ops) {
+    std::vector<uint8_t> el, er;
+    Expect(peer, ops, &el, &er);
+    std::string out;
+    auto got = local_->ReadAll();
+    if (!got.ok()) return std::string(got.status().message());
+    if (*got != el) {
+      int64_t first = 0;
+      while ((*got)[first] == el[first]) ++first;
+      absl::StrAppend(&out, "local buffer differs from expectation first at byte ", first, "; ");
+    }
+    auto ph = PeerHash(peer);
+    if (!ph.ok()) return std::string(ph.status().message());
+    if (*ph != Hash(er)) absl::StrAppend(&out, "peer buffer differs from expectation; ");
+    return out;
+  }
+
+  bool two_sided() const { return t_->capabilities().two_sided; }
+  Transport& t() { return *t_; }
+  TestBuffer& local() { return *local_; }
+  RegionHandle local_region() const { return local_region_; }
+
+ private:
+  ConformanceParam p_;
+  std::unique_ptr<Transport> t_;
+  std::unique_ptr<TestBuffer> local_;
+  RegionHandle local_region_;
+};
+
+#define SKIP_WITHOUT_GPU()                                                                 \
+  do {                                                                                     \
+    if (GetParam().min_gpus > 0 && VisibleCudaDevices() < GetParam().min_gpus) {           \
+      GTEST_SKIP() << GetParam().kind << " needs " << GetParam().min_gpus                  \
+                   << " visible CUDA device(s), found " << VisibleCudaDevices();           \
+    }                                                                                      \
+  } while (0)
+
+#define SETUP_OR_FAIL(h, local_size, peer_size, peer)           \
+  Harness h(GetParam());                                        \
+  {                                                             \
+    absl::Status init_ = h.Init(local_size);                    \
+    ASSERT_TRUE(init_.ok()) << init_;                           \
+  }                                                             \
+  auto peer##_or = h.StartPeer(peer_size);                      \
+  ASSERT_TRUE(peer##_or.ok()) << peer##_or.status();            \
+  Peer& peer = *peer##_or;
+
+constexpr int64_t kSize = 4 << 20;
+
+TEST_P(TransportConformanceTest, ContiguousBothDirections) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  std::vector<TOp> ops = {
+      {true, Contig(0, 4096, (1 << 20) / 4, 4)},
+      {false, Contig((2 << 20) + 123, (1 << 20) + 128, 1000001, 1)},  // sources never overlap destinations
+      {true, Contig(3 << 20, 0, 17, 2)},
+  };
+  for (bool checksum : {false, true}) {
+    absl::Status s = h.Run(peer, ops, checksum ? 2 : 1, checksum);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(h.Verify(peer, ops), "") << "checksum=" << checksum;
+  }
+}
+
+TEST_P(TransportConformanceTest, StridedBothDirections) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  std::vector<TOp> ops;
+  // 2-D box of a padded matrix (rows of 1000 bf16, box 300x200) -> dense.
+  CopyOp a;
+  a.shape = {300, 200};
+  a.element_size = 2;
+  a.src = {{}, 1000 * 2 * 5 + 2 * 7, {1000, 1}};
+  a.dst = {{}, 0, {200, 1}};
+  ops.push_back({true, a});
+  // 3-D with padding on both sides, peer -> local.
+  CopyOp b;
+  b.shape = {7, 9, 33};
+  b.element_size = 4;
+  b.src = {{}, (3 << 20) + 8, {9 * 40, 40, 1}};
+  b.dst = {{}, 1 << 20, {10 * 33, 33, 1}};
+  ops.push_back({false, b});
+  // Transposed placement (column-major destination), local -> peer.
+  CopyOp c;
+  c.shape = {64, 48};
+  c.element_size = 2;
+  c.src = {{}, 2 << 20, {48, 1}};
+  c.dst = {{}, 2 << 20, {1, 64}};
+  ops.push_back({true, c});
+  absl::Status s = h.Run(peer, ops, 7, true);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(h.Verify(peer, ops), "");
+}
+
+TEST_P(TransportConformanceTest, ManySmallOps) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  std::mt19937 rng(5);
+  std::vector<TOp> ops;
+  int64_t dst_local = 0, dst_peer = 0;
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t n = 1 + rng() % 300;
+    const bool to_peer = rng() % 2;
+    int64_t& dst = to_peer ? dst_peer : dst_local;
+    const int64_t src = (2 << 20) + 2 * (rng() % ((1 << 20) / 2));  // upper half: never a destination
+    ops.push_back({to_peer, Contig(src, dst, n, 2)});
+    dst += n * 2 + 2 * (rng() % 4);
+  }
+  absl::Status s = h.Run(peer, ops, 9, false);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(h.Verify(peer, ops), "");
+}
+
+TEST_P(TransportConformanceTest, OneLargeOp) {
+  SKIP_WITHOUT_GPU();
+  const int64_t big = GetParam().large_op_bytes;
+  SETUP_OR_FAIL(h, big + 4096, big + 4096, peer);
+  std::vector<TOp> ops = {{true, Contig(4096, 0, big / 8, 8)}};
+  absl::Status s = h.Run(peer, ops, 10, true);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(h.Verify(peer, ops), "");
+  std::vector<TOp> back = {{false, Contig(0, 0, big / 2, 2)}};
+  s = h.Run(peer, back, 11, false);
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+TEST_P(TransportConformanceTest, ZeroLengthOps) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  CopyOp z;
+  z.shape = {0, 5};
+  z.element_size = 2;
+  z.src = {{}, 1 << 30, {5, 1}};  // offsets of zero-length ops are never checked
+  z.dst = {{}, 0, {5, 1}};
+  std::vector<TOp> only_zero = {{true, z}, {false, Contig(0, 0, 0, 4)}};
+  absl::Status s = h.Run(peer, only_zero, 12, true);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(h.Verify(peer, only_zero), "");
+  std::vector<TOp> mixed = {{true, z}, {true, Contig(0, 0, 100, 4)}, {false, Contig(0, 0, 0, 4)}};
+  s = h.Run(peer, mixed, 13, false);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(h.Verify(peer, mixed), "");
+}
+
+TEST_P(TransportConformanceTest, OutOfBoundsIsInvalidArgumentAndWritesNothing) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  const std::vector<std::vector<TOp>> bad_batches = {
+      {{true, Contig(0, 0, 1000, 4)}, {true, Contig(0, kSize - 8, 4, 4)}},       // dst past the end
+      {{false, Contig(0, 0, 1000, 4)}, {false, Contig(kSize - 2, 0, 1, 4)}},      // src past the end
+      {{true, Contig(0, 0, 10, 0)}},                                               // element size 0
+  };
+  for (const auto& ops : bad_batches) {
+    auto id = h.t().Post(h.MakeBatch(peer, ops, 20, false));
+    ASSERT_FALSE(id.ok());
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << id.status();
+  }
+  CopyOp strided_oob;
+  strided_oob.shape = {10, 10};
+  strided_oob.element_size = 4;
+  strided_oob.src = {{}, 0, {10, 1}};
+  strided_oob.dst = {{}, 0, {kSize / 4 / 9, 1}};
+  auto id = h.t().Post(h.MakeBatch(peer, {{true, Contig(0, 0, 64, 4)}, {true, strided_oob}}, 21, false));
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(id.status().message().find("op 1"), std::string::npos) << id.status();
+  EXPECT_EQ(h.Verify(peer, {}), "") << "a rejected batch wrote bytes";
+}
+
+TEST_P(TransportConformanceTest, DescriptorFromWrongPeerOrGarbage) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  auto other = h.StartPeer(kSize);
+  ASSERT_TRUE(other.ok()) << other.status();
+  // A batch for `peer` that names `other`'s region.
+  Batch b = h.MakeBatch(peer, {{true, Contig(0, 0, 64, 4)}}, 30, false);
+  b.ops.push_back(b.ops[0]);
+  b.ops[1].dst.region = other->remote;
+  auto id = h.t().Post(b);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << id.status();
+  EXPECT_EQ(h.Verify(peer, {}), "");
+  EXPECT_EQ(h.Verify(*other, {}), "");
+  // Bytes that are not a descriptor.
+  EXPECT_EQ(h.t().ImportDescriptor("definitely not a descriptor").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(h.t().ImportDescriptor("").status().code(), absl::StatusCode::kInvalidArgument);
+  // Same-node transports refuse descriptors from another node.
+  if (!h.t().capabilities().cross_node) {
+    auto far = PeerProcess::Spawn(GetParam().peer_binary,
+                                  {"--kind=" + GetParam().kind, std::string("--memory=") + MemoryKindName(GetParam().memory),
+                                   "--size=4096", "--seed=1", "--node_id=some-other-node"});
+    ASSERT_TRUE(far.ok());
+    auto desc = (*far)->Command("DESC");
+    ASSERT_TRUE(desc.ok()) << desc.status();
+    auto imported = h.t().ImportDescriptor(*HexDecode(*desc));
+    EXPECT_EQ(imported.status().code(), absl::StatusCode::kInvalidArgument) << imported.status();
+  }
+}
+
+TEST_P(TransportConformanceTest, ChecksumMismatchDetected) {
+  SKIP_WITHOUT_GPU();
+  Harness h(GetParam());
+  ASSERT_TRUE(h.Init(kSize, /*corrupt=*/true).ok());
+  if (!h.t().capabilities().checksums) {
+    GTEST_SKIP() << GetParam().kind << " has no checksums";
+  }
+  auto peer = h.StartPeer(kSize);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  std::vector<TOp> ops = {{true, Contig(0, 0, 1 << 18, 4)}};
+  const absl::Time start = absl::Now();
+  absl::Status s = h.Run(*peer, ops, 40, true, absl::Seconds(20));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+TEST_P(TransportConformanceTest, ChecksumMismatchDetectedWhenPeerCorrupts) {
+  SKIP_WITHOUT_GPU();
+  Harness h(GetParam());
+  ASSERT_TRUE(h.Init(kSize).ok());
+  if (!h.t().capabilities().checksums || !h.t().capabilities().two_sided) {
+    GTEST_SKIP() << "only two-sided transports have a remote sender";
+  }
+  // A peer spawned with --corrupt corrupts what it sends.
+  auto proc = h.StartPeer(kSize, {"--corrupt"});
+  ASSERT_TRUE(proc.ok()) << proc.status();
+  std::vector<TOp> ops = {{false, Contig(0, 0, 1 << 18, 4)}};
+  absl::Status s = h.Run(*proc, ops, 41, true, absl::Seconds(20));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+}
+
+TEST_P(TransportConformanceTest, PeerKilledMidTransferFailsWithinDeadline) {
+  SKIP_WITHOUT_GPU();
+  const int64_t big = GetParam().large_op_bytes;
+  for (bool send : {true, false}) {
+    SETUP_OR_FAIL(h, big, big, peer);
+    std::vector<TOp> ops = {{send, Contig(0, 0, big, 1)}};
+    // Two-sided: the peer posts its mirror for the receive direction only; either way it is
+    // killed right after the transfer started and never finishes.
+    if (h.two_sided() && !send) {
+      ASSERT_TRUE(h.PostMirror(peer, ops, 50, false).ok());
+    }
+    auto id = h.t().Post(h.MakeBatch(peer, ops, 50, false));
+    ASSERT_TRUE(id.ok()) << id.status();
+    peer.proc->Kill9();
+    const absl::Time start = absl::Now();
+    const absl::Duration deadline = absl::Seconds(15);
+    absl::Status s = h.t().Wait(*id, start + deadline);
+    EXPECT_LT(absl::Now() - start, deadline + absl::Seconds(2)) << "Wait overran its deadline";
+    if (h.two_sided()) {
+      EXPECT_FALSE(s.ok()) << "send=" << send;
+      EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_LT(absl::Now() - start, deadline) << "vanished peer should be noticed before the deadline";
+    } else if (!s.ok()) {
+      // One-sided transports may finish from memory that outlives the process; if not, a clear error.
+      EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kInternal) << s;
+    }
+  }
+}
+
+TEST_P(TransportConformanceTest, MissingMirrorHitsDeadline) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  if (!h.two_sided()) {
+    GTEST_SKIP() << "one-sided transports need no mirror";
+  }
+  auto id = h.t().Post(h.MakeBatch(peer, {{true, Contig(0, 0, kSize, 1)}}, 60, false));
+  ASSERT_TRUE(id.ok());
+  const absl::Time start = absl::Now();
+  absl::Status s = h.t().Wait(*id, start + absl::Milliseconds(500));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(h.t().Poll(*id).status().code(), absl::StatusCode::kNotFound) << "Wait retires the batch";
+}
+
+TEST_P(TransportConformanceTest, RegionInUseCannotBeReleased) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  std::vector<TOp> ops = {{true, Contig(0, 0, 1024, 4)}};
+  if (h.two_sided()) {
+    ASSERT_TRUE(h.PostMirror(peer, ops, 70, false).ok());
+  }
+  auto id = h.t().Post(h.MakeBatch(peer, ops, 70, false));
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::Status early = h.t().Release(h.local_region());
+  absl::Status s = h.t().Wait(*id, absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(s.ok()) << s;
+  // Either the batch had already finished (release allowed) or release was refused.
+  if (!early.ok()) {
+    EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition) << early;
+    EXPECT_TRUE(h.t().Release(h.local_region()).ok());
+  }
+  EXPECT_EQ(h.t().Release(h.local_region()).code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace wb::transport

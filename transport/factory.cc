@@ -1,0 +1,63 @@
+#include "transport/factory.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "transport/gpu_transports.h"
+#include "transport/host_shm.h"
+#include "transport/host_tcp.h"
+#include "tools/cc/gpu_info.h"
+
+namespace wb::transport {
+
+std::vector<std::string> BuiltInKinds() {
+  std::vector<std::string> kinds;
+  if (CudaIpcBuiltIn()) kinds.push_back("cuda_ipc");
+  if (NcclBuiltIn()) kinds.push_back("nccl");
+  kinds.push_back("host_shm");
+  kinds.push_back("host_tcp");
+  return kinds;
+}
+
+absl::Status KindUsable(absl::string_view kind) {
+  if (kind == "host_shm" || kind == "host_tcp") return absl::OkStatus();
+  if (kind == "cuda_ipc" || kind == "nccl") {
+    if (kind == "cuda_ipc" ? !CudaIpcBuiltIn() : !NcclBuiltIn()) {
+      return absl::UnimplementedError(absl::StrCat(kind, ": not built into this binary"));
+    }
+    if (GpuInfo g = ProbeGpus(); g.device_count == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(kind, ": no CUDA device visible (", g.unavailable_reason, ")"));
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown transport kind '", kind, "' (known: ",
+                                                 absl::StrJoin(BuiltInKinds(), ", "), ")"));
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view kind, const TransportConfig& config) {
+  if (absl::Status s = KindUsable(kind); !s.ok()) return s;
+  if (kind == "host_shm") {
+    if (config.host_shm.threads < 1 || config.host_shm.threads > 256) {
+      return absl::InvalidArgumentError("host_shm.threads must be in [1, 256]");
+    }
+    return NewHostShmTransport(config);
+  }
+  if (kind == "host_tcp") return NewHostTcpTransport(config);
+  if (kind == "cuda_ipc") return NewCudaIpcTransport(config);
+  return NewNcclTransport(config);
+}
+
+absl::StatusOr<TransportSet> CreateTransports(const TransportConfig& config) {
+  TransportSet set;
+  const bool explicit_kinds = !config.kinds.empty();
+  for (const std::string& kind : explicit_kinds ? config.kinds : BuiltInKinds()) {
+    auto t = CreateTransport(kind, config);
+    if (!t.ok()) {
+      if (explicit_kinds) return t.status();
+      continue;
+    }
+    set.Add(std::move(*t));
+  }
+  return set;
+}
+
+}  // namespace wb::transport

@@ -1,0 +1,28 @@
+#pragma once
+// "host_tcp": cross-node host-memory transport over TCP (two-sided; see transport.h).
+//
+// Channel: per peer, TcpOptions::streams TCP connections dialled by the peer with the smaller
+// instance id. Every frame starts with a fixed header (type, batch tag, op index, logical byte
+// offset within the op, payload length), so a receiver always knows which op and offset every
+// byte belongs to. Senders write payload straight from the registered memory (sendmsg with an
+// iovec per contiguous piece); receivers read straight into the destination memory. Chunks of up
+// to TcpOptions::chunk_bytes are pulled by the stream writers from a shared per-batch cursor, so
+// faster streams carry more. Each side first sends a MANIFEST (hash of the batch as both sides
+// must see it); data is only written after the manifests match. With Batch::checksum the sender
+// hashes every chunk (XXH3_64, seeded by op and offset), sends the XOR of those hashes after the
+// data, and the receiver verifies its own hash of what landed before ACKing; the sender completes
+// only after the ACK. Any failure (mismatch, checksum, deadline, peer vanished) closes the peer's
+// connections and fails its unfinished batches; reconnect to continue.
+// Mirror batches must be posted by both sides in the same order.
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "transport/config.h"
+#include "transport/transport.h"
+
+namespace wb::transport {
+
+absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config);
+
+}  // namespace wb::transport
