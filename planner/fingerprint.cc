@@ -20,13 +20,13 @@ class Hasher {
   Hasher& operator=(const Hasher&) = delete;
 
   void Bytes(const void* p, size_t n) {
-    if (buf_.size() + n > kFlush) Flush();
+    if (used_ + n > kFlush) Flush();
     if (n > kFlush) {
       XXH3_128bits_update(state_, p, n);
       return;
     }
-    const auto* c = static_cast<const unsigned char*>(p);
-    buf_.insert(buf_.end(), c, c + n);
+    std::memcpy(buf_.data() + used_, p, n);
+    used_ += n;
   }
   void I64(int64_t v) { Bytes(&v, sizeof v); }
   void F64(double v) { Bytes(&v, sizeof v); }
@@ -54,11 +54,12 @@ class Hasher {
  private:
   static constexpr size_t kFlush = 1 << 16;
   void Flush() {
-    if (!buf_.empty()) XXH3_128bits_update(state_, buf_.data(), buf_.size());
-    buf_.clear();
+    if (used_ > 0) XXH3_128bits_update(state_, buf_.data(), used_);
+    used_ = 0;
   }
   XXH3_state_t* state_;
-  std::vector<unsigned char> buf_;
+  std::vector<unsigned char> buf_ = std::vector<unsigned char>(kFlush);
+  size_t used_ = 0;
 };
 
 void HashProblem(Hasher& h, const Problem& p) {

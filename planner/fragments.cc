@@ -53,8 +53,16 @@ struct Scratch {
   std::vector<uint64_t> sig_a, sig_b;
   std::vector<int32_t> dcount, scount;
   std::vector<uint8_t> assigned;
-  std::vector<int64_t> lo, hi;
+  std::vector<int64_t> lo, hi, hull_lo, hull_hi, idx, ext, slab_lo, slab_hi;
 };
+
+// Allocation-free: do two boxes of equal rank share an element?
+bool Overlaps(const Box& a, const Box& b) {
+  for (size_t d = 0; d < a.begin.size(); ++d) {
+    if (std::max(a.begin[d], b.begin[d]) >= std::min(a.end[d], b.end[d])) return false;
+  }
+  return true;
+}
 
 std::string PieceName(const Problem& p, PieceRef r) {
   return absl::StrCat("worker ", p.workers[r.worker].id, " piece ", r.piece);
@@ -87,6 +95,7 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
   // Index pieces per tensor (CSR), sources and destinations separately, in worker order.
   std::vector<uint32_t> src_off(nt + 1, 0), dst_off(nt + 1, 0);
   FragmentSet out;
+  std::vector<uint8_t> skip;  // per piece in worker order: empty box, not indexed
   for (size_t w = 0; w < p.workers.size(); ++w) {
     const Worker& worker = p.workers[w];
     for (size_t i = 0; i < worker.layout.pieces.size(); ++i) {
@@ -101,12 +110,14 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
             absl::StrCat("worker ", worker.id, " piece ", i, ": box ", BoxToString(piece.box),
                          " is not inside tensor ", ts.name, " of rank ", ts.shape.size()));
       }
-      if (BoxEmpty(piece.box) && !ts.shape.empty()) continue;
+      const int64_t vol = BoxVolume(piece.box);
+      skip.push_back(vol == 0);
+      if (vol == 0) continue;
       if (worker.role == Role::kTrainer) {
         ++src_off[piece.tensor + 1];
       } else {
         ++dst_off[piece.tensor + 1];
-        out.total_dst_bytes += BoxVolume(piece.box) * DTypeSize(ts.dtype);
+        out.total_dst_bytes += vol * DTypeSize(ts.dtype);
       }
     }
   }
@@ -118,11 +129,12 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
   {
     std::vector<uint32_t> sfill(src_off.begin(), src_off.end() - 1);
     std::vector<uint32_t> dfill(dst_off.begin(), dst_off.end() - 1);
+    size_t flat = 0;
     for (size_t w = 0; w < p.workers.size(); ++w) {
       const Worker& worker = p.workers[w];
       for (size_t i = 0; i < worker.layout.pieces.size(); ++i) {
         const Piece& piece = worker.layout.pieces[i];
-        if (BoxEmpty(piece.box) && !tensors[piece.tensor].shape.empty()) continue;
+        if (skip[flat++]) continue;
         PieceRef r{static_cast<int32_t>(w), static_cast<int32_t>(i)};
         if (worker.role == Role::kTrainer) {
           srcs[sfill[piece.tensor]++] = r;
@@ -131,6 +143,11 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
         }
       }
     }
+  }
+  int64_t max_fragment_bytes = options.max_fragment_bytes;
+  if (max_fragment_bytes == 0 && options.auto_grain_slots > 0) {
+    const int64_t grain = out.total_dst_bytes / (options.auto_grain_slots * 64);
+    max_fragment_bytes = std::max<int64_t>(std::min(std::max(grain, int64_t{4} << 20), options.auto_grain_cap), 1);
   }
   auto box_of = [&](PieceRef r) -> const Box& {
     return p.workers[r.worker].layout.pieces[r.piece].box;
@@ -147,7 +164,10 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
 
     // Hull of the destination boxes, and the grid breakpoints clipped to it.
     s.bp.resize(rank);
-    std::vector<int64_t> hull_lo(rank), hull_hi(rank);
+    std::vector<int64_t>& hull_lo = s.hull_lo;
+    std::vector<int64_t>& hull_hi = s.hull_hi;
+    hull_lo.resize(rank);
+    hull_hi.resize(rank);
     for (size_t d = 0; d < rank; ++d) {
       hull_lo[d] = ts.shape[d];
       hull_hi[d] = 0;
@@ -220,7 +240,14 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
     }
 
     // Greedy merge of equal-signature cells into boxes, row-major.
-    std::vector<int64_t> idx(rank), ext(rank), slab_lo(rank), slab_hi(rank);
+    std::vector<int64_t>& idx = s.idx;
+    std::vector<int64_t>& ext = s.ext;
+    std::vector<int64_t>& slab_lo = s.slab_lo;
+    std::vector<int64_t>& slab_hi = s.slab_hi;
+    idx.resize(rank);
+    ext.resize(rank);
+    slab_lo.resize(rank);
+    slab_hi.resize(rank);
     for (int64_t c = 0; c < cells; ++c) {
       if (s.assigned[c] || s.dcount[c] == 0) continue;
       int64_t rem = c;
@@ -277,7 +304,7 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
           const Box& pb = box_of(refs[k]);
           if (BoxContains(pb, f.box)) {
             out.refs.push_back(refs[k]);
-          } else if (Intersect(pb, f.box).has_value()) {
+          } else if (Overlaps(pb, f.box)) {
             return absl::InternalError(absl::StrCat("fragment signature collision on tensor ", ts.name,
                                                     " box ", BoxToString(f.box), " (",
                                                     PieceName(p, refs[k]), ")"));
@@ -292,8 +319,8 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
       if (auto st = collect(dsts, d0, d1); !st.ok()) return st;
       f.dst_end = static_cast<uint32_t>(out.refs.size());
 
-      if (options.max_fragment_bytes > 0 && f.bytes > options.max_fragment_bytes) {
-        const int64_t n = (f.bytes + options.max_fragment_bytes - 1) / options.max_fragment_bytes;
+      if (max_fragment_bytes > 0 && f.bytes > max_fragment_bytes) {
+        const int64_t n = (f.bytes + max_fragment_bytes - 1) / max_fragment_bytes;
         for (Box& b : SplitBox(f.box, n)) {
           Fragment g = f;
           g.box = std::move(b);

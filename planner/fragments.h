@@ -44,6 +44,10 @@ struct FragmentOptions {
   // Fragments larger than this are split along their first dimension of extent > 1 into
   // near-equal chunks (load-balancing granularity and staging-budget fit). 0: never split.
   int64_t max_fragment_bytes = 0;
+  // When max_fragment_bytes is 0 and this is > 0: split at about total destination bytes /
+  // (auto_grain_slots * 64), at least 4 MiB, at most auto_grain_cap.
+  int64_t auto_grain_slots = 0;
+  int64_t auto_grain_cap = 0;
 };
 
 // Builds the fragments of `problem`. Errors: INVALID_ARGUMENT when a piece names an unknown

@@ -350,19 +350,8 @@ absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strate
   fo.max_fragment_bytes = options.max_fragment_bytes;
   if (fo.max_fragment_bytes == 0) {
     // Balance granularity: small against one link's share, never above a quarter of the budget.
-    int64_t total = 0;
-    for (const Worker& w : problem.workers) {
-      if (w.role != Role::kRollout) continue;
-      for (const Piece& pc : w.layout.pieces) {
-        if (pc.tensor >= 0 && static_cast<size_t>(pc.tensor) < problem.inventory.tensors.size() &&
-            pc.box.begin.size() == pc.box.end.size()) {
-          total += BoxVolume(pc.box) * DTypeSize(problem.inventory.tensors[pc.tensor].dtype);
-        }
-      }
-    }
-    const int64_t grain = total / (std::max(ci.num_slots, 1) * int64_t{64});
-    fo.max_fragment_bytes = std::max<int64_t>(
-        std::min(std::max(grain, int64_t{4} << 20), problem.staging_budget_bytes / 4), 1);
+    fo.auto_grain_slots = std::max(ci.num_slots, 1);
+    fo.auto_grain_cap = std::max<int64_t>(problem.staging_budget_bytes / 4, 1);
   } else if (fo.max_fragment_bytes < 0) {
     fo.max_fragment_bytes = 0;
   }
