@@ -123,6 +123,28 @@ TEST(Presets, VllmTp4Rank1QkvProjOfQwen25_7B) {
   EXPECT_EQ(b.second, 128 + 5);
 }
 
+TEST(Presets, VllmReplicatesKvHeadsWhenTpExceedsThem) {
+  Model m = Load("qwen3-30b-a3b.json", 1);  // 32 q heads, 4 kv heads, head_dim 128
+  TensorIndex idx(m.inv);
+  const int64_t H = 2048;
+  for (int rank = 0; rank < 8; ++rank) {
+    auto l = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 8}, rank);
+    ASSERT_TRUE(l.ok()) << l.status();
+    const LocalTensor* qkv = FindLocal(*l, "model.layers.0.self_attn.qkv_proj.weight");
+    ASSERT_NE(qkv, nullptr);
+    ASSERT_EQ(qkv->shape, (std::vector<int64_t>{(4 + 2) * 128, H}));
+    // Two consecutive ranks share one KV head: rank r holds kv head r / 2.
+    auto k = CanonicalAt(m.inv, *l, *qkv, (4 * 128 + 3) * H + 11);
+    EXPECT_EQ(k.first, *idx.Find("model.layers.0.self_attn.k_proj.weight"));
+    EXPECT_EQ(k.second, ((rank / 2) * 128 + 3) * H + 11);
+    auto v = CanonicalAt(m.inv, *l, *qkv, (5 * 128 + 127) * H);
+    EXPECT_EQ(v.first, *idx.Find("model.layers.0.self_attn.v_proj.weight"));
+    EXPECT_EQ(v.second, ((rank / 2) * 128 + 127) * H);
+    auto q = CanonicalAt(m.inv, *l, *qkv, 0);
+    EXPECT_EQ(q.second, rank * 4 * 128 * H);
+  }
+}
+
 TEST(Presets, MegatronTp2LinearQkvInterleave) {
   Model m = Load("qwen2.5-7b.json", 2);
   TensorIndex idx(m.inv);
