@@ -9,7 +9,7 @@ BAZEL_FLAGS ?=
 DEB_PACKAGES := bazel-bootstrap bazel-rules-java protobuf-compiler protobuf-compiler-grpc \
   libgrpc++-dev libprotobuf-dev libabsl-dev libgtest-dev libgmock-dev libxxhash-dev \
   nlohmann-json3-dev prometheus-cpp-dev libssl-dev zlib1g-dev openssl iperf3 \
-  python3-grpcio python3-protobuf python3-numpy python3-matplotlib
+  python3-grpcio python3-protobuf python3-numpy python3-matplotlib python3-yaml
 
 .PHONY: deps build test demo clean help
 
