@@ -1,0 +1,160 @@
+#include "planner/spec.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+
+namespace wb::planner {
+namespace {
+
+// Test-only: reads the checked-in HF configs (runfiles of :testdata_models).
+absl::StatusOr<std::string> ReadTestdata(std::string_view path) {
+  std::ifstream f(absl::StrCat("planner/testdata/", std::string(path)));
+  if (!f) return absl::NotFoundError(absl::StrCat("no testdata ", std::string(path)));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+constexpr char kSpec[] = R"({
+  "model": "qwen2.5-0.5b.json",
+  "dtype": "bfloat16",
+  "trainer": {"layout": "megatron", "tp": 2, "pp": 2, "dp": 1},
+  "rollout": {"layout": "vllm", "tp": 2, "replicas": 3},
+  "cluster": {"gpus_per_node": 4, "nic_GBps_per_gpu": 25, "intra_node_GBps": 200, "colocated": false}
+})";
+
+TEST(SpecTest, ParsesEveryField) {
+  auto spec = ParsePlanSpec(kSpec, ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model.architecture, "Qwen2ForCausalLM");
+  EXPECT_EQ(spec->dtype, DType::kBF16);
+  EXPECT_EQ(spec->trainer.preset, "megatron");
+  EXPECT_EQ(spec->trainer.tp, 2);
+  EXPECT_EQ(spec->trainer.pp, 2);
+  EXPECT_EQ(spec->rollout.preset, "vllm");
+  EXPECT_EQ(spec->rollout.replicas, 3);
+  EXPECT_EQ(spec->gpus_per_node, 4);
+  EXPECT_DOUBLE_EQ(spec->topology.nic_GBps_per_gpu, 25);
+  EXPECT_DOUBLE_EQ(spec->topology.intra_node_GBps, 200);
+  EXPECT_FALSE(spec->topology.colocated);
+}
+
+TEST(SpecTest, InlineModelObject) {
+  auto text = ReadTestdata("qwen2.5-0.5b.json");
+  ASSERT_TRUE(text.ok());
+  const std::string spec_json = absl::StrCat(
+      R"({"model": )", *text,
+      R"(, "trainer": {"layout": "fsdp", "dp": 4}, "rollout": {"layout": "sglang", "tp": 2},
+         "cluster": {"gpus_per_node": 4, "colocated": true}})");
+  auto spec = ParsePlanSpec(spec_json, nullptr);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->trainer.dp, 4);
+  EXPECT_TRUE(spec->topology.colocated);
+}
+
+TEST(SpecTest, ErrorsNameTheField) {
+  struct Case {
+    std::string json;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {"{", "not valid JSON"},
+      {R"({"trainer": {}})", "'model'"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "deepspeed"}, "rollout": {"layout": "vllm"}, "cluster": {}})",
+       "trainer.layout"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron", "tp": 0}, "rollout": {"layout": "vllm"}, "cluster": {}})",
+       "trainer.tp"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm", "tpp": 2}, "cluster": {}})",
+       "rollout.tpp"},
+      {R"({"model": "qwen2.5-0.5b.json", "dtype": "int4", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm"}, "cluster": {}})",
+       "dtype"},
+      {R"({"model": "missing.json", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm"}, "cluster": {}})",
+       "missing.json"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm"}, "cluster": {"nic_GBps_per_gpu": -1}})",
+       "cluster.nic_GBps_per_gpu"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp"}, "rollout": {"layout": "vllm"}, "cluster": {}})",
+       "trainer.dp"},
+  };
+  for (const Case& c : cases) {
+    auto spec = ParsePlanSpec(c.json, ReadTestdata);
+    ASSERT_FALSE(spec.ok()) << c.json;
+    EXPECT_NE(spec.status().message().find(c.want), std::string::npos)
+        << "want '" << c.want << "' in: " << spec.status().message();
+  }
+}
+
+TEST(SpecTest, PlacementTrainersFirstThenRolloutsReplicaMajor) {
+  auto spec = ParsePlanSpec(kSpec, ReadTestdata);
+  ASSERT_TRUE(spec.ok());
+  auto problem = BuildProblem(*spec);
+  ASSERT_TRUE(problem.ok()) << problem.status();
+  ASSERT_EQ(problem->workers.size(), 4u + 6u);
+  for (int r = 0; r < 4; ++r) {
+    const Worker& w = problem->workers[r];
+    EXPECT_EQ(w.role, Role::kTrainer);
+    EXPECT_EQ(w.id, absl::StrCat("trainer/", r));
+    EXPECT_EQ(w.node, 0);
+    EXPECT_EQ(w.gpu, r);
+  }
+  // 4 trainers fill node 0; rollouts start on node 1, replica-major.
+  for (int i = 0; i < 6; ++i) {
+    const Worker& w = problem->workers[4 + i];
+    EXPECT_EQ(w.role, Role::kRollout);
+    EXPECT_EQ(w.id, absl::StrCat("rollout/", i / 2, "/", i % 2));
+    EXPECT_EQ(w.node, 1 + i / 4);
+    EXPECT_EQ(w.gpu, i % 4);
+  }
+  auto plan = MakePlan(*problem, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  EXPECT_EQ(plan->stats.redundant_bytes, 0);
+  EXPECT_LE(plan->stats.makespan_s, 1.10 * plan->stats.lower_bound_s);
+  // Every trainer NIC sends (no rank-0 funnel).
+  std::set<int> senders;
+  for (const Bucket& b : plan->buckets) {
+    for (const TransferOp& op : b.ops) {
+      if (problem->workers[op.src_worker].role == Role::kTrainer) senders.insert(op.src_worker);
+    }
+  }
+  EXPECT_EQ(senders.size(), 4u);
+}
+
+TEST(SpecTest, ColocatedRolloutGpuIIsTrainerGpuI) {
+  auto spec = ParsePlanSpec(
+      R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 4},
+          "rollout": {"layout": "vllm", "tp": 2, "replicas": 2},
+          "cluster": {"gpus_per_node": 4, "colocated": true}})",
+      ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto problem = BuildProblem(*spec);
+  ASSERT_TRUE(problem.ok()) << problem.status();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(problem->workers[4 + i].node, problem->workers[i].node);
+    EXPECT_EQ(problem->workers[4 + i].gpu, problem->workers[i].gpu);
+  }
+  auto plan = MakePlan(*problem, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->stats.bytes_inter_node, 0);
+  EXPECT_TRUE(plan->stats.complete);
+  EXPECT_LE(plan->stats.makespan_s, 1.10 * plan->stats.lower_bound_s);
+}
+
+TEST(SpecTest, PresetConstraintErrorsPropagate) {
+  // 14 heads / 2 kv heads cannot be split 4-way by megatron (tp must divide kv heads).
+  auto spec = ParsePlanSpec(
+      R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron", "tp": 4},
+          "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})",
+      ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto problem = BuildProblem(*spec);
+  EXPECT_FALSE(problem.ok());
+  EXPECT_NE(problem.status().message().find("trainer"), std::string::npos) << problem.status();
+}
+
+}  // namespace
+}  // namespace wb::planner
