@@ -1,0 +1,73 @@
+#include "client/plan_command.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "gtest/gtest.h"
+
+namespace wb::client {
+namespace {
+
+constexpr char kSpec[] = "client/testdata/qwen05b_plan_spec.json";
+
+TEST(PlanCommandTest, JsonHasEveryReadmeField) {
+  std::ostringstream out, err;
+  ASSERT_EQ(RunPlanCommand({"--spec", kSpec, "--json"}, out, err), 0) << err.str();
+  const auto j = nlohmann::json::parse(out.str(), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out.str();
+  for (const char* k : {"complete", "redundant_bytes", "bytes_inter_node", "bytes_intra_node", "num_ops",
+                        "num_buckets", "plan_ms", "lower_bound_s", "makespan_s", "baselines", "fingerprint"}) {
+    EXPECT_TRUE(j.contains(k)) << k;
+  }
+  EXPECT_EQ(j["complete"], true);
+  EXPECT_EQ(j["redundant_bytes"], 0);
+  EXPECT_GT(j["bytes_inter_node"].get<int64_t>(), 0);
+  EXPECT_GT(j["num_ops"].get<int64_t>(), 0);
+  ASSERT_TRUE(j["baselines"].contains("rank0_broadcast"));
+  EXPECT_GT(j["baselines"]["rank0_broadcast"].get<double>(), j["makespan_s"].get<double>());
+  EXPECT_LE(j["makespan_s"].get<double>(), 1.10 * j["lower_bound_s"].get<double>());
+  EXPECT_EQ(j["fingerprint"].get<std::string>().size(), 32u);
+  // Deterministic across runs.
+  std::ostringstream out2;
+  ASSERT_EQ(RunPlanCommand({"--spec=" + std::string(kSpec), "--json"}, out2, err), 0);
+  EXPECT_EQ(nlohmann::json::parse(out2.str())["fingerprint"], j["fingerprint"]);
+}
+
+TEST(PlanCommandTest, TableByDefault) {
+  std::ostringstream out, err;
+  ASSERT_EQ(RunPlanCommand({"--spec", kSpec}, out, err), 0) << err.str();
+  EXPECT_NE(out.str().find("makespan_s"), std::string::npos);
+  EXPECT_NE(out.str().find("rank0_broadcast"), std::string::npos);
+  EXPECT_NE(out.str().find("fingerprint"), std::string::npos);
+}
+
+TEST(PlanCommandTest, UsageAndSpecErrorsExitTwo) {
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(RunPlanCommand({}, out, err), 2);
+    EXPECT_NE(err.str().find("--spec"), std::string::npos);
+  }
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(RunPlanCommand({"--spec", kSpec, "--bogus"}, out, err), 2);
+    EXPECT_NE(err.str().find("--bogus"), std::string::npos);
+  }
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(RunPlanCommand({"--spec", "client/testdata/does_not_exist.json"}, out, err), 2);
+    EXPECT_NE(err.str().find("does_not_exist.json"), std::string::npos);
+  }
+  {
+    const std::string bad = ::testing::TempDir() + "/bad_spec.json";
+    std::ofstream(bad) << R"({"model": "x.json", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm", "tp": 2}, "cluster": {"gpus": 8}})";
+    std::ostringstream out, err;
+    EXPECT_EQ(RunPlanCommand({"--spec", bad}, out, err), 2);
+    EXPECT_NE(err.str().find("bad spec"), std::string::npos) << err.str();
+    EXPECT_TRUE(out.str().empty());
+  }
+}
+
+}  // namespace
+}  // namespace wb::client
