@@ -1,6 +1,918 @@
 #include "transport/host_tcp.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "transport/common.h"
+#include "transport/strided.h"
+#include "transport/wire.h"
+
 namespace wb::transport {
-absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig&) {
-  return absl::UnimplementedError("host_tcp: not yet");
+namespace {
+
+constexpr char kKind[] = "host_tcp";
+constexpr uint32_t kFrameMagic = 0x46425757;  // "WWBF"
+constexpr int kMaxIov = 64;                    // more pieces than this per chunk: pack via scratch
+
+enum FrameType : uint8_t { kManifest = 1, kData = 2, kChecksum = 3, kAck = 4 };
+
+// Every frame starts with this header; DATA/ACK carry `len` payload bytes after it.
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t type;
+  uint8_t pad[3];
+  uint64_t tag;
+  uint32_t op;      // DATA: op index; ACK: absl status code
+  uint32_t pad2;
+  int64_t offset;   // DATA: logical byte offset in the op; MANIFEST/CHECKSUM: the hash
+  int64_t len;      // DATA/ACK: payload bytes
+};
+static_assert(sizeof(FrameHeader) == 40);
+
+std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+bool WriteAll(int fd, struct iovec* iov, int iovcnt) {
+  while (iovcnt > 0) {
+    struct msghdr msg = {};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = iovcnt;
+    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    while (iovcnt > 0 && static_cast<size_t>(n) >= iov->iov_len) {
+      n -= iov->iov_len;
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + n;
+      iov->iov_len -= n;
+    }
+  }
+  return true;
 }
+
+bool ReadAll(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t r = recv(fd, c, n, MSG_WAITALL);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    c += r;
+    n -= r;
+  }
+  return true;
+}
+
+struct Region {
+  bool local = true;
+  char* base = nullptr;
+  int64_t size = 0;
+  std::string label;
+  std::string owner_instance;
+  uint64_t owner_region_id = 0;
+  int pinned = 0;
+};
+
+struct Chunk {
+  int op;
+  int64_t offset;
+  int64_t len;
+};
+
+struct PeerConn;
+
+struct TcpBatch {
+  uint64_t id = 0;
+  uint64_t tag = 0;
+  std::shared_ptr<PeerConn> peer;
+  bool checksum = false;
+  bool corrupt_once = false;
+  std::vector<OpLayout> layouts;
+  std::vector<char*> local_base;  // base of this side's region per op
+  std::vector<bool> is_send;
+  std::vector<uint64_t> regions;
+  uint64_t manifest = 0;
+  // sending
+  std::vector<Chunk> chunks;
+  size_t next_chunk = 0;
+  size_t chunks_written = 0;
+  uint64_t send_hash = 0;
+  // receiving
+  int64_t recv_expected = 0;
+  int64_t recv_got = 0;
+  uint64_t recv_hash = 0;
+  bool peer_checksum_known = false;
+  uint64_t peer_checksum = 0;
+  bool manifest_matched = false;
+  bool recv_done = false;
+  bool ack_received = false;
+  int active = 0;  // threads touching this batch's memory right now
+  absl::Status status;
+  int64_t bytes = 0;
+
+  bool Succeeded() const {
+    return status.ok() && manifest_matched && recv_done && ack_received && chunks_written == chunks.size();
+  }
+  bool Finished() const { return (Succeeded() || !status.ok()) && active == 0; }
+};
+
+struct ControlFrame {
+  FrameHeader h;
+  std::string payload;
+};
+
+struct PeerConn {
+  uint64_t id = 0;
+  std::string instance;
+  std::vector<int> fds;  // [0] control, [1..] data
+  bool broken = false;
+  absl::Status broken_status;
+  std::deque<ControlFrame> control;
+  std::deque<std::shared_ptr<TcpBatch>> send_queue;
+  std::map<uint64_t, std::shared_ptr<TcpBatch>> batches;  // by tag, unfinished
+  std::map<uint64_t, uint64_t> early_manifest;
+  std::map<uint64_t, uint64_t> early_checksum;
+  std::map<uint64_t, absl::Status> early_ack;
+  std::vector<std::thread> threads;
+};
+
+uint64_t ChunkSeed(int op, int64_t offset) { return (static_cast<uint64_t>(op) << 40) ^ static_cast<uint64_t>(offset); }
+
+class HostTcpTransport : public Transport {
+ public:
+  HostTcpTransport(const TransportConfig& config, int listen_fd, int port)
+      : options_(config.tcp),
+        node_id_(config.node_id.empty() ? DefaultNodeId() : config.node_id),
+        instance_id_(RandomInstanceId()),
+        corrupt_(config.test_corrupt_checksummed_payload),
+        listen_fd_(listen_fd),
+        port_(port) {
+    accept_thread_ = std::thread([this] { AcceptLoop(); });
+  }
+
+  ~HostTcpTransport() override {
+    std::vector<std::shared_ptr<PeerConn>> peers;
+    {
+      absl::MutexLock l(&mu_);
+      stopping_ = true;
+      for (auto& [id, p] : peers_) {
+        BreakLocked(p.get(), absl::CancelledError("transport destroyed"));
+        peers.push_back(p);
+      }
+      for (auto& [inst, fds] : pending_) {
+        for (auto& [idx, fd] : fds) close(fd);
+      }
+    }
+    shutdown(listen_fd_, SHUT_RDWR);
+    accept_thread_.join();
+    close(listen_fd_);
+    for (auto& p : peers) {
+      for (auto& t : p->threads) t.join();
+      for (int fd : p->fds) close(fd);
+    }
+  }
+
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.kind = kKind;
+    c.memory_kinds = {MemoryKind::kHost};
+    c.same_node = true;  // works on loopback too, but host_shm is preferred there
+    c.cross_node = true;
+    c.two_sided = true;
+    c.checksums = true;
+    c.native_strides = true;
+    return c;
+  }
+
+  std::string instance_id() const override { return instance_id_; }
+
+  absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
+    wire::Writer w;
+    w.U32(kWireMagic);
+    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
+    w.Str(kKind);
+    w.Str(instance_id_);
+    w.Str(node_id_);
+    w.Str(options_.advertise_address.empty() ? options_.bind_address : options_.advertise_address);
+    w.U32(port_);
+    return std::move(w.out());
+  }
+
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
+    wire::Reader r(endpoint);
+    uint32_t magic = r.U32();
+    uint8_t type = r.U8();
+    std::string kind = r.Str(), inst = r.Str(), node = r.Str(), addr = r.Str();
+    uint32_t port = r.U32();
+    if (!r.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
+      return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
+    }
+    if (inst == instance_id_) return absl::InvalidArgumentError("host_tcp Connect: cannot connect to itself");
+    const int total = std::max(1, options_.streams) + 1;
+    std::vector<int> fds;
+    if (instance_id_ < inst) {
+      for (int i = 0; i < total; ++i) {
+        auto fd = Dial(addr, port, deadline, i, total);
+        if (!fd.ok()) {
+          for (int f : fds) close(f);
+          return absl::Status(fd.status().code(), absl::StrCat("host_tcp connect to peer ", inst, " at ", addr, ":",
+                                                               port, ": ", fd.status().message()));
+        }
+        fds.push_back(*fd);
+      }
+    } else {
+      absl::MutexLock l(&mu_);
+      auto ready = [&] {
+        auto it = pending_.find(inst);
+        return stopping_ || (it != pending_.end() && static_cast<int>(it->second.size()) >= 1 &&
+                             static_cast<int>(it->second.size()) == pending_total_[inst]);
+      };
+      while (!ready()) {
+        if (accept_cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
+          return absl::DeadlineExceededError(absl::StrCat("host_tcp: peer ", inst, " at ", addr, ":", port,
+                                                          " did not connect before the deadline"));
+        }
+      }
+      if (stopping_) return absl::CancelledError("transport destroyed");
+      for (auto& [idx, fd] : pending_[inst]) fds.push_back(fd);
+      pending_.erase(inst);
+      pending_total_.erase(inst);
+    }
+    auto peer = std::make_shared<PeerConn>();
+    peer->instance = inst;
+    peer->fds = fds;
+    absl::MutexLock l(&mu_);
+    peer->id = next_id_++;
+    peers_[peer->id] = peer;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      peer->threads.emplace_back([this, peer, i] { i == 0 ? ControlReader(peer) : DataReader(peer, i); });
+      peer->threads.emplace_back([this, peer, i] { i == 0 ? ControlWriter(peer) : DataWriter(peer, i); });
+    }
+    return PeerId{peer->id};
+  }
+
+  absl::Status Disconnect(PeerId id) override {
+    std::shared_ptr<PeerConn> p;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = peers_.find(id.id);
+      if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown peer ", id.id));
+      p = it->second;
+      peers_.erase(it);
+      BreakLocked(p.get(), absl::CancelledError("peer disconnected"));
+    }
+    for (auto& t : p->threads) t.join();
+    for (int fd : p->fds) close(fd);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override {
+    if (spec.kind != MemoryKind::kHost) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp cannot reach ", MemoryKindName(spec.kind),
+                                                     " memory (region '", spec.label, "')"));
+    }
+    if (spec.size_bytes < 0 || (spec.base == nullptr && spec.size_bytes > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp: bad region '", spec.label, "'"));
+    }
+    absl::MutexLock l(&mu_);
+    uint64_t id = next_id_++;
+    Region& r = regions_[id];
+    r.local = true;
+    r.base = static_cast<char*>(spec.base);
+    r.size = spec.size_bytes;
+    r.label = spec.label;
+    r.owner_instance = instance_id_;
+    r.owner_region_id = id;
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown region ", h.id));
+    if (!it->second.local) return absl::FailedPreconditionError("host_tcp: cannot re-export an imported region");
+    wire::Writer w;
+    w.U32(kWireMagic);
+    w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
+    w.Str(kKind);
+    w.Str(instance_id_);
+    w.Str(node_id_);
+    w.U64(h.id);
+    w.I64(it->second.size);
+    w.Str(it->second.label);
+    return std::move(w.out());
+  }
+
+  absl::StatusOr<RegionHandle> ImportDescriptor(absl::string_view bytes) override {
+    wire::Reader rd(bytes);
+    uint32_t magic = rd.U32();
+    uint8_t type = rd.U8();
+    std::string kind = rd.Str(), inst = rd.Str(), node = rd.Str();
+    uint64_t rid = rd.U64();
+    int64_t size = rd.I64();
+    std::string label = rd.Str();
+    if (!rd.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
+      return absl::InvalidArgumentError("host_tcp ImportDescriptor: bytes are not a transport descriptor");
+    }
+    if (kind != kKind) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp ImportDescriptor: descriptor is for '", kind, "'"));
+    }
+    if (size < 0) return absl::InvalidArgumentError("host_tcp ImportDescriptor: negative size");
+    absl::MutexLock l(&mu_);
+    uint64_t id = next_id_++;
+    Region& r = regions_[id];
+    r.local = false;
+    r.size = size;
+    r.label = label;
+    r.owner_instance = inst;
+    r.owner_region_id = rid;
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown region ", h.id));
+    RegionInfo info;
+    info.local = it->second.local;
+    info.size_bytes = it->second.size;
+    info.owner_instance = it->second.owner_instance;
+    info.label = it->second.label;
+    for (auto& [pid, p] : peers_) {
+      if (!info.local && p->instance == it->second.owner_instance) info.peer = PeerId{pid};
+    }
+    return info;
+  }
+
+  absl::Status Release(RegionHandle h) override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown region ", h.id));
+    if (it->second.pinned > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("host_tcp: region '", it->second.label, "' is used by ",
+                                                        it->second.pinned, " unfinished batch(es)"));
+    }
+    regions_.erase(it);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BatchId> Post(const Batch& batch) override {
+    auto b = std::make_shared<TcpBatch>();
+    b->tag = batch.tag;
+    b->checksum = batch.checksum;
+    b->corrupt_once = batch.checksum && corrupt_;
+    absl::MutexLock l(&mu_);
+    auto pit = peers_.find(batch.peer.id);
+    if (pit == peers_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, ": unknown peer ", batch.peer.id,
+                                                     " (two-sided transport: Batch::peer is required)"));
+    }
+    std::shared_ptr<PeerConn> peer = pit->second;
+    if (peer->broken) {
+      return absl::UnavailableError(absl::StrCat("host_tcp peer ", peer->instance,
+                                                 " is disconnected: ", peer->broken_status.message()));
+    }
+    if (peer->batches.count(batch.tag)) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp: batch tag ", batch.tag, " already in flight"));
+    }
+    // Which instance sends is part of the manifest so that both sides hash the same bytes.
+    wire::Writer m;
+    m.U64(batch.tag);
+    m.U8(batch.checksum);
+    for (size_t i = 0; i < batch.ops.size(); ++i) {
+      const CopyOp& op = batch.ops[i];
+      auto find = [&](RegionHandle h, const char* which) -> absl::StatusOr<Region*> {
+        auto it = regions_.find(h.id);
+        if (it == regions_.end()) {
+          return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, " op ", i, ": unknown ", which,
+                                                         " region ", h.id));
+        }
+        return &it->second;
+      };
+      auto src = find(op.src.region, "source");
+      if (!src.ok()) return src.status();
+      auto dst = find(op.dst.region, "destination");
+      if (!dst.ok()) return dst.status();
+      if ((*src)->local == (*dst)->local) {
+        return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, " op ", i,
+                                                       ": needs exactly one local and one imported region"));
+      }
+      Region* remote = (*src)->local ? *dst : *src;
+      if (remote->owner_instance != peer->instance) {
+        return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, " op ", i, ": region '",
+                                                       remote->label, "' was exported by ", remote->owner_instance,
+                                                       ", not by the batch's peer ", peer->instance));
+      }
+      auto layout = ValidateOp(op, static_cast<int>(i), (*src)->size, (*dst)->size, (*src)->label, (*dst)->label);
+      if (!layout.ok()) return layout.status();
+      const bool send = (*src)->local;
+      b->is_send.push_back(send);
+      b->local_base.push_back(send ? (*src)->base : (*dst)->base);
+      b->layouts.push_back(std::move(*layout));
+      b->regions.push_back(op.src.region.id);
+      b->regions.push_back(op.dst.region.id);
+      m.Str(send ? instance_id_ : peer->instance);
+      m.U64((*src)->owner_region_id);
+      m.U64((*dst)->owner_region_id);
+      m.I64(op.src.offset_bytes);
+      m.I64(op.dst.offset_bytes);
+      m.U32(op.element_size);
+      for (auto d : op.shape) m.I64(d);
+      for (auto s : op.src.strides) m.I64(s);
+      for (auto s : op.dst.strides) m.I64(s);
+    }
+    b->manifest = XXH3_64bits(m.out().data(), m.out().size());
+    const int64_t chunk = std::max<int64_t>(options_.chunk_bytes, 4096);
+    for (size_t i = 0; i < b->layouts.size(); ++i) {
+      const int64_t n = b->layouts[i].src.total_bytes();
+      b->bytes += n;
+      if (!b->is_send[i]) {
+        b->recv_expected += n;
+        continue;
+      }
+      for (int64_t off = 0; off < n; off += chunk) b->chunks.push_back({static_cast<int>(i), off, std::min(chunk, n - off)});
+    }
+    for (uint64_t r : b->regions) regions_[r].pinned++;
+    b->id = next_id_++;
+    b->peer = peer;
+    stats_.batches_posted++;
+    batches_[b->id] = b;
+    peer->batches[b->tag] = b;
+    ControlFrame f{};
+    f.h = Header(kManifest, b->tag, 0, static_cast<int64_t>(b->manifest), 0);
+    peer->control.push_back(std::move(f));
+    if (auto e = peer->early_manifest.find(b->tag); e != peer->early_manifest.end()) {
+      OnManifestLocked(peer.get(), b.get(), e->second);
+      peer->early_manifest.erase(e);
+    }
+    if (auto e = peer->early_checksum.find(b->tag); e != peer->early_checksum.end()) {
+      b->peer_checksum_known = true;
+      b->peer_checksum = e->second;
+      peer->early_checksum.erase(e);
+    }
+    if (auto e = peer->early_ack.find(b->tag); e != peer->early_ack.end()) {
+      OnAckLocked(b.get(), e->second);
+      peer->early_ack.erase(e);
+    }
+    if (!b->chunks.empty()) peer->send_queue.push_back(b);
+    MaybeFinishRecvLocked(peer.get(), b.get());
+    cv_.SignalAll();  // writers wait for the manifest and the chunks
+    return BatchId{b->id};
+  }
+
+  absl::StatusOr<BatchState> Poll(BatchId id) override {
+    absl::MutexLock l(&mu_);
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown batch ", id.id));
+    if (!it->second->Finished()) return BatchState::kRunning;
+    if (!it->second->status.ok()) return it->second->status;
+    return BatchState::kDone;
+  }
+
+  absl::Status Wait(BatchId id, absl::Time deadline) override {
+    absl::MutexLock l(&mu_);
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown batch ", id.id));
+    std::shared_ptr<TcpBatch> b = it->second;
+    while (!b->Finished()) {
+      if (cv_.WaitWithDeadline(&mu_, deadline) && !b->Finished()) {
+        const absl::Status why = absl::DeadlineExceededError(absl::StrCat(
+            "host_tcp batch ", b->tag, " with peer ", b->peer->instance, " missed its deadline (", b->recv_got, "/",
+            b->recv_expected, " bytes received, ", b->chunks_written, "/", b->chunks.size(), " chunks sent)"));
+        FailLocked(b.get(), why);
+        // Closing the sockets unblocks the threads inside send/recv for this batch: bounded.
+        BreakLocked(b->peer.get(), absl::UnavailableError(absl::StrCat("channel closed after batch ", b->tag,
+                                                                       " missed its deadline")));
+        while (b->active > 0) cv_.Wait(&mu_);
+      }
+    }
+    for (uint64_t r : b->regions) {
+      if (auto rit = regions_.find(r); rit != regions_.end()) rit->second.pinned--;
+    }
+    if (auto pit = b->peer->batches.find(b->tag); pit != b->peer->batches.end() && pit->second == b) {
+      b->peer->batches.erase(pit);
+    }
+    batches_.erase(id.id);
+    if (!b->status.ok()) stats_.batches_failed++;
+    return b->status;
+  }
+
+  TransportStats stats() const override {
+    absl::MutexLock l(&mu_);
+    return stats_;
+  }
+
+ private:
+  static FrameHeader Header(uint8_t type, uint64_t tag, uint32_t op, int64_t offset, int64_t len) {
+    FrameHeader h{};
+    h.magic = kFrameMagic;
+    h.type = type;
+    h.tag = tag;
+    h.op = op;
+    h.offset = offset;
+    h.len = len;
+    return h;
+  }
+
+  absl::StatusOr<int> Dial(const std::string& addr, uint32_t port, absl::Time deadline, int idx, int total) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return absl::InternalError(Errno("socket"));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(port);
+    if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
+      close(fd);
+      return absl::InvalidArgumentError(absl::StrCat("bad IPv4 address '", addr, "'"));
+    }
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 && errno != EINPROGRESS) {
+      std::string e = Errno("connect");
+      close(fd);
+      return absl::UnavailableError(e);
+    }
+    struct pollfd pfd = {fd, POLLOUT, 0};
+    int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (poll(&pfd, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30))) != 1) {
+      close(fd);
+      return absl::DeadlineExceededError("connect timed out");
+    }
+    int err = 0;
+    socklen_t len = sizeof(err);
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) {
+      close(fd);
+      return absl::UnavailableError(absl::StrCat("connect: ", std::strerror(err)));
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    wire::Writer w;
+    w.U32(kFrameMagic);
+    w.Str(instance_id_);
+    w.U32(idx);
+    w.U32(total);
+    uint32_t n = w.out().size();
+    struct iovec iov[2] = {{&n, 4}, {w.out().data(), n}};
+    if (!WriteAll(fd, iov, 2)) {
+      close(fd);
+      return absl::UnavailableError(Errno("hello"));
+    }
+    return fd;
+  }
+
+  void AcceptLoop() {
+    while (true) {
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        return;  // listen socket shut down
+      }
+      // A dialer must introduce itself promptly; never let one stall the accept loop for long.
+      struct timeval tv = {5, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      uint32_t n = 0;
+      std::string hello;
+      bool ok = ReadAll(fd, &n, 4) && n < 4096;
+      if (ok) {
+        hello.resize(n);
+        ok = ReadAll(fd, hello.data(), n);
+      }
+      wire::Reader r(hello);
+      uint32_t magic = r.U32();
+      std::string inst = r.Str();
+      uint32_t idx = r.U32(), total = r.U32();
+      if (!ok || !r.done() || magic != kFrameMagic || total < 2 || total > 1024 || idx >= total) {
+        close(fd);
+        continue;
+      }
+      struct timeval zero = {0, 0};
+      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof(zero));
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      absl::MutexLock l(&mu_);
+      if (stopping_) {
+        close(fd);
+        return;
+      }
+      auto& slot = pending_[inst];
+      if (slot.count(idx)) close(slot[idx]);
+      slot[idx] = fd;
+      pending_total_[inst] = total;
+      accept_cv_.SignalAll();
+    }
+  }
+
+  void FailLocked(TcpBatch* b, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (b->status.ok() && !b->Succeeded()) b->status = std::move(why);
+    cv_.SignalAll();
+  }
+
+  void BreakLocked(PeerConn* p, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!p->broken) {
+      p->broken = true;
+      p->broken_status = why;
+      for (int fd : p->fds) shutdown(fd, SHUT_RDWR);
+    }
+    for (auto& [tag, b] : p->batches) FailLocked(b.get(), why);
+    cv_.SignalAll();
+  }
+
+  void OnManifestLocked(PeerConn* p, TcpBatch* b, uint64_t theirs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (theirs == b->manifest) {
+      b->manifest_matched = true;
+      MaybeFinishRecvLocked(p, b);
+    } else {
+      FailLocked(b, absl::InvalidArgumentError(absl::StrCat(
+                        "host_tcp batch ", b->tag, ": the peer ", p->instance,
+                        " posted a different mirror batch (ops, regions, offsets, strides or checksum flag differ)")));
+      BreakLocked(p, absl::UnavailableError(absl::StrCat("channel closed after mirror mismatch in batch ", b->tag)));
+    }
+    cv_.SignalAll();
+  }
+
+  void OnAckLocked(TcpBatch* b, const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    b->ack_received = true;
+    if (!s.ok()) FailLocked(b, s);
+    cv_.SignalAll();
+  }
+
+  void MaybeFinishRecvLocked(PeerConn* p, TcpBatch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (b->recv_done || !b->status.ok() || !b->manifest_matched) return;
+    if (b->recv_got < b->recv_expected) return;
+    if (b->checksum && b->recv_expected > 0 && !b->peer_checksum_known) return;
+    absl::Status result;
+    if (b->checksum && b->recv_expected > 0 && b->recv_hash != b->peer_checksum) {
+      result = absl::DataLossError(absl::StrCat("host_tcp batch ", b->tag, ": checksum mismatch on ", b->recv_expected,
+                                                " bytes received from peer ", p->instance));
+      FailLocked(b, result);  // before recv_done: a batch that already counts as succeeded cannot fail
+    }
+    b->recv_done = true;
+    ControlFrame f{};
+    std::string msg(result.message());
+    f.h = Header(kAck, b->tag, static_cast<uint32_t>(result.code()), 0, msg.size());
+    f.payload = std::move(msg);
+    p->control.push_back(std::move(f));
+    cv_.SignalAll();
+  }
+
+  void ControlWriter(std::shared_ptr<PeerConn> p) {
+    const int fd = p->fds[0];
+    absl::MutexLock l(&mu_);
+    while (true) {
+      while (!p->broken && p->control.empty()) cv_.Wait(&mu_);
+      if (p->broken) return;
+      ControlFrame f = std::move(p->control.front());
+      p->control.pop_front();
+      mu_.Unlock();
+      struct iovec iov[2] = {{&f.h, sizeof(f.h)}, {f.payload.data(), f.payload.size()}};
+      bool ok = WriteAll(fd, iov, f.payload.empty() ? 1 : 2);
+      mu_.Lock();
+      if (!ok) {
+        BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance, ": ", Errno("send"))));
+        return;
+      }
+    }
+  }
+
+  void ControlReader(std::shared_ptr<PeerConn> p) {
+    const int fd = p->fds[0];
+    while (true) {
+      FrameHeader h;
+      std::string payload;
+      bool ok = ReadAll(fd, &h, sizeof(h)) && h.magic == kFrameMagic;
+      if (ok && h.type == kAck) {
+        ok = h.len >= 0 && h.len < (1 << 20);
+        if (ok) {
+          payload.resize(h.len);
+          ok = ReadAll(fd, payload.data(), h.len);
+        }
+      }
+      absl::MutexLock l(&mu_);
+      if (!ok) {
+        BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance,
+                                                                 " vanished (control connection closed)")));
+        return;
+      }
+      auto it = p->batches.find(h.tag);
+      TcpBatch* b = it == p->batches.end() ? nullptr : it->second.get();
+      if (h.type == kManifest) {
+        if (b) {
+          OnManifestLocked(p.get(), b, static_cast<uint64_t>(h.offset));
+        } else {
+          p->early_manifest[h.tag] = static_cast<uint64_t>(h.offset);
+        }
+      } else if (h.type == kChecksum) {
+        if (b) {
+          b->peer_checksum_known = true;
+          b->peer_checksum = static_cast<uint64_t>(h.offset);
+          MaybeFinishRecvLocked(p.get(), b);
+        } else {
+          p->early_checksum[h.tag] = static_cast<uint64_t>(h.offset);
+        }
+      } else if (h.type == kAck) {
+        absl::Status s = h.op == 0 ? absl::OkStatus() : absl::Status(static_cast<absl::StatusCode>(h.op), payload);
+        if (b) {
+          OnAckLocked(b, s);
+        } else {
+          p->early_ack[h.tag] = s;
+        }
+      }
+      cv_.SignalAll();
+    }
+  }
+
+  void DataWriter(std::shared_ptr<PeerConn> p, size_t stream) {
+    const int fd = p->fds[stream];
+    std::vector<char> scratch;
+    absl::MutexLock l(&mu_);
+    while (true) {
+      while (!p->broken && p->send_queue.empty()) cv_.Wait(&mu_);
+      if (p->broken) return;
+      std::shared_ptr<TcpBatch> b = p->send_queue.front();
+      const Chunk c = b->chunks[b->next_chunk++];
+      if (b->next_chunk == b->chunks.size()) p->send_queue.pop_front();
+      b->active++;
+      const bool corrupt = b->corrupt_once;
+      b->corrupt_once = false;
+      mu_.Unlock();
+      const OpLayout& op = b->layouts[c.op];
+      char* base = b->local_base[c.op];
+      uint64_t hash = 0;
+      if (b->checksum) {
+        XXH3_state_t* st = XXH3_createState();
+        XXH3_64bits_reset_withSeed(st, ChunkSeed(c.op, c.offset));
+        op.src.ForEachPiece(c.offset, c.offset + c.len,
+                            [&](int64_t off, int64_t, int64_t n) { XXH3_64bits_update(st, base + off, n); });
+        hash = XXH3_64bits_digest(st);
+        XXH3_freeState(st);
+      }
+      FrameHeader h = Header(kData, b->tag, c.op, c.offset, c.len);
+      std::vector<struct iovec> iov;
+      iov.push_back({&h, sizeof(h)});
+      if (corrupt || op.src.CountPieces(c.offset, c.offset + c.len) > kMaxIov) {
+        scratch.resize(c.len);
+        op.src.ForEachPiece(c.offset, c.offset + c.len, [&](int64_t off, int64_t logical, int64_t n) {
+          std::memcpy(scratch.data() + (logical - c.offset), base + off, n);
+        });
+        if (corrupt) scratch[0] ^= 0x5a;  // TEST ONLY: after the hash was taken
+        iov.push_back({scratch.data(), static_cast<size_t>(c.len)});
+      } else {
+        op.src.ForEachPiece(c.offset, c.offset + c.len,
+                            [&](int64_t off, int64_t, int64_t n) { iov.push_back({base + off, static_cast<size_t>(n)}); });
+      }
+      const bool ok = WriteAll(fd, iov.data(), iov.size());
+      mu_.Lock();
+      b->active--;
+      if (!ok) {
+        BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance,
+                                                                 " vanished mid-transfer (", Errno("send"), ")")));
+        cv_.SignalAll();
+        return;
+      }
+      b->chunks_written++;
+      b->send_hash ^= hash;
+      stats_.bytes_copied += c.len;
+      if (b->chunks_written == b->chunks.size() && b->checksum) {
+        ControlFrame f{};
+        f.h = Header(kChecksum, b->tag, 0, static_cast<int64_t>(b->send_hash), 0);
+        p->control.push_back(std::move(f));
+      }
+      cv_.SignalAll();
+    }
+  }
+
+  void DataReader(std::shared_ptr<PeerConn> p, size_t stream) {
+    const int fd = p->fds[stream];
+    std::vector<char> scratch;
+    while (true) {
+      FrameHeader h;
+      bool ok = ReadAll(fd, &h, sizeof(h)) && h.magic == kFrameMagic && h.type == kData;
+      absl::MutexLock l(&mu_);
+      if (!ok) {
+        BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance,
+                                                                 " vanished mid-transfer (data connection closed)")));
+        return;
+      }
+      // Nothing is written before this side posted the batch and both manifests matched.
+      auto ready = [&] {
+        auto it = p->batches.find(h.tag);
+        return p->broken || (it != p->batches.end() && (it->second->manifest_matched || !it->second->status.ok()));
+      };
+      while (!ready()) cv_.Wait(&mu_);
+      if (p->broken) return;
+      std::shared_ptr<TcpBatch> b = p->batches[h.tag];
+      if (!b->status.ok()) {
+        BreakLocked(p.get(), b->status);
+        return;
+      }
+      if (h.op >= b->layouts.size() || b->is_send[h.op] || h.offset < 0 || h.len <= 0 ||
+          h.offset + h.len > b->layouts[h.op].dst.total_bytes()) {
+        BreakLocked(p.get(), absl::InternalError(absl::StrCat("host_tcp peer ", p->instance, " sent a bad frame (batch ",
+                                                              h.tag, " op ", h.op, " offset ", h.offset, ")")));
+        return;
+      }
+      b->active++;
+      mu_.Unlock();
+      const OpLayout& op = b->layouts[h.op];
+      char* base = b->local_base[h.op];
+      const int64_t end = h.offset + h.len;
+      if (op.dst.CountPieces(h.offset, end) > kMaxIov) {
+        scratch.resize(h.len);
+        ok = ReadAll(fd, scratch.data(), h.len);
+        if (ok) {
+          op.dst.ForEachPiece(h.offset, end, [&](int64_t off, int64_t logical, int64_t n) {
+            std::memcpy(base + off, scratch.data() + (logical - h.offset), n);
+          });
+        }
+      } else {
+        op.dst.ForEachPiece(h.offset, end, [&](int64_t off, int64_t, int64_t n) { ok = ok && ReadAll(fd, base + off, n); });
+      }
+      uint64_t hash = 0;
+      if (ok && b->checksum) {
+        XXH3_state_t* st = XXH3_createState();
+        XXH3_64bits_reset_withSeed(st, ChunkSeed(h.op, h.offset));
+        op.dst.ForEachPiece(h.offset, end, [&](int64_t off, int64_t, int64_t n) { XXH3_64bits_update(st, base + off, n); });
+        hash = XXH3_64bits_digest(st);
+        XXH3_freeState(st);
+      }
+      mu_.Lock();
+      b->active--;
+      if (!ok) {
+        BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance,
+                                                                 " vanished mid-transfer (", Errno("recv"), ")")));
+        return;
+      }
+      b->recv_got += h.len;
+      b->recv_hash ^= hash;
+      stats_.bytes_copied += h.len;
+      MaybeFinishRecvLocked(p.get(), b.get());
+      cv_.SignalAll();
+    }
+  }
+
+  const TcpOptions options_;
+  const std::string node_id_;
+  const std::string instance_id_;
+  const bool corrupt_;
+  const int listen_fd_;
+  const int port_;
+  std::thread accept_thread_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;         // batch/peer state changes
+  absl::CondVar accept_cv_;  // pending_ changes
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<PeerConn>> peers_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<TcpBatch>> batches_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<uint32_t, int>> pending_ ABSL_GUARDED_BY(mu_);  // dialer -> stream idx -> fd
+  std::map<std::string, int> pending_total_ ABSL_GUARDED_BY(mu_);
+  TransportStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config) {
+  if (config.tcp.streams < 1 || config.tcp.streams > 64) {
+    return absl::InvalidArgumentError("host_tcp: tcp.streams must be in [1, 64]");
+  }
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(Errno("host_tcp socket"));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = 0;
+  if (inet_pton(AF_INET, config.tcp.bind_address.c_str(), &sa.sin_addr) != 1) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat("host_tcp: bad bind address '", config.tcp.bind_address, "'"));
+  }
+  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(fd, 128) != 0) {
+    std::string e = Errno("host_tcp bind/listen");
+    close(fd);
+    return absl::UnavailableError(absl::StrCat(e, " on ", config.tcp.bind_address));
+  }
+  socklen_t len = sizeof(sa);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  return std::unique_ptr<Transport>(new HostTcpTransport(config, fd, ntohs(sa.sin_port)));
+}
+
 }  // namespace wb::transport
