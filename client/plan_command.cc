@@ -64,6 +64,17 @@ absl::StatusOr<PlanReport> ReportForSpec(const planner::PlanSpec& spec) {
   report.num_buckets = static_cast<int64_t>(plan.buckets.size());
   report.fingerprint = plan.fingerprint;
   {
+    std::vector<char> sends(problem.workers.size(), 0);
+    for (const planner::Bucket& b : plan.buckets) {
+      for (const planner::TransferOp& op : b.ops) sends[op.src_worker] = 1;
+    }
+    for (size_t w = 0; w < problem.workers.size(); ++w) {
+      if (problem.workers[w].role != planner::Role::kTrainer) continue;
+      ++report.trainers;
+      report.trainers_sending += sends[w];
+    }
+  }
+  {
     const planner::ClusterIndex ci = planner::IndexCluster(problem);
     planner::MakespanOf(planner::AccumulateLoads(ci, plan), ci, problem.topology, &report.bottleneck);
   }
@@ -93,6 +104,8 @@ std::string ReportJson(const PlanReport& r) {
   j["build_ms"] = r.build_ms;
   j["num_workers"] = r.num_workers;
   j["num_pieces"] = r.num_pieces;
+  j["trainers_sending"] = r.trainers_sending;
+  j["trainers"] = r.trainers;
   return j.dump(2) + "\n";
 }
 
@@ -105,6 +118,7 @@ std::string ReportTable(const PlanReport& r) {
   absl::StrAppendFormat(&s, "%-18s %.3f GB\n", "bytes_intra_node", r.stats.bytes_intra_node / 1e9);
   absl::StrAppendFormat(&s, "%-18s %d\n", "num_ops", r.stats.num_ops);
   absl::StrAppendFormat(&s, "%-18s %d\n", "num_buckets", r.num_buckets);
+  absl::StrAppendFormat(&s, "%-18s %d of %d\n", "trainers_sending", r.trainers_sending, r.trainers);
   absl::StrAppendFormat(&s, "%-18s %.1f (problem build %.1f)\n", "plan_ms", r.stats.plan_ms, r.build_ms);
   absl::StrAppendFormat(&s, "%-18s %.4f\n", "lower_bound_s", r.stats.lower_bound_s);
   absl::StrAppendFormat(&s, "%-18s %.4f  (%.3fx lower bound; busiest link: %s)\n", "makespan_s",

@@ -25,6 +25,8 @@ struct PlanReport {
   std::string bottleneck;  // busiest link of the weightbridge plan
   int64_t num_workers = 0;
   int64_t num_pieces = 0;
+  int64_t trainers = 0;          // trainer workers
+  int64_t trainers_sending = 0;  // trainer workers that are the source of at least one op
   // Baseline name -> predicted makespan_s, in planner::kBaselines order.
   std::vector<std::pair<std::string, double>> baselines;
 };
