@@ -1,0 +1,81 @@
+#pragma once
+// Prometheus metrics of one weightbridged process (prometheus-cpp core + its pull Exposer; no
+// hand-written HTTP). Every daemon role records into the process-wide DaemonMetrics (Metrics());
+// ServeMetrics() exposes it on --metrics_listen. Several daemons in one test process share the
+// registry; every series carries a `node` label so they stay apart.
+//
+// Series (all names prefixed wb_):
+//   versions_total{node,model,event}          event = published | committed | aborted | applied
+//   bytes_total{node,model,route,peer}        bytes this node moved (route = local | tcp | ...)
+//   phase_seconds{node,phase}  (histogram)    phase = snapshot | transfer | commit | apply
+//   link_gbps{node,peer}       (gauge)        GB/s of the newest transfer towards `peer`
+//   failures_total{node,reason}               reason = FailureReason(status)
+//   staleness_versions{node,model,worker}     committed - applied for a rollout worker
+//   committed_version{node,model}, applied_version{node,model,worker}
+//   rejected_total{node,what}                 requests refused by auth / limits
+// Contract: every recording call is thread-safe, cheap (a map lookup under prometheus' family
+// lock) and never fails.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace prometheus {
+class Exposer;
+class Registry;
+}  // namespace prometheus
+
+namespace wb::daemon {
+
+class DaemonMetrics {
+ public:
+  DaemonMetrics();
+  ~DaemonMetrics();
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  void Version(const std::string& node, const std::string& model, const std::string& event);
+  void Bytes(const std::string& node, const std::string& model, const std::string& route, const std::string& peer,
+             uint64_t bytes);
+  void Phase(const std::string& node, const std::string& phase, double seconds);
+  void Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds);
+  void Failure(const std::string& node, const absl::Status& status);
+  void Rejected(const std::string& node, const std::string& what);
+  void Committed(const std::string& node, const std::string& model, uint64_t version);
+  // Records applied version and staleness (committed - applied, 0 when applied >= committed).
+  void Applied(const std::string& node, const std::string& model, const std::string& worker, uint64_t applied,
+               uint64_t committed);
+
+ private:
+  struct Families;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<Families> f_;
+};
+
+// The process-wide instance (created on first use, never destroyed: gRPC threads may record
+// during static destruction).
+DaemonMetrics& Metrics();
+
+// A small fixed vocabulary for failures, so label cardinality stays bounded:
+// timeout | node_lost | restarted | checksum | send | worker_left | superseded | unauthenticated |
+// permission | limit | invalid | aborted | other.
+std::string FailureReason(const absl::Status& status);
+
+// Pull endpoint: GET /metrics in the Prometheus text format, served by prometheus-cpp's Exposer.
+class MetricsEndpoint {
+ public:
+  // listen = "host:port"; port 0 picks one (see port()). UNAVAILABLE if it cannot bind.
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& listen,
+                                                               std::shared_ptr<prometheus::Registry> registry);
+  ~MetricsEndpoint();
+  int port() const { return port_; }
+
+ private:
+  MetricsEndpoint() = default;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+}  // namespace wb::daemon
