@@ -98,6 +98,8 @@ struct TransferOp {
   int32_t dst_worker = -1;
   int32_t src_piece = -1;  // index into the source worker's layout.pieces that holds `box`
   int32_t dst_piece = -1;  // index into the destination worker's layout.pieces that receives it
+  // (Only the rank0_broadcast baseline uses -1: dst_piece = -1 writes the box into the trainer
+  // destination's staging area (the gather), src_piece = -1 reads it back from there.)
   int32_t tensor = -1;
   Box box;                 // canonical box (inside both pieces' boxes)
   int64_t bytes = 0;
