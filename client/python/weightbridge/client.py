@@ -1,0 +1,275 @@
+"""WorkerClient: a trainer or rollout rank talking to its node daemon (WorkerService, Unix socket).
+
+Same verbs and contract as the C++ client (client/worker_client.h):
+  register_worker -> create_buffer (POSIX shm, numpy views) / create_cuda_buffer -> register_layout
+  -> publish (trainer) | begin_update + wait_version (sync rollout) | apply (one-step-off / async
+  rollout) -> deregister; status() any time.
+Every call has a deadline (control calls: call_timeout; version calls: the explicit timeout, also
+sent to the daemon as timeout_ms). Errors raise WeightBridgeError carrying the daemon's gRPC code.
+Reconnect: on UNAVAILABLE the client waits (bounded) for the socket, replays RegisterWorker and
+RegisterLayout (same shm names: the segments belong to this process and survive the daemon) and
+retries the call once. Buffers are unlinked by close(). One thread drives a client at a time.
+"""
+
+import dataclasses
+import os
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import grpc
+
+from weightbridge._proto import pb, pb_grpc
+from weightbridge.layouts import DTYPES, ExplicitLayout, InferredLayout, PresetLayout
+from weightbridge.shm import SharedBuffer, unique_name
+
+MODES = {"sync": pb.MODE_SYNC, "one_step_off": pb.MODE_ONE_STEP_OFF, "async": pb.MODE_ASYNC}
+STRATEGIES = {"weightbridge": pb.STRATEGY_WEIGHTBRIDGE, "rank0_broadcast": pb.STRATEGY_RANK0_BROADCAST,
+              "p2p_no_dedup": pb.STRATEGY_P2P_NO_DEDUP}
+ROLES = {"trainer": pb.ROLE_TRAINER, "rollout": pb.ROLE_ROLLOUT}
+
+
+class WeightBridgeError(Exception):
+    """A failed call. `code` is the grpc.StatusCode the daemon returned (or DEADLINE_EXCEEDED /
+    UNAVAILABLE from the channel), `what` the call."""
+
+    def __init__(self, what, code, message):
+        super().__init__("%s: %s: %s" % (what, code.name, message))
+        self.what = what
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The model a worker joins; the first worker creates it, later ones must match exactly."""
+    model_id: str
+    hf_config_json: Optional[str] = None  # text of an HF config.json, or:
+    explicit_tensors: Optional[Sequence[Tuple[str, Sequence[int]]]] = None  # [(name, shape)]
+    dtype: str = "bfloat16"
+    num_trainer_workers: int = 0
+    num_rollout_workers: int = 0
+    mode: str = "sync"  # sync | one_step_off | async
+    max_staleness: int = 0
+    strategy: str = "weightbridge"
+
+    def to_proto(self):
+        if (self.hf_config_json is None) == (self.explicit_tensors is None):
+            raise ValueError("model %s: give exactly one of hf_config_json, explicit_tensors" % self.model_id)
+        if self.mode not in MODES:
+            raise ValueError("model %s: mode %r not in %s" % (self.model_id, self.mode, list(MODES)))
+        if self.strategy not in STRATEGIES:
+            raise ValueError("model %s: strategy %r not in %s" % (self.model_id, self.strategy, list(STRATEGIES)))
+        code = DTYPES[self.dtype][0]
+        spec = pb.ModelSpec(model_id=self.model_id, dtype=code, num_trainer_workers=self.num_trainer_workers,
+                            num_rollout_workers=self.num_rollout_workers, mode=MODES[self.mode],
+                            max_staleness=self.max_staleness, strategy=STRATEGIES[self.strategy])
+        if self.hf_config_json is not None:
+            spec.hf_config_json = self.hf_config_json
+        else:
+            spec.explicit_tensors.CopyFrom(pb.ExplicitInventory(tensors=[
+                pb.TensorSpec(name=n, shape=list(s), dtype=code) for n, s in self.explicit_tensors]))
+        return spec
+
+
+@dataclasses.dataclass
+class PublishResult:
+    version: int
+    stall_seconds: float
+
+
+@dataclasses.dataclass
+class ApplyResult:
+    applied_version: int
+    stall_seconds: float
+
+
+@dataclasses.dataclass
+class LayoutInfo:
+    num_pieces: int
+    bytes: int
+    source: str  # "pieces" | "preset" | "index_probe" | "client_extracted"
+
+
+def _ms(seconds):
+    return max(1, int(seconds * 1000))
+
+
+class WorkerClient:
+    def __init__(self, socket_path, call_timeout=30.0, connect_timeout=10.0, reconnect=True,
+                 reconnect_timeout=30.0, shm_prefix="py", populate_buffers=False):
+        self.socket_path = socket_path[len("unix:"):] if socket_path.startswith("unix:") else socket_path
+        self.call_timeout = call_timeout
+        self.connect_timeout = connect_timeout
+        self.reconnect = reconnect
+        self.reconnect_timeout = reconnect_timeout
+        self.shm_prefix = shm_prefix
+        self.populate_buffers = populate_buffers
+        self.reconnects = 0
+        self.buffers: List = []
+        self.model_id = None
+        self.worker_id = None
+        self._register_req = None
+        self._layout_req = None
+        self._channel = None
+        self._stub = None
+        self._open(time.monotonic() + connect_timeout)
+
+    # ------------------------------------------------------------------ channel
+    def _open(self, deadline):
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel("unix:" + self.socket_path)
+        self._stub = pb_grpc.WorkerServiceStub(self._channel)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            raise WeightBridgeError("connect", grpc.StatusCode.UNAVAILABLE,
+                                    "daemon socket %s did not accept a connection in time" % self.socket_path)
+
+    def _call(self, what, method, request, timeout, retry=True):
+        deadline = time.monotonic() + timeout
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout + 2.0)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.UNAVAILABLE and retry and self.reconnect:
+                left = min(self.reconnect_timeout, deadline - time.monotonic())
+                if left > 0:
+                    self._replay(time.monotonic() + left)
+                    return self._call(what, method, request, max(0.001, deadline - time.monotonic()), retry=False)
+            raise WeightBridgeError(what, code, e.details() or "") from None
+
+    def _replay(self, deadline):
+        self._open(deadline)
+        for what, method, req in (("RegisterWorker", "RegisterWorker", self._register_req),
+                                  ("RegisterLayout", "RegisterLayout", self._layout_req)):
+            if req is None:
+                continue
+            try:
+                getattr(self._stub, method)(req, timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise WeightBridgeError("replay " + what, e.code(), e.details() or "") from None
+        self.reconnects += 1
+
+    # ------------------------------------------------------------------ verbs
+    def register_worker(self, model: ModelConfig, worker_id: str, role: str, gpu: int = -1):
+        if self._register_req is not None:
+            raise WeightBridgeError("RegisterWorker", grpc.StatusCode.FAILED_PRECONDITION,
+                                    "already registered as %s" % self.worker_id)
+        req = pb.RegisterWorkerRequest(model_id=model.model_id, worker_id=worker_id, role=ROLES[role], gpu=gpu,
+                                       model=model.to_proto())
+        resp = self._call("RegisterWorker %s" % worker_id, "RegisterWorker", req, self.call_timeout)
+        self._register_req = req
+        self.model_id, self.worker_id = model.model_id, worker_id
+        return resp.session
+
+    def create_buffer(self, size_bytes) -> SharedBuffer:
+        """A new zero-filled shm buffer (id = creation index); sent by the next register_layout."""
+        b = SharedBuffer(unique_name(self.shm_prefix), size_bytes, len(self.buffers), self.populate_buffers)
+        self.buffers.append(b)
+        return b
+
+    def create_cuda_buffer(self, size_bytes, gpu):
+        """Device memory exported by CUDA IPC (see weightbridge.cuda; needs a GPU)."""
+        from weightbridge.cuda import CudaBuffer
+        b = CudaBuffer(size_bytes, gpu, len(self.buffers))
+        self.buffers.append(b)
+        return b
+
+    def _buffer_specs(self):
+        out = []
+        for b in self.buffers:
+            if isinstance(b, SharedBuffer):
+                out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, shm_name=b.name, gpu=-1))
+            else:
+                out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, cuda_ipc_handle=b.ipc_handle, gpu=b.gpu))
+        return out
+
+    def register_layout(self, layout, weight_buffer=None, resolve="auto") -> LayoutInfo:
+        """Sends every buffer so far and `layout` (PresetLayout, ExplicitLayout or InferredLayout).
+
+        InferredLayout: `weight_buffer` holds the local tensors at the layout's offsets. resolve=
+        "daemon" sends an IndexProbe (a probe buffer is created for it); "client" extracts pieces
+        here (layouts.extract_pieces); "auto" tries the daemon and falls back to the client when
+        the daemon answers UNIMPLEMENTED.
+        """
+        if self._register_req is None:
+            raise WeightBridgeError("RegisterLayout", grpc.StatusCode.FAILED_PRECONDITION, "register_worker first")
+        if isinstance(layout, InferredLayout):
+            if weight_buffer is None:
+                raise ValueError("register_layout(InferredLayout) needs weight_buffer=")
+            if weight_buffer.size_bytes < layout.buffer_bytes:
+                raise ValueError("weight buffer of %d bytes < the layout's %d" % (weight_buffer.size_bytes, layout.buffer_bytes))
+            if resolve in ("daemon", "auto"):
+                probe_buf = self.create_buffer(max(8, layout.probe_bytes()))
+                spec = layout.to_index_probe(weight_buffer.id, probe_buf.id,
+                                             probe_buf.array("int64", (probe_buf.size_bytes // 8,)))
+                try:
+                    return self._send_layout(spec, "index_probe")
+                except WeightBridgeError as e:
+                    if resolve == "daemon" or e.code != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+            spec = layout.to_explicit(weight_buffer.id).to_proto()
+            return self._send_layout(spec, "client_extracted")
+        if isinstance(layout, PresetLayout):
+            return self._send_layout(layout.to_proto(), "preset")
+        if isinstance(layout, ExplicitLayout):
+            return self._send_layout(layout.to_proto(), "pieces")
+        raise TypeError("unknown layout type %s" % type(layout).__name__)
+
+    def _send_layout(self, spec, source):
+        req = pb.RegisterLayoutRequest(model_id=self.model_id, worker_id=self.worker_id,
+                                       buffers=self._buffer_specs(), layout=spec)
+        resp = self._call("RegisterLayout of %s" % self.worker_id, "RegisterLayout", req, self.call_timeout)
+        self._layout_req = req
+        return LayoutInfo(resp.num_pieces, resp.bytes, source)
+
+    def publish(self, version, timeout=60.0) -> PublishResult:
+        """Trainer: `version` is ready in the buffers; they must not change until this returns."""
+        resp = self._call("Publish v%d by %s" % (version, self.worker_id), "Publish",
+                          pb.PublishRequest(model_id=self.model_id, worker_id=self.worker_id, version=version,
+                                            timeout_ms=_ms(timeout)), timeout)
+        return PublishResult(resp.version, resp.stall_seconds)
+
+    def begin_update(self, timeout=60.0):
+        """Rollout, sync mode: paused; live weights may be overwritten by the next version."""
+        resp = self._call("BeginUpdate of %s" % self.worker_id, "BeginUpdate",
+                          pb.BeginUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
+                                                timeout_ms=_ms(timeout)), timeout)
+        return resp.committed_version
+
+    def apply(self, version=0, timeout=60.0) -> ApplyResult:
+        """Rollout, one-step-off / async: make `version` (0 = newest committed) live now."""
+        resp = self._call("Apply v%d by %s" % (version, self.worker_id), "Apply",
+                          pb.ApplyRequest(model_id=self.model_id, worker_id=self.worker_id, version=version,
+                                          timeout_ms=_ms(timeout)), timeout)
+        return ApplyResult(resp.applied_version, resp.stall_seconds)
+
+    def wait_version(self, version, timeout=60.0):
+        resp = self._call("WaitVersion v%d of %s" % (version, self.model_id), "WaitVersion",
+                          pb.WaitVersionRequest(model_id=self.model_id, version=version, timeout_ms=_ms(timeout)),
+                          timeout)
+        return resp.committed_version
+
+    def deregister(self):
+        self._call("Deregister %s" % self.worker_id, "Deregister",
+                   pb.DeregisterRequest(model_id=self.model_id, worker_id=self.worker_id), self.call_timeout)
+        self._register_req = self._layout_req = None
+
+    def status(self):
+        return self._call("Status", "Status", pb.StatusRequest(), self.call_timeout)
+
+    def close(self):
+        for b in self.buffers:
+            b.close()
+        self.buffers = []
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

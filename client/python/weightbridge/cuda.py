@@ -1,0 +1,84 @@
+"""GPU buffers for the daemon: device memory exported as a CUDA IPC handle.
+
+torch is imported only when a torch tensor is asked for; the allocation itself goes through the
+CUDA runtime (libcudart via ctypes) so that the buffer is one cudaMalloc'ed block starting at the
+handle's base: the daemon opens it with cudaIpcOpenMemHandle and the layout's byte offsets are
+relative to that base. (Tensors from torch's caching allocator can sit at an offset inside a larger
+block, and expandable segments cannot be exported at all, which is why we do not export arbitrary
+torch tensors: allocate here, then use .tensor() views.)
+
+Status: written against the CUDA runtime API; not exercised in CI (no GPU there), and the current
+daemon answers UNIMPLEMENTED for cuda_ipc_handle buffers (host shared memory only).
+"""
+
+import ctypes
+import ctypes.util
+
+_IPC_HANDLE_BYTES = 64
+_cudart = None
+
+
+def _rt():
+    global _cudart
+    if _cudart is None:
+        for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
+            if not name:
+                continue
+            try:
+                _cudart = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if _cudart is None:
+            raise RuntimeError("CUDA runtime (libcudart) not found")
+    return _cudart
+
+
+def _check(err, what):
+    if err != 0:
+        rt = _rt()
+        rt.cudaGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError("%s failed: %s (cudaError %d)" % (what, rt.cudaGetErrorString(err).decode(), err))
+
+
+class CudaBuffer:
+    """`size_bytes` of device memory on `gpu`, zero-filled, exportable by CUDA IPC."""
+
+    def __init__(self, size_bytes, gpu, buffer_id=0):
+        self.id = buffer_id
+        self.gpu = int(gpu)
+        self.size_bytes = int(size_bytes)
+        rt = _rt()
+        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
+        ptr = ctypes.c_void_p()
+        _check(rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(self.size_bytes)), "cudaMalloc(%d)" % self.size_bytes)
+        self.ptr = ptr.value
+        _check(rt.cudaMemset(ptr, 0, ctypes.c_size_t(self.size_bytes)), "cudaMemset")
+        handle = (ctypes.c_byte * _IPC_HANDLE_BYTES)()
+        _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
+        self.ipc_handle = bytes(handle)
+
+    def tensor(self, dtype, shape, offset_bytes=0):
+        """A torch CUDA tensor viewing this buffer (no copy); imports torch."""
+        import torch  # imported only when used
+
+        elem = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if offset_bytes < 0 or offset_bytes + n * elem > self.size_bytes:
+            raise ValueError("view of %d bytes at %d outside the %d-byte buffer" % (n * elem, offset_bytes, self.size_bytes))
+        typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.int64: "<i8", torch.uint8: "|u1",
+                   torch.int16: "<i2"}
+        # bfloat16 has no array-interface type string: view the bytes as int16 and reinterpret.
+        view_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+        holder = type("CudaArray", (), {})()
+        holder.__cuda_array_interface__ = {"shape": tuple(int(d) for d in shape), "typestr": typestr[view_dtype],
+                                          "data": (self.ptr + offset_bytes, False), "version": 2}
+        t = torch.as_tensor(holder, device="cuda:%d" % self.gpu)
+        return t.view(dtype) if view_dtype != dtype else t
+
+    def close(self):
+        if self.ptr:
+            _rt().cudaFree(ctypes.c_void_p(self.ptr))
+            self.ptr = 0

@@ -1,0 +1,265 @@
+"""Layouts: how a worker's local tensors map onto the model's canonical (HF) tensors.
+
+Three sources, all ending in the daemon as one piece list (design.md "Canonical space and layouts"):
+  * PresetLayout: a preset by name (megatron | fsdp | vllm | sglang) + parallel config + rank; the
+    daemon computes the pieces from the model's HF config.
+  * ExplicitLayout: pieces (canonical tensor, box) <-> (buffer, byte offset, strides).
+  * infer_layout(load_fn, ...): run the engine's own weight loader on index tensors (every canonical
+    element holds its canonical index, int64) and let an extractor recover the boxes: the daemon's
+    (planner/index_probe.h, sent as an IndexProbe) or, for the common cases (row/column splits and
+    row concatenations such as fused qkv / gate_up, padding rows), the client-side one here.
+"""
+
+import dataclasses
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from weightbridge._proto import pb
+
+DTYPES = {"bfloat16": (pb.DTYPE_BF16, 2), "float16": (pb.DTYPE_F16, 2), "float32": (pb.DTYPE_F32, 4),
+          "float8_e4m3": (pb.DTYPE_F8_E4M3, 1), "int64": (pb.DTYPE_I64, 8)}
+
+
+def dtype_size(dtype):
+    if dtype not in DTYPES:
+        raise ValueError("unknown dtype %r (one of %s)" % (dtype, ", ".join(DTYPES)))
+    return DTYPES[dtype][1]
+
+
+def row_major_strides(shape):
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= int(d)
+    return list(reversed(strides))
+
+
+@dataclasses.dataclass
+class Piece:
+    """Canonical box [begin, end) of `tensor` at `offset_bytes` of buffer `buffer_id`.
+    `strides`: local element stride per canonical dim (default: the box stored row-major)."""
+    tensor: str
+    begin: Sequence[int]
+    end: Sequence[int]
+    buffer_id: int = 0
+    offset_bytes: int = 0
+    strides: Optional[Sequence[int]] = None
+
+    def to_proto(self):
+        shape = [e - b for b, e in zip(self.begin, self.end)]
+        strides = self.strides if self.strides is not None else row_major_strides(shape)
+        return pb.Piece(tensor=self.tensor, box=pb.Box(begin=list(self.begin), end=list(self.end)),
+                        buffer_id=self.buffer_id, offset_bytes=self.offset_bytes, strides=list(strides))
+
+
+@dataclasses.dataclass
+class ExplicitLayout:
+    pieces: List[Piece]
+
+    def to_proto(self):
+        return pb.LayoutSpec(pieces=pb.ExplicitPieces(pieces=[p.to_proto() for p in self.pieces]))
+
+
+@dataclasses.dataclass
+class PresetLayout:
+    preset: str  # megatron | fsdp | vllm | sglang
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 0
+    expert_parallel: bool = False
+    replicas: int = 1
+    rank: int = 0
+
+    def to_proto(self):
+        return pb.LayoutSpec(preset=pb.ParallelConfig(
+            preset=self.preset, tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
+            expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank))
+
+
+@dataclasses.dataclass
+class LocalTensor:
+    """One local tensor of an inferred layout: where its weights live and its index probe."""
+    name: str
+    shape: Tuple[int, ...]
+    offset_bytes: int  # in the weight buffer
+    probe: np.ndarray  # int64, `shape`, canonical flat index per element (-1 = unmapped)
+
+
+@dataclasses.dataclass
+class InferredLayout:
+    """Result of infer_layout: the local tensors, packed in one weight buffer of `buffer_bytes`.
+    Register with WorkerClient.register_layout(inferred, weight_buffer=...)."""
+    tensors: List[LocalTensor]
+    buffer_bytes: int
+    elem_size: int
+    canonical: List[Tuple[str, Tuple[int, ...]]]
+
+    def local(self, name):
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError("local tensor %r not in the inferred layout" % name)
+
+    def probe_bytes(self):
+        return sum(t.probe.size * 8 for t in self.tensors)
+
+    def to_index_probe(self, weight_buffer_id, probe_buffer_id, probe_array):
+        """Fills `probe_array` (an int64 numpy view of the probe buffer) and returns the layout."""
+        out, pos = [], 0
+        for t in self.tensors:
+            n = t.probe.size
+            probe_array[pos:pos + n] = t.probe.reshape(-1)
+            out.append(pb.IndexProbe.LocalTensor(buffer_id=weight_buffer_id, offset_bytes=t.offset_bytes,
+                                                 shape=list(t.shape), probe_buffer_id=probe_buffer_id,
+                                                 probe_offset_bytes=pos * 8))
+            pos += n
+        return pb.LayoutSpec(index_probe=pb.IndexProbe(tensors=out))
+
+    def to_explicit(self, weight_buffer_id=0):
+        """Client-side extraction (see extract_pieces) into an ExplicitLayout."""
+        names = [n for n, _ in self.canonical]
+        shapes = [s for _, s in self.canonical]
+        bases = canonical_bases(shapes)
+        pieces = []
+        for t in self.tensors:
+            pieces += extract_pieces(t.probe, names, shapes, bases, t.offset_bytes, self.elem_size,
+                                     weight_buffer_id, local_name=t.name)
+        return ExplicitLayout(pieces)
+
+
+def canonical_bases(shapes):
+    """First canonical index of every tensor (planner TensorBases: cumulative element counts)."""
+    sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def index_tensors(canonical):
+    """Yields (name, int64 array) with every element's canonical index, in inventory order: feed
+    these to the engine's loader instead of checkpoint tensors."""
+    bases = canonical_bases([s for _, s in canonical])
+    for (name, shape), base in zip(canonical, bases):
+        n = int(np.prod(shape)) if len(shape) else 1
+        yield name, np.arange(base, base + n, dtype=np.int64).reshape(shape)
+
+
+def extract_pieces(probe, names, shapes, bases, offset_bytes, elem_size, buffer_id=0, local_name="?"):
+    """Recovers pieces from one local tensor's probe, client side.
+
+    Supported (the cases tensor-parallel engines produce): every local row (dim 0) is either all -1
+    (padding) or one contiguous run of one canonical row (a dim-0 slice of a 2-D tensor, any column
+    range) / of a 1-D tensor; consecutive local rows with consecutive canonical rows merge into one
+    box. Anything else (transposes, interleaves inside a row, FSDP flat shards across rows, rank > 2)
+    raises NotImplementedError: use the daemon's extractor (planner/index_probe.h) for those.
+    """
+    p = np.asarray(probe, dtype=np.int64)
+    if p.ndim == 1:
+        p2 = p.reshape(-1, 1)
+    elif p.ndim == 2:
+        p2 = p
+    else:
+        raise NotImplementedError("%s: rank-%d local tensor; client-side extraction handles rank <= 2" % (local_name, p.ndim))
+    rows, cols = p2.shape
+    total = int(bases[-1]) + (int(np.prod(shapes[-1])) if len(shapes[-1]) else 1)
+    first = p2[:, 0]
+    valid = first >= 0
+    if np.any(p2[~valid] != -1):
+        raise NotImplementedError("%s: rows partially mapped (first element -1, others not)" % local_name)
+    if np.any(p2[valid] >= total) or np.any(p2[valid] < -1):
+        raise ValueError("%s: probe values outside the canonical index range [0, %d)" % (local_name, total))
+    expect = first[:, None] + np.arange(cols, dtype=np.int64)[None, :]
+    if np.any(p2[valid] != expect[valid]):
+        raise NotImplementedError("%s: a local row is not one contiguous canonical run" % local_name)
+    tidx = np.searchsorted(bases, first, side="right") - 1
+    pieces = []
+    i = 0
+    while i < rows:
+        if not valid[i]:
+            i += 1
+            continue
+        t = int(tidx[i])
+        shape = shapes[t]
+        inner = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        flat0 = int(first[i] - bases[t])
+        r0, c0 = divmod(flat0, inner)
+        if len(shape) > 1 and c0 + cols > inner:
+            raise NotImplementedError("%s row %d: run crosses a canonical row of %s" % (local_name, i, names[t]))
+        if len(shape) != p.ndim:
+            raise NotImplementedError("%s: rank-%d local tensor mapped onto rank-%d %s (flat shard?)"
+                                      % (local_name, p.ndim, len(shape), names[t]))
+        j = i + 1
+        if len(shape) == 1:
+            # 1-D: merge consecutive local elements with consecutive canonical indices.
+            while j < rows and valid[j] and tidx[j] == t and first[j] == first[j - 1] + 1:
+                j += 1
+            pieces.append(Piece(names[t], [flat0], [flat0 + (j - i)], buffer_id,
+                                offset_bytes + i * cols * elem_size, [1]))
+        else:
+            step = inner  # next canonical row, same columns
+            while j < rows and valid[j] and tidx[j] == t and first[j] == first[j - 1] + step:
+                j += 1
+            if len(shape) != 2:
+                raise NotImplementedError("%s: canonical %s has rank %d" % (local_name, names[t], len(shape)))
+            pieces.append(Piece(names[t], [r0, c0], [r0 + (j - i), c0 + cols], buffer_id,
+                                offset_bytes + i * cols * elem_size, [cols, 1]))
+        i = j
+    return pieces
+
+
+def infer_layout(load_fn: Callable[[Iterable[Tuple[str, np.ndarray]]], Dict[str, np.ndarray]],
+                 canonical: Sequence[Tuple[str, Sequence[int]]], dtype: str = "bfloat16",
+                 align: int = 256) -> InferredLayout:
+    """Runs the engine's loader on index tensors (numpy path).
+
+    load_fn(weights) receives an iterable of (canonical name, int64 index array) exactly like an
+    engine's `load_weights(weights)` receives checkpoint tensors, and returns {local tensor name:
+    int64 array} (what landed in each local parameter; initialize parameters to -1 so padding stays
+    unmapped). `canonical` is the model's inventory in the daemon's order ([(name, shape)]; the
+    canonical index of an element is its tensor's base + row-major flat index). Local tensors are
+    packed in one weight buffer, each at an `align`-byte boundary, in load_fn's dict order.
+    """
+    canonical = [(n, tuple(int(d) for d in s)) for n, s in canonical]
+    local = load_fn(index_tensors(canonical))
+    elem = dtype_size(dtype)
+    tensors, pos = [], 0
+    for name, arr in local.items():
+        arr = np.asarray(arr)
+        if arr.dtype != np.int64:
+            raise TypeError("local tensor %s: the loader produced %s, expected int64 indices "
+                            "(create the local parameters as int64 for the probe)" % (name, arr.dtype))
+        pos = (pos + align - 1) // align * align
+        tensors.append(LocalTensor(name, tuple(arr.shape), pos, arr.copy()))
+        pos += arr.size * elem
+    return InferredLayout(tensors, max(pos, 1), elem, canonical)
+
+
+def infer_layout_torch(model, load_weights: Callable, canonical, dtype="bfloat16", align=256,
+                       param_filter: Callable[[str], bool] = lambda name: True) -> InferredLayout:
+    """Torch path (runs where torch is; not exercised in CI, which has no torch).
+
+    `model` is the engine's module already built with its parallel config (e.g. a vLLM model on
+    CPU); every parameter passing `param_filter` is swapped for an int64 tensor of -1 with the same
+    shape, then `load_weights(model, weights)` (normally `model.load_weights`) runs on int64 index
+    tensors, and what landed in each parameter is the probe. The module's original parameters are
+    restored afterwards.
+    """
+    import torch  # imported only when used
+
+    saved = {}
+    for name, param in model.named_parameters():
+        if param_filter(name):
+            saved[name] = param.data
+            param.data = torch.full(tuple(param.shape), -1, dtype=torch.int64, device="cpu")
+
+    def numpy_load(weights):
+        load_weights(model, ((n, torch.from_numpy(a)) for n, a in weights))
+        return {n: p.data.numpy().copy() for n, p in model.named_parameters() if n in saved}
+
+    try:
+        return infer_layout(numpy_load, canonical, dtype=dtype, align=align)
+    finally:
+        for name, param in model.named_parameters():
+            if name in saved:
+                param.data = saved[name]
