@@ -1,0 +1,233 @@
+// Data-plane bench: host same-node copy vs plain memcpy of the same bytes, host_tcp on loopback vs
+// iperf3 on loopback with the same number of streams (and, on a GPU machine, see
+// tests/gpu/run_gpu_checks.sh for the CUDA figures). Measured in one run, best of --reps.
+//
+//   bazel run //bench:transport [-- --json] [-- --bytes=1073741824 --tcp_bytes=536870912 --streams=4]
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "transport/factory.h"
+#include "transport/shm_segment.h"
+
+namespace wb::transport {
+namespace {
+
+double Seconds(std::chrono::steady_clock::time_point a) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+}
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+  socklen_t len = sizeof(sa);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  int port = ntohs(sa.sin_port);
+  close(fd);
+  return port;
+}
+
+std::string RunCapture(const std::string& cmd) {
+  std::string out;
+  FILE* f = popen(cmd.c_str(), "r");
+  if (!f) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+  pclose(f);
+  return out;
+}
+
+// iperf3 on loopback with `streams` parallel streams; GB/s received, or a negative value + reason.
+double Iperf3GBps(int streams, std::string* why) {
+  const int port = FreePort();
+  pid_t server = fork();
+  if (server == 0) {
+    int devnull = open("/dev/null", O_WRONLY);
+    dup2(devnull, 1);
+    dup2(devnull, 2);
+    execlp("iperf3", "iperf3", "-s", "-1", "-p", std::to_string(port).c_str(), nullptr);
+    _exit(127);
+  }
+  // The client retries internally for a short while if the server is not listening yet; give the
+  // server a bounded number of attempts.
+  std::string json;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    json = RunCapture(absl::StrCat("iperf3 -c 127.0.0.1 -p ", port, " -P ", streams, " -t 3 -J 2>/dev/null"));
+    auto j = nlohmann::json::parse(json, nullptr, false);
+    if (!j.is_discarded() && j.contains("end") && j["end"].contains("sum_received")) {
+      kill(server, SIGKILL);
+      waitpid(server, nullptr, 0);
+      return j["end"]["sum_received"]["bits_per_second"].get<double>() / 8 / 1e9;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  kill(server, SIGKILL);
+  waitpid(server, nullptr, 0);
+  *why = "iperf3 produced no result: " + json.substr(0, 200);
+  return -1;
+}
+
+int Main(int argc, char** argv) {
+  bool json = false;
+  int64_t bytes = int64_t{1} << 30, tcp_bytes = int64_t{512} << 20;
+  int streams = 4, reps = 3;
+  int threads = static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--json") json = true;
+    if (a.rfind("--bytes=", 0) == 0) (void)absl::SimpleAtoi(a.substr(8), &bytes);
+    if (a.rfind("--tcp_bytes=", 0) == 0) (void)absl::SimpleAtoi(a.substr(12), &tcp_bytes);
+    if (a.rfind("--streams=", 0) == 0) (void)absl::SimpleAtoi(a.substr(10), &streams);
+    if (a.rfind("--reps=", 0) == 0) (void)absl::SimpleAtoi(a.substr(7), &reps);
+    if (a.rfind("--threads=", 0) == 0) (void)absl::SimpleAtoi(a.substr(10), &threads);
+  }
+  ShmSegment::CreateOptions populate;
+  populate.populate = true;
+  auto src = ShmSegment::Create(ShmSegment::UniqueName("bench-src"), bytes, populate);
+  auto dst = ShmSegment::Create(ShmSegment::UniqueName("bench-dst"), bytes, populate);
+  if (!src.ok() || !dst.ok()) {
+    fprintf(stderr, "shm: %s %s\n", src.status().ToString().c_str(), dst.status().ToString().c_str());
+    return 1;
+  }
+  memset(src->data(), 7, bytes);
+  memset(dst->data(), 1, bytes);
+
+  // 1. plain memcpy.
+  double memcpy_s = 1e9;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    memcpy(dst->data(), src->data(), bytes);
+    memcpy_s = std::min(memcpy_s, Seconds(t0));
+  }
+
+  // 2. host_shm: one contiguous op of `bytes`.
+  TransportConfig config;
+  config.host_shm.threads = threads;
+  config.tcp.streams = streams;
+  auto shm = CreateTransport("host_shm", config);
+  if (!shm.ok()) return 1;
+  MemorySpec s{MemoryKind::kHost, src->data(), bytes, -1, src->name(), 0, "bench src"};
+  MemorySpec d{MemoryKind::kHost, dst->data(), bytes, -1, dst->name(), 0, "bench dst"};
+  auto hs = (*shm)->RegisterMemory(s);
+  auto hd = (*shm)->RegisterMemory(d);
+  CopyOp op;
+  op.shape = {bytes};
+  op.element_size = 1;
+  op.src = {*hs, 0, {1}};
+  op.dst = {*hd, 0, {1}};
+  double shm_s = 1e9;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto id = (*shm)->Post(Batch{static_cast<uint64_t>(r), kNoPeer, false, {op}});
+    absl::Status st = id.ok() ? (*shm)->Wait(*id, absl::Now() + absl::Seconds(120)) : id.status();
+    if (!st.ok()) {
+      fprintf(stderr, "host_shm: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    shm_s = std::min(shm_s, Seconds(t0));
+  }
+
+  // 3. host_tcp on loopback between two transport instances.
+  auto a = CreateTransport("host_tcp", config);
+  auto b = CreateTransport("host_tcp", config);
+  if (!a.ok() || !b.ok()) return 1;
+  auto ea = (*a)->ExportEndpoint((*b)->instance_id());
+  auto eb = (*b)->ExportEndpoint((*a)->instance_id());
+  absl::StatusOr<PeerId> pb = absl::UnknownError("");
+  std::thread th([&] { pb = (*b)->Connect(*ea, absl::Now() + absl::Seconds(10)); });
+  auto pa = (*a)->Connect(*eb, absl::Now() + absl::Seconds(10));
+  th.join();
+  if (!pa.ok() || !pb.ok()) {
+    fprintf(stderr, "connect failed\n");
+    return 1;
+  }
+  auto ra = (*a)->RegisterMemory(s);
+  auto rb = (*b)->RegisterMemory(d);
+  auto rb_in_a = (*a)->ImportDescriptor(*(*b)->ExportDescriptor(*rb));
+  auto ra_in_b = (*b)->ImportDescriptor(*(*a)->ExportDescriptor(*ra));
+  CopyOp top;
+  top.shape = {tcp_bytes};
+  top.element_size = 1;
+  double tcp_s = 1e9;
+  for (int r = 0; r < reps; ++r) {
+    top.src = {*ra, 0, {1}};
+    top.dst = {*rb_in_a, 0, {1}};
+    Batch send{static_cast<uint64_t>(100 + r), *pa, false, {top}};
+    top.src = {*ra_in_b, 0, {1}};
+    top.dst = {*rb, 0, {1}};
+    Batch recv{static_cast<uint64_t>(100 + r), *pb, false, {top}};
+    auto t0 = std::chrono::steady_clock::now();
+    auto ib = (*b)->Post(recv);
+    auto ia = (*a)->Post(send);
+    absl::Status s1 = (*a)->Wait(*ia, absl::Now() + absl::Seconds(120));
+    absl::Status s2 = (*b)->Wait(*ib, absl::Now() + absl::Seconds(120));
+    if (!s1.ok() || !s2.ok()) {
+      fprintf(stderr, "host_tcp: %s / %s\n", s1.ToString().c_str(), s2.ToString().c_str());
+      return 1;
+    }
+    tcp_s = std::min(tcp_s, Seconds(t0));
+  }
+  std::string iperf_why;
+  const double iperf = Iperf3GBps(streams, &iperf_why);
+
+  const double memcpy_GBps = bytes / memcpy_s / 1e9;
+  const double host_copy_GBps = bytes / shm_s / 1e9;
+  const double tcp_GBps = tcp_bytes / tcp_s / 1e9;
+  nlohmann::json out = {
+      {"bytes", bytes},
+      {"tcp_bytes", tcp_bytes},
+      {"streams", streams},
+      {"host_shm_threads", threads},
+      {"cpus", std::thread::hardware_concurrency()},
+      {"memcpy_GBps", memcpy_GBps},
+      {"host_copy_GBps", host_copy_GBps},
+      {"host_copy_vs_memcpy", host_copy_GBps / memcpy_GBps},
+      {"tcp_GBps", tcp_GBps},
+  };
+  if (iperf > 0) {
+    out["iperf3_GBps"] = iperf;
+    out["tcp_vs_iperf3"] = tcp_GBps / iperf;
+  } else {
+    out["iperf3_error"] = iperf_why;
+  }
+  if (json) {
+    printf("%s\n", out.dump().c_str());
+  } else {
+    printf("host same-node copy, %lld bytes, %d threads: %.2f GB/s   plain memcpy: %.2f GB/s   ratio %.2f\n",
+           static_cast<long long>(bytes), threads, host_copy_GBps, memcpy_GBps, host_copy_GBps / memcpy_GBps);
+    if (iperf > 0) {
+      printf("host_tcp loopback, %lld bytes, %d streams: %.2f GB/s   iperf3 -P %d: %.2f GB/s   ratio %.2f\n",
+             static_cast<long long>(tcp_bytes), streams, tcp_GBps, streams, iperf, tcp_GBps / iperf);
+    } else {
+      printf("host_tcp loopback: %.2f GB/s   iperf3: %s\n", tcp_GBps, iperf_why.c_str());
+    }
+    printf("GPU figures: run tests/gpu/run_gpu_checks.sh on a GPU machine\n");
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace wb::transport
+
+int main(int argc, char** argv) { return wb::transport::Main(argc, argv); }
