@@ -1,0 +1,554 @@
+#include "daemon/auth.h"
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_posix.h>
+#include <grpcpp/support/client_interceptor.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "daemon/metrics.h"
+#include "proto/grpc_status.h"
+
+namespace wb::daemon {
+namespace {
+
+constexpr char kAuthHeader[] = "authorization";
+
+std::string Errno(const std::string& what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+bool ConstantTimeEqual(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read ", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class TokenInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit TokenInterceptor(std::string value) : value_(std::move(value)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({kAuthHeader, value_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string value_;
+};
+
+class TokenInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit TokenInterceptorFactory(std::string value) : value_(std::move(value)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
+    return new TokenInterceptor(value_);
+  }
+
+ private:
+  std::string value_;
+};
+
+}  // namespace
+
+uint64_t ProcessStartTime(pid_t pid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!f || !std::getline(f, line)) return 0;
+  // comm (field 2) may contain spaces and parentheses: fields after the LAST ')' are fixed.
+  size_t close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::vector<absl::string_view> fields = absl::StrSplit(absl::string_view(line).substr(close + 1), ' ', absl::SkipEmpty());
+  // fields[0] is field 3 (state); start time is field 22 -> index 19.
+  uint64_t t = 0;
+  if (fields.size() < 20 || !absl::SimpleAtoi(fields[19], &t)) return 0;
+  return t;
+}
+
+// ------------------------------------------------------------------------------ PeerCredListener
+absl::StatusOr<std::unique_ptr<PeerCredListener>> PeerCredListener::Bind(const std::string& path, mode_t mode) {
+  std::unique_ptr<PeerCredListener> l(new PeerCredListener());
+  l->path_ = path;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("worker socket path '", path, "' is empty or longer than ", sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  l->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (l->listen_fd_ < 0) return absl::InternalError(Errno("socket"));
+  ::unlink(path.c_str());  // a stale socket from a killed daemon
+  // Create the socket file with no access at all, then open it up to `mode`: no window in which
+  // a process outside the group could connect.
+  mode_t old = ::umask(0777);
+  int rc = ::bind(l->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::umask(old);
+  if (rc != 0) return absl::UnavailableError(Errno(absl::StrCat("bind ", path)));
+  if (::chmod(path.c_str(), mode) != 0) return absl::InternalError(Errno(absl::StrCat("chmod ", path)));
+  if (::listen(l->listen_fd_, 128) != 0) return absl::UnavailableError(Errno(absl::StrCat("listen ", path)));
+  l->stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  if (l->stop_fd_ < 0) return absl::InternalError(Errno("eventfd"));
+  return l;
+}
+
+void PeerCredListener::Serve(grpc::Server* server) {
+  server_ = server;
+  thread_ = std::thread([this] { AcceptLoop(); });
+}
+
+PeerCredListener::~PeerCredListener() { Stop(); }
+
+void PeerCredListener::Stop() {
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    (void)!::write(stop_fd_, &one, sizeof(one));
+    thread_.join();
+  }
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+    ::unlink(path_.c_str());
+  }
+  if (stop_fd_ >= 0) {
+    ::close(stop_fd_);
+    stop_fd_ = -1;
+  }
+}
+
+void PeerCredListener::AcceptLoop() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;
+    ucred uc{};
+    socklen_t len = sizeof(uc);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &uc, &len) != 0) {
+      ::close(fd);
+      continue;
+    }
+    PeerCred cred{uc.pid, uc.uid, uc.gid, ProcessStartTime(uc.pid)};
+    {
+      // Recorded before gRPC sees the descriptor, so no call can arrive first. A number reused
+      // after gRPC closed an older connection is simply overwritten.
+      absl::MutexLock l(&mu_);
+      by_fd_[fd] = cred;
+    }
+    grpc::AddInsecureChannelFromFd(server_, fd);  // gRPC owns fd from here on
+  }
+}
+
+absl::StatusOr<PeerCred> PeerCredListener::Lookup(const grpc::ServerContext& ctx) const {
+  const std::string peer = ctx.peer();
+  int fd = -1;
+  if (!absl::StartsWith(peer, "fd:") || !absl::SimpleAtoi(absl::string_view(peer).substr(3), &fd)) {
+    return absl::UnauthenticatedError(absl::StrCat("call from ", peer, " did not come through the worker socket"));
+  }
+  absl::MutexLock l(&mu_);
+  auto it = by_fd_.find(fd);
+  if (it == by_fd_.end()) return absl::UnauthenticatedError(absl::StrCat("no peer credentials for connection ", peer));
+  return it->second;
+}
+
+// ------------------------------------------------------------------------------ GuardedWorkerService
+GuardedWorkerService::GuardedWorkerService(pb::WorkerService::Service* inner, const PeerCredListener* peers, Limits limits,
+                                           std::string node_id)
+    : inner_(inner), peers_(peers), limits_(limits), node_id_(std::move(node_id)) {}
+
+grpc::Status GuardedWorkerService::Reject(const absl::Status& s, const std::string& what) {
+  Metrics().Rejected(node_id_, what);
+  return ToGrpcStatus(s);
+}
+
+absl::StatusOr<PeerCred> GuardedWorkerService::Caller(grpc::ServerContext* ctx) { return peers_->Lookup(*ctx); }
+
+absl::Status GuardedWorkerService::CheckActsAs(grpc::ServerContext* ctx, const std::string& model, const std::string& worker) {
+  absl::StatusOr<PeerCred> me = Caller(ctx);
+  if (!me.ok()) return me.status();
+  absl::MutexLock l(&mu_);
+  auto it = bindings_.find(worker);
+  if (it == bindings_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (register again)"));
+  }
+  const Binding& b = it->second;
+  if (b.cred.pid != me->pid || b.cred.start_time != me->start_time) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, ", not to the caller (pid ",
+                                                    me->pid, ")"));
+  }
+  if (b.model != model) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status GuardedWorkerService::RegisterWorker(grpc::ServerContext* ctx, const pb::RegisterWorkerRequest* req,
+                                                  pb::RegisterWorkerResponse* resp) {
+  absl::StatusOr<PeerCred> me = Caller(ctx);
+  if (!me.ok()) return Reject(me.status(), "unauthenticated");
+  for (auto [what, id] : {std::pair{"model_id", &req->model_id()}, std::pair{"worker_id", &req->worker_id()}}) {
+    if (absl::Status s = CheckId(what, *id, limits_); !s.ok()) return Reject(s, "limit");
+  }
+  if (req->has_model()) {
+    if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return Reject(s, "limit");
+  }
+  {
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find(req->worker_id());
+    if (it != bindings_.end() && it->second.cred.pid != me->pid) {
+      const PeerCred& owner = it->second.cred;
+      // A restarted worker takes its id over from its dead predecessor; a live owner keeps it.
+      if (ProcessStartTime(owner.pid) == owner.start_time && owner.start_time != 0) {
+        return Reject(absl::PermissionDeniedError(absl::StrCat("worker id ", req->worker_id(), " is held by live process ", owner.pid)),
+                      "impersonation");
+      }
+    }
+  }
+  grpc::Status s = inner_->RegisterWorker(ctx, req, resp);
+  if (s.ok()) {
+    absl::MutexLock l(&mu_);
+    bindings_[req->worker_id()] = Binding{*me, req->model_id()};
+  }
+  return s;
+}
+
+grpc::Status GuardedWorkerService::RegisterLayout(grpc::ServerContext* ctx, const pb::RegisterLayoutRequest* req,
+                                                  pb::RegisterLayoutResponse* resp) {
+  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
+  if (absl::Status s = CheckLayoutRequest(req->buffers(), req->layout(), limits_); !s.ok()) {
+    return Reject(absl::Status(s.code(), absl::StrCat("worker ", req->worker_id(), ": ", s.message())), "limit");
+  }
+  absl::StatusOr<PeerCred> me = Caller(ctx);
+  if (!me.ok()) return Reject(me.status(), "unauthenticated");
+  // Memory must belong to the caller's uid: fstat of the opened descriptor (no TOCTOU on names).
+  for (const pb::BufferSpec& b : req->buffers()) {
+    if (b.memory_case() != pb::BufferSpec::kShmName) continue;  // CUDA IPC: the handle is the capability
+    const std::string& name = b.shm_name();
+    if (name.empty() || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": bad shm name '", name, "'")), "invalid");
+    }
+    int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
+    if (fd < 0) {
+      return Reject(absl::NotFoundError(absl::StrCat("buffer ", b.buffer_id(), ": cannot open shm ", name, ": ", std::strerror(errno))),
+                    "invalid");
+    }
+    struct stat st {};
+    int rc = ::fstat(fd, &st);
+    ::close(fd);
+    if (rc != 0) return Reject(absl::InternalError(Errno(absl::StrCat("fstat shm ", name))), "invalid");
+    if (st.st_uid != me->uid) {
+      return Reject(absl::PermissionDeniedError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is owned by uid ", st.st_uid,
+                                                             ", not by the caller's uid ", me->uid)),
+                    "foreign_memory");
+    }
+    if (static_cast<uint64_t>(st.st_size) < b.size_bytes()) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " has ", st.st_size,
+                                                            " bytes, fewer than size_bytes ", b.size_bytes())),
+                    "invalid");
+    }
+  }
+  return inner_->RegisterLayout(ctx, req, resp);
+}
+
+grpc::Status GuardedWorkerService::Publish(grpc::ServerContext* ctx, const pb::PublishRequest* req, pb::PublishResponse* resp) {
+  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
+  grpc::Status s = inner_->Publish(ctx, req, resp);
+  if (s.ok()) {
+    Metrics().Version(node_id_, req->model_id(), "published");
+    Metrics().Phase(node_id_, "publish_stall", resp->stall_seconds());
+  } else {
+    Metrics().Failure(node_id_, FromGrpcStatus(s));
+  }
+  return s;
+}
+
+grpc::Status GuardedWorkerService::BeginUpdate(grpc::ServerContext* ctx, const pb::BeginUpdateRequest* req,
+                                               pb::BeginUpdateResponse* resp) {
+  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
+  return inner_->BeginUpdate(ctx, req, resp);
+}
+
+grpc::Status GuardedWorkerService::Apply(grpc::ServerContext* ctx, const pb::ApplyRequest* req, pb::ApplyResponse* resp) {
+  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
+  grpc::Status s = inner_->Apply(ctx, req, resp);
+  if (s.ok()) {
+    uint64_t committed = 0;
+    {
+      absl::MutexLock l(&mu_);
+      committed = committed_[req->model_id()];
+    }
+    Metrics().Version(node_id_, req->model_id(), "applied");
+    Metrics().Phase(node_id_, "apply", resp->stall_seconds());
+    Metrics().Applied(node_id_, req->model_id(), req->worker_id(), resp->applied_version(), committed);
+  }
+  return s;
+}
+
+grpc::Status GuardedWorkerService::WaitVersion(grpc::ServerContext* ctx, const pb::WaitVersionRequest* req,
+                                               pb::WaitVersionResponse* resp) {
+  absl::StatusOr<PeerCred> me = Caller(ctx);
+  if (!me.ok()) return Reject(me.status(), "unauthenticated");
+  {
+    absl::MutexLock l(&mu_);
+    bool member = false;
+    for (auto& [id, b] : bindings_) member |= b.cred.pid == me->pid && b.model == req->model_id();
+    if (!member) {
+      return Reject(absl::PermissionDeniedError(absl::StrCat("the caller (pid ", me->pid, ") has no worker of model '", req->model_id(),
+                                                             "' on node ", node_id_)),
+                    "impersonation");
+    }
+  }
+  return inner_->WaitVersion(ctx, req, resp);
+}
+
+grpc::Status GuardedWorkerService::Deregister(grpc::ServerContext* ctx, const pb::DeregisterRequest* req, pb::DeregisterResponse* resp) {
+  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
+  grpc::Status s = inner_->Deregister(ctx, req, resp);
+  absl::MutexLock l(&mu_);
+  bindings_.erase(req->worker_id());
+  return s;
+}
+
+grpc::Status GuardedWorkerService::Status(grpc::ServerContext* ctx, const pb::StatusRequest* req, pb::StatusResponse* resp) {
+  // Anyone allowed onto the socket (mode 0660) may read status.
+  absl::StatusOr<PeerCred> me = Caller(ctx);
+  if (!me.ok()) return Reject(me.status(), "unauthenticated");
+  return inner_->Status(ctx, req, resp);
+}
+
+void GuardedWorkerService::NoteCommitted(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  uint64_t& c = committed_[model];
+  c = std::max(c, version);
+}
+
+// ------------------------------------------------------------------------------ daemon <-> daemon
+absl::StatusOr<PeerAuthConfig> LoadPeerAuth(const std::string& cert_path, const std::string& key_path, const std::string& ca_path,
+                                            const std::string& token_path) {
+  PeerAuthConfig c;
+  const int given = !cert_path.empty() + !key_path.empty() + !ca_path.empty();
+  if (given != 0 && given != 3) {
+    return absl::InvalidArgumentError("--tls_cert, --tls_key and --tls_ca must be given together");
+  }
+  if (given == 3) {
+    auto cert = ReadFile("tls_cert", cert_path);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFile("tls_key", key_path);
+    if (!key.ok()) return key.status();
+    auto ca = ReadFile("tls_ca", ca_path);
+    if (!ca.ok()) return ca.status();
+    c.tls_cert_pem = std::move(*cert);
+    c.tls_key_pem = std::move(*key);
+    c.tls_ca_pem = std::move(*ca);
+    for (auto [flag, pem] : {std::pair{"tls_cert", &c.tls_cert_pem}, std::pair{"tls_key", &c.tls_key_pem}, std::pair{"tls_ca", &c.tls_ca_pem}}) {
+      if (pem->find("-----BEGIN") == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": not a PEM file"));
+    }
+  }
+  if (!token_path.empty()) {
+    auto token = ReadFile("auth_token_file", token_path);
+    if (!token.ok()) return token.status();
+    c.token = std::string(absl::StripAsciiWhitespace(*token));
+    if (c.token.empty()) return absl::InvalidArgumentError(absl::StrCat("--auth_token_file ", token_path, " is empty"));
+    for (unsigned char ch : c.token) {
+      if (ch < 0x21 || ch > 0x7e) return absl::InvalidArgumentError("--auth_token_file: the token must be printable ASCII without spaces");
+    }
+  }
+  return c;
+}
+
+std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const PeerAuthConfig& config) {
+  if (!config.tls()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  // Certificates are verified when presented; a peer presenting none gets through the handshake
+  // only to be refused with UNAUTHENTICATED by CheckPeer (a clearer error than a failed handshake).
+  o.pem_root_certs = config.tls_ca_pem;
+  o.pem_key_cert_pairs.push_back({config.tls_key_pem, config.tls_cert_pem});
+  return grpc::SslServerCredentials(o);
+}
+
+std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const PeerAuthConfig& config) {
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  grpc::ChannelArguments args;
+  if (config.tls()) {
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = config.tls_ca_pem;
+    o.pem_private_key = config.tls_key_pem;
+    o.pem_cert_chain = config.tls_cert_pem;
+    creds = grpc::SslCredentials(o);
+    if (!config.tls_server_name.empty()) args.SetSslTargetNameOverride(config.tls_server_name);
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  if (!config.token.empty()) interceptors.push_back(std::make_unique<TokenInterceptorFactory>(absl::StrCat("Bearer ", config.token)));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(interceptors));
+}
+
+absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& config) {
+  if (config.tls()) {
+    auto auth = ctx.auth_context();
+    if (!auth || !auth->IsPeerAuthenticated()) {
+      return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " presented no client certificate signed by the cluster CA"));
+    }
+  }
+  if (!config.token.empty()) {
+    const auto& md = ctx.client_metadata();
+    auto it = md.find(kAuthHeader);
+    if (it == md.end()) return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " sent no auth token"));
+    absl::string_view got(it->second.data(), it->second.size());
+    if (!absl::ConsumePrefix(&got, "Bearer ") || !ConstantTimeEqual(got, config.token)) {
+      return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " sent a wrong auth token"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ------------------------------------------------------------------------------ TokenNodeService
+TokenNodeService::TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
+                                   GuardedWorkerService* worker_front)
+    : inner_(inner), config_(std::move(config)), node_id_(std::move(node_id)), worker_front_(worker_front) {}
+
+grpc::Status TokenNodeService::Check(grpc::ServerContext* ctx) {
+  absl::Status s = CheckPeer(*ctx, *config_);
+  if (!s.ok()) Metrics().Rejected(node_id_, "unauthenticated");
+  return ToGrpcStatus(s);
+}
+
+grpc::Status TokenNodeService::InstallPlan(grpc::ServerContext* ctx, const pb::InstallPlanRequest* req, pb::InstallPlanResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->InstallPlan(ctx, req, resp);
+}
+grpc::Status TokenNodeService::ExecuteVersion(grpc::ServerContext* ctx, const pb::ExecuteVersionRequest* req,
+                                              pb::ExecuteVersionResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->ExecuteVersion(ctx, req, resp);
+}
+grpc::Status TokenNodeService::CommitVersion(grpc::ServerContext* ctx, const pb::CommitVersionRequest* req,
+                                             pb::CommitVersionResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  const absl::Time t0 = absl::Now();
+  grpc::Status s = inner_->CommitVersion(ctx, req, resp);
+  if (s.ok()) {
+    Metrics().Phase(node_id_, "commit", absl::ToDoubleSeconds(absl::Now() - t0));
+    Metrics().Version(node_id_, req->model_id(), "committed");
+    Metrics().Committed(node_id_, req->model_id(), req->version());
+    if (worker_front_) worker_front_->NoteCommitted(req->model_id(), req->version());
+  }
+  return s;
+}
+grpc::Status TokenNodeService::AbortVersion(grpc::ServerContext* ctx, const pb::AbortVersionRequest* req,
+                                            pb::AbortVersionResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  Metrics().Version(node_id_, req->model_id(), "aborted");
+  Metrics().Failure(node_id_, absl::AbortedError(req->reason()));
+  return inner_->AbortVersion(ctx, req, resp);
+}
+grpc::Status TokenNodeService::DropWorker(grpc::ServerContext* ctx, const pb::DropWorkerRequest* req, pb::DropWorkerResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->DropWorker(ctx, req, resp);
+}
+grpc::Status TokenNodeService::SetupDataChannel(grpc::ServerContext* ctx, const pb::SetupDataChannelRequest* req,
+                                                pb::SetupDataChannelResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->SetupDataChannel(ctx, req, resp);
+}
+grpc::Status TokenNodeService::Drain(grpc::ServerContext* ctx, const pb::DrainRequest* req, pb::DrainResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->Drain(ctx, req, resp);
+}
+grpc::Status TokenNodeService::Status(grpc::ServerContext* ctx, const pb::StatusRequest* req, pb::StatusResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->Status(ctx, req, resp);
+}
+
+// ------------------------------------------------------------------------------ TokenCoordinatorService
+TokenCoordinatorService::TokenCoordinatorService(pb::CoordinatorService::Service* inner, std::shared_ptr<const PeerAuthConfig> config,
+                                                 Limits limits)
+    : inner_(inner), config_(std::move(config)), limits_(limits) {}
+
+grpc::Status TokenCoordinatorService::Check(grpc::ServerContext* ctx) {
+  absl::Status s = CheckPeer(*ctx, *config_);
+  if (!s.ok()) Metrics().Rejected("coordinator", "unauthenticated");
+  return ToGrpcStatus(s);
+}
+
+#define WB_COORD_CALL(Method, Req, Resp)                                                                    \
+  grpc::Status TokenCoordinatorService::Method(grpc::ServerContext* ctx, const pb::Req* req, pb::Resp* resp) { \
+    if (grpc::Status s = Check(ctx); !s.ok()) return s;                                                     \
+    return inner_->Method(ctx, req, resp);                                                                  \
+  }
+
+WB_COORD_CALL(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
+WB_COORD_CALL(Heartbeat, HeartbeatRequest, HeartbeatResponse)
+WB_COORD_CALL(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
+WB_COORD_CALL(ReportReady, ReportReadyRequest, ReportReadyResponse)
+WB_COORD_CALL(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
+WB_COORD_CALL(WaitVersion, WaitVersionRequest, WaitVersionResponse)
+WB_COORD_CALL(ClusterStatus, StatusRequest, StatusResponse)
+WB_COORD_CALL(Drain, DrainRequest, DrainResponse)
+WB_COORD_CALL(Plan, PlanRequest, PlanResponse)
+#undef WB_COORD_CALL
+
+grpc::Status TokenCoordinatorService::CreateModel(grpc::ServerContext* ctx, const pb::CreateModelRequest* req,
+                                                  pb::CreateModelResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return ToGrpcStatus(s);
+  return inner_->CreateModel(ctx, req, resp);
+}
+grpc::Status TokenCoordinatorService::JoinWorker(grpc::ServerContext* ctx, const pb::JoinWorkerRequest* req, pb::JoinWorkerResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (req->has_model()) {
+    if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return ToGrpcStatus(s);
+  }
+  return inner_->JoinWorker(ctx, req, resp);
+}
+grpc::Status TokenCoordinatorService::SubmitLayout(grpc::ServerContext* ctx, const pb::SubmitLayoutRequest* req,
+                                                   pb::SubmitLayoutResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (absl::Status s = CheckLayoutRequest(req->buffers(), req->layout(), limits_); !s.ok()) {
+    return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("worker ", req->worker_id(), ": ", s.message())));
+  }
+  return inner_->SubmitLayout(ctx, req, resp);
+}
+grpc::Status TokenCoordinatorService::Publish(grpc::ServerContext* ctx, const pb::CoordPublishRequest* req, pb::PublishResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->Publish(ctx, req, resp);
+}
+grpc::Status TokenCoordinatorService::ReportDone(grpc::ServerContext* ctx, const pb::ReportDoneRequest* req, pb::ReportDoneResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (req->ok()) {
+    Metrics().Phase(req->node_id(), "transfer", req->seconds());
+  } else {
+    Metrics().Failure(req->node_id(), absl::AbortedError(req->error()));
+  }
+  return inner_->ReportDone(ctx, req, resp);
+}
+
+}  // namespace wb::daemon

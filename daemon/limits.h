@@ -1,0 +1,42 @@
+#pragma once
+// Resource limits on what clients (workers) and peers (nodes) may ask of a daemon. Every check is
+// done on the request as received, BEFORE anything is allocated from its numbers, so a hostile or
+// buggy client gets INVALID_ARGUMENT / RESOURCE_EXHAUSTED naming the field, never a crash or an
+// allocation of the size it asked for (shape products are computed with overflow checks).
+//
+// INVALID_ARGUMENT: the request is malformed (zero/negative dims, overflowing products, mismatched
+// box ranks, duplicate buffer ids). RESOURCE_EXHAUSTED: well-formed but over a configured limit.
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+struct Limits {
+  int64_t max_message_bytes = int64_t{256} << 20;  // gRPC receive limit on every server
+  int max_tensors_per_model = 1 << 17;
+  int max_dims = 8;                                  // rank of a tensor / box
+  int64_t max_tensor_elements = int64_t{1} << 40;
+  int max_pieces_per_layout = 1 << 20;
+  int max_buffers_per_worker = 1024;
+  int64_t max_buffer_bytes = int64_t{1} << 40;       // one registered buffer
+  int64_t max_worker_bytes = int64_t{1} << 40;       // all buffers of one worker (staging mirrors them)
+  int max_concurrent_versions = 16;                  // snapshots a trainer may hold (published, not sent)
+  int max_name_bytes = 1024;                         // ids and tensor names
+};
+
+// Model spec: tensor count, names, dims > 0, element count and byte size without overflow,
+// worker counts. hf_config_json size is bounded by max_message_bytes already.
+absl::Status CheckModelSpec(const ::weightbridge::v1::ModelSpec& spec, const Limits& limits);
+
+// A worker's buffers + layout (RegisterLayout / SubmitLayout carry the same two fields): buffer
+// count, per-buffer and total size, duplicate ids, piece count, box/stride ranks, offsets.
+absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<::weightbridge::v1::BufferSpec>& buffers,
+                                const ::weightbridge::v1::LayoutSpec& layout, const Limits& limits);
+
+// Ids chosen by callers (model, worker, node): non-empty, bounded, printable.
+absl::Status CheckId(const std::string& what, const std::string& id, const Limits& limits);
+
+}  // namespace wb::daemon
