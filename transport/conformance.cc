@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "transport/factory.h"
 #include "transport/peer_process.h"
+#include "transport/shm_segment.h"
 #include "transport/test_buffer.h"
 
 namespace wb::transport {
@@ -440,9 +441,11 @@ TEST_P(TransportConformanceTest, PeerKilledMidTransferFailsWithinDeadline) {
     if (h.two_sided() && !send) {
       ASSERT_TRUE(h.PostMirror(peer, ops, 50, false).ok());
     }
+    auto shm_name = peer.proc->Command("NAME");  // a killed peer cannot unlink its segment: we do
     auto id = h.t().Post(h.MakeBatch(peer, ops, 50, false));
     ASSERT_TRUE(id.ok()) << id.status();
     peer.proc->Kill9();
+    if (shm_name.ok() && !shm_name->empty()) (void)ShmSegment::Unlink(*shm_name);
     const absl::Time start = absl::Now();
     const absl::Duration deadline = absl::Seconds(15);
     absl::Status s = h.t().Wait(*id, start + deadline);

@@ -12,6 +12,8 @@
 //   WAIT <batch id> <ms>    -> OK | ERR <code> <message>
 //   READ <offset> <len>     -> OK <hex bytes>
 //   FILL <seed>             -> OK
+//   HASH <offset> <len>     -> OK <XXH3_64 of those bytes, decimal>
+//   NAME                    -> OK <shm name of the buffer, empty for device memory>
 //   QUIT                    -> (exits 0)
 
 #include <sys/types.h>

@@ -136,6 +136,8 @@ int Main(int argc, char** argv) {
       (void)absl::SimpleAtoi(w[1], &seed);
       absl::Status s = (*buffer)->Fill(seed);
       reply = s.ok() ? "OK" : Err(s);
+    } else if (cmd == "NAME") {  // shm name of the buffer (host), so a test that kills us can unlink it
+      reply = "OK " + (*buffer)->spec().shared_name;
     } else if (cmd == "QUIT") {
       break;
     } else {
