@@ -281,7 +281,26 @@ grpc::Status GuardedWorkerService::RegisterLayout(grpc::ServerContext* ctx, cons
 
 grpc::Status GuardedWorkerService::Publish(grpc::ServerContext* ctx, const pb::PublishRequest* req, pb::PublishResponse* resp) {
   if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
+  {
+    // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
+    absl::MutexLock l(&mu_);
+    Binding& b = bindings_.at(req->worker_id());
+    const uint64_t committed = committed_[req->model_id()];
+    for (auto it = b.pending.begin(); it != b.pending.end() && *it <= committed;) it = b.pending.erase(it);
+    if (!b.pending.count(req->version()) && static_cast<int>(b.pending.size()) >= limits_.max_concurrent_versions) {
+      return Reject(absl::ResourceExhaustedError(absl::StrCat("worker ", req->worker_id(), " has ", b.pending.size(),
+                                                              " versions published and not yet committed (limit ",
+                                                              limits_.max_concurrent_versions, "); wait for one")),
+                    "limit");
+    }
+    b.pending.insert(req->version());
+  }
   grpc::Status s = inner_->Publish(ctx, req, resp);
+  if (!s.ok()) {
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find(req->worker_id());
+    if (it != bindings_.end()) it->second.pending.erase(req->version());
+  }
   if (s.ok()) {
     Metrics().Version(node_id_, req->model_id(), "published");
     Metrics().Phase(node_id_, "publish_stall", resp->stall_seconds());
@@ -349,6 +368,13 @@ void GuardedWorkerService::NoteCommitted(const std::string& model, uint64_t vers
   absl::MutexLock l(&mu_);
   uint64_t& c = committed_[model];
   c = std::max(c, version);
+}
+
+void GuardedWorkerService::NoteAborted(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  for (auto& [id, b] : bindings_) {
+    if (b.model == model) b.pending.erase(version);
+  }
 }
 
 // ------------------------------------------------------------------------------ daemon <-> daemon
@@ -432,8 +458,12 @@ absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& con
 
 // ------------------------------------------------------------------------------ TokenNodeService
 TokenNodeService::TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
-                                   GuardedWorkerService* worker_front)
-    : inner_(inner), config_(std::move(config)), node_id_(std::move(node_id)), worker_front_(worker_front) {}
+                                   CommitHook on_commit, CommitHook on_abort)
+    : inner_(inner),
+      config_(std::move(config)),
+      node_id_(std::move(node_id)),
+      on_commit_(std::move(on_commit)),
+      on_abort_(std::move(on_abort)) {}
 
 grpc::Status TokenNodeService::Check(grpc::ServerContext* ctx) {
   absl::Status s = CheckPeer(*ctx, *config_);
@@ -459,7 +489,7 @@ grpc::Status TokenNodeService::CommitVersion(grpc::ServerContext* ctx, const pb:
     Metrics().Phase(node_id_, "commit", absl::ToDoubleSeconds(absl::Now() - t0));
     Metrics().Version(node_id_, req->model_id(), "committed");
     Metrics().Committed(node_id_, req->model_id(), req->version());
-    if (worker_front_) worker_front_->NoteCommitted(req->model_id(), req->version());
+    if (on_commit_) on_commit_(req->model_id(), req->version());
   }
   return s;
 }
@@ -468,6 +498,7 @@ grpc::Status TokenNodeService::AbortVersion(grpc::ServerContext* ctx, const pb::
   if (grpc::Status s = Check(ctx); !s.ok()) return s;
   Metrics().Version(node_id_, req->model_id(), "aborted");
   Metrics().Failure(node_id_, absl::AbortedError(req->reason()));
+  if (on_abort_) on_abort_(req->model_id(), req->version());
   return inner_->AbortVersion(ctx, req, resp);
 }
 grpc::Status TokenNodeService::DropWorker(grpc::ServerContext* ctx, const pb::DropWorkerRequest* req, pb::DropWorkerResponse* resp) {

@@ -24,7 +24,9 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -95,13 +97,16 @@ class GuardedWorkerService final : public pb::WorkerService::Service {
   grpc::Status Deregister(grpc::ServerContext*, const pb::DeregisterRequest*, pb::DeregisterResponse*) override;
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
 
-  // Newest version committed on this node per model (fed by TokenNodeService): staleness gauge.
+  // Newest version committed on this node per model (fed by TokenNodeService): staleness gauge,
+  // and published versions up to it stop counting against max_concurrent_versions.
   void NoteCommitted(const std::string& model, uint64_t version);
+  void NoteAborted(const std::string& model, uint64_t version);
 
  private:
   struct Binding {
     PeerCred cred;
     std::string model;
+    std::set<uint64_t> pending;  // published by this worker, not yet committed or aborted
   };
   // The caller, or an error status (also counted as rejected).
   absl::StatusOr<PeerCred> Caller(grpc::ServerContext* ctx);
@@ -139,9 +144,11 @@ absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& con
 
 class TokenNodeService final : public pb::NodeService::Service {
  public:
-  // `worker_front` (optional) is told about commits for the staleness gauge.
+  // `on_commit` (optional) is told about commits (model, version): the staleness gauge.
+  // `on_abort` likewise for aborts.
+  using CommitHook = std::function<void(const std::string&, uint64_t)>;
   TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
-                   GuardedWorkerService* worker_front);
+                   CommitHook on_commit, CommitHook on_abort = nullptr);
   grpc::Status InstallPlan(grpc::ServerContext*, const pb::InstallPlanRequest*, pb::InstallPlanResponse*) override;
   grpc::Status ExecuteVersion(grpc::ServerContext*, const pb::ExecuteVersionRequest*, pb::ExecuteVersionResponse*) override;
   grpc::Status CommitVersion(grpc::ServerContext*, const pb::CommitVersionRequest*, pb::CommitVersionResponse*) override;
@@ -156,7 +163,7 @@ class TokenNodeService final : public pb::NodeService::Service {
   pb::NodeService::Service* inner_;
   std::shared_ptr<const PeerAuthConfig> config_;
   std::string node_id_;
-  GuardedWorkerService* worker_front_;
+  CommitHook on_commit_, on_abort_;
 };
 
 class TokenCoordinatorService final : public pb::CoordinatorService::Service {

@@ -215,6 +215,31 @@ TEST_F(WorkerFrontTest, ShmMustBeOwnedByTheCallerAndLargeEnough) {
   }
 }
 
+TEST_F(WorkerFrontTest, ConcurrentVersionsAreBounded) {
+  TearDown();
+  limits_.max_concurrent_versions = 2;
+  SetUp();
+  ASSERT_TRUE(Register("t").ok());
+  auto publish = [&](uint64_t v) {
+    grpc::ClientContext ctx;
+    pb::PublishRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("t");
+    req.set_version(v);
+    pb::PublishResponse resp;
+    return stub_->Publish(&ctx, req, &resp);
+  };
+  EXPECT_TRUE(publish(1).ok());
+  EXPECT_TRUE(publish(2).ok());
+  grpc::Status s = publish(3);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  front_->NoteCommitted("m", 1);  // version 1 done: room for one more
+  EXPECT_TRUE(publish(3).ok());
+  front_->NoteAborted("m", 2);
+  EXPECT_TRUE(publish(4).ok());
+  EXPECT_EQ(publish(5).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+}
+
 TEST_F(WorkerFrontTest, OversizedModelSpecRefusedBeforeTheService) {
   grpc::ClientContext ctx;
   pb::RegisterWorkerRequest req;

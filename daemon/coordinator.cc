@@ -119,7 +119,7 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
   if (req->node_id().empty() || req->address().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("node_id and address are required"));
   }
-  auto channel = grpc::CreateChannel(req->address(), grpc::InsecureChannelCredentials());
+  auto channel = options_.make_channel ? options_.make_channel(req->address()) : grpc::CreateChannel(req->address(), grpc::InsecureChannelCredentials());
   absl::MutexLock l(&mu_);
   Node& n = nodes_[req->node_id()];
   if (n.incarnation > 0) {

@@ -46,6 +46,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
     InventoryFn inventory_from_hf;                  // optional: hf_config_json models need it
     PresetFn preset_layout;                         // optional: preset layouts need it
     planner::Topology topology;
+    std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
   };
 
   explicit Coordinator(Options options);

@@ -440,7 +440,7 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
   ASSIGN_OR_RETURN(data_address_, options_.data_channel->Start(options_.data_listen, [this](const FrameHeader& h, absl::Span<const uint8_t> p) {
                      return OnFrame(h, p);
                    }));
-  coordinator_ = pb::CoordinatorService::NewStub(grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials()));
+  coordinator_ = pb::CoordinatorService::NewStub((options_.make_channel ? options_.make_channel(options_.coordinator) : grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials())));
   RETURN_IF_ERROR_WITH(Register(), absl::StrCat("registering node ", options_.node_id, " with coordinator ", options_.coordinator));
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
   return absl::OkStatus();

@@ -38,6 +38,7 @@ class NodeDaemon {
     Clock* clock = Clock::Real();
     absl::Duration heartbeat = absl::Milliseconds(500);
     int64_t staging_budget_bytes = int64_t{64} << 30;
+    std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
     std::unique_ptr<DataChannel> data_channel;  // required (main.cc / tests pick the implementation)
   };
 

@@ -34,20 +34,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (has_node && !o.make_data_channel) return absl::InvalidArgumentError("no data channel factory");
   if (has_coord && !o.make_plan) return absl::InvalidArgumentError("no planner");
   grpc::EnableDefaultHealthCheckService(true);
+  s->front_ = std::make_unique<DaemonFront>(o.security, has_node ? o.node_id : "coordinator");
+  RETURN_IF_ERROR(s->front_->StartMetrics());
   grpc::ServerBuilder tcp;
-  tcp.AddListeningPort(o.listen, grpc::InsecureServerCredentials(), &s->port_);
-  tcp.SetMaxReceiveMessageSize(256 << 20);
+  tcp.AddListeningPort(o.listen, s->front_->server_credentials(), &s->port_);
+  tcp.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.security.limits.max_message_bytes, INT32_MAX)));
   tcp.SetMaxSendMessageSize(256 << 20);
   if (has_coord) {
     Coordinator::Options co;
     co.clock = o.clock;
     co.lease = o.lease;
+    co.make_channel = s->front_->channel_factory();
     co.transfer_timeout = o.transfer_timeout;
     co.make_plan = o.make_plan;
     co.inventory_from_hf = o.inventory_from_hf;
     co.preset_layout = o.preset_layout;
     s->coordinator_ = std::make_unique<Coordinator>(std::move(co));
-    tcp.RegisterService(s->coordinator_.get());
+    tcp.RegisterService(s->front_->WrapCoordinator(s->coordinator_.get()));
   }
   if (has_node) {
     NodeDaemon::Options no;
@@ -55,23 +58,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.data_listen = o.data_listen;
     no.clock = o.clock;
     no.heartbeat = o.heartbeat;
+    no.make_channel = s->front_->channel_factory();
     no.staging_budget_bytes = o.staging_budget_bytes;
     no.data_channel = o.make_data_channel();
     s->node_ = std::make_unique<NodeDaemon>(std::move(no));
-    tcp.RegisterService(s->node_->node_service());
+    tcp.RegisterService(s->front_->WrapNode(s->node_->node_service()));
   }
   s->tcp_server_ = tcp.BuildAndStart();
   if (!s->tcp_server_ || s->port_ == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
   if (has_coord) s->coordinator_->Start();
   if (has_node) {
-    ::unlink(o.worker_socket.c_str());  // a stale socket from a killed daemon
-    grpc::ServerBuilder ub;
-    ub.AddListeningPort(absl::StrCat("unix:", o.worker_socket), grpc::InsecureServerCredentials());
-    ub.SetMaxReceiveMessageSize(256 << 20);
-    ub.RegisterService(s->node_->worker_service());
-    s->unix_server_ = ub.BuildAndStart();
-    if (!s->unix_server_) return absl::UnavailableError(absl::StrCat("cannot listen on unix socket ", o.worker_socket));
-    ::chmod(o.worker_socket.c_str(), 0660);
+    // Worker socket: SO_PEERCRED identity, ownership checks and limits in front (daemon/auth.h).
+    ASSIGN_OR_RETURN(s->unix_server_, s->front_->ServeWorkers(o.worker_socket, s->node_->worker_service()));
     // Standalone talks to its own coordinator over the same TCP port as remote nodes would.
     s->node_->set_coordinator(o.role == DaemonRole::kStandalone ? s->address() : o.coordinator);
     RETURN_IF_ERROR(s->node_->Start(s->address()));
@@ -87,6 +85,7 @@ void Server::Shutdown() {
   if (node_) node_->Shutdown();
   if (coordinator_) coordinator_->Shutdown();
   auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  if (front_) front_->Stop();  // no new worker connections
   if (unix_server_) unix_server_->Shutdown(deadline);
   if (tcp_server_) tcp_server_->Shutdown(deadline);
   if (!options_.worker_socket.empty() && node_) ::unlink(options_.worker_socket.c_str());

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/coordinator.h"
+#include "daemon/front.h"
 #include "daemon/data_channel.h"
 #include "daemon/node_daemon.h"
 #include "tools/cc/clock.h"
@@ -31,6 +32,8 @@ struct ServerOptions {
   absl::Duration lease = absl::Seconds(3);
   absl::Duration transfer_timeout = absl::Seconds(60);
   Clock* clock = Clock::Real();
+  // TLS/token between daemons, request limits, worker socket mode, metrics endpoint (daemon/front.h).
+  SecurityOptions security;
   // Injected dependencies (main.cc picks the concrete ones).
   PlanFn make_plan;
   InventoryFn inventory_from_hf;
@@ -45,6 +48,7 @@ class Server {
   // Stops accepting, fails waiters, joins threads. Idempotent.
   void Shutdown();
   int port() const { return port_; }
+  int metrics_port() const { return front_ ? front_->metrics_port() : 0; }  // 0 = no endpoint
   std::string address() const;  // host:port of the TCP server
   const std::string& worker_socket() const { return options_.worker_socket; }
 
@@ -52,6 +56,7 @@ class Server {
   Server() = default;
   ServerOptions options_;
   int port_ = 0;
+  std::unique_ptr<DaemonFront> front_;  // outlives the servers below (declared first)
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<NodeDaemon> node_;
   std::unique_ptr<grpc::Server> tcp_server_, unix_server_;
