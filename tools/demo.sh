@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The main job. Until the end-to-end demo lands (issue 6) it builds everything and shows the
-# standalone daemon's flags.
+# The main job (make demo; `make deps` ran first): build what the demo runs, then
+# tools/demo/demo.py moves Qwen2.5-0.5B weights megatron tp=2 -> 2 x vllm tp=1 through a standalone
+# weightbridged in sync, one-step-off and async, verifies every rollout byte and prints the table,
+# then the same with rank0_broadcast. Extra args go to demo.py (--help). Exit != 0 on any failed check.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 BAZEL=${BAZEL:-bazel}
-echo "== building //..."
-$BAZEL build //...
-echo "== weightbridged --help"
-# absl's --helpfull exits 1 by design; show the daemon's own flags.
-("$($BAZEL info bazel-bin 2>/dev/null)/daemon/weightbridged" --helpfull 2>&1 || true) | grep -A200 'daemon/main.cc' | head -60
+echo "== building daemon, workers, proto stubs (incremental)"
+$BAZEL build //daemon:weightbridged //tests/e2e:trainer_worker //tests/e2e:rollout_worker //proto:weightbridge_proto_py
+BIN="$($BAZEL info bazel-bin 2>/dev/null)"
+export WB_PROTO_PY_DIR="$BIN"
+exec /usr/bin/python3 tools/demo/demo.py --bin "$BIN" "$@"
