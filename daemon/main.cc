@@ -27,6 +27,19 @@ ABSL_FLAG(int64_t, heartbeat_ms, 500, "node -> coordinator heartbeat period");
 ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost");
 ABSL_FLAG(int64_t, transfer_timeout_ms, 60000, "a version not transferred in this time is aborted");
 ABSL_FLAG(std::string, log_level, "info", "info | debug | warning | error");
+// Observability and security (docs/observability.md, docs/security.md).
+ABSL_FLAG(std::string, metrics_listen, "", "Prometheus /metrics host:port (port 0 = pick one); empty = off");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the chosen metrics port here once listening");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this daemon (mutual TLS between daemons)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA that signs every daemon's certificate");
+ABSL_FLAG(std::string, tls_server_name, "", "expected name in peer certificates (default: the host dialed)");
+ABSL_FLAG(std::string, auth_token_file, "", "file holding the shared token checked on every daemon RPC");
+ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest gRPC message accepted");
+ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have");
+ABSL_FLAG(int32_t, max_tensors_per_model, 1 << 17, "tensors one model may have");
+ABSL_FLAG(int32_t, max_buffers_per_worker, 1024, "buffers one worker may register");
+ABSL_FLAG(int32_t, max_concurrent_versions, 16, "versions a trainer may have published and not yet committed");
 
 namespace {
 
@@ -72,6 +85,25 @@ int main(int argc, char** argv) {
   o.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   o.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   o.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
+  {
+    auto auth = wb::daemon::LoadPeerAuth(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
+                                         absl::GetFlag(FLAGS_auth_token_file));
+    if (!auth.ok()) return Fail(std::string(auth.status().message()));
+    auth->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+    o.security.peer_auth = std::make_shared<wb::daemon::PeerAuthConfig>(std::move(*auth));
+    o.security.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+    wb::daemon::Limits& l = o.security.limits;
+    l.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+    l.max_pieces_per_layout = absl::GetFlag(FLAGS_max_pieces_per_layout);
+    l.max_tensors_per_model = absl::GetFlag(FLAGS_max_tensors_per_model);
+    l.max_buffers_per_worker = absl::GetFlag(FLAGS_max_buffers_per_worker);
+    l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
+    l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
+    if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 ||
+        l.max_concurrent_versions <= 0) {
+      return Fail("--max_* limits must be > 0");
+    }
+  }
   // Concrete implementations are picked here and only here.
   o.make_plan = wb::daemon::SimplePlan;  // TODO: planner::MakePlan once it lands
   o.inventory_from_hf = [](const std::string& json, wb::planner::DType dtype) -> absl::StatusOr<wb::planner::Inventory> {
@@ -87,6 +119,20 @@ int main(int argc, char** argv) {
               absl::GetFlag(FLAGS_node_id).c_str(), (*server)->address().c_str(), (*server)->port());
   std::fflush(stdout);
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if ((*server)->metrics_port() > 0) {
+    std::printf("weightbridged metrics on port %d\n", (*server)->metrics_port());
+    std::fflush(stdout);
+    const std::string metrics_file = absl::GetFlag(FLAGS_metrics_port_file);
+    if (!metrics_file.empty()) {
+      std::string tmp = metrics_file + ".tmp";
+      {
+        std::ofstream f(tmp);
+        f << (*server)->metrics_port() << "\n";
+        if (!f) return Fail(absl::StrCat("cannot write --metrics_port_file ", metrics_file));
+      }
+      if (std::rename(tmp.c_str(), metrics_file.c_str()) != 0) return Fail(absl::StrCat("cannot write --metrics_port_file ", metrics_file));
+    }
+  }
   if (!port_file.empty()) {
     // Write then rename, so a reader never sees a partial file.
     std::string tmp = port_file + ".tmp";
