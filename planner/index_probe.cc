@@ -1,6 +1,7 @@
 #include "planner/index_probe.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
@@ -61,6 +62,14 @@ absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inv, const std
   }
   if (offset_bytes < 0 || element_size <= 0) {
     return absl::InvalidArgumentError("index probe: negative offset or non-positive element size");
+  }
+  // Pieces get offsets offset_bytes + k * element_size: they must be aligned (ValidateLayout demands
+  // it) and must not overflow.
+  if (offset_bytes % element_size != 0 ||
+      static_cast<int64_t>(probe.size()) > (std::numeric_limits<int64_t>::max() - offset_bytes) / element_size) {
+    return absl::InvalidArgumentError(absl::StrCat("index probe: offset ", offset_bytes,
+                                                   " is not a multiple of the element size ", element_size,
+                                                   " or the tensor's bytes pass 2^63"));
   }
   const int64_t total = bases.back();
   // Tensor of a canonical index, with a one-entry cache: neighbours usually share a tensor.

@@ -1,6 +1,7 @@
 #include "planner/index_probe.h"
 
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -216,6 +217,18 @@ std::string ReadTestdata(const std::string& name) {
 }
 
 // Renders every local tensor of real preset layouts into probes and recovers equivalent pieces.
+// Found by tools/fuzz/fuzz_index_probe: an unaligned offset gave pieces that ValidateLayout rejects,
+// and an offset near 2^63 overflowed the pieces' offsets.
+TEST(IndexProbe, MisalignedOrOverflowingOffsetIsAnError) {
+  Fixture f;
+  EXPECT_EQ(ExtractPieces(f.inv, f.bases, std::vector<int64_t>{0, 1}, {2}, 3, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ExtractPieces(f.inv, f.bases, std::vector<int64_t>{0, 1}, {2},
+                          std::numeric_limits<int64_t>::max() - 1, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ExtractPieces(f.inv, f.bases, std::vector<int64_t>{0, 1}, {2}, 6, 2).ok());
+}
+
 TEST(IndexProbe, RecoversPresetLayouts) {
   auto c = ParseHfConfig(ReadTestdata("qwen2.5-0.5b.json"));
   ASSERT_TRUE(c.ok());

@@ -126,9 +126,17 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       if (p.strides[d] > (int64_t{1} << 62) / ext) {
         return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": strides overflow"));
       }
-      span += (ext - 1) * p.strides[d];
+      // Each term is <= 2^62 (checked above) but their sum over several dims may not fit.
+      if (__builtin_add_overflow(span, (ext - 1) * p.strides[d], &span)) {
+        return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": strides overflow"));
+      }
     }
-    const int64_t last = p.offset_bytes + (span + 1) * es;  // one past the farthest element's last byte
+    int64_t last = 0;  // one past the farthest element's last byte
+    if (__builtin_add_overflow(span, 1, &last) || __builtin_mul_overflow(last, es, &last) ||
+        __builtin_add_overflow(last, p.offset_bytes, &last)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(worker, inv, p, i), ": offset ", p.offset_bytes, " + extent overflows 64 bits"));
+    }
     if (last > layout.buffers[p.buffer].size_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": reaches byte ", last,
                                                      " beyond buffer ", p.buffer, " of ",

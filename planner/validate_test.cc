@@ -1,6 +1,7 @@
 #include "planner/validate.h"
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -103,6 +104,22 @@ Worker W(std::string id, Role role, std::vector<Piece> pieces) {
   w.layout.buffers = {{1 << 20}};
   w.layout.pieces = std::move(pieces);
   return w;
+}
+
+// Found by tools/fuzz/fuzz_validate_layout: the farthest byte of a piece was computed in int64 without
+// overflow checks, so a huge offset or stride wrapped negative and passed the buffer-bounds check (the
+// daemon would then copy far outside the worker's buffer).
+TEST(ValidateLayout, HugeOffsetsAndStridesDoNotWrapAround) {
+  Inventory inv;
+  inv.tensors.push_back({"w", {3, 3}, DType::kF32});
+  WorkerLayout l;
+  l.buffers = {{1024}};
+  l.pieces.push_back(P(0, {{0, 0}, {1, 1}}, std::numeric_limits<int64_t>::max() / 4 * 4, {3, 1}));
+  ExpectError(ValidateLayout(inv, l, Role::kTrainer, "trainer/0"), "overflows");
+  l.pieces[0] = P(0, {{0, 0}, {3, 3}}, 0, {1, (int64_t{1} << 62) / 3});
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "rollout/0"), "overflows");
+  l.pieces[0] = P(0, {{0, 0}, {3, 3}}, 0, {3, 1});
+  EXPECT_TRUE(ValidateLayout(inv, l, Role::kRollout, "rollout/0").ok());
 }
 
 TEST(ValidateCoverage, UnionOfSourcesAndMissingElements) {
