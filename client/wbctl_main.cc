@@ -6,7 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "client/drain_command.h"
 #include "client/plan_command.h"
+#include "client/status_command.h"
+#include "client/watch_command.h"
 
 namespace {
 
@@ -19,6 +22,14 @@ struct Command {
 const Command kCommands[] = {
     {"plan", "plan --spec FILE [--json]   plan a spec offline and print its figures",
      &wb::client::RunPlanCommand},
+    {"status", "status --addr ADDR [--json]   nodes, workers, models, versions, last transfer",
+     &wb::client::RunStatusCommand},
+    {"watch", "watch --addr ADDR [--model ID] [--version V] [--timeout 300s] [--json]   live progress",
+     &wb::client::RunWatchCommand},
+    {"drain", "drain --addr ADDR [--node ID] [--timeout 60s]   finish in-flight work, refuse new",
+     &wb::client::RunDrainCommand},
+    {"versions", "versions --addr ADDR --model ID [--json]   a model's versions",
+     &wb::client::RunVersionsCommand},
 };
 
 void Usage(std::ostream& os) {

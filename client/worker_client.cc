@@ -143,6 +143,9 @@ absl::Status WorkerClient::CallWithReconnect(absl::Time deadline, Fn rpc) {
   }
   absl::Status status = rpc(deadline);
   if (status.code() != absl::StatusCode::kUnavailable || !options_.reconnect) return status;
+  // A daemon that is up but refuses (draining, shutting down) also answers UNAVAILABLE, over a
+  // healthy connection: that is the answer, not a reason to reconnect.
+  if (channel_->GetState(false) == GRPC_CHANNEL_READY) return status;
   // The daemon went away (or restarted). Wait for a daemon at the same socket, bounded by both the
   // call's deadline and the reconnect budget, replay our registrations, retry once.
   absl::Time reconnect_deadline =

@@ -1,0 +1,284 @@
+// bench/e2e: update time of Qwen2.5-0.5B (real config, 0.494B parameters, bf16) across two node
+// daemons, with WeightBridge's plan and with the rank0_broadcast baseline executed for real on
+// the same machinery (same daemons, same transports, same workers).
+//
+//   bazel run -c opt //bench:e2e [-- --json] [-- --versions=3 --replicas=2]
+//
+// Setup: a coordinator and two node daemons (`weightbridged`, separate processes, loopback TCP
+// between nodes). Node n0: Megatron tp=2 trainer ranks; node n1: vLLM tp=2 rollout replicas
+// (2 by default, so WeightBridge's per-node dedup + intra-node relay has something to save).
+// Sync mode: a version's update time is from the moment the trainers publish until it is
+// committed into every rollout's live weights (the trainers' stall). Each strategy runs
+// --versions versions; the first warms up (plans, connections) and the median of the others is
+// reported. Every rollout byte of every version is checked against the canonical weights.
+//
+// Output: a table (or one JSON object with --json: weightbridge_s, rank0_broadcast_s,
+// bytes_weightbridge, bytes_rank0_broadcast, verified, plus details), next to the host
+// transport's limits measured in the same run: TCP loopback GB/s (one stream) and memcpy GB/s.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "nlohmann/json.hpp"
+#include "tests/e2e/cluster.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/harness.h"
+
+ABSL_FLAG(bool, json, false, "print one JSON object");
+ABSL_FLAG(int, versions, 3, "versions per strategy (the first is a warm-up)");
+ABSL_FLAG(int, replicas, 2, "vLLM tp=2 replicas on the rollout node");
+ABSL_FLAG(std::string, config, "", "HF config.json (default: tests/e2e/testdata/qwen2.5-0.5b.json)");
+
+namespace wb::bench {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+using e2e::Cluster;
+using e2e::Process;
+
+struct StrategyResult {
+  std::string strategy;
+  std::vector<double> update_s;  // per version, publish -> committed (max over trainers)
+  double median_s = 0;
+  double daemon_transfer_s = 0;  // last version, as the coordinator measured it
+  int64_t bytes_inter_node = 0;  // of the plan, per version
+  int64_t bytes_intra_node = 0;
+  int64_t bytes_moved = 0;  // coordinator's last_transfer_bytes
+  bool verified = false;
+  std::string error;
+};
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::string& config,
+                           int versions, int replicas) {
+  StrategyResult res;
+  res.strategy = strategy;
+  e2e::RunOptions run;
+  run.config = config;
+  run.model_id = "qwen-" + strategy;
+  run.mode = "sync";
+  run.strategy = strategy;
+  run.versions = versions;
+  run.num_trainers = 2;
+  run.num_rollouts = 2 * replicas;
+  run.timeout_ms = 300000;
+  std::vector<Process*> trainers, rollouts;
+  for (int r = 0; r < 2; ++r) {
+    e2e::WorkerSpec w{true, 0, "megatron", 2, 1, 1, 1, r, r};
+    w.extra_flags = {"--populate"};
+    auto p = cl.SpawnWorker(run, w);
+    if (!p.ok()) {
+      res.error = p.status().ToString();
+      return res;
+    }
+    trainers.push_back(*p);
+  }
+  for (int r = 0; r < 2 * replicas; ++r) {
+    e2e::WorkerSpec w{false, 1, "vllm", 2, 1, 1, replicas, r, r};
+    w.extra_flags = {"--populate"};
+    auto p = cl.SpawnWorker(run, w);
+    if (!p.ok()) {
+      res.error = p.status().ToString();
+      return res;
+    }
+    rollouts.push_back(*p);
+  }
+  bool ok = true;
+  for (Process* p : rollouts) {
+    absl::Status s = e2e::ExpectCleanExit(p, absl::Minutes(10));
+    if (!s.ok()) {
+      ok = false;
+      res.error = s.ToString();
+    }
+  }
+  for (Process* p : trainers) {
+    absl::Status s = e2e::ExpectCleanExit(p, absl::Minutes(2));
+    if (!s.ok()) {
+      ok = false;
+      res.error = s.ToString();
+    }
+  }
+  const int64_t model_bytes = e2e::ModelBytes(config);
+  int64_t verified_last = 0;
+  for (Process* p : rollouts) {
+    if (!e2e::EventsNamed(p, "mismatch").empty()) ok = false;
+    verified_last += e2e::VerifiedBytes(p, static_cast<uint64_t>(versions));
+  }
+  res.verified = ok && verified_last == static_cast<int64_t>(replicas) * model_bytes;
+  for (int v = 1; v <= versions; ++v) {
+    double worst = 0;
+    for (Process* t : trainers) {
+      double start = -1, end = -1;
+      for (auto& e : t->Events()) {
+        if (e.value("version", 0) != v) continue;
+        if (e.value("event", "") == "published") start = e.value("t_start", -1.0);
+        if (e.value("event", "") == "committed") end = e.value("t", -1.0);
+      }
+      if (start >= 0 && end >= start) worst = std::max(worst, end - start);
+    }
+    res.update_s.push_back(worst);
+  }
+  std::vector<double> steady(res.update_s.begin() + (versions > 1 ? 1 : 0), res.update_s.end());
+  res.median_s = Median(steady);
+  auto status = cl.Status();
+  if (status.ok()) {
+    for (const auto& m : status->models()) {
+      if (m.model_id() != run.model_id) continue;
+      res.daemon_transfer_s = m.last_transfer_seconds();
+      res.bytes_moved = static_cast<int64_t>(m.last_transfer_bytes());
+      res.bytes_inter_node = m.plan_stats().bytes_inter_node();
+      res.bytes_intra_node = m.plan_stats().bytes_intra_node();
+    }
+  }
+  return res;
+}
+
+// One TCP stream over loopback: the host transport's raw limit on this machine.
+double TcpLoopbackGBps(int64_t bytes) {
+  int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(lfd, 1) != 0 || ::getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return 0;
+  }
+  std::thread receiver([lfd, bytes] {
+    int c = ::accept(lfd, nullptr, nullptr);
+    std::vector<char> buf(4 << 20);
+    int64_t got = 0;
+    while (got < bytes) {
+      ssize_t n = ::read(c, buf.data(), buf.size());
+      if (n <= 0) break;
+      got += n;
+    }
+    ::close(c);
+  });
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(s);
+    receiver.join();
+    return 0;
+  }
+  std::vector<char> buf(4 << 20, 1);
+  absl::Time start = absl::Now();
+  int64_t sent = 0;
+  while (sent < bytes) {
+    ssize_t n = ::write(s, buf.data(), std::min<int64_t>(buf.size(), bytes - sent));
+    if (n <= 0) break;
+    sent += n;
+  }
+  ::close(s);
+  receiver.join();
+  ::close(lfd);
+  return static_cast<double>(sent) / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
+}
+
+double MemcpyGBps(int64_t bytes) {
+  std::vector<char> a(bytes, 1), b(bytes, 0);
+  std::memcpy(b.data(), a.data(), bytes);  // fault pages in
+  absl::Time start = absl::Now();
+  for (int i = 0; i < 3; ++i) std::memcpy(b.data(), a.data(), bytes);
+  return 3.0 * static_cast<double>(bytes) / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
+}
+
+int Run() {
+  const bool json = absl::GetFlag(FLAGS_json);
+  const int versions = std::max(1, absl::GetFlag(FLAGS_versions));
+  const int replicas = std::max(1, absl::GetFlag(FLAGS_replicas));
+  std::string config = absl::GetFlag(FLAGS_config);
+  if (config.empty()) config = e2e::ModelConfigPath(/*full=*/true);
+
+  auto harness = e2e::Harness::Create("bench-e2e");
+  if (!harness.ok()) {
+    std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
+    return 1;
+  }
+  e2e::ClusterOptions copts;
+  copts.num_nodes = 2;
+  copts.lease_ms = 10000;
+  copts.transfer_timeout_ms = 300000;
+  auto cluster = Cluster::Start(harness->get(), copts);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "bench/e2e: cluster: %s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  if (!json) std::fprintf(stderr, "bench/e2e: cluster up (coordinator + 2 nodes); running...\n");
+  StrategyResult wb = RunStrategy(**cluster, "weightbridge", config, versions, replicas);
+  StrategyResult r0 = RunStrategy(**cluster, "rank0_broadcast", config, versions, replicas);
+  (*harness)->KillAll();
+  const double tcp = TcpLoopbackGBps(int64_t{1} << 30);
+  const double mem = MemcpyGBps(int64_t{256} << 20);
+  const double ratio = wb.median_s > 0 ? r0.median_s / wb.median_s : 0;
+  const int64_t model_bytes = e2e::ModelBytes(config);
+
+  if (json) {
+    nlohmann::json j = {
+        {"weightbridge_s", wb.median_s},
+        {"rank0_broadcast_s", r0.median_s},
+        {"bytes_weightbridge", wb.bytes_inter_node},
+        {"bytes_rank0_broadcast", r0.bytes_inter_node},
+        {"verified", wb.verified && r0.verified},
+        {"ratio", ratio},
+        {"model_bytes", model_bytes},
+        {"replicas", replicas},
+        {"versions", versions},
+        {"weightbridge_update_s", wb.update_s},
+        {"rank0_broadcast_update_s", r0.update_s},
+        {"weightbridge_daemon_transfer_s", wb.daemon_transfer_s},
+        {"rank0_broadcast_daemon_transfer_s", r0.daemon_transfer_s},
+        {"bytes_intra_node_weightbridge", wb.bytes_intra_node},
+        {"bytes_intra_node_rank0_broadcast", r0.bytes_intra_node},
+        {"tcp_loopback_GBps", tcp},
+        {"memcpy_GBps", mem},
+    };
+    if (!wb.error.empty()) j["weightbridge_error"] = wb.error;
+    if (!r0.error.empty()) j["rank0_broadcast_error"] = r0.error;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("Qwen2.5-0.5B (%s, %.3f GB bf16), 2 Megatron tp=2 trainers on n0 -> %d vLLM tp=2 "
+                "replica(s) on n1, sync mode, %d versions (median of v2..)\n",
+                config.c_str(), model_bytes / 1e9, replicas, versions);
+    std::printf("%-16s %10s %12s %14s %14s %10s %9s\n", "strategy", "update_s", "daemon_xfer_s",
+                "inter_node_GB", "intra_node_GB", "net GB/s", "verified");
+    for (const StrategyResult* r : {&wb, &r0}) {
+      double net = r->median_s > 0 ? r->bytes_inter_node / r->median_s / 1e9 : 0;
+      std::printf("%-16s %10.3f %12.3f %14.3f %14.3f %10.2f %9s\n", r->strategy.c_str(),
+                  r->median_s, r->daemon_transfer_s, r->bytes_inter_node / 1e9,
+                  r->bytes_intra_node / 1e9, net, r->verified ? "yes" : "NO");
+      if (!r->error.empty()) std::printf("  error: %s\n", r->error.c_str());
+    }
+    std::printf("ratio rank0_broadcast / weightbridge: %.2fx\n", ratio);
+    std::printf("host transport limits (same run): TCP loopback %.2f GB/s (1 stream), memcpy %.2f GB/s\n",
+                tcp, mem);
+  }
+  return (wb.verified && r0.verified) ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace wb::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return wb::bench::Run();
+}

@@ -1,0 +1,130 @@
+// wbctl's pure parts: flag parsing, address parsing, status rendering and watch arithmetic.
+#include <sstream>
+
+#include "absl/time/time.h"
+#include "client/ctl_args.h"
+#include "client/ctl_client.h"
+#include "client/status_command.h"
+#include "client/status_view.h"
+#include "client/watch_command.h"
+#include "client/drain_command.h"
+#include "gtest/gtest.h"
+
+namespace wb::client {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+
+TEST(CtlArgsTest, ParsesValuedAndBooleanFlags) {
+  auto a = CtlArgs::Parse({"--addr", "127.0.0.1:5", "--json", "--timeout=2s", "--version=7"},
+                          {{"addr", "timeout", "version"}, {"json"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->Get("addr"), "127.0.0.1:5");
+  EXPECT_TRUE(a->Has("json"));
+  EXPECT_EQ(*a->GetDuration("timeout", absl::Seconds(1)), absl::Seconds(2));
+  EXPECT_EQ(*a->GetUint("version", 0), 7u);
+  EXPECT_EQ(*a->GetDuration("missing", absl::Seconds(9)), absl::Seconds(9));
+  EXPECT_FALSE(CtlArgs::Parse({"--bogus"}, {{"addr"}, {}}).ok());
+  EXPECT_FALSE(CtlArgs::Parse({"stray"}, {{"addr"}, {}}).ok());
+  EXPECT_FALSE(CtlArgs::Parse({"--addr"}, {{"addr"}, {}}).ok());
+  auto bad = CtlArgs::Parse({"--timeout=soon"}, {{"timeout"}, {}});
+  ASSERT_TRUE(bad.ok());
+  EXPECT_FALSE(bad->GetDuration("timeout", absl::Seconds(1)).ok());
+  auto secs = CtlArgs::Parse({"--timeout=1.5"}, {{"timeout"}, {}});
+  EXPECT_EQ(*secs->GetDuration("timeout", absl::Seconds(1)), absl::Milliseconds(1500));
+}
+
+TEST(CtlAddressTest, AcceptsHostPortAndUnix) {
+  EXPECT_FALSE(ParseCtlAddress("127.0.0.1:4000")->unix_socket);
+  EXPECT_TRUE(ParseCtlAddress("unix:/tmp/x.sock")->unix_socket);
+  EXPECT_EQ(ParseCtlAddress("/tmp/x.sock")->target, "unix:/tmp/x.sock");
+  EXPECT_FALSE(ParseCtlAddress("localhost").ok());
+  EXPECT_FALSE(ParseCtlAddress("host:0").ok());
+  EXPECT_FALSE(ParseCtlAddress("").ok());
+}
+
+pb::StatusResponse Sample() {
+  pb::StatusResponse s;
+  s.set_role("coordinator");
+  auto* n = s.add_nodes();
+  n->set_node_id("n1");
+  n->set_address("127.0.0.1:1234");
+  n->set_alive(true);
+  auto* m = s.add_models();
+  m->set_model_id("qwen");
+  m->set_mode(pb::MODE_ASYNC);
+  m->set_committed_version(2);
+  m->set_last_transfer_seconds(0.5);
+  m->set_last_transfer_gbps(1.25);
+  for (int v = 3; v >= 1; --v) {
+    auto* vs = s.add_versions();
+    vs->set_model_id("qwen");
+    vs->set_version(v);
+    vs->set_state(v == 3 ? "transferring" : v == 2 ? "committed" : "aborted");
+    vs->set_bytes_total(1000);
+    vs->set_bytes_done(v == 3 ? 250 : 1000);
+    vs->set_seconds(v == 3 ? 0.25 : 1.0);
+    if (v == 1) vs->set_error("node n2 lost its lease");
+  }
+  return s;
+}
+
+TEST(StatusViewTest, TableAndJsonCarryTheFigures) {
+  std::string table = StatusTable(Sample(), "coordinator");
+  EXPECT_NE(table.find("qwen"), std::string::npos);
+  EXPECT_NE(table.find("1.25"), std::string::npos);
+  EXPECT_NE(table.find("lost its lease"), std::string::npos);
+  auto j = StatusJson(Sample(), "coordinator");
+  EXPECT_EQ(j["models"][0]["last_transfer_GBps"].get<double>(), 1.25);
+  EXPECT_EQ(j["models"][0]["mode"].get<std::string>(), "async");
+  EXPECT_EQ(j["nodes"][0]["node_id"].get<std::string>(), "n1");
+  EXPECT_EQ(j["versions"].size(), 3u);
+}
+
+TEST(StatusViewTest, VersionsSortedAndModelLookup) {
+  auto vs = VersionsOf(Sample(), "qwen");
+  ASSERT_EQ(vs.size(), 3u);
+  EXPECT_EQ(vs[0].version(), 1u);
+  EXPECT_EQ(vs[2].version(), 3u);
+  EXPECT_TRUE(HasModel(Sample(), "qwen"));
+  EXPECT_FALSE(HasModel(Sample(), "llama"));
+  EXPECT_TRUE(VersionsOf(Sample(), "llama").empty());
+}
+
+TEST(StatusViewTest, WatchPicksRunningVersionAndComputesRateAndEta) {
+  auto picked = PickWatched(Sample(), "", 0);
+  ASSERT_TRUE(picked.has_value());
+  EXPECT_EQ(picked->version(), 3u);
+  EXPECT_EQ(PickWatched(Sample(), "qwen", 1)->state(), "aborted");
+  EXPECT_FALSE(PickWatched(Sample(), "llama", 0).has_value());
+
+  WatchProgress p;
+  absl::Time t0 = absl::UnixEpoch();
+  pb::VersionStatus v = *picked;
+  auto first = p.Update(v, t0);
+  EXPECT_NEAR(first.rate_GBps, 1000e-9, 1e-12);  // 250 B / 0.25 s average
+  v.set_bytes_done(750);
+  auto second = p.Update(v, t0 + absl::Seconds(1));
+  EXPECT_NEAR(second.rate_GBps, 500e-9, 1e-12);  // 500 B in the last second
+  EXPECT_NEAR(second.eta_s, 0.5, 1e-9);
+  EXPECT_FALSE(second.final);
+  v.set_state("committed");
+  EXPECT_TRUE(p.Update(v, t0 + absl::Seconds(2)).final);
+  EXPECT_NE(WatchProgress::Format(second).find("ETA 0.5s"), std::string::npos);
+}
+
+TEST(CommandsTest, UsageErrorsExitTwoAndUnreachableDaemonExitsOne) {
+  std::ostringstream out, err;
+  EXPECT_EQ(RunStatusCommand({"--bogus"}, out, err), kCtlUsage);
+  EXPECT_EQ(RunStatusCommand({}, out, err), kCtlUsage);  // no --addr
+  EXPECT_EQ(RunVersionsCommand({"--addr", "127.0.0.1:1"}, out, err), kCtlUsage);  // no --model
+  EXPECT_EQ(RunDrainCommand({"--addr", "unix:/tmp/x.sock"}, out, err), kCtlUsage);
+  EXPECT_EQ(RunWatchCommand({"--addr", "127.0.0.1:1", "--interval", "0"}, out, err), kCtlUsage);
+  // Port 1 on loopback: nothing listens there.
+  EXPECT_EQ(RunStatusCommand({"--addr", "127.0.0.1:1", "--timeout", "300ms"}, out, err),
+            kCtlRpcFailed);
+  EXPECT_NE(err.str().find("cannot connect"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace wb::client

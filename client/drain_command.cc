@@ -1,0 +1,54 @@
+#include "client/drain_command.h"
+
+#include "client/ctl_args.h"
+#include "client/ctl_client.h"
+#include "nlohmann/json.hpp"
+
+namespace wb::client {
+
+int RunDrainCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  const char* usage = "usage: wbctl drain --addr ADDR [--node ID] [--timeout 60s] [--json]\n";
+  auto parsed = CtlArgs::Parse(args, {{"addr", "node", "timeout"}, {"json"}});
+  if (!parsed.ok()) {
+    err << "wbctl drain: " << parsed.status().message() << "\n" << usage;
+    return kCtlUsage;
+  }
+  auto timeout = parsed->GetDuration("timeout", absl::Seconds(60));
+  auto addr = ParseCtlAddress(parsed->Get("addr"));
+  if (!timeout.ok() || !addr.ok()) {
+    err << "wbctl drain: " << (!timeout.ok() ? timeout.status() : addr.status()).message() << "\n"
+        << usage;
+    return kCtlUsage;
+  }
+  if (addr->unix_socket) {
+    err << "wbctl drain: needs the coordinator's or a node daemon's host:port, not a worker socket\n";
+    return kCtlUsage;
+  }
+  auto client = CtlClient::Connect(parsed->Get("addr"), std::min(*timeout, absl::Seconds(10)));
+  if (!client.ok()) {
+    err << "wbctl drain: " << client.status() << "\n";
+    return kCtlRpcFailed;
+  }
+  const std::string node = parsed->Get("node");
+  auto resp = (*client)->Drain(node, *timeout);
+  if (!resp.ok()) {
+    err << "wbctl drain: " << resp.status() << "\n";
+    return kCtlRpcFailed;
+  }
+  const std::string what = node.empty() ? std::string("cluster") : "node " + node;
+  if (parsed->Has("json")) {
+    out << nlohmann::json{{"target", what},
+                          {"drained", resp->drained()},
+                          {"in_flight_versions", resp->in_flight_versions()}}
+               .dump()
+        << "\n";
+  } else if (resp->drained()) {
+    out << what << " drained\n";
+  } else {
+    out << what << " NOT drained after " << absl::FormatDuration(*timeout) << ": "
+        << resp->in_flight_versions() << " version(s) still in flight (new versions are refused)\n";
+  }
+  return resp->drained() ? kCtlOk : kCtlDrainTimeout;
+}
+
+}  // namespace wb::client

@@ -1,0 +1,265 @@
+#include "client/status_view.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace wb::client {
+
+namespace pb = ::weightbridge::v1;
+
+namespace {
+
+const char* RoleName(pb::Role r) {
+  return r == pb::ROLE_TRAINER ? "trainer" : r == pb::ROLE_ROLLOUT ? "rollout" : "?";
+}
+const char* ModeName(pb::Mode m) {
+  switch (m) {
+    case pb::MODE_SYNC:
+      return "sync";
+    case pb::MODE_ONE_STEP_OFF:
+      return "one_step_off";
+    case pb::MODE_ASYNC:
+      return "async";
+    default:
+      return "?";
+  }
+}
+const char* StrategyName(pb::Strategy s) {
+  switch (s) {
+    case pb::STRATEGY_RANK0_BROADCAST:
+      return "rank0_broadcast";
+    case pb::STRATEGY_P2P_NO_DEDUP:
+      return "p2p_no_dedup";
+    default:
+      return "weightbridge";
+  }
+}
+
+}  // namespace
+
+bool IsFinalVersionState(const std::string& state) {
+  return state == "committed" || state == "aborted" || state == "superseded" || state == "applied";
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e9) return absl::StrFormat("%.2f GB", b / 1e9);
+  if (b >= 1e6) return absl::StrFormat("%.1f MB", b / 1e6);
+  if (b >= 1e3) return absl::StrFormat("%.1f kB", b / 1e3);
+  return absl::StrCat(bytes, " B");
+}
+
+std::string StatusTable(const pb::StatusResponse& s, const std::string& source) {
+  std::string out = absl::StrFormat("daemon: %s%s%s\n", s.role().empty() ? source : s.role(),
+                                    s.node_id().empty() ? "" : " node ", s.node_id());
+  absl::StrAppendFormat(&out, "\nNODES (%d)\n", s.nodes_size());
+  if (s.nodes_size() > 0) {
+    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8s %s\n", "ID", "ADDRESS", "ALIVE",
+                          "DRAINING", "WORKERS", "LEASE_LEFT");
+  }
+  for (const auto& n : s.nodes()) {
+    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8d %dms\n", n.node_id(), n.address(),
+                          n.alive() ? "yes" : "NO",
+                          n.drained() ? "drained" : n.draining() ? "yes" : "no", n.num_workers(),
+                          n.lease_left_ms());
+  }
+  absl::StrAppendFormat(&out, "\nWORKERS (%d)\n", s.workers_size());
+  if (s.workers_size() > 0) {
+    absl::StrAppendFormat(&out, "  %-20s %-12s %-8s %-12s %-8s %s\n", "ID", "MODEL", "ROLE", "NODE",
+                          "APPLIED", "STATE");
+  }
+  for (const auto& w : s.workers()) {
+    absl::StrAppendFormat(&out, "  %-20s %-12s %-8s %-12s %-8d %s\n", w.worker_id(), w.model_id(),
+                          RoleName(w.role()), w.node_id(), w.applied_version(),
+                          !w.has_layout() ? "no layout" : w.paused() ? "paused" : "ok");
+  }
+  absl::StrAppendFormat(&out, "\nMODELS (%d)\n", s.models_size());
+  if (s.models_size() > 0) {
+    absl::StrAppendFormat(&out, "  %-12s %-13s %-16s %-9s %-9s %-10s %-12s %-9s %s\n", "ID", "MODE",
+                          "STRATEGY", "WORKERS", "COMMITTED", "LAST_XFER", "LAST_BYTES", "GB/s",
+                          "PLAN");
+  }
+  for (const auto& m : s.models()) {
+    std::string workers = absl::StrFormat("%d/%d+%d/%d", m.registered_trainers(),
+                                          m.num_trainer_workers(), m.registered_rollouts(),
+                                          m.num_rollout_workers());
+    std::string xfer = m.last_transfer_seconds() > 0
+                           ? absl::StrFormat("%.3fs", m.last_transfer_seconds())
+                           : std::string("-");
+    std::string rate = m.last_transfer_gbps() > 0 ? absl::StrFormat("%.2f", m.last_transfer_gbps())
+                                                  : std::string("-");
+    std::string fp = m.plan_fingerprint().substr(0, 12);
+    absl::StrAppendFormat(&out, "  %-12s %-13s %-16s %-9s %-9d %-10s %-12s %-9s %s%s\n",
+                          m.model_id(), ModeName(m.mode()), StrategyName(m.strategy()), workers,
+                          m.committed_version(), xfer, FormatBytes(m.last_transfer_bytes()), rate,
+                          fp.empty() ? "-" : fp, m.draining() ? " (draining)" : "");
+  }
+  absl::StrAppendFormat(&out, "\nVERSIONS (%d)\n", s.versions_size());
+  if (s.versions_size() > 0) out += VersionsTable({s.versions().begin(), s.versions().end()});
+  return out;
+}
+
+nlohmann::json StatusJson(const pb::StatusResponse& s, const std::string& source) {
+  nlohmann::json j;
+  j["source"] = source;
+  j["role"] = s.role();
+  j["node_id"] = s.node_id();
+  j["nodes"] = nlohmann::json::array();
+  for (const auto& n : s.nodes()) {
+    j["nodes"].push_back({{"node_id", n.node_id()},
+                          {"address", n.address()},
+                          {"data_address", n.data_address()},
+                          {"alive", n.alive()},
+                          {"draining", n.draining()},
+                          {"drained", n.drained()},
+                          {"num_workers", n.num_workers()},
+                          {"lease_left_ms", n.lease_left_ms()}});
+  }
+  j["workers"] = nlohmann::json::array();
+  for (const auto& w : s.workers()) {
+    j["workers"].push_back({{"worker_id", w.worker_id()},
+                            {"model_id", w.model_id()},
+                            {"role", RoleName(w.role())},
+                            {"node_id", w.node_id()},
+                            {"applied_version", w.applied_version()},
+                            {"has_layout", w.has_layout()},
+                            {"paused", w.paused()}});
+  }
+  j["models"] = nlohmann::json::array();
+  for (const auto& m : s.models()) {
+    j["models"].push_back({{"model_id", m.model_id()},
+                           {"mode", ModeName(m.mode())},
+                           {"strategy", StrategyName(m.strategy())},
+                           {"committed_version", m.committed_version()},
+                           {"plan_fingerprint", m.plan_fingerprint()},
+                           {"last_transfer_seconds", m.last_transfer_seconds()},
+                           {"last_transfer_GBps", m.last_transfer_gbps()},
+                           {"last_transfer_bytes", m.last_transfer_bytes()},
+                           {"num_trainer_workers", m.num_trainer_workers()},
+                           {"num_rollout_workers", m.num_rollout_workers()},
+                           {"registered_trainers", m.registered_trainers()},
+                           {"registered_rollouts", m.registered_rollouts()},
+                           {"max_staleness", m.max_staleness()},
+                           {"draining", m.draining()}});
+  }
+  j["versions"] = nlohmann::json::array();
+  for (const auto& v : s.versions()) {
+    j["versions"].push_back(VersionsJson(v.model_id(), {v})["versions"][0]);
+  }
+  return j;
+}
+
+std::vector<pb::VersionStatus> VersionsOf(const pb::StatusResponse& s, const std::string& model) {
+  std::vector<pb::VersionStatus> out;
+  for (const auto& v : s.versions()) {
+    if (v.model_id() == model) out.push_back(v);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.version() < b.version(); });
+  return out;
+}
+
+bool HasModel(const pb::StatusResponse& s, const std::string& model) {
+  for (const auto& m : s.models()) {
+    if (m.model_id() == model) return true;
+  }
+  for (const auto& v : s.versions()) {
+    if (v.model_id() == model) return true;
+  }
+  return false;
+}
+
+std::string VersionsTable(const std::vector<pb::VersionStatus>& versions) {
+  std::string out = absl::StrFormat("  %-12s %-8s %-13s %-22s %-9s %-8s %s\n", "MODEL", "VERSION",
+                                    "STATE", "BYTES", "SECONDS", "GB/s", "ERROR");
+  for (const auto& v : versions) {
+    std::string bytes = absl::StrCat(FormatBytes(v.bytes_done()), "/", FormatBytes(v.bytes_total()));
+    double rate = v.seconds() > 0 ? static_cast<double>(v.bytes_done()) / v.seconds() / 1e9 : 0;
+    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %s\n", v.model_id(),
+                          v.version(), v.state(), bytes, v.seconds(),
+                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), v.error());
+  }
+  return out;
+}
+
+nlohmann::json VersionsJson(const std::string& model_id, const std::vector<pb::VersionStatus>& versions) {
+  nlohmann::json j;
+  j["model_id"] = model_id;
+  j["versions"] = nlohmann::json::array();
+  for (const auto& v : versions) {
+    j["versions"].push_back({{"model_id", v.model_id()},
+                             {"version", v.version()},
+                             {"state", v.state()},
+                             {"bytes_total", v.bytes_total()},
+                             {"bytes_done", v.bytes_done()},
+                             {"seconds", v.seconds()},
+                             {"num_ops", v.num_ops()},
+                             {"error", v.error()}});
+  }
+  return j;
+}
+
+std::optional<pb::VersionStatus> PickWatched(const pb::StatusResponse& s, const std::string& model,
+                                             uint64_t version) {
+  std::optional<pb::VersionStatus> best;
+  for (const auto& v : s.versions()) {
+    if (!model.empty() && v.model_id() != model) continue;
+    if (version > 0) {
+      if (v.version() == version) return v;
+      continue;
+    }
+    if (IsFinalVersionState(v.state())) continue;
+    if (!best || v.version() > best->version()) best = v;
+  }
+  return best;
+}
+
+WatchProgress::Line WatchProgress::Update(const pb::VersionStatus& v, absl::Time now) {
+  Line line;
+  line.model_id = v.model_id();
+  line.version = v.version();
+  line.state = v.state();
+  line.bytes_done = v.bytes_done();
+  line.bytes_total = v.bytes_total();
+  line.seconds = v.seconds();
+  line.error = v.error();
+  line.final = IsFinalVersionState(v.state());
+  double rate = 0;  // bytes/s
+  if (have_prev_ && now > prev_time_ && v.bytes_done() >= prev_bytes_) {
+    rate = static_cast<double>(v.bytes_done() - prev_bytes_) / absl::ToDoubleSeconds(now - prev_time_);
+  }
+  if (rate <= 0 && v.seconds() > 0) rate = static_cast<double>(v.bytes_done()) / v.seconds();
+  line.rate_GBps = rate / 1e9;
+  if (!line.final && rate > 0 && v.bytes_total() >= v.bytes_done()) {
+    line.eta_s = static_cast<double>(v.bytes_total() - v.bytes_done()) / rate;
+  }
+  have_prev_ = true;
+  prev_bytes_ = v.bytes_done();
+  prev_time_ = now;
+  return line;
+}
+
+std::string WatchProgress::Format(const Line& l) {
+  double pct = l.bytes_total > 0 ? 100.0 * static_cast<double>(l.bytes_done) /
+                                       static_cast<double>(l.bytes_total)
+                                 : 0;
+  std::string out = absl::StrFormat("%s v%d %-12s %s / %s (%5.1f%%)  %.2f GB/s", l.model_id,
+                                    l.version, l.state, FormatBytes(l.bytes_done),
+                                    FormatBytes(l.bytes_total), pct, l.rate_GBps);
+  if (l.eta_s >= 0) absl::StrAppendFormat(&out, "  ETA %.1fs", l.eta_s);
+  if (l.final) absl::StrAppendFormat(&out, "  after %.3fs", l.seconds);
+  if (!l.error.empty()) absl::StrAppend(&out, "  error: ", l.error);
+  return out;
+}
+
+nlohmann::json WatchProgress::ToJson(const Line& l) {
+  return {{"model_id", l.model_id},   {"version", l.version},         {"state", l.state},
+          {"bytes_done", l.bytes_done}, {"bytes_total", l.bytes_total}, {"rate_GBps", l.rate_GBps},
+          {"eta_s", l.eta_s},         {"seconds", l.seconds},         {"error", l.error},
+          {"final", l.final}};
+}
+
+}  // namespace wb::client

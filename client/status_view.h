@@ -1,0 +1,65 @@
+#pragma once
+// Rendering of daemon status for wbctl (pure: no RPCs). Tables for people, JSON for scripts,
+// and the progress arithmetic of `wbctl watch`.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "nlohmann/json.hpp"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::client {
+
+// Version states reported by the daemons (daemon/version_machine.cc).
+bool IsFinalVersionState(const std::string& state);  // committed | aborted | superseded | applied
+
+// `wbctl status`: nodes, workers, models (committed version, last transfer time and GB/s),
+// versions. `source` names the service that answered ("coordinator", "node", ...).
+std::string StatusTable(const weightbridge::v1::StatusResponse& status, const std::string& source);
+nlohmann::json StatusJson(const weightbridge::v1::StatusResponse& status, const std::string& source);
+
+// `wbctl versions --model ID`: the model's versions, oldest first. Empty when the model has none.
+std::vector<weightbridge::v1::VersionStatus> VersionsOf(
+    const weightbridge::v1::StatusResponse& status, const std::string& model_id);
+bool HasModel(const weightbridge::v1::StatusResponse& status, const std::string& model_id);
+std::string VersionsTable(const std::vector<weightbridge::v1::VersionStatus>& versions);
+nlohmann::json VersionsJson(const std::string& model_id,
+                            const std::vector<weightbridge::v1::VersionStatus>& versions);
+
+// `wbctl watch`: the version to follow. With `version` > 0 that version of `model_id` (any model
+// when empty); otherwise the newest non-final version, or nullopt when none is running.
+std::optional<weightbridge::v1::VersionStatus> PickWatched(
+    const weightbridge::v1::StatusResponse& status, const std::string& model_id, uint64_t version);
+
+// Rate and ETA from successive samples of one version.
+class WatchProgress {
+ public:
+  struct Line {
+    std::string model_id;
+    uint64_t version = 0;
+    std::string state;
+    uint64_t bytes_done = 0;
+    uint64_t bytes_total = 0;
+    double rate_GBps = 0;  // over the last interval (falls back to the average)
+    double eta_s = -1;     // -1 when unknown
+    double seconds = 0;    // daemon-reported elapsed time of the version
+    std::string error;
+    bool final = false;
+  };
+  // Feeds one sample taken at `now`.
+  Line Update(const weightbridge::v1::VersionStatus& v, absl::Time now);
+  static std::string Format(const Line& line);
+  static nlohmann::json ToJson(const Line& line);
+
+ private:
+  bool have_prev_ = false;
+  uint64_t prev_bytes_ = 0;
+  absl::Time prev_time_;
+};
+
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace wb::client

@@ -1,0 +1,379 @@
+// End-to-end fault tests: a coordinator and three node daemons as separate processes, one
+// Megatron tp=2 trainer pair on n0 and two vLLM tp=1 rollout replicas (n1, n2), weights in shared
+// memory, the reduced 2-layer Qwen2.5-0.5B (see e2e_modes_test.cc for why).
+//
+//  - KillNodeMidTransfer: kill -9 of a node daemon while a version is in flight -> the version
+//    aborts within the timeout, rollout weights are still exactly the previous version, and after
+//    the node restarts (its rollout worker reconnects and re-registers) the next version succeeds.
+//    "Mid-transfer" is made deterministic by SIGSTOPping the node before the version starts and
+//    killing it once the coordinator reports the version transferring (a race-free in-flight kill).
+//  - AsyncStalenessBound: a trainer much faster than the rollouts never publishes a version more
+//    than max_staleness ahead of any rollout's applied version.
+//  - DrainFinishesInFlightAndRefusesNew: `wbctl drain` waits for the in-flight version, which
+//    commits and is applied, then a new publish is refused; a drain that cannot finish in time
+//    exits 3.
+//  - MalformedLayoutIsRejectedAndChangesNothing: INVALID_ARGUMENT naming the tensor, the plan and
+//    the registered workers unchanged, and the next version still succeeds.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/worker_client.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/cluster.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/harness.h"
+
+namespace wb::e2e {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+
+struct Fixture {
+  std::unique_ptr<Harness> harness;
+  std::unique_ptr<Cluster> cluster;
+  RunOptions run;
+  std::vector<Process*> trainers;
+  std::vector<Process*> rollouts;  // rollouts[i] lives on node i + 1
+};
+
+// Starts the cluster and the workers (trainers on n0, rollout i on n(i+1)).
+absl::Status StartFixture(Fixture& f, const std::string& tag, ClusterOptions copts, RunOptions run,
+                   int64_t rollout_step_ms = 0) {
+  auto h = Harness::Create(tag);
+  if (!h.ok()) return h.status();
+  f.harness = std::move(*h);
+  auto c = Cluster::Start(f.harness.get(), std::move(copts));
+  if (!c.ok()) return c.status();
+  f.cluster = std::move(*c);
+  run.config = ModelConfigPath();
+  run.num_trainers = 2;
+  run.num_rollouts = 2;
+  if (!run.gate_dir.empty()) {
+    run.gate_dir = f.harness->Path("gates");
+    ::mkdir(run.gate_dir.c_str(), 0700);
+  }
+  f.run = run;
+  for (int r = 0; r < 2; ++r) {
+    auto p = f.cluster->SpawnWorker(run, {true, 0, "megatron", 2, 1, 1, 1, r, r});
+    if (!p.ok()) return p.status();
+    f.trainers.push_back(*p);
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto p = f.cluster->SpawnWorker(run, {false, r + 1, "vllm", 1, 1, 1, 2, r, 0, rollout_step_ms});
+    if (!p.ok()) return p.status();
+    f.rollouts.push_back(*p);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OpenGate(Fixture& f, uint64_t v) {
+  return f.harness->Touch(absl::StrCat(f.run.gate_dir, "/publish-", v));
+}
+
+absl::Status WaitAllApplied(Fixture& f, uint64_t v, absl::Duration timeout) {
+  for (Process* r : f.rollouts) {
+    auto e = r->WaitForEvent("verified", v, timeout);
+    if (!e.ok()) return e.status();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadText(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(FaultTest, KillNodeMidTransfer) {
+  ClusterOptions copts;
+  copts.lease_ms = 2000;
+  copts.transfer_timeout_ms = 6000;
+  RunOptions run;
+  run.mode = "one_step_off";
+  run.versions = 3;
+  run.tolerate_failures = true;
+  run.gate_dir = "gates";
+  run.timeout_ms = 60000;
+  Fixture f;
+  absl::Status s = StartFixture(f, "kill", copts, run);
+  ASSERT_TRUE(s.ok()) << s;
+  Cluster& cl = *f.cluster;
+
+  ASSERT_TRUE(OpenGate(f, 1).ok());
+  s = WaitAllApplied(f, 1, absl::Seconds(90));
+  ASSERT_TRUE(s.ok()) << s;
+
+  // Freeze n2, let v2 start, kill n2 while v2 is in flight.
+  cl.node(2)->Signal(SIGSTOP);
+  ASSERT_TRUE(OpenGate(f, 2).ok());
+  auto st = cl.WaitForStatus(
+      [&](const pb::StatusResponse& r) {
+        std::string state = VersionState(r, f.run.model_id, 2);
+        return state == "transferring" || state == "queued";
+      },
+      absl::Seconds(60), "v2 in flight");
+  ASSERT_TRUE(st.ok()) << st.status();
+  const absl::Time killed = absl::Now();
+  ASSERT_TRUE(cl.KillNode(2).ok());
+
+  // The survivor on n1 sees v2 fail within the transfer timeout (+ lease and slack), and its live
+  // weights are still exactly v1 (the rollout worker checks every byte and reports it).
+  auto failed = f.rollouts[0]->WaitForEvent("version_failed", 2, absl::Seconds(40));
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_LT(absl::Now() - killed,
+            absl::Milliseconds(copts.transfer_timeout_ms + copts.lease_ms) + absl::Seconds(5));
+  EXPECT_EQ((*failed)["still"].get<uint64_t>(), 1u);
+  auto still = f.rollouts[0]->WaitForEvent("verified", 1, absl::Seconds(30));
+  ASSERT_TRUE(still.ok()) << still.status();
+  auto after = f.rollouts[0]->WaitForLine(
+      [](const std::string& l) {
+        return l.find("\"after_failure\"") != std::string::npos &&
+               l.find("\"verified\"") != std::string::npos;
+      },
+      absl::Seconds(30));
+  ASSERT_TRUE(after.ok()) << after.status();
+  st = cl.WaitForStatus(
+      [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 2) == "aborted"; },
+      absl::Seconds(30), "v2 aborted");
+  ASSERT_TRUE(st.ok()) << st.status();
+
+  // Restart n2: its rollout worker reconnects and re-registers; then v3 goes everywhere.
+  s = cl.RestartNode(2);
+  ASSERT_TRUE(s.ok()) << s;
+  st = cl.WaitForStatus(
+      [&](const pb::StatusResponse& r) {
+        for (const auto& m : r.models()) {
+          if (m.model_id() == f.run.model_id) return m.registered_rollouts() == 2;
+        }
+        return false;
+      },
+      absl::Seconds(60), "rollout on n2 re-registered");
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_TRUE(OpenGate(f, 3).ok());
+  for (Process* p : f.rollouts) {
+    absl::Status e = ExpectCleanExit(p, absl::Seconds(120));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.trainers) {
+    absl::Status e = ExpectCleanExit(p, absl::Seconds(60));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.rollouts) {
+    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
+    EXPECT_GT(VerifiedBytes(p, 3), 0) << p->name() << " did not apply v3";
+  }
+  auto rdone = f.rollouts[1]->WaitForEvent("done", 0, absl::Seconds(1));
+  ASSERT_TRUE(rdone.ok());
+  EXPECT_GE((*rdone)["reconnects"].get<int>(), 1) << "the n2 rollout should have reconnected";
+}
+
+TEST(FaultTest, AsyncStalenessBound) {
+  RunOptions run;
+  run.mode = "async";
+  run.max_staleness = 1;
+  run.versions = 6;
+  run.timeout_ms = 60000;
+  Fixture f;
+  // Rollouts take 1 s per generation step; the trainer has no step time at all.
+  absl::Status s = StartFixture(f, "stale", ClusterOptions{}, run, /*rollout_step_ms=*/1000);
+  ASSERT_TRUE(s.ok()) << s;
+  for (Process* p : f.rollouts) {
+    absl::Status e = ExpectCleanExit(p, absl::Seconds(120));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.trainers) {
+    absl::Status e = ExpectCleanExit(p, absl::Seconds(60));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  if (HasFailure()) return;
+  const uint64_t k = static_cast<uint64_t>(run.max_staleness);
+  double max_stall = 0;
+  for (Process* t : f.trainers) {
+    for (auto& pub : EventsNamed(t, "published")) {
+      const uint64_t v = pub["version"].get<uint64_t>();
+      const double returned = pub["t"].get<double>();
+      max_stall = std::max(max_stall, pub["stall_s"].get<double>());
+      if (v <= k) continue;
+      // Admitting v needs every rollout at >= v - k, so some Apply of such a version must have
+      // started before the publish returned (timestamps: CLOCK_MONOTONIC of one host).
+      for (Process* r : f.rollouts) {
+        bool ok = false;
+        for (auto& a : EventsNamed(r, "applied")) {
+          if (a["version"].get<uint64_t>() + k >= v && a["t_start"].get<double>() < returned) ok = true;
+        }
+        EXPECT_TRUE(ok) << t->name() << " published v" << v << " at " << returned << " while "
+                        << r->name() << " had applied nothing >= v" << (v - k);
+      }
+    }
+  }
+  // The bound really held the trainer back (without it the trainer would never stall).
+  EXPECT_GT(max_stall, 0.3);
+  for (Process* r : f.rollouts) EXPECT_TRUE(EventsNamed(r, "mismatch").empty());
+}
+
+TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
+  ClusterOptions copts;
+  copts.lease_ms = 15000;  // n2 is frozen for a while on purpose; it must not lose its lease
+  RunOptions run;
+  run.mode = "one_step_off";
+  run.versions = 2;
+  run.tolerate_failures = true;
+  run.gate_dir = "gates";
+  run.timeout_ms = 10000;
+  Fixture f;
+  absl::Status s = StartFixture(f, "drain", copts, run);
+  ASSERT_TRUE(s.ok()) << s;
+  Cluster& cl = *f.cluster;
+  for (Process* r : f.rollouts) ASSERT_TRUE(r->WaitForEvent("ready", 0, absl::Seconds(60)).ok());
+  for (Process* t : f.trainers) ASSERT_TRUE(t->WaitForEvent("ready", 0, absl::Seconds(60)).ok());
+
+  // v1 in flight and held there: n2 (a receiver) is frozen.
+  cl.node(2)->Signal(SIGSTOP);
+  ASSERT_TRUE(OpenGate(f, 1).ok());
+  auto st = cl.WaitForStatus(
+      [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 1) == "transferring"; },
+      absl::Seconds(60), "v1 transferring");
+  ASSERT_TRUE(st.ok()) << st.status();
+
+  // A drain that cannot finish in time says so with exit code 3.
+  auto quick = cl.RunWbctl({"drain", "--addr", cl.coordinator_address(), "--timeout", "1s"},
+                           absl::Seconds(30));
+  ASSERT_TRUE(quick.ok()) << quick.status();
+  EXPECT_EQ(*quick, 3);
+
+  auto drain = f.harness->Spawn(
+      "wbctl-drain", {Runfile("client/wbctl"), "drain", "--addr", cl.coordinator_address(),
+                      "--timeout", "60s", "--json"});
+  ASSERT_TRUE(drain.ok()) << drain.status();
+  EXPECT_EQ((*drain)->WaitExit(absl::Seconds(1)).status().code(),
+            absl::StatusCode::kDeadlineExceeded)
+      << "drain returned while v1 was still in flight";
+  cl.node(2)->Signal(SIGCONT);
+  auto code = (*drain)->WaitExit(absl::Seconds(60));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << (*drain)->LogTail();
+  s = WaitAllApplied(f, 1, absl::Seconds(60));
+  ASSERT_TRUE(s.ok()) << s;
+  st = cl.Status();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(VersionState(*st, f.run.model_id, 1), "committed");
+
+  // New work is refused.
+  ASSERT_TRUE(OpenGate(f, 2).ok());
+  for (Process* t : f.trainers) {
+    auto refused = t->WaitForEvent("publish_failed", 2, absl::Seconds(30));
+    ASSERT_TRUE(refused.ok()) << refused.status();
+    EXPECT_EQ((*refused)["code"].get<std::string>(), "UNAVAILABLE") << refused->dump();
+    EXPECT_NE((*refused)["message"].get<std::string>().find("draining"), std::string::npos);
+  }
+  // Rollouts give up on v2 after their timeout, still exactly on v1.
+  for (Process* r : f.rollouts) {
+    auto failed = r->WaitForEvent("version_failed", 2, absl::Seconds(30));
+    ASSERT_TRUE(failed.ok()) << failed.status();
+    EXPECT_EQ((*failed)["still"].get<uint64_t>(), 1u);
+    absl::Status e = ExpectCleanExit(r, absl::Seconds(60));
+    EXPECT_TRUE(e.ok()) << e;
+    EXPECT_TRUE(EventsNamed(r, "mismatch").empty());
+  }
+}
+
+TEST(FaultTest, MalformedLayoutIsRejectedAndChangesNothing) {
+  RunOptions run;
+  run.mode = "one_step_off";
+  run.versions = 2;
+  run.gate_dir = "gates";
+  run.timeout_ms = 60000;
+  Fixture f;
+  absl::Status s = StartFixture(f, "badlayout", ClusterOptions{}, run);
+  ASSERT_TRUE(s.ok()) << s;
+  Cluster& cl = *f.cluster;
+  ASSERT_TRUE(OpenGate(f, 1).ok());
+  s = WaitAllApplied(f, 1, absl::Seconds(90));
+  ASSERT_TRUE(s.ok()) << s;
+  auto before = cl.Status();
+  ASSERT_TRUE(before.ok()) << before.status();
+
+  // A third rollout worker joins n1 with broken layouts.
+  auto client = client::WorkerClient::Connect(cl.worker_socket(1));
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto config_text = ReadText(f.run.config);
+  ASSERT_TRUE(config_text.ok());
+  client::ModelConfig model;
+  model.model_id = f.run.model_id;
+  model.hf_config_json = *config_text;
+  model.num_trainer_workers = 2;
+  model.num_rollout_workers = 2;
+  model.mode = client::Mode::kOneStepOff;
+  ASSERT_TRUE((*client)->RegisterWorker(model, {"rollout/bad", planner::Role::kRollout, 5}).ok());
+  ASSERT_TRUE((*client)->CreateBuffer(1 << 20).ok());
+
+  auto piece = [](const std::string& tensor, std::vector<int64_t> begin, std::vector<int64_t> end,
+                  uint64_t offset) {
+    pb::Piece p;
+    p.set_tensor(tensor);
+    for (int64_t b : begin) p.mutable_box()->add_begin(b);
+    for (int64_t e : end) p.mutable_box()->add_end(e);
+    p.set_buffer_id(0);
+    p.set_offset_bytes(offset);
+    p.add_strides(end.size() == 2 ? end[1] - begin[1] : 1);
+    if (end.size() == 2) p.add_strides(1);
+    return p;
+  };
+  struct Bad {
+    pb::Piece piece;
+    std::string names;  // the error must name this
+  };
+  std::vector<Bad> bads = {
+      // Box past the end of the tensor's first dim (151936 rows).
+      {piece("model.embed_tokens.weight", {151930, 0}, {151940, 896}, 0), "model.embed_tokens.weight"},
+      // A tensor the model does not have.
+      {piece("model.layers.7.mlp.up_proj.weight", {0, 0}, {1, 896}, 0), "model.layers.7"},
+      // A piece that does not fit in the 1 MiB buffer.
+      {piece("model.norm.weight", {0}, {896}, (1 << 20) - 100), "model.norm.weight"},
+  };
+  for (const Bad& b : bads) {
+    client::ExplicitLayout layout;
+    layout.pieces = {b.piece};
+    auto r = (*client)->RegisterLayout(layout);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(b.names), absl::string_view::npos) << r.status();
+  }
+  auto after = cl.Status();
+  ASSERT_TRUE(after.ok());
+  auto model_of = [&](const pb::StatusResponse& r) {
+    for (const auto& m : r.models()) {
+      if (m.model_id() == f.run.model_id) return m;
+    }
+    return pb::ModelStatus();
+  };
+  EXPECT_EQ(model_of(*after).plan_fingerprint(), model_of(*before).plan_fingerprint());
+  EXPECT_EQ(model_of(*after).registered_rollouts(), 2u);
+  EXPECT_EQ(model_of(*after).registered_trainers(), 2u);
+  for (const auto& w : after->workers()) {
+    if (w.worker_id() == "rollout/bad") EXPECT_FALSE(w.has_layout());
+  }
+  EXPECT_TRUE((*client)->Deregister().ok());
+
+  ASSERT_TRUE(OpenGate(f, 2).ok());
+  for (Process* p : f.rollouts) {
+    absl::Status e = ExpectCleanExit(p, absl::Seconds(120));
+    EXPECT_TRUE(e.ok()) << e;
+    EXPECT_GT(VerifiedBytes(p, 2), 0);
+  }
+  for (Process* p : f.trainers) {
+    absl::Status e = ExpectCleanExit(p, absl::Seconds(60));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+}
+
+}  // namespace
+}  // namespace wb::e2e

@@ -1,0 +1,60 @@
+#include "tests/e2e/e2e_util.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "planner/inventory.h"
+#include "planner/model_config.h"
+
+namespace wb::e2e {
+
+std::vector<nlohmann::json> EventsNamed(const Process* p, const std::string& event) {
+  std::vector<nlohmann::json> out;
+  for (auto& e : p->Events()) {
+    if (e["event"].is_string() && e["event"].get<std::string>() == event) out.push_back(e);
+  }
+  return out;
+}
+
+absl::Status ExpectCleanExit(const Process* p, absl::Duration timeout) {
+  auto code = p->WaitExit(timeout);
+  if (!code.ok()) {
+    return absl::Status(code.status().code(), absl::StrCat(code.status().message(),
+                                                           "\n--- log tail of ", p->name(),
+                                                           " ---\n", p->LogTail(3000)));
+  }
+  if (*code != 0) {
+    return absl::InternalError(absl::StrCat(p->name(), " exited with ", *code, "\n--- log tail ---\n",
+                                            p->LogTail(3000)));
+  }
+  return absl::OkStatus();
+}
+
+int64_t VerifiedBytes(const Process* p, uint64_t version) {
+  int64_t bytes = 0;
+  for (auto& e : EventsNamed(p, "verified")) {
+    if (e.value("why", "") == "applied" && e.value("version", uint64_t{0}) == version) {
+      bytes += e.value("bytes", int64_t{0});
+    }
+  }
+  return bytes;
+}
+
+std::string ModelConfigPath(bool full) {
+  return Runfile(full ? "tests/e2e/testdata/qwen2.5-0.5b.json"
+                      : "tests/e2e/testdata/qwen2.5-0.5b-2layer.json");
+}
+
+int64_t ModelBytes(const std::string& config_path) {
+  std::ifstream in(config_path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto config = planner::ParseHfConfig(ss.str());
+  if (!config.ok()) return -1;
+  auto inv = planner::BuildInventory(*config, planner::DType::kBF16);
+  if (!inv.ok()) return -1;
+  return planner::TotalElements(*inv) * 2;
+}
+
+}  // namespace wb::e2e
