@@ -9,14 +9,16 @@ BAZEL_FLAGS ?=
 DEB_PACKAGES := bazel-bootstrap bazel-rules-java protobuf-compiler protobuf-compiler-grpc \
   libgrpc++-dev libprotobuf-dev libabsl-dev libgtest-dev libgmock-dev libxxhash-dev \
   nlohmann-json3-dev prometheus-cpp-dev libssl-dev zlib1g-dev openssl iperf3 \
-  python3-grpcio python3-protobuf python3-numpy python3-matplotlib python3-yaml
+  python3-grpcio python3-protobuf python3-numpy python3-matplotlib python3-yaml \
+  clang-14 libclang-rt-14-dev
 
-.PHONY: deps build test demo clean help
+.PHONY: deps build test demo fuzz clean help
 
 help:
 	@echo "make demo   - install missing packages, build, run the main job"
 	@echo "make test   - install missing packages, build and run every test"
 	@echo "make build  - build //..."
+	@echo "make fuzz   - build the libFuzzer targets with clang and fuzz each for FUZZ_SECONDS (default 600)"
 
 deps:
 	@bash tools/install_deps.sh $(DEB_PACKAGES)
@@ -29,6 +31,13 @@ test: deps
 
 demo: deps
 	@bash tools/demo.sh
+
+# Long fuzzing by hand (CI runs a few seconds per target in //tools/fuzz:fuzz_smoke_test). New inputs
+# are kept in out/fuzz/corpus; crashes land in out/fuzz/artifacts. See docs/fuzzing.md.
+FUZZ_SECONDS ?= 600
+fuzz: deps
+	bash tools/fuzz/build_and_run.sh --out out/fuzz --seconds $(FUZZ_SECONDS) --keep-corpus out/fuzz/corpus \
+	  --artifacts out/fuzz/artifacts $(FUZZ_TARGETS)
 
 clean:
 	$(BAZEL) clean

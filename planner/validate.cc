@@ -71,6 +71,16 @@ int64_t RunCount(const Piece& p) {
   return vol / run;
 }
 
+// Dims >= 0 and at most 2^62 elements, so that volumes and byte offsets inside the tensor fit int64.
+bool ShapeFits(const std::vector<int64_t>& shape) {
+  int64_t v = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d > 0 && v > (int64_t{1} << 62) / d)) return false;
+    v *= d;
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Role role, absl::string_view worker) {
@@ -91,6 +101,11 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": rank mismatch (tensor rank ", r,
                                                      ", box rank ", p.box.begin.size(), "/", p.box.end.size(),
                                                      ", strides rank ", p.strides.size(), ")"));
+    }
+    if (!ShapeFits(t.shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": tensor shape ",
+                                                     BoxToString(FullBox(t.shape)),
+                                                     " has a negative dim or more than 2^62 elements"));
     }
     if (!BoxInside(p.box, t.shape)) {
       return absl::InvalidArgumentError(

@@ -120,6 +120,10 @@ TEST(ValidateLayout, HugeOffsetsAndStridesDoNotWrapAround) {
   ExpectError(ValidateLayout(inv, l, Role::kRollout, "rollout/0"), "overflows");
   l.pieces[0] = P(0, {{0, 0}, {3, 3}}, 0, {3, 1});
   EXPECT_TRUE(ValidateLayout(inv, l, Role::kRollout, "rollout/0").ok());
+  // A tensor whose element count does not fit int64 (its box volume overflowed).
+  inv.tensors[0].shape = {int64_t{1} << 40, int64_t{1} << 40};
+  l.pieces[0] = P(0, {{0, 0}, {int64_t{1} << 40, int64_t{1} << 40}}, 0, {int64_t{1} << 40, 1});
+  ExpectError(ValidateLayout(inv, l, Role::kTrainer, "trainer/0"), "more than 2^62 elements");
 }
 
 TEST(ValidateCoverage, UnionOfSourcesAndMissingElements) {

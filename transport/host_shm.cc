@@ -219,10 +219,11 @@ class HostShmTransport : public Transport {
     if (getuid() != 0) {
       if (absl::Status s = seg->CheckOwner(getuid()); !s.ok()) return s;
     }
-    if (offset + size > seg->size()) {
-      return absl::InvalidArgumentError(absl::StrCat("host_shm import of region '", label, "': bytes [", offset, ", ",
-                                                     offset + size, ") exceed segment '", name, "' of ", seg->size(),
-                                                     " bytes"));
+    // Written so that it cannot overflow: offset and size come from the peer (found by fuzz_transport_wire).
+    if (offset > seg->size() || size > seg->size() - offset) {
+      return absl::InvalidArgumentError(absl::StrCat("host_shm import of region '", label, "': ", size,
+                                                     " bytes at offset ", offset, " exceed segment '", name, "' of ",
+                                                     seg->size(), " bytes"));
     }
     Region r;
     r.local = false;
