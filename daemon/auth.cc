@@ -233,7 +233,12 @@ grpc::Status GuardedWorkerService::RegisterWorker(grpc::ServerContext* ctx, cons
       }
     }
   }
-  grpc::Status s = inner_->RegisterWorker(ctx, req, resp);
+  // The node daemon watches the worker's process (kill -9 detection). A worker that names no pid
+  // is watched through the kernel's word for it (SO_PEERCRED); one that names another (a launcher
+  // registering for its engine process) keeps its choice - it can only get itself dropped.
+  pb::RegisterWorkerRequest with_pid = *req;
+  if (with_pid.pid() <= 0) with_pid.set_pid(static_cast<int32_t>(me->pid));
+  grpc::Status s = inner_->RegisterWorker(ctx, &with_pid, resp);
   if (s.ok()) {
     absl::MutexLock l(&mu_);
     bindings_[req->worker_id()] = Binding{*me, req->model_id()};
@@ -509,6 +514,11 @@ grpc::Status TokenNodeService::SetupDataChannel(grpc::ServerContext* ctx, const 
                                                 pb::SetupDataChannelResponse* resp) {
   if (grpc::Status s = Check(ctx); !s.ok()) return s;
   return inner_->SetupDataChannel(ctx, req, resp);
+}
+grpc::Status TokenNodeService::ExchangeRegions(grpc::ServerContext* ctx, const pb::ExchangeRegionsRequest* req,
+                                               pb::ExchangeRegionsResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->ExchangeRegions(ctx, req, resp);
 }
 grpc::Status TokenNodeService::Drain(grpc::ServerContext* ctx, const pb::DrainRequest* req, pb::DrainResponse* resp) {
   if (grpc::Status s = Check(ctx); !s.ok()) return s;

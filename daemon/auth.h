@@ -155,6 +155,7 @@ class TokenNodeService final : public pb::NodeService::Service {
   grpc::Status AbortVersion(grpc::ServerContext*, const pb::AbortVersionRequest*, pb::AbortVersionResponse*) override;
   grpc::Status DropWorker(grpc::ServerContext*, const pb::DropWorkerRequest*, pb::DropWorkerResponse*) override;
   grpc::Status SetupDataChannel(grpc::ServerContext*, const pb::SetupDataChannelRequest*, pb::SetupDataChannelResponse*) override;
+  grpc::Status ExchangeRegions(grpc::ServerContext*, const pb::ExchangeRegionsRequest*, pb::ExchangeRegionsResponse*) override;
   grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest*, pb::DrainResponse*) override;
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
 

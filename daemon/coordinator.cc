@@ -3,10 +3,18 @@
 #include <grpcpp/grpcpp.h>
 #include <xxhash.h>
 
+#include <algorithm>
+#include <tuple>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/box_copy.h"
 #include "daemon/convert.h"
+#include "daemon/log.h"
 #include "planner/box.h"
+#include "planner/inventory.h"
+#include "planner/planner.h"
+#include "planner/presets.h"
+#include "planner/validate.h"
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
 
@@ -25,42 +33,27 @@ absl::Time RequestDeadline(int64_t timeout_ms) {
   return absl::Now() + (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60));
 }
 
-// Layout checks the coordinator can do without the planner: boxes inside shapes, pieces inside
-// their buffers, and (destinations) no two pieces of one worker overlapping. Errors name the tensor
-// and the box.
-absl::Status ValidateLayout(const planner::Inventory& inv, const planner::WorkerLayout& layout,
-                            planner::Role role) {
-  for (size_t i = 0; i < layout.pieces.size(); ++i) {
-    const planner::Piece& p = layout.pieces[i];
-    const planner::TensorSpec& t = inv.tensors[p.tensor];
-    std::string what = absl::StrCat("tensor ", t.name, " box ", planner::BoxToString(p.box));
-    if (!planner::BoxInside(p.box, t.shape) || planner::BoxEmpty(p.box)) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": empty or outside the tensor shape"));
-    }
-    RETURN_IF_ERROR(CheckPieceInBuffer(p, planner::DTypeSize(t.dtype), layout.buffers[p.buffer].size_bytes, what));
-  }
-  if (role == planner::Role::kRollout) {
-    std::map<int32_t, std::vector<const planner::Piece*>> by_tensor;
-    for (const planner::Piece& p : layout.pieces) by_tensor[p.tensor].push_back(&p);
-    for (auto& [t, ps] : by_tensor) {
-      for (size_t a = 0; a < ps.size(); ++a) {
-        for (size_t b = a + 1; b < ps.size(); ++b) {
-          if (planner::Intersect(ps[a]->box, ps[b]->box)) {
-            return absl::InvalidArgumentError(absl::StrCat("tensor ", inv.tensors[t].name, " box ",
-                                                           planner::BoxToString(ps[b]->box),
-                                                           ": overlaps another destination piece ",
-                                                           planner::BoxToString(ps[a]->box)));
-          }
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
+// A preset's parallel config from the proto (0 = the preset's default of 1; etp 0 = tp).
+planner::ParallelConfig FromProto(const pb::ParallelConfig& p) {
+  planner::ParallelConfig c;
+  c.preset = p.preset();
+  c.tp = p.tp() ? static_cast<int>(p.tp()) : 1;
+  c.pp = p.pp() ? static_cast<int>(p.pp()) : 1;
+  c.dp = p.dp() ? static_cast<int>(p.dp()) : 1;
+  c.ep = p.ep() ? static_cast<int>(p.ep()) : 1;
+  c.etp = static_cast<int>(p.etp());
+  c.expert_parallel = p.expert_parallel();
+  c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
+  return c;
 }
+
+std::string BoxKey(int32_t tensor, const planner::Box& box) { return absl::StrCat(tensor, planner::BoxToString(box)); }
 
 }  // namespace
 
-Coordinator::Coordinator(Options options) : options_(std::move(options)) {}
+Coordinator::Coordinator(Options options) : options_(std::move(options)) {
+  if (!options_.make_plan) options_.make_plan = [](const planner::Problem& p, planner::Strategy s) { return planner::MakePlan(p, s); };
+}
 
 Coordinator::~Coordinator() { Shutdown(); }
 
@@ -101,14 +94,22 @@ absl::Status Coordinator::CreateModelLocked(const pb::ModelSpec& spec, bool* cre
   if (spec.has_explicit_tensors()) {
     ASSIGN_OR_RETURN(m.inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
   } else if (!spec.hf_config_json().empty()) {
-    if (!options_.inventory_from_hf) return absl::UnimplementedError("HF config inventories are not available in this build");
-    ASSIGN_OR_RETURN(planner::DType dtype, FromProto(spec.dtype()));
-    ASSIGN_OR_RETURN(m.inventory, options_.inventory_from_hf(spec.hf_config_json(), dtype));
+    planner::DType dtype = planner::DType::kBF16;
+    if (spec.dtype() != pb::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
+    }
+    auto config = planner::ParseHfConfig(spec.hf_config_json());
+    if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
+    ASSIGN_OR_RETURN(m.inventory, planner::BuildInventory(*config, dtype));
+    m.config = std::move(*config);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
   }
   if (m.inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
   m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
+  Log(LogLevel::kInfo, "model created", {{"model", spec.model_id()}, {"tensors", m.inventory.tensors.size()},
+                                         {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
+                                         {"trainers", spec.num_trainer_workers()}, {"rollouts", spec.num_rollout_workers()}});
   models_.emplace(spec.model_id(), std::move(m));
   *created = true;
   return absl::OkStatus();
@@ -119,7 +120,8 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
   if (req->node_id().empty() || req->address().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("node_id and address are required"));
   }
-  auto channel = options_.make_channel ? options_.make_channel(req->address()) : grpc::CreateChannel(req->address(), grpc::InsecureChannelCredentials());
+  auto channel = options_.make_channel ? options_.make_channel(req->address())
+                                       : grpc::CreateChannel(req->address(), grpc::InsecureChannelCredentials());
   absl::MutexLock l(&mu_);
   Node& n = nodes_[req->node_id()];
   if (n.incarnation > 0) {
@@ -141,6 +143,14 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
   n.draining = false;
   n.lease_expiry = options_.clock->Now() + options_.lease;
   n.stub = pb::NodeService::NewStub(channel);
+  n.transport_instances.clear();
+  for (auto& [k, v] : req->transport_instances()) n.transport_instances[k] = v;
+  // Commits the old incarnation missed are moot: its staging died with it.
+  pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
+                                        [&](const PendingCommit& p) { return p.node == req->node_id(); }),
+                         pending_commits_.end());
+  Log(LogLevel::kInfo, "node registered", {{"node", req->node_id()}, {"address", req->address()},
+                                           {"data_address", req->data_address()}, {"incarnation", n.incarnation}});
   resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
   resp->set_incarnation(n.incarnation);
   wake_ = true;
@@ -223,10 +233,15 @@ grpc::Status Coordinator::SubmitLayout(grpc::ServerContext*, const pb::SubmitLay
     if (!l2.ok()) return ToGrpcStatus(l2.status());
     layout = std::move(*l2);
   } else if (req->layout().has_preset()) {
-    if (!options_.preset_layout) return ToGrpcStatus(absl::UnimplementedError("preset layouts are not available in this build"));
-    auto l2 = options_.preset_layout(m.spec, m.inventory, req->layout().preset());
-    if (!l2.ok()) return ToGrpcStatus(l2.status());
-    layout = std::move(*l2);
+    if (!m.config) {
+      return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), ": preset layouts need a model created from hf_config_json")));
+    }
+    const pb::ParallelConfig& pc = req->layout().preset();
+    auto l2 = planner::MakePresetLayout(*m.config, m.inventory, FromProto(pc), static_cast<int>(pc.rank()));
+    if (!l2.ok()) {
+      return ToGrpcStatus(Annotate(l2.status(), absl::StrCat("worker ", req->worker_id(), " preset ", pc.preset(), " rank ", pc.rank())));
+    }
+    layout = std::move(l2->layout);
     if (layout.buffers.size() != static_cast<size_t>(req->buffers_size())) {
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("preset needs ", layout.buffers.size(),
                                                                   " buffers, worker registered ", req->buffers_size())));
@@ -243,8 +258,11 @@ grpc::Status Coordinator::SubmitLayout(grpc::ServerContext*, const pb::SubmitLay
   } else {
     return ToGrpcStatus(absl::InvalidArgumentError("layout: pieces or preset required (index probes are resolved by the node)"));
   }
-  absl::Status s = ValidateLayout(m.inventory, layout, w->second.role);
-  if (!s.ok()) return ToGrpcStatus(Annotate(s, absl::StrCat("worker ", req->worker_id())));
+  absl::Status s = planner::ValidateLayout(m.inventory, layout, w->second.role, req->worker_id());
+  if (!s.ok()) {
+    Log(LogLevel::kWarning, "layout rejected", {{"model", req->model_id()}, {"worker", req->worker_id()}, {"error", s.message()}});
+    return ToGrpcStatus(s);
+  }
   // Valid: replace (a changed layout of a worker in flight aborts that version).
   if (w->second.has_layout) DropWorkerLocked(m, req->worker_id(), absl::StrCat("worker ", req->worker_id(), " changed its layout"));
   w = m.workers.find(req->worker_id());
@@ -264,6 +282,7 @@ void Coordinator::DropWorkerLocked(Model& m, const std::string& worker, const st
   bool in_plan = false;
   for (const std::string& id : m.plan.worker_ids) in_plan |= id == worker;
   m.workers.erase(it);
+  Log(LogLevel::kInfo, "worker dropped", {{"model", m.spec.model_id()}, {"worker", worker}, {"reason", reason}});
   if (in_plan) {
     m.plan_dirty = true;
     if (auto v = m.machine->InFlight()) {
@@ -280,10 +299,11 @@ void Coordinator::AbortLocked(const std::string& model_id, Model& m, uint64_t ve
   if (rec && (rec->state == VState::kCommitted || rec->state == VState::kAborted)) return;
   if (m.committing == version) return;  // commit already decided
   m.machine->Abort(version, reason, options_.clock->Now());
-  std::vector<std::pair<std::string, pb::NodeService::Stub*>> targets;
+  Log(LogLevel::kWarning, "version aborted", {{"model", model_id}, {"version", version}, {"reason", reason}});
+  std::vector<std::pair<std::string, std::shared_ptr<pb::NodeService::Stub>>> targets;
   for (const std::string& n : m.plan.nodes) {
     auto it = nodes_.find(n);
-    if (it != nodes_.end() && it->second.alive && it->second.stub) targets.push_back({n, it->second.stub.get()});
+    if (it != nodes_.end() && it->second.alive && it->second.stub) targets.push_back({n, it->second.stub});
   }
   pending_rpcs_.push_back([targets, model_id, version, reason] {
     for (auto& [n, stub] : targets) {
@@ -534,11 +554,20 @@ grpc::Status Coordinator::Plan(grpc::ServerContext*, const pb::PlanRequest* req,
 
 absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLocked(const std::string& model_id, Model& m) {
   // Problem: trainers then rollouts (ids sorted: std::map order), only workers with a layout.
+  // Node index = order of the node ids; gpu = the worker's gpu, or (host workers, gpu < 0) a slot
+  // of its own above every real gpu so host workers never share a link budget.
   planner::Problem problem;
   problem.inventory = m.inventory;
   problem.topology = options_.topology;
+  problem.staging_budget_bytes = options_.bucket_bytes;
   std::vector<std::string> ids;
   std::map<std::string, int32_t> node_index;
+  std::map<std::string, int32_t> host_slots;  // node -> next host slot
+  for (auto& [id, w] : m.workers) {
+    if (w.has_layout) node_index.emplace(w.node, 0);
+  }
+  int32_t next_node = 0;
+  for (auto& [n, idx] : node_index) idx = next_node++;
   std::set<std::string> trainers, rollouts;
   for (planner::Role role : {planner::Role::kTrainer, planner::Role::kRollout}) {
     for (auto& [id, w] : m.workers) {
@@ -546,19 +575,20 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       planner::Worker pw;
       pw.id = id;
       pw.role = role;
-      pw.node = node_index.emplace(w.node, static_cast<int32_t>(node_index.size())).first->second;
-      pw.gpu = w.gpu;
+      pw.node = node_index.at(w.node);
+      pw.gpu = w.gpu >= 0 ? w.gpu : 1024 + host_slots[w.node]++;
       pw.layout = w.layout;
       problem.workers.push_back(std::move(pw));
       ids.push_back(id);
       (role == planner::Role::kTrainer ? trainers : rollouts).insert(id);
     }
   }
-  // Cache key: everything the planner sees (layouts, placement, strategy).
-  std::string key_src = absl::StrCat(model_id, "|", static_cast<int>(m.spec.strategy()));
+  // Cache key: everything the planner sees (layouts, placement, strategy, topology).
+  std::string key_src = absl::StrCat(model_id, "|", static_cast<int>(m.spec.strategy()), "|", options_.topology.intra_node_GBps, "/",
+                                     options_.topology.nic_GBps_per_gpu, "/", options_.topology.colocated, "/", options_.bucket_bytes);
   for (size_t i = 0; i < ids.size(); ++i) {
     const WorkerRec& w = m.workers.at(ids[i]);
-    absl::StrAppend(&key_src, "|", ids[i], "@", problem.workers[i].node, ":", w.gpu, ":", w.layout_proto.SerializeAsString());
+    absl::StrAppend(&key_src, "|", ids[i], "@", problem.workers[i].node, ":", problem.workers[i].gpu, ":", w.layout_proto.SerializeAsString());
   }
   std::string key = absl::StrCat(absl::Hex(XXH3_64bits(key_src.data(), key_src.size())));
   planner::Plan plan;
@@ -566,6 +596,9 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
   if (cached != plan_cache_.end()) {
     plan = cached->second;
   } else {
+    std::vector<const planner::Worker*> sources, destinations;
+    for (const planner::Worker& w : problem.workers) (w.role == planner::Role::kTrainer ? sources : destinations).push_back(&w);
+    RETURN_IF_ERROR_WITH(planner::ValidateCoverage(problem.inventory, sources, destinations), absl::StrCat("model ", model_id));
     absl::Time t0 = absl::Now();
     ASSIGN_OR_RETURN(plan, options_.make_plan(problem, FromProto(m.spec.strategy())));
     plan.stats.plan_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
@@ -582,6 +615,43 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
   m.machine->SetRollouts(rollouts);
   for (auto& [n, idx] : node_index) m.plan.nodes.insert(n);
 
+  // rank0_broadcast: place every gathered box in the rank-0 node's gather staging (row-major,
+  // 64-byte aligned), and point each read of staged data at the entry that holds its box.
+  struct Staged { int32_t tensor; planner::Box box; uint64_t offset; };
+  std::map<std::string, Staged> staged;
+  std::map<int32_t, std::vector<const Staged*>> staged_by_tensor;
+  uint64_t gather_bytes = 0;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      if (op.dst_piece >= 0) continue;
+      auto [it, fresh] = staged.try_emplace(BoxKey(op.tensor, op.box), Staged{op.tensor, op.box, gather_bytes});
+      if (fresh) {
+        gather_bytes += (static_cast<uint64_t>(op.bytes) + 63) / 64 * 64;
+        staged_by_tensor[op.tensor].push_back(&it->second);
+      }
+    }
+  }
+  auto find_staged = [&](const planner::TransferOp& op) -> const Staged* {
+    auto it = staged.find(BoxKey(op.tensor, op.box));
+    if (it != staged.end()) return &it->second;
+    for (const Staged* st : staged_by_tensor[op.tensor]) {
+      if (planner::BoxContains(st->box, op.box)) return st;
+    }
+    return nullptr;
+  };
+
+  // Which workers each node must know the layout of: its own and every peer of one of its ops.
+  std::map<std::string, std::set<int32_t>> known;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      const std::string& sn = m.workers.at(ids[op.src_worker]).node;
+      const std::string& dn = m.workers.at(ids[op.dst_worker]).node;
+      for (const std::string* n : {&sn, &dn}) {
+        known[*n].insert(op.src_worker);
+        known[*n].insert(op.dst_worker);
+      }
+    }
+  }
   std::map<std::string, pb::PlanSlice> slices;
   for (const std::string& n : m.plan.nodes) {
     pb::PlanSlice& s = slices[n];
@@ -593,16 +663,20 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
     InventoryToProto(m.inventory, s.mutable_tensors());
     s.set_num_buckets(static_cast<uint32_t>(plan.buckets.size()));
     StatsToProto(plan.stats, static_cast<int>(plan.buckets.size()), s.mutable_stats());
-    for (const std::string& id : ids) {
-      const WorkerRec& w = m.workers.at(id);
+    s.set_gather_staging_bytes(gather_bytes);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const WorkerRec& w = m.workers.at(ids[i]);
       pb::PlanWorker* pw = s.add_workers();
-      pw->set_worker_id(id);
+      pw->set_worker_id(ids[i]);
       pw->set_role(ToProto(w.role));
       pw->set_node_id(w.node);
       pw->set_gpu(w.gpu);
       auto node = nodes_.find(w.node);
-      if (node != nodes_.end()) pw->set_data_address(node->second.data_address);
-      if (w.node == n) *pw->mutable_layout() = w.layout_proto;
+      if (node != nodes_.end()) {
+        pw->set_data_address(node->second.data_address);
+        for (auto& [k, v] : node->second.transport_instances) (*pw->mutable_transport_instances())[k] = v;
+      }
+      if (w.node == n || known[n].count(static_cast<int32_t>(i))) *pw->mutable_layout() = w.layout_proto;
     }
   }
   uint32_t index = 0;
@@ -620,6 +694,15 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       ToProto(op.box, pop.mutable_box());
       pop.set_bytes(static_cast<uint64_t>(op.bytes));
       pop.set_route(ToProto(op.route));
+      if (op.dst_piece < 0 || op.src_piece < 0) {
+        const Staged* st = find_staged(op);
+        if (st == nullptr) {
+          return absl::InternalError(absl::StrCat("plan op ", pop.index(), " reads staged tensor ", m.inventory.tensors[op.tensor].name, " box ",
+                                                  planner::BoxToString(op.box), " that no gather op stages"));
+        }
+        pop.set_staging_offset(st->offset);
+        ToProto(st->box, pop.mutable_staging_box());
+      }
       const std::string& src_node = m.workers.at(ids[op.src_worker]).node;
       const std::string& dst_node = m.workers.at(ids[op.dst_worker]).node;
       *slices[src_node].add_ops() = pop;
@@ -627,6 +710,10 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
     }
   }
   for (auto& [n, s] : slices) s.set_total_bytes(m.plan.total_bytes);
+  Log(LogLevel::kInfo, "plan made", {{"model", model_id}, {"epoch", m.plan.epoch}, {"strategy", planner::StrategyName(plan.strategy)},
+                                     {"fingerprint", plan.fingerprint}, {"ops", plan.stats.num_ops}, {"buckets", plan.buckets.size()},
+                                     {"bytes", m.plan.total_bytes}, {"bytes_inter_node", plan.stats.bytes_inter_node},
+                                     {"plan_ms", plan.stats.plan_ms}, {"cached", cached != plan_cache_.end() ? "yes" : "no"}});
   return slices;
 }
 
@@ -638,6 +725,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
     if (!n.alive || now < n.lease_expiry) continue;
     n.alive = false;
     std::string reason = absl::StrCat("node ", nid, " lost its lease");
+    Log(LogLevel::kWarning, "node lost", {{"node", nid}, {"reason", reason}});
     for (auto& [mid, m] : models_) {
       if (m.machine->InFlightInvolves(nid)) AbortLocked(mid, m, *m.machine->InFlight(), reason);
       std::vector<std::string> gone;
@@ -651,25 +739,30 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
     }
     Model* mp = &m;
     const std::string model_id = mid;
-    // Commit: every node done. Send CommitVersion everywhere, then mark committed.
+    // Commit: every node reported done, so the decision is made. Send CommitVersion everywhere
+    // (sync: nodes copy staging into the paused rollouts' live buffers before answering), then
+    // mark committed. A node whose CommitVersion fails stays owed the commit (pending_commits_).
     if (m.committing != 0) {
-      uint64_t v = m.committing;
-      std::vector<pb::NodeService::Stub*> stubs;
+      const uint64_t v = m.committing;
+      std::vector<std::tuple<std::string, uint64_t, std::shared_ptr<pb::NodeService::Stub>>> stubs;
       for (const std::string& n : m.plan.nodes) {
         auto it = nodes_.find(n);
-        if (it != nodes_.end() && it->second.stub) stubs.push_back(it->second.stub.get());
+        if (it != nodes_.end() && it->second.stub) stubs.push_back({n, it->second.incarnation, it->second.stub});
       }
-      m.committing = 0;
-      m.committing = v;  // keeps aborts off until the commit is recorded
       work.push_back([this, mp, model_id, v, stubs] {
-        for (auto* stub : stubs) {
+        std::vector<PendingCommit> missed;
+        for (auto& [node, incarnation, stub] : stubs) {
           grpc::ClientContext ctx;
-          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
           pb::CommitVersionRequest req;
           req.set_model_id(model_id);
           req.set_version(v);
           pb::CommitVersionResponse resp;
-          stub->CommitVersion(&ctx, req, &resp);  // a node that died now has no live rollouts left
+          absl::Status st = FromGrpcStatus(stub->CommitVersion(&ctx, req, &resp));
+          if (!st.ok()) {
+            Log(LogLevel::kWarning, "commit not acknowledged", {{"model", model_id}, {"version", v}, {"node", node}, {"error", st.message()}});
+            if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) missed.push_back({node, model_id, v, incarnation, absl::Now()});
+          }
         }
         absl::MutexLock l(&mu_);
         const absl::Time t = options_.clock->Now();
@@ -677,6 +770,12 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         if (const VersionRecord* rec = mp->machine->Find(v)) {
           mp->last_seconds = absl::ToDoubleSeconds(rec->finished - rec->started);
           mp->last_bytes = rec->bytes_total;
+        }
+        Log(LogLevel::kInfo, "version committed", {{"model", model_id}, {"version", v}, {"bytes", mp->last_bytes},
+                                                    {"seconds", mp->last_seconds}, {"unacked_nodes", missed.size()}});
+        for (PendingCommit& p : missed) {
+          p.next_try = absl::Now() + options_.commit_retry;
+          pending_commits_.push_back(std::move(p));
         }
         mp->progress.erase(v);
         mp->machine->Prune(64);
@@ -703,8 +802,8 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
       }
       m.plan_error.clear();
       m.planned_once = true;
-      std::vector<std::pair<pb::NodeService::Stub*, pb::PlanSlice>> installs;
-      for (auto& [n, s] : *slices) installs.push_back({nodes_.at(n).stub.get(), std::move(s)});
+      std::vector<std::pair<std::shared_ptr<pb::NodeService::Stub>, pb::PlanSlice>> installs;
+      for (auto& [n, s] : *slices) installs.push_back({nodes_.at(n).stub, std::move(s)});
       uint64_t epoch = m.plan.epoch;
       work.push_back([this, mp, installs, epoch] {
         absl::Status status;
@@ -719,6 +818,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         }
         absl::MutexLock l(&mu_);
         if (mp->plan.epoch != epoch) return;
+        if (!status.ok()) Log(LogLevel::kWarning, "plan install failed", {{"model", mp->spec.model_id()}, {"epoch", epoch}, {"error", status.message()}});
         if (status.ok()) {
           mp->plan.installed = true;
         } else {
@@ -734,8 +834,10 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
     if (!next) continue;
     uint64_t v = *next;
     m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes);
-    std::vector<std::pair<std::string, pb::NodeService::Stub*>> stubs;
-    for (const std::string& n : m.plan.nodes) stubs.push_back({n, nodes_.at(n).stub.get()});
+    Log(LogLevel::kInfo, "version started", {{"model", mid}, {"version", v}, {"epoch", m.plan.epoch}, {"nodes", m.plan.nodes.size()},
+                                             {"bytes", m.plan.total_bytes}});
+    std::vector<std::pair<std::string, std::shared_ptr<pb::NodeService::Stub>>> stubs;
+    for (const std::string& n : m.plan.nodes) stubs.push_back({n, nodes_.at(n).stub});
     uint64_t epoch = m.plan.epoch;
     int64_t timeout_ms = absl::ToInt64Milliseconds(options_.transfer_timeout);
     work.push_back([this, mp, model_id, v, epoch, stubs, timeout_ms] {
@@ -756,6 +858,39 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         }
       }
     });
+  }
+  // Owed commits: retry while the node keeps the incarnation that executed the version.
+  for (auto it = pending_commits_.begin(); it != pending_commits_.end();) {
+    auto n = nodes_.find(it->node);
+    if (n == nodes_.end() || !n->second.alive || n->second.incarnation != it->incarnation) {
+      Log(LogLevel::kWarning, "owed commit dropped: node lost or restarted", {{"model", it->model_id}, {"version", it->version}, {"node", it->node}});
+      it = pending_commits_.erase(it);
+      continue;
+    }
+    if (absl::Now() >= it->next_try) {
+      it->next_try = absl::Now() + options_.commit_retry;
+      PendingCommit p = *it;
+      std::shared_ptr<pb::NodeService::Stub> stub = n->second.stub;
+      work.push_back([this, p, stub] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        pb::CommitVersionRequest req;
+        req.set_model_id(p.model_id);
+        req.set_version(p.version);
+        pb::CommitVersionResponse resp;
+        absl::Status st = FromGrpcStatus(stub->CommitVersion(&ctx, req, &resp));
+        if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) return;  // try again later
+        Log(st.ok() ? LogLevel::kInfo : LogLevel::kWarning, "owed commit delivered",
+            {{"model", p.model_id}, {"version", p.version}, {"node", p.node}, {"result", st.ok() ? "committed" : st.message()}});
+        absl::MutexLock l(&mu_);
+        pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
+                                              [&](const PendingCommit& q) {
+                                                return q.node == p.node && q.model_id == p.model_id && q.version == p.version;
+                                              }),
+                               pending_commits_.end());
+      });
+    }
+    ++it;
   }
   for (auto& f : pending_rpcs_) work.push_back(std::move(f));
   pending_rpcs_.clear();

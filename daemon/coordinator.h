@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -20,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/version_machine.h"
+#include "planner/model_config.h"
 #include "planner/types.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "tools/cc/clock.h"
@@ -28,12 +30,8 @@ namespace wb::daemon {
 
 namespace pb = ::weightbridge::v1;
 
+// The planner entry point (planner::MakePlan unless a test injects another).
 using PlanFn = std::function<absl::StatusOr<planner::Plan>(const planner::Problem&, planner::Strategy)>;
-// HF config.json text + transfer dtype -> canonical inventory.
-using InventoryFn = std::function<absl::StatusOr<planner::Inventory>(const std::string&, planner::DType)>;
-// (model spec, inventory, preset parallel config, buffers) -> layout. Optional.
-using PresetFn = std::function<absl::StatusOr<planner::WorkerLayout>(
-    const pb::ModelSpec&, const planner::Inventory&, const pb::ParallelConfig&)>;
 
 class Coordinator final : public pb::CoordinatorService::Service {
  public:
@@ -42,10 +40,13 @@ class Coordinator final : public pb::CoordinatorService::Service {
     absl::Duration lease = absl::Seconds(3);
     absl::Duration transfer_timeout = absl::Seconds(60);
     absl::Duration tick = absl::Milliseconds(20);  // driver wake-up cap
-    PlanFn make_plan;                               // required
-    InventoryFn inventory_from_hf;                  // optional: hf_config_json models need it
-    PresetFn preset_layout;                         // optional: preset layouts need it
+    PlanFn make_plan;                               // empty = planner::MakePlan
+    // Bandwidths the planner assumes (node index = registered node daemon, gpu = the worker's gpu
+    // or, for host workers (gpu < 0), a distinct slot per worker of the node).
     planner::Topology topology;
+    int64_t bucket_bytes = int64_t{2} << 30;        // planner staging budget per GPU per bucket
+    absl::Duration commit_retry = absl::Milliseconds(200);
+    // Channel to a node's NodeService (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
   };
 
@@ -77,7 +78,18 @@ class Coordinator final : public pb::CoordinatorService::Service {
     absl::Time lease_expiry;
     bool alive = true;
     bool draining = false;
-    std::unique_ptr<pb::NodeService::Stub> stub;
+    std::map<std::string, std::string> transport_instances;
+    // shared: driver work captured a copy may still run while RegisterNode replaces it.
+    std::shared_ptr<pb::NodeService::Stub> stub;
+  };
+  // A commit the coordinator decided that one node has not acknowledged yet (RPC failed). Retried
+  // until the node acks, answers that its staging is gone (restart: its waiters see ABORTED), or
+  // loses its lease / re-registers (its workers are dropped and get the next version).
+  struct PendingCommit {
+    std::string node, model_id;
+    uint64_t version = 0;
+    uint64_t incarnation = 0;
+    absl::Time next_try;
   };
   struct WorkerRec {
     std::string node;
@@ -97,6 +109,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
   };
   struct Model {
     pb::ModelSpec spec;
+    std::optional<planner::ModelConfig> config;  // models created from hf_config_json (presets)
     planner::Inventory inventory;
     std::unique_ptr<VersionMachine> machine;
     std::map<std::string, WorkerRec> workers;
@@ -129,6 +142,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
   std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, planner::Plan> plan_cache_ ABSL_GUARDED_BY(mu_);  // problem key -> plan
   std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);   // aborts to send
+  std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
   uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -9,11 +9,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/data_channel.h"
+#include "absl/strings/str_split.h"
+#include "daemon/log.h"
 #include "daemon/server.h"
-#include "daemon/simple_plan.h"
-#include "planner/inventory.h"
-#include "planner/model_config.h"
+#include "transport/factory.h"
 
 ABSL_FLAG(std::string, role, "standalone", "node | coordinator | standalone");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC listen address (port 0 = pick one)");
@@ -21,7 +20,17 @@ ABSL_FLAG(std::string, port_file, "", "write the chosen port here once listening
 ABSL_FLAG(std::string, worker_socket, "", "Unix socket path for WorkerService (node/standalone)");
 ABSL_FLAG(std::string, coordinator, "", "coordinator host:port (role=node)");
 ABSL_FLAG(std::string, node_id, "node0", "this node's id");
-ABSL_FLAG(std::string, data_listen, "127.0.0.1:0", "TCP data-plane listen address (port 0 = pick one)");
+ABSL_FLAG(std::string, data_listen, "127.0.0.1:0",
+          "TCP data-plane bind address (host:port; the host_tcp transport picks its own port)");
+ABSL_FLAG(std::string, data_advertise, "", "address peers dial for the TCP data plane (default: the --data_listen host)");
+ABSL_FLAG(std::string, transports, "", "comma-separated transport kinds (default: every usable one: cuda_ipc,nccl,host_shm,host_tcp)");
+ABSL_FLAG(int, tcp_streams, 4, "parallel TCP connections per peer node");
+ABSL_FLAG(int, copy_threads, 4, "same-node copy threads (host_shm)");
+ABSL_FLAG(bool, checksums, true, "verify an xxh3 checksum of every cross-node batch");
+ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
+ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
+ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
+ABSL_FLAG(int64_t, bucket_bytes, int64_t{2} << 30, "planner: max bytes a GPU sends / receives per bucket");
 ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "node -> coordinator heartbeat period");
 ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost");
@@ -56,9 +65,14 @@ int main(int argc, char** argv) {
   if (rest.size() > 1) return Fail(absl::StrCat("unexpected argument '", rest[1], "'"));
   auto role = wb::daemon::ParseRole(absl::GetFlag(FLAGS_role));
   if (!role.ok()) return Fail(std::string(role.status().message()));
-  const std::string level = absl::GetFlag(FLAGS_log_level);
-  if (level != "info" && level != "debug" && level != "warning" && level != "error") {
-    return Fail(absl::StrCat("--log_level must be info, debug, warning or error, got '", level, "'"));
+  auto level = wb::daemon::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) return Fail(std::string(level.status().message()));
+  wb::daemon::SetLogLevel(*level);
+  if (absl::GetFlag(FLAGS_tcp_streams) < 1 || absl::GetFlag(FLAGS_copy_threads) < 1) {
+    return Fail("--tcp_streams and --copy_threads must be >= 1");
+  }
+  if (!(absl::GetFlag(FLAGS_intra_node_GBps) > 0) || !(absl::GetFlag(FLAGS_nic_GBps) > 0) || absl::GetFlag(FLAGS_bucket_bytes) <= 0) {
+    return Fail("--intra_node_GBps, --nic_GBps and --bucket_bytes must be > 0");
   }
   for (auto [name, v] : {std::pair{"heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
                          std::pair{"lease_ms", absl::GetFlag(FLAGS_lease_ms)},
@@ -104,14 +118,21 @@ int main(int argc, char** argv) {
       return Fail("--max_* limits must be > 0");
     }
   }
-  // Concrete implementations are picked here and only here.
-  o.make_plan = wb::daemon::SimplePlan;  // TODO: planner::MakePlan once it lands
-  o.inventory_from_hf = [](const std::string& json, wb::planner::DType dtype) -> absl::StatusOr<wb::planner::Inventory> {
-    auto config = wb::planner::ParseHfConfig(json);
-    if (!config.ok()) return config.status();
-    return wb::planner::BuildInventory(*config, dtype);
-  };
-  o.make_data_channel = [] { return wb::daemon::NewTcpDataChannel(); };
+  o.topology.intra_node_GBps = absl::GetFlag(FLAGS_intra_node_GBps);
+  o.topology.nic_GBps_per_gpu = absl::GetFlag(FLAGS_nic_GBps);
+  o.topology.colocated = absl::GetFlag(FLAGS_colocated);
+  o.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
+  o.checksums = absl::GetFlag(FLAGS_checksums);
+  // Concrete transports are picked here and only here (the planner is planner::MakePlan).
+  wb::transport::TransportConfig tc;
+  for (absl::string_view k : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',', absl::SkipEmpty())) tc.kinds.emplace_back(k);
+  const std::string data_listen = absl::GetFlag(FLAGS_data_listen);
+  tc.tcp.bind_address = data_listen.substr(0, data_listen.rfind(':'));
+  if (tc.tcp.bind_address.empty()) tc.tcp.bind_address = "127.0.0.1";
+  tc.tcp.advertise_address = absl::GetFlag(FLAGS_data_advertise);
+  tc.tcp.streams = absl::GetFlag(FLAGS_tcp_streams);
+  tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);
+  o.make_transports = [tc] { return wb::transport::CreateTransports(tc); };
 
   auto server = wb::daemon::Server::Start(std::move(o));
   if (!server.ok()) return Fail(std::string(server.status().message()));

@@ -1,14 +1,23 @@
 #include "daemon/node_daemon.h"
 
 #include <grpcpp/grpcpp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/box_copy.h"
 #include "daemon/convert.h"
+#include "daemon/log.h"
 #include "planner/box.h"
+#include "planner/index_probe.h"
+#include "planner/inventory.h"
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
 
@@ -24,6 +33,65 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Time deadline) {
 }
 
 }  // namespace
+
+// Runs planner::ExtractPieces on every probed local tensor. The probe (int64 canonical indices,
+// -1 = unmapped) is read from the worker's registered shared memory.
+absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& inventory, const pb::RegisterLayoutRequest& req,
+                                                     const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers) {
+  const std::vector<int64_t> bases = planner::TensorBases(inventory);
+  int64_t total = 0;
+  for (const planner::TensorSpec& t : inventory.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    total += n;
+  }
+  std::map<uint32_t, int> index_of;
+  for (int i = 0; i < req.buffers_size(); ++i) index_of[req.buffers(i).buffer_id()] = i;
+  pb::ExplicitPieces out;
+  const auto& probe = req.layout().index_probe();
+  for (int t = 0; t < probe.tensors_size(); ++t) {
+    const pb::IndexProbe::LocalTensor& lt = probe.tensors(t);
+    auto b = index_of.find(lt.buffer_id()), pbuf = index_of.find(lt.probe_buffer_id());
+    if (b == index_of.end() || pbuf == index_of.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": unknown buffer id ", lt.buffer_id(), " or ", lt.probe_buffer_id()));
+    }
+    std::vector<int64_t> shape(lt.shape().begin(), lt.shape().end());
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      if (d < 0) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": negative dim"));
+      n *= d;
+    }
+    const transport::ShmSegment& seg = *buffers[pbuf->second];
+    if (lt.probe_offset_bytes() % sizeof(int64_t) != 0 || lt.probe_offset_bytes() > static_cast<uint64_t>(seg.size()) ||
+        static_cast<uint64_t>(n) * sizeof(int64_t) > static_cast<uint64_t>(seg.size()) - lt.probe_offset_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": probe of ", n, " int64 at byte ", lt.probe_offset_bytes(),
+                                                     " is outside (or misaligned in) buffer ", lt.probe_buffer_id()));
+    }
+    absl::Span<const int64_t> values(reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(seg.data()) + lt.probe_offset_bytes()),
+                                     static_cast<size_t>(n));
+    // Element size: the dtype of the first mapped canonical tensor (ExtractPieces checks the rest).
+    int elem = 0;
+    for (int64_t v : values) {
+      if (v < 0) continue;
+      if (v >= total) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": index ", v, " out of range"));
+      size_t k = static_cast<size_t>(std::upper_bound(bases.begin(), bases.end(), v) - bases.begin()) - 1;
+      elem = planner::DTypeSize(inventory.tensors[k].dtype);
+      break;
+    }
+    if (elem == 0) continue;  // nothing mapped (e.g. pure padding)
+    ASSIGN_OR_RETURN(std::vector<planner::Piece> pieces,
+                     planner::ExtractPieces(inventory, bases, values, shape, static_cast<int64_t>(lt.offset_bytes()), elem, b->second));
+    for (const planner::Piece& p : pieces) {
+      pb::Piece* pp = out.add_pieces();
+      pp->set_tensor(inventory.tensors[p.tensor].name);
+      ToProto(p.box, pp->mutable_box());
+      pp->set_buffer_id(lt.buffer_id());
+      pp->set_offset_bytes(static_cast<uint64_t>(p.offset_bytes));
+      for (int64_t st : p.strides) pp->add_strides(st);
+    }
+  }
+  return out;
+}
 
 // ------------------------------------------------------------------------------- WorkerService
 class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
@@ -48,8 +116,23 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     w.role = FromProto(req->role());
     w.gpu = req->gpu();
     w.mode = jr.mode();
+    if (req->pid() > 0) {
+      auto watch = std::make_shared<PidWatch>();
+      watch->pid = req->pid();
+#ifdef SYS_pidfd_open
+      watch->fd = static_cast<int>(::syscall(SYS_pidfd_open, req->pid(), 0));
+#endif
+      if (watch->fd < 0 && errno == ESRCH) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("worker ", req->worker_id(), ": pid ", req->pid(), " does not exist")));
+      }
+      w.pid = std::move(watch);
+    }
+    auto inv = InventoryFromProto(jr.tensors());
     absl::MutexLock l(&d_->mu_);
+    if (inv.ok()) d_->inventories_[req->model_id()] = std::move(*inv);
     d_->workers_[req->worker_id()] = std::move(w);
+    Log(LogLevel::kInfo, "worker registered", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"worker", req->worker_id()},
+                                               {"role", pb::Role_Name(req->role())}, {"pid", req->pid()}});
     resp->set_session(absl::StrCat(d_->options_.node_id, "/", req->worker_id()));
     return grpc::Status::OK;
   }
@@ -63,15 +146,14 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
                                                              d_->options_.node_id, " (register again)")));
       }
     }
-    if (req->layout().has_index_probe()) {
-      return ToGrpcStatus(absl::UnimplementedError("index-probe layouts are not wired into the daemon yet"));
-    }
     // Map every buffer first: a bad name fails the call and changes nothing.
     std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
     for (const pb::BufferSpec& b : req->buffers()) {
       if (b.memory_case() != pb::BufferSpec::kShmName) {
-        return ToGrpcStatus(absl::UnimplementedError(absl::StrCat("buffer ", b.buffer_id(),
-                                                                  ": only shared-memory buffers are supported by this daemon (no cuda transport)")));
+        const bool cuda = d_->options_.transports.Pick(transport::MemoryKind::kCuda, transport::MemoryKind::kCuda, false) != nullptr;
+        return ToGrpcStatus(absl::UnimplementedError(absl::StrCat(
+            "buffer ", b.buffer_id(), ": CUDA IPC buffers are not supported by this daemon yet (",
+            cuda ? "a cuda transport exists but opening worker IPC handles is not wired" : "no cuda transport on this node", ")")));
       }
       auto seg = transport::ShmSegment::Open(b.shm_name(), static_cast<int64_t>(b.size_bytes()));
       if (!seg.ok()) return ToGrpcStatus(Annotate(seg.status(), absl::StrCat("buffer ", b.buffer_id())));
@@ -84,7 +166,22 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     sreq.set_model_id(req->model_id());
     sreq.set_worker_id(req->worker_id());
     *sreq.mutable_buffers() = req->buffers();
-    *sreq.mutable_layout() = req->layout();
+    if (req->layout().has_index_probe()) {
+      // Index probes are resolved here (the probe bytes live in this node's shared memory) and
+      // reach the coordinator as explicit pieces.
+      planner::Inventory inventory;
+      {
+        absl::MutexLock l(&d_->mu_);
+        auto inv = d_->inventories_.find(req->model_id());
+        if (inv == d_->inventories_.end()) return ToGrpcStatus(absl::FailedPreconditionError("model inventory unknown on this node"));
+        inventory = inv->second;
+      }
+      auto pieces = ResolveIndexProbe(inventory, *req, buffers);
+      if (!pieces.ok()) return ToGrpcStatus(Annotate(pieces.status(), absl::StrCat("worker ", req->worker_id(), " index probe")));
+      *sreq.mutable_layout()->mutable_pieces() = std::move(*pieces);
+    } else {
+      *sreq.mutable_layout() = req->layout();
+    }
     pb::SubmitLayoutResponse sresp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, absl::Now() + absl::Seconds(30));
@@ -287,25 +384,31 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     plan->inventory = std::move(*inv);
     for (const pb::PlanWorker& w : plan->slice.workers()) {
       planner::WorkerLayout layout;
-      if (w.node_id() == d_->options_.node_id) {
+      if (w.has_layout()) {
         auto l = LayoutFromProto(w.layout(), plan->inventory);
         if (!l.ok()) return ToGrpcStatus(Annotate(l.status(), absl::StrCat("worker ", w.worker_id())));
         layout = std::move(*l);
       }
       plan->layouts.push_back(std::move(layout));
     }
-    plan->incoming_per_bucket.assign(plan->slice.num_buckets(), 0);
+    const std::string& me = d_->options_.node_id;
     for (const pb::TransferOp& op : plan->slice.ops()) {
       if (op.src_worker() >= static_cast<uint32_t>(plan->slice.workers_size()) ||
           op.dst_worker() >= static_cast<uint32_t>(plan->slice.workers_size()) || op.bucket() >= plan->slice.num_buckets()) {
         return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("op ", op.index(), " refers outside the slice")));
       }
-      plan->ops_by_index[op.index()] = &op;
-      bool dst_local = plan->slice.workers(op.dst_worker()).node_id() == d_->options_.node_id;
-      bool src_local = plan->slice.workers(op.src_worker()).node_id() == d_->options_.node_id;
-      if (dst_local && !src_local) plan->incoming_per_bucket[op.bucket()] += 1;
+      for (bool src : {true, false}) {
+        const uint32_t w = src ? op.src_worker() : op.dst_worker();
+        const int32_t piece = src ? op.src_piece() : op.dst_piece();
+        if (piece >= 0 && piece >= static_cast<int32_t>(plan->layouts[w].pieces.size())) {
+          return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": piece ", piece, " of worker ",
+                                                                      plan->slice.workers(w).worker_id(), " is not in the slice")));
+        }
+        if (piece < 0 && plan->slice.workers(w).node_id() == me) plan->hosts_gather = true;
+      }
     }
-    // ops_by_index points into plan->slice, which lives as long as the plan.
+    Log(LogLevel::kDebug, "plan installed", {{"node", me}, {"model", plan->slice.model_id()}, {"epoch", plan->slice.plan_epoch()},
+                                              {"ops", plan->slice.ops_size()}});
     absl::MutexLock l(&d_->mu_);
     d_->plans_[plan->slice.model_id()] = std::move(plan);
     return grpc::Status::OK;
@@ -331,12 +434,28 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   }
 
   grpc::Status CommitVersion(grpc::ServerContext*, const pb::CommitVersionRequest* req, pb::CommitVersionResponse*) override {
-    std::vector<std::pair<std::shared_ptr<Bytes>, LocalWorker*>> to_live;
+    // What the sync live copy needs is captured under the lock by value (worker id, buffers,
+    // layout): a concurrent Deregister may erase the LocalWorker meanwhile.
+    struct ToLive {
+      std::string worker;
+      std::shared_ptr<Bytes> staging;
+      std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
+      planner::WorkerLayout layout;
+    };
+    std::vector<ToLive> to_live;
     std::shared_ptr<Exec> exec;
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->execs_.find({req->model_id(), req->version()});
-      if (it == d_->execs_.end()) return grpc::Status::OK;  // nothing of ours in this version
+      if (it == d_->execs_.end()) {
+        // Idempotent for a retried commit; a node that lost the version's staging (restart)
+        // cannot apply it: its waiters see the version aborted, nothing is half-applied.
+        if (req->version() <= d_->committed_[req->model_id()]) return grpc::Status::OK;
+        std::string reason = absl::StrCat("node ", d_->options_.node_id, " no longer holds the staging of version ", req->version(),
+                                          " (restarted before the commit)");
+        d_->aborted_[{req->model_id(), req->version()}] = reason;
+        return ToGrpcStatus(absl::FailedPreconditionError(reason));
+      }
       exec = it->second;
       d_->execs_.erase(it);
       for (auto& [wid, staging] : exec->incoming) {
@@ -344,49 +463,97 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         if (w == d_->workers_.end()) continue;
         w->second.committed = staging;
         w->second.committed_version = req->version();
-        if (w->second.mode == pb::MODE_SYNC) to_live.push_back({staging, &w->second});
+        if (w->second.mode != pb::MODE_SYNC) continue;
+        ToLive t{wid, staging, w->second.buffers, {}};
+        for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
+          if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->layouts[i];
+        }
+        to_live.push_back(std::move(t));
       }
       for (auto& [id, w] : d_->workers_) {
         if (w.model_id == req->model_id()) w.snapshots.erase(req->version());
       }
-      d_->committed_[req->model_id()] = std::max(d_->committed_[req->model_id()], req->version());
     }
     // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
-    // (LocalWorker entries are stable: only Deregister erases them, and a deregistered worker's
-    // buffers are kept alive by the shared_ptr copies taken here.)
-    for (auto& [staging, w] : to_live) {
-      std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
-      planner::WorkerLayout layout;
-      {
-        absl::MutexLock l(&d_->mu_);
-        buffers = w->buffers;
-        for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
-          for (auto& [wid, s] : exec->incoming) {
-            if (s == staging && exec->plan->slice.workers(i).worker_id() == wid) layout = exec->plan->layouts[i];
-          }
-        }
-      }
-      for (const planner::Piece& piece : layout.pieces) {
+    for (const ToLive& t : to_live) {
+      for (const planner::Piece& piece : t.layout.pieces) {
+        if (piece.buffer >= static_cast<int32_t>(t.buffers.size())) continue;
         int elem = planner::DTypeSize(exec->plan->inventory.tensors[piece.tensor].dtype);
-        CopyPiece((*staging)[piece.buffer].data(), piece, elem, static_cast<uint8_t*>(buffers[piece.buffer]->data()));
+        CopyPiece((*t.staging)[piece.buffer].data(), piece, elem, static_cast<uint8_t*>(t.buffers[piece.buffer]->data()));
       }
-      absl::MutexLock l(&d_->mu_);
-      w->applied_version = std::max(w->applied_version, req->version());
     }
+    absl::MutexLock l(&d_->mu_);
+    for (const ToLive& t : to_live) {
+      auto w = d_->workers_.find(t.worker);
+      if (w != d_->workers_.end()) w->second.applied_version = std::max(w->second.applied_version, req->version());
+    }
+    // Published last: node-local waiters (Apply) see the version only once live weights hold it.
+    d_->committed_[req->model_id()] = std::max(d_->committed_[req->model_id()], req->version());
+    Log(LogLevel::kInfo, "version committed on node", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"version", req->version()},
+                                                       {"live_copies", to_live.size()}});
     return grpc::Status::OK;
   }
 
   grpc::Status AbortVersion(grpc::ServerContext*, const pb::AbortVersionRequest* req, pb::AbortVersionResponse*) override {
-    absl::MutexLock l(&d_->mu_);
-    d_->aborted_[{req->model_id(), req->version()}] = req->reason();
-    auto it = d_->execs_.find({req->model_id(), req->version()});
-    if (it != d_->execs_.end()) {
-      it->second->aborted = true;
-      it->second->error = req->reason();
-      d_->execs_.erase(it);  // staging dropped with the last reference
+    std::map<std::string, transport::PeerId> connected;
+    {
+      absl::MutexLock l(&d_->mu_);
+      d_->aborted_[{req->model_id(), req->version()}] = req->reason();
+      auto it = d_->execs_.find({req->model_id(), req->version()});
+      if (it != d_->execs_.end()) {
+        it->second->aborted = true;
+        it->second->error = req->reason();
+        connected = it->second->connected;
+        d_->execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
+      }
+      for (auto& [id, w] : d_->workers_) {
+        if (w.model_id == req->model_id()) w.snapshots.erase(req->version());
+      }
     }
-    for (auto& [id, w] : d_->workers_) {
-      if (w.model_id == req->model_id()) w.snapshots.erase(req->version());
+    // Blocked waits on the version's channels end now instead of at the transfer deadline.
+    for (auto& [peer, id] : connected) d_->DropChannel(req->model_id(), peer, id);
+    Log(LogLevel::kInfo, "version aborted on node", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"version", req->version()},
+                                                     {"reason", req->reason()}});
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ExchangeRegions(grpc::ServerContext*, const pb::ExchangeRegionsRequest* req, pb::ExchangeRegionsResponse* resp) override {
+    transport::Transport* cross = d_->options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+    if (cross == nullptr || cross->capabilities().kind != req->transport_kind()) {
+      return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("node ", d_->options_.node_id, " has no '", req->transport_kind(), "' transport")));
+    }
+    absl::MutexLock l(&d_->mu_);
+    auto e = d_->GetExecLocked(req->model_id(), req->version(), req->plan_epoch());
+    if (!e.ok()) return ToGrpcStatus(e.status());
+    std::shared_ptr<Exec> exec = *e;
+    // Our regions exist once our executor registered them (ExecuteVersion may reach us later).
+    auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) { return exec->regions_ready || exec->aborted || exec->failed || d_->stopping_; };
+    if (!d_->mu_.AwaitWithDeadline(absl::Condition(&ready), exec->deadline)) {
+      return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("node ", d_->options_.node_id, ": version ", req->version(), " did not start in time")));
+    }
+    if (!exec->regions_ready) return ToGrpcStatus(absl::AbortedError(absl::StrCat("version ", req->version(), " aborted: ", exec->error)));
+    std::string from_instance;
+    for (const pb::PlanWorker& w : exec->plan->slice.workers()) {
+      if (w.node_id() == req->from_node()) {
+        auto it = w.transport_instances().find(req->transport_kind());
+        if (it != w.transport_instances().end()) from_instance = it->second;
+      }
+    }
+    auto c = d_->channels_.find({req->model_id(), req->from_node()});
+    const bool reuse = req->reuse() && c != d_->channels_.end() && c->second.peer_instance == from_instance;
+    auto endpoint = cross->ExportEndpoint(from_instance);
+    if (!endpoint.ok()) return ToGrpcStatus(endpoint.status());
+    PeerState& ps = exec->peers[req->from_node()];
+    ps.have = true;
+    ps.reuse = reuse;
+    ps.endpoint = req->endpoint();
+    for (const pb::PeerRegion& r : req->regions()) ps.regions[r.key()] = r.region_descriptor();
+    resp->set_reuse(reuse);
+    resp->set_endpoint(*endpoint);
+    for (auto& [k, d] : exec->local_desc) {
+      pb::PeerRegion* r = resp->add_regions();
+      r->set_key(k);
+      r->set_region_descriptor(d);
     }
     return grpc::Status::OK;
   }
@@ -398,7 +565,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   }
 
   grpc::Status SetupDataChannel(grpc::ServerContext*, const pb::SetupDataChannelRequest*, pb::SetupDataChannelResponse* resp) override {
-    resp->set_endpoint(d_->data_address_);  // TCP needs no handshake beyond the endpoint
+    resp->set_endpoint(d_->data_address_);  // data planes are set up per version by ExchangeRegions
     return grpc::Status::OK;
   }
 
@@ -434,13 +601,56 @@ NodeDaemon::~NodeDaemon() { Shutdown(); }
 pb::WorkerService::Service* NodeDaemon::worker_service() { return worker_impl_.get(); }
 pb::NodeService::Service* NodeDaemon::node_service() { return node_impl_.get(); }
 
+NodeDaemon::PidWatch::~PidWatch() {
+  if (fd >= 0) ::close(fd);
+}
+
+bool NodeDaemon::PidWatch::Alive() const {
+  if (fd >= 0) {
+    // A pidfd becomes readable when the process exits (pid reuse cannot fool it).
+    struct pollfd p = {fd, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 0;
+  }
+  return ::kill(pid, 0) == 0 || errno != ESRCH;
+}
+
+void NodeDaemon::CheckWorkers() {
+  std::vector<std::pair<std::string, std::string>> gone;  // (model, worker)
+  {
+    absl::MutexLock l(&mu_);
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (it->second.pid && !it->second.pid->Alive()) {
+        gone.push_back({it->second.model_id, it->first});
+        Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->second.model_id},
+                                                          {"worker", it->first}, {"pid", it->second.pid->pid}});
+        it = workers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& [model, worker] : gone) {
+    pb::LeaveWorkerRequest r;
+    r.set_node_id(options_.node_id);
+    r.set_model_id(model);
+    r.set_worker_id(worker);
+    r.set_reason("its process exited");
+    pb::LeaveWorkerResponse rr;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
+    coordinator_->LeaveWorker(&ctx, r, &rr);
+  }
+}
+
 absl::Status NodeDaemon::Start(const std::string& node_address) {
-  if (!options_.data_channel) return absl::InvalidArgumentError("node daemon needs a data channel");
+  using transport::MemoryKind;
+  if (options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false) == nullptr) {
+    return absl::InvalidArgumentError("node daemon needs a same-node host-memory transport (host_shm)");
+  }
   node_address_ = node_address;
-  ASSIGN_OR_RETURN(data_address_, options_.data_channel->Start(options_.data_listen, [this](const FrameHeader& h, absl::Span<const uint8_t> p) {
-                     return OnFrame(h, p);
-                   }));
-  coordinator_ = pb::CoordinatorService::NewStub((options_.make_channel ? options_.make_channel(options_.coordinator) : grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials())));
+  data_address_ = node_address;  // peers reach our NodeService (ExchangeRegions) here
+  coordinator_ = pb::CoordinatorService::NewStub(options_.make_channel ? options_.make_channel(options_.coordinator)
+                                                                     : grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials()));
   RETURN_IF_ERROR_WITH(Register(), absl::StrCat("registering node ", options_.node_id, " with coordinator ", options_.coordinator));
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
   return absl::OkStatus();
@@ -451,6 +661,7 @@ absl::Status NodeDaemon::Register() {
   req.set_node_id(options_.node_id);
   req.set_address(node_address_);
   req.set_data_address(data_address_);
+  for (const auto& t : options_.transports.all()) (*req.mutable_transport_instances())[t->capabilities().kind] = t->instance_id();
   pb::RegisterNodeResponse resp;
   grpc::ClientContext ctx;
   ctx.set_wait_for_ready(true);
@@ -467,6 +678,12 @@ void NodeDaemon::HeartbeatLoop() {
     auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
     mu_.AwaitWithTimeout(absl::Condition(&stop), options_.heartbeat);
     if (stopping_) return;
+    mu_.Unlock();
+    CheckWorkers();
+    const bool skip = options_.test_skip_heartbeat && options_.test_skip_heartbeat();
+    mu_.Lock();
+    if (stopping_) return;
+    if (skip) continue;
     pb::HeartbeatRequest req;
     req.set_node_id(options_.node_id);
     req.set_incarnation(incarnation_);
@@ -504,7 +721,13 @@ void NodeDaemon::Shutdown() {
     threads.swap(threads_);
   }
   if (heartbeat_.joinable()) heartbeat_.join();
-  if (options_.data_channel) options_.data_channel->Stop();
+  // Executors blocked on a channel end when it is torn down.
+  std::vector<std::tuple<std::string, std::string, transport::PeerId>> channels;
+  {
+    absl::MutexLock l(&mu_);
+    for (auto& [key, c] : channels_) channels.push_back({key.first, key.second, c.id});
+  }
+  for (auto& [model, peer, id] : channels) DropChannel(model, peer, id);
   for (auto& t : threads) t.join();
 }
 
@@ -525,7 +748,6 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   exec->version = version;
   exec->epoch = epoch;
   exec->plan = p->second;
-  exec->received_per_bucket.assign(exec->plan->slice.num_buckets(), 0);
   exec->deadline = absl::Now() + absl::Seconds(60);
   // Incoming staging for every local rollout worker of the plan.
   int64_t staging = 0;
@@ -539,6 +761,11 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
     }
     exec->incoming[w.worker_id()] = std::move(bytes);
   }
+  if (exec->plan->hosts_gather) {
+    staging += static_cast<int64_t>(exec->plan->slice.gather_staging_bytes());
+    exec->gather = std::make_shared<Bytes>();
+    exec->gather->emplace_back(static_cast<size_t>(exec->plan->slice.gather_staging_bytes()));
+  }
   if (staging > options_.staging_budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("node ", options_.node_id, ": staging of ", staging,
                                                      " bytes exceeds the budget of ", options_.staging_budget_bytes));
@@ -547,55 +774,180 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   return exec;
 }
 
-absl::Status NodeDaemon::OnFrame(const FrameHeader& h, absl::Span<const uint8_t> payload) {
-  std::shared_ptr<Exec> exec;
+namespace {
+
+// Where a canonical box lives: a worker piece, or the rank-0 gather staging entry of the op.
+struct PieceAt {
+  std::string key;  // region key of this version ("w<i>.b<j>" or "g")
+  planner::Piece piece;
+};
+
+std::string RegionKey(uint32_t worker, int32_t buffer) { return absl::StrCat("w", worker, ".b", buffer); }
+
+absl::StatusOr<PieceAt> ResolveSide(const std::vector<planner::WorkerLayout>& layouts, const pb::TransferOp& op, bool src) {
+  const uint32_t worker = src ? op.src_worker() : op.dst_worker();
+  const int32_t piece = src ? op.src_piece() : op.dst_piece();
+  PieceAt at;
+  if (piece >= 0) {
+    if (worker >= layouts.size() || piece >= static_cast<int32_t>(layouts[worker].pieces.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": ", src ? "source" : "destination", " piece ", piece,
+                                                     " of slice worker ", worker, " is not in the slice"));
+    }
+    at.piece = layouts[worker].pieces[piece];
+    at.key = RegionKey(worker, at.piece.buffer);
+    return at;
+  }
+  if (!op.has_staging_box()) return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": staged side without staging_box"));
+  at.key = "g";
+  at.piece.tensor = op.tensor();
+  at.piece.box = FromProto(op.staging_box());
+  at.piece.buffer = 0;
+  at.piece.offset_bytes = static_cast<int64_t>(op.staging_offset());
+  std::vector<int64_t> extents;
+  for (size_t d = 0; d < at.piece.box.begin.size(); ++d) extents.push_back(at.piece.box.end[d] - at.piece.box.begin[d]);
+  at.piece.strides = planner::ContiguousStrides(extents);
+  return at;
+}
+
+// The transport view of `box` inside `piece`.
+transport::StridedRef RefFor(const planner::Piece& piece, const planner::Box& box, int elem, transport::RegionHandle region) {
+  transport::StridedRef r;
+  r.region = region;
+  int64_t off = 0;
+  for (size_t d = 0; d < box.begin.size(); ++d) off += (box.begin[d] - piece.box.begin[d]) * piece.strides[d];
+  r.offset_bytes = piece.offset_bytes + off * elem;
+  r.strides = piece.strides;
+  return r;
+}
+
+uint64_t BatchTag(const std::string& model, uint64_t version, uint32_t bucket) {
+  // Unique among unfinished batches of one channel (one channel per model and peer).
+  (void)model;
+  return (version << 24) ^ bucket;
+}
+
+}  // namespace
+
+pb::NodeService::Stub* NodeDaemon::PeerStub(const std::string& address) {
+  absl::MutexLock l(&stubs_mu_);
+  auto& stub = peer_stubs_[address];
+  if (!stub) {
+    stub = pb::NodeService::NewStub(options_.make_channel ? options_.make_channel(address)
+                                                          : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  }
+  return stub.get();
+}
+
+void NodeDaemon::DropChannel(const std::string& model_id, const std::string& peer, transport::PeerId id) {
   {
     absl::MutexLock l(&mu_);
-    auto e = GetExecLocked(h.model_id, h.version, h.plan_epoch);
-    if (!e.ok()) return absl::OkStatus();  // stale frame of an aborted/old version: drop it
-    exec = *e;
+    auto it = channels_.find({model_id, peer});
+    if (it != channels_.end() && it->second.id == id) channels_.erase(it);
   }
-  const ModelPlan& plan = *exec->plan;
-  auto op_it = plan.ops_by_index.find(h.op_index);
-  absl::Status error;
-  if (op_it == plan.ops_by_index.end()) {
-    error = absl::InvalidArgumentError(absl::StrCat("frame for unknown op ", h.op_index));
-  } else if (!h.checksum_ok) {
-    error = absl::DataLossError(absl::StrCat("checksum mismatch on op ", h.op_index, " (tensor ",
-                                             plan.inventory.tensors[op_it->second->tensor()].name, ")"));
-  } else if (payload.size() != op_it->second->bytes()) {
-    error = absl::DataLossError(absl::StrCat("op ", h.op_index, ": got ", payload.size(), " bytes, want ", op_it->second->bytes()));
+  transport::Transport* cross = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+  if (cross != nullptr && id != transport::kNoPeer) (void)cross->Disconnect(id);
+}
+
+absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
+                                                        transport::Transport* cross) {
+  const std::string kind = cross->capabilities().kind;
+  auto inst_it = peer_worker.transport_instances().find(kind);
+  if (inst_it == peer_worker.transport_instances().end()) {
+    return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", kind, "' transport"));
   }
-  if (error.ok()) {
-    const pb::TransferOp& op = *op_it->second;
-    const pb::PlanWorker& dst = plan.slice.workers(op.dst_worker());
-    auto staging = exec->incoming.find(dst.worker_id());
-    if (staging == exec->incoming.end()) {
-      error = absl::InvalidArgumentError(absl::StrCat("op ", h.op_index, ": destination ", dst.worker_id(), " is not local"));
-    } else {
-      const planner::Piece& piece = plan.layouts[op.dst_worker()].pieces[op.dst_piece()];
-      ScatterBox(payload.data(), piece, FromProto(op.box()), planner::DTypeSize(plan.inventory.tensors[op.tensor()].dtype),
-                 (*staging->second)[piece.buffer].data());
+  const std::string& peer_instance = inst_it->second;
+  transport::PeerId cached = transport::kNoPeer;
+  {
+    absl::MutexLock l(&mu_);
+    auto c = channels_.find({exec.model_id, peer});
+    if (c != channels_.end()) {
+      if (c->second.peer_instance == peer_instance) {
+        cached = c->second.id;
+      }
     }
   }
-  absl::MutexLock l(&mu_);
-  if (!error.ok()) {
-    exec->failed = true;
-    exec->error = std::string(error.message());
-    return error;
+  ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
+  bool reuse = false;
+  std::string peer_endpoint;
+  if (options_.node_id < peer) {
+    // We call: the peer's regions and endpoint come back in the response.
+    pb::ExchangeRegionsRequest req;
+    req.set_model_id(exec.model_id);
+    req.set_version(exec.version);
+    req.set_plan_epoch(exec.epoch);
+    req.set_from_node(options_.node_id);
+    req.set_transport_kind(kind);
+    req.set_endpoint(my_endpoint);
+    req.set_reuse(cached != transport::kNoPeer);
+    {
+      absl::MutexLock l(&mu_);
+      for (auto& [k, d] : exec.local_desc) {
+        pb::PeerRegion* r = req.add_regions();
+        r->set_key(k);
+        r->set_region_descriptor(d);
+      }
+    }
+    pb::ExchangeRegionsResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(exec.deadline));
+    RETURN_IF_ERROR_WITH(FromGrpcStatus(PeerStub(peer_worker.data_address())->ExchangeRegions(&ctx, req, &resp)),
+                         absl::StrCat("exchanging regions with node ", peer));
+    absl::MutexLock l(&mu_);
+    PeerState& ps = exec.peers[peer];
+    ps.have = true;
+    ps.reuse = resp.reuse();
+    ps.endpoint = resp.endpoint();
+    for (const pb::PeerRegion& r : resp.regions()) ps.regions[r.key()] = r.region_descriptor();
+    reuse = ps.reuse;
+    peer_endpoint = ps.endpoint;
+  } else {
+    // The peer calls us (ExchangeRegions handler fills exec.peers[peer]).
+    absl::MutexLock l(&mu_);
+    auto have = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      auto it = exec.peers.find(peer);
+      return exec.aborted || stopping_ || (it != exec.peers.end() && it->second.have);
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&have), exec.deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("node ", peer, " did not set up the data plane of version ", exec.version, " in time"));
+    }
+    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    reuse = exec.peers[peer].reuse;
+    peer_endpoint = exec.peers[peer].endpoint;
   }
-  exec->received_per_bucket[op_it->second->bucket()] += 1;
-  exec->bytes_done += payload.size();
-  return absl::OkStatus();
+  transport::PeerId id = cached;
+  if (!reuse) {
+    if (cached != transport::kNoPeer) DropChannel(exec.model_id, peer, cached);
+    auto c = cross->Connect(peer_endpoint, exec.deadline);
+    if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer));
+    id = *c;
+    Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
+  }
+  absl::MutexLock l(&mu_);
+  channels_[{exec.model_id, peer}] = Channel{id, peer_instance};
+  exec.connected[peer] = id;
+  if (exec.aborted) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+  return id;
 }
 
 void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   absl::Time t0 = absl::Now();
   absl::Status s = RunExecInner(*exec);
+  std::map<std::string, transport::PeerId> connected;
+  {
+    absl::MutexLock l(&mu_);
+    connected = exec->connected;
+  }
+  if (!s.ok()) {
+    // A failed batch may leave a channel unusable: start the next version on fresh ones.
+    for (auto& [peer, id] : connected) DropChannel(exec->model_id, peer, id);
+  }
   {
     absl::MutexLock l(&mu_);
     if (exec->aborted || stopping_) return;  // the coordinator already knows
   }
+  Log(s.ok() ? LogLevel::kInfo : LogLevel::kWarning, s.ok() ? "version transferred" : "version failed",
+      {{"node", options_.node_id}, {"model", exec->model_id}, {"version", exec->version}, {"bytes", exec->bytes_done},
+       {"seconds", absl::ToDoubleSeconds(absl::Now() - t0)}, {"error", s.message()}});
   pb::ReportDoneRequest req;
   req.set_node_id(options_.node_id);
   req.set_model_id(exec->model_id);
@@ -613,80 +965,219 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
 absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   const ModelPlan& plan = *exec.plan;
   const std::string& me = options_.node_id;
-  // Per bucket: wait until every remote op of earlier buckets landed (relays read them), then run
-  // the ops this node sources: local copies straight into staging, remote ones over the channel.
-  std::vector<std::vector<const pb::TransferOp*>> sends(plan.slice.num_buckets());
-  for (const pb::TransferOp& op : plan.slice.ops()) {
-    if (plan.slice.workers(op.src_worker()).node_id() == me) sends[op.bucket()].push_back(&op);
-  }
-  auto wait_received = [&](uint32_t upto) -> absl::Status {
-    absl::MutexLock l(&mu_);
-    auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      if (exec.aborted || exec.failed || stopping_) return true;
-      for (uint32_t b = 0; b < upto; ++b) {
-        if (exec.received_per_bucket[b] < plan.incoming_per_bucket[b]) return false;
-      }
-      return true;
-    };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&ready), exec.deadline)) {
-      return absl::DeadlineExceededError(absl::StrCat("node ", me, ": incoming bytes of version ", exec.version, " did not arrive in time"));
-    }
-    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
-    if (exec.failed) return absl::DataLossError(exec.error);
-    return absl::OkStatus();
+  using transport::MemoryKind;
+  transport::Transport* local_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
+  transport::Transport* cross_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
+  auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
+
+  // 1. The memory of this version on this node.
+  struct Mem {
+    uint8_t* base = nullptr;
+    int64_t size = 0;
   };
-  std::vector<uint8_t> packed;
+  std::map<std::string, Mem> mem;
+  std::vector<std::shared_ptr<void>> holds;  // keeps snapshots / segments / staging alive
+  {
+    absl::MutexLock l(&mu_);
+    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    for (int i = 0; i < plan.slice.workers_size(); ++i) {
+      const pb::PlanWorker& pw = plan.slice.workers(i);
+      if (pw.node_id() != me) continue;
+      const planner::WorkerLayout& layout = plan.layouts[i];
+      if (pw.role() == pb::ROLE_ROLLOUT) {
+        std::shared_ptr<Bytes> staging = exec.incoming.at(pw.worker_id());
+        holds.push_back(staging);
+        for (size_t j = 0; j < staging->size(); ++j) mem[RegionKey(i, j)] = Mem{(*staging)[j].data(), static_cast<int64_t>((*staging)[j].size())};
+        continue;
+      }
+      auto w = workers_.find(pw.worker_id());
+      if (w == workers_.end() || !w->second.has_layout) {
+        return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " is gone from node ", me));
+      }
+      if (w->second.buffers.size() < layout.buffers.size()) {
+        return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
+      }
+      if (plan.slice.mode() == pb::MODE_SYNC) {
+        for (size_t j = 0; j < layout.buffers.size(); ++j) {
+          auto seg = w->second.buffers[j];
+          holds.push_back(seg);
+          mem[RegionKey(i, j)] = Mem{static_cast<uint8_t*>(seg->data()), seg->size()};
+        }
+      } else {
+        auto snap = w->second.snapshots.find(exec.version);
+        if (snap == w->second.snapshots.end()) {
+          return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", pw.worker_id()));
+        }
+        holds.push_back(snap->second);
+        for (size_t j = 0; j < snap->second->size(); ++j) {
+          mem[RegionKey(i, j)] = Mem{(*snap->second)[j].data(), static_cast<int64_t>((*snap->second)[j].size())};
+        }
+      }
+    }
+    if (exec.gather) {
+      holds.push_back(exec.gather);
+      mem["g"] = Mem{(*exec.gather)[0].data(), static_cast<int64_t>((*exec.gather)[0].size())};
+    }
+  }
+
+  // 2. Which ops run where: same-node ops (one-sided) and, per peer node, the mirror batches.
+  bool any_local = false;
+  std::set<std::string> peers;
+  for (const pb::TransferOp& op : plan.slice.ops()) {
+    const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
+    if (s && d) any_local = true;
+    if (s != d) peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
+  }
+  if (any_local && local_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no same-node host transport"));
+  if (!peers.empty() && cross_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cross-node host transport"));
+
+  // Registered regions are released on every path (after every posted batch was waited for).
+  struct Registered {
+    transport::Transport* t;
+    transport::RegionHandle h;
+  };
+  std::vector<Registered> registered;
+  auto release_all = [&] {
+    for (auto& r : registered) (void)r.t->Release(r.h);
+    registered.clear();
+  };
+  struct Cleanup {
+    std::function<void()> f;
+    ~Cleanup() { f(); }
+  } cleanup{release_all};
+  std::map<std::string, transport::RegionHandle> local_h, cross_h;
+  for (auto& [key, m] : mem) {
+    transport::MemorySpec spec;
+    spec.kind = MemoryKind::kHost;
+    spec.base = m.base;
+    spec.size_bytes = m.size;
+    spec.label = absl::StrCat(exec.model_id, " v", exec.version, " ", key);
+    if (any_local) {
+      ASSIGN_OR_RETURN(transport::RegionHandle h, local_t->RegisterMemory(spec));
+      registered.push_back({local_t, h});
+      local_h[key] = h;
+    }
+    if (!peers.empty()) {
+      ASSIGN_OR_RETURN(transport::RegionHandle h, cross_t->RegisterMemory(spec));
+      registered.push_back({cross_t, h});
+      cross_h[key] = h;
+    }
+  }
+  {
+    std::map<std::string, std::string> desc;
+    for (auto& [key, h] : cross_h) {
+      ASSIGN_OR_RETURN(desc[key], cross_t->ExportDescriptor(h));
+    }
+    absl::MutexLock l(&mu_);
+    exec.local_desc = std::move(desc);
+    exec.regions_ready = true;
+  }
+
+  // 3. Peers, in ascending node order (a global order of node pairs: no connect cycles).
+  std::map<std::string, transport::PeerId> peer_ids;
+  std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h;
+  for (const std::string& peer : peers) {
+    const pb::PlanWorker* pw = nullptr;
+    for (const pb::PlanWorker& w : plan.slice.workers()) {
+      if (w.node_id() == peer) pw = &w;
+    }
+    ASSIGN_OR_RETURN(peer_ids[peer], SetupPeer(exec, peer, *pw, cross_t));
+    std::map<std::string, std::string> regions;
+    {
+      absl::MutexLock l(&mu_);
+      regions = exec.peers[peer].regions;
+    }
+    for (auto& [key, d] : regions) {
+      auto h = cross_t->ImportDescriptor(d);
+      if (!h.ok()) return Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", peer));
+      registered.push_back({cross_t, *h});
+      remote_h[peer][key] = *h;
+    }
+  }
+
+  // 4. Buckets.
+  std::vector<std::vector<const pb::TransferOp*>> by_bucket(plan.slice.num_buckets());
+  for (const pb::TransferOp& op : plan.slice.ops()) by_bucket[op.bucket()].push_back(&op);
+  for (auto& ops : by_bucket) {
+    std::sort(ops.begin(), ops.end(), [](const pb::TransferOp* a, const pb::TransferOp* b) { return a->index() < b->index(); });
+  }
   for (uint32_t b = 0; b < plan.slice.num_buckets(); ++b) {
-    RETURN_IF_ERROR(wait_received(b));
-    for (const pb::TransferOp* op : sends[b]) {
-      const pb::PlanWorker& src = plan.slice.workers(op->src_worker());
-      const pb::PlanWorker& dst = plan.slice.workers(op->dst_worker());
-      const planner::Piece& spiece = plan.layouts[op->src_worker()].pieces[op->src_piece()];
+    if (options_.test_before_bucket) options_.test_before_bucket(exec.model_id, exec.version, b);
+    {
+      absl::MutexLock l(&mu_);
+      if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    }
+    transport::Batch local_batch;
+    std::map<std::string, transport::Batch> peer_batches;
+    int64_t incoming_bytes = 0;
+    for (const pb::TransferOp* op : by_bucket[b]) {
+      const bool s_local = is_local(op->src_worker()), d_local = is_local(op->dst_worker());
+      if (!s_local && !d_local) continue;
+      ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, *op, true));
+      ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, *op, false));
       const int elem = planner::DTypeSize(plan.inventory.tensors[op->tensor()].dtype);
       const planner::Box box = FromProto(op->box());
-      const uint8_t* src_base = nullptr;
-      std::shared_ptr<Bytes> hold;
-      std::shared_ptr<transport::ShmSegment> hold_seg;
-      {
-        absl::MutexLock l(&mu_);
-        if (exec.aborted || stopping_) return absl::AbortedError("aborted");
-        if (src.role() == pb::ROLE_ROLLOUT) {
-          hold = exec.incoming.at(src.worker_id());  // relay: bytes an earlier bucket delivered
-          src_base = (*hold)[spiece.buffer].data();
-        } else {
-          auto w = workers_.find(src.worker_id());
-          if (w == workers_.end()) return absl::FailedPreconditionError(absl::StrCat("worker ", src.worker_id(), " is gone"));
-          if (plan.slice.mode() == pb::MODE_SYNC) {
-            hold_seg = w->second.buffers[spiece.buffer];
-            src_base = static_cast<const uint8_t*>(hold_seg->data());
-          } else {
-            auto snap = w->second.snapshots.find(exec.version);
-            if (snap == w->second.snapshots.end()) {
-              return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", src.worker_id()));
-            }
-            hold = snap->second;
-            src_base = (*hold)[spiece.buffer].data();
-          }
+      transport::CopyOp c;
+      for (size_t d = 0; d < box.begin.size(); ++d) c.shape.push_back(box.end[d] - box.begin[d]);
+      c.element_size = elem;
+      if (d_local) incoming_bytes += static_cast<int64_t>(op->bytes());
+      if (s_local && d_local) {
+        auto sh = local_h.find(src.key), dh = local_h.find(dst.key);
+        if (sh == local_h.end() || dh == local_h.end()) {
+          return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " missing on node ", me));
         }
+        c.src = RefFor(src.piece, box, elem, sh->second);
+        c.dst = RefFor(dst.piece, box, elem, dh->second);
+        local_batch.ops.push_back(std::move(c));
+        continue;
       }
-      packed.resize(op->bytes());
-      GatherBox(src_base, spiece, box, elem, packed.data());
-      if (dst.node_id() == me) {
-        const planner::Piece& dpiece = plan.layouts[op->dst_worker()].pieces[op->dst_piece()];
-        ScatterBox(packed.data(), dpiece, box, elem, (*exec.incoming.at(dst.worker_id()))[dpiece.buffer].data());
-        absl::MutexLock l(&mu_);
-        exec.bytes_done += op->bytes();
+      const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
+      auto& theirs = remote_h[peer];
+      auto sh = s_local ? cross_h.find(src.key) : theirs.find(src.key);
+      auto dh = d_local ? cross_h.find(dst.key) : theirs.find(dst.key);
+      if (sh == (s_local ? cross_h.end() : theirs.end()) || dh == (d_local ? cross_h.end() : theirs.end())) {
+        return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " unknown (node ", me, ", peer ", peer, ")"));
+      }
+      c.src = RefFor(src.piece, box, elem, sh->second);
+      c.dst = RefFor(dst.piece, box, elem, dh->second);
+      peer_batches[peer].ops.push_back(std::move(c));
+    }
+    // Post everything of the bucket, then wait for every posted batch (each exactly once).
+    std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;
+    std::vector<std::string> posted_what;
+    absl::Status first;
+    if (!local_batch.ops.empty()) {
+      local_batch.tag = BatchTag(exec.model_id, exec.version, b);
+      auto id = local_t->Post(local_batch);
+      if (id.ok()) {
+        posted.push_back({local_t, *id});
+        posted_what.push_back("same-node copies");
       } else {
-        FrameHeader h{exec.model_id, exec.version, exec.epoch, op->index()};
-        absl::Status s = options_.data_channel->Send(dst.data_address(), h, packed, exec.deadline);
-        if (!s.ok()) {
-          options_.data_channel->Forget(dst.data_address());
-          return Annotate(s, absl::StrCat("node ", me, " -> node ", dst.node_id()));
-        }
+        first = id.status();
       }
     }
+    for (auto& [peer, batch] : peer_batches) {
+      if (!first.ok()) break;
+      batch.tag = BatchTag(exec.model_id, exec.version, b);
+      batch.peer = peer_ids.at(peer);
+      batch.checksum = options_.checksums;
+      auto id = cross_t->Post(batch);
+      if (!id.ok()) {
+        first = Annotate(id.status(), absl::StrCat("node ", me, " -> node ", peer));
+        break;
+      }
+      posted.push_back({cross_t, *id});
+      posted_what.push_back(absl::StrCat("node ", me, " <-> node ", peer));
+    }
+    for (size_t i = 0; i < posted.size(); ++i) {
+      absl::Status s = posted[i].first->Wait(posted[i].second, exec.deadline);
+      if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", posted_what[i]));
+    }
+    RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
+    absl::MutexLock l(&mu_);
+    exec.bytes_done += static_cast<uint64_t>(incoming_bytes);
   }
-  return wait_received(plan.slice.num_buckets());
+  return absl::OkStatus();
 }
 
 }  // namespace wb::daemon

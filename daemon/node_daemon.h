@@ -1,6 +1,18 @@
 #pragma once
 // Node daemon: WorkerService (Unix socket, local workers) and NodeService (TCP, from the
-// coordinator), the executor that runs this node's plan slice bucket by bucket, and staging.
+// coordinator and peer nodes), the executor that runs this node's plan slice bucket by bucket on
+// the transport interface (transport/transport.h), and staging.
+//
+// Executor (per version): every local memory of the version (trainer live buffers in sync mode or
+// their Publish snapshot, rollout incoming staging, the rank-0 gather staging) is registered with
+// the same-node transport and, when the slice has cross-node ops, with the cross-node transport.
+// For each peer node, the node with the smaller id calls the other's ExchangeRegions (endpoint +
+// region descriptors, per model); both connect (or keep a healthy channel) and import. Then per
+// bucket: one batch of same-node ops (one-sided) and, per peer, one batch of the ops between the
+// two nodes in op-index order - the mirror batch the peer derives from its own slice in the same
+// way. Every batch of a bucket is waited for before the next bucket starts, so relays (and
+// rank0_broadcast reads of gathered data) read delivered bytes. AbortVersion disconnects the
+// version's peers so blocked waits end at once.
 // See docs/daemon.md for the memory model:
 //  - trainer sources: live shm (sync: the trainer waits in Publish) or a per-version snapshot taken
 //    at Publish (one-step-off / async);
@@ -9,6 +21,8 @@
 //    Apply copies it. An aborted version only ever touched staging, so live weights keep the
 //    previous version byte for byte.
 
+#include <functional>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -19,10 +33,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/data_channel.h"
 #include "planner/types.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "tools/cc/clock.h"
+#include "transport/factory.h"
 #include "transport/shm_segment.h"
 
 namespace wb::daemon {
@@ -38,15 +52,24 @@ class NodeDaemon {
     Clock* clock = Clock::Real();
     absl::Duration heartbeat = absl::Milliseconds(500);
     int64_t staging_budget_bytes = int64_t{64} << 30;
+    // Required: a same-node transport reaching host memory, and (for multi-node plans) a
+    // cross-node one. main.cc / tests create them with transport/factory.h.
+    transport::TransportSet transports;
+    bool checksums = true;  // per-batch xxh3 on cross-node batches (transports that support it)
+    // TEST ONLY: called by the executor before it posts each bucket (fault tests stall a node here).
+    std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
+    // TEST ONLY: when it returns true the heartbeat is skipped (a frozen node: its lease expires).
+    std::function<bool()> test_skip_heartbeat;
+    // Channel to the coordinator (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
-    std::unique_ptr<DataChannel> data_channel;  // required (main.cc / tests pick the implementation)
   };
 
   explicit NodeDaemon(Options options);
   ~NodeDaemon();
 
-  // Starts the data channel, registers with the coordinator (node_address = where our NodeService
-  // listens) and starts heartbeats.
+  // Registers with the coordinator (node_address = where our NodeService listens; peers reach it
+  // there for ExchangeRegions, so it is also our data_address) and starts heartbeats (which also
+  // watch local worker processes).
   absl::Status Start(const std::string& node_address);
   void Shutdown();
 
@@ -62,6 +85,13 @@ class NodeDaemon {
   friend class NodeImpl;
 
   using Bytes = std::vector<std::vector<uint8_t>>;  // one vector per buffer
+  // A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
+  struct PidWatch {
+    int pid = 0;
+    int fd = -1;
+    ~PidWatch();
+    bool Alive() const;
+  };
   struct LocalWorker {
     std::string model_id;
     planner::Role role = planner::Role::kTrainer;
@@ -74,13 +104,25 @@ class NodeDaemon {
     std::shared_ptr<Bytes> committed;                      // rollout: newest committed staging
     uint64_t committed_version = 0;
     uint64_t applied_version = 0;
+    std::shared_ptr<PidWatch> pid;  // null: the worker gave no pid (not watched)
   };
   struct ModelPlan {
     pb::PlanSlice slice;
     planner::Inventory inventory;
-    std::vector<planner::WorkerLayout> layouts;  // per slice worker (empty when not local)
-    std::map<uint32_t, const pb::TransferOp*> ops_by_index;
-    std::vector<int> incoming_per_bucket;        // remote -> local ops per bucket
+    std::vector<planner::WorkerLayout> layouts;  // per slice worker (empty when the slice has no layout for it)
+    bool hosts_gather = false;                   // rank0_broadcast: this node holds the gather staging
+  };
+  // One peer node's side of a version's data plane.
+  struct PeerState {
+    bool have = false;  // its ExchangeRegions (request or response) arrived
+    bool reuse = false;
+    std::string endpoint;
+    std::map<std::string, std::string> regions;  // key -> descriptor
+  };
+  // A healthy cross-node channel, per (model, peer node): reused by later versions of the model.
+  struct Channel {
+    transport::PeerId id;
+    std::string peer_instance;
   };
   struct Exec {
     std::string model_id;
@@ -88,18 +130,30 @@ class NodeDaemon {
     uint64_t epoch = 0;
     std::shared_ptr<const ModelPlan> plan;
     std::map<std::string, std::shared_ptr<Bytes>> incoming;  // local rollout worker -> staging
-    std::vector<int> received_per_bucket;
+    std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
     uint64_t bytes_done = 0;
     bool started = false, aborted = false, failed = false;
     std::string error;
     absl::Time deadline;
+    // Data plane of this version (guarded by mu_).
+    bool regions_ready = false;
+    std::map<std::string, std::string> local_desc;  // key -> descriptor on the cross-node transport
+    std::map<std::string, PeerState> peers;         // remote node -> its side
+    std::map<std::string, transport::PeerId> connected;  // remote node -> channel used by this version
   };
 
   absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunExec(std::shared_ptr<Exec> exec);
   absl::Status RunExecInner(Exec& exec);
-  absl::Status OnFrame(const FrameHeader& header, absl::Span<const uint8_t> payload);
+  // Exchanges regions with `peer` and returns the channel for this version (connecting if needed).
+  absl::StatusOr<transport::PeerId> SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
+                                              transport::Transport* cross);
+  // Drops the cached channel of (model, peer) and disconnects it (outside mu_).
+  void DropChannel(const std::string& model_id, const std::string& peer, transport::PeerId id);
+  pb::NodeService::Stub* PeerStub(const std::string& address);
+  // Checks local worker processes; tells the coordinator about the ones that exited.
+  void CheckWorkers();
   void HeartbeatLoop();
   absl::Status Register();
 
@@ -116,6 +170,10 @@ class NodeDaemon {
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
+  std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
+  std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, peer node)
+  absl::Mutex stubs_mu_;
+  std::map<std::string, std::unique_ptr<pb::NodeService::Stub>> peer_stubs_ ABSL_GUARDED_BY(stubs_mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread heartbeat_;

@@ -31,8 +31,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   const bool has_node = o.role != DaemonRole::kCoordinator;
   if (has_node && o.worker_socket.empty()) return absl::InvalidArgumentError("--worker_socket is required for role node/standalone");
   if (o.role == DaemonRole::kNode && o.coordinator.empty()) return absl::InvalidArgumentError("--coordinator is required for role node");
-  if (has_node && !o.make_data_channel) return absl::InvalidArgumentError("no data channel factory");
-  if (has_coord && !o.make_plan) return absl::InvalidArgumentError("no planner");
+  if (has_node && !o.make_transports) return absl::InvalidArgumentError("no transport factory");
   grpc::EnableDefaultHealthCheckService(true);
   s->front_ = std::make_unique<DaemonFront>(o.security, has_node ? o.node_id : "coordinator");
   RETURN_IF_ERROR(s->front_->StartMetrics());
@@ -47,8 +46,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.make_channel = s->front_->channel_factory();
     co.transfer_timeout = o.transfer_timeout;
     co.make_plan = o.make_plan;
-    co.inventory_from_hf = o.inventory_from_hf;
-    co.preset_layout = o.preset_layout;
+    co.topology = o.topology;
+    co.bucket_bytes = o.bucket_bytes;
     s->coordinator_ = std::make_unique<Coordinator>(std::move(co));
     tcp.RegisterService(s->front_->WrapCoordinator(s->coordinator_.get()));
   }
@@ -60,7 +59,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.heartbeat = o.heartbeat;
     no.make_channel = s->front_->channel_factory();
     no.staging_budget_bytes = o.staging_budget_bytes;
-    no.data_channel = o.make_data_channel();
+    ASSIGN_OR_RETURN(no.transports, o.make_transports());
+    no.checksums = o.checksums;
+    no.test_before_bucket = o.test_before_bucket;
+    no.test_skip_heartbeat = o.test_skip_heartbeat;
     s->node_ = std::make_unique<NodeDaemon>(std::move(no));
     tcp.RegisterService(s->front_->WrapNode(s->node_->node_service()));
   }

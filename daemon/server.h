@@ -11,8 +11,8 @@
 #include "absl/time/time.h"
 #include "daemon/coordinator.h"
 #include "daemon/front.h"
-#include "daemon/data_channel.h"
 #include "daemon/node_daemon.h"
+#include "transport/factory.h"
 #include "tools/cc/clock.h"
 
 namespace wb::daemon {
@@ -34,11 +34,16 @@ struct ServerOptions {
   Clock* clock = Clock::Real();
   // TLS/token between daemons, request limits, worker socket mode, metrics endpoint (daemon/front.h).
   SecurityOptions security;
+  planner::Topology topology;                 // bandwidths the coordinator's planner assumes
+  int64_t bucket_bytes = int64_t{2} << 30;    // planner staging budget per GPU per bucket
+  bool checksums = true;                      // xxh3 per cross-node batch
   // Injected dependencies (main.cc picks the concrete ones).
-  PlanFn make_plan;
-  InventoryFn inventory_from_hf;
-  PresetFn preset_layout;
-  std::function<std::unique_ptr<DataChannel>()> make_data_channel;
+  PlanFn make_plan;  // empty = planner::MakePlan
+  // Node/standalone: the data-plane transports (transport/factory.h). Required for a node.
+  std::function<absl::StatusOr<transport::TransportSet>()> make_transports;
+  // TEST ONLY: see NodeDaemon::Options::test_before_bucket.
+  std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
+  std::function<bool()> test_skip_heartbeat;
 };
 
 class Server {
