@@ -62,9 +62,9 @@ class BrokenCopyTest(unittest.TestCase):
 
     def test_new_daemon_flag_without_env_line(self):
         extra = self.help_text.replace("  Flags from daemon/main.cc:\n",
-                                       "  Flags from daemon/main.cc:\n    --metrics_listen (prometheus); default: \"\";\n")
+                                       "  Flags from daemon/main.cc:\n    --zz_test_only_flag (invented by the test); default: \"\";\n")
         self.assertNotEqual(extra, self.help_text)
-        self.broken("systemd/node.env", "WB_ROLE=node", "WB_ROLE=node", "flag --metrics_listen has no WB_METRICS_LISTEN= line",
+        self.broken("systemd/node.env", "WB_ROLE=node", "WB_ROLE=node", "flag --zz_test_only_flag has no WB_ZZ_TEST_ONLY_FLAG= line",
                     help_text=extra)
 
     def test_socket_outside_runtime_directory(self):
