@@ -53,8 +53,10 @@ std::string FormatBytes(uint64_t bytes) {
 }
 
 std::string StatusTable(const pb::StatusResponse& s, const std::string& source) {
-  std::string out = absl::StrFormat("daemon: %s%s%s\n", s.role().empty() ? source : s.role(),
-                                    s.node_id().empty() ? "" : " node ", s.node_id());
+  std::string out = absl::StrFormat("daemon: %s%s%s%s (answered by the %s service)\n",
+                                    s.role().empty() ? "?" : s.role(),
+                                    s.node_id().empty() ? "" : " (", s.node_id(),
+                                    s.node_id().empty() ? "" : ")", source);
   absl::StrAppendFormat(&out, "\nNODES (%d)\n", s.nodes_size());
   if (s.nodes_size() > 0) {
     absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8s %s\n", "ID", "ADDRESS", "ALIVE",

@@ -51,7 +51,7 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
   run.model_id = "qwen-" + c.layout;
   run.mode = c.mode;
   run.versions = c.mode == "async" ? 3 : 2;
-  run.timeout_ms = 120000;
+  run.timeout_ms = 60000;
 
   std::vector<WorkerSpec> trainers, rollouts;
   if (c.layout == "megatron_to_vllm") {
@@ -91,7 +91,12 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
     absl::Status s = ExpectCleanExit(p, absl::Seconds(60));
     EXPECT_TRUE(s.ok()) << s;
   }
-  if (HasFailure()) return;
+  if (HasFailure()) {
+    auto st = cl.Status();
+    ADD_FAILURE() << "cluster status at failure: "
+                  << (st.ok() ? st->DebugString() : st.status().ToString());
+    return;
+  }
 
   const uint64_t last = static_cast<uint64_t>(run.versions);
   const int64_t model_bytes = ModelBytes(run.config);
@@ -111,9 +116,11 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
     }
     EXPECT_EQ(prev, last) << p->name() << " did not end on the last version";
   }
-  // Every replica holds the whole model exactly once (tp=2 <= kv heads: no replicated heads), so
-  // the bytes checked for the last version are 2 x the model.
-  EXPECT_EQ(verified_per_version[last], 2 * model_bytes);
+  // Each rollout checked every byte its layout holds (the worker walks all of its pieces), and
+  // each replica holds at least the whole model (more where vLLM replicates: norms on every tp
+  // rank), so at least 2 x the model was checked for the last version.
+  for (Process* p : r_procs) EXPECT_GT(VerifiedBytes(p, last), 0) << p->name();
+  EXPECT_GE(verified_per_version[last], 2 * model_bytes);
 
   // The operator's view agrees.
   std::vector<std::string> lines;

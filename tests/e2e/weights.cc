@@ -80,6 +80,32 @@ void ForEachRow(const planner::TensorSpec& t, const planner::Piece& p, char* bas
   }
 }
 
+// Element values of a version as unsigned integers of the element's width (little-endian: the
+// same bytes WriteWeight writes).
+template <typename T>
+void FillRow(uint32_t tensor, uint64_t version, int64_t flat, int64_t flat_step, char* dst,
+             int64_t step_bytes, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    T v = static_cast<T>(WeightBits(tensor, version, static_cast<uint64_t>(flat + i * flat_step)));
+    std::memcpy(dst + i * step_bytes, &v, sizeof(T));
+  }
+}
+
+template <typename T>
+bool RowMatches(uint32_t tensor, uint64_t version, int64_t flat, int64_t flat_step,
+                const char* src, int64_t step_bytes, int64_t n) {
+  T diff = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    T want = version == 0 ? T{0}
+                          : static_cast<T>(WeightBits(tensor, version,
+                                                      static_cast<uint64_t>(flat + i * flat_step)));
+    T got;
+    std::memcpy(&got, src + i * step_bytes, sizeof(T));
+    diff |= static_cast<T>(want ^ got);
+  }
+  return diff == 0;
+}
+
 bool IsZero(const char* p, int n) {
   for (int i = 0; i < n; ++i) {
     if (p[i] != 0) return false;
@@ -115,9 +141,18 @@ absl::StatusOr<int64_t> FillPieces(const planner::Inventory& inventory,
     const uint32_t tensor = static_cast<uint32_t>(p.tensor);
     ForEachRow(t, p, static_cast<char*>(memory.buffers[p.buffer]),
                [&](char* dst, int64_t flat, int64_t step_bytes, int64_t flat_step, int64_t n) {
-                 for (int64_t i = 0; i < n; ++i) {
-                   WriteWeight(tensor, version, static_cast<uint64_t>(flat + i * flat_step), esize,
-                               dst + i * step_bytes);
+                 switch (esize) {
+                   case 2:
+                     FillRow<uint16_t>(tensor, version, flat, flat_step, dst, step_bytes, n);
+                     break;
+                   case 4:
+                     FillRow<uint32_t>(tensor, version, flat, flat_step, dst, step_bytes, n);
+                     break;
+                   case 8:
+                     FillRow<uint64_t>(tensor, version, flat, flat_step, dst, step_bytes, n);
+                     break;
+                   default:
+                     FillRow<uint8_t>(tensor, version, flat, flat_step, dst, step_bytes, n);
                  }
                });
     bytes += planner::BoxVolume(p.box) * esize;
@@ -143,6 +178,23 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
     const uint32_t tensor = static_cast<uint32_t>(p.tensor);
     ForEachRow(t, p, static_cast<char*>(memory.buffers[p.buffer]),
                [&](char* src, int64_t flat, int64_t step_bytes, int64_t flat_step, int64_t n) {
+                 // Fast path: the whole row matches (the common case); otherwise find and report
+                 // the differing elements one by one below.
+                 bool row_ok = false;
+                 switch (esize) {
+                   case 2:
+                     row_ok = RowMatches<uint16_t>(tensor, version, flat, flat_step, src, step_bytes, n);
+                     break;
+                   case 4:
+                     row_ok = RowMatches<uint32_t>(tensor, version, flat, flat_step, src, step_bytes, n);
+                     break;
+                   case 8:
+                     row_ok = RowMatches<uint64_t>(tensor, version, flat, flat_step, src, step_bytes, n);
+                     break;
+                   default:
+                     row_ok = RowMatches<uint8_t>(tensor, version, flat, flat_step, src, step_bytes, n);
+                 }
+                 if (row_ok) return;
                  for (int64_t i = 0; i < n; ++i) {
                    const uint64_t f = static_cast<uint64_t>(flat + i * flat_step);
                    if (version == 0 ? IsZero(src + i * step_bytes, esize)
