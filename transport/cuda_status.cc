@@ -35,4 +35,33 @@ absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
                                          sticky ? " (sticky: context unusable)" : ""));
 }
 
+#if __has_include(<nccl.h>)
+absl::Status NcclStatus(ncclResult_t res, absl::string_view what, ncclComm_t comm) {
+  if (res == ncclSuccess) return absl::OkStatus();
+  absl::StatusCode code = absl::StatusCode::kInternal;
+  switch (res) {
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      code = absl::StatusCode::kInvalidArgument;
+      break;
+    case ncclRemoteError:
+    case ncclSystemError:
+    case ncclInProgress:
+      code = absl::StatusCode::kUnavailable;
+      break;
+    case ncclUnhandledCudaError:
+      (void)cudaGetLastError();  // NCCL left a CUDA error behind; do not report it twice
+      break;
+    default:
+      break;
+  }
+  std::string detail;
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && last[0] != '\0') detail = absl::StrCat(" [", last, "]");
+  }
+  return absl::Status(code, absl::StrCat(what, ": ", ncclGetErrorString(res), detail));
+}
+#endif
+
 }  // namespace wb::transport

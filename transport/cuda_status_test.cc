@@ -14,5 +14,16 @@ TEST(CudaStatusTest, MapsCodesAndNamesTheCall) {
   EXPECT_NE(CudaStatus(cudaErrorIllegalAddress, "k").message().find("sticky"), std::string::npos);
 }
 
+#if __has_include(<nccl.h>)
+TEST(CudaStatusTest, MapsNcclCodes) {
+  EXPECT_TRUE(NcclStatus(ncclSuccess, "x").ok());
+  EXPECT_EQ(NcclStatus(ncclRemoteError, "ncclSend").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(NcclStatus(ncclInvalidUsage, "ncclGroupEnd").code(), absl::StatusCode::kInvalidArgument);
+  absl::Status s = NcclStatus(ncclInternalError, "ncclCommInitRankConfig peer abc");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(s.message().find("peer abc"), std::string::npos) << s;
+}
+#endif
+
 }  // namespace
 }  // namespace wb::transport

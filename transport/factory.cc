@@ -10,11 +10,12 @@
 namespace wb::transport {
 
 std::vector<std::string> BuiltInKinds() {
-  std::vector<std::string> kinds;
+  // Host transports first: TransportSet::Pick takes the first match, and cuda_ipc also reaches
+  // host memory (for host <-> device ops), so host <-> host routes must find host_shm/host_tcp
+  // before it. Device routes still get cuda_ipc / nccl: the host transports do not reach kCuda.
+  std::vector<std::string> kinds = {"host_shm", "host_tcp"};
   if (CudaIpcBuiltIn()) kinds.push_back("cuda_ipc");
   if (NcclBuiltIn()) kinds.push_back("nccl");
-  kinds.push_back("host_shm");
-  kinds.push_back("host_tcp");
   return kinds;
 }
 

@@ -1,0 +1,58 @@
+#pragma once
+// Strided box copies on a CUDA stream (built only with CUDA). Shared by the cuda_ipc transport
+// (the copies themselves) and the nccl transport (packing / unpacking staging buffers).
+//
+// A CopyOp is first brought into a canonical form: dims of extent 1 dropped, the innermost dims
+// that are contiguous on BOTH sides folded into one row of `width` bytes, adjacent dims that nest
+// exactly on both sides merged. EnqueueBoxCopy then issues as few copies as it can:
+//   no outer dim            -> one cudaMemcpyAsync
+//   two outer dims that nest as a pitched 3-D volume on both sides (outer stride a multiple of the
+//                              inner one, pitch >= width) -> cudaMemcpy3DAsync per remaining index
+//   otherwise               -> cudaMemcpy2DAsync over the outer dim with the largest extent whose
+//                              pitches are valid (>= width), looping over the other dims
+//   nothing valid (e.g. stride 0 / overlapping rows) -> one cudaMemcpyAsync per row.
+// All copies use cudaMemcpyDefault (unified addressing decides host/device direction).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace wb::transport {
+
+struct BoxDim {
+  int64_t extent = 1;
+  int64_t src_stride = 0;  // bytes
+  int64_t dst_stride = 0;  // bytes
+};
+
+struct CanonicalBox {
+  bool empty = false;          // some extent was 0: nothing to copy
+  int64_t width = 0;           // bytes of the innermost run, contiguous on both sides
+  std::vector<BoxDim> outer;   // outermost first
+  int64_t bytes() const {
+    if (empty) return 0;
+    int64_t n = width;
+    for (const BoxDim& d : outer) n *= d.extent;
+    return n;
+  }
+};
+
+// Canonical form of (shape, src strides, dst strides) in elements of `element_size` bytes.
+// Requires a validated op (ranks equal, non-negative values).
+CanonicalBox Canonicalize(const std::vector<int64_t>& shape, const std::vector<int64_t>& src_strides,
+                          const std::vector<int64_t>& dst_strides, int64_t element_size);
+
+// True if every row of the box is laid out back to back on the source (dst) side, i.e. the side
+// is one contiguous run of bytes().
+bool SrcContiguous(const CanonicalBox& box);
+bool DstContiguous(const CanonicalBox& box);
+
+// Enqueues the copy of `box` from `src` to `dst` on `stream` (the current device must be the
+// stream's device). `calls`, if set, is incremented by the number of copy calls issued.
+absl::Status EnqueueBoxCopy(char* dst, const char* src, const CanonicalBox& box, cudaStream_t stream,
+                            int64_t* calls = nullptr);
+
+}  // namespace wb::transport

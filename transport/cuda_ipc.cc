@@ -1,0 +1,761 @@
+#include "transport/cuda_ipc.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "transport/common.h"
+#include "transport/cuda_copy.h"
+#include "transport/cuda_status.h"
+#include "transport/strided.h"
+#include "transport/wire.h"
+
+namespace wb::transport {
+namespace {
+
+constexpr char kKind[] = "cuda_ipc";
+constexpr size_t kHandleBytes = sizeof(cudaIpcMemHandle_t);
+static_assert(kHandleBytes == 64, "cudaIpcMemHandle_t is 64 bytes");
+constexpr size_t kUuidBytes = sizeof(cudaUUID_t);
+static_assert(kUuidBytes == 16, "cudaUUID_t is 16 bytes");
+// How long Wait (after its deadline) and the destructor let already-enqueued copies drain.
+constexpr absl::Duration kDrainGrace = absl::Seconds(10);
+
+// cuMemGetAddressRange through the runtime's driver entry point (no -lcuda at link time).
+using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+GetAddressRangeFn LoadGetAddressRange() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<GetAddressRangeFn>(fn);
+}
+
+// The descriptor's kind-specific fields, after the common header (see EncodeDescriptor).
+struct Desc {
+  std::string inst, node, label;
+  uint64_t region_id = 0;
+  int64_t size = 0;
+  std::string handle;  // kHandleBytes
+  int64_t alloc_offset = 0;
+  uint32_t device = 0;
+  std::string uuid;  // kUuidBytes or empty
+};
+
+std::string EncodeDescriptor(const Desc& d) {
+  wire::Writer w;
+  w.U32(kWireMagic);
+  w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
+  w.Str(kKind);
+  w.Str(d.inst);
+  w.Str(d.node);
+  w.U64(d.region_id);
+  w.I64(d.size);
+  w.Str(d.label);
+  w.Str(d.handle);
+  w.I64(d.alloc_offset);
+  w.U32(d.device);
+  w.Str(d.uuid);
+  return std::move(w.out());
+}
+
+absl::StatusOr<Desc> DecodeDescriptor(absl::string_view bytes) {
+  wire::Reader r(bytes);
+  const uint32_t magic = r.U32();
+  const uint8_t type = r.U8();
+  std::string kind = r.Str();
+  Desc d;
+  d.inst = r.Str();
+  d.node = r.Str();
+  d.region_id = r.U64();
+  d.size = r.I64();
+  d.label = r.Str();
+  d.handle = r.Str(kHandleBytes);
+  d.alloc_offset = r.I64();
+  d.device = r.U32();
+  d.uuid = r.Str(kUuidBytes);
+  if (!r.ok() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
+    return absl::InvalidArgumentError("cuda_ipc ImportDescriptor: bytes are not a transport descriptor");
+  }
+  if (kind != kKind) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: descriptor is for transport '", kind, "'"));
+  }
+  if (!r.done() || d.handle.size() != kHandleBytes || (!d.uuid.empty() && d.uuid.size() != kUuidBytes) ||
+      d.size < 0 || d.alloc_offset < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: malformed descriptor of region '",
+                                                   d.label, "'"));
+  }
+  return d;
+}
+
+struct Mapping {
+  char* base = nullptr;  // what cudaIpcOpenMemHandle returned (the allocation base)
+  int64_t alloc_size = -1;  // -1: unknown
+  int device = 0;
+  int refs = 0;
+};
+
+struct Region {
+  bool local = true;
+  MemoryKind kind = MemoryKind::kCuda;
+  char* base = nullptr;
+  int64_t size = 0;
+  int device = -1;  // kCuda: the device the bytes live on (imports: the local ordinal)
+  std::string label;
+  std::string owner_instance;  // empty: a raw worker buffer, treated like a local region
+  uint64_t owner_region_id = 0;
+  // Local kCuda regions.
+  char* alloc_base = nullptr;
+  bool have_handle = false;
+  cudaIpcMemHandle_t handle = {};
+  // Local kHost regions: pinned by us (undo on Release).
+  bool host_registered = false;
+  // Imports: key into mappings_.
+  std::string mapping_key;
+  int pinned = 0;
+};
+
+struct StreamEvent {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t event = nullptr;
+  bool done = false;
+};
+
+struct IpcBatch {
+  uint64_t id = 0;
+  uint64_t tag = 0;
+  int64_t bytes = 0;
+  std::vector<uint64_t> regions;
+  std::vector<StreamEvent> events;
+  absl::Status status;  // first error (enqueue, copy, or deadline)
+};
+
+class CudaIpcTransport : public Transport {
+ public:
+  CudaIpcTransport(const TransportConfig& config, std::vector<std::string> uuids)
+      : options_(config.cuda_ipc),
+        node_id_(config.node_id.empty() ? DefaultNodeId() : config.node_id),
+        instance_id_(RandomInstanceId()),
+        uuids_(std::move(uuids)),
+        get_range_(LoadGetAddressRange()) {}
+
+  ~CudaIpcTransport() override {
+    absl::MutexLock l(&mu_);
+    const absl::Time until = absl::Now() + kDrainGrace;
+    for (auto& [id, b] : batches_) {
+      while (!QueryLocked(b.get()) && absl::Now() < until) {
+        mu_.Unlock();
+        absl::SleepFor(absl::Microseconds(200));
+        mu_.Lock();
+      }
+      if (QueryLocked(b.get())) DestroyEvents(b.get());  // else leak: the GPU may still use them
+    }
+    for (auto& [id, r] : regions_) {
+      if (r.host_registered) {
+        (void)cudaHostUnregister(r.base);
+        (void)cudaGetLastError();
+      }
+    }
+    for (auto& [key, m] : mappings_) {
+      (void)cudaSetDevice(m.device);
+      (void)cudaIpcCloseMemHandle(m.base);
+      (void)cudaGetLastError();
+    }
+    absl::MutexLock sl(&streams_mu_);
+    for (auto& [dev, streams] : streams_) {
+      (void)cudaSetDevice(dev);
+      for (cudaStream_t s : streams) (void)cudaStreamDestroy(s);
+    }
+    (void)cudaGetLastError();
+  }
+
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.kind = kKind;
+    c.memory_kinds = {MemoryKind::kCuda, MemoryKind::kHost};
+    c.same_node = true;
+    c.cross_node = false;
+    c.two_sided = false;
+    c.checksums = false;
+    c.native_strides = true;
+    return c;
+  }
+
+  std::string instance_id() const override { return instance_id_; }
+
+  absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
+    wire::Writer w;
+    w.U32(kWireMagic);
+    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
+    w.Str(kKind);
+    w.Str(instance_id_);
+    w.Str(node_id_);
+    return std::move(w.out());
+  }
+
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time) override {
+    wire::Reader r(endpoint);
+    const uint32_t magic = r.U32();
+    const uint8_t type = r.U8();
+    std::string kind = r.Str(), inst = r.Str(), node = r.Str();
+    if (!r.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
+      return absl::InvalidArgumentError("cuda_ipc Connect: bytes are not a cuda_ipc endpoint");
+    }
+    if (node != node_id_) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc Connect: peer ", inst, " is on node '", node,
+                                                     "', this is node '", node_id_, "' (same-node transport)"));
+    }
+    absl::MutexLock l(&mu_);
+    for (auto& [pid, pinst] : peers_) {
+      if (pinst == inst) return PeerId{pid};
+    }
+    const uint64_t id = next_id_++;
+    peers_[id] = inst;
+    return PeerId{id};
+  }
+
+  absl::Status Disconnect(PeerId peer) override {
+    absl::MutexLock l(&mu_);
+    if (peers_.erase(peer.id) == 0) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown peer ", peer.id));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override {
+    if (spec.size_bytes < 0 || (spec.base == nullptr && spec.size_bytes > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: bad region '", spec.label, "' (base ",
+                                                     spec.base == nullptr ? "null" : "set", ", size ", spec.size_bytes,
+                                                     ")"));
+    }
+    Region r;
+    r.local = true;
+    r.kind = spec.kind;
+    r.base = static_cast<char*>(spec.base);
+    r.size = spec.size_bytes;
+    r.label = spec.label;
+    r.owner_instance = instance_id_;
+    if (spec.kind == MemoryKind::kCuda && spec.size_bytes > 0) {
+      cudaPointerAttributes attr = {};
+      if (cudaError_t e = cudaPointerGetAttributes(&attr, spec.base); e != cudaSuccess) {
+        return CudaStatus(e, absl::StrCat("cuda_ipc RegisterMemory('", spec.label, "'): cudaPointerGetAttributes"));
+      }
+      if (attr.type != cudaMemoryTypeDevice) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: region '", spec.label,
+                                                       "' is not CUDA device memory (cudaPointerGetAttributes type ",
+                                                       static_cast<int>(attr.type), ")"));
+      }
+      if (spec.device >= 0 && spec.device != attr.device) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: region '", spec.label, "' says device ", spec.device,
+                                                       " but the pointer belongs to device ", attr.device));
+      }
+      r.device = attr.device;
+      WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(r.device), "cuda_ipc RegisterMemory: cudaSetDevice");
+      int64_t alloc_size = -1;
+      r.alloc_base = AllocationBase(r.base, &alloc_size);
+      if (alloc_size >= 0 && (r.base - r.alloc_base) + r.size > alloc_size) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: region '", spec.label, "' (", r.size,
+                                                       " bytes at offset ", r.base - r.alloc_base,
+                                                       ") extends past its allocation of ", alloc_size, " bytes"));
+      }
+    } else if (spec.kind == MemoryKind::kHost && spec.size_bytes > 0) {
+      // Pinning makes host <-> device copies asynchronous DMA; without it they still work (staged).
+      cudaError_t e = cudaHostRegister(spec.base, spec.size_bytes, cudaHostRegisterDefault);
+      r.host_registered = e == cudaSuccess;
+      if (e != cudaSuccess) (void)cudaGetLastError();
+    }
+    absl::MutexLock l(&mu_);
+    const uint64_t id = next_id_++;
+    r.owner_region_id = id;
+    regions_[id] = std::move(r);
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
+    Region& r = it->second;
+    if (!r.local) return absl::FailedPreconditionError("cuda_ipc: cannot re-export an imported region");
+    if (r.kind != MemoryKind::kCuda) {
+      return absl::FailedPreconditionError(absl::StrCat("cuda_ipc: region '", r.label,
+                                                        "' is host memory; export it with host_shm"));
+    }
+    if (r.size == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("cuda_ipc: region '", r.label, "' is empty; nothing to export"));
+    }
+    if (!r.have_handle) {
+      WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(r.device), "cuda_ipc ExportDescriptor: cudaSetDevice");
+      if (cudaError_t e = cudaIpcGetMemHandle(&r.handle, r.alloc_base); e != cudaSuccess) {
+        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc ExportDescriptor('", r.label, "'): cudaIpcGetMemHandle"));
+        // Memory from cudaMallocAsync pools or cuMemCreate cannot be exported with legacy IPC.
+        return absl::FailedPreconditionError(absl::StrCat(s.message(), " (the region must come from cudaMalloc)"));
+      }
+      r.have_handle = true;
+    }
+    Desc d;
+    d.inst = instance_id_;
+    d.node = node_id_;
+    d.region_id = h.id;
+    d.size = r.size;
+    d.label = r.label;
+    d.handle.assign(reinterpret_cast<const char*>(&r.handle), kHandleBytes);
+    d.alloc_offset = r.base - r.alloc_base;
+    d.device = static_cast<uint32_t>(r.device);
+    if (r.device >= 0 && r.device < static_cast<int>(uuids_.size())) d.uuid = uuids_[r.device];
+    return EncodeDescriptor(d);
+  }
+
+  absl::StatusOr<RegionHandle> ImportDescriptor(absl::string_view bytes) override {
+    auto d = DecodeDescriptor(bytes);
+    if (!d.ok()) return d.status();
+    if (d->node != node_id_) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: region '", d->label, "' of ",
+                                                     d->inst, " lives on node '", d->node, "', this is node '",
+                                                     node_id_, "'"));
+    }
+    if (d->inst == instance_id_) return ImportOwn(*d);
+    // The exporter's device, in our numbering.
+    int device = -1;
+    if (!d->uuid.empty()) {
+      for (size_t i = 0; i < uuids_.size(); ++i) {
+        if (uuids_[i] == d->uuid) device = static_cast<int>(i);
+      }
+      if (device < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: region '", d->label,
+                                                       "' lives on a GPU this process cannot see (exporter's device ",
+                                                       d->device, ")"));
+      }
+    } else {
+      device = static_cast<int>(d->device);
+      if (device >= static_cast<int>(uuids_.size())) {
+        return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: region '", d->label,
+                                                       "' names device ", device, ", only ", uuids_.size(),
+                                                       " visible here"));
+      }
+    }
+    const std::string key = absl::StrCat(d->handle, "@", device);
+    absl::MutexLock il(&import_mu_);  // one open per handle even with concurrent imports
+    Mapping m;
+    {
+      absl::MutexLock l(&mu_);
+      if (auto it = mappings_.find(key); it != mappings_.end()) m = it->second;
+    }
+    bool opened = false;
+    if (m.base == nullptr) {
+      WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cuda_ipc ImportDescriptor: cudaSetDevice");
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, d->handle.data(), kHandleBytes);
+      void* p = nullptr;
+      if (cudaError_t e = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc import of region '", d->label, "' of ", d->inst,
+                                                    ": cudaIpcOpenMemHandle"));
+        // A handle whose exporter is gone or that is not an IPC handle is the caller's bad input.
+        return absl::Status(s.code() == absl::StatusCode::kInternal ? absl::StatusCode::kInvalidArgument : s.code(),
+                            s.message());
+      }
+      m.base = static_cast<char*>(p);
+      m.device = device;
+      AllocationBase(m.base, &m.alloc_size);
+      opened = true;
+    }
+    if (m.alloc_size >= 0 && d->alloc_offset + d->size > m.alloc_size) {
+      if (opened) {
+        (void)cudaIpcCloseMemHandle(m.base);
+        (void)cudaGetLastError();
+      }
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc import of region '", d->label, "': bytes [",
+                                                     d->alloc_offset, ", ", d->alloc_offset + d->size,
+                                                     ") exceed the exported allocation of ", m.alloc_size, " bytes"));
+    }
+    absl::MutexLock l(&mu_);
+    Mapping& stored = mappings_[key];
+    if (opened) stored = m;
+    stored.refs++;
+    Region r;
+    r.local = false;
+    r.kind = MemoryKind::kCuda;
+    r.base = stored.base + d->alloc_offset;
+    r.size = d->size;
+    r.device = device;
+    r.label = d->label;
+    r.owner_instance = d->inst;
+    r.owner_region_id = d->region_id;
+    r.mapping_key = key;
+    const uint64_t id = next_id_++;
+    regions_[id] = std::move(r);
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
+    RegionInfo info;
+    info.local = it->second.local;
+    info.kind = it->second.kind;
+    info.size_bytes = it->second.size;
+    info.owner_instance = it->second.owner_instance;
+    info.label = it->second.label;
+    for (auto& [pid, inst] : peers_) {
+      if (!info.local && inst == it->second.owner_instance) info.peer = PeerId{pid};
+    }
+    return info;
+  }
+
+  absl::Status Release(RegionHandle h) override {
+    absl::MutexLock il(&import_mu_);  // an import in progress may be about to share the mapping
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
+    Region& r = it->second;
+    if (r.pinned > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("cuda_ipc: region '", r.label, "' is used by ", r.pinned,
+                                                        " unfinished batch(es)"));
+    }
+    if (r.host_registered) {
+      (void)cudaHostUnregister(r.base);
+      (void)cudaGetLastError();
+    }
+    if (!r.mapping_key.empty()) {
+      auto m = mappings_.find(r.mapping_key);
+      if (m != mappings_.end() && --m->second.refs == 0) {
+        (void)cudaSetDevice(m->second.device);
+        cudaError_t e = cudaIpcCloseMemHandle(m->second.base);
+        mappings_.erase(m);
+        if (e != cudaSuccess) {
+          regions_.erase(it);
+          return CudaStatus(e, "cuda_ipc Release: cudaIpcCloseMemHandle");
+        }
+      }
+    }
+    regions_.erase(it);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BatchId> Post(const Batch& batch) override {
+    struct Planned {
+      char* dst;
+      const char* src;
+      CanonicalBox box;
+      int device;
+    };
+    std::vector<Planned> plan;
+    auto b = std::make_shared<IpcBatch>();
+    b->tag = batch.tag;
+    {
+      absl::MutexLock l(&mu_);
+      std::string peer_inst;
+      if (batch.peer != kNoPeer) {
+        auto p = peers_.find(batch.peer.id);
+        if (p == peers_.end()) {
+          return absl::InvalidArgumentError(absl::StrCat("cuda_ipc batch ", batch.tag, ": unknown peer ", batch.peer.id));
+        }
+        peer_inst = p->second;
+      }
+      auto lookup = [&](const RegionHandle& h, size_t i, const char* which) -> absl::StatusOr<Region*> {
+        auto it = regions_.find(h.id);
+        if (it == regions_.end()) {
+          return absl::InvalidArgumentError(absl::StrCat("cuda_ipc batch ", batch.tag, " op ", i, ": unknown ", which,
+                                                         " region ", h.id));
+        }
+        Region* r = &it->second;
+        // Raw worker buffers (no owner) and aliases of our own regions behave like local ones.
+        if (!r->local && !r->owner_instance.empty() && r->owner_instance != instance_id_ &&
+            r->owner_instance != peer_inst) {
+          return absl::InvalidArgumentError(absl::StrCat("cuda_ipc batch ", batch.tag, " op ", i, ": ", which,
+                                                         " region '", r->label, "' was exported by ", r->owner_instance,
+                                                         ", not by the batch's peer ",
+                                                         peer_inst.empty() ? "(none)" : peer_inst));
+        }
+        return r;
+      };
+      for (size_t i = 0; i < batch.ops.size(); ++i) {
+        const CopyOp& op = batch.ops[i];
+        auto src = lookup(op.src.region, i, "source");
+        if (!src.ok()) return src.status();
+        auto dst = lookup(op.dst.region, i, "destination");
+        if (!dst.ok()) return dst.status();
+        auto layout = ValidateOp(op, static_cast<int>(i), (*src)->size, (*dst)->size, (*src)->label, (*dst)->label);
+        if (!layout.ok()) return layout.status();
+        b->regions.push_back(op.src.region.id);
+        b->regions.push_back(op.dst.region.id);
+        const int64_t n = layout->src.total_bytes();
+        if (n == 0) continue;
+        const Region* dr = *dst;
+        const Region* sr = *src;
+        if (dr->kind != MemoryKind::kCuda && sr->kind != MemoryKind::kCuda) {
+          return absl::InvalidArgumentError(absl::StrCat("cuda_ipc batch ", batch.tag, " op ", i, ": '", sr->label,
+                                                         "' -> '", dr->label,
+                                                         "' has no device side (host -> host belongs to host_shm)"));
+        }
+        b->bytes += n;
+        plan.push_back({dr->base + op.dst.offset_bytes, sr->base + op.src.offset_bytes,
+                        Canonicalize(op.shape, op.src.strides, op.dst.strides, op.element_size),
+                        dr->kind == MemoryKind::kCuda ? dr->device : sr->device});
+      }
+      // Valid: pin the regions so nobody releases them while copies may run.
+      for (uint64_t r : b->regions) regions_[r].pinned++;
+      b->id = next_id_++;
+      stats_.batches_posted++;
+      batches_[b->id] = b;
+    }
+    // Enqueue outside mu_ (pageable host copies may take a while). Ops are dealt to the stream of
+    // their device with the fewest bytes so far, so several copy engines work in parallel.
+    std::map<std::pair<int, int>, int64_t> load;  // (device, stream index) -> bytes
+    std::map<std::pair<int, int>, cudaStream_t> used;
+    absl::Status status;
+    for (size_t i = 0; i < plan.size() && status.ok(); ++i) {
+      const Planned& p = plan[i];
+      auto streams = StreamsFor(p.device);
+      if (!streams.ok()) {
+        status = streams.status();
+        break;
+      }
+      int best = 0;
+      for (int s = 1; s < static_cast<int>(streams->size()); ++s) {
+        if (load[{p.device, s}] < load[{p.device, best}]) best = s;
+      }
+      load[{p.device, best}] += p.box.bytes();
+      used[{p.device, best}] = (*streams)[best];
+      status = CudaStatus(cudaSetDevice(p.device), "cudaSetDevice");
+      if (status.ok()) status = EnqueueBoxCopy(p.dst, p.src, p.box, (*streams)[best]);
+      if (!status.ok()) {
+        status = absl::Status(status.code(), absl::StrCat("cuda_ipc batch ", batch.tag, ": enqueueing a copy: ",
+                                                          status.message()));
+      }
+    }
+    // Events after whatever was enqueued, also on failure, so Wait knows when the memory is free.
+    std::vector<StreamEvent> events;
+    for (auto& [key, stream] : used) {
+      StreamEvent se;
+      se.device = key.first;
+      se.stream = stream;
+      absl::Status s = CudaStatus(cudaSetDevice(se.device), "cudaSetDevice");
+      if (s.ok()) s = CudaStatus(cudaEventCreateWithFlags(&se.event, cudaEventDisableTiming), "cudaEventCreate");
+      if (s.ok()) s = CudaStatus(cudaEventRecord(se.event, stream), "cudaEventRecord");
+      if (!s.ok()) {
+        if (se.event != nullptr) (void)cudaEventDestroy(se.event);
+        // Without an event we cannot tell when this stream is done; wait for it (bounded by the copies).
+        (void)cudaStreamSynchronize(stream);
+        (void)cudaGetLastError();
+        if (status.ok()) status = s;
+        continue;
+      }
+      events.push_back(se);
+    }
+    absl::MutexLock l(&mu_);
+    b->events = std::move(events);
+    if (!status.ok() && b->status.ok()) b->status = status;
+    return BatchId{b->id};
+  }
+
+  absl::StatusOr<BatchState> Poll(BatchId id) override {
+    absl::MutexLock l(&mu_);
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown batch ", id.id));
+    if (!QueryLocked(it->second.get())) return BatchState::kRunning;
+    if (!it->second->status.ok()) return it->second->status;
+    return BatchState::kDone;
+  }
+
+  absl::Status Wait(BatchId id, absl::Time deadline) override {
+    absl::MutexLock l(&mu_);
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown batch ", id.id));
+    std::shared_ptr<IpcBatch> b = it->second;
+    absl::Duration backoff = absl::Microseconds(10);
+    absl::Time give_up = absl::InfiniteFuture();
+    bool drained = false;
+    while (true) {
+      drained = QueryLocked(b.get());
+      if (drained) break;
+      const absl::Time now = absl::Now();
+      if (now >= deadline && give_up == absl::InfiniteFuture()) {
+        if (b->status.ok()) {
+          b->status = absl::DeadlineExceededError(absl::StrCat("cuda_ipc batch ", b->tag, " (", b->bytes,
+                                                               " bytes) missed its deadline"));
+        }
+        give_up = now + kDrainGrace;  // enqueued copies cannot be recalled: let them drain
+      }
+      if (now >= give_up) break;
+      mu_.Unlock();
+      absl::SleepFor(backoff);
+      mu_.Lock();
+      backoff = std::min(backoff * 2, absl::Milliseconds(1));
+    }
+    if (drained) {
+      DestroyEvents(b.get());
+      for (uint64_t r : b->regions) {
+        if (auto rit = regions_.find(r); rit != regions_.end()) rit->second.pinned--;
+      }
+      if (b->status.ok()) stats_.bytes_copied += b->bytes;
+    } else {
+      // The GPU still has copies of this batch queued: keep its regions pinned (never unpinned)
+      // and its events alive rather than let memory be released under running copies.
+      b->status = absl::Status(b->status.code(), absl::StrCat(b->status.message(), "; copies still queued after ",
+                                                              absl::FormatDuration(kDrainGrace),
+                                                              ", regions stay pinned"));
+    }
+    batches_.erase(id.id);
+    if (!b->status.ok()) stats_.batches_failed++;
+    return b->status;
+  }
+
+  TransportStats stats() const override {
+    absl::MutexLock l(&mu_);
+    return stats_;
+  }
+
+ private:
+  // Start of the allocation containing p (p itself if the driver cannot tell); *size = its size
+  // or -1. The device of p must be current.
+  char* AllocationBase(char* p, int64_t* size) const {
+    *size = -1;
+    if (get_range_ == nullptr) return p;
+    CUdeviceptr base = 0;
+    size_t n = 0;
+    if (get_range_(&base, &n, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return p;
+    *size = static_cast<int64_t>(n);
+    return reinterpret_cast<char*>(base);
+  }
+
+  absl::StatusOr<RegionHandle> ImportOwn(const Desc& d) {
+    // cudaIpcOpenMemHandle refuses handles of the calling process; our own region is reachable directly.
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(d.region_id);
+    if (it == regions_.end() || !it->second.local || it->second.kind != MemoryKind::kCuda) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: own region ", d.region_id,
+                                                     " is no longer registered"));
+    }
+    Region r = it->second;
+    r.local = false;
+    r.have_handle = false;
+    r.host_registered = false;
+    r.pinned = 0;
+    const uint64_t id = next_id_++;
+    regions_[id] = std::move(r);
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<std::vector<cudaStream_t>> StreamsFor(int device) {
+    absl::MutexLock l(&streams_mu_);
+    auto it = streams_.find(device);
+    if (it != streams_.end()) return it->second;
+    WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cuda_ipc: cudaSetDevice");
+    std::vector<cudaStream_t> streams;
+    const int n = std::clamp(options_.streams, 1, 16);
+    for (int i = 0; i < n; ++i) {
+      cudaStream_t s = nullptr;
+      if (cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking); e != cudaSuccess) {
+        for (cudaStream_t made : streams) (void)cudaStreamDestroy(made);
+        return CudaStatus(e, absl::StrCat("cuda_ipc: cudaStreamCreateWithFlags on device ", device));
+      }
+      streams.push_back(s);
+    }
+    streams_[device] = streams;
+    return streams;
+  }
+
+  // True when every event of the batch has completed (or failed; the failure lands in status).
+  bool QueryLocked(IpcBatch* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    bool all = true;
+    for (StreamEvent& se : b->events) {
+      if (se.done) continue;
+      const cudaError_t e = cudaEventQuery(se.event);
+      if (e == cudaErrorNotReady) {
+        all = false;
+        continue;
+      }
+      se.done = true;
+      if (e != cudaSuccess && b->status.ok()) {
+        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc batch ", b->tag, ": copy on device ", se.device));
+        // A failed copy is a device/peer problem, not the caller's argument.
+        b->status = s.code() == absl::StatusCode::kInvalidArgument ? absl::InternalError(s.message()) : s;
+      }
+    }
+    return all;
+  }
+
+  void DestroyEvents(IpcBatch* b) {
+    for (StreamEvent& se : b->events) {
+      if (se.event != nullptr) (void)cudaEventDestroy(se.event);
+      se.event = nullptr;
+    }
+    b->events.clear();
+  }
+
+  const CudaIpcOptions options_;
+  const std::string node_id_;
+  const std::string instance_id_;
+  const std::vector<std::string> uuids_;  // per local device ordinal
+  const GetAddressRangeFn get_range_;
+
+  mutable absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::string> peers_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<IpcBatch>> batches_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Mapping> mappings_ ABSL_GUARDED_BY(mu_);
+  TransportStats stats_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex import_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  absl::Mutex streams_mu_;
+  std::map<int, std::vector<cudaStream_t>> streams_ ABSL_GUARDED_BY(streams_mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(const TransportConfig& config) {
+  if (config.cuda_ipc.streams < 1 || config.cuda_ipc.streams > 16) {
+    return absl::InvalidArgumentError("cuda_ipc.streams must be in [1, 16]");
+  }
+  int n = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0) {
+    absl::Status s = CudaStatus(e == cudaSuccess ? cudaErrorNoDevice : e, "cuda_ipc: cudaGetDeviceCount");
+    return absl::FailedPreconditionError(s.message());
+  }
+  std::vector<std::string> uuids;
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceProp prop;
+    WB_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, i), absl::StrCat("cuda_ipc: cudaGetDeviceProperties(", i, ")"));
+    uuids.emplace_back(prop.uuid.bytes, kUuidBytes);
+  }
+  return std::unique_ptr<Transport>(new CudaIpcTransport(config, std::move(uuids)));
+}
+
+absl::StatusOr<std::string> CudaIpcDescriptorFromRawHandle(const RawCudaIpcBuffer& buffer) {
+  if (buffer.ipc_handle.size() != kHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: IPC handle of buffer '", buffer.label, "' has ",
+                                                   buffer.ipc_handle.size(), " bytes, expected ", kHandleBytes));
+  }
+  if (!buffer.device_uuid.empty() && buffer.device_uuid.size() != kUuidBytes) {
+    return absl::InvalidArgumentError("cuda_ipc: device uuid must be 16 bytes or empty");
+  }
+  if (buffer.offset_bytes < 0 || buffer.size_bytes < 0 || buffer.device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: buffer '", buffer.label, "' has a negative field"));
+  }
+  Desc d;
+  d.inst = buffer.owner_instance;
+  d.node = buffer.node_id;
+  d.region_id = 0;
+  d.size = buffer.size_bytes;
+  d.label = buffer.label;
+  d.handle = buffer.ipc_handle;
+  d.alloc_offset = buffer.offset_bytes;
+  d.device = static_cast<uint32_t>(buffer.device);
+  d.uuid = buffer.device_uuid;
+  return EncodeDescriptor(d);
+}
+
+}  // namespace wb::transport

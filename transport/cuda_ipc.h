@@ -1,0 +1,53 @@
+#pragma once
+// "cuda_ipc": same-node transport for CUDA device memory (one-sided; see transport.h).
+//
+// Memory: RegisterMemory(kCuda) records the pointer, its device and where it sits in its
+// allocation (cuMemGetAddressRange, reached through cudaGetDriverEntryPointByVersion so no
+// libcuda link is needed). ExportDescriptor carries cudaIpcGetMemHandle of the ALLOCATION base +
+// the region's offset in it + size + device ordinal and UUID + node id. ImportDescriptor maps the
+// device by UUID (ordinals differ under CUDA_VISIBLE_DEVICES), opens the handle once per
+// (handle, device) with cudaIpcMemLazyEnablePeerAccess and shares that mapping between imports;
+// the last Release (or the destructor) closes it. Host memory may be registered too (pinned with
+// cudaHostRegister when possible) for host <-> device ops; host regions cannot be exported (that is
+// host_shm's job), and an op with no device side is INVALID_ARGUMENT.
+//
+// Copies: Post enqueues every op at once (cuda_copy.h: one cudaMemcpyAsync per contiguous op,
+// cudaMemcpy2DAsync / cudaMemcpy3DAsync for strided boxes) on dedicated non-blocking streams of the
+// executing device (CudaIpcOptions::streams per device, ops dealt round robin by bytes), then
+// records one event per used stream. Poll/Wait query the events (Wait backs off between queries up
+// to 1 ms and never calls a blocking synchronize). A copy cannot be recalled once enqueued: on
+// deadline Wait marks the batch DEADLINE_EXCEEDED and waits at most CudaIpcTransport's grace period
+// (10 s) for the enqueued copies to drain before it returns; copies that still have not finished
+// leave their regions pinned (Release refuses them) rather than let memory be freed under them.
+// No checksums (Capabilities::checksums == false).
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "transport/config.h"
+#include "transport/transport.h"
+
+namespace wb::transport {
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(const TransportConfig& config);
+
+// What a worker that exported a raw cudaIpcMemHandle_t (e.g. the Python client) tells the daemon.
+struct RawCudaIpcBuffer {
+  std::string ipc_handle;       // the 64 bytes of cudaIpcMemHandle_t of the allocation base
+  int64_t offset_bytes = 0;     // region start within the allocation
+  int64_t size_bytes = 0;
+  int device = 0;               // ordinal in the WORKER's numbering (used when uuid is empty)
+  std::string device_uuid;      // 16 bytes of cudaDeviceProp::uuid, or empty
+  std::string owner_instance;   // empty: a same-node worker's buffer; the import then behaves like
+                                // a region of this process (any batch, kNoPeer included, may use
+                                // it). Non-empty: batches must name the peer with this instance.
+  std::string node_id;          // the daemon's own node id (the worker is on this node)
+  std::string label;
+};
+
+// Builds a cuda_ipc descriptor from a raw handle so the daemon can ImportDescriptor() a worker's
+// buffer. Pure encoding (no CUDA calls); INVALID_ARGUMENT if the handle is not 64 bytes.
+absl::StatusOr<std::string> CudaIpcDescriptorFromRawHandle(const RawCudaIpcBuffer& buffer);
+
+}  // namespace wb::transport

@@ -1,0 +1,832 @@
+#include "transport/nccl.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <signal.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "transport/common.h"
+#include "transport/cuda_copy.h"
+#include "transport/cuda_status.h"
+#include "transport/strided.h"
+#include "transport/wire.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::transport {
+namespace {
+
+constexpr char kKind[] = "nccl";
+// Chunking and staging constants must be equal on both peers (they decide the NCCL call sequence);
+// they are compile-time constants for that reason, and part of the manifest.
+constexpr int64_t kStageChunk = int64_t{8} << 20;
+constexpr int64_t kStagingBytes = int64_t{64} << 20;
+constexpr int kMaxCallsPerGroup = 256;
+constexpr int64_t kStageAlign = 256;
+constexpr absl::Duration kLivenessEvery = absl::Milliseconds(100);
+
+std::string PidNamespace() {
+  char buf[256];
+  ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, n) : std::string();
+}
+
+struct Region {
+  bool local = true;
+  char* base = nullptr;  // local regions only
+  int64_t size = 0;
+  std::string label;
+  std::string owner_instance;
+  uint64_t owner_region_id = 0;
+  int pinned = 0;
+};
+
+// One NCCL send or receive of a batch. Both sides derive the same chunk list from the ops.
+struct Chunk {
+  int op = 0;
+  bool send = false;
+  CanonicalBox box;      // this chunk's part of the op
+  int64_t local_off = 0;  // byte offset of the chunk's first element in the local region
+  bool staged = false;    // the local side is strided: pack/unpack through staging
+  int64_t stage_off = 0;  // offset in the staging buffer (valid when the chunk needs staging on either side)
+};
+
+struct Round {
+  std::vector<Chunk> chunks;
+};
+
+struct NcclPeer;
+
+struct NcclBatch {
+  uint64_t id = 0;
+  uint64_t tag = 0;
+  std::shared_ptr<NcclPeer> peer;
+  uint64_t manifest = 0;
+  int64_t bytes = 0;
+  std::vector<uint64_t> regions;
+  std::vector<char*> local_base;  // per op
+  std::vector<Round> rounds;
+  bool finished = false;
+  bool deadline_hit = false;
+  absl::Status status;
+};
+
+struct NcclPeer {
+  uint64_t id = 0;
+  std::string instance;
+  int remote_rank = 0;
+  pid_t pid = 0;
+  bool same_pidns = false;  // pid is meaningful for a liveness check
+  // Owned by the worker thread once it runs (created by Connect before that).
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  uint64_t* host = nullptr;  // pinned, 4 words: manifest out (2), manifest in (2)
+  char* dev = nullptr;       // 32 bytes of device scratch for the manifest
+  char* staging = nullptr;
+  cudaEvent_t event = nullptr;
+  std::thread worker;
+  // Guarded by the transport's mu_.
+  bool broken = false;
+  absl::Status broken_status;
+  absl::Status cancel;  // set by Wait's deadline / Disconnect: the worker aborts the communicator
+  bool stop = false;
+  std::deque<std::shared_ptr<NcclBatch>> queue;
+  std::map<uint64_t, std::shared_ptr<NcclBatch>> by_tag;  // unretired batches
+};
+
+// Sub-boxes of `box` (offsets relative to the op's first element) of at most kStageChunk bytes
+// each, in logical order; the whole box when it is contiguous on both sides or small enough.
+struct SubBox {
+  CanonicalBox box;
+  int64_t src_off = 0;
+  int64_t dst_off = 0;
+};
+
+std::vector<SubBox> SplitBox(const CanonicalBox& box) {
+  std::vector<SubBox> out;
+  const int k = static_cast<int>(box.outer.size());
+  if (k == 0 || box.bytes() <= kStageChunk) {
+    out.push_back({box, 0, 0});
+    return out;
+  }
+  // slice[i] = bytes of one index of outer dim i.
+  std::vector<int64_t> slice(k);
+  int64_t inner = box.width;
+  for (int i = k - 1; i >= 0; --i) {
+    slice[i] = inner;
+    inner *= box.outer[i].extent;
+  }
+  int split = k;  // first dim whose slices fit a chunk; k: single rows (each contiguous on both sides)
+  for (int i = 0; i < k; ++i) {
+    if (slice[i] <= kStageChunk) {
+      split = i;
+      break;
+    }
+  }
+  const int fixed = split;  // dims [0, fixed) iterate one index at a time
+  std::vector<int64_t> idx(fixed, 0);
+  while (true) {
+    int64_t so = 0, dof = 0;
+    for (int i = 0; i < fixed; ++i) {
+      so += idx[i] * box.outer[i].src_stride;
+      dof += idx[i] * box.outer[i].dst_stride;
+    }
+    if (split == k) {
+      SubBox sb;
+      sb.box.width = box.width;
+      sb.src_off = so;
+      sb.dst_off = dof;
+      out.push_back(std::move(sb));
+    } else {
+      const BoxDim& d = box.outer[split];
+      const int64_t step = std::max<int64_t>(1, kStageChunk / slice[split]);
+      for (int64_t a = 0; a < d.extent; a += step) {
+        SubBox sb;
+        sb.box.width = box.width;
+        sb.box.outer.push_back({std::min(step, d.extent - a), d.src_stride, d.dst_stride});
+        for (int i = split + 1; i < k; ++i) sb.box.outer.push_back(box.outer[i]);
+        sb.src_off = so + a * d.src_stride;
+        sb.dst_off = dof + a * d.dst_stride;
+        out.push_back(std::move(sb));
+      }
+    }
+    int i = fixed - 1;
+    for (; i >= 0; --i) {
+      if (++idx[i] < box.outer[i].extent) break;
+      idx[i] = 0;
+    }
+    if (i < 0) break;
+  }
+  return out;
+}
+
+// The box with one side replaced by a dense layout (for packing into / unpacking from staging).
+CanonicalBox WithDenseSide(const CanonicalBox& box, bool dense_dst) {
+  CanonicalBox b = box;
+  int64_t stride = box.width;
+  for (auto it = b.outer.rbegin(); it != b.outer.rend(); ++it) {
+    (dense_dst ? it->dst_stride : it->src_stride) = stride;
+    stride *= it->extent;
+  }
+  return b;
+}
+
+class NcclTransport : public Transport {
+ public:
+  NcclTransport(const TransportConfig& config)
+      : device_(config.nccl.device),
+        node_id_(config.node_id.empty() ? DefaultNodeId() : config.node_id),
+        instance_id_(RandomInstanceId()),
+        pidns_(PidNamespace()) {}
+
+  ~NcclTransport() override {
+    std::vector<std::shared_ptr<NcclPeer>> peers;
+    {
+      absl::MutexLock l(&mu_);
+      for (auto& [id, p] : peers_) peers.push_back(p);
+      peers_.clear();
+    }
+    for (auto& p : peers) Teardown(p, absl::CancelledError("nccl transport destroyed"));
+  }
+
+  Capabilities capabilities() const override {
+    Capabilities c;
+    c.kind = kKind;
+    c.memory_kinds = {MemoryKind::kCuda};
+    c.same_node = false;  // works on one node with two GPUs, but cuda_ipc is the same-node path
+    c.cross_node = true;
+    c.two_sided = true;
+    c.checksums = false;
+    c.native_strides = false;  // strided sides go through a packing copy into staging
+    return c;
+  }
+
+  std::string instance_id() const override { return instance_id_; }
+
+  absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer_instance_id) override {
+    if (peer_instance_id.empty() || peer_instance_id == instance_id_) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl ExportEndpoint: bad peer instance '", peer_instance_id, "'"));
+    }
+    wire::Writer w;
+    w.U32(kWireMagic);
+    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
+    w.Str(kKind);
+    w.Str(instance_id_);
+    w.Str(node_id_);
+    w.Str(pidns_);
+    w.U32(static_cast<uint32_t>(getpid()));
+    if (instance_id_ < peer_instance_id) {  // we are rank 0: we create the unique id
+      ncclUniqueId uid;
+      if (absl::Status s = NcclStatus(ncclGetUniqueId(&uid), "nccl ExportEndpoint: ncclGetUniqueId"); !s.ok()) return s;
+      {
+        absl::MutexLock l(&mu_);
+        pending_uids_[std::string(peer_instance_id)] = uid;
+      }
+      w.U8(1);
+      w.Str(absl::string_view(uid.internal, NCCL_UNIQUE_ID_BYTES));
+    } else {
+      w.U8(0);
+      w.Str("");
+    }
+    return std::move(w.out());
+  }
+
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
+    wire::Reader r(endpoint);
+    const uint32_t magic = r.U32();
+    const uint8_t type = r.U8();
+    std::string kind = r.Str(), inst = r.Str(), node = r.Str(), pidns = r.Str();
+    const uint32_t pid = r.U32();
+    const uint8_t has_uid = r.U8();
+    std::string uid_bytes = r.Str(NCCL_UNIQUE_ID_BYTES);
+    if (!r.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
+      return absl::InvalidArgumentError("nccl Connect: bytes are not an nccl endpoint");
+    }
+    if (inst == instance_id_) return absl::InvalidArgumentError("nccl Connect: cannot connect to itself");
+    const int rank = instance_id_ < inst ? 0 : 1;
+    ncclUniqueId uid;
+    if (rank == 0) {
+      absl::MutexLock l(&mu_);
+      auto it = pending_uids_.find(inst);
+      if (it == pending_uids_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat("nccl Connect to ", inst,
+                                                          ": call ExportEndpoint(peer) first and give the peer "
+                                                          "those bytes (this side creates the unique id)"));
+      }
+      uid = it->second;
+      pending_uids_.erase(it);
+    } else {
+      if (has_uid != 1 || uid_bytes.size() != NCCL_UNIQUE_ID_BYTES) {
+        return absl::InvalidArgumentError(absl::StrCat("nccl Connect: endpoint of ", inst,
+                                                       " carries no unique id (it should be rank 0)"));
+      }
+      std::memcpy(uid.internal, uid_bytes.data(), NCCL_UNIQUE_ID_BYTES);
+    }
+    auto p = std::make_shared<NcclPeer>();
+    p->instance = inst;
+    p->remote_rank = 1 - rank;
+    p->pid = static_cast<pid_t>(pid);
+    p->same_pidns = node == node_id_ && !pidns.empty() && pidns == pidns_;
+    if (absl::Status s = CreateComm(p.get(), uid, rank, deadline); !s.ok()) {
+      FreePeerResources(p.get());
+      return s;
+    }
+    absl::MutexLock l(&mu_);
+    p->id = next_id_++;
+    peers_[p->id] = p;
+    p->worker = std::thread([this, p] { WorkerLoop(p); });
+    return PeerId{p->id};
+  }
+
+  absl::Status Disconnect(PeerId id) override {
+    std::shared_ptr<NcclPeer> p;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = peers_.find(id.id);
+      if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown peer ", id.id));
+      p = it->second;
+      peers_.erase(it);
+    }
+    Teardown(p, absl::CancelledError(absl::StrCat("nccl peer ", p->instance, " disconnected")));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override {
+    if (spec.kind != MemoryKind::kCuda) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl cannot reach ", MemoryKindName(spec.kind),
+                                                     " memory (region '", spec.label, "')"));
+    }
+    if (spec.size_bytes < 0 || (spec.base == nullptr && spec.size_bytes > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl: bad region '", spec.label, "'"));
+    }
+    if (spec.size_bytes > 0) {
+      cudaPointerAttributes attr = {};
+      if (cudaError_t e = cudaPointerGetAttributes(&attr, spec.base); e != cudaSuccess) {
+        return CudaStatus(e, absl::StrCat("nccl RegisterMemory('", spec.label, "'): cudaPointerGetAttributes"));
+      }
+      if (attr.type != cudaMemoryTypeDevice || attr.device != device_ || (spec.device >= 0 && spec.device != device_)) {
+        return absl::InvalidArgumentError(absl::StrCat("nccl: region '", spec.label, "' is not device memory of GPU ",
+                                                       device_, " (the transport's NcclOptions::device)"));
+      }
+    }
+    absl::MutexLock l(&mu_);
+    const uint64_t id = next_id_++;
+    Region& r = regions_[id];
+    r.local = true;
+    r.base = static_cast<char*>(spec.base);
+    r.size = spec.size_bytes;
+    r.label = spec.label;
+    r.owner_instance = instance_id_;
+    r.owner_region_id = id;
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown region ", h.id));
+    if (!it->second.local) return absl::FailedPreconditionError("nccl: cannot re-export an imported region");
+    wire::Writer w;
+    w.U32(kWireMagic);
+    w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
+    w.Str(kKind);
+    w.Str(instance_id_);
+    w.Str(node_id_);
+    w.U64(h.id);
+    w.I64(it->second.size);
+    w.Str(it->second.label);
+    return std::move(w.out());
+  }
+
+  absl::StatusOr<RegionHandle> ImportDescriptor(absl::string_view bytes) override {
+    wire::Reader rd(bytes);
+    const uint32_t magic = rd.U32();
+    const uint8_t type = rd.U8();
+    std::string kind = rd.Str(), inst = rd.Str(), node = rd.Str();
+    const uint64_t rid = rd.U64();
+    const int64_t size = rd.I64();
+    std::string label = rd.Str();
+    if (!rd.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
+      return absl::InvalidArgumentError("nccl ImportDescriptor: bytes are not a transport descriptor");
+    }
+    if (kind != kKind) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl ImportDescriptor: descriptor is for '", kind, "'"));
+    }
+    if (size < 0) return absl::InvalidArgumentError("nccl ImportDescriptor: negative size");
+    if (inst == instance_id_) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl ImportDescriptor: region '", label,
+                                                     "' is this transport's own; import a peer's descriptor"));
+    }
+    absl::MutexLock l(&mu_);
+    const uint64_t id = next_id_++;
+    Region& r = regions_[id];
+    r.local = false;
+    r.size = size;
+    r.label = label;
+    r.owner_instance = inst;
+    r.owner_region_id = rid;
+    return RegionHandle{id};
+  }
+
+  absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown region ", h.id));
+    RegionInfo info;
+    info.local = it->second.local;
+    info.kind = MemoryKind::kCuda;
+    info.size_bytes = it->second.size;
+    info.owner_instance = it->second.owner_instance;
+    info.label = it->second.label;
+    for (auto& [pid, p] : peers_) {
+      if (!info.local && p->instance == it->second.owner_instance) info.peer = PeerId{pid};
+    }
+    return info;
+  }
+
+  absl::Status Release(RegionHandle h) override {
+    absl::MutexLock l(&mu_);
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown region ", h.id));
+    if (it->second.pinned > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("nccl: region '", it->second.label, "' is used by ",
+                                                        it->second.pinned, " unfinished batch(es)"));
+    }
+    regions_.erase(it);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<BatchId> Post(const Batch& batch) override {
+    auto b = std::make_shared<NcclBatch>();
+    b->tag = batch.tag;
+    absl::MutexLock l(&mu_);
+    auto pit = peers_.find(batch.peer.id);
+    if (pit == peers_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, ": unknown peer ", batch.peer.id,
+                                                     " (two-sided transport: Batch::peer is required)"));
+    }
+    std::shared_ptr<NcclPeer> peer = pit->second;
+    if (peer->broken) {
+      return absl::UnavailableError(absl::StrCat("nccl peer ", peer->instance, " is unusable until reconnected: ",
+                                                 peer->broken_status.message()));
+    }
+    if (peer->by_tag.count(batch.tag)) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl: batch tag ", batch.tag, " already in flight"));
+    }
+    wire::Writer m;  // the batch as both sides must see it (who sends, whose regions, the layout)
+    m.U64(batch.tag);
+    m.I64(kStageChunk);
+    m.I64(kStagingBytes);
+    m.U32(kMaxCallsPerGroup);
+    std::vector<Chunk> chunks;
+    for (size_t i = 0; i < batch.ops.size(); ++i) {
+      const CopyOp& op = batch.ops[i];
+      auto find = [&](RegionHandle h, const char* which) -> absl::StatusOr<Region*> {
+        auto it = regions_.find(h.id);
+        if (it == regions_.end()) {
+          return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, " op ", i, ": unknown ", which,
+                                                         " region ", h.id));
+        }
+        return &it->second;
+      };
+      auto src = find(op.src.region, "source");
+      if (!src.ok()) return src.status();
+      auto dst = find(op.dst.region, "destination");
+      if (!dst.ok()) return dst.status();
+      if ((*src)->local == (*dst)->local) {
+        return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, " op ", i,
+                                                       ": needs exactly one local and one imported region"));
+      }
+      Region* remote = (*src)->local ? *dst : *src;
+      if (remote->owner_instance != peer->instance) {
+        return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, " op ", i, ": region '",
+                                                       remote->label, "' was exported by ", remote->owner_instance,
+                                                       ", not by the batch's peer ", peer->instance));
+      }
+      auto layout = ValidateOp(op, static_cast<int>(i), (*src)->size, (*dst)->size, (*src)->label, (*dst)->label);
+      if (!layout.ok()) return layout.status();
+      const bool send = (*src)->local;
+      b->local_base.push_back(send ? (*src)->base : (*dst)->base);
+      b->regions.push_back(op.src.region.id);
+      b->regions.push_back(op.dst.region.id);
+      b->bytes += layout->src.total_bytes();
+      m.Str(send ? instance_id_ : peer->instance);
+      m.U64((*src)->owner_region_id);
+      m.U64((*dst)->owner_region_id);
+      m.I64(op.src.offset_bytes);
+      m.I64(op.dst.offset_bytes);
+      m.U32(op.element_size);
+      m.U32(op.shape.size());
+      for (auto d : op.shape) m.I64(d);
+      for (auto s : op.src.strides) m.I64(s);
+      for (auto s : op.dst.strides) m.I64(s);
+      const CanonicalBox box = Canonicalize(op.shape, op.src.strides, op.dst.strides, op.element_size);
+      if (box.empty || box.bytes() == 0) continue;
+      for (SubBox& sb : SplitBox(box)) {
+        Chunk c;
+        c.op = static_cast<int>(i);
+        c.send = send;
+        c.local_off = send ? op.src.offset_bytes + sb.src_off : op.dst.offset_bytes + sb.dst_off;
+        c.staged = send ? !SrcContiguous(sb.box) : !DstContiguous(sb.box);
+        c.box = std::move(sb.box);
+        chunks.push_back(std::move(c));
+      }
+    }
+    b->manifest = XXH3_64bits(m.out().data(), m.out().size());
+    // Rounds: identical on both sides because "needs staging" looks at both sides of the chunk.
+    Round round;
+    int64_t staged_bytes = 0;
+    for (Chunk& c : chunks) {
+      const bool needs = !SrcContiguous(c.box) || !DstContiguous(c.box);
+      const int64_t n = (c.box.bytes() + kStageAlign - 1) / kStageAlign * kStageAlign;
+      if (static_cast<int>(round.chunks.size()) == kMaxCallsPerGroup || (needs && staged_bytes + n > kStagingBytes)) {
+        b->rounds.push_back(std::move(round));
+        round = Round();
+        staged_bytes = 0;
+      }
+      if (needs) {
+        c.stage_off = staged_bytes;
+        staged_bytes += n;
+      }
+      round.chunks.push_back(std::move(c));
+    }
+    if (!round.chunks.empty()) b->rounds.push_back(std::move(round));
+    for (uint64_t r : b->regions) regions_[r].pinned++;
+    b->id = next_id_++;
+    b->peer = peer;
+    stats_.batches_posted++;
+    batches_[b->id] = b;
+    peer->by_tag[b->tag] = b;
+    peer->queue.push_back(b);
+    cv_.SignalAll();
+    return BatchId{b->id};
+  }
+
+  absl::StatusOr<BatchState> Poll(BatchId id) override {
+    absl::MutexLock l(&mu_);
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown batch ", id.id));
+    if (!it->second->finished) return BatchState::kRunning;
+    if (!it->second->status.ok()) return it->second->status;
+    return BatchState::kDone;
+  }
+
+  absl::Status Wait(BatchId id, absl::Time deadline) override {
+    absl::MutexLock l(&mu_);
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown batch ", id.id));
+    std::shared_ptr<NcclBatch> b = it->second;
+    while (!b->finished) {
+      if (cv_.WaitWithDeadline(&mu_, deadline) && !b->finished) {
+        b->deadline_hit = true;
+        if (b->peer->cancel.ok()) {
+          b->peer->cancel = absl::DeadlineExceededError(absl::StrCat(
+              "nccl batch ", b->tag, " with peer ", b->peer->instance, " (", b->bytes,
+              " bytes) missed its deadline; communicator aborted"));
+        }
+        cv_.SignalAll();
+        // The worker notices within ~1 ms, aborts the communicator and finishes every queued batch.
+        while (!b->finished) cv_.Wait(&mu_);
+      }
+    }
+    for (uint64_t r : b->regions) {
+      if (auto rit = regions_.find(r); rit != regions_.end()) rit->second.pinned--;
+    }
+    if (auto t = b->peer->by_tag.find(b->tag); t != b->peer->by_tag.end() && t->second == b) b->peer->by_tag.erase(t);
+    batches_.erase(id.id);
+    absl::Status result = b->status;
+    if (b->deadline_hit && !result.ok() && result.code() != absl::StatusCode::kDeadlineExceeded) {
+      result = absl::DeadlineExceededError(absl::StrCat("nccl batch ", b->tag, " missed its deadline (",
+                                                        result.message(), ")"));
+    }
+    if (result.ok()) {
+      stats_.bytes_copied += b->bytes;
+    } else {
+      stats_.batches_failed++;
+    }
+    return result;
+  }
+
+  TransportStats stats() const override {
+    absl::MutexLock l(&mu_);
+    return stats_;
+  }
+
+ private:
+  absl::Status CreateComm(NcclPeer* p, const ncclUniqueId& uid, int rank, absl::Time deadline) {
+    WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), absl::StrCat("nccl Connect: cudaSetDevice(", device_, ")"));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // every NCCL call returns at once; we poll ncclCommGetAsyncError with deadlines
+    ncclResult_t res = ncclCommInitRankConfig(&p->comm, 2, uid, rank, &config);
+    const std::string what = absl::StrCat("nccl Connect to ", p->instance, " (rank ", rank, ", GPU ", device_, ")");
+    if (res != ncclSuccess && res != ncclInProgress) {
+      absl::Status s = NcclStatus(res, absl::StrCat(what, ": ncclCommInitRankConfig"), p->comm);
+      return s;
+    }
+    absl::Duration backoff = absl::Microseconds(50);
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      res = ncclCommGetAsyncError(p->comm, &state);
+      if (res != ncclSuccess) return NcclStatus(res, absl::StrCat(what, ": ncclCommGetAsyncError"), p->comm);
+      if (state == ncclSuccess) break;
+      if (state != ncclInProgress) return NcclStatus(state, absl::StrCat(what, ": communicator init"), p->comm);
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(what, ": the communicator was not up before the deadline "
+                                                              "(did the peer Connect with these endpoint bytes?)"));
+      }
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(5));
+    }
+    WB_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking),
+                            absl::StrCat(what, ": cudaStreamCreateWithFlags"));
+    WB_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&p->event, cudaEventDisableTiming),
+                            absl::StrCat(what, ": cudaEventCreateWithFlags"));
+    void* host = nullptr;
+    WB_CUDA_RETURN_IF_ERROR(cudaMallocHost(&host, 4 * sizeof(uint64_t)), absl::StrCat(what, ": cudaMallocHost"));
+    p->host = static_cast<uint64_t*>(host);
+    void* dev = nullptr;
+    WB_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, 32), absl::StrCat(what, ": cudaMalloc"));
+    p->dev = static_cast<char*>(dev);
+    return absl::OkStatus();
+  }
+
+  // Aborts the communicator (if any) and frees the peer's CUDA resources. Only when no worker runs.
+  void FreePeerResources(NcclPeer* p) {
+    (void)cudaSetDevice(device_);
+    if (p->comm != nullptr) {
+      (void)ncclCommAbort(p->comm);
+      p->comm = nullptr;
+    }
+    if (p->stream != nullptr) {
+      // Aborting the communicator ended its kernels; the rest of the stream is our own short copies.
+      (void)cudaStreamSynchronize(p->stream);
+      (void)cudaStreamDestroy(p->stream);
+      p->stream = nullptr;
+    }
+    if (p->event != nullptr) (void)cudaEventDestroy(p->event);
+    if (p->host != nullptr) (void)cudaFreeHost(p->host);
+    if (p->dev != nullptr) (void)cudaFree(p->dev);
+    if (p->staging != nullptr) (void)cudaFree(p->staging);
+    p->event = nullptr;
+    p->host = nullptr;
+    p->dev = nullptr;
+    p->staging = nullptr;
+    (void)cudaGetLastError();
+  }
+
+  void Teardown(const std::shared_ptr<NcclPeer>& p, absl::Status why) {
+    {
+      absl::MutexLock l(&mu_);
+      p->stop = true;
+      if (p->cancel.ok()) p->cancel = why;
+      cv_.SignalAll();
+    }
+    if (p->worker.joinable()) p->worker.join();
+    FreePeerResources(p.get());
+    absl::MutexLock l(&mu_);
+    for (auto& b : p->queue) {  // the worker drains the queue before exiting; this is a safety net
+      if (!b->finished) {
+        b->status = why;
+        b->finished = true;
+      }
+    }
+    p->queue.clear();
+    cv_.SignalAll();
+  }
+
+  // Polls until `event` (if set) has completed, or, without an event, until the communicator has
+  // no operation in progress; fails on an NCCL async error, a cancel (deadline / disconnect) or a
+  // vanished peer process.
+  absl::Status Await(NcclPeer* p, cudaEvent_t event, uint64_t tag, const char* phase) {
+    absl::Duration backoff = absl::Microseconds(5);
+    absl::Time next_liveness = absl::Now() + kLivenessEvery;
+    while (true) {
+      if (event != nullptr) {
+        const cudaError_t e = cudaEventQuery(event);
+        if (e == cudaSuccess) return absl::OkStatus();
+        if (e != cudaErrorNotReady) {
+          return CudaStatus(e, absl::StrCat("nccl batch ", tag, " with peer ", p->instance, " (", phase, ")"));
+        }
+      }
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t res = ncclCommGetAsyncError(p->comm, &state);
+      if (res != ncclSuccess) state = res;
+      if (state != ncclSuccess && state != ncclInProgress) {
+        absl::Status s = NcclStatus(state, absl::StrCat("nccl batch ", tag, " with peer ", p->instance, " (", phase,
+                                                        ")"), p->comm);
+        return absl::UnavailableError(s.message());
+      }
+      if (event == nullptr && state == ncclSuccess) return absl::OkStatus();
+      {
+        absl::MutexLock l(&mu_);
+        if (!p->cancel.ok()) return p->cancel;
+      }
+      const absl::Time now = absl::Now();
+      if (p->same_pidns && now >= next_liveness) {
+        next_liveness = now + kLivenessEvery;
+        if (kill(p->pid, 0) != 0 && errno == ESRCH) {
+          return absl::UnavailableError(absl::StrCat("nccl peer ", p->instance, " (pid ", p->pid,
+                                                     ") vanished during batch ", tag, " (", phase, ")"));
+        }
+      }
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(1));
+    }
+  }
+
+  // ncclGroupEnd on a non-blocking communicator may return ncclInProgress: the operations are only
+  // enqueued on the stream once the communicator's state leaves ncclInProgress.
+  absl::Status GroupEnd(NcclPeer* p, uint64_t tag, const char* phase) {
+    const ncclResult_t res = ncclGroupEnd();
+    if (res != ncclSuccess && res != ncclInProgress) {
+      absl::Status s = NcclStatus(res, absl::StrCat("nccl batch ", tag, " with peer ", p->instance, ": ncclGroupEnd (",
+                                                    phase, ")"), p->comm);
+      return s.code() == absl::StatusCode::kInvalidArgument ? absl::InternalError(s.message()) : s;
+    }
+    return Await(p, nullptr, tag, phase);
+  }
+
+  absl::Status P2P(NcclPeer* p, bool send, void* ptr, int64_t n, uint64_t tag) {
+    const ncclResult_t res = send ? ncclSend(ptr, static_cast<size_t>(n), ncclUint8, p->remote_rank, p->comm, p->stream)
+                                  : ncclRecv(ptr, static_cast<size_t>(n), ncclUint8, p->remote_rank, p->comm, p->stream);
+    if (res == ncclSuccess || res == ncclInProgress) return absl::OkStatus();
+    return NcclStatus(res, absl::StrCat("nccl batch ", tag, ": ", send ? "ncclSend" : "ncclRecv", " of ", n, " bytes"),
+                      p->comm);
+  }
+
+  absl::Status RunBatch(NcclPeer* p, NcclBatch* b) {
+    // 1. Mirror check.
+    p->host[0] = b->manifest;
+    p->host[1] = b->tag;
+    p->host[2] = p->host[3] = 0;
+    WB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p->dev, p->host, 16, cudaMemcpyHostToDevice, p->stream),
+                            "nccl manifest H2D");
+    (void)ncclGroupStart();
+    absl::Status s = P2P(p, true, p->dev, 16, b->tag);
+    if (s.ok()) s = P2P(p, false, p->dev + 16, 16, b->tag);
+    absl::Status end = GroupEnd(p, b->tag, "manifest exchange");
+    if (!s.ok()) return s;
+    if (!end.ok()) return end;
+    WB_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p->host + 2, p->dev + 16, 16, cudaMemcpyDeviceToHost, p->stream),
+                            "nccl manifest D2H");
+    WB_CUDA_RETURN_IF_ERROR(cudaEventRecord(p->event, p->stream), "nccl cudaEventRecord");
+    if (absl::Status w = Await(p, p->event, b->tag, "manifest exchange"); !w.ok()) return w;
+    if (p->host[2] != b->manifest || p->host[3] != b->tag) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nccl batch ", b->tag, ": the peer ", p->instance, " posted a different mirror batch (tag ", p->host[3],
+          "; ops, regions, offsets or strides differ, or batches were posted in a different order)"));
+    }
+    // 2. Data, round by round; staging is reused across rounds safely because everything is on
+    // one stream (the unpack of round r precedes the pack of round r + 1).
+    for (const Round& round : b->rounds) {
+      bool needs_staging = false;
+      for (const Chunk& c : round.chunks) needs_staging |= c.staged;
+      if (needs_staging && p->staging == nullptr) {
+        void* st = nullptr;
+        WB_CUDA_RETURN_IF_ERROR(cudaMalloc(&st, kStagingBytes), "nccl: cudaMalloc of the staging buffer");
+        p->staging = static_cast<char*>(st);
+      }
+      for (const Chunk& c : round.chunks) {
+        if (!c.staged || !c.send) continue;
+        RETURN_IF_ERROR(EnqueueBoxCopy(p->staging + c.stage_off, b->local_base[c.op] + c.local_off,
+                                        WithDenseSide(c.box, /*dense_dst=*/true), p->stream));
+      }
+      (void)ncclGroupStart();
+      absl::Status calls;
+      for (const Chunk& c : round.chunks) {
+        char* ptr = c.staged ? p->staging + c.stage_off : b->local_base[c.op] + c.local_off;
+        calls = P2P(p, c.send, ptr, c.box.bytes(), b->tag);
+        if (!calls.ok()) break;
+      }
+      absl::Status ended = GroupEnd(p, b->tag, "data");
+      if (!calls.ok()) return calls;
+      if (!ended.ok()) return ended;
+      for (const Chunk& c : round.chunks) {
+        if (!c.staged || c.send) continue;
+        RETURN_IF_ERROR(EnqueueBoxCopy(b->local_base[c.op] + c.local_off, p->staging + c.stage_off,
+                                        WithDenseSide(c.box, /*dense_dst=*/false), p->stream));
+      }
+    }
+    WB_CUDA_RETURN_IF_ERROR(cudaEventRecord(p->event, p->stream), "nccl cudaEventRecord");
+    return Await(p, p->event, b->tag, "data");
+  }
+
+  void WorkerLoop(std::shared_ptr<NcclPeer> p) {
+    (void)cudaSetDevice(device_);
+    absl::MutexLock l(&mu_);
+    while (true) {
+      while (!p->stop && p->queue.empty()) cv_.Wait(&mu_);
+      if (p->queue.empty()) return;  // stopping and drained
+      std::shared_ptr<NcclBatch> b = p->queue.front();
+      absl::Status s;
+      if (p->broken) {
+        s = absl::UnavailableError(absl::StrCat("nccl peer ", p->instance, " is unusable until reconnected: ",
+                                                p->broken_status.message()));
+      } else if (!p->cancel.ok()) {
+        s = p->cancel;
+      } else {
+        mu_.Unlock();
+        s = RunBatch(p.get(), b.get());
+        mu_.Lock();
+      }
+      // A mirror mismatch leaves both sides in step (each saw the same pair of manifests and
+      // posted nothing more); anything else may leave NCCL operations half done: abort.
+      const bool mirror_mismatch = s.code() == absl::StatusCode::kInvalidArgument && p->cancel.ok();
+      if (!s.ok() && !mirror_mismatch && !p->broken) {
+        p->broken = true;
+        p->broken_status = s;
+        mu_.Unlock();
+        (void)ncclCommAbort(p->comm);  // bounded: it exists to stop hung operations
+        mu_.Lock();
+        p->comm = nullptr;
+      }
+      b->status = s;
+      b->finished = true;
+      p->queue.pop_front();
+      cv_.SignalAll();
+    }
+  }
+
+  const int device_;
+  const std::string node_id_;
+  const std::string instance_id_;
+  const std::string pidns_;
+
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<NcclPeer>> peers_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<NcclBatch>> batches_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, ncclUniqueId> pending_uids_ ABSL_GUARDED_BY(mu_);  // peer instance -> our id
+  TransportStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const TransportConfig& config) {
+  int n = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0) {
+    absl::Status s = CudaStatus(e == cudaSuccess ? cudaErrorNoDevice : e, "nccl: cudaGetDeviceCount");
+    return absl::FailedPreconditionError(s.message());
+  }
+  if (config.nccl.device < 0 || config.nccl.device >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("nccl.device ", config.nccl.device, " is not a visible GPU (",
+                                                   n, " visible)"));
+  }
+  return std::unique_ptr<Transport>(new NcclTransport(config));
+}
+
+}  // namespace wb::transport
