@@ -1,8 +1,10 @@
 // Data-plane bench: host same-node copy vs plain memcpy of the same bytes, host_tcp on loopback vs
-// iperf3 on loopback with the same number of streams (and, on a GPU machine, see
-// tests/gpu/run_gpu_checks.sh for the CUDA figures). Measured in one run, best of --reps.
+// iperf3 on loopback with the same number of streams, and, when a GPU is visible, CUDA IPC copy
+// between two processes on GPU 0 vs an in-process cudaMemcpy D2D (bench/transport_gpu.h). Measured
+// in one run, best of --reps.
 //
 //   bazel run //bench:transport [-- --json] [-- --bytes=1073741824 --tcp_bytes=536870912 --streams=4]
+//   [--gpu_bytes=1073741824] [--no_gpu] [--gpu_only]
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -24,6 +26,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "bench/transport_gpu.h"
 #include "transport/factory.h"
 #include "transport/shm_segment.h"
 
@@ -93,14 +96,26 @@ int Main(int argc, char** argv) {
   int64_t bytes = int64_t{1} << 30, tcp_bytes = int64_t{512} << 20;
   int streams = 4, reps = 3;
   int threads = static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
+  int64_t gpu_bytes = int64_t{1} << 30;
+  bool gpu = true, gpu_only = false, gpu_child = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--json") json = true;
+    if (a == "--no_gpu") gpu = false;
+    if (a == "--gpu_only") gpu_only = true;
+    if (a == "--gpu_child") gpu_child = true;
+    if (a.rfind("--gpu_bytes=", 0) == 0) (void)absl::SimpleAtoi(a.substr(12), &gpu_bytes);
     if (a.rfind("--bytes=", 0) == 0) (void)absl::SimpleAtoi(a.substr(8), &bytes);
     if (a.rfind("--tcp_bytes=", 0) == 0) (void)absl::SimpleAtoi(a.substr(12), &tcp_bytes);
     if (a.rfind("--streams=", 0) == 0) (void)absl::SimpleAtoi(a.substr(10), &streams);
     if (a.rfind("--reps=", 0) == 0) (void)absl::SimpleAtoi(a.substr(7), &reps);
     if (a.rfind("--threads=", 0) == 0) (void)absl::SimpleAtoi(a.substr(10), &threads);
+  }
+  if (gpu_child) return RunGpuChild(gpu_bytes);  // the exporting process of the GPU figures
+  if (gpu_only) {
+    nlohmann::json g = MeasureGpu("/proc/self/exe", gpu_bytes, reps);
+    printf("%s\n", g.dump().c_str());
+    return g.contains("gpu_error") ? 1 : 0;
   }
   ShmSegment::CreateOptions populate;
   populate.populate = true;
@@ -211,6 +226,13 @@ int Main(int argc, char** argv) {
   } else {
     out["iperf3_error"] = iperf_why;
   }
+  bool gpu_failed = false;
+  if (gpu) {
+    out.update(MeasureGpu("/proc/self/exe", gpu_bytes, reps));
+    gpu_failed = out.contains("gpu_error");
+  } else {
+    out["gpu_skipped"] = "--no_gpu";
+  }
   if (json) {
     printf("%s\n", out.dump().c_str());
   } else {
@@ -222,9 +244,19 @@ int Main(int argc, char** argv) {
     } else {
       printf("host_tcp loopback: %.2f GB/s   iperf3: %s\n", tcp_GBps, iperf_why.c_str());
     }
-    printf("GPU figures: run tests/gpu/run_gpu_checks.sh on a GPU machine\n");
+    if (out.contains("ipc_copy_GBps")) {
+      printf("cuda_ipc copy (GPU 0, two processes), %lld bytes: read %.1f GB/s, write %.1f GB/s   in-process "
+             "cudaMemcpy D2D: %.1f GB/s   ratio %.2f  (%s)\n",
+             static_cast<long long>(gpu_bytes), out["ipc_copy_GBps"].get<double>(),
+             out["ipc_write_GBps"].get<double>(), out["cuda_d2d_GBps"].get<double>(), out["ipc_vs_d2d"].get<double>(),
+             out["gpu_name"].get<std::string>().c_str());
+    } else if (out.contains("gpu_error")) {
+      printf("GPU figures FAILED: %s\n", out["gpu_error"].get<std::string>().c_str());
+    } else {
+      printf("GPU figures not measured: %s\n", out["gpu_skipped"].get<std::string>().c_str());
+    }
   }
-  return 0;
+  return gpu_failed ? 1 : 0;
 }
 
 }  // namespace
