@@ -299,6 +299,7 @@ void Coordinator::AbortLocked(const std::string& model_id, Model& m, uint64_t ve
   if (rec && (rec->state == VState::kCommitted || rec->state == VState::kAborted)) return;
   if (m.committing == version) return;  // commit already decided
   m.machine->Abort(version, reason, options_.clock->Now());
+  for (auto& [w, rec] : m.workers) rec.paused = false;  // released with the error; they pause again
   Log(LogLevel::kWarning, "version aborted", {{"model", model_id}, {"version", version}, {"reason", reason}});
   std::vector<std::pair<std::string, std::shared_ptr<pb::NodeService::Stub>>> targets;
   for (const std::string& n : m.plan.nodes) {
@@ -381,6 +382,7 @@ grpc::Status Coordinator::ReportReady(grpc::ServerContext*, const pb::ReportRead
   if (w == (*mm)->workers.end() || w->second.role != planner::Role::kRollout) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), " is not a registered rollout worker")));
   }
+  w->second.paused = true;
   (*mm)->machine->RecordReady(req->worker_id());
   resp->set_committed_version((*mm)->machine->committed());
   wake_ = true;
@@ -613,6 +615,9 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
   m.plan.installed = false;
   m.machine->SetTrainers(trainers);
   m.machine->SetRollouts(rollouts);
+  for (const std::string& r : rollouts) {
+    if (m.workers.at(r).paused) m.machine->RecordReady(r);
+  }
   for (auto& [n, idx] : node_index) m.plan.nodes.insert(n);
 
   // rank0_broadcast: place every gathered box in the rank-0 node's gather staging (row-major,
@@ -767,6 +772,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         absl::MutexLock l(&mu_);
         const absl::Time t = options_.clock->Now();
         mp->machine->Commit(v, t);
+        for (auto& [w, rec] : mp->workers) rec.paused = false;  // the commit resumed them
         if (const VersionRecord* rec = mp->machine->Find(v)) {
           mp->last_seconds = absl::ToDoubleSeconds(rec->finished - rec->started);
           mp->last_bytes = rec->bytes_total;

@@ -96,6 +96,9 @@ class Coordinator final : public pb::CoordinatorService::Service {
     planner::Role role = planner::Role::kTrainer;
     int32_t gpu = 0;
     bool has_layout = false;
+    // Sync: BeginUpdate seen for the next version. Kept here too because the version machine only
+    // knows rollouts of the current plan: a pause that arrives before the (re-)plan is re-applied.
+    bool paused = false;
     pb::ResolvedLayout layout_proto;
     planner::WorkerLayout layout;
   };
