@@ -706,7 +706,8 @@ class NcclTransport : public Transport {
                       p->comm);
   }
 
-  absl::Status RunBatch(NcclPeer* p, NcclBatch* b) {
+  // *mirror_mismatch is set when the batch failed only because the peer's mirror differs.
+  absl::Status RunBatch(NcclPeer* p, NcclBatch* b, bool* mirror_mismatch) {
     // 1. Mirror check.
     p->host[0] = b->manifest;
     p->host[1] = b->tag;
@@ -724,6 +725,7 @@ class NcclTransport : public Transport {
     WB_CUDA_RETURN_IF_ERROR(cudaEventRecord(p->event, p->stream), "nccl cudaEventRecord");
     if (absl::Status w = Await(p, p->event, b->tag, "manifest exchange"); !w.ok()) return w;
     if (p->host[2] != b->manifest || p->host[3] != b->tag) {
+      *mirror_mismatch = true;
       return absl::InvalidArgumentError(absl::StrCat(
           "nccl batch ", b->tag, ": the peer ", p->instance, " posted a different mirror batch (tag ", p->host[3],
           "; ops, regions, offsets or strides differ, or batches were posted in a different order)"));
@@ -771,6 +773,7 @@ class NcclTransport : public Transport {
       if (p->queue.empty()) return;  // stopping and drained
       std::shared_ptr<NcclBatch> b = p->queue.front();
       absl::Status s;
+      bool mirror_mismatch = false;
       if (p->broken) {
         s = absl::UnavailableError(absl::StrCat("nccl peer ", p->instance, " is unusable until reconnected: ",
                                                 p->broken_status.message()));
@@ -778,12 +781,11 @@ class NcclTransport : public Transport {
         s = p->cancel;
       } else {
         mu_.Unlock();
-        s = RunBatch(p.get(), b.get());
+        s = RunBatch(p.get(), b.get(), &mirror_mismatch);
         mu_.Lock();
       }
       // A mirror mismatch leaves both sides in step (each saw the same pair of manifests and
       // posted nothing more); anything else may leave NCCL operations half done: abort.
-      const bool mirror_mismatch = s.code() == absl::StatusCode::kInvalidArgument && p->cancel.ok();
       if (!s.ok() && !mirror_mismatch && !p->broken) {
         p->broken = true;
         p->broken_status = s;
