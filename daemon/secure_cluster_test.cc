@@ -10,10 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/metrics_scrape.h"
 #include "daemon/server.h"
-#include "daemon/simple_plan.h"
 #include "gtest/gtest.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "tools/cc/weight_gen.h"
+#include "transport/factory.h"
 #include "transport/shm_segment.h"
 
 namespace wb::daemon {
@@ -50,7 +50,6 @@ class SecureClusterTest : public ::testing::Test {
     auth_ = std::make_shared<PeerAuthConfig>(*auth);
     ServerOptions co;
     co.role = DaemonRole::kCoordinator;
-    co.make_plan = SimplePlan;
     co.security.peer_auth = auth_;
     co.security.metrics_listen = "127.0.0.1:0";
     auto c = Server::Start(co);
@@ -69,7 +68,11 @@ class SecureClusterTest : public ::testing::Test {
     no.coordinator = coord_->address();
     no.worker_socket = absl::StrCat("/tmp/wbsec-", ::getpid(), "-", n, ".sock");
     no.heartbeat = absl::Milliseconds(100);
-    no.make_data_channel = [] { return NewTcpDataChannel(); };
+    no.make_transports = [] {
+      transport::TransportConfig tc;
+      tc.kinds = {"host_shm", "host_tcp"};
+      return transport::CreateTransports(tc);
+    };
     no.security.peer_auth = std::move(auth);
     no.security.metrics_listen = "127.0.0.1:0";
     return no;
