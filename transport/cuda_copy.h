@@ -50,6 +50,26 @@ CanonicalBox Canonicalize(const std::vector<int64_t>& shape, const std::vector<i
 bool SrcContiguous(const CanonicalBox& box);
 bool DstContiguous(const CanonicalBox& box);
 
+// Restores the calling thread's current CUDA device on scope exit, so transport calls that switch
+// devices (cudaSetDevice) do not change the caller's device as a side effect.
+class ScopedCudaDevice {
+ public:
+  ScopedCudaDevice() {
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      prev_ = -1;
+    }
+  }
+  ~ScopedCudaDevice() {
+    if (prev_ >= 0) (void)cudaSetDevice(prev_);
+  }
+  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
+  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 // Enqueues the copy of `box` from `src` to `dst` on `stream` (the current device must be the
 // stream's device). `calls`, if set, is incremented by the number of copy calls issued.
 absl::Status EnqueueBoxCopy(char* dst, const char* src, const CanonicalBox& box, cudaStream_t stream,

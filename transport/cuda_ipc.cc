@@ -234,6 +234,7 @@ class CudaIpcTransport : public Transport {
   }
 
   absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override {
+    ScopedCudaDevice keep_device;
     if (spec.size_bytes < 0 || (spec.base == nullptr && spec.size_bytes > 0)) {
       return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: bad region '", spec.label, "' (base ",
                                                      spec.base == nullptr ? "null" : "set", ", size ", spec.size_bytes,
@@ -283,6 +284,7 @@ class CudaIpcTransport : public Transport {
   }
 
   absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
+    ScopedCudaDevice keep_device;
     absl::MutexLock l(&mu_);
     auto it = regions_.find(h.id);
     if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
@@ -318,6 +320,7 @@ class CudaIpcTransport : public Transport {
   }
 
   absl::StatusOr<RegionHandle> ImportDescriptor(absl::string_view bytes) override {
+    ScopedCudaDevice keep_device;
     auto d = DecodeDescriptor(bytes);
     if (!d.ok()) return d.status();
     if (d->node != node_id_) {
@@ -415,6 +418,7 @@ class CudaIpcTransport : public Transport {
   }
 
   absl::Status Release(RegionHandle h) override {
+    ScopedCudaDevice keep_device;
     absl::MutexLock il(&import_mu_);  // an import in progress may be about to share the mapping
     absl::MutexLock l(&mu_);
     auto it = regions_.find(h.id);
@@ -445,6 +449,7 @@ class CudaIpcTransport : public Transport {
   }
 
   absl::StatusOr<BatchId> Post(const Batch& batch) override {
+    ScopedCudaDevice keep_device;
     struct Planned {
       char* dst;
       const char* src;

@@ -244,6 +244,7 @@ class NcclTransport : public Transport {
   }
 
   absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
+    ScopedCudaDevice keep_device;
     wire::Reader r(endpoint);
     const uint32_t magic = r.U32();
     const uint8_t type = r.U8();
@@ -627,6 +628,7 @@ class NcclTransport : public Transport {
   }
 
   void Teardown(const std::shared_ptr<NcclPeer>& p, absl::Status why) {
+    ScopedCudaDevice keep_device;
     {
       absl::MutexLock l(&mu_);
       p->stop = true;
