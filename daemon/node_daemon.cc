@@ -15,6 +15,7 @@
 #include "daemon/box_copy.h"
 #include "daemon/convert.h"
 #include "daemon/log.h"
+#include "daemon/metrics.h"
 #include "planner/box.h"
 #include "planner/index_probe.h"
 #include "planner/inventory.h"
@@ -157,8 +158,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
       auto seg = transport::ShmSegment::Open(b.shm_name(), static_cast<int64_t>(b.size_bytes()));
       if (!seg.ok()) return ToGrpcStatus(Annotate(seg.status(), absl::StrCat("buffer ", b.buffer_id())));
-      absl::Status own = seg->CheckOwner(::getuid());
-      if (!own.ok()) return ToGrpcStatus(Annotate(own, absl::StrCat("buffer ", b.buffer_id())));
+      // Ownership (the segment's uid == the calling worker's uid) is checked by the front
+      // (daemon/auth.cc) with the worker's SO_PEERCRED uid; the daemon's own uid is irrelevant.
       buffers.push_back(std::make_shared<transport::ShmSegment>(std::move(*seg)));
     }
     pb::SubmitLayoutRequest sreq;
@@ -932,6 +933,12 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
 void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   absl::Time t0 = absl::Now();
   absl::Status s = RunExecInner(*exec);
+  if (s.ok()) {
+    // GB/s per link of this transfer (bytes over the summed batch times towards that peer).
+    for (auto& [peer, ls] : exec->links) {
+      if (ls.bytes > 0 && ls.seconds > 0) Metrics().Link(options_.node_id, peer, ls.bytes, ls.seconds);
+    }
+  }
   std::map<std::string, transport::PeerId> connected;
   {
     absl::MutexLock l(&mu_);
@@ -1110,6 +1117,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     transport::Batch local_batch;
     std::map<std::string, transport::Batch> peer_batches;
     int64_t incoming_bytes = 0;
+    int64_t local_bytes = 0;
+    std::map<std::string, int64_t> peer_bytes;  // bytes this node sends to or receives from the peer
     for (const pb::TransferOp* op : by_bucket[b]) {
       const bool s_local = is_local(op->src_worker()), d_local = is_local(op->dst_worker());
       if (!s_local && !d_local) continue;
@@ -1129,6 +1138,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         c.src = RefFor(src.piece, box, elem, sh->second);
         c.dst = RefFor(dst.piece, box, elem, dh->second);
         local_batch.ops.push_back(std::move(c));
+        local_bytes += static_cast<int64_t>(op->bytes());
         continue;
       }
       const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
@@ -1141,10 +1151,14 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       c.src = RefFor(src.piece, box, elem, sh->second);
       c.dst = RefFor(dst.piece, box, elem, dh->second);
       peer_batches[peer].ops.push_back(std::move(c));
+      peer_bytes[peer] += static_cast<int64_t>(op->bytes());
     }
     // Post everything of the bucket, then wait for every posted batch (each exactly once).
     std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;
     std::vector<std::string> posted_what;
+    std::vector<std::string> posted_peer;  // metrics label: the peer node (own id for same-node copies)
+    std::vector<int64_t> posted_bytes;
+    const absl::Time posted_at = absl::Now();
     absl::Status first;
     if (!local_batch.ops.empty()) {
       local_batch.tag = BatchTag(exec.model_id, exec.version, b);
@@ -1152,6 +1166,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       if (id.ok()) {
         posted.push_back({local_t, *id});
         posted_what.push_back("same-node copies");
+        posted_peer.push_back(me);
+        posted_bytes.push_back(local_bytes);
       } else {
         first = id.status();
       }
@@ -1168,10 +1184,20 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       }
       posted.push_back({cross_t, *id});
       posted_what.push_back(absl::StrCat("node ", me, " <-> node ", peer));
+      posted_peer.push_back(peer);
+      posted_bytes.push_back(peer_bytes[peer]);
     }
     for (size_t i = 0; i < posted.size(); ++i) {
       absl::Status s = posted[i].first->Wait(posted[i].second, exec.deadline);
       if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", posted_what[i]));
+      if (s.ok()) {
+        // Bytes per route (transport kind) and peer; link time = post -> this batch's completion.
+        const std::string route = posted[i].first->capabilities().kind;
+        Metrics().Bytes(me, exec.model_id, route, posted_peer[i], static_cast<uint64_t>(posted_bytes[i]));
+        LinkStat& ls = exec.links[posted_peer[i]];
+        ls.bytes += static_cast<uint64_t>(posted_bytes[i]);
+        ls.seconds += absl::ToDoubleSeconds(absl::Now() - posted_at);
+      }
     }
     RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
     absl::MutexLock l(&mu_);

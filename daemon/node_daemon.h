@@ -124,6 +124,10 @@ class NodeDaemon {
     transport::PeerId id;
     std::string peer_instance;
   };
+  struct LinkStat {
+    uint64_t bytes = 0;
+    double seconds = 0;
+  };
   struct Exec {
     std::string model_id;
     uint64_t version = 0;
@@ -140,6 +144,7 @@ class NodeDaemon {
     std::map<std::string, std::string> local_desc;  // key -> descriptor on the cross-node transport
     std::map<std::string, PeerState> peers;         // remote node -> its side
     std::map<std::string, transport::PeerId> connected;  // remote node -> channel used by this version
+    std::map<std::string, LinkStat> links;  // executor thread only: peer node (own id = same-node) -> totals
   };
 
   absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)

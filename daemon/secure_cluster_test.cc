@@ -155,7 +155,7 @@ TEST_F(SecureClusterTest, VersionsFlowOverTlsAndMetricsMove) {
   auto before = ScrapeMetrics(nodes_[1]->metrics_port(), absl::Seconds(10));
   ASSERT_TRUE(before.ok()) << before.status();
   const double committed_before = MetricSum(*before, "wb_versions_total", "event=\"committed\",model=\"m\",node=\"n1\"");
-  const double tcp_bytes_before = MetricSum(*before, "wb_bytes_total", "node=\"n0\"");
+  const double tcp_bytes_before = MetricSum(*before, "wb_bytes_total", "node=\"n0\",peer=\"n1\",route=\"host_tcp\"");
 
   for (uint64_t v = 1; v <= 3; ++v) {
     Fill(tr, v);
@@ -189,7 +189,12 @@ TEST_F(SecureClusterTest, VersionsFlowOverTlsAndMetricsMove) {
   EXPECT_GT(MetricSum(*after, "wb_phase_seconds_count", "phase=\"transfer\""), 0);
   EXPECT_EQ(MetricSum(*after, "wb_staleness_versions", "worker=\"r1\""), 0);
   EXPECT_GE(MetricSum(*after, "wb_committed_version", "node=\"n1\""), 3);
-  (void)tcp_bytes_before;
+  // The executor records bytes per route and peer, and GB/s per link: n0 sends r1's half (rows
+  // kRows/2..kRows of the trainer) to n1 over host_tcp on every version.
+  const double tcp_bytes = MetricSum(*after, "wb_bytes_total", "node=\"n0\",peer=\"n1\",route=\"host_tcp\"") - tcp_bytes_before;
+  EXPECT_GE(tcp_bytes, 3.0 * (kRows / 2) * kCols * kElem) << "cross-node bytes of 3 versions";
+  EXPECT_GT(MetricSum(*after, "wb_bytes_total", "node=\"n0\",peer=\"n0\",route=\"host_shm\""), 0);
+  EXPECT_GT(MetricSum(*after, "wb_link_gbps", "node=\"n0\",peer=\"n1\""), 0);
 }
 
 TEST_F(SecureClusterTest, NodeWithoutTokenOrCertificateIsRefused) {
