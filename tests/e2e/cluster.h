@@ -17,8 +17,10 @@ namespace wb::e2e {
 
 struct ClusterOptions {
   int num_nodes = 3;
-  int64_t heartbeat_ms = 200;
-  int64_t lease_ms = 2000;
+  // Generous for a loaded 2-core CI machine: eight workers filling and checking hundreds of MB
+  // can delay a heartbeat by a second; a lost lease there would be a false failure.
+  int64_t heartbeat_ms = 300;
+  int64_t lease_ms = 6000;
   int64_t transfer_timeout_ms = 20000;
   std::vector<std::string> extra_daemon_flags;
   absl::Duration start_timeout = absl::Seconds(30);

@@ -9,9 +9,9 @@
 //    killing it once the coordinator reports the version transferring (a race-free in-flight kill).
 //  - AsyncStalenessBound: a trainer much faster than the rollouts never publishes a version more
 //    than max_staleness ahead of any rollout's applied version.
-//  - DrainFinishesInFlightAndRefusesNew: `wbctl drain` waits for the in-flight version, which
-//    commits and is applied, then a new publish is refused; a drain that cannot finish in time
-//    exits 3.
+//  - DrainFinishesInFlightAndRefusesNew: `wbctl drain` waits for the in-flight version (held in
+//    flight by SIGSTOPping a receiving node), which then commits and is applied; a new publish
+//    is refused; a drain that cannot finish in time exits 3.
 //  - MalformedLayoutIsRejectedAndChangesNothing: INVALID_ARGUMENT naming the tensor, the plan and
 //    the registered workers unchanged, and the next version still succeeds.
 #include <signal.h>
@@ -95,7 +95,7 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 
 TEST(FaultTest, KillNodeMidTransfer) {
   ClusterOptions copts;
-  copts.lease_ms = 2000;
+  copts.lease_ms = 3000;
   copts.transfer_timeout_ms = 6000;
   RunOptions run;
   run.mode = "one_step_off";
@@ -222,10 +222,10 @@ TEST(FaultTest, AsyncStalenessBound) {
 
 TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   ClusterOptions copts;
-  copts.lease_ms = 15000;  // n2 is frozen for a while on purpose; it must not lose its lease
+  copts.lease_ms = 15000;  // n2 is frozen for a few seconds on purpose; it must keep its lease
   RunOptions run;
   run.mode = "one_step_off";
-  run.versions = 2;
+  run.versions = 3;
   run.tolerate_failures = true;
   run.gate_dir = "gates";
   run.timeout_ms = 10000;
@@ -233,15 +233,17 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   absl::Status s = StartFixture(f, "drain", copts, run);
   ASSERT_TRUE(s.ok()) << s;
   Cluster& cl = *f.cluster;
-  for (Process* r : f.rollouts) ASSERT_TRUE(r->WaitForEvent("ready", 0, absl::Seconds(60)).ok());
-  for (Process* t : f.trainers) ASSERT_TRUE(t->WaitForEvent("ready", 0, absl::Seconds(60)).ok());
-
-  // v1 in flight and held there: n2 (a receiver) is frozen.
-  cl.node(2)->Signal(SIGSTOP);
+  // v1 goes through normally (plans installed everywhere).
   ASSERT_TRUE(OpenGate(f, 1).ok());
+  s = WaitAllApplied(f, 1, absl::Seconds(90));
+  ASSERT_TRUE(s.ok()) << s;
+
+  // v2 in flight and held there: n2 (a receiver) is frozen.
+  cl.node(2)->Signal(SIGSTOP);
+  ASSERT_TRUE(OpenGate(f, 2).ok());
   auto st = cl.WaitForStatus(
-      [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 1) == "transferring"; },
-      absl::Seconds(60), "v1 transferring");
+      [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 2) == "transferring"; },
+      absl::Seconds(10), "v2 transferring");
   ASSERT_TRUE(st.ok()) << st.status();
 
   // A drain that cannot finish in time says so with exit code 3.
@@ -256,30 +258,31 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   ASSERT_TRUE(drain.ok()) << drain.status();
   EXPECT_EQ((*drain)->WaitExit(absl::Seconds(1)).status().code(),
             absl::StatusCode::kDeadlineExceeded)
-      << "drain returned while v1 was still in flight";
+      << "drain returned while v2 was still in flight";
   cl.node(2)->Signal(SIGCONT);
   auto code = (*drain)->WaitExit(absl::Seconds(60));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0) << (*drain)->LogTail();
-  s = WaitAllApplied(f, 1, absl::Seconds(60));
+  s = WaitAllApplied(f, 2, absl::Seconds(60));
   ASSERT_TRUE(s.ok()) << s;
   st = cl.Status();
   ASSERT_TRUE(st.ok());
-  EXPECT_EQ(VersionState(*st, f.run.model_id, 1), "committed");
+  EXPECT_EQ(VersionState(*st, f.run.model_id, 2), "committed");
 
   // New work is refused.
-  ASSERT_TRUE(OpenGate(f, 2).ok());
+  ASSERT_TRUE(OpenGate(f, 3).ok());
   for (Process* t : f.trainers) {
-    auto refused = t->WaitForEvent("publish_failed", 2, absl::Seconds(30));
+    auto refused = t->WaitForEvent("publish_failed", 3, absl::Seconds(30));
     ASSERT_TRUE(refused.ok()) << refused.status();
     EXPECT_EQ((*refused)["code"].get<std::string>(), "UNAVAILABLE") << refused->dump();
-    EXPECT_NE((*refused)["message"].get<std::string>().find("draining"), std::string::npos);
+    EXPECT_NE((*refused)["message"].get<std::string>().find("draining"), std::string::npos)
+        << refused->dump();
   }
-  // Rollouts give up on v2 after their timeout, still exactly on v1.
+  // Rollouts give up on v3 after their timeout, still exactly on v2.
   for (Process* r : f.rollouts) {
-    auto failed = r->WaitForEvent("version_failed", 2, absl::Seconds(30));
+    auto failed = r->WaitForEvent("version_failed", 3, absl::Seconds(30));
     ASSERT_TRUE(failed.ok()) << failed.status();
-    EXPECT_EQ((*failed)["still"].get<uint64_t>(), 1u);
+    EXPECT_EQ((*failed)["still"].get<uint64_t>(), 2u);
     absl::Status e = ExpectCleanExit(r, absl::Seconds(60));
     EXPECT_TRUE(e.ok()) << e;
     EXPECT_TRUE(EventsNamed(r, "mismatch").empty());
