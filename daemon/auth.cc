@@ -437,6 +437,10 @@ std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const 
     creds = grpc::SslCredentials(o);
     if (!config.tls_server_name.empty()) args.SetSslTargetNameOverride(config.tls_server_name);
   }
+  // A restarted peer (coordinator) is reached within about a second, not after gRPC's default
+  // exponential reconnect backoff (up to 2 minutes).
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   if (!config.token.empty()) interceptors.push_back(std::make_unique<TokenInterceptorFactory>(absl::StrCat("Bearer ", config.token)));
   return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(interceptors));

@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <random>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -51,7 +52,15 @@ std::string BoxKey(int32_t tensor, const planner::Box& box) { return absl::StrCa
 
 }  // namespace
 
-Coordinator::Coordinator(Options options) : options_(std::move(options)) {
+namespace {
+std::string NewInstanceId() {
+  std::random_device rd;
+  return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8), "-",
+                      absl::ToUnixMillis(absl::Now()));
+}
+}  // namespace
+
+Coordinator::Coordinator(Options options) : options_(std::move(options)), instance_(NewInstanceId()) {
   if (!options_.make_plan) options_.make_plan = [](const planner::Problem& p, planner::Strategy s) { return planner::MakePlan(p, s); };
 }
 
@@ -141,7 +150,9 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
   n.incarnation += 1;
   n.alive = true;
   n.draining = false;
-  n.lease_expiry = options_.clock->Now() + options_.lease;
+  // A lease shorter than 3 heartbeats of the node would expire on one late beat.
+  n.lease = std::max(options_.lease, 3 * absl::Milliseconds(req->heartbeat_ms()));
+  n.lease_expiry = options_.clock->Now() + n.lease;
   n.stub = pb::NodeService::NewStub(channel);
   n.transport_instances.clear();
   for (auto& [k, v] : req->transport_instances()) n.transport_instances[k] = v;
@@ -151,25 +162,30 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
                          pending_commits_.end());
   Log(LogLevel::kInfo, "node registered", {{"node", req->node_id()}, {"address", req->address()},
                                            {"data_address", req->data_address()}, {"incarnation", n.incarnation}});
-  resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  resp->set_lease_ms(absl::ToInt64Milliseconds(n.lease));
   resp->set_incarnation(n.incarnation);
+  resp->set_coordinator_instance(instance_);
   wake_ = true;
   return grpc::Status::OK;
 }
 
 grpc::Status Coordinator::Heartbeat(grpc::ServerContext*, const pb::HeartbeatRequest* req,
                                     pb::HeartbeatResponse* resp) {
+  // Receipt time, taken before the lock: a busy coordinator must not count its own delay as a
+  // missed heartbeat.
+  const absl::Time received = options_.clock->Now();
   absl::MutexLock l(&mu_);
+  resp->set_coordinator_instance(instance_);
   auto it = nodes_.find(req->node_id());
   if (it == nodes_.end() || !it->second.alive || it->second.incarnation != req->incarnation()) {
     return ToGrpcStatus(absl::NotFoundError(absl::StrCat("node ", req->node_id(), " is not registered (lease lost?): register again")));
   }
-  it->second.lease_expiry = options_.clock->Now() + options_.lease;
+  it->second.lease_expiry = std::max(it->second.lease_expiry, received + it->second.lease);
   for (const pb::VersionProgress& p : req->progress()) {
     auto m = models_.find(p.model_id());
     if (m != models_.end()) m->second.progress[p.version()][req->node_id()] = p.bytes_done();
   }
-  resp->set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
+  resp->set_lease_ms(absl::ToInt64Milliseconds(it->second.lease));
   return grpc::Status::OK;
 }
 
@@ -208,8 +224,17 @@ grpc::Status Coordinator::JoinWorker(grpc::ServerContext*, const pb::JoinWorkerR
   rec.node = req->node_id();
   rec.role = FromProto(req->role());
   rec.gpu = req->gpu();
+  if (req->rejoin()) {
+    // A node re-submits what it holds (coordinator restart / lost lease): the committed version
+    // bounds what may be published next, a rollout's applied version feeds the staleness bound.
+    model.machine->RestoreCommitted(req->committed_version());
+    rec.restored_applied = req->applied_version();
+    Log(LogLevel::kInfo, "worker re-joined", {{"model", req->model_id()}, {"worker", req->worker_id()}, {"node", req->node_id()},
+                                              {"committed", req->committed_version()}, {"applied", req->applied_version()}});
+  }
   model.workers[req->worker_id()] = std::move(rec);
   InventoryToProto(model.inventory, resp->mutable_tensors());
+  *resp->mutable_model() = model.spec;
   resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
   return grpc::Status::OK;
 }
@@ -347,6 +372,14 @@ grpc::Status Coordinator::Publish(grpc::ServerContext*, const pb::CoordPublishRe
       return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", n, " is draining: version ", v, " refused")));
     }
   }
+  // A trainer that joined (with its layout) before the model is (re-)planned - e.g. right after a
+  // coordinator restart, while the nodes re-submit - waits for the plan instead of failing.
+  const std::string worker = req->worker_id();
+  auto planned = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto w = m->workers.find(worker);
+    return stopping_ || w == m->workers.end() || !w->second.has_layout || m->machine->trainers().count(worker) > 0;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&planned), deadline);
   // Staleness bound (async): hold the trainer while a rollout is too far behind.
   auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stopping_ || m->machine->PublishAdmissible(v);
@@ -616,7 +649,9 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
   m.machine->SetTrainers(trainers);
   m.machine->SetRollouts(rollouts);
   for (const std::string& r : rollouts) {
-    if (m.workers.at(r).paused) m.machine->RecordReady(r);
+    const WorkerRec& rec = m.workers.at(r);
+    if (rec.paused) m.machine->RecordReady(r);
+    if (rec.restored_applied > 0) m.machine->RecordApplied(r, rec.restored_applied);
   }
   for (auto& [n, idx] : node_index) m.plan.nodes.insert(n);
 
@@ -725,7 +760,13 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
 std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
   std::vector<std::function<void()>> work;
   const absl::Time now = options_.clock->Now();
-  // Leases.
+  // Leases. If the driver itself did not run for a while (an overloaded coordinator), that time
+  // is not the nodes' fault: extend every lease by the gap before judging.
+  if (last_sweep_ != absl::InfinitePast() && now - last_sweep_ > options_.lease / 4) {
+    const absl::Duration gap = now - last_sweep_;
+    for (auto& [nid, n] : nodes_) n.lease_expiry += gap;
+  }
+  last_sweep_ = now;
   for (auto& [nid, n] : nodes_) {
     if (!n.alive || now < n.lease_expiry) continue;
     n.alive = false;
@@ -754,11 +795,13 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         auto it = nodes_.find(n);
         if (it != nodes_.end() && it->second.stub) stubs.push_back({n, it->second.incarnation, it->second.stub});
       }
-      work.push_back([this, mp, model_id, v, stubs] {
+      const absl::Duration commit_timeout = options_.transfer_timeout;
+      work.push_back([this, mp, model_id, v, stubs, commit_timeout] {
         std::vector<PendingCommit> missed;
         for (auto& [node, incarnation, stub] : stubs) {
           grpc::ClientContext ctx;
-          ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+          // Sync commits copy staging into live weights before answering: as long as a transfer may take.
+          ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::max(absl::Seconds(5), commit_timeout)));
           pb::CommitVersionRequest req;
           req.set_model_id(model_id);
           req.set_version(v);
@@ -849,7 +892,9 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
     work.push_back([this, mp, model_id, v, epoch, stubs, timeout_ms] {
       for (auto& [n, stub] : stubs) {
         grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+        // The node answers at once (the executor runs on its own thread); the deadline is the
+        // transfer timeout anyway so that a slow, loaded node is not declared unable to start.
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 5000)));
         pb::ExecuteVersionRequest req;
         req.set_model_id(model_id);
         req.set_version(v);

@@ -79,6 +79,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
     bool alive = true;
     bool draining = false;
     std::map<std::string, std::string> transport_instances;
+    absl::Duration lease = absl::ZeroDuration();  // max(Options::lease, 3 heartbeats of the node)
     // shared: driver work captured a copy may still run while RegisterNode replaces it.
     std::shared_ptr<pb::NodeService::Stub> stub;
   };
@@ -101,6 +102,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
     bool paused = false;
     pb::ResolvedLayout layout_proto;
     planner::WorkerLayout layout;
+    uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
   };
   struct PlanState {
     uint64_t epoch = 0;
@@ -150,6 +152,9 @@ class Coordinator final : public pb::CoordinatorService::Service {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
+  // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
+  const std::string instance_;
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver
   std::thread driver_;
 };
 

@@ -84,9 +84,10 @@ absl::StatusOr<transport::TransportSet> HostTransports() {
 
 class Cluster {
  public:
-  void StartCoordinator(absl::Duration lease = absl::Seconds(3)) {
+  void StartCoordinator(absl::Duration lease = absl::Seconds(3), const std::string& listen = "127.0.0.1:0") {
     ServerOptions co;
     co.role = DaemonRole::kCoordinator;
+    co.listen = listen;
     co.transfer_timeout = absl::Seconds(20);
     co.lease = lease;
     co.bucket_bytes = 4096;  // several buckets, so relays and staged reads cross bucket boundaries
@@ -478,6 +479,85 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
     ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
     EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
   }
+  c.Stop();
+}
+
+// The coordinator restarts (new process state) while version 2 is in flight: nodes notice the new
+// instance, abort the version locally (waiters: ABORTED naming the restart; rollouts keep version 1
+// byte for byte), re-submit models, workers and layouts, and version 3 succeeds with the same
+// worker processes and connections (no worker registers again).
+TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  absl::Notification entered, release;
+  c.StartNode(0, [&](const std::string&, uint64_t version, uint32_t) {
+    if (version != 2) return;
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  });
+  c.StartNode(1);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  pb::ApplyResponse resp;
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 1, &resp).ok()) << r->id;
+    ASSERT_EQ(CountBad(*r, 1), 0) << r->id;
+  }
+  // Version 2 is in flight (n0's executor holds it) when the coordinator goes away.
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  grpc::Status apply_status, wait_status;
+  std::thread applier([&] {
+    pb::ApplyResponse r;
+    apply_status = c.Apply(r1, "m", 2, &r);
+  });
+  std::thread waiter([&] {
+    grpc::ClientContext ctx;
+    pb::WaitVersionRequest req;
+    req.set_model_id("m");
+    req.set_version(2);
+    req.set_timeout_ms(20000);
+    pb::WaitVersionResponse r;
+    wait_status = t1.stub->WaitVersion(&ctx, req, &r);
+  });
+  const int port = c.coord_->port();
+  c.coord_->Shutdown();
+  c.coord_.reset();
+  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+  applier.join();
+  waiter.join();
+  release.Notify();
+  for (const grpc::Status* s : {&apply_status, &wait_status}) {
+    EXPECT_EQ(s->error_code(), grpc::StatusCode::ABORTED) << (s == &apply_status ? "Apply: " : "WaitVersion: ") << s->error_message();
+    EXPECT_NE(s->error_message().find("coordinator restarted"), std::string::npos) << s->error_message();
+  }
+  for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 1), 0) << r->id << " must still hold exactly version 1";
+  // Version 3 with the same workers: publishes wait for the re-plan, the transfer succeeds.
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
+    EXPECT_EQ(resp.applied_version(), 3u);
+    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  }
+  pb::StatusResponse status = c.Status(r0);
+  ASSERT_EQ(status.models_size(), 1);
+  EXPECT_EQ(status.models(0).committed_version(), 3u);
+  EXPECT_EQ(status.workers_size(), 4) << "every worker re-joined through its node";
+  // Version 1 (committed before the restart, reported by the nodes) cannot be published again.
+  grpc::ClientContext ctx;
+  pb::PublishRequest old;
+  old.set_model_id("m");
+  old.set_worker_id("t0");
+  old.set_version(1);
+  old.set_timeout_ms(5000);
+  pb::PublishResponse presp;
+  EXPECT_EQ(t0.stub->Publish(&ctx, old, &presp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   c.Stop();
 }
 

@@ -117,6 +117,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     w.role = FromProto(req->role());
     w.gpu = req->gpu();
     w.mode = jr.mode();
+    w.spec = jr.has_model() ? jr.model() : req->model();
+    if (w.spec.model_id().empty()) w.spec.set_model_id(req->model_id());
     if (req->pid() > 0) {
       auto watch = std::make_shared<PidWatch>();
       watch->pid = req->pid();
@@ -195,6 +197,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     for (const pb::BufferSpec& b : req->buffers()) bytes += b.size_bytes();
     it->second.buffers = std::move(buffers);
     it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
+    it->second.submitted = std::move(sreq);
     resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
     resp->set_bytes(bytes);
     return grpc::Status::OK;
@@ -203,6 +206,9 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   grpc::Status Publish(grpc::ServerContext*, const pb::PublishRequest* req, pb::PublishResponse* resp) override {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(req->timeout_ms());
+    const uint64_t session0 = d_->session();
+    std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
+    int64_t reserved = 0;
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
@@ -215,7 +221,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
       if (w.mode != pb::MODE_SYNC) {
         // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
-        int64_t total = 0, need = 0;
+        int64_t total = d_->snapshot_reserved_, need = 0;
         for (auto& b : w.buffers) need += b->size();
         for (auto& [id, other] : d_->workers_) {
           for (auto& [v, snap] : other.snapshots) for (auto& b : *snap) total += static_cast<int64_t>(b.size());
@@ -224,13 +230,31 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
           return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat("staging budget of ", d_->options_.staging_budget_bytes,
                                                                         " bytes exceeded by the snapshot of version ", req->version())));
         }
-        auto snap = std::make_shared<Bytes>();
-        for (auto& b : w.buffers) {
-          const uint8_t* p = static_cast<const uint8_t*>(b->data());
-          snap->emplace_back(p, p + b->size());
-        }
-        w.snapshots[req->version()] = std::move(snap);
+        // The copy itself runs outside mu_ (it can take seconds for a large model on a busy
+        // machine, and every other handler needs mu_); the bytes are reserved meanwhile.
+        d_->snapshot_reserved_ += need;
+        reserved = need;
+        to_snapshot = w.buffers;
       }
+    }
+    if (reserved > 0) {
+      auto snap = std::make_shared<Bytes>();
+      std::vector<const uint8_t*> src;
+      std::vector<uint8_t*> dst;
+      std::vector<int64_t> size;
+      for (auto& b : to_snapshot) {
+        snap->emplace_back(static_cast<size_t>(b->size()));
+        src.push_back(static_cast<const uint8_t*>(b->data()));
+        dst.push_back(snap->back().data());
+        size.push_back(b->size());
+      }
+      absl::Status copied = d_->CopyFlat(src, dst, size, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline);
+      absl::MutexLock l(&d_->mu_);
+      d_->snapshot_reserved_ -= reserved;
+      if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("snapshot of version ", req->version())));
+      auto it = d_->workers_.find(req->worker_id());
+      if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " left during Publish")));
+      it->second.snapshots[req->version()] = std::move(snap);
     }
     pb::CoordPublishRequest c;
     c.set_node_id(d_->options_.node_id);
@@ -242,10 +266,12 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     SetDeadline(&ctx, deadline);
     grpc::Status s = d_->coordinator_->Publish(&ctx, c, resp);
     if (!s.ok()) {
-      absl::MutexLock l(&d_->mu_);
-      auto it = d_->workers_.find(req->worker_id());
-      if (it != d_->workers_.end()) it->second.snapshots.erase(req->version());
-      return s;
+      {
+        absl::MutexLock l(&d_->mu_);
+        auto it = d_->workers_.find(req->worker_id());
+        if (it != d_->workers_.end()) it->second.snapshots.erase(req->version());
+      }
+      return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
     }
     resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
     return grpc::Status::OK;
@@ -281,12 +307,13 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       const std::string model = req->model_id();
       const std::string wid = req->worker_id();
       const uint64_t want = req->version();
+      const uint64_t restarts0 = d_->restarts_;
       auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) {
         auto w = d_->workers_.find(wid);
         if (d_->stopping_ || w == d_->workers_.end()) return true;
         if (want == 0) return true;  // safe point: take whatever is newest, never wait
         return w->second.committed_version >= want || w->second.applied_version >= want ||
-               d_->aborted_.count({model, want}) > 0;
+               d_->aborted_.count({model, want}) > 0 || d_->restarts_ != restarts0;
       };
       if (!d_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
         return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("version ", want, " not committed on node ",
@@ -296,7 +323,9 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       if (d_->stopping_ || it == d_->workers_.end()) return ToGrpcStatus(absl::UnavailableError("worker or daemon went away"));
       LocalWorker& w = it->second;
       if (want != 0 && w.committed_version < want && w.applied_version < want) {
-        return ToGrpcStatus(absl::AbortedError(absl::StrCat("version ", want, " aborted: ", d_->aborted_.at({model, want}))));
+        auto ab = d_->aborted_.find({model, want});
+        return ToGrpcStatus(absl::AbortedError(
+            absl::StrCat("version ", want, " aborted: ", ab != d_->aborted_.end() ? ab->second : d_->restart_reason_)));
       }
       if (w.committed_version <= w.applied_version || !w.committed) {
         resp->set_applied_version(w.applied_version);  // nothing newer (or sync: already live)
@@ -313,11 +342,10 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         if (plan->slice.workers(i).worker_id() == wid) layout = plan->layouts[i];
       }
     }
-    // The rollout's only stall: copy its pieces from committed staging into live weights.
-    for (const planner::Piece& piece : layout.pieces) {
-      int elem = planner::DTypeSize(plan->inventory.tensors[piece.tensor].dtype);
-      CopyPiece((*staging)[piece.buffer].data(), piece, elem, static_cast<uint8_t*>(buffers[piece.buffer]->data()));
-    }
+    // The rollout's only stall: copy its pieces from committed staging into live weights (on the
+    // same-node transport's copy threads).
+    absl::Status copied = d_->CopyToLive(*staging, buffers, layout, plan->inventory, absl::StrCat("apply ", req->worker_id(), " v", version), deadline);
+    if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("applying version ", version, " to ", req->worker_id())));
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
@@ -338,9 +366,12 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   }
 
   grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) override {
+    const uint64_t session0 = d_->session();
+    const absl::Time deadline = Deadline(req->timeout_ms());
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, Deadline(req->timeout_ms()));
-    return d_->coordinator_->WaitVersion(&ctx, *req, resp);
+    SetDeadline(&ctx, deadline);
+    grpc::Status s = d_->coordinator_->WaitVersion(&ctx, *req, resp);
+    return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
   }
 
   grpc::Status Deregister(grpc::ServerContext*, const pb::DeregisterRequest* req, pb::DeregisterResponse*) override {
@@ -366,6 +397,22 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     resp->set_role("node");
     resp->set_node_id(d_->options_.node_id);
     return s;
+  }
+
+  // A waiting call the coordinator could not answer because it went away (UNAVAILABLE, CANCELLED) or does
+  // not know us any more (NOT_FOUND): once the node re-joined a restarted coordinator the caller
+  // gets ABORTED naming the restart (what it waited for will never happen there); otherwise the
+  // original error.
+  grpc::Status RestartAware(const grpc::Status& s, uint64_t session0, absl::Time deadline, const std::string& what) {
+    // CANCELLED: the coordinator's server shut down under the call.
+    if (s.ok() || (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::NOT_FOUND &&
+                   s.error_code() != grpc::StatusCode::CANCELLED)) {
+      return s;
+    }
+    std::optional<std::string> change = d_->AwaitCoordinatorChange(session0, deadline);
+    if (!change) return s;
+    return ToGrpcStatus(absl::AbortedError(absl::StrCat(what, " aborted: ", *change, " (node ", d_->options_.node_id,
+                                                        " re-submitted its workers; publish a newer version)")));
   }
 
  private:
@@ -422,6 +469,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     if ((*exec)->started) return grpc::Status::OK;
     (*exec)->started = true;
     (*exec)->deadline = absl::Now() + absl::Milliseconds(req->timeout_ms() > 0 ? req->timeout_ms() : 60000);
+    // Answers at once: staging is allocated and every copy runs on the executor thread.
     // Snapshots older than this version can never be sent any more (superseded).
     for (auto& [id, w] : d_->workers_) {
       if (w.model_id != req->model_id()) continue;
@@ -477,10 +525,11 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     }
     // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
     for (const ToLive& t : to_live) {
-      for (const planner::Piece& piece : t.layout.pieces) {
-        if (piece.buffer >= static_cast<int32_t>(t.buffers.size())) continue;
-        int elem = planner::DTypeSize(exec->plan->inventory.tensors[piece.tensor].dtype);
-        CopyPiece((*t.staging)[piece.buffer].data(), piece, elem, static_cast<uint8_t*>(t.buffers[piece.buffer]->data()));
+      absl::Status copied = d_->CopyToLive(*t.staging, t.buffers, t.layout, exec->plan->inventory,
+                                           absl::StrCat("commit ", t.worker, " v", req->version()), exec->deadline + absl::Seconds(60));
+      if (!copied.ok()) {
+        Log(LogLevel::kError, "sync commit copy failed", {{"node", d_->options_.node_id}, {"worker", t.worker}, {"error", copied.message()}});
+        return ToGrpcStatus(Annotate(copied, absl::StrCat("commit of version ", req->version(), " into ", t.worker)));
       }
     }
     absl::MutexLock l(&d_->mu_);
@@ -650,10 +699,21 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
   }
   node_address_ = node_address;
   data_address_ = node_address;  // peers reach our NodeService (ExchangeRegions) here
-  coordinator_ = pb::CoordinatorService::NewStub(options_.make_channel ? options_.make_channel(options_.coordinator)
-                                                                     : grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials()));
+  std::shared_ptr<grpc::Channel> channel;
+  if (options_.make_channel) {
+    channel = options_.make_channel(options_.coordinator);
+  } else {
+    // A restarted coordinator is reached within about a second, not after gRPC's default
+    // exponential reconnect backoff (up to 2 minutes).
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    channel = grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
+  }
+  coordinator_ = pb::CoordinatorService::NewStub(channel);
   RETURN_IF_ERROR_WITH(Register(), absl::StrCat("registering node ", options_.node_id, " with coordinator ", options_.coordinator));
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  control_ = std::thread([this] { ControlLoop(); });
   return absl::OkStatus();
 }
 
@@ -662,53 +722,187 @@ absl::Status NodeDaemon::Register() {
   req.set_node_id(options_.node_id);
   req.set_address(node_address_);
   req.set_data_address(data_address_);
+  req.set_heartbeat_ms(absl::ToInt64Milliseconds(options_.heartbeat));
   for (const auto& t : options_.transports.all()) (*req.mutable_transport_instances())[t->capabilities().kind] = t->instance_id();
   pb::RegisterNodeResponse resp;
   grpc::ClientContext ctx;
   ctx.set_wait_for_ready(true);
   SetDeadline(&ctx, absl::Now() + absl::Seconds(10));
   RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterNode(&ctx, req, &resp)));
-  absl::MutexLock l(&mu_);
-  incarnation_ = resp.incarnation();
+  std::string reason;
+  {
+    absl::MutexLock l(&hb_mu_);
+    if (coordinator_instance_.empty()) {
+      reason.clear();  // first registration
+    } else if (coordinator_instance_ != resp.coordinator_instance()) {
+      reason = absl::StrCat("the coordinator restarted (instance ", coordinator_instance_, " -> ", resp.coordinator_instance(), ")");
+    } else {
+      reason = absl::StrCat("node ", options_.node_id, " lost its lease at the coordinator and registered again");
+    }
+    incarnation_ = resp.incarnation();
+    coordinator_instance_ = resp.coordinator_instance();
+    if (resp.lease_ms() > 0) lease_ = absl::Milliseconds(resp.lease_ms());
+    registered_ = true;
+    rejoining_ = !reason.empty();
+    if (!reason.empty()) last_change_ = reason;
+  }
+  if (!reason.empty()) {
+    Log(LogLevel::kWarning, "node re-registered", {{"node", options_.node_id}, {"reason", reason}, {"incarnation", resp.incarnation()}});
+    Rejoin(reason);
+    absl::MutexLock l(&hb_mu_);
+    rejoining_ = false;
+    session_ += 1;
+  }
   return absl::OkStatus();
 }
 
-void NodeDaemon::HeartbeatLoop() {
-  absl::MutexLock l(&mu_);
-  while (!stopping_) {
-    auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
-    mu_.AwaitWithTimeout(absl::Condition(&stop), options_.heartbeat);
-    if (stopping_) return;
-    mu_.Unlock();
-    CheckWorkers();
-    const bool skip = options_.test_skip_heartbeat && options_.test_skip_heartbeat();
-    mu_.Lock();
-    if (stopping_) return;
-    if (skip) continue;
-    pb::HeartbeatRequest req;
-    req.set_node_id(options_.node_id);
-    req.set_incarnation(incarnation_);
+void NodeDaemon::Rejoin(const std::string& reason) {
+  // 1. Whatever was in flight belongs to the old coordinator session: abort it here (node-local
+  //    waiters - Apply - get ABORTED naming the reason; rollouts keep their committed/live copy).
+  std::vector<std::tuple<std::string, std::string, transport::PeerId>> drop;
+  struct Job {
+    std::string worker;
+    pb::JoinWorkerRequest join;
+    bool has_layout = false;
+    pb::SubmitLayoutRequest layout;
+  };
+  std::vector<Job> jobs;
+  {
+    absl::MutexLock l(&mu_);
     for (auto& [key, e] : execs_) {
-      pb::VersionProgress* p = req.add_progress();
-      p->set_model_id(key.first);
-      p->set_version(key.second);
-      p->set_bytes_done(e->bytes_done);
+      e->aborted = true;
+      e->error = reason;
+      aborted_[key] = reason;
+      for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
     }
-    mu_.Unlock();
+    execs_.clear();
+    restarts_ += 1;
+    restart_reason_ = reason;
+    for (auto& [id, w] : workers_) {
+      Job j;
+      j.worker = id;
+      j.join.set_node_id(options_.node_id);
+      j.join.set_worker_id(id);
+      j.join.set_model_id(w.model_id);
+      j.join.set_role(ToProto(w.role));
+      j.join.set_gpu(w.gpu);
+      *j.join.mutable_model() = w.spec;
+      j.join.set_rejoin(true);
+      j.join.set_committed_version(committed_[w.model_id]);
+      j.join.set_applied_version(w.applied_version);
+      j.has_layout = w.has_layout;
+      j.layout = w.submitted;
+      jobs.push_back(std::move(j));
+    }
+  }
+  for (auto& [model, peer, id] : drop) DropChannel(model, peer, id);
+  // 2. Re-submit models, workers and layouts. A worker the coordinator refuses is dropped here
+  //    (its client sees NOT_FOUND and registers again).
+  for (Job& j : jobs) {
+    pb::JoinWorkerResponse jr;
+    grpc::ClientContext c1;
+    SetDeadline(&c1, absl::Now() + absl::Seconds(10));
+    absl::Status s = FromGrpcStatus(coordinator_->JoinWorker(&c1, j.join, &jr));
+    if (s.ok() && j.has_layout) {
+      pb::SubmitLayoutResponse sr;
+      grpc::ClientContext c2;
+      SetDeadline(&c2, absl::Now() + absl::Seconds(30));
+      s = FromGrpcStatus(coordinator_->SubmitLayout(&c2, j.layout, &sr));
+    }
+    if (!s.ok()) {
+      Log(LogLevel::kWarning, "worker not re-joined", {{"node", options_.node_id}, {"worker", j.worker}, {"error", s.message()}});
+      absl::MutexLock l(&mu_);
+      workers_.erase(j.worker);
+    }
+  }
+  Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
+}
+
+uint64_t NodeDaemon::session() {
+  absl::MutexLock l(&hb_mu_);
+  return session_;
+}
+
+std::optional<std::string> NodeDaemon::AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) {
+  absl::MutexLock l(&hb_mu_);
+  hb_kick_ = true;  // heartbeat now rather than at the next tick
+  const uint64_t ok0 = hb_ok_;
+  // hb_ok_ moves by 2: a heartbeat that was already in flight when we kicked may be older than
+  // the failure we are explaining.
+  auto settled = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) {
+    return hb_stop_ || session_ != session0 || (hb_ok_ >= ok0 + 2 && registered_ && !rejoining_);
+  };
+  hb_mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
+  if (session_ != session0) return last_change_;
+  return std::nullopt;
+}
+
+void NodeDaemon::HeartbeatLoop() {
+  absl::Time next = absl::Now();
+  while (true) {
+    pb::HeartbeatRequest req;
+    absl::Duration rpc_deadline;
+    {
+      absl::MutexLock l(&hb_mu_);
+      auto due = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_ || hb_kick_; };
+      hb_mu_.AwaitWithDeadline(absl::Condition(&due), next);
+      if (hb_stop_) return;
+      hb_kick_ = false;
+      next = absl::Now() + options_.heartbeat;
+      if (!registered_) continue;  // the control thread registers
+      req.set_node_id(options_.node_id);
+      req.set_incarnation(incarnation_);
+      for (auto it = progress_.begin(); it != progress_.end();) {
+        std::shared_ptr<Exec> e = it->second.lock();
+        if (!e) {
+          it = progress_.erase(it);
+          continue;
+        }
+        pb::VersionProgress* p = req.add_progress();
+        p->set_model_id(it->first.first);
+        p->set_version(it->first.second);
+        p->set_bytes_done(e->bytes_done.load());
+        ++it;
+      }
+      // A beat may be slow on a loaded machine; it is only late once the lease is in danger.
+      rpc_deadline = std::max(options_.heartbeat, lease_ / 3);
+    }
+    if (options_.test_skip_heartbeat && options_.test_skip_heartbeat()) continue;
     pb::HeartbeatResponse resp;
     grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + options_.heartbeat);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_deadline));
     grpc::Status s = coordinator_->Heartbeat(&ctx, req, &resp);
-    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-      // The coordinator declared us lost (or restarted): it dropped our workers, so do we; their
-      // clients see NOT_FOUND and register again.
-      mu_.Lock();
-      workers_.clear();
-      execs_.clear();
-      mu_.Unlock();
-      (void)Register();
+    absl::MutexLock l(&hb_mu_);
+    if (s.ok() && req.incarnation() == incarnation_) {
+      hb_ok_ += 1;
+      if (resp.lease_ms() > 0) lease_ = absl::Milliseconds(resp.lease_ms());
+    } else if (s.error_code() == grpc::StatusCode::NOT_FOUND && req.incarnation() == incarnation_) {
+      // The coordinator lost us (lease) or is a new process (restart): register and re-join.
+      registered_ = false;
     }
-    mu_.Lock();
+  }
+}
+
+void NodeDaemon::ControlLoop() {
+  while (true) {
+    bool need_register = false;
+    {
+      absl::MutexLock l(&hb_mu_);
+      auto due = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_ || !registered_; };
+      hb_mu_.AwaitWithTimeout(absl::Condition(&due), options_.heartbeat);
+      if (hb_stop_) return;
+      need_register = !registered_;
+    }
+    CheckWorkers();
+    if (need_register) {
+      absl::Status s = Register();
+      if (!s.ok()) {
+        Log(LogLevel::kWarning, "coordinator unreachable", {{"node", options_.node_id}, {"error", s.message()}});
+        absl::MutexLock l(&hb_mu_);
+        auto stop = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_; };
+        hb_mu_.AwaitWithTimeout(absl::Condition(&stop), options_.heartbeat);
+      }
+    }
   }
 }
 
@@ -721,7 +915,12 @@ void NodeDaemon::Shutdown() {
     for (auto& [k, e] : execs_) e->aborted = true;
     threads.swap(threads_);
   }
+  {
+    absl::MutexLock l(&hb_mu_);
+    hb_stop_ = true;
+  }
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (control_.joinable()) control_.join();
   // Executors blocked on a channel end when it is torn down.
   std::vector<std::tuple<std::string, std::string, transport::PeerId>> channels;
   {
@@ -750,28 +949,25 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   exec->epoch = epoch;
   exec->plan = p->second;
   exec->deadline = absl::Now() + absl::Seconds(60);
-  // Incoming staging for every local rollout worker of the plan.
+  // Staging (incoming per local rollout + gather) is only sized here; the executor allocates it
+  // outside mu_ (zero-filling a model-sized buffer under the lock stalled every handler).
   int64_t staging = 0;
   for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
     const pb::PlanWorker& w = exec->plan->slice.workers(i);
     if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT) continue;
-    auto bytes = std::make_shared<Bytes>();
-    for (const planner::BufferInfo& b : exec->plan->layouts[i].buffers) {
-      staging += b.size_bytes;
-      bytes->emplace_back(static_cast<size_t>(b.size_bytes));
-    }
-    exec->incoming[w.worker_id()] = std::move(bytes);
+    for (const planner::BufferInfo& b : exec->plan->layouts[i].buffers) staging += b.size_bytes;
   }
-  if (exec->plan->hosts_gather) {
-    staging += static_cast<int64_t>(exec->plan->slice.gather_staging_bytes());
-    exec->gather = std::make_shared<Bytes>();
-    exec->gather->emplace_back(static_cast<size_t>(exec->plan->slice.gather_staging_bytes()));
-  }
+  if (exec->plan->hosts_gather) staging += static_cast<int64_t>(exec->plan->slice.gather_staging_bytes());
   if (staging > options_.staging_budget_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("node ", options_.node_id, ": staging of ", staging,
                                                      " bytes exceeds the budget of ", options_.staging_budget_bytes));
   }
+  exec->staging_bytes = staging;
   execs_[{model_id, version}] = exec;
+  {
+    absl::MutexLock hl(&hb_mu_);
+    progress_[{model_id, version}] = exec;
+  }
   return exec;
 }
 
@@ -953,7 +1149,7 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
     if (exec->aborted || stopping_) return;  // the coordinator already knows
   }
   Log(s.ok() ? LogLevel::kInfo : LogLevel::kWarning, s.ok() ? "version transferred" : "version failed",
-      {{"node", options_.node_id}, {"model", exec->model_id}, {"version", exec->version}, {"bytes", exec->bytes_done},
+      {{"node", options_.node_id}, {"model", exec->model_id}, {"version", exec->version}, {"bytes", exec->bytes_done.load()},
        {"seconds", absl::ToDoubleSeconds(absl::Now() - t0)}, {"error", s.message()}});
   pb::ReportDoneRequest req;
   req.set_node_id(options_.node_id);
@@ -961,7 +1157,7 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   req.set_version(exec->version);
   req.set_ok(s.ok());
   req.set_error(std::string(s.message()));
-  req.set_bytes(exec->bytes_done);
+  req.set_bytes(exec->bytes_done.load());
   req.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
   pb::ReportDoneResponse resp;
   grpc::ClientContext ctx;
@@ -976,6 +1172,26 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   transport::Transport* local_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
   transport::Transport* cross_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
   auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
+
+  // 0. Staging of this version, allocated here (outside mu_).
+  {
+    std::map<std::string, std::shared_ptr<Bytes>> incoming;
+    std::shared_ptr<Bytes> gather;
+    for (int i = 0; i < plan.slice.workers_size(); ++i) {
+      const pb::PlanWorker& w = plan.slice.workers(i);
+      if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+      auto bytes = std::make_shared<Bytes>();
+      for (const planner::BufferInfo& b : plan.layouts[i].buffers) bytes->emplace_back(static_cast<size_t>(b.size_bytes));
+      incoming[w.worker_id()] = std::move(bytes);
+    }
+    if (plan.hosts_gather) {
+      gather = std::make_shared<Bytes>();
+      gather->emplace_back(static_cast<size_t>(plan.slice.gather_staging_bytes()));
+    }
+    absl::MutexLock l(&mu_);
+    exec.incoming = std::move(incoming);
+    exec.gather = std::move(gather);
+  }
 
   // 1. The memory of this version on this node.
   struct Mem {
@@ -1200,10 +1416,98 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       }
     }
     RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
-    absl::MutexLock l(&mu_);
     exec.bytes_done += static_cast<uint64_t>(incoming_bytes);
   }
   return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
+                                  const std::string& label, absl::Time deadline) {
+  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+  if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
+  std::vector<transport::RegionHandle> regions;
+  struct Cleanup {
+    transport::Transport* t;
+    std::vector<transport::RegionHandle>* r;
+    ~Cleanup() {
+      for (auto& h : *r) (void)t->Release(h);
+    }
+  } cleanup{t, &regions};
+  transport::Batch batch;
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (size[i] == 0) continue;
+    transport::MemorySpec s, d;
+    s.kind = d.kind = transport::MemoryKind::kHost;
+    s.base = const_cast<uint8_t*>(src[i]);  // only read
+    d.base = dst[i];
+    s.size_bytes = d.size_bytes = size[i];
+    s.label = absl::StrCat(label, " src ", i);
+    d.label = absl::StrCat(label, " dst ", i);
+    ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
+    regions.push_back(sh);
+    ASSIGN_OR_RETURN(transport::RegionHandle dh, t->RegisterMemory(d));
+    regions.push_back(dh);
+    transport::CopyOp op;
+    op.shape = {size[i]};
+    op.element_size = 1;
+    op.src = {sh, 0, {1}};
+    op.dst = {dh, 0, {1}};
+    batch.ops.push_back(std::move(op));
+  }
+  if (batch.ops.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
+  return t->Wait(id, deadline);
+}
+
+absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
+                                    const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
+                                    absl::Time deadline) {
+  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+  if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
+  std::vector<transport::RegionHandle> regions;
+  struct Cleanup {
+    transport::Transport* t;
+    std::vector<transport::RegionHandle>* r;
+    ~Cleanup() {
+      for (auto& h : *r) (void)t->Release(h);
+    }
+  } cleanup{t, &regions};
+  std::map<int32_t, std::pair<transport::RegionHandle, transport::RegionHandle>> by_buffer;  // buffer -> (staging, live)
+  transport::Batch batch;
+  for (const planner::Piece& piece : layout.pieces) {
+    if (piece.buffer < 0 || piece.buffer >= static_cast<int32_t>(buffers.size()) || piece.buffer >= static_cast<int32_t>(staging.size())) {
+      return absl::InternalError(absl::StrCat(label, ": piece of tensor ", inventory.tensors[piece.tensor].name, " names buffer ",
+                                              piece.buffer, " that the worker does not have"));
+    }
+    if (planner::BoxEmpty(piece.box)) continue;
+    auto it = by_buffer.find(piece.buffer);
+    if (it == by_buffer.end()) {
+      transport::MemorySpec s, d;
+      s.kind = d.kind = transport::MemoryKind::kHost;
+      s.base = const_cast<uint8_t*>(staging[piece.buffer].data());  // only read
+      s.size_bytes = static_cast<int64_t>(staging[piece.buffer].size());
+      d.base = buffers[piece.buffer]->data();
+      d.size_bytes = buffers[piece.buffer]->size();
+      s.label = absl::StrCat(label, " staging b", piece.buffer);
+      d.label = absl::StrCat(label, " live b", piece.buffer);
+      ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
+      regions.push_back(sh);
+      ASSIGN_OR_RETURN(transport::RegionHandle dh, t->RegisterMemory(d));
+      regions.push_back(dh);
+      it = by_buffer.emplace(piece.buffer, std::make_pair(sh, dh)).first;
+    }
+    const int elem = planner::DTypeSize(inventory.tensors[piece.tensor].dtype);
+    transport::CopyOp op;
+    for (size_t d = 0; d < piece.box.begin.size(); ++d) op.shape.push_back(piece.box.end[d] - piece.box.begin[d]);
+    op.element_size = elem;
+    // Staging mirrors the live layout byte for byte: same offset and strides on both sides.
+    op.src = RefFor(piece, piece.box, elem, it->second.first);
+    op.dst = RefFor(piece, piece.box, elem, it->second.second);
+    batch.ops.push_back(std::move(op));
+  }
+  if (batch.ops.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
+  return t->Wait(id, deadline);
 }
 
 }  // namespace wb::daemon

@@ -21,9 +21,10 @@
 //    Apply copies it. An aborted version only ever touched staging, so live weights keep the
 //    previous version byte for byte.
 
-#include <functional>
+#include <atomic>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -105,6 +106,9 @@ class NodeDaemon {
     uint64_t committed_version = 0;
     uint64_t applied_version = 0;
     std::shared_ptr<PidWatch> pid;  // null: the worker gave no pid (not watched)
+    // What the node re-submits when it re-joins a (restarted) coordinator.
+    pb::ModelSpec spec;
+    pb::SubmitLayoutRequest submitted;  // valid when has_layout
   };
   struct ModelPlan {
     pb::PlanSlice slice;
@@ -135,7 +139,8 @@ class NodeDaemon {
     std::shared_ptr<const ModelPlan> plan;
     std::map<std::string, std::shared_ptr<Bytes>> incoming;  // local rollout worker -> staging
     std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
-    uint64_t bytes_done = 0;
+    std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
+    int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
     bool started = false, aborted = false, failed = false;
     std::string error;
     absl::Time deadline;
@@ -159,8 +164,27 @@ class NodeDaemon {
   pb::NodeService::Stub* PeerStub(const std::string& address);
   // Checks local worker processes; tells the coordinator about the ones that exited.
   void CheckWorkers();
+  // Heartbeats only: never takes mu_ (so a busy executor or a long copy cannot starve them).
   void HeartbeatLoop();
+  // Worker liveness and (re-)registration with the coordinator; re-joins every local worker.
+  void ControlLoop();
   absl::Status Register();
+  // After (re-)registration: aborts local versions in flight (`reason`), re-submits models,
+  // workers and layouts the node holds.
+  void Rejoin(const std::string& reason);
+  // After a forwarded call failed in a way a coordinator restart explains (UNAVAILABLE,
+  // NOT_FOUND): waits (bounded by `deadline`) until either the node re-joined a coordinator
+  // (returns why: the restart) or a heartbeat on the unchanged session succeeded (nullopt).
+  std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline);
+  uint64_t session();
+  // Copies a rollout's committed staging into its live buffers with the same-node transport
+  // (its thread pool), piece by piece.
+  absl::Status CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
+                          const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
+                          absl::Time deadline);
+  // Copies whole buffers (src[i] -> dst[i], size[i] bytes) with the same-node transport.
+  absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
+                        const std::string& label, absl::Time deadline);
 
   Options options_;
   std::unique_ptr<WorkerImpl> worker_impl_;
@@ -169,7 +193,9 @@ class NodeDaemon {
   std::string node_address_, data_address_;
 
   absl::Mutex mu_;
-  uint64_t incarnation_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (node-local waiters compare)
+  std::string restart_reason_ ABSL_GUARDED_BY(mu_);
+  int64_t snapshot_reserved_ ABSL_GUARDED_BY(mu_) = 0;  // snapshot bytes being copied outside mu_
   std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
@@ -181,7 +207,20 @@ class NodeDaemon {
   std::map<std::string, std::unique_ptr<pb::NodeService::Stub>> peer_stubs_ ABSL_GUARDED_BY(stubs_mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread heartbeat_;
+  std::thread heartbeat_, control_;
+  // Coordinator session. hb_mu_ is a leaf lock: nothing else is taken while holding it.
+  absl::Mutex hb_mu_;
+  uint64_t incarnation_ ABSL_GUARDED_BY(hb_mu_) = 0;
+  std::string coordinator_instance_ ABSL_GUARDED_BY(hb_mu_);
+  absl::Duration lease_ ABSL_GUARDED_BY(hb_mu_) = absl::Seconds(3);
+  bool registered_ ABSL_GUARDED_BY(hb_mu_) = false;  // false: the control thread registers again
+  bool rejoining_ ABSL_GUARDED_BY(hb_mu_) = false;
+  uint64_t session_ ABSL_GUARDED_BY(hb_mu_) = 0;     // bumps after each completed re-join
+  uint64_t hb_ok_ ABSL_GUARDED_BY(hb_mu_) = 0;       // heartbeats acknowledged
+  bool hb_kick_ ABSL_GUARDED_BY(hb_mu_) = false;
+  bool hb_stop_ ABSL_GUARDED_BY(hb_mu_) = false;
+  std::string last_change_ ABSL_GUARDED_BY(hb_mu_);  // why the last re-join happened
+  std::map<std::pair<std::string, uint64_t>, std::weak_ptr<Exec>> progress_ ABSL_GUARDED_BY(hb_mu_);
 };
 
 }  // namespace wb::daemon

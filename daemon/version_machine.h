@@ -14,6 +14,7 @@
 //                 on v are satisfied by the newer commit)
 // Versions strictly increase; at most one transfers at a time.
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -91,6 +92,12 @@ class VersionMachine {
   std::optional<absl::Status> Outcome(uint64_t version) const;
 
   uint64_t committed() const { return committed_; }
+  // Coordinator restart: a node reports `version` as committed on it. Later publishes must be
+  // newer; waiters on versions <= it see them committed. Never lowers anything.
+  void RestoreCommitted(uint64_t version) {
+    committed_ = std::max(committed_, version);
+    newest_started_ = std::max(newest_started_, version);
+  }
   bool Idle() const;  // nothing queued or transferring
   void set_draining(bool draining) { draining_ = draining; }
   bool draining() const { return draining_; }
