@@ -7,8 +7,8 @@
 // Setup: a coordinator and two node daemons (`weightbridged`, separate processes, loopback TCP
 // between nodes). Node n0: Megatron tp=2 trainer ranks; node n1: vLLM tp=2 rollout replicas
 // (2 by default, so WeightBridge's per-node dedup + intra-node relay has something to save).
-// Sync mode: a version's update time is from the moment the trainers publish until it is
-// committed into every rollout's live weights (the trainers' stall). Each strategy runs
+// Sync mode: a version's update time is from the moment it can start (every trainer published
+// it, every rollout paused) until every worker saw it committed into the rollouts' live weights. Each strategy runs
 // --versions versions; the first warms up (plans, connections) and the median of the others is
 // reported. Every rollout byte of every version is checked against the canonical weights.
 //
@@ -39,7 +39,7 @@
 #include "tests/e2e/harness.h"
 
 ABSL_FLAG(bool, json, false, "print one JSON object");
-ABSL_FLAG(int, versions, 3, "versions per strategy (the first is a warm-up)");
+ABSL_FLAG(int, versions, 4, "versions per strategy (the first is a warm-up)");
 ABSL_FLAG(int, replicas, 2, "vLLM tp=2 replicas on the rollout node");
 ABSL_FLAG(std::string, config, "", "HF config.json (default: tests/e2e/testdata/qwen2.5-0.5b.json)");
 
@@ -52,7 +52,7 @@ using e2e::Process;
 
 struct StrategyResult {
   std::string strategy;
-  std::vector<double> update_s;  // per version, publish -> committed (max over trainers)
+  std::vector<double> update_s;  // per version: all published + all paused -> all saw commit
   double median_s = 0;
   double daemon_transfer_s = 0;  // last version, as the coordinator measured it
   int64_t bytes_inter_node = 0;  // of the plan, per version
@@ -123,19 +123,34 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
     if (!e2e::EventsNamed(p, "mismatch").empty()) ok = false;
     verified_last += e2e::VerifiedBytes(p, static_cast<uint64_t>(versions));
   }
-  res.verified = ok && verified_last == static_cast<int64_t>(replicas) * model_bytes;
+  // Each rollout checked every byte of its pieces; together the replicas hold at least the whole
+  // model per replica (more where vLLM replicates norms across tp ranks).
+  res.verified = ok && verified_last >= static_cast<int64_t>(replicas) * model_bytes;
+  if (ok && !res.verified) {
+    res.error = absl::StrCat("only ", verified_last, " bytes verified for the last version, want >= ",
+                             static_cast<int64_t>(replicas) * model_bytes);
+  }
+  // A version can start once every trainer published it and every rollout paused for it; it is
+  // done when every worker saw it committed. (Measuring from the trainers' publish alone would
+  // count the rollouts' byte checking of the previous version, which the test adds, not the
+  // system.)
   for (int v = 1; v <= versions; ++v) {
-    double worst = 0;
+    double start = -1, end = -1;
     for (Process* t : trainers) {
-      double start = -1, end = -1;
       for (auto& e : t->Events()) {
         if (e.value("version", 0) != v) continue;
-        if (e.value("event", "") == "published") start = e.value("t_start", -1.0);
-        if (e.value("event", "") == "committed") end = e.value("t", -1.0);
+        if (e.value("event", "") == "published") start = std::max(start, e.value("t_start", -1.0));
+        if (e.value("event", "") == "committed") end = std::max(end, e.value("t", -1.0));
       }
-      if (start >= 0 && end >= start) worst = std::max(worst, end - start);
     }
-    res.update_s.push_back(worst);
+    for (Process* r : rollouts) {
+      for (auto& e : e2e::EventsNamed(r, "applied")) {
+        if (e.value("version", 0) != v) continue;
+        start = std::max(start, e.value("t_start", -1.0));
+        end = std::max(end, e.value("t", -1.0));
+      }
+    }
+    res.update_s.push_back(start >= 0 && end >= start ? end - start : 0);
   }
   std::vector<double> steady(res.update_s.begin() + (versions > 1 ? 1 : 0), res.update_s.end());
   res.median_s = Median(steady);

@@ -122,6 +122,13 @@ TEST(FaultTest, KillNodeMidTransfer) {
       },
       absl::Seconds(60), "v2 in flight");
   ASSERT_TRUE(st.ok()) << st.status();
+  // An operator watching v2 sees it abort (wbctl watch exit code 4).
+  auto watch = f.harness->Spawn(
+      "wbctl-watch", {Runfile("client/wbctl"), "watch", "--addr", cl.coordinator_address(),
+                      "--model", f.run.model_id, "--version", "2", "--timeout", "60s",
+                      "--interval", "100ms", "--json"});
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_TRUE((*watch)->WaitForLine([](const std::string&) { return true; }, absl::Seconds(20)).ok());
   const absl::Time killed = absl::Now();
   ASSERT_TRUE(cl.KillNode(2).ok());
 
@@ -145,6 +152,11 @@ TEST(FaultTest, KillNodeMidTransfer) {
       [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 2) == "aborted"; },
       absl::Seconds(30), "v2 aborted");
   ASSERT_TRUE(st.ok()) << st.status();
+  auto watch_code = (*watch)->WaitExit(absl::Seconds(30));
+  ASSERT_TRUE(watch_code.ok()) << watch_code.status();
+  EXPECT_EQ(*watch_code, 4) << (*watch)->LogTail();
+  auto last_line = nlohmann::json::parse((*watch)->Lines().back(), nullptr, false);
+  EXPECT_EQ(last_line.value("state", ""), "aborted") << (*watch)->LogTail();
 
   // Restart n2: its rollout worker reconnects and re-registers; then v3 goes everywhere.
   s = cl.RestartNode(2);

@@ -153,6 +153,12 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
     if (v.value("version", uint64_t{0}) == last) last_committed = v.value("state", "") == "committed";
   }
   EXPECT_TRUE(last_committed) << versions.dump();
+  // Watching a version that already committed returns at once with 0.
+  code = cl.RunWbctl({"watch", "--addr", cl.coordinator_address(), "--model", run.model_id,
+                      "--version", std::to_string(last), "--timeout", "20s", "--json"},
+                     absl::Seconds(30), &lines);
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0);
   code = cl.RunWbctl({"versions", "--addr", cl.coordinator_address(), "--model", "nope"},
                      absl::Seconds(30));
   ASSERT_TRUE(code.ok());
