@@ -46,6 +46,9 @@ class Coordinator final : public pb::CoordinatorService::Service {
     planner::Topology topology;
     int64_t bucket_bytes = int64_t{2} << 30;        // planner staging budget per GPU per bucket
     absl::Duration commit_retry = absl::Milliseconds(200);
+    // Standalone role: the id of the node daemon in this same process. Its lease never expires
+    // (a late heartbeat there means this process is starved, not that the node is gone).
+    std::string local_node;
     // Channel to a node's NodeService (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
   };

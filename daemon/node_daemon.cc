@@ -848,7 +848,8 @@ void NodeDaemon::HeartbeatLoop() {
       hb_mu_.AwaitWithDeadline(absl::Condition(&due), next);
       if (hb_stop_) return;
       hb_kick_ = false;
-      next = absl::Now() + options_.heartbeat;
+      // Fixed rate from the previous beat's start: a slow beat does not push the next one back.
+      next = std::max(next + options_.heartbeat, absl::Now());
       if (!registered_) continue;  // the control thread registers
       req.set_node_id(options_.node_id);
       req.set_incarnation(incarnation_);
