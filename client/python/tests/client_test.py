@@ -25,6 +25,9 @@ from weightbridge.layouts import canonical_bases
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKSPACE = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 TIMEOUT = 30.0
+# A tiny Qwen2-family config (tests/soak/testdata) and its size in bf16: 2,230,528 parameters.
+TINY_CONFIG = os.path.join(WORKSPACE, "tests", "soak", "testdata", "qwen2-tiny.json")
+TINY_BYTES = 4461056
 
 # A tiny model: 2-D weights, a 1-D bias, separate q/k/v (fused by the "engine" below).
 CANONICAL = [("embed", (16, 8)), ("q", (8, 8)), ("k", (4, 8)), ("v", (4, 8)), ("bias", (8,))]
@@ -136,17 +139,6 @@ class ClientTest(unittest.TestCase):
             w.client.deregister()
             w.client.close()
 
-    def wait_planned(self, client, model_id):
-        # The daemon offers no "plan installed" notification; bounded wait on Status (sync tests
-        # only: see docs/python.md on the BeginUpdate-before-plan race in the current daemon).
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            for m in client.status().models:
-                if m.model_id == model_id and m.plan_fingerprint:
-                    return
-            time.sleep(0.05)
-        self.fail("model %s never planned:\n%s" % (model_id, self.daemon.log_tail()))
-
     def test_shm_segment_is_private_and_named_like_the_daemon_expects(self):
         c = self.daemon.client("perm")
         b = c.create_buffer(4096)
@@ -189,8 +181,9 @@ class ClientTest(unittest.TestCase):
 
     def test_sync_every_byte(self):
         model = self.model("py_sync", "sync")
+        # No wait for the plan: a BeginUpdate that arrives before the daemon planned the model is
+        # kept (it used to be dropped, and this test had to wait on Status first).
         trainers, rollouts = self.make_workers(model)
-        self.wait_planned(trainers[0].client, "py_sync")
         for v in (1, 2):
             for r in rollouts:
                 r.client.begin_update(timeout=TIMEOUT)
@@ -226,23 +219,43 @@ class ClientTest(unittest.TestCase):
         self.assertIn("q", cm.exception.message)
         c.close()
 
-    def test_preset_layout_by_name(self):
-        with open(os.path.join(WORKSPACE, "tests", "e2e", "testdata", "qwen2.5-0.5b-2layer.json")) as f:
+    def test_preset_layouts_resolved_by_the_daemon_move_a_version(self):
+        """Megatron tp=2 trainers -> one vLLM tp=1 rollout, every layout a preset by name that the
+        daemon resolves from the HF config (planner MakePresetLayout)."""
+        with open(TINY_CONFIG) as f:
             config = f.read()
         model = wb.ModelConfig(model_id="py_preset", hf_config_json=config, num_trainer_workers=2,
                                num_rollout_workers=1, mode="one_step_off")
-        c = self.daemon.client("pre")
-        c.register_worker(model, "trainer/0", "trainer")
-        c.create_buffer(166079744)  # megatron tp=2 rank 0 of the 2-layer config
-        try:
-            info = c.register_layout(wb.PresetLayout("megatron", tp=2, rank=0))
-        except wb.WeightBridgeError as e:
-            if e.code == grpc.StatusCode.UNIMPLEMENTED and "preset" in e.message:
-                self.skipTest("daemon build without presets: " + e.message)
-            raise
-        finally:
+        clients = []
+        for r in (0, 1):
+            c = self.daemon.client("pre")
+            c.register_worker(model, "trainer/%d" % r, "trainer")
+            c.create_buffer(16)
+            with self.assertRaises(wb.WeightBridgeError) as cm:  # the buffer is smaller than the preset
+                c.register_layout(wb.PresetLayout("megatron", tp=2, rank=r))
+            self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT, cm.exception.message)
             c.close()
+            c = self.daemon.client("pre")
+            c.register_worker(model, "trainer/%d" % r, "trainer")
+            buf = c.create_buffer(TINY_BYTES)
+            info = c.register_layout(wb.PresetLayout("megatron", tp=2, rank=r))
+            self.assertEqual(info.source, "preset")
+            self.assertGreater(info.num_pieces, 0)
+            buf.array("uint8", (TINY_BYTES,))[:] = np.random.default_rng(r).integers(1, 256, TINY_BYTES, dtype=np.uint8)
+            clients.append(c)
+        ro = self.daemon.client("pre")
+        ro.register_worker(model, "rollout/0", "rollout")
+        rbuf = ro.create_buffer(TINY_BYTES)
+        info = ro.register_layout(wb.PresetLayout("vllm", tp=1, replicas=1, rank=0))
         self.assertGreater(info.num_pieces, 0)
+        for c in clients:
+            c.publish(1, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(1, timeout=TIMEOUT).applied_version, 1)
+        # Trainer bytes were all non-zero: every byte of the rollout's layout was written.
+        self.assertEqual(int(np.count_nonzero(rbuf.array("uint8", (TINY_BYTES,)) == 0)), 0)
+        for c in clients + [ro]:
+            c.deregister()
+            c.close()
 
     def test_infer_layout_from_an_engine_loader(self):
         """A vLLM-like tp=2 engine: vocab-parallel embedding with a padding row, fused [q;k;v]
@@ -283,7 +296,7 @@ class ClientTest(unittest.TestCase):
             c.register_worker(model, "rollout/%d" % r, "rollout")
             buf = c.create_buffer(inferred[r].buffer_bytes)
             info = c.register_layout(inferred[r], weight_buffer=buf, resolve="auto")
-            self.assertIn(info.source, ("index_probe", "client_extracted"))
+            self.assertEqual(info.source, "index_probe")  # the daemon's extractor, not the fallback
             self.assertEqual(info.num_pieces, 5)
             # index map over the weight buffer (elements outside local tensors stay -1)
             index = np.full(buf.size_bytes // ELEM, -1, np.int64)
@@ -301,6 +314,42 @@ class ClientTest(unittest.TestCase):
             self.assertTrue(np.all(buf.array("uint16", (index.size,))[index < 0] == 0))
             c.close()
         self.close(trainers)
+
+    def test_infer_layout_transposed_tensor_needs_the_daemon_extractor(self):
+        """An engine that stores q transposed: the client-side extractor refuses it, the daemon's
+        (planner/index_probe.h) recovers a strided piece; every rollout byte checked."""
+
+        def load(weights_iter):
+            out = {}
+            for name, w in weights_iter:
+                out[name] = np.ascontiguousarray(w.T) if name == "q" else w.copy()
+            return out
+
+        inferred = wb.infer_layout(load, CANONICAL)
+        with self.assertRaises(NotImplementedError):
+            inferred.to_explicit()
+        model = self.model("py_transposed", "one_step_off", trainers=1, rollouts=1)
+        trainer = Worker(self.daemon, model, "trainer/0", "trainer", FULL)
+        c = self.daemon.client("tr")
+        c.register_worker(model, "rollout/0", "rollout")
+        buf = c.create_buffer(inferred.buffer_bytes)
+        info = c.register_layout(inferred, weight_buffer=buf, resolve="auto")
+        self.assertEqual(info.source, "index_probe")
+        # q (transposed: one strided piece) + the four other tensors. (LayoutInfo.bytes is the
+        # registered buffers' total, probe buffer included, not the layout's bytes.)
+        self.assertEqual(info.num_pieces, len(CANONICAL))
+        index = np.full(buf.size_bytes // ELEM, -1, np.int64)
+        for t in inferred.tensors:
+            o = t.offset_bytes // ELEM
+            index[o:o + t.probe.size] = t.probe.reshape(-1)
+        for v in (1, 2):
+            fill(trainer.buf, trainer.index, v)
+            trainer.client.publish(v, timeout=TIMEOUT)
+            self.assertEqual(c.apply(v, timeout=TIMEOUT).applied_version, v)
+            self.assertEqual(mismatches(buf, index, v), 0, "transposed rollout v%d" % v)
+        c.deregister()
+        c.close()
+        self.close([trainer])
 
     def test_reconnect_after_unavailable_call_fails_cleanly_without_daemon(self):
         d = tempfile.mkdtemp(prefix="wbpy.")

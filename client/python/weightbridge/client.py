@@ -88,6 +88,8 @@ class LayoutInfo:
     num_pieces: int
     bytes: int
     source: str  # "pieces" | "preset" | "index_probe" | "client_extracted"
+    # num_pieces / bytes are the daemon's answer: bytes is the registered buffers' total (probe
+    # buffer included), not the layout's bytes.
 
 
 def _ms(seconds):
@@ -190,9 +192,13 @@ class WorkerClient:
         """Sends every buffer so far and `layout` (PresetLayout, ExplicitLayout or InferredLayout).
 
         InferredLayout: `weight_buffer` holds the local tensors at the layout's offsets. resolve=
-        "daemon" sends an IndexProbe (a probe buffer is created for it); "client" extracts pieces
-        here (layouts.extract_pieces); "auto" tries the daemon and falls back to the client when
-        the daemon answers UNIMPLEMENTED.
+        "daemon" sends an IndexProbe (a probe buffer is created for it and kept, so a reconnect can
+        replay the layout) and the node daemon's extractor recovers the pieces (every case
+        planner/index_probe.h handles: transposes, interleaves, flat shards included); "client"
+        extracts pieces here (layouts.extract_pieces: row/column splits, fused rows, padding only;
+        no probe buffer, so 4x less memory than the probe of a bf16 model); "auto" (default) uses
+        the daemon and falls back to the client only when the daemon answers UNIMPLEMENTED (a
+        build without the extractor). LayoutInfo.source says which one ran.
         """
         if self._register_req is None:
             raise WeightBridgeError("RegisterLayout", grpc.StatusCode.FAILED_PRECONDITION, "register_worker first")

@@ -6,8 +6,9 @@ Three sources, all ending in the daemon as one piece list (design.md "Canonical 
   * ExplicitLayout: pieces (canonical tensor, box) <-> (buffer, byte offset, strides).
   * infer_layout(load_fn, ...): run the engine's own weight loader on index tensors (every canonical
     element holds its canonical index, int64) and let an extractor recover the boxes: the daemon's
-    (planner/index_probe.h, sent as an IndexProbe) or, for the common cases (row/column splits and
-    row concatenations such as fused qkv / gate_up, padding rows), the client-side one here.
+    (planner/index_probe.h, sent as an IndexProbe; the default) or, as a fallback for daemons
+    without it or to avoid the probe buffer, the client-side one here (row/column splits and row
+    concatenations such as fused qkv / gate_up, padding rows only).
 """
 
 import dataclasses
