@@ -52,6 +52,10 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
   run.mode = c.mode;
   run.versions = c.mode == "async" ? 3 : 2;
   run.timeout_ms = 60000;
+  // Both ways a layout reaches the daemon: explicit pieces (computed by the worker from the
+  // preset) and the preset by name (computed by the daemon); the worker checks its bytes with its
+  // own computation either way.
+  run.layout_source = c.layout == "megatron_to_vllm" ? "pieces" : "preset";
 
   std::vector<WorkerSpec> trainers, rollouts;
   if (c.layout == "megatron_to_vllm") {
