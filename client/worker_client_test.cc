@@ -298,6 +298,25 @@ TEST(WorkerClientTest, ReconnectsAfterDaemonRestartAndReplaysRegistration) {
   EXPECT_EQ(daemon->service().publish_[0].version(), 2u);
 }
 
+TEST(WorkerClientTest, UnavailableOverAHealthyConnectionIsAnAnswerNotAReconnect) {
+  std::string sock = TempSocket("draining");
+  FakeDaemon daemon(sock);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, -1}).ok());
+  {
+    absl::MutexLock l(&daemon.service().mu_);
+    daemon.service().publish_status_ = absl::UnavailableError("node n1 is draining: version 4 refused");
+  }
+  auto pub = (*client)->Publish(4, absl::Seconds(5));
+  EXPECT_EQ(pub.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(pub.status().message()), HasSubstr("draining"));
+  EXPECT_EQ((*client)->reconnects(), 0);
+  absl::MutexLock l(&daemon.service().mu_);
+  EXPECT_EQ(daemon.service().register_worker_.size(), 1u);  // nothing replayed
+  EXPECT_EQ(daemon.service().publish_.size(), 1u);          // not retried
+}
+
 TEST(WorkerClientTest, GivesUpWithinDeadlineWhenDaemonStaysDown) {
   std::string sock = TempSocket("down");
   auto daemon = std::make_unique<FakeDaemon>(sock);
