@@ -561,6 +561,43 @@ TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
   c.Stop();
 }
 
+// A CUDA IPC buffer on a node without a cuda_ipc transport (no GPU here) is refused clearly at
+// RegisterLayout and changes nothing (the worker can still register host memory).
+TEST(FaultTest, CudaBufferWithoutGpuIsRefusedClearly) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  grpc::ClientContext c1;
+  pb::RegisterWorkerRequest rw;
+  rw.set_model_id("m");
+  rw.set_worker_id("t0");
+  rw.set_role(pb::ROLE_TRAINER);
+  rw.set_gpu(0);
+  rw.set_pid(::getpid());
+  *rw.mutable_model() = spec;
+  pb::RegisterWorkerResponse rwr;
+  ASSERT_TRUE(t0.stub->RegisterWorker(&c1, rw, &rwr).ok());
+  grpc::ClientContext c2;
+  pb::RegisterLayoutRequest rl;
+  rl.set_model_id("m");
+  rl.set_worker_id("t0");
+  pb::BufferSpec* b = rl.add_buffers();
+  b->set_buffer_id(3);
+  b->set_size_bytes(1024);
+  b->set_cuda_ipc_handle(std::string(64, '\x01'));
+  b->set_gpu(0);
+  rl.mutable_layout()->mutable_preset()->set_preset("megatron");
+  pb::RegisterLayoutResponse rlr;
+  grpc::Status s = t0.stub->RegisterLayout(&c2, rl, &rlr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("buffer 3"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("no cuda_ipc transport"), std::string::npos) << s.error_message();
+  c.Stop();
+}
+
 // A worker process that dies without Deregister (kill -9) is noticed through its pid: the model
 // is re-planned without it.
 TEST(FaultTest, DeadWorkerProcessIsDropped) {

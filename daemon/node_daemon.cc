@@ -21,6 +21,9 @@
 #include "planner/inventory.h"
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
+#if WB_WITH_CUDA_IPC
+#include "transport/cuda_ipc.h"
+#endif
 
 namespace wb::daemon {
 namespace {
@@ -61,6 +64,9 @@ absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& i
     for (int64_t d : shape) {
       if (d < 0) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": negative dim"));
       n *= d;
+    }
+    if (buffers[pbuf->second] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": the index probe must be in a shared-memory buffer, not CUDA memory"));
     }
     const transport::ShmSegment& seg = *buffers[pbuf->second];
     if (lt.probe_offset_bytes() % sizeof(int64_t) != 0 || lt.probe_offset_bytes() > static_cast<uint64_t>(seg.size()) ||
@@ -151,13 +157,19 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     }
     // Map every buffer first: a bad name fails the call and changes nothing.
     std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
+    std::vector<std::shared_ptr<CudaImport>> cuda;
     for (const pb::BufferSpec& b : req->buffers()) {
-      if (b.memory_case() != pb::BufferSpec::kShmName) {
-        const bool cuda = d_->options_.transports.Pick(transport::MemoryKind::kCuda, transport::MemoryKind::kCuda, false) != nullptr;
-        return ToGrpcStatus(absl::UnimplementedError(absl::StrCat(
-            "buffer ", b.buffer_id(), ": CUDA IPC buffers are not supported by this daemon yet (",
-            cuda ? "a cuda transport exists but opening worker IPC handles is not wired" : "no cuda transport on this node", ")")));
+      if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle) {
+        auto imp = d_->ImportCuda(req->worker_id(), b);
+        if (!imp.ok()) return ToGrpcStatus(imp.status());
+        buffers.push_back(nullptr);
+        cuda.push_back(std::move(*imp));
+        continue;
       }
+      if (b.memory_case() != pb::BufferSpec::kShmName) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": neither shm_name nor cuda_ipc_handle")));
+      }
+      cuda.push_back(nullptr);
       auto seg = transport::ShmSegment::Open(b.shm_name(), static_cast<int64_t>(b.size_bytes()));
       if (!seg.ok()) return ToGrpcStatus(Annotate(seg.status(), absl::StrCat("buffer ", b.buffer_id())));
       // Ownership (the segment's uid == the calling worker's uid) is checked by the front
@@ -196,6 +208,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     uint64_t bytes = 0;
     for (const pb::BufferSpec& b : req->buffers()) bytes += b.size_bytes();
     it->second.buffers = std::move(buffers);
+    it->second.cuda = std::move(cuda);
     it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
     it->second.submitted = std::move(sreq);
     resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
@@ -208,6 +221,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     const absl::Time deadline = Deadline(req->timeout_ms());
     const uint64_t session0 = d_->session();
     std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
+    std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
     int64_t reserved = 0;
     {
       absl::MutexLock l(&d_->mu_);
@@ -222,7 +236,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       if (w.mode != pb::MODE_SYNC) {
         // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
         int64_t total = d_->snapshot_reserved_, need = 0;
-        for (auto& b : w.buffers) need += b->size();
+        for (size_t j = 0; j < w.buffers.size(); ++j) need += w.buffers[j] ? w.buffers[j]->size() : w.cuda[j]->size;
         for (auto& [id, other] : d_->workers_) {
           for (auto& [v, snap] : other.snapshots) for (auto& b : *snap) total += static_cast<int64_t>(b.size());
         }
@@ -235,20 +249,13 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         d_->snapshot_reserved_ += need;
         reserved = need;
         to_snapshot = w.buffers;
+        cuda_snapshot = w.cuda;
       }
     }
     if (reserved > 0) {
       auto snap = std::make_shared<Bytes>();
-      std::vector<const uint8_t*> src;
-      std::vector<uint8_t*> dst;
-      std::vector<int64_t> size;
-      for (auto& b : to_snapshot) {
-        snap->emplace_back(static_cast<size_t>(b->size()));
-        src.push_back(static_cast<const uint8_t*>(b->data()));
-        dst.push_back(snap->back().data());
-        size.push_back(b->size());
-      }
-      absl::Status copied = d_->CopyFlat(src, dst, size, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline);
+      absl::Status copied =
+          d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline);
       absl::MutexLock l(&d_->mu_);
       d_->snapshot_reserved_ -= reserved;
       if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("snapshot of version ", req->version())));
@@ -295,6 +302,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     const absl::Time deadline = Deadline(req->timeout_ms());
     std::shared_ptr<Bytes> staging;
     std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
+    std::vector<std::shared_ptr<CudaImport>> cuda;
     planner::WorkerLayout layout;
     std::shared_ptr<const ModelPlan> plan;
     uint64_t version = 0;
@@ -334,6 +342,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
       staging = w.committed;
       buffers = w.buffers;
+      cuda = w.cuda;
       version = w.committed_version;
       auto p = d_->plans_.find(model);
       if (p == d_->plans_.end()) return ToGrpcStatus(absl::FailedPreconditionError("no plan installed"));
@@ -344,7 +353,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     }
     // The rollout's only stall: copy its pieces from committed staging into live weights (on the
     // same-node transport's copy threads).
-    absl::Status copied = d_->CopyToLive(*staging, buffers, layout, plan->inventory, absl::StrCat("apply ", req->worker_id(), " v", version), deadline);
+    absl::Status copied = d_->CopyToLive(*staging, buffers, cuda, layout, plan->inventory, absl::StrCat("apply ", req->worker_id(), " v", version), deadline);
     if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("applying version ", version, " to ", req->worker_id())));
     {
       absl::MutexLock l(&d_->mu_);
@@ -489,6 +498,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       std::string worker;
       std::shared_ptr<Bytes> staging;
       std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
+      std::vector<std::shared_ptr<CudaImport>> cuda;
       planner::WorkerLayout layout;
     };
     std::vector<ToLive> to_live;
@@ -513,7 +523,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         w->second.committed = staging;
         w->second.committed_version = req->version();
         if (w->second.mode != pb::MODE_SYNC) continue;
-        ToLive t{wid, staging, w->second.buffers, {}};
+        ToLive t{wid, staging, w->second.buffers, w->second.cuda, {}};
         for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
           if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->layouts[i];
         }
@@ -525,7 +535,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     }
     // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
     for (const ToLive& t : to_live) {
-      absl::Status copied = d_->CopyToLive(*t.staging, t.buffers, t.layout, exec->plan->inventory,
+      absl::Status copied = d_->CopyToLive(*t.staging, t.buffers, t.cuda, t.layout, exec->plan->inventory,
                                            absl::StrCat("commit ", t.worker, " v", req->version()), exec->deadline + absl::Seconds(60));
       if (!copied.ok()) {
         Log(LogLevel::kError, "sync commit copy failed", {{"node", d_->options_.node_id}, {"worker", t.worker}, {"error", copied.message()}});
@@ -1201,6 +1211,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   };
   std::map<std::string, Mem> mem;
   std::vector<std::shared_ptr<void>> holds;  // keeps snapshots / segments / staging alive
+  std::vector<std::pair<std::string, std::shared_ptr<CudaImport>>> cuda_sources;  // sync trainers' CUDA buffers
   {
     absl::MutexLock l(&mu_);
     if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
@@ -1224,6 +1235,12 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       if (plan.slice.mode() == pb::MODE_SYNC) {
         for (size_t j = 0; j < layout.buffers.size(); ++j) {
           auto seg = w->second.buffers[j];
+          if (seg == nullptr) {
+            // CUDA live buffer: staged through host memory below (outside mu_); the trainer is
+            // paused in Publish meanwhile.
+            cuda_sources.push_back({RegionKey(i, j), w->second.cuda[j]});
+            continue;
+          }
           holds.push_back(seg);
           mem[RegionKey(i, j)] = Mem{static_cast<uint8_t*>(seg->data()), seg->size()};
         }
@@ -1242,6 +1259,14 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       holds.push_back(exec.gather);
       mem["g"] = Mem{(*exec.gather)[0].data(), static_cast<int64_t>((*exec.gather)[0].size())};
     }
+  }
+
+  for (auto& [key, imp] : cuda_sources) {
+    auto host = std::make_shared<Bytes>();
+    RETURN_IF_ERROR_WITH(ReadLive({nullptr}, {imp}, *host, absl::StrCat(exec.model_id, " v", exec.version, " ", key), exec.deadline),
+                         absl::StrCat("staging CUDA source ", key));
+    holds.push_back(host);
+    mem[key] = Mem{(*host)[0].data(), static_cast<int64_t>((*host)[0].size())};
   }
 
   // 2. Which ops run where: same-node ops (one-sided) and, per peer node, the mirror batches.
@@ -1460,21 +1485,77 @@ absl::Status NodeDaemon::CopyFlat(const std::vector<const uint8_t*>& src, const 
   return t->Wait(id, deadline);
 }
 
-absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                                    const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
-                                    absl::Time deadline) {
-  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
-  if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
-  std::vector<transport::RegionHandle> regions;
+absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
+                                  const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label,
+                                  absl::Time deadline) {
+  out.clear();
+  std::vector<const uint8_t*> src;
+  std::vector<uint8_t*> dst;
+  std::vector<int64_t> size;
+  transport::Transport* ct = nullptr;
+  transport::Batch device_batch;
+  std::vector<transport::RegionHandle> host_regions;
+  for (size_t j = 0; j < buffers.size(); ++j) {
+    const int64_t n = buffers[j] ? buffers[j]->size() : cuda[j]->size;
+    out.emplace_back(static_cast<size_t>(n));
+  }
   struct Cleanup {
-    transport::Transport* t;
+    transport::Transport** t;
     std::vector<transport::RegionHandle>* r;
     ~Cleanup() {
-      for (auto& h : *r) (void)t->Release(h);
+      for (auto& h : *r) (void)(*t)->Release(h);
     }
-  } cleanup{t, &regions};
-  std::map<int32_t, std::pair<transport::RegionHandle, transport::RegionHandle>> by_buffer;  // buffer -> (staging, live)
-  transport::Batch batch;
+  } cleanup{&ct, &host_regions};
+  for (size_t j = 0; j < buffers.size(); ++j) {
+    if (buffers[j]) {
+      src.push_back(static_cast<const uint8_t*>(buffers[j]->data()));
+      dst.push_back(out[j].data());
+      size.push_back(buffers[j]->size());
+      continue;
+    }
+    // Device -> host on the cuda_ipc transport (host memory registered with it: pinned when possible).
+    ct = cuda[j]->t;
+    transport::MemorySpec spec;
+    spec.kind = transport::MemoryKind::kHost;
+    spec.base = out[j].data();
+    spec.size_bytes = static_cast<int64_t>(out[j].size());
+    spec.label = absl::StrCat(label, " host b", j);
+    ASSIGN_OR_RETURN(transport::RegionHandle h, ct->RegisterMemory(spec));
+    host_regions.push_back(h);
+    transport::CopyOp op;
+    op.shape = {spec.size_bytes};
+    op.element_size = 1;
+    op.src = {cuda[j]->h, 0, {1}};
+    op.dst = {h, 0, {1}};
+    device_batch.ops.push_back(std::move(op));
+  }
+  if (!device_batch.ops.empty()) {
+    ASSIGN_OR_RETURN(transport::BatchId id, ct->Post(device_batch));
+    RETURN_IF_ERROR_WITH(ct->Wait(id, deadline), absl::StrCat(label, ": CUDA -> host"));
+  }
+  return CopyFlat(src, dst, size, label, deadline);
+}
+
+absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
+                                    const std::vector<std::shared_ptr<CudaImport>>& cuda, const planner::WorkerLayout& layout,
+                                    const planner::Inventory& inventory, const std::string& label, absl::Time deadline) {
+  transport::Transport* host_t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+  if (host_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
+  // Host live buffers go through host_shm (its copy threads); CUDA ones through cuda_ipc
+  // (host staging registered with it -> the imported device buffer).
+  std::vector<std::pair<transport::Transport*, transport::RegionHandle>> regions;
+  struct Cleanup {
+    std::vector<std::pair<transport::Transport*, transport::RegionHandle>>* r;
+    ~Cleanup() {
+      for (auto& [t, h] : *r) (void)t->Release(h);
+    }
+  } cleanup{&regions};
+  struct Target {
+    transport::Transport* t;
+    transport::RegionHandle src, dst;
+  };
+  std::map<int32_t, Target> by_buffer;
+  std::map<transport::Transport*, transport::Batch> batches;
   for (const planner::Piece& piece : layout.pieces) {
     if (piece.buffer < 0 || piece.buffer >= static_cast<int32_t>(buffers.size()) || piece.buffer >= static_cast<int32_t>(staging.size())) {
       return absl::InternalError(absl::StrCat(label, ": piece of tensor ", inventory.tensors[piece.tensor].name, " names buffer ",
@@ -1483,32 +1564,87 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
     if (planner::BoxEmpty(piece.box)) continue;
     auto it = by_buffer.find(piece.buffer);
     if (it == by_buffer.end()) {
-      transport::MemorySpec s, d;
-      s.kind = d.kind = transport::MemoryKind::kHost;
+      const bool on_gpu = buffers[piece.buffer] == nullptr;
+      transport::Transport* t = on_gpu ? cuda[piece.buffer]->t : host_t;
+      transport::MemorySpec s;
+      s.kind = transport::MemoryKind::kHost;
       s.base = const_cast<uint8_t*>(staging[piece.buffer].data());  // only read
       s.size_bytes = static_cast<int64_t>(staging[piece.buffer].size());
-      d.base = buffers[piece.buffer]->data();
-      d.size_bytes = buffers[piece.buffer]->size();
       s.label = absl::StrCat(label, " staging b", piece.buffer);
-      d.label = absl::StrCat(label, " live b", piece.buffer);
       ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
-      regions.push_back(sh);
-      ASSIGN_OR_RETURN(transport::RegionHandle dh, t->RegisterMemory(d));
-      regions.push_back(dh);
-      it = by_buffer.emplace(piece.buffer, std::make_pair(sh, dh)).first;
+      regions.push_back({t, sh});
+      transport::RegionHandle dh;
+      if (on_gpu) {
+        dh = cuda[piece.buffer]->h;
+      } else {
+        transport::MemorySpec d;
+        d.kind = transport::MemoryKind::kHost;
+        d.base = buffers[piece.buffer]->data();
+        d.size_bytes = buffers[piece.buffer]->size();
+        d.label = absl::StrCat(label, " live b", piece.buffer);
+        ASSIGN_OR_RETURN(dh, t->RegisterMemory(d));
+        regions.push_back({t, dh});
+      }
+      it = by_buffer.emplace(piece.buffer, Target{t, sh, dh}).first;
     }
     const int elem = planner::DTypeSize(inventory.tensors[piece.tensor].dtype);
     transport::CopyOp op;
     for (size_t d = 0; d < piece.box.begin.size(); ++d) op.shape.push_back(piece.box.end[d] - piece.box.begin[d]);
     op.element_size = elem;
     // Staging mirrors the live layout byte for byte: same offset and strides on both sides.
-    op.src = RefFor(piece, piece.box, elem, it->second.first);
-    op.dst = RefFor(piece, piece.box, elem, it->second.second);
-    batch.ops.push_back(std::move(op));
+    op.src = RefFor(piece, piece.box, elem, it->second.src);
+    op.dst = RefFor(piece, piece.box, elem, it->second.dst);
+    batches[it->second.t].ops.push_back(std::move(op));
   }
-  if (batch.ops.empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
-  return t->Wait(id, deadline);
+  std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;
+  absl::Status first;
+  for (auto& [t, batch] : batches) {
+    auto id = t->Post(batch);
+    if (!id.ok()) {
+      first = id.status();
+      break;
+    }
+    posted.push_back({t, *id});
+  }
+  for (auto& [t, id] : posted) {
+    absl::Status s = t->Wait(id, deadline);
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+NodeDaemon::CudaImport::~CudaImport() {
+  if (t != nullptr) (void)t->Release(h);
+}
+
+absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(const std::string& worker, const pb::BufferSpec& b) {
+  const std::string what = absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), " (CUDA IPC, gpu ", b.gpu(), ")");
+  transport::Transport* t = options_.transports.Find("cuda_ipc");
+  if (t == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": node ", options_.node_id,
+                                                      " has no cuda_ipc transport (no GPU visible to the daemon, "
+                                                      "or --transports excludes it); register host shared memory instead"));
+  }
+#if WB_WITH_CUDA_IPC
+  transport::RawCudaIpcBuffer raw;
+  raw.ipc_handle = b.cuda_ipc_handle();
+  raw.offset_bytes = 0;
+  raw.size_bytes = static_cast<int64_t>(b.size_bytes());
+  raw.device = b.gpu() >= 0 ? b.gpu() : 0;
+  raw.node_id = options_.node_id;
+  raw.label = what;
+  auto desc = transport::CudaIpcDescriptorFromRawHandle(raw);
+  if (!desc.ok()) return Annotate(desc.status(), what);
+  auto h = t->ImportDescriptor(*desc);
+  if (!h.ok()) return Annotate(h.status(), what);
+  auto imp = std::make_shared<CudaImport>();
+  imp->t = t;
+  imp->h = *h;
+  imp->size = static_cast<int64_t>(b.size_bytes());
+  return imp;
+#else
+  return absl::UnimplementedError(absl::StrCat(what, ": this weightbridged was built without CUDA"));
+#endif
 }
 
 }  // namespace wb::daemon

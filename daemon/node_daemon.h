@@ -93,13 +93,22 @@ class NodeDaemon {
     ~PidWatch();
     bool Alive() const;
   };
+  // A worker's CUDA buffer: its IPC handle imported into the cuda_ipc transport (released with
+  // the last reference).
+  struct CudaImport {
+    transport::Transport* t = nullptr;
+    transport::RegionHandle h;
+    int64_t size = 0;
+    ~CudaImport();
+  };
   struct LocalWorker {
     std::string model_id;
     planner::Role role = planner::Role::kTrainer;
     int32_t gpu = 0;
     pb::Mode mode = pb::MODE_SYNC;
     bool has_layout = false;
-    std::vector<std::shared_ptr<transport::ShmSegment>> buffers;  // live memory, layout order
+    std::vector<std::shared_ptr<transport::ShmSegment>> buffers;  // live host memory, layout order (null: CUDA)
+    std::vector<std::shared_ptr<CudaImport>> cuda;                 // same order: CUDA buffers (null: host)
     planner::WorkerLayout layout;
     std::map<uint64_t, std::shared_ptr<Bytes>> snapshots;  // trainer: version -> copy
     std::shared_ptr<Bytes> committed;                      // rollout: newest committed staging
@@ -177,14 +186,20 @@ class NodeDaemon {
   // (returns why: the restart) or a heartbeat on the unchanged session succeeded (nullopt).
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline);
   uint64_t session();
+  // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
+  // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
+  absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& worker, const pb::BufferSpec& b);
   // Copies a rollout's committed staging into its live buffers with the same-node transport
   // (its thread pool), piece by piece.
   absl::Status CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                          const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
+                          const std::vector<std::shared_ptr<CudaImport>>& cuda, const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
                           absl::Time deadline);
   // Copies whole buffers (src[i] -> dst[i], size[i] bytes) with the same-node transport.
   absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
                         const std::string& label, absl::Time deadline);
+  // Copies a worker's live buffers (host or CUDA) into host `out` (resized to the buffers).
+  absl::Status ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
+                        const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label, absl::Time deadline);
 
   Options options_;
   std::unique_ptr<WorkerImpl> worker_impl_;
