@@ -205,8 +205,18 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     absl::MutexLock l(&d_->mu_);
     auto it = d_->workers_.find(req->worker_id());
     if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError("worker deregistered concurrently"));
+    // The layout's bytes (what its pieces cover), not the registered buffers' sizes (which
+    // include padding, probe buffers, ...).
     uint64_t bytes = 0;
-    for (const pb::BufferSpec& b : req->buffers()) bytes += b.size_bytes();
+    auto inv = d_->inventories_.find(req->model_id());
+    if (inv != d_->inventories_.end()) {
+      auto resolved = LayoutFromProto(sresp.layout(), inv->second);
+      if (resolved.ok()) {
+        for (const planner::Piece& p : resolved->pieces) {
+          bytes += static_cast<uint64_t>(planner::BoxVolume(p.box) * planner::DTypeSize(inv->second.tensors[p.tensor].dtype));
+        }
+      }
+    }
     it->second.buffers = std::move(buffers);
     it->second.cuda = std::move(cuda);
     it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
