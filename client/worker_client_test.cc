@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -124,15 +125,20 @@ class FakeDaemon {
   std::unique_ptr<grpc::Server> server_;
 };
 
-// Unix socket paths are limited to 107 bytes, and Bazel's TEST_TMPDIR is longer than that.
-std::string TempSocket(const std::string& tag) {
-  static const std::string dir = [] {
+// Unix socket paths are limited to 107 bytes, and Bazel's TEST_TMPDIR is longer than that: a
+// short private dir under /tmp, removed when the test binary exits.
+const std::string& SocketDir() {
+  static const std::string* dir = [] {
     char tmpl[] = "/tmp/wb-wctest-XXXXXX";
     const char* made = ::mkdtemp(tmpl);
-    return std::string(made ? made : "/tmp");
+    auto* d = new std::string(made ? made : "/tmp");
+    if (made != nullptr) std::atexit([] { std::filesystem::remove_all(SocketDir()); });
+    return d;
   }();
-  return absl::StrCat(dir, "/", tag, ".sock");
+  return *dir;
 }
+
+std::string TempSocket(const std::string& tag) { return absl::StrCat(SocketDir(), "/", tag, ".sock"); }
 
 ModelConfig TinyModel() {
   ModelConfig m;

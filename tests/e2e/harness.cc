@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -204,6 +205,15 @@ Harness::~Harness() {
   KillAll();
   {
     absl::MutexLock l(&mu_);
+    // A worker killed with SIGKILL cannot unlink its shared memory: remove every segment a child
+    // announced ({"shm": NAME} in a progress line). Already-unlinked names just fail with ENOENT.
+    for (const auto& p : procs_) {
+      for (const auto& e : p->Events()) {
+        if (e.contains("shm") && e["shm"].is_string()) {
+          ::shm_unlink(e["shm"].get<std::string>().c_str());
+        }
+      }
+    }
     procs_.clear();
   }
   const char* keep = std::getenv("WB_E2E_KEEP");

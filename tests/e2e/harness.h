@@ -11,8 +11,10 @@
 //  - Nothing blocks without a deadline: WaitExit, WaitForLine and WaitForPortFile all take one and
 //    return DEADLINE_EXCEEDED naming what they waited for. No sleep-polling: exits are observed by
 //    a reaper thread blocked in waitpid, lines by a reader thread blocked in read, files by inotify.
-//  - ~Harness SIGKILLs every child still running, reaps it and joins the threads. The temp dir is
-//    removed unless the environment sets WB_E2E_KEEP=1 (then its path is printed).
+//  - ~Harness SIGKILLs every child still running, reaps it and joins the threads, and unlinks
+//    every shm segment a child announced in a progress line ({"shm": NAME}), since a killed
+//    worker cannot. The temp dir is removed unless the environment sets WB_E2E_KEEP=1 (then its
+//    path is printed).
 //  - Thread-safe.
 
 #include <sys/types.h>
