@@ -1,6 +1,7 @@
 #include "tests/e2e/harness.h"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <fstream>
 
@@ -75,6 +76,22 @@ TEST(HarnessTest, DestructorKillsChildren) {
     pid = (*p)->pid();
   }
   EXPECT_NE(::kill(pid, 0), 0);  // gone (and reaped)
+}
+
+TEST(HarnessTest, UnlinksSharedMemoryOfKilledChildren) {
+  const std::string name = "/wb-harness-test-" + std::to_string(::getpid());
+  {
+    auto h = Harness::Create("harness");
+    ASSERT_TRUE(h.ok());
+    // On Linux a POSIX shm segment is a file in /dev/shm.
+    auto p = (*h)->Spawn("holder", {"/bin/sh", "-c",
+                                    "touch /dev/shm" + name + "; echo '{\"event\":\"ready\",\"shm\":\"" +
+                                        name + "\"}'; exec sleep 60"});
+    ASSERT_TRUE(p.ok());
+    ASSERT_TRUE((*p)->WaitForEvent("ready", 0, absl::Seconds(10)).ok());
+    EXPECT_EQ(::access(("/dev/shm" + name).c_str(), F_OK), 0);
+  }
+  EXPECT_NE(::access(("/dev/shm" + name).c_str(), F_OK), 0);
 }
 
 }  // namespace
