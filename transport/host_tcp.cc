@@ -187,6 +187,7 @@ class HostTcpTransport : public Transport {
     for (auto& p : peers) {
       for (auto& t : p->threads) t.join();
       for (int fd : p->fds) close(fd);
+      DropPeerQueues(p.get());
     }
   }
 
@@ -281,6 +282,7 @@ class HostTcpTransport : public Transport {
     }
     for (auto& t : p->threads) t.join();
     for (int fd : p->fds) close(fd);
+    DropPeerQueues(p.get());
     return absl::OkStatus();
   }
 
@@ -521,6 +523,16 @@ class HostTcpTransport : public Transport {
   }
 
  private:
+  // A TcpBatch holds its PeerConn and the PeerConn's queues hold TcpBatches: a batch that failed
+  // with chunks still queued (peer broken), or one never retired, forms a shared_ptr cycle. Once
+  // the peer's threads are joined nothing reads these queues again, so empty them to break it.
+  void DropPeerQueues(PeerConn* p) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    p->send_queue.clear();
+    p->batches.clear();
+    p->control.clear();
+  }
+
   static FrameHeader Header(uint8_t type, uint64_t tag, uint32_t op, int64_t offset, int64_t len) {
     FrameHeader h{};
     h.magic = kFrameMagic;
