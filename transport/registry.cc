@@ -1,0 +1,46 @@
+#include "transport/registry.h"
+
+namespace wb::transport {
+
+absl::Status UnknownRegionError(absl::string_view kind, uint64_t id) {
+  return absl::NotFoundError(absl::StrCat(kind, ": unknown region ", id));
+}
+
+absl::Status RegionInUseError(absl::string_view kind, const RegionRecord& r) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(kind, ": region '", r.label, "' is used by ", r.pinned, " unfinished batch(es)"));
+}
+
+absl::Status UnknownOpRegionError(absl::string_view batch_prefix, size_t op, const char* which, uint64_t id) {
+  return absl::InvalidArgumentError(absl::StrCat(batch_prefix, " op ", op, ": unknown ", which, " region ", id));
+}
+
+absl::Status UnknownBatchError(absl::string_view kind, uint64_t id) {
+  return absl::NotFoundError(absl::StrCat(kind, ": unknown batch ", id));
+}
+
+absl::StatusOr<bool> TwoSidedOpIsSend(const RegionRecord& src, const RegionRecord& dst,
+                                      absl::string_view batch_prefix, size_t op, absl::string_view peer_instance) {
+  if (src.local == dst.local) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(batch_prefix, " op ", op, ": needs exactly one local and one imported region"));
+  }
+  const RegionRecord& remote = src.local ? dst : src;
+  if (remote.owner_instance != peer_instance) {
+    return absl::InvalidArgumentError(absl::StrCat(batch_prefix, " op ", op, ": region '", remote.label,
+                                                   "' was exported by ", remote.owner_instance,
+                                                   ", not by the batch's peer ", peer_instance));
+  }
+  return src.local;
+}
+
+RegionInfo BasicRegionInfo(const RegionRecord& r) {
+  RegionInfo info;
+  info.local = r.local;
+  info.size_bytes = r.size;
+  info.owner_instance = r.owner_instance;
+  info.label = r.label;
+  return info;
+}
+
+}  // namespace wb::transport

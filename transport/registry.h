@@ -1,0 +1,170 @@
+#pragma once
+// Bookkeeping every transport backend (host_shm, host_tcp, cuda_ipc, nccl) keeps the same way:
+// the table of registered/imported regions with their in-use counts, the table of unretired
+// batches, and the per-op checks that only look at region records. Backend specifics (how memory
+// is reached, how bytes move, how a batch finishes) stay in the backend. Not part of the public
+// interface (transport.h).
+//
+// Thread safety: none here. Each backend guards its tables with its own mutex, exactly as it
+// guards the rest of its state; ids are allocated by the backend from one counter shared by
+// regions, peers and batches (handles are unique within a transport instance, transport.h).
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "transport/transport.h"
+
+namespace wb::transport {
+
+// What every backend records about a region. Backends derive their region type from it and add
+// what they need to reach the bytes (mappings, CUDA handles, ...).
+struct RegionRecord {
+  bool local = true;            // registered here (true) or imported (false)
+  char* base = nullptr;         // where the bytes are in this process (null where unreachable)
+  int64_t size = 0;
+  std::string label;
+  std::string owner_instance;   // instance_id() of the exporter
+  uint64_t owner_region_id = 0; // the exporter's id for it (== our id for local regions)
+  int pinned = 0;               // unfinished batches referencing it: Release is refused while > 0
+};
+
+// Messages shared by the tables below; `kind` is the backend's name ("host_tcp", ...).
+absl::Status UnknownRegionError(absl::string_view kind, uint64_t id);
+absl::Status RegionInUseError(absl::string_view kind, const RegionRecord& r);
+// INVALID_ARGUMENT "<batch_prefix> op <op>: unknown <which> region <id>" (Post validation).
+absl::Status UnknownOpRegionError(absl::string_view batch_prefix, size_t op, const char* which, uint64_t id);
+absl::Status UnknownBatchError(absl::string_view kind, uint64_t id);
+
+// Two-sided transports (host_tcp, nccl): an op has exactly one local and one imported region, and
+// the imported one was exported by the batch's peer. Returns whether the op is a send (its source
+// is local); INVALID_ARGUMENT naming `batch_prefix` and the op otherwise.
+absl::StatusOr<bool> TwoSidedOpIsSend(const RegionRecord& src, const RegionRecord& dst,
+                                      absl::string_view batch_prefix, size_t op, absl::string_view peer_instance);
+
+// The fields of RegionInfo every backend fills from its record (kind and peer are the backend's).
+RegionInfo BasicRegionInfo(const RegionRecord& r);
+
+// Regions by handle id. R derives from RegionRecord.
+template <typename R>
+class RegionRegistry {
+ public:
+  explicit RegionRegistry(std::string kind) : kind_(std::move(kind)) {}
+
+  // Stores `r` under `id` (allocated by the caller) and returns the stored record.
+  R& Add(uint64_t id, R r) {
+    R& stored = regions_[id];
+    stored = std::move(r);
+    return stored;
+  }
+
+  // NOT_FOUND "<kind>: unknown region <id>" when absent.
+  absl::StatusOr<R*> Find(RegionHandle h) {
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return UnknownRegionError(kind_, h.id);
+    return &it->second;
+  }
+  absl::StatusOr<const R*> Find(RegionHandle h) const {
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return UnknownRegionError(kind_, h.id);
+    return &it->second;
+  }
+  // Null when absent (no error text).
+  R* Get(uint64_t id) {
+    auto it = regions_.find(id);
+    return it == regions_.end() ? nullptr : &it->second;
+  }
+
+  // Post validation: INVALID_ARGUMENT "<batch_prefix> op <op>: unknown <which> region <id>".
+  absl::StatusOr<R*> FindForOp(RegionHandle h, absl::string_view batch_prefix, size_t op, const char* which) {
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return UnknownOpRegionError(batch_prefix, op, which, h.id);
+    return &it->second;
+  }
+
+  // FAILED_PRECONDITION naming the region while an unfinished batch references it.
+  absl::Status CheckNotInUse(const R& r) const {
+    if (r.pinned > 0) return RegionInUseError(kind_, r);
+    return absl::OkStatus();
+  }
+
+  // Forgets a region that no unfinished batch references (NOT_FOUND / FAILED_PRECONDITION
+  // otherwise). For backends with nothing to undo on release.
+  absl::Status Release(RegionHandle h) {
+    auto it = regions_.find(h.id);
+    if (it == regions_.end()) return UnknownRegionError(kind_, h.id);
+    if (absl::Status s = CheckNotInUse(it->second); !s.ok()) return s;
+    regions_.erase(it);
+    return absl::OkStatus();
+  }
+
+  void Erase(uint64_t id) { regions_.erase(id); }
+
+  // Pins every id (one count per occurrence). Ids must have been validated by the same critical
+  // section (Post), so they are present.
+  void Pin(const std::vector<uint64_t>& ids) {
+    for (uint64_t id : ids) regions_[id].pinned++;
+  }
+  // Undoes Pin for the ids still present.
+  void Unpin(const std::vector<uint64_t>& ids) {
+    for (uint64_t id : ids) {
+      if (auto it = regions_.find(id); it != regions_.end()) it->second.pinned--;
+    }
+  }
+
+  std::map<uint64_t, R>& all() { return regions_; }
+  const std::map<uint64_t, R>& all() const { return regions_; }
+
+ private:
+  const std::string kind_;
+  std::map<uint64_t, R> regions_;
+};
+
+// Unretired batches by id. B has `uint64_t id` and `absl::Status status`. Every batch is added by
+// Post and removed by exactly one Wait (transport.h); Poll never retires.
+template <typename B>
+class BatchTable {
+ public:
+  explicit BatchTable(std::string kind) : kind_(std::move(kind)) {}
+
+  void Add(std::shared_ptr<B> b) {
+    const uint64_t id = b->id;
+    batches_[id] = std::move(b);
+  }
+
+  // NOT_FOUND "<kind>: unknown batch <id>" for an unknown or retired id.
+  absl::StatusOr<std::shared_ptr<B>> Find(BatchId id) const {
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return UnknownBatchError(kind_, id.id);
+    return it->second;
+  }
+
+  // kRunning until finished(b) holds, then kDone or the batch's error. `finished` is the
+  // backend's own completion test (it may update the batch, e.g. query CUDA events).
+  template <typename Finished>
+  absl::StatusOr<BatchState> Poll(BatchId id, Finished finished) const {
+    auto it = batches_.find(id.id);
+    if (it == batches_.end()) return UnknownBatchError(kind_, id.id);
+    if (!finished(it->second.get())) return BatchState::kRunning;
+    if (!it->second->status.ok()) return it->second->status;
+    return BatchState::kDone;
+  }
+
+  void Retire(uint64_t id) { batches_.erase(id); }
+
+  std::map<uint64_t, std::shared_ptr<B>>& all() { return batches_; }
+
+ private:
+  const std::string kind_;
+  std::map<uint64_t, std::shared_ptr<B>> batches_;
+};
+
+}  // namespace wb::transport
