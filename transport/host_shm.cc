@@ -13,7 +13,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "tools/cc/status_macros.h"
 #include "transport/common.h"
+#include "transport/registry.h"
 #include "transport/shm_segment.h"
 #include "transport/strided.h"
 #include "transport/wire.h"
@@ -23,18 +25,11 @@ namespace {
 
 constexpr char kKind[] = "host_shm";
 
-struct Region {
-  bool local = true;
-  char* base = nullptr;
-  int64_t size = 0;
-  std::string label;
-  std::string owner_instance;
+struct Region : RegionRecord {
   // Local regions: backing segment name/offset (for export). Imports: our mapping.
   std::string shared_name;
   int64_t shared_offset = 0;
-  uint64_t owner_region_id = 0;
   std::shared_ptr<ShmSegment> mapping;
-  int pinned = 0;  // unfinished batches referencing it
 };
 
 // A unit of work: ops [op_first, op_last) entirely, or, when `end >= 0`, logical range
@@ -79,7 +74,7 @@ class HostShmTransport : public Transport {
   ~HostShmTransport() override {
     {
       absl::MutexLock l(&mu_);
-      for (auto& [id, b] : batches_) CancelLocked(b.get(), absl::CancelledError("transport destroyed"));
+      for (auto& [id, b] : batches_.all()) CancelLocked(b.get(), absl::CancelledError("transport destroyed"));
       stopping_ = true;
     }
     for (auto& t : workers_) t.join();
@@ -160,15 +155,14 @@ class HostShmTransport : public Transport {
     absl::MutexLock l(&mu_);
     uint64_t id = next_id_++;
     r.owner_region_id = id;
-    regions_[id] = std::move(r);
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
   absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_shm: unknown region ", h.id));
-    const Region& r = it->second;
+    ASSIGN_OR_RETURN(const Region* found, regions_.Find(h));
+    const Region& r = *found;
     if (!r.local) return absl::FailedPreconditionError("host_shm: cannot re-export an imported region");
     if (r.shared_name.empty()) {
       return absl::FailedPreconditionError(absl::StrCat("host_shm: region '", r.label,
@@ -235,36 +229,24 @@ class HostShmTransport : public Transport {
     r.owner_region_id = rid;
     absl::MutexLock l(&mu_);
     uint64_t id = next_id_++;
-    regions_[id] = std::move(r);
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
   absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_shm: unknown region ", h.id));
-    RegionInfo info;
-    info.local = it->second.local;
+    ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
+    RegionInfo info = BasicRegionInfo(*r);
     info.kind = MemoryKind::kHost;
-    info.size_bytes = it->second.size;
-    info.owner_instance = it->second.owner_instance;
-    info.label = it->second.label;
     for (auto& [pid, inst] : peers_) {
-      if (inst == it->second.owner_instance && !info.local) info.peer = PeerId{pid};
+      if (inst == r->owner_instance && !info.local) info.peer = PeerId{pid};
     }
     return info;
   }
 
   absl::Status Release(RegionHandle h) override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_shm: unknown region ", h.id));
-    if (it->second.pinned > 0) {
-      return absl::FailedPreconditionError(absl::StrCat("host_shm: region '", it->second.label, "' is used by ",
-                                                        it->second.pinned, " unfinished batch(es)"));
-    }
-    regions_.erase(it);
-    return absl::OkStatus();
+    return regions_.Release(h);
   }
 
   absl::StatusOr<BatchId> Post(const Batch& batch) override {
@@ -279,13 +261,9 @@ class HostShmTransport : public Transport {
       if (p == peers_.end()) return absl::InvalidArgumentError(absl::StrCat("host_shm Post: unknown peer ", batch.peer.id));
       peer_inst = p->second;
     }
+    const std::string prefix = absl::StrCat("batch ", batch.tag);
     auto lookup = [&](const RegionHandle& h, int i, const char* which) -> absl::StatusOr<Region*> {
-      auto it = regions_.find(h.id);
-      if (it == regions_.end()) {
-        return absl::InvalidArgumentError(absl::StrCat("batch ", batch.tag, " op ", i, ": unknown ", which,
-                                                       " region ", h.id));
-      }
-      Region* r = &it->second;
+      ASSIGN_OR_RETURN(Region* r, regions_.FindForOp(h, prefix, i, which));
       if (!r->local && r->owner_instance != peer_inst) {
         return absl::InvalidArgumentError(absl::StrCat("batch ", batch.tag, " op ", i, ": ", which, " region '",
                                                        r->label, "' was exported by ", r->owner_instance,
@@ -340,10 +318,10 @@ class HostShmTransport : public Transport {
       if (small_bytes >= split) flush_small();
     }
     flush_small();
-    for (uint64_t r : run->regions) regions_[r].pinned++;
+    regions_.Pin(run->regions);
     run->id = next_id_++;
     stats_.batches_posted++;
-    batches_[run->id] = run;
+    batches_.Add(run);
     if (!run->tasks.empty()) {
       queue_.push_back(run);
     }
@@ -352,19 +330,12 @@ class HostShmTransport : public Transport {
 
   absl::StatusOr<BatchState> Poll(BatchId id) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("host_shm: unknown batch ", id.id));
-    BatchRun* b = it->second.get();
-    if (!b->Done()) return BatchState::kRunning;
-    if (!b->status.ok()) return b->status;
-    return BatchState::kDone;
+    return batches_.Poll(id, [](const BatchRun* b) { return b->Done(); });
   }
 
   absl::Status Wait(BatchId id, absl::Time deadline) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("host_shm: unknown batch ", id.id));
-    std::shared_ptr<BatchRun> b = it->second;
+    ASSIGN_OR_RETURN(std::shared_ptr<BatchRun> b, batches_.Find(id));
     while (!b->Done()) {
       if (done_cv_.WaitWithDeadline(&mu_, deadline) && !b->Done()) {
         CancelLocked(b.get(), absl::DeadlineExceededError(absl::StrCat("host_shm batch ", b->tag, " (", b->bytes,
@@ -373,11 +344,8 @@ class HostShmTransport : public Transport {
         while (!b->Done()) done_cv_.Wait(&mu_);
       }
     }
-    for (uint64_t r : b->regions) {
-      auto rit = regions_.find(r);
-      if (rit != regions_.end()) rit->second.pinned--;
-    }
-    batches_.erase(id.id);
+    regions_.Unpin(b->regions);
+    batches_.Retire(id.id);
     if (!b->status.ok()) stats_.batches_failed++;
     return b->status;
   }
@@ -473,9 +441,9 @@ class HostShmTransport : public Transport {
   mutable absl::Mutex mu_;
   absl::CondVar done_cv_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::string> peers_ ABSL_GUARDED_BY(mu_);  // peer id -> instance id
-  std::map<uint64_t, std::shared_ptr<BatchRun>> batches_ ABSL_GUARDED_BY(mu_);
+  BatchTable<BatchRun> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::deque<std::shared_ptr<BatchRun>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   TransportStats stats_ ABSL_GUARDED_BY(mu_);

@@ -20,7 +20,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "tools/cc/status_macros.h"
 #include "transport/common.h"
+#include "transport/registry.h"
 #include "transport/strided.h"
 #include "transport/wire.h"
 
@@ -81,15 +83,7 @@ bool ReadAll(int fd, void* p, size_t n) {
   return true;
 }
 
-struct Region {
-  bool local = true;
-  char* base = nullptr;
-  int64_t size = 0;
-  std::string label;
-  std::string owner_instance;
-  uint64_t owner_region_id = 0;
-  int pinned = 0;
-};
+struct Region : RegionRecord {};
 
 struct Chunk {
   int op;
@@ -294,23 +288,23 @@ class HostTcpTransport : public Transport {
     if (spec.size_bytes < 0 || (spec.base == nullptr && spec.size_bytes > 0)) {
       return absl::InvalidArgumentError(absl::StrCat("host_tcp: bad region '", spec.label, "'"));
     }
-    absl::MutexLock l(&mu_);
-    uint64_t id = next_id_++;
-    Region& r = regions_[id];
+    Region r;
     r.local = true;
     r.base = static_cast<char*>(spec.base);
     r.size = spec.size_bytes;
     r.label = spec.label;
     r.owner_instance = instance_id_;
+    absl::MutexLock l(&mu_);
+    uint64_t id = next_id_++;
     r.owner_region_id = id;
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
   absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown region ", h.id));
-    if (!it->second.local) return absl::FailedPreconditionError("host_tcp: cannot re-export an imported region");
+    ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
+    if (!r->local) return absl::FailedPreconditionError("host_tcp: cannot re-export an imported region");
     wire::Writer w;
     w.U32(kWireMagic);
     w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
@@ -318,8 +312,8 @@ class HostTcpTransport : public Transport {
     w.Str(instance_id_);
     w.Str(node_id_);
     w.U64(h.id);
-    w.I64(it->second.size);
-    w.Str(it->second.label);
+    w.I64(r->size);
+    w.Str(r->label);
     return std::move(w.out());
   }
 
@@ -338,42 +332,31 @@ class HostTcpTransport : public Transport {
       return absl::InvalidArgumentError(absl::StrCat("host_tcp ImportDescriptor: descriptor is for '", kind, "'"));
     }
     if (size < 0) return absl::InvalidArgumentError("host_tcp ImportDescriptor: negative size");
-    absl::MutexLock l(&mu_);
-    uint64_t id = next_id_++;
-    Region& r = regions_[id];
+    Region r;
     r.local = false;
     r.size = size;
-    r.label = label;
-    r.owner_instance = inst;
+    r.label = std::move(label);
+    r.owner_instance = std::move(inst);
     r.owner_region_id = rid;
+    absl::MutexLock l(&mu_);
+    uint64_t id = next_id_++;
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
   absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown region ", h.id));
-    RegionInfo info;
-    info.local = it->second.local;
-    info.size_bytes = it->second.size;
-    info.owner_instance = it->second.owner_instance;
-    info.label = it->second.label;
+    ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
+    RegionInfo info = BasicRegionInfo(*r);
     for (auto& [pid, p] : peers_) {
-      if (!info.local && p->instance == it->second.owner_instance) info.peer = PeerId{pid};
+      if (!info.local && p->instance == r->owner_instance) info.peer = PeerId{pid};
     }
     return info;
   }
 
   absl::Status Release(RegionHandle h) override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown region ", h.id));
-    if (it->second.pinned > 0) {
-      return absl::FailedPreconditionError(absl::StrCat("host_tcp: region '", it->second.label, "' is used by ",
-                                                        it->second.pinned, " unfinished batch(es)"));
-    }
-    regions_.erase(it);
-    return absl::OkStatus();
+    return regions_.Release(h);
   }
 
   absl::StatusOr<BatchId> Post(const Batch& batch) override {
@@ -399,33 +382,18 @@ class HostTcpTransport : public Transport {
     wire::Writer m;
     m.U64(batch.tag);
     m.U8(batch.checksum);
+    const std::string prefix = absl::StrCat("host_tcp batch ", batch.tag);
     for (size_t i = 0; i < batch.ops.size(); ++i) {
       const CopyOp& op = batch.ops[i];
-      auto find = [&](RegionHandle h, const char* which) -> absl::StatusOr<Region*> {
-        auto it = regions_.find(h.id);
-        if (it == regions_.end()) {
-          return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, " op ", i, ": unknown ", which,
-                                                         " region ", h.id));
-        }
-        return &it->second;
-      };
-      auto src = find(op.src.region, "source");
+      auto src = regions_.FindForOp(op.src.region, prefix, i, "source");
       if (!src.ok()) return src.status();
-      auto dst = find(op.dst.region, "destination");
+      auto dst = regions_.FindForOp(op.dst.region, prefix, i, "destination");
       if (!dst.ok()) return dst.status();
-      if ((*src)->local == (*dst)->local) {
-        return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, " op ", i,
-                                                       ": needs exactly one local and one imported region"));
-      }
-      Region* remote = (*src)->local ? *dst : *src;
-      if (remote->owner_instance != peer->instance) {
-        return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, " op ", i, ": region '",
-                                                       remote->label, "' was exported by ", remote->owner_instance,
-                                                       ", not by the batch's peer ", peer->instance));
-      }
+      auto is_send = TwoSidedOpIsSend(**src, **dst, prefix, i, peer->instance);
+      if (!is_send.ok()) return is_send.status();
       auto layout = ValidateOp(op, static_cast<int>(i), (*src)->size, (*dst)->size, (*src)->label, (*dst)->label);
       if (!layout.ok()) return layout.status();
-      const bool send = (*src)->local;
+      const bool send = *is_send;
       b->is_send.push_back(send);
       b->local_base.push_back(send ? (*src)->base : (*dst)->base);
       b->layouts.push_back(std::move(*layout));
@@ -452,11 +420,11 @@ class HostTcpTransport : public Transport {
       }
       for (int64_t off = 0; off < n; off += chunk) b->chunks.push_back({static_cast<int>(i), off, std::min(chunk, n - off)});
     }
-    for (uint64_t r : b->regions) regions_[r].pinned++;
+    regions_.Pin(b->regions);
     b->id = next_id_++;
     b->peer = peer;
     stats_.batches_posted++;
-    batches_[b->id] = b;
+    batches_.Add(b);
     peer->batches[b->tag] = b;
     ControlFrame f{};
     f.h = Header(kManifest, b->tag, 0, static_cast<int64_t>(b->manifest), 0);
@@ -482,18 +450,12 @@ class HostTcpTransport : public Transport {
 
   absl::StatusOr<BatchState> Poll(BatchId id) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown batch ", id.id));
-    if (!it->second->Finished()) return BatchState::kRunning;
-    if (!it->second->status.ok()) return it->second->status;
-    return BatchState::kDone;
+    return batches_.Poll(id, [](const TcpBatch* b) { return b->Finished(); });
   }
 
   absl::Status Wait(BatchId id, absl::Time deadline) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown batch ", id.id));
-    std::shared_ptr<TcpBatch> b = it->second;
+    ASSIGN_OR_RETURN(std::shared_ptr<TcpBatch> b, batches_.Find(id));
     while (!b->Finished()) {
       if (cv_.WaitWithDeadline(&mu_, deadline) && !b->Finished()) {
         const absl::Status why = absl::DeadlineExceededError(absl::StrCat(
@@ -506,13 +468,11 @@ class HostTcpTransport : public Transport {
         while (b->active > 0) cv_.Wait(&mu_);
       }
     }
-    for (uint64_t r : b->regions) {
-      if (auto rit = regions_.find(r); rit != regions_.end()) rit->second.pinned--;
-    }
+    regions_.Unpin(b->regions);
     if (auto pit = b->peer->batches.find(b->tag); pit != b->peer->batches.end() && pit->second == b) {
       b->peer->batches.erase(pit);
     }
-    batches_.erase(id.id);
+    batches_.Retire(id.id);
     if (!b->status.ok()) stats_.batches_failed++;
     return b->status;
   }
@@ -892,9 +852,9 @@ class HostTcpTransport : public Transport {
   absl::CondVar accept_cv_;  // pending_ changes
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::shared_ptr<PeerConn>> peers_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<TcpBatch>> batches_ ABSL_GUARDED_BY(mu_);
+  BatchTable<TcpBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, std::map<uint32_t, int>> pending_ ABSL_GUARDED_BY(mu_);  // dialer -> stream idx -> fd
   std::map<std::string, int> pending_total_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
