@@ -106,6 +106,12 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   explicit WorkerImpl(NodeDaemon* d) : d_(d) {}
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse* resp) override {
+    // A join sent before this node's (re-)registration and re-join have finished could reach the
+    // coordinator first and then be dropped by that registration (a restarted node's workers are
+    // dropped there) while this node keeps the worker: it would be left out of every plan.
+    if (!d_->AwaitRegistered(absl::Now() + absl::Seconds(10))) {
+      return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id, " is not registered with the coordinator yet (retry)")));
+    }
     pb::JoinWorkerRequest j;
     j.set_node_id(d_->options_.node_id);
     j.set_worker_id(req->worker_id());
@@ -838,6 +844,13 @@ void NodeDaemon::Rejoin(const std::string& reason) {
   Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
 }
 
+bool NodeDaemon::AwaitRegistered(absl::Time deadline) {
+  absl::MutexLock l(&hb_mu_);
+  auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_ || (registered_ && !rejoining_); };
+  hb_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  return !hb_stop_ && registered_ && !rejoining_;
+}
+
 uint64_t NodeDaemon::session() {
   absl::MutexLock l(&hb_mu_);
   return session_;
@@ -1046,14 +1059,17 @@ uint64_t BatchTag(const std::string& model, uint64_t version, uint32_t bucket) {
 
 }  // namespace
 
-pb::NodeService::Stub* NodeDaemon::PeerStub(const std::string& address) {
+std::shared_ptr<pb::NodeService::Stub> NodeDaemon::PeerStub(const std::string& peer, const std::string& address) {
   absl::MutexLock l(&stubs_mu_);
-  auto& stub = peer_stubs_[address];
-  if (!stub) {
-    stub = pb::NodeService::NewStub(options_.make_channel ? options_.make_channel(address)
-                                                          : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  PeerStubEntry& e = peer_stubs_[peer];
+  if (!e.stub || e.address != address) {
+    // A restarted peer listens on a new address: the old incarnation's gRPC channel is released
+    // here (once no call holds it) instead of accumulating one channel per restart.
+    e.address = address;
+    e.stub = pb::NodeService::NewStub(options_.make_channel ? options_.make_channel(address)
+                                                            : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   }
-  return stub.get();
+  return e.stub;
 }
 
 void NodeDaemon::DropChannel(const std::string& model_id, const std::string& peer, transport::PeerId id) {
@@ -1075,15 +1091,21 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
   }
   const std::string& peer_instance = inst_it->second;
   transport::PeerId cached = transport::kNoPeer;
+  transport::PeerId stale = transport::kNoPeer;
   {
     absl::MutexLock l(&mu_);
     auto c = channels_.find({exec.model_id, peer});
     if (c != channels_.end()) {
       if (c->second.peer_instance == peer_instance) {
         cached = c->second.id;
+      } else {
+        // The peer restarted (new transport instance): the old incarnation's channel is dead
+        // and would otherwise be overwritten below without its sockets ever being closed.
+        stale = c->second.id;
       }
     }
   }
+  if (stale != transport::kNoPeer) DropChannel(exec.model_id, peer, stale);
   ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
   bool reuse = false;
   std::string peer_endpoint;
@@ -1108,7 +1130,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     pb::ExchangeRegionsResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(exec.deadline));
-    RETURN_IF_ERROR_WITH(FromGrpcStatus(PeerStub(peer_worker.data_address())->ExchangeRegions(&ctx, req, &resp)),
+    RETURN_IF_ERROR_WITH(FromGrpcStatus(PeerStub(peer, peer_worker.data_address())->ExchangeRegions(&ctx, req, &resp)),
                          absl::StrCat("exchanging regions with node ", peer));
     absl::MutexLock l(&mu_);
     PeerState& ps = exec.peers[peer];
@@ -1140,10 +1162,27 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     id = *c;
     Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
   }
-  absl::MutexLock l(&mu_);
-  channels_[{exec.model_id, peer}] = Channel{id, peer_instance};
-  exec.connected[peer] = id;
-  if (exec.aborted) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+  transport::PeerId replaced = transport::kNoPeer;
+  absl::Status aborted;
+  {
+    absl::MutexLock l(&mu_);
+    Channel& slot = channels_[{exec.model_id, peer}];
+    // Another version of the model may have cached its own channel meanwhile; the one we replace
+    // must be disconnected (its fds closed) unless a version in flight still uses it.
+    if (slot.id != transport::kNoPeer && slot.id != id) {
+      replaced = slot.id;
+      for (auto& [key, other] : execs_) {
+        for (auto& [p, used] : other->connected) {
+          if (used == replaced) replaced = transport::kNoPeer;
+        }
+      }
+    }
+    slot = Channel{id, peer_instance};
+    exec.connected[peer] = id;
+    if (exec.aborted) aborted = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+  }
+  if (replaced != transport::kNoPeer) DropChannel(exec.model_id, peer, replaced);
+  if (!aborted.ok()) return aborted;
   return id;
 }
 

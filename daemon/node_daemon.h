@@ -170,7 +170,8 @@ class NodeDaemon {
                                               transport::Transport* cross);
   // Drops the cached channel of (model, peer) and disconnects it (outside mu_).
   void DropChannel(const std::string& model_id, const std::string& peer, transport::PeerId id);
-  pb::NodeService::Stub* PeerStub(const std::string& address);
+  // gRPC stub to peer node `peer` at `address`; one per peer node, replaced when its address changes.
+  std::shared_ptr<pb::NodeService::Stub> PeerStub(const std::string& peer, const std::string& address);
   // Checks local worker processes; tells the coordinator about the ones that exited.
   void CheckWorkers();
   // Heartbeats only: never takes mu_ (so a busy executor or a long copy cannot starve them).
@@ -185,6 +186,9 @@ class NodeDaemon {
   // NOT_FOUND): waits (bounded by `deadline`) until either the node re-joined a coordinator
   // (returns why: the restart) or a heartbeat on the unchanged session succeeded (nullopt).
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline);
+  // Waits (bounded by `deadline`) until the node is registered with the coordinator and not in
+  // the middle of a re-join; false when that did not happen in time or the node is stopping.
+  bool AwaitRegistered(absl::Time deadline);
   uint64_t session();
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
   // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
@@ -219,7 +223,11 @@ class NodeDaemon {
   std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
   std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, peer node)
   absl::Mutex stubs_mu_;
-  std::map<std::string, std::unique_ptr<pb::NodeService::Stub>> peer_stubs_ ABSL_GUARDED_BY(stubs_mu_);
+  struct PeerStubEntry {
+    std::string address;
+    std::shared_ptr<pb::NodeService::Stub> stub;
+  };
+  std::map<std::string, PeerStubEntry> peer_stubs_ ABSL_GUARDED_BY(stubs_mu_);  // peer node -> stub
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread heartbeat_, control_;

@@ -73,11 +73,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (!s->tcp_server_ || s->port_ == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
   if (has_coord) s->coordinator_->Start();
   if (has_node) {
-    // Worker socket: SO_PEERCRED identity, ownership checks and limits in front (daemon/auth.h).
-    ASSIGN_OR_RETURN(s->unix_server_, s->front_->ServeWorkers(o.worker_socket, s->node_->worker_service()));
     // Standalone talks to its own coordinator over the same TCP port as remote nodes would.
     s->node_->set_coordinator(o.role == DaemonRole::kStandalone ? s->address() : o.coordinator);
+    // Register with the coordinator before any worker can reach us: a restarted node's
+    // RegisterNode drops every worker of its previous incarnation at the coordinator, so a
+    // worker joining before it would be dropped there while this node keeps it (left out of
+    // every plan). NodeDaemon also gates worker registration on its own registration.
     RETURN_IF_ERROR(s->node_->Start(s->address()));
+    // Worker socket: SO_PEERCRED identity, ownership checks and limits in front (daemon/auth.h).
+    ASSIGN_OR_RETURN(s->unix_server_, s->front_->ServeWorkers(o.worker_socket, s->node_->worker_service()));
   }
   return s;
 }
