@@ -3,6 +3,7 @@
 // (host_shm same-node, host_tcp cross-node) on plans from planner::MakePlan: every rollout byte
 // must equal the canonical weights of the applied version, in every mode and strategy.
 #include <grpcpp/grpcpp.h>
+#include <dirent.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -648,6 +649,65 @@ TEST(FaultTest, DeadWorkerProcessIsDropped) {
   pb::ApplyResponse resp;
   ASSERT_TRUE(c.Apply(r0, "m", 2, &resp).ok());
   EXPECT_EQ(CountBad(r0, 2), 0);
+  c.Stop();
+}
+
+
+int CountOpenFds() {
+  int n = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d) != nullptr) ++n;
+    ::closedir(d);
+  }
+  return n;
+}
+
+// A peer node that restarts (new process = new transport instance) must not leave the surviving
+// node holding the old incarnation's data channel: it was once replaced in the channel cache
+// without being disconnected, leaking its sockets on every restart (found by the soak test).
+TEST(FaultTest, PeerRestartsDoNotLeakChannels) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  // Trainers split `a` across the nodes, so every version has cross-node ops (a data channel).
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  auto run_version = [&](uint64_t v) {
+    for (auto& s : c.Publish("m", pb::MODE_ASYNC, v, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << "version " << v << ": " << s.error_message();
+    for (TestWorker* r : {&r0, &r1}) {
+      pb::ApplyResponse resp;
+      grpc::Status s = c.Apply(*r, "m", v, &resp);
+      ASSERT_TRUE(s.ok()) << r->id << " version " << v << ": " << s.error_message();
+      EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;
+    }
+  };
+  run_version(1);
+  run_version(2);  // channels cached and reused: the steady state
+  const int fds0 = CountOpenFds();
+  constexpr int kRestarts = 6;
+  for (int k = 0; k < kRestarts; ++k) {
+    c.nodes_[1]->Shutdown();
+    c.nodes_[1].reset();
+    c.StartNode(1);
+    ASSERT_TRUE(c.nodes_[1]) << "restart " << k;
+    // r1 first, then t1: the model cannot re-plan before both trainers are back, so the next
+    // version's plan includes n1 again (cross-node channel needed).
+    for (TestWorker* w : {&r1, &t1}) {
+      c.Connect(*w);
+      grpc::Status s = c.Register(*w, spec);
+      ASSERT_TRUE(s.ok()) << w->id << " after restart " << k << ": " << s.error_message();
+    }
+    run_version(3 + k);
+  }
+  const int fds1 = CountOpenFds();
+  // Every restart used to leave n0 with the old channel's streams open (>= 1 fd each).
+  EXPECT_LE(fds1, fds0 + kRestarts / 2) << "open fds " << fds0 << " -> " << fds1 << " after " << kRestarts << " restarts of n1";
   c.Stop();
 }
 
