@@ -12,9 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "tools/cc/status_macros.h"
 #include "transport/common.h"
 #include "transport/cuda_copy.h"
 #include "transport/cuda_status.h"
+#include "transport/registry.h"
 #include "transport/strided.h"
 #include "transport/wire.h"
 
@@ -107,15 +109,10 @@ struct Mapping {
   int refs = 0;
 };
 
-struct Region {
-  bool local = true;
+// owner_instance empty: a raw worker buffer, treated like a local region.
+struct Region : RegionRecord {
   MemoryKind kind = MemoryKind::kCuda;
-  char* base = nullptr;
-  int64_t size = 0;
   int device = -1;  // kCuda: the device the bytes live on (imports: the local ordinal)
-  std::string label;
-  std::string owner_instance;  // empty: a raw worker buffer, treated like a local region
-  uint64_t owner_region_id = 0;
   // Local kCuda regions.
   char* alloc_base = nullptr;
   bool have_handle = false;
@@ -124,7 +121,6 @@ struct Region {
   bool host_registered = false;
   // Imports: key into mappings_.
   std::string mapping_key;
-  int pinned = 0;
 };
 
 struct StreamEvent {
@@ -155,7 +151,7 @@ class CudaIpcTransport : public Transport {
   ~CudaIpcTransport() override {
     absl::MutexLock l(&mu_);
     const absl::Time until = absl::Now() + kDrainGrace;
-    for (auto& [id, b] : batches_) {
+    for (auto& [id, b] : batches_.all()) {
       while (!QueryLocked(b.get()) && absl::Now() < until) {
         mu_.Unlock();
         absl::SleepFor(absl::Microseconds(200));
@@ -163,7 +159,7 @@ class CudaIpcTransport : public Transport {
       }
       if (QueryLocked(b.get())) DestroyEvents(b.get());  // else leak: the GPU may still use them
     }
-    for (auto& [id, r] : regions_) {
+    for (auto& [id, r] : regions_.all()) {
       if (r.host_registered) {
         (void)cudaHostUnregister(r.base);
         (void)cudaGetLastError();
@@ -279,16 +275,15 @@ class CudaIpcTransport : public Transport {
     absl::MutexLock l(&mu_);
     const uint64_t id = next_id_++;
     r.owner_region_id = id;
-    regions_[id] = std::move(r);
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
   absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
     ScopedCudaDevice keep_device;
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
-    Region& r = it->second;
+    ASSIGN_OR_RETURN(Region* found, regions_.Find(h));
+    Region& r = *found;
     if (!r.local) return absl::FailedPreconditionError("cuda_ipc: cannot re-export an imported region");
     if (r.kind != MemoryKind::kCuda) {
       return absl::FailedPreconditionError(absl::StrCat("cuda_ipc: region '", r.label,
@@ -397,22 +392,17 @@ class CudaIpcTransport : public Transport {
     r.owner_region_id = d->region_id;
     r.mapping_key = key;
     const uint64_t id = next_id_++;
-    regions_[id] = std::move(r);
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
   absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
-    RegionInfo info;
-    info.local = it->second.local;
-    info.kind = it->second.kind;
-    info.size_bytes = it->second.size;
-    info.owner_instance = it->second.owner_instance;
-    info.label = it->second.label;
+    ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
+    RegionInfo info = BasicRegionInfo(*r);
+    info.kind = r->kind;
     for (auto& [pid, inst] : peers_) {
-      if (!info.local && inst == it->second.owner_instance) info.peer = PeerId{pid};
+      if (!info.local && inst == r->owner_instance) info.peer = PeerId{pid};
     }
     return info;
   }
@@ -421,13 +411,9 @@ class CudaIpcTransport : public Transport {
     ScopedCudaDevice keep_device;
     absl::MutexLock il(&import_mu_);  // an import in progress may be about to share the mapping
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown region ", h.id));
-    Region& r = it->second;
-    if (r.pinned > 0) {
-      return absl::FailedPreconditionError(absl::StrCat("cuda_ipc: region '", r.label, "' is used by ", r.pinned,
-                                                        " unfinished batch(es)"));
-    }
+    ASSIGN_OR_RETURN(Region* found, regions_.Find(h));
+    Region& r = *found;
+    RETURN_IF_ERROR(regions_.CheckNotInUse(r));
     if (r.host_registered) {
       (void)cudaHostUnregister(r.base);
       (void)cudaGetLastError();
@@ -439,12 +425,12 @@ class CudaIpcTransport : public Transport {
         cudaError_t e = cudaIpcCloseMemHandle(m->second.base);
         mappings_.erase(m);
         if (e != cudaSuccess) {
-          regions_.erase(it);
+          regions_.Erase(h.id);
           return CudaStatus(e, "cuda_ipc Release: cudaIpcCloseMemHandle");
         }
       }
     }
-    regions_.erase(it);
+    regions_.Erase(h.id);
     return absl::OkStatus();
   }
 
@@ -469,13 +455,9 @@ class CudaIpcTransport : public Transport {
         }
         peer_inst = p->second;
       }
+      const std::string prefix = absl::StrCat("cuda_ipc batch ", batch.tag);
       auto lookup = [&](const RegionHandle& h, size_t i, const char* which) -> absl::StatusOr<Region*> {
-        auto it = regions_.find(h.id);
-        if (it == regions_.end()) {
-          return absl::InvalidArgumentError(absl::StrCat("cuda_ipc batch ", batch.tag, " op ", i, ": unknown ", which,
-                                                         " region ", h.id));
-        }
-        Region* r = &it->second;
+        ASSIGN_OR_RETURN(Region* r, regions_.FindForOp(h, prefix, i, which));
         // Raw worker buffers (no owner) and aliases of our own regions behave like local ones.
         if (!r->local && !r->owner_instance.empty() && r->owner_instance != instance_id_ &&
             r->owner_instance != peer_inst) {
@@ -511,10 +493,10 @@ class CudaIpcTransport : public Transport {
                         dr->kind == MemoryKind::kCuda ? dr->device : sr->device});
       }
       // Valid: pin the regions so nobody releases them while copies may run.
-      for (uint64_t r : b->regions) regions_[r].pinned++;
+      regions_.Pin(b->regions);
       b->id = next_id_++;
       stats_.batches_posted++;
-      batches_[b->id] = b;
+      batches_.Add(b);
     }
     // Enqueue outside mu_ (pageable host copies may take a while). Ops are dealt to the stream of
     // their device with the fewest bytes so far, so several copy engines work in parallel.
@@ -568,18 +550,13 @@ class CudaIpcTransport : public Transport {
 
   absl::StatusOr<BatchState> Poll(BatchId id) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown batch ", id.id));
-    if (!QueryLocked(it->second.get())) return BatchState::kRunning;
-    if (!it->second->status.ok()) return it->second->status;
-    return BatchState::kDone;
+    // QueryLocked under mu_, held here.
+    return batches_.Poll(id, [this](IpcBatch* b) ABSL_NO_THREAD_SAFETY_ANALYSIS { return QueryLocked(b); });
   }
 
   absl::Status Wait(BatchId id, absl::Time deadline) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown batch ", id.id));
-    std::shared_ptr<IpcBatch> b = it->second;
+    ASSIGN_OR_RETURN(std::shared_ptr<IpcBatch> b, batches_.Find(id));
     absl::Duration backoff = absl::Microseconds(10);
     absl::Time give_up = absl::InfiniteFuture();
     bool drained = false;
@@ -602,9 +579,7 @@ class CudaIpcTransport : public Transport {
     }
     if (drained) {
       DestroyEvents(b.get());
-      for (uint64_t r : b->regions) {
-        if (auto rit = regions_.find(r); rit != regions_.end()) rit->second.pinned--;
-      }
+      regions_.Unpin(b->regions);
       if (b->status.ok()) stats_.bytes_copied += b->bytes;
     } else {
       // The GPU still has copies of this batch queued: keep its regions pinned (never unpinned)
@@ -613,7 +588,7 @@ class CudaIpcTransport : public Transport {
                                                               absl::FormatDuration(kDrainGrace),
                                                               ", regions stay pinned"));
     }
-    batches_.erase(id.id);
+    batches_.Retire(id.id);
     if (!b->status.ok()) stats_.batches_failed++;
     return b->status;
   }
@@ -639,18 +614,18 @@ class CudaIpcTransport : public Transport {
   absl::StatusOr<RegionHandle> ImportOwn(const Desc& d) {
     // cudaIpcOpenMemHandle refuses handles of the calling process; our own region is reachable directly.
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(d.region_id);
-    if (it == regions_.end() || !it->second.local || it->second.kind != MemoryKind::kCuda) {
+    const Region* own = regions_.Get(d.region_id);
+    if (own == nullptr || !own->local || own->kind != MemoryKind::kCuda) {
       return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: own region ", d.region_id,
                                                      " is no longer registered"));
     }
-    Region r = it->second;
+    Region r = *own;
     r.local = false;
     r.have_handle = false;
     r.host_registered = false;
     r.pinned = 0;
     const uint64_t id = next_id_++;
-    regions_[id] = std::move(r);
+    regions_.Add(id, std::move(r));
     return RegionHandle{id};
   }
 
@@ -709,9 +684,9 @@ class CudaIpcTransport : public Transport {
 
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::string> peers_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<IpcBatch>> batches_ ABSL_GUARDED_BY(mu_);
+  BatchTable<IpcBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, Mapping> mappings_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
   absl::Mutex import_mu_ ABSL_ACQUIRED_BEFORE(mu_);

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "transport/common.h"
+#include "transport/registry.h"
 #include "transport/cuda_copy.h"
 #include "transport/cuda_status.h"
 #include "transport/strided.h"
@@ -43,15 +44,7 @@ std::string PidNamespace() {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
-struct Region {
-  bool local = true;
-  char* base = nullptr;  // local regions only
-  int64_t size = 0;
-  std::string label;
-  std::string owner_instance;
-  uint64_t owner_region_id = 0;
-  int pinned = 0;
-};
+struct Region : RegionRecord {};  // base: local regions only
 
 // One NCCL send or receive of a batch. Both sides derive the same chunk list from the ops.
 struct Chunk {
@@ -324,7 +317,7 @@ class NcclTransport : public Transport {
     }
     absl::MutexLock l(&mu_);
     const uint64_t id = next_id_++;
-    Region& r = regions_[id];
+    Region& r = regions_.Add(id, Region());
     r.local = true;
     r.base = static_cast<char*>(spec.base);
     r.size = spec.size_bytes;
@@ -336,9 +329,8 @@ class NcclTransport : public Transport {
 
   absl::StatusOr<std::string> ExportDescriptor(RegionHandle h) override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown region ", h.id));
-    if (!it->second.local) return absl::FailedPreconditionError("nccl: cannot re-export an imported region");
+    ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
+    if (!r->local) return absl::FailedPreconditionError("nccl: cannot re-export an imported region");
     wire::Writer w;
     w.U32(kWireMagic);
     w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
@@ -346,8 +338,8 @@ class NcclTransport : public Transport {
     w.Str(instance_id_);
     w.Str(node_id_);
     w.U64(h.id);
-    w.I64(it->second.size);
-    w.Str(it->second.label);
+    w.I64(r->size);
+    w.Str(r->label);
     return std::move(w.out());
   }
 
@@ -372,7 +364,7 @@ class NcclTransport : public Transport {
     }
     absl::MutexLock l(&mu_);
     const uint64_t id = next_id_++;
-    Region& r = regions_[id];
+    Region& r = regions_.Add(id, Region());
     r.local = false;
     r.size = size;
     r.label = label;
@@ -383,30 +375,18 @@ class NcclTransport : public Transport {
 
   absl::StatusOr<RegionInfo> Describe(RegionHandle h) const override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown region ", h.id));
-    RegionInfo info;
-    info.local = it->second.local;
+    ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
+    RegionInfo info = BasicRegionInfo(*r);
     info.kind = MemoryKind::kCuda;
-    info.size_bytes = it->second.size;
-    info.owner_instance = it->second.owner_instance;
-    info.label = it->second.label;
     for (auto& [pid, p] : peers_) {
-      if (!info.local && p->instance == it->second.owner_instance) info.peer = PeerId{pid};
+      if (!info.local && p->instance == r->owner_instance) info.peer = PeerId{pid};
     }
     return info;
   }
 
   absl::Status Release(RegionHandle h) override {
     absl::MutexLock l(&mu_);
-    auto it = regions_.find(h.id);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown region ", h.id));
-    if (it->second.pinned > 0) {
-      return absl::FailedPreconditionError(absl::StrCat("nccl: region '", it->second.label, "' is used by ",
-                                                        it->second.pinned, " unfinished batch(es)"));
-    }
-    regions_.erase(it);
-    return absl::OkStatus();
+    return regions_.Release(h);
   }
 
   absl::StatusOr<BatchId> Post(const Batch& batch) override {
@@ -432,33 +412,18 @@ class NcclTransport : public Transport {
     m.I64(kStagingBytes);
     m.U32(kMaxCallsPerGroup);
     std::vector<Chunk> chunks;
+    const std::string prefix = absl::StrCat("nccl batch ", batch.tag);
     for (size_t i = 0; i < batch.ops.size(); ++i) {
       const CopyOp& op = batch.ops[i];
-      auto find = [&](RegionHandle h, const char* which) -> absl::StatusOr<Region*> {
-        auto it = regions_.find(h.id);
-        if (it == regions_.end()) {
-          return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, " op ", i, ": unknown ", which,
-                                                         " region ", h.id));
-        }
-        return &it->second;
-      };
-      auto src = find(op.src.region, "source");
+      auto src = regions_.FindForOp(op.src.region, prefix, i, "source");
       if (!src.ok()) return src.status();
-      auto dst = find(op.dst.region, "destination");
+      auto dst = regions_.FindForOp(op.dst.region, prefix, i, "destination");
       if (!dst.ok()) return dst.status();
-      if ((*src)->local == (*dst)->local) {
-        return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, " op ", i,
-                                                       ": needs exactly one local and one imported region"));
-      }
-      Region* remote = (*src)->local ? *dst : *src;
-      if (remote->owner_instance != peer->instance) {
-        return absl::InvalidArgumentError(absl::StrCat("nccl batch ", batch.tag, " op ", i, ": region '",
-                                                       remote->label, "' was exported by ", remote->owner_instance,
-                                                       ", not by the batch's peer ", peer->instance));
-      }
+      auto is_send = TwoSidedOpIsSend(**src, **dst, prefix, i, peer->instance);
+      if (!is_send.ok()) return is_send.status();
       auto layout = ValidateOp(op, static_cast<int>(i), (*src)->size, (*dst)->size, (*src)->label, (*dst)->label);
       if (!layout.ok()) return layout.status();
-      const bool send = (*src)->local;
+      const bool send = *is_send;
       b->local_base.push_back(send ? (*src)->base : (*dst)->base);
       b->regions.push_back(op.src.region.id);
       b->regions.push_back(op.dst.region.id);
@@ -504,11 +469,11 @@ class NcclTransport : public Transport {
       round.chunks.push_back(std::move(c));
     }
     if (!round.chunks.empty()) b->rounds.push_back(std::move(round));
-    for (uint64_t r : b->regions) regions_[r].pinned++;
+    regions_.Pin(b->regions);
     b->id = next_id_++;
     b->peer = peer;
     stats_.batches_posted++;
-    batches_[b->id] = b;
+    batches_.Add(b);
     peer->by_tag[b->tag] = b;
     peer->queue.push_back(b);
     cv_.SignalAll();
@@ -517,18 +482,12 @@ class NcclTransport : public Transport {
 
   absl::StatusOr<BatchState> Poll(BatchId id) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown batch ", id.id));
-    if (!it->second->finished) return BatchState::kRunning;
-    if (!it->second->status.ok()) return it->second->status;
-    return BatchState::kDone;
+    return batches_.Poll(id, [](const NcclBatch* b) { return b->finished; });
   }
 
   absl::Status Wait(BatchId id, absl::Time deadline) override {
     absl::MutexLock l(&mu_);
-    auto it = batches_.find(id.id);
-    if (it == batches_.end()) return absl::NotFoundError(absl::StrCat("nccl: unknown batch ", id.id));
-    std::shared_ptr<NcclBatch> b = it->second;
+    ASSIGN_OR_RETURN(std::shared_ptr<NcclBatch> b, batches_.Find(id));
     while (!b->finished) {
       if (cv_.WaitWithDeadline(&mu_, deadline) && !b->finished) {
         b->deadline_hit = true;
@@ -542,11 +501,9 @@ class NcclTransport : public Transport {
         while (!b->finished) cv_.Wait(&mu_);
       }
     }
-    for (uint64_t r : b->regions) {
-      if (auto rit = regions_.find(r); rit != regions_.end()) rit->second.pinned--;
-    }
+    regions_.Unpin(b->regions);
     if (auto t = b->peer->by_tag.find(b->tag); t != b->peer->by_tag.end() && t->second == b) b->peer->by_tag.erase(t);
-    batches_.erase(id.id);
+    batches_.Retire(id.id);
     absl::Status result = b->status;
     if (b->deadline_hit && !result.ok() && result.code() != absl::StatusCode::kDeadlineExceeded) {
       result = absl::DeadlineExceededError(absl::StrCat("nccl batch ", b->tag, " missed its deadline (",
@@ -811,9 +768,9 @@ class NcclTransport : public Transport {
   mutable absl::Mutex mu_;
   absl::CondVar cv_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<uint64_t, Region> regions_ ABSL_GUARDED_BY(mu_);
+  RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::shared_ptr<NcclPeer>> peers_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<NcclBatch>> batches_ ABSL_GUARDED_BY(mu_);
+  BatchTable<NcclBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, ncclUniqueId> pending_uids_ ABSL_GUARDED_BY(mu_);  // peer instance -> our id
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
 };
