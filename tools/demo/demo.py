@@ -76,11 +76,11 @@ def run_one(args, strategy, mode, work):
     daemon = subprocess.Popen([os.path.join(args.bin, "daemon", "weightbridged"), "--role=standalone",
                                "--worker_socket=" + sock, "--listen=127.0.0.1:0",
                                "--port_file=" + os.path.join(run_dir, "port"),
-                               "--transfer_timeout_ms=%d" % (args.timeout_s * 1000),
-                               # Workaround, daemon bug (/tmp/wb_daemon_bugs.md #lease-standalone): on a
-                               # loaded 2-core machine the standalone daemon's own node loses its 3 s
-                               # lease mid-transfer and the version aborts. Drop when fixed.
-                               "--lease_ms=%d" % args.lease_ms] + args.daemon_flag,
+                               "--transfer_timeout_ms=%d" % (args.timeout_s * 1000)]
+                              # The daemon's default lease is used unless asked otherwise (a standalone
+                              # daemon never expires its own in-process node).
+                              + (["--lease_ms=%d" % args.lease_ms] if args.lease_ms > 0 else [])
+                              + args.daemon_flag,
                               stdout=daemon_log, stderr=subprocess.STDOUT)
     failures = []
     try:
@@ -163,7 +163,7 @@ def main():
     ap.add_argument("--rollout_ms", type=int, default=0, help="simulated generation step per version")
     ap.add_argument("--timeout_s", type=int, default=60)
     ap.add_argument("--layout_source", default="preset", help="preset (by name, resolved by the daemon) | pieces (explicit)")
-    ap.add_argument("--lease_ms", type=int, default=60000, help="daemon --lease_ms (see the workaround note)")
+    ap.add_argument("--lease_ms", type=int, default=0, help="daemon --lease_ms (0 = the daemon's default)")
     ap.add_argument("--daemon_flag", action="append", default=[], help="extra weightbridged flag (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep logs in the work dir")
     args = ap.parse_args()
