@@ -215,18 +215,15 @@ class CudaIpcTransport : public Transport {
                                                      "', this is node '", node_id_, "' (same-node transport)"));
     }
     absl::MutexLock l(&mu_);
-    for (auto& [pid, pinst] : peers_) {
-      if (pinst == inst) return PeerId{pid};
-    }
+    if (PeerId known = peers_.Find(inst); known != kNoPeer) return known;
     const uint64_t id = next_id_++;
-    peers_[id] = inst;
+    peers_.Add(id, inst);
     return PeerId{id};
   }
 
   absl::Status Disconnect(PeerId peer) override {
     absl::MutexLock l(&mu_);
-    if (peers_.erase(peer.id) == 0) return absl::NotFoundError(absl::StrCat("cuda_ipc: unknown peer ", peer.id));
-    return absl::OkStatus();
+    return peers_.Remove(peer);
   }
 
   absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override {
@@ -401,9 +398,7 @@ class CudaIpcTransport : public Transport {
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     RegionInfo info = BasicRegionInfo(*r);
     info.kind = r->kind;
-    for (auto& [pid, inst] : peers_) {
-      if (!info.local && inst == r->owner_instance) info.peer = PeerId{pid};
-    }
+    if (!info.local) info.peer = peers_.PeerOf(r->owner_instance);
     return info;
   }
 
@@ -449,11 +444,11 @@ class CudaIpcTransport : public Transport {
       absl::MutexLock l(&mu_);
       std::string peer_inst;
       if (batch.peer != kNoPeer) {
-        auto p = peers_.find(batch.peer.id);
-        if (p == peers_.end()) {
+        const std::string* p = peers_.Instance(batch.peer);
+        if (p == nullptr) {
           return absl::InvalidArgumentError(absl::StrCat("cuda_ipc batch ", batch.tag, ": unknown peer ", batch.peer.id));
         }
-        peer_inst = p->second;
+        peer_inst = *p;
       }
       const std::string prefix = absl::StrCat("cuda_ipc batch ", batch.tag);
       auto lookup = [&](const RegionHandle& h, size_t i, const char* which) -> absl::StatusOr<Region*> {
@@ -685,7 +680,7 @@ class CudaIpcTransport : public Transport {
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
-  std::map<uint64_t, std::string> peers_ ABSL_GUARDED_BY(mu_);
+  PeerInstances peers_ ABSL_GUARDED_BY(mu_){kKind};
   BatchTable<IpcBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, Mapping> mappings_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);

@@ -117,18 +117,15 @@ class HostShmTransport : public Transport {
                                                      "', this is node '", node_id_, "' (same-node transport)"));
     }
     absl::MutexLock l(&mu_);
-    for (auto& [pid, pinst] : peers_) {
-      if (pinst == inst) return PeerId{pid};
-    }
+    if (PeerId known = peers_.Find(inst); known != kNoPeer) return known;
     uint64_t id = next_id_++;
-    peers_[id] = inst;
+    peers_.Add(id, inst);
     return PeerId{id};
   }
 
   absl::Status Disconnect(PeerId peer) override {
     absl::MutexLock l(&mu_);
-    if (peers_.erase(peer.id) == 0) return absl::NotFoundError(absl::StrCat("host_shm: unknown peer ", peer.id));
-    return absl::OkStatus();
+    return peers_.Remove(peer);
   }
 
   absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override {
@@ -238,9 +235,7 @@ class HostShmTransport : public Transport {
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     RegionInfo info = BasicRegionInfo(*r);
     info.kind = MemoryKind::kHost;
-    for (auto& [pid, inst] : peers_) {
-      if (inst == r->owner_instance && !info.local) info.peer = PeerId{pid};
-    }
+    if (!info.local) info.peer = peers_.PeerOf(r->owner_instance);
     return info;
   }
 
@@ -257,9 +252,9 @@ class HostShmTransport : public Transport {
     absl::MutexLock l(&mu_);
     std::string peer_inst;
     if (batch.peer != kNoPeer) {
-      auto p = peers_.find(batch.peer.id);
-      if (p == peers_.end()) return absl::InvalidArgumentError(absl::StrCat("host_shm Post: unknown peer ", batch.peer.id));
-      peer_inst = p->second;
+      const std::string* p = peers_.Instance(batch.peer);
+      if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat("host_shm Post: unknown peer ", batch.peer.id));
+      peer_inst = *p;
     }
     const std::string prefix = absl::StrCat("batch ", batch.tag);
     auto lookup = [&](const RegionHandle& h, int i, const char* which) -> absl::StatusOr<Region*> {
@@ -442,7 +437,7 @@ class HostShmTransport : public Transport {
   absl::CondVar done_cv_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
-  std::map<uint64_t, std::string> peers_ ABSL_GUARDED_BY(mu_);  // peer id -> instance id
+  PeerInstances peers_ ABSL_GUARDED_BY(mu_){kKind};
   BatchTable<BatchRun> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::deque<std::shared_ptr<BatchRun>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -167,4 +167,42 @@ class BatchTable {
   std::map<uint64_t, std::shared_ptr<B>> batches_;
 };
 
+// Peers of the same-node one-sided transports (host_shm, cuda_ipc): a peer is nothing but its
+// validated instance id, and connecting twice to one instance yields the same PeerId.
+class PeerInstances {
+ public:
+  explicit PeerInstances(std::string kind) : kind_(std::move(kind)) {}
+
+  // The PeerId already given to `instance` (lowest id), or kNoPeer.
+  PeerId Find(absl::string_view instance) const {
+    for (const auto& [id, inst] : peers_) {
+      if (inst == instance) return PeerId{id};
+    }
+    return kNoPeer;
+  }
+  void Add(uint64_t id, std::string instance) { peers_[id] = std::move(instance); }
+  // NOT_FOUND "<kind>: unknown peer <id>".
+  absl::Status Remove(PeerId peer) {
+    if (peers_.erase(peer.id) == 0) return absl::NotFoundError(absl::StrCat(kind_, ": unknown peer ", peer.id));
+    return absl::OkStatus();
+  }
+  // The peer's instance id, or null for an unknown peer.
+  const std::string* Instance(PeerId peer) const {
+    auto it = peers_.find(peer.id);
+    return it == peers_.end() ? nullptr : &it->second;
+  }
+  // For RegionInfo::peer of an import: the connected peer (highest id) that is `owner`, or kNoPeer.
+  PeerId PeerOf(absl::string_view owner) const {
+    PeerId found = kNoPeer;
+    for (const auto& [id, inst] : peers_) {
+      if (inst == owner) found = PeerId{id};
+    }
+    return found;
+  }
+
+ private:
+  const std::string kind_;
+  std::map<uint64_t, std::string> peers_;  // peer id -> instance id
+};
+
 }  // namespace wb::transport

@@ -126,5 +126,23 @@ TEST(BatchTableTest, PollFollowsFinishedAndStatusRetireForgets) {
   EXPECT_EQ(table.Poll(BatchId{11}, finished).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(PeerInstancesTest, SameInstanceSameIdRemoveForgets) {
+  PeerInstances peers("kindx");
+  EXPECT_EQ(peers.Find("a"), kNoPeer);
+  peers.Add(4, "a");
+  peers.Add(6, "b");
+  EXPECT_EQ(peers.Find("a"), PeerId{4});
+  EXPECT_EQ(peers.PeerOf("b"), PeerId{6});
+  EXPECT_EQ(peers.PeerOf("c"), kNoPeer);
+  ASSERT_NE(peers.Instance(PeerId{6}), nullptr);
+  EXPECT_EQ(*peers.Instance(PeerId{6}), "b");
+  EXPECT_EQ(peers.Instance(PeerId{5}), nullptr);
+  EXPECT_TRUE(peers.Remove(PeerId{4}).ok());
+  absl::Status again = peers.Remove(PeerId{4});
+  EXPECT_EQ(again.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(again.message(), "kindx: unknown peer 4");
+  EXPECT_EQ(peers.Find("a"), kNoPeer);
+}
+
 }  // namespace
 }  // namespace wb::transport
