@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "transport/wire.h"
 
 namespace wb::transport {
 
@@ -21,5 +22,17 @@ std::string DefaultNodeId();
 // such a record of `expect_kind`.
 inline constexpr uint32_t kWireMagic = 0x31544257;  // "WBT1"
 enum class RecordType : uint8_t { kEndpoint = 1, kDescriptor = 2 };
+
+// A writer that already holds that header; the backend appends its own fields.
+inline wire::Writer RecordWriter(RecordType type, absl::string_view kind, absl::string_view instance,
+                                 absl::string_view node) {
+  wire::Writer w;
+  w.U32(kWireMagic);
+  w.U8(static_cast<uint8_t>(type));
+  w.Str(kind);
+  w.Str(instance);
+  w.Str(node);
+  return w;
+}
 
 }  // namespace wb::transport

@@ -57,12 +57,7 @@ struct Desc {
 };
 
 std::string EncodeDescriptor(const Desc& d) {
-  wire::Writer w;
-  w.U32(kWireMagic);
-  w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
-  w.Str(kKind);
-  w.Str(d.inst);
-  w.Str(d.node);
+  wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, d.inst, d.node);
   w.U64(d.region_id);
   w.I64(d.size);
   w.Str(d.label);
@@ -193,12 +188,7 @@ class CudaIpcTransport : public Transport {
   std::string instance_id() const override { return instance_id_; }
 
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kEndpoint, kKind, instance_id_, node_id_);
     return std::move(w.out());
   }
 

@@ -95,12 +95,7 @@ class HostShmTransport : public Transport {
   std::string instance_id() const override { return instance_id_; }
 
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kEndpoint, kKind, instance_id_, node_id_);
     return std::move(w.out());
   }
 
@@ -165,12 +160,7 @@ class HostShmTransport : public Transport {
       return absl::FailedPreconditionError(absl::StrCat("host_shm: region '", r.label,
                                                         "' is not backed by a named shm segment; cannot export"));
     }
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, instance_id_, node_id_);
     w.U64(h.id);
     w.I64(r.size);
     w.Str(r.shared_name);

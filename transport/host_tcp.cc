@@ -200,12 +200,7 @@ class HostTcpTransport : public Transport {
   std::string instance_id() const override { return instance_id_; }
 
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kEndpoint, kKind, instance_id_, node_id_);
     w.Str(options_.advertise_address.empty() ? options_.bind_address : options_.advertise_address);
     w.U32(port_);
     return std::move(w.out());
@@ -305,12 +300,7 @@ class HostTcpTransport : public Transport {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     if (!r->local) return absl::FailedPreconditionError("host_tcp: cannot re-export an imported region");
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, instance_id_, node_id_);
     w.U64(h.id);
     w.I64(r->size);
     w.Str(r->label);

@@ -212,12 +212,7 @@ class NcclTransport : public Transport {
     if (peer_instance_id.empty() || peer_instance_id == instance_id_) {
       return absl::InvalidArgumentError(absl::StrCat("nccl ExportEndpoint: bad peer instance '", peer_instance_id, "'"));
     }
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kEndpoint));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kEndpoint, kKind, instance_id_, node_id_);
     w.Str(pidns_);
     w.U32(static_cast<uint32_t>(getpid()));
     if (instance_id_ < peer_instance_id) {  // we are rank 0: we create the unique id
@@ -331,12 +326,7 @@ class NcclTransport : public Transport {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     if (!r->local) return absl::FailedPreconditionError("nccl: cannot re-export an imported region");
-    wire::Writer w;
-    w.U32(kWireMagic);
-    w.U8(static_cast<uint8_t>(RecordType::kDescriptor));
-    w.Str(kKind);
-    w.Str(instance_id_);
-    w.Str(node_id_);
+    wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, instance_id_, node_id_);
     w.U64(h.id);
     w.I64(r->size);
     w.Str(r->label);
