@@ -35,4 +35,19 @@ inline wire::Writer RecordWriter(RecordType type, absl::string_view kind, absl::
   return w;
 }
 
+// The descriptor of the two-sided transports (host_tcp, nccl): the header, then the exporter's
+// region id, the region size and its label. The bytes themselves travel over the peer channel, so
+// nothing else is needed to reach them.
+struct PlainDescriptor {
+  std::string instance;  // the exporter's instance_id()
+  std::string node;
+  uint64_t region_id = 0;  // the exporter's handle id
+  int64_t size = 0;
+  std::string label;
+};
+std::string EncodePlainDescriptor(absl::string_view kind, const PlainDescriptor& d);
+// INVALID_ARGUMENT "<kind> ImportDescriptor: ..." when the bytes are not such a descriptor, are
+// one of another transport kind, or carry a negative size.
+absl::StatusOr<PlainDescriptor> DecodePlainDescriptor(absl::string_view kind, absl::string_view bytes);
+
 }  // namespace wb::transport

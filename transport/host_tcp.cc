@@ -300,34 +300,17 @@ class HostTcpTransport : public Transport {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     if (!r->local) return absl::FailedPreconditionError("host_tcp: cannot re-export an imported region");
-    wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, instance_id_, node_id_);
-    w.U64(h.id);
-    w.I64(r->size);
-    w.Str(r->label);
-    return std::move(w.out());
+    return EncodePlainDescriptor(kKind, {instance_id_, node_id_, h.id, r->size, r->label});
   }
 
   absl::StatusOr<RegionHandle> ImportDescriptor(absl::string_view bytes) override {
-    wire::Reader rd(bytes);
-    uint32_t magic = rd.U32();
-    uint8_t type = rd.U8();
-    std::string kind = rd.Str(), inst = rd.Str(), node = rd.Str();
-    uint64_t rid = rd.U64();
-    int64_t size = rd.I64();
-    std::string label = rd.Str();
-    if (!rd.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
-      return absl::InvalidArgumentError("host_tcp ImportDescriptor: bytes are not a transport descriptor");
-    }
-    if (kind != kKind) {
-      return absl::InvalidArgumentError(absl::StrCat("host_tcp ImportDescriptor: descriptor is for '", kind, "'"));
-    }
-    if (size < 0) return absl::InvalidArgumentError("host_tcp ImportDescriptor: negative size");
+    ASSIGN_OR_RETURN(PlainDescriptor d, DecodePlainDescriptor(kKind, bytes));
     Region r;
     r.local = false;
-    r.size = size;
-    r.label = std::move(label);
-    r.owner_instance = std::move(inst);
-    r.owner_region_id = rid;
+    r.size = d.size;
+    r.label = std::move(d.label);
+    r.owner_instance = std::move(d.instance);
+    r.owner_region_id = d.region_id;
     absl::MutexLock l(&mu_);
     uint64_t id = next_id_++;
     regions_.Add(id, std::move(r));

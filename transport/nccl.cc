@@ -326,40 +326,23 @@ class NcclTransport : public Transport {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     if (!r->local) return absl::FailedPreconditionError("nccl: cannot re-export an imported region");
-    wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, instance_id_, node_id_);
-    w.U64(h.id);
-    w.I64(r->size);
-    w.Str(r->label);
-    return std::move(w.out());
+    return EncodePlainDescriptor(kKind, {instance_id_, node_id_, h.id, r->size, r->label});
   }
 
   absl::StatusOr<RegionHandle> ImportDescriptor(absl::string_view bytes) override {
-    wire::Reader rd(bytes);
-    const uint32_t magic = rd.U32();
-    const uint8_t type = rd.U8();
-    std::string kind = rd.Str(), inst = rd.Str(), node = rd.Str();
-    const uint64_t rid = rd.U64();
-    const int64_t size = rd.I64();
-    std::string label = rd.Str();
-    if (!rd.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
-      return absl::InvalidArgumentError("nccl ImportDescriptor: bytes are not a transport descriptor");
-    }
-    if (kind != kKind) {
-      return absl::InvalidArgumentError(absl::StrCat("nccl ImportDescriptor: descriptor is for '", kind, "'"));
-    }
-    if (size < 0) return absl::InvalidArgumentError("nccl ImportDescriptor: negative size");
-    if (inst == instance_id_) {
-      return absl::InvalidArgumentError(absl::StrCat("nccl ImportDescriptor: region '", label,
+    ASSIGN_OR_RETURN(PlainDescriptor d, DecodePlainDescriptor(kKind, bytes));
+    if (d.instance == instance_id_) {
+      return absl::InvalidArgumentError(absl::StrCat("nccl ImportDescriptor: region '", d.label,
                                                      "' is this transport's own; import a peer's descriptor"));
     }
     absl::MutexLock l(&mu_);
     const uint64_t id = next_id_++;
     Region& r = regions_.Add(id, Region());
     r.local = false;
-    r.size = size;
-    r.label = label;
-    r.owner_instance = inst;
-    r.owner_region_id = rid;
+    r.size = d.size;
+    r.label = d.label;
+    r.owner_instance = d.instance;
+    r.owner_region_id = d.region_id;
     return RegionHandle{id};
   }
 
