@@ -5,7 +5,7 @@ set -uo pipefail
 BAZEL=${BAZEL:-bazel}
 log=$(mktemp)
 start=$(date +%s)
-$BAZEL test "$@" //... 2>&1 | tee "$log"
+$BAZEL test --keep_going "$@" //... 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 end=$(date +%s)
 passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
