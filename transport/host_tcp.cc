@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -415,7 +416,7 @@ class HostTcpTransport : public Transport {
       OnAckLocked(b.get(), e->second);
       peer->early_ack.erase(e);
     }
-    if (!b->chunks.empty()) peer->send_queue.push_back(b);
+    if (!b->chunks.empty() && b->status.ok()) peer->send_queue.push_back(b);
     MaybeFinishRecvLocked(peer.get(), b.get());
     cv_.SignalAll();  // writers wait for the manifest and the chunks
     return BatchId{b->id};
@@ -564,8 +565,16 @@ class HostTcpTransport : public Transport {
     }
   }
 
+  // A failed batch starts no further chunk: its queued send chunks are dropped here, and the
+  // chunks already taken by a writer are counted in `active`, which Finished() waits out. So once
+  // Wait retires it, no thread touches its memory again (transport.h).
   void FailLocked(TcpBatch* b, absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (b->status.ok() && !b->Succeeded()) b->status = std::move(why);
+    if (!b->status.ok() && b->peer != nullptr) {
+      auto& q = b->peer->send_queue;
+      q.erase(std::remove_if(q.begin(), q.end(), [b](const std::shared_ptr<TcpBatch>& x) { return x.get() == b; }),
+              q.end());
+    }
     cv_.SignalAll();
   }
 
@@ -677,6 +686,15 @@ class HostTcpTransport : public Transport {
           OnAckLocked(b, s);
         } else {
           p->early_ack[h.tag] = s;
+        }
+        if (!s.ok()) {
+          // The peer failed the batch (checksum mismatch) while our frames of it may still be in
+          // flight: its data readers would stall on them, or hand them to a later batch reusing
+          // the tag. Close the channel, as a missed deadline does. Done here, on the side that
+          // received the failure, so that the failure code itself always reaches this side.
+          BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("channel closed after peer ", p->instance,
+                                                                   " failed batch ", h.tag, ": ", s.message())));
+          return;
         }
       }
       cv_.SignalAll();
