@@ -380,6 +380,14 @@ grpc::Status Coordinator::Publish(grpc::ServerContext*, const pb::CoordPublishRe
     return stopping_ || w == m->workers.end() || !w->second.has_layout || m->machine->trainers().count(worker) > 0;
   };
   mu_.AwaitWithDeadline(absl::Condition(&planned), deadline);
+  if (stopping_) return ToGrpcStatus(absl::UnavailableError("coordinator shutting down"));
+  // Unknown here (or joined without its layout yet): after a coordinator restart or a lost lease
+  // its node has not re-submitted it yet. NOT_FOUND, nothing recorded: the node sends the publish
+  // again once it has re-joined (never FAILED_PRECONDITION, which would fail the trainer).
+  if (auto w = m->workers.find(worker); w == m->workers.end() || !w->second.has_layout) {
+    return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " has not joined model ", req->model_id(),
+                                                         " with a layout at this coordinator (node ", req->node_id(), " not re-joined yet?)")));
+  }
   // Staleness bound (async): hold the trainer while a rollout is too far behind.
   auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stopping_ || m->machine->PublishAdmissible(v);
@@ -412,7 +420,12 @@ grpc::Status Coordinator::ReportReady(grpc::ServerContext*, const pb::ReportRead
   auto mm = GetModelLocked(req->model_id());
   if (!mm.ok()) return ToGrpcStatus(mm.status());
   auto w = (*mm)->workers.find(req->worker_id());
-  if (w == (*mm)->workers.end() || w->second.role != planner::Role::kRollout) {
+  if (w == (*mm)->workers.end()) {
+    // As in Publish: NOT_FOUND (nothing recorded) lets its node re-send after re-joining it.
+    return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " has not joined model ", req->model_id(),
+                                                         " at this coordinator (node ", req->node_id(), " not re-joined yet?)")));
+  }
+  if (w->second.role != planner::Role::kRollout) {
     return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), " is not a registered rollout worker")));
   }
   w->second.paused = true;

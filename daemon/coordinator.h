@@ -65,6 +65,10 @@ class Coordinator final : public pb::CoordinatorService::Service {
   grpc::Status JoinWorker(grpc::ServerContext*, const pb::JoinWorkerRequest*, pb::JoinWorkerResponse*) override;
   grpc::Status SubmitLayout(grpc::ServerContext*, const pb::SubmitLayoutRequest*, pb::SubmitLayoutResponse*) override;
   grpc::Status LeaveWorker(grpc::ServerContext*, const pb::LeaveWorkerRequest*, pb::LeaveWorkerResponse*) override;
+  // Publish / ReportReady: NOT_FOUND (unknown model, or a worker this coordinator does not know -
+  // for Publish: or knows without its layout) means nothing was recorded; the node re-sends the
+  // call once it has re-joined its workers (coordinator restart, lost lease). A trainer known with
+  // its layout but not in a plan yet waits for the (re-)plan within the request's timeout.
   grpc::Status Publish(grpc::ServerContext*, const pb::CoordPublishRequest*, pb::PublishResponse*) override;
   grpc::Status ReportReady(grpc::ServerContext*, const pb::ReportReadyRequest*, pb::ReportReadyResponse*) override;
   grpc::Status ReportDone(grpc::ServerContext*, const pb::ReportDoneRequest*, pb::ReportDoneResponse*) override;

@@ -235,7 +235,6 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   grpc::Status Publish(grpc::ServerContext*, const pb::PublishRequest* req, pb::PublishResponse* resp) override {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(req->timeout_ms());
-    const uint64_t session0 = d_->session();
     std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
     std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
     int64_t reserved = 0;
@@ -284,16 +283,21 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     c.set_model_id(req->model_id());
     c.set_worker_id(req->worker_id());
     c.set_version(req->version());
-    c.set_timeout_ms(absl::ToInt64Milliseconds(deadline - absl::Now()));
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, deadline);
-    grpc::Status s = d_->coordinator_->Publish(&ctx, c, resp);
+    uint64_t session0 = 0;
+    grpc::Status s = ForwardHeld(req->worker_id(), deadline, &session0, [&](absl::Time dl) {
+      c.set_timeout_ms(absl::ToInt64Milliseconds(dl - absl::Now()));
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, dl);
+      return d_->coordinator_->Publish(&ctx, c, resp);
+    });
     if (!s.ok()) {
       {
         absl::MutexLock l(&d_->mu_);
         auto it = d_->workers_.find(req->worker_id());
         if (it != d_->workers_.end()) it->second.snapshots.erase(req->version());
       }
+      // NOT_FOUND: ForwardHeld already waited for a re-join; nothing was recorded anywhere.
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) return s;
       return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
     }
     resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
@@ -306,9 +310,12 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     r.set_model_id(req->model_id());
     r.set_worker_id(req->worker_id());
     pb::ReportReadyResponse rr;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, Deadline(req->timeout_ms()));
-    grpc::Status s = d_->coordinator_->ReportReady(&ctx, r, &rr);
+    uint64_t session0 = 0;
+    grpc::Status s = ForwardHeld(req->worker_id(), Deadline(req->timeout_ms()), &session0, [&](absl::Time dl) {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, dl);
+      return d_->coordinator_->ReportReady(&ctx, r, &rr);
+    });
     resp->set_committed_version(rr.committed_version());
     return s;
   }
@@ -422,6 +429,34 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     resp->set_role("node");
     resp->set_node_id(d_->options_.node_id);
     return s;
+  }
+
+  // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline).
+  // Held while the node (re-)registers and re-joins, so it reaches the session that knows the
+  // worker. NOT_FOUND from the coordinator (Publish, ReportReady) means it does not know the
+  // worker or model and recorded nothing: a restarted coordinator this node has not re-joined yet
+  // (or a lost lease). Then, once the node has re-joined (a new session: the worker was
+  // re-submitted), the call is sent again - never twice in one session, all within `deadline`.
+  // Returns the last answer; *session = the session that attempt was sent in.
+  grpc::Status ForwardHeld(const std::string& worker, absl::Time deadline, uint64_t* session,
+                           const std::function<grpc::Status(absl::Time)>& call) {
+    *session = d_->session();
+    while (true) {
+      if (!d_->AwaitRegistered(deadline)) {
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id,
+                                                                " is not registered with the coordinator (re-joining?); worker ", worker)));
+      }
+      *session = d_->session();
+      grpc::Status s = call(deadline);
+      if (s.error_code() != grpc::StatusCode::NOT_FOUND) return s;
+      if (!d_->AwaitCoordinatorChange(*session, deadline)) return s;  // no re-join: the answer stands
+      absl::MutexLock l(&d_->mu_);
+      if (!d_->workers_.count(worker)) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " was not re-joined by node ", d_->options_.node_id,
+                                                             " after ", d_->restart_reason_, ": register again")));
+      }
+      Log(LogLevel::kInfo, "worker call sent again after re-join", {{"node", d_->options_.node_id}, {"worker", worker}, {"first_answer", s.error_message()}});
+    }
   }
 
   // A waiting call the coordinator could not answer because it went away (UNAVAILABLE, CANCELLED) or does
