@@ -7,28 +7,17 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <dirent.h>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "bench/spec_files.h"
 #include "client/plan_command.h"
 
 namespace {
 
-std::vector<std::string> JsonFiles(const std::string& dir) {
-  std::vector<std::string> out;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return out;
-  while (dirent* e = readdir(d)) {
-    std::string n = e->d_name;
-    if (n.size() > 5 && n.substr(n.size() - 5) == ".json") out.push_back(dir + "/" + n);
-  }
-  closedir(d);
-  std::sort(out.begin(), out.end());
-  return out;
-}
+using wb::bench::JsonFiles;
 
 std::string Basename(const std::string& p) {
   const size_t s = p.rfind('/');
@@ -50,10 +39,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (dir.empty()) {
-    const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY");
-    dir = ws != nullptr ? std::string(ws) + "/../shared/specs" : "../shared/specs";
-  }
+  if (dir.empty()) dir = wb::bench::DefaultSpecsDir();
   const std::vector<std::string> files = JsonFiles(dir);
   if (files.empty()) {
     std::cerr << "no *.json specs in " << dir << " (use --specs_dir DIR)\n";

@@ -7,7 +7,6 @@
 //                               --staging_GBps G --out_dir DIR --no_plot]
 // Defaults: specs ../shared/specs, outputs docs/img/ of the workspace (rl_sim.json + PNGs).
 
-#include <dirent.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "bench/spec_files.h"
 #include "bench/rl_sim.h"
 #include "client/plan_command.h"
 #include "nlohmann/json.hpp"
@@ -26,21 +26,10 @@
 
 namespace {
 
+using wb::bench::JsonFiles;
+
 using wb::bench::SimMode;
 using wb::planner::Strategy;
-
-std::vector<std::string> JsonFiles(const std::string& dir) {
-  std::vector<std::string> out;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return out;
-  while (dirent* e = readdir(d)) {
-    std::string n = e->d_name;
-    if (n.size() > 5 && n.substr(n.size() - 5) == ".json") out.push_back(dir + "/" + n);
-  }
-  closedir(d);
-  std::sort(out.begin(), out.end());
-  return out;
-}
 
 std::string Basename(const std::string& p) {
   size_t s = p.rfind('/');
@@ -91,7 +80,7 @@ int main(int argc, char** argv) {
   }
   const char* ws_env = std::getenv("BUILD_WORKSPACE_DIRECTORY");
   const std::string ws = ws_env != nullptr ? ws_env : ".";
-  if (dir.empty()) dir = ws + "/../shared/specs";
+  if (dir.empty()) dir = wb::bench::DefaultSpecsDir();
   if (out_dir.empty()) out_dir = ws + "/docs/img";
   const std::vector<std::string> files = JsonFiles(dir);
   if (files.empty()) {

@@ -8,6 +8,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -64,30 +65,48 @@ std::string RunCapture(const std::string& cmd) {
 // iperf3 on loopback with `streams` parallel streams; GB/s received, or a negative value + reason.
 double Iperf3GBps(int streams, std::string* why) {
   const int port = FreePort();
+  int ready[2];
+  if (pipe(ready) != 0) {
+    *why = "pipe failed";
+    return -1;
+  }
   pid_t server = fork();
   if (server == 0) {
+    close(ready[0]);
+    dup2(ready[1], 1);
     int devnull = open("/dev/null", O_WRONLY);
-    dup2(devnull, 1);
     dup2(devnull, 2);
-    execlp("iperf3", "iperf3", "-s", "-1", "-p", std::to_string(port).c_str(), nullptr);
+    // --forceflush: "Server listening" reaches the pipe at once, so the bench waits on that line.
+    execlp("iperf3", "iperf3", "-s", "-1", "--forceflush", "-p", std::to_string(port).c_str(), nullptr);
     _exit(127);
   }
-  // The client retries internally for a short while if the server is not listening yet; give the
-  // server a bounded number of attempts.
-  std::string json;
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    json = RunCapture(absl::StrCat("iperf3 -c 127.0.0.1 -p ", port, " -P ", streams, " -t 3 -J 2>/dev/null"));
-    auto j = nlohmann::json::parse(json, nullptr, false);
-    if (!j.is_discarded() && j.contains("end") && j["end"].contains("sum_received")) {
-      kill(server, SIGKILL);
-      waitpid(server, nullptr, 0);
-      return j["end"]["sum_received"]["bits_per_second"].get<double>() / 8 / 1e9;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  close(ready[1]);
+  // Wait (bounded) for the server to say it listens, then run one client.
+  std::string seen;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (seen.find("Server listening") == std::string::npos) {
+    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                          deadline - std::chrono::steady_clock::now()).count());
+    pollfd p = {ready[0], POLLIN, 0};
+    char buf[256];
+    ssize_t n = 0;
+    if (left <= 0 || poll(&p, 1, left) <= 0 || (n = read(ready[0], buf, sizeof(buf))) <= 0) break;
+    seen.append(buf, static_cast<size_t>(n));
   }
+  std::string json;
+  if (seen.find("Server listening") != std::string::npos) {
+    json = RunCapture(absl::StrCat("iperf3 -c 127.0.0.1 -p ", port, " -P ", streams, " -t 3 -J 2>/dev/null"));
+  }
+  close(ready[0]);
   kill(server, SIGKILL);
   waitpid(server, nullptr, 0);
-  *why = "iperf3 produced no result: " + json.substr(0, 200);
+  auto j = nlohmann::json::parse(json, nullptr, false);
+  if (!j.is_discarded() && j.contains("end") && j["end"].contains("sum_received")) {
+    return j["end"]["sum_received"]["bits_per_second"].get<double>() / 8 / 1e9;
+  }
+  *why = seen.find("Server listening") == std::string::npos
+             ? "iperf3 server did not start listening within 10 s: " + seen.substr(0, 200)
+             : "iperf3 produced no result: " + json.substr(0, 200);
   return -1;
 }
 

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -162,14 +163,14 @@ nlohmann::json MeasureGpu(const char* self_exe, int64_t bytes, int reps) {
   close(to_child[1]);  // the child exits when stdin closes
   close(from_child[0]);
   if (pid > 0) {
-    for (int i = 0; i < 500; ++i) {
-      if (waitpid(pid, nullptr, WNOHANG) == pid) {
-        pid = -1;
-        break;
-      }
-      usleep(10000);
+    // Give the child 5 s to exit on its own (wait on its pidfd), then kill it.
+    int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+    if (pidfd >= 0) {
+      pollfd p = {pidfd, POLLIN, 0};
+      (void)poll(&p, 1, 5000);
+      close(pidfd);
     }
-    if (pid > 0) {
+    if (waitpid(pid, nullptr, WNOHANG) != pid) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
     }
