@@ -317,6 +317,20 @@ TEST_P(MultiNodeTest, BytesArriveByteExact) {
       EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;
     }
   }
+  // A rollout's Apply returns once its node committed; the coordinator records the commit after
+  // every node acknowledged it. Wait for that (WaitVersion) before reading its status.
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    pb::WaitVersionRequest req;
+    req.set_model_id("m");
+    req.set_version(2);
+    req.set_timeout_ms(20000);
+    pb::WaitVersionResponse r;
+    grpc::Status ws = t0.stub->WaitVersion(&ctx, req, &r);
+    ASSERT_TRUE(ws.ok()) << ws.error_message();
+    EXPECT_GE(r.committed_version(), 2u);
+  }
   pb::StatusResponse status = c_.Status(r0);
   ASSERT_EQ(status.models_size(), 1);
   EXPECT_EQ(status.models(0).committed_version(), 2u);
