@@ -2,6 +2,7 @@
 // on the nodes' Unix sockets with shared-memory weights, bytes moved by the real transports
 // (host_shm same-node, host_tcp cross-node) on plans from planner::MakePlan: every rollout byte
 // must equal the canonical weights of the applied version, in every mode and strategy.
+#include <chrono>
 #include <grpcpp/grpcpp.h>
 #include <dirent.h>
 #include <sys/wait.h>
@@ -288,6 +289,20 @@ class MultiNodeTest : public ::testing::TestWithParam<std::tuple<pb::Mode, pb::S
   planner::Inventory inv_ = SmallInventory();
 };
 
+// Waits (bounded) until the coordinator recorded version v of `model` as committed: a rollout's
+// Apply returns once its node committed, the coordinator records the commit after every node
+// acknowledged it.
+grpc::Status WaitCommitted(TestWorker& w, const std::string& model, uint64_t v) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  pb::WaitVersionRequest req;
+  req.set_model_id(model);
+  req.set_version(v);
+  req.set_timeout_ms(20000);
+  pb::WaitVersionResponse r;
+  return w.stub->WaitVersion(&ctx, req, &r);
+}
+
 TEST_P(MultiNodeTest, BytesArriveByteExact) {
   const auto [mode, strategy] = GetParam();
   pb::ModelSpec spec = SmallSpec(mode, strategy);
@@ -317,20 +332,7 @@ TEST_P(MultiNodeTest, BytesArriveByteExact) {
       EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;
     }
   }
-  // A rollout's Apply returns once its node committed; the coordinator records the commit after
-  // every node acknowledged it. Wait for that (WaitVersion) before reading its status.
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    pb::WaitVersionRequest req;
-    req.set_model_id("m");
-    req.set_version(2);
-    req.set_timeout_ms(20000);
-    pb::WaitVersionResponse r;
-    grpc::Status ws = t0.stub->WaitVersion(&ctx, req, &r);
-    ASSERT_TRUE(ws.ok()) << ws.error_message();
-    EXPECT_GE(r.committed_version(), 2u);
-  }
+  ASSERT_TRUE(WaitCommitted(t0, "m", 2).ok());
   pb::StatusResponse status = c_.Status(r0);
   ASSERT_EQ(status.models_size(), 1);
   EXPECT_EQ(status.models(0).committed_version(), 2u);
@@ -560,6 +562,7 @@ TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
     EXPECT_EQ(resp.applied_version(), 3u);
     EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
   }
+  ASSERT_TRUE(WaitCommitted(t0, "m", 3).ok());
   pb::StatusResponse status = c.Status(r0);
   ASSERT_EQ(status.models_size(), 1);
   EXPECT_EQ(status.models(0).committed_version(), 3u);
