@@ -10,7 +10,7 @@ namespace {
 
 // cudaMemcpy2D/3D take pitches as size_t but devices cap them (cudaDevAttrMaxPitch, 2^31-1 or
 // more on current GPUs); stay under the smallest value any device reports.
-constexpr int64_t kMaxPitch = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxPitch = kMaxCopyPitch;
 
 bool PitchOk(int64_t pitch, int64_t width) { return pitch >= width && pitch <= kMaxPitch; }
 
@@ -63,17 +63,13 @@ CanonicalBox Canonicalize(const std::vector<int64_t>& shape, const std::vector<i
 bool SrcContiguous(const CanonicalBox& box) { return Contiguous(box, true); }
 bool DstContiguous(const CanonicalBox& box) { return Contiguous(box, false); }
 
-absl::Status EnqueueBoxCopy(char* dst, const char* src, const CanonicalBox& box, cudaStream_t stream, int64_t* calls) {
-  if (box.empty || box.width == 0) return absl::OkStatus();
-  int64_t n_calls = 0;
-  auto finish = [&](absl::Status s) {
-    if (calls) *calls += n_calls;
-    return s;
-  };
+bool ForEachCopyCall(const CanonicalBox& box, absl::FunctionRef<bool(const CopyCall&)> fn) {
+  if (box.empty || box.width == 0) return true;
   const int k = static_cast<int>(box.outer.size());
   if (k == 0) {
-    ++n_calls;
-    return finish(CudaStatus(cudaMemcpyAsync(dst, src, box.width, cudaMemcpyDefault, stream), "cudaMemcpyAsync"));
+    CopyCall c;
+    c.width = box.width;
+    return fn(c);
   }
   // Choose the copy shape: 3-D over the two innermost outer dims, or 2-D over one dim, or rows.
   int plane_dim = -1;  // 2-D: the dim copied as rows of a pitched plane
@@ -81,6 +77,8 @@ absl::Status EnqueueBoxCopy(char* dst, const char* src, const CanonicalBox& box,
   if (k >= 2) {
     const BoxDim& mid = box.outer[k - 1];
     const BoxDim& out = box.outer[k - 2];
+    // cudaMemcpy3D addresses slice z as z * pitch * ysize: the outer stride must be a whole number
+    // of rows (ysize) and at least the rows copied (ysize >= extent.height), on both sides.
     const bool nests_src = mid.src_stride > 0 && out.src_stride % mid.src_stride == 0 &&
                            out.src_stride / mid.src_stride >= mid.extent;
     const bool nests_dst = mid.dst_stride > 0 && out.dst_stride % mid.dst_stride == 0 &&
@@ -105,46 +103,76 @@ absl::Status EnqueueBoxCopy(char* dst, const char* src, const CanonicalBox& box,
   }
   std::vector<int64_t> idx(loop_dims.size(), 0);
   while (true) {
-    int64_t so = 0, dof = 0;
+    CopyCall c;
     for (size_t i = 0; i < loop_dims.size(); ++i) {
-      so += idx[i] * box.outer[loop_dims[i]].src_stride;
-      dof += idx[i] * box.outer[loop_dims[i]].dst_stride;
+      c.src_off += idx[i] * box.outer[loop_dims[i]].src_stride;
+      c.dst_off += idx[i] * box.outer[loop_dims[i]].dst_stride;
     }
-    cudaError_t err;
-    const char* what;
+    c.width = box.width;
     if (use3d) {
       const BoxDim& mid = box.outer[k - 1];
       const BoxDim& out = box.outer[k - 2];
-      cudaMemcpy3DParms p = {};
-      p.srcPtr = make_cudaPitchedPtr(const_cast<char*>(src + so), mid.src_stride, box.width,
-                                     out.src_stride / mid.src_stride);
-      p.dstPtr = make_cudaPitchedPtr(dst + dof, mid.dst_stride, box.width, out.dst_stride / mid.dst_stride);
-      p.extent = make_cudaExtent(box.width, mid.extent, out.extent);
-      p.kind = cudaMemcpyDefault;
-      err = cudaMemcpy3DAsync(&p, stream);
-      what = "cudaMemcpy3DAsync";
+      c.kind = CopyCall::k3D;
+      c.height = mid.extent;
+      c.depth = out.extent;
+      c.src_pitch = mid.src_stride;
+      c.dst_pitch = mid.dst_stride;
+      c.src_rows_per_slice = out.src_stride / mid.src_stride;
+      c.dst_rows_per_slice = out.dst_stride / mid.dst_stride;
     } else if (plane_dim >= 0) {
       const BoxDim& pd = box.outer[plane_dim];
-      err = cudaMemcpy2DAsync(dst + dof, pd.dst_stride, src + so, pd.src_stride, box.width, pd.extent,
-                              cudaMemcpyDefault, stream);
-      what = "cudaMemcpy2DAsync";
-    } else {
-      err = cudaMemcpyAsync(dst + dof, src + so, box.width, cudaMemcpyDefault, stream);
-      what = "cudaMemcpyAsync (row)";
+      c.kind = CopyCall::k2D;
+      c.height = pd.extent;
+      c.src_pitch = pd.src_stride;
+      c.dst_pitch = pd.dst_stride;
     }
-    ++n_calls;
-    if (err != cudaSuccess) {
-      return finish(CudaStatus(err, absl::StrCat(what, " of a ", box.width, "-byte-wide box")));
-    }
+    if (!fn(c)) return false;
     // Next index (row-major over loop_dims).
     int i = static_cast<int>(loop_dims.size()) - 1;
     for (; i >= 0; --i) {
       if (++idx[i] < box.outer[loop_dims[i]].extent) break;
       idx[i] = 0;
     }
-    if (i < 0) break;
+    if (i < 0) return true;
   }
-  return finish(absl::OkStatus());
+}
+
+absl::Status EnqueueBoxCopy(char* dst, const char* src, const CanonicalBox& box, cudaStream_t stream, int64_t* calls) {
+  int64_t n_calls = 0;
+  absl::Status status;
+  ForEachCopyCall(box, [&](const CopyCall& c) {
+    cudaError_t err = cudaSuccess;
+    const char* what = "cudaMemcpyAsync";
+    switch (c.kind) {
+      case CopyCall::k1D:
+        err = cudaMemcpyAsync(dst + c.dst_off, src + c.src_off, c.width, cudaMemcpyDefault, stream);
+        break;
+      case CopyCall::k2D:
+        what = "cudaMemcpy2DAsync";
+        err = cudaMemcpy2DAsync(dst + c.dst_off, c.dst_pitch, src + c.src_off, c.src_pitch, c.width, c.height,
+                                cudaMemcpyDefault, stream);
+        break;
+      case CopyCall::k3D: {
+        what = "cudaMemcpy3DAsync";
+        cudaMemcpy3DParms p = {};  // zeroed: no arrays, positions 0 (offsets are in the pointers)
+        p.srcPtr = make_cudaPitchedPtr(const_cast<char*>(src + c.src_off), c.src_pitch, c.width, c.src_rows_per_slice);
+        p.dstPtr = make_cudaPitchedPtr(dst + c.dst_off, c.dst_pitch, c.width, c.dst_rows_per_slice);
+        p.extent = make_cudaExtent(c.width, c.height, c.depth);  // width in bytes: linear memory
+        p.kind = cudaMemcpyDefault;
+        err = cudaMemcpy3DAsync(&p, stream);
+        break;
+      }
+    }
+    ++n_calls;
+    if (err != cudaSuccess) {
+      status = CudaStatus(err, absl::StrCat(what, " of a ", c.width, "-byte-wide box (", c.height, " rows, ", c.depth,
+                                            " slices)"));
+      return false;
+    }
+    return true;
+  });
+  if (calls) *calls += n_calls;
+  return status;
 }
 
 }  // namespace wb::transport

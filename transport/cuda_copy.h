@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 
 namespace wb::transport {
@@ -69,6 +70,36 @@ class ScopedCudaDevice {
  private:
   int prev_ = -1;
 };
+
+// One CUDA copy call of a box copy, with exactly the parameters EnqueueBoxCopy passes to CUDA.
+// Pure data, so the planning can be checked without a GPU (cuda_copy_test replays the calls on host
+// memory with CUDA's semantics and checks CUDA's parameter rules).
+//   k1D: cudaMemcpyAsync(dst + dst_off, src + src_off, width)
+//   k2D: cudaMemcpy2DAsync(dst + dst_off, dst_pitch, src + src_off, src_pitch, width, height)
+//   k3D: cudaMemcpy3DAsync with pitched pointers (ptr + off, pitch, xsize = width,
+//        ysize = *_rows_per_slice) and extent (width bytes, height rows, depth slices): slice z,
+//        row y starts at off + (z * rows_per_slice + y) * pitch on each side (linear memory: the
+//        extent's width is in BYTES).
+struct CopyCall {
+  enum Kind { k1D, k2D, k3D };
+  Kind kind = k1D;
+  int64_t src_off = 0;  // bytes from the box's first element
+  int64_t dst_off = 0;
+  int64_t width = 0;   // bytes per row (k1D: all bytes)
+  int64_t height = 1;  // rows (k2D, k3D)
+  int64_t depth = 1;   // slices (k3D)
+  int64_t src_pitch = 0;
+  int64_t dst_pitch = 0;
+  int64_t src_rows_per_slice = 0;  // k3D only
+  int64_t dst_rows_per_slice = 0;
+};
+
+// The largest pitch EnqueueBoxCopy passes to cudaMemcpy2D/3D (devices cap pitches; see .cc).
+inline constexpr int64_t kMaxCopyPitch = (int64_t{1} << 31) - 1;
+
+// Calls `fn` for every copy call of `box`, in issue order; stops (and returns false) as soon as
+// `fn` returns false. Nothing for an empty box.
+bool ForEachCopyCall(const CanonicalBox& box, absl::FunctionRef<bool(const CopyCall&)> fn);
 
 // Enqueues the copy of `box` from `src` to `dst` on `stream` (the current device must be the
 // stream's device). `calls`, if set, is incremented by the number of copy calls issued.
