@@ -110,6 +110,7 @@ struct Region : RegionRecord {
   int device = -1;  // kCuda: the device the bytes live on (imports: the local ordinal)
   // Local kCuda regions.
   char* alloc_base = nullptr;
+  int64_t alloc_size = -1;  // -1: the driver could not tell where the allocation starts
   bool have_handle = false;
   cudaIpcMemHandle_t handle = {};
   // Local kHost regions: pinned by us (undo on Release).
@@ -144,16 +145,26 @@ class CudaIpcTransport : public Transport {
         get_range_(LoadGetAddressRange()) {}
 
   ~CudaIpcTransport() override {
+    ScopedCudaDevice keep_device;  // the destructor switches devices; the caller's stays current
     absl::MutexLock l(&mu_);
     const absl::Time until = absl::Now() + kDrainGrace;
+    bool all_drained = true;
     for (auto& [id, b] : batches_.all()) {
       while (!QueryLocked(b.get()) && absl::Now() < until) {
         mu_.Unlock();
         absl::SleepFor(absl::Microseconds(200));
         mu_.Lock();
       }
-      if (QueryLocked(b.get())) DestroyEvents(b.get());  // else leak: the GPU may still use them
+      if (QueryLocked(b.get())) {
+        DestroyEvents(b.get());
+      } else {
+        all_drained = false;  // leak: the GPU may still use them
+      }
     }
+    // Also a batch that Wait gave up on (copies still queued after the grace) left its regions
+    // pinned: never unmap or unpin memory a queued copy may still touch. Leaking the mappings is
+    // the lesser evil (the process is usually exiting).
+    if (!all_drained || gave_up_on_copies_) return;
     for (auto& [id, r] : regions_.all()) {
       if (r.host_registered) {
         (void)cudaHostUnregister(r.base);
@@ -248,6 +259,7 @@ class CudaIpcTransport : public Transport {
       WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(r.device), "cuda_ipc RegisterMemory: cudaSetDevice");
       int64_t alloc_size = -1;
       r.alloc_base = AllocationBase(r.base, &alloc_size);
+      r.alloc_size = alloc_size;
       if (alloc_size >= 0 && (r.base - r.alloc_base) + r.size > alloc_size) {
         return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: region '", spec.label, "' (", r.size,
                                                        " bytes at offset ", r.base - r.alloc_base,
@@ -255,7 +267,10 @@ class CudaIpcTransport : public Transport {
       }
     } else if (spec.kind == MemoryKind::kHost && spec.size_bytes > 0) {
       // Pinning makes host <-> device copies asynchronous DMA; without it they still work (staged).
-      cudaError_t e = cudaHostRegister(spec.base, spec.size_bytes, cudaHostRegisterDefault);
+      // Portable: the pinning must hold for the contexts of every device that copies from/to it,
+      // not only for the device current on this thread (cudaHostRegisterDefault pins for the
+      // current context only).
+      cudaError_t e = cudaHostRegister(spec.base, spec.size_bytes, cudaHostRegisterPortable);
       r.host_registered = e == cudaSuccess;
       if (e != cudaSuccess) (void)cudaGetLastError();
     }
@@ -278,6 +293,13 @@ class CudaIpcTransport : public Transport {
     }
     if (r.size == 0) {
       return absl::FailedPreconditionError(absl::StrCat("cuda_ipc: region '", r.label, "' is empty; nothing to export"));
+    }
+    if (r.alloc_size < 0) {
+      // cudaIpcOpenMemHandle maps the WHOLE allocation and returns its base, whatever pointer the
+      // handle was taken from; without the base the importer would read at the wrong offset.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuda_ipc: region '", r.label, "': the driver did not tell where its allocation starts ",
+          "(cuMemGetAddressRange unavailable or failed), so its IPC offset would be wrong; not exported"));
     }
     if (!r.have_handle) {
       WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(r.device), "cuda_ipc ExportDescriptor: cudaSetDevice");
@@ -344,8 +366,12 @@ class CudaIpcTransport : public Transport {
       std::memcpy(&handle, d->handle.data(), kHandleBytes);
       void* p = nullptr;
       if (cudaError_t e = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
-        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc import of region '", d->label, "' of ", d->inst,
-                                                    ": cudaIpcOpenMemHandle"));
+        // Also what a handle exported by this very process gets (legacy IPC cannot open its own
+        // handles); our own descriptors never get here (ImportOwn), raw worker handles may.
+        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc import of region '", d->label, "' of ",
+                                                    d->inst.empty() ? "a worker" : d->inst,
+                                                    ": cudaIpcOpenMemHandle (is the exporting process alive, "
+                                                    "and another process than this one?)"));
         // A handle whose exporter is gone or that is not an IPC handle is the caller's bad input.
         return absl::Status(s.code() == absl::StatusCode::kInternal ? absl::StatusCode::kInvalidArgument : s.code(),
                             s.message());
@@ -355,7 +381,8 @@ class CudaIpcTransport : public Transport {
       AllocationBase(m.base, &m.alloc_size);
       opened = true;
     }
-    if (m.alloc_size >= 0 && d->alloc_offset + d->size > m.alloc_size) {
+    // (subtraction: alloc_offset and size are each < 2^63 but their sum may not be)
+    if (m.alloc_size >= 0 && (d->alloc_offset > m.alloc_size || d->size > m.alloc_size - d->alloc_offset)) {
       if (opened) {
         (void)cudaIpcCloseMemHandle(m.base);
         (void)cudaGetLastError();
@@ -569,6 +596,7 @@ class CudaIpcTransport : public Transport {
     } else {
       // The GPU still has copies of this batch queued: keep its regions pinned (never unpinned)
       // and its events alive rather than let memory be released under running copies.
+      gave_up_on_copies_ = true;
       b->status = absl::Status(b->status.code(), absl::StrCat(b->status.message(), "; copies still queued after ",
                                                               absl::FormatDuration(kDrainGrace),
                                                               ", regions stay pinned"));
@@ -674,6 +702,7 @@ class CudaIpcTransport : public Transport {
   BatchTable<IpcBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, Mapping> mappings_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
+  bool gave_up_on_copies_ ABSL_GUARDED_BY(mu_) = false;  // a Wait returned with copies still queued
   absl::Mutex import_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex streams_mu_;
   std::map<int, std::vector<cudaStream_t>> streams_ ABSL_GUARDED_BY(streams_mu_);

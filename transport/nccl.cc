@@ -37,6 +37,11 @@ constexpr int64_t kStagingBytes = int64_t{64} << 20;
 constexpr int kMaxCallsPerGroup = 256;
 constexpr int64_t kStageAlign = 256;
 constexpr absl::Duration kLivenessEvery = absl::Milliseconds(100);
+// After Wait's deadline: how long Wait waits for the worker to abort the communicator and finish
+// the batch, and how long teardown lets the peer's stream drain before it leaks (rather than frees)
+// memory the GPU may still touch. ncclCommAbort is meant to be bounded, but no wait here is
+// allowed to be unbounded on that promise alone.
+constexpr absl::Duration kAbortGrace = absl::Seconds(10);
 
 std::string PidNamespace() {
   char buf[256];
@@ -470,8 +475,20 @@ class NcclTransport : public Transport {
               " bytes) missed its deadline; communicator aborted"));
         }
         cv_.SignalAll();
-        // The worker notices within ~1 ms, aborts the communicator and finishes every queued batch.
-        while (!b->finished) cv_.Wait(&mu_);
+        // The worker notices within ~1 ms, aborts the communicator and finishes every queued
+        // batch; bounded all the same (a hung abort or copy must not hang Wait forever).
+        const absl::Time give_up = absl::Now() + kAbortGrace;
+        while (!b->finished && !cv_.WaitWithDeadline(&mu_, give_up)) {
+        }
+        if (!b->finished) {
+          // The worker is stuck (in ncclCommAbort or a CUDA call): the batch stays queued and its
+          // regions stay pinned (Release refuses them) since NCCL may still write them.
+          batches_.Retire(id.id);
+          stats_.batches_failed++;
+          return absl::DeadlineExceededError(absl::StrCat(
+              "nccl batch ", b->tag, " with peer ", b->peer->instance, " missed its deadline and the worker did not "
+              "finish aborting within ", absl::FormatDuration(kAbortGrace), "; its regions stay pinned"));
+        }
       }
     }
     regions_.Unpin(b->regions);
@@ -541,10 +558,26 @@ class NcclTransport : public Transport {
       p->comm = nullptr;
     }
     if (p->stream != nullptr) {
-      // Aborting the communicator ended its kernels; the rest of the stream is our own short copies.
-      (void)cudaStreamSynchronize(p->stream);
-      (void)cudaStreamDestroy(p->stream);
+      // Aborting the communicator ended its kernels; the rest of the stream is our own short
+      // copies. Poll (bounded) rather than cudaStreamSynchronize: if the stream does not drain,
+      // leak the buffers it may still use instead of freeing them under it (cudaFree would also
+      // block on the device).
+      const absl::Time until = absl::Now() + kAbortGrace;
+      absl::Duration backoff = absl::Microseconds(20);
+      cudaError_t q = cudaStreamQuery(p->stream);
+      while (q == cudaErrorNotReady && absl::Now() < until) {
+        absl::SleepFor(backoff);
+        backoff = std::min(backoff * 2, absl::Milliseconds(5));
+        q = cudaStreamQuery(p->stream);
+      }
+      (void)cudaStreamDestroy(p->stream);  // returns at once; released when its work is done
       p->stream = nullptr;
+      if (q == cudaErrorNotReady) {
+        p->event = nullptr;  // leaked on purpose (see above)
+        p->host = nullptr;
+        p->dev = nullptr;
+        p->staging = nullptr;
+      }
     }
     if (p->event != nullptr) (void)cudaEventDestroy(p->event);
     if (p->host != nullptr) (void)cudaFreeHost(p->host);
