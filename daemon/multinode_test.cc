@@ -5,6 +5,8 @@
 #include <chrono>
 #include <grpcpp/grpcpp.h>
 #include <dirent.h>
+
+#include <fstream>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -725,6 +727,52 @@ TEST(FaultTest, PeerRestartsDoNotLeakChannels) {
   const int fds1 = CountOpenFds();
   // Every restart used to leave n0 with the old channel's streams open (>= 1 fd each).
   EXPECT_LE(fds1, fds0 + kRestarts / 2) << "open fds " << fds0 << " -> " << fds1 << " after " << kRestarts << " restarts of n1";
+  c.Stop();
+}
+
+// Virtual memory of this process in KiB. A thread that has finished but was never joined is gone
+// from /proc/self/task, yet its stack (8 MiB by default) stays mapped until it is joined.
+int64_t VmSizeKiB() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoll(line.substr(7));
+  }
+  return -1;
+}
+
+// Every version runs on an executor thread per node. They used to be kept (unjoined) until
+// shutdown, so a long-running daemon grew by one thread stack per version; finished ones are now
+// joined as new versions start.
+TEST(FaultTest, ExecutorThreadsDoNotAccumulate) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  int64_t vm_after_warmup = 0;
+  constexpr uint64_t kWarmup = 5, kVersions = 35;
+  for (uint64_t v = 1; v <= kVersions; ++v) {
+    for (auto& s : c.Publish("m", pb::MODE_ASYNC, v, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << "version " << v << ": " << s.error_message();
+    for (TestWorker* r : {&r0, &r1}) {
+      pb::ApplyResponse resp;
+      grpc::Status s = c.Apply(*r, "m", v, &resp);
+      ASSERT_TRUE(s.ok()) << r->id << " version " << v << ": " << s.error_message();
+      EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;
+    }
+    if (v == kWarmup) vm_after_warmup = VmSizeKiB();
+  }
+  const int64_t vm_end = VmSizeKiB();
+  ASSERT_GT(vm_after_warmup, 0);
+  // Unjoined executors would pin 2 nodes x 30 versions x >= 8 MiB of stacks; allow 10 stacks.
+  EXPECT_LE(vm_end, vm_after_warmup + 10 * 8 * 1024)
+      << "VmSize " << vm_after_warmup << " KiB -> " << vm_end << " KiB over " << kVersions - kWarmup << " versions";
   c.Stop();
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/box_copy.h"
 #include "daemon/convert.h"
@@ -523,7 +524,13 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   }
 
   grpc::Status ExecuteVersion(grpc::ServerContext*, const pb::ExecuteVersionRequest* req, pb::ExecuteVersionResponse*) override {
+    // Declared before the lock so finished executors are joined after it is released.
+    std::vector<std::thread> finished;
+    absl::Cleanup join_finished = [&finished] {
+      for (auto& t : finished) t.join();
+    };
     absl::MutexLock l(&d_->mu_);
+    finished = d_->TakeFinishedExecThreadsLocked();
     auto exec = d_->GetExecLocked(req->model_id(), req->version(), req->plan_epoch());
     if (!exec.ok()) return ToGrpcStatus(exec.status());
     if ((*exec)->started) return grpc::Status::OK;
@@ -538,7 +545,11 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       }
     }
     std::shared_ptr<Exec> e = *exec;
-    d_->threads_.emplace_back([this, e] { d_->RunExec(e); });
+    const uint64_t tid = d_->next_exec_thread_++;
+    d_->exec_threads_.emplace(tid, std::thread([this, e, tid] {
+                                d_->RunExec(e);
+                                d_->MarkExecThreadDone(tid);
+                              }));
     return grpc::Status::OK;
   }
 
@@ -982,7 +993,9 @@ void NodeDaemon::Shutdown() {
     if (stopping_) return;
     stopping_ = true;
     for (auto& [k, e] : execs_) e->aborted = true;
-    threads.swap(threads_);
+    for (auto& [id, t] : exec_threads_) threads.push_back(std::move(t));
+    exec_threads_.clear();
+    exec_done_.clear();
   }
   {
     absl::MutexLock l(&hb_mu_);
@@ -1219,6 +1232,23 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
   if (replaced != transport::kNoPeer) DropChannel(exec.model_id, peer, replaced);
   if (!aborted.ok()) return aborted;
   return id;
+}
+
+std::vector<std::thread> NodeDaemon::TakeFinishedExecThreadsLocked() {
+  std::vector<std::thread> out;
+  for (uint64_t id : exec_done_) {
+    auto it = exec_threads_.find(id);
+    if (it == exec_threads_.end()) continue;
+    out.push_back(std::move(it->second));
+    exec_threads_.erase(it);
+  }
+  exec_done_.clear();
+  return out;
+}
+
+void NodeDaemon::MarkExecThreadDone(uint64_t id) {
+  absl::MutexLock l(&mu_);
+  exec_done_.push_back(id);
 }
 
 void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {

@@ -228,7 +228,15 @@ class NodeDaemon {
     std::shared_ptr<pb::NodeService::Stub> stub;
   };
   std::map<std::string, PeerStubEntry> peer_stubs_ ABSL_GUARDED_BY(stubs_mu_);  // peer node -> stub
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  // Executor threads, one per started version. A thread files its id in exec_done_ as its last
+  // step under mu_; the next ExecuteVersion (and Shutdown) joins those, so a daemon that runs for
+  // weeks at one version a second keeps only the executors still running, not one per version.
+  std::map<uint64_t, std::thread> exec_threads_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> exec_done_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_exec_thread_ ABSL_GUARDED_BY(mu_) = 0;
+  // Moves the finished executor threads out (to be joined by the caller without mu_ held).
+  std::vector<std::thread> TakeFinishedExecThreadsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkExecThreadDone(uint64_t id);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread heartbeat_, control_;
   // Coordinator session. hb_mu_ is a leaf lock: nothing else is taken while holding it.
