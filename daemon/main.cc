@@ -43,7 +43,7 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this daemon (mutual TLS
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA that signs every daemon's certificate");
 ABSL_FLAG(std::string, tls_server_name, "", "expected name in peer certificates (default: the host dialed)");
-ABSL_FLAG(std::string, auth_token_file, "", "file holding the shared token checked on every daemon RPC");
+ABSL_FLAG(std::string, auth_token_file, "", "file holding the shared token checked on every daemon RPC and proven on every data-channel (host_tcp) connection");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest gRPC message accepted");
 ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have");
 ABSL_FLAG(int32_t, max_tensors_per_model, 1 << 17, "tensors one model may have");
@@ -131,6 +131,8 @@ int main(int argc, char** argv) {
   if (tc.tcp.bind_address.empty()) tc.tcp.bind_address = "127.0.0.1";
   tc.tcp.advertise_address = absl::GetFlag(FLAGS_data_advertise);
   tc.tcp.streams = absl::GetFlag(FLAGS_tcp_streams);
+  // The data channel proves the same shared token as the daemon RPCs (docs/security.md).
+  tc.tcp.auth_token = o.security.peer_auth->token;
   tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);
   o.make_transports = [tc] { return wb::transport::CreateTransports(tc); };
 

@@ -1,6 +1,7 @@
 // Coordinator + 2 node daemons in one process with mutual TLS + token between them, workers on the
 // SO_PEERCRED socket, and the metrics endpoint scraped over HTTP before and after real versions.
-// A node without the token cannot join (UNAUTHENTICATED).
+// A node without the token cannot join (UNAUTHENTICATED); the host_tcp data channel between the
+// nodes authenticates with the same token (transport/host_tcp_test.cc covers its refusals).
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -68,9 +69,12 @@ class SecureClusterTest : public ::testing::Test {
     no.coordinator = coord_->address();
     no.worker_socket = absl::StrCat("/tmp/wbsec-", ::getpid(), "-", n, ".sock");
     no.heartbeat = absl::Milliseconds(100);
-    no.make_transports = [] {
+    // The data channel proves the same token as the RPCs (as daemon/main.cc wires it).
+    const std::string data_token = auth ? auth->token : "";
+    no.make_transports = [data_token] {
       transport::TransportConfig tc;
       tc.kinds = {"host_shm", "host_tcp"};
+      tc.tcp.auth_token = data_token;
       return transport::CreateTransports(tc);
     };
     no.security.peer_auth = std::move(auth);

@@ -17,6 +17,12 @@ struct TcpOptions {
   std::string advertise_address;           // address peers dial; empty = bind_address
   int streams = 4;                         // parallel TCP connections per peer
   int64_t chunk_bytes = int64_t{1} << 20;  // max payload per frame
+  // Shared secret both ends prove they hold (HMAC-SHA256 challenge-response, transport/
+  // channel_auth.h) on every connection before any frame flows; the daemon passes its
+  // --auth_token_file token. Empty is a valid (empty) key: two transports without a token still
+  // connect, but one with a token refuses one without (UNAUTHENTICATED). Authenticates peers only:
+  // the payload is neither encrypted nor MACed (docs/security.md, "Data channel").
+  std::string auth_token;
 };
 
 struct CudaIpcOptions {

@@ -14,6 +14,8 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <iterator>
+#include <list>
 #include <map>
 #include <thread>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "tools/cc/status_macros.h"
+#include "transport/channel_auth.h"
 #include "transport/common.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
@@ -33,6 +36,14 @@ namespace {
 constexpr char kKind[] = "host_tcp";
 constexpr uint32_t kFrameMagic = 0x46425757;  // "WWBF"
 constexpr int kMaxIov = 64;                    // more pieces than this per chunk: pack via scratch
+// An accepted connection must introduce itself and pass the channel authentication within this
+// time, or it is closed; each runs on its own short-lived thread, at most this many at once.
+constexpr absl::Duration kAcceptHandshakeTimeout = absl::Seconds(5);
+constexpr size_t kMaxConcurrentHandshakes = 64;
+// Distinct claimed instance ids whose failed handshakes are counted (input from unauthenticated
+// dialers: bounded).
+constexpr size_t kMaxAuthFailureIds = 1024;
+constexpr char kAuthRefused[] = "shared token differs or is missing on one side";
 
 enum FrameType : uint8_t { kManifest = 1, kData = 2, kChecksum = 3, kAck = 4 };
 
@@ -68,6 +79,26 @@ bool WriteAll(int fd, struct iovec* iov, int iovcnt) {
       iov->iov_base = static_cast<char*>(iov->iov_base) + n;
       iov->iov_len -= n;
     }
+  }
+  return true;
+}
+
+// Reads exactly n bytes by `deadline` (poll before every recv): a dialer that trickles bytes
+// cannot hold an accept-side handshake past its deadline.
+bool ReadAllBy(int fd, void* p, size_t n, absl::Time deadline) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    struct pollfd pfd = {fd, POLLIN, 0};
+    const int r = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30)));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    const ssize_t got = recv(fd, c, n, MSG_DONTWAIT);
+    if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (got <= 0) return false;
+    c += got;
+    n -= got;
   }
   return true;
 }
@@ -175,10 +206,21 @@ class HostTcpTransport : public Transport {
       for (auto& [inst, fds] : pending_) {
         for (auto& [idx, fd] : fds) close(fd);
       }
+      accept_cv_.SignalAll();  // an acceptor-side Connect still waiting returns CANCELLED
+      // Unblocks handshakes in progress now; none starts after stopping_ (AcceptLoop checks).
+      for (Handshake& h : handshakes_) {
+        if (h.fd >= 0) shutdown(h.fd, SHUT_RDWR);
+      }
     }
     shutdown(listen_fd_, SHUT_RDWR);
     accept_thread_.join();
     close(listen_fd_);
+    std::vector<std::thread> handshakes;
+    {
+      absl::MutexLock l(&mu_);
+      for (Handshake& h : handshakes_) handshakes.push_back(std::move(h.thread));
+    }
+    for (auto& t : handshakes) t.join();  // each exits promptly: its socket is shut down
     for (auto& p : peers) {
       for (auto& t : p->threads) t.join();
       for (int fd : p->fds) close(fd);
@@ -221,9 +263,14 @@ class HostTcpTransport : public Transport {
     std::vector<int> fds;
     if (instance_id_ < inst) {
       for (int i = 0; i < total; ++i) {
-        auto fd = Dial(addr, port, deadline, i, total);
+        auto fd = Dial(inst, addr, port, deadline, i, total);
         if (!fd.ok()) {
           for (int f : fds) close(f);
+          if (fd.status().code() == absl::StatusCode::kUnauthenticated) {
+            return absl::UnauthenticatedError(absl::StrCat("host_tcp peer ", inst, " at ", addr, ":", port,
+                                                           " refused the data-channel authentication: ", kAuthRefused,
+                                                           " (stream ", i, ": ", fd.status().message(), ")"));
+          }
           return absl::Status(fd.status().code(), absl::StrCat("host_tcp connect to peer ", inst, " at ", addr, ":",
                                                                port, ": ", fd.status().message()));
         }
@@ -238,14 +285,20 @@ class HostTcpTransport : public Transport {
       };
       while (!ready()) {
         if (accept_cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
+          std::string why;
+          if (auto it = auth_failures_.find(inst); it != auth_failures_.end()) {
+            why = absl::StrCat("; ", it->second, " connection(s) claiming this instance failed authentication (",
+                               kAuthRefused, ")");
+          }
           return absl::DeadlineExceededError(absl::StrCat("host_tcp: peer ", inst, " at ", addr, ":", port,
-                                                          " did not connect before the deadline"));
+                                                          " did not connect before the deadline", why));
         }
       }
       if (stopping_) return absl::CancelledError("transport destroyed");
       for (auto& [idx, fd] : pending_[inst]) fds.push_back(fd);
       pending_.erase(inst);
       pending_total_.erase(inst);
+      auth_failures_.erase(inst);
     }
     auto peer = std::make_shared<PeerConn>();
     peer->instance = inst;
@@ -478,7 +531,10 @@ class HostTcpTransport : public Transport {
     return h;
   }
 
-  absl::StatusOr<int> Dial(const std::string& addr, uint32_t port, absl::Time deadline, int idx, int total) {
+  // One connection to the acceptor `inst`: TCP connect, hello (who we are, which stream), then the
+  // channel authentication (bound to the hello). The fd is handed out only after both succeed.
+  absl::StatusOr<int> Dial(const std::string& inst, const std::string& addr, uint32_t port, absl::Time deadline,
+                           int idx, int total) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return absl::InternalError(Errno("socket"));
     sockaddr_in sa{};
@@ -520,9 +576,21 @@ class HostTcpTransport : public Transport {
       close(fd);
       return absl::UnavailableError(Errno("hello"));
     }
+    ChannelAuthParams auth;
+    auth.key = options_.auth_token;
+    auth.self = instance_id_;
+    auth.peer = inst;
+    auth.context = w.out();
+    auth.deadline = deadline;
+    if (absl::Status s = AuthenticateDialer(fd, auth); !s.ok()) {
+      close(fd);
+      return s;
+    }
     return fd;
   }
 
+  // Accepts connections and hands each to its own handshake thread, so a slow or silent dialer
+  // delays nobody else; finished handshake threads are joined here as new connections arrive.
   void AcceptLoop() {
     while (true) {
       int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
@@ -530,39 +598,83 @@ class HostTcpTransport : public Transport {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         return;  // listen socket shut down
       }
-      // A dialer must introduce itself promptly; never let one stall the accept loop for long.
-      struct timeval tv = {5, 0};
-      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-      uint32_t n = 0;
-      std::string hello;
-      bool ok = ReadAll(fd, &n, 4) && n < 4096;
-      if (ok) {
-        hello.resize(n);
-        ok = ReadAll(fd, hello.data(), n);
+      std::vector<std::thread> finished;
+      {
+        absl::MutexLock l(&mu_);
+        for (auto it = handshakes_.begin(); it != handshakes_.end();) {
+          if (it->done) {
+            finished.push_back(std::move(it->thread));
+            it = handshakes_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        if (stopping_ || handshakes_.size() >= kMaxConcurrentHandshakes) {
+          close(fd);  // stopping, or flooded: this dialer may retry
+        } else {
+          handshakes_.emplace_back();
+          auto it = std::prev(handshakes_.end());
+          it->fd = fd;
+          // Holds mu_ until the thread is stored: the thread only touches `it` under mu_.
+          it->thread = std::thread([this, it, fd] { AcceptHandshake(it, fd); });
+        }
       }
-      wire::Reader r(hello);
-      uint32_t magic = r.U32();
-      std::string inst = r.Str();
-      uint32_t idx = r.U32(), total = r.U32();
-      if (!ok || !r.done() || magic != kFrameMagic || total < 2 || total > 1024 || idx >= total) {
-        close(fd);
-        continue;
-      }
-      struct timeval zero = {0, 0};
-      setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &zero, sizeof(zero));
+      for (auto& t : finished) t.join();
+    }
+  }
+
+  struct Handshake {
+    int fd = -1;  // -1 once handed to pending_ or closed (under mu_): never shut down a reused number
+    bool done = false;
+    std::thread thread;
+  };
+
+  // Hello, then channel authentication, all by kAcceptHandshakeTimeout. An authenticated
+  // connection goes to pending_ (Connect picks it up); any other is closed, and if it named an
+  // instance, counted against that instance for Connect's error message.
+  void AcceptHandshake(std::list<Handshake>::iterator self, int fd) {
+    const absl::Time deadline = absl::Now() + kAcceptHandshakeTimeout;
+    uint32_t n = 0;
+    std::string hello;
+    bool ok = ReadAllBy(fd, &n, 4, deadline) && n < 4096;
+    if (ok) {
+      hello.resize(n);
+      ok = ReadAllBy(fd, hello.data(), n, deadline);
+    }
+    wire::Reader r(hello);
+    uint32_t magic = r.U32();
+    std::string inst = r.Str();
+    uint32_t idx = r.U32(), total = r.U32();
+    ok = ok && r.done() && magic == kFrameMagic && total >= 2 && total <= 1024 && idx < total;
+    bool authenticated = false;
+    if (ok) {
+      ChannelAuthParams auth;
+      auth.key = options_.auth_token;
+      auth.self = instance_id_;
+      auth.peer = inst;
+      auth.context = hello;
+      auth.deadline = deadline;
+      authenticated = AuthenticateAcceptor(fd, auth).ok();
+    }
+    if (authenticated) {
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      absl::MutexLock l(&mu_);
-      if (stopping_) {
-        close(fd);
-        return;
-      }
+    }
+    absl::MutexLock l(&mu_);
+    if (authenticated && !stopping_) {
       auto& slot = pending_[inst];
       if (slot.count(idx)) close(slot[idx]);
       slot[idx] = fd;
       pending_total_[inst] = total;
-      accept_cv_.SignalAll();
+    } else {
+      close(fd);
+      if (ok && !stopping_ && (auth_failures_.count(inst) || auth_failures_.size() < kMaxAuthFailureIds)) {
+        auth_failures_[inst]++;
+      }
     }
+    self->fd = -1;
+    self->done = true;
+    accept_cv_.SignalAll();
   }
 
   // A failed batch starts no further chunk: its queued send chunks are dropped here, and the
@@ -848,6 +960,8 @@ class HostTcpTransport : public Transport {
   BatchTable<TcpBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, std::map<uint32_t, int>> pending_ ABSL_GUARDED_BY(mu_);  // dialer -> stream idx -> fd
   std::map<std::string, int> pending_total_ ABSL_GUARDED_BY(mu_);
+  std::list<Handshake> handshakes_ ABSL_GUARDED_BY(mu_);          // accepted, not yet authenticated
+  std::map<std::string, int> auth_failures_ ABSL_GUARDED_BY(mu_);  // claimed instance -> refusals
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -2,11 +2,20 @@
 // "host_tcp": cross-node host-memory transport over TCP (two-sided; see transport.h).
 //
 // Channel: per peer, TcpOptions::streams TCP connections dialled by the peer with the smaller
-// instance id. Every frame starts with a fixed header (type, batch tag, op index, logical byte
-// offset within the op, payload length), so a receiver always knows which op and offset every
-// byte belongs to. Senders write payload straight from the registered memory (sendmsg with an
-// iovec per contiguous piece); receivers read straight into the destination memory. Chunks of up
-// to TcpOptions::chunk_bytes are pulled by the stream writers from a shared per-batch cursor, so
+// instance id. Each connection opens with a hello (dialer instance id, stream index, stream count)
+// and then the channel authentication of transport/channel_auth.h, keyed by TcpOptions::auth_token
+// and bound to that hello: both sides prove they hold the token (HMAC-SHA256 over fresh nonces),
+// and only an authenticated connection is handed to a peer. A dialer whose proof is refused, or
+// who refuses the acceptor's, fails Connect with UNAUTHENTICATED; the acceptor counts refusals per
+// claimed instance and names them when its own Connect then misses the deadline. Handshakes run
+// on short-lived threads, each bounded to 5 s, so a silent dialer stalls nobody. The payload is
+// not encrypted or MACed afterwards (docs/security.md, "Data channel").
+//
+// Every frame starts with a fixed header (type, batch tag, op index, logical byte offset within
+// the op, payload length), so a receiver always knows which op and offset every byte belongs to.
+// Senders write payload straight from the registered memory (sendmsg with an iovec per contiguous
+// piece); receivers read straight into the destination memory. Chunks of up to
+// TcpOptions::chunk_bytes are pulled by the stream writers from a shared per-batch cursor, so
 // faster streams carry more. Each side first sends a MANIFEST (hash of the batch as both sides
 // must see it); data is only written after the manifests match. With Batch::checksum the sender
 // hashes every chunk (XXH3_64, seeded by op and offset), sends the XOR of those hashes after the

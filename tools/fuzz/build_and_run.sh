@@ -57,16 +57,16 @@ sources_of() {
     fuzz_validate_layout) echo planner/validate.cc planner/box.cc ;;
     fuzz_index_probe) echo planner/index_probe.cc planner/validate.cc planner/box.cc planner/inventory.cc planner/model_config.cc ;;
     fuzz_hf_config) echo planner/model_config.cc planner/inventory.cc planner/box.cc ;;
-    fuzz_transport_wire) echo transport/host_shm.cc transport/host_tcp.cc transport/common.cc transport/registry.cc transport/shm_segment.cc \
-                              transport/strided.cc transport/peer_process.cc ;;
+    fuzz_transport_wire) echo transport/host_shm.cc transport/host_tcp.cc transport/channel_auth.cc transport/common.cc transport/registry.cc \
+                              transport/shm_segment.cc transport/strided.cc transport/peer_process.cc ;;
     *) echo "build_and_run.sh: unknown target $1" >&2; return 1 ;;
   esac
 }
 
-# System libraries exactly as //third_party links them: every -l flag of the abseil, xxhash and rt
-# wrappers, read from third_party/BUILD.bazel so that there is one list.
+# System libraries exactly as //third_party links them: every -l flag of the abseil, xxhash, crypto
+# and rt wrappers, read from third_party/BUILD.bazel so that there is one list.
 link_flags() {
-  grep -oE '"-l(absl_[a-z0-9_]+|xxhash|rt|pthread)"' "$ROOT/third_party/BUILD.bazel" | tr -d '"' | awk '!seen[$0]++' | tr '\n' ' '
+  grep -oE '"-l(absl_[a-z0-9_]+|xxhash|crypto|rt|pthread)"' "$ROOT/third_party/BUILD.bazel" | tr -d '"' | awk '!seen[$0]++' | tr '\n' ' '
 }
 
 build() {
