@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <thread>
 #include <vector>
@@ -22,12 +23,15 @@
 #include "transport/registry.h"
 #include "transport/cuda_copy.h"
 #include "transport/cuda_status.h"
+#include "transport/nccl_internal.h"
 #include "transport/strided.h"
 #include "transport/wire.h"
 #include "tools/cc/status_macros.h"
 
 namespace wb::transport {
 namespace {
+
+using nccl_internal::WithDenseSide;
 
 constexpr char kKind[] = "nccl";
 // Chunking and staging constants must be equal on both peers (they decide the NCCL call sequence);
@@ -170,17 +174,6 @@ std::vector<SubBox> SplitBox(const CanonicalBox& box) {
   return out;
 }
 
-// The box with one side replaced by a dense layout (for packing into / unpacking from staging).
-CanonicalBox WithDenseSide(const CanonicalBox& box, bool dense_dst) {
-  CanonicalBox b = box;
-  int64_t stride = box.width;
-  for (auto it = b.outer.rbegin(); it != b.outer.rend(); ++it) {
-    (dense_dst ? it->dst_stride : it->src_stride) = stride;
-    stride *= it->extent;
-  }
-  return b;
-}
-
 class NcclTransport : public Transport {
  public:
   NcclTransport(const TransportConfig& config)
@@ -221,11 +214,30 @@ class NcclTransport : public Transport {
     w.Str(pidns_);
     w.U32(static_cast<uint32_t>(getpid()));
     if (instance_id_ < peer_instance_id) {  // we are rank 0: we create the unique id
+      // Each ncclGetUniqueId starts an NCCL bootstrap root (a listening socket + a detached thread
+      // that accepts until every rank of that id has joined; NCCL has no call to cancel it). So a
+      // repeated export for a peer whose id no Connect has consumed yet hands out the SAME id
+      // rather than a new one: no second root is started, and a peer already joining with the
+      // first endpoint's id still meets us. Connect consumes the id (success or failure); the next
+      // export then creates a fresh one.
+      // (ncclGetUniqueId runs outside mu_: its first call initialises NCCL, which can take a while;
+      // two racing first exports for one peer both return the id stored first, and the other
+      // id's root is left waiting: rare, and no worse than before.)
       ncclUniqueId uid;
-      if (absl::Status s = NcclStatus(ncclGetUniqueId(&uid), "nccl ExportEndpoint: ncclGetUniqueId"); !s.ok()) return s;
+      bool have = false;
       {
         absl::MutexLock l(&mu_);
-        pending_uids_[std::string(peer_instance_id)] = uid;
+        if (auto it = pending_uids_.find(peer_instance_id); it != pending_uids_.end()) {
+          uid = it->second;
+          have = true;
+        }
+      }
+      if (!have) {
+        if (absl::Status s = NcclStatus(ncclGetUniqueId(&uid), "nccl ExportEndpoint: ncclGetUniqueId"); !s.ok()) {
+          return s;
+        }
+        absl::MutexLock l(&mu_);
+        uid = pending_uids_.try_emplace(std::string(peer_instance_id), uid).first->second;
       }
       w.U8(1);
       w.Str(absl::string_view(uid.internal, NCCL_UNIQUE_ID_BYTES));
@@ -514,29 +526,8 @@ class NcclTransport : public Transport {
 
  private:
   absl::Status CreateComm(NcclPeer* p, const ncclUniqueId& uid, int rank, absl::Time deadline) {
-    WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), absl::StrCat("nccl Connect: cudaSetDevice(", device_, ")"));
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;  // every NCCL call returns at once; we poll ncclCommGetAsyncError with deadlines
-    ncclResult_t res = ncclCommInitRankConfig(&p->comm, 2, uid, rank, &config);
     const std::string what = absl::StrCat("nccl Connect to ", p->instance, " (rank ", rank, ", GPU ", device_, ")");
-    if (res != ncclSuccess && res != ncclInProgress) {
-      absl::Status s = NcclStatus(res, absl::StrCat(what, ": ncclCommInitRankConfig"), p->comm);
-      return s;
-    }
-    absl::Duration backoff = absl::Microseconds(50);
-    while (true) {
-      ncclResult_t state = ncclSuccess;
-      res = ncclCommGetAsyncError(p->comm, &state);
-      if (res != ncclSuccess) return NcclStatus(res, absl::StrCat(what, ": ncclCommGetAsyncError"), p->comm);
-      if (state == ncclSuccess) break;
-      if (state != ncclInProgress) return NcclStatus(state, absl::StrCat(what, ": communicator init"), p->comm);
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(what, ": the communicator was not up before the deadline "
-                                                              "(did the peer Connect with these endpoint bytes?)"));
-      }
-      absl::SleepFor(backoff);
-      backoff = std::min(backoff * 2, absl::Milliseconds(5));
-    }
+    RETURN_IF_ERROR(nccl_internal::InitComm(device_, 2, rank, uid, deadline, what, &p->comm));
     WB_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking),
                             absl::StrCat(what, ": cudaStreamCreateWithFlags"));
     WB_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&p->event, cudaEventDisableTiming),
@@ -615,25 +606,23 @@ class NcclTransport : public Transport {
   // no operation in progress; fails on an NCCL async error, a cancel (deadline / disconnect) or a
   // vanished peer process.
   absl::Status Await(NcclPeer* p, cudaEvent_t event, uint64_t tag, const char* phase) {
-    absl::Duration backoff = absl::Microseconds(5);
-    absl::Time next_liveness = absl::Now() + kLivenessEvery;
-    while (true) {
-      if (event != nullptr) {
-        const cudaError_t e = cudaEventQuery(event);
-        if (e == cudaSuccess) return absl::OkStatus();
-        if (e != cudaErrorNotReady) {
-          return CudaStatus(e, absl::StrCat("nccl batch ", tag, " with peer ", p->instance, " (", phase, ")"));
-        }
-      }
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t res = ncclCommGetAsyncError(p->comm, &state);
-      if (res != ncclSuccess) state = res;
-      if (state != ncclSuccess && state != ncclInProgress) {
-        absl::Status s = NcclStatus(state, absl::StrCat("nccl batch ", tag, " with peer ", p->instance, " (", phase,
-                                                        ")"), p->comm);
-        return absl::UnavailableError(s.message());
-      }
-      if (event == nullptr && state == ncclSuccess) return absl::OkStatus();
+    return nccl_internal::Await(p->comm, event, BatchWhat(p, tag, phase), Interruption(p, tag, phase));
+  }
+
+  // ncclGroupEnd on a non-blocking communicator may return ncclInProgress: the operations are only
+  // enqueued on the stream once the communicator's state leaves ncclInProgress.
+  absl::Status GroupEnd(NcclPeer* p, uint64_t tag, const char* phase) {
+    return nccl_internal::GroupEnd(p->comm, BatchWhat(p, tag, phase), Interruption(p, tag, phase));
+  }
+
+  static std::string BatchWhat(const NcclPeer* p, uint64_t tag, const char* phase) {
+    return absl::StrCat("nccl batch ", tag, " with peer ", p->instance, " (", phase, ")");
+  }
+
+  // The checks between polls: a cancel (Wait's deadline, Disconnect) and, every kLivenessEvery, the
+  // peer process when it is on this node and pid namespace.
+  std::function<absl::Status()> Interruption(NcclPeer* p, uint64_t tag, const char* phase) {
+    return [this, p, tag, phase, next_liveness = absl::Now() + kLivenessEvery]() mutable -> absl::Status {
       {
         absl::MutexLock l(&mu_);
         if (!p->cancel.ok()) return p->cancel;
@@ -646,29 +635,12 @@ class NcclTransport : public Transport {
                                                      ") vanished during batch ", tag, " (", phase, ")"));
         }
       }
-      absl::SleepFor(backoff);
-      backoff = std::min(backoff * 2, absl::Milliseconds(1));
-    }
-  }
-
-  // ncclGroupEnd on a non-blocking communicator may return ncclInProgress: the operations are only
-  // enqueued on the stream once the communicator's state leaves ncclInProgress.
-  absl::Status GroupEnd(NcclPeer* p, uint64_t tag, const char* phase) {
-    const ncclResult_t res = ncclGroupEnd();
-    if (res != ncclSuccess && res != ncclInProgress) {
-      absl::Status s = NcclStatus(res, absl::StrCat("nccl batch ", tag, " with peer ", p->instance, ": ncclGroupEnd (",
-                                                    phase, ")"), p->comm);
-      return s.code() == absl::StatusCode::kInvalidArgument ? absl::InternalError(s.message()) : s;
-    }
-    return Await(p, nullptr, tag, phase);
+      return absl::OkStatus();
+    };
   }
 
   absl::Status P2P(NcclPeer* p, bool send, void* ptr, int64_t n, uint64_t tag) {
-    const ncclResult_t res = send ? ncclSend(ptr, static_cast<size_t>(n), ncclUint8, p->remote_rank, p->comm, p->stream)
-                                  : ncclRecv(ptr, static_cast<size_t>(n), ncclUint8, p->remote_rank, p->comm, p->stream);
-    if (res == ncclSuccess || res == ncclInProgress) return absl::OkStatus();
-    return NcclStatus(res, absl::StrCat("nccl batch ", tag, ": ", send ? "ncclSend" : "ncclRecv", " of ", n, " bytes"),
-                      p->comm);
+    return nccl_internal::P2P(p->comm, send, ptr, n, p->remote_rank, p->stream, absl::StrCat("nccl batch ", tag));
   }
 
   // *mirror_mismatch is set when the batch failed only because the peer's mirror differs.
@@ -777,7 +749,7 @@ class NcclTransport : public Transport {
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::shared_ptr<NcclPeer>> peers_ ABSL_GUARDED_BY(mu_);
   BatchTable<NcclBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
-  std::map<std::string, ncclUniqueId> pending_uids_ ABSL_GUARDED_BY(mu_);  // peer instance -> our id
+  std::map<std::string, ncclUniqueId, std::less<>> pending_uids_ ABSL_GUARDED_BY(mu_);  // peer instance -> our id
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
 };
 
