@@ -7,7 +7,7 @@
 #        tests/gpu/run_gpu_checks.sh --bundle
 #      builds the GPU tests, the peer binary and //bench:transport (--dynamic_mode=off: our code is
 #      linked in) and copies them with their shared libraries (absl, xxhash, libcudart.so.13; NOT
-#      libnccl: 200+ MB, taken from the GPU machine's PyTorch install) into .gpu_bundle/ (~20 MB,
+#      libnccl: 200+ MB, taken from the GPU machine's PyTorch install) into .gpu_bundle/ (~35 MB,
 #      git-ignored through .git/info/exclude).
 #   2. ON THE GPU MACHINE, one call of the device tool with carry [".gpu_bundle"]:
 #        bash tests/gpu/run_gpu_checks.sh
@@ -30,7 +30,7 @@ BAZEL=${WB_BAZEL:-bazel}
 
 # Test binaries (bazel label -> name in the bundle). transport_peer goes to bin/transport/ because
 # the conformance suite execs "transport/transport_peer" relative to its working directory.
-TESTS=(cuda_status_test cuda_copy_test cuda_ipc_conformance_test nccl_conformance_test
+TESTS=(cuda_status_test cuda_copy_test cuda_ipc_conformance_test nccl_smoke_test nccl_conformance_test
        host_shm_conformance_test host_tcp_conformance_test)
 
 make_bundle() {
@@ -198,6 +198,9 @@ run_gtest() {
 run_gtest cuda_status_test 60 skip-ok
 run_gtest cuda_copy_test 60 skip-ok
 run_gtest cuda_ipc_conformance_test 240 gpu
+# The only NCCL check one GPU allows: a 1-rank communicator sending to itself through the
+# transport's own helpers, the init / Connect deadlines and aborts (~30 s expected).
+run_gtest nccl_smoke_test 90 gpu
 if [ "$ngpu" -ge 2 ]; then
   run_gtest nccl_conformance_test 240 gpu
 else
