@@ -3,7 +3,8 @@
 //
 // Peers: one 2-rank communicator per peer, on NcclOptions::device. The peer with the smaller
 // instance id is rank 0: its ExportEndpoint(peer) creates an ncclUniqueId and carries it in the
-// endpoint bytes; both sides then Connect, which calls ncclCommInitRankConfig with
+// endpoint bytes (a repeated export for that peer before its Connect returns the same id: each id
+// runs an NCCL bootstrap root that cannot be cancelled); both sides then Connect, which calls ncclCommInitRankConfig with
 // config.blocking = 0 and polls ncclCommGetAsyncError until the communicator is ready or the
 // deadline passes (then ncclCommAbort, DEADLINE_EXCEEDED). Endpoints also carry the pid and pid
 // namespace so that a peer on the same node and namespace is checked for liveness (kill(pid, 0))
