@@ -12,13 +12,15 @@ DEB_PACKAGES := bazel-bootstrap bazel-rules-java protobuf-compiler protobuf-comp
   python3-grpcio python3-protobuf python3-numpy python3-matplotlib python3-yaml \
   clang-14 libclang-rt-14-dev
 
-.PHONY: deps build test demo fuzz clean help
+.PHONY: deps build test demo fuzz asan tsan clean help
 
 help:
 	@echo "make demo   - install missing packages, build, run the main job"
 	@echo "make test   - install missing packages, build and run every test"
 	@echo "make build  - build //..."
 	@echo "make fuzz   - build the libFuzzer targets with clang and fuzz each for FUZZ_SECONDS (default 600)"
+	@echo "make asan   - every test under AddressSanitizer (bazel test --config=asan //...)"
+	@echo "make tsan   - every test under ThreadSanitizer (bazel test --config=tsan //...)"
 
 deps:
 	@bash tools/install_deps.sh $(DEB_PACKAGES)
@@ -38,6 +40,14 @@ FUZZ_SECONDS ?= 600
 fuzz: deps
 	bash tools/fuzz/build_and_run.sh --out out/fuzz --seconds $(FUZZ_SECONDS) --keep-corpus out/fuzz/corpus \
 	  --artifacts out/fuzz/artifacts $(FUZZ_TARGETS)
+
+# Sanitizer runs (docs/sanitizers.md). Each has its own output directory (k8-dbg-asan / -tsan), so
+# they do not overwrite the normal build; a first run rebuilds everything (about 25 min on 2 cores).
+asan: deps
+	@bash tools/run_tests.sh --config=asan $(BAZEL_FLAGS)
+
+tsan: deps
+	@bash tools/run_tests.sh --config=tsan $(BAZEL_FLAGS)
 
 clean:
 	$(BAZEL) clean

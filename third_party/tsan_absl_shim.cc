@@ -11,7 +11,37 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+
+// Suppressions compiled into every TSan binary (TSan reads this weak hook at start-up, so child
+// processes that tests spawn get the same list without any environment). What is suppressed and
+// why is in docs/sanitizers.md; //tools/tsan:canary_test proves races in our own code, including
+// inside gRPC handlers, are still reported with this list in place.
+//
+// called_from_lib: the library is not instrumented, so TSan cannot see the synchronisation inside
+// it; it can only see the libc calls it makes (malloc/free/memcpy/sendmsg...), which then look
+// unordered against everything else. This setting makes TSan ignore exactly those calls.
+extern "C" const char* __tsan_default_suppressions() {
+  return "called_from_lib:libgrpc.so\n"
+         "called_from_lib:libgrpc++.so\n"
+         "called_from_lib:libgpr.so\n"
+         "called_from_lib:libupb.so\n"
+         "called_from_lib:libaddress_sorting.so\n"
+         "called_from_lib:libprotobuf.so\n"
+         // TLS on the control plane: OpenSSL decrypts into buffers gRPC then hands to our parsers.
+         "called_from_lib:libssl.so\n"
+         "called_from_lib:libcrypto.so\n"
+         // One entry per library: an entry matching two libraries is a fatal TSan error.
+         "called_from_lib:libabsl_status.so\n"
+         "called_from_lib:libabsl_statusor.so\n"
+         "called_from_lib:libabsl_cord.so\n"
+         "called_from_lib:libabsl_cord_internal.so\n"
+         "called_from_lib:libabsl_strings.so\n"
+         "called_from_lib:libabsl_str_format_internal.so\n"
+         "called_from_lib:libabsl_synchronization.so\n"
+         "called_from_lib:libabsl_graphcycles_internal.so\n";
+}
 
 namespace {
 
@@ -161,6 +191,20 @@ bool CondVar::WaitWithDeadline(Mutex* mu, absl::Time deadline) {
   bool ok = real(this, mu, deadline);
   Acquire(mu);
   return ok;
+}
+
+// absl::Status shares its heap rep between copies by a reference count that the inline Ref()
+// increments in our (instrumented) code but that UnrefNonInlined() decrements, and deletes at
+// zero, inside libabsl_status.so, where TSan cannot see the acq_rel decrement. Without this every
+// Status handed to another thread (gRPC's completion threads do it constantly) reports the delete
+// racing with the construction. Each unref releases on the rep and acquires it, so the last one
+// (the one that deletes) has seen every earlier owner's accesses, as the real atomics guarantee.
+void Status::UnrefNonInlined(uintptr_t rep) {
+  WB_REAL(void (*)(uintptr_t), "_ZN4absl7debian36Status15UnrefNonInlinedEm");
+  void* addr = reinterpret_cast<void*>(rep);
+  __tsan_release(addr);
+  __tsan_acquire(addr);
+  real(rep);
 }
 
 ABSL_NAMESPACE_END

@@ -20,10 +20,10 @@ struct ClusterOptions {
   // Generous for a loaded 2-core CI machine: eight workers filling and checking hundreds of MB
   // can delay a heartbeat by a second; a lost lease there would be a false failure.
   int64_t heartbeat_ms = 300;
-  int64_t lease_ms = 6000;
-  int64_t transfer_timeout_ms = 20000;
+  int64_t lease_ms = ScaledMs(6000);
+  int64_t transfer_timeout_ms = ScaledMs(20000);
   std::vector<std::string> extra_daemon_flags;
-  absl::Duration start_timeout = absl::Seconds(30);
+  absl::Duration start_timeout = Scaled(absl::Seconds(30));
 };
 
 // What every worker of one model run shares.
@@ -37,7 +37,7 @@ struct RunOptions {
   int max_staleness = 0;
   int versions = 2;
   int first_version = 1;
-  int64_t timeout_ms = 60000;
+  int64_t timeout_ms = ScaledMs(60000);
   std::string layout_source = "pieces";
   bool tolerate_failures = false;
   std::string gate_dir;  // trainers wait for <gate_dir>/publish-<v>

@@ -95,21 +95,21 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
 
 TEST(FaultTest, KillNodeMidTransfer) {
   ClusterOptions copts;
-  copts.lease_ms = 3000;
-  copts.transfer_timeout_ms = 6000;
+  copts.lease_ms = ScaledMs(3000);
+  copts.transfer_timeout_ms = ScaledMs(6000);
   RunOptions run;
   run.mode = "one_step_off";
   run.versions = 3;
   run.tolerate_failures = true;
   run.gate_dir = "gates";
-  run.timeout_ms = 60000;
+  run.timeout_ms = ScaledMs(60000);
   Fixture f;
   absl::Status s = StartFixture(f, "kill", copts, run);
   ASSERT_TRUE(s.ok()) << s;
   Cluster& cl = *f.cluster;
 
   ASSERT_TRUE(OpenGate(f, 1).ok());
-  s = WaitAllApplied(f, 1, absl::Seconds(90));
+  s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(s.ok()) << s;
 
   // Freeze n2, let v2 start, kill n2 while v2 is in flight.
@@ -120,39 +120,39 @@ TEST(FaultTest, KillNodeMidTransfer) {
         std::string state = VersionState(r, f.run.model_id, 2);
         return state == "transferring" || state == "queued";
       },
-      absl::Seconds(60), "v2 in flight");
+      Scaled(absl::Seconds(60)), "v2 in flight");
   ASSERT_TRUE(st.ok()) << st.status();
   // An operator watching v2 sees it abort (wbctl watch exit code 4).
   auto watch = f.harness->Spawn(
       "wbctl-watch", {Runfile("client/wbctl"), "watch", "--addr", cl.coordinator_address(),
-                      "--model", f.run.model_id, "--version", "2", "--timeout", "60s",
+                      "--model", f.run.model_id, "--version", "2", "--timeout", absl::StrCat(60 * kTimeScale, "s"),
                       "--interval", "100ms", "--json"});
   ASSERT_TRUE(watch.ok()) << watch.status();
-  ASSERT_TRUE((*watch)->WaitForLine([](const std::string&) { return true; }, absl::Seconds(20)).ok());
+  ASSERT_TRUE((*watch)->WaitForLine([](const std::string&) { return true; }, Scaled(absl::Seconds(20))).ok());
   const absl::Time killed = absl::Now();
   ASSERT_TRUE(cl.KillNode(2).ok());
 
   // The survivor on n1 sees v2 fail within the transfer timeout (+ lease and slack), and its live
   // weights are still exactly v1 (the rollout worker checks every byte and reports it).
-  auto failed = f.rollouts[0]->WaitForEvent("version_failed", 2, absl::Seconds(40));
+  auto failed = f.rollouts[0]->WaitForEvent("version_failed", 2, Scaled(absl::Seconds(40)));
   ASSERT_TRUE(failed.ok()) << failed.status();
   EXPECT_LT(absl::Now() - killed,
-            absl::Milliseconds(copts.transfer_timeout_ms + copts.lease_ms) + absl::Seconds(5));
+            absl::Milliseconds(copts.transfer_timeout_ms + copts.lease_ms) + Scaled(absl::Seconds(5)));
   EXPECT_EQ((*failed)["still"].get<uint64_t>(), 1u);
-  auto still = f.rollouts[0]->WaitForEvent("verified", 1, absl::Seconds(30));
+  auto still = f.rollouts[0]->WaitForEvent("verified", 1, Scaled(absl::Seconds(30)));
   ASSERT_TRUE(still.ok()) << still.status();
   auto after = f.rollouts[0]->WaitForLine(
       [](const std::string& l) {
         return l.find("\"after_failure\"") != std::string::npos &&
                l.find("\"verified\"") != std::string::npos;
       },
-      absl::Seconds(30));
+      Scaled(absl::Seconds(30)));
   ASSERT_TRUE(after.ok()) << after.status();
   st = cl.WaitForStatus(
       [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 2) == "aborted"; },
-      absl::Seconds(30), "v2 aborted");
+      Scaled(absl::Seconds(30)), "v2 aborted");
   ASSERT_TRUE(st.ok()) << st.status();
-  auto watch_code = (*watch)->WaitExit(absl::Seconds(30));
+  auto watch_code = (*watch)->WaitExit(Scaled(absl::Seconds(30)));
   ASSERT_TRUE(watch_code.ok()) << watch_code.status();
   EXPECT_EQ(*watch_code, 4) << (*watch)->LogTail();
   auto last_line = nlohmann::json::parse((*watch)->Lines().back(), nullptr, false);
@@ -168,22 +168,22 @@ TEST(FaultTest, KillNodeMidTransfer) {
         }
         return false;
       },
-      absl::Seconds(60), "rollout on n2 re-registered");
+      Scaled(absl::Seconds(60)), "rollout on n2 re-registered");
   ASSERT_TRUE(st.ok()) << st.status();
   ASSERT_TRUE(OpenGate(f, 3).ok());
   for (Process* p : f.rollouts) {
-    absl::Status e = ExpectCleanExit(p, absl::Seconds(120));
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
     EXPECT_TRUE(e.ok()) << e;
   }
   for (Process* p : f.trainers) {
-    absl::Status e = ExpectCleanExit(p, absl::Seconds(60));
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
     EXPECT_TRUE(e.ok()) << e;
   }
   for (Process* p : f.rollouts) {
     EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
     EXPECT_GT(VerifiedBytes(p, 3), 0) << p->name() << " did not apply v3";
   }
-  auto rdone = f.rollouts[1]->WaitForEvent("done", 0, absl::Seconds(1));
+  auto rdone = f.rollouts[1]->WaitForEvent("done", 0, Scaled(absl::Seconds(1)));
   ASSERT_TRUE(rdone.ok());
   EXPECT_GE((*rdone)["reconnects"].get<int>(), 1) << "the n2 rollout should have reconnected";
 }
@@ -193,17 +193,17 @@ TEST(FaultTest, AsyncStalenessBound) {
   run.mode = "async";
   run.max_staleness = 1;
   run.versions = 6;
-  run.timeout_ms = 60000;
+  run.timeout_ms = ScaledMs(60000);
   Fixture f;
   // Rollouts take 1 s per generation step; the trainer has no step time at all.
   absl::Status s = StartFixture(f, "stale", ClusterOptions{}, run, /*rollout_step_ms=*/1000);
   ASSERT_TRUE(s.ok()) << s;
   for (Process* p : f.rollouts) {
-    absl::Status e = ExpectCleanExit(p, absl::Seconds(120));
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
     EXPECT_TRUE(e.ok()) << e;
   }
   for (Process* p : f.trainers) {
-    absl::Status e = ExpectCleanExit(p, absl::Seconds(60));
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
     EXPECT_TRUE(e.ok()) << e;
   }
   if (HasFailure()) return;
@@ -234,20 +234,20 @@ TEST(FaultTest, AsyncStalenessBound) {
 
 TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   ClusterOptions copts;
-  copts.lease_ms = 15000;  // n2 is frozen for a few seconds on purpose; it must keep its lease
+  copts.lease_ms = ScaledMs(15000);  // n2 is frozen for a few seconds on purpose; it must keep its lease
   RunOptions run;
   run.mode = "one_step_off";
   run.versions = 3;
   run.tolerate_failures = true;
   run.gate_dir = "gates";
-  run.timeout_ms = 10000;
+  run.timeout_ms = ScaledMs(10000);
   Fixture f;
   absl::Status s = StartFixture(f, "drain", copts, run);
   ASSERT_TRUE(s.ok()) << s;
   Cluster& cl = *f.cluster;
   // v1 goes through normally (plans installed everywhere).
   ASSERT_TRUE(OpenGate(f, 1).ok());
-  s = WaitAllApplied(f, 1, absl::Seconds(90));
+  s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(s.ok()) << s;
 
   // v2 in flight and held there: n2 (a receiver) is frozen.
@@ -255,27 +255,27 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   ASSERT_TRUE(OpenGate(f, 2).ok());
   auto st = cl.WaitForStatus(
       [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 2) == "transferring"; },
-      absl::Seconds(10), "v2 transferring");
+      Scaled(absl::Seconds(10)), "v2 transferring");
   ASSERT_TRUE(st.ok()) << st.status();
 
   // A drain that cannot finish in time says so with exit code 3.
   auto quick = cl.RunWbctl({"drain", "--addr", cl.coordinator_address(), "--timeout", "1s"},
-                           absl::Seconds(30));
+                           Scaled(absl::Seconds(30)));
   ASSERT_TRUE(quick.ok()) << quick.status();
   EXPECT_EQ(*quick, 3);
 
   auto drain = f.harness->Spawn(
       "wbctl-drain", {Runfile("client/wbctl"), "drain", "--addr", cl.coordinator_address(),
-                      "--timeout", "60s", "--json"});
+                      "--timeout", absl::StrCat(60 * kTimeScale, "s"), "--json"});
   ASSERT_TRUE(drain.ok()) << drain.status();
   EXPECT_EQ((*drain)->WaitExit(absl::Seconds(1)).status().code(),
             absl::StatusCode::kDeadlineExceeded)
       << "drain returned while v2 was still in flight";
   cl.node(2)->Signal(SIGCONT);
-  auto code = (*drain)->WaitExit(absl::Seconds(60));
+  auto code = (*drain)->WaitExit(Scaled(absl::Seconds(60)));
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0) << (*drain)->LogTail();
-  s = WaitAllApplied(f, 2, absl::Seconds(60));
+  s = WaitAllApplied(f, 2, Scaled(absl::Seconds(60)));
   ASSERT_TRUE(s.ok()) << s;
   st = cl.Status();
   ASSERT_TRUE(st.ok());
@@ -284,7 +284,7 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   // New work is refused.
   ASSERT_TRUE(OpenGate(f, 3).ok());
   for (Process* t : f.trainers) {
-    auto refused = t->WaitForEvent("publish_failed", 3, absl::Seconds(30));
+    auto refused = t->WaitForEvent("publish_failed", 3, Scaled(absl::Seconds(30)));
     ASSERT_TRUE(refused.ok()) << refused.status();
     EXPECT_EQ((*refused)["code"].get<std::string>(), "UNAVAILABLE") << refused->dump();
     EXPECT_NE((*refused)["message"].get<std::string>().find("draining"), std::string::npos)
@@ -292,10 +292,10 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   }
   // Rollouts give up on v3 after their timeout, still exactly on v2.
   for (Process* r : f.rollouts) {
-    auto failed = r->WaitForEvent("version_failed", 3, absl::Seconds(30));
+    auto failed = r->WaitForEvent("version_failed", 3, Scaled(absl::Seconds(30)));
     ASSERT_TRUE(failed.ok()) << failed.status();
     EXPECT_EQ((*failed)["still"].get<uint64_t>(), 2u);
-    absl::Status e = ExpectCleanExit(r, absl::Seconds(60));
+    absl::Status e = ExpectCleanExit(r, Scaled(absl::Seconds(60)));
     EXPECT_TRUE(e.ok()) << e;
     EXPECT_TRUE(EventsNamed(r, "mismatch").empty());
   }
@@ -306,13 +306,13 @@ TEST(FaultTest, MalformedLayoutIsRejectedAndChangesNothing) {
   run.mode = "one_step_off";
   run.versions = 2;
   run.gate_dir = "gates";
-  run.timeout_ms = 60000;
+  run.timeout_ms = ScaledMs(60000);
   Fixture f;
   absl::Status s = StartFixture(f, "badlayout", ClusterOptions{}, run);
   ASSERT_TRUE(s.ok()) << s;
   Cluster& cl = *f.cluster;
   ASSERT_TRUE(OpenGate(f, 1).ok());
-  s = WaitAllApplied(f, 1, absl::Seconds(90));
+  s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(s.ok()) << s;
   auto before = cl.Status();
   ASSERT_TRUE(before.ok()) << before.status();
@@ -380,12 +380,12 @@ TEST(FaultTest, MalformedLayoutIsRejectedAndChangesNothing) {
 
   ASSERT_TRUE(OpenGate(f, 2).ok());
   for (Process* p : f.rollouts) {
-    absl::Status e = ExpectCleanExit(p, absl::Seconds(120));
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
     EXPECT_TRUE(e.ok()) << e;
     EXPECT_GT(VerifiedBytes(p, 2), 0);
   }
   for (Process* p : f.trainers) {
-    absl::Status e = ExpectCleanExit(p, absl::Seconds(60));
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
     EXPECT_TRUE(e.ok()) << e;
   }
 }

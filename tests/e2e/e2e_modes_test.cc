@@ -51,7 +51,7 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
   run.model_id = "qwen-" + c.layout;
   run.mode = c.mode;
   run.versions = c.mode == "async" ? 3 : 2;
-  run.timeout_ms = 60000;
+  run.timeout_ms = ScaledMs(60000);
   // Both ways a layout reaches the daemon: explicit pieces (computed by the worker from the
   // preset) and the preset by name (computed by the daemon); the worker checks its bytes with its
   // own computation either way.
@@ -88,11 +88,11 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
     r_procs.push_back(*p);
   }
   for (Process* p : r_procs) {
-    absl::Status s = ExpectCleanExit(p, absl::Seconds(240));
+    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(240)));
     EXPECT_TRUE(s.ok()) << s;
   }
   for (Process* p : t_procs) {
-    absl::Status s = ExpectCleanExit(p, absl::Seconds(60));
+    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
     EXPECT_TRUE(s.ok()) << s;
   }
   if (HasFailure()) {
@@ -129,7 +129,7 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
   // The operator's view agrees.
   std::vector<std::string> lines;
   auto code = cl.RunWbctl({"status", "--addr", cl.coordinator_address(), "--json"},
-                          absl::Seconds(30), &lines);
+                          Scaled(absl::Seconds(30)), &lines);
   ASSERT_TRUE(code.ok()) << code.status();
   ASSERT_EQ(*code, 0);
   ASSERT_FALSE(lines.empty());
@@ -146,7 +146,7 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
   EXPECT_TRUE(found) << lines.back();
   code = cl.RunWbctl({"versions", "--addr", cl.coordinator_address(), "--model", run.model_id,
                       "--json"},
-                     absl::Seconds(30), &lines);
+                     Scaled(absl::Seconds(30)), &lines);
   ASSERT_TRUE(code.ok());
   ASSERT_EQ(*code, 0);
   auto versions = nlohmann::json::parse(lines.back(), nullptr, false);
@@ -159,12 +159,12 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
   EXPECT_TRUE(last_committed) << versions.dump();
   // Watching a version that already committed returns at once with 0.
   code = cl.RunWbctl({"watch", "--addr", cl.coordinator_address(), "--model", run.model_id,
-                      "--version", std::to_string(last), "--timeout", "20s", "--json"},
-                     absl::Seconds(30), &lines);
+                      "--version", std::to_string(last), "--timeout", absl::StrCat(20 * kTimeScale, "s"), "--json"},
+                     Scaled(absl::Seconds(30)), &lines);
   ASSERT_TRUE(code.ok());
   EXPECT_EQ(*code, 0);
   code = cl.RunWbctl({"versions", "--addr", cl.coordinator_address(), "--model", "nope"},
-                     absl::Seconds(30));
+                     Scaled(absl::Seconds(30)));
   ASSERT_TRUE(code.ok());
   EXPECT_EQ(*code, 6);  // unknown model
 }

@@ -42,8 +42,9 @@ int64_t VerifiedBytes(const Process* p, uint64_t version) {
 }
 
 std::string ModelConfigPath(bool full) {
-  return Runfile(full ? "tests/e2e/testdata/qwen2.5-0.5b.json"
-                      : "tests/e2e/testdata/qwen2.5-0.5b-2layer.json");
+  if (full) return Runfile("tests/e2e/testdata/qwen2.5-0.5b.json");
+  return Runfile(kTimeScale > 1 ? "tests/e2e/testdata/qwen2.5-0.5b-2layer-sanitizer.json"
+                                : "tests/e2e/testdata/qwen2.5-0.5b-2layer.json");
 }
 
 int64_t ModelBytes(const std::string& config_path) {

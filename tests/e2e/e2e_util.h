@@ -22,8 +22,11 @@ absl::Status ExpectCleanExit(const Process* p, absl::Duration timeout);
 // Sum of the "bytes" of rollout `p`'s "verified" events for `version` with why == "applied".
 int64_t VerifiedBytes(const Process* p, uint64_t version);
 
-// Path of the test model config (the reduced 2-layer Qwen2.5-0.5B unless `full`).
+// Path of the test model config (the reduced 2-layer Qwen2.5-0.5B unless `full`; in sanitizer
+// builds, the same family with a smaller vocabulary and MLP, testdata/README.md).
 std::string ModelConfigPath(bool full = false);
+
+// kTimeScale / Scaled / ScaledMs (sanitizer builds): harness.h.
 
 // Total bytes (bf16) of the model's canonical tensors.
 int64_t ModelBytes(const std::string& config_path);

@@ -34,6 +34,20 @@
 
 namespace wb::e2e {
 
+// Sanitizer builds (--config=asan / tsan) run 5-30x slower. The e2e tests then move a smaller
+// model and stretch every time limit and timeout they set by this factor (1 in normal builds), so
+// the same assertions hold: bounds are scaled, never dropped.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr int kTimeScale = 4;
+#elif defined(__SANITIZE_ADDRESS__)
+inline constexpr int kTimeScale = 2;
+#else
+inline constexpr int kTimeScale = 1;
+#endif
+inline absl::Duration Scaled(absl::Duration d) { return d * kTimeScale; }
+inline int64_t ScaledMs(int64_t ms) { return ms * kTimeScale; }
+
+
 // Path of a binary in this test's runfiles (e.g. "daemon/weightbridged"); falls back to the path
 // relative to the current directory when not running under Bazel.
 std::string Runfile(const std::string& workspace_relative_path);
