@@ -34,14 +34,7 @@ std::string Cluster::worker_socket(int i) const {
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(Harness* harness, ClusterOptions options) {
   std::unique_ptr<Cluster> c(new Cluster(harness, std::move(options)));
-  const std::string daemon = Runfile("daemon/weightbridged");
-  std::vector<std::string> argv = {daemon, "--role=coordinator", "--listen=127.0.0.1:0",
-                                   "--port_file=" + harness->Path("coordinator.port")};
-  for (const auto& f : c->DaemonFlags()) argv.push_back(f);
-  ASSIGN_OR_RETURN(c->coordinator_, harness->Spawn("coordinator", argv));
-  ASSIGN_OR_RETURN(c->coord_port_, harness->WaitForPortFile(harness->Path("coordinator.port"),
-                                                            c->options_.start_timeout,
-                                                            c->coordinator_));
+  RETURN_IF_ERROR(c->StartCoordinator("127.0.0.1:0"));
   c->nodes_.resize(c->options_.num_nodes, nullptr);
   c->node_ports_.resize(c->options_.num_nodes, 0);
   c->node_starts_.resize(c->options_.num_nodes, 0);
@@ -57,6 +50,28 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Start(Harness* harness, Cluste
                        c->options_.start_timeout, "all nodes registered")
                       .status());
   return c;
+}
+
+absl::Status Cluster::StartCoordinator(const std::string& listen) {
+  const int start = ++coord_starts_;
+  const std::string name = start == 1 ? "coordinator" : absl::StrCat("coordinator-", start);
+  const std::string port_file = harness_->Path(name + ".port");
+  std::vector<std::string> argv = {Runfile("daemon/weightbridged"), "--role=coordinator", "--listen=" + listen,
+                                   "--port_file=" + port_file};
+  for (const auto& f : DaemonFlags()) argv.push_back(f);
+  ASSIGN_OR_RETURN(coordinator_, harness_->Spawn(name, argv));
+  ASSIGN_OR_RETURN(coord_port_, harness_->WaitForPortFile(port_file, options_.start_timeout, coordinator_));
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::KillCoordinator() {
+  coordinator_->Kill();
+  return coordinator_->WaitExit(absl::Seconds(10)).status();
+}
+
+absl::Status Cluster::RestartCoordinator() {
+  if (!coordinator_->Exited()) return absl::FailedPreconditionError("the coordinator still runs");
+  return StartCoordinator(absl::StrCat("127.0.0.1:", coord_port_));
 }
 
 absl::Status Cluster::StartNode(int i) {

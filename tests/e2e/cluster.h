@@ -66,6 +66,11 @@ class Cluster {
   Process* coordinator() const { return coordinator_; }
   Process* node(int i) const { return nodes_[i]; }
 
+  // kill -9 of the coordinator, waited for.
+  absl::Status KillCoordinator();
+  // Starts the coordinator again on the same port (nodes keep dialling that address) and waits
+  // for its port file. Nodes re-register on their own.
+  absl::Status RestartCoordinator();
   // kill -9 of node i, waited for.
   absl::Status KillNode(int i);
   // Starts node i again (same id and worker socket) and waits for its port file.
@@ -87,12 +92,14 @@ class Cluster {
  private:
   Cluster(Harness* h, ClusterOptions o) : harness_(h), options_(std::move(o)) {}
   absl::Status StartNode(int i);
+  absl::Status StartCoordinator(const std::string& listen);
   std::vector<std::string> DaemonFlags() const;
 
   Harness* harness_;
   ClusterOptions options_;
   Process* coordinator_ = nullptr;
   int coord_port_ = 0;
+  int coord_starts_ = 0;
   std::vector<Process*> nodes_;
   std::vector<int> node_ports_;
   std::vector<int> node_starts_;

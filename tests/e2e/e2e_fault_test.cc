@@ -188,6 +188,87 @@ TEST(FaultTest, KillNodeMidTransfer) {
   EXPECT_GE((*rdone)["reconnects"].get<int>(), 1) << "the n2 rollout should have reconnected";
 }
 
+// kill -9 of the coordinator process while a version is in flight, restart on the same address:
+// the nodes re-register with their workers, layouts and committed versions; the in-flight version
+// is aborted everywhere (rollouts keep exactly v1), and v3 then flows to every rollout with the
+// same worker processes. (daemon/multinode_test covers the same in one process.)
+TEST(FaultTest, KillCoordinatorMidTransfer) {
+  ClusterOptions copts;
+  copts.lease_ms = ScaledMs(3000);
+  copts.transfer_timeout_ms = ScaledMs(20000);
+  RunOptions run;
+  run.mode = "one_step_off";
+  run.versions = 3;
+  run.tolerate_failures = true;
+  run.gate_dir = "gates";
+  run.timeout_ms = ScaledMs(60000);
+  Fixture f;
+  absl::Status s = StartFixture(f, "killcoord", copts, run);
+  ASSERT_TRUE(s.ok()) << s;
+  Cluster& cl = *f.cluster;
+  ASSERT_TRUE(OpenGate(f, 1).ok());
+  s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(s.ok()) << s;
+
+  // Freeze n2 so that v2 cannot finish, let v2 start, then kill the coordinator.
+  cl.node(2)->Signal(SIGSTOP);
+  ASSERT_TRUE(OpenGate(f, 2).ok());
+  auto st = cl.WaitForStatus(
+      [&](const pb::StatusResponse& r) {
+        std::string state = VersionState(r, f.run.model_id, 2);
+        return state == "transferring" || state == "queued";
+      },
+      Scaled(absl::Seconds(60)), "v2 in flight");
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_TRUE(cl.KillCoordinator().ok());
+  ASSERT_TRUE(cl.RestartCoordinator().ok());
+  cl.node(2)->Signal(SIGCONT);
+
+  // Both rollouts were waiting in Apply(v2) (the one on n2 through its frozen node): each is told
+  // v2 is gone, names why, and still holds exactly v1 (the worker checks every byte).
+  for (Process* r : f.rollouts) {
+    auto failed = r->WaitForEvent("version_failed", 2, Scaled(absl::Seconds(60)));
+    ASSERT_TRUE(failed.ok()) << r->name() << ": " << failed.status();
+    EXPECT_EQ((*failed)["still"].get<uint64_t>(), 1u) << r->LogTail();
+    EXPECT_NE((*failed).value("message", "").find("coordinator restarted"), std::string::npos) << (*failed).dump();
+    auto still = r->WaitForLine(
+        [](const std::string& l) {
+          return l.find("\"after_failure\"") != std::string::npos && l.find("\"verified\"") != std::string::npos;
+        },
+        Scaled(absl::Seconds(30)));
+    ASSERT_TRUE(still.ok()) << r->name() << ": " << still.status();
+  }
+
+  // Every node, worker and layout is back in the new coordinator without any worker restarting.
+  st = cl.WaitForStatus(
+      [&](const pb::StatusResponse& r) {
+        int alive = 0;
+        for (const auto& n : r.nodes()) alive += n.alive();
+        for (const auto& m : r.models()) {
+          if (m.model_id() == f.run.model_id) return alive == 3 && m.registered_rollouts() == 2;
+        }
+        return false;
+      },
+      Scaled(absl::Seconds(60)), "cluster rebuilt from the nodes");
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(VersionState(*st, f.run.model_id, 2) == "committed", false) << "v2 must not be committed";
+
+  ASSERT_TRUE(OpenGate(f, 3).ok());
+  for (Process* p : f.rollouts) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.trainers) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.rollouts) {
+    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
+    EXPECT_EQ(VerifiedBytes(p, 2), 0) << p->name() << " applied the aborted v2";
+    EXPECT_GT(VerifiedBytes(p, 3), 0) << p->name() << " did not apply v3";
+  }
+}
+
 TEST(FaultTest, AsyncStalenessBound) {
   RunOptions run;
   run.mode = "async";
