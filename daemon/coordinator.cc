@@ -436,6 +436,15 @@ grpc::Status Coordinator::ReportReady(grpc::ServerContext*, const pb::ReportRead
 }
 
 grpc::Status Coordinator::ReportDone(grpc::ServerContext*, const pb::ReportDoneRequest* req, pb::ReportDoneResponse*) {
+  if (!req->coordinator_instance().empty() && req->coordinator_instance() != instance_) {
+    // An executor started by the previous coordinator process finished late: that version was
+    // aborted on the node when it re-registered, and this coordinator may run the same version
+    // number again. Its outcome must not touch this coordinator's versions.
+    Log(LogLevel::kInfo, "stale ReportDone ignored",
+        {{"node", req->node_id()}, {"model", req->model_id()}, {"version", req->version()},
+         {"from_instance", req->coordinator_instance()}, {"instance", instance_}});
+    return grpc::Status::OK;
+  }
   absl::MutexLock l(&mu_);
   auto mm = GetModelLocked(req->model_id());
   if (!mm.ok()) return ToGrpcStatus(mm.status());
@@ -918,6 +927,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         req.set_version(v);
         req.set_plan_epoch(epoch);
         req.set_timeout_ms(timeout_ms);
+        req.set_coordinator_instance(instance_);
         pb::ExecuteVersionResponse resp;
         absl::Status s = FromGrpcStatus(stub->ExecuteVersion(&ctx, req, &resp));
         if (!s.ok()) {

@@ -581,6 +581,56 @@ TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
   c.Stop();
 }
 
+// An executor started by a previous coordinator process may report after the restart, possibly
+// about a version number the new coordinator is running again. Such a ReportDone names the old
+// coordinator instance and must not abort (or complete) the new coordinator's version.
+TEST(FaultTest, StaleReportDoneFromBeforeRestartIsIgnored) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  absl::Notification entered, release;
+  c.StartNode(0, [&](const std::string&, uint64_t version, uint32_t) {
+    if (version != 1 || entered.HasBeenNotified()) return;  // hold the first batch of version 1
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  });
+  c.StartNode(1);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  // Version 1 is held mid-transfer on n0. Failure reports about it from a stale executor (another
+  // coordinator instance) arrive first.
+  auto coord = pb::CoordinatorService::NewStub(grpc::CreateChannel(c.coord_->address(), grpc::InsecureChannelCredentials()));
+  for (const char* node : {"n0", "n1"}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pb::ReportDoneRequest req;
+    req.set_node_id(node);
+    req.set_model_id("m");
+    req.set_version(1);
+    req.set_ok(false);
+    req.set_error("transfer failed in an executor of the previous coordinator");
+    req.set_coordinator_instance("previous-coordinator-instance");
+    pb::ReportDoneResponse resp;
+    EXPECT_TRUE(coord->ReportDone(&ctx, req, &resp).ok());
+  }
+  release.Notify();
+  pb::ApplyResponse resp;
+  for (TestWorker* r : {&r0, &r1}) {
+    grpc::Status s = c.Apply(*r, "m", 1, &resp);
+    ASSERT_TRUE(s.ok()) << r->id << ": " << s.error_message();
+    EXPECT_EQ(resp.applied_version(), 1u);
+    EXPECT_EQ(CountBad(*r, 1), 0) << r->id;
+  }
+  ASSERT_TRUE(WaitCommitted(t0, "m", 1).ok());
+  c.Stop();
+}
+
 // A CUDA IPC buffer on a node without a cuda_ipc transport (no GPU here) is refused clearly at
 // RegisterLayout and changes nothing (the worker can still register host memory).
 TEST(FaultTest, CudaBufferWithoutGpuIsRefusedClearly) {

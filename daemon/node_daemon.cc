@@ -535,6 +535,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     if (!exec.ok()) return ToGrpcStatus(exec.status());
     if ((*exec)->started) return grpc::Status::OK;
     (*exec)->started = true;
+    (*exec)->coordinator_instance = req->coordinator_instance();
     (*exec)->deadline = absl::Now() + absl::Milliseconds(req->timeout_ms() > 0 ? req->timeout_ms() : 60000);
     // Answers at once: staging is allocated and every copy runs on the executor thread.
     // Snapshots older than this version can never be sent any more (superseded).
@@ -1284,6 +1285,7 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   req.set_error(std::string(s.message()));
   req.set_bytes(exec->bytes_done.load());
   req.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
+  req.set_coordinator_instance(exec->coordinator_instance);
   pb::ReportDoneResponse resp;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Now() + absl::Seconds(10));

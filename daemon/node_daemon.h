@@ -145,6 +145,7 @@ class NodeDaemon {
     std::string model_id;
     uint64_t version = 0;
     uint64_t epoch = 0;
+    std::string coordinator_instance;  // of the ExecuteVersion that started it (set under mu_ before the thread)
     std::shared_ptr<const ModelPlan> plan;
     std::map<std::string, std::shared_ptr<Bytes>> incoming;  // local rollout worker -> staging
     std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
