@@ -1,5 +1,8 @@
 #include "client/ctl_client.h"
 
+#include <algorithm>
+#include <optional>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -72,6 +75,79 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
       FromGrpcStatus(pb::NodeService::NewStub(channel_)->Status(&ctx, pb::StatusRequest(), &resp)));
   if (source) *source = "node";
   return resp;
+}
+
+absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
+                                  const StatusFn& on_status, bool* stopped) {
+  *stopped = false;
+  if (addr_.unix_socket) {
+    return absl::UnimplementedError(
+        "status push needs the coordinator's TCP address, not a worker socket (use FetchStatus)");
+  }
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return absl::OkStatus();
+  pb::WatchStatusRequest req;
+  req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(left)));
+  grpc::ClientContext ctx;
+  // The coordinator ends the stream (OK) at timeout_ms; the RPC deadline is a little later so
+  // that its OK normally ends it (a DEADLINE_EXCEEDED at or after `deadline` counts as OK too).
+  ctx.set_deadline(absl::ToChronoTime(deadline + absl::Milliseconds(200)));
+  ctx.set_wait_for_ready(wait_for_ready);
+  auto stub = pb::CoordinatorService::NewStub(channel_);
+  std::unique_ptr<grpc::ClientReader<pb::StatusResponse>> reader = stub->WatchStatus(&ctx, req);
+  pb::StatusResponse msg;
+  while (reader->Read(&msg)) {
+    if (!on_status(msg)) {
+      *stopped = true;
+      ctx.TryCancel();
+      (void)reader->Finish();  // CANCELLED: ours
+      return absl::OkStatus();
+    }
+  }
+  absl::Status s = FromGrpcStatus(reader->Finish());
+  if (absl::IsDeadlineExceeded(s) && absl::Now() >= deadline) return absl::OkStatus();
+  return s;
+}
+
+absl::Status CtlClient::WatchStatus(absl::Time deadline, const StatusFn& on_status) {
+  while (true) {
+    bool stopped = false;
+    RETURN_IF_ERROR(WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped));
+    if (stopped || absl::Now() >= deadline) return absl::OkStatus();
+    // Ended OK before our deadline: the coordinator's cap on one stream. Open the next one.
+  }
+}
+
+absl::StatusOr<pb::StatusResponse> CtlClient::WaitForStatus(const StatusFn& pred,
+                                                            absl::Time deadline,
+                                                            pb::StatusResponse* last) {
+  std::optional<pb::StatusResponse> match;
+  absl::Status last_error;
+  while (absl::Now() < deadline) {
+    bool stopped = false;
+    absl::Status s = WatchOnce(deadline, /*wait_for_ready=*/true,
+                               [&](const pb::StatusResponse& status) {
+                                 if (last) *last = status;
+                                 if (!pred(status)) return true;
+                                 match = status;
+                                 return false;
+                               },
+                               &stopped);
+    if (match.has_value()) return *std::move(match);
+    if (s.ok()) continue;  // the stream ended at the coordinator's cap (or our deadline)
+    if (!absl::IsUnavailable(s)) return s;
+    last_error = s;
+    // A coordinator shutting down answers UNAVAILABLE over a connection that is still up: wait
+    // for that connection to go (bounded) before re-opening, rather than spinning on it;
+    // wait_for_ready then holds the next call until a coordinator accepts it again.
+    if (channel_->GetState(false) == GRPC_CHANNEL_READY) {
+      channel_->WaitForStateChange(GRPC_CHANNEL_READY,
+                                   absl::ToChronoTime(std::min(deadline, absl::Now() + absl::Seconds(1))));
+    }
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "status condition not reached before the deadline",
+      last_error.ok() ? "" : absl::StrCat(" (last stream error: ", last_error.ToString(), ")")));
 }
 
 absl::StatusOr<pb::DrainResponse> CtlClient::Drain(const std::string& node_id,

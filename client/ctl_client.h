@@ -5,10 +5,14 @@
 //
 //  - FetchStatus: CoordinatorService.ClusterStatus (cluster view); on UNIMPLEMENTED,
 //    NodeService.Status (one node's view); over unix:, WorkerService.Status.
+//  - WatchStatus / WaitForStatus: CoordinatorService.WatchStatus, the coordinator's status push
+//    (a standalone daemon serves it too). Node daemons and worker sockets have no push API:
+//    UNIMPLEMENTED there (use FetchStatus).
 //  - Drain: CoordinatorService.Drain (node_id empty = whole cluster); on UNIMPLEMENTED,
 //    NodeService.Drain. Not available over a worker socket (INVALID_ARGUMENT).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -43,6 +47,22 @@ class CtlClient {
   // The daemon's status. `source` (optional) receives "coordinator", "node" or "worker socket".
   absl::StatusOr<weightbridge::v1::StatusResponse> FetchStatus(absl::Duration timeout,
                                                                std::string* source = nullptr);
+  // Called with each status a stream delivers; return false to stop watching.
+  using StatusFn = std::function<bool(const weightbridge::v1::StatusResponse&)>;
+  // Status push: calls `on_status` with the current status at once, then again whenever the
+  // coordinator's status changes (a change not signalled explicitly shows up within ~1 s: the
+  // coordinator's safety net, docs/daemon.md "Status push"). Returns OK when `on_status` returns
+  // false or `deadline` passes (a stream the coordinator ends earlier at its 10 min cap is
+  // re-opened, starting again with the current status). Errors keep the daemon's code:
+  // UNAVAILABLE (coordinator gone or shutting down), UNIMPLEMENTED (not a coordinator),
+  // RESOURCE_EXHAUSTED (too many watchers there). Never re-connects on errors.
+  absl::Status WatchStatus(absl::Time deadline, const StatusFn& on_status);
+  // Blocks until `pred` holds for the coordinator's status and returns that status. Built on
+  // WatchStatus; a stream lost to UNAVAILABLE (coordinator restarting) is re-opened, waiting for
+  // the coordinator to be reachable again, until `deadline`. DEADLINE_EXCEEDED when `pred` did not
+  // hold by then (naming the last stream error); `last` (optional) receives the last status seen.
+  absl::StatusOr<weightbridge::v1::StatusResponse> WaitForStatus(
+      const StatusFn& pred, absl::Time deadline, weightbridge::v1::StatusResponse* last = nullptr);
   // Drains `node_id` (empty: the cluster, or the node itself when talking to a node daemon),
   // waiting up to `timeout` for in-flight versions to finish.
   absl::StatusOr<weightbridge::v1::DrainResponse> Drain(const std::string& node_id,
@@ -50,6 +70,10 @@ class CtlClient {
   const CtlAddress& address() const { return addr_; }
 
  private:
+  // One stream until `deadline`. *stopped = on_status returned false. wait_for_ready: the call
+  // waits for the channel to (re)connect instead of failing fast.
+  absl::Status WatchOnce(absl::Time deadline, bool wait_for_ready, const StatusFn& on_status,
+                         bool* stopped);
   CtlClient(CtlAddress addr, std::shared_ptr<grpc::Channel> channel)
       : addr_(std::move(addr)), channel_(std::move(channel)) {}
   CtlAddress addr_;

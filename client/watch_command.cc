@@ -1,6 +1,7 @@
 #include "client/watch_command.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -43,18 +44,22 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
   std::string followed_model;
   uint64_t followed = *version;
   bool waiting_reported = false;
-  while (true) {
-    auto status = (*client)->FetchStatus(rpc_timeout);
-    if (!status.ok()) {
-      err << "wbctl watch: " << status.status() << "\n";
-      return kCtlRpcFailed;
-    }
-    auto v = PickWatched(*status, followed_model.empty() ? model : followed_model, followed);
+  absl::Time last_line = absl::InfinitePast();
+  // One status sample: prints what changed; returns the exit code once the watch is over.
+  auto handle = [&](const weightbridge::v1::StatusResponse& status) -> std::optional<int> {
+    auto v = PickWatched(status, followed_model.empty() ? model : followed_model, followed);
     if (v.has_value()) {
       // Stick to the first version found, even after it turns final.
       followed = v->version();
       followed_model = v->model_id();
-      WatchProgress::Line line = progress.Update(*v, absl::Now());
+      const absl::Time now = absl::Now();
+      WatchProgress next = progress;
+      WatchProgress::Line line = next.Update(*v, now);
+      // --interval: at most one progress line per interval (pushes can come faster, e.g. per
+      // node heartbeat while bytes move); the first and the final line are printed at once.
+      if (!line.final && now - last_line < *interval) return std::nullopt;
+      progress = next;
+      last_line = now;
       if (json) {
         out << WatchProgress::ToJson(line).dump() << "\n";
       } else {
@@ -62,7 +67,7 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
       }
       out.flush();
       if (line.final) return line.state == "aborted" ? kCtlVersionAborted : kCtlOk;
-    } else if (*version > 0 && !model.empty() && !HasModel(*status, model)) {
+    } else if (*version > 0 && !model.empty() && !HasModel(status, model)) {
       err << "wbctl watch: no model '" << model << "'\n";
       return kCtlNotFound;
     } else if (!waiting_reported && !json) {
@@ -70,13 +75,39 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
       out.flush();
       waiting_reported = true;
     }
-    if (absl::Now() + *interval > deadline) {
-      err << "wbctl watch: timed out after " << absl::FormatDuration(*timeout)
-          << (followed ? absl::StrCat(" watching v", followed) : std::string(" with no version running"))
-          << "\n";
-      return kCtlWatchTimeout;
+    return std::nullopt;
+  };
+  auto timed_out = [&] {
+    err << "wbctl watch: timed out after " << absl::FormatDuration(*timeout)
+        << (followed ? absl::StrCat(" watching v", followed) : std::string(" with no version running"))
+        << "\n";
+    return kCtlWatchTimeout;
+  };
+
+  // A coordinator (or standalone daemon) pushes every status change (WatchStatus).
+  std::optional<int> code;
+  bool got_any = false;
+  absl::Status s = (*client)->WatchStatus(deadline, [&](const weightbridge::v1::StatusResponse& status) {
+    got_any = true;
+    code = handle(status);
+    return !code.has_value();
+  });
+  if (code.has_value()) return *code;
+  if (s.ok()) return timed_out();
+  if (got_any || s.code() != absl::StatusCode::kUnimplemented) {
+    err << "wbctl watch: " << s << "\n";
+    return kCtlRpcFailed;
+  }
+  // A node daemon or a worker socket has no push API: read its status every --interval.
+  while (true) {
+    auto status = (*client)->FetchStatus(rpc_timeout);
+    if (!status.ok()) {
+      err << "wbctl watch: " << status.status() << "\n";
+      return kCtlRpcFailed;
     }
-    absl::SleepFor(*interval);  // the display's refresh period
+    if (auto c = handle(*status); c.has_value()) return *c;
+    if (absl::Now() + *interval > deadline) return timed_out();
+    absl::SleepFor(*interval);  // the fallback's refresh period (no push from this daemon)
   }
 }
 

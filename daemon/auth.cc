@@ -561,6 +561,12 @@ WB_COORD_CALL(Drain, DrainRequest, DrainResponse)
 WB_COORD_CALL(Plan, PlanRequest, PlanResponse)
 #undef WB_COORD_CALL
 
+grpc::Status TokenCoordinatorService::WatchStatus(grpc::ServerContext* ctx, const pb::WatchStatusRequest* req,
+                                                  grpc::ServerWriter<pb::StatusResponse>* writer) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  return inner_->WatchStatus(ctx, req, writer);
+}
+
 grpc::Status TokenCoordinatorService::CreateModel(grpc::ServerContext* ctx, const pb::CreateModelRequest* req,
                                                   pb::CreateModelResponse* resp) {
   if (grpc::Status s = Check(ctx); !s.ok()) return s;

@@ -184,6 +184,7 @@ class TokenCoordinatorService final : public pb::CoordinatorService::Service {
   grpc::Status ClusterStatus(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
   grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest*, pb::DrainResponse*) override;
   grpc::Status Plan(grpc::ServerContext*, const pb::PlanRequest*, pb::PlanResponse*) override;
+  grpc::Status WatchStatus(grpc::ServerContext*, const pb::WatchStatusRequest*, grpc::ServerWriter<pb::StatusResponse>*) override;
 
  private:
   grpc::Status Check(grpc::ServerContext* ctx);

@@ -120,6 +120,7 @@ absl::Status Coordinator::CreateModelLocked(const pb::ModelSpec& spec, bool* cre
                                          {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
                                          {"trainers", spec.num_trainer_workers()}, {"rollouts", spec.num_rollout_workers()}});
   models_.emplace(spec.model_id(), std::move(m));
+  StatusChangedLocked();
   *created = true;
   return absl::OkStatus();
 }
@@ -166,6 +167,7 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
   resp->set_incarnation(n.incarnation);
   resp->set_coordinator_instance(instance_);
   wake_ = true;
+  StatusChangedLocked();
   return grpc::Status::OK;
 }
 
@@ -183,7 +185,12 @@ grpc::Status Coordinator::Heartbeat(grpc::ServerContext*, const pb::HeartbeatReq
   it->second.lease_expiry = std::max(it->second.lease_expiry, received + it->second.lease);
   for (const pb::VersionProgress& p : req->progress()) {
     auto m = models_.find(p.model_id());
-    if (m != models_.end()) m->second.progress[p.version()][req->node_id()] = p.bytes_done();
+    if (m == models_.end()) continue;
+    uint64_t& done = m->second.progress[p.version()][req->node_id()];
+    // New bytes of a running version are news for watchers (wbctl watch shows progress); a beat
+    // that only renews the lease is not (lease_left_ms is left to the safety net).
+    if (done != p.bytes_done()) StatusChangedLocked();
+    done = p.bytes_done();
   }
   resp->set_lease_ms(absl::ToInt64Milliseconds(it->second.lease));
   return grpc::Status::OK;
@@ -233,6 +240,7 @@ grpc::Status Coordinator::JoinWorker(grpc::ServerContext*, const pb::JoinWorkerR
                                               {"committed", req->committed_version()}, {"applied", req->applied_version()}});
   }
   model.workers[req->worker_id()] = std::move(rec);
+  StatusChangedLocked();
   InventoryToProto(model.inventory, resp->mutable_tensors());
   *resp->mutable_model() = model.spec;
   resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
@@ -298,6 +306,7 @@ grpc::Status Coordinator::SubmitLayout(grpc::ServerContext*, const pb::SubmitLay
   *resp->mutable_layout() = std::move(resolved);
   m.plan_dirty = true;
   wake_ = true;
+  StatusChangedLocked();
   return grpc::Status::OK;
 }
 
@@ -317,6 +326,7 @@ void Coordinator::DropWorkerLocked(Model& m, const std::string& worker, const st
     }
   }
   wake_ = true;
+  StatusChangedLocked();
 }
 
 void Coordinator::AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason) {
@@ -344,6 +354,7 @@ void Coordinator::AbortLocked(const std::string& model_id, Model& m, uint64_t ve
     }
   });
   wake_ = true;
+  StatusChangedLocked();
 }
 
 grpc::Status Coordinator::LeaveWorker(grpc::ServerContext*, const pb::LeaveWorkerRequest* req, pb::LeaveWorkerResponse*) {
@@ -400,6 +411,7 @@ grpc::Status Coordinator::Publish(grpc::ServerContext*, const pb::CoordPublishRe
   absl::Status s = m->machine->RecordPublish(req->worker_id(), v);
   if (!s.ok()) return ToGrpcStatus(Annotate(s, absl::StrCat("publish by ", req->worker_id())));
   wake_ = true;
+  StatusChangedLocked();
   if (m->machine->mode() == ModeKind::kSync) {
     // Sync: the trainer's live weights are the source, so it waits until the version is in.
     auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
@@ -432,6 +444,7 @@ grpc::Status Coordinator::ReportReady(grpc::ServerContext*, const pb::ReportRead
   (*mm)->machine->RecordReady(req->worker_id());
   resp->set_committed_version((*mm)->machine->committed());
   wake_ = true;
+  StatusChangedLocked();
   return grpc::Status::OK;
 }
 
@@ -454,6 +467,7 @@ grpc::Status Coordinator::ReportDone(grpc::ServerContext*, const pb::ReportDoneR
     return grpc::Status::OK;
   }
   m.progress[req->version()][req->node_id()] = req->bytes();
+  StatusChangedLocked();
   if (m.machine->NodeDone(req->node_id(), req->version())) {
     m.committing = req->version();
     wake_ = true;
@@ -466,6 +480,7 @@ grpc::Status Coordinator::ReportApplied(grpc::ServerContext*, const pb::ReportAp
   auto mm = GetModelLocked(req->model_id());
   if (!mm.ok()) return ToGrpcStatus(mm.status());
   (*mm)->machine->RecordApplied(req->worker_id(), req->version());
+  StatusChangedLocked();
   return grpc::Status::OK;
 }
 
@@ -566,6 +581,77 @@ grpc::Status Coordinator::ClusterStatus(grpc::ServerContext*, const pb::StatusRe
   return grpc::Status::OK;
 }
 
+bool Coordinator::AwaitStatusWatchersAtMost(int n, absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto few = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return status_watchers_ <= n; };
+  return mu_.AwaitWithDeadline(absl::Condition(&few), deadline);
+}
+
+grpc::Status Coordinator::WatchStatus(grpc::ServerContext* ctx, const pb::WatchStatusRequest* req,
+                                      grpc::ServerWriter<pb::StatusResponse>* writer) {
+  const absl::Duration timeout =
+      req->timeout_ms() > 0 ? std::min(absl::Milliseconds(req->timeout_ms()), kWatchMaxTimeout) : kWatchDefaultTimeout;
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_) return ToGrpcStatus(absl::UnavailableError("coordinator shutting down"));
+    if (status_watchers_ >= options_.max_status_watchers) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+          "WatchStatus: ", status_watchers_, " status watchers open already (limit max_status_watchers = ",
+          options_.max_status_watchers, "); use ClusterStatus or close a watcher")));
+    }
+    ++status_watchers_;
+  }
+  // The slot is freed however the stream ends (deadline, cancelled client, shutdown, write error).
+  struct Slot {
+    Coordinator* c;
+    ~Slot() {
+      absl::MutexLock l(&c->mu_);
+      --c->status_watchers_;
+    }
+  } slot{this};
+
+  uint64_t seen = 0;
+  bool first = true;
+  std::string last_sent;
+  absl::Time next_rebuild = absl::InfinitePast();
+  while (true) {
+    pb::StatusResponse status;
+    bool built = false;
+    {
+      absl::MutexLock l(&mu_);
+      if (!first) {
+        // Wake on a change, on Shutdown, for the safety-net rebuild, at the stream's deadline, and
+        // every kWatchCancelCheck to notice a client that went away (gRPC's sync API has no
+        // cancellation callback that could signal mu_).
+        auto changed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || status_generation_ != seen; };
+        const absl::Time wake = std::min({deadline, next_rebuild, absl::Now() + kWatchCancelCheck});
+        mu_.AwaitWithDeadline(absl::Condition(&changed), wake);
+      }
+      if (stopping_) return ToGrpcStatus(absl::UnavailableError("coordinator shutting down: status stream closed"));
+      if (first || status_generation_ != seen || absl::Now() >= next_rebuild) {
+        seen = status_generation_;
+        status.set_role("coordinator");
+        FillStatusLocked(&status);
+        built = true;
+      }
+    }
+    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "status watcher went away");
+    if (built) {
+      next_rebuild = absl::Now() + options_.status_resend;
+      std::string bytes;
+      status.SerializeToString(&bytes);
+      // Deterministic enough for a change check: same fields in the same order from one process.
+      if (first || bytes != last_sent) {
+        if (!writer->Write(status)) return grpc::Status(grpc::StatusCode::CANCELLED, "status watcher went away (write failed)");
+        last_sent = std::move(bytes);
+      }
+      first = false;
+    }
+    if (absl::Now() >= deadline) return grpc::Status::OK;
+  }
+}
+
 grpc::Status Coordinator::Drain(grpc::ServerContext*, const pb::DrainRequest* req, pb::DrainResponse* resp) {
   const absl::Time deadline = RequestDeadline(req->timeout_ms());
   absl::MutexLock l(&mu_);
@@ -577,6 +663,7 @@ grpc::Status Coordinator::Drain(grpc::ServerContext*, const pb::DrainRequest* re
     if (it == nodes_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("unknown node ", req->node_id())));
     it->second.draining = true;
   }
+  StatusChangedLocked();
   // Drained when nothing the drain covers is queued or transferring.
   auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     if (stopping_) return true;
@@ -797,6 +884,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
       continue;
     }
     n.alive = false;
+    StatusChangedLocked();
     std::string reason = absl::StrCat("node ", nid, " lost its lease");
     Log(LogLevel::kWarning, "node lost", {{"node", nid}, {"reason", reason}});
     for (auto& [mid, m] : models_) {
@@ -857,6 +945,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         mp->machine->Prune(64);
         mp->committing = 0;
         wake_ = true;
+        StatusChangedLocked();
       });
       continue;
     }
@@ -872,6 +961,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
       if (!ready) continue;
       auto slices = MakeSlicesLocked(mid, m);
       m.plan_dirty = false;
+      StatusChangedLocked();  // a new plan (fingerprint, stats) or the planner's error
       if (!slices.ok()) {
         m.plan_error = std::string(slices.status().message());
         continue;
@@ -910,6 +1000,7 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
     if (!next) continue;
     uint64_t v = *next;
     m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes);
+    StatusChangedLocked();
     Log(LogLevel::kInfo, "version started", {{"model", mid}, {"version", v}, {"epoch", m.plan.epoch}, {"nodes", m.plan.nodes.size()},
                                              {"bytes", m.plan.total_bytes}});
     std::vector<std::pair<std::string, std::shared_ptr<pb::NodeService::Stub>>> stubs;

@@ -6,6 +6,9 @@
 // Threads: gRPC handlers mutate state under mu_ and wake the driver; the driver does every
 // coordinator -> node RPC (install/execute/commit/abort) outside the lock. Waiting handlers
 // (Publish, WaitVersion, Drain) block on mu_ with a real-time deadline from the request.
+//
+// Status push (WatchStatus): every change to what ClusterStatus reports bumps status_generation_
+// under mu_; each watcher stream waits on that counter (docs/daemon.md "Status push").
 
 #include <functional>
 #include <map>
@@ -51,7 +54,17 @@ class Coordinator final : public pb::CoordinatorService::Service {
     std::string local_node;
     // Channel to a node's NodeService (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
+    // WatchStatus: concurrent streams allowed (RESOURCE_EXHAUSTED over it; Limits sets it in a
+    // daemon), and the safety-net period: a watcher rebuilds the status at least this often and
+    // sends it when its bytes differ from the last message (catches any change not bumped).
+    int max_status_watchers = 64;
+    absl::Duration status_resend = absl::Seconds(1);
   };
+  // WatchStatus timeouts: 0 in the request = the default; longer requests are capped.
+  static constexpr absl::Duration kWatchDefaultTimeout = absl::Seconds(60);
+  static constexpr absl::Duration kWatchMaxTimeout = absl::Minutes(10);
+  // How often a waiting watcher checks whether its client went away.
+  static constexpr absl::Duration kWatchCancelCheck = absl::Milliseconds(100);
 
   explicit Coordinator(Options options);
   ~Coordinator() override;
@@ -75,6 +88,15 @@ class Coordinator final : public pb::CoordinatorService::Service {
   grpc::Status ReportApplied(grpc::ServerContext*, const pb::ReportAppliedRequest*, pb::ReportAppliedResponse*) override;
   grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest*, pb::WaitVersionResponse*) override;
   grpc::Status ClusterStatus(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
+  // Streams ClusterStatus: the current status at once, then a message per change (generation
+  // bump, or the status_resend safety net finding different bytes). Ends OK at the request's
+  // timeout, CANCELLED when the client goes away (noticed within kWatchCancelCheck), UNAVAILABLE
+  // as soon as Shutdown() runs (never holds it up), RESOURCE_EXHAUSTED over max_status_watchers.
+  grpc::Status WatchStatus(grpc::ServerContext*, const pb::WatchStatusRequest*,
+                           grpc::ServerWriter<pb::StatusResponse>*) override;
+  // Waits until at most `n` WatchStatus streams are open (tests: a cancelled client frees its
+  // slot); false if `deadline` passes first.
+  bool AwaitStatusWatchersAtMost(int n, absl::Time deadline) const;
   grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest*, pb::DrainResponse*) override;
   grpc::Status Plan(grpc::ServerContext*, const pb::PlanRequest*, pb::PlanResponse*) override;
 
@@ -147,6 +169,8 @@ class Coordinator final : public pb::CoordinatorService::Service {
   absl::StatusOr<std::map<std::string, pb::PlanSlice>> MakeSlicesLocked(const std::string& model_id, Model& m)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Something ClusterStatus reports changed: wakes WatchStatus streams.
+  void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }
 
   Options options_;
   mutable absl::Mutex mu_;
@@ -159,6 +183,8 @@ class Coordinator final : public pb::CoordinatorService::Service {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
   const std::string instance_;
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver

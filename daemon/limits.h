@@ -25,6 +25,7 @@ struct Limits {
   int64_t max_worker_bytes = int64_t{1} << 40;       // all buffers of one worker (staging mirrors them)
   int max_concurrent_versions = 16;                  // snapshots a trainer may hold (published, not sent)
   int max_name_bytes = 1024;                         // ids and tensor names
+  int max_status_watchers = 64;                      // open CoordinatorService.WatchStatus streams
 };
 
 // Model spec: tensor count, names, dims > 0, element count and byte size without overflow,

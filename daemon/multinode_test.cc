@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "client/ctl_client.h"
 #include "daemon/convert.h"
 #include "daemon/server.h"
 #include "gtest/gtest.h"
@@ -88,13 +89,15 @@ absl::StatusOr<transport::TransportSet> HostTransports() {
 
 class Cluster {
  public:
-  void StartCoordinator(absl::Duration lease = absl::Seconds(3), const std::string& listen = "127.0.0.1:0") {
+  void StartCoordinator(absl::Duration lease = absl::Seconds(3), const std::string& listen = "127.0.0.1:0",
+                        const std::function<void(ServerOptions&)>& configure = nullptr) {
     ServerOptions co;
     co.role = DaemonRole::kCoordinator;
     co.listen = listen;
     co.transfer_timeout = absl::Seconds(20);
     co.lease = lease;
     co.bucket_bytes = 4096;  // several buckets, so relays and staged reads cross bucket boundaries
+    if (configure) configure(co);
     auto c = Server::Start(co);
     ASSERT_TRUE(c.ok()) << c.status();
     coord_ = std::move(*c);
@@ -223,6 +226,14 @@ class Cluster {
     req.set_version(v);
     req.set_timeout_ms(20000);
     return r.stub->Apply(&ctx, req, resp);
+  }
+
+  // Waits (bounded) on the coordinator's status push until `pred` holds.
+  absl::StatusOr<pb::StatusResponse> WaitForCoordinator(const std::function<bool(const pb::StatusResponse&)>& pred,
+                                                        absl::Duration timeout) {
+    auto client = client::CtlClient::Connect(coord_->address(), timeout);
+    if (!client.ok()) return client.status();
+    return (*client)->WaitForStatus(pred, absl::Now() + timeout);
   }
 
   pb::StatusResponse Status(TestWorker& w) {
@@ -484,13 +495,19 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   // registers again; its workers re-register (as clients do after NOT_FOUND) and v3 succeeds.
   frozen = false;
   release.Notify();
-  absl::Time deadline = absl::Now() + absl::Seconds(10);
-  grpc::Status reg;
+  // The node re-registers within a heartbeat; until then the coordinator refuses JoinWorker
+  // (node not alive). Wait for the re-registration on the coordinator's status push.
+  auto back = c.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        for (const pb::NodeStatus& n : st.nodes()) {
+          if (n.node_id() == "n1") return n.alive();
+        }
+        return false;
+      },
+      absl::Seconds(10));
+  ASSERT_TRUE(back.ok()) << "n1 did not register again: " << back.status();
   for (TestWorker* w : {&t1, &r1}) {
-    // The node re-registers within a heartbeat; until then JoinWorker is refused (retry, bounded).
-    while ((reg = c.Register(*w, spec)).error_code() == grpc::StatusCode::FAILED_PRECONDITION && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(50));
-    }
+    grpc::Status reg = c.Register(*w, spec);
     ASSERT_TRUE(reg.ok()) << w->id << ": " << reg.error_message();
   }
   for (auto& st : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(st.ok()) << st.error_message();
@@ -707,12 +724,16 @@ TEST(FaultTest, DeadWorkerProcessIsDropped) {
   ::kill(child, SIGKILL);
   int wstatus = 0;
   ::waitpid(child, &wstatus, 0);
-  // Heartbeats (100 ms) check worker processes. There is no membership watch API, so wait for the
-  // drop by asking Status, bounded by a deadline.
-  absl::Time deadline = absl::Now() + absl::Seconds(10);
-  bool gone = false;
-  while (absl::Now() < deadline && !(gone = !has_r1())) absl::SleepFor(absl::Milliseconds(50));
-  EXPECT_TRUE(gone) << "worker r1 (pid " << child << ") was not dropped";
+  // Heartbeats (100 ms) check worker processes; the node tells the coordinator (LeaveWorker).
+  // Wait for the drop on the coordinator's status push (the status r0's node forwards).
+  auto dropped = c.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        for (const pb::WorkerStatus& w : st.workers()) if (w.worker_id() == "r1") return false;
+        return true;
+      },
+      absl::Seconds(10));
+  EXPECT_TRUE(dropped.ok()) << "worker r1 (pid " << child << ") was not dropped: " << dropped.status();
+  EXPECT_FALSE(has_r1());
   // Re-planned without it: the remaining pair still moves versions.
   for (auto& s : c.Publish("m", pb::MODE_ASYNC, 2, {&t0}, {&r0})) ASSERT_TRUE(s.ok()) << s.error_message();
   pb::ApplyResponse resp;
@@ -823,6 +844,139 @@ TEST(FaultTest, ExecutorThreadsDoNotAccumulate) {
   // Unjoined executors would pin 2 nodes x 30 versions x >= 8 MiB of stacks; allow 10 stacks.
   EXPECT_LE(vm_end, vm_after_warmup + 10 * 8 * 1024)
       << "VmSize " << vm_after_warmup << " KiB -> " << vm_end << " KiB over " << kVersions - kWarmup << " versions";
+  c.Stop();
+}
+
+uint64_t CommittedOf(const pb::StatusResponse& st, const std::string& model) {
+  for (const pb::ModelStatus& m : st.models()) {
+    if (m.model_id() == model) return m.committed_version();
+  }
+  return 0;
+}
+
+// The coordinator's status push (CoordinatorService.WatchStatus, through the daemon's auth/limit
+// front): the first message comes at once, a commit is pushed as it happens (the safety-net resend
+// is set to 30 s here, so nothing but the change signal can deliver it in time), a stream ends OK
+// at its deadline, watchers over the limit get RESOURCE_EXHAUSTED, a cancelled client frees its
+// slot, and Shutdown ends an open stream promptly with UNAVAILABLE.
+TEST(StatusPushTest, PushesChangesHonoursDeadlineLimitCancelAndShutdown) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) {
+    o.security.limits.max_status_watchers = 2;
+    o.status_resend = absl::Seconds(30);
+  });
+  c.StartNode(0);
+  c.StartNode(1);
+  Coordinator* coordinator = c.coord_->coordinator();
+  ASSERT_NE(coordinator, nullptr);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_ASYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(WaitCommitted(r0, "m", 1).ok());
+
+  auto channel = grpc::CreateChannel(c.coord_->address(), grpc::InsecureChannelCredentials());
+  ASSERT_TRUE(channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5)));
+  auto stub = pb::CoordinatorService::NewStub(channel);
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<pb::StatusResponse>> reader;
+  };
+  auto open = [&](int64_t timeout_ms) {
+    auto s = std::make_unique<Stream>();
+    s->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    pb::WatchStatusRequest req;
+    req.set_timeout_ms(timeout_ms);
+    s->reader = stub->WatchStatus(&s->ctx, req);
+    return s;
+  };
+
+  // First message at once (nothing changes meanwhile: the 30 s resend would be the only other
+  // source), then a commit pushes its status as it happens.
+  {
+    const absl::Time opened = absl::Now();
+    auto w = open(20000);
+    pb::StatusResponse msg;
+    ASSERT_TRUE(w->reader->Read(&msg));
+    EXPECT_LT(absl::Now() - opened, absl::Seconds(5));
+    EXPECT_EQ(msg.role(), "coordinator");
+    EXPECT_EQ(CommittedOf(msg, "m"), 1u);
+    for (auto& s : c.Publish("m", pb::MODE_ASYNC, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_TRUE(WaitCommitted(r0, "m", 2).ok());
+    const absl::Time committed = absl::Now();
+    int messages = 1;
+    bool seen = false;
+    while (!seen && w->reader->Read(&msg)) {
+      ++messages;
+      seen = CommittedOf(msg, "m") == 2;
+    }
+    ASSERT_TRUE(seen) << "the commit of version 2 was not pushed";
+    const absl::Duration lag = absl::Now() - committed;
+    EXPECT_LT(lag, absl::Milliseconds(500)) << "commit pushed " << lag << " after WaitVersion returned";
+    EXPECT_GE(messages, 3) << "publish / transfer steps should have been pushed before the commit";
+    w->ctx.TryCancel();
+    (void)w->reader->Finish();
+  }
+  // The cancelled stream's slot comes back.
+  ASSERT_TRUE(coordinator->AwaitStatusWatchersAtMost(0, absl::Now() + absl::Seconds(5)));
+
+  // A stream ends OK at its deadline and frees its slot.
+  {
+    const absl::Time opened = absl::Now();
+    auto w = open(300);
+    pb::StatusResponse msg;
+    int messages = 0;
+    while (w->reader->Read(&msg)) ++messages;
+    grpc::Status end = w->reader->Finish();
+    const absl::Duration took = absl::Now() - opened;
+    EXPECT_TRUE(end.ok()) << end.error_message();
+    EXPECT_GE(messages, 1);
+    EXPECT_GE(took, absl::Milliseconds(290));
+    EXPECT_LT(took, absl::Seconds(5));
+    ASSERT_TRUE(coordinator->AwaitStatusWatchersAtMost(0, absl::Now() + absl::Seconds(5)));
+  }
+
+  // Limit 2: a third watcher is refused; cancelling one lets the next in.
+  {
+    auto a = open(20000), b = open(20000);
+    pb::StatusResponse msg;
+    ASSERT_TRUE(a->reader->Read(&msg));
+    ASSERT_TRUE(b->reader->Read(&msg));
+    auto refused = open(20000);
+    EXPECT_FALSE(refused->reader->Read(&msg));
+    grpc::Status st = refused->reader->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("max_status_watchers"), std::string::npos) << st.error_message();
+    a->ctx.TryCancel();
+    (void)a->reader->Finish();
+    ASSERT_TRUE(coordinator->AwaitStatusWatchersAtMost(1, absl::Now() + absl::Seconds(5)))
+        << "a cancelled watcher did not free its slot";
+    auto next = open(20000);
+    EXPECT_TRUE(next->reader->Read(&msg)) << next->reader->Finish().error_message();
+
+    // Shutdown ends open streams at once with UNAVAILABLE (and is not held up by them).
+    std::atomic<bool> ended{false};
+    grpc::Status shut_status;
+    std::thread reader([&] {
+      pb::StatusResponse m;
+      while (b->reader->Read(&m)) {}
+      shut_status = b->reader->Finish();
+      ended = true;
+    });
+    const absl::Time shutdown_start = absl::Now();
+    c.coord_->Shutdown();
+    const absl::Duration shutdown_took = absl::Now() - shutdown_start;
+    reader.join();
+    EXPECT_LT(shutdown_took, absl::Seconds(1.5)) << "the server's 2 s grace ran out: a stream held Shutdown up";
+    EXPECT_TRUE(ended.load());
+    EXPECT_EQ(shut_status.error_code(), grpc::StatusCode::UNAVAILABLE) << shut_status.error_message();
+    while (next->reader->Read(&msg)) {}
+    EXPECT_EQ(next->reader->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
   c.Stop();
 }
 

@@ -48,6 +48,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.make_plan = o.make_plan;
     co.topology = o.topology;
     co.bucket_bytes = o.bucket_bytes;
+    co.max_status_watchers = o.security.limits.max_status_watchers;
+    co.status_resend = o.status_resend;
     // Standalone: the node lives in this very process, so it cannot be lost while we run (its
     // heartbeats are only late when the whole process is starved, e.g. by its own copies).
     if (o.role == DaemonRole::kStandalone) co.local_node = o.node_id;

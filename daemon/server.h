@@ -37,6 +37,7 @@ struct ServerOptions {
   planner::Topology topology;                 // bandwidths the coordinator's planner assumes
   int64_t bucket_bytes = int64_t{2} << 30;    // planner staging budget per GPU per bucket
   bool checksums = true;                      // xxh3 per cross-node batch
+  absl::Duration status_resend = absl::Seconds(1);  // WatchStatus safety net (Coordinator::Options)
   // Injected dependencies (main.cc picks the concrete ones).
   PlanFn make_plan;  // empty = planner::MakePlan
   // Node/standalone: the data-plane transports (transport/factory.h). Required for a node.
@@ -55,6 +56,7 @@ class Server {
   int port() const { return port_; }
   int metrics_port() const { return front_ ? front_->metrics_port() : 0; }  // 0 = no endpoint
   std::string address() const;  // host:port of the TCP server
+  Coordinator* coordinator() const { return coordinator_.get(); }  // null for role node
   const std::string& worker_socket() const { return options_.worker_socket; }
 
  private:

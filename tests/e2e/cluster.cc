@@ -144,20 +144,14 @@ absl::StatusOr<pb::StatusResponse> Cluster::WaitForStatus(
     const std::string& what) const {
   const absl::Time deadline = absl::Now() + timeout;
   ASSIGN_OR_RETURN(auto client, client::CtlClient::Connect(coordinator_address(), timeout));
-  absl::Status last = absl::OkStatus();
-  while (true) {
-    auto s = client->FetchStatus(absl::Seconds(5));
-    if (s.ok() && pred(*s)) return s;
-    if (!s.ok()) last = s.status();
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "cluster status: '", what, "' not reached within ", absl::FormatDuration(timeout),
-          last.ok() ? "" : absl::StrCat(" (last error: ", last.ToString(), ")"),
-          s.ok() ? absl::StrCat("\nlast status: ", s->ShortDebugString().substr(0, 3000)) : ""));
-    }
-    // The coordinator has no push API for status; this is a bounded wait on a condition.
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  // The coordinator pushes each status change (WatchStatus); a restarting coordinator is waited
+  // for within the same deadline.
+  pb::StatusResponse last;
+  auto s = client->WaitForStatus(pred, deadline, &last);
+  if (s.ok() || !absl::IsDeadlineExceeded(s.status())) return s;
+  return absl::DeadlineExceededError(absl::StrCat(
+      "cluster status: '", what, "' not reached within ", absl::FormatDuration(timeout), " (",
+      s.status().message(), ")\nlast status: ", last.ShortDebugString().substr(0, 3000)));
 }
 
 absl::StatusOr<int> Cluster::RunWbctl(const std::vector<std::string>& args, absl::Duration timeout,

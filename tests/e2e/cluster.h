@@ -80,7 +80,7 @@ class Cluster {
 
   // ClusterStatus from the coordinator.
   absl::StatusOr<weightbridge::v1::StatusResponse> Status() const;
-  // Waits (bounded, re-reading the coordinator's status every few ms) until `pred` holds.
+  // Waits (bounded) until `pred` holds, on the coordinator's status push (WatchStatus).
   absl::StatusOr<weightbridge::v1::StatusResponse> WaitForStatus(
       const std::function<bool(const weightbridge::v1::StatusResponse&)>& pred,
       absl::Duration timeout, const std::string& what) const;
