@@ -26,7 +26,8 @@
 #
 # Smoke test: `weightbridged --version`; the image user is 2000:2000 and processes run as it; a
 # standalone daemon (host network, 127.0.0.1:0, --port_file and the worker socket in a mounted
-# temp dir) answers `wbctl status` from the same image and exits 0 on SIGTERM.
+# temp dir) answers `wbctl status` from the same image and exits 0 on SIGTERM; the image's default
+# CMD with nothing mounted creates /run/weightbridge/worker.sock and exits 0 on SIGTERM.
 #
 # Exit codes: 0 built (and smoke test passed); 2 bad usage; 3 engine, debootstrap, git or root
 # missing; 4 creating the local base images failed; 5 image build failed; 6 smoke test failed.
@@ -183,8 +184,9 @@ smoke_fail() { "$ENGINE" logs "$SMOKE_NAME" >&2 2>&1 || true; die 6 "smoke test:
 
 smoke() {
   image_exists "$TAG" || die 6 "no image $TAG to smoke-test"
-  local opts=(--network host)
-  [ "$ENGINE" = podman ] && [ -n "${WB_CGROUPS:-}" ] && opts+=(--cgroups "$WB_CGROUPS")
+  local cg=()
+  [ "$ENGINE" = podman ] && [ -n "${WB_CGROUPS:-}" ] && cg=(--cgroups "$WB_CGROUPS")
+  local opts=(--network host "${cg[@]}")
   local run=(run --rm "${opts[@]}")
 
   local version
@@ -227,6 +229,22 @@ smoke() {
   [ "$rc" = 0 ] || smoke_fail "daemon exited $rc on SIGTERM, want 0"
   "$ENGINE" rm "$SMOKE_NAME" >/dev/null
   log "smoke: daemon stopped cleanly (exit 0)"
+  # The image's own CMD, nothing mounted (no network: it listens on 0.0.0.0:7070): the socket
+  # directory must exist and be writable by uid 2000.
+  "$ENGINE" run -d --name "$SMOKE_NAME" --network none "${cg[@]}" "$TAG" >/dev/null \
+    || smoke_fail "the default CMD did not start"
+  deadline=$((SECONDS + 30))
+  until "$ENGINE" exec "$SMOKE_NAME" test -S /run/weightbridge/worker.sock 2>/dev/null; do
+    [ "$("$ENGINE" inspect --format '{{.State.Running}}' "$SMOKE_NAME")" = true ] \
+      || smoke_fail "the default CMD exited before creating /run/weightbridge/worker.sock"
+    [ $SECONDS -lt $deadline ] || smoke_fail "default CMD: no /run/weightbridge/worker.sock after 30 s"
+    sleep 0.2
+  done
+  "$ENGINE" stop -t 10 "$SMOKE_NAME" >/dev/null || smoke_fail "stopping the default CMD failed"
+  rc=$("$ENGINE" inspect --format '{{.State.ExitCode}}' "$SMOKE_NAME")
+  [ "$rc" = 0 ] || smoke_fail "default CMD exited $rc on SIGTERM, want 0"
+  "$ENGINE" rm "$SMOKE_NAME" >/dev/null
+  log "smoke: default CMD (no mounts) created its worker socket and stopped cleanly"
   log "smoke test passed; image $TAG: $("$ENGINE" image inspect --format '{{.Size}}' "$TAG") bytes"
 }
 
