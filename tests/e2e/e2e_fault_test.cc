@@ -93,35 +93,40 @@ absl::StatusOr<std::string> ReadText(const std::string& path) {
   return ss.str();
 }
 
-TEST(FaultTest, KillNodeMidTransfer) {
-  ClusterOptions copts;
-  copts.lease_ms = ScaledMs(3000);
-  copts.transfer_timeout_ms = ScaledMs(6000);
+// One-step-off run of 3 gated versions with failures tolerated: v1 everywhere, then n2 frozen
+// (SIGSTOP) and v2 opened, returning once the coordinator reports v2 in flight (it cannot finish
+// while n2 is frozen). The caller injects its fault and resumes n2 with SIGCONT.
+void StartWithV2HeldInFlight(Fixture& f, const std::string& tag, const ClusterOptions& copts) {
   RunOptions run;
   run.mode = "one_step_off";
   run.versions = 3;
   run.tolerate_failures = true;
   run.gate_dir = "gates";
   run.timeout_ms = ScaledMs(60000);
-  Fixture f;
-  absl::Status s = StartFixture(f, "kill", copts, run);
+  absl::Status s = StartFixture(f, tag, copts, run);
   ASSERT_TRUE(s.ok()) << s;
-  Cluster& cl = *f.cluster;
-
   ASSERT_TRUE(OpenGate(f, 1).ok());
   s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(s.ok()) << s;
-
-  // Freeze n2, let v2 start, kill n2 while v2 is in flight.
-  cl.node(2)->Signal(SIGSTOP);
+  f.cluster->node(2)->Signal(SIGSTOP);
   ASSERT_TRUE(OpenGate(f, 2).ok());
-  auto st = cl.WaitForStatus(
+  auto st = f.cluster->WaitForStatus(
       [&](const pb::StatusResponse& r) {
         std::string state = VersionState(r, f.run.model_id, 2);
         return state == "transferring" || state == "queued";
       },
       Scaled(absl::Seconds(60)), "v2 in flight");
   ASSERT_TRUE(st.ok()) << st.status();
+}
+
+TEST(FaultTest, KillNodeMidTransfer) {
+  ClusterOptions copts;
+  copts.lease_ms = ScaledMs(3000);
+  copts.transfer_timeout_ms = ScaledMs(6000);
+  Fixture f;
+  ASSERT_NO_FATAL_FAILURE(StartWithV2HeldInFlight(f, "kill", copts));
+  Cluster& cl = *f.cluster;
+  // n2 is frozen with v2 in flight: kill it.
   // An operator watching v2 sees it abort (wbctl watch exit code 4).
   auto watch = f.harness->Spawn(
       "wbctl-watch", {Runfile("client/wbctl"), "watch", "--addr", cl.coordinator_address(),
@@ -148,7 +153,7 @@ TEST(FaultTest, KillNodeMidTransfer) {
       },
       Scaled(absl::Seconds(30)));
   ASSERT_TRUE(after.ok()) << after.status();
-  st = cl.WaitForStatus(
+  auto st = cl.WaitForStatus(
       [&](const pb::StatusResponse& r) { return VersionState(r, f.run.model_id, 2) == "aborted"; },
       Scaled(absl::Seconds(30)), "v2 aborted");
   ASSERT_TRUE(st.ok()) << st.status();
@@ -159,7 +164,7 @@ TEST(FaultTest, KillNodeMidTransfer) {
   EXPECT_EQ(last_line.value("state", ""), "aborted") << (*watch)->LogTail();
 
   // Restart n2: its rollout worker reconnects and re-registers; then v3 goes everywhere.
-  s = cl.RestartNode(2);
+  absl::Status s = cl.RestartNode(2);
   ASSERT_TRUE(s.ok()) << s;
   st = cl.WaitForStatus(
       [&](const pb::StatusResponse& r) {
@@ -196,30 +201,10 @@ TEST(FaultTest, KillCoordinatorMidTransfer) {
   ClusterOptions copts;
   copts.lease_ms = ScaledMs(3000);
   copts.transfer_timeout_ms = ScaledMs(20000);
-  RunOptions run;
-  run.mode = "one_step_off";
-  run.versions = 3;
-  run.tolerate_failures = true;
-  run.gate_dir = "gates";
-  run.timeout_ms = ScaledMs(60000);
   Fixture f;
-  absl::Status s = StartFixture(f, "killcoord", copts, run);
-  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_NO_FATAL_FAILURE(StartWithV2HeldInFlight(f, "killcoord", copts));
   Cluster& cl = *f.cluster;
-  ASSERT_TRUE(OpenGate(f, 1).ok());
-  s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
-  ASSERT_TRUE(s.ok()) << s;
-
-  // Freeze n2 so that v2 cannot finish, let v2 start, then kill the coordinator.
-  cl.node(2)->Signal(SIGSTOP);
-  ASSERT_TRUE(OpenGate(f, 2).ok());
-  auto st = cl.WaitForStatus(
-      [&](const pb::StatusResponse& r) {
-        std::string state = VersionState(r, f.run.model_id, 2);
-        return state == "transferring" || state == "queued";
-      },
-      Scaled(absl::Seconds(60)), "v2 in flight");
-  ASSERT_TRUE(st.ok()) << st.status();
+  // n2 is frozen with v2 in flight: kill the coordinator.
   ASSERT_TRUE(cl.KillCoordinator().ok());
   ASSERT_TRUE(cl.RestartCoordinator().ok());
   cl.node(2)->Signal(SIGCONT);
@@ -240,7 +225,7 @@ TEST(FaultTest, KillCoordinatorMidTransfer) {
   }
 
   // Every node, worker and layout is back in the new coordinator without any worker restarting.
-  st = cl.WaitForStatus(
+  auto st = cl.WaitForStatus(
       [&](const pb::StatusResponse& r) {
         int alive = 0;
         for (const auto& n : r.nodes()) alive += n.alive();
