@@ -119,6 +119,21 @@ void StartWithV2HeldInFlight(Fixture& f, const std::string& tag, const ClusterOp
   ASSERT_TRUE(st.ok()) << st.status();
 }
 
+// Opens the gate of the last version (3) and expects every worker to exit cleanly, with no
+// mismatch reported by any rollout.
+void RunV3ToCleanExit(Fixture& f) {
+  ASSERT_TRUE(OpenGate(f, 3).ok());
+  for (Process* p : f.rollouts) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.trainers) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : f.rollouts) EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
+}
+
 TEST(FaultTest, KillNodeMidTransfer) {
   ClusterOptions copts;
   copts.lease_ms = ScaledMs(3000);
@@ -175,17 +190,8 @@ TEST(FaultTest, KillNodeMidTransfer) {
       },
       Scaled(absl::Seconds(60)), "rollout on n2 re-registered");
   ASSERT_TRUE(st.ok()) << st.status();
-  ASSERT_TRUE(OpenGate(f, 3).ok());
+  ASSERT_NO_FATAL_FAILURE(RunV3ToCleanExit(f));
   for (Process* p : f.rollouts) {
-    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
-    EXPECT_TRUE(e.ok()) << e;
-  }
-  for (Process* p : f.trainers) {
-    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
-    EXPECT_TRUE(e.ok()) << e;
-  }
-  for (Process* p : f.rollouts) {
-    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
     EXPECT_GT(VerifiedBytes(p, 3), 0) << p->name() << " did not apply v3";
   }
   auto rdone = f.rollouts[1]->WaitForEvent("done", 0, Scaled(absl::Seconds(1)));
@@ -238,17 +244,8 @@ TEST(FaultTest, KillCoordinatorMidTransfer) {
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(VersionState(*st, f.run.model_id, 2) == "committed", false) << "v2 must not be committed";
 
-  ASSERT_TRUE(OpenGate(f, 3).ok());
+  ASSERT_NO_FATAL_FAILURE(RunV3ToCleanExit(f));
   for (Process* p : f.rollouts) {
-    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
-    EXPECT_TRUE(e.ok()) << e;
-  }
-  for (Process* p : f.trainers) {
-    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
-    EXPECT_TRUE(e.ok()) << e;
-  }
-  for (Process* p : f.rollouts) {
-    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
     EXPECT_EQ(VerifiedBytes(p, 2), 0) << p->name() << " applied the aborted v2";
     EXPECT_GT(VerifiedBytes(p, 3), 0) << p->name() << " did not apply v3";
   }
