@@ -233,6 +233,23 @@ absl::StatusOr<Buffer*> WorkerClient::CreateBuffer(int64_t size_bytes) {
   return buffers_.back().get();
 }
 
+absl::StatusOr<Buffer*> WorkerClient::AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu) {
+  const std::string what = absl::StrCat("CUDA buffer ", buffers_.size());
+  if (ipc_handle.size() != 64) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": IPC handle must be the 64 bytes of cudaIpcMemHandle_t, got ",
+                                                   ipc_handle.size()));
+  }
+  if (size_bytes <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": size must be > 0, got ", size_bytes));
+  if (gpu < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": gpu must be >= 0, got ", gpu));
+  auto buf = std::make_unique<Buffer>();
+  buf->id = static_cast<uint32_t>(buffers_.size());
+  buf->size_bytes = size_bytes;
+  buf->cuda_ipc_handle = std::move(ipc_handle);
+  buf->gpu = gpu;
+  buffers_.push_back(std::move(buf));
+  return buffers_.back().get();
+}
+
 absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layout) {
   if (!registered_) return absl::FailedPreconditionError("RegisterLayout before RegisterWorker");
   pb::RegisterLayoutRequest req;
@@ -242,8 +259,13 @@ absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layo
     pb::BufferSpec* spec = req.add_buffers();
     spec->set_buffer_id(b->id);
     spec->set_size_bytes(static_cast<uint64_t>(b->size_bytes));
-    spec->set_shm_name(b->shm_name);
-    spec->set_gpu(-1);
+    if (b->cuda_ipc_handle.empty()) {
+      spec->set_shm_name(b->shm_name);
+      spec->set_gpu(-1);
+    } else {
+      spec->set_cuda_ipc_handle(b->cuda_ipc_handle);
+      spec->set_gpu(b->gpu);
+    }
   }
   std::visit(VisitLayout{req.mutable_layout()}, layout);
   absl::Time deadline = options_.clock->Now() + options_.call_timeout;

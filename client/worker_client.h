@@ -81,13 +81,17 @@ struct WorkerIdentity {
   int32_t gpu = -1;  // -1: host memory worker
 };
 
-// One shared-memory buffer owned by the client. `id` is its buffer_id in layouts (and its index
-// in planner::WorkerLayout::buffers): buffers are numbered 0, 1, ... in creation order.
+// One buffer of the worker: a shared-memory buffer owned by the client (CreateBuffer), or a CUDA
+// allocation of the worker announced by its IPC handle (AddCudaBuffer). `id` is its buffer_id in
+// layouts (and its index in planner::WorkerLayout::buffers): buffers are numbered 0, 1, ... in
+// creation order.
 struct Buffer {
   uint32_t id = 0;
-  std::string shm_name;
-  void* data = nullptr;
+  std::string shm_name;         // host buffers
+  void* data = nullptr;         // host buffers: the mapping; CUDA buffers: null
   int64_t size_bytes = 0;
+  std::string cuda_ipc_handle;  // CUDA buffers: the 64 bytes of cudaIpcMemHandle_t
+  int32_t gpu = -1;             // CUDA buffers: the device ordinal (as this process numbers it)
 };
 
 // Layout sources (design.md "Canonical space and layouts").
@@ -136,6 +140,13 @@ class WorkerClient {
   // Creates a new zero-filled shm segment of `size_bytes` (> 0) owned by this client. Buffers are
   // sent to the daemon by the next RegisterLayout. The pointer stays valid for the client's life.
   absl::StatusOr<Buffer*> CreateBuffer(int64_t size_bytes);
+  // Announces a CUDA allocation of this worker (cudaMalloc, or a caching allocator's block):
+  // `ipc_handle` = the 64 bytes cudaIpcGetMemHandle returned for the allocation's BASE, `size_bytes`
+  // = the bytes from the base the layout may use, `gpu` = its device ordinal. The daemon opens the
+  // handle (same node only) and, with --gpu_staging_bytes, moves versions GPU to GPU. Sent by the
+  // next RegisterLayout; the worker keeps the allocation alive while registered. INVALID_ARGUMENT
+  // for a handle that is not 64 bytes, a size <= 0 or a negative gpu. No CUDA call is made here.
+  absl::StatusOr<Buffer*> AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu);
   const std::vector<std::unique_ptr<Buffer>>& buffers() const { return buffers_; }
 
   // Sends every buffer created so far and `layout`. Requires RegisterWorker. On error nothing is

@@ -214,6 +214,50 @@ TEST(WorkerClientTest, RegistersWorkerBuffersAndLayout) {
   EXPECT_EQ(static_cast<char*>(seg->data())[5], 42);
 }
 
+TEST(WorkerClientTest, CudaBuffersAreSentByHandleNextToShmBuffers) {
+  std::string sock = TempSocket("cuda");
+  FakeDaemon daemon(sock);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  WorkerClient& c = **client;
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, 1}).ok());
+  // Bad handles and sizes are refused before anything is remembered.
+  EXPECT_EQ(c.AddCudaBuffer(std::string(63, 'h'), 64, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaBuffer(std::string(64, 'h'), 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaBuffer(std::string(64, 'h'), 64, -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(c.buffers().empty());
+  auto host = c.CreateBuffer(32);
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::string handle(64, '\0');
+  for (int i = 0; i < 64; ++i) handle[i] = static_cast<char>(i * 7);
+  auto dev = c.AddCudaBuffer(handle, 64, 1);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  EXPECT_EQ((*dev)->id, 1u);
+  EXPECT_EQ((*dev)->data, nullptr);
+
+  planner::Piece piece;
+  piece.tensor = 0;
+  piece.box = {{0, 0}, {4, 8}};
+  piece.buffer = 1;
+  piece.strides = {8, 1};
+  auto pieces = PiecesToProto({piece}, TinyModel().explicit_inventory);
+  ASSERT_TRUE(pieces.ok());
+  ExplicitLayout layout;
+  layout.pieces.assign(pieces->pieces().begin(), pieces->pieces().end());
+  ASSERT_TRUE(c.RegisterLayout(layout).ok());
+  absl::MutexLock l(&daemon.service().mu_);
+  ASSERT_EQ(daemon.service().register_layout_.size(), 1u);
+  const auto& rl = daemon.service().register_layout_[0];
+  ASSERT_EQ(rl.buffers_size(), 2);
+  EXPECT_EQ(rl.buffers(0).memory_case(), pb::BufferSpec::kShmName);
+  EXPECT_EQ(rl.buffers(0).gpu(), -1);
+  EXPECT_EQ(rl.buffers(1).memory_case(), pb::BufferSpec::kCudaIpcHandle);
+  EXPECT_EQ(rl.buffers(1).cuda_ipc_handle(), handle);
+  EXPECT_EQ(rl.buffers(1).size_bytes(), 64u);
+  EXPECT_EQ(rl.buffers(1).gpu(), 1);
+  EXPECT_EQ(rl.buffers(1).buffer_id(), 1u);
+}
+
 TEST(WorkerClientTest, PresetLayoutIsSentByName) {
   std::string sock = TempSocket("preset");
   FakeDaemon daemon(sock);

@@ -10,8 +10,10 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "daemon/device_staging.h"
 #include "daemon/log.h"
 #include "daemon/server.h"
+#include "transport/device_allocator.h"
 #include "transport/factory.h"
 
 ABSL_FLAG(std::string, role, "standalone", "node | coordinator | standalone");
@@ -32,6 +34,9 @@ ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direct
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
 ABSL_FLAG(int64_t, bucket_bytes, int64_t{2} << 30, "planner: max bytes a GPU sends / receives per bucket");
 ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
+ABSL_FLAG(int64_t, gpu_staging_bytes, 0,
+          "GPU-direct staging: bytes per GPU the daemon may cudaMalloc to stage snapshots and incoming versions of CUDA "
+          "buffers on the GPU itself (0 = host staging only); past it, host staging");
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "node -> coordinator heartbeat period");
 ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost");
 ABSL_FLAG(int64_t, transfer_timeout_ms, 60000, "a version not transferred in this time is aborted");
@@ -80,6 +85,7 @@ int main(int argc, char** argv) {
                          std::pair{"staging_budget_bytes", absl::GetFlag(FLAGS_staging_budget_bytes)}}) {
     if (v <= 0) return Fail(absl::StrCat("--", name, " must be > 0"));
   }
+  if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return Fail("--gpu_staging_bytes must be >= 0");
 
   // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
   sigset_t signals;
@@ -135,6 +141,10 @@ int main(int argc, char** argv) {
   tc.tcp.auth_token = o.security.peer_auth->token;
   tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);
   o.make_transports = [tc] { return wb::transport::CreateTransports(tc); };
+  if (absl::GetFlag(FLAGS_gpu_staging_bytes) > 0) {
+    o.device_staging = std::make_shared<wb::daemon::DeviceStaging>(wb::transport::NewDeviceAllocator(),
+                                                                   absl::GetFlag(FLAGS_gpu_staging_bytes));
+  }
 
   auto server = wb::daemon::Server::Start(std::move(o));
   if (!server.ok()) return Fail(std::string(server.status().message()));

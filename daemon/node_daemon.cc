@@ -254,7 +254,10 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         int64_t total = d_->snapshot_reserved_, need = 0;
         for (size_t j = 0; j < w.buffers.size(); ++j) need += w.buffers[j] ? w.buffers[j]->size() : w.cuda[j]->size;
         for (auto& [id, other] : d_->workers_) {
-          for (auto& [v, snap] : other.snapshots) for (auto& b : *snap) total += static_cast<int64_t>(b.size());
+          // GPU snapshots count against the GPU staging budget, not this one.
+          for (auto& [v, snap] : other.snapshots) {
+            for (auto& b : *snap) total += b.device ? 0 : b.size();
+          }
         }
         if (total + need > d_->options_.staging_budget_bytes) {
           return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat("staging budget of ", d_->options_.staging_budget_bytes,
@@ -271,7 +274,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     if (reserved > 0) {
       auto snap = std::make_shared<Bytes>();
       absl::Status copied =
-          d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline);
+          d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline,
+                       /*on_gpu=*/true);
       absl::MutexLock l(&d_->mu_);
       d_->snapshot_reserved_ -= reserved;
       if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("snapshot of version ", req->version())));
@@ -1298,36 +1302,83 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   using transport::MemoryKind;
   transport::Transport* local_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
   transport::Transport* cross_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
+  transport::Transport* cuda_t = CudaTransport();
   auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
+  const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
 
-  // 0. Staging of this version, allocated here (outside mu_).
+  // Local workers with an op to or from another node: their memory must be host memory that the
+  // cross-node transport reaches (a rollout of theirs is staged in host memory; a trainer's CUDA
+  // source gets a host copy below).
+  std::set<uint32_t> crosses;
+  for (const pb::TransferOp& op : plan.slice.ops()) {
+    const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
+    if (s != d) crosses.insert(s ? op.src_worker() : op.dst_worker());
+  }
+
+  // 0. Staging of this version, allocated here (outside mu_). A rollout whose live buffers are
+  //    CUDA memory and that exchanges nothing with other nodes is staged on its GPU when the
+  //    GPU staging budget allows (GPU-direct: the version never leaves the GPUs).
   {
+    std::map<std::string, std::vector<std::shared_ptr<CudaImport>>> rollout_cuda;
+    {
+      absl::MutexLock l(&mu_);
+      for (int i = 0; i < plan.slice.workers_size(); ++i) {
+        const pb::PlanWorker& w = plan.slice.workers(i);
+        if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+        auto it = workers_.find(w.worker_id());
+        if (it != workers_.end()) rollout_cuda[w.worker_id()] = it->second.cuda;
+      }
+    }
     std::map<std::string, std::shared_ptr<Bytes>> incoming;
     std::shared_ptr<Bytes> gather;
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
       const pb::PlanWorker& w = plan.slice.workers(i);
       if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+      const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
       auto bytes = std::make_shared<Bytes>();
-      for (const planner::BufferInfo& b : plan.layouts[i].buffers) bytes->emplace_back(static_cast<size_t>(b.size_bytes));
+      for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
+        const int64_t size = plan.layouts[i].buffers[j].size_bytes;
+        StagedBuffer sb;
+        if (crosses.count(static_cast<uint32_t>(i)) == 0 && j < cuda.size() && cuda[j] != nullptr) {
+          ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j)));
+        }
+        if (sb.device == nullptr) sb.host.resize(static_cast<size_t>(size));
+        bytes->push_back(std::move(sb));
+      }
       incoming[w.worker_id()] = std::move(bytes);
     }
     if (plan.hosts_gather) {
-      gather = std::make_shared<Bytes>();
-      gather->emplace_back(static_cast<size_t>(plan.slice.gather_staging_bytes()));
+      gather = std::make_shared<Bytes>(1);
+      (*gather)[0].host.resize(static_cast<size_t>(plan.slice.gather_staging_bytes()));
     }
     absl::MutexLock l(&mu_);
     exec.incoming = std::move(incoming);
     exec.gather = std::move(gather);
   }
 
-  // 1. The memory of this version on this node.
+  // 1. The memory of this version on this node: host memory, or CUDA memory (a worker's imported
+  //    buffer, or GPU staging of the daemon).
   struct Mem {
-    uint8_t* base = nullptr;
+    MemoryKind kind = MemoryKind::kHost;
+    uint8_t* base = nullptr;  // host address, or device pointer of GPU staging
     int64_t size = 0;
+    int device = -1;
+    std::shared_ptr<CudaImport> import;  // a worker's CUDA buffer (already a cuda_ipc region)
   };
   std::map<std::string, Mem> mem;
   std::vector<std::shared_ptr<void>> holds;  // keeps snapshots / segments / staging alive
-  std::vector<std::pair<std::string, std::shared_ptr<CudaImport>>> cuda_sources;  // sync trainers' CUDA buffers
+  auto staged = [](const StagedBuffer& b) {
+    Mem m;
+    m.size = b.size();
+    if (b.device) {
+      m.kind = MemoryKind::kCuda;
+      m.base = static_cast<uint8_t*>(b.device->data());
+      m.device = b.device->device();
+    } else {
+      m.base = const_cast<uint8_t*>(b.host.data());
+    }
+    return m;
+  };
   {
     absl::MutexLock l(&mu_);
     if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
@@ -1338,7 +1389,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       if (pw.role() == pb::ROLE_ROLLOUT) {
         std::shared_ptr<Bytes> staging = exec.incoming.at(pw.worker_id());
         holds.push_back(staging);
-        for (size_t j = 0; j < staging->size(); ++j) mem[RegionKey(i, j)] = Mem{(*staging)[j].data(), static_cast<int64_t>((*staging)[j].size())};
+        for (size_t j = 0; j < staging->size(); ++j) mem[RegionKey(i, j)] = staged((*staging)[j]);
         continue;
       }
       auto w = workers_.find(pw.worker_id());
@@ -1349,16 +1400,17 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
       }
       if (plan.slice.mode() == pb::MODE_SYNC) {
+        // Live buffers (the trainer is paused in Publish meanwhile).
         for (size_t j = 0; j < layout.buffers.size(); ++j) {
           auto seg = w->second.buffers[j];
           if (seg == nullptr) {
-            // CUDA live buffer: staged through host memory below (outside mu_); the trainer is
-            // paused in Publish meanwhile.
-            cuda_sources.push_back({RegionKey(i, j), w->second.cuda[j]});
+            std::shared_ptr<CudaImport> imp = w->second.cuda[j];
+            holds.push_back(imp);
+            mem[RegionKey(i, j)] = Mem{MemoryKind::kCuda, nullptr, imp->size, imp->device, imp};
             continue;
           }
           holds.push_back(seg);
-          mem[RegionKey(i, j)] = Mem{static_cast<uint8_t*>(seg->data()), seg->size()};
+          mem[RegionKey(i, j)] = Mem{MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, nullptr};
         }
       } else {
         auto snap = w->second.snapshots.find(exec.version);
@@ -1366,35 +1418,48 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
           return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", pw.worker_id()));
         }
         holds.push_back(snap->second);
-        for (size_t j = 0; j < snap->second->size(); ++j) {
-          mem[RegionKey(i, j)] = Mem{(*snap->second)[j].data(), static_cast<int64_t>((*snap->second)[j].size())};
-        }
+        for (size_t j = 0; j < snap->second->size(); ++j) mem[RegionKey(i, j)] = staged((*snap->second)[j]);
       }
     }
     if (exec.gather) {
       holds.push_back(exec.gather);
-      mem["g"] = Mem{(*exec.gather)[0].data(), static_cast<int64_t>((*exec.gather)[0].size())};
+      mem["g"] = staged((*exec.gather)[0]);
     }
   }
 
-  for (auto& [key, imp] : cuda_sources) {
-    auto host = std::make_shared<Bytes>();
-    RETURN_IF_ERROR_WITH(ReadLive({nullptr}, {imp}, *host, absl::StrCat(exec.model_id, " v", exec.version, " ", key), exec.deadline),
-                         absl::StrCat("staging CUDA source ", key));
-    holds.push_back(host);
-    mem[key] = Mem{(*host)[0].data(), static_cast<int64_t>((*host)[0].size())};
-  }
-
-  // 2. Which ops run where: same-node ops (one-sided) and, per peer node, the mirror batches.
-  bool any_local = false;
-  std::set<std::string> peers;
+  // 2. Which ops run where, and which memory each transport must reach: same-node ops between
+  //    host memory on the host transport, same-node ops with a CUDA side on cuda_ipc (device to
+  //    device when both sides are on GPUs), and per peer node the mirror batches on the
+  //    cross-node transport (host memory only).
+  std::set<std::string> peers, host_keys, cuda_keys, cross_keys;
+  auto kind_of = [&](const std::string& key) {
+    auto it = mem.find(key);
+    return it == mem.end() ? MemoryKind::kHost : it->second.kind;
+  };
   for (const pb::TransferOp& op : plan.slice.ops()) {
     const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
-    if (s && d) any_local = true;
-    if (s != d) peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
+    if (!s && !d) continue;
+    ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, op, true));
+    ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, op, false));
+    if (s && d) {
+      const bool host = kind_of(src.key) == MemoryKind::kHost && kind_of(dst.key) == MemoryKind::kHost;
+      (host ? host_keys : cuda_keys).insert({src.key, dst.key});
+      continue;
+    }
+    peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
+    const std::string& key = s ? src.key : dst.key;
+    if (!s && kind_of(key) == MemoryKind::kCuda) {
+      return absl::InternalError(absl::StrCat("op ", op.index(), ": region ", key, " on node ", me,
+                                              " receives from another node but is staged on a GPU"));
+    }
+    cross_keys.insert(key);
   }
-  if (any_local && local_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no same-node host transport"));
+  if (!host_keys.empty() && local_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no same-node host transport"));
+  if (!cuda_keys.empty() && cuda_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cuda_ipc transport"));
   if (!peers.empty() && cross_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cross-node host transport"));
+  for (const std::string& key : host_keys) {
+    if (mem.count(key) == 0) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
+  }
 
   // Registered regions are released on every path (after every posted batch was waited for).
   struct Registered {
@@ -1410,23 +1475,60 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     std::function<void()> f;
     ~Cleanup() { f(); }
   } cleanup{release_all};
-  std::map<std::string, transport::RegionHandle> local_h, cross_h;
-  for (auto& [key, m] : mem) {
+  auto register_on = [&](transport::Transport* t, const std::string& key, const Mem& m) -> absl::StatusOr<transport::RegionHandle> {
+    if (m.import != nullptr) return m.import->h;  // owned by the worker's import, not by this version
     transport::MemorySpec spec;
-    spec.kind = MemoryKind::kHost;
+    spec.kind = m.kind;
     spec.base = m.base;
     spec.size_bytes = m.size;
-    spec.label = absl::StrCat(exec.model_id, " v", exec.version, " ", key);
-    if (any_local) {
-      ASSIGN_OR_RETURN(transport::RegionHandle h, local_t->RegisterMemory(spec));
-      registered.push_back({local_t, h});
-      local_h[key] = h;
+    spec.device = m.device;
+    spec.label = absl::StrCat(vlabel, " ", key);
+    ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
+    registered.push_back({t, h});
+    return h;
+  };
+  std::map<std::string, transport::RegionHandle> local_h, cuda_h, cross_h;
+  for (const std::string& key : host_keys) {
+    ASSIGN_OR_RETURN(local_h[key], register_on(local_t, key, mem.at(key)));
+  }
+  for (const std::string& key : cuda_keys) {
+    auto m = mem.find(key);
+    if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
+    ASSIGN_OR_RETURN(cuda_h[key], register_on(cuda_t, key, m->second));
+  }
+  // A CUDA source of cross-node ops (a sync trainer's live buffer, or a snapshot on its GPU) is
+  // copied to host memory once, before the first bucket: the cross-node transport reaches host
+  // memory only, and sources do not change during a version.
+  std::map<std::string, Mem> host_copy;  // key -> host copy of a CUDA source of cross-node ops
+  {
+    transport::Batch d2h;
+    for (const std::string& key : cross_keys) {
+      auto m = mem.find(key);
+      if (m == mem.end() || m->second.kind != MemoryKind::kCuda) continue;
+      if (cuda_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cuda_ipc transport"));
+      auto host = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(m->second.size));
+      holds.push_back(host);
+      ASSIGN_OR_RETURN(transport::RegionHandle src, register_on(cuda_t, key, m->second));
+      Mem hm{MemoryKind::kHost, host->data(), m->second.size, -1, nullptr};
+      ASSIGN_OR_RETURN(transport::RegionHandle dst, register_on(cuda_t, key + " (host copy)", hm));
+      transport::CopyOp op;
+      op.shape = {hm.size};
+      op.element_size = 1;
+      op.src = {src, 0, {1}};
+      op.dst = {dst, 0, {1}};
+      d2h.ops.push_back(std::move(op));
+      host_copy[key] = hm;
     }
-    if (!peers.empty()) {
-      ASSIGN_OR_RETURN(transport::RegionHandle h, cross_t->RegisterMemory(spec));
-      registered.push_back({cross_t, h});
-      cross_h[key] = h;
+    if (!d2h.ops.empty()) {
+      ASSIGN_OR_RETURN(transport::BatchId id, cuda_t->Post(d2h));
+      RETURN_IF_ERROR_WITH(cuda_t->Wait(id, exec.deadline), absl::StrCat(vlabel, ": copying CUDA sources to host for other nodes"));
     }
+  }
+  for (const std::string& key : cross_keys) {
+    auto m = mem.find(key);
+    if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
+    auto hc = host_copy.find(key);
+    ASSIGN_OR_RETURN(cross_h[key], register_on(cross_t, key, hc != host_copy.end() ? hc->second : m->second));
   }
   {
     std::map<std::string, std::string> desc;
@@ -1472,11 +1574,18 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       absl::MutexLock l(&mu_);
       if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
     }
-    transport::Batch local_batch;
-    std::map<std::string, transport::Batch> peer_batches;
+    // One batch per transport route: same-node host copies, same-node CUDA copies, per peer node.
+    struct Route {
+      transport::Transport* t = nullptr;
+      transport::Batch batch;
+      std::string what;
+      std::string peer;  // metrics label: the peer node (own id for same-node copies)
+      int64_t bytes = 0;
+    };
+    Route host_route{local_t, {}, "same-node copies", me, 0};
+    Route cuda_route{cuda_t, {}, "same-node CUDA copies", me, 0};
+    std::map<std::string, Route> peer_routes;
     int64_t incoming_bytes = 0;
-    int64_t local_bytes = 0;
-    std::map<std::string, int64_t> peer_bytes;  // bytes this node sends to or receives from the peer
     for (const pb::TransferOp* op : by_bucket[b]) {
       const bool s_local = is_local(op->src_worker()), d_local = is_local(op->dst_worker());
       if (!s_local && !d_local) continue;
@@ -1489,14 +1598,17 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       c.element_size = elem;
       if (d_local) incoming_bytes += static_cast<int64_t>(op->bytes());
       if (s_local && d_local) {
-        auto sh = local_h.find(src.key), dh = local_h.find(dst.key);
-        if (sh == local_h.end() || dh == local_h.end()) {
+        const bool host = kind_of(src.key) == MemoryKind::kHost && kind_of(dst.key) == MemoryKind::kHost;
+        auto& handles = host ? local_h : cuda_h;
+        Route& route = host ? host_route : cuda_route;
+        auto sh = handles.find(src.key), dh = handles.find(dst.key);
+        if (sh == handles.end() || dh == handles.end()) {
           return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " missing on node ", me));
         }
         c.src = RefFor(src.piece, box, elem, sh->second);
         c.dst = RefFor(dst.piece, box, elem, dh->second);
-        local_batch.ops.push_back(std::move(c));
-        local_bytes += static_cast<int64_t>(op->bytes());
+        route.batch.ops.push_back(std::move(c));
+        route.bytes += static_cast<int64_t>(op->bytes());
         continue;
       }
       const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
@@ -1508,52 +1620,43 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       }
       c.src = RefFor(src.piece, box, elem, sh->second);
       c.dst = RefFor(dst.piece, box, elem, dh->second);
-      peer_batches[peer].ops.push_back(std::move(c));
-      peer_bytes[peer] += static_cast<int64_t>(op->bytes());
+      Route& route = peer_routes[peer];
+      if (route.t == nullptr) {
+        route.t = cross_t;
+        route.what = absl::StrCat("node ", me, " <-> node ", peer);
+        route.peer = peer;
+        route.batch.peer = peer_ids.at(peer);
+        route.batch.checksum = options_.checksums;
+      }
+      route.batch.ops.push_back(std::move(c));
+      route.bytes += static_cast<int64_t>(op->bytes());
     }
+    std::vector<Route*> routes;
+    if (!host_route.batch.ops.empty()) routes.push_back(&host_route);
+    if (!cuda_route.batch.ops.empty()) routes.push_back(&cuda_route);
+    for (auto& [peer, route] : peer_routes) routes.push_back(&route);
     // Post everything of the bucket, then wait for every posted batch (each exactly once).
-    std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;
-    std::vector<std::string> posted_what;
-    std::vector<std::string> posted_peer;  // metrics label: the peer node (own id for same-node copies)
-    std::vector<int64_t> posted_bytes;
+    std::vector<std::pair<Route*, transport::BatchId>> posted;
     const absl::Time posted_at = absl::Now();
     absl::Status first;
-    if (!local_batch.ops.empty()) {
-      local_batch.tag = BatchTag(exec.model_id, exec.version, b);
-      auto id = local_t->Post(local_batch);
-      if (id.ok()) {
-        posted.push_back({local_t, *id});
-        posted_what.push_back("same-node copies");
-        posted_peer.push_back(me);
-        posted_bytes.push_back(local_bytes);
-      } else {
-        first = id.status();
-      }
-    }
-    for (auto& [peer, batch] : peer_batches) {
-      if (!first.ok()) break;
-      batch.tag = BatchTag(exec.model_id, exec.version, b);
-      batch.peer = peer_ids.at(peer);
-      batch.checksum = options_.checksums;
-      auto id = cross_t->Post(batch);
+    for (Route* r : routes) {
+      r->batch.tag = BatchTag(exec.model_id, exec.version, b);
+      auto id = r->t->Post(r->batch);
       if (!id.ok()) {
-        first = Annotate(id.status(), absl::StrCat("node ", me, " -> node ", peer));
+        first = Annotate(id.status(), r->what);
         break;
       }
-      posted.push_back({cross_t, *id});
-      posted_what.push_back(absl::StrCat("node ", me, " <-> node ", peer));
-      posted_peer.push_back(peer);
-      posted_bytes.push_back(peer_bytes[peer]);
+      posted.push_back({r, *id});
     }
-    for (size_t i = 0; i < posted.size(); ++i) {
-      absl::Status s = posted[i].first->Wait(posted[i].second, exec.deadline);
-      if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", posted_what[i]));
+    for (auto& [r, id] : posted) {
+      absl::Status s = r->t->Wait(id, exec.deadline);
+      if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", r->what));
       if (s.ok()) {
         // Bytes per route (transport kind) and peer; link time = post -> this batch's completion.
-        const std::string route = posted[i].first->capabilities().kind;
-        Metrics().Bytes(me, exec.model_id, route, posted_peer[i], static_cast<uint64_t>(posted_bytes[i]));
-        LinkStat& ls = exec.links[posted_peer[i]];
-        ls.bytes += static_cast<uint64_t>(posted_bytes[i]);
+        const std::string route = r->t->capabilities().kind;
+        Metrics().Bytes(me, exec.model_id, route, r->peer, static_cast<uint64_t>(r->bytes));
+        LinkStat& ls = exec.links[r->peer];
+        ls.bytes += static_cast<uint64_t>(r->bytes);
         ls.seconds += absl::ToDoubleSeconds(absl::Now() - posted_at);
       }
     }
@@ -1603,43 +1706,54 @@ absl::Status NodeDaemon::CopyFlat(const std::vector<const uint8_t*>& src, const 
 
 absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
                                   const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label,
-                                  absl::Time deadline) {
+                                  absl::Time deadline, bool on_gpu) {
   out.clear();
+  out.resize(buffers.size());
   std::vector<const uint8_t*> src;
   std::vector<uint8_t*> dst;
   std::vector<int64_t> size;
   transport::Transport* ct = nullptr;
   transport::Batch device_batch;
-  std::vector<transport::RegionHandle> host_regions;
-  for (size_t j = 0; j < buffers.size(); ++j) {
-    const int64_t n = buffers[j] ? buffers[j]->size() : cuda[j]->size;
-    out.emplace_back(static_cast<size_t>(n));
-  }
+  std::vector<transport::RegionHandle> regions;  // on ct
   struct Cleanup {
     transport::Transport** t;
     std::vector<transport::RegionHandle>* r;
     ~Cleanup() {
       for (auto& h : *r) (void)(*t)->Release(h);
     }
-  } cleanup{&ct, &host_regions};
+  } cleanup{&ct, &regions};
   for (size_t j = 0; j < buffers.size(); ++j) {
     if (buffers[j]) {
+      out[j].host.resize(static_cast<size_t>(buffers[j]->size()));
       src.push_back(static_cast<const uint8_t*>(buffers[j]->data()));
-      dst.push_back(out[j].data());
+      dst.push_back(out[j].host.data());
       size.push_back(buffers[j]->size());
       continue;
     }
-    // Device -> host on the cuda_ipc transport (host memory registered with it: pinned when possible).
+    if (j >= cuda.size() || cuda[j] == nullptr) return absl::InternalError(absl::StrCat(label, ": buffer ", j, " is neither host nor CUDA"));
+    // CUDA: device -> GPU staging (device to device) when allowed, else device -> host; both on
+    // the cuda_ipc transport (host memory registered with it: pinned when possible).
     ct = cuda[j]->t;
+    const int64_t n = cuda[j]->size;
+    if (on_gpu) {
+      ASSIGN_OR_RETURN(out[j].device, TryDeviceStaging(cuda[j]->device, n, absl::StrCat(label, " b", j)));
+    }
     transport::MemorySpec spec;
-    spec.kind = transport::MemoryKind::kHost;
-    spec.base = out[j].data();
-    spec.size_bytes = static_cast<int64_t>(out[j].size());
-    spec.label = absl::StrCat(label, " host b", j);
+    if (out[j].device) {
+      spec.kind = transport::MemoryKind::kCuda;
+      spec.base = out[j].device->data();
+      spec.device = out[j].device->device();
+    } else {
+      out[j].host.resize(static_cast<size_t>(n));
+      spec.kind = transport::MemoryKind::kHost;
+      spec.base = out[j].host.data();
+    }
+    spec.size_bytes = n;
+    spec.label = absl::StrCat(label, " staging b", j);
     ASSIGN_OR_RETURN(transport::RegionHandle h, ct->RegisterMemory(spec));
-    host_regions.push_back(h);
+    regions.push_back(h);
     transport::CopyOp op;
-    op.shape = {spec.size_bytes};
+    op.shape = {n};
     op.element_size = 1;
     op.src = {cuda[j]->h, 0, {1}};
     op.dst = {h, 0, {1}};
@@ -1647,7 +1761,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
   }
   if (!device_batch.ops.empty()) {
     ASSIGN_OR_RETURN(transport::BatchId id, ct->Post(device_batch));
-    RETURN_IF_ERROR_WITH(ct->Wait(id, deadline), absl::StrCat(label, ": CUDA -> host"));
+    RETURN_IF_ERROR_WITH(ct->Wait(id, deadline), absl::StrCat(label, ": copying CUDA buffers"));
   }
   return CopyFlat(src, dst, size, label, deadline);
 }
@@ -1657,8 +1771,8 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
                                     const planner::Inventory& inventory, const std::string& label, absl::Time deadline) {
   transport::Transport* host_t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
   if (host_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
-  // Host live buffers go through host_shm (its copy threads); CUDA ones through cuda_ipc
-  // (host staging registered with it -> the imported device buffer).
+  // Host live buffers go through host_shm (its copy threads); CUDA ones through cuda_ipc (from
+  // host staging registered with it, or device to device from GPU staging).
   std::vector<std::pair<transport::Transport*, transport::RegionHandle>> regions;
   struct Cleanup {
     std::vector<std::pair<transport::Transport*, transport::RegionHandle>>* r;
@@ -1681,11 +1795,21 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
     auto it = by_buffer.find(piece.buffer);
     if (it == by_buffer.end()) {
       const bool on_gpu = buffers[piece.buffer] == nullptr;
+      const StagedBuffer& sb = staging[piece.buffer];
+      if (sb.device != nullptr && !on_gpu) {
+        return absl::InternalError(absl::StrCat(label, ": buffer ", piece.buffer, " is staged on a GPU but lives in host memory"));
+      }
       transport::Transport* t = on_gpu ? cuda[piece.buffer]->t : host_t;
       transport::MemorySpec s;
-      s.kind = transport::MemoryKind::kHost;
-      s.base = const_cast<uint8_t*>(staging[piece.buffer].data());  // only read
-      s.size_bytes = static_cast<int64_t>(staging[piece.buffer].size());
+      if (sb.device != nullptr) {
+        s.kind = transport::MemoryKind::kCuda;
+        s.base = sb.device->data();
+        s.device = sb.device->device();
+      } else {
+        s.kind = transport::MemoryKind::kHost;
+        s.base = const_cast<uint8_t*>(sb.host.data());  // only read
+      }
+      s.size_bytes = sb.size();
       s.label = absl::StrCat(label, " staging b", piece.buffer);
       ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
       regions.push_back({t, sh});
@@ -1729,6 +1853,23 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
   return first;
 }
 
+transport::Transport* NodeDaemon::CudaTransport() const {
+  return options_.transports.Pick(transport::MemoryKind::kCuda, transport::MemoryKind::kCuda, false);
+}
+
+absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> NodeDaemon::TryDeviceStaging(int device, int64_t size, const std::string& label) {
+  if (options_.device_staging == nullptr || !options_.device_staging->enabled()) return std::shared_ptr<transport::DeviceMemory>();
+  auto m = options_.device_staging->TryAllocate(device, size, label);
+  if (!m.ok()) return Annotate(m.status(), absl::StrCat("GPU staging for ", label));
+  if (*m == nullptr) {
+    // Not an error: over the per-GPU budget (or the GPU is full): host staging, as without a GPU.
+    Log(LogLevel::kInfo, "GPU staging unavailable, staging in host memory",
+        {{"node", options_.node_id}, {"what", label}, {"gpu", device}, {"bytes", size},
+         {"used", options_.device_staging->used(device)}, {"budget", options_.device_staging->budget_per_gpu()}});
+  }
+  return m;
+}
+
 NodeDaemon::CudaImport::~CudaImport() {
   if (t != nullptr) (void)t->Release(h);
 }
@@ -1757,6 +1898,7 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
   imp->t = t;
   imp->h = *h;
   imp->size = static_cast<int64_t>(b.size_bytes());
+  imp->device = raw.device;
   return imp;
 #else
   return absl::UnimplementedError(absl::StrCat(what, ": this weightbridged was built without CUDA"));

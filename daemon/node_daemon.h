@@ -36,7 +36,9 @@
 #include "absl/time/time.h"
 #include "planner/types.h"
 #include "proto/weightbridge.grpc.pb.h"
+#include "daemon/device_staging.h"
 #include "tools/cc/clock.h"
+#include "transport/device_allocator.h"
 #include "transport/factory.h"
 #include "transport/shm_segment.h"
 
@@ -57,6 +59,9 @@ class NodeDaemon {
     // cross-node one. main.cc / tests create them with transport/factory.h.
     transport::TransportSet transports;
     bool checksums = true;  // per-batch xxh3 on cross-node batches (transports that support it)
+    // GPU-direct staging (docs/daemon.md): where trainer snapshots and rollout incoming copies of
+    // CUDA buffers may live on the GPU. Null or a zero budget: host staging only.
+    std::shared_ptr<DeviceStaging> device_staging;
     // TEST ONLY: called by the executor before it posts each bucket (fault tests stall a node here).
     std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
     // TEST ONLY: when it returns true the heartbeat is skipped (a frozen node: its lease expires).
@@ -85,7 +90,14 @@ class NodeDaemon {
   friend class WorkerImpl;
   friend class NodeImpl;
 
-  using Bytes = std::vector<std::vector<uint8_t>>;  // one vector per buffer
+  // One buffer of staging (snapshot, incoming, committed, gather): host bytes, or device memory
+  // the daemon allocated on the GPU of the worker's buffer (GPU-direct staging).
+  struct StagedBuffer {
+    std::vector<uint8_t> host;                         // when device == nullptr
+    std::shared_ptr<transport::DeviceMemory> device;  // non-null: the bytes live on this GPU (host empty)
+    int64_t size() const { return device ? device->size() : static_cast<int64_t>(host.size()); }
+  };
+  using Bytes = std::vector<StagedBuffer>;  // one entry per buffer, layout order
   // A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
   struct PidWatch {
     int pid = 0;
@@ -99,6 +111,7 @@ class NodeDaemon {
     transport::Transport* t = nullptr;
     transport::RegionHandle h;
     int64_t size = 0;
+    int device = 0;  // the daemon's ordinal of the buffer's GPU
     ~CudaImport();
   };
   struct LocalWorker {
@@ -202,9 +215,16 @@ class NodeDaemon {
   // Copies whole buffers (src[i] -> dst[i], size[i] bytes) with the same-node transport.
   absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
                         const std::string& label, absl::Time deadline);
-  // Copies a worker's live buffers (host or CUDA) into host `out` (resized to the buffers).
+  // Copies a worker's live buffers (host or CUDA) into `out` (one entry per buffer). With
+  // `on_gpu`, a CUDA buffer is copied device to device into GPU staging when the budget allows
+  // (else, and for host buffers, into host memory).
   absl::Status ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                        const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label, absl::Time deadline);
+                        const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label, absl::Time deadline,
+                        bool on_gpu = false);
+  // GPU staging of `size` bytes on `device`, or nullptr (host staging) when off / over budget.
+  absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> TryDeviceStaging(int device, int64_t size, const std::string& label);
+  // The same-node transport that reaches CUDA memory (cuda_ipc), or nullptr.
+  transport::Transport* CudaTransport() const;
 
   Options options_;
   std::unique_ptr<WorkerImpl> worker_impl_;
