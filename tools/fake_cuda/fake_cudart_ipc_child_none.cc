@@ -1,0 +1,2 @@
+// Built without CUDA headers: the fake (and this helper) do nothing.
+int main() { return 0; }

@@ -1,0 +1,576 @@
+// Unit tests of the CUDA emulation itself (fake_cuda.h). Run with WB_FAKE_CUDA_DEVICES=2 (BUILD).
+// Tests that poison the process (sticky cudaErrorIllegalAddress) or crash it run in death-test
+// children ("threadsafe" style: a fresh exec of this binary, so no CUDA state crosses a fork).
+#include "tools/fake_cuda/fake_cuda.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/inotify.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace wb::fake_cuda {
+namespace {
+
+#define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorName(cudaGetLastError())
+
+uint8_t Pat(uint64_t seed, size_t i) { return static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 9)) & 0xff); }
+
+std::vector<uint8_t> Pattern(uint64_t seed, size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = Pat(seed, i);
+  return v;
+}
+
+class FakeCudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    ASSERT_CUDA(cudaSetDevice(0));
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+  void* Malloc(size_t n) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, n), cudaSuccess);
+    allocs_.push_back(p);
+    return p;
+  }
+  void TearDown() override {
+    for (void* p : allocs_) EXPECT_EQ(cudaFree(p), cudaSuccess);
+  }
+  std::vector<void*> allocs_;
+};
+
+TEST_F(FakeCudaTest, DevicesAndProperties) {
+  int n = 0;
+  ASSERT_CUDA(cudaGetDeviceCount(&n));
+  EXPECT_EQ(n, 2);  // WB_FAKE_CUDA_DEVICES=2 in BUILD
+  cudaDeviceProp p0, p1, again;
+  ASSERT_CUDA(cudaGetDeviceProperties(&p0, 0));
+  ASSERT_CUDA(cudaGetDeviceProperties(&p1, 1));
+  ASSERT_CUDA(cudaGetDeviceProperties(&again, 0));
+  EXPECT_NE(std::string(p0.name).find("fake"), std::string::npos) << p0.name;
+  EXPECT_EQ(memcmp(p0.uuid.bytes, again.uuid.bytes, 16), 0);
+  EXPECT_NE(memcmp(p0.uuid.bytes, p1.uuid.bytes, 16), 0);
+  EXPECT_GT(p0.totalGlobalMem, size_t{1} << 30);
+  EXPECT_EQ(cudaGetDeviceProperties(&p0, 2), cudaErrorInvalidDevice);
+  EXPECT_EQ(cudaSetDevice(2), cudaErrorInvalidDevice);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidDevice);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "cudaGetLastError clears a non-sticky error";
+  // The current device is per thread.
+  ASSERT_CUDA(cudaSetDevice(1));
+  int other = -1;
+  std::thread([&] { (void)cudaGetDevice(&other); }).join();
+  EXPECT_EQ(other, 0);
+  int mine = -1;
+  ASSERT_CUDA(cudaGetDevice(&mine));
+  EXPECT_EQ(mine, 1);
+}
+
+TEST_F(FakeCudaTest, LastErrorIsPerThread) {
+  EXPECT_EQ(cudaSetDevice(99), cudaErrorInvalidDevice);
+  cudaError_t seen = cudaErrorUnknown;
+  std::thread([&] { seen = cudaGetLastError(); }).join();
+  EXPECT_EQ(seen, cudaSuccess);
+  EXPECT_EQ(cudaPeekAtLastError(), cudaErrorInvalidDevice);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidDevice);
+  EXPECT_STREQ(cudaGetErrorName(cudaErrorIllegalAddress), "cudaErrorIllegalAddress");
+  EXPECT_STRNE(cudaGetErrorString(cudaErrorIllegalAddress), "");
+}
+
+TEST_F(FakeCudaTest, RoundTripAndPointerAttributes) {
+  const size_t n = 100000;
+  char* d = static_cast<char*>(Malloc(n));
+  ASSERT_NE(d, nullptr);
+  EXPECT_TRUE(IsDevicePointer(d));
+  EXPECT_TRUE(IsDevicePointer(d + n - 1));
+  EXPECT_FALSE(IsDevicePointer(d + n));
+  auto in = Pattern(3, n);
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(d, in.data(), n, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(out.data(), d, n, cudaMemcpyDefault));
+  EXPECT_EQ(in, out);
+  EXPECT_EQ(memcmp(DeviceToHost(d, n), in.data(), n), 0);
+  EXPECT_EQ(DeviceToHost(d, n + 1), nullptr);
+  // Wrong direction for the pointers: refused (stricter than some CUDA versions).
+  EXPECT_EQ(cudaMemcpy(out.data(), d, n, cudaMemcpyHostToDevice), cudaErrorInvalidMemcpyDirection);
+  (void)cudaGetLastError();
+
+  cudaPointerAttributes a;
+  ASSERT_CUDA(cudaPointerGetAttributes(&a, d + 10));
+  EXPECT_EQ(a.type, cudaMemoryTypeDevice);
+  EXPECT_EQ(a.device, 0);
+  ASSERT_CUDA(cudaPointerGetAttributes(&a, in.data()));
+  EXPECT_EQ(a.type, cudaMemoryTypeUnregistered);
+  ASSERT_CUDA(cudaHostRegister(in.data(), n, cudaHostRegisterPortable));
+  ASSERT_CUDA(cudaPointerGetAttributes(&a, in.data() + 5));
+  EXPECT_EQ(a.type, cudaMemoryTypeHost);
+  EXPECT_EQ(cudaHostRegister(in.data() + 8, 16, 0), cudaErrorHostMemoryAlreadyRegistered);
+  EXPECT_EQ(cudaHostUnregister(in.data() + 8), cudaErrorHostMemoryNotRegistered);
+  ASSERT_CUDA(cudaHostUnregister(in.data()));
+  EXPECT_EQ(cudaHostRegister(d, 16, 0), cudaErrorInvalidValue) << "device memory cannot be host-registered";
+  void* pinned = nullptr;
+  ASSERT_CUDA(cudaMallocHost(&pinned, 4096));
+  ASSERT_CUDA(cudaPointerGetAttributes(&a, pinned));
+  EXPECT_EQ(a.type, cudaMemoryTypeHost);
+  EXPECT_EQ(cudaHostUnregister(pinned), cudaErrorHostMemoryNotRegistered);
+  ASSERT_CUDA(cudaFreeHost(pinned));
+  EXPECT_EQ(cudaFreeHost(in.data()), cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+}
+
+TEST_F(FakeCudaTest, FreeRules) {
+  char* d = nullptr;
+  ASSERT_CUDA(cudaMalloc(reinterpret_cast<void**>(&d), 1000));
+  EXPECT_EQ(cudaFree(d + 1), cudaErrorInvalidValue) << "interior pointer";
+  ASSERT_CUDA(cudaFree(d));
+  EXPECT_EQ(cudaFree(d), cudaErrorInvalidValue) << "double free";
+  EXPECT_FALSE(IsDevicePointer(d));
+  EXPECT_EQ(cudaFree(nullptr), cudaSuccess);
+  (void)cudaGetLastError();
+}
+
+TEST_F(FakeCudaTest, MemGetAddressRangeThroughTheDriverEntryPoint) {
+  char* d = static_cast<char*>(Malloc(12345));
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  ASSERT_CUDA(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q));
+  ASSERT_EQ(q, cudaDriverEntryPointSuccess);
+  auto get = reinterpret_cast<CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr)>(fn);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  ASSERT_EQ(get(&base, &size, reinterpret_cast<CUdeviceptr>(d + 777)), CUDA_SUCCESS);
+  EXPECT_EQ(base, reinterpret_cast<CUdeviceptr>(d));
+  EXPECT_EQ(size, 12345u);
+  EXPECT_NE(get(&base, &size, reinterpret_cast<CUdeviceptr>(d + 12345)), CUDA_SUCCESS);
+  int host = 0;
+  EXPECT_NE(get(&base, &size, reinterpret_cast<CUdeviceptr>(&host)), CUDA_SUCCESS);
+  ASSERT_CUDA(cudaGetDriverEntryPointByVersion("cuNotAFunction", &fn, 12000, cudaEnableDefault, &q));
+  EXPECT_EQ(q, cudaDriverEntryPointSymbolNotFound);
+  EXPECT_EQ(fn, nullptr);
+}
+
+// Blocks a stream until released, so asynchrony is observable without timing.
+struct Gate {
+  absl::Notification open;
+  void Block(cudaStream_t s) {
+    Enqueue(s, [this] {
+      open.WaitForNotificationWithTimeout(absl::Seconds(30));
+      return cudaSuccess;
+    });
+  }
+};
+
+TEST_F(FakeCudaTest, StreamsRunInOrderAndAsynchronously) {
+  const size_t n = 1 << 16;
+  char* a = static_cast<char*>(Malloc(n));
+  char* b = static_cast<char*>(Malloc(n));
+  void* host = nullptr;
+  ASSERT_CUDA(cudaMallocHost(&host, n));
+  auto in = Pattern(5, n);
+  memcpy(host, in.data(), n);
+  cudaStream_t s;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EXPECT_EQ(StreamDevice(s), 0);
+  cudaEvent_t never, ev;
+  ASSERT_CUDA(cudaEventCreateWithFlags(&never, cudaEventDisableTiming));
+  ASSERT_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  EXPECT_EQ(cudaEventQuery(never), cudaSuccess) << "an event never recorded counts as complete";
+  Gate g;
+  g.Block(s);
+  ASSERT_CUDA(cudaMemcpyAsync(a, host, n, cudaMemcpyDefault, s));  // pinned: asynchronous
+  ASSERT_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDefault, s));     // must see the first copy's bytes
+  ASSERT_CUDA(cudaEventRecord(ev, s));
+  EXPECT_EQ(cudaEventQuery(ev), cudaErrorNotReady);
+  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "cudaErrorNotReady is not recorded as an error";
+  // A non-blocking stream does not synchronise with the legacy stream: this read sees old bytes.
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), b, n, cudaMemcpyDeviceToHost));
+  EXPECT_NE(out, in);
+  g.open.Notify();
+  ASSERT_CUDA(cudaEventSynchronize(ev));
+  EXPECT_EQ(cudaEventQuery(ev), cudaSuccess);
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  ASSERT_CUDA(cudaMemcpy(out.data(), b, n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out, in);
+  ASSERT_CUDA(cudaEventDestroy(ev));
+  ASSERT_CUDA(cudaEventDestroy(never));
+  EXPECT_EQ(cudaEventQuery(ev), cudaErrorInvalidResourceHandle);
+  ASSERT_CUDA(cudaStreamDestroy(s));
+  EXPECT_EQ(cudaStreamQuery(s), cudaErrorInvalidResourceHandle);
+  ASSERT_CUDA(cudaFreeHost(host));
+  (void)cudaGetLastError();
+}
+
+TEST_F(FakeCudaTest, LegacyStreamWaitsForBlockingStreams) {
+  const size_t n = 4096;
+  char* d = static_cast<char*>(Malloc(n));
+  void* host = nullptr;
+  ASSERT_CUDA(cudaMallocHost(&host, n));
+  memset(host, 0x11, n);
+  cudaStream_t s;
+  ASSERT_CUDA(cudaStreamCreate(&s));  // blocking
+  Gate g;
+  g.Block(s);
+  ASSERT_CUDA(cudaMemcpyAsync(d, host, n, cudaMemcpyHostToDevice, s));
+  std::vector<uint8_t> out(n, 0);
+  void* out_pinned = nullptr;
+  ASSERT_CUDA(cudaMallocHost(&out_pinned, n));
+  // On the legacy stream (0): waits for s's copy; asynchronous for pinned memory.
+  ASSERT_CUDA(cudaMemcpyAsync(out_pinned, d, n, cudaMemcpyDeviceToHost, 0));
+  EXPECT_EQ(cudaStreamQuery(0), cudaErrorNotReady);
+  g.open.Notify();
+  ASSERT_CUDA(cudaStreamSynchronize(0));
+  EXPECT_EQ(static_cast<uint8_t*>(out_pinned)[n - 1], 0x11);
+  ASSERT_CUDA(cudaStreamDestroy(s));
+  ASSERT_CUDA(cudaFreeHost(out_pinned));
+  ASSERT_CUDA(cudaFreeHost(host));
+}
+
+TEST_F(FakeCudaTest, EventAndStreamOfDifferentDevicesAreRefused) {
+  cudaStream_t s1;
+  ASSERT_CUDA(cudaSetDevice(1));
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  EXPECT_EQ(StreamDevice(s1), 1);
+  ASSERT_CUDA(cudaSetDevice(0));
+  cudaEvent_t e0;
+  ASSERT_CUDA(cudaEventCreateWithFlags(&e0, cudaEventDisableTiming));
+  EXPECT_EQ(cudaEventRecord(e0, s1), cudaErrorInvalidResourceHandle);
+  char* d = static_cast<char*>(Malloc(64));
+  char host[64];
+  EXPECT_EQ(cudaMemcpyAsync(d, host, 64, cudaMemcpyDefault, s1), cudaErrorInvalidResourceHandle)
+      << "the stream's device must be current";
+  (void)cudaGetLastError();
+  ASSERT_CUDA(cudaEventDestroy(e0));
+  ASSERT_CUDA(cudaSetDevice(1));
+  ASSERT_CUDA(cudaStreamDestroy(s1));
+}
+
+// Reference for a pitched (2-D: depth 1) or 3-D copy.
+void RefCopy(uint8_t* dst, size_t dpitch, size_t dys, const uint8_t* src, size_t spitch, size_t sys, size_t w,
+             size_t h, size_t dep) {
+  for (size_t z = 0; z < dep; ++z) {
+    for (size_t y = 0; y < h; ++y) memcpy(dst + (z * dys + y) * dpitch, src + (z * sys + y) * spitch, w);
+  }
+}
+
+TEST_F(FakeCudaTest, PitchedCopiesMatchTheReference) {
+  std::mt19937 rng(7);
+  cudaStream_t s;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int iter = 0; iter < 60; ++iter) {
+    const size_t w = 1 + rng() % 50, h = 1 + rng() % 9, dep = 1 + rng() % 4;
+    const size_t spitch = w + rng() % 20, dpitch = w + rng() % 20;
+    const size_t sys = h + rng() % 3, dys = h + rng() % 3;
+    const size_t sbytes = spitch * sys * dep + 64, dbytes = dpitch * dys * dep + 64;
+    auto src = Pattern(iter, sbytes);
+    std::vector<uint8_t> expect = Pattern(1000 + iter, dbytes);
+    const size_t soff = rng() % 32, doff = rng() % 32;
+    RefCopy(expect.data() + doff, dpitch, dys, src.data() + soff, spitch, sys, w, h, dep);
+    // Device source and destination, both initialised from the host.
+    char* ds = static_cast<char*>(Malloc(sbytes));
+    char* dd = static_cast<char*>(Malloc(dbytes));
+    ASSERT_CUDA(cudaMemcpy(ds, src.data(), sbytes, cudaMemcpyHostToDevice));
+    auto dinit = Pattern(1000 + iter, dbytes);
+    ASSERT_CUDA(cudaMemcpy(dd, dinit.data(), dbytes, cudaMemcpyHostToDevice));
+    const int mode = iter % 3;  // 0: D2D, 1: H2D (pageable), 2: D2H (pageable)
+    std::vector<uint8_t> hdst = dinit;
+    char* dst = mode == 2 ? reinterpret_cast<char*>(hdst.data()) : dd;
+    const char* sp = mode == 1 ? reinterpret_cast<const char*>(src.data()) : ds;
+    if (dep == 1) {
+      ASSERT_CUDA(cudaMemcpy2DAsync(dst + doff, dpitch, sp + soff, spitch, w, h, cudaMemcpyDefault, s));
+    } else {
+      cudaMemcpy3DParms p = {};
+      p.srcPtr = make_cudaPitchedPtr(const_cast<char*>(sp) + soff, spitch, w, sys);
+      p.dstPtr = make_cudaPitchedPtr(dst + doff, dpitch, w, dys);
+      p.extent = make_cudaExtent(w, h, dep);
+      p.kind = cudaMemcpyDefault;
+      ASSERT_CUDA(cudaMemcpy3DAsync(&p, s));
+    }
+    ASSERT_CUDA(cudaStreamSynchronize(s));
+    std::vector<uint8_t> got(dbytes);
+    if (mode == 2) {
+      got = hdst;
+    } else {
+      ASSERT_CUDA(cudaMemcpy(got.data(), dd, dbytes, cudaMemcpyDeviceToHost));
+    }
+    ASSERT_EQ(got, expect) << "iter " << iter << " mode " << mode << " w " << w << " h " << h << " d " << dep;
+  }
+  // Parameter rules.
+  char* d = static_cast<char*>(Malloc(1024));
+  EXPECT_EQ(cudaMemcpy2DAsync(d, 8, d + 512, 16, 10, 2, cudaMemcpyDefault, s), cudaErrorInvalidPitchValue);
+  cudaMemcpy3DParms p = {};
+  p.srcPtr = make_cudaPitchedPtr(d, 16, 8, 2);
+  p.dstPtr = make_cudaPitchedPtr(d + 512, 16, 8, 4);
+  p.extent = make_cudaExtent(8, 3, 2);  // 3 rows per slice but the source slices hold 2
+  p.kind = cudaMemcpyDefault;
+  EXPECT_EQ(cudaMemcpy3DAsync(&p, s), cudaErrorInvalidValue);
+  EXPECT_NE(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "parameter errors are not sticky";
+  ASSERT_CUDA(cudaStreamDestroy(s));
+}
+
+TEST_F(FakeCudaTest, PageableSourceIsStagedAtEnqueue) {
+  const size_t n = 4096;
+  char* d = static_cast<char*>(Malloc(n));
+  cudaStream_t s;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Gate g;
+  g.Block(s);
+  std::vector<uint8_t> src(n, 0x42);
+  ASSERT_CUDA(cudaMemcpyAsync(d, src.data(), n, cudaMemcpyHostToDevice, s));
+  std::fill(src.begin(), src.end(), 0x99);  // allowed by CUDA once the call returned
+  g.open.Notify();
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), d, n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out[0], 0x42);
+  EXPECT_EQ(out[n - 1], 0x42);
+  ASSERT_CUDA(cudaStreamDestroy(s));
+}
+
+TEST_F(FakeCudaTest, MemsetIsAsynchronousOnTheLegacyStream) {
+  const size_t n = 4096;
+  char* d = static_cast<char*>(Malloc(n));
+  ASSERT_CUDA(cudaMemset(d, 7, n));
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), d, n, cudaMemcpyDeviceToHost));  // ordered after it on stream 0
+  EXPECT_EQ(out[0], 7);
+  EXPECT_EQ(out[n - 1], 7);
+  char host[8];
+  EXPECT_EQ(cudaMemset(host, 0, 8), cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+}
+
+TEST_F(FakeCudaTest, HostDereferenceOfDevicePointerCrashes) {
+  char* d = static_cast<char*>(Malloc(4096));
+  EXPECT_DEATH(
+      {
+        volatile char c = *d;
+        (void)c;
+      },
+      "");
+}
+
+// Runs in a death-test child: the violation kills the emulated context for the whole process.
+void OutOfBoundsCopy(bool async) {
+  char* d = nullptr;
+  if (cudaMalloc(reinterpret_cast<void**>(&d), 1000) != cudaSuccess) _exit(10);
+  std::vector<char> host(2000);
+  cudaError_t e;
+  if (async) {
+    cudaStream_t s;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) _exit(11);
+    cudaEvent_t ev;
+    if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) _exit(11);
+    // One byte past the allocation, detected when the copy runs.
+    if (cudaMemcpyAsync(d + 1, host.data(), 1000, cudaMemcpyHostToDevice, s) != cudaSuccess) _exit(12);
+    if (cudaEventRecord(ev, s) != cudaSuccess) _exit(12);
+    e = cudaStreamSynchronize(s);
+  } else {
+    e = cudaMemcpy(host.data(), d + 500, 501, cudaMemcpyDeviceToHost);
+  }
+  if (e != cudaErrorIllegalAddress) _exit(13);
+  // Sticky: every later call fails, cudaGetLastError does not clear it.
+  void* p = nullptr;
+  if (cudaMalloc(&p, 16) != cudaErrorIllegalAddress) _exit(14);
+  if (cudaGetLastError() != cudaErrorIllegalAddress || cudaGetLastError() != cudaErrorIllegalAddress) _exit(15);
+  _exit(0);
+}
+
+TEST_F(FakeCudaTest, OutOfBoundsCopyIsAStickyIllegalAddress) {
+  EXPECT_EXIT(OutOfBoundsCopy(false), ::testing::ExitedWithCode(0), "ILLEGAL ADDRESS.*ends 1 bytes past the end");
+  EXPECT_EXIT(OutOfBoundsCopy(true), ::testing::ExitedWithCode(0), "ILLEGAL ADDRESS");
+}
+
+void UseAfterFree() {
+  char* d = nullptr;
+  if (cudaMalloc(reinterpret_cast<void**>(&d), 1000) != cudaSuccess || cudaFree(d) != cudaSuccess) _exit(10);
+  char host[16];
+  if (cudaMemcpy(host, d, 16, cudaMemcpyDefault) != cudaErrorIllegalAddress) _exit(11);
+  _exit(0);
+}
+
+TEST_F(FakeCudaTest, UseAfterFreeIsAnIllegalAddress) {
+  EXPECT_EXIT(UseAfterFree(), ::testing::ExitedWithCode(0), "freed");
+}
+
+TEST_F(FakeCudaTest, ForkedChildCannotUseCuda) {
+  Malloc(64);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    void* p = nullptr;
+    _exit(cudaMalloc(&p, 16) == cudaErrorInitializationError ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// ---- IPC across processes ----
+
+std::string Hex(const cudaIpcMemHandle_t& h) {
+  std::string s;
+  for (char c : h.reserved) absl::StrAppend(&s, absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+  return s;
+}
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // its stdout
+  int in = -1;   // its stdin
+};
+
+Child Spawn(const std::vector<std::string>& args) {
+  int o[2], i[2];
+  Child c;
+  if (pipe2(o, O_CLOEXEC) != 0 || pipe2(i, O_CLOEXEC) != 0) return c;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, o[1], 1);
+  posix_spawn_file_actions_adddup2(&fa, i[0], 0);
+  std::vector<char*> argv;
+  std::string bin = "tools/fake_cuda/fake_cudart_ipc_child";
+  argv.push_back(bin.data());
+  std::vector<std::string> copy = args;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  if (posix_spawn(&c.pid, bin.c_str(), &fa, nullptr, argv.data(), environ) != 0) c.pid = -1;
+  posix_spawn_file_actions_destroy(&fa);
+  close(o[1]);
+  close(i[0]);
+  c.out = o[0];
+  c.in = i[1];
+  return c;
+}
+
+// One line from fd within the deadline ("" on timeout / EOF).
+std::string ReadLine(int fd, absl::Duration timeout) {
+  std::string line;
+  const absl::Time end = absl::Now() + timeout;
+  char ch;
+  while (true) {
+    pollfd p = {fd, POLLIN, 0};
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(end - absl::Now()));
+    if (ms <= 0 || poll(&p, 1, ms) <= 0) return line;
+    if (read(fd, &ch, 1) != 1 || ch == '\n') return line;
+    line.push_back(ch);
+  }
+}
+
+int Wait(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return status;
+}
+
+TEST_F(FakeCudaTest, IpcAcrossProcesses) {
+  const size_t n = 300000;
+  char* d = static_cast<char*>(Malloc(n));
+  auto in = Pattern(40, n);
+  ASSERT_CUDA(cudaMemcpy(d, in.data(), n, cudaMemcpyHostToDevice));
+  cudaIpcMemHandle_t h, h_inner;
+  ASSERT_CUDA(cudaIpcGetMemHandle(&h, d));
+  ASSERT_CUDA(cudaIpcGetMemHandle(&h_inner, d + 4096));
+  EXPECT_EQ(Hex(h), Hex(h_inner)) << "a pointer inside the allocation names the whole allocation";
+  Child c = Spawn({"open", Hex(h), absl::StrCat(n), "40"});
+  ASSERT_GT(c.pid, 0);
+  EXPECT_EQ(ReadLine(c.out, absl::Seconds(30)), "OK");
+  const int status = Wait(c.pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  close(c.out);
+  close(c.in);
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), d, n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out, Pattern(41, n)) << "the child's writes through its mapping are visible here";
+}
+
+TEST_F(FakeCudaTest, OpeningOwnHandleOrGarbageIsRefused) {
+  char* d = static_cast<char*>(Malloc(4096));
+  cudaIpcMemHandle_t h;
+  ASSERT_CUDA(cudaIpcGetMemHandle(&h, d));
+  void* p = nullptr;
+  EXPECT_EQ(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), cudaErrorDeviceUninitialized);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorDeviceUninitialized);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "not sticky";
+  cudaIpcMemHandle_t junk = {};
+  EXPECT_EQ(cudaIpcOpenMemHandle(&p, junk, cudaIpcMemLazyEnablePeerAccess), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaIpcCloseMemHandle(d), cudaErrorInvalidValue) << "own allocation is not an IPC mapping";
+  (void)cudaGetLastError();
+}
+
+std::vector<std::string> ShmNamesOf(pid_t pid) {
+  std::vector<std::string> names;
+  const std::string prefix = absl::StrCat("wbfc.", pid, ".");
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return names;
+  while (dirent* e = readdir(dir)) {
+    if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) names.push_back(e->d_name);
+  }
+  closedir(dir);
+  return names;
+}
+
+TEST_F(FakeCudaTest, FreeUnlinksTheSegment) {
+  const size_t before = ShmNamesOf(getpid()).size();
+  void* d = nullptr;
+  ASSERT_CUDA(cudaMalloc(&d, 1 << 20));
+  EXPECT_EQ(ShmNamesOf(getpid()).size(), before + 1);
+  ASSERT_CUDA(cudaFree(d));
+  EXPECT_EQ(ShmNamesOf(getpid()).size(), before);
+}
+
+TEST_F(FakeCudaTest, KilledExportersSegmentsAreReaped) {
+  const int ino = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+  ASSERT_GE(ino, 0);
+  ASSERT_GE(inotify_add_watch(ino, "/dev/shm", IN_DELETE), 0);
+  Child c = Spawn({"hold", "65536"});
+  ASSERT_GT(c.pid, 0);
+  const std::string line = ReadLine(c.out, absl::Seconds(30));
+  ASSERT_EQ(line.rfind("READY ", 0), 0u) << line;
+  ASSERT_EQ(ShmNamesOf(c.pid).size(), 1u);
+  kill(c.pid, SIGKILL);
+  Wait(c.pid);
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (!ShmNamesOf(c.pid).empty() && absl::Now() < end) {
+    pollfd p = {ino, POLLIN, 0};
+    (void)poll(&p, 1, 1000);  // wakes on any deletion in /dev/shm; rechecks at least every second
+    char buf[4096];
+    while (read(ino, buf, sizeof(buf)) > 0) {
+    }
+  }
+  EXPECT_TRUE(ShmNamesOf(c.pid).empty()) << "segments of the killed exporter are still in /dev/shm";
+  close(ino);
+  close(c.out);
+  close(c.in);
+  // Its handle no longer opens (the memory is gone, as with a dead CUDA exporter).
+  cudaIpcMemHandle_t h;
+  const std::string hex = line.substr(6);
+  ASSERT_EQ(hex.size(), 2 * sizeof(h));
+  for (size_t i = 0; i < sizeof(h); ++i) h.reserved[i] = static_cast<char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  void* p = nullptr;
+  EXPECT_EQ(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), cudaErrorInvalidResourceHandle);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+}
+
+}  // namespace
+}  // namespace wb::fake_cuda
