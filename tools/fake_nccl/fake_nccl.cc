@@ -867,15 +867,16 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   const uint64_t one = 1;
   ssize_t n = write(c->abort_fd, &one, sizeof(one));
   (void)n;
-  for (wb::fake_nccl::PeerConn& p : c->peers) {
-    if (p.fd >= 0) (void)shutdown(p.fd, SHUT_RDWR);  // the peers see the connection close
-  }
+  // The progress thread (it may still be bootstrapping, i.e. writing peers) ends on the eventfd.
   if (c->progress.joinable()) {
     if (c->progress.get_id() == std::this_thread::get_id()) {
       c->progress.detach();  // abort from stream work run on the progress thread (legacy stream)
     } else {
       c->progress.join();
     }
+  }
+  for (wb::fake_nccl::PeerConn& p : c->peers) {
+    if (p.fd >= 0) (void)shutdown(p.fd, SHUT_RDWR);  // the peers see the connection close
   }
   // Running groups notice within one poll interval; bounded all the same.
   absl::MutexLock l(&c->mu);

@@ -173,6 +173,15 @@ int ChildMain(const std::string& role) {
     WaitForStdinClosed();
     return 0;
   }
+  if (role == "send100") {  // one send of 100 bytes to rank 0 (which receives a different count)
+    cudaStream_t stream = nullptr;
+    void* buf = nullptr;
+    (void)cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    (void)cudaMalloc(&buf, 100);
+    const ncclResult_t s = ncclSend(buf, 100, ncclUint8, 0, comm, stream);
+    std::printf("SEND %d %d\n", s, AwaitState(comm, absl::Seconds(5)));
+    std::fflush(stdout);
+  }
   if (role == "exchange") {
     const std::string e = RunExchange(comm, 1, device);
     std::printf("%s\n", e.empty() ? "EXCHANGE OK" : ("EXCHANGE " + e).c_str());
@@ -381,6 +390,29 @@ TEST_F(FakeNcclTwoProcessTest, PeerKilledIsRemoteError) {
   EXPECT_EQ(ncclCommAbort(comm), ncclSuccess);
   (void)AwaitEvent(nullptr, ev, absl::Seconds(2));
   EXPECT_EQ(cudaEventQuery(ev), cudaSuccess);
+  (void)cudaFree(buf);
+}
+
+TEST_F(FakeNcclTwoProcessTest, CountMismatchIsInvalidUsage) {
+  Child child;
+  ncclComm_t comm = Pair(child, "send100");
+  ASSERT_NE(comm, nullptr);
+  cudaStream_t stream;
+  cudaEvent_t ev;
+  void* buf = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&buf, 200), cudaSuccess);
+  ASSERT_EQ(ncclRecv(buf, 200, ncclUint8, 1, comm, stream), ncclInProgress);
+  ASSERT_EQ(AwaitState(comm, absl::Seconds(5)), ncclSuccess);
+  ASSERT_EQ(cudaEventRecord(ev, stream), cudaSuccess);
+  EXPECT_EQ(child.Line(absl::Seconds(10)), "SEND 7 0");
+  const std::string w = AwaitEvent(comm, ev, absl::Seconds(5));
+  EXPECT_NE(w.find("matched its ncclSend of 100 bytes"), std::string::npos) << w;
+  ncclResult_t state = ncclSuccess;
+  EXPECT_EQ(ncclCommGetAsyncError(comm, &state), ncclSuccess);
+  EXPECT_EQ(state, ncclInvalidUsage);
+  EXPECT_EQ(ncclCommAbort(comm), ncclSuccess);
   (void)cudaFree(buf);
 }
 
