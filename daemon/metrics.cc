@@ -18,6 +18,7 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Counter>* versions;
   prometheus::Family<prometheus::Counter>* bytes;
   prometheus::Family<prometheus::Histogram>* phase;
+  prometheus::Family<prometheus::Counter>* staged;
   prometheus::Family<prometheus::Gauge>* link;
   prometheus::Family<prometheus::Counter>* failures;
   prometheus::Family<prometheus::Counter>* rejected;
@@ -31,6 +32,7 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->versions = &prometheus::BuildCounter().Name("wb_versions_total").Help("Versions by event (published, committed, aborted, applied)").Register(r);
   f_->bytes = &prometheus::BuildCounter().Name("wb_bytes_total").Help("Bytes moved by this node, per route and peer node").Register(r);
   f_->phase = &prometheus::BuildHistogram().Name("wb_phase_seconds").Help("Seconds per phase (snapshot, transfer, commit, apply)").Register(r);
+  f_->staged = &prometheus::BuildCounter().Name("wb_cuda_staged_bytes_total").Help("Staging allocated for CUDA buffers, on the GPU (GPU-direct) or in host memory").Register(r);
   f_->link = &prometheus::BuildGauge().Name("wb_link_gbps").Help("GB/s of the newest transfer towards a peer node").Register(r);
   f_->failures = &prometheus::BuildCounter().Name("wb_failures_total").Help("Failed or aborted transfers by reason").Register(r);
   f_->rejected = &prometheus::BuildCounter().Name("wb_rejected_total").Help("Requests refused by authentication or limits").Register(r);
@@ -48,6 +50,10 @@ void DaemonMetrics::Version(const std::string& node, const std::string& model, c
 void DaemonMetrics::Bytes(const std::string& node, const std::string& model, const std::string& route,
                           const std::string& peer, uint64_t bytes) {
   f_->bytes->Add({{"node", node}, {"model", model}, {"route", route}, {"peer", peer}}).Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::Staged(const std::string& node, const std::string& memory, const std::string& what, uint64_t bytes) {
+  f_->staged->Add({{"node", node}, {"memory", memory}, {"what", what}}).Increment(static_cast<double>(bytes));
 }
 
 void DaemonMetrics::Phase(const std::string& node, const std::string& phase, double seconds) {

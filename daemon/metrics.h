@@ -40,6 +40,8 @@ class DaemonMetrics {
   void Bytes(const std::string& node, const std::string& model, const std::string& route, const std::string& peer,
              uint64_t bytes);
   void Phase(const std::string& node, const std::string& phase, double seconds);
+  // Staging allocated for CUDA buffers: memory "gpu" (GPU-direct) or "host"; what "snapshot" | "incoming".
+  void Staged(const std::string& node, const std::string& memory, const std::string& what, uint64_t bytes);
   void Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);

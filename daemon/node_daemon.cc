@@ -23,6 +23,7 @@
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
 #if WB_WITH_CUDA_IPC
+#include "transport/common.h"
 #include "transport/cuda_ipc.h"
 #endif
 
@@ -1339,8 +1340,11 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
         const int64_t size = plan.layouts[i].buffers[j].size_bytes;
         StagedBuffer sb;
-        if (crosses.count(static_cast<uint32_t>(i)) == 0 && j < cuda.size() && cuda[j] != nullptr) {
-          ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j)));
+        if (j < cuda.size() && cuda[j] != nullptr) {
+          if (crosses.count(static_cast<uint32_t>(i)) == 0) {
+            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j)));
+          }
+          Metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
         }
         if (sb.device == nullptr) sb.host.resize(static_cast<size_t>(size));
         bytes->push_back(std::move(sb));
@@ -1737,6 +1741,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
     const int64_t n = cuda[j]->size;
     if (on_gpu) {
       ASSIGN_OR_RETURN(out[j].device, TryDeviceStaging(cuda[j]->device, n, absl::StrCat(label, " b", j)));
+      Metrics().Staged(options_.node_id, out[j].device ? "gpu" : "host", "snapshot", static_cast<uint64_t>(n));
     }
     transport::MemorySpec spec;
     if (out[j].device) {
@@ -1888,7 +1893,10 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
   raw.offset_bytes = 0;
   raw.size_bytes = static_cast<int64_t>(b.size_bytes());
   raw.device = b.gpu() >= 0 ? b.gpu() : 0;
-  raw.node_id = options_.node_id;
+  // The worker reached us over our Unix socket, so it is on this machine: the transports' node
+  // identity (the kernel boot id; main.cc leaves TransportConfig::node_id empty), not the
+  // daemon's cluster node id (found by the emulated-GPU e2e test: every CUDA buffer was refused).
+  raw.node_id = transport::DefaultNodeId();
   raw.label = what;
   auto desc = transport::CudaIpcDescriptorFromRawHandle(raw);
   if (!desc.ok()) return Annotate(desc.status(), what);

@@ -56,7 +56,7 @@ absl::Status Cluster::StartCoordinator(const std::string& listen) {
   const int start = ++coord_starts_;
   const std::string name = start == 1 ? "coordinator" : absl::StrCat("coordinator-", start);
   const std::string port_file = harness_->Path(name + ".port");
-  std::vector<std::string> argv = {Runfile("daemon/weightbridged"), "--role=coordinator", "--listen=" + listen,
+  std::vector<std::string> argv = {Runfile(options_.daemon_binary), "--role=coordinator", "--listen=" + listen,
                                    "--port_file=" + port_file};
   for (const auto& f : DaemonFlags()) argv.push_back(f);
   ASSIGN_OR_RETURN(coordinator_, harness_->Spawn(name, argv));
@@ -77,7 +77,7 @@ absl::Status Cluster::RestartCoordinator() {
 absl::Status Cluster::StartNode(int i) {
   const int start = ++node_starts_[i];
   const std::string port_file = harness_->Path(absl::StrCat("n", i, "-", start, ".port"));
-  std::vector<std::string> argv = {Runfile("daemon/weightbridged"),
+  std::vector<std::string> argv = {Runfile(options_.daemon_binary),
                                    "--role=node",
                                    "--listen=127.0.0.1:0",
                                    "--data_listen=127.0.0.1:0",
@@ -86,9 +86,20 @@ absl::Status Cluster::StartNode(int i) {
                                    "--coordinator=" + coordinator_address(),
                                    "--node_id=" + node_id(i)};
   for (const auto& f : DaemonFlags()) argv.push_back(f);
+  for (const auto& f : options_.extra_node_flags) argv.push_back(f);
+  const std::string metrics_file = harness_->Path(absl::StrCat("n", i, "-", start, ".metrics"));
+  if (options_.node_metrics) {
+    argv.push_back("--metrics_listen=127.0.0.1:0");
+    argv.push_back("--metrics_port_file=" + metrics_file);
+  }
   ASSIGN_OR_RETURN(nodes_[i], harness_->Spawn(absl::StrCat("n", i, "-", start), argv));
   ASSIGN_OR_RETURN(node_ports_[i],
                    harness_->WaitForPortFile(port_file, options_.start_timeout, nodes_[i]));
+  if (options_.node_metrics) {
+    // Written before the port file.
+    node_metrics_ports_.resize(nodes_.size(), 0);
+    ASSIGN_OR_RETURN(node_metrics_ports_[i], harness_->WaitForPortFile(metrics_file, options_.start_timeout, nodes_[i]));
+  }
   return absl::OkStatus();
 }
 
@@ -105,7 +116,7 @@ absl::Status Cluster::RestartNode(int i) {
 absl::StatusOr<Process*> Cluster::SpawnWorker(const RunOptions& run, const WorkerSpec& w) {
   const std::string role = w.trainer ? "trainer" : "rollout";
   std::vector<std::string> argv = {
-      Runfile(w.trainer ? "tests/e2e/trainer_worker" : "tests/e2e/rollout_worker"),
+      Runfile(w.trainer ? options_.trainer_binary : options_.rollout_binary),
       "--socket=" + worker_socket(w.node),
       "--config=" + run.config,
       "--model_id=" + run.model_id,
@@ -126,6 +137,7 @@ absl::StatusOr<Process*> Cluster::SpawnWorker(const RunOptions& run, const Worke
       absl::StrCat("--replicas=", w.replicas),
       absl::StrCat("--rank=", w.rank),
       absl::StrCat("--gpu=", w.gpu),
+      "--memory=" + w.memory,
       absl::StrCat("--step_ms=", w.step_ms),
   };
   if (w.trainer && !run.gate_dir.empty()) argv.push_back("--gate_dir=" + run.gate_dir);

@@ -23,6 +23,14 @@ struct ClusterOptions {
   int64_t lease_ms = ScaledMs(6000);
   int64_t transfer_timeout_ms = ScaledMs(20000);
   std::vector<std::string> extra_daemon_flags;
+  std::vector<std::string> extra_node_flags;  // node daemons only
+  // Nodes serve Prometheus /metrics on 127.0.0.1:0 (node_metrics_port(i) says where).
+  bool node_metrics = false;
+  // Binaries, as runfiles paths. The emulated-GPU tests swap in builds linked with the emulated
+  // CUDA runtime (//tools/fake_cuda).
+  std::string daemon_binary = "daemon/weightbridged";
+  std::string trainer_binary = "tests/e2e/trainer_worker";
+  std::string rollout_binary = "tests/e2e/rollout_worker";
   absl::Duration start_timeout = Scaled(absl::Seconds(30));
 };
 
@@ -52,6 +60,7 @@ struct WorkerSpec {
   int gpu = -1;
   int64_t step_ms = 0;
   std::vector<std::string> extra_flags;
+  std::string memory = "shm";  // shm | cuda (the worker's --memory; cuda needs gpu >= 0)
 };
 
 class Cluster {
@@ -65,6 +74,8 @@ class Cluster {
   std::string node_address(int i) const { return "127.0.0.1:" + std::to_string(node_ports_[i]); }
   Process* coordinator() const { return coordinator_; }
   Process* node(int i) const { return nodes_[i]; }
+  // Metrics port of node i's current process (ClusterOptions::node_metrics), else 0.
+  int node_metrics_port(int i) const { return node_metrics_ports_.empty() ? 0 : node_metrics_ports_[i]; }
 
   // kill -9 of the coordinator, waited for.
   absl::Status KillCoordinator();
@@ -102,6 +113,7 @@ class Cluster {
   int coord_starts_ = 0;
   std::vector<Process*> nodes_;
   std::vector<int> node_ports_;
+  std::vector<int> node_metrics_ports_;
   std::vector<int> node_starts_;
   int wbctl_runs_ = 0;
   int workers_ = 0;

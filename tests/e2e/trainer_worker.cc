@@ -41,6 +41,10 @@ int Run() {
       EmitError(ctx.worker_id, filled.status());
       return kExitUsage;
     }
+    if (absl::Status pushed = PushWeights(ctx); !pushed.ok()) {
+      EmitError(ctx.worker_id, pushed);
+      return kExitRpc;
+    }
     Emit(ctx, {{"event", "filled"}, {"version", v}, {"bytes", *filled},
                {"fill_s", MonotonicSeconds() - fill_start}});
     if (ctx.step > absl::ZeroDuration()) absl::SleepFor(ctx.step);  // simulated training step

@@ -45,6 +45,8 @@ ABSL_FLAG(bool, tolerate_failures, false,
 ABSL_FLAG(std::string, gate_dir, "",
           "trainer: wait for <gate_dir>/publish-<v> before publishing v (test pacing)");
 ABSL_FLAG(bool, populate, false, "pre-fault the shm buffer");
+ABSL_FLAG(std::string, memory, "shm",
+          "where the weights live: shm (POSIX shared memory) | cuda (cudaMalloc on --gpu, registered by CUDA IPC handle)");
 
 namespace wb::e2e {
 
@@ -73,8 +75,21 @@ void EmitError(const std::string& worker, const absl::Status& status) {
   std::fprintf(stderr, "%s: %s\n", worker.c_str(), status.ToString().c_str());
 }
 
+absl::Status PushWeights(const WorkerContext& ctx) {
+  if (ctx.cuda == nullptr) return absl::OkStatus();
+  return ctx.cuda->Upload(ctx.host_mirror.data());
+}
+
 bool VerifyAndReport(const WorkerContext& ctx, uint64_t version, const std::string& why) {
   double start = MonotonicSeconds();
+  if (ctx.cuda != nullptr) {
+    // The mirror is only a view for the checker: the bytes come from the GPU.
+    absl::Status s = ctx.cuda->Download(const_cast<uint8_t*>(ctx.host_mirror.data()));
+    if (!s.ok()) {
+      EmitError(ctx.worker_id, s);
+      return false;
+    }
+  }
   auto r = VerifyPieces(ctx.inventory, ctx.preset.layout, ctx.memory, version);
   if (!r.ok()) {
     EmitError(ctx.worker_id, r.status());
@@ -188,10 +203,21 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   RETURN_IF_ERROR(ctx.client->RegisterWorker(
       model, {ctx.worker_id, role, static_cast<int32_t>(absl::GetFlag(FLAGS_gpu))}));
 
-  ASSIGN_OR_RETURN(client::Buffer * buffer,
-                   ctx.client->CreateBuffer(ctx.preset.layout.buffers[0].size_bytes));
-  ctx.memory.buffers = {buffer->data};
-  ctx.memory.sizes = {buffer->size_bytes};
+  const std::string memory = absl::GetFlag(FLAGS_memory);
+  const int64_t size = ctx.preset.layout.buffers[0].size_bytes;
+  if (memory == "cuda") {
+    ASSIGN_OR_RETURN(ctx.cuda, CudaWorkerBuffer::Create(absl::GetFlag(FLAGS_gpu), size));
+    ctx.host_mirror.assign(static_cast<size_t>(size), 0);
+    RETURN_IF_ERROR(ctx.client->AddCudaBuffer(ctx.cuda->ipc_handle(), size, absl::GetFlag(FLAGS_gpu)).status());
+    ctx.memory.buffers = {ctx.host_mirror.data()};
+    ctx.memory.sizes = {size};
+  } else if (memory == "shm") {
+    ASSIGN_OR_RETURN(client::Buffer * buffer, ctx.client->CreateBuffer(size));
+    ctx.memory.buffers = {buffer->data};
+    ctx.memory.sizes = {buffer->size_bytes};
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--memory: unknown '", memory, "' (shm | cuda)"));
+  }
 
   const std::string source = absl::GetFlag(FLAGS_layout_source);
   client::LayoutInfo info;
@@ -221,8 +247,9 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
              {"mode", client::ModeName(ctx.mode)},
              {"pieces", info.num_pieces},
              {"bytes", info.bytes},
-             {"buffer_bytes", buffer->size_bytes},
-             {"shm", buffer->shm_name}});
+             {"buffer_bytes", ctx.client->buffers()[0]->size_bytes},
+             {"memory", memory},
+             {"shm", ctx.client->buffers()[0]->shm_name}});
   return ctx;
 }
 

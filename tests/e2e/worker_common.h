@@ -24,6 +24,7 @@
 #include "planner/model_config.h"
 #include "planner/presets.h"
 #include "planner/types.h"
+#include "tests/e2e/cuda_worker_buffer.h"
 #include "tests/e2e/weights.h"
 
 namespace wb::e2e {
@@ -43,6 +44,10 @@ struct WorkerContext {
   planner::PresetLayout preset;  // this rank's layout (one buffer)
   std::unique_ptr<client::WorkerClient> client;
   MemoryView memory;
+  // --memory=cuda: the weights live in `cuda` (on --gpu); `memory` views the host mirror
+  // `host_mirror`, uploaded after each fill (PushWeights) and downloaded before each check.
+  std::unique_ptr<CudaWorkerBuffer> cuda;
+  std::vector<uint8_t> host_mirror;
   uint64_t first_version = 1;
   uint64_t last_version = 1;
   absl::Duration version_timeout;
@@ -54,6 +59,9 @@ struct WorkerContext {
 // Reads the flags (declared in worker_common.cc), builds the inventory and this rank's preset
 // layout, connects, registers the worker, creates its shm buffer and registers the layout.
 absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role);
+
+// --memory=cuda: uploads the host mirror into the CUDA buffer (no-op for shm memory).
+absl::Status PushWeights(const WorkerContext& ctx);
 
 // Seconds on CLOCK_MONOTONIC.
 double MonotonicSeconds();

@@ -1,0 +1,220 @@
+// End-to-end on EMULATED GPUs: the real daemons and worker processes, built against the emulated
+// CUDA runtime (//tools/fake_cuda: device memory that the host cannot dereference, bounds-checked
+// copies, asynchronous streams, CUDA IPC handles between processes). The workers keep their
+// weights in (emulated) CUDA memory and register them by IPC handle; the daemons move versions
+// with cuda_ipc and, with --gpu_staging_bytes, stage them on the GPU (GPU-direct). This checks the
+// daemon's CUDA logic (which memory goes where, on which transport, in which order) in CI; it says
+// nothing about GPU speed or driver behaviour (tests/gpu/run_gpu_checks.sh on a real GPU does).
+//
+// Every rollout checks every byte of its pieces (downloaded from its CUDA buffer) against the
+// version it applied; the node's /metrics tell which route the bytes took and where staging lived.
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/metrics_scrape.h"
+#include "gtest/gtest.h"
+#include "tests/e2e/cluster.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/harness.h"
+
+namespace wb::e2e {
+namespace {
+
+constexpr char kGpuBudget[] = "--gpu_staging_bytes=2147483648";
+
+ClusterOptions EmulatedCluster(int nodes, bool gpu_staging) {
+  ClusterOptions o;
+  o.num_nodes = nodes;
+  o.node_metrics = true;
+  o.daemon_binary = "daemon/weightbridged_emulated_gpu";
+  o.trainer_binary = "tests/e2e/trainer_worker_emulated_gpu";
+  o.rollout_binary = "tests/e2e/rollout_worker_emulated_gpu";
+  // NCCL is not emulated inside the daemon here: cross-node bytes take host_tcp.
+  o.extra_node_flags = {"--transports=host_shm,host_tcp,cuda_ipc"};
+  if (gpu_staging) o.extra_node_flags.push_back(kGpuBudget);
+  return o;
+}
+
+struct RunResult {
+  std::vector<Process*> rollouts;
+};
+
+// Runs trainers and rollouts to completion and checks every rollout byte of every version.
+void RunAndVerify(Cluster& cl, RunOptions run, const std::vector<WorkerSpec>& trainers, const std::vector<WorkerSpec>& rollouts) {
+  run.num_trainers = static_cast<int>(trainers.size());
+  run.num_rollouts = static_cast<int>(rollouts.size());
+  std::vector<Process*> t_procs, r_procs;
+  for (const auto& w : trainers) {
+    auto p = cl.SpawnWorker(run, w);
+    ASSERT_TRUE(p.ok()) << p.status();
+    t_procs.push_back(*p);
+  }
+  for (const auto& w : rollouts) {
+    auto p = cl.SpawnWorker(run, w);
+    ASSERT_TRUE(p.ok()) << p.status();
+    r_procs.push_back(*p);
+  }
+  for (Process* p : r_procs) {
+    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(240)));
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  for (Process* p : t_procs) {
+    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  if (testing::Test::HasFailure()) {
+    for (int i = 0; cl.node(i) != nullptr && i < 4; ++i) {
+      ADD_FAILURE() << "node " << i << " log:\n" << cl.node(i)->LogTail();
+      break;
+    }
+    return;
+  }
+  const uint64_t last = static_cast<uint64_t>(run.first_version + run.versions - 1);
+  for (Process* p : r_procs) {
+    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
+    auto ready = EventsNamed(p, "ready");
+    ASSERT_FALSE(ready.empty()) << p->name();
+    EXPECT_EQ(ready[0].value("memory", ""), "cuda") << p->name();
+    auto applied = EventsNamed(p, "applied");
+    ASSERT_FALSE(applied.empty()) << p->name();
+    EXPECT_EQ(applied.back()["version"].get<uint64_t>(), last) << p->name();
+    EXPECT_GT(VerifiedBytes(p, last), 0) << p->name();
+  }
+}
+
+std::map<std::string, double> NodeMetrics(const Cluster& cl, int node) {
+  auto m = daemon::ScrapeMetrics(cl.node_metrics_port(node), absl::Seconds(10));
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? *m : std::map<std::string, double>{};
+}
+
+// Sum of `name`'s series whose text contains every one of `labels` (prometheus-cpp prints labels
+// sorted by name, so match them one by one).
+double Sum(const std::map<std::string, double>& m, const std::string& name, std::vector<std::string> labels) {
+  double sum = 0;
+  for (auto& [k, v] : m) {
+    if (k.rfind(name + "{", 0) != 0) continue;
+    bool all = true;
+    for (const std::string& l : labels) all = all && k.find(l) != std::string::npos;
+    if (all) sum += v;
+  }
+  return sum;
+}
+
+class GpuEmulatedTest : public testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    // Two emulated GPUs per process (inherited by every daemon and worker the harness spawns).
+    setenv("WB_FAKE_CUDA_DEVICES", "2", 1);
+  }
+};
+
+// FSDP dp=2 -> vLLM tp=2 colocated on one node, both on GPUs 0 and 1: with GPU staging every byte
+// of the transfer moves device to device on cuda_ipc, and snapshots / incoming copies live on the GPUs.
+TEST_P(GpuEmulatedTest, ColocatedGpuDirect) {
+  const std::string mode = GetParam();
+  auto harness = Harness::Create("gpu-direct-" + mode);
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  auto cluster = Cluster::Start(harness->get(), EmulatedCluster(1, true));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& cl = **cluster;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.model_id = "qwen-gpu-" + mode;
+  run.mode = mode;
+  run.versions = mode == "async" ? 3 : 2;
+  run.layout_source = "preset";
+  std::vector<WorkerSpec> trainers, rollouts;
+  for (int r = 0; r < 2; ++r) {
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r};
+    t.memory = "cuda";
+    trainers.push_back(t);
+    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r};
+    o.memory = "cuda";
+    if (mode == "async") o.step_ms = 200;
+    rollouts.push_back(o);
+  }
+  RunAndVerify(cl, run, trainers, rollouts);
+  if (HasFailure()) return;
+  auto m = NodeMetrics(cl, 0);
+  EXPECT_GT(daemon::MetricSum(m, "wb_bytes_total", "route=\"cuda_ipc\""), 0);
+  EXPECT_EQ(daemon::MetricSum(m, "wb_bytes_total", "route=\"host_shm\""), 0) << "a same-node op went through host memory";
+  EXPECT_GT(daemon::MetricSum(m, "wb_cuda_staged_bytes_total", "memory=\"gpu\""), 0);
+  EXPECT_EQ(daemon::MetricSum(m, "wb_cuda_staged_bytes_total", "memory=\"host\""), 0) << "staging fell back to host memory";
+  if (mode != "sync") {
+    EXPECT_GT(Sum(m, "wb_cuda_staged_bytes_total", {"what=\"snapshot\"", "memory=\"gpu\""}), 0)
+        << "trainer snapshots of CUDA buffers are expected on the GPU";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, GpuEmulatedTest, testing::Values("sync", "one_step_off", "async"));
+
+// Without a GPU staging budget the same run stages in host memory (the safe default) and is
+// byte-exact too.
+TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
+  setenv("WB_FAKE_CUDA_DEVICES", "2", 1);
+  auto harness = Harness::Create("gpu-host-staging");
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  auto cluster = Cluster::Start(harness->get(), EmulatedCluster(1, false));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& cl = **cluster;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.model_id = "qwen-gpu-host";
+  run.mode = "one_step_off";
+  run.versions = 2;
+  std::vector<WorkerSpec> trainers, rollouts;
+  for (int r = 0; r < 2; ++r) {
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r};
+    t.memory = "cuda";
+    trainers.push_back(t);
+    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r};
+    o.memory = "cuda";
+    rollouts.push_back(o);
+  }
+  RunAndVerify(cl, run, trainers, rollouts);
+  if (HasFailure()) return;
+  auto m = NodeMetrics(cl, 0);
+  EXPECT_EQ(daemon::MetricSum(m, "wb_cuda_staged_bytes_total", "memory=\"gpu\""), 0);
+  EXPECT_GT(daemon::MetricSum(m, "wb_cuda_staged_bytes_total", "memory=\"host\""), 0);
+}
+
+// CUDA trainers on n0 -> CUDA rollouts on n1: cross-node bytes take host_tcp from a host copy of
+// the trainers' GPU snapshots, and land in host staging on n1 (a version received from another node
+// is never staged on the GPU); n1 then applies host -> device.
+TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
+  setenv("WB_FAKE_CUDA_DEVICES", "2", 1);
+  auto harness = Harness::Create("gpu-cross-node");
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  auto cluster = Cluster::Start(harness->get(), EmulatedCluster(2, true));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& cl = **cluster;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.model_id = "qwen-gpu-cross";
+  run.mode = "one_step_off";
+  run.versions = 2;
+  run.layout_source = "pieces";
+  std::vector<WorkerSpec> trainers, rollouts;
+  for (int r = 0; r < 2; ++r) {
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r};
+    t.memory = "cuda";
+    trainers.push_back(t);
+    WorkerSpec o{false, 1, "vllm", 2, 1, 1, 1, r, r};
+    o.memory = "cuda";
+    rollouts.push_back(o);
+  }
+  RunAndVerify(cl, run, trainers, rollouts);
+  if (HasFailure()) return;
+  auto m0 = NodeMetrics(cl, 0), m1 = NodeMetrics(cl, 1);
+  EXPECT_GT(daemon::MetricSum(m0, "wb_bytes_total", "route=\"host_tcp\""), 0);
+  EXPECT_GT(Sum(m0, "wb_cuda_staged_bytes_total", {"what=\"snapshot\"", "memory=\"gpu\""}), 0);
+  EXPECT_GT(Sum(m1, "wb_cuda_staged_bytes_total", {"what=\"incoming\"", "memory=\"host\""}), 0);
+  EXPECT_EQ(daemon::MetricSum(m1, "wb_cuda_staged_bytes_total", "memory=\"gpu\""), 0);
+}
+
+}  // namespace
+}  // namespace wb::e2e
