@@ -1,6 +1,6 @@
 """The conformance suite (conformance.cc) instantiated for one transport."""
 
-def transport_conformance_test(name):
+def transport_conformance_test(name, src = None, peer = ":transport_peer", deps = [], env = {}, linkstatic = None, tags = []):
     """A cc_test `name` built from `name`.cc that runs the shared conformance suite.
 
     The suite spawns :transport_peer processes as the other side of every transfer, so the
@@ -8,14 +8,27 @@ def transport_conformance_test(name):
 
     Args:
       name: target name; the source file is `name`.cc (e.g. host_tcp_conformance_test).
+      src: the source file instead of `name`.cc.
+      peer: the peer binary (data dependency); its path must match ConformanceParam.peer_binary.
+      deps: extra dependencies, e.g. //tools/fake_cuda:fake_cudart for the emulated GPU variants.
+      env: environment of the test (the peer processes inherit it), e.g. WB_FAKE_CUDA_DEVICES.
+      linkstatic: as cc_test's; True for binaries whose linked-in fakes must preempt shared libs.
+      tags: as cc_test's.
     """
+    kwargs = {}
+    if linkstatic != None:
+        kwargs["linkstatic"] = linkstatic
+    if env:
+        kwargs["env"] = env
     native.cc_test(
         name = name,
         size = "medium",
-        srcs = [name + ".cc"],
-        data = [":transport_peer"],
+        srcs = [src if src else name + ".cc"],
+        data = [peer],
+        tags = tags,
         deps = [
             ":conformance",
             "//third_party:gtest_main",
-        ],
+        ] + deps,
+        **kwargs
     )

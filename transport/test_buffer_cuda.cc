@@ -34,7 +34,15 @@ class CudaTestBuffer : public TestBuffer {
     if (offset < 0 || n < 0 || offset + n > size_) return absl::OutOfRangeError("CudaTestBuffer::Write out of range");
     if (n == 0) return absl::OkStatus();
     if (auto s = Check(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
-    return Check(cudaMemcpy(static_cast<char*>(p_) + offset, data, n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    if (auto s = Check(cudaMemcpy(static_cast<char*>(p_) + offset, data, n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+        !s.ok()) {
+      return s;
+    }
+    // From pageable memory cudaMemcpy returns once the source is staged; "the DMA to final
+    // destination may not have completed" (CUDA's API synchronization behavior). The transports
+    // read these bytes from non-blocking streams and other processes (IPC), which do not order
+    // after the legacy stream: wait until they landed.
+    return Check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize after H2D");
   }
   absl::Status Read(int64_t offset, void* out, int64_t n) const override {
     if (offset < 0 || n < 0 || offset + n > size_) return absl::OutOfRangeError("CudaTestBuffer::Read out of range");

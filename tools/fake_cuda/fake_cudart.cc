@@ -598,10 +598,13 @@ bool KindMatches(cudaMemcpyKind kind, Side dst, Side src) {
   return false;
 }
 
-// Validates, stages and enqueues a (1/2/3-D) copy with CUDA's host-synchronisation rules:
-// pageable -> device returns once the source was staged; device -> pageable and host -> host
-// return once done; everything else is asynchronous. `sync` (cudaMemcpy) waits in every case
-// but device -> device (which CUDA does not wait for either).
+// Validates, stages and enqueues a (1/2/3-D) copy with CUDA's host-synchronisation rules (the
+// "API synchronization behavior" page of the runtime docs):
+//   async (cudaMemcpy*Async): pageable -> device returns once the source was staged; device ->
+//     pageable and host -> host return once done; everything else is asynchronous.
+//   sync (cudaMemcpy): waits for the copy, except device -> device (CUDA does not wait) and
+//     pageable -> device, which returns once the source is staged: "the DMA to final destination
+//     may not have completed", so another stream must not read the bytes without synchronising.
 cudaError_t SubmitCopy(Copy c, cudaMemcpyKind kind, cudaStream_t stream, bool sync) {
   State& s = S();
   if (c.width == 0 || c.height == 0 || c.depth == 0) return cudaSuccess;
@@ -639,7 +642,7 @@ cudaError_t SubmitCopy(Copy c, cudaMemcpyKind kind, cudaStream_t stream, bool sy
       }
     }
   }
-  bool wait = sync ? !(dd && sd) : ((!dd && c.dside == Side::kHost && sd) || (!dd && !sd));
+  const bool wait = sync ? !(dd && sd) && !c.staged : ((!dd && c.dside == Side::kHost && sd) || (!dd && !sd));
   const uint64_t seq = EnqueueLocked(st, [c] { return RunCopy(c); });
   if (!wait) return cudaSuccess;
   return WaitLocked(st, seq, c.api);

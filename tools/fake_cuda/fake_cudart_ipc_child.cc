@@ -40,6 +40,7 @@ int Open(const char* hex, size_t size, uint64_t seed) {
   if ((e = cudaMemcpy(p, buf.data(), size, cudaMemcpyHostToDevice)) != cudaSuccess) {
     return printf("write: %s\n", cudaGetErrorName(e)), 1;
   }
+  if ((e = cudaDeviceSynchronize()) != cudaSuccess) return printf("sync: %s\n", cudaGetErrorName(e)), 1;
   if ((e = cudaIpcCloseMemHandle(p)) != cudaSuccess || (e = cudaIpcCloseMemHandle(p)) != cudaSuccess) {
     return printf("close: %s\n", cudaGetErrorName(e)), 1;
   }

@@ -292,6 +292,7 @@ TEST_F(FakeCudaTest, PitchedCopiesMatchTheReference) {
     ASSERT_CUDA(cudaMemcpy(ds, src.data(), sbytes, cudaMemcpyHostToDevice));
     auto dinit = Pattern(1000 + iter, dbytes);
     ASSERT_CUDA(cudaMemcpy(dd, dinit.data(), dbytes, cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaDeviceSynchronize());  // pageable H2D cudaMemcpy may return before the bytes land
     const int mode = iter % 3;  // 0: D2D, 1: H2D (pageable), 2: D2H (pageable)
     std::vector<uint8_t> hdst = dinit;
     char* dst = mode == 2 ? reinterpret_cast<char*>(hdst.data()) : dd;
@@ -346,6 +347,35 @@ TEST_F(FakeCudaTest, PageableSourceIsStagedAtEnqueue) {
   EXPECT_EQ(out[0], 0x42);
   EXPECT_EQ(out[n - 1], 0x42);
   ASSERT_CUDA(cudaStreamDestroy(s));
+}
+
+// CUDA: cudaMemcpy from pageable memory to the device returns once the source is staged, "the DMA
+// to final destination may not have completed"; a non-blocking stream may read the old bytes.
+TEST_F(FakeCudaTest, SyncCopyFromPageableMayReturnBeforeTheBytesLand) {
+  const size_t n = 4096;
+  char* d = static_cast<char*>(Malloc(n));
+  ASSERT_CUDA(cudaMemset(d, 0, n));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  cudaStream_t blocking, nonblocking;
+  ASSERT_CUDA(cudaStreamCreate(&blocking));
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&nonblocking, cudaStreamNonBlocking));
+  Gate g;
+  g.Block(blocking);  // the legacy stream's next op waits for this
+  std::vector<uint8_t> src(n, 0x5a);
+  ASSERT_CUDA(cudaMemcpy(d, src.data(), n, cudaMemcpyHostToDevice));  // returns: source staged
+  void* seen = nullptr;
+  ASSERT_CUDA(cudaMallocHost(&seen, n));
+  ASSERT_CUDA(cudaMemcpyAsync(seen, d, n, cudaMemcpyDeviceToHost, nonblocking));
+  ASSERT_CUDA(cudaStreamSynchronize(nonblocking));
+  EXPECT_EQ(static_cast<uint8_t*>(seen)[0], 0) << "the non-blocking stream ran before the staged copy landed";
+  g.open.Notify();
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  ASSERT_CUDA(cudaMemcpyAsync(seen, d, n, cudaMemcpyDeviceToHost, nonblocking));
+  ASSERT_CUDA(cudaStreamSynchronize(nonblocking));
+  EXPECT_EQ(static_cast<uint8_t*>(seen)[0], 0x5a);
+  ASSERT_CUDA(cudaFreeHost(seen));
+  ASSERT_CUDA(cudaStreamDestroy(blocking));
+  ASSERT_CUDA(cudaStreamDestroy(nonblocking));
 }
 
 TEST_F(FakeCudaTest, MemsetIsAsynchronousOnTheLegacyStream) {
@@ -488,6 +518,7 @@ TEST_F(FakeCudaTest, IpcAcrossProcesses) {
   char* d = static_cast<char*>(Malloc(n));
   auto in = Pattern(40, n);
   ASSERT_CUDA(cudaMemcpy(d, in.data(), n, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaDeviceSynchronize());  // the bytes must have landed before another process reads them
   cudaIpcMemHandle_t h, h_inner;
   ASSERT_CUDA(cudaIpcGetMemHandle(&h, d));
   ASSERT_CUDA(cudaIpcGetMemHandle(&h_inner, d + 4096));
