@@ -116,6 +116,13 @@ class NcclSmokeTest : public ::testing::Test {
     return static_cast<char*>(p);
   }
 
+  // The fills (cudaMemset: asynchronous on the legacy stream) and uploads (cudaMemcpy from pageable
+  // memory: returns once the source is staged, "the DMA to final destination may not have
+  // completed") are not ordered with stream_, a cudaStreamNonBlocking stream: without this the
+  // NCCL send may read the source before its bytes land (the CUDA emulation caught it: the 64 MiB
+  // case sent the zero fill).
+  absl::Status SettleUploads() { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize after the uploads"); }
+
   // One grouped send-to-self + recv-from-self of `n` bytes, then an event, then Await: exactly the
   // sequence of one data round of the transport with contiguous chunks.
   absl::Status SelfSendRecv(char* src, char* dst, int64_t n, absl::Time deadline) {
@@ -148,6 +155,7 @@ TEST_F(NcclSmokeTest, ContiguousSendToSelfIsByteExact) {
     ASSERT_NE(src, nullptr);
     ASSERT_NE(dst, nullptr);
     ASSERT_OK(CudaStatus(cudaMemcpy(src, want.data(), n, cudaMemcpyHostToDevice), "H2D"));
+    ASSERT_OK(SettleUploads());
     const absl::Time t0 = absl::Now();
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     ASSERT_OK(SelfSendRecv(src, dst, n, deadline));
@@ -199,6 +207,7 @@ TEST_F(NcclSmokeTest, StridedThroughStagingIsByteExact) {
     char* stage_in = DeviceAlloc(n, 0);
     ASSERT_TRUE(src && dst && stage_out && stage_in);
     ASSERT_OK(CudaStatus(cudaMemcpy(src, src_host.data(), src_bytes, cudaMemcpyHostToDevice), "H2D"));
+    ASSERT_OK(SettleUploads());
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
     ASSERT_OK(EnqueueBoxCopy(stage_out, src, ni::WithDenseSide(box, /*dense_dst=*/true), stream_));
     ASSERT_OK(SelfSendRecv(stage_out, stage_in, n, deadline));
