@@ -1,4 +1,10 @@
-// End-to-end on EMULATED GPUs: the real daemons and worker processes, built against the emulated
+// End-to-end with CUDA workers. Two builds of this file:
+//  - //tests/e2e:e2e_gpu_emulated_test (CI): on EMULATED GPUs, described below;
+//  - //tests/e2e:e2e_gpu_test (WB_E2E_REAL_GPUS, tag manual, run by tests/gpu/run_gpu_checks.sh):
+//    the same scenarios with the normal daemon/worker builds on the real GPUs of the machine
+//    (WB_E2E_GPUS of them; workers share GPUs round robin when there are fewer than two).
+//
+// On EMULATED GPUs: the real daemons and worker processes, built against the emulated
 // CUDA runtime (//tools/fake_cuda: device memory that the host cannot dereference, bounds-checked
 // copies, asynchronous streams, CUDA IPC handles between processes). The workers keep their
 // weights in (emulated) CUDA memory and register them by IPC handle; the daemons move versions
@@ -25,13 +31,35 @@ namespace {
 
 constexpr char kGpuBudget[] = "--gpu_staging_bytes=2147483648";
 
+#ifdef WB_E2E_REAL_GPUS
+constexpr bool kReal = true;
+#else
+constexpr bool kReal = false;
+#endif
+
+// GPUs the workers use: two emulated ones, or WB_E2E_GPUS real ones (0 when unset).
+int NumGpus() {
+  if (!kReal) return 2;
+  const char* n = std::getenv("WB_E2E_GPUS");
+  return n == nullptr ? 0 : std::atoi(n);
+}
+
+// Skips a real-GPU run on a machine without one (the emulated build always runs).
+#define WB_REQUIRE_GPUS()                                                                                      \
+  do {                                                                                                         \
+    if (NumGpus() < 1) GTEST_SKIP() << "needs 1 visible CUDA device(s), found 0 (set WB_E2E_GPUS on a GPU machine)"; \
+    if (!kReal) setenv("WB_FAKE_CUDA_DEVICES", "2", 1);                                                       \
+  } while (0)
+
 ClusterOptions EmulatedCluster(int nodes, bool gpu_staging) {
   ClusterOptions o;
   o.num_nodes = nodes;
   o.node_metrics = true;
-  o.daemon_binary = "daemon/weightbridged_emulated_gpu";
-  o.trainer_binary = "tests/e2e/trainer_worker_emulated_gpu";
-  o.rollout_binary = "tests/e2e/rollout_worker_emulated_gpu";
+  if (!kReal) {
+    o.daemon_binary = "daemon/weightbridged_emulated_gpu";
+    o.trainer_binary = "tests/e2e/trainer_worker_emulated_gpu";
+    o.rollout_binary = "tests/e2e/rollout_worker_emulated_gpu";
+  }
   // NCCL is not emulated inside the daemon here: cross-node bytes take host_tcp.
   o.extra_node_flags = {"--transports=host_shm,host_tcp,cuda_ipc"};
   if (gpu_staging) o.extra_node_flags.push_back(kGpuBudget);
@@ -104,12 +132,11 @@ double Sum(const std::map<std::string, double>& m, const std::string& name, std:
   return sum;
 }
 
+// Emulated builds: two emulated GPUs per process (WB_FAKE_CUDA_DEVICES, inherited by every daemon
+// and worker the harness spawns).
 class GpuEmulatedTest : public testing::TestWithParam<std::string> {
  protected:
-  void SetUp() override {
-    // Two emulated GPUs per process (inherited by every daemon and worker the harness spawns).
-    setenv("WB_FAKE_CUDA_DEVICES", "2", 1);
-  }
+  void SetUp() override { WB_REQUIRE_GPUS(); }
 };
 
 // FSDP dp=2 -> vLLM tp=2 colocated on one node, both on GPUs 0 and 1: with GPU staging every byte
@@ -129,10 +156,10 @@ TEST_P(GpuEmulatedTest, ColocatedGpuDirect) {
   run.layout_source = "preset";
   std::vector<WorkerSpec> trainers, rollouts;
   for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r};
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
     t.memory = "cuda";
     trainers.push_back(t);
-    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r};
+    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
     o.memory = "cuda";
     if (mode == "async") o.step_ms = 200;
     rollouts.push_back(o);
@@ -155,7 +182,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuEmulatedTest, testing::Values("sync", "one_st
 // Without a GPU staging budget the same run stages in host memory (the safe default) and is
 // byte-exact too.
 TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
-  setenv("WB_FAKE_CUDA_DEVICES", "2", 1);
+  WB_REQUIRE_GPUS();
   auto harness = Harness::Create("gpu-host-staging");
   ASSERT_TRUE(harness.ok()) << harness.status();
   auto cluster = Cluster::Start(harness->get(), EmulatedCluster(1, false));
@@ -168,10 +195,10 @@ TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
   run.versions = 2;
   std::vector<WorkerSpec> trainers, rollouts;
   for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r};
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
     t.memory = "cuda";
     trainers.push_back(t);
-    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r};
+    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
     o.memory = "cuda";
     rollouts.push_back(o);
   }
@@ -186,7 +213,7 @@ TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
 // the trainers' GPU snapshots, and land in host staging on n1 (a version received from another node
 // is never staged on the GPU); n1 then applies host -> device.
 TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
-  setenv("WB_FAKE_CUDA_DEVICES", "2", 1);
+  WB_REQUIRE_GPUS();
   auto harness = Harness::Create("gpu-cross-node");
   ASSERT_TRUE(harness.ok()) << harness.status();
   auto cluster = Cluster::Start(harness->get(), EmulatedCluster(2, true));
@@ -200,10 +227,10 @@ TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
   run.layout_source = "pieces";
   std::vector<WorkerSpec> trainers, rollouts;
   for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r};
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
     t.memory = "cuda";
     trainers.push_back(t);
-    WorkerSpec o{false, 1, "vllm", 2, 1, 1, 1, r, r};
+    WorkerSpec o{false, 1, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
     o.memory = "cuda";
     rollouts.push_back(o);
   }
