@@ -1,6 +1,6 @@
 """The conformance suite (conformance.cc) instantiated for one transport."""
 
-def transport_conformance_test(name, src = None, peer = ":transport_peer", deps = [], env = {}, linkstatic = None, tags = []):
+def transport_conformance_test(name, src = None, peer = ":transport_peer", deps = [], data = [], env = {}, linkstatic = None, tags = []):
     """A cc_test `name` built from `name`.cc that runs the shared conformance suite.
 
     The suite spawns :transport_peer processes as the other side of every transfer, so the
@@ -11,6 +11,7 @@ def transport_conformance_test(name, src = None, peer = ":transport_peer", deps 
       src: the source file instead of `name`.cc.
       peer: the peer binary (data dependency); its path must match ConformanceParam.peer_binary.
       deps: extra dependencies, e.g. //tools/fake_cuda:fake_cudart for the emulated GPU variants.
+      data: extra data dependencies (other helper binaries the test spawns).
       env: environment of the test (the peer processes inherit it), e.g. WB_FAKE_CUDA_DEVICES.
       linkstatic: as cc_test's; True for binaries whose linked-in fakes must preempt shared libs.
       tags: as cc_test's.
@@ -24,7 +25,7 @@ def transport_conformance_test(name, src = None, peer = ":transport_peer", deps 
         name = name,
         size = "medium",
         srcs = [src if src else name + ".cc"],
-        data = [peer],
+        data = [peer] + data,
         tags = tags,
         deps = [
             ":conformance",

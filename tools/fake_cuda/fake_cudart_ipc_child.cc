@@ -1,8 +1,8 @@
 // TEST ONLY: the other process of fake_cudart_test's IPC tests.
 //   open <handle hex> <size> <seed>: opens the handle twice (same pointer), checks the bytes are
 //       the pattern of <seed>, writes the pattern of <seed>+1, closes twice; prints "OK" or why not.
-//   hold <size>: allocates <size> device bytes, prints "READY <handle hex>", then waits for EOF on
-//       stdin (the test kills it with SIGKILL to exercise the shm reaper).
+//   hold <size> [<seed>]: allocates <size> device bytes (filled with the pattern of <seed> if given),
+//       prints "READY <handle hex>", then waits for EOF on stdin (or to be killed: the shm reaper).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -50,11 +50,18 @@ int Open(const char* hex, size_t size, uint64_t seed) {
   return 0;
 }
 
-int Hold(size_t size) {
+int Hold(size_t size, int64_t seed) {
   void* p = nullptr;
   cudaIpcMemHandle_t h;
   if (cudaMalloc(&p, size) != cudaSuccess || cudaIpcGetMemHandle(&h, p) != cudaSuccess) {
     return printf("alloc failed\n"), 1;
+  }
+  if (seed >= 0) {
+    std::vector<uint8_t> buf(size);
+    for (size_t i = 0; i < size; ++i) buf[i] = Pat(seed, i);
+    if (cudaMemcpy(p, buf.data(), size, cudaMemcpyHostToDevice) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+      return printf("fill failed\n"), 1;
+    }
   }
   std::string hex;
   for (size_t i = 0; i < sizeof(h); ++i) {
@@ -75,7 +82,9 @@ int Hold(size_t size) {
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc == 5 && strcmp(argv[1], "open") == 0) return Open(argv[2], strtoull(argv[3], nullptr, 10), strtoull(argv[4], nullptr, 10));
-  if (argc == 3 && strcmp(argv[1], "hold") == 0) return Hold(strtoull(argv[2], nullptr, 10));
-  fprintf(stderr, "usage: fake_cudart_ipc_child open <hex> <size> <seed> | hold <size>\n");
+  if ((argc == 3 || argc == 4) && strcmp(argv[1], "hold") == 0) {
+    return Hold(strtoull(argv[2], nullptr, 10), argc == 4 ? strtoll(argv[3], nullptr, 10) : -1);
+  }
+  fprintf(stderr, "usage: fake_cudart_ipc_child open <hex> <size> <seed> | hold <size> [<seed>]\n");
   return 2;
 }
