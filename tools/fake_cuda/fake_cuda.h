@@ -11,20 +11,47 @@
 //
 // Emulated semantics (the contract tests may rely on):
 //  - Devices: WB_FAKE_CUDA_DEVICES (default 1) devices; per-thread current device (cudaSetDevice);
-//    device UUIDs are deterministic per ordinal, so they match across processes.
-//  - Device memory (cudaMalloc) is a POSIX shm segment mapped twice: the pointer handed out is a
-//    PROT_NONE reservation (a host dereference of a device pointer crashes, as on a GPU) and the
-//    emulator works through a private read-write alias. Every device access made by a copy/memset
-//    is bounds-checked against one live allocation; a violation is a sticky
-//    cudaErrorIllegalAddress (as a real fault would be) with a message on stderr.
+//    device UUIDs are deterministic per ordinal, so they match across processes. Each device has
+//    WB_FAKE_CUDA_MEM_BYTES (default 16 GiB) of memory (cudaErrorMemoryAllocation beyond).
+//  - Device memory (cudaMalloc) is a POSIX shm segment (/dev/shm/wbfc.<pid>.<token>.<n>, 0600)
+//    mapped twice: the pointer handed out is a PROT_NONE reservation (a host dereference of a device
+//    pointer crashes, as on a GPU) and the emulator works through a private read-write alias. Fresh
+//    memory is filled with 0xA5 (a GPU does not zero it). Every device access made by a copy/memset
+//    is bounds-checked, when it RUNS, against one live allocation; a violation (also: memory freed
+//    or IPC-closed meanwhile) is a sticky cudaErrorIllegalAddress (as a real fault would be) with an
+//    "ILLEGAL ADDRESS" line on stderr: every later call of the process returns it.
+//  - cudaFree unlinks the segment (importers keep their mapping, as with CUDA) and synchronises
+//    the device; freed address ranges stay reserved, so a use after free is caught, not reused.
+//    A detached reaper process unlinks a process's segments when it dies, also by kill -9.
 //  - IPC: cudaIpcGetMemHandle(ptr inside an allocation) -> the allocation's handle (shm name);
-//    cudaIpcOpenMemHandle maps it in another process and returns the allocation base; opening a
-//    handle in the process that allocated it fails (as CUDA does); cudaIpcCloseMemHandle unmaps.
+//    cudaIpcOpenMemHandle (flags must be cudaIpcMemLazyEnablePeerAccess) maps it in another process
+//    and returns the allocation base; opening it again returns the same pointer (reference counted,
+//    one cudaIpcCloseMemHandle per open); opening a handle in the process that allocated it fails
+//    with cudaErrorDeviceUninitialized ("invalid device context"), as CUDA does.
 //  - Streams run their work in order on a worker thread each (asynchronously: a missing
-//    synchronisation shows up as wrong data); events complete when the stream reaches them;
-//    the legacy default stream (0) waits for all other streams first and runs synchronously.
+//    synchronisation shows up as wrong data); events complete when the stream reaches them (an
+//    event never recorded is complete). The legacy default stream (0 / cudaStreamLegacy, one per
+//    device, also a worker) waits for the work already enqueued on the device's BLOCKING streams
+//    and they wait for it; non-blocking streams (cudaStreamNonBlocking) are not ordered with it,
+//    exactly as in CUDA. Host synchronisation follows CUDA's documented rules: async copies from
+//    pageable memory to the device stage the source and return; to pageable memory they return
+//    when done; cudaMemcpy waits except device->device and pageable->device ("the DMA to final
+//    destination may not have completed": another stream or process must synchronise first);
+//    cudaMemset on device memory is asynchronous on the legacy stream.
 //    WB_FAKE_CUDA_OP_DELAY_US adds a delay before each enqueued op (to expose races).
-//  - cudaGetDriverEntryPointByVersion("cuMemGetAddressRange") returns an emulated driver call.
+//    Synchronising calls give up after WB_FAKE_CUDA_SYNC_TIMEOUT_S (default 120) with
+//    cudaErrorLaunchTimeout instead of hanging.
+//  - Stricter than CUDA (cheap checks our code documents anyway): a copy on a stream whose device
+//    is not current is cudaErrorInvalidResourceHandle; an explicit cudaMemcpyKind that contradicts
+//    the pointers is cudaErrorInvalidMemcpyDirection; cudaMemcpy3D needs pos.y + height <= ysize
+//    on both sides when depth > 1; CUDA used in a fork()ed child (without exec) is
+//    cudaErrorInitializationError (gtest death tests must use the "threadsafe" style).
+//  - Errors: per-thread last error (cudaGetLastError returns and clears it; a sticky error is
+//    returned forever); every failing call prints why on stderr ("fake_cuda[pid]: ...").
+//  - cudaGetDriverEntryPointByVersion("cuMemGetAddressRange") returns an emulated driver call
+//    (base and size of the live allocation containing the pointer); other symbols: not found.
+// Not emulated: kernels, CUDA arrays, memory pools / cuMem* VMM, managed memory, cudaStreamPerThread,
+// timing events, peer-access control, the GPU memory model and performance.
 
 #include <cuda_runtime_api.h>
 
@@ -41,10 +68,12 @@ void* DeviceToHost(const void* dptr, size_t n);
 // True when p lies inside a live device allocation (own or IPC-opened) of this process.
 bool IsDevicePointer(const void* p);
 
-// Appends `fn` to `stream`'s queue (nullptr = the legacy default stream, which runs it now after
-// every other stream drained). A non-success result of fn becomes the stream's sticky error,
-// reported by later event/stream queries, like an asynchronous CUDA error. fn may block (an
-// emulated collective); it must not enqueue on the same stream.
+// Appends `fn` to `stream`'s queue. nullptr / cudaStreamLegacy = the current device's legacy
+// stream: fn runs after the work already enqueued on that device's blocking streams, and Enqueue
+// returns only after fn ran. A non-success result of fn becomes the stream's sticky error,
+// reported by later event/stream queries, like an asynchronous CUDA error. fn runs without the
+// emulator's lock held; it may block (an emulated collective) and may call DeviceToHost, but must
+// not enqueue on the same stream. An unknown or destroyed stream aborts the process.
 void Enqueue(cudaStream_t stream, std::function<cudaError_t()> fn);
 
 // The device that `stream` belongs to (the current device when it was created); -1 if unknown.
