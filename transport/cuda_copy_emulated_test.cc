@@ -101,7 +101,9 @@ TEST(CudaCopyEmulatedTest, RandomBoxesEveryDirectionMatchTheReference) {
       ASSERT_EQ(cudaMemcpy(got.data(), dd, dbytes, cudaMemcpyDeviceToHost), cudaSuccess);
     }
     ASSERT_EQ(got, want) << "iter " << iter << " mode " << mode << " rank " << shape.size() << " element " << es;
-    if (pinned) ASSERT_EQ(cudaFreeHost(pinned), cudaSuccess);
+    if (pinned) {
+      ASSERT_EQ(cudaFreeHost(pinned), cudaSuccess);
+    }
     ASSERT_EQ(cudaFree(ds), cudaSuccess);
     ASSERT_EQ(cudaFree(dd), cudaSuccess);
   }
