@@ -117,6 +117,9 @@ absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Spawn(const std::strin
   }
   close(in_pipe[0]);
   close(out_pipe[1]);
+  // A peer that already exited turns our next write into SIGPIPE, which would kill the test
+  // process without a word; as an EPIPE error Send reports it instead.
+  signal(SIGPIPE, SIG_IGN);
   auto p = std::unique_ptr<PeerProcess>(new PeerProcess());
   p->pid_ = pid;
   p->to_child_ = in_pipe[1];

@@ -49,13 +49,16 @@ int Main(int argc, char** argv) {
   int device = config.nccl.device;
   (void)absl::SimpleAtoi(flags["size"], &size);
   (void)absl::SimpleAtoi(flags["seed"], &seed);
+  // The buffer is declared before the transport so that it outlives it: a batch posted but never
+  // waited for (RegionInUseCannotBeReleased) may still run on the transport's worker until the
+  // transport is destroyed (found by the emulated NCCL: a receive into freed device memory).
+  auto buffer = MakeTestBuffer(flags["memory"] == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost, size, device,
+                               absl::StrCat("peer buffer (pid ", getpid(), ")"));
   auto transport = CreateTransport(flags["kind"], config);
   if (!transport.ok()) {
     std::cout << Err(transport.status()) << std::endl;
     return 2;
   }
-  auto buffer = MakeTestBuffer(flags["memory"] == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost, size, device,
-                               absl::StrCat("peer buffer (pid ", getpid(), ")"));
   if (!buffer.ok() || !(*buffer)->Fill(seed).ok()) {
     std::cout << Err(buffer.ok() ? absl::InternalError("fill failed") : buffer.status()) << std::endl;
     return 2;

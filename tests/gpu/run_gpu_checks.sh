@@ -16,7 +16,8 @@
 #      default 420 s, so the call ends well inside 9 minutes), and prints one line per check:
 #      PASS / FAIL / SKIPPED with the reason. With $OUT set, writes there (at most 8 files, all at
 #      the top level): summary.txt, summary.json, checks.log (every check's full output),
-#      bench_transport.json (the JSON line of `transport --json`), env.txt (nvidia-smi, libraries).
+#      bench_transport.json (the JSON line of `transport --json`), bench_gpu_direct.json (the JSON
+#      line of bench/gpu_direct), env.txt (nvidia-smi, libraries).
 #
 # Exit: 0 when everything that can run on this machine ran and passed (checks that need more GPUs
 # than visible are SKIPPED and do not fail the run), 1 on any FAIL, 3 when no GPU is visible,
@@ -35,20 +36,30 @@ TESTS=(cuda_status_test cuda_copy_test cuda_ipc_conformance_test nccl_smoke_test
 
 make_bundle() {
   command -v "$BAZEL" >/dev/null 2>&1 || { echo "no bazel ($BAZEL) here: build the bundle on a machine with Bazel" >&2; return 2; }
-  local targets=(//transport:transport_peer //bench:transport //tools/cc:gpu_info_test)
+  local targets=(//transport:transport_peer //bench:transport //tools/cc:gpu_info_test
+                 //tests/e2e:e2e_gpu_test //daemon:weightbridged //tests/e2e:trainer_worker //tests/e2e:rollout_worker
+                 //bench:gpu_direct)
   for t in "${TESTS[@]}"; do targets+=("//transport:$t"); done
   "$BAZEL" build --dynamic_mode=off "${targets[@]}" || return 2
   local bin
   bin=$("$BAZEL" info bazel-bin 2>/dev/null) || return 2
-  rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin/transport" "$BUNDLE/lib" "$BUNDLE/lib-fallback" || return 2
+  rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin/transport" "$BUNDLE/bin/daemon" "$BUNDLE/bin/tests/e2e/testdata" "$BUNDLE/lib" \
+    "$BUNDLE/lib-fallback" || return 2
   for t in "${TESTS[@]}"; do cp -L "$bin/transport/$t" "$BUNDLE/bin/" || return 2; done
   cp -L "$bin/transport/transport_peer" "$BUNDLE/bin/transport/" || return 2
   cp -L "$bin/bench/transport" "$BUNDLE/bin/bench_transport" || return 2
   cp -L "$bin/tools/cc/gpu_info_test" "$BUNDLE/bin/" || return 2
+  # GPU-direct end to end: the e2e test and bench spawn these by their workspace paths, which the
+  # harness resolves relative to the working directory (bin/) outside Bazel.
+  cp -L "$bin/tests/e2e/e2e_gpu_test" "$BUNDLE/bin/" || return 2
+  cp -L "$bin/bench/gpu_direct" "$BUNDLE/bin/bench_gpu_direct" || return 2
+  cp -L "$bin/daemon/weightbridged" "$BUNDLE/bin/daemon/" || return 2
+  cp -L "$bin/tests/e2e/trainer_worker" "$bin/tests/e2e/rollout_worker" "$BUNDLE/bin/tests/e2e/" || return 2
+  cp -L "$ROOT"/tests/e2e/testdata/*.json "$BUNDLE/bin/tests/e2e/testdata/" || return 2
   # Shared libraries: everything but glibc, the driver and NCCL (found on the GPU machine);
   # libstdc++/libgcc_s only as a fallback (the GPU machine's are newer; its NCCL may need them).
   local lib
-  for f in "$BUNDLE"/bin/* "$BUNDLE"/bin/transport/*; do
+  for f in "$BUNDLE"/bin/* "$BUNDLE"/bin/transport/* "$BUNDLE"/bin/daemon/* "$BUNDLE"/bin/tests/e2e/*; do
     [ -f "$f" ] && ldd "$f" | awk '/=> \//{print $3}'
   done | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
@@ -58,6 +69,10 @@ make_bundle() {
     esac
   done
   chmod -R u+w "$BUNDLE"
+  # Symbols are not needed there and the carry limit is 64 MiB: strip (80 MB -> ~30 MB).
+  if command -v strip >/dev/null 2>&1; then
+    find "$BUNDLE/bin" "$BUNDLE/lib" -type f ! -name '*.json' -exec strip --strip-unneeded {} + 2>/dev/null || true
+  fi
   {
     echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (+ local changes)')"
     echo "built $(date -u +%FT%TZ) on $(uname -m), $(ldd --version | head -1)"
@@ -206,6 +221,11 @@ if [ "$ngpu" -ge 2 ]; then
 else
   run_gtest nccl_conformance_test 60 expect-skip
 fi
+# GPU-direct end to end: real daemons and CUDA workers (weights in cudaMalloc buffers, registered
+# by IPC handle), colocated sync / one-step-off / async with GPU staging, host-staging fallback,
+# two nodes; every rollout byte checked (the scenarios CI runs on emulated GPUs).
+export WB_E2E_GPUS=$ngpu
+run_gtest e2e_gpu_test 200 gpu
 
 # //bench:transport --json: GPU figures first (what only this machine can measure), then the full
 # run with the host figures if the budget allows.
@@ -229,6 +249,22 @@ if [ "$(left)" -ge 120 ]; then
 else
   record SKIPPED bench_transport_gpu "out of budget ($(left) s left)"
 fi
+# GPU-direct vs host staging, measured (bench/gpu_direct.cc): the figure CUDA users care about.
+if [ "$(left)" -ge 150 ]; then
+  say "---- bench_gpu_direct --json --gpus=$ngpu"
+  out=$(cd "$BUNDLE/bin" && timeout -k 5 150 ./bench_gpu_direct --json --gpus="$ngpu" --versions=4 2>>"$LOG"); st=$?
+  echo "$out" >>"$LOG"
+  line=$(echo "$out" | grep '^{' | tail -n 1)
+  [ -n "$line" ] && echo "$line" >"$OUTDIR/bench_gpu_direct.json"
+  if [ $st -eq 0 ] && echo "$line" | grep -q '"gpu_sync_s"'; then
+    record PASS bench_gpu_direct "$line"
+  else
+    record FAIL bench_gpu_direct "exit $st: ${line:-no JSON line (see checks.log)}"
+  fi
+else
+  record SKIPPED bench_gpu_direct "out of budget ($(left) s left)"
+fi
+# Host transports run in CI; here only if time is left.
 run_gtest host_shm_conformance_test 120 skip-ok
 run_gtest host_tcp_conformance_test 150 skip-ok
 if [ "$(left)" -ge 90 ]; then
