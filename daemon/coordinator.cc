@@ -828,6 +828,39 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       if (w.node == n || known[n].count(static_cast<int32_t>(i))) *pw->mutable_layout() = w.layout_proto;
     }
   }
+  // Cross-node ops that move GPU to GPU on nccl (TransferOp.nccl): both nodes advertise nccl (a
+  // node does only with GPU staging on), a trainer's CUDA buffer -> a rollout's CUDA buffer, and
+  // the rollout takes every cross-node byte that way and relays none (its staging then lives on
+  // the GPU, which the host channel cannot reach).
+  auto has_nccl = [&](const std::string& node) {
+    auto it = nodes_.find(node);
+    return it != nodes_.end() && it->second.transport_instances.count("nccl") > 0;
+  };
+  auto cuda_piece = [&](int32_t worker, int32_t piece) {
+    if (piece < 0) return false;  // the rank-0 gather staging (host memory)
+    const WorkerRec& w = m.workers.at(ids[worker]);
+    if (piece >= static_cast<int32_t>(w.layout.pieces.size())) return false;
+    const int32_t buffer = w.layout.pieces[piece].buffer;
+    return buffer >= 0 && buffer < w.layout_proto.buffers_size() &&
+           w.layout_proto.buffers(buffer).memory_case() == pb::BufferSpec::kCudaIpcHandle;
+  };
+  std::set<int32_t> no_nccl_dst;  // rollouts that must stay on the host channel
+  auto inter = [&](const planner::TransferOp& op) {
+    return m.workers.at(ids[op.src_worker]).node != m.workers.at(ids[op.dst_worker]).node;
+  };
+  auto nccl_candidate = [&](const planner::TransferOp& op) {
+    const WorkerRec& sw = m.workers.at(ids[op.src_worker]);
+    const WorkerRec& dw = m.workers.at(ids[op.dst_worker]);
+    return has_nccl(sw.node) && has_nccl(dw.node) && sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout &&
+           cuda_piece(op.src_worker, op.src_piece) && cuda_piece(op.dst_worker, op.dst_piece);
+  };
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      if (!inter(op)) continue;
+      if (!nccl_candidate(op)) no_nccl_dst.insert(op.dst_worker);
+      if (m.workers.at(ids[op.src_worker]).role == planner::Role::kRollout) no_nccl_dst.insert(op.src_worker);
+    }
+  }
   uint32_t index = 0;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     for (const planner::TransferOp& op : plan.buckets[b].ops) {
@@ -843,6 +876,7 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       ToProto(op.box, pop.mutable_box());
       pop.set_bytes(static_cast<uint64_t>(op.bytes));
       pop.set_route(ToProto(op.route));
+      pop.set_nccl(inter(op) && nccl_candidate(op) && no_nccl_dst.count(op.dst_worker) == 0);
       if (op.dst_piece < 0 || op.src_piece < 0) {
         const Staged* st = find_staged(op);
         if (st == nullptr) {

@@ -34,6 +34,8 @@ ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direct
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
 ABSL_FLAG(int64_t, bucket_bytes, int64_t{2} << 30, "planner: max bytes a GPU sends / receives per bucket");
 ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
+ABSL_FLAG(int, nccl_device, 0,
+          "CUDA device of the nccl transport's communicators; with --gpu_staging_bytes, versions received over nccl are staged there");
 ABSL_FLAG(int64_t, gpu_staging_bytes, 0,
           "GPU-direct staging: bytes per GPU the daemon may cudaMalloc to stage snapshots and incoming versions of CUDA "
           "buffers on the GPU itself (0 = host staging only); past it, host staging");
@@ -86,6 +88,7 @@ int main(int argc, char** argv) {
     if (v <= 0) return Fail(absl::StrCat("--", name, " must be > 0"));
   }
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return Fail("--gpu_staging_bytes must be >= 0");
+  if (absl::GetFlag(FLAGS_nccl_device) < 0) return Fail("--nccl_device must be >= 0");
 
   // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
   sigset_t signals;
@@ -140,6 +143,8 @@ int main(int argc, char** argv) {
   // The data channel proves the same shared token as the daemon RPCs (docs/security.md).
   tc.tcp.auth_token = o.security.peer_auth->token;
   tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);
+  tc.nccl.device = absl::GetFlag(FLAGS_nccl_device);
+  o.nccl_device = tc.nccl.device;
   o.make_transports = [tc] { return wb::transport::CreateTransports(tc); };
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) > 0) {
     o.device_staging = std::make_shared<wb::daemon::DeviceStaging>(wb::transport::NewDeviceAllocator(),

@@ -647,6 +647,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
 
   grpc::Status ExchangeRegions(grpc::ServerContext*, const pb::ExchangeRegionsRequest* req, pb::ExchangeRegionsResponse* resp) override {
     transport::Transport* cross = d_->options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+    if (req->transport_kind() == "nccl") cross = d_->NcclTransport();
     if (cross == nullptr || cross->capabilities().kind != req->transport_kind()) {
       return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("node ", d_->options_.node_id, " has no '", req->transport_kind(), "' transport")));
     }
@@ -667,18 +668,19 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         if (it != w.transport_instances().end()) from_instance = it->second;
       }
     }
-    auto c = d_->channels_.find({req->model_id(), req->from_node()});
+    const std::string chan = ChannelName(req->from_node(), req->transport_kind());
+    auto c = d_->channels_.find({req->model_id(), chan});
     const bool reuse = req->reuse() && c != d_->channels_.end() && c->second.peer_instance == from_instance;
     auto endpoint = cross->ExportEndpoint(from_instance);
     if (!endpoint.ok()) return ToGrpcStatus(endpoint.status());
-    PeerState& ps = exec->peers[req->from_node()];
+    PeerState& ps = exec->peers[chan];
     ps.have = true;
     ps.reuse = reuse;
     ps.endpoint = req->endpoint();
     for (const pb::PeerRegion& r : req->regions()) ps.regions[r.key()] = r.region_descriptor();
     resp->set_reuse(reuse);
     resp->set_endpoint(*endpoint);
-    for (auto& [k, d] : exec->local_desc) {
+    for (auto& [k, d] : exec->local_desc[req->transport_kind()]) {
       pb::PeerRegion* r = resp->add_regions();
       r->set_key(k);
       r->set_region_descriptor(d);
@@ -801,7 +803,12 @@ absl::Status NodeDaemon::Register() {
   req.set_address(node_address_);
   req.set_data_address(data_address_);
   req.set_heartbeat_ms(absl::ToInt64Milliseconds(options_.heartbeat));
-  for (const auto& t : options_.transports.all()) (*req.mutable_transport_instances())[t->capabilities().kind] = t->instance_id();
+  for (const auto& t : options_.transports.all()) {
+    // nccl moves GPU staging only: without a GPU staging budget the node keeps cross-node bytes on
+    // the host channel, and says so by not advertising nccl (the coordinator routes by it).
+    if (t->capabilities().kind == "nccl" && NcclTransport() == nullptr) continue;
+    (*req.mutable_transport_instances())[t->capabilities().kind] = t->instance_id();
+  }
   pb::RegisterNodeResponse resp;
   grpc::ClientContext ctx;
   ctx.set_wait_for_ready(true);
@@ -1132,13 +1139,15 @@ void NodeDaemon::DropChannel(const std::string& model_id, const std::string& pee
     auto it = channels_.find({model_id, peer});
     if (it != channels_.end() && it->second.id == id) channels_.erase(it);
   }
-  transport::Transport* cross = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+  transport::Transport* cross = ChannelIsNccl(peer) ? NcclTransport()
+                                                   : options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
   if (cross != nullptr && id != transport::kNoPeer) (void)cross->Disconnect(id);
 }
 
 absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
                                                         transport::Transport* cross) {
   const std::string kind = cross->capabilities().kind;
+  const std::string chan = ChannelName(peer, kind);
   auto inst_it = peer_worker.transport_instances().find(kind);
   if (inst_it == peer_worker.transport_instances().end()) {
     return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", kind, "' transport"));
@@ -1148,7 +1157,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
   transport::PeerId stale = transport::kNoPeer;
   {
     absl::MutexLock l(&mu_);
-    auto c = channels_.find({exec.model_id, peer});
+    auto c = channels_.find({exec.model_id, chan});
     if (c != channels_.end()) {
       if (c->second.peer_instance == peer_instance) {
         cached = c->second.id;
@@ -1159,7 +1168,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
       }
     }
   }
-  if (stale != transport::kNoPeer) DropChannel(exec.model_id, peer, stale);
+  if (stale != transport::kNoPeer) DropChannel(exec.model_id, chan, stale);
   ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
   bool reuse = false;
   std::string peer_endpoint;
@@ -1175,7 +1184,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     req.set_reuse(cached != transport::kNoPeer);
     {
       absl::MutexLock l(&mu_);
-      for (auto& [k, d] : exec.local_desc) {
+      for (auto& [k, d] : exec.local_desc[kind]) {
         pb::PeerRegion* r = req.add_regions();
         r->set_key(k);
         r->set_region_descriptor(d);
@@ -1187,7 +1196,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     RETURN_IF_ERROR_WITH(FromGrpcStatus(PeerStub(peer, peer_worker.data_address())->ExchangeRegions(&ctx, req, &resp)),
                          absl::StrCat("exchanging regions with node ", peer));
     absl::MutexLock l(&mu_);
-    PeerState& ps = exec.peers[peer];
+    PeerState& ps = exec.peers[chan];
     ps.have = true;
     ps.reuse = resp.reuse();
     ps.endpoint = resp.endpoint();
@@ -1198,21 +1207,21 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     // The peer calls us (ExchangeRegions handler fills exec.peers[peer]).
     absl::MutexLock l(&mu_);
     auto have = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      auto it = exec.peers.find(peer);
+      auto it = exec.peers.find(chan);
       return exec.aborted || stopping_ || (it != exec.peers.end() && it->second.have);
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&have), exec.deadline)) {
       return absl::DeadlineExceededError(absl::StrCat("node ", peer, " did not set up the data plane of version ", exec.version, " in time"));
     }
     if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
-    reuse = exec.peers[peer].reuse;
-    peer_endpoint = exec.peers[peer].endpoint;
+    reuse = exec.peers[chan].reuse;
+    peer_endpoint = exec.peers[chan].endpoint;
   }
   transport::PeerId id = cached;
   if (!reuse) {
-    if (cached != transport::kNoPeer) DropChannel(exec.model_id, peer, cached);
+    if (cached != transport::kNoPeer) DropChannel(exec.model_id, chan, cached);
     auto c = cross->Connect(peer_endpoint, exec.deadline);
-    if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer));
+    if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer, " (", kind, ")"));
     id = *c;
     Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
   }
@@ -1220,7 +1229,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
   absl::Status aborted;
   {
     absl::MutexLock l(&mu_);
-    Channel& slot = channels_[{exec.model_id, peer}];
+    Channel& slot = channels_[{exec.model_id, chan}];
     // Another version of the model may have cached its own channel meanwhile; the one we replace
     // must be disconnected (its fds closed) unless a version in flight still uses it.
     if (slot.id != transport::kNoPeer && slot.id != id) {
@@ -1232,10 +1241,10 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
       }
     }
     slot = Channel{id, peer_instance};
-    exec.connected[peer] = id;
+    exec.connected[chan] = id;
     if (exec.aborted) aborted = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
   }
-  if (replaced != transport::kNoPeer) DropChannel(exec.model_id, peer, replaced);
+  if (replaced != transport::kNoPeer) DropChannel(exec.model_id, chan, replaced);
   if (!aborted.ok()) return aborted;
   return id;
 }
@@ -1304,6 +1313,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   transport::Transport* local_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
   transport::Transport* cross_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
   transport::Transport* cuda_t = CudaTransport();
+  transport::Transport* nccl_t = NcclTransport();
   auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
   const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
 
@@ -1311,9 +1321,17 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   // cross-node transport reaches (a rollout of theirs is staged in host memory; a trainer's CUDA
   // source gets a host copy below).
   std::set<uint32_t> crosses;
+  std::set<uint32_t> nccl_in;  // local rollouts that receive over nccl (TransferOp.nccl): GPU staging on the nccl device
   for (const pb::TransferOp& op : plan.slice.ops()) {
     const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
     if (s != d) crosses.insert(s ? op.src_worker() : op.dst_worker());
+    if (s != d && op.nccl()) {
+      if (nccl_t == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat("op ", op.index(), " is routed over nccl but node ", me,
+                                                          " has no nccl transport with GPU staging (--gpu_staging_bytes)"));
+      }
+      if (d) nccl_in.insert(op.dst_worker());
+    }
   }
 
   // 0. Staging of this version, allocated here (outside mu_). A rollout whose live buffers are
@@ -1341,8 +1359,16 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         const int64_t size = plan.layouts[i].buffers[j].size_bytes;
         StagedBuffer sb;
         if (j < cuda.size() && cuda[j] != nullptr) {
-          if (crosses.count(static_cast<uint32_t>(i)) == 0) {
-            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j)));
+          const std::string what = absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j);
+          if (nccl_in.count(static_cast<uint32_t>(i)) > 0) {
+            // Received over nccl: staged on the nccl device (commit/apply copy it to the worker's GPU).
+            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(options_.nccl_device, size, what));
+            if (sb.device == nullptr) {
+              return absl::ResourceExhaustedError(absl::StrCat(what, ": ", size, " bytes of GPU staging on GPU ", options_.nccl_device,
+                                                               " (nccl route) exceed --gpu_staging_bytes or the GPU's free memory"));
+            }
+          } else if (crosses.count(static_cast<uint32_t>(i)) == 0) {
+            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, what));
           }
           Metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
         }
@@ -1436,6 +1462,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   //    device when both sides are on GPUs), and per peer node the mirror batches on the
   //    cross-node transport (host memory only).
   std::set<std::string> peers, host_keys, cuda_keys, cross_keys;
+  std::set<std::string> nccl_peers, nccl_keys;  // ops with TransferOp.nccl
   auto kind_of = [&](const std::string& key) {
     auto it = mem.find(key);
     return it == mem.end() ? MemoryKind::kHost : it->second.kind;
@@ -1450,8 +1477,13 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       (host ? host_keys : cuda_keys).insert({src.key, dst.key});
       continue;
     }
-    peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
     const std::string& key = s ? src.key : dst.key;
+    if (op.nccl()) {
+      nccl_peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
+      nccl_keys.insert(key);
+      continue;
+    }
+    peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
     if (!s && kind_of(key) == MemoryKind::kCuda) {
       return absl::InternalError(absl::StrCat("op ", op.index(), ": region ", key, " on node ", me,
                                               " receives from another node but is staged on a GPU"));
@@ -1534,35 +1566,86 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     auto hc = host_copy.find(key);
     ASSIGN_OR_RETURN(cross_h[key], register_on(cross_t, key, hc != host_copy.end() ? hc->second : m->second));
   }
+  // nccl regions: GPU staging on the nccl device is registered as is; any other source (a worker's
+  // imported buffer, a snapshot in host memory or on another GPU) is first copied whole into GPU
+  // staging on the nccl device (sources do not change during a version).
+  std::map<std::string, transport::RegionHandle> nccl_h;
   {
-    std::map<std::string, std::string> desc;
+    transport::Batch bounce_batch;
+    for (const std::string& key : nccl_keys) {
+      auto m = mem.find(key);
+      if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
+      const Mem& src = m->second;
+      if (src.kind == MemoryKind::kCuda && src.import == nullptr && src.device == options_.nccl_device) {
+        ASSIGN_OR_RETURN(nccl_h[key], register_on(nccl_t, key, src));
+        continue;
+      }
+      if (key[0] != 'w' || cuda_t == nullptr) {
+        return absl::InternalError(absl::StrCat("region ", key, " on node ", me, " is routed over nccl but is not GPU staging"));
+      }
+      const std::string what = absl::StrCat(vlabel, " ", key, " (nccl source copy)");
+      ASSIGN_OR_RETURN(std::shared_ptr<transport::DeviceMemory> dev, TryDeviceStaging(options_.nccl_device, src.size, what));
+      if (dev == nullptr) {
+        return absl::ResourceExhaustedError(absl::StrCat(what, ": ", src.size, " bytes of GPU staging on GPU ", options_.nccl_device,
+                                                         " exceed --gpu_staging_bytes or the GPU's free memory"));
+      }
+      holds.push_back(dev);
+      Mem dm{MemoryKind::kCuda, static_cast<uint8_t*>(dev->data()), src.size, dev->device(), nullptr};
+      ASSIGN_OR_RETURN(transport::RegionHandle from, register_on(cuda_t, key, src));
+      ASSIGN_OR_RETURN(transport::RegionHandle to, register_on(cuda_t, what, dm));
+      transport::CopyOp op;
+      op.shape = {src.size};
+      op.element_size = 1;
+      op.src = {from, 0, {1}};
+      op.dst = {to, 0, {1}};
+      bounce_batch.ops.push_back(std::move(op));
+      ASSIGN_OR_RETURN(nccl_h[key], register_on(nccl_t, key, dm));
+    }
+    if (!bounce_batch.ops.empty()) {
+      ASSIGN_OR_RETURN(transport::BatchId id, cuda_t->Post(bounce_batch));
+      RETURN_IF_ERROR_WITH(cuda_t->Wait(id, exec.deadline), absl::StrCat(vlabel, ": copying nccl sources to the nccl GPU"));
+    }
+  }
+  {
+    std::map<std::string, std::map<std::string, std::string>> desc;
     for (auto& [key, h] : cross_h) {
-      ASSIGN_OR_RETURN(desc[key], cross_t->ExportDescriptor(h));
+      ASSIGN_OR_RETURN(desc[cross_t->capabilities().kind][key], cross_t->ExportDescriptor(h));
+    }
+    for (auto& [key, h] : nccl_h) {
+      ASSIGN_OR_RETURN(desc["nccl"][key], nccl_t->ExportDescriptor(h));
     }
     absl::MutexLock l(&mu_);
     exec.local_desc = std::move(desc);
     exec.regions_ready = true;
   }
 
-  // 3. Peers, in ascending node order (a global order of node pairs: no connect cycles).
-  std::map<std::string, transport::PeerId> peer_ids;
-  std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h;
-  for (const std::string& peer : peers) {
+  // 3. Peers, in ascending node order (a global order of node pairs: no connect cycles); per peer
+  //    the host channel, then the nccl channel (the same order on both nodes).
+  std::map<std::string, transport::PeerId> peer_ids, nccl_ids;
+  std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h, remote_nccl_h;
+  std::set<std::string> all_peers = peers;
+  all_peers.insert(nccl_peers.begin(), nccl_peers.end());
+  for (const std::string& peer : all_peers) {
     const pb::PlanWorker* pw = nullptr;
     for (const pb::PlanWorker& w : plan.slice.workers()) {
       if (w.node_id() == peer) pw = &w;
     }
-    ASSIGN_OR_RETURN(peer_ids[peer], SetupPeer(exec, peer, *pw, cross_t));
-    std::map<std::string, std::string> regions;
-    {
-      absl::MutexLock l(&mu_);
-      regions = exec.peers[peer].regions;
-    }
-    for (auto& [key, d] : regions) {
-      auto h = cross_t->ImportDescriptor(d);
-      if (!h.ok()) return Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", peer));
-      registered.push_back({cross_t, *h});
-      remote_h[peer][key] = *h;
+    for (transport::Transport* t : {peers.count(peer) ? cross_t : nullptr, nccl_peers.count(peer) ? nccl_t : nullptr}) {
+      if (t == nullptr) continue;
+      const std::string kind = t->capabilities().kind;
+      ASSIGN_OR_RETURN(transport::PeerId id, SetupPeer(exec, peer, *pw, t));
+      (t == nccl_t ? nccl_ids : peer_ids)[peer] = id;
+      std::map<std::string, std::string> regions;
+      {
+        absl::MutexLock l(&mu_);
+        regions = exec.peers[ChannelName(peer, kind)].regions;
+      }
+      for (auto& [key, d] : regions) {
+        auto h = t->ImportDescriptor(d);
+        if (!h.ok()) return Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", peer, " (", kind, ")"));
+        registered.push_back({t, *h});
+        (t == nccl_t ? remote_nccl_h : remote_h)[peer][key] = *h;
+      }
     }
   }
 
@@ -1616,21 +1699,24 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         continue;
       }
       const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
-      auto& theirs = remote_h[peer];
-      auto sh = s_local ? cross_h.find(src.key) : theirs.find(src.key);
-      auto dh = d_local ? cross_h.find(dst.key) : theirs.find(dst.key);
-      if (sh == (s_local ? cross_h.end() : theirs.end()) || dh == (d_local ? cross_h.end() : theirs.end())) {
-        return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " unknown (node ", me, ", peer ", peer, ")"));
+      const bool nccl = op->nccl();
+      auto& mine = nccl ? nccl_h : cross_h;
+      auto& theirs = (nccl ? remote_nccl_h : remote_h)[peer];
+      auto sh = s_local ? mine.find(src.key) : theirs.find(src.key);
+      auto dh = d_local ? mine.find(dst.key) : theirs.find(dst.key);
+      if (sh == (s_local ? mine.end() : theirs.end()) || dh == (d_local ? mine.end() : theirs.end())) {
+        return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " unknown (node ", me, ", peer ", peer,
+                                                nccl ? ", nccl" : "", ")"));
       }
       c.src = RefFor(src.piece, box, elem, sh->second);
       c.dst = RefFor(dst.piece, box, elem, dh->second);
-      Route& route = peer_routes[peer];
+      Route& route = peer_routes[ChannelName(peer, nccl ? "nccl" : "")];
       if (route.t == nullptr) {
-        route.t = cross_t;
-        route.what = absl::StrCat("node ", me, " <-> node ", peer);
+        route.t = nccl ? nccl_t : cross_t;
+        route.what = absl::StrCat("node ", me, " <-> node ", peer, nccl ? " (nccl)" : "");
         route.peer = peer;
-        route.batch.peer = peer_ids.at(peer);
-        route.batch.checksum = options_.checksums;
+        route.batch.peer = nccl ? nccl_ids.at(peer) : peer_ids.at(peer);
+        route.batch.checksum = options_.checksums && !nccl;
       }
       route.batch.ops.push_back(std::move(c));
       route.bytes += static_cast<int64_t>(op->bytes());
@@ -1856,6 +1942,11 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
     if (first.ok()) first = s;
   }
   return first;
+}
+
+transport::Transport* NodeDaemon::NcclTransport() const {
+  if (options_.device_staging == nullptr || !options_.device_staging->enabled()) return nullptr;
+  return options_.transports.Find("nccl");
 }
 
 transport::Transport* NodeDaemon::CudaTransport() const {

@@ -62,6 +62,7 @@ class NodeDaemon {
     // GPU-direct staging (docs/daemon.md): where trainer snapshots and rollout incoming copies of
     // CUDA buffers may live on the GPU. Null or a zero budget: host staging only.
     std::shared_ptr<DeviceStaging> device_staging;
+    int nccl_device = 0;  // the CUDA device of the nccl transport's communicators (TransportConfig::nccl.device)
     // TEST ONLY: called by the executor before it posts each bucket (fault tests stall a node here).
     std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
     // TEST ONLY: when it returns true the heartbeat is skipped (a frozen node: its lease expires).
@@ -169,9 +170,10 @@ class NodeDaemon {
     absl::Time deadline;
     // Data plane of this version (guarded by mu_).
     bool regions_ready = false;
-    std::map<std::string, std::string> local_desc;  // key -> descriptor on the cross-node transport
-    std::map<std::string, PeerState> peers;         // remote node -> its side
-    std::map<std::string, transport::PeerId> connected;  // remote node -> channel used by this version
+    // transport kind -> (key -> descriptor) on that cross-node transport (host_tcp; nccl)
+    std::map<std::string, std::map<std::string, std::string>> local_desc;
+    std::map<std::string, PeerState> peers;              // channel (ChannelName) -> the peer's side
+    std::map<std::string, transport::PeerId> connected;  // channel -> the connection this version uses
     std::map<std::string, LinkStat> links;  // executor thread only: peer node (own id = same-node) -> totals
   };
 
@@ -225,6 +227,17 @@ class NodeDaemon {
   absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> TryDeviceStaging(int device, int64_t size, const std::string& label);
   // The same-node transport that reaches CUDA memory (cuda_ipc), or nullptr.
   transport::Transport* CudaTransport() const;
+  // The nccl transport when this node moves GPU staging across nodes (nccl built and usable, GPU
+  // staging on), else nullptr.
+  transport::Transport* NcclTransport() const;
+  // Cross-node channels are per (peer node, transport kind): "<node>" for the host channel,
+  // "<node>\nnccl" for nccl (a newline cannot be part of a node id given by flag).
+  static std::string ChannelName(const std::string& peer, const std::string& kind) {
+    return kind == "nccl" ? peer + "\nnccl" : peer;
+  }
+  static bool ChannelIsNccl(const std::string& chan) {
+    return chan.size() > 5 && chan.compare(chan.size() - 5, 5, "\nnccl") == 0;
+  }
 
   Options options_;
   std::unique_ptr<WorkerImpl> worker_impl_;
@@ -242,7 +255,7 @@ class NodeDaemon {
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
   std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
-  std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, peer node)
+  std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, channel)
   absl::Mutex stubs_mu_;
   struct PeerStubEntry {
     std::string address;

@@ -87,6 +87,9 @@ absl::Status Cluster::StartNode(int i) {
                                    "--node_id=" + node_id(i)};
   for (const auto& f : DaemonFlags()) argv.push_back(f);
   for (const auto& f : options_.extra_node_flags) argv.push_back(f);
+  if (auto it = options_.node_flags.find(i); it != options_.node_flags.end()) {
+    for (const auto& f : it->second) argv.push_back(f);
+  }
   const std::string metrics_file = harness_->Path(absl::StrCat("n", i, "-", start, ".metrics"));
   if (options_.node_metrics) {
     argv.push_back("--metrics_listen=127.0.0.1:0");

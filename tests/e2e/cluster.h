@@ -3,6 +3,7 @@
 // N node daemons (`weightbridged --role=...`), plus trainer/rollout worker processes attached to
 // the nodes' worker sockets. Built on the process harness (tests/e2e/harness.h).
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@ struct ClusterOptions {
   int64_t transfer_timeout_ms = ScaledMs(20000);
   std::vector<std::string> extra_daemon_flags;
   std::vector<std::string> extra_node_flags;  // node daemons only
+  std::map<int, std::vector<std::string>> node_flags;  // node i only (after extra_node_flags)
   // Nodes serve Prometheus /metrics on 127.0.0.1:0 (node_metrics_port(i) says where).
   bool node_metrics = false;
   // Binaries, as runfiles paths. The emulated-GPU tests swap in builds linked with the emulated

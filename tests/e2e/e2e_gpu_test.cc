@@ -243,5 +243,49 @@ TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
   EXPECT_EQ(daemon::MetricSum(m1, "wb_cuda_staged_bytes_total", "memory=\"gpu\""), 0);
 }
 
+// CUDA trainers on n0 -> CUDA rollouts on n1 with nccl on both nodes (each on its own GPU: NCCL
+// refuses two ranks of one communicator on one GPU): the coordinator routes every cross-node op
+// over nccl (TransferOp.nccl), device to device; n1 stages on its nccl GPU (1) and applies to the
+// rollouts' GPUs (0 and 1: one copy crosses GPUs). Nothing takes the host channel.
+TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
+  WB_REQUIRE_GPUS();
+  if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus() << " (two NCCL ranks cannot share a GPU)";
+  auto harness = Harness::Create("gpu-nccl");
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  ClusterOptions o = EmulatedCluster(2, true);
+  o.extra_node_flags[0] = "--transports=host_shm,host_tcp,cuda_ipc,nccl";
+  o.node_flags[0] = {"--nccl_device=0"};
+  o.node_flags[1] = {"--nccl_device=1"};
+  auto cluster = Cluster::Start(harness->get(), o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& cl = **cluster;
+  for (const std::string mode : {"sync", "one_step_off"}) {
+    RunOptions run;
+    run.config = ModelConfigPath();
+    run.model_id = "qwen-gpu-nccl-" + mode;
+    run.mode = mode;
+    run.versions = 2;
+    run.layout_source = "pieces";
+    std::vector<WorkerSpec> trainers, rollouts;
+    for (int r = 0; r < 2; ++r) {
+      WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
+      t.memory = "cuda";
+      trainers.push_back(t);
+      WorkerSpec w{false, 1, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
+      w.memory = "cuda";
+      rollouts.push_back(w);
+    }
+    RunAndVerify(cl, run, trainers, rollouts);
+    if (HasFailure()) return;
+  }
+  auto m0 = NodeMetrics(cl, 0), m1 = NodeMetrics(cl, 1);
+  EXPECT_GT(daemon::MetricSum(m0, "wb_bytes_total", "route=\"nccl\""), 0);
+  EXPECT_GT(daemon::MetricSum(m1, "wb_bytes_total", "route=\"nccl\""), 0);
+  EXPECT_EQ(daemon::MetricSum(m0, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
+  EXPECT_EQ(daemon::MetricSum(m1, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
+  EXPECT_GT(Sum(m1, "wb_cuda_staged_bytes_total", {"what=\"incoming\"", "memory=\"gpu\""}), 0);
+  EXPECT_EQ(Sum(m1, "wb_cuda_staged_bytes_total", {"memory=\"host\""}), 0);
+}
+
 }  // namespace
 }  // namespace wb::e2e
