@@ -14,6 +14,9 @@
 //
 // Every rollout checks every byte of its pieces (downloaded from its CUDA buffer) against the
 // version it applied; the node's /metrics tell which route the bytes took and where staging lived.
+#include <signal.h>
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -285,6 +288,98 @@ TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
   EXPECT_EQ(daemon::MetricSum(m1, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
   EXPECT_GT(Sum(m1, "wb_cuda_staged_bytes_total", {"what=\"incoming\"", "memory=\"gpu\""}), 0);
   EXPECT_EQ(Sum(m1, "wb_cuda_staged_bytes_total", {"memory=\"host\""}), 0);
+}
+
+// A peer that vanishes mid-transfer on the nccl route: n1 (receiving over nccl) is frozen with v2
+// in flight and killed; v2 aborts within the transfer timeout (no hang in the NCCL wait on n0), the
+// rollouts still hold exactly v1; n1 restarts, its rollout re-registers its CUDA buffer, and v3
+// flows over a NEW communicator (the old one died with the peer) to every byte.
+TEST(GpuEmulatedCrossNodeTest, NcclPeerKilledMidTransfer) {
+  WB_REQUIRE_GPUS();
+  if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus();
+  auto harness = Harness::Create("gpu-nccl-kill");
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  ClusterOptions o = EmulatedCluster(2, true);
+  o.extra_node_flags[0] = "--transports=host_shm,host_tcp,cuda_ipc,nccl";
+  o.node_flags[0] = {"--nccl_device=0"};
+  o.node_flags[1] = {"--nccl_device=1"};
+  o.lease_ms = ScaledMs(3000);
+  o.transfer_timeout_ms = ScaledMs(6000);
+  auto cluster = Cluster::Start(harness->get(), o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& cl = **cluster;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.model_id = "qwen-gpu-nccl-kill";
+  run.mode = "one_step_off";
+  run.versions = 3;
+  run.tolerate_failures = true;
+  run.gate_dir = (*harness)->Path("gates");
+  ::mkdir(run.gate_dir.c_str(), 0700);
+  run.num_trainers = 2;
+  run.num_rollouts = 2;
+  std::vector<Process*> trainers, rollouts;
+  for (int r = 0; r < 2; ++r) {
+    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
+    t.memory = "cuda";
+    auto p = cl.SpawnWorker(run, t);
+    ASSERT_TRUE(p.ok()) << p.status();
+    trainers.push_back(*p);
+  }
+  for (int r = 0; r < 2; ++r) {
+    WorkerSpec w{false, 1, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
+    w.memory = "cuda";
+    auto p = cl.SpawnWorker(run, w);
+    ASSERT_TRUE(p.ok()) << p.status();
+    rollouts.push_back(*p);
+  }
+  auto gate = [&](int v) { return (*harness)->Touch(absl::StrCat(run.gate_dir, "/publish-", v)); };
+  ASSERT_TRUE(gate(1).ok());
+  for (Process* r : rollouts) {
+    auto e = r->WaitForEvent("verified", 1, Scaled(absl::Seconds(90)));
+    ASSERT_TRUE(e.ok()) << e.status() << "\n" << cl.node(1)->LogTail();
+  }
+  cl.node(1)->Signal(SIGSTOP);
+  ASSERT_TRUE(gate(2).ok());
+  auto st = cl.WaitForStatus(
+      [&](const weightbridge::v1::StatusResponse& r) {
+        const std::string state = VersionState(r, run.model_id, 2);
+        return state == "transferring" || state == "queued";
+      },
+      Scaled(absl::Seconds(60)), "v2 in flight");
+  ASSERT_TRUE(st.ok()) << st.status();
+  const absl::Time killed = absl::Now();
+  ASSERT_TRUE(cl.KillNode(1).ok());
+  st = cl.WaitForStatus([&](const weightbridge::v1::StatusResponse& r) { return VersionState(r, run.model_id, 2) == "aborted"; },
+                        Scaled(absl::Seconds(40)), "v2 aborted");
+  ASSERT_TRUE(st.ok()) << st.status() << "\n" << cl.node(0)->LogTail();
+  EXPECT_LT(absl::Now() - killed, absl::Milliseconds(o.transfer_timeout_ms + o.lease_ms) + Scaled(absl::Seconds(5)));
+  ASSERT_TRUE(cl.RestartNode(1).ok());
+  st = cl.WaitForStatus(
+      [&](const weightbridge::v1::StatusResponse& r) {
+        for (const auto& m : r.models()) {
+          if (m.model_id() == run.model_id) return m.registered_rollouts() == 2;
+        }
+        return false;
+      },
+      Scaled(absl::Seconds(60)), "rollouts on the restarted n1 re-registered");
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_TRUE(gate(3).ok());
+  for (Process* p : rollouts) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
+    EXPECT_TRUE(e.ok()) << e << "\n" << cl.node(1)->LogTail();
+  }
+  for (Process* p : trainers) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
+    EXPECT_TRUE(e.ok()) << e;
+  }
+  for (Process* p : rollouts) {
+    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
+    EXPECT_GT(VerifiedBytes(p, 3), 0) << p->name() << " did not apply v3";
+  }
+  auto m1 = NodeMetrics(cl, 1);  // the restarted n1: v3 came over nccl
+  EXPECT_GT(daemon::MetricSum(m1, "wb_bytes_total", "route=\"nccl\""), 0);
+  EXPECT_EQ(daemon::MetricSum(m1, "wb_bytes_total", "route=\"host_tcp\""), 0);
 }
 
 }  // namespace
