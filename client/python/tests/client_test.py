@@ -47,13 +47,14 @@ def daemon_binary():
 class Daemon:
     """A standalone weightbridged on a temp Unix socket and port 0; killed on stop()."""
 
-    def __init__(self):
+    def __init__(self, binary=None, extra_flags=()):
         self.dir = tempfile.mkdtemp(prefix="wbpy.")
         self.socket = os.path.join(self.dir, "w.sock")
         self.log = open(os.path.join(self.dir, "daemon.log"), "w")
-        self.proc = subprocess.Popen([daemon_binary(), "--role=standalone", "--worker_socket=" + self.socket,
+        self.proc = subprocess.Popen([binary or daemon_binary(), "--role=standalone", "--worker_socket=" + self.socket,
                                       "--listen=127.0.0.1:0", "--port_file=" + os.path.join(self.dir, "port"),
-                                      "--transfer_timeout_ms=20000"], stdout=self.log, stderr=subprocess.STDOUT)
+                                      "--transfer_timeout_ms=20000"] + list(extra_flags),
+                                     stdout=self.log, stderr=subprocess.STDOUT)
 
     def client(self, prefix):
         # Connect waits (bounded) for the daemon to accept on the socket.

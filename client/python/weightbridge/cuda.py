@@ -7,12 +7,15 @@ relative to that base. (Tensors from torch's caching allocator can sit at an off
 block, and expandable segments cannot be exported at all, which is why we do not export arbitrary
 torch tensors: allocate here, then use .tensor() views.)
 
-Status: written against the CUDA runtime API; not exercised in CI (no GPU there), and the current
-daemon answers UNIMPLEMENTED for cuda_ipc_handle buffers (host shared memory only).
+The runtime is found as libcudart.so(.13/.12), or at $WB_CUDART when set (CI points it at the
+emulated runtime, //tools/fake_cuda:libwb_fake_cudart.so, to run this module without a GPU:
+client/python/tests/client_cuda_test.py). write()/read() move bytes without torch. Never run on a
+real GPU yet.
 """
 
 import ctypes
 import ctypes.util
+import os
 
 _IPC_HANDLE_BYTES = 64
 _cudart = None
@@ -21,7 +24,8 @@ _cudart = None
 def _rt():
     global _cudart
     if _cudart is None:
-        for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
+        for name in (os.environ.get("WB_CUDART"), "libcudart.so", "libcudart.so.13", "libcudart.so.12",
+                     ctypes.util.find_library("cudart")):
             if not name:
                 continue
             try:
@@ -57,6 +61,31 @@ class CudaBuffer:
         handle = (ctypes.c_byte * _IPC_HANDLE_BYTES)()
         _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
         self.ipc_handle = bytes(handle)
+
+    def _span(self, offset, n):
+        if not self.ptr:
+            raise ValueError("buffer is closed")
+        if offset < 0 or n < 0 or offset + n > self.size_bytes:
+            raise ValueError("%d bytes at %d outside the %d-byte buffer" % (n, offset, self.size_bytes))
+
+    def write(self, offset, data):
+        """Copies the bytes-like `data` to the device at byte `offset` (synchronous)."""
+        data = memoryview(data).cast("B")
+        self._span(offset, len(data))
+        src = (ctypes.c_char * len(data)).from_buffer_copy(data)
+        rt = _rt()
+        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
+        _check(rt.cudaMemcpy(ctypes.c_void_p(self.ptr + offset), src, ctypes.c_size_t(len(data)), 1),
+               "cudaMemcpy host->device")
+
+    def read(self, offset, n):
+        """The `n` device bytes at byte `offset`, as bytes (synchronous)."""
+        self._span(offset, n)
+        dst = ctypes.create_string_buffer(max(n, 1))
+        rt = _rt()
+        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
+        _check(rt.cudaMemcpy(dst, ctypes.c_void_p(self.ptr + offset), ctypes.c_size_t(n), 2), "cudaMemcpy device->host")
+        return dst.raw[:n]
 
     def tensor(self, dtype, shape, offset_bytes=0):
         """A torch CUDA tensor viewing this buffer (no copy); imports torch."""
