@@ -155,7 +155,10 @@ class WorkerClient {
 
   // Trainer: declares version `version` (> 0) ready in this worker's buffers. Returns when the
   // daemon no longer needs the buffers unchanged (snapshot taken, or sync transfer done), or when
-  // the staleness bound released it. The buffers must not change until it returns.
+  // the staleness bound released it. The buffers must not change until it returns. CUDA buffers:
+  // every write of the version must have completed on the device before the call (synchronize the
+  // streams that wrote, e.g. cudaDeviceSynchronize / torch.cuda.synchronize(); a cudaMemcpy from
+  // pageable memory may return before its DMA lands): the daemon reads them from another process.
   absl::StatusOr<PublishResult> Publish(uint64_t version, absl::Duration timeout);
   // Rollout (sync mode): the worker has paused and its live weights may be overwritten.
   absl::Status BeginUpdate(absl::Duration timeout);

@@ -24,7 +24,14 @@ class Impl : public CudaWorkerBuffer {
   int64_t size() const override { return size_; }
   absl::Status Upload(const void* host) override {
     if (absl::Status s = Check(cudaSetDevice(gpu_), "cudaSetDevice"); !s.ok()) return s;
-    return Check(cudaMemcpy(p_, host, static_cast<size_t>(size_), cudaMemcpyHostToDevice), "upload (cudaMemcpy H2D)");
+    if (absl::Status s = Check(cudaMemcpy(p_, host, static_cast<size_t>(size_), cudaMemcpyHostToDevice), "upload (cudaMemcpy H2D)");
+        !s.ok()) {
+      return s;
+    }
+    // cudaMemcpy from pageable memory may return before the DMA has landed; the daemon reads these
+    // bytes from another process right after Publish, so the upload must be complete first (the
+    // contract of Publish for CUDA buffers; found by the emulated runtime, which enforces it).
+    return Check(cudaDeviceSynchronize(), "upload (cudaDeviceSynchronize)");
   }
   absl::Status Download(void* host) const override {
     if (absl::Status s = Check(cudaSetDevice(gpu_), "cudaSetDevice"); !s.ok()) return s;

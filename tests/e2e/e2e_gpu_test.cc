@@ -69,9 +69,34 @@ ClusterOptions EmulatedCluster(int nodes, bool gpu_staging) {
   return o;
 }
 
-struct RunResult {
-  std::vector<Process*> rollouts;
+// The scenario of every test here: FSDP dp=2 trainer ranks on `trainer_node` -> vLLM tp=2 rollout
+// ranks on `rollout_node`, all with their weights in CUDA memory, rank r on GPU r % NumGpus().
+struct Workers {
+  std::vector<WorkerSpec> trainers, rollouts;
 };
+Workers FsdpToVllm(int trainer_node, int rollout_node, int64_t rollout_step_ms = 0) {
+  Workers w;
+  for (int r = 0; r < 2; ++r) {
+    WorkerSpec t{true, trainer_node, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
+    t.memory = "cuda";
+    w.trainers.push_back(t);
+    WorkerSpec o{false, rollout_node, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
+    o.memory = "cuda";
+    o.step_ms = rollout_step_ms;
+    w.rollouts.push_back(o);
+  }
+  return w;
+}
+
+// Two nodes that both run nccl with GPU staging, each on its own GPU (NCCL refuses two ranks of one
+// communicator on one GPU).
+ClusterOptions NcclCluster() {
+  ClusterOptions o = EmulatedCluster(2, true);
+  o.extra_node_flags[0] = "--transports=host_shm,host_tcp,cuda_ipc,nccl";
+  o.node_flags[0] = {"--nccl_device=0"};
+  o.node_flags[1] = {"--nccl_device=1"};
+  return o;
+}
 
 // Runs trainers and rollouts to completion and checks every rollout byte of every version.
 void RunAndVerify(Cluster& cl, RunOptions run, const std::vector<WorkerSpec>& trainers, const std::vector<WorkerSpec>& rollouts) {
@@ -157,17 +182,8 @@ TEST_P(GpuEmulatedTest, ColocatedGpuDirect) {
   run.mode = mode;
   run.versions = mode == "async" ? 3 : 2;
   run.layout_source = "preset";
-  std::vector<WorkerSpec> trainers, rollouts;
-  for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
-    t.memory = "cuda";
-    trainers.push_back(t);
-    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
-    o.memory = "cuda";
-    if (mode == "async") o.step_ms = 200;
-    rollouts.push_back(o);
-  }
-  RunAndVerify(cl, run, trainers, rollouts);
+  Workers w = FsdpToVllm(0, 0, mode == "async" ? 200 : 0);
+  RunAndVerify(cl, run, w.trainers, w.rollouts);
   if (HasFailure()) return;
   auto m = NodeMetrics(cl, 0);
   EXPECT_GT(daemon::MetricSum(m, "wb_bytes_total", "route=\"cuda_ipc\""), 0);
@@ -196,16 +212,8 @@ TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
   run.model_id = "qwen-gpu-host";
   run.mode = "one_step_off";
   run.versions = 2;
-  std::vector<WorkerSpec> trainers, rollouts;
-  for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
-    t.memory = "cuda";
-    trainers.push_back(t);
-    WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
-    o.memory = "cuda";
-    rollouts.push_back(o);
-  }
-  RunAndVerify(cl, run, trainers, rollouts);
+  Workers w = FsdpToVllm(0, 0);
+  RunAndVerify(cl, run, w.trainers, w.rollouts);
   if (HasFailure()) return;
   auto m = NodeMetrics(cl, 0);
   EXPECT_EQ(daemon::MetricSum(m, "wb_cuda_staged_bytes_total", "memory=\"gpu\""), 0);
@@ -228,16 +236,8 @@ TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
   run.mode = "one_step_off";
   run.versions = 2;
   run.layout_source = "pieces";
-  std::vector<WorkerSpec> trainers, rollouts;
-  for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
-    t.memory = "cuda";
-    trainers.push_back(t);
-    WorkerSpec o{false, 1, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
-    o.memory = "cuda";
-    rollouts.push_back(o);
-  }
-  RunAndVerify(cl, run, trainers, rollouts);
+  Workers w = FsdpToVllm(0, 1);
+  RunAndVerify(cl, run, w.trainers, w.rollouts);
   if (HasFailure()) return;
   auto m0 = NodeMetrics(cl, 0), m1 = NodeMetrics(cl, 1);
   EXPECT_GT(daemon::MetricSum(m0, "wb_bytes_total", "route=\"host_tcp\""), 0);
@@ -255,10 +255,7 @@ TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
   if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus() << " (two NCCL ranks cannot share a GPU)";
   auto harness = Harness::Create("gpu-nccl");
   ASSERT_TRUE(harness.ok()) << harness.status();
-  ClusterOptions o = EmulatedCluster(2, true);
-  o.extra_node_flags[0] = "--transports=host_shm,host_tcp,cuda_ipc,nccl";
-  o.node_flags[0] = {"--nccl_device=0"};
-  o.node_flags[1] = {"--nccl_device=1"};
+  ClusterOptions o = NcclCluster();
   auto cluster = Cluster::Start(harness->get(), o);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   Cluster& cl = **cluster;
@@ -269,16 +266,8 @@ TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
     run.mode = mode;
     run.versions = 2;
     run.layout_source = "pieces";
-    std::vector<WorkerSpec> trainers, rollouts;
-    for (int r = 0; r < 2; ++r) {
-      WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
-      t.memory = "cuda";
-      trainers.push_back(t);
-      WorkerSpec w{false, 1, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
-      w.memory = "cuda";
-      rollouts.push_back(w);
-    }
-    RunAndVerify(cl, run, trainers, rollouts);
+    Workers w = FsdpToVllm(0, 1);
+    RunAndVerify(cl, run, w.trainers, w.rollouts);
     if (HasFailure()) return;
   }
   auto m0 = NodeMetrics(cl, 0), m1 = NodeMetrics(cl, 1);
@@ -299,10 +288,7 @@ TEST(GpuEmulatedCrossNodeTest, NcclPeerKilledMidTransfer) {
   if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus();
   auto harness = Harness::Create("gpu-nccl-kill");
   ASSERT_TRUE(harness.ok()) << harness.status();
-  ClusterOptions o = EmulatedCluster(2, true);
-  o.extra_node_flags[0] = "--transports=host_shm,host_tcp,cuda_ipc,nccl";
-  o.node_flags[0] = {"--nccl_device=0"};
-  o.node_flags[1] = {"--nccl_device=1"};
+  ClusterOptions o = NcclCluster();
   o.lease_ms = ScaledMs(3000);
   o.transfer_timeout_ms = ScaledMs(6000);
   auto cluster = Cluster::Start(harness->get(), o);
@@ -319,17 +305,14 @@ TEST(GpuEmulatedCrossNodeTest, NcclPeerKilledMidTransfer) {
   run.num_trainers = 2;
   run.num_rollouts = 2;
   std::vector<Process*> trainers, rollouts;
-  for (int r = 0; r < 2; ++r) {
-    WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % NumGpus()};
-    t.memory = "cuda";
-    auto p = cl.SpawnWorker(run, t);
+  const Workers w = FsdpToVllm(0, 1);
+  for (const WorkerSpec& spec : w.trainers) {
+    auto p = cl.SpawnWorker(run, spec);
     ASSERT_TRUE(p.ok()) << p.status();
     trainers.push_back(*p);
   }
-  for (int r = 0; r < 2; ++r) {
-    WorkerSpec w{false, 1, "vllm", 2, 1, 1, 1, r, r % NumGpus()};
-    w.memory = "cuda";
-    auto p = cl.SpawnWorker(run, w);
+  for (const WorkerSpec& spec : w.rollouts) {
+    auto p = cl.SpawnWorker(run, spec);
     ASSERT_TRUE(p.ok()) << p.status();
     rollouts.push_back(*p);
   }

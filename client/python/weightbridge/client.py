@@ -232,7 +232,10 @@ class WorkerClient:
         return LayoutInfo(resp.num_pieces, resp.bytes, source)
 
     def publish(self, version, timeout=60.0) -> PublishResult:
-        """Trainer: `version` is ready in the buffers; they must not change until this returns."""
+        """Trainer: `version` is ready in the buffers; they must not change until this returns.
+
+        CUDA buffers: every write of the version must have completed on the device first (e.g.
+        torch.cuda.synchronize()): the daemon reads them from another process."""
         resp = self._call("Publish v%d by %s" % (version, self.worker_id), "Publish",
                           pb.PublishRequest(model_id=self.model_id, worker_id=self.worker_id, version=version,
                                             timeout_ms=_ms(timeout)), timeout)

@@ -77,6 +77,9 @@ class CudaBuffer:
         _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
         _check(rt.cudaMemcpy(ctypes.c_void_p(self.ptr + offset), src, ctypes.c_size_t(len(data)), 1),
                "cudaMemcpy host->device")
+        # A copy from pageable memory may return before the DMA lands; the daemon reads the buffer
+        # from another process right after publish(), so finish it here (see publish()).
+        _check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
     def read(self, offset, n):
         """The `n` device bytes at byte `offset`, as bytes (synchronous)."""
