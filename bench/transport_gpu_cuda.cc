@@ -79,6 +79,9 @@ nlohmann::json Measure(int64_t bytes, int reps, const std::string& desc_hex) {
   GPU_CHECK(cudaMalloc(&src2, bytes));
   GPU_CHECK(cudaMemset(dst, 1, bytes));
   GPU_CHECK(cudaMemset(src2, 3, bytes));
+  // cudaMemset on the legacy stream is asynchronous and cuda_ipc copies on non-blocking streams,
+  // which do not wait for it: finish the fills first, or the probe below could see them land late.
+  GPU_CHECK(cudaDeviceSynchronize());
   MemorySpec spec{MemoryKind::kCuda, dst, bytes, 0, "", 0, "bench dst"};
   auto local = (*t)->RegisterMemory(spec);
   auto remote = (*t)->ImportDescriptor(Unhex(desc_hex));
