@@ -63,7 +63,7 @@ bool ReadLine(int fd, std::string* line, int ms) {
   }
 }
 
-nlohmann::json Measure(int64_t bytes, int reps, const std::string& desc_hex) {
+nlohmann::json Measure(int64_t bytes, int reps, const std::string& endpoint_hex, const std::string& desc_hex) {
   nlohmann::json out;
   cudaDeviceProp prop;
   GPU_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -83,6 +83,10 @@ nlohmann::json Measure(int64_t bytes, int reps, const std::string& desc_hex) {
   // which do not wait for it: finish the fills first, or the probe below could see them land late.
   GPU_CHECK(cudaDeviceSynchronize());
   MemorySpec spec{MemoryKind::kCuda, dst, bytes, 0, "", 0, "bench dst"};
+  // The child's region belongs to its transport instance: batches touching it must name that peer
+  // (found by running this on the emulated runtime: the copy was refused with kNoPeer).
+  auto peer = (*t)->Connect(Unhex(endpoint_hex), absl::Now() + absl::Seconds(10));
+  if (!peer.ok()) return {{"gpu_error", absl::StrCat("connect to the child: ", peer.status().ToString())}};
   auto local = (*t)->RegisterMemory(spec);
   auto remote = (*t)->ImportDescriptor(Unhex(desc_hex));
   if (!local.ok() || !remote.ok()) {
@@ -103,7 +107,7 @@ nlohmann::json Measure(int64_t bytes, int reps, const std::string& desc_hex) {
     const std::vector<CopyOp> ops(kOpsPerBatch, op);
     for (int r = 0; r <= reps; ++r) {  // r == 0: warm-up (peer mappings, stream creation)
       const auto t0 = std::chrono::steady_clock::now();
-      auto id = (*t)->Post(Batch{static_cast<uint64_t>(r), kNoPeer, false, ops});
+      auto id = (*t)->Post(Batch{static_cast<uint64_t>(r), *peer, false, ops});
       if (!id.ok()) return id.status();
       if (absl::Status s = (*t)->Wait(*id, absl::Now() + absl::Seconds(60)); !s.ok()) return s;
       if (r > 0) *best = std::min(*best, Since(t0));
@@ -164,14 +168,16 @@ nlohmann::json MeasureGpu(const char* self_exe, int64_t bytes, int reps) {
   }
   close(to_child[0]);
   close(from_child[1]);
-  std::string line;
+  std::string ep, line;
   nlohmann::json out;
   if (pid < 0) {
     out = {{"gpu_error", "fork failed"}};
+  } else if (!ReadLine(from_child[0], &ep, 120000) || ep.rfind("EP ", 0) != 0) {
+    out = {{"gpu_error", "the exporting child process gave no endpoint: " + ep.substr(0, 300)}};
   } else if (!ReadLine(from_child[0], &line, 120000) || line.rfind("DESC ", 0) != 0) {
     out = {{"gpu_error", "the exporting child process gave no descriptor: " + line.substr(0, 300)}};
   } else {
-    out = Measure(bytes, reps, line.substr(5));
+    out = Measure(bytes, reps, ep.substr(3), line.substr(5));
   }
   close(to_child[1]);  // the child exits when stdin closes
   close(from_child[0]);
@@ -207,6 +213,9 @@ int RunGpuChild(int64_t bytes) {
   if (!h.ok()) return fail(h.status().ToString());
   auto d = (*t)->ExportDescriptor(*h);
   if (!d.ok()) return fail(d.status().ToString());
+  auto ep = (*t)->ExportEndpoint("");
+  if (!ep.ok()) return fail(ep.status().ToString());
+  std::cout << "EP " << Hex(*ep) << std::endl;
   std::cout << "DESC " << Hex(*d) << std::endl;
   std::string ignored;
   std::getline(std::cin, ignored);  // parent closes the pipe (or writes a line) when done
