@@ -94,6 +94,9 @@ std::string RunExchange(ncclComm_t comm, int rank, int device) {
       auto p = Pattern(rank * 10 + static_cast<int>(k), n);
       if (n > 0 && cudaMemcpy(sb[k], p.data(), n, cudaMemcpyHostToDevice) != cudaSuccess) return "H2D";
     }
+    // A pageable-memory upload may still be landing when cudaMemcpy returns, and the NCCL stream is
+    // non-blocking: finish the uploads first (the race failed this test under load in CI).
+    if (cudaDeviceSynchronize() != cudaSuccess) return "cudaDeviceSynchronize";
     (void)ncclGroupStart();
     for (size_t k = 0; k < sizes.size(); ++k) {
       if (ncclSend(sb[k], sizes[k], ncclUint8, peer, comm, stream) != ncclSuccess) return "ncclSend";
@@ -463,6 +466,7 @@ class FakeNcclOneRankTest : public ::testing::Test {
 TEST_F(FakeNcclOneRankTest, SendToSelfIsByteExactAndGroupEndIsInProgressFirst) {
   const auto want = Pattern(3, kN);
   ASSERT_EQ(cudaMemcpy(a_, want.data(), kN, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the pageable upload may still be landing
   ASSERT_EQ(ncclGroupStart(), ncclSuccess);
   ASSERT_EQ(ncclSend(a_, kN / 4, ncclFloat32, 0, comm_, stream_), ncclSuccess);
   ASSERT_EQ(ncclRecv(b_, kN / 2, ncclBfloat16, 0, comm_, stream_), ncclSuccess);
