@@ -284,7 +284,7 @@ class PeerAuthTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/certs";
-    std::system(("mkdir -p " + dir_).c_str());
+    ASSERT_EQ(std::system(("mkdir -p " + dir_).c_str()), 0) << "mkdir " << dir_;
     std::string err = MakeCerts(dir_);
     ASSERT_EQ(err, "");
   }
