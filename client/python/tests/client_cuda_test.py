@@ -46,6 +46,8 @@ class CudaWorker:
 
 @unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
                      "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
 class CudaClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -24,8 +24,15 @@ _cudart = None
 def _rt():
     global _cudart
     if _cudart is None:
-        for name in (os.environ.get("WB_CUDART"), "libcudart.so", "libcudart.so.13", "libcudart.so.12",
-                     ctypes.util.find_library("cudart")):
+        explicit = os.environ.get("WB_CUDART")
+        if explicit:
+            # An explicit runtime is never silently replaced by another one.
+            try:
+                _cudart = ctypes.CDLL(explicit)
+            except OSError as e:
+                raise RuntimeError("WB_CUDART=%s cannot be loaded: %s" % (explicit, e))
+            return _cudart
+        for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
             if not name:
                 continue
             try:
