@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -63,11 +64,13 @@ std::function<absl::Status()> Until(absl::Time deadline) {
 ncclResult_t BoundedAbort(ncclComm_t comm, absl::Duration* took) {
   if (comm == nullptr) return ncclSuccess;
   auto done = std::make_shared<absl::Notification>();
-  auto res = std::make_shared<ncclResult_t>(ncclSuccess);
+  // Atomic, not plain: TSan cannot see the Notification's ordering inside Debian's uninstrumented
+  // absl (it reported this handoff as a race in the emulated build).
+  auto res = std::make_shared<std::atomic<ncclResult_t>>(ncclSuccess);
   const absl::Time t0 = absl::Now();
   std::thread([comm, done, res] {
     (void)cudaSetDevice(0);
-    *res = ncclCommAbort(comm);
+    res->store(ncclCommAbort(comm), std::memory_order_release);
     done->Notify();
   }).detach();
   if (!done->WaitForNotificationWithTimeout(kAbortBound)) {
@@ -77,7 +80,7 @@ ncclResult_t BoundedAbort(ncclComm_t comm, absl::Duration* took) {
     std::_Exit(2);
   }
   if (took != nullptr) *took = absl::Now() - t0;
-  return *res;
+  return res->load(std::memory_order_acquire);
 }
 
 class NcclSmokeTest : public ::testing::Test {
