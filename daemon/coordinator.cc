@@ -11,6 +11,7 @@
 #include "daemon/box_copy.h"
 #include "daemon/convert.h"
 #include "daemon/log.h"
+#include "daemon/nccl_route.h"
 #include "planner/box.h"
 #include "planner/inventory.h"
 #include "planner/planner.h"
@@ -828,10 +829,7 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       if (w.node == n || known[n].count(static_cast<int32_t>(i))) *pw->mutable_layout() = w.layout_proto;
     }
   }
-  // Cross-node ops that move GPU to GPU on nccl (TransferOp.nccl): both nodes advertise nccl (a
-  // node does only with GPU staging on), a trainer's CUDA buffer -> a rollout's CUDA buffer, and
-  // the rollout takes every cross-node byte that way and relays none (its staging then lives on
-  // the GPU, which the host channel cannot reach).
+  // Cross-node ops that move GPU to GPU on nccl (TransferOp.nccl): daemon/nccl_route.h.
   auto has_nccl = [&](const std::string& node) {
     auto it = nodes_.find(node);
     return it != nodes_.end() && it->second.transport_instances.count("nccl") > 0;
@@ -844,23 +842,26 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
     return buffer >= 0 && buffer < w.layout_proto.buffers_size() &&
            w.layout_proto.buffers(buffer).memory_case() == pb::BufferSpec::kCudaIpcHandle;
   };
-  std::set<int32_t> no_nccl_dst;  // rollouts that must stay on the host channel
-  auto inter = [&](const planner::TransferOp& op) {
-    return m.workers.at(ids[op.src_worker]).node != m.workers.at(ids[op.dst_worker]).node;
-  };
-  auto nccl_candidate = [&](const planner::TransferOp& op) {
-    const WorkerRec& sw = m.workers.at(ids[op.src_worker]);
-    const WorkerRec& dw = m.workers.at(ids[op.dst_worker]);
-    return has_nccl(sw.node) && has_nccl(dw.node) && sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout &&
-           cuda_piece(op.src_worker, op.src_piece) && cuda_piece(op.dst_worker, op.dst_piece);
-  };
+  std::vector<RouteOpFacts> facts;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
-      if (!inter(op)) continue;
-      if (!nccl_candidate(op)) no_nccl_dst.insert(op.dst_worker);
-      if (m.workers.at(ids[op.src_worker]).role == planner::Role::kRollout) no_nccl_dst.insert(op.src_worker);
+      const WorkerRec& sw = m.workers.at(ids[op.src_worker]);
+      const WorkerRec& dw = m.workers.at(ids[op.dst_worker]);
+      RouteOpFacts f;
+      f.src_worker = op.src_worker;
+      f.dst_worker = op.dst_worker;
+      f.cross_node = sw.node != dw.node;
+      f.src_is_trainer = sw.role == planner::Role::kTrainer;
+      f.dst_is_rollout = dw.role == planner::Role::kRollout;
+      f.src_cuda = cuda_piece(op.src_worker, op.src_piece);
+      f.dst_cuda = cuda_piece(op.dst_worker, op.dst_piece);
+      f.src_node_nccl = has_nccl(sw.node);
+      f.dst_node_nccl = has_nccl(dw.node);
+      facts.push_back(f);
     }
   }
+  const std::vector<bool> over_nccl = RouteOverNccl(facts);
+  size_t op_i = 0;
   uint32_t index = 0;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     for (const planner::TransferOp& op : plan.buckets[b].ops) {
@@ -876,7 +877,7 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       ToProto(op.box, pop.mutable_box());
       pop.set_bytes(static_cast<uint64_t>(op.bytes));
       pop.set_route(ToProto(op.route));
-      pop.set_nccl(inter(op) && nccl_candidate(op) && no_nccl_dst.count(op.dst_worker) == 0);
+      pop.set_nccl(over_nccl[op_i++]);
       if (op.dst_piece < 0 || op.src_piece < 0) {
         const Staged* st = find_staged(op);
         if (st == nullptr) {
