@@ -23,6 +23,9 @@ struct Limits {
   int max_buffers_per_worker = 1024;
   int64_t max_buffer_bytes = int64_t{1} << 40;       // one registered buffer
   int64_t max_worker_bytes = int64_t{1} << 40;       // all buffers of one worker (staging mirrors them)
+  // GPU staging on (--gpu_staging_bytes): CUDA buffers are mirrored on the GPU, under the per-GPU
+  // budget, so only host buffers count toward max_worker_bytes (the host staging budget).
+  bool cuda_staged_on_gpu = false;
   int max_concurrent_versions = 16;                  // snapshots a trainer may hold (published, not sent)
   int max_name_bytes = 1024;                         // ids and tensor names
   int max_status_watchers = 64;                      // open CoordinatorService.WatchStatus streams

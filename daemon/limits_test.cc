@@ -90,6 +90,20 @@ TEST(LimitsTest, WorkerTotalBytesBoundedByBudget) {
   EXPECT_EQ(CheckLayoutRequest(r.buffers, r.layout, l).code(), absl::StatusCode::kResourceExhausted);
 }
 
+TEST(LimitsTest, CudaBuffersCountOnlyWithoutGpuStaging) {
+  Limits l;
+  l.max_worker_bytes = 1500;
+  LayoutReq r = Layout(3, 1024, 1);
+  for (int i : {1, 2}) r.buffers.Mutable(i)->set_cuda_ipc_handle(std::string(64, 'h'));
+  // Host staging mirrors every buffer: 3 KiB > 1500.
+  EXPECT_EQ(CheckLayoutRequest(r.buffers, r.layout, l).code(), absl::StatusCode::kResourceExhausted);
+  // GPU staging mirrors the two CUDA buffers on the GPU: only the host one counts.
+  l.cuda_staged_on_gpu = true;
+  EXPECT_TRUE(CheckLayoutRequest(r.buffers, r.layout, l).ok());
+  r.buffers.Mutable(1)->set_shm_name("/wb-x");  // now two host buffers: 2 KiB > 1500
+  EXPECT_EQ(CheckLayoutRequest(r.buffers, r.layout, l).code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(LimitsTest, TooManyBuffersOrPieces) {
   Limits l;
   l.max_buffers_per_worker = 2;

@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
     l.max_buffers_per_worker = absl::GetFlag(FLAGS_max_buffers_per_worker);
     l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
     l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
+    l.cuda_staged_on_gpu = absl::GetFlag(FLAGS_gpu_staging_bytes) > 0;
     if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 ||
         l.max_concurrent_versions <= 0) {
       return Fail("--max_* limits must be > 0");

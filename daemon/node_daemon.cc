@@ -240,6 +240,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
     std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
     int64_t reserved = 0;
+    bool snapshot = false;
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
@@ -252,8 +253,17 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
       if (w.mode != pb::MODE_SYNC) {
         // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
+        // With GPU staging, CUDA buffers are snapshotted on their GPU (under its own budget); if
+        // one falls back to host memory it is checked against this budget after the copy.
+        const bool gpu_staging = d_->options_.device_staging != nullptr && d_->options_.device_staging->enabled();
         int64_t total = d_->snapshot_reserved_, need = 0;
-        for (size_t j = 0; j < w.buffers.size(); ++j) need += w.buffers[j] ? w.buffers[j]->size() : w.cuda[j]->size;
+        for (size_t j = 0; j < w.buffers.size(); ++j) {
+          if (w.buffers[j]) {
+            need += w.buffers[j]->size();
+          } else if (!gpu_staging) {
+            need += w.cuda[j]->size;
+          }
+        }
         for (auto& [id, other] : d_->workers_) {
           // GPU snapshots count against the GPU staging budget, not this one.
           for (auto& [v, snap] : other.snapshots) {
@@ -268,11 +278,12 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         // machine, and every other handler needs mu_); the bytes are reserved meanwhile.
         d_->snapshot_reserved_ += need;
         reserved = need;
+        snapshot = true;
         to_snapshot = w.buffers;
         cuda_snapshot = w.cuda;
       }
     }
-    if (reserved > 0) {
+    if (snapshot) {
       auto snap = std::make_shared<Bytes>();
       absl::Status copied =
           d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline,
@@ -280,6 +291,21 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       absl::MutexLock l(&d_->mu_);
       d_->snapshot_reserved_ -= reserved;
       if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("snapshot of version ", req->version())));
+      int64_t host = d_->snapshot_reserved_, fell_back = 0;
+      for (auto& [id, other] : d_->workers_) {
+        for (auto& [v, s] : other.snapshots) {
+          for (auto& b : *s) host += b.device ? 0 : b.size();
+        }
+      }
+      for (size_t j = 0; j < snap->size(); ++j) {
+        if (!(*snap)[j].device) host += (*snap)[j].size();
+        if (!(*snap)[j].device && j < cuda_snapshot.size() && cuda_snapshot[j]) fell_back += (*snap)[j].size();
+      }
+      if (fell_back > 0 && host > d_->options_.staging_budget_bytes) {
+        return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
+            "snapshot of version ", req->version(), ": ", fell_back, " bytes of CUDA buffers did not fit the GPU staging budget and ",
+            "host staging would then exceed --staging_budget_bytes=", d_->options_.staging_budget_bytes)));
+      }
       auto it = d_->workers_.find(req->worker_id());
       if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " left during Publish")));
       it->second.snapshots[req->version()] = std::move(snap);
@@ -1046,11 +1072,19 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   exec->deadline = absl::Now() + absl::Seconds(60);
   // Staging (incoming per local rollout + gather) is only sized here; the executor allocates it
   // outside mu_ (zero-filling a model-sized buffer under the lock stalled every handler).
+  // With GPU staging, a rollout's CUDA buffers are staged on its GPU under the per-GPU budget and
+  // are not counted here; the executor checks any that fall back to host memory.
+  const bool gpu_staging = options_.device_staging != nullptr && options_.device_staging->enabled();
   int64_t staging = 0;
   for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
     const pb::PlanWorker& w = exec->plan->slice.workers(i);
     if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT) continue;
-    for (const planner::BufferInfo& b : exec->plan->layouts[i].buffers) staging += b.size_bytes;
+    auto lw = workers_.find(w.worker_id());
+    for (size_t j = 0; j < exec->plan->layouts[i].buffers.size(); ++j) {
+      const bool cuda = lw != workers_.end() && j < lw->second.cuda.size() && lw->second.cuda[j] != nullptr;
+      if (gpu_staging && cuda) continue;
+      staging += exec->plan->layouts[i].buffers[j].size_bytes;
+    }
   }
   if (exec->plan->hosts_gather) staging += static_cast<int64_t>(exec->plan->slice.gather_staging_bytes());
   if (staging > options_.staging_budget_bytes) {
@@ -1350,6 +1384,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     }
     std::map<std::string, std::shared_ptr<Bytes>> incoming;
     std::shared_ptr<Bytes> gather;
+    int64_t host_fallback = 0;  // CUDA buffers staged in host memory although GPU staging is on
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
       const pb::PlanWorker& w = plan.slice.workers(i);
       if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
@@ -1371,6 +1406,15 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
             ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, what));
           }
           Metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
+          if (sb.device == nullptr && options_.device_staging != nullptr && options_.device_staging->enabled()) {
+            // Not counted in exec.staging_bytes (expected on the GPU): check the host budget now.
+            host_fallback += size;
+            if (exec.staging_bytes + host_fallback > options_.staging_budget_bytes) {
+              return absl::ResourceExhaustedError(absl::StrCat(
+                  vlabel, ": ", host_fallback, " bytes of CUDA buffers of local rollouts did not fit the GPU staging budget and host ",
+                  "staging would then exceed --staging_budget_bytes=", options_.staging_budget_bytes));
+            }
+          }
         }
         if (sb.device == nullptr) sb.host.resize(static_cast<size_t>(size));
         bytes->push_back(std::move(sb));

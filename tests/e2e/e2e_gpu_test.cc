@@ -220,6 +220,30 @@ TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
   EXPECT_GT(daemon::MetricSum(m, "wb_cuda_staged_bytes_total", "memory=\"host\""), 0);
 }
 
+// GPU staging is not host memory: with a host staging budget far below the model (64 MiB vs
+// ~166 MB per worker) and GPU staging on, CUDA workers still register and move every version
+// (their mirrors live on the GPUs); the same budget without GPU staging refuses their layouts.
+TEST(GpuEmulatedFallbackTest, HostBudgetDoesNotCountGpuStaging) {
+  WB_REQUIRE_GPUS();
+  auto harness = Harness::Create("gpu-host-budget");
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  ClusterOptions o = EmulatedCluster(1, true);
+  o.extra_node_flags.push_back("--staging_budget_bytes=67108864");
+  auto cluster = Cluster::Start(harness->get(), o);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& cl = **cluster;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.model_id = "qwen-gpu-budget";
+  run.mode = "one_step_off";
+  run.versions = 2;
+  Workers w = FsdpToVllm(0, 0);
+  RunAndVerify(cl, run, w.trainers, w.rollouts);
+  if (HasFailure()) return;
+  auto m = NodeMetrics(cl, 0);
+  EXPECT_EQ(Sum(m, "wb_cuda_staged_bytes_total", {"memory=\"host\""}), 0);
+}
+
 // CUDA trainers on n0 -> CUDA rollouts on n1: cross-node bytes take host_tcp from a host copy of
 // the trainers' GPU snapshots, and land in host staging on n1 (a version received from another node
 // is never staged on the GPU); n1 then applies host -> device.
