@@ -114,6 +114,30 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     if (!d_->AwaitRegistered(absl::Now() + absl::Seconds(10))) {
       return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id, " is not registered with the coordinator yet (retry)")));
     }
+    const std::string& id = req->worker_id();
+    {
+      // An earlier process of this worker id that exited: its LeaveWorker must reach the coordinator
+      // before this join, or it would drop the new registration there (found by the soak test
+      // under TSan: a restarted rollout's RegisterLayout got NOT_FOUND).
+      absl::MutexLock l(&d_->mu_);
+      auto not_leaving = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) { return d_->leaving_.count(id) == 0 || d_->stopping_; };
+      if (!d_->mu_.AwaitWithDeadline(absl::Condition(&not_leaving), absl::Now() + absl::Seconds(10))) {
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat("worker ", id, ": its previous process is still leaving (retry)")));
+      }
+      // Not reaped yet by the liveness check: this join replaces it (the coordinator treats it as
+      // registered again), so no LeaveWorker is sent for it.
+      auto old = d_->workers_.find(id);
+      if (old != d_->workers_.end() && old->second.pid && !old->second.pid->Alive()) d_->workers_.erase(old);
+      d_->joining_.insert(id);
+    }
+    struct Joined {
+      NodeDaemon* d;
+      std::string id;
+      ~Joined() {
+        absl::MutexLock l(&d->mu_);
+        d->joining_.erase(id);
+      }
+    } joined{d_, id};
     pb::JoinWorkerRequest j;
     j.set_node_id(d_->options_.node_id);
     j.set_worker_id(req->worker_id());
@@ -775,8 +799,9 @@ void NodeDaemon::CheckWorkers() {
   {
     absl::MutexLock l(&mu_);
     for (auto it = workers_.begin(); it != workers_.end();) {
-      if (it->second.pid && !it->second.pid->Alive()) {
+      if (it->second.pid && !it->second.pid->Alive() && joining_.count(it->first) == 0) {
         gone.push_back({it->second.model_id, it->first});
+        leaving_.insert(it->first);
         Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->second.model_id},
                                                           {"worker", it->first}, {"pid", it->second.pid->pid}});
         it = workers_.erase(it);
@@ -795,6 +820,8 @@ void NodeDaemon::CheckWorkers() {
     grpc::ClientContext ctx;
     SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
     coordinator_->LeaveWorker(&ctx, r, &rr);
+    absl::MutexLock l(&mu_);
+    leaving_.erase(worker);
   }
 }
 

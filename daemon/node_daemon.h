@@ -250,6 +250,11 @@ class NodeDaemon {
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
   int64_t snapshot_reserved_ ABSL_GUARDED_BY(mu_) = 0;  // snapshot bytes being copied outside mu_
   std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
+  // Worker ids whose LeaveWorker (an exited process) is on its way to the coordinator, and ids being
+  // registered again: a join waits for the leave of the same id, and the liveness check leaves a
+  // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
+  std::set<std::string> leaving_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> joining_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
