@@ -28,6 +28,7 @@
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/harness.h"
+#include "tools/cc/status_macros.h"
 
 namespace wb::e2e {
 namespace {
@@ -160,6 +161,28 @@ double Sum(const std::map<std::string, double>& m, const std::string& name, std:
   return sum;
 }
 
+// A running cluster and the harness that owns its processes.
+struct Started {
+  std::unique_ptr<Harness> harness;
+  std::unique_ptr<Cluster> cluster;
+};
+absl::StatusOr<Started> StartCluster(const std::string& tag, ClusterOptions options) {
+  Started s;
+  ASSIGN_OR_RETURN(s.harness, Harness::Create(tag));
+  ASSIGN_OR_RETURN(s.cluster, Cluster::Start(s.harness.get(), std::move(options)));
+  return s;
+}
+
+// The run every scenario here uses, with its model id, mode and number of versions.
+RunOptions GpuRun(const std::string& model_id, const std::string& mode, int versions = 2) {
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.model_id = model_id;
+  run.mode = mode;
+  run.versions = versions;
+  return run;
+}
+
 // Emulated builds: two emulated GPUs per process (WB_FAKE_CUDA_DEVICES, inherited by every daemon
 // and worker the harness spawns).
 class GpuEmulatedTest : public testing::TestWithParam<std::string> {
@@ -171,16 +194,10 @@ class GpuEmulatedTest : public testing::TestWithParam<std::string> {
 // of the transfer moves device to device on cuda_ipc, and snapshots / incoming copies live on the GPUs.
 TEST_P(GpuEmulatedTest, ColocatedGpuDirect) {
   const std::string mode = GetParam();
-  auto harness = Harness::Create("gpu-direct-" + mode);
-  ASSERT_TRUE(harness.ok()) << harness.status();
-  auto cluster = Cluster::Start(harness->get(), EmulatedCluster(1, true));
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.model_id = "qwen-gpu-" + mode;
-  run.mode = mode;
-  run.versions = mode == "async" ? 3 : 2;
+  auto started = StartCluster("gpu-direct-" + mode, EmulatedCluster(1, true));
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
+  RunOptions run = GpuRun("qwen-gpu-" + mode, mode, mode == "async" ? 3 : 2);
   run.layout_source = "preset";
   Workers w = FsdpToVllm(0, 0, mode == "async" ? 200 : 0);
   RunAndVerify(cl, run, w.trainers, w.rollouts);
@@ -202,16 +219,10 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuEmulatedTest, testing::Values("sync", "one_st
 // byte-exact too.
 TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
   WB_REQUIRE_GPUS();
-  auto harness = Harness::Create("gpu-host-staging");
-  ASSERT_TRUE(harness.ok()) << harness.status();
-  auto cluster = Cluster::Start(harness->get(), EmulatedCluster(1, false));
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.model_id = "qwen-gpu-host";
-  run.mode = "one_step_off";
-  run.versions = 2;
+  auto started = StartCluster("gpu-host-staging", EmulatedCluster(1, false));
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
+  RunOptions run = GpuRun("qwen-gpu-host", "one_step_off", 2);
   Workers w = FsdpToVllm(0, 0);
   RunAndVerify(cl, run, w.trainers, w.rollouts);
   if (HasFailure()) return;
@@ -225,18 +236,12 @@ TEST(GpuEmulatedFallbackTest, NoBudgetStagesInHostMemory) {
 // (their mirrors live on the GPUs); the same budget without GPU staging refuses their layouts.
 TEST(GpuEmulatedFallbackTest, HostBudgetDoesNotCountGpuStaging) {
   WB_REQUIRE_GPUS();
-  auto harness = Harness::Create("gpu-host-budget");
-  ASSERT_TRUE(harness.ok()) << harness.status();
   ClusterOptions o = EmulatedCluster(1, true);
   o.extra_node_flags.push_back("--staging_budget_bytes=67108864");
-  auto cluster = Cluster::Start(harness->get(), o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.model_id = "qwen-gpu-budget";
-  run.mode = "one_step_off";
-  run.versions = 2;
+  auto started = StartCluster("gpu-host-budget", o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
+  RunOptions run = GpuRun("qwen-gpu-budget", "one_step_off", 2);
   Workers w = FsdpToVllm(0, 0);
   RunAndVerify(cl, run, w.trainers, w.rollouts);
   if (HasFailure()) return;
@@ -249,16 +254,10 @@ TEST(GpuEmulatedFallbackTest, HostBudgetDoesNotCountGpuStaging) {
 // is never staged on the GPU); n1 then applies host -> device.
 TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
   WB_REQUIRE_GPUS();
-  auto harness = Harness::Create("gpu-cross-node");
-  ASSERT_TRUE(harness.ok()) << harness.status();
-  auto cluster = Cluster::Start(harness->get(), EmulatedCluster(2, true));
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.model_id = "qwen-gpu-cross";
-  run.mode = "one_step_off";
-  run.versions = 2;
+  auto started = StartCluster("gpu-cross-node", EmulatedCluster(2, true));
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
+  RunOptions run = GpuRun("qwen-gpu-cross", "one_step_off", 2);
   run.layout_source = "pieces";
   Workers w = FsdpToVllm(0, 1);
   RunAndVerify(cl, run, w.trainers, w.rollouts);
@@ -277,18 +276,12 @@ TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
 TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
   WB_REQUIRE_GPUS();
   if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus() << " (two NCCL ranks cannot share a GPU)";
-  auto harness = Harness::Create("gpu-nccl");
-  ASSERT_TRUE(harness.ok()) << harness.status();
   ClusterOptions o = NcclCluster();
-  auto cluster = Cluster::Start(harness->get(), o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
+  auto started = StartCluster("gpu-nccl", o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
   for (const std::string mode : {"sync", "one_step_off"}) {
-    RunOptions run;
-    run.config = ModelConfigPath();
-    run.model_id = "qwen-gpu-nccl-" + mode;
-    run.mode = mode;
-    run.versions = 2;
+    RunOptions run = GpuRun("qwen-gpu-nccl-" + mode, mode, 2);
     run.layout_source = "pieces";
     Workers w = FsdpToVllm(0, 1);
     RunAndVerify(cl, run, w.trainers, w.rollouts);
@@ -310,21 +303,15 @@ TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
 TEST(GpuEmulatedCrossNodeTest, NcclPeerKilledMidTransfer) {
   WB_REQUIRE_GPUS();
   if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus();
-  auto harness = Harness::Create("gpu-nccl-kill");
-  ASSERT_TRUE(harness.ok()) << harness.status();
   ClusterOptions o = NcclCluster();
   o.lease_ms = ScaledMs(3000);
   o.transfer_timeout_ms = ScaledMs(6000);
-  auto cluster = Cluster::Start(harness->get(), o);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.model_id = "qwen-gpu-nccl-kill";
-  run.mode = "one_step_off";
-  run.versions = 3;
+  auto started = StartCluster("gpu-nccl-kill", o);
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
+  RunOptions run = GpuRun("qwen-gpu-nccl-kill", "one_step_off", 3);
   run.tolerate_failures = true;
-  run.gate_dir = (*harness)->Path("gates");
+  run.gate_dir = started->harness->Path("gates");
   ::mkdir(run.gate_dir.c_str(), 0700);
   run.num_trainers = 2;
   run.num_rollouts = 2;
@@ -340,7 +327,7 @@ TEST(GpuEmulatedCrossNodeTest, NcclPeerKilledMidTransfer) {
     ASSERT_TRUE(p.ok()) << p.status();
     rollouts.push_back(*p);
   }
-  auto gate = [&](int v) { return (*harness)->Touch(absl::StrCat(run.gate_dir, "/publish-", v)); };
+  auto gate = [&](int v) { return started->harness->Touch(absl::StrCat(run.gate_dir, "/publish-", v)); };
   ASSERT_TRUE(gate(1).ok());
   for (Process* r : rollouts) {
     auto e = r->WaitForEvent("verified", 1, Scaled(absl::Seconds(90)));
