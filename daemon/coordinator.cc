@@ -830,18 +830,27 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
     }
   }
   // Cross-node ops that move GPU to GPU on nccl (TransferOp.nccl): daemon/nccl_route.h.
+  std::map<std::string, std::vector<int>> lanes;  // node -> its nccl lane devices (ascending)
+  for (const auto& [id, node] : nodes_) {
+    std::vector<std::string> names;
+    for (const auto& [k, v] : node.transport_instances) names.push_back(k);
+    lanes[id] = NcclLaneDevices(names);
+  }
   auto has_nccl = [&](const std::string& node) {
-    auto it = nodes_.find(node);
-    return it != nodes_.end() && it->second.transport_instances.count("nccl") > 0;
+    auto it = lanes.find(node);
+    return it != lanes.end() && !it->second.empty();
   };
-  auto cuda_piece = [&](int32_t worker, int32_t piece) {
-    if (piece < 0) return false;  // the rank-0 gather staging (host memory)
+  // The CUDA buffer a piece lives in, or null (host memory, or the rank-0 gather staging).
+  auto cuda_buffer = [&](int32_t worker, int32_t piece) -> const pb::BufferSpec* {
+    if (piece < 0) return nullptr;
     const WorkerRec& w = m.workers.at(ids[worker]);
-    if (piece >= static_cast<int32_t>(w.layout.pieces.size())) return false;
+    if (piece >= static_cast<int32_t>(w.layout.pieces.size())) return nullptr;
     const int32_t buffer = w.layout.pieces[piece].buffer;
-    return buffer >= 0 && buffer < w.layout_proto.buffers_size() &&
-           w.layout_proto.buffers(buffer).memory_case() == pb::BufferSpec::kCudaIpcHandle;
+    if (buffer < 0 || buffer >= w.layout_proto.buffers_size()) return nullptr;
+    const pb::BufferSpec& b = w.layout_proto.buffers(buffer);
+    return b.memory_case() == pb::BufferSpec::kCudaIpcHandle ? &b : nullptr;
   };
+  auto cuda_piece = [&](int32_t worker, int32_t piece) { return cuda_buffer(worker, piece) != nullptr; };
   std::vector<RouteOpFacts> facts;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
@@ -877,7 +886,12 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       ToProto(op.box, pop.mutable_box());
       pop.set_bytes(static_cast<uint64_t>(op.bytes));
       pop.set_route(ToProto(op.route));
-      pop.set_nccl(over_nccl[op_i++]);
+      if (over_nccl[op_i++]) {
+        // Both ends' lanes: the GPU of each side's buffer when it has a lane (daemon/nccl_route.h).
+        pop.set_nccl(true);
+        pop.set_nccl_src_device(NcclLaneFor(lanes[m.workers.at(ids[op.src_worker]).node], cuda_buffer(op.src_worker, op.src_piece)->gpu()));
+        pop.set_nccl_dst_device(NcclLaneFor(lanes[m.workers.at(ids[op.dst_worker]).node], cuda_buffer(op.dst_worker, op.dst_piece)->gpu()));
+      }
       if (op.dst_piece < 0 || op.src_piece < 0) {
         const Staged* st = find_staged(op);
         if (st == nullptr) {

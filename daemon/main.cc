@@ -4,10 +4,12 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/device_staging.h"
@@ -34,8 +36,10 @@ ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direct
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
 ABSL_FLAG(int64_t, bucket_bytes, int64_t{2} << 30, "planner: max bytes a GPU sends / receives per bucket");
 ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
-ABSL_FLAG(int, nccl_device, 0,
-          "CUDA device of the nccl transport's communicators; with --gpu_staging_bytes, versions received over nccl are staged there");
+ABSL_FLAG(std::string, nccl_devices, "all",
+          "GPUs that get an nccl lane (their own communicators, so each sends and receives on the NIC nearest to it): "
+          "'all' or a comma-separated list of device ordinals; a CUDA buffer on a GPU without a lane goes through a listed "
+          "one. Lanes carry GPU staging only, so they are used with --gpu_staging_bytes");
 ABSL_FLAG(int64_t, gpu_staging_bytes, 0,
           "GPU-direct staging: bytes per GPU the daemon may cudaMalloc to stage snapshots and incoming versions of CUDA "
           "buffers on the GPU itself (0 = host staging only); past it, host staging");
@@ -88,7 +92,16 @@ int main(int argc, char** argv) {
     if (v <= 0) return Fail(absl::StrCat("--", name, " must be > 0"));
   }
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return Fail("--gpu_staging_bytes must be >= 0");
-  if (absl::GetFlag(FLAGS_nccl_device) < 0) return Fail("--nccl_device must be >= 0");
+  std::vector<int> nccl_devices;  // empty = every visible GPU
+  if (const std::string list = absl::GetFlag(FLAGS_nccl_devices); list != "all") {
+    for (absl::string_view d : absl::StrSplit(list, ',')) {
+      int device = -1;
+      if (!absl::SimpleAtoi(d, &device) || device < 0) {
+        return Fail(absl::StrCat("--nccl_devices: '", d, "' is not a device ordinal (want 'all' or e.g. 0,1,2,3)"));
+      }
+      nccl_devices.push_back(device);
+    }
+  }
 
   // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
   sigset_t signals;
@@ -144,8 +157,7 @@ int main(int argc, char** argv) {
   // The data channel proves the same shared token as the daemon RPCs (docs/security.md).
   tc.tcp.auth_token = o.security.peer_auth->token;
   tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);
-  tc.nccl.device = absl::GetFlag(FLAGS_nccl_device);
-  o.nccl_device = tc.nccl.device;
+  tc.nccl.devices = nccl_devices;
   o.make_transports = [tc] { return wb::transport::CreateTransports(tc); };
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) > 0) {
     o.device_staging = std::make_shared<wb::daemon::DeviceStaging>(wb::transport::NewDeviceAllocator(),

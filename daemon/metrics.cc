@@ -19,6 +19,8 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Counter>* bytes;
   prometheus::Family<prometheus::Histogram>* phase;
   prometheus::Family<prometheus::Counter>* staged;
+  prometheus::Family<prometheus::Counter>* nccl_lane;
+  prometheus::Family<prometheus::Counter>* nccl_bounce;
   prometheus::Family<prometheus::Gauge>* link;
   prometheus::Family<prometheus::Counter>* failures;
   prometheus::Family<prometheus::Counter>* rejected;
@@ -33,6 +35,8 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->bytes = &prometheus::BuildCounter().Name("wb_bytes_total").Help("Bytes moved by this node, per route and peer node").Register(r);
   f_->phase = &prometheus::BuildHistogram().Name("wb_phase_seconds").Help("Seconds per phase (snapshot, transfer, commit, apply)").Register(r);
   f_->staged = &prometheus::BuildCounter().Name("wb_cuda_staged_bytes_total").Help("Staging allocated for CUDA buffers, on the GPU (GPU-direct) or in host memory").Register(r);
+  f_->nccl_lane = &prometheus::BuildCounter().Name("wb_nccl_lane_bytes_total").Help("Bytes moved over nccl per lane pair (this node's GPU, the peer's GPU)").Register(r);
+  f_->nccl_bounce = &prometheus::BuildCounter().Name("wb_nccl_bounce_bytes_total").Help("nccl sources first copied to their lane's GPU (not already GPU staging there)").Register(r);
   f_->link = &prometheus::BuildGauge().Name("wb_link_gbps").Help("GB/s of the newest transfer towards a peer node").Register(r);
   f_->failures = &prometheus::BuildCounter().Name("wb_failures_total").Help("Failed or aborted transfers by reason").Register(r);
   f_->rejected = &prometheus::BuildCounter().Name("wb_rejected_total").Help("Requests refused by authentication or limits").Register(r);
@@ -54,6 +58,15 @@ void DaemonMetrics::Bytes(const std::string& node, const std::string& model, con
 
 void DaemonMetrics::Staged(const std::string& node, const std::string& memory, const std::string& what, uint64_t bytes) {
   f_->staged->Add({{"node", node}, {"memory", memory}, {"what", what}}).Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::NcclLane(const std::string& node, const std::string& peer, int gpu, int peer_gpu, uint64_t bytes) {
+  f_->nccl_lane->Add({{"node", node}, {"peer", peer}, {"gpu", absl::StrCat(gpu)}, {"peer_gpu", absl::StrCat(peer_gpu)}})
+      .Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::NcclBounce(const std::string& node, uint64_t bytes) {
+  f_->nccl_bounce->Add({{"node", node}}).Increment(static_cast<double>(bytes));
 }
 
 void DaemonMetrics::Phase(const std::string& node, const std::string& phase, double seconds) {

@@ -8,6 +8,8 @@
 //   versions_total{node,model,event}          event = published | committed | aborted | applied
 //   bytes_total{node,model,route,peer}        bytes this node moved (route = local | tcp | ...)
 //   phase_seconds{node,phase}  (histogram)    phase = snapshot | transfer | commit | apply
+//   nccl_lane_bytes_total{node,peer,gpu,peer_gpu}  bytes over one nccl lane pair
+//   nccl_bounce_bytes_total{node}             nccl sources copied to their lane's GPU first
 //   link_gbps{node,peer}       (gauge)        GB/s of the newest transfer towards `peer`
 //   failures_total{node,reason}               reason = FailureReason(status)
 //   staleness_versions{node,model,worker}     committed - applied for a rollout worker
@@ -42,6 +44,11 @@ class DaemonMetrics {
   void Phase(const std::string& node, const std::string& phase, double seconds);
   // Staging allocated for CUDA buffers: memory "gpu" (GPU-direct) or "host"; what "snapshot" | "incoming".
   void Staged(const std::string& node, const std::string& memory, const std::string& what, uint64_t bytes);
+  // Bytes over the nccl lane pair (our GPU `gpu`, the peer's `peer_gpu`).
+  void NcclLane(const std::string& node, const std::string& peer, int gpu, int peer_gpu, uint64_t bytes);
+  // A source of nccl ops copied whole to its lane's GPU before sending (an imported live buffer, or
+  // a snapshot not already on that GPU).
+  void NcclBounce(const std::string& node, uint64_t bytes);
   void Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);

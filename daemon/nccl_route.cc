@@ -1,5 +1,7 @@
 #include "daemon/nccl_route.h"
 
+#include <algorithm>
+#include <charconv>
 #include <set>
 
 namespace wb::daemon {
@@ -21,6 +23,35 @@ std::vector<bool> RouteOverNccl(const std::vector<RouteOpFacts>& ops) {
   out.reserve(ops.size());
   for (const RouteOpFacts& op : ops) out.push_back(candidate(op) && host_only.count(op.dst_worker) == 0);
   return out;
+}
+
+std::string NcclLaneName(int device) { return "nccl/" + std::to_string(device); }
+
+int ParseNcclLaneName(std::string_view name) {
+  constexpr std::string_view kPrefix = "nccl/";
+  if (name.size() <= kPrefix.size() || name.substr(0, kPrefix.size()) != kPrefix) return -1;
+  std::string_view digits = name.substr(kPrefix.size());
+  if (digits.size() > 1 && digits[0] == '0') return -1;  // one spelling per device
+  int device = -1;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), device);
+  if (ec != std::errc() || end != digits.data() + digits.size() || device < 0) return -1;
+  return device;
+}
+
+std::vector<int> NcclLaneDevices(const std::vector<std::string>& transport_names) {
+  std::set<int> devices;
+  for (const std::string& name : transport_names) {
+    const int d = ParseNcclLaneName(name);
+    if (d >= 0) devices.insert(d);
+  }
+  return std::vector<int>(devices.begin(), devices.end());
+}
+
+int NcclLaneFor(const std::vector<int>& lanes, int gpu) {
+  if (lanes.empty()) return -1;
+  if (std::binary_search(lanes.begin(), lanes.end(), gpu)) return gpu;
+  const int n = static_cast<int>(lanes.size());
+  return lanes[gpu < 0 ? 0 : gpu % n];
 }
 
 }  // namespace wb::daemon

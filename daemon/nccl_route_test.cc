@@ -61,5 +61,32 @@ TEST(NcclRouteTest, SameNodeOpsDoNotDisqualify) {
   EXPECT_EQ(RouteOverNccl({Gpu(0, 2), local_host}), (std::vector<bool>{true, false}));
 }
 
+TEST(NcclLaneTest, NamesRoundTrip) {
+  EXPECT_EQ(NcclLaneName(0), "nccl/0");
+  EXPECT_EQ(NcclLaneName(13), "nccl/13");
+  for (int d : {0, 1, 7, 13, 1023}) EXPECT_EQ(ParseNcclLaneName(NcclLaneName(d)), d);
+  for (const char* bad : {"nccl", "nccl/", "nccl/x", "nccl/1x", "nccl/-1", "nccl/01", "host_tcp", "cuda_ipc", "xnccl/1", ""}) {
+    EXPECT_EQ(ParseNcclLaneName(bad), -1) << bad;
+  }
+}
+
+TEST(NcclLaneTest, DevicesFromTransportNames) {
+  EXPECT_EQ(NcclLaneDevices({"host_shm", "host_tcp", "nccl/3", "cuda_ipc", "nccl/0", "nccl/1"}), (std::vector<int>{0, 1, 3}));
+  EXPECT_TRUE(NcclLaneDevices({"host_shm", "host_tcp", "nccl"}).empty());
+}
+
+TEST(NcclLaneTest, OwnLaneFirstElseSpreadOverLanes) {
+  const std::vector<int> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int g = 0; g < 8; ++g) EXPECT_EQ(NcclLaneFor(all, g), g) << "a GPU with a lane uses it";
+  const std::vector<int> two = {0, 4};  // e.g. one lane per NIC pair
+  EXPECT_EQ(NcclLaneFor(two, 4), 4);
+  EXPECT_EQ(NcclLaneFor(two, 1), 4);
+  EXPECT_EQ(NcclLaneFor(two, 2), 0);
+  EXPECT_EQ(NcclLaneFor(two, 3), 4);
+  EXPECT_EQ(NcclLaneFor(two, -1), 0) << "unknown GPU: the first lane";
+  EXPECT_EQ(NcclLaneFor({}, 0), -1);
+  EXPECT_EQ(NcclLaneFor({5}, 0), 5);
+}
+
 }  // namespace
 }  // namespace wb::daemon

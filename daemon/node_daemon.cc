@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 #include <functional>
+#include <thread>
+#include <tuple>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -17,6 +19,7 @@
 #include "daemon/convert.h"
 #include "daemon/log.h"
 #include "daemon/metrics.h"
+#include "daemon/nccl_route.h"
 #include "planner/box.h"
 #include "planner/index_probe.h"
 #include "planner/inventory.h"
@@ -696,10 +699,12 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   }
 
   grpc::Status ExchangeRegions(grpc::ServerContext*, const pb::ExchangeRegionsRequest* req, pb::ExchangeRegionsResponse* resp) override {
-    transport::Transport* cross = d_->options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
-    if (req->transport_kind() == "nccl") cross = d_->NcclTransport();
-    if (cross == nullptr || cross->capabilities().kind != req->transport_kind()) {
-      return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("node ", d_->options_.node_id, " has no '", req->transport_kind(), "' transport")));
+    const std::string& mine = req->transport_kind();
+    const std::string& theirs = req->from_transport().empty() ? mine : req->from_transport();
+    transport::Transport* cross = d_->CrossTransport(mine);
+    if (cross == nullptr) {
+      return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("node ", d_->options_.node_id, " has no '", mine, "' transport",
+                                                                     ParseNcclLaneName(mine) >= 0 ? " (nccl lane; needs --gpu_staging_bytes)" : "")));
     }
     absl::MutexLock l(&d_->mu_);
     auto e = d_->GetExecLocked(req->model_id(), req->version(), req->plan_epoch());
@@ -714,11 +719,11 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     std::string from_instance;
     for (const pb::PlanWorker& w : exec->plan->slice.workers()) {
       if (w.node_id() == req->from_node()) {
-        auto it = w.transport_instances().find(req->transport_kind());
+        auto it = w.transport_instances().find(theirs);
         if (it != w.transport_instances().end()) from_instance = it->second;
       }
     }
-    const std::string chan = ChannelName(req->from_node(), req->transport_kind());
+    const std::string chan = ChannelName(req->from_node(), mine, theirs);
     auto c = d_->channels_.find({req->model_id(), chan});
     const bool reuse = req->reuse() && c != d_->channels_.end() && c->second.peer_instance == from_instance;
     auto endpoint = cross->ExportEndpoint(from_instance);
@@ -730,7 +735,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     for (const pb::PeerRegion& r : req->regions()) ps.regions[r.key()] = r.region_descriptor();
     resp->set_reuse(reuse);
     resp->set_endpoint(*endpoint);
-    for (auto& [k, d] : exec->local_desc[req->transport_kind()]) {
+    for (auto& [k, d] : exec->local_desc[mine]) {
       pb::PeerRegion* r = resp->add_regions();
       r->set_key(k);
       r->set_region_descriptor(d);
@@ -859,9 +864,11 @@ absl::Status NodeDaemon::Register() {
   for (const auto& t : options_.transports.all()) {
     // nccl moves GPU staging only: without a GPU staging budget the node keeps cross-node bytes on
     // the host channel, and says so by not advertising nccl (the coordinator routes by it).
-    if (t->capabilities().kind == "nccl" && NcclTransport() == nullptr) continue;
+    // Each nccl lane is advertised by its own name ("nccl/<device>").
+    if (t->capabilities().kind == "nccl") continue;
     (*req.mutable_transport_instances())[t->capabilities().kind] = t->instance_id();
   }
+  for (auto& [device, t] : NcclLanes()) (*req.mutable_transport_instances())[NcclLaneName(device)] = t->instance_id();
   pb::RegisterNodeResponse resp;
   grpc::ClientContext ctx;
   ctx.set_wait_for_ready(true);
@@ -1194,24 +1201,26 @@ std::shared_ptr<pb::NodeService::Stub> NodeDaemon::PeerStub(const std::string& p
   return e.stub;
 }
 
-void NodeDaemon::DropChannel(const std::string& model_id, const std::string& peer, transport::PeerId id) {
+void NodeDaemon::DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
   {
     absl::MutexLock l(&mu_);
-    auto it = channels_.find({model_id, peer});
+    auto it = channels_.find({model_id, chan});
     if (it != channels_.end() && it->second.id == id) channels_.erase(it);
   }
-  transport::Transport* cross = ChannelIsNccl(peer) ? NcclTransport()
-                                                   : options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+  const std::string name = ChannelTransportName(chan);
+  transport::Transport* cross = name.empty() ? options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true)
+                                             : CrossTransport(name);
   if (cross != nullptr && id != transport::kNoPeer) (void)cross->Disconnect(id);
 }
 
 absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
-                                                        transport::Transport* cross) {
-  const std::string kind = cross->capabilities().kind;
-  const std::string chan = ChannelName(peer, kind);
-  auto inst_it = peer_worker.transport_instances().find(kind);
+                                                        transport::Transport* cross, const std::string& mine_name,
+                                                        const std::string& theirs_name) {
+  const std::string kind = mine_name == theirs_name ? mine_name : absl::StrCat(mine_name, " -> ", theirs_name);  // for messages
+  const std::string chan = ChannelName(peer, mine_name, theirs_name);
+  auto inst_it = peer_worker.transport_instances().find(theirs_name);
   if (inst_it == peer_worker.transport_instances().end()) {
-    return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", kind, "' transport"));
+    return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", theirs_name, "' transport"));
   }
   const std::string& peer_instance = inst_it->second;
   transport::PeerId cached = transport::kNoPeer;
@@ -1240,12 +1249,13 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     req.set_version(exec.version);
     req.set_plan_epoch(exec.epoch);
     req.set_from_node(options_.node_id);
-    req.set_transport_kind(kind);
+    req.set_transport_kind(theirs_name);
+    if (theirs_name != mine_name) req.set_from_transport(mine_name);
     req.set_endpoint(my_endpoint);
     req.set_reuse(cached != transport::kNoPeer);
     {
       absl::MutexLock l(&mu_);
-      for (auto& [k, d] : exec.local_desc[kind]) {
+      for (auto& [k, d] : exec.local_desc[mine_name]) {
         pb::PeerRegion* r = req.add_regions();
         r->set_key(k);
         r->set_region_descriptor(d);
@@ -1374,7 +1384,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   transport::Transport* local_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
   transport::Transport* cross_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
   transport::Transport* cuda_t = CudaTransport();
-  transport::Transport* nccl_t = NcclTransport();
+  const std::map<int, transport::Transport*> lanes = NcclLanes();
   auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
   const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
 
@@ -1382,16 +1392,26 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   // cross-node transport reaches (a rollout of theirs is staged in host memory; a trainer's CUDA
   // source gets a host copy below).
   std::set<uint32_t> crosses;
-  std::set<uint32_t> nccl_in;  // local rollouts that receive over nccl (TransferOp.nccl): GPU staging on the nccl device
+  std::set<uint32_t> nccl_in;  // local rollouts that receive over nccl (TransferOp.nccl)
+  // Local regions (RegionKey) sent or received over nccl -> the lane (GPU) that moves them; the
+  // coordinator picked it per op (TransferOp.nccl_src_device / nccl_dst_device), one per region.
+  std::map<std::string, int> nccl_lane_of;
   for (const pb::TransferOp& op : plan.slice.ops()) {
     const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
     if (s != d) crosses.insert(s ? op.src_worker() : op.dst_worker());
     if (s != d && op.nccl()) {
-      if (nccl_t == nullptr) {
-        return absl::FailedPreconditionError(absl::StrCat("op ", op.index(), " is routed over nccl but node ", me,
-                                                          " has no nccl transport with GPU staging (--gpu_staging_bytes)"));
+      const int lane = s ? op.nccl_src_device() : op.nccl_dst_device();
+      if (lanes.count(lane) == 0) {
+        return absl::FailedPreconditionError(absl::StrCat("op ", op.index(), " is routed over nccl lane ", NcclLaneName(lane), " but node ", me,
+                                                          " has no such lane (--nccl_devices) with GPU staging (--gpu_staging_bytes)"));
       }
       if (d) nccl_in.insert(op.dst_worker());
+      ASSIGN_OR_RETURN(PieceAt side, ResolveSide(plan.layouts, op, s));
+      auto [it, inserted] = nccl_lane_of.emplace(side.key, lane);
+      if (!inserted && it->second != lane) {
+        return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": region ", side.key, " on node ", me, " is routed over nccl lanes ",
+                                                       NcclLaneName(it->second), " and ", NcclLaneName(lane), " (one lane per region)"));
+      }
     }
   }
 
@@ -1422,14 +1442,17 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         StagedBuffer sb;
         if (j < cuda.size() && cuda[j] != nullptr) {
           const std::string what = absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j);
-          if (nccl_in.count(static_cast<uint32_t>(i)) > 0) {
-            // Received over nccl: staged on the nccl device (commit/apply copy it to the worker's GPU).
-            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(options_.nccl_device, size, what));
+          auto lane = nccl_lane_of.find(RegionKey(i, j));
+          if (lane != nccl_lane_of.end()) {
+            // Received over nccl: staged on the lane's GPU (the buffer's own GPU when it has a lane;
+            // commit/apply copy it to the worker's buffer).
+            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(lane->second, size, what));
             if (sb.device == nullptr) {
-              return absl::ResourceExhaustedError(absl::StrCat(what, ": ", size, " bytes of GPU staging on GPU ", options_.nccl_device,
+              return absl::ResourceExhaustedError(absl::StrCat(what, ": ", size, " bytes of GPU staging on GPU ", lane->second,
                                                                " (nccl route) exceed --gpu_staging_bytes or the GPU's free memory"));
             }
-          } else if (crosses.count(static_cast<uint32_t>(i)) == 0) {
+          } else if (crosses.count(static_cast<uint32_t>(i)) == 0 || nccl_in.count(static_cast<uint32_t>(i)) > 0) {
+            // Nothing from another node lands in this buffer except over nccl: stage it on its GPU.
             ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, what));
           }
           Metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
@@ -1533,7 +1556,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   //    device when both sides are on GPUs), and per peer node the mirror batches on the
   //    cross-node transport (host memory only).
   std::set<std::string> peers, host_keys, cuda_keys, cross_keys;
-  std::set<std::string> nccl_peers, nccl_keys;  // ops with TransferOp.nccl
+  // Ops with TransferOp.nccl: per peer node, the lane pairs (our GPU, the peer's GPU) they use.
+  std::map<std::string, std::set<std::pair<int, int>>> nccl_pairs;
   auto kind_of = [&](const std::string& key) {
     auto it = mem.find(key);
     return it == mem.end() ? MemoryKind::kHost : it->second.kind;
@@ -1550,8 +1574,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     }
     const std::string& key = s ? src.key : dst.key;
     if (op.nccl()) {
-      nccl_peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
-      nccl_keys.insert(key);
+      const std::pair<int, int> pair = s ? std::pair{op.nccl_src_device(), op.nccl_dst_device()} : std::pair{op.nccl_dst_device(), op.nccl_src_device()};
+      nccl_pairs[plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id()].insert(pair);
       continue;
     }
     peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
@@ -1637,17 +1661,19 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     auto hc = host_copy.find(key);
     ASSIGN_OR_RETURN(cross_h[key], register_on(cross_t, key, hc != host_copy.end() ? hc->second : m->second));
   }
-  // nccl regions: GPU staging on the nccl device is registered as is; any other source (a worker's
-  // imported buffer, a snapshot in host memory or on another GPU) is first copied whole into GPU
-  // staging on the nccl device (sources do not change during a version).
-  std::map<std::string, transport::RegionHandle> nccl_h;
+  // nccl regions, each on its lane's transport: GPU staging on the lane's GPU is registered as is;
+  // any other source (a worker's imported buffer, a snapshot in host memory or on a GPU without a
+  // lane) is first copied whole into GPU staging on the lane's GPU (sources do not change during
+  // a version).
+  std::map<std::string, transport::RegionHandle> nccl_h;  // key -> region on lanes.at(nccl_lane_of[key])
   {
     transport::Batch bounce_batch;
-    for (const std::string& key : nccl_keys) {
+    for (const auto& [key, lane] : nccl_lane_of) {
+      transport::Transport* nccl_t = lanes.at(lane);
       auto m = mem.find(key);
       if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
       const Mem& src = m->second;
-      if (src.kind == MemoryKind::kCuda && src.import == nullptr && src.device == options_.nccl_device) {
+      if (src.kind == MemoryKind::kCuda && src.import == nullptr && src.device == lane) {
         ASSIGN_OR_RETURN(nccl_h[key], register_on(nccl_t, key, src));
         continue;
       }
@@ -1655,11 +1681,12 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         return absl::InternalError(absl::StrCat("region ", key, " on node ", me, " is routed over nccl but is not GPU staging"));
       }
       const std::string what = absl::StrCat(vlabel, " ", key, " (nccl source copy)");
-      ASSIGN_OR_RETURN(std::shared_ptr<transport::DeviceMemory> dev, TryDeviceStaging(options_.nccl_device, src.size, what));
+      ASSIGN_OR_RETURN(std::shared_ptr<transport::DeviceMemory> dev, TryDeviceStaging(lane, src.size, what));
       if (dev == nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(what, ": ", src.size, " bytes of GPU staging on GPU ", options_.nccl_device,
+        return absl::ResourceExhaustedError(absl::StrCat(what, ": ", src.size, " bytes of GPU staging on GPU ", lane,
                                                          " exceed --gpu_staging_bytes or the GPU's free memory"));
       }
+      Metrics().NcclBounce(me, static_cast<uint64_t>(src.size));
       holds.push_back(dev);
       Mem dm{MemoryKind::kCuda, static_cast<uint8_t*>(dev->data()), src.size, dev->device(), nullptr};
       ASSIGN_OR_RETURN(transport::RegionHandle from, register_on(cuda_t, key, src));
@@ -1674,7 +1701,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     }
     if (!bounce_batch.ops.empty()) {
       ASSIGN_OR_RETURN(transport::BatchId id, cuda_t->Post(bounce_batch));
-      RETURN_IF_ERROR_WITH(cuda_t->Wait(id, exec.deadline), absl::StrCat(vlabel, ": copying nccl sources to the nccl GPU"));
+      RETURN_IF_ERROR_WITH(cuda_t->Wait(id, exec.deadline), absl::StrCat(vlabel, ": copying nccl sources to their lanes' GPUs"));
     }
   }
   {
@@ -1683,7 +1710,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       ASSIGN_OR_RETURN(desc[cross_t->capabilities().kind][key], cross_t->ExportDescriptor(h));
     }
     for (auto& [key, h] : nccl_h) {
-      ASSIGN_OR_RETURN(desc["nccl"][key], nccl_t->ExportDescriptor(h));
+      const int lane = nccl_lane_of.at(key);
+      ASSIGN_OR_RETURN(desc[NcclLaneName(lane)][key], lanes.at(lane)->ExportDescriptor(h));
     }
     absl::MutexLock l(&mu_);
     exec.local_desc = std::move(desc);
@@ -1691,31 +1719,44 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   }
 
   // 3. Peers, in ascending node order (a global order of node pairs: no connect cycles); per peer
-  //    the host channel, then the nccl channel (the same order on both nodes).
-  std::map<std::string, transport::PeerId> peer_ids, nccl_ids;
-  std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h, remote_nccl_h;
+  //    the host channel, then the nccl lane pairs in ascending (smaller node's GPU, larger node's
+  //    GPU) order (the same order on both nodes: each Connect waits for the peer's).
+  //    Channels are keyed by ChannelName: the peer for the host channel, peer + lane pair for nccl.
+  std::map<std::string, transport::PeerId> ids;
+  std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h;
   std::set<std::string> all_peers = peers;
-  all_peers.insert(nccl_peers.begin(), nccl_peers.end());
+  for (auto& [peer, pairs] : nccl_pairs) all_peers.insert(peer);
   for (const std::string& peer : all_peers) {
     const pb::PlanWorker* pw = nullptr;
     for (const pb::PlanWorker& w : plan.slice.workers()) {
       if (w.node_id() == peer) pw = &w;
     }
-    for (transport::Transport* t : {peers.count(peer) ? cross_t : nullptr, nccl_peers.count(peer) ? nccl_t : nullptr}) {
-      if (t == nullptr) continue;
-      const std::string kind = t->capabilities().kind;
-      ASSIGN_OR_RETURN(transport::PeerId id, SetupPeer(exec, peer, *pw, t));
-      (t == nccl_t ? nccl_ids : peer_ids)[peer] = id;
+    struct Lane {
+      transport::Transport* t;
+      std::string mine, theirs;
+    };
+    std::vector<Lane> channels;
+    if (peers.count(peer)) channels.push_back({cross_t, cross_t->capabilities().kind, cross_t->capabilities().kind});
+    std::vector<std::pair<int, int>> ordered;  // (smaller node's GPU, larger node's GPU)
+    for (auto [mine, theirs] : nccl_pairs[peer]) ordered.push_back(me < peer ? std::pair{mine, theirs} : std::pair{theirs, mine});
+    std::sort(ordered.begin(), ordered.end());
+    for (auto [a, b] : ordered) {
+      const int mine = me < peer ? a : b, theirs = me < peer ? b : a;
+      channels.push_back({lanes.at(mine), NcclLaneName(mine), NcclLaneName(theirs)});
+    }
+    for (const Lane& lane : channels) {
+      const std::string chan = ChannelName(peer, lane.mine, lane.theirs);
+      ASSIGN_OR_RETURN(ids[chan], SetupPeer(exec, peer, *pw, lane.t, lane.mine, lane.theirs));
       std::map<std::string, std::string> regions;
       {
         absl::MutexLock l(&mu_);
-        regions = exec.peers[ChannelName(peer, kind)].regions;
+        regions = exec.peers[chan].regions;
       }
       for (auto& [key, d] : regions) {
-        auto h = t->ImportDescriptor(d);
-        if (!h.ok()) return Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", peer, " (", kind, ")"));
-        registered.push_back({t, *h});
-        (t == nccl_t ? remote_nccl_h : remote_h)[peer][key] = *h;
+        auto h = lane.t->ImportDescriptor(d);
+        if (!h.ok()) return Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", peer, " (", lane.theirs, ")"));
+        registered.push_back({lane.t, *h});
+        remote_h[chan][key] = *h;
       }
     }
   }
@@ -1739,6 +1780,10 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       std::string what;
       std::string peer;  // metrics label: the peer node (own id for same-node copies)
       int64_t bytes = 0;
+      std::pair<int, int> lane{-1, -1};  // nccl: (our GPU, the peer's GPU)
+      // nccl: the channel's place in the global order of all nccl channels (smaller node id, larger
+      // node id, GPU on the smaller, GPU on the larger); see the lane schedule below.
+      std::tuple<std::string, std::string, int, int> order;
     };
     Route host_route{local_t, {}, "same-node copies", me, 0};
     Route cuda_route{cuda_t, {}, "same-node CUDA copies", me, 0};
@@ -1771,56 +1816,99 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       }
       const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
       const bool nccl = op->nccl();
+      const int my_lane = s_local ? op->nccl_src_device() : op->nccl_dst_device();
+      const int their_lane = s_local ? op->nccl_dst_device() : op->nccl_src_device();
+      const std::string chan = nccl ? ChannelName(peer, NcclLaneName(my_lane), NcclLaneName(their_lane)) : ChannelName(peer, "", "");
       auto& mine = nccl ? nccl_h : cross_h;
-      auto& theirs = (nccl ? remote_nccl_h : remote_h)[peer];
+      auto& theirs = remote_h[chan];
       auto sh = s_local ? mine.find(src.key) : theirs.find(src.key);
       auto dh = d_local ? mine.find(dst.key) : theirs.find(dst.key);
       if (sh == (s_local ? mine.end() : theirs.end()) || dh == (d_local ? mine.end() : theirs.end())) {
         return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " unknown (node ", me, ", peer ", peer,
-                                                nccl ? ", nccl" : "", ")"));
+                                                nccl ? absl::StrCat(", ", NcclLaneName(my_lane), " -> ", NcclLaneName(their_lane)) : "", ")"));
       }
       c.src = RefFor(src.piece, box, elem, sh->second);
       c.dst = RefFor(dst.piece, box, elem, dh->second);
-      Route& route = peer_routes[ChannelName(peer, nccl ? "nccl" : "")];
+      Route& route = peer_routes[chan];
       if (route.t == nullptr) {
-        route.t = nccl ? nccl_t : cross_t;
-        route.what = absl::StrCat("node ", me, " <-> node ", peer, nccl ? " (nccl)" : "");
+        route.t = nccl ? lanes.at(my_lane) : cross_t;
+        route.what = nccl ? absl::StrCat("node ", me, " GPU ", my_lane, " <-> node ", peer, " GPU ", their_lane, " (nccl)")
+                          : absl::StrCat("node ", me, " <-> node ", peer);
         route.peer = peer;
-        route.batch.peer = nccl ? nccl_ids.at(peer) : peer_ids.at(peer);
+        route.batch.peer = ids.at(chan);
         route.batch.checksum = options_.checksums && !nccl;
+        if (nccl) {
+          route.lane = {my_lane, their_lane};
+          route.order = me < peer ? std::tuple{me, peer, my_lane, their_lane} : std::tuple{peer, me, their_lane, my_lane};
+        }
       }
       route.batch.ops.push_back(std::move(c));
       route.bytes += static_cast<int64_t>(op->bytes());
     }
+    // Same-node routes and the host channels are posted at once. nccl channels follow a schedule:
+    // every GPU runs the batches of its lane pairs one after another, in the global channel order
+    // (Route::order), while different GPUs run in parallel. NCCL kernels of different
+    // communicators on one GPU may wait on each other (NCCL: "Using multiple NCCL communicators
+    // concurrently"); with one order shared by every node, the smallest unfinished channel always
+    // has both of its GPUs at it, so the schedule cannot deadlock (a GPU sending to two peer GPUs,
+    // or one GPU with channels to two nodes, takes them in turn; its NIC is shared anyway).
     std::vector<Route*> routes;
+    std::map<int, std::vector<Route*>> per_gpu;  // nccl routes by our GPU, in channel order
     if (!host_route.batch.ops.empty()) routes.push_back(&host_route);
     if (!cuda_route.batch.ops.empty()) routes.push_back(&cuda_route);
-    for (auto& [peer, route] : peer_routes) routes.push_back(&route);
-    // Post everything of the bucket, then wait for every posted batch (each exactly once).
-    std::vector<std::pair<Route*, transport::BatchId>> posted;
+    for (auto& [chan, route] : peer_routes) {
+      route.batch.tag = BatchTag(exec.model_id, exec.version, b);
+      if (route.lane.first >= 0) {
+        per_gpu[route.lane.first].push_back(&route);
+      } else {
+        routes.push_back(&route);
+      }
+    }
+    for (auto& [gpu, seq] : per_gpu) {
+      std::sort(seq.begin(), seq.end(), [](const Route* x, const Route* y) { return x->order < y->order; });
+    }
     const absl::Time posted_at = absl::Now();
+    absl::Mutex result_mu;  // guards `first` and exec.links while GPU schedule threads run
     absl::Status first;
+    auto finish = [&](Route* r, const absl::Status& s) {
+      absl::MutexLock l(&result_mu);
+      if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", r->what));
+      if (!s.ok()) return;
+      // Bytes per route (transport kind) and peer; link time = bucket start -> this batch's completion.
+      Metrics().Bytes(me, exec.model_id, r->t->capabilities().kind, r->peer, static_cast<uint64_t>(r->bytes));
+      if (r->lane.first >= 0) Metrics().NcclLane(me, r->peer, r->lane.first, r->lane.second, static_cast<uint64_t>(r->bytes));
+      LinkStat& ls = exec.links[r->peer];
+      ls.bytes += static_cast<uint64_t>(r->bytes);
+      ls.seconds += absl::ToDoubleSeconds(absl::Now() - posted_at);
+    };
+    // Post everything posted at once, then wait for every posted batch (each exactly once).
+    std::vector<std::pair<Route*, transport::BatchId>> posted;
+    bool post_failed = false;
     for (Route* r : routes) {
       r->batch.tag = BatchTag(exec.model_id, exec.version, b);
       auto id = r->t->Post(r->batch);
       if (!id.ok()) {
-        first = Annotate(id.status(), r->what);
+        finish(r, id.status());
+        post_failed = true;
         break;
       }
       posted.push_back({r, *id});
     }
-    for (auto& [r, id] : posted) {
-      absl::Status s = r->t->Wait(id, exec.deadline);
-      if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", r->what));
-      if (s.ok()) {
-        // Bytes per route (transport kind) and peer; link time = post -> this batch's completion.
-        const std::string route = r->t->capabilities().kind;
-        Metrics().Bytes(me, exec.model_id, route, r->peer, static_cast<uint64_t>(r->bytes));
-        LinkStat& ls = exec.links[r->peer];
-        ls.bytes += static_cast<uint64_t>(r->bytes);
-        ls.seconds += absl::ToDoubleSeconds(absl::Now() - posted_at);
+    std::vector<std::thread> gpu_threads;
+    if (!post_failed) {
+      for (auto& [gpu, seq] : per_gpu) {
+        gpu_threads.emplace_back([&, seq = seq] {
+          for (Route* r : seq) {
+            auto id = r->t->Post(r->batch);
+            absl::Status s = id.ok() ? r->t->Wait(*id, exec.deadline) : id.status();
+            finish(r, s);
+            if (!s.ok()) return;  // the version fails; the peer's mirrors end with the aborted version
+          }
+        });
       }
     }
+    for (auto& [r, id] : posted) finish(r, r->t->Wait(id, exec.deadline));
+    for (std::thread& t : gpu_threads) t.join();
     RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
     exec.bytes_done += static_cast<uint64_t>(incoming_bytes);
   }
@@ -2015,9 +2103,19 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
   return first;
 }
 
-transport::Transport* NodeDaemon::NcclTransport() const {
-  if (options_.device_staging == nullptr || !options_.device_staging->enabled()) return nullptr;
-  return options_.transports.Find("nccl");
+std::map<int, transport::Transport*> NodeDaemon::NcclLanes() const {
+  if (options_.device_staging == nullptr || !options_.device_staging->enabled()) return {};
+  return options_.transports.ByDevice("nccl");
+}
+
+transport::Transport* NodeDaemon::CrossTransport(const std::string& name) const {
+  if (const int device = ParseNcclLaneName(name); device >= 0) {
+    std::map<int, transport::Transport*> lanes = NcclLanes();
+    auto it = lanes.find(device);
+    return it == lanes.end() ? nullptr : it->second;
+  }
+  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+  return t != nullptr && t->capabilities().kind == name ? t : nullptr;
 }
 
 transport::Transport* NodeDaemon::CudaTransport() const {

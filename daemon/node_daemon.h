@@ -62,7 +62,8 @@ class NodeDaemon {
     // GPU-direct staging (docs/daemon.md): where trainer snapshots and rollout incoming copies of
     // CUDA buffers may live on the GPU. Null or a zero budget: host staging only.
     std::shared_ptr<DeviceStaging> device_staging;
-    int nccl_device = 0;  // the CUDA device of the nccl transport's communicators (TransportConfig::nccl.device)
+    // nccl lanes are the device-bound "nccl" transports of `transports` (TransportSet::ByDevice):
+    // one per GPU listed by --nccl_devices (daemon/nccl_route.h).
     // TEST ONLY: called by the executor before it posts each bucket (fault tests stall a node here).
     std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
     // TEST ONLY: when it returns true the heartbeat is skipped (a frozen node: its lease expires).
@@ -170,7 +171,7 @@ class NodeDaemon {
     absl::Time deadline;
     // Data plane of this version (guarded by mu_).
     bool regions_ready = false;
-    // transport kind -> (key -> descriptor) on that cross-node transport (host_tcp; nccl)
+    // transport name (a kind, "host_tcp", or an nccl lane, "nccl/<device>") -> (key -> descriptor)
     std::map<std::string, std::map<std::string, std::string>> local_desc;
     std::map<std::string, PeerState> peers;              // channel (ChannelName) -> the peer's side
     std::map<std::string, transport::PeerId> connected;  // channel -> the connection this version uses
@@ -181,11 +182,12 @@ class NodeDaemon {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunExec(std::shared_ptr<Exec> exec);
   absl::Status RunExecInner(Exec& exec);
-  // Exchanges regions with `peer` and returns the channel for this version (connecting if needed).
+  // Exchanges regions with `peer` and returns the channel for this version (connecting if needed):
+  // our transport `mine` (named `mine_name`) with the peer's transport named `theirs_name`.
   absl::StatusOr<transport::PeerId> SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
-                                              transport::Transport* cross);
-  // Drops the cached channel of (model, peer) and disconnects it (outside mu_).
-  void DropChannel(const std::string& model_id, const std::string& peer, transport::PeerId id);
+                                              transport::Transport* mine, const std::string& mine_name, const std::string& theirs_name);
+  // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
+  void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
   // gRPC stub to peer node `peer` at `address`; one per peer node, replaced when its address changes.
   std::shared_ptr<pb::NodeService::Stub> PeerStub(const std::string& peer, const std::string& address);
   // Checks local worker processes; tells the coordinator about the ones that exited.
@@ -227,16 +229,21 @@ class NodeDaemon {
   absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> TryDeviceStaging(int device, int64_t size, const std::string& label);
   // The same-node transport that reaches CUDA memory (cuda_ipc), or nullptr.
   transport::Transport* CudaTransport() const;
-  // The nccl transport when this node moves GPU staging across nodes (nccl built and usable, GPU
-  // staging on), else nullptr.
-  transport::Transport* NcclTransport() const;
-  // Cross-node channels are per (peer node, transport kind): "<node>" for the host channel,
-  // "<node>\nnccl" for nccl (a newline cannot be part of a node id given by flag).
-  static std::string ChannelName(const std::string& peer, const std::string& kind) {
-    return kind == "nccl" ? peer + "\nnccl" : peer;
+  // The nccl lanes (device -> transport) when this node moves GPU staging across nodes (nccl built
+  // and usable, GPU staging on), else empty.
+  std::map<int, transport::Transport*> NcclLanes() const;
+  // The cross-node transport of this node named `name`: the host channel's kind ("host_tcp") or an
+  // nccl lane ("nccl/<device>"); nullptr when there is none.
+  transport::Transport* CrossTransport(const std::string& name) const;
+  // Cross-node channels: "<node>" for the host channel, "<node>\n<mine>><theirs>" for the nccl lane
+  // pair (our lane, the peer's lane), e.g. "n1\nnccl/0>nccl/3" (a newline cannot be part of a node
+  // id given by flag). ChannelTransportName returns <mine> ("" for the host channel).
+  static std::string ChannelName(const std::string& peer, const std::string& mine, const std::string& theirs) {
+    return mine.rfind("nccl/", 0) == 0 ? peer + "\n" + mine + ">" + theirs : peer;
   }
-  static bool ChannelIsNccl(const std::string& chan) {
-    return chan.size() > 5 && chan.compare(chan.size() - 5, 5, "\nnccl") == 0;
+  static std::string ChannelTransportName(const std::string& chan) {
+    const size_t nl = chan.find('\n'), gt = chan.rfind('>');
+    return nl == std::string::npos || gt == std::string::npos || gt < nl ? std::string() : chan.substr(nl + 1, gt - nl - 1);
   }
 
   Options options_;

@@ -67,7 +67,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     ASSIGN_OR_RETURN(no.transports, o.make_transports());
     no.checksums = o.checksums;
     no.device_staging = o.device_staging;
-    no.nccl_device = o.nccl_device;
     no.test_before_bucket = o.test_before_bucket;
     no.test_skip_heartbeat = o.test_skip_heartbeat;
     s->node_ = std::make_unique<NodeDaemon>(std::move(no));

@@ -44,7 +44,6 @@ struct ServerOptions {
   std::function<absl::StatusOr<transport::TransportSet>()> make_transports;
   // Node/standalone: GPU-direct staging (NodeDaemon::Options::device_staging); null = host only.
   std::shared_ptr<DeviceStaging> device_staging;
-  int nccl_device = 0;  // NodeDaemon::Options::nccl_device
   // TEST ONLY: see NodeDaemon::Options::test_before_bucket.
   std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
   std::function<bool()> test_skip_heartbeat;

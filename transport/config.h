@@ -30,7 +30,11 @@ struct CudaIpcOptions {
 };
 
 struct NcclOptions {
-  int device = 0;  // CUDA device the communicators live on
+  int device = 0;  // CUDA device the communicators of ONE nccl transport live on (CreateTransport)
+  // CreateTransports: one nccl transport per listed device, each a "lane" of its own (every GPU
+  // sends and receives on its own communicators, so NCCL drives the NIC nearest to that GPU);
+  // empty = one per visible GPU. Listed devices must be visible.
+  std::vector<int> devices;
 };
 
 struct TransportConfig {

@@ -6,6 +6,7 @@
 #include "transport/host_shm.h"
 #include "transport/host_tcp.h"
 #include "tools/cc/gpu_info.h"
+#include "tools/cc/status_macros.h"
 
 namespace wb::transport {
 
@@ -51,6 +52,29 @@ absl::StatusOr<TransportSet> CreateTransports(const TransportConfig& config) {
   TransportSet set;
   const bool explicit_kinds = !config.kinds.empty();
   for (const std::string& kind : explicit_kinds ? config.kinds : BuiltInKinds()) {
+    if (kind == "nccl") {
+      if (absl::Status s = KindUsable(kind); !s.ok()) {
+        if (explicit_kinds) return s;
+        continue;
+      }
+      std::vector<int> devices = config.nccl.devices;
+      if (devices.empty()) {
+        for (int d = 0; d < ProbeGpus().device_count; ++d) devices.push_back(d);
+      }
+      for (size_t i = 0; i < devices.size(); ++i) {
+        for (size_t j = 0; j < i; ++j) {
+          if (devices[i] == devices[j]) return absl::InvalidArgumentError(absl::StrCat("nccl: device ", devices[i], " listed twice"));
+        }
+      }
+      for (int d : devices) {
+        TransportConfig one = config;
+        one.nccl.device = d;
+        auto t = CreateTransport(kind, one);
+        if (!t.ok()) return Annotate(t.status(), absl::StrCat("nccl lane on GPU ", d));
+        set.Add(std::move(*t), d);
+      }
+      continue;
+    }
     auto t = CreateTransport(kind, config);
     if (!t.ok()) {
       if (explicit_kinds) return t.status();

@@ -41,9 +41,9 @@ constexpr bool kReal = true;
 constexpr bool kReal = false;
 #endif
 
-// GPUs the workers use: two emulated ones, or WB_E2E_GPUS real ones (0 when unset).
+// GPUs the workers use: four emulated ones, or WB_E2E_GPUS real ones (0 when unset).
 int NumGpus() {
-  if (!kReal) return 2;
+  if (!kReal) return 4;
   const char* n = std::getenv("WB_E2E_GPUS");
   return n == nullptr ? 0 : std::atoi(n);
 }
@@ -52,7 +52,8 @@ int NumGpus() {
 #define WB_REQUIRE_GPUS()                                                                                      \
   do {                                                                                                         \
     if (NumGpus() < 1) GTEST_SKIP() << "needs 1 visible CUDA device(s), found 0 (set WB_E2E_GPUS on a GPU machine)"; \
-    if (!kReal) setenv("WB_FAKE_CUDA_DEVICES", "2", 1);                                                       \
+    if (!kReal) setenv("WB_FAKE_CUDA_DEVICES", "4", 1);                                                       \
+    if (!kReal) setenv("WB_FAKE_NCCL_ONE_KERNEL_PER_DEVICE", "1", 1);                                         \
   } while (0)
 
 ClusterOptions EmulatedCluster(int nodes, bool gpu_staging) {
@@ -89,13 +90,14 @@ Workers FsdpToVllm(int trainer_node, int rollout_node, int64_t rollout_step_ms =
   return w;
 }
 
-// Two nodes that both run nccl with GPU staging, each on its own GPU (NCCL refuses two ranks of one
-// communicator on one GPU).
-ClusterOptions NcclCluster() {
+// Two nodes that both run nccl with GPU staging, with their nccl lanes on disjoint GPUs (NCCL
+// refuses two ranks of one communicator on one GPU, and both "nodes" share this machine's GPUs):
+// by default one lane each, n0 on GPU 0 and n1 on GPU 1.
+ClusterOptions NcclCluster(const std::string& n0_lanes = "0", const std::string& n1_lanes = "1") {
   ClusterOptions o = EmulatedCluster(2, true);
   o.extra_node_flags[0] = "--transports=host_shm,host_tcp,cuda_ipc,nccl";
-  o.node_flags[0] = {"--nccl_device=0"};
-  o.node_flags[1] = {"--nccl_device=1"};
+  o.node_flags[0] = {"--nccl_devices=" + n0_lanes};
+  o.node_flags[1] = {"--nccl_devices=" + n1_lanes};
   return o;
 }
 
@@ -183,8 +185,9 @@ RunOptions GpuRun(const std::string& model_id, const std::string& mode, int vers
   return run;
 }
 
-// Emulated builds: two emulated GPUs per process (WB_FAKE_CUDA_DEVICES, inherited by every daemon
-// and worker the harness spawns).
+// Emulated builds: four emulated GPUs per process (WB_FAKE_CUDA_DEVICES, inherited by every daemon
+// and worker the harness spawns), each running one NCCL group at a time
+// (WB_FAKE_NCCL_ONE_KERNEL_PER_DEVICE: the daemon's lane schedule must not rely on concurrent kernels).
 class GpuEmulatedTest : public testing::TestWithParam<std::string> {
  protected:
   void SetUp() override { WB_REQUIRE_GPUS(); }
@@ -269,10 +272,12 @@ TEST(GpuEmulatedCrossNodeTest, CudaToCudaAcrossNodes) {
   EXPECT_EQ(daemon::MetricSum(m1, "wb_cuda_staged_bytes_total", "memory=\"gpu\""), 0);
 }
 
-// CUDA trainers on n0 -> CUDA rollouts on n1 with nccl on both nodes (each on its own GPU: NCCL
-// refuses two ranks of one communicator on one GPU): the coordinator routes every cross-node op
-// over nccl (TransferOp.nccl), device to device; n1 stages on its nccl GPU (1) and applies to the
-// rollouts' GPUs (0 and 1: one copy crosses GPUs). Nothing takes the host channel.
+// CUDA trainers on n0 -> CUDA rollouts on n1 with nccl on both nodes, one lane each (n0 on GPU 0,
+// n1 on GPU 1: NCCL refuses two ranks of one communicator on one GPU): the coordinator routes every
+// cross-node op over nccl (TransferOp.nccl), device to device, all on the lane pair (0, 1); n0
+// first copies the trainer on GPU 1 to its lane's GPU 0 (and, in sync mode, both live buffers to
+// GPU staging), n1 stages on its lane's GPU 1 and applies to the rollouts' GPUs (0 and 1: one copy
+// crosses GPUs). Nothing takes the host channel.
 TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
   WB_REQUIRE_GPUS();
   if (NumGpus() < 2) GTEST_SKIP() << "needs 2 visible CUDA device(s), found " << NumGpus() << " (two NCCL ranks cannot share a GPU)";
@@ -293,6 +298,54 @@ TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
   EXPECT_EQ(daemon::MetricSum(m0, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
   EXPECT_EQ(daemon::MetricSum(m1, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
   EXPECT_GT(Sum(m1, "wb_cuda_staged_bytes_total", {"what=\"incoming\"", "memory=\"gpu\""}), 0);
+  EXPECT_EQ(Sum(m1, "wb_cuda_staged_bytes_total", {"memory=\"host\""}), 0);
+  EXPECT_GT(Sum(m0, "wb_nccl_lane_bytes_total", {"gpu=\"0\"", "peer_gpu=\"1\""}), 0);
+  EXPECT_EQ(Sum(m0, "wb_nccl_lane_bytes_total", {}), Sum(m0, "wb_nccl_lane_bytes_total", {"gpu=\"0\"", "peer_gpu=\"1\""}))
+      << "n0 has one lane (GPU 0) and n1 one (GPU 1)";
+  EXPECT_GT(Sum(m0, "wb_nccl_bounce_bytes_total", {}), 0) << "the trainer on GPU 1 has no lane of its own";
+}
+
+// One nccl lane per GPU (--nccl_devices): trainers on n0's GPUs 0 and 1, rollouts on n1's GPUs 2
+// and 3, every GPU with a lane of its own. Each trainer GPU sends its own snapshot on its own
+// communicators straight to each rollout GPU's own staging (lane pairs (0,2) (0,3) (1,2) (1,3), in
+// parallel within a bucket): no GPU funnels another's bytes, and nothing is copied to another GPU
+// first. Byte-exact, every mode that moves snapshots (one-step-off) and live buffers (sync).
+TEST(GpuEmulatedCrossNodeTest, NcclLanePerGpu) {
+  WB_REQUIRE_GPUS();
+  if (NumGpus() < 4) GTEST_SKIP() << "needs 4 visible CUDA device(s), found " << NumGpus() << " (two lanes per node, none shared)";
+  auto started = StartCluster("gpu-nccl-lanes", NcclCluster("0,1", "2,3"));
+  ASSERT_TRUE(started.ok()) << started.status();
+  Cluster& cl = *started->cluster;
+  double bounced_before_sync = 0;
+  for (const std::string mode : {"one_step_off", "sync"}) {
+    RunOptions run = GpuRun("qwen-gpu-lanes-" + mode, mode, 2);
+    run.layout_source = "pieces";
+    Workers w = FsdpToVllm(0, 1);
+    for (int r = 0; r < 2; ++r) {
+      w.trainers[r].gpu = r;
+      w.rollouts[r].gpu = 2 + r;
+    }
+    RunAndVerify(cl, run, w.trainers, w.rollouts);
+    if (HasFailure()) return;
+    if (mode == "one_step_off") {
+      bounced_before_sync = Sum(NodeMetrics(cl, 0), "wb_nccl_bounce_bytes_total", {});
+      EXPECT_EQ(bounced_before_sync, 0) << "snapshots are on their own lanes' GPUs: nothing to copy first";
+    }
+  }
+  auto m0 = NodeMetrics(cl, 0), m1 = NodeMetrics(cl, 1);
+  EXPECT_EQ(daemon::MetricSum(m0, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
+  EXPECT_EQ(daemon::MetricSum(m1, "wb_bytes_total", "route=\"host_tcp\""), 0) << "a cross-node op took the host channel";
+  for (int g : {0, 1}) {
+    for (int p : {2, 3}) {
+      const std::string gpu = absl::StrCat("gpu=\"", g, "\""), peer_gpu = absl::StrCat("peer_gpu=\"", p, "\"");
+      EXPECT_GT(Sum(m0, "wb_nccl_lane_bytes_total", {gpu, peer_gpu}), 0) << "n0 lane pair (" << g << ", " << p << ") unused";
+      EXPECT_GT(Sum(m1, "wb_nccl_lane_bytes_total", {absl::StrCat("gpu=\"", p, "\""), absl::StrCat("peer_gpu=\"", g, "\"")}), 0);
+    }
+  }
+  EXPECT_EQ(Sum(m0, "wb_nccl_lane_bytes_total", {}), daemon::MetricSum(m0, "wb_bytes_total", "route=\"nccl\""));
+  // Sync mode sends from the trainers' live buffers (IPC imports): those are copied to GPU staging
+  // on their own GPU first, never to another GPU.
+  EXPECT_GT(Sum(m0, "wb_nccl_bounce_bytes_total", {}), bounced_before_sync);
   EXPECT_EQ(Sum(m1, "wb_cuda_staged_bytes_total", {"memory=\"host\""}), 0);
 }
 

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -158,6 +159,7 @@ struct CommState {
   ncclResult_t async_error ABSL_GUARDED_BY(mu) = ncclSuccess;
   std::string error ABSL_GUARDED_BY(mu);
   bool aborted ABSL_GUARDED_BY(mu) = false;
+  std::atomic<bool> abort_flag{false};  // == aborted, readable without mu (device slot waits)
   std::deque<std::shared_ptr<Exec>> launches ABSL_GUARDED_BY(mu);  // groups not yet on their streams
   int pending ABSL_GUARDED_BY(mu) = 0;      // ncclGroupEnd calls whose group is not yet enqueued
   uint64_t launched ABSL_GUARDED_BY(mu) = 0;   // groups enqueued (next seq)
@@ -378,6 +380,62 @@ ncclResult_t CheckDevices(CommState& c) {
 
 cudaError_t RunExec(const std::shared_ptr<CommState>& c, const std::shared_ptr<Exec>& e);
 
+// ---- one NCCL kernel per device (WB_FAKE_NCCL_ONE_KERNEL_PER_DEVICE=1) ----
+// A GPU is not obliged to run two NCCL kernels at once (NCCL: "Using multiple NCCL communicators
+// concurrently"): with the option on, a group holds its device (in this process) while it moves
+// bytes, so groups of different communicators on one device run one at a time, and ranks that
+// take their communicators in inconsistent orders deadlock (until ncclCommAbort or the stall
+// limit), as they may on a real GPU.
+bool OneKernelPerDevice() {
+  static const bool on = [] {
+    const char* v = std::getenv("WB_FAKE_NCCL_ONE_KERNEL_PER_DEVICE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+struct DeviceSlot {
+  absl::Mutex mu;
+  absl::CondVar cv;
+  bool busy ABSL_GUARDED_BY(mu) = false;
+};
+
+DeviceSlot& Slot(int device) {
+  static DeviceSlot* slots = new DeviceSlot[64];
+  return slots[static_cast<unsigned>(device) % 64];
+}
+
+// Takes the device for a group of `c`; false when the communicator was aborted, or no slot came
+// within the stall limit (then the async error says so), while waiting.
+bool AcquireDevice(CommState& c) {
+  if (!OneKernelPerDevice()) return true;
+  DeviceSlot& slot = Slot(c.device);
+  const absl::Time until = absl::Now() + StallLimit();
+  absl::MutexLock l(&slot.mu);
+  while (slot.busy) {
+    if (c.abort_flag.load()) return false;
+    if (absl::Now() >= until) {
+      slot.mu.Unlock();
+      c.Fail(ncclSystemError, absl::StrCat("no progress: device ", c.device,
+                                           " was held by another communicator's group for the whole stall limit (one kernel per device)"));
+      slot.mu.Lock();
+      return false;
+    }
+    // Abort does not signal this condition: re-check it every few milliseconds.
+    slot.cv.WaitWithTimeout(&slot.mu, absl::Milliseconds(5));
+  }
+  slot.busy = true;
+  return true;
+}
+
+void ReleaseDevice(const CommState& c) {
+  if (!OneKernelPerDevice()) return;
+  DeviceSlot& slot = Slot(c.device);
+  absl::MutexLock l(&slot.mu);
+  slot.busy = false;
+  slot.cv.Signal();
+}
+
 // The communicator's thread: bootstrap, then moves launched groups onto their streams.
 void ProgressMain(std::shared_ptr<CommState> c) {
   ncclResult_t r = Bootstrap(*c);
@@ -570,7 +628,12 @@ cudaError_t RunExec(const std::shared_ptr<CommState>& c, const std::shared_ptr<E
   if (!c->aborted && c->completed == e->seq && c->async_error == ncclSuccess) {
     c->running++;
     c->mu.Unlock();
-    r = Transfer(*c, *e);
+    if (AcquireDevice(*c)) {
+      r = Transfer(*c, *e);
+      ReleaseDevice(*c);
+    } else {
+      r = c->abort_flag.load() ? cudaSuccess : cudaErrorLaunchTimeout;
+    }
     c->mu.Lock();
     c->running--;
   } else if (!c->aborted && c->async_error != ncclSuccess) {
@@ -860,6 +923,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   {
     absl::MutexLock l(&c->mu);
     c->aborted = true;
+    c->abort_flag.store(true);
     c->launches.clear();
     c->pending = 0;
     c->cv.SignalAll();

@@ -39,6 +39,10 @@
 //    counts must be equal (else ncclInvalidUsage as the async error). Device bytes are reached via
 //    wb::fake_cuda::DeviceToHost at run time: memory freed meanwhile is cudaErrorIllegalAddress on
 //    the stream and ncclUnhandledCudaError on the communicator.
+//  - WB_FAKE_NCCL_ONE_KERNEL_PER_DEVICE=1: a group holds its device (per process) while it moves
+//    bytes, like a GPU that does not run two NCCL kernels at once: groups of different
+//    communicators on one device run one at a time, and ranks taking their communicators in
+//    inconsistent orders deadlock (until ncclCommAbort, or the stall limit: ncclSystemError).
 //  - Failures: a peer whose socket closes (process died, or it aborted/destroyed its communicator)
 //    makes the async error ncclRemoteError (ncclSystemError for other socket errors); like a real
 //    NCCL kernel, the failed group then stays unfinished on its stream until ncclCommAbort. A group
