@@ -50,6 +50,7 @@ pb::StatusResponse Sample() {
   n->set_node_id("n1");
   n->set_address("127.0.0.1:1234");
   n->set_alive(true);
+  for (const char* t : {"cuda_ipc", "host_shm", "host_tcp", "nccl/0", "nccl/1", "nccl/2", "nccl/3"}) n->add_transports(t);
   auto* m = s.add_models();
   m->set_model_id("qwen");
   m->set_mode(pb::MODE_ASYNC);
@@ -78,7 +79,19 @@ TEST(StatusViewTest, TableAndJsonCarryTheFigures) {
   EXPECT_EQ(j["models"][0]["last_transfer_GBps"].get<double>(), 1.25);
   EXPECT_EQ(j["models"][0]["mode"].get<std::string>(), "async");
   EXPECT_EQ(j["nodes"][0]["node_id"].get<std::string>(), "n1");
+  EXPECT_NE(table.find("cuda_ipc,host_shm,host_tcp,nccl/{0-3}"), std::string::npos) << table;
+  EXPECT_EQ(j["nodes"][0]["transports"].size(), 7u);
+  EXPECT_EQ(j["nodes"][0]["transports"][3].get<std::string>(), "nccl/0");
   EXPECT_EQ(j["versions"].size(), 3u);
+}
+
+TEST(StatusViewTest, TransportsSummaryCollapsesNcclLanes) {
+  EXPECT_EQ(TransportsSummary({}), "-");
+  EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}), "host_shm,host_tcp");
+  EXPECT_EQ(TransportsSummary({"host_tcp", "nccl/2"}), "host_tcp,nccl/2");
+  EXPECT_EQ(TransportsSummary({"nccl/7", "host_tcp", "nccl/0", "nccl/1", "nccl/2", "nccl/5", "nccl/6"}), "host_tcp,nccl/{0-2,5-7}");
+  EXPECT_EQ(TransportsSummary({"nccl/1", "nccl/3"}), "nccl/{1,3}");
+  EXPECT_EQ(TransportsSummary({"nccl/x"}), "nccl/x") << "not a lane name: shown as is";
 }
 
 TEST(StatusViewTest, VersionsSortedAndModelLookup) {

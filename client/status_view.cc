@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 
 namespace wb::client {
 
@@ -52,6 +54,34 @@ std::string FormatBytes(uint64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
+std::string TransportsSummary(const std::vector<std::string>& transports) {
+  std::vector<std::string> kinds;
+  std::vector<int> lanes;
+  for (const std::string& t : transports) {
+    int device = -1;
+    if (t.rfind("nccl/", 0) == 0 && absl::SimpleAtoi(t.substr(5), &device) && device >= 0) {
+      lanes.push_back(device);
+    } else {
+      kinds.push_back(t);
+    }
+  }
+  std::sort(lanes.begin(), lanes.end());
+  lanes.erase(std::unique(lanes.begin(), lanes.end()), lanes.end());
+  if (lanes.size() == 1) {
+    kinds.push_back(absl::StrCat("nccl/", lanes[0]));
+  } else if (!lanes.empty()) {
+    std::vector<std::string> ranges;
+    for (size_t i = 0; i < lanes.size();) {
+      size_t j = i;
+      while (j + 1 < lanes.size() && lanes[j + 1] == lanes[j] + 1) ++j;
+      ranges.push_back(j == i ? absl::StrCat(lanes[i]) : absl::StrCat(lanes[i], "-", lanes[j]));
+      i = j + 1;
+    }
+    kinds.push_back(absl::StrCat("nccl/{", absl::StrJoin(ranges, ","), "}"));
+  }
+  return kinds.empty() ? "-" : absl::StrJoin(kinds, ",");
+}
+
 std::string StatusTable(const pb::StatusResponse& s, const std::string& source) {
   std::string out = absl::StrFormat("daemon: %s%s%s%s (answered by the %s service)\n",
                                     s.role().empty() ? "?" : s.role(),
@@ -59,14 +89,14 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source) 
                                     s.node_id().empty() ? "" : ")", source);
   absl::StrAppendFormat(&out, "\nNODES (%d)\n", s.nodes_size());
   if (s.nodes_size() > 0) {
-    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8s %s\n", "ID", "ADDRESS", "ALIVE",
-                          "DRAINING", "WORKERS", "LEASE_LEFT");
+    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8s %-10s %s\n", "ID", "ADDRESS", "ALIVE",
+                          "DRAINING", "WORKERS", "LEASE_LEFT", "TRANSPORTS");
   }
   for (const auto& n : s.nodes()) {
-    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8d %dms\n", n.node_id(), n.address(),
+    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8d %-10s %s\n", n.node_id(), n.address(),
                           n.alive() ? "yes" : "NO",
                           n.drained() ? "drained" : n.draining() ? "yes" : "no", n.num_workers(),
-                          n.lease_left_ms());
+                          absl::StrCat(n.lease_left_ms(), "ms"), TransportsSummary({n.transports().begin(), n.transports().end()}));
   }
   absl::StrAppendFormat(&out, "\nWORKERS (%d)\n", s.workers_size());
   if (s.workers_size() > 0) {
@@ -118,7 +148,8 @@ nlohmann::json StatusJson(const pb::StatusResponse& s, const std::string& source
                           {"draining", n.draining()},
                           {"drained", n.drained()},
                           {"num_workers", n.num_workers()},
-                          {"lease_left_ms", n.lease_left_ms()}});
+                          {"lease_left_ms", n.lease_left_ms()},
+                          {"transports", std::vector<std::string>(n.transports().begin(), n.transports().end())}});
   }
   j["workers"] = nlohmann::json::array();
   for (const auto& w : s.workers()) {

@@ -21,6 +21,10 @@ bool IsFinalVersionState(const std::string& state);  // committed | aborted | su
 std::string StatusTable(const weightbridge::v1::StatusResponse& status, const std::string& source);
 nlohmann::json StatusJson(const weightbridge::v1::StatusResponse& status, const std::string& source);
 
+// A node's transports for the status table: kinds in the given order, then its nccl lanes
+// ("nccl/<device>") as one item with device ranges, e.g. "host_shm,host_tcp,nccl/{0-3,6}"; "-" for none.
+std::string TransportsSummary(const std::vector<std::string>& transports);
+
 // `wbctl versions --model ID`: the model's versions, oldest first. Empty when the model has none.
 std::vector<weightbridge::v1::VersionStatus> VersionsOf(
     const weightbridge::v1::StatusResponse& status, const std::string& model_id);

@@ -514,6 +514,7 @@ void Coordinator::FillStatusLocked(pb::StatusResponse* out) {
     ns->set_alive(n.alive);
     ns->set_draining(n.draining);
     ns->set_lease_left_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(n.lease_expiry - now)));
+    for (const auto& [name, instance] : n.transport_instances) ns->add_transports(name);
     uint32_t count = 0;
     bool busy = false;
     for (auto& [mid, m] : models_) {

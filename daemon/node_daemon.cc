@@ -33,6 +33,10 @@
 namespace wb::daemon {
 namespace {
 
+// Data channels a version sets up at once (RunExecInner step 3): NCCL communicator init takes a
+// while per lane pair, and a node pair may use up to (GPUs x peer GPUs) of them.
+constexpr size_t kMaxChannelSetups = 16;
+
 absl::Time Deadline(int64_t timeout_ms) {
   return absl::Now() + (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60));
 }
@@ -1718,47 +1722,91 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     exec.regions_ready = true;
   }
 
-  // 3. Peers, in ascending node order (a global order of node pairs: no connect cycles); per peer
-  //    the host channel, then the nccl lane pairs in ascending (smaller node's GPU, larger node's
-  //    GPU) order (the same order on both nodes: each Connect waits for the peer's).
-  //    Channels are keyed by ChannelName: the peer for the host channel, peer + lane pair for nccl.
+  // 3. Channels to peers (keyed by ChannelName: the peer for the host channel, peer + lane pair for
+  //    nccl), set up by up to kMaxChannelSetups threads. Each Connect waits for the peer's, so
+  //    both nodes start their channels in one global order (smaller node id, larger node id, host
+  //    channel before nccl, GPU on the smaller node, GPU on the larger): a channel starts only
+  //    after every smaller one of this node has started, so the smallest unfinished channel always
+  //    has both nodes at it (no cycle, whatever the number of threads), while up to
+  //    kMaxChannelSetups communicators initialise at once (NCCL's init takes a while per lane pair).
   std::map<std::string, transport::PeerId> ids;
   std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h;
-  std::set<std::string> all_peers = peers;
-  for (auto& [peer, pairs] : nccl_pairs) all_peers.insert(peer);
-  for (const std::string& peer : all_peers) {
-    const pb::PlanWorker* pw = nullptr;
-    for (const pb::PlanWorker& w : plan.slice.workers()) {
-      if (w.node_id() == peer) pw = &w;
-    }
-    struct Lane {
-      transport::Transport* t;
+  {
+    struct ChannelTask {
+      std::tuple<std::string, std::string, int, int, int> order;
+      std::string peer;
+      const pb::PlanWorker* pw = nullptr;
+      transport::Transport* t = nullptr;
       std::string mine, theirs;
     };
-    std::vector<Lane> channels;
-    if (peers.count(peer)) channels.push_back({cross_t, cross_t->capabilities().kind, cross_t->capabilities().kind});
-    std::vector<std::pair<int, int>> ordered;  // (smaller node's GPU, larger node's GPU)
-    for (auto [mine, theirs] : nccl_pairs[peer]) ordered.push_back(me < peer ? std::pair{mine, theirs} : std::pair{theirs, mine});
-    std::sort(ordered.begin(), ordered.end());
-    for (auto [a, b] : ordered) {
-      const int mine = me < peer ? a : b, theirs = me < peer ? b : a;
-      channels.push_back({lanes.at(mine), NcclLaneName(mine), NcclLaneName(theirs)});
-    }
-    for (const Lane& lane : channels) {
-      const std::string chan = ChannelName(peer, lane.mine, lane.theirs);
-      ASSIGN_OR_RETURN(ids[chan], SetupPeer(exec, peer, *pw, lane.t, lane.mine, lane.theirs));
-      std::map<std::string, std::string> regions;
-      {
-        absl::MutexLock l(&mu_);
-        regions = exec.peers[chan].regions;
+    std::vector<ChannelTask> tasks;
+    std::set<std::string> all_peers = peers;
+    for (auto& [peer, pairs] : nccl_pairs) all_peers.insert(peer);
+    for (const std::string& peer : all_peers) {
+      const pb::PlanWorker* pw = nullptr;
+      for (const pb::PlanWorker& w : plan.slice.workers()) {
+        if (w.node_id() == peer) pw = &w;
       }
-      for (auto& [key, d] : regions) {
-        auto h = lane.t->ImportDescriptor(d);
-        if (!h.ok()) return Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", peer, " (", lane.theirs, ")"));
-        registered.push_back({lane.t, *h});
-        remote_h[chan][key] = *h;
+      const std::string& lo = std::min(me, peer);
+      const std::string& hi = std::max(me, peer);
+      if (peers.count(peer)) {
+        const std::string kind = cross_t->capabilities().kind;
+        tasks.push_back({{lo, hi, 0, -1, -1}, peer, pw, cross_t, kind, kind});
+      }
+      for (auto [mine, theirs] : nccl_pairs[peer]) {
+        tasks.push_back({{lo, hi, 1, me < peer ? mine : theirs, me < peer ? theirs : mine}, peer, pw, lanes.at(mine), NcclLaneName(mine),
+                         NcclLaneName(theirs)});
       }
     }
+    std::sort(tasks.begin(), tasks.end(), [](const ChannelTask& x, const ChannelTask& y) { return x.order < y.order; });
+    absl::Mutex setup_mu;  // guards next, setup_error, ids, remote_h and registered while the threads run
+    size_t next = 0;
+    absl::Status setup_error;
+    auto work = [&] {
+      while (true) {
+        size_t i = 0;
+        {
+          absl::MutexLock l(&setup_mu);
+          if (!setup_error.ok() || next >= tasks.size()) return;
+          i = next++;
+        }
+        const ChannelTask& task = tasks[i];
+        const std::string chan = ChannelName(task.peer, task.mine, task.theirs);
+        absl::StatusOr<transport::PeerId> id = SetupPeer(exec, task.peer, *task.pw, task.t, task.mine, task.theirs);
+        absl::Status s = id.status();
+        std::map<std::string, std::string> regions;
+        if (s.ok()) {
+          absl::MutexLock l(&mu_);
+          regions = exec.peers[chan].regions;
+        }
+        std::map<std::string, transport::RegionHandle> imported;
+        for (auto& [key, d] : regions) {
+          auto h = task.t->ImportDescriptor(d);
+          if (!h.ok()) {
+            s = Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", task.peer, " (", task.theirs, ")"));
+            break;
+          }
+          imported[key] = *h;
+        }
+        absl::MutexLock l(&setup_mu);
+        for (auto& [key, h] : imported) registered.push_back({task.t, h});
+        if (!s.ok()) {
+          if (setup_error.ok()) setup_error = s;
+          return;
+        }
+        ids[chan] = *id;
+        remote_h[chan] = std::move(imported);
+      }
+    };
+    const size_t threads = std::min(tasks.size(), kMaxChannelSetups);
+    if (threads <= 1) {
+      work();
+    } else {
+      std::vector<std::thread> pool;
+      for (size_t i = 0; i < threads; ++i) pool.emplace_back(work);
+      for (std::thread& t : pool) t.join();
+    }
+    RETURN_IF_ERROR(setup_error);
   }
 
   // 4. Buckets.
