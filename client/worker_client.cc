@@ -233,7 +233,7 @@ absl::StatusOr<Buffer*> WorkerClient::CreateBuffer(int64_t size_bytes) {
   return buffers_.back().get();
 }
 
-absl::StatusOr<Buffer*> WorkerClient::AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu) {
+absl::StatusOr<Buffer*> WorkerClient::AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu, std::string gpu_uuid) {
   const std::string what = absl::StrCat("CUDA buffer ", buffers_.size());
   if (ipc_handle.size() != 64) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": IPC handle must be the 64 bytes of cudaIpcMemHandle_t, got ",
@@ -241,11 +241,15 @@ absl::StatusOr<Buffer*> WorkerClient::AddCudaBuffer(std::string ipc_handle, int6
   }
   if (size_bytes <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": size must be > 0, got ", size_bytes));
   if (gpu < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": gpu must be >= 0, got ", gpu));
+  if (!gpu_uuid.empty() && gpu_uuid.size() != 16) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": gpu_uuid must be the 16 bytes of cudaDeviceProp::uuid, got ", gpu_uuid.size()));
+  }
   auto buf = std::make_unique<Buffer>();
   buf->id = static_cast<uint32_t>(buffers_.size());
   buf->size_bytes = size_bytes;
   buf->cuda_ipc_handle = std::move(ipc_handle);
   buf->gpu = gpu;
+  buf->gpu_uuid = std::move(gpu_uuid);
   buffers_.push_back(std::move(buf));
   return buffers_.back().get();
 }
@@ -265,6 +269,7 @@ absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layo
     } else {
       spec->set_cuda_ipc_handle(b->cuda_ipc_handle);
       spec->set_gpu(b->gpu);
+      spec->set_gpu_uuid(b->gpu_uuid);
     }
   }
   std::visit(VisitLayout{req.mutable_layout()}, layout);

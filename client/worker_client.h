@@ -92,6 +92,7 @@ struct Buffer {
   int64_t size_bytes = 0;
   std::string cuda_ipc_handle;  // CUDA buffers: the 64 bytes of cudaIpcMemHandle_t
   int32_t gpu = -1;             // CUDA buffers: the device ordinal (as this process numbers it)
+  std::string gpu_uuid;         // CUDA buffers: 16 bytes of cudaDeviceProp::uuid, or empty
 };
 
 // Layout sources (design.md "Canonical space and layouts").
@@ -142,11 +143,14 @@ class WorkerClient {
   absl::StatusOr<Buffer*> CreateBuffer(int64_t size_bytes);
   // Announces a CUDA allocation of this worker (cudaMalloc, or a caching allocator's block):
   // `ipc_handle` = the 64 bytes cudaIpcGetMemHandle returned for the allocation's BASE, `size_bytes`
-  // = the bytes from the base the layout may use, `gpu` = its device ordinal. The daemon opens the
-  // handle (same node only) and, with --gpu_staging_bytes, moves versions GPU to GPU. Sent by the
-  // next RegisterLayout; the worker keeps the allocation alive while registered. INVALID_ARGUMENT
-  // for a handle that is not 64 bytes, a size <= 0 or a negative gpu. No CUDA call is made here.
-  absl::StatusOr<Buffer*> AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu);
+  // = the bytes from the base the layout may use, `gpu` = its device ordinal, `gpu_uuid` = the 16
+  // bytes of that device's cudaDeviceProp::uuid (strongly recommended: the daemon finds the GPU by
+  // it when this process's CUDA_VISIBLE_DEVICES differs from the daemon's, e.g. in a container).
+  // The daemon opens the handle (same node only) and, with --gpu_staging_bytes, moves versions GPU
+  // to GPU. Sent by the next RegisterLayout; the worker keeps the allocation alive while
+  // registered. INVALID_ARGUMENT for a handle that is not 64 bytes, a size <= 0, a negative gpu or
+  // a uuid that is neither empty nor 16 bytes. No CUDA call is made here.
+  absl::StatusOr<Buffer*> AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu, std::string gpu_uuid = "");
   const std::vector<std::unique_ptr<Buffer>>& buffers() const { return buffers_; }
 
   // Sends every buffer created so far and `layout`. Requires RegisterWorker. On error nothing is

@@ -225,12 +225,13 @@ TEST(WorkerClientTest, CudaBuffersAreSentByHandleNextToShmBuffers) {
   EXPECT_EQ(c.AddCudaBuffer(std::string(63, 'h'), 64, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.AddCudaBuffer(std::string(64, 'h'), 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.AddCudaBuffer(std::string(64, 'h'), 64, -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaBuffer(std::string(64, 'h'), 64, 1, std::string(15, 'u')).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(c.buffers().empty());
   auto host = c.CreateBuffer(32);
   ASSERT_TRUE(host.ok()) << host.status();
   std::string handle(64, '\0');
   for (int i = 0; i < 64; ++i) handle[i] = static_cast<char>(i * 7);
-  auto dev = c.AddCudaBuffer(handle, 64, 1);
+  auto dev = c.AddCudaBuffer(handle, 64, 1, std::string(16, 'u'));
   ASSERT_TRUE(dev.ok()) << dev.status();
   EXPECT_EQ((*dev)->id, 1u);
   EXPECT_EQ((*dev)->data, nullptr);

@@ -304,6 +304,15 @@ grpc::Status Coordinator::SubmitLayout(grpc::ServerContext*, const pb::SubmitLay
   w->second.has_layout = true;
   w->second.layout = std::move(layout);
   w->second.layout_proto = resolved;
+  // A worker with CUDA buffers sits on their GPU as its node daemon numbers it (the node rewrites
+  // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
+  // topology (same-GPU colocation) then compares GPUs of one numbering.
+  for (const pb::BufferSpec& b : w->second.layout_proto.buffers()) {
+    if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle && b.gpu() >= 0) {
+      w->second.gpu = b.gpu();
+      break;
+    }
+  }
   *resp->mutable_layout() = std::move(resolved);
   m.plan_dirty = true;
   wake_ = true;

@@ -220,6 +220,10 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     sreq.set_model_id(req->model_id());
     sreq.set_worker_id(req->worker_id());
     *sreq.mutable_buffers() = req->buffers();
+    // The coordinator places CUDA buffers (nccl lanes) by GPU in this daemon's numbering.
+    for (int i = 0; i < sreq.buffers_size(); ++i) {
+      if (cuda[i] != nullptr) sreq.mutable_buffers(i)->set_gpu(cuda[i]->device);
+    }
     if (req->layout().has_index_probe()) {
       // Index probes are resolved here (the probe bytes live in this node's shared memory) and
       // reach the coordinator as explicit pieces.
@@ -2201,6 +2205,12 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
   raw.offset_bytes = 0;
   raw.size_bytes = static_cast<int64_t>(b.size_bytes());
   raw.device = b.gpu() >= 0 ? b.gpu() : 0;
+  if (!b.gpu_uuid().empty()) {
+    if (b.gpu_uuid().size() != 16) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": gpu_uuid must be the 16 bytes of cudaDeviceProp::uuid, got ", b.gpu_uuid().size()));
+    }
+    raw.device_uuid = b.gpu_uuid();  // the GPU in OUR numbering, whatever the worker's CUDA_VISIBLE_DEVICES
+  }
   // The worker reached us over our Unix socket, so it is on this machine: the transports' node
   // identity (the kernel boot id; main.cc leaves TransportConfig::node_id empty), not the
   // daemon's cluster node id (found by the emulated-GPU e2e test: every CUDA buffer was refused).
@@ -2214,7 +2224,14 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
   imp->t = t;
   imp->h = *h;
   imp->size = static_cast<int64_t>(b.size_bytes());
-  imp->device = raw.device;
+  // The GPU that holds the buffer in the daemon's numbering (found by UUID, or by the mapping),
+  // which may differ from the worker's `gpu` (CUDA_VISIBLE_DEVICES): staging goes there.
+  auto info = t->Describe(*h);
+  imp->device = info.ok() && info->device >= 0 ? info->device : raw.device;
+  if (imp->device != b.gpu()) {
+    Log(LogLevel::kInfo, "CUDA buffer on another GPU than the worker numbers it",
+        {{"node", options_.node_id}, {"worker", worker}, {"buffer", b.buffer_id()}, {"worker_gpu", b.gpu()}, {"daemon_gpu", imp->device}});
+  }
   return imp;
 #else
   return absl::UnimplementedError(absl::StrCat(what, ": this weightbridged was built without CUDA"));

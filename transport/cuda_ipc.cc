@@ -352,38 +352,28 @@ class CudaIpcTransport : public Transport {
                                                        " visible here"));
       }
     }
-    const std::string key = absl::StrCat(d->handle, "@", device);
     absl::MutexLock il(&import_mu_);  // one open per handle even with concurrent imports
     Mapping m;
     {
+      // One mapping per handle (whatever device a descriptor names: it is opened on the GPU that
+      // holds the memory, see OpenMapping).
       absl::MutexLock l(&mu_);
-      if (auto it = mappings_.find(key); it != mappings_.end()) m = it->second;
+      const std::string prefix = absl::StrCat(d->handle, "@");
+      for (auto it = mappings_.lower_bound(prefix); it != mappings_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+        m = it->second;
+      }
     }
     bool opened = false;
     if (m.base == nullptr) {
-      WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cuda_ipc ImportDescriptor: cudaSetDevice");
-      cudaIpcMemHandle_t handle;
-      std::memcpy(&handle, d->handle.data(), kHandleBytes);
-      void* p = nullptr;
-      if (cudaError_t e = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
-        // Also what a handle exported by this very process gets (legacy IPC cannot open its own
-        // handles); our own descriptors never get here (ImportOwn), raw worker handles may.
-        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc import of region '", d->label, "' of ",
-                                                    d->inst.empty() ? "a worker" : d->inst,
-                                                    ": cudaIpcOpenMemHandle (is the exporting process alive, "
-                                                    "and another process than this one?)"));
-        // A handle whose exporter is gone or that is not an IPC handle is the caller's bad input.
-        return absl::Status(s.code() == absl::StatusCode::kInternal ? absl::StatusCode::kInvalidArgument : s.code(),
-                            s.message());
-      }
-      m.base = static_cast<char*>(p);
-      m.device = device;
-      AllocationBase(m.base, &m.alloc_size);
+      ASSIGN_OR_RETURN(m, OpenMapping(*d, device));
       opened = true;
     }
+    device = m.device;
+    const std::string key = absl::StrCat(d->handle, "@", device);
     // (subtraction: alloc_offset and size are each < 2^63 but their sum may not be)
     if (m.alloc_size >= 0 && (d->alloc_offset > m.alloc_size || d->size > m.alloc_size - d->alloc_offset)) {
       if (opened) {
+        (void)cudaSetDevice(m.device);
         (void)cudaIpcCloseMemHandle(m.base);
         (void)cudaGetLastError();
       }
@@ -415,6 +405,7 @@ class CudaIpcTransport : public Transport {
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     RegionInfo info = BasicRegionInfo(*r);
     info.kind = r->kind;
+    if (r->kind == MemoryKind::kCuda) info.device = r->device;
     if (!info.local) info.peer = peers_.PeerOf(r->owner_instance);
     return info;
   }
@@ -622,6 +613,45 @@ class CudaIpcTransport : public Transport {
     if (get_range_(&base, &n, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return p;
     *size = static_cast<int64_t>(n);
     return reinterpret_cast<char*>(base);
+  }
+
+  // Opens a worker's / peer's IPC handle, first on `device` (the descriptor's GPU in our
+  // numbering), then, if the memory lives on another GPU (a worker whose CUDA_VISIBLE_DEVICES
+  // numbers GPUs differently and sent no UUID), again on the GPU that holds it: copies then run
+  // on that GPU's own streams (not across NVLink) and Describe reports the true device.
+  absl::StatusOr<Mapping> OpenMapping(const Desc& d, int device) {
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, d.handle.data(), kHandleBytes);
+    auto open_on = [&](int dev) -> absl::StatusOr<char*> {
+      WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(dev), "cuda_ipc ImportDescriptor: cudaSetDevice");
+      void* p = nullptr;
+      if (cudaError_t e = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+        // Also what a handle exported by this very process gets (legacy IPC cannot open its own
+        // handles); our own descriptors never get here (ImportOwn), raw worker handles may.
+        absl::Status s = CudaStatus(e, absl::StrCat("cuda_ipc import of region '", d.label, "' of ",
+                                                    d.inst.empty() ? "a worker" : d.inst,
+                                                    ": cudaIpcOpenMemHandle on GPU ", dev,
+                                                    " (is the exporting process alive, and another process than this one?)"));
+        // A handle whose exporter is gone or that is not an IPC handle is the caller's bad input.
+        return absl::Status(s.code() == absl::StatusCode::kInternal ? absl::StatusCode::kInvalidArgument : s.code(),
+                            s.message());
+      }
+      return static_cast<char*>(p);
+    };
+    Mapping m;
+    ASSIGN_OR_RETURN(m.base, open_on(device));
+    m.device = device;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, m.base) == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device >= 0 &&
+        attr.device != device) {
+      (void)cudaIpcCloseMemHandle(m.base);
+      (void)cudaGetLastError();
+      ASSIGN_OR_RETURN(m.base, open_on(attr.device));
+      m.device = attr.device;
+    }
+    (void)cudaGetLastError();
+    AllocationBase(m.base, &m.alloc_size);
+    return m;
   }
 
   absl::StatusOr<RegionHandle> ImportOwn(const Desc& d) {

@@ -16,7 +16,10 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -115,31 +118,59 @@ TEST(CudaIpcEmulatedTest, SubRegionInsideAnAllocationCrossesProcessesAtItsOffset
 // The bytes the fake_cudart_ipc_child helper fills its allocation with.
 uint8_t ChildPattern(uint64_t seed, size_t i) { return static_cast<uint8_t>((i * 131 + seed * 7 + (i >> 9)) & 0xff); }
 
-// A worker's raw IPC handle with an offset (what the daemon imports via CudaIpcDescriptorFromRawHandle).
-TEST(CudaIpcEmulatedTest, RawWorkerHandleWithOffset) {
-  constexpr size_t kWorkerAlloc = 300000;
+// A "worker" process (fake_cudart_ipc_child hold) that keeps `size` device bytes filled with
+// ChildPattern(seed) until its stdin closes; `env` is added to its environment.
+struct HoldingChild {
+  pid_t pid = -1;
+  int out = -1, in = -1;
+  std::string handle;  // its raw 64-byte IPC handle
+  ~HoldingChild() {
+    if (in >= 0) close(in);  // the helper exits on EOF
+    int status = 0;
+    if (pid > 0) waitpid(pid, &status, 0);
+    if (out >= 0) close(out);
+  }
+};
+
+absl::Status SpawnHoldingChild(size_t size, int seed, const std::vector<std::string>& env, HoldingChild* c) {
   int out[2];
-  ASSERT_EQ(pipe2(out, O_CLOEXEC), 0);
   int in[2];
-  ASSERT_EQ(pipe2(in, O_CLOEXEC), 0);
+  if (pipe2(out, O_CLOEXEC) != 0 || pipe2(in, O_CLOEXEC) != 0) return absl::InternalError("pipe2");
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, out[1], 1);
   posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-  std::string bin = "tools/fake_cuda/fake_cudart_ipc_child", a1 = "hold", a2 = absl::StrCat(kWorkerAlloc), a3 = "9";
+  std::string bin = "tools/fake_cuda/fake_cudart_ipc_child", a1 = "hold", a2 = absl::StrCat(size), a3 = absl::StrCat(seed);
   char* argv[] = {bin.data(), a1.data(), a2.data(), a3.data(), nullptr};
-  pid_t pid = -1;
-  ASSERT_EQ(posix_spawn(&pid, bin.c_str(), &fa, nullptr, argv, environ), 0);
+  std::vector<std::string> env_strings(env.begin(), env.end());
+  for (char** e = environ; *e != nullptr; ++e) env_strings.push_back(*e);
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const int rc = posix_spawn(&c->pid, bin.c_str(), &fa, nullptr, argv, envp.data());
   posix_spawn_file_actions_destroy(&fa);
   close(out[1]);
   close(in[0]);
+  c->out = out[0];
+  c->in = in[1];
+  if (rc != 0) return absl::InternalError(absl::StrCat("posix_spawn: ", strerror(rc)));
   std::string line;
-  char c;
-  pollfd p = {out[0], POLLIN, 0};
-  while (poll(&p, 1, 30000) == 1 && read(out[0], &c, 1) == 1 && c != '\n') line.push_back(c);
-  ASSERT_EQ(line.rfind("READY ", 0), 0u) << line;
+  char ch;
+  pollfd p = {c->out, POLLIN, 0};
+  while (poll(&p, 1, 30000) == 1 && read(c->out, &ch, 1) == 1 && ch != '\n') line.push_back(ch);
+  if (line.rfind("READY ", 0) != 0) return absl::InternalError(absl::StrCat("child said '", line, "'"));
   auto handle = HexDecode(line.substr(6));
-  ASSERT_TRUE(handle.ok());
+  if (!handle.ok()) return handle.status();
+  c->handle = *handle;
+  return absl::OkStatus();
+}
+
+// A worker's raw IPC handle with an offset (what the daemon imports via CudaIpcDescriptorFromRawHandle).
+TEST(CudaIpcEmulatedTest, RawWorkerHandleWithOffset) {
+  constexpr size_t kWorkerAlloc = 300000;
+  HoldingChild child;
+  ASSERT_TRUE(SpawnHoldingChild(kWorkerAlloc, 9, {}, &child).ok());
+  auto handle = std::optional<std::string>(child.handle);
 
   auto t = CreateTransport("cuda_ipc", TransportConfig{});
   ASSERT_TRUE(t.ok()) << t.status();
@@ -179,10 +210,55 @@ TEST(CudaIpcEmulatedTest, RawWorkerHandleWithOffset) {
   auto too_far = (*t)->ImportDescriptor(*CudaIpcDescriptorFromRawHandle(raw));
   EXPECT_EQ(too_far.status().code(), absl::StatusCode::kInvalidArgument) << too_far.status();
   EXPECT_TRUE((*t)->Release(*wr).ok());
-  close(in[1]);  // the helper exits on EOF
-  int status = 0;
-  waitpid(pid, &status, 0);
-  close(out[0]);
+}
+
+// A worker that numbers GPUs differently (CUDA_VISIBLE_DEVICES=1: its GPU 0 is our GPU 1, as in a
+// container) registers its buffer as "gpu 0". With the GPU's UUID the import finds GPU 1 at once;
+// without it, it maps the memory where it lives (cudaPointerGetAttributes) - either way Describe
+// reports GPU 1 and copies read the right bytes.
+TEST(CudaIpcEmulatedTest, RawHandleOfAWorkerThatNumbersGpusDifferently) {
+  ASSERT_GE(fake_cuda::PhysicalDevice(1), 1) << "runs with WB_FAKE_CUDA_DEVICES=2";
+  constexpr size_t kWorkerAlloc = 100000;
+  HoldingChild child;
+  ASSERT_TRUE(SpawnHoldingChild(kWorkerAlloc, 4, {"CUDA_VISIBLE_DEVICES=1"}, &child).ok());
+  cudaDeviceProp prop;
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 1), cudaSuccess);
+  const std::string uuid1(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+  auto t = CreateTransport("cuda_ipc", TransportConfig{});
+  ASSERT_TRUE(t.ok()) << t.status();
+  for (bool with_uuid : {false, true}) {
+    SCOPED_TRACE(with_uuid ? "with the GPU's UUID" : "without UUID");
+    RawCudaIpcBuffer raw;
+    raw.ipc_handle = child.handle;
+    raw.size_bytes = 4096;
+    raw.device = 0;  // the worker's numbering
+    if (with_uuid) raw.device_uuid = uuid1;
+    raw.node_id = DefaultNodeId();
+    raw.label = "worker buffer";
+    auto wr = (*t)->ImportDescriptor(*CudaIpcDescriptorFromRawHandle(raw));
+    ASSERT_TRUE(wr.ok()) << wr.status();
+    auto info = (*t)->Describe(*wr);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->device, 1) << "the buffer lives on our GPU 1";
+    auto local = MakeTestBuffer(MemoryKind::kCuda, 4096, 1, "local");
+    ASSERT_TRUE(local.ok());
+    auto lr = (*t)->RegisterMemory((*local)->spec());
+    ASSERT_TRUE(lr.ok()) << lr.status();
+    Batch b;
+    b.tag = 6;
+    CopyOp op = Contig(0, 0, 4096);
+    op.src.region = *wr;
+    op.dst.region = *lr;
+    b.ops.push_back(op);
+    auto id = (*t)->Post(b);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE((*t)->Wait(*id, absl::Now() + absl::Seconds(30)).ok());
+    auto got = (*local)->ReadAll();
+    ASSERT_TRUE(got.ok());
+    for (size_t i = 0; i < 4096; ++i) ASSERT_EQ((*got)[i], ChildPattern(4, i)) << "byte " << i;
+    EXPECT_TRUE((*t)->Release(*lr).ok());
+    EXPECT_TRUE((*t)->Release(*wr).ok());
+  }
 }
 
 // A raw handle of THIS process's own allocation cannot be opened (CUDA refuses same-process IPC).

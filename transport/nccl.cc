@@ -368,6 +368,7 @@ class NcclTransport : public Transport {
     ASSIGN_OR_RETURN(const Region* r, regions_.Find(h));
     RegionInfo info = BasicRegionInfo(*r);
     info.kind = MemoryKind::kCuda;
+    if (info.local) info.device = device_;  // only memory on this transport's GPU registers
     for (auto& [pid, p] : peers_) {
       if (!info.local && p->instance == r->owner_instance) info.peer = PeerId{pid};
     }

@@ -175,6 +175,7 @@ struct RegionInfo {
   PeerId peer = kNoPeer;     // imports: the connected peer that exported it, if known
   std::string owner_instance;  // instance_id() of the exporter (== ours for local regions)
   std::string label;
+  int device = -1;             // kCuda: the GPU holding the bytes, in this process's numbering; else -1
 };
 
 // One side of a copy op.

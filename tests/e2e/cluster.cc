@@ -146,7 +146,7 @@ absl::StatusOr<Process*> Cluster::SpawnWorker(const RunOptions& run, const Worke
   if (w.trainer && !run.gate_dir.empty()) argv.push_back("--gate_dir=" + run.gate_dir);
   for (const auto& f : w.extra_flags) argv.push_back(f);
   ++workers_;
-  return harness_->Spawn(absl::StrCat(role, w.rank, "-n", w.node, "-", run.model_id), argv);
+  return harness_->Spawn(absl::StrCat(role, w.rank, "-n", w.node, "-", run.model_id), argv, w.env);
 }
 
 absl::StatusOr<pb::StatusResponse> Cluster::Status() const {

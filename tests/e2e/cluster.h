@@ -63,6 +63,7 @@ struct WorkerSpec {
   int64_t step_ms = 0;
   std::vector<std::string> extra_flags;
   std::string memory = "shm";  // shm | cuda (the worker's --memory; cuda needs gpu >= 0)
+  std::vector<std::string> env;  // extra environment of the worker process, "K=V"
 };
 
 class Cluster {

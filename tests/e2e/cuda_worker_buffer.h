@@ -20,6 +20,8 @@ class CudaWorkerBuffer {
   static absl::StatusOr<std::unique_ptr<CudaWorkerBuffer>> Create(int gpu, int64_t size);
   // The 64 bytes of cudaIpcMemHandle_t of the allocation.
   virtual std::string ipc_handle() const = 0;
+  // The 16 bytes of cudaDeviceProp::uuid of its GPU.
+  virtual std::string gpu_uuid() const = 0;
   virtual int64_t size() const = 0;
   // Host -> device / device -> host of the whole buffer (synchronous).
   virtual absl::Status Upload(const void* host) = 0;

@@ -15,12 +15,14 @@ absl::Status Check(cudaError_t e, const std::string& what) {
 
 class Impl : public CudaWorkerBuffer {
  public:
-  Impl(int gpu, void* p, int64_t size, std::string handle) : gpu_(gpu), p_(p), size_(size), handle_(std::move(handle)) {}
+  Impl(int gpu, void* p, int64_t size, std::string handle, std::string uuid)
+      : gpu_(gpu), p_(p), size_(size), handle_(std::move(handle)), uuid_(std::move(uuid)) {}
   ~Impl() override {
     (void)cudaSetDevice(gpu_);
     if (cudaFree(p_) != cudaSuccess) (void)cudaGetLastError();
   }
   std::string ipc_handle() const override { return handle_; }
+  std::string gpu_uuid() const override { return uuid_; }
   int64_t size() const override { return size_; }
   absl::Status Upload(const void* host) override {
     if (absl::Status s = Check(cudaSetDevice(gpu_), "cudaSetDevice"); !s.ok()) return s;
@@ -43,6 +45,7 @@ class Impl : public CudaWorkerBuffer {
   void* p_;
   int64_t size_;
   std::string handle_;
+  std::string uuid_;
 };
 
 }  // namespace
@@ -56,11 +59,14 @@ absl::StatusOr<std::unique_ptr<CudaWorkerBuffer>> CudaWorkerBuffer::Create(int g
   absl::Status s = Check(cudaMemset(p, 0, static_cast<size_t>(size)), "cudaMemset");
   cudaIpcMemHandle_t h;
   if (s.ok()) s = Check(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle");
+  cudaDeviceProp prop;
+  if (s.ok()) s = Check(cudaGetDeviceProperties(&prop, gpu), "cudaGetDeviceProperties");
   if (!s.ok()) {
     (void)cudaFree(p);
     return s;
   }
-  return std::unique_ptr<CudaWorkerBuffer>(new Impl(gpu, p, size, std::string(reinterpret_cast<const char*>(&h), sizeof(h))));
+  return std::unique_ptr<CudaWorkerBuffer>(new Impl(gpu, p, size, std::string(reinterpret_cast<const char*>(&h), sizeof(h)),
+                                                    std::string(prop.uuid.bytes, sizeof(prop.uuid.bytes))));
 }
 
 }  // namespace wb::e2e

@@ -310,23 +310,30 @@ TEST(GpuEmulatedCrossNodeTest, NcclBetweenNodes) {
 // communicators straight to each rollout GPU's own staging (lane pairs (0,2) (0,3) (1,2) (1,3), in
 // parallel within a bucket): no GPU funnels another's bytes, and nothing is copied to another GPU
 // first. Byte-exact, every mode that moves snapshots (one-step-off) and live buffers (sync).
-TEST(GpuEmulatedCrossNodeTest, NcclLanePerGpu) {
-  WB_REQUIRE_GPUS();
-  if (NumGpus() < 4) GTEST_SKIP() << "needs 4 visible CUDA device(s), found " << NumGpus() << " (two lanes per node, none shared)";
-  auto started = StartCluster("gpu-nccl-lanes", NcclCluster("0,1", "2,3"));
+// `container`: every worker sees only its own GPU (CUDA_VISIBLE_DEVICES=<gpu>, so it calls it GPU 0,
+// as in a container or with one GPU per rank); the even ranks send the GPU's UUID, the odd ones do
+// not (the daemon must find the GPU from the mapping). The daemons see every GPU: the same lanes
+// must carry the bytes, so each buffer was placed on the right GPU in the daemon's numbering.
+void RunLanePerGpu(bool container) {
+  auto started = StartCluster(container ? "gpu-nccl-lanes-container" : "gpu-nccl-lanes", NcclCluster("0,1", "2,3"));
   ASSERT_TRUE(started.ok()) << started.status();
   Cluster& cl = *started->cluster;
   double bounced_before_sync = 0;
   for (const std::string mode : {"one_step_off", "sync"}) {
-    RunOptions run = GpuRun("qwen-gpu-lanes-" + mode, mode, 2);
+    RunOptions run = GpuRun(absl::StrCat("qwen-gpu-lanes-", container ? "c-" : "", mode), mode, 2);
     run.layout_source = "pieces";
     Workers w = FsdpToVllm(0, 1);
     for (int r = 0; r < 2; ++r) {
-      w.trainers[r].gpu = r;
-      w.rollouts[r].gpu = 2 + r;
+      for (WorkerSpec* spec : {&w.trainers[r], &w.rollouts[r]}) {
+        spec->gpu = spec == &w.trainers[r] ? r : 2 + r;
+        if (!container) continue;
+        spec->env = {absl::StrCat("CUDA_VISIBLE_DEVICES=", spec->gpu)};
+        spec->gpu = 0;
+        if (r == 1) spec->extra_flags.push_back("--send_gpu_uuid=false");
+      }
     }
     RunAndVerify(cl, run, w.trainers, w.rollouts);
-    if (HasFailure()) return;
+    if (testing::Test::HasFailure()) return;
     if (mode == "one_step_off") {
       bounced_before_sync = Sum(NodeMetrics(cl, 0), "wb_nccl_bounce_bytes_total", {});
       EXPECT_EQ(bounced_before_sync, 0) << "snapshots are on their own lanes' GPUs: nothing to copy first";
@@ -347,6 +354,18 @@ TEST(GpuEmulatedCrossNodeTest, NcclLanePerGpu) {
   // on their own GPU first, never to another GPU.
   EXPECT_GT(Sum(m0, "wb_nccl_bounce_bytes_total", {}), bounced_before_sync);
   EXPECT_EQ(Sum(m1, "wb_cuda_staged_bytes_total", {"memory=\"host\""}), 0);
+}
+
+TEST(GpuEmulatedCrossNodeTest, NcclLanePerGpu) {
+  WB_REQUIRE_GPUS();
+  if (NumGpus() < 4) GTEST_SKIP() << "needs 4 visible CUDA device(s), found " << NumGpus() << " (two lanes per node, none shared)";
+  RunLanePerGpu(false);
+}
+
+TEST(GpuEmulatedCrossNodeTest, NcclLanePerGpuWithWorkersNumberingGpusDifferently) {
+  WB_REQUIRE_GPUS();
+  if (NumGpus() < 4) GTEST_SKIP() << "needs 4 visible CUDA device(s), found " << NumGpus() << " (two lanes per node, none shared)";
+  RunLanePerGpu(true);
 }
 
 // A peer that vanishes mid-transfer on the nccl route: n1 (receiving over nccl) is frozen with v2

@@ -32,6 +32,7 @@ ABSL_FLAG(int, replicas, 1, "vllm/sglang replicas");
 ABSL_FLAG(int, rank, 0, "this worker's rank in the preset's world");
 ABSL_FLAG(std::string, worker_id, "", "worker id (default <role>/<rank>)");
 ABSL_FLAG(int, gpu, -1, "host slot / GPU index reported to the daemon (-1 = host)");
+ABSL_FLAG(bool, send_gpu_uuid, true, "--memory=cuda: send the GPU's UUID with the buffer (false: the daemon must find the GPU itself)");
 ABSL_FLAG(std::string, layout_source, "preset",
           "how the layout reaches the daemon: preset (by name) | pieces (explicit)");
 ABSL_FLAG(int64_t, first_version, 1, "first version");
@@ -208,7 +209,10 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   if (memory == "cuda") {
     ASSIGN_OR_RETURN(ctx.cuda, CudaWorkerBuffer::Create(absl::GetFlag(FLAGS_gpu), size));
     ctx.host_mirror.assign(static_cast<size_t>(size), 0);
-    RETURN_IF_ERROR(ctx.client->AddCudaBuffer(ctx.cuda->ipc_handle(), size, absl::GetFlag(FLAGS_gpu)).status());
+    RETURN_IF_ERROR(ctx.client
+                        ->AddCudaBuffer(ctx.cuda->ipc_handle(), size, absl::GetFlag(FLAGS_gpu),
+                                        absl::GetFlag(FLAGS_send_gpu_uuid) ? ctx.cuda->gpu_uuid() : std::string())
+                        .status());
     ctx.memory.buffers = {ctx.host_mirror.data()};
     ctx.memory.sizes = {size};
   } else if (memory == "shm") {

@@ -10,8 +10,13 @@
 // preempt libcudart.so's. Nothing here talks to a driver.
 //
 // Emulated semantics (the contract tests may rely on):
-//  - Devices: WB_FAKE_CUDA_DEVICES (default 1) devices; per-thread current device (cudaSetDevice);
-//    device UUIDs are deterministic per ordinal, so they match across processes. Each device has
+//  - Devices: WB_FAKE_CUDA_DEVICES (default 1) devices on the machine; CUDA_VISIBLE_DEVICES (a list
+//    of ordinals) shows a process only those, renumbered from 0 in list order (the list ends at
+//    the first entry that is not a device); per-thread current device (cudaSetDevice); device
+//    UUIDs are deterministic per device of the machine, so they match across processes whatever
+//    their numbering. An IPC mapping belongs to the GPU that holds the memory
+//    (cudaPointerGetAttributes), in the opener's numbering; memory of a GPU the opener cannot see
+//    cannot be opened (cudaErrorInvalidDevice). Each device has
 //    WB_FAKE_CUDA_MEM_BYTES (default 16 GiB) of memory (cudaErrorMemoryAllocation beyond).
 //  - Device memory (cudaMalloc) is a POSIX shm segment (/dev/shm/wbfc.<pid>.<token>.<n>, 0600)
 //    mapped twice: the pointer handed out is a PROT_NONE reservation (a host dereference of a device
@@ -78,5 +83,8 @@ void Enqueue(cudaStream_t stream, std::function<cudaError_t()> fn);
 
 // The device that `stream` belongs to (the current device when it was created); -1 if unknown.
 int StreamDevice(cudaStream_t stream);
+
+// The machine's device behind this process's ordinal `device` (CUDA_VISIBLE_DEVICES), or -1.
+int PhysicalDevice(int device);
 
 }  // namespace wb::fake_cuda

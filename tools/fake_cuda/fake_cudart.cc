@@ -45,6 +45,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -136,6 +139,7 @@ struct State {
   absl::Mutex mu;
   pid_t pid = 0;
   int devices = 1;
+  std::vector<int> physical;  // this process's ordinal -> the machine's device (CUDA_VISIBLE_DEVICES)
   size_t mem_per_device = 0;
   absl::Duration sync_timeout;
   int64_t op_delay_us = 0;
@@ -160,7 +164,19 @@ State& S() {
   static State* s = [] {
     auto* st = new State();  // leaked: worker threads may outlive static destruction
     st->pid = getpid();
-    st->devices = static_cast<int>(EnvInt("WB_FAKE_CUDA_DEVICES", 1, 0, 64));
+    const int machine = static_cast<int>(EnvInt("WB_FAKE_CUDA_DEVICES", 1, 0, 64));
+    // CUDA_VISIBLE_DEVICES (ordinals only): the listed devices, renumbered 0, 1, ... in list
+    // order; like CUDA, the list ends at the first entry that is not a device of the machine.
+    if (const char* v = getenv("CUDA_VISIBLE_DEVICES"); v != nullptr) {
+      for (absl::string_view item : absl::StrSplit(v, ',')) {
+        int d = -1;
+        if (!absl::SimpleAtoi(item, &d) || d < 0 || d >= machine) break;
+        st->physical.push_back(d);
+      }
+    } else {
+      for (int d = 0; d < machine; ++d) st->physical.push_back(d);
+    }
+    st->devices = static_cast<int>(st->physical.size());
     st->mem_per_device = static_cast<size_t>(EnvInt("WB_FAKE_CUDA_MEM_BYTES", int64_t{16} << 30, 1 << 20, int64_t{1} << 44));
     st->sync_timeout = absl::Seconds(EnvInt("WB_FAKE_CUDA_SYNC_TIMEOUT_S", 120, 1, 86400));
     st->op_delay_us = EnvInt("WB_FAKE_CUDA_OP_DELAY_US", 0, 0, 10'000'000);
@@ -682,6 +698,11 @@ void Enqueue(cudaStream_t stream, std::function<cudaError_t()> fn) {
   if (st->legacy) (void)WaitLocked(st, seq, "wb::fake_cuda::Enqueue");
 }
 
+int PhysicalDevice(int device) {
+  const State& s = S();
+  return device >= 0 && device < static_cast<int>(s.physical.size()) ? s.physical[device] : -1;
+}
+
 int StreamDevice(cudaStream_t stream) {
   State& s = S();
   absl::MutexLock l(&s.mu);
@@ -849,8 +870,9 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int d) {
   if (d < 0 || d >= S().devices) return Fail(cudaErrorInvalidDevice, "cudaGetDeviceProperties", "device %d", d);
   memset(prop, 0, sizeof(*prop));
   snprintf(prop->name, sizeof(prop->name), "WeightBridge fake CUDA device %d (CPU emulation, tools/fake_cuda)", d);
-  // Deterministic per ordinal, so every process sees the same UUIDs (cuda_ipc matches on them).
-  uint64_t x = 0x57424643554441ull + static_cast<uint64_t>(d) * 0x9E3779B97F4A7C15ull;
+  // Deterministic per device of the machine, so every process sees the same UUID for a device
+  // whatever its CUDA_VISIBLE_DEVICES (cuda_ipc matches on them).
+  uint64_t x = 0x57424643554441ull + static_cast<uint64_t>(S().physical[d]) * 0x9E3779B97F4A7C15ull;
   for (int i = 0; i < 16; ++i) {
     x ^= x >> 30;
     x *= 0xBF58476D1CE4E5B9ull;
@@ -1326,7 +1348,7 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
   HandleBytes hb = {};
   memcpy(hb.magic, kHandleMagic, sizeof(hb.magic));
   hb.pid = s.pid;
-  hb.device = a->device;
+  hb.device = s.physical[a->device];  // the machine's numbering: the importer may number it differently
   hb.size = a->size;
   snprintf(hb.name, sizeof(hb.name), "%s", a->shm_name.c_str());
   memcpy(handle, &hb, sizeof(hb));
@@ -1368,9 +1390,17 @@ cudaError_t cudaIpcOpenMemHandle(void** out, cudaIpcMemHandle_t handle, unsigned
     close(fd);
     return Fail(cudaErrorInvalidValue, api, "%s is smaller than the handle says", hb.name);
   }
+  // The mapping belongs to the GPU holding the memory (cudaPointerGetAttributes says so), in this
+  // process's numbering; a GPU this process cannot see cannot be mapped.
+  const auto local = std::find(s.physical.begin(), s.physical.end(), hb.device);
+  if (local == s.physical.end()) {
+    close(fd);
+    return Fail(cudaErrorInvalidDevice, api, "%s lives on device %d of the machine, not visible to this process (CUDA_VISIBLE_DEVICES)",
+                hb.name, hb.device);
+  }
   auto a = std::make_shared<Alloc>();
   if (cudaError_t e = MapAlloc(fd, hb.size, a.get(), api); e != cudaSuccess) return e;
-  a->device = t_device;
+  a->device = static_cast<int>(local - s.physical.begin());
   a->opened = true;
   a->ipc_refs = 1;
   a->shm_name = hb.name;

@@ -269,7 +269,7 @@ Hello MakeHello(const CommState& c) {
   std::memcpy(h.key, c.key, kKeyBytes);
   h.rank = c.rank;
   h.nranks = c.nranks;
-  h.device = c.device;
+  h.device = wb::fake_cuda::PhysicalDevice(c.device);  // the machine's numbering: compared across processes
   h.pid = static_cast<int32_t>(getpid());
   std::snprintf(h.host, sizeof(h.host), "%s", HostKey().c_str());
   return h;
@@ -362,7 +362,7 @@ ncclResult_t Bootstrap(CommState& c) {
 // NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected").
 ncclResult_t CheckDevices(CommState& c) {
   std::vector<PeerConn> all = c.peers;
-  all[c.rank].device = c.device;
+  all[c.rank].device = wb::fake_cuda::PhysicalDevice(c.device);
   all[c.rank].pid = static_cast<int>(getpid());
   all[c.rank].host = HostKey();
   for (int i = 0; i < c.nranks; ++i) {

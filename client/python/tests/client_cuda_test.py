@@ -72,6 +72,10 @@ class CudaClientTest(unittest.TestCase):
         from weightbridge.cuda import CudaBuffer
         b = CudaBuffer(64, 1)
         self.assertEqual(len(b.ipc_handle), 64)
+        from weightbridge.cuda import gpu_uuid
+        self.assertEqual(len(b.gpu_uuid), 16)
+        self.assertEqual(b.gpu_uuid, gpu_uuid(1))
+        self.assertNotEqual(gpu_uuid(0), gpu_uuid(1), "each GPU has its own UUID")
         self.assertEqual(b.read(0, 64), bytes(64))  # zero-filled
         b.write(3, b"abc")
         self.assertEqual(b.read(2, 5), b"\x00abc\x00")

@@ -185,7 +185,8 @@ class WorkerClient:
             if isinstance(b, SharedBuffer):
                 out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, shm_name=b.name, gpu=-1))
             else:
-                out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, cuda_ipc_handle=b.ipc_handle, gpu=b.gpu))
+                out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, cuda_ipc_handle=b.ipc_handle, gpu=b.gpu,
+                                          gpu_uuid=getattr(b, "gpu_uuid", b"")))
         return out
 
     def register_layout(self, layout, weight_buffer=None, resolve="auto") -> LayoutInfo:

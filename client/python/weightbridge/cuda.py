@@ -52,6 +52,21 @@ def _check(err, what):
         raise RuntimeError("%s failed: %s (cudaError %d)" % (what, rt.cudaGetErrorString(err).decode(), err))
 
 
+def gpu_uuid(gpu):
+    """The 16 bytes of cudaDeviceProp::uuid of device `gpu` (as this process numbers it).
+
+    Sent with every CUDA buffer so that the daemon finds the GPU even when this process's
+    CUDA_VISIBLE_DEVICES numbers GPUs differently from the daemon's (containers, one GPU per rank).
+    cudaDeviceProp starts with char name[256] then the uuid in every CUDA version; the rest of the
+    struct is not read (a generous buffer absorbs its size, which varies between versions).
+    """
+    rt = _rt()
+    props = ctypes.create_string_buffer(16384)
+    fn = getattr(rt, "cudaGetDeviceProperties_v2", None) or rt.cudaGetDeviceProperties
+    _check(fn(props, int(gpu)), "cudaGetDeviceProperties(%d)" % int(gpu))
+    return props.raw[256:272]
+
+
 class CudaBuffer:
     """`size_bytes` of device memory on `gpu`, zero-filled, exportable by CUDA IPC."""
 
@@ -68,6 +83,7 @@ class CudaBuffer:
         handle = (ctypes.c_byte * _IPC_HANDLE_BYTES)()
         _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
         self.ipc_handle = bytes(handle)
+        self.gpu_uuid = gpu_uuid(self.gpu)
 
     def _span(self, offset, n):
         if not self.ptr:
