@@ -62,11 +62,7 @@ struct StrategyResult {
   std::string error;
 };
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using e2e::Median;
 
 StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::string& config,
                            int versions, int replicas) {
@@ -78,48 +74,28 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
   run.mode = "sync";
   run.strategy = strategy;
   run.versions = versions;
-  run.num_trainers = 2;
-  run.num_rollouts = 2 * replicas;
   run.timeout_ms = 300000;
-  std::vector<Process*> trainers, rollouts;
+  std::vector<e2e::WorkerSpec> trainer_specs, rollout_specs;
   for (int r = 0; r < 2; ++r) {
     e2e::WorkerSpec w{true, 0, "megatron", 2, 1, 1, 1, r, r};
     w.extra_flags = {"--populate"};
-    auto p = cl.SpawnWorker(run, w);
-    if (!p.ok()) {
-      res.error = p.status().ToString();
-      return res;
-    }
-    trainers.push_back(*p);
+    trainer_specs.push_back(w);
   }
   for (int r = 0; r < 2 * replicas; ++r) {
     e2e::WorkerSpec w{false, 1, "vllm", 2, 1, 1, replicas, r, r};
     w.extra_flags = {"--populate"};
-    auto p = cl.SpawnWorker(run, w);
-    if (!p.ok()) {
-      res.error = p.status().ToString();
-      return res;
-    }
-    rollouts.push_back(*p);
+    rollout_specs.push_back(w);
   }
-  bool ok = true;
-  for (Process* p : rollouts) {
-    absl::Status s = e2e::ExpectCleanExit(p, absl::Minutes(10));
-    if (!s.ok()) {
-      ok = false;
-      res.error = s.ToString();
-    }
+  auto workers = cl.RunWorkers(run, trainer_specs, rollout_specs, absl::Minutes(10), absl::Minutes(2));
+  if (!workers.ok()) {
+    res.error = workers.status().ToString();
+    return res;
   }
-  for (Process* p : trainers) {
-    absl::Status s = e2e::ExpectCleanExit(p, absl::Minutes(2));
-    if (!s.ok()) {
-      ok = false;
-      res.error = s.ToString();
-    }
-  }
+  bool ok = workers->failures.empty();
+  if (!ok) res.error = workers->failures.back().ToString();
   const int64_t model_bytes = e2e::ModelBytes(config);
   int64_t verified_last = 0;
-  for (Process* p : rollouts) {
+  for (Process* p : workers->rollouts) {
     if (!e2e::EventsNamed(p, "mismatch").empty()) ok = false;
     verified_last += e2e::VerifiedBytes(p, static_cast<uint64_t>(versions));
   }
@@ -130,27 +106,10 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
     res.error = absl::StrCat("only ", verified_last, " bytes verified for the last version, want >= ",
                              static_cast<int64_t>(replicas) * model_bytes);
   }
-  // A version can start once every trainer published it and every rollout paused for it; it is
-  // done when every worker saw it committed. (Measuring from the trainers' publish alone would
-  // count the rollouts' byte checking of the previous version, which the test adds, not the
-  // system.)
+  // Per version: every trainer published + every rollout paused -> every worker saw it committed
+  // (e2e::UpdateWindow).
   for (int v = 1; v <= versions; ++v) {
-    double start = -1, end = -1;
-    for (Process* t : trainers) {
-      for (auto& e : t->Events()) {
-        if (e.value("version", 0) != v) continue;
-        if (e.value("event", "") == "published") start = std::max(start, e.value("t_start", -1.0));
-        if (e.value("event", "") == "committed") end = std::max(end, e.value("t", -1.0));
-      }
-    }
-    for (Process* r : rollouts) {
-      for (auto& e : e2e::EventsNamed(r, "applied")) {
-        if (e.value("version", 0) != v) continue;
-        start = std::max(start, e.value("t_start", -1.0));
-        end = std::max(end, e.value("t", -1.0));
-      }
-    }
-    res.update_s.push_back(start >= 0 && end >= start ? end - start : 0);
+    res.update_s.push_back(e2e::UpdateWindow(workers->trainers, workers->rollouts, static_cast<uint64_t>(v)).seconds());
   }
   std::vector<double> steady(res.update_s.begin() + (versions > 1 ? 1 : 0), res.update_s.end());
   res.median_s = Median(steady);

@@ -44,11 +44,7 @@ namespace {
 using e2e::Cluster;
 using e2e::Process;
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using e2e::Median;
 
 struct ModeResult {
   std::vector<double> update_s;        // sync: per version
@@ -65,75 +61,41 @@ ModeResult RunMode(Cluster& cl, const std::string& tag, const std::string& mode,
   run.model_id = absl::StrCat("qwen-", tag, "-", mode);
   run.mode = mode;
   run.versions = versions;
-  run.num_trainers = 2;
-  run.num_rollouts = 2;
   run.timeout_ms = 300000;
   run.layout_source = "preset";
-  std::vector<Process*> trainers, rollouts;
+  std::vector<e2e::WorkerSpec> trainer_specs, rollout_specs;
   for (int r = 0; r < 2; ++r) {
     e2e::WorkerSpec t{true, 0, "fsdp", 1, 1, 2, 1, r, r % gpus};
     t.memory = "cuda";
-    auto p = cl.SpawnWorker(run, t);
-    if (!p.ok()) {
-      res.error = p.status().ToString();
-      return res;
-    }
-    trainers.push_back(*p);
-  }
-  for (int r = 0; r < 2; ++r) {
+    trainer_specs.push_back(t);
     e2e::WorkerSpec o{false, 0, "vllm", 2, 1, 1, 1, r, r % gpus};
     o.memory = "cuda";
     // One-step-off: generate long enough that each version is committed before Apply, so the
     // apply stall is the copy into live weights, not the wait for the transfer.
     if (mode != "sync") o.step_ms = 1000;
-    auto p = cl.SpawnWorker(run, o);
-    if (!p.ok()) {
-      res.error = p.status().ToString();
-      return res;
-    }
-    rollouts.push_back(*p);
+    rollout_specs.push_back(o);
   }
-  bool ok = true;
-  for (Process* p : rollouts) {
-    absl::Status s = e2e::ExpectCleanExit(p, absl::Minutes(10));
-    if (!s.ok()) ok = false, res.error = s.ToString();
+  auto workers = cl.RunWorkers(run, trainer_specs, rollout_specs, absl::Minutes(10), absl::Minutes(2));
+  if (!workers.ok()) {
+    res.error = workers.status().ToString();
+    return res;
   }
-  for (Process* p : trainers) {
-    absl::Status s = e2e::ExpectCleanExit(p, absl::Minutes(2));
-    if (!s.ok()) ok = false, res.error = s.ToString();
-  }
+  bool ok = workers->failures.empty();
+  if (!ok) res.error = workers->failures.back().ToString();
   int64_t verified_last = 0;
-  for (Process* p : rollouts) {
+  for (Process* p : workers->rollouts) {
     if (!e2e::EventsNamed(p, "mismatch").empty()) ok = false;
     verified_last += e2e::VerifiedBytes(p, static_cast<uint64_t>(versions));
   }
   res.verified = ok && verified_last >= e2e::ModelBytes(config);
   if (ok && !res.verified) res.error = absl::StrCat("only ", verified_last, " bytes verified for the last version");
   for (int v = 1; v <= versions; ++v) {
-    double start = -1, end = -1, pub = 0, app = 0;
-    for (Process* t : trainers) {
-      for (auto& e : t->Events()) {
-        if (e.value("version", 0) != v) continue;
-        if (e.value("event", "") == "published") {
-          start = std::max(start, e.value("t_start", -1.0));
-          pub = std::max(pub, e.value("stall_s", 0.0));
-        }
-        if (e.value("event", "") == "committed") end = std::max(end, e.value("t", -1.0));
-      }
-    }
-    for (Process* r : rollouts) {
-      for (auto& e : e2e::EventsNamed(r, "applied")) {
-        if (e.value("version", 0) != v) continue;
-        start = std::max(start, e.value("t_start", -1.0));
-        end = std::max(end, e.value("t", -1.0));
-        app = std::max(app, e.value("stall_s", 0.0));
-      }
-    }
+    const e2e::VersionWindow w = e2e::UpdateWindow(workers->trainers, workers->rollouts, static_cast<uint64_t>(v));
     if (mode == "sync") {
-      res.update_s.push_back(start >= 0 && end >= start ? end - start : 0);
+      res.update_s.push_back(w.seconds());
     } else {
-      res.publish_stall_s.push_back(pub);
-      res.apply_stall_s.push_back(app);
+      res.publish_stall_s.push_back(w.publish_stall_s);
+      res.apply_stall_s.push_back(w.apply_stall_s);
     }
   }
   return res;

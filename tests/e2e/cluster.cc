@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/ctl_client.h"
+#include "tests/e2e/e2e_util.h"
 #include "tools/cc/status_macros.h"
 
 namespace wb::e2e {
@@ -147,6 +148,29 @@ absl::StatusOr<Process*> Cluster::SpawnWorker(const RunOptions& run, const Worke
   for (const auto& f : w.extra_flags) argv.push_back(f);
   ++workers_;
   return harness_->Spawn(absl::StrCat(role, w.rank, "-n", w.node, "-", run.model_id), argv, w.env);
+}
+
+absl::StatusOr<Cluster::RunResult> Cluster::RunWorkers(RunOptions run, const std::vector<WorkerSpec>& trainers,
+                                                       const std::vector<WorkerSpec>& rollouts, absl::Duration rollout_timeout,
+                                                       absl::Duration trainer_timeout) {
+  run.num_trainers = static_cast<int>(trainers.size());
+  run.num_rollouts = static_cast<int>(rollouts.size());
+  RunResult r;
+  for (const WorkerSpec& w : trainers) {
+    ASSIGN_OR_RETURN(Process * p, SpawnWorker(run, w));
+    r.trainers.push_back(p);
+  }
+  for (const WorkerSpec& w : rollouts) {
+    ASSIGN_OR_RETURN(Process * p, SpawnWorker(run, w));
+    r.rollouts.push_back(p);
+  }
+  for (Process* p : r.rollouts) {
+    if (absl::Status s = ExpectCleanExit(p, Scaled(rollout_timeout)); !s.ok()) r.failures.push_back(s);
+  }
+  for (Process* p : r.trainers) {
+    if (absl::Status s = ExpectCleanExit(p, Scaled(trainer_timeout)); !s.ok()) r.failures.push_back(s);
+  }
+  return r;
 }
 
 absl::StatusOr<pb::StatusResponse> Cluster::Status() const {

@@ -92,6 +92,18 @@ class Cluster {
 
   absl::StatusOr<Process*> SpawnWorker(const RunOptions& run, const WorkerSpec& spec);
 
+  // The workers of one run, as RunWorkers left them.
+  struct RunResult {
+    std::vector<Process*> trainers, rollouts;
+    std::vector<absl::Status> failures;  // one per worker that did not exit cleanly, rollouts first
+  };
+  // Spawns `trainers`, then `rollouts`, for `run` (its num_trainers / num_rollouts are taken from
+  // them) and waits until every rollout (within `rollout_timeout`), then every trainer (within
+  // `trainer_timeout`) has exited, both Scaled (harness.h). A worker that could not be spawned is the error.
+  absl::StatusOr<RunResult> RunWorkers(RunOptions run, const std::vector<WorkerSpec>& trainers, const std::vector<WorkerSpec>& rollouts,
+                                       absl::Duration rollout_timeout = absl::Seconds(240),
+                                       absl::Duration trainer_timeout = absl::Seconds(60));
+
   // ClusterStatus from the coordinator.
   absl::StatusOr<weightbridge::v1::StatusResponse> Status() const;
   // Waits (bounded) until `pred` holds, on the coordinator's status push (WatchStatus).

@@ -102,28 +102,11 @@ ClusterOptions NcclCluster(const std::string& n0_lanes = "0", const std::string&
 }
 
 // Runs trainers and rollouts to completion and checks every rollout byte of every version.
-void RunAndVerify(Cluster& cl, RunOptions run, const std::vector<WorkerSpec>& trainers, const std::vector<WorkerSpec>& rollouts) {
-  run.num_trainers = static_cast<int>(trainers.size());
-  run.num_rollouts = static_cast<int>(rollouts.size());
-  std::vector<Process*> t_procs, r_procs;
-  for (const auto& w : trainers) {
-    auto p = cl.SpawnWorker(run, w);
-    ASSERT_TRUE(p.ok()) << p.status();
-    t_procs.push_back(*p);
-  }
-  for (const auto& w : rollouts) {
-    auto p = cl.SpawnWorker(run, w);
-    ASSERT_TRUE(p.ok()) << p.status();
-    r_procs.push_back(*p);
-  }
-  for (Process* p : r_procs) {
-    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(240)));
-    EXPECT_TRUE(s.ok()) << s;
-  }
-  for (Process* p : t_procs) {
-    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
-    EXPECT_TRUE(s.ok()) << s;
-  }
+void RunAndVerify(Cluster& cl, const RunOptions& run, const std::vector<WorkerSpec>& trainers, const std::vector<WorkerSpec>& rollouts) {
+  auto result = cl.RunWorkers(run, trainers, rollouts);
+  ASSERT_TRUE(result.ok()) << result.status();
+  for (const absl::Status& s : result->failures) ADD_FAILURE() << s;
+  const std::vector<Process*>& r_procs = result->rollouts;
   if (testing::Test::HasFailure()) {
     for (int i = 0; cl.node(i) != nullptr && i < 4; ++i) {
       ADD_FAILURE() << "node " << i << " log:\n" << cl.node(i)->LogTail();

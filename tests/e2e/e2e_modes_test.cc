@@ -73,28 +73,10 @@ TEST_P(ModesTest, EveryRolloutByteMatchesTheAppliedVersion) {
     // Rollouts generate for a while between updates, so newer versions can supersede.
     for (auto& r : rollouts) r.step_ms = 200;
   }
-  run.num_trainers = static_cast<int>(trainers.size());
-  run.num_rollouts = static_cast<int>(rollouts.size());
-
-  std::vector<Process*> t_procs, r_procs;
-  for (const auto& w : trainers) {
-    auto p = cl.SpawnWorker(run, w);
-    ASSERT_TRUE(p.ok()) << p.status();
-    t_procs.push_back(*p);
-  }
-  for (const auto& w : rollouts) {
-    auto p = cl.SpawnWorker(run, w);
-    ASSERT_TRUE(p.ok()) << p.status();
-    r_procs.push_back(*p);
-  }
-  for (Process* p : r_procs) {
-    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(240)));
-    EXPECT_TRUE(s.ok()) << s;
-  }
-  for (Process* p : t_procs) {
-    absl::Status s = ExpectCleanExit(p, Scaled(absl::Seconds(60)));
-    EXPECT_TRUE(s.ok()) << s;
-  }
+  auto result = cl.RunWorkers(run, trainers, rollouts);
+  ASSERT_TRUE(result.ok()) << result.status();
+  for (const absl::Status& s : result->failures) ADD_FAILURE() << s;
+  const std::vector<Process*>& r_procs = result->rollouts;
   if (HasFailure()) {
     auto st = cl.Status();
     ADD_FAILURE() << "cluster status at failure: "

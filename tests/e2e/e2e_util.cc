@@ -1,5 +1,6 @@
 #include "tests/e2e/e2e_util.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -29,6 +30,35 @@ absl::Status ExpectCleanExit(const Process* p, absl::Duration timeout) {
                                             p->LogTail(3000)));
   }
   return absl::OkStatus();
+}
+
+VersionWindow UpdateWindow(const std::vector<Process*>& trainers, const std::vector<Process*>& rollouts, uint64_t version) {
+  VersionWindow w;
+  for (const Process* t : trainers) {
+    for (auto& e : t->Events()) {
+      if (e.value("version", uint64_t{0}) != version) continue;
+      if (e.value("event", "") == "published") {
+        w.start = std::max(w.start, e.value("t_start", -1.0));
+        w.publish_stall_s = std::max(w.publish_stall_s, e.value("stall_s", 0.0));
+      }
+      if (e.value("event", "") == "committed") w.end = std::max(w.end, e.value("t", -1.0));
+    }
+  }
+  for (const Process* r : rollouts) {
+    for (auto& e : EventsNamed(r, "applied")) {
+      if (e.value("version", uint64_t{0}) != version) continue;
+      w.start = std::max(w.start, e.value("t_start", -1.0));
+      w.end = std::max(w.end, e.value("t", -1.0));
+      w.apply_stall_s = std::max(w.apply_stall_s, e.value("stall_s", 0.0));
+    }
+  }
+  return w;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 int64_t VerifiedBytes(const Process* p, uint64_t version) {

@@ -22,6 +22,23 @@ absl::Status ExpectCleanExit(const Process* p, absl::Duration timeout);
 // Sum of the "bytes" of rollout `p`'s "verified" events for `version` with why == "applied".
 int64_t VerifiedBytes(const Process* p, uint64_t version);
 
+// One version's update window from the workers' events: `start` = the latest of every trainer's
+// publish start ("published" t_start) and every rollout's pause / apply start ("applied"
+// t_start), `end` = the latest "committed" (trainers) or "applied" (rollouts) time; and the
+// largest publish (trainer) and apply (rollout) stalls. A version can start once every trainer
+// published it and every rollout paused for it, and is done when every worker saw it committed
+// (timing from the trainers' publish alone would count the rollouts' byte checking of the
+// previous version, which the test adds, not the system).
+struct VersionWindow {
+  double start = -1, end = -1;
+  double publish_stall_s = 0, apply_stall_s = 0;
+  double seconds() const { return start >= 0 && end >= start ? end - start : 0; }
+};
+VersionWindow UpdateWindow(const std::vector<Process*>& trainers, const std::vector<Process*>& rollouts, uint64_t version);
+
+// Median of `v` (0 when empty).
+double Median(std::vector<double> v);
+
 // Path of the test model config (the reduced 2-layer Qwen2.5-0.5B unless `full`; in sanitizer
 // builds, the same family with a smaller vocabulary and MLP, testdata/README.md).
 std::string ModelConfigPath(bool full = false);
