@@ -165,6 +165,18 @@ absl::Status SpawnHoldingChild(size_t size, int seed, const std::vector<std::str
   return absl::OkStatus();
 }
 
+// Copies `op` (its regions set here) from `src` to `dst` in one batch and waits for it.
+absl::Status CopyOnce(Transport& t, RegionHandle src, RegionHandle dst, CopyOp op, uint64_t tag) {
+  op.src.region = src;
+  op.dst.region = dst;
+  Batch b;
+  b.tag = tag;
+  b.ops.push_back(std::move(op));
+  absl::StatusOr<BatchId> id = t.Post(b);
+  if (!id.ok()) return id.status();
+  return t.Wait(*id, absl::Now() + absl::Seconds(30));
+}
+
 // A worker's raw IPC handle with an offset (what the daemon imports via CudaIpcDescriptorFromRawHandle).
 TEST(CudaIpcEmulatedTest, RawWorkerHandleWithOffset) {
   constexpr size_t kWorkerAlloc = 300000;
@@ -189,15 +201,7 @@ TEST(CudaIpcEmulatedTest, RawWorkerHandleWithOffset) {
   ASSERT_TRUE(desc.ok()) << desc.status();
   auto wr = (*t)->ImportDescriptor(*desc);
   ASSERT_TRUE(wr.ok()) << wr.status();
-  Batch b;
-  b.tag = 5;
-  CopyOp op = Contig(0, 100, 5000);
-  op.src.region = *wr;
-  op.dst.region = *lr;
-  b.ops.push_back(op);
-  auto id = (*t)->Post(b);
-  ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_TRUE((*t)->Wait(*id, absl::Now() + absl::Seconds(30)).ok());
+  ASSERT_TRUE(CopyOnce(**t, *wr, *lr, Contig(0, 100, 5000), 5).ok());
   auto got = (*local)->ReadAll();
   ASSERT_TRUE(got.ok());
   for (int64_t i = 0; i < 8192; ++i) {
@@ -244,15 +248,7 @@ TEST(CudaIpcEmulatedTest, RawHandleOfAWorkerThatNumbersGpusDifferently) {
     ASSERT_TRUE(local.ok());
     auto lr = (*t)->RegisterMemory((*local)->spec());
     ASSERT_TRUE(lr.ok()) << lr.status();
-    Batch b;
-    b.tag = 6;
-    CopyOp op = Contig(0, 0, 4096);
-    op.src.region = *wr;
-    op.dst.region = *lr;
-    b.ops.push_back(op);
-    auto id = (*t)->Post(b);
-    ASSERT_TRUE(id.ok()) << id.status();
-    ASSERT_TRUE((*t)->Wait(*id, absl::Now() + absl::Seconds(30)).ok());
+    ASSERT_TRUE(CopyOnce(**t, *wr, *lr, Contig(0, 0, 4096), 6).ok());
     auto got = (*local)->ReadAll();
     ASSERT_TRUE(got.ok());
     for (size_t i = 0; i < 4096; ++i) ASSERT_EQ((*got)[i], ChildPattern(4, i)) << "byte " << i;
