@@ -53,9 +53,23 @@
 //    cudaErrorInitializationError (gtest death tests must use the "threadsafe" style).
 //  - Errors: per-thread last error (cudaGetLastError returns and clears it; a sticky error is
 //    returned forever); every failing call prints why on stderr ("fake_cuda[pid]: ...").
-//  - cudaGetDriverEntryPointByVersion("cuMemGetAddressRange") returns an emulated driver call
-//    (base and size of the live allocation containing the pointer); other symbols: not found.
-// Not emulated: kernels, CUDA arrays, memory pools / cuMem* VMM, managed memory, cudaStreamPerThread,
+//  - cudaGetDriverEntryPointByVersion hands out emulated driver calls: cuMemGetAddressRange (base
+//    and size of the live allocation or cuMemMap mapping containing the pointer) and the VMM calls
+//    below; other symbols: not found.
+//  - VMM (PyTorch expandable segments): cuMemGetAllocationGranularity (2 MiB), cuMemCreate (pinned,
+//    device location, requestedHandleTypes NONE or POSIX_FILE_DESCRIPTOR; a memfd named
+//    "wbfc-vmm.p<machine device>", filled with 0xA5), cuMemRelease (the handle dies, mapped bytes
+//    stay until unmapped), cuMemAddressReserve / cuMemAddressFree (a PROT_NONE range; freed ranges
+//    stay reserved; free with live mappings is refused), cuMemMap (offset 0, granularity-aligned,
+//    inside one reservation, no overlap), cuMemSetAccess (the range must be whole mappings; until
+//    read-write access is granted a copy touching the mapping is a sticky illegal address),
+//    cuMemUnmap (whole mappings; no implicit synchronisation), cuMemExportToShareableHandle
+//    (POSIX fd only: a dup of the memfd; refused if the allocation did not request that type),
+//    cuMemImportFromShareableHandle (fd of this emulator's export, also across processes; the
+//    device comes from the memfd's name and must be visible: CUDA_ERROR_INVALID_DEVICE),
+//    cuMemGetAllocationPropertiesFromHandle. A mapping is device memory for the runtime calls
+//    (cudaPointerGetAttributes, copies); cudaIpcGetMemHandle and cudaFree refuse it, as CUDA does.
+// Not emulated: kernels, CUDA arrays, memory pools, multicast / fabric handles, managed memory, cudaStreamPerThread,
 // timing events, peer-access control, the GPU memory model and performance.
 
 #include <cuda_runtime_api.h>

@@ -99,8 +99,27 @@ struct Alloc {
   bool opened = false;     // IPC import
   int ipc_refs = 0;        // imports: how many opens are outstanding
   std::string shm_name;    // "/wbfc...."
+  // cuMemMap mappings (VMM): `base` lies inside a cuMemAddressReserve reservation owned by the
+  // caller (not by this entry); bytes are inaccessible until cuMemSetAccess grants the device.
+  bool vmm = false;
+  bool accessible = true;
+  uint64_t vmm_handle = 0;  // the CUmemGenericAllocationHandle mapped here
   ~Alloc() {
     if (alias != nullptr) munmap(alias, mapped);
+  }
+};
+
+// A physical VMM allocation (cuMemCreate, or cuMemImportFromShareableHandle of another process's
+// export): a memfd named "wbfc-vmm.p<machine device>" (the name tells an importer which GPU holds
+// it; a memfd needs no unlinking and lives as long as some descriptor or mapping of it).
+struct VmmAlloc {
+  int fd = -1;
+  size_t size = 0;
+  int device = 0;           // this process's ordinal
+  bool imported = false;
+  bool exportable = false;  // requestedHandleTypes included CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+  ~VmmAlloc() {
+    if (fd >= 0) close(fd);
   }
 };
 
@@ -154,6 +173,10 @@ struct State {
   std::vector<size_t> used ABSL_GUARDED_BY(mu);
   std::vector<std::string> owned_names ABSL_GUARDED_BY(mu);  // shm names to unlink at exit
   std::string prefix ABSL_GUARDED_BY(mu);  // "wbfc.<pid>.<token>."
+  // VMM (cuMem*): physical allocations by CUmemGenericAllocationHandle, VA reservations by base.
+  std::map<uint64_t, std::shared_ptr<VmmAlloc>> vmm ABSL_GUARDED_BY(mu);
+  std::map<uintptr_t, size_t> reservations ABSL_GUARDED_BY(mu);
+  uint64_t vmm_counter ABSL_GUARDED_BY(mu) = 0;
   uint64_t counter ABSL_GUARDED_BY(mu) = 0;
   bool reaper_started ABSL_GUARDED_BY(mu) = false;
 };
@@ -279,6 +302,12 @@ char* ResolveLocked(uintptr_t p, size_t n, std::shared_ptr<Alloc>* hold, std::st
   if (a == nullptr) {
     snprintf(buf, sizeof(buf), "[0x%zx, +%zu) is in no live device allocation%s", static_cast<size_t>(p), n,
              InQuarantineLocked(p, n) ? " (it was freed / IPC-closed)" : "");
+    *why = buf;
+    return nullptr;
+  }
+  if (!a->accessible) {
+    snprintf(buf, sizeof(buf), "[0x%zx, +%zu) is cuMemMap-ped at 0x%zx but no cuMemSetAccess granted a device access",
+             static_cast<size_t>(p), n, static_cast<size_t>(a->base));
     *why = buf;
     return nullptr;
   }
@@ -737,6 +766,375 @@ CUresult FakeCuMemGetAddressRange(CUdeviceptr* pbase, size_t* psize, CUdeviceptr
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 static_assert(std::is_same_v<decltype(&FakeCuMemGetAddressRange), GetAddressRangeFn>);
 
+// ---- VMM driver calls (cuMem*), handed out by cudaGetDriverEntryPointByVersion ----
+
+constexpr size_t kVmmGranularity = size_t{2} << 20;  // what current GPUs report (2 MiB)
+constexpr char kVmmMemfdPrefix[] = "wbfc-vmm.p";       // memfd name: wbfc-vmm.p<machine device>
+
+const char* CuName(CUresult r) {
+  switch (r) {
+    case CUDA_SUCCESS: return "CUDA_SUCCESS";
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    case CUDA_ERROR_NOT_PERMITTED: return "CUDA_ERROR_NOT_PERMITTED";
+    default: return "CUDA_ERROR_(other)";
+  }
+}
+
+// Driver calls do not touch the runtime's last error; they say why on stderr and return r.
+CUresult DFail(CUresult r, const char* api, const char* fmt, ...) {
+  char buf[768];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  Log("%s -> %s: %s", api, CuName(r), buf);
+  return r;
+}
+
+CUresult DEnter(const char* api) {
+  State& s = S();
+  if (getpid() != s.pid) return DFail(CUDA_ERROR_NOT_INITIALIZED, api, "CUDA used in a forked child");
+  if (s.sticky.load() != cudaSuccess) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  return CUDA_SUCCESS;
+}
+
+#define FAKE_DENTER(api)                                     \
+  do {                                                       \
+    if (CUresult r_ = DEnter(api); r_ != CUDA_SUCCESS) return r_; \
+  } while (0)
+
+// A pinned device allocation on a device this process sees; *why otherwise.
+bool ValidProp(const CUmemAllocationProp* prop, const char** why) {
+  if (prop == nullptr) return *why = "null prop", false;
+  if (prop->type != CU_MEM_ALLOCATION_TYPE_PINNED) return *why = "type must be CU_MEM_ALLOCATION_TYPE_PINNED", false;
+  if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE) return *why = "location must be a device", false;
+  if (prop->location.id < 0 || prop->location.id >= S().devices) return *why = "no such device", false;
+  if ((prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0) {
+    return *why = "only CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (or none) is emulated", false;
+  }
+  return true;
+}
+
+CUresult FakeCuMemGetAllocationGranularity(size_t* granularity, const CUmemAllocationProp* prop,
+                                           CUmemAllocationGranularity_flags option) {
+  FAKE_DENTER("cuMemGetAllocationGranularity");
+  const char* why = "";
+  if (granularity == nullptr || !ValidProp(prop, &why) ||
+      (option != CU_MEM_ALLOC_GRANULARITY_MINIMUM && option != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemGetAllocationGranularity", "%s", granularity == nullptr ? "null out" : why);
+  }
+  *granularity = kVmmGranularity;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, const CUmemAllocationProp* prop,
+                         unsigned long long flags) {
+  FAKE_DENTER("cuMemCreate");
+  const char* api = "cuMemCreate";
+  const char* why = "";
+  if (handle == nullptr || flags != 0 || !ValidProp(prop, &why)) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "%s", handle == nullptr ? "null handle" : flags != 0 ? "flags must be 0" : why);
+  }
+  if (size == 0 || size % kVmmGranularity != 0) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "size %zu is not a positive multiple of the granularity %zu", size, kVmmGranularity);
+  }
+  State& s = S();
+  const int device = prop->location.id;
+  absl::MutexLock l(&s.mu);
+  if (s.used[device] + size > s.mem_per_device) {
+    return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "%zu bytes on device %d (%zu of %zu in use)", size, device, s.used[device],
+                 s.mem_per_device);
+  }
+  char name[64];
+  snprintf(name, sizeof(name), "%s%d", kVmmMemfdPrefix, s.physical[device]);
+  const int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "memfd_create: %s", strerror(errno));
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "ftruncate(%zu): %s", size, strerror(errno));
+  }
+  // Fresh device memory is not zeroed on a GPU.
+  void* m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) {
+    close(fd);
+    return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "mmap(%zu): %s", size, strerror(errno));
+  }
+  memset(m, 0xA5, size);
+  munmap(m, size);
+  auto v = std::make_shared<VmmAlloc>();
+  v->fd = fd;
+  v->size = size;
+  v->device = device;
+  v->exportable = (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+  const uint64_t h = (uint64_t{0x7766} << 32) | ++s.vmm_counter;
+  s.vmm[h] = v;
+  s.used[device] += size;
+  *handle = h;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemRelease(CUmemGenericAllocationHandle handle) {
+  FAKE_DENTER("cuMemRelease");
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  auto it = s.vmm.find(handle);
+  if (it == s.vmm.end()) return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemRelease", "handle 0x%llx is not live", handle);
+  // As CUDA: the memory stays while mappings of it exist (they hold the pages), the handle dies now.
+  if (!it->second->imported) s.used[it->second->device] -= it->second->size;
+  s.vmm.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags) {
+  FAKE_DENTER("cuMemAddressReserve");
+  const char* api = "cuMemAddressReserve";
+  if (ptr == nullptr || flags != 0 || size == 0 || size % kVmmGranularity != 0 ||
+      (alignment != 0 && (alignment & (alignment - 1)) != 0)) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "ptr %p size %zu alignment %zu flags %llu", static_cast<void*>(ptr), size,
+                 alignment, flags);
+  }
+  (void)addr;  // a hint; the emulator picks the address
+  const size_t align = std::max(alignment, kVmmGranularity);
+  void* res = mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (res == MAP_FAILED) return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "reserving %zu bytes: %s", size, strerror(errno));
+  const uintptr_t base = RoundUp(reinterpret_cast<uintptr_t>(res), align);
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  s.reservations[base] = size;
+  *ptr = static_cast<CUdeviceptr>(base);
+  return CUDA_SUCCESS;
+}
+
+// The reservation containing [p, p + n), or reservations.end().
+std::map<uintptr_t, size_t>::iterator ReservationLocked(uintptr_t p, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
+  auto& r = S().reservations;
+  auto it = r.upper_bound(p);
+  if (it == r.begin()) return r.end();
+  --it;
+  if (p >= it->first && p + n <= it->first + it->second) return it;
+  return r.end();
+}
+
+CUresult FakeCuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  FAKE_DENTER("cuMemAddressFree");
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  auto it = s.reservations.find(static_cast<uintptr_t>(ptr));
+  if (it == s.reservations.end() || it->second != size) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemAddressFree", "[0x%llx, +%zu) is not a reservation", ptr, size);
+  }
+  if (OverlapsDeviceLocked(it->first, it->second)) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemAddressFree", "[0x%llx, +%zu) still has mappings (cuMemUnmap first)", ptr, size);
+  }
+  // The PROT_NONE range stays reserved (quarantined): a use after free is caught, not reused.
+  s.quarantine[it->first] = it->second;
+  s.reservations.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle, unsigned long long flags) {
+  FAKE_DENTER("cuMemMap");
+  const char* api = "cuMemMap";
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  auto h = s.vmm.find(handle);
+  if (h == s.vmm.end()) return DFail(CUDA_ERROR_INVALID_HANDLE, api, "handle 0x%llx is not live", handle);
+  if (flags != 0 || offset != 0) return DFail(CUDA_ERROR_INVALID_VALUE, api, "flags and offset must be 0 (offset %zu)", offset);
+  if (size == 0 || size % kVmmGranularity != 0 || size > h->second->size) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "size %zu: must be a multiple of %zu and at most the allocation's %zu bytes",
+                 size, kVmmGranularity, h->second->size);
+  }
+  const uintptr_t p = static_cast<uintptr_t>(ptr);
+  if (p % kVmmGranularity != 0 || ReservationLocked(p, size) == s.reservations.end()) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "[0x%llx, +%zu) is not aligned inside one cuMemAddressReserve range", ptr, size);
+  }
+  if (OverlapsDeviceLocked(p, size)) return DFail(CUDA_ERROR_INVALID_VALUE, api, "[0x%llx, +%zu) is already mapped", ptr, size);
+  void* alias = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, h->second->fd, 0);
+  if (alias == MAP_FAILED) return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "mmap of %zu bytes: %s", size, strerror(errno));
+  auto a = std::make_shared<Alloc>();
+  a->base = p;
+  a->size = size;
+  a->reserved = size;
+  a->mapped = size;
+  a->alias = static_cast<char*>(alias);
+  a->device = h->second->device;
+  a->vmm = true;
+  a->accessible = false;
+  a->vmm_handle = handle;
+  for (auto q = s.quarantine.lower_bound(p); q != s.quarantine.end() && q->first < p + size;) q = s.quarantine.erase(q);
+  s.allocs[p] = a;
+  return CUDA_SUCCESS;
+}
+
+// The mappings that exactly tile [p, p + n) (in address order), or empty.
+std::vector<std::shared_ptr<Alloc>> TilingLocked(uintptr_t p, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
+  std::vector<std::shared_ptr<Alloc>> out;
+  uintptr_t at = p;
+  while (at < p + n) {
+    auto it = S().allocs.find(at);
+    if (it == S().allocs.end() || !it->second->vmm || at + it->second->size > p + n) return {};
+    out.push_back(it->second);
+    at += it->second->size;
+  }
+  return out;
+}
+
+CUresult FakeCuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc, size_t count) {
+  FAKE_DENTER("cuMemSetAccess");
+  const char* api = "cuMemSetAccess";
+  State& s = S();
+  if (desc == nullptr || count == 0) return DFail(CUDA_ERROR_INVALID_VALUE, api, "no access descriptors");
+  bool grant = false;
+  for (size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 || desc[i].location.id >= s.devices) {
+      return DFail(CUDA_ERROR_INVALID_DEVICE, api, "descriptor %zu: not a device of this process", i);
+    }
+    if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE && desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+        desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) {
+      return DFail(CUDA_ERROR_INVALID_VALUE, api, "descriptor %zu: flags %d", i, static_cast<int>(desc[i].flags));
+    }
+    grant |= desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  absl::MutexLock l(&s.mu);
+  std::vector<std::shared_ptr<Alloc>> maps = TilingLocked(static_cast<uintptr_t>(ptr), size);
+  if (maps.empty()) return DFail(CUDA_ERROR_INVALID_VALUE, api, "[0x%llx, +%zu) is not fully mapped by cuMemMap", ptr, size);
+  // Emulated as one switch: read-write for some device makes the bytes usable by copies (peer
+  // access between emulated devices is not modelled).
+  for (auto& a : maps) a->accessible = grant;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemUnmap(CUdeviceptr ptr, size_t size) {
+  FAKE_DENTER("cuMemUnmap");
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  std::vector<std::shared_ptr<Alloc>> maps = TilingLocked(static_cast<uintptr_t>(ptr), size);
+  if (maps.empty()) return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemUnmap", "[0x%llx, +%zu) is not whole cuMemMap mappings", ptr, size);
+  // No implicit synchronisation (as cudaIpcCloseMemHandle here): a copy still queued on these
+  // bytes faults when it runs; one running now keeps the alias alive until it finishes.
+  for (auto& a : maps) {
+    s.quarantine[a->base] = a->size;
+    s.allocs.erase(a->base);
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemExportToShareableHandle(void* shareable, CUmemGenericAllocationHandle handle, CUmemAllocationHandleType type,
+                                          unsigned long long flags) {
+  FAKE_DENTER("cuMemExportToShareableHandle");
+  const char* api = "cuMemExportToShareableHandle";
+  if (shareable == nullptr || flags != 0 || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "only CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR with flags 0 is emulated");
+  }
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  auto h = s.vmm.find(handle);
+  if (h == s.vmm.end()) return DFail(CUDA_ERROR_INVALID_VALUE, api, "handle 0x%llx is not live", handle);
+  if (!h->second->exportable) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api,
+                 "handle 0x%llx was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes", handle);
+  }
+  const int fd = fcntl(h->second->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "dup: %s", strerror(errno));
+  *static_cast<int*>(shareable) = fd;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle, void* os_handle, CUmemAllocationHandleType type) {
+  FAKE_DENTER("cuMemImportFromShareableHandle");
+  const char* api = "cuMemImportFromShareableHandle";
+  if (handle == nullptr || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "only CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR is emulated");
+  }
+  const int in = static_cast<int>(reinterpret_cast<intptr_t>(os_handle));
+  struct stat st;
+  if (in < 0 || fstat(in, &st) != 0) return DFail(CUDA_ERROR_INVALID_VALUE, api, "fd %d: %s", in, strerror(errno));
+  char link[256];
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", in);
+  const ssize_t n = readlink(path, link, sizeof(link) - 1);
+  link[n < 0 ? 0 : n] = '\0';
+  const size_t plen = strlen("/memfd:") + strlen(kVmmMemfdPrefix);
+  if (n < 0 || strncmp(link, "/memfd:", 7) != 0 || strncmp(link + 7, kVmmMemfdPrefix, strlen(kVmmMemfdPrefix)) != 0) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, api, "fd %d (%s) is not an exported allocation of this emulator", in, link);
+  }
+  const int physical = atoi(link + plen);
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  const auto local = std::find(s.physical.begin(), s.physical.end(), physical);
+  if (local == s.physical.end()) {
+    return DFail(CUDA_ERROR_INVALID_DEVICE, api, "the allocation lives on device %d of the machine, not visible to this process", physical);
+  }
+  const int fd = fcntl(in, F_DUPFD_CLOEXEC, 0);  // the caller keeps (and closes) its descriptor
+  if (fd < 0) return DFail(CUDA_ERROR_OUT_OF_MEMORY, api, "dup: %s", strerror(errno));
+  auto v = std::make_shared<VmmAlloc>();
+  v->fd = fd;
+  v->size = static_cast<size_t>(st.st_size);
+  v->device = static_cast<int>(local - s.physical.begin());
+  v->imported = true;
+  v->exportable = true;
+  const uint64_t h = (uint64_t{0x7766} << 32) | ++s.vmm_counter;
+  s.vmm[h] = v;
+  *handle = h;
+  return CUDA_SUCCESS;
+}
+
+CUresult FakeCuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle handle) {
+  FAKE_DENTER("cuMemGetAllocationPropertiesFromHandle");
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  auto h = s.vmm.find(handle);
+  if (prop == nullptr || h == s.vmm.end()) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemGetAllocationPropertiesFromHandle", "handle 0x%llx is not live", handle);
+  }
+  memset(prop, 0, sizeof(*prop));
+  prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop->location.id = h->second->device;
+  prop->requestedHandleTypes = h->second->exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+  return CUDA_SUCCESS;
+}
+
+// The driver symbols cudaGetDriverEntryPointByVersion hands out (all exist since CUDA 10.2).
+struct DriverSymbol {
+  const char* name;
+  void* fn;
+  unsigned min_version;
+};
+const DriverSymbol kDriverSymbols[] = {
+    {"cuMemGetAddressRange", reinterpret_cast<void*>(&FakeCuMemGetAddressRange), 3020},
+    {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&FakeCuMemGetAllocationGranularity), 10020},
+    {"cuMemCreate", reinterpret_cast<void*>(&FakeCuMemCreate), 10020},
+    {"cuMemRelease", reinterpret_cast<void*>(&FakeCuMemRelease), 10020},
+    {"cuMemAddressReserve", reinterpret_cast<void*>(&FakeCuMemAddressReserve), 10020},
+    {"cuMemAddressFree", reinterpret_cast<void*>(&FakeCuMemAddressFree), 10020},
+    {"cuMemMap", reinterpret_cast<void*>(&FakeCuMemMap), 10020},
+    {"cuMemUnmap", reinterpret_cast<void*>(&FakeCuMemUnmap), 10020},
+    {"cuMemSetAccess", reinterpret_cast<void*>(&FakeCuMemSetAccess), 10020},
+    {"cuMemExportToShareableHandle", reinterpret_cast<void*>(&FakeCuMemExportToShareableHandle), 10020},
+    {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&FakeCuMemImportFromShareableHandle), 10020},
+    {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void*>(&FakeCuMemGetAllocationPropertiesFromHandle), 10020},
+};
+// Signatures must match the driver's (a mismatch would be undefined behaviour for callers).
+static_assert(std::is_same_v<decltype(&FakeCuMemCreate), decltype(&::cuMemCreate)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemMap), decltype(&::cuMemMap)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemSetAccess), decltype(&::cuMemSetAccess)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemAddressReserve), decltype(&::cuMemAddressReserve)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemExportToShareableHandle), decltype(&::cuMemExportToShareableHandle)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemImportFromShareableHandle), decltype(&::cuMemImportFromShareableHandle)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemGetAllocationGranularity), decltype(&::cuMemGetAllocationGranularity)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemGetAllocationPropertiesFromHandle),
+                             decltype(&::cuMemGetAllocationPropertiesFromHandle)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemUnmap), decltype(&::cuMemUnmap)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemRelease), decltype(&::cuMemRelease)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemAddressFree), decltype(&::cuMemAddressFree)>);
+
 }  // namespace
 }  // namespace wb::fake_cuda
 
@@ -949,10 +1347,11 @@ cudaError_t cudaFree(void* p) {
   absl::MutexLock l(&s.mu);
   const uintptr_t u = reinterpret_cast<uintptr_t>(p);
   auto it = s.allocs.find(u);
-  if (it == s.allocs.end() || it->second->opened) {
+  if (it == s.allocs.end() || it->second->opened || it->second->vmm) {
     const bool freed = InQuarantineLocked(u, 1);
     return Fail(cudaErrorInvalidValue, "cudaFree", "%p is %s", p,
-                it != s.allocs.end() ? "an IPC mapping (use cudaIpcCloseMemHandle)"
+                it != s.allocs.end() ? (it->second->vmm ? "a cuMemMap mapping (use cuMemUnmap)"
+                                                        : "an IPC mapping (use cudaIpcCloseMemHandle)")
                 : freed              ? "already freed / closed"
                 : FindLocked(u)      ? "inside an allocation, not its base"
                                      : "not a device allocation");
@@ -1345,6 +1744,11 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
     return Fail(cudaErrorInvalidValue, "cudaIpcGetMemHandle", "%p is not in a cudaMalloc allocation", p);
   }
   if (a->opened) return Fail(cudaErrorInvalidValue, "cudaIpcGetMemHandle", "%p is an IPC mapping", p);
+  if (a->vmm) {
+    // As CUDA: legacy IPC cannot export cuMemCreate memory (PyTorch expandable segments); share
+    // it with cuMemExportToShareableHandle instead.
+    return Fail(cudaErrorInvalidValue, "cudaIpcGetMemHandle", "%p is cuMemCreate memory (cuMemMap), not a cudaMalloc allocation", p);
+  }
   HandleBytes hb = {};
   memcpy(hb.magic, kHandleMagic, sizeof(hb.magic));
   hb.pid = s.pid;
@@ -1437,16 +1841,18 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsi
   }
   *fn = nullptr;
   cudaDriverEntryPointQueryResult r = cudaDriverEntryPointSymbolNotFound;
-  if (strcmp(symbol, "cuMemGetAddressRange") == 0) {
-    if (cudaVersion >= 3020) {
-      *fn = reinterpret_cast<void*>(&wb::fake_cuda::FakeCuMemGetAddressRange);
+  bool found = false;
+  for (const wb::fake_cuda::DriverSymbol& d : wb::fake_cuda::kDriverSymbols) {
+    if (strcmp(symbol, d.name) != 0) continue;
+    found = true;
+    if (cudaVersion >= d.min_version) {
+      *fn = d.fn;
       r = cudaDriverEntryPointSuccess;
     } else {
       r = cudaDriverEntryPointVersionNotSufficent;
     }
-  } else {
-    Log("cudaGetDriverEntryPointByVersion: driver symbol '%s' is not emulated", symbol);
   }
+  if (!found) Log("cudaGetDriverEntryPointByVersion: driver symbol '%s' is not emulated", symbol);
   if (status) *status = r;
   return cudaSuccess;
 }

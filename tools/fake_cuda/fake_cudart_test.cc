@@ -475,7 +475,8 @@ struct Child {
   int in = -1;   // its stdin
 };
 
-Child Spawn(const std::vector<std::string>& args) {
+// pass_fd >= 0: the child gets it as its descriptor 3 (VMM tests hand over an exported fd).
+Child Spawn(const std::vector<std::string>& args, int pass_fd = -1) {
   int o[2], i[2];
   Child c;
   if (pipe2(o, O_CLOEXEC) != 0 || pipe2(i, O_CLOEXEC) != 0) return c;
@@ -483,6 +484,7 @@ Child Spawn(const std::vector<std::string>& args) {
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, o[1], 1);
   posix_spawn_file_actions_adddup2(&fa, i[0], 0);
+  if (pass_fd >= 0) posix_spawn_file_actions_adddup2(&fa, pass_fd, 3);
   std::vector<char*> argv;
   std::string bin = "tools/fake_cuda/fake_cudart_ipc_child";
   argv.push_back(bin.data());
@@ -606,6 +608,212 @@ TEST_F(FakeCudaTest, KilledExportersSegmentsAreReaped) {
   void* p = nullptr;
   EXPECT_EQ(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), cudaErrorInvalidResourceHandle);
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidResourceHandle);
+}
+
+// ---- VMM (cuMem*) through the driver entry points ----
+
+template <typename Fn>
+Fn Driver(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+struct Vmm {
+  decltype(&cuMemGetAllocationGranularity) granularity = Driver<decltype(granularity)>("cuMemGetAllocationGranularity");
+  decltype(&cuMemCreate) create = Driver<decltype(create)>("cuMemCreate");
+  decltype(&cuMemRelease) release = Driver<decltype(release)>("cuMemRelease");
+  decltype(&cuMemAddressReserve) reserve = Driver<decltype(reserve)>("cuMemAddressReserve");
+  decltype(&cuMemAddressFree) free_va = Driver<decltype(free_va)>("cuMemAddressFree");
+  decltype(&cuMemMap) map = Driver<decltype(map)>("cuMemMap");
+  decltype(&cuMemUnmap) unmap = Driver<decltype(unmap)>("cuMemUnmap");
+  decltype(&cuMemSetAccess) set_access = Driver<decltype(set_access)>("cuMemSetAccess");
+  decltype(&cuMemExportToShareableHandle) export_fd = Driver<decltype(export_fd)>("cuMemExportToShareableHandle");
+  decltype(&cuMemImportFromShareableHandle) import_fd = Driver<decltype(import_fd)>("cuMemImportFromShareableHandle");
+  decltype(&cuMemGetAllocationPropertiesFromHandle) props =
+      Driver<decltype(props)>("cuMemGetAllocationPropertiesFromHandle");
+  CUresult (*range)(CUdeviceptr*, size_t*, CUdeviceptr) =
+      Driver<CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr)>("cuMemGetAddressRange");
+  bool ok() const {
+    return granularity && create && release && reserve && free_va && map && unmap && set_access && export_fd && import_fd &&
+           props && range;
+  }
+};
+
+CUmemAllocationProp Prop(int device, bool exportable) {
+  CUmemAllocationProp p = {};
+  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  p.location.id = device;
+  p.requestedHandleTypes = exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
+  return p;
+}
+
+CUmemAccessDesc ReadWrite(int device) {
+  CUmemAccessDesc d = {};
+  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  d.location.id = device;
+  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return d;
+}
+
+TEST_F(FakeCudaTest, VmmCreateMapAccessCopyAndRefuseLegacyIpc) {
+  Vmm v;
+  ASSERT_TRUE(v.ok()) << "every VMM entry point is emulated";
+  const CUmemAllocationProp prop = Prop(1, true);
+  size_t g = 0;
+  ASSERT_EQ(v.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), CUDA_SUCCESS);
+  ASSERT_EQ(g, size_t{2} << 20);
+  CUmemGenericAllocationHandle h = 0;
+  EXPECT_EQ(v.create(&h, g + 1, &prop, 0), CUDA_ERROR_INVALID_VALUE) << "size not a multiple of the granularity";
+  ASSERT_EQ(v.create(&h, 2 * g, &prop, 0), CUDA_SUCCESS);
+  CUmemAllocationProp got = {};
+  ASSERT_EQ(v.props(&got, h), CUDA_SUCCESS);
+  EXPECT_EQ(got.location.id, 1);
+  CUdeviceptr va = 0;
+  ASSERT_EQ(v.reserve(&va, 4 * g, 0, 0, 0), CUDA_SUCCESS);
+  EXPECT_EQ(v.map(va + g / 2, 2 * g, 0, h, 0), CUDA_ERROR_INVALID_VALUE) << "unaligned";
+  EXPECT_EQ(v.map(va, 2 * g, 4096, h, 0), CUDA_ERROR_INVALID_VALUE) << "offset must be 0";
+  EXPECT_EQ(v.map(va + g, 4 * g, 0, h, 0), CUDA_ERROR_INVALID_VALUE) << "larger than the allocation";
+  ASSERT_EQ(v.map(va + g, 2 * g, 0, h, 0), CUDA_SUCCESS);
+  EXPECT_EQ(v.map(va + 2 * g, 2 * g, 0, h, 0), CUDA_ERROR_INVALID_VALUE) << "overlaps a mapping";
+  EXPECT_EQ(v.set_access(va, 2 * g, nullptr, 0), CUDA_ERROR_INVALID_VALUE);
+  const CUmemAccessDesc rw = ReadWrite(1);
+  EXPECT_EQ(v.set_access(va, 3 * g, &rw, 1), CUDA_ERROR_INVALID_VALUE) << "range not fully mapped";
+  ASSERT_EQ(v.set_access(va + g, 2 * g, &rw, 1), CUDA_SUCCESS);
+  char* d = reinterpret_cast<char*>(va + g);
+  cudaPointerAttributes attr = {};
+  ASSERT_CUDA(cudaPointerGetAttributes(&attr, d + 100));
+  EXPECT_EQ(attr.type, cudaMemoryTypeDevice);
+  EXPECT_EQ(attr.device, 1);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  ASSERT_EQ(v.range(&base, &size, va + g + 12345), CUDA_SUCCESS);
+  EXPECT_EQ(base, va + g);
+  EXPECT_EQ(size, 2 * g);
+  ASSERT_CUDA(cudaSetDevice(1));
+  const size_t n = 3 * g / 2;
+  auto in = Pattern(7, n);
+  ASSERT_CUDA(cudaMemcpy(d + 1000, in.data(), n, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), d + 1000, n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out, in);
+  cudaIpcMemHandle_t ipc;
+  EXPECT_EQ(cudaIpcGetMemHandle(&ipc, d), cudaErrorInvalidValue) << "legacy IPC cannot export cuMemCreate memory";
+  EXPECT_EQ(cudaFree(d), cudaErrorInvalidValue) << "a mapping is not a cudaMalloc allocation";
+  (void)cudaGetLastError();
+  // An allocation made without the POSIX fd handle type cannot be exported.
+  const CUmemAllocationProp plain = Prop(1, false);
+  CUmemGenericAllocationHandle h2 = 0;
+  ASSERT_EQ(v.create(&h2, g, &plain, 0), CUDA_SUCCESS);
+  int fd = -1;
+  EXPECT_EQ(v.export_fd(&fd, h2, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), CUDA_ERROR_INVALID_VALUE);
+  EXPECT_EQ(v.release(h2), CUDA_SUCCESS);
+  EXPECT_EQ(v.release(h2), CUDA_ERROR_INVALID_VALUE) << "double release";
+  // Release of a mapped handle keeps the memory while mapped (as CUDA); unmap + free the range.
+  ASSERT_EQ(v.release(h), CUDA_SUCCESS);
+  ASSERT_CUDA(cudaMemcpy(out.data(), d + 1000, n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out, in) << "mapped memory outlives its released handle";
+  EXPECT_EQ(v.free_va(va, 4 * g), CUDA_ERROR_INVALID_VALUE) << "still mapped";
+  EXPECT_EQ(v.unmap(va + g, g), CUDA_ERROR_INVALID_VALUE) << "part of a mapping";
+  ASSERT_EQ(v.unmap(va + g, 2 * g), CUDA_SUCCESS);
+  EXPECT_FALSE(IsDevicePointer(d));
+  ASSERT_EQ(v.free_va(va, 4 * g), CUDA_SUCCESS);
+  ASSERT_CUDA(cudaSetDevice(0));
+}
+
+void CopyWithoutAccess() {
+  Vmm v;
+  const CUmemAllocationProp prop = Prop(0, true);
+  const size_t g = size_t{2} << 20;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  if (v.create(&h, g, &prop, 0) != CUDA_SUCCESS || v.reserve(&va, g, 0, 0, 0) != CUDA_SUCCESS ||
+      v.map(va, g, 0, h, 0) != CUDA_SUCCESS) {
+    _exit(10);
+  }
+  char host[16] = {};
+  if (cudaMemcpy(reinterpret_cast<void*>(va), host, 16, cudaMemcpyHostToDevice) != cudaSuccess) _exit(11);
+  (void)cudaDeviceSynchronize();
+  _exit(0);
+}
+
+TEST_F(FakeCudaTest, VmmCopyBeforeSetAccessIsAnIllegalAddress) {
+  EXPECT_EXIT(CopyWithoutAccess(), ::testing::ExitedWithCode(0), "ILLEGAL ADDRESS.*no cuMemSetAccess");
+}
+
+TEST_F(FakeCudaTest, VmmExportedFdImportsInAnotherProcess) {
+  Vmm v;
+  ASSERT_TRUE(v.ok());
+  const size_t g = size_t{2} << 20;
+  const CUmemAllocationProp prop = Prop(1, true);
+  CUmemGenericAllocationHandle h = 0;
+  ASSERT_EQ(v.create(&h, 2 * g, &prop, 0), CUDA_SUCCESS);
+  CUdeviceptr va = 0;
+  ASSERT_EQ(v.reserve(&va, 2 * g, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(v.map(va, 2 * g, 0, h, 0), CUDA_SUCCESS);
+  const CUmemAccessDesc rw = ReadWrite(1);
+  ASSERT_EQ(v.set_access(va, 2 * g, &rw, 1), CUDA_SUCCESS);
+  ASSERT_CUDA(cudaSetDevice(1));
+  const size_t n = 2 * g;
+  auto in = Pattern(50, n);
+  ASSERT_CUDA(cudaMemcpy(reinterpret_cast<void*>(va), in.data(), n, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  int fd = -1;
+  ASSERT_EQ(v.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), CUDA_SUCCESS);
+  ASSERT_GE(fd, 0);
+  // The importer in this process gets the same bytes (VMM, unlike legacy IPC, may import its own export).
+  CUmemGenericAllocationHandle own = 0;
+  ASSERT_EQ(v.import_fd(&own, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            CUDA_SUCCESS);
+  EXPECT_EQ(v.release(own), CUDA_SUCCESS);
+  int junk_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  CUmemGenericAllocationHandle junk = 0;
+  EXPECT_EQ(v.import_fd(&junk, reinterpret_cast<void*>(static_cast<intptr_t>(junk_fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            CUDA_ERROR_INVALID_VALUE) << "not an exported allocation";
+  close(junk_fd);
+  // Another process imports the fd (its descriptor 3), checks the bytes and writes the next pattern.
+  Child c = Spawn({"vmm_open", absl::StrCat(n), "50"}, fd);
+  close(fd);
+  ASSERT_GT(c.pid, 0);
+  EXPECT_EQ(ReadLine(c.out, absl::Seconds(30)), "OK");
+  const int status = Wait(c.pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  close(c.out);
+  close(c.in);
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), reinterpret_cast<void*>(va), n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out, Pattern(51, n)) << "the child's writes through its mapping are visible here";
+  ASSERT_EQ(v.unmap(va, 2 * g), CUDA_SUCCESS);
+  ASSERT_EQ(v.release(h), CUDA_SUCCESS);
+  ASSERT_EQ(v.free_va(va, 2 * g), CUDA_SUCCESS);
+  ASSERT_CUDA(cudaSetDevice(0));
+}
+
+TEST_F(FakeCudaTest, VmmImportOfADeviceTheProcessCannotSeeIsRefused) {
+  Vmm v;
+  const size_t g = size_t{2} << 20;
+  const CUmemAllocationProp prop = Prop(1, true);
+  CUmemGenericAllocationHandle h = 0;
+  ASSERT_EQ(v.create(&h, g, &prop, 0), CUDA_SUCCESS);
+  int fd = -1;
+  ASSERT_EQ(v.export_fd(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), CUDA_SUCCESS);
+  // A child that sees only device 0 of the machine cannot import memory of device 1.
+  setenv("CUDA_VISIBLE_DEVICES", "0", 1);
+  Child c = Spawn({"vmm_open", absl::StrCat(g), "-1"}, fd);
+  unsetenv("CUDA_VISIBLE_DEVICES");
+  close(fd);
+  ASSERT_GT(c.pid, 0);
+  EXPECT_EQ(ReadLine(c.out, absl::Seconds(30)), "import: 101");  // CUDA_ERROR_INVALID_DEVICE
+  Wait(c.pid);
+  close(c.out);
+  close(c.in);
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
 }
 
 }  // namespace
