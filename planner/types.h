@@ -10,6 +10,7 @@
 // Megatron's interleaved linear_qkv) are several pieces into one local buffer.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,12 +39,31 @@ struct Box {
   std::vector<int64_t> end;  // exclusive
 };
 
+// A rollout piece held in a narrower dtype than the canonical tensor (user ask 5: quantized
+// targets). Block quantisation as DeepSeek-V3 / vLLM's fp8 block-quant checkpoints store it: the
+// box is cut into blocks of `block` elements (per canonical dim, on the tensor's global grid, so
+// the box must start on a block boundary and end on one or at the tensor's end); each block gets
+// one float32 `scale_inv` = max(amax(block), 1e-12) / 448 and its elements are stored as
+// round-to-nearest-even float8_e4m3fn(x / scale_inv). The scales are a row-major float32 array of
+// ceil(extent_d / block_d) per dim at `scale_offset_bytes` of buffer `scale_buffer`.
+// Bytes always travel in the canonical dtype; the receiving node quantises once the version has
+// landed (docs/daemon.md, "Quantized targets").
+struct Quantization {
+  DType dtype = DType::kF8E4M3;  // the only target so far
+  std::vector<int64_t> block;    // elements per block, per canonical dim (>= 1)
+  int32_t scale_buffer = 0;
+  int64_t scale_offset_bytes = 0;
+};
+
 struct Piece {
   int32_t tensor = -1;           // index into Inventory::tensors
   Box box;                       // canonical box
   int32_t buffer = 0;            // index into WorkerLayout::buffers
   int64_t offset_bytes = 0;      // byte offset of canonical element `box.begin` in the buffer
   std::vector<int64_t> strides;  // local stride (in elements) per canonical dim
+  // Set: the worker holds the box quantised (elements of DTypeSize(quant->dtype) bytes in the
+  // formula above). Rollout pieces only.
+  std::optional<Quantization> quant;
 };
 
 struct BufferInfo {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
+#include "planner/quantized.h"
 #include "tools/cc/status_macros.h"
 
 namespace wb::planner {
@@ -27,6 +28,7 @@ std::string Where(absl::string_view worker, const Inventory& inv, const Piece& p
 struct Extent {
   int64_t lo, hi;  // bytes [lo, hi)
   size_t piece;
+  bool scales = false;  // the piece's scale region (one contiguous run), not its elements
 };
 
 // Contiguous byte runs of a (validated, non-aliasing) piece.
@@ -112,8 +114,16 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
           absl::StrCat(Where(worker, inv, p, i), ": box outside the tensor shape ", BoxToString(FullBox(t.shape))));
     }
     if (BoxEmpty(p.box)) return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": empty box"));
-    const int es = DTypeSize(t.dtype);
-    if (es <= 0) return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": invalid dtype"));
+    if (DTypeSize(t.dtype) <= 0) return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": invalid dtype"));
+    if (p.quant.has_value() && role != Role::kRollout) {
+      return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i),
+                                                     ": only rollout workers may hold a quantised piece"));
+    }
+    if (p.quant.has_value() && p.quant->dtype != DType::kF8E4M3) {
+      return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": quantised dtype ",
+                                                     DTypeName(p.quant->dtype), " is not supported (only float8_e4m3)"));
+    }
+    const int es = PieceElementSize(inv, p);
     if (p.buffer < 0 || static_cast<size_t>(p.buffer) >= layout.buffers.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat(Where(worker, inv, p, i), ": buffer ", p.buffer, " not registered (", layout.buffers.size(),
@@ -158,6 +168,12 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
                                                      layout.buffers[p.buffer].size_bytes, " bytes"));
     }
     if (role == Role::kRollout) extents[p.buffer].push_back(Extent{p.offset_bytes, last, i});
+    if (p.quant.has_value()) {
+      // After the bounds checks above: the grid rules need a valid box.
+      RETURN_IF_ERROR(CheckQuantization(inv, layout, p, Where(worker, inv, p, i)));
+      const int64_t lo = p.quant->scale_offset_bytes;
+      extents[p.quant->scale_buffer].push_back(Extent{lo, lo + ScaleCount(p) * kScaleElementSize, i, true});
+    }
   }
   if (role != Role::kRollout) return absl::OkStatus();
 
@@ -172,7 +188,7 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       while (e < ex.size() && ex[e].lo < hi) hi = std::max(hi, ex[e++].hi);
       if (e - s > 1) {
         int64_t total = 0;
-        for (size_t k = s; k < e; ++k) total += RunCount(layout.pieces[ex[k].piece]);
+        for (size_t k = s; k < e; ++k) total += ex[k].scales ? 1 : RunCount(layout.pieces[ex[k].piece]);
         if (total > kMaxRuns) {
           const Piece& p = layout.pieces[ex[s].piece];
           return absl::InvalidArgumentError(absl::StrCat(
@@ -182,16 +198,21 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
         std::vector<Extent> runs;
         runs.reserve(total);
         for (size_t k = s; k < e; ++k) {
+          if (ex[k].scales) {
+            runs.push_back(ex[k]);
+            continue;
+          }
           const Piece& p = layout.pieces[ex[k].piece];
-          AppendRuns(p, DTypeSize(inv.tensors[p.tensor].dtype), ex[k].piece, runs);
+          AppendRuns(p, PieceElementSize(inv, p), ex[k].piece, runs);
         }
         std::sort(runs.begin(), runs.end(), [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
         for (size_t k = 1; k < runs.size(); ++k) {
           if (runs[k].lo < runs[k - 1].hi) {
             size_t a = runs[k - 1].piece, b = runs[k].piece;
-            return absl::InvalidArgumentError(
-                absl::StrCat(Where(worker, inv, layout.pieces[b], b), " overlaps ",
-                             Where(worker, inv, layout.pieces[a], a), " at byte ", runs[k].lo));
+            return absl::InvalidArgumentError(absl::StrCat(
+                runs[k].scales ? "the scales of " : "", Where(worker, inv, layout.pieces[b], b), " overlap",
+                runs[k].scales ? "" : "s", " ", runs[k - 1].scales ? "the scales of " : "",
+                Where(worker, inv, layout.pieces[a], a), " at byte ", runs[k].lo));
           }
         }
       }

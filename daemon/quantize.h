@@ -1,0 +1,38 @@
+#pragma once
+// float8_e4m3fn block quantisation of a rollout's quantised pieces (planner/types.h
+// `Quantization`, planner/quantized.h): runs on the receiving node, on host staging, after a
+// version has fully landed and before it commits.
+//
+// Numerics (as DeepGEMM's per_block_cast_to_fp8, which vLLM / SGLang fp8 block checkpoints use):
+//   amax      = max(max |x| over the block, 1e-4)   (x read in float32 from the canonical dtype)
+//   scale_inv = amax / 448                          (stored, float32; dequantise: q * scale_inv)
+//   q         = float8_e4m3fn(x * (448 / amax))     (round to nearest even, saturating at +-448)
+// NaN inputs give the e4m3fn NaN (0x7f / 0xff).
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "planner/types.h"
+
+namespace wb::daemon {
+
+// float -> float8_e4m3fn bits (round to nearest, ties to even; |x| beyond 448 saturates to +-448).
+uint8_t FloatToE4M3(float x);
+// float8_e4m3fn bits -> float (0x7f / 0xff are NaN).
+float E4M3ToFloat(uint8_t bits);
+// One element of a canonical tensor (bfloat16, float16 or float32 bytes) as float.
+float LoadAsFloat(const uint8_t* p, planner::DType dtype);
+
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kMinBlockAmax = 1e-4f;
+
+// Quantises `piece` (quantised and validated against its layout): reads its box from `shadow`
+// (canonical dtype, row-major over the box, as planner::StagingLayout places it), writes the e4m3
+// elements at the piece's offset and strides into `elements` (the base of the piece's buffer) and
+// the float32 scales, row-major over the block grid, at quant.scale_offset_bytes of `scales` (the
+// base of the scale buffer). The caller has checked every address against its buffer (the layout
+// was validated); INVALID_ARGUMENT for a piece without quant or a dtype it cannot read.
+absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow,
+                           uint8_t* elements, uint8_t* scales);
+
+}  // namespace wb::daemon

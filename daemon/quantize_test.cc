@@ -1,0 +1,173 @@
+#include "daemon/quantize.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "planner/quantized.h"
+#include "planner/validate.h"
+
+namespace wb::daemon {
+namespace {
+
+// Reference: the value of every finite e4m3fn code by its definition, and the nearest code by
+// search (ties to the even code), independent of FloatToE4M3's bit manipulation.
+double CodeValue(int code) {
+  const int e = (code >> 3) & 0xf, m = code & 7;
+  const double mag = e == 0 ? m * std::pow(2.0, -9) : (1.0 + m / 8.0) * std::pow(2.0, e - 7);
+  return (code & 0x80) ? -mag : mag;
+}
+
+uint8_t NearestCode(float x) {
+  const double a = std::fabs(static_cast<double>(x));
+  int best = 0;
+  double best_d = a;
+  for (int c = 1; c <= 0x7e; ++c) {
+    const double d = std::fabs(CodeValue(c) - a);
+    if (d < best_d || (d == best_d && (c & 1) == 0 && (best & 1) == 1)) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return static_cast<uint8_t>(best | (std::signbit(x) ? 0x80 : 0));
+}
+
+uint16_t ToBF16(float f) {  // truncation is fine for making inputs
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+TEST(QuantizeTest, EveryCodeRoundTrips) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(E4M3ToFloat(static_cast<uint8_t>(c))));
+      continue;
+    }
+    const float v = E4M3ToFloat(static_cast<uint8_t>(c));
+    EXPECT_EQ(v, static_cast<float>(CodeValue(c))) << c;
+    if (c == 0x80) continue;  // -0 encodes as 0x80 and decodes to -0: same bits back
+    EXPECT_EQ(FloatToE4M3(v), c) << c;
+  }
+  EXPECT_EQ(E4M3ToFloat(0x7e), 448.0f);
+  EXPECT_EQ(FloatToE4M3(-0.0f), 0x80);
+}
+
+TEST(QuantizeTest, MatchesNearestCodeSearchIncludingTiesAndSaturation) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> mag(-10.0f, 9.5f);
+  for (int i = 0; i < 200000; ++i) {
+    const float x = (rng() & 1 ? -1.0f : 1.0f) * std::exp2(mag(rng));
+    ASSERT_EQ(FloatToE4M3(x), NearestCode(x)) << x;
+  }
+  // Midpoints between neighbours go to the even code; beyond 448 saturates.
+  for (int c = 0; c < 0x7e; ++c) {
+    const float mid = static_cast<float>((CodeValue(c) + CodeValue(c + 1)) / 2);
+    EXPECT_EQ(FloatToE4M3(mid), (c & 1) ? c + 1 : c) << "between " << c << " and " << c + 1;
+  }
+  EXPECT_EQ(FloatToE4M3(460.0f), 0x7e);
+  EXPECT_EQ(FloatToE4M3(1e30f), 0x7e);
+  EXPECT_EQ(FloatToE4M3(-1e30f), 0xfe);
+  EXPECT_EQ(FloatToE4M3(std::nanf("")) & 0x7f, 0x7f);
+}
+
+TEST(QuantizeTest, LoadsEachCanonicalDtype) {
+  const uint16_t bf = 0x3fc0;  // 1.5
+  EXPECT_EQ(LoadAsFloat(reinterpret_cast<const uint8_t*>(&bf), planner::DType::kBF16), 1.5f);
+  const uint16_t half[] = {0x3e00, 0xc400, 0x0001, 0x7c00};  // 1.5, -4, 2^-24, inf
+  EXPECT_EQ(LoadAsFloat(reinterpret_cast<const uint8_t*>(&half[0]), planner::DType::kF16), 1.5f);
+  EXPECT_EQ(LoadAsFloat(reinterpret_cast<const uint8_t*>(&half[1]), planner::DType::kF16), -4.0f);
+  EXPECT_EQ(LoadAsFloat(reinterpret_cast<const uint8_t*>(&half[2]), planner::DType::kF16), std::ldexp(1.0f, -24));
+  EXPECT_TRUE(std::isinf(LoadAsFloat(reinterpret_cast<const uint8_t*>(&half[3]), planner::DType::kF16)));
+  const float f = -2.25f;
+  EXPECT_EQ(LoadAsFloat(reinterpret_cast<const uint8_t*>(&f), planner::DType::kF32), -2.25f);
+}
+
+// A 2-D bf16 piece with a partial last block, stored transposed (column-major) in the worker's
+// buffer: every element and scale against a reference computed element by element here.
+TEST(QuantizeTest, BlockQuantisesATransposedPieceWithAPartialBlock) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {300, 200}, planner::DType::kBF16});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{128, 0}, {300, 200}};  // 172 x 200: blocks 2 x 2 with 128x128 (last ones partial)
+  p.buffer = 0;
+  p.offset_bytes = 64;
+  p.strides = {1, 172};  // transposed
+  planner::Quantization q;
+  q.block = {128, 128};
+  q.scale_buffer = 0;
+  q.scale_offset_bytes = 64 + 172 * 200 + 4;
+  p.quant = q;
+  planner::WorkerLayout layout;
+  layout.buffers.push_back({q.scale_offset_bytes + 16 + 8});
+  layout.pieces.push_back(p);
+  ASSERT_TRUE(planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r").ok())
+      << planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r");
+
+  const int64_t rows = 172, cols = 200;
+  std::vector<uint16_t> shadow(rows * cols);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n(0.0f, 0.02f);
+  for (int64_t i = 0; i < rows * cols; ++i) shadow[i] = ToBF16(n(rng) * (i % 977 == 0 ? 50.0f : 1.0f));
+  // One all-zero block (rows 128.., cols 128..): amax clamps to 1e-4, every element encodes 0.
+  for (int64_t r = 128; r < rows; ++r) {
+    for (int64_t c = 128; c < cols; ++c) shadow[r * cols + c] = 0;
+  }
+  std::vector<uint8_t> buf(layout.buffers[0].size_bytes, 0xAB);
+  ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data()).ok());
+
+  auto val = [&](int64_t r, int64_t c) {
+    uint32_t b = static_cast<uint32_t>(shadow[r * cols + c]) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  };
+  for (int br = 0; br < 2; ++br) {
+    for (int bc = 0; bc < 2; ++bc) {
+      float amax = 0;
+      for (int64_t r = br * 128; r < std::min<int64_t>(rows, br * 128 + 128); ++r) {
+        for (int64_t c = bc * 128; c < std::min<int64_t>(cols, bc * 128 + 128); ++c) amax = std::max(amax, std::fabs(val(r, c)));
+      }
+      amax = std::max(amax, 1e-4f);
+      float stored;
+      std::memcpy(&stored, buf.data() + q.scale_offset_bytes + (br * 2 + bc) * 4, 4);
+      ASSERT_EQ(stored, amax / 448.0f) << br << "," << bc;
+      for (int64_t r = br * 128; r < std::min<int64_t>(rows, br * 128 + 128); ++r) {
+        for (int64_t c = bc * 128; c < std::min<int64_t>(cols, bc * 128 + 128); ++c) {
+          const uint8_t got = buf[64 + r + c * 172];
+          ASSERT_EQ(got, NearestCode(val(r, c) * (448.0f / amax))) << "element " << r << "," << c;
+        }
+      }
+    }
+  }
+  // Bytes outside the elements and scales are untouched.
+  for (int64_t i = 0; i < 64; ++i) ASSERT_EQ(buf[i], 0xAB);
+  for (int64_t i = 64 + rows * cols; i < q.scale_offset_bytes; ++i) ASSERT_EQ(buf[i], 0xAB);
+  for (int64_t i = q.scale_offset_bytes + 16; i < static_cast<int64_t>(buf.size()); ++i) ASSERT_EQ(buf[i], 0xAB);
+  // The dequantised block holding the largest values is close to the input (e4m3: 3 mantissa bits).
+  float amax0;
+  std::memcpy(&amax0, buf.data() + q.scale_offset_bytes, 4);
+  for (int64_t r = 0; r < 128; ++r) {
+    for (int64_t c = 0; c < 128; ++c) {
+      const float back = E4M3ToFloat(buf[64 + r + c * 172]) * amax0;
+      ASSERT_NEAR(back, val(r, c), std::fabs(val(r, c)) / 16 + amax0 * std::ldexp(1.0f, -9)) << r << "," << c;
+    }
+  }
+}
+
+TEST(QuantizeTest, RefusesUnquantisedPieces) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {4}, planner::DType::kBF16});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{0}, {4}};
+  p.strides = {1};
+  uint8_t b[8] = {};
+  EXPECT_EQ(QuantizePiece(inv, p, b, b, b).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace wb::daemon

@@ -1,0 +1,107 @@
+#include "planner/quantized.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "planner/box.h"
+
+namespace wb::planner {
+
+int PieceElementSize(const Inventory& inventory, const Piece& piece) {
+  if (piece.quant.has_value()) return DTypeSize(piece.quant->dtype);
+  return DTypeSize(inventory.tensors[piece.tensor].dtype);
+}
+
+std::vector<int64_t> ScaleShape(const Piece& piece) {
+  std::vector<int64_t> out;
+  if (!piece.quant.has_value()) return out;
+  for (size_t d = 0; d < piece.box.begin.size() && d < piece.quant->block.size(); ++d) {
+    const int64_t ext = piece.box.end[d] - piece.box.begin[d];
+    const int64_t b = piece.quant->block[d];
+    out.push_back(b > 0 ? (ext + b - 1) / b : 0);
+  }
+  return out;
+}
+
+int64_t ScaleCount(const Piece& piece) {
+  if (!piece.quant.has_value()) return 0;
+  int64_t n = 1;
+  for (int64_t s : ScaleShape(piece)) n *= s;
+  return n;
+}
+
+absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& layout, const Piece& piece,
+                               absl::string_view where) {
+  const Quantization& q = *piece.quant;
+  const TensorSpec& t = inventory.tensors[piece.tensor];
+  if (q.dtype != DType::kF8E4M3) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": quantised dtype ", DTypeName(q.dtype),
+                                                   " is not supported (only float8_e4m3)"));
+  }
+  if (t.dtype != DType::kBF16 && t.dtype != DType::kF16 && t.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": cannot quantise a ", DTypeName(t.dtype),
+                                                   " tensor (bfloat16, float16 or float32 only)"));
+  }
+  if (q.block.size() != t.shape.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": quantisation block has rank ", q.block.size(),
+                                                   ", the tensor has rank ", t.shape.size()));
+  }
+  int64_t block_elems = 1;
+  for (size_t d = 0; d < q.block.size(); ++d) {
+    if (q.block[d] < 1 || q.block[d] > (int64_t{1} << 30)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": quantisation block dim ", d, " is ", q.block[d],
+                                                     " (must be in [1, 2^30])"));
+    }
+    if (__builtin_mul_overflow(block_elems, q.block[d], &block_elems)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": quantisation block too large"));
+    }
+    // Blocks live on the tensor's global grid (the scales of a TP shard are a slice of the full
+    // tensor's): a box must not cut one.
+    if (piece.box.begin[d] % q.block[d] != 0 || (piece.box.end[d] % q.block[d] != 0 && piece.box.end[d] != t.shape[d])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": box is not aligned to the quantisation blocks ", absl::StrJoin(q.block, "x"), " in dim ", d,
+          " (it must start on a multiple of ", q.block[d], " and end on one or at the tensor's end ", t.shape[d], ")"));
+    }
+  }
+  if (q.scale_buffer < 0 || static_cast<size_t>(q.scale_buffer) >= layout.buffers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scale buffer ", q.scale_buffer, " not registered (",
+                                                   layout.buffers.size(), " buffers)"));
+  }
+  if (q.scale_offset_bytes < 0 || q.scale_offset_bytes % kScaleElementSize != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scale offset ", q.scale_offset_bytes,
+                                                   " negative or not a multiple of 4 (float32 scales)"));
+  }
+  const int64_t bytes = ScaleCount(piece) * kScaleElementSize;
+  const int64_t size = layout.buffers[q.scale_buffer].size_bytes;
+  if (q.scale_offset_bytes > size || bytes > size - q.scale_offset_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scales [", q.scale_offset_bytes, ", ",
+                                                   q.scale_offset_bytes + bytes, ") reach beyond buffer ",
+                                                   q.scale_buffer, " of ", size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+bool HasQuantizedPieces(const WorkerLayout& layout) {
+  for (const Piece& p : layout.pieces) {
+    if (p.quant.has_value()) return true;
+  }
+  return false;
+}
+
+WorkerLayout StagingLayout(const Inventory& inventory, const WorkerLayout& layout) {
+  WorkerLayout out = layout;
+  if (!HasQuantizedPieces(layout)) return out;
+  for (Piece& p : out.pieces) {
+    if (!p.quant.has_value()) continue;
+    p.quant.reset();
+    std::vector<int64_t> extents;
+    for (size_t d = 0; d < p.box.begin.size(); ++d) extents.push_back(p.box.end[d] - p.box.begin[d]);
+    int64_t& end = out.buffers[p.buffer].size_bytes;
+    const int64_t at = (end + kShadowAlignment - 1) / kShadowAlignment * kShadowAlignment;
+    p.offset_bytes = at;
+    p.strides = ContiguousStrides(extents);
+    end = at + BoxVolume(p.box) * DTypeSize(inventory.tensors[p.tensor].dtype);
+  }
+  return out;
+}
+
+}  // namespace wb::planner

@@ -1,0 +1,163 @@
+#include "planner/quantized.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+#include "planner/validate.h"
+
+namespace wb::planner {
+namespace {
+
+// a.weight: 256 x 384 bf16 (2 x 3 blocks of 128), b.bias: 10 f32, c.idx: 4 int64.
+Inventory Inv() {
+  Inventory inv;
+  inv.tensors.push_back({"a.weight", {256, 384}, DType::kBF16});
+  inv.tensors.push_back({"b.bias", {10}, DType::kF32});
+  inv.tensors.push_back({"c.idx", {4}, DType::kI64});
+  inv.tensors.push_back({"d.weight", {200, 130}, DType::kF16});
+  return inv;
+}
+
+Piece QuantPiece(int32_t tensor, Box box, int64_t off, std::vector<int64_t> strides, std::vector<int64_t> block,
+                 int64_t scale_off, int32_t scale_buffer = 0) {
+  Piece p;
+  p.tensor = tensor;
+  p.box = std::move(box);
+  p.offset_bytes = off;
+  p.strides = std::move(strides);
+  Quantization q;
+  q.block = std::move(block);
+  q.scale_buffer = scale_buffer;
+  q.scale_offset_bytes = scale_off;
+  p.quant = q;
+  return p;
+}
+
+// Rows [128, 256) of a.weight as fp8 (128 x 384 bytes at 0), its 1 x 3 scales at 49152.
+WorkerLayout Good() {
+  WorkerLayout l;
+  l.buffers.push_back({49152 + 12});
+  l.pieces.push_back(QuantPiece(0, {{128, 0}, {256, 384}}, 0, {384, 1}, {128, 128}, 49152));
+  return l;
+}
+
+void ExpectError(const absl::Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(needle), std::string::npos) << "'" << needle << "' not in: " << s.message();
+}
+
+TEST(QuantizedTest, ScaleShapeRoundsUpAtTheTensorEnd) {
+  Piece p = QuantPiece(3, {{128, 0}, {200, 130}}, 0, {130, 1}, {128, 128}, 0);
+  EXPECT_EQ(ScaleShape(p), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(ScaleCount(p), 2);
+  Piece plain;
+  EXPECT_TRUE(ScaleShape(plain).empty());
+  EXPECT_EQ(ScaleCount(plain), 0);
+}
+
+TEST(QuantizedTest, ValidQuantisedRolloutPiece) {
+  Inventory inv = Inv();
+  EXPECT_TRUE(ValidateLayout(inv, Good(), Role::kRollout, "r").ok()) << ValidateLayout(inv, Good(), Role::kRollout, "r");
+  EXPECT_EQ(PieceElementSize(inv, Good().pieces[0]), 1);
+  // The fp8 elements take one byte each: a buffer one byte short of elements + scales is refused.
+  WorkerLayout l = Good();
+  l.buffers[0].size_bytes -= 1;
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "scales [49152, 49164) reach beyond buffer 0 of 49163 bytes");
+}
+
+TEST(QuantizedTest, TrainersMayNotQuantise) {
+  ExpectError(ValidateLayout(Inv(), Good(), Role::kTrainer, "t"), "only rollout workers may hold a quantised piece");
+}
+
+TEST(QuantizedTest, UnalignedBoxIsRefused) {
+  WorkerLayout l = Good();
+  l.pieces[0].box = {{64, 0}, {192, 384}};
+  ExpectError(ValidateLayout(Inv(), l, Role::kRollout, "r"), "not aligned to the quantisation blocks 128x128 in dim 0");
+  // Ending at the tensor's end is fine although 130 is not a multiple of 128.
+  WorkerLayout d;
+  d.buffers.push_back({200 * 130 + 8});
+  d.pieces.push_back(QuantPiece(3, {{128, 0}, {200, 130}}, 0, {130, 1}, {128, 128}, 72 * 130));
+  EXPECT_TRUE(ValidateLayout(Inv(), d, Role::kRollout, "r").ok()) << ValidateLayout(Inv(), d, Role::kRollout, "r");
+}
+
+TEST(QuantizedTest, BadDtypesBlocksAndScaleRegions) {
+  Inventory inv = Inv();
+  WorkerLayout l = Good();
+  l.pieces[0].quant->dtype = DType::kBF16;
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "quantised dtype bfloat16 is not supported");
+  l = Good();
+  l.pieces[0].quant->block = {128};
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "quantisation block has rank 1, the tensor has rank 2");
+  l = Good();
+  l.pieces[0].quant->block = {128, 0};
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "quantisation block dim 1 is 0");
+  l = Good();
+  l.pieces[0].quant->scale_buffer = 1;
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "scale buffer 1 not registered");
+  l = Good();
+  l.pieces[0].quant->scale_offset_bytes = 49150;
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "scale offset 49150 negative or not a multiple of 4");
+  WorkerLayout c;
+  c.buffers.push_back({64});
+  c.pieces.push_back(QuantPiece(2, {{0}, {4}}, 0, {1}, {4}, 32));
+  ExpectError(ValidateLayout(inv, c, Role::kRollout, "r"), "cannot quantise a int64 tensor");
+}
+
+TEST(QuantizedTest, ScalesMustNotOverlapPiecesOrOtherScales) {
+  Inventory inv = Inv();
+  WorkerLayout l = Good();
+  l.pieces[0].quant->scale_offset_bytes = 49148;  // last 4 bytes of the elements
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "the scales of worker `r` piece 0");
+  // Two quantised pieces whose scale regions overlap.
+  WorkerLayout two;
+  two.buffers.push_back({2 * 49152 + 24});
+  two.pieces.push_back(QuantPiece(0, {{0, 0}, {128, 384}}, 0, {384, 1}, {128, 128}, 2 * 49152));
+  two.pieces.push_back(QuantPiece(0, {{128, 0}, {256, 384}}, 49152, {384, 1}, {128, 128}, 2 * 49152 + 8));
+  ExpectError(ValidateLayout(inv, two, Role::kRollout, "r"), "overlap");
+  two.pieces[1].quant->scale_offset_bytes = 2 * 49152 + 12;
+  EXPECT_TRUE(ValidateLayout(inv, two, Role::kRollout, "r").ok()) << ValidateLayout(inv, two, Role::kRollout, "r");
+}
+
+TEST(QuantizedTest, StagingLayoutAppendsAlignedShadows) {
+  Inventory inv = Inv();
+  WorkerLayout l;
+  l.buffers.push_back({1000});
+  l.buffers.push_back({100});
+  Piece bias;
+  bias.tensor = 1;
+  bias.box = {{0}, {10}};
+  bias.buffer = 1;
+  bias.offset_bytes = 0;
+  bias.strides = {1};
+  l.pieces.push_back(QuantPiece(3, {{128, 0}, {200, 130}}, 0, {1, 72}, {128, 128}, 9360, 0));  // transposed
+  l.pieces.push_back(bias);
+  l.pieces.push_back(QuantPiece(1, {{0}, {10}}, 40, {1}, {5}, 52, 1));
+  l.pieces.back().buffer = 1;
+  WorkerLayout s = StagingLayout(inv, l);
+  ASSERT_EQ(s.pieces.size(), 3u);
+  // Piece 0: 72 x 130 f16 shadow at 1024 (1000 rounded up to 256), row-major.
+  EXPECT_FALSE(s.pieces[0].quant.has_value());
+  EXPECT_EQ(s.pieces[0].offset_bytes, 1024);
+  EXPECT_EQ(s.pieces[0].strides, (std::vector<int64_t>{130, 1}));
+  EXPECT_EQ(s.buffers[0].size_bytes, 1024 + 72 * 130 * 2);
+  // Unquantised pieces are untouched.
+  EXPECT_EQ(s.pieces[1].offset_bytes, 0);
+  EXPECT_EQ(s.pieces[1].buffer, 1);
+  // Piece 2: 10 f32 at 256 of buffer 1.
+  EXPECT_EQ(s.pieces[2].offset_bytes, 256);
+  EXPECT_EQ(s.buffers[1].size_bytes, 256 + 40);
+  EXPECT_EQ(s.pieces[2].box.end, (std::vector<int64_t>{10}));
+  // Nothing quantised: the same layout.
+  WorkerLayout plain;
+  plain.buffers.push_back({100});
+  plain.pieces.push_back(bias);
+  plain.pieces[0].buffer = 0;
+  WorkerLayout same = StagingLayout(inv, plain);
+  EXPECT_EQ(same.buffers[0].size_bytes, 100);
+  EXPECT_EQ(same.pieces[0].offset_bytes, 0);
+  EXPECT_FALSE(HasQuantizedPieces(plain));
+  EXPECT_TRUE(HasQuantizedPieces(l));
+}
+
+}  // namespace
+}  // namespace wb::planner
