@@ -3,6 +3,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -16,6 +18,7 @@
 #include "transport/common.h"
 #include "transport/cuda_copy.h"
 #include "transport/cuda_status.h"
+#include "transport/cuda_vmm.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
 #include "transport/wire.h"
@@ -54,7 +57,14 @@ struct Desc {
   int64_t alloc_offset = 0;
   uint32_t device = 0;
   std::string uuid;  // kUuidBytes or empty
+  // VMM variant (RawCudaVmmBuffer; `handle` empty): an optional trailer after uuid.
+  bool vmm = false;
+  uint32_t vmm_pid = 0;  // the process in which vmm_fd is a descriptor
+  int32_t vmm_fd = -1;
+  std::string vmm_key;
+  int64_t vmm_alloc_bytes = 0;
 };
+constexpr uint8_t kVmmTrailer = 1;
 
 std::string EncodeDescriptor(const Desc& d) {
   wire::Writer w = RecordWriter(RecordType::kDescriptor, kKind, d.inst, d.node);
@@ -65,6 +75,13 @@ std::string EncodeDescriptor(const Desc& d) {
   w.I64(d.alloc_offset);
   w.U32(d.device);
   w.Str(d.uuid);
+  if (d.vmm) {
+    w.U8(kVmmTrailer);
+    w.U32(d.vmm_pid);
+    w.U32(static_cast<uint32_t>(d.vmm_fd));
+    w.Str(d.vmm_key);
+    w.I64(d.vmm_alloc_bytes);
+  }
   return std::move(w.out());
 }
 
@@ -83,13 +100,21 @@ absl::StatusOr<Desc> DecodeDescriptor(absl::string_view bytes) {
   d.alloc_offset = r.I64();
   d.device = r.U32();
   d.uuid = r.Str(kUuidBytes);
+  if (r.ok() && !r.done()) {
+    d.vmm = r.U8() == kVmmTrailer;
+    d.vmm_pid = r.U32();
+    d.vmm_fd = static_cast<int32_t>(r.U32());
+    d.vmm_key = r.Str(1024);
+    d.vmm_alloc_bytes = r.I64();
+  }
   if (!r.ok() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
     return absl::InvalidArgumentError("cuda_ipc ImportDescriptor: bytes are not a transport descriptor");
   }
   if (kind != kKind) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: descriptor is for transport '", kind, "'"));
   }
-  if (!r.done() || d.handle.size() != kHandleBytes || (!d.uuid.empty() && d.uuid.size() != kUuidBytes) ||
+  if (!r.done() || (d.vmm ? !d.handle.empty() || d.vmm_fd < 0 || d.vmm_key.empty() || d.vmm_alloc_bytes <= 0
+                           : d.handle.size() != kHandleBytes) || (!d.uuid.empty() && d.uuid.size() != kUuidBytes) ||
       d.size < 0 || d.alloc_offset < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: malformed descriptor of region '",
                                                    d.label, "'"));
@@ -98,11 +123,28 @@ absl::StatusOr<Desc> DecodeDescriptor(absl::string_view bytes) {
 }
 
 struct Mapping {
-  char* base = nullptr;  // what cudaIpcOpenMemHandle returned (the allocation base)
+  char* base = nullptr;  // what cudaIpcOpenMemHandle returned (the allocation base), or the VMM range
   int64_t alloc_size = -1;  // -1: unknown
   int device = 0;
   int refs = 0;
+  // VMM imports: the imported allocation handle, mapped over [base, base + alloc_size).
+  bool vmm = false;
+  CUmemGenericAllocationHandle vmm_handle = 0;
 };
+
+// Undoes a mapping (the last reference is gone, or the transport is destroyed).
+absl::Status CloseMapping(const Mapping& m) {
+  (void)cudaSetDevice(m.device);
+  if (!m.vmm) return CudaStatus(cudaIpcCloseMemHandle(m.base), "cuda_ipc: cudaIpcCloseMemHandle");
+  auto api = LoadCudaVmmApi();
+  if (!api.ok()) return api.status();
+  const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(m.base);
+  const size_t n = static_cast<size_t>(m.alloc_size);
+  absl::Status s = CuStatus((*api)->unmap(va, n), "cuda_ipc: cuMemUnmap");
+  absl::Status f = CuStatus((*api)->address_free(va, n), "cuda_ipc: cuMemAddressFree");
+  absl::Status r = CuStatus((*api)->release(m.vmm_handle), "cuda_ipc: cuMemRelease");
+  return !s.ok() ? s : !f.ok() ? f : r;
+}
 
 // owner_instance empty: a raw worker buffer, treated like a local region.
 struct Region : RegionRecord {
@@ -172,8 +214,7 @@ class CudaIpcTransport : public Transport {
       }
     }
     for (auto& [key, m] : mappings_) {
-      (void)cudaSetDevice(m.device);
-      (void)cudaIpcCloseMemHandle(m.base);
+      (void)CloseMapping(m);
       (void)cudaGetLastError();
     }
     absl::MutexLock sl(&streams_mu_);
@@ -352,6 +393,7 @@ class CudaIpcTransport : public Transport {
                                                        " visible here"));
       }
     }
+    if (d->vmm) return ImportVmm(*d, device);
     absl::MutexLock il(&import_mu_);  // one open per handle even with concurrent imports
     Mapping m;
     {
@@ -424,12 +466,11 @@ class CudaIpcTransport : public Transport {
     if (!r.mapping_key.empty()) {
       auto m = mappings_.find(r.mapping_key);
       if (m != mappings_.end() && --m->second.refs == 0) {
-        (void)cudaSetDevice(m->second.device);
-        cudaError_t e = cudaIpcCloseMemHandle(m->second.base);
+        absl::Status closed = CloseMapping(m->second);
         mappings_.erase(m);
-        if (e != cudaSuccess) {
+        if (!closed.ok()) {
           regions_.Erase(h.id);
-          return CudaStatus(e, "cuda_ipc Release: cudaIpcCloseMemHandle");
+          return Annotate(closed, absl::StrCat("cuda_ipc Release of '", r.label, "'"));
         }
       }
     }
@@ -654,6 +695,116 @@ class CudaIpcTransport : public Transport {
     return m;
   }
 
+  // A worker's VMM allocation (RawCudaVmmBuffer): mapped once per allocation key, shared by every
+  // buffer in it. `device`: the descriptor's GPU in our numbering.
+  absl::StatusOr<RegionHandle> ImportVmm(const Desc& d, int device) {
+    const std::string what = absl::StrCat("cuda_ipc VMM import of region '", d.label, "'");
+    if (d.vmm_pid != static_cast<uint32_t>(::getpid())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the descriptor names fd ", d.vmm_fd, " of process ", d.vmm_pid,
+                                                     ", not of this process (VMM descriptors do not travel)"));
+    }
+    // (subtraction: offset and size are each < 2^63 but their sum may not be)
+    if (d.alloc_offset > d.vmm_alloc_bytes || d.size > d.vmm_alloc_bytes - d.alloc_offset) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", d.alloc_offset, ", ", d.alloc_offset + d.size,
+                                                     ") exceed the allocation of ", d.vmm_alloc_bytes, " bytes"));
+    }
+    const std::string key = absl::StrCat("vmm:", d.vmm_key);
+    absl::MutexLock il(&import_mu_);  // one mapping per allocation even with concurrent imports
+    Mapping m;
+    {
+      absl::MutexLock l(&mu_);
+      if (auto it = mappings_.find(key); it != mappings_.end()) m = it->second;
+    }
+    if (m.base != nullptr && m.alloc_size != d.vmm_alloc_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": allocation '", d.vmm_key, "' is mapped with ", m.alloc_size,
+                                                     " bytes, the descriptor says ", d.vmm_alloc_bytes));
+    }
+    const bool mapped_now = m.base == nullptr;
+    if (mapped_now) {
+      ASSIGN_OR_RETURN(m, MapVmm(d, device, what));
+    }
+    absl::MutexLock l(&mu_);
+    Mapping& stored = mappings_[key];
+    if (mapped_now) stored = m;
+    stored.refs++;
+    Region r;
+    r.local = false;
+    r.kind = MemoryKind::kCuda;
+    r.base = stored.base + d.alloc_offset;
+    r.size = d.size;
+    r.device = stored.device;
+    r.label = d.label;
+    r.owner_instance = d.inst;
+    r.owner_region_id = d.region_id;
+    r.mapping_key = key;
+    const uint64_t id = next_id_++;
+    regions_.Add(id, std::move(r));
+    return RegionHandle{id};
+  }
+
+  // cuMemImportFromShareableHandle + reserve + map + set access; undone on any failure.
+  absl::StatusOr<Mapping> MapVmm(const Desc& d, int device, const std::string& what) {
+    ASSIGN_OR_RETURN(const CudaVmmApi* api, LoadCudaVmmApi());
+    WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat(what, ": cudaSetDevice"));
+    Mapping m;
+    m.vmm = true;
+    m.device = device;
+    m.alloc_size = d.vmm_alloc_bytes;
+    RETURN_IF_ERROR(CuStatus(api->import_handle(&m.vmm_handle, reinterpret_cast<void*>(static_cast<intptr_t>(d.vmm_fd)),
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                             absl::StrCat(what, ": cuMemImportFromShareableHandle (is the fd an exported CUDA allocation?)")));
+    CUdeviceptr va = 0;
+    auto undo = [&](absl::Status s) {
+      if (va != 0) (void)api->address_free(va, static_cast<size_t>(m.alloc_size));
+      (void)api->release(m.vmm_handle);
+      return s;
+    };
+    // The GPU that holds the memory (a worker with another CUDA_VISIBLE_DEVICES and no UUID may
+    // have named another): copies run on its streams and Describe reports it.
+    CUmemAllocationProp prop = {};
+    if (api->properties(&prop, m.vmm_handle) == CUDA_SUCCESS && prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
+        prop.location.id >= 0 && prop.location.id < static_cast<int>(uuids_.size())) {
+      m.device = prop.location.id;
+      if (m.device != device) {
+        if (absl::Status s = CudaStatus(cudaSetDevice(m.device), what); !s.ok()) return undo(s);
+      }
+    }
+    size_t g = 0;
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = m.device;
+    if (absl::Status s = CuStatus(api->granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                                  absl::StrCat(what, ": cuMemGetAllocationGranularity"));
+        !s.ok()) {
+      return undo(s);
+    }
+    if (g == 0 || d.vmm_alloc_bytes % static_cast<int64_t>(g) != 0) {
+      return undo(absl::InvalidArgumentError(absl::StrCat(what, ": allocation size ", d.vmm_alloc_bytes,
+                                                          " is not a multiple of the granularity ", g,
+                                                          " (give the size passed to cuMemCreate)")));
+    }
+    const size_t n = static_cast<size_t>(d.vmm_alloc_bytes);
+    if (absl::Status s = CuStatus(api->reserve(&va, n, 0, 0, 0), absl::StrCat(what, ": cuMemAddressReserve")); !s.ok()) {
+      va = 0;
+      return undo(s);
+    }
+    if (absl::Status s = CuStatus(api->map(va, n, 0, m.vmm_handle, 0),
+                                  absl::StrCat(what, ": cuMemMap of ", n, " bytes (larger than the allocation?)"));
+        !s.ok()) {
+      return undo(s);
+    }
+    CUmemAccessDesc rw = {};
+    rw.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    rw.location.id = m.device;
+    rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (absl::Status s = CuStatus(api->set_access(va, n, &rw, 1), absl::StrCat(what, ": cuMemSetAccess")); !s.ok()) {
+      (void)api->unmap(va, n);
+      return undo(s);
+    }
+    m.base = reinterpret_cast<char*>(va);
+    return m;
+  }
+
   absl::StatusOr<RegionHandle> ImportOwn(const Desc& d) {
     // cudaIpcOpenMemHandle refuses handles of the calling process; our own region is reachable directly.
     absl::MutexLock l(&mu_);
@@ -756,6 +907,32 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(const Transpor
     uuids.emplace_back(prop.uuid.bytes, kUuidBytes);
   }
   return std::unique_ptr<Transport>(new CudaIpcTransport(config, std::move(uuids)));
+}
+
+absl::StatusOr<std::string> CudaIpcDescriptorFromVmmFd(const RawCudaVmmBuffer& buffer) {
+  if (buffer.fd < 0 || buffer.allocation_key.empty() || buffer.allocation_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: VMM buffer '", buffer.label,
+                                                   "' needs an fd, an allocation key and a positive allocation size"));
+  }
+  if (!buffer.device_uuid.empty() && buffer.device_uuid.size() != kUuidBytes) {
+    return absl::InvalidArgumentError("cuda_ipc: device uuid must be 16 bytes or empty");
+  }
+  if (buffer.offset_bytes < 0 || buffer.size_bytes < 0 || buffer.device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: buffer '", buffer.label, "' has a negative field"));
+  }
+  Desc d;
+  d.node = buffer.node_id;
+  d.size = buffer.size_bytes;
+  d.label = buffer.label;
+  d.alloc_offset = buffer.offset_bytes;
+  d.device = static_cast<uint32_t>(buffer.device);
+  d.uuid = buffer.device_uuid;
+  d.vmm = true;
+  d.vmm_pid = static_cast<uint32_t>(::getpid());
+  d.vmm_fd = buffer.fd;
+  d.vmm_key = buffer.allocation_key;
+  d.vmm_alloc_bytes = buffer.allocation_bytes;
+  return EncodeDescriptor(d);
 }
 
 absl::StatusOr<std::string> CudaIpcDescriptorFromRawHandle(const RawCudaIpcBuffer& buffer) {

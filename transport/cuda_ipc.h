@@ -9,7 +9,11 @@
 // (handle, device) with cudaIpcMemLazyEnablePeerAccess and shares that mapping between imports;
 // the last Release (or the destructor) closes it. Host memory may be registered too (pinned with
 // cudaHostRegister when possible) for host <-> device ops; host regions cannot be exported (that is
-// host_shm's job), and an op with no device side is INVALID_ARGUMENT.
+// host_shm's job), and an op with no device side is INVALID_ARGUMENT. Worker buffers in CUDA VMM
+// memory (cuMemCreate) come in as RawCudaVmmBuffer descriptors (below). Our OWN cuMemCreate memory
+// registers and copies like any device memory, but ExportDescriptor refuses it
+// (FAILED_PRECONDITION: cudaIpcGetMemHandle cannot export it, and a descriptor is bytes, which
+// cannot carry the fd VMM sharing needs); the daemon's own staging comes from cudaMalloc.
 //
 // Copies: Post enqueues every op at once (cuda_copy.h: one cudaMemcpyAsync per contiguous op,
 // cudaMemcpy2DAsync / cudaMemcpy3DAsync for strided boxes) on dedicated non-blocking streams of the
@@ -49,5 +53,34 @@ struct RawCudaIpcBuffer {
 // Builds a cuda_ipc descriptor from a raw handle so the daemon can ImportDescriptor() a worker's
 // buffer. Pure encoding (no CUDA calls); INVALID_ARGUMENT if the handle is not 64 bytes.
 absl::StatusOr<std::string> CudaIpcDescriptorFromRawHandle(const RawCudaIpcBuffer& buffer);
+
+// A worker's buffer inside a CUDA VMM allocation (cuMemCreate; e.g. PyTorch expandable segments),
+// which legacy IPC cannot export. The worker exported the allocation with
+// cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) and passed the fd to this
+// process (SCM_RIGHTS: transport/fd_passing.h, daemon/fd_channel.h).
+//
+// Import (ImportDescriptor of the descriptor built below), through the driver entry points
+// (transport/cuda_vmm.h): cuMemImportFromShareableHandle(fd), cuMemAddressReserve +
+// cuMemMap(allocation_bytes) + cuMemSetAccess(read-write for the GPU that holds it), once per
+// `allocation_key`: every buffer of that allocation (any offset) shares the mapping, and the last
+// Release unmaps, frees the range and releases the handle. The fd is only read during the import
+// (the caller keeps and closes it); the descriptor names it by number, so it is valid only in the
+// process that built it (its pid is in the descriptor; any other process gets INVALID_ARGUMENT).
+// [offset, offset + size) must lie inside allocation_bytes (INVALID_ARGUMENT, nothing mapped), and
+// allocation_bytes must be the allocation's real size: the driver refuses to map more.
+struct RawCudaVmmBuffer {
+  int fd = -1;                   // the exported allocation, open in THIS process
+  std::string allocation_key;    // unique per allocation (and per exporting process): the mapping cache key
+  int64_t allocation_bytes = 0;  // the allocation's size (what cuMemCreate was given)
+  int64_t offset_bytes = 0;      // the buffer's start inside the allocation
+  int64_t size_bytes = 0;
+  int device = 0;                // as RawCudaIpcBuffer
+  std::string device_uuid;
+  std::string node_id;           // the daemon's own node id
+  std::string label;
+};
+
+// Pure encoding (no CUDA calls); INVALID_ARGUMENT for a negative fd/field, an empty key, or a bad uuid.
+absl::StatusOr<std::string> CudaIpcDescriptorFromVmmFd(const RawCudaVmmBuffer& buffer);
 
 }  // namespace wb::transport
