@@ -211,6 +211,30 @@ absl::Status GuardedWorkerService::CheckActsAs(grpc::ServerContext* ctx, const s
   return absl::OkStatus();
 }
 
+absl::Status GuardedWorkerService::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
+  absl::MutexLock l(&mu_);
+  auto it = bindings_.find(worker);
+  if (it == bindings_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (RegisterWorker first)"));
+  }
+  const Binding& b = it->second;
+  if (b.cred.pid != sender.pid || b.cred.start_time != sender.start_time || b.cred.uid != sender.uid) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, " (uid ", b.cred.uid,
+                                                    "), not to the sender"));
+  }
+  if (b.model != model) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerCred> GuardedWorkerService::BoundCred(const std::string& worker) {
+  absl::MutexLock l(&mu_);
+  auto it = bindings_.find(worker);
+  if (it == bindings_.end()) return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_));
+  return it->second.cred;
+}
+
 grpc::Status GuardedWorkerService::RegisterWorker(grpc::ServerContext* ctx, const pb::RegisterWorkerRequest* req,
                                                   pb::RegisterWorkerResponse* resp) {
   absl::StatusOr<PeerCred> me = Caller(ctx);

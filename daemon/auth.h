@@ -101,6 +101,11 @@ class GuardedWorkerService final : public pb::WorkerService::Service {
   // and published versions up to it stop counting against max_concurrent_versions.
   void NoteCommitted(const std::string& model, uint64_t version);
   void NoteAborted(const std::string& model, uint64_t version);
+  // The fd channel (daemon/fd_channel.h): OK when `sender` is the live process bound to `worker`
+  // (pid + start time) and the worker belongs to `model`; NOT_FOUND / PERMISSION_DENIED otherwise.
+  absl::Status CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker);
+  // The process `worker` is bound to; NOT_FOUND if none.
+  absl::StatusOr<PeerCred> BoundCred(const std::string& worker);
 
  private:
   struct Binding {

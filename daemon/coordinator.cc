@@ -308,7 +308,7 @@ grpc::Status Coordinator::SubmitLayout(grpc::ServerContext*, const pb::SubmitLay
   // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
   // topology (same-GPU colocation) then compares GPUs of one numbering.
   for (const pb::BufferSpec& b : w->second.layout_proto.buffers()) {
-    if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle && b.gpu() >= 0) {
+    if ((b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) && b.gpu() >= 0) {
       w->second.gpu = b.gpu();
       break;
     }
@@ -858,7 +858,8 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
     const int32_t buffer = w.layout.pieces[piece].buffer;
     if (buffer < 0 || buffer >= w.layout_proto.buffers_size()) return nullptr;
     const pb::BufferSpec& b = w.layout_proto.buffers(buffer);
-    return b.memory_case() == pb::BufferSpec::kCudaIpcHandle ? &b : nullptr;
+    const bool cuda = b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
+    return cuda ? &b : nullptr;
   };
   auto cuda_piece = [&](int32_t worker, int32_t piece) { return cuda_buffer(worker, piece) != nullptr; };
   std::vector<RouteOpFacts> facts;

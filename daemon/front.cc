@@ -55,12 +55,35 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
   std::unique_ptr<grpc::Server> server = b.BuildAndStart();
   if (!server) return absl::UnavailableError(absl::StrCat("cannot start the worker service on ", path));
   workers_ready_.store(workers_.get());
+  // CUDA VMM fds (gRPC cannot carry descriptors): only the process bound to a worker may send them.
+  auto fds = FdChannel::Bind(absl::StrCat(path, ".fd"), options_.worker_socket_mode,
+                             [w = workers_.get()](const PeerCred& sender, const std::string& model, const std::string& worker) {
+                               return w->CheckBound(sender, model, worker);
+                             });
+  // Not fatal (e.g. the path + ".fd" no longer fits a socket address): only VMM buffers need it,
+  // and they then fail with this reason.
+  if (fds.ok()) {
+    fd_channel_ = std::move(*fds);
+  } else {
+    fd_channel_error_ = fds.status();
+  }
   listener_->Serve(server.get());
   return server;
 }
 
 void DaemonFront::Stop() {
   if (listener_) listener_->Stop();
+  if (fd_channel_) fd_channel_->Stop();
+}
+
+absl::StatusOr<CudaVmmFd> DaemonFront::FindVmmFd(const std::string& worker, const std::string& key) {
+  if (!fd_channel_ || !workers_) {
+    return absl::FailedPreconditionError(absl::StrCat("the fd channel for CUDA VMM fds is not serving: ",
+                                                      fd_channel_error_.ok() ? "no worker socket" : fd_channel_error_.message()));
+  }
+  absl::StatusOr<PeerCred> bound = workers_->BoundCred(worker);
+  if (!bound.ok()) return bound.status();
+  return fd_channel_->Get(worker, key, *bound);
 }
 
 }  // namespace wb::daemon

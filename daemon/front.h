@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/auth.h"
+#include "daemon/fd_channel.h"
 #include "daemon/limits.h"
 #include "daemon/metrics.h"
 
@@ -45,6 +46,10 @@ class DaemonFront {
   absl::StatusOr<std::unique_ptr<grpc::Server>> ServeWorkers(const std::string& path, pb::WorkerService::Service* inner);
   void Stop();
   const Limits& limits() const { return options_.limits; }
+  // The fd of a CUDA VMM allocation that `worker` sent on the fd channel (<worker socket>.fd,
+  // started by ServeWorkers) under `key`, if the process that sent it is the one bound to the
+  // worker now (daemon/fd_channel.h). FAILED_PRECONDITION before ServeWorkers.
+  absl::StatusOr<CudaVmmFd> FindVmmFd(const std::string& worker, const std::string& key);
 
  private:
   SecurityOptions options_;
@@ -55,6 +60,8 @@ class DaemonFront {
   std::unique_ptr<TokenNodeService> node_;
   std::unique_ptr<PeerCredListener> listener_;
   std::unique_ptr<GuardedWorkerService> workers_;
+  std::unique_ptr<FdChannel> fd_channel_;
+  absl::Status fd_channel_error_;  // why fd_channel_ is null after ServeWorkers
   std::atomic<GuardedWorkerService*> workers_ready_{nullptr};
 };
 

@@ -66,7 +66,8 @@ absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<pb::Buf
       return absl::ResourceExhaustedError(absl::StrCat("buffer ", b.buffer_id(), " is ", b.size_bytes(), " bytes, more than the limit of ",
                                                        limits.max_buffer_bytes));
     }
-    if (limits.cuda_staged_on_gpu && b.memory_case() == pb::BufferSpec::kCudaIpcHandle) continue;
+    const bool cuda = b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
+    if (limits.cuda_staged_on_gpu && cuda) continue;
     total += static_cast<int64_t>(b.size_bytes());  // <= 1024 * 2^40: no overflow
     if (total > limits.max_worker_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("buffers of one worker exceed ", limits.max_worker_bytes,

@@ -198,7 +198,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
     std::vector<std::shared_ptr<CudaImport>> cuda;
     for (const pb::BufferSpec& b : req->buffers()) {
-      if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle) {
+      if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) {
         auto imp = d_->ImportCuda(req->worker_id(), b);
         if (!imp.ok()) return ToGrpcStatus(imp.status());
         buffers.push_back(nullptr);
@@ -2216,9 +2216,32 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
   // daemon's cluster node id (found by the emulated-GPU e2e test: every CUDA buffer was refused).
   raw.node_id = transport::DefaultNodeId();
   raw.label = what;
-  auto desc = transport::CudaIpcDescriptorFromRawHandle(raw);
+  absl::StatusOr<std::string> desc;
+  absl::StatusOr<transport::RegionHandle> h;
+  if (b.memory_case() == pb::BufferSpec::kCudaVmmKey) {
+    // VMM memory: the allocation's fd came over the fd channel (only from the process bound to
+    // this worker); the transport maps each allocation once, whatever the number of buffers in it.
+    if (!options_.cuda_vmm_fd) return absl::FailedPreconditionError(absl::StrCat(what, ": this daemon has no fd channel"));
+    absl::StatusOr<CudaVmmFd> fd = options_.cuda_vmm_fd(worker, b.cuda_vmm_key());
+    if (!fd.ok()) return Annotate(fd.status(), what);
+    transport::RawCudaVmmBuffer vmm;
+    vmm.fd = fd->fd;
+    vmm.allocation_key = fd->cache_key;
+    vmm.allocation_bytes = fd->allocation_bytes;
+    vmm.offset_bytes = static_cast<int64_t>(std::min<uint64_t>(b.cuda_vmm_offset(), INT64_MAX));
+    vmm.size_bytes = raw.size_bytes;
+    vmm.device = raw.device;
+    vmm.device_uuid = raw.device_uuid;
+    vmm.node_id = raw.node_id;
+    vmm.label = what;
+    desc = transport::CudaIpcDescriptorFromVmmFd(vmm);
+    if (desc.ok()) h = t->ImportDescriptor(*desc);
+    ::close(fd->fd);  // the transport imported (or refused) it; the channel keeps its own copy
+  } else {
+    desc = transport::CudaIpcDescriptorFromRawHandle(raw);
+    if (desc.ok()) h = t->ImportDescriptor(*desc);
+  }
   if (!desc.ok()) return Annotate(desc.status(), what);
-  auto h = t->ImportDescriptor(*desc);
   if (!h.ok()) return Annotate(h.status(), what);
   auto imp = std::make_shared<CudaImport>();
   imp->t = t;

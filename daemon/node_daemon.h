@@ -37,6 +37,7 @@
 #include "planner/types.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "daemon/device_staging.h"
+#include "daemon/fd_channel.h"
 #include "tools/cc/clock.h"
 #include "transport/device_allocator.h"
 #include "transport/factory.h"
@@ -70,6 +71,9 @@ class NodeDaemon {
     std::function<bool()> test_skip_heartbeat;
     // Channel to the coordinator (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
+    // CUDA VMM buffers (BufferSpec.cuda_vmm_key): the fd a worker sent on the fd channel
+    // (DaemonFront::FindVmmFd). Unset: such buffers are FAILED_PRECONDITION.
+    std::function<absl::StatusOr<CudaVmmFd>(const std::string& worker, const std::string& key)> cuda_vmm_fd;
   };
 
   explicit NodeDaemon(Options options);

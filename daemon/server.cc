@@ -63,6 +63,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.clock = o.clock;
     no.heartbeat = o.heartbeat;
     no.make_channel = s->front_->channel_factory();
+    no.cuda_vmm_fd = [front = s->front_.get()](const std::string& worker, const std::string& key) {
+      return front->FindVmmFd(worker, key);
+    };
     no.staging_budget_bytes = o.staging_budget_bytes;
     ASSIGN_OR_RETURN(no.transports, o.make_transports());
     no.checksums = o.checksums;

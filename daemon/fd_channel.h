@@ -1,0 +1,83 @@
+#pragma once
+// The node daemon's fd channel: where a local worker hands over the POSIX fd of a CUDA VMM
+// allocation (cuMemExportToShareableHandle; PyTorch expandable segments), which gRPC cannot carry.
+//
+// A Unix SOCK_SEQPACKET socket at <worker_socket>.fd (same mode as the worker socket). Each
+// datagram is one VmmFdOffer (transport/fd_passing.h: model, worker, key, allocation size) with
+// exactly one fd attached; the daemon answers each with a status. Who may send: the connecting
+// process's SO_PEERCRED (pid, uid; kernel-filled at connect, unforgeable) plus its start time must
+// be the process the worker id is bound to (RegisterWorker through the guarded worker socket,
+// daemon/auth.h) for that model - `authorize` decides; anything else is refused and the fd closed
+// at once. Accepted fds are kept keyed by (worker, key), with the sender's identity; a new offer
+// for the same key replaces (closes) the old fd; an offer from a new process of the same worker id
+// (a restart) drops the fds the previous process sent. At most max_fds_per_worker keys per worker
+// (RESOURCE_EXHAUSTED beyond).
+//
+// Get() hands out a dup of the fd (the caller closes it) only to a lookup that names the process
+// currently bound to the worker: fds of a dead predecessor never reach a new registration.
+// Connections are served one at a time by one thread with a 2 s deadline per message, so a stalled
+// client delays others by at most that.
+
+#include <sys/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/auth.h"
+
+namespace wb::daemon {
+
+struct CudaVmmFd {
+  int fd = -1;                   // a dup owned by the caller
+  int64_t allocation_bytes = 0;  // as the worker declared it
+  std::string cache_key;         // unique per (sending process, worker, key): the transport's mapping key
+};
+
+class FdChannel {
+ public:
+  using Authorize = std::function<absl::Status(const PeerCred& sender, const std::string& model, const std::string& worker)>;
+
+  // Binds `path` (an existing socket file there is replaced) and starts serving.
+  static absl::StatusOr<std::unique_ptr<FdChannel>> Bind(const std::string& path, mode_t mode, Authorize authorize,
+                                                        size_t max_fds_per_worker = 1024);
+  ~FdChannel();  // Stop(), then closes every kept fd
+  // Stops accepting and unlinks the socket file. Idempotent.
+  void Stop();
+
+  // NOT_FOUND when `worker` sent nothing under `key`, PERMISSION_DENIED when it was sent by
+  // another process than `bound` (pid + start time).
+  absl::StatusOr<CudaVmmFd> Get(const std::string& worker, const std::string& key, const PeerCred& bound) const;
+  size_t size() const;
+  const std::string& path() const { return path_; }
+
+ private:
+  struct Entry {
+    int fd = -1;
+    int64_t allocation_bytes = 0;
+    PeerCred sender;
+  };
+  FdChannel() = default;
+  void Serve();
+  void ServeConnection(int conn);
+  absl::Status Accept(const PeerCred& sender, const std::string& model, const std::string& worker, const std::string& key,
+                      int64_t bytes, int fd);
+
+  std::string path_;
+  Authorize authorize_;
+  size_t max_per_worker_ = 1024;
+  int listen_fd_ = -1;
+  int stop_fd_ = -1;  // eventfd: wakes the serving thread
+  std::thread thread_;
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, std::string>, Entry> entries_ ABSL_GUARDED_BY(mu_);  // (worker, key)
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace wb::daemon

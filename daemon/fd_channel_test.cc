@@ -1,0 +1,138 @@
+#include "daemon/fd_channel.h"
+
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "transport/fd_passing.h"
+
+namespace wb::daemon {
+namespace {
+
+// Under /tmp: Bazel's TEST_TMPDIR is too long for a Unix socket path (108 bytes).
+std::string TempPath(const char* name) { return absl::StrCat("/tmp/wb-fdc-", name, ".", getpid(), ".fd"); }
+
+// A memfd holding `text` (stands in for an exported CUDA allocation: the channel never looks inside).
+int MemfdWith(const std::string& text) {
+  const int fd = memfd_create("fd_channel_test", MFD_CLOEXEC);
+  if (fd >= 0 && write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) return -1;
+  return fd;
+}
+
+std::string ReadAll(int fd) {
+  char buf[64];
+  const ssize_t n = pread(fd, buf, sizeof(buf), 0);
+  return n > 0 ? std::string(buf, n) : "";
+}
+
+// Only this test process may send, and only for worker "w0" of model "m" (what the guarded worker
+// service answers for a bound worker).
+FdChannel::Authorize OnlyMe() {
+  const pid_t me = getpid();
+  return [me](const PeerCred& sender, const std::string& model, const std::string& worker) -> absl::Status {
+    if (worker != "w0" || model != "m") return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered"));
+    if (sender.pid != me) return absl::PermissionDeniedError(absl::StrCat("worker w0 belongs to process ", me));
+    return absl::OkStatus();
+  };
+}
+
+PeerCred Me() { return PeerCred{getpid(), getuid(), getgid(), ProcessStartTime(getpid())}; }
+
+absl::Status Offer(const std::string& path, const std::string& worker, const std::string& key, int fd) {
+  return transport::OfferVmmFd(path, {"m", worker, key, 2 << 20}, fd, absl::Now() + absl::Seconds(10));
+}
+
+TEST(FdChannelTest, RegisteredWorkerSendsAndTheDaemonGetsTheSameFile) {
+  auto c = FdChannel::Bind(TempPath("ok"), 0600, OnlyMe());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int fd = MemfdWith("allocation zero");
+  ASSERT_TRUE(Offer((*c)->path(), "w0", "alloc0", fd).ok());
+  close(fd);  // the daemon keeps its own descriptor
+  auto got = (*c)->Get("w0", "alloc0", Me());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(ReadAll(got->fd), "allocation zero");
+  EXPECT_EQ(got->allocation_bytes, 2 << 20);
+  EXPECT_NE(got->cache_key.find(absl::StrCat(getpid())), std::string::npos) << got->cache_key;
+  close(got->fd);
+  // The same key again replaces the fd (one per allocation, however many buffers use it).
+  const int fd2 = MemfdWith("allocation zero, new");
+  ASSERT_TRUE(Offer((*c)->path(), "w0", "alloc0", fd2).ok());
+  close(fd2);
+  EXPECT_EQ((*c)->size(), 1u);
+  got = (*c)->Get("w0", "alloc0", Me());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(ReadAll(got->fd), "allocation zero, new");
+  close(got->fd);
+}
+
+TEST(FdChannelTest, UnknownKeyOrAnotherBoundProcessIsRefused) {
+  auto c = FdChannel::Bind(TempPath("keys"), 0600, OnlyMe());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int fd = MemfdWith("x");
+  ASSERT_TRUE(Offer((*c)->path(), "w0", "alloc0", fd).ok());
+  close(fd);
+  auto unknown = (*c)->Get("w0", "alloc1", Me());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
+  EXPECT_EQ((*c)->Get("w1", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
+  PeerCred successor = Me();
+  successor.pid += 1;  // the worker id is now bound to another process (a restart)
+  auto stale = (*c)->Get("w0", "alloc0", successor);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kPermissionDenied) << stale.status();
+}
+
+// The sender's identity is the kernel's (SO_PEERCRED): a forked child offering an fd for a worker
+// bound to this process is refused with a clear error, and nothing is kept.
+TEST(FdChannelTest, OfferFromAnotherProcessIsRefusedAndNothingKept) {
+  auto c = FdChannel::Bind(TempPath("peer"), 0666, OnlyMe());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string path = (*c)->path();
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(pipefd[0]);
+    const int fd = MemfdWith("foreign");
+    absl::Status s = Offer(path, "w0", "alloc0", fd);
+    const std::string line = s.ToString();
+    (void)!write(pipefd[1], line.data(), line.size());
+    _exit(0);
+  }
+  close(pipefd[1]);
+  std::string reply;
+  char buf[512];
+  for (ssize_t n; (n = read(pipefd[0], buf, sizeof(buf))) > 0;) reply.append(buf, n);
+  close(pipefd[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_NE(reply.find("PERMISSION_DENIED"), std::string::npos) << reply;
+  EXPECT_NE(reply.find(absl::StrCat("from pid ", child)), std::string::npos) << reply;
+  EXPECT_EQ((*c)->size(), 0u);
+  EXPECT_EQ((*c)->Get("w0", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
+  // An unregistered worker id is refused too (the authorizer's NOT_FOUND).
+  const int fd = MemfdWith("y");
+  absl::Status s = Offer(path, "nobody", "alloc0", fd);
+  close(fd);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_EQ((*c)->size(), 0u);
+}
+
+TEST(FdChannelTest, GarbageAndFdLessOffersAreInvalidArgument) {
+  auto c = FdChannel::Bind(TempPath("garbage"), 0600, OnlyMe());
+  ASSERT_TRUE(c.ok()) << c.status();
+  // An offer with a negative size is refused by the decoder.
+  const int fd = MemfdWith("z");
+  absl::Status s = transport::OfferVmmFd((*c)->path(), {"m", "w0", "k", -5}, fd, absl::Now() + absl::Seconds(10));
+  close(fd);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ((*c)->size(), 0u);
+  (*c)->Stop();
+  EXPECT_EQ(access((*c)->path().c_str(), F_OK), -1) << "Stop unlinks the socket";
+}
+
+}  // namespace
+}  // namespace wb::daemon
