@@ -5,6 +5,7 @@
 //
 //   bazel run //bench:transport [-- --json] [-- --bytes=1073741824 --tcp_bytes=536870912 --streams=4]
 //   [--gpu_bytes=1073741824] [--no_gpu] [--gpu_only]
+//   [--tcp_local_addrs=127.0.0.1,127.0.0.2]   host_tcp multi-NIC striping (TcpOptions::local_addresses)
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -27,6 +28,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/transport_gpu.h"
 #include "transport/factory.h"
 #include "transport/shm_segment.h"
@@ -117,6 +119,7 @@ int Main(int argc, char** argv) {
   int threads = static_cast<int>(std::min(4u, std::max(1u, std::thread::hardware_concurrency())));
   int64_t gpu_bytes = int64_t{1} << 30;
   bool gpu = true, gpu_only = false, gpu_child = false;
+  std::string tcp_local_addrs;  // host_tcp multi-NIC: e.g. 127.0.0.1,127.0.0.2 (both transports)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--json") json = true;
@@ -129,6 +132,7 @@ int Main(int argc, char** argv) {
     if (a.rfind("--streams=", 0) == 0) (void)absl::SimpleAtoi(a.substr(10), &streams);
     if (a.rfind("--reps=", 0) == 0) (void)absl::SimpleAtoi(a.substr(7), &reps);
     if (a.rfind("--threads=", 0) == 0) (void)absl::SimpleAtoi(a.substr(10), &threads);
+    if (a.rfind("--tcp_local_addrs=", 0) == 0) tcp_local_addrs = a.substr(18);
   }
   if (gpu_child) return RunGpuChild(gpu_bytes);  // the exporting process of the GPU figures
   if (gpu_only) {
@@ -159,6 +163,9 @@ int Main(int argc, char** argv) {
   TransportConfig config;
   config.host_shm.threads = threads;
   config.tcp.streams = streams;
+  for (absl::string_view nic : absl::StrSplit(tcp_local_addrs, ',', absl::SkipEmpty())) {
+    config.tcp.local_addresses.emplace_back(nic);
+  }
   auto shm = CreateTransport("host_shm", config);
   if (!shm.ok()) return 1;
   MemorySpec s{MemoryKind::kHost, src->data(), bytes, -1, src->name(), 0, "bench src"};
@@ -185,7 +192,10 @@ int Main(int argc, char** argv) {
   // 3. host_tcp on loopback between two transport instances.
   auto a = CreateTransport("host_tcp", config);
   auto b = CreateTransport("host_tcp", config);
-  if (!a.ok() || !b.ok()) return 1;
+  if (!a.ok() || !b.ok()) {
+    fprintf(stderr, "host_tcp: %s / %s\n", a.status().ToString().c_str(), b.status().ToString().c_str());
+    return 1;
+  }
   auto ea = (*a)->ExportEndpoint((*b)->instance_id());
   auto eb = (*b)->ExportEndpoint((*a)->instance_id());
   absl::StatusOr<PeerId> pb = absl::UnknownError("");
@@ -232,6 +242,7 @@ int Main(int argc, char** argv) {
       {"bytes", bytes},
       {"tcp_bytes", tcp_bytes},
       {"streams", streams},
+      {"tcp_local_addrs", tcp_local_addrs},
       {"host_shm_threads", threads},
       {"cpus", std::thread::hardware_concurrency()},
       {"memcpy_GBps", memcpy_GBps},

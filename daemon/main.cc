@@ -15,8 +15,10 @@
 #include "daemon/device_staging.h"
 #include "daemon/log.h"
 #include "daemon/server.h"
+#include "transport/cpu_affinity.h"
 #include "transport/device_allocator.h"
 #include "transport/factory.h"
+#include "transport/nic_list.h"
 
 ABSL_FLAG(std::string, role, "standalone", "node | coordinator | standalone");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC listen address (port 0 = pick one)");
@@ -27,6 +29,16 @@ ABSL_FLAG(std::string, node_id, "node0", "this node's id");
 ABSL_FLAG(std::string, data_listen, "127.0.0.1:0",
           "TCP data-plane bind address (host:port; the host_tcp transport picks its own port)");
 ABSL_FLAG(std::string, data_advertise, "", "address peers dial for the TCP data plane (default: the --data_listen host)");
+ABSL_FLAG(std::string, data_nics, "",
+          "host_tcp multi-NIC striping: comma-separated IPv4 addresses or interface names of this node's data NICs "
+          "(e.g. 10.0.0.5,10.0.1.5 or eth2,eth3); one listener per NIC, streams spread over (local, remote) NIC pairs. "
+          "Empty = one address (--data_listen / --data_advertise). Needs --tcp_streams >= the NIC count");
+ABSL_FLAG(std::string, data_cpus, "",
+          "CPU list (e.g. 0-15,32-47) the data-plane threads (host_tcp streams, host_shm copies) are pinned to; "
+          "empty = they float");
+ABSL_FLAG(int, data_numa_node, -1,
+          "pin the data-plane threads to the CPUs of this NUMA node (/sys/devices/system/node/nodeN/cpulist); "
+          "-1 = off; exclusive with --data_cpus");
 ABSL_FLAG(std::string, transports, "", "comma-separated transport kinds (default: every usable one: cuda_ipc,nccl,host_shm,host_tcp)");
 ABSL_FLAG(int, tcp_streams, 4, "parallel TCP connections per peer node");
 ABSL_FLAG(int, copy_threads, 4, "same-node copy threads (host_shm)");
@@ -102,6 +114,34 @@ int main(int argc, char** argv) {
       nccl_devices.push_back(device);
     }
   }
+  auto data_nics = wb::transport::ParseNicList(absl::GetFlag(FLAGS_data_nics));
+  if (!data_nics.ok()) return Fail(absl::StrCat("--data_nics: ", data_nics.status().message()));
+  for (const std::string& nic : *data_nics) {
+    if (auto a = wb::transport::ResolveNic(nic); !a.ok()) return Fail(absl::StrCat("--data_nics: ", a.status().message()));
+  }
+  if (!data_nics->empty() && !absl::GetFlag(FLAGS_data_advertise).empty()) {
+    return Fail("--data_advertise applies to the single-address data plane; with --data_nics every NIC is advertised as is");
+  }
+  if (static_cast<int>(data_nics->size()) > absl::GetFlag(FLAGS_tcp_streams)) {
+    return Fail(absl::StrCat("--tcp_streams (", absl::GetFlag(FLAGS_tcp_streams), ") must be >= the ", data_nics->size(),
+                             " --data_nics, or some NIC carries no stream"));
+  }
+  std::vector<int> data_cpus;  // empty = the data-plane threads float
+  if (const std::string list = absl::GetFlag(FLAGS_data_cpus); !list.empty()) {
+    if (absl::GetFlag(FLAGS_data_numa_node) >= 0) return Fail("--data_cpus and --data_numa_node are exclusive");
+    auto cpus = wb::transport::ParseCpuList(list);
+    if (!cpus.ok()) return Fail(absl::StrCat("--data_cpus: ", cpus.status().message()));
+    data_cpus = *cpus;
+  } else if (const int node = absl::GetFlag(FLAGS_data_numa_node); node >= 0) {
+    auto cpus = wb::transport::NumaNodeCpus(node);
+    if (!cpus.ok()) return Fail(absl::StrCat("--data_numa_node: ", cpus.status().message()));
+    data_cpus = *cpus;
+  } else if (node < -1) {
+    return Fail("--data_numa_node must be a NUMA node number or -1 (off)");
+  }
+  if (!data_cpus.empty()) {
+    if (absl::Status s = wb::transport::ValidateCpuSet(data_cpus); !s.ok()) return Fail(absl::StrCat("--data_cpus: ", s.message()));
+  }
 
   // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
   sigset_t signals;
@@ -154,6 +194,8 @@ int main(int argc, char** argv) {
   if (tc.tcp.bind_address.empty()) tc.tcp.bind_address = "127.0.0.1";
   tc.tcp.advertise_address = absl::GetFlag(FLAGS_data_advertise);
   tc.tcp.streams = absl::GetFlag(FLAGS_tcp_streams);
+  tc.tcp.local_addresses = *data_nics;
+  tc.cpus = data_cpus;
   // The data channel proves the same shared token as the daemon RPCs (docs/security.md).
   tc.tcp.auth_token = o.security.peer_auth->token;
   tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);

@@ -15,6 +15,15 @@ struct HostShmOptions {
 struct TcpOptions {
   std::string bind_address = "127.0.0.1";  // data-channel listen address (port chosen by the kernel)
   std::string advertise_address;           // address peers dial; empty = bind_address
+  // Multi-NIC striping (docs/transport.md, "host_tcp: multi-NIC and NUMA"). Empty = single-address
+  // mode: one listener on bind_address, advertised as advertise_address, dialing sockets unbound
+  // (the kernel picks the source). Non-empty: IPv4 addresses or interface names (resolved with
+  // getifaddrs) of this node's data NICs; bind_address and advertise_address are then unused
+  // (advertise_address must be empty). One listener per NIC, every NIC advertised in the endpoint;
+  // data stream j of a peer (j = 0..streams-1) binds its socket to local NIC j mod L before
+  // connecting to remote NIC j mod R (the control connection: NIC 0 to NIC 0), so with equal
+  // NIC counts NIC k only talks to the peer's NIC k (rail-aligned). streams must be >= L.
+  std::vector<std::string> local_addresses;
   int streams = 4;                         // parallel TCP connections per peer
   int64_t chunk_bytes = int64_t{1} << 20;  // max payload per frame
   // Shared secret both ends prove they hold (HMAC-SHA256 challenge-response, transport/
@@ -46,6 +55,10 @@ struct TransportConfig {
   TcpOptions tcp;
   CudaIpcOptions cuda_ipc;
   NcclOptions nccl;
+  // CPUs the data plane's threads run on (host_tcp stream/accept threads, host_shm copy threads),
+  // e.g. the CPUs of the NUMA node the data NICs sit on; empty = threads float. Every CPU must be
+  // one this process may run on (transport/cpu_affinity.h ValidateCpuSet), else INVALID_ARGUMENT.
+  std::vector<int> cpus;
   // TEST ONLY: flip one payload byte of every checksummed batch after the sender's checksum is
   // taken, so tests can prove mismatches are detected. Never set in production.
   bool test_corrupt_checksummed_payload = false;

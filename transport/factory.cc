@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "transport/cpu_affinity.h"
 #include "transport/gpu_transports.h"
 #include "transport/host_shm.h"
 #include "transport/host_tcp.h"
@@ -37,6 +38,11 @@ absl::Status KindUsable(absl::string_view kind) {
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(absl::string_view kind, const TransportConfig& config) {
   if (absl::Status s = KindUsable(kind); !s.ok()) return s;
+  if ((kind == "host_shm" || kind == "host_tcp") && !config.cpus.empty()) {
+    if (absl::Status s = ValidateCpuSet(config.cpus); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(kind, ": cpus ", FormatCpuList(config.cpus), ": ", s.message()));
+    }
+  }
   if (kind == "host_shm") {
     if (config.host_shm.threads < 1 || config.host_shm.threads > 256) {
       return absl::InvalidArgumentError("host_shm.threads must be in [1, 256]");
@@ -77,7 +83,10 @@ absl::StatusOr<TransportSet> CreateTransports(const TransportConfig& config) {
     }
     auto t = CreateTransport(kind, config);
     if (!t.ok()) {
-      if (explicit_kinds) return t.status();
+      // The host kinds are always usable, so their failure is a bad option (an address no NIC
+      // has, a CPU set this process may not use): an error even when kinds were not listed, or a
+      // misconfigured data plane would silently vanish.
+      if (explicit_kinds || kind == "host_shm" || kind == "host_tcp") return t.status();
       continue;
     }
     set.Add(std::move(*t));

@@ -12,8 +12,9 @@
 // Contract: CreateTransport() fails with UNIMPLEMENTED for a kind not built into this binary,
 // FAILED_PRECONDITION for a kind built in but unusable here (e.g. no GPU visible; the message says
 // why), INVALID_ARGUMENT for an unknown kind or a bad option. CreateTransports() with an empty
-// `kinds` list creates every usable kind and silently skips unusable ones; with an explicit list
-// it fails if any listed kind cannot be created.
+// `kinds` list creates every usable kind and silently skips unusable ones (a host kind is always
+// usable, so its creation failure, e.g. a TcpOptions::local_addresses entry no NIC has, is still
+// returned); with an explicit list it fails if any listed kind cannot be created.
 
 #include <map>
 #include <memory>

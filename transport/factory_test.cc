@@ -3,7 +3,11 @@
 // three emulated GPUs, where "nccl" becomes one transport per GPU (lanes).
 #include "transport/factory.h"
 
+#include <sched.h>
+
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -44,6 +48,56 @@ TEST(TransportSetTest, UnknownKindIsInvalidArgument) {
 }
 
 // Without a usable nccl: listed explicitly it is an error saying why; by default it is skipped.
+// TransportConfig::cpus: host_shm's copy threads are pinned (read back with sched_getaffinity by
+// thread id, found by name), and a CPU this process may not run on is refused up front.
+TEST(CpuAffinityTest, HostShmCopyThreadsArePinnedAndBadSetsRefused) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &allowed)) ++first;  // CPU 0 on an unrestricted machine
+  TransportConfig c;
+  c.host_shm.threads = 3;
+  c.cpus = {first};
+  auto shm = CreateTransport("host_shm", c);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  int copy_threads = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream f(entry.path() / "comm");
+    std::string name;
+    std::getline(f, name);
+    if (name != "wb-shm-copy") continue;
+    ++copy_threads;
+    cpu_set_t got;
+    CPU_ZERO(&got);
+    ASSERT_EQ(sched_getaffinity(std::stoi(entry.path().filename().string()), sizeof(got), &got), 0);
+    EXPECT_EQ(CPU_COUNT(&got), 1);
+    EXPECT_TRUE(CPU_ISSET(first, &got));
+  }
+  EXPECT_EQ(copy_threads, 3);
+
+  c.cpus = {CPU_SETSIZE - 1};
+  for (const char* kind : {"host_shm", "host_tcp"}) {
+    auto t = CreateTransport(kind, c);
+    ASSERT_FALSE(t.ok()) << kind;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+    EXPECT_NE(t.status().message().find(absl::StrCat(CPU_SETSIZE - 1)), std::string::npos) << t.status();
+  }
+}
+
+// A bad host_tcp option is an error even when the kinds are not listed (it is not "unusable").
+TEST(TransportSetTest, BadHostTcpOptionFailsTheDefaultSet) {
+  TransportConfig c;
+  c.tcp.local_addresses = {"127.0.0.1", "192.0.2.1"};  // TEST-NET-1: on no interface here
+  auto set = CreateTransports(c);
+  ASSERT_FALSE(set.ok());
+  EXPECT_NE(set.status().message().find("192.0.2.1"), std::string::npos) << set.status();
+  c.tcp.local_addresses = {"127.0.0.1", "127.0.0.2"};
+  set = CreateTransports(c);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_NE(set->Find("host_tcp"), nullptr);
+}
+
 TEST(NcclLanesTest, UnusableNcclIsSkippedByDefaultAndRefusedWhenListed) {
   if (KindUsable("nccl").ok()) GTEST_SKIP() << "nccl is usable here (see the emulated build)";
   TransportConfig c;

@@ -1,5 +1,6 @@
 #include "transport/host_shm.h"
 
+#include <pthread.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -15,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "tools/cc/status_macros.h"
 #include "transport/common.h"
+#include "transport/cpu_affinity.h"
 #include "transport/registry.h"
 #include "transport/shm_segment.h"
 #include "transport/strided.h"
@@ -68,7 +70,13 @@ class HostShmTransport : public Transport {
         instance_id_(RandomInstanceId()),
         corrupt_(config.test_corrupt_checksummed_payload) {
     int n = options_.threads < 1 ? 1 : options_.threads;
-    for (int i = 0; i < n; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+    for (int i = 0; i < n; ++i) {
+      workers_.emplace_back([this] { WorkerLoop(); });
+      pthread_setname_np(workers_.back().native_handle(), "wb-shm-copy");
+      // TransportConfig::cpus was validated by the factory (CreateTransport); a cpuset shrunk
+      // since then can only leave a thread floating, never lose a copy.
+      (void)PinThread(workers_.back(), config.cpus);
+    }
   }
 
   ~HostShmTransport() override {

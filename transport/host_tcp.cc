@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -26,6 +27,8 @@
 #include "tools/cc/status_macros.h"
 #include "transport/channel_auth.h"
 #include "transport/common.h"
+#include "transport/cpu_affinity.h"
+#include "transport/nic_list.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
 #include "transport/wire.h"
@@ -44,6 +47,10 @@ constexpr size_t kMaxConcurrentHandshakes = 64;
 // dialers: bounded).
 constexpr size_t kMaxAuthFailureIds = 1024;
 constexpr char kAuthRefused[] = "shared token differs or is missing on one side";
+// Multi-NIC endpoints append this marker, the count of further NICs and their (address, port)
+// after the single-address fields, so a single-NIC endpoint keeps the original format.
+constexpr uint32_t kNicsMagic = 0x494e4257;  // "WBNI"
+constexpr uint32_t kMaxNics = 64;
 
 enum FrameType : uint8_t { kManifest = 1, kData = 2, kChecksum = 3, kAck = 4 };
 
@@ -180,18 +187,73 @@ struct PeerConn {
   std::vector<std::thread> threads;
 };
 
+// One data-plane address of a node: where it listens (and what peers dial).
+struct Nic {
+  std::string addr;
+  uint32_t port = 0;
+};
+
+struct Listener {
+  int fd = -1;
+  Nic nic;
+  std::thread thread;  // its AcceptLoop
+};
+
+struct ParsedEndpoint {
+  std::string instance;
+  std::vector<Nic> nics;  // [0] = the primary address (the only one in single-address mode)
+};
+
+absl::StatusOr<ParsedEndpoint> ParseEndpoint(absl::string_view endpoint) {
+  wire::Reader r(endpoint);
+  uint32_t magic = r.U32();
+  uint8_t type = r.U8();
+  std::string kind = r.Str();
+  ParsedEndpoint e;
+  e.instance = r.Str();
+  std::string node = r.Str();
+  Nic first;
+  first.addr = r.Str();
+  first.port = r.U32();
+  e.nics.push_back(std::move(first));
+  if (r.ok() && !r.done()) {
+    const uint32_t nics_magic = r.U32();
+    const uint32_t more = r.U32();
+    if (nics_magic != kNicsMagic || more >= kMaxNics) {
+      return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
+    }
+    for (uint32_t i = 0; i < more && r.ok(); ++i) {
+      Nic n;
+      n.addr = r.Str();
+      n.port = r.U32();
+      e.nics.push_back(std::move(n));
+    }
+  }
+  if (!r.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
+    return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
+  }
+  return e;
+}
+
 uint64_t ChunkSeed(int op, int64_t offset) { return (static_cast<uint64_t>(op) << 40) ^ static_cast<uint64_t>(offset); }
 
 class HostTcpTransport : public Transport {
  public:
-  HostTcpTransport(const TransportConfig& config, int listen_fd, int port)
+  // `listeners`: one per data NIC (one in single-address mode), already listening.
+  // `multi_nic`: TcpOptions::local_addresses was set (dialing sockets bind to a local NIC).
+  HostTcpTransport(const TransportConfig& config, std::vector<Listener> listeners, bool multi_nic)
       : options_(config.tcp),
         node_id_(config.node_id.empty() ? DefaultNodeId() : config.node_id),
         instance_id_(RandomInstanceId()),
         corrupt_(config.test_corrupt_checksummed_payload),
-        listen_fd_(listen_fd),
-        port_(port) {
-    accept_thread_ = std::thread([this] { AcceptLoop(); });
+        cpus_(config.cpus),
+        multi_nic_(multi_nic),
+        listeners_(std::move(listeners)) {
+    for (Listener& l : listeners_) {
+      const int fd = l.fd;
+      l.thread = std::thread([this, fd] { AcceptLoop(fd); });
+      pthread_setname_np(l.thread.native_handle(), "wb-tcp-accept");
+    }
   }
 
   ~HostTcpTransport() override {
@@ -212,9 +274,11 @@ class HostTcpTransport : public Transport {
         if (h.fd >= 0) shutdown(h.fd, SHUT_RDWR);
       }
     }
-    shutdown(listen_fd_, SHUT_RDWR);
-    accept_thread_.join();
-    close(listen_fd_);
+    for (Listener& l : listeners_) shutdown(l.fd, SHUT_RDWR);
+    for (Listener& l : listeners_) {
+      l.thread.join();
+      close(l.fd);
+    }
     std::vector<std::thread> handshakes;
     {
       absl::MutexLock l(&mu_);
@@ -244,35 +308,70 @@ class HostTcpTransport : public Transport {
 
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
     wire::Writer w = RecordWriter(RecordType::kEndpoint, kKind, instance_id_, node_id_);
-    w.Str(options_.advertise_address.empty() ? options_.bind_address : options_.advertise_address);
-    w.U32(port_);
+    const Nic& first = listeners_[0].nic;
+    w.Str(!multi_nic_ && !options_.advertise_address.empty() ? options_.advertise_address : first.addr);
+    w.U32(first.port);
+    if (listeners_.size() > 1) {
+      w.U32(kNicsMagic);
+      w.U32(static_cast<uint32_t>(listeners_.size() - 1));
+      for (size_t i = 1; i < listeners_.size(); ++i) {
+        w.Str(listeners_[i].nic.addr);
+        w.U32(listeners_[i].nic.port);
+      }
+    }
     return std::move(w.out());
   }
 
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
-    wire::Reader r(endpoint);
-    uint32_t magic = r.U32();
-    uint8_t type = r.U8();
-    std::string kind = r.Str(), inst = r.Str(), node = r.Str(), addr = r.Str();
-    uint32_t port = r.U32();
-    if (!r.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
-      return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
+  // The (local, remote) socket addresses of every connection to `id`, [0] = control.
+  absl::StatusOr<std::vector<HostTcpStreamAddresses>> StreamAddresses(PeerId id) const {
+    absl::MutexLock l(&mu_);
+    auto it = peers_.find(id.id);
+    if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown peer ", id.id));
+    std::vector<HostTcpStreamAddresses> out;
+    for (int fd : it->second->fds) {
+      HostTcpStreamAddresses a;
+      sockaddr_in sa{};
+      socklen_t len = sizeof(sa);
+      char buf[INET_ADDRSTRLEN] = {};
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return absl::InternalError(Errno("getsockname"));
+      a.local_address = inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
+      a.local_port = ntohs(sa.sin_port);
+      len = sizeof(sa);
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return absl::InternalError(Errno("getpeername"));
+      a.peer_address = inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
+      a.peer_port = ntohs(sa.sin_port);
+      out.push_back(std::move(a));
     }
+    return out;
+  }
+
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
+    ASSIGN_OR_RETURN(ParsedEndpoint ep, ParseEndpoint(endpoint));
+    const std::string& inst = ep.instance;
+    const std::string addr = ep.nics[0].addr;
+    const uint32_t port = ep.nics[0].port;
     if (inst == instance_id_) return absl::InvalidArgumentError("host_tcp Connect: cannot connect to itself");
     const int total = std::max(1, options_.streams) + 1;
     std::vector<int> fds;
     if (instance_id_ < inst) {
       for (int i = 0; i < total; ++i) {
-        auto fd = Dial(inst, addr, port, deadline, i, total);
+        // Control (i = 0): NIC 0 to NIC 0; data stream j = i - 1: local NIC j mod L to remote j mod R.
+        const size_t j = i == 0 ? 0 : static_cast<size_t>(i - 1);
+        const Nic& remote = ep.nics[j % ep.nics.size()];
+        const std::string* local = multi_nic_ ? &listeners_[j % listeners_.size()].nic.addr : nullptr;
+        const std::string route = local != nullptr
+                                      ? absl::StrCat(" from local NIC ", *local, " to ", remote.addr, ":", remote.port)
+                                      : absl::StrCat(" to ", remote.addr, ":", remote.port);
+        auto fd = Dial(inst, local, remote, deadline, i, total);
         if (!fd.ok()) {
           for (int f : fds) close(f);
           if (fd.status().code() == absl::StatusCode::kUnauthenticated) {
-            return absl::UnauthenticatedError(absl::StrCat("host_tcp peer ", inst, " at ", addr, ":", port,
+            return absl::UnauthenticatedError(absl::StrCat("host_tcp peer ", inst, " at ", remote.addr, ":", remote.port,
                                                            " refused the data-channel authentication: ", kAuthRefused,
                                                            " (stream ", i, ": ", fd.status().message(), ")"));
           }
-          return absl::Status(fd.status().code(), absl::StrCat("host_tcp connect to peer ", inst, " at ", addr, ":",
-                                                               port, ": ", fd.status().message()));
+          return absl::Status(fd.status().code(), absl::StrCat("host_tcp connect to peer ", inst, ": stream ", i,
+                                                               route, ": ", fd.status().message()));
         }
         fds.push_back(*fd);
       }
@@ -303,12 +402,33 @@ class HostTcpTransport : public Transport {
     auto peer = std::make_shared<PeerConn>();
     peer->instance = inst;
     peer->fds = fds;
-    absl::MutexLock l(&mu_);
-    peer->id = next_id_++;
-    peers_[peer->id] = peer;
-    for (size_t i = 0; i < fds.size(); ++i) {
-      peer->threads.emplace_back([this, peer, i] { i == 0 ? ControlReader(peer) : DataReader(peer, i); });
-      peer->threads.emplace_back([this, peer, i] { i == 0 ? ControlWriter(peer) : DataWriter(peer, i); });
+    absl::Status pinned;
+    {
+      absl::MutexLock l(&mu_);
+      peer->id = next_id_++;
+      peers_[peer->id] = peer;
+      for (size_t i = 0; i < fds.size(); ++i) {
+        peer->threads.emplace_back([this, peer, i] { i == 0 ? ControlReader(peer) : DataReader(peer, i); });
+        peer->threads.emplace_back([this, peer, i] { i == 0 ? ControlWriter(peer) : DataWriter(peer, i); });
+      }
+      // Named for `top -H` / the affinity test; pinned to TransportConfig::cpus (the threads wait
+      // for mu_, held here, before they touch any data).
+      for (size_t t = 0; t < peer->threads.size(); ++t) {
+        pthread_setname_np(peer->threads[t].native_handle(), t < 2 ? "wb-tcp-ctl" : "wb-tcp-data");
+        if (pinned.ok()) pinned = PinThread(peer->threads[t], cpus_);
+      }
+      if (!pinned.ok()) {
+        peers_.erase(peer->id);
+        BreakLocked(peer.get(), absl::CancelledError("stream threads could not be pinned"));
+      }
+    }
+    if (!pinned.ok()) {
+      // Validated at creation; only a cpuset shrunk since then gets here.
+      for (auto& t : peer->threads) t.join();
+      for (int fd : peer->fds) close(fd);
+      DropPeerQueues(peer.get());
+      return absl::Status(pinned.code(), absl::StrCat("host_tcp peer ", inst, ": cpus ", FormatCpuList(cpus_), ": ",
+                                                      pinned.message()));
     }
     return PeerId{peer->id};
   }
@@ -533,16 +653,32 @@ class HostTcpTransport : public Transport {
 
   // One connection to the acceptor `inst`: TCP connect, hello (who we are, which stream), then the
   // channel authentication (bound to the hello). The fd is handed out only after both succeed.
-  absl::StatusOr<int> Dial(const std::string& inst, const std::string& addr, uint32_t port, absl::Time deadline,
+  // `local`: the NIC address the socket binds to before connecting (multi-NIC), or nullptr (the
+  // kernel picks the source address).
+  absl::StatusOr<int> Dial(const std::string& inst, const std::string* local, const Nic& remote, absl::Time deadline,
                            int idx, int total) {
+    const std::string& addr = remote.addr;
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return absl::InternalError(Errno("socket"));
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
-    sa.sin_port = htons(port);
+    sa.sin_port = htons(remote.port);
     if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
       close(fd);
       return absl::InvalidArgumentError(absl::StrCat("bad IPv4 address '", addr, "'"));
+    }
+    if (local != nullptr) {
+      // Binding the source address makes the bytes leave through that NIC wherever routing is by
+      // source (NICs on their own subnets, or source-based policy routing): see docs/transport.md.
+      sockaddr_in la{};
+      la.sin_family = AF_INET;
+      la.sin_port = 0;
+      if (inet_pton(AF_INET, local->c_str(), &la.sin_addr) != 1 ||
+          bind(fd, reinterpret_cast<sockaddr*>(&la), sizeof(la)) != 0) {
+        std::string e = Errno(absl::StrCat("bind to local NIC ", *local).c_str());
+        close(fd);
+        return absl::UnavailableError(e);
+      }
     }
     if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 && errno != EINPROGRESS) {
       std::string e = Errno("connect");
@@ -553,7 +689,7 @@ class HostTcpTransport : public Transport {
     int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
     if (poll(&pfd, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30))) != 1) {
       close(fd);
-      return absl::DeadlineExceededError("connect timed out");
+      return absl::DeadlineExceededError("connect did not complete before the Connect deadline (address unreachable?)");
     }
     int err = 0;
     socklen_t len = sizeof(err);
@@ -591,9 +727,9 @@ class HostTcpTransport : public Transport {
 
   // Accepts connections and hands each to its own handshake thread, so a slow or silent dialer
   // delays nobody else; finished handshake threads are joined here as new connections arrive.
-  void AcceptLoop() {
+  void AcceptLoop(int listen_fd) {
     while (true) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         return;  // listen socket shut down
@@ -946,9 +1082,9 @@ class HostTcpTransport : public Transport {
   const std::string node_id_;
   const std::string instance_id_;
   const bool corrupt_;
-  const int listen_fd_;
-  const int port_;
-  std::thread accept_thread_;
+  const std::vector<int> cpus_;  // stream threads' affinity; empty = float
+  const bool multi_nic_;
+  std::vector<Listener> listeners_;  // fixed after construction (threads joined in the destructor)
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;         // batch/peer state changes
@@ -967,10 +1103,10 @@ class HostTcpTransport : public Transport {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config) {
-  if (config.tcp.streams < 1 || config.tcp.streams > 64) {
-    return absl::InvalidArgumentError("host_tcp: tcp.streams must be in [1, 64]");
-  }
+namespace {
+
+// A listening socket on addr (port chosen by the kernel).
+absl::StatusOr<Listener> Listen(const std::string& addr) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(Errno("host_tcp socket"));
   int one = 1;
@@ -978,18 +1114,78 @@ absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportCo
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = 0;
-  if (inet_pton(AF_INET, config.tcp.bind_address.c_str(), &sa.sin_addr) != 1) {
+  if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat("host_tcp: bad bind address '", config.tcp.bind_address, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("host_tcp: bad bind address '", addr, "'"));
   }
   if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(fd, 128) != 0) {
     std::string e = Errno("host_tcp bind/listen");
     close(fd);
-    return absl::UnavailableError(absl::StrCat(e, " on ", config.tcp.bind_address));
+    return absl::UnavailableError(absl::StrCat(e, " on ", addr));
   }
   socklen_t len = sizeof(sa);
   getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  return std::unique_ptr<Transport>(new HostTcpTransport(config, fd, ntohs(sa.sin_port)));
+  Listener l;
+  l.fd = fd;
+  l.nic.addr = addr;
+  l.nic.port = ntohs(sa.sin_port);
+  return l;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<HostTcpStreamAddresses>> HostTcpStreams(const Transport& transport, PeerId peer) {
+  const auto* t = dynamic_cast<const HostTcpTransport*>(&transport);
+  if (t == nullptr) return absl::InvalidArgumentError("HostTcpStreams: not a host_tcp transport");
+  return t->StreamAddresses(peer);
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config) {
+  if (config.tcp.streams < 1 || config.tcp.streams > 64) {
+    return absl::InvalidArgumentError("host_tcp: tcp.streams must be in [1, 64]");
+  }
+  if (!config.cpus.empty()) {
+    if (absl::Status s = ValidateCpuSet(config.cpus); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp: cpus ", FormatCpuList(config.cpus), ": ", s.message()));
+    }
+  }
+  const bool multi_nic = !config.tcp.local_addresses.empty();
+  std::vector<std::string> addrs;
+  if (!multi_nic) {
+    addrs.push_back(config.tcp.bind_address);
+  } else {
+    if (config.tcp.local_addresses.size() > kMaxNics) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp: at most ", kMaxNics, " local_addresses"));
+    }
+    if (!config.tcp.advertise_address.empty()) {
+      return absl::InvalidArgumentError(
+          "host_tcp: advertise_address applies to the single-address mode only; with local_addresses every NIC is "
+          "advertised at its own address");
+    }
+    if (config.tcp.streams < static_cast<int>(config.tcp.local_addresses.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp: tcp.streams (", config.tcp.streams, ") < ",
+                                                     config.tcp.local_addresses.size(),
+                                                     " local_addresses: some NIC would carry no stream"));
+    }
+    for (const std::string& nic : config.tcp.local_addresses) {
+      absl::StatusOr<std::string> a = ResolveNic(nic);
+      if (!a.ok()) return absl::Status(a.status().code(), absl::StrCat("host_tcp: ", a.status().message()));
+      if (std::find(addrs.begin(), addrs.end(), *a) != addrs.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("host_tcp: local_addresses name ", *a, " twice (", nic, ")"));
+      }
+      addrs.push_back(*a);
+    }
+  }
+  std::vector<Listener> listeners;
+  for (const std::string& a : addrs) {
+    absl::StatusOr<Listener> l = Listen(a);
+    if (!l.ok()) {
+      for (Listener& x : listeners) close(x.fd);
+      return l.status();
+    }
+    listeners.push_back(std::move(*l));
+  }
+  return std::unique_ptr<Transport>(new HostTcpTransport(config, std::move(listeners), multi_nic));
 }
 
 }  // namespace wb::transport

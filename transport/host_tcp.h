@@ -23,8 +23,16 @@
 // only after the ACK. Any failure (mismatch, checksum, deadline, peer vanished) closes the peer's
 // connections and fails its unfinished batches; reconnect to continue.
 // Mirror batches must be posted by both sides in the same order.
+//
+// Multi-NIC (TcpOptions::local_addresses): one listener per NIC, all advertised in the endpoint;
+// the dialer binds data stream j to local NIC j mod L and dials remote NIC j mod R. A NIC that
+// cannot be bound or reached fails Connect (no fallback) with an error naming the stream and both
+// addresses, by the Connect deadline. Stream threads are pinned to TransportConfig::cpus when set.
 
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "transport/config.h"
@@ -33,5 +41,18 @@
 namespace wb::transport {
 
 absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config);
+
+// Where one connection of a peer runs (getsockname / getpeername of its socket).
+struct HostTcpStreamAddresses {
+  std::string local_address;
+  int local_port = 0;
+  std::string peer_address;
+  int peer_port = 0;
+};
+
+// Diagnostics (and the multi-NIC tests): the addresses of every connection to `peer`, [0] the
+// control connection, then the data streams. INVALID_ARGUMENT if `transport` is not host_tcp,
+// NOT_FOUND for an unknown peer.
+absl::StatusOr<std::vector<HostTcpStreamAddresses>> HostTcpStreams(const Transport& transport, PeerId peer);
 
 }  // namespace wb::transport

@@ -3,6 +3,7 @@
 #include "transport/host_tcp.h"
 
 #include <arpa/inet.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -10,6 +11,10 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -17,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "transport/channel_auth.h"
 #include "transport/common.h"
+#include "transport/cpu_affinity.h"
 #include "transport/wire.h"
 
 namespace wb::transport {
@@ -526,6 +532,242 @@ TEST(HostTcpAuthTest, DestructorEndsHandshakesInProgress) {
   ReadUntilClosed(fd, &closed);
   EXPECT_TRUE(closed);
   close(fd);
+}
+
+// ---------------------------------------------------------------- multi-NIC striping, CPU affinity
+
+// 127.0.0.1 and 127.0.0.2 are both on Linux loopback without configuration: two "NICs" per side.
+TransportConfig TwoNics(int streams = 4) {
+  TransportConfig c;
+  c.tcp.streams = streams;
+  c.tcp.local_addresses = {"127.0.0.1", "127.0.0.2"};
+  return c;
+}
+
+// A multi-NIC endpoint: the primary (address, port), then "WBNI", the count of further NICs, and
+// each further (address, port) (docs/transport.md, "host_tcp: multi-NIC and NUMA").
+constexpr uint32_t kNicsMagic = 0x494e4257;
+
+struct MultiEndpoint {
+  std::string inst, node;
+  std::vector<std::pair<std::string, uint32_t>> nics;
+};
+
+MultiEndpoint ParseMultiEndpoint(const std::string& bytes) {
+  wire::Reader r(bytes);
+  MultiEndpoint e;
+  r.U32();
+  r.U8();
+  r.Str();
+  e.inst = r.Str();
+  e.node = r.Str();
+  std::string addr = r.Str();
+  uint32_t port = r.U32();
+  e.nics.emplace_back(addr, port);
+  if (!r.done()) {
+    EXPECT_EQ(r.U32(), kNicsMagic);
+    const uint32_t more = r.U32();
+    for (uint32_t i = 0; i < more; ++i) {
+      addr = r.Str();
+      port = r.U32();
+      e.nics.emplace_back(addr, port);
+    }
+  }
+  EXPECT_TRUE(r.done());
+  return e;
+}
+
+std::string EncodeMultiEndpoint(const MultiEndpoint& e) {
+  wire::Writer w = RecordWriter(RecordType::kEndpoint, "host_tcp", e.inst, e.node);
+  w.Str(e.nics[0].first);
+  w.U32(e.nics[0].second);
+  w.U32(kNicsMagic);
+  w.U32(static_cast<uint32_t>(e.nics.size() - 1));
+  for (size_t i = 1; i < e.nics.size(); ++i) {
+    w.Str(e.nics[i].first);
+    w.U32(e.nics[i].second);
+  }
+  return std::move(w.out());
+}
+
+TEST(HostTcpMultiNicTest, SingleAddressEndpointKeepsTheOriginalFormat) {
+  auto t = NewHostTcpTransport(TransportConfig{});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto ep = (*t)->ExportEndpoint("");
+  ASSERT_TRUE(ep.ok());
+  Endpoint e = ParseEndpoint(*ep);  // the pre-multi-NIC reader: must consume it exactly
+  EXPECT_EQ(e.addr, "127.0.0.1");
+  EXPECT_GT(e.port, 0u);
+}
+
+TEST(HostTcpMultiNicTest, StreamsUseEveryLocalAndRemoteNic) {
+  TransportConfig cb = TwoNics();
+  cb.tcp.local_addresses = {"lo", "127.0.0.2"};  // an interface name resolves too ("lo" = 127.0.0.1)
+  auto a = NewHostTcpTransport(TwoNics());
+  auto b = NewHostTcpTransport(cb);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  for (Transport* t : {a->get(), b->get()}) {
+    auto ep = t->ExportEndpoint("");
+    ASSERT_TRUE(ep.ok());
+    MultiEndpoint m = ParseMultiEndpoint(*ep);
+    ASSERT_EQ(m.nics.size(), 2u);
+    EXPECT_EQ(m.nics[0].first, "127.0.0.1");
+    EXPECT_EQ(m.nics[1].first, "127.0.0.2");
+  }
+  ConnectResult r = ConnectBoth(**a, **b, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+  ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+  ExpectMovesBytes(*r.dialer, *r.dialed, *r.acceptor, *r.accepted, int64_t{8} << 20);
+  ExpectMovesBytes(*r.acceptor, *r.accepted, *r.dialer, *r.dialed, int64_t{8} << 20);
+
+  for (auto [t, peer] : {std::pair{r.dialer, *r.dialed}, std::pair{r.acceptor, *r.accepted}}) {
+    auto streams = HostTcpStreams(*t, peer);
+    ASSERT_TRUE(streams.ok()) << streams.status();
+    ASSERT_EQ(streams->size(), 5u);  // control + 4 data streams
+    std::set<std::string> local, remote;
+    for (size_t i = 1; i < streams->size(); ++i) {
+      const HostTcpStreamAddresses& s = (*streams)[i];
+      local.insert(s.local_address);
+      remote.insert(s.peer_address);
+      // Rail-aligned: data stream j = i - 1 runs NIC j mod 2 to NIC j mod 2.
+      const std::string nic = (i - 1) % 2 == 0 ? "127.0.0.1" : "127.0.0.2";
+      EXPECT_EQ(s.local_address, nic) << "stream " << i;
+      EXPECT_EQ(s.peer_address, nic) << "stream " << i;
+    }
+    EXPECT_EQ(local, (std::set<std::string>{"127.0.0.1", "127.0.0.2"}));
+    EXPECT_EQ(remote, (std::set<std::string>{"127.0.0.1", "127.0.0.2"}));
+  }
+  // The single-address default, for contrast: every stream on 127.0.0.1.
+  auto c = NewHostTcpTransport(TransportConfig{});
+  auto d = NewHostTcpTransport(TransportConfig{});
+  ASSERT_TRUE(c.ok() && d.ok());
+  ConnectResult r1 = ConnectBoth(**c, **d, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(r1.dialed.ok() && r1.accepted.ok()) << r1.dialed.status() << " " << r1.accepted.status();
+  auto single = HostTcpStreams(*r1.dialer, *r1.dialed);
+  ASSERT_TRUE(single.ok());
+  for (const HostTcpStreamAddresses& s : *single) EXPECT_EQ(s.local_address, "127.0.0.1");
+  EXPECT_EQ(HostTcpStreams(*r1.dialer, PeerId{999999}).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(HostTcpMultiNicTest, UnbindableOrUnknownLocalNicFailsAtCreationNamingIt) {
+  TransportConfig c = TwoNics();
+  c.tcp.local_addresses = {"127.0.0.1", "192.0.2.1"};  // TEST-NET-1: on no interface of this machine
+  auto t = NewHostTcpTransport(c);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kUnavailable) << t.status();
+  EXPECT_NE(t.status().message().find("192.0.2.1"), std::string::npos) << t.status();
+
+  c.tcp.local_addresses = {"127.0.0.1", "no-such-nic0"};
+  t = NewHostTcpTransport(c);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kNotFound) << t.status();
+  EXPECT_NE(t.status().message().find("no-such-nic0"), std::string::npos) << t.status();
+
+  c.tcp.local_addresses = {"127.0.0.1", "127.0.0.2"};
+  c.tcp.streams = 1;  // a NIC without a stream
+  EXPECT_EQ(NewHostTcpTransport(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.tcp.streams = 2;
+  c.tcp.advertise_address = "10.0.0.5";  // single-address option with a NIC list
+  EXPECT_EQ(NewHostTcpTransport(c).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The dialer dials every remote NIC; one that refuses (nobody listens) or cannot be reached fails
+// Connect by its deadline with an error naming the stream's addresses (no fallback).
+TEST(HostTcpMultiNicTest, UnreachableRemoteNicFailsConnectNamingIt) {
+  auto a = NewHostTcpTransport(TwoNics());
+  auto b = NewHostTcpTransport(TwoNics());
+  ASSERT_TRUE(a.ok() && b.ok());
+  const bool a_dials = (*a)->instance_id() < (*b)->instance_id();
+  Transport& dialer = a_dials ? **a : **b;
+  Transport& acceptor = a_dials ? **b : **a;
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  ASSERT_TRUE(ep.ok());
+
+  // A port on 127.0.0.2 that is bound but not listening: connect is refused.
+  int closed_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.2", &sa.sin_addr);
+  ASSERT_EQ(bind(closed_fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  socklen_t len = sizeof(sa);
+  ASSERT_EQ(getsockname(closed_fd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+  const uint32_t closed_port = ntohs(sa.sin_port);
+
+  MultiEndpoint m = ParseMultiEndpoint(*ep);
+  ASSERT_EQ(m.nics.size(), 2u);
+  m.nics[1].second = closed_port;
+  absl::Time start = absl::Now();
+  auto refused = dialer.Connect(EncodeMultiEndpoint(m), start + absl::Seconds(10));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  const std::string where = absl::StrCat("127.0.0.2:", closed_port);
+  EXPECT_NE(refused.status().message().find(where), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("stream 2 from local NIC 127.0.0.2"), std::string::npos) << refused.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  close(closed_fd);
+
+  // A NIC address no route leads to (TEST-NET-1): refused at once by the kernel or timed out by
+  // the deadline, and either way named.
+  m.nics[1] = {"192.0.2.1", 9};
+  start = absl::Now();
+  auto unreachable = dialer.Connect(EncodeMultiEndpoint(m), start + absl::Milliseconds(1500));
+  ASSERT_FALSE(unreachable.ok());
+  EXPECT_NE(unreachable.status().message().find("192.0.2.1:9"), std::string::npos) << unreachable.status();
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500) + absl::Seconds(1));
+}
+
+// The CPUs a thread of this process may run on (sched_getaffinity by thread id).
+std::vector<int> ThreadAffinity(pid_t tid) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(sched_getaffinity(tid, sizeof(set), &set), 0) << "tid " << tid;
+  std::vector<int> out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) out.push_back(c);
+  }
+  return out;
+}
+
+// Thread id -> name, for this process's threads whose name starts with `prefix`.
+std::map<pid_t, std::string> ThreadsNamed(const std::string& prefix) {
+  std::map<pid_t, std::string> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream f(entry.path() / "comm");
+    std::string name;
+    std::getline(f, name);
+    if (name.rfind(prefix, 0) == 0) out[std::stoi(entry.path().filename().string())] = name;
+  }
+  return out;
+}
+
+TEST(HostTcpAffinityTest, StreamThreadsArePinnedToTheConfiguredCpus) {
+  auto allowed = AllowedCpus();
+  ASSERT_TRUE(allowed.ok()) << allowed.status();
+  const std::vector<int> cpu0 = {allowed->front()};  // CPU 0 on an unrestricted machine
+  for (bool pin : {false, true}) {
+    SCOPED_TRACE(pin ? "pinned" : "floating");
+    TransportConfig c = TwoNics(2);
+    if (pin) c.cpus = cpu0;
+    auto a = NewHostTcpTransport(c);
+    auto b = NewHostTcpTransport(c);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ConnectResult r = ConnectBoth(**a, **b, absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(r.dialed.ok() && r.accepted.ok()) << r.dialed.status() << " " << r.accepted.status();
+    ExpectMovesBytes(*r.dialer, *r.dialed, *r.acceptor, *r.accepted, int64_t{1} << 20);
+    std::map<pid_t, std::string> threads = ThreadsNamed("wb-tcp-");
+    int stream_threads = 0;
+    for (const auto& [tid, name] : threads) {
+      if (name != "wb-tcp-ctl" && name != "wb-tcp-data") continue;
+      ++stream_threads;
+      EXPECT_EQ(ThreadAffinity(tid), pin ? cpu0 : *allowed) << name << " " << tid;
+    }
+    EXPECT_EQ(stream_threads, 2 * 2 * 3);  // 2 transports x (reader + writer) x (control + 2 data)
+  }
+  TransportConfig bad;
+  bad.cpus = {CPU_SETSIZE - 1};
+  auto t = NewHostTcpTransport(bad);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
 }
 
 }  // namespace

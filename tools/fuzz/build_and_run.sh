@@ -58,7 +58,8 @@ sources_of() {
     fuzz_index_probe) echo planner/index_probe.cc planner/validate.cc planner/box.cc planner/inventory.cc planner/model_config.cc ;;
     fuzz_hf_config) echo planner/model_config.cc planner/inventory.cc planner/box.cc ;;
     fuzz_transport_wire) echo transport/host_shm.cc transport/host_tcp.cc transport/channel_auth.cc transport/common.cc transport/registry.cc \
-                              transport/shm_segment.cc transport/strided.cc transport/peer_process.cc ;;
+                              transport/shm_segment.cc transport/strided.cc transport/peer_process.cc \
+                              transport/cpu_affinity.cc transport/nic_list.cc ;;
     *) echo "build_and_run.sh: unknown target $1" >&2; return 1 ;;
   esac
 }
