@@ -205,6 +205,16 @@ absl::StatusOr<pb::Piece> PieceToProto(const planner::Piece& piece,
   out.set_buffer_id(static_cast<uint32_t>(piece.buffer));
   out.set_offset_bytes(static_cast<uint64_t>(piece.offset_bytes));
   for (int64_t s : piece.strides) out.add_strides(s);
+  if (piece.quant.has_value()) {
+    if (piece.quant->scale_buffer < 0 || piece.quant->scale_offset_bytes < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("piece of ", inventory.tensors[piece.tensor].name, " ",
+                                                     planner::BoxToString(piece.box), " has a negative scale buffer or offset"));
+    }
+    out.set_quant_dtype(ToProto(piece.quant->dtype));
+    for (int64_t b : piece.quant->block) out.add_quant_block(b);
+    out.set_scale_buffer_id(static_cast<uint32_t>(piece.quant->scale_buffer));
+    out.set_scale_offset_bytes(static_cast<uint64_t>(piece.quant->scale_offset_bytes));
+  }
   return out;
 }
 
@@ -225,6 +235,14 @@ absl::StatusOr<planner::Piece> PieceFromProto(const pb::Piece& piece,
   out.buffer = static_cast<int32_t>(piece.buffer_id());
   out.offset_bytes = static_cast<int64_t>(piece.offset_bytes());
   out.strides.assign(piece.strides().begin(), piece.strides().end());
+  if (piece.quant_dtype() != pb::DTYPE_UNSPECIFIED) {
+    planner::Quantization q;
+    ASSIGN_OR_RETURN(q.dtype, FromProto(piece.quant_dtype()));
+    q.block.assign(piece.quant_block().begin(), piece.quant_block().end());
+    q.scale_buffer = static_cast<int32_t>(piece.scale_buffer_id());
+    q.scale_offset_bytes = static_cast<int64_t>(piece.scale_offset_bytes());
+    out.quant = std::move(q);
+  }
   return out;
 }
 

@@ -40,6 +40,7 @@ struct VisitLayout {
     pc->set_expert_parallel(l.expert_parallel);
     pc->set_replicas(l.replicas);
     pc->set_rank(l.rank);
+    pc->set_quantization(l.quantization);
   }
   void operator()(const IndexProbeLayout& l) const {
     auto* probe = out->mutable_index_probe();

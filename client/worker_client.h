@@ -105,6 +105,7 @@ struct PresetLayout {
   bool expert_parallel = false;
   uint32_t replicas = 1;
   uint32_t rank = 0;  // this worker's rank in the preset's world
+  std::string quantization;  // vllm/sglang rollouts: "" or "fp8_block128" (planner/presets.h)
 };
 struct IndexProbeLayout {
   std::vector<pb::IndexProbe::LocalTensor> tensors;

@@ -140,6 +140,25 @@ absl::StatusOr<planner::WorkerLayout> LayoutFromProto(const pb::ResolvedLayout& 
     piece.buffer = b->second;
     piece.offset_bytes = static_cast<int64_t>(p.offset_bytes());
     piece.strides.assign(p.strides().begin(), p.strides().end());
+    if (p.quant_dtype() != pb::DTYPE_UNSPECIFIED) {
+      planner::Quantization q;
+      auto dtype = FromProto(p.quant_dtype());
+      if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("tensor ", p.tensor(), " piece ", i, ": quant_dtype: ", dtype.status().message()));
+      q.dtype = *dtype;
+      q.block.assign(p.quant_block().begin(), p.quant_block().end());
+      auto sb = buffer_index.find(p.scale_buffer_id());
+      if (sb == buffer_index.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("piece ", i, " of tensor ", p.tensor(), ": unknown scale_buffer_id ", p.scale_buffer_id()));
+      }
+      q.scale_buffer = sb->second;
+      if (p.scale_offset_bytes() > static_cast<uint64_t>(INT64_MAX)) {
+        return absl::InvalidArgumentError(absl::StrCat("piece ", i, " of tensor ", p.tensor(), ": scale_offset_bytes too large"));
+      }
+      q.scale_offset_bytes = static_cast<int64_t>(p.scale_offset_bytes());
+      piece.quant = std::move(q);
+    } else if (p.quant_block_size() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("piece ", i, " of tensor ", p.tensor(), ": quant_block without quant_dtype"));
+    }
     size_t rank = inventory.tensors[t->second].shape.size();
     if (piece.box.begin.size() != rank || piece.box.end.size() != rank || piece.strides.size() != rank) {
       return absl::InvalidArgumentError(absl::StrCat("tensor ", p.tensor(), " piece ", i, ": box/strides rank must be ", rank));
@@ -160,6 +179,13 @@ void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory
     p->set_buffer_id(piece.buffer < buffers.size() ? buffers[piece.buffer].buffer_id() : 0);
     p->set_offset_bytes(static_cast<uint64_t>(piece.offset_bytes));
     p->mutable_strides()->Assign(piece.strides.begin(), piece.strides.end());
+    if (piece.quant.has_value()) {
+      p->set_quant_dtype(ToProto(piece.quant->dtype));
+      p->mutable_quant_block()->Assign(piece.quant->block.begin(), piece.quant->block.end());
+      const int32_t sb = piece.quant->scale_buffer;
+      p->set_scale_buffer_id(sb >= 0 && sb < buffers.size() ? buffers[sb].buffer_id() : 0);
+      p->set_scale_offset_bytes(static_cast<uint64_t>(piece.quant->scale_offset_bytes));
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 #include "daemon/convert.h"
 #include "daemon/log.h"
 #include "daemon/nccl_route.h"
+#include "planner/quantized.h"
 #include "planner/box.h"
 #include "planner/inventory.h"
 #include "planner/planner.h"
@@ -46,6 +47,7 @@ planner::ParallelConfig FromProto(const pb::ParallelConfig& p) {
   c.etp = static_cast<int>(p.etp());
   c.expert_parallel = p.expert_parallel();
   c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
+  c.quantization = p.quantization();
   return c;
 }
 
@@ -877,6 +879,7 @@ absl::StatusOr<std::map<std::string, pb::PlanSlice>> Coordinator::MakeSlicesLock
       f.dst_cuda = cuda_piece(op.dst_worker, op.dst_piece);
       f.src_node_nccl = has_nccl(sw.node);
       f.dst_node_nccl = has_nccl(dw.node);
+      f.dst_quantized = planner::HasQuantizedPieces(dw.layout);
       facts.push_back(f);
     }
   }

@@ -49,6 +49,9 @@ class DaemonMetrics {
   // A source of nccl ops copied whole to its lane's GPU before sending (an imported live buffer, or
   // a snapshot not already on that GPU).
   void NcclBounce(const std::string& node, uint64_t bytes);
+  // Canonical bytes of quantised rollout pieces quantised on this node (and the pass's seconds as
+  // phase "quantize").
+  void Quantized(const std::string& node, uint64_t bytes, double seconds);
   void Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);

@@ -9,7 +9,7 @@ namespace wb::daemon {
 std::vector<bool> RouteOverNccl(const std::vector<RouteOpFacts>& ops) {
   auto candidate = [](const RouteOpFacts& op) {
     return op.cross_node && op.src_node_nccl && op.dst_node_nccl && op.src_is_trainer && op.dst_is_rollout && op.src_cuda &&
-           op.dst_cuda;
+           op.dst_cuda && !op.dst_quantized;
   };
   // Workers whose cross-node ops must all stay on the host channel: a destination with any
   // cross-node op that cannot take nccl, and every rollout that relays to another node.

@@ -7,6 +7,8 @@
 // it only with GPU staging on), it reads a trainer's CUDA buffer and writes a rollout's CUDA
 // buffer, and that rollout takes EVERY cross-node op into it this way and is the source of no
 // cross-node op (its staging then lives on the GPU, which the host data channel cannot reach).
+// A rollout with quantised pieces is staged in host memory (the node quantises there), so it
+// takes every cross-node op on the host channel.
 
 #include <string>
 #include <string_view>
@@ -24,6 +26,7 @@ struct RouteOpFacts {
   bool dst_cuda = false;
   bool src_node_nccl = false;  // the node advertises nccl
   bool dst_node_nccl = false;
+  bool dst_quantized = false;  // the destination worker holds quantised pieces (host staging)
 };
 
 // One flag per op, in order.

@@ -33,7 +33,9 @@ TEST(NcclRouteTest, EachConditionAlone) {
   no_nccl_src.src_node_nccl = false;
   RouteOpFacts no_nccl_dst = Gpu(0, 2);
   no_nccl_dst.dst_node_nccl = false;
-  for (const RouteOpFacts& f : {same_node, host_src, host_dst, no_nccl_src, no_nccl_dst}) {
+  RouteOpFacts quantized_dst = Gpu(0, 2);
+  quantized_dst.dst_quantized = true;
+  for (const RouteOpFacts& f : {same_node, host_src, host_dst, no_nccl_src, no_nccl_dst, quantized_dst}) {
     EXPECT_EQ(RouteOverNccl({f}), std::vector<bool>{false});
   }
 }

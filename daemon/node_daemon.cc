@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -20,9 +21,11 @@
 #include "daemon/log.h"
 #include "daemon/metrics.h"
 #include "daemon/nccl_route.h"
+#include "daemon/quantize.h"
 #include "planner/box.h"
 #include "planner/index_probe.h"
 #include "planner/inventory.h"
+#include "planner/quantized.h"
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
 #if WB_WITH_CUDA_IPC
@@ -438,7 +441,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       if (p == d_->plans_.end()) return ToGrpcStatus(absl::FailedPreconditionError("no plan installed"));
       plan = p->second;
       for (int i = 0; i < plan->slice.workers_size(); ++i) {
-        if (plan->slice.workers(i).worker_id() == wid) layout = plan->layouts[i];
+        if (plan->slice.workers(i).worker_id() == wid) layout = plan->live_layouts[i];
       }
     }
     // The rollout's only stall: copy its pieces from committed staging into live weights (on the
@@ -564,7 +567,9 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         if (!l.ok()) return ToGrpcStatus(Annotate(l.status(), absl::StrCat("worker ", w.worker_id())));
         layout = std::move(*l);
       }
-      plan->layouts.push_back(std::move(layout));
+      plan->quantized.push_back(planner::HasQuantizedPieces(layout));
+      plan->layouts.push_back(planner::StagingLayout(plan->inventory, layout));
+      plan->live_layouts.push_back(std::move(layout));
     }
     const std::string& me = d_->options_.node_id;
     for (const pb::TransferOp& op : plan->slice.ops()) {
@@ -654,7 +659,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         if (w->second.mode != pb::MODE_SYNC) continue;
         ToLive t{wid, staging, w->second.buffers, w->second.cuda, {}};
         for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
-          if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->layouts[i];
+          if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->live_layouts[i];
         }
         to_live.push_back(std::move(t));
       }
@@ -1124,7 +1129,7 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
     auto lw = workers_.find(w.worker_id());
     for (size_t j = 0; j < exec->plan->layouts[i].buffers.size(); ++j) {
       const bool cuda = lw != workers_.end() && j < lw->second.cuda.size() && lw->second.cuda[j] != nullptr;
-      if (gpu_staging && cuda) continue;
+      if (gpu_staging && cuda && !exec->plan->quantized[i]) continue;  // quantised: host staging (the quantiser runs there)
       staging += exec->plan->layouts[i].buffers[j].size_bytes;
     }
   }
@@ -1348,6 +1353,7 @@ void NodeDaemon::MarkExecThreadDone(uint64_t id) {
 void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   absl::Time t0 = absl::Now();
   absl::Status s = RunExecInner(*exec);
+  if (s.ok()) s = QuantizeIncoming(*exec);
   if (s.ok()) {
     // GB/s per link of this transfer (bytes over the summed batch times towards that peer).
     for (auto& [peer, ls] : exec->links) {
@@ -1448,7 +1454,11 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
         const int64_t size = plan.layouts[i].buffers[j].size_bytes;
         StagedBuffer sb;
-        if (j < cuda.size() && cuda[j] != nullptr) {
+        if (plan.quantized[i] && nccl_lane_of.count(RegionKey(i, j)) > 0) {
+          return absl::FailedPreconditionError(absl::StrCat(vlabel, ": rollout ", w.worker_id(), " holds quantised pieces (host staging) ",
+                                                            "but buffer ", j, " is routed over nccl"));
+        }
+        if (j < cuda.size() && cuda[j] != nullptr && !plan.quantized[i]) {
           const std::string what = absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j);
           auto lane = nccl_lane_of.find(RegionKey(i, j));
           if (lane != nccl_lane_of.end()) {
@@ -2068,6 +2078,86 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
   return CopyFlat(src, dst, size, label, deadline);
 }
 
+absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
+  const ModelPlan& plan = *exec.plan;
+  struct Job {
+    const planner::Piece* live;     // the quantised piece (its place and scales in staging)
+    const planner::Piece* shadow;   // where its canonical bytes landed
+    StagedBuffer* elements;
+    StagedBuffer* scales;
+  };
+  std::vector<Job> jobs;
+  int64_t bytes = 0;
+  {
+    absl::MutexLock l(&mu_);
+    for (int i = 0; i < plan.slice.workers_size(); ++i) {
+      const pb::PlanWorker& w = plan.slice.workers(i);
+      if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT || !plan.quantized[i]) continue;
+      auto in = exec.incoming.find(w.worker_id());
+      if (in == exec.incoming.end()) continue;
+      Bytes& staging = *in->second;
+      const planner::WorkerLayout& live = plan.live_layouts[i];
+      const planner::WorkerLayout& shadow = plan.layouts[i];
+      for (size_t k = 0; k < live.pieces.size(); ++k) {
+        const planner::Piece& p = live.pieces[k];
+        if (!p.quant.has_value()) continue;
+        const size_t b = static_cast<size_t>(p.buffer), sb = static_cast<size_t>(p.quant->scale_buffer);
+        if (b >= staging.size() || sb >= staging.size() || staging[b].device != nullptr || staging[sb].device != nullptr) {
+          return absl::InternalError(absl::StrCat("version ", exec.version, ": staging of rollout ", w.worker_id(),
+                                                  " cannot be quantised (buffer missing or not in host memory)"));
+        }
+        // The layout was validated (coordinator) and StagingLayout grew the buffers; check anyway
+        // that every byte the quantiser touches lies in staging.
+        const int64_t sh_bytes = planner::BoxVolume(p.box) * planner::DTypeSize(plan.inventory.tensors[p.tensor].dtype);
+        const planner::Piece& sp = shadow.pieces[k];
+        if (sp.offset_bytes + sh_bytes > staging[b].size() ||
+            p.quant->scale_offset_bytes + planner::ScaleCount(p) * planner::kScaleElementSize > staging[sb].size()) {
+          return absl::InternalError(absl::StrCat("version ", exec.version, ": rollout ", w.worker_id(), " tensor ",
+                                                  plan.inventory.tensors[p.tensor].name, ": quantised piece outside its staging"));
+        }
+        RETURN_IF_ERROR(CheckPieceInBuffer(p, 1, staging[b].size(), plan.inventory.tensors[p.tensor].name));
+        jobs.push_back(Job{&p, &sp, &staging[b], &staging[sb]});
+        bytes += sh_bytes;
+      }
+    }
+  }
+  if (jobs.empty()) return absl::OkStatus();
+  const absl::Time t0 = absl::Now();
+  // A few threads take pieces in turn (big pieces dominate; they are independent).
+  const int threads = static_cast<int>(std::min<size_t>(jobs.size(), std::max(1u, std::min(8u, std::thread::hardware_concurrency()))));
+  std::atomic<size_t> next{0};
+  absl::Mutex err_mu;
+  absl::Status first;
+  auto work = [&] {
+    for (size_t j = next++; j < jobs.size(); j = next++) {
+      if (absl::Now() > exec.deadline) {
+        absl::MutexLock l(&err_mu);
+        if (first.ok()) first = absl::DeadlineExceededError(absl::StrCat("version ", exec.version, ": quantising did not finish before the transfer deadline"));
+        return;
+      }
+      const Job& job = jobs[j];
+      absl::Status s = QuantizePiece(plan.inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes, job.elements->host.data(),
+                                     job.scales->host.data());
+      if (!s.ok()) {
+        absl::MutexLock l(&err_mu);
+        if (first.ok()) first = s;
+        return;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  RETURN_IF_ERROR(first);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+  Metrics().Quantized(options_.node_id, static_cast<uint64_t>(bytes), seconds);
+  Log(LogLevel::kInfo, "version quantised", {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version},
+                                             {"pieces", static_cast<int64_t>(jobs.size())}, {"bytes", bytes}, {"seconds", seconds},
+                                             {"threads", threads}});
+  return absl::OkStatus();
+}
+
 absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
                                     const std::vector<std::shared_ptr<CudaImport>>& cuda, const planner::WorkerLayout& layout,
                                     const planner::Inventory& inventory, const std::string& label, absl::Time deadline) {
@@ -2088,6 +2178,42 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
   };
   std::map<int32_t, Target> by_buffer;
   std::map<transport::Transport*, transport::Batch> batches;
+  std::vector<const planner::Piece*> scale_regions;
+  // Registers staging buffer `b` and the live buffer `b` with the transport that reaches it.
+  auto register_buffer = [&](int32_t b) -> absl::StatusOr<Target> {
+    const bool on_gpu = buffers[b] == nullptr;
+    const StagedBuffer& sb = staging[b];
+    if (sb.device != nullptr && !on_gpu) {
+      return absl::InternalError(absl::StrCat(label, ": buffer ", b, " is staged on a GPU but lives in host memory"));
+    }
+    transport::Transport* t = on_gpu ? cuda[b]->t : host_t;
+    transport::MemorySpec s;
+    if (sb.device != nullptr) {
+      s.kind = transport::MemoryKind::kCuda;
+      s.base = sb.device->data();
+      s.device = sb.device->device();
+    } else {
+      s.kind = transport::MemoryKind::kHost;
+      s.base = const_cast<uint8_t*>(sb.host.data());  // only read
+    }
+    s.size_bytes = sb.size();
+    s.label = absl::StrCat(label, " staging b", b);
+    ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
+    regions.push_back({t, sh});
+    transport::RegionHandle dh;
+    if (on_gpu) {
+      dh = cuda[b]->h;
+    } else {
+      transport::MemorySpec d;
+      d.kind = transport::MemoryKind::kHost;
+      d.base = buffers[b]->data();
+      d.size_bytes = buffers[b]->size();
+      d.label = absl::StrCat(label, " live b", b);
+      ASSIGN_OR_RETURN(dh, t->RegisterMemory(d));
+      regions.push_back({t, dh});
+    }
+    return Target{t, sh, dh};
+  };
   for (const planner::Piece& piece : layout.pieces) {
     if (piece.buffer < 0 || piece.buffer >= static_cast<int32_t>(buffers.size()) || piece.buffer >= static_cast<int32_t>(staging.size())) {
       return absl::InternalError(absl::StrCat(label, ": piece of tensor ", inventory.tensors[piece.tensor].name, " names buffer ",
@@ -2096,46 +2222,38 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
     if (planner::BoxEmpty(piece.box)) continue;
     auto it = by_buffer.find(piece.buffer);
     if (it == by_buffer.end()) {
-      const bool on_gpu = buffers[piece.buffer] == nullptr;
-      const StagedBuffer& sb = staging[piece.buffer];
-      if (sb.device != nullptr && !on_gpu) {
-        return absl::InternalError(absl::StrCat(label, ": buffer ", piece.buffer, " is staged on a GPU but lives in host memory"));
-      }
-      transport::Transport* t = on_gpu ? cuda[piece.buffer]->t : host_t;
-      transport::MemorySpec s;
-      if (sb.device != nullptr) {
-        s.kind = transport::MemoryKind::kCuda;
-        s.base = sb.device->data();
-        s.device = sb.device->device();
-      } else {
-        s.kind = transport::MemoryKind::kHost;
-        s.base = const_cast<uint8_t*>(sb.host.data());  // only read
-      }
-      s.size_bytes = sb.size();
-      s.label = absl::StrCat(label, " staging b", piece.buffer);
-      ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
-      regions.push_back({t, sh});
-      transport::RegionHandle dh;
-      if (on_gpu) {
-        dh = cuda[piece.buffer]->h;
-      } else {
-        transport::MemorySpec d;
-        d.kind = transport::MemoryKind::kHost;
-        d.base = buffers[piece.buffer]->data();
-        d.size_bytes = buffers[piece.buffer]->size();
-        d.label = absl::StrCat(label, " live b", piece.buffer);
-        ASSIGN_OR_RETURN(dh, t->RegisterMemory(d));
-        regions.push_back({t, dh});
-      }
-      it = by_buffer.emplace(piece.buffer, Target{t, sh, dh}).first;
+      ASSIGN_OR_RETURN(Target t, register_buffer(piece.buffer));
+      it = by_buffer.emplace(piece.buffer, t).first;
     }
-    const int elem = planner::DTypeSize(inventory.tensors[piece.tensor].dtype);
+    const int elem = planner::PieceElementSize(inventory, piece);  // quantised pieces: e4m3 bytes
     transport::CopyOp op;
     for (size_t d = 0; d < piece.box.begin.size(); ++d) op.shape.push_back(piece.box.end[d] - piece.box.begin[d]);
     op.element_size = elem;
-    // Staging mirrors the live layout byte for byte: same offset and strides on both sides.
+    // Staging mirrors the live layout byte for byte: same offset and strides on both sides (the
+    // shadows of quantised pieces lie past the end of the live buffer and are not copied).
     op.src = RefFor(piece, piece.box, elem, it->second.src);
     op.dst = RefFor(piece, piece.box, elem, it->second.dst);
+    batches[it->second.t].ops.push_back(std::move(op));
+    if (piece.quant.has_value()) scale_regions.push_back(&piece);
+  }
+  // The scales of quantised pieces: one contiguous float32 run each, same offset in staging and
+  // live memory. Their buffer has a target already when a piece lives in it; else register it.
+  for (const planner::Piece* piece : scale_regions) {
+    const int32_t sb = piece->quant->scale_buffer;
+    auto it = by_buffer.find(sb);
+    if (it == by_buffer.end()) {
+      if (sb < 0 || sb >= static_cast<int32_t>(buffers.size()) || sb >= static_cast<int32_t>(staging.size())) {
+        return absl::InternalError(absl::StrCat(label, ": scales of tensor ", inventory.tensors[piece->tensor].name, " name buffer ", sb,
+                                                " that the worker does not have"));
+      }
+      ASSIGN_OR_RETURN(Target t, register_buffer(sb));
+      it = by_buffer.emplace(sb, t).first;
+    }
+    transport::CopyOp op;
+    op.shape = {planner::ScaleCount(*piece)};
+    op.element_size = planner::kScaleElementSize;
+    op.src = {it->second.src, piece->quant->scale_offset_bytes, {1}};
+    op.dst = {it->second.dst, piece->quant->scale_offset_bytes, {1}};
     batches[it->second.t].ops.push_back(std::move(op));
   }
   std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;

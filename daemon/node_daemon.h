@@ -141,7 +141,14 @@ class NodeDaemon {
   struct ModelPlan {
     pb::PlanSlice slice;
     planner::Inventory inventory;
-    std::vector<planner::WorkerLayout> layouts;  // per slice worker (empty when the slice has no layout for it)
+    // Per slice worker (empty when the slice has no layout for it). `layouts` is what transfers
+    // address: a rollout's staging, where quantised pieces are replaced by their canonical-dtype
+    // shadows (planner::StagingLayout); `live_layouts` is the worker's own layout (commit/Apply
+    // copy into it; the quantiser writes its quantised pieces and scales in staging). The same
+    // for everyone without quantised pieces.
+    std::vector<planner::WorkerLayout> layouts;
+    std::vector<planner::WorkerLayout> live_layouts;
+    std::vector<bool> quantized;                 // the worker holds quantised pieces (host staging)
     bool hosts_gather = false;                   // rank0_broadcast: this node holds the gather staging
   };
   // One peer node's side of a version's data plane.
@@ -186,6 +193,9 @@ class NodeDaemon {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunExec(std::shared_ptr<Exec> exec);
   absl::Status RunExecInner(Exec& exec);
+  // After every byte of a version landed: quantises the quantised pieces of this node's rollouts
+  // from their shadows into their places and scales in incoming (host) staging, on a few threads.
+  absl::Status QuantizeIncoming(Exec& exec);
   // Exchanges regions with `peer` and returns the channel for this version (connecting if needed):
   // our transport `mine` (named `mine_name`) with the peer's transport named `theirs_name`.
   absl::StatusOr<transport::PeerId> SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,

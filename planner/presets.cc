@@ -4,9 +4,11 @@
 #include <array>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
 #include "planner/inventory.h"
+#include "planner/quantized.h"
 #include "tools/cc/status_macros.h"
 
 namespace wb::planner {
@@ -566,9 +568,88 @@ absl::StatusOr<int> PresetWorldSize(const ParallelConfig& p) {
   return absl::InternalError("unreachable");
 }
 
+namespace {
+
+// Linear weights a block-quantised checkpoint holds in fp8 (see ParallelConfig::quantization).
+bool QuantizableTensor(const TensorSpec& t) {
+  const std::string& n = t.name;
+  if (t.shape.size() != 2 || !absl::EndsWith(n, ".weight")) return false;
+  return n.find("proj") != std::string::npos || n.find(".experts.") != std::string::npos;
+}
+
+// Re-packs `out` (one buffer) with quantisable local tensors as float8_e4m3 + their scales.
+absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, PresetLayout& out) {
+  constexpr int64_t kBlock = 128;
+  PresetLayout q;
+  q.layout.buffers = out.layout.buffers;
+  q.layout.pieces = out.layout.pieces;
+  int64_t cursor = 0;
+  for (const LocalTensor& lt : out.local_tensors) {
+    bool quantize = lt.num_pieces > 0;
+    for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
+      quantize = quantize && QuantizableTensor(inv.tensors[out.layout.pieces[k].tensor]);
+    }
+    const int old_es = DTypeSize(lt.dtype);
+    const int new_es = quantize ? DTypeSize(DType::kF8E4M3) : old_es;
+    LocalTensor nt = lt;
+    nt.offset_bytes = AlignUp(cursor, kLocalTensorAlignment);
+    if (quantize) nt.dtype = DType::kF8E4M3;
+    for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
+      Piece& p = q.layout.pieces[k];
+      p.offset_bytes = nt.offset_bytes + (out.layout.pieces[k].offset_bytes - lt.offset_bytes) / old_es * new_es;
+    }
+    cursor = nt.offset_bytes + Numel(lt.shape) * new_es;
+    q.local_tensors.push_back(nt);
+    if (!quantize) continue;
+    LocalTensor st;
+    st.name = lt.name;
+    st.name += absl::EndsWith(st.name, ".weight") ? "_scale_inv" : ".weight_scale_inv";
+    st.dtype = DType::kF32;
+    st.offset_bytes = AlignUp(cursor, kLocalTensorAlignment);
+    st.first_piece = lt.first_piece;
+    st.num_pieces = 0;
+    int64_t count = 0, row_blocks = 0, col_blocks = -1;
+    bool slabs = lt.shape.size() == 2;
+    for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
+      Piece& p = q.layout.pieces[k];
+      Quantization quant;
+      quant.block.assign(p.box.begin.size(), kBlock);
+      quant.scale_buffer = 0;
+      quant.scale_offset_bytes = st.offset_bytes + count * kScaleElementSize;
+      p.quant = quant;
+      RETURN_IF_ERROR(CheckQuantization(inv, WorkerLayout{{BufferInfo{int64_t{1} << 62}}, {}}, p,
+                                        absl::StrCat(scheme, ": local tensor ", lt.name, " (tensor ", inv.tensors[p.tensor].name,
+                                                     " box ", BoxToString(p.box), ")")));
+      const std::vector<int64_t> grid = ScaleShape(p);
+      count += ScaleCount(p);
+      if (grid.size() == 2 && (col_blocks < 0 || col_blocks == grid[1])) {
+        row_blocks += grid[0];
+        col_blocks = grid[1];
+      } else {
+        slabs = false;
+      }
+    }
+    st.shape = slabs ? std::vector<int64_t>{row_blocks, col_blocks} : std::vector<int64_t>{count};
+    cursor = st.offset_bytes + count * kScaleElementSize;
+    q.local_tensors.push_back(std::move(st));
+  }
+  q.layout.buffers = {BufferInfo{AlignUp(cursor, kLocalTensorAlignment)}};
+  out = std::move(q);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, const Inventory& inventory,
                                                     const ParallelConfig& parallel) {
   ASSIGN_OR_RETURN(Kind kind, KindOf(parallel.preset));
+  if (!KnownQuantization(parallel.quantization)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128 or none)"));
+  }
+  if (!parallel.quantization.empty() && kind != Kind::kVllm) {
+    return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",
+                                                   parallel.preset));
+  }
   PresetBuilder b;
   ASSIGN_OR_RETURN(b.world_, PresetWorldSize(parallel));
   b.config_ = config;
@@ -595,11 +676,16 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
       return MakeMegatron(config_, parallel_, *inventory_, *ids_, rank);
     case Kind::kFsdp:
       return MakeFsdp(parallel_, *inventory_, rank);
-    case Kind::kVllm:
-      return MakeVllm(config_, parallel_, *inventory_, *ids_, rank);
+    case Kind::kVllm: {
+      PresetLayout l = MakeVllm(config_, parallel_, *inventory_, *ids_, rank);
+      if (!parallel_.quantization.empty()) RETURN_IF_ERROR(QuantizePreset(*inventory_, parallel_.quantization, l));
+      return l;
+    }
   }
   return absl::InternalError("unreachable");
 }
+
+bool KnownQuantization(const std::string& scheme) { return scheme.empty() || scheme == "fp8_block128"; }
 
 absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,
                                               const ParallelConfig& parallel, int rank) {

@@ -43,6 +43,15 @@ struct ParallelConfig {
   int tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;  // etp 0 = tp
   bool expert_parallel = false;                 // vllm/sglang
   int replicas = 1;                             // vllm/sglang
+  // vllm/sglang only: "" (weights in the canonical dtype) or "fp8_block128": every 2-D linear
+  // weight (a ".weight" whose name has "proj" or ".experts.") is held as float8_e4m3 with
+  // 128x128 block scales (planner/types.h Quantization), as vLLM / SGLang fp8 block-quant
+  // checkpoints (DeepSeek-V3 style) hold them. Its local tensor becomes float8_e4m3 and is followed
+  // by "<name>_scale_inv" (float32): each piece's scales in piece order; shape
+  // [sum of the pieces' row blocks, column blocks] when the pieces are row slabs of a 2-D tensor,
+  // else [number of scales]. Embeddings, lm_head, norms, routers and biases stay unquantised.
+  // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
+  std::string quantization;
 };
 
 // One framework-local tensor inside the worker's buffer.
@@ -61,6 +70,9 @@ struct PresetLayout {
 };
 
 inline constexpr int64_t kLocalTensorAlignment = 256;
+
+// Whether `scheme` is a known ParallelConfig::quantization ("" included).
+bool KnownQuantization(const std::string& scheme);
 
 // World size of the preset, or InvalidArgument for an unknown preset / non-positive sizes.
 absl::StatusOr<int> PresetWorldSize(const ParallelConfig& parallel);

@@ -10,6 +10,8 @@
 #include "gtest/gtest.h"
 #include "planner/box.h"
 #include "planner/inventory.h"
+#include "planner/quantized.h"
+#include "planner/validate.h"
 
 namespace wb::planner {
 namespace {
@@ -121,6 +123,80 @@ TEST(Presets, VllmTp4Rank1QkvProjOfQwen25_7B) {
   auto b = CanonicalAt(m.inv, *l, *bias, 7 * 128 + 5);
   EXPECT_EQ(b.first, *idx.Find("model.layers.1.self_attn.k_proj.bias"));
   EXPECT_EQ(b.second, 128 + 5);
+}
+
+// fp8_block128: the same element mapping as unquantised, one byte per element, scales after each
+// quantised local tensor, and a layout the validator accepts as a rollout's.
+TEST(Presets, VllmFp8Block128QuantisesLinearWeightsOnly) {
+  Model m = Load("qwen2.5-7b.json", 2);
+  TensorIndex idx(m.inv);
+  ParallelConfig par{.preset = "vllm", .tp = 4, .replicas = 2};
+  par.quantization = "fp8_block128";
+  auto l = MakePresetLayout(m.config, m.inv, par, /*rank=*/5);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout, "r").ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout, "r");
+  const LocalTensor* qkv = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  EXPECT_EQ(qkv->dtype, DType::kF8E4M3);
+  const int32_t k = *idx.Find("model.layers.1.self_attn.k_proj.weight");
+  const int64_t H = 3584;
+  for (int64_t col = 0; col < H; col += 97) {
+    auto got = CanonicalAt(m.inv, *l, *qkv, (7 * 128 + 3) * H + col);
+    EXPECT_EQ(got.first, k);
+    EXPECT_EQ(got.second, (128 + 3) * H + col);
+  }
+  const LocalTensor* scales = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight_scale_inv");
+  ASSERT_NE(scales, nullptr);
+  EXPECT_EQ(scales->dtype, DType::kF32);
+  EXPECT_EQ(scales->shape, (std::vector<int64_t>{9, 28}));  // (7 + 1 + 1) x 128 rows, 3584 / 128 columns
+  // Each of q, k, v has its scales in piece order inside that tensor.
+  int64_t at = scales->offset_bytes;
+  for (int32_t p = qkv->first_piece; p < qkv->first_piece + qkv->num_pieces; ++p) {
+    const Piece& piece = l->layout.pieces[p];
+    ASSERT_TRUE(piece.quant.has_value());
+    EXPECT_EQ(piece.quant->scale_offset_bytes, at);
+    EXPECT_EQ(piece.quant->block, (std::vector<int64_t>{128, 128}));
+    at += ScaleCount(piece) * 4;
+  }
+  EXPECT_EQ(at, scales->offset_bytes + 9 * 28 * 4);
+  // Row-parallel o_proj: [H, H/4] -> scales [28, 7].
+  const LocalTensor* o = FindLocal(*l, "model.layers.0.self_attn.o_proj.weight_scale_inv");
+  ASSERT_NE(o, nullptr);
+  EXPECT_EQ(o->shape, (std::vector<int64_t>{28, 7}));
+  // Not quantised: biases, norms, embeddings, lm_head.
+  for (const char* name : {"model.layers.1.self_attn.qkv_proj.bias", "model.layers.0.input_layernorm.weight",
+                           "model.embed_tokens.weight", "lm_head.weight"}) {
+    const LocalTensor* t = FindLocal(*l, name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->dtype, DType::kBF16) << name;
+    EXPECT_EQ(FindLocal(*l, std::string(name) + "_scale_inv"), nullptr) << name;
+  }
+  // The quantised local tensor takes half the bytes of the bf16 one.
+  par.quantization = "";
+  auto plain = MakePresetLayout(m.config, m.inv, par, 5);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_LT(l->layout.buffers[0].size_bytes, plain->layout.buffers[0].size_bytes);
+  const LocalTensor* plain_qkv = FindLocal(*plain, "model.layers.1.self_attn.qkv_proj.weight");
+  ASSERT_NE(plain_qkv, nullptr);
+  EXPECT_EQ(DTypeSize(plain_qkv->dtype), 2 * DTypeSize(qkv->dtype));
+}
+
+TEST(Presets, QuantisationErrors) {
+  Model m = Load("qwen2.5-0.5b.json", 1);  // 14 q heads of 64: tp=2 puts 448 rows of q_proj on a rank
+  ParallelConfig par{.preset = "vllm", .tp = 2};
+  par.quantization = "fp8_block128";
+  auto l = MakePresetLayout(m.config, m.inv, par, 0);
+  ASSERT_FALSE(l.ok());
+  EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(l.status().message().find("not aligned to the quantisation blocks 128x128"), std::string::npos) << l.status();
+  EXPECT_NE(l.status().message().find("q_proj.weight box [0:448, 0:896]"), std::string::npos) << l.status();
+  par.tp = 1;
+  EXPECT_TRUE(MakePresetLayout(m.config, m.inv, par, 0).ok());
+  par.quantization = "int4";
+  EXPECT_NE(MakePresetLayout(m.config, m.inv, par, 0).status().message().find("unknown quantization `int4`"), std::string::npos);
+  ParallelConfig meg{.preset = "megatron"};
+  meg.quantization = "fp8_block128";
+  EXPECT_NE(MakePresetLayout(m.config, m.inv, meg, 0).status().message().find("is for rollout presets"), std::string::npos);
 }
 
 TEST(Presets, VllmReplicatesKvHeadsWhenTpExceedsThem) {

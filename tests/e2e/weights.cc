@@ -1,5 +1,7 @@
 #include "tests/e2e/weights.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -32,7 +34,7 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
     return absl::InvalidArgumentError(absl::StrCat(where(), ": buffer ", p.buffer, " not mapped"));
   }
   if (planner::BoxEmpty(p.box)) return absl::OkStatus();
-  const int64_t esize = planner::DTypeSize(t.dtype);
+  const int64_t esize = p.quant.has_value() ? planner::DTypeSize(p.quant->dtype) : planner::DTypeSize(t.dtype);
   int64_t lo = p.offset_bytes, hi = p.offset_bytes;
   for (size_t d = 0; d < t.shape.size(); ++d) {
     int64_t span = (p.box.end[d] - p.box.begin[d] - 1) * p.strides[d] * esize;
@@ -43,6 +45,21 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
     return absl::InvalidArgumentError(absl::StrCat(where(), ": addresses bytes [", lo, ", ", hi,
                                                    ") outside buffer ", p.buffer, " of ",
                                                    memory.sizes[p.buffer], " bytes"));
+  }
+  if (p.quant.has_value()) {
+    const planner::Quantization& q = *p.quant;
+    if (q.dtype != planner::DType::kF8E4M3 || q.block.size() != t.shape.size() || q.scale_buffer < 0 ||
+        q.scale_buffer >= static_cast<int>(memory.buffers.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": malformed quantisation"));
+    }
+    int64_t count = 1;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (q.block[d] < 1) return absl::InvalidArgumentError(absl::StrCat(where(), ": block < 1"));
+      count *= (p.box.end[d] - p.box.begin[d] + q.block[d] - 1) / q.block[d];
+    }
+    if (q.scale_offset_bytes < 0 || q.scale_offset_bytes + 4 * count > memory.sizes[q.scale_buffer]) {
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": scales outside buffer ", q.scale_buffer));
+    }
   }
   return absl::OkStatus();
 }
@@ -86,7 +103,7 @@ template <typename T>
 void FillRow(uint32_t tensor, uint64_t version, int64_t flat, int64_t flat_step, char* dst,
              int64_t step_bytes, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    T v = static_cast<T>(WeightBits(tensor, version, static_cast<uint64_t>(flat + i * flat_step)));
+    T v = static_cast<T>(ElementBits(tensor, version, static_cast<uint64_t>(flat + i * flat_step), sizeof(T)));
     std::memcpy(dst + i * step_bytes, &v, sizeof(T));
   }
 }
@@ -97,8 +114,8 @@ bool RowMatches(uint32_t tensor, uint64_t version, int64_t flat, int64_t flat_st
   T diff = 0;
   for (int64_t i = 0; i < n; ++i) {
     T want = version == 0 ? T{0}
-                          : static_cast<T>(WeightBits(tensor, version,
-                                                      static_cast<uint64_t>(flat + i * flat_step)));
+                          : static_cast<T>(ElementBits(tensor, version,
+                                                       static_cast<uint64_t>(flat + i * flat_step), sizeof(T)));
     T got;
     std::memcpy(&got, src + i * step_bytes, sizeof(T));
     diff |= static_cast<T>(want ^ got);
@@ -122,6 +139,130 @@ std::string Coord(const planner::TensorSpec& t, int64_t flat) {
   return absl::StrCat("[", absl::StrJoin(idx, ", "), "]");
 }
 
+// ---- Reference float8_e4m3fn block quantisation (independent of daemon/quantize: values by the
+// format's definition, nearest code by search). Semantics: docs/daemon.md "Quantized targets".
+
+float CanonicalValue(uint64_t bits, planner::DType dtype) {
+  switch (dtype) {
+    case planner::DType::kBF16: {
+      const uint32_t b = static_cast<uint32_t>(bits & 0xffff) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    }
+    case planner::DType::kF16: {
+      const uint32_t h = static_cast<uint32_t>(bits & 0xffff);
+      const int e = static_cast<int>((h >> 10) & 0x1f), m = static_cast<int>(h & 0x3ff);
+      const double mag = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);  // e < 31 (ElementBits)
+      return static_cast<float>((h & 0x8000) ? -mag : mag);
+    }
+    default: {
+      const uint32_t b = static_cast<uint32_t>(bits);
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    }
+  }
+}
+
+// The 127 non-negative finite e4m3 values, code c at index c.
+const std::vector<double>& E4M3Values() {
+  static const std::vector<double>* v = [] {
+    auto* out = new std::vector<double>;
+    for (int c = 0; c <= 0x7e; ++c) {
+      const int e = c >> 3, m = c & 7;
+      out->push_back(e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10));
+    }
+    return out;
+  }();
+  return *v;
+}
+
+uint8_t NearestE4M3(float x) {
+  const std::vector<double>& v = E4M3Values();
+  const double a = std::fabs(static_cast<double>(x));
+  // First code >= a; then the nearer of it and its predecessor (ties: the even code).
+  size_t hi = static_cast<size_t>(std::lower_bound(v.begin(), v.end(), a) - v.begin());
+  size_t c;
+  if (hi == v.size()) {
+    c = v.size() - 1;  // beyond 448: saturate
+  } else if (hi == 0) {
+    c = 0;
+  } else {
+    const double dl = a - v[hi - 1], dh = v[hi] - a;
+    c = dl < dh ? hi - 1 : dh < dl ? hi : ((hi - 1) % 2 == 0 ? hi - 1 : hi);
+  }
+  return static_cast<uint8_t>(c | (std::signbit(x) ? 0x80 : 0));
+}
+
+// Checks quantised piece `pi` against version `version` (0: every element and scale byte zero).
+void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory,
+                     int pi, uint64_t version, VerifyResult& result) {
+  const planner::Piece& p = layout.pieces[pi];
+  const planner::Quantization& q = *p.quant;
+  const planner::TensorSpec& t = inventory.tensors[p.tensor];
+  const int es = planner::DTypeSize(t.dtype);
+  const size_t rank = t.shape.size();
+  std::vector<int64_t> ext(rank), grid(rank);
+  int64_t count = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    ext[d] = p.box.end[d] - p.box.begin[d];
+    grid[d] = (ext[d] + q.block[d] - 1) / q.block[d];
+    count *= grid[d];
+  }
+  const std::vector<int64_t> cstride = planner::ContiguousStrides(t.shape);
+  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]);
+  const uint8_t* scale_base = static_cast<const uint8_t*>(memory.buffers[q.scale_buffer]) + q.scale_offset_bytes;
+  // Visits every element: fn(local index vector, canonical flat index, block index, element byte).
+  auto for_each = [&](auto&& fn) {
+    std::vector<int64_t> idx(rank, 0);
+    const int64_t n = planner::BoxVolume(p.box);
+    for (int64_t k = 0; k < n; ++k) {
+      int64_t flat = 0, block = 0, off = p.offset_bytes;
+      for (size_t d = 0; d < rank; ++d) {
+        flat += (p.box.begin[d] + idx[d]) * cstride[d];
+        block = block * grid[d] + idx[d] / q.block[d];
+        off += idx[d] * p.strides[d];
+      }
+      fn(idx, flat, block, base[off]);
+      for (size_t d = rank; d-- > 0;) {
+        if (++idx[d] < ext[d]) break;
+        idx[d] = 0;
+      }
+    }
+  };
+  auto mismatch = [&](const std::string& what) {
+    if (result.mismatches++ == 0) {
+      result.first_mismatch = absl::StrCat("tensor ", t.name, " (quantised piece ", pi, ", box ", planner::BoxToString(p.box), "): ", what);
+    }
+  };
+  std::vector<float> amax(static_cast<size_t>(count), 0.0f);
+  if (version > 0) {
+    for_each([&](const std::vector<int64_t>&, int64_t flat, int64_t block, uint8_t) {
+      const float x = CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
+      amax[static_cast<size_t>(block)] = std::max(amax[static_cast<size_t>(block)], std::fabs(x));
+    });
+  }
+  for (int64_t b = 0; b < count; ++b) {
+    float got;
+    std::memcpy(&got, scale_base + 4 * b, 4);
+    const float want = version == 0 ? 0.0f : std::max(amax[static_cast<size_t>(b)], 1e-4f) / 448.0f;
+    if (std::memcmp(&got, &want, 4) != 0) mismatch(absl::StrCat("scale of block ", b, ": got ", got, ", want ", want));
+  }
+  for_each([&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, uint8_t got) {
+    uint8_t want = 0;
+    if (version > 0) {
+      const float x = CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
+      want = NearestE4M3(x * (448.0f / std::max(amax[static_cast<size_t>(block)], 1e-4f)));
+    }
+    if (got != want) {
+      mismatch(absl::StrCat("element at local [", absl::StrJoin(idx, ", "), "]: got 0x", absl::Hex(got), ", want 0x", absl::Hex(want)));
+    }
+  });
+  result.elements += planner::BoxVolume(p.box);
+  result.bytes += planner::BoxVolume(p.box) + 4 * count;
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> FillPieces(const planner::Inventory& inventory,
@@ -135,6 +276,10 @@ absl::StatusOr<int64_t> FillPieces(const planner::Inventory& inventory,
   }
   int64_t bytes = 0;
   for (const planner::Piece& p : layout.pieces) {
+    if (p.quant.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", inventory.tensors[p.tensor].name,
+                                                     ": quantised pieces are for rollouts (nothing fills them)"));
+    }
     if (planner::BoxEmpty(p.box)) continue;
     const planner::TensorSpec& t = inventory.tensors[p.tensor];
     const int esize = planner::DTypeSize(t.dtype);
@@ -173,6 +318,10 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
   for (int pi = 0; pi < static_cast<int>(layout.pieces.size()); ++pi) {
     const planner::Piece& p = layout.pieces[pi];
     if (planner::BoxEmpty(p.box)) continue;
+    if (p.quant.has_value()) {
+      VerifyQuantized(inventory, layout, memory, pi, version, result);
+      continue;
+    }
     const planner::TensorSpec& t = inventory.tensors[p.tensor];
     const int esize = planner::DTypeSize(t.dtype);
     const uint32_t tensor = static_cast<uint32_t>(p.tensor);
@@ -209,7 +358,7 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
                          " (piece ", pi, ", box ", planner::BoxToString(p.box), "): got 0x",
                          absl::Hex(got), ", want version ", version, "'s 0x",
                          absl::Hex(version == 0 ? 0
-                                                : WeightBits(tensor, version, f) &
+                                                : ElementBits(tensor, version, f, esize) &
                                                       (esize == 8 ? ~0ull
                                                                   : ((1ull << (8 * esize)) - 1))));
                    }

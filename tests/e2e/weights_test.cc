@@ -3,7 +3,10 @@
 #include <cstring>
 #include <vector>
 
+#include "daemon/quantize.h"
 #include "gtest/gtest.h"
+#include "planner/quantized.h"
+#include "planner/validate.h"
 #include "tools/cc/weight_gen.h"
 
 namespace wb::e2e {
@@ -82,6 +85,70 @@ TEST(WeightsTest, PieceOutsideItsBufferIsRejectedBeforeWriting) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("tensor b"), absl::string_view::npos);
   for (char c : mem) EXPECT_EQ(c, 0);
+}
+
+// The test workers' reference quantisation agrees with the daemon's quantiser on real (finite)
+// weights: fill a canonical shadow, quantise it with daemon/quantize, verify with weights.cc.
+TEST(WeightsTest, QuantisedPieceMatchesTheDaemonsQuantiser) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {256, 200}, planner::DType::kBF16});
+  inv.tensors.push_back({"h", {130, 64}, planner::DType::kF16});
+  planner::WorkerLayout live;
+  live.buffers.push_back({1 << 16});
+  planner::Piece w;
+  w.tensor = 0;
+  w.box = {{128, 0}, {256, 200}};  // 128 x 200: blocks 1 x 2 (the second one partial)
+  w.offset_bytes = 0;
+  w.strides = {1, 128};  // transposed
+  w.quant = planner::Quantization{planner::DType::kF8E4M3, {128, 128}, 0, 40000};
+  planner::Piece h;
+  h.tensor = 1;
+  h.box = {{0, 0}, {130, 64}};
+  h.offset_bytes = 26000;
+  h.strides = {64, 1};
+  h.quant = planner::Quantization{planner::DType::kF8E4M3, {64, 32}, 0, 40008};  // 3 x 2 blocks
+  live.pieces = {w, h};
+  ASSERT_TRUE(planner::ValidateLayout(inv, live, planner::Role::kRollout, "r").ok())
+      << planner::ValidateLayout(inv, live, planner::Role::kRollout, "r");
+  // Canonical shadows as the staging layout places them, filled with version 5.
+  planner::WorkerLayout shadow = planner::StagingLayout(inv, live);
+  std::vector<uint8_t> staging(static_cast<size_t>(shadow.buffers[0].size_bytes), 0);
+  MemoryView sv{{staging.data()}, {shadow.buffers[0].size_bytes}};
+  ASSERT_TRUE(FillPieces(inv, shadow, sv, 5).ok());
+  for (size_t k = 0; k < live.pieces.size(); ++k) {
+    ASSERT_TRUE(daemon::QuantizePiece(inv, live.pieces[k], staging.data() + shadow.pieces[k].offset_bytes, staging.data(), staging.data()).ok());
+  }
+  MemoryView lv{{staging.data()}, {live.buffers[0].size_bytes}};
+  auto r = VerifyPieces(inv, live, lv, 5);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->mismatches, 0) << r->first_mismatch;
+  EXPECT_EQ(r->elements, 128 * 200 + 130 * 64);
+  // The weights are finite numbers (no NaN code; blocks are not NaN-filled) and a good share of
+  // them encode non-zero (their exponents are uniform, so the smallest flush to zero).
+  int nonzero = 0, nan = 0;
+  for (int64_t i = 0; i < 128 * 200; ++i) {
+    nonzero += (staging[i] & 0x7f) != 0;
+    nan += (staging[i] & 0x7f) == 0x7f;
+  }
+  EXPECT_EQ(nan, 0);
+  EXPECT_GT(nonzero, 128 * 200 / 10);
+  // Another version, a flipped element byte, a flipped scale byte: caught and named.
+  EXPECT_GT(VerifyPieces(inv, live, lv, 4)->mismatches, 100);
+  staging[17] ^= 0x01;
+  auto e = VerifyPieces(inv, live, lv, 5);
+  EXPECT_EQ(e->mismatches, 1);
+  EXPECT_NE(e->first_mismatch.find("tensor w (quantised piece 0"), std::string::npos) << e->first_mismatch;
+  staging[17] ^= 0x01;
+  staging[40008 + 4 * 3 + 1] ^= 0x40;
+  auto sc = VerifyPieces(inv, live, lv, 5);
+  EXPECT_EQ(sc->mismatches, 1);  // the scale only: the elements are compared with the reference's own scales
+  EXPECT_NE(sc->first_mismatch.find("scale of block 3"), std::string::npos) << sc->first_mismatch;
+  // Fresh memory is version 0: all zero, scales included.
+  std::vector<uint8_t> fresh(static_cast<size_t>(live.buffers[0].size_bytes), 0);
+  MemoryView fv{{fresh.data()}, {live.buffers[0].size_bytes}};
+  EXPECT_EQ(VerifyPieces(inv, live, fv, 0)->mismatches, 0);
+  // Nothing fills a quantised piece.
+  EXPECT_EQ(FillPieces(inv, live, fv, 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

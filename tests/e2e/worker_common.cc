@@ -29,6 +29,7 @@ ABSL_FLAG(int, ep, 1, "expert parallel size (megatron)");
 ABSL_FLAG(int, etp, 0, "expert tensor parallel size (megatron; 0 = tp)");
 ABSL_FLAG(bool, expert_parallel, false, "vllm/sglang expert parallel");
 ABSL_FLAG(int, replicas, 1, "vllm/sglang replicas");
+ABSL_FLAG(std::string, quantization, "", "vllm/sglang rollouts: \"\" or fp8_block128 (weights held as float8_e4m3 + block scales)");
 ABSL_FLAG(int, rank, 0, "this worker's rank in the preset's world");
 ABSL_FLAG(std::string, worker_id, "", "worker id (default <role>/<rank>)");
 ABSL_FLAG(int, gpu, -1, "host slot / GPU index reported to the daemon (-1 = host)");
@@ -177,6 +178,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   parallel.etp = absl::GetFlag(FLAGS_etp);
   parallel.expert_parallel = absl::GetFlag(FLAGS_expert_parallel);
   parallel.replicas = absl::GetFlag(FLAGS_replicas);
+  parallel.quantization = absl::GetFlag(FLAGS_quantization);
   const int rank = absl::GetFlag(FLAGS_rank);
   ASSIGN_OR_RETURN(ctx.preset, planner::MakePresetLayout(ctx.config, ctx.inventory, parallel, rank));
   if (ctx.preset.layout.buffers.size() != 1) {
@@ -236,6 +238,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
     p.expert_parallel = parallel.expert_parallel;
     p.replicas = parallel.replicas;
     p.rank = rank;
+    p.quantization = parallel.quantization;
     ASSIGN_OR_RETURN(info, ctx.client->RegisterLayout(p));
   } else if (source == "pieces") {
     ASSIGN_OR_RETURN(client::pb::ExplicitPieces pieces,

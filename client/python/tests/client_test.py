@@ -360,6 +360,74 @@ class ClientTest(unittest.TestCase):
         shutil.rmtree(d)
 
 
+def e4m3_reference(x):
+    """Nearest float8_e4m3fn code of float32 array `x` (ties to the even code, saturating at 448),
+    by search over the format's values: independent of the daemon's bit manipulation."""
+    codes = np.arange(0x7F)
+    e, m = codes >> 3, codes & 7
+    values = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8.0) * 2.0 ** (e - 7))
+    a = np.abs(x.astype(np.float64))
+    hi = np.clip(np.searchsorted(values, a), 1, len(values) - 1)
+    lo = hi - 1
+    dl, dh = a - values[lo], values[hi] - a
+    pick = np.where(dl < dh, lo, np.where(dh < dl, hi, np.where(lo % 2 == 0, lo, hi)))
+    pick = np.where(a >= values[-1], len(values) - 1, pick)
+    return (pick | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+
+
+class QuantizedTest(unittest.TestCase):
+    """An explicit fp8 block-quantised rollout piece through a real daemon (sync mode)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def test_rollout_holds_fp8_elements_and_block_scales(self):
+        rows, cols = 256, 192  # blocks 128 x 128: a 2 x 2 grid, the last column of blocks partial
+        model = wb.ModelConfig(model_id="py_fp8", explicit_tensors=[("w", [rows, cols])], num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        tr = self.daemon.client("q")
+        tr.register_worker(model, "trainer/0", "trainer")
+        tbuf = tr.create_buffer(rows * cols * 2)
+        tr.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols])]))
+        ro = self.daemon.client("q")
+        ro.register_worker(model, "rollout/0", "rollout")
+        scale_at = rows * cols  # fp8 elements first, then 4 float32 scales
+        rbuf = ro.create_buffer(scale_at + 16)
+        bad = wb.Piece("w", [0, 0], [rows, cols], quant=wb.Quantization(block=[128, 128], scale_offset_bytes=scale_at - 4))
+        with self.assertRaises(wb.WeightBridgeError) as cm:  # scales overlapping the elements
+            ro.register_layout(wb.ExplicitLayout([bad]))
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT, cm.exception.message)
+        self.assertIn("scales of", cm.exception.message)
+        good = wb.Piece("w", [0, 0], [rows, cols], quant=wb.Quantization(block=[128, 128], scale_offset_bytes=scale_at))
+        ro.register_layout(wb.ExplicitLayout([good]))
+        rng = np.random.default_rng(5)
+        w = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        w[3, 7] = 1.5  # one outlier in block (0, 0)
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 (truncated)
+        tbuf.array("uint16", (rows, cols))[:] = bits
+        tr.publish(1, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(1, timeout=TIMEOUT).applied_version, 1)
+        x = (bits.astype(np.uint32) << 16).view(np.float32)
+        got_q = rbuf.array("uint8", (scale_at + 16,))[:scale_at].reshape(rows, cols)
+        got_s = rbuf.array("uint8", (scale_at + 16,))[scale_at:].view(np.float32).reshape(2, 2)
+        for br in range(2):
+            for bc in range(2):
+                blk = x[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128]
+                amax = np.float32(max(float(np.abs(blk).max()), 1e-4))
+                self.assertEqual(got_s[br, bc], np.float32(amax / np.float32(448.0)))
+                want = e4m3_reference(blk * (np.float32(448.0) / amax))
+                np.testing.assert_array_equal(got_q[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128], want)
+        self.assertEqual(int(got_q[3, 7]), 0x7E)  # the outlier is its block's amax: 448
+        for c in (tr, ro):
+            c.deregister()
+            c.close()
+
+
 class WeightsTest(unittest.TestCase):
     def test_known_values(self):
         # splitmix64 reference values computed independently (C++ WeightBits(0, 0, 0) == 0 mix).

@@ -37,21 +37,42 @@ def row_major_strides(shape):
 
 
 @dataclasses.dataclass
+class Quantization:
+    """A rollout piece held as float8_e4m3 with one float32 scale_inv per block (docs/daemon.md,
+    "Quantized targets"): `block` elements per canonical dim; the scales, row-major over the
+    box's block grid, at `scale_offset_bytes` of buffer `scale_buffer_id`."""
+    block: Sequence[int]
+    scale_buffer_id: int = 0
+    scale_offset_bytes: int = 0
+    dtype: str = "float8_e4m3"
+
+
+@dataclasses.dataclass
 class Piece:
     """Canonical box [begin, end) of `tensor` at `offset_bytes` of buffer `buffer_id`.
-    `strides`: local element stride per canonical dim (default: the box stored row-major)."""
+    `strides`: local element stride per canonical dim (default: the box stored row-major).
+    `quant`: rollouts only, the box is held quantised (elements of the quantised dtype's size)."""
     tensor: str
     begin: Sequence[int]
     end: Sequence[int]
     buffer_id: int = 0
     offset_bytes: int = 0
     strides: Optional[Sequence[int]] = None
+    quant: Optional[Quantization] = None
 
     def to_proto(self):
         shape = [e - b for b, e in zip(self.begin, self.end)]
         strides = self.strides if self.strides is not None else row_major_strides(shape)
-        return pb.Piece(tensor=self.tensor, box=pb.Box(begin=list(self.begin), end=list(self.end)),
-                        buffer_id=self.buffer_id, offset_bytes=self.offset_bytes, strides=list(strides))
+        p = pb.Piece(tensor=self.tensor, box=pb.Box(begin=list(self.begin), end=list(self.end)),
+                     buffer_id=self.buffer_id, offset_bytes=self.offset_bytes, strides=list(strides))
+        if self.quant is not None:
+            if self.quant.dtype != "float8_e4m3":
+                raise ValueError(f"piece of {self.tensor}: quantised dtype {self.quant.dtype!r} is not supported (float8_e4m3)")
+            p.quant_dtype = pb.DTYPE_F8_E4M3
+            p.quant_block.extend(list(self.quant.block))
+            p.scale_buffer_id = self.quant.scale_buffer_id
+            p.scale_offset_bytes = self.quant.scale_offset_bytes
+        return p
 
 
 @dataclasses.dataclass
@@ -73,11 +94,13 @@ class PresetLayout:
     expert_parallel: bool = False
     replicas: int = 1
     rank: int = 0
+    quantization: str = ""  # vllm/sglang rollouts: "" or "fp8_block128"
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
             preset=self.preset, tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
-            expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank))
+            expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank,
+            quantization=self.quantization))
 
 
 @dataclasses.dataclass

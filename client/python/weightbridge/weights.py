@@ -30,7 +30,13 @@ def weight_bits(tensor, version, flat):
 
 def weight_values(tensor, version, flat, elem_size):
     """The element values (as unsigned ints of `elem_size` bytes) for canonical indices `flat`."""
-    return (weight_bits(tensor, version, flat) & np.uint64((1 << (8 * elem_size)) - 1)).astype(_UINT[elem_size])
+    mask = (1 << (8 * elem_size)) - 1
+    # Float-sized elements: top exponent bit cleared, so values are finite (tools/cc/weight_gen.h ElementBits).
+    if elem_size == 2:
+        mask &= ~(1 << 14)
+    elif elem_size == 4:
+        mask &= ~(1 << 30)
+    return (weight_bits(tensor, version, flat) & np.uint64(mask)).astype(_UINT[elem_size])
 
 
 def canonical_tensor(tensor, version, shape, elem_size):
