@@ -1,6 +1,12 @@
 #include "client/worker_client.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -10,6 +16,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
+#include "transport/fd_passing.h"
 
 namespace wb::client {
 namespace {
@@ -84,6 +91,7 @@ WorkerClient::~WorkerClient() {
   // Segments unlink their names in their destructors (created here, default unlink policy).
   buffers_.clear();
   segments_.clear();
+  for (auto& [key, a] : vmm_) ::close(a.fd);
 }
 
 absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const std::string& socket_path,
@@ -168,6 +176,8 @@ absl::Status WorkerClient::Replay(absl::Time deadline) {
   // ALREADY_EXISTS: the daemon did not restart after all (a transient UNAVAILABLE) and still
   // knows this worker; the registration we would replay is in place.
   if (!s.ok() && s.code() != absl::StatusCode::kAlreadyExists) return s;
+  // A restarted daemon has none of our VMM fds (and one that did not restart takes them again).
+  RETURN_IF_ERROR(OfferVmmAllocations(deadline));
   if (layout_registered_) {
     auto resp = DoRegisterLayout(layout_request_, deadline);
     if (!resp.ok()) return resp.status();
@@ -211,7 +221,85 @@ absl::Status WorkerClient::RegisterWorker(const ModelConfig& model, const Worker
   RETURN_IF_ERROR_WITH(s, absl::StrCat("RegisterWorker ", who.worker_id, " for model ",
                                        model.model_id));
   registered_ = true;
+  // Allocations shared before a Deregister: the daemon knows them only from the process it now
+  // binds to this worker id, so hand them over again.
+  return OfferVmmAllocations(deadline);
+}
+
+absl::Status WorkerClient::OfferVmmAllocation(const std::string& key, absl::Time deadline) {
+  const VmmAllocation& a = vmm_.at(key);
+  transport::VmmFdOffer offer;
+  offer.model_id = register_request_.model_id();
+  offer.worker_id = register_request_.worker_id();
+  offer.key = key;
+  offer.allocation_bytes = a.bytes;
+  // The fd channel's own poll deadline runs on the real clock.
+  const absl::Duration left = std::max(deadline - options_.clock->Now(), absl::Milliseconds(1));
+  return Annotate(transport::OfferVmmFd(absl::StrCat(socket_path_, ".fd"), offer, a.fd, absl::Now() + left),
+                  absl::StrCat("sharing CUDA VMM allocation '", key, "' of worker ", offer.worker_id));
+}
+
+absl::Status WorkerClient::OfferVmmAllocations(absl::Time deadline) {
+  for (const auto& [key, a] : vmm_) RETURN_IF_ERROR(OfferVmmAllocation(key, deadline));
   return absl::OkStatus();
+}
+
+absl::Status WorkerClient::ShareCudaVmmAllocation(const std::string& key, int fd, int64_t allocation_bytes) {
+  if (!registered_) {
+    return absl::FailedPreconditionError(absl::StrCat("ShareCudaVmmAllocation '", key,
+                                                      "' before RegisterWorker (the daemon takes fds only from registered workers)"));
+  }
+  if (key.empty() || key.size() > transport::kMaxVmmKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA VMM key must be 1..", transport::kMaxVmmKeyBytes, " bytes, got ", key.size()));
+  }
+  if (fd < 0 || allocation_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA VMM allocation '", key, "': needs an open fd and a size > 0 (fd ", fd,
+                                                   ", size ", allocation_bytes, ")"));
+  }
+  const int mine = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (mine < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA VMM allocation '", key, "': fd ", fd, ": ", std::strerror(errno)));
+  }
+  VmmAllocation previous;
+  if (auto it = vmm_.find(key); it != vmm_.end()) previous = it->second;
+  vmm_[key] = VmmAllocation{mine, allocation_bytes};
+  absl::Status s = OfferVmmAllocation(key, options_.clock->Now() + options_.call_timeout);
+  if (!s.ok()) {  // the daemon kept what it had: so do we
+    ::close(mine);
+    if (previous.fd >= 0) {
+      vmm_[key] = previous;
+    } else {
+      vmm_.erase(key);
+    }
+    return s;
+  }
+  if (previous.fd >= 0) ::close(previous.fd);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Buffer*> WorkerClient::AddCudaVmmBuffer(const std::string& key, int64_t offset_bytes, int64_t size_bytes,
+                                                       int32_t gpu, std::string gpu_uuid) {
+  const std::string what = absl::StrCat("CUDA VMM buffer ", buffers_.size(), " in allocation '", key, "'");
+  if (vmm_.find(key) == vmm_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": no allocation shared under that key (ShareCudaVmmAllocation first)"));
+  }
+  if (offset_bytes < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": offset must be >= 0, got ", offset_bytes));
+  if (size_bytes <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": size must be > 0, got ", size_bytes));
+  if (gpu < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": gpu must be >= 0, got ", gpu));
+  if (!gpu_uuid.empty() && gpu_uuid.size() != 16) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": gpu_uuid must be the 16 bytes of cudaDeviceProp::uuid, got ", gpu_uuid.size()));
+  }
+  // The range is not checked against the allocation here: the daemon checks it against the
+  // allocation it maps, which is the size that counts.
+  auto buf = std::make_unique<Buffer>();
+  buf->id = static_cast<uint32_t>(buffers_.size());
+  buf->size_bytes = size_bytes;
+  buf->gpu = gpu;
+  buf->gpu_uuid = std::move(gpu_uuid);
+  buf->cuda_vmm_key = key;
+  buf->cuda_vmm_offset = offset_bytes;
+  buffers_.push_back(std::move(buf));
+  return buffers_.back().get();
 }
 
 absl::StatusOr<Buffer*> WorkerClient::CreateBuffer(int64_t size_bytes) {
@@ -264,7 +352,12 @@ absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layo
     pb::BufferSpec* spec = req.add_buffers();
     spec->set_buffer_id(b->id);
     spec->set_size_bytes(static_cast<uint64_t>(b->size_bytes));
-    if (b->cuda_ipc_handle.empty()) {
+    if (!b->cuda_vmm_key.empty()) {
+      spec->set_cuda_vmm_key(b->cuda_vmm_key);
+      spec->set_cuda_vmm_offset(static_cast<uint64_t>(b->cuda_vmm_offset));
+      spec->set_gpu(b->gpu);
+      spec->set_gpu_uuid(b->gpu_uuid);
+    } else if (b->cuda_ipc_handle.empty()) {
       spec->set_shm_name(b->shm_name);
       spec->set_gpu(-1);
     } else {

@@ -3,7 +3,9 @@
 //
 // A worker (a trainer or rollout rank) uses it to:
 //   1. RegisterWorker: join a model (creating the model on first use),
-//   2. CreateBuffer: allocate its weights in POSIX shared memory that the daemon maps,
+//   2. CreateBuffer: allocate its weights in POSIX shared memory that the daemon maps (or announce
+//      CUDA memory: AddCudaBuffer by IPC handle, ShareCudaVmmAllocation + AddCudaVmmBuffer for
+//      cuMemCreate / expandable-segment memory),
 //   3. RegisterLayout: hand the buffers' names and its layout (explicit pieces, a preset by name
 //      with a parallel config and rank, or an index probe) to the daemon,
 //   4. move versions: Publish(v) on trainers; BeginUpdate / WaitVersion (sync), Apply(v)
@@ -19,15 +21,16 @@
 //  - Reconnect: when the connection dropped since the previous call, or a call fails with
 //    UNAVAILABLE (daemon gone or restarted), and Options::reconnect is set, the client waits
 //    (bounded by Options::reconnect_timeout and the call's own deadline) for the daemon socket to
-//    accept connections again, replays what it had registered (RegisterWorker, then
-//    RegisterLayout with the same shm names: the segments are owned by this process and survive
-//    the daemon), and (after UNAVAILABLE) retries the call once. The daemon must treat a
+//    accept connections again, replays what it had registered (RegisterWorker, the fds of shared
+//    CUDA VMM allocations, then RegisterLayout with the same shm names: the segments are owned by
+//    this process and survive the daemon), and (after UNAVAILABLE) retries the call once. The daemon must treat a
 //    re-registration with an identical spec as idempotent (ALREADY_EXISTS is accepted too).
 //  - Buffers created here belong to this client: their shm names are unlinked when the client is
 //    destroyed. Pointers returned by CreateBuffer stay valid for the client's lifetime.
 //  - Thread-compatible: one thread drives a client at a time (a worker is one rank).
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <variant>
@@ -81,10 +84,10 @@ struct WorkerIdentity {
   int32_t gpu = -1;  // -1: host memory worker
 };
 
-// One buffer of the worker: a shared-memory buffer owned by the client (CreateBuffer), or a CUDA
-// allocation of the worker announced by its IPC handle (AddCudaBuffer). `id` is its buffer_id in
-// layouts (and its index in planner::WorkerLayout::buffers): buffers are numbered 0, 1, ... in
-// creation order.
+// One buffer of the worker: a shared-memory buffer owned by the client (CreateBuffer), a CUDA
+// allocation of the worker announced by its IPC handle (AddCudaBuffer), or a range of a CUDA VMM
+// allocation shared over the fd channel (AddCudaVmmBuffer). `id` is its buffer_id in layouts (and
+// its index in planner::WorkerLayout::buffers): buffers are numbered 0, 1, ... in creation order.
 struct Buffer {
   uint32_t id = 0;
   std::string shm_name;         // host buffers
@@ -93,6 +96,8 @@ struct Buffer {
   std::string cuda_ipc_handle;  // CUDA buffers: the 64 bytes of cudaIpcMemHandle_t
   int32_t gpu = -1;             // CUDA buffers: the device ordinal (as this process numbers it)
   std::string gpu_uuid;         // CUDA buffers: 16 bytes of cudaDeviceProp::uuid, or empty
+  std::string cuda_vmm_key;     // CUDA VMM buffers: the allocation's key (ShareCudaVmmAllocation)
+  int64_t cuda_vmm_offset = 0;  // CUDA VMM buffers: the buffer's start inside that allocation
 };
 
 // Layout sources (design.md "Canonical space and layouts").
@@ -105,7 +110,7 @@ struct PresetLayout {
   bool expert_parallel = false;
   uint32_t replicas = 1;
   uint32_t rank = 0;  // this worker's rank in the preset's world
-  std::string quantization;  // vllm/sglang rollouts: "" or "fp8_block128" (planner/presets.h)
+  std::string quantization;  // vllm/sglang rollouts: "", "fp8_block128" or "mxfp8" (planner/presets.h)
 };
 struct IndexProbeLayout {
   std::vector<pb::IndexProbe::LocalTensor> tensors;
@@ -152,6 +157,27 @@ class WorkerClient {
   // registered. INVALID_ARGUMENT for a handle that is not 64 bytes, a size <= 0, a negative gpu or
   // a uuid that is neither empty nor 16 bytes. No CUDA call is made here.
   absl::StatusOr<Buffer*> AddCudaBuffer(std::string ipc_handle, int64_t size_bytes, int32_t gpu, std::string gpu_uuid = "");
+  // CUDA VMM memory (cuMemCreate; PyTorch's expandable_segments:True), which legacy IPC cannot
+  // export: hands one allocation to the daemon. `fd` = what cuMemExportToShareableHandle(...,
+  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0) returned for it (it stays the caller's: the client
+  // keeps a dup, to send again after a daemon restart, closed when the client goes),
+  // `allocation_bytes` = the size given to cuMemCreate, `key` = this worker's name for it (1..128
+  // bytes). Sent now over the daemon's fd channel (<socket>.fd, SCM_RIGHTS; gRPC cannot carry
+  // descriptors), so RegisterWorker must come first: the daemon takes fds only from the process
+  // bound to a registered worker. Once per allocation, however many buffers lie in it
+  // (AddCudaVmmBuffer); sharing a key again replaces the allocation (for the next RegisterLayout).
+  // Errors carry the daemon's answer: PERMISSION_DENIED (this process is not the worker's),
+  // RESOURCE_EXHAUSTED (too many keys), INVALID_ARGUMENT; UNAVAILABLE when no fd channel listens
+  // (a daemon built without CUDA, or an older one).
+  absl::Status ShareCudaVmmAllocation(const std::string& key, int fd, int64_t allocation_bytes);
+  // A buffer of `size_bytes` at `offset_bytes` inside the allocation shared under `key`; `gpu` and
+  // `gpu_uuid` as in AddCudaBuffer. Sent by the next RegisterLayout; the daemon maps each
+  // allocation once for all its buffers, and refuses a range that does not fit the allocation
+  // (INVALID_ARGUMENT from RegisterLayout, nothing registered). Here: FAILED_PRECONDITION for a key
+  // not shared by this client, INVALID_ARGUMENT for a negative offset, a size <= 0, a negative gpu
+  // or a bad uuid. No CUDA call is made here.
+  absl::StatusOr<Buffer*> AddCudaVmmBuffer(const std::string& key, int64_t offset_bytes, int64_t size_bytes, int32_t gpu,
+                                           std::string gpu_uuid = "");
   const std::vector<std::unique_ptr<Buffer>>& buffers() const { return buffers_; }
 
   // Sends every buffer created so far and `layout`. Requires RegisterWorker. On error nothing is
@@ -195,6 +221,9 @@ class WorkerClient {
   absl::StatusOr<pb::RegisterLayoutResponse> DoRegisterLayout(const pb::RegisterLayoutRequest& req,
                                                               absl::Time deadline);
   pb::WorkerService::Stub* stub() const;
+  // Sends every shared VMM allocation's fd again (a new daemon process, or a new registration).
+  absl::Status OfferVmmAllocations(absl::Time deadline);
+  absl::Status OfferVmmAllocation(const std::string& key, absl::Time deadline);
 
   const std::string socket_path_;
   const ClientOptions options_;
@@ -206,6 +235,13 @@ class WorkerClient {
   pb::RegisterWorkerRequest register_request_;
   bool layout_registered_ = false;
   pb::RegisterLayoutRequest layout_request_;
+
+  // Shared VMM allocations: key -> (our dup of the fd, allocation bytes).
+  struct VmmAllocation {
+    int fd = -1;
+    int64_t bytes = 0;
+  };
+  std::map<std::string, VmmAllocation> vmm_;
 
   std::vector<transport::ShmSegment> segments_;
   std::vector<std::unique_ptr<Buffer>> buffers_;

@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -17,8 +19,10 @@
 #include "gmock/gmock.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "daemon/fd_channel.h"
 #include "gtest/gtest.h"
 #include "proto/grpc_status.h"
+#include "transport/fd_passing.h"
 #include "transport/shm_segment.h"
 
 namespace wb::client {
@@ -410,6 +414,191 @@ TEST(WorkerClientTest, RejectsBadModelConfigBeforeAnyRpc) {
   m = TinyModel();
   m.model_id = "";
   EXPECT_EQ(ModelSpecToProto(m).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- CUDA VMM buffers: the fd channel next to the worker socket ----
+
+// The node daemon's real fd channel at <sock>.fd, answering as the daemon's guard would: offers for
+// worker "trainer/0" of model "tiny" from this process are accepted, anything else refused.
+std::unique_ptr<daemon::FdChannel> FdChannelFor(const std::string& sock) {
+  const pid_t me = getpid();
+  auto c = daemon::FdChannel::Bind(sock + ".fd", 0600, [me](const daemon::PeerCred& sender, const std::string& model,
+                                                            const std::string& worker) -> absl::Status {
+    if (worker != "trainer/0" || model != "tiny") return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered"));
+    if (sender.pid != me) return absl::PermissionDeniedError(absl::StrCat("worker trainer/0 belongs to process ", me));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+daemon::PeerCred Me() { return {getpid(), getuid(), getgid(), daemon::ProcessStartTime(getpid())}; }
+
+// A memfd holding `text`: stands in for an exported allocation (nothing here looks inside).
+int MemfdWith(const std::string& text) {
+  const int fd = memfd_create("worker_client_test", MFD_CLOEXEC);
+  EXPECT_GE(fd, 0) << std::strerror(errno);
+  EXPECT_EQ(write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
+  return fd;
+}
+
+// What the daemon holds under (trainer/0, key), read back.
+std::string HeldBy(const daemon::FdChannel& c, const std::string& key, int64_t* bytes = nullptr) {
+  auto got = c.Get("trainer/0", key, Me());
+  if (!got.ok()) return std::string(got.status().ToString());
+  char buf[64];
+  const ssize_t n = pread(got->fd, buf, sizeof(buf), 0);
+  close(got->fd);
+  if (bytes != nullptr) *bytes = got->allocation_bytes;
+  return n > 0 ? std::string(buf, n) : "";
+}
+
+TEST(WorkerClientTest, VmmAllocationIsSharedOnceAndItsBuffersNameIt) {
+  std::string sock = TempSocket("vmm");
+  FakeDaemon daemon(sock);
+  auto channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  WorkerClient& c = **client;
+  const int fd = MemfdWith("the weights allocation");
+  // The daemon takes fds only from registered workers: refused before any socket call.
+  EXPECT_EQ(c.ShareCudaVmmAllocation("weights", fd, 4 << 20).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, 1}).ok());
+  EXPECT_EQ(c.AddCudaVmmBuffer("weights", 0, 64, 1).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "a buffer in an allocation that was never shared";
+  EXPECT_EQ(c.ShareCudaVmmAllocation("", fd, 4 << 20).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.ShareCudaVmmAllocation(std::string(129, 'k'), fd, 4 << 20).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.ShareCudaVmmAllocation("weights", fd, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.ShareCudaVmmAllocation("weights", -1, 4 << 20).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(channel->size(), 0u);
+
+  ASSERT_TRUE(c.ShareCudaVmmAllocation("weights", fd, 4 << 20).ok());
+  close(fd);  // the caller's fd is its own: the client and the daemon keep theirs
+  int64_t bytes = 0;
+  EXPECT_EQ(HeldBy(*channel, "weights", &bytes), "the weights allocation");
+  EXPECT_EQ(bytes, 4 << 20);
+
+  EXPECT_EQ(c.AddCudaVmmBuffer("weights", -1, 64, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaVmmBuffer("weights", 0, 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaVmmBuffer("weights", 0, 64, -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaVmmBuffer("weights", 0, 64, 1, "short").status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c.buffers().empty());
+  auto a = c.AddCudaVmmBuffer("weights", 4096, 64, 1, std::string(16, 'u'));
+  auto b = c.AddCudaVmmBuffer("weights", 1 << 20, 2048, 1);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_EQ((*a)->id, 0u);
+  EXPECT_EQ((*b)->id, 1u);
+  EXPECT_EQ((*b)->data, nullptr);
+  ASSERT_TRUE(c.RegisterLayout(PresetLayout{"fsdp"}).ok());
+  EXPECT_EQ(channel->size(), 1u) << "one fd for both buffers";
+
+  absl::MutexLock l(&daemon.service().mu_);
+  const auto& rl = daemon.service().register_layout_.back();
+  ASSERT_EQ(rl.buffers_size(), 2);
+  EXPECT_EQ(rl.buffers(0).memory_case(), pb::BufferSpec::kCudaVmmKey);
+  EXPECT_EQ(rl.buffers(0).cuda_vmm_key(), "weights");
+  EXPECT_EQ(rl.buffers(0).cuda_vmm_offset(), 4096u);
+  EXPECT_EQ(rl.buffers(0).size_bytes(), 64u);
+  EXPECT_EQ(rl.buffers(0).gpu(), 1);
+  EXPECT_EQ(rl.buffers(0).gpu_uuid(), std::string(16, 'u'));
+  EXPECT_EQ(rl.buffers(1).cuda_vmm_key(), "weights");
+  EXPECT_EQ(rl.buffers(1).cuda_vmm_offset(), 1u << 20);
+  EXPECT_EQ(rl.buffers(1).size_bytes(), 2048u);
+  EXPECT_EQ(rl.buffers(1).buffer_id(), 1u);
+  EXPECT_TRUE(rl.buffers(1).gpu_uuid().empty());
+}
+
+TEST(WorkerClientTest, VmmRefusalsCarryTheDaemonsCodeAndMessage) {
+  std::string sock = TempSocket("vmmno");
+  FakeDaemon daemon(sock);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  WorkerClient& c = **client;
+  // Registered as a worker the fd channel does not know (its guard answers NOT_FOUND).
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"rollout/3", planner::Role::kRollout, 0}).ok());
+  const int fd = MemfdWith("x");
+  // No fd channel at all (a daemon without one): UNAVAILABLE naming the socket.
+  absl::Status none = c.ShareCudaVmmAllocation("weights", fd, 2 << 20);
+  EXPECT_EQ(none.code(), absl::StatusCode::kUnavailable) << none;
+  EXPECT_THAT(std::string(none.message()), HasSubstr(sock + ".fd"));
+
+  auto channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  absl::Status refused = c.ShareCudaVmmAllocation("weights", fd, 2 << 20);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("worker rollout/3 is not registered"));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("'weights'"));
+  EXPECT_EQ(c.AddCudaVmmBuffer("weights", 0, 64, 0).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "a refused allocation is not remembered";
+  EXPECT_EQ(channel->size(), 0u);
+  close(fd);
+}
+
+TEST(WorkerClientTest, VmmRangePastTheAllocationIsTheDaemonsAnswer) {
+  std::string sock = TempSocket("vmmrange");
+  FakeDaemon daemon(sock);
+  auto channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  WorkerClient& c = **client;
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, 0}).ok());
+  const int fd = MemfdWith("x");
+  ASSERT_TRUE(c.ShareCudaVmmAllocation("weights", fd, 2 << 20).ok());
+  close(fd);
+  // The client does not know the allocation's real extent; the daemon, which maps it, says no.
+  ASSERT_TRUE(c.AddCudaVmmBuffer("weights", 2 << 20, 64, 0).ok());
+  {
+    absl::MutexLock l(&daemon.service().mu_);
+    daemon.service().register_layout_status_ = absl::InvalidArgumentError(
+        "buffer 0 (GPU 0): cuda_ipc VMM import of region 'x': bytes [2097152, 2097216) exceed the allocation of 2097152 bytes");
+  }
+  auto info = c.RegisterLayout(PresetLayout{"fsdp"});
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("exceed the allocation"));
+  EXPECT_THAT(std::string(info.status().message()), HasSubstr("RegisterLayout of worker trainer/0"));
+}
+
+TEST(WorkerClientTest, VmmFdsAreSentAgainToARestartedDaemon) {
+  std::string sock = TempSocket("vmmrestart");
+  auto daemon = std::make_unique<FakeDaemon>(sock);
+  auto channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok());
+  WorkerClient& c = **client;
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, 0}).ok());
+  int fd = MemfdWith("first");
+  ASSERT_TRUE(c.ShareCudaVmmAllocation("a", fd, 2 << 20).ok());
+  close(fd);
+  fd = MemfdWith("second");
+  ASSERT_TRUE(c.ShareCudaVmmAllocation("b", fd, 4 << 20).ok());
+  close(fd);
+  ASSERT_TRUE(c.AddCudaVmmBuffer("a", 0, 64, 0).ok());
+  ASSERT_TRUE(c.AddCudaVmmBuffer("b", 64, 64, 0).ok());
+  ASSERT_TRUE(c.RegisterLayout(PresetLayout{"fsdp"}).ok());
+
+  // The daemon dies with its fd channel; a new one (holding no fds) comes up at the same paths.
+  channel.reset();
+  daemon->Stop();
+  daemon = std::make_unique<FakeDaemon>(sock);
+  channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  ASSERT_EQ(channel->size(), 0u);
+  auto pub = c.Publish(2, absl::Seconds(5));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_EQ(c.reconnects(), 1);
+  // Sent again, from the dups the client kept, before the layout that names them.
+  EXPECT_EQ(channel->size(), 2u);
+  int64_t bytes = 0;
+  EXPECT_EQ(HeldBy(*channel, "a"), "first");
+  EXPECT_EQ(HeldBy(*channel, "b", &bytes), "second");
+  EXPECT_EQ(bytes, 4 << 20);
+  absl::MutexLock l(&daemon->service().mu_);
+  ASSERT_EQ(daemon->service().register_layout_.size(), 1u);
+  EXPECT_EQ(daemon->service().register_layout_[0].buffers(1).cuda_vmm_key(), "b");
+  EXPECT_EQ(daemon->service().register_layout_[0].buffers(1).cuda_vmm_offset(), 64u);
 }
 
 }  // namespace
