@@ -176,6 +176,7 @@ struct PeerConn {
   uint64_t id = 0;
   std::string instance;
   std::vector<int> fds;  // [0] control, [1..] data
+  std::vector<size_t> path;  // per fd: its entry in stats_.paths (fixed once the peer is created)
   bool broken = false;
   absl::Status broken_status;
   std::deque<ControlFrame> control;
@@ -233,6 +234,22 @@ absl::StatusOr<ParsedEndpoint> ParseEndpoint(absl::string_view endpoint) {
     return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
   }
   return e;
+}
+
+// The two ends of a connected IPv4 socket.
+absl::StatusOr<HostTcpStreamAddresses> SocketAddresses(int fd) {
+  HostTcpStreamAddresses a;
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  char buf[INET_ADDRSTRLEN] = {};
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return absl::InternalError(Errno("getsockname"));
+  a.local_address = inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
+  a.local_port = ntohs(sa.sin_port);
+  len = sizeof(sa);
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return absl::InternalError(Errno("getpeername"));
+  a.peer_address = inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
+  a.peer_port = ntohs(sa.sin_port);
+  return a;
 }
 
 uint64_t ChunkSeed(int op, int64_t offset) { return (static_cast<uint64_t>(op) << 40) ^ static_cast<uint64_t>(offset); }
@@ -301,6 +318,7 @@ class HostTcpTransport : public Transport {
     c.two_sided = true;
     c.checksums = true;
     c.native_strides = true;
+    for (const Listener& l : listeners_) c.local_addresses.push_back(l.nic.addr);
     return c;
   }
 
@@ -329,17 +347,7 @@ class HostTcpTransport : public Transport {
     if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("host_tcp: unknown peer ", id.id));
     std::vector<HostTcpStreamAddresses> out;
     for (int fd : it->second->fds) {
-      HostTcpStreamAddresses a;
-      sockaddr_in sa{};
-      socklen_t len = sizeof(sa);
-      char buf[INET_ADDRSTRLEN] = {};
-      if (getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return absl::InternalError(Errno("getsockname"));
-      a.local_address = inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
-      a.local_port = ntohs(sa.sin_port);
-      len = sizeof(sa);
-      if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return absl::InternalError(Errno("getpeername"));
-      a.peer_address = inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof(buf));
-      a.peer_port = ntohs(sa.sin_port);
+      ASSIGN_OR_RETURN(HostTcpStreamAddresses a, SocketAddresses(fd));
       out.push_back(std::move(a));
     }
     return out;
@@ -402,9 +410,18 @@ class HostTcpTransport : public Transport {
     auto peer = std::make_shared<PeerConn>();
     peer->instance = inst;
     peer->fds = fds;
+    // Each data stream's bytes are counted on its path (TransportStats::paths): the addresses
+    // the kernel reports for the socket, i.e. the NICs it really runs over.
+    std::vector<HostTcpStreamAddresses> ends(fds.size());
+    for (size_t i = 1; i < fds.size(); ++i) {
+      absl::StatusOr<HostTcpStreamAddresses> a = SocketAddresses(fds[i]);
+      if (a.ok()) ends[i] = std::move(*a);  // else "" (a socket reset already); its stream fails soon
+    }
     absl::Status pinned;
     {
       absl::MutexLock l(&mu_);
+      peer->path.assign(fds.size(), 0);
+      for (size_t i = 1; i < fds.size(); ++i) peer->path[i] = PathIndexLocked(inst, ends[i].local_address, ends[i].peer_address);
       peer->id = next_id_++;
       peers_[peer->id] = peer;
       for (size_t i = 0; i < fds.size(); ++i) {
@@ -630,6 +647,21 @@ class HostTcpTransport : public Transport {
   }
 
  private:
+  // The entry of stats_.paths for (peer instance, local address, remote address), added if new.
+  size_t PathIndexLocked(const std::string& inst, const std::string& local, const std::string& remote)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = 0; i < stats_.paths.size(); ++i) {
+      const PathStats& p = stats_.paths[i];
+      if (p.peer_instance == inst && p.local_address == local && p.remote_address == remote) return i;
+    }
+    PathStats p;
+    p.peer_instance = inst;
+    p.local_address = local;
+    p.remote_address = remote;
+    stats_.paths.push_back(std::move(p));
+    return stats_.paths.size() - 1;
+  }
+
   // A TcpBatch holds its PeerConn and the PeerConn's queues hold TcpBatches: a batch that failed
   // with chunks still queued (peer broken), or one never retired, forms a shared_ptr cycle. Once
   // the peer's threads are joined nothing reads these queues again, so empty them to break it.
@@ -1000,6 +1032,7 @@ class HostTcpTransport : public Transport {
       b->chunks_written++;
       b->send_hash ^= hash;
       stats_.bytes_copied += c.len;
+      stats_.paths[p->path[stream]].bytes_sent += c.len;
       if (b->chunks_written == b->chunks.size() && b->checksum) {
         ControlFrame f{};
         f.h = Header(kChecksum, b->tag, 0, static_cast<int64_t>(b->send_hash), 0);
@@ -1073,6 +1106,7 @@ class HostTcpTransport : public Transport {
       b->recv_got += h.len;
       b->recv_hash ^= hash;
       stats_.bytes_copied += h.len;
+      stats_.paths[p->path[stream]].bytes_received += h.len;
       MaybeFinishRecvLocked(p.get(), b.get());
       cv_.SignalAll();
     }
@@ -1105,7 +1139,8 @@ class HostTcpTransport : public Transport {
 
 namespace {
 
-// A listening socket on addr (port chosen by the kernel).
+// A listening socket on addr (port chosen by the kernel). Errors start "bind/listen:" and end with
+// "on <addr>"; the caller says whose address it is.
 absl::StatusOr<Listener> Listen(const std::string& addr) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(Errno("host_tcp socket"));
@@ -1119,9 +1154,11 @@ absl::StatusOr<Listener> Listen(const std::string& addr) {
     return absl::InvalidArgumentError(absl::StrCat("host_tcp: bad bind address '", addr, "'"));
   }
   if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(fd, 128) != 0) {
-    std::string e = Errno("host_tcp bind/listen");
+    const bool foreign = errno == EADDRNOTAVAIL;
+    std::string e = Errno("bind/listen");
     close(fd);
-    return absl::UnavailableError(absl::StrCat(e, " on ", addr));
+    return absl::UnavailableError(
+        absl::StrCat(e, " on ", addr, foreign ? " (no interface of this host has that address)" : ""));
   }
   socklen_t len = sizeof(sa);
   getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
@@ -1177,11 +1214,14 @@ absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportCo
     }
   }
   std::vector<Listener> listeners;
-  for (const std::string& a : addrs) {
-    absl::StatusOr<Listener> l = Listen(a);
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    absl::StatusOr<Listener> l = Listen(addrs[i]);
     if (!l.ok()) {
       for (Listener& x : listeners) close(x.fd);
-      return l.status();
+      if (!multi_nic) return absl::Status(l.status().code(), absl::StrCat("host_tcp ", l.status().message()));
+      const std::string& given = config.tcp.local_addresses[i];
+      return absl::Status(l.status().code(), absl::StrCat("host_tcp: data NIC ", given, given != addrs[i] ? " (" + addrs[i] + ")" : "",
+                                                          " cannot be used: ", l.status().message()));
     }
     listeners.push_back(std::move(*l));
   }

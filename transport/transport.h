@@ -126,6 +126,10 @@ struct Capabilities {
   bool two_sided = false;                // both peers post the mirror batch (see above)
   bool checksums = false;                // honours Batch::checksum
   bool native_strides = false;           // strided ops move without a packing pass
+  // Network addresses it accepts connections on, for status displays (host_tcp: one per data NIC,
+  // in TcpOptions::local_addresses order; its one bind address without multi-NIC). Empty for
+  // transports that use no sockets of their own.
+  std::vector<std::string> local_addresses;
 
   bool Reaches(MemoryKind k) const {
     for (MemoryKind m : memory_kinds) {
@@ -210,11 +214,26 @@ struct Batch {
 
 enum class BatchState : uint8_t { kRunning, kDone };
 
+// Payload bytes over one network path: one local address to one remote address of one peer.
+struct PathStats {
+  std::string peer_instance;   // instance_id() of the peer's transport
+  std::string local_address;   // this side's address of the connections (e.g. a data NIC)
+  std::string remote_address;  // the peer's address of them
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+};
+
 // Progress counters, for metrics and tests.
 struct TransportStats {
   int64_t batches_posted = 0;
   int64_t batches_failed = 0;
   int64_t bytes_copied = 0;  // bytes this side completed (sent, received or copied)
+  // Per network path, for transports that move bytes over their own connections (host_tcp: one
+  // entry per (peer, local address, remote address) its connections ever used, so multi-NIC
+  // striping is observable); empty for the others. Counted as payload goes out / comes in (also for
+  // batches that fail later), cumulative over the transport's lifetime, kept after the peer
+  // disconnects (a peer that restarts is a new instance, with entries of its own).
+  std::vector<PathStats> paths;
 };
 
 class Transport {
