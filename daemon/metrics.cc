@@ -21,6 +21,7 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Counter>* staged;
   prometheus::Family<prometheus::Counter>* nccl_lane;
   prometheus::Family<prometheus::Counter>* nccl_bounce;
+  prometheus::Family<prometheus::Counter>* nic;
   prometheus::Family<prometheus::Counter>* quantized;
   prometheus::Family<prometheus::Gauge>* link;
   prometheus::Family<prometheus::Counter>* failures;
@@ -38,6 +39,7 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->staged = &prometheus::BuildCounter().Name("wb_cuda_staged_bytes_total").Help("Staging allocated for CUDA buffers, on the GPU (GPU-direct) or in host memory").Register(r);
   f_->nccl_lane = &prometheus::BuildCounter().Name("wb_nccl_lane_bytes_total").Help("Bytes moved over nccl per lane pair (this node's GPU, the peer's GPU)").Register(r);
   f_->nccl_bounce = &prometheus::BuildCounter().Name("wb_nccl_bounce_bytes_total").Help("nccl sources first copied to their lane's GPU (not already GPU staging there)").Register(r);
+  f_->nic = &prometheus::BuildCounter().Name("wb_nic_bytes_total").Help("host_tcp payload bytes per local address (data NIC), peer node and peer address, sent or received").Register(r);
   f_->quantized = &prometheus::BuildCounter().Name("wb_quantized_bytes_total").Help("Canonical bytes of quantised rollout pieces quantised on this node").Register(r);
   f_->link = &prometheus::BuildGauge().Name("wb_link_gbps").Help("GB/s of the newest transfer towards a peer node").Register(r);
   f_->failures = &prometheus::BuildCounter().Name("wb_failures_total").Help("Failed or aborted transfers by reason").Register(r);
@@ -69,6 +71,12 @@ void DaemonMetrics::NcclLane(const std::string& node, const std::string& peer, i
 
 void DaemonMetrics::NcclBounce(const std::string& node, uint64_t bytes) {
   f_->nccl_bounce->Add({{"node", node}}).Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::NicBytes(const std::string& node, const std::string& nic, const std::string& peer,
+                             const std::string& peer_nic, const std::string& direction, uint64_t bytes) {
+  f_->nic->Add({{"node", node}, {"nic", nic}, {"peer", peer}, {"peer_nic", peer_nic}, {"direction", direction}})
+      .Increment(static_cast<double>(bytes));
 }
 
 void DaemonMetrics::Quantized(const std::string& node, uint64_t bytes, double seconds) {

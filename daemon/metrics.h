@@ -10,6 +10,8 @@
 //   phase_seconds{node,phase}  (histogram)    phase = snapshot | transfer | commit | apply
 //   nccl_lane_bytes_total{node,peer,gpu,peer_gpu}  bytes over one nccl lane pair
 //   nccl_bounce_bytes_total{node}             nccl sources copied to their lane's GPU first
+//   nic_bytes_total{node,nic,peer,peer_nic,direction}  host_tcp payload per local address (data
+//                                             NIC) and the peer node's address; direction = sent | received
 //   link_gbps{node,peer}       (gauge)        GB/s of the newest transfer towards `peer`
 //   failures_total{node,reason}               reason = FailureReason(status)
 //   staleness_versions{node,model,worker}     committed - applied for a rollout worker
@@ -49,6 +51,10 @@ class DaemonMetrics {
   // A source of nccl ops copied whole to its lane's GPU before sending (an imported live buffer, or
   // a snapshot not already on that GPU).
   void NcclBounce(const std::string& node, uint64_t bytes);
+  // Payload bytes over one network path of the cross-node host channel: our address `nic` (a data
+  // NIC), the peer node's address `peer_nic`; direction "sent" | "received" (daemon/nic_meter.h).
+  void NicBytes(const std::string& node, const std::string& nic, const std::string& peer, const std::string& peer_nic,
+                const std::string& direction, uint64_t bytes);
   // Canonical bytes of quantised rollout pieces quantised on this node (and the pass's seconds as
   // phase "quantize").
   void Quantized(const std::string& node, uint64_t bytes, double seconds);

@@ -38,6 +38,7 @@
 #include "proto/weightbridge.grpc.pb.h"
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
+#include "daemon/nic_meter.h"
 #include "tools/cc/clock.h"
 #include "transport/device_allocator.h"
 #include "transport/factory.h"
@@ -282,6 +283,7 @@ class NodeDaemon {
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
   std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
   std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, channel)
+  NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
   absl::Mutex stubs_mu_;
   struct PeerStubEntry {
     std::string address;
