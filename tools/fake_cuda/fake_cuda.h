@@ -67,7 +67,9 @@
 //    (POSIX fd only: a dup of the memfd; refused if the allocation did not request that type),
 //    cuMemImportFromShareableHandle (fd of this emulator's export, also across processes; the
 //    device comes from the memfd's name and must be visible: CUDA_ERROR_INVALID_DEVICE),
-//    cuMemGetAllocationPropertiesFromHandle. A mapping is device memory for the runtime calls
+//    cuMemGetAllocationPropertiesFromHandle, cuMemRetainAllocationHandle (any address inside a
+//    mapping -> the handle mapped there, one more reference; cuMemRelease drops references one by
+//    one). A mapping is device memory for the runtime calls
 //    (cudaPointerGetAttributes, copies); cudaIpcGetMemHandle and cudaFree refuse it, as CUDA does.
 // Not emulated: kernels, CUDA arrays, memory pools, multicast / fabric handles, managed memory, cudaStreamPerThread,
 // timing events, peer-access control, the GPU memory model and performance.

@@ -89,6 +89,8 @@ size_t PageSize() {
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // One device allocation: own (cudaMalloc) or mapped from another process (cudaIpcOpenMemHandle).
+struct VmmAlloc;
+
 struct Alloc {
   uintptr_t base = 0;      // the device pointer (start of the PROT_NONE reservation)
   size_t size = 0;         // bytes the caller asked for
@@ -104,6 +106,7 @@ struct Alloc {
   bool vmm = false;
   bool accessible = true;
   uint64_t vmm_handle = 0;  // the CUmemGenericAllocationHandle mapped here
+  std::shared_ptr<VmmAlloc> vmm_alloc;  // what it maps (cuMemRetainAllocationHandle finds it again)
   ~Alloc() {
     if (alias != nullptr) munmap(alias, mapped);
   }
@@ -118,6 +121,8 @@ struct VmmAlloc {
   int device = 0;           // this process's ordinal
   bool imported = false;
   bool exportable = false;  // requestedHandleTypes included CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+  int refs = 1;             // cuMemCreate / import, plus one per cuMemRetainAllocationHandle
+  bool counted = false;     // its bytes count in State::used (until the last cuMemRelease)
   ~VmmAlloc() {
     if (fd >= 0) close(fd);
   }
@@ -872,6 +877,7 @@ CUresult FakeCuMemCreate(CUmemGenericAllocationHandle* handle, size_t size, cons
   v->size = size;
   v->device = device;
   v->exportable = (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+  v->counted = true;
   const uint64_t h = (uint64_t{0x7766} << 32) | ++s.vmm_counter;
   s.vmm[h] = v;
   s.used[device] += size;
@@ -885,8 +891,11 @@ CUresult FakeCuMemRelease(CUmemGenericAllocationHandle handle) {
   absl::MutexLock l(&s.mu);
   auto it = s.vmm.find(handle);
   if (it == s.vmm.end()) return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemRelease", "handle 0x%llx is not live", handle);
-  // As CUDA: the memory stays while mappings of it exist (they hold the pages), the handle dies now.
-  if (!it->second->imported) s.used[it->second->device] -= it->second->size;
+  // As CUDA: the memory stays while mappings of it exist (they hold the pages), the handle dies
+  // with its last reference (cuMemRetainAllocationHandle adds one).
+  if (--it->second->refs > 0) return CUDA_SUCCESS;
+  if (it->second->counted) s.used[it->second->device] -= it->second->size;
+  it->second->counted = false;
   s.vmm.erase(it);
   return CUDA_SUCCESS;
 }
@@ -967,6 +976,7 @@ CUresult FakeCuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericA
   a->vmm = true;
   a->accessible = false;
   a->vmm_handle = handle;
+  a->vmm_alloc = h->second;
   for (auto q = s.quarantine.lower_bound(p); q != s.quarantine.end() && q->first < p + size;) q = s.quarantine.erase(q);
   s.allocs[p] = a;
   return CUDA_SUCCESS;
@@ -1085,6 +1095,27 @@ CUresult FakeCuMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle
   return CUDA_SUCCESS;
 }
 
+CUresult FakeCuMemRetainAllocationHandle(CUmemGenericAllocationHandle* handle, void* addr) {
+  FAKE_DENTER("cuMemRetainAllocationHandle");
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  std::shared_ptr<Alloc> a = FindLocked(reinterpret_cast<uintptr_t>(addr));
+  if (handle == nullptr || a == nullptr || !a->vmm || reinterpret_cast<uintptr_t>(addr) >= a->base + a->size) {
+    return DFail(CUDA_ERROR_INVALID_VALUE, "cuMemRetainAllocationHandle", "%p is not inside a cuMemMap mapping", addr);
+  }
+  // As CUDA: the handle value that was mapped there, one more reference (released by cuMemRelease),
+  // also when the creator released its own already (the mapping holds the memory).
+  auto it = s.vmm.find(a->vmm_handle);
+  if (it != s.vmm.end()) {
+    ++it->second->refs;
+  } else {
+    a->vmm_alloc->refs = 1;
+    s.vmm[a->vmm_handle] = a->vmm_alloc;
+  }
+  *handle = a->vmm_handle;
+  return CUDA_SUCCESS;
+}
+
 CUresult FakeCuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle handle) {
   FAKE_DENTER("cuMemGetAllocationPropertiesFromHandle");
   State& s = S();
@@ -1120,6 +1151,7 @@ const DriverSymbol kDriverSymbols[] = {
     {"cuMemExportToShareableHandle", reinterpret_cast<void*>(&FakeCuMemExportToShareableHandle), 10020},
     {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&FakeCuMemImportFromShareableHandle), 10020},
     {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void*>(&FakeCuMemGetAllocationPropertiesFromHandle), 10020},
+    {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&FakeCuMemRetainAllocationHandle), 11000},
 };
 // Signatures must match the driver's (a mismatch would be undefined behaviour for callers).
 static_assert(std::is_same_v<decltype(&FakeCuMemCreate), decltype(&::cuMemCreate)>);
@@ -1134,6 +1166,7 @@ static_assert(std::is_same_v<decltype(&FakeCuMemGetAllocationPropertiesFromHandl
 static_assert(std::is_same_v<decltype(&FakeCuMemUnmap), decltype(&::cuMemUnmap)>);
 static_assert(std::is_same_v<decltype(&FakeCuMemRelease), decltype(&::cuMemRelease)>);
 static_assert(std::is_same_v<decltype(&FakeCuMemAddressFree), decltype(&::cuMemAddressFree)>);
+static_assert(std::is_same_v<decltype(&FakeCuMemRetainAllocationHandle), decltype(&::cuMemRetainAllocationHandle)>);
 
 }  // namespace
 }  // namespace wb::fake_cuda

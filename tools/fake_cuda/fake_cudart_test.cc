@@ -727,6 +727,43 @@ TEST_F(FakeCudaTest, VmmCreateMapAccessCopyAndRefuseLegacyIpc) {
   ASSERT_CUDA(cudaSetDevice(0));
 }
 
+// What a client does with a pointer into someone else's VMM memory (a torch tensor in an
+// expandable segment): cuMemRetainAllocationHandle finds the handle, which exports like the
+// creator's, and references are released one by one.
+TEST_F(FakeCudaTest, VmmRetainAllocationHandleFromAnAddressInside) {
+  Vmm v;
+  auto retain = Driver<decltype(&cuMemRetainAllocationHandle)>("cuMemRetainAllocationHandle");
+  ASSERT_TRUE(v.ok() && retain != nullptr);
+  const CUmemAllocationProp prop = Prop(0, true);
+  const size_t g = size_t{2} << 20;
+  CUmemGenericAllocationHandle h = 0, got = 0;
+  CUdeviceptr va = 0;
+  ASSERT_EQ(v.create(&h, g, &prop, 0), CUDA_SUCCESS);
+  ASSERT_EQ(v.reserve(&va, 2 * g, 0, 0, 0), CUDA_SUCCESS);
+  EXPECT_EQ(retain(&got, reinterpret_cast<void*>(va)), CUDA_ERROR_INVALID_VALUE) << "nothing mapped there yet";
+  ASSERT_EQ(v.map(va, g, 0, h, 0), CUDA_SUCCESS);
+  EXPECT_EQ(retain(&got, reinterpret_cast<void*>(va + g + 8)), CUDA_ERROR_INVALID_VALUE) << "past the mapping";
+  void* dev = nullptr;
+  ASSERT_CUDA(cudaMalloc(&dev, 64));
+  EXPECT_EQ(retain(&got, dev), CUDA_ERROR_INVALID_VALUE) << "cudaMalloc memory is not VMM memory";
+  ASSERT_CUDA(cudaFree(dev));
+  ASSERT_EQ(retain(&got, reinterpret_cast<void*>(va + 4096)), CUDA_SUCCESS);
+  EXPECT_EQ(got, h) << "the handle that was mapped there";
+  int fd = -1;
+  ASSERT_EQ(v.export_fd(&fd, got, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), CUDA_SUCCESS);
+  EXPECT_GE(fd, 0);
+  close(fd);
+  ASSERT_EQ(v.release(got), CUDA_SUCCESS);
+  ASSERT_EQ(v.release(h), CUDA_SUCCESS) << "the creator's reference is still there";
+  EXPECT_EQ(v.release(h), CUDA_ERROR_INVALID_VALUE) << "no reference left";
+  // The mapping holds the memory: retaining through it gives the handle back (one reference).
+  ASSERT_EQ(retain(&got, reinterpret_cast<void*>(va)), CUDA_SUCCESS);
+  EXPECT_EQ(got, h);
+  EXPECT_EQ(v.release(got), CUDA_SUCCESS);
+  ASSERT_EQ(v.unmap(va, g), CUDA_SUCCESS);
+  ASSERT_EQ(v.free_va(va, 2 * g), CUDA_SUCCESS);
+}
+
 void CopyWithoutAccess() {
   Vmm v;
   const CUmemAllocationProp prop = Prop(0, true);
