@@ -256,25 +256,22 @@ absl::Status WorkerClient::ShareCudaVmmAllocation(const std::string& key, int fd
     return absl::InvalidArgumentError(absl::StrCat("CUDA VMM allocation '", key, "': needs an open fd and a size > 0 (fd ", fd,
                                                    ", size ", allocation_bytes, ")"));
   }
+  // The daemon maps allocations by key and keeps a mapping while buffers use it: a key reused for
+  // another allocation could reach the old memory.
+  if (vmm_.count(key) != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("CUDA VMM allocation key '", key, "' is already shared; give each allocation its own key"));
+  }
   const int mine = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (mine < 0) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA VMM allocation '", key, "': fd ", fd, ": ", std::strerror(errno)));
   }
-  VmmAllocation previous;
-  if (auto it = vmm_.find(key); it != vmm_.end()) previous = it->second;
   vmm_[key] = VmmAllocation{mine, allocation_bytes};
   absl::Status s = OfferVmmAllocation(key, options_.clock->Now() + options_.call_timeout);
-  if (!s.ok()) {  // the daemon kept what it had: so do we
+  if (!s.ok()) {  // not shared: forget it
     ::close(mine);
-    if (previous.fd >= 0) {
-      vmm_[key] = previous;
-    } else {
-      vmm_.erase(key);
-    }
-    return s;
+    vmm_.erase(key);
   }
-  if (previous.fd >= 0) ::close(previous.fd);
-  return absl::OkStatus();
+  return s;
 }
 
 absl::StatusOr<Buffer*> WorkerClient::AddCudaVmmBuffer(const std::string& key, int64_t offset_bytes, int64_t size_bytes,

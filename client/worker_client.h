@@ -165,10 +165,11 @@ class WorkerClient {
   // bytes). Sent now over the daemon's fd channel (<socket>.fd, SCM_RIGHTS; gRPC cannot carry
   // descriptors), so RegisterWorker must come first: the daemon takes fds only from the process
   // bound to a registered worker. Once per allocation, however many buffers lie in it
-  // (AddCudaVmmBuffer); sharing a key again replaces the allocation (for the next RegisterLayout).
-  // Errors carry the daemon's answer: PERMISSION_DENIED (this process is not the worker's),
-  // RESOURCE_EXHAUSTED (too many keys), INVALID_ARGUMENT; UNAVAILABLE when no fd channel listens
-  // (a daemon built without CUDA, or an older one).
+  // (AddCudaVmmBuffer); a key names one allocation for the client's life (ALREADY_EXISTS when it
+  // is shared again: the daemon maps by key). Errors carry the daemon's answer: PERMISSION_DENIED
+  // or NOT_FOUND (this process is not the registered worker's), RESOURCE_EXHAUSTED (more than the
+  // daemon's 1024 keys per worker), INVALID_ARGUMENT; UNAVAILABLE when no fd channel listens (a
+  // daemon without one: an older build, or a worker socket path too long for "<path>.fd").
   absl::Status ShareCudaVmmAllocation(const std::string& key, int fd, int64_t allocation_bytes);
   // A buffer of `size_bytes` at `offset_bytes` inside the allocation shared under `key`; `gpu` and
   // `gpu_uuid` as in AddCudaBuffer. Sent by the next RegisterLayout; the daemon maps each

@@ -474,6 +474,8 @@ TEST(WorkerClientTest, VmmAllocationIsSharedOnceAndItsBuffersNameIt) {
   EXPECT_EQ(channel->size(), 0u);
 
   ASSERT_TRUE(c.ShareCudaVmmAllocation("weights", fd, 4 << 20).ok());
+  EXPECT_EQ(c.ShareCudaVmmAllocation("weights", fd, 4 << 20).code(), absl::StatusCode::kAlreadyExists)
+      << "one key, one allocation";
   close(fd);  // the caller's fd is its own: the client and the daemon keep theirs
   int64_t bytes = 0;
   EXPECT_EQ(HeldBy(*channel, "weights", &bytes), "the weights allocation");
