@@ -2,12 +2,17 @@
 weightbridged, on EMULATED GPUs: the daemon is the build linked with //tools/fake_cuda and this
 process loads the same emulation as a shared library through $WB_CUDART. Checks the client's
 CUDA path (cudaMalloc + IPC handle -> BufferSpec.cuda_ipc_handle, the daemon opening it, versions
-moving device to device with GPU staging, read back through cudaMemcpy) without a GPU; says nothing
+moving device to device with GPU staging, read back through cudaMemcpy) and its CUDA VMM path
+(cuMemCreate memory: the allocation found from a pointer, its fd sent once over the daemon's fd
+channel, several buffers in it -> BufferSpec.cuda_vmm_key/offset) without a GPU; says nothing
 about real GPUs. Run by `bazel test //client/python:client_cuda_test`.
 """
 
+import dataclasses
 import os
+import subprocess
 import sys
+import textwrap
 import threading
 import unittest
 
@@ -127,6 +132,146 @@ class CudaClientTest(unittest.TestCase):
             for r in rollouts:
                 self.assertEqual(r.mismatches(v), 0, "sync v%d" % v)
         self.close(trainers + rollouts)
+
+
+# Buffer j of a VMM worker sits at VMM_OFFSETS[j] of its one allocation: neither offset is 0, so a
+# daemon that ignored them would put bytes in the wrong place.
+VMM_OFFSETS = (4096, (1 << 20) + 256)
+
+
+class VmmWorker:
+    """A worker whose weights live in ONE weightbridge.cuda.VmmAllocation on `gpu`, registered as two
+    buffers (the first two row blocks, then the rest) at VMM_OFFSETS inside it."""
+
+    def __init__(self, daemon, model, worker_id, role, blocks, gpu):
+        from weightbridge.cuda import VmmAllocation
+        self.client = daemon.client("v")
+        self.client.register_worker(model, worker_id, role, gpu=gpu)
+        self.alloc = VmmAllocation(1, gpu)  # rounded up to the 2 MiB granularity
+        l0, i0 = ct.row_blocks(blocks[:2])
+        l1, i1 = ct.row_blocks(blocks[2:])
+        self.index = (i0, i1)
+        self.bufs = [self.client.add_cuda_vmm_buffer(self.alloc.ptr + off, i.size * ct.ELEM)
+                     for off, i in zip(VMM_OFFSETS, self.index)]
+        pieces = l0.pieces + [dataclasses.replace(p, buffer_id=1) for p in l1.pieces]
+        self.info = self.client.register_layout(wb.ExplicitLayout(pieces))
+
+    def fill(self, version):
+        for off, index in zip(VMM_OFFSETS, self.index):
+            self.alloc.write(off, weights.values_for_indices(ct.BASES, version, index, ct.ELEM).astype(np.uint16).tobytes())
+
+    def mismatches(self, version):
+        n = 0
+        for off, index in zip(VMM_OFFSETS, self.index):
+            got = np.frombuffer(self.alloc.read(off, index.size * ct.ELEM), dtype=np.uint16)
+            n += int(np.count_nonzero(got != weights.values_for_indices(ct.BASES, version, index, ct.ELEM).astype(np.uint16)))
+        return n
+
+    def close(self):
+        self.client.deregister()
+        self.client.close()
+        self.alloc.close()
+
+
+# Another process offering an fd to the daemon's fd channel: prints the daemon's answer.
+FOREIGN_OFFER = textwrap.dedent("""
+    import os, sys
+    from weightbridge.client import WeightBridgeError, offer_vmm_fd
+    fd = os.memfd_create("not-the-workers-memory")
+    os.ftruncate(fd, 2 << 20)
+    try:
+        offer_vmm_fd(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], 2 << 20, fd, timeout=10)
+        print("OK")
+    except WeightBridgeError as e:
+        print(e.code.name)
+        print(e.message)
+""")
+
+
+@unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
+                     "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
+class CudaVmmClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = ct.Daemon(EMULATED_DAEMON, ["--transports=host_shm,host_tcp,cuda_ipc", "--gpu_staging_bytes=268435456"])
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def test_allocation_lookup_from_a_pointer_inside(self):
+        from weightbridge.cuda import CudaBuffer, VmmAllocation, vmm_allocation_of
+        a = VmmAllocation(100, 1)
+        self.assertEqual(a.size_bytes, 2 << 20)
+        self.assertEqual(a.read(0, 8), bytes(8))  # zero-filled (cuMemCreate memory is not)
+        a.write(5000, b"vmm")
+        self.assertEqual(a.read(4999, 5), b"\x00vmm\x00")
+        r = vmm_allocation_of(a.ptr + 12345)
+        self.assertEqual((r.base, r.size, r.gpu), (a.ptr, 2 << 20, 1))
+        fd = r.export_fd()
+        self.assertGreaterEqual(fd, 0)
+        os.close(fd)
+        r.close()
+        b = CudaBuffer(64, 0)
+        with self.assertRaisesRegex(ValueError, "not CUDA VMM memory"):
+            vmm_allocation_of(b.ptr)
+        b.close()
+        a.close()
+        with self.assertRaisesRegex(ValueError, "not device memory"):
+            vmm_allocation_of(a.ptr)
+
+    def test_refused_before_anything_is_shared(self):
+        from weightbridge.cuda import VmmAllocation
+        model = wb.ModelConfig(model_id="py_vmm_refused", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        c = self.daemon.client("v")
+        a = VmmAllocation(1, 0)
+        with self.assertRaises(wb.WeightBridgeError) as e:
+            c.add_cuda_vmm_buffer(a.ptr, 64)
+        self.assertEqual(e.exception.code.name, "FAILED_PRECONDITION")
+        c.register_worker(model, "trainer/0", "trainer", gpu=0)
+        with self.assertRaisesRegex(ValueError, "past the end of their CUDA VMM allocation"):
+            c.add_cuda_vmm_buffer(a.ptr + a.size_bytes - 64, 128)
+        with self.assertRaisesRegex(ValueError, "size_bytes must be > 0"):
+            c.add_cuda_vmm_buffer(a.ptr, 0)
+        self.assertEqual(c.buffers, [])
+        c.deregister()
+        c.close()
+        a.close()
+
+    def test_one_step_off_every_byte_one_fd_per_worker(self):
+        model = wb.ModelConfig(model_id="py_vmm_osp", explicit_tensors=ct.CANONICAL, num_trainer_workers=2,
+                               num_rollout_workers=2, mode="one_step_off")
+        trainers = [VmmWorker(self.daemon, model, "trainer/%d" % r, "trainer", ct.HALF[r], gpu=r) for r in (0, 1)]
+        rollouts = [VmmWorker(self.daemon, model, "rollout/%d" % r, "rollout", ct.FULL, gpu=r) for r in (0, 1)]
+        for w in trainers + rollouts:
+            self.assertEqual(len(w.bufs), 2)
+            self.assertEqual(w.bufs[0].vmm_key, w.bufs[1].vmm_key, "one allocation, one key")
+            self.assertEqual([b.vmm_offset for b in w.bufs], list(VMM_OFFSETS))
+            self.assertEqual(len(w.client._vmm), 1, "one fd per allocation, however many buffers")
+        # Another process offers an fd as trainer/0 under its key: refused, naming why; nothing changes.
+        t0 = trainers[0]
+        out = subprocess.run([sys.executable, "-c", FOREIGN_OFFER, self.daemon.socket + ".fd", model.model_id,
+                              "trainer/0", t0.bufs[0].vmm_key], capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        code, message = out.stdout.split("\n", 1)
+        self.assertEqual(code, "PERMISSION_DENIED", out.stdout)
+        self.assertIn("refused", message)
+        self.assertIn("belongs to process %d" % os.getpid(), message)
+        for v in (1, 2, 3):
+            for t in trainers:
+                t.fill(v)
+                self.assertEqual(t.client.publish(v, timeout=ct.TIMEOUT).version, v)
+            for r in rollouts:
+                self.assertEqual(r.client.apply(v, timeout=ct.TIMEOUT).applied_version, v)
+                self.assertEqual(r.mismatches(v), 0, "rollout %s v%d\n%s" % (r.client.worker_id, v, self.daemon.log_tail()))
+        # The gaps around the buffers were never written.
+        r = rollouts[0]
+        self.assertEqual(r.alloc.read(0, VMM_OFFSETS[0]), bytes(VMM_OFFSETS[0]))
+        for w in trainers + rollouts:
+            w.close()
 
 
 if __name__ == "__main__":

@@ -1,18 +1,21 @@
 """WorkerClient: a trainer or rollout rank talking to its node daemon (WorkerService, Unix socket).
 
 Same verbs and contract as the C++ client (client/worker_client.h):
-  register_worker -> create_buffer (POSIX shm, numpy views) / create_cuda_buffer -> register_layout
+  register_worker -> create_buffer (POSIX shm, numpy views) / create_cuda_buffer (CUDA IPC) /
+  add_cuda_vmm_buffer (CUDA VMM memory, e.g. torch expandable segments) -> register_layout
   -> publish (trainer) | begin_update + wait_version (sync rollout) | apply (one-step-off / async
   rollout) -> deregister; status() any time.
 Every call has a deadline (control calls: call_timeout; version calls: the explicit timeout, also
 sent to the daemon as timeout_ms). Errors raise WeightBridgeError carrying the daemon's gRPC code.
-Reconnect: on UNAVAILABLE the client waits (bounded) for the socket, replays RegisterWorker and
-RegisterLayout (same shm names: the segments belong to this process and survive the daemon) and
-retries the call once. Buffers are unlinked by close(). One thread drives a client at a time.
+Reconnect: on UNAVAILABLE the client waits (bounded) for the socket, replays RegisterWorker, the fds
+of shared VMM allocations and RegisterLayout (same shm names: the segments belong to this process
+and survive the daemon) and retries the call once. Buffers are unlinked by close(). One thread drives a client at a time.
 """
 
 import dataclasses
 import os
+import socket
+import struct
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -96,6 +99,53 @@ def _ms(seconds):
     return max(1, int(seconds * 1000))
 
 
+# ---- the node daemon's fd channel (<worker socket>.fd; protocol: transport/fd_passing.h) ----
+_FD_OFFER_MAGIC = 0x44464257  # "WBFD"
+_FD_REPLY_MAGIC = 0x52464257  # "WBFR"
+_MAX_VMM_KEY_BYTES = 128
+_CODES = {c.value[0]: c for c in grpc.StatusCode}  # absl and gRPC share the numbering
+
+
+def _wire_str(b):
+    return struct.pack("<I", len(b)) + b
+
+
+def offer_vmm_fd(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=30.0):
+    """Hands CUDA VMM allocation `fd` (cuMemExportToShareableHandle, POSIX fd; it stays the
+    caller's) to the node daemon's fd channel under (`worker_id`, `key`), with the allocation's
+    size. The daemon takes it only from the process it binds to `worker_id` (the one that
+    registered it); its refusal raises WeightBridgeError with the daemon's code and message, a
+    channel nobody listens on UNAVAILABLE, a missed deadline DEADLINE_EXCEEDED."""
+    what = "offer of CUDA VMM allocation '%s' of worker %s" % (key, worker_id)
+    payload = (struct.pack("<I", _FD_OFFER_MAGIC) + _wire_str(model_id.encode()) + _wire_str(worker_id.encode())
+               + _wire_str(key.encode()) + struct.pack("<q", int(allocation_bytes)))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(max(0.001, timeout))
+        try:
+            sock.connect(channel_path)
+        except OSError as e:
+            raise WeightBridgeError(what, grpc.StatusCode.UNAVAILABLE,
+                                    "fd channel: connect %s: %s (is the node daemon running, with a CUDA-capable build?)"
+                                    % (channel_path, e.strerror or e)) from None
+        try:
+            socket.send_fds(sock, [payload], [fd])
+            reply = sock.recv(8192)
+        except socket.timeout:
+            raise WeightBridgeError(what, grpc.StatusCode.DEADLINE_EXCEEDED, "fd channel: no answer in %.1f s" % timeout) from None
+        except OSError as e:
+            raise WeightBridgeError(what, grpc.StatusCode.UNAVAILABLE, "fd channel: %s" % e) from None
+    finally:
+        sock.close()
+    if len(reply) < 12:
+        raise WeightBridgeError(what, grpc.StatusCode.INTERNAL, "fd channel: malformed reply from the daemon")
+    magic, code, n = struct.unpack_from("<III", reply)
+    if magic != _FD_REPLY_MAGIC or len(reply) != 12 + n or code not in _CODES:
+        raise WeightBridgeError(what, grpc.StatusCode.INTERNAL, "fd channel: malformed reply from the daemon")
+    if code != 0:
+        raise WeightBridgeError(what, _CODES[code], reply[12:].decode(errors="replace"))
+
+
 class WorkerClient:
     def __init__(self, socket_path, call_timeout=30.0, connect_timeout=10.0, reconnect=True,
                  reconnect_timeout=30.0, shm_prefix="py", populate_buffers=False):
@@ -112,6 +162,7 @@ class WorkerClient:
         self.worker_id = None
         self._register_req = None
         self._layout_req = None
+        self._vmm = {}  # key -> (our fd of the allocation, its bytes, cuda.VmmRange)
         self._channel = None
         self._stub = None
         self._open(time.monotonic() + connect_timeout)
@@ -152,7 +203,18 @@ class WorkerClient:
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.ALREADY_EXISTS:
                     raise WeightBridgeError("replay " + what, e.code(), e.details() or "") from None
+            if method == "RegisterWorker":  # a restarted daemon has none of our VMM fds
+                self._offer_vmm_all(deadline)
         self.reconnects += 1
+
+    def _offer_vmm(self, key, deadline):
+        fd, size, _ = self._vmm[key]
+        offer_vmm_fd(self.socket_path + ".fd", self.model_id, self.worker_id, key, size, fd,
+                     timeout=max(0.001, deadline - time.monotonic()))
+
+    def _offer_vmm_all(self, deadline):
+        for key in self._vmm:
+            self._offer_vmm(key, deadline)
 
     # ------------------------------------------------------------------ verbs
     def register_worker(self, model: ModelConfig, worker_id: str, role: str, gpu: int = -1):
@@ -164,6 +226,9 @@ class WorkerClient:
         resp = self._call("RegisterWorker %s" % worker_id, "RegisterWorker", req, self.call_timeout)
         self._register_req = req
         self.model_id, self.worker_id = model.model_id, worker_id
+        # Allocations shared before a deregister: the daemon takes them only from the process it
+        # binds to this worker now, so hand them over again.
+        self._offer_vmm_all(time.monotonic() + self.call_timeout)
         return resp.session
 
     def create_buffer(self, size_bytes) -> SharedBuffer:
@@ -179,10 +244,68 @@ class WorkerClient:
         self.buffers.append(b)
         return b
 
+    def add_cuda_vmm_buffer(self, ptr, size_bytes=None, gpu=None):
+        """A buffer in CUDA VMM memory (cuMemCreate), which CUDA IPC handles cannot export: a torch
+        tensor allocated with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a range of a
+        weightbridge.cuda.VmmAllocation. `ptr` is a device pointer (int) or a torch tensor (then
+        size_bytes and gpu default to the tensor's). The allocation that holds `ptr` is found
+        (cuMemGetAddressRange / cuMemRetainAllocationHandle), and its POSIX fd is sent to the daemon
+        over its fd channel the first time (one fd per allocation, however many buffers lie in it);
+        the buffer itself is sent by the next register_layout as [offset, + size_bytes) of that
+        allocation. Needs register_worker first (the daemon takes fds only from the registered
+        worker's process). The range must lie inside ONE allocation (ValueError otherwise: torch's
+        expandable segments map a segment from many 2 MiB / 20 MiB allocations, so a big tensor may
+        cross several; give the weights one VmmAllocation instead). The memory must stay allocated
+        while registered; the client holds a reference to the allocation until close().
+        Daemon refusals raise WeightBridgeError with the daemon's code and message."""
+        from weightbridge import cuda
+        if hasattr(ptr, "data_ptr"):  # a torch tensor
+            tensor = ptr
+            ptr = tensor.data_ptr()
+            if size_bytes is None:
+                size_bytes = tensor.numel() * tensor.element_size()
+            if gpu is None:
+                gpu = tensor.device.index
+        if self._register_req is None:
+            raise WeightBridgeError("add_cuda_vmm_buffer", grpc.StatusCode.FAILED_PRECONDITION,
+                                    "register_worker first (the daemon takes fds only from registered workers)")
+        ptr, size_bytes = int(ptr), int(size_bytes or 0)
+        if size_bytes <= 0:
+            raise ValueError("add_cuda_vmm_buffer: size_bytes must be > 0, got %d" % size_bytes)
+        alloc = cuda.vmm_allocation_of(ptr)
+        known = alloc.key in self._vmm
+        try:
+            if ptr + size_bytes > alloc.base + alloc.size:
+                raise ValueError("add_cuda_vmm_buffer: %d bytes at 0x%x run %d bytes past the end of their CUDA VMM allocation "
+                                 "[0x%x, +%d) (a buffer must lie in one allocation; torch's expandable segments map memory "
+                                 "from 2 MiB / 20 MiB allocations)" % (size_bytes, ptr, ptr + size_bytes - alloc.base - alloc.size,
+                                                                      alloc.base, alloc.size))
+            if not known:
+                if len(alloc.key) > _MAX_VMM_KEY_BYTES:
+                    raise ValueError("VMM key too long: %s" % alloc.key)
+                fd = alloc.export_fd()
+                self._vmm[alloc.key] = (fd, alloc.size, alloc)
+                try:
+                    self._offer_vmm(alloc.key, time.monotonic() + self.call_timeout)
+                except BaseException:
+                    del self._vmm[alloc.key]
+                    os.close(fd)
+                    raise
+        finally:
+            if known or alloc.key not in self._vmm:
+                alloc.close()  # a reference is already held (known), or nothing was shared
+        gpu = alloc.gpu if gpu is None else int(gpu)
+        b = cuda.VmmBuffer(len(self.buffers), ptr, size_bytes, gpu, cuda.gpu_uuid(gpu), alloc.key, ptr - alloc.base)
+        self.buffers.append(b)
+        return b
+
     def _buffer_specs(self):
         out = []
         for b in self.buffers:
-            if isinstance(b, SharedBuffer):
+            if hasattr(b, "vmm_key"):
+                out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, cuda_vmm_key=b.vmm_key,
+                                         cuda_vmm_offset=b.vmm_offset, gpu=b.gpu, gpu_uuid=b.gpu_uuid))
+            elif isinstance(b, SharedBuffer):
                 out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, shm_name=b.name, gpu=-1))
             else:
                 out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, cuda_ipc_handle=b.ipc_handle, gpu=b.gpu,
@@ -274,6 +397,10 @@ class WorkerClient:
         for b in self.buffers:
             b.close()
         self.buffers = []
+        for fd, _, alloc in self._vmm.values():
+            os.close(fd)
+            alloc.close()
+        self._vmm = {}
         if self._channel is not None:
             self._channel.close()
             self._channel = None

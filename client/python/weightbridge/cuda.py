@@ -1,16 +1,22 @@
-"""GPU buffers for the daemon: device memory exported as a CUDA IPC handle.
+"""GPU buffers for the daemon: device memory exported as a CUDA IPC handle, or CUDA VMM memory.
 
-torch is imported only when a torch tensor is asked for; the allocation itself goes through the
-CUDA runtime (libcudart via ctypes) so that the buffer is one cudaMalloc'ed block starting at the
-handle's base: the daemon opens it with cudaIpcOpenMemHandle and the layout's byte offsets are
-relative to that base. (Tensors from torch's caching allocator can sit at an offset inside a larger
-block, and expandable segments cannot be exported at all, which is why we do not export arbitrary
-torch tensors: allocate here, then use .tensor() views.)
+Two kinds of device memory reach the daemon:
+  - CudaBuffer: one cudaMalloc'ed block starting at the handle's base, exported by legacy CUDA IPC
+    (cudaIpcGetMemHandle): the daemon opens it with cudaIpcOpenMemHandle and the layout's byte
+    offsets are relative to that base. (Tensors from torch's caching allocator can sit at an
+    offset inside a larger block, and legacy IPC cannot export expandable segments at all, which
+    is why we do not export arbitrary torch tensors that way: allocate here, then use .tensor().)
+  - CUDA VMM memory (cuMemCreate: torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a
+    VmmAllocation made here): vmm_allocation_of(ptr) finds the allocation that holds a pointer
+    (cuMemGetAddressRange + cuMemRetainAllocationHandle) and export_fd() gives its POSIX fd
+    (cuMemExportToShareableHandle), which WorkerClient.add_cuda_vmm_buffer sends to the daemon
+    over its fd channel, once per allocation however many buffers lie in it.
 
 The runtime is found as libcudart.so(.13/.12), or at $WB_CUDART when set (CI points it at the
 emulated runtime, //tools/fake_cuda:libwb_fake_cudart.so, to run this module without a GPU:
-client/python/tests/client_cuda_test.py). write()/read() move bytes without torch. Never run on a
-real GPU yet.
+client/python/tests/client_cuda_test.py). Driver calls (cuMem*) come from the runtime's
+cudaGetDriverEntryPointByVersion (CUDA >= 12.5 runtimes; the emulation has it), else from
+libcuda.so.1. write()/read() move bytes without torch. Never run on a real GPU yet.
 """
 
 import ctypes
@@ -67,23 +73,12 @@ def gpu_uuid(gpu):
     return props.raw[256:272]
 
 
-class CudaBuffer:
-    """`size_bytes` of device memory on `gpu`, zero-filled, exportable by CUDA IPC."""
+class _DeviceBytes:
+    """`size_bytes` of device memory at `ptr` on `gpu`: bounded host copies and torch views."""
 
-    def __init__(self, size_bytes, gpu, buffer_id=0):
-        self.id = buffer_id
-        self.gpu = int(gpu)
-        self.size_bytes = int(size_bytes)
-        rt = _rt()
-        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
-        ptr = ctypes.c_void_p()
-        _check(rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(self.size_bytes)), "cudaMalloc(%d)" % self.size_bytes)
-        self.ptr = ptr.value
-        _check(rt.cudaMemset(ptr, 0, ctypes.c_size_t(self.size_bytes)), "cudaMemset")
-        handle = (ctypes.c_byte * _IPC_HANDLE_BYTES)()
-        _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
-        self.ipc_handle = bytes(handle)
-        self.gpu_uuid = gpu_uuid(self.gpu)
+    ptr = 0
+    size_bytes = 0
+    gpu = 0
 
     def _span(self, offset, n):
         if not self.ptr:
@@ -133,7 +128,239 @@ class CudaBuffer:
         t = torch.as_tensor(holder, device="cuda:%d" % self.gpu)
         return t.view(dtype) if view_dtype != dtype else t
 
+
+
+class CudaBuffer(_DeviceBytes):
+    """`size_bytes` of device memory on `gpu`, zero-filled, exportable by CUDA IPC."""
+
+    def __init__(self, size_bytes, gpu, buffer_id=0):
+        self.id = buffer_id
+        self.gpu = int(gpu)
+        self.size_bytes = int(size_bytes)
+        rt = _rt()
+        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
+        ptr = ctypes.c_void_p()
+        _check(rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(self.size_bytes)), "cudaMalloc(%d)" % self.size_bytes)
+        self.ptr = ptr.value
+        _check(rt.cudaMemset(ptr, 0, ctypes.c_size_t(self.size_bytes)), "cudaMemset")
+        handle = (ctypes.c_byte * _IPC_HANDLE_BYTES)()
+        _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
+        self.ipc_handle = bytes(handle)
+        self.gpu_uuid = gpu_uuid(self.gpu)
+
     def close(self):
         if self.ptr:
             _rt().cudaFree(ctypes.c_void_p(self.ptr))
             self.ptr = 0
+
+
+# ---------------------------------------------------------------- CUDA VMM (cuMem*) driver calls
+
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+_CU_DEVICEPTR = ctypes.c_uint64
+_CU_HANDLE = ctypes.c_uint64  # CUmemGenericAllocationHandle
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+_P = ctypes.POINTER
+_DRIVER_SIGNATURES = {
+    "cuMemGetAddressRange": (_P(_CU_DEVICEPTR), _P(ctypes.c_size_t), _CU_DEVICEPTR),
+    "cuMemRetainAllocationHandle": (_P(_CU_HANDLE), ctypes.c_void_p),
+    "cuMemExportToShareableHandle": (ctypes.c_void_p, _CU_HANDLE, ctypes.c_int, ctypes.c_ulonglong),
+    "cuMemGetAllocationPropertiesFromHandle": (_P(_AllocProp), _CU_HANDLE),
+    "cuMemRelease": (_CU_HANDLE,),
+    "cuMemGetAllocationGranularity": (_P(ctypes.c_size_t), _P(_AllocProp), ctypes.c_int),
+    "cuMemCreate": (_P(_CU_HANDLE), ctypes.c_size_t, _P(_AllocProp), ctypes.c_ulonglong),
+    "cuMemAddressReserve": (_P(_CU_DEVICEPTR), ctypes.c_size_t, ctypes.c_size_t, _CU_DEVICEPTR, ctypes.c_ulonglong),
+    "cuMemAddressFree": (_CU_DEVICEPTR, ctypes.c_size_t),
+    "cuMemMap": (_CU_DEVICEPTR, ctypes.c_size_t, ctypes.c_size_t, _CU_HANDLE, ctypes.c_ulonglong),
+    "cuMemUnmap": (_CU_DEVICEPTR, ctypes.c_size_t),
+    "cuMemSetAccess": (_CU_DEVICEPTR, ctypes.c_size_t, _P(_AccessDesc), ctypes.c_size_t),
+}
+# libcuda.so exports some calls only under their versioned names.
+_LIBCUDA_NAMES = {"cuMemGetAddressRange": "cuMemGetAddressRange_v2"}
+_driver_fns = {}
+
+
+def _driver(name):
+    """The driver call `name` (12.0 ABI) as a ctypes function returning its CUresult."""
+    fn = _driver_fns.get(name)
+    if fn is not None:
+        return fn
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, *_DRIVER_SIGNATURES[name])
+    rt = _rt()
+    addr = None
+    by_version = getattr(rt, "cudaGetDriverEntryPointByVersion", None)
+    if by_version is not None:
+        out = ctypes.c_void_p()
+        status = ctypes.c_int(-1)  # cudaDriverEntryPointQueryResult; 0 = found
+        err = by_version(name.encode(), ctypes.byref(out), ctypes.c_uint(12000), ctypes.c_ulonglong(0), ctypes.byref(status))
+        if err == 0 and status.value == 0 and out.value:
+            addr = out.value
+        else:
+            rt.cudaGetLastError()
+    if addr is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            addr = ctypes.cast(getattr(lib, _LIBCUDA_NAMES.get(name, name)), ctypes.c_void_p).value
+        except (OSError, AttributeError) as e:
+            raise RuntimeError("CUDA driver call %s not found (runtime entry points or libcuda.so.1): %s" % (name, e))
+    fn = proto(addr)
+    _driver_fns[name] = fn
+    return fn
+
+
+def _cu(name, *args):
+    """Calls driver function `name`; RuntimeError naming it and the CUresult when it fails."""
+    r = _driver(name)(*args)
+    if r != 0:
+        raise RuntimeError("%s failed: CUresult %d" % (name, r))
+
+
+def _pointer_device(ptr):
+    """The device (this process's numbering) holding device pointer `ptr`; ValueError if none."""
+    rt = _rt()
+    # cudaPointerAttributes: int type, int device, then pointers and (CUDA 13) reserved words; a
+    # generous buffer absorbs its size, which varies between versions.
+    attrs = ctypes.create_string_buffer(1024)
+    err = rt.cudaPointerGetAttributes(attrs, ctypes.c_void_p(ptr))
+    kind, device = ctypes.c_int.from_buffer(attrs, 0).value, ctypes.c_int.from_buffer(attrs, 4).value
+    if err != 0 or kind != 2:  # cudaMemoryTypeDevice
+        rt.cudaGetLastError()
+        raise ValueError("0x%x is not device memory of this process" % ptr)
+    return device
+
+
+class VmmRange:
+    """The CUDA VMM allocation holding a pointer (vmm_allocation_of): [base, base + size) on `gpu`.
+
+    Holds a reference to the allocation (cuMemRetainAllocationHandle) until close(), so that the
+    handle, and with it `key`, names this allocation and no other while it is open.
+    """
+
+    def __init__(self, base, size, gpu, handle):
+        self.base, self.size, self.gpu, self.handle = base, size, gpu, handle
+        self.key = "vmm-%x-%x-%x" % (base, size, handle)
+
+    def export_fd(self):
+        """A new POSIX fd of the allocation (cuMemExportToShareableHandle); the caller closes it."""
+        fd = ctypes.c_int(-1)
+        try:
+            _cu("cuMemExportToShareableHandle", ctypes.byref(fd), _CU_HANDLE(self.handle),
+                _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        except RuntimeError as e:
+            raise RuntimeError("%s (was the memory created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR? torch does "
+                               "that for expandable segments from 2.5 on)" % e) from None
+        return fd.value
+
+    def close(self):
+        if self.handle:
+            _cu("cuMemRelease", _CU_HANDLE(self.handle))
+            self.handle = 0
+
+
+def vmm_allocation_of(ptr):
+    """The CUDA VMM allocation (cuMemCreate + cuMemMap) that device pointer `ptr` lies in.
+
+    ValueError when `ptr` is not device memory or not VMM memory (cudaMalloc memory: use
+    CudaBuffer). With torch's expandable segments each segment is mapped from many allocations
+    (one per 2 MiB / 20 MiB page), so a large tensor may cross several: a buffer must lie in one.
+    """
+    ptr = int(ptr)
+    gpu = _pointer_device(ptr)
+    rt = _rt()
+    _check(rt.cudaSetDevice(gpu), "cudaSetDevice(%d)" % gpu)  # makes the device's context current for the driver
+    base, size, handle = _CU_DEVICEPTR(), ctypes.c_size_t(), _CU_HANDLE()
+    _cu("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), _CU_DEVICEPTR(ptr))
+    if _driver("cuMemRetainAllocationHandle")(ctypes.byref(handle), ctypes.c_void_p(ptr)) != 0:
+        raise ValueError("0x%x is device memory but not CUDA VMM memory (cuMemCreate); cudaMalloc memory goes by "
+                         "CUDA IPC (CudaBuffer)" % ptr)
+    prop = _AllocProp()
+    if _driver("cuMemGetAllocationPropertiesFromHandle")(ctypes.byref(prop), handle) == 0:
+        gpu = prop.location.id
+    return VmmRange(base.value, size.value, gpu, handle.value)
+
+
+class VmmAllocation(_DeviceBytes):
+    """One CUDA VMM allocation of at least `size_bytes` (rounded up to the granularity) on `gpu`,
+    exportable as a POSIX fd, mapped read-write here and zero-filled: a home for a worker's weights
+    that the daemon maps with ONE fd, whatever the number of buffers (WorkerClient.add_cuda_vmm_buffer
+    with pointers inside it). .tensor() views it in torch."""
+
+    def __init__(self, size_bytes, gpu):
+        self.gpu = int(gpu)
+        self.ptr = 0
+        self._handle = _CU_HANDLE()
+        rt = _rt()
+        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
+        prop = _AllocProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED, requestedHandleTypes=_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                          location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.gpu))
+        g = ctypes.c_size_t()
+        _cu("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        self.size_bytes = (int(size_bytes) + g.value - 1) // g.value * g.value
+        _cu("cuMemCreate", ctypes.byref(self._handle), self.size_bytes, ctypes.byref(prop), 0)
+        va = _CU_DEVICEPTR()
+        try:
+            _cu("cuMemAddressReserve", ctypes.byref(va), self.size_bytes, 0, _CU_DEVICEPTR(0), 0)
+            self._va = va.value
+            _cu("cuMemMap", va, self.size_bytes, 0, self._handle, 0)
+            self.ptr = va.value
+            access = _AccessDesc(location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.gpu),
+                                 flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            _cu("cuMemSetAccess", va, self.size_bytes, ctypes.byref(access), 1)
+            _check(rt.cudaMemset(ctypes.c_void_p(self.ptr), 0, ctypes.c_size_t(self.size_bytes)), "cudaMemset")
+            _check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        except Exception:
+            self.close()
+            raise
+        self.gpu_uuid = gpu_uuid(self.gpu)
+
+    def close(self):
+        if self.ptr:
+            _driver("cuMemUnmap")(_CU_DEVICEPTR(self.ptr), self.size_bytes)
+            self.ptr = 0
+        if getattr(self, "_va", 0):
+            _driver("cuMemAddressFree")(_CU_DEVICEPTR(self._va), self.size_bytes)
+            self._va = 0
+        if self._handle.value:
+            _driver("cuMemRelease")(self._handle)
+            self._handle = _CU_HANDLE()
+
+
+class VmmBuffer:
+    """A worker buffer inside a CUDA VMM allocation (WorkerClient.add_cuda_vmm_buffer): `size_bytes`
+    at `ptr`, i.e. at `vmm_offset` of the allocation shared under `vmm_key`. The memory stays the
+    caller's (close() frees nothing); it must stay allocated while the buffer is registered."""
+
+    def __init__(self, buffer_id, ptr, size_bytes, gpu, gpu_uuid_bytes, vmm_key, vmm_offset):
+        self.id = buffer_id
+        self.ptr = ptr
+        self.size_bytes = size_bytes
+        self.gpu = gpu
+        self.gpu_uuid = gpu_uuid_bytes
+        self.vmm_key = vmm_key
+        self.vmm_offset = vmm_offset
+
+    def close(self):
+        pass
