@@ -48,7 +48,10 @@ ABSL_FLAG(std::string, gate_dir, "",
           "trainer: wait for <gate_dir>/publish-<v> before publishing v (test pacing)");
 ABSL_FLAG(bool, populate, false, "pre-fault the shm buffer");
 ABSL_FLAG(std::string, memory, "shm",
-          "where the weights live: shm (POSIX shared memory) | cuda (cudaMalloc on --gpu, registered by CUDA IPC handle)");
+          "where the weights live: shm (POSIX shared memory) | cuda (cudaMalloc on --gpu, registered by CUDA IPC handle) | "
+          "cuda_vmm (one cuMemCreate allocation on --gpu, its fd sent on the daemon's fd channel, --vmm_buffers buffers in it)");
+ABSL_FLAG(int, vmm_buffers, 3, "--memory=cuda_vmm: buffers to spread the pieces over, all in the one allocation (> 1: --layout_source=pieces)");
+ABSL_FLAG(int64_t, vmm_overrun_bytes, 0, "--memory=cuda_vmm fault test: declare the last buffer this many bytes past the allocation");
 
 namespace wb::e2e {
 
@@ -217,12 +220,23 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
                         .status());
     ctx.memory.buffers = {ctx.host_mirror.data()};
     ctx.memory.sizes = {size};
+  } else if (memory == "cuda_vmm") {
+    const int parts = absl::GetFlag(FLAGS_layout_source) == "pieces" ? absl::GetFlag(FLAGS_vmm_buffers) : 1;  // a preset names one buffer
+    ASSIGN_OR_RETURN(VmmWeights vmm, SetUpVmmWeights(*ctx.client, ctx.inventory, ctx.preset.layout, absl::GetFlag(FLAGS_gpu),
+                                                     absl::GetFlag(FLAGS_send_gpu_uuid), parts, absl::GetFlag(FLAGS_vmm_overrun_bytes)));
+    ctx.preset.layout = std::move(vmm.layout);
+    ctx.host_mirror.assign(static_cast<size_t>(vmm.cuda->size()), 0);
+    ctx.cuda = std::move(vmm.cuda);
+    for (size_t j = 0; j < vmm.offsets.size(); ++j) {
+      ctx.memory.buffers.push_back(ctx.host_mirror.data() + vmm.offsets[j]);
+      ctx.memory.sizes.push_back(ctx.preset.layout.buffers[j].size_bytes);
+    }
   } else if (memory == "shm") {
     ASSIGN_OR_RETURN(client::Buffer * buffer, ctx.client->CreateBuffer(size));
     ctx.memory.buffers = {buffer->data};
     ctx.memory.sizes = {buffer->size_bytes};
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--memory: unknown '", memory, "' (shm | cuda)"));
+    return absl::InvalidArgumentError(absl::StrCat("--memory: unknown '", memory, "' (shm | cuda | cuda_vmm)"));
   }
 
   const std::string source = absl::GetFlag(FLAGS_layout_source);
@@ -256,6 +270,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
              {"bytes", info.bytes},
              {"buffer_bytes", ctx.client->buffers()[0]->size_bytes},
              {"memory", memory},
+             {"buffers", ctx.client->buffers().size()},
              {"shm", ctx.client->buffers()[0]->shm_name}});
   return ctx;
 }

@@ -24,6 +24,7 @@
 #include "planner/model_config.h"
 #include "planner/presets.h"
 #include "planner/types.h"
+#include "tests/e2e/cuda_vmm_worker_buffer.h"
 #include "tests/e2e/cuda_worker_buffer.h"
 #include "tests/e2e/weights.h"
 
@@ -44,8 +45,10 @@ struct WorkerContext {
   planner::PresetLayout preset;  // this rank's layout (one buffer)
   std::unique_ptr<client::WorkerClient> client;
   MemoryView memory;
-  // --memory=cuda: the weights live in `cuda` (on --gpu); `memory` views the host mirror
-  // `host_mirror`, uploaded after each fill (PushWeights) and downloaded before each check.
+  // --memory=cuda / cuda_vmm: the weights live in `cuda` (on --gpu); `memory` views the host
+  // mirror `host_mirror`, uploaded after each fill (PushWeights) and downloaded before each check
+  // (cuda_vmm: the whole allocation, several buffers at their offsets in it; preset.layout then
+  // holds the pieces over those buffers).
   std::unique_ptr<CudaWorkerBuffer> cuda;
   std::vector<uint8_t> host_mirror;
   uint64_t first_version = 1;

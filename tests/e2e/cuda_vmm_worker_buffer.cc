@@ -1,0 +1,33 @@
+#include "tests/e2e/cuda_vmm_worker_buffer.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "tests/e2e/vmm_layout.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::e2e {
+
+absl::StatusOr<VmmWeights> SetUpVmmWeights(client::WorkerClient& client, const planner::Inventory& inventory,
+                                           const planner::WorkerLayout& layout, int gpu, bool send_gpu_uuid, int parts,
+                                           int64_t overrun_bytes) {
+  // 4 KiB before every buffer: offsets that are not 0 and not the allocation's granularity.
+  ASSIGN_OR_RETURN(VmmLayout spread, SpreadOverVmmBuffers(inventory, layout, parts, 4096));
+  VmmWeights w;
+  ASSIGN_OR_RETURN(w.cuda, CudaVmmWorkerBuffer::Create(gpu, spread.bytes));
+  ASSIGN_OR_RETURN(const int fd, w.cuda->ExportFd());
+  absl::Status shared = client.ShareCudaVmmAllocation("weights", fd, w.cuda->size());
+  ::close(fd);  // the client keeps its own copy
+  RETURN_IF_ERROR(shared);
+  const std::string uuid = send_gpu_uuid ? w.cuda->gpu_uuid() : std::string();
+  for (size_t j = 0; j < spread.layout.buffers.size(); ++j) {
+    int64_t size = spread.layout.buffers[j].size_bytes;
+    if (overrun_bytes > 0 && j + 1 == spread.layout.buffers.size()) size = w.cuda->size() - spread.offsets[j] + overrun_bytes;
+    RETURN_IF_ERROR(client.AddCudaVmmBuffer("weights", spread.offsets[j], size, gpu, uuid).status());
+  }
+  w.offsets = std::move(spread.offsets);
+  w.layout = std::move(spread.layout);
+  return w;
+}
+
+}  // namespace wb::e2e
