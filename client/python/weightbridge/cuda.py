@@ -270,8 +270,9 @@ class VmmRange:
             _cu("cuMemExportToShareableHandle", ctypes.byref(fd), _CU_HANDLE(self.handle),
                 _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
         except RuntimeError as e:
-            raise RuntimeError("%s (was the memory created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR? torch does "
-                               "that for expandable segments from 2.5 on)" % e) from None
+            raise RuntimeError("%s (was the memory created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in "
+                               "requestedHandleTypes? torch requests it for expandable segments only in versions that "
+                               "can share them between processes)" % e) from None
         return fd.value
 
     def close(self):
