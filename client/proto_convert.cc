@@ -39,6 +39,8 @@ pb::DType ToProto(planner::DType dtype) {
       return pb::DTYPE_F8_E4M3;
     case planner::DType::kI64:
       return pb::DTYPE_I64;
+    case planner::DType::kE8M0:
+      return pb::DTYPE_E8M0;
   }
   return pb::DTYPE_UNSPECIFIED;
 }
@@ -56,6 +58,8 @@ absl::StatusOr<planner::DType> FromProto(pb::DType dtype) {
       return planner::DType::kF8E4M3;
     case pb::DTYPE_I64:
       return planner::DType::kI64;
+    case pb::DTYPE_E8M0:
+      return planner::DType::kE8M0;
     default:
       break;
   }
@@ -211,6 +215,7 @@ absl::StatusOr<pb::Piece> PieceToProto(const planner::Piece& piece,
                                                      planner::BoxToString(piece.box), " has a negative scale buffer or offset"));
     }
     out.set_quant_dtype(ToProto(piece.quant->dtype));
+    out.set_quant_scale_dtype(ToProto(piece.quant->scale_dtype));
     for (int64_t b : piece.quant->block) out.add_quant_block(b);
     out.set_scale_buffer_id(static_cast<uint32_t>(piece.quant->scale_buffer));
     out.set_scale_offset_bytes(static_cast<uint64_t>(piece.quant->scale_offset_bytes));
@@ -238,6 +243,9 @@ absl::StatusOr<planner::Piece> PieceFromProto(const pb::Piece& piece,
   if (piece.quant_dtype() != pb::DTYPE_UNSPECIFIED) {
     planner::Quantization q;
     ASSIGN_OR_RETURN(q.dtype, FromProto(piece.quant_dtype()));
+    if (piece.quant_scale_dtype() != pb::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(q.scale_dtype, FromProto(piece.quant_scale_dtype()));
+    }
     q.block.assign(piece.quant_block().begin(), piece.quant_block().end());
     q.scale_buffer = static_cast<int32_t>(piece.scale_buffer_id());
     q.scale_offset_bytes = static_cast<int64_t>(piece.scale_offset_bytes());

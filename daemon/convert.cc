@@ -13,6 +13,7 @@ absl::StatusOr<planner::DType> FromProto(pb::DType dtype) {
     case pb::DTYPE_F32: return planner::DType::kF32;
     case pb::DTYPE_F8_E4M3: return planner::DType::kF8E4M3;
     case pb::DTYPE_I64: return planner::DType::kI64;
+    case pb::DTYPE_E8M0: return planner::DType::kE8M0;
     default: return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
   }
 }
@@ -24,6 +25,7 @@ pb::DType ToProto(planner::DType dtype) {
     case planner::DType::kF32: return pb::DTYPE_F32;
     case planner::DType::kF8E4M3: return pb::DTYPE_F8_E4M3;
     case planner::DType::kI64: return pb::DTYPE_I64;
+    case planner::DType::kE8M0: return pb::DTYPE_E8M0;
   }
   return pb::DTYPE_UNSPECIFIED;
 }
@@ -145,6 +147,13 @@ absl::StatusOr<planner::WorkerLayout> LayoutFromProto(const pb::ResolvedLayout& 
       auto dtype = FromProto(p.quant_dtype());
       if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("tensor ", p.tensor(), " piece ", i, ": quant_dtype: ", dtype.status().message()));
       q.dtype = *dtype;
+      if (p.quant_scale_dtype() != pb::DTYPE_UNSPECIFIED) {
+        auto scale_dtype = FromProto(p.quant_scale_dtype());
+        if (!scale_dtype.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat("tensor ", p.tensor(), " piece ", i, ": quant_scale_dtype: ", scale_dtype.status().message()));
+        }
+        q.scale_dtype = *scale_dtype;
+      }
       q.block.assign(p.quant_block().begin(), p.quant_block().end());
       auto sb = buffer_index.find(p.scale_buffer_id());
       if (sb == buffer_index.end()) {
@@ -181,6 +190,7 @@ void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory
     p->mutable_strides()->Assign(piece.strides.begin(), piece.strides.end());
     if (piece.quant.has_value()) {
       p->set_quant_dtype(ToProto(piece.quant->dtype));
+      p->set_quant_scale_dtype(ToProto(piece.quant->scale_dtype));
       p->mutable_quant_block()->Assign(piece.quant->block.begin(), piece.quant->block.end());
       const int32_t sb = piece.quant->scale_buffer;
       p->set_scale_buffer_id(sb >= 0 && sb < buffers.size() ? buffers[sb].buffer_id() : 0);

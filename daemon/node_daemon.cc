@@ -2111,7 +2111,7 @@ absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
         const int64_t sh_bytes = planner::BoxVolume(p.box) * planner::DTypeSize(plan.inventory.tensors[p.tensor].dtype);
         const planner::Piece& sp = shadow.pieces[k];
         if (sp.offset_bytes + sh_bytes > staging[b].size() ||
-            p.quant->scale_offset_bytes + planner::ScaleCount(p) * planner::kScaleElementSize > staging[sb].size()) {
+            p.quant->scale_offset_bytes + planner::ScaleCount(p) * planner::ScaleElementSize(*p.quant) > staging[sb].size()) {
           return absl::InternalError(absl::StrCat("version ", exec.version, ": rollout ", w.worker_id(), " tensor ",
                                                   plan.inventory.tensors[p.tensor].name, ": quantised piece outside its staging"));
         }
@@ -2251,7 +2251,7 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
     }
     transport::CopyOp op;
     op.shape = {planner::ScaleCount(*piece)};
-    op.element_size = planner::kScaleElementSize;
+    op.element_size = planner::ScaleElementSize(*piece->quant);
     op.src = {it->second.src, piece->quant->scale_offset_bytes, {1}};
     op.dst = {it->second.dst, piece->quant->scale_offset_bytes, {1}};
     batches[it->second.t].ops.push_back(std::move(op));

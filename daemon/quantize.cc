@@ -45,6 +45,15 @@ float E4M3ToFloat(uint8_t bits) {
   return sign * std::ldexp(1.0f + m / 8.0f, e - 7);
 }
 
+uint8_t E8M0ScaleFor(float amax) {
+  if (std::isnan(amax)) return kE8M0Nan;
+  if (!(amax > 0.0f)) return 0;  // all zeros: the smallest scale, every element stays 0
+  int exp2 = 0;
+  std::frexp(amax, &exp2);  // amax = m * 2^exp2, m in [0.5, 1): floor(log2(amax)) = exp2 - 1
+  const int e = std::clamp(exp2 - 1 - kE4M3MaxExponent, -127, 127);
+  return static_cast<uint8_t>(e + 127);
+}
+
 float LoadAsFloat(const uint8_t* p, planner::DType dtype) {
   switch (dtype) {
     case planner::DType::kBF16: {
@@ -122,18 +131,35 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
       if (std::isnan(a) || a > m) m = a;  // a NaN sticks: the block's scale and elements are NaN
     }
   });
+  // Per block: float32 scales multiply by 448 / amax; e8m0 scales multiply by 2^-e (exact, ldexp).
+  const bool e8m0 = piece.quant->scale_dtype == planner::DType::kE8M0;
+  if (!e8m0 && piece.quant->scale_dtype != planner::DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, ": scale dtype ",
+                                                   planner::DTypeName(piece.quant->scale_dtype)));
+  }
   std::vector<float> factor(amax.size());
+  std::vector<int> shift(amax.size());
+  uint8_t* scale_out = scales + piece.quant->scale_offset_bytes;
   for (size_t b = 0; b < amax.size(); ++b) {
-    const float m = std::isnan(amax[b]) ? amax[b] : std::max(amax[b], kMinBlockAmax);
-    const float scale_inv = m / kE4M3Max;
-    std::memcpy(scales + piece.quant->scale_offset_bytes + static_cast<int64_t>(b) * 4, &scale_inv, 4);
-    factor[b] = kE4M3Max / m;
+    if (e8m0) {
+      const uint8_t s = E8M0ScaleFor(amax[b]);
+      scale_out[b] = s;
+      shift[b] = 127 - static_cast<int>(s);  // x * 2^-e
+      factor[b] = s == kE8M0Nan ? std::nanf("") : 1.0f;
+    } else {
+      const float m = std::isnan(amax[b]) ? amax[b] : std::max(amax[b], kMinBlockAmax);
+      const float scale_inv = m / kE4M3Max;
+      std::memcpy(scale_out + static_cast<int64_t>(b) * 4, &scale_inv, 4);
+      factor[b] = kE4M3Max / m;
+    }
   }
   for_each_row([&](int64_t r, int64_t block_base, int64_t dst) {
     const uint8_t* row = shadow + r * inner * es;
     for (int64_t j = 0; j < inner; ++j) {
       const float x = LoadAsFloat(row + j * es, src);
-      elements[dst + j * inner_stride] = FloatToE4M3(x * factor[static_cast<size_t>(block_base + j / inner_block)]);
+      const size_t b = static_cast<size_t>(block_base + j / inner_block);
+      const float scaled = e8m0 ? std::ldexp(x, shift[b]) * factor[b] : x * factor[b];
+      elements[dst + j * inner_stride] = FloatToE4M3(scaled);
     }
   });
   return absl::OkStatus();

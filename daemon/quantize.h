@@ -3,11 +3,17 @@
 // `Quantization`, planner/quantized.h): runs on the receiving node, on host staging, after a
 // version has fully landed and before it commits.
 //
-// Numerics (as DeepGEMM's per_block_cast_to_fp8, which vLLM / SGLang fp8 block checkpoints use):
+// Numerics, float32 scales (DeepGEMM's per_block_cast_to_fp8, which vLLM / SGLang fp8 block
+// checkpoints use):
 //   amax      = max(max |x| over the block, 1e-4)   (x read in float32 from the canonical dtype)
 //   scale_inv = amax / 448                          (stored, float32; dequantise: q * scale_inv)
 //   q         = float8_e4m3fn(x * (448 / amax))     (round to nearest even, saturating at +-448)
-// NaN inputs give the e4m3fn NaN (0x7f / 0xff).
+// float8_e8m0 scales (OCP Microscaling spec v1.0, MXFP8 e4m3; torchao's default FLOOR rounding):
+//   e         = floor(log2(amax)) - 8, clamped to [-127, 127] (amax 0 -> -127; 8 = emax of e4m3)
+//   scale     = e + 127 stored as one byte (dequantise: q * 2^e)
+//   q         = float8_e4m3fn(x * 2^-e)             (exact scaling; round to nearest even,
+//                                                    saturating: amax * 2^-e lies in [256, 512))
+// NaN inputs give the e4m3fn NaN (0x7f / 0xff); with e8m0 a block holding a NaN gets scale 0xff.
 
 #include <cstdint>
 
@@ -25,11 +31,16 @@ float LoadAsFloat(const uint8_t* p, planner::DType dtype);
 
 inline constexpr float kE4M3Max = 448.0f;
 inline constexpr float kMinBlockAmax = 1e-4f;
+inline constexpr int kE4M3MaxExponent = 8;  // floor(log2(448))
+inline constexpr uint8_t kE8M0Nan = 0xff;
+
+// The e8m0 scale byte of a block whose largest magnitude is `amax` (see above).
+uint8_t E8M0ScaleFor(float amax);
 
 // Quantises `piece` (quantised and validated against its layout): reads its box from `shadow`
 // (canonical dtype, row-major over the box, as planner::StagingLayout places it), writes the e4m3
 // elements at the piece's offset and strides into `elements` (the base of the piece's buffer) and
-// the float32 scales, row-major over the block grid, at quant.scale_offset_bytes of `scales` (the
+// the scales (quant.scale_dtype), row-major over the block grid, at quant.scale_offset_bytes of `scales` (the
 // base of the scale buffer). The caller has checked every address against its buffer (the layout
 // was validated); INVALID_ARGUMENT for a piece without quant or a dtype it cannot read.
 absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow,

@@ -1,5 +1,6 @@
 #include "daemon/quantize.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -156,6 +157,103 @@ TEST(QuantizeTest, BlockQuantisesATransposedPieceWithAPartialBlock) {
       ASSERT_NEAR(back, val(r, c), std::fabs(val(r, c)) / 16 + amax0 * std::ldexp(1.0f, -9)) << r << "," << c;
     }
   }
+}
+
+// e8m0 scale by definition (OCP MX v1.0, FLOOR): the largest power of two 2^k <= amax, then
+// e = k - 8; found by doubling/halving in double, independent of frexp.
+uint8_t ReferenceE8M0(float amax) {
+  if (std::isnan(amax)) return 0xff;
+  if (amax == 0.0f) return 0;
+  int k = 0;
+  double p = 1.0;
+  while (p * 2 <= amax) { p *= 2; ++k; }
+  while (p > amax) { p /= 2; --k; }
+  return static_cast<uint8_t>(std::clamp(k - 8, -127, 127) + 127);
+}
+
+TEST(QuantizeTest, E8M0ScaleIsTheFloorPowerOfTwoOverTheE4M3Range) {
+  EXPECT_EQ(E8M0ScaleFor(1.0f), 127 - 8);
+  EXPECT_EQ(E8M0ScaleFor(448.0f), 127 + 0);     // 2^8 <= 448 < 2^9: e = 0
+  EXPECT_EQ(E8M0ScaleFor(511.9f), 127 + 0);
+  EXPECT_EQ(E8M0ScaleFor(512.0f), 127 + 1);
+  EXPECT_EQ(E8M0ScaleFor(0.0f), 0);
+  EXPECT_EQ(E8M0ScaleFor(std::nanf("")), 0xff);
+  EXPECT_EQ(E8M0ScaleFor(std::ldexp(1.0f, -140)), 0);  // clamps at e = -127
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> mag(-130.0f, 127.0f);
+  for (int i = 0; i < 20000; ++i) {
+    const float a = std::exp2(mag(rng));
+    ASSERT_EQ(E8M0ScaleFor(a), ReferenceE8M0(a)) << a;
+  }
+}
+
+// MXFP8: a 2-D float32 piece with 1x32 blocks (last block partial), row-major with a row pitch;
+// elements and e8m0 scales against the reference, zero and NaN blocks included.
+TEST(QuantizeTest, MxScalesQuantiseAPieceWithA1x32BlockGrid) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {64, 80}, planner::DType::kF32});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{32, 0}, {64, 80}};  // 32 x 80: blocks 1 x 32 -> grid 32 x 3 (last 16 wide)
+  p.buffer = 0;
+  p.offset_bytes = 16;
+  p.strides = {96, 1};  // row pitch 96 bytes
+  planner::Quantization q;
+  q.block = {1, 32};
+  q.scale_dtype = planner::DType::kE8M0;
+  q.scale_buffer = 0;
+  q.scale_offset_bytes = 16 + 32 * 96 + 3;  // byte scales: any alignment
+  p.quant = q;
+  planner::WorkerLayout layout;
+  layout.buffers.push_back({q.scale_offset_bytes + 32 * 3 + 5});
+  layout.pieces.push_back(p);
+  ASSERT_TRUE(planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r").ok())
+      << planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r");
+
+  const int64_t rows = 32, cols = 80;
+  std::vector<float> shadow(rows * cols);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float row_scale = std::ldexp(1.0f, static_cast<int>(r) * 3 - 60);  // blocks far apart in magnitude
+    for (int64_t c = 0; c < cols; ++c) shadow[r * cols + c] = n(rng) * row_scale;
+  }
+  for (int64_t c = 32; c < 64; ++c) shadow[2 * cols + c] = 0.0f;  // zero block (row 2, block 1)
+  shadow[5 * cols + 70] = std::nanf("");                           // NaN block (row 5, block 2)
+  std::vector<uint8_t> buf(layout.buffers[0].size_bytes, 0xAB);
+  ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data()).ok());
+
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < 3; ++b) {
+      float amax = 0;
+      bool nan = false;
+      for (int64_t c = b * 32; c < std::min<int64_t>(cols, b * 32 + 32); ++c) {
+        nan = nan || std::isnan(shadow[r * cols + c]);
+        amax = std::max(amax, std::fabs(shadow[r * cols + c]));
+      }
+      const uint8_t want_scale = nan ? 0xff : ReferenceE8M0(amax);
+      ASSERT_EQ(buf[q.scale_offset_bytes + r * 3 + b], want_scale) << r << "," << b;
+      const double pow2 = std::pow(2.0, static_cast<int>(want_scale) - 127);
+      for (int64_t c = b * 32; c < std::min<int64_t>(cols, b * 32 + 32); ++c) {
+        const uint8_t got = buf[16 + r * 96 + c];
+        if (nan) {
+          ASSERT_EQ(got & 0x7f, 0x7f) << r << "," << c;
+          continue;
+        }
+        ASSERT_EQ(got, NearestCode(static_cast<float>(shadow[r * cols + c] / pow2))) << r << "," << c;
+        if (amax > 0) {  // dequantised within e4m3's precision (and saturation at 448 * 2^e)
+          const double back = E4M3ToFloat(got) * pow2;
+          ASSERT_NEAR(back, shadow[r * cols + c], std::fabs(shadow[r * cols + c]) / 8 + pow2 * std::ldexp(1.0, -9)) << r << "," << c;
+        }
+      }
+    }
+  }
+  // Row padding and the bytes around the scales are untouched.
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = cols; c < 96 && 16 + r * 96 + c < q.scale_offset_bytes; ++c) ASSERT_EQ(buf[16 + r * 96 + c], 0xAB);
+  }
+  for (int64_t i = q.scale_offset_bytes + 96; i < static_cast<int64_t>(buf.size()); ++i) ASSERT_EQ(buf[i], 0xAB);
+  EXPECT_EQ(buf[q.scale_offset_bytes - 1], 0xAB);
 }
 
 TEST(QuantizeTest, RefusesUnquantisedPieces) {

@@ -14,6 +14,7 @@ int DTypeSize(DType dtype) {
     case DType::kF32:
       return 4;
     case DType::kF8E4M3:
+    case DType::kE8M0:
       return 1;
     case DType::kI64:
       return 8;
@@ -33,6 +34,8 @@ const char* DTypeName(DType dtype) {
       return "float8_e4m3";
     case DType::kI64:
       return "int64";
+    case DType::kE8M0:
+      return "float8_e8m0";
   }
   return "unknown";
 }

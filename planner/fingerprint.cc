@@ -88,6 +88,7 @@ void HashProblem(Hasher& h, const Problem& p) {
       h.I64(pc.quant.has_value() ? 1 : 0);
       if (pc.quant.has_value()) {
         h.I64(static_cast<int64_t>(pc.quant->dtype));
+        h.I64(static_cast<int64_t>(pc.quant->scale_dtype));
         h.Vec(pc.quant->block);
         h.I64(pc.quant->scale_buffer);
         h.I64(pc.quant->scale_offset_bytes);

@@ -579,7 +579,12 @@ bool QuantizableTensor(const TensorSpec& t) {
 
 // Re-packs `out` (one buffer) with quantisable local tensors as float8_e4m3 + their scales.
 absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, PresetLayout& out) {
-  constexpr int64_t kBlock = 128;
+  // fp8_block128: 128x128 blocks, float32 scale_inv (DeepSeek-V3); mxfp8: 1x32 blocks along the
+  // input dim, e8m0 scales (OCP MX, vLLM's "weight_scale" uint8).
+  const bool mx = scheme == "mxfp8";
+  const std::vector<int64_t> block = mx ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{128, 128};
+  const DType scale_dtype = mx ? DType::kE8M0 : DType::kF32;
+  const int scale_size = DTypeSize(scale_dtype);
   PresetLayout q;
   q.layout.buffers = out.layout.buffers;
   q.layout.pieces = out.layout.pieces;
@@ -603,8 +608,9 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     if (!quantize) continue;
     LocalTensor st;
     st.name = lt.name;
-    st.name += absl::EndsWith(st.name, ".weight") ? "_scale_inv" : ".weight_scale_inv";
-    st.dtype = DType::kF32;
+    const char* suffix = mx ? "_scale" : "_scale_inv";
+    st.name += absl::EndsWith(st.name, ".weight") ? suffix : absl::StrCat(".weight", suffix);
+    st.dtype = scale_dtype;
     st.offset_bytes = AlignUp(cursor, kLocalTensorAlignment);
     st.first_piece = lt.first_piece;
     st.num_pieces = 0;
@@ -613,9 +619,14 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
       Piece& p = q.layout.pieces[k];
       Quantization quant;
-      quant.block.assign(p.box.begin.size(), kBlock);
+      if (p.box.begin.size() != block.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(scheme, ": local tensor ", lt.name, " holds a ", p.box.begin.size(),
+                                                       "-D piece of ", inv.tensors[p.tensor].name, " (2-D only)"));
+      }
+      quant.block = block;
+      quant.scale_dtype = scale_dtype;
       quant.scale_buffer = 0;
-      quant.scale_offset_bytes = st.offset_bytes + count * kScaleElementSize;
+      quant.scale_offset_bytes = st.offset_bytes + count * scale_size;
       p.quant = quant;
       RETURN_IF_ERROR(CheckQuantization(inv, WorkerLayout{{BufferInfo{int64_t{1} << 62}}, {}}, p,
                                         absl::StrCat(scheme, ": local tensor ", lt.name, " (tensor ", inv.tensors[p.tensor].name,
@@ -630,7 +641,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
       }
     }
     st.shape = slabs ? std::vector<int64_t>{row_blocks, col_blocks} : std::vector<int64_t>{count};
-    cursor = st.offset_bytes + count * kScaleElementSize;
+    cursor = st.offset_bytes + count * scale_size;
     q.local_tensors.push_back(std::move(st));
   }
   q.layout.buffers = {BufferInfo{AlignUp(cursor, kLocalTensorAlignment)}};
@@ -644,7 +655,7 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
                                                     const ParallelConfig& parallel) {
   ASSIGN_OR_RETURN(Kind kind, KindOf(parallel.preset));
   if (!KnownQuantization(parallel.quantization)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128 or none)"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8 or none)"));
   }
   if (!parallel.quantization.empty() && kind != Kind::kVllm) {
     return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",
@@ -685,7 +696,7 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
   return absl::InternalError("unreachable");
 }
 
-bool KnownQuantization(const std::string& scheme) { return scheme.empty() || scheme == "fp8_block128"; }
+bool KnownQuantization(const std::string& scheme) { return scheme.empty() || scheme == "fp8_block128" || scheme == "mxfp8"; }
 
 absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,
                                               const ParallelConfig& parallel, int rank) {

@@ -50,6 +50,8 @@ struct ParallelConfig {
   // by "<name>_scale_inv" (float32): each piece's scales in piece order; shape
   // [sum of the pieces' row blocks, column blocks] when the pieces are row slabs of a 2-D tensor,
   // else [number of scales]. Embeddings, lm_head, norms, routers and biases stay unquantised.
+  // "mxfp8": the same tensors as float8_e4m3 with OCP MX scales: blocks of 1x32 along the input
+  // (last) dim, one float8_e8m0 byte per block, in "<name>_scale" ([rows, cols/32] for row slabs).
   // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
   std::string quantization;
 };

@@ -181,6 +181,40 @@ TEST(Presets, VllmFp8Block128QuantisesLinearWeightsOnly) {
   EXPECT_EQ(DTypeSize(plain_qkv->dtype), 2 * DTypeSize(qkv->dtype));
 }
 
+TEST(Presets, VllmMxfp8HoldsOneE8M0ScalePer32Inputs) {
+  Model m = Load("qwen2.5-7b.json", 2);
+  ParallelConfig par{.preset = "vllm", .tp = 4, .replicas = 2};
+  par.quantization = "mxfp8";
+  auto l = MakePresetLayout(m.config, m.inv, par, /*rank=*/5);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout, "r").ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout, "r");
+  const LocalTensor* qkv = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  EXPECT_EQ(qkv->dtype, DType::kF8E4M3);
+  const LocalTensor* scales = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight_scale");
+  ASSERT_NE(scales, nullptr);
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight_scale_inv"), nullptr);
+  EXPECT_EQ(scales->dtype, DType::kE8M0);
+  EXPECT_EQ(scales->shape, (std::vector<int64_t>{qkv->shape[0], 3584 / 32}));  // one byte per 32 inputs
+  int64_t at = scales->offset_bytes;
+  for (int32_t p = qkv->first_piece; p < qkv->first_piece + qkv->num_pieces; ++p) {
+    const Piece& piece = l->layout.pieces[p];
+    ASSERT_TRUE(piece.quant.has_value());
+    EXPECT_EQ(piece.quant->block, (std::vector<int64_t>{1, 32}));
+    EXPECT_EQ(piece.quant->scale_dtype, DType::kE8M0);
+    EXPECT_EQ(piece.quant->scale_offset_bytes, at);
+    at += ScaleCount(piece);
+  }
+  EXPECT_EQ(at, scales->offset_bytes + qkv->shape[0] * 112);
+  // Row-parallel down_proj [H, I/4]: its input dim is split by tp, 18944 / 4 = 4736 = 148 x 32.
+  const LocalTensor* down = FindLocal(*l, "model.layers.0.mlp.down_proj.weight_scale");
+  ASSERT_NE(down, nullptr);
+  EXPECT_EQ(down->shape, (std::vector<int64_t>{3584, 148}));
+  const LocalTensor* norm = FindLocal(*l, "model.layers.0.input_layernorm.weight");
+  ASSERT_NE(norm, nullptr);
+  EXPECT_EQ(norm->dtype, DType::kBF16);
+}
+
 TEST(Presets, QuantisationErrors) {
   Model m = Load("qwen2.5-0.5b.json", 1);  // 14 q heads of 64: tp=2 puts 448 rows of q_proj on a rank
   ParallelConfig par{.preset = "vllm", .tp = 2};

@@ -11,6 +11,8 @@ int PieceElementSize(const Inventory& inventory, const Piece& piece) {
   return DTypeSize(inventory.tensors[piece.tensor].dtype);
 }
 
+int ScaleElementSize(const Quantization& quant) { return DTypeSize(quant.scale_dtype); }
+
 std::vector<int64_t> ScaleShape(const Piece& piece) {
   std::vector<int64_t> out;
   if (!piece.quant.has_value()) return out;
@@ -66,11 +68,16 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
     return absl::InvalidArgumentError(absl::StrCat(where, ": scale buffer ", q.scale_buffer, " not registered (",
                                                    layout.buffers.size(), " buffers)"));
   }
-  if (q.scale_offset_bytes < 0 || q.scale_offset_bytes % kScaleElementSize != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": scale offset ", q.scale_offset_bytes,
-                                                   " negative or not a multiple of 4 (float32 scales)"));
+  if (q.scale_dtype != DType::kF32 && q.scale_dtype != DType::kE8M0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scale dtype ", DTypeName(q.scale_dtype),
+                                                   " is not supported (float32 or float8_e8m0)"));
   }
-  const int64_t bytes = ScaleCount(piece) * kScaleElementSize;
+  const int scale_size = ScaleElementSize(q);
+  if (q.scale_offset_bytes < 0 || q.scale_offset_bytes % scale_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scale offset ", q.scale_offset_bytes, " negative or not a multiple of ",
+                                                   scale_size, " (", DTypeName(q.scale_dtype), " scales)"));
+  }
+  const int64_t bytes = ScaleCount(piece) * scale_size;
   const int64_t size = layout.buffers[q.scale_buffer].size_bytes;
   if (q.scale_offset_bytes > size || bytes > size - q.scale_offset_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": scales [", q.scale_offset_bytes, ", ",

@@ -25,10 +25,11 @@ int PieceElementSize(const Inventory& inventory, const Piece& piece);
 // Blocks per canonical dim of a quantised piece: ceil(extent_d / block_d). Empty when unquantised.
 std::vector<int64_t> ScaleShape(const Piece& piece);
 int64_t ScaleCount(const Piece& piece);  // product of ScaleShape (0 when unquantised)
-inline constexpr int kScaleElementSize = 4;  // float32
+// Bytes per scale: DTypeSize(quant.scale_dtype) (float32: 4, float8_e8m0: 1).
+int ScaleElementSize(const Quantization& quant);
 
 // The quantisation rules of one piece (dtype pair, block rank and size, block alignment of the box,
-// scale region inside its buffer and 4-byte aligned). Called by ValidateLayout, which adds the
+// scale region inside its buffer and aligned to its scale size). Called by ValidateLayout, which adds the
 // role check and the overlap check of the scale regions. `where` prefixes the message.
 absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& layout, const Piece& piece,
                                absl::string_view where);

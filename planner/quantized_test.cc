@@ -103,6 +103,30 @@ TEST(QuantizedTest, BadDtypesBlocksAndScaleRegions) {
   ExpectError(ValidateLayout(inv, c, Role::kRollout, "r"), "cannot quantise a int64 tensor");
 }
 
+TEST(QuantizedTest, E8M0ScalesAreOneByteEachAndNeedNoAlignment) {
+  Inventory inv = Inv();
+  // Rows [128, 256) of a.weight with MX blocks 1 x 32: 128 x 12 byte scales at an odd offset.
+  WorkerLayout l;
+  l.buffers.push_back({49153 + 128 * 12});
+  l.pieces.push_back(QuantPiece(0, {{128, 0}, {256, 384}}, 0, {384, 1}, {1, 32}, 49153));
+  l.pieces[0].quant->scale_dtype = DType::kE8M0;
+  EXPECT_EQ(ScaleElementSize(*l.pieces[0].quant), 1);
+  EXPECT_EQ(ScaleCount(l.pieces[0]), 128 * 12);
+  EXPECT_TRUE(ValidateLayout(inv, l, Role::kRollout, "r").ok()) << ValidateLayout(inv, l, Role::kRollout, "r");
+  l.buffers[0].size_bytes -= 1;  // the last scale byte falls outside
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "reach beyond buffer 0");
+  l.buffers[0].size_bytes += 1;
+  l.pieces[0].quant->scale_offset_bytes = 49152 - 1;  // overlaps the piece's last element
+  EXPECT_EQ(ValidateLayout(inv, l, Role::kRollout, "r").code(), absl::StatusCode::kInvalidArgument);
+  l.pieces[0].quant->scale_offset_bytes = 49153;
+  l.pieces[0].quant->scale_dtype = DType::kBF16;
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "scale dtype bfloat16 is not supported (float32 or float8_e8m0)");
+  // The scale dtype is part of the fingerprinted layout: float32 scales of the same piece need 4x
+  // the bytes and 4-byte alignment.
+  l.pieces[0].quant->scale_dtype = DType::kF32;
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "not a multiple of 4 (float32 scales)");
+}
+
 TEST(QuantizedTest, ScalesMustNotOverlapPiecesOrOtherScales) {
   Inventory inv = Inv();
   WorkerLayout l = Good();

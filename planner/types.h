@@ -16,11 +16,12 @@
 
 namespace wb::planner {
 
-enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64 };
+// kE8M0: OCP microscaling scale byte (value 2^(bits - 127), 0xff NaN); only as a scale dtype.
+enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64, kE8M0 };
 
 // Bytes per element.
 int DTypeSize(DType dtype);
-const char* DTypeName(DType dtype);  // "bfloat16", "float16", "float32", "float8_e4m3", "int64"
+const char* DTypeName(DType dtype);  // "bfloat16", "float16", "float32", "float8_e4m3", "int64", "float8_e8m0"
 
 struct TensorSpec {
   std::string name;            // HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
@@ -40,19 +41,23 @@ struct Box {
 };
 
 // A rollout piece held in a narrower dtype than the canonical tensor (user ask 5: quantized
-// targets). Block quantisation as DeepSeek-V3 / vLLM's fp8 block-quant checkpoints store it: the
-// box is cut into blocks of `block` elements (per canonical dim, on the tensor's global grid, so
-// the box must start on a block boundary and end on one or at the tensor's end); each block gets
-// one float32 `scale_inv` = max(amax(block), 1e-12) / 448 and its elements are stored as
-// round-to-nearest-even float8_e4m3fn(x / scale_inv). The scales are a row-major float32 array of
-// ceil(extent_d / block_d) per dim at `scale_offset_bytes` of buffer `scale_buffer`.
+// targets). Block quantisation: the box is cut into blocks of `block` elements (per canonical dim,
+// on the tensor's global grid, so the box must start on a block boundary and end on one or at the
+// tensor's end); each block gets one scale and its elements are stored as float8_e4m3fn. Two scale
+// dtypes (numerics in daemon/quantize.h):
+//   kF32  - DeepSeek-V3 / vLLM fp8 block-quant checkpoints: float32 scale_inv = amax / 448;
+//   kE8M0 - OCP microscaling (MXFP8): one power-of-two scale byte (2^(e - 127)) per block,
+//           usually 1x32 along the last dim.
+// The scales are a row-major array of ceil(extent_d / block_d) per dim at `scale_offset_bytes` of
+// buffer `scale_buffer`.
 // Bytes always travel in the canonical dtype; the receiving node quantises once the version has
 // landed (docs/daemon.md, "Quantized targets").
 struct Quantization {
-  DType dtype = DType::kF8E4M3;  // the only target so far
+  DType dtype = DType::kF8E4M3;  // the only element type so far
   std::vector<int64_t> block;    // elements per block, per canonical dim (>= 1)
   int32_t scale_buffer = 0;
   int64_t scale_offset_bytes = 0;
+  DType scale_dtype = DType::kF32;  // kF32 or kE8M0
 };
 
 struct Piece {

@@ -172,7 +172,7 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       // After the bounds checks above: the grid rules need a valid box.
       RETURN_IF_ERROR(CheckQuantization(inv, layout, p, Where(worker, inv, p, i)));
       const int64_t lo = p.quant->scale_offset_bytes;
-      extents[p.quant->scale_buffer].push_back(Extent{lo, lo + ScaleCount(p) * kScaleElementSize, i, true});
+      extents[p.quant->scale_buffer].push_back(Extent{lo, lo + ScaleCount(p) * ScaleElementSize(*p.quant), i, true});
     }
   }
   if (role != Role::kRollout) return absl::OkStatus();

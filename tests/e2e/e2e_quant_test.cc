@@ -6,7 +6,8 @@
 // Apply copy fp8 elements and scales into the live buffer. Every rollout checks EVERY element and
 // scale against its own reference quantisation of the canonical weights (tests/e2e/weights.cc,
 // independent of daemon/quantize), in sync and one-step-off mode, with the layout reaching the
-// daemon as a preset (resolved by the coordinator) and as explicit pieces.
+// daemon as a preset (resolved by the coordinator) and as explicit pieces; and once with MXFP8
+// (preset quantization mxfp8: 1x32 blocks, float8_e8m0 scales).
 #include <string>
 #include <vector>
 
@@ -22,13 +23,16 @@ namespace {
 struct Case {
   std::string mode;           // sync | one_step_off
   std::string layout_source;  // preset | pieces
+  std::string scheme;         // fp8_block128 | mxfp8
 };
 
-std::string CaseName(const testing::TestParamInfo<Case>& info) { return info.param.mode + "_" + info.param.layout_source; }
+std::string CaseName(const testing::TestParamInfo<Case>& info) {
+  return info.param.mode + "_" + info.param.layout_source + "_" + info.param.scheme;
+}
 
 class QuantTest : public testing::TestWithParam<Case> {};
 
-TEST_P(QuantTest, Fp8BlockRolloutsMatchTheReferenceQuantisation) {
+TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
   const Case& c = GetParam();
   auto harness = Harness::Create("quant");
   ASSERT_TRUE(harness.ok()) << harness.status();
@@ -40,7 +44,7 @@ TEST_P(QuantTest, Fp8BlockRolloutsMatchTheReferenceQuantisation) {
 
   RunOptions run;
   run.config = ModelConfigPath();
-  run.model_id = "qwen-fp8-" + c.mode;
+  run.model_id = "qwen-" + c.scheme + "-" + c.mode;
   run.mode = c.mode;
   run.versions = 2;
   run.timeout_ms = ScaledMs(60000);
@@ -50,7 +54,7 @@ TEST_P(QuantTest, Fp8BlockRolloutsMatchTheReferenceQuantisation) {
   for (int r = 0; r < 2; ++r) trainers.push_back({true, 0, "megatron", 2, 1, 1, 1, r, r});
   for (int r = 0; r < 2; ++r) {
     WorkerSpec w{false, r, "vllm", 1, 1, 1, 2, r, 2};
-    w.extra_flags = {"--quantization=fp8_block128"};
+    w.extra_flags = {"--quantization=" + c.scheme};
     rollouts.push_back(w);
   }
   auto result = cl.RunWorkers(run, trainers, rollouts);
@@ -75,7 +79,9 @@ TEST_P(QuantTest, Fp8BlockRolloutsMatchTheReferenceQuantisation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(E2E, QuantTest,
-                         testing::Values(Case{"sync", "preset"}, Case{"one_step_off", "pieces"}), CaseName);
+                         testing::Values(Case{"sync", "preset", "fp8_block128"}, Case{"one_step_off", "pieces", "fp8_block128"},
+                                         Case{"one_step_off", "preset", "mxfp8"}),
+                         CaseName);
 
 }  // namespace
 }  // namespace wb::e2e

@@ -48,7 +48,8 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
   }
   if (p.quant.has_value()) {
     const planner::Quantization& q = *p.quant;
-    if (q.dtype != planner::DType::kF8E4M3 || q.block.size() != t.shape.size() || q.scale_buffer < 0 ||
+    if (q.dtype != planner::DType::kF8E4M3 || (q.scale_dtype != planner::DType::kF32 && q.scale_dtype != planner::DType::kE8M0) ||
+        q.block.size() != t.shape.size() || q.scale_buffer < 0 ||
         q.scale_buffer >= static_cast<int>(memory.buffers.size())) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ": malformed quantisation"));
     }
@@ -57,7 +58,7 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
       if (q.block[d] < 1) return absl::InvalidArgumentError(absl::StrCat(where(), ": block < 1"));
       count *= (p.box.end[d] - p.box.begin[d] + q.block[d] - 1) / q.block[d];
     }
-    if (q.scale_offset_bytes < 0 || q.scale_offset_bytes + 4 * count > memory.sizes[q.scale_buffer]) {
+    if (q.scale_offset_bytes < 0 || q.scale_offset_bytes + planner::DTypeSize(q.scale_dtype) * count > memory.sizes[q.scale_buffer]) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ": scales outside buffer ", q.scale_buffer));
     }
   }
@@ -243,17 +244,40 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
       amax[static_cast<size_t>(block)] = std::max(amax[static_cast<size_t>(block)], std::fabs(x));
     });
   }
+  // Per block, the factor that maps x onto the e4m3 grid: 448 / max(amax, 1e-4) (float32 scale_inv)
+  // or 2^-e with e = floor(log2 amax) - 8, found here by halving/doubling (float8_e8m0).
+  const bool e8m0 = q.scale_dtype == planner::DType::kE8M0;
+  std::vector<double> factor(static_cast<size_t>(count), 0.0);
   for (int64_t b = 0; b < count; ++b) {
+    const float a = amax[static_cast<size_t>(b)];
+    if (e8m0) {
+      int e = -127;
+      if (version > 0 && a > 0) {
+        int k = 0;
+        double pw = 1.0;
+        while (pw * 2 <= a) pw *= 2, ++k;
+        while (pw > a) pw /= 2, --k;
+        e = std::clamp(k - 8, -127, 127);
+      }
+      const uint8_t got = scale_base[b];
+      const uint8_t want = version == 0 ? 0 : static_cast<uint8_t>(e + 127);
+      if (got != want) mismatch(absl::StrCat("e8m0 scale of block ", b, ": got ", int{got}, ", want ", int{want}));
+      factor[static_cast<size_t>(b)] = std::pow(2.0, -e);
+      continue;
+    }
     float got;
     std::memcpy(&got, scale_base + 4 * b, 4);
-    const float want = version == 0 ? 0.0f : std::max(amax[static_cast<size_t>(b)], 1e-4f) / 448.0f;
+    const float want = version == 0 ? 0.0f : std::max(a, 1e-4f) / 448.0f;
     if (std::memcmp(&got, &want, 4) != 0) mismatch(absl::StrCat("scale of block ", b, ": got ", got, ", want ", want));
+    factor[static_cast<size_t>(b)] = 448.0f / std::max(a, 1e-4f);
   }
   for_each([&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, uint8_t got) {
     uint8_t want = 0;
     if (version > 0) {
       const float x = CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
-      want = NearestE4M3(x * (448.0f / std::max(amax[static_cast<size_t>(block)], 1e-4f)));
+      // float32 scales: the daemon multiplies in float (x * (448 / amax) rounded once); e8m0: exact.
+      const float f = static_cast<float>(factor[static_cast<size_t>(block)]);
+      want = NearestE4M3(e8m0 ? static_cast<float>(x * factor[static_cast<size_t>(block)]) : x * f);
     }
     if (got != want) {
       mismatch(absl::StrCat("element at local [", absl::StrJoin(idx, ", "), "]: got 0x", absl::Hex(got), ", want 0x", absl::Hex(want)));

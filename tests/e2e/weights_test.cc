@@ -151,5 +151,45 @@ TEST(WeightsTest, QuantisedPieceMatchesTheDaemonsQuantiser) {
   EXPECT_EQ(FillPieces(inv, live, fv, 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(WeightsTest, MxQuantisedPieceMatchesTheDaemonsQuantiser) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {64, 100}, planner::DType::kBF16});
+  planner::WorkerLayout live;
+  live.buffers.push_back({1 << 14});
+  planner::Piece w;
+  w.tensor = 0;
+  w.box = {{0, 32}, {64, 100}};  // 64 x 68: blocks 1 x 32 -> 64 x 3 (the last 4 wide)
+  w.offset_bytes = 0;
+  w.strides = {68, 1};
+  w.quant = planner::Quantization{planner::DType::kF8E4M3, {1, 32}, 0, 64 * 68 + 1, planner::DType::kE8M0};
+  live.pieces = {w};
+  ASSERT_TRUE(planner::ValidateLayout(inv, live, planner::Role::kRollout, "r").ok())
+      << planner::ValidateLayout(inv, live, planner::Role::kRollout, "r");
+  planner::WorkerLayout shadow = planner::StagingLayout(inv, live);
+  std::vector<uint8_t> staging(static_cast<size_t>(shadow.buffers[0].size_bytes), 0);
+  MemoryView sv{{staging.data()}, {shadow.buffers[0].size_bytes}};
+  ASSERT_TRUE(FillPieces(inv, shadow, sv, 9).ok());
+  ASSERT_TRUE(daemon::QuantizePiece(inv, w, staging.data() + shadow.pieces[0].offset_bytes, staging.data(), staging.data()).ok());
+  MemoryView lv{{staging.data()}, {live.buffers[0].size_bytes}};
+  auto r = VerifyPieces(inv, live, lv, 9);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->mismatches, 0) << r->first_mismatch;
+  EXPECT_EQ(r->elements, 64 * 68);
+  // A flipped scale byte is named as such; a flipped element too.
+  staging[64 * 68 + 1 + 5] ^= 0x01;
+  auto sc = VerifyPieces(inv, live, lv, 9);
+  EXPECT_EQ(sc->mismatches, 1);
+  EXPECT_NE(sc->first_mismatch.find("e8m0 scale of block 5"), std::string::npos) << sc->first_mismatch;
+  staging[64 * 68 + 1 + 5] ^= 0x01;
+  staging[100] ^= 0x02;
+  EXPECT_EQ(VerifyPieces(inv, live, lv, 9)->mismatches, 1);
+  staging[100] ^= 0x02;
+  // The same bytes read as float32-scaled are wrong: the scale dtype matters to the check.
+  planner::WorkerLayout as_f32 = live;
+  as_f32.pieces[0].quant->scale_dtype = planner::DType::kF32;
+  as_f32.pieces[0].quant->scale_offset_bytes = 64 * 68 + 4;
+  EXPECT_GT(VerifyPieces(inv, as_f32, lv, 9)->mismatches, 100);
+}
+
 }  // namespace
 }  // namespace wb::e2e

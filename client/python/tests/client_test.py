@@ -427,6 +427,44 @@ class QuantizedTest(unittest.TestCase):
             c.deregister()
             c.close()
 
+    def test_rollout_holds_mxfp8_elements_and_e8m0_scales(self):
+        rows, cols = 8, 80  # blocks 1 x 32: an 8 x 3 grid, the last block 16 wide
+        model = wb.ModelConfig(model_id="py_mxfp8", explicit_tensors=[("w", [rows, cols])], num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        tr = self.daemon.client("mx")
+        tr.register_worker(model, "trainer/0", "trainer")
+        tbuf = tr.create_buffer(rows * cols * 2)
+        tr.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols])]))
+        ro = self.daemon.client("mx")
+        ro.register_worker(model, "rollout/0", "rollout")
+        scale_at = rows * cols + 1  # one byte per block: no alignment needed
+        rbuf = ro.create_buffer(scale_at + rows * 3)
+        quant = wb.Quantization(block=[1, 32], scale_offset_bytes=scale_at, scale_dtype="float8_e8m0")
+        ro.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols], quant=quant)]))
+        rng = np.random.default_rng(6)
+        w = (rng.standard_normal((rows, cols)) * 2.0 ** np.arange(-12, 12, 3)[:, None]).astype(np.float32)
+        w[1, 32:64] = 0  # an all-zero block: scale byte 0, elements 0
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+        tbuf.array("uint16", (rows, cols))[:] = bits
+        tr.publish(1, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(1, timeout=TIMEOUT).applied_version, 1)
+        x = (bits.astype(np.uint32) << 16).view(np.float32)
+        mem = rbuf.array("uint8", (scale_at + rows * 3,))
+        got_q = mem[:rows * cols].reshape(rows, cols)
+        got_s = mem[scale_at:].reshape(rows, 3)
+        for r in range(rows):
+            for b in range(3):
+                blk = x[r, b * 32:(b + 1) * 32].astype(np.float64)
+                amax = float(np.abs(blk).max())
+                e = -127 if amax == 0 else max(-127, min(127, int(np.floor(np.log2(amax))) - 8))
+                self.assertEqual(int(got_s[r, b]), e + 127, (r, b))
+                want = e4m3_reference((blk * 2.0 ** -e).astype(np.float32))
+                np.testing.assert_array_equal(got_q[r, b * 32:(b + 1) * 32], want)
+        self.assertEqual(int(got_s[1, 1]), 0)
+        for c in (tr, ro):
+            c.deregister()
+            c.close()
+
 
 class WeightsTest(unittest.TestCase):
     def test_known_values(self):

@@ -19,7 +19,7 @@ import numpy as np
 from weightbridge._proto import pb
 
 DTYPES = {"bfloat16": (pb.DTYPE_BF16, 2), "float16": (pb.DTYPE_F16, 2), "float32": (pb.DTYPE_F32, 4),
-          "float8_e4m3": (pb.DTYPE_F8_E4M3, 1), "int64": (pb.DTYPE_I64, 8)}
+          "float8_e4m3": (pb.DTYPE_F8_E4M3, 1), "int64": (pb.DTYPE_I64, 8), "float8_e8m0": (pb.DTYPE_E8M0, 1)}
 
 
 def dtype_size(dtype):
@@ -38,13 +38,16 @@ def row_major_strides(shape):
 
 @dataclasses.dataclass
 class Quantization:
-    """A rollout piece held as float8_e4m3 with one float32 scale_inv per block (docs/daemon.md,
-    "Quantized targets"): `block` elements per canonical dim; the scales, row-major over the
-    box's block grid, at `scale_offset_bytes` of buffer `scale_buffer_id`."""
+    """A rollout piece held as float8_e4m3 with one scale per block (docs/daemon.md, "Quantized
+    targets"): `block` elements per canonical dim; the scales, row-major over the box's block grid,
+    at `scale_offset_bytes` of buffer `scale_buffer_id`. `scale_dtype`: "float32" (scale_inv =
+    amax / 448, DeepSeek-V3 fp8 block) or "float8_e8m0" (MXFP8: one power-of-two byte per block,
+    usually block=[1, 32])."""
     block: Sequence[int]
     scale_buffer_id: int = 0
     scale_offset_bytes: int = 0
     dtype: str = "float8_e4m3"
+    scale_dtype: str = "float32"
 
 
 @dataclasses.dataclass
@@ -72,6 +75,10 @@ class Piece:
             p.quant_block.extend(list(self.quant.block))
             p.scale_buffer_id = self.quant.scale_buffer_id
             p.scale_offset_bytes = self.quant.scale_offset_bytes
+            if self.quant.scale_dtype not in ("float32", "float8_e8m0"):
+                raise ValueError(f"piece of {self.tensor}: scale dtype {self.quant.scale_dtype!r} is not supported "
+                                 "(float32 or float8_e8m0)")
+            p.quant_scale_dtype = DTYPES[self.quant.scale_dtype][0]
         return p
 
 
@@ -94,7 +101,7 @@ class PresetLayout:
     expert_parallel: bool = False
     replicas: int = 1
     rank: int = 0
-    quantization: str = ""  # vllm/sglang rollouts: "" or "fp8_block128"
+    quantization: str = ""  # vllm/sglang rollouts: "", "fp8_block128" or "mxfp8"
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
