@@ -273,6 +273,48 @@ class CudaVmmClientTest(unittest.TestCase):
         for w in trainers + rollouts:
             w.close()
 
+    def test_fds_are_sent_again_to_a_restarted_daemon(self):
+        d = ct.Daemon(EMULATED_DAEMON, ["--transports=host_shm,host_tcp,cuda_ipc", "--gpu_staging_bytes=268435456"])
+        workers = []
+        try:
+            model = wb.ModelConfig(model_id="py_vmm_restart", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                                   num_rollout_workers=1, mode="one_step_off")
+            t = VmmWorker(d, model, "trainer/0", "trainer", ct.FULL, gpu=0)
+            workers.append(t)
+            r = VmmWorker(d, model, "rollout/0", "rollout", ct.FULL, gpu=1)
+            workers.append(r)
+            t.fill(1)
+            t.client.publish(1, timeout=ct.TIMEOUT)
+            self.assertEqual(r.client.apply(1, timeout=ct.TIMEOUT).applied_version, 1)
+            self.assertEqual(r.mismatches(1), 0)
+            # A new daemon process (no fds, no workers) on the same socket: each client's next call
+            # reconnects and replays RegisterWorker, its VMM fd, then RegisterLayout naming that fd's
+            # key (which the new daemon refuses unless the fd came first).
+            d.proc.terminate()
+            d.proc.wait(timeout=10)
+            d.proc = subprocess.Popen(d.proc.args, stdout=d.log, stderr=subprocess.STDOUT)
+            t.fill(2)
+            errors = []
+
+            def publish():
+                try:
+                    t.client.publish(2, timeout=ct.TIMEOUT)
+                except wb.WeightBridgeError as e:
+                    errors.append(e)
+            th = threading.Thread(target=publish)
+            th.start()
+            applied = r.client.apply(2, timeout=ct.TIMEOUT).applied_version
+            th.join(ct.TIMEOUT)
+            self.assertEqual(errors, [])
+            self.assertEqual(applied, 2)
+            self.assertEqual((t.client.reconnects, r.client.reconnects), (1, 1))
+            self.assertEqual(r.mismatches(2), 0, d.log_tail())
+        finally:
+            for w in workers:
+                w.client.close()
+                w.alloc.close()
+            d.stop()
+
 
 if __name__ == "__main__":
     unittest.main()

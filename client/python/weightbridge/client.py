@@ -173,6 +173,17 @@ class WorkerClient:
             self._channel.close()
         self._channel = grpc.insecure_channel("unix:" + self.socket_path)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
+        # Whether the connection dropped after it was up: gRPC would silently reconnect on the next
+        # call, maybe to a restarted daemon that forgot this worker (as the C++ client checks).
+        self._dropped = False
+        channel, was_ready = self._channel, [False]
+
+        def watch(state):
+            if state == grpc.ChannelConnectivity.READY:
+                was_ready[0] = True
+            elif was_ready[0] and channel is self._channel:
+                self._dropped = True
+        self._channel.subscribe(watch, try_to_connect=False)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=max(0.001, deadline - time.monotonic()))
         except grpc.FutureTimeoutError:
@@ -181,6 +192,9 @@ class WorkerClient:
 
     def _call(self, what, method, request, timeout, retry=True):
         deadline = time.monotonic() + timeout
+        if retry and self.reconnect and self._register_req is not None and self._dropped:
+            # Reconnect explicitly and replay first (RegisterWorker, VMM fds, RegisterLayout).
+            self._replay(time.monotonic() + max(0.001, min(self.reconnect_timeout, timeout)))
         try:
             return getattr(self._stub, method)(request, timeout=timeout + 2.0)
         except grpc.RpcError as e:
