@@ -94,6 +94,19 @@ TEST(StatusViewTest, TransportsSummaryCollapsesNcclLanes) {
   EXPECT_EQ(TransportsSummary({"nccl/x"}), "nccl/x") << "not a lane name: shown as is";
 }
 
+TEST(StatusViewTest, MultiNicHostTcpShowsItsNics) {
+  EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}, {"10.0.0.5", "10.0.1.5"}), "host_shm,host_tcp[10.0.0.5,10.0.1.5]");
+  EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}, {"10.0.0.5"}), "host_shm,host_tcp") << "one address: nothing striped";
+  pb::StatusResponse s = Sample();
+  s.mutable_nodes(0)->add_data_nics("10.0.0.5");
+  s.mutable_nodes(0)->add_data_nics("10.0.1.5");
+  EXPECT_NE(StatusTable(s, "coordinator").find("host_tcp[10.0.0.5,10.0.1.5],nccl/{0-3}"), std::string::npos)
+      << StatusTable(s, "coordinator");
+  auto j = StatusJson(s, "coordinator");
+  ASSERT_EQ(j["nodes"][0]["data_nics"].size(), 2u);
+  EXPECT_EQ(j["nodes"][0]["data_nics"][1].get<std::string>(), "10.0.1.5");
+}
+
 TEST(StatusViewTest, VersionsSortedAndModelLookup) {
   auto vs = VersionsOf(Sample(), "qwen");
   ASSERT_EQ(vs.size(), 3u);

@@ -54,13 +54,15 @@ std::string FormatBytes(uint64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
-std::string TransportsSummary(const std::vector<std::string>& transports) {
+std::string TransportsSummary(const std::vector<std::string>& transports, const std::vector<std::string>& data_nics) {
   std::vector<std::string> kinds;
   std::vector<int> lanes;
   for (const std::string& t : transports) {
     int device = -1;
     if (t.rfind("nccl/", 0) == 0 && absl::SimpleAtoi(t.substr(5), &device) && device >= 0) {
       lanes.push_back(device);
+    } else if (t == "host_tcp" && data_nics.size() >= 2) {
+      kinds.push_back(absl::StrCat(t, "[", absl::StrJoin(data_nics, ","), "]"));
     } else {
       kinds.push_back(t);
     }
@@ -96,7 +98,8 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source) 
     absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8d %-10s %s\n", n.node_id(), n.address(),
                           n.alive() ? "yes" : "NO",
                           n.drained() ? "drained" : n.draining() ? "yes" : "no", n.num_workers(),
-                          absl::StrCat(n.lease_left_ms(), "ms"), TransportsSummary({n.transports().begin(), n.transports().end()}));
+                          absl::StrCat(n.lease_left_ms(), "ms"), TransportsSummary({n.transports().begin(), n.transports().end()},
+                                                                                  {n.data_nics().begin(), n.data_nics().end()}));
   }
   absl::StrAppendFormat(&out, "\nWORKERS (%d)\n", s.workers_size());
   if (s.workers_size() > 0) {
@@ -149,7 +152,8 @@ nlohmann::json StatusJson(const pb::StatusResponse& s, const std::string& source
                           {"drained", n.drained()},
                           {"num_workers", n.num_workers()},
                           {"lease_left_ms", n.lease_left_ms()},
-                          {"transports", std::vector<std::string>(n.transports().begin(), n.transports().end())}});
+                          {"transports", std::vector<std::string>(n.transports().begin(), n.transports().end())},
+                          {"data_nics", std::vector<std::string>(n.data_nics().begin(), n.data_nics().end())}});
   }
   j["workers"] = nlohmann::json::array();
   for (const auto& w : s.workers()) {

@@ -160,6 +160,7 @@ grpc::Status Coordinator::RegisterNode(grpc::ServerContext*, const pb::RegisterN
   n.stub = pb::NodeService::NewStub(channel);
   n.transport_instances.clear();
   for (auto& [k, v] : req->transport_instances()) n.transport_instances[k] = v;
+  n.data_nics.assign(req->data_nics().begin(), req->data_nics().end());
   // Commits the old incarnation missed are moot: its staging died with it.
   pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
                                         [&](const PendingCommit& p) { return p.node == req->node_id(); }),
@@ -526,6 +527,7 @@ void Coordinator::FillStatusLocked(pb::StatusResponse* out) {
     ns->set_draining(n.draining);
     ns->set_lease_left_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(n.lease_expiry - now)));
     for (const auto& [name, instance] : n.transport_instances) ns->add_transports(name);
+    for (const std::string& nic : n.data_nics) ns->add_data_nics(nic);
     uint32_t count = 0;
     bool busy = false;
     for (auto& [mid, m] : models_) {

@@ -108,6 +108,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
     bool alive = true;
     bool draining = false;
     std::map<std::string, std::string> transport_instances;
+    std::vector<std::string> data_nics;  // RegisterNodeRequest.data_nics (status only)
     absl::Duration lease = absl::ZeroDuration();  // max(Options::lease, 3 heartbeats of the node)
     // shared: driver work captured a copy may still run while RegisterNode replaces it.
     std::shared_ptr<pb::NodeService::Stub> stub;

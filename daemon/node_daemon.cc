@@ -879,7 +879,11 @@ absl::Status NodeDaemon::Register() {
     // the host channel, and says so by not advertising nccl (the coordinator routes by it).
     // Each nccl lane is advertised by its own name ("nccl/<device>").
     if (t->capabilities().kind == "nccl") continue;
-    (*req.mutable_transport_instances())[t->capabilities().kind] = t->instance_id();
+    const transport::Capabilities caps = t->capabilities();
+    (*req.mutable_transport_instances())[caps.kind] = t->instance_id();
+    if (caps.kind == "host_tcp") {
+      for (const std::string& a : caps.local_addresses) req.add_data_nics(a);
+    }
   }
   for (auto& [device, t] : NcclLanes()) (*req.mutable_transport_instances())[NcclLaneName(device)] = t->instance_id();
   pb::RegisterNodeResponse resp;
@@ -1824,6 +1828,14 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   }
 
   // 4. Buckets.
+  std::map<std::string, std::string> peer_instances;  // the peers' host-channel transport instance -> node (NicMeter)
+  if (cross_t != nullptr) {
+    const std::string kind = cross_t->capabilities().kind;
+    for (const pb::PlanWorker& w : plan.slice.workers()) {
+      auto it = w.transport_instances().find(kind);
+      if (w.node_id() != me && it != w.transport_instances().end()) peer_instances[it->second] = w.node_id();
+    }
+  }
   std::vector<std::vector<const pb::TransferOp*>> by_bucket(plan.slice.num_buckets());
   for (const pb::TransferOp& op : plan.slice.ops()) by_bucket[op.bucket()].push_back(&op);
   for (auto& ops : by_bucket) {
@@ -1971,6 +1983,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     }
     for (auto& [r, id] : posted) finish(r, r->t->Wait(id, exec.deadline));
     for (std::thread& t : gpu_threads) t.join();
+    // Per-NIC bytes of the host channel (also of a failed bucket: those bytes did cross the wire).
+    if (cross_t != nullptr && !peer_instances.empty()) nic_meter_.Record(Metrics(), me, cross_t->stats().paths, peer_instances);
     RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
     exec.bytes_done += static_cast<uint64_t>(incoming_bytes);
   }
