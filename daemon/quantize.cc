@@ -11,29 +11,25 @@
 namespace wb::daemon {
 
 uint8_t FloatToE4M3(float x) {
+  // Branch-light so the quantiser's inner loop stays cheap: integer rounding on the float's bits
+  // for the normal range, a magic-number add for the subnormal one.
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 31) << 7);
-  if (std::isnan(x)) return sign | 0x7f;
-  const float a = std::fabs(x);
-  if (a < 0x1p-6f) {
-    // Subnormal range: multiples of 2^-9 (a * 512 is exact); nearbyint rounds half to even.
-    const int m = static_cast<int>(std::nearbyint(a * 512.0f));  // 0..8; 8 is the smallest normal
-    return sign | static_cast<uint8_t>(m);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  const uint32_t u = bits & 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7f;     // NaN
+  if (u >= 0x43e00000u) return sign | 0x7e;    // >= 448 (incl. inf): saturate
+  if (u >= 0x3c800000u) {                      // >= 2^-6: normal e4m3
+    // Exponent rebias 127 -> 7 and keep 3 mantissa bits, rounding to nearest even on the 20
+    // dropped bits; a carry into the exponent is the right result (next binade).
+    return sign | static_cast<uint8_t>((u + 0x7ffffu + ((u >> 20) & 1u) - (120u << 23)) >> 20);
   }
-  std::memcpy(&bits, &a, 4);
-  int e = static_cast<int>((bits >> 23) & 0xff) - 127;
-  const uint32_t mant = bits & 0x7fffff;
-  uint32_t r = mant >> 20;
-  const uint32_t rem = mant & 0xfffff;
-  if (rem > 0x80000 || (rem == 0x80000 && (r & 1) != 0)) ++r;
-  if (r == 8) {
-    r = 0;
-    ++e;
-  }
-  const int biased = e + 7;
-  if (biased > 15 || (biased == 15 && r == 7)) return sign | 0x7e;  // saturate at 448
-  return sign | static_cast<uint8_t>((biased << 3) | r);
+  // Subnormal: multiples of 2^-9; a * 512 < 8 is exact, and adding 2^23 rounds it to an integer
+  // with the FPU's round-to-nearest-even (8 is the smallest normal's code).
+  float a;
+  std::memcpy(&a, &u, 4);
+  const float t = a * 512.0f + 8388608.0f;  // IEEE semantics (no -ffast-math): the add is kept
+  return sign | static_cast<uint8_t>(static_cast<int>(t - 8388608.0f));
 }
 
 float E4M3ToFloat(uint8_t bits) {
@@ -48,6 +44,7 @@ float E4M3ToFloat(uint8_t bits) {
 uint8_t E8M0ScaleFor(float amax) {
   if (std::isnan(amax)) return kE8M0Nan;
   if (!(amax > 0.0f)) return 0;  // all zeros: the smallest scale, every element stays 0
+  if (std::isinf(amax)) return 127 + 127;  // log2(inf) clamps to 127
   int exp2 = 0;
   std::frexp(amax, &exp2);  // amax = m * 2^exp2, m in [0.5, 1): floor(log2(amax)) = exp2 - 1
   const int e = std::clamp(exp2 - 1 - kE4M3MaxExponent, -127, 127);
@@ -84,6 +81,136 @@ float LoadAsFloat(const uint8_t* p, planner::DType dtype) {
   }
 }
 
+namespace {
+
+// One row of the shadow (canonical dtype) as float32, in a tight per-dtype loop.
+void RowToFloat(const uint8_t* row, planner::DType dtype, int64_t n, float* out) {
+  switch (dtype) {
+    case planner::DType::kBF16:
+      for (int64_t j = 0; j < n; ++j) {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * j, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&out[j], &bits, 4);
+      }
+      return;
+    case planner::DType::kF32:
+      std::memcpy(out, row, static_cast<size_t>(n) * 4);
+      return;
+    default:
+      for (int64_t j = 0; j < n; ++j) out[j] = LoadAsFloat(row + j * planner::DTypeSize(dtype), dtype);
+      return;
+  }
+}
+
+// FloatToE4M3 of x[j] * f for j in [0, n), branch-free so that the compiler vectorises it (the
+// same arithmetic as FloatToE4M3, every case computed and selected; quantize_test checks every
+// element QuantizePiece writes against a nearest-code search).
+// kBf16: the inputs are bfloat16 bytes, else float32 bytes.
+template <bool kBf16>
+inline __attribute__((always_inline)) void ScaledToE4M3(const uint8_t* p, float f, int64_t n, uint8_t* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    float x;
+    if constexpr (kBf16) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * j, 2);
+      const uint32_t wide = static_cast<uint32_t>(h) << 16;
+      std::memcpy(&x, &wide, 4);
+    } else {
+      std::memcpy(&x, p + 4 * j, 4);
+    }
+    const float y = x * f;
+    uint32_t bits;
+    std::memcpy(&bits, &y, 4);
+    const uint32_t u = bits & 0x7fffffffu;
+    // Selects on integers only (float compares would keep GCC from if-converting the loop).
+    const uint32_t normal = (u + 0x7ffffu + ((u >> 20) & 1u) - (120u << 23)) >> 20;
+    const uint32_t small_bits = u < 0x3c800000u ? u : 0x3c800000u;  // keeps the int conversion in range
+    float small;
+    std::memcpy(&small, &small_bits, 4);
+    const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>((small * 512.0f + 8388608.0f) - 8388608.0f));
+    uint32_t code = u >= 0x3c800000u ? normal : subnormal;
+    code = u >= 0x43e00000u ? 0x7eu : code;
+    code = u > 0x7f800000u ? 0x7fu : code;
+    out[j] = static_cast<uint8_t>(code | ((bits >> 24) & 0x80u));
+  }
+}
+
+// max |x| over n canonical elements at `p` (bfloat16, float16 or float32); NaN when any element
+// is NaN (a NaN block gets a NaN scale). On the bits of |x|: non-negative floats of each format
+// order as their bit patterns, and every NaN's bits exceed infinity's, so an integer max finds the
+// largest magnitude and lets a NaN win - without converting anything (vectorisable).
+template <typename Bits, Bits kAbsMask>
+inline __attribute__((always_inline)) Bits AbsMaxBits(const uint8_t* p, int64_t n) {
+  Bits m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    Bits bits;
+    std::memcpy(&bits, p + j * sizeof(Bits), sizeof(Bits));
+    bits &= kAbsMask;
+    m = bits > m ? bits : m;
+  }
+  return m;
+}
+
+inline __attribute__((always_inline)) float AbsMax(const uint8_t* p, planner::DType dtype, int64_t n) {
+  if (dtype == planner::DType::kF32) {
+    const uint32_t m = AbsMaxBits<uint32_t, 0x7fffffffu>(p, n);
+    if (m > 0x7f800000u) return std::nanf("");
+    float f;
+    std::memcpy(&f, &m, 4);
+    return f;
+  }
+  const uint16_t m = AbsMaxBits<uint16_t, 0x7fff>(p, n);
+  return LoadAsFloat(reinterpret_cast<const uint8_t*>(&m), dtype);  // NaN bits stay NaN
+}
+
+// The e4m3 codes of a row's block: bfloat16 and float32 read straight from the canonical bytes,
+// float16 (rare) through a float copy.
+inline __attribute__((always_inline)) void QuantizeSpan(const uint8_t* row, planner::DType dtype, int64_t lo, int64_t n, float f, std::vector<float>& tmp,
+                  uint8_t* out) {
+  switch (dtype) {
+    case planner::DType::kBF16:
+      ScaledToE4M3<true>(row + lo * 2, f, n, out + lo);
+      return;
+    case planner::DType::kF32:
+      ScaledToE4M3<false>(row + lo * 4, f, n, out + lo);
+      return;
+    default:
+      if (tmp.size() < static_cast<size_t>(n)) tmp.resize(static_cast<size_t>(n));
+      RowToFloat(row + lo * 2, dtype, n, tmp.data());
+      ScaledToE4M3<false>(reinterpret_cast<const uint8_t*>(tmp.data()), f, n, out + lo);
+      return;
+  }
+}
+
+// The row kernels: one row of the shadow, every block of it. Compiled twice, for AVX2 and for
+// baseline x86-64, the loader picking one per CPU (GCC function multi-versioning, an ifunc), so
+// the vectorised loops run 8 lanes wide where the CPU can.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define WB_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
+#else
+#define WB_ROW_KERNEL
+#endif
+
+// amax[b] = max(amax[b], max |x| over block b of the row); a NaN sticks.
+WB_ROW_KERNEL void RowBlockAbsMax(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, float* amax) {
+  const int es = planner::DTypeSize(dtype);
+  for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
+    const float m = AbsMax(row + lo * es, dtype, std::min(inner_block, inner - lo));
+    amax[b] = (std::isnan(m) || m > amax[b]) ? m : amax[b];
+  }
+}
+
+// out[j] = e4m3(x[j] * factor[j / inner_block]) for the row.
+WB_ROW_KERNEL void RowToE4M3(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* factor,
+                             std::vector<float>& tmp, uint8_t* out) {
+  for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
+    QuantizeSpan(row, dtype, lo, std::min(inner_block, inner - lo), factor[b], tmp, out);
+  }
+}
+
+}  // namespace
+
 absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow,
                            uint8_t* elements, uint8_t* scales) {
   if (!piece.quant.has_value()) return absl::InvalidArgumentError("QuantizePiece: the piece is not quantised");
@@ -92,76 +219,95 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, ": dtype ",
                                                    planner::DTypeName(src)));
   }
+  const bool e8m0 = piece.quant->scale_dtype == planner::DType::kE8M0;
+  if (!e8m0 && piece.quant->scale_dtype != planner::DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, ": scale dtype ",
+                                                   planner::DTypeName(piece.quant->scale_dtype)));
+  }
   const size_t rank = piece.box.begin.size();
   const int es = planner::DTypeSize(src);
   const std::vector<int64_t> grid = planner::ScaleShape(piece);
   const std::vector<int64_t>& block = piece.quant->block;
   std::vector<int64_t> ext(rank);
   for (size_t d = 0; d < rank; ++d) ext[d] = piece.box.end[d] - piece.box.begin[d];
-  // Rows = every index of the dims but the last; the last dim runs in the inner loop.
+  // Rows = every index of the dims but the last; the last dim runs in the inner loops. Rows that
+  // share their blocks form a group: amax over the group's rows, then the scales, then the group's
+  // elements, while the group is still in cache. With blocks of 1 in every dim before the last two
+  // (any 1-D/2-D piece; MX and 128x128 blocks) such rows are runs of consecutive rows; otherwise a
+  // block's rows recur after others, and the whole piece is one group.
   const int64_t inner = rank == 0 ? 1 : ext[rank - 1];
   const int64_t inner_block = rank == 0 ? 1 : block[rank - 1];
+  const int64_t inner_blocks = rank == 0 ? 1 : grid[rank - 1];
   const int64_t inner_stride = rank == 0 ? 0 : piece.strides[rank - 1];
   int64_t rows = 1;
   for (size_t d = 0; d + 1 < rank; ++d) rows *= ext[d];
-  std::vector<float> amax(static_cast<size_t>(planner::ScaleCount(piece)), 0.0f);
-
-  // Walks the rows in row-major order; `fn(row_index, block_row_base, dst_row_offset)`.
-  auto for_each_row = [&](auto&& fn) {
-    std::vector<int64_t> idx(rank > 0 ? rank - 1 : 0, 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t block_base = 0, dst = piece.offset_bytes;
-      for (size_t d = 0; d + 1 < rank; ++d) {
-        block_base = block_base * grid[d] + idx[d] / block[d];
-        dst += idx[d] * piece.strides[d];  // fp8: one byte per element
-      }
-      if (rank > 0) block_base *= grid[rank - 1];
-      fn(r, block_base, dst);
-      for (size_t d = idx.size(); d-- > 0;) {
-        if (++idx[d] < ext[d]) break;
-        idx[d] = 0;
-      }
-    }
-  };
-  for_each_row([&](int64_t r, int64_t block_base, int64_t) {
-    const uint8_t* row = shadow + r * inner * es;
-    for (int64_t j = 0; j < inner; ++j) {
-      const float a = std::fabs(LoadAsFloat(row + j * es, src));
-      float& m = amax[static_cast<size_t>(block_base + j / inner_block)];
-      if (std::isnan(a) || a > m) m = a;  // a NaN sticks: the block's scale and elements are NaN
-    }
-  });
-  // Per block: float32 scales multiply by 448 / amax; e8m0 scales multiply by 2^-e (exact, ldexp).
-  const bool e8m0 = piece.quant->scale_dtype == planner::DType::kE8M0;
-  if (!e8m0 && piece.quant->scale_dtype != planner::DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, ": scale dtype ",
-                                                   planner::DTypeName(piece.quant->scale_dtype)));
-  }
-  std::vector<float> factor(amax.size());
-  std::vector<int> shift(amax.size());
+  bool runs = true;
+  for (size_t d = 0; d + 2 < rank; ++d) runs = runs && block[d] == 1;
   uint8_t* scale_out = scales + piece.quant->scale_offset_bytes;
-  for (size_t b = 0; b < amax.size(); ++b) {
-    if (e8m0) {
-      const uint8_t s = E8M0ScaleFor(amax[b]);
-      scale_out[b] = s;
-      shift[b] = 127 - static_cast<int>(s);  // x * 2^-e
-      factor[b] = s == kE8M0Nan ? std::nanf("") : 1.0f;
-    } else {
-      const float m = std::isnan(amax[b]) ? amax[b] : std::max(amax[b], kMinBlockAmax);
-      const float scale_inv = m / kE4M3Max;
-      std::memcpy(scale_out + static_cast<int64_t>(b) * 4, &scale_inv, 4);
-      factor[b] = kE4M3Max / m;
+
+  struct Row {
+    int64_t index;  // row-major row number in the shadow
+    int64_t dst;    // byte offset of its first element in `elements`
+    int64_t base;   // scale index of its first block
+  };
+  std::vector<Row> group;
+  std::vector<int64_t> bases;  // distinct Row::base of the group
+  const size_t count = static_cast<size_t>(planner::ScaleCount(piece));
+  std::vector<float> tmp, amax(count, 0.0f), factor(count);
+  std::vector<uint8_t> packed(inner_stride == 1 ? 0 : static_cast<size_t>(inner));
+
+  auto flush = [&] {
+    if (group.empty()) return;
+    for (const Row& r : group) {
+      RowBlockAbsMax(shadow + r.index * inner * es, src, inner, inner_block, amax.data() + r.base);
+      if (bases.empty() || bases.back() != r.base) bases.push_back(r.base);
+    }
+    std::sort(bases.begin(), bases.end());
+    bases.erase(std::unique(bases.begin(), bases.end()), bases.end());
+    // Per block the factor that maps x onto the e4m3 grid: 448 / amax (float32 scale_inv) or
+    // 2^-e as an exact float (e8m0).
+    for (int64_t base : bases) {
+      for (int64_t b = base; b < base + inner_blocks; ++b) {
+        const float a = amax[static_cast<size_t>(b)];
+        if (e8m0) {
+          const uint8_t sb = E8M0ScaleFor(a);
+          scale_out[b] = sb;
+          factor[static_cast<size_t>(b)] = sb == kE8M0Nan ? std::nanf("") : std::ldexp(1.0f, 127 - static_cast<int>(sb));
+        } else {
+          const float m = std::isnan(a) ? a : std::max(a, kMinBlockAmax);
+          const float scale_inv = m / kE4M3Max;
+          std::memcpy(scale_out + b * 4, &scale_inv, 4);
+          factor[static_cast<size_t>(b)] = kE4M3Max / m;
+        }
+      }
+    }
+    bases.clear();
+    for (const Row& r : group) {
+      uint8_t* out = inner_stride == 1 ? elements + r.dst : packed.data();
+      RowToE4M3(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, tmp, out);
+      if (inner_stride != 1) {
+        for (int64_t j = 0; j < inner; ++j) elements[r.dst + j * inner_stride] = packed[static_cast<size_t>(j)];
+      }
+    }
+    group.clear();
+  };
+
+  std::vector<int64_t> idx(rank > 0 ? rank - 1 : 0, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t block_base = 0, dst = piece.offset_bytes;
+    for (size_t d = 0; d + 1 < rank; ++d) {
+      block_base = block_base * grid[d] + idx[d] / block[d];
+      dst += idx[d] * piece.strides[d];  // fp8: one byte per element
+    }
+    block_base *= inner_blocks;
+    if (runs && !group.empty() && group.back().base != block_base) flush();
+    group.push_back(Row{r, dst, block_base});
+    for (size_t d = idx.size(); d-- > 0;) {
+      if (++idx[d] < ext[d]) break;
+      idx[d] = 0;
     }
   }
-  for_each_row([&](int64_t r, int64_t block_base, int64_t dst) {
-    const uint8_t* row = shadow + r * inner * es;
-    for (int64_t j = 0; j < inner; ++j) {
-      const float x = LoadAsFloat(row + j * es, src);
-      const size_t b = static_cast<size_t>(block_base + j / inner_block);
-      const float scaled = e8m0 ? std::ldexp(x, shift[b]) * factor[b] : x * factor[b];
-      elements[dst + j * inner_stride] = FloatToE4M3(scaled);
-    }
-  });
+  flush();
   return absl::OkStatus();
 }
 
