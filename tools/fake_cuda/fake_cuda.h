@@ -22,7 +22,9 @@
 //    mapped twice: the pointer handed out is a PROT_NONE reservation (a host dereference of a device
 //    pointer crashes, as on a GPU) and the emulator works through a private read-write alias. Fresh
 //    memory is filled with 0xA5 (a GPU does not zero it). Every device access made by a copy/memset
-//    is bounds-checked, when it RUNS, against one live allocation; a violation (also: memory freed
+//    is bounds-checked, when it RUNS, against one live allocation (or against cuMemMap mappings
+//    that lie back to back, all accessible: one virtual range over several allocations, which a
+//    GPU copies across as PyTorch's expandable segments need); a violation (also: memory freed
 //    or IPC-closed meanwhile) is a sticky cudaErrorIllegalAddress (as a real fault would be) with an
 //    "ILLEGAL ADDRESS" line on stderr: every later call of the process returns it.
 //  - cudaFree unlinks the segment (importers keep their mapping, as with CUDA) and synchronises
@@ -61,7 +63,8 @@
 //    "wbfc-vmm.p<machine device>", filled with 0xA5), cuMemRelease (the handle dies, mapped bytes
 //    stay until unmapped), cuMemAddressReserve / cuMemAddressFree (a PROT_NONE range; freed ranges
 //    stay reserved; free with live mappings is refused), cuMemMap (offset 0, granularity-aligned,
-//    inside one reservation, no overlap), cuMemSetAccess (the range must be whole mappings; until
+//    inside one reservation, no overlap; several allocations may be mapped back to back in one
+//    reservation), cuMemSetAccess (the range must be whole mappings, one or several; until
 //    read-write access is granted a copy touching the mapping is a sticky illegal address),
 //    cuMemUnmap (whole mappings; no implicit synchronisation), cuMemExportToShareableHandle
 //    (POSIX fd only: a dup of the memfd; refused if the allocation did not request that type),

@@ -107,6 +107,10 @@ struct Alloc {
   bool accessible = true;
   uint64_t vmm_handle = 0;  // the CUmemGenericAllocationHandle mapped here
   std::shared_ptr<VmmAlloc> vmm_alloc;  // what it maps (cuMemRetainAllocationHandle finds it again)
+  // A temporary contiguous view of several adjacent cuMemMap mappings (ResolveLocked), alive while
+  // one copy uses it; never in State::allocs.
+  bool view = false;
+  std::vector<std::shared_ptr<Alloc>> viewed;  // the mappings it shows (kept alive with it)
   ~Alloc() {
     if (alias != nullptr) munmap(alias, mapped);
   }
@@ -299,6 +303,37 @@ bool OverlapsDeviceLocked(uintptr_t p, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(S
   return p < it->first + it->second->reserved;
 }
 
+// A contiguous host view of adjacent VMM mappings `run` (each mapped at offset 0 of its
+// allocation, as cuMemMap here requires): a fresh PROT_NONE range with each allocation's memfd
+// mapped into it at its place, so a copy writes and reads the allocations' own pages. *hold owns
+// it until the copy is done. Returns the view of address p.
+char* ViewLocked(std::vector<std::shared_ptr<Alloc>> run, uintptr_t p, std::shared_ptr<Alloc>* hold, std::string* why)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
+  const uintptr_t base = run.front()->base;
+  const size_t total = run.back()->base + run.back()->size - base;
+  void* v = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (v == MAP_FAILED) {
+    *why = std::string("mmap of a view over several mappings: ") + strerror(errno);
+    return nullptr;
+  }
+  auto view = std::make_shared<Alloc>();
+  view->alias = static_cast<char*>(v);
+  view->mapped = total;
+  view->base = base;
+  view->size = total;
+  view->view = true;
+  for (const std::shared_ptr<Alloc>& m : run) {
+    void* at = mmap(view->alias + (m->base - base), m->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, m->vmm_alloc->fd, 0);
+    if (at == MAP_FAILED) {
+      *why = std::string("mmap of a view over several mappings: ") + strerror(errno);
+      return nullptr;  // `view` unmaps the whole range
+    }
+  }
+  view->viewed = std::move(run);
+  *hold = view;
+  return view->alias + (p - base);
+}
+
 // Resolves the device bytes [p, p+n) to the emulator's alias; on failure explains in *why.
 char* ResolveLocked(uintptr_t p, size_t n, std::shared_ptr<Alloc>* hold, std::string* why)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
@@ -315,6 +350,25 @@ char* ResolveLocked(uintptr_t p, size_t n, std::shared_ptr<Alloc>* hold, std::st
              static_cast<size_t>(p), n, static_cast<size_t>(a->base));
     *why = buf;
     return nullptr;
+  }
+  if (p + n > a->base + a->size && a->vmm) {
+    // VMM: one reserved range may hold several mappings back to back (PyTorch's expandable
+    // segments map one allocation per page), and the GPU copies across them as one range.
+    std::vector<std::shared_ptr<Alloc>> run = {a};
+    uintptr_t end = a->base + a->size;
+    while (end < p + n) {
+      auto next = S().allocs.find(end);
+      if (next == S().allocs.end() || !next->second->vmm) break;
+      if (!next->second->accessible) {
+        snprintf(buf, sizeof(buf), "[0x%zx, +%zu) runs into the cuMemMap mapping at 0x%zx, which no cuMemSetAccess made accessible",
+                 static_cast<size_t>(p), n, static_cast<size_t>(end));
+        *why = buf;
+        return nullptr;
+      }
+      run.push_back(next->second);
+      end += next->second->size;
+    }
+    if (end >= p + n) return ViewLocked(std::move(run), p, hold, why);
   }
   if (p + n > a->base + a->size) {
     snprintf(buf, sizeof(buf), "[0x%zx, +%zu) ends %zu bytes past the end of allocation 0x%zx (%zu bytes%s)",
@@ -709,7 +763,9 @@ void* DeviceToHost(const void* dptr, size_t n) {
   absl::MutexLock l(&s.mu);
   std::shared_ptr<Alloc> hold;
   std::string why;
-  return ResolveLocked(reinterpret_cast<uintptr_t>(dptr), n, &hold, &why);
+  char* h = ResolveLocked(reinterpret_cast<uintptr_t>(dptr), n, &hold, &why);
+  // A view over several VMM mappings lives only as long as `hold`: not one allocation's bytes.
+  return hold != nullptr && hold->view ? nullptr : h;
 }
 
 bool IsDevicePointer(const void* p) {

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -830,6 +831,99 @@ TEST_F(FakeCudaTest, VmmExportedFdImportsInAnotherProcess) {
   ASSERT_EQ(v.release(h), CUDA_SUCCESS);
   ASSERT_EQ(v.free_va(va, 2 * g), CUDA_SUCCESS);
   ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// PyTorch's expandable segments: one reserved range, one allocation per page mapped back to back,
+// access granted once over the whole range. Copies run across the allocations' boundaries as on a
+// GPU (one virtual range), and each allocation holds its own part of the bytes.
+TEST_F(FakeCudaTest, VmmCopiesRunAcrossAllocationsMappedBackToBack) {
+  Vmm v;
+  ASSERT_TRUE(v.ok());
+  const size_t g = size_t{2} << 20;
+  const CUmemAllocationProp prop = Prop(1, true);
+  const std::vector<size_t> sizes = {g, 2 * g, g};
+  std::vector<CUmemGenericAllocationHandle> h(sizes.size());
+  CUdeviceptr va = 0;
+  ASSERT_EQ(v.reserve(&va, 5 * g, 0, 0, 0), CUDA_SUCCESS);
+  size_t at = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_EQ(v.create(&h[i], sizes[i], &prop, 0), CUDA_SUCCESS);
+    ASSERT_EQ(v.map(va + at, sizes[i], 0, h[i], 0), CUDA_SUCCESS);
+    at += sizes[i];
+  }
+  const size_t total = at;
+  const CUmemAccessDesc rw = ReadWrite(1);
+  ASSERT_EQ(v.set_access(va, total, &rw, 1), CUDA_SUCCESS) << "one grant over several mappings";
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  ASSERT_EQ(v.range(&base, &size, va + g + 5), CUDA_SUCCESS);
+  EXPECT_EQ(base, va + g) << "cuMemGetAddressRange names the one mapping at that address";
+  EXPECT_EQ(size, 2 * g);
+  ASSERT_CUDA(cudaSetDevice(1));
+  char* d = reinterpret_cast<char*>(va);
+  // Contiguous: from 1000 bytes before the first boundary to 3000 past the second.
+  const size_t off = g - 1000, n = 2 * g + 4000;
+  const auto in = Pattern(60, n);
+  ASSERT_CUDA(cudaMemcpy(d + off, in.data(), n, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpy(out.data(), d + off, n, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out, in);
+  // The bytes went into each allocation's own pages: a second mapping of the middle allocation
+  // alone (another range, as an importer would map it) shows its part.
+  CUdeviceptr va2 = 0;
+  ASSERT_EQ(v.reserve(&va2, 2 * g, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(v.map(va2, 2 * g, 0, h[1], 0), CUDA_SUCCESS);
+  ASSERT_EQ(v.set_access(va2, 2 * g, &rw, 1), CUDA_SUCCESS);
+  std::vector<uint8_t> middle(2 * g);
+  ASSERT_CUDA(cudaMemcpy(middle.data(), reinterpret_cast<void*>(va2), 2 * g, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(std::equal(middle.begin(), middle.end(), in.begin() + 1000)) << "allocation 1 holds bytes [1000, 1000 + 2g) of the copy";
+  // Strided (2-D) device to device, rows crossing both boundaries, from the range into a cudaMalloc buffer.
+  const size_t width = 3000, pitch = g / 2, rows = 7, src0 = g / 2 - 1500;  // rows 1 and 5 straddle a boundary
+  void* flat = Malloc(width * rows);
+  ASSERT_CUDA(cudaMemcpy2DAsync(flat, width, d + src0, pitch, width, rows, cudaMemcpyDeviceToDevice, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> rowsout(width * rows);
+  ASSERT_CUDA(cudaMemcpy(rowsout.data(), flat, width * rows, cudaMemcpyDeviceToHost));
+  std::vector<uint8_t> whole(total);
+  ASSERT_CUDA(cudaMemcpy(whole.data(), d, total, cudaMemcpyDeviceToHost)) << "the whole range at once";
+  for (size_t r = 0; r < rows; ++r) {
+    const size_t src = src0 + r * pitch;
+    ASSERT_TRUE(std::equal(rowsout.begin() + r * width, rowsout.begin() + (r + 1) * width, whole.begin() + src)) << "row " << r;
+  }
+  EXPECT_EQ(DeviceToHost(d + g - 8, 16), nullptr) << "not one allocation's bytes";
+  EXPECT_NE(DeviceToHost(d + g, 16), nullptr);
+  ASSERT_EQ(v.unmap(va2, 2 * g), CUDA_SUCCESS);
+  ASSERT_EQ(v.free_va(va2, 2 * g), CUDA_SUCCESS);
+  ASSERT_EQ(v.unmap(va, total), CUDA_SUCCESS) << "whole mappings, several at once";
+  for (CUmemGenericAllocationHandle x : h) ASSERT_EQ(v.release(x), CUDA_SUCCESS);
+  ASSERT_EQ(v.free_va(va, 5 * g), CUDA_SUCCESS);
+  ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// A copy that runs from a mapping into an unmapped part of the range, or into a mapping without
+// access, faults (sticky), as on a GPU.
+void CopyAcrossIntoGap(bool gap) {
+  Vmm v;
+  const CUmemAllocationProp prop = Prop(0, true);
+  const size_t g = size_t{2} << 20;
+  CUmemGenericAllocationHandle a = 0, b = 0;
+  CUdeviceptr va = 0;
+  const CUmemAccessDesc rw = ReadWrite(0);
+  if (v.create(&a, g, &prop, 0) != CUDA_SUCCESS || v.create(&b, g, &prop, 0) != CUDA_SUCCESS ||
+      v.reserve(&va, 3 * g, 0, 0, 0) != CUDA_SUCCESS || v.map(va, g, 0, a, 0) != CUDA_SUCCESS ||
+      v.map(va + (gap ? 2 : 1) * g, g, 0, b, 0) != CUDA_SUCCESS || v.set_access(va, g, &rw, 1) != CUDA_SUCCESS) {
+    _exit(10);
+  }
+  std::vector<char> host(4096);
+  if (cudaMemcpy(reinterpret_cast<char*>(va) + g - 2048, host.data(), host.size(), cudaMemcpyHostToDevice) != cudaSuccess) _exit(11);
+  (void)cudaDeviceSynchronize();
+  _exit(0);
+}
+
+TEST_F(FakeCudaTest, VmmCopyIntoAGapOrAnInaccessibleNeighbourIsAnIllegalAddress) {
+  EXPECT_EXIT(CopyAcrossIntoGap(true), ::testing::ExitedWithCode(0), "ILLEGAL ADDRESS.*past the end of allocation");
+  EXPECT_EXIT(CopyAcrossIntoGap(false), ::testing::ExitedWithCode(0), "ILLEGAL ADDRESS.*no cuMemSetAccess made accessible");
 }
 
 TEST_F(FakeCudaTest, VmmImportOfADeviceTheProcessCannotSeeIsRefused) {
