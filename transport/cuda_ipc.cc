@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -59,10 +60,14 @@ struct Desc {
   std::string uuid;  // kUuidBytes or empty
   // VMM variant (RawCudaVmmBuffer; `handle` empty): an optional trailer after uuid.
   bool vmm = false;
-  uint32_t vmm_pid = 0;  // the process in which vmm_fd is a descriptor
-  int32_t vmm_fd = -1;
-  std::string vmm_key;
-  int64_t vmm_alloc_bytes = 0;
+  uint32_t vmm_pid = 0;  // the process in which the parts' fds are descriptors
+  struct VmmPart {
+    int32_t fd = -1;
+    std::string key;
+    int64_t bytes = 0;
+  };
+  std::vector<VmmPart> vmm_parts;  // the allocations, mapped back to back in this order
+  int64_t vmm_total = 0;           // sum of their bytes (no overflow: checked when built)
 };
 constexpr uint8_t kVmmTrailer = 1;
 
@@ -78,9 +83,12 @@ std::string EncodeDescriptor(const Desc& d) {
   if (d.vmm) {
     w.U8(kVmmTrailer);
     w.U32(d.vmm_pid);
-    w.U32(static_cast<uint32_t>(d.vmm_fd));
-    w.Str(d.vmm_key);
-    w.I64(d.vmm_alloc_bytes);
+    w.U32(static_cast<uint32_t>(d.vmm_parts.size()));
+    for (const Desc::VmmPart& p : d.vmm_parts) {
+      w.U32(static_cast<uint32_t>(p.fd));
+      w.Str(p.key);
+      w.I64(p.bytes);
+    }
   }
   return std::move(w.out());
 }
@@ -103,9 +111,18 @@ absl::StatusOr<Desc> DecodeDescriptor(absl::string_view bytes) {
   if (r.ok() && !r.done()) {
     d.vmm = r.U8() == kVmmTrailer;
     d.vmm_pid = r.U32();
-    d.vmm_fd = static_cast<int32_t>(r.U32());
-    d.vmm_key = r.Str(1024);
-    d.vmm_alloc_bytes = r.I64();
+    const uint32_t n = r.U32();
+    bool parts_ok = n >= 1 && n <= kMaxCudaVmmAllocationsPerBuffer;
+    for (uint32_t i = 0; parts_ok && i < n && r.ok(); ++i) {
+      Desc::VmmPart p;
+      p.fd = static_cast<int32_t>(r.U32());
+      p.key = r.Str(1024);
+      p.bytes = r.I64();
+      parts_ok = p.fd >= 0 && !p.key.empty() && p.bytes > 0 && d.vmm_total <= INT64_MAX - p.bytes;
+      if (parts_ok) d.vmm_total += p.bytes;
+      d.vmm_parts.push_back(std::move(p));
+    }
+    if (!parts_ok) d.vmm_parts.clear();  // malformed, refused below
   }
   if (!r.ok() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kDescriptor)) {
     return absl::InvalidArgumentError("cuda_ipc ImportDescriptor: bytes are not a transport descriptor");
@@ -113,8 +130,7 @@ absl::StatusOr<Desc> DecodeDescriptor(absl::string_view bytes) {
   if (kind != kKind) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: descriptor is for transport '", kind, "'"));
   }
-  if (!r.done() || (d.vmm ? !d.handle.empty() || d.vmm_fd < 0 || d.vmm_key.empty() || d.vmm_alloc_bytes <= 0
-                           : d.handle.size() != kHandleBytes) || (!d.uuid.empty() && d.uuid.size() != kUuidBytes) ||
+  if (!r.done() || (d.vmm ? !d.handle.empty() || d.vmm_parts.empty() : d.handle.size() != kHandleBytes) || (!d.uuid.empty() && d.uuid.size() != kUuidBytes) ||
       d.size < 0 || d.alloc_offset < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cuda_ipc ImportDescriptor: malformed descriptor of region '",
                                                    d.label, "'"));
@@ -127,9 +143,11 @@ struct Mapping {
   int64_t alloc_size = -1;  // -1: unknown
   int device = 0;
   int refs = 0;
-  // VMM imports: the imported allocation handle, mapped over [base, base + alloc_size).
+  // VMM imports: the imported allocation handles, mapped back to back over [base, base + alloc_size)
+  // (vmm_sizes[i] bytes each, in order).
   bool vmm = false;
-  CUmemGenericAllocationHandle vmm_handle = 0;
+  std::vector<CUmemGenericAllocationHandle> vmm_handles;
+  std::vector<int64_t> vmm_sizes;
 };
 
 // Undoes a mapping (the last reference is gone, or the transport is destroyed).
@@ -139,10 +157,21 @@ absl::Status CloseMapping(const Mapping& m) {
   auto api = LoadCudaVmmApi();
   if (!api.ok()) return api.status();
   const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(m.base);
-  const size_t n = static_cast<size_t>(m.alloc_size);
-  absl::Status s = CuStatus((*api)->unmap(va, n), "cuda_ipc: cuMemUnmap");
-  absl::Status f = CuStatus((*api)->address_free(va, n), "cuda_ipc: cuMemAddressFree");
-  absl::Status r = CuStatus((*api)->release(m.vmm_handle), "cuda_ipc: cuMemRelease");
+  // Each allocation's mapping on its own (cuMemUnmap takes whole mappings), then the range, then
+  // the handles.
+  absl::Status s;
+  CUdeviceptr at = va;
+  for (int64_t bytes : m.vmm_sizes) {
+    absl::Status u = CuStatus((*api)->unmap(at, static_cast<size_t>(bytes)), "cuda_ipc: cuMemUnmap");
+    if (s.ok()) s = u;
+    at += static_cast<CUdeviceptr>(bytes);
+  }
+  absl::Status f = CuStatus((*api)->address_free(va, static_cast<size_t>(m.alloc_size)), "cuda_ipc: cuMemAddressFree");
+  absl::Status r;
+  for (CUmemGenericAllocationHandle h : m.vmm_handles) {
+    absl::Status x = CuStatus((*api)->release(h), "cuda_ipc: cuMemRelease");
+    if (r.ok()) r = x;
+  }
   return !s.ok() ? s : !f.ok() ? f : r;
 }
 
@@ -695,29 +724,61 @@ class CudaIpcTransport : public Transport {
     return m;
   }
 
-  // A worker's VMM allocation (RawCudaVmmBuffer): mapped once per allocation key, shared by every
-  // buffer in it. `device`: the descriptor's GPU in our numbering.
+  // A worker's VMM allocation(s) (RawCudaVmmBuffer): mapped once per ordered list of allocation
+  // keys, shared by every buffer that names the same list. `device`: the descriptor's GPU in our
+  // numbering.
   absl::StatusOr<RegionHandle> ImportVmm(const Desc& d, int device) {
     const std::string what = absl::StrCat("cuda_ipc VMM import of region '", d.label, "'");
     if (d.vmm_pid != static_cast<uint32_t>(::getpid())) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": the descriptor names fd ", d.vmm_fd, " of process ", d.vmm_pid,
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the descriptor names fds of process ", d.vmm_pid,
                                                      ", not of this process (VMM descriptors do not travel)"));
     }
+    const size_t n = d.vmm_parts.size();
     // (subtraction: offset and size are each < 2^63 but their sum may not be)
-    if (d.alloc_offset > d.vmm_alloc_bytes || d.size > d.vmm_alloc_bytes - d.alloc_offset) {
+    if (d.alloc_offset > d.vmm_total || d.size > d.vmm_total - d.alloc_offset) {
+      if (n == 1) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", d.alloc_offset, ", ", d.alloc_offset + d.size,
+                                                       ") exceed the allocation of ", d.vmm_total, " bytes"));
+      }
       return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", d.alloc_offset, ", ", d.alloc_offset + d.size,
-                                                     ") exceed the allocation of ", d.vmm_alloc_bytes, " bytes"));
+                                                     ") exceed the ", n, " allocations of ", d.vmm_total,
+                                                     " bytes in all (first '", d.vmm_parts.front().key, "', last '",
+                                                     d.vmm_parts.back().key, "')"));
     }
-    const std::string key = absl::StrCat("vmm:", d.vmm_key);
-    absl::MutexLock il(&import_mu_);  // one mapping per allocation even with concurrent imports
+    if (n > 1) {
+      // Every listed allocation holds some of the buffer: a longer list maps memory for nothing
+      // and usually means the worker walked its allocations wrong.
+      if (d.alloc_offset >= d.vmm_parts.front().bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": the buffer starts at byte ", d.alloc_offset,
+                                                       ", past its first allocation '", d.vmm_parts.front().key, "' of ",
+                                                       d.vmm_parts.front().bytes, " bytes (list only the allocations it spans)"));
+      }
+      if (d.alloc_offset + d.size <= d.vmm_total - d.vmm_parts.back().bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": the buffer ends at byte ", d.alloc_offset + d.size,
+                                                       ", before its last allocation '", d.vmm_parts.back().key,
+                                                       "' (list only the allocations it spans)"));
+      }
+    }
+    std::string key = "vmm:";
+    if (n == 1) {
+      key += d.vmm_parts[0].key;  // as before multi-allocation buffers: one allocation, one mapping
+    } else {
+      key = absl::StrCat("vmm", n, ":");
+      for (const Desc::VmmPart& p : d.vmm_parts) absl::StrAppend(&key, p.key.size(), ":", p.key);
+    }
+    absl::MutexLock il(&import_mu_);  // one mapping per key list even with concurrent imports
     Mapping m;
     {
       absl::MutexLock l(&mu_);
       if (auto it = mappings_.find(key); it != mappings_.end()) m = it->second;
     }
-    if (m.base != nullptr && m.alloc_size != d.vmm_alloc_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": allocation '", d.vmm_key, "' is mapped with ", m.alloc_size,
-                                                     " bytes, the descriptor says ", d.vmm_alloc_bytes));
+    if (m.base != nullptr) {
+      for (size_t i = 0; i < n; ++i) {
+        if (m.vmm_sizes[i] != d.vmm_parts[i].bytes) {
+          return absl::InvalidArgumentError(absl::StrCat(what, ": allocation '", d.vmm_parts[i].key, "' is mapped with ",
+                                                         m.vmm_sizes[i], " bytes, the descriptor says ", d.vmm_parts[i].bytes));
+        }
+      }
     }
     const bool mapped_now = m.base == nullptr;
     if (mapped_now) {
@@ -742,34 +803,59 @@ class CudaIpcTransport : public Transport {
     return RegionHandle{id};
   }
 
-  // cuMemImportFromShareableHandle + reserve + map + set access; undone on any failure.
+  // cuMemImportFromShareableHandle of every part, one cuMemAddressReserve of their sum, cuMemMap of
+  // each at its offset, one cuMemSetAccess over the whole range; undone on any failure.
   absl::StatusOr<Mapping> MapVmm(const Desc& d, int device, const std::string& what) {
     ASSIGN_OR_RETURN(const CudaVmmApi* api, LoadCudaVmmApi());
     WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat(what, ": cudaSetDevice"));
     Mapping m;
     m.vmm = true;
     m.device = device;
-    m.alloc_size = d.vmm_alloc_bytes;
-    RETURN_IF_ERROR(CuStatus(api->import_handle(&m.vmm_handle, reinterpret_cast<void*>(static_cast<intptr_t>(d.vmm_fd)),
-                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                             absl::StrCat(what, ": cuMemImportFromShareableHandle (is the fd an exported CUDA allocation?)")));
+    m.alloc_size = d.vmm_total;
     CUdeviceptr va = 0;
+    size_t mapped = 0;  // parts mapped so far
     auto undo = [&](absl::Status s) {
+      CUdeviceptr at = va;
+      for (size_t i = 0; i < mapped; ++i) {
+        (void)api->unmap(at, static_cast<size_t>(m.vmm_sizes[i]));
+        at += static_cast<CUdeviceptr>(m.vmm_sizes[i]);
+      }
       if (va != 0) (void)api->address_free(va, static_cast<size_t>(m.alloc_size));
-      (void)api->release(m.vmm_handle);
+      for (CUmemGenericAllocationHandle h : m.vmm_handles) (void)api->release(h);
       return s;
     };
-    // The GPU that holds the memory (a worker with another CUDA_VISIBLE_DEVICES and no UUID may
-    // have named another): copies run on its streams and Describe reports it.
-    CUmemAllocationProp prop = {};
-    if (api->properties(&prop, m.vmm_handle) == CUDA_SUCCESS && prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
-        prop.location.id >= 0 && prop.location.id < static_cast<int>(uuids_.size())) {
-      m.device = prop.location.id;
-      if (m.device != device) {
-        if (absl::Status s = CudaStatus(cudaSetDevice(m.device), what); !s.ok()) return undo(s);
+    for (size_t i = 0; i < d.vmm_parts.size(); ++i) {
+      const Desc::VmmPart& p = d.vmm_parts[i];
+      CUmemGenericAllocationHandle h = 0;
+      if (absl::Status s = CuStatus(api->import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(p.fd)),
+                                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                                    absl::StrCat(what, ": cuMemImportFromShareableHandle of allocation '", p.key,
+                                                 "' (is the fd an exported CUDA allocation?)"));
+          !s.ok()) {
+        return undo(s);
+      }
+      m.vmm_handles.push_back(h);
+      m.vmm_sizes.push_back(p.bytes);
+      // The GPU that holds the memory (a worker with another CUDA_VISIBLE_DEVICES and no UUID may
+      // have named another): copies run on its streams and Describe reports it. All parts of one
+      // range must be on it (one device's address range).
+      CUmemAllocationProp prop = {};
+      if (api->properties(&prop, h) == CUDA_SUCCESS && prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE &&
+          prop.location.id >= 0 && prop.location.id < static_cast<int>(uuids_.size())) {
+        if (i == 0) {
+          m.device = prop.location.id;
+        } else if (prop.location.id != m.device) {
+          return undo(absl::InvalidArgumentError(absl::StrCat(what, ": allocation '", p.key, "' is on GPU ", prop.location.id,
+                                                              ", allocation '", d.vmm_parts[0].key, "' on GPU ", m.device,
+                                                              " (one buffer's allocations must share a GPU)")));
+        }
       }
     }
+    if (m.device != device) {
+      if (absl::Status s = CudaStatus(cudaSetDevice(m.device), what); !s.ok()) return undo(s);
+    }
     size_t g = 0;
+    CUmemAllocationProp prop = {};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = m.device;
@@ -778,27 +864,37 @@ class CudaIpcTransport : public Transport {
         !s.ok()) {
       return undo(s);
     }
-    if (g == 0 || d.vmm_alloc_bytes % static_cast<int64_t>(g) != 0) {
-      return undo(absl::InvalidArgumentError(absl::StrCat(what, ": allocation size ", d.vmm_alloc_bytes,
-                                                          " is not a multiple of the granularity ", g,
-                                                          " (give the size passed to cuMemCreate)")));
+    for (const Desc::VmmPart& p : d.vmm_parts) {
+      // cuMemMap needs sizes (and, in one range, offsets) that are multiples of the granularity.
+      if (g == 0 || p.bytes % static_cast<int64_t>(g) != 0) {
+        return undo(absl::InvalidArgumentError(absl::StrCat(what, ": allocation '", p.key, "' size ", p.bytes,
+                                                            " is not a multiple of the granularity ", g,
+                                                            " (give the size passed to cuMemCreate)")));
+      }
     }
-    const size_t n = static_cast<size_t>(d.vmm_alloc_bytes);
-    if (absl::Status s = CuStatus(api->reserve(&va, n, 0, 0, 0), absl::StrCat(what, ": cuMemAddressReserve")); !s.ok()) {
+    const size_t total = static_cast<size_t>(d.vmm_total);
+    if (absl::Status s = CuStatus(api->reserve(&va, total, 0, 0, 0), absl::StrCat(what, ": cuMemAddressReserve of ", total, " bytes"));
+        !s.ok()) {
       va = 0;
       return undo(s);
     }
-    if (absl::Status s = CuStatus(api->map(va, n, 0, m.vmm_handle, 0),
-                                  absl::StrCat(what, ": cuMemMap of ", n, " bytes (larger than the allocation?)"));
-        !s.ok()) {
-      return undo(s);
+    CUdeviceptr at = va;
+    for (size_t i = 0; i < d.vmm_parts.size(); ++i) {
+      const size_t bytes = static_cast<size_t>(d.vmm_parts[i].bytes);
+      if (absl::Status s = CuStatus(api->map(at, bytes, 0, m.vmm_handles[i], 0),
+                                    absl::StrCat(what, ": cuMemMap of allocation '", d.vmm_parts[i].key, "' (", bytes,
+                                                 " bytes; larger than the allocation?)"));
+          !s.ok()) {
+        return undo(s);
+      }
+      ++mapped;
+      at += static_cast<CUdeviceptr>(bytes);
     }
     CUmemAccessDesc rw = {};
     rw.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     rw.location.id = m.device;
     rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if (absl::Status s = CuStatus(api->set_access(va, n, &rw, 1), absl::StrCat(what, ": cuMemSetAccess")); !s.ok()) {
-      (void)api->unmap(va, n);
+    if (absl::Status s = CuStatus(api->set_access(va, total, &rw, 1), absl::StrCat(what, ": cuMemSetAccess")); !s.ok()) {
       return undo(s);
     }
     m.base = reinterpret_cast<char*>(va);
@@ -910,9 +1006,28 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateCudaIpcTransport(const Transpor
 }
 
 absl::StatusOr<std::string> CudaIpcDescriptorFromVmmFd(const RawCudaVmmBuffer& buffer) {
-  if (buffer.fd < 0 || buffer.allocation_key.empty() || buffer.allocation_bytes <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: VMM buffer '", buffer.label,
-                                                   "' needs an fd, an allocation key and a positive allocation size"));
+  if (buffer.next_allocations.size() + 1 > kMaxCudaVmmAllocationsPerBuffer) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: VMM buffer '", buffer.label, "' spans ",
+                                                   buffer.next_allocations.size() + 1, " allocations, more than the limit of ",
+                                                   kMaxCudaVmmAllocationsPerBuffer));
+  }
+  std::vector<Desc::VmmPart> parts = {{buffer.fd, buffer.allocation_key, buffer.allocation_bytes}};
+  for (const CudaVmmAllocationRef& a : buffer.next_allocations) parts.push_back({a.fd, a.key, a.bytes});
+  int64_t total = 0;
+  std::set<std::string> keys;
+  for (const Desc::VmmPart& p : parts) {
+    if (p.fd < 0 || p.key.empty() || p.bytes <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: VMM buffer '", buffer.label, "': allocation '", p.key,
+                                                     "' needs an fd, a key and a positive size"));
+    }
+    if (!keys.insert(p.key).second) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: VMM buffer '", buffer.label, "' names allocation '", p.key,
+                                                     "' twice"));
+    }
+    if (total > INT64_MAX - p.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc: VMM buffer '", buffer.label, "': allocation sizes overflow"));
+    }
+    total += p.bytes;
   }
   if (!buffer.device_uuid.empty() && buffer.device_uuid.size() != kUuidBytes) {
     return absl::InvalidArgumentError("cuda_ipc: device uuid must be 16 bytes or empty");
@@ -929,9 +1044,8 @@ absl::StatusOr<std::string> CudaIpcDescriptorFromVmmFd(const RawCudaVmmBuffer& b
   d.uuid = buffer.device_uuid;
   d.vmm = true;
   d.vmm_pid = static_cast<uint32_t>(::getpid());
-  d.vmm_fd = buffer.fd;
-  d.vmm_key = buffer.allocation_key;
-  d.vmm_alloc_bytes = buffer.allocation_bytes;
+  d.vmm_parts = std::move(parts);
+  d.vmm_total = total;
   return EncodeDescriptor(d);
 }
 

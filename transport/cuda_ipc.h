@@ -27,6 +27,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "transport/config.h"
@@ -68,11 +69,30 @@ absl::StatusOr<std::string> CudaIpcDescriptorFromRawHandle(const RawCudaIpcBuffe
 // process that built it (its pid is in the descriptor; any other process gets INVALID_ARGUMENT).
 // [offset, offset + size) must lie inside allocation_bytes (INVALID_ARGUMENT, nothing mapped), and
 // allocation_bytes must be the allocation's real size: the driver refuses to map more.
+//
+// Several allocations (PyTorch's expandable segments back one segment with one allocation per
+// 2 MiB / 20 MiB page, mapped back to back, so a large tensor spans several): `next_allocations`
+// lists the ones mapped right after the first, in the worker's order. The import then imports every
+// fd, reserves ONE range of the summed size, maps each allocation at its offset in it and grants
+// read-write access once over the range, so the buffer [offset, offset + size) of the
+// concatenation is one contiguous device range (copies, strided ones included, run across the
+// allocations' boundaries). Such a mapping is cached by the ordered list of keys (the same list
+// shares it; another list, even one sharing allocations, maps its own) and undone on its last
+// Release. Every allocation must be on one GPU and a multiple of its granularity, keys distinct;
+// the buffer must start in the first allocation and end in the last (INVALID_ARGUMENT naming the
+// allocation otherwise, nothing mapped).
+struct CudaVmmAllocationRef {
+  int fd = -1;          // the exported allocation, open in THIS process
+  std::string key;      // as RawCudaVmmBuffer::allocation_key
+  int64_t bytes = 0;    // the allocation's size (what cuMemCreate was given)
+};
+
 struct RawCudaVmmBuffer {
   int fd = -1;                   // the exported allocation, open in THIS process
   std::string allocation_key;    // unique per allocation (and per exporting process): the mapping cache key
   int64_t allocation_bytes = 0;  // the allocation's size (what cuMemCreate was given)
-  int64_t offset_bytes = 0;      // the buffer's start inside the allocation
+  std::vector<CudaVmmAllocationRef> next_allocations;  // mapped after the first, in order (usually empty)
+  int64_t offset_bytes = 0;      // the buffer's start inside the (first) allocation
   int64_t size_bytes = 0;
   int device = 0;                // as RawCudaIpcBuffer
   std::string device_uuid;
@@ -80,7 +100,9 @@ struct RawCudaVmmBuffer {
   std::string label;
 };
 
-// Pure encoding (no CUDA calls); INVALID_ARGUMENT for a negative fd/field, an empty key, or a bad uuid.
+// Pure encoding (no CUDA calls); INVALID_ARGUMENT for a negative fd/field, an empty or repeated
+// key, more than kMaxCudaVmmAllocationsPerBuffer allocations, sizes whose sum overflows, or a bad uuid.
+constexpr size_t kMaxCudaVmmAllocationsPerBuffer = 4096;
 absl::StatusOr<std::string> CudaIpcDescriptorFromVmmFd(const RawCudaVmmBuffer& buffer);
 
 }  // namespace wb::transport

@@ -73,13 +73,15 @@ absl::Status CuStatus(CUresult r, absl::string_view what) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<VmmAllocation>> VmmAllocation::Create(int device, int64_t min_bytes) {
-  if (min_bytes <= 0 || device < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("VmmAllocation: bad size ", min_bytes, " or device ", device));
+absl::StatusOr<std::unique_ptr<VmmAllocation>> VmmAllocation::Create(int device, int64_t min_bytes, int allocations) {
+  if (min_bytes <= 0 || device < 0 || allocations < 1 || allocations > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("VmmAllocation: bad size ", min_bytes, ", device ", device, " or allocation count ",
+                                                   allocations));
   }
   auto api = LoadCudaVmmApi();
   if (!api.ok()) return api.status();
   WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "VmmAllocation: cudaSetDevice");
+  // On error the destructor undoes what was done (mapped_ / handles_ / va_ say how far it got).
   std::unique_ptr<VmmAllocation> a(new VmmAllocation());
   a->api_ = *api;
   a->device_ = device;
@@ -90,12 +92,20 @@ absl::StatusOr<std::unique_ptr<VmmAllocation>> VmmAllocation::Create(int device,
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t g = 0;
   RETURN_IF_CU((*api)->granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity");
-  const size_t size = (static_cast<size_t>(min_bytes) + g - 1) / g * g;
-  RETURN_IF_CU((*api)->create(&a->handle_, size, &prop, 0), absl::StrCat("cuMemCreate(", size, " bytes, device ", device, ")"));
-  a->size_ = static_cast<int64_t>(size);
+  const size_t each_min = (static_cast<size_t>(min_bytes) + allocations - 1) / allocations;
+  const size_t each = (each_min + g - 1) / g * g;
+  const size_t size = each * static_cast<size_t>(allocations);
+  for (int i = 0; i < allocations; ++i) {
+    CUmemGenericAllocationHandle h = 0;
+    RETURN_IF_CU((*api)->create(&h, each, &prop, 0), absl::StrCat("cuMemCreate(", each, " bytes, device ", device, ")"));
+    a->handles_.push_back(h);
+  }
   RETURN_IF_CU((*api)->reserve(&a->va_, size, 0, 0, 0), "cuMemAddressReserve");
-  RETURN_IF_CU((*api)->map(a->va_, size, 0, a->handle_, 0), "cuMemMap");
-  a->mapped_ = true;
+  a->size_ = static_cast<int64_t>(size);
+  for (int i = 0; i < allocations; ++i) {
+    RETURN_IF_CU((*api)->map(a->va_ + i * each, each, 0, a->handles_[i], 0), absl::StrCat("cuMemMap of allocation ", i));
+    a->mapped_ = i + 1;
+  }
   CUmemAccessDesc rw = {};
   rw.location = prop.location;
   rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -105,14 +115,18 @@ absl::StatusOr<std::unique_ptr<VmmAllocation>> VmmAllocation::Create(int device,
 
 VmmAllocation::~VmmAllocation() {
   if (api_ == nullptr) return;
-  if (mapped_) (void)api_->unmap(va_, static_cast<size_t>(size_));
+  const size_t each = static_cast<size_t>(allocation_bytes());
+  for (int i = 0; i < mapped_; ++i) (void)api_->unmap(va_ + i * each, each);
   if (va_ != 0) (void)api_->address_free(va_, static_cast<size_t>(size_));
-  if (handle_ != 0) (void)api_->release(handle_);
+  for (CUmemGenericAllocationHandle h : handles_) (void)api_->release(h);
 }
 
-absl::StatusOr<int> VmmAllocation::ExportFd() const {
+absl::StatusOr<int> VmmAllocation::ExportFd(int i) const {
+  if (i < 0 || i >= allocations()) {
+    return absl::InvalidArgumentError(absl::StrCat("VmmAllocation::ExportFd: no allocation ", i, " (", allocations(), " in all)"));
+  }
   int fd = -1;
-  if (absl::Status s = CuStatus(api_->export_handle(&fd, handle_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+  if (absl::Status s = CuStatus(api_->export_handle(&fd, handles_[i], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
                                 "cuMemExportToShareableHandle(POSIX fd)");
       !s.ok()) {
     return s;

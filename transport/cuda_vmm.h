@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -47,9 +48,14 @@ absl::Status CuStatus(CUresult r, absl::string_view what);
 // An exportable cuMemCreate allocation of `size()` bytes (the request rounded up to the
 // granularity) on one device, mapped read-write for that device at data(). Destruction unmaps and
 // releases it (an importer that mapped it keeps the memory alive, as CUDA does).
+//
+// With `allocations` > 1: that many allocations of equal size (min_bytes / allocations rounded up
+// to the granularity) mapped back to back in ONE reserved range, as PyTorch's expandable segments
+// map one allocation per page: data() is the start of the range, size() the sum, and each
+// allocation exports on its own (ExportFd(i)).
 class VmmAllocation {
  public:
-  static absl::StatusOr<std::unique_ptr<VmmAllocation>> Create(int device, int64_t min_bytes);
+  static absl::StatusOr<std::unique_ptr<VmmAllocation>> Create(int device, int64_t min_bytes, int allocations = 1);
   ~VmmAllocation();
   VmmAllocation(const VmmAllocation&) = delete;
   VmmAllocation& operator=(const VmmAllocation&) = delete;
@@ -57,17 +63,20 @@ class VmmAllocation {
   void* data() const { return reinterpret_cast<void*>(va_); }
   int64_t size() const { return size_; }
   int device() const { return device_; }
-  // A new POSIX fd for the allocation (the caller owns and closes it); send it with SCM_RIGHTS.
-  absl::StatusOr<int> ExportFd() const;
+  int allocations() const { return static_cast<int>(handles_.size()); }
+  // Allocation i lies at [i * allocation_bytes(), (i + 1) * allocation_bytes()) of the range.
+  int64_t allocation_bytes() const { return handles_.empty() ? 0 : size_ / static_cast<int64_t>(handles_.size()); }
+  // A new POSIX fd for allocation i (the caller owns and closes it); send it with SCM_RIGHTS.
+  absl::StatusOr<int> ExportFd(int i = 0) const;
 
  private:
   VmmAllocation() = default;
   const CudaVmmApi* api_ = nullptr;
-  CUmemGenericAllocationHandle handle_ = 0;
+  std::vector<CUmemGenericAllocationHandle> handles_;
   CUdeviceptr va_ = 0;
   int64_t size_ = 0;
   int device_ = 0;
-  bool mapped_ = false;
+  int mapped_ = 0;  // allocations mapped so far (in order)
 };
 
 }  // namespace wb::transport
