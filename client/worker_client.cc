@@ -7,10 +7,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -276,9 +278,25 @@ absl::Status WorkerClient::ShareCudaVmmAllocation(const std::string& key, int fd
 
 absl::StatusOr<Buffer*> WorkerClient::AddCudaVmmBuffer(const std::string& key, int64_t offset_bytes, int64_t size_bytes,
                                                        int32_t gpu, std::string gpu_uuid) {
-  const std::string what = absl::StrCat("CUDA VMM buffer ", buffers_.size(), " in allocation '", key, "'");
-  if (vmm_.find(key) == vmm_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": no allocation shared under that key (ShareCudaVmmAllocation first)"));
+  return AddCudaVmmBuffer(std::vector<std::string>{key}, offset_bytes, size_bytes, gpu, std::move(gpu_uuid));
+}
+
+absl::StatusOr<Buffer*> WorkerClient::AddCudaVmmBuffer(const std::vector<std::string>& keys, int64_t offset_bytes,
+                                                       int64_t size_bytes, int32_t gpu, std::string gpu_uuid) {
+  if (keys.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA VMM buffer ", buffers_.size(), ": names no allocation"));
+  }
+  const std::string what = keys.size() == 1
+                               ? absl::StrCat("CUDA VMM buffer ", buffers_.size(), " in allocation '", keys[0], "'")
+                               : absl::StrCat("CUDA VMM buffer ", buffers_.size(), " over allocations '",
+                                              absl::StrJoin(keys, "', '"), "'");
+  std::set<std::string> seen;
+  for (const std::string& key : keys) {
+    if (vmm_.find(key) == vmm_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(what, ": no allocation shared under key '", key,
+                                                        "' (ShareCudaVmmAllocation first)"));
+    }
+    if (!seen.insert(key).second) return absl::InvalidArgumentError(absl::StrCat(what, ": names allocation '", key, "' twice"));
   }
   if (offset_bytes < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": offset must be >= 0, got ", offset_bytes));
   if (size_bytes <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": size must be > 0, got ", size_bytes));
@@ -293,7 +311,8 @@ absl::StatusOr<Buffer*> WorkerClient::AddCudaVmmBuffer(const std::string& key, i
   buf->size_bytes = size_bytes;
   buf->gpu = gpu;
   buf->gpu_uuid = std::move(gpu_uuid);
-  buf->cuda_vmm_key = key;
+  buf->cuda_vmm_key = keys[0];
+  buf->cuda_vmm_next_keys.assign(keys.begin() + 1, keys.end());
   buf->cuda_vmm_offset = offset_bytes;
   buffers_.push_back(std::move(buf));
   return buffers_.back().get();
@@ -352,6 +371,7 @@ absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layo
     if (!b->cuda_vmm_key.empty()) {
       spec->set_cuda_vmm_key(b->cuda_vmm_key);
       spec->set_cuda_vmm_offset(static_cast<uint64_t>(b->cuda_vmm_offset));
+      for (const std::string& k : b->cuda_vmm_next_keys) spec->add_cuda_vmm_next_keys(k);
       spec->set_gpu(b->gpu);
       spec->set_gpu_uuid(b->gpu_uuid);
     } else if (b->cuda_ipc_handle.empty()) {

@@ -98,6 +98,7 @@ struct Buffer {
   std::string gpu_uuid;         // CUDA buffers: 16 bytes of cudaDeviceProp::uuid, or empty
   std::string cuda_vmm_key;     // CUDA VMM buffers: the allocation's key (ShareCudaVmmAllocation)
   int64_t cuda_vmm_offset = 0;  // CUDA VMM buffers: the buffer's start inside that allocation
+  std::vector<std::string> cuda_vmm_next_keys;  // CUDA VMM buffers over several allocations: the rest, in order
 };
 
 // Layout sources (design.md "Canonical space and layouts").
@@ -179,6 +180,17 @@ class WorkerClient {
   // or a bad uuid. No CUDA call is made here.
   absl::StatusOr<Buffer*> AddCudaVmmBuffer(const std::string& key, int64_t offset_bytes, int64_t size_bytes, int32_t gpu,
                                            std::string gpu_uuid = "");
+  // A buffer over SEVERAL allocations that this process mapped back to back in one address range
+  // (PyTorch's expandable segments map one allocation per 2 MiB / 20 MiB page, so a large tensor
+  // spans several): `keys` name them in address order, each shared by ShareCudaVmmAllocation; the
+  // buffer is [offset_bytes, + size_bytes) of their concatenation, starting in keys[0]'s
+  // allocation and ending in the last one's (BufferSpec.cuda_vmm_key + cuda_vmm_next_keys). The
+  // daemon maps them contiguously in that order, once per key list, and refuses a range past their
+  // sum or a list longer than the range (INVALID_ARGUMENT from RegisterLayout). Here:
+  // FAILED_PRECONDITION naming a key not shared by this client, INVALID_ARGUMENT for no key, a key
+  // twice, or the arguments AddCudaVmmBuffer refuses. One key = the overload above.
+  absl::StatusOr<Buffer*> AddCudaVmmBuffer(const std::vector<std::string>& keys, int64_t offset_bytes, int64_t size_bytes,
+                                           int32_t gpu, std::string gpu_uuid = "");
   const std::vector<std::unique_ptr<Buffer>>& buffers() const { return buffers_; }
 
   // Sends every buffer created so far and `layout`. Requires RegisterWorker. On error nothing is

@@ -511,6 +511,51 @@ TEST(WorkerClientTest, VmmAllocationIsSharedOnceAndItsBuffersNameIt) {
   EXPECT_TRUE(rl.buffers(1).gpu_uuid().empty());
 }
 
+// A buffer over several allocations (a tensor in a PyTorch expandable segment spans several
+// pages): each allocation shared once, the buffer names them in order.
+TEST(WorkerClientTest, VmmBufferOverSeveralAllocationsNamesThemInOrder) {
+  std::string sock = TempSocket("vmmmulti");
+  FakeDaemon daemon(sock);
+  auto channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  WorkerClient& c = **client;
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, 1}).ok());
+  for (const char* key : {"page0", "page1", "page2"}) {
+    const int fd = MemfdWith(key);
+    ASSERT_TRUE(c.ShareCudaVmmAllocation(key, fd, 2 << 20).ok());
+    close(fd);
+  }
+  using Keys = std::vector<std::string>;
+  auto unknown = c.AddCudaVmmBuffer(Keys{"page0", "page9"}, 0, 64, 1);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("no allocation shared under key 'page9'"));
+  auto twice = c.AddCudaVmmBuffer(Keys{"page0", "page1", "page0"}, 0, 64, 1);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("names allocation 'page0' twice"));
+  EXPECT_EQ(c.AddCudaVmmBuffer(Keys{}, 0, 64, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.AddCudaVmmBuffer(Keys{"page0", "page1"}, 0, 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c.buffers().empty());
+  auto span = c.AddCudaVmmBuffer(Keys{"page0", "page1", "page2"}, 4096, (4 << 20) + 100, 1);
+  ASSERT_TRUE(span.ok()) << span.status();
+  auto one = c.AddCudaVmmBuffer(Keys{"page2"}, 8, 64, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_TRUE(c.RegisterLayout(PresetLayout{"fsdp"}).ok());
+  EXPECT_EQ(channel->size(), 3u) << "one fd per allocation, however many buffers name it";
+
+  absl::MutexLock l(&daemon.service().mu_);
+  const auto& rl = daemon.service().register_layout_.back();
+  ASSERT_EQ(rl.buffers_size(), 2);
+  EXPECT_EQ(rl.buffers(0).memory_case(), pb::BufferSpec::kCudaVmmKey);
+  EXPECT_EQ(rl.buffers(0).cuda_vmm_key(), "page0");
+  EXPECT_EQ(Keys(rl.buffers(0).cuda_vmm_next_keys().begin(), rl.buffers(0).cuda_vmm_next_keys().end()), (Keys{"page1", "page2"}));
+  EXPECT_EQ(rl.buffers(0).cuda_vmm_offset(), 4096u);
+  EXPECT_EQ(rl.buffers(0).size_bytes(), (4u << 20) + 100);
+  EXPECT_EQ(rl.buffers(1).cuda_vmm_key(), "page2");
+  EXPECT_TRUE(rl.buffers(1).cuda_vmm_next_keys().empty()) << "one allocation: as AddCudaVmmBuffer(key, ...)";
+}
+
 TEST(WorkerClientTest, VmmRefusalsCarryTheDaemonsCodeAndMessage) {
   std::string sock = TempSocket("vmmno");
   FakeDaemon daemon(sock);

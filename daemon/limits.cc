@@ -62,6 +62,9 @@ absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<pb::Buf
   for (const pb::BufferSpec& b : buffers) {
     if (!ids.insert(b.buffer_id()).second) return absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), " appears twice"));
     if (b.size_bytes() == 0) return absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), " has size 0"));
+    if (b.cuda_vmm_next_keys_size() > 0 && b.memory_case() != pb::BufferSpec::kCudaVmmKey) {
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": cuda_vmm_next_keys without cuda_vmm_key"));
+    }
     if (b.size_bytes() > static_cast<uint64_t>(limits.max_buffer_bytes)) {
       return absl::ResourceExhaustedError(absl::StrCat("buffer ", b.buffer_id(), " is ", b.size_bytes(), " bytes, more than the limit of ",
                                                        limits.max_buffer_bytes));

@@ -104,6 +104,17 @@ TEST(LimitsTest, CudaBuffersCountOnlyWithoutGpuStaging) {
   EXPECT_EQ(CheckLayoutRequest(r.buffers, r.layout, l).code(), absl::StatusCode::kResourceExhausted);
 }
 
+TEST(LimitsTest, VmmNextKeysNeedAVmmBuffer) {
+  LayoutReq r = Layout(2, 1024, 1);
+  r.buffers.Mutable(1)->set_cuda_vmm_key("a0");
+  r.buffers.Mutable(1)->add_cuda_vmm_next_keys("a1");
+  EXPECT_TRUE(CheckLayoutRequest(r.buffers, r.layout, Limits()).ok());
+  r.buffers.Mutable(0)->add_cuda_vmm_next_keys("a2");  // a shm buffer
+  absl::Status s = CheckLayoutRequest(r.buffers, r.layout, Limits());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("buffer 0: cuda_vmm_next_keys without cuda_vmm_key"), std::string::npos) << s;
+}
+
 TEST(LimitsTest, TooManyBuffersOrPieces) {
   Limits l;
   l.max_buffers_per_worker = 2;

@@ -2325,7 +2325,9 @@ NodeDaemon::CudaImport::~CudaImport() {
 }
 
 absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(const std::string& worker, const pb::BufferSpec& b) {
-  const std::string what = absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), " (CUDA IPC, gpu ", b.gpu(), ")");
+  const bool is_vmm = b.memory_case() == pb::BufferSpec::kCudaVmmKey;
+  const std::string what =
+      absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), is_vmm ? " (CUDA VMM, gpu " : " (CUDA IPC, gpu ", b.gpu(), ")");
   transport::Transport* t = options_.transports.Find("cuda_ipc");
   if (t == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(what, ": node ", options_.node_id,
@@ -2351,16 +2353,28 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
   raw.label = what;
   absl::StatusOr<std::string> desc;
   absl::StatusOr<transport::RegionHandle> h;
-  if (b.memory_case() == pb::BufferSpec::kCudaVmmKey) {
-    // VMM memory: the allocation's fd came over the fd channel (only from the process bound to
-    // this worker); the transport maps each allocation once, whatever the number of buffers in it.
+  if (is_vmm) {
+    // VMM memory: each allocation's fd came over the fd channel (only from the process bound to
+    // this worker); the transport maps each allocation (or each ordered list of allocations, for a
+    // buffer that spans several) once, whatever the number of buffers in it.
     if (!options_.cuda_vmm_fd) return absl::FailedPreconditionError(absl::StrCat(what, ": this daemon has no fd channel"));
-    absl::StatusOr<CudaVmmFd> fd = options_.cuda_vmm_fd(worker, b.cuda_vmm_key());
-    if (!fd.ok()) return Annotate(fd.status(), what);
+    std::vector<CudaVmmFd> fds;  // dups, closed once the transport imported (or refused) them
+    auto close_fds = [&fds] {
+      for (const CudaVmmFd& f : fds) ::close(f.fd);
+    };
+    for (int i = -1; i < b.cuda_vmm_next_keys_size(); ++i) {
+      absl::StatusOr<CudaVmmFd> fd = options_.cuda_vmm_fd(worker, i < 0 ? b.cuda_vmm_key() : b.cuda_vmm_next_keys(i));
+      if (!fd.ok()) {
+        close_fds();
+        return Annotate(fd.status(), what);
+      }
+      fds.push_back(*fd);
+    }
     transport::RawCudaVmmBuffer vmm;
-    vmm.fd = fd->fd;
-    vmm.allocation_key = fd->cache_key;
-    vmm.allocation_bytes = fd->allocation_bytes;
+    vmm.fd = fds[0].fd;
+    vmm.allocation_key = fds[0].cache_key;
+    vmm.allocation_bytes = fds[0].allocation_bytes;
+    for (size_t i = 1; i < fds.size(); ++i) vmm.next_allocations.push_back({fds[i].fd, fds[i].cache_key, fds[i].allocation_bytes});
     vmm.offset_bytes = static_cast<int64_t>(std::min<uint64_t>(b.cuda_vmm_offset(), INT64_MAX));
     vmm.size_bytes = raw.size_bytes;
     vmm.device = raw.device;
@@ -2369,7 +2383,7 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(c
     vmm.label = what;
     desc = transport::CudaIpcDescriptorFromVmmFd(vmm);
     if (desc.ok()) h = t->ImportDescriptor(*desc);
-    ::close(fd->fd);  // the transport imported (or refused) it; the channel keeps its own copy
+    close_fds();  // the transport imported (or refused) them; the channel keeps its own copies
   } else {
     desc = transport::CudaIpcDescriptorFromRawHandle(raw);
     if (desc.ok()) h = t->ImportDescriptor(*desc);
