@@ -41,6 +41,8 @@ pb::DType ToProto(planner::DType dtype) {
       return pb::DTYPE_I64;
     case planner::DType::kE8M0:
       return pb::DTYPE_E8M0;
+    case planner::DType::kI4:
+      return pb::DTYPE_I4;
   }
   return pb::DTYPE_UNSPECIFIED;
 }
@@ -60,6 +62,8 @@ absl::StatusOr<planner::DType> FromProto(pb::DType dtype) {
       return planner::DType::kI64;
     case pb::DTYPE_E8M0:
       return planner::DType::kE8M0;
+    case pb::DTYPE_I4:
+      return planner::DType::kI4;
     default:
       break;
   }

@@ -14,6 +14,7 @@ absl::StatusOr<planner::DType> FromProto(pb::DType dtype) {
     case pb::DTYPE_F8_E4M3: return planner::DType::kF8E4M3;
     case pb::DTYPE_I64: return planner::DType::kI64;
     case pb::DTYPE_E8M0: return planner::DType::kE8M0;
+    case pb::DTYPE_I4: return planner::DType::kI4;
     default: return absl::InvalidArgumentError(absl::StrCat("unknown dtype ", static_cast<int>(dtype)));
   }
 }
@@ -26,6 +27,7 @@ pb::DType ToProto(planner::DType dtype) {
     case planner::DType::kF8E4M3: return pb::DTYPE_F8_E4M3;
     case planner::DType::kI64: return pb::DTYPE_I64;
     case planner::DType::kE8M0: return pb::DTYPE_E8M0;
+    case planner::DType::kI4: return pb::DTYPE_I4;
   }
   return pb::DTYPE_UNSPECIFIED;
 }

@@ -2129,7 +2129,8 @@ absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
           return absl::InternalError(absl::StrCat("version ", exec.version, ": rollout ", w.worker_id(), " tensor ",
                                                   plan.inventory.tensors[p.tensor].name, ": quantised piece outside its staging"));
         }
-        RETURN_IF_ERROR(CheckPieceInBuffer(p, 1, staging[b].size(), plan.inventory.tensors[p.tensor].name));
+        const planner::ByteView bytes_of_p = planner::StoredBytes(plan.inventory, p);  // int4: two elements per byte
+        RETURN_IF_ERROR(CheckPieceInBuffer(bytes_of_p.piece, bytes_of_p.element_size, staging[b].size(), plan.inventory.tensors[p.tensor].name));
         jobs.push_back(Job{&p, &sp, &staging[b], &staging[sb]});
         bytes += sh_bytes;
       }
@@ -2240,14 +2241,16 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
       ASSIGN_OR_RETURN(Target t, register_buffer(piece.buffer));
       it = by_buffer.emplace(piece.buffer, t).first;
     }
-    const int elem = planner::PieceElementSize(inventory, piece);  // quantised pieces: e4m3 bytes
+    // The bytes the piece occupies (quantised pieces: e4m3 bytes, or int4 pairs as bytes).
+    const planner::ByteView view = planner::StoredBytes(inventory, piece);
+    const int elem = view.element_size;
     transport::CopyOp op;
-    for (size_t d = 0; d < piece.box.begin.size(); ++d) op.shape.push_back(piece.box.end[d] - piece.box.begin[d]);
+    for (size_t d = 0; d < view.piece.box.begin.size(); ++d) op.shape.push_back(view.piece.box.end[d] - view.piece.box.begin[d]);
     op.element_size = elem;
     // Staging mirrors the live layout byte for byte: same offset and strides on both sides (the
     // shadows of quantised pieces lie past the end of the live buffer and are not copied).
-    op.src = RefFor(piece, piece.box, elem, it->second.src);
-    op.dst = RefFor(piece, piece.box, elem, it->second.dst);
+    op.src = RefFor(view.piece, view.piece.box, elem, it->second.src);
+    op.dst = RefFor(view.piece, view.piece.box, elem, it->second.dst);
     batches[it->second.t].ops.push_back(std::move(op));
     if (piece.quant.has_value()) scale_regions.push_back(&piece);
   }

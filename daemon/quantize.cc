@@ -51,6 +51,31 @@ uint8_t E8M0ScaleFor(float amax) {
   return static_cast<uint8_t>(e + 127);
 }
 
+uint16_t FloatToBF16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even (a carry may reach inf: correct)
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+uint16_t FloatToF16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t u = bits & 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7e00;  // NaN
+  if (u >= 0x477ff000u) return sign | 0x7c00;  // rounds to >= 65536: inf
+  if (u >= 0x38800000u) {                      // >= 2^-14: normal half
+    return sign | static_cast<uint16_t>((u + 0xfffu + ((u >> 13) & 1u) - (112u << 23)) >> 13);
+  }
+  // Subnormal half: multiples of 2^-24; |x| * 2^24 < 1024 rounded to nearest even by the FPU.
+  float a;
+  std::memcpy(&a, &u, 4);
+  const float t = a * 16777216.0f + 8388608.0f;
+  return sign | static_cast<uint16_t>(static_cast<int32_t>(t - 8388608.0f));
+}
+
 float LoadAsFloat(const uint8_t* p, planner::DType dtype) {
   switch (dtype) {
     case planner::DType::kBF16: {
@@ -209,6 +234,53 @@ WB_ROW_KERNEL void RowToE4M3(const uint8_t* row, planner::DType dtype, int64_t i
   }
 }
 
+// q = clamp(rint(x / s), -8, 7) (NaN -> 0), stored as q + 8, two per byte (even j low nibble).
+inline __attribute__((always_inline)) void ScaledToInt4(const float* x, float s, int64_t n, uint8_t* nibbles) {
+  for (int64_t j = 0; j < n; ++j) {
+    float q = x[j] / s;
+    uint32_t bits;
+    std::memcpy(&bits, &q, 4);
+    bits = (bits & 0x7fffffffu) > 0x7f800000u ? 0u : bits;  // NaN -> 0 (int4 has no NaN)
+    std::memcpy(&q, &bits, 4);
+    q = q < -8.0f ? -8.0f : q;
+    q = q > 7.0f ? 7.0f : q;
+    // Round half to even: adding 1.5 * 2^23 leaves an integer mantissa (|q| <= 8).
+    const float r = (q + 12582912.0f) - 12582912.0f;
+    nibbles[j] = static_cast<uint8_t>(static_cast<int32_t>(r) + 8);
+  }
+}
+
+WB_ROW_KERNEL void RowToInt4(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* scale,
+                             std::vector<float>& tmp, uint8_t* out) {
+  if (tmp.size() < static_cast<size_t>(2 * inner)) tmp.resize(static_cast<size_t>(2 * inner));
+  float* x = tmp.data();
+  RowToFloat(row, dtype, inner, x);
+  uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + inner);  // inner bytes, inside tmp's second half
+  for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
+    ScaledToInt4(x + lo, scale[b], std::min(inner_block, inner - lo), nib + lo);
+  }
+  for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
+}
+
+// Writes `s` as a `dtype` scale (round to nearest even) at `at` and returns the stored value.
+float StoreScale(float s, planner::DType dtype, uint8_t* at) {
+  switch (dtype) {
+    case planner::DType::kBF16: {
+      const uint16_t h = FloatToBF16(s);
+      std::memcpy(at, &h, 2);
+      return LoadAsFloat(at, dtype);
+    }
+    case planner::DType::kF16: {
+      const uint16_t h = FloatToF16(s);
+      std::memcpy(at, &h, 2);
+      return LoadAsFloat(at, dtype);
+    }
+    default:
+      std::memcpy(at, &s, 4);
+      return s;
+  }
+}
+
 }  // namespace
 
 absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow,
@@ -219,10 +291,18 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, ": dtype ",
                                                    planner::DTypeName(src)));
   }
-  const bool e8m0 = piece.quant->scale_dtype == planner::DType::kE8M0;
-  if (!e8m0 && piece.quant->scale_dtype != planner::DType::kF32) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, ": scale dtype ",
-                                                   planner::DTypeName(piece.quant->scale_dtype)));
+  const planner::DType sdt = piece.quant->scale_dtype;
+  const bool int4 = piece.quant->dtype == planner::DType::kI4;
+  const bool e8m0 = !int4 && sdt == planner::DType::kE8M0;
+  const bool scale_ok = int4 ? (sdt == planner::DType::kBF16 || sdt == planner::DType::kF16 || sdt == planner::DType::kF32)
+                             : (piece.quant->dtype == planner::DType::kF8E4M3 && (sdt == planner::DType::kE8M0 || sdt == planner::DType::kF32));
+  if (!scale_ok) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, " to ",
+                                                   planner::DTypeName(piece.quant->dtype), " with ", planner::DTypeName(sdt), " scales"));
+  }
+  if (int4 && (piece.box.begin.empty() || piece.strides.back() != 1 || (piece.box.end.back() - piece.box.begin.back()) % 2 != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name,
+                                                   " to int4: not packed along its last dim (validate the layout first)"));
   }
   const size_t rank = piece.box.begin.size();
   const int es = planner::DTypeSize(src);
@@ -269,7 +349,10 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     for (int64_t base : bases) {
       for (int64_t b = base; b < base + inner_blocks; ++b) {
         const float a = amax[static_cast<size_t>(b)];
-        if (e8m0) {
+        if (int4) {  // factor = the stored scale, read back: q = x / scale
+          const float s = std::isnan(a) ? a : std::max(a / kInt4ScaleDivisor, kInt4MinScale);
+          factor[static_cast<size_t>(b)] = StoreScale(s, sdt, scale_out + b * planner::DTypeSize(sdt));
+        } else if (e8m0) {
           const uint8_t sb = E8M0ScaleFor(a);
           scale_out[b] = sb;
           factor[static_cast<size_t>(b)] = sb == kE8M0Nan ? std::nanf("") : std::ldexp(1.0f, 127 - static_cast<int>(sb));
@@ -283,6 +366,10 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     }
     bases.clear();
     for (const Row& r : group) {
+      if (int4) {  // stride 1 (checked above): the row's packed bytes are contiguous
+        RowToInt4(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, tmp, elements + r.dst);
+        continue;
+      }
       uint8_t* out = inner_stride == 1 ? elements + r.dst : packed.data();
       RowToE4M3(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, tmp, out);
       if (inner_stride != 1) {
@@ -297,7 +384,7 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     int64_t block_base = 0, dst = piece.offset_bytes;
     for (size_t d = 0; d + 1 < rank; ++d) {
       block_base = block_base * grid[d] + idx[d] / block[d];
-      dst += idx[d] * piece.strides[d];  // fp8: one byte per element
+      dst += int4 ? idx[d] * piece.strides[d] / 2 : idx[d] * piece.strides[d];  // fp8: a byte per element; int4: two
     }
     block_base *= inner_blocks;
     if (runs && !group.empty() && group.back().base != block_base) flush();

@@ -14,6 +14,12 @@
 //   q         = float8_e4m3fn(x * 2^-e)             (exact scaling; round to nearest even,
 //                                                    saturating: amax * 2^-e lies in [256, 512))
 // NaN inputs give the e4m3fn NaN (0x7f / 0xff); with e8m0 a block holding a NaN gets scale 0xff.
+// int4 (compressed-tensors "pack-quantized" W4A16, symmetric, group strategy):
+//   scale     = max(amax / 7.5, 2^-23), stored in the scale dtype (bf16/f16/f32, nearest even)
+//   q         = clamp(rint(x / s), -8, 7) with s the stored scale read back (float32 arithmetic;
+//               torch computes in the model dtype, so a tie may round differently), NaN -> 0
+//   stored    = q + 8, two per byte along the last dim, the even element in the low nibble
+//               (compressed-tensors' int32 packing read as little-endian bytes).
 
 #include <cstdint>
 
@@ -24,6 +30,9 @@ namespace wb::daemon {
 
 // float -> float8_e4m3fn bits (round to nearest, ties to even; |x| beyond 448 saturates to +-448).
 uint8_t FloatToE4M3(float x);
+// float -> bfloat16 / float16 bits, round to nearest even (float16: beyond its range -> inf).
+uint16_t FloatToBF16(float x);
+uint16_t FloatToF16(float x);
 // float8_e4m3fn bits -> float (0x7f / 0xff are NaN).
 float E4M3ToFloat(uint8_t bits);
 // One element of a canonical tensor (bfloat16, float16 or float32 bytes) as float.
@@ -32,6 +41,8 @@ float LoadAsFloat(const uint8_t* p, planner::DType dtype);
 inline constexpr float kE4M3Max = 448.0f;
 inline constexpr float kMinBlockAmax = 1e-4f;
 inline constexpr int kE4M3MaxExponent = 8;  // floor(log2(448))
+inline constexpr float kInt4ScaleDivisor = 7.5f;        // (q_max - q_min) / 2 for q in [-8, 7]
+inline constexpr float kInt4MinScale = 1.1920929e-07f;  // float32 epsilon, compressed-tensors' floor
 inline constexpr uint8_t kE8M0Nan = 0xff;
 
 // The e8m0 scale byte of a block whose largest magnitude is `amax` (see above).
@@ -39,7 +50,7 @@ uint8_t E8M0ScaleFor(float amax);
 
 // Quantises `piece` (quantised and validated against its layout): reads its box from `shadow`
 // (canonical dtype, row-major over the box, as planner::StagingLayout places it), writes the e4m3
-// elements at the piece's offset and strides into `elements` (the base of the piece's buffer) and
+// (or packed int4) elements at the piece's offset and strides into `elements` (the base of the piece's buffer) and
 // the scales (quant.scale_dtype), row-major over the block grid, at quant.scale_offset_bytes of `scales` (the
 // base of the scale buffer). The caller has checked every address against its buffer (the layout
 // was validated); INVALID_ARGUMENT for a piece without quant or a dtype it cannot read.

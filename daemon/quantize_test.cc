@@ -256,6 +256,123 @@ TEST(QuantizeTest, MxScalesQuantiseAPieceWithA1x32BlockGrid) {
   EXPECT_EQ(buf[q.scale_offset_bytes - 1], 0xAB);
 }
 
+// Nearest bfloat16 / float16 by comparing the two neighbours in double (ties to the even one).
+uint16_t NearestHalfLike(float x, bool bf16) {
+  auto value = [&](uint16_t h) -> double {
+    if (bf16) {
+      const uint32_t b = static_cast<uint32_t>(h) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    }
+    return LoadAsFloat(reinterpret_cast<const uint8_t*>(&h), planner::DType::kF16);
+  };
+  const double a = std::fabs(static_cast<double>(x));
+  uint16_t lo = 0, hi = bf16 ? 0x7f80 : 0x7c00;  // binary search over the magnitude codes
+  while (hi - lo > 1) {
+    const uint16_t mid = static_cast<uint16_t>((lo + hi) / 2);
+    (value(mid) <= a ? lo : hi) = mid;
+  }
+  const double dl = a - value(lo), dh = value(hi) - a;
+  const uint16_t pick = dl < dh ? lo : dh < dl ? hi : ((lo & 1) == 0 ? lo : hi);
+  return static_cast<uint16_t>(pick | (std::signbit(x) ? 0x8000 : 0));
+}
+
+TEST(QuantizeTest, FloatToBF16AndF16RoundToNearestEven) {
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> mag(-30.0f, 17.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const float x = (rng() & 1 ? -1.0f : 1.0f) * std::exp2(mag(rng));
+    ASSERT_EQ(FloatToBF16(x), NearestHalfLike(x, true)) << x;
+    if (std::fabs(x) < 65504.0f) ASSERT_EQ(FloatToF16(x), NearestHalfLike(x, false)) << x;
+  }
+  // Ties: exactly between two bfloat16 codes -> the even one.
+  EXPECT_EQ(FloatToBF16(1.0f + 0x1p-8f), 0x3f80);
+  EXPECT_EQ(FloatToBF16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  EXPECT_EQ(FloatToF16(65520.0f), 0x7c00);  // rounds past the largest half: inf
+  EXPECT_EQ(FloatToF16(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToF16(0x1p-25f), 0x0000);  // half of the smallest subnormal: tie to even (0)
+  EXPECT_EQ(FloatToF16(3 * 0x1p-25f), 0x0002);
+  EXPECT_EQ(FloatToF16(std::nanf("")) & 0x7e00, 0x7e00);
+}
+
+// int4 (compressed-tensors W4A16): a bf16 piece with groups of 1 x 32 and bf16 scales, packed two
+// per byte with a row pitch; every nibble and scale against a reference computed here.
+TEST(QuantizeTest, Int4GroupsPackTwoElementsPerByte) {
+  for (planner::DType sdt : {planner::DType::kBF16, planner::DType::kF16, planner::DType::kF32}) {
+    planner::Inventory inv;
+    inv.tensors.push_back({"w", {16, 96}, planner::DType::kBF16});
+    planner::Piece p;
+    p.tensor = 0;
+    p.box = {{4, 32}, {16, 96}};  // 12 x 64: groups 1 x 32 -> 12 x 2
+    p.buffer = 0;
+    p.offset_bytes = 8;
+    p.strides = {80, 1};  // row pitch 40 bytes
+    planner::Quantization q;
+    q.dtype = planner::DType::kI4;
+    q.scale_dtype = sdt;
+    q.block = {1, 32};
+    q.scale_offset_bytes = 8 + 11 * 40 + 32 + 4;
+    p.quant = q;
+    planner::WorkerLayout layout;
+    const int ss = planner::DTypeSize(sdt);
+    layout.buffers.push_back({q.scale_offset_bytes + 24 * ss + 8});
+    layout.pieces.push_back(p);
+    ASSERT_TRUE(planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r").ok())
+        << planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r");
+    const int64_t rows = 12, cols = 64;
+    std::vector<uint16_t> shadow(rows * cols);
+    std::mt19937 rng(8);
+    std::normal_distribution<float> n(0.0f, 0.05f);
+    for (int64_t i = 0; i < rows * cols; ++i) shadow[i] = ToBF16(n(rng));
+    for (int64_t c = 0; c < 32; ++c) shadow[3 * cols + c] = 0;  // zero group: scale floors at 2^-23
+    shadow[7 * cols + 40] = 0x7fc0;                               // NaN: its group's scale is NaN, elements 0
+    std::vector<uint8_t> buf(layout.buffers[0].size_bytes, 0xAB);
+    ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data()).ok());
+    auto val = [&](int64_t r, int64_t c) {
+      uint32_t b = static_cast<uint32_t>(shadow[r * cols + c]) << 16;
+      float f;
+      std::memcpy(&f, &b, 4);
+      return f;
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < 2; ++g) {
+        double amax = 0;
+        bool nan = false;
+        for (int64_t c = g * 32; c < g * 32 + 32; ++c) {
+          nan = nan || std::isnan(val(r, c));
+          amax = std::max(amax, std::fabs(static_cast<double>(val(r, c))));
+        }
+        const uint8_t* sp = buf.data() + q.scale_offset_bytes + (r * 2 + g) * ss;
+        const float stored = sdt == planner::DType::kF32 ? [&] { float f; std::memcpy(&f, sp, 4); return f; }()
+                                                         : LoadAsFloat(sp, sdt);
+        if (nan) {
+          ASSERT_TRUE(std::isnan(stored)) << r << "," << g;
+        } else {
+          const float want = std::max(static_cast<float>(amax) / 7.5f, 1.1920929e-07f);
+          const float want_stored = sdt == planner::DType::kF32 ? want
+                                    : [&] { uint16_t h = NearestHalfLike(want, sdt == planner::DType::kBF16);
+                                            return LoadAsFloat(reinterpret_cast<const uint8_t*>(&h), sdt); }();
+          ASSERT_EQ(stored, want_stored) << r << "," << g;
+        }
+        for (int64_t c = g * 32; c < g * 32 + 32; ++c) {
+          const uint8_t byte = buf[8 + r * 40 + c / 2];
+          const int got = (c % 2 == 0 ? byte & 0xf : byte >> 4) - 8;
+          int want = 0;
+          if (!nan) want = static_cast<int>(std::clamp(std::nearbyint(static_cast<double>(val(r, c) / stored)), -8.0, 7.0));
+          ASSERT_EQ(got, want) << r << "," << c;
+        }
+      }
+    }
+    // Row padding (bytes 32..39 of each row) and the bytes around the scales are untouched.
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 32; c < 40 && 8 + r * 40 + c < q.scale_offset_bytes; ++c) ASSERT_EQ(buf[8 + r * 40 + c], 0xAB);
+    }
+    for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(buf[i], 0xAB);
+    for (int64_t i = q.scale_offset_bytes + 24 * ss; i < static_cast<int64_t>(buf.size()); ++i) ASSERT_EQ(buf[i], 0xAB);
+  }
+}
+
 TEST(QuantizeTest, RefusesUnquantisedPieces) {
   planner::Inventory inv;
   inv.tensors.push_back({"w", {4}, planner::DType::kBF16});

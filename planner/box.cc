@@ -18,9 +18,13 @@ int DTypeSize(DType dtype) {
       return 1;
     case DType::kI64:
       return 8;
+    case DType::kI4:
+      return 0;  // sub-byte
   }
   return 0;
 }
+
+int DTypeBits(DType dtype) { return dtype == DType::kI4 ? 4 : 8 * DTypeSize(dtype); }
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
@@ -36,6 +40,8 @@ const char* DTypeName(DType dtype) {
       return "int64";
     case DType::kE8M0:
       return "float8_e8m0";
+    case DType::kI4:
+      return "int4";
   }
   return "unknown";
 }

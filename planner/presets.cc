@@ -570,21 +570,27 @@ absl::StatusOr<int> PresetWorldSize(const ParallelConfig& p) {
 
 namespace {
 
-// Linear weights a block-quantised checkpoint holds in fp8 (see ParallelConfig::quantization).
-bool QuantizableTensor(const TensorSpec& t) {
+// Linear weights a block-quantised checkpoint holds quantised (see ParallelConfig::quantization):
+// every 2-D ".weight" with "proj" or ".experts." in its name; `experts_only`: routed experts only
+// (Kimi-K2-Thinking's INT4: attention, shared experts and dense MLPs stay bf16).
+bool QuantizableTensor(const TensorSpec& t, bool experts_only) {
   const std::string& n = t.name;
   if (t.shape.size() != 2 || !absl::EndsWith(n, ".weight")) return false;
+  if (experts_only) return n.find(".experts.") != std::string::npos && n.find("shared_expert") == std::string::npos;
   return n.find("proj") != std::string::npos || n.find(".experts.") != std::string::npos;
 }
 
-// Re-packs `out` (one buffer) with quantisable local tensors as float8_e4m3 + their scales.
+// Re-packs `out` (one buffer) with quantisable local tensors quantised + their scales.
 absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, PresetLayout& out) {
-  // fp8_block128: 128x128 blocks, float32 scale_inv (DeepSeek-V3); mxfp8: 1x32 blocks along the
-  // input dim, e8m0 scales (OCP MX, vLLM's "weight_scale" uint8).
+  // fp8_block128: float8_e4m3, 128x128 blocks, float32 scale_inv (DeepSeek-V3); mxfp8: float8_e4m3,
+  // 1x32 blocks along the input dim, e8m0 scales (OCP MX, vLLM's "weight_scale" uint8);
+  // w4a16_g32 / w4a16_experts_g32: int4, 1x32 groups, scales in the tensor's dtype
+  // (compressed-tensors pack-quantized; "<name>_packed" holds the int4 pairs).
   const bool mx = scheme == "mxfp8";
-  const std::vector<int64_t> block = mx ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{128, 128};
-  const DType scale_dtype = mx ? DType::kE8M0 : DType::kF32;
-  const int scale_size = DTypeSize(scale_dtype);
+  const bool int4 = scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
+  const bool experts_only = scheme == "w4a16_experts_g32";
+  const std::vector<int64_t> block = mx || int4 ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{128, 128};
+  const DType elem_dtype = int4 ? DType::kI4 : DType::kF8E4M3;
   PresetLayout q;
   q.layout.buffers = out.layout.buffers;
   q.layout.pieces = out.layout.pieces;
@@ -592,24 +598,35 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
   for (const LocalTensor& lt : out.local_tensors) {
     bool quantize = lt.num_pieces > 0;
     for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
-      quantize = quantize && QuantizableTensor(inv.tensors[out.layout.pieces[k].tensor]);
+      quantize = quantize && QuantizableTensor(inv.tensors[out.layout.pieces[k].tensor], experts_only);
     }
-    const int old_es = DTypeSize(lt.dtype);
-    const int new_es = quantize ? DTypeSize(DType::kF8E4M3) : old_es;
+    const DType scale_dtype = mx ? DType::kE8M0 : int4 ? lt.dtype : DType::kF32;
+    const int scale_size = DTypeSize(scale_dtype);
+    const int old_bits = DTypeBits(lt.dtype);
+    const int new_bits = quantize ? DTypeBits(elem_dtype) : old_bits;
     LocalTensor nt = lt;
     nt.offset_bytes = AlignUp(cursor, kLocalTensorAlignment);
-    if (quantize) nt.dtype = DType::kF8E4M3;
+    if (quantize) nt.dtype = elem_dtype;
+    if (quantize && int4) {  // compressed-tensors: the packed pairs are "<weight>_packed"
+      nt.name = absl::StrCat(lt.name, "_packed");
+    }
     for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
       Piece& p = q.layout.pieces[k];
-      p.offset_bytes = nt.offset_bytes + (out.layout.pieces[k].offset_bytes - lt.offset_bytes) / old_es * new_es;
+      const int64_t elems = (out.layout.pieces[k].offset_bytes - lt.offset_bytes) * 8 / old_bits;
+      if (elems * new_bits % 8 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(scheme, ": local tensor ", lt.name, " holds a piece of ", inv.tensors[p.tensor].name,
+                                                       " at element ", elems, ", not on a byte boundary once packed"));
+      }
+      p.offset_bytes = nt.offset_bytes + elems * new_bits / 8;
     }
-    cursor = nt.offset_bytes + Numel(lt.shape) * new_es;
+    cursor = nt.offset_bytes + (Numel(lt.shape) * new_bits + 7) / 8;
     q.local_tensors.push_back(nt);
     if (!quantize) continue;
     LocalTensor st;
     st.name = lt.name;
-    const char* suffix = mx ? "_scale" : "_scale_inv";
-    st.name += absl::EndsWith(st.name, ".weight") ? suffix : absl::StrCat(".weight", suffix);
+    const char* suffix = mx || int4 ? "_scale" : "_scale_inv";
+    // "x.weight" -> "x.weight_scale"; vLLM's fused expert "experts.w13_weight" -> "experts.w13_weight_scale".
+    st.name += absl::EndsWith(st.name, "weight") ? suffix : absl::StrCat(".weight", suffix);
     st.dtype = scale_dtype;
     st.offset_bytes = AlignUp(cursor, kLocalTensorAlignment);
     st.first_piece = lt.first_piece;
@@ -623,6 +640,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
         return absl::InvalidArgumentError(absl::StrCat(scheme, ": local tensor ", lt.name, " holds a ", p.box.begin.size(),
                                                        "-D piece of ", inv.tensors[p.tensor].name, " (2-D only)"));
       }
+      quant.dtype = elem_dtype;
       quant.block = block;
       quant.scale_dtype = scale_dtype;
       quant.scale_buffer = 0;
@@ -655,7 +673,7 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
                                                     const ParallelConfig& parallel) {
   ASSIGN_OR_RETURN(Kind kind, KindOf(parallel.preset));
   if (!KnownQuantization(parallel.quantization)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8 or none)"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8, w4a16_g32, w4a16_experts_g32 or none)"));
   }
   if (!parallel.quantization.empty() && kind != Kind::kVllm) {
     return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",
@@ -696,7 +714,9 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
   return absl::InternalError("unreachable");
 }
 
-bool KnownQuantization(const std::string& scheme) { return scheme.empty() || scheme == "fp8_block128" || scheme == "mxfp8"; }
+bool KnownQuantization(const std::string& scheme) {
+  return scheme.empty() || scheme == "fp8_block128" || scheme == "mxfp8" || scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
+}
 
 absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,
                                               const ParallelConfig& parallel, int rank) {

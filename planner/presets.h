@@ -52,6 +52,10 @@ struct ParallelConfig {
   // else [number of scales]. Embeddings, lm_head, norms, routers and biases stay unquantised.
   // "mxfp8": the same tensors as float8_e4m3 with OCP MX scales: blocks of 1x32 along the input
   // (last) dim, one float8_e8m0 byte per block, in "<name>_scale" ([rows, cols/32] for row slabs).
+  // "w4a16_g32": the same tensors as int4 (compressed-tensors pack-quantized W4A16, symmetric,
+  // groups of 1x32 along the input dim): the local tensor becomes "<name>_packed" (int4, two per
+  // byte), followed by "<name>_scale" in the tensor's dtype. "w4a16_experts_g32": routed experts
+  // only (".experts." but not shared experts), as Kimi-K2-Thinking's INT4 checkpoint.
   // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
   std::string quantization;
 };

@@ -59,13 +59,13 @@ const LocalTensor* FindLocal(const PresetLayout& l, const std::string& name) {
 // Independent of the preset code's arithmetic: it inverts each piece's strides generically.
 std::pair<int32_t, int64_t> CanonicalAt(const Inventory& inv, const PresetLayout& l, const LocalTensor& lt,
                                         int64_t local) {
-  const int es = DTypeSize(lt.dtype);
+  const int bits = DTypeBits(lt.dtype);  // in bits: int4 local tensors pack two elements per byte
   std::pair<int32_t, int64_t> found{-1, -1};
   for (int32_t i = lt.first_piece; i < lt.first_piece + lt.num_pieces; ++i) {
     const Piece& p = l.layout.pieces[i];
-    int64_t rel = lt.offset_bytes + local * es - p.offset_bytes;
-    if (rel < 0 || rel % es) continue;
-    rel /= es;
+    int64_t rel = (lt.offset_bytes - p.offset_bytes) * 8 + local * bits;
+    if (rel < 0 || rel % bits) continue;
+    rel /= bits;
     // Decompose using strides in decreasing order (pieces here have positive distinct strides).
     const size_t r = p.strides.size();
     std::vector<size_t> order(r);
@@ -213,6 +213,56 @@ TEST(Presets, VllmMxfp8HoldsOneE8M0ScalePer32Inputs) {
   const LocalTensor* norm = FindLocal(*l, "model.layers.0.input_layernorm.weight");
   ASSERT_NE(norm, nullptr);
   EXPECT_EQ(norm->dtype, DType::kBF16);
+}
+
+TEST(Presets, KimiInt4ExpertsOnly) {
+  Model m = Load("kimi-k2.json", 2);  // layer 0 dense, layer 1 MoE (384 experts, 2048 wide)
+  TensorIndex idx(m.inv);
+  ParallelConfig par{.preset = "vllm", .tp = 8, .expert_parallel = true};
+  par.quantization = "w4a16_experts_g32";
+  auto l = MakePresetLayout(m.config, m.inv, par, /*rank=*/1);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout, "r").ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout, "r");
+  const int64_t H = 7168, I = 2048;
+  const LocalTensor* w13 = FindLocal(*l, "model.layers.1.mlp.experts.w13_weight_packed");
+  ASSERT_NE(w13, nullptr);
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.mlp.experts.w13_weight"), nullptr);
+  EXPECT_EQ(w13->dtype, DType::kI4);
+  ASSERT_EQ(w13->shape, (std::vector<int64_t>{48, 2 * I, H}));
+  // Expert 48 + 2 = 50's up_proj row 7, column 33: two elements per byte, same canonical mapping.
+  auto got = CanonicalAt(m.inv, *l, *w13, (2 * 2 * I + I + 7) * H + 33);
+  EXPECT_EQ(got.first, *idx.Find("model.layers.1.mlp.experts.50.up_proj.weight"));
+  EXPECT_EQ(got.second, 7 * H + 33);
+  const LocalTensor* scale = FindLocal(*l, "model.layers.1.mlp.experts.w13_weight_scale");
+  ASSERT_NE(scale, nullptr);
+  EXPECT_EQ(scale->dtype, DType::kBF16);  // the model's dtype
+  EXPECT_EQ(scale->offset_bytes, (w13->offset_bytes + 48 * 2 * I * H / 2 + kLocalTensorAlignment - 1) / kLocalTensorAlignment * kLocalTensorAlignment);
+  for (int32_t p = w13->first_piece; p < w13->first_piece + w13->num_pieces; ++p) {
+    const Piece& piece = l->layout.pieces[p];
+    ASSERT_TRUE(piece.quant.has_value());
+    EXPECT_EQ(piece.quant->dtype, DType::kI4);
+    EXPECT_EQ(piece.quant->block, (std::vector<int64_t>{1, 32}));
+    EXPECT_EQ(piece.quant->scale_dtype, DType::kBF16);
+  }
+  // Attention, shared experts, the dense layer's MLP, router: not quantised.
+  for (const char* name : {"model.layers.1.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.shared_experts.gate_up_proj.weight",
+                           "model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.mlp.gate.weight"}) {
+    const LocalTensor* t = FindLocal(*l, name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->dtype, DType::kBF16) << name;
+  }
+  // The int4 layout takes about a quarter of the bf16 one for the experts.
+  par.quantization = "";
+  auto plain = MakePresetLayout(m.config, m.inv, par, 1);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_LT(l->layout.buffers[0].size_bytes, plain->layout.buffers[0].size_bytes * 2 / 5);
+  // All linear weights (w4a16_g32): attention too.
+  par.quantization = "w4a16_g32";
+  auto all = MakePresetLayout(m.config, m.inv, par, 1);
+  ASSERT_TRUE(all.ok()) << all.status();
+  const LocalTensor* qa = FindLocal(*all, "model.layers.1.self_attn.q_b_proj.weight_packed");
+  ASSERT_NE(qa, nullptr);
+  EXPECT_EQ(qa->dtype, DType::kI4);
 }
 
 TEST(Presets, QuantisationErrors) {

@@ -3,12 +3,46 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/box.h"
+#include "tools/cc/status_macros.h"
 
 namespace wb::planner {
 
-int PieceElementSize(const Inventory& inventory, const Piece& piece) {
-  if (piece.quant.has_value()) return DTypeSize(piece.quant->dtype);
-  return DTypeSize(inventory.tensors[piece.tensor].dtype);
+ByteView StoredBytes(const Inventory& inventory, const Piece& piece) {
+  ByteView v{piece, 0};
+  if (!piece.quant.has_value()) {
+    v.element_size = DTypeSize(inventory.tensors[piece.tensor].dtype);
+    return v;
+  }
+  if (piece.quant->dtype != DType::kI4 || piece.box.begin.empty()) {
+    v.element_size = DTypeSize(piece.quant->dtype);
+    return v;
+  }
+  const size_t last = piece.box.begin.size() - 1;
+  v.element_size = 1;
+  v.piece.box.end[last] = piece.box.begin[last] + (piece.box.end[last] - piece.box.begin[last]) / 2;
+  for (size_t d = 0; d < last; ++d) v.piece.strides[d] = piece.strides[d] / 2;
+  v.piece.strides[last] = 1;
+  return v;
+}
+
+absl::Status CheckInt4Packing(const Piece& piece, absl::string_view where) {
+  if (!piece.quant.has_value() || piece.quant->dtype != DType::kI4) return absl::OkStatus();
+  const size_t rank = piece.box.begin.size();
+  if (rank == 0 || piece.strides.size() != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": an int4 piece needs at least one dim"));
+  }
+  const int64_t ext = piece.box.end[rank - 1] - piece.box.begin[rank - 1];
+  if (piece.strides[rank - 1] != 1 || ext % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": int4 elements are packed two per byte along the last dim, so its stride must be 1 and its extent even (stride ",
+                                                   piece.strides[rank - 1], ", extent ", ext, ")"));
+  }
+  for (size_t d = 0; d + 1 < rank; ++d) {
+    if (piece.strides[d] % 2 != 0 && piece.box.end[d] - piece.box.begin[d] > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": int4 stride of dim ", d, " is ", piece.strides[d],
+                                                     " elements, not a whole number of bytes (must be even)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 int ScaleElementSize(const Quantization& quant) { return DTypeSize(quant.scale_dtype); }
@@ -35,9 +69,9 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
                                absl::string_view where) {
   const Quantization& q = *piece.quant;
   const TensorSpec& t = inventory.tensors[piece.tensor];
-  if (q.dtype != DType::kF8E4M3) {
+  if (q.dtype != DType::kF8E4M3 && q.dtype != DType::kI4) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": quantised dtype ", DTypeName(q.dtype),
-                                                   " is not supported (only float8_e4m3)"));
+                                                   " is not supported (float8_e4m3 or int4)"));
   }
   if (t.dtype != DType::kBF16 && t.dtype != DType::kF16 && t.dtype != DType::kF32) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": cannot quantise a ", DTypeName(t.dtype),
@@ -68,10 +102,15 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
     return absl::InvalidArgumentError(absl::StrCat(where, ": scale buffer ", q.scale_buffer, " not registered (",
                                                    layout.buffers.size(), " buffers)"));
   }
-  if (q.scale_dtype != DType::kF32 && q.scale_dtype != DType::kE8M0) {
+  if (q.dtype == DType::kF8E4M3 && q.scale_dtype != DType::kF32 && q.scale_dtype != DType::kE8M0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": scale dtype ", DTypeName(q.scale_dtype),
-                                                   " is not supported (float32 or float8_e8m0)"));
+                                                   " is not supported for float8_e4m3 (float32 or float8_e8m0)"));
   }
+  if (q.dtype == DType::kI4 && q.scale_dtype != DType::kBF16 && q.scale_dtype != DType::kF16 && q.scale_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scale dtype ", DTypeName(q.scale_dtype),
+                                                   " is not supported for int4 (bfloat16, float16 or float32)"));
+  }
+  RETURN_IF_ERROR(CheckInt4Packing(piece, where));
   const int scale_size = ScaleElementSize(q);
   if (q.scale_offset_bytes < 0 || q.scale_offset_bytes % scale_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": scale offset ", q.scale_offset_bytes, " negative or not a multiple of ",

@@ -18,14 +18,27 @@
 
 namespace wb::planner {
 
-// Bytes per element of `piece` in the worker's memory: the quantised dtype when set, else the
-// tensor's (callers have validated piece.tensor).
-int PieceElementSize(const Inventory& inventory, const Piece& piece);
+// Where a piece's elements lie in its buffer, as bytes: `piece` addresses elements of
+// `element_size` bytes with the piece's offset and strides. For unquantised and float8 pieces that
+// is the piece itself with the element size of its (quantised) dtype. An int4 piece packs two
+// elements per byte along its last dim: the view is the piece with the last extent halved (box end
+// moved), every stride halved but the last (1), element size 1 - valid once CheckInt4Packing
+// passed. Byte-level consumers (bounds, overlap runs, copies of the quantised bytes) use the view;
+// the canonical box stays the piece's own.
+struct ByteView {
+  Piece piece;
+  int element_size = 0;
+};
+ByteView StoredBytes(const Inventory& inventory, const Piece& piece);
+
+// The int4 packing rules of a quantised piece (no-op for other pieces): last stride 1, the other
+// strides even, the last extent even. `where` prefixes the message.
+absl::Status CheckInt4Packing(const Piece& piece, absl::string_view where);
 
 // Blocks per canonical dim of a quantised piece: ceil(extent_d / block_d). Empty when unquantised.
 std::vector<int64_t> ScaleShape(const Piece& piece);
 int64_t ScaleCount(const Piece& piece);  // product of ScaleShape (0 when unquantised)
-// Bytes per scale: DTypeSize(quant.scale_dtype) (float32: 4, float8_e8m0: 1).
+// Bytes per scale: DTypeSize(quant.scale_dtype) (float32: 4, bfloat16/float16: 2, float8_e8m0: 1).
 int ScaleElementSize(const Quantization& quant);
 
 // The quantisation rules of one piece (dtype pair, block rank and size, block alignment of the box,

@@ -58,7 +58,7 @@ TEST(QuantizedTest, ScaleShapeRoundsUpAtTheTensorEnd) {
 TEST(QuantizedTest, ValidQuantisedRolloutPiece) {
   Inventory inv = Inv();
   EXPECT_TRUE(ValidateLayout(inv, Good(), Role::kRollout, "r").ok()) << ValidateLayout(inv, Good(), Role::kRollout, "r");
-  EXPECT_EQ(PieceElementSize(inv, Good().pieces[0]), 1);
+  EXPECT_EQ(StoredBytes(inv, Good().pieces[0]).element_size, 1);
   // The fp8 elements take one byte each: a buffer one byte short of elements + scales is refused.
   WorkerLayout l = Good();
   l.buffers[0].size_bytes -= 1;
@@ -120,11 +120,64 @@ TEST(QuantizedTest, E8M0ScalesAreOneByteEachAndNeedNoAlignment) {
   EXPECT_EQ(ValidateLayout(inv, l, Role::kRollout, "r").code(), absl::StatusCode::kInvalidArgument);
   l.pieces[0].quant->scale_offset_bytes = 49153;
   l.pieces[0].quant->scale_dtype = DType::kBF16;
-  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "scale dtype bfloat16 is not supported (float32 or float8_e8m0)");
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "scale dtype bfloat16 is not supported for float8_e4m3 (float32 or float8_e8m0)");
   // The scale dtype is part of the fingerprinted layout: float32 scales of the same piece need 4x
   // the bytes and 4-byte alignment.
   l.pieces[0].quant->scale_dtype = DType::kF32;
   ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "not a multiple of 4 (float32 scales)");
+}
+
+TEST(QuantizedTest, Int4PiecesPackTwoElementsPerByteAlongTheLastDim) {
+  Inventory inv = Inv();
+  // Rows [128, 256) of a.weight as int4 with groups of 1 x 32 and bfloat16 scales: 128 x 384
+  // elements = 128 x 192 bytes (row pitch 200 bytes = 400 int4 elements), then 128 x 12 scales.
+  const int64_t pitch = 400, bytes = 127 * 200 + 192;
+  WorkerLayout l;
+  l.buffers.push_back({bytes + 128 * 12 * 2});
+  l.pieces.push_back(QuantPiece(0, {{128, 0}, {256, 384}}, 0, {pitch, 1}, {1, 32}, bytes));
+  l.pieces[0].quant->dtype = DType::kI4;
+  l.pieces[0].quant->scale_dtype = DType::kBF16;
+  EXPECT_TRUE(ValidateLayout(inv, l, Role::kRollout, "r").ok()) << ValidateLayout(inv, l, Role::kRollout, "r");
+  const ByteView v = StoredBytes(inv, l.pieces[0]);
+  EXPECT_EQ(v.element_size, 1);
+  EXPECT_EQ(v.piece.box.end, (std::vector<int64_t>{256, 192}));
+  EXPECT_EQ(v.piece.strides, (std::vector<int64_t>{200, 1}));
+  EXPECT_EQ(ScaleElementSize(*l.pieces[0].quant), 2);
+  // One byte short: the last element pair or the last scale falls outside.
+  l.buffers[0].size_bytes -= 1;
+  EXPECT_EQ(ValidateLayout(inv, l, Role::kRollout, "r").code(), absl::StatusCode::kInvalidArgument);
+  l.buffers[0].size_bytes += 1;
+  // Scales placed over the packed bytes' last row overlap them (bytes, not elements).
+  WorkerLayout o = l;
+  o.pieces[0].quant->scale_offset_bytes = bytes - 2;
+  ExpectError(ValidateLayout(inv, o, Role::kRollout, "r"), "overlap");
+  // Packing rules.
+  WorkerLayout s = l;
+  s.pieces[0].strides = {401, 1};
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "int4 stride of dim 0 is 401 elements");
+  s = l;
+  s.pieces[0].strides = {1, 128};  // transposed: not packed along the last dim
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "packed two per byte along the last dim");
+  // Scale dtypes per element dtype.
+  s = l;
+  s.pieces[0].quant->scale_dtype = DType::kE8M0;
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "not supported for int4 (bfloat16, float16 or float32)");
+  s = l;
+  s.pieces[0].quant->dtype = DType::kF8E4M3;  // one byte per element: the same strides reach twice as far
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "beyond buffer 0");
+  // Two int4 pieces side by side in one row share no byte: q rows [0, 128) in bytes [0, 96) of
+  // each row, then rows [128, 256) in bytes [96, 192) - fine; one element further, they would.
+  WorkerLayout two;
+  two.buffers.push_back({128 * 192 + 4096});
+  two.pieces.push_back(QuantPiece(0, {{0, 0}, {128, 192}}, 0, {384, 1}, {1, 32}, 128 * 192));
+  two.pieces.push_back(QuantPiece(0, {{0, 192}, {128, 384}}, 96, {384, 1}, {1, 32}, 128 * 192 + 2048));
+  for (Piece& p : two.pieces) {
+    p.quant->dtype = DType::kI4;
+    p.quant->scale_dtype = DType::kBF16;
+  }
+  EXPECT_TRUE(ValidateLayout(inv, two, Role::kRollout, "r").ok()) << ValidateLayout(inv, two, Role::kRollout, "r");
+  two.pieces[1].offset_bytes = 95;
+  ExpectError(ValidateLayout(inv, two, Role::kRollout, "r"), "overlap");
 }
 
 TEST(QuantizedTest, ScalesMustNotOverlapPiecesOrOtherScales) {

@@ -17,11 +17,13 @@
 namespace wb::planner {
 
 // kE8M0: OCP microscaling scale byte (value 2^(bits - 127), 0xff NaN); only as a scale dtype.
-enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64, kE8M0 };
+// kI4: signed 4-bit integer, two per byte; only as a quantised piece's element dtype.
+enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64, kE8M0, kI4 };
 
-// Bytes per element.
+// Bytes per element; 0 for kI4 (sub-byte: see DTypeBits and planner/quantized.h StoredBytes).
 int DTypeSize(DType dtype);
-const char* DTypeName(DType dtype);  // "bfloat16", "float16", "float32", "float8_e4m3", "int64", "float8_e8m0"
+int DTypeBits(DType dtype);
+const char* DTypeName(DType dtype);  // "bfloat16", "float16", "float32", "float8_e4m3", "int64", "float8_e8m0", "int4"
 
 struct TensorSpec {
   std::string name;            // HF name, e.g. "model.layers.0.self_attn.q_proj.weight"
@@ -43,21 +45,27 @@ struct Box {
 // A rollout piece held in a narrower dtype than the canonical tensor (user ask 5: quantized
 // targets). Block quantisation: the box is cut into blocks of `block` elements (per canonical dim,
 // on the tensor's global grid, so the box must start on a block boundary and end on one or at the
-// tensor's end); each block gets one scale and its elements are stored as float8_e4m3fn. Two scale
-// dtypes (numerics in daemon/quantize.h):
-//   kF32  - DeepSeek-V3 / vLLM fp8 block-quant checkpoints: float32 scale_inv = amax / 448;
-//   kE8M0 - OCP microscaling (MXFP8): one power-of-two scale byte (2^(e - 127)) per block,
-//           usually 1x32 along the last dim.
+// tensor's end); each block gets one scale. Formats (numerics in daemon/quantize.h):
+//   float8_e4m3 elements, kF32 scales  - DeepSeek-V3 / vLLM fp8 block-quant checkpoints
+//                                        (scale_inv = amax / 448);
+//   float8_e4m3 elements, kE8M0 scales - OCP microscaling (MXFP8): one power-of-two scale byte
+//                                        (2^(e - 127)) per block, usually 1x32 along the last dim;
+//   int4 elements, kBF16/kF16/kF32 scales - compressed-tensors "pack-quantized" W4A16, symmetric
+//                                        (scale = amax / 7.5), groups of 1xG along the last dim.
+//                                        Two elements per byte along the last dim, the even one in
+//                                        the low nibble, each stored as q + 8; the piece's strides
+//                                        count int4 elements, the last one must be 1 and the others
+//                                        even, the box's last extent even (StoredBytes).
 // The scales are a row-major array of ceil(extent_d / block_d) per dim at `scale_offset_bytes` of
 // buffer `scale_buffer`.
 // Bytes always travel in the canonical dtype; the receiving node quantises once the version has
 // landed (docs/daemon.md, "Quantized targets").
 struct Quantization {
-  DType dtype = DType::kF8E4M3;  // the only element type so far
+  DType dtype = DType::kF8E4M3;  // kF8E4M3 or kI4
   std::vector<int64_t> block;    // elements per block, per canonical dim (>= 1)
   int32_t scale_buffer = 0;
   int64_t scale_offset_bytes = 0;
-  DType scale_dtype = DType::kF32;  // kF32 or kE8M0
+  DType scale_dtype = DType::kF32;  // e4m3: kF32 or kE8M0; int4: kBF16, kF16 or kF32
 };
 
 struct Piece {

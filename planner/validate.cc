@@ -119,11 +119,15 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i),
                                                      ": only rollout workers may hold a quantised piece"));
     }
-    if (p.quant.has_value() && p.quant->dtype != DType::kF8E4M3) {
+    if (p.quant.has_value() && p.quant->dtype != DType::kF8E4M3 && p.quant->dtype != DType::kI4) {
       return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": quantised dtype ",
-                                                     DTypeName(p.quant->dtype), " is not supported (only float8_e4m3)"));
+                                                     DTypeName(p.quant->dtype), " is not supported (float8_e4m3 or int4)"));
     }
-    const int es = PieceElementSize(inv, p);
+    // Bounds are checked on the bytes the piece occupies (int4: two elements per byte).
+    RETURN_IF_ERROR(CheckInt4Packing(p, Where(worker, inv, p, i)));
+    const ByteView view = StoredBytes(inv, p);
+    const Piece& bp = view.piece;
+    const int es = view.element_size;
     if (p.buffer < 0 || static_cast<size_t>(p.buffer) >= layout.buffers.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat(Where(worker, inv, p, i), ": buffer ", p.buffer, " not registered (", layout.buffers.size(),
@@ -136,23 +140,23 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
     // Strides: non-negative and nested (no two elements share an address).
     std::vector<size_t> dims;
     for (size_t d = 0; d < r; ++d) {
-      if (p.strides[d] < 0) {
+      if (bp.strides[d] < 0) {
         return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": negative stride"));
       }
-      if (p.box.end[d] - p.box.begin[d] > 1) dims.push_back(d);
+      if (bp.box.end[d] - bp.box.begin[d] > 1) dims.push_back(d);
     }
-    std::sort(dims.begin(), dims.end(), [&](size_t a, size_t b) { return p.strides[a] < p.strides[b]; });
+    std::sort(dims.begin(), dims.end(), [&](size_t a, size_t b) { return bp.strides[a] < bp.strides[b]; });
     int64_t span = 0;  // elements: max offset reachable by the dims processed so far
     for (size_t d : dims) {
-      if (p.strides[d] <= span) {
+      if (bp.strides[d] <= span) {
         return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": strides alias elements"));
       }
-      const int64_t ext = p.box.end[d] - p.box.begin[d];
-      if (p.strides[d] > (int64_t{1} << 62) / ext) {
+      const int64_t ext = bp.box.end[d] - bp.box.begin[d];
+      if (bp.strides[d] > (int64_t{1} << 62) / ext) {
         return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": strides overflow"));
       }
       // Each term is <= 2^62 (checked above) but their sum over several dims may not fit.
-      if (__builtin_add_overflow(span, (ext - 1) * p.strides[d], &span)) {
+      if (__builtin_add_overflow(span, (ext - 1) * bp.strides[d], &span)) {
         return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": strides overflow"));
       }
     }
@@ -188,7 +192,7 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       while (e < ex.size() && ex[e].lo < hi) hi = std::max(hi, ex[e++].hi);
       if (e - s > 1) {
         int64_t total = 0;
-        for (size_t k = s; k < e; ++k) total += ex[k].scales ? 1 : RunCount(layout.pieces[ex[k].piece]);
+        for (size_t k = s; k < e; ++k) total += ex[k].scales ? 1 : RunCount(StoredBytes(inv, layout.pieces[ex[k].piece]).piece);
         if (total > kMaxRuns) {
           const Piece& p = layout.pieces[ex[s].piece];
           return absl::InvalidArgumentError(absl::StrCat(
@@ -203,7 +207,8 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
             continue;
           }
           const Piece& p = layout.pieces[ex[k].piece];
-          AppendRuns(p, PieceElementSize(inv, p), ex[k].piece, runs);
+          const ByteView v = StoredBytes(inv, p);
+          AppendRuns(v.piece, v.element_size, ex[k].piece, runs);
         }
         std::sort(runs.begin(), runs.end(), [](const Extent& a, const Extent& b) { return a.lo < b.lo; });
         for (size_t k = 1; k < runs.size(); ++k) {

@@ -6,8 +6,9 @@
 // Apply copy fp8 elements and scales into the live buffer. Every rollout checks EVERY element and
 // scale against its own reference quantisation of the canonical weights (tests/e2e/weights.cc,
 // independent of daemon/quantize), in sync and one-step-off mode, with the layout reaching the
-// daemon as a preset (resolved by the coordinator) and as explicit pieces; and once with MXFP8
-// (preset quantization mxfp8: 1x32 blocks, float8_e8m0 scales).
+// daemon as a preset (resolved by the coordinator) and as explicit pieces; once with MXFP8 (preset
+// quantization mxfp8: 1x32 blocks, float8_e8m0 scales) and once with INT4 (w4a16_g32:
+// compressed-tensors W4A16, groups of 32, bf16 scales, two elements per byte).
 #include <string>
 #include <vector>
 
@@ -80,7 +81,7 @@ TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
 
 INSTANTIATE_TEST_SUITE_P(E2E, QuantTest,
                          testing::Values(Case{"sync", "preset", "fp8_block128"}, Case{"one_step_off", "pieces", "fp8_block128"},
-                                         Case{"one_step_off", "preset", "mxfp8"}),
+                                         Case{"one_step_off", "preset", "mxfp8"}, Case{"sync", "pieces", "w4a16_g32"}),
                          CaseName);
 
 }  // namespace

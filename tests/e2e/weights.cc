@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "planner/box.h"
+#include "planner/quantized.h"
 #include "tools/cc/status_macros.h"
 #include "tools/cc/weight_gen.h"
 
@@ -34,10 +35,15 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
     return absl::InvalidArgumentError(absl::StrCat(where(), ": buffer ", p.buffer, " not mapped"));
   }
   if (planner::BoxEmpty(p.box)) return absl::OkStatus();
-  const int64_t esize = p.quant.has_value() ? planner::DTypeSize(p.quant->dtype) : planner::DTypeSize(t.dtype);
+  if (p.quant.has_value() && p.quant->dtype == planner::DType::kI4) {
+    RETURN_IF_ERROR(planner::CheckInt4Packing(p, where()));
+  }
+  // The bytes the piece occupies (int4: two elements per byte along the last dim).
+  const planner::ByteView view = planner::StoredBytes(inventory, p);
+  const int64_t esize = view.element_size;
   int64_t lo = p.offset_bytes, hi = p.offset_bytes;
   for (size_t d = 0; d < t.shape.size(); ++d) {
-    int64_t span = (p.box.end[d] - p.box.begin[d] - 1) * p.strides[d] * esize;
+    int64_t span = (view.piece.box.end[d] - view.piece.box.begin[d] - 1) * view.piece.strides[d] * esize;
     (span < 0 ? lo : hi) += span;
   }
   hi += esize;
@@ -48,7 +54,10 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
   }
   if (p.quant.has_value()) {
     const planner::Quantization& q = *p.quant;
-    if (q.dtype != planner::DType::kF8E4M3 || (q.scale_dtype != planner::DType::kF32 && q.scale_dtype != planner::DType::kE8M0) ||
+    const bool fp8_ok = q.dtype == planner::DType::kF8E4M3 && (q.scale_dtype == planner::DType::kF32 || q.scale_dtype == planner::DType::kE8M0);
+    const bool int4_ok = q.dtype == planner::DType::kI4 && (q.scale_dtype == planner::DType::kBF16 || q.scale_dtype == planner::DType::kF16 ||
+                                                            q.scale_dtype == planner::DType::kF32);
+    if ((!fp8_ok && !int4_ok) ||
         q.block.size() != t.shape.size() || q.scale_buffer < 0 ||
         q.scale_buffer >= static_cast<int>(memory.buffers.size())) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ": malformed quantisation"));
@@ -194,6 +203,110 @@ uint8_t NearestE4M3(float x) {
     c = dl < dh ? hi - 1 : dh < dl ? hi : ((hi - 1) % 2 == 0 ? hi - 1 : hi);
   }
   return static_cast<uint8_t>(c | (std::signbit(x) ? 0x80 : 0));
+}
+
+// A bfloat16 / float16 / float32 scale code as float.
+float ScaleValue(const uint8_t* p, planner::DType dtype) {
+  if (dtype == planner::DType::kF32) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  if (dtype == planner::DType::kBF16) {
+    const uint32_t b = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -24) : e == 31 ? INFINITY : std::ldexp(1.0f + m / 1024.0f, e - 15);
+  return (h & 0x8000) ? -mag : mag;
+}
+
+// The nearest `dtype` value to positive `x` (ties to the even code), by binary search over the
+// codes - independent of the daemon's bit arithmetic.
+float NearestScale(float x, planner::DType dtype) {
+  if (dtype == planner::DType::kF32) return x;
+  auto value = [&](uint16_t c) { return static_cast<double>(ScaleValue(reinterpret_cast<const uint8_t*>(&c), dtype)); };
+  uint16_t lo = 0, hi = dtype == planner::DType::kBF16 ? 0x7f80 : 0x7c00;
+  while (hi - lo > 1) {
+    const uint16_t mid = static_cast<uint16_t>((lo + hi) / 2);
+    (value(mid) <= x ? lo : hi) = mid;
+  }
+  const double dl = x - value(lo), dh = value(hi) - x;
+  return static_cast<float>(dl < dh ? value(lo) : dh < dl ? value(hi) : value((lo & 1) == 0 ? lo : hi));
+}
+
+// Checks int4 piece `pi` (compressed-tensors W4A16, daemon/quantize.h) against version `version`.
+void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory, int pi,
+                uint64_t version, VerifyResult& result) {
+  const planner::Piece& p = layout.pieces[pi];
+  const planner::Quantization& q = *p.quant;
+  const planner::TensorSpec& t = inventory.tensors[p.tensor];
+  const int es = planner::DTypeSize(t.dtype);
+  const int ss = planner::DTypeSize(q.scale_dtype);
+  const size_t rank = t.shape.size();
+  std::vector<int64_t> ext(rank), grid(rank);
+  int64_t count = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    ext[d] = p.box.end[d] - p.box.begin[d];
+    grid[d] = (ext[d] + q.block[d] - 1) / q.block[d];
+    count *= grid[d];
+  }
+  const std::vector<int64_t> cstride = planner::ContiguousStrides(t.shape);
+  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]);
+  const uint8_t* scale_base = static_cast<const uint8_t*>(memory.buffers[q.scale_buffer]) + q.scale_offset_bytes;
+  auto value = [&](int64_t flat) {
+    return CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
+  };
+  // fn(local index, canonical flat index, block index, stored nibble)
+  auto for_each = [&](auto&& fn) {
+    std::vector<int64_t> idx(rank, 0);
+    const int64_t n = planner::BoxVolume(p.box);
+    for (int64_t k = 0; k < n; ++k) {
+      int64_t flat = 0, block = 0, elem = 0;
+      for (size_t d = 0; d < rank; ++d) {
+        flat += (p.box.begin[d] + idx[d]) * cstride[d];
+        block = block * grid[d] + idx[d] / q.block[d];
+        elem += idx[d] * p.strides[d];  // int4 elements from the piece's start
+      }
+      const uint8_t byte = base[p.offset_bytes + elem / 2];
+      fn(idx, flat, block, (elem % 2 == 0) ? (byte & 0xf) : (byte >> 4));
+      for (size_t d = rank; d-- > 0;) {
+        if (++idx[d] < ext[d]) break;
+        idx[d] = 0;
+      }
+    }
+  };
+  auto mismatch = [&](const std::string& what) {
+    if (result.mismatches++ == 0) {
+      result.first_mismatch = absl::StrCat("tensor ", t.name, " (int4 piece ", pi, ", box ", planner::BoxToString(p.box), "): ", what);
+    }
+  };
+  std::vector<float> amax(static_cast<size_t>(count), 0.0f), scale(static_cast<size_t>(count), 0.0f);
+  if (version > 0) {
+    for_each([&](const std::vector<int64_t>&, int64_t flat, int64_t block, int) {
+      amax[static_cast<size_t>(block)] = std::max(amax[static_cast<size_t>(block)], std::fabs(value(flat)));
+    });
+  }
+  for (int64_t b = 0; b < count; ++b) {
+    const float got = ScaleValue(scale_base + b * ss, q.scale_dtype);
+    const float want = version == 0 ? 0.0f : NearestScale(std::max(amax[static_cast<size_t>(b)] / 7.5f, 1.1920929e-07f), q.scale_dtype);
+    if (got != want) mismatch(absl::StrCat("scale of group ", b, ": got ", got, ", want ", want));
+    scale[static_cast<size_t>(b)] = want;
+  }
+  for_each([&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, int got) {
+    int want = 0;  // version 0: fresh memory, every byte zero
+    if (version > 0) {
+      const float quotient = value(flat) / scale[static_cast<size_t>(block)];  // float32, as defined
+      want = static_cast<int>(std::clamp(std::nearbyint(quotient), -8.0f, 7.0f)) + 8;
+    }
+    if (got != want) mismatch(absl::StrCat("element at local [", absl::StrJoin(idx, ", "), "]: got nibble ", got, ", want ", want));
+  });
+  result.elements += planner::BoxVolume(p.box);
+  result.bytes += planner::BoxVolume(p.box) / 2 + ss * count;
 }
 
 // Checks quantised piece `pi` against version `version` (0: every element and scale byte zero).
@@ -343,7 +456,11 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
     const planner::Piece& p = layout.pieces[pi];
     if (planner::BoxEmpty(p.box)) continue;
     if (p.quant.has_value()) {
-      VerifyQuantized(inventory, layout, memory, pi, version, result);
+      if (p.quant->dtype == planner::DType::kI4) {
+        VerifyInt4(inventory, layout, memory, pi, version, result);
+      } else {
+        VerifyQuantized(inventory, layout, memory, pi, version, result);
+      }
       continue;
     }
     const planner::TensorSpec& t = inventory.tensors[p.tensor];

@@ -191,5 +191,56 @@ TEST(WeightsTest, MxQuantisedPieceMatchesTheDaemonsQuantiser) {
   EXPECT_GT(VerifyPieces(inv, as_f32, lv, 9)->mismatches, 100);
 }
 
+TEST(WeightsTest, Int4PieceMatchesTheDaemonsQuantiser) {
+  for (planner::DType sdt : {planner::DType::kBF16, planner::DType::kF16}) {
+    planner::Inventory inv;
+    inv.tensors.push_back({"w", {40, 128}, planner::DType::kBF16});
+    planner::WorkerLayout live;
+    live.buffers.push_back({1 << 14});
+    planner::Piece w;
+    w.tensor = 0;
+    w.box = {{8, 32}, {40, 128}};  // 32 x 96: groups 1 x 32 -> 32 x 3
+    w.offset_bytes = 2;
+    w.strides = {100, 1};  // row pitch 50 bytes
+    w.quant = planner::Quantization{planner::DType::kI4, {1, 32}, 0, 2 + 31 * 50 + 48 + 2, sdt};
+    live.pieces = {w};
+    ASSERT_TRUE(planner::ValidateLayout(inv, live, planner::Role::kRollout, "r").ok())
+        << planner::ValidateLayout(inv, live, planner::Role::kRollout, "r");
+    planner::WorkerLayout shadow = planner::StagingLayout(inv, live);
+    std::vector<uint8_t> staging(static_cast<size_t>(shadow.buffers[0].size_bytes), 0);
+    MemoryView sv{{staging.data()}, {shadow.buffers[0].size_bytes}};
+    ASSERT_TRUE(FillPieces(inv, shadow, sv, 3).ok());
+    ASSERT_TRUE(daemon::QuantizePiece(inv, w, staging.data() + shadow.pieces[0].offset_bytes, staging.data(), staging.data()).ok());
+    MemoryView lv{{staging.data()}, {live.buffers[0].size_bytes}};
+    auto r = VerifyPieces(inv, live, lv, 3);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->mismatches, 0) << r->first_mismatch;
+    EXPECT_EQ(r->elements, 32 * 96);
+    // Several nibble values occur (the generated weights have spread exponents, so most round to
+    // 0), so a swapped nibble pair would show.
+    int distinct = 0;
+    std::vector<bool> seen(16, false);
+    for (int64_t i = 0; i < 48; ++i) {
+      for (int n : {staging[2 + i] & 0xf, staging[2 + i] >> 4}) {
+        if (!seen[n]) ++distinct;
+        seen[n] = true;
+      }
+    }
+    EXPECT_GE(distinct, 5);
+    // A high nibble flipped, a scale byte flipped: caught and named.
+    staging[2 + 50 * 3 + 7] ^= 0x10;
+    auto e = VerifyPieces(inv, live, lv, 3);
+    EXPECT_EQ(e->mismatches, 1);
+    EXPECT_NE(e->first_mismatch.find("element at local [3, 15]"), std::string::npos) << e->first_mismatch;
+    staging[2 + 50 * 3 + 7] ^= 0x10;
+    staging[w.quant->scale_offset_bytes + 2 * 4] ^= 0x01;
+    auto sc = VerifyPieces(inv, live, lv, 3);
+    EXPECT_EQ(sc->mismatches, 1);
+    EXPECT_NE(sc->first_mismatch.find("scale of group 4"), std::string::npos) << sc->first_mismatch;
+    staging[w.quant->scale_offset_bytes + 2 * 4] ^= 0x01;
+    EXPECT_GT(VerifyPieces(inv, live, lv, 2)->mismatches, 100);
+  }
+}
+
 }  // namespace
 }  // namespace wb::e2e

@@ -465,6 +465,48 @@ class QuantizedTest(unittest.TestCase):
             c.deregister()
             c.close()
 
+    def test_rollout_holds_int4_groups_with_bf16_scales(self):
+        rows, cols = 6, 64  # groups 1 x 32: a 6 x 2 grid
+        model = wb.ModelConfig(model_id="py_int4", explicit_tensors=[("w", [rows, cols])], num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        tr = self.daemon.client("i4")
+        tr.register_worker(model, "trainer/0", "trainer")
+        tbuf = tr.create_buffer(rows * cols * 2)
+        tr.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols])]))
+        ro = self.daemon.client("i4")
+        ro.register_worker(model, "rollout/0", "rollout")
+        scale_at = rows * cols // 2  # packed pairs, then bf16 scales
+        rbuf = ro.create_buffer(scale_at + rows * 2 * 2)
+        with self.assertRaises(ValueError):  # int4 takes bf16/f16/f32 scales, not e8m0
+            wb.Piece("w", [0, 0], [rows, cols],
+                     quant=wb.Quantization(block=[1, 32], dtype="int4", scale_dtype="float8_e8m0")).to_proto()
+        quant = wb.Quantization(block=[1, 32], scale_offset_bytes=scale_at, dtype="int4", scale_dtype="bfloat16")
+        ro.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols], quant=quant)]))
+        rng = np.random.default_rng(7)
+        w = (rng.standard_normal((rows, cols)) * 0.03).astype(np.float32)
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+        tbuf.array("uint16", (rows, cols))[:] = bits
+        tr.publish(1, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(1, timeout=TIMEOUT).applied_version, 1)
+        x = (bits.astype(np.uint32) << 16).view(np.float32)
+        mem = rbuf.array("uint8", (scale_at + rows * 4,))
+        packed = mem[:scale_at].reshape(rows, cols // 2)
+        nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(rows, cols).astype(np.int32) - 8
+        scales = (mem[scale_at:].view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, 2)
+        for r in range(rows):
+            for g in range(2):
+                blk = x[r, g * 32:(g + 1) * 32]
+                s = np.float32(max(np.float32(np.abs(blk).max()) / np.float32(7.5), np.float32(1.1920929e-07)))
+                b = int(s.view(np.uint32))  # to bfloat16, round to nearest even
+                s_bf16 = np.uint32(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16).view(np.float32)
+                self.assertEqual(scales[r, g], s_bf16, (r, g))
+                want = np.clip(np.rint(blk / s_bf16), -8, 7).astype(np.int32)
+                np.testing.assert_array_equal(nibbles[r, g * 32:(g + 1) * 32], want)
+        self.assertGreater(len(np.unique(nibbles)), 6)
+        for c in (tr, ro):
+            c.deregister()
+            c.close()
+
 
 class WeightsTest(unittest.TestCase):
     def test_known_values(self):

@@ -36,13 +36,20 @@ def row_major_strides(shape):
     return list(reversed(strides))
 
 
+# Quantised element dtype -> the scale dtypes it takes (planner/types.h Quantization).
+_QUANT_SCALES = {"float8_e4m3": ("float32", "float8_e8m0"), "int4": ("bfloat16", "float16", "float32")}
+
+
 @dataclasses.dataclass
 class Quantization:
     """A rollout piece held as float8_e4m3 with one scale per block (docs/daemon.md, "Quantized
     targets"): `block` elements per canonical dim; the scales, row-major over the box's block grid,
     at `scale_offset_bytes` of buffer `scale_buffer_id`. `scale_dtype`: "float32" (scale_inv =
     amax / 448, DeepSeek-V3 fp8 block) or "float8_e8m0" (MXFP8: one power-of-two byte per block,
-    usually block=[1, 32])."""
+    usually block=[1, 32]). dtype="int4" (compressed-tensors W4A16, symmetric): scale_dtype
+    "bfloat16"/"float16"/"float32" (amax / 7.5), block=[1, G]; elements packed two per byte along
+    the last dim (even element in the low nibble, stored as q + 8); `strides` still count int4
+    elements (last 1, others even)."""
     block: Sequence[int]
     scale_buffer_id: int = 0
     scale_offset_bytes: int = 0
@@ -69,15 +76,17 @@ class Piece:
         p = pb.Piece(tensor=self.tensor, box=pb.Box(begin=list(self.begin), end=list(self.end)),
                      buffer_id=self.buffer_id, offset_bytes=self.offset_bytes, strides=list(strides))
         if self.quant is not None:
-            if self.quant.dtype != "float8_e4m3":
-                raise ValueError(f"piece of {self.tensor}: quantised dtype {self.quant.dtype!r} is not supported (float8_e4m3)")
-            p.quant_dtype = pb.DTYPE_F8_E4M3
+            allowed = _QUANT_SCALES.get(self.quant.dtype)
+            if allowed is None:
+                raise ValueError(f"piece of {self.tensor}: quantised dtype {self.quant.dtype!r} is not supported "
+                                 "(float8_e4m3 or int4)")
+            p.quant_dtype = pb.DTYPE_F8_E4M3 if self.quant.dtype == "float8_e4m3" else pb.DTYPE_I4
             p.quant_block.extend(list(self.quant.block))
             p.scale_buffer_id = self.quant.scale_buffer_id
             p.scale_offset_bytes = self.quant.scale_offset_bytes
-            if self.quant.scale_dtype not in ("float32", "float8_e8m0"):
+            if self.quant.scale_dtype not in allowed:
                 raise ValueError(f"piece of {self.tensor}: scale dtype {self.quant.scale_dtype!r} is not supported "
-                                 "(float32 or float8_e8m0)")
+                                 f"for {self.quant.dtype} ({' or '.join(allowed)})")
             p.quant_scale_dtype = DTYPES[self.quant.scale_dtype][0]
         return p
 
@@ -101,7 +110,7 @@ class PresetLayout:
     expert_parallel: bool = False
     replicas: int = 1
     rank: int = 0
-    quantization: str = ""  # vllm/sglang rollouts: "", "fp8_block128" or "mxfp8"
+    quantization: str = ""  # vllm/sglang rollouts: "", "fp8_block128", "mxfp8", "w4a16_g32", "w4a16_experts_g32"
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
