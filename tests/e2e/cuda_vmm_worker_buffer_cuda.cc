@@ -21,7 +21,9 @@ class Impl : public CudaVmmWorkerBuffer {
   std::string ipc_handle() const override { return ""; }  // legacy IPC cannot export VMM memory
   std::string gpu_uuid() const override { return uuid_; }
   int64_t size() const override { return a_->size(); }
-  absl::StatusOr<int> ExportFd() const override { return a_->ExportFd(); }
+  int allocations() const override { return a_->allocations(); }
+  int64_t allocation_bytes() const override { return a_->allocation_bytes(); }
+  absl::StatusOr<int> ExportFd(int i) const override { return a_->ExportFd(i); }
   absl::Status Upload(const void* host) override {
     RETURN_IF_ERROR(Check(cudaSetDevice(a_->device()), "cudaSetDevice"));
     RETURN_IF_ERROR(Check(cudaMemcpy(a_->data(), host, static_cast<size_t>(size()), cudaMemcpyHostToDevice), "upload (cudaMemcpy H2D)"));
@@ -40,11 +42,11 @@ class Impl : public CudaVmmWorkerBuffer {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaVmmWorkerBuffer>> CudaVmmWorkerBuffer::Create(int gpu, int64_t min_size) {
+absl::StatusOr<std::unique_ptr<CudaVmmWorkerBuffer>> CudaVmmWorkerBuffer::Create(int gpu, int64_t min_size, int allocations) {
   if (gpu < 0 || min_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--memory=cuda_vmm needs --gpu >= 0 and a size > 0 (", min_size, " bytes on GPU ", gpu, ")"));
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<transport::VmmAllocation> a, transport::VmmAllocation::Create(gpu, min_size));
+  ASSIGN_OR_RETURN(std::unique_ptr<transport::VmmAllocation> a, transport::VmmAllocation::Create(gpu, min_size, allocations));
   // cuMemCreate memory is not zeroed; the checks expect untouched bytes to be 0 (as cudaMemset does for --memory=cuda).
   RETURN_IF_ERROR(Check(cudaMemset(a->data(), 0, static_cast<size_t>(a->size())), "cudaMemset"));
   RETURN_IF_ERROR(Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));

@@ -4,7 +4,7 @@
 
 namespace wb::e2e {
 
-absl::StatusOr<std::unique_ptr<CudaVmmWorkerBuffer>> CudaVmmWorkerBuffer::Create(int gpu, int64_t min_size) {
+absl::StatusOr<std::unique_ptr<CudaVmmWorkerBuffer>> CudaVmmWorkerBuffer::Create(int gpu, int64_t min_size, int) {
   return absl::UnimplementedError(absl::StrCat("--memory=cuda_vmm (", min_size, " bytes on GPU ", gpu, "): built without CUDA"));
 }
 

@@ -3,7 +3,9 @@
 // real daemons and worker processes. Each worker (--memory=cuda_vmm) keeps its weights in ONE
 // allocation, hands its fd to the node daemon over the fd channel (<worker socket>.fd, SCM_RIGHTS)
 // once, and registers three buffers inside it at different offsets (client::WorkerClient::
-// ShareCudaVmmAllocation / AddCudaVmmBuffer): one fd serves every buffer. Every rollout byte is
+// ShareCudaVmmAllocation / AddCudaVmmBuffer): one fd serves every buffer. With
+// --vmm_allocations=5 the weights lie in five allocations mapped back to back (an expandable
+// segment's pages) and a buffer that crosses them names each (AddCudaVmmBuffer(keys, ...)). Every rollout byte is
 // checked (downloaded from the allocation). The refusals: a buffer that runs past its allocation
 // (RegisterLayout fails with the daemon's reason, nothing is registered or committed), and an fd
 // offered by a process that is not the worker's (refused; the worker's own allocation keeps
@@ -49,13 +51,14 @@ class VmmTest : public testing::Test {
     cluster_ = std::move(*c);
   }
 
-  // FSDP dp=`n` trainers -> vLLM tp=`n` rollouts, rank r on GPU r % 2, all --memory=cuda_vmm.
-  static std::vector<WorkerSpec> Workers(bool trainer, int n) {
+  // FSDP dp=`n` trainers -> vLLM tp=`n` rollouts, rank r on GPU r % 2, all --memory=cuda_vmm, the
+  // weights of each in `allocations` allocations mapped back to back.
+  static std::vector<WorkerSpec> Workers(bool trainer, int n, int allocations = 1) {
     std::vector<WorkerSpec> out;
     for (int r = 0; r < n; ++r) {
       WorkerSpec w = trainer ? WorkerSpec{true, 0, "fsdp", 1, 1, n, 1, r, r % 2} : WorkerSpec{false, 0, "vllm", n, 1, 1, 1, r, r % 2};
       w.memory = "cuda_vmm";
-      w.extra_flags = {"--vmm_buffers=3"};
+      w.extra_flags = {"--vmm_buffers=3", absl::StrCat("--vmm_allocations=", allocations)};
       out.push_back(w);
     }
     return out;
@@ -104,6 +107,28 @@ TEST_F(VmmTest, SyncEveryByteThroughOneFdPerWorker) {
   ASSERT_TRUE(result.ok()) << result.status();
   for (const absl::Status& s : result->failures) ADD_FAILURE() << s << "\n" << cluster_->node(0)->LogTail();
   if (HasFailure()) return;
+  ExpectVmmWorkersAndEveryByte(result->trainers, result->rollouts, run.versions);
+}
+
+// PyTorch's expandable segments: each worker's weights in five allocations mapped back to back
+// (one fd each), three buffers cut between pieces, at least one of them crossing allocation
+// boundaries (the daemon maps its allocations as one range, in order). Sync mode, colocated: every
+// byte device to device, strided pieces included, checked by every rollout.
+TEST_F(VmmTest, SyncEveryByteWithBuffersSpanningSeveralAllocations) {
+  ASSERT_NO_FATAL_FAILURE(Start("vmm-multi"));
+  RunOptions run = Run("qwen-vmm-multi", "sync");
+  auto result = cluster_->RunWorkers(run, Workers(true, 2, 5), Workers(false, 2, 5));
+  ASSERT_TRUE(result.ok()) << result.status();
+  for (const absl::Status& s : result->failures) ADD_FAILURE() << s << "\n" << cluster_->node(0)->LogTail();
+  if (HasFailure()) return;
+  for (const std::vector<Process*>* group : {&result->trainers, &result->rollouts}) {
+    for (Process* p : *group) {
+      auto ready = EventsNamed(p, "ready");
+      ASSERT_FALSE(ready.empty()) << p->name();
+      EXPECT_EQ(ready[0].value("vmm_allocations", 0), 5) << p->name();
+      EXPECT_GE(ready[0].value("vmm_spanning_buffers", 0), 1) << p->name() << ": no buffer crosses an allocation boundary";
+    }
+  }
   ExpectVmmWorkersAndEveryByte(result->trainers, result->rollouts, run.versions);
 }
 

@@ -1,7 +1,7 @@
 #pragma once
-// Spreading a test worker's one-buffer layout over several buffers that all live in ONE CUDA VMM
-// allocation (--memory=cuda_vmm of the e2e workers): shows that one fd handed to the daemon serves
-// many buffers, each at its own offset. The cuts fall between pieces (never through a piece or
+// Spreading a test worker's one-buffer layout over several buffers that all live in one CUDA VMM
+// range (--memory=cuda_vmm of the e2e workers: one allocation, or several mapped back to back):
+// shows that one fd handed to the daemon serves many buffers, each at its own offset. The cuts fall between pieces (never through a piece or
 // through pieces that interleave), and every buffer is preceded by `gap` unused bytes of the
 // allocation, so a daemon that ignored a buffer's offset would move bytes to the wrong place.
 

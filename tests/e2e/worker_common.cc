@@ -49,9 +49,13 @@ ABSL_FLAG(std::string, gate_dir, "",
 ABSL_FLAG(bool, populate, false, "pre-fault the shm buffer");
 ABSL_FLAG(std::string, memory, "shm",
           "where the weights live: shm (POSIX shared memory) | cuda (cudaMalloc on --gpu, registered by CUDA IPC handle) | "
-          "cuda_vmm (one cuMemCreate allocation on --gpu, its fd sent on the daemon's fd channel, --vmm_buffers buffers in it)");
-ABSL_FLAG(int, vmm_buffers, 3, "--memory=cuda_vmm: buffers to spread the pieces over, all in the one allocation (> 1: --layout_source=pieces)");
+          "cuda_vmm (one cuMemCreate allocation on --gpu, or --vmm_allocations back to back, each fd sent once on the daemon's fd "
+          "channel, --vmm_buffers buffers in them)");
+ABSL_FLAG(int, vmm_buffers, 3, "--memory=cuda_vmm: buffers to spread the pieces over, all in the weights' range (> 1: --layout_source=pieces)");
 ABSL_FLAG(int64_t, vmm_overrun_bytes, 0, "--memory=cuda_vmm fault test: declare the last buffer this many bytes past the allocation");
+ABSL_FLAG(int, vmm_allocations, 1,
+          "--memory=cuda_vmm: allocations mapped back to back for the weights (as an expandable segment maps one per page); "
+          "buffers that cross them name every allocation they span");
 
 namespace wb::e2e {
 
@@ -223,8 +227,11 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   } else if (memory == "cuda_vmm") {
     const int parts = absl::GetFlag(FLAGS_layout_source) == "pieces" ? absl::GetFlag(FLAGS_vmm_buffers) : 1;  // a preset names one buffer
     ASSIGN_OR_RETURN(VmmWeights vmm, SetUpVmmWeights(*ctx.client, ctx.inventory, ctx.preset.layout, absl::GetFlag(FLAGS_gpu),
-                                                     absl::GetFlag(FLAGS_send_gpu_uuid), parts, absl::GetFlag(FLAGS_vmm_overrun_bytes)));
+                                                     absl::GetFlag(FLAGS_send_gpu_uuid), parts, absl::GetFlag(FLAGS_vmm_overrun_bytes),
+                                                     absl::GetFlag(FLAGS_vmm_allocations)));
     ctx.preset.layout = std::move(vmm.layout);
+    ctx.vmm_allocations = absl::GetFlag(FLAGS_vmm_allocations);
+    ctx.vmm_spanning_buffers = vmm.spanning_buffers;
     ctx.host_mirror.assign(static_cast<size_t>(vmm.cuda->size()), 0);
     ctx.cuda = std::move(vmm.cuda);
     for (size_t j = 0; j < vmm.offsets.size(); ++j) {
@@ -271,6 +278,8 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
              {"buffer_bytes", ctx.client->buffers()[0]->size_bytes},
              {"memory", memory},
              {"buffers", ctx.client->buffers().size()},
+             {"vmm_allocations", ctx.vmm_allocations},
+             {"vmm_spanning_buffers", ctx.vmm_spanning_buffers},
              {"shm", ctx.client->buffers()[0]->shm_name}});
   return ctx;
 }

@@ -51,6 +51,8 @@ struct WorkerContext {
   // holds the pieces over those buffers).
   std::unique_ptr<CudaWorkerBuffer> cuda;
   std::vector<uint8_t> host_mirror;
+  int vmm_allocations = 0;       // cuda_vmm: allocations behind the weights
+  int vmm_spanning_buffers = 0;  // cuda_vmm: buffers that cross an allocation boundary
   uint64_t first_version = 1;
   uint64_t last_version = 1;
   absl::Duration version_timeout;

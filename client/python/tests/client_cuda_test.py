@@ -173,6 +173,53 @@ class VmmWorker:
         self.alloc.close()
 
 
+G = 2 << 20  # the emulated allocation granularity
+# A "tensor" in the middle of a three-allocation segment: [G - 200, 2G + 200) of it, crossing both
+# boundaries; the first two row blocks straddle the first boundary, the rest the second.
+SPAN_START, SPAN_BYTES = G - 200, G + 400
+SPAN_PIECE_OFFSETS = (50, G + 170)
+
+
+class SegmentWorker:
+    """A worker whose weights sit in one buffer that spans three allocations mapped back to back
+    (weightbridge.cuda.VmmAllocation(..., allocations=3): what torch's expandable segments do, one
+    allocation per page), at a pointer in the middle of the segment, with pieces across the
+    allocation boundaries."""
+
+    def __init__(self, daemon, model, worker_id, role, blocks, gpu):
+        from weightbridge.cuda import VmmAllocation
+        self.client = daemon.client("s")
+        self.client.register_worker(model, worker_id, role, gpu=gpu)
+        self.seg = VmmAllocation(3 * G, gpu, allocations=3)
+        l0, i0 = ct.row_blocks(blocks[:2])
+        l1, i1 = ct.row_blocks(blocks[2:])
+        self.index = (i0, i1)
+        self.buf = self.client.add_cuda_vmm_buffer(self.seg.ptr + SPAN_START, SPAN_BYTES)
+        pieces = ([dataclasses.replace(p, offset_bytes=p.offset_bytes + SPAN_PIECE_OFFSETS[0]) for p in l0.pieces]
+                  + [dataclasses.replace(p, offset_bytes=p.offset_bytes + SPAN_PIECE_OFFSETS[1]) for p in l1.pieces])
+        self.info = self.client.register_layout(wb.ExplicitLayout(pieces))
+
+    def spans(self):
+        """(first piece bytes, last piece bytes) in segment coordinates, for the boundary checks."""
+        return [(SPAN_START + off, SPAN_START + off + i.size * ct.ELEM) for off, i in zip(SPAN_PIECE_OFFSETS, self.index)]
+
+    def fill(self, version):
+        for (start, _), index in zip(self.spans(), self.index):
+            self.seg.write(start, weights.values_for_indices(ct.BASES, version, index, ct.ELEM).astype(np.uint16).tobytes())
+
+    def mismatches(self, version):
+        n = 0
+        for (start, end), index in zip(self.spans(), self.index):
+            got = np.frombuffer(self.seg.read(start, end - start), dtype=np.uint16)
+            n += int(np.count_nonzero(got != weights.values_for_indices(ct.BASES, version, index, ct.ELEM).astype(np.uint16)))
+        return n
+
+    def close(self):
+        self.client.deregister()
+        self.client.close()
+        self.seg.close()
+
+
 # Another process offering an fd to the daemon's fd channel: prints the daemon's answer.
 FOREIGN_OFFER = textwrap.dedent("""
     import os, sys
@@ -272,6 +319,75 @@ class CudaVmmClientTest(unittest.TestCase):
         self.assertEqual(r.alloc.read(0, VMM_OFFSETS[0]), bytes(VMM_OFFSETS[0]))
         for w in trainers + rollouts:
             w.close()
+
+    def test_allocations_under_a_range_of_a_segment(self):
+        from weightbridge.cuda import VmmAllocation, vmm_allocations_of
+        seg = VmmAllocation(5 << 20, 1, allocations=3)  # 5 MiB in three allocations: 2 MiB each (rounded up)
+        self.assertEqual((seg.size_bytes, seg.allocation_bytes), (6 << 20, G))
+        self.assertEqual(seg.read(G - 4, 8), bytes(8))
+        seg.write(G - 3, b"across")  # one write over the first boundary
+        self.assertEqual(seg.read(G - 4, 8), b"\x00across\x00")
+        rs = vmm_allocations_of(seg.ptr + 1000, 2 * G)
+        self.assertEqual([(r.base, r.size, r.gpu) for r in rs], [(seg.ptr + i * G, G, 1) for i in range(3)])
+        self.assertEqual(len({r.key for r in rs}), 3)
+        for r in rs:
+            r.close()
+        one = vmm_allocations_of(seg.ptr + G + 5, 100)  # inside the middle one
+        self.assertEqual([r.base for r in one], [seg.ptr + G])
+        one[0].close()
+        with self.assertRaisesRegex(ValueError, "run 100 bytes past the end of their CUDA VMM allocations: nothing is mapped"):
+            vmm_allocations_of(seg.ptr + 3 * G - 100, 200)
+        seg.close()
+
+    def test_one_step_off_every_byte_buffers_spanning_three_allocations(self):
+        model = wb.ModelConfig(model_id="py_vmm_span", explicit_tensors=ct.CANONICAL, num_trainer_workers=2,
+                               num_rollout_workers=2, mode="one_step_off")
+        trainers = [SegmentWorker(self.daemon, model, "trainer/%d" % r, "trainer", ct.HALF[r], gpu=r) for r in (0, 1)]
+        rollouts = [SegmentWorker(self.daemon, model, "rollout/%d" % r, "rollout", ct.FULL, gpu=r) for r in (0, 1)]
+        for w in trainers + rollouts:
+            b = w.buf
+            self.assertEqual(len(w.client._vmm), 3, "one fd per allocation of the segment")
+            self.assertEqual(b.vmm_offset, G - 200, "the pointer's offset in the FIRST allocation")
+            self.assertEqual(len(b.vmm_next_keys), 2)
+            self.assertEqual([b.vmm_key] + b.vmm_next_keys, list(w.client._vmm), "address order")
+            # The pieces really straddle the boundaries at G and 2G of the segment.
+            (s0, e0), (s1, e1) = w.spans()
+            self.assertTrue(s0 < G < e0 and s1 < 2 * G < e1, w.spans())
+        for v in (1, 2, 3):
+            for t in trainers:
+                t.fill(v)
+                self.assertEqual(t.client.publish(v, timeout=ct.TIMEOUT).version, v)
+            for r in rollouts:
+                self.assertEqual(r.client.apply(v, timeout=ct.TIMEOUT).applied_version, v)
+                self.assertEqual(r.mismatches(v), 0, "rollout %s v%d\n%s" % (r.client.worker_id, v, self.daemon.log_tail()))
+        # Bytes of the segment outside the pieces were never written.
+        r = rollouts[0]
+        (s0, _), _ = r.spans()
+        self.assertEqual(r.seg.read(0, s0), bytes(s0))
+        for w in trainers + rollouts:
+            w.close()
+
+    def test_spanning_buffer_naming_an_allocation_never_sent_is_not_found(self):
+        from weightbridge.cuda import VmmAllocation
+        model = wb.ModelConfig(model_id="py_vmm_span_bad", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        c = self.daemon.client("s")
+        c.register_worker(model, "trainer/0", "trainer", gpu=0)
+        seg = VmmAllocation(2 * G, 0, allocations=2)
+        with self.assertRaisesRegex(ValueError, "past the end of their CUDA VMM allocations"):
+            c.add_cuda_vmm_buffer(seg.ptr + G, G + 1)
+        self.assertEqual((c.buffers, c._vmm), ([], {}), "nothing shared for a refused range")
+        b = c.add_cuda_vmm_buffer(seg.ptr + 100, G)
+        layout, _ = ct.row_blocks(ct.FULL)
+        b.vmm_next_keys = ["vmm-never-sent"]  # as a client that forgot to share it would send
+        with self.assertRaises(wb.WeightBridgeError) as e:
+            c.register_layout(layout)
+        self.assertEqual(e.exception.code.name, "NOT_FOUND")
+        self.assertIn("(CUDA VMM, gpu 0)", e.exception.message)
+        self.assertIn("sent no CUDA VMM fd under key 'vmm-never-sent'", e.exception.message)
+        c.deregister()
+        c.close()
+        seg.close()
 
     def test_fds_are_sent_again_to_a_restarted_daemon(self):
         d = ct.Daemon(EMULATED_DAEMON, ["--transports=host_shm,host_tcp,cuda_ipc", "--gpu_staging_bytes=268435456"])

@@ -2,7 +2,7 @@
 
 from weightbridge._proto import pb, pb_grpc  # noqa: F401
 from weightbridge.client import (ApplyResult, LayoutInfo, ModelConfig, PublishResult, WeightBridgeError,  # noqa: F401
-                                 WorkerClient)
+                                 WorkerClient, offer_vmm_fd)
 from weightbridge.layouts import (ExplicitLayout, InferredLayout, Piece, PresetLayout, Quantization,  # noqa: F401
                                   extract_pieces,
                                   index_tensors, infer_layout, infer_layout_torch)
@@ -10,4 +10,4 @@ from weightbridge.shm import SharedBuffer  # noqa: F401
 
 __all__ = ["WorkerClient", "ModelConfig", "WeightBridgeError", "PublishResult", "ApplyResult", "LayoutInfo",
            "ExplicitLayout", "PresetLayout", "Piece", "Quantization", "InferredLayout", "infer_layout", "infer_layout_torch",
-           "extract_pieces", "index_tensors", "SharedBuffer"]
+           "extract_pieces", "index_tensors", "SharedBuffer", "offer_vmm_fd"]

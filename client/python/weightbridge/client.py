@@ -267,10 +267,13 @@ class WorkerClient:
         over its fd channel the first time (one fd per allocation, however many buffers lie in it);
         the buffer itself is sent by the next register_layout as [offset, + size_bytes) of that
         allocation. Needs register_worker first (the daemon takes fds only from the registered
-        worker's process). The range must lie inside ONE allocation (ValueError otherwise: torch's
-        expandable segments map a segment from many 2 MiB / 20 MiB allocations, so a big tensor may
-        cross several; give the weights one VmmAllocation instead). The memory must stay allocated
-        while registered; the client holds a reference to the allocation until close().
+        worker's process). The range may cross several allocations mapped back to back (torch's
+        expandable segments map a segment from one 2 MiB / 20 MiB allocation per page, so a big
+        tensor spans several): every allocation under [ptr, ptr + size_bytes) is found
+        (cuda.vmm_allocations_of), each shared once, and the buffer names them in order; the
+        daemon maps them as one range. ValueError when a byte of the range is not mapped VMM
+        memory or the allocations sit on two GPUs. The memory must stay allocated while
+        registered; the client holds a reference to each allocation until close().
         Daemon refusals raise WeightBridgeError with the daemon's code and message."""
         from weightbridge import cuda
         if hasattr(ptr, "data_ptr"):  # a torch tensor
@@ -286,30 +289,35 @@ class WorkerClient:
         ptr, size_bytes = int(ptr), int(size_bytes or 0)
         if size_bytes <= 0:
             raise ValueError("add_cuda_vmm_buffer: size_bytes must be > 0, got %d" % size_bytes)
-        alloc = cuda.vmm_allocation_of(ptr)
-        known = alloc.key in self._vmm
         try:
-            if ptr + size_bytes > alloc.base + alloc.size:
-                raise ValueError("add_cuda_vmm_buffer: %d bytes at 0x%x run %d bytes past the end of their CUDA VMM allocation "
-                                 "[0x%x, +%d) (a buffer must lie in one allocation; torch's expandable segments map memory "
-                                 "from 2 MiB / 20 MiB allocations)" % (size_bytes, ptr, ptr + size_bytes - alloc.base - alloc.size,
-                                                                      alloc.base, alloc.size))
-            if not known:
+            allocs = cuda.vmm_allocations_of(ptr, size_bytes)
+        except ValueError as e:
+            raise ValueError("add_cuda_vmm_buffer: %s" % e) from None
+        shared_now = []
+        try:
+            deadline = time.monotonic() + self.call_timeout
+            for alloc in allocs:
+                if alloc.key in self._vmm:
+                    continue
                 if len(alloc.key) > _MAX_VMM_KEY_BYTES:
                     raise ValueError("VMM key too long: %s" % alloc.key)
                 fd = alloc.export_fd()
                 self._vmm[alloc.key] = (fd, alloc.size, alloc)
-                try:
-                    self._offer_vmm(alloc.key, time.monotonic() + self.call_timeout)
-                except BaseException:
-                    del self._vmm[alloc.key]
-                    os.close(fd)
-                    raise
+                shared_now.append(alloc.key)
+                self._offer_vmm(alloc.key, deadline)
+        except BaseException:
+            # Nothing of this buffer stays shared here (the daemon may keep an fd it took: unused).
+            for key in shared_now:
+                os.close(self._vmm.pop(key)[0])
+            raise
         finally:
-            if known or alloc.key not in self._vmm:
-                alloc.close()  # a reference is already held (known), or nothing was shared
-        gpu = alloc.gpu if gpu is None else int(gpu)
-        b = cuda.VmmBuffer(len(self.buffers), ptr, size_bytes, gpu, cuda.gpu_uuid(gpu), alloc.key, ptr - alloc.base)
+            for alloc in allocs:
+                if self._vmm.get(alloc.key, (None, None, None))[2] is not alloc:
+                    alloc.close()  # a reference is already held (shared earlier), or nothing was shared
+        first = allocs[0]
+        gpu = first.gpu if gpu is None else int(gpu)
+        b = cuda.VmmBuffer(len(self.buffers), ptr, size_bytes, gpu, cuda.gpu_uuid(gpu), first.key, ptr - first.base,
+                           [a.key for a in allocs[1:]])
         self.buffers.append(b)
         return b
 
@@ -318,7 +326,8 @@ class WorkerClient:
         for b in self.buffers:
             if hasattr(b, "vmm_key"):
                 out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, cuda_vmm_key=b.vmm_key,
-                                         cuda_vmm_offset=b.vmm_offset, gpu=b.gpu, gpu_uuid=b.gpu_uuid))
+                                         cuda_vmm_offset=b.vmm_offset, gpu=b.gpu, gpu_uuid=b.gpu_uuid,
+                                         cuda_vmm_next_keys=b.vmm_next_keys))
             elif isinstance(b, SharedBuffer):
                 out.append(pb.BufferSpec(buffer_id=b.id, size_bytes=b.size_bytes, shm_name=b.name, gpu=-1))
             else:

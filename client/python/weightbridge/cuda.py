@@ -8,9 +8,11 @@ Two kinds of device memory reach the daemon:
     is why we do not export arbitrary torch tensors that way: allocate here, then use .tensor().)
   - CUDA VMM memory (cuMemCreate: torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a
     VmmAllocation made here): vmm_allocation_of(ptr) finds the allocation that holds a pointer
-    (cuMemGetAddressRange + cuMemRetainAllocationHandle) and export_fd() gives its POSIX fd
-    (cuMemExportToShareableHandle), which WorkerClient.add_cuda_vmm_buffer sends to the daemon
-    over its fd channel, once per allocation however many buffers lie in it.
+    (cuMemGetAddressRange + cuMemRetainAllocationHandle), vmm_allocations_of(ptr, size) every
+    allocation under a range (an expandable segment maps one per page, back to back), and
+    export_fd() gives an allocation's POSIX fd (cuMemExportToShareableHandle), which
+    WorkerClient.add_cuda_vmm_buffer sends to the daemon over its fd channel, once per allocation
+    however many buffers lie in it.
 
 The runtime is found as libcudart.so(.13/.12), or at $WB_CUDART when set (CI points it at the
 emulated runtime, //tools/fake_cuda:libwb_fake_cudart.so, to run this module without a GPU:
@@ -286,7 +288,7 @@ def vmm_allocation_of(ptr):
 
     ValueError when `ptr` is not device memory or not VMM memory (cudaMalloc memory: use
     CudaBuffer). With torch's expandable segments each segment is mapped from many allocations
-    (one per 2 MiB / 20 MiB page), so a large tensor may cross several: a buffer must lie in one.
+    (one per 2 MiB / 20 MiB page), so a large tensor may cross several: vmm_allocations_of.
     """
     ptr = int(ptr)
     gpu = _pointer_device(ptr)
@@ -303,29 +305,80 @@ def vmm_allocation_of(ptr):
     return VmmRange(base.value, size.value, gpu, handle.value)
 
 
+def vmm_allocations_of(ptr, size_bytes):
+    """The CUDA VMM allocations that hold [ptr, ptr + size_bytes), in address order: a list of
+    VmmRange (each holding a reference until close()). Walks the range mapping by mapping
+    (cuMemGetAddressRange gives the allocation mapped at an address, its end is where the next one
+    must start), as torch's expandable segments map one allocation per page back to back.
+    ValueError when a byte of the range is not mapped VMM memory, or the allocations are on two
+    GPUs; nothing stays retained then."""
+    ptr, end = int(ptr), int(ptr) + int(size_bytes)
+    out = []
+    try:
+        at = ptr
+        while at < end:
+            try:
+                r = vmm_allocation_of(at)
+            except ValueError:
+                if not out:
+                    raise
+                last = out[-1]
+                raise ValueError("%d bytes at 0x%x run %d bytes past the end of their CUDA VMM allocations: nothing is mapped "
+                                 "at 0x%x, the end of allocation [0x%x, +%d)" % (end - ptr, ptr, end - at, at, last.base,
+                                                                                last.size)) from None
+            out.append(r)
+            if r.base + r.size <= at:  # the driver's range must contain the address asked for
+                raise RuntimeError("cuMemGetAddressRange(0x%x) returned [0x%x, +%d)" % (at, r.base, r.size))
+            if r.gpu != out[0].gpu:
+                raise ValueError("[0x%x, +%d) spans CUDA VMM allocations on GPU %d and GPU %d; a buffer lies on one GPU"
+                                 % (ptr, end - ptr, out[0].gpu, r.gpu))
+            at = r.base + r.size
+    except BaseException:
+        for r in out:
+            r.close()
+        raise
+    return out
+
+
 class VmmAllocation(_DeviceBytes):
     """One CUDA VMM allocation of at least `size_bytes` (rounded up to the granularity) on `gpu`,
     exportable as a POSIX fd, mapped read-write here and zero-filled: a home for a worker's weights
     that the daemon maps with ONE fd, whatever the number of buffers (WorkerClient.add_cuda_vmm_buffer
-    with pointers inside it). .tensor() views it in torch."""
+    with pointers inside it). .tensor() views it in torch.
 
-    def __init__(self, size_bytes, gpu):
+    `allocations` > 1: that many equal allocations (size_bytes / allocations, rounded up) mapped
+    back to back in one range, the way torch's expandable segments map one allocation per page
+    (for tests: a buffer over them needs one fd per allocation)."""
+
+    def __init__(self, size_bytes, gpu, allocations=1):
         self.gpu = int(gpu)
         self.ptr = 0
-        self._handle = _CU_HANDLE()
+        self._va = 0
+        self._handles = []
+        self._mapped = 0
+        n = int(allocations)
+        if n < 1:
+            raise ValueError("VmmAllocation: allocations must be >= 1, got %d" % n)
         rt = _rt()
         _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
         prop = _AllocProp(type=_CU_MEM_ALLOCATION_TYPE_PINNED, requestedHandleTypes=_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                           location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.gpu))
         g = ctypes.c_size_t()
         _cu("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-        self.size_bytes = (int(size_bytes) + g.value - 1) // g.value * g.value
-        _cu("cuMemCreate", ctypes.byref(self._handle), self.size_bytes, ctypes.byref(prop), 0)
+        each = (int(size_bytes) + n - 1) // n
+        self.allocation_bytes = (each + g.value - 1) // g.value * g.value
+        self.size_bytes = self.allocation_bytes * n
         va = _CU_DEVICEPTR()
         try:
+            for _ in range(n):
+                h = _CU_HANDLE()
+                _cu("cuMemCreate", ctypes.byref(h), self.allocation_bytes, ctypes.byref(prop), 0)
+                self._handles.append(h)
             _cu("cuMemAddressReserve", ctypes.byref(va), self.size_bytes, 0, _CU_DEVICEPTR(0), 0)
             self._va = va.value
-            _cu("cuMemMap", va, self.size_bytes, 0, self._handle, 0)
+            for i, h in enumerate(self._handles):
+                _cu("cuMemMap", _CU_DEVICEPTR(self._va + i * self.allocation_bytes), self.allocation_bytes, 0, h, 0)
+                self._mapped = i + 1
             self.ptr = va.value
             access = _AccessDesc(location=_Location(_CU_MEM_LOCATION_TYPE_DEVICE, self.gpu),
                                  flags=_CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
@@ -338,23 +391,25 @@ class VmmAllocation(_DeviceBytes):
         self.gpu_uuid = gpu_uuid(self.gpu)
 
     def close(self):
-        if self.ptr:
-            _driver("cuMemUnmap")(_CU_DEVICEPTR(self.ptr), self.size_bytes)
-            self.ptr = 0
-        if getattr(self, "_va", 0):
+        for i in range(self._mapped):
+            _driver("cuMemUnmap")(_CU_DEVICEPTR(self._va + i * self.allocation_bytes), self.allocation_bytes)
+        self._mapped = 0
+        self.ptr = 0
+        if self._va:
             _driver("cuMemAddressFree")(_CU_DEVICEPTR(self._va), self.size_bytes)
             self._va = 0
-        if self._handle.value:
-            _driver("cuMemRelease")(self._handle)
-            self._handle = _CU_HANDLE()
+        for h in self._handles:
+            _driver("cuMemRelease")(h)
+        self._handles = []
 
 
 class VmmBuffer:
     """A worker buffer inside a CUDA VMM allocation (WorkerClient.add_cuda_vmm_buffer): `size_bytes`
-    at `ptr`, i.e. at `vmm_offset` of the allocation shared under `vmm_key`. The memory stays the
+    at `ptr`, i.e. at `vmm_offset` of the allocation shared under `vmm_key` and on through the
+    allocations of `vmm_next_keys` (mapped right after it, in order), if any. The memory stays the
     caller's (close() frees nothing); it must stay allocated while the buffer is registered."""
 
-    def __init__(self, buffer_id, ptr, size_bytes, gpu, gpu_uuid_bytes, vmm_key, vmm_offset):
+    def __init__(self, buffer_id, ptr, size_bytes, gpu, gpu_uuid_bytes, vmm_key, vmm_offset, vmm_next_keys=()):
         self.id = buffer_id
         self.ptr = ptr
         self.size_bytes = size_bytes
@@ -362,6 +417,7 @@ class VmmBuffer:
         self.gpu_uuid = gpu_uuid_bytes
         self.vmm_key = vmm_key
         self.vmm_offset = vmm_offset
+        self.vmm_next_keys = list(vmm_next_keys)
 
     def close(self):
         pass
