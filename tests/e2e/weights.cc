@@ -239,14 +239,13 @@ float NearestScale(float x, planner::DType dtype) {
   return static_cast<float>(dl < dh ? value(lo) : dh < dl ? value(hi) : value((lo & 1) == 0 ? lo : hi));
 }
 
-// Checks int4 piece `pi` (compressed-tensors W4A16, daemon/quantize.h) against version `version`.
-void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory, int pi,
-                uint64_t version, VerifyResult& result) {
-  const planner::Piece& p = layout.pieces[pi];
+// Visits every element of quantised piece `p` in row-major order of its box:
+// fn(local index, canonical flat index, block index on the box's block grid, element index from
+// the piece's start = sum of index * stride, in elements of the quantised dtype). Returns the
+// number of blocks.
+template <typename Fn>
+int64_t ForEachQuantElement(const planner::TensorSpec& t, const planner::Piece& p, Fn&& fn) {
   const planner::Quantization& q = *p.quant;
-  const planner::TensorSpec& t = inventory.tensors[p.tensor];
-  const int es = planner::DTypeSize(t.dtype);
-  const int ss = planner::DTypeSize(q.scale_dtype);
   const size_t rank = t.shape.size();
   std::vector<int64_t> ext(rank), grid(rank);
   int64_t count = 1;
@@ -256,30 +255,46 @@ void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout
     count *= grid[d];
   }
   const std::vector<int64_t> cstride = planner::ContiguousStrides(t.shape);
-  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]);
+  std::vector<int64_t> idx(rank, 0);
+  const int64_t n = planner::BoxVolume(p.box);
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t flat = 0, block = 0, elem = 0;
+    for (size_t d = 0; d < rank; ++d) {
+      flat += (p.box.begin[d] + idx[d]) * cstride[d];
+      block = block * grid[d] + idx[d] / q.block[d];
+      elem += idx[d] * p.strides[d];
+    }
+    fn(idx, flat, block, elem);
+    for (size_t d = rank; d-- > 0;) {
+      if (++idx[d] < ext[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return count;
+}
+
+// Checks int4 piece `pi` (compressed-tensors W4A16, daemon/quantize.h) against version `version`.
+void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory, int pi,
+                uint64_t version, VerifyResult& result) {
+  const planner::Piece& p = layout.pieces[pi];
+  const planner::Quantization& q = *p.quant;
+  const planner::TensorSpec& t = inventory.tensors[p.tensor];
+  const int es = planner::DTypeSize(t.dtype);
+  const int ss = planner::DTypeSize(q.scale_dtype);
+  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]) + p.offset_bytes;
   const uint8_t* scale_base = static_cast<const uint8_t*>(memory.buffers[q.scale_buffer]) + q.scale_offset_bytes;
   auto value = [&](int64_t flat) {
     return CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
   };
-  // fn(local index, canonical flat index, block index, stored nibble)
+  // fn(local index, canonical flat index, block index, stored nibble): element e of the piece is in
+  // byte e / 2, the low nibble when e is even.
   auto for_each = [&](auto&& fn) {
-    std::vector<int64_t> idx(rank, 0);
-    const int64_t n = planner::BoxVolume(p.box);
-    for (int64_t k = 0; k < n; ++k) {
-      int64_t flat = 0, block = 0, elem = 0;
-      for (size_t d = 0; d < rank; ++d) {
-        flat += (p.box.begin[d] + idx[d]) * cstride[d];
-        block = block * grid[d] + idx[d] / q.block[d];
-        elem += idx[d] * p.strides[d];  // int4 elements from the piece's start
-      }
-      const uint8_t byte = base[p.offset_bytes + elem / 2];
+    return ForEachQuantElement(t, p, [&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, int64_t elem) {
+      const uint8_t byte = base[elem / 2];
       fn(idx, flat, block, (elem % 2 == 0) ? (byte & 0xf) : (byte >> 4));
-      for (size_t d = rank; d-- > 0;) {
-        if (++idx[d] < ext[d]) break;
-        idx[d] = 0;
-      }
-    }
+    });
   };
+  const int64_t count = planner::ScaleCount(p);
   auto mismatch = [&](const std::string& what) {
     if (result.mismatches++ == 0) {
       result.first_mismatch = absl::StrCat("tensor ", t.name, " (int4 piece ", pi, ", box ", planner::BoxToString(p.box), "): ", what);
@@ -316,35 +331,15 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
   const planner::Quantization& q = *p.quant;
   const planner::TensorSpec& t = inventory.tensors[p.tensor];
   const int es = planner::DTypeSize(t.dtype);
-  const size_t rank = t.shape.size();
-  std::vector<int64_t> ext(rank), grid(rank);
-  int64_t count = 1;
-  for (size_t d = 0; d < rank; ++d) {
-    ext[d] = p.box.end[d] - p.box.begin[d];
-    grid[d] = (ext[d] + q.block[d] - 1) / q.block[d];
-    count *= grid[d];
-  }
-  const std::vector<int64_t> cstride = planner::ContiguousStrides(t.shape);
-  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]);
+  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]) + p.offset_bytes;
   const uint8_t* scale_base = static_cast<const uint8_t*>(memory.buffers[q.scale_buffer]) + q.scale_offset_bytes;
   // Visits every element: fn(local index vector, canonical flat index, block index, element byte).
   auto for_each = [&](auto&& fn) {
-    std::vector<int64_t> idx(rank, 0);
-    const int64_t n = planner::BoxVolume(p.box);
-    for (int64_t k = 0; k < n; ++k) {
-      int64_t flat = 0, block = 0, off = p.offset_bytes;
-      for (size_t d = 0; d < rank; ++d) {
-        flat += (p.box.begin[d] + idx[d]) * cstride[d];
-        block = block * grid[d] + idx[d] / q.block[d];
-        off += idx[d] * p.strides[d];
-      }
-      fn(idx, flat, block, base[off]);
-      for (size_t d = rank; d-- > 0;) {
-        if (++idx[d] < ext[d]) break;
-        idx[d] = 0;
-      }
-    }
+    return ForEachQuantElement(t, p, [&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, int64_t elem) {
+      fn(idx, flat, block, base[elem]);
+    });
   };
+  const int64_t count = planner::ScaleCount(p);
   auto mismatch = [&](const std::string& what) {
     if (result.mismatches++ == 0) {
       result.first_mismatch = absl::StrCat("tensor ", t.name, " (quantised piece ", pi, ", box ", planner::BoxToString(p.box), "): ", what);
