@@ -59,7 +59,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
   auto fds = FdChannel::Bind(absl::StrCat(path, ".fd"), options_.worker_socket_mode,
                              [w = workers_.get()](const PeerCred& sender, const std::string& model, const std::string& worker) {
                                return w->CheckBound(sender, model, worker);
-                             });
+                             },
+                             static_cast<size_t>(options_.limits.max_vmm_fds_per_worker));
   // Not fatal (e.g. the path + ".fd" no longer fits a socket address): only VMM buffers need it,
   // and they then fail with this reason.
   if (fds.ok()) {

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/device_staging.h"
+#include "daemon/fd_limit.h"
 #include "daemon/log.h"
 #include "daemon/server.h"
 #include "transport/cpu_affinity.h"
@@ -71,6 +72,7 @@ ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest gRPC message 
 ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have");
 ABSL_FLAG(int32_t, max_tensors_per_model, 1 << 17, "tensors one model may have");
 ABSL_FLAG(int32_t, max_buffers_per_worker, 1024, "buffers one worker may register");
+ABSL_FLAG(int32_t, max_vmm_fds_per_worker, 8192, "CUDA VMM allocation fds one worker may hand over (torch expandable segments: one per 20 MiB page)");
 ABSL_FLAG(int32_t, max_concurrent_versions, 16, "versions a trainer may have published and not yet committed");
 
 namespace {
@@ -91,6 +93,13 @@ int main(int argc, char** argv) {
   auto level = wb::daemon::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
   if (!level.ok()) return Fail(std::string(level.status().message()));
   wb::daemon::SetLogLevel(*level);
+  // Many descriptors per worker (shm segments, VMM allocation fds, data sockets): lift the soft limit.
+  if (auto fds = wb::daemon::RaiseFdLimit(); !fds.ok()) {
+    wb::daemon::Log(wb::daemon::LogLevel::kWarning, "cannot raise the open-file limit", {{"error", fds.status().message()}});
+  } else if (fds->now < 65536) {
+    wb::daemon::Log(wb::daemon::LogLevel::kWarning, "open-file limit is low: large VMM workers may hit it",
+                    {{"limit", static_cast<uint64_t>(fds->now)}});
+  }
   if (absl::GetFlag(FLAGS_tcp_streams) < 1 || absl::GetFlag(FLAGS_copy_threads) < 1) {
     return Fail("--tcp_streams and --copy_threads must be >= 1");
   }
@@ -173,10 +182,11 @@ int main(int argc, char** argv) {
     l.max_pieces_per_layout = absl::GetFlag(FLAGS_max_pieces_per_layout);
     l.max_tensors_per_model = absl::GetFlag(FLAGS_max_tensors_per_model);
     l.max_buffers_per_worker = absl::GetFlag(FLAGS_max_buffers_per_worker);
+    l.max_vmm_fds_per_worker = absl::GetFlag(FLAGS_max_vmm_fds_per_worker);
     l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
     l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
     l.cuda_staged_on_gpu = absl::GetFlag(FLAGS_gpu_staging_bytes) > 0;
-    if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 ||
+    if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 || l.max_vmm_fds_per_worker <= 0 ||
         l.max_concurrent_versions <= 0) {
       return Fail("--max_* limits must be > 0");
     }
