@@ -116,11 +116,14 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
     return absl::InvalidArgumentError(absl::StrCat(where, ": scale offset ", q.scale_offset_bytes, " negative or not a multiple of ",
                                                    scale_size, " (", DTypeName(q.scale_dtype), " scales)"));
   }
-  const int64_t bytes = ScaleCount(piece) * scale_size;
+  int64_t bytes = 0;  // count <= box volume <= 2^62 (ValidateLayout), times the scale size may not fit
+  if (__builtin_mul_overflow(ScaleCount(piece), static_cast<int64_t>(scale_size), &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scale region too large"));
+  }
   const int64_t size = layout.buffers[q.scale_buffer].size_bytes;
   if (q.scale_offset_bytes > size || bytes > size - q.scale_offset_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": scales [", q.scale_offset_bytes, ", ",
-                                                   q.scale_offset_bytes + bytes, ") reach beyond buffer ",
+    const int64_t end = bytes > INT64_MAX - q.scale_offset_bytes ? INT64_MAX : q.scale_offset_bytes + bytes;  // for the message
+    return absl::InvalidArgumentError(absl::StrCat(where, ": scales [", q.scale_offset_bytes, ", ", end, ") reach beyond buffer ",
                                                    q.scale_buffer, " of ", size, " bytes"));
   }
   return absl::OkStatus();

@@ -180,6 +180,18 @@ TEST(QuantizedTest, Int4PiecesPackTwoElementsPerByteAlongTheLastDim) {
   ExpectError(ValidateLayout(inv, two, Role::kRollout, "r"), "overlap");
 }
 
+// Found by fuzz_validate_layout: a scale region whose end does not fit int64 (the error message
+// added offset + bytes). INVALID_ARGUMENT, computed without overflow.
+TEST(QuantizedTest, ScaleRegionEndingPast2To63IsRefused) {
+  Inventory inv;
+  inv.tensors.push_back({"w", {int64_t{1} << 20, int64_t{1} << 20}, DType::kBF16});
+  WorkerLayout l;
+  l.buffers.push_back({INT64_MAX});
+  l.pieces.push_back(QuantPiece(0, {{0, 0}, {int64_t{1} << 20, int64_t{1} << 20}}, 0, {int64_t{1} << 20, 1}, {1, 1},
+                                (INT64_MAX - (int64_t{1} << 41)) & ~int64_t{3}));
+  ExpectError(ValidateLayout(inv, l, Role::kRollout, "r"), "reach beyond buffer 0");
+}
+
 TEST(QuantizedTest, ScalesMustNotOverlapPiecesOrOtherScales) {
   Inventory inv = Inv();
   WorkerLayout l = Good();

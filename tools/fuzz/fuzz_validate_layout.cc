@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "planner/quantized.h"
 #include "planner/types.h"
 #include "planner/validate.h"
 
@@ -46,6 +47,17 @@ WorkerLayout MakeLayout(FuzzedDataProvider& p, int num_tensors) {
     piece.offset_bytes = Value(p);
     const int srank = p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeIntegralInRange(0, 5) : rank;
     for (int d = 0; d < srank; ++d) piece.strides.push_back(Value(p));
+    // Quantised pieces (fp8 / MX / int4 with any scale dtype, hostile blocks and scale regions).
+    if (p.ConsumeIntegralInRange(0, 3) == 0) {
+      Quantization q;
+      q.dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 7));  // 7: invalid
+      q.scale_dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 7));
+      const int brank = p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeIntegralInRange(0, 5) : rank;
+      for (int d = 0; d < brank; ++d) q.block.push_back(Value(p));
+      q.scale_buffer = p.ConsumeIntegralInRange<int32_t>(-1, buffers);
+      q.scale_offset_bytes = Value(p);
+      piece.quant = q;
+    }
     layout.pieces.push_back(std::move(piece));
   }
   return layout;
@@ -62,7 +74,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     spec.name = "t" + std::to_string(t);
     const int rank = p.ConsumeIntegralInRange(0, 4);
     for (int d = 0; d < rank; ++d) spec.shape.push_back(Value(p));
-    spec.dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 6));  // 5, 6: invalid
+    spec.dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 7));  // 6 (int4, sub-byte), 7: invalid
     inventory.tensors.push_back(std::move(spec));
   }
   Worker source{"trainer/0", Role::kTrainer, 0, 0, MakeLayout(p, num_tensors)};
@@ -71,5 +83,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const bool dest_ok = ValidateLayout(inventory, dest.layout, Role::kRollout, dest.id).ok();
   // Coverage assumes valid layouts (its contract); only call it then.
   if (source_ok && dest_ok) (void)ValidateCoverage(inventory, {&source}, {&dest});
+  // A valid rollout layout's staging (shadows of quantised pieces) and byte views must be
+  // computable, and the grown buffers must hold every shadow.
+  if (dest_ok) {
+    const WorkerLayout staging = StagingLayout(inventory, dest.layout);
+    for (size_t k = 0; k < staging.pieces.size(); ++k) {
+      const ByteView v = StoredBytes(inventory, dest.layout.pieces[k]);
+      if (v.element_size <= 0) __builtin_trap();
+      if (staging.pieces[k].buffer >= 0 && staging.buffers[staging.pieces[k].buffer].size_bytes < staging.pieces[k].offset_bytes) __builtin_trap();
+    }
+  }
   return 0;
 }
