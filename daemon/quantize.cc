@@ -211,7 +211,9 @@ inline __attribute__((always_inline)) void QuantizeSpan(const uint8_t* row, plan
 // The row kernels: one row of the shadow, every block of it. Compiled twice, for AVX2 and for
 // baseline x86-64, the loader picking one per CPU (GCC function multi-versioning, an ifunc), so
 // the vectorised loops run 8 lanes wide where the CPU can.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under sanitizers: the ifunc resolver runs while the dynamic loader relocates, before the
+// sanitizer runtime is up, and TSan's instrumentation of it crashed every binary at load.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
 #define WB_ROW_KERNEL __attribute__((target_clones("avx2", "default")))
 #else
 #define WB_ROW_KERNEL
