@@ -29,6 +29,9 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Gauge>* staleness;
   prometheus::Family<prometheus::Gauge>* committed;
   prometheus::Family<prometheus::Gauge>* applied;
+  prometheus::Family<prometheus::Counter>* staging;
+  prometheus::Family<prometheus::Gauge>* staging_pool;
+  prometheus::Family<prometheus::Counter>* relay_at_commit;
 };
 
 DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()), f_(std::make_unique<Families>()) {
@@ -47,6 +50,9 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->staleness = &prometheus::BuildGauge().Name("wb_staleness_versions").Help("Committed minus applied version of a rollout worker").Register(r);
   f_->committed = &prometheus::BuildGauge().Name("wb_committed_version").Help("Newest committed version").Register(r);
   f_->applied = &prometheus::BuildGauge().Name("wb_applied_version").Help("Newest version applied by a rollout worker").Register(r);
+  f_->staging = &prometheus::BuildCounter().Name("wb_staging_bytes_total").Help("Host staging taken for versions: reused from the staging pool or newly allocated").Register(r);
+  f_->staging_pool = &prometheus::BuildGauge().Name("wb_staging_pool_bytes").Help("Idle host staging kept for the next version").Register(r);
+  f_->relay_at_commit = &prometheus::BuildCounter().Name("wb_relay_at_commit_bytes_total").Help("Same-node relays a sync commit copied straight into live weights").Register(r);
 }
 
 DaemonMetrics::~DaemonMetrics() = default;
@@ -94,6 +100,18 @@ void DaemonMetrics::Phase(const std::string& node, const std::string& phase, dou
 void DaemonMetrics::Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds) {
   if (seconds <= 0) return;
   f_->link->Add({{"node", node}, {"peer", peer}}).Set(static_cast<double>(bytes) / seconds / 1e9);
+}
+
+void DaemonMetrics::StagingTaken(const std::string& node, bool reused, uint64_t bytes) {
+  f_->staging->Add({{"node", node}, {"result", reused ? "reused" : "allocated"}}).Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::StagingPoolBytes(const std::string& node, int64_t idle_bytes) {
+  f_->staging_pool->Add({{"node", node}}).Set(static_cast<double>(idle_bytes));
+}
+
+void DaemonMetrics::RelayAtCommit(const std::string& node, uint64_t bytes) {
+  f_->relay_at_commit->Add({{"node", node}}).Increment(static_cast<double>(bytes));
 }
 
 void DaemonMetrics::Failure(const std::string& node, const absl::Status& status) {

@@ -13,6 +13,10 @@
 //   nic_bytes_total{node,nic,peer,peer_nic,direction}  host_tcp payload per local address (data
 //                                             NIC) and the peer node's address; direction = sent | received
 //   link_gbps{node,peer}       (gauge)        GB/s of the newest transfer towards `peer`
+//   staging_bytes_total{node,result}          host staging taken for versions: result = reused (from
+//                                             the staging pool) | allocated (new memory)
+//   staging_pool_bytes{node}   (gauge)        idle host staging kept for the next version
+//   relay_at_commit_bytes_total{node}         same-node relays a sync commit copied straight into live
 //   failures_total{node,reason}               reason = FailureReason(status)
 //   staleness_versions{node,model,worker}     committed - applied for a rollout worker
 //   committed_version{node,model}, applied_version{node,model,worker}
@@ -59,6 +63,10 @@ class DaemonMetrics {
   // phase "quantize").
   void Quantized(const std::string& node, uint64_t bytes, double seconds);
   void Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds);
+  // Host staging handed to a version: recycled from the staging pool (`reused`) or newly allocated.
+  void StagingTaken(const std::string& node, bool reused, uint64_t bytes);
+  void StagingPoolBytes(const std::string& node, int64_t idle_bytes);
+  void RelayAtCommit(const std::string& node, uint64_t bytes);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);
   void Committed(const std::string& node, const std::string& model, uint64_t version);

@@ -19,6 +19,8 @@
 #include "absl/synchronization/notification.h"
 #include "client/ctl_client.h"
 #include "daemon/convert.h"
+#include "daemon/metrics.h"
+#include "daemon/metrics_scrape.h"
 #include "daemon/server.h"
 #include "gtest/gtest.h"
 #include "planner/box.h"
@@ -52,21 +54,23 @@ void ForEachElement(const TestWorker& w, Fn fn) {
     std::vector<int64_t> c = p.box.begin;
     const size_t rank = c.size();
     if (planner::BoxEmpty(p.box)) continue;
-    while (true) {
+    // Odometer over the box; `more` turns false after its last element (then the next piece:
+    // returning here instead once checked the first piece of every worker only).
+    for (bool more = true; more;) {
       int64_t flat = 0, local = 0;
       for (size_t d = 0; d < rank; ++d) {
         flat = flat * t.shape[d] + c[d];
         local += (c[d] - p.box.begin[d]) * p.strides[d];
       }
       fn(p.tensor, elem, flat, static_cast<uint8_t*>(w.seg.data()) + p.offset_bytes + local * elem);
-      size_t d = rank;
-      while (d > 0) {
-        --d;
-        if (++c[d] < p.box.end[d]) break;
-        c[d] = p.box.begin[d];
-        if (d == 0) return;
+      more = false;
+      for (size_t d = rank; d > 0; --d) {
+        if (++c[d - 1] < p.box.end[d - 1]) {
+          more = true;
+          break;
+        }
+        c[d - 1] = p.box.begin[d - 1];
       }
-      if (rank == 0) return;
     }
   }
 }
@@ -455,6 +459,85 @@ TEST_P(PresetTest, MegatronToVllmByteExact) {
 
 INSTANTIATE_TEST_SUITE_P(Strategies, PresetTest,
                          ::testing::Values(pb::STRATEGY_WEIGHTBRIDGE, pb::STRATEGY_RANK0_BROADCAST, pb::STRATEGY_P2P_NO_DEDUP));
+
+// Sync mode, Megatron TP=2 trainers on n0 -> vLLM TP=1 x 2 replicas on n1: n1 receives the model
+// once and relays it to its second replica. Those relays are left to the commit, which copies them
+// from the first replica's staging straight into the second's live buffers; every byte must still
+// be exact, and from the second version on the staging comes from the pool.
+TEST(SyncRelayTest, RelaysLeftToTheCommitAreByteExactAndStagingIsReused) {
+  auto config = planner::ParseHfConfig(kTinyQwen2);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto inv = planner::BuildInventory(*config, planner::DType::kBF16);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  auto scrape = [&] {
+    auto m = ScrapeMetrics((*endpoint)->port(), absl::Seconds(10));
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? *m : std::map<std::string, double>{};
+  };
+  const auto before = scrape();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1);
+  pb::ModelSpec spec;
+  spec.set_model_id("qwen-sync");
+  spec.set_hf_config_json(kTinyQwen2);
+  spec.set_dtype(pb::DTYPE_BF16);
+  spec.set_num_trainer_workers(2);
+  spec.set_num_rollout_workers(2);
+  spec.set_mode(pb::MODE_SYNC);
+  spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
+  std::vector<TestWorker*> trainers, rollouts;
+  for (int rank = 0; rank < 2; ++rank) {
+    planner::ParallelConfig pc;
+    pc.preset = "megatron";
+    pc.tp = 2;
+    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    TestWorker& w = c.AddWorker(absl::StrCat("t", rank), pb::ROLE_TRAINER, 0, &*inv, layout->layout);
+    pb::ParallelConfig ppc;
+    ppc.set_preset("megatron");
+    ppc.set_tp(2);
+    ppc.set_rank(rank);
+    ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
+    trainers.push_back(&w);
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    planner::ParallelConfig pc;
+    pc.preset = "vllm";
+    pc.replicas = 2;
+    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    TestWorker& w = c.AddWorker(absl::StrCat("r", rank), pb::ROLE_ROLLOUT, 1, &*inv, layout->layout);
+    pb::ParallelConfig ppc;
+    ppc.set_preset("vllm");
+    ppc.set_replicas(2);
+    ppc.set_rank(rank);
+    ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
+    rollouts.push_back(&w);
+  }
+  for (uint64_t v : {1u, 2u, 3u}) {
+    for (auto& s : c.Publish("qwen-sync", pb::MODE_SYNC, v, trainers, rollouts)) ASSERT_TRUE(s.ok()) << s.error_message();
+    for (TestWorker* r : rollouts) {
+      EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;  // live at commit, before any Apply
+      pb::ApplyResponse resp;
+      grpc::Status s = c.Apply(*r, "qwen-sync", v, &resp);  // sync: nothing left to copy
+      ASSERT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(resp.applied_version(), v);
+      EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v << " after Apply";
+    }
+  }
+  c.Stop();
+  const auto after = scrape();
+  auto grew = [&](const std::string& name, const std::string& labels) {
+    return MetricSum(after, name, labels) - MetricSum(before, name, labels);
+  };
+  // The model is ~0.1 MB; three versions relay (most of) it to the second replica.
+  EXPECT_GT(grew("wb_relay_at_commit_bytes_total", "node=\"n1\""), 0);
+  EXPECT_GT(grew("wb_staging_bytes_total", "result=\"reused\""), 0);
+}
 
 // ------------------------------------------------------------------ faults
 // Node n1 freezes while version 2 is mid-transfer (its executor hangs in bucket 0, its heartbeats

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <thread>
 #include <tuple>
 
@@ -322,7 +323,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
     }
     if (snapshot) {
-      auto snap = std::make_shared<Bytes>();
+      std::shared_ptr<Bytes> snap = d_->NewBytes();
       absl::Status copied =
           d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline,
                        /*on_gpu=*/true);
@@ -451,7 +452,11 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
-      if (it != d_->workers_.end()) it->second.applied_version = std::max(it->second.applied_version, version);
+      if (it != d_->workers_.end()) {
+        it->second.applied_version = std::max(it->second.applied_version, version);
+        // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
+        if (it->second.committed == staging && it->second.applied_version >= it->second.committed_version) it->second.committed = nullptr;
+      }
     }
     pb::ReportAppliedRequest r;
     r.set_node_id(d_->options_.node_id);
@@ -633,7 +638,8 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       std::shared_ptr<Bytes> staging;
       std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
       std::vector<std::shared_ptr<CudaImport>> cuda;
-      planner::WorkerLayout layout;
+      planner::WorkerLayout layout;  // the pieces copied from its own staging
+      const std::vector<Exec::RelayAtCommit>* relays = nullptr;  // copied from other rollouts' staging
     };
     std::vector<ToLive> to_live;
     std::shared_ptr<Exec> exec;
@@ -654,12 +660,23 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       for (auto& [wid, staging] : exec->incoming) {
         auto w = d_->workers_.find(wid);
         if (w == d_->workers_.end()) continue;
-        w->second.committed = staging;
+        // Relays at commit: this staging lacks the relayed pieces, so it must never be applied
+        // later (Apply finds no committed staging; the commit below writes the live weights).
+        auto relayed = exec->pieces_at_commit.find(wid);
+        w->second.committed = relayed == exec->pieces_at_commit.end() ? staging : nullptr;
         w->second.committed_version = req->version();
         if (w->second.mode != pb::MODE_SYNC) continue;
         ToLive t{wid, staging, w->second.buffers, w->second.cuda, {}};
         for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
           if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->live_layouts[i];
+        }
+        if (relayed != exec->pieces_at_commit.end()) {
+          std::vector<planner::Piece> own;
+          for (size_t k = 0; k < t.layout.pieces.size(); ++k) {
+            if (relayed->second.count(static_cast<int32_t>(k)) == 0) own.push_back(t.layout.pieces[k]);
+          }
+          t.layout.pieces = std::move(own);
+          t.relays = &exec->relays_at_commit[wid];
         }
         to_live.push_back(std::move(t));
       }
@@ -668,23 +685,44 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       }
     }
     // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
-    for (const ToLive& t : to_live) {
-      absl::Status copied = d_->CopyToLive(*t.staging, t.buffers, t.cuda, t.layout, exec->plan->inventory,
-                                           absl::StrCat("commit ", t.worker, " v", req->version()), exec->deadline + absl::Seconds(60));
-      if (!copied.ok()) {
-        Log(LogLevel::kError, "sync commit copy failed", {{"node", d_->options_.node_id}, {"worker", t.worker}, {"error", copied.message()}});
-        return ToGrpcStatus(Annotate(copied, absl::StrCat("commit of version ", req->version(), " into ", t.worker)));
+    // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
+    const absl::Time copy_start = absl::Now();
+    std::vector<absl::Status> copied(to_live.size());
+    auto copy_one = [&](size_t i) {
+      const ToLive& t = to_live[i];
+      const std::string label = absl::StrCat("commit ", t.worker, " v", req->version());
+      copied[i] = d_->CopyToLive(*t.staging, t.buffers, t.cuda, t.layout, exec->plan->inventory, label, exec->deadline + absl::Seconds(60));
+      if (copied[i].ok() && t.relays != nullptr) {
+        copied[i] = d_->CopyRelaysToLive(*t.relays, exec->incoming, t.buffers, label, exec->deadline + absl::Seconds(60));
       }
+    };
+    std::vector<std::thread> copiers;
+    for (size_t i = 1; i < to_live.size(); ++i) copiers.emplace_back(copy_one, i);
+    if (!to_live.empty()) copy_one(0);
+    for (std::thread& th : copiers) th.join();
+    for (size_t i = 0; i < to_live.size(); ++i) {
+      if (copied[i].ok()) continue;
+      Log(LogLevel::kError, "sync commit copy failed", {{"node", d_->options_.node_id}, {"worker", to_live[i].worker}, {"error", copied[i].message()}});
+      return ToGrpcStatus(Annotate(copied[i], absl::StrCat("commit of version ", req->version(), " into ", to_live[i].worker)));
     }
     absl::MutexLock l(&d_->mu_);
     for (const ToLive& t : to_live) {
       auto w = d_->workers_.find(t.worker);
-      if (w != d_->workers_.end()) w->second.applied_version = std::max(w->second.applied_version, req->version());
+      if (w == d_->workers_.end()) continue;
+      w->second.applied_version = std::max(w->second.applied_version, req->version());
+      // Live weights hold it now and nothing reads this staging again (Apply finds nothing newer):
+      // its memory goes back to the pool for the next version instead of sitting here.
+      if (w->second.committed == t.staging) w->second.committed = nullptr;
+    }
+    if (exec->relay_bytes_at_commit > 0) {
+      transport::Transport* host_t = d_->options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+      if (host_t != nullptr) Metrics().Bytes(d_->options_.node_id, req->model_id(), host_t->capabilities().kind, d_->options_.node_id, exec->relay_bytes_at_commit);
+      Metrics().RelayAtCommit(d_->options_.node_id, exec->relay_bytes_at_commit);
     }
     // Published last: node-local waiters (Apply) see the version only once live weights hold it.
     d_->committed_[req->model_id()] = std::max(d_->committed_[req->model_id()], req->version());
     Log(LogLevel::kInfo, "version committed on node", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"version", req->version()},
-                                                       {"live_copies", to_live.size()}});
+                                                       {"live_copies", to_live.size()}, {"copy_s", absl::ToDoubleSeconds(absl::Now() - copy_start)}});
     return grpc::Status::OK;
   }
 
@@ -792,7 +830,31 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
 NodeDaemon::NodeDaemon(Options options)
     : options_(std::move(options)),
       worker_impl_(std::make_unique<WorkerImpl>(this)),
-      node_impl_(std::make_unique<NodeImpl>(this)) {}
+      node_impl_(std::make_unique<NodeImpl>(this)) {
+  // Idle staging is bounded by the staging budget (what versions may hold anyway) and returned to
+  // the system after a few minutes without a version that wants it.
+  StagingPool::Options po;
+  po.max_idle_bytes = options_.staging_budget_bytes;
+  po.clock = options_.clock;
+  staging_pool_ = std::make_shared<StagingPool>(po);
+}
+
+std::vector<uint8_t> NodeDaemon::TakeHost(int64_t size) {
+  bool reused = false;
+  std::vector<uint8_t> out = staging_pool_->Take(size, &reused);
+  if (size > 0) Metrics().StagingTaken(options_.node_id, reused, static_cast<uint64_t>(size));
+  return out;
+}
+
+std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::NewBytes(size_t n) {
+  std::weak_ptr<StagingPool> pool = staging_pool_;
+  return std::shared_ptr<Bytes>(new Bytes(n), [pool](Bytes* b) {
+    if (std::shared_ptr<StagingPool> p = pool.lock()) {
+      for (StagedBuffer& sb : *b) p->Give(std::move(sb.host));
+    }
+    delete b;
+  });
+}
 
 NodeDaemon::~NodeDaemon() { Shutdown(); }
 
@@ -1064,6 +1126,8 @@ void NodeDaemon::ControlLoop() {
       need_register = !registered_;
     }
     CheckWorkers();
+    staging_pool_->Trim();
+    Metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
     if (need_register) {
       absl::Status s = Register();
       if (!s.ok()) {
@@ -1379,7 +1443,8 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   }
   Log(s.ok() ? LogLevel::kInfo : LogLevel::kWarning, s.ok() ? "version transferred" : "version failed",
       {{"node", options_.node_id}, {"model", exec->model_id}, {"version", exec->version}, {"bytes", exec->bytes_done.load()},
-       {"seconds", absl::ToDoubleSeconds(absl::Now() - t0)}, {"error", s.message()}});
+       {"seconds", absl::ToDoubleSeconds(absl::Now() - t0)}, {"staging_s", exec->staging_s}, {"setup_s", exec->setup_s},
+       {"buckets_s", exec->buckets_s}, {"relay_bytes_at_commit", exec->relay_bytes_at_commit}, {"error", s.message()}});
   pb::ReportDoneRequest req;
   req.set_node_id(options_.node_id);
   req.set_model_id(exec->model_id);
@@ -1405,6 +1470,12 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   const std::map<int, transport::Transport*> lanes = NcclLanes();
   auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
   const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
+  absl::Time phase_start = absl::Now();  // phase times for the "version transferred" log line
+  auto end_phase = [&phase_start](double& into) {
+    const absl::Time now = absl::Now();
+    into = absl::ToDoubleSeconds(now - phase_start);
+    phase_start = now;
+  };
 
   // Local workers with an op to or from another node: their memory must be host memory that the
   // cross-node transport reaches (a rollout of theirs is staged in host memory; a trainer's CUDA
@@ -1454,7 +1525,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       const pb::PlanWorker& w = plan.slice.workers(i);
       if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
       const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
-      auto bytes = std::make_shared<Bytes>();
+      std::shared_ptr<Bytes> bytes = NewBytes();
       for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
         const int64_t size = plan.layouts[i].buffers[j].size_bytes;
         StagedBuffer sb;
@@ -1488,19 +1559,20 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
             }
           }
         }
-        if (sb.device == nullptr) sb.host.resize(static_cast<size_t>(size));
+        if (sb.device == nullptr) sb.host = TakeHost(size);  // recycled: see daemon/staging_pool.h
         bytes->push_back(std::move(sb));
       }
       incoming[w.worker_id()] = std::move(bytes);
     }
     if (plan.hosts_gather) {
-      gather = std::make_shared<Bytes>(1);
-      (*gather)[0].host.resize(static_cast<size_t>(plan.slice.gather_staging_bytes()));
+      gather = NewBytes(1);
+      (*gather)[0].host = TakeHost(static_cast<int64_t>(plan.slice.gather_staging_bytes()));
     }
     absl::MutexLock l(&mu_);
     exec.incoming = std::move(incoming);
     exec.gather = std::move(gather);
   }
+  end_phase(exec.staging_s);
 
   // 1. The memory of this version on this node: host memory, or CUDA memory (a worker's imported
   //    buffer, or GPU staging of the daemon).
@@ -1828,6 +1900,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   }
 
   // 4. Buckets.
+  end_phase(exec.setup_s);
   std::map<std::string, std::string> peer_instances;  // the peers' host-channel transport instance -> node (NicMeter)
   if (cross_t != nullptr) {
     const std::string kind = cross_t->capabilities().kind;
@@ -1841,31 +1914,173 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   for (auto& ops : by_bucket) {
     std::sort(ops.begin(), ops.end(), [](const pb::TransferOp* a, const pb::TransferOp* b) { return a->index() < b->index(); });
   }
-  for (uint32_t b = 0; b < plan.slice.num_buckets(); ++b) {
-    if (options_.test_before_bucket) options_.test_before_bucket(exec.model_id, exec.version, b);
+  // Relays at commit (sync mode). A same-node relay from rollout A's staging into rollout B's
+  // staging would copy the bytes twice on this node: once in its bucket, again when the commit
+  // copies B's staging into B's live buffers. When relays fill whole pieces of B that no op reads
+  // (no further relay from them; rollout pieces never overlap), the commit copies those pieces
+  // from A's staging straight into B's live buffers instead, and the buckets skip them.
+  // Atomicity is the same: live weights still change only at the commit, from staging that holds
+  // the whole version (A's pieces are read by these relays, so they are never left to a commit).
+  std::set<uint32_t> at_commit;  // op indices left to the commit
+  if (plan.slice.mode() == pb::MODE_SYNC) {
+    std::set<std::pair<uint32_t, int32_t>> read;  // (slice worker, piece) some op of the slice reads
+    for (const pb::TransferOp& op : plan.slice.ops()) {
+      if (op.src_piece() >= 0) read.insert({op.src_worker(), op.src_piece()});
+    }
+    std::set<uint32_t> host_live;  // local sync rollouts with host live buffers and no quantised pieces
     {
       absl::MutexLock l(&mu_);
-      if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+      for (int i = 0; i < plan.slice.workers_size(); ++i) {
+        const pb::PlanWorker& pw = plan.slice.workers(i);
+        if (pw.node_id() != me || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
+        auto w = workers_.find(pw.worker_id());
+        if (w == workers_.end() || w->second.mode != pb::MODE_SYNC || w->second.buffers.size() < plan.layouts[i].buffers.size()) continue;
+        bool host = true;
+        for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->second.buffers[j] != nullptr;
+        if (host) host_live.insert(static_cast<uint32_t>(i));
+      }
     }
-    // One batch per transport route: same-node host copies, same-node CUDA copies, per peer node.
-    struct Route {
-      transport::Transport* t = nullptr;
-      transport::Batch batch;
-      std::string what;
-      std::string peer;  // metrics label: the peer node (own id for same-node copies)
-      int64_t bytes = 0;
-      std::pair<int, int> lane{-1, -1};  // nccl: (our GPU, the peer's GPU)
-      // nccl: the channel's place in the global order of all nccl channels (smaller node id, larger
-      // node id, GPU on the smaller, GPU on the larger); see the lane schedule below.
-      std::tuple<std::string, std::string, int, int> order;
+    // (destination worker, piece) -> bytes of candidate relays into it, and those relays.
+    std::map<std::pair<uint32_t, int32_t>, std::pair<int64_t, std::vector<const pb::TransferOp*>>> by_piece;
+    for (const pb::TransferOp& op : plan.slice.ops()) {
+      if (!is_local(op.src_worker()) || !is_local(op.dst_worker()) || op.src_piece() < 0 || op.dst_piece() < 0) continue;
+      if (plan.slice.workers(op.src_worker()).role() != pb::ROLE_ROLLOUT || host_live.count(op.dst_worker()) == 0) continue;
+      ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, op, true));
+      ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, op, false));
+      if (read.count({op.dst_worker(), op.dst_piece()}) > 0 || kind_of(src.key) != MemoryKind::kHost || kind_of(dst.key) != MemoryKind::kHost) continue;
+      auto& e = by_piece[{op.dst_worker(), op.dst_piece()}];
+      e.first += static_cast<int64_t>(op.bytes());
+      e.second.push_back(&op);
+    }
+    std::map<std::string, std::vector<Exec::RelayAtCommit>> relays;
+    std::map<std::string, std::set<int32_t>> pieces;
+    uint64_t relay_bytes = 0;
+    for (auto& [at, e] : by_piece) {
+      const planner::Piece& p = plan.layouts[at.first].pieces[at.second];
+      if (e.first != planner::BoxVolume(p.box) * planner::DTypeSize(plan.inventory.tensors[p.tensor].dtype)) continue;  // partly filled otherwise
+      const std::string& dst_worker = plan.slice.workers(at.first).worker_id();
+      for (const pb::TransferOp* op : e.second) {
+        ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, *op, true));
+        ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, *op, false));
+        const int elem = planner::DTypeSize(plan.inventory.tensors[op->tensor()].dtype);
+        const planner::Box box = FromProto(op->box());
+        Exec::RelayAtCommit r;
+        r.src_worker = plan.slice.workers(op->src_worker()).worker_id();
+        r.src_buffer = src.piece.buffer;
+        r.dst_buffer = dst.piece.buffer;
+        for (size_t d = 0; d < box.begin.size(); ++d) r.op.shape.push_back(box.end[d] - box.begin[d]);
+        r.op.element_size = elem;
+        r.op.src = RefFor(src.piece, box, elem, {});
+        r.op.dst = RefFor(dst.piece, box, elem, {});  // live layout = staging layout (no quantised pieces)
+        relays[dst_worker].push_back(std::move(r));
+        at_commit.insert(op->index());
+        relay_bytes += op->bytes();
+      }
+      pieces[dst_worker].insert(at.second);
+    }
+    absl::MutexLock l(&mu_);
+    exec.relays_at_commit = std::move(relays);
+    exec.pieces_at_commit = std::move(pieces);
+    exec.relay_bytes_at_commit = relay_bytes;
+  }
+  // Local regions this version writes: rollout incoming staging and the gather staging. A batch
+  // that reads one of them (a relay, a read of gathered data) needs every earlier bucket complete;
+  // every other batch only reads sources that do not change during the version (trainer live
+  // buffers or snapshots) and only writes bytes nothing else of this version writes.
+  std::set<std::string> written;
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    if (plan.slice.workers(i).node_id() != me || plan.slice.workers(i).role() != pb::ROLE_ROLLOUT) continue;
+    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) written.insert(RegionKey(static_cast<uint32_t>(i), static_cast<int32_t>(j)));
+  }
+  if (plan.hosts_gather) written.insert("g");
+  // One batch per transport route and bucket: same-node host copies, same-node CUDA copies, per
+  // peer channel.
+  struct Route {
+    transport::Transport* t = nullptr;
+    transport::Batch batch;
+    std::string what;
+    std::string peer;  // metrics label: the peer node (own id for same-node copies)
+    int64_t bytes = 0;
+    int64_t incoming = 0;       // bytes landing on this node (progress)
+    uint32_t bucket = 0;
+    bool reads_written = false;  // reads a region of `written` (see above)
+    std::pair<int, int> lane{-1, -1};  // nccl: (our GPU, the peer's GPU)
+    // nccl: the channel's place in the global order of all nccl channels (smaller node id, larger
+    // node id, GPU on the smaller, GPU on the larger); see the lane schedule below.
+    std::tuple<std::string, std::string, int, int> order;
+  };
+  // Pipelining: buckets are not run one after another with a barrier in between. A batch that
+  // reads nothing this version writes is posted as soon as its bucket comes up, so the streams to
+  // a peer go on with bucket b+1 while relays of bucket b copy; a batch that reads written regions
+  // is posted once every batch of earlier buckets completed (what the planner promises a relay).
+  // Per channel, both nodes still post in bucket order (a channel's bucket b batch is posted in
+  // iteration b, after its bucket b-1 batch), so every stream carries bucket b-1's bytes before
+  // bucket b's on both sides and mirror batches cannot wait on each other in a cycle. Buckets
+  // with nccl routes keep the barrier and the lane schedule below.
+  std::vector<std::unique_ptr<Route>> routes_alive;  // every route of the version (posted batches reference them)
+  std::vector<std::pair<Route*, transport::BatchId>> outstanding;  // posted, not yet waited for (post order)
+  std::map<std::string, absl::Time> first_post;  // per peer: when its first batch of the version was posted
+  absl::Mutex result_mu;  // guards `first`, exec.links and first_post while GPU schedule threads run
+  absl::Status first;
+  auto finish = [&](Route* r, const absl::Status& s) {
+    absl::MutexLock l(&result_mu);
+    if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", r->bucket, ", ", r->what));
+    if (!s.ok()) return;
+    // Bytes per route (transport kind) and peer; link time = the peer's first post -> this batch's
+    // completion (the union over its overlapping batches).
+    Metrics().Bytes(me, exec.model_id, r->t->capabilities().kind, r->peer, static_cast<uint64_t>(r->bytes));
+    if (r->lane.first >= 0) Metrics().NcclLane(me, r->peer, r->lane.first, r->lane.second, static_cast<uint64_t>(r->bytes));
+    LinkStat& ls = exec.links[r->peer];
+    ls.bytes += static_cast<uint64_t>(r->bytes);
+    ls.seconds = std::max(ls.seconds, absl::ToDoubleSeconds(absl::Now() - first_post[r->peer]));
+    exec.bytes_done += static_cast<uint64_t>(r->incoming);
+  };
+  auto post = [&](Route* r) {
+    {
+      absl::MutexLock l(&result_mu);
+      first_post.emplace(r->peer, absl::Now());
+    }
+    r->batch.tag = BatchTag(exec.model_id, exec.version, r->bucket);
+    auto id = r->t->Post(r->batch);
+    if (!id.ok()) {
+      finish(r, id.status());
+      return;
+    }
+    outstanding.push_back({r, *id});
+  };
+  // Waits for the outstanding batches of buckets before `bucket` (all of them by default), each
+  // exactly once; a failure is kept in `first`.
+  auto wait_before = [&](uint32_t bucket = std::numeric_limits<uint32_t>::max()) {
+    std::vector<std::pair<Route*, transport::BatchId>> later;
+    for (auto& [r, id] : outstanding) {
+      if (r->bucket >= bucket) {
+        later.push_back({r, id});
+        continue;
+      }
+      finish(r, r->t->Wait(id, exec.deadline));
+    }
+    outstanding = std::move(later);
+    // Per-NIC bytes of the host channel (also of a failed batch: those bytes did cross the wire).
+    if (cross_t != nullptr && !peer_instances.empty()) nic_meter_.Record(Metrics(), me, cross_t->stats().paths, peer_instances);
+  };
+  auto failed = [&] {
+    absl::MutexLock l(&result_mu);
+    return !first.ok();
+  };
+  // Builds the routes of bucket b.
+  auto make_routes = [&](uint32_t b, std::vector<Route*>& out) -> absl::Status {
+    Route* host_route = nullptr;
+    Route* cuda_route = nullptr;
+    std::map<std::string, Route*> peer_routes;
+    auto add = [&](Route r) {
+      r.bucket = b;
+      routes_alive.push_back(std::make_unique<Route>(std::move(r)));
+      out.push_back(routes_alive.back().get());
+      return out.back();
     };
-    Route host_route{local_t, {}, "same-node copies", me, 0};
-    Route cuda_route{cuda_t, {}, "same-node CUDA copies", me, 0};
-    std::map<std::string, Route> peer_routes;
-    int64_t incoming_bytes = 0;
     for (const pb::TransferOp* op : by_bucket[b]) {
       const bool s_local = is_local(op->src_worker()), d_local = is_local(op->dst_worker());
-      if (!s_local && !d_local) continue;
+      if ((!s_local && !d_local) || at_commit.count(op->index()) > 0) continue;
       ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, *op, true));
       ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, *op, false));
       const int elem = planner::DTypeSize(plan.inventory.tensors[op->tensor()].dtype);
@@ -1873,19 +2088,22 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       transport::CopyOp c;
       for (size_t d = 0; d < box.begin.size(); ++d) c.shape.push_back(box.end[d] - box.begin[d]);
       c.element_size = elem;
-      if (d_local) incoming_bytes += static_cast<int64_t>(op->bytes());
+      const bool reads_written = s_local && written.count(src.key) > 0;
       if (s_local && d_local) {
         const bool host = kind_of(src.key) == MemoryKind::kHost && kind_of(dst.key) == MemoryKind::kHost;
         auto& handles = host ? local_h : cuda_h;
-        Route& route = host ? host_route : cuda_route;
+        Route*& route = host ? host_route : cuda_route;
+        if (route == nullptr) route = host ? add(Route{local_t, {}, "same-node copies", me}) : add(Route{cuda_t, {}, "same-node CUDA copies", me});
         auto sh = handles.find(src.key), dh = handles.find(dst.key);
         if (sh == handles.end() || dh == handles.end()) {
           return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " missing on node ", me));
         }
         c.src = RefFor(src.piece, box, elem, sh->second);
         c.dst = RefFor(dst.piece, box, elem, dh->second);
-        route.batch.ops.push_back(std::move(c));
-        route.bytes += static_cast<int64_t>(op->bytes());
+        route->batch.ops.push_back(std::move(c));
+        route->bytes += static_cast<int64_t>(op->bytes());
+        route->incoming += static_cast<int64_t>(op->bytes());
+        route->reads_written = route->reads_written || reads_written;
         continue;
       }
       const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
@@ -1903,76 +2121,87 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       }
       c.src = RefFor(src.piece, box, elem, sh->second);
       c.dst = RefFor(dst.piece, box, elem, dh->second);
-      Route& route = peer_routes[chan];
-      if (route.t == nullptr) {
-        route.t = nccl ? lanes.at(my_lane) : cross_t;
-        route.what = nccl ? absl::StrCat("node ", me, " GPU ", my_lane, " <-> node ", peer, " GPU ", their_lane, " (nccl)")
-                          : absl::StrCat("node ", me, " <-> node ", peer);
-        route.peer = peer;
-        route.batch.peer = ids.at(chan);
-        route.batch.checksum = options_.checksums && !nccl;
+      Route*& route = peer_routes[chan];
+      if (route == nullptr) {
+        Route r;
+        r.t = nccl ? lanes.at(my_lane) : cross_t;
+        r.what = nccl ? absl::StrCat("node ", me, " GPU ", my_lane, " <-> node ", peer, " GPU ", their_lane, " (nccl)")
+                      : absl::StrCat("node ", me, " <-> node ", peer);
+        r.peer = peer;
+        r.batch.peer = ids.at(chan);
+        r.batch.checksum = options_.checksums && !nccl;
         if (nccl) {
-          route.lane = {my_lane, their_lane};
-          route.order = me < peer ? std::tuple{me, peer, my_lane, their_lane} : std::tuple{peer, me, their_lane, my_lane};
+          r.lane = {my_lane, their_lane};
+          r.order = me < peer ? std::tuple{me, peer, my_lane, their_lane} : std::tuple{peer, me, their_lane, my_lane};
+        }
+        route = add(std::move(r));
+      }
+      route->batch.ops.push_back(std::move(c));
+      route->bytes += static_cast<int64_t>(op->bytes());
+      if (d_local) route->incoming += static_cast<int64_t>(op->bytes());
+      route->reads_written = route->reads_written || reads_written;
+    }
+    return absl::OkStatus();
+  };
+  for (uint32_t b = 0; b < plan.slice.num_buckets() && !failed(); ++b) {
+    if (options_.test_before_bucket) options_.test_before_bucket(exec.model_id, exec.version, b);
+    {
+      absl::MutexLock l(&mu_);
+      if (exec.aborted || stopping_) {
+        absl::MutexLock rl(&result_mu);
+        if (first.ok()) first = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+        break;
+      }
+    }
+    std::vector<Route*> routes;
+    if (absl::Status s = make_routes(b, routes); !s.ok()) {
+      absl::MutexLock l(&result_mu);
+      if (first.ok()) first = s;
+      break;
+    }
+    std::map<int, std::vector<Route*>> per_gpu;  // nccl routes by our GPU, in channel order
+    for (Route* r : routes) {
+      if (r->lane.first >= 0) per_gpu[r->lane.first].push_back(r);
+    }
+    if (per_gpu.empty()) {
+      // Host routes only: what reads nothing written goes now; the rest after the earlier buckets.
+      for (Route* r : routes) {
+        if (!r->reads_written && !failed()) post(r);
+      }
+      if (std::any_of(routes.begin(), routes.end(), [](const Route* r) { return r->reads_written; })) {
+        wait_before(b);
+        for (Route* r : routes) {
+          if (r->reads_written && !failed()) post(r);
         }
       }
-      route.batch.ops.push_back(std::move(c));
-      route.bytes += static_cast<int64_t>(op->bytes());
+      continue;
     }
-    // Same-node routes and the host channels are posted at once. nccl channels follow a schedule:
-    // every GPU runs the batches of its lane pairs one after another, in the global channel order
-    // (Route::order), while different GPUs run in parallel. NCCL kernels of different
-    // communicators on one GPU may wait on each other (NCCL: "Using multiple NCCL communicators
-    // concurrently"); with one order shared by every node, the smallest unfinished channel always
-    // has both of its GPUs at it, so the schedule cannot deadlock (a GPU sending to two peer GPUs,
-    // or one GPU with channels to two nodes, takes them in turn; its NIC is shared anyway).
-    std::vector<Route*> routes;
-    std::map<int, std::vector<Route*>> per_gpu;  // nccl routes by our GPU, in channel order
-    if (!host_route.batch.ops.empty()) routes.push_back(&host_route);
-    if (!cuda_route.batch.ops.empty()) routes.push_back(&cuda_route);
-    for (auto& [chan, route] : peer_routes) {
-      route.batch.tag = BatchTag(exec.model_id, exec.version, b);
-      if (route.lane.first >= 0) {
-        per_gpu[route.lane.first].push_back(&route);
-      } else {
-        routes.push_back(&route);
-      }
-    }
+    // A bucket with nccl routes: earlier buckets first, then this one as a whole. Same-node routes
+    // and the host channels are posted at once; nccl channels follow a schedule: every GPU runs the
+    // batches of its lane pairs one after another, in the global channel order (Route::order),
+    // while different GPUs run in parallel. NCCL kernels of different communicators on one GPU may
+    // wait on each other (NCCL: "Using multiple NCCL communicators concurrently"); with one order
+    // shared by every node, the smallest unfinished channel always has both of its GPUs at it, so
+    // the schedule cannot deadlock (a GPU sending to two peer GPUs, or one GPU with channels to two
+    // nodes, takes them in turn; its NIC is shared anyway).
+    wait_before();
+    if (failed()) break;
     for (auto& [gpu, seq] : per_gpu) {
       std::sort(seq.begin(), seq.end(), [](const Route* x, const Route* y) { return x->order < y->order; });
     }
-    const absl::Time posted_at = absl::Now();
-    absl::Mutex result_mu;  // guards `first` and exec.links while GPU schedule threads run
-    absl::Status first;
-    auto finish = [&](Route* r, const absl::Status& s) {
-      absl::MutexLock l(&result_mu);
-      if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", b, ", ", r->what));
-      if (!s.ok()) return;
-      // Bytes per route (transport kind) and peer; link time = bucket start -> this batch's completion.
-      Metrics().Bytes(me, exec.model_id, r->t->capabilities().kind, r->peer, static_cast<uint64_t>(r->bytes));
-      if (r->lane.first >= 0) Metrics().NcclLane(me, r->peer, r->lane.first, r->lane.second, static_cast<uint64_t>(r->bytes));
-      LinkStat& ls = exec.links[r->peer];
-      ls.bytes += static_cast<uint64_t>(r->bytes);
-      ls.seconds += absl::ToDoubleSeconds(absl::Now() - posted_at);
-    };
-    // Post everything posted at once, then wait for every posted batch (each exactly once).
-    std::vector<std::pair<Route*, transport::BatchId>> posted;
-    bool post_failed = false;
     for (Route* r : routes) {
-      r->batch.tag = BatchTag(exec.model_id, exec.version, b);
-      auto id = r->t->Post(r->batch);
-      if (!id.ok()) {
-        finish(r, id.status());
-        post_failed = true;
-        break;
-      }
-      posted.push_back({r, *id});
+      if (r->lane.first < 0 && !failed()) post(r);
     }
     std::vector<std::thread> gpu_threads;
-    if (!post_failed) {
+    if (!failed()) {
       for (auto& [gpu, seq] : per_gpu) {
         gpu_threads.emplace_back([&, seq = seq] {
           for (Route* r : seq) {
+            {
+              absl::MutexLock l(&result_mu);
+              first_post.emplace(r->peer, absl::Now());
+            }
+            r->batch.tag = BatchTag(exec.model_id, exec.version, r->bucket);
             auto id = r->t->Post(r->batch);
             absl::Status s = id.ok() ? r->t->Wait(*id, exec.deadline) : id.status();
             finish(r, s);
@@ -1981,13 +2210,14 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
         });
       }
     }
-    for (auto& [r, id] : posted) finish(r, r->t->Wait(id, exec.deadline));
+    wait_before();
     for (std::thread& t : gpu_threads) t.join();
-    // Per-NIC bytes of the host channel (also of a failed bucket: those bytes did cross the wire).
-    if (cross_t != nullptr && !peer_instances.empty()) nic_meter_.Record(Metrics(), me, cross_t->stats().paths, peer_instances);
-    RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
-    exec.bytes_done += static_cast<uint64_t>(incoming_bytes);
   }
+  // Every posted batch is waited for (also after a failure: transports touch the memory until then).
+  wait_before();
+  RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
+  exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
+  end_phase(exec.buckets_s);
   return absl::OkStatus();
 }
 
@@ -2049,7 +2279,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
   } cleanup{&ct, &regions};
   for (size_t j = 0; j < buffers.size(); ++j) {
     if (buffers[j]) {
-      out[j].host.resize(static_cast<size_t>(buffers[j]->size()));
+      out[j].host = TakeHost(buffers[j]->size());  // every byte is copied over below
       src.push_back(static_cast<const uint8_t*>(buffers[j]->data()));
       dst.push_back(out[j].host.data());
       size.push_back(buffers[j]->size());
@@ -2070,7 +2300,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
       spec.base = out[j].device->data();
       spec.device = out[j].device->device();
     } else {
-      out[j].host.resize(static_cast<size_t>(n));
+      out[j].host = TakeHost(n);
       spec.kind = transport::MemoryKind::kHost;
       spec.base = out[j].host.data();
     }
@@ -2289,6 +2519,65 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
     if (first.ok()) first = s;
   }
   return first;
+}
+
+absl::Status NodeDaemon::CopyRelaysToLive(const std::vector<Exec::RelayAtCommit>& relays,
+                                          const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
+                                          const std::vector<std::shared_ptr<transport::ShmSegment>>& live, const std::string& label,
+                                          absl::Time deadline) {
+  if (relays.empty()) return absl::OkStatus();
+  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+  if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
+  std::vector<transport::RegionHandle> regions;
+  struct Cleanup {
+    transport::Transport* t;
+    std::vector<transport::RegionHandle>* r;
+    ~Cleanup() {
+      for (auto& h : *r) (void)t->Release(h);
+    }
+  } cleanup{t, &regions};
+  std::map<std::pair<std::string, int32_t>, transport::RegionHandle> src_h;  // (rollout, staging buffer)
+  std::map<int32_t, transport::RegionHandle> dst_h;                         // live buffer
+  transport::Batch batch;
+  for (const Exec::RelayAtCommit& r : relays) {
+    auto s = src_h.find({r.src_worker, r.src_buffer});
+    if (s == src_h.end()) {
+      auto in = incoming.find(r.src_worker);
+      if (in == incoming.end() || r.src_buffer < 0 || r.src_buffer >= static_cast<int32_t>(in->second->size()) ||
+          (*in->second)[r.src_buffer].device != nullptr) {
+        return absl::InternalError(absl::StrCat(label, ": relay source ", r.src_worker, " buffer ", r.src_buffer, " is not in host staging"));
+      }
+      std::vector<uint8_t>& bytes = (*in->second)[r.src_buffer].host;
+      transport::MemorySpec spec;
+      spec.kind = transport::MemoryKind::kHost;
+      spec.base = bytes.data();  // only read
+      spec.size_bytes = static_cast<int64_t>(bytes.size());
+      spec.label = absl::StrCat(label, " relay source ", r.src_worker, " b", r.src_buffer);
+      ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
+      regions.push_back(h);
+      s = src_h.emplace(std::pair{r.src_worker, r.src_buffer}, h).first;
+    }
+    auto d = dst_h.find(r.dst_buffer);
+    if (d == dst_h.end()) {
+      if (r.dst_buffer < 0 || r.dst_buffer >= static_cast<int32_t>(live.size()) || live[r.dst_buffer] == nullptr) {
+        return absl::InternalError(absl::StrCat(label, ": live buffer ", r.dst_buffer, " is not host memory"));
+      }
+      transport::MemorySpec spec;
+      spec.kind = transport::MemoryKind::kHost;
+      spec.base = live[r.dst_buffer]->data();
+      spec.size_bytes = live[r.dst_buffer]->size();
+      spec.label = absl::StrCat(label, " live b", r.dst_buffer);
+      ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
+      regions.push_back(h);
+      d = dst_h.emplace(r.dst_buffer, h).first;
+    }
+    transport::CopyOp op = r.op;
+    op.src.region = s->second;
+    op.dst.region = d->second;
+    batch.ops.push_back(std::move(op));
+  }
+  ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
+  return t->Wait(id, deadline);
 }
 
 std::map<int, transport::Transport*> NodeDaemon::NcclLanes() const {

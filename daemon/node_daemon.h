@@ -39,6 +39,7 @@
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
 #include "daemon/nic_meter.h"
+#include "daemon/staging_pool.h"
 #include "tools/cc/clock.h"
 #include "transport/device_allocator.h"
 #include "transport/factory.h"
@@ -105,6 +106,11 @@ class NodeDaemon {
     int64_t size() const { return device ? device->size() : static_cast<int64_t>(host.size()); }
   };
   using Bytes = std::vector<StagedBuffer>;  // one entry per buffer, layout order
+  // `n` empty buffers whose host memory goes back to staging_pool_ when the last reference drops
+  // (fill them with TakeHost): every host staging of a version is made this way.
+  std::shared_ptr<Bytes> NewBytes(size_t n = 0);
+  // Host staging of `size` bytes from staging_pool_ (recycled when one of that size is idle).
+  std::vector<uint8_t> TakeHost(int64_t size);
   // A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
   struct PidWatch {
     int pid = 0;
@@ -188,6 +194,22 @@ class NodeDaemon {
     std::map<std::string, PeerState> peers;              // channel (ChannelName) -> the peer's side
     std::map<std::string, transport::PeerId> connected;  // channel -> the connection this version uses
     std::map<std::string, LinkStat> links;  // executor thread only: peer node (own id = same-node) -> totals
+    // Sync mode: same-node relays into a rollout whose staging nothing else reads are not copied
+    // staging to staging during the transfer; the commit copies them from the relay's source
+    // staging straight into the rollout's live buffers (RunExecInner "Relays at commit"). Written
+    // by the executor under mu_ before it reports done; read by CommitVersion.
+    struct RelayAtCommit {
+      std::string src_worker;  // local rollout whose incoming staging holds the bytes
+      int32_t src_buffer = 0;
+      int32_t dst_buffer = 0;  // in the destination's live buffers
+      transport::CopyOp op;    // regions unset: src offsets/strides in the source staging buffer, dst in the live buffer
+    };
+    std::map<std::string, std::vector<RelayAtCommit>> relays_at_commit;  // destination rollout -> copies
+    std::map<std::string, std::set<int32_t>> pieces_at_commit;           // destination rollout -> its pieces they fill
+    uint64_t relay_bytes_at_commit = 0;
+    // Executor thread only: seconds spent allocating staging, registering memory and setting up
+    // channels (ExchangeRegions, Connect), and in the buckets (logged with "version transferred").
+    double staging_s = 0, setup_s = 0, buckets_s = 0;
   };
 
   absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)
@@ -231,6 +253,12 @@ class NodeDaemon {
   absl::Status CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
                           const std::vector<std::shared_ptr<CudaImport>>& cuda, const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
                           absl::Time deadline);
+  // Sync commit: the relays left to the commit (Exec::relays_at_commit of one rollout), from the
+  // other rollouts' incoming staging into this rollout's live host buffers, on the same-node
+  // transport.
+  absl::Status CopyRelaysToLive(const std::vector<Exec::RelayAtCommit>& relays, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
+                                const std::vector<std::shared_ptr<transport::ShmSegment>>& live, const std::string& label,
+                                absl::Time deadline);
   // Copies whole buffers (src[i] -> dst[i], size[i] bytes) with the same-node transport.
   absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
                         const std::string& label, absl::Time deadline);
@@ -284,6 +312,8 @@ class NodeDaemon {
   std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
   std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, channel)
   NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
+  // Host staging memory reused across versions (own lock; buffers come back from NewBytes' deleter).
+  std::shared_ptr<StagingPool> staging_pool_;
   absl::Mutex stubs_mu_;
   struct PeerStubEntry {
     std::string address;

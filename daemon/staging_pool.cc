@@ -1,0 +1,66 @@
+#include "daemon/staging_pool.h"
+
+#include <utility>
+
+namespace wb::daemon {
+
+std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused) {
+  if (reused != nullptr) *reused = false;
+  if (size <= 0) return {};
+  {
+    absl::MutexLock l(&mu_);
+    // Newest first: the buffer given back last is the one most likely still in cache.
+    for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
+      if (static_cast<int64_t>(it->buffer.size()) != size) continue;
+      std::vector<uint8_t> out = std::move(it->buffer);
+      idle_.erase(std::next(it).base());
+      idle_bytes_ -= size;
+      ++reused_;
+      if (reused != nullptr) *reused = true;
+      return out;
+    }
+    ++allocated_;
+  }
+  // Outside the lock: faulting in a model-sized buffer takes a while.
+  return std::vector<uint8_t>(static_cast<size_t>(size));
+}
+
+void StagingPool::Give(std::vector<uint8_t> buffer) {
+  const int64_t size = static_cast<int64_t>(buffer.size());
+  if (size == 0) return;
+  std::list<Idle> freed;  // destroyed after the lock is released (munmap of large buffers)
+  {
+    absl::MutexLock l(&mu_);
+    if (size > options_.max_idle_bytes) return;  // `buffer` is freed on return, outside the lock
+    while (idle_bytes_ + size > options_.max_idle_bytes && !idle_.empty()) {
+      idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
+      freed.splice(freed.end(), idle_, idle_.begin());
+    }
+    idle_.push_back(Idle{std::move(buffer), options_.clock->Now()});
+    idle_bytes_ += size;
+  }
+}
+
+void StagingPool::Trim() {
+  std::list<Idle> freed;  // destroyed after the lock is released
+  const absl::Time cutoff = options_.clock->Now() - options_.max_idle_time;
+  absl::MutexLock l(&mu_);
+  while (!idle_.empty() && idle_.front().since <= cutoff) {
+    idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
+    freed.splice(freed.end(), idle_, idle_.begin());
+  }
+}
+
+void StagingPool::Clear() {
+  std::list<Idle> freed;  // destroyed after the lock is released
+  absl::MutexLock l(&mu_);
+  freed.swap(idle_);
+  idle_bytes_ = 0;
+}
+
+StagingPool::Stats StagingPool::stats() const {
+  absl::MutexLock l(&mu_);
+  return Stats{reused_, allocated_, idle_bytes_, idle_.size()};
+}
+
+}  // namespace wb::daemon

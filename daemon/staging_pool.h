@@ -1,0 +1,74 @@
+#pragma once
+// Host staging buffers reused across versions.
+//
+// Every version used to allocate its host staging (rollout incoming copies, trainer snapshots, the
+// rank-0 gather) afresh and free it after the commit. For a model-sized buffer that is the single
+// largest cost of a version on a small machine: the kernel faults in and zeroes every page again
+// (bench/e2e, Qwen2.5-0.5B: ~2 GB per version on the rollout node, about half of the node
+// daemons' CPU time; docs/operations.md "bench:e2e"). Layouts rarely change, so the next version
+// asks for exactly the sizes the previous one gave back: the pool hands those buffers out again.
+//
+// A recycled buffer holds whatever its last user left in it. That is safe for staging because
+// nothing reads staging bytes that this version did not write: transfers write every byte of every
+// rollout piece (plans are complete), commit / Apply copy pieces only (never the gaps between them),
+// snapshots copy whole buffers, and gather ops write what later ops read.
+//
+// Bounded: at most `max_idle_bytes` are kept idle (a buffer given back beyond that is freed at once),
+// and a buffer nobody took for `max_idle_time` is freed by Trim (the node daemon calls it from its
+// control loop), so a daemon whose model went away or changed its layout returns the memory.
+// Thread-safe.
+
+#include <cstdint>
+#include <list>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "tools/cc/clock.h"
+
+namespace wb::daemon {
+
+class StagingPool {
+ public:
+  struct Options {
+    int64_t max_idle_bytes = int64_t{64} << 30;
+    absl::Duration max_idle_time = absl::Minutes(5);
+    Clock* clock = Clock::Real();
+  };
+  struct Stats {
+    uint64_t reused = 0;     // Take answered with a recycled buffer
+    uint64_t allocated = 0;  // Take had to allocate
+    int64_t idle_bytes = 0;  // held for reuse right now
+    size_t idle_buffers = 0;
+  };
+
+  explicit StagingPool(Options options) : options_(options) {}
+
+  // A host buffer of exactly `size` bytes: an idle one of that size when there is one (its bytes
+  // are stale: see above; *reused = true), else a new, zero-filled one.
+  std::vector<uint8_t> Take(int64_t size, bool* reused = nullptr);
+  // Gives a buffer back for reuse. Empty buffers are ignored; a buffer that would push the idle
+  // bytes past max_idle_bytes is freed here instead (oldest idle buffers go first to make room when
+  // this one alone fits).
+  void Give(std::vector<uint8_t> buffer);
+  // Frees buffers idle for longer than max_idle_time.
+  void Trim();
+  // Frees every idle buffer.
+  void Clear();
+  Stats stats() const;
+
+ private:
+  struct Idle {
+    std::vector<uint8_t> buffer;
+    absl::Time since;
+  };
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::list<Idle> idle_ ABSL_GUARDED_BY(mu_);  // oldest first
+  int64_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace wb::daemon

@@ -1,0 +1,86 @@
+#include "daemon/staging_pool.h"
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+StagingPool::Options Opts(FakeClock* clock, int64_t max_idle_bytes = int64_t{1} << 30) {
+  StagingPool::Options o;
+  o.max_idle_bytes = max_idle_bytes;
+  o.max_idle_time = absl::Seconds(60);
+  o.clock = clock;
+  return o;
+}
+
+TEST(StagingPoolTest, GivenBackBufferIsTheOneTakenNextForTheSameSize) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  std::vector<uint8_t> a = pool.Take(4096);
+  ASSERT_EQ(a.size(), 4096u);
+  EXPECT_EQ(a[0], 0);  // new buffers are zero-filled
+  a[0] = 7;
+  const uint8_t* where = a.data();
+  pool.Give(std::move(a));
+  EXPECT_EQ(pool.stats().idle_bytes, 4096);
+  bool reused = false;
+  std::vector<uint8_t> b = pool.Take(4096, &reused);
+  EXPECT_TRUE(reused);
+  EXPECT_EQ(b.data(), where);  // the same memory, not a new allocation
+  EXPECT_EQ(b[0], 7);          // stale bytes are not cleared (callers overwrite what they read)
+  EXPECT_EQ(pool.stats().reused, 1u);
+  EXPECT_EQ(pool.stats().allocated, 1u);
+  EXPECT_EQ(pool.stats().idle_bytes, 0);
+}
+
+TEST(StagingPoolTest, OtherSizesAreNotHandedOut) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  pool.Give(std::vector<uint8_t>(1000));
+  bool reused = true;
+  std::vector<uint8_t> b = pool.Take(999, &reused);
+  EXPECT_FALSE(reused);
+  EXPECT_EQ(b.size(), 999u);
+  EXPECT_EQ(pool.stats().reused, 0u);
+  EXPECT_EQ(pool.stats().idle_buffers, 1u);
+  EXPECT_TRUE(pool.Take(0).empty());
+  pool.Give({});  // ignored
+  EXPECT_EQ(pool.stats().idle_buffers, 1u);
+}
+
+TEST(StagingPoolTest, IdleBytesStayUnderTheCapOldestFreedFirst) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock, 3000));
+  pool.Give(std::vector<uint8_t>(1000, 1));
+  clock.Advance(absl::Seconds(1));
+  pool.Give(std::vector<uint8_t>(1500, 2));
+  clock.Advance(absl::Seconds(1));
+  pool.Give(std::vector<uint8_t>(1000, 3));  // 3500 > 3000: the oldest (1000 of 1s) goes
+  EXPECT_EQ(pool.stats().idle_bytes, 2500);
+  EXPECT_EQ(pool.stats().idle_buffers, 2u);
+  EXPECT_EQ(pool.Take(1000)[0], 3);
+  pool.Give(std::vector<uint8_t>(4000));  // larger than the cap on its own: freed at once
+  EXPECT_EQ(pool.stats().idle_bytes, 1500);
+}
+
+TEST(StagingPoolTest, TrimFreesBuffersIdleTooLong) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  pool.Give(std::vector<uint8_t>(100));
+  clock.Advance(absl::Seconds(40));
+  pool.Give(std::vector<uint8_t>(200));
+  clock.Advance(absl::Seconds(30));  // the first idle 70 s, the second 30 s
+  pool.Trim();
+  EXPECT_EQ(pool.stats().idle_bytes, 200);
+  clock.Advance(absl::Seconds(31));
+  pool.Trim();
+  EXPECT_EQ(pool.stats().idle_bytes, 0);
+  pool.Give(std::vector<uint8_t>(300));
+  pool.Clear();
+  EXPECT_EQ(pool.stats().idle_buffers, 0u);
+}
+
+}  // namespace
+}  // namespace wb::daemon
