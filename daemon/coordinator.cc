@@ -4,7 +4,10 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <random>
+#include <thread>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +26,19 @@
 
 namespace wb::daemon {
 namespace {
+
+// fn(0) .. fn(n - 1) on up to 32 threads at once (per-node RPCs of one version: every node at
+// once on a small cluster, bounded threads on a large one); returns when all returned.
+void ForEachConcurrently(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) fn(i);
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min<size_t>(n, 32); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
 
 ModeKind ToMode(pb::Mode mode) {
   switch (mode) {
@@ -978,7 +994,10 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
       const absl::Duration commit_timeout = options_.transfer_timeout;
       work.push_back([this, mp, model_id, v, stubs, commit_timeout] {
         std::vector<PendingCommit> missed;
-        for (auto& [node, incarnation, stub] : stubs) {
+        // Every node at once: a sync commit copies staging into the rollouts' live weights before
+        // it answers, so one node after another would add up those copies.
+        std::vector<absl::Status> acks(stubs.size());
+        ForEachConcurrently(stubs.size(), [&](size_t i) {
           grpc::ClientContext ctx;
           // Sync commits copy staging into live weights before answering: as long as a transfer may take.
           ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::max(absl::Seconds(5), commit_timeout)));
@@ -986,7 +1005,11 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
           req.set_model_id(model_id);
           req.set_version(v);
           pb::CommitVersionResponse resp;
-          absl::Status st = FromGrpcStatus(stub->CommitVersion(&ctx, req, &resp));
+          acks[i] = FromGrpcStatus(std::get<2>(stubs[i])->CommitVersion(&ctx, req, &resp));
+        });
+        for (size_t i = 0; i < stubs.size(); ++i) {
+          const auto& [node, incarnation, stub] = stubs[i];
+          const absl::Status& st = acks[i];
           if (!st.ok()) {
             Log(LogLevel::kWarning, "commit not acknowledged", {{"model", model_id}, {"version", v}, {"node", node}, {"error", st.message()}});
             if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) missed.push_back({node, model_id, v, incarnation, absl::Now()});
@@ -1073,7 +1096,10 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
     uint64_t epoch = m.plan.epoch;
     int64_t timeout_ms = absl::ToInt64Milliseconds(options_.transfer_timeout);
     work.push_back([this, mp, model_id, v, epoch, stubs, timeout_ms] {
-      for (auto& [n, stub] : stubs) {
+      // Every node at once (each answers at once; one after another the last node would start a
+      // round trip per node later, and the first nodes' executors would wait for it).
+      std::vector<absl::Status> started(stubs.size());
+      ForEachConcurrently(stubs.size(), [&](size_t i) {
         grpc::ClientContext ctx;
         // The node answers at once (the executor runs on its own thread); the deadline is the
         // transfer timeout anyway so that a slow, loaded node is not declared unable to start.
@@ -1085,12 +1111,13 @@ std::vector<std::function<void()>> Coordinator::CollectWorkLocked() {
         req.set_timeout_ms(timeout_ms);
         req.set_coordinator_instance(instance_);
         pb::ExecuteVersionResponse resp;
-        absl::Status s = FromGrpcStatus(stub->ExecuteVersion(&ctx, req, &resp));
-        if (!s.ok()) {
-          absl::MutexLock l(&mu_);
-          AbortLocked(model_id, *mp, v, absl::StrCat("node ", n, " could not start: ", s.message()));
-          return;
-        }
+        started[i] = FromGrpcStatus(stubs[i].second->ExecuteVersion(&ctx, req, &resp));
+      });
+      for (size_t i = 0; i < stubs.size(); ++i) {
+        if (started[i].ok()) continue;
+        absl::MutexLock l(&mu_);
+        AbortLocked(model_id, *mp, v, absl::StrCat("node ", stubs[i].first, " could not start: ", started[i].message()));
+        return;
       }
     });
   }
