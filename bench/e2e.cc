@@ -3,6 +3,7 @@
 // the same machinery (same daemons, same transports, same workers).
 //
 //   bazel run -c opt //bench:e2e [-- --json] [-- --versions=3 --replicas=2]
+//   profiling: --baseline=false (WeightBridge only), --daemon_flags=--checksums=false,...
 //
 // Setup: a coordinator and two node daemons (`weightbridged`, separate processes, loopback TCP
 // between nodes). Node n0: Megatron tp=2 trainer ranks; node n1: vLLM tp=2 rollout replicas
