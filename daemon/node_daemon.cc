@@ -1696,10 +1696,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     for (auto& r : registered) (void)r.t->Release(r.h);
     registered.clear();
   };
-  struct Cleanup {
-    std::function<void()> f;
-    ~Cleanup() { f(); }
-  } cleanup{release_all};
+  absl::Cleanup cleanup = release_all;
   auto register_on = [&](transport::Transport* t, const std::string& key, const Mem& m) -> absl::StatusOr<transport::RegionHandle> {
     if (m.import != nullptr) return m.import->h;  // owned by the worker's import, not by this version
     transport::MemorySpec spec;
@@ -2226,13 +2223,9 @@ absl::Status NodeDaemon::CopyFlat(const std::vector<const uint8_t*>& src, const 
   transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
   if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
   std::vector<transport::RegionHandle> regions;
-  struct Cleanup {
-    transport::Transport* t;
-    std::vector<transport::RegionHandle>* r;
-    ~Cleanup() {
-      for (auto& h : *r) (void)t->Release(h);
-    }
-  } cleanup{t, &regions};
+  absl::Cleanup cleanup = [&] {
+    for (auto& h : regions) (void)t->Release(h);
+  };
   transport::Batch batch;
   for (size_t i = 0; i < src.size(); ++i) {
     if (size[i] == 0) continue;
@@ -2270,13 +2263,9 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
   transport::Transport* ct = nullptr;
   transport::Batch device_batch;
   std::vector<transport::RegionHandle> regions;  // on ct
-  struct Cleanup {
-    transport::Transport** t;
-    std::vector<transport::RegionHandle>* r;
-    ~Cleanup() {
-      for (auto& h : *r) (void)(*t)->Release(h);
-    }
-  } cleanup{&ct, &regions};
+  absl::Cleanup cleanup = [&] {
+    for (auto& h : regions) (void)ct->Release(h);
+  };
   for (size_t j = 0; j < buffers.size(); ++j) {
     if (buffers[j]) {
       out[j].host = TakeHost(buffers[j]->size());  // every byte is copied over below
@@ -2412,12 +2401,9 @@ absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std:
   // Host live buffers go through host_shm (its copy threads); CUDA ones through cuda_ipc (from
   // host staging registered with it, or device to device from GPU staging).
   std::vector<std::pair<transport::Transport*, transport::RegionHandle>> regions;
-  struct Cleanup {
-    std::vector<std::pair<transport::Transport*, transport::RegionHandle>>* r;
-    ~Cleanup() {
-      for (auto& [t, h] : *r) (void)t->Release(h);
-    }
-  } cleanup{&regions};
+  absl::Cleanup cleanup = [&] {
+    for (auto& [t, h] : regions) (void)t->Release(h);
+  };
   struct Target {
     transport::Transport* t;
     transport::RegionHandle src, dst;
@@ -2529,13 +2515,9 @@ absl::Status NodeDaemon::CopyRelaysToLive(const std::vector<Exec::RelayAtCommit>
   transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
   if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
   std::vector<transport::RegionHandle> regions;
-  struct Cleanup {
-    transport::Transport* t;
-    std::vector<transport::RegionHandle>* r;
-    ~Cleanup() {
-      for (auto& h : *r) (void)t->Release(h);
-    }
-  } cleanup{t, &regions};
+  absl::Cleanup cleanup = [&] {
+    for (auto& h : regions) (void)t->Release(h);
+  };
   std::map<std::pair<std::string, int32_t>, transport::RegionHandle> src_h;  // (rollout, staging buffer)
   std::map<int32_t, transport::RegionHandle> dst_h;                         // live buffer
   transport::Batch batch;
