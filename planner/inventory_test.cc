@@ -4,6 +4,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -93,6 +95,92 @@ TEST(Inventory, DeterministicOrderAndBases) {
   EXPECT_TRUE(idx.Find("model.layers.47.mlp.experts.127.up_proj.weight").has_value());
   EXPECT_TRUE(idx.Find("model.layers.0.self_attn.q_norm.weight").has_value());
   EXPECT_FALSE(idx.Find("model.layers.0.mlp.experts.128.up_proj.weight").has_value());
+}
+
+
+// Issue 15.5: a config.json's numbers are bounded before anything is allocated from them.
+std::string LlamaConfig(const std::string& layers, const std::string& vocab, const std::string& hidden) {
+  return R"({"architectures":["LlamaForCausalLM"],"hidden_size":)" + hidden +
+         R"(,"intermediate_size":128,"num_attention_heads":4,"num_hidden_layers":)" + layers +
+         R"(,"vocab_size":)" + vocab + "}";
+}
+
+TEST(InventoryBounds, TooManyLayersRefusedBeforeBuilding) {
+  // 20,000 layers x 9 tensors = 180,002 tensors > 131,072: refused, naming the field and the limit.
+  auto c = ParseHfConfig(LlamaConfig("20000", "100", "64"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto inv = BuildInventory(*c, DType::kBF16);
+  ASSERT_FALSE(inv.ok());
+  EXPECT_EQ(inv.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(inv.status().message().find("num_hidden_layers"), std::string::npos) << inv.status();
+  EXPECT_NE(inv.status().message().find("131072"), std::string::npos) << inv.status();
+  // 20M layers: refused as fast (no per-layer work before the check).
+  auto huge = ParseHfConfig(LlamaConfig("20000000", "100", "64"));
+  ASSERT_TRUE(huge.ok()) << huge.status();
+  EXPECT_FALSE(BuildInventory(*huge, DType::kBF16).ok());
+  // Just under the limit is fine: 14,563 layers x 9 + 3 = 131,070 tensors.
+  auto fits = ParseHfConfig(LlamaConfig("14563", "100", "64"));
+  ASSERT_TRUE(fits.ok());
+  auto ok = BuildInventory(*fits, DType::kBF16);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tensors.size(), 131070u);
+  // The limit is a parameter (the daemon's --max_tensors_per_model).
+  InventoryLimits small;
+  small.max_tensors = 100;
+  EXPECT_FALSE(BuildInventory(*fits, DType::kBF16, small).ok());
+}
+
+TEST(InventoryBounds, ExpertsTimesLayersBounded) {
+  // 100 layers x 4,000 experts x 3 tensors: bounded without looping over layers x experts.
+  auto c = ParseHfConfig(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"num_attention_heads":4,"num_hidden_layers":100,"vocab_size":100,
+    "num_experts":4000,"moe_intermediate_size":32})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto inv = BuildInventory(*c, DType::kBF16);
+  ASSERT_FALSE(inv.ok());
+  EXPECT_NE(inv.status().message().find("131072"), std::string::npos) << inv.status();
+}
+
+TEST(InventoryBounds, HugeDimensionsRefusedNamingTheField) {
+  const std::string two62 = "4611686018427387904";
+  for (const auto& [cfg, field] : std::vector<std::pair<std::string, std::string>>{
+           {LlamaConfig("2", two62, "64"), "vocab_size"},
+           {LlamaConfig("2", "100", two62), "hidden_size"}}) {
+    absl::Status s = ParseHfConfig(cfg).status();
+    if (s.ok()) s = BuildInventory(*ParseHfConfig(cfg), DType::kBF16).status();
+    ASSERT_FALSE(s.ok()) << field;
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(field), std::string::npos) << s;
+  }
+  // Each field within its own bound, but the product overflows the per-tensor limit (2^40
+  // elements): vocab 2^31 x hidden 2^31 = 2^62 elements in model.embed_tokens.weight.
+  auto c = ParseHfConfig(LlamaConfig("2", "2147483648", "2147483648"));
+  absl::Status s = c.ok() ? BuildInventory(*c, DType::kBF16).status() : c.status();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("vocab_size"), std::string::npos) << s;
+}
+
+TEST(InventoryBounds, TotalBytesBounded) {
+  // Every tensor under 2^40 elements, but the model's total bytes over the limit.
+  InventoryLimits l;
+  l.max_total_bytes = int64_t{1} << 20;
+  auto c = ParseHfConfig(LlamaConfig("4", "1000", "256"));
+  ASSERT_TRUE(c.ok());
+  auto inv = BuildInventory(*c, DType::kBF16, l);
+  ASSERT_FALSE(inv.ok());
+  EXPECT_NE(inv.status().message().find("bytes"), std::string::npos) << inv.status();
+}
+
+TEST(InventoryBounds, MlpOnlyLayersListBounded) {
+  std::string list = "[";
+  for (int i = 0; i < 200000; ++i) list += (i ? ",0" : "0");
+  list += "]";
+  auto c = ParseHfConfig(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"num_attention_heads":4,"num_hidden_layers":2,"vocab_size":100,
+    "num_experts":4,"moe_intermediate_size":32,"mlp_only_layers":)" + list + "}");
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("mlp_only_layers"), std::string::npos) << c.status();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "planner/model_config.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -38,9 +39,7 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
       return layer >= first_k_dense_replace && moe_layer_freq > 0 && layer % moe_layer_freq == 0;
     case ModelFamily::kQwen2Moe:
     case ModelFamily::kQwen3Moe:
-      if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) {
-        return false;
-      }
+      if (std::binary_search(mlp_only_layers.begin(), mlp_only_layers.end(), layer)) return false;
       return decoder_sparse_step > 0 && (layer + 1) % decoder_sparse_step == 0;
     default:
       return false;
@@ -86,16 +85,33 @@ class Reader {
 
  private:
   static absl::StatusOr<int64_t> AsInt(const char* key, const json& v) {
-    if (v.is_number_integer()) {
-      int64_t x = v.get<int64_t>();
+    std::string shown;  // the value as written, for the over-the-limit message
+    bool over = false;
+    int64_t x = 0;
+    if (v.is_number_unsigned()) {  // may be above int64 range: compared before converting
+      const uint64_t u = v.get<uint64_t>();
+      over = u > static_cast<uint64_t>(kMaxConfigValue);
+      x = over ? 0 : static_cast<int64_t>(u);
+      shown = absl::StrCat(u);
+    } else if (v.is_number_integer()) {
+      x = v.get<int64_t>();
       if (x < 0) return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` is negative"));
-      return x;
+    } else if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (!(d >= 0) || d != std::floor(d)) {
+        return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` is not a non-negative integer"));
+      }
+      over = d > static_cast<double>(kMaxConfigValue);
+      x = over ? 0 : static_cast<int64_t>(d);
+      shown = absl::StrCat(d);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` is not a non-negative integer"));
     }
-    if (v.is_number_float()) {
-      double d = v.get<double>();
-      if (d >= 0 && d == static_cast<double>(static_cast<int64_t>(d))) return static_cast<int64_t>(d);
+    if (over || x > kMaxConfigValue) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` = ", over ? shown : absl::StrCat(x),
+                                                     " exceeds the limit of ", kMaxConfigValue));
     }
-    return absl::InvalidArgumentError(absl::StrCat("config.json: field `", key, "` is not a non-negative integer"));
+    return x;
   }
 
   const json& j_;
@@ -190,6 +206,7 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
   }
 
   if (c.family == ModelFamily::kQwen2Moe || c.family == ModelFamily::kQwen3Moe) {
+    c.experts_field = "num_experts";
     ASSIGN_OR_RETURN(c.experts, r.Int("num_experts"));
     ASSIGN_OR_RETURN(c.moe_intermediate, r.Int("moe_intermediate_size"));
     RETURN_IF_ERROR(RequirePositive("num_experts", c.experts));
@@ -198,23 +215,32 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
     RETURN_IF_ERROR(RequirePositive("decoder_sparse_step", c.decoder_sparse_step));
     if (const json* m = r.Find("mlp_only_layers"); m != nullptr && !m->is_null()) {
       if (!m->is_array()) return absl::InvalidArgumentError("config.json: field `mlp_only_layers` is not a list");
+      if (static_cast<int64_t>(m->size()) > kMaxConfigListLength) {
+        return absl::InvalidArgumentError(absl::StrCat("config.json: field `mlp_only_layers` has ", m->size(),
+                                                       " entries, more than the limit of ", kMaxConfigListLength));
+      }
       for (const json& x : *m) {
         if (!x.is_number_integer()) {
           return absl::InvalidArgumentError("config.json: field `mlp_only_layers` holds a non-integer");
         }
         c.mlp_only_layers.push_back(x.get<int64_t>());
       }
+      // Sorted and unique: IsMoeLayer looks layers up by binary search (no layers x list scan).
+      std::sort(c.mlp_only_layers.begin(), c.mlp_only_layers.end());
+      c.mlp_only_layers.erase(std::unique(c.mlp_only_layers.begin(), c.mlp_only_layers.end()), c.mlp_only_layers.end());
     }
     if (c.family == ModelFamily::kQwen2Moe) {
       ASSIGN_OR_RETURN(c.shared_expert_intermediate, r.IntOr("shared_expert_intermediate_size", 0));
     }
   } else if (c.family == ModelFamily::kMixtral) {
+    c.experts_field = "num_local_experts";
     ASSIGN_OR_RETURN(c.experts, r.Int("num_local_experts"));
     RETURN_IF_ERROR(RequirePositive("num_local_experts", c.experts));
     c.moe_intermediate = c.intermediate;
   } else if (c.family == ModelFamily::kDeepseekV3) {
     c.mla = true;
     c.router_bias = true;
+    c.experts_field = "n_routed_experts";
     ASSIGN_OR_RETURN(c.experts, r.IntOr("n_routed_experts", 0));
     if (c.experts > 0) {
       ASSIGN_OR_RETURN(c.moe_intermediate, r.Int("moe_intermediate_size"));

@@ -41,13 +41,14 @@ struct ModelConfig {
 
   // Mixture of experts (experts == 0: dense model).
   int64_t experts = 0;                    // num_experts / n_routed_experts / num_local_experts
+  std::string experts_field;              // which of those the config named (for messages)
   int64_t moe_intermediate = 0;           // per routed expert
   int64_t n_shared_experts = 0;           // DeepSeek: shared experts fused into one MLP
   int64_t shared_expert_intermediate = 0; // width of the shared-expert MLP (0: none)
   int64_t first_k_dense_replace = 0;      // DeepSeek: layers [0, k) are dense
   int64_t moe_layer_freq = 1;             // DeepSeek: layer l >= k is MoE when l % freq == 0
   int64_t decoder_sparse_step = 1;        // Qwen MoE: layer l is MoE when (l + 1) % step == 0
-  std::vector<int64_t> mlp_only_layers;   // Qwen MoE: forced dense layers
+  std::vector<int64_t> mlp_only_layers;   // Qwen MoE: forced dense layers (sorted, unique)
   bool router_bias = false;               // DeepSeek-V3: gate.e_score_correction_bias
 
   // Multi-head latent attention (DeepSeek-V3 family).
@@ -61,6 +62,13 @@ struct ModelConfig {
   // True when layer `layer` has routed experts.
   bool IsMoeLayer(int64_t layer) const;
 };
+
+// Every integer field read from config.json must be <= this (2^32): larger values are refused
+// naming the field, so no product of two fields overflows int64 (BuildInventory then bounds the
+// tensors themselves: planner/inventory.h InventoryLimits).
+inline constexpr int64_t kMaxConfigValue = int64_t{1} << 32;
+// Longest list field (mlp_only_layers) accepted.
+inline constexpr int64_t kMaxConfigListLength = int64_t{1} << 17;
 
 // Parses config.json text. Unknown architecture, malformed JSON, or a missing/ill-typed required
 // field -> InvalidArgument naming the field.
