@@ -120,11 +120,15 @@ double PredictMakespan(const Problem& problem, const Plan& plan) {
   return MakespanOf(AccumulateLoads(ci, plan), ci, problem.topology);
 }
 
-double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, const FragmentSet& fs) {
+double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, const FragmentSet& fs,
+                             const std::vector<int64_t>* wire_bytes) {
   const Topology& topo = problem.topology;
   const size_t num_nodes = ci.node_slots.size();
   std::vector<int64_t> node_in(num_nodes, 0), node_out(num_nodes, 0);
-  std::vector<int64_t> excl_in(ci.num_slots, 0), intra_in(ci.num_slots, 0);
+  // Per destination slot, distinct bytes it needs, by where the nearest holder is: another node
+  // (off_node), another GPU of its node (on_node), its own GPU (own).
+  std::vector<int64_t> excl_in(ci.num_slots, 0), on_node(ci.num_slots, 0), off_node(ci.num_slots, 0),
+      own(ci.num_slots, 0);
   int64_t total_out = 0;
   struct SetLoad {
     int64_t bytes = 0;
@@ -132,9 +136,10 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
   };
   absl::flat_hash_map<std::pair<uint64_t, uint64_t>, SetLoad> set_out;
 
-  std::vector<int32_t> src_nodes, src_slots, dst_nodes;
-  for (const Fragment& f : fs.fragments) {
-    const int64_t b = f.bytes;
+  std::vector<int32_t> src_nodes, src_slots, dst_nodes, dst_slots;
+  for (size_t fi = 0; fi < fs.fragments.size(); ++fi) {
+    const Fragment& f = fs.fragments[fi];
+    const int64_t b = wire_bytes != nullptr ? (*wire_bytes)[fi] : f.bytes;
     src_nodes.clear();
     src_slots.clear();
     for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
@@ -152,9 +157,16 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
 
     // Destinations grouped by node (refs are in worker order, not node order).
     dst_nodes.clear();
-    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) dst_nodes.push_back(ci.worker_node[fs.refs[k].worker]);
+    dst_slots.clear();
+    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) {
+      dst_nodes.push_back(ci.worker_node[fs.refs[k].worker]);
+      dst_slots.push_back(ci.worker_slot[fs.refs[k].worker]);
+    }
     std::sort(dst_nodes.begin(), dst_nodes.end());
     dst_nodes.erase(std::unique(dst_nodes.begin(), dst_nodes.end()), dst_nodes.end());
+    // Distinct slots: two workers sharing a GPU may pass the bytes on with a same-GPU copy.
+    std::sort(dst_slots.begin(), dst_slots.end());
+    dst_slots.erase(std::unique(dst_slots.begin(), dst_slots.end()), dst_slots.end());
     bool leaves = false;
     for (int32_t n : dst_nodes) {
       if (has_src_node(n)) continue;
@@ -163,21 +175,21 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
       // Exclusive receiver: exactly one slot of this node needs the fragment.
       int32_t only = -1;
       bool single = true;
-      for (uint32_t k = f.dst_begin; k < f.dst_end && single; ++k) {
-        const int32_t w = fs.refs[k].worker;
-        if (ci.worker_node[w] != n) continue;
-        if (only >= 0 && only != ci.worker_slot[w]) single = false;
-        only = ci.worker_slot[w];
+      for (int32_t slot : dst_slots) {
+        if (ci.slot_node[slot] != n) continue;
+        if (only >= 0) single = false;
+        only = slot;
       }
       if (single && only >= 0) excl_in[only] += b;
     }
-    // Intra-node ingress of destinations whose node holds the fragment on another GPU.
-    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) {
-      const int32_t w = fs.refs[k].worker;
-      const int32_t slot = ci.worker_slot[w];
-      if (!has_src_node(ci.worker_node[w])) continue;
-      if (std::binary_search(src_slots.begin(), src_slots.end(), slot)) continue;
-      intra_in[slot] += b;
+    for (int32_t slot : dst_slots) {
+      if (std::binary_search(src_slots.begin(), src_slots.end(), slot)) {
+        own[slot] += b;
+      } else if (has_src_node(ci.slot_node[slot])) {
+        on_node[slot] += b;
+      } else {
+        off_node[slot] += b;
+      }
     }
     if (!leaves) continue;
     total_out += b;
@@ -196,7 +208,8 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
     }
   }
 
-  const double nic = topo.nic_GBps_per_gpu * kGB, intra = topo.intra_node_GBps * kGB;
+  const double nic = topo.nic_GBps_per_gpu * kGB, intra = topo.intra_node_GBps * kGB,
+               same = topo.same_gpu_GBps * kGB;
   double lb = 0;
   int64_t source_node_slots = 0;
   for (size_t n = 0; n < num_nodes; ++n) {
@@ -207,7 +220,12 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
   }
   for (int32_t s = 0; s < ci.num_slots; ++s) {
     lb = std::max(lb, excl_in[s] / nic);
-    lb = std::max(lb, intra_in[s] / intra);
+    lb = std::max(lb, on_node[s] / intra);
+    // Every byte a slot needs and does not hold enters it over its NIC or its intra-node link
+    // (a same-GPU copy needs a holder on that GPU); every byte it needs at all over one of the
+    // three. Their bytes / (summed bandwidth) bound the busier of those links.
+    lb = std::max(lb, static_cast<double>(on_node[s] + off_node[s]) / (nic + intra));
+    lb = std::max(lb, static_cast<double>(on_node[s] + off_node[s] + own[s]) / (nic + intra + same));
   }
   for (const auto& [key, sl] : set_out) lb = std::max(lb, sl.bytes / (sl.slots * nic));
   if (source_node_slots > 0) lb = std::max(lb, total_out / (source_node_slots * nic));

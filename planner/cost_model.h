@@ -61,12 +61,19 @@ double PredictMakespan(const Problem& problem, const Plan& plan);
 //  - NIC ingress of one GPU: such bytes that only this GPU of its node needs;
 //  - intra-node ingress of one GPU: bytes it needs that another GPU of its node holds (and its own
 //    GPU does not);
+//  - total ingress of one GPU: the distinct bytes it needs and does not hold itself enter it over
+//    its NIC or its intra-node link, so they take at least bytes / (NIC + intra-node bandwidth)
+//    (valid for every plan: an op writes its destination's GPU over exactly one of its links);
+//    with the bytes its own GPU holds, over NIC + intra-node + same-GPU bandwidth;
 //  - egress of each exact set of source GPUs (when no rollout shares their nodes), of each source
 //    node, and of all source nodes together: every byte needed on a node without a holder leaves
 //    its holders at least once.
 // Returns 0 for a problem with nothing to move, and -1 for a problem BuildFragments rejects (call
 // MakePlan for the error message).
 double LowerBound(const Problem& problem);
-double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, const FragmentSet& fs);
+// `wire_bytes` (one per fragment: the bytes each of its ops moves) replaces Fragment::bytes when
+// given.
+double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, const FragmentSet& fs,
+                             const std::vector<int64_t>* wire_bytes = nullptr);
 
 }  // namespace wb::planner

@@ -2,6 +2,8 @@
 
 #include "gtest/gtest.h"
 #include "planner/box.h"
+#include "planner/planner.h"
+#include "planner/spec.h"
 
 namespace wb::planner {
 namespace {
@@ -84,6 +86,63 @@ TEST(CostModelTest, PredictMakespanIsTheBusiestLink) {
   std::string where;
   MakespanOf(AccumulateLoads(ci, plan), ci, p.topology, &where);
   EXPECT_EQ(where, "nic_egress of node 0 gpu 0");
+}
+
+// Issue 17.5: FSDP dp16 -> vLLM tp1 x 16, colocated on 2 nodes of 8 GPUs, Qwen3-8B. Every GPU needs
+// the whole model and holds 1/16 of it; the other 15/16 (7/16 from its node, 8/16 from the other)
+// enter it over its NIC and its intra-node link together. The node-ingress bound alone (8/16 of
+// the model over 8 NICs, 0.0205 s) was half of that.
+constexpr char kQwen3_8BColocated[] = R"({
+  "model": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "num_hidden_layers": 36, "vocab_size": 151936,
+            "tie_word_embeddings": false, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"},
+  "dtype": "bfloat16",
+  "trainer": {"layout": "fsdp", "dp": 16},
+  "rollout": {"layout": "vllm", "tp": 1, "replicas": 16},
+  "cluster": {"gpus_per_node": 8, "nic_GBps_per_gpu": 50, "intra_node_GBps": 370, "colocated": true}
+})";
+
+TEST(CostModelTest, ColocatedAcrossNodesCountsEachGpusIngress) {
+  auto spec = ParsePlanSpec(kQwen3_8BColocated, nullptr);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto p = BuildProblem(*spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  int64_t model_bytes = 0;
+  for (const TensorSpec& t : p->inventory.tensors) model_bytes += BoxVolume(FullBox(t.shape)) * DTypeSize(t.dtype);
+  EXPECT_NEAR(model_bytes / 1e9, 16.38, 0.01);  // 8.19B parameters in bf16
+  // The tightest GPU is the one whose trainer shard is smallest (FSDP's last rank).
+  double want = 0;
+  for (const Worker& w : p->workers) {
+    if (w.role != Role::kTrainer) continue;
+    int64_t own = 0;
+    for (const Piece& pc : w.layout.pieces) own += BoxVolume(pc.box) * 2;
+    want = std::max(want, (model_bytes - own) / ((50 + 370) * 1e9));
+  }
+  EXPECT_NEAR(want, 0.0366, 0.0005);
+  const double lb = LowerBound(*p);
+  EXPECT_NEAR(lb, want, 1e-9 * want);
+  EXPECT_GT(lb, 0.0205 * 1.5);  // the node-ingress bound alone
+  auto plan = MakePlan(*p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  EXPECT_EQ(plan->stats.redundant_bytes, 0);
+  EXPECT_DOUBLE_EQ(plan->stats.lower_bound_s, lb);
+  EXPECT_GE(plan->stats.makespan_s, lb);
+  // Without redundant network bytes each GPU's NIC carries 1/8 of the other node's half; the rest
+  // of its 15/16 comes over NVLink: (15/16 - 1/16) M / 370 GB/s = 1.06x the bound.
+  EXPECT_LE(plan->stats.makespan_s / lb, 1.10);
+}
+
+TEST(CostModelTest, TwoWorkersOnOneGpuCountTheirBytesOnce) {
+  Problem p = Base();
+  // GPU 1 of node 0 holds the tensor; two rollout workers share GPU 0 of the node and both need
+  // it: it must cross the intra-node link into GPU 0 once (the second worker can copy it on the
+  // GPU), not twice.
+  p.workers.push_back(MakeWorker(Role::kTrainer, 0, 1, 0, FullBox({1000, 500})));
+  p.workers.push_back(MakeWorker(Role::kRollout, 0, 0, 0, FullBox({1000, 500})));
+  p.workers.push_back(MakeWorker(Role::kRollout, 0, 0, 0, FullBox({1000, 500})));
+  EXPECT_DOUBLE_EQ(LowerBound(p), 2e6 / 10e9);
 }
 
 TEST(CostModelTest, InvalidProblemGivesNegativeBound) {
