@@ -24,14 +24,15 @@ int64_t Numel(const std::vector<int64_t>& shape) {
 int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-enum class Kind { kMegatron, kFsdp, kVllm };
+enum class Kind { kMegatron, kFsdp2, kFsdpFlat, kVllm };
 
 absl::StatusOr<Kind> KindOf(const std::string& preset) {
   if (preset == "megatron") return Kind::kMegatron;
-  if (preset == "fsdp") return Kind::kFsdp;
+  if (preset == "fsdp" || preset == "fsdp2") return Kind::kFsdp2;
+  if (preset == "fsdp_flat") return Kind::kFsdpFlat;
   if (preset == "vllm" || preset == "sglang") return Kind::kVllm;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown layout preset `", preset, "` (expected megatron, fsdp, vllm or sglang)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown layout preset `", preset,
+                                                 "` (expected megatron, fsdp (= fsdp2), fsdp_flat, vllm or sglang)"));
 }
 
 struct LayerIds {
@@ -50,8 +51,9 @@ class Writer {
  public:
   explicit Writer(const Inventory& inv) : inv_(inv) {}
 
-  // Starts a local tensor whose dtype is that of canonical tensor `dtype_of`.
-  void Begin(std::string name, std::vector<int64_t> shape, int32_t dtype_of) {
+  // Starts a local tensor whose dtype is that of canonical tensor `dtype_of`. `reserve_elements`
+  // >= 0: storage reserved for it when larger than the shape (FSDP2's padded shards).
+  void Begin(std::string name, std::vector<int64_t> shape, int32_t dtype_of, int64_t reserve_elements = -1) {
     Close();
     cursor_ = AlignUp(cursor_, kLocalTensorAlignment);
     LocalTensor lt;
@@ -60,7 +62,7 @@ class Writer {
     lt.offset_bytes = cursor_;
     lt.first_piece = static_cast<int32_t>(out_.layout.pieces.size());
     elsize_ = DTypeSize(lt.dtype);
-    cursor_ += Numel(shape) * elsize_;
+    cursor_ += std::max(Numel(shape), reserve_elements) * elsize_;
     lt.shape = std::move(shape);
     out_.local_tensors.push_back(std::move(lt));
   }
@@ -535,7 +537,34 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
 
 // ---- FSDP ----
 
-PresetLayout MakeFsdp(const ParallelConfig& par, const Inventory& inv, int rank) {
+// FSDP2 (torch.distributed.fsdp.fully_shard), as torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+// FSDPParam._init_sharded_param does it: chunks = _chunk_with_empty(param, shard_world_size, dim=0)
+// (torch.chunk: ceil(d0 / world) rows per chunk, so trailing ranks may get fewer rows or none,
+// then empty chunks appended up to the world size); the rank keeps chunks[shard_rank] at the
+// start of a zero-padded buffer of chunks[0]'s size (padded_sharded_param_size), and its local
+// parameter is the unpadded narrow [rows, ...] of it. HSDP (replicas > 1): mesh (replicate,
+// shard), rank = replica * dp + shard_rank, each replica holding the same shards.
+PresetLayout MakeFsdp2(const ParallelConfig& par, const Inventory& inv, int rank) {
+  const int shard_rank = rank % par.dp;
+  Writer w(inv);
+  for (size_t t = 0; t < inv.tensors.size(); ++t) {
+    const std::vector<int64_t>& shape = inv.tensors[t].shape;
+    const int64_t d0 = shape[0];
+    const int64_t chunk = CeilDiv(d0, par.dp);
+    const int64_t lo = std::min(d0, shard_rank * chunk), hi = std::min(d0, lo + chunk);
+    std::vector<int64_t> local = shape;
+    local[0] = hi - lo;
+    std::vector<int64_t> padded = shape;
+    padded[0] = chunk;
+    w.Begin(inv.tensors[t].name, std::move(local), static_cast<int32_t>(t), Numel(padded));
+    w.Block(static_cast<int32_t>(t), 0, lo, hi, 0);
+  }
+  return w.Finish();
+}
+
+// fsdp_flat: every tensor flattened and split into dp contiguous 1-D ranges of ceil(n / dp)
+// elements (not what any torch FSDP version does; kept for specs written against it).
+PresetLayout MakeFsdpFlat(const ParallelConfig& par, const Inventory& inv, int rank) {
   Writer w(inv);
   for (size_t t = 0; t < inv.tensors.size(); ++t) {
     const int64_t n = Numel(inv.tensors[t].shape);
@@ -560,7 +589,9 @@ absl::StatusOr<int> PresetWorldSize(const ParallelConfig& p) {
   switch (kind) {
     case Kind::kMegatron:
       return p.tp * p.pp * p.dp;
-    case Kind::kFsdp:
+    case Kind::kFsdp2:
+      return p.dp * p.replicas;
+    case Kind::kFsdpFlat:
       return p.dp;
     case Kind::kVllm:
       return p.tp * p.replicas;
@@ -684,7 +715,13 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
   b.config_ = config;
   b.parallel_ = parallel;
   b.inventory_ = &inventory;
-  if (kind == Kind::kFsdp) return b;
+  if (kind == Kind::kFsdp2) {
+    for (const TensorSpec& t : inventory.tensors) {
+      if (t.shape.empty()) return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": tensor ", t.name, " is 0-D (FSDP2 shards dim 0)"));
+    }
+    return b;
+  }
+  if (kind == Kind::kFsdpFlat) return b;
   if (kind == Kind::kMegatron) {
     RETURN_IF_ERROR(CheckMegatron(config, parallel));
   } else {
@@ -703,8 +740,10 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
   switch (kind) {
     case Kind::kMegatron:
       return MakeMegatron(config_, parallel_, *inventory_, *ids_, rank);
-    case Kind::kFsdp:
-      return MakeFsdp(parallel_, *inventory_, rank);
+    case Kind::kFsdp2:
+      return MakeFsdp2(parallel_, *inventory_, rank);
+    case Kind::kFsdpFlat:
+      return MakeFsdpFlat(parallel_, *inventory_, rank);
     case Kind::kVllm: {
       PresetLayout l = MakeVllm(config_, parallel_, *inventory_, *ids_, rank);
       if (!parallel_.quantization.empty()) RETURN_IF_ERROR(QuantizePreset(*inventory_, parallel_.quantization, l));

@@ -14,8 +14,16 @@
 //   split by etp (default tp), replicated over edp = tp*dp/(ep*etp); expert rank within a stage:
 //   local = tp_rank + tp*dp_rank, etp_rank = local % etp, ep_rank = (local / etp) % ep.
 //   Local experts: mlp.experts.local_experts.{j}.linear_fc{1,2}.weight.
-// fsdp: world = dp; every tensor flattened and split into dp contiguous ranges of ceil(n/dp)
-//   elements; local tensors keep the HF name and are 1-D; empty shards are omitted.
+// fsdp (= fsdp2): torch FSDP2 `fully_shard` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py):
+//   world = dp * replicas (HSDP: replicas = the replicate mesh dim, rank = replica*dp + shard_rank).
+//   Every tensor is split on dim 0 with torch.chunk semantics: c = ceil(d0/dp) rows per rank, rank
+//   r holds rows [min(d0, r*c), min(d0, (r+1)*c)) (trailing ranks may hold fewer rows or none,
+//   e.g. d0=5 over 4 ranks: 2,2,1,0). The local tensor keeps the HF name and the shape
+//   [rows, rest...] and is contiguous; c*rest elements are reserved for it (FSDP2's padded
+//   shard), so every rank's buffer has the same size. Empty shards are listed with 0 rows.
+// fsdp_flat: world = dp; every tensor flattened and split into dp contiguous ranges of ceil(n/dp)
+//   elements; local tensors keep the HF name and are 1-D; empty shards are omitted. (The layout
+//   "fsdp" had before FSDP2 was added; neither FSDP1 nor FSDP2 shards like this.)
 // vllm / sglang: world = tp*replicas, rank = replica*tp + tp_rank. qkv_proj = [q;k;v] per rank (KV
 //   heads replicated when tp > kv heads), gate_up_proj = [gate;up], o_proj/down_proj row-parallel,
 //   embed_tokens/lm_head vocab-parallel (vocab padded to a multiple of 64, split by tp), MLA as
@@ -39,10 +47,10 @@
 namespace wb::planner {
 
 struct ParallelConfig {
-  std::string preset;  // "megatron", "fsdp", "vllm", "sglang"
+  std::string preset;  // "megatron", "fsdp" (= "fsdp2"), "fsdp_flat", "vllm", "sglang"
   int tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;  // etp 0 = tp
   bool expert_parallel = false;                 // vllm/sglang
-  int replicas = 1;                             // vllm/sglang
+  int replicas = 1;                             // vllm/sglang: engines; fsdp2: HSDP replicate size
   // vllm/sglang only: "" (weights in the canonical dtype) or "fp8_block128": every 2-D linear
   // weight (a ".weight" whose name has "proj" or ".experts.") is held as float8_e4m3 with
   // 128x128 block scales (planner/types.h Quantization), as vLLM / SGLang fp8 block-quant

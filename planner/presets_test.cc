@@ -505,7 +505,8 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
                           absl::StrContains(name, "q_a_proj") || absl::StrContains(name, "kv_a_proj") ||
                           absl::StrContains(name, "o_proj.bias");
   const bool expert = absl::StrContains(name, ".experts.");
-  if (p.preset == "fsdp") return 1;
+  if (p.preset == "fsdp_flat") return 1;
+  if (p.preset == "fsdp" || p.preset == "fsdp2") return p.replicas;
   if (p.preset == "megatron") {
     const int etp = p.etp ? p.etp : p.tp;
     if (expert) return int64_t{p.tp} * p.dp / (p.ep * etp);
@@ -556,6 +557,8 @@ INSTANTIATE_TEST_SUITE_P(
         CoverCase{"qwen3-30b-a3b.json", 4, {.preset = "vllm", .tp = 4, .replicas = 2}},
         CoverCase{"qwen3-30b-a3b.json", 4, {.preset = "vllm", .tp = 8, .expert_parallel = true}},
         CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "fsdp", .dp = 5}},
+        CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "fsdp_flat", .dp = 5}},
+        CoverCase{"qwen2.5-0.5b.json", 2, {.preset = "fsdp2", .dp = 3, .replicas = 2}},
         CoverCase{"deepseek-v3.json", 5, {.preset = "megatron", .tp = 1, .pp = 5, .dp = 16, .ep = 16, .etp = 1}},
         CoverCase{"deepseek-v3.json", 5, {.preset = "megatron", .tp = 4, .pp = 2, .dp = 2, .ep = 8, .etp = 1}},
         CoverCase{"deepseek-v3.json", 5, {.preset = "vllm", .tp = 32, .expert_parallel = true, .replicas = 2}},
@@ -597,6 +600,67 @@ TEST(Presets, SmallFamiliesCover) {
       }
     }
   }
+}
+
+// FSDP2 (fully_shard) as torch/distributed/fsdp/_fully_shard/_fsdp_param.py shards: dim 0 in
+// torch.chunk pieces of ceil(d0/world) rows (d0=5 over 4 ranks: 2,2,1,0), padded storage of
+// ceil(d0/world) rows on every rank, local shape = the unpadded rows.
+TEST(Presets, Fsdp2TorchChunkSemantics) {
+  Model m = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":5,"intermediate_size":6,
+    "num_hidden_layers":1,"num_attention_heads":1,"num_key_value_heads":1,"vocab_size":7})");
+  const std::map<std::string, std::vector<int64_t>> rows = {
+      {"model.norm.weight", {2, 2, 1, 0}},                      // d0 = 5
+      {"model.layers.0.self_attn.q_proj.weight", {2, 2, 1, 0}},  // [5, 5]
+      {"model.layers.0.mlp.gate_proj.weight", {2, 2, 2, 0}},    // d0 = 6: torch.chunk gives 3 chunks
+      {"model.embed_tokens.weight", {2, 2, 2, 1}},              // d0 = 7
+  };
+  int64_t buffer = -1;
+  for (int r = 0; r < 4; ++r) {
+    auto l = MakePresetLayout(m.config, m.inv, {.preset = "fsdp", .dp = 4}, r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    ASSERT_TRUE(ValidateLayout(m.inv, l->layout, Role::kTrainer).ok());
+    EXPECT_EQ(l->local_tensors.size(), m.inv.tensors.size());  // empty shards listed too
+    if (buffer < 0) buffer = l->layout.buffers[0].size_bytes;
+    EXPECT_EQ(l->layout.buffers[0].size_bytes, buffer) << "padded shards: every rank the same size";
+    for (const auto& [name, want] : rows) {
+      const LocalTensor* lt = FindLocal(*l, name);
+      ASSERT_NE(lt, nullptr) << name;
+      EXPECT_EQ(lt->shape[0], want[r]) << name << " rank " << r;
+      EXPECT_EQ(lt->num_pieces, want[r] > 0 ? 1 : 0) << name;
+      if (want[r] == 0) continue;
+      const Piece& p = l->layout.pieces[lt->first_piece];
+      EXPECT_EQ(p.box.begin[0], r * 2) << name;
+      EXPECT_EQ(p.box.end[0], r * 2 + want[r]) << name;
+      EXPECT_EQ(p.offset_bytes, lt->offset_bytes);
+      // Local element (i, j) is canonical (r*2 + i, j): contiguous rows.
+      if (lt->shape.size() == 2 && want[r] >= 2) {
+        EXPECT_EQ(CanonicalAt(m.inv, *l, *lt, 5).second, (r * 2 + 1) * 5 + 0) << name;
+      }
+    }
+    // Storage of a padded shard: the next local tensor starts after ceil(d0/4) rows.
+    for (size_t i = 0; i + 1 < l->local_tensors.size(); ++i) {
+      const LocalTensor& a = l->local_tensors[i];
+      const auto& shape = m.inv.tensors[i].shape;
+      int64_t padded = (shape[0] + 3) / 4;
+      for (size_t d = 1; d < shape.size(); ++d) padded *= shape[d];
+      EXPECT_GE(l->local_tensors[i + 1].offset_bytes, a.offset_bytes + padded * 2) << a.name;
+    }
+  }
+  // HSDP: replicas x dp ranks, replica-major; replica 1 holds what replica 0 holds.
+  auto a = MakePresetLayout(m.config, m.inv, {.preset = "fsdp2", .dp = 2, .replicas = 2}, 1);
+  auto b = MakePresetLayout(m.config, m.inv, {.preset = "fsdp2", .dp = 2, .replicas = 2}, 3);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->layout.pieces.size(), b->layout.pieces.size());
+  for (size_t i = 0; i < a->layout.pieces.size(); ++i) {
+    EXPECT_EQ(BoxToString(a->layout.pieces[i].box), BoxToString(b->layout.pieces[i].box));
+  }
+  EXPECT_EQ(*PresetWorldSize({.preset = "fsdp", .dp = 8, .replicas = 2}), 16);
+  // The flat layout keeps its old meaning under its own name: 1-D ranges of ceil(n/dp) elements.
+  auto flat = MakePresetLayout(m.config, m.inv, {.preset = "fsdp_flat", .dp = 4}, 3);
+  ASSERT_TRUE(flat.ok());
+  const LocalTensor* emb = FindLocal(*flat, "model.embed_tokens.weight");
+  ASSERT_NE(emb, nullptr);
+  EXPECT_EQ(emb->shape, (std::vector<int64_t>{35 - 3 * 9}));
 }
 
 TEST(Presets, ClearErrors) {

@@ -126,8 +126,8 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   {
     const json& t = doc["trainer"];
     RETURN_IF_ERROR(CheckKeys(t, "trainer.", {"layout", "tp", "pp", "dp", "ep", "etp"}));
-    ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp"}));
-    RETURN_IF_ERROR(GetInt(t, "trainer.", "dp", &spec.trainer.dp, spec.trainer.preset == "fsdp"));
+    ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp_flat"}));
+    RETURN_IF_ERROR(GetInt(t, "trainer.", "dp", &spec.trainer.dp, spec.trainer.preset != "megatron"));
     if (spec.trainer.preset == "megatron") {
       RETURN_IF_ERROR(GetInt(t, "trainer.", "tp", &spec.trainer.tp, false));
       RETURN_IF_ERROR(GetInt(t, "trainer.", "pp", &spec.trainer.pp, false));
@@ -135,7 +135,7 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
       RETURN_IF_ERROR(GetInt(t, "trainer.", "etp", &spec.trainer.etp, false));
     } else {
       for (const char* k : {"tp", "pp", "ep", "etp"}) {
-        if (t.contains(k)) return Bad(absl::StrCat("trainer.", k), "not used by the fsdp layout");
+        if (t.contains(k)) return Bad(absl::StrCat("trainer.", k), absl::StrCat("not used by the ", spec.trainer.preset, " layout"));
       }
     }
   }
@@ -144,11 +144,22 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   if (!doc.contains("rollout") || !doc["rollout"].is_object()) return Bad("rollout", "missing or not an object");
   {
     const json& r = doc["rollout"];
-    RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "expert_parallel", "replicas"}));
+    RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "expert_parallel", "replicas", "quantization"}));
     ASSIGN_OR_RETURN(spec.rollout.preset, GetLayout(r, "rollout.", {"vllm", "sglang"}));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "tp", &spec.rollout.tp, false));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "replicas", &spec.rollout.replicas, false));
     RETURN_IF_ERROR(GetBool(r, "rollout.", "expert_parallel", &spec.rollout.expert_parallel));
+    if (r.contains("quantization")) {
+      if (!r["quantization"].is_string()) return Bad("rollout.quantization", "must be a string");
+      const std::string q = r["quantization"].get<std::string>();
+      // "none" reads as the empty scheme (weights in the canonical dtype).
+      spec.rollout.quantization = q == "none" ? "" : q;
+      if (!KnownQuantization(spec.rollout.quantization)) {
+        return Bad("rollout.quantization",
+                   absl::StrCat("unknown quantization '", q,
+                                "' (want none, fp8_block128, mxfp8, w4a16_g32 or w4a16_experts_g32)"));
+      }
+    }
   }
 
   // cluster

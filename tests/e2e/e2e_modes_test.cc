@@ -4,7 +4,7 @@
 //   megatron_to_vllm:        Megatron tp=2 pp=2 (4 trainer ranks on n0, n1) -> vLLM tp=2 x 2
 //                            replicas (rollout ranks on n1, n2): resharding across nodes,
 //                            interleaved linear_qkv -> [q;k;v] qkv_proj, pp stages, tied embeddings.
-//   fsdp_to_vllm_colocated:  FSDP dp=4 flat shards -> vLLM tp=2 x 2 replicas, rollout rank i on the
+//   fsdp_to_vllm_colocated:  FSDP2 dp=4 dim-0 shards -> vLLM tp=2 x 2 replicas, rollout rank i on the
 //                            same node and slot as trainer rank i (n0, n1).
 //
 // Model: Qwen2.5-0.5B's real inventory with the layer count reduced 24 -> 2

@@ -21,7 +21,7 @@ ABSL_FLAG(int, num_rollouts, 1, "rollout workers of the model");
 ABSL_FLAG(std::string, mode, "sync", "sync | one_step_off | async");
 ABSL_FLAG(int, max_staleness, 0, "async: max versions a rollout may lag (0 = unbounded)");
 ABSL_FLAG(std::string, strategy, "weightbridge", "weightbridge | rank0_broadcast | p2p_no_dedup");
-ABSL_FLAG(std::string, preset, "", "megatron | fsdp | vllm | sglang");
+ABSL_FLAG(std::string, preset, "", "megatron | fsdp (= fsdp2) | fsdp_flat | vllm | sglang");
 ABSL_FLAG(int, tp, 1, "tensor parallel size");
 ABSL_FLAG(int, pp, 1, "pipeline parallel size (megatron)");
 ABSL_FLAG(int, dp, 1, "data parallel size (megatron, fsdp)");

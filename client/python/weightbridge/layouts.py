@@ -1,7 +1,7 @@
 """Layouts: how a worker's local tensors map onto the model's canonical (HF) tensors.
 
 Three sources, all ending in the daemon as one piece list (design.md "Canonical space and layouts"):
-  * PresetLayout: a preset by name (megatron | fsdp | vllm | sglang) + parallel config + rank; the
+  * PresetLayout: a preset by name (megatron | fsdp | fsdp_flat | vllm | sglang) + parallel config + rank; the
     daemon computes the pieces from the model's HF config.
   * ExplicitLayout: pieces (canonical tensor, box) <-> (buffer, byte offset, strides).
   * infer_layout(load_fn, ...): run the engine's own weight loader on index tensors (every canonical
@@ -101,7 +101,7 @@ class ExplicitLayout:
 
 @dataclasses.dataclass
 class PresetLayout:
-    preset: str  # megatron | fsdp | vllm | sglang
+    preset: str  # megatron | fsdp (= fsdp2, torch fully_shard) | fsdp_flat | vllm | sglang (docs/presets.md)
     tp: int = 1
     pp: int = 1
     dp: int = 1
