@@ -28,7 +28,7 @@ def transport_conformance_test(name, src = None, peer = ":transport_peer", deps 
         data = [peer] + data,
         tags = tags,
         deps = [
-            ":conformance",
+            "//transport:conformance",
             "//third_party:gtest_main",
         ] + deps,
         **kwargs

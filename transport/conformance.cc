@@ -11,6 +11,8 @@
 #include "transport/factory.h"
 #include "transport/peer_process.h"
 #include "transport/shm_segment.h"
+#include "transport/testing/in_process_peer.h"
+#include "transport/testing/peer_interpreter.h"
 #include "transport/test_buffer.h"
 
 namespace wb::transport {
@@ -61,7 +63,7 @@ struct TOp {
 };
 
 struct Peer {
-  std::unique_ptr<PeerProcess> proc;
+  std::unique_ptr<PeerHandle> proc;
   PeerId id;
   RegionHandle remote;  // our import of the peer's buffer
   int64_t size = 0;
@@ -75,7 +77,7 @@ class Harness {
     TransportConfig config;
     config.test_corrupt_checksummed_payload = corrupt;
     config.nccl.device = 0;
-    auto t = CreateTransport(p_.kind, config);
+    auto t = p_.make_transport ? p_.make_transport(config) : CreateTransport(p_.kind, config);
     if (!t.ok()) return t.status();
     t_ = std::move(*t);
     auto b = MakeTestBuffer(p_.memory, local_size, 0, "test-local buffer");
@@ -95,9 +97,15 @@ class Harness {
                                      absl::StrCat("--size=", size), absl::StrCat("--seed=", kPeerSeed),
                                      absl::StrCat("--device=", p_.peer_device)};
     args.insert(args.end(), extra.begin(), extra.end());
-    auto proc = PeerProcess::Spawn(p_.peer_binary, args);
-    if (!proc.ok()) return proc.status();
-    peer.proc = std::move(*proc);
+    if (p_.make_transport) {
+      auto proc = StartInProcessPeer(size, extra);
+      if (!proc.ok()) return proc.status();
+      peer.proc = std::move(*proc);
+    } else {
+      auto proc = PeerProcess::Spawn(p_.peer_binary, args);
+      if (!proc.ok()) return proc.status();
+      peer.proc = std::move(*proc);
+    }
     auto inst = peer.proc->Command("ID");
     if (!inst.ok()) return inst.status();
     auto my_ep = t_->ExportEndpoint(*inst);
@@ -125,6 +133,22 @@ class Harness {
     auto imp = peer.proc->Command("IMPORT " + HexEncode(*my_desc));
     if (!imp.ok()) return imp.status();
     return peer;
+  }
+
+  // The in-process equivalent of spawning transport_peer with `extra` flags.
+  absl::StatusOr<std::unique_ptr<PeerHandle>> StartInProcessPeer(int64_t size, const std::vector<std::string>& extra) {
+    TransportConfig config;
+    for (const std::string& f : extra) {
+      if (f == "--corrupt") config.test_corrupt_checksummed_payload = true;
+    }
+    auto t = p_.make_transport(config);
+    if (!t.ok()) return t.status();
+    auto b = MakeTestBuffer(p_.memory, size, p_.peer_device, "in-process peer buffer");
+    if (!b.ok()) return b.status();
+    if (auto s = (*b)->Fill(kPeerSeed); !s.ok()) return s;
+    auto interp = PeerInterpreter::Create(std::move(*b), std::move(*t));
+    if (!interp.ok()) return interp.status();
+    return std::unique_ptr<PeerHandle>(std::make_unique<InProcessPeer>(std::move(*interp), p_.vanish));
   }
 
   Batch MakeBatch(const Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum) {

@@ -175,17 +175,7 @@ absl::StatusOr<std::string> PeerProcess::Reply(absl::Duration timeout) {
     if (nl != std::string::npos) {
       std::string line = buffered_.substr(0, nl);
       buffered_.erase(0, nl + 1);
-      if (line.rfind("OK", 0) == 0) return line.size() > 3 ? line.substr(3) : "";
-      if (line.rfind("ERR ", 0) == 0) {  // "ERR <absl status code> <message>"
-        std::string rest = line.substr(4);
-        size_t sp = rest.find(' ');
-        int code = 0;
-        if (sp != std::string::npos && absl::SimpleAtoi(rest.substr(0, sp), &code) && code > 0 && code < 17) {
-          return absl::Status(static_cast<absl::StatusCode>(code), rest.substr(sp + 1));
-        }
-        return absl::InternalError(rest);
-      }
-      return absl::InternalError(absl::StrCat("peer sent garbage: ", line.substr(0, 200)));
+      return ParseReplyLine(line);
     }
     int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
     if (ms <= 0) return absl::DeadlineExceededError("peer process did not answer in time");
@@ -198,6 +188,20 @@ absl::StatusOr<std::string> PeerProcess::Reply(absl::Duration timeout) {
     if (n <= 0) return absl::UnavailableError(absl::StrCat("peer process ", pid_, " closed its stdout"));
     buffered_.append(buf, n);
   }
+}
+
+absl::StatusOr<std::string> ParseReplyLine(const std::string& line) {
+  if (line.rfind("OK", 0) == 0) return line.size() > 3 ? line.substr(3) : "";
+  if (line.rfind("ERR ", 0) == 0) {  // "ERR <absl status code> <message>"
+    std::string rest = line.substr(4);
+    size_t sp = rest.find(' ');
+    int code = 0;
+    if (sp != std::string::npos && absl::SimpleAtoi(rest.substr(0, sp), &code) && code > 0 && code < 17) {
+      return absl::Status(static_cast<absl::StatusCode>(code), rest.substr(sp + 1));
+    }
+    return absl::InternalError(rest);
+  }
+  return absl::InternalError(absl::StrCat("peer sent garbage: ", line.substr(0, 200)));
 }
 
 absl::StatusOr<std::string> PeerProcess::Command(const std::string& line, absl::Duration timeout) {

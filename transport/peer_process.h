@@ -45,20 +45,34 @@ struct MirrorBatch {
 std::string EncodeMirror(const MirrorBatch& m);
 absl::StatusOr<MirrorBatch> DecodeMirror(absl::string_view bytes);
 
-class PeerProcess {
+// "OK <payload>" -> payload; "ERR <code> <message>" -> that status; anything else INTERNAL.
+absl::StatusOr<std::string> ParseReplyLine(const std::string& line);
+
+// The remote endpoint of a conformance run, whatever runs it: a child process (PeerProcess) or a
+// thread of this process (transport/testing/in_process_peer.h, for in-process fakes).
+class PeerHandle {
+ public:
+  virtual ~PeerHandle() = default;
+  // Sends one command line and returns the payload after "OK " or the error after "ERR ".
+  virtual absl::StatusOr<std::string> Command(const std::string& line, absl::Duration timeout = absl::Seconds(60)) = 0;
+  // Sends without waiting for the reply; collect it with Reply().
+  virtual absl::Status Send(const std::string& line) = 0;
+  virtual absl::StatusOr<std::string> Reply(absl::Duration timeout = absl::Seconds(60)) = 0;
+  // The peer vanishes at once, as kill -9 of its process would make it.
+  virtual void Kill9() = 0;
+};
+
+class PeerProcess final : public PeerHandle {
  public:
   // Starts `binary` with `args`. The child dies with us (PR_SET_PDEATHSIG) so no orphans remain.
   static absl::StatusOr<std::unique_ptr<PeerProcess>> Spawn(const std::string& binary,
                                                             const std::vector<std::string>& args);
-  ~PeerProcess();
+  ~PeerProcess() override;
 
-  // Sends one command line and returns the payload after "OK " or the error after "ERR ".
-  absl::StatusOr<std::string> Command(const std::string& line, absl::Duration timeout = absl::Seconds(60));
-  // Sends without waiting for the reply; collect it with Reply().
-  absl::Status Send(const std::string& line);
-  absl::StatusOr<std::string> Reply(absl::Duration timeout = absl::Seconds(60));
-
-  void Kill9();
+  absl::StatusOr<std::string> Command(const std::string& line, absl::Duration timeout = absl::Seconds(60)) override;
+  absl::Status Send(const std::string& line) override;
+  absl::StatusOr<std::string> Reply(absl::Duration timeout = absl::Seconds(60)) override;
+  void Kill9() override;
   pid_t pid() const { return pid_; }
 
  private:
