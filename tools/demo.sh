@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BAZEL=${BAZEL:-bazel}
 echo "== building daemon, workers, proto stubs (incremental)"
-$BAZEL build //daemon:weightbridged //tests/e2e:trainer_worker //tests/e2e:rollout_worker //proto:weightbridge_proto_py
+$BAZEL build //daemon:weightbridged //tests/e2e:trainer_worker //tests/e2e:rollout_worker //proto:weightbridge_proto_py //client:wbctl
 BIN="$($BAZEL info bazel-bin 2>/dev/null)"
 export WB_PROTO_PY_DIR="$BIN"
 exec /usr/bin/python3 tools/demo/demo.py --bin "$BIN" "$@"

@@ -25,6 +25,8 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 
 T0 = time.monotonic()
+# Specs shipped with the repository whose predictions end the demo (Kimi-K2 and DeepSeek-V3 clusters).
+DEFAULT_PREDICT_SPECS = ["examples/specs/kimi-k2_256to128.json", "examples/specs/deepseek-v3_pp16ep16_to_tp32dp8.json"]
 
 
 def say(msg):
@@ -151,11 +153,98 @@ def fmt(x, spec):
     return "-" if x is None else spec % x
 
 
+def median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def summarize(rows):
+    """Per (mode, strategy): the first version apart, steady state = median of versions >= 2."""
+    out = {}
+    for r in rows:
+        key = (r["mode"], r["strategy"])
+        d = out.setdefault(key, {"first": None, "steady": []})
+        if r["version"] == 1:
+            d["first"] = r
+        else:
+            d["steady"].append(r)
+    summary = {}
+    for key, d in out.items():
+        steady = d["steady"] or ([d["first"]] if d["first"] else [])
+        summary[key] = {
+            "update_s": median([r["seconds"] for r in steady]),
+            "bytes": median([r["bytes"] for r in steady]),
+            "trainer_stall_s": median([r["trainer_stall_s"] for r in steady]),
+            "rollout_stall_s": median([r["rollout_stall_s"] for r in steady]),
+            "first_s": d["first"]["seconds"] if d["first"] else None,
+        }
+    return summary
+
+
+def print_summary(rows, modes, strategies, model_bytes):
+    """The table a user reads at a glance: per mode, WeightBridge next to rank0_broadcast."""
+    summary = summarize(rows)
+    print("Summary: steady-state update (median of versions >= 2; version 1 shown apart), same daemons, same workers")
+    hdr = "%-13s %-16s %10s %10s %9s %14s %14s %12s" % ("mode", "strategy", "update_s", "GB_moved", "speedup",
+                                                        "trainer_stall", "rollout_stall", "first_ver_s")
+    print(hdr)
+    print("-" * len(hdr))
+    for mode in modes:
+        base = summary.get((mode, "rank0_broadcast"), {}).get("update_s")
+        for strategy in strategies:
+            d = summary.get((mode, strategy))
+            if not d:
+                continue
+            speed = base / d["update_s"] if base and d["update_s"] else None
+            print("%-13s %-16s %10s %10s %9s %14s %14s %12s" % (
+                mode, strategy, fmt(d["update_s"], "%.3f"), fmt(d["bytes"] and d["bytes"] / 1e9, "%.2f"),
+                fmt(speed, "%.2fx"), fmt(d["trainer_stall_s"], "%.3fs"), fmt(d["rollout_stall_s"], "%.3fs"),
+                fmt(d["first_s"], "%.3f")))
+    print()
+    print("  update_s: the daemon's time from Publish to the version committed (Status.versions.seconds).")
+    print("  GB_moved: bytes copied for one version: each rollout replica receives the whole model (%.2f GB);" % (model_bytes / 1e9))
+    print("            rank0_broadcast first gathers every shard on trainer rank 0, then sends from there.")
+    print("  trainer_stall: Publish's time (sync waits for the commit; one-step-off/async return after the snapshot).")
+    print("  rollout_stall: sync: BeginUpdate+WaitVersion; otherwise Apply (copy of a committed version into live weights).")
+    print("  first_ver_s: version 1 also allocates host staging (fresh pages the kernel zero-fills), registers every")
+    print("               worker's memory with the transports and sets up channels; later versions reuse all of it.")
+
+
+def print_predictions(args):
+    """The planner's prediction for real clusters (wbctl plan), next to rank0_broadcast's."""
+    wbctl = os.path.join(args.bin, "client", "wbctl")
+    specs = [s for s in args.predict.split(",") if s]
+    if not specs or not os.path.exists(wbctl):
+        return
+    print()
+    print("Planner predictions for real clusters (wbctl plan --spec FILE --json; 400 Gb/s NIC per GPU, bf16):")
+    hdr = "%-40s %12s %14s %16s %9s" % ("spec", "makespan_s", "lower_bound_s", "rank0_broadcast_s", "speedup")
+    print(hdr)
+    print("-" * len(hdr))
+    for spec in specs:
+        path = spec if os.path.isabs(spec) else os.path.join(ROOT, spec)
+        if not os.path.exists(path):
+            print("%-40s (spec not found)" % os.path.basename(spec))
+            continue
+        try:
+            out = subprocess.run([wbctl, "plan", "--spec", path, "--json"], capture_output=True, text=True, timeout=300)
+            j = json.loads(out.stdout)
+        except (subprocess.TimeoutExpired, ValueError) as e:
+            print("%-40s (wbctl plan failed: %s)" % (os.path.basename(spec), e))
+            continue
+        r0 = j.get("baselines", {}).get("rank0_broadcast")
+        print("%-40s %12.3f %14.3f %16s %9s" % (os.path.basename(spec).replace(".json", ""), j["makespan_s"], j["lower_bound_s"],
+                                                 fmt(r0, "%.3f"), fmt(r0 / j["makespan_s"] if r0 and j["makespan_s"] else None, "%.1fx")))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=os.path.join(ROOT, "bazel-bin"))
     ap.add_argument("--config", default=os.path.join(ROOT, "tests", "e2e", "testdata", "qwen2.5-0.5b.json"))
-    ap.add_argument("--versions", type=int, default=2)
+    ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--modes", default="sync,one_step_off,async")
     ap.add_argument("--strategies", default="weightbridge,rank0_broadcast")
@@ -166,6 +255,8 @@ def main():
     ap.add_argument("--lease_ms", type=int, default=0, help="daemon --lease_ms (0 = the daemon's default)")
     ap.add_argument("--daemon_flag", action="append", default=[], help="extra weightbridged flag (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep logs in the work dir")
+    ap.add_argument("--predict", default=",".join(DEFAULT_PREDICT_SPECS),
+                    help="comma-separated plan specs for the planner's predictions on real clusters ('' = none)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="wbdemo.")
     say("Qwen2.5-0.5B (%s), trainer megatron tp=2 -> %d x vllm tp=1, %d versions per mode; logs in %s"
@@ -189,6 +280,11 @@ def main():
             fmt(r["trainer_stall_s"], "%.3fs"), fmt(r["rollout_stall_s"], "%.3fs")))
     with open(os.path.join(work, "demo.json"), "w") as f:
         json.dump({"rows": rows, "failures": failures}, f, indent=1)
+    print()
+    if rows:
+        model_bytes = min((r["bytes"] for r in rows if r["strategy"] == "weightbridge" and r["bytes"]), default=0) / max(1, args.replicas)
+        print_summary(rows, args.modes.split(","), args.strategies.split(","), model_bytes)
+    print_predictions(args)
     print()
     if failures:
         for f in failures:
