@@ -394,7 +394,95 @@ absl::StatusOr<LayoutInfo> WorkerClient::RegisterLayout(const LayoutSource& layo
   RETURN_IF_ERROR_WITH(s, absl::StrCat("RegisterLayout of worker ", req.worker_id()));
   layout_request_ = std::move(req);
   layout_registered_ = true;
-  return LayoutInfo{resp.num_pieces(), resp.bytes()};
+  LayoutInfo info{resp.num_pieces(), resp.bytes(), {}};
+  ASSIGN_OR_RETURN(info.layout, LayoutDescriptionFromProto(resp.layout()));
+  return info;
+}
+
+const LocalTensorPlace* LayoutDescription::Find(const std::string& name) const {
+  for (const LocalTensorPlace& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+int64_t LayoutDescription::BufferBytes(uint32_t id) const {
+  for (const auto& [b, bytes] : buffers) {
+    if (b == id) return bytes;
+  }
+  return 0;
+}
+
+absl::StatusOr<LayoutDescription> LayoutDescriptionFromProto(const pb::LayoutDescription& d) {
+  LayoutDescription out;
+  for (const pb::BufferSpec& b : d.buffers()) out.buffers.emplace_back(b.buffer_id(), static_cast<int64_t>(b.size_bytes()));
+  for (const pb::LocalTensorInfo& t : d.tensors()) {
+    LocalTensorPlace p;
+    p.name = t.name();
+    p.shape.assign(t.shape().begin(), t.shape().end());
+    auto dtype = FromProto(t.dtype());
+    if (!dtype.ok()) return Annotate(dtype.status(), absl::StrCat("local tensor ", t.name(), " dtype"));
+    p.dtype = *dtype;
+    p.buffer_id = t.buffer_id();
+    p.offset_bytes = static_cast<int64_t>(t.offset_bytes());
+    p.strides.assign(t.strides().begin(), t.strides().end());
+    p.size_bytes = static_cast<int64_t>(t.size_bytes());
+    p.pieces.assign(t.pieces().begin(), t.pieces().end());
+    p.scale_tensor = t.scale_tensor();
+    p.scales_of = t.scales_of();
+    out.tensors.push_back(std::move(p));
+  }
+  out.pieces.assign(d.pieces().begin(), d.pieces().end());
+  out.piece_bytes = d.piece_bytes();
+  out.source = d.source();
+  return out;
+}
+
+absl::StatusOr<LayoutDescription> WorkerClient::DescribeLayout(const LayoutSource& layout, const ModelConfig* model) {
+  pb::DescribeLayoutRequest req;
+  if (registered_) {
+    req.set_model_id(register_request_.model_id());
+    req.set_worker_id(register_request_.worker_id());
+    req.set_role(register_request_.role());
+  } else {
+    if (model == nullptr) {
+      return absl::FailedPreconditionError("DescribeLayout before RegisterWorker needs the model (its spec goes with the request)");
+    }
+    ASSIGN_OR_RETURN(*req.mutable_model(), ModelSpecToProto(*model));
+    req.set_model_id(model->model_id);
+  }
+  std::visit(VisitLayout{req.mutable_layout()}, layout);
+  pb::DescribeLayoutResponse resp;
+  absl::Status s = CallWithReconnect(options_.clock->Now() + options_.call_timeout, [&](absl::Time d) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    return FromGrpcStatus(stub()->DescribeLayout(&ctx, req, &resp));
+  });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("DescribeLayout for model ", req.model_id()));
+  return LayoutDescriptionFromProto(resp.layout());
+}
+
+absl::StatusOr<TensorView> WorkerClient::View(const LayoutDescription& layout, const std::string& name) const {
+  const LocalTensorPlace* t = layout.Find(name);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat("local tensor '", name, "' is not in the layout"));
+  const Buffer* buf = nullptr;
+  for (const auto& b : buffers_) {
+    if (b->id == t->buffer_id) buf = b.get();
+  }
+  if (buf == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("local tensor '", name, "' lives in buffer ", t->buffer_id, ", which this client has not created"));
+  }
+  if (t->offset_bytes < 0 || t->size_bytes < 0 || t->offset_bytes + t->size_bytes > buf->size_bytes) {
+    return absl::OutOfRangeError(absl::StrCat("local tensor '", name, "' [", t->offset_bytes, ", +", t->size_bytes, ") reaches past buffer ",
+                                              t->buffer_id, " of ", buf->size_bytes, " bytes (size it as the layout says: ",
+                                              layout.BufferBytes(t->buffer_id), ")"));
+  }
+  TensorView v;
+  v.tensor = t;
+  v.buffer = buf;
+  v.offset_bytes = t->offset_bytes;
+  if (buf->data != nullptr) v.data = static_cast<uint8_t*>(buf->data) + t->offset_bytes;
+  return v;
 }
 
 absl::StatusOr<PublishResult> WorkerClient::Publish(uint64_t version, absl::Duration timeout) {

@@ -7,7 +7,10 @@
 //      CUDA memory: AddCudaBuffer by IPC handle, ShareCudaVmmAllocation + AddCudaVmmBuffer for
 //      cuMemCreate / expandable-segment memory),
 //   3. RegisterLayout: hand the buffers' names and its layout (explicit pieces, a preset by name
-//      with a parallel config and rank, or an index probe) to the daemon,
+//      with a parallel config and rank, or an index probe) to the daemon. DescribeLayout (any
+//      time, also before RegisterWorker) tells where every local tensor lives and how large each
+//      buffer must be, so the worker can size and fill its buffers first; View() gives a local
+//      tensor's place (host pointer) in a registered buffer (docs/integration.md),
 //   4. move versions: Publish(v) on trainers; BeginUpdate / WaitVersion (sync), Apply(v)
 //      (one-step-off, async) on rollouts,
 //   5. Deregister.
@@ -118,9 +121,48 @@ struct IndexProbeLayout {
 };
 using LayoutSource = std::variant<ExplicitLayout, PresetLayout, IndexProbeLayout>;
 
+// Layout discovery (WorkerService.DescribeLayout, RegisterLayoutResponse.layout; planner/layout_info.h).
+// One local tensor of the worker: a preset's framework tensor (e.g.
+// "decoder.layers.0.self_attention.linear_qkv.weight"), a quantised tensor's scales, or for
+// explicit pieces one piece (named after its canonical tensor, plus the box when it has several).
+struct LocalTensorPlace {
+  std::string name;
+  std::vector<int64_t> shape;           // elements (int4: unpacked elements)
+  planner::DType dtype = planner::DType::kBF16;  // as stored (quantised / scale dtype included)
+  uint32_t buffer_id = 0;
+  int64_t offset_bytes = 0;             // of element [0, ..., 0]
+  std::vector<int64_t> strides;         // elements per dim (row-major for preset tensors)
+  int64_t size_bytes = 0;               // bytes spanned from offset_bytes
+  std::vector<uint32_t> pieces;         // indices into LayoutDescription::pieces held here
+  std::string scale_tensor;             // quantised: the tensor holding its scales
+  std::string scales_of;                // scales: whose
+};
+struct LayoutDescription {
+  std::vector<std::pair<uint32_t, int64_t>> buffers;  // (buffer id, least size in bytes), the buffers it uses
+  std::vector<LocalTensorPlace> tensors;               // presets: in buffer order
+  std::vector<pb::Piece> pieces;                       // canonical boxes and where they land
+  uint64_t piece_bytes = 0;                            // canonical bytes the pieces cover
+  std::string source;                                  // "preset" | "pieces" | "index_probe"
+  // The tensor named `name`, or null.
+  const LocalTensorPlace* Find(const std::string& name) const;
+  // The least size of buffer `id` (0: the layout does not use it).
+  int64_t BufferBytes(uint32_t id) const;
+};
+// INVALID_ARGUMENT naming the field for an unknown dtype.
+absl::StatusOr<LayoutDescription> LayoutDescriptionFromProto(const pb::LayoutDescription& d);
+
+// A local tensor's place in one of this client's registered buffers.
+struct TensorView {
+  const LocalTensorPlace* tensor = nullptr;  // points into the LayoutDescription given to View()
+  uint8_t* data = nullptr;  // host (shm) buffer: address of element [0, ..., 0]; CUDA buffers: null
+  const Buffer* buffer = nullptr;  // the buffer (CUDA: the device address is the caller's base + offset_bytes)
+  int64_t offset_bytes = 0;
+};
+
 struct LayoutInfo {
   uint32_t num_pieces = 0;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;          // bytes the pieces cover (the layout's, not the buffers' sizes)
+  LayoutDescription layout;    // where every local tensor lives (empty from a daemon without discovery)
 };
 struct PublishResult {
   uint64_t version = 0;
@@ -195,7 +237,22 @@ class WorkerClient {
 
   // Sends every buffer created so far and `layout`. Requires RegisterWorker. On error nothing is
   // remembered (a malformed layout leaves the previously registered one, if any, in place).
+  // A preset's buffer smaller than it needs is INVALID_ARGUMENT naming worker, model, buffer and
+  // both sizes. LayoutInfo::layout describes where every local tensor landed.
   absl::StatusOr<LayoutInfo> RegisterLayout(const LayoutSource& layout);
+
+  // Layout discovery: buffer sizes and every local tensor's place for `layout` (a preset or
+  // explicit pieces; an index probe is FAILED_PRECONDITION: RegisterLayout describes it), computed
+  // by the node daemon without registering anything. Before RegisterWorker pass `model` (its spec
+  // travels with the request); after it, the registered model is described (`model` ignored).
+  // Errors keep the daemon's code: INVALID_ARGUMENT for a preset that does not fit the model,
+  // NOT_FOUND for a model the node does not know and no `model` given.
+  absl::StatusOr<LayoutDescription> DescribeLayout(const LayoutSource& layout, const ModelConfig* model = nullptr);
+  // Where local tensor `name` of `layout` lives in this client's buffers (CreateBuffer /
+  // AddCuda*Buffer, by buffer id): NOT_FOUND naming a tensor the layout lacks, FAILED_PRECONDITION
+  // when its buffer does not exist here, OUT_OF_RANGE when the tensor reaches past the buffer.
+  // `layout` must outlive the view.
+  absl::StatusOr<TensorView> View(const LayoutDescription& layout, const std::string& name) const;
 
   // Trainer: declares version `version` (> 0) ready in this worker's buffers. Returns when the
   // daemon no longer needs the buffers unchanged (snapshot taken, or sync transfer done), or when

@@ -393,6 +393,20 @@ grpc::Status GuardedWorkerService::Status(grpc::ServerContext* ctx, const pb::St
   return inner_->Status(ctx, req, resp);
 }
 
+grpc::Status GuardedWorkerService::DescribeLayout(grpc::ServerContext* ctx, const pb::DescribeLayoutRequest* req,
+                                                  pb::DescribeLayoutResponse* resp) {
+  // Computes from the request alone (no worker's memory involved), like Status: any caller
+  // allowed onto the socket, within the limits a registration would have to meet.
+  absl::StatusOr<PeerCred> me = Caller(ctx);
+  if (!me.ok()) return Reject(me.status(), "unauthenticated");
+  if (absl::Status s = CheckId("model_id", req->model_id(), limits_); !s.ok()) return Reject(s, "limit");
+  if (req->has_model()) {
+    if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return Reject(s, "limit");
+  }
+  if (absl::Status s = CheckLayoutRequest({}, req->layout(), limits_); !s.ok()) return Reject(s, "limit");
+  return inner_->DescribeLayout(ctx, req, resp);
+}
+
 void GuardedWorkerService::NoteCommitted(const std::string& model, uint64_t version) {
   absl::MutexLock l(&mu_);
   uint64_t& c = committed_[model];

@@ -96,6 +96,8 @@ class GuardedWorkerService final : public pb::WorkerService::Service {
   grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest*, pb::WaitVersionResponse*) override;
   grpc::Status Deregister(grpc::ServerContext*, const pb::DeregisterRequest*, pb::DeregisterResponse*) override;
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
+  // Read-only (layout discovery): anyone on the socket; the spec and layout are checked against the limits.
+  grpc::Status DescribeLayout(grpc::ServerContext*, const pb::DescribeLayoutRequest*, pb::DescribeLayoutResponse*) override;
 
   // Newest version committed on this node per model (fed by TokenNodeService): staleness gauge,
   // and published versions up to it stop counting against max_concurrent_versions.

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/box_copy.h"
 #include "daemon/convert.h"
+#include "daemon/layout_discovery.h"
 #include "daemon/log.h"
 #include "daemon/metrics.h"
 #include "daemon/nccl_route.h"
@@ -190,6 +191,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   }
 
   grpc::Status RegisterLayout(grpc::ServerContext*, const pb::RegisterLayoutRequest* req, pb::RegisterLayoutResponse* resp) override {
+    pb::ModelSpec spec;
+    planner::Role role = planner::Role::kTrainer;
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
@@ -197,7 +200,13 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " is not registered on node ",
                                                              d_->options_.node_id, " (register again)")));
       }
+      spec = it->second.spec;
+      role = it->second.role;
     }
+    // Layout discovery: a preset's buffer sizes are checked against its description first,
+    // naming worker, model and both sizes; the description is the response's `layout`.
+    auto preset_described = describer_.DescribePresetForRegister(spec, *req);
+    if (!preset_described.ok()) return ToGrpcStatus(preset_described.status());
     // Map every buffer first: a bad name fails the call and changes nothing.
     std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
     std::vector<std::shared_ptr<CudaImport>> cuda;
@@ -249,6 +258,14 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     SetDeadline(&ctx, absl::Now() + absl::Seconds(30));
     grpc::Status s = d_->coordinator_->SubmitLayout(&ctx, sreq, &sresp);
     if (!s.ok()) return s;
+    if (preset_described->has_value()) {
+      *resp->mutable_layout() = std::move(**preset_described);
+    } else {
+      auto described = describer_.DescribeResolved(spec, sresp.layout(), req->layout().has_index_probe() ? "index_probe" : "pieces", role,
+                                                   req->worker_id());
+      if (described.ok()) *resp->mutable_layout() = std::move(*described);
+      if (!described.ok()) Log(LogLevel::kWarning, "layout not described", {{"worker", req->worker_id()}, {"error", described.status().message()}});
+    }
     absl::MutexLock l(&d_->mu_);
     auto it = d_->workers_.find(req->worker_id());
     if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError("worker deregistered concurrently"));
@@ -506,6 +523,37 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     return s;
   }
 
+  // Layout discovery (daemon/layout_discovery.h), computed on this node: from the model's spec as
+  // this node holds it (a worker of the model registered here: the coordinator's spec), else from
+  // the request's `model`, so a worker can size its buffers before it registers anything.
+  grpc::Status DescribeLayout(grpc::ServerContext*, const pb::DescribeLayoutRequest* req, pb::DescribeLayoutResponse* resp) override {
+    std::optional<pb::ModelSpec> spec;
+    std::optional<planner::Role> role;
+    if (req->role() != pb::ROLE_UNSPECIFIED) role = FromProto(req->role());
+    {
+      absl::MutexLock l(&d_->mu_);
+      auto w = d_->workers_.find(req->worker_id());
+      if (w != d_->workers_.end() && w->second.model_id == req->model_id()) {
+        spec = w->second.spec;
+        if (!role) role = w->second.role;
+      }
+      for (auto it = d_->workers_.begin(); !spec && it != d_->workers_.end(); ++it) {
+        if (it->second.model_id == req->model_id()) spec = it->second.spec;
+      }
+    }
+    const std::string who = absl::StrCat(req->worker_id().empty() ? "" : absl::StrCat("worker ", req->worker_id(), " of "), "model ",
+                                         req->model_id());
+    if (!spec && req->has_model()) spec = req->model();
+    if (!spec) {
+      return ToGrpcStatus(absl::NotFoundError(absl::StrCat(who, " is unknown on node ", d_->options_.node_id,
+                                                           ": send its spec (DescribeLayoutRequest.model) or register a worker of it first")));
+    }
+    auto described = describer_.Describe(*spec, req->layout(), {}, role, req->worker_id().empty() ? "layout" : req->worker_id());
+    if (!described.ok()) return ToGrpcStatus(Annotate(described.status(), who));
+    *resp->mutable_layout() = std::move(*described);
+    return grpc::Status::OK;
+  }
+
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline).
   // Held while the node (re-)registers and re-joins, so it reaches the session that knows the
   // worker. NOT_FOUND from the coordinator (Publish, ReportReady) means it does not know the
@@ -552,6 +600,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
 
  private:
   NodeDaemon* d_;
+  LayoutDescriber describer_;  // RegisterLayout / DescribeLayout (thread-safe)
 };
 
 // ------------------------------------------------------------------------------- NodeService
