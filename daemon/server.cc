@@ -75,6 +75,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     s->node_ = std::make_unique<NodeDaemon>(std::move(no));
     tcp.RegisterService(s->front_->WrapNode(s->node_->node_service()));
   }
+    if (o.configure_node) o.configure_node(no);  // TEST ONLY (NODE helper: live-copy fault hooks)
   s->tcp_server_ = tcp.BuildAndStart();
   if (!s->tcp_server_ || s->port_ == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
   if (has_coord) s->coordinator_->Start();

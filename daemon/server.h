@@ -47,6 +47,8 @@ struct ServerOptions {
   // TEST ONLY: see NodeDaemon::Options::test_before_bucket.
   std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
   std::function<bool()> test_skip_heartbeat;
+  // TEST ONLY: last say on the node daemon's options (e.g. NodeDaemon::Options::test_live_copy_fault).
+  std::function<void(NodeDaemon::Options&)> configure_node;
 };
 
 class Server {

@@ -1,5 +1,7 @@
 #include "daemon/version_machine.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace wb::daemon {
@@ -43,6 +45,16 @@ absl::Status VersionMachine::RecordPublish(const std::string& trainer, uint64_t 
   auto it = records_.find(version);
   if (it == records_.end()) {
     if (draining_) return absl::UnavailableError(absl::StrCat("draining: version ", version, " refused"));
+    if (version > kMaxVersion) {
+      return absl::InvalidArgumentError(absl::StrCat("version ", version, " is above the largest version ", kMaxVersion,
+                                                     " (2^53 - 1): no later version could ever follow it"));
+    }
+    uint64_t newest = std::max(committed_, newest_started_);
+    if (!records_.empty()) newest = std::max(newest, records_.rbegin()->first);
+    if (version - std::min(version, newest) > kMaxVersionJump) {
+      return absl::InvalidArgumentError(absl::StrCat("version ", version, " is more than ", kMaxVersionJump, " (2^32) above the newest version ",
+                                                     newest, " of this model (a corrupt step counter?): refused, it would block every later version"));
+    }
     if (version <= committed_ || version <= newest_started_) {
       return absl::FailedPreconditionError(absl::StrCat("version ", version, " is not newer than version ",
                                                         std::max(committed_, newest_started_)));
@@ -129,6 +141,13 @@ void VersionMachine::Commit(uint64_t version, absl::Time now) {
     for (const std::string& r : ready_) RecordApplied(r, version);
     ready_.clear();
   }
+}
+
+void VersionMachine::CommitFailed(uint64_t version, const std::string& reason, const std::set<std::string>& holding,
+                                  absl::Time now) {
+  for (const std::string& r : holding) RecordApplied(r, version);
+  Abort(version, reason, now);
+  ready_.clear();
 }
 
 void VersionMachine::Abort(uint64_t version, const std::string& reason, absl::Time now) {

@@ -45,6 +45,13 @@ struct VersionRecord {
 
 class VersionMachine {
  public:
+  // Version numbers accepted by RecordPublish: at most kMaxVersion (2^53 - 1: exact in JSON
+  // numbers and doubles, which clients use), and at most kMaxVersionJump above the newest version
+  // known (committed, started or published): one wild number (2^64 - 1, a corrupt step counter)
+  // would otherwise make every later version "not newer" and block the model for good.
+  static constexpr uint64_t kMaxVersion = (uint64_t{1} << 53) - 1;
+  static constexpr uint64_t kMaxVersionJump = uint64_t{1} << 32;
+
   VersionMachine(ModeKind mode, uint32_t max_staleness) : mode_(mode), max_staleness_(max_staleness) {}
 
   ModeKind mode() const { return mode_; }
@@ -79,6 +86,11 @@ class VersionMachine {
   // A node finished its part. True when every node of the transfer is done (ready to commit).
   bool NodeDone(const std::string& node, uint64_t version);
   void Commit(uint64_t version, absl::Time now);
+  // Sync mode: every node reported done but some did not acknowledge the commit (lost, or their
+  // copy into live memory failed). The version is NOT committed: Outcome is ABORTED with `reason`
+  // (which names the nodes and rollouts that do not hold it); rollouts in `holding` do hold it
+  // (RecordApplied); paused rollouts are released. The number stays used (next must be newer).
+  void CommitFailed(uint64_t version, const std::string& reason, const std::set<std::string>& holding, absl::Time now);
   void Abort(uint64_t version, const std::string& reason, absl::Time now);
 
   // The in-flight version whose deadline passed at `now`, if any.

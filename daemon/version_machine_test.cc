@@ -134,5 +134,50 @@ TEST(VersionMachineTest, RejectsOldVersionsAndStrangers) {
   EXPECT_EQ(m.committed(), 0u);
 }
 
+// Issue 15.15: one huge version (2^64 - 1) must not block every later version.
+TEST(VersionMachineTest, RefusesVersionsThatWouldBlockEveryLaterOne) {
+  VersionMachine m = Make(ModeKind::kAsync);
+  absl::Status s = m.RecordPublish("t0", ~uint64_t{0});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("18446744073709551615"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("9007199254740991"), std::string::npos) << s;
+  s = m.RecordPublish("t0", (uint64_t{1} << 32) + 2);  // a jump of more than 2^32 from 0
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("4294967296"), std::string::npos) << s;
+  EXPECT_EQ(m.Find(~uint64_t{0}), nullptr) << "a refused version left a record";
+  // Later, ordinary versions still go through.
+  ASSERT_TRUE(m.RecordPublish("t0", 7).ok());
+  ASSERT_TRUE(m.RecordPublish("t1", 7).ok());
+  EXPECT_EQ(m.NextToStart(), 7u);
+  EXPECT_TRUE(m.RecordPublish("t0", 7 + (uint64_t{1} << 32)).ok()) << "a jump of exactly 2^32 is allowed";
+}
+
+// Sync commit that some nodes did not acknowledge: the version is not committed (waiters see
+// which nodes and rollouts do not hold it), rollouts that do hold it count as having applied it,
+// and the version number is used up (the next version must be newer).
+TEST(VersionMachineTest, CommitFailedIsNotCommitted) {
+  FakeClock clock;
+  VersionMachine m = Make(ModeKind::kSync);
+  ASSERT_TRUE(m.RecordPublish("t0", 1).ok());
+  ASSERT_TRUE(m.RecordPublish("t1", 1).ok());
+  m.RecordReady("r0");
+  m.RecordReady("r1");
+  ASSERT_EQ(m.NextToStart(), 1u);
+  m.Start(1, {"a", "b"}, clock.Now(), absl::Seconds(5), 100);
+  ASSERT_FALSE(m.NodeDone("a", 1));
+  ASSERT_TRUE(m.NodeDone("b", 1));
+  m.CommitFailed(1, "commit failed on node b (rollouts r1): copy failed", {"r0"}, clock.Now());
+  EXPECT_EQ(m.committed(), 0u);
+  ASSERT_TRUE(m.Outcome(1));
+  EXPECT_EQ(m.Outcome(1)->code(), absl::StatusCode::kAborted);
+  EXPECT_NE(m.Outcome(1)->message().find("node b (rollouts r1)"), std::string::npos) << *m.Outcome(1);
+  EXPECT_EQ(m.Applied("r0"), 1u);
+  EXPECT_EQ(m.Applied("r1"), 0u);
+  EXPECT_FALSE(m.IsPaused("r0"));
+  EXPECT_FALSE(m.InFlight());
+  EXPECT_FALSE(m.RecordPublish("t0", 1).ok());
+  EXPECT_TRUE(m.RecordPublish("t0", 2).ok());
+}
+
 }  // namespace
 }  // namespace wb::daemon
