@@ -184,6 +184,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     absl::MutexLock l(&d_->mu_);
     if (inv.ok()) d_->inventories_[req->model_id()] = std::move(*inv);
     d_->workers_[req->worker_id()] = std::move(w);
+    d_->live_.Forget(req->worker_id());  // a new process: its memory, not the old one's
     Log(LogLevel::kInfo, "worker registered", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"worker", req->worker_id()},
                                                {"role", pb::Role_Name(req->role())}, {"pid", req->pid()}});
     resp->set_session(absl::StrCat(d_->options_.node_id, "/", req->worker_id()));
@@ -410,13 +411,11 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
 
   grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest* req, pb::ApplyResponse* resp) override {
     const absl::Time start = absl::Now();
+    // The client's deadline bounds the wait for the version (and for a copy into this worker that
+    // is already running); a copy that started runs to live_copy_timeout (RunLiveCopies).
     const absl::Time deadline = Deadline(req->timeout_ms());
-    std::shared_ptr<Bytes> staging;
-    std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
-    std::vector<std::shared_ptr<CudaImport>> cuda;
-    planner::WorkerLayout layout;
-    std::shared_ptr<const ModelPlan> plan;
-    uint64_t version = 0;
+    std::vector<LiveJob> jobs(1);
+    LiveJob& job = jobs[0];
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
@@ -430,11 +429,16 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) {
         auto w = d_->workers_.find(wid);
         if (d_->stopping_ || w == d_->workers_.end()) return true;
+        if (d_->live_.Copying(wid)) return false;  // its outcome decides what we answer
         if (want == 0) return true;  // safe point: take whatever is newest, never wait
         return w->second.committed_version >= want || w->second.applied_version >= want ||
                d_->aborted_.count({model, want}) > 0 || d_->restarts_ != restarts0;
       };
       if (!d_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+        if (d_->live_.Copying(wid)) {
+          return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("worker ", wid, ": a copy into its live weights is still running on node ",
+                                                                       d_->options_.node_id, " (call Apply again to learn its outcome)")));
+        }
         return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("version ", want, " not committed on node ",
                                                                      d_->options_.node_id, " in time")));
       }
@@ -447,24 +451,42 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
             absl::StrCat("version ", want, " aborted: ", ab != d_->aborted_.end() ? ab->second : d_->restart_reason_)));
       }
       if (w.committed_version <= w.applied_version || !w.committed) {
-        resp->set_applied_version(w.applied_version);  // nothing newer (or sync: already live)
+        // Nothing newer to copy (or sync: the commit wrote live weights). Torn weights with no
+        // staging to restore them from stay torn until the next commit: say so.
+        if (absl::Status torn = d_->live_.TornError(wid, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
+        resp->set_applied_version(w.applied_version);
         resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
         return grpc::Status::OK;
       }
-      staging = w.committed;
-      buffers = w.buffers;
-      cuda = w.cuda;
-      version = w.committed_version;
+      job.worker = wid;
+      job.version = w.committed_version;
+      job.staging = w.committed;
+      job.live = LiveBuffers{w.buffers, w.cuda};
       auto p = d_->plans_.find(model);
       if (p == d_->plans_.end()) return ToGrpcStatus(absl::FailedPreconditionError("no plan installed"));
-      plan = p->second;
-      for (int i = 0; i < plan->slice.workers_size(); ++i) {
-        if (plan->slice.workers(i).worker_id() == wid) layout = plan->live_layouts[i];
+      job.plan = p->second;
+      for (int i = 0; i < job.plan->slice.workers_size(); ++i) {
+        if (job.plan->slice.workers(i).worker_id() == wid) job.layout = job.plan->live_layouts[i];
+      }
+      job.label = absl::StrCat("apply ", wid, " v", job.version);
+      // A copy that starts runs to its end; one that would obviously outlast the caller's timeout
+      // (the wait for the version took it) is not started: the caller learns that nothing changed
+      // instead of giving up while its live weights are being rewritten.
+      int64_t bytes = 0;
+      for (const StagedBuffer& b : *job.staging) bytes += b.size();
+      const absl::Duration estimate = absl::Seconds(static_cast<double>(bytes) / d_->live_copy_Bps_);
+      if (absl::Now() + estimate > deadline) {
+        return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
+            "version ", job.version, " is committed on node ", d_->options_.node_id, " but copying it into the live weights of worker ", wid,
+            " (", bytes, " bytes, about ", absl::FormatDuration(estimate), ") does not fit in what is left of the call's timeout (",
+            absl::FormatDuration(std::max(absl::ZeroDuration(), deadline - absl::Now())), "); nothing was copied: live weights still hold version ",
+            w.applied_version, " (call Apply with a longer timeout)")));
       }
     }
     // The rollout's only stall: copy its pieces from committed staging into live weights (on the
     // same-node transport's copy threads).
-    absl::Status copied = d_->CopyToLive(*staging, buffers, cuda, layout, plan->inventory, absl::StrCat("apply ", req->worker_id(), " v", version), deadline);
+    const uint64_t version = job.version;
+    absl::Status copied = d_->RunLiveCopies(jobs)[0];
     if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("applying version ", version, " to ", req->worker_id())));
     {
       absl::MutexLock l(&d_->mu_);
@@ -472,7 +494,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       if (it != d_->workers_.end()) {
         it->second.applied_version = std::max(it->second.applied_version, version);
         // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
-        if (it->second.committed == staging && it->second.applied_version >= it->second.committed_version) it->second.committed = nullptr;
+        if (it->second.committed == job.staging && it->second.applied_version >= it->second.committed_version) it->second.committed = nullptr;
       }
     }
     pb::ReportAppliedRequest r;
@@ -495,6 +517,15 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     grpc::ClientContext ctx;
     SetDeadline(&ctx, deadline);
     grpc::Status s = d_->coordinator_->WaitVersion(&ctx, *req, resp);
+    if (s.ok()) {
+      // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
+      // hold it (sync: "committed" includes live weights): say so instead of OK.
+      absl::MutexLock l(&d_->mu_);
+      for (auto& [id, w] : d_->workers_) {
+        if (w.model_id != req->model_id() || w.role != planner::Role::kRollout) continue;
+        if (absl::Status torn = d_->live_.TornError(id, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
+      }
+    }
     return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
   }
 
@@ -502,6 +533,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     {
       absl::MutexLock l(&d_->mu_);
       d_->workers_.erase(req->worker_id());
+      d_->live_.Forget(req->worker_id());
     }
     pb::LeaveWorkerRequest r;
     r.set_node_id(d_->options_.node_id);
@@ -520,6 +552,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     grpc::Status s = d_->coordinator_->ClusterStatus(&ctx, *req, resp);
     resp->set_role("node");
     resp->set_node_id(d_->options_.node_id);
+    d_->AddLiveState(resp);
     return s;
   }
 
@@ -682,16 +715,9 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   grpc::Status CommitVersion(grpc::ServerContext*, const pb::CommitVersionRequest* req, pb::CommitVersionResponse*) override {
     // What the sync live copy needs is captured under the lock by value (worker id, buffers,
     // layout): a concurrent Deregister may erase the LocalWorker meanwhile.
-    struct ToLive {
-      std::string worker;
-      std::shared_ptr<Bytes> staging;
-      std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
-      std::vector<std::shared_ptr<CudaImport>> cuda;
-      planner::WorkerLayout layout;  // the pieces copied from its own staging
-      const std::vector<Exec::RelayAtCommit>* relays = nullptr;  // copied from other rollouts' staging
-    };
-    std::vector<ToLive> to_live;
+    std::vector<LiveJob> jobs;
     std::shared_ptr<Exec> exec;
+    const std::string& me = d_->options_.node_id;
     {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->execs_.find({req->model_id(), req->version()});
@@ -699,12 +725,22 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         // Idempotent for a retried commit; a node that lost the version's staging (restart)
         // cannot apply it: its waiters see the version aborted, nothing is half-applied.
         if (req->version() <= d_->committed_[req->model_id()]) return grpc::Status::OK;
-        std::string reason = absl::StrCat("node ", d_->options_.node_id, " no longer holds the staging of version ", req->version(),
+        std::string reason = absl::StrCat("node ", me, " no longer holds the staging of version ", req->version(),
                                           " (restarted before the commit)");
         d_->aborted_[{req->model_id(), req->version()}] = reason;
         return ToGrpcStatus(absl::FailedPreconditionError(reason));
       }
       exec = it->second;
+      if (!exec->transferred) {
+        // Committing bytes that have not all arrived would hand rollouts a half-written version.
+        const std::string missing =
+            exec->failed ? absl::StrCat("its transfer failed here (", exec->error, ")")
+            : !exec->started
+                ? std::string("its transfer has not started here (no ExecuteVersion)")
+                : absl::StrCat("its transfer is still running here (", exec->bytes_done.load(), " bytes received so far; not reported done)");
+        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("cannot commit model ", req->model_id(), " version ", req->version(),
+                                                                       " on node ", me, ": the version has not fully landed: ", missing)));
+      }
       d_->execs_.erase(it);
       for (auto& [wid, staging] : exec->incoming) {
         auto w = d_->workers_.find(wid);
@@ -715,7 +751,13 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         w->second.committed = relayed == exec->pieces_at_commit.end() ? staging : nullptr;
         w->second.committed_version = req->version();
         if (w->second.mode != pb::MODE_SYNC) continue;
-        ToLive t{wid, staging, w->second.buffers, w->second.cuda, {}};
+        LiveJob t;
+        t.worker = wid;
+        t.version = req->version();
+        t.staging = staging;
+        t.live = LiveBuffers{w->second.buffers, w->second.cuda};
+        t.plan = exec->plan;
+        t.label = absl::StrCat("commit ", wid, " v", req->version());
         for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
           if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->live_layouts[i];
         }
@@ -726,8 +768,9 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
           }
           t.layout.pieces = std::move(own);
           t.relays = &exec->relays_at_commit[wid];
+          t.incoming = &exec->incoming;
         }
-        to_live.push_back(std::move(t));
+        jobs.push_back(std::move(t));
       }
       for (auto& [id, w] : d_->workers_) {
         if (w.model_id == req->model_id()) w.snapshots.erase(req->version());
@@ -736,42 +779,44 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
     // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
     const absl::Time copy_start = absl::Now();
-    std::vector<absl::Status> copied(to_live.size());
-    auto copy_one = [&](size_t i) {
-      const ToLive& t = to_live[i];
-      const std::string label = absl::StrCat("commit ", t.worker, " v", req->version());
-      copied[i] = d_->CopyToLive(*t.staging, t.buffers, t.cuda, t.layout, exec->plan->inventory, label, exec->deadline + absl::Seconds(60));
-      if (copied[i].ok() && t.relays != nullptr) {
-        copied[i] = d_->CopyRelaysToLive(*t.relays, exec->incoming, t.buffers, label, exec->deadline + absl::Seconds(60));
-      }
-    };
-    std::vector<std::thread> copiers;
-    for (size_t i = 1; i < to_live.size(); ++i) copiers.emplace_back(copy_one, i);
-    if (!to_live.empty()) copy_one(0);
-    for (std::thread& th : copiers) th.join();
-    for (size_t i = 0; i < to_live.size(); ++i) {
-      if (copied[i].ok()) continue;
-      Log(LogLevel::kError, "sync commit copy failed", {{"node", d_->options_.node_id}, {"worker", to_live[i].worker}, {"error", copied[i].message()}});
-      return ToGrpcStatus(Annotate(copied[i], absl::StrCat("commit of version ", req->version(), " into ", to_live[i].worker)));
-    }
+    std::vector<absl::Status> copied = d_->RunLiveCopies(jobs);
     absl::MutexLock l(&d_->mu_);
-    for (const ToLive& t : to_live) {
-      auto w = d_->workers_.find(t.worker);
+    absl::Status failed;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      auto w = d_->workers_.find(jobs[i].worker);
+      if (!copied[i].ok()) {
+        Log(LogLevel::kError, "sync commit copy failed", {{"node", me}, {"worker", jobs[i].worker}, {"error", copied[i].message()}});
+        const std::string what = absl::StrCat("commit of model ", req->model_id(), " version ", req->version(), " on node ", me,
+                                              ": live copy into rollout ", jobs[i].worker, " failed: ", copied[i].message());
+        failed = failed.ok() ? absl::Status(copied[i].code(), what) : absl::Status(failed.code(), absl::StrCat(failed.message(), "; ", what));
+        continue;
+      }
       if (w == d_->workers_.end()) continue;
       w->second.applied_version = std::max(w->second.applied_version, req->version());
       // Live weights hold it now and nothing reads this staging again (Apply finds nothing newer):
       // its memory goes back to the pool for the next version instead of sitting here.
-      if (w->second.committed == t.staging) w->second.committed = nullptr;
+      if (w->second.committed == jobs[i].staging) w->second.committed = nullptr;
+    }
+    if (!failed.ok()) {
+      // Not committed on this node: the version stays here so that a retried CommitVersion copies
+      // again (restoring whole weights); Apply of a torn rollout copies from its committed staging.
+      d_->execs_.emplace(std::pair{req->model_id(), req->version()}, exec);
+      return ToGrpcStatus(failed);
+    }
+    // Versions of this model whose commit failed here earlier are superseded now.
+    for (auto it = d_->execs_.begin(); it != d_->execs_.end();) {
+      const bool stale = it->first.first == req->model_id() && it->first.second < req->version() && it->second->transferred;
+      it = stale ? d_->execs_.erase(it) : std::next(it);
     }
     if (exec->relay_bytes_at_commit > 0) {
       transport::Transport* host_t = d_->options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
-      if (host_t != nullptr) Metrics().Bytes(d_->options_.node_id, req->model_id(), host_t->capabilities().kind, d_->options_.node_id, exec->relay_bytes_at_commit);
-      Metrics().RelayAtCommit(d_->options_.node_id, exec->relay_bytes_at_commit);
+      if (host_t != nullptr) Metrics().Bytes(me, req->model_id(), host_t->capabilities().kind, me, exec->relay_bytes_at_commit);
+      Metrics().RelayAtCommit(me, exec->relay_bytes_at_commit);
     }
     // Published last: node-local waiters (Apply) see the version only once live weights hold it.
     d_->committed_[req->model_id()] = std::max(d_->committed_[req->model_id()], req->version());
-    Log(LogLevel::kInfo, "version committed on node", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"version", req->version()},
-                                                       {"live_copies", to_live.size()}, {"copy_s", absl::ToDoubleSeconds(absl::Now() - copy_start)}});
+    Log(LogLevel::kInfo, "version committed on node", {{"node", me}, {"model", req->model_id()}, {"version", req->version()},
+                                                       {"live_copies", jobs.size()}, {"copy_s", absl::ToDoubleSeconds(absl::Now() - copy_start)}});
     return grpc::Status::OK;
   }
 
@@ -846,6 +891,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   grpc::Status DropWorker(grpc::ServerContext*, const pb::DropWorkerRequest* req, pb::DropWorkerResponse*) override {
     absl::MutexLock l(&d_->mu_);
     d_->workers_.erase(req->worker_id());
+    d_->live_.Forget(req->worker_id());
     return grpc::Status::OK;
   }
 
@@ -868,6 +914,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     grpc::Status s = d_->coordinator_->ClusterStatus(&ctx, *req, resp);
     resp->set_role("node");
     resp->set_node_id(d_->options_.node_id);
+    d_->AddLiveState(resp);
     return s;
   }
 
@@ -879,7 +926,9 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
 NodeDaemon::NodeDaemon(Options options)
     : options_(std::move(options)),
       worker_impl_(std::make_unique<WorkerImpl>(this)),
-      node_impl_(std::make_unique<NodeImpl>(this)) {
+      node_impl_(std::make_unique<NodeImpl>(this)),
+      copier_(options_.node_id, options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false),
+              options_.test_live_copy_fault) {
   // Idle staging is bounded by the staging budget (what versions may hold anyway) and returned to
   // the system after a few minutes without a version that wants it.
   StagingPool::Options po;
@@ -933,6 +982,7 @@ void NodeDaemon::CheckWorkers() {
         leaving_.insert(it->first);
         Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->second.model_id},
                                                           {"worker", it->first}, {"pid", it->second.pid->pid}});
+        live_.Forget(it->first);
         it = workers_.erase(it);
       } else {
         ++it;
@@ -1086,6 +1136,7 @@ void NodeDaemon::Rejoin(const std::string& reason) {
       Log(LogLevel::kWarning, "worker not re-joined", {{"node", options_.node_id}, {"worker", j.worker}, {"error", s.message()}});
       absl::MutexLock l(&mu_);
       workers_.erase(j.worker);
+      live_.Forget(j.worker);
     }
   }
   Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
@@ -1299,17 +1350,6 @@ absl::StatusOr<PieceAt> ResolveSide(const std::vector<planner::WorkerLayout>& la
   return at;
 }
 
-// The transport view of `box` inside `piece`.
-transport::StridedRef RefFor(const planner::Piece& piece, const planner::Box& box, int elem, transport::RegionHandle region) {
-  transport::StridedRef r;
-  r.region = region;
-  int64_t off = 0;
-  for (size_t d = 0; d < box.begin.size(); ++d) off += (box.begin[d] - piece.box.begin[d]) * piece.strides[d];
-  r.offset_bytes = piece.offset_bytes + off * elem;
-  r.strides = piece.strides;
-  return r;
-}
-
 uint64_t BatchTag(const std::string& model, uint64_t version, uint32_t bucket) {
   // Unique among unfinished batches of one channel (one channel per model and peer).
   (void)model;
@@ -1471,6 +1511,15 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   absl::Time t0 = absl::Now();
   absl::Status s = RunExecInner(*exec);
   if (s.ok()) s = QuantizeIncoming(*exec);
+  {
+    // Before ReportDone: from here CommitVersion may make this staging the committed copy.
+    absl::MutexLock l(&mu_);
+    exec->transferred = s.ok();
+    if (!s.ok()) {
+      exec->failed = true;
+      if (exec->error.empty()) exec->error = std::string(s.message());
+    }
+  }
   if (s.ok()) {
     // GB/s per link of this transfer (bytes over the summed batch times towards that peer).
     for (auto& [peer, ls] : exec->links) {
@@ -2267,38 +2316,81 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
-                                  const std::string& label, absl::Time deadline) {
-  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
-  if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
-  std::vector<transport::RegionHandle> regions;
-  absl::Cleanup cleanup = [&] {
-    for (auto& h : regions) (void)t->Release(h);
-  };
-  transport::Batch batch;
-  for (size_t i = 0; i < src.size(); ++i) {
-    if (size[i] == 0) continue;
-    transport::MemorySpec s, d;
-    s.kind = d.kind = transport::MemoryKind::kHost;
-    s.base = const_cast<uint8_t*>(src[i]);  // only read
-    d.base = dst[i];
-    s.size_bytes = d.size_bytes = size[i];
-    s.label = absl::StrCat(label, " src ", i);
-    d.label = absl::StrCat(label, " dst ", i);
-    ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
-    regions.push_back(sh);
-    ASSIGN_OR_RETURN(transport::RegionHandle dh, t->RegisterMemory(d));
-    regions.push_back(dh);
-    transport::CopyOp op;
-    op.shape = {size[i]};
-    op.element_size = 1;
-    op.src = {sh, 0, {1}};
-    op.dst = {dh, 0, {1}};
-    batch.ops.push_back(std::move(op));
+std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) {
+  std::vector<absl::Status> out(jobs.size());
+  if (jobs.empty()) return out;
+  const std::string& me = options_.node_id;
+  {
+    // One copy per worker at a time: a second one (a retried commit, an Apply racing the commit)
+    // waits for the first, bounded, so two versions never interleave in live memory.
+    absl::MutexLock l(&mu_);
+    auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return stopping_ || std::none_of(jobs.begin(), jobs.end(), [&](const LiveJob& j) { return live_.Copying(j.worker); });
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&idle), absl::Now() + options_.live_copy_timeout) || stopping_) {
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        out[i] = absl::UnavailableError(absl::StrCat("worker ", jobs[i].worker, ": another copy into its live weights is still running on node ", me));
+      }
+      return out;
+    }
+    for (const LiveJob& j : jobs) {
+      auto w = workers_.find(j.worker);
+      live_.Begin(j.worker, j.version, w == workers_.end() ? 0 : w->second.applied_version);
+    }
   }
-  if (batch.ops.empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
-  return t->Wait(id, deadline);
+  // Its own deadline: once bytes go into live memory the copy finishes (or fails) on its own
+  // terms; cutting it at a client's deadline is what left weights half new, half old.
+  const absl::Time deadline = absl::Now() + options_.live_copy_timeout;
+  std::vector<char> wrote(jobs.size(), 0);
+  auto copy_one = [&](size_t i) {
+    LiveJob& j = jobs[i];
+    bool w = false;
+    out[i] = copier_.CopyToLive(*j.staging, j.live, j.layout, j.plan->inventory, j.label, deadline, &w);
+    wrote[i] = w;
+    if (out[i].ok() && j.relays != nullptr) {
+      out[i] = copier_.CopyRelaysToLive(*j.relays, *j.incoming, j.live.host, j.label, deadline, &w);
+      wrote[i] = wrote[i] || w;
+    }
+  };
+  const absl::Time copy_start = absl::Now();
+  std::vector<std::thread> copiers;
+  for (size_t i = 1; i < jobs.size(); ++i) copiers.emplace_back(copy_one, i);
+  copy_one(0);
+  for (std::thread& th : copiers) th.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - copy_start);
+  int64_t bytes = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    for (const StagedBuffer& b : *jobs[i].staging) bytes += out[i].ok() ? b.size() : 0;
+  }
+  absl::MutexLock l(&mu_);
+  if (bytes >= (int64_t{1} << 20) && seconds > 0) {
+    // Copy speed for Apply's "does it fit" estimate: smoothed, never above 100 GB/s.
+    live_copy_Bps_ = 0.5 * live_copy_Bps_ + 0.5 * std::min(1e11, static_cast<double>(bytes) / seconds);
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    live_.End(jobs[i].worker, out[i], wrote[i]);
+    if (out[i].ok() || !wrote[i]) continue;
+    Log(LogLevel::kError, "live weights torn", {{"node", me}, {"worker", jobs[i].worker}, {"version", jobs[i].version}, {"error", out[i].message()}});
+    absl::Status torn = live_.TornError(jobs[i].worker, me);
+    // Forgotten meanwhile (the worker left): still say what happened to the copy.
+    out[i] = torn.ok() ? absl::DataLossError(absl::StrCat("live weights of worker ", jobs[i].worker, " on node ", me, " are TORN: ",
+                                                          out[i].message()))
+                       : torn;
+  }
+  return out;
+}
+
+void NodeDaemon::AddLiveState(pb::StatusResponse* resp) {
+  absl::MutexLock l(&mu_);
+  for (pb::WorkerStatus& ws : *resp->mutable_workers()) {
+    if (ws.node_id() != options_.node_id || workers_.count(ws.worker_id()) == 0) continue;
+    const LiveState::Info info = live_.Get(ws.worker_id());
+    ws.set_live_state(LiveState::Name(info.state));
+    if (info.state == LiveState::State::kWhole) continue;
+    ws.set_live_writing_version(info.writing);
+    ws.set_live_over_version(info.over);
+    if (info.state == LiveState::State::kTorn) ws.set_live_detail(std::string(live_.TornError(ws.worker_id(), options_.node_id).message()));
+  }
 }
 
 absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
@@ -2357,7 +2449,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
     ASSIGN_OR_RETURN(transport::BatchId id, ct->Post(device_batch));
     RETURN_IF_ERROR_WITH(ct->Wait(id, deadline), absl::StrCat(label, ": copying CUDA buffers"));
   }
-  return CopyFlat(src, dst, size, label, deadline);
+  return copier_.CopyFlat(src, dst, size, label, deadline);
 }
 
 absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
@@ -2442,175 +2534,6 @@ absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                                    const std::vector<std::shared_ptr<CudaImport>>& cuda, const planner::WorkerLayout& layout,
-                                    const planner::Inventory& inventory, const std::string& label, absl::Time deadline) {
-  transport::Transport* host_t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
-  if (host_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
-  // Host live buffers go through host_shm (its copy threads); CUDA ones through cuda_ipc (from
-  // host staging registered with it, or device to device from GPU staging).
-  std::vector<std::pair<transport::Transport*, transport::RegionHandle>> regions;
-  absl::Cleanup cleanup = [&] {
-    for (auto& [t, h] : regions) (void)t->Release(h);
-  };
-  struct Target {
-    transport::Transport* t;
-    transport::RegionHandle src, dst;
-  };
-  std::map<int32_t, Target> by_buffer;
-  std::map<transport::Transport*, transport::Batch> batches;
-  std::vector<const planner::Piece*> scale_regions;
-  // Registers staging buffer `b` and the live buffer `b` with the transport that reaches it.
-  auto register_buffer = [&](int32_t b) -> absl::StatusOr<Target> {
-    const bool on_gpu = buffers[b] == nullptr;
-    const StagedBuffer& sb = staging[b];
-    if (sb.device != nullptr && !on_gpu) {
-      return absl::InternalError(absl::StrCat(label, ": buffer ", b, " is staged on a GPU but lives in host memory"));
-    }
-    transport::Transport* t = on_gpu ? cuda[b]->t : host_t;
-    transport::MemorySpec s;
-    if (sb.device != nullptr) {
-      s.kind = transport::MemoryKind::kCuda;
-      s.base = sb.device->data();
-      s.device = sb.device->device();
-    } else {
-      s.kind = transport::MemoryKind::kHost;
-      s.base = const_cast<uint8_t*>(sb.host.data());  // only read
-    }
-    s.size_bytes = sb.size();
-    s.label = absl::StrCat(label, " staging b", b);
-    ASSIGN_OR_RETURN(transport::RegionHandle sh, t->RegisterMemory(s));
-    regions.push_back({t, sh});
-    transport::RegionHandle dh;
-    if (on_gpu) {
-      dh = cuda[b]->h;
-    } else {
-      transport::MemorySpec d;
-      d.kind = transport::MemoryKind::kHost;
-      d.base = buffers[b]->data();
-      d.size_bytes = buffers[b]->size();
-      d.label = absl::StrCat(label, " live b", b);
-      ASSIGN_OR_RETURN(dh, t->RegisterMemory(d));
-      regions.push_back({t, dh});
-    }
-    return Target{t, sh, dh};
-  };
-  for (const planner::Piece& piece : layout.pieces) {
-    if (piece.buffer < 0 || piece.buffer >= static_cast<int32_t>(buffers.size()) || piece.buffer >= static_cast<int32_t>(staging.size())) {
-      return absl::InternalError(absl::StrCat(label, ": piece of tensor ", inventory.tensors[piece.tensor].name, " names buffer ",
-                                              piece.buffer, " that the worker does not have"));
-    }
-    if (planner::BoxEmpty(piece.box)) continue;
-    auto it = by_buffer.find(piece.buffer);
-    if (it == by_buffer.end()) {
-      ASSIGN_OR_RETURN(Target t, register_buffer(piece.buffer));
-      it = by_buffer.emplace(piece.buffer, t).first;
-    }
-    // The bytes the piece occupies (quantised pieces: e4m3 bytes, or int4 pairs as bytes).
-    const planner::ByteView view = planner::StoredBytes(inventory, piece);
-    const int elem = view.element_size;
-    transport::CopyOp op;
-    for (size_t d = 0; d < view.piece.box.begin.size(); ++d) op.shape.push_back(view.piece.box.end[d] - view.piece.box.begin[d]);
-    op.element_size = elem;
-    // Staging mirrors the live layout byte for byte: same offset and strides on both sides (the
-    // shadows of quantised pieces lie past the end of the live buffer and are not copied).
-    op.src = RefFor(view.piece, view.piece.box, elem, it->second.src);
-    op.dst = RefFor(view.piece, view.piece.box, elem, it->second.dst);
-    batches[it->second.t].ops.push_back(std::move(op));
-    if (piece.quant.has_value()) scale_regions.push_back(&piece);
-  }
-  // The scales of quantised pieces: one contiguous float32 run each, same offset in staging and
-  // live memory. Their buffer has a target already when a piece lives in it; else register it.
-  for (const planner::Piece* piece : scale_regions) {
-    const int32_t sb = piece->quant->scale_buffer;
-    auto it = by_buffer.find(sb);
-    if (it == by_buffer.end()) {
-      if (sb < 0 || sb >= static_cast<int32_t>(buffers.size()) || sb >= static_cast<int32_t>(staging.size())) {
-        return absl::InternalError(absl::StrCat(label, ": scales of tensor ", inventory.tensors[piece->tensor].name, " name buffer ", sb,
-                                                " that the worker does not have"));
-      }
-      ASSIGN_OR_RETURN(Target t, register_buffer(sb));
-      it = by_buffer.emplace(sb, t).first;
-    }
-    transport::CopyOp op;
-    op.shape = {planner::ScaleCount(*piece)};
-    op.element_size = planner::ScaleElementSize(*piece->quant);
-    op.src = {it->second.src, piece->quant->scale_offset_bytes, {1}};
-    op.dst = {it->second.dst, piece->quant->scale_offset_bytes, {1}};
-    batches[it->second.t].ops.push_back(std::move(op));
-  }
-  std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;
-  absl::Status first;
-  for (auto& [t, batch] : batches) {
-    auto id = t->Post(batch);
-    if (!id.ok()) {
-      first = id.status();
-      break;
-    }
-    posted.push_back({t, *id});
-  }
-  for (auto& [t, id] : posted) {
-    absl::Status s = t->Wait(id, deadline);
-    if (first.ok()) first = s;
-  }
-  return first;
-}
-
-absl::Status NodeDaemon::CopyRelaysToLive(const std::vector<Exec::RelayAtCommit>& relays,
-                                          const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
-                                          const std::vector<std::shared_ptr<transport::ShmSegment>>& live, const std::string& label,
-                                          absl::Time deadline) {
-  if (relays.empty()) return absl::OkStatus();
-  transport::Transport* t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
-  if (t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no same-node host transport"));
-  std::vector<transport::RegionHandle> regions;
-  absl::Cleanup cleanup = [&] {
-    for (auto& h : regions) (void)t->Release(h);
-  };
-  std::map<std::pair<std::string, int32_t>, transport::RegionHandle> src_h;  // (rollout, staging buffer)
-  std::map<int32_t, transport::RegionHandle> dst_h;                         // live buffer
-  transport::Batch batch;
-  for (const Exec::RelayAtCommit& r : relays) {
-    auto s = src_h.find({r.src_worker, r.src_buffer});
-    if (s == src_h.end()) {
-      auto in = incoming.find(r.src_worker);
-      if (in == incoming.end() || r.src_buffer < 0 || r.src_buffer >= static_cast<int32_t>(in->second->size()) ||
-          (*in->second)[r.src_buffer].device != nullptr) {
-        return absl::InternalError(absl::StrCat(label, ": relay source ", r.src_worker, " buffer ", r.src_buffer, " is not in host staging"));
-      }
-      std::vector<uint8_t>& bytes = (*in->second)[r.src_buffer].host;
-      transport::MemorySpec spec;
-      spec.kind = transport::MemoryKind::kHost;
-      spec.base = bytes.data();  // only read
-      spec.size_bytes = static_cast<int64_t>(bytes.size());
-      spec.label = absl::StrCat(label, " relay source ", r.src_worker, " b", r.src_buffer);
-      ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
-      regions.push_back(h);
-      s = src_h.emplace(std::pair{r.src_worker, r.src_buffer}, h).first;
-    }
-    auto d = dst_h.find(r.dst_buffer);
-    if (d == dst_h.end()) {
-      if (r.dst_buffer < 0 || r.dst_buffer >= static_cast<int32_t>(live.size()) || live[r.dst_buffer] == nullptr) {
-        return absl::InternalError(absl::StrCat(label, ": live buffer ", r.dst_buffer, " is not host memory"));
-      }
-      transport::MemorySpec spec;
-      spec.kind = transport::MemoryKind::kHost;
-      spec.base = live[r.dst_buffer]->data();
-      spec.size_bytes = live[r.dst_buffer]->size();
-      spec.label = absl::StrCat(label, " live b", r.dst_buffer);
-      ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
-      regions.push_back(h);
-      d = dst_h.emplace(r.dst_buffer, h).first;
-    }
-    transport::CopyOp op = r.op;
-    op.src.region = s->second;
-    op.dst.region = d->second;
-    batch.ops.push_back(std::move(op));
-  }
-  ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
-  return t->Wait(id, deadline);
-}
-
 std::map<int, transport::Transport*> NodeDaemon::NcclLanes() const {
   if (options_.device_staging == nullptr || !options_.device_staging->enabled()) return {};
   return options_.transports.ByDevice("nccl");
@@ -2643,11 +2566,7 @@ absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> NodeDaemon::TryDeviceSt
   return m;
 }
 
-NodeDaemon::CudaImport::~CudaImport() {
-  if (t != nullptr) (void)t->Release(h);
-}
-
-absl::StatusOr<std::shared_ptr<NodeDaemon::CudaImport>> NodeDaemon::ImportCuda(const std::string& worker, const pb::BufferSpec& b) {
+absl::StatusOr<std::shared_ptr<CudaImport>> NodeDaemon::ImportCuda(const std::string& worker, const pb::BufferSpec& b) {
   const bool is_vmm = b.memory_case() == pb::BufferSpec::kCudaVmmKey;
   const std::string what =
       absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), is_vmm ? " (CUDA VMM, gpu " : " (CUDA IPC, gpu ", b.gpu(), ")");

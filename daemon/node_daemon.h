@@ -39,6 +39,7 @@
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
 #include "daemon/nic_meter.h"
+#include "daemon/node/live_copy.h"
 #include "daemon/staging_pool.h"
 #include "tools/cc/clock.h"
 #include "transport/device_allocator.h"
@@ -76,6 +77,11 @@ class NodeDaemon {
     // CUDA VMM buffers (BufferSpec.cuda_vmm_key): the fd a worker sent on the fd channel
     // (DaemonFront::FindVmmFd). Unset: such buffers are FAILED_PRECONDITION.
     std::function<absl::StatusOr<CudaVmmFd>(const std::string& worker, const std::string& key)> cuda_vmm_fd;
+    // A copy into a worker's live memory (sync commit, Apply), once started, runs until it is done or
+    // this long has passed - never cut short by the client's deadline (docs/daemon.md "Live weights").
+    absl::Duration live_copy_timeout = absl::Minutes(2);
+    // TEST ONLY: see LiveCopier::FaultHook (a live copy that fails midway).
+    LiveCopier::FaultHook test_live_copy_fault;
   };
 
   explicit NodeDaemon(Options options);
@@ -98,14 +104,8 @@ class NodeDaemon {
   friend class WorkerImpl;
   friend class NodeImpl;
 
-  // One buffer of staging (snapshot, incoming, committed, gather): host bytes, or device memory
-  // the daemon allocated on the GPU of the worker's buffer (GPU-direct staging).
-  struct StagedBuffer {
-    std::vector<uint8_t> host;                         // when device == nullptr
-    std::shared_ptr<transport::DeviceMemory> device;  // non-null: the bytes live on this GPU (host empty)
-    int64_t size() const { return device ? device->size() : static_cast<int64_t>(host.size()); }
-  };
-  using Bytes = std::vector<StagedBuffer>;  // one entry per buffer, layout order
+  // StagedBuffer, CudaImport, RelayAtCommit: daemon/node/live_copy.h.
+  using Bytes = StagedBytes;  // one entry per buffer, layout order
   // `n` empty buffers whose host memory goes back to staging_pool_ when the last reference drops
   // (fill them with TakeHost): every host staging of a version is made this way.
   std::shared_ptr<Bytes> NewBytes(size_t n = 0);
@@ -117,15 +117,6 @@ class NodeDaemon {
     int fd = -1;
     ~PidWatch();
     bool Alive() const;
-  };
-  // A worker's CUDA buffer: its IPC handle imported into the cuda_ipc transport (released with
-  // the last reference).
-  struct CudaImport {
-    transport::Transport* t = nullptr;
-    transport::RegionHandle h;
-    int64_t size = 0;
-    int device = 0;  // the daemon's ordinal of the buffer's GPU
-    ~CudaImport();
   };
   struct LocalWorker {
     std::string model_id;
@@ -185,6 +176,9 @@ class NodeDaemon {
     std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
     int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
     bool started = false, aborted = false, failed = false;
+    // Every byte of the version landed in this node's staging (the executor finished OK, before
+    // ReportDone): only then may CommitVersion make it the committed copy (FAILED_PRECONDITION before).
+    bool transferred = false;
     std::string error;
     absl::Time deadline;
     // Data plane of this version (guarded by mu_).
@@ -198,12 +192,7 @@ class NodeDaemon {
     // staging to staging during the transfer; the commit copies them from the relay's source
     // staging straight into the rollout's live buffers (RunExecInner "Relays at commit"). Written
     // by the executor under mu_ before it reports done; read by CommitVersion.
-    struct RelayAtCommit {
-      std::string src_worker;  // local rollout whose incoming staging holds the bytes
-      int32_t src_buffer = 0;
-      int32_t dst_buffer = 0;  // in the destination's live buffers
-      transport::CopyOp op;    // regions unset: src offsets/strides in the source staging buffer, dst in the live buffer
-    };
+    using RelayAtCommit = daemon::RelayAtCommit;
     std::map<std::string, std::vector<RelayAtCommit>> relays_at_commit;  // destination rollout -> copies
     std::map<std::string, std::set<int32_t>> pieces_at_commit;           // destination rollout -> its pieces they fill
     uint64_t relay_bytes_at_commit = 0;
@@ -248,20 +237,27 @@ class NodeDaemon {
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
   // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
   absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& worker, const pb::BufferSpec& b);
-  // Copies a rollout's committed staging into its live buffers with the same-node transport
-  // (its thread pool), piece by piece.
-  absl::Status CopyToLive(const Bytes& staging, const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                          const std::vector<std::shared_ptr<CudaImport>>& cuda, const planner::WorkerLayout& layout, const planner::Inventory& inventory, const std::string& label,
-                          absl::Time deadline);
-  // Sync commit: the relays left to the commit (Exec::relays_at_commit of one rollout), from the
-  // other rollouts' incoming staging into this rollout's live host buffers, on the same-node
-  // transport.
-  absl::Status CopyRelaysToLive(const std::vector<Exec::RelayAtCommit>& relays, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
-                                const std::vector<std::shared_ptr<transport::ShmSegment>>& live, const std::string& label,
-                                absl::Time deadline);
-  // Copies whole buffers (src[i] -> dst[i], size[i] bytes) with the same-node transport.
-  absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
-                        const std::string& label, absl::Time deadline);
+  // One copy of staging into a local rollout's live memory (sync commit or Apply).
+  struct LiveJob {
+    std::string worker;
+    uint64_t version = 0;  // being written
+    std::shared_ptr<Bytes> staging;
+    LiveBuffers live;
+    planner::WorkerLayout layout;  // the pieces copied from `staging`
+    std::shared_ptr<const ModelPlan> plan;  // keeps the inventory alive
+    // Sync commit only: relays left to the commit, copied from other rollouts' incoming staging.
+    const std::vector<RelayAtCommit>* relays = nullptr;
+    const std::map<std::string, std::shared_ptr<Bytes>>* incoming = nullptr;
+    std::string label;
+  };
+  // Runs `jobs` at once under the live-copy contract (daemon/node/live_copy.h): waits (bounded by
+  // live_copy_timeout) until no copy into the same workers runs, marks them copying in live_, copies
+  // with live_copy_timeout as the deadline (not a client's), then records each worker whole or
+  // TORN. Per job: OK, the copy's error when it wrote nothing, or DATA_LOSS naming the torn worker.
+  // Call without mu_ held.
+  std::vector<absl::Status> RunLiveCopies(std::vector<LiveJob>& jobs);
+  // Adds this node's view of its workers' live weights (LiveState) to a status answer.
+  void AddLiveState(pb::StatusResponse* resp);
   // Copies a worker's live buffers (host or CUDA) into `out` (one entry per buffer). With
   // `on_gpu`, a CUDA buffer is copied device to device into GPU staging when the budget allows
   // (else, and for host buffers, into host memory).
@@ -300,6 +296,11 @@ class NodeDaemon {
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
   int64_t snapshot_reserved_ ABSL_GUARDED_BY(mu_) = 0;  // snapshot bytes being copied outside mu_
   std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
+  LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
+  LiveCopier copier_;                    // staging -> live copies on the host transport
+  // Observed staging -> live copy speed (bytes/s; 1 GB/s until measured): Apply does not start a
+  // copy that would obviously outlast its caller's timeout.
+  double live_copy_Bps_ ABSL_GUARDED_BY(mu_) = 1e9;
   // Worker ids whose LeaveWorker (an exited process) is on its way to the coordinator, and ids being
   // registered again: a join waits for the leave of the same id, and the liveness check leaves a
   // joining id alone, so a late LeaveWorker never drops the NEW process's registration.

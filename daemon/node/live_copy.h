@@ -1,0 +1,141 @@
+#pragma once
+// Copies into a worker's live memory (staging -> live at a sync commit or an Apply), and the
+// bookkeeping that says whether a worker's live weights are whole.
+//
+// Contract (docs/daemon.md "Live weights: whole or TORN"):
+//  - Apply / CommitVersion never report a version that is not whole in live memory.
+//  - A live copy, once started, runs to its own bounded timeout (NodeDaemon::Options::
+//    live_copy_timeout), never to the client's deadline: the client's deadline bounds the wait for
+//    the version, not a copy that has started writing live weights (cancelling it would leave the
+//    weights part new, part old).
+//  - A live copy that fails after it started writing (transport error, the worker's memory gone)
+//    leaves the worker TORN: LiveState records which version was being written over which one and
+//    why; the node reports it in Status, Apply and WaitVersion until a later copy into that worker
+//    succeeds (a whole version again).
+//  - One live copy per worker at a time (LiveState::Begin refuses a second one): two copies of
+//    different versions interleaving would tear the weights even when both succeed.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "planner/types.h"
+#include "transport/device_allocator.h"
+#include "transport/shm_segment.h"
+#include "transport/transport.h"
+
+namespace wb::daemon {
+
+// One buffer of staging (snapshot, incoming, committed, gather): host bytes, or device memory the
+// daemon allocated on the GPU of the worker's buffer (GPU-direct staging).
+struct StagedBuffer {
+  std::vector<uint8_t> host;                         // when device == nullptr
+  std::shared_ptr<transport::DeviceMemory> device;  // non-null: the bytes live on this GPU (host empty)
+  int64_t size() const { return device ? device->size() : static_cast<int64_t>(host.size()); }
+};
+using StagedBytes = std::vector<StagedBuffer>;  // one entry per buffer, layout order
+
+// A worker's CUDA buffer: its IPC handle imported into the cuda_ipc transport (released with the
+// last reference).
+struct CudaImport {
+  transport::Transport* t = nullptr;
+  transport::RegionHandle h;
+  int64_t size = 0;
+  int device = 0;  // the daemon's ordinal of the buffer's GPU
+  ~CudaImport();
+};
+
+// Sync commit: a same-node relay left to the commit, copied from another rollout's incoming
+// staging straight into the destination rollout's live host buffer.
+struct RelayAtCommit {
+  std::string src_worker;  // local rollout whose incoming staging holds the bytes
+  int32_t src_buffer = 0;
+  int32_t dst_buffer = 0;  // in the destination's live buffers
+  transport::CopyOp op;    // regions unset: src offsets/strides in the source staging buffer, dst in the live buffer
+};
+
+// A worker's live memory: host shm segments or CUDA imports, one entry per buffer (layout order;
+// exactly one of the two is non-null per buffer).
+struct LiveBuffers {
+  std::vector<std::shared_ptr<transport::ShmSegment>> host;
+  std::vector<std::shared_ptr<CudaImport>> cuda;
+};
+
+// The transport view of `box` inside `piece` (offset of the box's first element, the piece's strides).
+transport::StridedRef RefFor(const planner::Piece& piece, const planner::Box& box, int elem, transport::RegionHandle region);
+
+class LiveCopier {
+ public:
+  // TEST ONLY: called before each live copy with its label; a non-OK answer makes the copy fail
+  // midway (only the first half of its ops is copied, then the answer is returned).
+  using FaultHook = std::function<absl::Status(const std::string& label)>;
+
+  // `host` is the same-node transport that reaches host memory (host_shm); must outlive this.
+  LiveCopier(std::string node_id, transport::Transport* host, FaultHook fault = nullptr)
+      : node_id_(std::move(node_id)), host_(host), fault_(std::move(fault)) {}
+
+  // Copies a rollout's staging (same layout as its live memory) into its live buffers, piece by
+  // piece (and the scales of quantised pieces). *wrote = true once any byte may have been written
+  // into live memory (a batch was posted): an error with *wrote == false left live memory as it was.
+  absl::Status CopyToLive(const StagedBytes& staging, const LiveBuffers& live, const planner::WorkerLayout& layout,
+                          const planner::Inventory& inventory, const std::string& label, absl::Time deadline, bool* wrote) const;
+  // Sync commit: the relays left to the commit, from other rollouts' incoming staging into this
+  // rollout's live host buffers.
+  absl::Status CopyRelaysToLive(const std::vector<RelayAtCommit>& relays,
+                                const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming,
+                                const std::vector<std::shared_ptr<transport::ShmSegment>>& live, const std::string& label,
+                                absl::Time deadline, bool* wrote) const;
+  // Whole buffers (src[i] -> dst[i], size[i] bytes) on the host transport.
+  absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
+                        const std::string& label, absl::Time deadline) const;
+
+ private:
+  // Posts every batch (all of its ops, or the first half when the fault hook says so), waits for
+  // each, and returns the first error.
+  absl::Status Run(std::map<transport::Transport*, transport::Batch>& batches, const std::string& label, absl::Time deadline,
+                   bool* wrote) const;
+
+  std::string node_id_;
+  transport::Transport* host_;
+  FaultHook fault_;
+};
+
+// Per worker: are its live weights whole, being written, or torn? Not thread-safe: the node daemon
+// guards it with its own mutex (so its waits can use it in conditions).
+class LiveState {
+ public:
+  enum class State { kWhole, kCopying, kTorn };
+  struct Info {
+    State state = State::kWhole;
+    uint64_t writing = 0;  // version being (or last) written
+    uint64_t over = 0;     // the version live memory held before (0: none yet)
+    std::string reason;    // kTorn: why the copy failed
+  };
+
+  // A copy of `writing` over `over` starts; false (nothing changes) when one is running already.
+  bool Begin(const std::string& worker, uint64_t writing, uint64_t over);
+  bool Copying(const std::string& worker) const;
+  // The copy ended. OK: whole again. Error with `wrote`: torn (`result` is the reason). Error
+  // without `wrote`: back to the state before Begin (live memory was not touched).
+  void End(const std::string& worker, const absl::Status& result, bool wrote);
+  Info Get(const std::string& worker) const;
+  bool Torn(const std::string& worker) const { return Get(worker).state == State::kTorn; }
+  // The worker left (its memory with it).
+  void Forget(const std::string& worker);
+
+  // DATA_LOSS naming worker, node, the versions and the reason, or OK when not torn.
+  absl::Status TornError(const std::string& worker, const std::string& node) const;
+  static const char* Name(State s);
+
+ private:
+  std::map<std::string, Info> info_;       // absent = whole
+  std::map<std::string, Info> before_;     // state before a running copy (restored when it never wrote)
+};
+
+}  // namespace wb::daemon
