@@ -130,7 +130,9 @@ void AddLayer(Builder& b, const ModelConfig& c, int64_t l) {
   }
   const std::string m = p + "mlp.";
   b.Add(m + "gate.weight", {c.experts, H});
-  if (c.router_bias) b.Add(m + "gate.e_score_correction_bias", {c.experts});
+  // float32 whatever the model's dtype: the checkpoints, HF transformers (a float32 buffer), vLLM
+  // and SGLang (float32 parameter) and Megatron (router.expert_bias) all keep it in fp32.
+  if (c.router_bias) b.Add(m + "gate.e_score_correction_bias", {c.experts}, DType::kF32);
   for (int64_t e = 0; e < c.experts; ++e) {
     AddGatedMlp(b, absl::StrCat(m, "experts.", e, "."), H, c.moe_intermediate);
   }

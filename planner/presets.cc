@@ -286,6 +286,10 @@ absl::Status CheckMegatron(const ModelConfig& c, const ParallelConfig& p) {
   if (p.pp > c.layers) {
     return absl::InvalidArgumentError(absl::StrCat("megatron: pp=", p.pp, " exceeds num_hidden_layers=", c.layers));
   }
+  if (!p.expert_placement.empty()) {
+    return absl::InvalidArgumentError("megatron: expert_placement is a vllm option");
+  }
+  RETURN_IF_ERROR(MegatronStageLayers(c.layers, p, 0).status());
   RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m));
   if (!c.mla) {
     if (c.kv_heads % p.tp != 0) {
@@ -313,23 +317,45 @@ absl::Status CheckMegatron(const ModelConfig& c, const ParallelConfig& p) {
 }
 
 absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
-  const char* m = "vllm";
-  RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m));
+  const std::string& m = p.preset;
+  const bool sglang = m == "sglang";
+  if (p.first_stage_layers != 0 || p.last_stage_layers != 0 || p.vpp != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(m, ": first_stage_layers, last_stage_layers and vpp are megatron options"));
+  }
+  if (!p.expert_placement.empty() && p.expert_placement != "linear" && p.expert_placement != "round_robin") {
+    return absl::InvalidArgumentError(absl::StrCat(m, ": unknown expert_placement `", p.expert_placement,
+                                                   "` (expected linear or round_robin)"));
+  }
+  if (sglang && (p.dp > 1 || p.expert_placement == "round_robin")) {
+    return absl::InvalidArgumentError(absl::StrCat("sglang: ", p.dp > 1 ? "dp > 1 (DP attention)" : "expert_placement round_robin",
+                                                   " is not supported; use replicas for independent engines"));
+  }
+  if (p.expert_placement == "round_robin" && !p.expert_parallel) {
+    return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
+  }
+  RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m.c_str()));
   if (!c.mla) {
     if (p.tp >= c.kv_heads ? p.tp % c.kv_heads != 0 : c.kv_heads % p.tp != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "vllm: tp=", p.tp, " and num_key_value_heads=", c.kv_heads, " must divide one another"));
+          m, ": tp=", p.tp, " and num_key_value_heads=", c.kv_heads, " must divide one another"));
     }
   }
-  RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m));
+  RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m.c_str()));
   if (c.experts > 0) {
+    // The MoE layers span the engine's dp*tp ranks (vLLM flatten_tp_across_dp).
+    const int64_t flat = int64_t{p.dp} * p.tp;
     if (p.expert_parallel) {
-      RETURN_IF_ERROR(Divides(p.tp, c.experts, "tp (expert parallel)", "num_experts", m));
+      if (sglang) {
+        RETURN_IF_ERROR(Divides(flat, c.experts, "tp (expert parallel)", "num_experts", m.c_str()));
+      } else if (c.experts < flat) {
+        return absl::InvalidArgumentError(absl::StrCat(m, ": expert parallel over dp*tp=", flat, " ranks needs at least as many experts (",
+                                                       c.experts_field.empty() ? "num_experts" : c.experts_field, "=", c.experts, ")"));
+      }
     } else {
-      RETURN_IF_ERROR(Divides(p.tp, c.moe_intermediate, "tp", "moe_intermediate_size", m));
+      RETURN_IF_ERROR(Divides(flat, c.moe_intermediate, p.dp > 1 ? "dp*tp" : "tp", "moe_intermediate_size", m.c_str()));
     }
     if (c.shared_expert_intermediate > 0) {
-      RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m));
+      RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m.c_str()));
     }
   }
   return absl::OkStatus();
@@ -405,29 +431,31 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
   (void)inv;
 }
 
-PresetLayout MakeMegatron(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
-                          const PresetBuilder::Ids& ids, int rank) {
+absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
+                                          const PresetBuilder::Ids& ids, int rank) {
   const int tp_rank = rank % par.tp;
   const int dp_rank = (rank / par.tp) % par.dp;
   const int pp_rank = rank / (par.tp * par.dp);
   const int expert_local = tp_rank + par.tp * dp_rank;
-  const int64_t base = c.layers / par.pp, extra = c.layers % par.pp;
-  const int64_t l0 = pp_rank * base + std::min<int64_t>(pp_rank, extra);
-  const int64_t l1 = l0 + base + (pp_rank < extra ? 1 : 0);
+  ASSIGN_OR_RETURN(auto chunks, MegatronStageLayers(c.layers, par, pp_rank));
   const int64_t vocab_per_rank = CeilDiv(c.vocab, int64_t{128} * par.tp) * 128;
   Writer w(inv);
-  if (pp_rank == 0) w.Vocab("embedding.word_embeddings.weight", ids.embed, vocab_per_rank, tp_rank);
-  for (int64_t l = l0; l < l1; ++l) {
-    MegatronLayer(c, par, inv, ids.layers[l], absl::StrCat("decoder.layers.", l - l0, "."), tp_rank,
-                  expert_local, w);
-  }
-  if (pp_rank == par.pp - 1) {
-    w.Replicated("decoder.final_layernorm.weight", ids.final_norm);
-    if (ids.lm_head >= 0) {
-      w.Vocab("output_layer.weight", ids.lm_head, vocab_per_rank, tp_rank);
-    } else if (par.pp > 1) {
-      // Tied embeddings: the last stage keeps its own copy as the output layer.
-      w.Vocab("output_layer.weight", ids.embed, vocab_per_rank, tp_rank);
+  for (size_t v = 0; v < chunks.size(); ++v) {
+    // Model chunks of the virtual pipeline: Megatron's checkpoint keys them model0, model1, ...
+    const std::string chunk = par.vpp > 1 ? absl::StrCat("model", v, ".") : "";
+    const auto [l0, n] = chunks[v];
+    if (pp_rank == 0 && v == 0) w.Vocab(chunk + "embedding.word_embeddings.weight", ids.embed, vocab_per_rank, tp_rank);
+    for (int64_t i = 0; i < n; ++i) {
+      MegatronLayer(c, par, inv, ids.layers[l0 + i], absl::StrCat(chunk, "decoder.layers.", i, "."), tp_rank, expert_local, w);
+    }
+    if (pp_rank == par.pp - 1 && v + 1 == chunks.size()) {
+      w.Replicated(chunk + "decoder.final_layernorm.weight", ids.final_norm);
+      if (ids.lm_head >= 0) {
+        w.Vocab(chunk + "output_layer.weight", ids.lm_head, vocab_per_rank, tp_rank);
+      } else if (par.pp > 1) {
+        // Tied embeddings: the last stage keeps its own copy as the output layer.
+        w.Vocab(chunk + "output_layer.weight", ids.embed, vocab_per_rank, tp_rank);
+      }
     }
   }
   return w.Finish();
@@ -435,36 +463,45 @@ PresetLayout MakeMegatron(const ModelConfig& c, const ParallelConfig& par, const
 
 // ---- vLLM / SGLang ----
 
+// `flat`, `flat_rank`: the engine's dp*tp ranks the MoE layers span, and this rank among them.
 void VllmExperts(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L, const std::string& m,
-                 int tp_rank, Writer& w) {
+                 int64_t flat, int64_t flat_rank, Writer& w) {
   const int64_t H = c.hidden;
-  const int64_t tp = par.tp;
-  int64_t e0 = 0, ne = c.experts, parts = tp, idx = tp_rank;
+  std::vector<int64_t> ids;
+  int64_t parts = flat, idx = flat_rank;
   if (par.expert_parallel) {
-    ne = c.experts / tp;
-    e0 = tp_rank * ne;
+    ids = VllmLocalExperts(c.experts, flat, flat_rank, par.expert_placement == "round_robin");
     parts = 1;
     idx = 0;
+  } else {
+    for (int64_t e = 0; e < c.experts; ++e) ids.push_back(e);
   }
+  const int64_t ne = static_cast<int64_t>(ids.size());
   const int64_t n = c.moe_intermediate / parts;
-  w.Begin(m + "experts.w13_weight", {ne, 2 * n, H}, L.experts[e0][0]);
+  const auto& first = L.experts[ids.empty() ? 0 : ids[0]];
+  w.Begin(m + "experts.w13_weight", {ne, 2 * n, H}, first[0]);
   for (int64_t j = 0; j < ne; ++j) {
-    const auto& e = L.experts[e0 + j];
+    const auto& e = L.experts[ids[j]];
     w.Block(e[0], 0, idx * n, (idx + 1) * n, j * 2 * n * H);
     w.Block(e[1], 0, idx * n, (idx + 1) * n, j * 2 * n * H + n * H);
   }
-  w.Begin(m + "experts.w2_weight", {ne, H, n}, L.experts[e0][2]);
+  w.Begin(m + "experts.w2_weight", {ne, H, n}, first[2]);
   for (int64_t j = 0; j < ne; ++j) {
-    w.Block(L.experts[e0 + j][2], 1, idx * n, (idx + 1) * n, j * H * n);
+    w.Block(L.experts[ids[j]][2], 1, idx * n, (idx + 1) * n, j * H * n);
   }
 }
 
 PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
                       const PresetBuilder::Ids& ids, int rank) {
   const int tp_rank = rank % par.tp;
+  const int dp_rank = (rank / par.tp) % par.dp;
   const int64_t tp = par.tp;
   const int64_t H = c.hidden;
   const int64_t vocab_per_rank = CeilDiv(AlignUp(c.vocab, 64), tp);
+  // MoE layers span the engine's dp*tp ranks (vLLM FusedMoEParallelConfig.flatten_tp_across_dp).
+  const int64_t flat = int64_t{par.dp} * tp, flat_rank = int64_t{dp_rank} * tp + tp_rank;
+  // SGLang names the fused q_a + kv_a projection after both halves.
+  const std::string fused_qkv_a = par.preset == "sglang" ? "fused_qkv_a_proj_with_mqa.weight" : "fused_qkv_a_proj.weight";
   Writer w(inv);
   w.Vocab("model.embed_tokens.weight", ids.embed, vocab_per_rank, tp_rank);
   for (int64_t l = 0; l < c.layers; ++l) {
@@ -474,7 +511,7 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     w.Replicated(p + "input_layernorm.weight", L.input_norm);
     if (c.mla) {
       if (L.q_b >= 0) {
-        w.Begin(a + "fused_qkv_a_proj.weight", {c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, H}, L.q_a);
+        w.Begin(a + fused_qkv_a, {c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, H}, L.q_a);
         w.Block(L.q_a, -1, 0, 0, 0);
         w.Block(L.kv_a, -1, 0, 0, c.q_lora_rank * H);
         w.Replicated(a + "q_a_layernorm.weight", L.q_a_norm);
@@ -522,7 +559,7 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     const std::string m = p + (c.family == ModelFamily::kMixtral ? "block_sparse_moe." : "mlp.");
     w.Replicated(m + "gate.weight", L.router);
     if (L.router_bias >= 0) w.Replicated(m + "gate.e_score_correction_bias", L.router_bias);
-    VllmExperts(c, par, L, m, tp_rank, w);
+    VllmExperts(c, par, L, m, flat, flat_rank, w);
     if (L.sh_gate >= 0) {
       const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
       w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, tp, tp_rank);
@@ -581,22 +618,34 @@ PresetLayout MakeFsdpFlat(const ParallelConfig& par, const Inventory& inv, int r
 
 absl::StatusOr<int> PresetWorldSize(const ParallelConfig& p) {
   ASSIGN_OR_RETURN(Kind kind, KindOf(p.preset));
-  if (p.tp < 1 || p.pp < 1 || p.dp < 1 || p.ep < 1 || p.etp < 0 || p.replicas < 1) {
+  if (p.tp < 1 || p.pp < 1 || p.dp < 1 || p.ep < 1 || p.etp < 0 || p.replicas < 1 || p.vpp < 1 ||
+      p.first_stage_layers < 0 || p.last_stage_layers < 0) {
     return absl::InvalidArgumentError(absl::StrCat(p.preset, ": tp, pp, dp, ep, replicas must be >= 1 (got tp=",
                                                    p.tp, " pp=", p.pp, " dp=", p.dp, " ep=", p.ep,
-                                                   " etp=", p.etp, " replicas=", p.replicas, ")"));
+                                                   " etp=", p.etp, " replicas=", p.replicas, " vpp=", p.vpp, ")"));
   }
+  // In int64: the sizes come from a worker's request; a product over the bound is refused, never
+  // overflowed.
+  int64_t world = 0;
   switch (kind) {
     case Kind::kMegatron:
-      return p.tp * p.pp * p.dp;
+      world = int64_t{p.tp} * p.pp * p.dp;
+      break;
     case Kind::kFsdp2:
-      return p.dp * p.replicas;
+      world = int64_t{p.dp} * p.replicas;
+      break;
     case Kind::kFsdpFlat:
-      return p.dp;
+      world = p.dp;
+      break;
     case Kind::kVllm:
-      return p.tp * p.replicas;
+      world = int64_t{p.tp} * p.dp * p.replicas;
+      break;
   }
-  return absl::InternalError("unreachable");
+  if (world > kMaxPresetWorld) {
+    return absl::InvalidArgumentError(absl::StrCat(p.preset, ": world size ", world, " (tp=", p.tp, " pp=", p.pp, " dp=", p.dp,
+                                                   " replicas=", p.replicas, ") exceeds the limit of ", kMaxPresetWorld));
+  }
+  return static_cast<int>(world);
 }
 
 namespace {
@@ -715,6 +764,10 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
   b.config_ = config;
   b.parallel_ = parallel;
   b.inventory_ = &inventory;
+  if ((kind == Kind::kFsdp2 || kind == Kind::kFsdpFlat) &&
+      (parallel.first_stage_layers != 0 || parallel.last_stage_layers != 0 || parallel.vpp != 1 || !parallel.expert_placement.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": first_stage_layers, last_stage_layers, vpp and expert_placement do not apply"));
+  }
   if (kind == Kind::kFsdp2) {
     for (const TensorSpec& t : inventory.tensors) {
       if (t.shape.empty()) return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": tensor ", t.name, " is 0-D (FSDP2 shards dim 0)"));
@@ -755,6 +808,64 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
 
 bool KnownQuantization(const std::string& scheme) {
   return scheme.empty() || scheme == "fp8_block128" || scheme == "mxfp8" || scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
+}
+
+std::vector<int64_t> VllmLocalExperts(int64_t experts, int64_t ep_size, int64_t ep_rank, bool round_robin) {
+  // vllm/model_executor/layers/fused_moe/layer.py determine_expert_map.
+  const int64_t base = experts / ep_size, rem = experts % ep_size;
+  const int64_t local = base + (ep_rank < rem ? 1 : 0);
+  std::vector<int64_t> ids;
+  ids.reserve(local);
+  const int64_t start = ep_rank * base + std::min(ep_rank, rem);
+  for (int64_t j = 0; j < local; ++j) ids.push_back(round_robin ? ep_rank + j * ep_size : start + j);
+  return ids;
+}
+
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> MegatronStageLayers(int64_t layers, const ParallelConfig& par,
+                                                                             int pp_rank) {
+  const int64_t pp = par.pp, vpp = par.vpp;
+  if (pp < 1 || vpp < 1 || pp_rank < 0 || pp_rank >= pp) {
+    return absl::InvalidArgumentError(absl::StrCat("megatron: pp=", pp, " vpp=", vpp, " pp_rank=", pp_rank));
+  }
+  const bool first = par.first_stage_layers > 0, last = par.last_stage_layers > 0;
+  if ((vpp > 1 || first || last) && pp == 1) {
+    return absl::InvalidArgumentError("megatron: vpp, first_stage_layers and last_stage_layers need pp > 1");
+  }
+  // Layers per stage (Megatron-Core get_num_layers_to_build).
+  std::vector<int64_t> n(pp);
+  if (first || last) {
+    const int64_t middle_stages = pp - (first ? 1 : 0) - (last ? 1 : 0);
+    const int64_t middle = layers - par.first_stage_layers - par.last_stage_layers;
+    if (middle < 0 || (middle_stages == 0 ? middle != 0 : middle % middle_stages != 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "megatron: num_hidden_layers=", layers, " minus first_stage_layers=", par.first_stage_layers,
+          " and last_stage_layers=", par.last_stage_layers, " leaves ", middle, " layers, which do not split evenly over the ",
+          middle_stages, " other pipeline stages"));
+    }
+    for (int64_t s = 0; s < pp; ++s) n[s] = middle_stages > 0 ? middle / middle_stages : 0;
+    if (first) n[0] = par.first_stage_layers;
+    if (last) n[pp - 1] = par.last_stage_layers;
+  } else {
+    if (vpp > 1 && layers % pp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("megatron: pp=", pp, " must divide num_hidden_layers=", layers,
+                                                     " with a virtual pipeline (or give first/last_stage_layers)"));
+    }
+    for (int64_t s = 0; s < pp; ++s) n[s] = layers / pp + (s < layers % pp ? 1 : 0);
+  }
+  // Virtual pipeline: stage s's layers are vpp chunks of n[s]/vpp; chunk v of every stage comes
+  // after chunk v-1 of every stage (get_transformer_layer_offset: v*T + the earlier stages' chunks).
+  int64_t total = 0, before = 0;
+  for (int64_t s = 0; s < pp; ++s) {
+    if (n[s] % vpp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("megatron: pipeline stage ", s, " has ", n[s],
+                                                     " layers, not a multiple of vpp=", vpp));
+    }
+    total += n[s] / vpp;
+    if (s < pp_rank) before += n[s] / vpp;
+  }
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t v = 0; v < vpp; ++v) out.emplace_back(v * total + before, n[pp_rank] / vpp);
+  return out;
 }
 
 absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,

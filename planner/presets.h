@@ -2,18 +2,28 @@
 // Layout presets: every worker's pieces for the frameworks' real local tensors, computed from a
 // model config and a parallel config. Semantics follow ../shared/specs/README.md.
 //
+// Full user-level description of every preset: docs/presets.md.
+//
 // megatron (Megatron-Core, Transformer-Engine spec):
-//   world = tp*pp*dp, rank = tp_rank + tp*(dp_rank + dp*pp_rank). Layers split into pp contiguous
-//   stages (floor/ceil, earlier stages take the extra); local names use the stage-local layer index
-//   (`decoder.layers.{i}` as named_parameters() shows them). embedding.word_embeddings on stage 0,
-//   decoder.final_layernorm + output_layer on the last stage (tied embeddings with pp > 1: the last
-//   stage's output_layer is another replica of model.embed_tokens.weight). Vocab padded to a
-//   multiple of 128*tp and split by tp (padding rows are not covered by pieces). linear_qkv is
-//   interleaved per query group ([q heads of group; k; v]) and groups are split by tp (requires
-//   tp | kv heads). linear_fc1 = [gate shard; up shard]. Experts: ep contiguous ranges, each expert
-//   split by etp (default tp), replicated over edp = tp*dp/(ep*etp); expert rank within a stage:
-//   local = tp_rank + tp*dp_rank, etp_rank = local % etp, ep_rank = (local / etp) % ep.
-//   Local experts: mlp.experts.local_experts.{j}.linear_fc{1,2}.weight.
+//   world = tp*pp*dp, rank = tp_rank + tp*(dp_rank + dp*pp_rank). Layers per pipeline stage as
+//   Megatron-Core's get_num_layers_to_build / get_transformer_layer_offset assign them:
+//   first_stage_layers / last_stage_layers (--decoder-first/last-pipeline-num-layers) give the
+//   first / last stage that many layers and the other stages the rest evenly (must divide);
+//   otherwise layers/pp each (when pp does not divide the layers, an extension Megatron itself
+//   refuses: floor/ceil, earlier stages take the extra). vpp > 1 (virtual pipeline, interleaved
+//   1F1B): each stage's layers are vpp model chunks; chunk v of stage s holds layers
+//   [v*T + sum_{s'<s} n_s'/vpp, + n_s/vpp) with T = layers/vpp (Megatron's interleaving: with 8
+//   layers, pp=2, vpp=2: stage 0 holds [0,1] and [4,5]). Local names use the chunk-local layer
+//   index (`decoder.layers.{i}` as named_parameters() shows them), prefixed `model{v}.` when
+//   vpp > 1 (Megatron's checkpoint keys for model chunks). embedding.word_embeddings on (stage 0,
+//   chunk 0), decoder.final_layernorm + output_layer on (last stage, last chunk) (tied embeddings
+//   with pp > 1: the last stage's output_layer is another replica of model.embed_tokens.weight).
+//   Vocab padded to a multiple of 128*tp and split by tp (padding rows are not covered by pieces).
+//   linear_qkv is interleaved per query group ([q heads of group; k; v]) and groups are split by tp
+//   (requires tp | kv heads). linear_fc1 = [gate shard; up shard]. Experts: ep contiguous ranges,
+//   each expert split by etp (default tp), replicated over edp = tp*dp/(ep*etp); expert rank within
+//   a stage: local = tp_rank + tp*dp_rank, etp_rank = local % etp, ep_rank = (local / etp) % ep.
+//   Local experts: mlp.experts.local_experts.{j}.linear_fc{1,2}.weight. router.expert_bias float32.
 // fsdp (= fsdp2): torch FSDP2 `fully_shard` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py):
 //   world = dp * replicas (HSDP: replicas = the replicate mesh dim, rank = replica*dp + shard_rank).
 //   Every tensor is split on dim 0 with torch.chunk semantics: c = ceil(d0/dp) rows per rank, rank
@@ -24,19 +34,30 @@
 // fsdp_flat: world = dp; every tensor flattened and split into dp contiguous ranges of ceil(n/dp)
 //   elements; local tensors keep the HF name and are 1-D; empty shards are omitted. (The layout
 //   "fsdp" had before FSDP2 was added; neither FSDP1 nor FSDP2 shards like this.)
-// vllm / sglang: world = tp*replicas, rank = replica*tp + tp_rank. qkv_proj = [q;k;v] per rank (KV
-//   heads replicated when tp > kv heads), gate_up_proj = [gate;up], o_proj/down_proj row-parallel,
-//   embed_tokens/lm_head vocab-parallel (vocab padded to a multiple of 64, split by tp), MLA as
-//   vLLM's DeepseekV2 model (fused_qkv_a_proj replicated when q_lora_rank is set; q_b_proj/kv_b_proj
-//   by heads; o_proj row-parallel), FusedMoE experts.w13_weight [E_local, 2*I/tp, H] and
-//   experts.w2_weight [E_local, H, I/tp]; with expert_parallel the experts are split contiguously
-//   over the replica's tp ranks and not tensor-split. Norms, routers and biases replicated.
+// vllm / sglang: world = tp*dp*replicas, rank = (replica*dp + dp_rank)*tp + tp_rank. `replicas`
+//   are independent engines; `dp` is data parallelism inside one engine (vLLM
+//   --data-parallel-size, SGLang --dp with DP attention): attention, dense MLPs, shared experts,
+//   embeddings and lm_head are tensor-parallel over the tp ranks of the DP rank, and the MoE layers
+//   span all dp*tp ranks of the engine (vLLM FusedMoEParallelConfig flatten_tp_across_dp:
+//   flat_rank = dp_rank*tp + tp_rank). qkv_proj = [q;k;v] per rank (KV heads replicated when
+//   tp > kv heads), gate_up_proj = [gate;up], o_proj/down_proj row-parallel, embed_tokens/lm_head
+//   vocab-parallel (vocab padded to a multiple of 64, split by tp), MLA as vLLM's DeepseekV2 model
+//   (fused_qkv_a_proj replicated when q_lora_rank is set -- SGLang: fused_qkv_a_proj_with_mqa;
+//   q_b_proj/kv_b_proj by heads; o_proj row-parallel), FusedMoE experts.w13_weight
+//   [E_local, 2*I/n, H] and experts.w2_weight [E_local, H, I/n]. Without expert_parallel every
+//   flat rank holds all experts tensor-split n = dp*tp ways. With expert_parallel (EP size dp*tp,
+//   ep_rank = flat_rank) whole experts are spread as vLLM's determine_expert_map does: linear
+//   (default): ep_rank r holds base + (r < rem) contiguous experts starting at r*base + min(r, rem)
+//   (base = E / ep, rem = E % ep: earlier ranks take the extra expert); expert_placement
+//   "round_robin": experts r, r+ep, r+2ep, ... SGLang requires ep | E. Norms, routers and biases
+//   replicated; e_score_correction_bias float32.
 //
 // Every worker has ONE buffer holding its local tensors packed in order at 256-byte aligned offsets.
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -51,6 +72,11 @@ struct ParallelConfig {
   int tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;  // etp 0 = tp
   bool expert_parallel = false;                 // vllm/sglang
   int replicas = 1;                             // vllm/sglang: engines; fsdp2: HSDP replicate size
+  // megatron: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (0 = not set)
+  // and --virtual-pipeline-model-parallel-size (1 = none).
+  int first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
+  // vllm: --expert-placement-strategy, "" (= "linear") or "round_robin" (expert_parallel only).
+  std::string expert_placement;
   // vllm/sglang only: "" (weights in the canonical dtype) or "fp8_block128": every 2-D linear
   // weight (a ".weight" whose name has "proj" or ".experts.") is held as float8_e4m3 with
   // 128x128 block scales (planner/types.h Quantization), as vLLM / SGLang fp8 block-quant
@@ -88,7 +114,11 @@ inline constexpr int64_t kLocalTensorAlignment = 256;
 // Whether `scheme` is a known ParallelConfig::quantization ("" included).
 bool KnownQuantization(const std::string& scheme);
 
-// World size of the preset, or InvalidArgument for an unknown preset / non-positive sizes.
+// Largest world a preset may describe (ranks of one trainer or one set of engines).
+inline constexpr int64_t kMaxPresetWorld = int64_t{1} << 20;
+
+// World size of the preset, or InvalidArgument for an unknown preset / non-positive sizes / a
+// world over kMaxPresetWorld (computed without overflow).
 absl::StatusOr<int> PresetWorldSize(const ParallelConfig& parallel);
 
 // Resolves the inventory once, then makes any rank's layout cheaply. `inventory` must be the one
@@ -112,6 +142,15 @@ class PresetBuilder {
   int world_ = 0;
   std::shared_ptr<const Ids> ids_;
 };
+
+// Global expert ids an expert-parallel vLLM rank holds, in local order (determine_expert_map):
+// linear: earlier ranks take the extra expert; round_robin: ep_rank, ep_rank + ep, ...
+std::vector<int64_t> VllmLocalExperts(int64_t experts, int64_t ep_size, int64_t ep_rank, bool round_robin);
+
+// Megatron layers of pipeline rank `pp_rank`: one [first, first + count) range per virtual stage
+// (vpp of them, in chunk order). InvalidArgument when the split is not one Megatron accepts.
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> MegatronStageLayers(int64_t layers, const ParallelConfig& par,
+                                                                             int pp_rank);
 
 // Convenience: PresetBuilder::Create(...) then Make(rank).
 absl::StatusOr<PresetLayout> MakePresetLayout(const ModelConfig& config, const Inventory& inventory,

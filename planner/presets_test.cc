@@ -514,10 +514,12 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
     if (name == "model.embed_tokens.weight" && c.tie_word_embeddings && p.pp > 1) return 2 * p.dp;
     return p.dp;
   }
-  if (replicated) return int64_t{p.tp} * p.replicas;
+  // vllm/sglang: dp ranks of one engine each hold the dense part; MoE experts once per engine.
+  if (replicated) return int64_t{p.tp} * p.dp * p.replicas;
+  if (expert) return p.replicas;
   const bool kv = absl::StrContains(name, "k_proj") || absl::StrContains(name, "v_proj");
-  if (kv && p.tp > c.kv_heads) return int64_t{p.replicas} * p.tp / c.kv_heads;
-  return p.replicas;
+  if (kv && p.tp > c.kv_heads) return int64_t{p.replicas} * p.dp * p.tp / c.kv_heads;
+  return int64_t{p.dp} * p.replicas;
 }
 
 class Coverage : public ::testing::TestWithParam<CoverCase> {};
@@ -564,7 +566,22 @@ INSTANTIATE_TEST_SUITE_P(
         CoverCase{"deepseek-v3.json", 5, {.preset = "vllm", .tp = 32, .expert_parallel = true, .replicas = 2}},
         CoverCase{"deepseek-v3.json", 4, {.preset = "vllm", .tp = 8, .replicas = 1}},
         CoverCase{"kimi-k2.json", 3, {.preset = "megatron", .tp = 8, .pp = 3, .dp = 4, .ep = 32, .etp = 1}},
-        CoverCase{"kimi-k2.json", 3, {.preset = "vllm", .tp = 16, .expert_parallel = true, .replicas = 2}}));
+        CoverCase{"kimi-k2.json", 3, {.preset = "vllm", .tp = 16, .expert_parallel = true, .replicas = 2}},
+        // vLLM DP + EP: experts over all dp*tp ranks, uneven (384 experts over 4*2*... ranks).
+        CoverCase{"kimi-k2.json", 3, {.preset = "vllm", .tp = 8, .dp = 4, .expert_parallel = true, .replicas = 2}},
+        CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "vllm", .tp = 2, .dp = 3, .expert_parallel = true}},
+        CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "vllm", .tp = 2, .dp = 3, .expert_parallel = true,
+                                            .expert_placement = "round_robin"}},
+        CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "vllm", .tp = 2, .dp = 2}},
+        CoverCase{"deepseek-v3.json", 4, {.preset = "vllm", .tp = 4, .dp = 3, .expert_parallel = true}},
+        // Megatron custom pipeline splits and virtual pipeline stages.
+        CoverCase{"qwen2.5-7b.json", 10, {.preset = "megatron", .tp = 2, .pp = 4, .dp = 1, .first_stage_layers = 1,
+                                          .last_stage_layers = 3}},
+        CoverCase{"qwen2.5-7b.json", 12, {.preset = "megatron", .tp = 1, .pp = 3, .dp = 2, .first_stage_layers = 2,
+                                          .last_stage_layers = 2, .vpp = 2}},
+        CoverCase{"qwen2.5-0.5b.json", 8, {.preset = "megatron", .tp = 2, .pp = 2, .dp = 1, .vpp = 2}},
+        CoverCase{"deepseek-v3.json", 6, {.preset = "megatron", .tp = 1, .pp = 2, .dp = 8, .ep = 8, .etp = 1,
+                                          .first_stage_layers = 2, .vpp = 2}}));
 
 TEST(Presets, SmallFamiliesCover) {
   // Mixtral, DeepSeek without q_lora, Qwen2-MoE with a gated shared expert, Llama with bias.
@@ -663,6 +680,163 @@ TEST(Presets, Fsdp2TorchChunkSemantics) {
   EXPECT_EQ(emb->shape, (std::vector<int64_t>{35 - 3 * 9}));
 }
 
+// vLLM --data-parallel-size 4 --tensor-parallel-size 2 --enable-expert-parallel: attention TP
+// within the DP rank, experts over all 8 ranks (ep_rank = dp_rank * tp + tp_rank).
+TEST(Presets, VllmDataParallelExpertParallel) {
+  Model m = Load("qwen3-30b-a3b.json", 1);  // 128 experts, moe_intermediate 768, 32 heads, 4 KV heads
+  ParallelConfig par{.preset = "vllm", .tp = 2, .dp = 4, .expert_parallel = true};
+  auto b = PresetBuilder::Create(m.config, m.inv, par);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->world_size(), 8);
+  auto l = b->Make(5);  // dp_rank 2, tp_rank 1 -> ep_rank 5: experts 80..95
+  ASSERT_TRUE(l.ok()) << l.status();
+  const LocalTensor* w13 = FindLocal(*l, "model.layers.0.mlp.experts.w13_weight");
+  ASSERT_NE(w13, nullptr);
+  EXPECT_EQ(w13->shape, (std::vector<int64_t>{16, 2 * 768, 2048}));
+  TensorIndex idx(m.inv);
+  EXPECT_EQ(l->layout.pieces[w13->first_piece].tensor, *idx.Find("model.layers.0.mlp.experts.80.gate_proj.weight"));
+  const LocalTensor* qkv = FindLocal(*l, "model.layers.0.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  EXPECT_EQ(qkv->shape, (std::vector<int64_t>{(16 + 2 * 2) * 128, 2048}));  // tp=2 within the DP rank
+  EXPECT_EQ(l->layout.pieces[qkv->first_piece].box.begin[0], 16 * 128);   // q heads 16..31 (tp_rank 1)
+  // Without expert parallelism the experts are tensor-split over all dp*tp = 8 ranks.
+  auto t = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 2, .dp = 4}, 5);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const LocalTensor* t13 = FindLocal(*t, "model.layers.0.mlp.experts.w13_weight");
+  ASSERT_NE(t13, nullptr);
+  EXPECT_EQ(t13->shape, (std::vector<int64_t>{128, 2 * 96, 2048}));
+  EXPECT_EQ(t->layout.pieces[t13->first_piece].box.begin[0], 5 * 96);
+  EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 2, .dp = 4}, 0).ok());
+}
+
+// vLLM determine_expert_map: 10 experts over 4 EP ranks -> 3, 3, 2, 2 (earlier ranks take the
+// extra); round_robin: rank r holds r, r+4, r+8.
+TEST(Presets, VllmUnevenExpertParallel) {
+  EXPECT_EQ(VllmLocalExperts(10, 4, 0, false), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(VllmLocalExperts(10, 4, 1, false), (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(VllmLocalExperts(10, 4, 2, false), (std::vector<int64_t>{6, 7}));
+  EXPECT_EQ(VllmLocalExperts(10, 4, 3, false), (std::vector<int64_t>{8, 9}));
+  EXPECT_EQ(VllmLocalExperts(10, 4, 1, true), (std::vector<int64_t>{1, 5, 9}));
+  EXPECT_EQ(VllmLocalExperts(10, 4, 3, true), (std::vector<int64_t>{3, 7}));
+  Model m = FromText(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":4,"vocab_size":100,
+    "num_experts":10,"moe_intermediate_size":32})");
+  TensorIndex idx(m.inv);
+  for (bool rr : {false, true}) {
+    ParallelConfig par{.preset = "vllm", .tp = 4, .expert_parallel = true};
+    if (rr) par.expert_placement = "round_robin";
+    std::vector<PresetLayout> ranks;
+    for (int r = 0; r < 4; ++r) {
+      auto l = MakePresetLayout(m.config, m.inv, par, r);
+      ASSERT_TRUE(l.ok()) << l.status();
+      const LocalTensor* w2 = FindLocal(*l, "model.layers.0.mlp.experts.w2_weight");
+      ASSERT_NE(w2, nullptr);
+      const std::vector<int64_t> want = VllmLocalExperts(10, 4, r, rr);
+      ASSERT_EQ(w2->shape[0], static_cast<int64_t>(want.size()));
+      for (size_t j = 0; j < want.size(); ++j) {
+        EXPECT_EQ(l->layout.pieces[w2->first_piece + j].tensor,
+                  *idx.Find(absl::StrCat("model.layers.0.mlp.experts.", want[j], ".down_proj.weight")));
+      }
+      ranks.push_back(std::move(*l));
+    }
+    for (int64_t c : CoverageCounts(m.inv, ranks)) EXPECT_GE(c, 1);
+  }
+  // SGLang asserts num_experts % ep_size == 0.
+  EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 4, .expert_parallel = true}, 0).ok());
+}
+
+// Megatron-Core's layer assignment (get_num_layers_to_build / get_transformer_layer_offset).
+TEST(Presets, MegatronCustomPipelineAndVirtualStages) {
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  ParallelConfig uneven{.preset = "megatron", .pp = 4, .first_stage_layers = 1, .last_stage_layers = 3};
+  EXPECT_EQ(*MegatronStageLayers(10, uneven, 0), (Ranges{{0, 1}}));
+  EXPECT_EQ(*MegatronStageLayers(10, uneven, 1), (Ranges{{1, 3}}));
+  EXPECT_EQ(*MegatronStageLayers(10, uneven, 3), (Ranges{{7, 3}}));
+  // DeepSeek-V3 style: 61 layers, pp=16, first 4 and last 1 -> 14 middle stages of 4.
+  ParallelConfig ds{.preset = "megatron", .pp = 16, .first_stage_layers = 4, .last_stage_layers = 1};
+  EXPECT_EQ(*MegatronStageLayers(61, ds, 15), (Ranges{{60, 1}}));
+  EXPECT_EQ(*MegatronStageLayers(61, ds, 2), (Ranges{{8, 4}}));
+  // Interleaved: 8 layers, pp=2, vpp=2 -> stage 0 [0,1] [4,5], stage 1 [2,3] [6,7] (the example
+  // in Megatron-Core's transformer_block.py).
+  ParallelConfig vp{.preset = "megatron", .pp = 2, .vpp = 2};
+  EXPECT_EQ(*MegatronStageLayers(8, vp, 0), (Ranges{{0, 2}, {4, 2}}));
+  EXPECT_EQ(*MegatronStageLayers(8, vp, 1), (Ranges{{2, 2}, {6, 2}}));
+  vp.vpp = 4;
+  EXPECT_EQ(*MegatronStageLayers(8, vp, 1), (Ranges{{1, 1}, {3, 1}, {5, 1}, {7, 1}}));
+  // Uneven + interleaved: 12 layers, pp=3, first 2, last 2, vpp=2: chunks of 1, 4, 1 per stage.
+  ParallelConfig both{.preset = "megatron", .pp = 3, .first_stage_layers = 2, .last_stage_layers = 2, .vpp = 2};
+  EXPECT_EQ(*MegatronStageLayers(12, both, 0), (Ranges{{0, 1}, {6, 1}}));
+  EXPECT_EQ(*MegatronStageLayers(12, both, 1), (Ranges{{1, 4}, {7, 4}}));
+  EXPECT_EQ(*MegatronStageLayers(12, both, 2), (Ranges{{5, 1}, {11, 1}}));
+  // Refusals name the numbers.
+  auto bad = MegatronStageLayers(10, ParallelConfig{.preset = "megatron", .pp = 4, .first_stage_layers = 2}, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("first_stage_layers=2"), std::string::npos) << bad.status();
+  EXPECT_FALSE(MegatronStageLayers(10, ParallelConfig{.preset = "megatron", .pp = 2, .vpp = 2}, 0).ok());  // 5 % 2
+  EXPECT_FALSE(MegatronStageLayers(8, ParallelConfig{.preset = "megatron", .pp = 1, .vpp = 2}, 0).ok());
+
+  // The layout: chunk v's layers are named model{v}.decoder.layers.{i}; embedding on (0, 0),
+  // output layer on (last, last).
+  Model m = Load("qwen2.5-7b.json", 8);
+  TensorIndex idx(m.inv);
+  ParallelConfig par{.preset = "megatron", .tp = 1, .pp = 2, .dp = 1, .vpp = 2};
+  auto s0 = MakePresetLayout(m.config, m.inv, par, 0);
+  auto s1 = MakePresetLayout(m.config, m.inv, par, 1);
+  ASSERT_TRUE(s0.ok() && s1.ok()) << s0.status() << s1.status();
+  const LocalTensor* n = FindLocal(*s0, "model1.decoder.layers.1.self_attention.linear_qkv.layer_norm_weight");
+  ASSERT_NE(n, nullptr);
+  EXPECT_EQ(s0->layout.pieces[n->first_piece].tensor, *idx.Find("model.layers.5.input_layernorm.weight"));
+  EXPECT_NE(FindLocal(*s0, "model0.embedding.word_embeddings.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*s0, "model1.output_layer.weight"), nullptr);
+  EXPECT_NE(FindLocal(*s1, "model1.output_layer.weight"), nullptr);
+  EXPECT_NE(FindLocal(*s1, "model1.decoder.final_layernorm.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*s1, "model0.decoder.final_layernorm.weight"), nullptr);
+  // Without vpp the names are unprefixed and a custom split moves layers.
+  auto u = MakePresetLayout(m.config, m.inv, {.preset = "megatron", .pp = 2, .first_stage_layers = 3}, 1);
+  ASSERT_TRUE(u.ok()) << u.status();
+  const LocalTensor* u0 = FindLocal(*u, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight");
+  ASSERT_NE(u0, nullptr);
+  EXPECT_EQ(u->layout.pieces[u0->first_piece].tensor, *idx.Find("model.layers.3.input_layernorm.weight"));
+  EXPECT_EQ(FindLocal(*u, "decoder.layers.5.self_attention.linear_qkv.layer_norm_weight"), nullptr);
+}
+
+// A model is not one dtype: the router's e_score_correction_bias stays float32 in bf16 models,
+// in the inventory and in every engine's local tensor.
+TEST(Presets, RouterBiasIsFloat32) {
+  Model m = Load("deepseek-v3.json", 4);
+  TensorIndex idx(m.inv);
+  const auto bias = idx.Find("model.layers.3.mlp.gate.e_score_correction_bias");
+  ASSERT_TRUE(bias.has_value());
+  EXPECT_EQ(m.inv.tensors[*bias].dtype, DType::kF32);
+  EXPECT_EQ(m.inv.tensors[*idx.Find("model.layers.3.mlp.gate.weight")].dtype, DType::kBF16);
+  auto v = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 8, .expert_parallel = true}, 3);
+  ASSERT_TRUE(v.ok()) << v.status();
+  const LocalTensor* vb = FindLocal(*v, "model.layers.3.mlp.gate.e_score_correction_bias");
+  ASSERT_NE(vb, nullptr);
+  EXPECT_EQ(vb->dtype, DType::kF32);
+  EXPECT_TRUE(ValidateLayout(m.inv, v->layout, Role::kRollout).ok());
+  auto g = MakePresetLayout(m.config, m.inv, {.preset = "megatron", .tp = 1, .pp = 1, .dp = 8, .ep = 8, .etp = 1}, 0);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const LocalTensor* gb = FindLocal(*g, "decoder.layers.3.mlp.router.expert_bias");
+  ASSERT_NE(gb, nullptr);
+  EXPECT_EQ(gb->dtype, DType::kF32);
+  auto f = MakePresetLayout(m.config, m.inv, {.preset = "fsdp", .dp = 4}, 1);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(FindLocal(*f, "model.layers.3.mlp.gate.e_score_correction_bias")->dtype, DType::kF32);
+}
+
+// SGLang's DeepSeek names the fused q_a + kv_a projection fused_qkv_a_proj_with_mqa (vLLM:
+// fused_qkv_a_proj); without q_lora_rank both keep q_proj + kv_a_proj_with_mqa.
+TEST(Presets, SglangDeepseekNames) {
+  Model m = Load("deepseek-v3.json", 1);
+  auto s = MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 8}, 0);
+  auto v = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 8}, 0);
+  ASSERT_TRUE(s.ok() && v.ok());
+  EXPECT_NE(FindLocal(*s, "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*s, "model.layers.0.self_attn.fused_qkv_a_proj.weight"), nullptr);
+  EXPECT_NE(FindLocal(*v, "model.layers.0.self_attn.fused_qkv_a_proj.weight"), nullptr);
+}
+
 TEST(Presets, ClearErrors) {
   Model moe = Load("qwen3-30b-a3b.json", 1);  // 32 heads, 4 KV heads
   auto bad = MakePresetLayout(moe.config, moe.inv, {.preset = "megatron", .tp = 8}, 0);
@@ -675,6 +849,10 @@ TEST(Presets, ClearErrors) {
   EXPECT_FALSE(PresetWorldSize({.preset = "vllm", .tp = 0}).ok());
   EXPECT_EQ(*PresetWorldSize({.preset = "megatron", .tp = 8, .pp = 8, .dp = 4, .ep = 32}), 256);
   EXPECT_EQ(*PresetWorldSize({.preset = "sglang", .tp = 16, .replicas = 8}), 128);
+  EXPECT_EQ(*PresetWorldSize({.preset = "vllm", .tp = 8, .dp = 4, .replicas = 2}), 64);
+  // Sizes from a request: an overflowing product is refused, not wrapped.
+  EXPECT_FALSE(PresetWorldSize({.preset = "megatron", .tp = 65536, .pp = 65536, .dp = 65536}).ok());
+  EXPECT_FALSE(PresetWorldSize({.preset = "vllm", .tp = 1 << 30, .replicas = 4}).ok());
 }
 
 }  // namespace

@@ -111,12 +111,18 @@ class PresetLayout:
     replicas: int = 1
     rank: int = 0
     quantization: str = ""  # vllm/sglang rollouts: "", "fp8_block128", "mxfp8", "w4a16_g32", "w4a16_experts_g32"
+    # megatron: --decoder-first/last-pipeline-num-layers (0 = not set), virtual pipeline size.
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    vpp: int = 1
+    expert_placement: str = ""  # vllm expert_parallel: "" (linear) or "round_robin"
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
             preset=self.preset, tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
             expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank,
-            quantization=self.quantization))
+            quantization=self.quantization, first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers, vpp=self.vpp, expert_placement=self.expert_placement))
 
 
 @dataclasses.dataclass
