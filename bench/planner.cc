@@ -3,7 +3,11 @@
 // baseline's makespan with its ratio to ours, then checks the targets (complete, no redundant
 // bytes, makespan <= 1.10x lower bound, plan_ms < 1000).
 //
-//   bazel run //bench:planner [-- --specs_dir DIR]
+//   bazel run //bench:planner [-- --specs_dir DIR] [--quantization NAME] [--receiver_quantization]
+//
+// --quantization overrides every spec's rollout.quantization (fp8_block128, mxfp8, w4a16_g32,
+// w4a16_experts_g32, none); plans use sender-side quantisation unless --receiver_quantization
+// (client/plan_command.h).
 
 #include <algorithm>
 #include <cstdlib>
@@ -27,15 +31,24 @@ std::string Basename(const std::string& p) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string dir;
+  std::string dir, quantization;
+  bool override_quantization = false, sender_quantization = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--specs_dir" && i + 1 < argc) {
       dir = argv[++i];
     } else if (a.rfind("--specs_dir=", 0) == 0) {
       dir = a.substr(12);
+    } else if (a == "--quantization" && i + 1 < argc) {
+      quantization = argv[++i];
+      override_quantization = true;
+    } else if (a.rfind("--quantization=", 0) == 0) {
+      quantization = a.substr(15);
+      override_quantization = true;
+    } else if (a == "--receiver_quantization") {
+      sender_quantization = false;
     } else {
-      std::cerr << "usage: planner [--specs_dir DIR]\n";
+      std::cerr << "usage: planner [--specs_dir DIR] [--quantization NAME] [--receiver_quantization]\n";
       return 2;
     }
   }
@@ -56,7 +69,13 @@ int main(int argc, char** argv) {
       all_ok = false;
       continue;
     }
-    auto r = wb::client::ReportForSpec(*spec);
+    if (override_quantization) {
+      if (absl::Status st = wb::client::OverrideQuantization(quantization, *spec); !st.ok()) {
+        std::cerr << st.message() << "\n";
+        return 2;
+      }
+    }
+    auto r = wb::client::ReportForSpec(*spec, sender_quantization);
     if (!r.ok()) {
       std::cout << Basename(f) << ": " << r.status() << "\n";
       all_ok = false;
@@ -74,6 +93,16 @@ int main(int argc, char** argv) {
         "\n    ops %d, buckets %d, inter %.1f GB, intra %.1f GB, pieces %d, trainers sending %d/%d, busiest %s\n",
         r->stats.num_ops, r->num_buckets, r->stats.bytes_inter_node / 1e9, r->stats.bytes_intra_node / 1e9,
         r->num_pieces, r->trainers_sending, r->trainers, r->bottleneck);
+    if (!r->quantization.empty()) {
+      std::cout << absl::StrFormat("    %s rollouts, sender-side %s: wire %.1f GB (inter %.1f GB), sender-quantised %.1f GB",
+                                   r->quantization, sender_quantization ? "on" : "off", r->stats.wire_bytes / 1e9,
+                                   r->stats.wire_bytes_inter_node / 1e9, r->stats.sender_quantized_bytes / 1e9);
+      if (r->receiver_quantized_makespan_s >= 0) {
+        std::cout << absl::StrFormat("; receiver-side makespan %.4f s (bound %.4f s)", r->receiver_quantized_makespan_s,
+                                     r->receiver_quantized_lower_bound_s);
+      }
+      std::cout << "\n";
+    }
     // plan_ms target: the Kimi-K2 spec (the largest) under 1 s; applied to every spec.
     const bool ok = r->stats.complete && r->stats.redundant_bytes == 0 && ratio <= 1.10 &&
                     r->stats.plan_ms < 1000;

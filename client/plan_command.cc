@@ -1,6 +1,7 @@
 #include "client/plan_command.h"
 
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -32,7 +33,10 @@ std::string DirOf(const std::string& path) {
 
 double MsSince(absl::Time start) { return absl::ToDoubleMilliseconds(Clock::Real()->Now() - start); }
 
-std::string Usage() { return "usage: wbctl plan --spec FILE [--json]\n"; }
+std::string Usage() {
+  return "usage: wbctl plan --spec FILE [--json] [--quantization fp8_block128|mxfp8|w4a16_g32|w4a16_experts_g32|none]\n"
+         "                  [--receiver_quantization]\n";
+}
 
 }  // namespace
 
@@ -49,8 +53,22 @@ absl::StatusOr<planner::PlanSpec> LoadPlanSpecFile(const std::string& path) {
   return spec;
 }
 
-absl::StatusOr<PlanReport> ReportForSpec(const planner::PlanSpec& spec) {
+absl::Status OverrideQuantization(const std::string& name, planner::PlanSpec& spec) {
+  const std::string q = name == "none" ? "" : name;
+  if (!planner::KnownQuantization(q)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--quantization: unknown scheme '", name, "' (want fp8_block128, mxfp8, w4a16_g32, w4a16_experts_g32 or none)"));
+  }
+  spec.rollout.quantization = q;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PlanReport> ReportForSpec(const planner::PlanSpec& spec, bool sender_quantization) {
   PlanReport report;
+  report.quantization = spec.rollout.quantization;
+  report.sender_quantization = sender_quantization;
+  planner::PlanOptions options;
+  options.sender_quantization = sender_quantization;
   absl::Time t0 = Clock::Real()->Now();
   ASSIGN_OR_RETURN(planner::Problem problem, planner::BuildProblem(spec));
   report.build_ms = MsSince(t0);
@@ -58,7 +76,8 @@ absl::StatusOr<PlanReport> ReportForSpec(const planner::PlanSpec& spec) {
   for (const planner::Worker& w : problem.workers) report.num_pieces += w.layout.pieces.size();
 
   t0 = Clock::Real()->Now();
-  ASSIGN_OR_RETURN(planner::Plan plan, planner::MakePlan(problem, planner::Strategy::kWeightBridge));
+  ASSIGN_OR_RETURN(planner::Plan plan,
+                   planner::MakePlanWithOptions(problem, planner::Strategy::kWeightBridge, options));
   report.stats = plan.stats;
   report.stats.plan_ms = MsSince(t0);
   report.num_buckets = static_cast<int64_t>(plan.buckets.size());
@@ -79,8 +98,13 @@ absl::StatusOr<PlanReport> ReportForSpec(const planner::PlanSpec& spec) {
     planner::MakespanOf(planner::AccumulateLoads(ci, plan), ci, problem.topology, &report.bottleneck);
   }
   for (planner::Strategy s : planner::kBaselines) {
-    ASSIGN_OR_RETURN(planner::Plan b, planner::MakePlan(problem, s));
+    ASSIGN_OR_RETURN(planner::Plan b, planner::MakePlanWithOptions(problem, s, options));
     report.baselines.emplace_back(planner::StrategyName(s), b.stats.makespan_s);
+  }
+  if (plan.stats.sender_quantized_bytes > 0) {
+    ASSIGN_OR_RETURN(planner::Plan r, planner::MakePlan(problem, planner::Strategy::kWeightBridge));
+    report.receiver_quantized_makespan_s = r.stats.makespan_s;
+    report.receiver_quantized_lower_bound_s = r.stats.lower_bound_s;
   }
   return report;
 }
@@ -100,6 +124,15 @@ std::string ReportJson(const PlanReport& r) {
   for (const auto& [name, s] : r.baselines) b[name] = s;
   j["baselines"] = b;
   j["fingerprint"] = r.fingerprint;
+  j["wire_bytes"] = r.stats.wire_bytes;
+  j["wire_bytes_inter_node"] = r.stats.wire_bytes_inter_node;
+  j["sender_quantized_bytes"] = r.stats.sender_quantized_bytes;
+  j["quantization"] = r.quantization.empty() ? "none" : r.quantization;
+  j["sender_quantization"] = r.sender_quantization;
+  if (r.receiver_quantized_makespan_s >= 0) {
+    j["receiver_quantized"] = {{"makespan_s", r.receiver_quantized_makespan_s},
+                               {"lower_bound_s", r.receiver_quantized_lower_bound_s}};
+  }
   j["bottleneck"] = r.bottleneck;
   j["build_ms"] = r.build_ms;
   j["num_workers"] = r.num_workers;
@@ -116,6 +149,11 @@ std::string ReportTable(const PlanReport& r) {
   absl::StrAppendFormat(&s, "%-18s %d\n", "redundant_bytes", r.stats.redundant_bytes);
   absl::StrAppendFormat(&s, "%-18s %.3f GB\n", "bytes_inter_node", r.stats.bytes_inter_node / 1e9);
   absl::StrAppendFormat(&s, "%-18s %.3f GB\n", "bytes_intra_node", r.stats.bytes_intra_node / 1e9);
+  absl::StrAppendFormat(&s, "%-18s %.3f GB (inter-node %.3f GB)\n", "wire_bytes", r.stats.wire_bytes / 1e9,
+                        r.stats.wire_bytes_inter_node / 1e9);
+  absl::StrAppendFormat(&s, "%-18s %.3f GB (quantization %s, sender-side %s)\n", "sender_quantized",
+                        r.stats.sender_quantized_bytes / 1e9, r.quantization.empty() ? "none" : r.quantization,
+                        r.sender_quantization ? "on" : "off");
   absl::StrAppendFormat(&s, "%-18s %d\n", "num_ops", r.stats.num_ops);
   absl::StrAppendFormat(&s, "%-18s %d\n", "num_buckets", r.num_buckets);
   absl::StrAppendFormat(&s, "%-18s %d of %d\n", "trainers_sending", r.trainers_sending, r.trainers);
@@ -123,6 +161,10 @@ std::string ReportTable(const PlanReport& r) {
   absl::StrAppendFormat(&s, "%-18s %.4f\n", "lower_bound_s", r.stats.lower_bound_s);
   absl::StrAppendFormat(&s, "%-18s %.4f  (%.3fx lower bound; busiest link: %s)\n", "makespan_s",
                         r.stats.makespan_s, ratio, r.bottleneck);
+  if (r.receiver_quantized_makespan_s >= 0) {
+    absl::StrAppendFormat(&s, "%-18s %.4f  (lower bound %.4f; canonical bytes on the wire, as daemons run today)\n",
+                          "receiver_quantized", r.receiver_quantized_makespan_s, r.receiver_quantized_lower_bound_s);
+  }
   for (const auto& [name, t] : r.baselines) {
     absl::StrAppendFormat(&s, "%-18s %.4f  (%.2fx ours)\n", name, t,
                           r.stats.makespan_s > 0 ? t / r.stats.makespan_s : 0.0);
@@ -133,11 +175,18 @@ std::string ReportTable(const PlanReport& r) {
 
 int RunPlanCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   std::string spec_path;
-  bool json = false;
+  bool json = false, sender_quantization = true;
+  std::optional<std::string> quantization;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--json") {
       json = true;
+    } else if (a == "--receiver_quantization") {
+      sender_quantization = false;
+    } else if (a == "--quantization" && i + 1 < args.size()) {
+      quantization = args[++i];
+    } else if (a.rfind("--quantization=", 0) == 0) {
+      quantization = a.substr(15);
     } else if (a == "--spec" && i + 1 < args.size()) {
       spec_path = args[++i];
     } else if (a.rfind("--spec=", 0) == 0) {
@@ -159,7 +208,13 @@ int RunPlanCommand(const std::vector<std::string>& args, std::ostream& out, std:
     err << "wbctl plan: bad spec: " << spec.status().message() << "\n";
     return 2;
   }
-  auto report = ReportForSpec(*spec);
+  if (quantization.has_value()) {
+    if (absl::Status st = OverrideQuantization(*quantization, *spec); !st.ok()) {
+      err << "wbctl plan: " << st.message() << "\n" << Usage();
+      return 2;
+    }
+  }
+  auto report = ReportForSpec(*spec, sender_quantization);
   if (!report.ok()) {
     const bool bad_input = report.status().code() == absl::StatusCode::kInvalidArgument ||
                            report.status().code() == absl::StatusCode::kFailedPrecondition;

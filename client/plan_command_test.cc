@@ -35,6 +35,39 @@ TEST(PlanCommandTest, JsonHasEveryReadmeField) {
   EXPECT_EQ(nlohmann::json::parse(out2.str())["fingerprint"], j["fingerprint"]);
 }
 
+TEST(PlanCommandTest, QuantizedRolloutsReportWireBytes) {
+  // Qwen2.5-0.5B, megatron tp=2 dp=2 -> vLLM tp=1 x 4 with MXFP8 (1x32 blocks along rows: every TP shard
+  // holds whole blocks), planned with sender-side quantisation (the default of wbctl plan).
+  std::ostringstream out, err;
+  ASSERT_EQ(RunPlanCommand({"--spec", kSpec, "--json", "--quantization", "mxfp8"}, out, err), 0) << err.str();
+  const auto j = nlohmann::json::parse(out.str(), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out.str();
+  EXPECT_EQ(j["quantization"], "mxfp8");
+  EXPECT_EQ(j["sender_quantization"], true);
+  const int64_t canonical = j["bytes_inter_node"].get<int64_t>() + j["bytes_intra_node"].get<int64_t>();
+  const int64_t quantized = j["sender_quantized_bytes"].get<int64_t>();
+  EXPECT_GT(quantized, canonical / 2);  // the linear weights; embeddings and norms stay bf16
+  // Quantised bytes travel as 1 byte per element + 1 scale byte per 32: 33/64 of bf16.
+  EXPECT_EQ(j["wire_bytes"].get<int64_t>(), canonical - quantized + quantized / 64 * 33);
+  EXPECT_LT(j["wire_bytes_inter_node"].get<int64_t>(), j["bytes_inter_node"].get<int64_t>());
+  ASSERT_TRUE(j.contains("receiver_quantized"));
+  EXPECT_LT(j["makespan_s"].get<double>(), j["receiver_quantized"]["makespan_s"].get<double>());
+  EXPECT_LE(j["makespan_s"].get<double>(), 1.10 * j["lower_bound_s"].get<double>());
+
+  // --receiver_quantization: the plan today's daemons execute, canonical bytes on the wire.
+  std::ostringstream out2;
+  ASSERT_EQ(RunPlanCommand({"--spec", kSpec, "--json", "--quantization=mxfp8", "--receiver_quantization"}, out2, err), 0)
+      << err.str();
+  const auto r = nlohmann::json::parse(out2.str());
+  EXPECT_EQ(r["sender_quantized_bytes"], 0);
+  EXPECT_EQ(r["wire_bytes"].get<int64_t>(), canonical);
+  EXPECT_DOUBLE_EQ(r["makespan_s"].get<double>(), j["receiver_quantized"]["makespan_s"].get<double>());
+
+  std::ostringstream out3, err3;
+  EXPECT_EQ(RunPlanCommand({"--spec", kSpec, "--quantization", "fp4"}, out3, err3), 2);
+  EXPECT_NE(err3.str().find("--quantization"), std::string::npos) << err3.str();
+}
+
 TEST(PlanCommandTest, TableByDefault) {
   std::ostringstream out, err;
   ASSERT_EQ(RunPlanCommand({"--spec", kSpec}, out, err), 0) << err.str();

@@ -4,6 +4,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "planner/sender_quant.h"
 
 namespace wb::planner {
 namespace {
@@ -81,7 +82,7 @@ LinkLoads AccumulateLoads(const ClusterIndex& ci, const Plan& plan) {
   LinkLoads loads(ci.num_slots);
   for (const Bucket& b : plan.buckets) {
     for (const TransferOp& op : b.ops) {
-      loads.Add(op.route, ci.worker_slot[op.src_worker], ci.worker_slot[op.dst_worker], op.bytes);
+      loads.Add(op.route, ci.worker_slot[op.src_worker], ci.worker_slot[op.dst_worker], OpWireBytes(op));
     }
   }
   return loads;
@@ -232,10 +233,14 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
   return lb;
 }
 
-double LowerBound(const Problem& problem) {
+double LowerBound(const Problem& problem, bool sender_quantization) {
   auto fs = BuildFragments(problem, FragmentOptions{});
   if (!fs.ok()) return -1;
-  return LowerBoundOfFragments(problem, IndexCluster(problem), *fs);
+  if (!sender_quantization) return LowerBoundOfFragments(problem, IndexCluster(problem), *fs);
+  // Unsplit fragments: a fragment's aligned splits (MakePlan's) are quantised exactly when it is,
+  // and their wire bytes add up to its own.
+  const SenderQuantization sq = DecideSenderQuantization(problem, *fs, true);
+  return LowerBoundOfFragments(problem, IndexCluster(problem), *fs, &sq.wire_bytes);
 }
 
 }  // namespace wb::planner

@@ -43,7 +43,10 @@ struct LinkLoads {
   void Add(Route route, int32_t src_slot, int32_t dst_slot, int64_t bytes);
 };
 
-// Loads of every op of `plan` (routes as recorded in the ops).
+// Bytes an op moves: its wire bytes (sender-side quantisation) when set, else its canonical bytes.
+inline int64_t OpWireBytes(const TransferOp& op) { return op.wire_bytes > 0 ? op.wire_bytes : op.bytes; }
+
+// Loads of every op of `plan` (routes as recorded in the ops, bytes as moved: OpWireBytes).
 LinkLoads AccumulateLoads(const ClusterIndex& ci, const Plan& plan);
 
 // max over links of bytes / bandwidth, in seconds. `bottleneck`, when given, names the link.
@@ -70,7 +73,9 @@ double PredictMakespan(const Problem& problem, const Plan& plan);
 //    its holders at least once.
 // Returns 0 for a problem with nothing to move, and -1 for a problem BuildFragments rejects (call
 // MakePlan for the error message).
-double LowerBound(const Problem& problem);
+// `sender_quantization`: the bound of plans made with PlanOptions::sender_quantization (fragments
+// that travel quantised count their quantised bytes, planner/sender_quant.h).
+double LowerBound(const Problem& problem, bool sender_quantization = false);
 // `wire_bytes` (one per fragment: the bytes each of its ops moves) replaces Fragment::bytes when
 // given.
 double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, const FragmentSet& fs,

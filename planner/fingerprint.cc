@@ -126,6 +126,11 @@ std::string Fingerprint(const Problem& problem, const Plan& plan) {
       h.BoxV(op.box);
       h.I64(op.bytes);
       h.I64(static_cast<int64_t>(op.route));
+      // Only when set, so plans without sender-side quantisation keep their fingerprints.
+      if (op.sender_quantized) {
+        h.I64(-1);
+        h.I64(op.wire_bytes);
+      }
     }
   }
   return h.Hex();

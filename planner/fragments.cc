@@ -70,7 +70,7 @@ std::string PieceName(const Problem& p, PieceRef r) {
 
 }  // namespace
 
-std::vector<Box> SplitBox(const Box& box, int64_t n) {
+std::vector<Box> SplitBox(const Box& box, int64_t n, const std::vector<int64_t>* quantum) {
   std::vector<Box> out;
   size_t dim = 0;
   while (dim < box.begin.size() && box.end[dim] - box.begin[dim] <= 1) ++dim;
@@ -79,11 +79,17 @@ std::vector<Box> SplitBox(const Box& box, int64_t n) {
     return out;
   }
   const int64_t extent = box.end[dim] - box.begin[dim];
-  n = std::min(n, extent);
+  // Cut on multiples of the quantum (when the box starts on one), in units of whole quanta.
+  int64_t q = 1;
+  if (quantum != nullptr && dim < quantum->size() && (*quantum)[dim] > 1 && box.begin[dim] % (*quantum)[dim] == 0) {
+    q = (*quantum)[dim];
+  }
+  const int64_t units = (extent + q - 1) / q;
+  n = std::min(n, units);
   for (int64_t i = 0; i < n; ++i) {
     Box b = box;
-    b.begin[dim] = box.begin[dim] + extent * i / n;
-    b.end[dim] = box.begin[dim] + extent * (i + 1) / n;
+    b.begin[dim] = box.begin[dim] + std::min(extent, units * i / n * q);
+    b.end[dim] = box.begin[dim] + std::min(extent, units * (i + 1) / n * q);
     out.push_back(std::move(b));
   }
   return out;
@@ -321,7 +327,14 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
 
       if (max_fragment_bytes > 0 && f.bytes > max_fragment_bytes) {
         const int64_t n = (f.bytes + max_fragment_bytes - 1) / max_fragment_bytes;
-        for (Box& b : SplitBox(f.box, n)) {
+        // Sender-side quantisation needs ops on the destination's block grid: split on it.
+        const std::vector<int64_t>* quantum = nullptr;
+        if (options.align_splits_to_quant_blocks && f.dst_begin < f.dst_end) {
+          const PieceRef r = out.refs[f.dst_begin];
+          const Piece& pc = p.workers[r.worker].layout.pieces[r.piece];
+          if (pc.quant.has_value()) quantum = &pc.quant->block;
+        }
+        for (Box& b : SplitBox(f.box, n, quantum)) {
           Fragment g = f;
           g.box = std::move(b);
           g.bytes = BoxVolume(g.box) * esize;

@@ -48,6 +48,9 @@ struct FragmentOptions {
   // (auto_grain_slots * 64), at least 4 MiB, at most auto_grain_cap.
   int64_t auto_grain_slots = 0;
   int64_t auto_grain_cap = 0;
+  // Splits of a fragment whose (first) needer is a quantised piece cut on that piece's block grid
+  // (sender-side quantisation: planner/sender_quant.h).
+  bool align_splits_to_quant_blocks = false;
 };
 
 // Builds the fragments of `problem`. Errors: INVALID_ARGUMENT when a piece names an unknown
@@ -56,6 +59,8 @@ struct FragmentOptions {
 absl::StatusOr<FragmentSet> BuildFragments(const Problem& problem, const FragmentOptions& options);
 
 // Splits a fragment box into `n` near-equal chunks along its first dimension of extent > 1.
-std::vector<Box> SplitBox(const Box& box, int64_t n);
+// With `quantum` (elements per block, per dim) and a box starting on a multiple of it in the
+// split dim, every cut lies on a multiple (fewer chunks when the box has fewer blocks).
+std::vector<Box> SplitBox(const Box& box, int64_t n, const std::vector<int64_t>* quantum = nullptr);
 
 }  // namespace wb::planner

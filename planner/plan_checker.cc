@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
+#include "planner/quantized.h"
 
 namespace wb::planner {
 namespace {
@@ -36,6 +37,43 @@ void ForEachElement(const Box& outer, const Box& box, Fn&& fn) {
   }
 }
 
+// Sender-side quantisation: a flagged op moves exactly the quantised bytes of a box on the
+// destination piece's block grid; all ops into a piece agree; a relay reads a piece in the form it
+// was delivered (quantised bytes only into the same format, canonical bytes only from a shadow).
+absl::Status CheckWireBytes(const Problem& p, const TransferOp& op,
+                            std::map<std::pair<int32_t, int32_t>, int>& state, const std::string& where) {
+  const Worker& sw = p.workers[op.src_worker];
+  const Worker& dw = p.workers[op.dst_worker];
+  const Piece* dp = op.dst_piece >= 0 ? &dw.layout.pieces[op.dst_piece] : nullptr;
+  const Piece* sp = sw.role == Role::kRollout && op.src_piece >= 0 ? &sw.layout.pieces[op.src_piece] : nullptr;
+  if (!op.sender_quantized) {
+    if (op.wire_bytes != 0 && op.wire_bytes != op.bytes) return absl::InternalError(where + "wire bytes of a canonical op differ from its bytes");
+  } else {
+    if (dp == nullptr || !dp->quant.has_value()) return absl::InternalError(where + "sender-quantised op into an unquantised piece");
+    if (!BoxOnBlockGrid(op.box, p.inventory.tensors[op.tensor].shape, dp->quant->block)) {
+      return absl::InternalError(absl::StrCat(where, "sender-quantised box ", BoxToString(op.box), " cuts a block"));
+    }
+    if (op.wire_bytes != QuantizedBoxBytes(op.box, *dp->quant)) return absl::InternalError(where + "wrong wire bytes");
+    if (sp != nullptr && (!sp->quant.has_value() || !SameQuantFormat(*sp->quant, *dp->quant))) {
+      return absl::InternalError(where + "quantised relay between different formats");
+    }
+  }
+  if (sp != nullptr) {
+    auto it = state.find({op.src_worker, op.src_piece});
+    if (it != state.end() && it->second != (op.sender_quantized ? 1 : 0)) {
+      return absl::InternalError(where + (op.sender_quantized ? "quantised relay from a piece that received canonical bytes"
+                                                              : "canonical relay from a piece that received quantised bytes"));
+    }
+  }
+  if (dp != nullptr) {
+    auto [it, fresh] = state.emplace(std::make_pair(op.dst_worker, op.dst_piece), op.sender_quantized ? 1 : 0);
+    if (!fresh && it->second != (op.sender_quantized ? 1 : 0)) {
+      return absl::InternalError(where + "sender-quantised and canonical ops into one piece");
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckPlanElementwise(const Problem& p, const Plan& plan, const CheckOptions& opt) {
@@ -53,6 +91,8 @@ absl::Status CheckPlanElementwise(const Problem& p, const Plan& plan, const Chec
   // Network deliveries per (node, tensor) per element.
   std::map<std::pair<int32_t, int32_t>, std::vector<int32_t>> net;
   std::map<std::pair<int32_t, int32_t>, int32_t> slot_of;
+  // Per rollout piece: -1 no op yet, 0 canonical ops (receiver-side quantisation), 1 sender-quantised.
+  std::map<std::pair<int32_t, int32_t>, int> sender_quantized;
   for (const Worker& w : p.workers) slot_of.emplace(std::make_pair(w.node, w.gpu), static_cast<int32_t>(slot_of.size()));
 
   for (size_t bi = 0; bi < plan.buckets.size(); ++bi) {
@@ -146,9 +186,11 @@ absl::Status CheckPlanElementwise(const Problem& p, const Plan& plan, const Chec
                                                   " crosses the network twice into node ", dw.node));
         }
       }
+      if (absl::Status st = CheckWireBytes(p, op, sender_quantized, where); !st.ok()) return st;
       const int32_t ss = slot_of[{sw.node, sw.gpu}], ds = slot_of[{dw.node, dw.gpu}];
-      sent[ss] += op.bytes;
-      recv[ds] += op.bytes;
+      const int64_t wire = op.wire_bytes > 0 ? op.wire_bytes : op.bytes;
+      sent[ss] += wire;
+      recv[ds] += wire;
       ++sent_ops[ss];
       ++recv_ops[ds];
     }

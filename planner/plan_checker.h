@@ -17,7 +17,10 @@ struct CheckOptions {
 // for a relay, the source rollout piece had every element written in an earlier bucket); its
 // destination piece contains the box; no destination element is written twice; every destination
 // element is written; (optionally) no element enters a node over the network twice; buckets
-// respect the staging budget. Otherwise an error describing the first violation.
+// respect the staging budget (counting the bytes ops move, TransferOp::wire_bytes); a
+// sender-quantised op moves exactly the quantised bytes of a box on its destination piece's block
+// grid, all ops into a piece agree on that, and a relay reads a piece in the form it was delivered
+// in (quantised bytes only into the same format). Otherwise an error describing the first violation.
 absl::Status CheckPlanElementwise(const Problem& problem, const Plan& plan,
                                   const CheckOptions& options);
 

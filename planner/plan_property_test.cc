@@ -15,6 +15,7 @@
 #include "planner/cost_model.h"
 #include "planner/plan_checker.h"
 #include "planner/planner.h"
+#include "planner/quantized.h"
 
 namespace wb::planner {
 namespace {
@@ -219,15 +220,60 @@ Problem RandomProblem(Rng& rng) {
   return p;
 }
 
+// Makes some rollout tensors quantised (random block and format; only where every rollout piece of
+// the tensor lies on the block grid, as ValidateLayout requires), sometimes one rollout worker in
+// a different format (so sender-side quantisation must fall back for the fragments they share).
+void QuantizeSomeRollouts(Rng& rng, Problem& p) {
+  static constexpr DType kElem[] = {DType::kF8E4M3, DType::kF8E4M3, DType::kI4};
+  static constexpr DType kScale[] = {DType::kF32, DType::kE8M0, DType::kBF16};
+  for (size_t t = 0; t < p.inventory.tensors.size(); ++t) {
+    const auto& shape = p.inventory.tensors[t].shape;
+    if (shape.empty() || U(rng, 0, 2) == 0) continue;
+    Quantization q;
+    const int f = static_cast<int>(U(rng, 0, 2));
+    q.dtype = kElem[f];
+    q.scale_dtype = kScale[f];
+    for (size_t d = 0; d < shape.size(); ++d) q.block.push_back(int64_t{1} << U(rng, 0, 2));
+    Quantization other = q;
+    other.block.back() = q.block.back() == 1 ? 2 : 1;
+    if (q.dtype == DType::kI4) {  // pairs along the last dim (CheckInt4Packing)
+      if (shape.back() % 2 != 0) continue;
+      q.block.back() = 2 * U(rng, 1, 2);
+      other.block.back() = q.block.back() == 2 ? 4 : 2;
+    }
+    int32_t odd_worker = U(rng, 0, 3) == 0 ? static_cast<int32_t>(U(rng, 0, p.workers.size() - 1)) : -1;
+    bool aligned = true;
+    for (const Worker& w : p.workers) {
+      for (const Piece& pc : w.layout.pieces) {
+        if (w.role == Role::kRollout && pc.tensor == static_cast<int32_t>(t)) {
+          aligned &= BoxOnBlockGrid(pc.box, shape, q.block) && BoxOnBlockGrid(pc.box, shape, other.block);
+        }
+      }
+    }
+    if (!aligned) continue;
+    for (size_t w = 0; w < p.workers.size(); ++w) {
+      if (p.workers[w].role != Role::kRollout) continue;
+      for (Piece& pc : p.workers[w].layout.pieces) {
+        if (pc.tensor == static_cast<int32_t>(t)) pc.quant = static_cast<int32_t>(w) == odd_worker ? other : q;
+      }
+    }
+  }
+}
+
 TEST(PlanPropertyTest, RandomLayoutsGiveCorrectPlans) {
   Rng rng(20260512);
-  int checked = 0, with_relays = 0, with_same_gpu = 0;
+  int checked = 0, with_relays = 0, with_same_gpu = 0, sender_quantized = 0, receiver_quantized = 0,
+      quantized_relays = 0;
   for (int iter = 0; iter < 1000; ++iter) {
-    const Problem p = RandomProblem(rng);
+    Problem p = RandomProblem(rng);
     PlanOptions opt;
     opt.max_fragment_bytes = U(rng, 0, 1) ? -1 : U(rng, 8, 256);
-    const std::string ctx = absl::StrCat("iteration ", iter);
-    const double lb = LowerBound(p);
+    // Its own generator, so the problems above stay those of earlier versions of this test.
+    Rng qrng(static_cast<uint64_t>(iter) * 7919 + 17);
+    if (U(qrng, 0, 1) == 0) QuantizeSomeRollouts(qrng, p);
+    opt.sender_quantization = U(qrng, 0, 2) != 0;
+    const std::string ctx = absl::StrCat("iteration ", iter, opt.sender_quantization ? " (sender quantisation)" : "");
+    const double lb = LowerBound(p, opt.sender_quantization);
     ASSERT_GE(lb, 0) << ctx;
     for (Strategy s : {Strategy::kWeightBridge, Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
                        Strategy::kP2PNoDedup}) {
@@ -252,6 +298,10 @@ TEST(PlanPropertyTest, RandomLayoutsGiveCorrectPlans) {
           for (const TransferOp& op : b.ops) {
             with_relays += op.route == Route::kInterNode && p.workers[op.src_worker].role == Role::kRollout;
             with_same_gpu += op.route == Route::kSameGpu;
+            sender_quantized += op.sender_quantized;
+            quantized_relays += op.sender_quantized && p.workers[op.src_worker].role == Role::kRollout;
+            receiver_quantized += !op.sender_quantized && op.dst_piece >= 0 &&
+                                  p.workers[op.dst_worker].layout.pieces[op.dst_piece].quant.has_value();
           }
         }
         auto again = MakePlanWithOptions(p, s, opt);
@@ -265,6 +315,10 @@ TEST(PlanPropertyTest, RandomLayoutsGiveCorrectPlans) {
   // The generator must actually exercise cross-node relays and colocated copies.
   EXPECT_GT(with_relays, 0);
   EXPECT_GT(with_same_gpu, 0);
+  // ... and sender-side quantisation, its relays and its fallback.
+  EXPECT_GT(sender_quantized, 0);
+  EXPECT_GT(quantized_relays, 0);
+  EXPECT_GT(receiver_quantized, 0);
 }
 
 }  // namespace

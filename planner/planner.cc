@@ -8,6 +8,7 @@
 #include "planner/cost_model.h"
 #include "planner/fingerprint.h"
 #include "planner/fragments.h"
+#include "planner/sender_quant.h"
 #include "tools/cc/status_macros.h"
 
 namespace wb::planner {
@@ -17,9 +18,9 @@ constexpr double kGB = 1e9;
 
 class Builder {
  public:
-  Builder(const Problem& p, const FragmentSet& fs, const ClusterIndex& ci, Strategy strategy,
-          double lower_bound_s)
-      : p_(p), fs_(fs), ci_(ci), strategy_(strategy), loads_(ci.num_slots),
+  Builder(const Problem& p, const FragmentSet& fs, const ClusterIndex& ci, const SenderQuantization& sq,
+          Strategy strategy, double lower_bound_s)
+      : p_(p), fs_(fs), ci_(ci), sq_(sq), strategy_(strategy), loads_(ci.num_slots),
         send_ptr_(ci.num_slots, 0), recv_ptr_(ci.num_slots, 0), reserve_(ci.num_slots, 0) {
     budget_ = p.staging_budget_bytes;
     close_ = budget_ - budget_ / 10;
@@ -43,6 +44,8 @@ class Builder {
     }
     for (size_t fi = 0; fi < fs_.fragments.size(); ++fi) {
       const Fragment& f = fs_.fragments[fi];
+      cur_quantized_ = sq_.quantized[fi] != 0;
+      cur_wire_ = sq_.wire_bytes[fi];
       inter_nodes_.clear();
       switch (strategy_) {
         case Strategy::kWeightBridge:
@@ -80,9 +83,10 @@ class Builder {
   // Each byte that must leave its holders will be sent at least once by one of them: reserve that
   // share of every holder's NIC egress so early fragments cannot use it up for extra copies.
   void PrecomputeReserve() {
-    for (const Fragment& f : fs_.fragments) {
+    for (size_t fi = 0; fi < fs_.fragments.size(); ++fi) {
+      const Fragment& f = fs_.fragments[fi];
       if (!Leaves(f)) continue;
-      const double share = static_cast<double>(f.bytes) / (f.src_end - f.src_begin);
+      const double share = static_cast<double>(sq_.wire_bytes[fi]) / (f.src_end - f.src_begin);
       for (uint32_t k = f.src_begin; k < f.src_end; ++k) reserve_[Slot(fs_.refs[k])] += share;
     }
   }
@@ -133,7 +137,7 @@ class Builder {
   }
 
   void PlanWeightBridge(const Fragment& f, size_t fi) {
-    const int64_t b = f.bytes;
+    const int64_t b = cur_wire_;  // what each op of it moves
     const bool leaves = Leaves(f);
     if (leaves) {
       const double share = static_cast<double>(b) / (f.src_end - f.src_begin);
@@ -234,12 +238,15 @@ class Builder {
     for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) Emit(f, from, fs_.refs[k], dep);
   }
 
-  // Records one op; returns its bucket.
+  // Records one op; returns its bucket. Links and staging count the bytes it moves.
   int32_t Emit(const Fragment& f, PieceRef src, PieceRef dst, int32_t dep) {
     const Route route = RouteBetween(ci_, src.worker, dst.worker);
     const int32_t ss = Slot(src), ds = Slot(dst);
-    loads_.Add(route, ss, ds, f.bytes);
-    const int32_t b = Place(ss, ds, f.bytes, dep);
+    // A gather into a trainer's staging (dst.piece < 0) stays canonical.
+    const bool quantized = cur_quantized_ && dst.piece >= 0;
+    const int64_t wire = quantized ? cur_wire_ : f.bytes;
+    loads_.Add(route, ss, ds, wire);
+    const int32_t b = Place(ss, ds, wire, dep);
     TransferOp op;
     op.src_worker = src.worker;
     op.dst_worker = dst.worker;
@@ -249,13 +256,18 @@ class Builder {
     op.box = f.box;
     op.bytes = f.bytes;
     op.route = route;
+    op.sender_quantized = quantized;
+    op.wire_bytes = wire;
     plan_.buckets[b].ops.push_back(std::move(op));
     if (route == Route::kInterNode) {
       inter_nodes_.push_back(Node(dst));
       plan_.stats.bytes_inter_node += f.bytes;
+      plan_.stats.wire_bytes_inter_node += wire;
     } else {
       plan_.stats.bytes_intra_node += f.bytes;
     }
+    plan_.stats.wire_bytes += wire;
+    if (quantized) plan_.stats.sender_quantized_bytes += f.bytes;
     if (dst.piece >= 0) covered_[piece_base_[dst.worker] + dst.piece] += f.bytes;
     return b;
   }
@@ -312,7 +324,10 @@ class Builder {
   const Problem& p_;
   const FragmentSet& fs_;
   const ClusterIndex& ci_;
+  const SenderQuantization& sq_;
   const Strategy strategy_;
+  bool cur_quantized_ = false;  // of the fragment being planned
+  int64_t cur_wire_ = 0;
   LinkLoads loads_;
   int64_t budget_ = 0, close_ = 0;
   double threshold_ = 0;
@@ -355,9 +370,11 @@ absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strate
   } else if (fo.max_fragment_bytes < 0) {
     fo.max_fragment_bytes = 0;
   }
+  fo.align_splits_to_quant_blocks = options.sender_quantization;
   ASSIGN_OR_RETURN(FragmentSet fs, BuildFragments(problem, fo));
-  const double lb = LowerBoundOfFragments(problem, ci, fs);
-  Builder builder(problem, fs, ci, strategy, lb);
+  const SenderQuantization sq = DecideSenderQuantization(problem, fs, options.sender_quantization);
+  const double lb = LowerBoundOfFragments(problem, ci, fs, &sq.wire_bytes);
+  Builder builder(problem, fs, ci, sq, strategy, lb);
   return builder.Run();
 }
 

@@ -44,6 +44,13 @@ struct PlanOptions {
   // Fragment split size (load-balancing grain). 0: automatic (about 1/64 of one GPU's share of
   // the destination bytes, at least 4 MiB, at most a quarter of the staging budget); < 0: never.
   int64_t max_fragment_bytes = 0;
+  // Sender-side quantisation (issue 17.1, planner/sender_quant.h): ops into quantised rollout
+  // pieces whose every op lies on the piece's block grid carry the quantised elements and scales
+  // (TransferOp::sender_quantized, wire_bytes), and links, buckets and the lower bound count those
+  // bytes. Off by default: MakePlan (the coordinator's planner) keeps receiver-side quantisation,
+  // the only one today's node executor runs. `wbctl plan` and bench:planner turn it on for the
+  // prediction (docs/planner.md).
+  bool sender_quantization = false;
 };
 absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,
                                          const PlanOptions& options);

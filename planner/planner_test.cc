@@ -269,5 +269,121 @@ TEST(PlannerTest, ScalarAndOneDimTensors) {
   EXPECT_EQ(plan->stats.bytes_inter_node, 4 + 40);
 }
 
+
+// ---- Sender-side quantisation (issue 17.1) ----
+
+Quantization Fp8Block(int64_t rows, int64_t cols) {
+  Quantization q;
+  q.dtype = DType::kF8E4M3;
+  q.scale_dtype = DType::kF32;
+  q.block = {rows, cols};
+  return q;
+}
+
+void QuantizeRollouts(Problem& p, const Quantization& q) {
+  for (Worker& w : p.workers) {
+    if (w.role != Role::kRollout) continue;
+    for (Piece& pc : w.layout.pieces) pc.quant = q;
+  }
+}
+
+PlanOptions SenderQuant() {
+  PlanOptions o;
+  o.sender_quantization = true;
+  return o;
+}
+
+TEST(PlannerTest, SenderQuantisesWholeBlocksAndRelaysCarryThem) {
+  // Two trainers hold row halves (256 rows = 2 blocks each); four rollout GPUs on another node
+  // need the whole tensor as fp8 with 128x128 blocks: one network op per half, three intra-node
+  // relays per half, all of fp8 elements + one float32 scale per block.
+  Problem p = OneTensor(512, 256);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {256, 256})}});
+  AddWorker(p, Role::kTrainer, 0, 1, {{0, B({256, 0}, {512, 256})}});
+  for (int g = 0; g < 4; ++g) AddWorker(p, Role::kRollout, 1, g, {{0, FullBox({512, 256})}});
+  QuantizeRollouts(p, Fp8Block(128, 128));
+
+  auto bf16 = MakePlan(p, Strategy::kWeightBridge);  // the coordinator's: receiver-side
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  for (const TransferOp* op : AllOps(*bf16)) EXPECT_FALSE(op->sender_quantized);
+  EXPECT_EQ(bf16->stats.sender_quantized_bytes, 0);
+  EXPECT_EQ(bf16->stats.wire_bytes, bf16->stats.bytes_inter_node + bf16->stats.bytes_intra_node);
+
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, SenderQuant());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  EXPECT_TRUE(plan->stats.complete);
+  EXPECT_EQ(plan->stats.redundant_bytes, 0);
+  const int64_t half_bf16 = 256 * 256 * 2, half_fp8 = 256 * 256 + 2 * 2 * 4;
+  int relays = 0;
+  for (const TransferOp* op : AllOps(*plan)) {
+    EXPECT_TRUE(op->sender_quantized);
+    EXPECT_EQ(op->bytes * half_fp8, op->wire_bytes * half_bf16);  // any split keeps whole blocks
+    relays += p.workers[op->src_worker].role == Role::kRollout;
+  }
+  EXPECT_GT(relays, 0);
+  EXPECT_EQ(plan->stats.wire_bytes_inter_node, 2 * half_fp8);
+  EXPECT_EQ(plan->stats.wire_bytes, 8 * half_fp8);
+  EXPECT_EQ(plan->stats.sender_quantized_bytes, 8 * half_bf16);
+  EXPECT_EQ(plan->stats.bytes_inter_node, bf16->stats.bytes_inter_node);  // canonical bytes unchanged
+  // Links carry fp8 now: the bound and the makespan shrink by the wire ratio.
+  EXPECT_NEAR(plan->stats.lower_bound_s / bf16->stats.lower_bound_s, static_cast<double>(half_fp8) / half_bf16, 1e-12);
+  EXPECT_NEAR(plan->stats.makespan_s / bf16->stats.makespan_s, static_cast<double>(half_fp8) / half_bf16, 1e-12);
+  EXPECT_DOUBLE_EQ(plan->stats.lower_bound_s, LowerBound(p, true));
+  EXPECT_DOUBLE_EQ(plan->stats.makespan_s, PredictMakespan(p, *plan));
+  EXPECT_NE(plan->fingerprint, bf16->fingerprint);
+}
+
+TEST(PlannerTest, SplitFragmentsStayOnTheBlockGrid) {
+  // A 4 MiB-grain split of a 2048-row fragment must cut on multiples of 128 rows.
+  Problem p = OneTensor(2048, 1024);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, FullBox({2048, 1024})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({2048, 1024})}});
+  QuantizeRollouts(p, Fp8Block(128, 128));
+  PlanOptions o = SenderQuant();
+  o.max_fragment_bytes = 300 * 1024 * 2;  // 300 rows: not a multiple of 128
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, o);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  EXPECT_GT(AllOps(*plan).size(), 1u);
+  for (const TransferOp* op : AllOps(*plan)) {
+    EXPECT_TRUE(op->sender_quantized);
+    EXPECT_EQ(op->box.begin[0] % 128, 0);
+  }
+  EXPECT_EQ(plan->stats.wire_bytes, 2048 * 1024 + 16 * 8 * 4);
+}
+
+TEST(PlannerTest, SenderQuantisationFallsBackPerPiece) {
+  // Trainer rows split at 100: the ops into rows [0, 128) of the rollout cut a block, so that
+  // piece is receiver-quantised - all its ops, also the aligned ones. The other rollout piece
+  // (rows [128, 256)) is fed by one trainer only, on the grid: sender-quantised.
+  Problem p = OneTensor(256, 128);
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {100, 128})}});
+  AddWorker(p, Role::kTrainer, 0, 1, {{0, B({100, 0}, {256, 128})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, B({0, 0}, {128, 128})}, {0, B({128, 0}, {256, 128})}});
+  QuantizeRollouts(p, Fp8Block(128, 128));
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, SenderQuant());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  for (const TransferOp* op : AllOps(*plan)) {
+    EXPECT_EQ(op->sender_quantized, op->dst_piece == 1) << BoxToString(op->box);
+    EXPECT_EQ(op->wire_bytes, op->sender_quantized ? 128 * 128 + 4 : op->bytes);
+  }
+  EXPECT_EQ(plan->stats.sender_quantized_bytes, 128 * 128 * 2);
+
+  // Needers of one fragment in different formats: neither is sender-quantised (a relay between
+  // them could not serve the other's format).
+  Problem q = OneTensor(256, 128);
+  AddWorker(q, Role::kTrainer, 0, 0, {{0, FullBox({256, 128})}});
+  AddWorker(q, Role::kRollout, 1, 0, {{0, FullBox({256, 128})}});
+  AddWorker(q, Role::kRollout, 1, 1, {{0, FullBox({256, 128})}});
+  QuantizeRollouts(q, Fp8Block(128, 128));
+  q.workers[2].layout.pieces[0].quant = Fp8Block(1, 32);
+  auto mixed = MakePlanWithOptions(q, Strategy::kWeightBridge, SenderQuant());
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  EXPECT_EQ(mixed->stats.sender_quantized_bytes, 0);
+  EXPECT_DOUBLE_EQ(mixed->stats.lower_bound_s, LowerBound(q));
+}
+
 }  // namespace
 }  // namespace wb::planner

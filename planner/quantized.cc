@@ -136,6 +136,30 @@ bool HasQuantizedPieces(const WorkerLayout& layout) {
   return false;
 }
 
+bool BoxOnBlockGrid(const Box& box, const std::vector<int64_t>& shape, const std::vector<int64_t>& block) {
+  if (block.size() != box.begin.size() || shape.size() != box.begin.size()) return false;
+  for (size_t d = 0; d < block.size(); ++d) {
+    if (block[d] < 1) return false;
+    if (box.begin[d] % block[d] != 0) return false;
+    if (box.end[d] % block[d] != 0 && box.end[d] != shape[d]) return false;
+  }
+  return true;
+}
+
+int64_t QuantizedBoxBytes(const Box& box, const Quantization& quant) {
+  int64_t blocks = 1;
+  for (size_t d = 0; d < box.begin.size() && d < quant.block.size(); ++d) {
+    const int64_t ext = box.end[d] - box.begin[d];
+    blocks *= quant.block[d] > 0 ? (ext + quant.block[d] - 1) / quant.block[d] : 0;
+  }
+  const int64_t bits = BoxVolume(box) * DTypeBits(quant.dtype);
+  return (bits + 7) / 8 + blocks * ScaleElementSize(quant);
+}
+
+bool SameQuantFormat(const Quantization& a, const Quantization& b) {
+  return a.dtype == b.dtype && a.scale_dtype == b.scale_dtype && a.block == b.block;
+}
+
 WorkerLayout StagingLayout(const Inventory& inventory, const WorkerLayout& layout) {
   WorkerLayout out = layout;
   if (!HasQuantizedPieces(layout)) return out;

@@ -1,8 +1,8 @@
 #pragma once
 // Quantized rollout pieces (planner/types.h `Quantization`): the layout-level rules, pure.
 //
-// A quantized piece changes only where the worker keeps its box, never what travels: ops carry the
-// canonical dtype. So the receiving node gives each quantized piece a "shadow" in its staging - a
+// A quantized piece changes where the worker keeps its box; by default not what travels: ops carry
+// the canonical dtype (sender-side quantisation, planner/sender_quant.h, is the planner's option). So the receiving node gives each quantized piece a "shadow" in its staging - a
 // contiguous canonical-dtype copy of the box appended after the end of the piece's buffer - and
 // every transfer addresses the shadow; once the version has landed, the node quantises each
 // shadow into the piece's place and its scales (daemon/quantize.h) and commits as usual.
@@ -48,6 +48,17 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
                                absl::string_view where);
 
 bool HasQuantizedPieces(const WorkerLayout& layout);
+
+// Sender-side quantisation helpers (planner/sender_quant.h decides which ops use it).
+// Whether `box` of a tensor of `shape` is a union of whole blocks of the tensor's global block
+// grid: in every dim it starts on a multiple of block_d and ends on one or at the tensor's end.
+// Then the box's scales are exactly a sub-grid of any covering piece's scales.
+bool BoxOnBlockGrid(const Box& box, const std::vector<int64_t>& shape, const std::vector<int64_t>& block);
+// Bytes of `box` (on the block grid) held in `quant`'s format: the quantised elements
+// (DTypeBits(quant.dtype) each, rounded up to whole bytes) plus one scale per block.
+int64_t QuantizedBoxBytes(const Box& box, const Quantization& quant);
+// Same element dtype, scale dtype and block: one piece's quantised bytes are the other's.
+bool SameQuantFormat(const Quantization& a, const Quantization& b);
 
 // Alignment of each shadow inside the grown buffer.
 inline constexpr int64_t kShadowAlignment = 256;

@@ -57,6 +57,25 @@ TEST(SpecTest, InlineModelObject) {
   EXPECT_TRUE(spec->topology.colocated);
 }
 
+TEST(SpecTest, RolloutQuantization) {
+  std::string json = kSpec;
+  json.replace(json.find(R"("replicas": 3})"), 14, R"("replicas": 3, "quantization": "w4a16_g32"})");
+  auto spec = ParsePlanSpec(json, ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->rollout.quantization, "w4a16_g32");
+  auto p = BuildProblem(*spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  int quantized = 0;
+  for (const Worker& w : p->workers) {
+    for (const Piece& pc : w.layout.pieces) quantized += pc.quant.has_value() && pc.quant->dtype == DType::kI4;
+  }
+  EXPECT_GT(quantized, 0);
+  json.replace(json.find("w4a16_g32"), 9, "none");
+  auto none = ParsePlanSpec(json, ReadTestdata);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->rollout.quantization, "");
+}
+
 TEST(SpecTest, ErrorsNameTheField) {
   struct Case {
     std::string json;
@@ -79,6 +98,10 @@ TEST(SpecTest, ErrorsNameTheField) {
        "cluster.nic_GBps_per_gpu"},
       {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp"}, "rollout": {"layout": "vllm"}, "cluster": {}})",
        "trainer.dp"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm", "quantization": "fp4"}, "cluster": {}})",
+       "rollout.quantization"},
+      {R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm", "quantization": 8}, "cluster": {}})",
+       "rollout.quantization"},
   };
   for (const Case& c : cases) {
     auto spec = ParsePlanSpec(c.json, ReadTestdata);

@@ -135,8 +135,16 @@ struct TransferOp {
   // destination's staging area (the gather), src_piece = -1 reads it back from there.)
   int32_t tensor = -1;
   Box box;                 // canonical box (inside both pieces' boxes)
-  int64_t bytes = 0;
+  int64_t bytes = 0;       // canonical bytes of `box` (volume x the tensor's element size)
   Route route = Route::kInterNode;
+  // Sender-side quantisation (planner/sender_quant.h; only with PlanOptions::sender_quantization):
+  // the sending node quantises `box` into the destination piece's format (its Quantization) and
+  // moves the quantised elements plus the scales of the box's blocks; a relay (src_worker a
+  // rollout) copies the quantised elements and scales it received. Every op into that destination
+  // piece is then sender-quantised, so the receiver does not quantise the piece. false: canonical
+  // bytes into the receiver's shadow (receiver-side quantisation, docs/daemon.md).
+  bool sender_quantized = false;
+  int64_t wire_bytes = 0;  // bytes the op moves (quantised elements + scales, or `bytes`); 0: `bytes`
 };
 
 // Ops of one bucket may run concurrently. A bucket only reads relay data written by earlier buckets.
@@ -149,6 +157,11 @@ struct PlanStats {
   int64_t redundant_bytes = 0;    // bytes crossing the network more than once into one node
   int64_t bytes_inter_node = 0;
   int64_t bytes_intra_node = 0;   // includes same-GPU copies
+  // As moved (TransferOp::wire_bytes): equal to bytes_inter_node + bytes_intra_node without
+  // sender-side quantisation.
+  int64_t wire_bytes = 0;
+  int64_t wire_bytes_inter_node = 0;
+  int64_t sender_quantized_bytes = 0;  // canonical bytes of sender-quantised ops
   int64_t num_ops = 0;
   double lower_bound_s = 0;       // link-capacity lower bound
   double makespan_s = 0;          // predicted under the cost model
