@@ -26,6 +26,10 @@ planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
   c.expert_parallel = p.expert_parallel();
   c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
   c.quantization = p.quantization();
+  c.first_stage_layers = static_cast<int>(std::min<uint32_t>(p.first_stage_layers(), 1u << 30));
+  c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
+  c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
+  c.expert_placement = p.expert_placement();
   return c;
 }
 
