@@ -19,6 +19,20 @@ struct Side {
   PeerId peer;
 };
 
+// Both sides Connect to each other (collective), as after a broken channel.
+void ConnectBoth(Side& a, Side& b) {
+  const std::string ea = *a.t->ExportEndpoint(b.t->instance_id());
+  const std::string eb = *b.t->ExportEndpoint(a.t->instance_id());
+  absl::StatusOr<PeerId> pa;
+  std::thread th([&] { pa = a.t->Connect(eb, absl::Now() + absl::Seconds(5)); });
+  auto pb = b.t->Connect(ea, absl::Now() + absl::Seconds(5));
+  th.join();
+  ASSERT_TRUE(pa.ok()) << pa.status();
+  ASSERT_TRUE(pb.ok()) << pb.status();
+  a.peer = *pa;
+  b.peer = *pb;
+}
+
 // Two connected fakes on `fabric`, each with `size` bytes registered and the other's imported.
 void ConnectPair(FakeFabric& fabric, Side& a, Side& b, int64_t size, int64_t link = 0) {
   FakeOptions o;
@@ -30,16 +44,7 @@ void ConnectPair(FakeFabric& fabric, Side& a, Side& b, int64_t size, int64_t lin
     s->mem.assign(size, 0);
     s->local = *s->t->RegisterMemory({MemoryKind::kHost, s->mem.data(), size, -1, "", 0, "mem"});
   }
-  const std::string ea = *a.t->ExportEndpoint(b.t->instance_id());
-  const std::string eb = *b.t->ExportEndpoint(a.t->instance_id());
-  absl::StatusOr<PeerId> pa;
-  std::thread th([&] { pa = a.t->Connect(eb, absl::Now() + absl::Seconds(5)); });
-  auto pb = b.t->Connect(ea, absl::Now() + absl::Seconds(5));
-  th.join();
-  ASSERT_TRUE(pa.ok()) << pa.status();
-  ASSERT_TRUE(pb.ok()) << pb.status();
-  a.peer = *pa;
-  b.peer = *pb;
+  ConnectBoth(a, b);
   a.remote = *a.t->ImportDescriptor(*b.t->ExportDescriptor(b.local));
   b.remote = *b.t->ImportDescriptor(*a.t->ExportDescriptor(a.local));
 }
@@ -125,13 +130,7 @@ TEST(FakeTransport, DeadlineCancelsBothSidesAndReconnectRecovers) {
   auto again = a.t->Post(Send(a, true, 16, 7));
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(a.t->Wait(*again, absl::Now() + absl::Seconds(5)).code(), absl::StatusCode::kUnavailable);
-  const std::string ea = *a.t->ExportEndpoint(b.t->instance_id());
-  const std::string eb = *b.t->ExportEndpoint(a.t->instance_id());
-  absl::StatusOr<PeerId> pa;
-  std::thread th([&] { pa = a.t->Connect(eb, absl::Now() + absl::Seconds(5)); });
-  auto pb = b.t->Connect(ea, absl::Now() + absl::Seconds(5));
-  th.join();
-  ASSERT_TRUE(pa.ok() && pb.ok());
+  ConnectBoth(a, b);
   ia = a.t->Post(Send(a, true, 16, 8));
   ib = b.t->Post(Send(b, false, 16, 8));
   EXPECT_TRUE(a.t->Wait(*ia, absl::Now() + absl::Seconds(5)).ok());
