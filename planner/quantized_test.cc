@@ -248,5 +248,33 @@ TEST(QuantizedTest, StagingLayoutAppendsAlignedShadows) {
   EXPECT_TRUE(HasQuantizedPieces(l));
 }
 
+TEST(QuantizedTest, WireBytesOfBoxesOnTheBlockGrid) {
+  const std::vector<int64_t> shape = {256, 300};
+  // 128x128 blocks: a box must start on multiples of 128 and end on one or at the tensor's end.
+  EXPECT_TRUE(BoxOnBlockGrid(Box{{0, 0}, {256, 300}}, shape, {128, 128}));
+  EXPECT_TRUE(BoxOnBlockGrid(Box{{128, 256}, {256, 300}}, shape, {128, 128}));
+  EXPECT_FALSE(BoxOnBlockGrid(Box{{0, 0}, {100, 300}}, shape, {128, 128}));
+  EXPECT_FALSE(BoxOnBlockGrid(Box{{0, 64}, {128, 128}}, shape, {128, 128}));
+  EXPECT_FALSE(BoxOnBlockGrid(Box{{0, 0}, {128, 128}}, shape, {128}));  // rank mismatch
+  Quantization fp8;
+  fp8.dtype = DType::kF8E4M3;
+  fp8.scale_dtype = DType::kF32;
+  fp8.block = {128, 128};
+  // 256 x 300 fp8 elements + 2 x 3 float32 scales (the last column block is partial).
+  EXPECT_EQ(QuantizedBoxBytes(Box{{0, 0}, {256, 300}}, fp8), 256 * 300 + 2 * 3 * 4);
+  Quantization mx = fp8;
+  mx.scale_dtype = DType::kE8M0;
+  mx.block = {1, 32};
+  EXPECT_EQ(QuantizedBoxBytes(Box{{0, 0}, {2, 64}}, mx), 128 + 4);
+  Quantization w4;
+  w4.dtype = DType::kI4;
+  w4.scale_dtype = DType::kBF16;
+  w4.block = {1, 32};
+  EXPECT_EQ(QuantizedBoxBytes(Box{{0, 0}, {2, 64}}, w4), 64 + 4 * 2);  // two int4 per byte
+  EXPECT_TRUE(SameQuantFormat(mx, mx));
+  EXPECT_FALSE(SameQuantFormat(mx, fp8));
+  EXPECT_FALSE(SameQuantFormat(mx, w4));
+}
+
 }  // namespace
 }  // namespace wb::planner
