@@ -49,7 +49,8 @@ struct PlanOptions {
   // (TransferOp::sender_quantized, wire_bytes), and links, buckets and the lower bound count those
   // bytes. Off by default: MakePlan (the coordinator's planner) keeps receiver-side quantisation,
   // the only one today's node executor runs. `wbctl plan` and bench:planner turn it on for the
-  // prediction (docs/planner.md).
+  // prediction (docs/planner.md). Do not hand such a plan to today's executor: it would move
+  // canonical bytes in buckets sized for the (about half as many) quantised ones.
   bool sender_quantization = false;
 };
 absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,
