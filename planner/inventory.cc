@@ -69,10 +69,13 @@ class Builder {
   absl::Status status_;
 };
 
-void AddGatedMlp(Builder& b, const std::string& prefix, int64_t hidden, int64_t inter) {
+void AddGatedMlp(Builder& b, const std::string& prefix, int64_t hidden, int64_t inter, bool bias = false) {
   b.Add(prefix + "gate_proj.weight", {inter, hidden});
+  if (bias) b.Add(prefix + "gate_proj.bias", {inter});
   b.Add(prefix + "up_proj.weight", {inter, hidden});
+  if (bias) b.Add(prefix + "up_proj.bias", {inter});
   b.Add(prefix + "down_proj.weight", {hidden, inter});
+  if (bias) b.Add(prefix + "down_proj.bias", {hidden});
 }
 
 void AddAttention(Builder& b, const ModelConfig& c, const std::string& a) {
@@ -101,6 +104,7 @@ void AddAttention(Builder& b, const ModelConfig& c, const std::string& a) {
   if (c.qkv_bias) b.Add(a + "v_proj.bias", {kv});
   b.Add(a + "o_proj.weight", {H, q});
   if (c.o_bias) b.Add(a + "o_proj.bias", {H});
+  if (c.attn_sinks) b.Add(a + "sinks", {c.heads});  // GPT-OSS: one learned sink logit per head
   if (c.qk_norm) {
     b.Add(a + "q_norm.weight", {c.head_dim});
     b.Add(a + "k_norm.weight", {c.head_dim});
@@ -113,8 +117,27 @@ void AddLayer(Builder& b, const ModelConfig& c, int64_t l) {
   b.Add(p + "input_layernorm.weight", {H});
   AddAttention(b, c, p + "self_attn.");
   b.Add(p + "post_attention_layernorm.weight", {H});
+  if (c.ffn_norms) {  // Gemma 2/3: the MLP is wrapped in its own pre/post norms
+    b.Add(p + "pre_feedforward_layernorm.weight", {H});
+    AddGatedMlp(b, p + "mlp.", H, c.intermediate, c.mlp_bias);
+    b.Add(p + "post_feedforward_layernorm.weight", {H});
+    return;
+  }
   if (!c.IsMoeLayer(l)) {
-    AddGatedMlp(b, p + "mlp.", H, c.intermediate);
+    AddGatedMlp(b, p + "mlp.", H, c.intermediate, c.mlp_bias);
+    return;
+  }
+  if (c.fused_experts) {
+    // GPT-OSS (HF GptOssExperts): all experts in one tensor each; gate_up_proj's last dim
+    // interleaves gate and up columns (gate = [..., ::2], up = [..., 1::2]).
+    const std::string m = p + "mlp.";
+    const int64_t E = c.experts, I = c.moe_intermediate;
+    b.Add(m + "router.weight", {E, H});
+    b.Add(m + "router.bias", {E});
+    b.Add(m + "experts.gate_up_proj", {E, H, 2 * I});
+    b.Add(m + "experts.gate_up_proj_bias", {E, 2 * I});
+    b.Add(m + "experts.down_proj", {E, I, H});
+    b.Add(m + "experts.down_proj_bias", {E, H});
     return;
   }
   if (c.family == ModelFamily::kMixtral) {

@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
 #include "tools/cc/status_macros.h"
 
@@ -26,6 +30,16 @@ const char* ModelFamilyName(ModelFamily family) {
       return "mixtral";
     case ModelFamily::kDeepseekV3:
       return "deepseek_v3";
+    case ModelFamily::kDeepseekV2:
+      return "deepseek_v2";
+    case ModelFamily::kGlm4Moe:
+      return "glm4_moe";
+    case ModelFamily::kGptOss:
+      return "gpt_oss";
+    case ModelFamily::kGemma2:
+      return "gemma2";
+    case ModelFamily::kGemma3:
+      return "gemma3_text";
   }
   return "unknown";
 }
@@ -34,7 +48,11 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
   if (experts <= 0) return false;
   switch (family) {
     case ModelFamily::kMixtral:
+    case ModelFamily::kGptOss:
       return true;
+    case ModelFamily::kGlm4Moe:
+      return layer >= first_k_dense_replace;
+    case ModelFamily::kDeepseekV2:
     case ModelFamily::kDeepseekV3:
       return layer >= first_k_dense_replace && moe_layer_freq > 0 && layer % moe_layer_freq == 0;
     case ModelFamily::kQwen2Moe:
@@ -139,25 +157,31 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
   if (const json* mt = r.Find("model_type"); mt != nullptr && mt->is_string()) c.model_type = mt->get<std::string>();
 
   const std::string& a = c.architecture;
-  if (a == "LlamaForCausalLM" || a == "MistralForCausalLM") {
-    c.family = ModelFamily::kLlama;
-  } else if (a == "Qwen2ForCausalLM") {
-    c.family = ModelFamily::kQwen2;
-  } else if (a == "Qwen2MoeForCausalLM") {
-    c.family = ModelFamily::kQwen2Moe;
-  } else if (a == "Qwen3ForCausalLM") {
-    c.family = ModelFamily::kQwen3;
-  } else if (a == "Qwen3MoeForCausalLM") {
-    c.family = ModelFamily::kQwen3Moe;
-  } else if (a == "MixtralForCausalLM") {
-    c.family = ModelFamily::kMixtral;
-  } else if (a == "DeepseekV3ForCausalLM") {
-    c.family = ModelFamily::kDeepseekV3;
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: unsupported architecture `", a,
-        "` (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM)"));
+  static constexpr std::pair<const char*, ModelFamily> kArchitectures[] = {
+      {"LlamaForCausalLM", ModelFamily::kLlama},         {"MistralForCausalLM", ModelFamily::kLlama},
+      {"Qwen2ForCausalLM", ModelFamily::kQwen2},         {"Qwen2MoeForCausalLM", ModelFamily::kQwen2Moe},
+      {"Qwen3ForCausalLM", ModelFamily::kQwen3},         {"Qwen3MoeForCausalLM", ModelFamily::kQwen3Moe},
+      {"MixtralForCausalLM", ModelFamily::kMixtral},     {"DeepseekV3ForCausalLM", ModelFamily::kDeepseekV3},
+      {"DeepseekV2ForCausalLM", ModelFamily::kDeepseekV2}, {"Glm4MoeForCausalLM", ModelFamily::kGlm4Moe},
+      {"GptOssForCausalLM", ModelFamily::kGptOss},       {"Gemma2ForCausalLM", ModelFamily::kGemma2},
+      {"Gemma3ForCausalLM", ModelFamily::kGemma3}};
+  bool known = false;
+  std::vector<std::string> names;
+  for (const auto& [name, family] : kArchitectures) {
+    names.push_back(name);
+    if (a == name) {
+      c.family = family;
+      known = true;
+    }
+  }
+  if (!known) {
+    if (absl::EndsWith(a, "ForConditionalGeneration")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: architecture `", a, "` is a multimodal wrapper (its vision tower and projector are not "
+          "modelled); register the text model's config (e.g. text_config as Gemma3ForCausalLM)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("config.json: unsupported architecture `", a,
+                                                   "` (supported: ", absl::StrJoin(names, ", "), ")"));
   }
 
   ASSIGN_OR_RETURN(c.hidden, r.Int("hidden_size"));
@@ -185,13 +209,25 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
     hd = c.hidden / c.heads;
   }
   c.head_dim = hd;
-  ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", false));
-  ASSIGN_OR_RETURN(bool attention_bias, r.BoolOr("attention_bias", false));
+  // HF defaults: Gemma ties the embeddings unless told otherwise, the others do not.
+  const bool gemma = c.family == ModelFamily::kGemma2 || c.family == ModelFamily::kGemma3;
+  ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", gemma));
+  // GPT-OSS's attention_bias defaults to true (GptOssConfig), everyone else's to false.
+  ASSIGN_OR_RETURN(bool attention_bias, r.BoolOr("attention_bias", c.family == ModelFamily::kGptOss));
+  ASSIGN_OR_RETURN(bool mlp_bias, r.BoolOr("mlp_bias", false));
+  // A flag the family's HF implementation does not read cannot add tensors there: refuse it
+  // rather than invent (or silently drop) tensors.
+  auto refuse = [&](const char* flag) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: `", flag, "`: true is not supported for ", a,
+                                                   " (its Hugging Face implementation has no such tensors)"));
+  };
+  if (mlp_bias && c.family != ModelFamily::kLlama) return refuse("mlp_bias");
 
   switch (c.family) {
     case ModelFamily::kQwen2:
     case ModelFamily::kQwen2Moe:
-      c.qkv_bias = true;  // Qwen2 always has q/k/v bias and no o_proj bias.
+      c.qkv_bias = true;  // Qwen2 always has q/k/v bias and no o_proj bias (attention_bias unused).
+      if (attention_bias) return refuse("attention_bias");
       break;
     case ModelFamily::kQwen3:
     case ModelFamily::kQwen3Moe:
@@ -199,9 +235,36 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       c.qkv_bias = c.o_bias = attention_bias;
       break;
     case ModelFamily::kLlama:
+      if (a == "MistralForCausalLM") {
+        if (attention_bias) return refuse("attention_bias");
+        if (mlp_bias) return refuse("mlp_bias");
+      }
       c.qkv_bias = c.o_bias = attention_bias;
+      c.mlp_bias = mlp_bias;
       break;
-    default:
+    case ModelFamily::kMixtral:
+      if (attention_bias) return refuse("attention_bias");
+      break;
+    case ModelFamily::kDeepseekV2:
+    case ModelFamily::kDeepseekV3:
+      // HF DeepseekV3Attention puts attention_bias on q_a/kv_a/o projections: not modelled.
+      if (attention_bias) return refuse("attention_bias");
+      break;
+    case ModelFamily::kGlm4Moe: {
+      c.qkv_bias = attention_bias;  // Glm4MoeAttention: q/k/v bias = attention_bias, o_proj never
+      ASSIGN_OR_RETURN(c.qk_norm, r.BoolOr("use_qk_norm", false));
+      break;
+    }
+    case ModelFamily::kGptOss:
+      c.qkv_bias = c.o_bias = attention_bias;
+      c.attn_sinks = true;
+      c.fused_experts = true;
+      break;
+    case ModelFamily::kGemma2:
+    case ModelFamily::kGemma3:
+      c.qkv_bias = c.o_bias = attention_bias;
+      c.ffn_norms = true;
+      c.qk_norm = c.family == ModelFamily::kGemma3;
       break;
   }
 
@@ -232,14 +295,21 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
     if (c.family == ModelFamily::kQwen2Moe) {
       ASSIGN_OR_RETURN(c.shared_expert_intermediate, r.IntOr("shared_expert_intermediate_size", 0));
     }
-  } else if (c.family == ModelFamily::kMixtral) {
+  } else if (c.family == ModelFamily::kMixtral || c.family == ModelFamily::kGptOss) {
     c.experts_field = "num_local_experts";
     ASSIGN_OR_RETURN(c.experts, r.Int("num_local_experts"));
     RETURN_IF_ERROR(RequirePositive("num_local_experts", c.experts));
     c.moe_intermediate = c.intermediate;
-  } else if (c.family == ModelFamily::kDeepseekV3) {
-    c.mla = true;
-    c.router_bias = true;
+    c.router_bias = c.family == ModelFamily::kGptOss;  // GPT-OSS: mlp.router.bias
+  } else if (c.family == ModelFamily::kDeepseekV2 || c.family == ModelFamily::kDeepseekV3 ||
+             c.family == ModelFamily::kGlm4Moe) {
+    const bool glm = c.family == ModelFamily::kGlm4Moe;
+    c.mla = !glm;
+    // e_score_correction_bias exists with topk_method noaux_tc (vLLM / HF DeepseekV2); HF
+    // DeepseekV3 and GLM-4.5 always register it.
+    std::string topk_method = c.family == ModelFamily::kDeepseekV2 ? "greedy" : "noaux_tc";
+    if (const json* t = r.Find("topk_method"); t != nullptr && t->is_string()) topk_method = t->get<std::string>();
+    c.router_bias = glm || topk_method == "noaux_tc";
     c.experts_field = "n_routed_experts";
     ASSIGN_OR_RETURN(c.experts, r.IntOr("n_routed_experts", 0));
     if (c.experts > 0) {
@@ -249,17 +319,21 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
     ASSIGN_OR_RETURN(c.n_shared_experts, r.IntOr("n_shared_experts", 0));
     c.shared_expert_intermediate = c.n_shared_experts * c.moe_intermediate;
     ASSIGN_OR_RETURN(c.first_k_dense_replace, r.IntOr("first_k_dense_replace", 0));
-    ASSIGN_OR_RETURN(c.moe_layer_freq, r.IntOr("moe_layer_freq", 1));
-    RETURN_IF_ERROR(RequirePositive("moe_layer_freq", c.moe_layer_freq));
-    ASSIGN_OR_RETURN(c.q_lora_rank, r.IntOr("q_lora_rank", 0));  // null -> no q compression
-    ASSIGN_OR_RETURN(c.kv_lora_rank, r.Int("kv_lora_rank"));
-    ASSIGN_OR_RETURN(c.qk_nope_head_dim, r.Int("qk_nope_head_dim"));
-    ASSIGN_OR_RETURN(c.qk_rope_head_dim, r.Int("qk_rope_head_dim"));
-    ASSIGN_OR_RETURN(c.v_head_dim, r.Int("v_head_dim"));
-    RETURN_IF_ERROR(RequirePositive("kv_lora_rank", c.kv_lora_rank));
-    RETURN_IF_ERROR(RequirePositive("qk_nope_head_dim", c.qk_nope_head_dim));
-    RETURN_IF_ERROR(RequirePositive("qk_rope_head_dim", c.qk_rope_head_dim));
-    RETURN_IF_ERROR(RequirePositive("v_head_dim", c.v_head_dim));
+    if (!glm) {  // Glm4Moe has no moe_layer_freq: every layer from first_k_dense_replace on is MoE
+      ASSIGN_OR_RETURN(c.moe_layer_freq, r.IntOr("moe_layer_freq", 1));
+      RETURN_IF_ERROR(RequirePositive("moe_layer_freq", c.moe_layer_freq));
+    }
+    if (c.mla) {
+      ASSIGN_OR_RETURN(c.q_lora_rank, r.IntOr("q_lora_rank", 0));  // null -> no q compression
+      ASSIGN_OR_RETURN(c.kv_lora_rank, r.Int("kv_lora_rank"));
+      ASSIGN_OR_RETURN(c.qk_nope_head_dim, r.Int("qk_nope_head_dim"));
+      ASSIGN_OR_RETURN(c.qk_rope_head_dim, r.Int("qk_rope_head_dim"));
+      ASSIGN_OR_RETURN(c.v_head_dim, r.Int("v_head_dim"));
+      RETURN_IF_ERROR(RequirePositive("kv_lora_rank", c.kv_lora_rank));
+      RETURN_IF_ERROR(RequirePositive("qk_nope_head_dim", c.qk_nope_head_dim));
+      RETURN_IF_ERROR(RequirePositive("qk_rope_head_dim", c.qk_rope_head_dim));
+      RETURN_IF_ERROR(RequirePositive("v_head_dim", c.v_head_dim));
+    }
   }
   return c;
 }

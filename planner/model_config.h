@@ -19,6 +19,11 @@ enum class ModelFamily : uint8_t {
   kQwen3Moe,    // Qwen3MoeForCausalLM: q_norm/k_norm, experts
   kMixtral,     // MixtralForCausalLM: block_sparse_moe with w1/w2/w3
   kDeepseekV3,  // DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2): MLA, shared experts, dense prefix
+  kDeepseekV2,  // DeepseekV2ForCausalLM (DeepSeek-V2, V2-Lite): as V3; router bias only with noaux_tc
+  kGlm4Moe,     // Glm4MoeForCausalLM (GLM-4.5, 4.5-Air, 4.6): q/k/v bias, optional qk norm, DeepSeek-style MoE
+  kGptOss,      // GptOssForCausalLM: q/k/v/o biases, attention sinks, fused experts with biases, router bias
+  kGemma2,      // Gemma2ForCausalLM: pre/post feed-forward norms, tied embeddings by default
+  kGemma3,      // Gemma3ForCausalLM (text): as Gemma 2 plus q_norm/k_norm
 };
 const char* ModelFamilyName(ModelFamily family);
 
@@ -37,7 +42,11 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool qkv_bias = false;  // q/k/v projections have a bias (Qwen2, attention_bias)
   bool o_bias = false;    // o_proj has a bias (attention_bias on Llama/Qwen3)
-  bool qk_norm = false;   // per-head q_norm/k_norm (Qwen3)
+  bool qk_norm = false;   // per-head q_norm/k_norm (Qwen3, Gemma 3, GLM-4.5 use_qk_norm)
+  bool mlp_bias = false;  // gate/up/down_proj biases (Llama mlp_bias)
+  bool ffn_norms = false; // pre_feedforward_layernorm + post_feedforward_layernorm (Gemma 2/3)
+  bool attn_sinks = false;     // self_attn.sinks [heads] (GPT-OSS)
+  bool fused_experts = false;  // GPT-OSS: mlp.experts.{gate_up_proj,down_proj}[_bias] over all experts, mlp.router.{weight,bias}
 
   // Mixture of experts (experts == 0: dense model).
   int64_t experts = 0;                    // num_experts / n_routed_experts / num_local_experts
@@ -49,7 +58,7 @@ struct ModelConfig {
   int64_t moe_layer_freq = 1;             // DeepSeek: layer l >= k is MoE when l % freq == 0
   int64_t decoder_sparse_step = 1;        // Qwen MoE: layer l is MoE when (l + 1) % step == 0
   std::vector<int64_t> mlp_only_layers;   // Qwen MoE: forced dense layers (sorted, unique)
-  bool router_bias = false;               // DeepSeek-V3: gate.e_score_correction_bias
+  bool router_bias = false;               // gate.e_score_correction_bias (DeepSeek topk_method noaux_tc, GLM-4.5)
 
   // Multi-head latent attention (DeepSeek-V3 family).
   bool mla = false;
@@ -71,7 +80,11 @@ inline constexpr int64_t kMaxConfigValue = int64_t{1} << 32;
 inline constexpr int64_t kMaxConfigListLength = int64_t{1} << 17;
 
 // Parses config.json text. Unknown architecture, malformed JSON, or a missing/ill-typed required
-// field -> InvalidArgument naming the field.
+// field -> InvalidArgument naming the field. Every flag that adds or removes tensors in the
+// family's HF implementation is honoured (attention_bias, mlp_bias, tie_word_embeddings, use_qk_norm,
+// topk_method, ...); one set to a value the family does not support (e.g. attention_bias on
+// MistralForCausalLM, whose HF code has no biases) is refused naming the flag, never ignored.
+// Multimodal wrappers (Gemma3ForConditionalGeneration, ...) are refused: use the text config.
 absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text);
 
 }  // namespace wb::planner

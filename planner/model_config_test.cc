@@ -3,6 +3,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -89,6 +91,63 @@ TEST(ModelConfig, ErrorsNameTheProblem) {
 
   EXPECT_FALSE(ParseHfConfig("{not json").ok());
   EXPECT_FALSE(ParseHfConfig("[1,2]").ok());
+}
+
+// Every config flag that adds or removes tensors is honoured or refused naming the flag.
+TEST(ModelConfig, TensorFlagsHonouredOrRefused) {
+  const std::string base = R"("hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+    "num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100)";
+  auto parse = [&](const std::string& arch, const std::string& extra) {
+    return ParseHfConfig(R"({"architectures":[")" + arch + R"("],)" + base + (extra.empty() ? "" : "," + extra) + "}");
+  };
+  auto llama = parse("LlamaForCausalLM", R"("mlp_bias":true,"attention_bias":true)");
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  EXPECT_TRUE(llama->mlp_bias);
+  EXPECT_TRUE(llama->qkv_bias);
+  EXPECT_TRUE(llama->o_bias);
+  for (const auto& [arch, flag] : std::vector<std::pair<std::string, std::string>>{
+           {"MistralForCausalLM", "attention_bias"}, {"MistralForCausalLM", "mlp_bias"},
+           {"Qwen2ForCausalLM", "attention_bias"}, {"Qwen2ForCausalLM", "mlp_bias"},
+           {"Qwen3ForCausalLM", "mlp_bias"}, {"Gemma2ForCausalLM", "mlp_bias"}}) {
+    auto c = parse(arch, "\"" + flag + "\":true");
+    ASSERT_FALSE(c.ok()) << arch << " " << flag;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(flag), std::string::npos) << c.status();
+    EXPECT_TRUE(parse(arch, "\"" + flag + "\":false").ok()) << arch << " " << flag;  // false is what HF does
+  }
+  auto mix = parse("MixtralForCausalLM", R"("num_local_experts":4,"attention_bias":true)");
+  ASSERT_FALSE(mix.ok());
+  EXPECT_NE(mix.status().message().find("attention_bias"), std::string::npos);
+  const std::string mla = R"("n_routed_experts":4,"moe_intermediate_size":32,"kv_lora_rank":16,"qk_nope_head_dim":8,
+    "qk_rope_head_dim":4,"v_head_dim":8)";
+  auto ds = parse("DeepseekV3ForCausalLM", mla + R"(,"attention_bias":true)");
+  ASSERT_FALSE(ds.ok());
+  EXPECT_NE(ds.status().message().find("attention_bias"), std::string::npos);
+  // topk_method decides e_score_correction_bias (DeepSeek-V2 greedy: none; V3 default noaux_tc).
+  EXPECT_FALSE(parse("DeepseekV2ForCausalLM", mla)->router_bias);
+  EXPECT_TRUE(parse("DeepseekV2ForCausalLM", mla + R"(,"topk_method":"noaux_tc")")->router_bias);
+  EXPECT_TRUE(parse("DeepseekV3ForCausalLM", mla)->router_bias);
+  // Gemma ties embeddings unless told otherwise; the others do not.
+  EXPECT_TRUE(parse("Gemma2ForCausalLM", "")->tie_word_embeddings);
+  EXPECT_FALSE(parse("Gemma2ForCausalLM", R"("tie_word_embeddings":false)")->tie_word_embeddings);
+  EXPECT_FALSE(parse("LlamaForCausalLM", "")->tie_word_embeddings);
+  EXPECT_TRUE(parse("Gemma3ForCausalLM", "")->qk_norm);
+  EXPECT_TRUE(parse("Gemma3ForCausalLM", R"("attention_bias":true)")->o_bias);
+  // GLM-4.5: attention_bias puts biases on q/k/v only; use_qk_norm adds q_norm/k_norm.
+  auto glm = parse("Glm4MoeForCausalLM", R"("n_routed_experts":4,"moe_intermediate_size":32,"attention_bias":true,"use_qk_norm":true)");
+  ASSERT_TRUE(glm.ok()) << glm.status();
+  EXPECT_TRUE(glm->qkv_bias);
+  EXPECT_FALSE(glm->o_bias);
+  EXPECT_TRUE(glm->qk_norm);
+  EXPECT_TRUE(glm->router_bias);
+  // GPT-OSS: attention_bias defaults to true; sinks, fused experts, router bias.
+  auto oss = parse("GptOssForCausalLM", R"("num_local_experts":4)");
+  ASSERT_TRUE(oss.ok()) << oss.status();
+  EXPECT_TRUE(oss->qkv_bias && oss->o_bias && oss->attn_sinks && oss->fused_experts && oss->router_bias);
+  // Multimodal wrappers are refused with a pointer to the text config.
+  auto mm = parse("Gemma3ForConditionalGeneration", "");
+  ASSERT_FALSE(mm.ok());
+  EXPECT_NE(mm.status().message().find("text"), std::string::npos) << mm.status();
 }
 
 }  // namespace

@@ -41,6 +41,8 @@ struct LayerIds {
   int32_t q_a = -1, q_a_norm = -1, q_b = -1, q_proj = -1, kv_a = -1, kv_a_norm = -1, kv_b = -1;
   bool moe = false;
   int32_t gate = -1, up = -1, down = -1;
+  int32_t gate_b = -1, up_b = -1, down_b = -1;  // Llama mlp_bias
+  int32_t pre_ff = -1, post_ff = -1;            // Gemma pre/post feed-forward norms
   int32_t router = -1, router_bias = -1;
   std::vector<std::array<int32_t, 3>> experts;  // {gate, up, down} (Mixtral: {w1, w3, w2})
   int32_t sh_gate = -1, sh_up = -1, sh_down = -1, sh_expert_gate = -1;
@@ -228,11 +230,20 @@ absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const Model
         ASSIGN_OR_RETURN(L.kn, r.Need(a + "k_norm.weight"));
       }
     }
-    L.moe = c.IsMoeLayer(l);
+    L.moe = c.IsMoeLayer(l) && !c.ffn_norms;
+    if (c.ffn_norms) {
+      ASSIGN_OR_RETURN(L.pre_ff, r.Need(p + "pre_feedforward_layernorm.weight"));
+      ASSIGN_OR_RETURN(L.post_ff, r.Need(p + "post_feedforward_layernorm.weight"));
+    }
     if (!L.moe) {
       ASSIGN_OR_RETURN(L.gate, r.Need(p + "mlp.gate_proj.weight"));
       ASSIGN_OR_RETURN(L.up, r.Need(p + "mlp.up_proj.weight"));
       ASSIGN_OR_RETURN(L.down, r.Need(p + "mlp.down_proj.weight"));
+      if (c.mlp_bias) {
+        ASSIGN_OR_RETURN(L.gate_b, r.Need(p + "mlp.gate_proj.bias"));
+        ASSIGN_OR_RETURN(L.up_b, r.Need(p + "mlp.up_proj.bias"));
+        ASSIGN_OR_RETURN(L.down_b, r.Need(p + "mlp.down_proj.bias"));
+      }
       continue;
     }
     L.experts.resize(c.experts);
@@ -407,7 +418,9 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
   if (!L.moe) {
     w.Replicated(p + "mlp.linear_fc1.layer_norm_weight", L.post_norm);
     w.FusedRows(p + "mlp.linear_fc1.weight", L.gate, L.up, tp, tp_rank);
+    if (L.gate_b >= 0) w.FusedRows(p + "mlp.linear_fc1.bias", L.gate_b, L.up_b, tp, tp_rank);
     w.Split(p + "mlp.linear_fc2.weight", L.down, 1, tp, tp_rank);
+    if (L.down_b >= 0) w.Replicated(p + "mlp.linear_fc2.bias", L.down_b);
     return;
   }
   w.Replicated(p + "pre_mlp_layernorm.weight", L.post_norm);
@@ -551,9 +564,14 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
       }
     }
     w.Replicated(p + "post_attention_layernorm.weight", L.post_norm);
+    if (L.pre_ff >= 0) w.Replicated(p + "pre_feedforward_layernorm.weight", L.pre_ff);
     if (!L.moe) {
       w.FusedRows(p + "mlp.gate_up_proj.weight", L.gate, L.up, tp, tp_rank);
+      if (L.gate_b >= 0) w.FusedRows(p + "mlp.gate_up_proj.bias", L.gate_b, L.up_b, tp, tp_rank);
       w.Split(p + "mlp.down_proj.weight", L.down, 1, tp, tp_rank);
+      // RowParallelLinear keeps the whole bias on every rank (added once, after the reduce).
+      if (L.down_b >= 0) w.Replicated(p + "mlp.down_proj.bias", L.down_b);
+      if (L.post_ff >= 0) w.Replicated(p + "post_feedforward_layernorm.weight", L.post_ff);
       continue;
     }
     const std::string m = p + (c.family == ModelFamily::kMixtral ? "block_sparse_moe." : "mlp.");
@@ -775,6 +793,16 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
     return b;
   }
   if (kind == Kind::kFsdpFlat) return b;
+  if (config.fused_experts) {
+    // GPT-OSS: vLLM / SGLang hold it in their own names and fused, quantised (MXFP4) expert
+    // formats, Megatron needs a bridge; none is modelled, so refuse rather than guess.
+    return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": no preset layout for ", config.architecture,
+                                                   " (use fsdp, explicit pieces or an index-probe layout)"));
+  }
+  if (kind == Kind::kMegatron && config.ffn_norms) {
+    return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,
+                                                   " (Megatron-Core's GPT layer has no pre/post feed-forward norms)"));
+  }
   if (kind == Kind::kMegatron) {
     RETURN_IF_ERROR(CheckMegatron(config, parallel));
   } else {

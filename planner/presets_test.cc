@@ -503,7 +503,7 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
   const bool replicated = absl::EndsWith(name, "norm.weight") || absl::StrContains(name, "gate.weight") ||
                           absl::StrContains(name, "e_score_correction_bias") ||
                           absl::StrContains(name, "q_a_proj") || absl::StrContains(name, "kv_a_proj") ||
-                          absl::StrContains(name, "o_proj.bias");
+                          absl::StrContains(name, "o_proj.bias") || absl::EndsWith(name, "down_proj.bias");
   const bool expert = absl::StrContains(name, ".experts.");
   if (p.preset == "fsdp_flat") return 1;
   if (p.preset == "fsdp" || p.preset == "fsdp2") return p.replicas;
@@ -599,13 +599,33 @@ TEST(Presets, SmallFamiliesCover) {
   const std::string llama = R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,
     "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":2,
     "vocab_size":1000,"attention_bias":true,"tie_word_embeddings":true})";
-  for (const std::string* text : {&mixtral, &dsv2lite, &qwen2moe, &llama}) {
+  // Llama with mlp_bias, GLM-4.5 style MoE, DeepSeek-V2 (no router bias), Gemma 3.
+  const std::string llama_mlp_bias = R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":4,
+    "vocab_size":1000,"mlp_bias":true})";
+  const std::string glm = R"({"architectures":["Glm4MoeForCausalLM"],"hidden_size":64,"head_dim":16,
+    "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":8,
+    "num_key_value_heads":4,"vocab_size":1000,"n_routed_experts":8,"n_shared_experts":1,"first_k_dense_replace":1,
+    "attention_bias":true,"use_qk_norm":true})";
+  const std::string dsv2 = R"({"architectures":["DeepseekV2ForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":8,
+    "vocab_size":1000,"n_routed_experts":8,"n_shared_experts":2,"first_k_dense_replace":1,"topk_method":"greedy",
+    "q_lora_rank":24,"kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":4,"v_head_dim":8})";
+  const std::string gemma3 = R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":64,"head_dim":32,
+    "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000})";
+  for (const std::string* text : {&mixtral, &dsv2lite, &qwen2moe, &llama, &llama_mlp_bias, &glm, &dsv2, &gemma3}) {
     Model m = FromText(*text);
     for (ParallelConfig par : {ParallelConfig{.preset = "megatron", .tp = 2, .pp = 2, .dp = 2, .ep = 2, .etp = 1},
                                ParallelConfig{.preset = "vllm", .tp = 4, .replicas = 2},
                                ParallelConfig{.preset = "sglang", .tp = 4, .expert_parallel = true},
                                ParallelConfig{.preset = "fsdp", .dp = 3}}) {
       if (m.config.experts == 0 && par.preset == "megatron") par.ep = 1, par.etp = 0;
+      if (m.config.ffn_norms && par.preset == "megatron") {  // Megatron has no Gemma layer: refused, named
+        auto refused = PresetBuilder::Create(m.config, m.inv, par);
+        ASSERT_FALSE(refused.ok());
+        EXPECT_NE(refused.status().message().find("Gemma3ForCausalLM"), std::string::npos) << refused.status();
+        continue;
+      }
       auto b = PresetBuilder::Create(m.config, m.inv, par);
       ASSERT_TRUE(b.ok()) << m.config.architecture << " " << par.preset << ": " << b.status();
       std::vector<PresetLayout> ranks;
@@ -835,6 +855,51 @@ TEST(Presets, SglangDeepseekNames) {
   EXPECT_NE(FindLocal(*s, "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"), nullptr);
   EXPECT_EQ(FindLocal(*s, "model.layers.0.self_attn.fused_qkv_a_proj.weight"), nullptr);
   EXPECT_NE(FindLocal(*v, "model.layers.0.self_attn.fused_qkv_a_proj.weight"), nullptr);
+}
+
+// Llama mlp_bias: the biases move (vLLM gate_up_proj.bias split with the weight, down_proj.bias
+// whole on every rank; Megatron linear_fc1.bias / linear_fc2.bias). GPT-OSS: FSDP only, other
+// presets refused naming the architecture. Gemma's extra norms in vLLM.
+TEST(Presets, BiasesNormsAndRefusals) {
+  Model m = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":1,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":1000,"mlp_bias":true})");
+  TensorIndex idx(m.inv);
+  auto v = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 2}, 1);
+  ASSERT_TRUE(v.ok()) << v.status();
+  const LocalTensor* gub = FindLocal(*v, "model.layers.0.mlp.gate_up_proj.bias");
+  ASSERT_NE(gub, nullptr);
+  EXPECT_EQ(gub->shape, (std::vector<int64_t>{128}));
+  EXPECT_EQ(CanonicalAt(m.inv, *v, *gub, 0), std::make_pair(*idx.Find("model.layers.0.mlp.gate_proj.bias"), int64_t{64}));
+  EXPECT_EQ(CanonicalAt(m.inv, *v, *gub, 64), std::make_pair(*idx.Find("model.layers.0.mlp.up_proj.bias"), int64_t{64}));
+  const LocalTensor* db = FindLocal(*v, "model.layers.0.mlp.down_proj.bias");
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->shape, (std::vector<int64_t>{64}));
+  auto g = MakePresetLayout(m.config, m.inv, {.preset = "megatron", .tp = 2}, 0);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_NE(FindLocal(*g, "decoder.layers.0.mlp.linear_fc1.bias"), nullptr);
+  EXPECT_NE(FindLocal(*g, "decoder.layers.0.mlp.linear_fc2.bias"), nullptr);
+
+  Model oss = Load("gpt-oss-20b.json", 2);
+  for (const char* preset : {"vllm", "sglang", "megatron"}) {
+    auto r = MakePresetLayout(oss.config, oss.inv, {.preset = preset}, 0);
+    ASSERT_FALSE(r.ok()) << preset;
+    EXPECT_NE(r.status().message().find("GptOssForCausalLM"), std::string::npos) << r.status();
+  }
+  auto f = MakePresetLayout(oss.config, oss.inv, {.preset = "fsdp", .dp = 8}, 7);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const LocalTensor* gu = FindLocal(*f, "model.layers.1.mlp.experts.gate_up_proj");
+  ASSERT_NE(gu, nullptr);
+  EXPECT_EQ(gu->shape, (std::vector<int64_t>{4, 2880, 5760}));  // 32 experts over 8 ranks, dim 0
+  const LocalTensor* sinks = FindLocal(*f, "model.layers.1.self_attn.sinks");
+  ASSERT_NE(sinks, nullptr);
+  EXPECT_EQ(sinks->shape, (std::vector<int64_t>{8}));
+
+  Model gem = Load("gemma-2-9b.json", 2);
+  auto gv = MakePresetLayout(gem.config, gem.inv, {.preset = "vllm", .tp = 8}, 0);
+  ASSERT_TRUE(gv.ok()) << gv.status();
+  EXPECT_NE(FindLocal(*gv, "model.layers.1.pre_feedforward_layernorm.weight"), nullptr);
+  EXPECT_NE(FindLocal(*gv, "model.layers.1.post_feedforward_layernorm.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*gv, "lm_head.weight"), nullptr);  // tied
 }
 
 TEST(Presets, ClearErrors) {
