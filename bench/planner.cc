@@ -1,6 +1,6 @@
-// Planner bench: plans every spec of a directory (default ../shared/specs relative to the
-// workspace) and prints plan_ms, makespan, lower bound, their ratio, redundant bytes and every
-// baseline's makespan with its ratio to ours, then checks the targets (complete, no redundant
+// Planner bench: plans every spec of a directory (default the workspace's examples/specs) and
+// prints plan_ms, makespan, lower bound, their ratio, redundant bytes and every baseline's
+// makespan with its ratio to ours, then checks the targets (complete, no redundant
 // bytes, makespan <= 1.10x lower bound, plan_ms < 1000).
 //
 //   bazel run //bench:planner [-- --specs_dir DIR] [--quantization NAME] [--receiver_quantization]

@@ -5,7 +5,7 @@
 //
 //   bazel run //bench:rl_sim [-- --specs_dir DIR --train_s 30 --rollout_s 60 --steps 50
 //                               --staging_GBps G --out_dir DIR --no_plot]
-// Defaults: specs ../shared/specs, outputs docs/img/ of the workspace (rl_sim.json + PNGs).
+// Defaults: specs examples/specs, outputs docs/img/ of the workspace (rl_sim.json + PNGs).
 
 
 #include <algorithm>

@@ -9,7 +9,7 @@ namespace wb::bench {
 
 std::string DefaultSpecsDir() {
   const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY");
-  return ws != nullptr ? std::string(ws) + "/../shared/specs" : "../shared/specs";
+  return ws != nullptr ? std::string(ws) + "/examples/specs" : "examples/specs";
 }
 
 std::vector<std::string> JsonFiles(const std::string& dir) {

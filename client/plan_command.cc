@@ -1,5 +1,6 @@
 #include "client/plan_command.h"
 
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -203,6 +204,9 @@ int RunPlanCommand(const std::vector<std::string>& args, std::ostream& out, std:
     err << "wbctl plan: --spec FILE is required\n" << Usage();
     return 2;
   }
+  // Under `bazel run` the program runs in its runfiles; a relative --spec means the caller's directory.
+  const char* cwd = std::getenv("BUILD_WORKING_DIRECTORY");
+  if (cwd != nullptr && !spec_path.empty() && spec_path[0] != '/') spec_path = absl::StrCat(cwd, "/", spec_path);
   auto spec = LoadPlanSpecFile(spec_path);
   if (!spec.ok()) {
     err << "wbctl plan: bad spec: " << spec.status().message() << "\n";

@@ -1,6 +1,6 @@
 #pragma once
 // `wbctl plan --spec FILE [--json] [--quantization NAME] [--receiver_quantization]`: plan a spec
-// offline and print its figures (fields of ../shared/specs/README.md). Also the shared spec-file
+// offline and print its figures (fields of examples/specs/README.md). Also the shared spec-file
 // loading and reporting used by //bench:planner.
 //
 // Quantised rollouts (spec `rollout.quantization` or --quantization): the prediction plans with
