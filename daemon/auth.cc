@@ -403,7 +403,19 @@ grpc::Status GuardedWorkerService::DescribeLayout(grpc::ServerContext* ctx, cons
   if (req->has_model()) {
     if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return Reject(s, "limit");
   }
-  if (absl::Status s = CheckLayoutRequest({}, req->layout(), limits_); !s.ok()) return Reject(s, "limit");
+  // No memory yet: the buffers are the ids the pieces name (a worker may have max_buffers_per_worker).
+  google::protobuf::RepeatedPtrField<pb::BufferSpec> named;
+  std::set<uint32_t> ids;
+  for (const pb::Piece& p : req->layout().pieces().pieces()) {
+    for (uint32_t id : {p.buffer_id(), p.scale_buffer_id()}) {
+      if (ids.insert(id).second) {
+        pb::BufferSpec* b = named.Add();
+        b->set_buffer_id(id);
+        b->set_size_bytes(1);
+      }
+    }
+  }
+  if (absl::Status s = CheckLayoutRequest(named, req->layout(), limits_); !s.ok()) return Reject(s, "limit");
   return inner_->DescribeLayout(ctx, req, resp);
 }
 

@@ -7,7 +7,8 @@ from weightbridge.layouts import (ExplicitLayout, InferredLayout, Piece, PresetL
                                   extract_pieces,
                                   index_tensors, infer_layout, infer_layout_torch)
 from weightbridge.shm import SharedBuffer  # noqa: F401
+from weightbridge.discovery import LayoutDescription, TensorPlace  # noqa: F401
 
 __all__ = ["WorkerClient", "ModelConfig", "WeightBridgeError", "PublishResult", "ApplyResult", "LayoutInfo",
            "ExplicitLayout", "PresetLayout", "Piece", "Quantization", "InferredLayout", "infer_layout", "infer_layout_torch",
-           "extract_pieces", "index_tensors", "SharedBuffer", "offer_vmm_fd"]
+           "extract_pieces", "index_tensors", "SharedBuffer", "offer_vmm_fd", "LayoutDescription", "TensorPlace"]

@@ -1,6 +1,7 @@
 """WorkerClient: a trainer or rollout rank talking to its node daemon (WorkerService, Unix socket).
 
 Same verbs and contract as the C++ client (client/worker_client.h):
+  [describe_layout: buffer sizes and local tensor places, any time] ->
   register_worker -> create_buffer (POSIX shm, numpy views) / create_cuda_buffer (CUDA IPC) /
   add_cuda_vmm_buffer (CUDA VMM memory, e.g. torch expandable segments) -> register_layout
   -> publish (trainer) | begin_update + wait_version (sync rollout) | apply (one-step-off / async
@@ -22,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import grpc
 
 from weightbridge._proto import pb, pb_grpc
+from weightbridge.discovery import LayoutDescription, describe_request, optional_description
 from weightbridge.layouts import DTYPES, ExplicitLayout, InferredLayout, PresetLayout
 from weightbridge.shm import SharedBuffer, unique_name
 
@@ -89,10 +91,10 @@ class ApplyResult:
 @dataclasses.dataclass
 class LayoutInfo:
     num_pieces: int
-    bytes: int
+    bytes: int   # canonical bytes the pieces cover (what one version moves in), not the buffers' sizes
     source: str  # "pieces" | "preset" | "index_probe" | "client_extracted"
-    # num_pieces / bytes are the daemon's answer: bytes is the registered buffers' total (probe
-    # buffer included), not the layout's bytes.
+    # Where every local tensor lives (discovery.LayoutDescription; None from an older daemon).
+    layout: Optional[LayoutDescription] = None
 
 
 def _ms(seconds):
@@ -376,7 +378,29 @@ class WorkerClient:
                                        buffers=self._buffer_specs(), layout=spec)
         resp = self._call("RegisterLayout of %s" % self.worker_id, "RegisterLayout", req, self.call_timeout)
         self._layout_req = req
-        return LayoutInfo(resp.num_pieces, resp.bytes, source)
+        return LayoutInfo(resp.num_pieces, resp.bytes, source, optional_description(resp))
+
+    def describe_layout(self, layout, model: Optional["ModelConfig"] = None) -> LayoutDescription:
+        """Layout discovery: the buffer sizes and every local tensor's place for `layout`
+        (PresetLayout or ExplicitLayout), computed by the node daemon without registering anything
+        (discovery.LayoutDescription: .buffer_bytes(id), [name], .view / .views over the buffers,
+        .device_pointer for CUDA buffers). Before register_worker pass `model` (its spec travels
+        with the request); after it, the registered model is described. Errors raise
+        WeightBridgeError with the daemon's code (INVALID_ARGUMENT: the preset does not fit the
+        model; NOT_FOUND: the node does not know the model and no `model` was given)."""
+        if isinstance(layout, InferredLayout):
+            raise TypeError("an inferred layout is resolved from its probe: register_layout describes it (LayoutInfo.layout)")
+        if not isinstance(layout, (PresetLayout, ExplicitLayout)):
+            raise TypeError("unknown layout type %s" % type(layout).__name__)
+        if self._register_req is not None:
+            req = describe_request(self.model_id, self.worker_id, layout.to_proto(), role=self._register_req.role)
+        elif model is not None:
+            req = describe_request(model.model_id, "", layout.to_proto(), model.to_proto())
+        else:
+            raise WeightBridgeError("DescribeLayout", grpc.StatusCode.FAILED_PRECONDITION,
+                                    "before register_worker, pass model= (its spec goes with the request)")
+        resp = self._call("DescribeLayout for model %s" % req.model_id, "DescribeLayout", req, self.call_timeout)
+        return LayoutDescription.from_proto(resp.layout)
 
     def publish(self, version, timeout=60.0) -> PublishResult:
         """Trainer: `version` is ready in the buffers; they must not change until this returns.

@@ -1,0 +1,167 @@
+"""Layout discovery (describe_layout, LayoutInfo.layout, numpy views) against a real standalone
+weightbridged (temp Unix socket, port 0). Run by //client/python:discovery_test."""
+
+import os
+import sys
+import unittest
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from client_test import TIMEOUT, TINY_CONFIG, Daemon  # noqa: E402
+
+import weightbridge as wb  # noqa: E402
+
+
+def value(name, flat):
+    """Canonical value of elements `flat` of tensor `name` (test-local; both sides compute it)."""
+    h = np.uint64(sum((i + 1) * ord(c) for i, c in enumerate(name)) & 0xFFFFFF)
+    with np.errstate(over="ignore"):
+        return ((np.asarray(flat, dtype=np.uint64) * np.uint64(2654435761) + h * np.uint64(31)) >> np.uint64(7)).astype(np.uint16)
+
+
+def canonical(name, shape):
+    return value(name, np.arange(int(np.prod(shape)), dtype=np.uint64)).reshape(shape)
+
+
+def piece_view(buf, piece):
+    """numpy view of a bf16 piece's box in `buf` (canonical dim order), from the piece alone."""
+    shape = [e - b for b, e in zip(piece.box.begin, piece.box.end)]
+    base = buf.bytes[piece.offset_bytes:].view(np.uint8)
+    return np.lib.stride_tricks.as_strided(base[:(base.size // 2) * 2].view(np.uint16), shape=shape,
+                                           strides=[s * 2 for s in piece.strides])
+
+
+class DiscoveryTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+        with open(TINY_CONFIG) as f:
+            cls.config = f.read()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def test_describe_before_registering_then_views_carry_a_version(self):
+        model = wb.ModelConfig(model_id="py_discover", hf_config_json=self.config, num_trainer_workers=2,
+                               num_rollout_workers=1, mode="one_step_off")
+        pre = self.daemon.client("dsc")
+        with self.assertRaises(wb.WeightBridgeError) as cm:  # no model known, none given
+            pre.describe_layout(wb.PresetLayout("megatron", tp=2, rank=0))
+        self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        with self.assertRaises(wb.WeightBridgeError) as cm:  # tp=3 does not fit 4 heads / 2 KV heads
+            pre.describe_layout(wb.PresetLayout("megatron", tp=3, rank=0), model=model)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT, cm.exception.message)
+        # The rollout (vLLM tp=1) holds every tensor whole: its pieces give the canonical shapes.
+        rdesc = pre.describe_layout(wb.PresetLayout("vllm"), model=model)
+        shapes = {p.tensor: tuple(p.box.end) for p in rdesc.pieces}
+        pre.close()
+
+        trainers = []
+        for rank in (0, 1):
+            c = self.daemon.client("dsc")
+            preset = wb.PresetLayout("megatron", tp=2, rank=rank)
+            desc = c.describe_layout(preset, model=model)
+            self.assertEqual(desc.source, "preset")
+            qkv = desc["decoder.layers.0.self_attention.linear_qkv.weight"]
+            self.assertEqual(qkv.shape, (256, 256))  # one query group of (2 + 1 + 1) heads of 64
+            self.assertEqual(qkv.strides, (256, 1))
+            self.assertEqual(qkv.offset_bytes % 256, 0)
+            c.register_worker(model, "trainer/%d" % rank, "trainer")
+            buf = c.create_buffer(desc.buffer_bytes(0))
+            info = c.register_layout(preset)
+            self.assertEqual([t.offset_bytes for t in info.layout.tensors.values()],
+                             [t.offset_bytes for t in desc.tensors.values()])
+            self.assertEqual(info.bytes, info.layout.piece_bytes)  # LayoutInfo.bytes: what the pieces cover
+            self.assertLessEqual(info.bytes, buf.size_bytes)
+            views = info.layout.views(c.buffers)
+            self.assertEqual(set(views), set(desc.tensors))
+            for name, t in info.layout.tensors.items():
+                v = views[name]
+                self.assertEqual(v.shape, t.shape)
+                self.assertEqual(v.dtype, np.uint16)  # bfloat16 bits
+                # Every piece lies inside its local tensor's view: fill through the piece.
+                for k in t.pieces:
+                    p = info.layout.pieces[k]
+                    self.assertGreaterEqual(p.offset_bytes, t.offset_bytes)
+                    box = tuple(slice(b, e) for b, e in zip(p.box.begin, p.box.end))
+                    piece_view(buf, p)[...] = canonical(p.tensor, shapes[p.tensor])[box]
+            # A view is the buffer itself: writing it writes the shm segment.
+            emb = views["embedding.word_embeddings.weight"]
+            self.assertTrue(np.shares_memory(emb, buf.bytes))
+            trainers.append(c)
+
+        ro = self.daemon.client("dsc")
+        ro.register_worker(model, "rollout/0", "rollout")
+        # Registered: the node knows the model, no spec needed.
+        rdesc2 = ro.describe_layout(wb.PresetLayout("vllm"))
+        self.assertEqual(rdesc2.buffer_bytes(0), rdesc.buffer_bytes(0))
+        ro.create_buffer(rdesc.buffer_bytes(0))
+        rinfo = ro.register_layout(wb.PresetLayout("vllm"))
+        for c in trainers:
+            c.publish(1, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(1, timeout=TIMEOUT).applied_version, 1)
+        views = rinfo.layout.views(ro.buffers)
+        att = "model.layers.1.self_attn."
+        want = np.concatenate([canonical(att + n + ".weight", shapes[att + n + ".weight"]) for n in ("q_proj", "k_proj", "v_proj")])
+        np.testing.assert_array_equal(views[att + "qkv_proj.weight"], want)  # the fused [q; k; v], by local shape alone
+        want_b = np.concatenate([canonical(att + n + ".bias", shapes[att + n + ".bias"]) for n in ("q_proj", "k_proj", "v_proj")])
+        np.testing.assert_array_equal(views[att + "qkv_proj.bias"], want_b)
+        np.testing.assert_array_equal(views["model.embed_tokens.weight"],
+                                      canonical("model.embed_tokens.weight", shapes["model.embed_tokens.weight"]))
+        for c in trainers + [ro]:
+            c.deregister()
+            c.close()
+
+    def test_explicit_pieces_transposed_and_quantised(self):
+        model = wb.ModelConfig(model_id="py_discover_pieces", explicit_tensors=[("q", (8, 8)), ("w", (256, 192))],
+                               num_trainer_workers=1, num_rollout_workers=1, mode="one_step_off")
+        c = self.daemon.client("dsp")
+        layout = wb.ExplicitLayout([
+            wb.Piece("q", [0, 0], [8, 8], buffer_id=1, offset_bytes=64, strides=[1, 8]),  # transposed
+            wb.Piece("w", [0, 0], [256, 192], buffer_id=0, offset_bytes=0,
+                     quant=wb.Quantization(block=[128, 128], scale_buffer_id=1, scale_offset_bytes=256)),
+        ])
+        desc = c.describe_layout(layout, model=model)
+        self.assertEqual(desc.buffers, {0: 256 * 192, 1: 256 + 4 * 4})
+        self.assertEqual(desc["q"].strides, (1, 8))
+        self.assertEqual(desc["w"].dtype, "float8_e4m3")
+        self.assertEqual(desc["w"].scale_tensor, "w_scale_inv")
+        self.assertEqual(desc["w_scale_inv"].shape, (2, 2))
+        self.assertEqual(desc["w_scale_inv"].dtype, "float32")
+        self.assertEqual(desc.piece_bytes, (64 + 256 * 192) * 2)
+        bad = wb.ExplicitLayout([wb.Piece("q", [0, 0], [9, 8])])
+        with self.assertRaises(wb.WeightBridgeError) as cm:  # q has 8 rows: named
+            c.describe_layout(bad, model=model)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("q", cm.exception.message)
+
+        # Move a version into it: the transposed piece's view reads q in canonical order.
+        tr = self.daemon.client("dsp")
+        tr.register_worker(model, "trainer/0", "trainer")
+        tbuf = tr.create_buffer((64 + 256 * 192) * 2)
+        tr.register_layout(wb.ExplicitLayout([wb.Piece("q", [0, 0], [8, 8]), wb.Piece("w", [0, 0], [256, 192], offset_bytes=128)]))
+        q = canonical("q", (8, 8))
+        tbuf.array("uint16", (8, 8))[:] = q
+        tbuf.array("uint16", (256, 192), 128)[:] = np.uint16(0x3F80)  # 1.0: scales 1/448
+        c.register_worker(model, "rollout/0", "rollout")
+        for b in range(2):
+            c.create_buffer(desc.buffer_bytes(b))
+        info = c.register_layout(layout)
+        self.assertEqual(info.layout.source, "pieces")
+        tr.publish(1, timeout=TIMEOUT)
+        self.assertEqual(c.apply(1, timeout=TIMEOUT).applied_version, 1)
+        views = info.layout.views(c.buffers)
+        np.testing.assert_array_equal(views["q"], q)
+        self.assertFalse(views["q"].flags["C_CONTIGUOUS"])
+        np.testing.assert_array_equal(views["w_scale_inv"], np.full((2, 2), np.float32(1.0) / np.float32(448.0), np.float32))
+        self.assertTrue(np.all(views["w"] == 0x7E))  # 448 in e4m3
+        for x in (tr, c):
+            x.deregister()
+            x.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
