@@ -285,7 +285,8 @@ grpc::Status GuardedWorkerService::RegisterLayout(grpc::ServerContext* ctx, cons
     if (name.empty() || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255) {
       return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": bad shm name '", name, "'")), "invalid");
     }
-    int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
+    // O_NONBLOCK: a FIFO named as a segment would block this open until a writer came (NODE helper, issue 15.9).
+    int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
     if (fd < 0) {
       return Reject(absl::NotFoundError(absl::StrCat("buffer ", b.buffer_id(), ": cannot open shm ", name, ": ", std::strerror(errno))),
                     "invalid");
@@ -294,6 +295,11 @@ grpc::Status GuardedWorkerService::RegisterLayout(grpc::ServerContext* ctx, cons
     int rc = ::fstat(fd, &st);
     ::close(fd);
     if (rc != 0) return Reject(absl::InternalError(Errno(absl::StrCat("fstat shm ", name))), "invalid");
+    if (!S_ISREG(st.st_mode)) {
+      return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is not a regular file (",
+                                                            S_ISFIFO(st.st_mode) ? "a FIFO" : "not shared memory", ")")),
+                    "invalid");
+    }
     if (st.st_uid != me->uid) {
       return Reject(absl::PermissionDeniedError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is owned by uid ", st.st_uid,
                                                              ", not by the caller's uid ", me->uid)),

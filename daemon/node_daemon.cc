@@ -83,6 +83,9 @@ absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& i
       return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": the index probe must be in a shared-memory buffer, not CUDA memory"));
     }
     const transport::ShmSegment& seg = *buffers[pbuf->second];
+    if (absl::Status intact = seg.CheckIntact(); !intact.ok()) {
+      return absl::Status(intact.code(), absl::StrCat("local tensor ", t, ": probe buffer ", lt.probe_buffer_id(), ": ", intact.message()));
+    }
     if (lt.probe_offset_bytes() % sizeof(int64_t) != 0 || lt.probe_offset_bytes() > static_cast<uint64_t>(seg.size()) ||
         static_cast<uint64_t>(n) * sizeof(int64_t) > static_cast<uint64_t>(seg.size()) - lt.probe_offset_bytes()) {
       return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": probe of ", n, " int64 at byte ", lt.probe_offset_bytes(),
@@ -224,7 +227,11 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
       cuda.push_back(nullptr);
       auto seg = transport::ShmSegment::Open(b.shm_name(), static_cast<int64_t>(b.size_bytes()));
-      if (!seg.ok()) return ToGrpcStatus(Annotate(seg.status(), absl::StrCat("buffer ", b.buffer_id())));
+      if (seg.ok()) {
+        absl::Status priv = seg->CheckPrivate();
+        if (!priv.ok()) seg = priv;
+      }
+      if (!seg.ok()) return ToGrpcStatus(Annotate(seg.status(), absl::StrCat("worker ", req->worker_id(), " buffer ", b.buffer_id())));
       // Ownership (the segment's uid == the calling worker's uid) is checked by the front
       // (daemon/auth.cc) with the worker's SO_PEERCRED uid; the daemon's own uid is irrelevant.
       buffers.push_back(std::make_shared<transport::ShmSegment>(std::move(*seg)));
@@ -935,6 +942,9 @@ NodeDaemon::NodeDaemon(Options options)
   po.max_idle_bytes = options_.staging_budget_bytes;
   po.clock = options_.clock;
   staging_pool_ = std::make_shared<StagingPool>(po);
+  // Workers' shm segments may shrink under us (a worker truncating its own memory): a fault in one
+  // must fail that worker's call, not kill the daemon (ShmSegment::CheckIntact).
+  transport::ShmSegment::InstallSigbusGuard();
 }
 
 std::vector<uint8_t> NodeDaemon::TakeHost(int64_t size) {
@@ -1683,6 +1693,9 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   };
   std::map<std::string, Mem> mem;
   std::vector<std::shared_ptr<void>> holds;  // keeps snapshots / segments / staging alive
+  // Sync: trainers' live segments read in place (checked again after the buckets: a trainer may
+  // truncate its memory mid-version; ShmSegment's SIGBUS guard keeps the daemon alive meanwhile).
+  std::vector<std::pair<std::string, std::shared_ptr<transport::ShmSegment>>> live_sources;
   auto staged = [](const StagedBuffer& b) {
     Mem m;
     m.size = b.size();
@@ -1725,6 +1738,10 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
             mem[RegionKey(i, j)] = Mem{MemoryKind::kCuda, nullptr, imp->size, imp->device, imp};
             continue;
           }
+          if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+            return absl::Status(intact.code(), absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j, ": ", intact.message()));
+          }
+          live_sources.push_back({absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j), seg});
           holds.push_back(seg);
           mem[RegionKey(i, j)] = Mem{MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, nullptr};
         }
@@ -2311,6 +2328,11 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   // Every posted batch is waited for (also after a failure: transports touch the memory until then).
   wait_before();
   RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
+  for (auto& [what, seg] : live_sources) {
+    if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+      return absl::Status(intact.code(), absl::StrCat("version ", exec.version, ": ", what, ": ", intact.message()));
+    }
+  }
   exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
   end_phase(exec.buckets_s);
   return absl::OkStatus();
@@ -2449,7 +2471,11 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
     ASSIGN_OR_RETURN(transport::BatchId id, ct->Post(device_batch));
     RETURN_IF_ERROR_WITH(ct->Wait(id, deadline), absl::StrCat(label, ": copying CUDA buffers"));
   }
-  return copier_.CopyFlat(src, dst, size, label, deadline);
+  // The worker may have truncated its segments (before: refused; during: the SIGBUS guard let the
+  // copy finish on zero pages, and the snapshot is refused).
+  RETURN_IF_ERROR(CheckLive(buffers, label));
+  RETURN_IF_ERROR(copier_.CopyFlat(src, dst, size, label, deadline));
+  return CheckLive(buffers, label);
 }
 
 absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 
 namespace wb::transport {
 namespace {
@@ -92,15 +94,123 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const std::string& name, int64_t s
   return seg;
 }
 
+// ---- SIGBUS guard (see CheckIntact in the header). The table is read by the signal handler:
+// only atomics, no locks there; slots are claimed and released under g_guard_mu.
+namespace {
+constexpr int kGuardSlots = 65536;
+struct GuardSlot {
+  std::atomic<uintptr_t> begin{0}, end{0};  // [begin, end) mapped; begin == 0: free
+  std::atomic<int> faulted{0};
+};
+GuardSlot g_slots[kGuardSlots];
+std::atomic<bool> g_guard_on{false};
+absl::Mutex g_guard_mu;
+struct sigaction g_previous;
+
+void SigbusHandler(int sig, siginfo_t* info, void* ctx) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  for (GuardSlot& s : g_slots) {
+    const uintptr_t b = s.begin.load(std::memory_order_acquire);
+    if (b == 0 || addr < b) continue;
+    const uintptr_t e = s.end.load(std::memory_order_acquire);
+    if (addr >= e) continue;
+    const uintptr_t from = addr & ~(page - 1);
+    // The file behind the mapping shrank: the rest of the mapping becomes private zero pages, so
+    // the faulting access (and any later one) completes; the owner learns it from `faulted`.
+    void* m = mmap(reinterpret_cast<void*>(from), e - from, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (m == MAP_FAILED) break;
+    s.faulted.store(1, std::memory_order_release);
+    return;
+  }
+  // Not ours: what would have happened without the guard.
+  if (g_previous.sa_flags & SA_SIGINFO) {
+    if (g_previous.sa_sigaction != nullptr) {
+      g_previous.sa_sigaction(sig, info, ctx);
+      return;
+    }
+  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN && g_previous.sa_handler != nullptr) {
+    g_previous.sa_handler(sig);
+    return;
+  }
+  signal(SIGBUS, SIG_DFL);  // returning re-executes the access: the default action (death) follows
+}
+
+int GuardMapping(void* data, int64_t size) {
+  if (!g_guard_on.load() || data == nullptr || size <= 0) return -1;
+  absl::MutexLock l(&g_guard_mu);
+  for (int i = 0; i < kGuardSlots; ++i) {
+    if (g_slots[i].begin.load(std::memory_order_relaxed) != 0) continue;
+    g_slots[i].faulted.store(0);
+    g_slots[i].end.store(reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(size), std::memory_order_release);
+    g_slots[i].begin.store(reinterpret_cast<uintptr_t>(data), std::memory_order_release);
+    return i;
+  }
+  return -1;
+}
+
+void UnguardMapping(int slot) {
+  if (slot < 0) return;
+  absl::MutexLock l(&g_guard_mu);
+  g_slots[slot].begin.store(0, std::memory_order_release);
+  g_slots[slot].end.store(0, std::memory_order_release);
+}
+}  // namespace
+
+void ShmSegment::InstallSigbusGuard() {
+  absl::MutexLock l(&g_guard_mu);
+  if (g_guard_on.load()) return;
+  struct sigaction sa {};
+  sa.sa_sigaction = SigbusHandler;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &g_previous);
+  g_guard_on.store(true);
+}
+
+bool ShmSegment::faulted() const { return guard_slot_ >= 0 && g_slots[guard_slot_].faulted.load(std::memory_order_acquire) != 0; }
+
+absl::Status ShmSegment::CheckIntact() const {
+  if (fd_ < 0) return absl::FailedPreconditionError("CheckIntact on an empty ShmSegment");
+  if (faulted()) {
+    return absl::FailedPreconditionError(absl::StrCat("shared memory segment '", name_, "' shrank while it was being copied (its owner ",
+                                                      "truncated it): its bytes are lost to this mapping; register the layout again"));
+  }
+  struct stat st;
+  if (fstat(fd_, &st) != 0) return ErrnoStatus(errno, "fstat", name_);
+  if (!S_ISREG(st.st_mode) || st.st_size < size_) {
+    return absl::FailedPreconditionError(absl::StrCat("shared memory segment '", name_, "' shrank to ", st.st_size,
+                                                      " bytes after it was registered with ", size_, " (its owner truncated it)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmSegment::CheckPrivate() const {
+  if (fd_ < 0) return absl::FailedPreconditionError("CheckPrivate on an empty ShmSegment");
+  struct stat st;
+  if (fstat(fd_, &st) != 0) return ErrnoStatus(errno, "fstat", name_);
+  if ((st.st_mode & 077) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("shared memory segment '", name_, "' has mode 0", absl::StrFormat("%o", st.st_mode & 0777),
+                                                    ": group/other access is not allowed (create it with mode 0600)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, int64_t expected_size) {
   if (absl::Status s = ValidateName(name); !s.ok()) return s;
-  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  // O_NONBLOCK: a FIFO named as a segment must not block us until a writer shows up.
+  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
   if (fd < 0) return ErrnoStatus(errno, "open", name);
   ShmSegment seg;
   seg.name_ = name;
   seg.fd_ = fd;
   struct stat st;
   if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", name);
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat("shared memory segment '", name, "' is not a regular file (",
+                                                   S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISCHR(st.st_mode) ? "a character device" : "mode 0" + absl::StrFormat("%o", st.st_mode),
+                                                   "); create it with shm_open"));
+  }
   if (expected_size >= 0 && st.st_size != expected_size) {
     return absl::InvalidArgumentError(absl::StrCat("shared memory segment '", name, "' has ", st.st_size,
                                                    " bytes, expected ", expected_size));
@@ -109,6 +219,7 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, int64_t exp
   if (!mapped.ok()) return mapped.status();
   seg.data_ = *mapped;
   seg.size_ = st.st_size;
+  seg.guard_slot_ = GuardMapping(seg.data_, seg.size_);
   return seg;
 }
 
@@ -152,6 +263,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
     created_ = std::exchange(other.created_, false);
     unlink_on_destroy_ = std::exchange(other.unlink_on_destroy_, false);
+    guard_slot_ = std::exchange(other.guard_slot_, -1);
     other.name_.clear();
   }
   return *this;
@@ -160,6 +272,8 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
 ShmSegment::~ShmSegment() { Reset(); }
 
 void ShmSegment::Reset() {
+  UnguardMapping(guard_slot_);  // before munmap: the range may be mapped again by anyone
+  guard_slot_ = -1;
   if (data_ != nullptr) munmap(data_, static_cast<size_t>(size_));
   if (fd_ >= 0) close(fd_);
   if (unlink_on_destroy_ && !name_.empty()) shm_unlink(name_.c_str());

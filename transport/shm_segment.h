@@ -9,7 +9,8 @@
 //    hands its segment to a daemon typically keeps the default and outlives the transfer).
 //  - Open() maps an EXISTING segment read/write; its size is taken from fstat. If `expected_size`
 //    is >= 0 the segment must be exactly that large (INVALID_ARGUMENT otherwise). Open() never
-//    unlinks on destruction.
+//    unlinks on destruction. It opens with O_NOFOLLOW | O_NONBLOCK and refuses (INVALID_ARGUMENT)
+//    anything but a regular file: a FIFO or device named as a segment never blocks the caller.
 //  - CheckOwner(uid) verifies (via fstat of the open descriptor, so no TOCTOU on the name) that the
 //    segment belongs to `uid` and grants no group/other access: the daemon calls it before trusting
 //    a worker-supplied name.
@@ -70,8 +71,28 @@ class ShmSegment {
 
   void set_unlink_on_destroy(bool unlink) { unlink_on_destroy_ = unlink; }
 
+  // Memory another process owns can shrink under us (a worker truncating its own segment): a
+  // read or write past the new end raises SIGBUS, which would kill the whole daemon.
+  //  - CheckIntact(): FAILED_PRECONDITION naming the segment when it is no longer a regular file
+  //    of at least the mapped size (fstat of the open descriptor), or when the guard below caught
+  //    a fault in it. Call before each use; a segment that failed it stays failed.
+  //  - InstallSigbusGuard(): once per process (idempotent). From then on segments mapped by Open()
+  //    are registered with a process-wide SIGBUS handler: a fault inside one replaces the rest of
+  //    that mapping (from the faulting page) with anonymous zero pages (MAP_FIXED, async-signal-
+  //    safe), marks the segment faulted and returns, so the copy in progress finishes on garbage
+  //    and its owner reports the error for that segment only (CheckIntact after the copy). A SIGBUS
+  //    anywhere else takes the previous action (default: the process dies). At most 65536
+  //    segments are guarded at once; more are mapped unguarded.
+  absl::Status CheckIntact() const;
+  // PERMISSION_DENIED naming the mode unless the segment grants no group/other access (0600): a
+  // segment others may write can change under a version.
+  absl::Status CheckPrivate() const;
+  bool faulted() const;
+  static void InstallSigbusGuard();
+
  private:
   void Reset();
+  int guard_slot_ = -1;  // slot in the SIGBUS guard's table, -1 = not guarded
 
   std::string name_;
   int fd_ = -1;

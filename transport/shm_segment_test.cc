@@ -1,11 +1,13 @@
 #include "transport/shm_segment.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <thread>
 
 #include "gtest/gtest.h"
 
@@ -132,6 +134,70 @@ TEST(ShmSegmentTest, ZeroSizeSegment) {
   auto opened = ShmSegment::Open(created->name());
   ASSERT_TRUE(opened.ok());
   EXPECT_EQ(opened->size(), 0);
+}
+
+// Issue 15.9: a FIFO named as a segment is refused at once (it used to block open() forever).
+TEST(ShmSegmentTest, FifoIsRefusedAtOnce) {
+  const std::string name = ShmSegment::UniqueName("fifo");
+  const std::string path = "/dev/shm" + name;
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  auto opened = ShmSegment::Open(name);
+  ::unlink(path.c_str());
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kInvalidArgument) << opened.status();
+  EXPECT_NE(opened.status().message().find("a FIFO"), std::string::npos) << opened.status();
+}
+
+// Issue 15.15: segments others may write are refused by CheckPrivate.
+TEST(ShmSegmentTest, CheckPrivateRefusesGroupOrOtherAccess) {
+  auto created = ShmSegment::Create(ShmSegment::UniqueName("mode"), 4096);
+  ASSERT_TRUE(created.ok());
+  auto opened = ShmSegment::Open(created->name());
+  ASSERT_TRUE(opened.ok());
+  EXPECT_TRUE(opened->CheckPrivate().ok());
+  ASSERT_EQ(::chmod(("/dev/shm" + created->name()).c_str(), 0666), 0);
+  absl::Status s = opened->CheckPrivate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_NE(s.message().find("mode 0666"), std::string::npos) << s;
+}
+
+// Issue 15.4: the owner truncates a segment we mapped. Before use: CheckIntact refuses; during a
+// copy: the SIGBUS guard keeps this process alive and the segment reports the fault.
+TEST(ShmSegmentTest, TruncatedSegmentIsDetectedAndItsFaultIsContained) {
+  ShmSegment::InstallSigbusGuard();
+  auto created = ShmSegment::Create(ShmSegment::UniqueName("trunc"), 1 << 20);
+  ASSERT_TRUE(created.ok());
+  auto opened = ShmSegment::Open(created->name());
+  ASSERT_TRUE(opened.ok());
+  EXPECT_TRUE(opened->CheckIntact().ok());
+  const int fd = ::shm_open(created->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  ::close(fd);
+  absl::Status s = opened->CheckIntact();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("shrank to 4096 bytes"), std::string::npos) << s;
+  EXPECT_FALSE(opened->faulted());
+  // Writing past the new end would raise SIGBUS and kill the process without the guard.
+  std::vector<uint8_t> src(1 << 20, 0x5a);
+  std::thread writer([&] { std::memcpy(opened->data(), src.data(), src.size()); });
+  writer.join();
+  EXPECT_TRUE(opened->faulted());
+  s = opened->CheckIntact();
+  EXPECT_NE(s.message().find("shrank while it was being copied"), std::string::npos) << s;
+  // A SIGBUS outside any guarded segment still kills (checked in a child process).
+  pid_t child = ::fork();
+  if (child == 0) {
+    auto c = ShmSegment::Create(ShmSegment::UniqueName("unguarded"), 1 << 20);
+    if (!c.ok()) ::_exit(2);
+    const int cfd = ::shm_open(c->name().c_str(), O_RDWR, 0);
+    if (cfd < 0 || ::ftruncate(cfd, 0) != 0) ::_exit(3);
+    (void)ShmSegment::Unlink(c->name());
+    static_cast<volatile uint8_t*>(c->data())[8192] = 1;  // Create()d segments are not guarded
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS) << status;
 }
 
 }  // namespace

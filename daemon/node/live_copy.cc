@@ -111,6 +111,9 @@ absl::Status LiveCopier::CopyToLive(const StagedBytes& staging, const LiveBuffer
     }
     return Target{t, sh, dh};
   };
+  // The worker's segments must still be whole before a byte is written (a worker may truncate its
+  // own memory); a fault during the copy is caught by ShmSegment's SIGBUS guard and checked after.
+  RETURN_IF_ERROR(CheckLive(buffers, label));
   for (const planner::Piece& piece : layout.pieces) {
     if (piece.buffer < 0 || piece.buffer >= static_cast<int32_t>(buffers.size()) || piece.buffer >= static_cast<int32_t>(staging.size())) {
       return absl::InternalError(absl::StrCat(label, ": piece of tensor ", inventory.tensors[piece.tensor].name, " names buffer ",
@@ -155,7 +158,8 @@ absl::Status LiveCopier::CopyToLive(const StagedBytes& staging, const LiveBuffer
     op.dst = {it->second.dst, piece->quant->scale_offset_bytes, {1}};
     batches[it->second.t].ops.push_back(std::move(op));
   }
-  return Run(batches, label, deadline, wrote);
+  RETURN_IF_ERROR(Run(batches, label, deadline, wrote));
+  return CheckLive(buffers, label);
 }
 
 absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& relays,
@@ -172,6 +176,7 @@ absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& rela
   };
   std::map<std::pair<std::string, int32_t>, transport::RegionHandle> src_h;  // (rollout, staging buffer)
   std::map<int32_t, transport::RegionHandle> dst_h;                         // live buffer
+  RETURN_IF_ERROR(CheckLive(live, label));
   std::map<transport::Transport*, transport::Batch> batches;
   transport::Batch& batch = batches[t];
   for (const RelayAtCommit& r : relays) {
@@ -211,7 +216,18 @@ absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& rela
     op.dst.region = d->second;
     batch.ops.push_back(std::move(op));
   }
-  return Run(batches, label, deadline, wrote);
+  RETURN_IF_ERROR(Run(batches, label, deadline, wrote));
+  return CheckLive(live, label);
+}
+
+absl::Status CheckLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& segments, const std::string& label) {
+  for (size_t b = 0; b < segments.size(); ++b) {
+    if (segments[b] == nullptr) continue;
+    if (absl::Status s = segments[b]->CheckIntact(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(label, ": live buffer ", b, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LiveCopier::CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,

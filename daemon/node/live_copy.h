@@ -70,6 +70,10 @@ struct LiveBuffers {
 // The transport view of `box` inside `piece` (offset of the box's first element, the piece's strides).
 transport::StridedRef RefFor(const planner::Piece& piece, const planner::Box& box, int elem, transport::RegionHandle region);
 
+// FAILED_PRECONDITION "<label>: live buffer b: ..." for the first segment that shrank or faulted
+// (transport::ShmSegment::CheckIntact); null entries (CUDA buffers) are skipped.
+absl::Status CheckLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& segments, const std::string& label);
+
 class LiveCopier {
  public:
   // TEST ONLY: called before each live copy with its label; a non-OK answer makes the copy fail
