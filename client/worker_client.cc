@@ -50,6 +50,10 @@ struct VisitLayout {
     pc->set_replicas(l.replicas);
     pc->set_rank(l.rank);
     pc->set_quantization(l.quantization);
+    pc->set_first_stage_layers(l.first_stage_layers);
+    pc->set_last_stage_layers(l.last_stage_layers);
+    pc->set_vpp(l.vpp);
+    pc->set_expert_placement(l.expert_placement);
   }
   void operator()(const IndexProbeLayout& l) const {
     auto* probe = out->mutable_index_probe();

@@ -115,6 +115,10 @@ struct PresetLayout {
   uint32_t replicas = 1;
   uint32_t rank = 0;  // this worker's rank in the preset's world
   std::string quantization;  // vllm/sglang rollouts: "", "fp8_block128" or "mxfp8" (planner/presets.h)
+  // megatron: --decoder-first/last-pipeline-num-layers (0 = not set), virtual pipeline size;
+  // vllm expert_parallel: "" (linear) or "round_robin". docs/presets.md.
+  uint32_t first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
+  std::string expert_placement;
 };
 struct IndexProbeLayout {
   std::vector<pb::IndexProbe::LocalTensor> tensors;
