@@ -125,7 +125,8 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   if (!doc.contains("trainer") || !doc["trainer"].is_object()) return Bad("trainer", "missing or not an object");
   {
     const json& t = doc["trainer"];
-    RETURN_IF_ERROR(CheckKeys(t, "trainer.", {"layout", "tp", "pp", "dp", "ep", "etp"}));
+    RETURN_IF_ERROR(CheckKeys(t, "trainer.", {"layout", "tp", "pp", "dp", "ep", "etp", "first_stage_layers",
+                                              "last_stage_layers", "vpp", "replicas"}));
     ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp_flat"}));
     RETURN_IF_ERROR(GetInt(t, "trainer.", "dp", &spec.trainer.dp, spec.trainer.preset != "megatron"));
     if (spec.trainer.preset == "megatron") {
@@ -133,8 +134,16 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
       RETURN_IF_ERROR(GetInt(t, "trainer.", "pp", &spec.trainer.pp, false));
       RETURN_IF_ERROR(GetInt(t, "trainer.", "ep", &spec.trainer.ep, false));
       RETURN_IF_ERROR(GetInt(t, "trainer.", "etp", &spec.trainer.etp, false));
+      // Megatron custom pipeline splits / virtual pipeline (docs/presets.md).
+      RETURN_IF_ERROR(GetInt(t, "trainer.", "first_stage_layers", &spec.trainer.first_stage_layers, false));
+      RETURN_IF_ERROR(GetInt(t, "trainer.", "last_stage_layers", &spec.trainer.last_stage_layers, false));
+      RETURN_IF_ERROR(GetInt(t, "trainer.", "vpp", &spec.trainer.vpp, false));
+      if (t.contains("replicas")) return Bad("trainer.replicas", "not used by the megatron layout");
     } else {
-      for (const char* k : {"tp", "pp", "ep", "etp"}) {
+      // fsdp2: replicas = HSDP replicate size.
+      if (spec.trainer.preset != "fsdp_flat") RETURN_IF_ERROR(GetInt(t, "trainer.", "replicas", &spec.trainer.replicas, false));
+      for (const char* k : {"tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers", "vpp", "replicas"}) {
+        if (k == std::string_view("replicas") && spec.trainer.preset != "fsdp_flat") continue;
         if (t.contains(k)) return Bad(absl::StrCat("trainer.", k), absl::StrCat("not used by the ", spec.trainer.preset, " layout"));
       }
     }
@@ -144,11 +153,18 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   if (!doc.contains("rollout") || !doc["rollout"].is_object()) return Bad("rollout", "missing or not an object");
   {
     const json& r = doc["rollout"];
-    RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "expert_parallel", "replicas", "quantization"}));
+    RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "dp", "expert_parallel", "expert_placement", "replicas",
+                                              "quantization"}));
     ASSIGN_OR_RETURN(spec.rollout.preset, GetLayout(r, "rollout.", {"vllm", "sglang"}));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "tp", &spec.rollout.tp, false));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "replicas", &spec.rollout.replicas, false));
     RETURN_IF_ERROR(GetBool(r, "rollout.", "expert_parallel", &spec.rollout.expert_parallel));
+    // Data parallelism inside one engine (vLLM --data-parallel-size; docs/presets.md).
+    RETURN_IF_ERROR(GetInt(r, "rollout.", "dp", &spec.rollout.dp, false));
+    if (r.contains("expert_placement")) {
+      if (!r["expert_placement"].is_string()) return Bad("rollout.expert_placement", "must be a string");
+      spec.rollout.expert_placement = r["expert_placement"].get<std::string>();
+    }
     if (r.contains("quantization")) {
       if (!r["quantization"].is_string()) return Bad("rollout.quantization", "must be a string");
       const std::string q = r["quantization"].get<std::string>();

@@ -179,5 +179,35 @@ TEST(SpecTest, PresetConstraintErrorsPropagate) {
   EXPECT_NE(problem.status().message().find("trainer"), std::string::npos) << problem.status();
 }
 
+// The layouts users run (docs/presets.md): vLLM DP+EP, Megatron custom splits + virtual pipeline,
+// FSDP2 with HSDP replicas; the problem validates and plans completely.
+TEST(SpecTest, DataParallelExpertParallelAndCustomPipeline) {
+  const std::string json = R"({"model": "qwen3-30b-a3b.json",
+    "trainer": {"layout": "megatron", "tp": 2, "pp": 4, "dp": 2, "ep": 4, "etp": 1, "first_stage_layers": 15,
+                "last_stage_layers": 15, "vpp": 3},
+    "rollout": {"layout": "vllm", "tp": 2, "dp": 4, "expert_parallel": true, "expert_placement": "round_robin", "replicas": 1},
+    "cluster": {"gpus_per_node": 8}})";
+  auto spec = ParsePlanSpec(json, ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->trainer.vpp, 3);
+  EXPECT_EQ(spec->rollout.dp, 4);
+  auto p = BuildProblem(*spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  int rollouts = 0;
+  for (const Worker& w : p->workers) rollouts += w.role == Role::kRollout;
+  EXPECT_EQ(rollouts, 8);
+  auto plan = MakePlan(*p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  auto hsdp = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp2", "dp": 2, "replicas": 2},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_TRUE(hsdp.ok()) << hsdp.status();
+  EXPECT_EQ(hsdp->trainer.replicas, 2);
+  auto bad = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 2, "vpp": 2},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("trainer.vpp"), std::string::npos) << bad.status();
+}
+
 }  // namespace
 }  // namespace wb::planner
