@@ -319,7 +319,15 @@ grpc::Status GuardedWorkerService::Publish(grpc::ServerContext* ctx, const pb::P
   {
     // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
     absl::MutexLock l(&mu_);
-    Binding& b = bindings_.at(req->worker_id());
+    // Looked up again: the binding may have gone since CheckActsAs released mu_ (a Deregister in
+    // between; .at() threw, and the caller saw UNKNOWN "Unexpected error in RPC handling").
+    auto bound = bindings_.find(req->worker_id());
+    if (bound == bindings_.end()) {
+      return Reject(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " was deregistered on node ", node_id_,
+                                                     " while it published version ", req->version(), " (register again)")),
+                    "impersonation");
+    }
+    Binding& b = bound->second;
     const uint64_t committed = committed_[req->model_id()];
     for (auto it = b.pending.begin(); it != b.pending.end() && *it <= committed;) it = b.pending.erase(it);
     if (!b.pending.count(req->version()) && static_cast<int>(b.pending.size()) >= limits_.max_concurrent_versions) {
@@ -523,16 +531,18 @@ absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& con
 
 // ------------------------------------------------------------------------------ TokenNodeService
 TokenNodeService::TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
-                                   CommitHook on_commit, CommitHook on_abort)
+                                   CommitHook on_commit, CommitHook on_abort, PeerAuthenticated on_authenticated)
     : inner_(inner),
       config_(std::move(config)),
       node_id_(std::move(node_id)),
       on_commit_(std::move(on_commit)),
-      on_abort_(std::move(on_abort)) {}
+      on_abort_(std::move(on_abort)),
+      on_authenticated_(std::move(on_authenticated)) {}
 
 grpc::Status TokenNodeService::Check(grpc::ServerContext* ctx) {
   absl::Status s = CheckPeer(*ctx, *config_);
   if (!s.ok()) Metrics().Rejected(node_id_, "unauthenticated");
+  if (s.ok() && on_authenticated_) on_authenticated_(ctx->peer());
   return ToGrpcStatus(s);
 }
 
@@ -591,12 +601,13 @@ grpc::Status TokenNodeService::Status(grpc::ServerContext* ctx, const pb::Status
 
 // ------------------------------------------------------------------------------ TokenCoordinatorService
 TokenCoordinatorService::TokenCoordinatorService(pb::CoordinatorService::Service* inner, std::shared_ptr<const PeerAuthConfig> config,
-                                                 Limits limits)
-    : inner_(inner), config_(std::move(config)), limits_(limits) {}
+                                                 Limits limits, PeerAuthenticated on_authenticated)
+    : inner_(inner), config_(std::move(config)), limits_(limits), on_authenticated_(std::move(on_authenticated)) {}
 
 grpc::Status TokenCoordinatorService::Check(grpc::ServerContext* ctx) {
   absl::Status s = CheckPeer(*ctx, *config_);
   if (!s.ok()) Metrics().Rejected("coordinator", "unauthenticated");
+  if (s.ok() && on_authenticated_) on_authenticated_(ctx->peer());
   return ToGrpcStatus(s);
 }
 

@@ -149,13 +149,16 @@ std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const 
 // UNAUTHENTICATED unless the call carries the token and (TLS) a verified client certificate.
 absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& config);
 
+// Told the gRPC peer string of every call that passed CheckPeer (DaemonFront: ConnGuard).
+using PeerAuthenticated = std::function<void(const std::string& grpc_peer)>;
+
 class TokenNodeService final : public pb::NodeService::Service {
  public:
   // `on_commit` (optional) is told about commits (model, version): the staleness gauge.
   // `on_abort` likewise for aborts.
   using CommitHook = std::function<void(const std::string&, uint64_t)>;
   TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
-                   CommitHook on_commit, CommitHook on_abort = nullptr);
+                   CommitHook on_commit, CommitHook on_abort = nullptr, PeerAuthenticated on_authenticated = nullptr);
   grpc::Status InstallPlan(grpc::ServerContext*, const pb::InstallPlanRequest*, pb::InstallPlanResponse*) override;
   grpc::Status ExecuteVersion(grpc::ServerContext*, const pb::ExecuteVersionRequest*, pb::ExecuteVersionResponse*) override;
   grpc::Status CommitVersion(grpc::ServerContext*, const pb::CommitVersionRequest*, pb::CommitVersionResponse*) override;
@@ -172,11 +175,13 @@ class TokenNodeService final : public pb::NodeService::Service {
   std::shared_ptr<const PeerAuthConfig> config_;
   std::string node_id_;
   CommitHook on_commit_, on_abort_;
+  PeerAuthenticated on_authenticated_;
 };
 
 class TokenCoordinatorService final : public pb::CoordinatorService::Service {
  public:
-  TokenCoordinatorService(pb::CoordinatorService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, Limits limits);
+  TokenCoordinatorService(pb::CoordinatorService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, Limits limits,
+                          PeerAuthenticated on_authenticated = nullptr);
   grpc::Status RegisterNode(grpc::ServerContext*, const pb::RegisterNodeRequest*, pb::RegisterNodeResponse*) override;
   grpc::Status Heartbeat(grpc::ServerContext*, const pb::HeartbeatRequest*, pb::HeartbeatResponse*) override;
   grpc::Status CreateModel(grpc::ServerContext*, const pb::CreateModelRequest*, pb::CreateModelResponse*) override;
@@ -198,6 +203,7 @@ class TokenCoordinatorService final : public pb::CoordinatorService::Service {
   pb::CoordinatorService::Service* inner_;
   std::shared_ptr<const PeerAuthConfig> config_;
   Limits limits_;
+  PeerAuthenticated on_authenticated_;
 };
 
 }  // namespace wb::daemon

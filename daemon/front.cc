@@ -27,8 +27,26 @@ std::function<std::shared_ptr<grpc::Channel>(const std::string&)> DaemonFront::c
   return [auth = auth_](const std::string& target) { return MakePeerChannel(target, *auth); };
 }
 
+absl::StatusOr<int> DaemonFront::BindTcp(const std::string& listen) {
+  auto g = ConnGuard::Bind(listen, options_.connections, node_id_);
+  if (!g.ok()) return g.status();
+  guard_ = std::move(*g);
+  return guard_->port();
+}
+
+void DaemonFront::ServeTcp() {
+  if (guard_) guard_->Serve();
+}
+
+// A call that passed the peer check: its connection is no longer unauthenticated (ConnGuard).
+PeerAuthenticated DaemonFront::OnAuthenticated() {
+  return [this](const std::string& peer) {
+    if (guard_) guard_->NoteAuthenticated(peer);
+  };
+}
+
 grpc::Service* DaemonFront::WrapCoordinator(pb::CoordinatorService::Service* inner) {
-  coordinator_ = std::make_unique<TokenCoordinatorService>(inner, auth_, options_.limits);
+  coordinator_ = std::make_unique<TokenCoordinatorService>(inner, auth_, options_.limits, OnAuthenticated());
   return coordinator_.get();
 }
 
@@ -40,7 +58,8 @@ grpc::Service* DaemonFront::WrapNode(pb::NodeService::Service* inner) {
       },
       [this](const std::string& model, uint64_t version) {
         if (GuardedWorkerService* w = workers_ready_.load()) w->NoteAborted(model, version);
-      });
+      },
+      OnAuthenticated());
   return node_.get();
 }
 
@@ -73,6 +92,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
 }
 
 void DaemonFront::Stop() {
+  if (guard_) guard_->Stop();
   if (listener_) listener_->Stop();
   if (fd_channel_) fd_channel_->Stop();
 }

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/auth.h"
+#include "daemon/conn_guard.h"
 #include "daemon/fd_channel.h"
 #include "daemon/limits.h"
 #include "daemon/metrics.h"
@@ -24,6 +25,7 @@ struct SecurityOptions {
   Limits limits;
   mode_t worker_socket_mode = 0660;
   std::string metrics_listen;  // host:port (port 0 picks one); empty = no endpoint
+  ConnLimits connections;      // unauthenticated TCP connections (daemon/conn_guard.h)
 };
 
 class DaemonFront {
@@ -36,6 +38,13 @@ class DaemonFront {
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
 
   std::shared_ptr<grpc::ServerCredentials> server_credentials() const;
+  // The daemon's TCP port goes through a ConnGuard (daemon/conn_guard.h): BindTcp binds `listen`
+  // and returns the port; the gRPC server must listen on tcp_inner_address() (with
+  // server_credentials()) and be started before ServeTcp(). Stop() stops the guard.
+  absl::StatusOr<int> BindTcp(const std::string& listen);
+  std::string tcp_inner_address() const { return guard_ ? guard_->inner_address() : ""; }
+  void ServeTcp();
+  const ConnGuard* conn_guard() const { return guard_.get(); }
   // Factory for channels to other daemons (TLS + token as configured).
   std::function<std::shared_ptr<grpc::Channel>(const std::string&)> channel_factory() const;
   // Decorated services; owned by the front, valid until it is destroyed.
@@ -52,10 +61,12 @@ class DaemonFront {
   absl::StatusOr<CudaVmmFd> FindVmmFd(const std::string& worker, const std::string& key);
 
  private:
+  PeerAuthenticated OnAuthenticated();
   SecurityOptions options_;
   std::string node_id_;
   std::shared_ptr<const PeerAuthConfig> auth_;
   std::unique_ptr<MetricsEndpoint> metrics_;
+  std::unique_ptr<ConnGuard> guard_;
   std::unique_ptr<TokenCoordinatorService> coordinator_;
   std::unique_ptr<TokenNodeService> node_;
   std::unique_ptr<PeerCredListener> listener_;

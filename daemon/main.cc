@@ -74,6 +74,10 @@ ABSL_FLAG(int32_t, max_tensors_per_model, 1 << 17, "tensors one model may have")
 ABSL_FLAG(int32_t, max_buffers_per_worker, 1024, "buffers one worker may register");
 ABSL_FLAG(int32_t, max_vmm_fds_per_worker, 8192, "CUDA VMM allocation fds one worker may hand over (torch expandable segments: one per 20 MiB page)");
 ABSL_FLAG(int32_t, max_concurrent_versions, 16, "versions a trainer may have published and not yet committed");
+ABSL_FLAG(int32_t, max_unauthenticated_per_source, 64,
+          "gRPC port: connections one source address may hold before their first authenticated call");
+ABSL_FLAG(int32_t, max_unauthenticated, 1024, "gRPC port: connections before their first authenticated call, all sources");
+ABSL_FLAG(int64_t, unauthenticated_timeout_ms, 10000, "gRPC port: a connection with no authenticated call by then is closed");
 
 namespace {
 
@@ -186,6 +190,13 @@ int main(int argc, char** argv) {
     l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
     l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
     l.cuda_staged_on_gpu = absl::GetFlag(FLAGS_gpu_staging_bytes) > 0;
+    wb::daemon::ConnLimits& cl = o.security.connections;
+    cl.max_unauthenticated_per_source = absl::GetFlag(FLAGS_max_unauthenticated_per_source);
+    cl.max_unauthenticated = absl::GetFlag(FLAGS_max_unauthenticated);
+    cl.unauthenticated_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_unauthenticated_timeout_ms));
+    if (cl.max_unauthenticated_per_source <= 0 || cl.max_unauthenticated <= 0 || cl.unauthenticated_timeout <= absl::ZeroDuration()) {
+      return Fail("--max_unauthenticated_per_source, --max_unauthenticated and --unauthenticated_timeout_ms must be > 0");
+    }
     if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 || l.max_vmm_fds_per_worker <= 0 ||
         l.max_concurrent_versions <= 0) {
       return Fail("--max_* limits must be > 0");

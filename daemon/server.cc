@@ -36,7 +36,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   s->front_ = std::make_unique<DaemonFront>(o.security, has_node ? o.node_id : "coordinator");
   RETURN_IF_ERROR(s->front_->StartMetrics());
   grpc::ServerBuilder tcp;
-  tcp.AddListeningPort(o.listen, s->front_->server_credentials(), &s->port_);
+  // Our own accept loop in front of gRPC's (daemon/conn_guard.h): survives fd exhaustion and
+  // bounds unauthenticated connections; gRPC listens on a private Unix socket behind it.
+  ASSIGN_OR_RETURN(s->port_, s->front_->BindTcp(o.listen));
+  tcp.AddListeningPort(s->front_->tcp_inner_address(), s->front_->server_credentials());
   tcp.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.security.limits.max_message_bytes, INT32_MAX)));
   tcp.SetMaxSendMessageSize(256 << 20);
   if (has_coord) {
@@ -72,12 +75,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.device_staging = o.device_staging;
     no.test_before_bucket = o.test_before_bucket;
     no.test_skip_heartbeat = o.test_skip_heartbeat;
+    if (o.configure_node) o.configure_node(no);  // TEST ONLY (NODE helper: live-copy fault hooks)
     s->node_ = std::make_unique<NodeDaemon>(std::move(no));
     tcp.RegisterService(s->front_->WrapNode(s->node_->node_service()));
   }
-    if (o.configure_node) o.configure_node(no);  // TEST ONLY (NODE helper: live-copy fault hooks)
   s->tcp_server_ = tcp.BuildAndStart();
-  if (!s->tcp_server_ || s->port_ == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen));
+  if (!s->tcp_server_) return absl::UnavailableError(absl::StrCat("cannot start the gRPC server behind ", o.listen));
+  s->front_->ServeTcp();
   if (has_coord) s->coordinator_->Start();
   if (has_node) {
     // Standalone talks to its own coordinator over the same TCP port as remote nodes would.

@@ -62,6 +62,10 @@ class Server {
   std::string address() const;  // host:port of the TCP server
   Coordinator* coordinator() const { return coordinator_.get(); }  // null for role node
   const std::string& worker_socket() const { return options_.worker_socket; }
+  // The TCP port's connection guard (daemon/conn_guard.h): refusals, timeouts, open connections.
+  ConnGuardStats connection_stats() const {
+    return front_ && front_->conn_guard() ? front_->conn_guard()->stats() : ConnGuardStats{};
+  }
 
  private:
   Server() = default;
