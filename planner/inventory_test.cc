@@ -229,6 +229,19 @@ TEST(InventoryBounds, HugeDimensionsRefusedNamingTheField) {
   EXPECT_NE(s.message().find("vocab_size"), std::string::npos) << s;
 }
 
+TEST(InventoryBounds, ProductsOfFieldsRefusedBeforeMultiplying) {
+  // num_attention_heads and head_dim each within 2^32, their product (q_proj's rows) 2^64:
+  // refused naming both, not wrapped to 0 (which registered a [0, 64] q_proj before).
+  auto c = ParseHfConfig(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_attention_heads":4294967296,"num_key_value_heads":4294967296,"head_dim":4294967296,
+    "num_hidden_layers":1,"vocab_size":100})");
+  absl::Status s = c.ok() ? BuildInventory(*c, DType::kBF16).status() : c.status();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("num_attention_heads"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("head_dim"), std::string::npos) << s;
+}
+
 TEST(InventoryBounds, TotalBytesBounded) {
   // Every tensor under 2^40 elements, but the model's total bytes over the limit.
   InventoryLimits l;

@@ -142,6 +142,33 @@ absl::Status RequirePositive(const char* key, int64_t v) {
 
 }  // namespace
 
+// Tensor dimensions that are products of config fields (each <= kMaxConfigValue, so a product
+// can reach 2^64): refused over kMaxDerivedDim, naming both fields, before any code multiplies
+// them in int64.
+absl::Status CheckDerivedDims(const ModelConfig& c) {
+  struct Product {
+    const char* a;
+    int64_t x;
+    const char* b;
+    int64_t y;
+  };
+  const Product products[] = {
+      {"num_attention_heads", c.heads, "head_dim", c.head_dim},
+      {"num_key_value_heads", c.kv_heads, "head_dim", c.head_dim},
+      {"num_attention_heads", c.heads, "qk_nope_head_dim + qk_rope_head_dim", c.qk_nope_head_dim + c.qk_rope_head_dim},
+      {"num_attention_heads", c.heads, "qk_nope_head_dim + v_head_dim", c.qk_nope_head_dim + c.v_head_dim},
+      {"n_shared_experts", c.n_shared_experts, "moe_intermediate_size", c.moe_intermediate},
+  };
+  for (const Product& p : products) {
+    int64_t v = 0;
+    if (__builtin_mul_overflow(p.x, p.y, &v) || v > kMaxDerivedDim) {
+      return absl::InvalidArgumentError(absl::StrCat("config.json: ", p.a, "=", p.x, " x ", p.b, "=", p.y,
+                                                     " is a tensor dimension over the limit of ", kMaxDerivedDim));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
   json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError("config.json: not valid JSON");
@@ -317,7 +344,10 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       RETURN_IF_ERROR(RequirePositive("moe_intermediate_size", c.moe_intermediate));
     }
     ASSIGN_OR_RETURN(c.n_shared_experts, r.IntOr("n_shared_experts", 0));
-    c.shared_expert_intermediate = c.n_shared_experts * c.moe_intermediate;
+    // Over int64: refused by CheckDerivedDims below (naming both fields).
+    if (__builtin_mul_overflow(c.n_shared_experts, c.moe_intermediate, &c.shared_expert_intermediate)) {
+      c.shared_expert_intermediate = kMaxDerivedDim + 1;
+    }
     ASSIGN_OR_RETURN(c.first_k_dense_replace, r.IntOr("first_k_dense_replace", 0));
     if (!glm) {  // Glm4Moe has no moe_layer_freq: every layer from first_k_dense_replace on is MoE
       ASSIGN_OR_RETURN(c.moe_layer_freq, r.IntOr("moe_layer_freq", 1));
@@ -335,6 +365,7 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       RETURN_IF_ERROR(RequirePositive("v_head_dim", c.v_head_dim));
     }
   }
+  RETURN_IF_ERROR(CheckDerivedDims(c));
   return c;
 }
 

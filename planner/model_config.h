@@ -76,6 +76,8 @@ struct ModelConfig {
 // naming the field, so no product of two fields overflows int64 (BuildInventory then bounds the
 // tensors themselves: planner/inventory.h InventoryLimits).
 inline constexpr int64_t kMaxConfigValue = int64_t{1} << 32;
+// Largest tensor dimension that is a product of fields (num_attention_heads x head_dim, ...).
+inline constexpr int64_t kMaxDerivedDim = int64_t{1} << 40;
 // Longest list field (mlp_only_layers) accepted.
 inline constexpr int64_t kMaxConfigListLength = int64_t{1} << 17;
 
