@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/layout_command.h"
 #include "client/worker_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -212,6 +213,17 @@ TEST_F(LayoutDiscoveryTest, DescribeBeforeRegisteringSizesBuffersAndViewsCarryAV
     for (int64_t col = 0; col < 256; ++col) bad += read("model.embed_tokens.weight", r, col) != Value("model.embed_tokens.weight", r * 256 + col);
   }
   EXPECT_EQ(bad, 0);
+
+  // wbctl layout over the worker socket: the node's answer for the registered model, the same
+  // buffer size the client was told.
+  std::ostringstream out, err;
+  ASSERT_EQ(RunLayoutCommand({"--addr", "unix:" + socket_, "--model", "m", "--preset", "megatron", "--tp", "2", "--rank", "0"}, out, err), 0)
+      << err.str();
+  EXPECT_THAT(out.str(), HasSubstr(absl::StrCat("buffer 0: ", size, " bytes")));
+  EXPECT_THAT(out.str(), HasSubstr("decoder.layers.1.self_attention.linear_qkv.weight"));
+  std::ostringstream out2, err2;
+  EXPECT_EQ(RunLayoutCommand({"--addr", "unix:" + socket_, "--model", "unknown", "--preset", "vllm"}, out2, err2), 1);
+  EXPECT_THAT(err2.str(), HasSubstr("NOT_FOUND"));
 }
 
 }  // namespace

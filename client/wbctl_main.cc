@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "client/drain_command.h"
+#include "client/layout_command.h"
 #include "client/plan_command.h"
 #include "client/status_command.h"
 #include "client/watch_command.h"
@@ -30,6 +31,9 @@ const Command kCommands[] = {
      &wb::client::RunDrainCommand},
     {"versions", "versions --addr ADDR --model ID [--json]   a model's versions",
      &wb::client::RunVersionsCommand},
+    {"layout", "layout (--config CONFIG.json | --addr unix:PATH --model ID) --preset P --rank R [--tp N ...] [--json]   "
+               "a preset rank's buffer size and where each local tensor lives",
+     &wb::client::RunLayoutCommand},
 };
 
 void Usage(std::ostream& os) {
