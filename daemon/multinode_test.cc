@@ -1422,5 +1422,74 @@ TEST(HostileMemoryTest, FifoAndOpenModeSegmentsAreRefusedAtOnce) {
   c.Stop();
 }
 
+// ------------------------------------------------------------------ worker-binding races (issue 15.14)
+
+// Publish racing Deregister + RegisterWorker of the same worker id (same process: allowed) must
+// answer with a status that names the problem, never UNKNOWN "Unexpected error in RPC handling"
+// (the front read the worker's binding after releasing its lock; Deregister had erased it).
+TEST(RaceTest, PublishRacingReRegistrationNeverAnswersUnknown) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  ASSERT_TRUE(c.Register(t0, spec).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> unknown{0}, publishes{0}, cycles{0};
+  std::string example;
+  absl::Mutex example_mu;
+  std::vector<std::thread> publishers;
+  for (int k = 0; k < 4; ++k) {
+    publishers.emplace_back([&, k] {
+      auto stub = pb::WorkerService::NewStub(grpc::CreateChannel(absl::StrCat("unix:", c.nodes_[0]->worker_socket()),
+                                                                 grpc::InsecureChannelCredentials()));
+      for (uint64_t v = 1 + k * 100000; !stop.load(); ++v) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+        pb::PublishRequest req;
+        req.set_model_id("m");
+        req.set_worker_id("t0");
+        req.set_version(v);
+        req.set_timeout_ms(1);
+        pb::PublishResponse resp;
+        grpc::Status s = stub->Publish(&ctx, req, &resp);
+        publishes++;
+        if (s.error_code() == grpc::StatusCode::UNKNOWN || s.error_code() == grpc::StatusCode::INTERNAL) {
+          unknown++;
+          absl::MutexLock l(&example_mu);
+          example = s.error_message();
+        }
+      }
+    });
+  }
+  const absl::Time end = absl::Now() + absl::Seconds(8);
+  while (absl::Now() < end) {
+    grpc::ClientContext c1;
+    pb::DeregisterRequest d;
+    d.set_model_id("m");
+    d.set_worker_id("t0");
+    pb::DeregisterResponse dr;
+    (void)t0.stub->Deregister(&c1, d, &dr);
+    grpc::ClientContext c2;
+    pb::RegisterWorkerRequest rw;
+    rw.set_model_id("m");
+    rw.set_worker_id("t0");
+    rw.set_role(pb::ROLE_TRAINER);
+    rw.set_gpu(-1);
+    rw.set_pid(::getpid());
+    *rw.mutable_model() = spec;
+    pb::RegisterWorkerResponse rwr;
+    (void)t0.stub->RegisterWorker(&c2, rw, &rwr);
+    cycles++;
+  }
+  stop = true;
+  for (std::thread& t : publishers) t.join();
+  EXPECT_GT(cycles.load(), 10);
+  EXPECT_GT(publishes.load(), 100);
+  EXPECT_EQ(unknown.load(), 0) << "e.g. " << example << " (" << publishes.load() << " publishes, " << cycles.load() << " re-registrations)";
+  c.Stop();
+}
+
 }  // namespace
 }  // namespace wb::daemon
