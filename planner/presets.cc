@@ -43,6 +43,8 @@ struct LayerIds {
   int32_t gate = -1, up = -1, down = -1;
   int32_t gate_b = -1, up_b = -1, down_b = -1;  // Llama mlp_bias
   int32_t pre_ff = -1, post_ff = -1;            // Gemma pre/post feed-forward norms
+  int32_t sinks = -1;                           // GPT-OSS attention sinks
+  int32_t gu = -1, gu_b = -1, dn = -1, dn_b = -1;  // GPT-OSS fused experts (gate_up_proj[_bias], down_proj[_bias])
   int32_t router = -1, router_bias = -1;
   std::vector<std::array<int32_t, 3>> experts;  // {gate, up, down} (Mixtral: {w1, w3, w2})
   int32_t sh_gate = -1, sh_up = -1, sh_down = -1, sh_expert_gate = -1;
@@ -85,6 +87,18 @@ class Writer {
     std::vector<int64_t> extents(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) extents[i] = p.box.end[i] - p.box.begin[i];
     p.strides = ContiguousStrides(extents);
+    p.buffer = 0;
+    p.offset_bytes = out_.local_tensors.back().offset_bytes + at * elsize_;
+    out_.layout.pieces.push_back(std::move(p));
+  }
+
+  // Canonical box `box` of tensor `t` at local element offset `at` with explicit local strides
+  // (per canonical dim): transposed placements.
+  void Strided(int32_t t, Box box, std::vector<int64_t> strides, int64_t at) {
+    Piece p;
+    p.tensor = t;
+    p.box = std::move(box);
+    p.strides = std::move(strides);
     p.buffer = 0;
     p.offset_bytes = out_.local_tensors.back().offset_bytes + at * elsize_;
     out_.layout.pieces.push_back(std::move(p));
@@ -229,6 +243,20 @@ absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const Model
         ASSIGN_OR_RETURN(L.qn, r.Need(a + "q_norm.weight"));
         ASSIGN_OR_RETURN(L.kn, r.Need(a + "k_norm.weight"));
       }
+      if (c.attn_sinks) {
+        ASSIGN_OR_RETURN(L.sinks, r.Need(a + "sinks"));
+      }
+    }
+    if (c.fused_experts) {
+      const std::string m = p + "mlp.";
+      L.moe = true;
+      ASSIGN_OR_RETURN(L.router, r.Need(m + "router.weight"));
+      ASSIGN_OR_RETURN(L.router_bias, r.Need(m + "router.bias"));
+      ASSIGN_OR_RETURN(L.gu, r.Need(m + "experts.gate_up_proj"));
+      ASSIGN_OR_RETURN(L.gu_b, r.Need(m + "experts.gate_up_proj_bias"));
+      ASSIGN_OR_RETURN(L.dn, r.Need(m + "experts.down_proj"));
+      ASSIGN_OR_RETURN(L.dn_b, r.Need(m + "experts.down_proj_bias"));
+      continue;
     }
     L.moe = c.IsMoeLayer(l) && !c.ffn_norms;
     if (c.ffn_norms) {
@@ -352,6 +380,16 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     }
   }
   RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m.c_str()));
+  if (c.fused_experts) {
+    // vLLM gpt_oss.py: MLPBlock asserts intermediate_size % world == 0; its weight loader slices
+    // experts evenly over the EP ranks (num_experts // ep_size each).
+    const int64_t flat = int64_t{p.dp} * p.tp;
+    if (p.expert_placement == "round_robin") {
+      return absl::InvalidArgumentError(absl::StrCat(m, ": ", c.architecture, " loads experts in contiguous ranges (no round_robin)"));
+    }
+    return p.expert_parallel ? Divides(flat, c.experts, "dp*tp (expert parallel)", "num_local_experts", m.c_str())
+                             : Divides(flat, c.moe_intermediate, "dp*tp", "intermediate_size", m.c_str());
+  }
   if (c.experts > 0) {
     // The MoE layers span the engine's dp*tp ranks (vLLM flatten_tp_across_dp).
     const int64_t flat = int64_t{p.dp} * p.tp;
@@ -504,6 +542,62 @@ void VllmExperts(const ModelConfig& c, const ParallelConfig& par, const LayerIds
   }
 }
 
+// vLLM's GPT-OSS (vllm/model_executor/models/gpt_oss.py, bf16 weights, _load_weights_other):
+// HF names mapped `.self_attn.` -> `.attn.` and `embed_tokens` -> `embedding`; qkv_proj/o_proj with
+// biases as any vLLM attention; attn.sinks sliced by heads; mlp.router replicated; FusedMoE
+// parameters over the dp*tp ranks: w13_weight [E_l, 2*I_l, H] = gate_up_proj[e, :, 2*i0:2*i1]
+// transposed (gate/up stay interleaved for the swigluoai activation), w13_bias [E_l, 2*I_l],
+// w2_weight [E_l, H, I_l] = down_proj[e, i0:i1, :] transposed, w2_bias [E_l, H] loaded on flat
+// rank 0 only without EP (the other ranks keep zeros: no piece). EP: E/ep contiguous experts.
+void VllmGptOssLayer(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L, const std::string& p,
+                     int tp_rank, int64_t flat, int64_t flat_rank, Writer& w) {
+  const int64_t tp = par.tp, H = c.hidden, hd = c.head_dim, nq = c.heads / tp;
+  int64_t nkv, kv0;
+  if (tp >= c.kv_heads) {
+    nkv = 1;
+    kv0 = tp_rank / (tp / c.kv_heads);
+  } else {
+    nkv = c.kv_heads / tp;
+    kv0 = tp_rank * nkv;
+  }
+  const std::string a = p + "attn.";
+  w.Replicated(p + "input_layernorm.weight", L.input_norm);
+  for (int bias = 0; bias < 2; ++bias) {
+    const int32_t q = bias ? L.qb : L.q, k = bias ? L.kb : L.k, v = bias ? L.vb : L.v;
+    const int64_t row = bias ? 1 : H;
+    std::vector<int64_t> shape = {(nq + 2 * nkv) * hd};
+    if (!bias) shape.push_back(H);
+    w.Begin(a + (bias ? "qkv_proj.bias" : "qkv_proj.weight"), shape, q);
+    w.Block(q, 0, tp_rank * nq * hd, (tp_rank + 1) * nq * hd, 0);
+    w.Block(k, 0, kv0 * hd, (kv0 + nkv) * hd, nq * hd * row);
+    w.Block(v, 0, kv0 * hd, (kv0 + nkv) * hd, (nq + nkv) * hd * row);
+  }
+  w.Split(a + "o_proj.weight", L.o, 1, tp, tp_rank);
+  w.Replicated(a + "o_proj.bias", L.ob);
+  w.Split(a + "sinks", L.sinks, 0, tp, tp_rank);
+  w.Replicated(p + "post_attention_layernorm.weight", L.post_norm);
+  const std::string m = p + "mlp.";
+  w.Replicated(m + "router.weight", L.router);
+  w.Replicated(m + "router.bias", L.router_bias);
+  const int64_t E = c.experts, I = c.moe_intermediate;
+  int64_t e0 = 0, ne = E, i0 = 0, ni = I;
+  if (par.expert_parallel) {
+    ne = E / flat;
+    e0 = flat_rank * ne;
+  } else {
+    ni = I / flat;
+    i0 = flat_rank * ni;
+  }
+  w.Begin(m + "experts.w13_weight", {ne, 2 * ni, H}, L.gu);
+  w.Strided(L.gu, Box{{e0, 0, 2 * i0}, {e0 + ne, H, 2 * (i0 + ni)}}, {2 * ni * H, 1, H}, 0);
+  w.Begin(m + "experts.w13_bias", {ne, 2 * ni}, L.gu_b);
+  w.Strided(L.gu_b, Box{{e0, 2 * i0}, {e0 + ne, 2 * (i0 + ni)}}, {2 * ni, 1}, 0);
+  w.Begin(m + "experts.w2_weight", {ne, H, ni}, L.dn);
+  w.Strided(L.dn, Box{{e0, i0, 0}, {e0 + ne, i0 + ni, H}}, {H * ni, 1, ni}, 0);
+  w.Begin(m + "experts.w2_bias", {ne, H}, L.dn_b);
+  if (par.expert_parallel || flat_rank == 0) w.Block(L.dn_b, 0, e0, e0 + ne, 0);
+}
+
 PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
                       const PresetBuilder::Ids& ids, int rank) {
   const int tp_rank = rank % par.tp;
@@ -516,10 +610,14 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
   // SGLang names the fused q_a + kv_a projection after both halves.
   const std::string fused_qkv_a = par.preset == "sglang" ? "fused_qkv_a_proj_with_mqa.weight" : "fused_qkv_a_proj.weight";
   Writer w(inv);
-  w.Vocab("model.embed_tokens.weight", ids.embed, vocab_per_rank, tp_rank);
+  w.Vocab(c.fused_experts ? "model.embedding.weight" : "model.embed_tokens.weight", ids.embed, vocab_per_rank, tp_rank);
   for (int64_t l = 0; l < c.layers; ++l) {
     const LayerIds& L = ids.layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
+    if (c.fused_experts) {
+      VllmGptOssLayer(c, par, L, p, tp_rank, flat, flat_rank, w);
+      continue;
+    }
     const std::string a = p + "self_attn.";
     w.Replicated(p + "input_layernorm.weight", L.input_norm);
     if (c.mla) {
@@ -793,11 +891,11 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
     return b;
   }
   if (kind == Kind::kFsdpFlat) return b;
-  if (config.fused_experts) {
-    // GPT-OSS: vLLM / SGLang hold it in their own names and fused, quantised (MXFP4) expert
-    // formats, Megatron needs a bridge; none is modelled, so refuse rather than guess.
+  if (config.fused_experts && parallel.preset != "vllm") {
+    // GPT-OSS: only vLLM's bf16 layout is modelled (MakeVllmGptOss); SGLang's and Megatron's
+    // (a bridge) are not, so refuse rather than guess.
     return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": no preset layout for ", config.architecture,
-                                                   " (use fsdp, explicit pieces or an index-probe layout)"));
+                                                   " (use vllm, fsdp, explicit pieces or an index-probe layout)"));
   }
   if (kind == Kind::kMegatron && config.ffn_norms) {
     return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,

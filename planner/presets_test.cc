@@ -880,7 +880,7 @@ TEST(Presets, BiasesNormsAndRefusals) {
   EXPECT_NE(FindLocal(*g, "decoder.layers.0.mlp.linear_fc2.bias"), nullptr);
 
   Model oss = Load("gpt-oss-20b.json", 2);
-  for (const char* preset : {"vllm", "sglang", "megatron"}) {
+  for (const char* preset : {"sglang", "megatron"}) {
     auto r = MakePresetLayout(oss.config, oss.inv, {.preset = preset}, 0);
     ASSERT_FALSE(r.ok()) << preset;
     EXPECT_NE(r.status().message().find("GptOssForCausalLM"), std::string::npos) << r.status();
@@ -900,6 +900,63 @@ TEST(Presets, BiasesNormsAndRefusals) {
   EXPECT_NE(FindLocal(*gv, "model.layers.1.pre_feedforward_layernorm.weight"), nullptr);
   EXPECT_NE(FindLocal(*gv, "model.layers.1.post_feedforward_layernorm.weight"), nullptr);
   EXPECT_EQ(FindLocal(*gv, "lm_head.weight"), nullptr);  // tied
+}
+
+// vLLM's GPT-OSS (gpt_oss.py, bf16): attn.* names, sinks by heads, FusedMoE w13/w2 transposed from
+// HF's [E, H, 2I] / [E, I, H] with gate/up kept interleaved, w2_bias on flat rank 0 only.
+TEST(Presets, VllmGptOss) {
+  Model m = Load("gpt-oss-20b.json", 2);  // 32 experts, I = H = 2880, 64 heads, 8 KV heads
+  TensorIndex idx(m.inv);
+  for (ParallelConfig par : {ParallelConfig{.preset = "vllm", .tp = 4},
+                             ParallelConfig{.preset = "vllm", .tp = 2, .dp = 2, .expert_parallel = true}}) {
+    auto b = PresetBuilder::Create(m.config, m.inv, par);
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<PresetLayout> ranks;
+    for (int r = 0; r < b->world_size(); ++r) {
+      auto l = b->Make(r);
+      ASSERT_TRUE(l.ok()) << l.status();
+      ASSERT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout).ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout);
+      ranks.push_back(std::move(*l));
+    }
+    const PresetLayout& r1 = ranks[1];
+    EXPECT_NE(FindLocal(r1, "model.embedding.weight"), nullptr);
+    EXPECT_NE(FindLocal(r1, "model.layers.1.attn.qkv_proj.bias"), nullptr);
+    const LocalTensor* sinks = FindLocal(r1, "model.layers.1.attn.sinks");
+    ASSERT_NE(sinks, nullptr);
+    EXPECT_EQ(sinks->shape, (std::vector<int64_t>{64 / par.tp}));
+    const LocalTensor* w13 = FindLocal(r1, "model.layers.0.mlp.experts.w13_weight");
+    ASSERT_NE(w13, nullptr);
+    const int32_t gu = *idx.Find("model.layers.0.mlp.experts.gate_up_proj");
+    if (!par.expert_parallel) {
+      EXPECT_EQ(w13->shape, (std::vector<int64_t>{32, 2 * 720, 2880}));
+      // local (e=3, row=5, h=7) = gate_up_proj[3, 7, 2*720*1 + 5]
+      EXPECT_EQ(CanonicalAt(m.inv, r1, *w13, (3 * 1440 + 5) * 2880 + 7),
+                std::make_pair(gu, int64_t{(3 * 2880 + 7) * 5760 + 1440 + 5}));
+      const LocalTensor* w2 = FindLocal(r1, "model.layers.0.mlp.experts.w2_weight");
+      ASSERT_NE(w2, nullptr);
+      EXPECT_EQ(w2->shape, (std::vector<int64_t>{32, 2880, 720}));
+      // local (e=1, h=2, i=3) = down_proj[1, 720 + 3, 2]
+      EXPECT_EQ(CanonicalAt(m.inv, r1, *w2, (1 * 2880 + 2) * 720 + 3),
+                std::make_pair(*idx.Find("model.layers.0.mlp.experts.down_proj"), int64_t{(1 * 2880 + 723) * 2880 + 2}));
+      EXPECT_EQ(FindLocal(r1, "model.layers.0.mlp.experts.w2_bias")->num_pieces, 0);  // zeros off rank 0
+      EXPECT_EQ(FindLocal(ranks[0], "model.layers.0.mlp.experts.w2_bias")->num_pieces, 1);
+    } else {
+      EXPECT_EQ(w13->shape, (std::vector<int64_t>{8, 5760, 2880}));
+      EXPECT_EQ(r1.layout.pieces[w13->first_piece].box.begin[0], 8);
+    }
+    // Every canonical element lands once per engine (experts, sinks, biases) or tp*dp times
+    // (replicated norms, router, o_proj.bias).
+    std::vector<int64_t> counts = CoverageCounts(m.inv, ranks);
+    for (size_t t = 0; t < m.inv.tensors.size(); ++t) {
+      const std::string& n = m.inv.tensors[t].name;
+      const bool repl = absl::EndsWith(n, "norm.weight") || absl::StrContains(n, "router") || absl::EndsWith(n, "o_proj.bias");
+      const bool kv = absl::StrContains(n, "k_proj") || absl::StrContains(n, "v_proj");
+      int64_t want = repl ? int64_t{par.tp} * par.dp : (absl::StrContains(n, ".experts.") ? 1 : par.dp);
+      if (kv && par.tp > 8) want = par.dp * par.tp / 8;
+      EXPECT_EQ(counts[t], want) << n;
+    }
+  }
+  EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 2, .dp = 3, .expert_parallel = true}, 0).ok());
 }
 
 TEST(Presets, ClearErrors) {
