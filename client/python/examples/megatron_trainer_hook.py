@@ -1,34 +1,25 @@
-"""Megatron / FSDP trainer hook: what a trainer rank calls per RL step (sketch).
+"""Megatron-Core trainer: publish each RL step's weights (see weightbridge/integrations/megatron.py).
 
-STATUS (honest): not run against Megatron-LM or torch FSDP here (no torch/GPU in CI). With host
-memory (numpy / pinned CPU copies) the same calls are tested in client/python/tests. On GPUs it
-needs the daemon's CUDA transport (the current daemon accepts only shared-memory buffers).
+Run inside every trainer rank after torch.distributed is initialised; the daemon socket is the
+node daemon's --worker_socket. The hook sizes its buffer and places every tensor from the
+daemon's layout description (layout discovery): nothing here computes an offset. Tested in CI with
+numpy arrays standing in for the parameters (client/python/tests/integrations_test.py); not run
+against Megatron-LM itself here (no torch / GPU in CI). memory="cuda" registers a CUDA IPC buffer
+instead of shared memory (docs/daemon.md "CUDA buffers").
 """
 
 import weightbridge as wb
+from weightbridge.integrations.megatron import MegatronTrainerHook
 
 
-class WeightBridgeTrainerHook:
-    def __init__(self, socket_path, model_cfg: dict, parallel: dict, rank: int, local_params):
-        """parallel: {"preset": "megatron", "tp":..., "pp":..., "dp":..., "ep":...} or
-        {"preset": "fsdp", "dp": world}; local_params: {name: tensor} in the preset's order."""
-        self.client = wb.WorkerClient(socket_path, shm_prefix="trainer")
-        model = wb.ModelConfig(**model_cfg)
-        self.client.register_worker(model, "trainer/%d" % rank, "trainer")
-        self.mode = model.mode
-        size = sum(t.numel() * t.element_size() for t in local_params.values())
-        self.buf = self.client.create_buffer(size)  # host staging the daemon maps (numpy view)
-        self.params = local_params
-        self.client.register_layout(wb.PresetLayout(rank=rank, **parallel))
+def make_hook(socket_path, hf_config_json, rank, tp, pp, dp, ep=1, trainers=None, rollouts=1, mode="one_step_off"):
+    model = wb.ModelConfig(model_id="policy", hf_config_json=hf_config_json, num_trainer_workers=trainers or tp * pp * dp,
+                           num_rollout_workers=rollouts, mode=mode)
+    return MegatronTrainerHook(socket_path, model, rank=rank, tp=tp, pp=pp, dp=dp, ep=ep)
 
-    def after_optimizer_step(self, version, timeout=300.0):
-        # Copy this rank's shards (preset order) into the buffer, then publish.
-        off = 0
-        for t in self.params.values():
-            n = t.numel() * t.element_size()
-            self.buf.bytes[off:off + n] = t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy()
-            off += n
-        res = self.client.publish(version, timeout)  # sync: returns when rollouts have it
-        if self.mode == "sync":
-            self.client.wait_version(version, timeout)
-        return res.stall_seconds  # one-step-off / async: only the daemon's snapshot
+
+def after_optimizer_step(hook, model_chunks, step):
+    # One model chunk (no virtual pipeline): its named_parameters(); with vpp > 1 pass one
+    # iterable per chunk. Returns how long the trainer was held (snapshot or sync transfer).
+    params = model_chunks[0].named_parameters() if hook.vpp == 1 else [m.named_parameters() for m in model_chunks]
+    return hook.publish(step, params)

@@ -1,0 +1,11 @@
+"""Trainer hooks and engine extensions built on layout discovery (docs/integration.md).
+
+  megatron.MegatronTrainerHook   Megatron-Core trainer rank (preset "megatron")
+  fsdp2.FSDP2TrainerHook         torch FSDP2 (fully_shard) trainer rank (preset "fsdp")
+  vllm.WeightBridgeWorkerExtension / vllm.VllmRollout   vLLM worker (preset "vllm")
+  sglang.SglangRollout           SGLang model runner (preset "sglang")
+
+Each sizes its buffer from the daemon's layout description and moves tensors by their framework
+names; none computes an offset. torch is imported only when torch tensors are handed in, so the
+modules import (and are tested in CI with numpy arrays) without torch.
+"""

@@ -1,0 +1,166 @@
+"""What every trainer hook and engine extension shares: register with layout discovery, copy the
+framework's tensors into (trainer) or out of (rollout) the registered buffer by local name.
+
+Tensors may be numpy arrays (what CI uses: torch is not installed there) or torch tensors (CPU or
+CUDA; torch is imported only when one is given). numpy stand-ins for bfloat16 tensors are their
+uint16 bits (numpy has no bfloat16); float32 arrays given for a bfloat16 tensor are rounded to
+nearest even.
+"""
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import numpy as np
+
+from weightbridge.client import ModelConfig, WorkerClient
+from weightbridge.discovery import LayoutDescription
+from weightbridge.layouts import PresetLayout
+
+
+def bf16_bits(x):
+    """float32 array -> bfloat16 bits (uint16), round to nearest even (NaN stays NaN)."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, (b >> np.uint32(16)).astype(np.uint16) | np.uint16(0x40), rounded)
+
+
+def _is_torch(t):
+    return type(t).__module__.startswith("torch")
+
+
+def local_tensor(t):
+    """A DTensor's local shard (torch FSDP2 parameters are DTensors); anything else as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LayoutHook:
+    """Registers one worker whose buffer the layout discovery sized, and moves tensors by name.
+
+    `memory`: "host" (a POSIX shm buffer; torch tensors on a GPU are copied device -> host) or
+    "cuda" (a CUDA IPC buffer on `gpu`; needs a GPU and torch for the copies). `client` may be
+    given (tests, or a worker that registers other things itself); it is then not closed by close().
+    """
+
+    def __init__(self, socket_path: Optional[str], model: ModelConfig, worker_id: str, role: str, preset: PresetLayout,
+                 memory: str = "host", gpu: int = -1, client: Optional[WorkerClient] = None, shm_prefix: str = "hook"):
+        if memory not in ("host", "cuda"):
+            raise ValueError("memory must be 'host' or 'cuda', got %r" % memory)
+        self.own_client = client is None
+        self.client = client or WorkerClient(socket_path, shm_prefix=shm_prefix)
+        self.model = model
+        self.preset = preset
+        self.memory = memory
+        # Discovery first: the buffer is sized from the daemon's answer, never computed here.
+        desc = self.client.describe_layout(preset, model=model)
+        self.client.register_worker(model, worker_id, role, gpu=gpu if memory == "cuda" else -1)
+        size = desc.buffer_bytes(0)
+        if memory == "cuda":
+            self.buffer = self.client.create_cuda_buffer(size, gpu)
+        else:
+            self.buffer = self.client.create_buffer(size)
+        info = self.client.register_layout(preset)
+        self.layout: LayoutDescription = info.layout or desc
+        self.info = info
+        self._np_views = self.layout.views(self.client.buffers) if memory == "host" else {}
+        self._torch_views = None
+
+    # ---- names -------------------------------------------------------------------------------
+    @property
+    def names(self):
+        """Local tensor names of this rank (the framework's names), in buffer order."""
+        return [n for n, t in self.layout.tensors.items()]
+
+    def _torch(self):
+        if self._torch_views is None:
+            self._torch_views = self.layout.torch_views(self.client.buffers)
+        return self._torch_views
+
+    def view(self, name):
+        """The buffer's view of local tensor `name`: numpy (host memory) or torch (CUDA memory)."""
+        self.layout[name]  # KeyError naming the layout's tensors
+        return self._np_views[name] if self.memory == "host" else self._torch()[name]
+
+    # ---- trainer side ------------------------------------------------------------------------
+    def write(self, named_tensors: Iterable[Tuple[str, object]], strip_prefixes=("module.",), require_all=True):
+        """Copies each (name, tensor) into its place in the buffer. Names are the framework's
+        (leading `strip_prefixes` removed, e.g. DDP's "module."). ValueError for a shape mismatch,
+        KeyError for a name the layout lacks, and (require_all) for local tensors not given: a
+        version must never go out with stale tensors in it."""
+        seen = set()
+        for name, t in named_tensors:
+            for p in strip_prefixes:
+                if name.startswith(p):
+                    name = name[len(p):]
+            if name not in self.layout.tensors:
+                raise KeyError("tensor %r is not a local tensor of this rank's %s layout (it has %d: %s ...)"
+                               % (name, self.preset.preset, len(self.layout.tensors), ", ".join(self.names[:4])))
+            self._copy_in(name, local_tensor(t))
+            seen.add(name)
+        if require_all:
+            missing = [n for n, t in self.layout.tensors.items() if n not in seen and t.pieces]
+            if missing:
+                raise KeyError("%d local tensors of this rank were not given: %s" % (len(missing), ", ".join(missing[:8])))
+        return seen
+
+    def _copy_in(self, name, t):
+        place = self.layout[name]
+        if _is_torch(t):
+            dst = self._torch()[name]  # torch views over the buffer (host or CUDA)
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ValueError("tensor %s: shape %s, the layout holds %s" % (name, tuple(t.shape), tuple(dst.shape)))
+            dst.copy_(t.detach())
+            return
+        if self.memory == "cuda":
+            raise TypeError("tensor %s: numpy arrays need memory='host'" % name)
+        dst = self._np_views[name]
+        a = np.asarray(t)
+        if tuple(a.shape) != tuple(dst.shape):
+            raise ValueError("tensor %s: shape %s, the layout holds %s" % (name, tuple(a.shape), tuple(dst.shape)))
+        if place.dtype == "bfloat16" and a.dtype == np.float32:
+            a = bf16_bits(a)
+        elif a.dtype != dst.dtype:
+            raise TypeError("tensor %s: dtype %s, the layout holds %s (%s)" % (name, a.dtype, place.dtype, dst.dtype))
+        dst[...] = a
+
+    # ---- rollout side ------------------------------------------------------------------------
+    def read_into(self, params: Dict[str, object], strict=True):
+        """Copies every local tensor of the buffer into the engine's parameter of the same name
+        (numpy arrays or torch tensors, e.g. dict(model.named_parameters())). strict: every local
+        tensor holding pieces must have a parameter (KeyError naming the missing ones)."""
+        missing = [n for n, t in self.layout.tensors.items() if t.pieces and n not in params]
+        if strict and missing:
+            raise KeyError("the engine has no parameter for %d local tensors: %s" % (len(missing), ", ".join(missing[:8])))
+        done = []
+        for name in self.layout.tensors:
+            if name not in params:
+                continue
+            p = params[name]
+            if _is_torch(p):
+                src = self._torch()[name]
+                target = p.data if hasattr(p, "data") else p
+                if tuple(target.shape) != tuple(src.shape):
+                    raise ValueError("parameter %s: shape %s, the layout holds %s" % (name, tuple(target.shape), tuple(src.shape)))
+                target.copy_(src)
+            else:
+                src = self._np_views[name]
+                if tuple(np.shape(p)) != tuple(src.shape):
+                    raise ValueError("parameter %s: shape %s, the layout holds %s" % (name, tuple(np.shape(p)), tuple(src.shape)))
+                p[...] = src
+            done.append(name)
+        return done
+
+    def bind(self, params):
+        """CUDA memory, torch: points every parameter at its place in the registered buffer
+        (param.data = view, after copying the current weights in), so versions land in the
+        engine's weights with no copy of ours (Apply / the sync commit write them)."""
+        if self.memory != "cuda":
+            raise ValueError("bind needs memory='cuda' (host buffers: use read_into after each update)")
+        views = self._torch()
+        for name, p in params.items():
+            if name in views:
+                views[name].copy_(p.data)
+                p.data = views[name]
+
+    def close(self):
+        if self.own_client:
+            self.client.close()

@@ -1,0 +1,38 @@
+"""The rollout side shared by the vLLM and SGLang integrations."""
+
+from weightbridge.integrations._common import LayoutHook
+from weightbridge.layouts import PresetLayout
+
+
+class RolloutHook(LayoutHook):
+    """One engine rank (tp rank of a dp rank of a replica) as a rollout worker.
+
+    Host memory: versions land in the shm buffer; `update()` (sync) / `apply()` (one-step-off,
+    async) then copy it into the engine's parameters (`params`: dict(model.named_parameters())).
+    memory="cuda": call `bind(params)` once after loading, and the parameters live in the
+    registered buffer (no copy of ours after that)."""
+
+    def __init__(self, engine, socket_path, model, tp=1, tp_rank=0, dp=1, dp_rank=0, replica=0, replicas=1,
+                 expert_parallel=False, expert_placement="", quantization="", worker_id=None, memory="host", gpu=-1,
+                 client=None):
+        rank = (replica * dp + dp_rank) * tp + tp_rank
+        preset = PresetLayout(engine, tp=tp, dp=dp, replicas=replicas, rank=rank, expert_parallel=expert_parallel,
+                              expert_placement=expert_placement, quantization=quantization)
+        super().__init__(socket_path, model, worker_id or "rollout/%d" % rank, "rollout", preset, memory, gpu, client,
+                         shm_prefix=engine)
+
+    def update(self, version, params=None, timeout=300.0):
+        """Sync mode: the engine has paused generation; returns once `version` is committed into
+        the buffer (and, host memory, copied into `params`)."""
+        self.client.begin_update(timeout)
+        got = self.client.wait_version(version, timeout)
+        if params is not None and self.memory == "host":
+            self.read_into(params)
+        return got
+
+    def apply(self, version=0, params=None, timeout=300.0):
+        """One-step-off / async, at a step boundary: makes `version` (0 = newest committed) live."""
+        got = self.client.apply(version, timeout).applied_version
+        if params is not None and self.memory == "host":
+            self.read_into(params)
+        return got

@@ -1,0 +1,49 @@
+"""vLLM rollout worker: an extension for vLLM's `worker_extension_cls`.
+
+    llm = LLM(model=..., tensor_parallel_size=4, worker_extension_cls=
+              "weightbridge.integrations.vllm.WeightBridgeWorkerExtension")
+    llm.collective_rpc("wb_init", args=(socket, model_cfg_dict), kwargs={"replica": 0})
+    # sync: pause generation, then
+    llm.collective_rpc("wb_update", args=(version,))
+    # one-step-off / async, between engine steps:
+    llm.collective_rpc("wb_apply")
+
+The preset "vllm" (docs/presets.md) names the rank's local tensors as vLLM's
+model.named_parameters() does (fused qkv_proj = [q; k; v], gate_up_proj, FusedMoE
+experts.w13_weight / w2_weight, fp8 weight + weight_scale_inv). Host memory: each update is
+copied from the shm buffer into the parameters. memory="cuda": the parameters are re-pointed into
+the registered CUDA buffer once (bind), and versions land in them directly. The logic lives in
+VllmRollout (tested in CI with numpy parameters); the extension only reads vLLM's worker state.
+"""
+
+from weightbridge.client import ModelConfig
+from weightbridge.integrations._rollout import RolloutHook
+
+
+class VllmRollout(RolloutHook):
+    def __init__(self, socket_path, model, **kw):
+        super().__init__("vllm", socket_path, model, **kw)
+
+
+class WeightBridgeWorkerExtension:
+    """Mixed into vLLM's GPU worker: `self` has model_runner, device, parallel_config (vLLM >= 0.8)."""
+
+    def wb_init(self, socket_path, model_cfg, replica=0, memory="host", expert_placement="", quantization=""):
+        pc = self.parallel_config
+        tp, dp = pc.tensor_parallel_size, getattr(pc, "data_parallel_size", 1)
+        tp_rank = self.rank % tp if hasattr(self, "rank") else 0
+        dp_rank = getattr(pc, "data_parallel_rank", 0)
+        model = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig(**model_cfg)
+        self.wb = VllmRollout(socket_path, model, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, replica=replica,
+                              expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
+                              quantization=quantization, memory=memory, gpu=self.device.index if memory == "cuda" else -1)
+        self.wb_params = dict(self.model_runner.model.named_parameters())
+        if memory == "cuda":
+            self.wb.bind(self.wb_params)
+        return self.wb.layout.buffer_bytes(0)
+
+    def wb_update(self, version, timeout=300.0):
+        return self.wb.update(version, self.wb_params, timeout)
+
+    def wb_apply(self, version=0, timeout=300.0):
+        return self.wb.apply(version, self.wb_params, timeout)
