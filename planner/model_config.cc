@@ -142,6 +142,8 @@ absl::Status RequirePositive(const char* key, int64_t v) {
 
 }  // namespace
 
+namespace {
+
 // Tensor dimensions that are products of config fields (each <= kMaxConfigValue, so a product
 // can reach 2^64): refused over kMaxDerivedDim, naming both fields, before any code multiplies
 // them in int64.
@@ -169,73 +171,10 @@ absl::Status CheckDerivedDims(const ModelConfig& c) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
-  json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError("config.json: not valid JSON");
-  if (!j.is_object()) return absl::InvalidArgumentError("config.json: top level is not an object");
-  Reader r(j);
-  ModelConfig c;
-
-  const json* archs = r.Find("architectures");
-  if (archs == nullptr || !archs->is_array() || archs->empty() || !(*archs)[0].is_string()) {
-    return absl::InvalidArgumentError("config.json: missing field `architectures` (a non-empty list of strings)");
-  }
-  c.architecture = (*archs)[0].get<std::string>();
-  if (const json* mt = r.Find("model_type"); mt != nullptr && mt->is_string()) c.model_type = mt->get<std::string>();
-
+// The flags that add or remove tensors (docs/presets.md "Models"): honoured, or refused naming
+// the flag when the family's HF implementation has no such tensors.
+absl::Status ParseTensorFlags(const Reader& r, ModelConfig& c) {
   const std::string& a = c.architecture;
-  static constexpr std::pair<const char*, ModelFamily> kArchitectures[] = {
-      {"LlamaForCausalLM", ModelFamily::kLlama},         {"MistralForCausalLM", ModelFamily::kLlama},
-      {"Qwen2ForCausalLM", ModelFamily::kQwen2},         {"Qwen2MoeForCausalLM", ModelFamily::kQwen2Moe},
-      {"Qwen3ForCausalLM", ModelFamily::kQwen3},         {"Qwen3MoeForCausalLM", ModelFamily::kQwen3Moe},
-      {"MixtralForCausalLM", ModelFamily::kMixtral},     {"DeepseekV3ForCausalLM", ModelFamily::kDeepseekV3},
-      {"DeepseekV2ForCausalLM", ModelFamily::kDeepseekV2}, {"Glm4MoeForCausalLM", ModelFamily::kGlm4Moe},
-      {"GptOssForCausalLM", ModelFamily::kGptOss},       {"Gemma2ForCausalLM", ModelFamily::kGemma2},
-      {"Gemma3ForCausalLM", ModelFamily::kGemma3}};
-  bool known = false;
-  std::vector<std::string> names;
-  for (const auto& [name, family] : kArchitectures) {
-    names.push_back(name);
-    if (a == name) {
-      c.family = family;
-      known = true;
-    }
-  }
-  if (!known) {
-    if (absl::EndsWith(a, "ForConditionalGeneration")) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: architecture `", a, "` is a multimodal wrapper (its vision tower and projector are not "
-          "modelled); register the text model's config (e.g. text_config as Gemma3ForCausalLM)"));
-    }
-    return absl::InvalidArgumentError(absl::StrCat("config.json: unsupported architecture `", a,
-                                                   "` (supported: ", absl::StrJoin(names, ", "), ")"));
-  }
-
-  ASSIGN_OR_RETURN(c.hidden, r.Int("hidden_size"));
-  ASSIGN_OR_RETURN(c.intermediate, r.Int("intermediate_size"));
-  ASSIGN_OR_RETURN(c.heads, r.Int("num_attention_heads"));
-  ASSIGN_OR_RETURN(c.layers, r.Int("num_hidden_layers"));
-  ASSIGN_OR_RETURN(c.vocab, r.Int("vocab_size"));
-  RETURN_IF_ERROR(RequirePositive("hidden_size", c.hidden));
-  RETURN_IF_ERROR(RequirePositive("intermediate_size", c.intermediate));
-  RETURN_IF_ERROR(RequirePositive("num_attention_heads", c.heads));
-  RETURN_IF_ERROR(RequirePositive("num_hidden_layers", c.layers));
-  RETURN_IF_ERROR(RequirePositive("vocab_size", c.vocab));
-  ASSIGN_OR_RETURN(c.kv_heads, r.IntOr("num_key_value_heads", c.heads));
-  RETURN_IF_ERROR(RequirePositive("num_key_value_heads", c.kv_heads));
-  if (c.heads % c.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: num_attention_heads ", c.heads,
-                                                   " is not a multiple of num_key_value_heads ", c.kv_heads));
-  }
-  ASSIGN_OR_RETURN(int64_t hd, r.IntOr("head_dim", 0));
-  if (hd == 0) {
-    if (c.hidden % c.heads != 0) {
-      return absl::InvalidArgumentError(
-          "config.json: missing field `head_dim` and hidden_size is not a multiple of num_attention_heads");
-    }
-    hd = c.hidden / c.heads;
-  }
-  c.head_dim = hd;
   // HF defaults: Gemma ties the embeddings unless told otherwise, the others do not.
   const bool gemma = c.family == ModelFamily::kGemma2 || c.family == ModelFamily::kGemma3;
   ASSIGN_OR_RETURN(c.tie_word_embeddings, r.BoolOr("tie_word_embeddings", gemma));
@@ -295,6 +234,11 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       break;
   }
 
+  return absl::OkStatus();
+}
+
+// Experts, shared experts, dense prefix and MLA dimensions of the MoE families.
+absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
   if (c.family == ModelFamily::kQwen2Moe || c.family == ModelFamily::kQwen3Moe) {
     c.experts_field = "num_experts";
     ASSIGN_OR_RETURN(c.experts, r.Int("num_experts"));
@@ -365,6 +309,80 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       RETURN_IF_ERROR(RequirePositive("v_head_dim", c.v_head_dim));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
+  json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("config.json: not valid JSON");
+  if (!j.is_object()) return absl::InvalidArgumentError("config.json: top level is not an object");
+  Reader r(j);
+  ModelConfig c;
+
+  const json* archs = r.Find("architectures");
+  if (archs == nullptr || !archs->is_array() || archs->empty() || !(*archs)[0].is_string()) {
+    return absl::InvalidArgumentError("config.json: missing field `architectures` (a non-empty list of strings)");
+  }
+  c.architecture = (*archs)[0].get<std::string>();
+  if (const json* mt = r.Find("model_type"); mt != nullptr && mt->is_string()) c.model_type = mt->get<std::string>();
+
+  const std::string& a = c.architecture;
+  static constexpr std::pair<const char*, ModelFamily> kArchitectures[] = {
+      {"LlamaForCausalLM", ModelFamily::kLlama},         {"MistralForCausalLM", ModelFamily::kLlama},
+      {"Qwen2ForCausalLM", ModelFamily::kQwen2},         {"Qwen2MoeForCausalLM", ModelFamily::kQwen2Moe},
+      {"Qwen3ForCausalLM", ModelFamily::kQwen3},         {"Qwen3MoeForCausalLM", ModelFamily::kQwen3Moe},
+      {"MixtralForCausalLM", ModelFamily::kMixtral},     {"DeepseekV3ForCausalLM", ModelFamily::kDeepseekV3},
+      {"DeepseekV2ForCausalLM", ModelFamily::kDeepseekV2}, {"Glm4MoeForCausalLM", ModelFamily::kGlm4Moe},
+      {"GptOssForCausalLM", ModelFamily::kGptOss},       {"Gemma2ForCausalLM", ModelFamily::kGemma2},
+      {"Gemma3ForCausalLM", ModelFamily::kGemma3}};
+  bool known = false;
+  std::vector<std::string> names;
+  for (const auto& [name, family] : kArchitectures) {
+    names.push_back(name);
+    if (a == name) {
+      c.family = family;
+      known = true;
+    }
+  }
+  if (!known) {
+    if (absl::EndsWith(a, "ForConditionalGeneration")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: architecture `", a, "` is a multimodal wrapper (its vision tower and projector are not "
+          "modelled); register the text model's config (e.g. text_config as Gemma3ForCausalLM)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("config.json: unsupported architecture `", a,
+                                                   "` (supported: ", absl::StrJoin(names, ", "), ")"));
+  }
+
+  ASSIGN_OR_RETURN(c.hidden, r.Int("hidden_size"));
+  ASSIGN_OR_RETURN(c.intermediate, r.Int("intermediate_size"));
+  ASSIGN_OR_RETURN(c.heads, r.Int("num_attention_heads"));
+  ASSIGN_OR_RETURN(c.layers, r.Int("num_hidden_layers"));
+  ASSIGN_OR_RETURN(c.vocab, r.Int("vocab_size"));
+  RETURN_IF_ERROR(RequirePositive("hidden_size", c.hidden));
+  RETURN_IF_ERROR(RequirePositive("intermediate_size", c.intermediate));
+  RETURN_IF_ERROR(RequirePositive("num_attention_heads", c.heads));
+  RETURN_IF_ERROR(RequirePositive("num_hidden_layers", c.layers));
+  RETURN_IF_ERROR(RequirePositive("vocab_size", c.vocab));
+  ASSIGN_OR_RETURN(c.kv_heads, r.IntOr("num_key_value_heads", c.heads));
+  RETURN_IF_ERROR(RequirePositive("num_key_value_heads", c.kv_heads));
+  if (c.heads % c.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: num_attention_heads ", c.heads,
+                                                   " is not a multiple of num_key_value_heads ", c.kv_heads));
+  }
+  ASSIGN_OR_RETURN(int64_t hd, r.IntOr("head_dim", 0));
+  if (hd == 0) {
+    if (c.hidden % c.heads != 0) {
+      return absl::InvalidArgumentError(
+          "config.json: missing field `head_dim` and hidden_size is not a multiple of num_attention_heads");
+    }
+    hd = c.hidden / c.heads;
+  }
+  c.head_dim = hd;
+  RETURN_IF_ERROR(ParseTensorFlags(r, c));
+  RETURN_IF_ERROR(ParseExperts(r, c));
   RETURN_IF_ERROR(CheckDerivedDims(c));
   return c;
 }
