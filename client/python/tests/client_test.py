@@ -336,9 +336,12 @@ class ClientTest(unittest.TestCase):
         buf = c.create_buffer(inferred.buffer_bytes)
         info = c.register_layout(inferred, weight_buffer=buf, resolve="auto")
         self.assertEqual(info.source, "index_probe")
-        # q (transposed: one strided piece) + the four other tensors. (LayoutInfo.bytes is the
-        # registered buffers' total, probe buffer included, not the layout's bytes.)
+        # q (transposed: one strided piece) + the four other tensors. LayoutInfo.bytes is what the
+        # pieces cover (every canonical element once), not the buffers' sizes (probe buffer included).
         self.assertEqual(info.num_pieces, len(CANONICAL))
+        self.assertEqual(info.bytes, sum(int(np.prod(s)) for s in SHAPES) * ELEM)
+        self.assertEqual(info.layout.source, "index_probe")
+        self.assertEqual(info.layout.piece_bytes, info.bytes)
         index = np.full(buf.size_bytes // ELEM, -1, np.int64)
         for t in inferred.tensors:
             o = t.offset_bytes // ELEM
