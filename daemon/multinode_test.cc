@@ -164,6 +164,11 @@ class Cluster {
     pb::RegisterWorkerResponse rwr;
     grpc::Status s = w.stub->RegisterWorker(&c1, rw, &rwr);
     if (!s.ok()) return s;
+    return RegisterLayout(w, spec, preset);
+  }
+
+  // RegisterLayout alone: explicit pieces of w.layout, or `preset` when given.
+  grpc::Status RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr) {
     pb::RegisterLayoutRequest rl;
     rl.set_model_id(spec.model_id());
     rl.set_worker_id(w.id);
@@ -1488,6 +1493,75 @@ TEST(RaceTest, PublishRacingReRegistrationNeverAnswersUnknown) {
   EXPECT_GT(cycles.load(), 10);
   EXPECT_GT(publishes.load(), 100);
   EXPECT_EQ(unknown.load(), 0) << "e.g. " << example << " (" << publishes.load() << " publishes, " << cycles.load() << " re-registrations)";
+  c.Stop();
+}
+
+// ------------------------------------------------------------------ a second layout (issue 15.13)
+
+bool CoordinatorHasLayout(const pb::StatusResponse& st, const std::string& worker) {
+  for (const pb::WorkerStatus& w : st.workers()) {
+    if (w.worker_id() == worker) return w.has_layout();
+  }
+  return false;
+}
+
+// The same layout registered again is OK and changes nothing; a different one while the worker is
+// in the plan is FAILED_PRECONDITION saying why, and the worker stays registered everywhere with
+// its first layout. Before: ABORTED "worker dropped concurrently", and the worker vanished from the
+// coordinator while its node kept it.
+TEST(LayoutAgainTest, SameLayoutIsIdempotentAndADifferentOneIsRefusedUnderAPlan) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  pb::ApplyResponse resp;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
+
+  for (TestWorker* w : {&t0, &r0}) {
+    grpc::Status s = c.RegisterLayout(*w, spec);
+    EXPECT_TRUE(s.ok()) << w->id << ": the same layout again must be OK: " << s.error_message();
+  }
+  planner::WorkerLayout other = LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, false}});  // `a` transposed now
+  std::swap(r0.layout, other);
+  grpc::Status s = c.RegisterLayout(r0, spec);
+  std::swap(r0.layout, other);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("already has a different layout"), std::string::npos) << s.error_message();
+  auto st = c.WaitForCoordinator([](const pb::StatusResponse& r) { return true; }, absl::Seconds(10));
+  ASSERT_TRUE(st.ok()) << st.status();
+  for (const char* w : {"t0", "r0"}) EXPECT_TRUE(CoordinatorHasLayout(*st, w)) << w << " must still be registered at the coordinator";
+  // Version 2 goes through on the first layouts, byte for byte.
+  for (auto& p : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(p.ok()) << p.error_message();
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 2, &resp).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
+  }
+  c.Stop();
+}
+
+// A trainer layout with a hole (no trainer holds rows 4-7 of `a` nor `b`): the model cannot plan,
+// and its status says why. Before: accepted, never planned, no error anywhere.
+TEST(LayoutAgainTest, TrainerLayoutWithAHoleIsReportedInStatus) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  spec.set_num_trainer_workers(1);
+  spec.set_num_rollout_workers(1);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  for (TestWorker* w : {&t0, &r0}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  auto st = c.WaitForCoordinator(
+      [](const pb::StatusResponse& r) { return r.models_size() > 0 && !r.models(0).plan_error().empty(); }, absl::Seconds(10));
+  ASSERT_TRUE(st.ok()) << "no plan error in status: " << st.status();
+  const std::string& why = st->models(0).plan_error();
+  EXPECT_NE(why.find("a"), std::string::npos) << why;
   c.Stop();
 }
 
