@@ -1159,7 +1159,9 @@ TEST(TornTest, ApplyThatCannotFitItsTimeoutTouchesNothing) {
     }
     EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
     EXPECT_NE(s.error_message().find("nothing was copied"), std::string::npos) << s.error_message();
-    if (v > 1) EXPECT_EQ(CountBad(r0, v - 1), 0) << "live weights must still be whole version " << v - 1;
+    if (v > 1) {
+      EXPECT_EQ(CountBad(r0, v - 1), 0) << "live weights must still be whole version " << v - 1;
+    }
     EXPECT_EQ(LocalStatus(c, r0).live_state(), "whole");
     s = ApplyWithin(r0, v, 20000, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
@@ -1320,7 +1322,9 @@ TEST(HostileMemoryTest, WorkerTruncatingItsSegmentFailsOnlyThatWorker) {
   c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) {
     o.configure_node = [&](NodeDaemon::Options& no) {
       no.test_live_copy_fault = [&](const std::string& label) {
-        if (label == "apply r0 v2") EXPECT_TRUE(TruncateSegment(r0_segment).ok());
+        if (label == "apply r0 v2") {
+          EXPECT_TRUE(TruncateSegment(r0_segment).ok());
+        }
         return absl::OkStatus();
       };
     };
@@ -1562,6 +1566,53 @@ TEST(LayoutAgainTest, TrainerLayoutWithAHoleIsReportedInStatus) {
   ASSERT_TRUE(st.ok()) << "no plan error in status: " << st.status();
   const std::string& why = st->models(0).plan_error();
   EXPECT_NE(why.find("a"), std::string::npos) << why;
+  c.Stop();
+}
+
+// ------------------------------------------------------------------ input rules (issue 15.12, node side)
+
+// RegisterWorker with an unknown role, mode or strategy, a 1 MiB id or an id with CR/LF: a short
+// INVALID_ARGUMENT naming the field (the caller sees the message, not gRPC's "metadata size
+// exceeds limit"), and nothing is registered. Before: role/mode/strategy 99 were accepted.
+TEST(InputRulesTest, RegisterWorkerRefusesBadEnumsAndIdsNamingTheField) {
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  auto stub = pb::WorkerService::NewStub(grpc::CreateChannel(absl::StrCat("unix:", c.nodes_[0]->worker_socket()), grpc::InsecureChannelCredentials()));
+  auto attempt = [&](const std::function<void(pb::RegisterWorkerRequest&)>& edit) {
+    pb::RegisterWorkerRequest rw;
+    rw.set_model_id("m");
+    rw.set_worker_id("w");
+    rw.set_role(pb::ROLE_TRAINER);
+    rw.set_gpu(-1);
+    *rw.mutable_model() = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+    edit(rw);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pb::RegisterWorkerResponse resp;
+    return stub->RegisterWorker(&ctx, rw, &resp);
+  };
+  struct Case {
+    const char* what;
+    std::function<void(pb::RegisterWorkerRequest&)> edit;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {"role 99", [](pb::RegisterWorkerRequest& r) { r.set_role(static_cast<pb::Role>(99)); }, "role is 99"},
+      {"role unset", [](pb::RegisterWorkerRequest& r) { r.set_role(pb::ROLE_UNSPECIFIED); }, "role is 0"},
+      {"mode 99", [](pb::RegisterWorkerRequest& r) { r.mutable_model()->set_mode(static_cast<pb::Mode>(99)); }, "mode is 99"},
+      {"strategy 99", [](pb::RegisterWorkerRequest& r) { r.mutable_model()->set_strategy(static_cast<pb::Strategy>(99)); }, "strategy is 99"},
+      {"1 MiB worker id", [](pb::RegisterWorkerRequest& r) { r.set_worker_id(std::string(1 << 20, 'x')); }, "worker_id"},
+      {"CR LF in worker id", [](pb::RegisterWorkerRequest& r) { r.set_worker_id("w\r\nx"); }, "worker_id"},
+  };
+  for (const Case& k : cases) {
+    grpc::Status s = attempt(k.edit);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << k.what << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(k.field), std::string::npos) << k.what << ": " << s.error_message();
+    EXPECT_LT(s.error_message().size(), 1024u) << k.what;
+  }
+  grpc::Status ok = attempt([](pb::RegisterWorkerRequest&) {});
+  EXPECT_TRUE(ok.ok()) << ok.error_message();
   c.Stop();
 }
 

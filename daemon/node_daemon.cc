@@ -123,6 +123,21 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   explicit WorkerImpl(NodeDaemon* d) : d_(d) {}
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse* resp) override {
+    // Enums are checked before anything is forwarded or stored (role 99 was counted as a trainer).
+    // Ids were checked by the front (daemon/limits.h: length, control characters).
+    if (req->role() != pb::ROLE_TRAINER && req->role() != pb::ROLE_ROLLOUT) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("RegisterWorker.role is ", static_cast<int>(req->role()),
+                                                                  ": must be ROLE_TRAINER (1) or ROLE_ROLLOUT (2)")));
+    }
+    if (req->has_model() && !pb::Mode_IsValid(req->model().mode())) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("RegisterWorker.model.mode is ", static_cast<int>(req->model().mode()),
+                                                                  ": must be MODE_SYNC (1), MODE_ONE_STEP_OFF (2), MODE_ASYNC (3) or unset")));
+    }
+    if (req->has_model() && !pb::Strategy_IsValid(req->model().strategy())) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("RegisterWorker.model.strategy is ", static_cast<int>(req->model().strategy()),
+                       ": must be STRATEGY_WEIGHTBRIDGE (1), STRATEGY_RANK0_BROADCAST (2), STRATEGY_P2P_NO_DEDUP (3) or unset")));
+    }
     // A join sent before this node's (re-)registration and re-join have finished could reach the
     // coordinator first and then be dropped by that registration (a restarted node's workers are
     // dropped there) while this node keeps the worker: it would be left out of every plan.
