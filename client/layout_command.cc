@@ -23,7 +23,8 @@ namespace pb = ::weightbridge::v1;
 constexpr const char* kUsage =
     "usage: wbctl layout (--config CONFIG.json | --addr unix:PATH --model ID [--config CONFIG.json])\n"
     "                    --preset P --rank R [--tp N] [--pp N] [--dp N] [--ep N] [--etp N] [--replicas N]\n"
-    "                    [--expert_parallel] [--quantization Q] [--dtype bfloat16] [--json] [--timeout 10s]\n";
+    "                    [--expert_parallel] [--expert_placement round_robin] [--quantization Q]\n"
+    "                    [--first_stage_layers N] [--last_stage_layers N] [--vpp N] [--dtype bfloat16] [--json] [--timeout 10s]\n";
 
 const char* DTypeName(pb::DType d) {
   switch (d) {
@@ -66,7 +67,8 @@ std::string LayoutTable(const pb::LayoutDescription& d, const std::string& title
 
 int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   auto parsed = CtlArgs::Parse(args, {{"addr", "model", "config", "preset", "rank", "tp", "pp", "dp", "ep", "etp", "replicas",
-                                       "quantization", "dtype", "timeout"},
+                                       "quantization", "dtype", "timeout", "first_stage_layers", "last_stage_layers", "vpp",
+                                       "expert_placement"},
                                       {"json", "expert_parallel"}});
   if (!parsed.ok()) {
     err << "wbctl layout: " << parsed.status().message() << "\n" << kUsage;
@@ -85,6 +87,7 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   pc->set_preset(a.Get("preset"));
   pc->set_expert_parallel(a.Has("expert_parallel"));
   pc->set_quantization(a.Get("quantization"));
+  pc->set_expert_placement(a.Get("expert_placement"));
   struct UintFlag {
     const char* name;
     void (pb::ParallelConfig::*set)(uint32_t);
@@ -93,7 +96,10 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   for (const UintFlag& f : {UintFlag{"rank", &pb::ParallelConfig::set_rank, 0}, UintFlag{"tp", &pb::ParallelConfig::set_tp, 1},
                             UintFlag{"pp", &pb::ParallelConfig::set_pp, 1}, UintFlag{"dp", &pb::ParallelConfig::set_dp, 1},
                             UintFlag{"ep", &pb::ParallelConfig::set_ep, 1}, UintFlag{"etp", &pb::ParallelConfig::set_etp, 0},
-                            UintFlag{"replicas", &pb::ParallelConfig::set_replicas, 1}}) {
+                            UintFlag{"replicas", &pb::ParallelConfig::set_replicas, 1},
+                            UintFlag{"first_stage_layers", &pb::ParallelConfig::set_first_stage_layers, 0},
+                            UintFlag{"last_stage_layers", &pb::ParallelConfig::set_last_stage_layers, 0},
+                            UintFlag{"vpp", &pb::ParallelConfig::set_vpp, 1}}) {
     auto v = a.GetUint(f.name, f.fallback);
     if (!v.ok()) return usage(std::string(v.status().message()));
     if (*v > (1u << 30)) return usage(absl::StrCat("--", f.name, " ", *v, " is too large"));

@@ -3,7 +3,8 @@
 // be (layout discovery, docs/integration.md), for a preset rank.
 //
 //   wbctl layout --config CONFIG.json --preset P [--tp N --pp N --dp N --ep N --etp N --replicas N
-//                --expert_parallel --quantization Q] --rank R [--dtype bfloat16] [--json]
+//                --expert_parallel --expert_placement E --quantization Q --first_stage_layers N
+//                --last_stage_layers N --vpp N] --rank R [--dtype bfloat16] [--json]
 //       offline: computed here from an HF config.json, with the daemon's own code
 //       (daemon/layout_discovery.h), no daemon needed;
 //   wbctl layout --addr unix:PATH --model ID --preset P ... --rank R [--config CONFIG.json] [--json]
