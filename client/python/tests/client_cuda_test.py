@@ -90,6 +90,40 @@ class CudaClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             b.read(0, 1)
 
+    def test_layout_description_gives_device_pointers_into_a_cuda_buffer(self):
+        """Layout discovery over a CUDA buffer: no host view, the device address of each local
+        tensor is the buffer's base + its described offset, and the bytes a version delivers are
+        there."""
+        model = wb.ModelConfig(model_id="py_cuda_describe", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        trainer = ct.Worker(self.daemon, model, "trainer/0", "trainer", ct.FULL)
+        layout, index = ct.row_blocks(ct.FULL)
+        c = self.daemon.client("cdsc")
+        desc = c.describe_layout(layout, model=model)
+        c.register_worker(model, "rollout/0", "rollout", gpu=1)
+        buf = c.create_cuda_buffer(desc.buffer_bytes(0), 1)
+        info = c.register_layout(layout)
+        self.assertEqual(info.layout.buffers, desc.buffers)
+        self.assertEqual(info.layout.views(c.buffers), {})  # nothing in host memory
+        with self.assertRaises(ValueError):
+            info.layout.view(c.buffers, "q")
+        fill = ct.fill
+        fill(trainer.buf, trainer.index, 4)
+        trainer.client.publish(4, timeout=ct.TIMEOUT)
+        self.assertEqual(c.apply(4, timeout=ct.TIMEOUT).applied_version, 4)
+        for name in ("embed", "q", "bias"):
+            t = info.layout[name]
+            self.assertEqual(info.layout.device_pointer(c.buffers, name), buf.ptr + t.offset_bytes)
+            got = np.frombuffer(buf.read(t.offset_bytes, t.size_bytes), np.uint16)
+            o = t.offset_bytes // ct.ELEM
+            want = weights.values_for_indices(ct.BASES, 4, index[o:o + got.size], ct.ELEM)
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        c.deregister()
+        c.close()
+        buf.close()
+        trainer.client.deregister()
+        trainer.client.close()
+
     def test_one_step_off_every_byte(self):
         model = wb.ModelConfig(model_id="py_cuda_osp", explicit_tensors=ct.CANONICAL, num_trainer_workers=2,
                                num_rollout_workers=2, mode="one_step_off")
