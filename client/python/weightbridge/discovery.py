@@ -132,27 +132,40 @@ class LayoutDescription:
         return b.ptr + t.offset_bytes
 
     def torch_views(self, buffers):
-        """{local name: torch tensor} over host or CUDA buffers with the tensor's real dtype
-        (bfloat16, float8_e4m3fn, ...); int4 tensors as packed uint8. Needs torch."""
+        """{local name: torch tensor} over host (shm) or CUDA buffers (CudaBuffer, VmmBuffer), no
+        copy, in the tensor's real dtype (bfloat16, float8_e4m3fn, float8_e8m0fnu when torch has
+        them, else uint8); int4 tensors as packed uint8 with the last dim halved. Needs torch."""
         import torch  # only when used
 
         tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int64": torch.int64,
-               "float8_e4m3": getattr(torch, "float8_e4m3fn", torch.uint8), "float8_e8m0": torch.uint8, "int4": torch.uint8}
+               "float8_e4m3": getattr(torch, "float8_e4m3fn", torch.uint8),
+               "float8_e8m0": getattr(torch, "float8_e8m0fnu", torch.uint8), "int4": torch.uint8}
         out = {}
         for name, t in self.tensors.items():
             b = self._buffer(buffers, t)
-            if getattr(b, "bytes", None) is not None:
+            dtype = tdt[t.dtype]
+            if getattr(b, "bytes", None) is not None:  # host: through the numpy view (same memory)
                 arr = self.view(buffers, name)
-                out[name] = torch.from_numpy(arr).view(tdt[t.dtype]) if arr.dtype.itemsize == tdt[t.dtype].itemsize else torch.from_numpy(arr)
-            else:
-                shape, strides = list(t.shape), list(t.strides)
-                if t.dtype == "int4" and shape:
-                    shape[-1] //= 2
-                    strides = [s // 2 for s in strides[:-1]] + [1]
-                span = max(1, t.size_bytes // tdt[t.dtype].itemsize)
-                flat = b.tensor(tdt[t.dtype], (span,), t.offset_bytes)
-                out[name] = flat.as_strided(shape, strides)
+                # torch.from_numpy takes no uint16 before torch 2.3: reinterpret as int16 first.
+                src = torch.from_numpy(arr.view(np.int16) if arr.dtype == np.uint16 else arr)
+                out[name] = src.view(dtype) if src.element_size() == _itemsize(torch, dtype) else src
+                continue
+            shape, strides = list(t.shape), [int(x) for x in t.strides]
+            if t.dtype == "int4" and shape:
+                shape[-1] //= 2
+                strides = [x // 2 for x in strides[:-1]] + [1]
+            elem = _itemsize(torch, dtype)
+            n = max(elem, t.size_bytes - t.size_bytes % elem)
+            holder = type("CudaBytes", (), {})()
+            holder.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (b.ptr + t.offset_bytes, False),
+                                               "version": 2}
+            raw = torch.as_tensor(holder, device="cuda:%d" % b.gpu)
+            out[name] = raw.view(dtype).as_strided(shape, strides)
         return out
+
+
+def _itemsize(torch, dtype):
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def describe_request(model_id, worker_id, layout_spec, model_spec=None, role=pb.ROLE_UNSPECIFIED):
