@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tools/cc/status_macros.h"
 #include "transport/wire.h"
@@ -142,6 +143,17 @@ absl::Status CheckParams(const ChannelAuthParams& p) {
   return absl::OkStatus();
 }
 
+// The acceptor hung up before proving anything: it never saw our proof, so this says nothing about
+// the token. It closes connections it has no room for (unauthenticated connections bounded per
+// source and in total), ones that outlive its handshake bound, and everything when it stops.
+absl::Status ClosedBeforeProof(absl::Status s) {
+  if (s.code() != absl::StatusCode::kUnauthenticated) return s;
+  return absl::UnavailableError(absl::StrCat(
+      "the acceptor closed the connection before proving itself (", s.message(),
+      "): it is busy with unauthenticated connections from this address or in total, it timed out this handshake, "
+      "or it is stopping"));
+}
+
 }  // namespace
 
 absl::Status AuthenticateDialer(int fd, const ChannelAuthParams& p) {
@@ -152,9 +164,13 @@ absl::Status AuthenticateDialer(int fd, const ChannelAuthParams& p) {
   hello.U8(kChannelAuthVersion);
   hello.Str(p.self);
   hello.Raw(nonce_d.data(), nonce_d.size());
-  RETURN_IF_ERROR(WriteMessage(fd, hello.out(), p.deadline, "sending the challenge"));
+  RETURN_IF_ERROR(ClosedBeforeProof(WriteMessage(fd, hello.out(), p.deadline, "sending the challenge")));
 
-  ASSIGN_OR_RETURN(std::string body, ReadMessage(fd, p.deadline, "waiting for the acceptor's proof"));
+  absl::StatusOr<std::string> proof = ReadMessage(fd, p.deadline, "waiting for the acceptor's proof");
+  if (!proof.ok() && absl::StrContains(proof.status().message(), "closed the connection")) {
+    return ClosedBeforeProof(proof.status());
+  }
+  ASSIGN_OR_RETURN(std::string body, std::move(proof));
   wire::Reader r(body);
   const uint32_t magic = r.U32();
   const uint8_t version = r.U8();

@@ -50,8 +50,10 @@ struct ChannelAuthParams {
 //                      malformed/truncated/oversized message or closed mid-handshake, or its
 //                      stated id differs from `peer` on the acceptor side.
 //   DEADLINE_EXCEEDED: the peer did not answer in time.
-//   UNAVAILABLE:       (dialer) the socket failed, or the acceptor is another instance than
-//                      `peer` (stale endpoint).
+//   UNAVAILABLE:       (dialer) the socket failed, the acceptor closed the connection before
+//                      sending its proof (busy: too many unauthenticated connections; its
+//                      handshake bound passed; stopping) - nothing about the key - or the acceptor
+//                      is another instance than `peer` (stale endpoint).
 // Messages name the step that failed, not the key.
 absl::Status AuthenticateDialer(int fd, const ChannelAuthParams& params);
 absl::Status AuthenticateAcceptor(int fd, const ChannelAuthParams& params);

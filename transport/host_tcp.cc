@@ -28,7 +28,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/synchronization/mutex.h"
 #include "tools/cc/status_macros.h"
 #include "transport/channel_auth.h"
@@ -48,7 +50,16 @@ constexpr int kMaxIov = 64;                    // more pieces than this per chun
 // An accepted connection must introduce itself and pass the channel authentication within this
 // time, or it is closed; each runs on its own short-lived thread, at most this many at once.
 constexpr absl::Duration kAcceptHandshakeTimeout = absl::Seconds(5);
-constexpr size_t kMaxConcurrentHandshakes = 64;
+constexpr size_t kMaxConcurrentHandshakes = 256;
+// Unauthenticated connections one source address may have in handshake at once: more are closed
+// (the dialer retries). A peer dials streams + 1 at once; nodes sharing an address (tests on
+// loopback) add up. Over the total, the oldest handshake of the address holding the most is
+// closed instead when that address holds more than the newcomer's, so silent connections from a
+// few addresses cannot lock out a peer dialing from another one.
+constexpr int kMaxHandshakesPerSource = 32;
+// A dialer whose connection the acceptor closed before proving itself (busy, see above) retries
+// with this backoff until its Connect deadline.
+constexpr absl::Duration kRedialFirst = absl::Milliseconds(20), kRedialMax = absl::Milliseconds(500);
 // Distinct claimed instance ids whose failed handshakes are counted (input from unauthenticated
 // dialers: bounded).
 constexpr size_t kMaxAuthFailureIds = 1024;
@@ -74,6 +85,12 @@ struct FrameHeader {
 static_assert(sizeof(FrameHeader) == 40);
 
 std::string Errno(const char* what) { return absl::StrCat(what, ": ", std::strerror(errno)); }
+
+// AuthenticateDialer's "the acceptor closed the connection before proving itself" (busy acceptor):
+// worth a fresh connection, unlike a refused proof.
+bool IsClosedBeforeProof(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable && absl::StrContains(s.message(), "closed the connection before proving");
+}
 
 bool WriteAll(int fd, struct iovec* iov, int iovcnt) {
   while (iovcnt > 0) {
@@ -377,6 +394,14 @@ class HostTcpTransport : public Transport {
                                       ? absl::StrCat(" from local NIC ", *local, " to ", remote.addr, ":", remote.port)
                                       : absl::StrCat(" to ", remote.addr, ":", remote.port);
         auto fd = Dial(inst, local, remote, deadline, i, total);
+        for (absl::Duration backoff = kRedialFirst; !fd.ok() && IsClosedBeforeProof(fd.status()) &&
+                                                    absl::Now() + backoff < deadline;
+             backoff = std::min(2 * backoff, kRedialMax)) {
+          absl::SleepFor(backoff);  // the acceptor was busy: a short pause, then a fresh connection
+          auto again = Dial(inst, local, remote, deadline, i, total);
+          if (again.ok() || IsClosedBeforeProof(again.status())) fd = std::move(again);
+          else break;
+        }
         if (!fd.ok()) {
           for (int f : fds) close(f);
           if (fd.status().code() == absl::StatusCode::kUnauthenticated) {
@@ -402,6 +427,11 @@ class HostTcpTransport : public Transport {
           if (auto it = auth_failures_.find(inst); it != auth_failures_.end()) {
             why = absl::StrCat("; ", it->second, " connection(s) claiming this instance failed authentication (",
                                kAuthRefused, ")");
+          }
+          if (busy_refusals_ > 0) {
+            absl::StrAppend(&why, "; ", busy_refusals_, " unauthenticated connection(s) were closed unread since this ",
+                            "transport started (more than ", kMaxHandshakesPerSource, " in handshake from one address or ",
+                            kMaxConcurrentHandshakes, " in all; last from ", last_busy_source_, ")");
           }
           return absl::DeadlineExceededError(absl::StrCat("host_tcp: peer ", inst, " at ", addr, ":", port,
                                                           " did not connect before the deadline", why));
@@ -767,11 +797,22 @@ class HostTcpTransport : public Transport {
   // delays nobody else; finished handshake threads are joined here as new connections arrive.
   void AcceptLoop(int listen_fd) {
     while (true) {
-      int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      sockaddr_in from{};
+      socklen_t from_len = sizeof(from);
+      int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+          // Out of fds/memory: keep the loop alive (the pending connection stays queued; a
+          // handshake finishing frees one), but do not spin.
+          absl::SleepFor(absl::Milliseconds(50));
+          continue;
+        }
         return;  // listen socket shut down
       }
+      char addr_buf[INET_ADDRSTRLEN] = "?";
+      inet_ntop(AF_INET, &from.sin_addr, addr_buf, sizeof(addr_buf));
+      const std::string source = addr_buf;
       std::vector<std::thread> finished;
       {
         absl::MutexLock l(&mu_);
@@ -783,12 +824,23 @@ class HostTcpTransport : public Transport {
             ++it;
           }
         }
-        if (stopping_ || handshakes_.size() >= kMaxConcurrentHandshakes) {
-          close(fd);  // stopping, or flooded: this dialer may retry
+        int& mine = handshakes_by_source_[source];
+        const bool admit = !stopping_ && mine < kMaxHandshakesPerSource &&
+                           (active_handshakes_ < kMaxConcurrentHandshakes || EvictHandshakeForLocked(mine));
+        if (!admit) {
+          if (mine == 0) handshakes_by_source_.erase(source);
+          close(fd);  // stopping, or flooded: the dialer is told "closed before proving" and retries
+          if (!stopping_) {
+            ++busy_refusals_;
+            last_busy_source_ = source;
+          }
         } else {
+          ++mine;
+          ++active_handshakes_;
           handshakes_.emplace_back();
           auto it = std::prev(handshakes_.end());
           it->fd = fd;
+          it->source = source;
           // Holds mu_ until the thread is stored: the thread only touches `it` under mu_.
           it->thread = std::thread([this, it, fd] { AcceptHandshake(it, fd); });
         }
@@ -800,8 +852,42 @@ class HostTcpTransport : public Transport {
   struct Handshake {
     int fd = -1;  // -1 once handed to pending_ or closed (under mu_): never shut down a reused number
     bool done = false;
+    bool counted = true;  // still counted in handshakes_by_source_ / active_handshakes_
+    std::string source;   // the dialer's address
     std::thread thread;
   };
+
+  void UncountLocked(Handshake& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!h.counted) return;
+    h.counted = false;
+    --active_handshakes_;
+    auto it = handshakes_by_source_.find(h.source);
+    if (it != handshakes_by_source_.end() && --it->second <= 0) handshakes_by_source_.erase(it);
+  }
+
+  // All handshake slots are taken: close the oldest handshake of the address holding the most,
+  // if it holds more than the newcomer's (`mine`). Its thread sees the shutdown and exits.
+  bool EvictHandshakeForLocked(int mine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const std::string* heaviest = nullptr;
+    int most = mine;
+    for (const auto& [src, n] : handshakes_by_source_) {
+      if (n > most) {
+        most = n;
+        heaviest = &src;
+      }
+    }
+    if (heaviest == nullptr) return false;
+    for (Handshake& h : handshakes_) {
+      if (h.counted && h.fd >= 0 && h.source == *heaviest) {
+        shutdown(h.fd, SHUT_RDWR);
+        ++busy_refusals_;
+        last_busy_source_ = h.source;
+        UncountLocked(h);
+        return true;
+      }
+    }
+    return false;
+  }
 
   // Hello, then channel authentication, all by kAcceptHandshakeTimeout. An authenticated
   // connection goes to pending_ (Connect picks it up); any other is closed, and if it named an
@@ -848,6 +934,7 @@ class HostTcpTransport : public Transport {
     }
     self->fd = -1;
     self->done = true;
+    UncountLocked(*self);
     accept_cv_.SignalAll();
   }
 
@@ -1138,6 +1225,10 @@ class HostTcpTransport : public Transport {
   std::map<std::string, int> pending_total_ ABSL_GUARDED_BY(mu_);
   std::list<Handshake> handshakes_ ABSL_GUARDED_BY(mu_);          // accepted, not yet authenticated
   std::map<std::string, int> auth_failures_ ABSL_GUARDED_BY(mu_);  // claimed instance -> refusals
+  std::map<std::string, int> handshakes_by_source_ ABSL_GUARDED_BY(mu_);  // dialer address -> in handshake
+  size_t active_handshakes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t busy_refusals_ ABSL_GUARDED_BY(mu_) = 0;  // closed unread: per-source / total bound
+  std::string last_busy_source_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

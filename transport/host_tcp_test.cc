@@ -10,6 +10,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "transport/channel_auth.h"
@@ -510,6 +512,94 @@ TEST(HostTcpAuthTest, ForgedAndReplayedConnectionsAreRefusedAndServiceContinues)
   ReadUntilClosed(silent, &closed);
   EXPECT_TRUE(closed);
   close(silent);
+}
+
+// A silent connection from `source` (127.0.0.x, host order) to 127.0.0.1:port; -1 on failure.
+int SilentFrom(uint32_t source, uint32_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in src{};
+  src.sin_family = AF_INET;
+  src.sin_addr.s_addr = htonl(source);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof(src)) != 0 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Issue 15.7: ~100 silent connections on a data port blocked every new data channel (the
+// dialers were told "shared token differs"). Silent connections from one address must neither
+// block peers connecting from another one (during the flood) nor leave channels failing after it.
+TEST(HostTcpAuthTest, SilentFloodFromOneAddressBlocksNoOtherPeer) {
+  // Nine transports; the one with the largest instance id accepts from all the others.
+  std::vector<std::unique_ptr<Transport>> ts;
+  for (int i = 0; i < 9; ++i) {
+    auto t = NewHostTcpTransport(WithToken("cluster-token"));
+    ASSERT_TRUE(t.ok()) << t.status();
+    ts.push_back(std::move(*t));
+  }
+  std::sort(ts.begin(), ts.end(), [](const auto& x, const auto& y) { return x->instance_id() < y->instance_id(); });
+  Transport& acceptor = *ts.back();
+  auto ep = acceptor.ExportEndpoint("");
+  ASSERT_TRUE(ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  std::vector<int> flood;
+  for (int i = 0; i < 120; ++i) {
+    const int fd = SilentFrom(0x7f000002, acc.port);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    flood.push_back(fd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    SCOPED_TRACE(absl::StrCat("peer ", i, " during the flood"));
+    ConnectResult r = ConnectBoth(*ts[i], acceptor, absl::Now() + absl::Seconds(20));
+    ASSERT_EQ(r.dialer, ts[i].get());
+    ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+    ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+    EXPECT_LT(r.dial_took, absl::Seconds(3)) << "stalled behind the flood";
+    ExpectMovesBytes(*r.dialer, *r.dialed, *r.acceptor, *r.accepted, 1 << 16);
+    ASSERT_TRUE(r.dialer->Disconnect(*r.dialed).ok());
+    ASSERT_TRUE(r.acceptor->Disconnect(*r.accepted).ok());
+  }
+  for (int fd : flood) close(fd);
+  for (int i = 0; i < 8; ++i) {
+    SCOPED_TRACE(absl::StrCat("peer ", i, " after the flood"));
+    ConnectResult r = ConnectBoth(*ts[i], acceptor, absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+    ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+    ASSERT_TRUE(r.dialer->Disconnect(*r.dialed).ok());
+    ASSERT_TRUE(r.acceptor->Disconnect(*r.accepted).ok());
+  }
+}
+
+// A dialer whose connections the acceptor closes before proving itself (here: its own address
+// holds too many unauthenticated connections) is told so, not "shared token differs".
+TEST(HostTcpAuthTest, ConnectionClosedBeforeTheProofIsNotReportedAsATokenMismatch) {
+  auto a = NewHostTcpTransport(WithToken("cluster-token"));
+  auto b = NewHostTcpTransport(WithToken("cluster-token"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  Transport* dialer = (*a)->instance_id() < (*b)->instance_id() ? a->get() : b->get();
+  Transport* acceptor = dialer == a->get() ? b->get() : a->get();
+  auto ep = acceptor->ExportEndpoint("");
+  ASSERT_TRUE(ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  std::vector<int> flood;
+  for (int i = 0; i < 300; ++i) {
+    const int fd = SilentFrom(0x7f000001, acc.port);  // the dialer's own address
+    if (fd < 0) break;
+    flood.push_back(fd);
+  }
+  ConnectResult r = ConnectBoth(*dialer, *acceptor, absl::Now() + absl::Seconds(1));
+  ASSERT_FALSE(r.dialed.ok());
+  EXPECT_NE(r.dialed.status().code(), absl::StatusCode::kUnauthenticated) << r.dialed.status();
+  EXPECT_EQ(r.dialed.status().message().find("token"), std::string::npos) << r.dialed.status();
+  EXPECT_NE(r.dialed.status().message().find("closed the connection before proving"), std::string::npos)
+      << r.dialed.status();
+  for (int fd : flood) close(fd);
 }
 
 // Destroying a transport while a handshake is in progress returns promptly (no thread leak, no
