@@ -151,7 +151,7 @@ absl::StatusOr<pb::StatusResponse> CtlClient::WaitForStatus(const StatusFn& pred
 }
 
 absl::StatusOr<pb::DrainResponse> CtlClient::Drain(const std::string& node_id,
-                                                   absl::Duration timeout) {
+                                                   absl::Duration timeout, bool undo) {
   if (addr_.unix_socket) {
     return absl::InvalidArgumentError(
         "drain needs the coordinator's or a node daemon's TCP address, not a worker socket");
@@ -159,6 +159,9 @@ absl::StatusOr<pb::DrainResponse> CtlClient::Drain(const std::string& node_id,
   pb::DrainRequest req;
   req.set_node_id(node_id);
   req.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+  req.set_undo(undo);
+  // The coordinator drains the whole cluster only when asked explicitly.
+  req.set_all(node_id.empty());
   // The daemon waits up to timeout_ms and then answers drained=false: give the RPC a little more.
   const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
   pb::DrainResponse resp;
@@ -171,6 +174,7 @@ absl::StatusOr<pb::DrainResponse> CtlClient::Drain(const std::string& node_id,
     if (s.code() != absl::StatusCode::kUnimplemented) return s;
   }
   resp.Clear();
+  req.set_all(false);  // a node daemon drains itself (node_id empty = this node)
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   RETURN_IF_ERROR(FromGrpcStatus(pb::NodeService::NewStub(channel_)->Drain(&ctx, req, &resp)));

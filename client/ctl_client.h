@@ -8,7 +8,7 @@
 //  - WatchStatus / WaitForStatus: CoordinatorService.WatchStatus, the coordinator's status push
 //    (a standalone daemon serves it too). Node daemons and worker sockets have no push API:
 //    UNIMPLEMENTED there (use FetchStatus).
-//  - Drain: CoordinatorService.Drain (node_id empty = whole cluster); on UNIMPLEMENTED,
+//  - Drain: CoordinatorService.Drain (node_id empty = whole cluster: all = true); on UNIMPLEMENTED,
 //    NodeService.Drain. Not available over a worker socket (INVALID_ARGUMENT).
 
 #include <cstdint>
@@ -63,10 +63,11 @@ class CtlClient {
   // hold by then (naming the last stream error); `last` (optional) receives the last status seen.
   absl::StatusOr<weightbridge::v1::StatusResponse> WaitForStatus(
       const StatusFn& pred, absl::Time deadline, weightbridge::v1::StatusResponse* last = nullptr);
-  // Drains `node_id` (empty: the cluster, or the node itself when talking to a node daemon),
-  // waiting up to `timeout` for in-flight versions to finish.
+  // Drains `node_id` (empty: the cluster - DrainRequest.all -, or the node itself when talking to
+  // a node daemon), waiting up to `timeout` for in-flight versions to finish. undo: lifts that
+  // drain instead (answers at once).
   absl::StatusOr<weightbridge::v1::DrainResponse> Drain(const std::string& node_id,
-                                                        absl::Duration timeout);
+                                                        absl::Duration timeout, bool undo = false);
   const CtlAddress& address() const { return addr_; }
 
  private:

@@ -7,8 +7,11 @@
 namespace wb::client {
 
 int RunDrainCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  const char* usage = "usage: wbctl drain --addr ADDR [--node ID] [--timeout 60s] [--json]\n";
-  auto parsed = CtlArgs::Parse(args, {{"addr", "node", "timeout"}, {"json"}});
+  const char* usage =
+      "usage: wbctl drain --addr ADDR [--node ID | --all] [--undo] [--timeout 60s] [--json]\n"
+      "  without --node: the whole cluster (coordinator address) or that node (node address);\n"
+      "  --undo lifts the drain again (new versions accepted)\n";
+  auto parsed = CtlArgs::Parse(args, {{"addr", "node", "timeout"}, {"json", "all", "undo"}});
   if (!parsed.ok()) {
     err << "wbctl drain: " << parsed.status().message() << "\n" << usage;
     return kCtlUsage;
@@ -30,12 +33,25 @@ int RunDrainCommand(const std::vector<std::string>& args, std::ostream& out, std
     return kCtlRpcFailed;
   }
   const std::string node = parsed->Get("node");
-  auto resp = (*client)->Drain(node, *timeout);
+  if (!node.empty() && parsed->Has("all")) {
+    err << "wbctl drain: --node and --all are exclusive\n" << usage;
+    return kCtlUsage;
+  }
+  const bool undo = parsed->Has("undo");
+  auto resp = (*client)->Drain(node, *timeout, undo);
   if (!resp.ok()) {
     err << "wbctl drain: " << resp.status() << "\n";
     return kCtlRpcFailed;
   }
   const std::string what = node.empty() ? std::string("cluster") : "node " + node;
+  if (undo) {
+    if (parsed->Has("json")) {
+      out << nlohmann::json{{"target", what}, {"undrained", true}}.dump() << "\n";
+    } else {
+      out << what << " undrained: new versions are accepted again\n";
+    }
+    return kCtlOk;
+  }
   if (parsed->Has("json")) {
     out << nlohmann::json{{"target", what},
                           {"drained", resp->drained()},

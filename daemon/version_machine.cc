@@ -69,6 +69,9 @@ absl::Status VersionMachine::RecordPublish(const std::string& trainer, uint64_t 
   }
   if (rec.state != VState::kPublishing) return absl::OkStatus();  // idempotent
   rec.published_by.insert(trainer);
+  // Only trainers are recorded, so fewer entries than trainers means someone is missing (keeps a
+  // version of T trainers at O(T log T) in all, not O(T^2)).
+  if (rec.published_by.size() < trainers_.size()) return absl::OkStatus();
   for (const std::string& t : trainers_) {
     if (!rec.published_by.count(t)) return absl::OkStatus();
   }

@@ -1,0 +1,35 @@
+#pragma once
+// Input rules of the coordinator's RPCs (issue 15.12): ids, addresses and enums are checked before
+// anything is stored, with INVALID_ARGUMENT naming the field; values are echoed truncated and
+// escaped (a 1 MiB id or one with CR/LF must not reach a log line or an error message whole).
+// Pure.
+
+#include <cstdint>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+// At most 64 bytes of `value`, C-escaped, with "... (N bytes)" when cut.
+std::string EchoValue(absl::string_view value);
+
+// Non-empty (unless allow_empty), at most max_bytes, no control characters (< 0x20, 0x7f).
+absl::Status CheckName(absl::string_view field, absl::string_view value, int max_bytes, bool allow_empty = false);
+
+// ROLE_TRAINER or ROLE_ROLLOUT.
+absl::Status CheckRole(absl::string_view field, int role);
+// A Mode / Strategy value the proto defines (UNSPECIFIED = the default, allowed).
+absl::Status CheckMode(absl::string_view field, int mode);
+absl::Status CheckStrategy(absl::string_view field, int strategy);
+
+// RegisterNodeRequest: node_id, address, data_address, transport instance names, data NICs.
+absl::Status CheckRegisterNode(const ::weightbridge::v1::RegisterNodeRequest& req, int max_name_bytes);
+// JoinWorkerRequest: node_id, worker_id, model_id, role, and the model spec's enums if present.
+absl::Status CheckJoinWorker(const ::weightbridge::v1::JoinWorkerRequest& req, int max_name_bytes);
+// ModelSpec enums and id.
+absl::Status CheckModelSpecEnums(const ::weightbridge::v1::ModelSpec& spec, int max_name_bytes);
+
+}  // namespace wb::daemon

@@ -1,0 +1,646 @@
+// CoordinatorCore: membership, models, layouts and the waiting handlers. The driver is in
+// driver.cc, status and WatchStatus in status.cc.
+#include "daemon/coordinator/core.h"
+
+#include <algorithm>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/convert.h"
+#include "daemon/coordinator/checks.h"
+#include "daemon/coordinator/grpc_node_client.h"
+#include "daemon/log.h"
+#include "planner/inventory.h"
+#include "planner/planner.h"
+#include "planner/presets.h"
+#include "planner/validate.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::daemon {
+namespace {
+
+ModeKind ToMode(pb::Mode mode) {
+  switch (mode) {
+    case pb::MODE_ONE_STEP_OFF: return ModeKind::kOneStepOff;
+    case pb::MODE_ASYNC: return ModeKind::kAsync;
+    default: return ModeKind::kSync;
+  }
+}
+
+// A preset's parallel config from the proto (0 = the preset's default of 1; etp 0 = tp).
+planner::ParallelConfig FromProto(const pb::ParallelConfig& p) {
+  planner::ParallelConfig c;
+  c.preset = p.preset();
+  c.tp = p.tp() ? static_cast<int>(p.tp()) : 1;
+  c.pp = p.pp() ? static_cast<int>(p.pp()) : 1;
+  c.dp = p.dp() ? static_cast<int>(p.dp()) : 1;
+  c.ep = p.ep() ? static_cast<int>(p.ep()) : 1;
+  c.etp = static_cast<int>(p.etp());
+  c.expert_parallel = p.expert_parallel();
+  c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
+  c.quantization = p.quantization();
+  c.first_stage_layers = static_cast<int>(std::min<uint32_t>(p.first_stage_layers(), 1u << 30));
+  c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
+  c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
+  c.expert_placement = p.expert_placement();
+  return c;
+}
+
+std::string NewInstanceId() {
+  std::random_device rd;
+  return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8), "-",
+                      absl::ToUnixMillis(absl::Now()));
+}
+
+}  // namespace
+
+CoordinatorCore::CoordinatorCore(CoordinatorOptions options) : options_(std::move(options)), instance_(NewInstanceId()) {
+  if (!options_.make_plan) options_.make_plan = [](const planner::Problem& p, planner::Strategy s) { return planner::MakePlan(p, s); };
+  if (!options_.make_node_client) {
+    auto make_channel = options_.make_channel;
+    options_.make_node_client = [make_channel](const std::string&, const std::string& address) -> std::shared_ptr<NodeClient> {
+      return std::make_shared<GrpcNodeClient>(make_channel ? make_channel(address)
+                                                           : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    };
+  }
+}
+
+CoordinatorCore::~CoordinatorCore() {
+  Shutdown();
+  options_.clock->Forget(&mu_);
+}
+
+void CoordinatorCore::Start() {
+  driver_ = std::thread([this] { DriverLoop(); });
+  planner_ = std::thread([this] { PlannerLoop(); });
+}
+
+void CoordinatorCore::Shutdown() {
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+  }
+  if (driver_.joinable()) driver_.join();
+  if (planner_.joinable()) planner_.join();  // a plan in progress finishes first (planner calls have no cancel)
+}
+
+bool CoordinatorCore::AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) const {
+  absl::MutexLock l(&mu_);
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return last_sweep_ != absl::InfinitePast() && last_sweep_ >= t; };
+  return mu_.AwaitWithDeadline(absl::Condition(&done), real_deadline);
+}
+
+absl::Time CoordinatorCore::Deadline(int64_t timeout_ms) const {
+  return options_.clock->Now() + (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60));
+}
+
+int CoordinatorCore::num_models() const {
+  absl::MutexLock l(&mu_);
+  return static_cast<int>(models_.size());
+}
+
+absl::StatusOr<CoordinatorCore::Model*> CoordinatorCore::GetModelLocked(const std::string& id) {
+  auto it = models_.find(id);
+  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("unknown model ", EchoValue(id)));
+  return &it->second;
+}
+
+void CoordinatorCore::MarkPlanDirtyLocked(Model& m) {
+  m.plan_dirty = true;
+  ++m.membership;
+}
+
+absl::Status CoordinatorCore::CreateModelLocked(const pb::ModelSpec& spec, bool* created) {
+  *created = false;
+  RETURN_IF_ERROR(CheckModelSpecEnums(spec, options_.max_name_bytes));
+  auto it = models_.find(spec.model_id());
+  if (it != models_.end()) {
+    const pb::ModelSpec& have = it->second.spec;
+    if (have.mode() != spec.mode() || have.num_trainer_workers() != spec.num_trainer_workers() ||
+        have.num_rollout_workers() != spec.num_rollout_workers() || have.strategy() != spec.strategy() ||
+        have.max_staleness() != spec.max_staleness()) {
+      return absl::AlreadyExistsError(absl::StrCat("model ", spec.model_id(), " exists with a different spec"));
+    }
+    return absl::OkStatus();
+  }
+  if (static_cast<int>(models_.size()) >= options_.max_models) {
+    return absl::ResourceExhaustedError(absl::StrCat("model ", spec.model_id(), " refused: ", models_.size(),
+                                                     " models exist, the limit (max_models) is ", options_.max_models));
+  }
+  if (spec.num_trainer_workers() == 0 || spec.num_rollout_workers() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": worker counts must be > 0"));
+  }
+  Model m;
+  m.spec = spec;
+  planner::Inventory inventory;
+  if (spec.has_explicit_tensors()) {
+    ASSIGN_OR_RETURN(inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
+  } else if (!spec.hf_config_json().empty()) {
+    planner::DType dtype = planner::DType::kBF16;
+    if (spec.dtype() != pb::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
+    }
+    auto config = planner::ParseHfConfig(spec.hf_config_json());
+    if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
+    ASSIGN_OR_RETURN(inventory, planner::BuildInventory(*config, dtype));
+    m.config = std::move(*config);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
+  }
+  if (inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
+  m.inventory = std::make_shared<const planner::Inventory>(std::move(inventory));
+  m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
+  Log(LogLevel::kInfo, "model created", {{"model", spec.model_id()}, {"tensors", m.inventory->tensors.size()},
+                                         {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
+                                         {"trainers", spec.num_trainer_workers()}, {"rollouts", spec.num_rollout_workers()}});
+  models_.emplace(spec.model_id(), std::move(m));
+  StatusChangedLocked();
+  *created = true;
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, pb::RegisterNodeResponse* resp) {
+  RETURN_IF_ERROR(CheckRegisterNode(req, options_.max_name_bytes));
+  std::shared_ptr<NodeClient> client = options_.make_node_client(req.node_id(), req.address());
+  absl::MutexLock l(&mu_);
+  Node& n = nodes_[req.node_id()];
+  if (n.incarnation > 0) {
+    // A restarted node: whatever its workers had registered is gone with the old process.
+    for (auto& [id, m] : models_) {
+      std::vector<std::string> gone;
+      for (auto& [w, rec] : m.workers) if (rec.node == req.node_id()) gone.push_back(w);
+      for (const std::string& w : gone) DropWorkerLocked(m, w, absl::StrCat("node ", req.node_id(), " restarted"));
+      // The version in flight cannot finish with the old process gone.
+      if (m.machine->InFlightInvolves(req.node_id())) {
+        AbortLocked(id, m, *m.machine->InFlight(), absl::StrCat("node ", req.node_id(), " restarted"));
+      }
+    }
+  }
+  n.address = req.address();
+  n.data_address = req.data_address();
+  n.incarnation += 1;
+  n.alive = true;
+  n.draining = false;
+  // A lease shorter than 3 heartbeats of the node would expire on one late beat.
+  n.lease = std::max(options_.lease, 3 * absl::Milliseconds(req.heartbeat_ms()));
+  n.lease_expiry = options_.clock->Now() + n.lease;
+  n.client = std::move(client);
+  n.transport_instances.clear();
+  for (auto& [k, v] : req.transport_instances()) n.transport_instances[k] = v;
+  n.data_nics.assign(req.data_nics().begin(), req.data_nics().end());
+  // Commits the old incarnation missed are moot: its staging died with it.
+  pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
+                                        [&](const PendingCommit& p) { return p.node == req.node_id(); }),
+                         pending_commits_.end());
+  Log(LogLevel::kInfo, "node registered", {{"node", req.node_id()}, {"address", req.address()},
+                                           {"data_address", req.data_address()}, {"incarnation", n.incarnation}});
+  resp->set_lease_ms(absl::ToInt64Milliseconds(n.lease));
+  resp->set_incarnation(n.incarnation);
+  resp->set_coordinator_instance(instance_);
+  wake_ = true;
+  StatusChangedLocked();
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::Heartbeat(const pb::HeartbeatRequest& req, pb::HeartbeatResponse* resp) {
+  // Receipt time, taken before the lock: a busy coordinator must not count its own delay as a
+  // missed heartbeat.
+  const absl::Time received = options_.clock->Now();
+  if (req.progress_size() > options_.max_heartbeat_progress) {
+    // A node reports one entry per model with a version in flight; more is a bug or an attack
+    // (400k entries held +539 MiB). Refused before anything is stored; the lease is not renewed.
+    return absl::ResourceExhaustedError(absl::StrCat("heartbeat from node ", EchoValue(req.node_id()), " carries ", req.progress_size(),
+                                                     " progress entries, more than the limit of ", options_.max_heartbeat_progress,
+                                                     " (max_heartbeat_progress)"));
+  }
+  absl::MutexLock l(&mu_);
+  resp->set_coordinator_instance(instance_);
+  auto it = nodes_.find(req.node_id());
+  if (it == nodes_.end() || !it->second.alive || it->second.incarnation != req.incarnation()) {
+    return absl::NotFoundError(absl::StrCat("node ", EchoValue(req.node_id()), " is not registered (lease lost?): register again"));
+  }
+  it->second.lease_expiry = std::max(it->second.lease_expiry, received + it->second.lease);
+  for (const pb::VersionProgress& p : req.progress()) {
+    auto m = models_.find(p.model_id());
+    if (m == models_.end()) continue;
+    // Only versions transferring now are kept (and dropped at commit/abort): a node cannot grow
+    // the table with made-up versions.
+    const VersionRecord* rec = m->second.machine->Find(p.version());
+    if (rec == nullptr || rec->state != VState::kTransferring) continue;
+    uint64_t& done = m->second.progress[p.version()][req.node_id()];
+    // New bytes of a running version are news for watchers (wbctl watch shows progress); a beat
+    // that only renews the lease is not (lease_left_ms is left to the safety net).
+    if (done != p.bytes_done()) StatusChangedLocked();
+    done = p.bytes_done();
+  }
+  resp->set_lease_ms(absl::ToInt64Milliseconds(it->second.lease));
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::CreateModel(const pb::CreateModelRequest& req, pb::CreateModelResponse* resp) {
+  absl::MutexLock l(&mu_);
+  bool created = false;
+  RETURN_IF_ERROR(CreateModelLocked(req.model(), &created));
+  resp->set_created(created);
+  InventoryToProto(*models_.at(req.model().model_id()).inventory, resp->mutable_tensors());
+  if (static_cast<int64_t>(resp->ByteSizeLong()) > options_.max_reply_bytes) {
+    if (created) models_.erase(req.model().model_id());
+    return absl::ResourceExhaustedError(absl::StrCat("model ", req.model().model_id(), ": its inventory reply is ", resp->ByteSizeLong(),
+                                                     " bytes, more than max_reply_bytes (", options_.max_reply_bytes, ")",
+                                                     created ? "; the model was not kept" : ""));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::JoinWorker(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) {
+  RETURN_IF_ERROR(CheckJoinWorker(req, options_.max_name_bytes));
+  absl::MutexLock l(&mu_);
+  if (!nodes_.count(req.node_id()) || !nodes_.at(req.node_id()).alive) {
+    return absl::FailedPreconditionError(absl::StrCat("node ", req.node_id(), " is not registered"));
+  }
+  bool created = false;
+  if (req.has_model() && !models_.count(req.model_id())) {
+    pb::ModelSpec spec = req.model();
+    if (spec.model_id().empty()) spec.set_model_id(req.model_id());
+    RETURN_IF_ERROR(CreateModelLocked(spec, &created));
+  }
+  ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
+  Model& model = *mp;
+  InventoryToProto(*model.inventory, resp->mutable_tensors());
+  *resp->mutable_model() = model.spec;
+  resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
+  // The reply must reach the node (its coordinator channel's receive limit); a model this call
+  // created is removed again, so failed attempts leave nothing behind.
+  if (static_cast<int64_t>(resp->ByteSizeLong()) > options_.max_reply_bytes) {
+    const size_t size = resp->ByteSizeLong();
+    resp->Clear();
+    if (created) models_.erase(req.model_id());
+    return absl::ResourceExhaustedError(absl::StrCat("model ", req.model_id(), ": its inventory reply is ", size,
+                                                     " bytes, more than max_reply_bytes (", options_.max_reply_bytes, ")",
+                                                     created ? "; the model was not kept" : ""));
+  }
+  if (model.workers.count(req.worker_id())) {
+    DropWorkerLocked(model, req.worker_id(), absl::StrCat("worker ", req.worker_id(), " registered again"));
+  }
+  WorkerRec rec;
+  rec.node = req.node_id();
+  rec.role = FromProto(req.role());
+  rec.gpu = req.gpu();
+  if (req.rejoin()) {
+    // A node re-submits what it holds (coordinator restart / lost lease): the committed version
+    // bounds what may be published next, a rollout's applied version feeds the staleness bound.
+    model.machine->RestoreCommitted(req.committed_version());
+    rec.restored_applied = req.applied_version();
+    Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
+                                              {"committed", req.committed_version()}, {"applied", req.applied_version()}});
+  }
+  model.workers[req.worker_id()] = std::move(rec);
+  StatusChangedLocked();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<planner::WorkerLayout> CoordinatorCore::ResolveLayoutLocked(const Model& m, const pb::SubmitLayoutRequest& req,
+                                                                           pb::ResolvedLayout* resolved) {
+  *resolved->mutable_buffers() = req.buffers();
+  if (req.layout().has_pieces()) {
+    *resolved->mutable_pieces() = req.layout().pieces().pieces();
+    return LayoutFromProto(*resolved, *m.inventory);
+  }
+  if (!req.layout().has_preset()) {
+    return absl::InvalidArgumentError("layout: pieces or preset required (index probes are resolved by the node)");
+  }
+  if (!m.config) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
+  }
+  const pb::ParallelConfig& pc = req.layout().preset();
+  auto preset = planner::MakePresetLayout(*m.config, *m.inventory, FromProto(pc), static_cast<int>(pc.rank()));
+  if (!preset.ok()) {
+    return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
+  }
+  planner::WorkerLayout layout = std::move(preset->layout);
+  if (layout.buffers.size() != static_cast<size_t>(req.buffers_size())) {
+    return absl::InvalidArgumentError(absl::StrCat("preset needs ", layout.buffers.size(), " buffers, worker registered ", req.buffers_size()));
+  }
+  for (size_t i = 0; i < layout.buffers.size(); ++i) {
+    if (layout.buffers[i].size_bytes > static_cast<int64_t>(req.buffers(i).size_bytes())) {
+      return absl::InvalidArgumentError(absl::StrCat("preset buffer ", i, " needs ", layout.buffers[i].size_bytes,
+                                                     " bytes, registered ", req.buffers(i).size_bytes()));
+    }
+    layout.buffers[i].size_bytes = static_cast<int64_t>(req.buffers(i).size_bytes());
+  }
+  resolved->clear_pieces();
+  LayoutToProto(layout, *m.inventory, req.buffers(), resolved);
+  return layout;
+}
+
+absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
+  Model& m = *mp;
+  auto w = m.workers.find(req.worker_id());
+  if (w == m.workers.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(req.worker_id()), " has not joined model ", req.model_id()));
+  }
+  auto resolved = std::make_shared<pb::ResolvedLayout>();
+  ASSIGN_OR_RETURN(planner::WorkerLayout layout, ResolveLayoutLocked(m, req, resolved.get()));
+  absl::Status s = planner::ValidateLayout(*m.inventory, layout, w->second.role, req.worker_id());
+  if (!s.ok()) {
+    Log(LogLevel::kWarning, "layout rejected", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"error", s.message()}});
+    return s;
+  }
+  // A second layout for the same worker (NODE helper, issue 15.13): the same one again is OK and
+  // changes nothing; another one while the worker is in the model's plan is refused (dropping the
+  // worker here left it registered on its node but gone from the coordinator); before any plan
+  // includes it, it replaces the first.
+  if (w->second.has_layout) {
+    if (w->second.layout_proto != nullptr && w->second.layout_proto->SerializeAsString() == resolved->SerializeAsString()) {
+      *resp->mutable_layout() = *w->second.layout_proto;
+      return absl::OkStatus();
+    }
+    bool in_plan = false;
+    for (const std::string& id : m.plan.worker_ids) in_plan |= id == req.worker_id();
+    if (in_plan || m.planning) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker ", EchoValue(req.worker_id()), " of model ", req.model_id(), " already has a different layout in the model's plan",
+          m.plan.epoch > 0 ? absl::StrCat(" (epoch ", m.plan.epoch, ")") : std::string(),
+          "; a worker's layout cannot change under a plan: Deregister and RegisterWorker again to register a new one"));
+    }
+  }
+  w->second.has_layout = true;
+  w->second.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
+  // A worker with CUDA buffers sits on their GPU as its node daemon numbers it (the node rewrites
+  // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
+  // topology (same-GPU colocation) then compares GPUs of one numbering.
+  for (const pb::BufferSpec& b : resolved->buffers()) {
+    if ((b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) && b.gpu() >= 0) {
+      w->second.gpu = b.gpu();
+      break;
+    }
+  }
+  *resp->mutable_layout() = *resolved;
+  w->second.layout_proto = std::move(resolved);
+  MarkPlanDirtyLocked(m);
+  wake_ = true;
+  StatusChangedLocked();
+  return absl::OkStatus();
+}
+
+void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) {
+  auto it = m.workers.find(worker);
+  if (it == m.workers.end()) return;
+  bool in_plan = false;
+  for (const std::string& id : m.plan.worker_ids) in_plan |= id == worker;
+  m.workers.erase(it);
+  Log(LogLevel::kInfo, "worker dropped", {{"model", m.spec.model_id()}, {"worker", worker}, {"reason", reason}});
+  // A plan being made outside the lock may include the worker: it is stale now.
+  if (in_plan || m.planning) {
+    MarkPlanDirtyLocked(m);
+    if (auto v = m.machine->InFlight()) AbortLocked(m.spec.model_id(), m, *v, reason);
+  }
+  wake_ = true;
+  StatusChangedLocked();
+}
+
+void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
+                                           const std::string& reason) {
+  std::vector<std::shared_ptr<NodeClient>> targets;
+  for (const std::string& n : nodes) {
+    auto it = nodes_.find(n);
+    if (it != nodes_.end() && it->second.alive && it->second.client) targets.push_back(it->second.client);
+  }
+  pending_rpcs_.push_back([targets, model_id, version, reason] {
+    // Best effort: a dead node has nothing to drop.
+    for (auto& client : targets) client->AbortVersion(model_id, version, reason, absl::Seconds(2)).IgnoreError();
+  });
+}
+
+void CoordinatorCore::AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason) {
+  const VersionRecord* rec = m.machine->Find(version);
+  if (rec && (rec->state == VState::kCommitted || rec->state == VState::kAborted)) return;
+  if (m.committing == version) return;  // commit already decided
+  m.machine->Abort(version, reason, options_.clock->Now());
+  m.progress.erase(version);
+  for (auto& [w, rec] : m.workers) rec.paused = false;  // released with the error; they pause again
+  Log(LogLevel::kWarning, "version aborted", {{"model", model_id}, {"version", version}, {"reason", reason}});
+  QueueAbortRpcsLocked(m.plan.nodes, model_id, version, reason);
+  wake_ = true;
+  StatusChangedLocked();
+}
+
+absl::Status CoordinatorCore::LeaveWorker(const pb::LeaveWorkerRequest& req, pb::LeaveWorkerResponse*) {
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  DropWorkerLocked(*m, req.worker_id(),
+                   absl::StrCat("worker ", req.worker_id(), " left", req.reason().empty() ? "" : ": ", EchoValue(req.reason())));
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::PublishResponse* resp) {
+  const absl::Time start = options_.clock->Now();
+  const absl::Time deadline = Deadline(req.timeout_ms());
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  const uint64_t v = req.version();
+  if (cluster_draining_ && !m->machine->Find(v)) {
+    return absl::UnavailableError(absl::StrCat("cluster is draining: version ", v, " refused"));
+  }
+  for (const std::string& n : m->plan.nodes) {
+    auto it = nodes_.find(n);
+    if (it != nodes_.end() && it->second.draining && !m->machine->Find(v)) {
+      return absl::UnavailableError(absl::StrCat("node ", n, " is draining: version ", v, " refused"));
+    }
+  }
+  // A trainer that joined (with its layout) before the model is (re-)planned - e.g. right after a
+  // coordinator restart, while the nodes re-submit - waits for the plan instead of failing.
+  const std::string& worker = req.worker_id();
+  auto planned = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto w = m->workers.find(worker);
+    return stopping_ || w == m->workers.end() || !w->second.has_layout || m->machine->trainers().count(worker) > 0;
+  };
+  options_.clock->WaitUntil(&mu_, absl::Condition(&planned), deadline);
+  if (stopping_) return absl::UnavailableError("coordinator shutting down");
+  // Unknown here (or joined without its layout yet): after a coordinator restart or a lost lease
+  // its node has not re-submitted it yet. NOT_FOUND, nothing recorded: the node sends the publish
+  // again once it has re-joined (never FAILED_PRECONDITION, which would fail the trainer).
+  if (auto w = m->workers.find(worker); w == m->workers.end() || !w->second.has_layout) {
+    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(worker), " has not joined model ", req.model_id(),
+                                            " with a layout at this coordinator (node ", EchoValue(req.node_id()), " not re-joined yet?)"));
+  }
+  // Staleness bound (async): hold the trainer while a rollout is too far behind.
+  auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->PublishAdmissible(v); };
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&admissible), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("publish of version ", v, ": a rollout is more than ",
+                                                    m->machine->max_staleness(), " versions behind"));
+  }
+  if (stopping_) return absl::UnavailableError("coordinator shutting down");
+  RETURN_IF_ERROR_WITH(m->machine->RecordPublish(worker, v), absl::StrCat("publish by ", worker));
+  wake_ = true;
+  StatusChangedLocked();
+  if (m->machine->mode() == ModeKind::kSync) {
+    // Sync: the trainer's live weights are the source, so it waits until the version is in, i.e.
+    // every node acknowledged the commit (every rollout holds it whole in live memory).
+    auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
+    if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("version ", v, " not committed before the publish deadline"));
+    }
+    if (stopping_) return absl::UnavailableError("coordinator shutting down");
+    RETURN_IF_ERROR(*m->machine->Outcome(v));
+  }
+  resp->set_version(v);
+  resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp) {
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  auto w = m->workers.find(req.worker_id());
+  if (w == m->workers.end()) {
+    // As in Publish: NOT_FOUND (nothing recorded) lets its node re-send after re-joining it.
+    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(req.worker_id()), " has not joined model ", req.model_id(),
+                                            " at this coordinator (node ", EchoValue(req.node_id()), " not re-joined yet?)"));
+  }
+  if (w->second.role != planner::Role::kRollout) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), " is not a registered rollout worker"));
+  }
+  w->second.paused = true;
+  m->machine->RecordReady(req.worker_id());
+  resp->set_committed_version(m->machine->committed());
+  wake_ = true;
+  StatusChangedLocked();
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::ReportDoneResponse*) {
+  if (!req.coordinator_instance().empty() && req.coordinator_instance() != instance_) {
+    // An executor started by the previous coordinator process finished late: that version was
+    // aborted on the node when it re-registered, and this coordinator may run the same version
+    // number again. Its outcome must not touch this coordinator's versions.
+    Log(LogLevel::kInfo, "stale ReportDone ignored",
+        {{"node", req.node_id()}, {"model", req.model_id()}, {"version", req.version()},
+         {"from_instance", req.coordinator_instance()}, {"instance", instance_}});
+    return absl::OkStatus();
+  }
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  if (!req.ok()) {
+    AbortLocked(req.model_id(), *m, req.version(), absl::StrCat("node ", req.node_id(), ": ", req.error()));
+    return absl::OkStatus();
+  }
+  const VersionRecord* rec = m->machine->Find(req.version());
+  if (rec != nullptr && rec->state == VState::kTransferring) {
+    m->progress[req.version()][req.node_id()] = req.bytes();
+    StatusChangedLocked();
+  }
+  if (m->machine->NodeDone(req.node_id(), req.version())) {
+    m->committing = req.version();
+    wake_ = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse*) {
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  m->machine->RecordApplied(req.worker_id(), req.version());
+  StatusChangedLocked();
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {
+  const absl::Time deadline = Deadline(req.timeout_ms());
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  const uint64_t v = std::max<uint64_t>(req.version(), 1);
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("version ", v, " of model ", req.model_id(),
+                                                    " not committed in time (committed: ", m->machine->committed(), ")"));
+  }
+  if (stopping_) return absl::UnavailableError("coordinator shutting down");
+  RETURN_IF_ERROR(*m->machine->Outcome(v));
+  resp->set_committed_version(m->machine->committed());
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
+  const absl::Time deadline = Deadline(req.timeout_ms());
+  if (req.node_id().empty() && !req.all()) {
+    return absl::InvalidArgumentError("Drain: name the node to drain (node_id), or set all = true to drain the whole cluster");
+  }
+  if (!req.node_id().empty() && req.all()) {
+    return absl::InvalidArgumentError(absl::StrCat("Drain: node_id (", EchoValue(req.node_id()), ") and all = true are exclusive"));
+  }
+  absl::MutexLock l(&mu_);
+  Node* node = nullptr;
+  if (!req.node_id().empty()) {
+    auto it = nodes_.find(req.node_id());
+    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("unknown node ", EchoValue(req.node_id())));
+    node = &it->second;
+  }
+  if (req.undo()) {
+    // Lifts the drain: new versions are accepted again (a node's drain also ends when it
+    // re-registers). Answers at once.
+    if (node != nullptr) {
+      node->draining = false;
+    } else {
+      cluster_draining_ = false;
+      for (auto& [id, m] : models_) m.machine->set_draining(false);
+      for (auto& [id, n] : nodes_) n.draining = false;
+    }
+    Log(LogLevel::kInfo, "drain lifted", {{"target", node != nullptr ? req.node_id() : std::string("cluster")}});
+    wake_ = true;
+    StatusChangedLocked();
+    resp->set_drained(false);
+    return absl::OkStatus();
+  }
+  if (node != nullptr) {
+    node->draining = true;
+  } else {
+    cluster_draining_ = true;
+    for (auto& [id, m] : models_) m.machine->set_draining(true);
+  }
+  Log(LogLevel::kInfo, "drain", {{"target", node != nullptr ? req.node_id() : std::string("cluster")}});
+  StatusChangedLocked();
+  // Drained when nothing the drain covers is queued or transferring.
+  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    if (stopping_) return true;
+    for (auto& [id, m] : models_) {
+      if (node == nullptr ? !m.machine->Idle() : m.machine->InFlightInvolves(req.node_id())) return false;
+    }
+    return true;
+  };
+  const bool drained = options_.clock->WaitUntil(&mu_, absl::Condition(&idle), deadline) && !stopping_;
+  uint32_t in_flight = 0;
+  for (auto& [id, m] : models_) in_flight += m.machine->InFlight().has_value();
+  resp->set_drained(drained);
+  resp->set_in_flight_versions(in_flight);
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::Plan(const pb::PlanRequest& req, pb::PlanResponse* resp) {
+  absl::MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  if (m->plan.epoch == 0) {
+    return absl::FailedPreconditionError(absl::StrCat("model ", req.model_id(), " has no plan yet",
+                                                      m->plan_error.empty() ? "" : ": ", m->plan_error));
+  }
+  const planner::Plan& plan = *m->plan.plan;
+  resp->set_fingerprint(plan.fingerprint);
+  resp->set_strategy(ToProto(plan.strategy));
+  StatsToProto(plan.stats, static_cast<int>(plan.buckets.size()), resp->mutable_stats());
+  resp->set_total_bytes(m->plan.total_bytes);
+  return absl::OkStatus();
+}
+
+bool CoordinatorCore::AwaitPlanInstalled(const std::string& model_id, absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto installed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto it = models_.find(model_id);
+    return it != models_.end() && it->second.plan.installed && !it->second.plan_dirty && !it->second.planning;
+  };
+  return options_.clock->WaitUntil(&mu_, absl::Condition(&installed), deadline);
+}
+
+}  // namespace wb::daemon

@@ -1,0 +1,250 @@
+#pragma once
+// The coordinator's business logic (docs/daemon.md, docs/architecture.md "Coordinator"): node
+// membership with leases, models, layouts, planning (outside the lock, cached), plan slices to
+// nodes, and the per-model version state machine (daemon/version_machine.h) driven by one driver
+// thread over the NodeClient seam. Handlers take and return protobuf messages and absl::Status;
+// daemon/coordinator.h adapts them to gRPC (the one place statuses are converted).
+//
+// Threads and what they own:
+//   - RPC handler threads: mutate the tables under mu_, wake the driver, and wait (Publish,
+//     WaitVersion, Drain) on mu_ through Clock::WaitUntil with the request's deadline.
+//   - the driver thread (DriverLoop): under mu_ it decides (leases, timeouts, what to plan,
+//     start, commit) and collects work; every node RPC runs OUTSIDE mu_ (on up to 32 helper
+//     threads per version), then results are applied under mu_ again.
+//   - the planner thread (PlannerLoop): makes queued plans from snapshots OUTSIDE mu_, slices
+//     them, applies the result under mu_ if membership did not change meanwhile, installs.
+//   Nothing slow ever runs under mu_.
+//   - WatchStatus streams: build the status under mu_, write outside it (real time: client streams).
+// Every lease, heartbeat, staleness and timeout decision reads options.clock and every wait goes
+// through it, so tests run the coordinator on a FakeClock.
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/coordinator/node_client.h"
+#include "daemon/coordinator/plan_cache.h"
+#include "daemon/version_machine.h"
+#include "planner/model_config.h"
+#include "planner/types.h"
+#include "proto/weightbridge.pb.h"
+#include "tools/cc/clock.h"
+
+namespace grpc {
+class Channel;
+}
+
+namespace wb::daemon {
+
+struct CoordinatorOptions {
+  Clock* clock = Clock::Real();
+  absl::Duration lease = absl::Seconds(3);
+  absl::Duration transfer_timeout = absl::Seconds(60);
+  absl::Duration tick = absl::Milliseconds(20);  // driver wake-up cap
+  PlanFn make_plan;                               // empty = planner::MakePlan
+  // Bandwidths the planner assumes (node index = registered node daemon, gpu = the worker's gpu
+  // or, for host workers (gpu < 0), a distinct slot per worker of the node).
+  planner::Topology topology;
+  int64_t bucket_bytes = int64_t{2} << 30;        // planner staging budget per GPU per bucket
+  // Owed commits (async / one-step-off: a node that did not answer CommitVersion) are retried
+  // this often while the node keeps its incarnation.
+  absl::Duration commit_retry = absl::Milliseconds(200);
+  // Standalone role: the id of the node daemon in this same process. Its lease never expires
+  // (a late heartbeat there means this process is starved, not that the node is gone).
+  std::string local_node;
+  // Channel to a node's NodeService (TLS + token: daemon/auth.h); empty = insecure.
+  std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
+  // The client the driver uses for a node; empty = GrpcNodeClient over make_channel. Tests and
+  // the control-plane bench inject FakeNodeClients here.
+  NodeClientFactory make_node_client;
+  // WatchStatus: concurrent streams allowed (RESOURCE_EXHAUSTED over it; Limits sets it in a
+  // daemon), and the safety-net period: a watcher rebuilds the status at least this often and
+  // sends it when its bytes differ from the last message (catches any change not bumped).
+  int max_status_watchers = 64;
+  absl::Duration status_resend = absl::Seconds(1);
+  // Input bounds (RESOURCE_EXHAUSTED / INVALID_ARGUMENT naming the limit; docs/daemon.md "Limits").
+  int max_models = 256;                  // models held at once (CreateModel / JoinWorker with a spec)
+  int max_name_bytes = 1024;             // node, worker and model ids, addresses
+  int max_heartbeat_progress = 1024;     // VersionProgress entries in one heartbeat
+  // Largest CreateModel / JoinWorker reply (the inventory): over it the call fails and the model
+  // it created is removed. 4 MiB = gRPC's default receive limit of the nodes' coordinator channel.
+  int64_t max_reply_bytes = int64_t{4} << 20;
+};
+
+class CoordinatorCore {
+ public:
+  // WatchStatus timeouts: 0 in the request = the default; longer requests are capped.
+  static constexpr absl::Duration kWatchDefaultTimeout = absl::Seconds(60);
+  static constexpr absl::Duration kWatchMaxTimeout = absl::Minutes(10);
+  // How often a waiting watcher checks whether its client went away.
+  static constexpr absl::Duration kWatchCancelCheck = absl::Milliseconds(100);
+
+  explicit CoordinatorCore(CoordinatorOptions options);
+  ~CoordinatorCore();
+  // Starts the driver thread. Shutdown() stops it and fails every waiter (UNAVAILABLE).
+  void Start();
+  void Shutdown();
+
+  absl::Status RegisterNode(const pb::RegisterNodeRequest& req, pb::RegisterNodeResponse* resp);
+  absl::Status Heartbeat(const pb::HeartbeatRequest& req, pb::HeartbeatResponse* resp);
+  absl::Status CreateModel(const pb::CreateModelRequest& req, pb::CreateModelResponse* resp);
+  absl::Status JoinWorker(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp);
+  absl::Status SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp);
+  absl::Status LeaveWorker(const pb::LeaveWorkerRequest& req, pb::LeaveWorkerResponse* resp);
+  // Publish / ReportReady: NOT_FOUND (unknown model, or a worker this coordinator does not know -
+  // for Publish: or knows without its layout) means nothing was recorded; the node re-sends the
+  // call once it has re-joined its workers (coordinator restart, lost lease). A trainer known with
+  // its layout but not in a plan yet waits for the (re-)plan within the request's timeout.
+  // Sync mode: OK only once every node of the plan acknowledged CommitVersion, i.e. every
+  // rollout holds the version whole in live memory; otherwise ABORTED naming the nodes and
+  // rollouts that do not hold it.
+  absl::Status Publish(const pb::CoordPublishRequest& req, pb::PublishResponse* resp);
+  absl::Status ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp);
+  absl::Status ReportDone(const pb::ReportDoneRequest& req, pb::ReportDoneResponse* resp);
+  absl::Status ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse* resp);
+  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
+  absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
+  // Streams ClusterStatus through `write` (false = the client is gone): the current status at
+  // once, then a message per change. Ends OK at the request's timeout, CANCELLED when `cancelled`
+  // says so (checked every kWatchCancelCheck), UNAVAILABLE as soon as Shutdown() runs,
+  // RESOURCE_EXHAUSTED over max_status_watchers.
+  absl::Status WatchStatus(const pb::WatchStatusRequest& req, const std::function<bool(const pb::StatusResponse&)>& write,
+                           const std::function<bool()>& cancelled);
+  bool AwaitStatusWatchersAtMost(int n, absl::Time deadline) const;
+  // Drain a node (node_id) or the whole cluster (all = true; an empty request is refused); undo =
+  // true lifts that drain again. docs/daemon.md "Drain".
+  absl::Status Drain(const pb::DrainRequest& req, pb::DrainResponse* resp);
+  absl::Status Plan(const pb::PlanRequest& req, pb::PlanResponse* resp);
+
+  // Tests and the bench: waits until the model has an installed plan (false at `deadline`).
+  bool AwaitPlanInstalled(const std::string& model_id, absl::Time deadline) const;
+  int num_models() const;
+  // Tests in simulated time: waits (real time) until the driver has made a pass (lease sweep,
+  // timeouts, starts, commits) at clock time `t` or later.
+  bool AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) const;
+
+ private:
+  struct Node {
+    std::string address, data_address;
+    uint64_t incarnation = 0;
+    absl::Time lease_expiry;
+    bool alive = true;
+    bool draining = false;
+    std::map<std::string, std::string> transport_instances;
+    std::vector<std::string> data_nics;  // RegisterNodeRequest.data_nics (status only)
+    absl::Duration lease = absl::ZeroDuration();  // max(Options::lease, 3 heartbeats of the node)
+    // shared: driver work that captured it may still run while RegisterNode replaces it.
+    std::shared_ptr<NodeClient> client;
+  };
+  // A commit the coordinator decided that one node has not acknowledged yet (async / one-step-off:
+  // RPC failed). Retried until the node acks, answers that its staging is gone, or loses its
+  // lease / re-registers (its workers are dropped and get the next version).
+  struct PendingCommit {
+    std::string node, model_id;
+    uint64_t version = 0;
+    uint64_t incarnation = 0;
+    absl::Time next_try;
+  };
+  struct WorkerRec {
+    std::string node;
+    planner::Role role = planner::Role::kTrainer;
+    int32_t gpu = 0;
+    bool has_layout = false;
+    // Sync: BeginUpdate seen for the next version. Kept here too because the version machine only
+    // knows rollouts of the current plan: a pause that arrives before the (re-)plan is re-applied.
+    bool paused = false;
+    std::shared_ptr<const pb::ResolvedLayout> layout_proto;  // shared with plan snapshots
+    std::shared_ptr<const planner::WorkerLayout> layout;
+    uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
+  };
+  struct PlanState {
+    uint64_t epoch = 0;
+    std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
+    std::vector<std::string> worker_ids;  // Problem::workers order
+    std::set<std::string> nodes;
+    uint64_t total_bytes = 0;
+    bool installed = false;
+  };
+  struct Model {
+    pb::ModelSpec spec;
+    std::optional<planner::ModelConfig> config;  // models created from hf_config_json (presets)
+    std::shared_ptr<const planner::Inventory> inventory;
+    std::unique_ptr<VersionMachine> machine;
+    std::map<std::string, WorkerRec> workers;
+    PlanState plan;
+    bool plan_dirty = false;
+    uint64_t membership = 0;  // bumped whenever plan_dirty is set: a plan of older membership is stale
+    bool planning = false;    // the driver plans it outside the lock right now
+    bool planned_once = false;
+    std::string plan_error;
+    uint64_t committing = 0;  // version whose commit the driver is sending
+    std::map<uint64_t, std::map<std::string, uint64_t>> progress;  // version -> node -> bytes
+    double last_seconds = 0;
+    uint64_t last_bytes = 0;
+  };
+
+  absl::StatusOr<Model*> GetModelLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CreateModelLocked(const pb::ModelSpec& spec, bool* created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<planner::WorkerLayout> ResolveLayoutLocked(const Model& m, const pb::SubmitLayoutRequest& req,
+                                                            pb::ResolvedLayout* resolved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
+  void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock).
+  void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
+                            const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Time Deadline(int64_t timeout_ms) const;
+
+  // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC/plan work to run
+  // outside it.
+  void DriverLoop();
+  std::vector<std::function<void()>> CollectWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SweepLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::function<void()> CommitWorkLocked(const std::string& model_id, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishCommitLocked(const std::string& model_id, Model& m, uint64_t v, const std::vector<std::string>& nodes,
+                          const std::vector<absl::Status>& acks, const std::vector<uint64_t>& incarnations)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PlanWorkLocked(const std::string& model_id, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlannerLoop();
+  void RunPlan(const std::string& model_id, Model* m, uint64_t membership, const SliceInput& in, const PlanSettings& settings);
+  std::function<void()> StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OwedCommitWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Status (status.cc).
+  void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Something ClusterStatus reports changed: wakes WatchStatus streams.
+  void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }
+
+  CoordinatorOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
+  PlanCache plan_cache_;                                                 // own lock
+  std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
+  std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
+  // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
+  const std::string instance_;
+  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver
+  std::deque<std::function<void()>> plan_queue_ ABSL_GUARDED_BY(mu_);  // for the planner thread
+  std::thread driver_, planner_;
+};
+
+}  // namespace wb::daemon

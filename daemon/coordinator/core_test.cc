@@ -1,0 +1,296 @@
+// CoordinatorCore over fake nodes (FakeNodeClient), in simulated time where time matters:
+// the version driver's commit contract (issue 15.2), leases, transfer timeouts and request
+// deadlines on a FakeClock.
+#include "daemon/coordinator/core.h"
+
+#include <map>
+#include <memory>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/coordinator/fake_node_client.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+constexpr absl::Duration kReal = absl::Seconds(20);  // real-time bound on any wait in these tests
+
+pb::ModelSpec Spec(const std::string& id, int rollouts, pb::Mode mode) {
+  pb::ModelSpec spec;
+  spec.set_model_id(id);
+  spec.set_num_trainer_workers(1);
+  spec.set_num_rollout_workers(static_cast<uint32_t>(rollouts));
+  spec.set_mode(mode);
+  pb::TensorSpec* t = spec.mutable_explicit_tensors()->add_tensors();
+  t->set_name("w");
+  t->add_shape(4);
+  t->add_shape(4);
+  t->set_dtype(pb::DTYPE_BF16);
+  return spec;
+}
+
+pb::SubmitLayoutRequest WholeTensor(const std::string& node, const std::string& worker) {
+  pb::SubmitLayoutRequest req;
+  req.set_node_id(node);
+  req.set_model_id("m");
+  req.set_worker_id(worker);
+  pb::BufferSpec* b = req.add_buffers();
+  b->set_buffer_id(0);
+  b->set_size_bytes(32);
+  b->set_shm_name("/wb-" + worker);
+  b->set_gpu(-1);
+  pb::Piece* p = req.mutable_layout()->mutable_pieces()->add_pieces();
+  p->set_tensor("w");
+  for (int d = 0; d < 2; ++d) {
+    p->mutable_box()->add_begin(0);
+    p->mutable_box()->add_end(4);
+  }
+  p->set_buffer_id(0);
+  p->add_strides(4);
+  p->add_strides(1);
+  return req;
+}
+
+// A coordinator with fake nodes. Nodes report done as soon as they are told to execute (unless
+// `report_done` is off), as a node whose transfer takes no time would.
+class Cluster {
+ public:
+  explicit Cluster(Clock* clock = Clock::Real(), absl::Duration transfer_timeout = absl::Seconds(60)) {
+    CoordinatorOptions o;
+    o.clock = clock;
+    o.transfer_timeout = transfer_timeout;
+    o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
+      auto fake = std::make_shared<FakeNodeClient>(node);
+      fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
+        if (!report_done) return absl::OkStatus();
+        pb::ReportDoneRequest done;
+        done.set_node_id(node);
+        done.set_model_id(req.model_id());
+        done.set_version(req.version());
+        done.set_ok(true);
+        done.set_coordinator_instance(req.coordinator_instance());
+        pb::ReportDoneResponse resp;
+        return core->ReportDone(done, &resp);
+      };
+      if (auto it = commit_hooks.find(node); it != commit_hooks.end()) fake->on_commit = it->second;
+      fakes[node] = fake;
+      return fake;
+    };
+    core = std::make_unique<CoordinatorCore>(std::move(o));
+    core->Start();
+  }
+  ~Cluster() { core->Shutdown(); }
+
+  uint64_t Register(const std::string& node) {
+    pb::RegisterNodeRequest req;
+    req.set_node_id(node);
+    req.set_address(node + ":1");
+    pb::RegisterNodeResponse resp;
+    EXPECT_TRUE(core->RegisterNode(req, &resp).ok());
+    return resp.incarnation();
+  }
+  void Join(const std::string& node, const std::string& worker, pb::Role role, const pb::ModelSpec& spec) {
+    pb::JoinWorkerRequest j;
+    j.set_node_id(node);
+    j.set_worker_id(worker);
+    j.set_model_id(spec.model_id());
+    j.set_role(role);
+    *j.mutable_model() = spec;
+    pb::JoinWorkerResponse jr;
+    ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
+    pb::SubmitLayoutRequest l = WholeTensor(node, worker);
+    pb::SubmitLayoutResponse lr;
+    absl::Status s = core->SubmitLayout(l, &lr);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  absl::Status Ready(const std::string& rollout) {
+    pb::ReportReadyRequest r;
+    r.set_model_id("m");
+    r.set_worker_id(rollout);
+    pb::ReportReadyResponse resp;
+    return core->ReportReady(r, &resp);
+  }
+  absl::Status Publish(uint64_t v, int64_t timeout_ms = 10000) {
+    pb::CoordPublishRequest p;
+    p.set_model_id("m");
+    p.set_worker_id("t0");
+    p.set_node_id("n0");
+    p.set_version(v);
+    p.set_timeout_ms(timeout_ms);
+    pb::PublishResponse resp;
+    return core->Publish(p, &resp);
+  }
+  pb::StatusResponse Status() {
+    pb::StatusResponse st;
+    EXPECT_TRUE(core->ClusterStatus(pb::StatusRequest(), &st).ok());
+    return st;
+  }
+
+  bool report_done = true;
+  std::map<std::string, std::function<absl::Status(const std::string&, uint64_t)>> commit_hooks;  // set before Register
+  std::map<std::string, std::shared_ptr<FakeNodeClient>> fakes;
+  std::unique_ptr<CoordinatorCore> core;
+};
+
+// Issue 15.2: a sync version counts as committed (Publish OK) only when every node acknowledged
+// CommitVersion. A node whose rollout's live copy failed makes Publish fail naming the node and
+// rollout; the next version that commits everywhere succeeds.
+TEST(CoreCommitTest, SyncPublishFailsNamingTheNodeThatCouldNotCommit) {
+  Cluster c;
+  bool fail_n1 = true;
+  c.commit_hooks["n1"] = [&](const std::string&, uint64_t v) {
+    return fail_n1 ? absl::InternalError(absl::StrCat("rollout r1: copy of version ", v, " into live memory failed (torn)"))
+                   : absl::OkStatus();
+  };
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 2, pb::MODE_SYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  ASSERT_TRUE(c.Ready("r1").ok());
+  absl::Status s = c.Publish(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("node n1 (rollouts r1)"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("into live memory failed"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("nodes n0 hold it"), std::string::npos) << s;
+  pb::StatusResponse st = c.Status();
+  EXPECT_EQ(st.models(0).committed_version(), 0u) << "a version not every rollout holds counts as committed";
+  // n1 was told to drop it.
+  EXPECT_TRUE(c.fakes.at("n1")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.abort >= 1; }, absl::Now() + kReal));
+  // The next version, committed everywhere, succeeds.
+  fail_n1 = false;
+  ASSERT_TRUE(c.Ready("r0").ok());
+  ASSERT_TRUE(c.Ready("r1").ok());
+  s = c.Publish(2);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+}
+
+// A node lost during the commit (unreachable) counts as not holding the version too.
+TEST(CoreCommitTest, SyncPublishFailsWhenANodeIsUnreachableAtCommit) {
+  Cluster c;
+  c.commit_hooks["n1"] = [](const std::string&, uint64_t) { return absl::UnavailableError("connection refused"); };
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 2, pb::MODE_SYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  ASSERT_TRUE(c.Ready("r1").ok());
+  absl::Status s = c.Publish(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("node n1 (rollouts r1): connection refused"), std::string::npos) << s;
+}
+
+// Async: commit only marks staging committed on the nodes; an unreachable node is owed the
+// commit and retried (documented contract), the version is committed.
+TEST(CoreCommitTest, AsyncCommitOwedToAnUnreachableNodeIsRetried) {
+  Cluster c;
+  int failures_left = 2;
+  c.commit_hooks["n1"] = [&](const std::string&, uint64_t) {
+    return failures_left-- > 0 ? absl::UnavailableError("unreachable") : absl::OkStatus();
+  };
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 2, pb::MODE_ASYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Publish(1).ok());
+  pb::WaitVersionRequest w;
+  w.set_model_id("m");
+  w.set_version(1);
+  w.set_timeout_ms(20000);
+  pb::WaitVersionResponse wr;
+  ASSERT_TRUE(c.core->WaitVersion(w, &wr).ok());
+  EXPECT_TRUE(c.fakes.at("n1")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.committed.size() == 1; }, absl::Now() + kReal))
+      << "the owed commit was never delivered";
+}
+
+// Leases in simulated time: a node that stops heartbeating is lost after its lease, one that
+// heartbeats is kept, with no real waiting.
+TEST(CoreSimulatedTimeTest, LeaseExpiresOnlyInSimulatedTime) {
+  FakeClock clock;
+  Cluster c(&clock);
+  const uint64_t inc0 = c.Register("n0");
+  c.Register("n1");
+  for (int step = 0; step < 8; ++step) {  // 8 x 0.5 s = 4 s > the 3 s lease
+    pb::HeartbeatRequest hb;
+    hb.set_node_id("n0");
+    hb.set_incarnation(inc0);
+    pb::HeartbeatResponse resp;
+    ASSERT_TRUE(c.core->Heartbeat(hb, &resp).ok());
+    clock.Advance(absl::Milliseconds(500));
+    ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
+  }
+  pb::StatusResponse st = c.Status();
+  ASSERT_EQ(st.nodes_size(), 2);
+  EXPECT_TRUE(st.nodes(0).alive()) << "n0 heartbeat and was dropped";
+  EXPECT_FALSE(st.nodes(1).alive()) << "n1 never heartbeat in 4 s of a 3 s lease";
+}
+
+// Transfer timeout and request deadlines in simulated time: a version whose nodes never report
+// done is aborted after transfer_timeout; the trainer's Publish sees why.
+TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
+  FakeClock clock;
+  Cluster c(&clock, absl::Seconds(30));
+  c.report_done = false;
+  c.Register("n0");
+  const pb::ModelSpec spec = Spec("m", 1, pb::MODE_ONE_STEP_OFF);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Publish(1).ok());  // one-step-off: returns once recorded
+  ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 1; }, absl::Now() + kReal));
+  // WaitVersion with a 10 s (simulated) deadline, answered when the clock passes it.
+  absl::Status waited;
+  absl::Notification returned;
+  std::thread waiter([&] {
+    pb::WaitVersionRequest w;
+    w.set_model_id("m");
+    w.set_version(1);
+    w.set_timeout_ms(10000);
+    pb::WaitVersionResponse wr;
+    waited = c.core->WaitVersion(w, &wr);
+    returned.Notify();
+  });
+  // Lease renewals keep n0 alive while simulated time runs (steps below lease / 4).
+  for (int step = 0; step < 70 && !returned.HasBeenNotified(); ++step) {
+    pb::HeartbeatRequest hb;
+    hb.set_node_id("n0");
+    hb.set_incarnation(1);
+    pb::HeartbeatResponse resp;
+    c.core->Heartbeat(hb, &resp).IgnoreError();
+    clock.Advance(absl::Milliseconds(500));
+    ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
+  }
+  ASSERT_TRUE(returned.WaitForNotificationWithTimeout(kReal));
+  waiter.join();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  // Past 30 s of simulated time the version is aborted as timed out.
+  for (int step = 0; step < 50; ++step) {
+    pb::HeartbeatRequest hb;
+    hb.set_node_id("n0");
+    hb.set_incarnation(1);
+    pb::HeartbeatResponse resp;
+    c.core->Heartbeat(hb, &resp).IgnoreError();
+    clock.Advance(absl::Milliseconds(500));
+    ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
+  }
+  pb::StatusResponse st = c.Status();
+  ASSERT_GE(st.versions_size(), 1);
+  EXPECT_EQ(st.versions(0).state(), "aborted");
+  EXPECT_NE(st.versions(0).error().find("timed out after 30s"), std::string::npos) << st.versions(0).error();
+  EXPECT_TRUE(st.nodes(0).alive());
+}
+
+}  // namespace
+}  // namespace wb::daemon

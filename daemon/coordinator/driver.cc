@@ -1,0 +1,405 @@
+// CoordinatorCore's version driver: one thread decides under mu_ (leases, timeouts, what to plan,
+// start, commit) and runs the resulting node RPCs outside it; plans run on their own thread,
+// also outside mu_. Results are applied under mu_ again, checked against what changed meanwhile
+// (membership counter for plans, plan epoch for installs, node incarnation for owed commits).
+#include <algorithm>
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/convert.h"
+#include "daemon/coordinator/core.h"
+#include "daemon/log.h"
+
+namespace wb::daemon {
+namespace {
+
+// fn(0) .. fn(n - 1) on up to 32 threads at once (per-node RPCs of one version: every node at
+// once on a small cluster, bounded threads on a large one); returns when all returned.
+void ForEachConcurrently(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) fn(i);
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min<size_t>(n, 32); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
+// "a, b, c and 7 more": names in messages stay short on a large cluster.
+std::string ShortList(const std::vector<std::string>& names, size_t max = 8) {
+  if (names.size() <= max) return absl::StrJoin(names, ", ");
+  std::vector<std::string> head(names.begin(), names.begin() + static_cast<long>(max));
+  return absl::StrCat(absl::StrJoin(head, ", "), " and ", names.size() - max, " more");
+}
+
+}  // namespace
+
+void CoordinatorCore::DriverLoop() {
+  while (true) {
+    std::vector<std::function<void()>> work;
+    {
+      absl::MutexLock l(&mu_);
+      auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
+      // A pass at least every tick, counted from the last pass: time that moved while the driver
+      // ran RPCs (or a fake clock advanced meanwhile) is seen at once.
+      const absl::Time since = last_sweep_ == absl::InfinitePast() ? options_.clock->Now() : last_sweep_;
+      options_.clock->WaitUntil(&mu_, absl::Condition(&woken), since + options_.tick);
+      if (stopping_) return;
+      wake_ = false;
+      work = CollectWorkLocked();
+    }
+    for (auto& f : work) f();
+  }
+}
+
+void CoordinatorCore::SweepLeasesLocked(absl::Time now) {
+  // If the driver itself did not run for a while (an overloaded coordinator), that time is not
+  // the nodes' fault: extend every lease by the gap before judging.
+  if (last_sweep_ != absl::InfinitePast() && now - last_sweep_ > options_.lease / 4) {
+    const absl::Duration gap = now - last_sweep_;
+    for (auto& [nid, n] : nodes_) n.lease_expiry += gap;
+  }
+  last_sweep_ = now;
+  for (auto& [nid, n] : nodes_) {
+    if (!n.alive || now < n.lease_expiry) continue;
+    if (!options_.local_node.empty() && nid == options_.local_node) {
+      Log(LogLevel::kWarning, "local node heartbeat late (same process: lease kept)", {{"node", nid}, {"late_s", absl::ToDoubleSeconds(now - n.lease_expiry)}});
+      n.lease_expiry = now + n.lease;
+      continue;
+    }
+    n.alive = false;
+    StatusChangedLocked();
+    const std::string reason = absl::StrCat("node ", nid, " lost its lease");
+    Log(LogLevel::kWarning, "node lost", {{"node", nid}, {"reason", reason}});
+    for (auto& [mid, m] : models_) {
+      if (m.machine->InFlightInvolves(nid)) AbortLocked(mid, m, *m.machine->InFlight(), reason);
+      std::vector<std::string> gone;
+      for (auto& [w, rec] : m.workers) if (rec.node == nid) gone.push_back(w);
+      for (const std::string& w : gone) DropWorkerLocked(m, w, reason);
+    }
+  }
+}
+
+std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
+  std::vector<std::function<void()>> work;
+  const absl::Time now = options_.clock->Now();
+  SweepLeasesLocked(now);
+  for (auto& [mid, m] : models_) {
+    if (auto v = m.machine->TimedOut(now); v && m.committing != *v) {
+      AbortLocked(mid, m, *v, absl::StrCat("transfer timed out after ", absl::FormatDuration(options_.transfer_timeout)));
+    }
+    // Commit: every node reported done, so the decision is made.
+    if (m.committing != 0) {
+      work.push_back(CommitWorkLocked(mid, m));
+      continue;
+    }
+    if (m.machine->InFlight() || m.planning) continue;
+    if (m.plan_dirty) {
+      PlanWorkLocked(mid, m);
+      continue;
+    }
+    if (!m.plan.installed) continue;
+    if (auto f = StartWorkLocked(mid, m, now)) work.push_back(std::move(f));
+  }
+  OwedCommitWorkLocked(&work);
+  for (auto& f : pending_rpcs_) work.push_back(std::move(f));
+  pending_rpcs_.clear();
+  return work;
+}
+
+// Sends CommitVersion to every node of the plan at once (sync: nodes copy staging into the paused
+// rollouts' live buffers before answering, so one node after another would add up those copies).
+std::function<void()> CoordinatorCore::CommitWorkLocked(const std::string& model_id, Model& m) {
+  const uint64_t v = m.committing;
+  std::vector<std::string> nodes;
+  std::vector<std::shared_ptr<NodeClient>> clients;
+  std::vector<uint64_t> incarnations;
+  for (const std::string& n : m.plan.nodes) {
+    auto it = nodes_.find(n);
+    nodes.push_back(n);
+    clients.push_back(it != nodes_.end() ? it->second.client : nullptr);
+    incarnations.push_back(it != nodes_.end() ? it->second.incarnation : 0);
+  }
+  // Sync commits copy staging into live weights before answering: as long as a transfer may take.
+  const absl::Duration timeout = std::max(absl::Seconds(5), options_.transfer_timeout);
+  Model* mp = &m;
+  return [this, mp, model_id, v, nodes, clients, incarnations, timeout] {
+    std::vector<absl::Status> acks(clients.size());
+    ForEachConcurrently(clients.size(), [&](size_t i) {
+      acks[i] = clients[i] ? clients[i]->CommitVersion(model_id, v, timeout)
+                           : absl::UnavailableError(absl::StrCat("node ", nodes[i], " is not registered"));
+    });
+    absl::MutexLock l(&mu_);
+    FinishCommitLocked(model_id, *mp, v, nodes, acks, incarnations);
+  };
+}
+
+// The commit contract (docs/daemon.md "Commit"):
+//  - sync: the version is committed only if EVERY node acknowledged CommitVersion (every rollout
+//    holds it whole in live memory). Otherwise it is not committed: Publish and WaitVersion get
+//    ABORTED naming the nodes (and their rollouts) that do not hold it and why; the nodes that
+//    failed are told to drop it (AbortVersion, best effort); rollouts on nodes that acknowledged
+//    count as having applied it. The next version rewrites every rollout.
+//  - one-step-off / async: CommitVersion only marks the landed staging committed (rollouts copy
+//    at Apply), so the version is committed; a node that did not answer (UNAVAILABLE /
+//    DEADLINE_EXCEEDED) is owed the commit and retried every commit_retry while it keeps its
+//    incarnation; a node that answered an error is logged (its rollouts get the next version).
+void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, uint64_t v, const std::vector<std::string>& nodes,
+                                         const std::vector<absl::Status>& acks, const std::vector<uint64_t>& incarnations) {
+  const absl::Time now = options_.clock->Now();
+  std::vector<size_t> failed;
+  for (size_t i = 0; i < acks.size(); ++i) {
+    if (acks[i].ok()) continue;
+    failed.push_back(i);
+    Log(LogLevel::kWarning, "commit not acknowledged", {{"model", model_id}, {"version", v}, {"node", nodes[i]}, {"error", acks[i].message()}});
+  }
+  auto finish = [&] {
+    for (auto& [w, rec] : m.workers) rec.paused = false;  // the commit (or its failure) resumed them
+    m.progress.erase(v);
+    m.machine->Prune(64);
+    m.committing = 0;
+    wake_ = true;
+    StatusChangedLocked();
+  };
+  if (m.machine->mode() == ModeKind::kSync && !failed.empty()) {
+    std::set<std::string> bad_nodes;
+    std::vector<std::string> parts, good_nodes;
+    for (size_t i : failed) bad_nodes.insert(nodes[i]);
+    for (const std::string& n : nodes) if (!bad_nodes.count(n)) good_nodes.push_back(n);
+    std::set<std::string> holding;
+    for (size_t i : failed) {
+      std::vector<std::string> rollouts;
+      for (const std::string& w : m.plan.worker_ids) {
+        auto rec = m.workers.find(w);
+        if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && rec->second.node == nodes[i]) rollouts.push_back(w);
+      }
+      parts.push_back(absl::StrCat("node ", nodes[i], " (rollouts ", rollouts.empty() ? "none known" : ShortList(rollouts), "): ",
+                                   acks[i].message()));
+    }
+    for (const std::string& w : m.plan.worker_ids) {
+      auto rec = m.workers.find(w);
+      if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && !bad_nodes.count(rec->second.node)) holding.insert(w);
+    }
+    const std::string reason =
+        absl::StrCat("commit not acknowledged by every node, so the version is not committed: ", absl::StrJoin(parts, "; "),
+                     good_nodes.empty() ? std::string(" (no node holds it)") : absl::StrCat(" (nodes ", ShortList(good_nodes), " hold it)"));
+    m.machine->CommitFailed(v, reason, holding, now);
+    Log(LogLevel::kWarning, "version commit failed", {{"model", model_id}, {"version", v}, {"reason", reason}});
+    QueueAbortRpcsLocked(bad_nodes, model_id, v, reason);
+    finish();
+    return;
+  }
+  for (size_t i : failed) {
+    if (absl::IsUnavailable(acks[i]) || absl::IsDeadlineExceeded(acks[i])) {
+      pending_commits_.push_back({nodes[i], model_id, v, incarnations[i], now + options_.commit_retry});
+    }
+  }
+  m.machine->Commit(v, now);
+  if (const VersionRecord* rec = m.machine->Find(v)) {
+    m.last_seconds = absl::ToDoubleSeconds(rec->finished - rec->started);
+    m.last_bytes = rec->bytes_total;
+  }
+  Log(LogLevel::kInfo, "version committed", {{"model", model_id}, {"version", v}, {"bytes", m.last_bytes},
+                                              {"seconds", m.last_seconds}, {"unacked_nodes", failed.size()}});
+  finish();
+}
+
+// (Re-)plan: trainers complete; rollouts complete the first time, any non-empty set later. The
+// plan is queued for the planner thread, which makes it outside mu_ from a snapshot (layouts are
+// shared, not copied). False when the model is not ready to plan.
+bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
+  uint32_t nt = 0, nr = 0;
+  for (auto& [w, rec] : m.workers) {
+    if (!rec.has_layout) continue;
+    (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
+  }
+  const bool ready = nt >= m.spec.num_trainer_workers() && nr > 0 && (m.planned_once || nr >= m.spec.num_rollout_workers());
+  if (!ready) return false;
+  m.plan_dirty = false;
+  m.planning = true;
+  SliceInput in;
+  in.model_id = model_id;
+  in.epoch = next_epoch_++;
+  in.mode = m.spec.mode();
+  in.inventory = m.inventory;
+  // Problem order: trainers then rollouts (ids sorted: std::map order), only workers with a layout.
+  for (planner::Role role : {planner::Role::kTrainer, planner::Role::kRollout}) {
+    for (auto& [id, w] : m.workers) {
+      if (!w.has_layout || w.role != role) continue;
+      in.workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
+      auto n = nodes_.find(w.node);
+      if (n != nodes_.end()) in.nodes[w.node] = {n->second.data_address, n->second.transport_instances};
+    }
+  }
+  PlanSettings settings;
+  settings.strategy = FromProto(m.spec.strategy());
+  settings.strategy_proto = m.spec.strategy();
+  settings.topology = options_.topology;
+  settings.bucket_bytes = options_.bucket_bytes;
+  const uint64_t membership = m.membership;
+  Model* mp = &m;
+  plan_queue_.push_back([this, model_id, mp, membership, in = std::move(in), settings] { RunPlan(model_id, mp, membership, in, settings); });
+  return true;
+}
+
+// The planner thread: runs queued plans one at a time, never under mu_.
+void CoordinatorCore::PlannerLoop() {
+  while (true) {
+    std::function<void()> job;
+    {
+      absl::MutexLock l(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !plan_queue_.empty(); };
+      if (!options_.clock->WaitUntil(&mu_, absl::Condition(&ready), options_.clock->Now() + absl::Seconds(1))) continue;
+      if (stopping_) return;
+      job = std::move(plan_queue_.front());
+      plan_queue_.pop_front();
+    }
+    job();
+  }
+}
+
+void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t membership, const SliceInput& in,
+                              const PlanSettings& settings) {
+  absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
+  std::vector<std::pair<std::shared_ptr<NodeClient>, pb::PlanSlice>> installs;
+  {
+    absl::MutexLock l(&mu_);
+    m->planning = false;
+    wake_ = true;
+    if (stopping_) return;
+    if (m->membership != membership) {
+      // Workers changed while planning: plan_dirty is set again, the driver re-plans.
+      Log(LogLevel::kInfo, "plan discarded: membership changed while planning", {{"model", model_id}, {"epoch", in.epoch}});
+      return;
+    }
+    StatusChangedLocked();  // a new plan (fingerprint, stats) or the planner's error
+    if (!outcome.ok()) {
+      m->plan_error = std::string(outcome.status().message());
+      Log(LogLevel::kWarning, "plan failed", {{"model", model_id}, {"error", outcome.status().message()}});
+      return;
+    }
+    m->plan_error.clear();
+    m->planned_once = true;
+    m->plan.epoch = in.epoch;
+    m->plan.plan = outcome->plan;
+    m->plan.worker_ids.clear();
+    m->plan.nodes.clear();
+    std::set<std::string> trainers, rollouts;
+    for (const SliceWorker& w : in.workers) {
+      m->plan.worker_ids.push_back(w.id);
+      m->plan.nodes.insert(w.node);
+      (w.role == planner::Role::kTrainer ? trainers : rollouts).insert(w.id);
+    }
+    m->plan.total_bytes = outcome->slices.total_bytes;
+    m->plan.installed = false;
+    m->machine->SetTrainers(trainers);
+    m->machine->SetRollouts(rollouts);
+    for (const std::string& r : rollouts) {
+      const WorkerRec& rec = m->workers.at(r);
+      if (rec.paused) m->machine->RecordReady(r);
+      if (rec.restored_applied > 0) m->machine->RecordApplied(r, rec.restored_applied);
+    }
+    const planner::Plan& plan = *outcome->plan;
+    Log(LogLevel::kInfo, "plan made", {{"model", model_id}, {"epoch", in.epoch}, {"strategy", planner::StrategyName(plan.strategy)},
+                                       {"fingerprint", plan.fingerprint}, {"ops", plan.stats.num_ops}, {"buckets", plan.buckets.size()},
+                                       {"bytes", m->plan.total_bytes}, {"bytes_inter_node", plan.stats.bytes_inter_node},
+                                       {"plan_ms", plan.stats.plan_ms}, {"cached", outcome->cached ? "yes" : "no"}});
+    for (auto& [n, slice] : outcome->slices.by_node) {
+      auto it = nodes_.find(n);
+      installs.push_back({it != nodes_.end() ? it->second.client : nullptr, std::move(slice)});
+    }
+  }
+  std::vector<absl::Status> results(installs.size());
+  ForEachConcurrently(installs.size(), [&](size_t i) {
+    results[i] = installs[i].first ? installs[i].first->InstallPlan(installs[i].second, absl::Seconds(30))
+                                   : absl::UnavailableError("node not registered");
+  });
+  absl::Status status;
+  for (const absl::Status& s : results) if (!s.ok()) status = s;
+  absl::MutexLock l(&mu_);
+  if (m->plan.epoch != in.epoch) return;
+  if (status.ok()) {
+    m->plan.installed = true;
+  } else {
+    Log(LogLevel::kWarning, "plan install failed", {{"model", model_id}, {"epoch", in.epoch}, {"error", status.message()}});
+    m->plan_error = std::string(status.message());
+    MarkPlanDirtyLocked(*m);  // retry on the next pass
+  }
+  wake_ = true;
+}
+
+std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) {
+  auto next = m.machine->NextToStart();
+  if (!next) return nullptr;
+  const uint64_t v = *next;
+  m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes);
+  StatusChangedLocked();
+  Log(LogLevel::kInfo, "version started", {{"model", model_id}, {"version", v}, {"epoch", m.plan.epoch}, {"nodes", m.plan.nodes.size()},
+                                           {"bytes", m.plan.total_bytes}});
+  std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;
+  for (const std::string& n : m.plan.nodes) {
+    auto it = nodes_.find(n);
+    clients.push_back({n, it != nodes_.end() ? it->second.client : nullptr});
+  }
+  pb::ExecuteVersionRequest req;
+  req.set_model_id(model_id);
+  req.set_version(v);
+  req.set_plan_epoch(m.plan.epoch);
+  req.set_timeout_ms(absl::ToInt64Milliseconds(options_.transfer_timeout));
+  req.set_coordinator_instance(instance_);
+  // The node answers at once (the executor runs on its own thread); the deadline is the transfer
+  // timeout anyway so that a slow, loaded node is not declared unable to start.
+  const absl::Duration timeout = std::max(options_.transfer_timeout, absl::Seconds(5));
+  Model* mp = &m;
+  return [this, mp, model_id, v, clients, req, timeout] {
+    // Every node at once (each answers at once; one after another the last node would start a
+    // round trip per node later, and the first nodes' executors would wait for it).
+    std::vector<absl::Status> started(clients.size());
+    ForEachConcurrently(clients.size(), [&](size_t i) {
+      started[i] = clients[i].second ? clients[i].second->ExecuteVersion(req, timeout)
+                                     : absl::UnavailableError("node not registered");
+    });
+    for (size_t i = 0; i < clients.size(); ++i) {
+      if (started[i].ok()) continue;
+      absl::MutexLock l(&mu_);
+      AbortLocked(model_id, *mp, v, absl::StrCat("node ", clients[i].first, " could not start: ", started[i].message()));
+      return;
+    }
+  };
+}
+
+// Owed commits (async / one-step-off): retry while the node keeps the incarnation that executed
+// the version.
+void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* work) {
+  const absl::Time now = options_.clock->Now();
+  for (auto it = pending_commits_.begin(); it != pending_commits_.end();) {
+    auto n = nodes_.find(it->node);
+    if (n == nodes_.end() || !n->second.alive || n->second.incarnation != it->incarnation) {
+      Log(LogLevel::kWarning, "owed commit dropped: node lost or restarted", {{"model", it->model_id}, {"version", it->version}, {"node", it->node}});
+      it = pending_commits_.erase(it);
+      continue;
+    }
+    if (now >= it->next_try) {
+      it->next_try = now + options_.commit_retry;
+      PendingCommit p = *it;
+      std::shared_ptr<NodeClient> client = n->second.client;
+      work->push_back([this, p, client] {
+        absl::Status st = client->CommitVersion(p.model_id, p.version, absl::Seconds(2));
+        if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) return;  // try again later
+        Log(st.ok() ? LogLevel::kInfo : LogLevel::kWarning, "owed commit delivered",
+            {{"model", p.model_id}, {"version", p.version}, {"node", p.node}, {"result", st.ok() ? "committed" : st.message()}});
+        absl::MutexLock l(&mu_);
+        pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
+                                              [&](const PendingCommit& q) {
+                                                return q.node == p.node && q.model_id == p.model_id && q.version == p.version;
+                                              }),
+                               pending_commits_.end());
+      });
+    }
+    ++it;
+  }
+}
+
+}  // namespace wb::daemon

@@ -1,0 +1,67 @@
+#include "daemon/coordinator/plan_cache.h"
+
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "planner/validate.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::daemon {
+
+absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const PlanSettings& settings, const PlanFn& make_plan) {
+  planner::Problem problem;
+  problem.inventory = *in.inventory;
+  problem.topology = settings.topology;
+  problem.staging_budget_bytes = settings.bucket_bytes;
+  std::map<std::string, int32_t> node_index;
+  for (const SliceWorker& w : in.workers) node_index.emplace(w.node, 0);
+  int32_t next_node = 0;
+  for (auto& [n, idx] : node_index) idx = next_node++;
+  std::map<std::string, int32_t> host_slots;  // node -> next host slot
+  // Cache key: everything the planner sees.
+  std::string key_src = absl::StrCat(in.model_id, "|", static_cast<int>(settings.strategy_proto), "|", settings.topology.intra_node_GBps,
+                                     "/", settings.topology.nic_GBps_per_gpu, "/", settings.topology.colocated, "/", settings.bucket_bytes);
+  for (const SliceWorker& w : in.workers) {
+    planner::Worker pw;
+    pw.id = w.id;
+    pw.role = w.role;
+    pw.node = node_index.at(w.node);
+    pw.gpu = w.gpu >= 0 ? w.gpu : 1024 + host_slots[w.node]++;
+    pw.layout = *w.layout;
+    absl::StrAppend(&key_src, "|", w.id, "@", pw.node, ":", pw.gpu, ":", w.layout_proto->SerializeAsString());
+    problem.workers.push_back(std::move(pw));
+  }
+  const std::string key = absl::StrCat(absl::Hex(XXH3_64bits(key_src.data(), key_src.size())));
+  PlanOutcome out;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = plans_.find(key);
+    if (it != plans_.end()) {
+      out.plan = it->second;
+      out.cached = true;
+    }
+  }
+  if (!out.plan) {
+    std::vector<const planner::Worker*> sources, destinations;
+    for (const planner::Worker& w : problem.workers) (w.role == planner::Role::kTrainer ? sources : destinations).push_back(&w);
+    RETURN_IF_ERROR_WITH(planner::ValidateCoverage(problem.inventory, sources, destinations), absl::StrCat("model ", in.model_id));
+    const absl::Time t0 = absl::Now();
+    auto plan = make_plan(problem, settings.strategy);
+    if (!plan.ok()) return plan.status();
+    plan->stats.plan_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    out.plan = std::make_shared<const planner::Plan>(std::move(*plan));
+    absl::MutexLock l(&mu_);
+    if (plans_.size() >= max_entries_) plans_.clear();
+    plans_[key] = out.plan;
+  }
+  ASSIGN_OR_RETURN(out.slices, SlicePlan(*out.plan, in));
+  return out;
+}
+
+size_t PlanCache::size() const {
+  absl::MutexLock l(&mu_);
+  return plans_.size();
+}
+
+}  // namespace wb::daemon

@@ -1,0 +1,53 @@
+#pragma once
+// Planning for the coordinator, made to run OUTSIDE its lock: a snapshot of a model's membership
+// (SliceInput) -> the plan (from the cache or the planner) and the per-node slices. The cache is
+// keyed by everything the planner sees (layouts, placement, strategy, topology, bucket budget) and
+// is bounded. Thread-safe; PlanAndSlice holds no lock while the planner runs.
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/coordinator/slicer.h"
+#include "planner/types.h"
+
+namespace wb::daemon {
+
+// The planner entry point (planner::MakePlan unless a test injects another).
+using PlanFn = std::function<absl::StatusOr<planner::Plan>(const planner::Problem&, planner::Strategy)>;
+
+struct PlanSettings {
+  planner::Strategy strategy = planner::Strategy::kWeightBridge;
+  pb::Strategy strategy_proto = pb::STRATEGY_UNSPECIFIED;
+  planner::Topology topology;
+  int64_t bucket_bytes = int64_t{2} << 30;
+};
+
+struct PlanOutcome {
+  std::shared_ptr<const planner::Plan> plan;
+  Slices slices;
+  bool cached = false;
+};
+
+class PlanCache {
+ public:
+  explicit PlanCache(size_t max_entries = 64) : max_entries_(max_entries) {}
+
+  // Problem from the snapshot (node index = order of node ids; gpu = the worker's gpu, or for host
+  // workers (gpu < 0) a slot of its own above every real gpu), coverage check, cache or planner,
+  // then SlicePlan. Errors name the model.
+  absl::StatusOr<PlanOutcome> PlanAndSlice(const SliceInput& in, const PlanSettings& settings, const PlanFn& make_plan);
+
+  size_t size() const;
+
+ private:
+  const size_t max_entries_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<const planner::Plan>> plans_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace wb::daemon

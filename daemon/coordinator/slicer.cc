@@ -1,0 +1,189 @@
+#include "daemon/coordinator/slicer.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/convert.h"
+#include "daemon/nccl_route.h"
+#include "planner/box.h"
+#include "planner/quantized.h"
+
+namespace wb::daemon {
+namespace {
+
+std::string BoxKey(int32_t tensor, const planner::Box& box) { return absl::StrCat(tensor, planner::BoxToString(box)); }
+
+// rank0_broadcast: every gathered box gets a place in the rank-0 node's gather staging (row-major,
+// 64-byte aligned); each read of staged data points at the entry that holds its box.
+class GatherStaging {
+ public:
+  explicit GatherStaging(const planner::Plan& plan) {
+    for (const planner::Bucket& b : plan.buckets) {
+      for (const planner::TransferOp& op : b.ops) {
+        if (op.dst_piece >= 0) continue;
+        auto [it, fresh] = staged_.try_emplace(BoxKey(op.tensor, op.box), Staged{op.tensor, op.box, bytes_});
+        if (fresh) {
+          bytes_ += (static_cast<uint64_t>(op.bytes) + 63) / 64 * 64;
+          by_tensor_[op.tensor].push_back(&it->second);
+        }
+      }
+    }
+  }
+  struct Staged {
+    int32_t tensor;
+    planner::Box box;
+    uint64_t offset;
+  };
+  const Staged* Find(const planner::TransferOp& op) const {
+    auto it = staged_.find(BoxKey(op.tensor, op.box));
+    if (it != staged_.end()) return &it->second;
+    auto t = by_tensor_.find(op.tensor);
+    if (t == by_tensor_.end()) return nullptr;
+    for (const Staged* st : t->second) {
+      if (planner::BoxContains(st->box, op.box)) return st;
+    }
+    return nullptr;
+  }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  std::map<std::string, Staged> staged_;
+  std::map<int32_t, std::vector<const Staged*>> by_tensor_;
+  uint64_t bytes_ = 0;
+};
+
+// The CUDA buffer a piece lives in, or null (host memory, or the rank-0 gather staging).
+const pb::BufferSpec* CudaBuffer(const SliceWorker& w, int32_t piece) {
+  if (piece < 0 || piece >= static_cast<int32_t>(w.layout->pieces.size())) return nullptr;
+  const int32_t buffer = w.layout->pieces[piece].buffer;
+  if (buffer < 0 || buffer >= w.layout_proto->buffers_size()) return nullptr;
+  const pb::BufferSpec& b = w.layout_proto->buffers(buffer);
+  const bool cuda = b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
+  return cuda ? &b : nullptr;
+}
+
+// Which ops go GPU to GPU over nccl (TransferOp.nccl; daemon/nccl_route.h), in plan op order.
+std::vector<bool> NcclOps(const planner::Plan& plan, const SliceInput& in,
+                          const std::map<std::string, std::vector<int>>& lanes) {
+  auto has_nccl = [&](const std::string& node) {
+    auto it = lanes.find(node);
+    return it != lanes.end() && !it->second.empty();
+  };
+  std::vector<RouteOpFacts> facts;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      const SliceWorker& sw = in.workers[op.src_worker];
+      const SliceWorker& dw = in.workers[op.dst_worker];
+      RouteOpFacts f;
+      f.src_worker = op.src_worker;
+      f.dst_worker = op.dst_worker;
+      f.cross_node = sw.node != dw.node;
+      f.src_is_trainer = sw.role == planner::Role::kTrainer;
+      f.dst_is_rollout = dw.role == planner::Role::kRollout;
+      f.src_cuda = CudaBuffer(sw, op.src_piece) != nullptr;
+      f.dst_cuda = CudaBuffer(dw, op.dst_piece) != nullptr;
+      f.src_node_nccl = has_nccl(sw.node);
+      f.dst_node_nccl = has_nccl(dw.node);
+      f.dst_quantized = planner::HasQuantizedPieces(*dw.layout);
+      facts.push_back(f);
+    }
+  }
+  return RouteOverNccl(facts);
+}
+
+// The header of every slice: model, epoch, inventory, stats, every worker (layouts only for the
+// node's own workers and the peers of its ops).
+void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const std::string& node,
+                     const std::set<int32_t>& known, uint64_t gather_bytes, pb::PlanSlice* s) {
+  s->set_model_id(in.model_id);
+  s->set_plan_epoch(in.epoch);
+  s->set_fingerprint(plan.fingerprint);
+  s->set_strategy(ToProto(plan.strategy));
+  s->set_mode(in.mode == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : in.mode);
+  InventoryToProto(*in.inventory, s->mutable_tensors());
+  s->set_num_buckets(static_cast<uint32_t>(plan.buckets.size()));
+  StatsToProto(plan.stats, static_cast<int>(plan.buckets.size()), s->mutable_stats());
+  s->set_gather_staging_bytes(gather_bytes);
+  for (size_t i = 0; i < in.workers.size(); ++i) {
+    const SliceWorker& w = in.workers[i];
+    pb::PlanWorker* pw = s->add_workers();
+    pw->set_worker_id(w.id);
+    pw->set_role(ToProto(w.role));
+    pw->set_node_id(w.node);
+    pw->set_gpu(w.gpu);
+    auto n = in.nodes.find(w.node);
+    if (n != in.nodes.end()) {
+      pw->set_data_address(n->second.data_address);
+      for (auto& [k, v] : n->second.transport_instances) (*pw->mutable_transport_instances())[k] = v;
+    }
+    if (w.node == node || known.count(static_cast<int32_t>(i))) *pw->mutable_layout() = *w.layout_proto;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in) {
+  Slices out;
+  const GatherStaging gather(plan);
+  // Which workers each node must know the layout of: its own and every peer of one of its ops.
+  std::map<std::string, std::set<int32_t>> known;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      for (const std::string* n : {&in.workers[op.src_worker].node, &in.workers[op.dst_worker].node}) {
+        known[*n].insert(op.src_worker);
+        known[*n].insert(op.dst_worker);
+      }
+    }
+  }
+  std::set<std::string> plan_nodes;
+  for (const SliceWorker& w : in.workers) plan_nodes.insert(w.node);
+  for (const std::string& n : plan_nodes) FillSliceHeader(plan, in, n, known[n], gather.bytes(), &out.by_node[n]);
+
+  std::map<std::string, std::vector<int>> lanes;  // node -> its nccl lane devices (ascending)
+  for (const std::string& n : plan_nodes) {
+    std::vector<std::string> names;
+    auto it = in.nodes.find(n);
+    if (it != in.nodes.end()) for (const auto& [k, v] : it->second.transport_instances) names.push_back(k);
+    lanes[n] = NcclLaneDevices(names);
+  }
+  const std::vector<bool> over_nccl = NcclOps(plan, in, lanes);
+  size_t op_i = 0;
+  uint32_t index = 0;
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    for (const planner::TransferOp& op : plan.buckets[b].ops) {
+      const SliceWorker& sw = in.workers[op.src_worker];
+      const SliceWorker& dw = in.workers[op.dst_worker];
+      out.total_bytes += static_cast<uint64_t>(op.bytes);
+      pb::TransferOp pop;
+      pop.set_index(index++);
+      pop.set_bucket(static_cast<uint32_t>(b));
+      pop.set_src_worker(static_cast<uint32_t>(op.src_worker));
+      pop.set_dst_worker(static_cast<uint32_t>(op.dst_worker));
+      pop.set_src_piece(op.src_piece);
+      pop.set_dst_piece(op.dst_piece);
+      pop.set_tensor(op.tensor);
+      ToProto(op.box, pop.mutable_box());
+      pop.set_bytes(static_cast<uint64_t>(op.bytes));
+      pop.set_route(ToProto(op.route));
+      if (over_nccl[op_i++]) {
+        // Both ends' lanes: the GPU of each side's buffer when it has a lane (daemon/nccl_route.h).
+        pop.set_nccl(true);
+        pop.set_nccl_src_device(NcclLaneFor(lanes[sw.node], CudaBuffer(sw, op.src_piece)->gpu()));
+        pop.set_nccl_dst_device(NcclLaneFor(lanes[dw.node], CudaBuffer(dw, op.dst_piece)->gpu()));
+      }
+      if (op.dst_piece < 0 || op.src_piece < 0) {
+        const GatherStaging::Staged* st = gather.Find(op);
+        if (st == nullptr) {
+          return absl::InternalError(absl::StrCat("plan op ", pop.index(), " reads staged tensor ", in.inventory->tensors[op.tensor].name,
+                                                  " box ", planner::BoxToString(op.box), " that no gather op stages"));
+        }
+        pop.set_staging_offset(st->offset);
+        ToProto(st->box, pop.mutable_staging_box());
+      }
+      *out.by_node[sw.node].add_ops() = pop;
+      if (dw.node != sw.node) *out.by_node[dw.node].add_ops() = std::move(pop);
+    }
+  }
+  for (auto& [n, s] : out.by_node) s.set_total_bytes(out.total_bytes);
+  return out;
+}
+
+}  // namespace wb::daemon

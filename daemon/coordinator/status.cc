@@ -1,0 +1,163 @@
+// CoordinatorCore: ClusterStatus and the WatchStatus push stream.
+#include "absl/strings/str_cat.h"
+#include "daemon/convert.h"
+#include "daemon/coordinator/core.h"
+
+namespace wb::daemon {
+
+void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
+  const absl::Time now = options_.clock->Now();
+  for (auto& [id, n] : nodes_) {
+    pb::NodeStatus* ns = out->add_nodes();
+    ns->set_node_id(id);
+    ns->set_address(n.address);
+    ns->set_data_address(n.data_address);
+    ns->set_alive(n.alive);
+    ns->set_draining(n.draining);
+    ns->set_lease_left_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(n.lease_expiry - now)));
+    for (const auto& [name, instance] : n.transport_instances) ns->add_transports(name);
+    for (const std::string& nic : n.data_nics) ns->add_data_nics(nic);
+    uint32_t count = 0;
+    bool busy = false;
+    for (auto& [mid, m] : models_) {
+      for (auto& [w, rec] : m.workers) count += rec.node == id;
+      busy |= m.machine->InFlightInvolves(id);
+    }
+    ns->set_num_workers(count);
+    ns->set_drained(n.draining && !busy);
+  }
+  for (auto& [mid, m] : models_) {
+    const planner::Plan& plan = *m.plan.plan;
+    pb::ModelStatus* ms = out->add_models();
+    ms->set_model_id(mid);
+    ms->set_mode(m.spec.mode());
+    ms->set_strategy(m.spec.strategy());
+    ms->set_committed_version(m.machine->committed());
+    ms->set_plan_fingerprint(plan.fingerprint);
+    ms->set_last_transfer_seconds(m.last_seconds);
+    ms->set_last_transfer_bytes(m.last_bytes);
+    ms->set_last_transfer_gbps(m.last_seconds > 0 ? m.last_bytes / m.last_seconds / 1e9 : 0);
+    ms->set_num_trainer_workers(m.spec.num_trainer_workers());
+    ms->set_num_rollout_workers(m.spec.num_rollout_workers());
+    ms->set_max_staleness(m.spec.max_staleness());
+    ms->set_draining(cluster_draining_ || m.machine->draining());
+    ms->set_plan_error(m.plan_error);  // e.g. a trainer layout with a hole (NODE helper, issue 15.13)
+    uint32_t nt = 0, nr = 0;
+    for (auto& [w, rec] : m.workers) {
+      if (!rec.has_layout) continue;
+      (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
+    }
+    ms->set_registered_trainers(nt);
+    ms->set_registered_rollouts(nr);
+    StatsToProto(plan.stats, static_cast<int>(plan.buckets.size()), ms->mutable_plan_stats());
+    for (auto& [w, rec] : m.workers) {
+      pb::WorkerStatus* ws = out->add_workers();
+      ws->set_worker_id(w);
+      ws->set_model_id(mid);
+      ws->set_role(ToProto(rec.role));
+      ws->set_node_id(rec.node);
+      ws->set_applied_version(m.machine->Applied(w));
+      ws->set_has_layout(rec.has_layout);
+      ws->set_paused(m.machine->IsPaused(w));
+    }
+    for (auto& [v, rec] : m.machine->records()) {
+      pb::VersionStatus* vs = out->add_versions();
+      vs->set_model_id(mid);
+      vs->set_version(v);
+      vs->set_state(VStateName(rec.state));
+      vs->set_bytes_total(rec.bytes_total);
+      uint64_t done = 0;
+      auto p = m.progress.find(v);
+      if (p != m.progress.end()) for (auto& [n, b] : p->second) done += b;
+      vs->set_bytes_done(rec.state == VState::kCommitted ? rec.bytes_total : std::min(done, rec.bytes_total));
+      if (rec.started != absl::InfinitePast()) {
+        absl::Time end = rec.finished != absl::InfinitePast() ? rec.finished : now;
+        vs->set_seconds(absl::ToDoubleSeconds(end - rec.started));
+      }
+      vs->set_error(rec.error);
+      vs->set_num_ops(static_cast<uint32_t>(plan.stats.num_ops));
+    }
+  }
+}
+
+absl::Status CoordinatorCore::ClusterStatus(const pb::StatusRequest&, pb::StatusResponse* resp) {
+  absl::MutexLock l(&mu_);
+  resp->set_role("coordinator");
+  FillStatusLocked(resp);
+  return absl::OkStatus();
+}
+
+bool CoordinatorCore::AwaitStatusWatchersAtMost(int n, absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto few = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return status_watchers_ <= n; };
+  return mu_.AwaitWithDeadline(absl::Condition(&few), deadline);
+}
+
+// Runs on real time (a client's stream and its cancellation are real-time things).
+absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
+                                          const std::function<bool(const pb::StatusResponse&)>& write,
+                                          const std::function<bool()>& cancelled) {
+  const absl::Duration timeout =
+      req.timeout_ms() > 0 ? std::min(absl::Milliseconds(req.timeout_ms()), kWatchMaxTimeout) : kWatchDefaultTimeout;
+  const absl::Time deadline = absl::Now() + timeout;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_) return absl::UnavailableError("coordinator shutting down");
+    if (status_watchers_ >= options_.max_status_watchers) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "WatchStatus: ", status_watchers_, " status watchers open already (limit max_status_watchers = ",
+          options_.max_status_watchers, "); use ClusterStatus or close a watcher"));
+    }
+    ++status_watchers_;
+  }
+  // The slot is freed however the stream ends (deadline, cancelled client, shutdown, write error).
+  struct Slot {
+    CoordinatorCore* c;
+    ~Slot() {
+      absl::MutexLock l(&c->mu_);
+      --c->status_watchers_;
+    }
+  } slot{this};
+
+  uint64_t seen = 0;
+  bool first = true;
+  std::string last_sent;
+  absl::Time next_rebuild = absl::InfinitePast();
+  while (true) {
+    pb::StatusResponse status;
+    bool built = false;
+    {
+      absl::MutexLock l(&mu_);
+      if (!first) {
+        // Wake on a change, on Shutdown, for the safety-net rebuild, at the stream's deadline, and
+        // every kWatchCancelCheck to notice a client that went away (gRPC's sync API has no
+        // cancellation callback that could signal mu_).
+        auto changed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || status_generation_ != seen; };
+        const absl::Time wake = std::min({deadline, next_rebuild, absl::Now() + kWatchCancelCheck});
+        mu_.AwaitWithDeadline(absl::Condition(&changed), wake);
+      }
+      if (stopping_) return absl::UnavailableError("coordinator shutting down: status stream closed");
+      if (first || status_generation_ != seen || absl::Now() >= next_rebuild) {
+        seen = status_generation_;
+        status.set_role("coordinator");
+        FillStatusLocked(&status);
+        built = true;
+      }
+    }
+    if (cancelled()) return absl::CancelledError("status watcher went away");
+    if (built) {
+      next_rebuild = absl::Now() + options_.status_resend;
+      std::string bytes;
+      status.SerializeToString(&bytes);
+      // Deterministic enough for a change check: same fields in the same order from one process.
+      if (first || bytes != last_sent) {
+        if (!write(status)) return absl::CancelledError("status watcher went away (write failed)");
+        last_sent = std::move(bytes);
+      }
+      first = false;
+    }
+    if (absl::Now() >= deadline) return absl::OkStatus();
+  }
+}
+
+}  // namespace wb::daemon
