@@ -3,6 +3,7 @@
 // Pure: callers read the file; this only parses text.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,6 +27,15 @@ enum class ModelFamily : uint8_t {
   kGemma3,      // Gemma3ForCausalLM (text): as Gemma 2 plus q_norm/k_norm
 };
 const char* ModelFamilyName(ModelFamily family);
+
+// LoRA adapters a model declares (issue 17.3; planner/lora.h). Not read from config.json: the
+// daemon fills it from ModelSpec.lora.
+struct LoraConfig {
+  std::vector<std::string> target_modules;  // PEFT names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+  int64_t r = 0;                            // rank
+  double alpha = 0;                         // lora_alpha (metadata: scaling alpha / r is not applied to bytes)
+  int64_t max_lora_rank = 0;                // vllm_lora: vLLM's --max-lora-rank (0: r)
+};
 
 struct ModelConfig {
   std::string architecture;  // architectures[0]
@@ -67,6 +77,9 @@ struct ModelConfig {
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
+
+  // Set: the model's tensors are these adapters alone (planner/lora.h BuildModelInventory).
+  std::optional<LoraConfig> lora;
 
   // True when layer `layer` has routed experts.
   bool IsMoeLayer(int64_t layer) const;

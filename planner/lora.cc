@@ -1,0 +1,358 @@
+#include "planner/lora.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "planner/box.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::planner {
+namespace {
+
+constexpr const char* kCanonicalPrefix = "base_model.model.model.layers.";
+
+// One PEFT target module and where it sits in vLLM's packed layers.
+struct ModuleInfo {
+  const char* name;      // PEFT name
+  const char* block;     // "self_attn" or "mlp"
+  const char* packed;    // vLLM module holding it
+  int slice;             // slice index in the packed module
+  bool row_parallel;     // RowParallelLinear in vLLM (o_proj, down_proj)
+};
+
+constexpr ModuleInfo kModules[] = {
+    {"q_proj", "self_attn", "qkv_proj", 0, false},  {"k_proj", "self_attn", "qkv_proj", 1, false},
+    {"v_proj", "self_attn", "qkv_proj", 2, false},  {"o_proj", "self_attn", "o_proj", 0, true},
+    {"gate_proj", "mlp", "gate_up_proj", 0, false}, {"up_proj", "mlp", "gate_up_proj", 1, false},
+    {"down_proj", "mlp", "down_proj", 0, true},
+};
+constexpr int kNumModules = sizeof(kModules) / sizeof(kModules[0]);
+
+// [out_features, in_features] of module m (the HF nn.Linear weight shape).
+std::pair<int64_t, int64_t> Dims(const ModelConfig& c, int m) {
+  const int64_t q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+  switch (m) {
+    case 0: return {q, c.hidden};
+    case 1:
+    case 2: return {kv, c.hidden};
+    case 3: return {c.hidden, q};
+    case 4:
+    case 5: return {c.intermediate, c.hidden};
+    default: return {c.hidden, c.intermediate};
+  }
+}
+
+// Targeted module indices into kModules, in canonical order.
+std::vector<int> Targets(const LoraConfig& lora) {
+  std::vector<int> out;
+  for (int m = 0; m < kNumModules; ++m) {
+    if (std::find(lora.target_modules.begin(), lora.target_modules.end(), kModules[m].name) != lora.target_modules.end()) {
+      out.push_back(m);
+    }
+  }
+  return out;
+}
+
+std::string ModulePath(int64_t layer, int m) {
+  return absl::StrCat(layer, ".", kModules[m].block, ".", kModules[m].name);
+}
+
+int64_t MaxRank(const LoraConfig& lora) { return lora.max_lora_rank > 0 ? lora.max_lora_rank : lora.r; }
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// Packs local tensors into one buffer at aligned offsets (as planner/presets.cc does).
+class LoraWriter {
+ public:
+  explicit LoraWriter(const Inventory& inv) : inv_(inv) {}
+
+  // A local tensor of `shape` holding canonical box [begin, end) of tensor `t` with local strides
+  // `strides` starting at local element 0.
+  void Add(std::string name, std::vector<int64_t> shape, int32_t t, Box box, std::vector<int64_t> strides) {
+    cursor_ = AlignUp(cursor_, kLocalTensorAlignment);
+    LocalTensor lt;
+    lt.name = std::move(name);
+    lt.dtype = inv_.tensors[t].dtype;
+    lt.offset_bytes = cursor_;
+    lt.first_piece = static_cast<int32_t>(out_.layout.pieces.size());
+    lt.num_pieces = 1;
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    cursor_ += n * DTypeSize(lt.dtype);
+    lt.shape = std::move(shape);
+    Piece p;
+    p.tensor = t;
+    p.box = std::move(box);
+    p.buffer = 0;
+    p.offset_bytes = lt.offset_bytes;
+    p.strides = std::move(strides);
+    out_.layout.pieces.push_back(std::move(p));
+    out_.local_tensors.push_back(std::move(lt));
+  }
+
+  PresetLayout Finish() {
+    out_.layout.buffers = {BufferInfo{AlignUp(cursor_, kLocalTensorAlignment)}};
+    return std::move(out_);
+  }
+
+ private:
+  const Inventory& inv_;
+  PresetLayout out_;
+  int64_t cursor_ = 0;
+};
+
+Box Rows(const TensorSpec& t, int64_t lo, int64_t hi) {
+  Box b{{lo, 0}, {hi, t.shape[1]}};
+  return b;
+}
+
+Box Cols(const TensorSpec& t, int64_t lo, int64_t hi) {
+  Box b{{0, lo}, {t.shape[0], hi}};
+  return b;
+}
+
+absl::Status CheckSizes(const ParallelConfig& p) {
+  if (p.tp < 1 || p.dp < 1 || p.replicas < 1 || p.pp != 1 || p.ep != 1 || p.etp != 0 || p.vpp != 1 ||
+      p.first_stage_layers != 0 || p.last_stage_layers != 0 || p.expert_parallel || !p.expert_placement.empty() ||
+      !p.quantization.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        p.preset, ": only tp, dp and replicas apply (each >= 1; pp/ep/vpp 1, no etp, expert options or quantization); got tp=", p.tp,
+        " dp=", p.dp, " replicas=", p.replicas, " pp=", p.pp, " ep=", p.ep, " etp=", p.etp, " vpp=", p.vpp,
+        p.quantization.empty() ? "" : absl::StrCat(" quantization=", p.quantization)));
+  }
+  if (p.preset == "peft" && p.tp != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("peft: adapters are replicated on every trainer rank; tp=", p.tp,
+                                                   " is not supported (use dp)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckVllmLora(const ModelConfig& c, const LoraConfig& lora, int tp) {
+  auto divides = [&](int64_t n, const char* field) -> absl::Status {
+    if (n % tp != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("vllm_lora: tp=", tp, " must divide ", field, "=", n));
+    }
+    return absl::OkStatus();
+  };
+  for (int m : Targets(lora)) {
+    if (m <= 3) {
+      RETURN_IF_ERROR(divides(c.heads, "num_attention_heads"));
+      if (tp >= c.kv_heads ? tp % c.kv_heads != 0 : c.kv_heads % tp != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("vllm_lora: tp=", tp, " and num_key_value_heads=", c.kv_heads,
+                                                       " must divide one another"));
+      }
+    } else {
+      RETURN_IF_ERROR(divides(c.intermediate, "intermediate_size"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+PresetLayout MakePeft(const Inventory& inv) {
+  LoraWriter w(inv);
+  for (int32_t t = 0; t < static_cast<int32_t>(inv.tensors.size()); ++t) {
+    const TensorSpec& spec = inv.tensors[t];
+    // "...lora_A.weight" -> "...lora_A.default.weight" (the live PeftModel parameter name).
+    std::string name = spec.name.substr(0, spec.name.size() - 7) + ".default.weight";
+    w.Add(std::move(name), spec.shape, t, Rows(spec, 0, spec.shape[0]), ContiguousStrides(spec.shape));
+  }
+  return w.Finish();
+}
+
+PresetLayout MakeVllmLora(const ModelConfig& c, const LoraConfig& lora, const Inventory& inv, int tp_rank, int tp) {
+  LoraWriter w(inv);
+  const std::vector<int> targets = Targets(lora);
+  const int64_t R = MaxRank(lora);
+  const int64_t r = lora.r;
+  // vLLM QKVParallelLinear: KV heads per rank and how many ranks share each KV head.
+  const int64_t kv_per_rank = tp >= c.kv_heads ? 1 : c.kv_heads / tp;
+  const int64_t kv_replicas = tp >= c.kv_heads ? tp / c.kv_heads : 1;
+  int32_t t = 0;
+  for (int64_t l = 0; l < c.layers; ++l) {
+    for (int m : targets) {
+      const ModuleInfo& info = kModules[m];
+      const int32_t a = t++, b = t++;
+      const TensorSpec& A = inv.tensors[a];  // [r, in]
+      const TensorSpec& B = inv.tensors[b];  // [out, r]
+      const std::string base = absl::StrCat("model.layers.", l, ".", info.block, ".", info.packed);
+      const std::string a_name = absl::StrCat(base, ".lora_a_stacked.", info.slice);
+      const std::string b_name = absl::StrCat(base, ".lora_b_stacked.", info.slice);
+      const int64_t in = A.shape[1], out = B.shape[0];
+      if (info.row_parallel) {
+        // RowParallelLinearWithLoRA.slice_lora_a: lora_a[:, tp_rank*shard : (tp_rank+1)*shard].
+        const int64_t shard = in / tp;
+        w.Add(a_name, {R, shard}, a, Cols(A, tp_rank * shard, (tp_rank + 1) * shard), {shard, 1});
+        w.Add(b_name, {out, R}, b, Rows(B, 0, out), {R, 1});
+        continue;
+      }
+      // Column-parallel slices: lora_a whole, lora_b rows of this rank's shard.
+      w.Add(a_name, {R, in}, a, Rows(A, 0, r), {in, 1});
+      int64_t shard = 0, shard_id = tp_rank;
+      if (m == 0) {
+        shard = c.heads / tp * c.head_dim;
+      } else if (m <= 2) {
+        shard = kv_per_rank * c.head_dim;
+        shard_id = tp_rank / kv_replicas;
+      } else {
+        shard = c.intermediate / tp;
+      }
+      w.Add(b_name, {shard, R}, b, Rows(B, shard_id * shard, (shard_id + 1) * shard), {R, 1});
+    }
+  }
+  return w.Finish();
+}
+
+}  // namespace
+
+const std::vector<std::string>& LoraModuleNames() {
+  static const auto* names = [] {
+    auto* v = new std::vector<std::string>;
+    for (const ModuleInfo& m : kModules) v->push_back(m.name);
+    return v;
+  }();
+  return *names;
+}
+
+absl::Status ValidateLora(const ModelConfig& c, const LoraConfig& lora) {
+  if (lora.r < 1 || lora.r > kMaxLoraRank) {
+    return absl::InvalidArgumentError(absl::StrCat("lora.r=", lora.r, " must be in [1, ", kMaxLoraRank, "]"));
+  }
+  if (!std::isfinite(lora.alpha) || lora.alpha <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("lora.alpha=", lora.alpha, " must be finite and > 0"));
+  }
+  if (lora.max_lora_rank != 0 && (lora.max_lora_rank < lora.r || lora.max_lora_rank > kMaxLoraRank)) {
+    return absl::InvalidArgumentError(absl::StrCat("lora.max_lora_rank=", lora.max_lora_rank, " must be 0 or in [r=", lora.r,
+                                                   ", ", kMaxLoraRank, "] (vLLM requires rank <= max_lora_rank)"));
+  }
+  if (lora.target_modules.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("lora.target_modules is empty (expected some of ",
+                                                   absl::StrJoin(LoraModuleNames(), ", "), ")"));
+  }
+  absl::flat_hash_set<std::string> seen;
+  for (const std::string& name : lora.target_modules) {
+    const auto& known = LoraModuleNames();
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("lora.target_modules: unknown module `", name, "` (expected one of ",
+                                                     absl::StrJoin(known, ", "), ")"));
+    }
+    if (!seen.insert(name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("lora.target_modules: `", name, "` listed twice"));
+    }
+  }
+  for (int m : Targets(lora)) {
+    if (m <= 3 && c.mla) {
+      return absl::InvalidArgumentError(absl::StrCat("lora.target_modules: ", kModules[m].name, " on ", c.architecture,
+                                                     ": multi-head latent attention has no such projection"));
+    }
+    if (m >= 4 && (c.experts > 0 || c.fused_experts)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lora.target_modules: ", kModules[m].name, " on ", c.architecture, " (",
+          c.experts_field.empty() ? "experts" : c.experts_field, "=", c.experts,
+          "): MLP adapters are supported on dense models only (PEFT would also match every expert's projection)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Inventory> BuildLoraInventory(const ModelConfig& c, const LoraConfig& lora, DType dtype,
+                                             const InventoryLimits& limits) {
+  RETURN_IF_ERROR(ValidateLora(c, lora));
+  const std::vector<int> targets = Targets(lora);
+  // Bounded before allocating: layers <= kMaxConfigValue (2^32), so this product fits.
+  const int64_t count = c.layers * static_cast<int64_t>(targets.size()) * 2;
+  if (count > limits.max_tensors) {
+    return absl::InvalidArgumentError(absl::StrCat("lora: num_hidden_layers=", c.layers, " x ", targets.size(),
+                                                   " target modules x 2 = ", count, " adapter tensors exceeds the limit of ",
+                                                   limits.max_tensors));
+  }
+  int64_t per_layer = 0;
+  for (int m : targets) {
+    const auto [out, in] = Dims(c, m);
+    // Dims are <= kMaxDerivedDim (2^40) and r <= 2^16: products fit in int64.
+    for (int64_t dim : {in, out}) {
+      if (dim < 1 || dim > kMaxDerivedDim || dim * lora.r > limits.max_tensor_elements) {
+        return absl::InvalidArgumentError(absl::StrCat("lora: ", kModules[m].name, " [", out, ", ", in, "] with r=", lora.r,
+                                                       ": an adapter tensor of ", dim, " x ", lora.r,
+                                                       " elements is out of bounds (limit ", limits.max_tensor_elements, ")"));
+      }
+    }
+    per_layer += (in + out) * lora.r;
+  }
+  const int64_t size = DTypeSize(dtype);
+  // count <= max_tensors (2^17 by default) bounds layers; compare by division to stay exact.
+  if (c.layers > 0 && per_layer > limits.max_total_bytes / size / c.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("lora: adapters of ", c.layers, " layers x ", per_layer,
+                                                   " elements exceed the limit of ", limits.max_total_bytes, " bytes"));
+  }
+  Inventory inv;
+  inv.architecture = c.architecture;
+  inv.tensors.reserve(static_cast<size_t>(count));
+  for (int64_t l = 0; l < c.layers; ++l) {
+    for (int m : targets) {
+      const auto [out, in] = Dims(c, m);
+      const std::string path = absl::StrCat(kCanonicalPrefix, ModulePath(l, m));
+      inv.tensors.push_back(TensorSpec{absl::StrCat(path, ".lora_A.weight"), {lora.r, in}, dtype});
+      inv.tensors.push_back(TensorSpec{absl::StrCat(path, ".lora_B.weight"), {out, lora.r}, dtype});
+    }
+  }
+  return inv;
+}
+
+bool IsLoraPreset(const std::string& preset) { return preset == "peft" || preset == "vllm_lora"; }
+
+absl::StatusOr<int> LoraPresetWorldSize(const ParallelConfig& p) {
+  if (!IsLoraPreset(p.preset)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown LoRA preset `", p.preset, "` (expected peft or vllm_lora)"));
+  }
+  RETURN_IF_ERROR(CheckSizes(p));
+  const int64_t world = int64_t{p.tp} * p.dp * p.replicas;
+  if (world > kMaxPresetWorld) {
+    return absl::InvalidArgumentError(absl::StrCat(p.preset, ": world size ", world, " (tp=", p.tp, " dp=", p.dp,
+                                                   " replicas=", p.replicas, ") exceeds the limit of ", kMaxPresetWorld));
+  }
+  return static_cast<int>(world);
+}
+
+absl::StatusOr<PresetLayout> MakeLoraPresetLayout(const ModelConfig& c, const LoraConfig& lora, const Inventory& inv,
+                                                  const ParallelConfig& p, int rank) {
+  ASSIGN_OR_RETURN(const int world, LoraPresetWorldSize(p));
+  if (rank < 0 || rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat(p.preset, ": rank ", rank, " outside [0, ", world, ")"));
+  }
+  RETURN_IF_ERROR(ValidateLora(c, lora));
+  const std::vector<int> targets = Targets(lora);
+  if (inv.tensors.size() != static_cast<size_t>(c.layers) * targets.size() * 2) {
+    return absl::InvalidArgumentError(absl::StrCat(p.preset, ": the inventory has ", inv.tensors.size(),
+                                                   " tensors, not the adapters of this LoRA config"));
+  }
+  if (p.preset == "peft") return MakePeft(inv);
+  RETURN_IF_ERROR(CheckVllmLora(c, lora, p.tp));
+  return MakeVllmLora(c, lora, inv, rank % p.tp, p.tp);
+}
+
+absl::StatusOr<Inventory> BuildModelInventory(const ModelConfig& config, DType dtype, const InventoryLimits& limits) {
+  if (config.lora.has_value()) return BuildLoraInventory(config, *config.lora, dtype, limits);
+  return BuildInventory(config, dtype, limits);
+}
+
+absl::StatusOr<PresetLayout> MakeModelPresetLayout(const ModelConfig& config, const Inventory& inventory,
+                                                   const ParallelConfig& parallel, int rank) {
+  if (config.lora.has_value()) {
+    if (!IsLoraPreset(parallel.preset)) {
+      return absl::InvalidArgumentError(absl::StrCat("preset `", parallel.preset,
+                                                     "` places base weights; this model holds LoRA adapters (use peft or vllm_lora)"));
+    }
+    return MakeLoraPresetLayout(config, *config.lora, inventory, parallel, rank);
+  }
+  if (IsLoraPreset(parallel.preset)) {
+    return absl::InvalidArgumentError(absl::StrCat("preset `", parallel.preset,
+                                                   "` places LoRA adapters; this model declares none (ModelSpec.lora)"));
+  }
+  return MakePresetLayout(config, inventory, parallel, rank);
+}
+
+}  // namespace wb::planner
