@@ -12,6 +12,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "proto/grpc_status.h"
 #include "proto/weightbridge.grpc.pb.h"
 
@@ -141,7 +142,9 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
     auto addr = ParseCtlAddress(a.Get("addr"));
     if (!addr.ok()) return usage(std::string(addr.status().message()));
     if (!addr->unix_socket) return usage("--addr must be a node daemon's worker socket (unix:PATH): DescribeLayout is a WorkerService call");
-    auto stub = pb::WorkerService::NewStub(grpc::CreateChannel(addr->target, grpc::InsecureChannelCredentials()));
+    grpc::ChannelArguments channel_args;
+    channel_args.SetMaxReceiveMessageSize(256 << 20);  // big models' descriptions are tens of MB
+    auto stub = pb::WorkerService::NewStub(grpc::CreateCustomChannel(addr->target, grpc::InsecureChannelCredentials(), channel_args));
     pb::DescribeLayoutRequest req;
     req.set_model_id(a.Get("model"));
     *req.mutable_layout() = layout;

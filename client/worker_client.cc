@@ -87,6 +87,18 @@ absl::StatusOr<pb::ModelSpec> ModelSpecToProto(const ModelConfig& model) {
     return absl::InvalidArgumentError("owner_broadcast is a planning baseline, not executable");
   }
   spec.set_strategy(ToProto(model.strategy));
+  if (model.lora.has_value()) {
+    const planner::LoraConfig& l = *model.lora;
+    if (l.r < 0 || l.r > UINT32_MAX || l.max_lora_rank < 0 || l.max_lora_rank > UINT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("model ", model.model_id, ": lora.r=", l.r, " / lora.max_lora_rank=",
+                                                     l.max_lora_rank, " out of range"));
+    }
+    pb::LoraSpec* out = spec.mutable_lora();
+    for (const std::string& m : l.target_modules) out->add_target_modules(m);
+    out->set_r(static_cast<uint32_t>(l.r));
+    out->set_alpha(l.alpha);
+    out->set_max_lora_rank(static_cast<uint32_t>(l.max_lora_rank));
+  }
   return spec;
 }
 
@@ -125,8 +137,9 @@ absl::Status WorkerClient::OpenChannel() {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-  args.SetMaxReceiveMessageSize(64 << 20);
-  args.SetMaxSendMessageSize(64 << 20);
+  // Layout descriptions of big models are tens of MB (FSDP2 over Kimi-K2: ~70k local tensors).
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
   channel_ = grpc::CreateCustomChannel(absl::StrCat("unix:", socket_path_),
                                        grpc::InsecureChannelCredentials(), args);
   if (channel_ == nullptr) {

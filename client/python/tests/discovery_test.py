@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client_test import TIMEOUT, TINY_CONFIG, Daemon  # noqa: E402
+from client_test import TIMEOUT, TINY_CONFIG, WORKSPACE, Daemon  # noqa: E402
 
 import weightbridge as wb  # noqa: E402
 
@@ -161,6 +161,19 @@ class DiscoveryTest(unittest.TestCase):
         for x in (tr, c):
             x.deregister()
             x.close()
+
+    def test_a_large_model_description_arrives(self):
+        """FSDP2 over Kimi-K2 (dp=256): ~70k local tensors, a ~10 MB answer; gRPC's default 4 MB
+        receive limit refused it (RESOURCE_EXHAUSTED) before the client raised its limit."""
+        with open(os.path.join(WORKSPACE, "planner", "testdata", "kimi-k2.json")) as f:
+            config = f.read()
+        model = wb.ModelConfig(model_id="py_discover_kimi", hf_config_json=config, num_trainer_workers=256,
+                               num_rollout_workers=1)
+        c = self.daemon.client("kimi")
+        desc = c.describe_layout(wb.PresetLayout("fsdp", dp=256, rank=255), model=model)
+        self.assertGreater(len(desc.tensors), 60000)
+        self.assertEqual(len(desc.pieces), sum(len(t.pieces) for t in desc.tensors.values()))
+        c.close()
 
 
 if __name__ == "__main__":

@@ -173,7 +173,11 @@ class WorkerClient:
     def _open(self, deadline):
         if self._channel is not None:
             self._channel.close()
-        self._channel = grpc.insecure_channel("unix:" + self.socket_path)
+        # Layout descriptions of big models are large (FSDP2 over Kimi-K2: ~70k local tensors, tens
+        # of MB); gRPC's default 4 MB receive limit would refuse them.
+        self._channel = grpc.insecure_channel("unix:" + self.socket_path,
+                                              options=[("grpc.max_receive_message_length", 256 << 20),
+                                                       ("grpc.max_send_message_length", 256 << 20)])
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
         # Whether the connection dropped after it was up: gRPC would silently reconnect on the next
         # call, maybe to a restarted daemon that forgot this worker (as the C++ client checks).
