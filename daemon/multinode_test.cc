@@ -1616,5 +1616,41 @@ TEST(InputRulesTest, RegisterWorkerRefusesBadEnumsAndIdsNamingTheField) {
   c.Stop();
 }
 
+// ------------------------------------------------------------------ staging budget (issue 15, "a node total")
+
+// --staging_budget_bytes is the node's total of host staging: with version 1's committed staging
+// still held (r0 has not applied it) and version 2's snapshot taken, version 2's incoming staging
+// does not fit, so version 2 is refused naming the budget (each piece alone fits: before, only the
+// version's own staging was compared with the budget and the node held more than it). Once r0
+// applied version 1 the memory is back and version 3 goes through.
+TEST(StagingBudgetNodeTest, BudgetIsTheNodeTotal) {
+  planner::Inventory inv = SmallInventory();  // 560 bytes; snapshot of a 624-byte segment
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0, nullptr, nullptr, [](ServerOptions& o) { o.staging_budget_bytes = 1500; });
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  spec.set_num_trainer_workers(1);
+  spec.set_num_rollout_workers(1);
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  for (TestWorker* w : {&t0, &r0}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0}, {&r0})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(WaitCommitted(r0, "m", 1).ok());
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0}, {&r0})) ASSERT_TRUE(s.ok()) << s.error_message();
+  grpc::Status w = WaitCommitted(r0, "m", 2);
+  EXPECT_EQ(w.error_code(), grpc::StatusCode::ABORTED) << w.error_message();
+  for (const char* want : {"node n0", "version 2", "--staging_budget_bytes=1500", "in use"}) {
+    EXPECT_NE(w.error_message().find(want), std::string::npos) << want << " missing in: " << w.error_message();
+  }
+  pb::ApplyResponse resp;
+  ASSERT_TRUE(c.Apply(r0, "m", 0, &resp).ok());
+  EXPECT_EQ(resp.applied_version(), 1u);
+  EXPECT_EQ(CountBad(r0, 1), 0);
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0}, {&r0})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(c.Apply(r0, "m", 3, &resp).ok());
+  EXPECT_EQ(CountBad(r0, 3), 0);
+  c.Stop();
+}
+
 }  // namespace
 }  // namespace wb::daemon

@@ -318,7 +318,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     const absl::Time deadline = Deadline(req->timeout_ms());
     std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
     std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
-    int64_t reserved = 0;
+    std::shared_ptr<StagingBudget::Charge> snap_charge;
     bool snapshot = false;
     {
       absl::MutexLock l(&d_->mu_);
@@ -335,7 +335,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         // With GPU staging, CUDA buffers are snapshotted on their GPU (under its own budget); if
         // one falls back to host memory it is checked against this budget after the copy.
         const bool gpu_staging = d_->options_.device_staging != nullptr && d_->options_.device_staging->enabled();
-        int64_t total = d_->snapshot_reserved_, need = 0;
+        int64_t need = 0;
         for (size_t j = 0; j < w.buffers.size(); ++j) {
           if (w.buffers[j]) {
             need += w.buffers[j]->size();
@@ -343,48 +343,37 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
             need += w.cuda[j]->size;
           }
         }
-        for (auto& [id, other] : d_->workers_) {
-          // GPU snapshots count against the GPU staging budget, not this one.
-          for (auto& [v, snap] : other.snapshots) {
-            for (auto& b : *snap) total += b.device ? 0 : b.size();
-          }
-        }
-        if (total + need > d_->options_.staging_budget_bytes) {
-          return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat("staging budget of ", d_->options_.staging_budget_bytes,
-                                                                        " bytes exceeded by the snapshot of version ", req->version())));
-        }
-        // The copy itself runs outside mu_ (it can take seconds for a large model on a busy
-        // machine, and every other handler needs mu_); the bytes are reserved meanwhile.
-        d_->snapshot_reserved_ += need;
-        reserved = need;
+        // One node total (daemon/node/staging_budget.h): with every other snapshot, version in
+        // flight and committed staging not applied yet. Reserved before the copy, which runs
+        // outside mu_; the charge goes with the snapshot's memory.
+        auto charge = d_->budget_->Reserve(need, absl::StrCat("the snapshot of worker ", req->worker_id(), " version ", req->version()));
+        if (!charge.ok()) return ToGrpcStatus(charge.status());
+        snap_charge = std::move(*charge);
         snapshot = true;
         to_snapshot = w.buffers;
         cuda_snapshot = w.cuda;
       }
     }
     if (snapshot) {
-      std::shared_ptr<Bytes> snap = d_->NewBytes();
+      std::shared_ptr<Bytes> snap = d_->NewBytes(0, {snap_charge});
       absl::Status copied =
           d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline,
                        /*on_gpu=*/true);
-      absl::MutexLock l(&d_->mu_);
-      d_->snapshot_reserved_ -= reserved;
       if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("snapshot of version ", req->version())));
-      int64_t host = d_->snapshot_reserved_, fell_back = 0;
-      for (auto& [id, other] : d_->workers_) {
-        for (auto& [v, s] : other.snapshots) {
-          for (auto& b : *s) host += b.device ? 0 : b.size();
+      int64_t fell_back = 0;  // CUDA buffers that did not fit GPU staging: host memory after all
+      for (size_t j = 0; j < snap->size(); ++j) {
+        if (!(*snap)[j].device && j < cuda_snapshot.size() && cuda_snapshot[j] && d_->options_.device_staging != nullptr &&
+            d_->options_.device_staging->enabled()) {
+          fell_back += (*snap)[j].size();
         }
       }
-      for (size_t j = 0; j < snap->size(); ++j) {
-        if (!(*snap)[j].device) host += (*snap)[j].size();
-        if (!(*snap)[j].device && j < cuda_snapshot.size() && cuda_snapshot[j]) fell_back += (*snap)[j].size();
+      if (fell_back > 0) {
+        auto extra = d_->budget_->Reserve(fell_back, absl::StrCat("the snapshot of worker ", req->worker_id(), " version ", req->version(),
+                                                                  " (CUDA buffers that did not fit the GPU staging budget)"));
+        if (!extra.ok()) return ToGrpcStatus(extra.status());
+        snap = KeepWith(std::move(snap), std::move(*extra));
       }
-      if (fell_back > 0 && host > d_->options_.staging_budget_bytes) {
-        return ToGrpcStatus(absl::ResourceExhaustedError(absl::StrCat(
-            "snapshot of version ", req->version(), ": ", fell_back, " bytes of CUDA buffers did not fit the GPU staging budget and ",
-            "host staging would then exceed --staging_budget_bytes=", d_->options_.staging_budget_bytes)));
-      }
+      absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
       if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " left during Publish")));
       it->second.snapshots[req->version()] = std::move(snap);
@@ -957,6 +946,7 @@ NodeDaemon::NodeDaemon(Options options)
   po.max_idle_bytes = options_.staging_budget_bytes;
   po.clock = options_.clock;
   staging_pool_ = std::make_shared<StagingPool>(po);
+  budget_ = StagingBudget::Create(options_.node_id, options_.staging_budget_bytes);
   // Workers' shm segments may shrink under us (a worker truncating its own memory): a fault in one
   // must fail that worker's call, not kill the daemon (ShmSegment::CheckIntact).
   transport::ShmSegment::InstallSigbusGuard();
@@ -969,14 +959,25 @@ std::vector<uint8_t> NodeDaemon::TakeHost(int64_t size) {
   return out;
 }
 
-std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::NewBytes(size_t n) {
+std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::NewBytes(size_t n, std::vector<std::shared_ptr<StagingBudget::Charge>> charges) {
   std::weak_ptr<StagingPool> pool = staging_pool_;
-  return std::shared_ptr<Bytes>(new Bytes(n), [pool](Bytes* b) {
-    if (std::shared_ptr<StagingPool> p = pool.lock()) {
+  std::shared_ptr<StagingBudget> budget = budget_;
+  return std::shared_ptr<Bytes>(new Bytes(n), [pool, budget, charges = std::move(charges)](Bytes* b) mutable {
+    std::shared_ptr<StagingPool> p = pool.lock();
+    if (p) {
       for (StagedBuffer& sb : *b) p->Give(std::move(sb.host));
     }
     delete b;
+    charges.clear();  // released first: what the pool may keep idle is what the budget leaves
+    // Idle pooled memory counts too: in use + idle stays within the node's budget.
+    if (p) p->TrimTo(std::max<int64_t>(0, budget->budget() - budget->in_use()));
   });
+}
+
+std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::KeepWith(std::shared_ptr<Bytes> bytes, std::shared_ptr<StagingBudget::Charge> charge) {
+  auto holder = std::make_shared<std::pair<std::shared_ptr<Bytes>, std::shared_ptr<StagingBudget::Charge>>>(std::move(bytes), std::move(charge));
+  Bytes* raw = holder->first.get();
+  return std::shared_ptr<Bytes>(std::move(holder), raw);
 }
 
 NodeDaemon::~NodeDaemon() { Shutdown(); }
@@ -1327,10 +1328,9 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
     }
   }
   if (exec->plan->hosts_gather) staging += static_cast<int64_t>(exec->plan->slice.gather_staging_bytes());
-  if (staging > options_.staging_budget_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("node ", options_.node_id, ": staging of ", staging,
-                                                     " bytes exceeds the budget of ", options_.staging_budget_bytes));
-  }
+  // The node's total (daemon/node/staging_budget.h), not this version's alone: other versions in
+  // flight, snapshots and committed staging not applied yet count too.
+  ASSIGN_OR_RETURN(exec->charge, budget_->Reserve(staging, absl::StrCat("the staging of model ", model_id, " version ", version)));
   exec->staging_bytes = staging;
   execs_[{model_id, version}] = exec;
   {
@@ -1643,12 +1643,11 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     }
     std::map<std::string, std::shared_ptr<Bytes>> incoming;
     std::shared_ptr<Bytes> gather;
-    int64_t host_fallback = 0;  // CUDA buffers staged in host memory although GPU staging is on
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
       const pb::PlanWorker& w = plan.slice.workers(i);
       if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
       const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
-      std::shared_ptr<Bytes> bytes = NewBytes();
+      std::shared_ptr<Bytes> bytes = NewBytes(0, {exec.charge});
       for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
         const int64_t size = plan.layouts[i].buffers[j].size_bytes;
         StagedBuffer sb;
@@ -1673,13 +1672,11 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
           }
           Metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
           if (sb.device == nullptr && options_.device_staging != nullptr && options_.device_staging->enabled()) {
-            // Not counted in exec.staging_bytes (expected on the GPU): check the host budget now.
-            host_fallback += size;
-            if (exec.staging_bytes + host_fallback > options_.staging_budget_bytes) {
-              return absl::ResourceExhaustedError(absl::StrCat(
-                  vlabel, ": ", host_fallback, " bytes of CUDA buffers of local rollouts did not fit the GPU staging budget and host ",
-                  "staging would then exceed --staging_budget_bytes=", options_.staging_budget_bytes));
-            }
+            // Not counted in exec.staging_bytes (expected on the GPU): reserved from the host budget now.
+            ASSIGN_OR_RETURN(std::shared_ptr<StagingBudget::Charge> extra,
+                             budget_->Reserve(size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j,
+                                                                 " (a CUDA buffer that did not fit the GPU staging budget)")));
+            bytes = KeepWith(std::move(bytes), std::move(extra));
           }
         }
         if (sb.device == nullptr) sb.host = TakeHost(size);  // recycled: see daemon/staging_pool.h
@@ -1688,7 +1685,7 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       incoming[w.worker_id()] = std::move(bytes);
     }
     if (plan.hosts_gather) {
-      gather = NewBytes(1);
+      gather = NewBytes(1, {exec.charge});
       (*gather)[0].host = TakeHost(static_cast<int64_t>(plan.slice.gather_staging_bytes()));
     }
     absl::MutexLock l(&mu_);

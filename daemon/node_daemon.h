@@ -40,6 +40,7 @@
 #include "daemon/fd_channel.h"
 #include "daemon/nic_meter.h"
 #include "daemon/node/live_copy.h"
+#include "daemon/node/staging_budget.h"
 #include "daemon/staging_pool.h"
 #include "tools/cc/clock.h"
 #include "transport/device_allocator.h"
@@ -108,7 +109,10 @@ class NodeDaemon {
   using Bytes = StagedBytes;  // one entry per buffer, layout order
   // `n` empty buffers whose host memory goes back to staging_pool_ when the last reference drops
   // (fill them with TakeHost): every host staging of a version is made this way.
-  std::shared_ptr<Bytes> NewBytes(size_t n = 0);
+  // `charges` (daemon/node/staging_budget.h) are held until the memory is gone.
+  std::shared_ptr<Bytes> NewBytes(size_t n = 0, std::vector<std::shared_ptr<StagingBudget::Charge>> charges = {});
+  // `bytes`, also holding `charge` until the memory is gone.
+  static std::shared_ptr<Bytes> KeepWith(std::shared_ptr<Bytes> bytes, std::shared_ptr<StagingBudget::Charge> charge);
   // Host staging of `size` bytes from staging_pool_ (recycled when one of that size is idle).
   std::vector<uint8_t> TakeHost(int64_t size);
   // A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
@@ -175,6 +179,7 @@ class NodeDaemon {
     std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
     std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
     int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
+    std::shared_ptr<StagingBudget::Charge> charge;  // staging_bytes of the node's budget; travels with the staging
     bool started = false, aborted = false, failed = false;
     // Every byte of the version landed in this node's staging (the executor finished OK, before
     // ReportDone): only then may CommitVersion make it the committed copy (FAILED_PRECONDITION before).
@@ -294,7 +299,6 @@ class NodeDaemon {
   absl::Mutex mu_;
   uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (node-local waiters compare)
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
-  int64_t snapshot_reserved_ ABSL_GUARDED_BY(mu_) = 0;  // snapshot bytes being copied outside mu_
   std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
   LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
   LiveCopier copier_;                    // staging -> live copies on the host transport
@@ -315,6 +319,8 @@ class NodeDaemon {
   NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
   // Host staging memory reused across versions (own lock; buffers come back from NewBytes' deleter).
   std::shared_ptr<StagingPool> staging_pool_;
+  // --staging_budget_bytes as the node's total of host staging (own lock).
+  std::shared_ptr<StagingBudget> budget_;
   absl::Mutex stubs_mu_;
   struct PeerStubEntry {
     std::string address;

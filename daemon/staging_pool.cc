@@ -51,6 +51,15 @@ void StagingPool::Trim() {
   }
 }
 
+void StagingPool::TrimTo(int64_t max_idle_bytes) {
+  std::list<Idle> freed;  // destroyed after the lock is released
+  absl::MutexLock l(&mu_);
+  while (!idle_.empty() && idle_bytes_ > max_idle_bytes) {
+    idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
+    freed.splice(freed.end(), idle_, idle_.begin());
+  }
+}
+
 void StagingPool::Clear() {
   std::list<Idle> freed;  // destroyed after the lock is released
   absl::MutexLock l(&mu_);

@@ -56,6 +56,9 @@ class StagingPool {
   void Trim();
   // Frees every idle buffer.
   void Clear();
+  // Frees the oldest idle buffers until at most `max_idle_bytes` stay idle (the node keeps in-use
+  // plus idle staging within its budget).
+  void TrimTo(int64_t max_idle_bytes);
   Stats stats() const;
 
  private:

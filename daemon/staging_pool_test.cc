@@ -82,5 +82,16 @@ TEST(StagingPoolTest, TrimFreesBuffersIdleTooLong) {
   EXPECT_EQ(pool.stats().idle_buffers, 0u);
 }
 
+TEST(StagingPoolTest, TrimToKeepsAtMostThatManyIdleBytesOldestFirst) {
+  StagingPool pool(StagingPool::Options{});
+  pool.Give(std::vector<uint8_t>(100));
+  pool.Give(std::vector<uint8_t>(200));
+  pool.Give(std::vector<uint8_t>(300));
+  pool.TrimTo(500);
+  EXPECT_EQ(pool.stats().idle_bytes, 500);  // the 100-byte buffer (oldest) went
+  pool.TrimTo(0);
+  EXPECT_EQ(pool.stats().idle_bytes, 0);
+}
+
 }  // namespace
 }  // namespace wb::daemon
