@@ -395,8 +395,11 @@ grpc::Status GuardedWorkerService::WaitVersion(grpc::ServerContext* ctx, const p
 grpc::Status GuardedWorkerService::Deregister(grpc::ServerContext* ctx, const pb::DeregisterRequest* req, pb::DeregisterResponse* resp) {
   if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
   grpc::Status s = inner_->Deregister(ctx, req, resp);
-  absl::MutexLock l(&mu_);
-  bindings_.erase(req->worker_id());
+  {
+    absl::MutexLock l(&mu_);
+    bindings_.erase(req->worker_id());
+  }
+  if (on_deregister_) on_deregister_(req->worker_id());
   return s;
 }
 

@@ -108,6 +108,9 @@ class GuardedWorkerService final : public pb::WorkerService::Service {
   absl::Status CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker);
   // The process `worker` is bound to; NOT_FOUND if none.
   absl::StatusOr<PeerCred> BoundCred(const std::string& worker);
+  // Told the id of every worker that deregistered (the fd channel releases its fds). Set before
+  // serving.
+  void set_on_deregister(std::function<void(const std::string& worker)> f) { on_deregister_ = std::move(f); }
 
  private:
   struct Binding {
@@ -128,6 +131,7 @@ class GuardedWorkerService final : public pb::WorkerService::Service {
   absl::Mutex mu_;
   std::map<std::string, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> on_deregister_;
 };
 
 // ------------------------------------------------------------------------- daemon <-> daemon

@@ -3,11 +3,13 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -18,7 +20,7 @@
 namespace wb::daemon {
 
 absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Bind(const std::string& path, mode_t mode, Authorize authorize,
-                                                          size_t max_fds_per_worker) {
+                                                          FdChannelLimits limits) {
   sockaddr_un addr = {};
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("fd channel path '", path, "' is empty or too long"));
@@ -26,7 +28,12 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Bind(const std::string& pa
   std::unique_ptr<FdChannel> c(new FdChannel());
   c->path_ = path;
   c->authorize_ = std::move(authorize);
-  c->max_per_worker_ = max_fds_per_worker;
+  // The kept fds count against this process's open-file limit: never more than half of it.
+  rlimit rl{};
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    limits.total = std::min<size_t>(limits.total, std::max<size_t>(1, rl.rlim_cur / 2));
+  }
+  c->limits_ = limits;
   c->listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   c->stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
   if (c->listen_fd_ < 0 || c->stop_fd_ < 0) return absl::InternalError(absl::StrCat("fd channel: ", std::strerror(errno)));
@@ -63,47 +70,130 @@ void FdChannel::Stop() {
   ::unlink(path_.c_str());
 }
 
+// One poll loop over the listener and every open connection: each ready connection gets one
+// message read without blocking and answered, so no client waits behind another.
 void FdChannel::Serve() {
+  std::vector<Conn> conns;
+  absl::Time next_sweep = absl::Now() + absl::Seconds(1);
   while (true) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    if (::poll(p, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
+    const absl::Time now = absl::Now();
+    absl::Time wake = next_sweep;
+    for (const Conn& c : conns) wake = std::min(wake, c.last + limits_.message_timeout);
+    std::vector<pollfd> p = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    for (const Conn& c : conns) p.push_back({c.fd, POLLIN, 0});
+    const int ms = static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 1000));
+    if (::poll(p.data(), p.size(), ms) < 0 && errno != EINTR) return;
+    if (p[1].revents != 0) break;
+    // Connections first (their indices match p[2..]), then the listener adds new ones.
+    std::vector<Conn> keep;
+    const absl::Time t = absl::Now();
+    for (size_t i = 0; i < conns.size(); ++i) {
+      Conn& c = conns[i];
+      bool open = true;
+      if (p[i + 2].revents != 0) {
+        open = ServeOne(c);
+      } else if (t - c.last >= limits_.message_timeout) {
+        open = false;  // silent for too long
+      }
+      if (open) {
+        keep.push_back(c);
+      } else {
+        ::close(c.fd);
+      }
     }
-    if (p[1].revents != 0) return;
-    const int conn = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) continue;  // EAGAIN (the client went away) or transient
-    ServeConnection(conn);
-    ::close(conn);
+    conns.swap(keep);
+    if (p[0].revents != 0) AcceptConnections(conns);
+    if (t >= next_sweep) {
+      absl::MutexLock l(&mu_);
+      ReleaseDeadLocked();
+      next_sweep = t + absl::Seconds(1);
+    }
+  }
+  for (Conn& c : conns) ::close(c.fd);
+}
+
+void FdChannel::AcceptConnections(std::vector<Conn>& conns) {
+  while (true) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;  // EAGAIN (drained), the client went away, or out of fds (retried next time)
+    ucred uc = {};
+    socklen_t len = sizeof(uc);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &uc, &len) != 0) {
+      ::close(fd);
+      continue;
+    }
+    size_t same_uid = 0;
+    for (const Conn& c : conns) same_uid += c.sender.uid == uc.uid;
+    if (conns.size() >= limits_.max_connections || same_uid >= limits_.max_connections_per_uid) {
+      const absl::Status busy = absl::ResourceExhaustedError(absl::StrCat(
+          "fd channel: too many connections (", conns.size(), " open, ", same_uid, " of uid ", uc.uid, "; limits ",
+          limits_.max_connections, " and ", limits_.max_connections_per_uid, " per uid)"));
+      (void)transport::SendWithFds(fd, transport::EncodeFdReply(busy), {}, absl::Now() + absl::Milliseconds(50));
+      ::close(fd);
+      continue;
+    }
+    conns.push_back(Conn{fd, PeerCred{uc.pid, uc.uid, uc.gid, ProcessStartTime(uc.pid)}, absl::Now()});
   }
 }
 
-void FdChannel::ServeConnection(int conn) {
-  ucred uc = {};
-  socklen_t len = sizeof(uc);
-  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &uc, &len) != 0) return;
-  const PeerCred sender{uc.pid, uc.uid, uc.gid, ProcessStartTime(uc.pid)};
-  while (true) {
-    auto msg = transport::RecvWithFds(conn, 4096, 1, absl::Now() + absl::Seconds(2));
-    if (!msg.ok()) {
-      if (msg.status().code() == absl::StatusCode::kInvalidArgument) {
-        (void)transport::SendWithFds(conn, transport::EncodeFdReply(msg.status()), {}, absl::Now() + absl::Seconds(2));
-      }
-      return;  // closed, too slow, or garbage
+bool FdChannel::ServeOne(Conn& conn) {
+  // Readable now: the receive does not wait (a datagram is whole or absent).
+  auto msg = transport::RecvWithFds(conn.fd, 4096, 1, absl::Now() + absl::Milliseconds(20));
+  if (!msg.ok()) {
+    if (msg.status().code() == absl::StatusCode::kInvalidArgument) {
+      (void)transport::SendWithFds(conn.fd, transport::EncodeFdReply(msg.status()), {}, absl::Now() + absl::Milliseconds(50));
+      return false;
     }
-    absl::Status s;
-    auto offer = transport::DecodeVmmFdOffer(msg->bytes);
-    if (!offer.ok()) {
-      s = offer.status();
-    } else if (msg->fds.size() != 1) {
-      s = absl::InvalidArgumentError("fd channel: an offer carries exactly one fd");
-    } else {
-      s = Accept(sender, offer->model_id, offer->worker_id, offer->key, offer->allocation_bytes, msg->fds[0]);
-      if (s.ok()) msg->fds.clear();  // kept
-    }
-    for (int fd : msg->fds) ::close(fd);
-    if (!transport::SendWithFds(conn, transport::EncodeFdReply(s), {}, absl::Now() + absl::Seconds(2)).ok()) return;
+    return msg.status().code() == absl::StatusCode::kDeadlineExceeded;  // spurious wake-up; else closed or broken
   }
+  conn.last = absl::Now();
+  absl::Status s;
+  auto offer = transport::DecodeVmmFdOffer(msg->bytes);
+  if (!offer.ok()) {
+    s = offer.status();
+  } else if (msg->fds.size() != 1) {
+    s = absl::InvalidArgumentError("fd channel: an offer carries exactly one fd");
+  } else {
+    s = Accept(conn.sender, offer->model_id, offer->worker_id, offer->key, offer->allocation_bytes, msg->fds[0]);
+    if (s.ok()) msg->fds.clear();  // kept
+  }
+  for (int fd : msg->fds) ::close(fd);
+  // A client that does not read its replies (its receive queue full) is dropped, not waited for.
+  return transport::SendWithFds(conn.fd, transport::EncodeFdReply(s), {}, absl::Now() + absl::Milliseconds(50)).ok();
+}
+
+size_t FdChannel::ReleaseDeadLocked() {
+  size_t n = 0;
+  std::map<pid_t, bool> alive;  // one /proc read per sender
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    const PeerCred& who = it->second.sender;
+    auto [a, fresh] = alive.try_emplace(who.pid, false);
+    if (fresh) a->second = ProcessStartTime(who.pid) == who.start_time;
+    if (!a->second) {
+      ::close(it->second.fd);
+      it = entries_.erase(it);
+      ++n;
+    } else {
+      ++it;
+    }
+  }
+  return n;
+}
+
+size_t FdChannel::ReleaseDead() {
+  absl::MutexLock l(&mu_);
+  return ReleaseDeadLocked();
+}
+
+size_t FdChannel::ReleaseWorker(const std::string& worker) {
+  absl::MutexLock l(&mu_);
+  size_t n = 0;
+  for (auto it = entries_.lower_bound({worker, ""}); it != entries_.end() && it->first.first == worker;) {
+    ::close(it->second.fd);
+    it = entries_.erase(it);
+    ++n;
+  }
+  return n;
 }
 
 absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model, const std::string& worker,
@@ -113,6 +203,7 @@ absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model,
                                                " uid ", sender.uid, " refused: ", s.message()));
   }
   absl::MutexLock l(&mu_);
+  ReleaseDeadLocked();
   size_t mine = 0;
   for (auto it = entries_.lower_bound({worker, ""}); it != entries_.end() && it->first.first == worker;) {
     const PeerCred& was = it->second.sender;
@@ -125,9 +216,29 @@ absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model,
     ++it;
   }
   auto it = entries_.find({worker, key});
-  if (it == entries_.end() && mine >= max_per_worker_) {
-    return absl::ResourceExhaustedError(absl::StrCat("fd channel: worker ", worker, " already keeps ", mine, " fds (limit ",
-                                                     max_per_worker_, ")"));
+  if (it == entries_.end()) {
+    size_t uid = 0;
+    for (const auto& [k, e] : entries_) uid += e.sender.uid == sender.uid;
+    const char* limit = nullptr;
+    size_t have = 0, max = 0;
+    if (mine >= limits_.per_worker) {
+      limit = "per worker";
+      have = mine;
+      max = limits_.per_worker;
+    } else if (uid >= limits_.per_uid) {
+      limit = "per uid";
+      have = uid;
+      max = limits_.per_uid;
+    } else if (entries_.size() >= limits_.total) {
+      limit = "per node";
+      have = entries_.size();
+      max = limits_.total;
+    }
+    if (limit != nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("fd channel: offer of '", key, "' for worker ", worker, " (uid ", sender.uid,
+                                                       ") refused: ", have, " fds already kept, limit ", max, " ", limit,
+                                                       " (Deregister workers or restart them to release theirs)"));
+    }
   }
   if (it != entries_.end()) ::close(it->second.fd);
   entries_[{worker, key}] = Entry{fd, bytes, sender};

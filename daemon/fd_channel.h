@@ -10,13 +10,20 @@
 // daemon/auth.h) for that model - `authorize` decides; anything else is refused and the fd closed
 // at once. Accepted fds are kept keyed by (worker, key), with the sender's identity; a new offer
 // for the same key replaces (closes) the old fd; an offer from a new process of the same worker id
-// (a restart) drops the fds the previous process sent. At most max_fds_per_worker keys per worker
-// (RESOURCE_EXHAUSTED beyond).
+// (a restart) drops the fds the previous process sent.
+//
+// Bounds (FdChannelLimits, RESOURCE_EXHAUSTED naming the limit beyond): fds per worker id, per
+// sending uid (one principal may hold several worker ids) and per node in total (further capped
+// at half of RLIMIT_NOFILE at Bind). Fds are released when the worker deregisters
+// (ReleaseWorker, from the guarded worker service) and when the process that sent them has exited
+// (checked on every offer and every second), so dead or departed workers pin nothing.
 //
 // Get() hands out a dup of the fd (the caller closes it) only to a lookup that names the process
 // currently bound to the worker: fds of a dead predecessor never reach a new registration.
-// Connections are served one at a time by one thread with a 2 s deadline per message, so a stalled
-// client delays others by at most that.
+// Connections are served concurrently by one poll loop: a message is one datagram, read without
+// blocking, so a slow, silent or refused client delays no other. A connection idle for
+// message_timeout (2 s) is closed; at most max_connections at once, max_connections_per_uid per
+// uid (more are closed at accept).
 
 #include <sys/types.h>
 
@@ -26,13 +33,24 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "daemon/auth.h"
 
 namespace wb::daemon {
+
+struct FdChannelLimits {
+  size_t per_worker = 1024;
+  size_t per_uid = 65536;
+  size_t total = 131072;  // and at most half of RLIMIT_NOFILE's soft limit at Bind
+  size_t max_connections = 64;
+  size_t max_connections_per_uid = 16;
+  absl::Duration message_timeout = absl::Seconds(2);  // idle connection closed after this
+};
 
 struct CudaVmmFd {
   int fd = -1;                   // a dup owned by the caller
@@ -46,7 +64,7 @@ class FdChannel {
 
   // Binds `path` (an existing socket file there is replaced) and starts serving.
   static absl::StatusOr<std::unique_ptr<FdChannel>> Bind(const std::string& path, mode_t mode, Authorize authorize,
-                                                        size_t max_fds_per_worker = 1024);
+                                                        FdChannelLimits limits = {});
   ~FdChannel();  // Stop(), then closes every kept fd
   // Stops accepting and unlinks the socket file. Idempotent.
   void Stop();
@@ -55,6 +73,11 @@ class FdChannel {
   // another process than `bound` (pid + start time).
   absl::StatusOr<CudaVmmFd> Get(const std::string& worker, const std::string& key, const PeerCred& bound) const;
   size_t size() const;
+  // Closes every fd `worker` sent (it deregistered). Returns how many.
+  size_t ReleaseWorker(const std::string& worker);
+  // Closes every fd whose sending process has exited. Returns how many.
+  size_t ReleaseDead();
+  const FdChannelLimits& limits() const { return limits_; }
   const std::string& path() const { return path_; }
 
  private:
@@ -63,15 +86,23 @@ class FdChannel {
     int64_t allocation_bytes = 0;
     PeerCred sender;
   };
+  struct Conn {
+    int fd = -1;
+    PeerCred sender;
+    absl::Time last;  // accepted or last message
+  };
   FdChannel() = default;
   void Serve();
-  void ServeConnection(int conn);
+  void AcceptConnections(std::vector<Conn>& conns);
+  // Reads and answers one message; false when the connection is to be closed.
+  bool ServeOne(Conn& conn);
   absl::Status Accept(const PeerCred& sender, const std::string& model, const std::string& worker, const std::string& key,
                       int64_t bytes, int fd);
+  size_t ReleaseDeadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::string path_;
   Authorize authorize_;
-  size_t max_per_worker_ = 1024;
+  FdChannelLimits limits_;
   int listen_fd_ = -1;
   int stop_fd_ = -1;  // eventfd: wakes the serving thread
   std::thread thread_;

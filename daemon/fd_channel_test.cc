@@ -1,10 +1,15 @@
 #include "daemon/fd_channel.h"
 
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <thread>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -119,6 +124,101 @@ TEST(FdChannelTest, OfferFromAnotherProcessIsRefusedAndNothingKept) {
   close(fd);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   EXPECT_EQ((*c)->size(), 0u);
+}
+
+// Issue 15.8: fds sent by a worker process that has exited are released (the next offer sweeps
+// them), so dead workers cannot pin the node's fds.
+TEST(FdChannelTest, FdsOfAnExitedProcessAreReleased) {
+  auto anyone = [](const PeerCred&, const std::string& model, const std::string&) -> absl::Status {
+    return model == "m" ? absl::OkStatus() : absl::NotFoundError("no such model");
+  };
+  auto c = FdChannel::Bind(TempPath("dead"), 0600, anyone);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string path = (*c)->path();
+  const pid_t child = fork();
+  if (child == 0) {
+    for (int i = 0; i < 5; ++i) {
+      const int fd = MemfdWith("child");
+      if (!Offer(path, "wchild", absl::StrCat("alloc", i), fd).ok()) _exit(1);
+      close(fd);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ((*c)->size(), 5u);
+  const int fd = MemfdWith("mine");
+  ASSERT_TRUE(Offer(path, "w0", "alloc0", fd).ok());
+  close(fd);
+  EXPECT_EQ((*c)->size(), 1u) << "the exited process's 5 fds are still held";
+}
+
+// Issue 15.8: a client that keeps its connection alive with refused offers (one every 0.4 s, each
+// within the per-message deadline) must not hold up another worker's valid offer.
+TEST(FdChannelTest, SlowRefusedClientDoesNotBlockAnotherOffer) {
+  auto c = FdChannel::Bind(TempPath("slow"), 0600, OnlyMe());
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string path = (*c)->path();
+  const int slow = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(connect(slow, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  auto refused_offer = [&] {
+    const int fd = MemfdWith("refused");
+    absl::Status s = transport::SendWithFds(slow, transport::EncodeVmmFdOffer({"m", "nobody", "k", 1 << 20}), {fd},
+                                            absl::Now() + absl::Seconds(2));
+    close(fd);
+    if (!s.ok()) return s;
+    auto reply = transport::RecvWithFds(slow, 8192, 0, absl::Now() + absl::Seconds(2));
+    return reply.ok() ? transport::DecodeFdReply(reply->bytes) : reply.status();
+  };
+  ASSERT_EQ(refused_offer().code(), absl::StatusCode::kNotFound);
+  std::atomic<bool> done{false};
+  std::thread keep_alive([&] {
+    for (int i = 0; i < 8 && !done.load(); ++i) {
+      absl::SleepFor(absl::Milliseconds(400));  // a slow client, on purpose
+      (void)refused_offer();
+    }
+  });
+  const absl::Time t0 = absl::Now();
+  const int fd = MemfdWith("valid");
+  absl::Status s = transport::OfferVmmFd(path, {"m", "w0", "alloc0", 2 << 20}, fd, absl::Now() + absl::Seconds(1));
+  close(fd);
+  const absl::Duration took = absl::Now() - t0;
+  done = true;
+  keep_alive.join();
+  close(slow);
+  EXPECT_TRUE(s.ok()) << s << " after " << took;
+  EXPECT_LT(took, absl::Seconds(1));
+}
+
+// Issue 15.8: a deregistered worker's fds are closed, and fds are bounded per uid and per node
+// (here small limits), each refusal naming the limit.
+TEST(FdChannelTest, DeregisterReleasesAndUidAndNodeBoundsHold) {
+  auto any_worker = [me = getpid()](const PeerCred& sender, const std::string&, const std::string&) -> absl::Status {
+    return sender.pid == me ? absl::OkStatus() : absl::PermissionDeniedError("not me");
+  };
+  FdChannelLimits limits;
+  limits.per_worker = 3;
+  limits.per_uid = 5;
+  limits.total = 5;
+  auto c = FdChannel::Bind(TempPath("bounds"), 0600, any_worker, limits);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int fd = MemfdWith("x");
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Offer((*c)->path(), "w0", absl::StrCat("k", i), fd).ok());
+  absl::Status s = Offer((*c)->path(), "w0", "k3", fd);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("limit 3 per worker"), std::string::npos) << s;
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(Offer((*c)->path(), "w1", absl::StrCat("k", i), fd).ok());
+  s = Offer((*c)->path(), "w1", "k2", fd);  // a third worker id of the same uid
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("limit 5 per uid"), std::string::npos) << s;
+  EXPECT_EQ((*c)->ReleaseWorker("w0"), 3u);
+  EXPECT_EQ((*c)->size(), 2u);
+  EXPECT_TRUE(Offer((*c)->path(), "w2", "k0", fd).ok()) << "room again after w0 deregistered";
+  close(fd);
 }
 
 TEST(FdChannelTest, GarbageAndFdLessOffersAreInvalidArgument) {

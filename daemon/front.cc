@@ -79,11 +79,15 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
                              [w = workers_.get()](const PeerCred& sender, const std::string& model, const std::string& worker) {
                                return w->CheckBound(sender, model, worker);
                              },
-                             static_cast<size_t>(options_.limits.max_vmm_fds_per_worker));
+                             FdChannelLimits{.per_worker = static_cast<size_t>(options_.limits.max_vmm_fds_per_worker),
+                                             .per_uid = static_cast<size_t>(options_.limits.max_vmm_fds_per_uid),
+                                             .total = static_cast<size_t>(options_.limits.max_vmm_fds_per_node)});
   // Not fatal (e.g. the path + ".fd" no longer fits a socket address): only VMM buffers need it,
   // and they then fail with this reason.
   if (fds.ok()) {
     fd_channel_ = std::move(*fds);
+    // A deregistered worker's fds are closed at once (those of exited processes by the channel).
+    workers_->set_on_deregister([c = fd_channel_.get()](const std::string& worker) { c->ReleaseWorker(worker); });
   } else {
     fd_channel_error_ = fds.status();
   }

@@ -22,6 +22,8 @@ struct Limits {
   int max_pieces_per_layout = 1 << 20;
   int max_buffers_per_worker = 1024;
   int max_vmm_fds_per_worker = 8192;                 // fd channel: CUDA VMM allocations per worker (fds held)
+  int max_vmm_fds_per_uid = 65536;                   // fd channel: all workers of one uid
+  int max_vmm_fds_per_node = 131072;                 // fd channel: the node in total (and <= RLIMIT_NOFILE / 2)
   int64_t max_buffer_bytes = int64_t{1} << 40;       // one registered buffer
   int64_t max_worker_bytes = int64_t{1} << 40;       // all buffers of one worker (staging mirrors them)
   // GPU staging on (--gpu_staging_bytes): CUDA buffers are mirrored on the GPU, under the per-GPU

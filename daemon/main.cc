@@ -73,6 +73,8 @@ ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have")
 ABSL_FLAG(int32_t, max_tensors_per_model, 1 << 17, "tensors one model may have");
 ABSL_FLAG(int32_t, max_buffers_per_worker, 1024, "buffers one worker may register");
 ABSL_FLAG(int32_t, max_vmm_fds_per_worker, 8192, "CUDA VMM allocation fds one worker may hand over (torch expandable segments: one per 20 MiB page)");
+ABSL_FLAG(int32_t, max_vmm_fds_per_uid, 65536, "CUDA VMM allocation fds all workers of one uid may hand over");
+ABSL_FLAG(int32_t, max_vmm_fds_per_node, 131072, "CUDA VMM allocation fds the node keeps in total (also at most half the fd limit)");
 ABSL_FLAG(int32_t, max_concurrent_versions, 16, "versions a trainer may have published and not yet committed");
 ABSL_FLAG(int32_t, max_unauthenticated_per_source, 64,
           "gRPC port: connections one source address may hold before their first authenticated call");
@@ -187,6 +189,8 @@ int main(int argc, char** argv) {
     l.max_tensors_per_model = absl::GetFlag(FLAGS_max_tensors_per_model);
     l.max_buffers_per_worker = absl::GetFlag(FLAGS_max_buffers_per_worker);
     l.max_vmm_fds_per_worker = absl::GetFlag(FLAGS_max_vmm_fds_per_worker);
+    l.max_vmm_fds_per_uid = absl::GetFlag(FLAGS_max_vmm_fds_per_uid);
+    l.max_vmm_fds_per_node = absl::GetFlag(FLAGS_max_vmm_fds_per_node);
     l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
     l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
     l.cuda_staged_on_gpu = absl::GetFlag(FLAGS_gpu_staging_bytes) > 0;
@@ -197,7 +201,7 @@ int main(int argc, char** argv) {
     if (cl.max_unauthenticated_per_source <= 0 || cl.max_unauthenticated <= 0 || cl.unauthenticated_timeout <= absl::ZeroDuration()) {
       return Fail("--max_unauthenticated_per_source, --max_unauthenticated and --unauthenticated_timeout_ms must be > 0");
     }
-    if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 || l.max_vmm_fds_per_worker <= 0 ||
+    if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 || l.max_vmm_fds_per_worker <= 0 || l.max_vmm_fds_per_uid <= 0 || l.max_vmm_fds_per_node <= 0 ||
         l.max_concurrent_versions <= 0) {
       return Fail("--max_* limits must be > 0");
     }
