@@ -1,0 +1,145 @@
+#pragma once
+// Lossless delta codec between two versions of the same bytes (issue 17.2; docs/daemon.md
+// "Deltas (design and status)"). Pure: no I/O, no protobuf, no threads; one call encodes or
+// decodes one contiguous byte range (the executor's unit will be one op's box in canonical order).
+//
+// Encode(base, target) cuts the elements into chunks of `chunk_elems` and picks per chunk, by the
+// bytes each would take (measured on that chunk, not guessed):
+//   same       the chunk did not change: no payload;
+//   bitmap     one bit per element + one value per changed element;
+//   index      the changed elements' positions as LEB128 gaps + their values (few changes);
+//   dense_diff one value per element (nearly every element changed by a small amount: fp32);
+//   raw        the target bytes (random-looking changes).
+// A value is the element's difference target - base as an integer of the element's width
+// (wrapping), zigzag-coded, stored in its low `width` bytes; the few values that need more bytes
+// ("exceptions", e.g. a bf16 sign flip near 0) carry their high bytes in a list after the values.
+// For bf16 a +-1..127 ulp change is one byte, wherever the carry goes.
+//
+// The stream names the base it was made against: base version and XXH3-128 digest of the base
+// bytes, plus the digest of the target. Decode checks version and digest against the destination's
+// base BEFORE it writes a byte (FAILED_PRECONDITION naming both: the sender must send the full
+// version), and the target digest over what it wrote (DATA_LOSS): a wrong byte never passes.
+// Every length, count, index and kind read from the stream is checked against the stream's size
+// and the chunk's element count (DATA_LOSS naming the chunk and its element range), so hostile or
+// truncated input gives an error, never a crash or an out-of-bounds access.
+//
+// Wire format (version 1, little-endian):
+//   header, 88 bytes: "WBD1" magic (u32 0x31444257), format u16 = 1, elem_size u8 (1, 2, 4, 8),
+//     flags u8 = 0, chunk_elems u32 (multiple of 64, 64..2^24), reserved u32 = 0, total_bytes u64,
+//     base_version u64, target_version u64, base digest (lo u64, hi u64), target digest (lo, hi),
+//     num_chunks u64 (= ceil(total_bytes / elem_size / chunk_elems)), XXH3-64 of the 80 bytes before.
+//   num_chunks chunks, each: kind u8, width u8, reserved u16 = 0, changed u32, exceptions u32,
+//     payload_bytes u32, then the payload:
+//     same:       nothing (width, changed, exceptions 0);
+//     raw:        n * elem_size target bytes (width, changed, exceptions 0);
+//     bitmap:     ceil(n / 8) bytes (bit j of byte k = element 8k + j changed; bits past n zero),
+//                 then `changed` values of `width` bytes, then the exceptions;
+//     index:      `changed` LEB128 gaps (first = element index, then index - previous - 1), then
+//                 the values and exceptions as for bitmap;
+//     dense_diff: n values of `width` bytes (changed == n; unchanged elements are 0), exceptions.
+//     exceptions: `exceptions` entries of a LEB128 gap over value ordinals (as the index gaps)
+//                 followed by the value's bytes [width, elem_size).
+//   n = chunk_elems, or the rest for the last chunk. 1 <= width <= elem_size for coded kinds, no
+//   exceptions when width == elem_size. Nothing may follow the last chunk.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace wb::delta {
+
+// XXH3-128 of some bytes.
+struct Digest {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  friend bool operator==(const Digest& a, const Digest& b) { return a.lo == b.lo && a.hi == b.hi; }
+  friend bool operator!=(const Digest& a, const Digest& b) { return !(a == b); }
+  std::string ToString() const;  // 32 hex digits, hi first
+};
+
+Digest DigestOf(absl::Span<const uint8_t> bytes);
+
+inline constexpr uint32_t kDefaultChunkElems = 32768;  // 64 KiB of bf16
+inline constexpr size_t kHeaderBytes = 88;
+inline constexpr size_t kChunkHeaderBytes = 16;
+
+enum class ChunkKind : uint8_t { kSame = 0, kRaw = 1, kBitmap = 2, kIndex = 3, kDenseDiff = 4 };
+const char* ChunkKindName(ChunkKind kind);
+
+struct VersionBytes {
+  uint64_t version = 0;
+  absl::Span<const uint8_t> bytes;
+};
+
+struct EncodeOptions {
+  int elem_size = 2;  // 1 (fp8, int8, int4 pairs), 2 (bf16, fp16), 4 (fp32), 8
+  uint32_t chunk_elems = kDefaultChunkElems;
+  std::string_view what;  // names the bytes in errors, e.g. "tensor 'x' box [0:4096, 0:896]"
+};
+
+struct EncodeStats {
+  uint64_t chunks[5] = {0, 0, 0, 0, 0};  // by ChunkKind
+  uint64_t changed_elements = 0;         // elements whose bits differ
+  uint64_t exceptions = 0;
+  uint64_t encoded_bytes = 0;
+  void Add(const EncodeStats& o);
+};
+
+// An upper bound of the encoded size (the buffer EncodeInto needs): header, one chunk header per
+// chunk, the raw bytes, 8 bytes of slack.
+size_t MaxEncodedBytes(size_t total_bytes, int elem_size, uint32_t chunk_elems = kDefaultChunkElems);
+
+// Encodes `target` against `base` into `out` (at least MaxEncodedBytes long); returns the bytes
+// used. INVALID_ARGUMENT (naming options.what and the values) for an elem_size other than 1, 2,
+// 4, 8, a bad chunk_elems, base and target of different sizes or not a multiple of elem_size, or
+// a short `out`. Reads base and target once (the digests are computed in the same pass).
+absl::StatusOr<size_t> EncodeInto(const VersionBytes& base, const VersionBytes& target, const EncodeOptions& options,
+                                  absl::Span<uint8_t> out, EncodeStats* stats = nullptr);
+// The same into a new vector (sized to the result).
+absl::StatusOr<std::vector<uint8_t>> Encode(const VersionBytes& base, const VersionBytes& target,
+                                            const EncodeOptions& options, EncodeStats* stats = nullptr);
+
+struct StreamHeader {
+  int elem_size = 0;
+  uint32_t chunk_elems = 0;
+  uint64_t total_bytes = 0;
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  Digest base_digest;
+  Digest target_digest;
+  uint64_t num_chunks = 0;
+};
+
+// Parses and checks the header alone (magic, format, its hash, field ranges, chunk count):
+// DATA_LOSS naming the field otherwise. Lets a receiver check the base before it takes the rest.
+absl::StatusOr<StreamHeader> ReadHeader(absl::Span<const uint8_t> stream, std::string_view what = "");
+
+// FAILED_PRECONDITION unless the stream was made against (version, digest): "delta for W (version
+// T) was made against version B digest X, but the destination holds version V digest Y".
+absl::Status CheckBase(const StreamHeader& header, uint64_t version, const Digest& digest, std::string_view what = "");
+
+struct DecodeBase {
+  uint64_t version = 0;
+  absl::Span<const uint8_t> bytes;
+  // The digest of `bytes` if the destination recorded it when that version landed (the digests of
+  // issue 17.4); otherwise Decode hashes `bytes` first (one more read of the base).
+  std::optional<Digest> digest;
+};
+
+// Decodes `stream` against `base` into `out` (exactly header.total_bytes, not overlapping base).
+// Before writing: the header and every chunk header are checked against the stream's size
+// (DATA_LOSS), sizes (INVALID_ARGUMENT), then the base (CheckBase: FAILED_PRECONDITION). While
+// writing: each chunk's payload is checked (DATA_LOSS naming chunk and element range), and at the
+// end the digest of `out` against the target digest (DATA_LOSS). On any error `out` holds
+// unspecified bytes (decode into staging the caller can discard, never into live weights).
+absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
+                    std::string_view what = "");
+
+}  // namespace wb::delta
