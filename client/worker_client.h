@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -43,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/proto_convert.h"
+#include "planner/model_config.h"
 #include "planner/types.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "proto/weightbridge.pb.h"
@@ -79,6 +81,8 @@ struct ModelConfig {
   Mode mode = Mode::kSync;
   uint32_t max_staleness = 0;  // async only; 0 = unbounded
   planner::Strategy strategy = planner::Strategy::kWeightBridge;
+  // With hf_config_json: the model is these LoRA adapters alone (ModelSpec.lora, planner/lora.h).
+  std::optional<planner::LoraConfig> lora;
 };
 
 struct WorkerIdentity {

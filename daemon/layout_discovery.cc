@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/convert.h"
+#include "daemon/lora_spec.h"
 #include "planner/inventory.h"
+#include "planner/lora.h"
 #include "planner/quantized.h"
 #include "planner/validate.h"
 #include "tools/cc/status_macros.h"
@@ -74,6 +76,7 @@ absl::StatusOr<std::shared_ptr<const LayoutDescriber::Model>> LayoutDescriber::M
     *key_spec.mutable_explicit_tensors() = spec.explicit_tensors();
   } else {
     key_spec.set_hf_config_json(spec.hf_config_json());
+    if (spec.has_lora()) *key_spec.mutable_lora() = spec.lora();
   }
   key_spec.set_dtype(spec.dtype());
   std::string bytes;
@@ -100,7 +103,7 @@ absl::StatusOr<std::shared_ptr<const LayoutDescriber::Model>> LayoutDescriber::M
     }
     auto config = planner::ParseHfConfig(spec.hf_config_json());
     if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
-    ASSIGN_OR_RETURN(m->inventory, planner::BuildInventory(*config, dtype));
+    ASSIGN_OR_RETURN(m->inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
     m->config = std::move(*config);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
@@ -121,7 +124,7 @@ absl::StatusOr<planner::LayoutInfo> LayoutDescriber::DescribeInfo(const Model& m
       return absl::FailedPreconditionError("preset layouts need a model created from hf_config_json");
     }
     const pb::ParallelConfig& pc = layout.preset();
-    auto preset = planner::MakePresetLayout(*model.config, model.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
+    auto preset = planner::MakeModelPresetLayout(*model.config, model.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
     if (!preset.ok()) return Annotate(preset.status(), absl::StrCat("preset ", pc.preset(), " rank ", pc.rank()));
     for (size_t b = 0; b < preset->layout.buffers.size(); ++b) {
       buffer_ids->push_back(b < buffers.size() ? buffers[b].buffer_id() : static_cast<uint32_t>(b));

@@ -11,7 +11,9 @@
 #include "daemon/coordinator/checks.h"
 #include "daemon/coordinator/grpc_node_client.h"
 #include "daemon/log.h"
+#include "daemon/lora_spec.h"
 #include "planner/inventory.h"
+#include "planner/lora.h"
 #include "planner/planner.h"
 #include "planner/presets.h"
 #include "planner/validate.h"
@@ -135,6 +137,7 @@ absl::Status CoordinatorCore::CreateModelLocked(const pb::ModelSpec& spec, bool*
   m.spec = spec;
   planner::Inventory inventory;
   if (spec.has_explicit_tensors()) {
+    if (spec.has_lora()) return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": lora needs hf_config_json"));
     ASSIGN_OR_RETURN(inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
   } else if (!spec.hf_config_json().empty()) {
     planner::DType dtype = planner::DType::kBF16;
@@ -143,7 +146,7 @@ absl::Status CoordinatorCore::CreateModelLocked(const pb::ModelSpec& spec, bool*
     }
     auto config = planner::ParseHfConfig(spec.hf_config_json());
     if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
-    ASSIGN_OR_RETURN(inventory, planner::BuildInventory(*config, dtype));
+    ASSIGN_OR_RETURN(inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
     m.config = std::move(*config);
   } else {
     return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
@@ -314,7 +317,7 @@ absl::StatusOr<planner::WorkerLayout> CoordinatorCore::ResolveLayoutLocked(const
     return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
   }
   const pb::ParallelConfig& pc = req.layout().preset();
-  auto preset = planner::MakePresetLayout(*m.config, *m.inventory, FromProto(pc), static_cast<int>(pc.rank()));
+  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, FromProto(pc), static_cast<int>(pc.rank()));
   if (!preset.ok()) {
     return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
   }

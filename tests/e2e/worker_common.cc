@@ -8,7 +8,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/proto_convert.h"
+#include "planner/lora.h"
 #include "tests/e2e/file_wait.h"
 #include "tools/cc/status_macros.h"
 
@@ -31,6 +33,11 @@ ABSL_FLAG(bool, expert_parallel, false, "vllm/sglang expert parallel");
 ABSL_FLAG(int, replicas, 1, "vllm/sglang replicas");
 ABSL_FLAG(std::string, quantization, "", "vllm/sglang rollouts: \"\", fp8_block128, mxfp8, w4a16_g32 or w4a16_experts_g32 (planner/presets.h)");
 ABSL_FLAG(int, rank, 0, "this worker's rank in the preset's world");
+ABSL_FLAG(std::string, lora_targets, "",
+          "comma-separated PEFT target modules: the model is these LoRA adapters alone (ModelSpec.lora; presets peft / vllm_lora)");
+ABSL_FLAG(int64_t, lora_r, 8, "LoRA rank (with --lora_targets)");
+ABSL_FLAG(double, lora_alpha, 16, "LoRA alpha (with --lora_targets)");
+ABSL_FLAG(int64_t, lora_max_rank, 0, "vllm_lora: vLLM --max-lora-rank (0 = r)");
 ABSL_FLAG(std::string, worker_id, "", "worker id (default <role>/<rank>)");
 ABSL_FLAG(int, gpu, -1, "host slot / GPU index reported to the daemon (-1 = host)");
 ABSL_FLAG(bool, send_gpu_uuid, true, "--memory=cuda: send the GPU's UUID with the buffer (false: the daemon must find the GPU itself)");
@@ -175,7 +182,15 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   // The model and this rank's layout, computed locally exactly as the daemon computes presets.
   ASSIGN_OR_RETURN(std::string config_json, ReadFile(absl::GetFlag(FLAGS_config)));
   ASSIGN_OR_RETURN(ctx.config, planner::ParseHfConfig(config_json));
-  ASSIGN_OR_RETURN(ctx.inventory, planner::BuildInventory(ctx.config, dtype));
+  if (!absl::GetFlag(FLAGS_lora_targets).empty()) {
+    planner::LoraConfig lora;
+    lora.target_modules = absl::StrSplit(absl::GetFlag(FLAGS_lora_targets), ',');
+    lora.r = absl::GetFlag(FLAGS_lora_r);
+    lora.alpha = absl::GetFlag(FLAGS_lora_alpha);
+    lora.max_lora_rank = absl::GetFlag(FLAGS_lora_max_rank);
+    ctx.config.lora = std::move(lora);
+  }
+  ASSIGN_OR_RETURN(ctx.inventory, planner::BuildModelInventory(ctx.config, dtype));
   planner::ParallelConfig parallel;
   parallel.preset = absl::GetFlag(FLAGS_preset);
   parallel.tp = absl::GetFlag(FLAGS_tp);
@@ -187,7 +202,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   parallel.replicas = absl::GetFlag(FLAGS_replicas);
   parallel.quantization = absl::GetFlag(FLAGS_quantization);
   const int rank = absl::GetFlag(FLAGS_rank);
-  ASSIGN_OR_RETURN(ctx.preset, planner::MakePresetLayout(ctx.config, ctx.inventory, parallel, rank));
+  ASSIGN_OR_RETURN(ctx.preset, planner::MakeModelPresetLayout(ctx.config, ctx.inventory, parallel, rank));
   if (ctx.preset.layout.buffers.size() != 1) {
     return absl::InternalError(absl::StrCat("preset ", parallel.preset, " rank ", rank, " has ",
                                             ctx.preset.layout.buffers.size(),
@@ -210,6 +225,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   model.mode = ctx.mode;
   model.max_staleness = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_staleness));
   model.strategy = strategy;
+  model.lora = ctx.config.lora;
   RETURN_IF_ERROR(ctx.client->RegisterWorker(
       model, {ctx.worker_id, role, static_cast<int32_t>(absl::GetFlag(FLAGS_gpu))}));
 

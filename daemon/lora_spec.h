@@ -1,0 +1,21 @@
+#pragma once
+// ModelSpec.lora (issue 17.3) -> planner::LoraConfig, and the inventory of a model created from
+// hf_config_json: the base model's tensors, or its LoRA adapters alone when the spec declares them
+// (planner/lora.h). Used by the coordinator and the layout describer so both build the same one.
+
+#include "absl/status/statusor.h"
+#include "planner/model_config.h"
+#include "planner/types.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+// Field-by-field conversion; validation (names the field and value) is planner::ValidateLora's.
+planner::LoraConfig LoraFromProto(const ::weightbridge::v1::LoraSpec& lora);
+
+// Sets config.lora from spec.lora (when present), then builds the model's inventory
+// (planner::BuildModelInventory). Bad LoRA fields -> InvalidArgument naming the model and field.
+absl::StatusOr<planner::Inventory> BuildSpecInventory(const ::weightbridge::v1::ModelSpec& spec,
+                                                      planner::ModelConfig& config, planner::DType dtype);
+
+}  // namespace wb::daemon
