@@ -263,7 +263,7 @@ void CoordinatorCore::PlannerLoop() {
 void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t membership, const SliceInput& in,
                               const PlanSettings& settings) {
   absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
-  std::vector<std::pair<std::shared_ptr<NodeClient>, pb::PlanSlice>> installs;
+  std::vector<std::pair<std::shared_ptr<NodeClient>, std::string>> installs;  // client, node
   {
     absl::MutexLock l(&mu_);
     m->planning = false;
@@ -308,13 +308,20 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
                                        {"plan_ms", plan.stats.plan_ms}, {"cached", outcome->cached ? "yes" : "no"}});
     for (auto& [n, slice] : outcome->slices.by_node) {
       auto it = nodes_.find(n);
-      installs.push_back({it != nodes_.end() ? it->second.client : nullptr, std::move(slice)});
+      installs.push_back({it != nodes_.end() ? it->second.client : nullptr, n});
     }
   }
+  // Each slice gets its header (inventory, workers: the bulk of it) just before it is sent, so at
+  // most the 32 slices in flight are held whole.
   std::vector<absl::Status> results(installs.size());
   ForEachConcurrently(installs.size(), [&](size_t i) {
-    results[i] = installs[i].first ? installs[i].first->InstallPlan(installs[i].second, absl::Seconds(30))
-                                   : absl::UnavailableError("node not registered");
+    if (!installs[i].first) {
+      results[i] = absl::UnavailableError(absl::StrCat("node ", installs[i].second, " not registered"));
+      return;
+    }
+    pb::PlanSlice slice = std::move(outcome->slices.by_node.at(installs[i].second));
+    FillSliceHeader(*outcome->plan, in, outcome->slices, installs[i].second, &slice);
+    results[i] = installs[i].first->InstallPlan(slice, absl::Seconds(30));
   });
   absl::Status status;
   for (const absl::Status& s : results) if (!s.ok()) status = s;

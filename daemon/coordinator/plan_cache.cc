@@ -55,7 +55,7 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     if (plans_.size() >= max_entries_) plans_.clear();
     plans_[key] = out.plan;
   }
-  ASSIGN_OR_RETURN(out.slices, SlicePlan(*out.plan, in));
+  ASSIGN_OR_RETURN(out.slices, SliceOps(*out.plan, in));
   return out;
 }
 

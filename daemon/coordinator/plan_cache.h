@@ -39,7 +39,8 @@ class PlanCache {
 
   // Problem from the snapshot (node index = order of node ids; gpu = the worker's gpu, or for host
   // workers (gpu < 0) a slot of its own above every real gpu), coverage check, cache or planner,
-  // then SlicePlan. Errors name the model.
+  // then SliceOps: the caller adds each slice's header (FillSliceHeader) when it sends it, so
+  // only the slices in flight are held whole. Errors name the model.
   absl::StatusOr<PlanOutcome> PlanAndSlice(const SliceInput& in, const PlanSettings& settings, const PlanFn& make_plan);
 
   size_t size() const;

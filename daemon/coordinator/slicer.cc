@@ -89,10 +89,16 @@ std::vector<bool> NcclOps(const planner::Plan& plan, const SliceInput& in,
   return RouteOverNccl(facts);
 }
 
+}  // namespace
+
 // The header of every slice: model, epoch, inventory, stats, every worker (layouts only for the
 // node's own workers and the peers of its ops).
-void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const std::string& node,
-                     const std::set<int32_t>& known, uint64_t gather_bytes, pb::PlanSlice* s) {
+void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,
+                     pb::PlanSlice* s) {
+  static const std::set<int32_t> kNone;
+  auto k = slices.known.find(node);
+  const std::set<int32_t>& known = k != slices.known.end() ? k->second : kNone;
+  const uint64_t gather_bytes = slices.gather_bytes;
   s->set_model_id(in.model_id);
   s->set_plan_epoch(in.epoch);
   s->set_fingerprint(plan.fingerprint);
@@ -118,24 +124,29 @@ void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const std:
   }
 }
 
-}  // namespace
-
 absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in) {
+  absl::StatusOr<Slices> out = SliceOps(plan, in);
+  if (!out.ok()) return out;
+  for (auto& [n, s] : out->by_node) FillSliceHeader(plan, in, *out, n, &s);
+  return out;
+}
+
+absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in) {
   Slices out;
   const GatherStaging gather(plan);
+  out.gather_bytes = gather.bytes();
   // Which workers each node must know the layout of: its own and every peer of one of its ops.
-  std::map<std::string, std::set<int32_t>> known;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
       for (const std::string* n : {&in.workers[op.src_worker].node, &in.workers[op.dst_worker].node}) {
-        known[*n].insert(op.src_worker);
-        known[*n].insert(op.dst_worker);
+        out.known[*n].insert(op.src_worker);
+        out.known[*n].insert(op.dst_worker);
       }
     }
   }
   std::set<std::string> plan_nodes;
   for (const SliceWorker& w : in.workers) plan_nodes.insert(w.node);
-  for (const std::string& n : plan_nodes) FillSliceHeader(plan, in, n, known[n], gather.bytes(), &out.by_node[n]);
+  for (const std::string& n : plan_nodes) out.by_node[n];
 
   std::map<std::string, std::vector<int>> lanes;  // node -> its nccl lane devices (ascending)
   for (const std::string& n : plan_nodes) {

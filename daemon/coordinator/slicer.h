@@ -44,10 +44,21 @@ struct SliceInput {
 struct Slices {
   std::map<std::string, pb::PlanSlice> by_node;  // every node a worker of the plan sits on
   uint64_t total_bytes = 0;                      // sum of op bytes (every slice carries it)
+  // Filled by SliceOps: what FillSliceHeader needs per node.
+  std::map<std::string, std::set<int32_t>> known;  // node -> workers whose layouts it must know
+  uint64_t gather_bytes = 0;
 };
 
 // INTERNAL if the plan reads a staged (rank-0 gather) box no op stages; otherwise never fails on
 // a plan the planner made for these workers.
 absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in);
+
+// The same in two steps, so a caller can hold one full slice at a time (a slice's header carries
+// the whole inventory and every worker: N full slices of a large model are N x that): SliceOps
+// fills only the ops, total_bytes, known and gather_bytes of each node's slice; FillSliceHeader
+// adds model, epoch, inventory, stats and workers to one of them.
+absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in);
+void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,
+                     pb::PlanSlice* slice);
 
 }  // namespace wb::daemon

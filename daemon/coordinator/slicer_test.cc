@@ -1,0 +1,121 @@
+// The pure slicer: which ops and layouts each node's slice carries.
+#include "daemon/coordinator/slicer.h"
+
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+std::shared_ptr<const planner::WorkerLayout> OnePiece() {
+  auto l = std::make_shared<planner::WorkerLayout>();
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{0, 0}, {4, 4}};
+  p.strides = {4, 1};
+  l->pieces.push_back(p);
+  l->buffers.push_back({});
+  return l;
+}
+
+std::shared_ptr<const pb::ResolvedLayout> Proto(const std::string& tag) {
+  auto p = std::make_shared<pb::ResolvedLayout>();
+  pb::BufferSpec* b = p->add_buffers();
+  b->set_shm_name(tag);
+  b->set_size_bytes(32);
+  return p;
+}
+
+SliceInput Input() {
+  SliceInput in;
+  in.model_id = "m";
+  in.epoch = 7;
+  in.mode = pb::MODE_UNSPECIFIED;
+  auto inv = std::make_shared<planner::Inventory>();
+  inv->tensors.push_back({"w", {4, 4}, planner::DType::kBF16});
+  in.inventory = inv;
+  in.workers = {{"t0", "a", planner::Role::kTrainer, 0, OnePiece(), Proto("t0")},
+                {"r0", "b", planner::Role::kRollout, 0, OnePiece(), Proto("r0")},
+                {"r1", "a", planner::Role::kRollout, 1, OnePiece(), Proto("r1")},
+                {"r2", "c", planner::Role::kRollout, 0, OnePiece(), Proto("r2")}};
+  in.nodes["a"] = {"a:1", {{"host_tcp", "ia"}}};
+  in.nodes["b"] = {"b:1", {}};
+  in.nodes["c"] = {"c:1", {}};
+  return in;
+}
+
+planner::TransferOp Op(int src, int dst, int64_t bytes, planner::Route route) {
+  planner::TransferOp op;
+  op.src_worker = src;
+  op.dst_worker = dst;
+  op.src_piece = 0;
+  op.dst_piece = 0;
+  op.tensor = 0;
+  op.box = {{0, 0}, {4, 4}};
+  op.bytes = bytes;
+  op.route = route;
+  return op;
+}
+
+TEST(SlicerTest, EachNodeGetsItsOpsAndTheLayoutsItNeeds) {
+  planner::Plan plan;
+  plan.fingerprint = "f";
+  plan.buckets.resize(2);
+  plan.buckets[0].ops = {Op(0, 1, 32, planner::Route::kInterNode), Op(0, 2, 32, planner::Route::kIntraNode)};
+  plan.buckets[1].ops = {Op(1, 3, 32, planner::Route::kInterNode)};  // relay b -> c
+  auto slices = SlicePlan(plan, Input());
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  ASSERT_EQ(slices->by_node.size(), 3u);
+  EXPECT_EQ(slices->total_bytes, 96u);
+  const pb::PlanSlice& a = slices->by_node.at("a");
+  const pb::PlanSlice& b = slices->by_node.at("b");
+  const pb::PlanSlice& c = slices->by_node.at("c");
+  // a: both ops of bucket 0 (it sends them); b: the op it receives and the relay it sends; c: the relay.
+  ASSERT_EQ(a.ops_size(), 2);
+  ASSERT_EQ(b.ops_size(), 2);
+  ASSERT_EQ(c.ops_size(), 1);
+  EXPECT_EQ(a.ops(0).index(), 0u);
+  EXPECT_EQ(a.ops(1).index(), 1u);
+  EXPECT_EQ(b.ops(1).index(), 2u);
+  EXPECT_EQ(b.ops(1).bucket(), 1u);
+  EXPECT_EQ(c.ops(0).src_worker(), 1u);
+  for (const pb::PlanSlice* s : {&a, &b, &c}) {
+    EXPECT_EQ(s->plan_epoch(), 7u);
+    EXPECT_EQ(s->mode(), pb::MODE_SYNC) << "unspecified mode is sync";
+    EXPECT_EQ(s->total_bytes(), 96u);
+    EXPECT_EQ(s->tensors_size(), 1);
+    ASSERT_EQ(s->workers_size(), 4) << "every worker is listed in every slice";
+  }
+  // Layouts: a node's own workers and the peers of its ops, nobody else's.
+  EXPECT_TRUE(c.workers(3).has_layout());   // its own r2
+  EXPECT_TRUE(c.workers(1).has_layout());   // r0 relays to it
+  EXPECT_FALSE(c.workers(0).has_layout());  // t0: no op with c
+  EXPECT_FALSE(c.workers(2).has_layout());  // r1: no op with c
+  EXPECT_FALSE(b.workers(2).has_layout());  // r1 sits on a, no op with b
+  EXPECT_TRUE(b.workers(0).has_layout());
+  EXPECT_EQ(b.workers(0).data_address(), "a:1");
+  EXPECT_EQ(b.workers(0).transport_instances().at("host_tcp"), "ia");
+  // Two steps give the same slices.
+  auto ops = SliceOps(plan, Input());
+  ASSERT_TRUE(ops.ok());
+  EXPECT_EQ(ops->by_node.at("b").workers_size(), 0) << "SliceOps leaves the header out";
+  const SliceInput in = Input();
+  for (auto& [n, s] : ops->by_node) {
+    FillSliceHeader(plan, in, *ops, n, &s);
+    EXPECT_EQ(s.SerializeAsString(), slices->by_node.at(n).SerializeAsString()) << n;
+  }
+}
+
+TEST(SlicerTest, StagedReadWithoutAGatherIsAnInternalErrorNamingTheTensor) {
+  planner::Plan plan;
+  plan.buckets.resize(1);
+  planner::TransferOp op = Op(0, 1, 32, planner::Route::kInterNode);
+  op.src_piece = -1;  // reads the rank-0 gather staging, which nothing filled
+  plan.buckets[0].ops = {op};
+  auto slices = SlicePlan(plan, Input());
+  ASSERT_FALSE(slices.ok());
+  EXPECT_EQ(slices.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(slices.status().message().find("staged tensor w"), std::string::npos) << slices.status();
+}
+
+}  // namespace
+}  // namespace wb::daemon
