@@ -153,6 +153,10 @@ absl::Status CoordinatorCore::CreateModelLocked(const pb::ModelSpec& spec, bool*
   }
   if (inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
   m.inventory = std::make_shared<const planner::Inventory>(std::move(inventory));
+  auto inventory_proto = std::make_shared<pb::ExplicitInventory>();
+  InventoryToProto(*m.inventory, inventory_proto->mutable_tensors());
+  m.inventory_bytes = inventory_proto->ByteSizeLong();
+  m.inventory_proto = std::move(inventory_proto);
   m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
   Log(LogLevel::kInfo, "model created", {{"model", spec.model_id()}, {"tensors", m.inventory->tensors.size()},
                                          {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
@@ -241,24 +245,45 @@ absl::Status CoordinatorCore::Heartbeat(const pb::HeartbeatRequest& req, pb::Hea
   return absl::OkStatus();
 }
 
+absl::Status CoordinatorCore::CheckReplySizeLocked(const std::string& model_id, size_t extra, bool created) {
+  auto it = models_.find(model_id);
+  if (it == models_.end()) return absl::OkStatus();
+  // The reply must reach the node (its coordinator channel's receive limit); a model this call
+  // created is removed again, so failed attempts leave nothing behind.
+  const size_t size = it->second.inventory_bytes + extra;
+  if (static_cast<int64_t>(size) <= options_.max_reply_bytes) return absl::OkStatus();
+  if (created) models_.erase(it);
+  return absl::ResourceExhaustedError(absl::StrCat("model ", model_id, ": its inventory reply is ", size, " bytes, more than max_reply_bytes (",
+                                                   options_.max_reply_bytes, ")", created ? "; the model was not kept" : ""));
+}
+
 absl::Status CoordinatorCore::CreateModel(const pb::CreateModelRequest& req, pb::CreateModelResponse* resp) {
-  absl::MutexLock l(&mu_);
-  bool created = false;
-  RETURN_IF_ERROR(CreateModelLocked(req.model(), &created));
-  resp->set_created(created);
-  InventoryToProto(*models_.at(req.model().model_id()).inventory, resp->mutable_tensors());
-  if (static_cast<int64_t>(resp->ByteSizeLong()) > options_.max_reply_bytes) {
-    if (created) models_.erase(req.model().model_id());
-    return absl::ResourceExhaustedError(absl::StrCat("model ", req.model().model_id(), ": its inventory reply is ", resp->ByteSizeLong(),
-                                                     " bytes, more than max_reply_bytes (", options_.max_reply_bytes, ")",
-                                                     created ? "; the model was not kept" : ""));
+  std::shared_ptr<const pb::ExplicitInventory> inventory;
+  {
+    absl::MutexLock l(&mu_);
+    bool created = false;
+    RETURN_IF_ERROR(CreateModelLocked(req.model(), &created));
+    RETURN_IF_ERROR(CheckReplySizeLocked(req.model().model_id(), 16, created));
+    resp->set_created(created);
+    inventory = models_.at(req.model().model_id()).inventory_proto;
   }
+  *resp->mutable_tensors() = inventory->tensors();  // outside the lock: the bulk of the reply
   return absl::OkStatus();
 }
 
 absl::Status CoordinatorCore::JoinWorker(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) {
   RETURN_IF_ERROR(CheckJoinWorker(req, options_.max_name_bytes));
-  absl::MutexLock l(&mu_);
+  std::shared_ptr<const pb::ExplicitInventory> inventory;
+  {
+    absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(JoinWorkerLocked(req, resp));
+    inventory = models_.at(req.model_id()).inventory_proto;
+  }
+  *resp->mutable_tensors() = inventory->tensors();  // outside the lock: the bulk of the reply
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) {
   if (!nodes_.count(req.node_id()) || !nodes_.at(req.node_id()).alive) {
     return absl::FailedPreconditionError(absl::StrCat("node ", req.node_id(), " is not registered"));
   }
@@ -270,19 +295,9 @@ absl::Status CoordinatorCore::JoinWorker(const pb::JoinWorkerRequest& req, pb::J
   }
   ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
   Model& model = *mp;
-  InventoryToProto(*model.inventory, resp->mutable_tensors());
+  RETURN_IF_ERROR(CheckReplySizeLocked(req.model_id(), model.spec.ByteSizeLong() + 32, created));
   *resp->mutable_model() = model.spec;
   resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
-  // The reply must reach the node (its coordinator channel's receive limit); a model this call
-  // created is removed again, so failed attempts leave nothing behind.
-  if (static_cast<int64_t>(resp->ByteSizeLong()) > options_.max_reply_bytes) {
-    const size_t size = resp->ByteSizeLong();
-    resp->Clear();
-    if (created) models_.erase(req.model_id());
-    return absl::ResourceExhaustedError(absl::StrCat("model ", req.model_id(), ": its inventory reply is ", size,
-                                                     " bytes, more than max_reply_bytes (", options_.max_reply_bytes, ")",
-                                                     created ? "; the model was not kept" : ""));
-  }
   if (model.workers.count(req.worker_id())) {
     DropWorkerLocked(model, req.worker_id(), absl::StrCat("worker ", req.worker_id(), " registered again"));
   }

@@ -179,6 +179,11 @@ class CoordinatorCore {
     pb::ModelSpec spec;
     std::optional<planner::ModelConfig> config;  // models created from hf_config_json (presets)
     std::shared_ptr<const planner::Inventory> inventory;
+    // The inventory as replies carry it, built once at creation and copied into replies outside
+    // mu_ (a Kimi-K2 inventory is ~70k tensors: rebuilding it per JoinWorker under the lock held
+    // heartbeats for ~0.1 s per worker); inventory_bytes = its encoded size.
+    std::shared_ptr<const pb::ExplicitInventory> inventory_proto;
+    size_t inventory_bytes = 0;
     std::unique_ptr<VersionMachine> machine;
     std::map<std::string, WorkerRec> workers;
     PlanState plan;
@@ -195,6 +200,7 @@ class CoordinatorCore {
 
   absl::StatusOr<Model*> GetModelLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CreateModelLocked(const pb::ModelSpec& spec, bool* created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status JoinWorkerLocked(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<planner::WorkerLayout> ResolveLayoutLocked(const Model& m, const pb::SubmitLayoutRequest& req,
                                                             pb::ResolvedLayout* resolved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -206,6 +212,9 @@ class CoordinatorCore {
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                             const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Time Deadline(int64_t timeout_ms) const;
+  // RESOURCE_EXHAUSTED when a reply with the model's inventory (plus `extra` bytes) would exceed
+  // max_reply_bytes; removes the model if this call `created` it.
+  absl::Status CheckReplySizeLocked(const std::string& model_id, size_t extra, bool created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC/plan work to run
   // outside it.
