@@ -71,19 +71,26 @@ class LoraWriter {
   explicit LoraWriter(const Inventory& inv) : inv_(inv) {}
 
   // A local tensor of `shape` holding canonical box [begin, end) of tensor `t` with local strides
-  // `strides` starting at local element 0.
-  void Add(std::string name, std::vector<int64_t> shape, int32_t t, Box box, std::vector<int64_t> strides) {
+  // `strides` starting at local element 0 (an empty box: no piece). `reserve_elements` > the
+  // shape's: storage reserved for it (FSDP2's padded shards).
+  void Add(std::string name, std::vector<int64_t> shape, int32_t t, Box box, std::vector<int64_t> strides,
+           int64_t reserve_elements = 0) {
     cursor_ = AlignUp(cursor_, kLocalTensorAlignment);
     LocalTensor lt;
     lt.name = std::move(name);
     lt.dtype = inv_.tensors[t].dtype;
     lt.offset_bytes = cursor_;
     lt.first_piece = static_cast<int32_t>(out_.layout.pieces.size());
-    lt.num_pieces = 1;
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
-    cursor_ += n * DTypeSize(lt.dtype);
+    cursor_ += std::max(n, reserve_elements) * DTypeSize(lt.dtype);
     lt.shape = std::move(shape);
+    const bool empty = box.end[0] <= box.begin[0];
+    lt.num_pieces = empty ? 0 : 1;
+    if (empty) {
+      out_.local_tensors.push_back(std::move(lt));
+      return;
+    }
     Piece p;
     p.tensor = t;
     p.box = std::move(box);
@@ -124,9 +131,9 @@ absl::Status CheckSizes(const ParallelConfig& p) {
         " dp=", p.dp, " replicas=", p.replicas, " pp=", p.pp, " ep=", p.ep, " etp=", p.etp, " vpp=", p.vpp,
         p.quantization.empty() ? "" : absl::StrCat(" quantization=", p.quantization)));
   }
-  if (p.preset == "peft" && p.tp != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("peft: adapters are replicated on every trainer rank; tp=", p.tp,
-                                                   " is not supported (use dp)"));
+  if (p.preset != "vllm_lora" && p.tp != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(p.preset, ": adapters are replicated or FSDP2-sharded over dp; tp=", p.tp,
+                                                   " is not supported"));
   }
   return absl::OkStatus();
 }
@@ -152,13 +159,20 @@ absl::Status CheckVllmLora(const ModelConfig& c, const LoraConfig& lora, int tp)
   return absl::OkStatus();
 }
 
-PresetLayout MakePeft(const Inventory& inv) {
+// peft: every tensor whole. peft_fsdp2 (shards > 0): FSDP2 fully_shard over `shards` ranks, as
+// planner/presets.h "fsdp": torch.chunk rows on dim 0 (c = ceil(d0 / shards) rows, rank s holds
+// [min(d0, s*c), min(d0, (s+1)*c)), possibly none), c rows reserved on every rank.
+PresetLayout MakePeft(const Inventory& inv, int64_t shards, int64_t shard_rank) {
   LoraWriter w(inv);
   for (int32_t t = 0; t < static_cast<int32_t>(inv.tensors.size()); ++t) {
     const TensorSpec& spec = inv.tensors[t];
     // "...lora_A.weight" -> "...lora_A.default.weight" (the live PeftModel parameter name).
     std::string name = spec.name.substr(0, spec.name.size() - 7) + ".default.weight";
-    w.Add(std::move(name), spec.shape, t, Rows(spec, 0, spec.shape[0]), ContiguousStrides(spec.shape));
+    const int64_t d0 = spec.shape[0], cols = spec.shape[1];
+    const int64_t chunk = shards > 0 ? (d0 + shards - 1) / shards : d0;
+    const int64_t lo = shards > 0 ? std::min(d0, shard_rank * chunk) : 0;
+    const int64_t hi = std::min(d0, lo + chunk);
+    w.Add(std::move(name), {hi - lo, cols}, t, Rows(spec, lo, hi), {cols, 1}, chunk * cols);
   }
   return w.Finish();
 }
@@ -302,11 +316,11 @@ absl::StatusOr<Inventory> BuildLoraInventory(const ModelConfig& c, const LoraCon
   return inv;
 }
 
-bool IsLoraPreset(const std::string& preset) { return preset == "peft" || preset == "vllm_lora"; }
+bool IsLoraPreset(const std::string& preset) { return preset == "peft" || preset == "peft_fsdp2" || preset == "vllm_lora"; }
 
 absl::StatusOr<int> LoraPresetWorldSize(const ParallelConfig& p) {
   if (!IsLoraPreset(p.preset)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown LoRA preset `", p.preset, "` (expected peft or vllm_lora)"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown LoRA preset `", p.preset, "` (expected peft, peft_fsdp2 or vllm_lora)"));
   }
   RETURN_IF_ERROR(CheckSizes(p));
   const int64_t world = int64_t{p.tp} * p.dp * p.replicas;
@@ -329,7 +343,8 @@ absl::StatusOr<PresetLayout> MakeLoraPresetLayout(const ModelConfig& c, const Lo
     return absl::InvalidArgumentError(absl::StrCat(p.preset, ": the inventory has ", inv.tensors.size(),
                                                    " tensors, not the adapters of this LoRA config"));
   }
-  if (p.preset == "peft") return MakePeft(inv);
+  if (p.preset == "peft") return MakePeft(inv, 0, 0);
+  if (p.preset == "peft_fsdp2") return MakePeft(inv, p.dp, rank % p.dp);
   RETURN_IF_ERROR(CheckVllmLora(c, lora, p.tp));
   return MakeVllmLora(c, lora, inv, rank % p.tp, p.tp);
 }
@@ -344,7 +359,7 @@ absl::StatusOr<PresetLayout> MakeModelPresetLayout(const ModelConfig& config, co
   if (config.lora.has_value()) {
     if (!IsLoraPreset(parallel.preset)) {
       return absl::InvalidArgumentError(absl::StrCat("preset `", parallel.preset,
-                                                     "` places base weights; this model holds LoRA adapters (use peft or vllm_lora)"));
+                                                     "` places base weights; this model holds LoRA adapters (use peft, peft_fsdp2 or vllm_lora)"));
     }
     return MakeLoraPresetLayout(config, *config.lora, inventory, parallel, rank);
   }

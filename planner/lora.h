@@ -17,6 +17,11 @@
 //   peft       trainer side: every rank (world = dp * replicas) holds every adapter tensor whole,
 //              under PEFT's live parameter name (named_parameters of a PeftModel, adapter
 //              "default"): base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.default.weight.
+//   peft_fsdp2 trainer side, PEFT under torch FSDP2 fully_shard (verl's FSDP LoRA path): world =
+//              dp * replicas (HSDP), shard rank = rank % dp; the same names, every tensor split on
+//              dim 0 with torch.chunk semantics as the "fsdp" preset (planner/presets.h): c =
+//              ceil(d0 / dp) rows, rank s holds [min(d0, s*c), min(d0, (s+1)*c)) (lora_A has only
+//              r rows: ranks past them hold none), c rows reserved on every rank.
 //   vllm_lora  rollout side: world = tp * dp * replicas, tp_rank = rank % tp (as the vllm preset).
 //              One adapter slot of vLLM's stacked LoRA weights (the [slot, 0] slice of
 //              lora_a_stacked[i] [max_loras, 1, max_lora_rank, in] and lora_b_stacked[i]
@@ -68,7 +73,7 @@ absl::Status ValidateLora(const ModelConfig& config, const LoraConfig& lora);
 absl::StatusOr<Inventory> BuildLoraInventory(const ModelConfig& config, const LoraConfig& lora, DType dtype,
                                              const InventoryLimits& limits = InventoryLimits{});
 
-// "peft" or "vllm_lora".
+// "peft", "peft_fsdp2" or "vllm_lora".
 bool IsLoraPreset(const std::string& preset);
 
 // World size of a LoRA preset (InvalidArgument for other presets or bad sizes).

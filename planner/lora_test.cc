@@ -309,6 +309,52 @@ TEST(LoraPresets, PeftReplicatedAndCoversEveryVllmRank) {
   EXPECT_TRUE(absl::StrContains(peft_tp.status().message(), "tp=2")) << peft_tp.status();
 }
 
+// PEFT under FSDP2 (verl's FSDP LoRA path): torch.chunk rows on dim 0, padded reservation, ranks
+// past lora_A's r rows hold an empty shard without pieces; together they cover every vllm_lora rank.
+TEST(LoraPresets, PeftFsdp2ShardsDim0AsTorchChunk) {
+  ModelConfig c = Config(kSmallLlama);
+  LoraConfig lora = AllTargets(2);
+  auto inv = BuildLoraInventory(c, lora, DType::kBF16);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  std::vector<Worker> workers;
+  int64_t buffer = -1;
+  for (int r = 0; r < 4; ++r) {
+    auto l = MakeLoraPresetLayout(c, lora, *inv, Par("peft_fsdp2", 1, 4), r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    ASSERT_TRUE(ValidateLayout(*inv, l->layout, Role::kTrainer, "t").ok());
+    ASSERT_EQ(l->local_tensors.size(), inv->tensors.size());
+    // q_proj.lora_A [2, 64]: chunk 1 row; ranks 2 and 3 hold none (listed, 0 rows, no piece).
+    const LocalTensor& qa = l->local_tensors[0];
+    EXPECT_EQ(qa.name, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight");
+    EXPECT_EQ(qa.shape, (std::vector<int64_t>{r < 2 ? 1 : 0, 64}));
+    EXPECT_EQ(qa.num_pieces, r < 2 ? 1 : 0);
+    if (r < 2) {
+      const Piece& p = l->layout.pieces[qa.first_piece];
+      EXPECT_EQ(p.box.begin, (std::vector<int64_t>{r, 0}));
+      EXPECT_EQ(p.box.end, (std::vector<int64_t>{r + 1, 64}));
+    }
+    // q_proj.lora_B [64, 2]: 16 rows per rank; the next tensor starts after the padded shard.
+    const LocalTensor& qb = l->local_tensors[1];
+    EXPECT_EQ(qb.shape, (std::vector<int64_t>{16, 2}));
+    EXPECT_EQ(qb.offset_bytes, 256);  // qa reserved 1 x 64 bf16 = 128 bytes, aligned to 256
+    const Piece& pb = l->layout.pieces[qb.first_piece];
+    EXPECT_EQ(pb.box.begin, (std::vector<int64_t>{16 * r, 0}));
+    // Every rank's buffer has the same size (FSDP2's padded shards).
+    if (buffer < 0) buffer = l->layout.buffers[0].size_bytes;
+    EXPECT_EQ(l->layout.buffers[0].size_bytes, buffer);
+    workers.push_back(Worker{absl::StrCat("trainer/", r), Role::kTrainer, 0, r, l->layout});
+  }
+  for (int r = 0; r < 4; ++r) {
+    auto l = MakeLoraPresetLayout(c, lora, *inv, Par("vllm_lora", 4), r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    workers.push_back(Worker{absl::StrCat("rollout/", r), Role::kRollout, 1, r, l->layout});
+  }
+  Problem p;
+  p.inventory = *inv;
+  p.workers = workers;
+  EXPECT_TRUE(ValidateProblem(p).ok()) << ValidateProblem(p);
+}
+
 TEST(LoraPresets, ModelDispatchRefusesMismatchedPresets) {
   ModelConfig base = Config(kSmallLlama);
   ModelConfig with = base;

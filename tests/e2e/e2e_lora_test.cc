@@ -1,16 +1,17 @@
 // End-to-end: LoRA adapter-only versions (issue 17.3). A coordinator and two node daemons on
 // loopback; a model declares LoRA adapters (ModelSpec.lora) and its versions carry the adapters
-// alone: two PEFT trainer ranks (preset peft, dp=2, every adapter replicated) on n0 publish
-// lora_A / lora_B under PEFT names; two vLLM engines with tp=2 (preset vllm_lora) on n0 and n1
+// alone: two PEFT trainer ranks on n0 (preset peft, dp=2, every adapter replicated; or peft_fsdp2,
+// every adapter FSDP2-sharded on dim 0) publish lora_A / lora_B under PEFT names; two vLLM engines with tp=2 (preset vllm_lora) on n0 and n1
 // receive them in vLLM's LoRA layout (qkv_proj / gate_up_proj slices: A whole, B row-sharded;
 // o_proj / down_proj: A column-sharded, B whole). Every rollout checks EVERY byte of every piece
 // against the canonical adapter weights of the version it applied, in sync and one-step-off mode.
 //
 //   qwen_all_targets:   Qwen2.5-0.5B (2 layers; 14 heads, 2 KV heads: tp=2 splits the KV heads),
-//                       all seven PEFT targets, r=8, layouts sent as explicit pieces.
+//                       all seven PEFT targets, r=8, peft trainers, layouts sent as explicit pieces.
 //   llama_gqa_replicated_kv: a small Llama (8 heads, 2 KV heads) with vLLM tp=4 (each KV head on
 //                       two ranks), q/k/v/o + down_proj, r=4 in vLLM slots of max_lora_rank=8
-//                       (strided pieces), layouts sent as presets (resolved by the coordinator).
+//                       (strided pieces), peft_fsdp2 trainers, layouts sent as presets (resolved
+//                       by the coordinator).
 //
 // Then, on the same daemons, a merged-weight model (Megatron tp=2 -> vLLM tp=2, the full
 // Qwen2.5-0.5B-2layer tensors) keeps working next to the adapter model.
@@ -110,7 +111,7 @@ TEST_P(LoraTest, AdapterVersionsLandInVllmLoraLayoutByteExact) {
 
   std::vector<WorkerSpec> trainers, rollouts;
   for (int r = 0; r < 2; ++r) {
-    WorkerSpec w{true, 0, "peft", 1, 1, 2, 1, r, r};
+    WorkerSpec w{true, 0, qwen ? "peft" : "peft_fsdp2", 1, 1, 2, 1, r, r};
     w.extra_flags = lora_flags;
     trainers.push_back(w);
   }
