@@ -6,6 +6,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_posix.h>
 #include <grpcpp/support/client_interceptor.h>
+#include <grpcpp/support/server_interceptor.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -183,7 +184,11 @@ absl::StatusOr<PeerCred> PeerCredListener::Lookup(const grpc::ServerContext& ctx
 // ------------------------------------------------------------------------------ GuardedWorkerService
 GuardedWorkerService::GuardedWorkerService(pb::WorkerService::Service* inner, const PeerCredListener* peers, Limits limits,
                                            std::string node_id)
-    : inner_(inner), peers_(peers), limits_(limits), node_id_(std::move(node_id)) {}
+    : inner_(inner),
+      peers_(peers),
+      limits_(limits),
+      node_id_(std::move(node_id)),
+      blocked_(absl::StrCat("node ", node_id_, ": WorkerService.WaitVersion"), limits.max_blocked_calls) {}
 
 grpc::Status GuardedWorkerService::Reject(const absl::Status& s, const std::string& what) {
   Metrics().Rejected(node_id_, what);
@@ -389,6 +394,8 @@ grpc::Status GuardedWorkerService::WaitVersion(grpc::ServerContext* ctx, const p
                     "impersonation");
     }
   }
+  absl::StatusOr<BlockedCalls::Slot> slot = blocked_.Acquire();
+  if (!slot.ok()) return Reject(slot.status(), "blocked_calls");
   return inner_->WaitVersion(ctx, req, resp);
 }
 
@@ -449,6 +456,51 @@ void GuardedWorkerService::NoteAborted(const std::string& model, uint64_t versio
   }
 }
 
+absl::StatusOr<BlockedCalls::Slot> BlockedCalls::Acquire() {
+  const int was = in_use_.fetch_add(1);
+  Slot slot(this);  // gives the count back on every path
+  if (was >= limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat(what_, ": ", was, " calls are already waiting (limit ", limit_,
+                                                     ", --max_blocked_calls); retry later"));
+  }
+  return slot;
+}
+
+namespace {
+
+class StatusMessageInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit StatusMessageInterceptor(std::string method) : method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status s = methods->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
+        methods->ModifySendStatus(grpc::Status(
+            grpc::StatusCode::INTERNAL,
+            absl::StrCat(method_, ": the request could not be parsed as this method's request message (not a protobuf of that "
+                                  "type, or truncated)")));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string method_;
+};
+
+class StatusMessageInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    return new StatusMessageInterceptor(info->method() != nullptr ? info->method() : "?");
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeStatusMessageInterceptor() {
+  return std::make_unique<StatusMessageInterceptorFactory>();
+}
+
 // ------------------------------------------------------------------------------ daemon <-> daemon
 absl::StatusOr<PeerAuthConfig> LoadPeerAuth(const std::string& cert_path, const std::string& key_path, const std::string& ca_path,
                                             const std::string& token_path) {
@@ -493,9 +545,15 @@ std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const PeerAuthCon
   return grpc::SslServerCredentials(o);
 }
 
-std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const PeerAuthConfig& config) {
+std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const PeerAuthConfig& config,
+                                               int64_t max_message_bytes) {
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   grpc::ChannelArguments args;
+  if (max_message_bytes > 0) {
+    const int bytes = static_cast<int>(std::min<int64_t>(max_message_bytes, INT32_MAX));
+    args.SetMaxReceiveMessageSize(bytes);
+    args.SetMaxSendMessageSize(bytes);
+  }
   if (config.tls()) {
     grpc::SslCredentialsOptions o;
     o.pem_root_certs = config.tls_ca_pem;
@@ -605,7 +663,11 @@ grpc::Status TokenNodeService::Status(grpc::ServerContext* ctx, const pb::Status
 // ------------------------------------------------------------------------------ TokenCoordinatorService
 TokenCoordinatorService::TokenCoordinatorService(pb::CoordinatorService::Service* inner, std::shared_ptr<const PeerAuthConfig> config,
                                                  Limits limits, PeerAuthenticated on_authenticated)
-    : inner_(inner), config_(std::move(config)), limits_(limits), on_authenticated_(std::move(on_authenticated)) {}
+    : inner_(inner),
+      config_(std::move(config)),
+      limits_(limits),
+      on_authenticated_(std::move(on_authenticated)),
+      blocked_("coordinator: CoordinatorService.WaitVersion", limits.max_blocked_calls) {}
 
 grpc::Status TokenCoordinatorService::Check(grpc::ServerContext* ctx) {
   absl::Status s = CheckPeer(*ctx, *config_);
@@ -625,11 +687,21 @@ WB_COORD_CALL(Heartbeat, HeartbeatRequest, HeartbeatResponse)
 WB_COORD_CALL(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
 WB_COORD_CALL(ReportReady, ReportReadyRequest, ReportReadyResponse)
 WB_COORD_CALL(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
-WB_COORD_CALL(WaitVersion, WaitVersionRequest, WaitVersionResponse)
 WB_COORD_CALL(ClusterStatus, StatusRequest, StatusResponse)
 WB_COORD_CALL(Drain, DrainRequest, DrainResponse)
 WB_COORD_CALL(Plan, PlanRequest, PlanResponse)
 #undef WB_COORD_CALL
+
+grpc::Status TokenCoordinatorService::WaitVersion(grpc::ServerContext* ctx, const pb::WaitVersionRequest* req,
+                                                  pb::WaitVersionResponse* resp) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  absl::StatusOr<BlockedCalls::Slot> slot = blocked_.Acquire();
+  if (!slot.ok()) {
+    Metrics().Rejected("coordinator", "blocked_calls");
+    return ToGrpcStatus(slot.status());
+  }
+  return inner_->WaitVersion(ctx, req, resp);
+}
 
 grpc::Status TokenCoordinatorService::WatchStatus(grpc::ServerContext* ctx, const pb::WatchStatusRequest* req,
                                                   grpc::ServerWriter<pb::StatusResponse>* writer) {

@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <atomic>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -38,6 +39,9 @@
 #include "proto/weightbridge.grpc.pb.h"
 
 namespace grpc {
+namespace experimental {
+class ServerInterceptorFactoryInterface;
+}  // namespace experimental
 class Channel;
 class Server;
 class ServerContext;
@@ -81,6 +85,30 @@ class PeerCredListener {
   std::thread thread_;
   mutable absl::Mutex mu_;
   std::map<int, PeerCred> by_fd_ ABSL_GUARDED_BY(mu_);
+};
+
+// At most `limit` calls at once hold a slot; Acquire() fails RESOURCE_EXHAUSTED naming `what` and
+// the limit when all are taken. For calls that block (WaitVersion), each holding a server thread.
+class BlockedCalls {
+ public:
+  BlockedCalls(std::string what, int limit) : what_(std::move(what)), limit_(limit) {}
+  class Slot {
+   public:
+    explicit Slot(BlockedCalls* owner) : owner_(owner) {}
+    Slot(Slot&& o) noexcept : owner_(o.owner_) { o.owner_ = nullptr; }
+    ~Slot() {
+      if (owner_ != nullptr) owner_->in_use_.fetch_sub(1);
+    }
+
+   private:
+    BlockedCalls* owner_;
+  };
+  absl::StatusOr<Slot> Acquire();
+
+ private:
+  std::string what_;
+  int limit_;
+  std::atomic<int> in_use_{0};
 };
 
 class GuardedWorkerService final : public pb::WorkerService::Service {
@@ -132,6 +160,7 @@ class GuardedWorkerService final : public pb::WorkerService::Service {
   std::map<std::string, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> on_deregister_;
+  BlockedCalls blocked_;
 };
 
 // ------------------------------------------------------------------------- daemon <-> daemon
@@ -149,7 +178,16 @@ absl::StatusOr<PeerAuthConfig> LoadPeerAuth(const std::string& cert_path, const 
 
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const PeerAuthConfig& config);
 // A channel to another daemon with TLS (when configured) and the token on every call.
-std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const PeerAuthConfig& config);
+// `max_message_bytes` (> 0): receive and send limit of the channel (PeerMessageBytes; gRPC's
+// default receive limit is 4 MiB, too small for an inventory); 0 keeps gRPC's defaults.
+std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const PeerAuthConfig& config,
+                                               int64_t max_message_bytes = 0);
+
+// Server interceptor for every daemon server: a call failing INTERNAL with no message (gRPC's own
+// answer to a request body that does not parse as the method's request type) gets one naming the
+// method.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeStatusMessageInterceptor();
+
 // UNAUTHENTICATED unless the call carries the token and (TLS) a verified client certificate.
 absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& config);
 
@@ -208,6 +246,7 @@ class TokenCoordinatorService final : public pb::CoordinatorService::Service {
   std::shared_ptr<const PeerAuthConfig> config_;
   Limits limits_;
   PeerAuthenticated on_authenticated_;
+  BlockedCalls blocked_;
 };
 
 }  // namespace wb::daemon

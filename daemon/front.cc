@@ -1,6 +1,8 @@
 #include "daemon/front.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/resource_quota.h>
+#include <grpcpp/support/server_interceptor.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -24,7 +26,24 @@ absl::Status DaemonFront::StartMetrics() {
 std::shared_ptr<grpc::ServerCredentials> DaemonFront::server_credentials() const { return MakeServerCredentials(*auth_); }
 
 std::function<std::shared_ptr<grpc::Channel>(const std::string&)> DaemonFront::channel_factory() const {
-  return [auth = auth_](const std::string& target) { return MakePeerChannel(target, *auth); };
+  return [auth = auth_, bytes = PeerMessageBytes(options_.limits)](const std::string& target) {
+    return MakePeerChannel(target, *auth, bytes);
+  };
+}
+
+void DaemonFront::ConfigureServer(grpc::ServerBuilder& b) const {
+  const int bytes = static_cast<int>(PeerMessageBytes(options_.limits));
+  b.SetMaxReceiveMessageSize(bytes);
+  b.SetMaxSendMessageSize(bytes);
+  // Every in-flight call of a sync server holds a thread: blocked calls are bounded
+  // (Limits::max_blocked_calls) and the quota leaves room for short ones; over the quota gRPC
+  // answers RESOURCE_EXHAUSTED "Server Threadpool Exhausted" instead of creating more threads.
+  grpc::ResourceQuota quota(absl::StrCat("wb-", node_id_));
+  quota.SetMaxThreads(ServerThreadBudget(options_.limits));
+  b.SetResourceQuota(quota);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(MakeStatusMessageInterceptor());
+  b.experimental().SetInterceptorCreators(std::move(interceptors));
 }
 
 absl::StatusOr<int> DaemonFront::BindTcp(const std::string& listen) {
@@ -69,7 +88,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
   listener_ = std::move(*l);
   workers_ = std::make_unique<GuardedWorkerService>(inner, listener_.get(), options_.limits, node_id_);
   grpc::ServerBuilder b;
-  b.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options_.limits.max_message_bytes, INT32_MAX)));
+  ConfigureServer(b);
   b.RegisterService(workers_.get());
   std::unique_ptr<grpc::Server> server = b.BuildAndStart();
   if (!server) return absl::UnavailableError(absl::StrCat("cannot start the worker service on ", path));

@@ -18,6 +18,10 @@
 #include "daemon/limits.h"
 #include "daemon/metrics.h"
 
+namespace grpc {
+class ServerBuilder;
+}  // namespace grpc
+
 namespace wb::daemon {
 
 struct SecurityOptions {
@@ -42,6 +46,9 @@ class DaemonFront {
   // and returns the port; the gRPC server must listen on tcp_inner_address() (with
   // server_credentials()) and be started before ServeTcp(). Stop() stops the guard.
   absl::StatusOr<int> BindTcp(const std::string& listen);
+  // Message sizes (PeerMessageBytes), thread quota (ServerThreadBudget) and the status-message
+  // interceptor for a daemon server; ServeWorkers applies it to the worker server itself.
+  void ConfigureServer(grpc::ServerBuilder& builder) const;
   std::string tcp_inner_address() const { return guard_ ? guard_->inner_address() : ""; }
   void ServeTcp();
   const ConnGuard* conn_guard() const { return guard_.get(); }

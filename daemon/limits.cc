@@ -1,5 +1,7 @@
 #include "daemon/limits.h"
 
+#include <algorithm>
+#include <climits>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +20,16 @@ absl::Status CheckId(const std::string& what, const std::string& id, const Limit
   }
   return absl::OkStatus();
 }
+
+int64_t PeerMessageBytes(const Limits& limits) {
+  // One TensorSpec at worst: name (tag + 2-byte length + bytes), packed shape (tag + length + 10
+  // bytes per varint), dtype (2), and its own tag + length (4). Twice per tensor, plus 1 MiB.
+  const int64_t per_tensor = 2 * ((3 + int64_t{limits.max_name_bytes}) + (3 + 10 * int64_t{limits.max_dims}) + 2 + 4);
+  const int64_t inventory = per_tensor * limits.max_tensors_per_model + (int64_t{1} << 20);
+  return std::min<int64_t>(std::max(limits.max_message_bytes, inventory), INT32_MAX);
+}
+
+int ServerThreadBudget(const Limits& limits) { return limits.max_blocked_calls + 256; }
 
 absl::Status CheckModelSpec(const pb::ModelSpec& spec, const Limits& limits) {
   if (!spec.model_id().empty()) {

@@ -32,7 +32,20 @@ struct Limits {
   int max_concurrent_versions = 16;                  // snapshots a trainer may hold (published, not sent)
   int max_name_bytes = 1024;                         // ids and tensor names
   int max_status_watchers = 64;                      // open CoordinatorService.WatchStatus streams
+  // Calls that block until something happens (WaitVersion), per server: over it RESOURCE_EXHAUSTED
+  // at once. Each holds a server thread; the servers' thread quota is this plus headroom for
+  // short calls (heartbeats), so blocked calls can never starve them.
+  int max_blocked_calls = 512;
 };
+
+// The gRPC message size set on the daemons' TCP servers and their channels to each other (both
+// directions): the larger of max_message_bytes and the worst inventory the limits allow
+// (max_tensors_per_model tensors with max_name_bytes names and max_dims dims, twice: a
+// JoinWorkerResponse carries the tensors and the spec), capped at INT32_MAX.
+int64_t PeerMessageBytes(const Limits& limits);
+
+// Threads a server may use (grpc::ResourceQuota::SetMaxThreads): max_blocked_calls + headroom.
+int ServerThreadBudget(const Limits& limits);
 
 // Model spec: tensor count, names, dims > 0, element count and byte size without overflow,
 // worker counts. hf_config_json size is bounded by max_message_bytes already.

@@ -40,8 +40,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   // bounds unauthenticated connections; gRPC listens on a private Unix socket behind it.
   ASSIGN_OR_RETURN(s->port_, s->front_->BindTcp(o.listen));
   tcp.AddListeningPort(s->front_->tcp_inner_address(), s->front_->server_credentials());
-  tcp.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(o.security.limits.max_message_bytes, INT32_MAX)));
-  tcp.SetMaxSendMessageSize(256 << 20);
+  s->front_->ConfigureServer(tcp);
   if (has_coord) {
     Coordinator::Options co;
     co.clock = o.clock;
@@ -52,6 +51,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.topology = o.topology;
     co.bucket_bytes = o.bucket_bytes;
     co.max_status_watchers = o.security.limits.max_status_watchers;
+    // Replies travel on channels sized by PeerMessageBytes (DaemonFront::channel_factory).
+    co.max_reply_bytes = PeerMessageBytes(o.security.limits);
     co.status_resend = o.status_resend;
     // Standalone: the node lives in this very process, so it cannot be lost while we run (its
     // heartbeats are only late when the whole process is starved, e.g. by its own copies).
