@@ -773,7 +773,15 @@ TEST(FaultTest, CudaBufferWithoutGpuIsRefusedClearly) {
   b->set_size_bytes(1024);
   b->set_cuda_ipc_handle(std::string(64, '\x01'));
   b->set_gpu(0);
-  rl.mutable_layout()->mutable_preset()->set_preset("megatron");
+  // Explicit pieces (a preset on this explicit-tensor model is refused before buffers are opened).
+  for (const planner::Piece& p : t0.layout.pieces) {
+    pb::Piece* pp = rl.mutable_layout()->mutable_pieces()->add_pieces();
+    pp->set_tensor(inv.tensors[p.tensor].name);
+    ToProto(p.box, pp->mutable_box());
+    pp->set_buffer_id(3);
+    pp->set_offset_bytes(static_cast<uint64_t>(p.offset_bytes));
+    for (int64_t st : p.strides) pp->add_strides(st);
+  }
   pb::RegisterLayoutResponse rlr;
   grpc::Status s = t0.stub->RegisterLayout(&c2, rl, &rlr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
