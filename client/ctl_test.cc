@@ -145,6 +145,7 @@ TEST(CommandsTest, UsageErrorsExitTwoAndUnreachableDaemonExitsOne) {
   EXPECT_EQ(RunStatusCommand({}, out, err), kCtlUsage);  // no --addr
   EXPECT_EQ(RunVersionsCommand({"--addr", "127.0.0.1:1"}, out, err), kCtlUsage);  // no --model
   EXPECT_EQ(RunDrainCommand({"--addr", "unix:/tmp/x.sock"}, out, err), kCtlUsage);
+  EXPECT_EQ(RunDrainCommand({"--addr", "127.0.0.1:1", "--node", "n0", "--all"}, out, err), kCtlUsage);
   EXPECT_EQ(RunWatchCommand({"--addr", "127.0.0.1:1", "--interval", "0"}, out, err), kCtlUsage);
   // Port 1 on loopback: nothing listens there.
   EXPECT_EQ(RunStatusCommand({"--addr", "127.0.0.1:1", "--timeout", "300ms"}, out, err),

@@ -27,15 +27,15 @@ int RunDrainCommand(const std::vector<std::string>& args, std::ostream& out, std
     err << "wbctl drain: needs the coordinator's or a node daemon's host:port, not a worker socket\n";
     return kCtlUsage;
   }
-  auto client = CtlClient::Connect(parsed->Get("addr"), std::min(*timeout, absl::Seconds(10)));
-  if (!client.ok()) {
-    err << "wbctl drain: " << client.status() << "\n";
-    return kCtlRpcFailed;
-  }
   const std::string node = parsed->Get("node");
   if (!node.empty() && parsed->Has("all")) {
     err << "wbctl drain: --node and --all are exclusive\n" << usage;
     return kCtlUsage;
+  }
+  auto client = CtlClient::Connect(parsed->Get("addr"), std::min(*timeout, absl::Seconds(10)));
+  if (!client.ok()) {
+    err << "wbctl drain: " << client.status() << "\n";
+    return kCtlRpcFailed;
   }
   const bool undo = parsed->Has("undo");
   auto resp = (*client)->Drain(node, *timeout, undo);
