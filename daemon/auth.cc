@@ -1,6 +1,7 @@
 #include "daemon/auth.h"
 
 #include <fcntl.h>
+#include <grpc/grpc_security_constants.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
@@ -23,6 +24,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "daemon/metrics.h"
@@ -590,6 +592,27 @@ absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& con
   return absl::OkStatus();
 }
 
+absl::Status CheckNodeIdentity(const grpc::ServerContext& ctx, const PeerAuthConfig& config, const std::string& node_id) {
+  if (!config.tls() || !config.bind_node_id) return absl::OkStatus();
+  auto auth = ctx.auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) {
+    return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " presented no client certificate signed by the cluster CA"));
+  }
+  std::vector<std::string> names;
+  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+    for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+  }
+  for (const std::string& n : names) {
+    if (n == node_id) return absl::OkStatus();
+  }
+  std::string shown = absl::StrJoin(names, ", ");
+  if (shown.size() > 256) shown = shown.substr(0, 256) + "...";
+  std::string id = node_id.size() > 128 ? node_id.substr(0, 128) + "..." : node_id;
+  return absl::PermissionDeniedError(absl::StrCat("node id '", id, "' is not the identity of the caller's certificate (CN/SAN: ",
+                                                  shown.empty() ? "none" : shown,
+                                                  "): with mutual TLS a node may act only as the node its certificate names"));
+}
+
 // ------------------------------------------------------------------------------ TokenNodeService
 TokenNodeService::TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
                                    CommitHook on_commit, CommitHook on_abort, PeerAuthenticated on_authenticated)
@@ -676,17 +699,31 @@ grpc::Status TokenCoordinatorService::Check(grpc::ServerContext* ctx) {
   return ToGrpcStatus(s);
 }
 
+grpc::Status TokenCoordinatorService::CheckNode(grpc::ServerContext* ctx, const std::string& node_id) {
+  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  absl::Status s = CheckNodeIdentity(*ctx, *config_, node_id);
+  if (!s.ok()) Metrics().Rejected("coordinator", "impersonation");
+  return ToGrpcStatus(s);
+}
+
 #define WB_COORD_CALL(Method, Req, Resp)                                                                    \
   grpc::Status TokenCoordinatorService::Method(grpc::ServerContext* ctx, const pb::Req* req, pb::Resp* resp) { \
     if (grpc::Status s = Check(ctx); !s.ok()) return s;                                                     \
     return inner_->Method(ctx, req, resp);                                                                  \
   }
+// A call a node makes about itself: its node_id must be its certificate's (CheckNodeIdentity).
+#define WB_COORD_NODE_CALL(Method, Req, Resp)                                                               \
+  grpc::Status TokenCoordinatorService::Method(grpc::ServerContext* ctx, const pb::Req* req, pb::Resp* resp) { \
+    if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;                                 \
+    return inner_->Method(ctx, req, resp);                                                                  \
+  }
 
-WB_COORD_CALL(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
-WB_COORD_CALL(Heartbeat, HeartbeatRequest, HeartbeatResponse)
-WB_COORD_CALL(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
-WB_COORD_CALL(ReportReady, ReportReadyRequest, ReportReadyResponse)
-WB_COORD_CALL(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
+WB_COORD_NODE_CALL(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
+WB_COORD_NODE_CALL(Heartbeat, HeartbeatRequest, HeartbeatResponse)
+WB_COORD_NODE_CALL(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
+WB_COORD_NODE_CALL(ReportReady, ReportReadyRequest, ReportReadyResponse)
+WB_COORD_NODE_CALL(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
+#undef WB_COORD_NODE_CALL
 WB_COORD_CALL(ClusterStatus, StatusRequest, StatusResponse)
 WB_COORD_CALL(Drain, DrainRequest, DrainResponse)
 WB_COORD_CALL(Plan, PlanRequest, PlanResponse)
@@ -716,7 +753,7 @@ grpc::Status TokenCoordinatorService::CreateModel(grpc::ServerContext* ctx, cons
   return inner_->CreateModel(ctx, req, resp);
 }
 grpc::Status TokenCoordinatorService::JoinWorker(grpc::ServerContext* ctx, const pb::JoinWorkerRequest* req, pb::JoinWorkerResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
   if (req->has_model()) {
     if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return ToGrpcStatus(s);
   }
@@ -724,18 +761,18 @@ grpc::Status TokenCoordinatorService::JoinWorker(grpc::ServerContext* ctx, const
 }
 grpc::Status TokenCoordinatorService::SubmitLayout(grpc::ServerContext* ctx, const pb::SubmitLayoutRequest* req,
                                                    pb::SubmitLayoutResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
   if (absl::Status s = CheckLayoutRequest(req->buffers(), req->layout(), limits_); !s.ok()) {
     return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("worker ", req->worker_id(), ": ", s.message())));
   }
   return inner_->SubmitLayout(ctx, req, resp);
 }
 grpc::Status TokenCoordinatorService::Publish(grpc::ServerContext* ctx, const pb::CoordPublishRequest* req, pb::PublishResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
   return inner_->Publish(ctx, req, resp);
 }
 grpc::Status TokenCoordinatorService::ReportDone(grpc::ServerContext* ctx, const pb::ReportDoneRequest* req, pb::ReportDoneResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
+  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
   if (req->ok()) {
     Metrics().Phase(req->node_id(), "transfer", req->seconds());
   } else {

@@ -168,6 +168,10 @@ struct PeerAuthConfig {
   std::string tls_cert_pem, tls_key_pem, tls_ca_pem;  // all three or none
   std::string tls_server_name;                        // optional: expected name in server certs
   std::string token;                                  // empty: no token check
+  // With TLS: node-scoped coordinator calls (RegisterNode, Heartbeat, JoinWorker, SubmitLayout,
+  // LeaveWorker, Publish, Report*) must name the node the client certificate names (its CN or a
+  // DNS SAN), else PERMISSION_DENIED naming both. Issue one certificate per node.
+  bool bind_node_id = true;
   bool tls() const { return !tls_cert_pem.empty(); }
 };
 
@@ -190,6 +194,9 @@ std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeStatu
 
 // UNAUTHENTICATED unless the call carries the token and (TLS) a verified client certificate.
 absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& config);
+// With TLS and bind_node_id: PERMISSION_DENIED unless `node_id` is the verified client
+// certificate's CN or one of its SANs. OK without TLS (the token is shared: no per-node identity).
+absl::Status CheckNodeIdentity(const grpc::ServerContext& ctx, const PeerAuthConfig& config, const std::string& node_id);
 
 // Told the gRPC peer string of every call that passed CheckPeer (DaemonFront: ConnGuard).
 using PeerAuthenticated = std::function<void(const std::string& grpc_peer)>;
@@ -242,6 +249,8 @@ class TokenCoordinatorService final : public pb::CoordinatorService::Service {
 
  private:
   grpc::Status Check(grpc::ServerContext* ctx);
+  // Check, then CheckNodeIdentity for calls a node makes about itself.
+  grpc::Status CheckNode(grpc::ServerContext* ctx, const std::string& node_id);
   pb::CoordinatorService::Service* inner_;
   std::shared_ptr<const PeerAuthConfig> config_;
   Limits limits_;

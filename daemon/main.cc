@@ -67,6 +67,8 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM certificate of this daemon (mutual TLS
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA that signs every daemon's certificate");
 ABSL_FLAG(std::string, tls_server_name, "", "expected name in peer certificates (default: the host dialed)");
+ABSL_FLAG(bool, tls_bind_node_id, true,
+          "with --tls_*: a node may act only as the node id its certificate names (CN or SAN); issue one certificate per node");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the shared token checked on every daemon RPC and proven on every data-channel (host_tcp) connection");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest gRPC message accepted");
 ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have");
@@ -182,6 +184,7 @@ int main(int argc, char** argv) {
                                          absl::GetFlag(FLAGS_auth_token_file));
     if (!auth.ok()) return Fail(std::string(auth.status().message()));
     auth->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+    auth->bind_node_id = absl::GetFlag(FLAGS_tls_bind_node_id);
     o.security.peer_auth = std::make_shared<wb::daemon::PeerAuthConfig>(std::move(*auth));
     o.security.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
     wb::daemon::Limits& l = o.security.limits;

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/metrics_scrape.h"
@@ -20,15 +21,19 @@
 namespace wb::daemon {
 namespace {
 
-std::string MakeCerts(const std::string& dir) {
+// A CA and one certificate per identity (CN = the node id, SAN DNS:<id> plus 127.0.0.1 /
+// localhost so every daemon can also serve): how docs/security.md says to issue them.
+std::string MakeCerts(const std::string& dir, const std::vector<std::string>& names) {
   const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-  std::string script = absl::StrCat(
-      "set -e; mkdir -p ", dir, "; cd ", dir, "; ",
-      "openssl req -x509 ", ec, " -keyout ca.key -out ca.pem -days 1 -subj /CN=wb-test-ca; ",
-      "openssl req ", ec, " -keyout node.key -out node.csr -subj /CN=localhost; ",
-      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ext.cnf; ",
-      "openssl x509 -req -in node.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out node.pem -days 1 -extfile ext.cnf; ",
-      "printf 'cluster-token' > token");
+  std::string script = absl::StrCat("set -e; mkdir -p ", dir, "; cd ", dir, "; ", "openssl req -x509 ", ec,
+                                    " -keyout ca.key -out ca.pem -days 1 -subj /CN=wb-test-ca; ");
+  for (const std::string& n : names) {
+    absl::StrAppend(&script, "openssl req ", ec, " -keyout ", n, ".key -out ", n, ".csr -subj /CN=", n, "; ",
+                    "printf 'subjectAltName=DNS:", n, ",IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ",
+                    n, ".cnf; ", "openssl x509 -req -in ", n, ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -out ", n,
+                    ".pem -days 1 -extfile ", n, ".cnf; ");
+  }
+  absl::StrAppend(&script, "printf 'cluster-token' > token");
   return std::system(absl::StrCat("(", script, ") >/dev/null 2>&1").c_str()) == 0 ? "" : "openssl failed";
 }
 
@@ -44,11 +49,9 @@ constexpr int64_t kRows = 8, kCols = 16, kElem = 4;
 class SecureClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const std::string dir = ::testing::TempDir() + "/secure-certs";
-    ASSERT_EQ(MakeCerts(dir), "");
-    auto auth = LoadPeerAuth(dir + "/node.pem", dir + "/node.key", dir + "/ca.pem", dir + "/token");
-    ASSERT_TRUE(auth.ok()) << auth.status();
-    auth_ = std::make_shared<PeerAuthConfig>(*auth);
+    dir_ = ::testing::TempDir() + "/secure-certs";
+    ASSERT_EQ(MakeCerts(dir_, {"coordinator", "n0", "n1", "n5"}), "");
+    auth_ = Auth("coordinator");
     ServerOptions co;
     co.role = DaemonRole::kCoordinator;
     co.security.peer_auth = auth_;
@@ -57,10 +60,16 @@ class SecureClusterTest : public ::testing::Test {
     ASSERT_TRUE(c.ok()) << c.status();
     coord_ = std::move(*c);
     for (int n = 0; n < 2; ++n) {
-      auto s = Server::Start(NodeOptions(n, auth_));
+      auto s = Server::Start(NodeOptions(n, Auth(absl::StrCat("n", n))));
       ASSERT_TRUE(s.ok()) << s.status();
       nodes_.push_back(std::move(*s));
     }
+  }
+  // The certificate of `name` (CN=name), the shared CA and the token.
+  std::shared_ptr<PeerAuthConfig> Auth(const std::string& name) {
+    auto auth = LoadPeerAuth(dir_ + "/" + name + ".pem", dir_ + "/" + name + ".key", dir_ + "/ca.pem", dir_ + "/token");
+    EXPECT_TRUE(auth.ok()) << auth.status();
+    return auth.ok() ? std::make_shared<PeerAuthConfig>(*auth) : nullptr;
   }
   ServerOptions NodeOptions(int n, std::shared_ptr<const PeerAuthConfig> auth) {
     ServerOptions no;
@@ -134,6 +143,7 @@ class SecureClusterTest : public ::testing::Test {
     return bad;
   }
 
+  std::string dir_;
   std::shared_ptr<PeerAuthConfig> auth_;
   std::unique_ptr<Server> coord_;
   std::vector<std::unique_ptr<Server>> nodes_;
@@ -202,13 +212,53 @@ TEST_F(SecureClusterTest, VersionsFlowOverTlsAndMetricsMove) {
 }
 
 TEST_F(SecureClusterTest, NodeWithoutTokenOrCertificateIsRefused) {
-  auto no_token = std::make_shared<PeerAuthConfig>(*auth_);
+  auto no_token = Auth("n5");
   no_token->token.clear();
   auto s = Server::Start(NodeOptions(5, no_token));
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), absl::StatusCode::kUnauthenticated) << s.status();
   auto plain = Server::Start(NodeOptions(6, nullptr));
   EXPECT_FALSE(plain.ok());
+}
+
+// Issue 15.11: with mutual TLS a node acts only as the node its certificate names: n1's
+// certificate (and the cluster token) can neither re-register as n0 (which would replace n0's
+// address) nor heartbeat as n0; both are PERMISSION_DENIED naming both ids, and n0 is untouched.
+TEST_F(SecureClusterTest, NodeCannotActAsAnotherNode) {
+  auto stub = pb::CoordinatorService::NewStub(MakePeerChannel(coord_->address(), *Auth("n1")));
+  {
+    pb::RegisterNodeRequest req;
+    req.set_node_id("n0");
+    req.set_address("127.0.0.1:1");
+    pb::RegisterNodeResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->RegisterNode(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_NE(s.error_message().find("'n0'"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("n1"), std::string::npos) << s.error_message();
+  }
+  {
+    pb::HeartbeatRequest req;
+    req.set_node_id("n0");
+    pb::HeartbeatResponse resp;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  }
+  // Its own id is fine, and n0 still has its own address.
+  pb::HeartbeatRequest req;
+  req.set_node_id("n1");
+  pb::HeartbeatResponse resp;
+  grpc::ClientContext ctx;
+  grpc::Status s = stub->Heartbeat(&ctx, req, &resp);
+  EXPECT_NE(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  pb::StatusRequest sreq;
+  pb::StatusResponse sresp;
+  grpc::ClientContext sctx;
+  ASSERT_TRUE(stub->ClusterStatus(&sctx, sreq, &sresp).ok());
+  for (const auto& n : sresp.nodes()) {
+    if (n.node_id() == "n0") EXPECT_EQ(n.address(), nodes_[0]->address());
+  }
 }
 
 }  // namespace
