@@ -160,4 +160,22 @@ double ExpectedChangedFraction(absl::Span<const float> masters, double lr) {
   return sum / static_cast<double>(masters.size());
 }
 
+absl::StatusOr<double> SampleIdenticalFraction(double lr, int64_t sample, int steps, uint64_t seed) {
+  if (sample < 1 || steps < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("update model: sample ", sample, " elements, ", steps,
+                                                   " steps (need >= 1 each)"));
+  }
+  absl::StatusOr<UpdateModel> m = UpdateModel::Create({InitForTensor("sample.weight", sample)}, seed);
+  if (!m.ok()) return m.status();
+  std::vector<uint16_t> prev(static_cast<size_t>(sample)), cur(static_cast<size_t>(sample));
+  if (absl::Status s = m->Round(absl::MakeSpan(prev)); !s.ok()) return s;
+  int64_t same = 0;
+  for (int i = 0; i < steps; ++i) {
+    if (absl::Status s = m->Step(lr, absl::MakeSpan(cur)); !s.ok()) return s;
+    same += CountIdentical(prev, cur);
+    prev.swap(cur);
+  }
+  return static_cast<double>(same) / (static_cast<double>(sample) * steps);
+}
+
 }  // namespace wb::delta

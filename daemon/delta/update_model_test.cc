@@ -96,6 +96,14 @@ TEST(UpdateModel, IdenticalShareAtRealisticLearningRates) {
   EXPECT_DOUBLE_EQ(MeasureIdentical(0.0, 1), 1.0);
 }
 
+TEST(UpdateModel, SampleIdenticalFractionAgreesWithTheFullRun) {
+  auto at_1e6 = SampleIdenticalFraction(1e-6);
+  ASSERT_TRUE(at_1e6.ok()) << at_1e6.status();
+  EXPECT_NEAR(*at_1e6, MeasureIdentical(1e-6, 2), 0.003);
+  EXPECT_EQ(SampleIdenticalFraction(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SampleIdenticalFraction(1e-6, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(UpdateModel, NormWeightsNearOneBarelyChange) {
   auto m = UpdateModel::Create({InitForTensor("model.norm.weight", 1 << 18)}, 3);
   ASSERT_TRUE(m.ok());
