@@ -25,4 +25,15 @@ absl::StatusOr<planner::Inventory> BuildSpecInventory(const ::weightbridge::v1::
   return inventory;
 }
 
+absl::Status CheckSameLora(const ::weightbridge::v1::ModelSpec& have, const ::weightbridge::v1::ModelSpec& spec) {
+  if (have.has_lora() == spec.has_lora() && have.lora().SerializeAsString() == spec.lora().SerializeAsString()) {
+    return absl::OkStatus();
+  }
+  auto describe = [](const ::weightbridge::v1::ModelSpec& s) {
+    return s.has_lora() ? absl::StrCat("r=", s.lora().r(), ", ", s.lora().target_modules_size(), " target modules") : std::string("none");
+  };
+  return absl::AlreadyExistsError(absl::StrCat("model ", have.model_id(), " exists with different LoRA adapters (ModelSpec.lora: ",
+                                               describe(have), "; this worker: ", describe(spec), ")"));
+}
+
 }  // namespace wb::daemon

@@ -3,6 +3,7 @@
 // hf_config_json: the base model's tensors, or its LoRA adapters alone when the spec declares them
 // (planner/lora.h). Used by the coordinator and the layout describer so both build the same one.
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "planner/model_config.h"
 #include "planner/types.h"
@@ -17,5 +18,10 @@ planner::LoraConfig LoraFromProto(const ::weightbridge::v1::LoraSpec& lora);
 // (planner::BuildModelInventory). Bad LoRA fields -> InvalidArgument naming the model and field.
 absl::StatusOr<planner::Inventory> BuildSpecInventory(const ::weightbridge::v1::ModelSpec& spec,
                                                       planner::ModelConfig& config, planner::DType dtype);
+
+// A worker joining an existing model must declare the same adapters (or none when the model has
+// none): different adapters are different tensors. ALREADY_EXISTS naming the model and both specs'
+// rank and target count otherwise.
+absl::Status CheckSameLora(const ::weightbridge::v1::ModelSpec& have, const ::weightbridge::v1::ModelSpec& spec);
 
 }  // namespace wb::daemon

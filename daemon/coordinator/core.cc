@@ -124,6 +124,7 @@ absl::Status CoordinatorCore::CreateModelLocked(const pb::ModelSpec& spec, bool*
         have.max_staleness() != spec.max_staleness()) {
       return absl::AlreadyExistsError(absl::StrCat("model ", spec.model_id(), " exists with a different spec"));
     }
+    RETURN_IF_ERROR(CheckSameLora(have, spec));
     return absl::OkStatus();
   }
   if (static_cast<int>(models_.size()) >= options_.max_models) {
@@ -294,6 +295,7 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     RETURN_IF_ERROR(CreateModelLocked(spec, &created));
   }
   ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
+  if (req.has_model() && !created) RETURN_IF_ERROR(CheckSameLora(mp->spec, req.model()));  // same adapters, same tensors
   Model& model = *mp;
   RETURN_IF_ERROR(CheckReplySizeLocked(req.model_id(), model.spec.ByteSizeLong() + 32, created));
   *resp->mutable_model() = model.spec;
