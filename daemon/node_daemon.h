@@ -302,9 +302,10 @@ class NodeDaemon {
   std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
   LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
   LiveCopier copier_;                    // staging -> live copies on the host transport
-  // Observed staging -> live copy speed (bytes/s; 1 GB/s until measured): Apply does not start a
-  // copy that would obviously outlast its caller's timeout.
-  double live_copy_Bps_ ABSL_GUARDED_BY(mu_) = 1e9;
+  // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until
+  // measured): Apply does not start a copy that would obviously outlast its caller's timeout. Not
+  // pessimistic at first: a large model's first Apply with a modest timeout must still start.
+  double live_copy_Bps_ ABSL_GUARDED_BY(mu_) = 1e10;
   // Worker ids whose LeaveWorker (an exited process) is on its way to the coordinator, and ids being
   // registered again: a join waits for the leave of the same id, and the liveness check leaves a
   // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
