@@ -2,7 +2,8 @@
 // against N in-process fake node daemons (FakeNodeClient: every RPC answered at once, ReportDone
 // sent as soon as a node is told to execute), 8 GPUs (workers) per node, half the nodes trainers,
 // half rollouts, on a Kimi-K2-sized model (the real Kimi-K2 inventory from its HF config; every
-// tensor whole on one trainer and on one rollout, so a version moves the whole model once).
+// tensor whole on one trainer and on one rollout, so a version moves the whole model once; each
+// trainer node sends to 4 rollout nodes).
 //
 // Per N it prints: the coordinator's own time per version from the first trainer's Publish to
 // all-committed (WaitVersion answered), heartbeat latency p99 while the plan is made, the plan
@@ -136,13 +137,18 @@ absl::StatusOr<Result> RunOne(int n_nodes, int gpus, int versions, const std::st
   spec.set_mode(pb::MODE_ONE_STEP_OFF);
   pb::CreateModelResponse cresp;
   if (absl::Status s = core.CreateModel(creq, &cresp); !s.ok()) return s;
-  // Worker w of a role holds tensors t with t % count == w (trainers) or (t * 7 + 3) % count == w
-  // (rollouts): whole tensors, packed in one buffer.
+  // Whole tensors, packed in one buffer per worker: tensor t on trainer t % T; its rollout sits on
+  // one of 4 rollout nodes paired with that trainer's node (same GPU index), so each node talks to
+  // a bounded set of peers as with real TP/EP layouts (a node's slice carries the layouts of its
+  // op peers: all-to-all placement would put every layout into every slice).
+  const int rollout_nodes = n_nodes - half;
   std::vector<pb::SubmitLayoutRequest> layouts(static_cast<size_t>(trainers + rollouts));
   std::vector<uint64_t> offsets(layouts.size(), 0);
   for (int t = 0; t < cresp.tensors_size(); ++t) {
     const pb::TensorSpec& ts = cresp.tensors(t);
-    const int owners[2] = {t % trainers, trainers + (t * 7 + 3) % rollouts};
+    const int tr = t % trainers, tnode = tr / gpus;
+    const int rnode = (tnode * 4 + (t / trainers) % 4) % rollout_nodes;
+    const int owners[2] = {tr, trainers + rnode * gpus + tr % gpus};
     for (int w : owners) {
       pb::Piece* p = layouts[w].mutable_layout()->mutable_pieces()->add_pieces();
       p->set_tensor(ts.name());

@@ -189,6 +189,7 @@ absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, p
   n.data_address = req.data_address();
   n.incarnation += 1;
   n.alive = true;
+  if (n.draining) --draining_nodes_;
   n.draining = false;
   // A lease shorter than 3 heartbeats of the node would expire on one late beat.
   n.lease = std::max(options_.lease, 3 * absl::Milliseconds(req.heartbeat_ms()));
@@ -465,7 +466,8 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
   if (cluster_draining_ && !m->machine->Find(v)) {
     return absl::UnavailableError(absl::StrCat("cluster is draining: version ", v, " refused"));
   }
-  for (const std::string& n : m->plan.nodes) {
+  // (Only looked at when some node drains: a version of T trainers on N nodes is T publishes.)
+  for (const std::string& n : draining_nodes_ > 0 ? m->plan.nodes : std::set<std::string>{}) {
     auto it = nodes_.find(n);
     if (it != nodes_.end() && it->second.draining && !m->machine->Find(v)) {
       return absl::UnavailableError(absl::StrCat("node ", n, " is draining: version ", v, " refused"));
@@ -603,11 +605,13 @@ absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainRespon
     // Lifts the drain: new versions are accepted again (a node's drain also ends when it
     // re-registers). Answers at once.
     if (node != nullptr) {
+      if (node->draining) --draining_nodes_;
       node->draining = false;
     } else {
       cluster_draining_ = false;
       for (auto& [id, m] : models_) m.machine->set_draining(false);
       for (auto& [id, n] : nodes_) n.draining = false;
+      draining_nodes_ = 0;
     }
     Log(LogLevel::kInfo, "drain lifted", {{"target", node != nullptr ? req.node_id() : std::string("cluster")}});
     wake_ = true;
@@ -616,6 +620,7 @@ absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainRespon
     return absl::OkStatus();
   }
   if (node != nullptr) {
+    if (!node->draining) ++draining_nodes_;
     node->draining = true;
   } else {
     cluster_draining_ = true;

@@ -247,6 +247,7 @@ class CoordinatorCore {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
+  int draining_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // nodes with Node::draining set
   uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
   int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
