@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/coordinator/fake_node_client.h"
+#include "daemon/layout_discovery.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
@@ -140,6 +141,29 @@ TEST(LoraSpec, CoordinatorRefusesAWorkerWithDifferentAdapters) {
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(absl::StrContains(s.message(), "lora")) << s;
   EXPECT_TRUE(c.Join("r0", pb::ROLE_ROLLOUT, LoraModel("m", 4)).ok());
+}
+
+// Layout discovery describes an adapter model's presets from the same inventory, and its model
+// cache tells two specs that differ only in `lora` apart.
+TEST(LoraSpec, LayoutDiscoveryDescribesVllmLoraAndKeysOnLora) {
+  LayoutDescriber describer;
+  pb::LayoutSpec layout;
+  layout.mutable_preset()->set_preset("vllm_lora");
+  layout.mutable_preset()->set_tp(2);
+  layout.mutable_preset()->set_rank(1);
+  auto d4 = describer.Describe(LoraModel("m", 4), layout, {}, planner::Role::kRollout);
+  ASSERT_TRUE(d4.ok()) << d4.status();
+  ASSERT_GT(d4->tensors_size(), 0);
+  EXPECT_EQ(d4->tensors(0).name(), "model.layers.0.self_attn.qkv_proj.lora_a_stacked.0");
+  EXPECT_EQ(d4->tensors(0).shape(0), 4);
+  auto d8 = describer.Describe(LoraModel("m", 8), layout, {}, planner::Role::kRollout);
+  ASSERT_TRUE(d8.ok()) << d8.status();
+  EXPECT_EQ(d8->tensors(0).shape(0), 8);  // not the cached r=4 model
+  pb::ModelSpec base = LoraModel("m", 4);
+  base.clear_lora();
+  auto wrong = describer.Describe(base, layout, {}, planner::Role::kRollout);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_TRUE(absl::StrContains(wrong.status().message(), "declares none")) << wrong.status();
 }
 
 }  // namespace
