@@ -88,6 +88,62 @@ void Parallel(int n, int threads, const std::function<void(int)>& fn) {
 
 int ElementBytes(pb::DType d) { return d == pb::DTYPE_F32 ? 4 : d == pb::DTYPE_F8_E4M3 ? 1 : 2; }
 
+// Whole tensors, packed in one buffer per worker: tensor t on trainer t % T; its rollout sits on
+// one of 4 rollout nodes paired with that trainer's node (same GPU index), so each node talks to a
+// bounded set of peers as with real TP/EP layouts (a node's slice carries the layouts of its op
+// peers: all-to-all placement would put every layout into every slice). Trainers fill the first
+// `half` nodes, rollouts the rest, `gpus` workers per node.
+std::vector<pb::SubmitLayoutRequest> Layouts(const pb::CreateModelResponse& cresp, const std::vector<std::string>& nodes, int half,
+                                             int gpus, std::vector<std::string>* worker_ids) {
+  const int n_nodes = static_cast<int>(nodes.size());
+  const int trainers = half * gpus, rollouts = (n_nodes - half) * gpus;
+  const int rollout_nodes = n_nodes - half;
+  std::vector<pb::SubmitLayoutRequest> layouts(static_cast<size_t>(trainers + rollouts));
+  std::vector<uint64_t> offsets(layouts.size(), 0);
+  for (int t = 0; t < cresp.tensors_size(); ++t) {
+    const pb::TensorSpec& ts = cresp.tensors(t);
+    const int tr = t % trainers, tnode = tr / gpus;
+    const int rnode = (tnode * 4 + (t / trainers) % 4) % rollout_nodes;
+    const int owners[2] = {tr, trainers + rnode * gpus + tr % gpus};
+    for (int w : owners) {
+      pb::Piece* p = layouts[w].mutable_layout()->mutable_pieces()->add_pieces();
+      p->set_tensor(ts.name());
+      int64_t elements = 1;
+      for (int64_t d : ts.shape()) {
+        p->mutable_box()->add_begin(0);
+        p->mutable_box()->add_end(d);
+        elements *= d;
+      }
+      int64_t stride = 1;
+      std::vector<int64_t> strides(static_cast<size_t>(ts.shape_size()));
+      for (int d = ts.shape_size() - 1; d >= 0; --d) {
+        strides[d] = stride;
+        stride *= ts.shape(d);
+      }
+      for (int64_t s : strides) p->add_strides(s);
+      p->set_buffer_id(0);
+      p->set_offset_bytes(offsets[w]);
+      offsets[w] += (static_cast<uint64_t>(elements) * ElementBytes(ts.dtype()) + 255) / 256 * 256;
+    }
+  }
+  worker_ids->assign(layouts.size(), "");
+  for (size_t w = 0; w < layouts.size(); ++w) {
+    const bool trainer = static_cast<int>(w) < trainers;
+    const int node = trainer ? static_cast<int>(w) / gpus : half + (static_cast<int>(w) - trainers) / gpus;
+    (*worker_ids)[w] = absl::StrFormat("%s-%05d", trainer ? "t" : "r", trainer ? w : w - trainers);
+    pb::SubmitLayoutRequest& l = layouts[w];
+    l.set_node_id(nodes[node]);
+    l.set_model_id("m");
+    l.set_worker_id((*worker_ids)[w]);
+    pb::BufferSpec* b = l.add_buffers();
+    b->set_buffer_id(0);
+    b->set_size_bytes(std::max<uint64_t>(offsets[w], 256));
+    b->set_shm_name("/wb-bench-" + (*worker_ids)[w]);
+    b->set_gpu(-1);
+  }
+  return layouts;
+}
+
 absl::StatusOr<Result> RunOne(int n_nodes, int gpus, int versions, const std::string& config_json) {
   Result r;
   r.nodes = n_nodes;
@@ -137,54 +193,8 @@ absl::StatusOr<Result> RunOne(int n_nodes, int gpus, int versions, const std::st
   spec.set_mode(pb::MODE_ONE_STEP_OFF);
   pb::CreateModelResponse cresp;
   if (absl::Status s = core.CreateModel(creq, &cresp); !s.ok()) return s;
-  // Whole tensors, packed in one buffer per worker: tensor t on trainer t % T; its rollout sits on
-  // one of 4 rollout nodes paired with that trainer's node (same GPU index), so each node talks to
-  // a bounded set of peers as with real TP/EP layouts (a node's slice carries the layouts of its
-  // op peers: all-to-all placement would put every layout into every slice).
-  const int rollout_nodes = n_nodes - half;
-  std::vector<pb::SubmitLayoutRequest> layouts(static_cast<size_t>(trainers + rollouts));
-  std::vector<uint64_t> offsets(layouts.size(), 0);
-  for (int t = 0; t < cresp.tensors_size(); ++t) {
-    const pb::TensorSpec& ts = cresp.tensors(t);
-    const int tr = t % trainers, tnode = tr / gpus;
-    const int rnode = (tnode * 4 + (t / trainers) % 4) % rollout_nodes;
-    const int owners[2] = {tr, trainers + rnode * gpus + tr % gpus};
-    for (int w : owners) {
-      pb::Piece* p = layouts[w].mutable_layout()->mutable_pieces()->add_pieces();
-      p->set_tensor(ts.name());
-      int64_t elements = 1;
-      for (int64_t d : ts.shape()) {
-        p->mutable_box()->add_begin(0);
-        p->mutable_box()->add_end(d);
-        elements *= d;
-      }
-      int64_t stride = 1;
-      std::vector<int64_t> strides(static_cast<size_t>(ts.shape_size()));
-      for (int d = ts.shape_size() - 1; d >= 0; --d) {
-        strides[d] = stride;
-        stride *= ts.shape(d);
-      }
-      for (int64_t s : strides) p->add_strides(s);
-      p->set_buffer_id(0);
-      p->set_offset_bytes(offsets[w]);
-      offsets[w] += (static_cast<uint64_t>(elements) * ElementBytes(ts.dtype()) + 255) / 256 * 256;
-    }
-  }
-  std::vector<std::string> worker_ids(layouts.size());
-  for (size_t w = 0; w < layouts.size(); ++w) {
-    const bool trainer = static_cast<int>(w) < trainers;
-    const int node = trainer ? static_cast<int>(w) / gpus : half + (static_cast<int>(w) - trainers) / gpus;
-    worker_ids[w] = absl::StrFormat("%s-%05d", trainer ? "t" : "r", trainer ? w : w - trainers);
-    pb::SubmitLayoutRequest& l = layouts[w];
-    l.set_node_id(nodes[node]);
-    l.set_model_id("m");
-    l.set_worker_id(worker_ids[w]);
-    pb::BufferSpec* b = l.add_buffers();
-    b->set_buffer_id(0);
-    b->set_size_bytes(std::max<uint64_t>(offsets[w], 256));
-    b->set_shm_name("/wb-bench-" + worker_ids[w]);
-    b->set_gpu(-1);
-  }
+  std::vector<std::string> worker_ids;
+  std::vector<pb::SubmitLayoutRequest> layouts = Layouts(cresp, nodes, half, gpus, &worker_ids);
   // Joins and every layout but the last: setup, not measured.
   std::atomic<bool> failed{false};
   std::string error;
