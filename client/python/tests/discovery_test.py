@@ -162,6 +162,28 @@ class DiscoveryTest(unittest.TestCase):
             x.deregister()
             x.close()
 
+    def test_lora_adapter_model_describes_peft_and_vllm_lora(self):
+        """ModelSpec.lora (issue 17.3): the model is the adapters alone; vllm_lora tp=2 rank 1 holds
+        the q slice's lora_B rows of its heads and o_proj's lora_A columns of its shard."""
+        lora = wb.LoraConfig(target_modules=["q_proj", "o_proj"], r=4, alpha=8)
+        model = wb.ModelConfig(model_id="py_lora", hf_config_json=self.config, num_trainer_workers=1,
+                               num_rollout_workers=2, lora=lora)
+        c = self.daemon.client("lora")
+        peft = c.describe_layout(wb.PresetLayout("peft"), model=model)
+        qa = peft.tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+        self.assertEqual(qa.shape[0], 4)
+        desc = c.describe_layout(wb.PresetLayout("vllm_lora", tp=2, rank=1), model=model)
+        qb = desc.tensors["model.layers.0.self_attn.qkv_proj.lora_b_stacked.0"]
+        q_rows = peft.tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"].shape[0]
+        self.assertEqual(qb.shape, (q_rows // 2, 4))
+        self.assertEqual(tuple(desc.pieces[qb.pieces[0]].box.begin), (q_rows // 2, 0))
+        oa = desc.tensors["model.layers.0.self_attn.o_proj.lora_a_stacked.0"]
+        self.assertEqual(oa.shape, (4, q_rows // 2))
+        with self.assertRaises(wb.WeightBridgeError) as cm:  # base presets do not apply to adapters
+            c.describe_layout(wb.PresetLayout("vllm"), model=model)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT, cm.exception.message)
+        c.close()
+
     def test_a_large_model_description_arrives(self):
         """FSDP2 over Kimi-K2 (dp=256): ~70k local tensors, a ~10 MB answer; gRPC's default 4 MB
         receive limit refused it (RESOURCE_EXHAUSTED) before the client raised its limit."""

@@ -45,6 +45,21 @@ class WeightBridgeError(Exception):
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """LoRA adapters (ModelSpec.lora): with it the model's tensors are these adapters alone, in PEFT
+    names, laid out by the presets peft / peft_fsdp2 (trainers) and vllm_lora (rollouts);
+    docs/presets.md "LoRA adapters"."""
+    target_modules: Sequence[str]  # PEFT names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    r: int
+    alpha: float
+    max_lora_rank: int = 0  # vllm_lora: vLLM --max-lora-rank (0 = r)
+
+    def to_proto(self):
+        return pb.LoraSpec(target_modules=list(self.target_modules), r=self.r, alpha=self.alpha,
+                           max_lora_rank=self.max_lora_rank)
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """The model a worker joins; the first worker creates it, later ones must match exactly."""
     model_id: str
@@ -56,6 +71,7 @@ class ModelConfig:
     mode: str = "sync"  # sync | one_step_off | async
     max_staleness: int = 0
     strategy: str = "weightbridge"
+    lora: Optional[LoraConfig] = None  # with hf_config_json: a model of these LoRA adapters alone
 
     def to_proto(self):
         if (self.hf_config_json is None) == (self.explicit_tensors is None):
@@ -68,6 +84,10 @@ class ModelConfig:
         spec = pb.ModelSpec(model_id=self.model_id, dtype=code, num_trainer_workers=self.num_trainer_workers,
                             num_rollout_workers=self.num_rollout_workers, mode=MODES[self.mode],
                             max_staleness=self.max_staleness, strategy=STRATEGIES[self.strategy])
+        if self.lora is not None:
+            if self.hf_config_json is None:
+                raise ValueError("model %s: lora needs hf_config_json" % self.model_id)
+            spec.lora.CopyFrom(self.lora.to_proto())
         if self.hf_config_json is not None:
             spec.hf_config_json = self.hf_config_json
         else:
