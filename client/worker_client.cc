@@ -27,6 +27,11 @@ namespace {
 // deadline fires, so callers see the daemon's message (which version, which worker) rather than
 // a bare DEADLINE_EXCEEDED from the transport.
 constexpr absl::Duration kDeadlineGrace = absl::Seconds(2);
+// Apply: a copy into live weights that the daemon has started runs to its end (its own timeout, 2
+// minutes: NodeDaemon::Options::live_copy_timeout), not to the call's timeout; the client waits for
+// that answer instead of giving up while its weights are being rewritten (docs/daemon.md "Live
+// weights: whole or TORN"). The call's timeout still bounds the wait for the version.
+constexpr absl::Duration kLiveCopyAllowance = absl::Minutes(2);
 
 int64_t ToMillis(absl::Duration d) {
   return d <= absl::ZeroDuration() ? 1 : absl::ToInt64Milliseconds(d);
@@ -545,7 +550,7 @@ absl::StatusOr<ApplyResult> WorkerClient::Apply(uint64_t version, absl::Duration
     req.set_version(version);
     req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(d));
+    ctx.set_deadline(absl::ToChronoTime(d + kLiveCopyAllowance));
     return FromGrpcStatus(stub()->Apply(&ctx, req, &resp));
   });
   RETURN_IF_ERROR_WITH(s, absl::StrCat("Apply v", version, " by ", register_request_.worker_id()));
