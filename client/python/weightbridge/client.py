@@ -31,6 +31,9 @@ MODES = {"sync": pb.MODE_SYNC, "one_step_off": pb.MODE_ONE_STEP_OFF, "async": pb
 STRATEGIES = {"weightbridge": pb.STRATEGY_WEIGHTBRIDGE, "rank0_broadcast": pb.STRATEGY_RANK0_BROADCAST,
               "p2p_no_dedup": pb.STRATEGY_P2P_NO_DEDUP}
 ROLES = {"trainer": pb.ROLE_TRAINER, "rollout": pb.ROLE_ROLLOUT}
+# How long an Apply RPC may outlive its timeout: a copy into live weights that has started runs to the
+# node's own limit (2 min, NodeDaemon::Options::live_copy_timeout), as the C++ client allows.
+LIVE_COPY_ALLOWANCE_S = 120.0
 
 
 class WeightBridgeError(Exception):
@@ -216,20 +219,23 @@ class WorkerClient:
             raise WeightBridgeError("connect", grpc.StatusCode.UNAVAILABLE,
                                     "daemon socket %s did not accept a connection in time" % self.socket_path)
 
-    def _call(self, what, method, request, timeout, retry=True):
+    def _call(self, what, method, request, timeout, retry=True, extra=0.0):
+        """`extra`: seconds the RPC may outlive `timeout` (Apply: a live copy that started runs to the
+        node's own copy limit and is not cut by the client's deadline; docs/daemon.md "Live weights")."""
         deadline = time.monotonic() + timeout
         if retry and self.reconnect and self._register_req is not None and self._dropped:
             # Reconnect explicitly and replay first (RegisterWorker, VMM fds, RegisterLayout).
             self._replay(time.monotonic() + max(0.001, min(self.reconnect_timeout, timeout)))
         try:
-            return getattr(self._stub, method)(request, timeout=timeout + 2.0)
+            return getattr(self._stub, method)(request, timeout=timeout + 2.0 + extra)
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.UNAVAILABLE and retry and self.reconnect:
                 left = min(self.reconnect_timeout, deadline - time.monotonic())
                 if left > 0:
                     self._replay(time.monotonic() + left)
-                    return self._call(what, method, request, max(0.001, deadline - time.monotonic()), retry=False)
+                    return self._call(what, method, request, max(0.001, deadline - time.monotonic()), retry=False,
+                                      extra=extra)
             raise WeightBridgeError(what, code, e.details() or "") from None
 
     def _replay(self, deadline):
@@ -447,7 +453,7 @@ class WorkerClient:
         """Rollout, one-step-off / async: make `version` (0 = newest committed) live now."""
         resp = self._call("Apply v%d by %s" % (version, self.worker_id), "Apply",
                           pb.ApplyRequest(model_id=self.model_id, worker_id=self.worker_id, version=version,
-                                          timeout_ms=_ms(timeout)), timeout)
+                                          timeout_ms=_ms(timeout)), timeout, extra=LIVE_COPY_ALLOWANCE_S)
         return ApplyResult(resp.applied_version, resp.stall_seconds)
 
     def wait_version(self, version, timeout=60.0):
