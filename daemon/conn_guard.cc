@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 
@@ -116,8 +117,13 @@ absl::StatusOr<std::unique_ptr<ConnGuard>> ConnGuard::Bind(const std::string& li
                                              : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
   // The private socket gRPC listens on: in a fresh 0700 directory, so only this uid can reach
   // gRPC around the guard.
-  char dir[] = "/tmp/wb-grpc-XXXXXX";
-  if (mkdtemp(dir) == nullptr) return absl::InternalError(Errno("mkdtemp /tmp/wb-grpc-XXXXXX"));
+  // $TMPDIR when set (containers with a read-only root mount a writable one), else /tmp.
+  const char* tmp = std::getenv("TMPDIR");
+  std::string templ = absl::StrCat(tmp != nullptr && tmp[0] == '/' ? tmp : "/tmp", "/wb-grpc-XXXXXX");
+  if (mkdtemp(templ.data()) == nullptr) {
+    return absl::InternalError(Errno(absl::StrCat("mkdtemp ", templ, " (the daemon needs a writable $TMPDIR or /tmp)")));
+  }
+  const std::string dir = templ;
   g->dir_ = dir;
   g->inner_path_ = absl::StrCat(dir, "/grpc.sock");
   static std::atomic<int> guards{0};
