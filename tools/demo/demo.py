@@ -165,6 +165,8 @@ def summarize(rows):
     """Per (mode, strategy): the first version apart, steady state = median of versions >= 2."""
     out = {}
     for r in rows:
+        if r["state"] != "committed":  # a superseded version moved nothing (one-step-off / async skip it)
+            continue
         key = (r["mode"], r["strategy"])
         d = out.setdefault(key, {"first": None, "steady": []})
         if r["version"] == 1:
@@ -187,7 +189,7 @@ def summarize(rows):
 def print_summary(rows, modes, strategies, model_bytes):
     """The table a user reads at a glance: per mode, WeightBridge next to rank0_broadcast."""
     summary = summarize(rows)
-    print("Summary: steady-state update (median of versions >= 2; version 1 shown apart), same daemons, same workers")
+    print("Summary: steady-state update (median of committed versions >= 2; version 1 shown apart), same daemons, same workers")
     hdr = "%-13s %-16s %10s %10s %9s %14s %14s %12s" % ("mode", "strategy", "update_s", "GB_moved", "speedup",
                                                         "trainer_stall", "rollout_stall", "first_ver_s")
     print(hdr)
