@@ -1,5 +1,7 @@
 #include "daemon/convert.h"
 
+#include <algorithm>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
@@ -211,6 +213,24 @@ void StatsToProto(const planner::PlanStats& stats, int num_buckets, pb::PlanStat
   out->set_makespan_s(stats.makespan_s);
   out->set_plan_ms(stats.plan_ms);
   out->set_num_buckets(static_cast<uint32_t>(num_buckets));
+}
+
+planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
+  planner::ParallelConfig c;
+  c.preset = p.preset();
+  c.tp = p.tp() ? static_cast<int>(p.tp()) : 1;
+  c.pp = p.pp() ? static_cast<int>(p.pp()) : 1;
+  c.dp = p.dp() ? static_cast<int>(p.dp()) : 1;
+  c.ep = p.ep() ? static_cast<int>(p.ep()) : 1;
+  c.etp = static_cast<int>(p.etp());
+  c.expert_parallel = p.expert_parallel();
+  c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
+  c.quantization = p.quantization();
+  c.first_stage_layers = static_cast<int>(std::min<uint32_t>(p.first_stage_layers(), 1u << 30));
+  c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
+  c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
+  c.expert_placement = p.expert_placement();
+  return c;
 }
 
 }  // namespace wb::daemon

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "planner/presets.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
 
@@ -38,6 +39,11 @@ absl::StatusOr<planner::WorkerLayout> LayoutFromProto(const pb::ResolvedLayout& 
 void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory& inventory,
                    const google::protobuf::RepeatedPtrField<pb::BufferSpec>& buffers,
                    pb::ResolvedLayout* out);
+
+// A preset's parallel config from the proto (0 = the preset's default of 1; etp 0 = tp; stage
+// counts capped at 2^30). The one conversion the coordinator (resolving presets) and the node
+// (layout discovery) share, so both always describe the same layout.
+planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p);
 
 void StatsToProto(const planner::PlanStats& stats, int num_buckets, pb::PlanStats* out);
 

@@ -17,24 +17,6 @@
 
 namespace wb::daemon {
 
-planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
-  planner::ParallelConfig c;
-  c.preset = p.preset();
-  c.tp = p.tp() ? static_cast<int>(p.tp()) : 1;
-  c.pp = p.pp() ? static_cast<int>(p.pp()) : 1;
-  c.dp = p.dp() ? static_cast<int>(p.dp()) : 1;
-  c.ep = p.ep() ? static_cast<int>(p.ep()) : 1;
-  c.etp = static_cast<int>(p.etp());
-  c.expert_parallel = p.expert_parallel();
-  c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
-  c.quantization = p.quantization();
-  c.first_stage_layers = static_cast<int>(std::min<uint32_t>(p.first_stage_layers(), 1u << 30));
-  c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
-  c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
-  c.expert_placement = p.expert_placement();
-  return c;
-}
-
 pb::LayoutDescription LayoutInfoToProto(const planner::LayoutInfo& info, const planner::Inventory& inventory,
                                         const std::vector<uint32_t>& buffer_ids, const std::string& source) {
   auto id_of = [&](int32_t index) {

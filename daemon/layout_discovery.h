@@ -28,11 +28,6 @@ namespace wb::daemon {
 
 namespace pb = ::weightbridge::v1;
 
-// A preset's parallel config from the proto (0 = the preset's default of 1; etp 0 = tp), as the
-// coordinator reads it (daemon/coordinator.cc FromProto: keep the two identical, or the
-// description and the coordinator's resolution of a preset differ; the coordinator could call this).
-planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p);
-
 // The description in proto form. `buffer_ids[i]` is the id of buffer index i (missing: i).
 pb::LayoutDescription LayoutInfoToProto(const planner::LayoutInfo& info, const planner::Inventory& inventory,
                                         const std::vector<uint32_t>& buffer_ids, const std::string& source);

@@ -30,25 +30,6 @@ ModeKind ToMode(pb::Mode mode) {
   }
 }
 
-// A preset's parallel config from the proto (0 = the preset's default of 1; etp 0 = tp).
-planner::ParallelConfig FromProto(const pb::ParallelConfig& p) {
-  planner::ParallelConfig c;
-  c.preset = p.preset();
-  c.tp = p.tp() ? static_cast<int>(p.tp()) : 1;
-  c.pp = p.pp() ? static_cast<int>(p.pp()) : 1;
-  c.dp = p.dp() ? static_cast<int>(p.dp()) : 1;
-  c.ep = p.ep() ? static_cast<int>(p.ep()) : 1;
-  c.etp = static_cast<int>(p.etp());
-  c.expert_parallel = p.expert_parallel();
-  c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
-  c.quantization = p.quantization();
-  c.first_stage_layers = static_cast<int>(std::min<uint32_t>(p.first_stage_layers(), 1u << 30));
-  c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
-  c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
-  c.expert_placement = p.expert_placement();
-  return c;
-}
-
 std::string NewInstanceId() {
   std::random_device rd;
   return absl::StrCat(absl::Hex(rd(), absl::kZeroPad8), absl::Hex(rd(), absl::kZeroPad8), "-",
@@ -335,7 +316,7 @@ absl::StatusOr<planner::WorkerLayout> CoordinatorCore::ResolveLayoutLocked(const
     return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
   }
   const pb::ParallelConfig& pc = req.layout().preset();
-  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, FromProto(pc), static_cast<int>(pc.rank()));
+  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
   if (!preset.ok()) {
     return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
   }
