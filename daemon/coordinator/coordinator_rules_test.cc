@@ -4,23 +4,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator.h"
+#include "daemon/coordinator/test_specs.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
 namespace {
 
-pb::ModelSpec SmallModel(const std::string& id) {
-  pb::ModelSpec spec;
-  spec.set_model_id(id);
-  spec.set_num_trainer_workers(1);
-  spec.set_num_rollout_workers(1);
-  pb::TensorSpec* t = spec.mutable_explicit_tensors()->add_tensors();
-  t->set_name("w");
-  t->add_shape(4);
-  t->add_shape(4);
-  t->set_dtype(pb::DTYPE_BF16);
-  return spec;
-}
+using testing::SmallModelSpec;
 
 class CoordinatorRulesTest : public ::testing::Test {
  protected:
@@ -68,7 +58,7 @@ TEST_F(CoordinatorRulesTest, JoinWorkerRefusesUnknownEnumsAndBadIds) {
     req.set_worker_id(worker);
     req.set_model_id(absl::StrCat("m", mode, "-", strategy));
     req.set_role(static_cast<pb::Role>(role));
-    *req.mutable_model() = SmallModel(req.model_id());
+    *req.mutable_model() = SmallModelSpec(req.model_id());
     req.mutable_model()->set_mode(static_cast<pb::Mode>(mode));
     req.mutable_model()->set_strategy(static_cast<pb::Strategy>(strategy));
     pb::JoinWorkerResponse resp;
@@ -106,7 +96,7 @@ TEST_F(CoordinatorRulesTest, ModelWhoseInventoryReplyIsTooLargeLeavesNothingBehi
     req.set_worker_id("t0");
     req.set_model_id(absl::StrCat("big", attempt));
     req.set_role(pb::ROLE_TRAINER);
-    pb::ModelSpec spec = SmallModel(req.model_id());
+    pb::ModelSpec spec = SmallModelSpec(req.model_id());
     spec.mutable_explicit_tensors()->clear_tensors();
     for (int i = 0; i < 40000; ++i) {  // ~5 MB of names: over the 4 MiB reply limit
       pb::TensorSpec* t = spec.mutable_explicit_tensors()->add_tensors();
@@ -127,19 +117,19 @@ TEST_F(CoordinatorRulesTest, ModelCountIsCapped) {
   const int cap = 256;  // Coordinator::Options::max_models default
   for (int i = 0; i < cap; ++i) {
     pb::CreateModelRequest req;
-    *req.mutable_model() = SmallModel(absl::StrCat("m", i));
+    *req.mutable_model() = SmallModelSpec(absl::StrCat("m", i));
     pb::CreateModelResponse resp;
     ASSERT_TRUE(coord_.CreateModel(nullptr, &req, &resp).ok()) << i;
   }
   pb::CreateModelRequest req;
-  *req.mutable_model() = SmallModel("one-too-many");
+  *req.mutable_model() = SmallModelSpec("one-too-many");
   pb::CreateModelResponse resp;
   grpc::Status s = coord_.CreateModel(nullptr, &req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(s.error_message().find("max_models"), std::string::npos) << s.error_message();
   EXPECT_NE(s.error_message().find(absl::StrCat(cap)), std::string::npos) << s.error_message();
   // An existing model is still found (idempotent create), not counted again.
-  *req.mutable_model() = SmallModel("m0");
+  *req.mutable_model() = SmallModelSpec("m0");
   EXPECT_TRUE(coord_.CreateModel(nullptr, &req, &resp).ok());
 }
 
@@ -174,7 +164,7 @@ TEST_F(CoordinatorRulesTest, EmptyDrainIsRefusedAndDrainsCanBeUndone) {
 
   // The whole cluster: drained with all = true, new versions refused, undone with all + undo.
   pb::CreateModelRequest creq;
-  *creq.mutable_model() = SmallModel("m");
+  *creq.mutable_model() = SmallModelSpec("m");
   pb::CreateModelResponse cresp;
   ASSERT_TRUE(coord_.CreateModel(nullptr, &creq, &cresp).ok());
   pb::DrainRequest all;
@@ -198,7 +188,7 @@ TEST_F(CoordinatorRulesTest, HeartbeatPayloadIsBounded) {
   pb::RegisterNodeResponse rresp;
   ASSERT_TRUE(coord_.RegisterNode(nullptr, &rreq, &rresp).ok());
   pb::CreateModelRequest creq;
-  *creq.mutable_model() = SmallModel("m");
+  *creq.mutable_model() = SmallModelSpec("m");
   pb::CreateModelResponse cresp;
   ASSERT_TRUE(coord_.CreateModel(nullptr, &creq, &cresp).ok());
   pb::HeartbeatRequest hb;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/coordinator/fake_node_client.h"
+#include "daemon/coordinator/test_specs.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
@@ -18,39 +19,9 @@ namespace {
 constexpr absl::Duration kReal = absl::Seconds(20);  // real-time bound on any wait in these tests
 
 pb::ModelSpec Spec(const std::string& id, int rollouts, pb::Mode mode) {
-  pb::ModelSpec spec;
-  spec.set_model_id(id);
-  spec.set_num_trainer_workers(1);
-  spec.set_num_rollout_workers(static_cast<uint32_t>(rollouts));
+  pb::ModelSpec spec = testing::SmallModelSpec(id, rollouts);
   spec.set_mode(mode);
-  pb::TensorSpec* t = spec.mutable_explicit_tensors()->add_tensors();
-  t->set_name("w");
-  t->add_shape(4);
-  t->add_shape(4);
-  t->set_dtype(pb::DTYPE_BF16);
   return spec;
-}
-
-pb::SubmitLayoutRequest WholeTensor(const std::string& node, const std::string& worker) {
-  pb::SubmitLayoutRequest req;
-  req.set_node_id(node);
-  req.set_model_id("m");
-  req.set_worker_id(worker);
-  pb::BufferSpec* b = req.add_buffers();
-  b->set_buffer_id(0);
-  b->set_size_bytes(32);
-  b->set_shm_name("/wb-" + worker);
-  b->set_gpu(-1);
-  pb::Piece* p = req.mutable_layout()->mutable_pieces()->add_pieces();
-  p->set_tensor("w");
-  for (int d = 0; d < 2; ++d) {
-    p->mutable_box()->add_begin(0);
-    p->mutable_box()->add_end(4);
-  }
-  p->set_buffer_id(0);
-  p->add_strides(4);
-  p->add_strides(1);
-  return req;
 }
 
 // A coordinator with fake nodes. Nodes report done as soon as they are told to execute (unless
@@ -100,7 +71,7 @@ class Cluster {
     *j.mutable_model() = spec;
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
-    pb::SubmitLayoutRequest l = WholeTensor(node, worker);
+    pb::SubmitLayoutRequest l = testing::WholeTensorLayout(node, worker);
     pb::SubmitLayoutResponse lr;
     absl::Status s = core->SubmitLayout(l, &lr);
     ASSERT_TRUE(s.ok()) << s;

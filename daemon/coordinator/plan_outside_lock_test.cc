@@ -10,47 +10,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/coordinator.h"
+#include "daemon/coordinator/test_specs.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 
 namespace wb::daemon {
 namespace {
-
-pb::ModelSpec SmallModel(const std::string& id) {
-  pb::ModelSpec spec;
-  spec.set_model_id(id);
-  spec.set_num_trainer_workers(1);
-  spec.set_num_rollout_workers(1);
-  pb::TensorSpec* t = spec.mutable_explicit_tensors()->add_tensors();
-  t->set_name("w");
-  t->add_shape(4);
-  t->add_shape(4);
-  t->set_dtype(pb::DTYPE_BF16);
-  return spec;
-}
-
-pb::SubmitLayoutRequest WholeTensorLayout(const std::string& node, const std::string& worker) {
-  pb::SubmitLayoutRequest req;
-  req.set_node_id(node);
-  req.set_model_id("m");
-  req.set_worker_id(worker);
-  pb::BufferSpec* b = req.add_buffers();
-  b->set_buffer_id(0);
-  b->set_size_bytes(32);
-  b->set_shm_name("/wb-test-" + worker);
-  b->set_gpu(-1);
-  pb::Piece* p = req.mutable_layout()->mutable_pieces()->add_pieces();
-  p->set_tensor("w");
-  for (int d = 0; d < 2; ++d) {
-    p->mutable_box()->add_begin(0);
-    p->mutable_box()->add_end(4);
-  }
-  p->set_buffer_id(0);
-  p->set_offset_bytes(0);
-  p->add_strides(4);
-  p->add_strides(1);
-  return req;
-}
 
 TEST(PlanOutsideLockTest, HeartbeatsAndStatusAreAnsweredWhilePlanning) {
   absl::Notification planning, release;
@@ -73,10 +38,10 @@ TEST(PlanOutsideLockTest, HeartbeatsAndStatusAreAnsweredWhilePlanning) {
     j.set_worker_id(worker);
     j.set_model_id("m");
     j.set_role(role);
-    *j.mutable_model() = SmallModel("m");
+    *j.mutable_model() = testing::SmallModelSpec("m");
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(coord.JoinWorker(nullptr, &j, &jr).ok());
-    pb::SubmitLayoutRequest l = WholeTensorLayout("n0", worker);
+    pb::SubmitLayoutRequest l = testing::WholeTensorLayout("n0", worker);
     pb::SubmitLayoutResponse lr;
     ASSERT_TRUE(coord.SubmitLayout(nullptr, &l, &lr).ok());
   }
