@@ -1,0 +1,188 @@
+#include "daemon/digest/digest.h"
+
+#include <xxhash.h>
+#if defined(__x86_64__)
+// XXH3 on the widest vector unit of this CPU (as transport/host_shm.cc): same hashes, faster.
+#include <xxh_x86dispatch.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "digests hash u64 values as little-endian bytes; so does this code");
+
+namespace wb::digest {
+namespace {
+
+struct StateDeleter {
+  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+};
+using HashState = std::unique_ptr<XXH3_state_t, StateDeleter>;
+
+// A box reduced for iteration: dims of size 1 dropped and adjacent dims merged where the outer
+// one steps exactly over the inner one (row-major contiguous), so a contiguous box is one row.
+// The canonical (row-major) element order is unchanged by both.
+struct Walk {
+  const uint8_t* base = nullptr;
+  std::vector<int64_t> shape, strides;  // at least one dim
+  int64_t es = 1;
+  int64_t elements = 0;
+};
+
+absl::StatusOr<Walk> Prepare(const StridedBox& box) {
+  if (box.element_size <= 0) return absl::InvalidArgumentError(absl::StrCat("digest: element_size ", box.element_size, " must be > 0"));
+  if (box.shape.size() != box.strides.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("digest: ", box.shape.size(), " dims but ", box.strides.size(), " strides"));
+  }
+  Walk w;
+  w.base = box.base;
+  w.es = box.element_size;
+  w.elements = 1;
+  for (size_t d = 0; d < box.shape.size(); ++d) {
+    if (box.shape[d] < 0 || box.strides[d] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("digest: dim ", d, " has size ", box.shape[d], " and stride ", box.strides[d], " (both must be >= 0)"));
+    }
+    w.elements *= box.shape[d];
+  }
+  if (w.elements == 0) return w;
+  if (box.base == nullptr) return absl::InvalidArgumentError("digest: null base of a non-empty box");
+  for (size_t d = 0; d < box.shape.size(); ++d) {
+    if (box.shape[d] == 1) continue;
+    if (!w.shape.empty() && w.strides.back() == box.strides[d] * box.shape[d]) {
+      w.shape.back() *= box.shape[d];
+      w.strides.back() = box.strides[d];
+      continue;
+    }
+    w.shape.push_back(box.shape[d]);
+    w.strides.push_back(box.strides[d]);
+  }
+  if (w.shape.empty()) {  // a scalar, or every dim of size 1
+    w.shape = {1};
+    w.strides = {1};
+  }
+  return w;
+}
+
+int64_t NumChunks(const Walk& w) { return (w.elements + kChunkElements - 1) / kChunkElements; }
+
+// XXH3-64 (seed = chunk index) of elements [k * C, min((k + 1) * C, elements)) of the canonical
+// stream. `state` and `gather` are the calling thread's scratch.
+uint64_t HashChunk(const Walk& w, int64_t k, XXH3_state_t* state, std::vector<uint8_t>& gather) {
+  const int64_t first = k * kChunkElements;
+  const int64_t count = std::min(kChunkElements, w.elements - first);
+  const size_t rank = w.shape.size();
+  const int64_t inner = w.shape[rank - 1], inner_stride = w.strides[rank - 1];
+  // Index vector of `first`, and the byte offset of the row it lies in.
+  std::vector<int64_t> idx(rank, 0);
+  int64_t rest = first;
+  for (size_t d = rank; d > 0; --d) {
+    idx[d - 1] = rest % w.shape[d - 1];
+    rest /= w.shape[d - 1];
+  }
+  auto row_offset = [&] {
+    int64_t off = 0;
+    for (size_t d = 0; d + 1 < rank; ++d) off += idx[d] * w.strides[d];
+    return off * w.es;
+  };
+  const uint64_t seed = static_cast<uint64_t>(k);
+  if (idx[rank - 1] + count <= inner && (inner_stride == 1 || count == 1)) {
+    // The whole chunk is one contiguous run (e.g. any chunk of a contiguous box).
+    return XXH3_64bits_withSeed(w.base + row_offset() + idx[rank - 1] * w.es, static_cast<size_t>(count * w.es), seed);
+  }
+  XXH3_64bits_reset_withSeed(state, seed);
+  int64_t left = count;
+  while (left > 0) {
+    const int64_t c0 = idx[rank - 1];
+    const int64_t n = std::min(inner - c0, left);
+    const uint8_t* row = w.base + row_offset();
+    if (inner_stride == 1) {
+      XXH3_64bits_update(state, row + c0 * w.es, static_cast<size_t>(n * w.es));
+    } else {
+      // A strided last dim (a transposed piece): gather elements in canonical order, in slices.
+      const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(gather.size()) / w.es);
+      for (int64_t done = 0; done < n;) {
+        const int64_t m = std::min(per, n - done);
+        uint8_t* out = gather.data();
+        const uint8_t* in = row + (c0 + done) * inner_stride * w.es;
+        for (int64_t e = 0; e < m; ++e, out += w.es, in += inner_stride * w.es) std::memcpy(out, in, static_cast<size_t>(w.es));
+        XXH3_64bits_update(state, gather.data(), static_cast<size_t>(m * w.es));
+        done += m;
+      }
+    }
+    left -= n;
+    // Next row: odometer over the outer dims.
+    idx[rank - 1] = 0;
+    for (size_t d = rank - 1; d > 0; --d) {
+      if (++idx[d - 1] < w.shape[d - 1]) break;
+      idx[d - 1] = 0;
+    }
+  }
+  return XXH3_64bits_digest(state);
+}
+
+Digest Combine(const Walk& w, const std::vector<uint64_t>& chunks) {
+  std::vector<uint64_t> words;
+  words.reserve(chunks.size() + 1);
+  words.push_back(static_cast<uint64_t>(w.elements * w.es));
+  words.insert(words.end(), chunks.begin(), chunks.end());
+  return XXH3_64bits_withSeed(words.data(), words.size() * sizeof(uint64_t), kDigestSeed);
+}
+
+}  // namespace
+
+absl::StatusOr<Digest> BoxDigest(const StridedBox& box) {
+  absl::StatusOr<std::vector<Digest>> d = DigestMany({box}, 1);
+  if (!d.ok()) return d.status();
+  return (*d)[0];
+}
+
+absl::StatusOr<std::vector<Digest>> DigestMany(const std::vector<StridedBox>& boxes, int threads, absl::Time deadline) {
+  std::vector<Walk> walks;
+  walks.reserve(boxes.size());
+  std::vector<std::vector<uint64_t>> chunk_hashes(boxes.size());
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (box, chunk)
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    absl::StatusOr<Walk> w = Prepare(boxes[i]);
+    if (!w.ok()) return absl::Status(w.status().code(), absl::StrCat("box ", i, ": ", w.status().message()));
+    walks.push_back(std::move(*w));
+    const int64_t n = NumChunks(walks.back());
+    chunk_hashes[i].resize(static_cast<size_t>(n));
+    for (int64_t k = 0; k < n; ++k) tasks.push_back({i, k});
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<bool> late{false};
+  auto work = [&] {
+    HashState state(XXH3_createState());
+    std::vector<uint8_t> gather(64 << 10);
+    for (size_t t = next++; t < tasks.size(); t = next++) {
+      if (late.load(std::memory_order_relaxed)) return;
+      if ((t & 15) == 0 && absl::Now() > deadline) {
+        late = true;
+        return;
+      }
+      const auto [i, k] = tasks[t];
+      chunk_hashes[i][static_cast<size_t>(k)] = HashChunk(walks[i], k, state.get(), gather);
+    }
+  };
+  const size_t n_threads = std::min<size_t>(tasks.size(), static_cast<size_t>(std::max(1, threads)));
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (late) return absl::DeadlineExceededError(absl::StrCat("digests of ", boxes.size(), " boxes did not finish before the deadline"));
+  std::vector<Digest> out(boxes.size());
+  for (size_t i = 0; i < boxes.size(); ++i) out[i] = Combine(walks[i], chunk_hashes[i]);
+  return out;
+}
+
+std::string DigestHex(Digest d) { return absl::StrFormat("%016x", d); }
+
+}  // namespace wb::digest

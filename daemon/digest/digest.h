@@ -1,0 +1,63 @@
+#pragma once
+// End-to-end digests of boxes of weights (issue 17.4; docs/daemon.md "End-to-end digests"). PURE:
+// no I/O, no protobuf, no transports; plain memory in, 64-bit digests out.
+//
+// A version is proven op by op: the sending node digests what the op reads (its source box on the
+// trainer's snapshot, live buffer or a relay's staging), every receiving node digests what landed
+// (its destination box in staging), and the coordinator compares the two before it commits.
+// The two sides keep their elements in different layouts (a trainer's FSDP row chunk, a rollout's
+// fused / transposed / strided piece), so the digest must not depend on the layout:
+//
+//   canonical stream  = the box's elements in row-major order of `shape` (the last dim fastest),
+//                       each element's bytes verbatim (no dtype knowledge: bit-exact);
+//   chunk k           = bytes [k * C, (k + 1) * C) of the stream, C = kChunkElements elements
+//                       (the last chunk may be shorter), hashed XXH3-64 with seed k;
+//   digest            = XXH3-64 over (stream bytes as u64 LE, then every chunk hash as u64 LE),
+//                       seed kDigestSeed.
+//
+// Chunking makes one box hashable by several threads; the chunk size is a constant of the format
+// (in elements), so the digest depends only on the element bytes, the shape and the element size
+// (never on strides, offsets, the thread count or how the work was split). An empty box (a zero
+// dim) has the digest of the empty stream.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace wb::digest {
+
+using Digest = uint64_t;
+
+// Elements per chunk of the canonical stream (1 Mi elements: 2 MiB of bf16, big enough that the
+// per-chunk overhead vanishes, small enough to spread one big tensor over many threads).
+inline constexpr int64_t kChunkElements = int64_t{1} << 20;
+inline constexpr uint64_t kDigestSeed = 0x5742444947455354ull;  // "WBDIGEST"
+
+// A box of elements in memory: element at index vector i (0 <= i[d] < shape[d]) is at
+//   base + sum_d i[d] * strides[d] * element_size
+// (strides in ELEMENTS, >= 0, one per dim; an empty shape is one element) - the same form as a
+// transport::CopyOp side. `base` may be null only for an empty box.
+struct StridedBox {
+  const uint8_t* base = nullptr;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int32_t element_size = 1;
+};
+
+// Digest of one box on the calling thread. INVALID_ARGUMENT for a malformed box (rank mismatch,
+// negative dim or stride, element_size <= 0, null base of a non-empty box).
+absl::StatusOr<Digest> BoxDigest(const StridedBox& box);
+
+// Digests of many boxes, spread over up to `threads` threads (chunks of all boxes are shared out
+// together, so a few big tensors and many small ones both keep the threads busy). out[i] is
+// BoxDigest(boxes[i]). DEADLINE_EXCEEDED when `deadline` passes first (checked between chunks).
+absl::StatusOr<std::vector<Digest>> DigestMany(const std::vector<StridedBox>& boxes, int threads,
+                                               absl::Time deadline = absl::InfiniteFuture());
+
+// The digest as it appears in messages: 16 lowercase hex digits.
+std::string DigestHex(Digest d);
+
+}  // namespace wb::digest

@@ -1,0 +1,157 @@
+#include "daemon/digest/digest.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace wb::digest {
+namespace {
+
+// A [rows x cols] matrix of `es`-byte elements with deterministic pseudo-random bytes: element
+// (r, c) has the bytes Value(r, c).
+std::vector<uint8_t> Value(int64_t r, int64_t c, int es) {
+  std::vector<uint8_t> v(static_cast<size_t>(es));
+  uint64_t x = static_cast<uint64_t>(r) * 1000003u + static_cast<uint64_t>(c) * 7919u + 12345u;
+  for (int i = 0; i < es; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    v[static_cast<size_t>(i)] = static_cast<uint8_t>(x >> 56);
+  }
+  return v;
+}
+
+// Stores the matrix in row-major order (row pitch `pitch` elements, >= cols) at element offset
+// `off` of a buffer.
+std::vector<uint8_t> RowMajor(int64_t rows, int64_t cols, int es, int64_t pitch, int64_t off) {
+  std::vector<uint8_t> buf(static_cast<size_t>((off + rows * pitch) * es), 0xAB);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      auto v = Value(r, c, es);
+      std::memcpy(buf.data() + (off + r * pitch + c) * es, v.data(), static_cast<size_t>(es));
+    }
+  }
+  return buf;
+}
+
+// Stores it transposed (column-major: element (r, c) at c * rows + r).
+std::vector<uint8_t> ColMajor(int64_t rows, int64_t cols, int es) {
+  std::vector<uint8_t> buf(static_cast<size_t>(rows * cols * es));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      auto v = Value(r, c, es);
+      std::memcpy(buf.data() + (c * rows + r) * es, v.data(), static_cast<size_t>(es));
+    }
+  }
+  return buf;
+}
+
+Digest Of(const StridedBox& b) {
+  auto d = BoxDigest(b);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return d.ok() ? *d : 0;
+}
+
+TEST(DigestTest, SameBoxInThreeLayoutsHasOneDigest) {
+  const int64_t rows = 37, cols = 53;
+  const int es = 2;
+  auto dense = RowMajor(rows, cols, es, cols, 0);
+  auto padded = RowMajor(rows, cols, es, cols + 11, 5);  // a fused piece: rows with a gap, at an offset
+  auto trans = ColMajor(rows, cols, es);
+  const Digest a = Of({dense.data(), {rows, cols}, {cols, 1}, es});
+  const Digest b = Of({padded.data() + 5 * es, {rows, cols}, {cols + 11, 1}, es});
+  const Digest c = Of({trans.data(), {rows, cols}, {1, rows}, es});
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a, c);
+  // A sub-box of the padded layout equals the same sub-box of the transposed one.
+  const Digest sa = Of({padded.data() + (5 + 3 * (cols + 11) + 7) * es, {10, 20}, {cols + 11, 1}, es});
+  const Digest sc = Of({trans.data() + (7 * rows + 3) * es, {10, 20}, {1, rows}, es});
+  EXPECT_EQ(sa, sc);
+  EXPECT_NE(sa, a);
+}
+
+TEST(DigestTest, EqualsTheFormatsDefinitionOnTheCanonicalStream) {
+  // One chunk: digest = XXH3_64(seed kDigestSeed) of [total bytes, XXH3_64(stream, seed 0)].
+  auto dense = RowMajor(4, 6, 4, 6, 0);
+  const uint64_t chunk = XXH3_64bits_withSeed(dense.data(), dense.size(), 0);
+  const uint64_t words[2] = {dense.size(), chunk};
+  EXPECT_EQ(Of({dense.data(), {4, 6}, {6, 1}, 4}), XXH3_64bits_withSeed(words, sizeof(words), kDigestSeed));
+  // The empty stream.
+  const uint64_t zero = 0;
+  EXPECT_EQ(Of({nullptr, {0, 6}, {6, 1}, 4}), XXH3_64bits_withSeed(&zero, 8, kDigestSeed));
+}
+
+TEST(DigestTest, OneFlippedBitChangesTheDigest) {
+  auto dense = RowMajor(64, 64, 2, 64, 0);
+  const Digest before = Of({dense.data(), {64, 64}, {64, 1}, 2});
+  for (size_t byte : {size_t{0}, size_t{4097}, dense.size() - 1}) {
+    for (int bit : {0, 7}) {
+      dense[byte] ^= static_cast<uint8_t>(1 << bit);
+      EXPECT_NE(Of({dense.data(), {64, 64}, {64, 1}, 2}), before) << "byte " << byte << " bit " << bit;
+      dense[byte] ^= static_cast<uint8_t>(1 << bit);
+    }
+  }
+  EXPECT_EQ(Of({dense.data(), {64, 64}, {64, 1}, 2}), before);
+}
+
+TEST(DigestTest, OnlyTheCanonicalStreamCounts) {
+  // The same bytes as [8 x 8] bf16, [64] bf16 and [8 x 4] fp32 are one stream: the shape is not
+  // hashed (the coordinator compares the two digests of one op, whose box both sides share).
+  auto dense = RowMajor(8, 8, 2, 8, 0);
+  EXPECT_EQ(Of({dense.data(), {8, 8}, {8, 1}, 2}), Of({dense.data(), {64}, {1}, 2}));
+  EXPECT_EQ(Of({dense.data(), {8, 8}, {8, 1}, 2}), Of({dense.data(), {8, 4}, {4, 1}, 4}));
+  // A shorter stream differs.
+  EXPECT_NE(Of({dense.data(), {8, 8}, {8, 1}, 2}), Of({dense.data(), {8, 7}, {8, 1}, 2}));
+}
+
+TEST(DigestTest, BigBoxesAcrossChunksAndThreadsAgree) {
+  // 3 chunks and a bit: the chunk borders fall mid-row in the padded layout.
+  const int64_t rows = 3 * 1024 + 5, cols = 1031;
+  const int es = 1;
+  auto dense = RowMajor(rows, cols, es, cols, 0);
+  auto padded = RowMajor(rows, cols, es, cols + 3, 0);
+  auto trans = ColMajor(rows, cols, es);
+  std::vector<StridedBox> boxes = {{dense.data(), {rows, cols}, {cols, 1}, es},
+                                   {padded.data(), {rows, cols}, {cols + 3, 1}, es},
+                                   {trans.data(), {rows, cols}, {1, rows}, es},
+                                   {dense.data(), {2, 3}, {cols, 1}, es}};
+  auto one = DigestMany(boxes, 1);
+  auto many = DigestMany(boxes, 8);
+  ASSERT_TRUE(one.ok() && many.ok());
+  EXPECT_EQ(*one, *many);
+  EXPECT_EQ((*one)[0], (*one)[1]);
+  EXPECT_EQ((*one)[0], (*one)[2]);
+  EXPECT_EQ((*one)[3], Of(boxes[3]));
+  // A flipped bit in the last chunk of the transposed copy.
+  trans[trans.size() - 2] ^= 0x10;
+  auto after = DigestMany(boxes, 4);
+  ASSERT_TRUE(after.ok());
+  EXPECT_NE((*after)[2], (*one)[2]);
+  EXPECT_EQ((*after)[0], (*one)[0]);
+}
+
+TEST(DigestTest, ThreeDimsWithUnitDimsAndScalars) {
+  // [2, 1, 3] row-major == [6]; a scalar == a one-element box.
+  auto dense = RowMajor(1, 6, 2, 6, 0);
+  EXPECT_EQ(Of({dense.data(), {2, 1, 3}, {3, 99, 1}, 2}), Of({dense.data(), {6}, {1}, 2}));
+  EXPECT_EQ(Of({dense.data(), {}, {}, 2}), Of({dense.data(), {1, 1}, {5, 7}, 2}));
+}
+
+TEST(DigestTest, MalformedBoxesAreRefusedNamingTheProblem) {
+  uint8_t b[4] = {};
+  auto r = BoxDigest({b, {2}, {1, 1}, 2});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("1 dims but 2 strides"), std::string::npos) << r.status();
+  EXPECT_EQ(BoxDigest({b, {2}, {-1}, 2}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BoxDigest({b, {2}, {1}, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BoxDigest({nullptr, {2}, {1}, 2}).status().code(), absl::StatusCode::kInvalidArgument);
+  auto late = DigestMany({{b, {2}, {1}, 2}}, 1, absl::InfinitePast());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(DigestHex(0xabc), "0000000000000abc");
+}
+
+}  // namespace
+}  // namespace wb::digest
