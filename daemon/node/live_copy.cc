@@ -294,6 +294,51 @@ void LiveState::End(const std::string& worker, const absl::Status& result, bool 
     info_.erase(it);
   }
   if (b != before_.end()) before_.erase(b);
+  if (markers_ == nullptr) return;
+  // The durable record follows the state: gone when whole, the failure's versions and reason when torn.
+  auto now = info_.find(worker);
+  if (now == info_.end()) {
+    markers_->Clear(worker);
+  } else {
+    markers_->MarkFailed(worker, now->second.writing, now->second.over, now->second.reason);
+  }
+}
+
+absl::Status LiveState::Mark(const std::string& model, const std::string& worker,
+                             const std::vector<std::shared_ptr<transport::ShmSegment>>& live) {
+  if (markers_ == nullptr) return absl::OkStatus();
+  auto segments = IdentifySegments(live);
+  if (!segments.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker, " of model ", model, ": its live memory cannot be identified (",
+                                                      segments.status().message(), "); nothing was copied"));
+  }
+  if (segments->empty()) return absl::OkStatus();  // CUDA buffers only: not covered (docs/daemon.md)
+  const Info i = Get(worker);
+  LiveMarker m;
+  m.model = model;
+  m.worker = worker;
+  m.writing = i.writing;
+  m.over = i.over;
+  m.segments = std::move(*segments);
+  if (absl::Status s = markers_->Record(m); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("worker ", worker, " of model ", model, ": the copy into its live weights was not started because it could not be recorded first in ",
+                                               markers_->dir(), ": ", s.message(), "; nothing was copied"));
+  }
+  return absl::OkStatus();
+}
+
+void LiveState::Adopt(const std::string& model, const std::string& worker, const std::vector<std::shared_ptr<transport::ShmSegment>>& live,
+                      const std::string& node) {
+  if (markers_ == nullptr) return;
+  auto segments = IdentifySegments(live);
+  if (!segments.ok()) return;
+  std::optional<LiveMarker> m = markers_->Claim(model, worker, *segments);
+  if (!m.has_value()) return;
+  before_.erase(worker);
+  info_[worker] = Info{State::kTorn, m->writing, m->over,
+                       absl::StrCat("the node daemon (pid ", m->daemon_pid, ") ended during the copy",
+                                    m->reason.empty() ? "" : absl::StrCat(", after it had failed: ", m->reason), "; node ", node,
+                                    " restarted since")};
 }
 
 LiveState::Info LiveState::Get(const std::string& worker) const {
@@ -304,6 +349,7 @@ LiveState::Info LiveState::Get(const std::string& worker) const {
 void LiveState::Forget(const std::string& worker) {
   info_.erase(worker);
   before_.erase(worker);
+  if (markers_ != nullptr) markers_->Clear(worker);
 }
 
 absl::Status LiveState::TornError(const std::string& worker, const std::string& node) const {

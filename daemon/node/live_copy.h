@@ -14,6 +14,10 @@
 //    succeeds (a whole version again).
 //  - One live copy per worker at a time (LiveState::Begin refuses a second one): two copies of
 //    different versions interleaving would tear the weights even when both succeed.
+//  - With markers attached (daemon/node/live_markers.h), a copy is recorded on disk before its
+//    first byte (LiveState::Mark) and the record follows the state (removed when whole, rewritten
+//    when torn), so a daemon killed mid-copy finds it after its restart: when the same worker
+//    registers the same memory again (LiveState::Adopt) it is TORN until a copy succeeds.
 
 #include <cstdint>
 #include <functional>
@@ -25,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "daemon/node/live_markers.h"
 #include "planner/types.h"
 #include "transport/device_allocator.h"
 #include "transport/shm_segment.h"
@@ -133,6 +138,17 @@ class LiveState {
   // The worker left (its memory with it).
   void Forget(const std::string& worker);
 
+  // Durable markers (null: none kept). Not owned; must outlive this.
+  void AttachMarkers(LiveMarkers* markers) { markers_ = markers; }
+  // After Begin, before the copy's first byte: records it durably. An error means nothing was
+  // recorded and the copy must not start (End it with that error and wrote = false). Workers
+  // without host shm buffers (CUDA only) are not recorded.
+  absl::Status Mark(const std::string& model, const std::string& worker, const std::vector<std::shared_ptr<transport::ShmSegment>>& live);
+  // `worker` of `model` registered `live` memory: when an earlier process of this daemon died
+  // copying into exactly that memory (a marker it left), the worker is TORN from now on.
+  void Adopt(const std::string& model, const std::string& worker, const std::vector<std::shared_ptr<transport::ShmSegment>>& live,
+             const std::string& node);
+
   // DATA_LOSS naming worker, node, the versions and the reason, or OK when not torn.
   absl::Status TornError(const std::string& worker, const std::string& node) const;
   static const char* Name(State s);
@@ -140,6 +156,7 @@ class LiveState {
  private:
   std::map<std::string, Info> info_;       // absent = whole
   std::map<std::string, Info> before_;     // state before a running copy (restored when it never wrote)
+  LiveMarkers* markers_ = nullptr;
 };
 
 }  // namespace wb::daemon
