@@ -1,0 +1,183 @@
+#pragma once
+// The executor's plan of one version on one node: a PURE step (no transport calls, no locks, no
+// I/O). A node's slice of a plan (plain values, converted from pb::PlanSlice at the edge:
+// SliceFromProto) plus the facts the node knows (which memory backs each region key, its nccl
+// lanes, which local sync rollouts have host live buffers) -> what the executor does, in order:
+// the regions each transport must reach, the channels to set up in the global order, the relays
+// left to the commit, and per bucket the batches (routes) with their ops. daemon/node/executor.h
+// runs it over transport::Transport.
+//
+// The rules (each one a test in exec_plan_test.cc):
+//  - Mirror batches: per bucket and peer channel, the ops between the two nodes in op-index order;
+//    both nodes derive the same batch from their own slices (same ops, same order).
+//  - Channel order: channels are set up in ONE global order of node pairs (smaller node id, larger
+//    node id, host channel before nccl, GPU on the smaller node, GPU on the larger), so the smallest
+//    unfinished channel always has both nodes at it (two-sided connects never wait in a cycle).
+//  - Relays at commit (sync mode): a same-node relay from rollout A's host staging into rollout B
+//    is left to the commit only when the relays fill a WHOLE piece of B that no op reads, and B is a
+//    local sync rollout with host live buffers and no quantised pieces.
+//  - Written regions: rollout incoming staging and the gather staging. A batch that reads one of
+//    them (reads_written) is posted only after every batch of the earlier buckets completed; other
+//    batches are pipelined.
+//  - nccl: each local region is routed over one lane; the node must have that lane; a quantised
+//    rollout's buffers (host staging) are never routed over nccl. Buckets with nccl routes keep the
+//    barrier; each GPU runs its lane pairs one after another in the global channel order.
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/node/live_copy.h"
+#include "planner/types.h"
+#include "transport/transport.h"
+
+namespace wb::daemon::node {
+
+// One op of the slice (pb::TransferOp as plain values).
+struct SliceOp {
+  uint32_t index = 0;
+  uint32_t bucket = 0;
+  uint32_t src_worker = 0;  // slice worker indices
+  uint32_t dst_worker = 0;
+  int32_t src_piece = -1;  // -1: the side is the rank-0 gather staging ("g"), at staging_offset / staging_box
+  int32_t dst_piece = -1;
+  int32_t tensor = 0;
+  planner::Box box;
+  uint64_t bytes = 0;
+  bool nccl = false;
+  int nccl_src_device = -1;
+  int nccl_dst_device = -1;
+  bool has_staging_box = false;
+  planner::Box staging_box;
+  uint64_t staging_offset = 0;
+};
+
+struct SliceWorker {
+  std::string worker_id;
+  std::string node_id;
+  planner::Role role = planner::Role::kTrainer;
+};
+
+// A node's slice of a plan. `layouts` are what transfers address (a rollout's staging layout);
+// `quantized[i]`: slice worker i holds quantised pieces (its staging is host memory).
+struct Slice {
+  std::vector<SliceWorker> workers;
+  std::vector<planner::WorkerLayout> layouts;
+  std::vector<bool> quantized;
+  std::vector<SliceOp> ops;
+  uint32_t num_buckets = 0;
+  bool sync = false;          // MODE_SYNC
+  bool hosts_gather = false;  // this node holds the rank-0 gather staging ("g")
+  const planner::Inventory* inventory = nullptr;  // dtypes of the tensors (must outlive the plan)
+};
+
+// Region keys of a version on a node: "w<slice worker>.b<buffer>" or "g" (the gather staging).
+std::string RegionKey(uint32_t worker, int32_t buffer);
+
+// Where one side of an op lives: the region key and the piece (a synthetic contiguous piece for a
+// gather staging side).
+struct PieceAt {
+  std::string key;
+  planner::Piece piece;
+};
+absl::StatusOr<PieceAt> ResolveSide(const Slice& slice, const SliceOp& op, bool src);
+
+// First step (before staging is allocated): which local regions go over nccl and on which lane.
+struct LanePlan {
+  std::map<std::string, int> lane_of;  // local region key -> the lane (GPU) that moves it
+  std::set<uint32_t> crosses;          // local workers with an op to or from another node
+  std::set<uint32_t> nccl_in;          // local rollouts that receive over nccl
+};
+// FAILED_PRECONDITION: an op routed over a lane `lanes` lacks, or a quantised rollout's buffer
+// routed over nccl; INVALID_ARGUMENT: one region on two lanes.
+absl::StatusOr<LanePlan> PlanLanes(const Slice& slice, const std::string& me, const std::set<int>& lanes);
+
+// What the node knows when it plans (after staging is allocated).
+struct ExecFacts {
+  std::string me;
+  std::set<int> lanes;  // nccl lanes (GPUs) this node has
+  // Memory kind of each local region key; absent = host.
+  std::map<std::string, transport::MemoryKind> kind;
+  // Local sync rollouts (slice worker index) whose live buffers are all host memory.
+  std::set<uint32_t> host_live_sync;
+  std::string cross_kind = "host_tcp";  // the host channel's transport name (its capabilities().kind)
+  bool have_local = true, have_cuda = true, have_cross = true;  // which transports exist
+  bool checksums = true;  // checksum host-channel batches
+};
+
+// A channel to a peer node: the host channel (mine == theirs == cross_kind) or an nccl lane pair.
+struct ChannelPlan {
+  std::string peer;
+  std::string mine, theirs;  // transport names: a kind ("host_tcp") or a lane ("nccl/<device>")
+  int my_lane = -1;          // nccl: our GPU
+  int their_lane = -1;
+  std::string name;          // ChannelName(peer, mine, theirs)
+  std::tuple<std::string, std::string, int, int, int> order;  // the global setup order
+};
+
+// "<node>" for the host channel, "<node>\n<mine>><theirs>" for an nccl lane pair.
+std::string ChannelName(const std::string& peer, const std::string& mine, const std::string& theirs);
+// <mine> of a channel name ("" for the host channel).
+std::string ChannelTransportName(const std::string& chan);
+
+enum class RouteKind { kHost, kCuda, kPeer, kNccl };
+
+// One op of a batch: region keys and the copy with handles unset (the executor fills them).
+struct RouteOp {
+  uint32_t op_index = 0;
+  std::string src_key, dst_key;
+  bool src_local = true, dst_local = true;
+  PieceAt src, dst;      // the resolved sides (pieces and boxes stay reachable after the run)
+  planner::Box box;      // canonical box moved
+  transport::CopyOp copy;  // src.region / dst.region unset
+  uint64_t bytes = 0;
+};
+
+// One batch of a bucket.
+struct Route {
+  RouteKind kind = RouteKind::kHost;
+  uint32_t bucket = 0;
+  std::string what;     // for messages
+  std::string peer;     // the peer node (own id for same-node copies)
+  std::string channel;  // kPeer / kNccl: ChannelName
+  bool checksum = false;
+  int64_t bytes = 0;
+  int64_t incoming = 0;        // bytes landing on this node
+  bool reads_written = false;  // reads a written region: needs every earlier bucket complete
+  std::pair<int, int> lane{-1, -1};  // nccl: (our GPU, the peer's GPU)
+  std::tuple<std::string, std::string, int, int> order;  // nccl: place in the global channel order
+  std::vector<RouteOp> ops;
+};
+
+struct BucketPlan {
+  std::vector<Route> routes;  // in the order their first op appears (op index order)
+  bool has_nccl = false;      // keeps the barrier and the lane schedule
+};
+
+struct ExecPlan {
+  LanePlan lanes;
+  std::set<std::string> host_keys, cuda_keys, cross_keys;  // regions per same-node host, cuda_ipc, host channel
+  std::set<std::string> peers;                             // peers of the host channel
+  std::vector<ChannelPlan> channels;                       // in the global setup order
+  std::set<std::string> written;
+  std::set<uint32_t> at_commit;  // op indices left to the commit
+  std::map<std::string, std::vector<RelayAtCommit>> relays_at_commit;  // destination rollout -> copies
+  std::map<std::string, std::set<int32_t>> pieces_at_commit;           // destination rollout -> pieces they fill
+  uint64_t relay_bytes_at_commit = 0;
+  std::vector<BucketPlan> buckets;
+};
+
+absl::StatusOr<ExecPlan> MakeExecPlan(const Slice& slice, const ExecFacts& facts);
+
+// Per GPU, the nccl routes of a bucket in the order that GPU runs them (the global channel order).
+std::map<int, std::vector<const Route*>> LaneSchedule(const BucketPlan& bucket);
+
+// Unique among unfinished batches of one channel.
+inline uint64_t BatchTag(uint64_t version, uint32_t bucket) { return (version << 24) ^ bucket; }
+
+}  // namespace wb::daemon::node
