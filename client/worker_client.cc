@@ -564,6 +564,7 @@ absl::StatusOr<uint64_t> WorkerClient::WaitVersion(uint64_t version, absl::Durat
     pb::WaitVersionRequest req;
     req.set_model_id(register_request_.model_id());
     req.set_version(version);
+    req.set_worker_id(register_request_.worker_id());  // a late rollout is told v once it holds it (catch-up)
     req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(d));

@@ -289,11 +289,13 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
   rec.node = req.node_id();
   rec.role = FromProto(req.role());
   rec.gpu = req.gpu();
+  rec.serial = next_worker_serial_++;
   if (req.rejoin()) {
     // A node re-submits what it holds (coordinator restart / lost lease): the committed version
     // bounds what may be published next, a rollout's applied version feeds the staleness bound.
     model.machine->RestoreCommitted(req.committed_version());
     rec.restored_applied = req.applied_version();
+    rec.holds = std::max(req.committed_version(), req.applied_version());  // its node's committed copy (not a late rollout)
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
   }
@@ -527,6 +529,10 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
   }
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  if (req.catch_up()) {
+    CatchUpDoneLocked(req, *m);
+    return absl::OkStatus();
+  }
   if (!req.ok()) {
     AbortLocked(req.model_id(), *m, req.version(), absl::StrCat("node ", req.node_id(), ": ", req.error()));
     return absl::OkStatus();
@@ -569,6 +575,16 @@ absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb:
 
 absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
   const absl::Time deadline = Deadline(req.timeout_ms());
+  // A late rollout (registered or restarted after the version was committed) is told only once
+  // its catch-up landed (docs/daemon.md "Catch-up").
+  auto caught_up = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || CaughtUpLocked(*m, req.worker_id(), v).has_value(); };
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&caught_up), deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("version ", v, " of model ", req.model_id(), " is committed but rollout ",
+                                                    EchoValue(req.worker_id()), " has not caught up to it in time (",
+                                                    m->catch_up ? "its catch-up is running" : "waiting for its layout, plan or catch-up", ")"));
+  }
+  if (stopping_) return absl::UnavailableError("coordinator shutting down");
+  RETURN_IF_ERROR(*CaughtUpLocked(*m, req.worker_id(), v));
   if (req.node_id().empty() && !req.all()) {
     return absl::InvalidArgumentError("Drain: name the node to drain (node_id), or set all = true to drain the whole cluster");
   }

@@ -172,6 +172,23 @@ class CoordinatorCore {
     std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
     std::vector<std::string> worker_ids;  // Problem::workers order
     std::set<std::string> nodes;
+    // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
+    // staging or live weights), set when a version or a catch-up is committed on its node; a
+    // rollout holding less than the model's committed version is late and is caught up.
+    uint64_t holds = 0;
+    uint64_t catch_up_failed = 0;  // the committed version its last catch-up failed for (not retried)
+    std::string catch_up_error;
+    uint64_t serial = 0;           // unique per registration (a catch-up notices a re-registered worker)
+  };
+  // A catch-up in progress (catch_up.cc): `version` (committed) again, from the rollouts that hold
+  // it to the late ones, on its own plan epoch; normal versions wait until it ends.
+  struct CatchUpRun {
+    uint64_t version = 0;
+    uint64_t epoch = 0;
+    enum class Phase { kRunning, kDone, kCommitting } phase = Phase::kRunning;  // kDone: every node reported done
+    std::map<std::string, uint64_t> sources, dests;  // worker -> serial at the start
+    std::set<std::string> nodes, done;
+    absl::Time started, deadline;
     uint64_t total_bytes = 0;
     bool installed = false;
   };
@@ -206,6 +223,8 @@ class CoordinatorCore {
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+    std::optional<CatchUpRun> catch_up;
+    double last_catch_up_seconds = 0;
   void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock).
@@ -247,6 +266,22 @@ class CoordinatorCore {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
+  // Catch-up of late rollouts (catch_up.cc, docs/daemon.md "Catch-up"). StartCatchUpLocked: when
+  // nothing else runs for the model and a rollout of its plan holds less than the committed
+  // version, queues the catch-up plan (planner thread: plan, install, ExecuteVersion) or, with no
+  // source, records why for those rollouts. CatchUpWorkLocked: while one runs: its timeout, a
+  // source or late rollout that went away, and the commit once every node reported done.
+  void StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::function<void()> CatchUpWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunCatchUpPlan(const std::string& model_id, Model* m, const SliceInput& in);
+  void CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the catch-up: AbortVersion to its nodes; with `final`, its late rollouts are not tried
+  // again for this version (they get the next one) and `reason` is what they are told.
+  void FailCatchUpLocked(const std::string& model_id, Model& m, const std::string& reason, bool final) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // WaitVersion for `worker`: a late rollout is not told `v` until it holds it (nullopt: keep
+  // waiting; OK: it holds it or is not a late rollout; ABORTED: its catch-up failed).
+  std::optional<absl::Status> CaughtUpLocked(const Model& m, const std::string& worker, uint64_t v) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   int draining_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // nodes with Node::draining set
   uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
   int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
@@ -258,3 +293,4 @@ class CoordinatorCore {
 };
 
 }  // namespace wb::daemon
+  uint64_t next_worker_serial_ ABSL_GUARDED_BY(mu_) = 1;  // WorkerRec::serial

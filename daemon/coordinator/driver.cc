@@ -95,13 +95,24 @@ std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
       work.push_back(CommitWorkLocked(mid, m));
       continue;
     }
+    // A catch-up in progress (catch_up.cc): normal versions wait for it (it is one update long).
+    if (m.catch_up) {
+      if (auto f = CatchUpWorkLocked(mid, m, now)) work.push_back(std::move(f));
+      continue;
+    }
     if (m.machine->InFlight() || m.planning) continue;
     if (m.plan_dirty) {
       PlanWorkLocked(mid, m);
       continue;
     }
     if (!m.plan.installed) continue;
-    if (auto f = StartWorkLocked(mid, m, now)) work.push_back(std::move(f));
+    if (auto f = StartWorkLocked(mid, m, now)) {
+      work.push_back(std::move(f));
+      continue;
+    }
+    // Nothing to start: a late rollout is brought to the committed version (a version that
+    // starts instead brings it to that newer one: a catch-up never overtakes a commit).
+    StartCatchUpLocked(mid, m, now);
   }
   OwedCommitWorkLocked(&work);
   for (auto& f : pending_rpcs_) work.push_back(std::move(f));
@@ -186,6 +197,15 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
         absl::StrCat("commit not acknowledged by every node, so the version is not committed: ", absl::StrJoin(parts, "; "),
                      good_nodes.empty() ? std::string(" (no node holds it)") : absl::StrCat(" (nodes ", ShortList(good_nodes), " hold it)"));
     m.machine->CommitFailed(v, reason, holding, now);
+    // Not a catch-up source for the committed version (they hold v or a torn copy) and not caught
+    // up to it either: the next version rewrites them.
+    for (const std::string& w : m.plan.worker_ids) {
+      auto rec = m.workers.find(w);
+      if (rec == m.workers.end() || rec->second.role != planner::Role::kRollout) continue;
+      rec->second.holds = 0;
+      rec->second.catch_up_failed = m.machine->committed();
+      rec->second.catch_up_error = absl::StrCat("version ", v, " was not committed (", reason, "); the next version rewrites it");
+    }
     Log(LogLevel::kWarning, "version commit failed", {{"model", model_id}, {"version", v}, {"reason", reason}});
     QueueAbortRpcsLocked(bad_nodes, model_id, v, reason);
     finish();
@@ -197,6 +217,16 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
     }
   }
   m.machine->Commit(v, now);
+  // Catch-up sources and late rollouts: every rollout of the plan holds v now, except on nodes
+  // that answered the commit with an error (an owed commit is assumed to land).
+  std::set<std::string> refused;
+  for (size_t i : failed) {
+    if (!absl::IsUnavailable(acks[i]) && !absl::IsDeadlineExceeded(acks[i])) refused.insert(nodes[i]);
+  }
+  for (const std::string& w : m.plan.worker_ids) {
+    auto rec = m.workers.find(w);
+    if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && !refused.count(rec->second.node)) rec->second.holds = v;
+  }
   if (const VersionRecord* rec = m.machine->Find(v)) {
     m.last_seconds = absl::ToDoubleSeconds(rec->finished - rec->started);
     m.last_bytes = rec->bytes_total;

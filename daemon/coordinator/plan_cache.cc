@@ -29,7 +29,9 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     pw.node = node_index.at(w.node);
     pw.gpu = w.gpu >= 0 ? w.gpu : 1024 + host_slots[w.node]++;
     pw.layout = *w.layout;
-    absl::StrAppend(&key_src, "|", w.id, "@", pw.node, ":", pw.gpu, ":", w.layout_proto->SerializeAsString());
+    // The role too: a catch-up plan (catch_up.cc) has rollouts as sources, so the same ids with the
+    // same layouts may be a source in one plan and a destination in another.
+    absl::StrAppend(&key_src, "|", w.id, "@", pw.node, ":", pw.gpu, ":", static_cast<int>(w.role), ":", w.layout_proto->SerializeAsString());
     problem.workers.push_back(std::move(pw));
   }
   const std::string key = absl::StrCat(absl::Hex(XXH3_64bits(key_src.data(), key_src.size())));

@@ -59,6 +59,11 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
       ws->set_applied_version(m.machine->Applied(w));
       ws->set_has_layout(rec.has_layout);
       ws->set_paused(m.machine->IsPaused(w));
+      if (rec.role == planner::Role::kRollout && rec.has_layout && rec.holds < m.machine->committed()) {
+        // Late (docs/daemon.md "Catch-up"): being caught up, or why its catch-up failed.
+        ws->set_catching_up(rec.catch_up_failed != m.machine->committed());
+        ws->set_catch_up_error(rec.catch_up_error);
+      }
     }
     for (auto& [v, rec] : m.machine->records()) {
       pb::VersionStatus* vs = out->add_versions();

@@ -458,7 +458,8 @@ class WorkerClient:
 
     def wait_version(self, version, timeout=60.0):
         resp = self._call("WaitVersion v%d of %s" % (version, self.model_id), "WaitVersion",
-                          pb.WaitVersionRequest(model_id=self.model_id, version=version, timeout_ms=_ms(timeout)),
+                          pb.WaitVersionRequest(model_id=self.model_id, version=version, timeout_ms=_ms(timeout),
+                                                worker_id=self.worker_id),
                           timeout)
         return resp.committed_version
 

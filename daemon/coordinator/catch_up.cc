@@ -1,0 +1,335 @@
+// Catch-up of late rollouts (docs/daemon.md "Catch-up"): the pure choice (catch_up.h) and the
+// CoordinatorCore driver steps. A catch-up is the committed version `v` once more, planned with
+// the rollouts that hold v as the sources (ROLE_TRAINER in the catch-up slice) and the late
+// rollouts as the only destinations, run by the nodes' normal executor and commit on its own plan
+// epoch (PlanSlice.catch_up, ExecuteVersionRequest.catch_up). Its commit changes nothing but the
+// late rollouts' committed / live state. While it runs, normal versions of the model wait (the
+// driver starts none), so it can never overtake a newer commit; a version that can start is
+// started instead of a catch-up, and brings the late rollouts to that newer version itself.
+#include "daemon/coordinator/catch_up.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/coordinator/checks.h"
+#include "daemon/coordinator/core.h"
+#include "daemon/log.h"
+#include "planner/quantized.h"
+
+namespace wb::daemon {
+
+CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandidate>& workers) {
+  CatchUpChoice out;
+  if (committed == 0) return out;
+  std::vector<std::string> unusable;  // hold the version but are no source, and why
+  for (const CatchUpCandidate& w : workers) {
+    if (!w.rollout || !w.has_layout) continue;
+    if (w.holds < committed) {
+      if (w.in_plan && w.catch_up_failed != committed) out.dests.push_back(w.id);
+      continue;
+    }
+    if (w.holds != committed) continue;
+    if (!w.host_memory) {
+      unusable.push_back(absl::StrCat(w.id, " (CUDA buffers)"));
+    } else if (w.quantized) {
+      unusable.push_back(absl::StrCat(w.id, " (quantised)"));
+    } else {
+      out.sources.push_back(w.id);
+    }
+  }
+  if (!out.dests.empty() && out.sources.empty()) {
+    out.no_source = absl::StrCat("no rollout holds version ", committed, " in host memory in the canonical dtype",
+                                 unusable.empty() ? std::string(" (no rollout holds it at all)")
+                                                  : absl::StrCat(" (holding it but not usable as a source: ", absl::StrJoin(unusable, ", "), ")"));
+  }
+  return out;
+}
+
+namespace {
+
+// fn(0) .. fn(n - 1) on up to 32 threads at once; returns when all returned.
+void ForEachAtOnce(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) fn(i);
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min<size_t>(n, 32); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
+bool HostMemoryOnly(const pb::ResolvedLayout* layout) {
+  if (layout == nullptr) return false;
+  for (const pb::BufferSpec& b : layout->buffers()) {
+    if (b.memory_case() != pb::BufferSpec::kShmName) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) {
+  const uint64_t v = m.machine->committed();
+  if (v == 0 || m.catch_up) return;
+  // An owed commit (async) still lands on its node: that node's version staging must not meet a
+  // catch-up of the same version there.
+  for (const PendingCommit& p : pending_commits_) {
+    if (p.model_id == model_id) return;
+  }
+  const std::set<std::string> in_plan(m.plan.worker_ids.begin(), m.plan.worker_ids.end());
+  std::vector<CatchUpCandidate> candidates;
+  for (auto& [id, rec] : m.workers) {
+    CatchUpCandidate c;
+    c.id = id;
+    c.node = rec.node;
+    c.rollout = rec.role == planner::Role::kRollout;
+    c.has_layout = rec.has_layout && rec.layout != nullptr;
+    c.in_plan = in_plan.count(id) > 0;
+    c.holds = rec.holds;
+    c.catch_up_failed = rec.catch_up_failed;
+    c.host_memory = HostMemoryOnly(rec.layout_proto.get());
+    c.quantized = rec.layout != nullptr && planner::HasQuantizedPieces(*rec.layout);
+    auto n = nodes_.find(rec.node);
+    if (n == nodes_.end() || !n->second.alive) c.has_layout = false;  // neither source nor destination now
+    candidates.push_back(std::move(c));
+  }
+  CatchUpChoice choice = ChooseCatchUp(v, candidates);
+  if (choice.dests.empty()) return;
+  if (!choice.no_source.empty()) {
+    const std::string reason = absl::StrCat("rollout(s) ", absl::StrJoin(choice.dests, ", "), " of model ", model_id,
+                                            " cannot catch up to version ", v, ": ", choice.no_source,
+                                            "; they get the next version");
+    std::set<std::string> nodes;
+    for (const std::string& d : choice.dests) {
+      WorkerRec& rec = m.workers.at(d);
+      rec.catch_up_failed = v;
+      rec.catch_up_error = reason;
+      nodes.insert(rec.node);
+    }
+    Log(LogLevel::kWarning, "catch-up not possible", {{"model", model_id}, {"version", v}, {"reason", reason}});
+    // Apply(v) of those rollouts, waiting on their nodes, learns why.
+    QueueAbortRpcsLocked(nodes, model_id, v, reason);
+    StatusChangedLocked();
+    return;
+  }
+  CatchUpRun run;
+  run.version = v;
+  run.epoch = next_epoch_++;
+  run.started = now;
+  run.deadline = now + options_.transfer_timeout;
+  SliceInput in;
+  in.model_id = model_id;
+  in.epoch = run.epoch;
+  in.mode = m.spec.mode();
+  in.inventory = m.inventory;
+  // Problem order: sources (as trainers), then the late rollouts; ids sorted (map order).
+  for (const auto& [ids, role] : {std::pair{&choice.sources, planner::Role::kTrainer}, std::pair{&choice.dests, planner::Role::kRollout}}) {
+    for (const std::string& id : *ids) {
+      const WorkerRec& w = m.workers.at(id);
+      in.workers.push_back({id, w.node, role, w.gpu, w.layout, w.layout_proto});
+      const Node& n = nodes_.at(w.node);
+      in.nodes[w.node] = {n.data_address, n.transport_instances};
+      (role == planner::Role::kTrainer ? run.sources : run.dests)[id] = w.serial;
+    }
+  }
+  Log(LogLevel::kInfo, "catch-up started", {{"model", model_id}, {"version", v}, {"epoch", run.epoch},
+                                             {"late", absl::StrJoin(choice.dests, ",")}, {"sources", absl::StrJoin(choice.sources, ",")}});
+  m.catch_up = std::move(run);
+  StatusChangedLocked();
+  Model* mp = &m;
+  plan_queue_.push_back([this, model_id, mp, in = std::move(in)] { RunCatchUpPlan(model_id, mp, in); });
+}
+
+// Planner thread: plan, install the catch-up slices, start the executors (no lock held while
+// planning or calling nodes).
+void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, const SliceInput& in) {
+  PlanSettings settings;  // the weightbridge planner whatever the model's strategy: a catch-up is ours alone
+  settings.strategy = planner::Strategy::kWeightBridge;
+  settings.strategy_proto = pb::STRATEGY_WEIGHTBRIDGE;
+  settings.topology = options_.topology;
+  settings.bucket_bytes = options_.bucket_bytes;
+  absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
+  std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;
+  uint64_t version = 0;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_ || !m->catch_up || m->catch_up->epoch != in.epoch) return;
+    version = m->catch_up->version;
+    if (!outcome.ok()) {
+      FailCatchUpLocked(model_id, *m, absl::StrCat("no plan from the rollouts holding it: ", outcome.status().message()), true);
+      return;
+    }
+    for (auto& [n, slice] : outcome->slices.by_node) {
+      auto it = nodes_.find(n);
+      clients.push_back({n, it != nodes_.end() && it->second.alive ? it->second.client : nullptr});
+      m->catch_up->nodes.insert(n);
+    }
+  }
+  std::vector<absl::Status> results(clients.size());
+  ForEachAtOnce(clients.size(), [&](size_t i) {
+    if (!clients[i].second) {
+      results[i] = absl::UnavailableError(absl::StrCat("node ", clients[i].first, " is not registered"));
+      return;
+    }
+    pb::PlanSlice slice = std::move(outcome->slices.by_node.at(clients[i].first));
+    FillSliceHeader(*outcome->plan, in, outcome->slices, clients[i].first, &slice);
+    slice.set_catch_up(true);
+    results[i] = clients[i].second->InstallPlan(slice, absl::Seconds(30));
+    if (!results[i].ok()) results[i] = absl::Status(results[i].code(), absl::StrCat("install on node ", clients[i].first, ": ", results[i].message()));
+  });
+  pb::ExecuteVersionRequest req;
+  req.set_model_id(model_id);
+  req.set_version(version);
+  req.set_plan_epoch(in.epoch);
+  req.set_timeout_ms(absl::ToInt64Milliseconds(options_.transfer_timeout));
+  req.set_coordinator_instance(instance_);
+  req.set_catch_up(true);
+  const absl::Duration timeout = std::max(options_.transfer_timeout, absl::Seconds(5));
+  bool installed = true;
+  for (const absl::Status& s : results) installed &= s.ok();
+  if (installed) {
+    {
+      absl::MutexLock l(&mu_);
+      if (stopping_ || !m->catch_up || m->catch_up->epoch != in.epoch) return;
+    }
+    ForEachAtOnce(clients.size(), [&](size_t i) {
+      results[i] = clients[i].second->ExecuteVersion(req, timeout);
+      if (!results[i].ok()) results[i] = absl::Status(results[i].code(), absl::StrCat("start on node ", clients[i].first, ": ", results[i].message()));
+    });
+  }
+  for (const absl::Status& s : results) {
+    if (s.ok()) continue;
+    absl::MutexLock l(&mu_);
+    if (m->catch_up && m->catch_up->epoch == in.epoch) FailCatchUpLocked(model_id, *m, std::string(s.message()), true);
+    return;
+  }
+}
+
+void CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) {
+  if (!m.catch_up || m.catch_up->version != req.version() || m.catch_up->nodes.count(req.node_id()) == 0 ||
+      m.catch_up->phase != CatchUpRun::Phase::kRunning) {
+    Log(LogLevel::kInfo, "stale catch-up report ignored", {{"model", req.model_id()}, {"version", req.version()}, {"node", req.node_id()}});
+    return;
+  }
+  if (!req.ok()) {
+    FailCatchUpLocked(req.model_id(), m, absl::StrCat("node ", req.node_id(), ": ", req.error()), true);
+    return;
+  }
+  m.catch_up->done.insert(req.node_id());
+  if (m.catch_up->done.size() == m.catch_up->nodes.size()) {
+    m.catch_up->phase = CatchUpRun::Phase::kDone;
+    wake_ = true;
+  }
+}
+
+std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& model_id, Model& m, absl::Time now) {
+  CatchUpRun& c = *m.catch_up;
+  if (c.phase == CatchUpRun::Phase::kCommitting) return nullptr;  // its commit is on its way
+  if (c.phase == CatchUpRun::Phase::kRunning) {
+    if (now > c.deadline) {
+      FailCatchUpLocked(model_id, m, absl::StrCat("timed out after ", absl::FormatDuration(options_.transfer_timeout)), true);
+      return nullptr;
+    }
+    // A source or late rollout that left, registered again or lost its node: this attempt is
+    // void (not final: the next pass chooses again from who is there).
+    for (const auto* side : {&c.sources, &c.dests}) {
+      for (const auto& [id, serial] : *side) {
+        auto w = m.workers.find(id);
+        auto n = w == m.workers.end() ? nodes_.end() : nodes_.find(w->second.node);
+        if (w == m.workers.end() || w->second.serial != serial || n == nodes_.end() || !n->second.alive) {
+          FailCatchUpLocked(model_id, m, absl::StrCat("worker ", id, " left or registered again during the catch-up"), false);
+          return nullptr;
+        }
+      }
+    }
+    return nullptr;
+  }
+  // Every node reported done: commit on all of them at once (sync: the late rollouts' nodes copy
+  // it into their live weights before answering).
+  c.phase = CatchUpRun::Phase::kCommitting;
+  std::vector<std::string> nodes(c.nodes.begin(), c.nodes.end());
+  std::vector<std::shared_ptr<NodeClient>> clients;
+  for (const std::string& n : nodes) {
+    auto it = nodes_.find(n);
+    clients.push_back(it != nodes_.end() ? it->second.client : nullptr);
+  }
+  const uint64_t v = c.version, epoch = c.epoch;
+  const absl::Duration timeout = std::max(absl::Seconds(5), options_.transfer_timeout);
+  Model* mp = &m;
+  return [this, mp, model_id, v, epoch, nodes, clients, timeout] {
+    std::vector<absl::Status> acks(clients.size());
+    ForEachAtOnce(clients.size(), [&](size_t i) {
+      acks[i] = clients[i] ? clients[i]->CommitVersion(model_id, v, timeout)
+                           : absl::UnavailableError(absl::StrCat("node ", nodes[i], " is not registered"));
+    });
+    absl::MutexLock l(&mu_);
+    if (!mp->catch_up || mp->catch_up->epoch != epoch) return;
+    std::map<std::string, std::string> refused;  // node -> why
+    for (size_t i = 0; i < acks.size(); ++i) {
+      if (!acks[i].ok()) refused[nodes[i]] = std::string(acks[i].message());
+    }
+    std::vector<std::string> caught, failed;
+    for (const auto& [id, serial] : mp->catch_up->dests) {
+      auto w = mp->workers.find(id);
+      if (w == mp->workers.end() || w->second.serial != serial) continue;
+      auto r = refused.find(w->second.node);
+      if (r == refused.end()) {
+        w->second.holds = std::max(w->second.holds, v);
+        w->second.catch_up_error.clear();
+        caught.push_back(id);
+      } else {
+        w->second.catch_up_failed = v;
+        w->second.catch_up_error = absl::StrCat("catch-up of version ", v, " not committed on node ", r->first, ": ", r->second,
+                                                "; it gets the next version");
+        failed.push_back(id);
+      }
+    }
+    mp->last_catch_up_seconds = absl::ToDoubleSeconds(options_.clock->Now() - mp->catch_up->started);
+    Log(failed.empty() ? LogLevel::kInfo : LogLevel::kWarning, "catch-up committed",
+        {{"model", model_id}, {"version", v}, {"caught_up", absl::StrJoin(caught, ",")}, {"failed", absl::StrJoin(failed, ",")},
+         {"seconds", mp->last_catch_up_seconds}});
+    mp->catch_up.reset();
+    wake_ = true;
+    StatusChangedLocked();
+  };
+}
+
+void CoordinatorCore::FailCatchUpLocked(const std::string& model_id, Model& m, const std::string& reason, bool final) {
+  if (!m.catch_up) return;
+  CatchUpRun& c = *m.catch_up;
+  const std::string what = absl::StrCat("catch-up of model ", model_id, " version ", c.version, " failed: ", reason);
+  std::set<std::string> nodes = c.nodes;
+  for (const auto& [id, serial] : c.dests) {
+    auto w = m.workers.find(id);
+    if (w == m.workers.end() || w->second.serial != serial) continue;
+    if (final) {
+      w->second.catch_up_failed = c.version;
+      w->second.catch_up_error = absl::StrCat(what, "; it gets the next version");
+      nodes.insert(w->second.node);  // Apply(v) waiting there learns why
+    }
+  }
+  Log(LogLevel::kWarning, "catch-up failed", {{"model", model_id}, {"version", c.version}, {"final", final ? "yes" : "no (tried again)"},
+                                              {"reason", reason}});
+  QueueAbortRpcsLocked(nodes, model_id, c.version, what);
+  m.catch_up.reset();
+  wake_ = true;
+  StatusChangedLocked();
+}
+
+std::optional<absl::Status> CoordinatorCore::CaughtUpLocked(const Model& m, const std::string& worker, uint64_t v) const {
+  if (worker.empty()) return absl::OkStatus();
+  auto w = m.workers.find(worker);
+  if (w == m.workers.end() || w->second.role != planner::Role::kRollout) return absl::OkStatus();
+  if (w->second.holds >= v) return absl::OkStatus();
+  if (w->second.catch_up_failed != 0 && w->second.catch_up_failed >= m.machine->committed()) {
+    return absl::AbortedError(absl::StrCat("rollout ", worker, " does not hold version ", v, " of model ", m.spec.model_id(), ": ",
+                                           w->second.catch_up_error));
+  }
+  return std::nullopt;
+}
+
+}  // namespace wb::daemon

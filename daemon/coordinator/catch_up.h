@@ -1,0 +1,44 @@
+#pragma once
+// Catch-up of late rollouts (issue 16.6, docs/daemon.md "Catch-up"): a rollout that registers or
+// restarts after a version was committed is brought to that version from the copies other
+// rollouts hold (committed staging, else live weights), without the trainer, before WaitVersion /
+// Apply report the version to it.
+//
+// This header is the PURE part (no I/O, no locks): which rollouts are late and which may serve
+// as sources. The driver side (CoordinatorCore::StartCatchUpLocked and friends) is in
+// catch_up.cc; the node side reads a source rollout's copy where the executor gathers memory.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace wb::daemon {
+
+// What the choice needs to know of one worker of the model.
+struct CatchUpCandidate {
+  std::string id, node;
+  bool rollout = false;
+  bool has_layout = false;
+  bool in_plan = false;       // in the model's installed plan (a late rollout must be)
+  uint64_t holds = 0;         // the committed version its node holds for it
+  uint64_t catch_up_failed = 0;
+  bool host_memory = true;    // every buffer is host (shm) memory
+  bool quantized = false;     // holds quantised pieces (its staging is not the canonical bytes)
+};
+
+struct CatchUpChoice {
+  std::vector<std::string> sources;  // rollouts holding the committed version, usable as sources
+  std::vector<std::string> dests;    // late rollouts to bring there
+  // Late rollouts exist but no rollout may serve as a source: why, naming the rollouts that hold
+  // the version and why each is not used (empty otherwise).
+  std::string no_source;
+};
+
+// Late: a rollout with a layout, in the plan, holding less than `committed` (> 0) and whose catch-up
+// did not already fail for `committed`. Source: a rollout with a layout holding exactly
+// `committed`, in host memory and not quantised (its copy is then the canonical bytes, byte for
+// byte; GPU-staged and quantised rollouts are not sources: docs/daemon.md "Catch-up").
+// Both lists follow the candidates' order.
+CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandidate>& workers);
+
+}  // namespace wb::daemon
