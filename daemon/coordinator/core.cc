@@ -539,10 +539,16 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
   }
   const VersionRecord* rec = m->machine->Find(req.version());
   if (rec != nullptr && rec->state == VState::kTransferring) {
+    // What landed must be what was sent (end-to-end digests) before the node counts as done.
+    if (absl::Status d = AddDigestsLocked(req.model_id(), *m, req); !d.ok()) {
+      AbortLocked(req.model_id(), *m, req.version(), std::string(d.message()));
+      return absl::OkStatus();
+    }
     m->progress[req.version()][req.node_id()] = req.bytes();
     StatusChangedLocked();
   }
   if (m->machine->NodeDone(req.node_id(), req.version())) {
+    FinishDigestsLocked(req.model_id(), *m, req.version());
     m->committing = req.version();
     wake_ = true;
   }

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/coordinator/digest_book.h"
 #include "daemon/coordinator/node_client.h"
 #include "daemon/coordinator/plan_cache.h"
 #include "daemon/version_machine.h"
@@ -211,6 +212,10 @@ class CoordinatorCore {
     std::string plan_error;
     uint64_t committing = 0;  // version whose commit the driver is sending
     std::map<uint64_t, std::map<std::string, uint64_t>> progress;  // version -> node -> bytes
+    // End-to-end digests (digests.cc): the reports of the version in flight, and the verdicts of
+    // recent versions (ClusterStatus, `wbctl versions`).
+    std::map<uint64_t, DigestBook> digests;
+    std::map<uint64_t, DigestVerdict> verdicts;
     double last_seconds = 0;
     uint64_t last_bytes = 0;
   };
@@ -227,6 +232,12 @@ class CoordinatorCore {
     double last_catch_up_seconds = 0;
   void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // End-to-end digests (digests.cc, docs/daemon.md "End-to-end digests"): a book for version v on
+  // the model's current plan; a node's report into it (DATA_LOSS naming the op on a mismatch: the
+  // caller aborts v); the verdict once every node reported.
+  void StartDigestsLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AddDigestsLocked(const std::string& model_id, Model& m, const pb::ReportDoneRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishDigestsLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock).
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                             const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

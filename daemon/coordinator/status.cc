@@ -81,6 +81,10 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
       }
       vs->set_error(rec.error);
       vs->set_num_ops(static_cast<uint32_t>(plan.stats.num_ops));
+      if (auto d = m.verdicts.find(v); d != m.verdicts.end()) {
+        vs->set_verified(d->second.verified);
+        vs->set_ops_verified(d->second.ops_verified);
+      }
     }
   }
 }

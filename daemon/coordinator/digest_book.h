@@ -1,0 +1,62 @@
+#pragma once
+// The coordinator's side of end-to-end digests (issue 17.4; docs/daemon.md "End-to-end digests").
+// Per version, the digests every node reported in ReportDone: for each op of the plan, the digest
+// of what its source read (reported by the sending node) and of what landed (reported by the
+// receiving node; both by the one node of a same-node op). A pair that differs is a mismatch: the
+// version must not commit, and the error names the op's tensor, box, source and destination
+// worker (and their nodes). Once every node reported, the version is `verified` when every op of
+// the plan has both digests and they match (ops a node could not digest - device memory on a GPU
+// path - leave it unverified, never failed).
+//
+// Not thread-safe (the coordinator keeps one per version in flight under its lock).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "planner/types.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+namespace pb = ::weightbridge::v1;
+
+struct DigestVerdict {
+  bool verified = false;       // every op of the plan has matching digests on both sides
+  uint32_t ops_verified = 0;   // ops with matching digests on both sides
+  uint32_t ops_total = 0;      // ops of the plan
+};
+
+class DigestBook {
+ public:
+  // `plan` and `worker_ids` (Problem::workers order, i.e. TransferOp worker indices) are the plan
+  // the version runs on; op indices are the plan's ops in bucket order (as the slicer numbers them).
+  DigestBook(std::string model_id, uint64_t version, std::shared_ptr<const planner::Plan> plan, std::vector<std::string> worker_ids,
+             std::shared_ptr<const planner::Inventory> inventory, std::map<std::string, std::string> node_of);
+
+  // Records one node's digests. DATA_LOSS naming the first op whose two digests differ (tensor,
+  // box, source worker and node, destination worker and node, both digests); INVALID_ARGUMENT for
+  // an op index outside the plan, or a second, different digest of one side of an op.
+  absl::Status Add(const pb::ReportDoneRequest& report);
+
+  // After every node reported.
+  DigestVerdict Verdict() const;
+
+ private:
+  std::string DescribeOp(uint32_t index) const;
+  absl::Status Record(std::map<uint32_t, uint64_t>& side, const char* what, const pb::OpDigest& d, const std::string& node);
+
+  std::string model_id_;
+  uint64_t version_ = 0;
+  std::shared_ptr<const planner::Plan> plan_;
+  std::vector<std::string> worker_ids_;
+  std::shared_ptr<const planner::Inventory> inventory_;
+  std::map<std::string, std::string> node_of_;  // worker id -> node id
+  std::vector<const planner::TransferOp*> ops_;  // by op index
+  std::map<uint32_t, uint64_t> source_, landed_;
+};
+
+}  // namespace wb::daemon
