@@ -117,6 +117,26 @@ TEST(StatusViewTest, VersionsSortedAndModelLookup) {
   EXPECT_TRUE(VersionsOf(Sample(), "llama").empty());
 }
 
+TEST(StatusViewTest, VersionsShowWhetherEveryOpWasVerified) {
+  pb::StatusResponse s = Sample();
+  for (auto& v : *s.mutable_versions()) {
+    v.set_num_ops(40);
+    if (v.version() == 2) {
+      v.set_verified(true);
+      v.set_ops_verified(40);
+    }
+    if (v.version() == 1) v.set_ops_verified(12);  // a GPU path: 12 of 40 ops carried digests
+  }
+  const std::string table = VersionsTable(VersionsOf(s, "qwen"));
+  EXPECT_NE(table.find("VERIFIED"), std::string::npos) << table;
+  EXPECT_NE(table.find(" yes "), std::string::npos) << table;
+  EXPECT_NE(table.find(" 12/40 "), std::string::npos) << table;
+  auto j = VersionsJson("qwen", VersionsOf(s, "qwen"));
+  EXPECT_FALSE(j["versions"][0]["verified"].get<bool>());
+  EXPECT_EQ(j["versions"][0]["ops_verified"].get<uint32_t>(), 12u);
+  EXPECT_TRUE(j["versions"][1]["verified"].get<bool>());
+}
+
 TEST(StatusViewTest, WatchPicksRunningVersionAndComputesRateAndEta) {
   auto picked = PickWatched(Sample(), "", 0);
   ASSERT_TRUE(picked.has_value());

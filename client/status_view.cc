@@ -210,14 +210,19 @@ bool HasModel(const pb::StatusResponse& s, const std::string& model) {
 }
 
 std::string VersionsTable(const std::vector<pb::VersionStatus>& versions) {
-  std::string out = absl::StrFormat("  %-12s %-8s %-13s %-22s %-9s %-8s %s\n", "MODEL", "VERSION",
-                                    "STATE", "BYTES", "SECONDS", "GB/s", "ERROR");
+  std::string out = absl::StrFormat("  %-12s %-8s %-13s %-22s %-9s %-8s %-9s %s\n", "MODEL", "VERSION",
+                                    "STATE", "BYTES", "SECONDS", "GB/s", "VERIFIED", "ERROR");
   for (const auto& v : versions) {
     std::string bytes = absl::StrCat(FormatBytes(v.bytes_done()), "/", FormatBytes(v.bytes_total()));
     double rate = v.seconds() > 0 ? static_cast<double>(v.bytes_done()) / v.seconds() / 1e9 : 0;
-    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %s\n", v.model_id(),
+    // End-to-end digests: "yes" = every op's landed bytes matched what its source read; "n/m" =
+    // only n of the m ops carried digests (GPU paths); "-" = not decided (or digests off).
+    std::string verified = v.verified() ? std::string("yes")
+                           : v.ops_verified() > 0 ? absl::StrCat(v.ops_verified(), "/", v.num_ops())
+                                                  : std::string("-");
+    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %-9s %s\n", v.model_id(),
                           v.version(), v.state(), bytes, v.seconds(),
-                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), v.error());
+                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), verified, v.error());
   }
   return out;
 }
@@ -234,6 +239,8 @@ nlohmann::json VersionsJson(const std::string& model_id, const std::vector<pb::V
                              {"bytes_done", v.bytes_done()},
                              {"seconds", v.seconds()},
                              {"num_ops", v.num_ops()},
+                             {"verified", v.verified()},
+                             {"ops_verified", v.ops_verified()},
                              {"error", v.error()}});
   }
   return j;
