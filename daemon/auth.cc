@@ -10,7 +10,6 @@
 #include <grpcpp/support/server_interceptor.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -27,8 +26,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "daemon/metrics.h"
-#include "proto/grpc_status.h"
 
 namespace wb::daemon {
 namespace {
@@ -171,7 +168,7 @@ void PeerCredListener::AcceptLoop() {
   }
 }
 
-absl::StatusOr<PeerCred> PeerCredListener::Lookup(const grpc::ServerContext& ctx) const {
+absl::StatusOr<PeerCred> PeerCredListener::Lookup(const grpc::ServerContextBase& ctx) const {
   const std::string peer = ctx.peer();
   int fd = -1;
   if (!absl::StartsWith(peer, "fd:") || !absl::SimpleAtoi(absl::string_view(peer).substr(3), &fd)) {
@@ -181,281 +178,6 @@ absl::StatusOr<PeerCred> PeerCredListener::Lookup(const grpc::ServerContext& ctx
   auto it = by_fd_.find(fd);
   if (it == by_fd_.end()) return absl::UnauthenticatedError(absl::StrCat("no peer credentials for connection ", peer));
   return it->second;
-}
-
-// ------------------------------------------------------------------------------ GuardedWorkerService
-GuardedWorkerService::GuardedWorkerService(pb::WorkerService::Service* inner, const PeerCredListener* peers, Limits limits,
-                                           std::string node_id)
-    : inner_(inner),
-      peers_(peers),
-      limits_(limits),
-      node_id_(std::move(node_id)),
-      blocked_(absl::StrCat("node ", node_id_, ": WorkerService.WaitVersion"), limits.max_blocked_calls) {}
-
-grpc::Status GuardedWorkerService::Reject(const absl::Status& s, const std::string& what) {
-  Metrics().Rejected(node_id_, what);
-  return ToGrpcStatus(s);
-}
-
-absl::StatusOr<PeerCred> GuardedWorkerService::Caller(grpc::ServerContext* ctx) { return peers_->Lookup(*ctx); }
-
-absl::Status GuardedWorkerService::CheckActsAs(grpc::ServerContext* ctx, const std::string& model, const std::string& worker) {
-  absl::StatusOr<PeerCred> me = Caller(ctx);
-  if (!me.ok()) return me.status();
-  absl::MutexLock l(&mu_);
-  auto it = bindings_.find(worker);
-  if (it == bindings_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (register again)"));
-  }
-  const Binding& b = it->second;
-  if (b.cred.pid != me->pid || b.cred.start_time != me->start_time) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, ", not to the caller (pid ",
-                                                    me->pid, ")"));
-  }
-  if (b.model != model) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status GuardedWorkerService::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
-  absl::MutexLock l(&mu_);
-  auto it = bindings_.find(worker);
-  if (it == bindings_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (RegisterWorker first)"));
-  }
-  const Binding& b = it->second;
-  if (b.cred.pid != sender.pid || b.cred.start_time != sender.start_time || b.cred.uid != sender.uid) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, " (uid ", b.cred.uid,
-                                                    "), not to the sender"));
-  }
-  if (b.model != model) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<PeerCred> GuardedWorkerService::BoundCred(const std::string& worker) {
-  absl::MutexLock l(&mu_);
-  auto it = bindings_.find(worker);
-  if (it == bindings_.end()) return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_));
-  return it->second.cred;
-}
-
-grpc::Status GuardedWorkerService::RegisterWorker(grpc::ServerContext* ctx, const pb::RegisterWorkerRequest* req,
-                                                  pb::RegisterWorkerResponse* resp) {
-  absl::StatusOr<PeerCred> me = Caller(ctx);
-  if (!me.ok()) return Reject(me.status(), "unauthenticated");
-  for (auto [what, id] : {std::pair{"model_id", &req->model_id()}, std::pair{"worker_id", &req->worker_id()}}) {
-    if (absl::Status s = CheckId(what, *id, limits_); !s.ok()) return Reject(s, "limit");
-  }
-  if (req->has_model()) {
-    if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return Reject(s, "limit");
-  }
-  {
-    absl::MutexLock l(&mu_);
-    auto it = bindings_.find(req->worker_id());
-    if (it != bindings_.end() && it->second.cred.pid != me->pid) {
-      const PeerCred& owner = it->second.cred;
-      // A restarted worker takes its id over from its dead predecessor; a live owner keeps it.
-      if (ProcessStartTime(owner.pid) == owner.start_time && owner.start_time != 0) {
-        return Reject(absl::PermissionDeniedError(absl::StrCat("worker id ", req->worker_id(), " is held by live process ", owner.pid)),
-                      "impersonation");
-      }
-    }
-  }
-  // The node daemon watches the worker's process (kill -9 detection). A worker that names no pid
-  // is watched through the kernel's word for it (SO_PEERCRED); one that names another (a launcher
-  // registering for its engine process) keeps its choice - it can only get itself dropped.
-  pb::RegisterWorkerRequest with_pid = *req;
-  if (with_pid.pid() <= 0) with_pid.set_pid(static_cast<int32_t>(me->pid));
-  grpc::Status s = inner_->RegisterWorker(ctx, &with_pid, resp);
-  if (s.ok()) {
-    absl::MutexLock l(&mu_);
-    bindings_[req->worker_id()] = Binding{*me, req->model_id()};
-  }
-  return s;
-}
-
-grpc::Status GuardedWorkerService::RegisterLayout(grpc::ServerContext* ctx, const pb::RegisterLayoutRequest* req,
-                                                  pb::RegisterLayoutResponse* resp) {
-  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
-  if (absl::Status s = CheckLayoutRequest(req->buffers(), req->layout(), limits_); !s.ok()) {
-    return Reject(absl::Status(s.code(), absl::StrCat("worker ", req->worker_id(), ": ", s.message())), "limit");
-  }
-  absl::StatusOr<PeerCred> me = Caller(ctx);
-  if (!me.ok()) return Reject(me.status(), "unauthenticated");
-  // Memory must belong to the caller's uid: fstat of the opened descriptor (no TOCTOU on names).
-  for (const pb::BufferSpec& b : req->buffers()) {
-    if (b.memory_case() != pb::BufferSpec::kShmName) continue;  // CUDA IPC: the handle is the capability
-    const std::string& name = b.shm_name();
-    if (name.empty() || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255) {
-      return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": bad shm name '", name, "'")), "invalid");
-    }
-    // O_NONBLOCK: a FIFO named as a segment would block this open until a writer came (NODE helper, issue 15.9).
-    int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
-    if (fd < 0) {
-      return Reject(absl::NotFoundError(absl::StrCat("buffer ", b.buffer_id(), ": cannot open shm ", name, ": ", std::strerror(errno))),
-                    "invalid");
-    }
-    struct stat st {};
-    int rc = ::fstat(fd, &st);
-    ::close(fd);
-    if (rc != 0) return Reject(absl::InternalError(Errno(absl::StrCat("fstat shm ", name))), "invalid");
-    if (!S_ISREG(st.st_mode)) {
-      return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is not a regular file (",
-                                                            S_ISFIFO(st.st_mode) ? "a FIFO" : "not shared memory", ")")),
-                    "invalid");
-    }
-    if (st.st_uid != me->uid) {
-      return Reject(absl::PermissionDeniedError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is owned by uid ", st.st_uid,
-                                                             ", not by the caller's uid ", me->uid)),
-                    "foreign_memory");
-    }
-    if (static_cast<uint64_t>(st.st_size) < b.size_bytes()) {
-      return Reject(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " has ", st.st_size,
-                                                            " bytes, fewer than size_bytes ", b.size_bytes())),
-                    "invalid");
-    }
-  }
-  return inner_->RegisterLayout(ctx, req, resp);
-}
-
-grpc::Status GuardedWorkerService::Publish(grpc::ServerContext* ctx, const pb::PublishRequest* req, pb::PublishResponse* resp) {
-  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
-  {
-    // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
-    absl::MutexLock l(&mu_);
-    // Looked up again: the binding may have gone since CheckActsAs released mu_ (a Deregister in
-    // between; .at() threw, and the caller saw UNKNOWN "Unexpected error in RPC handling").
-    auto bound = bindings_.find(req->worker_id());
-    if (bound == bindings_.end()) {
-      return Reject(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " was deregistered on node ", node_id_,
-                                                     " while it published version ", req->version(), " (register again)")),
-                    "impersonation");
-    }
-    Binding& b = bound->second;
-    const uint64_t committed = committed_[req->model_id()];
-    for (auto it = b.pending.begin(); it != b.pending.end() && *it <= committed;) it = b.pending.erase(it);
-    if (!b.pending.count(req->version()) && static_cast<int>(b.pending.size()) >= limits_.max_concurrent_versions) {
-      return Reject(absl::ResourceExhaustedError(absl::StrCat("worker ", req->worker_id(), " has ", b.pending.size(),
-                                                              " versions published and not yet committed (limit ",
-                                                              limits_.max_concurrent_versions, "); wait for one")),
-                    "limit");
-    }
-    b.pending.insert(req->version());
-  }
-  grpc::Status s = inner_->Publish(ctx, req, resp);
-  if (!s.ok()) {
-    absl::MutexLock l(&mu_);
-    auto it = bindings_.find(req->worker_id());
-    if (it != bindings_.end()) it->second.pending.erase(req->version());
-  }
-  if (s.ok()) {
-    Metrics().Version(node_id_, req->model_id(), "published");
-    Metrics().Phase(node_id_, "publish_stall", resp->stall_seconds());
-  } else {
-    Metrics().Failure(node_id_, FromGrpcStatus(s));
-  }
-  return s;
-}
-
-grpc::Status GuardedWorkerService::BeginUpdate(grpc::ServerContext* ctx, const pb::BeginUpdateRequest* req,
-                                               pb::BeginUpdateResponse* resp) {
-  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
-  return inner_->BeginUpdate(ctx, req, resp);
-}
-
-grpc::Status GuardedWorkerService::Apply(grpc::ServerContext* ctx, const pb::ApplyRequest* req, pb::ApplyResponse* resp) {
-  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
-  grpc::Status s = inner_->Apply(ctx, req, resp);
-  if (s.ok()) {
-    uint64_t committed = 0;
-    {
-      absl::MutexLock l(&mu_);
-      committed = committed_[req->model_id()];
-    }
-    Metrics().Version(node_id_, req->model_id(), "applied");
-    Metrics().Phase(node_id_, "apply", resp->stall_seconds());
-    Metrics().Applied(node_id_, req->model_id(), req->worker_id(), resp->applied_version(), committed);
-  }
-  return s;
-}
-
-grpc::Status GuardedWorkerService::WaitVersion(grpc::ServerContext* ctx, const pb::WaitVersionRequest* req,
-                                               pb::WaitVersionResponse* resp) {
-  absl::StatusOr<PeerCred> me = Caller(ctx);
-  if (!me.ok()) return Reject(me.status(), "unauthenticated");
-  {
-    absl::MutexLock l(&mu_);
-    bool member = false;
-    for (auto& [id, b] : bindings_) member |= b.cred.pid == me->pid && b.model == req->model_id();
-    if (!member) {
-      return Reject(absl::PermissionDeniedError(absl::StrCat("the caller (pid ", me->pid, ") has no worker of model '", req->model_id(),
-                                                             "' on node ", node_id_)),
-                    "impersonation");
-    }
-  }
-  absl::StatusOr<BlockedCalls::Slot> slot = blocked_.Acquire();
-  if (!slot.ok()) return Reject(slot.status(), "blocked_calls");
-  return inner_->WaitVersion(ctx, req, resp);
-}
-
-grpc::Status GuardedWorkerService::Deregister(grpc::ServerContext* ctx, const pb::DeregisterRequest* req, pb::DeregisterResponse* resp) {
-  if (absl::Status s = CheckActsAs(ctx, req->model_id(), req->worker_id()); !s.ok()) return Reject(s, "impersonation");
-  grpc::Status s = inner_->Deregister(ctx, req, resp);
-  {
-    absl::MutexLock l(&mu_);
-    bindings_.erase(req->worker_id());
-  }
-  if (on_deregister_) on_deregister_(req->worker_id());
-  return s;
-}
-
-grpc::Status GuardedWorkerService::Status(grpc::ServerContext* ctx, const pb::StatusRequest* req, pb::StatusResponse* resp) {
-  // Anyone allowed onto the socket (mode 0660) may read status.
-  absl::StatusOr<PeerCred> me = Caller(ctx);
-  if (!me.ok()) return Reject(me.status(), "unauthenticated");
-  return inner_->Status(ctx, req, resp);
-}
-
-grpc::Status GuardedWorkerService::DescribeLayout(grpc::ServerContext* ctx, const pb::DescribeLayoutRequest* req,
-                                                  pb::DescribeLayoutResponse* resp) {
-  // Computes from the request alone (no worker's memory involved), like Status: any caller
-  // allowed onto the socket, within the limits a registration would have to meet.
-  absl::StatusOr<PeerCred> me = Caller(ctx);
-  if (!me.ok()) return Reject(me.status(), "unauthenticated");
-  if (absl::Status s = CheckId("model_id", req->model_id(), limits_); !s.ok()) return Reject(s, "limit");
-  if (req->has_model()) {
-    if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return Reject(s, "limit");
-  }
-  // No memory yet: the buffers are the ids the pieces name (a worker may have max_buffers_per_worker).
-  google::protobuf::RepeatedPtrField<pb::BufferSpec> named;
-  std::set<uint32_t> ids;
-  for (const pb::Piece& p : req->layout().pieces().pieces()) {
-    for (uint32_t id : {p.buffer_id(), p.scale_buffer_id()}) {
-      if (ids.insert(id).second) {
-        pb::BufferSpec* b = named.Add();
-        b->set_buffer_id(id);
-        b->set_size_bytes(1);
-      }
-    }
-  }
-  if (absl::Status s = CheckLayoutRequest(named, req->layout(), limits_); !s.ok()) return Reject(s, "limit");
-  return inner_->DescribeLayout(ctx, req, resp);
-}
-
-void GuardedWorkerService::NoteCommitted(const std::string& model, uint64_t version) {
-  absl::MutexLock l(&mu_);
-  uint64_t& c = committed_[model];
-  c = std::max(c, version);
-}
-
-void GuardedWorkerService::NoteAborted(const std::string& model, uint64_t version) {
-  absl::MutexLock l(&mu_);
-  for (auto& [id, b] : bindings_) {
-    if (b.model == model) b.pending.erase(version);
-  }
 }
 
 absl::StatusOr<BlockedCalls::Slot> BlockedCalls::Acquire() {
@@ -573,7 +295,7 @@ std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const 
   return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(interceptors));
 }
 
-absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& config) {
+absl::Status CheckPeer(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config) {
   if (config.tls()) {
     auto auth = ctx.auth_context();
     if (!auth || !auth->IsPeerAuthenticated()) {
@@ -592,7 +314,7 @@ absl::Status CheckPeer(const grpc::ServerContext& ctx, const PeerAuthConfig& con
   return absl::OkStatus();
 }
 
-absl::Status CheckNodeIdentity(const grpc::ServerContext& ctx, const PeerAuthConfig& config, const std::string& node_id) {
+absl::Status CheckNodeIdentity(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& node_id) {
   if (!config.tls() || !config.bind_node_id) return absl::OkStatus();
   auto auth = ctx.auth_context();
   if (!auth || !auth->IsPeerAuthenticated()) {
@@ -611,174 +333,6 @@ absl::Status CheckNodeIdentity(const grpc::ServerContext& ctx, const PeerAuthCon
   return absl::PermissionDeniedError(absl::StrCat("node id '", id, "' is not the identity of the caller's certificate (CN/SAN: ",
                                                   shown.empty() ? "none" : shown,
                                                   "): with mutual TLS a node may act only as the node its certificate names"));
-}
-
-// ------------------------------------------------------------------------------ TokenNodeService
-TokenNodeService::TokenNodeService(pb::NodeService::Service* inner, std::shared_ptr<const PeerAuthConfig> config, std::string node_id,
-                                   CommitHook on_commit, CommitHook on_abort, PeerAuthenticated on_authenticated)
-    : inner_(inner),
-      config_(std::move(config)),
-      node_id_(std::move(node_id)),
-      on_commit_(std::move(on_commit)),
-      on_abort_(std::move(on_abort)),
-      on_authenticated_(std::move(on_authenticated)) {}
-
-grpc::Status TokenNodeService::Check(grpc::ServerContext* ctx) {
-  absl::Status s = CheckPeer(*ctx, *config_);
-  if (!s.ok()) Metrics().Rejected(node_id_, "unauthenticated");
-  if (s.ok() && on_authenticated_) on_authenticated_(ctx->peer());
-  return ToGrpcStatus(s);
-}
-
-grpc::Status TokenNodeService::InstallPlan(grpc::ServerContext* ctx, const pb::InstallPlanRequest* req, pb::InstallPlanResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->InstallPlan(ctx, req, resp);
-}
-grpc::Status TokenNodeService::ExecuteVersion(grpc::ServerContext* ctx, const pb::ExecuteVersionRequest* req,
-                                              pb::ExecuteVersionResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->ExecuteVersion(ctx, req, resp);
-}
-grpc::Status TokenNodeService::CommitVersion(grpc::ServerContext* ctx, const pb::CommitVersionRequest* req,
-                                             pb::CommitVersionResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  const absl::Time t0 = absl::Now();
-  grpc::Status s = inner_->CommitVersion(ctx, req, resp);
-  if (s.ok()) {
-    Metrics().Phase(node_id_, "commit", absl::ToDoubleSeconds(absl::Now() - t0));
-    Metrics().Version(node_id_, req->model_id(), "committed");
-    Metrics().Committed(node_id_, req->model_id(), req->version());
-    if (on_commit_) on_commit_(req->model_id(), req->version());
-  }
-  return s;
-}
-grpc::Status TokenNodeService::AbortVersion(grpc::ServerContext* ctx, const pb::AbortVersionRequest* req,
-                                            pb::AbortVersionResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  Metrics().Version(node_id_, req->model_id(), "aborted");
-  Metrics().Failure(node_id_, absl::AbortedError(req->reason()));
-  if (on_abort_) on_abort_(req->model_id(), req->version());
-  return inner_->AbortVersion(ctx, req, resp);
-}
-grpc::Status TokenNodeService::DropWorker(grpc::ServerContext* ctx, const pb::DropWorkerRequest* req, pb::DropWorkerResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->DropWorker(ctx, req, resp);
-}
-grpc::Status TokenNodeService::SetupDataChannel(grpc::ServerContext* ctx, const pb::SetupDataChannelRequest* req,
-                                                pb::SetupDataChannelResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->SetupDataChannel(ctx, req, resp);
-}
-grpc::Status TokenNodeService::ExchangeRegions(grpc::ServerContext* ctx, const pb::ExchangeRegionsRequest* req,
-                                               pb::ExchangeRegionsResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->ExchangeRegions(ctx, req, resp);
-}
-grpc::Status TokenNodeService::Drain(grpc::ServerContext* ctx, const pb::DrainRequest* req, pb::DrainResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->Drain(ctx, req, resp);
-}
-grpc::Status TokenNodeService::Status(grpc::ServerContext* ctx, const pb::StatusRequest* req, pb::StatusResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->Status(ctx, req, resp);
-}
-
-// ------------------------------------------------------------------------------ TokenCoordinatorService
-TokenCoordinatorService::TokenCoordinatorService(pb::CoordinatorService::Service* inner, std::shared_ptr<const PeerAuthConfig> config,
-                                                 Limits limits, PeerAuthenticated on_authenticated)
-    : inner_(inner),
-      config_(std::move(config)),
-      limits_(limits),
-      on_authenticated_(std::move(on_authenticated)),
-      blocked_("coordinator: CoordinatorService.WaitVersion", limits.max_blocked_calls) {}
-
-grpc::Status TokenCoordinatorService::Check(grpc::ServerContext* ctx) {
-  absl::Status s = CheckPeer(*ctx, *config_);
-  if (!s.ok()) Metrics().Rejected("coordinator", "unauthenticated");
-  if (s.ok() && on_authenticated_) on_authenticated_(ctx->peer());
-  return ToGrpcStatus(s);
-}
-
-grpc::Status TokenCoordinatorService::CheckNode(grpc::ServerContext* ctx, const std::string& node_id) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  absl::Status s = CheckNodeIdentity(*ctx, *config_, node_id);
-  if (!s.ok()) Metrics().Rejected("coordinator", "impersonation");
-  return ToGrpcStatus(s);
-}
-
-#define WB_COORD_CALL(Method, Req, Resp)                                                                    \
-  grpc::Status TokenCoordinatorService::Method(grpc::ServerContext* ctx, const pb::Req* req, pb::Resp* resp) { \
-    if (grpc::Status s = Check(ctx); !s.ok()) return s;                                                     \
-    return inner_->Method(ctx, req, resp);                                                                  \
-  }
-// A call a node makes about itself: its node_id must be its certificate's (CheckNodeIdentity).
-#define WB_COORD_NODE_CALL(Method, Req, Resp)                                                               \
-  grpc::Status TokenCoordinatorService::Method(grpc::ServerContext* ctx, const pb::Req* req, pb::Resp* resp) { \
-    if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;                                 \
-    return inner_->Method(ctx, req, resp);                                                                  \
-  }
-
-WB_COORD_NODE_CALL(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
-WB_COORD_NODE_CALL(Heartbeat, HeartbeatRequest, HeartbeatResponse)
-WB_COORD_NODE_CALL(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
-WB_COORD_NODE_CALL(ReportReady, ReportReadyRequest, ReportReadyResponse)
-WB_COORD_NODE_CALL(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
-#undef WB_COORD_NODE_CALL
-WB_COORD_CALL(ClusterStatus, StatusRequest, StatusResponse)
-WB_COORD_CALL(Drain, DrainRequest, DrainResponse)
-WB_COORD_CALL(Plan, PlanRequest, PlanResponse)
-#undef WB_COORD_CALL
-
-grpc::Status TokenCoordinatorService::WaitVersion(grpc::ServerContext* ctx, const pb::WaitVersionRequest* req,
-                                                  pb::WaitVersionResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  absl::StatusOr<BlockedCalls::Slot> slot = blocked_.Acquire();
-  if (!slot.ok()) {
-    Metrics().Rejected("coordinator", "blocked_calls");
-    return ToGrpcStatus(slot.status());
-  }
-  return inner_->WaitVersion(ctx, req, resp);
-}
-
-grpc::Status TokenCoordinatorService::WatchStatus(grpc::ServerContext* ctx, const pb::WatchStatusRequest* req,
-                                                  grpc::ServerWriter<pb::StatusResponse>* writer) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  return inner_->WatchStatus(ctx, req, writer);
-}
-
-grpc::Status TokenCoordinatorService::CreateModel(grpc::ServerContext* ctx, const pb::CreateModelRequest* req,
-                                                  pb::CreateModelResponse* resp) {
-  if (grpc::Status s = Check(ctx); !s.ok()) return s;
-  if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return ToGrpcStatus(s);
-  return inner_->CreateModel(ctx, req, resp);
-}
-grpc::Status TokenCoordinatorService::JoinWorker(grpc::ServerContext* ctx, const pb::JoinWorkerRequest* req, pb::JoinWorkerResponse* resp) {
-  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
-  if (req->has_model()) {
-    if (absl::Status s = CheckModelSpec(req->model(), limits_); !s.ok()) return ToGrpcStatus(s);
-  }
-  return inner_->JoinWorker(ctx, req, resp);
-}
-grpc::Status TokenCoordinatorService::SubmitLayout(grpc::ServerContext* ctx, const pb::SubmitLayoutRequest* req,
-                                                   pb::SubmitLayoutResponse* resp) {
-  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
-  if (absl::Status s = CheckLayoutRequest(req->buffers(), req->layout(), limits_); !s.ok()) {
-    return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("worker ", req->worker_id(), ": ", s.message())));
-  }
-  return inner_->SubmitLayout(ctx, req, resp);
-}
-grpc::Status TokenCoordinatorService::Publish(grpc::ServerContext* ctx, const pb::CoordPublishRequest* req, pb::PublishResponse* resp) {
-  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
-  return inner_->Publish(ctx, req, resp);
-}
-grpc::Status TokenCoordinatorService::ReportDone(grpc::ServerContext* ctx, const pb::ReportDoneRequest* req, pb::ReportDoneResponse* resp) {
-  if (grpc::Status s = CheckNode(ctx, req->node_id()); !s.ok()) return s;
-  if (req->ok()) {
-    Metrics().Phase(req->node_id(), "transfer", req->seconds());
-  } else {
-    Metrics().Failure(req->node_id(), absl::AbortedError(req->error()));
-  }
-  return inner_->ReportDone(ctx, req, resp);
 }
 
 }  // namespace wb::daemon

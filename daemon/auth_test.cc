@@ -14,6 +14,8 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/auth_gate.h"
+#include "daemon/auth_policy.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/harness.h"
 #include "transport/shm_segment.h"
@@ -105,9 +107,14 @@ class WorkerFrontTest : public ::testing::Test {
     auto l = PeerCredListener::Bind(sock_, 0660);
     ASSERT_TRUE(l.ok()) << l.status();
     listener_ = std::move(*l);
-    front_ = std::make_unique<GuardedWorkerService>(&fake_, listener_.get(), limits_, "n0");
+    front_ = std::make_unique<WorkerGuard>(listener_.get(), limits_, "n0");
+    gate_ = std::make_unique<AuthGate>(nullptr);
+    front_->AddRules(*gate_);
     grpc::ServerBuilder b;
-    b.RegisterService(front_.get());
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(gate_->Interceptor());
+    b.experimental().SetInterceptorCreators(std::move(interceptors));
+    b.RegisterService(gate_->Guard<pb::WorkerService>(&fake_));
     server_ = b.BuildAndStart();
     ASSERT_TRUE(server_);
     listener_->Serve(server_.get());
@@ -146,7 +153,8 @@ class WorkerFrontTest : public ::testing::Test {
   Limits limits_;
   FakeWorkerService fake_;
   std::unique_ptr<PeerCredListener> listener_;
-  std::unique_ptr<GuardedWorkerService> front_;
+  std::unique_ptr<WorkerGuard> front_;
+  std::unique_ptr<AuthGate> gate_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<pb::WorkerService::Stub> stub_;
 };
@@ -297,11 +305,15 @@ class PeerAuthTest : public ::testing::Test {
   }
   // Starts a fake NodeService behind the token/TLS front; returns its port.
   int Serve(const PeerAuthConfig& config) {
-    front_ = std::make_unique<TokenNodeService>(&fake_, std::make_shared<PeerAuthConfig>(config), "n0", nullptr);
+    front_ = std::make_unique<AuthGate>(nullptr);
+    AddNodeRules(*front_, PeerRuleOptions{.config = std::make_shared<PeerAuthConfig>(config)}, nullptr, nullptr);
     grpc::ServerBuilder b;
     int port = 0;
     b.AddListeningPort("127.0.0.1:0", MakeServerCredentials(config), &port);
-    b.RegisterService(front_.get());
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(front_->Interceptor());
+    b.experimental().SetInterceptorCreators(std::move(interceptors));
+    b.RegisterService(front_->Guard<pb::NodeService>(&fake_));
     server_ = b.BuildAndStart();
     return port;
   }
@@ -320,7 +332,7 @@ class PeerAuthTest : public ::testing::Test {
   }
   std::string dir_, last_error_;
   FakeNodeService fake_;
-  std::unique_ptr<TokenNodeService> front_;
+  std::unique_ptr<AuthGate> front_;
   std::unique_ptr<grpc::Server> server_;
 };
 

@@ -77,10 +77,12 @@ struct ConnGuard::Conn {
   bool ext_eof = false, in_eof = false;  // that side's read half reached EOF
 };
 
-absl::StatusOr<std::unique_ptr<ConnGuard>> ConnGuard::Bind(const std::string& listen, ConnLimits limits, std::string label) {
+absl::StatusOr<std::unique_ptr<ConnGuard>> ConnGuard::Bind(const std::string& listen, ConnLimits limits, std::string label,
+                                                       DaemonMetrics* metrics) {
   std::unique_ptr<ConnGuard> g(new ConnGuard());
   g->limits_ = limits;
   g->label_ = std::move(label);
+  g->metrics_ = metrics != nullptr ? metrics : &Metrics();
   const size_t colon = listen.rfind(':');
   if (colon == std::string::npos) return absl::InvalidArgumentError(absl::StrCat("--listen '", listen, "' is not host:port"));
   std::string host = listen.substr(0, colon);
@@ -226,7 +228,7 @@ void ConnGuard::AcceptAll() {
         // accepting for good here).
         absl::MutexLock l(&mu_);
         ++stats_.fd_exhausted;
-        Metrics().Rejected(label_, "conn_fd_exhausted");
+        metrics_->Rejected(label_, "conn_fd_exhausted");
         Note("fd_exhausted", "accept4 failed with EMFILE/ENFILE: closing new connections until fds are free");
         close(reserve_fd_);
         const int drop = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
@@ -257,7 +259,7 @@ void ConnGuard::Admit(int ext, const std::string& source, const std::string& pee
     close(ext);
     const bool per_source = refused[0] == 'p';
     ++(per_source ? stats_.refused_per_source : stats_.refused_total);
-    Metrics().Rejected(label_, per_source ? "conn_per_source" : "conn_total");
+    metrics_->Rejected(label_, per_source ? "conn_per_source" : "conn_total");
     Note(refused, per_source ? absl::StrCat(source, " already has ", mine, " unauthenticated connection(s) (limit ",
                                             limits_.max_unauthenticated_per_source, ")")
                              : absl::StrCat(stats_.open, " connections open, ", stats_.unauthenticated,
@@ -283,7 +285,7 @@ void ConnGuard::Admit(int ext, const std::string& source, const std::string& pee
   if (!ok) {
     if (errno == EMFILE || errno == ENFILE) ++stats_.fd_exhausted;
     ++stats_.refused_total;
-    Metrics().Rejected(label_, "conn_total");
+    metrics_->Rejected(label_, "conn_total");
     Note("splice", Errno(absl::StrCat("cannot reach the gRPC server for ", peer)));
     if (in >= 0) close(in);
     close(ext);
@@ -325,7 +327,7 @@ bool ConnGuard::EvictForLocked(const std::string& source) {
   for (auto& [id, c] : conns_) {
     if (!c->authenticated && c->source == *heaviest) {
       ++stats_.evicted;
-      Metrics().Rejected(label_, "conn_evicted");
+      metrics_->Rejected(label_, "conn_evicted");
       Note("evicted", absl::StrCat("closing unauthenticated ", c->peer, " (", most, " from its address) to admit one from ", source));
       CloseLocked(id, nullptr);
       return true;
@@ -343,7 +345,7 @@ void ConnGuard::ExpireLocked(absl::Time now) {
   }
   for (uint64_t id : expired) {
     ++stats_.timed_out;
-    Metrics().Rejected(label_, "conn_timeout");
+    metrics_->Rejected(label_, "conn_timeout");
     Note("timeout", absl::StrCat(conns_[id]->peer, " made no authenticated call within ",
                                  absl::FormatDuration(limits_.unauthenticated_timeout)));
     CloseLocked(id, nullptr);

@@ -44,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/metrics.h"
 
 namespace wb::daemon {
 
@@ -70,8 +71,10 @@ class ConnGuard {
  public:
   // Binds `listen` (host:port; port 0 picks one) and creates the private Unix socket path that
   // the gRPC server must listen on (inner_address(), as "unix:<path>") before Serve(). `label`
-  // names the daemon in logs and metrics.
-  static absl::StatusOr<std::unique_ptr<ConnGuard>> Bind(const std::string& listen, ConnLimits limits, std::string label);
+  // names the daemon in logs and metrics; refusals are counted in `metrics` (must outlive the
+  // guard; null = the process default, Metrics()).
+  static absl::StatusOr<std::unique_ptr<ConnGuard>> Bind(const std::string& listen, ConnLimits limits, std::string label,
+                                                         DaemonMetrics* metrics = nullptr);
   ~ConnGuard();  // Stop()
 
   int port() const { return port_; }
@@ -106,6 +109,7 @@ class ConnGuard {
 
   ConnLimits limits_;
   std::string label_;
+  DaemonMetrics* metrics_ = nullptr;
   std::string dir_, inner_path_;
   std::string tag_;  // "wbg-<pid>-<n>-": prefix of every splice socket's abstract name
   int port_ = 0;

@@ -1,12 +1,15 @@
 #pragma once
 // CoordinatorService over gRPC: a thin adapter. Every handler forwards to CoordinatorCore
 // (daemon/coordinator/core.h: tables, planning outside the lock, the version driver over the
-// NodeClient seam) and converts its absl::Status to gRPC here, in one place. See docs/daemon.md
-// and docs/architecture.md "Coordinator".
+// NodeClient seam) and converts its absl::Status to gRPC here, through Serve() (proto/grpc_status.h
+// ToGrpcStatus, in one place). Access rules are not here: the auth interceptor checks every call
+// before its handler runs (daemon/auth_policy.h). See docs/daemon.md and docs/architecture.md
+// "Coordinator".
 
 #include <memory>
 
 #include "daemon/coordinator/core.h"
+#include "daemon/metrics.h"
 #include "proto/weightbridge.grpc.pb.h"
 
 namespace wb::daemon {
@@ -20,7 +23,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
   static constexpr absl::Duration kWatchMaxTimeout = CoordinatorCore::kWatchMaxTimeout;
   static constexpr absl::Duration kWatchCancelCheck = CoordinatorCore::kWatchCancelCheck;
 
-  explicit Coordinator(Options options) : core_(std::move(options)) {}
+  explicit Coordinator(Options options);
   ~Coordinator() override { Shutdown(); }
   // Starts the driver and planner threads. Shutdown() stops them and fails every waiter (UNAVAILABLE).
   void Start() { core_.Start(); }
@@ -49,6 +52,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
   grpc::Status Plan(grpc::ServerContext*, const pb::PlanRequest*, pb::PlanResponse*) override;
 
  private:
+  DaemonMetrics* metrics_;  // Options::metrics or Metrics()
   CoordinatorCore core_;
 };
 

@@ -4,20 +4,27 @@
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/support/server_interceptor.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace wb::daemon {
 
-DaemonFront::DaemonFront(SecurityOptions options, std::string node_id)
+DaemonFront::DaemonFront(SecurityOptions options, std::string node_id, DaemonMetrics* metrics)
     : options_(std::move(options)),
       node_id_(std::move(node_id)),
-      auth_(options_.peer_auth ? options_.peer_auth : std::make_shared<const PeerAuthConfig>()) {}
+      daemon_metrics_(metrics != nullptr ? metrics : &Metrics()),
+      auth_(options_.peer_auth ? options_.peer_auth : std::make_shared<const PeerAuthConfig>()) {
+  // Refusals of coordinator calls are the coordinator's, the others this node's.
+  tcp_gate_ = std::make_unique<AuthGate>([this](const std::string& method, const std::string& what) {
+    daemon_metrics_->Rejected(absl::StartsWith(method, "/weightbridge.v1.CoordinatorService/") ? "coordinator" : node_id_, what);
+  });
+}
 
 DaemonFront::~DaemonFront() { Stop(); }
 
 absl::Status DaemonFront::StartMetrics() {
   if (options_.metrics_listen.empty() || metrics_) return absl::OkStatus();
-  auto m = MetricsEndpoint::Start(options_.metrics_listen, Metrics().registry());
+  auto m = MetricsEndpoint::Start(options_.metrics_listen, daemon_metrics_->registry());
   if (!m.ok()) return m.status();
   metrics_ = std::move(*m);
   return absl::OkStatus();
@@ -31,7 +38,9 @@ std::function<std::shared_ptr<grpc::Channel>(const std::string&)> DaemonFront::c
   };
 }
 
-void DaemonFront::ConfigureServer(grpc::ServerBuilder& b) const {
+void DaemonFront::ConfigureServer(grpc::ServerBuilder& b) { Configure(b, tcp_gate_.get()); }
+
+void DaemonFront::Configure(grpc::ServerBuilder& b, AuthGate* gate) const {
   const int bytes = static_cast<int>(PeerMessageBytes(options_.limits));
   b.SetMaxReceiveMessageSize(bytes);
   b.SetMaxSendMessageSize(bytes);
@@ -42,12 +51,13 @@ void DaemonFront::ConfigureServer(grpc::ServerBuilder& b) const {
   quota.SetMaxThreads(ServerThreadBudget(options_.limits));
   b.SetResourceQuota(quota);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(gate->Interceptor());
   interceptors.push_back(MakeStatusMessageInterceptor());
   b.experimental().SetInterceptorCreators(std::move(interceptors));
 }
 
 absl::StatusOr<int> DaemonFront::BindTcp(const std::string& listen) {
-  auto g = ConnGuard::Bind(listen, options_.connections, node_id_);
+  auto g = ConnGuard::Bind(listen, options_.connections, node_id_, daemon_metrics_);
   if (!g.ok()) return g.status();
   guard_ = std::move(*g);
   return guard_->port();
@@ -64,32 +74,40 @@ PeerAuthenticated DaemonFront::OnAuthenticated() {
   };
 }
 
+PeerRuleOptions DaemonFront::PeerRules() {
+  return PeerRuleOptions{.config = auth_, .limits = options_.limits, .on_authenticated = OnAuthenticated(),
+                         .metrics = daemon_metrics_, .node_id = node_id_};
+}
+
 grpc::Service* DaemonFront::WrapCoordinator(pb::CoordinatorService::Service* inner) {
-  coordinator_ = std::make_unique<TokenCoordinatorService>(inner, auth_, options_.limits, OnAuthenticated());
-  return coordinator_.get();
+  AddCoordinatorRules(*tcp_gate_, PeerRules());
+  return tcp_gate_->Guard<pb::CoordinatorService>(inner);
 }
 
 grpc::Service* DaemonFront::WrapNode(pb::NodeService::Service* inner) {
-  node_ = std::make_unique<TokenNodeService>(
-      inner, auth_, node_id_,
+  // Commits and aborts move the versions a trainer may still publish (WorkerGuard).
+  AddNodeRules(
+      *tcp_gate_, PeerRules(),
       [this](const std::string& model, uint64_t version) {
-        if (GuardedWorkerService* w = workers_ready_.load()) w->NoteCommitted(model, version);
+        if (WorkerGuard* w = workers_ready_.load()) w->NoteCommitted(model, version);
       },
       [this](const std::string& model, uint64_t version) {
-        if (GuardedWorkerService* w = workers_ready_.load()) w->NoteAborted(model, version);
-      },
-      OnAuthenticated());
-  return node_.get();
+        if (WorkerGuard* w = workers_ready_.load()) w->NoteAborted(model, version);
+      });
+  return tcp_gate_->Guard<pb::NodeService>(inner);
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const std::string& path, pb::WorkerService::Service* inner) {
   auto l = PeerCredListener::Bind(path, options_.worker_socket_mode);
   if (!l.ok()) return l.status();
   listener_ = std::move(*l);
-  workers_ = std::make_unique<GuardedWorkerService>(inner, listener_.get(), options_.limits, node_id_);
+  workers_ = std::make_unique<WorkerGuard>(listener_.get(), options_.limits, node_id_, daemon_metrics_);
+  worker_gate_ = std::make_unique<AuthGate>(
+      [this](const std::string&, const std::string& what) { daemon_metrics_->Rejected(node_id_, what); });
+  workers_->AddRules(*worker_gate_);
   grpc::ServerBuilder b;
-  ConfigureServer(b);
-  b.RegisterService(workers_.get());
+  Configure(b, worker_gate_.get());
+  b.RegisterService(worker_gate_->Guard<pb::WorkerService>(inner));
   std::unique_ptr<grpc::Server> server = b.BuildAndStart();
   if (!server) return absl::UnavailableError(absl::StrCat("cannot start the worker service on ", path));
   workers_ready_.store(workers_.get());

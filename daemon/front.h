@@ -1,8 +1,9 @@
 #pragma once
 // DaemonFront: everything between the network and the services of one weightbridged process -
-// server/channel credentials, the auth/limit decorators (daemon/auth.h), the SO_PEERCRED worker
-// socket and the metrics endpoint (daemon/metrics.h). daemon/server.cc asks it for credentials
-// and wrapped services, so the services themselves carry no security code.
+// server/channel credentials, the auth interceptor and its per-method rules (daemon/auth_gate.h,
+// daemon/auth_policy.h), the SO_PEERCRED worker socket and the metrics endpoint
+// (daemon/metrics.h). daemon/server.cc asks it for credentials and guarded services, so the
+// services themselves carry no security code.
 
 #include <sys/types.h>
 
@@ -13,6 +14,8 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/auth.h"
+#include "daemon/auth_gate.h"
+#include "daemon/auth_policy.h"
 #include "daemon/conn_guard.h"
 #include "daemon/fd_channel.h"
 #include "daemon/limits.h"
@@ -34,7 +37,9 @@ struct SecurityOptions {
 
 class DaemonFront {
  public:
-  DaemonFront(SecurityOptions options, std::string node_id);
+  // `metrics` (must outlive this) receives the refusals, the connection guard's counts and, until
+  // the node records them itself, version events; null = the process default (Metrics()).
+  DaemonFront(SecurityOptions options, std::string node_id, DaemonMetrics* metrics = nullptr);
   ~DaemonFront();
 
   // Starts the metrics endpoint when configured (UNAVAILABLE if it cannot bind).
@@ -46,19 +51,21 @@ class DaemonFront {
   // and returns the port; the gRPC server must listen on tcp_inner_address() (with
   // server_credentials()) and be started before ServeTcp(). Stop() stops the guard.
   absl::StatusOr<int> BindTcp(const std::string& listen);
-  // Message sizes (PeerMessageBytes), thread quota (ServerThreadBudget) and the status-message
-  // interceptor for a daemon server; ServeWorkers applies it to the worker server itself.
-  void ConfigureServer(grpc::ServerBuilder& builder) const;
+  // Message sizes (PeerMessageBytes), thread quota (ServerThreadBudget), the auth interceptor of
+  // the TCP services and the status-message interceptor, for the TCP server; ServeWorkers
+  // configures the worker server the same way with the worker rules.
+  void ConfigureServer(grpc::ServerBuilder& builder);
   std::string tcp_inner_address() const { return guard_ ? guard_->inner_address() : ""; }
   void ServeTcp();
   const ConnGuard* conn_guard() const { return guard_.get(); }
   // Factory for channels to other daemons (TLS + token as configured).
   std::function<std::shared_ptr<grpc::Channel>(const std::string&)> channel_factory() const;
-  // Decorated services; owned by the front, valid until it is destroyed.
+  // Services to register on the TCP server (configured by ConfigureServer) in place of `inner`:
+  // their handlers run only for calls the auth rules passed. Owned by the front.
   grpc::Service* WrapCoordinator(pb::CoordinatorService::Service* inner);
   grpc::Service* WrapNode(pb::NodeService::Service* inner);
-  // Binds the worker socket (mode from options), builds a port-less gRPC server with the guarded
-  // WorkerService and starts accepting. Call Stop() before shutting that server down.
+  // Binds the worker socket (mode from options), builds a port-less gRPC server with the
+  // WorkerService guarded by WorkerGuard's rules and starts accepting. Call Stop() before shutting that server down.
   absl::StatusOr<std::unique_ptr<grpc::Server>> ServeWorkers(const std::string& path, pb::WorkerService::Service* inner);
   void Stop();
   const Limits& limits() const { return options_.limits; }
@@ -69,18 +76,22 @@ class DaemonFront {
 
  private:
   PeerAuthenticated OnAuthenticated();
+  PeerRuleOptions PeerRules();
+  // Sizes, quota and interceptors (`gate`'s first) of one server.
+  void Configure(grpc::ServerBuilder& builder, AuthGate* gate) const;
   SecurityOptions options_;
   std::string node_id_;
+  DaemonMetrics* daemon_metrics_;
   std::shared_ptr<const PeerAuthConfig> auth_;
   std::unique_ptr<MetricsEndpoint> metrics_;
   std::unique_ptr<ConnGuard> guard_;
-  std::unique_ptr<TokenCoordinatorService> coordinator_;
-  std::unique_ptr<TokenNodeService> node_;
+  std::unique_ptr<AuthGate> tcp_gate_;  // CoordinatorService, NodeService
   std::unique_ptr<PeerCredListener> listener_;
-  std::unique_ptr<GuardedWorkerService> workers_;
+  std::unique_ptr<WorkerGuard> workers_;
+  std::unique_ptr<AuthGate> worker_gate_;  // WorkerService (declared after workers_: its rules use it)
   std::unique_ptr<FdChannel> fd_channel_;
   absl::Status fd_channel_error_;  // why fd_channel_ is null after ServeWorkers
-  std::atomic<GuardedWorkerService*> workers_ready_{nullptr};
+  std::atomic<WorkerGuard*> workers_ready_{nullptr};
 };
 
 }  // namespace wb::daemon

@@ -47,6 +47,8 @@ class Channel;
 
 namespace wb::daemon {
 
+class DaemonMetrics;  // daemon/metrics.h
+
 struct CoordinatorOptions {
   Clock* clock = Clock::Real();
   absl::Duration lease = absl::Seconds(3);
@@ -80,6 +82,9 @@ struct CoordinatorOptions {
   // Largest CreateModel / JoinWorker reply (the inventory): over it the call fails and the model
   // it created is removed. 4 MiB = gRPC's default receive limit of the nodes' coordinator channel.
   int64_t max_reply_bytes = int64_t{4} << 20;
+  // Where the coordinator's events are counted (daemon/metrics.h; the daemon's instance, made in
+  // main.cc); null = the process default, Metrics(). Must outlive the coordinator.
+  DaemonMetrics* metrics = nullptr;
 };
 
 class CoordinatorCore {

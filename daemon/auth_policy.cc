@@ -1,0 +1,411 @@
+#include "daemon/auth_policy.h"
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/metrics.h"
+#include "proto/grpc_status.h"
+
+namespace wb::daemon {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+
+constexpr char kCoordinator[] = "/weightbridge.v1.CoordinatorService/";
+constexpr char kNode[] = "/weightbridge.v1.NodeService/";
+constexpr char kWorker[] = "/weightbridge.v1.WorkerService/";
+
+Verdict Refuse(absl::Status s, std::string what) { return Verdict{std::move(s), std::move(what)}; }
+
+// CheckPeer; a call that passes it marks its connection authenticated.
+Verdict Peer(const PeerRuleOptions& o, const AuthCall& call) {
+  absl::Status s = CheckPeer(*call.ctx, *o.config);
+  if (!s.ok()) return Refuse(std::move(s), "unauthenticated");
+  if (o.on_authenticated) o.on_authenticated(call.ctx->peer());
+  return Verdict::Ok();
+}
+
+// A call a node makes about itself: CheckPeer, then its node_id must be its certificate's.
+Verdict NodeScoped(const PeerRuleOptions& o, const AuthCall& call, const std::string& node_id) {
+  if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+  if (absl::Status s = CheckNodeIdentity(*call.ctx, *o.config, node_id); !s.ok()) return Refuse(std::move(s), "impersonation");
+  return Verdict::Ok();
+}
+
+// Checks of the request body that are not counted as refusals (as before the gate).
+Verdict Uncounted(absl::Status s) { return Verdict{std::move(s), ""}; }
+
+template <typename Req>
+void AddPeerOnly(AuthGate& gate, const std::string& service, const std::string& method, const PeerRuleOptions& o) {
+  gate.Add(service + method, Rule<Req>([o](AuthCall& call, Req&) { return Peer(o, call); }));
+}
+
+template <typename Req>
+void AddNodeScoped(AuthGate& gate, const std::string& method, const PeerRuleOptions& o,
+                   std::function<absl::Status(const Req&)> body = nullptr) {
+  gate.Add(kCoordinator + method, Rule<Req>([o, body](AuthCall& call, Req& req) {
+             if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
+             return body ? Uncounted(body(req)) : Verdict::Ok();
+           }));
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ CoordinatorService
+void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
+  AddNodeScoped<pb::RegisterNodeRequest>(gate, "RegisterNode", o);
+  AddNodeScoped<pb::HeartbeatRequest>(gate, "Heartbeat", o);
+  AddNodeScoped<pb::LeaveWorkerRequest>(gate, "LeaveWorker", o);
+  AddNodeScoped<pb::ReportReadyRequest>(gate, "ReportReady", o);
+  AddNodeScoped<pb::ReportAppliedRequest>(gate, "ReportApplied", o);
+  AddNodeScoped<pb::CoordPublishRequest>(gate, "Publish", o);
+  AddNodeScoped<pb::ReportDoneRequest>(gate, "ReportDone", o);
+  AddNodeScoped<pb::JoinWorkerRequest>(gate, "JoinWorker", o, [limits = o.limits](const pb::JoinWorkerRequest& r) {
+    return r.has_model() ? CheckModelSpec(r.model(), limits) : absl::OkStatus();
+  });
+  AddNodeScoped<pb::SubmitLayoutRequest>(gate, "SubmitLayout", o, [limits = o.limits](const pb::SubmitLayoutRequest& r) {
+    absl::Status s = CheckLayoutRequest(r.buffers(), r.layout(), limits);
+    return s.ok() ? s : absl::Status(s.code(), absl::StrCat("worker ", r.worker_id(), ": ", s.message()));
+  });
+  gate.Add(std::string(kCoordinator) + "CreateModel", Rule<pb::CreateModelRequest>([o](AuthCall& call, pb::CreateModelRequest& req) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             return Uncounted(CheckModelSpec(req.model(), o.limits));
+           }));
+  // Each blocked call holds a server thread: at most max_blocked_calls at once.
+  auto blocked = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.WaitVersion", o.limits.max_blocked_calls);
+  gate.Add(std::string(kCoordinator) + "WaitVersion", Rule<pb::WaitVersionRequest>([o, blocked](AuthCall& call, pb::WaitVersionRequest&) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             absl::StatusOr<BlockedCalls::Slot> slot = blocked->Acquire();
+             if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
+             call.slot.emplace(std::move(*slot));
+             return Verdict::Ok();
+           }));
+  AddPeerOnly<pb::StatusRequest>(gate, kCoordinator, "ClusterStatus", o);
+  AddPeerOnly<pb::DrainRequest>(gate, kCoordinator, "Drain", o);
+  AddPeerOnly<pb::PlanRequest>(gate, kCoordinator, "Plan", o);
+  AddPeerOnly<pb::WatchStatusRequest>(gate, kCoordinator, "WatchStatus", o);
+}
+
+// ------------------------------------------------------------------------------ NodeService
+void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commit, VersionHook on_abort) {
+  AddPeerOnly<pb::InstallPlanRequest>(gate, kNode, "InstallPlan", o);
+  AddPeerOnly<pb::ExecuteVersionRequest>(gate, kNode, "ExecuteVersion", o);
+  AddPeerOnly<pb::DropWorkerRequest>(gate, kNode, "DropWorker", o);
+  AddPeerOnly<pb::SetupDataChannelRequest>(gate, kNode, "SetupDataChannel", o);
+  AddPeerOnly<pb::ExchangeRegionsRequest>(gate, kNode, "ExchangeRegions", o);
+  AddPeerOnly<pb::DrainRequest>(gate, kNode, "Drain", o);
+  AddPeerOnly<pb::StatusRequest>(gate, kNode, "Status", o);
+  gate.Add(std::string(kNode) + "CommitVersion", Rule<pb::CommitVersionRequest>([o, on_commit](AuthCall& call, pb::CommitVersionRequest& req) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             call.after = [o, on_commit, model = req.model_id(), version = req.version(), t0 = absl::Now()](const grpc::Status& s,
+                                                                                                            const void*) {
+               if (!s.ok()) return;
+               if (o.metrics != nullptr) {
+                 o.metrics->Phase(o.node_id, "commit", absl::ToDoubleSeconds(absl::Now() - t0));
+                 o.metrics->Version(o.node_id, model, "committed");
+                 o.metrics->Committed(o.node_id, model, version);
+               }
+               if (on_commit) on_commit(model, version);
+             };
+             return Verdict::Ok();
+           }));
+  gate.Add(std::string(kNode) + "AbortVersion", Rule<pb::AbortVersionRequest>([o, on_abort](AuthCall& call, pb::AbortVersionRequest& req) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             if (o.metrics != nullptr) {
+               o.metrics->Version(o.node_id, req.model_id(), "aborted");
+               o.metrics->Failure(o.node_id, absl::AbortedError(req.reason()));
+             }
+             if (on_abort) on_abort(req.model_id(), req.version());
+             return Verdict::Ok();
+           }));
+}
+
+// ------------------------------------------------------------------------------ WorkerService
+WorkerGuard::WorkerGuard(const PeerCredListener* peers, Limits limits, std::string node_id, DaemonMetrics* metrics)
+    : peers_(peers),
+      limits_(limits),
+      node_id_(std::move(node_id)),
+      metrics_(metrics),
+      blocked_(absl::StrCat("node ", node_id_, ": WorkerService.WaitVersion"), limits.max_blocked_calls) {}
+
+absl::StatusOr<PeerCred> WorkerGuard::Caller(const AuthCall& call) const { return peers_->Lookup(*call.ctx); }
+
+absl::Status WorkerGuard::CheckActsAs(const AuthCall& call, const std::string& model, const std::string& worker) {
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return me.status();
+  absl::MutexLock l(&mu_);
+  auto it = bindings_.find(worker);
+  if (it == bindings_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (register again)"));
+  }
+  const Binding& b = it->second;
+  if (b.cred.pid != me->pid || b.cred.start_time != me->start_time) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, ", not to the caller (pid ",
+                                                    me->pid, ")"));
+  }
+  if (b.model != model) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerGuard::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
+  absl::MutexLock l(&mu_);
+  auto it = bindings_.find(worker);
+  if (it == bindings_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (RegisterWorker first)"));
+  }
+  const Binding& b = it->second;
+  if (b.cred.pid != sender.pid || b.cred.start_time != sender.start_time || b.cred.uid != sender.uid) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, " (uid ", b.cred.uid,
+                                                    "), not to the sender"));
+  }
+  if (b.model != model) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerCred> WorkerGuard::BoundCred(const std::string& worker) {
+  absl::MutexLock l(&mu_);
+  auto it = bindings_.find(worker);
+  if (it == bindings_.end()) return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_));
+  return it->second.cred;
+}
+
+void WorkerGuard::NoteCommitted(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  uint64_t& c = committed_[model];
+  c = std::max(c, version);
+}
+
+void WorkerGuard::NoteAborted(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  for (auto& [id, b] : bindings_) {
+    if (b.model == model) b.pending.erase(version);
+  }
+}
+
+uint64_t WorkerGuard::Committed(const std::string& model) {
+  absl::MutexLock l(&mu_);
+  auto it = committed_.find(model);
+  return it == committed_.end() ? 0 : it->second;
+}
+
+Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& req) {
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  for (auto [what, id] : {std::pair{"model_id", &req.model_id()}, std::pair{"worker_id", &req.worker_id()}}) {
+    if (absl::Status s = CheckId(what, *id, limits_); !s.ok()) return Refuse(s, "limit");
+  }
+  if (req.has_model()) {
+    if (absl::Status s = CheckModelSpec(req.model(), limits_); !s.ok()) return Refuse(s, "limit");
+  }
+  {
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find(req.worker_id());
+    if (it != bindings_.end() && it->second.cred.pid != me->pid) {
+      const PeerCred& owner = it->second.cred;
+      // A restarted worker takes its id over from its dead predecessor; a live owner keeps it.
+      if (ProcessStartTime(owner.pid) == owner.start_time && owner.start_time != 0) {
+        return Refuse(absl::PermissionDeniedError(absl::StrCat("worker id ", req.worker_id(), " is held by live process ", owner.pid)),
+                      "impersonation");
+      }
+    }
+  }
+  // The node daemon watches the worker's process (kill -9 detection). A worker that names no pid
+  // is watched through the kernel's word for it (SO_PEERCRED); one that names another (a launcher
+  // registering for its engine process) keeps its choice - it can only get itself dropped.
+  if (req.pid() <= 0) req.set_pid(static_cast<int32_t>(me->pid));
+  call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id()](const grpc::Status& s, const void*) {
+    if (!s.ok()) return;
+    absl::MutexLock l(&mu_);
+    bindings_[worker] = Binding{cred, model};
+  };
+  return Verdict::Ok();
+}
+
+Verdict WorkerGuard::RegisterLayout(AuthCall& call, const pb::RegisterLayoutRequest& req) {
+  if (absl::Status s = CheckActsAs(call, req.model_id(), req.worker_id()); !s.ok()) return Refuse(s, "impersonation");
+  if (absl::Status s = CheckLayoutRequest(req.buffers(), req.layout(), limits_); !s.ok()) {
+    return Refuse(absl::Status(s.code(), absl::StrCat("worker ", req.worker_id(), ": ", s.message())), "limit");
+  }
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  // Memory must belong to the caller's uid: fstat of the opened descriptor (no TOCTOU on names).
+  for (const pb::BufferSpec& b : req.buffers()) {
+    if (b.memory_case() != pb::BufferSpec::kShmName) continue;  // CUDA IPC: the handle is the capability
+    const std::string& name = b.shm_name();
+    if (name.empty() || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255) {
+      return Refuse(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": bad shm name '", name, "'")), "invalid");
+    }
+    // O_NONBLOCK: a FIFO named as a segment would block this open until a writer came.
+    int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
+    if (fd < 0) {
+      return Refuse(absl::NotFoundError(absl::StrCat("buffer ", b.buffer_id(), ": cannot open shm ", name, ": ", std::strerror(errno))),
+                    "invalid");
+    }
+    struct stat st {};
+    int rc = ::fstat(fd, &st);
+    const int err = errno;
+    ::close(fd);
+    if (rc != 0) return Refuse(absl::InternalError(absl::StrCat("fstat shm ", name, ": ", std::strerror(err))), "invalid");
+    if (!S_ISREG(st.st_mode)) {
+      return Refuse(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is not a regular file (",
+                                                            S_ISFIFO(st.st_mode) ? "a FIFO" : "not shared memory", ")")),
+                    "invalid");
+    }
+    if (st.st_uid != me->uid) {
+      return Refuse(absl::PermissionDeniedError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " is owned by uid ", st.st_uid,
+                                                             ", not by the caller's uid ", me->uid)),
+                    "foreign_memory");
+    }
+    if (static_cast<uint64_t>(st.st_size) < b.size_bytes()) {
+      return Refuse(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": shm ", name, " has ", st.st_size,
+                                                            " bytes, fewer than size_bytes ", b.size_bytes())),
+                    "invalid");
+    }
+  }
+  return Verdict::Ok();
+}
+
+Verdict WorkerGuard::Publish(AuthCall& call, const pb::PublishRequest& req) {
+  if (absl::Status s = CheckActsAs(call, req.model_id(), req.worker_id()); !s.ok()) return Refuse(s, "impersonation");
+  {
+    // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
+    absl::MutexLock l(&mu_);
+    // Looked up again: the binding may have gone since CheckActsAs released mu_ (a Deregister in between).
+    auto bound = bindings_.find(req.worker_id());
+    if (bound == bindings_.end()) {
+      return Refuse(absl::NotFoundError(absl::StrCat("worker ", req.worker_id(), " was deregistered on node ", node_id_,
+                                                     " while it published version ", req.version(), " (register again)")),
+                    "impersonation");
+    }
+    Binding& b = bound->second;
+    const uint64_t committed = committed_[req.model_id()];
+    for (auto it = b.pending.begin(); it != b.pending.end() && *it <= committed;) it = b.pending.erase(it);
+    if (!b.pending.count(req.version()) && static_cast<int>(b.pending.size()) >= limits_.max_concurrent_versions) {
+      return Refuse(absl::ResourceExhaustedError(absl::StrCat("worker ", req.worker_id(), " has ", b.pending.size(),
+                                                              " versions published and not yet committed (limit ",
+                                                              limits_.max_concurrent_versions, "); wait for one")),
+                    "limit");
+    }
+    b.pending.insert(req.version());
+  }
+  call.after = [this, worker = req.worker_id(), model = req.model_id(), version = req.version()](const grpc::Status& s,
+                                                                                                const void* response) {
+    if (!s.ok()) {
+      absl::MutexLock l(&mu_);
+      auto it = bindings_.find(worker);
+      if (it != bindings_.end()) it->second.pending.erase(version);
+    }
+    if (metrics_ == nullptr) return;
+    if (s.ok()) {
+      metrics_->Version(node_id_, model, "published");
+      if (response != nullptr) metrics_->Phase(node_id_, "publish_stall", static_cast<const pb::PublishResponse*>(response)->stall_seconds());
+    } else {
+      metrics_->Failure(node_id_, FromGrpcStatus(s));
+    }
+  };
+  return Verdict::Ok();
+}
+
+Verdict WorkerGuard::WaitVersion(AuthCall& call, const pb::WaitVersionRequest& req) {
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  {
+    absl::MutexLock l(&mu_);
+    bool member = false;
+    for (auto& [id, b] : bindings_) member |= b.cred.pid == me->pid && b.model == req.model_id();
+    if (!member) {
+      return Refuse(absl::PermissionDeniedError(absl::StrCat("the caller (pid ", me->pid, ") has no worker of model '", req.model_id(),
+                                                             "' on node ", node_id_)),
+                    "impersonation");
+    }
+  }
+  absl::StatusOr<BlockedCalls::Slot> slot = blocked_.Acquire();
+  if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
+  call.slot.emplace(std::move(*slot));
+  return Verdict::Ok();
+}
+
+Verdict WorkerGuard::DescribeLayout(AuthCall& call, const pb::DescribeLayoutRequest& req) {
+  // Computes from the request alone (no worker's memory involved), like Status: any caller
+  // allowed onto the socket, within the limits a registration would have to meet.
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  if (absl::Status s = CheckId("model_id", req.model_id(), limits_); !s.ok()) return Refuse(s, "limit");
+  if (req.has_model()) {
+    if (absl::Status s = CheckModelSpec(req.model(), limits_); !s.ok()) return Refuse(s, "limit");
+  }
+  // No memory yet: the buffers are the ids the pieces name (a worker may have max_buffers_per_worker).
+  google::protobuf::RepeatedPtrField<pb::BufferSpec> named;
+  std::set<uint32_t> ids;
+  for (const pb::Piece& p : req.layout().pieces().pieces()) {
+    for (uint32_t id : {p.buffer_id(), p.scale_buffer_id()}) {
+      if (ids.insert(id).second) {
+        pb::BufferSpec* b = named.Add();
+        b->set_buffer_id(id);
+        b->set_size_bytes(1);
+      }
+    }
+  }
+  if (absl::Status s = CheckLayoutRequest(named, req.layout(), limits_); !s.ok()) return Refuse(s, "limit");
+  return Verdict::Ok();
+}
+
+void WorkerGuard::AddRules(AuthGate& gate) {
+  const std::string w = kWorker;
+  // Calls a worker makes as itself: the caller must be the process bound to the worker it names.
+  auto acts_as = [this](AuthCall& call, const std::string& model, const std::string& worker) {
+    absl::Status s = CheckActsAs(call, model, worker);
+    return s.ok() ? Verdict::Ok() : Refuse(std::move(s), "impersonation");
+  };
+  gate.Add(w + "RegisterWorker", Rule<pb::RegisterWorkerRequest>([this](AuthCall& c, pb::RegisterWorkerRequest& r) { return RegisterWorker(c, r); }));
+  gate.Add(w + "RegisterLayout", Rule<pb::RegisterLayoutRequest>([this](AuthCall& c, pb::RegisterLayoutRequest& r) { return RegisterLayout(c, r); }));
+  gate.Add(w + "Publish", Rule<pb::PublishRequest>([this](AuthCall& c, pb::PublishRequest& r) { return Publish(c, r); }));
+  gate.Add(w + "WaitVersion", Rule<pb::WaitVersionRequest>([this](AuthCall& c, pb::WaitVersionRequest& r) { return WaitVersion(c, r); }));
+  gate.Add(w + "DescribeLayout", Rule<pb::DescribeLayoutRequest>([this](AuthCall& c, pb::DescribeLayoutRequest& r) { return DescribeLayout(c, r); }));
+  gate.Add(w + "BeginUpdate", Rule<pb::BeginUpdateRequest>([acts_as](AuthCall& c, pb::BeginUpdateRequest& r) {
+             return acts_as(c, r.model_id(), r.worker_id());
+           }));
+  gate.Add(w + "Apply", Rule<pb::ApplyRequest>([this, acts_as](AuthCall& c, pb::ApplyRequest& r) {
+             Verdict v = acts_as(c, r.model_id(), r.worker_id());
+             if (!v.status.ok()) return v;
+             c.after = [this, model = r.model_id(), worker = r.worker_id()](const grpc::Status& s, const void* response) {
+               if (!s.ok() || metrics_ == nullptr || response == nullptr) return;
+               const auto* resp = static_cast<const pb::ApplyResponse*>(response);
+               metrics_->Version(node_id_, model, "applied");
+               metrics_->Phase(node_id_, "apply", resp->stall_seconds());
+               metrics_->Applied(node_id_, model, worker, resp->applied_version(), Committed(model));
+             };
+             return v;
+           }));
+  gate.Add(w + "Deregister", Rule<pb::DeregisterRequest>([this, acts_as](AuthCall& c, pb::DeregisterRequest& r) {
+             Verdict v = acts_as(c, r.model_id(), r.worker_id());
+             if (!v.status.ok()) return v;
+             c.after = [this, worker = r.worker_id()](const grpc::Status&, const void*) {
+               {
+                 absl::MutexLock l(&mu_);
+                 bindings_.erase(worker);
+               }
+               if (on_deregister_) on_deregister_(worker);
+             };
+             return v;
+           }));
+  // Anyone allowed onto the socket (mode 0660) may read status.
+  gate.Add(w + "Status", Rule<pb::StatusRequest>([this](AuthCall& c, pb::StatusRequest&) {
+             absl::StatusOr<PeerCred> me = Caller(c);
+             return me.ok() ? Verdict::Ok() : Refuse(me.status(), "unauthenticated");
+           }));
+}
+
+}  // namespace wb::daemon

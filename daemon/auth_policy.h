@@ -1,0 +1,112 @@
+#pragma once
+// The per-method access rules of the three services, as AuthGate rules (daemon/auth_gate.h): who
+// may call each RPC, as whom, within which limits, and what is counted. docs/security.md says the
+// same in prose.
+//
+//  - CoordinatorService / NodeService (TCP, other daemons): every call carries the token and, with
+//    TLS, a verified client certificate (CheckPeer, UNAUTHENTICATED); calls a node makes about
+//    itself name the node its certificate names (CheckNodeIdentity, PERMISSION_DENIED,
+//    "impersonation"); calls carrying specs / layouts are checked against the limits; blocking
+//    calls (WaitVersion) hold a BlockedCalls slot.
+//  - WorkerService (Unix socket, local workers): WorkerGuard binds worker ids to the process that
+//    registered them (SO_PEERCRED, PeerCredListener) and checks every later call against it,
+//    shm ownership, limits and the versions a trainer may have in flight.
+// Refusals are counted by the gate's owner (DaemonFront) in wb_rejected_total{what}.
+
+#include <sys/types.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/auth.h"
+#include "daemon/auth_gate.h"
+#include "daemon/limits.h"
+
+namespace wb::daemon {
+
+class DaemonMetrics;
+
+struct PeerRuleOptions {
+  std::shared_ptr<const PeerAuthConfig> config;  // required
+  Limits limits;
+  PeerAuthenticated on_authenticated;  // told every call that passed CheckPeer (ConnGuard); may be empty
+  // NodeService: version events are recorded here under `node_id` (until the node counts them in
+  // its own commit / abort paths). Null: not recorded.
+  DaemonMetrics* metrics = nullptr;
+  std::string node_id;
+};
+
+// CoordinatorService: CheckPeer on every call, CheckNodeIdentity on the node-scoped calls
+// (RegisterNode, Heartbeat, JoinWorker, SubmitLayout, LeaveWorker, Publish, ReportReady,
+// ReportDone, ReportApplied), limits on CreateModel / JoinWorker / SubmitLayout, WaitVersion
+// bounded by limits.max_blocked_calls.
+void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& options);
+
+// NodeService: CheckPeer on every call. `on_commit` (after a CommitVersion succeeded, before its
+// reply) and `on_abort` (before AbortVersion runs) are told (model, version); either may be empty.
+using VersionHook = std::function<void(const std::string& model, uint64_t version)>;
+void AddNodeRules(AuthGate& gate, const PeerRuleOptions& options, VersionHook on_commit, VersionHook on_abort);
+
+// Worker identities on one node's worker socket, and the WorkerService rules that enforce them:
+//  - RegisterWorker binds worker_id -> (pid, process start time, uid, model). A worker id bound
+//    to another LIVE process is PERMISSION_DENIED (a dead one's binding is taken over: restarts).
+//  - every other call naming a worker must come from the bound process and name its model;
+//    WaitVersion needs some worker of the caller bound to that model;
+//  - RegisterLayout: every shm segment must be owned by the caller's uid (fstat of the opened
+//    descriptor) and be at least size_bytes large; request limits (daemon/limits.h) first.
+class WorkerGuard {
+ public:
+  // `peers` (and `metrics`, when not null: Publish / Apply events) must outlive this; `node_id`
+  // names the node in errors and metrics.
+  WorkerGuard(const PeerCredListener* peers, Limits limits, std::string node_id, DaemonMetrics* metrics = nullptr);
+  // Adds the WorkerService rules to `gate` (which must not outlive this).
+  void AddRules(AuthGate& gate);
+
+  // Newest version committed on this node per model: published versions up to it stop counting
+  // against max_concurrent_versions. NoteAborted frees an aborted version's slot.
+  void NoteCommitted(const std::string& model, uint64_t version);
+  void NoteAborted(const std::string& model, uint64_t version);
+  // The newest version NoteCommitted was told for `model` (0: none).
+  uint64_t Committed(const std::string& model);
+  // The fd channel (daemon/fd_channel.h): OK when `sender` is the live process bound to `worker`
+  // (pid + start time) and the worker belongs to `model`; NOT_FOUND / PERMISSION_DENIED otherwise.
+  absl::Status CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker);
+  // The process `worker` is bound to; NOT_FOUND if none.
+  absl::StatusOr<PeerCred> BoundCred(const std::string& worker);
+  // Told the id of every worker that deregistered (the fd channel releases its fds). Set before
+  // serving.
+  void set_on_deregister(std::function<void(const std::string& worker)> f) { on_deregister_ = std::move(f); }
+
+ private:
+  struct Binding {
+    PeerCred cred;
+    std::string model;
+    std::set<uint64_t> pending;  // published by this worker, not yet committed or aborted
+  };
+  absl::StatusOr<PeerCred> Caller(const AuthCall& call) const;
+  // The caller is the process bound to `worker` and names its model.
+  absl::Status CheckActsAs(const AuthCall& call, const std::string& model, const std::string& worker);
+  Verdict RegisterWorker(AuthCall& call, ::weightbridge::v1::RegisterWorkerRequest& req);
+  Verdict RegisterLayout(AuthCall& call, const ::weightbridge::v1::RegisterLayoutRequest& req);
+  Verdict Publish(AuthCall& call, const ::weightbridge::v1::PublishRequest& req);
+  Verdict WaitVersion(AuthCall& call, const ::weightbridge::v1::WaitVersionRequest& req);
+  Verdict DescribeLayout(AuthCall& call, const ::weightbridge::v1::DescribeLayoutRequest& req);
+
+  const PeerCredListener* peers_;
+  Limits limits_;
+  std::string node_id_;
+  DaemonMetrics* metrics_;
+  absl::Mutex mu_;
+  std::map<std::string, Binding> bindings_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> on_deregister_;
+  BlockedCalls blocked_;
+};
+
+}  // namespace wb::daemon
