@@ -34,11 +34,11 @@ test: deps
 demo: deps
 	@bash tools/demo.sh
 
-# Long fuzzing by hand (CI runs a few seconds per target in //tools/fuzz:fuzz_smoke_test). New inputs
+# Long fuzzing by hand (CI runs a few seconds per target in //tests/fuzz:fuzz_smoke_test). New inputs
 # are kept in out/fuzz/corpus; crashes land in out/fuzz/artifacts. See docs/fuzzing.md.
 FUZZ_SECONDS ?= 600
 fuzz: deps
-	bash tools/fuzz/build_and_run.sh --out out/fuzz --seconds $(FUZZ_SECONDS) --keep-corpus out/fuzz/corpus \
+	bash tests/fuzz/build_and_run.sh --out out/fuzz --seconds $(FUZZ_SECONDS) --keep-corpus out/fuzz/corpus \
 	  --artifacts out/fuzz/artifacts $(FUZZ_TARGETS)
 
 # Sanitizer runs (docs/sanitizers.md). Each has its own output directory (k8-dbg-asan / -tsan), so

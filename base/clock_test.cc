@@ -1,4 +1,4 @@
-#include "tools/cc/clock.h"
+#include "base/clock.h"
 
 #include <thread>
 

@@ -1,4 +1,4 @@
-#include "transport/fd_passing.h"
+#include "base/fd_passing.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

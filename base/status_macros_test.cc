@@ -1,4 +1,4 @@
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 #include <memory>
 #include <string>

@@ -31,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "base/parallel_for.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/coordinator/fake_node_client.h"
 #include "daemon/log.h"
@@ -76,14 +77,7 @@ double P99(std::vector<double> v) {
 
 // fn(i) for i in [0, n) on `threads` threads.
 void Parallel(int n, int threads, const std::function<void(int)>& fn) {
-  std::atomic<int> next{0};
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&] {
-      for (int i = next++; i < n; i = next++) fn(i);
-    });
-  }
-  for (auto& t : pool) t.join();
+  ParallelFor(static_cast<size_t>(n), static_cast<size_t>(threads), [&](size_t i) { fn(static_cast<int>(i)); });
 }
 
 int ElementBytes(pb::DType d) { return d == pb::DTYPE_F32 ? 4 : d == pb::DTYPE_F8_E4M3 ? 1 : 2; }

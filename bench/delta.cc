@@ -7,7 +7,7 @@
 // the previous version's (daemon/delta/codec.h, one stream per tensor, one thread), decodes them
 // against the receiver's copy of the previous version (base checked by version + recorded digest)
 // and compares byte for byte. Then it does the same with synthetic versions
-// (tools/cc/weight_gen.h DeltaElementBits) changing the share of elements the model changed, to
+// (tests/common/weight_gen.h DeltaElementBits) changing the share of elements the model changed, to
 // show they stand in for real updates in end-to-end runs. Prints one JSON object with --json.
 //
 //   bazel run //bench:delta -- --json [--lr=1e-6] [--steps=3] [--config=...] [--max_mb=N]
@@ -29,7 +29,7 @@
 #include "nlohmann/json.hpp"
 #include "planner/inventory.h"
 #include "planner/model_config.h"
-#include "tools/cc/weight_gen.h"
+#include "tests/common/weight_gen.h"
 
 ABSL_FLAG(bool, json, false, "print one JSON object");
 ABSL_FLAG(double, lr, 1e-6, "learning rate of the Adam-like steps");

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Smoke test of the GPU benchmark programs on EMULATED GPUs (//tools/fake_cuda): they must run to
+# Smoke test of the GPU benchmark programs on EMULATED GPUs (//tests/fake_cuda): they must run to
 # the end and print their GPU figures (bench:transport's IPC part, bench:gpu_direct with every byte
 # verified). Catches a broken benchmark here instead of in the scarce GPU session; the figures
 # themselves mean nothing on the emulation and are not checked.

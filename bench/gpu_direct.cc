@@ -34,7 +34,7 @@
 ABSL_FLAG(bool, json, false, "print one JSON object");
 ABSL_FLAG(int, versions, 4, "versions per run (the first is a warm-up)");
 ABSL_FLAG(int, gpus, 1, "GPUs to spread the workers over (rank i on GPU i % gpus)");
-ABSL_FLAG(bool, emulated, false, "use the emulated-GPU builds (//tools/fake_cuda): checks the bench, timings mean nothing");
+ABSL_FLAG(bool, emulated, false, "use the emulated-GPU builds (//tests/fake_cuda): checks the bench, timings mean nothing");
 ABSL_FLAG(std::string, config, "", "HF config.json (default: tests/e2e/testdata/qwen2.5-0.5b.json)");
 ABSL_FLAG(int64_t, gpu_staging_bytes, int64_t{8} << 30, "--gpu_staging_bytes of the node in the gpu runs");
 

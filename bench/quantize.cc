@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "base/parallel_for.h"
 #include "daemon/quantize.h"
 #include "planner/quantized.h"
 
@@ -41,15 +42,8 @@ struct Args {
 // Runs fn(i) for i in [0, n) on `threads` threads taking indices in turn; returns seconds.
 template <typename Fn>
 double Parallel(int n, int threads, Fn fn) {
-  std::atomic<int> next{0};
-  auto work = [&] {
-    for (int i = next++; i < n; i = next++) fn(i);
-  };
   const auto t0 = Clock::now();
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+  wb::ParallelFor(static_cast<size_t>(n), static_cast<size_t>(threads), [&](size_t i) { fn(static_cast<int>(i)); });
   return Seconds(t0, Clock::now());
 }
 

@@ -31,7 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/transport_gpu.h"
 #include "transport/factory.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::transport {
 namespace {

@@ -11,7 +11,7 @@
 #include "grpcpp/security/credentials.h"
 #include "proto/grpc_status.h"
 #include "proto/weightbridge.grpc.pb.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::client {
 

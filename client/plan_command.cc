@@ -12,8 +12,8 @@
 #include "absl/time/clock.h"
 #include "planner/cost_model.h"
 #include "planner/planner.h"
-#include "tools/cc/clock.h"
-#include "tools/cc/status_macros.h"
+#include "base/clock.h"
+#include "base/status_macros.h"
 
 namespace wb::client {
 namespace {

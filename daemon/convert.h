@@ -1,6 +1,13 @@
 #pragma once
-// Proto <-> planner value types. The only place in the daemon where both meet (design: planner is
-// pure, protos stay at the edges). Every conversion that can fail names the offending field.
+// The daemon's names for the one proto <-> planner conversion library, proto/convert.h (whose
+// header states the contract: what is validated there and what planner::ValidateLayout checks).
+// New code: include "proto/convert.h" and call wb::convert:: directly.
+//
+// Three daemon-only forms remain for callers that validated the request BEFORE converting
+// (daemon/coordinator/checks.h, the worker service's role check) or that read plans the
+// coordinator made: Role and Strategy return the value itself (an enum value the proto does not
+// define reads as trainer / weightbridge), and a Box is copied without the rank check. Everything
+// else is wb::convert's, unchanged.
 
 #include <string>
 #include <vector>
@@ -8,43 +15,37 @@
 #include "absl/status/statusor.h"
 #include "planner/presets.h"
 #include "planner/types.h"
+#include "proto/convert.h"
 #include "proto/weightbridge.pb.h"
 
 namespace wb::daemon {
 
 namespace pb = ::weightbridge::v1;
 
-absl::StatusOr<planner::DType> FromProto(pb::DType dtype);
-pb::DType ToProto(planner::DType dtype);
-planner::Role FromProto(pb::Role role);
-pb::Role ToProto(planner::Role role);
-planner::Strategy FromProto(pb::Strategy strategy);
-pb::Strategy ToProto(planner::Strategy strategy);
-pb::Route ToProto(planner::Route route);
-const char* ModeName(pb::Mode mode);
+using convert::InventoryFromProto;
+using convert::InventoryToProto;
+using convert::LayoutFromProto;
+using convert::LayoutToProto;
+using convert::ModeName;
+using convert::ParallelFromProto;
+using convert::StatsToProto;
+using convert::ToProto;
 
-planner::Box FromProto(const pb::Box& box);
-void ToProto(const planner::Box& box, pb::Box* out);
+inline absl::StatusOr<planner::DType> FromProto(pb::DType dtype) { return convert::FromProto(dtype); }
 
-absl::StatusOr<planner::Inventory> InventoryFromProto(
-    const google::protobuf::RepeatedPtrField<pb::TensorSpec>& tensors);
-void InventoryToProto(const planner::Inventory& inventory,
-                      google::protobuf::RepeatedPtrField<pb::TensorSpec>* out);
+// Validated before (checks.h / the worker service): anything but ROLLOUT reads as trainer.
+inline planner::Role FromProto(pb::Role role) {
+  return role == pb::ROLE_ROLLOUT ? planner::Role::kRollout : planner::Role::kTrainer;
+}
 
-// Resolved layout (pieces name tensors and buffer ids) -> planner layout (indices). Unknown tensor
-// names, unknown buffer ids and rank mismatches are INVALID_ARGUMENT naming the piece.
-absl::StatusOr<planner::WorkerLayout> LayoutFromProto(const pb::ResolvedLayout& layout,
-                                                      const planner::Inventory& inventory);
-// Inverse: `buffers` supplies the ids/specs in buffer-index order.
-void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory& inventory,
-                   const google::protobuf::RepeatedPtrField<pb::BufferSpec>& buffers,
-                   pb::ResolvedLayout* out);
+// Validated before (checks.h): UNSPECIFIED and undefined values read as weightbridge.
+inline planner::Strategy FromProto(pb::Strategy strategy) {
+  return convert::FromProto(strategy).value_or(planner::Strategy::kWeightBridge);
+}
 
-// A preset's parallel config from the proto (0 = the preset's default of 1; etp 0 = tp; stage
-// counts capped at 2^30). The one conversion the coordinator (resolving presets) and the node
-// (layout discovery) share, so both always describe the same layout.
-planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p);
-
-void StatsToProto(const planner::PlanStats& stats, int num_buckets, pb::PlanStats* out);
+// A box of a plan the coordinator made (already checked): copied as is.
+inline planner::Box FromProto(const pb::Box& box) {
+  return planner::Box{{box.begin().begin(), box.begin().end()}, {box.end().begin(), box.end().end()}};
+}
 
 }  // namespace wb::daemon

@@ -100,10 +100,13 @@ class NodeDaemon {
   const std::string& data_address() const { return data_address_; }
 
  private:
+  // The gRPC services (daemon/node/worker_service.cc, daemon/node/node_service.cc).
   class WorkerImpl;
   class NodeImpl;
   friend class WorkerImpl;
   friend class NodeImpl;
+  static std::unique_ptr<pb::WorkerService::Service> MakeWorkerService(NodeDaemon* d);
+  static std::unique_ptr<pb::NodeService::Service> MakeNodeService(NodeDaemon* d);
 
   // StagedBuffer, CudaImport, RelayAtCommit: daemon/node/live_copy.h.
   using Bytes = StagedBytes;  // one entry per buffer, layout order
@@ -291,8 +294,8 @@ class NodeDaemon {
   }
 
   Options options_;
-  std::unique_ptr<WorkerImpl> worker_impl_;
-  std::unique_ptr<NodeImpl> node_impl_;
+  std::unique_ptr<pb::WorkerService::Service> worker_impl_;
+  std::unique_ptr<pb::NodeService::Service> node_impl_;
   std::unique_ptr<pb::CoordinatorService::Stub> coordinator_;
   std::string node_address_, data_address_;
 

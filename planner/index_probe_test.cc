@@ -217,7 +217,7 @@ std::string ReadTestdata(const std::string& name) {
 }
 
 // Renders every local tensor of real preset layouts into probes and recovers equivalent pieces.
-// Found by tools/fuzz/fuzz_index_probe: an unaligned offset gave pieces that ValidateLayout rejects,
+// Found by tests/fuzz/fuzz_index_probe: an unaligned offset gave pieces that ValidateLayout rejects,
 // and an offset near 2^63 overflowed the pieces' offsets.
 TEST(IndexProbe, MisalignedOrOverflowingOffsetIsAnError) {
   Fixture f;

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::planner {
 

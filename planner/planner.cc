@@ -9,7 +9,7 @@
 #include "planner/fingerprint.h"
 #include "planner/fragments.h"
 #include "planner/sender_quant.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::planner {
 namespace {

@@ -9,7 +9,7 @@
 #include "planner/box.h"
 #include "planner/inventory.h"
 #include "planner/quantized.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::planner {
 

@@ -106,7 +106,7 @@ Worker W(std::string id, Role role, std::vector<Piece> pieces) {
   return w;
 }
 
-// Found by tools/fuzz/fuzz_validate_layout: the farthest byte of a piece was computed in int64 without
+// Found by tests/fuzz/fuzz_validate_layout: the farthest byte of a piece was computed in int64 without
 // overflow checks, so a huge offset or stride wrapped negative and passed the buffer-bounds check (the
 // daemon would then copy far outside the worker's buffer).
 TEST(ValidateLayout, HugeOffsetsAndStridesDoNotWrapAround) {

@@ -6,7 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 

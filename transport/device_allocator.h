@@ -13,7 +13,7 @@
 //  - Thread-safe.
 // Implementations: device_allocator_cuda.cc (cudaMalloc/cudaFree) when built with CUDA, else
 // device_allocator_none.cc. Tests without a GPU link the CUDA one against the emulated runtime
-// (//tools/fake_cuda).
+// (//tests/fake_cuda).
 
 #include <cstdint>
 #include <memory>

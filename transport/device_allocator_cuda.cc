@@ -2,7 +2,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
-#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/cuda_status.h"
 #include "transport/device_allocator.h"
 
 namespace wb::transport {

@@ -4,10 +4,10 @@
 #include "absl/strings/str_join.h"
 #include "transport/cpu_affinity.h"
 #include "transport/gpu_transports.h"
-#include "transport/host_shm.h"
-#include "transport/host_tcp.h"
-#include "tools/cc/gpu_info.h"
-#include "tools/cc/status_macros.h"
+#include "transport/host_shm/host_shm.h"
+#include "transport/host_tcp/host_tcp.h"
+#include "transport/gpu_info.h"
+#include "base/status_macros.h"
 
 namespace wb::transport {
 

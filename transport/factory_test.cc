@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "gtest/gtest.h"
-#include "tools/cc/gpu_info.h"
+#include "transport/gpu_info.h"
 
 namespace wb::transport {
 namespace {

@@ -2,7 +2,7 @@
 #include <nccl.h>
 
 #include "absl/strings/str_cat.h"
-#include "tools/cc/gpu_info.h"
+#include "transport/gpu_info.h"
 
 namespace wb {
 

@@ -1,4 +1,4 @@
-#include "tools/cc/gpu_info.h"
+#include "transport/gpu_info.h"
 
 namespace wb {
 

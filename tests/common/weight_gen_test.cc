@@ -1,4 +1,4 @@
-#include "tools/cc/weight_gen.h"
+#include "tests/common/weight_gen.h"
 
 #include <cmath>
 #include <cstdint>

@@ -5,7 +5,7 @@
 // paths) before the scarce GPU runs. Real numbers come only from tests/gpu/run_gpu_checks.sh.
 //
 // How a binary uses it: compile against the real CUDA headers (@local_cuda//:cuda_headers, as every
-// CUDA source here does) and link `//tools/fake_cuda:fake_cudart` statically (`linkstatic = True`
+// CUDA source here does) and link `//tests/fake_cuda:fake_cudart` statically (`linkstatic = True`
 // on the cc_test/cc_binary). The fake defines the cuda* symbols inside the executable, so they
 // preempt libcudart.so's. Nothing here talks to a driver.
 //

@@ -10,7 +10,7 @@
 // order; cross-stream dependencies (legacy-stream semantics) are (stream, sequence number) pairs
 // an op waits for before it runs.
 
-#include "tools/fake_cuda/fake_cuda.h"
+#include "tests/fake_cuda/fake_cuda.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -1356,7 +1356,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int d) {
   if (prop == nullptr) return Fail(cudaErrorInvalidValue, "cudaGetDeviceProperties", "null");
   if (d < 0 || d >= S().devices) return Fail(cudaErrorInvalidDevice, "cudaGetDeviceProperties", "device %d", d);
   memset(prop, 0, sizeof(*prop));
-  snprintf(prop->name, sizeof(prop->name), "WeightBridge fake CUDA device %d (CPU emulation, tools/fake_cuda)", d);
+  snprintf(prop->name, sizeof(prop->name), "WeightBridge fake CUDA device %d (CPU emulation, tests/fake_cuda)", d);
   // Deterministic per device of the machine, so every process sees the same UUID for a device
   // whatever its CUDA_VISIBLE_DEVICES (cuda_ipc matches on them).
   uint64_t x = 0x57424643554441ull + static_cast<uint64_t>(S().physical[d]) * 0x9E3779B97F4A7C15ull;

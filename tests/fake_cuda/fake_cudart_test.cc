@@ -1,7 +1,7 @@
 // Unit tests of the CUDA emulation itself (fake_cuda.h). Run with WB_FAKE_CUDA_DEVICES=2 (BUILD).
 // Tests that poison the process (sticky cudaErrorIllegalAddress) or crash it run in death-test
 // children ("threadsafe" style: a fresh exec of this binary, so no CUDA state crosses a fork).
-#include "tools/fake_cuda/fake_cuda.h"
+#include "tests/fake_cuda/fake_cuda.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -487,7 +487,7 @@ Child Spawn(const std::vector<std::string>& args, int pass_fd = -1) {
   posix_spawn_file_actions_adddup2(&fa, i[0], 0);
   if (pass_fd >= 0) posix_spawn_file_actions_adddup2(&fa, pass_fd, 3);
   std::vector<char*> argv;
-  std::string bin = "tools/fake_cuda/fake_cudart_ipc_child";
+  std::string bin = "tests/fake_cuda/fake_cudart_ipc_child";
   argv.push_back(bin.data());
   std::vector<std::string> copy = args;
   for (auto& a : copy) argv.push_back(a.data());

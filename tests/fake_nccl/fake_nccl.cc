@@ -1,6 +1,6 @@
 // The NCCL emulation (contract in fake_nccl.h). Defines the nccl* functions this repository calls
 // against the real <nccl.h>, so the signatures are checked by the compiler.
-#include "tools/fake_nccl/fake_nccl.h"
+#include "tests/fake_nccl/fake_nccl.h"
 
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -33,7 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "tools/fake_cuda/fake_cuda.h"
+#include "tests/fake_cuda/fake_cuda.h"
 
 namespace wb::fake_nccl {
 namespace {

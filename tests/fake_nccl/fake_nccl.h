@@ -5,9 +5,9 @@
 // across real processes; it says nothing about NCCL's performance or its GPU kernels.
 //
 // How a binary uses it: compile against the real <nccl.h> (@local_cuda//:nccl, as every NCCL
-// source here does), link `//tools/fake_nccl:fake_nccl` and `//tools/fake_cuda:fake_cudart`
+// source here does), link `//tests/fake_nccl:fake_nccl` and `//tests/fake_cuda:fake_cudart`
 // statically (`linkstatic = True`): the nccl* symbols defined in the executable preempt
-// libnccl.so's. Device memory and streams are the fake CUDA runtime's (tools/fake_cuda/fake_cuda.h).
+// libnccl.so's. Device memory and streams are the fake CUDA runtime's (tests/fake_cuda/fake_cuda.h).
 //
 // Emulated semantics (the contract tests may rely on):
 //  - ncclGetUniqueId: magic + 16 random bytes; the bytes name the rendezvous (abstract Unix

@@ -2,14 +2,14 @@
 # Builds the libFuzzer targets with Debian's clang (Bazel's toolchain is gcc, which has no libFuzzer)
 # and runs them on the committed seed corpora. See docs/fuzzing.md.
 #
-#   tools/fuzz/build_and_run.sh                       build, then fuzz every target 60 s
-#   tools/fuzz/build_and_run.sh --seconds 600 fuzz_index_probe
-#   tools/fuzz/build_and_run.sh --build-only --out DIR           (what the Bazel genrule runs)
-#   tools/fuzz/build_and_run.sh --run-only --bin-dir DIR --seconds 3   (what the CI sh_test runs)
-#   tools/fuzz/build_and_run.sh --reproduce fuzz_hf_config crash-1234  (run one input, show the stack)
+#   tests/fuzz/build_and_run.sh                       build, then fuzz every target 60 s
+#   tests/fuzz/build_and_run.sh --seconds 600 fuzz_index_probe
+#   tests/fuzz/build_and_run.sh --build-only --out DIR           (what the Bazel genrule runs)
+#   tests/fuzz/build_and_run.sh --run-only --bin-dir DIR --seconds 3   (what the CI sh_test runs)
+#   tests/fuzz/build_and_run.sh --reproduce fuzz_hf_config crash-1234  (run one input, show the stack)
 #
-# Every run first replays the seed corpus (tools/fuzz/corpus/<target>/) and every saved regression
-# input (tools/fuzz/regressions/<target>/), then mutates for --seconds. New interesting inputs go to a
+# Every run first replays the seed corpus (tests/fuzz/corpus/<target>/) and every saved regression
+# input (tests/fuzz/regressions/<target>/), then mutates for --seconds. New interesting inputs go to a
 # scratch corpus (--keep-corpus DIR keeps them); a crash leaves <artifacts>/<target>-crash-<sha1>
 # and makes the script exit 1 after running the remaining targets.
 set -uo pipefail
@@ -50,16 +50,16 @@ OUT=${OUT:-${TMPDIR:-/tmp}/wb_fuzz_build}
 BIN_DIR=${BIN_DIR:-$OUT}
 ARTIFACTS=${ARTIFACTS:-${TEST_UNDECLARED_OUTPUTS_DIR:-$OUT/artifacts}}
 
-# Sources each target links (besides its own tools/fuzz/<target>.cc). Keep in sync with the genrule
-# srcs in tools/fuzz/BUILD.bazel.
+# Sources each target links (besides its own tests/fuzz/<target>.cc). Keep in sync with the genrule
+# srcs in tests/fuzz/BUILD.bazel.
 sources_of() {
   case "$1" in
     fuzz_validate_layout) echo planner/validate.cc planner/quantized.cc planner/box.cc ;;
     fuzz_index_probe) echo planner/index_probe.cc planner/validate.cc planner/quantized.cc planner/box.cc planner/inventory.cc planner/model_config.cc ;;
     fuzz_hf_config) echo planner/model_config.cc planner/inventory.cc planner/box.cc ;;
-    fuzz_transport_wire) echo transport/host_shm.cc transport/host_tcp.cc transport/channel_auth.cc transport/common.cc transport/registry.cc \
-                              transport/shm_segment.cc transport/strided.cc transport/peer_process.cc \
-                              transport/cpu_affinity.cc transport/nic_list.cc ;;
+    fuzz_transport_wire) echo transport/host_shm/host_shm.cc transport/host_tcp/host_tcp.cc transport/host_tcp/channel_auth.cc transport/common.cc transport/registry.cc \
+                              base/shm_segment.cc transport/strided.cc transport/testing/peer_process.cc \
+                              transport/cpu_affinity.cc transport/host_tcp/nic_list.cc ;;
     *) echo "build_and_run.sh: unknown target $1" >&2; return 1 ;;
   esac
 }
@@ -95,13 +95,13 @@ build() {
     for s in $(sources_of "$t"); do objs+=("$OUT/obj/$(echo "$s" | tr / _).o"); done
     echo "build_and_run.sh: linking $t"
     # shellcheck disable=SC2086
-    "$CXX" "${common[@]}" -fsanitize=fuzzer "$ROOT/tools/fuzz/$t.cc" "${objs[@]}" $libs -o "$OUT/$t" || return 1
+    "$CXX" "${common[@]}" -fsanitize=fuzzer "$ROOT/tests/fuzz/$t.cc" "${objs[@]}" $libs -o "$OUT/$t" || return 1
   done
 }
 
 run_target() {
   local t=$1 bin="$BIN_DIR/$1"
-  local seeds="$ROOT/tools/fuzz/corpus/$t" regress="$ROOT/tools/fuzz/regressions/$t"
+  local seeds="$ROOT/tests/fuzz/corpus/$t" regress="$ROOT/tests/fuzz/regressions/$t"
   local scratch
   scratch=${KEEP_CORPUS:+$KEEP_CORPUS/$t}
   scratch=${scratch:-$(mktemp -d)}

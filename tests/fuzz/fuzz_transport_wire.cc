@@ -11,10 +11,10 @@
 
 #include "absl/strings/string_view.h"
 #include "transport/config.h"
-#include "transport/host_shm.h"
-#include "transport/host_tcp.h"
-#include "transport/peer_process.h"
-#include "transport/shm_segment.h"
+#include "transport/host_shm/host_shm.h"
+#include "transport/host_tcp/host_tcp.h"
+#include "transport/testing/peer_process.h"
+#include "base/shm_segment.h"
 
 namespace {
 

@@ -29,26 +29,27 @@ cd "$ROOT"
 BUNDLE=$ROOT/.gpu_bundle
 BAZEL=${WB_BAZEL:-bazel}
 
-# Test binaries (bazel label -> name in the bundle). transport_peer goes to bin/transport/ because
-# the conformance suite execs "transport/transport_peer" relative to its working directory.
-TESTS=(cuda_status_test cuda_copy_test cuda_ipc_conformance_test nccl_smoke_test nccl_conformance_test
-       host_shm_conformance_test host_tcp_conformance_test)
+# Test binaries (package under transport/ / name; the bundle keeps the name). transport_peer goes
+# to bin/transport/testing/ because the conformance suite execs "transport/testing/transport_peer"
+# relative to its working directory.
+TESTS=(cuda_ipc/cuda_status_test cuda_ipc/cuda_copy_test cuda_ipc/cuda_ipc_conformance_test nccl/nccl_smoke_test
+       nccl/nccl_conformance_test host_shm/host_shm_conformance_test host_tcp/host_tcp_conformance_test)
 
 make_bundle() {
   command -v "$BAZEL" >/dev/null 2>&1 || { echo "no bazel ($BAZEL) here: build the bundle on a machine with Bazel" >&2; return 2; }
-  local targets=(//transport:transport_peer //bench:transport //tools/cc:gpu_info_test
+  local targets=(//transport/testing:transport_peer //bench:transport //transport:gpu_info_test
                  //tests/e2e:e2e_gpu_test //daemon:weightbridged //tests/e2e:trainer_worker //tests/e2e:rollout_worker
                  //bench:gpu_direct)
-  for t in "${TESTS[@]}"; do targets+=("//transport:$t"); done
+  for t in "${TESTS[@]}"; do targets+=("//transport/${t%/*}:${t##*/}"); done
   "$BAZEL" build --dynamic_mode=off "${targets[@]}" || return 2
   local bin
   bin=$("$BAZEL" info bazel-bin 2>/dev/null) || return 2
-  rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin/transport" "$BUNDLE/bin/daemon" "$BUNDLE/bin/tests/e2e/testdata" "$BUNDLE/lib" \
+  rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin/transport/testing" "$BUNDLE/bin/daemon" "$BUNDLE/bin/tests/e2e/testdata" "$BUNDLE/lib" \
     "$BUNDLE/lib-fallback" || return 2
   for t in "${TESTS[@]}"; do cp -L "$bin/transport/$t" "$BUNDLE/bin/" || return 2; done
-  cp -L "$bin/transport/transport_peer" "$BUNDLE/bin/transport/" || return 2
+  cp -L "$bin/transport/testing/transport_peer" "$BUNDLE/bin/transport/testing/" || return 2
   cp -L "$bin/bench/transport" "$BUNDLE/bin/bench_transport" || return 2
-  cp -L "$bin/tools/cc/gpu_info_test" "$BUNDLE/bin/" || return 2
+  cp -L "$bin/transport/gpu_info_test" "$BUNDLE/bin/" || return 2
   # GPU-direct end to end: the e2e test and bench spawn these by their workspace paths, which the
   # harness resolves relative to the working directory (bin/) outside Bazel.
   cp -L "$bin/tests/e2e/e2e_gpu_test" "$BUNDLE/bin/" || return 2
@@ -59,7 +60,7 @@ make_bundle() {
   # Shared libraries: everything but glibc, the driver and NCCL (found on the GPU machine);
   # libstdc++/libgcc_s only as a fallback (the GPU machine's are newer; its NCCL may need them).
   local lib
-  for f in "$BUNDLE"/bin/* "$BUNDLE"/bin/transport/* "$BUNDLE"/bin/daemon/* "$BUNDLE"/bin/tests/e2e/*; do
+  for f in "$BUNDLE"/bin/* "$BUNDLE"/bin/transport/testing/* "$BUNDLE"/bin/daemon/* "$BUNDLE"/bin/tests/e2e/*; do
     [ -f "$f" ] && ldd "$f" | awk '/=> \//{print $3}'
   done | sort -u | while read -r lib; do
     case "$(basename "$lib")" in
@@ -76,7 +77,7 @@ make_bundle() {
   {
     echo "commit $(git -C "$ROOT" rev-parse HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (+ local changes)')"
     echo "built $(date -u +%FT%TZ) on $(uname -m), $(ldd --version | head -1)"
-    echo "needs GLIBC <= $(for f in "$BUNDLE"/bin/* "$BUNDLE"/bin/transport/* "$BUNDLE"/lib/*; do
+    echo "needs GLIBC <= $(for f in "$BUNDLE"/bin/* "$BUNDLE"/bin/transport/testing/* "$BUNDLE"/lib/*; do
       [ -f "$f" ] && objdump -T "$f" 2>/dev/null; done | grep -o 'GLIBC_[0-9.]*' | sort -Vu | tail -1)"
   } >"$BUNDLE/MANIFEST"
   grep -qx '/.gpu_bundle/' "$ROOT/.git/info/exclude" 2>/dev/null || echo '/.gpu_bundle/' >>"$ROOT/.git/info/exclude"

@@ -45,7 +45,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/harness.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::e2e {
 namespace {

@@ -4,7 +4,7 @@ trainer and two vLLM tp=1 rollout replicas through a standalone weightbridged, i
 one-step-off and async modes, every rollout byte verified; then the same with rank0_broadcast.
 
 Workers are the C++ test workers (tests/e2e/trainer_worker, rollout_worker: real preset layouts,
-weights generated per version by tools/cc/weight_gen.h, every byte checked after each update);
+weights generated per version by tests/common/weight_gen.h, every byte checked after each update);
 this script starts a fresh daemon per run, streams their progress lines, reads per-version figures
 from the daemon's Status (through the Python client) and prints the table. Exit 0 only when every
 worker exited 0, every rollout verified its last version and no byte mismatched.

@@ -1,9 +1,9 @@
-#include "transport/cuda_copy.h"
+#include "transport/cuda_ipc/cuda_copy.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/cuda_status.h"
 
 namespace wb::transport {
 namespace {

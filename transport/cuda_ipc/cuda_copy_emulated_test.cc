@@ -1,4 +1,4 @@
-// EnqueueBoxCopy (cuda_copy.h) executed for real on the CPU emulation of CUDA (tools/fake_cuda):
+// EnqueueBoxCopy (cuda_copy.h) executed for real on the CPU emulation of CUDA (tests/fake_cuda):
 // the cudaMemcpyAsync / 2D / 3D calls it issues, with the exact parameters it passes, run against
 // bounds-checked fake device memory and are compared with an element-by-element reference, in
 // every direction. cuda_copy_test checks the planning on host replays; this checks the calls.
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tools/fake_cuda/fake_cuda.h"
-#include "transport/cuda_copy.h"
+#include "tests/fake_cuda/fake_cuda.h"
+#include "transport/cuda_ipc/cuda_copy.h"
 
 namespace wb::transport {
 namespace {

@@ -2,7 +2,7 @@
 // the planned calls are replayed on host memory with cudaMemcpy / 2D / 3D semantics and checked
 // against an element-by-element reference and against CUDA's parameter rules. The copies on a GPU
 // are exercised by the cuda_ipc / nccl conformance tests on a GPU machine.
-#include "transport/cuda_copy.h"
+#include "transport/cuda_ipc/cuda_copy.h"
 
 #include <algorithm>
 #include <cstring>

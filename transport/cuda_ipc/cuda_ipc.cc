@@ -1,4 +1,4 @@
-#include "transport/cuda_ipc.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -15,14 +15,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 #include "transport/common.h"
-#include "transport/cuda_copy.h"
-#include "transport/cuda_status.h"
-#include "transport/cuda_vmm.h"
+#include "transport/cuda_ipc/cuda_copy.h"
+#include "transport/cuda_ipc/cuda_status.h"
+#include "transport/cuda_ipc/cuda_vmm.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 namespace {

@@ -58,10 +58,10 @@ absl::StatusOr<std::string> CudaIpcDescriptorFromRawHandle(const RawCudaIpcBuffe
 // A worker's buffer inside a CUDA VMM allocation (cuMemCreate; e.g. PyTorch expandable segments),
 // which legacy IPC cannot export. The worker exported the allocation with
 // cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) and passed the fd to this
-// process (SCM_RIGHTS: transport/fd_passing.h, daemon/fd_channel.h).
+// process (SCM_RIGHTS: base/fd_passing.h, daemon/fd_channel.h).
 //
 // Import (ImportDescriptor of the descriptor built below), through the driver entry points
-// (transport/cuda_vmm.h): cuMemImportFromShareableHandle(fd), cuMemAddressReserve +
+// (transport/cuda_ipc/cuda_vmm.h): cuMemImportFromShareableHandle(fd), cuMemAddressReserve +
 // cuMemMap(allocation_bytes) + cuMemSetAccess(read-write for the GPU that holds it), once per
 // `allocation_key`: every buffer of that allocation (any offset) shares the mapping, and the last
 // Release unmaps, frees the range and releases the handle. The fd is only read during the import

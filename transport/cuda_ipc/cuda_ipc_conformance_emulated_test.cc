@@ -1,4 +1,4 @@
-// The conformance suite against cuda_ipc on the CPU emulation of CUDA (tools/fake_cuda): this
+// The conformance suite against cuda_ipc on the CPU emulation of CUDA (tests/fake_cuda): this
 // process and real peer processes (transport_peer_emulated, the same peer main linked with the
 // fake) exchange fake-device buffers through emulated CUDA IPC (shm segments). It checks our
 // logic (handles, allocation offsets, stream/event ordering, bounds) on every CI run; the real
@@ -23,20 +23,20 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "tools/fake_cuda/fake_cuda.h"
+#include "tests/fake_cuda/fake_cuda.h"
 #include "transport/common.h"
-#include "transport/conformance.h"
-#include "transport/cuda_ipc.h"
+#include "transport/testing/conformance.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/factory.h"
-#include "transport/peer_process.h"
-#include "transport/test_buffer.h"
+#include "transport/testing/peer_process.h"
+#include "transport/testing/test_buffer.h"
 
 extern char** environ;
 
 namespace wb::transport {
 namespace {
 
-constexpr char kPeer[] = "transport/transport_peer_emulated";
+constexpr char kPeer[] = "transport/cuda_ipc/transport_peer_emulated";
 
 // The suite skips GPU kinds without a visible device; here it must run: fail loudly instead.
 TEST(CudaIpcEmulatedTest, RunsOnTheFakeRuntime) {
@@ -140,7 +140,7 @@ absl::Status SpawnHoldingChild(size_t size, int seed, const std::vector<std::str
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, out[1], 1);
   posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-  std::string bin = "tools/fake_cuda/fake_cudart_ipc_child", a1 = "hold", a2 = absl::StrCat(size), a3 = absl::StrCat(seed);
+  std::string bin = "tests/fake_cuda/fake_cudart_ipc_child", a1 = "hold", a2 = absl::StrCat(size), a3 = absl::StrCat(seed);
   char* argv[] = {bin.data(), a1.data(), a2.data(), a3.data(), nullptr};
   std::vector<std::string> env_strings(env.begin(), env.end());
   for (char** e = environ; *e != nullptr; ++e) env_strings.push_back(*e);

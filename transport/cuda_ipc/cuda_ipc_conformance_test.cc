@@ -1,6 +1,6 @@
 // The conformance suite against cuda_ipc: this process and a peer process on the SAME GPU (device
 // 0), each importing the other's device buffer through CUDA IPC. Skips without a visible GPU.
-#include "transport/conformance.h"
+#include "transport/testing/conformance.h"
 
 namespace wb::transport {
 

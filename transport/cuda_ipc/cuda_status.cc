@@ -1,4 +1,4 @@
-#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/cuda_status.h"
 
 #include "absl/strings/str_cat.h"
 

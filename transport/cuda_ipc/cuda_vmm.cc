@@ -1,9 +1,9 @@
-#include "transport/cuda_vmm.h"
+#include "transport/cuda_ipc/cuda_vmm.h"
 
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
-#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/cuda_status.h"
 
 namespace wb::transport {
 namespace {

@@ -1,4 +1,4 @@
-// cuda_ipc's VMM import (RawCudaVmmBuffer) on the CPU emulation of CUDA (tools/fake_cuda): a
+// cuda_ipc's VMM import (RawCudaVmmBuffer) on the CPU emulation of CUDA (tests/fake_cuda): a
 // separate worker process (cuda_vmm_worker) allocates with cuMemCreate, exports the allocation as
 // a POSIX fd and sends it over a Unix socket (SCM_RIGHTS); this process imports it into the
 // transport and copies bytes out of and into the worker's memory, checked byte for byte on both
@@ -17,17 +17,17 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "transport/common.h"
-#include "transport/cuda_ipc.h"
+#include "transport/cuda_ipc/cuda_ipc.h"
 #include "transport/factory.h"
-#include "transport/fd_passing.h"
-#include "transport/test_buffer.h"
+#include "base/fd_passing.h"
+#include "transport/testing/test_buffer.h"
 
 extern char** environ;
 
 namespace wb::transport {
 namespace {
 
-constexpr char kWorker[] = "transport/cuda_vmm_worker";
+constexpr char kWorker[] = "transport/cuda_ipc/cuda_vmm_worker";
 
 // The worker process: its stdin/stdout, and the fd it sent.
 class Worker {

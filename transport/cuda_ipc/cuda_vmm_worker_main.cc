@@ -11,7 +11,7 @@
 //   CHECKROWS <offset> <pitch> <width> <rows> <seed>: "OK" when row r (bytes [offset + r * pitch,
 //                                   + width)) is PatternByte(seed, r * width + 0..width) for every r.
 //   OFFER <path> <model> <worker> <key>: offers a new export of the (first) allocation on the
-//                                   daemon's fd channel at <path> (transport/fd_passing.h); prints
+//                                   daemon's fd channel at <path> (base/fd_passing.h); prints
 //                                   "OK" or the error.
 #include <cuda_runtime.h>
 #include <unistd.h>
@@ -25,9 +25,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "transport/cuda_vmm.h"
-#include "transport/fd_passing.h"
-#include "transport/test_buffer.h"
+#include "transport/cuda_ipc/cuda_vmm.h"
+#include "base/fd_passing.h"
+#include "transport/testing/test_buffer.h"
 
 int main(int argc, char** argv) {
   using namespace wb::transport;  // NOLINT

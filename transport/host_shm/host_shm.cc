@@ -1,4 +1,4 @@
-#include "transport/host_shm.h"
+#include "transport/host_shm/host_shm.h"
 
 #include <pthread.h>
 #include <unistd.h>
@@ -20,13 +20,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 #include "transport/common.h"
 #include "transport/cpu_affinity.h"
 #include "transport/registry.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 #include "transport/strided.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 namespace {

@@ -1,5 +1,5 @@
 // The conformance suite against host_shm, across real processes (transport_peer).
-#include "transport/conformance.h"
+#include "transport/testing/conformance.h"
 
 namespace wb::transport {
 

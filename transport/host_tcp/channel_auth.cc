@@ -1,4 +1,4 @@
-#include "transport/channel_auth.h"
+#include "transport/host_tcp/channel_auth.h"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "tools/cc/status_macros.h"
-#include "transport/wire.h"
+#include "base/status_macros.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 namespace {

@@ -1,6 +1,6 @@
 // Channel authentication over socketpairs: good and bad keys, forged, truncated, oversized and
 // replayed messages, silent peers.
-#include "transport/channel_auth.h"
+#include "transport/host_tcp/channel_auth.h"
 
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -12,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 namespace {

@@ -1,4 +1,4 @@
-#include "transport/host_tcp.h"
+#include "transport/host_tcp/host_tcp.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -32,14 +32,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/synchronization/mutex.h"
-#include "tools/cc/status_macros.h"
-#include "transport/channel_auth.h"
+#include "base/status_macros.h"
+#include "transport/host_tcp/channel_auth.h"
 #include "transport/common.h"
 #include "transport/cpu_affinity.h"
-#include "transport/nic_list.h"
+#include "transport/host_tcp/nic_list.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 namespace {

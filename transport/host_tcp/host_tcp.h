@@ -3,7 +3,7 @@
 //
 // Channel: per peer, TcpOptions::streams TCP connections dialled by the peer with the smaller
 // instance id. Each connection opens with a hello (dialer instance id, stream index, stream count)
-// and then the channel authentication of transport/channel_auth.h, keyed by TcpOptions::auth_token
+// and then the channel authentication of transport/host_tcp/channel_auth.h, keyed by TcpOptions::auth_token
 // and bound to that hello: both sides prove they hold the token (HMAC-SHA256 over fresh nonces),
 // and only an authenticated connection is handed to a peer. A dialer whose proof is refused, or
 // who refuses the acceptor's, fails Connect with UNAUTHENTICATED; the acceptor counts refusals per

@@ -1,5 +1,5 @@
 // The conformance suite against host_tcp: this process and a peer process over loopback.
-#include "transport/conformance.h"
+#include "transport/testing/conformance.h"
 
 namespace wb::transport {
 

@@ -1,6 +1,6 @@
 // host_tcp unit tests that need two transports in one process (the conformance suite covers the
 // rest against a peer process).
-#include "transport/host_tcp.h"
+#include "transport/host_tcp/host_tcp.h"
 
 #include <arpa/inet.h>
 #include <sched.h>
@@ -22,10 +22,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
-#include "transport/channel_auth.h"
+#include "transport/host_tcp/channel_auth.h"
 #include "transport/common.h"
 #include "transport/cpu_affinity.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 namespace {

@@ -1,4 +1,4 @@
-#include "transport/nic_list.h"
+#include "transport/host_tcp/nic_list.h"
 
 #include "gtest/gtest.h"
 

@@ -1,4 +1,4 @@
-#include "transport/nccl.h"
+#include "transport/nccl/nccl.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -21,12 +21,12 @@
 #include "absl/time/clock.h"
 #include "transport/common.h"
 #include "transport/registry.h"
-#include "transport/cuda_copy.h"
-#include "transport/cuda_status.h"
-#include "transport/nccl_internal.h"
+#include "transport/cuda_ipc/cuda_copy.h"
+#include "transport/cuda_ipc/cuda_status.h"
+#include "transport/nccl/nccl_internal.h"
 #include "transport/strided.h"
-#include "transport/wire.h"
-#include "tools/cc/status_macros.h"
+#include "base/wire.h"
+#include "base/status_macros.h"
 
 namespace wb::transport {
 namespace {

@@ -1,7 +1,7 @@
 // The conformance suite against nccl: this process on GPU 0 and a peer process on GPU 1 (NCCL
 // refuses two ranks of one communicator on the same GPU: "Duplicate GPU detected"), so it needs two
 // visible GPUs and skips, saying so, with fewer.
-#include "transport/conformance.h"
+#include "transport/testing/conformance.h"
 
 namespace wb::transport {
 

@@ -1,10 +1,10 @@
-#include "transport/nccl_internal.h"
+#include "transport/nccl/nccl_internal.h"
 
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/cuda_status.h"
 
 namespace wb::transport::nccl_internal {
 

@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "transport/cuda_copy.h"
+#include "transport/cuda_ipc/cuda_copy.h"
 
 namespace wb::transport::nccl_internal {
 

@@ -1,8 +1,8 @@
 // Linked into nccl_smoke_emulated_test next to nccl_smoke_test.cc: that test skips without a
 // visible GPU, but on the fake CUDA runtime it must run, so a missing fake fails here instead.
 #include "gtest/gtest.h"
-#include "tools/fake_cuda/fake_cuda.h"
-#include "transport/test_buffer.h"
+#include "tests/fake_cuda/fake_cuda.h"
+#include "transport/testing/test_buffer.h"
 
 namespace wb::transport {
 namespace {

@@ -24,11 +24,11 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "transport/config.h"
-#include "transport/cuda_copy.h"
-#include "transport/cuda_status.h"
-#include "transport/nccl.h"
-#include "transport/nccl_internal.h"
-#include "transport/test_buffer.h"
+#include "transport/cuda_ipc/cuda_copy.h"
+#include "transport/cuda_ipc/cuda_status.h"
+#include "transport/nccl/nccl.h"
+#include "transport/nccl/nccl_internal.h"
+#include "transport/testing/test_buffer.h"
 
 namespace wb::transport {
 namespace {

@@ -1,4 +1,4 @@
-#include "transport/conformance.h"
+#include "transport/testing/conformance.h"
 
 #include <xxhash.h>
 
@@ -9,11 +9,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "transport/factory.h"
-#include "transport/peer_process.h"
-#include "transport/shm_segment.h"
+#include "transport/testing/peer_process.h"
+#include "base/shm_segment.h"
 #include "transport/testing/in_process_peer.h"
 #include "transport/testing/peer_interpreter.h"
-#include "transport/test_buffer.h"
+#include "transport/testing/test_buffer.h"
 
 namespace wb::transport {
 namespace {

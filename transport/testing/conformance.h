@@ -27,7 +27,7 @@ struct ConformanceParam {
   int min_gpus = 0;
   int64_t large_op_bytes = int64_t{32} << 20;
   int peer_device = 0;  // CUDA device of the peer process
-  std::string peer_binary = "transport/transport_peer";
+  std::string peer_binary = "transport/testing/transport_peer";
   // In-process transports (transport/testing/fake_transport.h): when set, both sides are made with
   // it (TransportConfig::test_corrupt_checksummed_payload set for a corrupting side) and every peer
   // runs in a thread of the test (InProcessPeer) instead of a transport_peer process; `vanish` is

@@ -1,7 +1,7 @@
 // The conformance suite against the in-process fake transport: peers are threads of this process
 // (InProcessPeer), "kill -9" is FakeFabric::Vanish. A simulated 2 GB/s link keeps large transfers
 // in flight long enough for the kill and deadline cases to hit them mid-transfer.
-#include "transport/conformance.h"
+#include "transport/testing/conformance.h"
 #include "transport/testing/fake_transport.h"
 
 namespace wb::transport {

@@ -11,7 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "transport/peer_process.h"
+#include "transport/testing/peer_process.h"
 #include "transport/testing/peer_interpreter.h"
 
 namespace wb::transport {

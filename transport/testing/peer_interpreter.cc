@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "transport/peer_process.h"
+#include "transport/testing/peer_process.h"
 
 namespace wb::transport {
 

@@ -1,5 +1,5 @@
 #pragma once
-// TEST ONLY. The command interpreter of a conformance peer (protocol in transport/peer_process.h):
+// TEST ONLY. The command interpreter of a conformance peer (protocol in transport/testing/peer_process.h):
 // one Transport, one TestBuffer registered with it, and the test's imported buffer. Run by the
 // transport_peer process (stdin/stdout) and by InProcessPeer (a thread), so both speak the same
 // protocol with the same code.
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "transport/test_buffer.h"
+#include "transport/testing/test_buffer.h"
 #include "transport/transport.h"
 
 namespace wb::transport {

@@ -1,4 +1,4 @@
-#include "transport/peer_process.h"
+#include "transport/testing/peer_process.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "transport/wire.h"
+#include "base/wire.h"
 
 namespace wb::transport {
 

@@ -1,9 +1,9 @@
-#include "transport/test_buffer.h"
+#include "transport/testing/test_buffer.h"
 
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::transport {
 namespace {

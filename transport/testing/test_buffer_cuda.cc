@@ -2,7 +2,7 @@
 #include <cuda_runtime.h>
 
 #include "absl/strings/str_cat.h"
-#include "transport/test_buffer.h"
+#include "transport/testing/test_buffer.h"
 
 namespace wb::transport {
 namespace {

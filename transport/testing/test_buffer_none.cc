@@ -1,5 +1,5 @@
 // Built without CUDA: there is no device memory to test with.
-#include "transport/test_buffer.h"
+#include "transport/testing/test_buffer.h"
 
 namespace wb::transport {
 

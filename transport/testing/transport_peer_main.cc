@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "transport/factory.h"
 #include "transport/testing/peer_interpreter.h"
-#include "transport/test_buffer.h"
+#include "transport/testing/test_buffer.h"
 
 namespace wb::transport {
 namespace {

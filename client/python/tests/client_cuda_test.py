@@ -1,5 +1,5 @@
 """The Python client's CUDA buffers (weightbridge.cuda.CudaBuffer) against a real standalone
-weightbridged, on EMULATED GPUs: the daemon is the build linked with //tools/fake_cuda and this
+weightbridged, on EMULATED GPUs: the daemon is the build linked with //tests/fake_cuda and this
 process loads the same emulation as a shared library through $WB_CUDART. Checks the client's
 CUDA path (cudaMalloc + IPC handle -> BufferSpec.cuda_ipc_handle, the daemon opening it, versions
 moving device to device with GPU staging, read back through cudaMemcpy) and its CUDA VMM path
@@ -19,7 +19,7 @@ import unittest
 import numpy as np
 
 R = os.getcwd()  # run_tests.sh runs from the runfiles root
-os.environ.setdefault("WB_CUDART", os.path.join(R, "tools/fake_cuda/libwb_fake_cudart.so"))
+os.environ.setdefault("WB_CUDART", os.path.join(R, "tests/fake_cuda/libwb_fake_cudart.so"))
 os.environ.setdefault("WB_FAKE_CUDA_DEVICES", "2")
 EMULATED_DAEMON = os.path.join(R, "daemon/weightbridged_emulated_gpu")
 

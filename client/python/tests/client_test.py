@@ -3,7 +3,7 @@
 Run by //client/python:client_test (an sh_test calling /usr/bin/python3), or by hand:
   WB_DAEMON=bazel-bin/daemon/weightbridged PYTHONPATH=client/python /usr/bin/python3 -m unittest \
       discover -s client/python/tests -p '*_test.py'
-Every rollout byte is checked against tools/cc/weight_gen.h values (weightbridge.weights).
+Every rollout byte is checked against tests/common/weight_gen.h values (weightbridge.weights).
 """
 
 import os

@@ -124,7 +124,7 @@ def _ms(seconds):
     return max(1, int(seconds * 1000))
 
 
-# ---- the node daemon's fd channel (<worker socket>.fd; protocol: transport/fd_passing.h) ----
+# ---- the node daemon's fd channel (<worker socket>.fd; protocol: base/fd_passing.h) ----
 _FD_OFFER_MAGIC = 0x44464257  # "WBFD"
 _FD_REPLY_MAGIC = 0x52464257  # "WBFR"
 _MAX_VMM_KEY_BYTES = 128

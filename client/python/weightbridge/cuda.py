@@ -15,7 +15,7 @@ Two kinds of device memory reach the daemon:
     however many buffers lie in it.
 
 The runtime is found as libcudart.so(.13/.12), or at $WB_CUDART when set (CI points it at the
-emulated runtime, //tools/fake_cuda:libwb_fake_cudart.so, to run this module without a GPU:
+emulated runtime, //tests/fake_cuda:libwb_fake_cudart.so, to run this module without a GPU:
 client/python/tests/client_cuda_test.py). Driver calls (cuMem*) come from the runtime's
 cudaGetDriverEntryPointByVersion (CUDA >= 12.5 runtimes; the emulation has it), else from
 libcuda.so.1. write()/read() move bytes without torch. Never run on a real GPU yet.

@@ -1,6 +1,6 @@
 """Named POSIX shared memory owned by a worker, mapped as numpy arrays.
 
-Interoperates with the daemon's transport/shm_segment.h: names are "/wb-<prefix>-<pid>-<n>-<rand>"
+Interoperates with the daemon's base/shm_segment.h: names are "/wb-<prefix>-<pid>-<n>-<rand>"
 (a leading '/', no other '/', <= 255 chars), created new (O_EXCL) with mode 0600 so the daemon's
 CheckOwner (same uid, no group/other bits) accepts them, sized with ftruncate (zero-filled). On
 Linux shm_open(name) is the file /dev/shm/<name without '/'>, which is what we open.

@@ -1,4 +1,4 @@
-"""Deterministic synthetic weights, bit-identical to tools/cc/weight_gen.h (numpy, vectorized).
+"""Deterministic synthetic weights, bit-identical to tests/common/weight_gen.h (numpy, vectorized).
 
 The value of canonical element `flat` of tensor index `tensor` at `version` is the low
 `elem_size` bytes (little-endian) of a splitmix64 mix of the three; any process can check any byte
@@ -31,7 +31,7 @@ def weight_bits(tensor, version, flat):
 def weight_values(tensor, version, flat, elem_size):
     """The element values (as unsigned ints of `elem_size` bytes) for canonical indices `flat`."""
     mask = (1 << (8 * elem_size)) - 1
-    # Float-sized elements: top exponent bit cleared, so values are finite (tools/cc/weight_gen.h ElementBits).
+    # Float-sized elements: top exponent bit cleared, so values are finite (tests/common/weight_gen.h ElementBits).
     if elem_size == 2:
         mask &= ~(1 << 14)
     elif elem_size == 4:

@@ -1,0 +1,631 @@
+#include "daemon/node/worker_service.h"
+
+#include <grpcpp/grpcpp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/convert.h"
+#include "daemon/layout_discovery.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/nccl_route.h"
+#include "daemon/node/deadlines.h"
+#include "daemon/node_daemon.h"
+#include "planner/box.h"
+#include "planner/index_probe.h"
+#include "planner/inventory.h"
+#include "planner/quantized.h"
+#include "proto/grpc_status.h"
+#include "tools/cc/status_macros.h"
+
+namespace wb::daemon {
+
+// Runs planner::ExtractPieces on every probed local tensor. The probe (int64 canonical indices,
+// -1 = unmapped) is read from the worker's registered shared memory.
+absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& inventory, const pb::RegisterLayoutRequest& req,
+                                                     const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers) {
+  const std::vector<int64_t> bases = planner::TensorBases(inventory);
+  int64_t total = 0;
+  for (const planner::TensorSpec& t : inventory.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    total += n;
+  }
+  std::map<uint32_t, int> index_of;
+  for (int i = 0; i < req.buffers_size(); ++i) index_of[req.buffers(i).buffer_id()] = i;
+  pb::ExplicitPieces out;
+  const auto& probe = req.layout().index_probe();
+  for (int t = 0; t < probe.tensors_size(); ++t) {
+    const pb::IndexProbe::LocalTensor& lt = probe.tensors(t);
+    auto b = index_of.find(lt.buffer_id()), pbuf = index_of.find(lt.probe_buffer_id());
+    if (b == index_of.end() || pbuf == index_of.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": unknown buffer id ", lt.buffer_id(), " or ", lt.probe_buffer_id()));
+    }
+    std::vector<int64_t> shape(lt.shape().begin(), lt.shape().end());
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      if (d < 0) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": negative dim"));
+      n *= d;
+    }
+    if (buffers[pbuf->second] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": the index probe must be in a shared-memory buffer, not CUDA memory"));
+    }
+    const transport::ShmSegment& seg = *buffers[pbuf->second];
+    if (absl::Status intact = seg.CheckIntact(); !intact.ok()) {
+      return absl::Status(intact.code(), absl::StrCat("local tensor ", t, ": probe buffer ", lt.probe_buffer_id(), ": ", intact.message()));
+    }
+    if (lt.probe_offset_bytes() % sizeof(int64_t) != 0 || lt.probe_offset_bytes() > static_cast<uint64_t>(seg.size()) ||
+        static_cast<uint64_t>(n) * sizeof(int64_t) > static_cast<uint64_t>(seg.size()) - lt.probe_offset_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": probe of ", n, " int64 at byte ", lt.probe_offset_bytes(),
+                                                     " is outside (or misaligned in) buffer ", lt.probe_buffer_id()));
+    }
+    absl::Span<const int64_t> values(reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(seg.data()) + lt.probe_offset_bytes()),
+                                     static_cast<size_t>(n));
+    // Element size: the dtype of the first mapped canonical tensor (ExtractPieces checks the rest).
+    int elem = 0;
+    for (int64_t v : values) {
+      if (v < 0) continue;
+      if (v >= total) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": index ", v, " out of range"));
+      size_t k = static_cast<size_t>(std::upper_bound(bases.begin(), bases.end(), v) - bases.begin()) - 1;
+      elem = planner::DTypeSize(inventory.tensors[k].dtype);
+      break;
+    }
+    if (elem == 0) continue;  // nothing mapped (e.g. pure padding)
+    ASSIGN_OR_RETURN(std::vector<planner::Piece> pieces,
+                     planner::ExtractPieces(inventory, bases, values, shape, static_cast<int64_t>(lt.offset_bytes()), elem, b->second));
+    for (const planner::Piece& p : pieces) {
+      pb::Piece* pp = out.add_pieces();
+      pp->set_tensor(inventory.tensors[p.tensor].name);
+      ToProto(p.box, pp->mutable_box());
+      pp->set_buffer_id(lt.buffer_id());
+      pp->set_offset_bytes(static_cast<uint64_t>(p.offset_bytes));
+      for (int64_t st : p.strides) pp->add_strides(st);
+    }
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------- WorkerService
+class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
+ public:
+  explicit WorkerImpl(NodeDaemon* d) : d_(d) {}
+
+  grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse* resp) override {
+    // Enums are checked before anything is forwarded or stored (role 99 was counted as a trainer).
+    // Ids were checked by the front (daemon/limits.h: length, control characters).
+    if (req->role() != pb::ROLE_TRAINER && req->role() != pb::ROLE_ROLLOUT) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("RegisterWorker.role is ", static_cast<int>(req->role()),
+                                                                  ": must be ROLE_TRAINER (1) or ROLE_ROLLOUT (2)")));
+    }
+    if (req->has_model() && !pb::Mode_IsValid(req->model().mode())) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("RegisterWorker.model.mode is ", static_cast<int>(req->model().mode()),
+                                                                  ": must be MODE_SYNC (1), MODE_ONE_STEP_OFF (2), MODE_ASYNC (3) or unset")));
+    }
+    if (req->has_model() && !pb::Strategy_IsValid(req->model().strategy())) {
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("RegisterWorker.model.strategy is ", static_cast<int>(req->model().strategy()),
+                       ": must be STRATEGY_WEIGHTBRIDGE (1), STRATEGY_RANK0_BROADCAST (2), STRATEGY_P2P_NO_DEDUP (3) or unset")));
+    }
+    // A join sent before this node's (re-)registration and re-join have finished could reach the
+    // coordinator first and then be dropped by that registration (a restarted node's workers are
+    // dropped there) while this node keeps the worker: it would be left out of every plan.
+    if (!d_->AwaitRegistered(absl::Now() + absl::Seconds(10))) {
+      return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id, " is not registered with the coordinator yet (retry)")));
+    }
+    const std::string& id = req->worker_id();
+    {
+      // An earlier process of this worker id that exited: its LeaveWorker must reach the coordinator
+      // before this join, or it would drop the new registration there (found by the soak test
+      // under TSan: a restarted rollout's RegisterLayout got NOT_FOUND).
+      absl::MutexLock l(&d_->mu_);
+      auto not_leaving = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) { return d_->leaving_.count(id) == 0 || d_->stopping_; };
+      if (!d_->mu_.AwaitWithDeadline(absl::Condition(&not_leaving), absl::Now() + absl::Seconds(10))) {
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat("worker ", id, ": its previous process is still leaving (retry)")));
+      }
+      // Not reaped yet by the liveness check: this join replaces it (the coordinator treats it as
+      // registered again), so no LeaveWorker is sent for it.
+      auto old = d_->workers_.find(id);
+      if (old != d_->workers_.end() && old->second.pid && !old->second.pid->Alive()) d_->workers_.erase(old);
+      d_->joining_.insert(id);
+    }
+    struct Joined {
+      NodeDaemon* d;
+      std::string id;
+      ~Joined() {
+        absl::MutexLock l(&d->mu_);
+        d->joining_.erase(id);
+      }
+    } joined{d_, id};
+    pb::JoinWorkerRequest j;
+    j.set_node_id(d_->options_.node_id);
+    j.set_worker_id(req->worker_id());
+    j.set_model_id(req->model_id());
+    j.set_role(req->role());
+    j.set_gpu(req->gpu());
+    if (req->has_model()) *j.mutable_model() = req->model();
+    pb::JoinWorkerResponse jr;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Now() + absl::Seconds(10));
+    grpc::Status s = d_->coordinator_->JoinWorker(&ctx, j, &jr);
+    if (!s.ok()) return s;
+    LocalWorker w;
+    w.model_id = req->model_id();
+    w.role = FromProto(req->role());
+    w.gpu = req->gpu();
+    w.mode = jr.mode();
+    w.spec = jr.has_model() ? jr.model() : req->model();
+    if (w.spec.model_id().empty()) w.spec.set_model_id(req->model_id());
+    if (req->pid() > 0) {
+      auto watch = std::make_shared<PidWatch>();
+      watch->pid = req->pid();
+#ifdef SYS_pidfd_open
+      watch->fd = static_cast<int>(::syscall(SYS_pidfd_open, req->pid(), 0));
+#endif
+      if (watch->fd < 0 && errno == ESRCH) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("worker ", req->worker_id(), ": pid ", req->pid(), " does not exist")));
+      }
+      w.pid = std::move(watch);
+    }
+    auto inv = InventoryFromProto(jr.tensors());
+    absl::MutexLock l(&d_->mu_);
+    if (inv.ok()) d_->inventories_[req->model_id()] = std::move(*inv);
+    d_->workers_[req->worker_id()] = std::move(w);
+    d_->live_.Forget(req->worker_id());  // a new process: its memory, not the old one's
+    Log(LogLevel::kInfo, "worker registered", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"worker", req->worker_id()},
+                                               {"role", pb::Role_Name(req->role())}, {"pid", req->pid()}});
+    resp->set_session(absl::StrCat(d_->options_.node_id, "/", req->worker_id()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status RegisterLayout(grpc::ServerContext*, const pb::RegisterLayoutRequest* req, pb::RegisterLayoutResponse* resp) override {
+    pb::ModelSpec spec;
+    planner::Role role = planner::Role::kTrainer;
+    {
+      absl::MutexLock l(&d_->mu_);
+      auto it = d_->workers_.find(req->worker_id());
+      if (it == d_->workers_.end() || it->second.model_id != req->model_id()) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " is not registered on node ",
+                                                             d_->options_.node_id, " (register again)")));
+      }
+      spec = it->second.spec;
+      role = it->second.role;
+    }
+    // Layout discovery: a preset's buffer sizes are checked against its description first,
+    // naming worker, model and both sizes; the description is the response's `layout`.
+    auto preset_described = describer_.DescribePresetForRegister(spec, *req);
+    if (!preset_described.ok()) return ToGrpcStatus(preset_described.status());
+    // Map every buffer first: a bad name fails the call and changes nothing.
+    std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
+    std::vector<std::shared_ptr<CudaImport>> cuda;
+    for (const pb::BufferSpec& b : req->buffers()) {
+      if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) {
+        auto imp = d_->ImportCuda(req->worker_id(), b);
+        if (!imp.ok()) return ToGrpcStatus(imp.status());
+        buffers.push_back(nullptr);
+        cuda.push_back(std::move(*imp));
+        continue;
+      }
+      if (b.memory_case() != pb::BufferSpec::kShmName) {
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": neither shm_name nor cuda_ipc_handle")));
+      }
+      cuda.push_back(nullptr);
+      auto seg = transport::ShmSegment::Open(b.shm_name(), static_cast<int64_t>(b.size_bytes()));
+      if (seg.ok()) {
+        absl::Status priv = seg->CheckPrivate();
+        if (!priv.ok()) seg = priv;
+      }
+      if (!seg.ok()) return ToGrpcStatus(Annotate(seg.status(), absl::StrCat("worker ", req->worker_id(), " buffer ", b.buffer_id())));
+      // Ownership (the segment's uid == the calling worker's uid) is checked by the front
+      // (daemon/auth.cc) with the worker's SO_PEERCRED uid; the daemon's own uid is irrelevant.
+      buffers.push_back(std::make_shared<transport::ShmSegment>(std::move(*seg)));
+    }
+    pb::SubmitLayoutRequest sreq;
+    sreq.set_node_id(d_->options_.node_id);
+    sreq.set_model_id(req->model_id());
+    sreq.set_worker_id(req->worker_id());
+    *sreq.mutable_buffers() = req->buffers();
+    // The coordinator places CUDA buffers (nccl lanes) by GPU in this daemon's numbering.
+    for (int i = 0; i < sreq.buffers_size(); ++i) {
+      if (cuda[i] != nullptr) sreq.mutable_buffers(i)->set_gpu(cuda[i]->device);
+    }
+    if (req->layout().has_index_probe()) {
+      // Index probes are resolved here (the probe bytes live in this node's shared memory) and
+      // reach the coordinator as explicit pieces.
+      planner::Inventory inventory;
+      {
+        absl::MutexLock l(&d_->mu_);
+        auto inv = d_->inventories_.find(req->model_id());
+        if (inv == d_->inventories_.end()) return ToGrpcStatus(absl::FailedPreconditionError("model inventory unknown on this node"));
+        inventory = inv->second;
+      }
+      auto pieces = ResolveIndexProbe(inventory, *req, buffers);
+      if (!pieces.ok()) return ToGrpcStatus(Annotate(pieces.status(), absl::StrCat("worker ", req->worker_id(), " index probe")));
+      *sreq.mutable_layout()->mutable_pieces() = std::move(*pieces);
+    } else {
+      *sreq.mutable_layout() = req->layout();
+    }
+    pb::SubmitLayoutResponse sresp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Now() + absl::Seconds(30));
+    grpc::Status s = d_->coordinator_->SubmitLayout(&ctx, sreq, &sresp);
+    if (!s.ok()) return s;
+    if (preset_described->has_value()) {
+      *resp->mutable_layout() = std::move(**preset_described);
+    } else {
+      auto described = describer_.DescribeResolved(spec, sresp.layout(), req->layout().has_index_probe() ? "index_probe" : "pieces", role,
+                                                   req->worker_id());
+      if (described.ok()) *resp->mutable_layout() = std::move(*described);
+      if (!described.ok()) Log(LogLevel::kWarning, "layout not described", {{"worker", req->worker_id()}, {"error", described.status().message()}});
+    }
+    absl::MutexLock l(&d_->mu_);
+    auto it = d_->workers_.find(req->worker_id());
+    if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError("worker deregistered concurrently"));
+    // The layout's bytes (what its pieces cover), not the registered buffers' sizes (which
+    // include padding, probe buffers, ...).
+    uint64_t bytes = 0;
+    auto inv = d_->inventories_.find(req->model_id());
+    if (inv != d_->inventories_.end()) {
+      auto resolved = LayoutFromProto(sresp.layout(), inv->second);
+      if (resolved.ok()) {
+        for (const planner::Piece& p : resolved->pieces) {
+          bytes += static_cast<uint64_t>(planner::BoxVolume(p.box) * planner::DTypeSize(inv->second.tensors[p.tensor].dtype));
+        }
+      }
+    }
+    it->second.buffers = std::move(buffers);
+    it->second.cuda = std::move(cuda);
+    it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
+    it->second.submitted = std::move(sreq);
+    resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
+    resp->set_bytes(bytes);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Publish(grpc::ServerContext*, const pb::PublishRequest* req, pb::PublishResponse* resp) override {
+    const absl::Time start = absl::Now();
+    const absl::Time deadline = Deadline(req->timeout_ms());
+    std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
+    std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
+    std::shared_ptr<StagingBudget::Charge> snap_charge;
+    bool snapshot = false;
+    {
+      absl::MutexLock l(&d_->mu_);
+      auto it = d_->workers_.find(req->worker_id());
+      if (it == d_->workers_.end() || !it->second.has_layout) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " has no layout on node ", d_->options_.node_id)));
+      }
+      LocalWorker& w = it->second;
+      if (w.role != planner::Role::kTrainer) {
+        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), " is not a trainer")));
+      }
+      if (w.mode != pb::MODE_SYNC) {
+        // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
+        // With GPU staging, CUDA buffers are snapshotted on their GPU (under its own budget); if
+        // one falls back to host memory it is checked against this budget after the copy.
+        const bool gpu_staging = d_->options_.device_staging != nullptr && d_->options_.device_staging->enabled();
+        int64_t need = 0;
+        for (size_t j = 0; j < w.buffers.size(); ++j) {
+          if (w.buffers[j]) {
+            need += w.buffers[j]->size();
+          } else if (!gpu_staging) {
+            need += w.cuda[j]->size;
+          }
+        }
+        // One node total (daemon/node/staging_budget.h): with every other snapshot, version in
+        // flight and committed staging not applied yet. Reserved before the copy, which runs
+        // outside mu_; the charge goes with the snapshot's memory.
+        auto charge = d_->budget_->Reserve(need, absl::StrCat("the snapshot of worker ", req->worker_id(), " version ", req->version()));
+        if (!charge.ok()) return ToGrpcStatus(charge.status());
+        snap_charge = std::move(*charge);
+        snapshot = true;
+        to_snapshot = w.buffers;
+        cuda_snapshot = w.cuda;
+      }
+    }
+    if (snapshot) {
+      std::shared_ptr<Bytes> snap = d_->NewBytes(0, {snap_charge});
+      absl::Status copied =
+          d_->ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req->worker_id(), " v", req->version()), deadline,
+                       /*on_gpu=*/true);
+      if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("snapshot of version ", req->version())));
+      int64_t fell_back = 0;  // CUDA buffers that did not fit GPU staging: host memory after all
+      for (size_t j = 0; j < snap->size(); ++j) {
+        if (!(*snap)[j].device && j < cuda_snapshot.size() && cuda_snapshot[j] && d_->options_.device_staging != nullptr &&
+            d_->options_.device_staging->enabled()) {
+          fell_back += (*snap)[j].size();
+        }
+      }
+      if (fell_back > 0) {
+        auto extra = d_->budget_->Reserve(fell_back, absl::StrCat("the snapshot of worker ", req->worker_id(), " version ", req->version(),
+                                                                  " (CUDA buffers that did not fit the GPU staging budget)"));
+        if (!extra.ok()) return ToGrpcStatus(extra.status());
+        snap = KeepWith(std::move(snap), std::move(*extra));
+      }
+      absl::MutexLock l(&d_->mu_);
+      auto it = d_->workers_.find(req->worker_id());
+      if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " left during Publish")));
+      it->second.snapshots[req->version()] = std::move(snap);
+    }
+    pb::CoordPublishRequest c;
+    c.set_node_id(d_->options_.node_id);
+    c.set_model_id(req->model_id());
+    c.set_worker_id(req->worker_id());
+    c.set_version(req->version());
+    uint64_t session0 = 0;
+    grpc::Status s = ForwardHeld(req->worker_id(), deadline, &session0, [&](absl::Time dl) {
+      c.set_timeout_ms(absl::ToInt64Milliseconds(dl - absl::Now()));
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, dl);
+      return d_->coordinator_->Publish(&ctx, c, resp);
+    });
+    if (!s.ok()) {
+      {
+        absl::MutexLock l(&d_->mu_);
+        auto it = d_->workers_.find(req->worker_id());
+        if (it != d_->workers_.end()) it->second.snapshots.erase(req->version());
+      }
+      // NOT_FOUND: ForwardHeld already waited for a re-join; nothing was recorded anywhere.
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) return s;
+      return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
+    }
+    resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status BeginUpdate(grpc::ServerContext*, const pb::BeginUpdateRequest* req, pb::BeginUpdateResponse* resp) override {
+    pb::ReportReadyRequest r;
+    r.set_node_id(d_->options_.node_id);
+    r.set_model_id(req->model_id());
+    r.set_worker_id(req->worker_id());
+    pb::ReportReadyResponse rr;
+    uint64_t session0 = 0;
+    grpc::Status s = ForwardHeld(req->worker_id(), Deadline(req->timeout_ms()), &session0, [&](absl::Time dl) {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, dl);
+      return d_->coordinator_->ReportReady(&ctx, r, &rr);
+    });
+    resp->set_committed_version(rr.committed_version());
+    return s;
+  }
+
+  grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest* req, pb::ApplyResponse* resp) override {
+    const absl::Time start = absl::Now();
+    // The client's deadline bounds the wait for the version (and for a copy into this worker that
+    // is already running); a copy that started runs to live_copy_timeout (RunLiveCopies).
+    const absl::Time deadline = Deadline(req->timeout_ms());
+    std::vector<LiveJob> jobs(1);
+    LiveJob& job = jobs[0];
+    {
+      absl::MutexLock l(&d_->mu_);
+      auto it = d_->workers_.find(req->worker_id());
+      if (it == d_->workers_.end() || it->second.role != planner::Role::kRollout) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " is not a rollout worker on node ", d_->options_.node_id)));
+      }
+      const std::string model = req->model_id();
+      const std::string wid = req->worker_id();
+      const uint64_t want = req->version();
+      const uint64_t restarts0 = d_->restarts_;
+      auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) {
+        auto w = d_->workers_.find(wid);
+        if (d_->stopping_ || w == d_->workers_.end()) return true;
+        if (d_->live_.Copying(wid)) return false;  // its outcome decides what we answer
+        if (want == 0) return true;  // safe point: take whatever is newest, never wait
+        return w->second.committed_version >= want || w->second.applied_version >= want ||
+               d_->aborted_.count({model, want}) > 0 || d_->restarts_ != restarts0;
+      };
+      if (!d_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+        if (d_->live_.Copying(wid)) {
+          return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("worker ", wid, ": a copy into its live weights is still running on node ",
+                                                                       d_->options_.node_id, " (call Apply again to learn its outcome)")));
+        }
+        return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("version ", want, " not committed on node ",
+                                                                     d_->options_.node_id, " in time")));
+      }
+      it = d_->workers_.find(wid);
+      if (d_->stopping_ || it == d_->workers_.end()) return ToGrpcStatus(absl::UnavailableError("worker or daemon went away"));
+      LocalWorker& w = it->second;
+      if (want != 0 && w.committed_version < want && w.applied_version < want) {
+        auto ab = d_->aborted_.find({model, want});
+        return ToGrpcStatus(absl::AbortedError(
+            absl::StrCat("version ", want, " aborted: ", ab != d_->aborted_.end() ? ab->second : d_->restart_reason_)));
+      }
+      if (w.committed_version <= w.applied_version || !w.committed) {
+        // Nothing newer to copy (or sync: the commit wrote live weights). Torn weights with no
+        // staging to restore them from stay torn until the next commit: say so.
+        if (absl::Status torn = d_->live_.TornError(wid, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
+        resp->set_applied_version(w.applied_version);
+        resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+        return grpc::Status::OK;
+      }
+      job.worker = wid;
+      job.version = w.committed_version;
+      job.staging = w.committed;
+      job.live = LiveBuffers{w.buffers, w.cuda};
+      auto p = d_->plans_.find(model);
+      if (p == d_->plans_.end()) return ToGrpcStatus(absl::FailedPreconditionError("no plan installed"));
+      job.plan = p->second;
+      for (int i = 0; i < job.plan->slice.workers_size(); ++i) {
+        if (job.plan->slice.workers(i).worker_id() == wid) job.layout = job.plan->live_layouts[i];
+      }
+      job.label = absl::StrCat("apply ", wid, " v", job.version);
+      // A copy that starts runs to its end; one that would obviously outlast the caller's timeout
+      // (the wait for the version took it) is not started: the caller learns that nothing changed
+      // instead of giving up while its live weights are being rewritten.
+      int64_t bytes = 0;
+      for (const StagedBuffer& b : *job.staging) bytes += b.size();
+      const absl::Duration estimate = absl::Seconds(static_cast<double>(bytes) / d_->live_copy_Bps_);
+      if (absl::Now() + estimate > deadline) {
+        return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat(
+            "version ", job.version, " is committed on node ", d_->options_.node_id, " but copying it into the live weights of worker ", wid,
+            " (", bytes, " bytes, about ", absl::FormatDuration(estimate), ") does not fit in what is left of the call's timeout (",
+            absl::FormatDuration(std::max(absl::ZeroDuration(), deadline - absl::Now())), "); nothing was copied: live weights still hold version ",
+            w.applied_version, " (call Apply with a longer timeout)")));
+      }
+    }
+    // The rollout's only stall: copy its pieces from committed staging into live weights (on the
+    // same-node transport's copy threads).
+    const uint64_t version = job.version;
+    absl::Status copied = d_->RunLiveCopies(jobs)[0];
+    if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("applying version ", version, " to ", req->worker_id())));
+    {
+      absl::MutexLock l(&d_->mu_);
+      auto it = d_->workers_.find(req->worker_id());
+      if (it != d_->workers_.end()) {
+        it->second.applied_version = std::max(it->second.applied_version, version);
+        // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
+        if (it->second.committed == job.staging && it->second.applied_version >= it->second.committed_version) it->second.committed = nullptr;
+      }
+    }
+    pb::ReportAppliedRequest r;
+    r.set_node_id(d_->options_.node_id);
+    r.set_model_id(req->model_id());
+    r.set_worker_id(req->worker_id());
+    r.set_version(version);
+    pb::ReportAppliedResponse rr;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
+    d_->coordinator_->ReportApplied(&ctx, r, &rr);
+    resp->set_applied_version(version);
+    resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) override {
+    const uint64_t session0 = d_->session();
+    const absl::Time deadline = Deadline(req->timeout_ms());
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, deadline);
+    grpc::Status s = d_->coordinator_->WaitVersion(&ctx, *req, resp);
+    if (s.ok()) {
+      // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
+      // hold it (sync: "committed" includes live weights): say so instead of OK.
+      absl::MutexLock l(&d_->mu_);
+      for (auto& [id, w] : d_->workers_) {
+        if (w.model_id != req->model_id() || w.role != planner::Role::kRollout) continue;
+        if (absl::Status torn = d_->live_.TornError(id, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
+      }
+    }
+    return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
+  }
+
+  grpc::Status Deregister(grpc::ServerContext*, const pb::DeregisterRequest* req, pb::DeregisterResponse*) override {
+    {
+      absl::MutexLock l(&d_->mu_);
+      d_->workers_.erase(req->worker_id());
+      d_->live_.Forget(req->worker_id());
+    }
+    pb::LeaveWorkerRequest r;
+    r.set_node_id(d_->options_.node_id);
+    r.set_model_id(req->model_id());
+    r.set_worker_id(req->worker_id());
+    r.set_reason("deregistered");
+    pb::LeaveWorkerResponse rr;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
+    return d_->coordinator_->LeaveWorker(&ctx, r, &rr);
+  }
+
+  grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest* req, pb::StatusResponse* resp) override {
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
+    grpc::Status s = d_->coordinator_->ClusterStatus(&ctx, *req, resp);
+    resp->set_role("node");
+    resp->set_node_id(d_->options_.node_id);
+    d_->AddLiveState(resp);
+    return s;
+  }
+
+  // Layout discovery (daemon/layout_discovery.h), computed on this node: from the model's spec as
+  // this node holds it (a worker of the model registered here: the coordinator's spec), else from
+  // the request's `model`, so a worker can size its buffers before it registers anything.
+  grpc::Status DescribeLayout(grpc::ServerContext*, const pb::DescribeLayoutRequest* req, pb::DescribeLayoutResponse* resp) override {
+    std::optional<pb::ModelSpec> spec;
+    std::optional<planner::Role> role;
+    if (req->role() != pb::ROLE_UNSPECIFIED) role = FromProto(req->role());
+    {
+      absl::MutexLock l(&d_->mu_);
+      auto w = d_->workers_.find(req->worker_id());
+      if (w != d_->workers_.end() && w->second.model_id == req->model_id()) {
+        spec = w->second.spec;
+        if (!role) role = w->second.role;
+      }
+      for (auto it = d_->workers_.begin(); !spec && it != d_->workers_.end(); ++it) {
+        if (it->second.model_id == req->model_id()) spec = it->second.spec;
+      }
+    }
+    const std::string who = absl::StrCat(req->worker_id().empty() ? "" : absl::StrCat("worker ", req->worker_id(), " of "), "model ",
+                                         req->model_id());
+    if (!spec && req->has_model()) spec = req->model();
+    if (!spec) {
+      return ToGrpcStatus(absl::NotFoundError(absl::StrCat(who, " is unknown on node ", d_->options_.node_id,
+                                                           ": send its spec (DescribeLayoutRequest.model) or register a worker of it first")));
+    }
+    auto described = describer_.Describe(*spec, req->layout(), {}, role, req->worker_id().empty() ? "layout" : req->worker_id());
+    if (!described.ok()) return ToGrpcStatus(Annotate(described.status(), who));
+    *resp->mutable_layout() = std::move(*described);
+    return grpc::Status::OK;
+  }
+
+  // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline).
+  // Held while the node (re-)registers and re-joins, so it reaches the session that knows the
+  // worker. NOT_FOUND from the coordinator (Publish, ReportReady) means it does not know the
+  // worker or model and recorded nothing: a restarted coordinator this node has not re-joined yet
+  // (or a lost lease). Then, once the node has re-joined (a new session: the worker was
+  // re-submitted), the call is sent again - never twice in one session, all within `deadline`.
+  // Returns the last answer; *session = the session that attempt was sent in.
+  grpc::Status ForwardHeld(const std::string& worker, absl::Time deadline, uint64_t* session,
+                           const std::function<grpc::Status(absl::Time)>& call) {
+    *session = d_->session();
+    while (true) {
+      if (!d_->AwaitRegistered(deadline)) {
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id,
+                                                                " is not registered with the coordinator (re-joining?); worker ", worker)));
+      }
+      *session = d_->session();
+      grpc::Status s = call(deadline);
+      if (s.error_code() != grpc::StatusCode::NOT_FOUND) return s;
+      if (!d_->AwaitCoordinatorChange(*session, deadline)) return s;  // no re-join: the answer stands
+      absl::MutexLock l(&d_->mu_);
+      if (!d_->workers_.count(worker)) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " was not re-joined by node ", d_->options_.node_id,
+                                                             " after ", d_->restart_reason_, ": register again")));
+      }
+      Log(LogLevel::kInfo, "worker call sent again after re-join", {{"node", d_->options_.node_id}, {"worker", worker}, {"first_answer", s.error_message()}});
+    }
+  }
+
+  // A waiting call the coordinator could not answer because it went away (UNAVAILABLE, CANCELLED) or does
+  // not know us any more (NOT_FOUND): once the node re-joined a restarted coordinator the caller
+  // gets ABORTED naming the restart (what it waited for will never happen there); otherwise the
+  // original error.
+  grpc::Status RestartAware(const grpc::Status& s, uint64_t session0, absl::Time deadline, const std::string& what) {
+    // CANCELLED: the coordinator's server shut down under the call.
+    if (s.ok() || (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::NOT_FOUND &&
+                   s.error_code() != grpc::StatusCode::CANCELLED)) {
+      return s;
+    }
+    std::optional<std::string> change = d_->AwaitCoordinatorChange(session0, deadline);
+    if (!change) return s;
+    return ToGrpcStatus(absl::AbortedError(absl::StrCat(what, " aborted: ", *change, " (node ", d_->options_.node_id,
+                                                        " re-submitted its workers; publish a newer version)")));
+  }
+
+ private:
+  NodeDaemon* d_;
+  LayoutDescriber describer_;  // RegisterLayout / DescribeLayout (thread-safe)
+};
+
+std::unique_ptr<pb::WorkerService::Service> NodeDaemon::MakeWorkerService(NodeDaemon* d) { return std::make_unique<WorkerImpl>(d); }
+
+}  // namespace wb::daemon
