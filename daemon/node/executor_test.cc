@@ -1,0 +1,293 @@
+// The executor on the in-process fake transport: two "nodes" in one test, each running its own
+// ExecPlan of one slice, meeting through a ChannelSetup that pairs them in memory.
+#include "daemon/node/executor.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "transport/config.h"
+#include "transport/host_shm.h"
+#include "transport/testing/fake_transport.h"
+
+namespace wb::daemon::node {
+namespace {
+
+using transport::MemoryKind;
+
+// Where two executors meet: each publishes its descriptors and an endpoint for the other, then
+// both connect (the fake is two-sided, like host_tcp).
+class Rendezvous {
+ public:
+  struct Node {
+    transport::Transport* t = nullptr;
+  };
+  void Add(const std::string& node, transport::Transport* t) {
+    absl::MutexLock l(&mu_);
+    nodes_[node] = t;
+  }
+  class Side : public ChannelSetup {
+   public:
+    Side(Rendezvous* r, std::string me) : r_(r), me_(std::move(me)) {}
+    void Publish(std::map<std::string, std::map<std::string, std::string>> d) override {
+      absl::MutexLock l(&r_->mu_);
+      r_->desc_[me_] = std::move(d);
+    }
+    absl::StatusOr<ChannelLink> Setup(const ChannelPlan& c, transport::Transport* t, absl::Time deadline) override {
+      std::string peer_instance;
+      {
+        absl::MutexLock l(&r_->mu_);
+        peer_instance = r_->nodes_.at(c.peer)->instance_id();
+      }
+      auto endpoint = t->ExportEndpoint(peer_instance);
+      if (!endpoint.ok()) return endpoint.status();
+      std::string theirs;
+      std::map<std::string, std::string> regions;
+      {
+        absl::MutexLock l(&r_->mu_);
+        r_->endpoints_[{me_, c.peer}] = *endpoint;
+        auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(r_->mu_) {
+          return r_->endpoints_.count({c.peer, me_}) > 0 && r_->desc_.count(c.peer) > 0;
+        };
+        if (!r_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+          return absl::DeadlineExceededError(absl::StrCat("node ", c.peer, " did not set up in time"));
+        }
+        theirs = r_->endpoints_.at({c.peer, me_});
+        regions = r_->desc_.at(c.peer)[c.theirs];
+      }
+      auto id = t->Connect(theirs, deadline);
+      if (!id.ok()) return id.status();
+      return ChannelLink{*id, regions};
+    }
+
+   private:
+    Rendezvous* r_;
+    std::string me_;
+  };
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, transport::Transport*> nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> desc_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, std::string> endpoints_ ABSL_GUARDED_BY(mu_);
+};
+
+constexpr int64_t kElems = 1024;  // tensor 0: [1024] float32
+
+// Trainer t on n0 sends its tensor to rollout r on n1 in two buckets (halves); on n1 rollout r
+// relays it on to rollout r2 in bucket 2 (a same-node batch that reads a written region).
+class ExecutorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    inv_.tensors.push_back({"t0", {kElems}, planner::DType::kF32});
+    slice_.inventory = &inv_;
+    slice_.sync = false;
+    slice_.num_buckets = 3;
+    for (auto [id, node, role] : {std::tuple{"t", "n0", planner::Role::kTrainer}, std::tuple{"r", "n1", planner::Role::kRollout},
+                                  std::tuple{"r2", "n1", planner::Role::kRollout}}) {
+      slice_.workers.push_back({id, node, role});
+      planner::WorkerLayout l;
+      l.buffers.push_back({kElems * 4});
+      planner::Piece p;
+      p.tensor = 0;
+      p.box = {{0}, {kElems}};
+      p.strides = {1};
+      l.pieces.push_back(p);
+      slice_.layouts.push_back(l);
+      slice_.quantized.push_back(false);
+    }
+    AddOp(0, 0, 0, 1, 0, kElems / 2);
+    AddOp(1, 1, 0, 1, kElems / 2, kElems);
+    AddOp(2, 2, 1, 2, 0, kElems);
+    for (int n = 0; n < 2; ++n) {
+      mem_[n].assign(static_cast<size_t>(kElems * 4), 0);
+    }
+    relay_.assign(static_cast<size_t>(kElems * 4), 0);
+    for (size_t i = 0; i < mem_[0].size(); ++i) mem_[0][i] = static_cast<uint8_t>(i * 7 + 3);
+    transport::TransportConfig tc;
+    local_ = transport::NewHostShmTransport(tc);
+    ASSERT_NE(local_, nullptr);
+  }
+
+  void AddOp(uint32_t index, uint32_t bucket, uint32_t src, uint32_t dst, int64_t begin, int64_t end) {
+    SliceOp op;
+    op.index = index;
+    op.bucket = bucket;
+    op.src_worker = src;
+    op.dst_worker = dst;
+    op.src_piece = 0;
+    op.dst_piece = 0;
+    op.box = {{begin}, {end}};
+    op.bytes = static_cast<uint64_t>(end - begin) * 4;
+    slice_.ops.push_back(op);
+  }
+
+  void MakeTransports(int64_t link = 0) {
+    for (int n = 0; n < 2; ++n) {
+      transport::testing::FakeOptions o;
+      o.fabric = &fabric_;
+      o.node_id = absl::StrCat("n", n);
+      o.kind = "host_tcp";
+      o.link_bytes_per_second = link;
+      cross_[n] = transport::testing::MakeFakeTransport(o);
+      rendezvous_.Add(o.node_id, cross_[n].get());
+    }
+  }
+
+  struct Outcome {
+    absl::Status status;
+    ExecResult result;
+    std::atomic<uint64_t> bytes{0};
+  };
+
+  // Runs both nodes' plans at once.
+  void RunBoth(absl::Duration timeout, std::function<void(int node, uint32_t bucket)> before_bucket = nullptr,
+               std::function<absl::Status()> aborted = nullptr) {
+    std::thread threads[2];
+    for (int n = 0; n < 2; ++n) {
+      threads[n] = std::thread([&, n] {
+        const std::string me = absl::StrCat("n", n);
+        ExecFacts f;
+        f.me = me;
+        std::map<std::string, RegionMemory> mem;
+        for (uint32_t w = 0; w < slice_.workers.size(); ++w) {
+          if (slice_.workers[w].node_id != me) continue;
+          uint8_t* base = w == 2 ? relay_.data() : mem_[n].data();
+          mem[RegionKey(w, 0)] = RegionMemory{MemoryKind::kHost, base, kElems * 4, -1, {}};
+          f.kind[RegionKey(w, 0)] = MemoryKind::kHost;
+        }
+        auto plan = MakeExecPlan(slice_, f);
+        if (!plan.ok()) {
+          out_[n].status = plan.status();
+          return;
+        }
+        ExecTransports t;
+        t.local = local_.get();
+        t.cross = cross_[n].get();
+        ExecOptions o;
+        o.label = absl::StrCat("m v1 on ", me);
+        o.version = 1;
+        o.deadline = absl::Now() + timeout;
+        o.bytes_done = &out_[n].bytes;
+        if (before_bucket) o.before_bucket = [&, n](uint32_t b) { before_bucket(n, b); };
+        o.aborted = aborted;
+        Rendezvous::Side side(&rendezvous_, me);
+        out_[n].status = RunExecPlan(*plan, mem, t, side, o, out_[n].result);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  planner::Inventory inv_;
+  Slice slice_;
+  std::vector<uint8_t> mem_[2], relay_;
+  transport::testing::FakeFabric fabric_;
+  std::unique_ptr<transport::Transport> local_;
+  std::unique_ptr<transport::Transport> cross_[2];
+  Rendezvous rendezvous_;
+  Outcome out_[2];
+};
+
+TEST_F(ExecutorTest, TwoNodesMoveEveryByteExactlyAndCountIt) {
+  MakeTransports();
+  RunBoth(absl::Seconds(10));
+  ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
+  ASSERT_TRUE(out_[1].status.ok()) << out_[1].status;
+  EXPECT_EQ(mem_[1], mem_[0]);
+  EXPECT_EQ(relay_, mem_[0]);  // the relay read delivered bytes (it waited for buckets 0 and 1)
+  EXPECT_EQ(out_[1].bytes.load(), 2u * kElems * 4);  // received over the channel + relayed locally
+  EXPECT_EQ(out_[0].bytes.load(), 0u);
+  EXPECT_EQ(out_[0].result.links.at("n1").bytes, static_cast<uint64_t>(kElems * 4));
+  EXPECT_EQ(out_[1].result.links.at("n0").bytes, static_cast<uint64_t>(kElems * 4));
+  EXPECT_EQ(out_[1].result.links.at("n1").bytes, static_cast<uint64_t>(kElems * 4));  // same-node
+  EXPECT_EQ(out_[0].result.channels.count("n1"), 1u);
+}
+
+TEST_F(ExecutorTest, AFailingBatchFailsTheVersionNamingTheBucketAndLink) {
+  MakeTransports();
+  fabric_.FailNextBatches(cross_[0]->instance_id(), absl::InternalError("injected"), 1);
+  RunBoth(absl::Seconds(10));
+  for (int n = 0; n < 2; ++n) {
+    ASSERT_FALSE(out_[n].status.ok()) << n;
+    EXPECT_NE(out_[n].status.message().find("bucket 0"), std::string::npos) << out_[n].status;
+  }
+  EXPECT_NE(out_[0].status.message().find("node n0 <-> node n1"), std::string::npos) << out_[0].status;
+  EXPECT_EQ(relay_, std::vector<uint8_t>(relay_.size(), 0));  // the relay never ran
+}
+
+TEST_F(ExecutorTest, ADeadlineThatExpiresEndsTheVersion) {
+  MakeTransports(/*link=*/1000);  // 4 KiB at 1 kB/s: far longer than the deadline
+  const absl::Time t0 = absl::Now();
+  RunBoth(absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(5));
+  // The side whose deadline passes first cancels its batch (DEADLINE_EXCEEDED); the other may see
+  // its peer's cancellation first (UNAVAILABLE): both end, well before the transfer would.
+  int deadline_exceeded = 0;
+  for (int n = 0; n < 2; ++n) {
+    ASSERT_FALSE(out_[n].status.ok()) << n;
+    EXPECT_TRUE(out_[n].status.code() == absl::StatusCode::kDeadlineExceeded || out_[n].status.code() == absl::StatusCode::kUnavailable)
+        << out_[n].status;
+    deadline_exceeded += out_[n].status.code() == absl::StatusCode::kDeadlineExceeded;
+  }
+  EXPECT_GE(deadline_exceeded, 1);
+}
+
+TEST_F(ExecutorTest, APeerVanishingMidVersionFailsUnavailable) {
+  MakeTransports(/*link=*/4000);  // bucket 1 (2 KiB) takes about half a second
+  RunBoth(absl::Seconds(10), [&](int node, uint32_t bucket) {
+    if (node == 1 && bucket == 1) fabric_.Vanish(cross_[0]->instance_id());
+  });
+  ASSERT_FALSE(out_[1].status.ok());
+  EXPECT_EQ(out_[1].status.code(), absl::StatusCode::kUnavailable) << out_[1].status;
+  ASSERT_FALSE(out_[0].status.ok());
+}
+
+TEST_F(ExecutorTest, AbortStopsBeforeTheNextBucket) {
+  MakeTransports();
+  std::atomic<bool> abort{false};
+  RunBoth(
+      absl::Seconds(10), [&](int, uint32_t bucket) { if (bucket == 1) abort = true; },
+      [&]() { return abort ? absl::AbortedError("version 1 aborted: test") : absl::OkStatus(); });
+  for (int n = 0; n < 2; ++n) {
+    ASSERT_FALSE(out_[n].status.ok()) << n;
+    EXPECT_EQ(out_[n].status.code(), absl::StatusCode::kAborted) << out_[n].status;
+  }
+  EXPECT_EQ(relay_, std::vector<uint8_t>(relay_.size(), 0));
+}
+
+class FailingSetup : public ChannelSetup {
+ public:
+  void Publish(std::map<std::string, std::map<std::string, std::string>>) override {}
+  absl::StatusOr<ChannelLink> Setup(const ChannelPlan& c, transport::Transport*, absl::Time) override {
+    return absl::UnavailableError(absl::StrCat("exchanging regions with node ", c.peer, ": peer gone"));
+  }
+};
+
+TEST_F(ExecutorTest, AChannelSetupFailureIsReturnedAndNothingIsPosted) {
+  MakeTransports();
+  ExecFacts f;
+  f.me = "n0";
+  f.kind["w0.b0"] = MemoryKind::kHost;
+  auto plan = MakeExecPlan(slice_, f);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::map<std::string, RegionMemory> mem{{"w0.b0", RegionMemory{MemoryKind::kHost, mem_[0].data(), kElems * 4, -1, {}}}};
+  ExecTransports t;
+  t.local = local_.get();
+  t.cross = cross_[0].get();
+  ExecOptions o;
+  o.label = "m v1";
+  o.version = 1;
+  o.deadline = absl::Now() + absl::Seconds(5);
+  FailingSetup setup;
+  ExecResult result;
+  absl::Status s = RunExecPlan(*plan, mem, t, setup, o, result);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("node n1: peer gone"), std::string::npos) << s;
+  EXPECT_EQ(cross_[0]->stats().batches_posted, 0);
+}
+
+}  // namespace
+}  // namespace wb::daemon::node
