@@ -1,0 +1,113 @@
+#include "daemon/digest/op_digests.h"
+
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace wb::digest {
+namespace {
+
+using daemon::node::Slice;
+using daemon::node::SliceOp;
+
+// Tensor 0: [4, 6] bf16. Trainer t0 (node n0) holds rows 0..4 row-major at offset 0; rollout r0
+// (node n0) holds it transposed at offset 64; rollout r1 lives on node n1.
+struct Fixture {
+  planner::Inventory inv;
+  Slice slice;
+  std::vector<uint8_t> trainer = std::vector<uint8_t>(48), rollout = std::vector<uint8_t>(64 + 48);
+  Fixture() {
+    inv.tensors.push_back({"model.embed_tokens.weight", {4, 6}, planner::DType::kBF16});
+    slice.inventory = &inv;
+    slice.workers = {{"t0", "n0", planner::Role::kTrainer}, {"r0", "n0", planner::Role::kRollout}, {"r1", "n1", planner::Role::kRollout}};
+    const planner::Box whole{{0, 0}, {4, 6}};
+    slice.layouts.resize(3);
+    slice.layouts[0].pieces.push_back({0, whole, 0, 0, {6, 1}, std::nullopt});
+    slice.layouts[1].pieces.push_back({0, whole, 0, 64, {1, 4}, std::nullopt});
+    slice.layouts[2].pieces.push_back({0, whole, 0, 0, {6, 1}, std::nullopt});
+    slice.ops.push_back(Op(0, 0, 1, planner::Box{{0, 0}, {2, 6}}));
+    slice.ops.push_back(Op(1, 0, 1, planner::Box{{2, 0}, {4, 6}}));
+    slice.ops.push_back(Op(2, 0, 2, whole));
+    // Element (r, c) = bytes {r, c}: trainer row-major, rollout transposed (what a copy lands).
+    for (int r = 0; r < 4; ++r) {
+      for (int c = 0; c < 6; ++c) {
+        const uint8_t v[2] = {static_cast<uint8_t>(r), static_cast<uint8_t>(c)};
+        std::memcpy(trainer.data() + (r * 6 + c) * 2, v, 2);
+        std::memcpy(rollout.data() + 64 + (c * 4 + r) * 2, v, 2);
+      }
+    }
+  }
+  static SliceOp Op(uint32_t index, uint32_t src, uint32_t dst, planner::Box box) {
+    SliceOp op;
+    op.index = index;
+    op.src_worker = src;
+    op.dst_worker = dst;
+    op.src_piece = 0;
+    op.dst_piece = 0;
+    op.tensor = 0;
+    op.box = std::move(box);
+    return op;
+  }
+  std::map<std::string, RegionBytes> Regions() const {
+    return {{"w0.b0", {trainer.data(), static_cast<int64_t>(trainer.size())}}, {"w1.b0", {rollout.data(), static_cast<int64_t>(rollout.size())}}};
+  }
+};
+
+TEST(OpDigestsTest, SourceAndLandedAgreeAcrossLayoutsAndOnlyLocalSidesAreDigested) {
+  Fixture f;
+  auto d = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 2, absl::InfiniteFuture());
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_EQ(d->source.size(), 3u);  // n0 sends all three ops
+  ASSERT_EQ(d->landed.size(), 2u);  // and receives ops 0 and 1 (op 2 lands on n1)
+  EXPECT_EQ(d->source.at(0), d->landed.at(0));
+  EXPECT_EQ(d->source.at(1), d->landed.at(1));
+  EXPECT_NE(d->source.at(0), d->source.at(1));
+  // Ops 0 and 2 read different boxes; the whole tensor's digest is what n1 must land for op 2.
+  EXPECT_NE(d->source.at(2), d->source.at(0));
+}
+
+TEST(OpDigestsTest, AFlippedBitInStagingChangesOnlyThatOpsLandedDigest) {
+  Fixture f;
+  auto before = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(before.ok());
+  f.rollout[64 + (5 * 4 + 3) * 2] ^= 0x04;  // element (3, 5): op 1
+  auto after = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->landed.at(0), before->landed.at(0));
+  EXPECT_NE(after->landed.at(1), before->landed.at(1));
+  EXPECT_EQ(after->source, before->source);
+}
+
+TEST(OpDigestsTest, DeviceMemoryIsSkippedAndRelaysAtCommitUseTheirSource) {
+  Fixture f;
+  auto regions = f.Regions();
+  regions["w1.b0"].host = nullptr;  // GPU staging
+  auto d = DigestLocalOps(f.slice, "n0", {}, regions, 1, absl::InfiniteFuture());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->landed.empty());
+  EXPECT_EQ(d->skipped_sides, 2);
+  // Op 0 left to the commit: its landed digest is its source's (the rollout staging is not read).
+  f.rollout.assign(f.rollout.size(), 0);
+  auto c = DigestLocalOps(f.slice, "n0", {0}, f.Regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->landed.at(0), c->source.at(0));
+  EXPECT_NE(c->landed.at(1), c->source.at(1));
+}
+
+TEST(OpDigestsTest, MissingRegionsAndBoxesOutsideTheirRegionAreBugsNamed) {
+  Fixture f;
+  auto regions = f.Regions();
+  regions.erase("w1.b0");
+  auto d = DigestLocalOps(f.slice, "n0", {}, regions, 1, absl::InfiniteFuture());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(d.status().message().find("region w1.b0"), std::string::npos) << d.status();
+  regions = f.Regions();
+  regions["w1.b0"].size = 100;  // the transposed piece ends at byte 112
+  d = DigestLocalOps(f.slice, "n0", {}, regions, 1, absl::InfiniteFuture());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(d.status().message().find("reaches byte"), std::string::npos) << d.status();
+}
+
+}  // namespace
+}  // namespace wb::digest
