@@ -1,0 +1,123 @@
+// Test fixture shared by the multi-node end-to-end tests (multinode_test, multinode_fault_test,
+// status_push_test, torn_test, hostile_worker_test): a coordinator and node daemons as objects in one
+// process on 127.0.0.1:0, workers as gRPC clients on the nodes' Unix sockets with shared-memory
+// weights, bytes moved by the real transports (host_shm same-node, host_tcp cross-node). Every
+// rollout byte is checked against the canonical weights of its version (tools/cc/weight_gen.h).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/server.h"
+#include "planner/inventory.h"
+#include "proto/weightbridge.grpc.pb.h"
+#include "transport/factory.h"
+#include "transport/shm_segment.h"
+
+namespace wb::daemon {
+
+struct TestWorker {
+  std::string id;
+  pb::Role role;
+  int node = 0;
+  const planner::Inventory* inventory = nullptr;
+  planner::WorkerLayout layout;  // buffer 0 = seg
+  transport::ShmSegment seg;
+  std::unique_ptr<pb::WorkerService::Stub> stub;
+};
+
+// Writes version `version`'s canonical bytes into every piece of `w`.
+void Fill(TestWorker& w, uint64_t version);
+// Elements of `w` that differ from version `version`'s canonical bytes.
+int64_t CountBad(const TestWorker& w, uint64_t version);
+// host_shm + host_tcp, as a node without GPUs has.
+absl::StatusOr<transport::TransportSet> HostTransports();
+
+class Cluster {
+ public:
+  using BucketHook = std::function<void(const std::string&, uint64_t, uint32_t)>;
+
+  void StartCoordinator(absl::Duration lease = absl::Seconds(3), const std::string& listen = "127.0.0.1:0",
+                        const std::function<void(ServerOptions&)>& configure = nullptr);
+  // Node "n<n>": `hook` is its test_before_bucket, `skip_heartbeat` its test_skip_heartbeat.
+  void StartNode(int n, BucketHook hook = nullptr, std::function<bool()> skip_heartbeat = nullptr,
+                 std::function<void(ServerOptions&)> configure = nullptr);
+  void Stop();
+
+  TestWorker& AddWorker(const std::string& id, pb::Role role, int node, const planner::Inventory* inv, planner::WorkerLayout layout);
+  // (Re)connects w's stub to its node's worker socket.
+  void Connect(TestWorker& w);
+
+  // Registers the worker and its layout: explicit pieces, or `preset` when given.
+  grpc::Status Register(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr, int pid = ::getpid());
+  // RegisterLayout alone: explicit pieces of w.layout, or `preset` when given.
+  grpc::Status RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr);
+
+  // One version: (sync) pause rollouts, every trainer publishes, (non-sync) trainers scribble,
+  // returns the trainers' publish statuses.
+  std::vector<grpc::Status> Publish(const std::string& model, pb::Mode mode, uint64_t v, const std::vector<TestWorker*>& trainers,
+                                    const std::vector<TestWorker*>& rollouts);
+  grpc::Status Apply(TestWorker& r, const std::string& model, uint64_t v, pb::ApplyResponse* resp);
+
+  // Waits (bounded) on the coordinator's status push until `pred` holds.
+  absl::StatusOr<pb::StatusResponse> WaitForCoordinator(const std::function<bool(const pb::StatusResponse&)>& pred,
+                                                        absl::Duration timeout);
+  // Status as w's node answers it.
+  pb::StatusResponse Status(TestWorker& w);
+
+  std::unique_ptr<Server> coord_;
+  std::vector<std::unique_ptr<Server>> nodes_;
+  // Node index -> worker socket of a node daemon running in another process (live_restart_test).
+  std::map<int, std::string> external_sockets_;
+  std::vector<std::unique_ptr<TestWorker>> workers_;
+};
+
+// ------------------------------------------------------------------ explicit pieces, 2 tensors
+struct PieceDef { int tensor; std::vector<int64_t> begin, end; bool transposed; };
+
+// a [8, 16] f32, b [4, 6] bf16.
+planner::Inventory SmallInventory();
+// Pieces packed back to back in buffer 0 (row-major, or column-major when transposed).
+planner::WorkerLayout LayoutOf(const planner::Inventory& inv, const std::vector<PieceDef>& defs);
+// Model "m" of SmallInventory's tensors, 2 trainers, 2 rollouts.
+pb::ModelSpec SmallSpec(pb::Mode mode, pb::Strategy strategy);
+
+// The two-node cast most fault tests use: trainers t0 (n0, rows 0-3 of `a` and all of `b`) and t1
+// (n1, rows 4-7), so every version has cross-node ops; rollouts r0 (n0) and r1 (n1, transposed)
+// each hold the whole model.
+struct TwoNodeWorkers {
+  TestWorker &t0, &t1, &r0, &r1;
+};
+TwoNodeWorkers AddTwoNodeWorkers(Cluster& c, const planner::Inventory& inv);
+
+// The whole setup of the torn-version tests: coordinator, n0 (with `n0_live_copy_fault` as its
+// NodeDaemon::Options::test_live_copy_fault when given) and n1 (with `n1_before_bucket`), the
+// TwoNodeWorkers cast registered for SmallSpec(mode, weightbridge). Check HasFatalFailure() after.
+struct TwoNodeSetup {
+  pb::Mode mode = pb::MODE_ONE_STEP_OFF;
+  std::function<absl::Status(const std::string& label)> n0_live_copy_fault;
+  Cluster::BucketHook n1_before_bucket;
+};
+TwoNodeWorkers StartTwoNodeCluster(Cluster& c, const planner::Inventory& inv, const TwoNodeSetup& setup);
+
+// Waits (bounded) until the coordinator recorded version v of `model` as committed: a rollout's
+// Apply returns once its node committed, the coordinator records the commit after every node
+// acknowledged it.
+grpc::Status WaitCommitted(TestWorker& w, const std::string& model, uint64_t v);
+// The status of worker `w` as its own node reports it.
+pb::WorkerStatus LocalStatus(Cluster& c, TestWorker& w);
+// Apply of model "m" version v with the request's timeout_ms (the RPC's own deadline is 30 s).
+grpc::Status ApplyWithin(TestWorker& r, uint64_t v, int64_t timeout_ms, pb::ApplyResponse* resp);
+// committed_version of `model` in a status (0 when absent).
+uint64_t CommittedOf(const pb::StatusResponse& st, const std::string& model);
+
+}  // namespace wb::daemon
