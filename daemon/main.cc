@@ -170,6 +170,9 @@ int main(int argc, char** argv) {
 
   wb::daemon::ServerOptions o;
   o.role = *role;
+  // The process's one metrics instance, given to every role; never destroyed (gRPC threads may
+  // still record while the process exits).
+  o.metrics = new wb::daemon::DaemonMetrics();
   o.listen = absl::GetFlag(FLAGS_listen);
   o.worker_socket = absl::GetFlag(FLAGS_worker_socket);
   o.coordinator = absl::GetFlag(FLAGS_coordinator);

@@ -1,8 +1,10 @@
 #pragma once
 // Prometheus metrics of one weightbridged process (prometheus-cpp core + its pull Exposer; no
-// hand-written HTTP). Every daemon role records into the process-wide DaemonMetrics (Metrics());
-// ServeMetrics() exposes it on --metrics_listen. Several daemons in one test process share the
-// registry; every series carries a `node` label so they stay apart.
+// hand-written HTTP). main.cc makes one DaemonMetrics and gives it to every role through their
+// Options (ServerOptions::metrics -> DaemonFront, ConnGuard, CoordinatorOptions, the node daemon);
+// MetricsEndpoint exposes its registry on --metrics_listen. Tests running several daemons in one
+// process may give each its own instance; those that leave it null share Metrics(), where every
+// series' `node` label keeps them apart.
 //
 // Series (all names prefixed wb_):
 //   versions_total{node,model,event}          event = published | committed | aborted | applied
@@ -80,8 +82,9 @@ class DaemonMetrics {
   std::unique_ptr<Families> f_;
 };
 
-// The process-wide instance (created on first use, never destroyed: gRPC threads may record
-// during static destruction).
+// The default instance where Options leave `metrics` null (created on first use, never
+// destroyed: gRPC threads may record during static destruction). Daemon code records into the
+// instance it was given, never into this one directly.
 DaemonMetrics& Metrics();
 
 // A small fixed vocabulary for failures, so label cardinality stays bounded:

@@ -33,7 +33,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (o.role == DaemonRole::kNode && o.coordinator.empty()) return absl::InvalidArgumentError("--coordinator is required for role node");
   if (has_node && !o.make_transports) return absl::InvalidArgumentError("no transport factory");
   grpc::EnableDefaultHealthCheckService(true);
-  s->front_ = std::make_unique<DaemonFront>(o.security, has_node ? o.node_id : "coordinator");
+  DaemonMetrics* metrics = o.metrics != nullptr ? o.metrics : &Metrics();
+  s->front_ = std::make_unique<DaemonFront>(o.security, has_node ? o.node_id : "coordinator", metrics);
   RETURN_IF_ERROR(s->front_->StartMetrics());
   grpc::ServerBuilder tcp;
   // Our own accept loop in front of gRPC's (daemon/conn_guard.h): survives fd exhaustion and
@@ -54,6 +55,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     // Replies travel on channels sized by PeerMessageBytes (DaemonFront::channel_factory).
     co.max_reply_bytes = PeerMessageBytes(o.security.limits);
     co.status_resend = o.status_resend;
+    co.metrics = metrics;
     // Standalone: the node lives in this very process, so it cannot be lost while we run (its
     // heartbeats are only late when the whole process is starved, e.g. by its own copies).
     if (o.role == DaemonRole::kStandalone) co.local_node = o.node_id;

@@ -34,6 +34,9 @@ struct ServerOptions {
   Clock* clock = Clock::Real();
   // TLS/token between daemons, request limits, worker socket mode, metrics endpoint (daemon/front.h).
   SecurityOptions security;
+  // Where every role of this process counts (daemon/metrics.h): main.cc makes one per process;
+  // tests running several daemons in one process may give each its own. Null = Metrics().
+  DaemonMetrics* metrics = nullptr;
   planner::Topology topology;                 // bandwidths the coordinator's planner assumes
   int64_t bucket_bytes = int64_t{2} << 30;    // planner staging budget per GPU per bucket
   bool checksums = true;                      // xxh3 per cross-node batch
