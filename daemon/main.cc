@@ -15,6 +15,7 @@
 #include "daemon/device_staging.h"
 #include "daemon/fd_limit.h"
 #include "daemon/log.h"
+#include "daemon/node/live_markers.h"
 #include "daemon/server.h"
 #include "transport/cpu_affinity.h"
 #include "transport/device_allocator.h"
@@ -49,6 +50,10 @@ ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direct
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
 ABSL_FLAG(int64_t, bucket_bytes, int64_t{2} << 30, "planner: max bytes a GPU sends / receives per bucket");
 ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
+ABSL_FLAG(std::string, live_state_dir, "",
+          "node/standalone: private directory (0700, this user's) where a copy into a worker's live memory is recorded "
+          "before its first byte, so that after a crash the restarted daemon reports that worker's weights TORN; must "
+          "survive a daemon restart. Empty: $STATE_DIRECTORY/live (systemd StateDirectory=) or ${TMPDIR:-/tmp}/weightbridge-<uid>/live");
 ABSL_FLAG(std::string, nccl_devices, "all",
           "GPUs that get an nccl lane (their own communicators, so each sends and receives on the NIC nearest to it): "
           "'all' or a comma-separated list of device ordinals; a CUDA buffer on a GPU without a lane goes through a listed "
@@ -179,6 +184,8 @@ int main(int argc, char** argv) {
   o.node_id = absl::GetFlag(FLAGS_node_id);
   o.data_listen = absl::GetFlag(FLAGS_data_listen);
   o.staging_budget_bytes = absl::GetFlag(FLAGS_staging_budget_bytes);
+  o.live_state_dir = absl::GetFlag(FLAGS_live_state_dir);
+  if (o.live_state_dir.empty()) o.live_state_dir = wb::daemon::LiveMarkers::DefaultDir();
   o.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   o.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   o.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));

@@ -147,6 +147,12 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
   if (options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false) == nullptr) {
     return absl::InvalidArgumentError("node daemon needs a same-node host-memory transport (host_shm)");
   }
+  if (!options_.live_state_dir.empty()) {
+    // Before the first worker can register: leftovers of a previous process make theirs TORN.
+    ASSIGN_OR_RETURN(markers_, LiveMarkers::Open(options_.live_state_dir, options_.node_id));
+    absl::MutexLock l(&mu_);
+    live_.AttachMarkers(markers_.get());
+  }
   node_address_ = node_address;
   data_address_ = node_address;  // peers reach our NodeService (ExchangeRegions) here
   std::shared_ptr<grpc::Channel> channel;
@@ -1479,9 +1485,11 @@ std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) 
       }
       return out;
     }
-    for (const LiveJob& j : jobs) {
-      auto w = workers_.find(j.worker);
-      live_.Begin(j.worker, j.version, w == workers_.end() ? 0 : w->second.applied_version);
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      auto w = workers_.find(jobs[i].worker);
+      live_.Begin(jobs[i].worker, jobs[i].version, w == workers_.end() ? 0 : w->second.applied_version);
+      // On disk before the first byte: a daemon killed mid-copy reports it after its restart.
+      out[i] = live_.Mark(w == workers_.end() ? "" : w->second.model_id, jobs[i].worker, jobs[i].live.host);
     }
   }
   // Its own deadline: once bytes go into live memory the copy finishes (or fails) on its own
@@ -1489,6 +1497,7 @@ std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) 
   const absl::Time deadline = absl::Now() + options_.live_copy_timeout;
   std::vector<char> wrote(jobs.size(), 0);
   auto copy_one = [&](size_t i) {
+    if (!out[i].ok()) return;  // not recorded: not started
     LiveJob& j = jobs[i];
     bool w = false;
     out[i] = copier_.CopyToLive(*j.staging, j.live, j.layout, j.plan->inventory, j.label, deadline, &w);

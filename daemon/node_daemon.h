@@ -83,6 +83,10 @@ class NodeDaemon {
     absl::Duration live_copy_timeout = absl::Minutes(2);
     // TEST ONLY: see LiveCopier::FaultHook (a live copy that fails midway).
     LiveCopier::FaultHook test_live_copy_fault;
+    // Where a copy into live memory is recorded before its first byte (daemon/node/live_markers.h),
+    // so that a restarted daemon reports those workers TORN. Empty: not recorded (main.cc always
+    // sets it: --live_state_dir, default LiveMarkers::DefaultDir()).
+    std::string live_state_dir;
   };
 
   explicit NodeDaemon(Options options);
@@ -303,6 +307,7 @@ class NodeDaemon {
   uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (node-local waiters compare)
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through live_
   LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
   LiveCopier copier_;                    // staging -> live copies on the host transport
   // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until

@@ -28,6 +28,7 @@ struct ServerOptions {
   std::string node_id = "node0";
   std::string data_listen = "127.0.0.1:0";
   int64_t staging_budget_bytes = int64_t{64} << 30;
+  std::string live_state_dir;  // node/standalone: NodeDaemon::Options::live_state_dir (empty: none)
   absl::Duration heartbeat = absl::Milliseconds(500);
   absl::Duration lease = absl::Seconds(3);
   absl::Duration transfer_timeout = absl::Seconds(60);

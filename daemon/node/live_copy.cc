@@ -30,6 +30,24 @@ absl::Status LiveCopier::Run(std::map<transport::Transport*, transport::Batch>& 
   if (!injected.ok()) {
     // Fault injection: a copy that fails midway (half of every batch lands).
     for (auto& [t, batch] : batches) batch.ops.resize(batch.ops.size() / 2);
+  } else if (fault_) {
+    // Tests: the first half of every batch lands, then the hook sees "<label> midway" (a test
+    // kills the daemon there: live memory is part new, part old); an error fails the copy there.
+    std::map<transport::Transport*, transport::Batch> rest;
+    for (auto& [t, batch] : batches) {
+      transport::Batch& r = rest[t];
+      r = batch;
+      const size_t half = batch.ops.size() / 2;
+      r.ops.erase(r.ops.begin(), r.ops.begin() + static_cast<std::ptrdiff_t>(half));
+      batch.ops.resize(half);
+    }
+    const LiveCopier plain(node_id_, host_);  // the halves themselves run without the hook
+    RETURN_IF_ERROR(plain.Run(batches, label, deadline, wrote));
+    if (absl::Status midway = fault_(absl::StrCat(label, " midway")); !midway.ok()) {
+      *wrote = true;
+      return midway;
+    }
+    return plain.Run(rest, label, deadline, wrote);
   }
   std::vector<std::pair<transport::Transport*, transport::BatchId>> posted;
   absl::Status first;

@@ -82,7 +82,10 @@ absl::Status CheckLive(const std::vector<std::shared_ptr<transport::ShmSegment>>
 class LiveCopier {
  public:
   // TEST ONLY: called before each live copy with its label; a non-OK answer makes the copy fail
-  // midway (only the first half of its ops is copied, then the answer is returned).
+  // midway (only the first half of its ops is copied, then the answer is returned). After an OK
+  // answer the copy runs in two halves and the hook is called again between them with
+  // "<label> midway" (live memory part new, part old: a test may stall or kill the daemon there;
+  // a non-OK answer fails the copy there).
   using FaultHook = std::function<absl::Status(const std::string& label)>;
 
   // `host` is the same-node transport that reaches host memory (host_shm); must outlive this.

@@ -228,9 +228,9 @@ void LiveMarkers::MarkFailed(const std::string& worker, uint64_t writing, uint64
 
 void LiveMarkers::Clear(const std::string& worker) {
   absl::MutexLock l(&mu_);
-  const bool ours = current_.erase(worker) > 0;
-  const bool earlier = leftovers_.erase(worker) > 0;
-  if (ours || earlier) ::unlink(PathFor(worker).c_str());
+  // An earlier process's leftover stays until Claim: the worker's RegisterWorker forgets its live
+  // state (LiveState::Forget) before its RegisterLayout says which memory it brings.
+  if (current_.erase(worker) > 0) ::unlink(PathFor(worker).c_str());
 }
 
 std::optional<LiveMarker> LiveMarkers::Claim(const std::string& model, const std::string& worker, const std::vector<SegmentId>& segments) {

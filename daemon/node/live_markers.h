@@ -80,7 +80,8 @@ class LiveMarkers {
   absl::Status Record(const LiveMarker& m);
   // The worker's marker is rewritten as failed: versions and reason from the live state.
   void MarkFailed(const std::string& worker, uint64_t writing, uint64_t over, const std::string& reason);
-  // Removes the worker's marker (none: nothing happens).
+  // Removes the marker this process recorded (or claimed) for the worker (none: nothing happens).
+  // A leftover of an earlier process is not touched: only Claim decides about it.
   void Clear(const std::string& worker);
   // A marker left by an earlier process for `worker` of `model` on exactly `segments`: returned
   // (it stays on disk until the worker is whole again). A leftover for the worker on other

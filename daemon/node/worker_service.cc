@@ -286,6 +286,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     it->second.buffers = std::move(buffers);
     it->second.cuda = std::move(cuda);
     it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
+    // Memory an earlier process of this daemon died copying into (a live-copy marker): TORN.
+    d_->live_.Adopt(req->model_id(), req->worker_id(), it->second.buffers, d_->options_.node_id);
     it->second.submitted = std::move(sreq);
     resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
     resp->set_bytes(bytes);
