@@ -80,6 +80,25 @@ constexpr char kTinyQwen2[] = R"({"architectures":["Qwen2ForCausalLM"],"model_ty
 
 class PresetTest : public ::testing::TestWithParam<pb::Strategy> {};
 
+// Adds worker t<rank> (trainer) or r<rank> (rollout) on `node` with preset `preset` (tp / replicas) and registers it.
+void AddPresetWorker(Cluster& c, const planner::ModelConfig& config, const planner::Inventory& inv, const pb::ModelSpec& spec,
+                     pb::Role role, int node, const std::string& preset, int tp, int replicas, int rank, std::vector<TestWorker*>* out) {
+  planner::ParallelConfig pc;  // 0: the preset's default, unset in the request too
+  pc.preset = preset;
+  if (tp > 0) pc.tp = tp;
+  if (replicas > 0) pc.replicas = replicas;
+  auto layout = planner::MakePresetLayout(config, inv, pc, rank);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  TestWorker& w = c.AddWorker(absl::StrCat(role == pb::ROLE_TRAINER ? "t" : "r", rank), role, node, &inv, layout->layout);
+  pb::ParallelConfig ppc;
+  ppc.set_preset(preset);
+  if (tp > 0) ppc.set_tp(tp);
+  if (replicas > 0) ppc.set_replicas(replicas);
+  ppc.set_rank(rank);
+  ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
+  out->push_back(&w);
+}
+
 // Megatron TP=2 trainers (one per node) -> vLLM TP=1 x 4 replicas (two per node), one-step-off.
 TEST_P(PresetTest, MegatronToVllmByteExact) {
   const pb::Strategy strategy = GetParam();
@@ -101,32 +120,12 @@ TEST_P(PresetTest, MegatronToVllmByteExact) {
   spec.set_strategy(strategy);
   std::vector<TestWorker*> trainers, rollouts;
   for (int rank = 0; rank < 2; ++rank) {
-    planner::ParallelConfig pc;
-    pc.preset = "megatron";
-    pc.tp = 2;
-    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    TestWorker& w = c.AddWorker(absl::StrCat("t", rank), pb::ROLE_TRAINER, rank, &*inv, layout->layout);
-    pb::ParallelConfig ppc;
-    ppc.set_preset("megatron");
-    ppc.set_tp(2);
-    ppc.set_rank(rank);
-    ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
-    trainers.push_back(&w);
+    AddPresetWorker(c, *config, *inv, spec, pb::ROLE_TRAINER, rank, "megatron", 2, 0, rank, &trainers);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
   }
   for (int rank = 0; rank < 4; ++rank) {
-    planner::ParallelConfig pc;
-    pc.preset = "vllm";
-    pc.replicas = 4;
-    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    TestWorker& w = c.AddWorker(absl::StrCat("r", rank), pb::ROLE_ROLLOUT, rank / 2, &*inv, layout->layout);
-    pb::ParallelConfig ppc;
-    ppc.set_preset("vllm");
-    ppc.set_replicas(4);
-    ppc.set_rank(rank);
-    ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
-    rollouts.push_back(&w);
+    AddPresetWorker(c, *config, *inv, spec, pb::ROLE_ROLLOUT, rank / 2, "vllm", 0, 4, rank, &rollouts);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
   }
   for (uint64_t v : {1u, 2u}) {
     for (auto& s : c.Publish("qwen", pb::MODE_ONE_STEP_OFF, v, trainers, rollouts)) ASSERT_TRUE(s.ok()) << s.error_message();
@@ -188,32 +187,12 @@ TEST(SyncRelayTest, RelaysLeftToTheCommitAreByteExactAndStagingIsReused) {
   spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
   std::vector<TestWorker*> trainers, rollouts;
   for (int rank = 0; rank < 2; ++rank) {
-    planner::ParallelConfig pc;
-    pc.preset = "megatron";
-    pc.tp = 2;
-    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    TestWorker& w = c.AddWorker(absl::StrCat("t", rank), pb::ROLE_TRAINER, 0, &*inv, layout->layout);
-    pb::ParallelConfig ppc;
-    ppc.set_preset("megatron");
-    ppc.set_tp(2);
-    ppc.set_rank(rank);
-    ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
-    trainers.push_back(&w);
+    AddPresetWorker(c, *config, *inv, spec, pb::ROLE_TRAINER, 0, "megatron", 2, 0, rank, &trainers);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
   }
   for (int rank = 0; rank < 2; ++rank) {
-    planner::ParallelConfig pc;
-    pc.preset = "vllm";
-    pc.replicas = 2;
-    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
-    ASSERT_TRUE(layout.ok()) << layout.status();
-    TestWorker& w = c.AddWorker(absl::StrCat("r", rank), pb::ROLE_ROLLOUT, 1, &*inv, layout->layout);
-    pb::ParallelConfig ppc;
-    ppc.set_preset("vllm");
-    ppc.set_replicas(2);
-    ppc.set_rank(rank);
-    ASSERT_TRUE(c.Register(w, spec, &ppc).ok()) << w.id;
-    rollouts.push_back(&w);
+    AddPresetWorker(c, *config, *inv, spec, pb::ROLE_ROLLOUT, 1, "vllm", 0, 2, rank, &rollouts);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
   }
   for (uint64_t v : {1u, 2u, 3u}) {
     for (auto& s : c.Publish("qwen-sync", pb::MODE_SYNC, v, trainers, rollouts)) ASSERT_TRUE(s.ok()) << s.error_message();
