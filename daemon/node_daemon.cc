@@ -413,13 +413,21 @@ void NodeDaemon::Shutdown() {
 
 absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(const std::string& model_id, uint64_t version,
                                                                             uint64_t epoch) {
+  // Catch-up (docs/daemon.md "Catch-up"): the epoch of the installed catch-up slice; its version is
+  // already committed (and may have been aborted by an earlier catch-up attempt).
+  auto cu = catch_up_plans_.find(model_id);
+  const bool catch_up = cu != catch_up_plans_.end() && cu->second->slice.plan_epoch() == epoch;
   auto it = execs_.find({model_id, version});
+  if (it != execs_.end() && catch_up && (!it->second->catch_up || it->second->epoch != epoch)) {
+    return absl::FailedPreconditionError(absl::StrCat("catch-up of model ", model_id, " version ", version, " on node ", options_.node_id,
+                                                      ": another execution of that version is still held here"));
+  }
   if (it != execs_.end()) return it->second;
-  if (aborted_.count({model_id, version})) {
+  if (!catch_up && aborted_.count({model_id, version})) {
     return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", aborted_.at({model_id, version})));
   }
-  if (version <= committed_[model_id]) return absl::FailedPreconditionError(absl::StrCat("version ", version, " is already committed"));
-  auto p = plans_.find(model_id);
+  if (!catch_up && version <= committed_[model_id]) return absl::FailedPreconditionError(absl::StrCat("version ", version, " is already committed"));
+  auto p = catch_up ? cu : plans_.find(model_id);
   if (p == plans_.end() || p->second->slice.plan_epoch() != epoch) {
     return absl::FailedPreconditionError(absl::StrCat("plan epoch ", epoch, " of model ", model_id, " is not installed on node ", options_.node_id));
   }
@@ -427,6 +435,7 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   exec->model_id = model_id;
   exec->version = version;
   exec->epoch = epoch;
+  exec->catch_up = catch_up;
   exec->plan = p->second;
   exec->deadline = absl::Now() + absl::Seconds(60);
   // Staging (incoming per local rollout + gather) is only sized here; the executor allocates it
@@ -695,6 +704,7 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   req.set_bytes(exec->bytes_done.load());
   req.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
   req.set_coordinator_instance(exec->coordinator_instance);
+  req.set_catch_up(exec->catch_up);
   pb::ReportDoneResponse resp;
   grpc::ClientContext ctx;
   SetDeadline(&ctx, absl::Now() + absl::Seconds(10));
@@ -857,6 +867,36 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
       }
       if (w->second.buffers.size() < layout.buffers.size()) {
         return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
+      }
+      if (exec.catch_up) {
+        // Catch-up source (docs/daemon.md "Catch-up"): a rollout holding the committed version,
+        // read in place: its committed staging while held, else its live buffers when they hold
+        // exactly that version whole (no newer version commits while a catch-up runs, so no
+        // commit or Apply writes them meanwhile).
+        const LocalWorker& src = w->second;
+        const std::string what = absl::StrCat("catch-up source rollout ", pw.worker_id(), " on node ", me);
+        if (src.role != planner::Role::kRollout) return absl::FailedPreconditionError(absl::StrCat(what, ": not a rollout here"));
+        if (src.committed != nullptr && src.committed_version == exec.version) {
+          holds.push_back(src.committed);
+          for (size_t j = 0; j < src.committed->size(); ++j) mem[RegionKey(i, j)] = staged((*src.committed)[j]);
+          continue;
+        }
+        if (src.applied_version != exec.version || live_.Copying(pw.worker_id()) || !live_.TornError(pw.worker_id(), me).ok()) {
+          return absl::FailedPreconditionError(absl::StrCat(what, " no longer holds version ", exec.version, " (committed staging: version ",
+                                                            src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
+                                                            src.applied_version, live_.Copying(pw.worker_id()) ? ", being written" : "", ")"));
+        }
+        for (size_t j = 0; j < layout.buffers.size(); ++j) {
+          auto seg = src.buffers[j];
+          if (seg == nullptr) return absl::FailedPreconditionError(absl::StrCat(what, " buffer ", j, ": CUDA memory is not a catch-up source"));
+          if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+            return absl::Status(intact.code(), absl::StrCat(what, " buffer ", j, ": ", intact.message()));
+          }
+          live_sources.push_back({absl::StrCat(what, " buffer ", j), seg});
+          holds.push_back(seg);
+          mem[RegionKey(i, j)] = Mem{MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, nullptr};
+        }
+        continue;
       }
       if (plan.slice.mode() == pb::MODE_SYNC) {
         // Live buffers (the trainer is paused in Publish meanwhile).

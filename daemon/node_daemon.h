@@ -188,6 +188,9 @@ class NodeDaemon {
     int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
     std::shared_ptr<StagingBudget::Charge> charge;  // staging_bytes of the node's budget; travels with the staging
     bool started = false, aborted = false, failed = false;
+    // Catch-up (docs/daemon.md "Catch-up"): an execution of a catch-up slice (catch_up_plans_) for
+    // the already committed `version`: its ROLE_TRAINER workers are rollouts holding it (sources).
+    bool catch_up = false;
     // Every byte of the version landed in this node's staging (the executor finished OK, before
     // ReportDone): only then may CommitVersion make it the committed copy (FAILED_PRECONDITION before).
     bool transferred = false;
@@ -320,6 +323,8 @@ class NodeDaemon {
   std::set<std::string> leaving_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> joining_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
+  // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
+  std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason

@@ -177,6 +177,9 @@ class CoordinatorCore {
     uint64_t epoch = 0;
     std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
     std::vector<std::string> worker_ids;  // Problem::workers order
+    // WorkerRec::serial of each planned worker: a worker registered again since (a restarted
+    // rollout) is not the one the plan's versions reached (catch_up.cc).
+    std::map<std::string, uint64_t> serials;
     std::set<std::string> nodes;
     // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
     // staging or live weights), set when a version or a catch-up is committed on its node; a

@@ -201,7 +201,7 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
     // up to it either: the next version rewrites them.
     for (const std::string& w : m.plan.worker_ids) {
       auto rec = m.workers.find(w);
-      if (rec == m.workers.end() || rec->second.role != planner::Role::kRollout) continue;
+      if (rec == m.workers.end() || rec->second.role != planner::Role::kRollout || rec->second.serial != m.plan.serials[w]) continue;
       rec->second.holds = 0;
       rec->second.catch_up_failed = m.machine->committed();
       rec->second.catch_up_error = absl::StrCat("version ", v, " was not committed (", reason, "); the next version rewrites it");
@@ -225,7 +225,11 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
   }
   for (const std::string& w : m.plan.worker_ids) {
     auto rec = m.workers.find(w);
-    if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && !refused.count(rec->second.node)) rec->second.holds = v;
+    // (A rollout registered again since the plan was made is a new process: it does not hold v.)
+    if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && rec->second.serial == m.plan.serials[w] &&
+        !refused.count(rec->second.node)) {
+      rec->second.holds = v;
+    }
   }
   if (const VersionRecord* rec = m.machine->Find(v)) {
     m.last_seconds = absl::ToDoubleSeconds(rec->finished - rec->started);
@@ -317,8 +321,11 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
     m->plan.worker_ids.clear();
     m->plan.nodes.clear();
     std::set<std::string> trainers, rollouts;
+    m->plan.serials.clear();
     for (const SliceWorker& w : in.workers) {
       m->plan.worker_ids.push_back(w.id);
+      auto rec = m->workers.find(w.id);  // there: membership did not change since the snapshot
+      m->plan.serials[w.id] = rec != m->workers.end() ? rec->second.serial : 0;
       m->plan.nodes.insert(w.node);
       (w.role == planner::Role::kTrainer ? trainers : rollouts).insert(w.id);
     }

@@ -1,0 +1,220 @@
+// Catch-up of late rollouts (issue 16.6, docs/daemon.md "Catch-up"), end to end with real daemons
+// (coordinator + 2 nodes, and a standalone daemon) and shm workers, in every mode: a rollout that
+// registers or restarts after a version was committed gets that version byte for byte from the
+// other rollouts' copies, without the trainer, before WaitVersion / Apply report it; a newer
+// version published meanwhile is never overtaken; with no source the rollout is told why and the
+// next version still reaches it.
+#include <grpcpp/grpcpp.h>
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/multinode_fixture.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+// WaitVersion as the clients send it (with the worker's id).
+grpc::Status WaitFor(TestWorker& w, uint64_t v, pb::WaitVersionResponse* resp, int64_t timeout_ms = 20000) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms + 10000));
+  pb::WaitVersionRequest req;
+  req.set_model_id("m");
+  req.set_version(v);
+  req.set_timeout_ms(timeout_ms);
+  req.set_worker_id(w.id);
+  return w.stub->WaitVersion(&ctx, req, resp);
+}
+
+// What a rollout does to get version v: sync, WaitVersion (the commit writes live weights);
+// otherwise Apply(v). OK only once it reports v (or newer) to the rollout.
+grpc::Status Receive(Cluster& c, TestWorker& r, pb::Mode mode, uint64_t v) {
+  if (mode == pb::MODE_SYNC) {
+    pb::WaitVersionResponse resp;
+    grpc::Status s = WaitFor(r, v, &resp);
+    if (s.ok() && resp.committed_version() < v) return grpc::Status(grpc::StatusCode::INTERNAL, "reported an older version");
+    return s;
+  }
+  pb::ApplyResponse resp;
+  grpc::Status s = c.Apply(r, "m", v, &resp);
+  if (s.ok() && resp.applied_version() < v) return grpc::Status(grpc::StatusCode::INTERNAL, "applied an older version");
+  return s;
+}
+
+// One version through trainers `ts` to rollouts `rs`, every rollout then holds it byte for byte.
+void Version(Cluster& c, pb::Mode mode, uint64_t v, const std::vector<TestWorker*>& ts, const std::vector<TestWorker*>& rs) {
+  for (grpc::Status& s : c.Publish("m", mode, v, ts, rs)) ASSERT_TRUE(s.ok()) << "publish v" << v << ": " << s.error_message();
+  for (TestWorker* r : rs) {
+    grpc::Status s = Receive(c, *r, mode, v);
+    ASSERT_TRUE(s.ok()) << r->id << " v" << v << ": " << s.error_message();
+    EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;
+  }
+}
+
+planner::WorkerLayout Whole(const planner::Inventory& inv, bool transposed) {
+  return LayoutOf(inv, {{0, {0, 0}, {8, 16}, transposed}, {1, {0, 0}, {4, 6}, transposed}});
+}
+
+class CatchUpTest : public ::testing::TestWithParam<pb::Mode> {
+ protected:
+  void TearDown() override { c_.Stop(); }
+  Cluster c_;
+  planner::Inventory inv_ = SmallInventory();
+};
+
+// A rollout registering after versions 1 and 2 were committed: before WaitVersion / Apply report
+// version 2 to it, its memory holds version 2 byte for byte (sync: WaitVersion(2) answered at once
+// while its buffer was still zero; one-step-off / async: Apply(2) waited for the next publish).
+// Then version 3 reaches all three rollouts.
+TEST_P(CatchUpTest, LateRolloutGetsTheCommittedVersion) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  for (uint64_t v : {1u, 2u}) {
+    Version(c_, mode, v, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, false));
+  ASSERT_TRUE(c_.Register(r2, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  grpc::Status s = Receive(c_, r2, mode, 2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r2, 2), 0) << "the late rollout was told version 2 before holding it";
+  Version(c_, mode, 3, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2});
+}
+
+// A rollout process restarting (same id, new zeroed memory) on n1 is caught up from r0 on the
+// other node (host_tcp), then takes part in the next version.
+TEST_P(CatchUpTest, RestartedRolloutIsCaughtUp) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  TestWorker& r1b = c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r1b, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  grpc::Status s = Receive(c_, r1b, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r1b, 1), 0);
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &r1b});
+}
+
+// Version 2 is published while the catch-up of version 1 is held mid-transfer on n1: version 2
+// is not committed before the catch-up ends, and the late rollout ends with version 2 whole
+// (never version 1 over it).
+TEST_P(CatchUpTest, NewerVersionDuringCatchUpIsNotOvertaken) {
+  const pb::Mode mode = GetParam();
+  std::atomic<bool> armed{false};
+  absl::Notification entered, release;
+  TwoNodeSetup setup{mode};
+  setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
+    if (version != 1 || !armed.exchange(false)) return;
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(15));
+  };
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, setup);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  armed = true;  // from now on version 1 runs only as a catch-up
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r2, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(15))) << "no catch-up of version 1 ran on n1";
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c_.Publish("m", mode, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2}); });
+  if (mode != pb::MODE_SYNC) {
+    publisher.join();  // recorded (the trainers' snapshots are taken); it cannot start yet
+    EXPECT_EQ(CommittedOf(c_.Status(w.t0), "m"), 1u) << "version 2 committed while the catch-up of version 1 ran";
+  }
+  release.Notify();
+  if (publisher.joinable()) publisher.join();
+  for (grpc::Status& s : published) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1, &r2}) {
+    grpc::Status s = Receive(c_, *r, mode, 2);
+    ASSERT_TRUE(s.ok()) << r->id << ": " << s.error_message();
+    EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
+  }
+  pb::ApplyResponse again;  // nothing older lands later
+  if (mode != pb::MODE_SYNC) ASSERT_TRUE(c_.Apply(r2, "m", 0, &again).ok());
+  EXPECT_EQ(CountBad(r2, 2), 0);
+}
+
+// Every rollout holding version 1 leaves; a new rollout has no source: WaitVersion / Apply say
+// why (ABORTED naming the version and the missing source), ClusterStatus shows it, and version 2
+// reaches it.
+TEST_P(CatchUpTest, NoSourceIsReportedAndTheNextVersionWorks) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  for (TestWorker* r : {&w.r0, &w.r1}) {
+    grpc::ClientContext ctx;
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(r->id);
+    pb::DeregisterResponse resp;
+    ASSERT_TRUE(r->stub->Deregister(&ctx, req, &resp).ok());
+  }
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 0, &inv_, Whole(inv_, false));
+  ASSERT_TRUE(c_.Register(r2, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  pb::WaitVersionResponse wr;
+  grpc::Status s = WaitFor(r2, 1, &wr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("cannot catch up to version 1"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("no rollout holds it"), std::string::npos) << s.error_message();
+  if (mode != pb::MODE_SYNC) {
+    pb::ApplyResponse ar;
+    grpc::Status a = c_.Apply(r2, "m", 1, &ar);
+    EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
+    EXPECT_NE(a.error_message().find("cannot catch up"), std::string::npos) << a.error_message();
+  }
+  auto st = c_.WaitForCoordinator(
+      [](const pb::StatusResponse& r) {
+        for (const pb::WorkerStatus& ws : r.workers()) {
+          if (ws.worker_id() == "r2") return !ws.catch_up_error().empty();
+        }
+        return false;
+      },
+      absl::Seconds(10));
+  ASSERT_TRUE(st.ok()) << st.status();
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&r2});
+}
+
+// A standalone daemon (coordinator and node in one process): the late rollout is caught up from
+// the same node's rollout.
+TEST_P(CatchUpTest, StandaloneLateRollout) {
+  const pb::Mode mode = GetParam();
+  ServerOptions o;
+  o.role = DaemonRole::kStandalone;
+  o.node_id = "n0";
+  o.worker_socket = absl::StrCat("/tmp/wbcu-", ::getpid(), ".sock");
+  o.heartbeat = absl::Milliseconds(100);
+  o.transfer_timeout = absl::Seconds(20);
+  o.bucket_bytes = 4096;
+  o.make_transports = HostTransports;
+  auto server = Server::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  c_.nodes_.push_back(std::move(*server));
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& t0 = c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c_.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv_, Whole(inv_, false));
+  TestWorker& r1 = c_.AddWorker("r1", pb::ROLE_ROLLOUT, 0, &inv_, Whole(inv_, true));
+  for (TestWorker* x : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c_.Register(*x, spec).ok()) << x->id;
+  Version(c_, mode, 1, {&t0, &t1}, {&r0, &r1});
+  ASSERT_FALSE(HasFatalFailure());
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 0, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r2, spec).ok());
+  grpc::Status s = Receive(c_, r2, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r2, 1), 0);
+  Version(c_, mode, 2, {&t0, &t1}, {&r0, &r1, &r2});
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CatchUpTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
+                         [](const ::testing::TestParamInfo<pb::Mode>& p) { return pb::Mode_Name(p.param); });
+
+}  // namespace
+}  // namespace wb::daemon
