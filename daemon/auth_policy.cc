@@ -10,8 +10,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "daemon/metrics.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
@@ -103,37 +101,27 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commi
   AddPeerOnly<pb::ExchangeRegionsRequest>(gate, kNode, "ExchangeRegions", o);
   AddPeerOnly<pb::DrainRequest>(gate, kNode, "Drain", o);
   AddPeerOnly<pb::StatusRequest>(gate, kNode, "Status", o);
+  // Commits and aborts change which versions a trainer may still publish (WorkerGuard); their
+  // metrics are counted by the node in its commit / abort paths.
   gate.Add(std::string(kNode) + "CommitVersion", Rule<pb::CommitVersionRequest>([o, on_commit](AuthCall& call, pb::CommitVersionRequest& req) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
-             call.after = [o, on_commit, model = req.model_id(), version = req.version(), t0 = absl::Now()](const grpc::Status& s,
-                                                                                                            const void*) {
-               if (!s.ok()) return;
-               if (o.metrics != nullptr) {
-                 o.metrics->Phase(o.node_id, "commit", absl::ToDoubleSeconds(absl::Now() - t0));
-                 o.metrics->Version(o.node_id, model, "committed");
-                 o.metrics->Committed(o.node_id, model, version);
-               }
-               if (on_commit) on_commit(model, version);
+             call.after = [on_commit, model = req.model_id(), version = req.version()](const grpc::Status& s, const void*) {
+               if (s.ok() && on_commit) on_commit(model, version);
              };
              return Verdict::Ok();
            }));
   gate.Add(std::string(kNode) + "AbortVersion", Rule<pb::AbortVersionRequest>([o, on_abort](AuthCall& call, pb::AbortVersionRequest& req) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
-             if (o.metrics != nullptr) {
-               o.metrics->Version(o.node_id, req.model_id(), "aborted");
-               o.metrics->Failure(o.node_id, absl::AbortedError(req.reason()));
-             }
              if (on_abort) on_abort(req.model_id(), req.version());
              return Verdict::Ok();
            }));
 }
 
 // ------------------------------------------------------------------------------ WorkerService
-WorkerGuard::WorkerGuard(const PeerCredListener* peers, Limits limits, std::string node_id, DaemonMetrics* metrics)
+WorkerGuard::WorkerGuard(const PeerCredListener* peers, Limits limits, std::string node_id)
     : peers_(peers),
       limits_(limits),
       node_id_(std::move(node_id)),
-      metrics_(metrics),
       blocked_(absl::StrCat("node ", node_id_, ": WorkerService.WaitVersion"), limits.max_blocked_calls) {}
 
 absl::StatusOr<PeerCred> WorkerGuard::Caller(const AuthCall& call) const { return peers_->Lookup(*call.ctx); }
@@ -192,12 +180,6 @@ void WorkerGuard::NoteAborted(const std::string& model, uint64_t version) {
   for (auto& [id, b] : bindings_) {
     if (b.model == model) b.pending.erase(version);
   }
-}
-
-uint64_t WorkerGuard::Committed(const std::string& model) {
-  absl::MutexLock l(&mu_);
-  auto it = committed_.find(model);
-  return it == committed_.end() ? 0 : it->second;
 }
 
 Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& req) {
@@ -300,20 +282,11 @@ Verdict WorkerGuard::Publish(AuthCall& call, const pb::PublishRequest& req) {
     }
     b.pending.insert(req.version());
   }
-  call.after = [this, worker = req.worker_id(), model = req.model_id(), version = req.version()](const grpc::Status& s,
-                                                                                                const void* response) {
-    if (!s.ok()) {
-      absl::MutexLock l(&mu_);
-      auto it = bindings_.find(worker);
-      if (it != bindings_.end()) it->second.pending.erase(version);
-    }
-    if (metrics_ == nullptr) return;
-    if (s.ok()) {
-      metrics_->Version(node_id_, model, "published");
-      if (response != nullptr) metrics_->Phase(node_id_, "publish_stall", static_cast<const pb::PublishResponse*>(response)->stall_seconds());
-    } else {
-      metrics_->Failure(node_id_, FromGrpcStatus(s));
-    }
+  call.after = [this, worker = req.worker_id(), version = req.version()](const grpc::Status& s, const void*) {
+    if (s.ok()) return;
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find(worker);
+    if (it != bindings_.end()) it->second.pending.erase(version);
   };
   return Verdict::Ok();
 }
@@ -377,18 +350,7 @@ void WorkerGuard::AddRules(AuthGate& gate) {
   gate.Add(w + "BeginUpdate", Rule<pb::BeginUpdateRequest>([acts_as](AuthCall& c, pb::BeginUpdateRequest& r) {
              return acts_as(c, r.model_id(), r.worker_id());
            }));
-  gate.Add(w + "Apply", Rule<pb::ApplyRequest>([this, acts_as](AuthCall& c, pb::ApplyRequest& r) {
-             Verdict v = acts_as(c, r.model_id(), r.worker_id());
-             if (!v.status.ok()) return v;
-             c.after = [this, model = r.model_id(), worker = r.worker_id()](const grpc::Status& s, const void* response) {
-               if (!s.ok() || metrics_ == nullptr || response == nullptr) return;
-               const auto* resp = static_cast<const pb::ApplyResponse*>(response);
-               metrics_->Version(node_id_, model, "applied");
-               metrics_->Phase(node_id_, "apply", resp->stall_seconds());
-               metrics_->Applied(node_id_, model, worker, resp->applied_version(), Committed(model));
-             };
-             return v;
-           }));
+  gate.Add(w + "Apply", Rule<pb::ApplyRequest>([acts_as](AuthCall& c, pb::ApplyRequest& r) { return acts_as(c, r.model_id(), r.worker_id()); }));
   gate.Add(w + "Deregister", Rule<pb::DeregisterRequest>([this, acts_as](AuthCall& c, pb::DeregisterRequest& r) {
              Verdict v = acts_as(c, r.model_id(), r.worker_id());
              if (!v.status.ok()) return v;

@@ -30,16 +30,10 @@
 
 namespace wb::daemon {
 
-class DaemonMetrics;
-
 struct PeerRuleOptions {
   std::shared_ptr<const PeerAuthConfig> config;  // required
   Limits limits;
   PeerAuthenticated on_authenticated;  // told every call that passed CheckPeer (ConnGuard); may be empty
-  // NodeService: version events are recorded here under `node_id` (until the node counts them in
-  // its own commit / abort paths). Null: not recorded.
-  DaemonMetrics* metrics = nullptr;
-  std::string node_id;
 };
 
 // CoordinatorService: CheckPeer on every call, CheckNodeIdentity on the node-scoped calls
@@ -62,9 +56,8 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& options, VersionHook on
 //    descriptor) and be at least size_bytes large; request limits (daemon/limits.h) first.
 class WorkerGuard {
  public:
-  // `peers` (and `metrics`, when not null: Publish / Apply events) must outlive this; `node_id`
-  // names the node in errors and metrics.
-  WorkerGuard(const PeerCredListener* peers, Limits limits, std::string node_id, DaemonMetrics* metrics = nullptr);
+  // `peers` must outlive this; `node_id` names the node in errors.
+  WorkerGuard(const PeerCredListener* peers, Limits limits, std::string node_id);
   // Adds the WorkerService rules to `gate` (which must not outlive this).
   void AddRules(AuthGate& gate);
 
@@ -72,8 +65,6 @@ class WorkerGuard {
   // against max_concurrent_versions. NoteAborted frees an aborted version's slot.
   void NoteCommitted(const std::string& model, uint64_t version);
   void NoteAborted(const std::string& model, uint64_t version);
-  // The newest version NoteCommitted was told for `model` (0: none).
-  uint64_t Committed(const std::string& model);
   // The fd channel (daemon/fd_channel.h): OK when `sender` is the live process bound to `worker`
   // (pid + start time) and the worker belongs to `model`; NOT_FOUND / PERMISSION_DENIED otherwise.
   absl::Status CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker);
@@ -101,7 +92,6 @@ class WorkerGuard {
   const PeerCredListener* peers_;
   Limits limits_;
   std::string node_id_;
-  DaemonMetrics* metrics_;
   absl::Mutex mu_;
   std::map<std::string, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);

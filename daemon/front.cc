@@ -75,8 +75,7 @@ PeerAuthenticated DaemonFront::OnAuthenticated() {
 }
 
 PeerRuleOptions DaemonFront::PeerRules() {
-  return PeerRuleOptions{.config = auth_, .limits = options_.limits, .on_authenticated = OnAuthenticated(),
-                         .metrics = daemon_metrics_, .node_id = node_id_};
+  return PeerRuleOptions{.config = auth_, .limits = options_.limits, .on_authenticated = OnAuthenticated()};
 }
 
 grpc::Service* DaemonFront::WrapCoordinator(pb::CoordinatorService::Service* inner) {
@@ -101,7 +100,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
   auto l = PeerCredListener::Bind(path, options_.worker_socket_mode);
   if (!l.ok()) return l.status();
   listener_ = std::move(*l);
-  workers_ = std::make_unique<WorkerGuard>(listener_.get(), options_.limits, node_id_, daemon_metrics_);
+  workers_ = std::make_unique<WorkerGuard>(listener_.get(), options_.limits, node_id_);
   worker_gate_ = std::make_unique<AuthGate>(
       [this](const std::string&, const std::string& what) { daemon_metrics_->Rejected(node_id_, what); });
   workers_->AddRules(*worker_gate_);

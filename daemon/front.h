@@ -37,8 +37,8 @@ struct SecurityOptions {
 
 class DaemonFront {
  public:
-  // `metrics` (must outlive this) receives the refusals, the connection guard's counts and, until
-  // the node records them itself, version events; null = the process default (Metrics()).
+  // `metrics` (must outlive this) receives the refusals and the connection guard's counts;
+  // null = the process default (Metrics()).
   DaemonFront(SecurityOptions options, std::string node_id, DaemonMetrics* metrics = nullptr);
   ~DaemonFront();
 

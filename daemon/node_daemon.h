@@ -38,6 +38,7 @@
 #include "proto/weightbridge.grpc.pb.h"
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
+#include "daemon/metrics.h"
 #include "daemon/nic_meter.h"
 #include "daemon/node/live_copy.h"
 #include "daemon/node/staging_budget.h"
@@ -83,6 +84,9 @@ class NodeDaemon {
     absl::Duration live_copy_timeout = absl::Minutes(2);
     // TEST ONLY: see LiveCopier::FaultHook (a live copy that fails midway).
     LiveCopier::FaultHook test_live_copy_fault;
+    // Where this node counts (daemon/metrics.h: the process's instance, ServerOptions::metrics);
+    // null = the process default, Metrics(). Must outlive the daemon.
+    DaemonMetrics* metrics = nullptr;
     // Where a copy into live memory is recorded before its first byte (daemon/node/live_markers.h),
     // so that a restarted daemon reports those workers TORN. Empty: not recorded (main.cc always
     // sets it: --live_state_dir, default LiveMarkers::DefaultDir()).
@@ -102,6 +106,8 @@ class NodeDaemon {
   pb::WorkerService::Service* worker_service();
   pb::NodeService::Service* node_service();
   const std::string& data_address() const { return data_address_; }
+  // Options::metrics, or the process default.
+  DaemonMetrics& metrics() const { return options_.metrics != nullptr ? *options_.metrics : Metrics(); }
 
  private:
   // The gRPC services (daemon/node/worker_service.cc, daemon/node/node_service.cc).

@@ -73,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       return front->FindVmmFd(worker, key);
     };
     no.staging_budget_bytes = o.staging_budget_bytes;
+    no.metrics = metrics;
     no.live_state_dir = o.live_state_dir;
     ASSIGN_OR_RETURN(no.transports, o.make_transports());
     no.checksums = o.checksums;

@@ -109,6 +109,16 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   }
 
   grpc::Status CommitVersion(grpc::ServerContext*, const pb::CommitVersionRequest* req, pb::CommitVersionResponse*) override {
+    // The commit is counted while mu_ is held, before anyone can see the version committed here
+    // (Apply, then a metrics scrape, must find its counts): async rollouts see it once the first
+    // block below releases mu_, sync ones once their live copies are done (second block).
+    const absl::Time commit_start = absl::Now();
+    auto count_commit = [&] {
+      DaemonMetrics& m = d_->metrics();
+      m.Phase(d_->options_.node_id, "commit", absl::ToDoubleSeconds(absl::Now() - commit_start));
+      m.Version(d_->options_.node_id, req->model_id(), "committed");
+      m.Committed(d_->options_.node_id, req->model_id(), req->version());
+    };
     // What the sync live copy needs is captured under the lock by value (worker id, buffers,
     // layout): a concurrent Deregister may erase the LocalWorker meanwhile.
     std::vector<LiveJob> jobs;
@@ -171,6 +181,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       for (auto& [id, w] : d_->workers_) {
         if (w.model_id == req->model_id()) w.snapshots.erase(req->version());
       }
+      if (jobs.empty()) count_commit();  // nothing left that can fail
     }
     // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
     // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
@@ -206,9 +217,10 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     }
     if (exec->relay_bytes_at_commit > 0) {
       transport::Transport* host_t = d_->options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
-      if (host_t != nullptr) Metrics().Bytes(me, req->model_id(), host_t->capabilities().kind, me, exec->relay_bytes_at_commit);
-      Metrics().RelayAtCommit(me, exec->relay_bytes_at_commit);
+      if (host_t != nullptr) d_->metrics().Bytes(me, req->model_id(), host_t->capabilities().kind, me, exec->relay_bytes_at_commit);
+      d_->metrics().RelayAtCommit(me, exec->relay_bytes_at_commit);
     }
+    if (!jobs.empty()) count_commit();
     // Published last: node-local waiters (Apply) see the version only once live weights hold it.
     d_->committed_[req->model_id()] = std::max(d_->committed_[req->model_id()], req->version());
     Log(LogLevel::kInfo, "version committed on node", {{"node", me}, {"model", req->model_id()}, {"version", req->version()},
@@ -217,6 +229,8 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   }
 
   grpc::Status AbortVersion(grpc::ServerContext*, const pb::AbortVersionRequest* req, pb::AbortVersionResponse*) override {
+    d_->metrics().Version(d_->options_.node_id, req->model_id(), "aborted");
+    d_->metrics().Failure(d_->options_.node_id, absl::AbortedError(req->reason()));
     std::map<std::string, transport::PeerId> connected;
     {
       absl::MutexLock l(&d_->mu_);

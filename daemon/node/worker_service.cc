@@ -294,7 +294,20 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     return grpc::Status::OK;
   }
 
+  // Publish and Apply are counted here, before their reply is sent.
   grpc::Status Publish(grpc::ServerContext*, const pb::PublishRequest* req, pb::PublishResponse* resp) override {
+    grpc::Status s = PublishVersion(req, resp);
+    const std::string& me = d_->options_.node_id;
+    if (s.ok()) {
+      d_->metrics().Version(me, req->model_id(), "published");
+      d_->metrics().Phase(me, "publish_stall", resp->stall_seconds());
+    } else {
+      d_->metrics().Failure(me, FromGrpcStatus(s));
+    }
+    return s;
+  }
+
+  grpc::Status PublishVersion(const pb::PublishRequest* req, pb::PublishResponse* resp) {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(req->timeout_ms());
     std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
@@ -402,6 +415,23 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   }
 
   grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest* req, pb::ApplyResponse* resp) override {
+    grpc::Status s = ApplyVersion(req, resp);
+    if (s.ok()) {
+      uint64_t committed = 0;
+      {
+        absl::MutexLock l(&d_->mu_);
+        auto it = d_->committed_.find(req->model_id());
+        if (it != d_->committed_.end()) committed = it->second;
+      }
+      const std::string& me = d_->options_.node_id;
+      d_->metrics().Version(me, req->model_id(), "applied");
+      d_->metrics().Phase(me, "apply", resp->stall_seconds());
+      d_->metrics().Applied(me, req->model_id(), req->worker_id(), resp->applied_version(), committed);
+    }
+    return s;
+  }
+
+  grpc::Status ApplyVersion(const pb::ApplyRequest* req, pb::ApplyResponse* resp) {
     const absl::Time start = absl::Now();
     // The client's deadline bounds the wait for the version (and for a copy into this worker that
     // is already running); a copy that started runs to live_copy_timeout (RunLiveCopies).
