@@ -1,7 +1,11 @@
 #include "daemon/coordinator/checks.h"
 
 #include "absl/strings/escaping.h"
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace wb::daemon {
 
@@ -74,6 +78,68 @@ absl::Status CheckModelSpecEnums(const pb::ModelSpec& spec, int max_name_bytes) 
   if (absl::Status s = CheckName("ModelSpec.model_id", spec.model_id(), max_name_bytes); !s.ok()) return s;
   if (absl::Status s = CheckMode("ModelSpec.mode", spec.mode()); !s.ok()) return s;
   return CheckStrategy("ModelSpec.strategy", spec.strategy());
+}
+
+absl::Status CheckSameSpec(const pb::ModelSpec& have, const pb::ModelSpec& spec, absl::string_view worker, int role) {
+  std::vector<std::string> diffs;
+  auto number = [&](const char* field, uint64_t mine, uint64_t model) {
+    if (mine != model) diffs.push_back(absl::StrCat(field, " ", mine, ", the model has ", model));
+  };
+  auto named = [&](const char* field, const std::string& mine, const std::string& model) {
+    if (mine != model) diffs.push_back(absl::StrCat(field, " ", mine, ", the model has ", model));
+  };
+  auto source = [](const pb::ModelSpec& s) -> std::string {
+    switch (s.inventory_case()) {
+      case pb::ModelSpec::kHfConfigJson:
+        return "hf_config_json";
+      case pb::ModelSpec::kExplicitTensors:
+        return absl::StrCat("explicit_tensors (", s.explicit_tensors().tensors_size(), " tensors)");
+      default:
+        return "no inventory";
+    }
+  };
+  if (have.inventory_case() != spec.inventory_case()) {
+    named("inventory", source(spec), source(have));
+  } else if (spec.inventory_case() == pb::ModelSpec::kHfConfigJson && have.hf_config_json() != spec.hf_config_json()) {
+    size_t at = 0;
+    while (at < have.hf_config_json().size() && at < spec.hf_config_json().size() && have.hf_config_json()[at] == spec.hf_config_json()[at]) ++at;
+    diffs.push_back(absl::StrCat("hf_config_json of ", spec.hf_config_json().size(), " bytes, the model has another of ", have.hf_config_json().size(),
+                                 " bytes (they differ from byte ", at, ": ", EchoValue(absl::string_view(spec.hf_config_json()).substr(at, 40)),
+                                 " vs ", EchoValue(absl::string_view(have.hf_config_json()).substr(at, 40)), ")"));
+  } else if (spec.inventory_case() == pb::ModelSpec::kExplicitTensors &&
+             have.explicit_tensors().SerializeAsString() != spec.explicit_tensors().SerializeAsString()) {
+    std::string first = "their order";
+    const int n = std::min(have.explicit_tensors().tensors_size(), spec.explicit_tensors().tensors_size());
+    for (int i = 0; i < n; ++i) {
+      if (have.explicit_tensors().tensors(i).SerializeAsString() != spec.explicit_tensors().tensors(i).SerializeAsString()) {
+        first = absl::StrCat("tensor ", i, " ", EchoValue(spec.explicit_tensors().tensors(i).name()));
+        break;
+      }
+    }
+    diffs.push_back(absl::StrCat("explicit_tensors (", spec.explicit_tensors().tensors_size(), " tensors) that differ from the model's (",
+                                 have.explicit_tensors().tensors_size(), " tensors) at ", first));
+  }
+  auto dtype = [](const pb::ModelSpec& s) { return s.dtype() == pb::DTYPE_UNSPECIFIED ? pb::DTYPE_BF16 : s.dtype(); };
+  auto mode = [](const pb::ModelSpec& s) { return s.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : s.mode(); };
+  auto strategy = [](const pb::ModelSpec& s) { return s.strategy() == pb::STRATEGY_UNSPECIFIED ? pb::STRATEGY_WEIGHTBRIDGE : s.strategy(); };
+  if (dtype(spec) != dtype(have)) named("dtype", pb::DType_Name(dtype(spec)), pb::DType_Name(dtype(have)));
+  number("num_trainer_workers", spec.num_trainer_workers(), have.num_trainer_workers());
+  number("num_rollout_workers", spec.num_rollout_workers(), have.num_rollout_workers());
+  if (mode(spec) != mode(have)) named("mode", pb::Mode_Name(mode(spec)), pb::Mode_Name(mode(have)));
+  number("max_staleness", spec.max_staleness(), have.max_staleness());
+  if (strategy(spec) != strategy(have)) named("strategy", pb::Strategy_Name(strategy(spec)), pb::Strategy_Name(strategy(have)));
+  if (have.has_lora() != spec.has_lora() || have.lora().SerializeAsString() != spec.lora().SerializeAsString()) {
+    auto lora = [](const pb::ModelSpec& s) {
+      return s.has_lora() ? absl::StrCat("r=", s.lora().r(), ", alpha=", s.lora().alpha(), ", ", s.lora().target_modules_size(), " target modules")
+                          : std::string("none");
+    };
+    named("LoRA adapters (ModelSpec.lora)", lora(spec), lora(have));
+  }
+  if (diffs.empty()) return absl::OkStatus();
+  return absl::AlreadyExistsError(absl::StrCat("model ", EchoValue(have.model_id()), ": worker ", EchoValue(worker), " (",
+                                               role == pb::ROLE_ROLLOUT ? "rollout" : "trainer",
+                                               ") declares a spec the model does not have: ", absl::StrJoin(diffs, "; "),
+                                               " (every worker of a model must declare the spec the model was created with)"));
 }
 
 absl::Status CheckJoinWorker(const pb::JoinWorkerRequest& req, int max_name_bytes) {

@@ -32,4 +32,14 @@ absl::Status CheckJoinWorker(const ::weightbridge::v1::JoinWorkerRequest& req, i
 // ModelSpec enums and id.
 absl::Status CheckModelSpecEnums(const ::weightbridge::v1::ModelSpec& spec, int max_name_bytes);
 
+// Worker `worker` (role `role`) joins model `have.model_id()` declaring `spec`: OK when it is the
+// model's spec (unset enums count as their defaults: sync, weightbridge, bf16), else
+// ALREADY_EXISTS naming the worker, the model and every differing field with both values, e.g.
+// `model "m": worker rollout/3 (rollout) declares a spec the model does not have: mode
+// MODE_ONE_STEP_OFF, the model has MODE_SYNC; num_rollout_workers 8, the model has 4`. Fields:
+// the inventory source (hf_config_json / explicit_tensors), dtype, num_trainer_workers,
+// num_rollout_workers, mode, max_staleness, strategy, lora.
+absl::Status CheckSameSpec(const ::weightbridge::v1::ModelSpec& have, const ::weightbridge::v1::ModelSpec& spec, absl::string_view worker,
+                           int role);
+
 }  // namespace wb::daemon

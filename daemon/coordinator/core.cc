@@ -277,7 +277,12 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     RETURN_IF_ERROR(CreateModelLocked(spec, &created));
   }
   ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
-  if (req.has_model() && !created) RETURN_IF_ERROR(CheckSameLora(mp->spec, req.model()));  // same adapters, same tensors
+  if (req.has_model() && !created) {
+    // Every worker of a model declares its spec (issue 16.5): the first one no longer wins silently.
+    pb::ModelSpec declared = req.model();
+    if (declared.model_id().empty()) declared.set_model_id(req.model_id());
+    RETURN_IF_ERROR(CheckSameSpec(mp->spec, declared, req.worker_id(), req.role()));
+  }
   Model& model = *mp;
   RETURN_IF_ERROR(CheckReplySizeLocked(req.model_id(), model.spec.ByteSizeLong() + 32, created));
   *resp->mutable_model() = model.spec;
@@ -324,12 +329,14 @@ absl::StatusOr<planner::WorkerLayout> CoordinatorCore::ResolveLayoutLocked(const
   }
   planner::WorkerLayout layout = std::move(preset->layout);
   if (layout.buffers.size() != static_cast<size_t>(req.buffers_size())) {
-    return absl::InvalidArgumentError(absl::StrCat("preset needs ", layout.buffers.size(), " buffers, worker registered ", req.buffers_size()));
+    return absl::InvalidArgumentError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), ": preset ", pc.preset(), " needs ",
+                                                   layout.buffers.size(), " buffers, the worker registered ", req.buffers_size()));
   }
   for (size_t i = 0; i < layout.buffers.size(); ++i) {
     if (layout.buffers[i].size_bytes > static_cast<int64_t>(req.buffers(i).size_bytes())) {
-      return absl::InvalidArgumentError(absl::StrCat("preset buffer ", i, " needs ", layout.buffers[i].size_bytes,
-                                                     " bytes, registered ", req.buffers(i).size_bytes()));
+      return absl::InvalidArgumentError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), ": preset ", pc.preset(),
+                                                     " buffer ", i, " needs ", layout.buffers[i].size_bytes, " bytes, registered ",
+                                                     req.buffers(i).size_bytes()));
     }
     layout.buffers[i].size_bytes = static_cast<int64_t>(req.buffers(i).size_bytes());
   }

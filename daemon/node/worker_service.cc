@@ -137,6 +137,13 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       // registered again), so no LeaveWorker is sent for it.
       auto old = d_->workers_.find(id);
       if (old != d_->workers_.end() && old->second.pid && !old->second.pid->Alive()) d_->workers_.erase(old);
+      // Another model's worker under the same id: replacing it broke that model (issue 16.5).
+      if (old = d_->workers_.find(id); old != d_->workers_.end() && old->second.model_id != req->model_id()) {
+        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
+            "worker ", id, " of model ", req->model_id(), ": node ", d_->options_.node_id, " already has a worker ", id, " of model ",
+            old->second.model_id, "; worker ids are one namespace per node (use another id, or Deregister it from model ",
+            old->second.model_id, " first)")));
+      }
       d_->joining_.insert(id);
     }
     struct Joined {
