@@ -24,6 +24,7 @@
 #include "daemon/metrics.h"
 #include "daemon/nccl_route.h"
 #include "daemon/node/deadlines.h"
+#include "daemon/node/grpc_coordinator_client.h"
 #include "daemon/quantize.h"
 #include "planner/box.h"
 #include "planner/index_probe.h"
@@ -134,9 +135,7 @@ void NodeDaemon::CheckWorkers() {
     r.set_worker_id(worker);
     r.set_reason("its process exited");
     pb::LeaveWorkerResponse rr;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
-    coordinator_->LeaveWorker(&ctx, r, &rr);
+    coordinator_client_->LeaveWorker(r, &rr, absl::Seconds(7)).IgnoreError();  // the lease drops it otherwise
     absl::MutexLock l(&mu_);
     leaving_.erase(worker);
   }
@@ -167,13 +166,22 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
     channel = grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
   }
   coordinator_ = pb::CoordinatorService::NewStub(channel);
-  RETURN_IF_ERROR_WITH(Register(), absl::StrCat("registering node ", options_.node_id, " with coordinator ", options_.coordinator));
-  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
-  control_ = std::thread([this] { ControlLoop(); });
+  coordinator_client_ = std::make_unique<GrpcCoordinatorClient>(channel);
+  CoordinatorSession::Options so;
+  so.node_id = options_.node_id;
+  so.client = coordinator_client_.get();
+  so.clock = options_.clock;
+  so.heartbeat = options_.heartbeat;
+  so.registration = Registration();
+  so.rejoin = [this](const std::string& reason) { Rejoin(reason); };
+  so.tick = [this] { ControlTick(); };
+  so.test_skip_heartbeat = options_.test_skip_heartbeat;
+  coord_ = std::make_unique<CoordinatorSession>(std::move(so));
+  RETURN_IF_ERROR_WITH(coord_->Start(), absl::StrCat("registering node ", options_.node_id, " with coordinator ", options_.coordinator));
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::Register() {
+pb::RegisterNodeRequest NodeDaemon::Registration() const {
   pb::RegisterNodeRequest req;
   req.set_node_id(options_.node_id);
   req.set_address(node_address_);
@@ -191,36 +199,7 @@ absl::Status NodeDaemon::Register() {
     }
   }
   for (auto& [device, t] : NcclLanes()) (*req.mutable_transport_instances())[NcclLaneName(device)] = t->instance_id();
-  pb::RegisterNodeResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_wait_for_ready(true);
-  SetDeadline(&ctx, absl::Now() + absl::Seconds(10));
-  RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterNode(&ctx, req, &resp)));
-  std::string reason;
-  {
-    absl::MutexLock l(&hb_mu_);
-    if (coordinator_instance_.empty()) {
-      reason.clear();  // first registration
-    } else if (coordinator_instance_ != resp.coordinator_instance()) {
-      reason = absl::StrCat("the coordinator restarted (instance ", coordinator_instance_, " -> ", resp.coordinator_instance(), ")");
-    } else {
-      reason = absl::StrCat("node ", options_.node_id, " lost its lease at the coordinator and registered again");
-    }
-    incarnation_ = resp.incarnation();
-    coordinator_instance_ = resp.coordinator_instance();
-    if (resp.lease_ms() > 0) lease_ = absl::Milliseconds(resp.lease_ms());
-    registered_ = true;
-    rejoining_ = !reason.empty();
-    if (!reason.empty()) last_change_ = reason;
-  }
-  if (!reason.empty()) {
-    Log(LogLevel::kWarning, "node re-registered", {{"node", options_.node_id}, {"reason", reason}, {"incarnation", resp.incarnation()}});
-    Rejoin(reason);
-    absl::MutexLock l(&hb_mu_);
-    rejoining_ = false;
-    session_ += 1;
-  }
-  return absl::OkStatus();
+  return req;
 }
 
 void NodeDaemon::Rejoin(const std::string& reason) {
@@ -267,14 +246,10 @@ void NodeDaemon::Rejoin(const std::string& reason) {
   //    (its client sees NOT_FOUND and registers again).
   for (Job& j : jobs) {
     pb::JoinWorkerResponse jr;
-    grpc::ClientContext c1;
-    SetDeadline(&c1, absl::Now() + absl::Seconds(10));
-    absl::Status s = FromGrpcStatus(coordinator_->JoinWorker(&c1, j.join, &jr));
+    absl::Status s = coordinator_client_->JoinWorker(j.join, &jr, absl::Seconds(12));
     if (s.ok() && j.has_layout) {
       pb::SubmitLayoutResponse sr;
-      grpc::ClientContext c2;
-      SetDeadline(&c2, absl::Now() + absl::Seconds(30));
-      s = FromGrpcStatus(coordinator_->SubmitLayout(&c2, j.layout, &sr));
+      s = coordinator_client_->SubmitLayout(j.layout, &sr, absl::Seconds(32));
     }
     if (!s.ok()) {
       Log(LogLevel::kWarning, "worker not re-joined", {{"node", options_.node_id}, {"worker", j.worker}, {"error", s.message()}});
@@ -286,102 +261,19 @@ void NodeDaemon::Rejoin(const std::string& reason) {
   Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
 }
 
-bool NodeDaemon::AwaitRegistered(absl::Time deadline) {
-  absl::MutexLock l(&hb_mu_);
-  auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_ || (registered_ && !rejoining_); };
-  hb_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  return !hb_stop_ && registered_ && !rejoining_;
-}
+bool NodeDaemon::AwaitRegistered(absl::Time deadline) { return coord_ != nullptr && coord_->AwaitRegistered(deadline); }
 
-uint64_t NodeDaemon::session() {
-  absl::MutexLock l(&hb_mu_);
-  return session_;
-}
+uint64_t NodeDaemon::session() { return coord_ != nullptr ? coord_->session() : 0; }
 
 std::optional<std::string> NodeDaemon::AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) {
-  absl::MutexLock l(&hb_mu_);
-  hb_kick_ = true;  // heartbeat now rather than at the next tick
-  const uint64_t ok0 = hb_ok_;
-  // hb_ok_ moves by 2: a heartbeat that was already in flight when we kicked may be older than
-  // the failure we are explaining.
-  auto settled = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) {
-    return hb_stop_ || session_ != session0 || (hb_ok_ >= ok0 + 2 && registered_ && !rejoining_);
-  };
-  hb_mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
-  if (session_ != session0) return last_change_;
-  return std::nullopt;
+  if (coord_ == nullptr) return std::nullopt;
+  return coord_->AwaitCoordinatorChange(session0, deadline);
 }
 
-void NodeDaemon::HeartbeatLoop() {
-  absl::Time next = absl::Now();
-  while (true) {
-    pb::HeartbeatRequest req;
-    absl::Duration rpc_deadline;
-    {
-      absl::MutexLock l(&hb_mu_);
-      auto due = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_ || hb_kick_; };
-      hb_mu_.AwaitWithDeadline(absl::Condition(&due), next);
-      if (hb_stop_) return;
-      hb_kick_ = false;
-      // Fixed rate from the previous beat's start: a slow beat does not push the next one back.
-      next = std::max(next + options_.heartbeat, absl::Now());
-      if (!registered_) continue;  // the control thread registers
-      req.set_node_id(options_.node_id);
-      req.set_incarnation(incarnation_);
-      for (auto it = progress_.begin(); it != progress_.end();) {
-        std::shared_ptr<Exec> e = it->second.lock();
-        if (!e) {
-          it = progress_.erase(it);
-          continue;
-        }
-        pb::VersionProgress* p = req.add_progress();
-        p->set_model_id(it->first.first);
-        p->set_version(it->first.second);
-        p->set_bytes_done(e->bytes_done.load());
-        ++it;
-      }
-      // A beat may be slow on a loaded machine; it is only late once the lease is in danger.
-      rpc_deadline = std::max(options_.heartbeat, lease_ / 3);
-    }
-    if (options_.test_skip_heartbeat && options_.test_skip_heartbeat()) continue;
-    pb::HeartbeatResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_deadline));
-    grpc::Status s = coordinator_->Heartbeat(&ctx, req, &resp);
-    absl::MutexLock l(&hb_mu_);
-    if (s.ok() && req.incarnation() == incarnation_) {
-      hb_ok_ += 1;
-      if (resp.lease_ms() > 0) lease_ = absl::Milliseconds(resp.lease_ms());
-    } else if (s.error_code() == grpc::StatusCode::NOT_FOUND && req.incarnation() == incarnation_) {
-      // The coordinator lost us (lease) or is a new process (restart): register and re-join.
-      registered_ = false;
-    }
-  }
-}
-
-void NodeDaemon::ControlLoop() {
-  while (true) {
-    bool need_register = false;
-    {
-      absl::MutexLock l(&hb_mu_);
-      auto due = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_ || !registered_; };
-      hb_mu_.AwaitWithTimeout(absl::Condition(&due), options_.heartbeat);
-      if (hb_stop_) return;
-      need_register = !registered_;
-    }
-    CheckWorkers();
-    staging_pool_->Trim();
-    Metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
-    if (need_register) {
-      absl::Status s = Register();
-      if (!s.ok()) {
-        Log(LogLevel::kWarning, "coordinator unreachable", {{"node", options_.node_id}, {"error", s.message()}});
-        absl::MutexLock l(&hb_mu_);
-        auto stop = [&]() ABSL_SHARED_LOCKS_REQUIRED(hb_mu_) { return hb_stop_; };
-        hb_mu_.AwaitWithTimeout(absl::Condition(&stop), options_.heartbeat);
-      }
-    }
-  }
+void NodeDaemon::ControlTick() {
+  CheckWorkers();
+  staging_pool_->Trim();
+  Metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
 }
 
 void NodeDaemon::Shutdown() {
@@ -395,12 +287,7 @@ void NodeDaemon::Shutdown() {
     exec_threads_.clear();
     exec_done_.clear();
   }
-  {
-    absl::MutexLock l(&hb_mu_);
-    hb_stop_ = true;
-  }
-  if (heartbeat_.joinable()) heartbeat_.join();
-  if (control_.joinable()) control_.join();
+  if (coord_) coord_->Stop();
   // Executors blocked on a channel end when it is torn down.
   std::vector<std::tuple<std::string, std::string, transport::PeerId>> channels;
   {
@@ -460,10 +347,8 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   ASSIGN_OR_RETURN(exec->charge, budget_->Reserve(staging, absl::StrCat("the staging of model ", model_id, " version ", version)));
   exec->staging_bytes = staging;
   execs_[{model_id, version}] = exec;
-  {
-    absl::MutexLock hl(&hb_mu_);
-    progress_[{model_id, version}] = exec;
-  }
+  // Heartbeats report the version's progress while it exists (without mu_).
+  if (coord_) coord_->TrackProgress(model_id, version, std::shared_ptr<const std::atomic<uint64_t>>(exec, &exec->bytes_done));
   return exec;
 }
 

@@ -40,6 +40,8 @@
 #include "daemon/fd_channel.h"
 #include "daemon/metrics.h"
 #include "daemon/nic_meter.h"
+#include "daemon/node/coordinator_client.h"
+#include "daemon/node/coordinator_session.h"
 #include "daemon/node/live_copy.h"
 #include "daemon/node/staging_budget.h"
 #include "daemon/staging_pool.h"
@@ -239,20 +241,15 @@ class NodeDaemon {
   std::shared_ptr<pb::NodeService::Stub> PeerStub(const std::string& peer, const std::string& address);
   // Checks local worker processes; tells the coordinator about the ones that exited.
   void CheckWorkers();
-  // Heartbeats only: never takes mu_ (so a busy executor or a long copy cannot starve them).
-  void HeartbeatLoop();
-  // Worker liveness and (re-)registration with the coordinator; re-joins every local worker.
-  void ControlLoop();
-  absl::Status Register();
+  // What RegisterNode sends (addresses, transports): daemon/node/coordinator_session.h.
+  pb::RegisterNodeRequest Registration() const;
+  // Runs on the session's control thread once per heartbeat period: worker liveness, staging pool.
+  void ControlTick();
   // After (re-)registration: aborts local versions in flight (`reason`), re-submits models,
   // workers and layouts the node holds.
   void Rejoin(const std::string& reason);
-  // After a forwarded call failed in a way a coordinator restart explains (UNAVAILABLE,
-  // NOT_FOUND): waits (bounded by `deadline`) until either the node re-joined a coordinator
-  // (returns why: the restart) or a heartbeat on the unchanged session succeeded (nullopt).
+  // The coordinator session's (CoordinatorSession, coord_); false / nullopt / 0 before Start.
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline);
-  // Waits (bounded by `deadline`) until the node is registered with the coordinator and not in
-  // the middle of a re-join; false when that did not happen in time or the node is stopping.
   bool AwaitRegistered(absl::Time deadline);
   uint64_t session();
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
@@ -310,6 +307,10 @@ class NodeDaemon {
   std::unique_ptr<pb::WorkerService::Service> worker_impl_;
   std::unique_ptr<pb::NodeService::Service> node_impl_;
   std::unique_ptr<pb::CoordinatorService::Stub> coordinator_;
+  // Node -> coordinator calls (daemon/node/coordinator_client.h) and the session over them:
+  // registration, heartbeats (never take mu_), re-registration (Rejoin). Set by Start.
+  std::unique_ptr<CoordinatorClient> coordinator_client_;
+  std::unique_ptr<CoordinatorSession> coord_;
   std::string node_address_, data_address_;
 
   absl::Mutex mu_;
@@ -357,20 +358,6 @@ class NodeDaemon {
   std::vector<std::thread> TakeFinishedExecThreadsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkExecThreadDone(uint64_t id);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread heartbeat_, control_;
-  // Coordinator session. hb_mu_ is a leaf lock: nothing else is taken while holding it.
-  absl::Mutex hb_mu_;
-  uint64_t incarnation_ ABSL_GUARDED_BY(hb_mu_) = 0;
-  std::string coordinator_instance_ ABSL_GUARDED_BY(hb_mu_);
-  absl::Duration lease_ ABSL_GUARDED_BY(hb_mu_) = absl::Seconds(3);
-  bool registered_ ABSL_GUARDED_BY(hb_mu_) = false;  // false: the control thread registers again
-  bool rejoining_ ABSL_GUARDED_BY(hb_mu_) = false;
-  uint64_t session_ ABSL_GUARDED_BY(hb_mu_) = 0;     // bumps after each completed re-join
-  uint64_t hb_ok_ ABSL_GUARDED_BY(hb_mu_) = 0;       // heartbeats acknowledged
-  bool hb_kick_ ABSL_GUARDED_BY(hb_mu_) = false;
-  bool hb_stop_ ABSL_GUARDED_BY(hb_mu_) = false;
-  std::string last_change_ ABSL_GUARDED_BY(hb_mu_);  // why the last re-join happened
-  std::map<std::pair<std::string, uint64_t>, std::weak_ptr<Exec>> progress_ ABSL_GUARDED_BY(hb_mu_);
 };
 
 }  // namespace wb::daemon
