@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -44,7 +45,12 @@ ABSL_FLAG(int, data_numa_node, -1,
 ABSL_FLAG(std::string, transports, "", "comma-separated transport kinds (default: every usable one: cuda_ipc,nccl,host_shm,host_tcp)");
 ABSL_FLAG(int, tcp_streams, 4, "parallel TCP connections per peer node");
 ABSL_FLAG(int, copy_threads, 4, "same-node copy threads (host_shm)");
-ABSL_FLAG(bool, checksums, true, "verify an xxh3 checksum of every cross-node batch");
+ABSL_FLAG(bool, checksums, false,
+          "also verify an xxh3 checksum of every cross-node batch on the wire; default: on only with --digests=false "
+          "(end-to-end digests check every op's landed bytes against what its source read, which covers the wire)");
+ABSL_FLAG(bool, digests, true,
+          "end-to-end digests: every version commits only when what each op landed matches what its source read "
+          "(docs/daemon.md \"End-to-end digests\")");
 ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
 ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
@@ -97,6 +103,18 @@ int Fail(const std::string& msg) {
 }
 
 }  // namespace
+
+// --checksums (or --nochecksums) on the command line: this abseil keeps
+// CommandLineFlag::IsSpecifiedOnCommandLine private.
+static bool ChecksumsGiven(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view a = argv[i];
+    if (a == "--") break;
+    if (!absl::ConsumePrefix(&a, "--") && !absl::ConsumePrefix(&a, "-")) continue;
+    if (a == "checksums" || a == "nochecksums" || absl::StartsWith(a, "checksums=")) return true;
+  }
+  return false;
+}
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("WeightBridge daemon: weightbridged --role=node|coordinator|standalone --worker_socket=PATH ...");
@@ -225,7 +243,9 @@ int main(int argc, char** argv) {
   o.topology.nic_GBps_per_gpu = absl::GetFlag(FLAGS_nic_GBps);
   o.topology.colocated = absl::GetFlag(FLAGS_colocated);
   o.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
-  o.checksums = absl::GetFlag(FLAGS_checksums);
+  o.digests = absl::GetFlag(FLAGS_digests);
+  // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
+  o.checksums = ChecksumsGiven(argc, argv) ? absl::GetFlag(FLAGS_checksums) : !o.digests;
   // Concrete transports are picked here and only here (the planner is planner::MakePlan).
   wb::transport::TransportConfig tc;
   for (absl::string_view k : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',', absl::SkipEmpty())) tc.kinds.emplace_back(k);

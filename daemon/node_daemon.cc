@@ -24,6 +24,7 @@
 #include "daemon/metrics.h"
 #include "daemon/nccl_route.h"
 #include "daemon/node/deadlines.h"
+#include "daemon/node/exec_plan_proto.h"
 #include "daemon/node/grpc_coordinator_client.h"
 #include "daemon/quantize.h"
 #include "planner/box.h"
@@ -579,7 +580,8 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   Log(s.ok() ? LogLevel::kInfo : LogLevel::kWarning, s.ok() ? "version transferred" : "version failed",
       {{"node", options_.node_id}, {"model", exec->model_id}, {"version", exec->version}, {"bytes", exec->bytes_done.load()},
        {"seconds", absl::ToDoubleSeconds(absl::Now() - t0)}, {"staging_s", exec->staging_s}, {"setup_s", exec->setup_s},
-       {"buckets_s", exec->buckets_s}, {"relay_bytes_at_commit", exec->relay_bytes_at_commit}, {"error", s.message()}});
+       {"buckets_s", exec->buckets_s}, {"relay_bytes_at_commit", exec->relay_bytes_at_commit}, {"digest_s", exec->digest_s},
+       {"digest_bytes", exec->digests.bytes}, {"error", s.message()}});
   pb::ReportDoneRequest req;
   req.set_node_id(options_.node_id);
   req.set_model_id(exec->model_id);
@@ -589,6 +591,16 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   req.set_bytes(exec->bytes_done.load());
   req.set_seconds(absl::ToDoubleSeconds(absl::Now() - t0));
   req.set_coordinator_instance(exec->coordinator_instance);
+  for (const auto& [op, d] : exec->digests.source) {
+    pb::OpDigest* o = req.add_source_digests();
+    o->set_op(op);
+    o->set_digest(d);
+  }
+  for (const auto& [op, d] : exec->digests.landed) {
+    pb::OpDigest* o = req.add_landed_digests();
+    o->set_op(op);
+    o->set_digest(d);
+  }
   req.set_catch_up(exec->catch_up);
   pb::ReportDoneResponse resp;
   grpc::ClientContext ctx;
@@ -1389,6 +1401,31 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     }
   }
   exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
+  if (options_.digests || options_.test_after_buckets) {
+    // End-to-end digests (docs/daemon.md "End-to-end digests"): what each local op read and landed,
+    // over host memory (device memory has none), before anything quantises staging.
+    std::map<std::string, digest::RegionBytes> regions;
+    for (const auto& [key, m] : mem) regions[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    if (options_.test_after_buckets) {
+      std::map<std::string, std::pair<uint8_t*, int64_t>> named;
+      for (int i = 0; i < plan.slice.workers_size(); ++i) {
+        for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
+          auto m = mem.find(RegionKey(i, j));
+          if (m != mem.end() && m->second.kind == MemoryKind::kHost) named[absl::StrCat(plan.slice.workers(i).worker_id(), ".b", j)] = {m->second.base, m->second.size};
+        }
+      }
+      if (auto g = mem.find("g"); g != mem.end() && g->second.kind == MemoryKind::kHost) named["g"] = {g->second.base, g->second.size};
+      options_.test_after_buckets(exec.model_id, exec.version, named);
+    }
+    if (options_.digests) {
+      const absl::Time t0 = absl::Now();
+      const node::Slice slice = node::SliceFromProto(plan.slice, plan.layouts, plan.quantized, plan.hosts_gather, plan.inventory);
+      absl::StatusOr<digest::OpDigests> d = digest::DigestLocalOps(slice, me, at_commit, regions, options_.digest_threads, exec.deadline);
+      if (!d.ok()) return Annotate(d.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
+      exec.digests = std::move(*d);
+      exec.digest_s = absl::ToDoubleSeconds(absl::Now() - t0);
+    }
+  }
   end_phase(exec.buckets_s);
   return absl::OkStatus();
 }

@@ -42,6 +42,7 @@
 #include "daemon/nic_meter.h"
 #include "daemon/node/coordinator_client.h"
 #include "daemon/node/coordinator_session.h"
+#include "daemon/digest/op_digests.h"
 #include "daemon/node/live_copy.h"
 #include "daemon/node/staging_budget.h"
 #include "daemon/staging_pool.h"
@@ -67,6 +68,17 @@ class NodeDaemon {
     // cross-node one. main.cc / tests create them with transport/factory.h.
     transport::TransportSet transports;
     bool checksums = true;  // per-batch xxh3 on cross-node batches (transports that support it)
+    // End-to-end digests (daemon/digest/, docs/daemon.md "End-to-end digests"): after a version's
+    // buckets the node digests what each op it sends read and what each op it receives landed, on
+    // up to digest_threads threads, and reports them with ReportDone (the coordinator commits only
+    // when every pair matches).
+    bool digests = true;
+    int digest_threads = 8;
+    // TEST ONLY: after a version's buckets, before its digests: the host memory of each local
+    // region, keyed "<worker id>.b<buffer>" (and "g": the gather staging); fault tests flip a bit
+    // of a rollout's staging here.
+    std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>
+        test_after_buckets;
     // GPU-direct staging (docs/daemon.md): where trainer snapshots and rollout incoming copies of
     // CUDA buffers may live on the GPU. Null or a zero budget: host staging only.
     std::shared_ptr<DeviceStaging> device_staging;
@@ -222,6 +234,10 @@ class NodeDaemon {
     // Executor thread only: seconds spent allocating staging, registering memory and setting up
     // channels (ExchangeRegions, Connect), and in the buckets (logged with "version transferred").
     double staging_s = 0, setup_s = 0, buckets_s = 0;
+    // Executor thread only: the digests of this node's ops after the buckets (reported with
+    // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.
+    digest::OpDigests digests;
+    double digest_s = 0;
   };
 
   absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)

@@ -77,6 +77,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.live_state_dir = o.live_state_dir;
     ASSIGN_OR_RETURN(no.transports, o.make_transports());
     no.checksums = o.checksums;
+    no.digests = o.digests;
     no.device_staging = o.device_staging;
     no.test_before_bucket = o.test_before_bucket;
     no.test_skip_heartbeat = o.test_skip_heartbeat;

@@ -40,7 +40,10 @@ struct ServerOptions {
   DaemonMetrics* metrics = nullptr;
   planner::Topology topology;                 // bandwidths the coordinator's planner assumes
   int64_t bucket_bytes = int64_t{2} << 30;    // planner staging budget per GPU per bucket
-  bool checksums = true;                      // xxh3 per cross-node batch
+  // xxh3 per cross-node batch on the wire. Off by default: end-to-end digests (on by default) check
+  // every op's landed bytes against what its source read, which covers the wire.
+  bool checksums = false;
+  bool digests = true;                        // NodeDaemon::Options::digests
   absl::Duration status_resend = absl::Seconds(1);  // WatchStatus safety net (Coordinator::Options)
   // Injected dependencies (main.cc picks the concrete ones).
   PlanFn make_plan;  // empty = planner::MakePlan

@@ -13,6 +13,9 @@ namespace {
 // Verdicts kept per model for ClusterStatus (as many as the version machine keeps records).
 constexpr size_t kVerdictsKept = 64;
 
+// The daemon's metrics (CoordinatorOptions::metrics), else the process default.
+DaemonMetrics& MetricsOf(DaemonMetrics* injected) { return injected != nullptr ? *injected : Metrics(); }
+
 }  // namespace
 
 void CoordinatorCore::StartDigestsLocked(const std::string& model_id, Model& m, uint64_t v) {
@@ -30,7 +33,7 @@ absl::Status CoordinatorCore::AddDigestsLocked(const std::string& model_id, Mode
   absl::Status s = book->second.Add(req);
   if (s.ok()) return s;
   const std::string node = options_.local_node.empty() ? std::string("coordinator") : options_.local_node;
-  Metrics().Version(node, model_id, "digest_mismatch");
+  MetricsOf(options_.metrics).Version(node, model_id, "digest_mismatch");
   Log(LogLevel::kError, "version digest mismatch", {{"model", model_id}, {"version", req.version()}, {"node", req.node_id()}, {"error", s.message()}});
   m.digests.erase(book);
   return s;
@@ -44,7 +47,7 @@ void CoordinatorCore::FinishDigestsLocked(const std::string& model_id, Model& m,
   m.verdicts[v] = verdict;
   while (m.verdicts.size() > kVerdictsKept) m.verdicts.erase(m.verdicts.begin());
   if (verdict.verified) {
-    Metrics().Version(options_.local_node.empty() ? std::string("coordinator") : options_.local_node, model_id, "verified");
+    MetricsOf(options_.metrics).Version(options_.local_node.empty() ? std::string("coordinator") : options_.local_node, model_id, "verified");
   }
   Log(LogLevel::kInfo, verdict.verified ? "version verified" : "version not fully verified",
       {{"model", model_id}, {"version", v}, {"ops_verified", static_cast<int64_t>(verdict.ops_verified)},
