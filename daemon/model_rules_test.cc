@@ -113,6 +113,18 @@ TEST_P(ModelRulesTest, SameWorkerIdOfAnotherModelDoesNotBreakTheFirst) {
   for (auto& p : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0}, {&r0})) ASSERT_TRUE(p.ok()) << p.error_message();
   ASSERT_TRUE(c_.Apply(r0, "m", 1, &resp).ok());
   EXPECT_EQ(CountBad(r0, 1), 0);
+  // Errors about a worker name its model too.
+  grpc::Status a = c_.Apply(t0, "m", 1, &resp);
+  EXPECT_NE(a.error_message().find("worker t0 of model m is not a rollout worker on node n0"), std::string::npos) << a.error_message();
+  grpc::ClientContext ctx;
+  pb::PublishRequest pr;
+  pr.set_model_id("m");
+  pr.set_worker_id("r0");
+  pr.set_version(2);
+  pr.set_timeout_ms(5000);
+  pb::PublishResponse presp;
+  grpc::Status p = r0.stub->Publish(&ctx, pr, &presp);
+  EXPECT_NE(p.error_message().find("worker r0 of model m is not a trainer"), std::string::npos) << p.error_message();
 }
 
 // A preset layout whose buffer is too small: the error names worker and model.

@@ -39,14 +39,6 @@
 #endif
 
 namespace wb::daemon {
-namespace {
-
-// Data channels a version sets up at once (RunExecInner step 3): NCCL communicator init takes a
-// while per lane pair, and a node pair may use up to (GPUs x peer GPUs) of them.
-constexpr size_t kMaxChannelSetups = 16;
-
-}  // namespace
-
 // ------------------------------------------------------------------------------- NodeDaemon
 NodeDaemon::NodeDaemon(Options options)
     : options_(std::move(options)),
@@ -293,7 +285,7 @@ void NodeDaemon::Shutdown() {
   std::vector<std::tuple<std::string, std::string, transport::PeerId>> channels;
   {
     absl::MutexLock l(&mu_);
-    for (auto& [key, c] : channels_) channels.push_back({key.first, key.second, c.id});
+    for (const node::ChannelCache::Keyed& c : channels_.All()) channels.push_back({c.model_id, c.channel, c.id});
   }
   for (auto& [model, peer, id] : channels) DropChannel(model, peer, id);
   for (auto& t : threads) t.join();
@@ -353,49 +345,6 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   return exec;
 }
 
-namespace {
-
-// Where a canonical box lives: a worker piece, or the rank-0 gather staging entry of the op.
-struct PieceAt {
-  std::string key;  // region key of this version ("w<i>.b<j>" or "g")
-  planner::Piece piece;
-};
-
-std::string RegionKey(uint32_t worker, int32_t buffer) { return absl::StrCat("w", worker, ".b", buffer); }
-
-absl::StatusOr<PieceAt> ResolveSide(const std::vector<planner::WorkerLayout>& layouts, const pb::TransferOp& op, bool src) {
-  const uint32_t worker = src ? op.src_worker() : op.dst_worker();
-  const int32_t piece = src ? op.src_piece() : op.dst_piece();
-  PieceAt at;
-  if (piece >= 0) {
-    if (worker >= layouts.size() || piece >= static_cast<int32_t>(layouts[worker].pieces.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": ", src ? "source" : "destination", " piece ", piece,
-                                                     " of slice worker ", worker, " is not in the slice"));
-    }
-    at.piece = layouts[worker].pieces[piece];
-    at.key = RegionKey(worker, at.piece.buffer);
-    return at;
-  }
-  if (!op.has_staging_box()) return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": staged side without staging_box"));
-  at.key = "g";
-  at.piece.tensor = op.tensor();
-  at.piece.box = FromProto(op.staging_box());
-  at.piece.buffer = 0;
-  at.piece.offset_bytes = static_cast<int64_t>(op.staging_offset());
-  std::vector<int64_t> extents;
-  for (size_t d = 0; d < at.piece.box.begin.size(); ++d) extents.push_back(at.piece.box.end[d] - at.piece.box.begin[d]);
-  at.piece.strides = planner::ContiguousStrides(extents);
-  return at;
-}
-
-uint64_t BatchTag(const std::string& model, uint64_t version, uint32_t bucket) {
-  // Unique among unfinished batches of one channel (one channel per model and peer).
-  (void)model;
-  return (version << 24) ^ bucket;
-}
-
-}  // namespace
-
 std::shared_ptr<pb::NodeService::Stub> NodeDaemon::PeerStub(const std::string& peer, const std::string& address) {
   absl::MutexLock l(&stubs_mu_);
   PeerStubEntry& e = peer_stubs_[peer];
@@ -410,43 +359,33 @@ std::shared_ptr<pb::NodeService::Stub> NodeDaemon::PeerStub(const std::string& p
 }
 
 void NodeDaemon::DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
-  {
-    absl::MutexLock l(&mu_);
-    auto it = channels_.find({model_id, chan});
-    if (it != channels_.end() && it->second.id == id) channels_.erase(it);
-  }
+  channels_.EraseIf(model_id, chan, id);
   const std::string name = ChannelTransportName(chan);
   transport::Transport* cross = name.empty() ? options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true)
                                              : CrossTransport(name);
   if (cross != nullptr && id != transport::kNoPeer) (void)cross->Disconnect(id);
 }
 
-absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
-                                                        transport::Transport* cross, const std::string& mine_name,
-                                                        const std::string& theirs_name) {
+absl::StatusOr<node::ChannelLink> NodeDaemon::SetupPeer(Exec& exec, const node::ChannelPlan& channel, transport::Transport* cross) {
+  const std::string& peer = channel.peer;
+  const std::string& mine_name = channel.mine;
+  const std::string& theirs_name = channel.theirs;
+  const std::string& chan = channel.name;
   const std::string kind = mine_name == theirs_name ? mine_name : absl::StrCat(mine_name, " -> ", theirs_name);  // for messages
-  const std::string chan = ChannelName(peer, mine_name, theirs_name);
-  auto inst_it = peer_worker.transport_instances().find(theirs_name);
-  if (inst_it == peer_worker.transport_instances().end()) {
+  const pb::PlanWorker* peer_worker = nullptr;
+  for (const pb::PlanWorker& w : exec.plan->slice.workers()) {
+    if (w.node_id() == peer) peer_worker = &w;
+  }
+  if (peer_worker == nullptr) return absl::InvalidArgumentError(absl::StrCat("node ", peer, " has no worker in the plan slice of model ", exec.model_id));
+  auto inst_it = peer_worker->transport_instances().find(theirs_name);
+  if (inst_it == peer_worker->transport_instances().end()) {
     return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", theirs_name, "' transport"));
   }
   const std::string& peer_instance = inst_it->second;
-  transport::PeerId cached = transport::kNoPeer;
-  transport::PeerId stale = transport::kNoPeer;
-  {
-    absl::MutexLock l(&mu_);
-    auto c = channels_.find({exec.model_id, chan});
-    if (c != channels_.end()) {
-      if (c->second.peer_instance == peer_instance) {
-        cached = c->second.id;
-      } else {
-        // The peer restarted (new transport instance): the old incarnation's channel is dead
-        // and would otherwise be overwritten below without its sockets ever being closed.
-        stale = c->second.id;
-      }
-    }
-  }
-  if (stale != transport::kNoPeer) DropChannel(exec.model_id, chan, stale);
+  // A peer that restarted (new transport instance) left a stale channel: disconnected, not reused.
+  const node::ChannelCache::Lookup cache = channels_.ForPeer(exec.model_id, chan, peer_instance);
+  const transport::PeerId cached = cache.reuse;
+  if (cache.stale != transport::kNoPeer) DropChannel(exec.model_id, chan, cache.stale);
   ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
   bool reuse = false;
   std::string peer_endpoint;
@@ -472,7 +411,7 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     pb::ExchangeRegionsResponse resp;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(exec.deadline));
-    RETURN_IF_ERROR_WITH(FromGrpcStatus(PeerStub(peer, peer_worker.data_address())->ExchangeRegions(&ctx, req, &resp)),
+    RETURN_IF_ERROR_WITH(FromGrpcStatus(PeerStub(peer, peer_worker->data_address())->ExchangeRegions(&ctx, req, &resp)),
                          absl::StrCat("exchanging regions with node ", peer));
     absl::MutexLock l(&mu_);
     PeerState& ps = exec.peers[chan];
@@ -504,28 +443,27 @@ absl::StatusOr<transport::PeerId> NodeDaemon::SetupPeer(Exec& exec, const std::s
     id = *c;
     Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
   }
+  node::ChannelLink link;
+  link.id = id;
   transport::PeerId replaced = transport::kNoPeer;
   absl::Status aborted;
   {
     absl::MutexLock l(&mu_);
-    Channel& slot = channels_[{exec.model_id, chan}];
     // Another version of the model may have cached its own channel meanwhile; the one we replace
     // must be disconnected (its fds closed) unless a version in flight still uses it.
-    if (slot.id != transport::kNoPeer && slot.id != id) {
-      replaced = slot.id;
-      for (auto& [key, other] : execs_) {
-        for (auto& [p, used] : other->connected) {
-          if (used == replaced) replaced = transport::kNoPeer;
-        }
+    replaced = channels_.Put(exec.model_id, chan, id, peer_instance);
+    for (auto& [key, other] : execs_) {
+      for (auto& [p, used] : other->connected) {
+        if (used == replaced) replaced = transport::kNoPeer;
       }
     }
-    slot = Channel{id, peer_instance};
     exec.connected[chan] = id;
+    link.regions = exec.peers[chan].regions;
     if (exec.aborted) aborted = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
   }
   if (replaced != transport::kNoPeer) DropChannel(exec.model_id, chan, replaced);
   if (!aborted.ok()) return aborted;
-  return id;
+  return link;
 }
 
 std::vector<std::thread> NodeDaemon::TakeFinishedExecThreadsLocked() {
@@ -561,7 +499,7 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   if (s.ok()) {
     // GB/s per link of this transfer (bytes over the summed batch times towards that peer).
     for (auto& [peer, ls] : exec->links) {
-      if (ls.bytes > 0 && ls.seconds > 0) Metrics().Link(options_.node_id, peer, ls.bytes, ls.seconds);
+      if (ls.bytes > 0 && ls.seconds > 0) metrics().Link(options_.node_id, peer, ls.bytes, ls.seconds);
     }
   }
   std::map<std::string, transport::PeerId> connected;
@@ -608,825 +546,347 @@ void NodeDaemon::RunExec(std::shared_ptr<Exec> exec) {
   coordinator_->ReportDone(&ctx, req, &resp);
 }
 
-absl::Status NodeDaemon::RunExecInner(Exec& exec) {
-  const ModelPlan& plan = *exec.plan;
-  const std::string& me = options_.node_id;
-  using transport::MemoryKind;
-  transport::Transport* local_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
-  transport::Transport* cross_t = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
-  transport::Transport* cuda_t = CudaTransport();
-  const std::map<int, transport::Transport*> lanes = NcclLanes();
-  auto is_local = [&](uint32_t w) { return plan.slice.workers(w).node_id() == me; };
-  const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
-  absl::Time phase_start = absl::Now();  // phase times for the "version transferred" log line
-  auto end_phase = [&phase_start](double& into) {
-    const absl::Time now = absl::Now();
-    into = absl::ToDoubleSeconds(now - phase_start);
-    phase_start = now;
-  };
-
-  // Local workers with an op to or from another node: their memory must be host memory that the
-  // cross-node transport reaches (a rollout of theirs is staged in host memory; a trainer's CUDA
-  // source gets a host copy below).
-  std::set<uint32_t> crosses;
-  std::set<uint32_t> nccl_in;  // local rollouts that receive over nccl (TransferOp.nccl)
-  // Local regions (RegionKey) sent or received over nccl -> the lane (GPU) that moves them; the
-  // coordinator picked it per op (TransferOp.nccl_src_device / nccl_dst_device), one per region.
-  std::map<std::string, int> nccl_lane_of;
-  for (const pb::TransferOp& op : plan.slice.ops()) {
-    const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
-    if (s != d) crosses.insert(s ? op.src_worker() : op.dst_worker());
-    if (s != d && op.nccl()) {
-      const int lane = s ? op.nccl_src_device() : op.nccl_dst_device();
-      if (lanes.count(lane) == 0) {
-        return absl::FailedPreconditionError(absl::StrCat("op ", op.index(), " is routed over nccl lane ", NcclLaneName(lane), " but node ", me,
-                                                          " has no such lane (--nccl_devices) with GPU staging (--gpu_staging_bytes)"));
-      }
-      if (d) nccl_in.insert(op.dst_worker());
-      ASSIGN_OR_RETURN(PieceAt side, ResolveSide(plan.layouts, op, s));
-      auto [it, inserted] = nccl_lane_of.emplace(side.key, lane);
-      if (!inserted && it->second != lane) {
-        return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), ": region ", side.key, " on node ", me, " is routed over nccl lanes ",
-                                                       NcclLaneName(it->second), " and ", NcclLaneName(lane), " (one lane per region)"));
-      }
-    }
+// The executor's way to its peers (node::ChannelSetup): our descriptors go into exec.local_desc
+// (the ExchangeRegions handler answers with them), and each channel is set up by SetupPeer
+// (ExchangeRegions + the model's channel cache).
+class NodeDaemon::ExecChannels final : public node::ChannelSetup {
+ public:
+  ExecChannels(NodeDaemon* d, Exec& exec) : d_(d), exec_(exec) {}
+  void Publish(std::map<std::string, std::map<std::string, std::string>> descriptors) override {
+    absl::MutexLock l(&d_->mu_);
+    exec_.local_desc = std::move(descriptors);
+    exec_.regions_ready = true;
+  }
+  absl::StatusOr<node::ChannelLink> Setup(const node::ChannelPlan& channel, transport::Transport* t, absl::Time) override {
+    return d_->SetupPeer(exec_, channel, t);
   }
 
-  // 0. Staging of this version, allocated here (outside mu_). A rollout whose live buffers are
-  //    CUDA memory and that exchanges nothing with other nodes is staged on its GPU when the
-  //    GPU staging budget allows (GPU-direct: the version never leaves the GPUs).
+ private:
+  NodeDaemon* d_;
+  Exec& exec_;
+};
+
+absl::Status NodeDaemon::AllocateStaging(Exec& exec, const node::LanePlan& lanes) {
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
+  // A rollout whose live buffers are CUDA memory and that exchanges nothing with other nodes is
+  // staged on its GPU when the GPU staging budget allows (GPU-direct: the version never leaves the
+  // GPUs); one that receives over nccl is staged on its lane's GPU.
+  std::map<std::string, std::vector<std::shared_ptr<CudaImport>>> rollout_cuda;
   {
-    std::map<std::string, std::vector<std::shared_ptr<CudaImport>>> rollout_cuda;
-    {
-      absl::MutexLock l(&mu_);
-      for (int i = 0; i < plan.slice.workers_size(); ++i) {
-        const pb::PlanWorker& w = plan.slice.workers(i);
-        if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
-        auto it = workers_.find(w.worker_id());
-        if (it != workers_.end()) rollout_cuda[w.worker_id()] = it->second.cuda;
-      }
-    }
-    std::map<std::string, std::shared_ptr<Bytes>> incoming;
-    std::shared_ptr<Bytes> gather;
+    absl::MutexLock l(&mu_);
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
       const pb::PlanWorker& w = plan.slice.workers(i);
       if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
-      const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
-      std::shared_ptr<Bytes> bytes = NewBytes(0, {exec.charge});
-      for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
-        const int64_t size = plan.layouts[i].buffers[j].size_bytes;
-        StagedBuffer sb;
-        if (plan.quantized[i] && nccl_lane_of.count(RegionKey(i, j)) > 0) {
-          return absl::FailedPreconditionError(absl::StrCat(vlabel, ": rollout ", w.worker_id(), " holds quantised pieces (host staging) ",
-                                                            "but buffer ", j, " is routed over nccl"));
-        }
-        if (j < cuda.size() && cuda[j] != nullptr && !plan.quantized[i]) {
-          const std::string what = absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j);
-          auto lane = nccl_lane_of.find(RegionKey(i, j));
-          if (lane != nccl_lane_of.end()) {
-            // Received over nccl: staged on the lane's GPU (the buffer's own GPU when it has a lane;
-            // commit/apply copy it to the worker's buffer).
-            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(lane->second, size, what));
-            if (sb.device == nullptr) {
-              return absl::ResourceExhaustedError(absl::StrCat(what, ": ", size, " bytes of GPU staging on GPU ", lane->second,
-                                                               " (nccl route) exceed --gpu_staging_bytes or the GPU's free memory"));
-            }
-          } else if (crosses.count(static_cast<uint32_t>(i)) == 0 || nccl_in.count(static_cast<uint32_t>(i)) > 0) {
-            // Nothing from another node lands in this buffer except over nccl: stage it on its GPU.
-            ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, what));
-          }
-          Metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
-          if (sb.device == nullptr && options_.device_staging != nullptr && options_.device_staging->enabled()) {
-            // Not counted in exec.staging_bytes (expected on the GPU): reserved from the host budget now.
-            ASSIGN_OR_RETURN(std::shared_ptr<StagingBudget::Charge> extra,
-                             budget_->Reserve(size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j,
-                                                                 " (a CUDA buffer that did not fit the GPU staging budget)")));
-            bytes = KeepWith(std::move(bytes), std::move(extra));
-          }
-        }
-        if (sb.device == nullptr) sb.host = TakeHost(size);  // recycled: see daemon/staging_pool.h
-        bytes->push_back(std::move(sb));
-      }
-      incoming[w.worker_id()] = std::move(bytes);
+      auto it = workers_.find(w.worker_id());
+      if (it != workers_.end()) rollout_cuda[w.worker_id()] = it->second.cuda;
     }
-    if (plan.hosts_gather) {
-      gather = NewBytes(1, {exec.charge});
-      (*gather)[0].host = TakeHost(static_cast<int64_t>(plan.slice.gather_staging_bytes()));
-    }
-    absl::MutexLock l(&mu_);
-    exec.incoming = std::move(incoming);
-    exec.gather = std::move(gather);
   }
-  end_phase(exec.staging_s);
-
-  // 1. The memory of this version on this node: host memory, or CUDA memory (a worker's imported
-  //    buffer, or GPU staging of the daemon).
-  struct Mem {
-    MemoryKind kind = MemoryKind::kHost;
-    uint8_t* base = nullptr;  // host address, or device pointer of GPU staging
-    int64_t size = 0;
-    int device = -1;
-    std::shared_ptr<CudaImport> import;  // a worker's CUDA buffer (already a cuda_ipc region)
-  };
-  std::map<std::string, Mem> mem;
-  std::vector<std::shared_ptr<void>> holds;  // keeps snapshots / segments / staging alive
-  // Sync: trainers' live segments read in place (checked again after the buckets: a trainer may
-  // truncate its memory mid-version; ShmSegment's SIGBUS guard keeps the daemon alive meanwhile).
-  std::vector<std::pair<std::string, std::shared_ptr<transport::ShmSegment>>> live_sources;
-  auto staged = [](const StagedBuffer& b) {
-    Mem m;
-    m.size = b.size();
-    if (b.device) {
-      m.kind = MemoryKind::kCuda;
-      m.base = static_cast<uint8_t*>(b.device->data());
-      m.device = b.device->device();
-    } else {
-      m.base = const_cast<uint8_t*>(b.host.data());
+  std::map<std::string, std::shared_ptr<Bytes>> incoming;
+  std::shared_ptr<Bytes> gather;
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = plan.slice.workers(i);
+    if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+    const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
+    std::shared_ptr<Bytes> bytes = NewBytes(0, {exec.charge});
+    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
+      const int64_t size = plan.layouts[i].buffers[j].size_bytes;
+      StagedBuffer sb;
+      if (j < cuda.size() && cuda[j] != nullptr && !plan.quantized[i]) {
+        const std::string what = absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j);
+        auto lane = lanes.lane_of.find(node::RegionKey(i, j));
+        if (lane != lanes.lane_of.end()) {
+          // Received over nccl: staged on the lane's GPU (the buffer's own GPU when it has a lane;
+          // commit/apply copy it to the worker's buffer).
+          ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(lane->second, size, what));
+          if (sb.device == nullptr) {
+            return absl::ResourceExhaustedError(absl::StrCat(what, ": ", size, " bytes of GPU staging on GPU ", lane->second,
+                                                             " (nccl route) exceed --gpu_staging_bytes or the GPU's free memory"));
+          }
+        } else if (lanes.crosses.count(static_cast<uint32_t>(i)) == 0 || lanes.nccl_in.count(static_cast<uint32_t>(i)) > 0) {
+          // Nothing from another node lands in this buffer except over nccl: stage it on its GPU.
+          ASSIGN_OR_RETURN(sb.device, TryDeviceStaging(cuda[j]->device, size, what));
+        }
+        metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
+        if (sb.device == nullptr && options_.device_staging != nullptr && options_.device_staging->enabled()) {
+          // Not counted in exec.staging_bytes (expected on the GPU): reserved from the host budget now.
+          ASSIGN_OR_RETURN(std::shared_ptr<StagingBudget::Charge> extra,
+                           budget_->Reserve(size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j,
+                                                               " (a CUDA buffer that did not fit the GPU staging budget)")));
+          bytes = KeepWith(std::move(bytes), std::move(extra));
+        }
+      }
+      if (sb.device == nullptr) sb.host = TakeHost(size);  // recycled: see daemon/staging_pool.h
+      bytes->push_back(std::move(sb));
     }
-    return m;
-  };
-  {
-    absl::MutexLock l(&mu_);
-    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
-    for (int i = 0; i < plan.slice.workers_size(); ++i) {
-      const pb::PlanWorker& pw = plan.slice.workers(i);
-      if (pw.node_id() != me) continue;
-      const planner::WorkerLayout& layout = plan.layouts[i];
-      if (pw.role() == pb::ROLE_ROLLOUT) {
-        std::shared_ptr<Bytes> staging = exec.incoming.at(pw.worker_id());
-        holds.push_back(staging);
-        for (size_t j = 0; j < staging->size(); ++j) mem[RegionKey(i, j)] = staged((*staging)[j]);
+    incoming[w.worker_id()] = std::move(bytes);
+  }
+  if (plan.hosts_gather) {
+    gather = NewBytes(1, {exec.charge});
+    (*gather)[0].host = TakeHost(static_cast<int64_t>(plan.slice.gather_staging_bytes()));
+  }
+  absl::MutexLock l(&mu_);
+  exec.incoming = std::move(incoming);
+  exec.gather = std::move(gather);
+  return absl::OkStatus();
+}
+
+namespace {
+
+node::RegionMemory StagedRegion(const StagedBuffer& b) {
+  node::RegionMemory m;
+  m.size = b.size();
+  if (b.device) {
+    m.kind = transport::MemoryKind::kCuda;
+    m.base = static_cast<uint8_t*>(b.device->data());
+    m.device = b.device->device();
+  } else {
+    m.base = const_cast<uint8_t*>(b.host.data());
+  }
+  return m;
+}
+
+node::RegionMemory SegmentRegion(const std::shared_ptr<transport::ShmSegment>& seg) {
+  return node::RegionMemory{transport::MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, {}};
+}
+
+}  // namespace
+
+absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  absl::MutexLock l(&mu_);
+  if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& pw = plan.slice.workers(i);
+    if (pw.node_id() != me) continue;
+    const planner::WorkerLayout& layout = plan.layouts[i];
+    if (pw.role() == pb::ROLE_ROLLOUT) {
+      std::shared_ptr<Bytes> staging = exec.incoming.at(pw.worker_id());
+      out.holds.push_back(staging);
+      for (size_t j = 0; j < staging->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*staging)[j]);
+      continue;
+    }
+    auto w = workers_.find(pw.worker_id());
+    if (w == workers_.end() || !w->second.has_layout) {
+      return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " is gone from node ", me));
+    }
+    if (w->second.buffers.size() < layout.buffers.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
+    }
+    if (exec.catch_up) {
+      // Catch-up source (docs/daemon.md "Catch-up"): a rollout holding the committed version,
+      // read in place: its committed staging while held, else its live buffers when they hold
+      // exactly that version whole (no newer version commits while a catch-up runs, so no
+      // commit or Apply writes them meanwhile).
+      const LocalWorker& src = w->second;
+      const std::string what = absl::StrCat("catch-up source rollout ", pw.worker_id(), " on node ", me);
+      if (src.role != planner::Role::kRollout) return absl::FailedPreconditionError(absl::StrCat(what, ": not a rollout here"));
+      if (src.committed != nullptr && src.committed_version == exec.version) {
+        out.holds.push_back(src.committed);
+        for (size_t j = 0; j < src.committed->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*src.committed)[j]);
         continue;
       }
-      auto w = workers_.find(pw.worker_id());
-      if (w == workers_.end() || !w->second.has_layout) {
-        return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " is gone from node ", me));
+      if (src.applied_version != exec.version || live_.Copying(pw.worker_id()) || !live_.TornError(pw.worker_id(), me).ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(what, " no longer holds version ", exec.version, " (committed staging: version ",
+                                                          src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
+                                                          src.applied_version, live_.Copying(pw.worker_id()) ? ", being written" : "", ")"));
       }
-      if (w->second.buffers.size() < layout.buffers.size()) {
-        return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
+      for (size_t j = 0; j < layout.buffers.size(); ++j) {
+        auto seg = src.buffers[j];
+        if (seg == nullptr) return absl::FailedPreconditionError(absl::StrCat(what, " buffer ", j, ": CUDA memory is not a catch-up source"));
+        if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+          return absl::Status(intact.code(), absl::StrCat(what, " buffer ", j, ": ", intact.message()));
+        }
+        out.live_sources.push_back({absl::StrCat(what, " buffer ", j), seg});
+        out.holds.push_back(seg);
+        out.regions[node::RegionKey(i, j)] = SegmentRegion(seg);
       }
-      if (exec.catch_up) {
-        // Catch-up source (docs/daemon.md "Catch-up"): a rollout holding the committed version,
-        // read in place: its committed staging while held, else its live buffers when they hold
-        // exactly that version whole (no newer version commits while a catch-up runs, so no
-        // commit or Apply writes them meanwhile).
-        const LocalWorker& src = w->second;
-        const std::string what = absl::StrCat("catch-up source rollout ", pw.worker_id(), " on node ", me);
-        if (src.role != planner::Role::kRollout) return absl::FailedPreconditionError(absl::StrCat(what, ": not a rollout here"));
-        if (src.committed != nullptr && src.committed_version == exec.version) {
-          holds.push_back(src.committed);
-          for (size_t j = 0; j < src.committed->size(); ++j) mem[RegionKey(i, j)] = staged((*src.committed)[j]);
+      continue;
+    }
+    if (plan.slice.mode() == pb::MODE_SYNC) {
+      // Live buffers (the trainer is paused in Publish meanwhile).
+      for (size_t j = 0; j < layout.buffers.size(); ++j) {
+        auto seg = w->second.buffers[j];
+        if (seg == nullptr) {
+          std::shared_ptr<CudaImport> imp = w->second.cuda[j];
+          out.holds.push_back(imp);
+          out.regions[node::RegionKey(i, j)] = node::RegionMemory{transport::MemoryKind::kCuda, nullptr, imp->size, imp->device, imp->h};
           continue;
         }
-        if (src.applied_version != exec.version || live_.Copying(pw.worker_id()) || !live_.TornError(pw.worker_id(), me).ok()) {
-          return absl::FailedPreconditionError(absl::StrCat(what, " no longer holds version ", exec.version, " (committed staging: version ",
-                                                            src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
-                                                            src.applied_version, live_.Copying(pw.worker_id()) ? ", being written" : "", ")"));
+        if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+          return absl::Status(intact.code(), absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j, ": ", intact.message()));
         }
-        for (size_t j = 0; j < layout.buffers.size(); ++j) {
-          auto seg = src.buffers[j];
-          if (seg == nullptr) return absl::FailedPreconditionError(absl::StrCat(what, " buffer ", j, ": CUDA memory is not a catch-up source"));
-          if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
-            return absl::Status(intact.code(), absl::StrCat(what, " buffer ", j, ": ", intact.message()));
-          }
-          live_sources.push_back({absl::StrCat(what, " buffer ", j), seg});
-          holds.push_back(seg);
-          mem[RegionKey(i, j)] = Mem{MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, nullptr};
-        }
-        continue;
+        out.live_sources.push_back({absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j), seg});
+        out.holds.push_back(seg);
+        out.regions[node::RegionKey(i, j)] = SegmentRegion(seg);
       }
-      if (plan.slice.mode() == pb::MODE_SYNC) {
-        // Live buffers (the trainer is paused in Publish meanwhile).
-        for (size_t j = 0; j < layout.buffers.size(); ++j) {
-          auto seg = w->second.buffers[j];
-          if (seg == nullptr) {
-            std::shared_ptr<CudaImport> imp = w->second.cuda[j];
-            holds.push_back(imp);
-            mem[RegionKey(i, j)] = Mem{MemoryKind::kCuda, nullptr, imp->size, imp->device, imp};
-            continue;
-          }
-          if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
-            return absl::Status(intact.code(), absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j, ": ", intact.message()));
-          }
-          live_sources.push_back({absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j), seg});
-          holds.push_back(seg);
-          mem[RegionKey(i, j)] = Mem{MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, nullptr};
-        }
-      } else {
-        auto snap = w->second.snapshots.find(exec.version);
-        if (snap == w->second.snapshots.end()) {
-          return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", pw.worker_id()));
-        }
-        holds.push_back(snap->second);
-        for (size_t j = 0; j < snap->second->size(); ++j) mem[RegionKey(i, j)] = staged((*snap->second)[j]);
-      }
-    }
-    if (exec.gather) {
-      holds.push_back(exec.gather);
-      mem["g"] = staged((*exec.gather)[0]);
-    }
-  }
-
-  // 2. Which ops run where, and which memory each transport must reach: same-node ops between
-  //    host memory on the host transport, same-node ops with a CUDA side on cuda_ipc (device to
-  //    device when both sides are on GPUs), and per peer node the mirror batches on the
-  //    cross-node transport (host memory only).
-  std::set<std::string> peers, host_keys, cuda_keys, cross_keys;
-  // Ops with TransferOp.nccl: per peer node, the lane pairs (our GPU, the peer's GPU) they use.
-  std::map<std::string, std::set<std::pair<int, int>>> nccl_pairs;
-  auto kind_of = [&](const std::string& key) {
-    auto it = mem.find(key);
-    return it == mem.end() ? MemoryKind::kHost : it->second.kind;
-  };
-  for (const pb::TransferOp& op : plan.slice.ops()) {
-    const bool s = is_local(op.src_worker()), d = is_local(op.dst_worker());
-    if (!s && !d) continue;
-    ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, op, true));
-    ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, op, false));
-    if (s && d) {
-      const bool host = kind_of(src.key) == MemoryKind::kHost && kind_of(dst.key) == MemoryKind::kHost;
-      (host ? host_keys : cuda_keys).insert({src.key, dst.key});
-      continue;
-    }
-    const std::string& key = s ? src.key : dst.key;
-    if (op.nccl()) {
-      const std::pair<int, int> pair = s ? std::pair{op.nccl_src_device(), op.nccl_dst_device()} : std::pair{op.nccl_dst_device(), op.nccl_src_device()};
-      nccl_pairs[plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id()].insert(pair);
-      continue;
-    }
-    peers.insert(plan.slice.workers(s ? op.dst_worker() : op.src_worker()).node_id());
-    if (!s && kind_of(key) == MemoryKind::kCuda) {
-      return absl::InternalError(absl::StrCat("op ", op.index(), ": region ", key, " on node ", me,
-                                              " receives from another node but is staged on a GPU"));
-    }
-    cross_keys.insert(key);
-  }
-  if (!host_keys.empty() && local_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no same-node host transport"));
-  if (!cuda_keys.empty() && cuda_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cuda_ipc transport"));
-  if (!peers.empty() && cross_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cross-node host transport"));
-  for (const std::string& key : host_keys) {
-    if (mem.count(key) == 0) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
-  }
-
-  // Registered regions are released on every path (after every posted batch was waited for).
-  struct Registered {
-    transport::Transport* t;
-    transport::RegionHandle h;
-  };
-  std::vector<Registered> registered;
-  auto release_all = [&] {
-    for (auto& r : registered) (void)r.t->Release(r.h);
-    registered.clear();
-  };
-  absl::Cleanup cleanup = release_all;
-  auto register_on = [&](transport::Transport* t, const std::string& key, const Mem& m) -> absl::StatusOr<transport::RegionHandle> {
-    if (m.import != nullptr) return m.import->h;  // owned by the worker's import, not by this version
-    transport::MemorySpec spec;
-    spec.kind = m.kind;
-    spec.base = m.base;
-    spec.size_bytes = m.size;
-    spec.device = m.device;
-    spec.label = absl::StrCat(vlabel, " ", key);
-    ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
-    registered.push_back({t, h});
-    return h;
-  };
-  std::map<std::string, transport::RegionHandle> local_h, cuda_h, cross_h;
-  for (const std::string& key : host_keys) {
-    ASSIGN_OR_RETURN(local_h[key], register_on(local_t, key, mem.at(key)));
-  }
-  for (const std::string& key : cuda_keys) {
-    auto m = mem.find(key);
-    if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
-    ASSIGN_OR_RETURN(cuda_h[key], register_on(cuda_t, key, m->second));
-  }
-  // A CUDA source of cross-node ops (a sync trainer's live buffer, or a snapshot on its GPU) is
-  // copied to host memory once, before the first bucket: the cross-node transport reaches host
-  // memory only, and sources do not change during a version.
-  std::map<std::string, Mem> host_copy;  // key -> host copy of a CUDA source of cross-node ops
-  {
-    transport::Batch d2h;
-    for (const std::string& key : cross_keys) {
-      auto m = mem.find(key);
-      if (m == mem.end() || m->second.kind != MemoryKind::kCuda) continue;
-      if (cuda_t == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cuda_ipc transport"));
-      auto host = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(m->second.size));
-      holds.push_back(host);
-      ASSIGN_OR_RETURN(transport::RegionHandle src, register_on(cuda_t, key, m->second));
-      Mem hm{MemoryKind::kHost, host->data(), m->second.size, -1, nullptr};
-      ASSIGN_OR_RETURN(transport::RegionHandle dst, register_on(cuda_t, key + " (host copy)", hm));
-      transport::CopyOp op;
-      op.shape = {hm.size};
-      op.element_size = 1;
-      op.src = {src, 0, {1}};
-      op.dst = {dst, 0, {1}};
-      d2h.ops.push_back(std::move(op));
-      host_copy[key] = hm;
-    }
-    if (!d2h.ops.empty()) {
-      ASSIGN_OR_RETURN(transport::BatchId id, cuda_t->Post(d2h));
-      RETURN_IF_ERROR_WITH(cuda_t->Wait(id, exec.deadline), absl::StrCat(vlabel, ": copying CUDA sources to host for other nodes"));
-    }
-  }
-  for (const std::string& key : cross_keys) {
-    auto m = mem.find(key);
-    if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
-    auto hc = host_copy.find(key);
-    ASSIGN_OR_RETURN(cross_h[key], register_on(cross_t, key, hc != host_copy.end() ? hc->second : m->second));
-  }
-  // nccl regions, each on its lane's transport: GPU staging on the lane's GPU is registered as is;
-  // any other source (a worker's imported buffer, a snapshot in host memory or on a GPU without a
-  // lane) is first copied whole into GPU staging on the lane's GPU (sources do not change during
-  // a version).
-  std::map<std::string, transport::RegionHandle> nccl_h;  // key -> region on lanes.at(nccl_lane_of[key])
-  {
-    transport::Batch bounce_batch;
-    for (const auto& [key, lane] : nccl_lane_of) {
-      transport::Transport* nccl_t = lanes.at(lane);
-      auto m = mem.find(key);
-      if (m == mem.end()) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
-      const Mem& src = m->second;
-      if (src.kind == MemoryKind::kCuda && src.import == nullptr && src.device == lane) {
-        ASSIGN_OR_RETURN(nccl_h[key], register_on(nccl_t, key, src));
-        continue;
-      }
-      if (key[0] != 'w' || cuda_t == nullptr) {
-        return absl::InternalError(absl::StrCat("region ", key, " on node ", me, " is routed over nccl but is not GPU staging"));
-      }
-      const std::string what = absl::StrCat(vlabel, " ", key, " (nccl source copy)");
-      ASSIGN_OR_RETURN(std::shared_ptr<transport::DeviceMemory> dev, TryDeviceStaging(lane, src.size, what));
-      if (dev == nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(what, ": ", src.size, " bytes of GPU staging on GPU ", lane,
-                                                         " exceed --gpu_staging_bytes or the GPU's free memory"));
-      }
-      Metrics().NcclBounce(me, static_cast<uint64_t>(src.size));
-      holds.push_back(dev);
-      Mem dm{MemoryKind::kCuda, static_cast<uint8_t*>(dev->data()), src.size, dev->device(), nullptr};
-      ASSIGN_OR_RETURN(transport::RegionHandle from, register_on(cuda_t, key, src));
-      ASSIGN_OR_RETURN(transport::RegionHandle to, register_on(cuda_t, what, dm));
-      transport::CopyOp op;
-      op.shape = {src.size};
-      op.element_size = 1;
-      op.src = {from, 0, {1}};
-      op.dst = {to, 0, {1}};
-      bounce_batch.ops.push_back(std::move(op));
-      ASSIGN_OR_RETURN(nccl_h[key], register_on(nccl_t, key, dm));
-    }
-    if (!bounce_batch.ops.empty()) {
-      ASSIGN_OR_RETURN(transport::BatchId id, cuda_t->Post(bounce_batch));
-      RETURN_IF_ERROR_WITH(cuda_t->Wait(id, exec.deadline), absl::StrCat(vlabel, ": copying nccl sources to their lanes' GPUs"));
-    }
-  }
-  {
-    std::map<std::string, std::map<std::string, std::string>> desc;
-    for (auto& [key, h] : cross_h) {
-      ASSIGN_OR_RETURN(desc[cross_t->capabilities().kind][key], cross_t->ExportDescriptor(h));
-    }
-    for (auto& [key, h] : nccl_h) {
-      const int lane = nccl_lane_of.at(key);
-      ASSIGN_OR_RETURN(desc[NcclLaneName(lane)][key], lanes.at(lane)->ExportDescriptor(h));
-    }
-    absl::MutexLock l(&mu_);
-    exec.local_desc = std::move(desc);
-    exec.regions_ready = true;
-  }
-
-  // 3. Channels to peers (keyed by ChannelName: the peer for the host channel, peer + lane pair for
-  //    nccl), set up by up to kMaxChannelSetups threads. Each Connect waits for the peer's, so
-  //    both nodes start their channels in one global order (smaller node id, larger node id, host
-  //    channel before nccl, GPU on the smaller node, GPU on the larger): a channel starts only
-  //    after every smaller one of this node has started, so the smallest unfinished channel always
-  //    has both nodes at it (no cycle, whatever the number of threads), while up to
-  //    kMaxChannelSetups communicators initialise at once (NCCL's init takes a while per lane pair).
-  std::map<std::string, transport::PeerId> ids;
-  std::map<std::string, std::map<std::string, transport::RegionHandle>> remote_h;
-  {
-    struct ChannelTask {
-      std::tuple<std::string, std::string, int, int, int> order;
-      std::string peer;
-      const pb::PlanWorker* pw = nullptr;
-      transport::Transport* t = nullptr;
-      std::string mine, theirs;
-    };
-    std::vector<ChannelTask> tasks;
-    std::set<std::string> all_peers = peers;
-    for (auto& [peer, pairs] : nccl_pairs) all_peers.insert(peer);
-    for (const std::string& peer : all_peers) {
-      const pb::PlanWorker* pw = nullptr;
-      for (const pb::PlanWorker& w : plan.slice.workers()) {
-        if (w.node_id() == peer) pw = &w;
-      }
-      const std::string& lo = std::min(me, peer);
-      const std::string& hi = std::max(me, peer);
-      if (peers.count(peer)) {
-        const std::string kind = cross_t->capabilities().kind;
-        tasks.push_back({{lo, hi, 0, -1, -1}, peer, pw, cross_t, kind, kind});
-      }
-      for (auto [mine, theirs] : nccl_pairs[peer]) {
-        tasks.push_back({{lo, hi, 1, me < peer ? mine : theirs, me < peer ? theirs : mine}, peer, pw, lanes.at(mine), NcclLaneName(mine),
-                         NcclLaneName(theirs)});
-      }
-    }
-    std::sort(tasks.begin(), tasks.end(), [](const ChannelTask& x, const ChannelTask& y) { return x.order < y.order; });
-    absl::Mutex setup_mu;  // guards next, setup_error, ids, remote_h and registered while the threads run
-    size_t next = 0;
-    absl::Status setup_error;
-    auto work = [&] {
-      while (true) {
-        size_t i = 0;
-        {
-          absl::MutexLock l(&setup_mu);
-          if (!setup_error.ok() || next >= tasks.size()) return;
-          i = next++;
-        }
-        const ChannelTask& task = tasks[i];
-        const std::string chan = ChannelName(task.peer, task.mine, task.theirs);
-        absl::StatusOr<transport::PeerId> id = SetupPeer(exec, task.peer, *task.pw, task.t, task.mine, task.theirs);
-        absl::Status s = id.status();
-        std::map<std::string, std::string> regions;
-        if (s.ok()) {
-          absl::MutexLock l(&mu_);
-          regions = exec.peers[chan].regions;
-        }
-        std::map<std::string, transport::RegionHandle> imported;
-        for (auto& [key, d] : regions) {
-          auto h = task.t->ImportDescriptor(d);
-          if (!h.ok()) {
-            s = Annotate(h.status(), absl::StrCat("importing region ", key, " of node ", task.peer, " (", task.theirs, ")"));
-            break;
-          }
-          imported[key] = *h;
-        }
-        absl::MutexLock l(&setup_mu);
-        for (auto& [key, h] : imported) registered.push_back({task.t, h});
-        if (!s.ok()) {
-          if (setup_error.ok()) setup_error = s;
-          return;
-        }
-        ids[chan] = *id;
-        remote_h[chan] = std::move(imported);
-      }
-    };
-    const size_t threads = std::min(tasks.size(), kMaxChannelSetups);
-    if (threads <= 1) {
-      work();
     } else {
-      std::vector<std::thread> pool;
-      for (size_t i = 0; i < threads; ++i) pool.emplace_back(work);
-      for (std::thread& t : pool) t.join();
+      auto snap = w->second.snapshots.find(exec.version);
+      if (snap == w->second.snapshots.end()) {
+        return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", pw.worker_id()));
+      }
+      out.holds.push_back(snap->second);
+      for (size_t j = 0; j < snap->second->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*snap->second)[j]);
     }
-    RETURN_IF_ERROR(setup_error);
   }
+  if (exec.gather) {
+    out.holds.push_back(exec.gather);
+    out.regions["g"] = StagedRegion((*exec.gather)[0]);
+  }
+  return absl::OkStatus();
+}
 
-  // 4. Buckets.
-  end_phase(exec.setup_s);
-  std::map<std::string, std::string> peer_instances;  // the peers' host-channel transport instance -> node (NicMeter)
+std::set<uint32_t> NodeDaemon::HostLiveSyncRollouts(const ModelPlan& plan) {
+  std::set<uint32_t> out;
+  absl::MutexLock l(&mu_);
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& pw = plan.slice.workers(i);
+    if (pw.node_id() != options_.node_id || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
+    auto w = workers_.find(pw.worker_id());
+    if (w == workers_.end() || w->second.mode != pb::MODE_SYNC || w->second.buffers.size() < plan.layouts[i].buffers.size()) continue;
+    bool host = true;
+    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->second.buffers[j] != nullptr;
+    if (host) out.insert(static_cast<uint32_t>(i));
+  }
+  return out;
+}
+
+node::ExecOptions NodeDaemon::ExecOptionsFor(Exec& exec) {
+  const std::string& me = options_.node_id;
+  node::ExecOptions o;
+  o.label = absl::StrCat(exec.model_id, " v", exec.version);
+  o.version = exec.version;
+  o.deadline = exec.deadline;
+  o.aborted = [this, &exec]() -> absl::Status {
+    absl::MutexLock l(&mu_);
+    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    return absl::OkStatus();
+  };
+  if (options_.test_before_bucket) o.before_bucket = [this, &exec](uint32_t b) { options_.test_before_bucket(exec.model_id, exec.version, b); };
+  o.device_staging = [this](int device, int64_t size, const std::string& what) { return TryDeviceStaging(device, size, what); };
+  DaemonMetrics* m = &metrics();
+  o.on_batch_done = [m, me, model = exec.model_id](const node::Route& r, const std::string& kind) {
+    m->Bytes(me, model, kind, r.peer, static_cast<uint64_t>(r.bytes));
+    if (r.lane.first >= 0) m->NcclLane(me, r.peer, r.lane.first, r.lane.second, static_cast<uint64_t>(r.bytes));
+  };
+  o.on_bounce = [m, me](uint64_t bytes) { m->NcclBounce(me, bytes); };
+  // Per-NIC bytes of the host channel (also of a failed batch: those bytes did cross the wire).
+  transport::Transport* cross_t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, true);
+  std::map<std::string, std::string> peer_instances;  // the peers' host-channel transport instance -> node
   if (cross_t != nullptr) {
     const std::string kind = cross_t->capabilities().kind;
-    for (const pb::PlanWorker& w : plan.slice.workers()) {
+    for (const pb::PlanWorker& w : exec.plan->slice.workers()) {
       auto it = w.transport_instances().find(kind);
       if (w.node_id() != me && it != w.transport_instances().end()) peer_instances[it->second] = w.node_id();
     }
   }
-  std::vector<std::vector<const pb::TransferOp*>> by_bucket(plan.slice.num_buckets());
-  for (const pb::TransferOp& op : plan.slice.ops()) by_bucket[op.bucket()].push_back(&op);
-  for (auto& ops : by_bucket) {
-    std::sort(ops.begin(), ops.end(), [](const pb::TransferOp* a, const pb::TransferOp* b) { return a->index() < b->index(); });
+  if (cross_t != nullptr && !peer_instances.empty()) {
+    o.after_wait = [this, m, me, cross_t, peer_instances] { nic_meter_.Record(*m, me, cross_t->stats().paths, peer_instances); };
   }
-  // Relays at commit (sync mode). A same-node relay from rollout A's staging into rollout B's
-  // staging would copy the bytes twice on this node: once in its bucket, again when the commit
-  // copies B's staging into B's live buffers. When relays fill whole pieces of B that no op reads
-  // (no further relay from them; rollout pieces never overlap), the commit copies those pieces
-  // from A's staging straight into B's live buffers instead, and the buckets skip them.
-  // Atomicity is the same: live weights still change only at the commit, from staging that holds
-  // the whole version (A's pieces are read by these relays, so they are never left to a commit).
-  std::set<uint32_t> at_commit;  // op indices left to the commit
-  if (plan.slice.mode() == pb::MODE_SYNC) {
-    std::set<std::pair<uint32_t, int32_t>> read;  // (slice worker, piece) some op of the slice reads
-    for (const pb::TransferOp& op : plan.slice.ops()) {
-      if (op.src_piece() >= 0) read.insert({op.src_worker(), op.src_piece()});
-    }
-    std::set<uint32_t> host_live;  // local sync rollouts with host live buffers and no quantised pieces
-    {
-      absl::MutexLock l(&mu_);
-      for (int i = 0; i < plan.slice.workers_size(); ++i) {
-        const pb::PlanWorker& pw = plan.slice.workers(i);
-        if (pw.node_id() != me || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
-        auto w = workers_.find(pw.worker_id());
-        if (w == workers_.end() || w->second.mode != pb::MODE_SYNC || w->second.buffers.size() < plan.layouts[i].buffers.size()) continue;
-        bool host = true;
-        for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->second.buffers[j] != nullptr;
-        if (host) host_live.insert(static_cast<uint32_t>(i));
-      }
-    }
-    // (destination worker, piece) -> bytes of candidate relays into it, and those relays.
-    std::map<std::pair<uint32_t, int32_t>, std::pair<int64_t, std::vector<const pb::TransferOp*>>> by_piece;
-    for (const pb::TransferOp& op : plan.slice.ops()) {
-      if (!is_local(op.src_worker()) || !is_local(op.dst_worker()) || op.src_piece() < 0 || op.dst_piece() < 0) continue;
-      if (plan.slice.workers(op.src_worker()).role() != pb::ROLE_ROLLOUT || host_live.count(op.dst_worker()) == 0) continue;
-      ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, op, true));
-      ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, op, false));
-      if (read.count({op.dst_worker(), op.dst_piece()}) > 0 || kind_of(src.key) != MemoryKind::kHost || kind_of(dst.key) != MemoryKind::kHost) continue;
-      auto& e = by_piece[{op.dst_worker(), op.dst_piece()}];
-      e.first += static_cast<int64_t>(op.bytes());
-      e.second.push_back(&op);
-    }
-    std::map<std::string, std::vector<Exec::RelayAtCommit>> relays;
-    std::map<std::string, std::set<int32_t>> pieces;
-    uint64_t relay_bytes = 0;
-    for (auto& [at, e] : by_piece) {
-      const planner::Piece& p = plan.layouts[at.first].pieces[at.second];
-      if (e.first != planner::BoxVolume(p.box) * planner::DTypeSize(plan.inventory.tensors[p.tensor].dtype)) continue;  // partly filled otherwise
-      const std::string& dst_worker = plan.slice.workers(at.first).worker_id();
-      for (const pb::TransferOp* op : e.second) {
-        ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, *op, true));
-        ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, *op, false));
-        const int elem = planner::DTypeSize(plan.inventory.tensors[op->tensor()].dtype);
-        const planner::Box box = FromProto(op->box());
-        Exec::RelayAtCommit r;
-        r.src_worker = plan.slice.workers(op->src_worker()).worker_id();
-        r.src_buffer = src.piece.buffer;
-        r.dst_buffer = dst.piece.buffer;
-        for (size_t d = 0; d < box.begin.size(); ++d) r.op.shape.push_back(box.end[d] - box.begin[d]);
-        r.op.element_size = elem;
-        r.op.src = RefFor(src.piece, box, elem, {});
-        r.op.dst = RefFor(dst.piece, box, elem, {});  // live layout = staging layout (no quantised pieces)
-        relays[dst_worker].push_back(std::move(r));
-        at_commit.insert(op->index());
-        relay_bytes += op->bytes();
-      }
-      pieces[dst_worker].insert(at.second);
-    }
+  o.bytes_done = &exec.bytes_done;
+  return o;
+}
+
+// One version on this node: staging, the memory of each region key, the pure exec plan
+// (daemon/node/exec_plan.h: channel order, relays at commit, routes) and its run over the
+// transports (daemon/node/executor.h).
+absl::Status NodeDaemon::RunExecInner(Exec& exec) {
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  using transport::MemoryKind;
+  absl::Time phase_start = absl::Now();  // phase times for the "version transferred" log line
+  node::ExecTransports transports;
+  transports.local = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false);
+  transports.cross = options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, true);
+  transports.cuda = CudaTransport();
+  transports.lanes = NcclLanes();
+  node::ExecFacts facts;
+  facts.me = me;
+  for (auto& [device, t] : transports.lanes) facts.lanes.insert(device);
+  const node::Slice slice = node::SliceFromProto(plan.slice, plan.layouts, plan.quantized, plan.hosts_gather, plan.inventory);
+  ASSIGN_OR_RETURN(node::LanePlan lanes, node::PlanLanes(slice, me, facts.lanes));
+
+  // 0. Staging of this version, allocated here (outside mu_).
+  RETURN_IF_ERROR(AllocateStaging(exec, lanes));
+  exec.staging_s = absl::ToDoubleSeconds(absl::Now() - phase_start);
+  phase_start = absl::Now();
+
+  // 1. The memory behind each region key of this version on this node.
+  VersionMemory memory;
+  RETURN_IF_ERROR(GatherVersionMemory(exec, memory));
+
+  // 2. The plan: which transport reaches which region, channels, relays at commit, routes.
+  for (auto& [key, m] : memory.regions) facts.kind[key] = m.kind;
+  if (plan.slice.mode() == pb::MODE_SYNC) facts.host_live_sync = HostLiveSyncRollouts(plan);
+  facts.cross_kind = transports.cross != nullptr ? transports.cross->capabilities().kind : "host_tcp";
+  facts.have_local = transports.local != nullptr;
+  facts.have_cuda = transports.cuda != nullptr;
+  facts.have_cross = transports.cross != nullptr;
+  facts.checksums = options_.checksums;
+  ASSIGN_OR_RETURN(node::ExecPlan made, node::MakeExecPlan(slice, facts));
+  auto xplan = std::make_shared<const node::ExecPlan>(std::move(made));
+  {
     absl::MutexLock l(&mu_);
-    exec.relays_at_commit = std::move(relays);
-    exec.pieces_at_commit = std::move(pieces);
-    exec.relay_bytes_at_commit = relay_bytes;
+    exec.exec_plan = xplan;
+    exec.relays_at_commit = xplan->relays_at_commit;
+    exec.pieces_at_commit = xplan->pieces_at_commit;
+    exec.relay_bytes_at_commit = xplan->relay_bytes_at_commit;
   }
-  // Local regions this version writes: rollout incoming staging and the gather staging. A batch
-  // that reads one of them (a relay, a read of gathered data) needs every earlier bucket complete;
-  // every other batch only reads sources that do not change during the version (trainer live
-  // buffers or snapshots) and only writes bytes nothing else of this version writes.
-  std::set<std::string> written;
-  for (int i = 0; i < plan.slice.workers_size(); ++i) {
-    if (plan.slice.workers(i).node_id() != me || plan.slice.workers(i).role() != pb::ROLE_ROLLOUT) continue;
-    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) written.insert(RegionKey(static_cast<uint32_t>(i), static_cast<int32_t>(j)));
-  }
-  if (plan.hosts_gather) written.insert("g");
-  // One batch per transport route and bucket: same-node host copies, same-node CUDA copies, per
-  // peer channel.
-  struct Route {
-    transport::Transport* t = nullptr;
-    transport::Batch batch;
-    std::string what;
-    std::string peer;  // metrics label: the peer node (own id for same-node copies)
-    int64_t bytes = 0;
-    int64_t incoming = 0;       // bytes landing on this node (progress)
-    uint32_t bucket = 0;
-    bool reads_written = false;  // reads a region of `written` (see above)
-    std::pair<int, int> lane{-1, -1};  // nccl: (our GPU, the peer's GPU)
-    // nccl: the channel's place in the global order of all nccl channels (smaller node id, larger
-    // node id, GPU on the smaller, GPU on the larger); see the lane schedule below.
-    std::tuple<std::string, std::string, int, int> order;
-  };
-  // Pipelining: buckets are not run one after another with a barrier in between. A batch that
-  // reads nothing this version writes is posted as soon as its bucket comes up, so the streams to
-  // a peer go on with bucket b+1 while relays of bucket b copy; a batch that reads written regions
-  // is posted once every batch of earlier buckets completed (what the planner promises a relay).
-  // Per channel, both nodes still post in bucket order (a channel's bucket b batch is posted in
-  // iteration b, after its bucket b-1 batch), so every stream carries bucket b-1's bytes before
-  // bucket b's on both sides and mirror batches cannot wait on each other in a cycle. Buckets
-  // with nccl routes keep the barrier and the lane schedule below.
-  std::vector<std::unique_ptr<Route>> routes_alive;  // every route of the version (posted batches reference them)
-  std::vector<std::pair<Route*, transport::BatchId>> outstanding;  // posted, not yet waited for (post order)
-  std::map<std::string, absl::Time> first_post;  // per peer: when its first batch of the version was posted
-  absl::Mutex result_mu;  // guards `first`, exec.links and first_post while GPU schedule threads run
-  absl::Status first;
-  auto finish = [&](Route* r, const absl::Status& s) {
-    absl::MutexLock l(&result_mu);
-    if (!s.ok() && first.ok()) first = Annotate(s, absl::StrCat("bucket ", r->bucket, ", ", r->what));
-    if (!s.ok()) return;
-    // Bytes per route (transport kind) and peer; link time = the peer's first post -> this batch's
-    // completion (the union over its overlapping batches).
-    Metrics().Bytes(me, exec.model_id, r->t->capabilities().kind, r->peer, static_cast<uint64_t>(r->bytes));
-    if (r->lane.first >= 0) Metrics().NcclLane(me, r->peer, r->lane.first, r->lane.second, static_cast<uint64_t>(r->bytes));
-    LinkStat& ls = exec.links[r->peer];
-    ls.bytes += static_cast<uint64_t>(r->bytes);
-    ls.seconds = std::max(ls.seconds, absl::ToDoubleSeconds(absl::Now() - first_post[r->peer]));
-    exec.bytes_done += static_cast<uint64_t>(r->incoming);
-  };
-  auto post = [&](Route* r) {
-    {
-      absl::MutexLock l(&result_mu);
-      first_post.emplace(r->peer, absl::Now());
-    }
-    r->batch.tag = BatchTag(exec.model_id, exec.version, r->bucket);
-    auto id = r->t->Post(r->batch);
-    if (!id.ok()) {
-      finish(r, id.status());
-      return;
-    }
-    outstanding.push_back({r, *id});
-  };
-  // Waits for the outstanding batches of buckets before `bucket` (all of them by default), each
-  // exactly once; a failure is kept in `first`.
-  auto wait_before = [&](uint32_t bucket = std::numeric_limits<uint32_t>::max()) {
-    std::vector<std::pair<Route*, transport::BatchId>> later;
-    for (auto& [r, id] : outstanding) {
-      if (r->bucket >= bucket) {
-        later.push_back({r, id});
-        continue;
-      }
-      finish(r, r->t->Wait(id, exec.deadline));
-    }
-    outstanding = std::move(later);
-    // Per-NIC bytes of the host channel (also of a failed batch: those bytes did cross the wire).
-    if (cross_t != nullptr && !peer_instances.empty()) nic_meter_.Record(Metrics(), me, cross_t->stats().paths, peer_instances);
-  };
-  auto failed = [&] {
-    absl::MutexLock l(&result_mu);
-    return !first.ok();
-  };
-  // Builds the routes of bucket b.
-  auto make_routes = [&](uint32_t b, std::vector<Route*>& out) -> absl::Status {
-    Route* host_route = nullptr;
-    Route* cuda_route = nullptr;
-    std::map<std::string, Route*> peer_routes;
-    auto add = [&](Route r) {
-      r.bucket = b;
-      routes_alive.push_back(std::make_unique<Route>(std::move(r)));
-      out.push_back(routes_alive.back().get());
-      return out.back();
-    };
-    for (const pb::TransferOp* op : by_bucket[b]) {
-      const bool s_local = is_local(op->src_worker()), d_local = is_local(op->dst_worker());
-      if ((!s_local && !d_local) || at_commit.count(op->index()) > 0) continue;
-      ASSIGN_OR_RETURN(PieceAt src, ResolveSide(plan.layouts, *op, true));
-      ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(plan.layouts, *op, false));
-      const int elem = planner::DTypeSize(plan.inventory.tensors[op->tensor()].dtype);
-      const planner::Box box = FromProto(op->box());
-      transport::CopyOp c;
-      for (size_t d = 0; d < box.begin.size(); ++d) c.shape.push_back(box.end[d] - box.begin[d]);
-      c.element_size = elem;
-      const bool reads_written = s_local && written.count(src.key) > 0;
-      if (s_local && d_local) {
-        const bool host = kind_of(src.key) == MemoryKind::kHost && kind_of(dst.key) == MemoryKind::kHost;
-        auto& handles = host ? local_h : cuda_h;
-        Route*& route = host ? host_route : cuda_route;
-        if (route == nullptr) route = host ? add(Route{local_t, {}, "same-node copies", me}) : add(Route{cuda_t, {}, "same-node CUDA copies", me});
-        auto sh = handles.find(src.key), dh = handles.find(dst.key);
-        if (sh == handles.end() || dh == handles.end()) {
-          return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " missing on node ", me));
-        }
-        c.src = RefFor(src.piece, box, elem, sh->second);
-        c.dst = RefFor(dst.piece, box, elem, dh->second);
-        route->batch.ops.push_back(std::move(c));
-        route->bytes += static_cast<int64_t>(op->bytes());
-        route->incoming += static_cast<int64_t>(op->bytes());
-        route->reads_written = route->reads_written || reads_written;
-        continue;
-      }
-      const std::string peer = plan.slice.workers(s_local ? op->dst_worker() : op->src_worker()).node_id();
-      const bool nccl = op->nccl();
-      const int my_lane = s_local ? op->nccl_src_device() : op->nccl_dst_device();
-      const int their_lane = s_local ? op->nccl_dst_device() : op->nccl_src_device();
-      const std::string chan = nccl ? ChannelName(peer, NcclLaneName(my_lane), NcclLaneName(their_lane)) : ChannelName(peer, "", "");
-      auto& mine = nccl ? nccl_h : cross_h;
-      auto& theirs = remote_h[chan];
-      auto sh = s_local ? mine.find(src.key) : theirs.find(src.key);
-      auto dh = d_local ? mine.find(dst.key) : theirs.find(dst.key);
-      if (sh == (s_local ? mine.end() : theirs.end()) || dh == (d_local ? mine.end() : theirs.end())) {
-        return absl::InternalError(absl::StrCat("op ", op->index(), ": region ", src.key, " or ", dst.key, " unknown (node ", me, ", peer ", peer,
-                                                nccl ? absl::StrCat(", ", NcclLaneName(my_lane), " -> ", NcclLaneName(their_lane)) : "", ")"));
-      }
-      c.src = RefFor(src.piece, box, elem, sh->second);
-      c.dst = RefFor(dst.piece, box, elem, dh->second);
-      Route*& route = peer_routes[chan];
-      if (route == nullptr) {
-        Route r;
-        r.t = nccl ? lanes.at(my_lane) : cross_t;
-        r.what = nccl ? absl::StrCat("node ", me, " GPU ", my_lane, " <-> node ", peer, " GPU ", their_lane, " (nccl)")
-                      : absl::StrCat("node ", me, " <-> node ", peer);
-        r.peer = peer;
-        r.batch.peer = ids.at(chan);
-        r.batch.checksum = options_.checksums && !nccl;
-        if (nccl) {
-          r.lane = {my_lane, their_lane};
-          r.order = me < peer ? std::tuple{me, peer, my_lane, their_lane} : std::tuple{peer, me, their_lane, my_lane};
-        }
-        route = add(std::move(r));
-      }
-      route->batch.ops.push_back(std::move(c));
-      route->bytes += static_cast<int64_t>(op->bytes());
-      if (d_local) route->incoming += static_cast<int64_t>(op->bytes());
-      route->reads_written = route->reads_written || reads_written;
-    }
-    return absl::OkStatus();
-  };
-  for (uint32_t b = 0; b < plan.slice.num_buckets() && !failed(); ++b) {
-    if (options_.test_before_bucket) options_.test_before_bucket(exec.model_id, exec.version, b);
-    {
-      absl::MutexLock l(&mu_);
-      if (exec.aborted || stopping_) {
-        absl::MutexLock rl(&result_mu);
-        if (first.ok()) first = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
-        break;
-      }
-    }
-    std::vector<Route*> routes;
-    if (absl::Status s = make_routes(b, routes); !s.ok()) {
-      absl::MutexLock l(&result_mu);
-      if (first.ok()) first = s;
-      break;
-    }
-    std::map<int, std::vector<Route*>> per_gpu;  // nccl routes by our GPU, in channel order
-    for (Route* r : routes) {
-      if (r->lane.first >= 0) per_gpu[r->lane.first].push_back(r);
-    }
-    if (per_gpu.empty()) {
-      // Host routes only: what reads nothing written goes now; the rest after the earlier buckets.
-      for (Route* r : routes) {
-        if (!r->reads_written && !failed()) post(r);
-      }
-      if (std::any_of(routes.begin(), routes.end(), [](const Route* r) { return r->reads_written; })) {
-        wait_before(b);
-        for (Route* r : routes) {
-          if (r->reads_written && !failed()) post(r);
-        }
-      }
-      continue;
-    }
-    // A bucket with nccl routes: earlier buckets first, then this one as a whole. Same-node routes
-    // and the host channels are posted at once; nccl channels follow a schedule: every GPU runs the
-    // batches of its lane pairs one after another, in the global channel order (Route::order),
-    // while different GPUs run in parallel. NCCL kernels of different communicators on one GPU may
-    // wait on each other (NCCL: "Using multiple NCCL communicators concurrently"); with one order
-    // shared by every node, the smallest unfinished channel always has both of its GPUs at it, so
-    // the schedule cannot deadlock (a GPU sending to two peer GPUs, or one GPU with channels to two
-    // nodes, takes them in turn; its NIC is shared anyway).
-    wait_before();
-    if (failed()) break;
-    for (auto& [gpu, seq] : per_gpu) {
-      std::sort(seq.begin(), seq.end(), [](const Route* x, const Route* y) { return x->order < y->order; });
-    }
-    for (Route* r : routes) {
-      if (r->lane.first < 0 && !failed()) post(r);
-    }
-    std::vector<std::thread> gpu_threads;
-    if (!failed()) {
-      for (auto& [gpu, seq] : per_gpu) {
-        gpu_threads.emplace_back([&, seq = seq] {
-          for (Route* r : seq) {
-            {
-              absl::MutexLock l(&result_mu);
-              first_post.emplace(r->peer, absl::Now());
-            }
-            r->batch.tag = BatchTag(exec.model_id, exec.version, r->bucket);
-            auto id = r->t->Post(r->batch);
-            absl::Status s = id.ok() ? r->t->Wait(*id, exec.deadline) : id.status();
-            finish(r, s);
-            if (!s.ok()) return;  // the version fails; the peer's mirrors end with the aborted version
-          }
-        });
-      }
-    }
-    wait_before();
-    for (std::thread& t : gpu_threads) t.join();
-  }
-  // Every posted batch is waited for (also after a failure: transports touch the memory until then).
-  wait_before();
-  RETURN_IF_ERROR_WITH(first, absl::StrCat("version ", exec.version));
-  for (auto& [what, seg] : live_sources) {
+
+  // 3. Register, set up channels, run the buckets.
+  const double prepare_s = absl::ToDoubleSeconds(absl::Now() - phase_start);
+  ExecChannels channels(this, exec);
+  node::ExecResult result;
+  absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, ExecOptionsFor(exec), result);
+  exec.links = result.links;
+  exec.setup_s = prepare_s + result.setup_s;
+  exec.buckets_s = result.buckets_s;
+  RETURN_IF_ERROR(s);
+  // Sync: trainers' live segments were read in place (a trainer may truncate its memory
+  // mid-version; ShmSegment's SIGBUS guard kept the daemon alive meanwhile).
+  for (auto& [what, seg] : memory.live_sources) {
     if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
       return absl::Status(intact.code(), absl::StrCat("version ", exec.version, ": ", what, ": ", intact.message()));
     }
   }
   exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
-  if (options_.digests || options_.test_after_buckets) {
-    // End-to-end digests (docs/daemon.md "End-to-end digests"): what each local op read and landed,
-    // over host memory (device memory has none), before anything quantises staging.
-    std::map<std::string, digest::RegionBytes> regions;
-    for (const auto& [key, m] : mem) regions[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
-    if (options_.test_after_buckets) {
-      std::map<std::string, std::pair<uint8_t*, int64_t>> named;
-      for (int i = 0; i < plan.slice.workers_size(); ++i) {
-        for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
-          auto m = mem.find(RegionKey(i, j));
-          if (m != mem.end() && m->second.kind == MemoryKind::kHost) named[absl::StrCat(plan.slice.workers(i).worker_id(), ".b", j)] = {m->second.base, m->second.size};
+  phase_start = absl::Now();
+  RETURN_IF_ERROR(DigestVersion(exec, memory, slice, *xplan));
+  exec.buckets_s += absl::ToDoubleSeconds(absl::Now() - phase_start);
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::DigestVersion(Exec& exec, const VersionMemory& memory, const node::Slice& slice, const node::ExecPlan& xplan) {
+  if (!options_.digests && !options_.test_after_buckets) return absl::OkStatus();
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  using transport::MemoryKind;
+  // End-to-end digests (docs/daemon.md "End-to-end digests"): what each local op read and landed,
+  // over host memory (device memory has none), before anything quantises staging.
+  std::map<std::string, digest::RegionBytes> regions;
+  for (const auto& [key, m] : memory.regions) regions[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+  if (options_.test_after_buckets) {
+    std::map<std::string, std::pair<uint8_t*, int64_t>> named;
+    for (int i = 0; i < plan.slice.workers_size(); ++i) {
+      for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
+        auto m = memory.regions.find(node::RegionKey(i, j));
+        if (m != memory.regions.end() && m->second.kind == MemoryKind::kHost) {
+          named[absl::StrCat(plan.slice.workers(i).worker_id(), ".b", j)] = {m->second.base, m->second.size};
         }
       }
-      if (auto g = mem.find("g"); g != mem.end() && g->second.kind == MemoryKind::kHost) named["g"] = {g->second.base, g->second.size};
-      options_.test_after_buckets(exec.model_id, exec.version, named);
     }
-    if (options_.digests) {
-      const absl::Time t0 = absl::Now();
-      const node::Slice slice = node::SliceFromProto(plan.slice, plan.layouts, plan.quantized, plan.hosts_gather, plan.inventory);
-      absl::StatusOr<digest::OpDigests> d = digest::DigestLocalOps(slice, me, at_commit, regions, options_.digest_threads, exec.deadline);
-      if (!d.ok()) return Annotate(d.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
-      exec.digests = std::move(*d);
-      exec.digest_s = absl::ToDoubleSeconds(absl::Now() - t0);
-    }
+    if (auto g = memory.regions.find("g"); g != memory.regions.end() && g->second.kind == MemoryKind::kHost) named["g"] = {g->second.base, g->second.size};
+    options_.test_after_buckets(exec.model_id, exec.version, named);
   }
-  end_phase(exec.buckets_s);
+  if (options_.digests) {
+    const absl::Time t0 = absl::Now();
+    absl::StatusOr<digest::OpDigests> d = digest::DigestLocalOps(slice, me, xplan.at_commit, regions, options_.digest_threads, exec.deadline);
+    if (!d.ok()) return Annotate(d.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
+    exec.digests = std::move(*d);
+    exec.digest_s = absl::ToDoubleSeconds(absl::Now() - t0);
+  }
   return absl::OkStatus();
 }
 
@@ -1648,7 +1108,7 @@ absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
   for (auto& t : pool) t.join();
   RETURN_IF_ERROR(first);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
-  Metrics().Quantized(options_.node_id, static_cast<uint64_t>(bytes), seconds);
+  metrics().Quantized(options_.node_id, static_cast<uint64_t>(bytes), seconds);
   Log(LogLevel::kInfo, "version quantised", {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version},
                                              {"pieces", static_cast<int64_t>(jobs.size())}, {"bytes", bytes}, {"seconds", seconds},
                                              {"threads", threads}});

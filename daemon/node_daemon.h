@@ -43,6 +43,9 @@
 #include "daemon/node/coordinator_client.h"
 #include "daemon/node/coordinator_session.h"
 #include "daemon/digest/op_digests.h"
+#include "daemon/node/channel_cache.h"
+#include "daemon/node/exec_plan.h"
+#include "daemon/node/executor.h"
 #include "daemon/node/live_copy.h"
 #include "daemon/node/staging_budget.h"
 #include "daemon/staging_pool.h"
@@ -187,15 +190,7 @@ class NodeDaemon {
     std::string endpoint;
     std::map<std::string, std::string> regions;  // key -> descriptor
   };
-  // A healthy cross-node channel, per (model, peer node): reused by later versions of the model.
-  struct Channel {
-    transport::PeerId id;
-    std::string peer_instance;
-  };
-  struct LinkStat {
-    uint64_t bytes = 0;
-    double seconds = 0;
-  };
+  using LinkStat = node::LinkStat;
   struct Exec {
     std::string model_id;
     uint64_t version = 0;
@@ -234,6 +229,9 @@ class NodeDaemon {
     // Executor thread only: seconds spent allocating staging, registering memory and setting up
     // channels (ExchangeRegions, Connect), and in the buckets (logged with "version transferred").
     double staging_s = 0, setup_s = 0, buckets_s = 0;
+    // The pure plan this node ran (set by the executor before its buckets): routes, ops with their
+    // region keys, pieces and boxes, relays at commit. Kept for what runs after the buckets.
+    std::shared_ptr<const node::ExecPlan> exec_plan;
     // Executor thread only: the digests of this node's ops after the buckets (reported with
     // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.
     digest::OpDigests digests;
@@ -249,8 +247,29 @@ class NodeDaemon {
   absl::Status QuantizeIncoming(Exec& exec);
   // Exchanges regions with `peer` and returns the channel for this version (connecting if needed):
   // our transport `mine` (named `mine_name`) with the peer's transport named `theirs_name`.
-  absl::StatusOr<transport::PeerId> SetupPeer(Exec& exec, const std::string& peer, const pb::PlanWorker& peer_worker,
-                                              transport::Transport* mine, const std::string& mine_name, const std::string& theirs_name);
+  absl::StatusOr<node::ChannelLink> SetupPeer(Exec& exec, const node::ChannelPlan& channel, transport::Transport* mine);
+  // The executor's ChannelSetup: SetupPeer per channel, our descriptors into exec.local_desc.
+  class ExecChannels;
+  // Which memory backs each region key of a version on this node ("w<i>.b<j>", "g"), and what keeps
+  // it alive while the executor runs (GatherVersionMemory).
+  struct VersionMemory {
+    std::map<std::string, node::RegionMemory> regions;
+    std::vector<std::shared_ptr<void>> holds;  // snapshots / segments / staging / CUDA imports
+    // Live segments read in place (sync trainers, catch-up sources): checked again after the buckets.
+    std::vector<std::pair<std::string, std::shared_ptr<transport::ShmSegment>>> live_sources;
+  };
+  // Allocates the version's incoming staging (per local rollout, on its GPU where it may) and the
+  // gather staging, outside mu_.
+  absl::Status AllocateStaging(Exec& exec, const node::LanePlan& lanes);
+  // The memory of each local region key: rollout staging, trainer live buffers (sync) or snapshots,
+  // a catch-up source's committed staging or live buffers, the gather staging.
+  absl::Status GatherVersionMemory(Exec& exec, VersionMemory& out);
+  // Local sync rollouts whose live buffers are all host memory (relays may be left to the commit).
+  std::set<uint32_t> HostLiveSyncRollouts(const ModelPlan& plan);
+  // Deadline, abort check, metrics and progress of the executor for `exec`.
+  node::ExecOptions ExecOptionsFor(Exec& exec);
+  // After the buckets: end-to-end digests of the local ops (and the TEST ONLY after-buckets hook).
+  absl::Status DigestVersion(Exec& exec, const VersionMemory& memory, const node::Slice& slice, const node::ExecPlan& xplan);
   // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
   void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
   // gRPC stub to peer node `peer` at `address`; one per peer node, replaced when its address changes.
@@ -312,12 +331,9 @@ class NodeDaemon {
   // pair (our lane, the peer's lane), e.g. "n1\nnccl/0>nccl/3" (a newline cannot be part of a node
   // id given by flag). ChannelTransportName returns <mine> ("" for the host channel).
   static std::string ChannelName(const std::string& peer, const std::string& mine, const std::string& theirs) {
-    return mine.rfind("nccl/", 0) == 0 ? peer + "\n" + mine + ">" + theirs : peer;
+    return node::ChannelName(peer, mine, theirs);
   }
-  static std::string ChannelTransportName(const std::string& chan) {
-    const size_t nl = chan.find('\n'), gt = chan.rfind('>');
-    return nl == std::string::npos || gt == std::string::npos || gt < nl ? std::string() : chan.substr(nl + 1, gt - nl - 1);
-  }
+  static std::string ChannelTransportName(const std::string& chan) { return node::ChannelTransportName(chan); }
 
   Options options_;
   std::unique_ptr<pb::WorkerService::Service> worker_impl_;
@@ -352,7 +368,7 @@ class NodeDaemon {
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
   std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
-  std::map<std::pair<std::string, std::string>, Channel> channels_ ABSL_GUARDED_BY(mu_);  // (model, channel)
+  node::ChannelCache channels_;  // healthy cross-node channels per (model, channel) (own leaf lock)
   NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
   // Host staging memory reused across versions (own lock; buffers come back from NewBytes' deleter).
   std::shared_ptr<StagingPool> staging_pool_;

@@ -410,7 +410,7 @@ class Run {
     // Every posted batch is waited for (also after a failure: transports touch the memory until then).
     WaitBefore();
     absl::MutexLock l(&mu_);
-    return first_;
+    return first_.ok() ? first_ : Annotate(first_, absl::StrCat("version ", o_.version));
   }
 
   const ExecPlan& plan_;

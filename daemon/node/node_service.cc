@@ -279,8 +279,8 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       }
     }
     const std::string chan = ChannelName(req->from_node(), mine, theirs);
-    auto c = d_->channels_.find({req->model_id(), chan});
-    const bool reuse = req->reuse() && c != d_->channels_.end() && c->second.peer_instance == from_instance;
+    const std::optional<node::ChannelCache::Entry> c = d_->channels_.Find(req->model_id(), chan);
+    const bool reuse = req->reuse() && c.has_value() && c->peer_instance == from_instance;
     auto endpoint = cross->ExportEndpoint(from_instance);
     if (!endpoint.ok()) return ToGrpcStatus(endpoint.status());
     PeerState& ps = exec->peers[chan];

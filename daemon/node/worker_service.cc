@@ -131,7 +131,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       absl::MutexLock l(&d_->mu_);
       auto not_leaving = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) { return d_->leaving_.count(id) == 0 || d_->stopping_; };
       if (!d_->mu_.AwaitWithDeadline(absl::Condition(&not_leaving), absl::Now() + absl::Seconds(10))) {
-        return ToGrpcStatus(absl::UnavailableError(absl::StrCat("worker ", id, ": its previous process is still leaving (retry)")));
+        return ToGrpcStatus(absl::UnavailableError(absl::StrCat("worker ", id, " of model ", req->model_id(), ": its previous process is still leaving (retry)")));
       }
       // Not reaped yet by the liveness check: this join replaces it (the coordinator treats it as
       // registered again), so no LeaveWorker is sent for it.
@@ -180,7 +180,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       watch->fd = static_cast<int>(::syscall(SYS_pidfd_open, req->pid(), 0));
 #endif
       if (watch->fd < 0 && errno == ESRCH) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("worker ", req->worker_id(), ": pid ", req->pid(), " does not exist")));
+        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), ": pid ", req->pid(), " does not exist")));
       }
       w.pid = std::move(watch);
     }
@@ -202,7 +202,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
       if (it == d_->workers_.end() || it->second.model_id != req->model_id()) {
-        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " is not registered on node ",
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " is not registered on node ",
                                                              d_->options_.node_id, " (register again)")));
       }
       spec = it->second.spec;
@@ -325,11 +325,11 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
       if (it == d_->workers_.end() || !it->second.has_layout) {
-        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " has no layout on node ", d_->options_.node_id)));
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " has no layout on node ", d_->options_.node_id)));
       }
       LocalWorker& w = it->second;
       if (w.role != planner::Role::kTrainer) {
-        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), " is not a trainer")));
+        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " is not a trainer")));
       }
       if (w.mode != pb::MODE_SYNC) {
         // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
@@ -376,7 +376,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       }
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
-      if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " left during Publish")));
+      if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " left during Publish")));
       it->second.snapshots[req->version()] = std::move(snap);
     }
     pb::CoordPublishRequest c;
@@ -449,7 +449,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       absl::MutexLock l(&d_->mu_);
       auto it = d_->workers_.find(req->worker_id());
       if (it == d_->workers_.end() || it->second.role != planner::Role::kRollout) {
-        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " is not a rollout worker on node ", d_->options_.node_id)));
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " is not a rollout worker on node ", d_->options_.node_id)));
       }
       const std::string model = req->model_id();
       const std::string wid = req->worker_id();
