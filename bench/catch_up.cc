@@ -1,0 +1,235 @@
+// bench/catch_up: how long a late rollout waits for the committed version (issue 16.6, docs/daemon.md
+// "Catch-up") against one normal update, in every mode, on the 1 GB demo model.
+//
+//   bazel run -c opt //bench:catch_up [-- --json] [-- --modes=sync,async --config=...]
+//
+// Setup (one process, real daemons and transports on loopback, as daemon:catch_up_test): a
+// coordinator and two node daemons; Megatron tp=2 trainer ranks on n0, two vLLM replicas on n1
+// (shm workers). Per mode: version 1 (warm-up: plans, connections) and version 2 are published and
+// received by both replicas; "update_s" is version 2's time from the trainers' Publish to the last
+// replica holding it (sync: Publish returns once live weights hold it; otherwise Publish, then Apply).
+// Then a late replica registers on n1 (sources on its own node: same_node_catch_up_s) and another
+// on n0 (sources on the peer node over host_tcp: peer_catch_up_s): each time is from its
+// RegisterLayout returning to its WaitVersion (sync) / Apply (otherwise) reporting version 2, and
+// every byte of the late replica is then checked against version 2. ratio = catch-up / update.
+// The late replicas' memory is touched before they register (an engine's weights are allocated).
+// The node of the peer case (n0) held no rollout before: its first catch-up allocates staging
+// memory that a node receiving every version already holds (the staging pool), and pays for it.
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "daemon/multinode_fixture.h"
+#include "planner/model_config.h"
+#include "planner/presets.h"
+
+ABSL_FLAG(bool, json, false, "print one JSON line per mode");
+ABSL_FLAG(std::string, modes, "sync,one_step_off,async", "modes to run");
+ABSL_FLAG(std::string, config, "tests/e2e/testdata/qwen2.5-0.5b.json", "HF config.json of the model");
+
+namespace wb::daemon {
+namespace {
+
+struct Result {
+  std::string mode;
+  double update_s = 0, same_node_s = 0, peer_s = 0;
+  int64_t model_bytes = 0;
+  bool verified = false;
+  std::string error;
+};
+
+pb::Mode ModeOf(const std::string& m) {
+  return m == "sync" ? pb::MODE_SYNC : m == "async" ? pb::MODE_ASYNC : pb::MODE_ONE_STEP_OFF;
+}
+
+grpc::Status Receive(Cluster& c, TestWorker& r, pb::Mode mode, uint64_t v) {
+  if (mode == pb::MODE_SYNC) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+    pb::WaitVersionRequest req;
+    req.set_model_id("qwen");
+    req.set_version(v);
+    req.set_timeout_ms(590000);
+    req.set_worker_id(r.id);
+    pb::WaitVersionResponse resp;
+    return r.stub->WaitVersion(&ctx, req, &resp);
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
+  pb::ApplyRequest req;
+  req.set_model_id("qwen");
+  req.set_worker_id(r.id);
+  req.set_version(v);
+  req.set_timeout_ms(590000);
+  pb::ApplyResponse resp;
+  return r.stub->Apply(&ctx, req, &resp);
+}
+
+Result RunMode(const std::string& mode_name, const std::string& config_json) {
+  Result res;
+  res.mode = mode_name;
+  const pb::Mode mode = ModeOf(mode_name);
+  auto config = planner::ParseHfConfig(config_json);
+  if (!config.ok()) return res.error = config.status().ToString(), res;
+  auto inv = planner::BuildInventory(*config, planner::DType::kBF16);
+  if (!inv.ok()) return res.error = inv.status().ToString(), res;
+  for (const planner::TensorSpec& t : inv->tensors) {
+    int64_t n = planner::DTypeSize(t.dtype);
+    for (int64_t d : t.shape) n *= d;
+    res.model_bytes += n;
+  }
+  Cluster c;
+  c.StartCoordinator(absl::Seconds(10), "127.0.0.1:0", [](ServerOptions& o) {
+    o.transfer_timeout = absl::Minutes(5);
+    o.bucket_bytes = int64_t{2} << 30;
+  });
+  c.StartNode(0);
+  c.StartNode(1);
+  pb::ModelSpec spec;
+  spec.set_model_id("qwen");
+  spec.set_hf_config_json(config_json);
+  spec.set_dtype(pb::DTYPE_BF16);
+  spec.set_num_trainer_workers(2);
+  spec.set_num_rollout_workers(2);
+  spec.set_mode(mode);
+  spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
+  auto add = [&](const std::string& id, pb::Role role, int node, const std::string& preset, int rank,
+                 bool touch = false) -> absl::StatusOr<TestWorker*> {
+    planner::ParallelConfig pc;
+    pc.preset = preset;
+    pb::ParallelConfig ppc;
+    ppc.set_preset(preset);
+    ppc.set_rank(rank);
+    if (preset == "megatron") {
+      pc.tp = 2;
+      ppc.set_tp(2);
+    } else {
+      pc.replicas = 4;
+      ppc.set_replicas(4);
+    }
+    auto layout = planner::MakePresetLayout(*config, *inv, pc, rank);
+    if (!layout.ok()) return layout.status();
+    TestWorker& w = c.AddWorker(id, role, node, &*inv, layout->layout);
+    // A late engine's weights are allocated memory (random init or an old checkpoint), not fresh
+    // pages: touch them, or the catch-up's copy would be timed faulting them in.
+    if (touch) std::memset(w.seg.data(), 0, static_cast<size_t>(w.seg.size()));
+    grpc::Status s = c.Register(w, spec, &ppc);
+    if (!s.ok()) return absl::InternalError(absl::StrCat("register ", id, ": ", s.error_message()));
+    return &w;
+  };
+  std::vector<TestWorker*> trainers, rollouts;
+  for (int r = 0; r < 2; ++r) {
+    auto w = add(absl::StrCat("t", r), pb::ROLE_TRAINER, 0, "megatron", r);
+    if (!w.ok()) return res.error = w.status().ToString(), c.Stop(), res;
+    trainers.push_back(*w);
+  }
+  for (int r = 0; r < 2; ++r) {
+    auto w = add(absl::StrCat("r", r), pb::ROLE_ROLLOUT, 1, "vllm", r);
+    if (!w.ok()) return res.error = w.status().ToString(), c.Stop(), res;
+    rollouts.push_back(*w);
+  }
+  for (uint64_t v : {1u, 2u}) {
+    for (TestWorker* t : trainers) Fill(*t, v);
+    const absl::Time start = absl::Now();
+    // (Cluster::Publish fills the trainers again: the fill is done above, outside the timed window.)
+    std::vector<grpc::Status> st;
+    {
+      if (mode == pb::MODE_SYNC) {
+        for (TestWorker* r : rollouts) {
+          grpc::ClientContext ctx;
+          pb::BeginUpdateRequest req;
+          req.set_model_id("qwen");
+          req.set_worker_id(r->id);
+          pb::BeginUpdateResponse resp;
+          r->stub->BeginUpdate(&ctx, req, &resp);
+        }
+      }
+      std::vector<std::thread> th;
+      st.resize(trainers.size());
+      for (size_t i = 0; i < trainers.size(); ++i) {
+        th.emplace_back([&, i] {
+          grpc::ClientContext ctx;
+          pb::PublishRequest req;
+          req.set_model_id("qwen");
+          req.set_worker_id(trainers[i]->id);
+          req.set_version(v);
+          req.set_timeout_ms(590000);
+          pb::PublishResponse resp;
+          st[i] = trainers[i]->stub->Publish(&ctx, req, &resp);
+        });
+      }
+      for (auto& t : th) t.join();
+    }
+    for (const grpc::Status& s : st) {
+      if (!s.ok()) return res.error = absl::StrCat("publish v", v, ": ", s.error_message()), c.Stop(), res;
+    }
+    for (TestWorker* r : rollouts) {
+      grpc::Status s = Receive(c, *r, mode, v);
+      if (!s.ok()) return res.error = absl::StrCat(r->id, " v", v, ": ", s.error_message()), c.Stop(), res;
+    }
+    res.update_s = absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  res.verified = true;
+  for (auto [id, node, rank, out] : {std::tuple{"late_n1", 1, 2, &res.same_node_s}, std::tuple{"late_n0", 0, 3, &res.peer_s}}) {
+    auto w = add(id, pb::ROLE_ROLLOUT, node, "vllm", rank, /*touch=*/true);
+    if (!w.ok()) return res.error = w.status().ToString(), c.Stop(), res;
+    const absl::Time start = absl::Now();
+    grpc::Status s = Receive(c, **w, mode, 2);
+    *out = absl::ToDoubleSeconds(absl::Now() - start);
+    if (!s.ok()) return res.error = absl::StrCat(id, ": ", s.error_message()), c.Stop(), res;
+    res.verified &= CountBad(**w, 2) == 0;
+  }
+  c.Stop();
+  return res;
+}
+
+int Run() {
+  std::ifstream f(absl::GetFlag(FLAGS_config));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  if (!f || ss.str().empty()) {
+    std::fprintf(stderr, "bench/catch_up: cannot read --config=%s (run from the repository root)\n", absl::GetFlag(FLAGS_config).c_str());
+    return 2;
+  }
+  bool ok = true;
+  if (!absl::GetFlag(FLAGS_json)) {
+    std::printf("%-13s %9s %10s %12s %10s %11s %9s %9s\n", "mode", "model_GB", "update_s", "same_node_s", "ratio", "peer_s", "ratio", "verified");
+  }
+  const std::vector<std::string> modes = absl::StrSplit(absl::GetFlag(FLAGS_modes), ',');
+  for (const std::string& m : modes) {
+    Result r = RunMode(m, ss.str());
+    ok &= r.verified && r.error.empty();
+    const double a = r.update_s > 0 ? r.same_node_s / r.update_s : 0, b = r.update_s > 0 ? r.peer_s / r.update_s : 0;
+    if (absl::GetFlag(FLAGS_json)) {
+      std::printf("{\"mode\":\"%s\",\"model_bytes\":%lld,\"update_s\":%.4f,\"same_node_catch_up_s\":%.4f,\"same_node_ratio\":%.3f,"
+                  "\"peer_catch_up_s\":%.4f,\"peer_ratio\":%.3f,\"verified\":%s,\"error\":\"%s\"}\n",
+                  r.mode.c_str(), static_cast<long long>(r.model_bytes), r.update_s, r.same_node_s, a, r.peer_s, b,
+                  r.verified ? "true" : "false", r.error.c_str());
+    } else {
+      std::printf("%-13s %9.3f %10.3f %12.3f %10.2f %11.3f %9.2f %9s\n", r.mode.c_str(), r.model_bytes / 1e9, r.update_s, r.same_node_s, a,
+                  r.peer_s, b, r.verified ? "yes" : "NO");
+      if (!r.error.empty()) std::printf("  error: %s\n", r.error.c_str());
+    }
+    std::fflush(stdout);
+  }
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace wb::daemon
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return wb::daemon::Run();
+}
