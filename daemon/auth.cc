@@ -26,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "proto/grpc_status.h"
 
 namespace wb::daemon {
 namespace {
@@ -199,10 +200,9 @@ class StatusMessageInterceptor final : public grpc::experimental::Interceptor {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status s = methods->GetSendStatus();
       if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
-        methods->ModifySendStatus(grpc::Status(
-            grpc::StatusCode::INTERNAL,
+        methods->ModifySendStatus(ToGrpcStatus(absl::InternalError(
             absl::StrCat(method_, ": the request could not be parsed as this method's request message (not a protobuf of that "
-                                  "type, or truncated)")));
+                                  "type, or truncated)"))));
       }
     }
     methods->Proceed();
