@@ -33,10 +33,6 @@
 #include "planner/quantized.h"
 #include "proto/grpc_status.h"
 #include "tools/cc/status_macros.h"
-#if WB_WITH_CUDA_IPC
-#include "transport/common.h"
-#include "transport/cuda_ipc.h"
-#endif
 
 namespace wb::daemon {
 // ------------------------------------------------------------------------------- NodeDaemon
@@ -56,12 +52,13 @@ NodeDaemon::NodeDaemon(Options options)
   // Workers' shm segments may shrink under us (a worker truncating its own memory): a fault in one
   // must fail that worker's call, not kill the daemon (ShmSegment::CheckIntact).
   transport::ShmSegment::InstallSigbusGuard();
+  gpu_import_ = options_.gpu_import != nullptr ? options_.gpu_import : NewGpuImport();
 }
 
 std::vector<uint8_t> NodeDaemon::TakeHost(int64_t size) {
   bool reused = false;
   std::vector<uint8_t> out = staging_pool_->Take(size, &reused);
-  if (size > 0) Metrics().StagingTaken(options_.node_id, reused, static_cast<uint64_t>(size));
+  if (size > 0) metrics().StagingTaken(options_.node_id, reused, static_cast<uint64_t>(size));
   return out;
 }
 
@@ -266,7 +263,7 @@ std::optional<std::string> NodeDaemon::AwaitCoordinatorChange(uint64_t session0,
 void NodeDaemon::ControlTick() {
   CheckWorkers();
   staging_pool_->Trim();
-  Metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
+  metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
 }
 
 void NodeDaemon::Shutdown() {
@@ -999,7 +996,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
     const int64_t n = cuda[j]->size;
     if (on_gpu) {
       ASSIGN_OR_RETURN(out[j].device, TryDeviceStaging(cuda[j]->device, n, absl::StrCat(label, " b", j)));
-      Metrics().Staged(options_.node_id, out[j].device ? "gpu" : "host", "snapshot", static_cast<uint64_t>(n));
+      metrics().Staged(options_.node_id, out[j].device ? "gpu" : "host", "snapshot", static_cast<uint64_t>(n));
     }
     transport::MemorySpec spec;
     if (out[j].device) {
@@ -1157,78 +1154,12 @@ absl::StatusOr<std::shared_ptr<CudaImport>> NodeDaemon::ImportCuda(const std::st
                                                       " has no cuda_ipc transport (no GPU visible to the daemon, "
                                                       "or --transports excludes it); register host shared memory instead"));
   }
-#if WB_WITH_CUDA_IPC
-  transport::RawCudaIpcBuffer raw;
-  raw.ipc_handle = b.cuda_ipc_handle();
-  raw.offset_bytes = 0;
-  raw.size_bytes = static_cast<int64_t>(b.size_bytes());
-  raw.device = b.gpu() >= 0 ? b.gpu() : 0;
-  if (!b.gpu_uuid().empty()) {
-    if (b.gpu_uuid().size() != 16) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": gpu_uuid must be the 16 bytes of cudaDeviceProp::uuid, got ", b.gpu_uuid().size()));
-    }
-    raw.device_uuid = b.gpu_uuid();  // the GPU in OUR numbering, whatever the worker's CUDA_VISIBLE_DEVICES
-  }
-  // The worker reached us over our Unix socket, so it is on this machine: the transports' node
-  // identity (the kernel boot id; main.cc leaves TransportConfig::node_id empty), not the
-  // daemon's cluster node id (found by the emulated-GPU e2e test: every CUDA buffer was refused).
-  raw.node_id = transport::DefaultNodeId();
-  raw.label = what;
-  absl::StatusOr<std::string> desc;
-  absl::StatusOr<transport::RegionHandle> h;
-  if (is_vmm) {
-    // VMM memory: each allocation's fd came over the fd channel (only from the process bound to
-    // this worker); the transport maps each allocation (or each ordered list of allocations, for a
-    // buffer that spans several) once, whatever the number of buffers in it.
-    if (!options_.cuda_vmm_fd) return absl::FailedPreconditionError(absl::StrCat(what, ": this daemon has no fd channel"));
-    std::vector<CudaVmmFd> fds;  // dups, closed once the transport imported (or refused) them
-    auto close_fds = [&fds] {
-      for (const CudaVmmFd& f : fds) ::close(f.fd);
-    };
-    for (int i = -1; i < b.cuda_vmm_next_keys_size(); ++i) {
-      absl::StatusOr<CudaVmmFd> fd = options_.cuda_vmm_fd(worker, i < 0 ? b.cuda_vmm_key() : b.cuda_vmm_next_keys(i));
-      if (!fd.ok()) {
-        close_fds();
-        return Annotate(fd.status(), what);
-      }
-      fds.push_back(*fd);
-    }
-    transport::RawCudaVmmBuffer vmm;
-    vmm.fd = fds[0].fd;
-    vmm.allocation_key = fds[0].cache_key;
-    vmm.allocation_bytes = fds[0].allocation_bytes;
-    for (size_t i = 1; i < fds.size(); ++i) vmm.next_allocations.push_back({fds[i].fd, fds[i].cache_key, fds[i].allocation_bytes});
-    vmm.offset_bytes = static_cast<int64_t>(std::min<uint64_t>(b.cuda_vmm_offset(), INT64_MAX));
-    vmm.size_bytes = raw.size_bytes;
-    vmm.device = raw.device;
-    vmm.device_uuid = raw.device_uuid;
-    vmm.node_id = raw.node_id;
-    vmm.label = what;
-    desc = transport::CudaIpcDescriptorFromVmmFd(vmm);
-    if (desc.ok()) h = t->ImportDescriptor(*desc);
-    close_fds();  // the transport imported (or refused) them; the channel keeps its own copies
-  } else {
-    desc = transport::CudaIpcDescriptorFromRawHandle(raw);
-    if (desc.ok()) h = t->ImportDescriptor(*desc);
-  }
-  if (!desc.ok()) return Annotate(desc.status(), what);
-  if (!h.ok()) return Annotate(h.status(), what);
-  auto imp = std::make_shared<CudaImport>();
-  imp->t = t;
-  imp->h = *h;
-  imp->size = static_cast<int64_t>(b.size_bytes());
-  // The GPU that holds the buffer in the daemon's numbering (found by UUID, or by the mapping),
-  // which may differ from the worker's `gpu` (CUDA_VISIBLE_DEVICES): staging goes there.
-  auto info = t->Describe(*h);
-  imp->device = info.ok() && info->device >= 0 ? info->device : raw.device;
+  ASSIGN_OR_RETURN(std::shared_ptr<CudaImport> imp, gpu_import_->Import(*t, worker, b, what, options_.cuda_vmm_fd));
   if (imp->device != b.gpu()) {
     Log(LogLevel::kInfo, "CUDA buffer on another GPU than the worker numbers it",
         {{"node", options_.node_id}, {"worker", worker}, {"buffer", b.buffer_id()}, {"worker_gpu", b.gpu()}, {"daemon_gpu", imp->device}});
   }
   return imp;
-#else
-  return absl::UnimplementedError(absl::StrCat(what, ": this weightbridged was built without CUDA"));
-#endif
 }
 
 }  // namespace wb::daemon

@@ -42,6 +42,7 @@
 #include "daemon/nic_meter.h"
 #include "daemon/node/coordinator_client.h"
 #include "daemon/node/coordinator_session.h"
+#include "daemon/node/gpu_import.h"
 #include "daemon/digest/op_digests.h"
 #include "daemon/node/channel_cache.h"
 #include "daemon/node/exec_plan.h"
@@ -96,6 +97,9 @@ class NodeDaemon {
     // CUDA VMM buffers (BufferSpec.cuda_vmm_key): the fd a worker sent on the fd channel
     // (DaemonFront::FindVmmFd). Unset: such buffers are FAILED_PRECONDITION.
     std::function<absl::StatusOr<CudaVmmFd>(const std::string& worker, const std::string& key)> cuda_vmm_fd;
+    // Opens workers' CUDA IPC / VMM buffers (daemon/node/gpu_import.h). Null: NewGpuImport(), the
+    // build's own (CUDA IPC when built with CUDA, else refusing them).
+    std::shared_ptr<GpuImport> gpu_import;
     // A copy into a worker's live memory (sync commit, Apply), once started, runs until it is done or
     // this long has passed - never cut short by the client's deadline (docs/daemon.md "Live weights").
     absl::Duration live_copy_timeout = absl::Minutes(2);
@@ -343,6 +347,7 @@ class NodeDaemon {
   // registration, heartbeats (never take mu_), re-registration (Rejoin). Set by Start.
   std::unique_ptr<CoordinatorClient> coordinator_client_;
   std::unique_ptr<CoordinatorSession> coord_;
+  std::shared_ptr<GpuImport> gpu_import_;  // options_.gpu_import or the build's
   std::string node_address_, data_address_;
 
   absl::Mutex mu_;
