@@ -21,7 +21,8 @@ constexpr char kNode[] = "/weightbridge.v1.NodeService/";
 class FakeNode final : public pb::NodeService::Service {
  public:
   std::atomic<int> calls{0};
-  std::string last_drain_node;
+  absl::Mutex mu;
+  std::string last_drain_node ABSL_GUARDED_BY(mu);  // (a plain string: TSan sees no order through the socket)
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse* r) override {
     calls++;
     r->set_node_id("fake");
@@ -29,6 +30,7 @@ class FakeNode final : public pb::NodeService::Service {
   }
   grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest* req, pb::DrainResponse*) override {
     calls++;
+    absl::MutexLock l(&mu);
     last_drain_node = req->node_id();
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "drain refused by the fake");
   }
@@ -127,7 +129,10 @@ TEST_F(AuthGateTest, RuleRewritesTheRequestAndSeesTheHandlersStatus) {
   pb::DrainResponse resp;
   grpc::Status s = stub_->Drain(&ctx, req, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
-  EXPECT_EQ(fake_.last_drain_node, "rewritten");
+  {
+    absl::MutexLock l(&fake_.mu);
+    EXPECT_EQ(fake_.last_drain_node, "rewritten");
+  }
   // The after-hook ran before the reply left (the client has it now).
   EXPECT_EQ(after_code_.load(), grpc::StatusCode::FAILED_PRECONDITION);
 }
