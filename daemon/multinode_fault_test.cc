@@ -98,17 +98,13 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
 TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
-  c.StartCoordinator();
   absl::Notification entered, release;
-  c.StartNode(0, [&](const std::string&, uint64_t version, uint32_t) {
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n0_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 2) return;
     entered.Notify();
     release.WaitForNotificationWithTimeout(absl::Seconds(20));
-  });
-  c.StartNode(1);
-  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
-  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  }});
+  ASSERT_FALSE(::testing::Test::HasFailure());
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   pb::ApplyResponse resp;
   for (TestWorker* r : {&r0, &r1}) {
@@ -174,17 +170,13 @@ TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
 TEST(FaultTest, StaleReportDoneFromBeforeRestartIsIgnored) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
-  c.StartCoordinator();
   absl::Notification entered, release;
-  c.StartNode(0, [&](const std::string&, uint64_t version, uint32_t) {
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n0_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || entered.HasBeenNotified()) return;  // hold the first batch of version 1
     entered.Notify();
     release.WaitForNotificationWithTimeout(absl::Seconds(20));
-  });
-  c.StartNode(1);
-  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
-  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  }});
+  ASSERT_FALSE(::testing::Test::HasFailure());
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
   // Version 1 is held mid-transfer on n0. Failure reports about it from a stale executor (another

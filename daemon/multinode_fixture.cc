@@ -270,7 +270,7 @@ TwoNodeWorkers AddTwoNodeWorkers(Cluster& c, const planner::Inventory& inv) {
 
 TwoNodeWorkers StartTwoNodeCluster(Cluster& c, const planner::Inventory& inv, const TwoNodeSetup& setup) {
   c.StartCoordinator();
-  c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) {
+  c.StartNode(0, setup.n0_before_bucket, nullptr, [&](ServerOptions& o) {
     if (!setup.n0_live_copy_fault) return;
     o.configure_node = [fault = setup.n0_live_copy_fault](NodeDaemon::Options& no) { no.test_live_copy_fault = fault; };
   });

@@ -99,13 +99,15 @@ struct TwoNodeWorkers {
 };
 TwoNodeWorkers AddTwoNodeWorkers(Cluster& c, const planner::Inventory& inv);
 
-// The whole setup of the torn-version tests: coordinator, n0 (with `n0_live_copy_fault` as its
-// NodeDaemon::Options::test_live_copy_fault when given) and n1 (with `n1_before_bucket`), the
+// The whole setup of the torn-version and fault tests: coordinator, n0 (with `n0_live_copy_fault`
+// as its NodeDaemon::Options::test_live_copy_fault and `n0_before_bucket` when given) and n1 (with
+// `n1_before_bucket`), the
 // TwoNodeWorkers cast registered for SmallSpec(mode, weightbridge). Check HasFatalFailure() after.
 struct TwoNodeSetup {
   pb::Mode mode = pb::MODE_ONE_STEP_OFF;
   std::function<absl::Status(const std::string& label)> n0_live_copy_fault;
   Cluster::BucketHook n1_before_bucket;
+  Cluster::BucketHook n0_before_bucket;
 };
 TwoNodeWorkers StartTwoNodeCluster(Cluster& c, const planner::Inventory& inv, const TwoNodeSetup& setup);
 
