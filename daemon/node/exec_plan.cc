@@ -57,6 +57,10 @@ absl::Status CheckWorkers(const Slice& slice, const SliceOp& op) {
     return absl::InvalidArgumentError(absl::StrCat("op ", op.index, ": slice worker ", std::max(op.src_worker, op.dst_worker),
                                                    " is not in the slice (", slice.workers.size(), " workers)"));
   }
+  if (slice.inventory != nullptr && (op.tensor < 0 || static_cast<size_t>(op.tensor) >= slice.inventory->tensors.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("op ", op.index, ": tensor ", op.tensor, " is not in the model's inventory (",
+                                                   slice.inventory->tensors.size(), " tensors)"));
+  }
   if (op.bucket >= slice.num_buckets) {
     return absl::InvalidArgumentError(absl::StrCat("op ", op.index, ": bucket ", op.bucket, " >= num_buckets ", slice.num_buckets));
   }
@@ -64,7 +68,8 @@ absl::Status CheckWorkers(const Slice& slice, const SliceOp& op) {
 }
 
 int ElementSize(const Slice& slice, int32_t tensor) {
-  return planner::DTypeSize(slice.inventory->tensors.at(static_cast<size_t>(tensor)).dtype);
+  // Op tensors are checked by CheckWorkers; piece tensors by the coordinator's layout validation.
+  return planner::DTypeSize(slice.inventory->tensors[static_cast<size_t>(tensor)].dtype);
 }
 
 MemoryKind KindOf(const ExecFacts& facts, const std::string& key) {

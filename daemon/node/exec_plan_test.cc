@@ -416,6 +416,12 @@ TEST(ExecPlanTest, ErrorsForMissingTransportsAndGpuStagingFedByAnotherNode) {
   p = MakeExecPlan(sb.slice(), h);
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.status().message().find("region w1.b0 missing on node n1"), std::string::npos) << p.status();
+  // An op naming a tensor that is not in the inventory.
+  sb.Op(2, 0, t, 0, r, 0, 0, 8).tensor = 5;
+  p = MakeExecPlan(sb.slice(), sb.Facts("n1"));
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("op 2: tensor 5 is not in the model's inventory (2 tensors)"), std::string::npos) << p.status();
+  sb.slice().ops.pop_back();
   // An op naming a worker that is not in the slice.
   sb.Op(1, 0, 9, 0, r, 0, 0, 8);
   p = MakeExecPlan(sb.slice(), sb.Facts("n1"));
