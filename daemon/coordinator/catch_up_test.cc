@@ -1,6 +1,13 @@
-// ChooseCatchUp (pure): which rollouts are late and which may serve as catch-up sources.
+// ChooseCatchUp (pure): which rollouts are late and which may serve as catch-up sources; and the
+// coordinator's catch-up driver over fake nodes (timeout, not overtaking a newer version).
 #include "daemon/coordinator/catch_up.h"
 
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/coordinator/core.h"
+#include "daemon/coordinator/fake_node_client.h"
+#include "daemon/coordinator/test_specs.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
@@ -60,6 +67,126 @@ TEST(ChooseCatchUpTest, NoSourceNamesWhoHoldsItAndWhyNotUsable) {
   EXPECT_NE(c.no_source.find("r1 (quantised)"), std::string::npos) << c.no_source;
   c = ChooseCatchUp(2, {Rollout("r2", 0)});
   EXPECT_NE(c.no_source.find("no rollout holds it at all"), std::string::npos) << c.no_source;
+}
+
+
+// ------------------------------------------------------------------ the driver, over fake nodes
+
+// One trainer (n0), rollout r0 (n0); versions run on fake nodes that report done at once, except
+// catch-ups while `stall_catch_up` is set (they never report: the catch-up times out).
+class FakeCluster {
+ public:
+  FakeCluster() {
+    CoordinatorOptions o;
+    o.transfer_timeout = absl::Milliseconds(600);
+    o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
+      auto fake = std::make_shared<FakeNodeClient>(node);
+      fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
+        {
+          absl::MutexLock l(&mu);
+          log.push_back(absl::StrCat(req.catch_up() ? "catch-up " : "version ", req.version()));
+        }
+        if (req.catch_up() && stall_catch_up) return absl::OkStatus();
+        pb::ReportDoneRequest done;
+        done.set_node_id(node);
+        done.set_model_id(req.model_id());
+        done.set_version(req.version());
+        done.set_ok(true);
+        done.set_catch_up(req.catch_up());
+        done.set_coordinator_instance(req.coordinator_instance());
+        pb::ReportDoneResponse resp;
+        return core->ReportDone(done, &resp);
+      };
+      return fake;
+    };
+    core = std::make_unique<CoordinatorCore>(std::move(o));
+    core->Start();
+    for (const std::string n : {"n0", "n1"}) {
+      pb::RegisterNodeRequest req;
+      req.set_node_id(n);
+      req.set_address(n + ":1");
+      pb::RegisterNodeResponse resp;
+      EXPECT_TRUE(core->RegisterNode(req, &resp).ok());
+    }
+  }
+  ~FakeCluster() { core->Shutdown(); }
+  void Join(const std::string& node, const std::string& worker, pb::Role role) {
+    pb::ModelSpec spec = testing::SmallModelSpec("m", 1);
+    spec.set_mode(pb::MODE_ASYNC);
+    pb::JoinWorkerRequest j;
+    j.set_node_id(node);
+    j.set_worker_id(worker);
+    j.set_model_id("m");
+    j.set_role(role);
+    *j.mutable_model() = spec;
+    pb::JoinWorkerResponse jr;
+    ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
+    pb::SubmitLayoutResponse lr;
+    ASSERT_TRUE(core->SubmitLayout(testing::WholeTensorLayout(node, worker), &lr).ok());
+  }
+  absl::Status Publish(uint64_t v) {
+    pb::CoordPublishRequest p;
+    p.set_model_id("m");
+    p.set_worker_id("t0");
+    p.set_node_id("n0");
+    p.set_version(v);
+    p.set_timeout_ms(10000);
+    pb::PublishResponse resp;
+    return core->Publish(p, &resp);
+  }
+  absl::Status WaitFor(const std::string& worker, uint64_t v) {
+    pb::WaitVersionRequest w;
+    w.set_model_id("m");
+    w.set_version(v);
+    w.set_timeout_ms(10000);
+    w.set_worker_id(worker);
+    pb::WaitVersionResponse wr;
+    return core->WaitVersion(w, &wr);
+  }
+  std::vector<std::string> Log() {
+    absl::MutexLock l(&mu);
+    return log;
+  }
+
+  std::atomic<bool> stall_catch_up{false};
+  std::unique_ptr<CoordinatorCore> core;
+  absl::Mutex mu;
+  std::vector<std::string> log ABSL_GUARDED_BY(mu);
+};
+
+// A catch-up that never reports times out: the late rollout's WaitVersion is ABORTED naming the
+// timeout (never OK), it is not tried again for that version, a version published meanwhile starts
+// only after the catch-up ended, and that version reaches the late rollout.
+TEST(CatchUpDriverTest, TimeoutIsReportedAndTheNextVersionBringsTheRollout) {
+  FakeCluster c;
+  c.Join("n0", "t0", pb::ROLE_TRAINER);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + absl::Seconds(10)));
+  ASSERT_TRUE(c.Publish(1).ok());
+  ASSERT_TRUE(c.WaitFor("r0", 1).ok());
+  c.stall_catch_up = true;
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT);
+  absl::Status s = c.WaitFor("r1", 1);
+  EXPECT_TRUE(absl::IsAborted(s)) << s;
+  EXPECT_NE(s.message().find("timed out"), std::string::npos) << s;
+  EXPECT_TRUE(c.WaitFor("r0", 1).ok()) << "r0 holds version 1: not affected";
+  c.stall_catch_up = false;
+  ASSERT_TRUE(c.Publish(2).ok());
+  s = c.WaitFor("r1", 2);
+  EXPECT_TRUE(s.ok()) << s;
+  const std::vector<std::string> log = c.Log();
+  int catch_ups = 0;
+  for (const std::string& e : log) catch_ups += e.rfind("catch-up", 0) == 0;
+  EXPECT_GE(catch_ups, 1);
+  // Every catch-up execution of version 1 came before the first execution of version 2, and none after.
+  bool seen_v2 = false;
+  for (const std::string& e : log) {
+    if (e == "version 2") seen_v2 = true;
+    if (seen_v2) {
+      EXPECT_NE(e, "catch-up 1") << "a catch-up of version 1 ran after version 2 started";
+    }
+  }
+  EXPECT_TRUE(seen_v2);
 }
 
 }  // namespace
