@@ -130,43 +130,40 @@ absl::Status WorkerGuard::CheckActsAs(const AuthCall& call, const std::string& m
   absl::StatusOr<PeerCred> me = Caller(call);
   if (!me.ok()) return me.status();
   absl::MutexLock l(&mu_);
-  auto it = bindings_.find(worker);
+  auto it = bindings_.find({model, worker});
   if (it == bindings_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (register again)"));
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " of model '", model, "' is not registered on node ", node_id_,
+                                            " (register again)"));
   }
   const Binding& b = it->second;
   if (b.cred.pid != me->pid || b.cred.start_time != me->start_time) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, ", not to the caller (pid ",
-                                                    me->pid, ")"));
-  }
-  if (b.model != model) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model '", model, "' belongs to process ", b.cred.pid,
+                                                    ", not to the caller (pid ", me->pid, ")"));
   }
   return absl::OkStatus();
 }
 
 absl::Status WorkerGuard::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
   absl::MutexLock l(&mu_);
-  auto it = bindings_.find(worker);
+  auto it = bindings_.find({model, worker});
   if (it == bindings_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_, " (RegisterWorker first)"));
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " of model '", model, "' is not registered on node ", node_id_,
+                                            " (RegisterWorker first)"));
   }
   const Binding& b = it->second;
   if (b.cred.pid != sender.pid || b.cred.start_time != sender.start_time || b.cred.uid != sender.uid) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " belongs to process ", b.cred.pid, " (uid ", b.cred.uid,
-                                                    "), not to the sender"));
-  }
-  if (b.model != model) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " is registered for model '", b.model, "', not '", model, "'"));
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model '", model, "' belongs to process ", b.cred.pid,
+                                                    " (uid ", b.cred.uid, "), not to the sender"));
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<PeerCred> WorkerGuard::BoundCred(const std::string& worker) {
   absl::MutexLock l(&mu_);
-  auto it = bindings_.find(worker);
-  if (it == bindings_.end()) return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_));
-  return it->second.cred;
+  for (const auto& [key, b] : bindings_) {
+    if (key.second == worker) return b.cred;
+  }
+  return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_));
 }
 
 void WorkerGuard::NoteCommitted(const std::string& model, uint64_t version) {
@@ -193,12 +190,15 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   }
   {
     absl::MutexLock l(&mu_);
-    auto it = bindings_.find(req.worker_id());
+    // Worker ids are scoped per model: only the same (model, worker) can be held by someone else.
+    auto it = bindings_.find({req.model_id(), req.worker_id()});
     if (it != bindings_.end() && it->second.cred.pid != me->pid) {
       const PeerCred& owner = it->second.cred;
       // A restarted worker takes its id over from its dead predecessor; a live owner keeps it.
       if (ProcessStartTime(owner.pid) == owner.start_time && owner.start_time != 0) {
-        return Refuse(absl::PermissionDeniedError(absl::StrCat("worker id ", req.worker_id(), " is held by live process ", owner.pid)),
+        return Refuse(absl::PermissionDeniedError(absl::StrCat("worker ", req.worker_id(), " of model '", req.model_id(), "' on node ",
+                                                               node_id_, " is held by live process ", owner.pid, ", not the caller (pid ",
+                                                               me->pid, ")")),
                       "impersonation");
       }
     }
@@ -210,7 +210,7 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id()](const grpc::Status& s, const void*) {
     if (!s.ok()) return;
     absl::MutexLock l(&mu_);
-    bindings_[worker] = Binding{cred, model};
+    bindings_[{model, worker}] = Binding{cred, model};
   };
   return Verdict::Ok();
 }
@@ -265,7 +265,7 @@ Verdict WorkerGuard::Publish(AuthCall& call, const pb::PublishRequest& req) {
     // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
     absl::MutexLock l(&mu_);
     // Looked up again: the binding may have gone since CheckActsAs released mu_ (a Deregister in between).
-    auto bound = bindings_.find(req.worker_id());
+    auto bound = bindings_.find({req.model_id(), req.worker_id()});
     if (bound == bindings_.end()) {
       return Refuse(absl::NotFoundError(absl::StrCat("worker ", req.worker_id(), " was deregistered on node ", node_id_,
                                                      " while it published version ", req.version(), " (register again)")),
@@ -282,10 +282,10 @@ Verdict WorkerGuard::Publish(AuthCall& call, const pb::PublishRequest& req) {
     }
     b.pending.insert(req.version());
   }
-  call.after = [this, worker = req.worker_id(), version = req.version()](const grpc::Status& s, const void*) {
+  call.after = [this, key = std::pair{req.model_id(), req.worker_id()}, version = req.version()](const grpc::Status& s, const void*) {
     if (s.ok()) return;
     absl::MutexLock l(&mu_);
-    auto it = bindings_.find(worker);
+    auto it = bindings_.find(key);
     if (it != bindings_.end()) it->second.pending.erase(version);
   };
   return Verdict::Ok();
@@ -354,10 +354,10 @@ void WorkerGuard::AddRules(AuthGate& gate) {
   gate.Add(w + "Deregister", Rule<pb::DeregisterRequest>([this, acts_as](AuthCall& c, pb::DeregisterRequest& r) {
              Verdict v = acts_as(c, r.model_id(), r.worker_id());
              if (!v.status.ok()) return v;
-             c.after = [this, worker = r.worker_id()](const grpc::Status&, const void*) {
+             c.after = [this, model = r.model_id(), worker = r.worker_id()](const grpc::Status&, const void*) {
                {
                  absl::MutexLock l(&mu_);
-                 bindings_.erase(worker);
+                 bindings_.erase({model, worker});
                }
                if (on_deregister_) on_deregister_(worker);
              };

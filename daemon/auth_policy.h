@@ -48,8 +48,10 @@ using VersionHook = std::function<void(const std::string& model, uint64_t versio
 void AddNodeRules(AuthGate& gate, const PeerRuleOptions& options, VersionHook on_commit, VersionHook on_abort);
 
 // Worker identities on one node's worker socket, and the WorkerService rules that enforce them:
-//  - RegisterWorker binds worker_id -> (pid, process start time, uid, model). A worker id bound
-//    to another LIVE process is PERMISSION_DENIED (a dead one's binding is taken over: restarts).
+//  - RegisterWorker binds (model_id, worker_id) -> (pid, process start time, uid). Worker ids are
+//    scoped per model: two models may each have a trainer/0, from one process or two. A (model,
+//    worker) bound to another LIVE process is PERMISSION_DENIED naming both (a dead one's binding
+//    is taken over: restarts).
 //  - every other call naming a worker must come from the bound process and name its model;
 //    WaitVersion needs some worker of the caller bound to that model;
 //  - RegisterLayout: every shm segment must be owned by the caller's uid (fstat of the opened
@@ -68,7 +70,8 @@ class WorkerGuard {
   // The fd channel (daemon/fd_channel.h): OK when `sender` is the live process bound to `worker`
   // (pid + start time) and the worker belongs to `model`; NOT_FOUND / PERMISSION_DENIED otherwise.
   absl::Status CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker);
-  // The process `worker` is bound to; NOT_FOUND if none.
+  // The process `worker` is bound to (any model: the VMM fd path names no model; one process
+  // serving two models under the same id is the same cred); NOT_FOUND if none.
   absl::StatusOr<PeerCred> BoundCred(const std::string& worker);
   // Told the id of every worker that deregistered (the fd channel releases its fds). Set before
   // serving.
@@ -93,7 +96,8 @@ class WorkerGuard {
   Limits limits_;
   std::string node_id_;
   absl::Mutex mu_;
-  std::map<std::string, Binding> bindings_ ABSL_GUARDED_BY(mu_);
+  // Keyed by (model, worker): worker ids are scoped per model (issue 16.5).
+  std::map<std::pair<std::string, std::string>, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> on_deregister_;
   BlockedCalls blocked_;

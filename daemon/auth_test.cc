@@ -180,13 +180,17 @@ TEST_F(WorkerFrontTest, OwnerProcessMayActAnotherProcessMayNot) {
   EXPECT_EQ(RunChild(ChildEnv("publish", "w")), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(RunChild(ChildEnv("register", "w")), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(fake_.calls, before) << "a refused call reached the service";
-  // Nor act on another model with its own id.
+  // Nor act on another model with its own id: worker ids are scoped per model (issue 16.5), so
+  // (other, w2) is simply not registered.
   ASSERT_TRUE(Register("w2", "m").ok());
   grpc::ClientContext ctx2;
   req.set_model_id("other");
   req.set_worker_id("w2");
+  const int before2 = fake_.calls;
   grpc::Status s = stub_->Publish(&ctx2, req, &resp);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_NE(s.error_message().find("worker w2 of model 'other' is not registered"), std::string::npos) << s.error_message();
+  EXPECT_EQ(fake_.calls, before2) << "a refused call reached the service";
 }
 
 TEST_F(WorkerFrontTest, DeadOwnersIdCanBeTakenOver) {

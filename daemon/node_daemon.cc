@@ -107,11 +107,11 @@ void NodeDaemon::CheckWorkers() {
     absl::MutexLock l(&mu_);
     for (auto it = workers_.begin(); it != workers_.end();) {
       if (it->second.pid && !it->second.pid->Alive() && joining_.count(it->first) == 0) {
-        gone.push_back({it->second.model_id, it->first});
+        gone.push_back(it->first);
         leaving_.insert(it->first);
-        Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->second.model_id},
-                                                          {"worker", it->first}, {"pid", it->second.pid->pid}});
-        live_.Forget(it->first);
+        Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->first.first},
+                                                          {"worker", it->first.second}, {"pid", it->second.pid->pid}});
+        live_.Forget(LiveKey(it->first.first, it->first.second));
         it = workers_.erase(it);
       } else {
         ++it;
@@ -127,7 +127,7 @@ void NodeDaemon::CheckWorkers() {
     pb::LeaveWorkerResponse rr;
     coordinator_client_->LeaveWorker(r, &rr, absl::Seconds(7)).IgnoreError();  // the lease drops it otherwise
     absl::MutexLock l(&mu_);
-    leaving_.erase(worker);
+    leaving_.erase({model, worker});
   }
 }
 
@@ -197,7 +197,7 @@ void NodeDaemon::Rejoin(const std::string& reason) {
   //    waiters - Apply - get ABORTED naming the reason; rollouts keep their committed/live copy).
   std::vector<std::tuple<std::string, std::string, transport::PeerId>> drop;
   struct Job {
-    std::string worker;
+    WorkerKey worker;
     pb::JoinWorkerRequest join;
     bool has_layout = false;
     pb::SubmitLayoutRequest layout;
@@ -214,11 +214,11 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     execs_.clear();
     restarts_ += 1;
     restart_reason_ = reason;
-    for (auto& [id, w] : workers_) {
+    for (auto& [key, w] : workers_) {
       Job j;
-      j.worker = id;
+      j.worker = key;
       j.join.set_node_id(options_.node_id);
-      j.join.set_worker_id(id);
+      j.join.set_worker_id(key.second);
       j.join.set_model_id(w.model_id);
       j.join.set_role(ToProto(w.role));
       j.join.set_gpu(w.gpu);
@@ -242,10 +242,11 @@ void NodeDaemon::Rejoin(const std::string& reason) {
       s = coordinator_client_->SubmitLayout(j.layout, &sr, absl::Seconds(32));
     }
     if (!s.ok()) {
-      Log(LogLevel::kWarning, "worker not re-joined", {{"node", options_.node_id}, {"worker", j.worker}, {"error", s.message()}});
+      Log(LogLevel::kWarning, "worker not re-joined",
+          {{"node", options_.node_id}, {"model", j.worker.first}, {"worker", j.worker.second}, {"error", s.message()}});
       absl::MutexLock l(&mu_);
       workers_.erase(j.worker);
-      live_.Forget(j.worker);
+      live_.Forget(LiveKey(j.worker.first, j.worker.second));
     }
   }
   Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
@@ -324,7 +325,7 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
     const pb::PlanWorker& w = exec->plan->slice.workers(i);
     if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT) continue;
-    auto lw = workers_.find(w.worker_id());
+    auto lw = workers_.find({exec->model_id, w.worker_id()});
     for (size_t j = 0; j < exec->plan->layouts[i].buffers.size(); ++j) {
       const bool cuda = lw != workers_.end() && j < lw->second.cuda.size() && lw->second.cuda[j] != nullptr;
       if (gpu_staging && cuda && !exec->plan->quantized[i]) continue;  // quantised: host staging (the quantiser runs there)
@@ -576,7 +577,7 @@ absl::Status NodeDaemon::AllocateStaging(Exec& exec, const node::LanePlan& lanes
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
       const pb::PlanWorker& w = plan.slice.workers(i);
       if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
-      auto it = workers_.find(w.worker_id());
+      auto it = workers_.find({exec.model_id, w.worker_id()});
       if (it != workers_.end()) rollout_cuda[w.worker_id()] = it->second.cuda;
     }
   }
@@ -665,9 +666,9 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
       for (size_t j = 0; j < staging->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*staging)[j]);
       continue;
     }
-    auto w = workers_.find(pw.worker_id());
+    auto w = workers_.find({exec.model_id, pw.worker_id()});
     if (w == workers_.end() || !w->second.has_layout) {
-      return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " is gone from node ", me));
+      return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " of model ", exec.model_id, " is gone from node ", me));
     }
     if (w->second.buffers.size() < layout.buffers.size()) {
       return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
@@ -685,10 +686,11 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
         for (size_t j = 0; j < src.committed->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*src.committed)[j]);
         continue;
       }
-      if (src.applied_version != exec.version || live_.Copying(pw.worker_id()) || !live_.TornError(pw.worker_id(), me).ok()) {
+      const std::string lk = LiveKey(exec.model_id, pw.worker_id());
+      if (src.applied_version != exec.version || live_.Copying(lk) || !live_.TornError(lk, me).ok()) {
         return absl::FailedPreconditionError(absl::StrCat(what, " no longer holds version ", exec.version, " (committed staging: version ",
                                                           src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
-                                                          src.applied_version, live_.Copying(pw.worker_id()) ? ", being written" : "", ")"));
+                                                          src.applied_version, live_.Copying(lk) ? ", being written" : "", ")"));
       }
       for (size_t j = 0; j < layout.buffers.size(); ++j) {
         auto seg = src.buffers[j];
@@ -741,7 +743,7 @@ std::set<uint32_t> NodeDaemon::HostLiveSyncRollouts(const ModelPlan& plan) {
   for (int i = 0; i < plan.slice.workers_size(); ++i) {
     const pb::PlanWorker& pw = plan.slice.workers(i);
     if (pw.node_id() != options_.node_id || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
-    auto w = workers_.find(pw.worker_id());
+    auto w = workers_.find({plan.slice.model_id(), pw.worker_id()});
     if (w == workers_.end() || w->second.mode != pb::MODE_SYNC || w->second.buffers.size() < plan.layouts[i].buffers.size()) continue;
     bool host = true;
     for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->second.buffers[j] != nullptr;
@@ -896,19 +898,20 @@ std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) 
     // waits for the first, bounded, so two versions never interleave in live memory.
     absl::MutexLock l(&mu_);
     auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return stopping_ || std::none_of(jobs.begin(), jobs.end(), [&](const LiveJob& j) { return live_.Copying(j.worker); });
+      return stopping_ || std::none_of(jobs.begin(), jobs.end(), [&](const LiveJob& j) { return live_.Copying(LiveKey(j.model, j.worker)); });
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&idle), absl::Now() + options_.live_copy_timeout) || stopping_) {
       for (size_t i = 0; i < jobs.size(); ++i) {
-        out[i] = absl::UnavailableError(absl::StrCat("worker ", jobs[i].worker, ": another copy into its live weights is still running on node ", me));
+        out[i] = absl::UnavailableError(absl::StrCat("worker ", jobs[i].worker, " of model ", jobs[i].model, ": another copy into its live weights is still running on node ", me));
       }
       return out;
     }
     for (size_t i = 0; i < jobs.size(); ++i) {
-      auto w = workers_.find(jobs[i].worker);
-      live_.Begin(jobs[i].worker, jobs[i].version, w == workers_.end() ? 0 : w->second.applied_version);
+      auto w = workers_.find({jobs[i].model, jobs[i].worker});
+      const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
+      live_.Begin(lk, jobs[i].version, w == workers_.end() ? 0 : w->second.applied_version);
       // On disk before the first byte: a daemon killed mid-copy reports it after its restart.
-      out[i] = live_.Mark(w == workers_.end() ? "" : w->second.model_id, jobs[i].worker, jobs[i].live.host);
+      out[i] = live_.Mark(jobs[i].model, lk, jobs[i].live.host);
     }
   }
   // Its own deadline: once bytes go into live memory the copy finishes (or fails) on its own
@@ -942,12 +945,14 @@ std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) 
     live_copy_Bps_ = 0.5 * live_copy_Bps_ + 0.5 * std::min(1e11, static_cast<double>(bytes) / seconds);
   }
   for (size_t i = 0; i < jobs.size(); ++i) {
-    live_.End(jobs[i].worker, out[i], wrote[i]);
+    const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
+    live_.End(lk, out[i], wrote[i]);
     if (out[i].ok() || !wrote[i]) continue;
-    Log(LogLevel::kError, "live weights torn", {{"node", me}, {"worker", jobs[i].worker}, {"version", jobs[i].version}, {"error", out[i].message()}});
-    absl::Status torn = live_.TornError(jobs[i].worker, me);
+    Log(LogLevel::kError, "live weights torn",
+        {{"node", me}, {"model", jobs[i].model}, {"worker", jobs[i].worker}, {"version", jobs[i].version}, {"error", out[i].message()}});
+    absl::Status torn = live_.TornError(lk, me);
     // Forgotten meanwhile (the worker left): still say what happened to the copy.
-    out[i] = torn.ok() ? absl::DataLossError(absl::StrCat("live weights of worker ", jobs[i].worker, " on node ", me, " are TORN: ",
+    out[i] = torn.ok() ? absl::DataLossError(absl::StrCat("live weights of worker ", lk, " on node ", me, " are TORN: ",
                                                           out[i].message()))
                        : torn;
   }
@@ -957,13 +962,14 @@ std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) 
 void NodeDaemon::AddLiveState(pb::StatusResponse* resp) {
   absl::MutexLock l(&mu_);
   for (pb::WorkerStatus& ws : *resp->mutable_workers()) {
-    if (ws.node_id() != options_.node_id || workers_.count(ws.worker_id()) == 0) continue;
-    const LiveState::Info info = live_.Get(ws.worker_id());
+    if (ws.node_id() != options_.node_id || workers_.count({ws.model_id(), ws.worker_id()}) == 0) continue;
+    const std::string lk = LiveKey(ws.model_id(), ws.worker_id());
+    const LiveState::Info info = live_.Get(lk);
     ws.set_live_state(LiveState::Name(info.state));
     if (info.state == LiveState::State::kWhole) continue;
     ws.set_live_writing_version(info.writing);
     ws.set_live_over_version(info.over);
-    if (info.state == LiveState::State::kTorn) ws.set_live_detail(std::string(live_.TornError(ws.worker_id(), options_.node_id).message()));
+    if (info.state == LiveState::State::kTorn) ws.set_live_detail(std::string(live_.TornError(lk, options_.node_id).message()));
   }
 }
 

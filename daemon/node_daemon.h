@@ -156,6 +156,12 @@ class NodeDaemon {
     ~PidWatch();
     bool Alive() const;
   };
+  // Worker ids are scoped per model (issue 16.5): two models may each have a trainer/0 on one
+  // node, from one process or two. Local workers are keyed by (model, worker).
+  using WorkerKey = std::pair<std::string, std::string>;
+  // How LiveState (and its durable markers) know a worker: "<worker> of model <model>", which also
+  // reads right in its TORN errors.
+  static std::string LiveKey(const std::string& model, const std::string& worker) { return worker + " of model " + model; }
   struct LocalWorker {
     std::string model_id;
     planner::Role role = planner::Role::kTrainer;
@@ -296,6 +302,7 @@ class NodeDaemon {
   absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& worker, const pb::BufferSpec& b);
   // One copy of staging into a local rollout's live memory (sync commit or Apply).
   struct LiveJob {
+    std::string model;
     std::string worker;
     uint64_t version = 0;  // being written
     std::shared_ptr<Bytes> staging;
@@ -353,7 +360,7 @@ class NodeDaemon {
   absl::Mutex mu_;
   uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (node-local waiters compare)
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
+  std::map<WorkerKey, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through live_
   LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
   LiveCopier copier_;                    // staging -> live copies on the host transport
@@ -364,8 +371,8 @@ class NodeDaemon {
   // Worker ids whose LeaveWorker (an exited process) is on its way to the coordinator, and ids being
   // registered again: a join waits for the leave of the same id, and the liveness check leaves a
   // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
-  std::set<std::string> leaving_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> joining_ ABSL_GUARDED_BY(mu_);
+  std::set<WorkerKey> leaving_ ABSL_GUARDED_BY(mu_);
+  std::set<WorkerKey> joining_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
   // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
   std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);

@@ -146,7 +146,7 @@ TEST(TornTest, FailedSyncCommitCopyNamesTheRolloutAndApplyRestores) {
   // naming the node's error) once it counts a sync version only when every rollout holds it.
   grpc::Status w = WaitCommitted(r0, "m", 2);
   EXPECT_FALSE(w.ok());
-  EXPECT_NE(w.error_message().find("worker r0 on node n0 are TORN"), std::string::npos) << w.error_message();
+  EXPECT_NE(w.error_message().find("worker r0 of model m on node n0 are TORN"), std::string::npos) << w.error_message();
   EXPECT_EQ(LocalStatus(c, r0).live_state(), "torn");
   EXPECT_EQ(CountBad(r1, 2), 0) << "r1's node committed normally";
   pb::ApplyResponse resp;

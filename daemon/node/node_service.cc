@@ -149,7 +149,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
       }
       d_->execs_.erase(it);
       for (auto& [wid, staging] : exec->incoming) {
-        auto w = d_->workers_.find(wid);
+        auto w = d_->workers_.find({req->model_id(), wid});
         if (w == d_->workers_.end()) continue;
         // Relays at commit: this staging lacks the relayed pieces, so it must never be applied
         // later (Apply finds no committed staging; the commit below writes the live weights).
@@ -158,6 +158,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
         w->second.committed_version = req->version();
         if (w->second.mode != pb::MODE_SYNC) continue;
         LiveJob t;
+        t.model = req->model_id();
         t.worker = wid;
         t.version = req->version();
         t.staging = staging;
@@ -190,7 +191,7 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
     absl::MutexLock l(&d_->mu_);
     absl::Status failed;
     for (size_t i = 0; i < jobs.size(); ++i) {
-      auto w = d_->workers_.find(jobs[i].worker);
+      auto w = d_->workers_.find({jobs[i].model, jobs[i].worker});
       if (!copied[i].ok()) {
         Log(LogLevel::kError, "sync commit copy failed", {{"node", me}, {"worker", jobs[i].worker}, {"error", copied[i].message()}});
         const std::string what = absl::StrCat("commit of model ", req->model_id(), " version ", req->version(), " on node ", me,
@@ -300,8 +301,8 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
 
   grpc::Status DropWorker(grpc::ServerContext*, const pb::DropWorkerRequest* req, pb::DropWorkerResponse*) override {
     absl::MutexLock l(&d_->mu_);
-    d_->workers_.erase(req->worker_id());
-    d_->live_.Forget(req->worker_id());
+    d_->workers_.erase({req->model_id(), req->worker_id()});
+    d_->live_.Forget(NodeDaemon::LiveKey(req->model_id(), req->worker_id()));
     return grpc::Status::OK;
   }
 

@@ -124,36 +124,32 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id, " is not registered with the coordinator yet (retry)")));
     }
     const std::string& id = req->worker_id();
+    const NodeDaemon::WorkerKey key{req->model_id(), id};  // worker ids are scoped per model (issue 16.5)
     {
       // An earlier process of this worker id that exited: its LeaveWorker must reach the coordinator
       // before this join, or it would drop the new registration there (found by the soak test
       // under TSan: a restarted rollout's RegisterLayout got NOT_FOUND).
       absl::MutexLock l(&d_->mu_);
-      auto not_leaving = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) { return d_->leaving_.count(id) == 0 || d_->stopping_; };
+      auto not_leaving = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) { return d_->leaving_.count(key) == 0 || d_->stopping_; };
       if (!d_->mu_.AwaitWithDeadline(absl::Condition(&not_leaving), absl::Now() + absl::Seconds(10))) {
         return ToGrpcStatus(absl::UnavailableError(absl::StrCat("worker ", id, " of model ", req->model_id(), ": its previous process is still leaving (retry)")));
       }
       // Not reaped yet by the liveness check: this join replaces it (the coordinator treats it as
       // registered again), so no LeaveWorker is sent for it.
-      auto old = d_->workers_.find(id);
+      // Another model's worker under the same id is another worker (ids are scoped per model):
+      // only this model's entry is replaced.
+      auto old = d_->workers_.find(key);
       if (old != d_->workers_.end() && old->second.pid && !old->second.pid->Alive()) d_->workers_.erase(old);
-      // Another model's worker under the same id: replacing it broke that model (issue 16.5).
-      if (old = d_->workers_.find(id); old != d_->workers_.end() && old->second.model_id != req->model_id()) {
-        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-            "worker ", id, " of model ", req->model_id(), ": node ", d_->options_.node_id, " already has a worker ", id, " of model ",
-            old->second.model_id, "; worker ids are one namespace per node (use another id, or Deregister it from model ",
-            old->second.model_id, " first)")));
-      }
-      d_->joining_.insert(id);
+      d_->joining_.insert(key);
     }
     struct Joined {
       NodeDaemon* d;
-      std::string id;
+      NodeDaemon::WorkerKey key;
       ~Joined() {
         absl::MutexLock l(&d->mu_);
-        d->joining_.erase(id);
+        d->joining_.erase(key);
       }
-    } joined{d_, id};
+    } joined{d_, key};
     pb::JoinWorkerRequest j;
     j.set_node_id(d_->options_.node_id);
     j.set_worker_id(req->worker_id());
@@ -187,8 +183,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     auto inv = InventoryFromProto(jr.tensors());
     absl::MutexLock l(&d_->mu_);
     if (inv.ok()) d_->inventories_[req->model_id()] = std::move(*inv);
-    d_->workers_[req->worker_id()] = std::move(w);
-    d_->live_.Forget(req->worker_id());  // a new process: its memory, not the old one's
+    d_->workers_[key] = std::move(w);
+    d_->live_.Forget(NodeDaemon::LiveKey(req->model_id(), id));  // a new process: its memory, not the old one's
     Log(LogLevel::kInfo, "worker registered", {{"node", d_->options_.node_id}, {"model", req->model_id()}, {"worker", req->worker_id()},
                                                {"role", pb::Role_Name(req->role())}, {"pid", req->pid()}});
     resp->set_session(absl::StrCat(d_->options_.node_id, "/", req->worker_id()));
@@ -200,7 +196,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     planner::Role role = planner::Role::kTrainer;
     {
       absl::MutexLock l(&d_->mu_);
-      auto it = d_->workers_.find(req->worker_id());
+      auto it = d_->workers_.find({req->model_id(), req->worker_id()});
       if (it == d_->workers_.end() || it->second.model_id != req->model_id()) {
         return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " is not registered on node ",
                                                              d_->options_.node_id, " (register again)")));
@@ -276,7 +272,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       if (!described.ok()) Log(LogLevel::kWarning, "layout not described", {{"worker", req->worker_id()}, {"error", described.status().message()}});
     }
     absl::MutexLock l(&d_->mu_);
-    auto it = d_->workers_.find(req->worker_id());
+    auto it = d_->workers_.find({req->model_id(), req->worker_id()});
     if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError("worker deregistered concurrently"));
     // The layout's bytes (what its pieces cover), not the registered buffers' sizes (which
     // include padding, probe buffers, ...).
@@ -294,7 +290,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     it->second.cuda = std::move(cuda);
     it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
     // Memory an earlier process of this daemon died copying into (a live-copy marker): TORN.
-    d_->live_.Adopt(req->model_id(), req->worker_id(), it->second.buffers, d_->options_.node_id);
+    d_->live_.Adopt(req->model_id(), NodeDaemon::LiveKey(req->model_id(), req->worker_id()), it->second.buffers, d_->options_.node_id);
     it->second.submitted = std::move(sreq);
     resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
     resp->set_bytes(bytes);
@@ -323,7 +319,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     bool snapshot = false;
     {
       absl::MutexLock l(&d_->mu_);
-      auto it = d_->workers_.find(req->worker_id());
+      auto it = d_->workers_.find({req->model_id(), req->worker_id()});
       if (it == d_->workers_.end() || !it->second.has_layout) {
         return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " has no layout on node ", d_->options_.node_id)));
       }
@@ -375,7 +371,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
         snap = KeepWith(std::move(snap), std::move(*extra));
       }
       absl::MutexLock l(&d_->mu_);
-      auto it = d_->workers_.find(req->worker_id());
+      auto it = d_->workers_.find({req->model_id(), req->worker_id()});
       if (it == d_->workers_.end()) return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " left during Publish")));
       it->second.snapshots[req->version()] = std::move(snap);
     }
@@ -385,7 +381,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     c.set_worker_id(req->worker_id());
     c.set_version(req->version());
     uint64_t session0 = 0;
-    grpc::Status s = ForwardHeld(req->worker_id(), deadline, &session0, [&](absl::Time dl) {
+    grpc::Status s = ForwardHeld(req->model_id(), req->worker_id(), deadline, &session0, [&](absl::Time dl) {
       c.set_timeout_ms(absl::ToInt64Milliseconds(dl - absl::Now()));
       grpc::ClientContext ctx;
       SetDeadline(&ctx, dl);
@@ -394,7 +390,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     if (!s.ok()) {
       {
         absl::MutexLock l(&d_->mu_);
-        auto it = d_->workers_.find(req->worker_id());
+        auto it = d_->workers_.find({req->model_id(), req->worker_id()});
         if (it != d_->workers_.end()) it->second.snapshots.erase(req->version());
       }
       // NOT_FOUND: ForwardHeld already waited for a re-join; nothing was recorded anywhere.
@@ -412,7 +408,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     r.set_worker_id(req->worker_id());
     pb::ReportReadyResponse rr;
     uint64_t session0 = 0;
-    grpc::Status s = ForwardHeld(req->worker_id(), Deadline(req->timeout_ms()), &session0, [&](absl::Time dl) {
+    grpc::Status s = ForwardHeld(req->model_id(), req->worker_id(), Deadline(req->timeout_ms()), &session0, [&](absl::Time dl) {
       grpc::ClientContext ctx;
       SetDeadline(&ctx, dl);
       return d_->coordinator_->ReportReady(&ctx, r, &rr);
@@ -447,31 +443,33 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     LiveJob& job = jobs[0];
     {
       absl::MutexLock l(&d_->mu_);
-      auto it = d_->workers_.find(req->worker_id());
+      auto it = d_->workers_.find({req->model_id(), req->worker_id()});
       if (it == d_->workers_.end() || it->second.role != planner::Role::kRollout) {
         return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " is not a rollout worker on node ", d_->options_.node_id)));
       }
       const std::string model = req->model_id();
       const std::string wid = req->worker_id();
+      const NodeDaemon::WorkerKey key{model, wid};
+      const std::string lk = NodeDaemon::LiveKey(model, wid);  // LiveState's name for it
       const uint64_t want = req->version();
       const uint64_t restarts0 = d_->restarts_;
       auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(d_->mu_) {
-        auto w = d_->workers_.find(wid);
+        auto w = d_->workers_.find(key);
         if (d_->stopping_ || w == d_->workers_.end()) return true;
-        if (d_->live_.Copying(wid)) return false;  // its outcome decides what we answer
+        if (d_->live_.Copying(lk)) return false;  // its outcome decides what we answer
         if (want == 0) return true;  // safe point: take whatever is newest, never wait
         return w->second.committed_version >= want || w->second.applied_version >= want ||
                d_->aborted_.count({model, want}) > 0 || d_->restarts_ != restarts0;
       };
       if (!d_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
-        if (d_->live_.Copying(wid)) {
-          return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("worker ", wid, ": a copy into its live weights is still running on node ",
+        if (d_->live_.Copying(lk)) {
+          return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("worker ", lk, ": a copy into its live weights is still running on node ",
                                                                        d_->options_.node_id, " (call Apply again to learn its outcome)")));
         }
         return ToGrpcStatus(absl::DeadlineExceededError(absl::StrCat("version ", want, " not committed on node ",
                                                                      d_->options_.node_id, " in time")));
       }
-      it = d_->workers_.find(wid);
+      it = d_->workers_.find(key);
       if (d_->stopping_ || it == d_->workers_.end()) return ToGrpcStatus(absl::UnavailableError("worker or daemon went away"));
       LocalWorker& w = it->second;
       if (want != 0 && w.committed_version < want && w.applied_version < want) {
@@ -482,11 +480,12 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       if (w.committed_version <= w.applied_version || !w.committed) {
         // Nothing newer to copy (or sync: the commit wrote live weights). Torn weights with no
         // staging to restore them from stay torn until the next commit: say so.
-        if (absl::Status torn = d_->live_.TornError(wid, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
+        if (absl::Status torn = d_->live_.TornError(lk, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
         resp->set_applied_version(w.applied_version);
         resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
         return grpc::Status::OK;
       }
+      job.model = model;
       job.worker = wid;
       job.version = w.committed_version;
       job.staging = w.committed;
@@ -519,7 +518,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     if (!copied.ok()) return ToGrpcStatus(Annotate(copied, absl::StrCat("applying version ", version, " to ", req->worker_id())));
     {
       absl::MutexLock l(&d_->mu_);
-      auto it = d_->workers_.find(req->worker_id());
+      auto it = d_->workers_.find({req->model_id(), req->worker_id()});
       if (it != d_->workers_.end()) {
         it->second.applied_version = std::max(it->second.applied_version, version);
         // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
@@ -550,9 +549,11 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
       // hold it (sync: "committed" includes live weights): say so instead of OK.
       absl::MutexLock l(&d_->mu_);
-      for (auto& [id, w] : d_->workers_) {
+      for (auto& [key, w] : d_->workers_) {
         if (w.model_id != req->model_id() || w.role != planner::Role::kRollout) continue;
-        if (absl::Status torn = d_->live_.TornError(id, d_->options_.node_id); !torn.ok()) return ToGrpcStatus(torn);
+        if (absl::Status torn = d_->live_.TornError(NodeDaemon::LiveKey(key.first, key.second), d_->options_.node_id); !torn.ok()) {
+          return ToGrpcStatus(torn);
+        }
       }
     }
     return RestartAware(s, session0, deadline, absl::StrCat("version ", req->version()));
@@ -561,8 +562,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   grpc::Status Deregister(grpc::ServerContext*, const pb::DeregisterRequest* req, pb::DeregisterResponse*) override {
     {
       absl::MutexLock l(&d_->mu_);
-      d_->workers_.erase(req->worker_id());
-      d_->live_.Forget(req->worker_id());
+      d_->workers_.erase({req->model_id(), req->worker_id()});
+      d_->live_.Forget(NodeDaemon::LiveKey(req->model_id(), req->worker_id()));
     }
     pb::LeaveWorkerRequest r;
     r.set_node_id(d_->options_.node_id);
@@ -594,7 +595,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     if (req->role() != pb::ROLE_UNSPECIFIED) role = FromProto(req->role());
     {
       absl::MutexLock l(&d_->mu_);
-      auto w = d_->workers_.find(req->worker_id());
+      auto w = d_->workers_.find({req->model_id(), req->worker_id()});
       if (w != d_->workers_.end() && w->second.model_id == req->model_id()) {
         spec = w->second.spec;
         if (!role) role = w->second.role;
@@ -623,21 +624,22 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   // (or a lost lease). Then, once the node has re-joined (a new session: the worker was
   // re-submitted), the call is sent again - never twice in one session, all within `deadline`.
   // Returns the last answer; *session = the session that attempt was sent in.
-  grpc::Status ForwardHeld(const std::string& worker, absl::Time deadline, uint64_t* session,
+  grpc::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* session,
                            const std::function<grpc::Status(absl::Time)>& call) {
     *session = d_->session();
     while (true) {
       if (!d_->AwaitRegistered(deadline)) {
         return ToGrpcStatus(absl::UnavailableError(absl::StrCat("node ", d_->options_.node_id,
-                                                                " is not registered with the coordinator (re-joining?); worker ", worker)));
+                                                                " is not registered with the coordinator (re-joining?); worker ", worker,
+                                                                " of model ", model)));
       }
       *session = d_->session();
       grpc::Status s = call(deadline);
       if (s.error_code() != grpc::StatusCode::NOT_FOUND) return s;
       if (!d_->AwaitCoordinatorChange(*session, deadline)) return s;  // no re-join: the answer stands
       absl::MutexLock l(&d_->mu_);
-      if (!d_->workers_.count(worker)) {
-        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " was not re-joined by node ", d_->options_.node_id,
+      if (!d_->workers_.count({model, worker})) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " of model ", model, " was not re-joined by node ", d_->options_.node_id,
                                                              " after ", d_->restart_reason_, ": register again")));
       }
       Log(LogLevel::kInfo, "worker call sent again after re-join", {{"node", d_->options_.node_id}, {"worker", worker}, {"first_answer", s.error_message()}});
