@@ -25,6 +25,7 @@
 #include "daemon/nccl_route.h"
 #include "daemon/node/deadlines.h"
 #include "daemon/node/exec_plan_proto.h"
+#include "daemon/node/quantize_incoming.h"
 #include "daemon/node/grpc_coordinator_client.h"
 #include "daemon/quantize.h"
 #include "planner/box.h"
@@ -1038,14 +1039,7 @@ absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::S
 
 absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
   const ModelPlan& plan = *exec.plan;
-  struct Job {
-    const planner::Piece* live;     // the quantised piece (its place and scales in staging)
-    const planner::Piece* shadow;   // where its canonical bytes landed
-    StagedBuffer* elements;
-    StagedBuffer* scales;
-  };
-  std::vector<Job> jobs;
-  int64_t bytes = 0;
+  std::vector<node::QuantizeTarget> targets;
   {
     absl::MutexLock l(&mu_);
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
@@ -1053,68 +1047,16 @@ absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
       if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT || !plan.quantized[i]) continue;
       auto in = exec.incoming.find(w.worker_id());
       if (in == exec.incoming.end()) continue;
-      Bytes& staging = *in->second;
-      const planner::WorkerLayout& live = plan.live_layouts[i];
-      const planner::WorkerLayout& shadow = plan.layouts[i];
-      for (size_t k = 0; k < live.pieces.size(); ++k) {
-        const planner::Piece& p = live.pieces[k];
-        if (!p.quant.has_value()) continue;
-        const size_t b = static_cast<size_t>(p.buffer), sb = static_cast<size_t>(p.quant->scale_buffer);
-        if (b >= staging.size() || sb >= staging.size() || staging[b].device != nullptr || staging[sb].device != nullptr) {
-          return absl::InternalError(absl::StrCat("version ", exec.version, ": staging of rollout ", w.worker_id(),
-                                                  " cannot be quantised (buffer missing or not in host memory)"));
-        }
-        // The layout was validated (coordinator) and StagingLayout grew the buffers; check anyway
-        // that every byte the quantiser touches lies in staging.
-        const int64_t sh_bytes = planner::BoxVolume(p.box) * planner::DTypeSize(plan.inventory.tensors[p.tensor].dtype);
-        const planner::Piece& sp = shadow.pieces[k];
-        if (sp.offset_bytes + sh_bytes > staging[b].size() ||
-            p.quant->scale_offset_bytes + planner::ScaleCount(p) * planner::ScaleElementSize(*p.quant) > staging[sb].size()) {
-          return absl::InternalError(absl::StrCat("version ", exec.version, ": rollout ", w.worker_id(), " tensor ",
-                                                  plan.inventory.tensors[p.tensor].name, ": quantised piece outside its staging"));
-        }
-        const planner::ByteView bytes_of_p = planner::StoredBytes(plan.inventory, p);  // int4: two elements per byte
-        RETURN_IF_ERROR(CheckPieceInBuffer(bytes_of_p.piece, bytes_of_p.element_size, staging[b].size(), plan.inventory.tensors[p.tensor].name));
-        jobs.push_back(Job{&p, &sp, &staging[b], &staging[sb]});
-        bytes += sh_bytes;
-      }
+      // exec.incoming keeps the staging alive (the executor's exec holds it until RunExec returns).
+      targets.push_back({w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get()});
     }
   }
-  if (jobs.empty()) return absl::OkStatus();
-  const absl::Time t0 = absl::Now();
-  // Threads take pieces in turn (big pieces dominate; they are independent). Nothing else of this
-  // version runs meanwhile, and one thread quantises ~2-3 GB/s (//bench:quantize), so up to 16.
-  const int threads = static_cast<int>(std::min<size_t>(jobs.size(), std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
-  std::atomic<size_t> next{0};
-  absl::Mutex err_mu;
-  absl::Status first;
-  auto work = [&] {
-    for (size_t j = next++; j < jobs.size(); j = next++) {
-      if (absl::Now() > exec.deadline) {
-        absl::MutexLock l(&err_mu);
-        if (first.ok()) first = absl::DeadlineExceededError(absl::StrCat("version ", exec.version, ": quantising did not finish before the transfer deadline"));
-        return;
-      }
-      const Job& job = jobs[j];
-      absl::Status s = QuantizePiece(plan.inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes, job.elements->host.data(),
-                                     job.scales->host.data());
-      if (!s.ok()) {
-        absl::MutexLock l(&err_mu);
-        if (first.ok()) first = s;
-        return;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  RETURN_IF_ERROR(first);
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
-  metrics().Quantized(options_.node_id, static_cast<uint64_t>(bytes), seconds);
+  if (targets.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(node::QuantizeResult r, node::QuantizeStaging(plan.inventory, targets, exec.version, exec.deadline));
+  if (r.pieces == 0) return absl::OkStatus();
+  metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.seconds);
   Log(LogLevel::kInfo, "version quantised", {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version},
-                                             {"pieces", static_cast<int64_t>(jobs.size())}, {"bytes", bytes}, {"seconds", seconds},
-                                             {"threads", threads}});
+                                             {"pieces", r.pieces}, {"bytes", r.bytes}, {"seconds", r.seconds}, {"threads", r.threads}});
   return absl::OkStatus();
 }
 
