@@ -213,6 +213,31 @@ TEST_F(SecureClusterTest, VersionsFlowOverTlsAndMetricsMove) {
   EXPECT_GT(MetricSum(*after, "wb_link_gbps", "node=\"n0\",peer=\"n1\""), 0);
 }
 
+// Issue 14.3: metrics are injected, not global. A daemon given its own DaemonMetrics counts there
+// (its endpoint shows the call it refused); the process default the other daemons here share does not.
+TEST_F(SecureClusterTest, DaemonWithItsOwnMetricsCountsThere) {
+  DaemonMetrics own;  // declared first: outlives the daemon
+  ServerOptions o = NodeOptions(5, Auth("n5"));
+  o.metrics = &own;
+  auto n5 = Server::Start(std::move(o));
+  ASSERT_TRUE(n5.ok()) << n5.status();
+  PeerAuthConfig no_token = *Auth("n0");
+  no_token.token.clear();
+  auto stub = pb::NodeService::NewStub(MakePeerChannel((*n5)->address(), no_token));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  pb::StatusResponse resp;
+  grpc::Status s = stub->Status(&ctx, pb::StatusRequest(), &resp);
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  auto mine = ScrapeMetrics((*n5)->metrics_port(), absl::Seconds(10));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_GE(MetricSum(*mine, "wb_rejected_total", "node=\"n5\",what=\"unauthenticated\""), 1);
+  auto shared = ScrapeMetrics(nodes_[0]->metrics_port(), absl::Seconds(10));
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_EQ(MetricSum(*shared, "wb_rejected_total", "node=\"n5\""), 0);
+  (*n5)->Shutdown();
+}
+
 TEST_F(SecureClusterTest, NodeWithoutTokenOrCertificateIsRefused) {
   auto no_token = Auth("n5");
   no_token->token.clear();
