@@ -22,4 +22,7 @@ inline void SetDeadline(grpc::ClientContext* ctx, absl::Time deadline) {
   ctx->set_deadline(absl::ToChronoTime(deadline + absl::Seconds(2)));
 }
 
+// The same for a CoordinatorClient call (daemon/node/coordinator_client.h), which takes a timeout.
+inline absl::Duration CallTimeout(absl::Time deadline) { return deadline + absl::Seconds(2) - absl::Now(); }
+
 }  // namespace wb::daemon

@@ -314,15 +314,11 @@ class NodeDaemon::NodeImpl final : public pb::NodeService::Service {
   grpc::Status Drain(grpc::ServerContext*, const pb::DrainRequest* req, pb::DrainResponse* resp) override {
     pb::DrainRequest r = *req;
     if (r.node_id().empty()) r.set_node_id(d_->options_.node_id);
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, Deadline(req->timeout_ms()));
-    return d_->coordinator_->Drain(&ctx, r, resp);
+    return ToGrpcStatus(d_->coordinator_client_->Drain(r, resp, CallTimeout(Deadline(req->timeout_ms()))));
   }
 
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest* req, pb::StatusResponse* resp) override {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
-    grpc::Status s = d_->coordinator_->ClusterStatus(&ctx, *req, resp);
+    grpc::Status s = ToGrpcStatus(d_->coordinator_client_->ClusterStatus(*req, resp, CallTimeout(absl::Now() + absl::Seconds(5))));
     resp->set_role("node");
     resp->set_node_id(d_->options_.node_id);
     d_->AddLiveState(resp);

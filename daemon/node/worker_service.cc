@@ -158,9 +158,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     j.set_gpu(req->gpu());
     if (req->has_model()) *j.mutable_model() = req->model();
     pb::JoinWorkerResponse jr;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(10));
-    grpc::Status s = d_->coordinator_->JoinWorker(&ctx, j, &jr);
+    grpc::Status s = ToGrpcStatus(d_->coordinator_client_->JoinWorker(j, &jr, CallTimeout(absl::Now() + absl::Seconds(10))));
     if (!s.ok()) return s;
     LocalWorker w;
     w.model_id = req->model_id();
@@ -259,9 +257,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       *sreq.mutable_layout() = req->layout();
     }
     pb::SubmitLayoutResponse sresp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(30));
-    grpc::Status s = d_->coordinator_->SubmitLayout(&ctx, sreq, &sresp);
+    grpc::Status s = ToGrpcStatus(d_->coordinator_client_->SubmitLayout(sreq, &sresp, CallTimeout(absl::Now() + absl::Seconds(30))));
     if (!s.ok()) return s;
     if (preset_described->has_value()) {
       *resp->mutable_layout() = std::move(**preset_described);
@@ -383,9 +379,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     uint64_t session0 = 0;
     grpc::Status s = ForwardHeld(req->model_id(), req->worker_id(), deadline, &session0, [&](absl::Time dl) {
       c.set_timeout_ms(absl::ToInt64Milliseconds(dl - absl::Now()));
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx, dl);
-      return d_->coordinator_->Publish(&ctx, c, resp);
+      return ToGrpcStatus(d_->coordinator_client_->Publish(c, resp, CallTimeout(dl)));
     });
     if (!s.ok()) {
       {
@@ -409,9 +403,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     pb::ReportReadyResponse rr;
     uint64_t session0 = 0;
     grpc::Status s = ForwardHeld(req->model_id(), req->worker_id(), Deadline(req->timeout_ms()), &session0, [&](absl::Time dl) {
-      grpc::ClientContext ctx;
-      SetDeadline(&ctx, dl);
-      return d_->coordinator_->ReportReady(&ctx, r, &rr);
+      return ToGrpcStatus(d_->coordinator_client_->ReportReady(r, &rr, CallTimeout(dl)));
     });
     resp->set_committed_version(rr.committed_version());
     return s;
@@ -531,9 +523,8 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     r.set_worker_id(req->worker_id());
     r.set_version(version);
     pb::ReportAppliedResponse rr;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
-    d_->coordinator_->ReportApplied(&ctx, r, &rr);
+    // Best effort: the coordinator learns the applied version from the next ReportApplied or re-join.
+    d_->coordinator_client_->ReportApplied(r, &rr, CallTimeout(absl::Now() + absl::Seconds(5))).IgnoreError();
     resp->set_applied_version(version);
     resp->set_stall_seconds(absl::ToDoubleSeconds(absl::Now() - start));
     return grpc::Status::OK;
@@ -542,9 +533,7 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
   grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) override {
     const uint64_t session0 = d_->session();
     const absl::Time deadline = Deadline(req->timeout_ms());
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, deadline);
-    grpc::Status s = d_->coordinator_->WaitVersion(&ctx, *req, resp);
+    grpc::Status s = ToGrpcStatus(d_->coordinator_client_->WaitVersion(*req, resp, CallTimeout(deadline)));
     if (s.ok()) {
       // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
       // hold it (sync: "committed" includes live weights): say so instead of OK.
@@ -571,15 +560,11 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
     r.set_worker_id(req->worker_id());
     r.set_reason("deregistered");
     pb::LeaveWorkerResponse rr;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
-    return d_->coordinator_->LeaveWorker(&ctx, r, &rr);
+    return ToGrpcStatus(d_->coordinator_client_->LeaveWorker(r, &rr, CallTimeout(absl::Now() + absl::Seconds(5))));
   }
 
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest* req, pb::StatusResponse* resp) override {
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, absl::Now() + absl::Seconds(5));
-    grpc::Status s = d_->coordinator_->ClusterStatus(&ctx, *req, resp);
+    grpc::Status s = ToGrpcStatus(d_->coordinator_client_->ClusterStatus(*req, resp, CallTimeout(absl::Now() + absl::Seconds(5))));
     resp->set_role("node");
     resp->set_node_id(d_->options_.node_id);
     d_->AddLiveState(resp);
