@@ -4,6 +4,7 @@
 //
 //   bazel run -c opt //bench:e2e [-- --json] [-- --versions=3 --replicas=2]
 //   profiling: --baseline=false (WeightBridge only), --daemon_flags=--checksums=false,...
+//   end-to-end digests' cost: --digest_cost (update time with no check / per-batch checksums / digests)
 //
 // Setup: a coordinator and two node daemons (`weightbridged`, separate processes, loopback TCP
 // between nodes). Node n0: Megatron tp=2 trainer ranks; node n1: vLLM tp=2 rollout replicas
@@ -33,6 +34,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
@@ -46,6 +48,9 @@ ABSL_FLAG(std::string, config, "", "HF config.json (default: tests/e2e/testdata/
 ABSL_FLAG(std::vector<std::string>, daemon_flags, {},
           "extra weightbridged flags for every daemon, comma-separated (e.g. --bucket_bytes=268435456,--checksums=false)");
 ABSL_FLAG(bool, baseline, true, "also run the rank0_broadcast baseline (false: WeightBridge only, e.g. while profiling)");
+ABSL_FLAG(bool, digest_cost, false,
+          "instead: the cost of end-to-end digests (issue 17.4): WeightBridge's update time with neither digests nor "
+          "per-batch checksums, with checksums only (the old default) and with digests only (the default), one cluster each");
 
 namespace wb::bench {
 namespace {
@@ -180,12 +185,73 @@ double MemcpyGBps(int64_t bytes) {
   return 3.0 * static_cast<double>(bytes) / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
 }
 
+// --digest_cost: WeightBridge's median update time under three integrity settings, each on a fresh
+// cluster (same machine, same run): none, per-batch checksums only, end-to-end digests only.
+int RunDigestCost(const std::string& config, int versions, int replicas, bool json) {
+  struct Setting {
+    const char* name;
+    std::vector<std::string> flags;
+    StrategyResult result;
+  };
+  std::vector<Setting> settings = {{"none", {"--digests=false", "--checksums=false"}, {}},
+                                   {"checksums", {"--digests=false", "--checksums=true"}, {}},
+                                   {"digests", {"--digests=true", "--checksums=false"}, {}}};
+  for (Setting& st : settings) {
+    auto harness = e2e::Harness::Create(absl::StrCat("bench-e2e-", st.name));
+    if (!harness.ok()) {
+      std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
+      return 1;
+    }
+    e2e::ClusterOptions copts;
+    copts.num_nodes = 2;
+    copts.lease_ms = 10000;
+    copts.transfer_timeout_ms = 300000;
+    copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
+    copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), st.flags.begin(), st.flags.end());
+    auto cluster = Cluster::Start(harness->get(), copts);
+    if (!cluster.ok()) {
+      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", st.name, cluster.status().ToString().c_str());
+      return 1;
+    }
+    if (!json) std::fprintf(stderr, "bench/e2e: integrity setting '%s' (%s)...\n", st.name, absl::StrJoin(st.flags, " ").c_str());
+    st.result = RunStrategy(**cluster, "weightbridge", config, versions, replicas);
+    (*harness)->KillAll();
+  }
+  const double none = settings[0].result.median_s, sums = settings[1].result.median_s, digests = settings[2].result.median_s;
+  const double overhead = none > 0 ? digests / none - 1 : 0;
+  const double vs_checksums = sums > 0 ? digests / sums - 1 : 0;
+  bool verified = true;
+  for (const Setting& st : settings) verified = verified && st.result.verified;
+  if (json) {
+    nlohmann::json j = {{"none_s", none},         {"checksums_s", sums},         {"digests_s", digests},
+                        {"digest_overhead", overhead}, {"digests_vs_checksums", vs_checksums}, {"verified", verified},
+                        {"model_bytes", e2e::ModelBytes(config)}, {"replicas", replicas}, {"versions", versions}};
+    for (const Setting& st : settings) {
+      j[absl::StrCat(st.name, "_update_s")] = st.result.update_s;
+      if (!st.result.error.empty()) j[absl::StrCat(st.name, "_error")] = st.result.error;
+    }
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("Qwen2.5-0.5B (%.3f GB bf16), WeightBridge, sync, %d versions (median of v2..), %d replica(s)\n",
+                e2e::ModelBytes(config) / 1e9, versions, replicas);
+    std::printf("%-11s %10s %9s\n", "integrity", "update_s", "verified");
+    for (const Setting& st : settings) {
+      std::printf("%-11s %10.3f %9s\n", st.name, st.result.median_s, st.result.verified ? "yes" : "NO");
+      if (!st.result.error.empty()) std::printf("  error: %s\n", st.result.error.c_str());
+    }
+    std::printf("digests cost %.1f%% of the update time without any check (%+.1f%% against per-batch checksums)\n", 100 * overhead,
+                100 * vs_checksums);
+  }
+  return verified ? 0 : 1;
+}
+
 int Run() {
   const bool json = absl::GetFlag(FLAGS_json);
   const int versions = std::max(1, absl::GetFlag(FLAGS_versions));
   const int replicas = std::max(1, absl::GetFlag(FLAGS_replicas));
   std::string config = absl::GetFlag(FLAGS_config);
   if (config.empty()) config = e2e::ModelConfigPath(/*full=*/true);
+  if (absl::GetFlag(FLAGS_digest_cost)) return RunDigestCost(config, versions, replicas, json);
 
   auto harness = e2e::Harness::Create("bench-e2e");
   if (!harness.ok()) {
