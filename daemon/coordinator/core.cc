@@ -582,12 +582,6 @@ absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb:
   }
   if (stopping_) return absl::UnavailableError("coordinator shutting down");
   RETURN_IF_ERROR(*m->machine->Outcome(v));
-  resp->set_committed_version(m->machine->committed());
-  return absl::OkStatus();
-}
-
-absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
-  const absl::Time deadline = Deadline(req.timeout_ms());
   // A late rollout (registered or restarted after the version was committed) is told only once
   // its catch-up landed (docs/daemon.md "Catch-up").
   auto caught_up = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || CaughtUpLocked(*m, req.worker_id(), v).has_value(); };
@@ -598,6 +592,12 @@ absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainRespon
   }
   if (stopping_) return absl::UnavailableError("coordinator shutting down");
   RETURN_IF_ERROR(*CaughtUpLocked(*m, req.worker_id(), v));
+  resp->set_committed_version(m->machine->committed());
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
+  const absl::Time deadline = Deadline(req.timeout_ms());
   if (req.node_id().empty() && !req.all()) {
     return absl::InvalidArgumentError("Drain: name the node to drain (node_id), or set all = true to drain the whole cluster");
   }

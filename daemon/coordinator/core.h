@@ -172,15 +172,6 @@ class CoordinatorCore {
     std::shared_ptr<const pb::ResolvedLayout> layout_proto;  // shared with plan snapshots
     std::shared_ptr<const planner::WorkerLayout> layout;
     uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
-  };
-  struct PlanState {
-    uint64_t epoch = 0;
-    std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
-    std::vector<std::string> worker_ids;  // Problem::workers order
-    // WorkerRec::serial of each planned worker: a worker registered again since (a restarted
-    // rollout) is not the one the plan's versions reached (catch_up.cc).
-    std::map<std::string, uint64_t> serials;
-    std::set<std::string> nodes;
     // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
     // staging or live weights), set when a version or a catch-up is committed on its node; a
     // rollout holding less than the model's committed version is late and is caught up.
@@ -198,6 +189,15 @@ class CoordinatorCore {
     std::map<std::string, uint64_t> sources, dests;  // worker -> serial at the start
     std::set<std::string> nodes, done;
     absl::Time started, deadline;
+  };
+  struct PlanState {
+    uint64_t epoch = 0;
+    std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
+    std::vector<std::string> worker_ids;  // Problem::workers order
+    // WorkerRec::serial of each planned worker: a worker registered again since (a restarted
+    // rollout) is not the one the plan's versions reached (catch_up.cc).
+    std::map<std::string, uint64_t> serials;
+    std::set<std::string> nodes;
     uint64_t total_bytes = 0;
     bool installed = false;
   };
@@ -226,6 +226,8 @@ class CoordinatorCore {
     std::map<uint64_t, DigestVerdict> verdicts;
     double last_seconds = 0;
     uint64_t last_bytes = 0;
+    std::optional<CatchUpRun> catch_up;
+    double last_catch_up_seconds = 0;
   };
 
   absl::StatusOr<Model*> GetModelLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -236,8 +238,6 @@ class CoordinatorCore {
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-    std::optional<CatchUpRun> catch_up;
-    double last_catch_up_seconds = 0;
   void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // End-to-end digests (digests.cc, docs/daemon.md "End-to-end digests"): a book for version v on
@@ -269,22 +269,6 @@ class CoordinatorCore {
   std::function<void()> StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OwedCommitWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Status (status.cc).
-  void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Something ClusterStatus reports changed: wakes WatchStatus streams.
-  void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }
-
-  CoordinatorOptions options_;
-  mutable absl::Mutex mu_;
-  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
-  PlanCache plan_cache_;                                                 // own lock
-  std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
-  std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
-  bool wake_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
   // Catch-up of late rollouts (catch_up.cc, docs/daemon.md "Catch-up"). StartCatchUpLocked: when
   // nothing else runs for the model and a rollout of its plan holds less than the committed
   // version, queues the catch-up plan (planner thread: plan, install, ExecuteVersion) or, with no
@@ -301,9 +285,26 @@ class CoordinatorCore {
   // waiting; OK: it holds it or is not a late rollout; ABORTED: its catch-up failed).
   std::optional<absl::Status> CaughtUpLocked(const Model& m, const std::string& worker, uint64_t v) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
+  // Status (status.cc).
+  void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Something ClusterStatus reports changed: wakes WatchStatus streams.
+  void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }
+
+  CoordinatorOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
+  PlanCache plan_cache_;                                                 // own lock
+  std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
+  std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  bool wake_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
   int draining_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // nodes with Node::draining set
   uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
   int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_worker_serial_ ABSL_GUARDED_BY(mu_) = 1;  // WorkerRec::serial
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
   const std::string instance_;
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver
@@ -312,4 +313,3 @@ class CoordinatorCore {
 };
 
 }  // namespace wb::daemon
-  uint64_t next_worker_serial_ ABSL_GUARDED_BY(mu_) = 1;  // WorkerRec::serial
