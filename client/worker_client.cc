@@ -17,8 +17,8 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "proto/grpc_status.h"
-#include "tools/cc/status_macros.h"
-#include "transport/fd_passing.h"
+#include "base/status_macros.h"
+#include "base/fd_passing.h"
 
 namespace wb::client {
 namespace {

@@ -48,8 +48,8 @@
 #include "planner/types.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "proto/weightbridge.pb.h"
-#include "tools/cc/clock.h"
-#include "transport/shm_segment.h"
+#include "base/clock.h"
+#include "base/shm_segment.h"
 
 namespace wb::client {
 

@@ -22,8 +22,8 @@
 #include "daemon/fd_channel.h"
 #include "gtest/gtest.h"
 #include "proto/grpc_status.h"
-#include "transport/fd_passing.h"
-#include "transport/shm_segment.h"
+#include "base/fd_passing.h"
+#include "base/shm_segment.h"
 
 namespace wb::client {
 namespace {

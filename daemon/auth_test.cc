@@ -18,7 +18,7 @@
 #include "daemon/auth_policy.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/harness.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 namespace {

@@ -15,7 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "transport/fd_passing.h"
+#include "base/fd_passing.h"
 
 namespace wb::daemon {
 

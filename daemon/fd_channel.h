@@ -3,7 +3,7 @@
 // allocation (cuMemExportToShareableHandle; PyTorch expandable segments), which gRPC cannot carry.
 //
 // A Unix SOCK_SEQPACKET socket at <worker_socket>.fd (same mode as the worker socket). Each
-// datagram is one VmmFdOffer (transport/fd_passing.h: model, worker, key, allocation size) with
+// datagram is one VmmFdOffer (base/fd_passing.h: model, worker, key, allocation size) with
 // exactly one fd attached; the daemon answers each with a status. Who may send: the connecting
 // process's SO_PEERCRED (pid, uid; kernel-filled at connect, unforgeable) plus its start time must
 // be the process the worker id is bound to (RegisterWorker through the guarded worker socket,

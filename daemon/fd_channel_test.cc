@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "transport/fd_passing.h"
+#include "base/fd_passing.h"
 
 namespace wb::daemon {
 namespace {

@@ -13,7 +13,7 @@
 #include "planner/lora.h"
 #include "planner/quantized.h"
 #include "planner/validate.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 

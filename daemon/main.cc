@@ -21,7 +21,7 @@
 #include "transport/cpu_affinity.h"
 #include "transport/device_allocator.h"
 #include "transport/factory.h"
-#include "transport/nic_list.h"
+#include "transport/host_tcp/nic_list.h"
 
 ABSL_FLAG(std::string, role, "standalone", "node | coordinator | standalone");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0", "gRPC listen address (port 0 = pick one)");

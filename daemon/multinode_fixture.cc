@@ -10,7 +10,7 @@
 #include "daemon/convert.h"
 #include "gtest/gtest.h"
 #include "planner/box.h"
-#include "tools/cc/weight_gen.h"
+#include "tests/common/weight_gen.h"
 
 namespace wb::daemon {
 namespace {

@@ -2,7 +2,7 @@
 // status_push_test, torn_test, hostile_worker_test): a coordinator and node daemons as objects in one
 // process on 127.0.0.1:0, workers as gRPC clients on the nodes' Unix sockets with shared-memory
 // weights, bytes moved by the real transports (host_shm same-node, host_tcp cross-node). Every
-// rollout byte is checked against the canonical weights of its version (tools/cc/weight_gen.h).
+// rollout byte is checked against the canonical weights of its version (tests/common/weight_gen.h).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -21,7 +21,7 @@
 #include "planner/inventory.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "transport/factory.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 

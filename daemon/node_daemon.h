@@ -50,10 +50,10 @@
 #include "daemon/node/live_copy.h"
 #include "daemon/node/staging_budget.h"
 #include "daemon/staging_pool.h"
-#include "tools/cc/clock.h"
+#include "base/clock.h"
 #include "transport/device_allocator.h"
 #include "transport/factory.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 

@@ -1,7 +1,7 @@
 // Coordinator + 2 node daemons in one process with mutual TLS + token between them, workers on the
 // SO_PEERCRED socket, and the metrics endpoint scraped over HTTP before and after real versions.
 // A node without the token cannot join (UNAUTHENTICATED); the host_tcp data channel between the
-// nodes authenticates with the same token (transport/host_tcp_test.cc covers its refusals).
+// nodes authenticates with the same token (transport/host_tcp/host_tcp_test.cc covers its refusals).
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -14,9 +14,9 @@
 #include "daemon/server.h"
 #include "gtest/gtest.h"
 #include "proto/weightbridge.grpc.pb.h"
-#include "tools/cc/weight_gen.h"
+#include "tests/common/weight_gen.h"
 #include "transport/factory.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 namespace {

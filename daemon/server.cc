@@ -6,7 +6,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 

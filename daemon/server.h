@@ -13,7 +13,7 @@
 #include "daemon/front.h"
 #include "daemon/node_daemon.h"
 #include "transport/factory.h"
-#include "tools/cc/clock.h"
+#include "base/clock.h"
 
 namespace wb::daemon {
 

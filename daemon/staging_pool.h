@@ -25,7 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "tools/cc/clock.h"
+#include "base/clock.h"
 
 namespace wb::daemon {
 

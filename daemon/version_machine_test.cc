@@ -1,7 +1,7 @@
 #include "daemon/version_machine.h"
 
 #include "gtest/gtest.h"
-#include "tools/cc/clock.h"
+#include "base/clock.h"
 
 namespace wb::daemon {
 namespace {

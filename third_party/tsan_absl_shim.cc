@@ -16,7 +16,7 @@
 
 // Suppressions compiled into every TSan binary (TSan reads this weak hook at start-up, so child
 // processes that tests spawn get the same list without any environment). What is suppressed and
-// why is in docs/sanitizers.md; //tools/tsan:canary_test proves races in our own code, including
+// why is in docs/sanitizers.md; //tests/tsan:canary_test proves races in our own code, including
 // inside gRPC handlers, are still reported with this list in place.
 //
 // called_from_lib: the library is not instrumented, so TSan cannot see the synchronisation inside

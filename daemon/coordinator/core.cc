@@ -17,7 +17,7 @@
 #include "planner/planner.h"
 #include "planner/presets.h"
 #include "planner/validate.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 namespace {

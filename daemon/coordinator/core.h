@@ -39,7 +39,7 @@
 #include "planner/model_config.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
-#include "tools/cc/clock.h"
+#include "base/clock.h"
 
 namespace grpc {
 class Channel;

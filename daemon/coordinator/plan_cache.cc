@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "planner/validate.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 

@@ -90,7 +90,7 @@ double ExpectedChangedFraction(absl::Span<const float> masters, double lr);
 
 // The mean share of bf16 elements identical between consecutive versions under the model, measured
 // on `sample` N(0, 0.02) elements over `steps` steps of `lr`: the change fraction (1 - this) to give
-// the synthetic versions of tools/cc/weight_gen.h (DeltaElementBits) so that an end-to-end run
+// the synthetic versions of tests/common/weight_gen.h (DeltaElementBits) so that an end-to-end run
 // (bench:e2e --delta --lr=...) moves versions as sparse as real ones. INVALID_ARGUMENT for a bad lr,
 // sample < 1 or steps < 1.
 absl::StatusOr<double> SampleIdenticalFraction(double lr, int64_t sample = int64_t{1} << 20, int steps = 2,

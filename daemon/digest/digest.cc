@@ -2,7 +2,7 @@
 
 #include <xxhash.h>
 #if defined(__x86_64__)
-// XXH3 on the widest vector unit of this CPU (as transport/host_shm.cc): same hashes, faster.
+// XXH3 on the widest vector unit of this CPU (as transport/host_shm/host_shm.cc): same hashes, faster.
 #include <xxh_x86dispatch.h>
 #endif
 

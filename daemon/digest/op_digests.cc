@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/node/live_copy.h"
 #include "planner/box.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::digest {
 namespace {

@@ -9,7 +9,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 #include "daemon/nccl_route.h"
 
 namespace wb::daemon::node {

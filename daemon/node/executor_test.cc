@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "transport/config.h"
-#include "transport/host_shm.h"
+#include "transport/host_shm/host_shm.h"
 #include "transport/testing/fake_transport.h"
 
 namespace wb::daemon::node {

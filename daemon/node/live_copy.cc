@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 

@@ -32,7 +32,7 @@
 #include "daemon/node/live_markers.h"
 #include "planner/types.h"
 #include "transport/device_allocator.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 #include "transport/transport.h"
 
 namespace wb::daemon {

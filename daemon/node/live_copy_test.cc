@@ -4,8 +4,8 @@
 
 #include "gtest/gtest.h"
 #include "transport/config.h"
-#include "transport/host_shm.h"
-#include "transport/shm_segment.h"
+#include "transport/host_shm/host_shm.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 namespace {

@@ -35,7 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "transport/shm_segment.h"
+#include "base/shm_segment.h"
 
 namespace wb::daemon {
 namespace {

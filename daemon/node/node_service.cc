@@ -27,7 +27,7 @@
 #include "planner/inventory.h"
 #include "planner/quantized.h"
 #include "proto/grpc_status.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 

@@ -10,7 +10,7 @@
 #include "daemon/quantize.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon::node {
 

@@ -6,7 +6,7 @@
 #include "absl/time/clock.h"
 #include "client/ctl_client.h"
 #include "tests/e2e/e2e_util.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::e2e {
 

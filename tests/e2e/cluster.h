@@ -29,7 +29,7 @@ struct ClusterOptions {
   // Nodes serve Prometheus /metrics on 127.0.0.1:0 (node_metrics_port(i) says where).
   bool node_metrics = false;
   // Binaries, as runfiles paths. The emulated-GPU tests swap in builds linked with the emulated
-  // CUDA runtime (//tools/fake_cuda).
+  // CUDA runtime (//tests/fake_cuda).
   std::string daemon_binary = "daemon/weightbridged";
   std::string trainer_binary = "tests/e2e/trainer_worker";
   std::string rollout_binary = "tests/e2e/rollout_worker";

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/e2e/vmm_layout.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::e2e {
 

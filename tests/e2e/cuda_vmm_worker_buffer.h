@@ -6,7 +6,7 @@
 // back in one range (as an expandable segment maps one allocation per page), each fd shared once,
 // and a buffer that crosses allocations names them all in order. Upload/Download move the whole allocation from/to a
 // host mirror, like CudaWorkerBuffer. Built on the CUDA runtime's driver entry points when
-// @local_cuda has CUDA (real on a GPU machine, the emulated driver of //tools/fake_cuda in CI),
+// @local_cuda has CUDA (real on a GPU machine, the emulated driver of //tests/fake_cuda in CI),
 // else UNIMPLEMENTED.
 
 #include <cstdint>

@@ -3,8 +3,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/e2e/cuda_vmm_worker_buffer.h"
-#include "tools/cc/status_macros.h"
-#include "transport/cuda_vmm.h"
+#include "base/status_macros.h"
+#include "transport/cuda_ipc/cuda_vmm.h"
 
 namespace wb::e2e {
 namespace {

@@ -3,7 +3,7 @@
 // daemon by its IPC handle (client::WorkerClient::AddCudaBuffer), with explicit uploads/downloads
 // from a host mirror that the weight fill/verify code (weights.h) works on. Built against the CUDA
 // runtime when @local_cuda has it (cuda_worker_buffer_cuda.cc; real on a GPU machine, the emulated
-// runtime of //tools/fake_cuda in CI), else every call is UNIMPLEMENTED (cuda_worker_buffer_none.cc).
+// runtime of //tests/fake_cuda in CI), else every call is UNIMPLEMENTED (cuda_worker_buffer_none.cc).
 
 #include <cstdint>
 #include <memory>

@@ -5,7 +5,7 @@
 //    (WB_E2E_GPUS of them; workers share GPUs round robin when there are fewer than two).
 //
 // On EMULATED GPUs: the real daemons and worker processes, built against the emulated
-// CUDA runtime (//tools/fake_cuda: device memory that the host cannot dereference, bounds-checked
+// CUDA runtime (//tests/fake_cuda: device memory that the host cannot dereference, bounds-checked
 // copies, asynchronous streams, CUDA IPC handles between processes). The workers keep their
 // weights in (emulated) CUDA memory and register them by IPC handle; the daemons move versions
 // with cuda_ipc and, with --gpu_staging_bytes, stage them on the GPU (GPU-direct). This checks the
@@ -28,7 +28,7 @@
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/harness.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 namespace wb::e2e {
 namespace {

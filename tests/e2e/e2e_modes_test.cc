@@ -11,7 +11,7 @@
 // (testdata/qwen2.5-0.5b-2layer.json: every tensor kind and shape of the family kept, 0.33 GB in
 // bf16) so that six runs with every byte checked fit in the CI budget on 2 cores.
 // Every rollout checks EVERY byte of every piece against the canonical weights of the version it
-// applied (tools/cc/weight_gen.h); the test also checks the verified bytes add up to the whole
+// applied (tests/common/weight_gen.h); the test also checks the verified bytes add up to the whole
 // model once per replica, that each rollout saw the versions its mode promises, and that
 // `wbctl status/versions --json` report the committed version and a transfer rate.
 #include <map>

@@ -1,5 +1,5 @@
 // End-to-end with workers whose weights live in CUDA VMM memory (cuMemCreate with a POSIX-fd
-// handle type, as PyTorch's expandable segments allocate), on EMULATED GPUs (//tools/fake_cuda):
+// handle type, as PyTorch's expandable segments allocate), on EMULATED GPUs (//tests/fake_cuda):
 // real daemons and worker processes. Each worker (--memory=cuda_vmm) keeps its weights in ONE
 // allocation, hands its fd to the node daemon over the fd channel (<worker socket>.fd, SCM_RIGHTS)
 // once, and registers three buffers inside it at different offsets (client::WorkerClient::
@@ -23,7 +23,7 @@
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/harness.h"
-#include "transport/fd_passing.h"
+#include "base/fd_passing.h"
 
 namespace wb::e2e {
 namespace {

@@ -1,6 +1,6 @@
 // trainer_worker: a trainer rank for end-to-end tests. Builds its layout from a preset (megatron
 // or fsdp), keeps its weights in POSIX shared memory, and for each version fills every piece with
-// the canonical weights of that version (tools/cc/weight_gen.h) and publishes it. Progress lines
+// the canonical weights of that version (tests/common/weight_gen.h) and publishes it. Progress lines
 // and exit codes: tests/e2e/worker_common.h.
 //
 // Per mode:

@@ -8,8 +8,8 @@
 #include "absl/strings/str_join.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
-#include "tools/cc/status_macros.h"
-#include "tools/cc/weight_gen.h"
+#include "base/status_macros.h"
+#include "tests/common/weight_gen.h"
 
 namespace wb::e2e {
 namespace {

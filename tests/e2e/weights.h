@@ -1,6 +1,6 @@
 #pragma once
 // Canonical test weights in a worker's local memory: fill a trainer's pieces with the
-// deterministic weights of a version (tools/cc/weight_gen.h: value = f(tensor index, version,
+// deterministic weights of a version (tests/common/weight_gen.h: value = f(tensor index, version,
 // canonical flat element index)), and check every byte of a rollout's pieces against a version.
 //
 // Contract: `buffers[i]` is the mapped memory of layout buffer i, `sizes[i]` its length in bytes.

@@ -7,7 +7,7 @@
 #include "gtest/gtest.h"
 #include "planner/quantized.h"
 #include "planner/validate.h"
-#include "tools/cc/weight_gen.h"
+#include "tests/common/weight_gen.h"
 
 namespace wb::e2e {
 namespace {

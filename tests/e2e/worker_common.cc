@@ -12,7 +12,7 @@
 #include "client/proto_convert.h"
 #include "planner/lora.h"
 #include "tests/e2e/file_wait.h"
-#include "tools/cc/status_macros.h"
+#include "base/status_macros.h"
 
 ABSL_FLAG(std::string, socket, "", "node daemon worker socket (path or unix:PATH)");
 ABSL_FLAG(std::string, model_id, "qwen", "model id");

@@ -1,3 +1,0 @@
-#pragma once
-// Moved to transport/cuda_ipc/cuda_status.h (issue 14.5); this forwarder goes away at the end of the session.
-#include "transport/cuda_ipc/cuda_status.h"  // IWYU pragma: export

@@ -1,3 +1,0 @@
-#pragma once
-// Moved to transport/host_tcp/host_tcp.h (issue 14.5); this forwarder goes away at the end of the session.
-#include "transport/host_tcp/host_tcp.h"  // IWYU pragma: export
