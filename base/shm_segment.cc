@@ -7,11 +7,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -283,6 +286,29 @@ void ShmSegment::Reset() {
   created_ = false;
   unlink_on_destroy_ = false;
   name_.clear();
+}
+
+absl::Status ShmSegment::Populate(int threads) const {
+  if (data_ == nullptr || size_ <= 0) return absl::OkStatus();
+  const int64_t page = ::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096;
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(std::max(threads, 1), size_ / (int64_t{64} << 20))));
+  const int64_t per = (size_ / n + page - 1) / page * page;
+  std::vector<int> errs(static_cast<size_t>(n), 0);
+  auto one = [&](int i) {
+    const int64_t begin = per * i;
+    const int64_t end = std::min(size_, begin + per);
+    if (begin >= end) return;
+    if (::madvise(static_cast<uint8_t*>(data_) + begin, static_cast<size_t>(end - begin), MADV_POPULATE_WRITE) != 0) errs[i] = errno;
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < n; ++i) pool.emplace_back(one, i);
+  one(0);
+  for (std::thread& t : pool) t.join();
+  for (int e : errs) {
+    if (e == 0 || e == EINVAL) continue;  // EINVAL: a kernel without MADV_POPULATE_WRITE
+    return absl::InternalError(absl::StrCat("pre-faulting shm segment ", name_, " (", size_, " bytes): ", std::strerror(e)));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace wb::transport

@@ -201,4 +201,40 @@ TEST(ShmSegmentTest, TruncatedSegmentIsDetectedAndItsFaultIsContained) {
 }
 
 }  // namespace
+TEST(ShmSegmentTest, PopulateKeepsEveryByteAndFaultsPagesIn) {
+  // 256 MiB: several populate threads, each over its own range.
+  constexpr int64_t kSize = int64_t{256} << 20;
+  auto created = ShmSegment::Create(ShmSegment::UniqueName("populate"), kSize);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto* bytes = static_cast<uint8_t*>(created->data());
+  for (int64_t i = 0; i < kSize; i += 1 << 20) bytes[i] = static_cast<uint8_t>(i >> 20);  // some pages written, most not
+  auto opened = ShmSegment::Open(created->name(), kSize);
+  ASSERT_TRUE(opened.ok());
+  ASSERT_TRUE(opened->Populate(4).ok());
+  const auto* seen = static_cast<const uint8_t*>(opened->data());
+  for (int64_t i = 0; i < kSize; i += 4096) {
+    ASSERT_EQ(seen[i], i % (1 << 20) == 0 ? static_cast<uint8_t>(i >> 20) : 0) << i;
+  }
+  // Every page is now resident in this mapping (mincore), so the first copy faults nothing in.
+  std::vector<unsigned char> resident(static_cast<size_t>(kSize / 4096));
+  ASSERT_EQ(::mincore(opened->data(), static_cast<size_t>(kSize), resident.data()), 0);
+  for (size_t p = 0; p < resident.size(); ++p) ASSERT_TRUE(resident[p] & 1) << "page " << p;
+  EXPECT_TRUE(ShmSegment().Populate().ok());  // nothing mapped: nothing to do
+}
+
+TEST(ShmSegmentTest, PopulateOfATruncatedSegmentIsAnErrorNotASignal) {
+  ShmSegment::InstallSigbusGuard();
+  auto created = ShmSegment::Create(ShmSegment::UniqueName("poptrunc"), 1 << 20);
+  ASSERT_TRUE(created.ok());
+  auto opened = ShmSegment::Open(created->name());
+  ASSERT_TRUE(opened.ok());
+  const int fd = ::shm_open(created->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  ::close(fd);
+  absl::Status s = opened->Populate(1);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find(created->name()), std::string::npos) << s;
+}
+
 }  // namespace wb::transport

@@ -63,6 +63,12 @@ std::vector<uint8_t> NodeDaemon::TakeHost(int64_t size) {
   return out;
 }
 
+void NodeDaemon::PrewarmStaging(int64_t size) {
+  if (staging_pool_->Prewarm(size, std::max<int64_t>(0, budget_->budget() - budget_->in_use()))) {
+    metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
+  }
+}
+
 std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::NewBytes(size_t n, std::vector<std::shared_ptr<StagingBudget::Charge>> charges) {
   std::weak_ptr<StagingPool> pool = staging_pool_;
   std::shared_ptr<StagingBudget> budget = budget_;

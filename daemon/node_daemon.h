@@ -149,6 +149,9 @@ class NodeDaemon {
   static std::shared_ptr<Bytes> KeepWith(std::shared_ptr<Bytes> bytes, std::shared_ptr<StagingBudget::Charge> charge);
   // Host staging of `size` bytes from staging_pool_ (recycled when one of that size is idle).
   std::vector<uint8_t> TakeHost(int64_t size);
+  // An idle host staging buffer of `size` bytes in staging_pool_ ahead of the first version that
+  // needs it (StagingPool::Prewarm), within what the node's staging budget leaves.
+  void PrewarmStaging(int64_t size);
   // A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
   struct PidWatch {
     int pid = 0;

@@ -1,5 +1,6 @@
 #include "daemon/staging_pool.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace wb::daemon {
@@ -39,6 +40,19 @@ void StagingPool::Give(std::vector<uint8_t> buffer) {
     idle_.push_back(Idle{std::move(buffer), options_.clock->Now()});
     idle_bytes_ += size;
   }
+}
+
+bool StagingPool::Prewarm(int64_t size, int64_t room) {
+  if (size <= 0) return false;
+  {
+    absl::MutexLock l(&mu_);
+    if (idle_bytes_ + size > std::min(room, options_.max_idle_bytes)) return false;
+    for (const Idle& i : idle_) {
+      if (static_cast<int64_t>(i.buffer.size()) == size) return false;
+    }
+  }
+  Give(std::vector<uint8_t>(static_cast<size_t>(size)));  // zero-filled: every page faulted in, outside the lock
+  return true;
 }
 
 void StagingPool::Trim() {

@@ -52,6 +52,11 @@ class StagingPool {
   // bytes past max_idle_bytes is freed here instead (oldest idle buffers go first to make room when
   // this one alone fits).
   void Give(std::vector<uint8_t> buffer);
+  // Allocates (and so faults in) an idle buffer of `size` bytes ahead of the version that will
+  // Take it, unless one of that size is idle already or idle bytes would exceed `room`. The node
+  // calls it when a rollout registers host buffers, so a node's first version (or a late
+  // rollout's catch-up) does not fault in its staging on the critical path. True if allocated.
+  bool Prewarm(int64_t size, int64_t room);
   // Frees buffers idle for longer than max_idle_time.
   void Trim();
   // Frees every idle buffer.

@@ -94,4 +94,17 @@ TEST(StagingPoolTest, TrimToKeepsAtMostThatManyIdleBytesOldestFirst) {
 }
 
 }  // namespace
+TEST(StagingPoolTest, PrewarmLeavesOneIdleBufferOfThatSizeWithinRoom) {
+  StagingPool pool(StagingPool::Options{});
+  EXPECT_TRUE(pool.Prewarm(1000, 10000));
+  EXPECT_FALSE(pool.Prewarm(1000, 10000));  // one of that size is idle already
+  EXPECT_FALSE(pool.Prewarm(9500, 10000));  // would exceed the room
+  EXPECT_EQ(pool.stats().idle_bytes, 1000);
+  bool reused = false;
+  std::vector<uint8_t> b = pool.Take(1000, &reused);
+  EXPECT_TRUE(reused);
+  EXPECT_EQ(b.size(), 1000u);
+  EXPECT_EQ(pool.stats().allocated, 0u);  // the version's Take allocated nothing
+}
+
 }  // namespace wb::daemon

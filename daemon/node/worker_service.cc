@@ -231,6 +231,23 @@ class NodeDaemon::WorkerImpl final : public pb::WorkerService::Service {
       // (daemon/auth.cc) with the worker's SO_PEERCRED uid; the daemon's own uid is irrelevant.
       buffers.push_back(std::make_shared<transport::ShmSegment>(std::move(*seg)));
     }
+    if (role == planner::Role::kRollout) {
+      // The daemon writes a rollout's live buffers (sync commit, Apply, catch-up): their pages are
+      // faulted in now, not inside the first version's (or a late rollout's catch-up's) copy.
+      const absl::Time t0 = absl::Now();
+      for (size_t j = 0; j < buffers.size(); ++j) {
+        if (buffers[j] == nullptr) continue;
+        if (absl::Status pre = buffers[j]->Populate(); !pre.ok()) {
+          return ToGrpcStatus(Annotate(pre, absl::StrCat("worker ", req->worker_id(), " of model ", req->model_id(), " buffer ", j)));
+        }
+      }
+      // And its incoming staging of the first version (or of a catch-up) is faulted in now too.
+      for (const auto& b : buffers) {
+        if (b != nullptr) d_->PrewarmStaging(b->size());
+      }
+      Log(LogLevel::kDebug, "rollout buffers pre-faulted",
+          {{"model", req->model_id()}, {"worker", req->worker_id()}, {"seconds", absl::ToDoubleSeconds(absl::Now() - t0)}});
+    }
     pb::SubmitLayoutRequest sreq;
     sreq.set_node_id(d_->options_.node_id);
     sreq.set_model_id(req->model_id());
