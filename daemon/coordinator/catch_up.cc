@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/coordinator/checks.h"
+#include "base/parallel_for.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/log.h"
 #include "planner/quantized.h"
@@ -50,17 +51,8 @@ CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandida
 
 namespace {
 
-// fn(0) .. fn(n - 1) on up to 32 threads at once; returns when all returned.
-void ForEachAtOnce(size_t n, const std::function<void(size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < n; i = next++) fn(i);
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < std::min<size_t>(n, 32); ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-}
+// Per-node RPCs of one catch-up run at once, bounded (base/parallel_for.h).
+constexpr size_t kRpcThreads = 32;
 
 bool HostMemoryOnly(const pb::ResolvedLayout* layout) {
   if (layout == nullptr) return false;
@@ -170,7 +162,7 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
     }
   }
   std::vector<absl::Status> results(clients.size());
-  ForEachAtOnce(clients.size(), [&](size_t i) {
+  ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
     if (!clients[i].second) {
       results[i] = absl::UnavailableError(absl::StrCat("node ", clients[i].first, " is not registered"));
       return;
@@ -196,7 +188,7 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
       absl::MutexLock l(&mu_);
       if (stopping_ || !m->catch_up || m->catch_up->epoch != in.epoch) return;
     }
-    ForEachAtOnce(clients.size(), [&](size_t i) {
+    ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
       results[i] = clients[i].second->ExecuteVersion(req, timeout);
       if (!results[i].ok()) results[i] = absl::Status(results[i].code(), absl::StrCat("start on node ", clients[i].first, ": ", results[i].message()));
     });
@@ -262,7 +254,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
   Model* mp = &m;
   return [this, mp, model_id, v, epoch, nodes, clients, timeout] {
     std::vector<absl::Status> acks(clients.size());
-    ForEachAtOnce(clients.size(), [&](size_t i) {
+    ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
       acks[i] = clients[i] ? clients[i]->CommitVersion(model_id, v, timeout)
                            : absl::UnavailableError(absl::StrCat("node ", nodes[i], " is not registered"));
     });

@@ -8,24 +8,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/convert.h"
+#include "base/parallel_for.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/log.h"
 
 namespace wb::daemon {
 namespace {
 
-// fn(0) .. fn(n - 1) on up to 32 threads at once (per-node RPCs of one version: every node at
-// once on a small cluster, bounded threads on a large one); returns when all returned.
-void ForEachConcurrently(size_t n, const std::function<void(size_t)>& fn) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < n; i = next++) fn(i);
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < std::min<size_t>(n, 32); ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-}
+// Per-node RPCs of one version (or catch-up) run at once: every node on a small cluster,
+// bounded threads on a large one (base/parallel_for.h).
+constexpr size_t kRpcThreads = 32;
 
 // "a, b, c and 7 more": names in messages stay short on a large cluster.
 std::string ShortList(const std::vector<std::string>& names, size_t max = 8) {
@@ -138,7 +130,7 @@ std::function<void()> CoordinatorCore::CommitWorkLocked(const std::string& model
   Model* mp = &m;
   return [this, mp, model_id, v, nodes, clients, incarnations, timeout] {
     std::vector<absl::Status> acks(clients.size());
-    ForEachConcurrently(clients.size(), [&](size_t i) {
+    ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
       acks[i] = clients[i] ? clients[i]->CommitVersion(model_id, v, timeout)
                            : absl::UnavailableError(absl::StrCat("node ", nodes[i], " is not registered"));
     });
@@ -351,7 +343,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
   // Each slice gets its header (inventory, workers: the bulk of it) just before it is sent, so at
   // most the 32 slices in flight are held whole.
   std::vector<absl::Status> results(installs.size());
-  ForEachConcurrently(installs.size(), [&](size_t i) {
+  ParallelFor(installs.size(), kRpcThreads, [&](size_t i) {
     if (!installs[i].first) {
       results[i] = absl::UnavailableError(absl::StrCat("node ", installs[i].second, " not registered"));
       return;
@@ -402,7 +394,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
     // Every node at once (each answers at once; one after another the last node would start a
     // round trip per node later, and the first nodes' executors would wait for it).
     std::vector<absl::Status> started(clients.size());
-    ForEachConcurrently(clients.size(), [&](size_t i) {
+    ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
       started[i] = clients[i].second ? clients[i].second->ExecuteVersion(req, timeout)
                                      : absl::UnavailableError("node not registered");
     });
