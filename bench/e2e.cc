@@ -36,6 +36,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/e2e_util.h"
@@ -185,6 +186,24 @@ double MemcpyGBps(int64_t bytes) {
   return 3.0 * static_cast<double>(bytes) / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
 }
 
+// A coordinator + 2 node daemons for one measurement (--daemon_flags and `extra` passed to them).
+struct BenchCluster {
+  std::unique_ptr<e2e::Harness> harness;  // owns the processes: destroyed after `cluster`
+  std::unique_ptr<Cluster> cluster;
+};
+absl::StatusOr<BenchCluster> StartBenchCluster(const std::string& tag, const std::vector<std::string>& extra) {
+  BenchCluster out;
+  ASSIGN_OR_RETURN(out.harness, e2e::Harness::Create(tag));
+  e2e::ClusterOptions copts;
+  copts.num_nodes = 2;
+  copts.lease_ms = 10000;
+  copts.transfer_timeout_ms = 300000;
+  copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
+  copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), extra.begin(), extra.end());
+  ASSIGN_OR_RETURN(out.cluster, Cluster::Start(out.harness.get(), copts));
+  return out;
+}
+
 // --digest_cost: WeightBridge's median update time under three integrity settings, each on a fresh
 // cluster (same machine, same run): none, per-batch checksums only, end-to-end digests only.
 int RunDigestCost(const std::string& config, int versions, int replicas, bool json) {
@@ -197,25 +216,14 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
                                    {"checksums", {"--digests=false", "--checksums=true"}, {}},
                                    {"digests", {"--digests=true", "--checksums=false"}, {}}};
   for (Setting& st : settings) {
-    auto harness = e2e::Harness::Create(absl::StrCat("bench-e2e-", st.name));
-    if (!harness.ok()) {
-      std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
-      return 1;
-    }
-    e2e::ClusterOptions copts;
-    copts.num_nodes = 2;
-    copts.lease_ms = 10000;
-    copts.transfer_timeout_ms = 300000;
-    copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
-    copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), st.flags.begin(), st.flags.end());
-    auto cluster = Cluster::Start(harness->get(), copts);
-    if (!cluster.ok()) {
-      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", st.name, cluster.status().ToString().c_str());
+    auto bc = StartBenchCluster(absl::StrCat("bench-e2e-", st.name), st.flags);
+    if (!bc.ok()) {
+      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", st.name, bc.status().ToString().c_str());
       return 1;
     }
     if (!json) std::fprintf(stderr, "bench/e2e: integrity setting '%s' (%s)...\n", st.name, absl::StrJoin(st.flags, " ").c_str());
-    st.result = RunStrategy(**cluster, "weightbridge", config, versions, replicas);
-    (*harness)->KillAll();
+    st.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas);
+    bc->harness->KillAll();
   }
   const double none = settings[0].result.median_s, sums = settings[1].result.median_s, digests = settings[2].result.median_s;
   const double overhead = none > 0 ? digests / none - 1 : 0;
@@ -253,28 +261,18 @@ int Run() {
   if (config.empty()) config = e2e::ModelConfigPath(/*full=*/true);
   if (absl::GetFlag(FLAGS_digest_cost)) return RunDigestCost(config, versions, replicas, json);
 
-  auto harness = e2e::Harness::Create("bench-e2e");
-  if (!harness.ok()) {
-    std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
-    return 1;
-  }
-  e2e::ClusterOptions copts;
-  copts.num_nodes = 2;
-  copts.lease_ms = 10000;
-  copts.transfer_timeout_ms = 300000;
-  copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
-  auto cluster = Cluster::Start(harness->get(), copts);
-  if (!cluster.ok()) {
-    std::fprintf(stderr, "bench/e2e: cluster: %s\n", cluster.status().ToString().c_str());
+  auto bc = StartBenchCluster("bench-e2e", {});
+  if (!bc.ok()) {
+    std::fprintf(stderr, "bench/e2e: cluster: %s\n", bc.status().ToString().c_str());
     return 1;
   }
   if (!json) std::fprintf(stderr, "bench/e2e: cluster up (coordinator + 2 nodes); running...\n");
-  StrategyResult wb = RunStrategy(**cluster, "weightbridge", config, versions, replicas);
+  StrategyResult wb = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas);
   StrategyResult r0;
   r0.strategy = "rank0_broadcast";
   r0.verified = true;  // not run: nothing to verify
-  if (absl::GetFlag(FLAGS_baseline)) r0 = RunStrategy(**cluster, "rank0_broadcast", config, versions, replicas);
-  (*harness)->KillAll();
+  if (absl::GetFlag(FLAGS_baseline)) r0 = RunStrategy(*bc->cluster, "rank0_broadcast", config, versions, replicas);
+  bc->harness->KillAll();
   const double tcp = TcpLoopbackGBps(int64_t{1} << 30);
   const double mem = MemcpyGBps(int64_t{256} << 20);
   const double ratio = wb.median_s > 0 ? r0.median_s / wb.median_s : 0;
