@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <set>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -82,6 +83,7 @@ class FakeClock : public Clock {
     }
   }
   void SleepUntil(absl::Time deadline) override {
+    Waiting w(this, deadline);
     absl::MutexLock l(&mu_);
     auto reached = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return now_ >= deadline; };
     mu_.Await(absl::Condition(&reached));
@@ -92,6 +94,9 @@ class FakeClock : public Clock {
       absl::MutexLock l(&list_mu_);
       mutexes_[waiter_mu] += 0;
     }
+    // Registered with waiter_mu held, so once AwaitWaiter sees it an Advance past `deadline`
+    // cannot be missed (Advance takes waiter_mu after moving the time).
+    Waiting w(this, deadline);
     struct Args {
       const absl::Condition* cond;
       const FakeClock* clock;
@@ -106,6 +111,20 @@ class FakeClock : public Clock {
     absl::MutexLock l(&list_mu_);
     mutexes_.erase(m);
   }
+  // Tests: blocks (in real time, up to real_deadline) until some thread is inside SleepUntil or
+  // WaitUntil with exactly this simulated deadline. A test that starts a thread which computes
+  // its own deadline from Now() waits here before advancing, else the thread may start after the
+  // advance and wait from a later time. True when such a waiter exists.
+  bool AwaitWaiter(absl::Time deadline, absl::Time real_deadline) const {
+    absl::MutexLock l(&list_mu_);
+    auto has = [&]() ABSL_SHARED_LOCKS_REQUIRED(list_mu_) { return waiting_.count(deadline) > 0; };
+    return list_mu_.AwaitWithDeadline(absl::Condition(&has), real_deadline);
+  }
+  // Tests: how many threads are inside SleepUntil or WaitUntil now.
+  int waiters() const {
+    absl::MutexLock l(&list_mu_);
+    return static_cast<int>(waiting_.size());
+  }
   // Tests: how many distinct mutexes WaitUntil has been used with (not forgotten).
   int waiter_mutexes() const {
     absl::MutexLock l(&list_mu_);
@@ -119,6 +138,26 @@ class FakeClock : public Clock {
   absl::Mutex advance_mu_;
   mutable absl::Mutex list_mu_;
   std::map<absl::Mutex*, int> mutexes_ ABSL_GUARDED_BY(list_mu_);
+  mutable std::multiset<absl::Time> waiting_ ABSL_GUARDED_BY(list_mu_);  // deadlines of current waiters
+
+  // Scoped registration of one waiter's deadline (AwaitWaiter, waiters()).
+  class Waiting {
+   public:
+    Waiting(const FakeClock* c, absl::Time deadline) : c_(c), deadline_(deadline) {
+      absl::MutexLock l(&c_->list_mu_);
+      c_->waiting_.insert(deadline_);
+    }
+    ~Waiting() {
+      absl::MutexLock l(&c_->list_mu_);
+      c_->waiting_.erase(c_->waiting_.find(deadline_));
+    }
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+
+   private:
+    const FakeClock* c_;
+    absl::Time deadline_;
+  };
 };
 
 }  // namespace wb

@@ -69,6 +69,31 @@ TEST(Clock, FakeWaitUntilReturnsWhenTheConditionHolds) {
   clock.Forget(&mu);
 }
 
+TEST(Clock, FakeAwaitWaiterSeesSleepersAndWaitersByDeadline) {
+  FakeClock clock;
+  const absl::Time t = clock.Now() + absl::Seconds(3);
+  EXPECT_FALSE(clock.AwaitWaiter(t, absl::Now() + absl::Milliseconds(20))) << "nobody sleeps yet";
+  std::thread sleeper([&] { clock.SleepUntil(t); });
+  ASSERT_TRUE(clock.AwaitWaiter(t, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(clock.waiters(), 1);
+  EXPECT_FALSE(clock.AwaitWaiter(t + absl::Seconds(1), absl::Now() + absl::Milliseconds(20))) << "another deadline";
+  absl::Mutex mu;
+  bool flag = false;
+  const absl::Time t2 = clock.Now() + absl::Seconds(10);
+  std::thread waiter([&] {
+    absl::MutexLock l(&mu);
+    clock.WaitUntil(&mu, absl::Condition(&flag), t2);
+  });
+  ASSERT_TRUE(clock.AwaitWaiter(t2, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(clock.waiters(), 2);
+  clock.Advance(absl::Seconds(3));
+  sleeper.join();
+  clock.Advance(absl::Seconds(7));
+  waiter.join();
+  EXPECT_EQ(clock.waiters(), 0);
+  clock.Forget(&mu);
+}
+
 TEST(Clock, FakeSleepUntilWakesOnAdvance) {
   FakeClock clock;
   const absl::Time t = clock.Now() + absl::Seconds(3);

@@ -224,6 +224,7 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   // WaitVersion with a 10 s (simulated) deadline, answered when the clock passes it.
   absl::Status waited;
   absl::Notification returned;
+  const absl::Time wait_deadline = clock.Now() + absl::Seconds(10);
   std::thread waiter([&] {
     pb::WaitVersionRequest w;
     w.set_model_id("m");
@@ -233,6 +234,9 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
     waited = c.core->WaitVersion(w, &wr);
     returned.Notify();
   });
+  // The waiter must be waiting on the clock before simulated time moves: a thread that starts
+  // late would take its 10 s from a later time and outlive the 30 s transfer timeout.
+  ASSERT_TRUE(clock.AwaitWaiter(wait_deadline, absl::Now() + kReal));
   // Lease renewals keep n0 alive while simulated time runs (steps below lease / 4).
   for (int step = 0; step < 70 && !returned.HasBeenNotified(); ++step) {
     pb::HeartbeatRequest hb;
