@@ -13,6 +13,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/status_macros.h"
 #include "daemon/device_staging.h"
 #include "daemon/fd_limit.h"
 #include "daemon/log.h"
@@ -102,11 +105,9 @@ int Fail(const std::string& msg) {
   return 2;
 }
 
-}  // namespace
-
 // --checksums (or --nochecksums) on the command line: this abseil keeps
 // CommandLineFlag::IsSpecifiedOnCommandLine private.
-static bool ChecksumsGiven(int argc, char** argv) {
+bool ChecksumsGiven(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     absl::string_view a = argv[i];
     if (a == "--") break;
@@ -116,80 +117,132 @@ static bool ChecksumsGiven(int argc, char** argv) {
   return false;
 }
 
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("WeightBridge daemon: weightbridged --role=node|coordinator|standalone --worker_socket=PATH ...");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) return Fail(absl::StrCat("unexpected argument '", rest[1], "'"));
-  auto role = wb::daemon::ParseRole(absl::GetFlag(FLAGS_role));
-  if (!role.ok()) return Fail(std::string(role.status().message()));
-  auto level = wb::daemon::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
-  if (!level.ok()) return Fail(std::string(level.status().message()));
-  wb::daemon::SetLogLevel(*level);
-  // Many descriptors per worker (shm segments, VMM allocation fds, data sockets): lift the soft limit.
+// Many descriptors per worker (shm segments, VMM allocation fds, data sockets): lift the soft limit.
+void RaiseFdLimitOrWarn() {
   if (auto fds = wb::daemon::RaiseFdLimit(); !fds.ok()) {
     wb::daemon::Log(wb::daemon::LogLevel::kWarning, "cannot raise the open-file limit", {{"error", fds.status().message()}});
   } else if (fds->now < 65536) {
     wb::daemon::Log(wb::daemon::LogLevel::kWarning, "open-file limit is low: large VMM workers may hit it",
                     {{"limit", static_cast<uint64_t>(fds->now)}});
   }
+}
+
+absl::Status CheckNumericFlags() {
   if (absl::GetFlag(FLAGS_tcp_streams) < 1 || absl::GetFlag(FLAGS_copy_threads) < 1) {
-    return Fail("--tcp_streams and --copy_threads must be >= 1");
+    return absl::InvalidArgumentError("--tcp_streams and --copy_threads must be >= 1");
   }
   if (!(absl::GetFlag(FLAGS_intra_node_GBps) > 0) || !(absl::GetFlag(FLAGS_nic_GBps) > 0) || absl::GetFlag(FLAGS_bucket_bytes) <= 0) {
-    return Fail("--intra_node_GBps, --nic_GBps and --bucket_bytes must be > 0");
+    return absl::InvalidArgumentError("--intra_node_GBps, --nic_GBps and --bucket_bytes must be > 0");
   }
   for (auto [name, v] : {std::pair{"heartbeat_ms", absl::GetFlag(FLAGS_heartbeat_ms)},
                          std::pair{"lease_ms", absl::GetFlag(FLAGS_lease_ms)},
                          std::pair{"transfer_timeout_ms", absl::GetFlag(FLAGS_transfer_timeout_ms)},
                          std::pair{"staging_budget_bytes", absl::GetFlag(FLAGS_staging_budget_bytes)}}) {
-    if (v <= 0) return Fail(absl::StrCat("--", name, " must be > 0"));
+    if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be > 0"));
   }
-  if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return Fail("--gpu_staging_bytes must be >= 0");
-  std::vector<int> nccl_devices;  // empty = every visible GPU
+  if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return absl::InvalidArgumentError("--gpu_staging_bytes must be >= 0");
+  return absl::OkStatus();
+}
+
+// --nccl_devices: empty = every visible GPU.
+absl::StatusOr<std::vector<int>> NcclDevicesFlag() {
+  std::vector<int> nccl_devices;
   if (const std::string list = absl::GetFlag(FLAGS_nccl_devices); list != "all") {
     for (absl::string_view d : absl::StrSplit(list, ',')) {
       int device = -1;
       if (!absl::SimpleAtoi(d, &device) || device < 0) {
-        return Fail(absl::StrCat("--nccl_devices: '", d, "' is not a device ordinal (want 'all' or e.g. 0,1,2,3)"));
+        return absl::InvalidArgumentError(absl::StrCat("--nccl_devices: '", d, "' is not a device ordinal (want 'all' or e.g. 0,1,2,3)"));
       }
       nccl_devices.push_back(device);
     }
   }
+  return nccl_devices;
+}
+
+absl::StatusOr<std::vector<std::string>> DataNicsFlag() {
   auto data_nics = wb::transport::ParseNicList(absl::GetFlag(FLAGS_data_nics));
-  if (!data_nics.ok()) return Fail(absl::StrCat("--data_nics: ", data_nics.status().message()));
+  if (!data_nics.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_nics: ", data_nics.status().message()));
   for (const std::string& nic : *data_nics) {
-    if (auto a = wb::transport::ResolveNic(nic); !a.ok()) return Fail(absl::StrCat("--data_nics: ", a.status().message()));
+    if (auto a = wb::transport::ResolveNic(nic); !a.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_nics: ", a.status().message()));
   }
   if (!data_nics->empty() && !absl::GetFlag(FLAGS_data_advertise).empty()) {
-    return Fail("--data_advertise applies to the single-address data plane; with --data_nics every NIC is advertised as is");
+    return absl::InvalidArgumentError("--data_advertise applies to the single-address data plane; with --data_nics every NIC is advertised as is");
   }
   if (static_cast<int>(data_nics->size()) > absl::GetFlag(FLAGS_tcp_streams)) {
-    return Fail(absl::StrCat("--tcp_streams (", absl::GetFlag(FLAGS_tcp_streams), ") must be >= the ", data_nics->size(),
-                             " --data_nics, or some NIC carries no stream"));
+    return absl::InvalidArgumentError(absl::StrCat("--tcp_streams (", absl::GetFlag(FLAGS_tcp_streams), ") must be >= the ", data_nics->size(),
+                                                   " --data_nics, or some NIC carries no stream"));
   }
-  std::vector<int> data_cpus;  // empty = the data-plane threads float
+  return *std::move(data_nics);
+}
+
+// --data_cpus / --data_numa_node: empty = the data-plane threads float.
+absl::StatusOr<std::vector<int>> DataCpusFlag() {
+  std::vector<int> data_cpus;
   if (const std::string list = absl::GetFlag(FLAGS_data_cpus); !list.empty()) {
-    if (absl::GetFlag(FLAGS_data_numa_node) >= 0) return Fail("--data_cpus and --data_numa_node are exclusive");
+    if (absl::GetFlag(FLAGS_data_numa_node) >= 0) return absl::InvalidArgumentError("--data_cpus and --data_numa_node are exclusive");
     auto cpus = wb::transport::ParseCpuList(list);
-    if (!cpus.ok()) return Fail(absl::StrCat("--data_cpus: ", cpus.status().message()));
+    if (!cpus.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_cpus: ", cpus.status().message()));
     data_cpus = *cpus;
   } else if (const int node = absl::GetFlag(FLAGS_data_numa_node); node >= 0) {
     auto cpus = wb::transport::NumaNodeCpus(node);
-    if (!cpus.ok()) return Fail(absl::StrCat("--data_numa_node: ", cpus.status().message()));
+    if (!cpus.ok()) return absl::InvalidArgumentError(absl::StrCat("--data_numa_node: ", cpus.status().message()));
     data_cpus = *cpus;
   } else if (node < -1) {
-    return Fail("--data_numa_node must be a NUMA node number or -1 (off)");
+    return absl::InvalidArgumentError("--data_numa_node must be a NUMA node number or -1 (off)");
   }
   if (!data_cpus.empty()) {
-    if (absl::Status s = wb::transport::ValidateCpuSet(data_cpus); !s.ok()) return Fail(absl::StrCat("--data_cpus: ", s.message()));
+    if (absl::Status s = wb::transport::ValidateCpuSet(data_cpus); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--data_cpus: ", s.message()));
+    }
   }
+  return data_cpus;
+}
 
-  // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+// Credentials, request limits and connection limits (docs/security.md).
+absl::Status SecurityFromFlags(wb::daemon::ServerOptions& o) {
+  auto auth = wb::daemon::LoadPeerAuth(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
+                                       absl::GetFlag(FLAGS_auth_token_file));
+  if (!auth.ok()) return auth.status();
+  auth->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  auth->bind_node_id = absl::GetFlag(FLAGS_tls_bind_node_id);
+  o.security.peer_auth = std::make_shared<wb::daemon::PeerAuthConfig>(std::move(*auth));
+  o.security.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  wb::daemon::Limits& l = o.security.limits;
+  l.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  l.max_pieces_per_layout = absl::GetFlag(FLAGS_max_pieces_per_layout);
+  l.max_tensors_per_model = absl::GetFlag(FLAGS_max_tensors_per_model);
+  l.max_buffers_per_worker = absl::GetFlag(FLAGS_max_buffers_per_worker);
+  l.max_vmm_fds_per_worker = absl::GetFlag(FLAGS_max_vmm_fds_per_worker);
+  l.max_vmm_fds_per_uid = absl::GetFlag(FLAGS_max_vmm_fds_per_uid);
+  l.max_blocked_calls = absl::GetFlag(FLAGS_max_blocked_calls);
+  l.max_vmm_fds_per_node = absl::GetFlag(FLAGS_max_vmm_fds_per_node);
+  l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
+  l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
+  l.cuda_staged_on_gpu = absl::GetFlag(FLAGS_gpu_staging_bytes) > 0;
+  wb::daemon::ConnLimits& cl = o.security.connections;
+  cl.max_unauthenticated_per_source = absl::GetFlag(FLAGS_max_unauthenticated_per_source);
+  cl.max_unauthenticated = absl::GetFlag(FLAGS_max_unauthenticated);
+  cl.unauthenticated_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_unauthenticated_timeout_ms));
+  if (cl.max_unauthenticated_per_source <= 0 || cl.max_unauthenticated <= 0 || cl.unauthenticated_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--max_unauthenticated_per_source, --max_unauthenticated and --unauthenticated_timeout_ms must be > 0");
+  }
+  if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 ||
+      l.max_vmm_fds_per_worker <= 0 || l.max_vmm_fds_per_uid <= 0 || l.max_blocked_calls <= 0 || l.max_vmm_fds_per_node <= 0 ||
+      l.max_concurrent_versions <= 0) {
+    return absl::InvalidArgumentError("--max_* limits must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+// Every flag into the server's options; the concrete transports are picked here and only here
+// (the planner is planner::MakePlan).
+absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char** argv) {
+  auto role = wb::daemon::ParseRole(absl::GetFlag(FLAGS_role));
+  if (!role.ok()) return role.status();
+  RETURN_IF_ERROR(CheckNumericFlags());
+  ASSIGN_OR_RETURN(std::vector<int> nccl_devices, NcclDevicesFlag());
+  ASSIGN_OR_RETURN(std::vector<std::string> data_nics, DataNicsFlag());
+  ASSIGN_OR_RETURN(std::vector<int> data_cpus, DataCpusFlag());
 
   wb::daemon::ServerOptions o;
   o.role = *role;
@@ -207,38 +260,7 @@ int main(int argc, char** argv) {
   o.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   o.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   o.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
-  {
-    auto auth = wb::daemon::LoadPeerAuth(absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key), absl::GetFlag(FLAGS_tls_ca),
-                                         absl::GetFlag(FLAGS_auth_token_file));
-    if (!auth.ok()) return Fail(std::string(auth.status().message()));
-    auth->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
-    auth->bind_node_id = absl::GetFlag(FLAGS_tls_bind_node_id);
-    o.security.peer_auth = std::make_shared<wb::daemon::PeerAuthConfig>(std::move(*auth));
-    o.security.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-    wb::daemon::Limits& l = o.security.limits;
-    l.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-    l.max_pieces_per_layout = absl::GetFlag(FLAGS_max_pieces_per_layout);
-    l.max_tensors_per_model = absl::GetFlag(FLAGS_max_tensors_per_model);
-    l.max_buffers_per_worker = absl::GetFlag(FLAGS_max_buffers_per_worker);
-    l.max_vmm_fds_per_worker = absl::GetFlag(FLAGS_max_vmm_fds_per_worker);
-    l.max_vmm_fds_per_uid = absl::GetFlag(FLAGS_max_vmm_fds_per_uid);
-    l.max_blocked_calls = absl::GetFlag(FLAGS_max_blocked_calls);
-    l.max_vmm_fds_per_node = absl::GetFlag(FLAGS_max_vmm_fds_per_node);
-    l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
-    l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
-    l.cuda_staged_on_gpu = absl::GetFlag(FLAGS_gpu_staging_bytes) > 0;
-    wb::daemon::ConnLimits& cl = o.security.connections;
-    cl.max_unauthenticated_per_source = absl::GetFlag(FLAGS_max_unauthenticated_per_source);
-    cl.max_unauthenticated = absl::GetFlag(FLAGS_max_unauthenticated);
-    cl.unauthenticated_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_unauthenticated_timeout_ms));
-    if (cl.max_unauthenticated_per_source <= 0 || cl.max_unauthenticated <= 0 || cl.unauthenticated_timeout <= absl::ZeroDuration()) {
-      return Fail("--max_unauthenticated_per_source, --max_unauthenticated and --unauthenticated_timeout_ms must be > 0");
-    }
-    if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 || l.max_vmm_fds_per_worker <= 0 || l.max_vmm_fds_per_uid <= 0 || l.max_blocked_calls <= 0 || l.max_vmm_fds_per_node <= 0 ||
-        l.max_concurrent_versions <= 0) {
-      return Fail("--max_* limits must be > 0");
-    }
-  }
+  RETURN_IF_ERROR(SecurityFromFlags(o));
   o.topology.intra_node_GBps = absl::GetFlag(FLAGS_intra_node_GBps);
   o.topology.nic_GBps_per_gpu = absl::GetFlag(FLAGS_nic_GBps);
   o.topology.colocated = absl::GetFlag(FLAGS_colocated);
@@ -246,7 +268,6 @@ int main(int argc, char** argv) {
   o.digests = absl::GetFlag(FLAGS_digests);
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = ChecksumsGiven(argc, argv) ? absl::GetFlag(FLAGS_checksums) : !o.digests;
-  // Concrete transports are picked here and only here (the planner is planner::MakePlan).
   wb::transport::TransportConfig tc;
   for (absl::string_view k : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',', absl::SkipEmpty())) tc.kinds.emplace_back(k);
   const std::string data_listen = absl::GetFlag(FLAGS_data_listen);
@@ -254,47 +275,67 @@ int main(int argc, char** argv) {
   if (tc.tcp.bind_address.empty()) tc.tcp.bind_address = "127.0.0.1";
   tc.tcp.advertise_address = absl::GetFlag(FLAGS_data_advertise);
   tc.tcp.streams = absl::GetFlag(FLAGS_tcp_streams);
-  tc.tcp.local_addresses = *data_nics;
-  tc.cpus = data_cpus;
+  tc.tcp.local_addresses = std::move(data_nics);
+  tc.cpus = std::move(data_cpus);
   // The data channel proves the same shared token as the daemon RPCs (docs/security.md).
   tc.tcp.auth_token = o.security.peer_auth->token;
   tc.host_shm.threads = absl::GetFlag(FLAGS_copy_threads);
-  tc.nccl.devices = nccl_devices;
+  tc.nccl.devices = std::move(nccl_devices);
   o.make_transports = [tc] { return wb::transport::CreateTransports(tc); };
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) > 0) {
     o.device_staging = std::make_shared<wb::daemon::DeviceStaging>(wb::transport::NewDeviceAllocator(),
                                                                    absl::GetFlag(FLAGS_gpu_staging_bytes));
   }
+  return o;
+}
 
-  auto server = wb::daemon::Server::Start(std::move(o));
+// Write then rename, so a reader never sees a partial file.
+absl::Status WritePortFile(const std::string& path, int port, absl::string_view flag) {
+  if (path.empty()) return absl::OkStatus();
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << port << "\n";
+    if (!f) return absl::UnavailableError(absl::StrCat("cannot write --", flag, " ", path));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return absl::UnavailableError(absl::StrCat("cannot write --", flag, " ", path));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("WeightBridge daemon: weightbridged --role=node|coordinator|standalone --worker_socket=PATH ...");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) return Fail(absl::StrCat("unexpected argument '", rest[1], "'"));
+  auto level = wb::daemon::ParseLogLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) return Fail(std::string(level.status().message()));
+  wb::daemon::SetLogLevel(*level);
+  RaiseFdLimitOrWarn();
+  auto options = ServerOptionsFromFlags(argc, argv);
+  if (!options.ok()) return Fail(std::string(options.status().message()));
+
+  // SIGTERM/SIGINT are taken synchronously below; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto server = wb::daemon::Server::Start(*std::move(options));
   if (!server.ok()) return Fail(std::string(server.status().message()));
   std::printf("weightbridged role=%s node_id=%s listening on %s port %d\n", absl::GetFlag(FLAGS_role).c_str(),
               absl::GetFlag(FLAGS_node_id).c_str(), (*server)->address().c_str(), (*server)->port());
   std::fflush(stdout);
-  const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if ((*server)->metrics_port() > 0) {
     std::printf("weightbridged metrics on port %d\n", (*server)->metrics_port());
     std::fflush(stdout);
-    const std::string metrics_file = absl::GetFlag(FLAGS_metrics_port_file);
-    if (!metrics_file.empty()) {
-      std::string tmp = metrics_file + ".tmp";
-      {
-        std::ofstream f(tmp);
-        f << (*server)->metrics_port() << "\n";
-        if (!f) return Fail(absl::StrCat("cannot write --metrics_port_file ", metrics_file));
-      }
-      if (std::rename(tmp.c_str(), metrics_file.c_str()) != 0) return Fail(absl::StrCat("cannot write --metrics_port_file ", metrics_file));
+    if (absl::Status s = WritePortFile(absl::GetFlag(FLAGS_metrics_port_file), (*server)->metrics_port(), "metrics_port_file"); !s.ok()) {
+      return Fail(std::string(s.message()));
     }
   }
-  if (!port_file.empty()) {
-    // Write then rename, so a reader never sees a partial file.
-    std::string tmp = port_file + ".tmp";
-    {
-      std::ofstream f(tmp);
-      f << (*server)->port() << "\n";
-      if (!f) return Fail(absl::StrCat("cannot write --port_file ", port_file));
-    }
-    if (std::rename(tmp.c_str(), port_file.c_str()) != 0) return Fail(absl::StrCat("cannot write --port_file ", port_file));
+  if (absl::Status s = WritePortFile(absl::GetFlag(FLAGS_port_file), (*server)->port(), "port_file"); !s.ok()) {
+    return Fail(std::string(s.message()));
   }
   int sig = 0;
   sigwait(&signals, &sig);
