@@ -1,0 +1,451 @@
+#include "daemon/node/local_workers.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "proto/convert.h"
+#include "daemon/log.h"
+#include "planner/box.h"
+
+namespace wb::daemon {
+
+PidWatch::~PidWatch() {
+  if (fd >= 0) ::close(fd);
+}
+
+bool PidWatch::Alive() const {
+  if (fd >= 0) {
+    // A pidfd becomes readable when the process exits (pid reuse cannot fool it).
+    struct pollfd p = {fd, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 0;
+  }
+  return ::kill(pid, 0) == 0 || errno != ESRCH;
+}
+
+absl::StatusOr<std::shared_ptr<PidWatch>> PidWatch::Open(int pid, const std::string& who) {
+  auto watch = std::make_shared<PidWatch>();
+  watch->pid = pid;
+#ifdef SYS_pidfd_open
+  watch->fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+#endif
+  if (watch->fd < 0 && errno == ESRCH) return absl::InvalidArgumentError(absl::StrCat(who, ": pid ", pid, " does not exist"));
+  return watch;
+}
+
+LocalWorkers::LocalWorkers(Options options) : options_(std::move(options)) {}
+
+LocalWorkers::~LocalWorkers() { options_.clock->Forget(&mu_); }
+
+void LocalWorkers::AttachMarkers(LiveMarkers* markers) {
+  absl::MutexLock l(&mu_);
+  live_.AttachMarkers(markers);
+}
+
+void LocalWorkers::Stop() {
+  absl::MutexLock l(&mu_);
+  stopping_ = true;
+}
+
+absl::Status LocalWorkers::BeginJoin(const WorkerKey& key, absl::Time deadline) {
+  // An earlier process of this worker id that exited: its LeaveWorker must reach the coordinator
+  // before this join, or it would drop the new registration there (found by the soak test
+  // under TSan: a restarted rollout's RegisterLayout got NOT_FOUND).
+  absl::MutexLock l(&mu_);
+  auto not_leaving = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return leaving_.count(key) == 0 || stopping_; };
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&not_leaving), deadline)) {
+    return absl::UnavailableError(absl::StrCat("worker ", key.second, " of model ", key.first, ": its previous process is still leaving (retry)"));
+  }
+  // Not reaped yet by the liveness check: this join replaces it (the coordinator treats it as
+  // registered again), so no LeaveWorker is sent for it.
+  // Another model's worker under the same id is another worker (ids are scoped per model):
+  // only this model's entry is replaced.
+  auto old = workers_.find(key);
+  if (old != workers_.end() && old->second.pid && !old->second.pid->Alive()) workers_.erase(old);
+  joining_.insert(key);
+  return absl::OkStatus();
+}
+
+void LocalWorkers::EndJoin(const WorkerKey& key) {
+  absl::MutexLock l(&mu_);
+  joining_.erase(key);
+}
+
+void LocalWorkers::Add(const WorkerKey& key, Worker w, std::optional<planner::Inventory> inventory) {
+  absl::MutexLock l(&mu_);
+  if (inventory) inventories_[key.first] = std::move(*inventory);
+  workers_[key] = std::move(w);
+  live_.Forget(LiveKey(key.first, key.second));  // a new process: its memory, not the old one's
+}
+
+absl::StatusOr<uint64_t> LocalWorkers::AttachLayout(const WorkerKey& key, std::vector<std::shared_ptr<transport::ShmSegment>> buffers,
+                                                    std::vector<std::shared_ptr<CudaImport>> cuda, pb::SubmitLayoutRequest submitted,
+                                                    const pb::ResolvedLayout& resolved) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end()) return absl::NotFoundError("worker deregistered concurrently");
+  // The layout's bytes (what its pieces cover), not the registered buffers' sizes (which
+  // include padding, probe buffers, ...).
+  uint64_t bytes = 0;
+  auto inv = inventories_.find(key.first);
+  if (inv != inventories_.end()) {
+    auto layout = convert::LayoutFromProto(resolved, inv->second);
+    if (layout.ok()) {
+      for (const planner::Piece& p : layout->pieces) {
+        bytes += static_cast<uint64_t>(planner::BoxVolume(p.box) * planner::DTypeSize(inv->second.tensors[p.tensor].dtype));
+      }
+    }
+  }
+  it->second.buffers = std::move(buffers);
+  it->second.cuda = std::move(cuda);
+  it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
+  // Memory an earlier process of this daemon died copying into (a live-copy marker): TORN.
+  live_.Adopt(key.first, LiveKey(key.first, key.second), it->second.buffers, options_.node_id);
+  it->second.submitted = std::move(submitted);
+  return bytes;
+}
+
+void LocalWorkers::Remove(const WorkerKey& key) {
+  absl::MutexLock l(&mu_);
+  workers_.erase(key);
+  live_.Forget(LiveKey(key.first, key.second));
+}
+
+std::vector<LocalWorkers::WorkerKey> LocalWorkers::ReapExited() {
+  std::vector<WorkerKey> gone;
+  absl::MutexLock l(&mu_);
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (it->second.pid && !it->second.pid->Alive() && joining_.count(it->first) == 0) {
+      gone.push_back(it->first);
+      leaving_.insert(it->first);
+      Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->first.first},
+                                                        {"worker", it->first.second}, {"pid", it->second.pid->pid}});
+      live_.Forget(LiveKey(it->first.first, it->first.second));
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return gone;
+}
+
+void LocalWorkers::LeaveDone(const WorkerKey& key) {
+  absl::MutexLock l(&mu_);
+  leaving_.erase(key);
+}
+
+void LocalWorkers::NoteRejoin(const std::string& reason) {
+  absl::MutexLock l(&mu_);
+  restarts_ += 1;
+  restart_reason_ = reason;
+}
+
+std::string LocalWorkers::restart_reason() const {
+  absl::MutexLock l(&mu_);
+  return restart_reason_;
+}
+
+std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
+  std::vector<JoinInfo> out;
+  absl::MutexLock l(&mu_);
+  for (const auto& [key, w] : workers_) {
+    JoinInfo j;
+    j.key = key;
+    j.role = w.role;
+    j.gpu = w.gpu;
+    j.spec = w.spec;
+    j.applied_version = w.applied_version;
+    j.has_layout = w.has_layout;
+    j.submitted = w.submitted;
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
+bool LocalWorkers::Has(const WorkerKey& key) const {
+  absl::MutexLock l(&mu_);
+  return workers_.count(key) > 0;
+}
+
+std::optional<LocalWorkers::View> LocalWorkers::Get(const WorkerKey& key) const {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end()) return std::nullopt;
+  View v;
+  const Worker& w = it->second;
+  v.worker.model_id = w.model_id;
+  v.worker.role = w.role;
+  v.worker.gpu = w.gpu;
+  v.worker.mode = w.mode;
+  v.worker.has_layout = w.has_layout;
+  v.worker.buffers = w.buffers;
+  v.worker.cuda = w.cuda;
+  v.worker.snapshots = w.snapshots;
+  v.worker.committed = w.committed;
+  v.worker.committed_version = w.committed_version;
+  v.worker.applied_version = w.applied_version;
+  v.worker.pid = w.pid;
+  v.worker.spec = w.spec;
+  const std::string lk = LiveKey(key.first, key.second);
+  v.copying = live_.Copying(lk);
+  v.torn = live_.TornError(lk, options_.node_id);
+  return v;
+}
+
+std::vector<std::shared_ptr<CudaImport>> LocalWorkers::Cuda(const WorkerKey& key) const {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  return it == workers_.end() ? std::vector<std::shared_ptr<CudaImport>>() : it->second.cuda;
+}
+
+std::optional<planner::Inventory> LocalWorkers::Inventory(const std::string& model) const {
+  absl::MutexLock l(&mu_);
+  auto it = inventories_.find(model);
+  if (it == inventories_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<pb::ModelSpec> LocalWorkers::SpecOf(const std::string& model, const std::string& worker,
+                                                  std::optional<planner::Role>* role) const {
+  absl::MutexLock l(&mu_);
+  std::optional<pb::ModelSpec> spec;
+  auto w = workers_.find({model, worker});
+  if (w != workers_.end() && w->second.model_id == model) {
+    spec = w->second.spec;
+    if (!*role) *role = w->second.role;
+  }
+  for (auto it = workers_.begin(); !spec && it != workers_.end(); ++it) {
+    if (it->second.model_id == model) spec = it->second.spec;
+  }
+  return spec;
+}
+
+absl::Status LocalWorkers::TornRollout(const std::string& model) const {
+  absl::MutexLock l(&mu_);
+  for (const auto& [key, w] : workers_) {
+    if (w.model_id != model || w.role != planner::Role::kRollout) continue;
+    if (absl::Status torn = live_.TornError(LiveKey(key.first, key.second), options_.node_id); !torn.ok()) return torn;
+  }
+  return absl::OkStatus();
+}
+
+void LocalWorkers::AddLiveState(pb::StatusResponse* resp) const {
+  absl::MutexLock l(&mu_);
+  for (pb::WorkerStatus& ws : *resp->mutable_workers()) {
+    if (ws.node_id() != options_.node_id || workers_.count({ws.model_id(), ws.worker_id()}) == 0) continue;
+    const std::string lk = LiveKey(ws.model_id(), ws.worker_id());
+    const LiveState::Info info = live_.Get(lk);
+    ws.set_live_state(LiveState::Name(info.state));
+    if (info.state == LiveState::State::kWhole) continue;
+    ws.set_live_writing_version(info.writing);
+    ws.set_live_over_version(info.over);
+    if (info.state == LiveState::State::kTorn) ws.set_live_detail(std::string(live_.TornError(lk, options_.node_id).message()));
+  }
+}
+
+void LocalWorkers::NoteAborted(const std::string& model, uint64_t version, const std::string& reason) {
+  absl::MutexLock l(&mu_);
+  aborted_[{model, version}] = reason;
+}
+
+std::optional<std::string> LocalWorkers::AbortReason(const std::string& model, uint64_t version) const {
+  absl::MutexLock l(&mu_);
+  auto it = aborted_.find({model, version});
+  if (it == aborted_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool LocalWorkers::AddSnapshot(const WorkerKey& key, uint64_t version, std::shared_ptr<Bytes> snapshot) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end()) return false;
+  it->second.snapshots[version] = std::move(snapshot);
+  return true;
+}
+
+void LocalWorkers::DropSnapshot(const WorkerKey& key, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it != workers_.end()) it->second.snapshots.erase(version);
+}
+
+void LocalWorkers::DropSnapshots(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  for (auto& [key, w] : workers_) {
+    if (w.model_id == model) w.snapshots.erase(version);
+  }
+}
+
+void LocalWorkers::DropSnapshotsBefore(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  for (auto& [key, w] : workers_) {
+    if (w.model_id != model) continue;
+    for (auto it = w.snapshots.begin(); it != w.snapshots.end();) {
+      it = it->first < version ? w.snapshots.erase(it) : std::next(it);
+    }
+  }
+}
+
+std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model, uint64_t version,
+                                                        const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
+                                                        const std::set<std::string>& relayed) {
+  std::vector<LiveJob> jobs;
+  absl::MutexLock l(&mu_);
+  for (const auto& [wid, staging] : incoming) {
+    auto w = workers_.find({model, wid});
+    if (w == workers_.end()) continue;
+    // Relays at commit: this staging lacks the relayed pieces, so it must never be applied
+    // later (Apply finds no committed staging; the commit writes the live weights).
+    w->second.committed = relayed.count(wid) == 0 ? staging : nullptr;
+    w->second.committed_version = version;
+    if (w->second.mode != pb::MODE_SYNC) continue;
+    // Captured by value (buffers): a concurrent Deregister may erase the worker meanwhile.
+    LiveJob t;
+    t.model = model;
+    t.worker = wid;
+    t.version = version;
+    t.staging = staging;
+    t.live = LiveBuffers{w->second.buffers, w->second.cuda};
+    jobs.push_back(std::move(t));
+  }
+  return jobs;
+}
+
+void LocalWorkers::MarkApplied(const WorkerKey& key, uint64_t version, const std::shared_ptr<Bytes>& staging, bool after_commit) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end()) return;
+  Worker& w = it->second;
+  w.applied_version = std::max(w.applied_version, version);
+  // Live weights hold it now and nothing reads this staging again (Apply finds nothing newer):
+  // its memory goes back to the pool for the next version instead of sitting here.
+  if (w.committed == staging && (after_commit || w.applied_version >= w.committed_version)) w.committed = nullptr;
+}
+
+absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline) const {
+  const std::string& me = options_.node_id;
+  const std::string& model = key.first;
+  const std::string& wid = key.second;
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || it->second.role != planner::Role::kRollout) {
+    return absl::NotFoundError(absl::StrCat("worker ", wid, " of model ", model, " is not a rollout worker on node ", me));
+  }
+  const std::string lk = LiveKey(model, wid);  // LiveState's name for it
+  const uint64_t restarts0 = restarts_;
+  auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto w = workers_.find(key);
+    if (stopping_ || w == workers_.end()) return true;
+    if (live_.Copying(lk)) return false;  // its outcome decides what we answer
+    if (want == 0) return true;           // safe point: take whatever is newest, never wait
+    return w->second.committed_version >= want || w->second.applied_version >= want || aborted_.count({model, want}) > 0 ||
+           restarts_ != restarts0;
+  };
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&ready), deadline)) {
+    if (live_.Copying(lk)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("worker ", lk, ": a copy into its live weights is still running on node ", me, " (call Apply again to learn its outcome)"));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("version ", want, " not committed on node ", me, " in time"));
+  }
+  it = workers_.find(key);
+  if (stopping_ || it == workers_.end()) return absl::UnavailableError("worker or daemon went away");
+  const Worker& w = it->second;
+  if (want != 0 && w.committed_version < want && w.applied_version < want) {
+    auto ab = aborted_.find({model, want});
+    return absl::AbortedError(absl::StrCat("version ", want, " aborted: ", ab != aborted_.end() ? ab->second : restart_reason_));
+  }
+  Applicable out;
+  out.applied_version = w.applied_version;
+  out.copy_Bps = live_copy_Bps_;
+  if (w.committed_version <= w.applied_version || !w.committed) {
+    // Nothing newer to copy (or sync: the commit wrote live weights). Torn weights with no
+    // staging to restore them from stay torn until the next commit: say so.
+    if (absl::Status torn = live_.TornError(lk, me); !torn.ok()) return torn;
+    return out;
+  }
+  out.version = w.committed_version;
+  out.staging = w.committed;
+  out.live = LiveBuffers{w.buffers, w.cuda};
+  return out;
+}
+
+std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs) {
+  std::vector<absl::Status> out(jobs.size());
+  if (jobs.empty()) return out;
+  const std::string& me = options_.node_id;
+  Clock* clock = options_.clock;
+  {
+    // One copy per worker at a time: a second one (a retried commit, an Apply racing the commit)
+    // waits for the first, bounded, so two versions never interleave in live memory.
+    absl::MutexLock l(&mu_);
+    auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return stopping_ || std::none_of(jobs.begin(), jobs.end(), [&](const LiveJob& j) { return live_.Copying(LiveKey(j.model, j.worker)); });
+    };
+    if (!clock->WaitUntil(&mu_, absl::Condition(&idle), clock->Now() + options_.live_copy_timeout) || stopping_) {
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        out[i] = absl::UnavailableError(absl::StrCat("worker ", jobs[i].worker, " of model ", jobs[i].model,
+                                                     ": another copy into its live weights is still running on node ", me));
+      }
+      return out;
+    }
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      auto w = workers_.find({jobs[i].model, jobs[i].worker});
+      const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
+      live_.Begin(lk, jobs[i].version, w == workers_.end() ? 0 : w->second.applied_version);
+      // On disk before the first byte: a daemon killed mid-copy reports it after its restart.
+      out[i] = live_.Mark(jobs[i].model, lk, jobs[i].live.host);
+    }
+  }
+  // Its own deadline: once bytes go into live memory the copy finishes (or fails) on its own
+  // terms; cutting it at a client's deadline is what left weights half new, half old. The copy
+  // runs on the transport, whose deadlines (and the copy speed measured below) are real time.
+  const absl::Time deadline = absl::Now() + options_.live_copy_timeout;
+  std::vector<char> wrote(jobs.size(), 0);
+  auto copy_one = [&](size_t i) {
+    if (!out[i].ok()) return;  // not recorded: not started
+    LiveJob& j = jobs[i];
+    bool w = false;
+    out[i] = options_.copier->CopyToLive(*j.staging, j.live, j.layout, *j.inventory, j.label, deadline, &w);
+    wrote[i] = w;
+    if (out[i].ok() && j.relays != nullptr) {
+      out[i] = options_.copier->CopyRelaysToLive(*j.relays, *j.incoming, j.live.host, j.label, deadline, &w);
+      wrote[i] = wrote[i] || w;
+    }
+  };
+  const absl::Time copy_start = absl::Now();
+  std::vector<std::thread> copiers;
+  for (size_t i = 1; i < jobs.size(); ++i) copiers.emplace_back(copy_one, i);
+  copy_one(0);
+  for (std::thread& th : copiers) th.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - copy_start);
+  int64_t bytes = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    for (const StagedBuffer& b : *jobs[i].staging) bytes += out[i].ok() ? b.size() : 0;
+  }
+  absl::MutexLock l(&mu_);
+  if (bytes >= (int64_t{1} << 20) && seconds > 0) {
+    // Copy speed for Apply's "does it fit" estimate: smoothed, never above 100 GB/s.
+    live_copy_Bps_ = 0.5 * live_copy_Bps_ + 0.5 * std::min(1e11, static_cast<double>(bytes) / seconds);
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
+    live_.End(lk, out[i], wrote[i]);
+    if (out[i].ok() || !wrote[i]) continue;
+    Log(LogLevel::kError, "live weights torn",
+        {{"node", me}, {"model", jobs[i].model}, {"worker", jobs[i].worker}, {"version", jobs[i].version}, {"error", out[i].message()}});
+    absl::Status torn = live_.TornError(lk, me);
+    // Forgotten meanwhile (the worker left): still say what happened to the copy.
+    out[i] = torn.ok() ? absl::DataLossError(absl::StrCat("live weights of worker ", lk, " on node ", me, " are TORN: ", out[i].message()))
+                       : torn;
+  }
+  return out;
+}
+
+}  // namespace wb::daemon

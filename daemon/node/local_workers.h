@@ -1,0 +1,231 @@
+#pragma once
+// The node's local workers (issue 14): the table of workers registered on this node per (model,
+// worker), their layouts, live buffers (shm mappings, CUDA imports), trainer snapshots, rollout
+// committed staging and versions, the state of their live weights (whole / copying / TORN,
+// daemon/node/live_copy.h), the model inventories they brought, and the node-local waits on them
+// (Apply waiting for a version, a join waiting for the leave of the same id, one live copy per
+// worker at a time).
+//
+// Threads and ownership: every field below is guarded by this class's own mutex (a leaf for
+// everything but the clock: no method calls back into NodeDaemon, the coordinator or a
+// transport with it held). Callers: the WorkerService handlers (registration, layouts, Publish,
+// Apply, WaitVersion), the NodeService handlers (commit / abort / drop) and the executor threads
+// (GatherVersionMemory, AllocateStaging) through NodeDaemon, which may call in while holding its
+// own mutex (lock order: NodeDaemon::mu_ -> LocalWorkers::mu_). RunLiveCopies runs on the caller's
+// thread (plus one copy thread per extra job) and must be called with no lock held.
+//
+// Waits go through the injected Clock (base/clock.h) and end at a deadline; Stop() ends them.
+// The live copies themselves run on a transport, on real time (their deadline: now +
+// live_copy_timeout).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "base/clock.h"
+#include "base/shm_segment.h"
+#include "daemon/node/live_copy.h"
+#include "daemon/node/live_markers.h"
+#include "planner/types.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+namespace pb = ::weightbridge::v1;
+
+// A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
+struct PidWatch {
+  int pid = 0;
+  int fd = -1;
+  ~PidWatch();
+  bool Alive() const;
+  // Watches `pid`; INVALID_ARGUMENT naming `who` when no such process exists.
+  static absl::StatusOr<std::shared_ptr<PidWatch>> Open(int pid, const std::string& who);
+};
+
+class LocalWorkers {
+ public:
+  using Bytes = StagedBytes;
+  // Worker ids are scoped per model (issue 16.5): two models may each have a trainer/0 on one
+  // node, from one process or two. Local workers are keyed by (model, worker).
+  using WorkerKey = std::pair<std::string, std::string>;
+  // How LiveState (and its durable markers) know a worker: "<worker> of model <model>", which also
+  // reads right in its TORN errors.
+  static std::string LiveKey(const std::string& model, const std::string& worker) { return worker + " of model " + model; }
+
+  struct Worker {
+    std::string model_id;
+    planner::Role role = planner::Role::kTrainer;
+    int32_t gpu = 0;
+    pb::Mode mode = pb::MODE_SYNC;
+    bool has_layout = false;
+    std::vector<std::shared_ptr<transport::ShmSegment>> buffers;  // live host memory, layout order (null: CUDA)
+    std::vector<std::shared_ptr<CudaImport>> cuda;                 // same order: CUDA buffers (null: host)
+    std::map<uint64_t, std::shared_ptr<Bytes>> snapshots;          // trainer: version -> copy
+    std::shared_ptr<Bytes> committed;                              // rollout: newest committed staging
+    uint64_t committed_version = 0;
+    uint64_t applied_version = 0;
+    std::shared_ptr<PidWatch> pid;  // null: the worker gave no pid (not watched)
+    // What the node re-submits when it re-joins a (restarted) coordinator.
+    pb::ModelSpec spec;
+    pb::SubmitLayoutRequest submitted;  // valid when has_layout
+  };
+  // A copy of one worker's entry (without `submitted`) and its live state, taken under the lock.
+  struct View {
+    Worker worker;     // `submitted` left empty
+    bool copying = false;  // a copy into its live weights is running
+    absl::Status torn;     // DATA_LOSS when its live weights are TORN
+  };
+  // What Rejoin re-submits for one worker.
+  struct JoinInfo {
+    WorkerKey key;
+    planner::Role role = planner::Role::kTrainer;
+    int32_t gpu = 0;
+    pb::ModelSpec spec;
+    uint64_t applied_version = 0;
+    bool has_layout = false;
+    pb::SubmitLayoutRequest submitted;
+  };
+  // One copy of staging into a local rollout's live memory (sync commit or Apply).
+  struct LiveJob {
+    std::string model;
+    std::string worker;
+    uint64_t version = 0;  // being written
+    std::shared_ptr<Bytes> staging;
+    LiveBuffers live;
+    planner::WorkerLayout layout;                       // the pieces copied from `staging`
+    std::shared_ptr<const planner::Inventory> inventory;  // of the plan (kept alive by it)
+    // Sync commit only: relays left to the commit, copied from other rollouts' incoming staging.
+    const std::vector<RelayAtCommit>* relays = nullptr;
+    const std::map<std::string, std::shared_ptr<Bytes>>* incoming = nullptr;
+    std::string label;
+  };
+  // What Apply found after its wait: `staging` null = nothing newer to copy (live weights hold
+  // `applied_version`); else copy `staging` (version `version`) into `live`.
+  struct Applicable {
+    uint64_t applied_version = 0;
+    uint64_t version = 0;
+    std::shared_ptr<Bytes> staging;
+    LiveBuffers live;
+    double copy_Bps = 0;  // observed staging -> live copy speed (bytes/s)
+  };
+
+  struct Options {
+    std::string node_id;
+    Clock* clock = Clock::Real();
+    // A live copy, once started, runs until done or this long (NodeDaemon::Options::live_copy_timeout).
+    absl::Duration live_copy_timeout = absl::Minutes(2);
+    LiveCopier* copier = nullptr;  // not owned; must outlive this
+  };
+  explicit LocalWorkers(Options options);
+  ~LocalWorkers();
+
+  // Durable live-copy markers (daemon/node/live_markers.h), before the first worker registers.
+  void AttachMarkers(LiveMarkers* markers);
+  // Ends every wait (Apply, joins, live copies waiting for another) with UNAVAILABLE.
+  void Stop();
+
+  // ---- registration
+  // Before a join of `key`: waits (until `deadline`) while an exited earlier process of the same
+  // id is still leaving, drops a dead entry not reaped yet, and marks the id joining (the liveness
+  // check leaves it alone) until EndJoin. UNAVAILABLE when the leave does not finish in time.
+  absl::Status BeginJoin(const WorkerKey& key, absl::Time deadline);
+  void EndJoin(const WorkerKey& key);
+  // The coordinator accepted the join: `w` replaces any entry of `key` (its live state too: a new
+  // process, its memory). `inventory` (the model's tensors from the join) is kept when set.
+  void Add(const WorkerKey& key, Worker w, std::optional<planner::Inventory> inventory);
+  // The worker's buffers are mapped and its layout submitted: NOT_FOUND when it left meanwhile.
+  // Adopts TORN markers an earlier process left on the same memory (LiveState::Adopt). Returns the
+  // layout's bytes (what its pieces cover, from the model's inventory; 0 when unknown).
+  absl::StatusOr<uint64_t> AttachLayout(const WorkerKey& key, std::vector<std::shared_ptr<transport::ShmSegment>> buffers,
+                                        std::vector<std::shared_ptr<CudaImport>> cuda, pb::SubmitLayoutRequest submitted,
+                                        const pb::ResolvedLayout& resolved);
+  // Deregister / DropWorker / a refused re-join: the entry and its live state go.
+  void Remove(const WorkerKey& key);
+  // The liveness check: workers whose process exited (and that are not joining again) are removed
+  // and marked leaving until LeaveDone (a join of the same id waits for it).
+  std::vector<WorkerKey> ReapExited();
+  void LeaveDone(const WorkerKey& key);
+  // Re-join after a coordinator change: counts it (Apply waiters get ABORTED naming `reason`).
+  void NoteRejoin(const std::string& reason);
+  std::string restart_reason() const;
+  std::vector<JoinInfo> Joins() const;
+
+  // ---- lookups
+  bool Has(const WorkerKey& key) const;
+  std::optional<View> Get(const WorkerKey& key) const;
+  // The CUDA imports of a worker's buffers (empty when unknown).
+  std::vector<std::shared_ptr<CudaImport>> Cuda(const WorkerKey& key) const;
+  std::optional<planner::Inventory> Inventory(const std::string& model) const;
+  // The model's spec as this node holds it: worker `worker`'s (and its role into *role when unset),
+  // else any worker's of the model; nullopt when no worker of the model is registered here.
+  std::optional<pb::ModelSpec> SpecOf(const std::string& model, const std::string& worker, std::optional<planner::Role>* role) const;
+  // DATA_LOSS for the first TORN rollout of `model` on this node (WaitVersion), else OK.
+  absl::Status TornRollout(const std::string& model) const;
+  // Adds this node's view of its workers' live weights (LiveState) to a status answer.
+  void AddLiveState(pb::StatusResponse* resp) const;
+
+  // ---- versions
+  // Node-local outcome of a version (AbortVersion, a commit that lost its staging, a re-join):
+  // Apply waiters of it end with ABORTED naming `reason`.
+  void NoteAborted(const std::string& model, uint64_t version, const std::string& reason);
+  std::optional<std::string> AbortReason(const std::string& model, uint64_t version) const;
+  // False (nothing kept) when the worker left meanwhile.
+  bool AddSnapshot(const WorkerKey& key, uint64_t version, std::shared_ptr<Bytes> snapshot);
+  void DropSnapshot(const WorkerKey& key, uint64_t version);
+  // Every worker of `model`: drops its snapshot of `version` / of every version before `version`.
+  void DropSnapshots(const std::string& model, uint64_t version);
+  void DropSnapshotsBefore(const std::string& model, uint64_t version);
+  // CommitVersion: `incoming` (rollout -> staging) becomes each local rollout's committed copy
+  // (none for a rollout in `relayed`: its staging lacks pieces relayed at commit). Returns the
+  // live copies sync rollouts need (model, worker, version, staging, live filled in).
+  std::vector<LiveJob> Commit(const std::string& model, uint64_t version, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
+                              const std::set<std::string>& relayed);
+  // A live copy of `version` from `staging` succeeded. `after_commit`: the commit's copy (the
+  // staging is released when it is the committed one); else Apply's (released when nothing newer
+  // is committed).
+  void MarkApplied(const WorkerKey& key, uint64_t version, const std::shared_ptr<Bytes>& staging, bool after_commit);
+  // Apply: waits until `want` (0: whatever is newest) is committed or applied here, aborted, or
+  // the node re-joined, and no copy into the worker runs; then says what to copy. NOT_FOUND (not a
+  // rollout here), DEADLINE_EXCEEDED, ABORTED, UNAVAILABLE (stopped or left), DATA_LOSS (TORN with
+  // nothing to restore it from).
+  absl::StatusOr<Applicable> AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline) const;
+  // Runs `jobs` at once under the live-copy contract (daemon/node/live_copy.h): waits (bounded by
+  // live_copy_timeout) until no copy into the same workers runs, marks them copying, copies with
+  // live_copy_timeout as the deadline (not a client's), then records each worker whole or TORN.
+  // Per job: OK, the copy's error when it wrote nothing, or DATA_LOSS naming the torn worker.
+  // Call with no lock held.
+  std::vector<absl::Status> RunLiveCopies(std::vector<LiveJob>& jobs);
+
+ private:
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::map<WorkerKey, Worker> workers_ ABSL_GUARDED_BY(mu_);
+  LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
+  std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);  // model -> inventory
+  // Worker ids whose LeaveWorker (an exited process) is on its way to the coordinator, and ids being
+  // registered again: a join waits for the leave of the same id, and the liveness check leaves a
+  // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
+  std::set<WorkerKey> leaving_ ABSL_GUARDED_BY(mu_);
+  std::set<WorkerKey> joining_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
+  uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (Apply waiters compare)
+  std::string restart_reason_ ABSL_GUARDED_BY(mu_);
+  // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until
+  // measured): Apply does not start a copy that would obviously outlast its caller's timeout. Not
+  // pessimistic at first: a large model's first Apply with a modest timeout must still start.
+  double live_copy_Bps_ ABSL_GUARDED_BY(mu_) = 1e10;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace wb::daemon

@@ -1,0 +1,303 @@
+#include "daemon/node/local_workers.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "base/clock.h"
+#include "base/shm_segment.h"
+#include "gtest/gtest.h"
+#include "transport/config.h"
+#include "transport/host_shm/host_shm.h"
+
+namespace wb::daemon {
+namespace {
+
+using Key = LocalWorkers::WorkerKey;
+
+class LocalWorkersTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    transport::TransportConfig tc;
+    t_ = transport::NewHostShmTransport(tc);
+    ASSERT_NE(t_, nullptr);
+    copier_ = std::make_unique<LiveCopier>("n0", t_.get(), [this](const std::string& label) {
+      return label == fail_label_ ? absl::UnavailableError("injected") : absl::OkStatus();
+    });
+    LocalWorkers::Options o;
+    o.node_id = "n0";
+    o.clock = &clock_;
+    o.copier = copier_.get();
+    o.live_copy_timeout = absl::Seconds(30);
+    workers_ = std::make_unique<LocalWorkers>(o);
+    inv_ = std::make_shared<planner::Inventory>();
+    inv_->tensors = {{"a", {64, 64}, planner::DType::kF32}};
+    for (int k = 0; k < 2; ++k) {
+      planner::Piece p;
+      p.tensor = 0;
+      p.box = {{32 * k, 0}, {32 * (k + 1), 64}};
+      p.offset_bytes = 32 * 64 * 4 * k;
+      p.strides = {64, 1};
+      layout_.pieces.push_back(p);
+    }
+    layout_.buffers = {{64 * 64 * 4}};
+  }
+
+  // A sync or async rollout `id` of model m with one host buffer of the layout's size.
+  void AddRollout(const std::string& id, pb::Mode mode) {
+    LocalWorkers::Worker w;
+    w.model_id = "m";
+    w.role = planner::Role::kRollout;
+    w.mode = mode;
+    workers_->Add({"m", id}, std::move(w), std::nullopt);
+    auto seg = transport::ShmSegment::Create(transport::ShmSegment::UniqueName("lw"), 64 * 64 * 4);
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    std::vector<std::shared_ptr<transport::ShmSegment>> buffers = {std::make_shared<transport::ShmSegment>(std::move(*seg))};
+    ASSERT_TRUE(workers_->AttachLayout({"m", id}, buffers, {nullptr}, pb::SubmitLayoutRequest(), pb::ResolvedLayout()).ok());
+  }
+  std::shared_ptr<StagedBytes> Staging(uint8_t fill) {
+    auto b = std::make_shared<StagedBytes>(1);
+    (*b)[0].host.assign(64 * 64 * 4, fill);
+    return b;
+  }
+  int64_t LiveBytesEqual(const Key& key, uint8_t fill) {
+    auto v = workers_->Get(key);
+    const auto& seg = v->worker.buffers[0];
+    const uint8_t* p = static_cast<const uint8_t*>(seg->data());
+    int64_t n = 0;
+    for (int64_t i = 0; i < seg->size(); ++i) n += p[i] == fill;
+    return n;
+  }
+  // The live copies a commit of `version` asks for, completed with the layout (NodeDaemon's part).
+  std::vector<LocalWorkers::LiveJob> CommitJobs(uint64_t version, const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming) {
+    std::vector<LocalWorkers::LiveJob> jobs = workers_->Commit("m", version, incoming, {});
+    for (auto& j : jobs) {
+      j.layout = layout_;
+      j.inventory = inv_;
+      j.label = "commit " + j.worker;
+    }
+    return jobs;
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<transport::Transport> t_;
+  std::unique_ptr<LiveCopier> copier_;
+  std::string fail_label_;
+  std::unique_ptr<LocalWorkers> workers_;
+  std::shared_ptr<planner::Inventory> inv_;
+  planner::WorkerLayout layout_;
+};
+
+TEST_F(LocalWorkersTest, WorkerIdsAreScopedPerModel) {
+  LocalWorkers::Worker a;
+  a.model_id = "m1";
+  a.spec.set_model_id("m1");
+  workers_->Add({"m1", "trainer/0"}, a, std::nullopt);
+  LocalWorkers::Worker b;
+  b.model_id = "m2";
+  b.role = planner::Role::kRollout;
+  workers_->Add({"m2", "trainer/0"}, b, std::nullopt);
+  EXPECT_TRUE(workers_->Has({"m1", "trainer/0"}));
+  EXPECT_EQ(workers_->Get({"m2", "trainer/0"})->worker.role, planner::Role::kRollout);
+  workers_->Remove({"m2", "trainer/0"});
+  EXPECT_FALSE(workers_->Has({"m2", "trainer/0"}));
+  EXPECT_TRUE(workers_->Has({"m1", "trainer/0"})) << "another model's worker of the same id must stay";
+  std::optional<planner::Role> role;
+  auto spec = workers_->SpecOf("m1", "other", &role);
+  ASSERT_TRUE(spec.has_value());
+  EXPECT_EQ(spec->model_id(), "m1");
+  EXPECT_FALSE(role.has_value()) << "the role is only taken from the worker asked about";
+  EXPECT_FALSE(workers_->SpecOf("m3", "", &role).has_value());
+  ASSERT_EQ(workers_->Joins().size(), 1u);
+  EXPECT_EQ(workers_->Joins()[0].key, (Key{"m1", "trainer/0"}));
+}
+
+TEST_F(LocalWorkersTest, AJoinWaitsForTheLeaveOfAnExitedProcessOnTheClock) {
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(pipefd[1]);  // EOF on the read end once the parent closes its write end
+    char c;
+    (void)::read(pipefd[0], &c, 1);
+    ::_exit(0);
+  }
+  auto watch = PidWatch::Open(child, "worker r0");
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.pid = *watch;
+  workers_->Add({"m", "r0"}, w, std::nullopt);
+  EXPECT_TRUE(workers_->ReapExited().empty()) << "alive";
+  ::close(pipefd[1]);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  ::close(pipefd[0]);
+  ASSERT_EQ(workers_->ReapExited(), std::vector<Key>{Key("m", "r0")});
+  EXPECT_FALSE(workers_->Has({"m", "r0"}));
+
+  // The leave is still on its way: a join of the same id waits for it, up to its deadline.
+  const absl::Time deadline = clock_.Now() + absl::Seconds(10);
+  absl::Status joined;
+  std::thread t([&] { joined = workers_->BeginJoin({"m", "r0"}, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock_.Advance(absl::Seconds(11));
+  t.join();
+  EXPECT_EQ(joined.code(), absl::StatusCode::kUnavailable) << joined;
+  EXPECT_NE(joined.message().find("worker r0 of model m"), std::string::npos) << joined;
+  // Another model's r0 is another worker: it does not wait.
+  EXPECT_TRUE(workers_->BeginJoin({"m2", "r0"}, clock_.Now()).ok());
+  workers_->EndJoin({"m2", "r0"});
+
+  // Once the leave reached the coordinator the join goes ahead.
+  const absl::Time deadline2 = clock_.Now() + absl::Seconds(10);
+  std::thread t2([&] { joined = workers_->BeginJoin({"m", "r0"}, deadline2); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline2, absl::Now() + absl::Seconds(30)));
+  workers_->LeaveDone({"m", "r0"});
+  t2.join();
+  EXPECT_TRUE(joined.ok()) << joined;
+  workers_->EndJoin({"m", "r0"});
+}
+
+TEST_F(LocalWorkersTest, ApplyWaitsForTheCommitThenCopiesAndReleasesTheStaging) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  const Key key{"m", "r0"};
+  const absl::Time deadline = clock_.Now() + absl::Seconds(20);
+  absl::StatusOr<LocalWorkers::Applicable> got = absl::UnknownError("not run");
+  std::thread t([&] { got = workers_->AwaitApplicable(key, 1, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  auto staging = Staging(0xAB);
+  // Async: committing needs no live copy; Apply does it.
+  EXPECT_TRUE(CommitJobs(1, {{"r0", staging}}).empty());
+  t.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->version, 1u);
+  EXPECT_EQ(got->staging, staging);
+  EXPECT_EQ(got->applied_version, 0u);
+  EXPECT_GT(got->copy_Bps, 0);
+
+  std::vector<LocalWorkers::LiveJob> jobs(1);
+  jobs[0].model = "m";
+  jobs[0].worker = "r0";
+  jobs[0].version = got->version;
+  jobs[0].staging = got->staging;
+  jobs[0].live = got->live;
+  jobs[0].layout = layout_;
+  jobs[0].inventory = inv_;
+  jobs[0].label = "apply r0 v1";
+  std::vector<absl::Status> copied = workers_->RunLiveCopies(jobs);
+  ASSERT_TRUE(copied[0].ok()) << copied[0];
+  EXPECT_EQ(LiveBytesEqual(key, 0xAB), 64 * 64 * 4);
+  workers_->MarkApplied(key, 1, staging, /*after_commit=*/false);
+  auto v = workers_->Get(key);
+  EXPECT_EQ(v->worker.applied_version, 1u);
+  EXPECT_EQ(v->worker.committed, nullptr) << "applied staging goes back to the pool";
+  // Nothing newer: answers at once with what live weights hold.
+  auto again = workers_->AwaitApplicable(key, 0, clock_.Now());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->staging, nullptr);
+  EXPECT_EQ(again->applied_version, 1u);
+}
+
+TEST_F(LocalWorkersTest, ApplyEndsAtItsDeadlineOnTheClockOrWhenTheVersionIsAborted) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  const Key key{"m", "r0"};
+  absl::Time deadline = clock_.Now() + absl::Seconds(20);
+  absl::StatusOr<LocalWorkers::Applicable> got = absl::UnknownError("not run");
+  std::thread t([&] { got = workers_->AwaitApplicable(key, 3, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock_.Advance(absl::Seconds(21));
+  t.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
+  EXPECT_NE(got.status().message().find("version 3 not committed on node n0"), std::string::npos) << got.status();
+
+  deadline = clock_.Now() + absl::Seconds(20);
+  std::thread t2([&] { got = workers_->AwaitApplicable(key, 3, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  workers_->NoteAborted("m", 3, "a peer failed");
+  t2.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
+  EXPECT_NE(got.status().message().find("version 3 aborted: a peer failed"), std::string::npos) << got.status();
+  EXPECT_EQ(workers_->AbortReason("m", 3), "a peer failed");
+
+  // A re-join aborts waiters naming its reason.
+  deadline = clock_.Now() + absl::Seconds(20);
+  std::thread t3([&] { got = workers_->AwaitApplicable(key, 4, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  workers_->NoteRejoin("coordinator restarted");
+  t3.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
+  EXPECT_NE(got.status().message().find("coordinator restarted"), std::string::npos) << got.status();
+  EXPECT_EQ(workers_->AwaitApplicable({"m", "nobody"}, 1, clock_.Now()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(LocalWorkersTest, SyncCommitCopyFailingMidwayLeavesTheRolloutTorn) {
+  AddRollout("r0", pb::MODE_SYNC);
+  AddRollout("r1", pb::MODE_SYNC);
+  fail_label_ = "commit r1";
+  std::vector<LocalWorkers::LiveJob> jobs = CommitJobs(1, {{"r0", Staging(0x11)}, {"r1", Staging(0x22)}});
+  ASSERT_EQ(jobs.size(), 2u);
+  std::vector<absl::Status> copied = workers_->RunLiveCopies(jobs);
+  EXPECT_TRUE(copied[0].ok()) << copied[0];
+  EXPECT_EQ(copied[1].code(), absl::StatusCode::kDataLoss) << copied[1];
+  EXPECT_NE(copied[1].message().find("r1 of model m"), std::string::npos) << copied[1];
+  EXPECT_EQ(LiveBytesEqual({"m", "r0"}, 0x11), 64 * 64 * 4);
+  EXPECT_EQ(LiveBytesEqual({"m", "r1"}, 0x22), 32 * 64 * 4) << "half the pieces landed";
+  workers_->MarkApplied({"m", "r0"}, 1, jobs[0].staging, /*after_commit=*/true);
+  EXPECT_EQ(workers_->Get({"m", "r0"})->worker.committed, nullptr);
+
+  EXPECT_EQ(workers_->TornRollout("m").code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(workers_->TornRollout("other").ok());
+  auto r1 = workers_->Get({"m", "r1"});
+  EXPECT_EQ(r1->torn.code(), absl::StatusCode::kDataLoss);
+  pb::StatusResponse resp;
+  for (const char* id : {"r0", "r1"}) {
+    pb::WorkerStatus* ws = resp.add_workers();
+    ws->set_node_id("n0");
+    ws->set_model_id("m");
+    ws->set_worker_id(id);
+  }
+  workers_->AddLiveState(&resp);
+  EXPECT_EQ(resp.workers(0).live_state(), "whole");
+  EXPECT_EQ(resp.workers(1).live_state(), "torn");
+  EXPECT_EQ(resp.workers(1).live_writing_version(), 1u);
+
+  // A retried commit copies again from the committed staging and makes it whole.
+  fail_label_.clear();
+  std::vector<LocalWorkers::LiveJob> retry = CommitJobs(1, {{"r1", r1->worker.committed}});
+  copied = workers_->RunLiveCopies(retry);
+  ASSERT_TRUE(copied[0].ok()) << copied[0];
+  EXPECT_TRUE(workers_->TornRollout("m").ok());
+  EXPECT_EQ(LiveBytesEqual({"m", "r1"}, 0x22), 64 * 64 * 4);
+}
+
+TEST_F(LocalWorkersTest, StopEndsWaitsAndRefusesCopies) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  const absl::Time deadline = clock_.Now() + absl::Seconds(20);
+  absl::StatusOr<LocalWorkers::Applicable> got = absl::UnknownError("not run");
+  std::thread t([&] { got = workers_->AwaitApplicable({"m", "r0"}, 1, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  workers_->Stop();
+  t.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  std::vector<LocalWorkers::LiveJob> jobs = CommitJobs(1, {{"r0", Staging(1)}});
+  EXPECT_TRUE(jobs.empty());
+}
+
+TEST_F(LocalWorkersTest, SnapshotsPerVersion) {
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  workers_->Add({"m", "t0"}, w, std::nullopt);
+  for (uint64_t v : {1, 2, 3}) workers_->AddSnapshot({"m", "t0"}, v, Staging(static_cast<uint8_t>(v)));
+  workers_->DropSnapshot({"m", "t0"}, 3);
+  workers_->DropSnapshotsBefore("m", 2);
+  auto snaps = workers_->Get({"m", "t0"})->worker.snapshots;
+  ASSERT_EQ(snaps.size(), 1u);
+  EXPECT_EQ(snaps.begin()->first, 2u);
+  workers_->DropSnapshots("m", 2);
+  EXPECT_TRUE(workers_->Get({"m", "t0"})->worker.snapshots.empty());
+}
+
+}  // namespace
+}  // namespace wb::daemon
