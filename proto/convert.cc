@@ -394,6 +394,22 @@ void StatsToProto(const planner::PlanStats& stats, int num_buckets, pb::PlanStat
   out->set_makespan_s(stats.makespan_s);
   out->set_plan_ms(stats.plan_ms);
   out->set_num_buckets(static_cast<uint32_t>(num_buckets));
+  out->set_wire_bytes(stats.wire_bytes);
+  out->set_wire_bytes_inter_node(stats.wire_bytes_inter_node);
+  out->set_sender_quantized_bytes(stats.sender_quantized_bytes);
+}
+
+void OpToProto(const planner::TransferOp& op, pb::TransferOp* out) {
+  out->set_src_worker(static_cast<uint32_t>(op.src_worker));
+  out->set_dst_worker(static_cast<uint32_t>(op.dst_worker));
+  out->set_src_piece(op.src_piece);
+  out->set_dst_piece(op.dst_piece);
+  out->set_tensor(op.tensor);
+  ToProto(op.box, out->mutable_box());
+  out->set_bytes(static_cast<uint64_t>(op.bytes));
+  out->set_route(ToProto(op.route));
+  out->set_sender_quantized(op.sender_quantized);
+  out->set_wire_bytes(static_cast<uint64_t>(op.wire_bytes > 0 ? op.wire_bytes : op.bytes));
 }
 
 }  // namespace wb::convert

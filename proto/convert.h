@@ -103,4 +103,8 @@ planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p);
 
 void StatsToProto(const planner::PlanStats& stats, int num_buckets, pb::PlanStats* out);
 
+// The plan's fields of one op (workers, pieces, tensor, box, bytes, route, sender_quantized,
+// wire_bytes: 0 in the plan reads as `bytes`); the slicer adds index, bucket, nccl and staging.
+void OpToProto(const planner::TransferOp& op, pb::TransferOp* out);
+
 }  // namespace wb::convert

@@ -166,14 +166,7 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
       pb::TransferOp pop;
       pop.set_index(index++);
       pop.set_bucket(static_cast<uint32_t>(b));
-      pop.set_src_worker(static_cast<uint32_t>(op.src_worker));
-      pop.set_dst_worker(static_cast<uint32_t>(op.dst_worker));
-      pop.set_src_piece(op.src_piece);
-      pop.set_dst_piece(op.dst_piece);
-      pop.set_tensor(op.tensor);
-      ToProto(op.box, pop.mutable_box());
-      pop.set_bytes(static_cast<uint64_t>(op.bytes));
-      pop.set_route(ToProto(op.route));
+      convert::OpToProto(op, &pop);
       if (over_nccl[op_i++]) {
         // Both ends' lanes: the GPU of each side's buffer when it has a lane (daemon/nccl_route.h).
         pop.set_nccl(true);

@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/nccl_route.h"
 #include "planner/box.h"
+#include "planner/quantized.h"
+#include "planner/sender_quant.h"
 #include "base/status_macros.h"
 
 namespace wb::daemon::node {
@@ -83,6 +85,56 @@ std::vector<int64_t> Extents(const planner::Box& box) {
   return out;
 }
 
+int64_t AlignUp(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+bool IsQuantOutKey(const std::string& key) { return key.rfind("q.", 0) == 0; }
+
+// A slice worker's own piece (live layout; the staging layout when the slice has none).
+absl::StatusOr<const planner::Piece*> LivePiece(const Slice& slice, const SliceOp& op, bool src) {
+  const uint32_t w = src ? op.src_worker : op.dst_worker;
+  const int32_t p = src ? op.src_piece : op.dst_piece;
+  const std::vector<planner::WorkerLayout>& layouts =
+      w < slice.live_layouts.size() && !slice.live_layouts[w].pieces.empty() ? slice.live_layouts : slice.layouts;
+  if (p < 0 || w >= layouts.size() || p >= static_cast<int32_t>(layouts[w].pieces.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("sender-quantised op ", op.index, ": ", src ? "source" : "destination", " piece ", p,
+                                                   " of slice worker ", w, " is not in the slice"));
+  }
+  return &layouts[w].pieces[static_cast<size_t>(p)];
+}
+
+// The quantised elements of `box` in quantised piece `p`: its byte view (planner::StoredBytes;
+// int4: the last dim packed two per byte) and the matching sub-box.
+void ElementsSide(const planner::Inventory& inventory, const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy,
+                  transport::StridedRef& ref) {
+  const planner::ByteView bv = planner::StoredBytes(inventory, p);
+  planner::Box vb = box;
+  if (p.quant->dtype == planner::DType::kI4 && !vb.begin.empty()) {
+    const size_t l = vb.begin.size() - 1;
+    vb.begin[l] = p.box.begin[l] + (box.begin[l] - p.box.begin[l]) / 2;
+    vb.end[l] = vb.begin[l] + (box.end[l] - box.begin[l]) / 2;
+  }
+  copy.shape = Extents(vb);
+  copy.element_size = bv.element_size;
+  ref = RefFor(bv.piece, vb, bv.element_size, {});
+}
+
+// The scales of `box`'s blocks: a sub-grid of `p`'s scale grid (row-major at scale_offset_bytes).
+void ScalesSide(const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy, transport::StridedRef& ref) {
+  const std::vector<int64_t> grid = planner::ScaleShape(p);
+  const std::vector<int64_t> strides = planner::ContiguousStrides(grid);
+  const int es = planner::ScaleElementSize(*p.quant);
+  int64_t first = 0;
+  copy.shape.clear();
+  for (size_t d = 0; d < box.begin.size(); ++d) {
+    const int64_t b = p.quant->block[d];
+    first += (box.begin[d] - p.box.begin[d]) / b * strides[d];
+    copy.shape.push_back((box.end[d] - box.begin[d] + b - 1) / b);
+  }
+  copy.element_size = es;
+  ref.offset_bytes = p.quant->scale_offset_bytes + first * es;
+  ref.strides = strides;
+}
+
 // Relays at commit (sync mode). A same-node relay from rollout A's staging into rollout B's staging
 // would copy the bytes twice on this node: once in its bucket, again when the commit copies B's
 // staging into B's live buffers. When relays fill whole pieces of B that no op reads (no further
@@ -139,38 +191,49 @@ absl::Status PlanRelaysAtCommit(const Slice& slice, const ExecFacts& facts, Exec
 }
 
 // Which regions each transport reaches, the host-channel peers and the nccl lane pairs per peer.
-absl::Status PlanRegions(const Slice& slice, const ExecFacts& facts, ExecPlan& out,
+absl::Status PlanRegions(const Slice& slice, const ExecFacts& facts, const SenderQuant& quant, ExecPlan& out,
                          std::map<std::string, std::set<std::pair<int, int>>>& nccl_pairs) {
   const std::string& me = facts.me;
   for (const SliceOp& op : slice.ops) {
     const bool s = IsLocal(slice, op.src_worker, me), d = IsLocal(slice, op.dst_worker, me);
     if (!s && !d) continue;
-    ASSIGN_OR_RETURN(PieceAt src, ResolveSide(slice, op, true));
-    ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(slice, op, false));
-    if (s && d) {
-      const bool host = KindOf(facts, src.key) == MemoryKind::kHost && KindOf(facts, dst.key) == MemoryKind::kHost;
-      (host ? out.host_keys : out.cuda_keys).insert({src.key, dst.key});
-      continue;
+    // (source key, destination key) per copy: one, or two for a sender-quantised op.
+    std::vector<std::pair<std::string, std::string>> keys;
+    if (auto q = quant.copies.find(op.index); q != quant.copies.end()) {
+      if (op.nccl) return absl::InvalidArgumentError(absl::StrCat("sender-quantised op ", op.index, " is routed over nccl"));
+      keys = {{q->second.first.src_key, q->second.first.dst_key}, {q->second.second.src_key, q->second.second.dst_key}};
+    } else {
+      ASSIGN_OR_RETURN(PieceAt src, ResolveSide(slice, op, true));
+      ASSIGN_OR_RETURN(PieceAt dst, ResolveSide(slice, op, false));
+      keys = {{src.key, dst.key}};
     }
-    const std::string& key = s ? src.key : dst.key;
-    const std::string& peer = slice.workers[s ? op.dst_worker : op.src_worker].node_id;
-    if (op.nccl) {
-      nccl_pairs[peer].insert(s ? std::pair{op.nccl_src_device, op.nccl_dst_device} : std::pair{op.nccl_dst_device, op.nccl_src_device});
-      continue;
+    for (const auto& [src_key, dst_key] : keys) {
+      if (s && d) {
+        const bool host = KindOf(facts, src_key) == MemoryKind::kHost && KindOf(facts, dst_key) == MemoryKind::kHost;
+        (host ? out.host_keys : out.cuda_keys).insert({src_key, dst_key});
+        continue;
+      }
+      const std::string& key = s ? src_key : dst_key;
+      const std::string& peer = slice.workers[s ? op.dst_worker : op.src_worker].node_id;
+      if (op.nccl) {
+        nccl_pairs[peer].insert(s ? std::pair{op.nccl_src_device, op.nccl_dst_device} : std::pair{op.nccl_dst_device, op.nccl_src_device});
+        continue;
+      }
+      out.peers.insert(peer);
+      if (!s && KindOf(facts, key) == MemoryKind::kCuda) {
+        return absl::InternalError(absl::StrCat("op ", op.index, ": region ", key, " on node ", me,
+                                                " receives from another node but is staged on a GPU"));
+      }
+      out.cross_keys.insert(key);
     }
-    out.peers.insert(peer);
-    if (!s && KindOf(facts, key) == MemoryKind::kCuda) {
-      return absl::InternalError(absl::StrCat("op ", op.index, ": region ", key, " on node ", me,
-                                              " receives from another node but is staged on a GPU"));
-    }
-    out.cross_keys.insert(key);
   }
   if (!out.host_keys.empty() && !facts.have_local) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no same-node host transport"));
   if (!out.cuda_keys.empty() && !facts.have_cuda) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cuda_ipc transport"));
   if (!out.peers.empty() && !facts.have_cross) return absl::FailedPreconditionError(absl::StrCat("node ", me, " has no cross-node host transport"));
   for (const std::set<std::string>* keys : {&out.host_keys, &out.cuda_keys, &out.cross_keys}) {
     for (const std::string& key : *keys) {
-      if (facts.kind.count(key) == 0) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
+      // q regions are made from this plan (QuantizeOutgoing), after it.
+      if (facts.kind.count(key) == 0 && !IsQuantOutKey(key)) return absl::InternalError(absl::StrCat("region ", key, " missing on node ", me));
     }
   }
   for (const auto& [key, lane] : out.lanes.lane_of) {
@@ -206,8 +269,8 @@ void PlanChannels(const ExecFacts& facts, const std::map<std::string, std::set<s
 
 // The routes of one bucket: one batch of same-node host copies, one of same-node CUDA copies, one
 // per peer channel, each with its ops in op-index order (the mirror the peer derives).
-absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const std::vector<const SliceOp*>& ops, uint32_t b, ExecPlan& plan,
-                        BucketPlan& out) {
+absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const SenderQuant& quant, const std::vector<const SliceOp*>& ops,
+                        uint32_t b, ExecPlan& plan, BucketPlan& out) {
   const std::string& me = facts.me;
   int host_route = -1, cuda_route = -1;
   std::map<std::string, int> peer_routes;
@@ -229,7 +292,23 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const std::v
     r.copy.element_size = elem;
     r.copy.src = RefFor(r.src.piece, op->box, elem, {});
     r.copy.dst = RefFor(r.dst.piece, op->box, elem, {});
-    const bool reads_written = s_local && plan.written.count(r.src_key) > 0;
+    // A sender-quantised op: its elements and its scales, two copies in one batch.
+    std::vector<RouteOp> parts;
+    if (auto q = quant.copies.find(op->index); q != quant.copies.end()) {
+      for (const QuantCopy* c : {&q->second.first, &q->second.second}) {
+        RouteOp part = r;
+        part.part = c == &q->second.first ? RouteOp::Part::kElements : RouteOp::Part::kScales;
+        part.src_key = c->src_key;
+        part.dst_key = c->dst_key;
+        part.copy = c->copy;
+        part.bytes = static_cast<uint64_t>(c->copy.bytes());
+        parts.push_back(std::move(part));
+      }
+    } else {
+      parts.push_back(r);  // r's keys still pick the route below
+    }
+    bool reads_written = false;
+    for (const RouteOp& part : parts) reads_written = reads_written || (s_local && plan.written.count(part.src_key) > 0);
     int* slot = nullptr;
     Route fresh;
     fresh.bucket = b;
@@ -261,16 +340,91 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const std::v
       out.routes.push_back(std::move(fresh));
     }
     Route& route = out.routes[static_cast<size_t>(*slot)];
-    route.bytes += static_cast<int64_t>(op->bytes);
+    // Bytes as moved (wire bytes); progress (incoming) counts the canonical bytes the op delivers.
+    for (const RouteOp& part : parts) route.bytes += static_cast<int64_t>(part.bytes);
     if (d_local) route.incoming += static_cast<int64_t>(op->bytes);
     route.reads_written = route.reads_written || reads_written;
-    route.ops.push_back(std::move(r));
+    for (RouteOp& part : parts) route.ops.push_back(std::move(part));
     if (route.kind == RouteKind::kNccl) out.has_nccl = true;
   }
   return absl::OkStatus();
 }
 
 }  // namespace
+
+std::string QuantOutKey(const std::string& dst_node) { return "q." + dst_node; }
+
+absl::StatusOr<SenderQuant> PlanSenderQuant(const Slice& slice, const std::string& me) {
+  SenderQuant out;
+  std::vector<const SliceOp*> ops;
+  for (const SliceOp& op : slice.ops) {
+    if (op.sender_quantized) ops.push_back(&op);
+  }
+  if (ops.empty()) return out;
+  if (slice.inventory == nullptr) return absl::InvalidArgumentError("sender-quantised ops in a slice without inventory");
+  std::sort(ops.begin(), ops.end(), [](const SliceOp* x, const SliceOp* y) { return x->index < y->index; });
+  std::map<std::pair<std::string, std::string>, int64_t> next;  // (source node, destination node) -> end of its q region
+  for (const SliceOp* opp : ops) {
+    const SliceOp& op = *opp;
+    RETURN_IF_ERROR(CheckWorkers(slice, op));
+    const std::string what = absl::StrCat("sender-quantised op ", op.index, " (tensor ", slice.inventory->tensors[op.tensor].name, " box ",
+                                          planner::BoxToString(op.box), ")");
+    if (op.src_piece < 0 || op.dst_piece < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": has a gather staging side"));
+    ASSIGN_OR_RETURN(const planner::Piece* dp, LivePiece(slice, op, false));
+    if (!dp->quant.has_value() || !planner::SenderCanQuantize(*dp->quant)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": its destination piece is not in a format senders quantise to"));
+    }
+    if (dp->tensor != op.tensor || !planner::BoxContains(dp->box, op.box) ||
+        !planner::BoxOnBlockGrid(op.box, slice.inventory->tensors[op.tensor].shape, dp->quant->block)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": not whole blocks of its destination piece ", planner::BoxToString(dp->box)));
+    }
+    QuantCopy el, sc;
+    el.dst_key = RegionKey(op.dst_worker, dp->buffer);
+    sc.dst_key = RegionKey(op.dst_worker, dp->quant->scale_buffer);
+    ElementsSide(*slice.inventory, *dp, op.box, el.copy, el.copy.dst);
+    ScalesSide(*dp, op.box, sc.copy, sc.copy.dst);
+    const std::string& src_node = slice.workers[op.src_worker].node_id;
+    const std::string& dst_node = slice.workers[op.dst_worker].node_id;
+    if (slice.workers[op.src_worker].role == planner::Role::kRollout) {
+      // A relay: the quantised bytes it received, at its own piece's place.
+      ASSIGN_OR_RETURN(const planner::Piece* sp, LivePiece(slice, op, true));
+      if (!sp->quant.has_value() || !planner::SameQuantFormat(*sp->quant, *dp->quant) || !planner::BoxContains(sp->box, op.box)) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": relay source piece ", planner::BoxToString(sp->box),
+                                                       " does not hold the box in the destination's format"));
+      }
+      transport::CopyOp tmp;
+      el.src_key = RegionKey(op.src_worker, sp->buffer);
+      sc.src_key = RegionKey(op.src_worker, sp->quant->scale_buffer);
+      ElementsSide(*slice.inventory, *sp, op.box, tmp, el.copy.src);
+      ScalesSide(*sp, op.box, tmp, sc.copy.src);
+    } else {
+      int64_t& at = next[{src_node, dst_node}];
+      QuantJob job;
+      job.op_index = op.index;
+      job.box = op.box;
+      job.quant = *dp->quant;
+      job.elements_offset = at;
+      job.elements_bytes = el.copy.bytes();
+      job.scales_offset = AlignUp(at + job.elements_bytes, 16);
+      job.scales_bytes = sc.copy.bytes();
+      at = AlignUp(job.scales_offset + job.scales_bytes, 64);
+      el.src_key = sc.src_key = QuantOutKey(dst_node);
+      el.copy.src = {{}, job.elements_offset, planner::ContiguousStrides(el.copy.shape)};
+      sc.copy.src = {{}, job.scales_offset, planner::ContiguousStrides(sc.copy.shape)};
+      if (src_node == me) {
+        ASSIGN_OR_RETURN(PieceAt src, ResolveSide(slice, op, true));
+        job.src_key = src.key;
+        job.src = src.piece;
+        QuantRegion& region = out.regions[el.src_key];
+        region.jobs.push_back(std::move(job));
+        region.size = at;
+      }
+    }
+    if (dst_node == me && slice.workers[op.dst_worker].role == planner::Role::kRollout) out.pieces_in[op.dst_worker].insert(op.dst_piece);
+    out.copies[op.index] = {std::move(el), std::move(sc)};
+  }
+  return out;
+}
 
 absl::StatusOr<LanePlan> PlanLanes(const Slice& slice, const std::string& me, const std::set<int>& lanes) {
   LanePlan out;
@@ -307,8 +461,11 @@ absl::StatusOr<ExecPlan> MakeExecPlan(const Slice& slice, const ExecFacts& facts
   }
   ExecPlan plan;
   ASSIGN_OR_RETURN(plan.lanes, PlanLanes(slice, facts.me, facts.lanes));
+  ASSIGN_OR_RETURN(SenderQuant quant, PlanSenderQuant(slice, facts.me));
+  plan.quant_out = quant.regions;
+  plan.quant_pieces_in = quant.pieces_in;
   std::map<std::string, std::set<std::pair<int, int>>> nccl_pairs;  // per peer: (our GPU, the peer's GPU)
-  RETURN_IF_ERROR(PlanRegions(slice, facts, plan, nccl_pairs));
+  RETURN_IF_ERROR(PlanRegions(slice, facts, quant, plan, nccl_pairs));
   PlanChannels(facts, nccl_pairs, plan);
   RETURN_IF_ERROR(PlanRelaysAtCommit(slice, facts, plan));
   // Local regions this version writes: rollout incoming staging and the gather staging. A batch
@@ -325,7 +482,7 @@ absl::StatusOr<ExecPlan> MakeExecPlan(const Slice& slice, const ExecFacts& facts
   plan.buckets.resize(slice.num_buckets);
   for (uint32_t b = 0; b < slice.num_buckets; ++b) {
     std::sort(by_bucket[b].begin(), by_bucket[b].end(), [](const SliceOp* x, const SliceOp* y) { return x->index < y->index; });
-    RETURN_IF_ERROR(PlanBucket(slice, facts, by_bucket[b], b, plan, plan.buckets[b]));
+    RETURN_IF_ERROR(PlanBucket(slice, facts, quant, by_bucket[b], b, plan, plan.buckets[b]));
   }
   return plan;
 }

@@ -55,6 +55,10 @@ struct SliceOp {
   bool has_staging_box = false;
   planner::Box staging_box;
   uint64_t staging_offset = 0;
+  // Sender-side quantisation (issue 17.1): the op moves the destination piece's quantised elements
+  // and the scales of the box's blocks (SenderQuantCopies), `wire_bytes` in all.
+  bool sender_quantized = false;
+  uint64_t wire_bytes = 0;
 };
 
 struct SliceWorker {
@@ -68,6 +72,10 @@ struct SliceWorker {
 struct Slice {
   std::vector<SliceWorker> workers;
   std::vector<planner::WorkerLayout> layouts;
+  // Per slice worker its own layout (a rollout's quantised pieces with their scales; staging lays
+  // them out at the same places, planner::StagingLayout). Needed by sender-quantised ops only;
+  // an empty entry reads as `layouts`.
+  std::vector<planner::WorkerLayout> live_layouts;
   std::vector<bool> quantized;
   std::vector<SliceOp> ops;
   uint32_t num_buckets = 0;
@@ -86,6 +94,54 @@ struct PieceAt {
   planner::Piece piece;
 };
 absl::StatusOr<PieceAt> ResolveSide(const Slice& slice, const SliceOp& op, bool src);
+
+// ---- Sender-side quantisation (issue 17.1; docs/daemon.md "Quantized targets") ----
+// A sender-quantised op moves two copies: the quantised elements of its box (fp8: a byte per
+// element; int4: the packed bytes, planner::StoredBytes) and the scales of the box's blocks (a
+// sub-grid of the destination piece's scales). They land where the receiver's quantiser would have
+// written them: the live piece's place and its scales in the rollout's staging (same offsets as
+// the live buffers). Their source is
+//  - a trainer piece: the sending node quantises the box (daemon/node/quantize_outgoing.h) into
+//    its outgoing staging "q.<destination node>" (QuantOutKey): per (source node, destination
+//    node), the sender-quantised ops from trainers in op-index order, each its elements row-major
+//    over the box then its scales row-major over the box's block grid. Both nodes of such an op
+//    hold every op between them in their slices, so they compute the same offsets;
+//  - a rollout piece (a relay): the quantised elements and scales it received, at its own piece's
+//    place (the planner gives every needer of a fragment the same format on the global grid).
+std::string QuantOutKey(const std::string& dst_node);
+
+// One trainer-source op to quantise on the sending node.
+struct QuantJob {
+  uint32_t op_index = 0;
+  std::string src_key;         // the trainer region the canonical box is read from
+  planner::Piece src;          // the trainer's piece (canonical dtype)
+  planner::Box box;            // the op's box
+  planner::Quantization quant; // the destination's format (scale_buffer / offset unused)
+  int64_t elements_offset = 0, elements_bytes = 0;  // in the q region
+  int64_t scales_offset = 0, scales_bytes = 0;
+};
+struct QuantRegion {
+  int64_t size = 0;
+  std::vector<QuantJob> jobs;  // op-index order
+};
+
+// The two copies of a sender-quantised op (handles unset).
+struct QuantCopy {
+  std::string src_key, dst_key;
+  transport::CopyOp copy;
+};
+struct SenderQuant {
+  std::map<std::string, QuantRegion> regions;  // this node's q regions (QuantOutKey) -> their jobs
+  std::map<uint32_t, std::pair<QuantCopy, QuantCopy>> copies;  // op index -> (elements, scales)
+  // Local rollouts' pieces that arrive sender-quantised (their receiver-side quantising is skipped).
+  std::map<uint32_t, std::set<int32_t>> pieces_in;
+};
+
+// Every sender-quantised op of `slice` with a side on `me`: its copies; the q regions of `me`
+// (ops from local trainers); the local rollouts' pieces they fill. INVALID_ARGUMENT for an op the
+// rule cannot serve (a gather side, a destination piece without quantisation or with a format
+// senders cannot produce, a box off the block grid, a relay whose source holds another format).
+absl::StatusOr<SenderQuant> PlanSenderQuant(const Slice& slice, const std::string& me);
 
 // First step (before staging is allocated): which local regions go over nccl and on which lane.
 struct LanePlan {
@@ -134,6 +190,9 @@ struct RouteOp {
   bool src_local = true, dst_local = true;
   PieceAt src, dst;      // the resolved sides (pieces and boxes stay reachable after the run)
   planner::Box box;      // canonical box moved
+  // Sender-quantised op (issue 17.1): its two copies are two RouteOps with the same op_index,
+  // kElements then kScales; `src` / `dst` are the canonical sides as the slice names them.
+  enum class Part { kCanonical, kElements, kScales } part = Part::kCanonical;
   transport::CopyOp copy;  // src.region / dst.region unset
   uint64_t bytes = 0;
 };
@@ -170,6 +229,10 @@ struct ExecPlan {
   std::map<std::string, std::set<int32_t>> pieces_at_commit;           // destination rollout -> pieces they fill
   uint64_t relay_bytes_at_commit = 0;
   std::vector<BucketPlan> buckets;
+  // Sender-side quantisation: this node's q regions to fill before the buckets (QuantizeOutgoing)
+  // and the local rollouts' pieces that arrive quantised (QuantizeStaging skips them).
+  std::map<std::string, QuantRegion> quant_out;
+  std::map<uint32_t, std::set<int32_t>> quant_pieces_in;
 };
 
 absl::StatusOr<ExecPlan> MakeExecPlan(const Slice& slice, const ExecFacts& facts);

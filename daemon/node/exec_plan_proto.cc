@@ -7,8 +7,9 @@ namespace wb::daemon::node {
 namespace pb = ::weightbridge::v1;
 
 Slice SliceFromProto(const pb::PlanSlice& slice, const std::vector<planner::WorkerLayout>& layouts, const std::vector<bool>& quantized,
-                     bool hosts_gather, const planner::Inventory& inventory) {
+                     bool hosts_gather, const planner::Inventory& inventory, const std::vector<planner::WorkerLayout>& live_layouts) {
   Slice out;
+  out.live_layouts = live_layouts;
   for (const pb::PlanWorker& w : slice.workers()) out.workers.push_back({w.worker_id(), w.node_id(), FromProto(w.role())});
   out.layouts = layouts;
   out.quantized = quantized;
@@ -36,6 +37,8 @@ Slice SliceFromProto(const pb::PlanSlice& slice, const std::vector<planner::Work
     o.has_staging_box = op.has_staging_box();
     if (o.has_staging_box) o.staging_box = FromProto(op.staging_box());
     o.staging_offset = op.staging_offset();
+    o.sender_quantized = op.sender_quantized();
+    o.wire_bytes = op.wire_bytes() > 0 ? op.wire_bytes() : op.bytes();
     out.ops.push_back(std::move(o));
   }
   return out;

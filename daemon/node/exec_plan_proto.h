@@ -11,7 +11,9 @@ namespace wb::daemon::node {
 
 // `layouts` (the staging layouts transfers address), `quantized` and `inventory` are the node's
 // resolved view of the slice (NodeDaemon::ModelPlan); `inventory` must outlive the result.
+// `live_layouts`: the workers' own layouts (Slice::live_layouts; sender-quantised ops need them).
 Slice SliceFromProto(const ::weightbridge::v1::PlanSlice& slice, const std::vector<planner::WorkerLayout>& layouts,
-                     const std::vector<bool>& quantized, bool hosts_gather, const planner::Inventory& inventory);
+                     const std::vector<bool>& quantized, bool hosts_gather, const planner::Inventory& inventory,
+                     const std::vector<planner::WorkerLayout>& live_layouts = {});
 
 }  // namespace wb::daemon::node

@@ -29,6 +29,7 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
     for (size_t k = 0; k < t.live->pieces.size(); ++k) {
       const planner::Piece& p = t.live->pieces[k];
       if (!p.quant.has_value()) continue;
+      if (t.sender_quantized != nullptr && t.sender_quantized->count(static_cast<int32_t>(k)) > 0) continue;
       const size_t b = static_cast<size_t>(p.buffer), sb = static_cast<size_t>(p.quant->scale_buffer);
       if (b >= staging.size() || sb >= staging.size() || staging[b].device != nullptr || staging[sb].device != nullptr) {
         return absl::InternalError(absl::StrCat("version ", version, ": staging of rollout ", t.worker,

@@ -5,6 +5,7 @@
 // before the node reports the version transferred.
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,9 @@ struct QuantizeTarget {
   const planner::WorkerLayout* live = nullptr;    // the worker's own layout (quantised pieces + scales)
   const planner::WorkerLayout* shadow = nullptr;  // the staging layout the bytes landed in
   StagedBytes* staging = nullptr;                 // host buffers; must stay alive during the call
+  // Pieces (indices into `live`) that arrived quantised by their senders (issue 17.1,
+  // ExecPlan::quant_pieces_in): already in place, not quantised again. May be null.
+  const std::set<int32_t>* sender_quantized = nullptr;
 };
 
 struct QuantizeResult {

@@ -1,0 +1,229 @@
+// Sender-side quantisation (issue 17.1): the bytes a sending node quantises into its q region and
+// the executor's copies land in a rollout's staging are bit for bit what the receiving node's own
+// quantiser (daemon/quantize.h over the canonical shadow) writes there, for each format; a relay
+// forwards them unchanged; both nodes compute the same q offsets.
+#include "daemon/node/quantize_outgoing.h"
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "daemon/quantize.h"
+#include "gtest/gtest.h"
+#include "planner/box.h"
+#include "planner/quantized.h"
+
+namespace wb::daemon::node {
+namespace {
+
+using planner::DType;
+
+// dst (region `dst`) <- src (region `src`) per a CopyOp's strided refs, element by element.
+void ApplyCopy(const transport::CopyOp& c, const uint8_t* src, uint8_t* dst) {
+  const size_t rank = c.shape.size();
+  std::vector<int64_t> idx(rank, 0);
+  int64_t n = 1;
+  for (int64_t d : c.shape) n *= d;
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t so = c.src.offset_bytes, dof = c.dst.offset_bytes;
+    for (size_t d = 0; d < rank; ++d) {
+      so += idx[d] * c.src.strides[d] * c.element_size;
+      dof += idx[d] * c.dst.strides[d] * c.element_size;
+    }
+    std::memcpy(dst + dof, src + so, static_cast<size_t>(c.element_size));
+    for (size_t d = rank; d-- > 0;) {
+      if (++idx[d] < c.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+struct Format {
+  const char* name;
+  DType dtype;
+  std::vector<int64_t> block;
+  DType scale_dtype;
+};
+
+class QuantizeOutgoingTest : public testing::TestWithParam<Format> {
+ protected:
+  static constexpr int64_t kRows = 256, kCols = 384;
+
+  void SetUp() override {
+    const Format& f = GetParam();
+    inventory_.tensors.push_back({"model.layers.0.mlp.down_proj.weight", {kRows, kCols}, DType::kBF16});
+    // Two trainers on n0, each half the rows (whole 128-row blocks); two rollouts on n1 holding
+    // the tensor quantised, r1 fed by a relay from r0.
+    for (int t = 0; t < 2; ++t) {
+      planner::WorkerLayout l;
+      l.buffers.push_back({kRows / 2 * kCols * 2});
+      planner::Piece p;
+      p.tensor = 0;
+      p.box = {{t * kRows / 2, 0}, {(t + 1) * kRows / 2, kCols}};
+      p.strides = {kCols, 1};
+      l.pieces.push_back(p);
+      trainers_.push_back(l);
+      std::vector<uint8_t> bytes(static_cast<size_t>(l.buffers[0].size_bytes));
+      std::mt19937 rng(7 + t);
+      std::normal_distribution<float> dist(0.0f, 0.02f);
+      for (size_t i = 0; i + 1 < bytes.size(); i += 2) {
+        const uint16_t h = FloatToBF16(dist(rng) * ((i / 2) % 97 == 0 ? 50.0f : 1.0f));
+        std::memcpy(&bytes[i], &h, 2);
+      }
+      source_.push_back(std::move(bytes));
+    }
+    planner::Piece q;
+    q.tensor = 0;
+    q.box = {{0, 0}, {kRows, kCols}};
+    q.strides = {kCols, 1};
+    q.quant = planner::Quantization{f.dtype, f.block, 0, 0, f.scale_dtype};
+    const int64_t elements = f.dtype == DType::kI4 ? kRows * kCols / 2 : kRows * kCols;
+    q.quant->scale_offset_bytes = elements;
+    live_.pieces.push_back(q);
+    live_.buffers.push_back({elements + planner::ScaleCount(q) * planner::ScaleElementSize(*q.quant)});
+    staging_ = planner::StagingLayout(inventory_, live_);
+
+    slice_.inventory = &inventory_;
+    slice_.workers = {{"trainer/0", "n0", planner::Role::kTrainer},
+                      {"trainer/1", "n0", planner::Role::kTrainer},
+                      {"rollout/0", "n1", planner::Role::kRollout},
+                      {"rollout/1", "n1", planner::Role::kRollout}};
+    slice_.layouts = {trainers_[0], trainers_[1], staging_, staging_};
+    slice_.live_layouts = {trainers_[0], trainers_[1], live_, live_};
+    slice_.quantized = {false, false, true, true};
+    slice_.num_buckets = 2;
+    for (uint32_t t = 0; t < 2; ++t) {
+      SliceOp op;
+      op.index = t;
+      op.bucket = 0;
+      op.src_worker = t;
+      op.dst_worker = 2;
+      op.src_piece = 0;
+      op.dst_piece = 0;
+      op.tensor = 0;
+      op.box = trainers_[t].pieces[0].box;
+      op.bytes = static_cast<uint64_t>(planner::BoxVolume(op.box) * 2);
+      op.sender_quantized = true;
+      slice_.ops.push_back(op);
+    }
+    SliceOp relay = slice_.ops[0];
+    relay.index = 2;
+    relay.bucket = 1;
+    relay.src_worker = 2;
+    relay.dst_worker = 3;
+    relay.box = live_.pieces[0].box;
+    relay.bytes = static_cast<uint64_t>(planner::BoxVolume(relay.box) * 2);
+    slice_.ops.push_back(relay);
+  }
+
+  planner::Inventory inventory_;
+  std::vector<planner::WorkerLayout> trainers_;
+  std::vector<std::vector<uint8_t>> source_;
+  planner::WorkerLayout live_, staging_;
+  Slice slice_;
+};
+
+TEST_P(QuantizeOutgoingTest, LandsTheBytesTheReceiverWouldHaveQuantised) {
+  // Sender n0: its q region for n1 holds the two trainer ops.
+  absl::StatusOr<SenderQuant> sq = PlanSenderQuant(slice_, "n0");
+  ASSERT_TRUE(sq.ok()) << sq.status();
+  ASSERT_EQ(sq->regions.size(), 1u);
+  ASSERT_EQ(sq->regions.count(QuantOutKey("n1")), 1u);
+  ASSERT_EQ(sq->regions.at(QuantOutKey("n1")).jobs.size(), 2u);
+  EXPECT_TRUE(sq->pieces_in.empty());  // n0 holds no rollout
+  std::map<std::string, RegionMemory> memory;
+  for (uint32_t t = 0; t < 2; ++t) {
+    memory[RegionKey(t, 0)] = RegionMemory{transport::MemoryKind::kHost, source_[t].data(), static_cast<int64_t>(source_[t].size()), -1, {}};
+  }
+  absl::StatusOr<OutgoingStaging> out = OutgoingQuantizer(2).Quantize(inventory_, sq->regions, memory, "m v1", absl::InfiniteFuture());
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->ops, 2);
+  EXPECT_EQ(out->canonical_bytes, kRows * kCols * 2);
+  const uint8_t* q = out->regions.at(QuantOutKey("n1")).base;
+
+  // Receiver n1: the executor's copies of its exec plan, from the sender's q region into r0's
+  // staging, then the relay r0 -> r1 (same node).
+  ExecFacts facts;
+  facts.me = "n1";
+  for (uint32_t w = 2; w < 4; ++w) facts.kind[RegionKey(w, 0)] = transport::MemoryKind::kHost;
+  absl::StatusOr<ExecPlan> plan = MakeExecPlan(slice_, facts);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->quant_out.empty());
+  ASSERT_EQ(plan->quant_pieces_in.size(), 2u);
+  EXPECT_EQ(plan->quant_pieces_in.at(2), std::set<int32_t>{0});
+  std::vector<uint8_t> r0(static_cast<size_t>(staging_.buffers[0].size_bytes), 0), r1 = r0;
+  int64_t wire = 0, parts = 0;
+  for (const BucketPlan& b : plan->buckets) {
+    for (const Route& route : b.routes) {
+      for (const RouteOp& op : route.ops) {
+        ASSERT_NE(op.part, RouteOp::Part::kCanonical) << op.op_index;
+        ++parts;
+        wire += op.copy.bytes();
+        if (op.op_index < 2) {
+          ASSERT_EQ(op.src_key, QuantOutKey("n1"));
+          ApplyCopy(op.copy, q, r0.data());
+        } else {
+          ASSERT_EQ(op.src_key, RegionKey(2, 0));
+          ApplyCopy(op.copy, r0.data(), r1.data());
+        }
+      }
+      int64_t route_bytes = 0;
+      for (const RouteOp& op : route.ops) route_bytes += op.copy.bytes();
+      EXPECT_EQ(route.bytes, route_bytes);  // wire bytes, not canonical
+    }
+  }
+  EXPECT_EQ(parts, 6);
+  const int64_t live_bytes = live_.buffers[0].size_bytes;
+  EXPECT_EQ(wire, 2 * live_bytes);  // the trainers' ops fill r0 once, the relay r1 once
+  EXPECT_EQ(out->wire_bytes, live_bytes);
+
+  // Reference: the receiver-side path (the whole tensor canonical in the shadow, quantised there).
+  std::vector<uint8_t> ref(r0.size(), 0);
+  const planner::Piece& shadow = staging_.pieces[0];
+  for (uint32_t t = 0; t < 2; ++t) {
+    std::memcpy(ref.data() + shadow.offset_bytes + t * source_[t].size(), source_[t].data(), source_[t].size());
+  }
+  ASSERT_TRUE(QuantizePiece(inventory_, live_.pieces[0], ref.data() + shadow.offset_bytes, ref.data(), ref.data()).ok());
+  EXPECT_EQ(std::memcmp(r0.data(), ref.data(), static_cast<size_t>(live_bytes)), 0) << GetParam().name;
+  EXPECT_EQ(std::memcmp(r1.data(), ref.data(), static_cast<size_t>(live_bytes)), 0) << GetParam().name;
+
+  // Both nodes place each op at the same q offsets (the sender's jobs, the receiver's copies).
+  for (const QuantJob& j : sq->regions.at(QuantOutKey("n1")).jobs) {
+    bool found = false;
+    for (const Route& route : plan->buckets[0].routes) {
+      for (const RouteOp& op : route.ops) {
+        if (op.op_index != j.op_index) continue;
+        found = true;
+        EXPECT_EQ(op.copy.src.offset_bytes, op.part == RouteOp::Part::kElements ? j.elements_offset : j.scales_offset);
+      }
+    }
+    EXPECT_TRUE(found) << j.op_index;
+  }
+}
+
+TEST_P(QuantizeOutgoingTest, DeviceSourceAndOffGridBoxAreRefused) {
+  absl::StatusOr<SenderQuant> sq = PlanSenderQuant(slice_, "n0");
+  ASSERT_TRUE(sq.ok()) << sq.status();
+  std::map<std::string, RegionMemory> memory;
+  memory[RegionKey(0, 0)] = RegionMemory{transport::MemoryKind::kCuda, nullptr, static_cast<int64_t>(source_[0].size()), 0, {}};
+  memory[RegionKey(1, 0)] = RegionMemory{transport::MemoryKind::kHost, source_[1].data(), static_cast<int64_t>(source_[1].size()), -1, {}};
+  absl::StatusOr<OutgoingStaging> out = OutgoingQuantizer().Quantize(inventory_, sq->regions, memory, "m v1", absl::InfiniteFuture());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kFailedPrecondition) << out.status();
+  EXPECT_NE(out.status().message().find("w0.b0"), std::string::npos) << out.status();
+
+  Slice bad = slice_;
+  bad.ops[0].box.end[0] = 64;  // half a 128-row block (fp8_block128); mx / int4 blocks are 1 row: cut a column group
+  bad.ops[0].box.end[1] = GetParam().block[1] == 128 ? kCols : 16;
+  absl::StatusOr<SenderQuant> refused = PlanSenderQuant(bad, "n0");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("whole blocks"), std::string::npos) << refused.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantizeOutgoingTest,
+                         testing::Values(Format{"fp8_block128", DType::kF8E4M3, {128, 128}, DType::kF32},
+                                         Format{"mxfp8", DType::kF8E4M3, {1, 32}, DType::kE8M0},
+                                         Format{"w4a16_g32", DType::kI4, {1, 32}, DType::kBF16}),
+                         [](const testing::TestParamInfo<Format>& i) { return std::string(i.param.name); });
+
+}  // namespace
+}  // namespace wb::daemon::node
