@@ -25,6 +25,8 @@
 #include "daemon/nccl_route.h"
 #include "daemon/node/deadlines.h"
 #include "daemon/node/grpc_coordinator_client.h"
+#include "daemon/node/node_service.h"
+#include "daemon/node/worker_service.h"
 #include "daemon/node/exec_plan_proto.h"
 #include "daemon/node/quantize_incoming.h"
 #include "daemon/quantize.h"
@@ -39,10 +41,11 @@ namespace wb::daemon {
 // ------------------------------------------------------------------------------- NodeDaemon
 NodeDaemon::NodeDaemon(Options options)
     : options_(std::move(options)),
-      worker_impl_(MakeWorkerService(this)),
-      node_impl_(MakeNodeService(this)),
+      worker_impl_(NewWorkerService(this)),
+      node_impl_(NewNodeService(this)),
       copier_(options_.node_id, options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false),
-              options_.test_live_copy_fault) {
+              options_.test_live_copy_fault),
+      local_(LocalWorkers::Options{options_.node_id, options_.clock, options_.live_copy_timeout, &copier_}) {
   // Idle staging is bounded by the staging budget (what versions may hold anyway) and returned to
   // the system after a few minutes without a version that wants it.
   StagingPool::Options po;
@@ -95,36 +98,8 @@ NodeDaemon::~NodeDaemon() { Shutdown(); }
 pb::WorkerService::Service* NodeDaemon::worker_service() { return worker_impl_.get(); }
 pb::NodeService::Service* NodeDaemon::node_service() { return node_impl_.get(); }
 
-NodeDaemon::PidWatch::~PidWatch() {
-  if (fd >= 0) ::close(fd);
-}
-
-bool NodeDaemon::PidWatch::Alive() const {
-  if (fd >= 0) {
-    // A pidfd becomes readable when the process exits (pid reuse cannot fool it).
-    struct pollfd p = {fd, POLLIN, 0};
-    return ::poll(&p, 1, 0) == 0;
-  }
-  return ::kill(pid, 0) == 0 || errno != ESRCH;
-}
-
 void NodeDaemon::CheckWorkers() {
-  std::vector<std::pair<std::string, std::string>> gone;  // (model, worker)
-  {
-    absl::MutexLock l(&mu_);
-    for (auto it = workers_.begin(); it != workers_.end();) {
-      if (it->second.pid && !it->second.pid->Alive() && joining_.count(it->first) == 0) {
-        gone.push_back(it->first);
-        leaving_.insert(it->first);
-        Log(LogLevel::kWarning, "worker process exited", {{"node", options_.node_id}, {"model", it->first.first},
-                                                          {"worker", it->first.second}, {"pid", it->second.pid->pid}});
-        live_.Forget(LiveKey(it->first.first, it->first.second));
-        it = workers_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
+  const std::vector<WorkerKey> gone = local_.ReapExited();  // (model, worker), marked leaving
   for (auto& [model, worker] : gone) {
     pb::LeaveWorkerRequest r;
     r.set_node_id(options_.node_id);
@@ -133,8 +108,7 @@ void NodeDaemon::CheckWorkers() {
     r.set_reason("its process exited");
     pb::LeaveWorkerResponse rr;
     coordinator_client_->LeaveWorker(r, &rr, absl::Seconds(7)).IgnoreError();  // the lease drops it otherwise
-    absl::MutexLock l(&mu_);
-    leaving_.erase({model, worker});
+    local_.LeaveDone({model, worker});
   }
 }
 
@@ -146,8 +120,7 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
   if (!options_.live_state_dir.empty()) {
     // Before the first worker can register: leftovers of a previous process make theirs TORN.
     ASSIGN_OR_RETURN(markers_, LiveMarkers::Open(options_.live_state_dir, options_.node_id));
-    absl::MutexLock l(&mu_);
-    live_.AttachMarkers(markers_.get());
+    local_.AttachMarkers(markers_.get());
   }
   node_address_ = node_address;
   data_address_ = node_address;  // peers reach our NodeService (ExchangeRegions) here
@@ -215,26 +188,25 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     for (auto& [key, e] : execs_) {
       e->aborted = true;
       e->error = reason;
-      aborted_[key] = reason;
+      local_.NoteAborted(key.first, key.second, reason);
       for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
     }
     execs_.clear();
-    restarts_ += 1;
-    restart_reason_ = reason;
-    for (auto& [key, w] : workers_) {
+    local_.NoteRejoin(reason);
+    for (LocalWorkers::JoinInfo& w : local_.Joins()) {
       Job j;
-      j.worker = key;
+      j.worker = w.key;
       j.join.set_node_id(options_.node_id);
-      j.join.set_worker_id(key.second);
-      j.join.set_model_id(w.model_id);
+      j.join.set_worker_id(w.key.second);
+      j.join.set_model_id(w.key.first);
       j.join.set_role(ToProto(w.role));
       j.join.set_gpu(w.gpu);
-      *j.join.mutable_model() = w.spec;
+      *j.join.mutable_model() = std::move(w.spec);
       j.join.set_rejoin(true);
-      j.join.set_committed_version(committed_[w.model_id]);
+      j.join.set_committed_version(committed_[w.key.first]);
       j.join.set_applied_version(w.applied_version);
       j.has_layout = w.has_layout;
-      j.layout = w.submitted;
+      j.layout = std::move(w.submitted);
       jobs.push_back(std::move(j));
     }
   }
@@ -251,9 +223,7 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     if (!s.ok()) {
       Log(LogLevel::kWarning, "worker not re-joined",
           {{"node", options_.node_id}, {"model", j.worker.first}, {"worker", j.worker.second}, {"error", s.message()}});
-      absl::MutexLock l(&mu_);
-      workers_.erase(j.worker);
-      live_.Forget(LiveKey(j.worker.first, j.worker.second));
+      local_.Remove(j.worker);
     }
   }
   Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
@@ -281,6 +251,7 @@ void NodeDaemon::Shutdown() {
     if (stopping_) return;
     stopping_ = true;
     for (auto& [k, e] : execs_) e->aborted = true;
+    local_.Stop();
     for (auto& [id, t] : exec_threads_) threads.push_back(std::move(t));
     exec_threads_.clear();
     exec_done_.clear();
@@ -294,90 +265,6 @@ void NodeDaemon::Shutdown() {
   }
   for (auto& [model, peer, id] : channels) DropChannel(model, peer, id);
   for (auto& t : threads) t.join();
-}
-
-std::vector<absl::Status> NodeDaemon::RunLiveCopies(std::vector<LiveJob>& jobs) {
-  std::vector<absl::Status> out(jobs.size());
-  if (jobs.empty()) return out;
-  const std::string& me = options_.node_id;
-  {
-    // One copy per worker at a time: a second one (a retried commit, an Apply racing the commit)
-    // waits for the first, bounded, so two versions never interleave in live memory.
-    absl::MutexLock l(&mu_);
-    auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return stopping_ || std::none_of(jobs.begin(), jobs.end(), [&](const LiveJob& j) { return live_.Copying(LiveKey(j.model, j.worker)); });
-    };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&idle), absl::Now() + options_.live_copy_timeout) || stopping_) {
-      for (size_t i = 0; i < jobs.size(); ++i) {
-        out[i] = absl::UnavailableError(absl::StrCat("worker ", jobs[i].worker, " of model ", jobs[i].model, ": another copy into its live weights is still running on node ", me));
-      }
-      return out;
-    }
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      auto w = workers_.find({jobs[i].model, jobs[i].worker});
-      const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
-      live_.Begin(lk, jobs[i].version, w == workers_.end() ? 0 : w->second.applied_version);
-      // On disk before the first byte: a daemon killed mid-copy reports it after its restart.
-      out[i] = live_.Mark(jobs[i].model, lk, jobs[i].live.host);
-    }
-  }
-  // Its own deadline: once bytes go into live memory the copy finishes (or fails) on its own
-  // terms; cutting it at a client's deadline is what left weights half new, half old.
-  const absl::Time deadline = absl::Now() + options_.live_copy_timeout;
-  std::vector<char> wrote(jobs.size(), 0);
-  auto copy_one = [&](size_t i) {
-    if (!out[i].ok()) return;  // not recorded: not started
-    LiveJob& j = jobs[i];
-    bool w = false;
-    out[i] = copier_.CopyToLive(*j.staging, j.live, j.layout, j.plan->inventory, j.label, deadline, &w);
-    wrote[i] = w;
-    if (out[i].ok() && j.relays != nullptr) {
-      out[i] = copier_.CopyRelaysToLive(*j.relays, *j.incoming, j.live.host, j.label, deadline, &w);
-      wrote[i] = wrote[i] || w;
-    }
-  };
-  const absl::Time copy_start = absl::Now();
-  std::vector<std::thread> copiers;
-  for (size_t i = 1; i < jobs.size(); ++i) copiers.emplace_back(copy_one, i);
-  copy_one(0);
-  for (std::thread& th : copiers) th.join();
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - copy_start);
-  int64_t bytes = 0;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    for (const StagedBuffer& b : *jobs[i].staging) bytes += out[i].ok() ? b.size() : 0;
-  }
-  absl::MutexLock l(&mu_);
-  if (bytes >= (int64_t{1} << 20) && seconds > 0) {
-    // Copy speed for Apply's "does it fit" estimate: smoothed, never above 100 GB/s.
-    live_copy_Bps_ = 0.5 * live_copy_Bps_ + 0.5 * std::min(1e11, static_cast<double>(bytes) / seconds);
-  }
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
-    live_.End(lk, out[i], wrote[i]);
-    if (out[i].ok() || !wrote[i]) continue;
-    Log(LogLevel::kError, "live weights torn",
-        {{"node", me}, {"model", jobs[i].model}, {"worker", jobs[i].worker}, {"version", jobs[i].version}, {"error", out[i].message()}});
-    absl::Status torn = live_.TornError(lk, me);
-    // Forgotten meanwhile (the worker left): still say what happened to the copy.
-    out[i] = torn.ok() ? absl::DataLossError(absl::StrCat("live weights of worker ", lk, " on node ", me, " are TORN: ",
-                                                          out[i].message()))
-                       : torn;
-  }
-  return out;
-}
-
-void NodeDaemon::AddLiveState(pb::StatusResponse* resp) {
-  absl::MutexLock l(&mu_);
-  for (pb::WorkerStatus& ws : *resp->mutable_workers()) {
-    if (ws.node_id() != options_.node_id || workers_.count({ws.model_id(), ws.worker_id()}) == 0) continue;
-    const std::string lk = LiveKey(ws.model_id(), ws.worker_id());
-    const LiveState::Info info = live_.Get(lk);
-    ws.set_live_state(LiveState::Name(info.state));
-    if (info.state == LiveState::State::kWhole) continue;
-    ws.set_live_writing_version(info.writing);
-    ws.set_live_over_version(info.over);
-    if (info.state == LiveState::State::kTorn) ws.set_live_detail(std::string(live_.TornError(lk, options_.node_id).message()));
-  }
 }
 
 absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,

@@ -38,6 +38,7 @@
 #include "proto/weightbridge.grpc.pb.h"
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
+#include "daemon/layout_discovery.h"
 #include "daemon/metrics.h"
 #include "daemon/nic_meter.h"
 #include "daemon/digest/op_digests.h"
@@ -48,6 +49,7 @@
 #include "daemon/node/coordinator_session.h"
 #include "daemon/node/gpu_import.h"
 #include "daemon/node/live_copy.h"
+#include "daemon/node/local_workers.h"
 #include "daemon/node/staging_budget.h"
 #include "daemon/staging_pool.h"
 #include "base/clock.h"
@@ -130,14 +132,42 @@ class NodeDaemon {
   // Options::metrics, or the process default.
   DaemonMetrics& metrics() const { return options_.metrics != nullptr ? *options_.metrics : Metrics(); }
 
+  // ---- WorkerService calls (daemon/node_daemon_workers.cc; the gRPC adapter is
+  // daemon/node/worker_service.cc). Each answers as the RPC of the same name; errors name the
+  // worker, model and node.
+  absl::Status RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
+  absl::Status RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp);
+  absl::Status Publish(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  absl::Status BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp);
+  absl::Status Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
+  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
+  absl::Status Deregister(const pb::DeregisterRequest& req);
+  absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
+  // Status on both services: the coordinator's cluster status plus this node's live states.
+  absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
+
+  // ---- NodeService calls (daemon/node_daemon_versions.cc; the gRPC adapter is
+  // daemon/node/node_service.cc).
+  absl::Status InstallPlan(const pb::InstallPlanRequest& req);
+  absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req);
+  absl::Status CommitVersion(const pb::CommitVersionRequest& req);
+  absl::Status AbortVersion(const pb::AbortVersionRequest& req);
+  absl::Status ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp);
+  absl::Status DropWorker(const pb::DropWorkerRequest& req);
+  absl::Status Drain(const pb::DrainRequest& req, pb::DrainResponse* resp);
+
  private:
-  // The gRPC services (daemon/node/worker_service.cc, daemon/node/node_service.cc).
-  class WorkerImpl;
-  class NodeImpl;
-  friend class WorkerImpl;
-  friend class NodeImpl;
-  static std::unique_ptr<pb::WorkerService::Service> MakeWorkerService(NodeDaemon* d);
-  static std::unique_ptr<pb::NodeService::Service> MakeNodeService(NodeDaemon* d);
+  // Publish / Apply without their metrics (Publish and Apply count them before the reply).
+  absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
+  // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
+  // held while the node (re-)registers and sent again once after a re-join that answered
+  // NOT_FOUND (daemon/node_daemon_workers.cc). *sent_in = the session of the last attempt.
+  absl::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
+                           const std::function<absl::Status(absl::Time)>& call);
+  // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
+  // naming the restart once the node re-joined a restarted coordinator, else `s`.
+  absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
 
   // StagedBuffer, CudaImport, RelayAtCommit: daemon/node/live_copy.h.
   using Bytes = StagedBytes;  // one entry per buffer, layout order
@@ -152,37 +182,10 @@ class NodeDaemon {
   // An idle host staging buffer of `size` bytes in staging_pool_ ahead of the first version that
   // needs it (StagingPool::Prewarm), within what the node's staging budget leaves.
   void PrewarmStaging(int64_t size);
-  // A worker process being watched: pidfd when the kernel has it (immune to pid reuse), else kill(pid, 0).
-  struct PidWatch {
-    int pid = 0;
-    int fd = -1;
-    ~PidWatch();
-    bool Alive() const;
-  };
-  // Worker ids are scoped per model (issue 16.5): two models may each have a trainer/0 on one
-  // node, from one process or two. Local workers are keyed by (model, worker).
-  using WorkerKey = std::pair<std::string, std::string>;
-  // How LiveState (and its durable markers) know a worker: "<worker> of model <model>", which also
-  // reads right in its TORN errors.
-  static std::string LiveKey(const std::string& model, const std::string& worker) { return worker + " of model " + model; }
-  struct LocalWorker {
-    std::string model_id;
-    planner::Role role = planner::Role::kTrainer;
-    int32_t gpu = 0;
-    pb::Mode mode = pb::MODE_SYNC;
-    bool has_layout = false;
-    std::vector<std::shared_ptr<transport::ShmSegment>> buffers;  // live host memory, layout order (null: CUDA)
-    std::vector<std::shared_ptr<CudaImport>> cuda;                 // same order: CUDA buffers (null: host)
-    planner::WorkerLayout layout;
-    std::map<uint64_t, std::shared_ptr<Bytes>> snapshots;  // trainer: version -> copy
-    std::shared_ptr<Bytes> committed;                      // rollout: newest committed staging
-    uint64_t committed_version = 0;
-    uint64_t applied_version = 0;
-    std::shared_ptr<PidWatch> pid;  // null: the worker gave no pid (not watched)
-    // What the node re-submits when it re-joins a (restarted) coordinator.
-    pb::ModelSpec spec;
-    pb::SubmitLayoutRequest submitted;  // valid when has_layout
-  };
+  // The local worker table (daemon/node/local_workers.h).
+  using WorkerKey = LocalWorkers::WorkerKey;
+  using LocalWorker = LocalWorkers::Worker;
+  static std::string LiveKey(const std::string& model, const std::string& worker) { return LocalWorkers::LiveKey(model, worker); }
   struct ModelPlan {
     pb::PlanSlice slice;
     planner::Inventory inventory;
@@ -303,28 +306,8 @@ class NodeDaemon {
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
   // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
   absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& worker, const pb::BufferSpec& b);
-  // One copy of staging into a local rollout's live memory (sync commit or Apply).
-  struct LiveJob {
-    std::string model;
-    std::string worker;
-    uint64_t version = 0;  // being written
-    std::shared_ptr<Bytes> staging;
-    LiveBuffers live;
-    planner::WorkerLayout layout;  // the pieces copied from `staging`
-    std::shared_ptr<const ModelPlan> plan;  // keeps the inventory alive
-    // Sync commit only: relays left to the commit, copied from other rollouts' incoming staging.
-    const std::vector<RelayAtCommit>* relays = nullptr;
-    const std::map<std::string, std::shared_ptr<Bytes>>* incoming = nullptr;
-    std::string label;
-  };
-  // Runs `jobs` at once under the live-copy contract (daemon/node/live_copy.h): waits (bounded by
-  // live_copy_timeout) until no copy into the same workers runs, marks them copying in live_, copies
-  // with live_copy_timeout as the deadline (not a client's), then records each worker whole or
-  // TORN. Per job: OK, the copy's error when it wrote nothing, or DATA_LOSS naming the torn worker.
-  // Call without mu_ held.
-  std::vector<absl::Status> RunLiveCopies(std::vector<LiveJob>& jobs);
-  // Adds this node's view of its workers' live weights (LiveState) to a status answer.
-  void AddLiveState(pb::StatusResponse* resp);
+  // One copy of staging into a local rollout's live memory (sync commit or Apply): LocalWorkers::RunLiveCopies.
+  using LiveJob = LocalWorkers::LiveJob;
   // Copies a worker's live buffers (host or CUDA) into `out` (one entry per buffer). With
   // `on_gpu`, a CUDA buffer is copied device to device into GPU staging when the budget allows
   // (else, and for host buffers, into host memory).
@@ -358,31 +341,22 @@ class NodeDaemon {
   std::unique_ptr<CoordinatorClient> coordinator_client_;
   std::unique_ptr<CoordinatorSession> coord_;
   std::shared_ptr<GpuImport> gpu_import_;  // options_.gpu_import or the build's
+  LayoutDescriber describer_;               // RegisterLayout / DescribeLayout (thread-safe)
   std::string node_address_, data_address_;
 
+  // Lock order: mu_ -> local_'s own mutex (LocalWorkers never calls back into NodeDaemon); the
+  // channel cache, staging pool and budget have leaf locks of their own.
   absl::Mutex mu_;
-  uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (node-local waiters compare)
-  std::string restart_reason_ ABSL_GUARDED_BY(mu_);
-  std::map<WorkerKey, LocalWorker> workers_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through live_
-  LiveState live_ ABSL_GUARDED_BY(mu_);  // whole / copying / TORN live weights per local worker
-  LiveCopier copier_;                    // staging -> live copies on the host transport
-  // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until
-  // measured): Apply does not start a copy that would obviously outlast its caller's timeout. Not
-  // pessimistic at first: a large model's first Apply with a modest timeout must still start.
-  double live_copy_Bps_ ABSL_GUARDED_BY(mu_) = 1e10;
-  // Worker ids whose LeaveWorker (an exited process) is on its way to the coordinator, and ids being
-  // registered again: a join waits for the leave of the same id, and the liveness check leaves a
-  // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
-  std::set<WorkerKey> leaving_ ABSL_GUARDED_BY(mu_);
-  std::set<WorkerKey> joining_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through local_
+  LiveCopier copier_;                     // staging -> live copies on the host transport
+  // The local workers: table, layouts, buffers, snapshots, committed staging, live state, the
+  // node-local outcomes Apply waits for (aborted versions, re-joins) and live copies.
+  LocalWorkers local_;
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
   // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
   std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
-  std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
-  std::map<std::string, planner::Inventory> inventories_ ABSL_GUARDED_BY(mu_);             // model -> inventory
   node::ChannelCache channels_;  // healthy cross-node channels per (model, channel) (own leaf lock)
   NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
   // Host staging memory reused across versions (own lock; buffers come back from NewBytes' deleter).

@@ -53,8 +53,8 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
                                                       ": another execution of that version is still held here"));
   }
   if (it != execs_.end()) return it->second;
-  if (!catch_up && aborted_.count({model_id, version})) {
-    return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", aborted_.at({model_id, version})));
+  if (std::optional<std::string> aborted = local_.AbortReason(model_id, version); !catch_up && aborted) {
+    return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", *aborted));
   }
   if (!catch_up && version <= committed_[model_id]) return absl::FailedPreconditionError(absl::StrCat("version ", version, " is already committed"));
   auto p = catch_up ? cu : plans_.find(model_id);
@@ -77,9 +77,9 @@ absl::StatusOr<std::shared_ptr<NodeDaemon::Exec>> NodeDaemon::GetExecLocked(cons
   for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
     const pb::PlanWorker& w = exec->plan->slice.workers(i);
     if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT) continue;
-    auto lw = workers_.find({exec->model_id, w.worker_id()});
+    const std::vector<std::shared_ptr<CudaImport>> lw = local_.Cuda({exec->model_id, w.worker_id()});  // empty: unknown
     for (size_t j = 0; j < exec->plan->layouts[i].buffers.size(); ++j) {
-      const bool cuda = lw != workers_.end() && j < lw->second.cuda.size() && lw->second.cuda[j] != nullptr;
+      const bool cuda = j < lw.size() && lw[j] != nullptr;
       if (gpu_staging && cuda && !exec->plan->quantized[i]) continue;  // quantised: host staging (the quantiser runs there)
       staging += exec->plan->layouts[i].buffers[j].size_bytes;
     }
@@ -324,14 +324,10 @@ absl::Status NodeDaemon::AllocateStaging(Exec& exec, const node::LanePlan& lanes
   // staged on its GPU when the GPU staging budget allows (GPU-direct: the version never leaves the
   // GPUs); one that receives over nccl is staged on its lane's GPU.
   std::map<std::string, std::vector<std::shared_ptr<CudaImport>>> rollout_cuda;
-  {
-    absl::MutexLock l(&mu_);
-    for (int i = 0; i < plan.slice.workers_size(); ++i) {
-      const pb::PlanWorker& w = plan.slice.workers(i);
-      if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
-      auto it = workers_.find({exec.model_id, w.worker_id()});
-      if (it != workers_.end()) rollout_cuda[w.worker_id()] = it->second.cuda;
-    }
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = plan.slice.workers(i);
+    if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+    rollout_cuda[w.worker_id()] = local_.Cuda({exec.model_id, w.worker_id()});
   }
   std::map<std::string, std::shared_ptr<Bytes>> incoming;
   std::shared_ptr<Bytes> gather;
@@ -418,11 +414,11 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
       for (size_t j = 0; j < staging->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*staging)[j]);
       continue;
     }
-    auto w = workers_.find({exec.model_id, pw.worker_id()});
-    if (w == workers_.end() || !w->second.has_layout) {
+    std::optional<LocalWorkers::View> w = local_.Get({exec.model_id, pw.worker_id()});
+    if (!w || !w->worker.has_layout) {
       return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " of model ", exec.model_id, " is gone from node ", me));
     }
-    if (w->second.buffers.size() < layout.buffers.size()) {
+    if (w->worker.buffers.size() < layout.buffers.size()) {
       return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
     }
     if (exec.catch_up) {
@@ -430,7 +426,7 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
       // read in place: its committed staging while held, else its live buffers when they hold
       // exactly that version whole (no newer version commits while a catch-up runs, so no
       // commit or Apply writes them meanwhile).
-      const LocalWorker& src = w->second;
+      const LocalWorker& src = w->worker;
       const std::string what = absl::StrCat("catch-up source rollout ", pw.worker_id(), " on node ", me);
       if (src.role != planner::Role::kRollout) return absl::FailedPreconditionError(absl::StrCat(what, ": not a rollout here"));
       if (src.committed != nullptr && src.committed_version == exec.version) {
@@ -438,11 +434,10 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
         for (size_t j = 0; j < src.committed->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*src.committed)[j]);
         continue;
       }
-      const std::string lk = LiveKey(exec.model_id, pw.worker_id());
-      if (src.applied_version != exec.version || live_.Copying(lk) || !live_.TornError(lk, me).ok()) {
+      if (src.applied_version != exec.version || w->copying || !w->torn.ok()) {
         return absl::FailedPreconditionError(absl::StrCat(what, " no longer holds version ", exec.version, " (committed staging: version ",
                                                           src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
-                                                          src.applied_version, live_.Copying(lk) ? ", being written" : "", ")"));
+                                                          src.applied_version, w->copying ? ", being written" : "", ")"));
       }
       for (size_t j = 0; j < layout.buffers.size(); ++j) {
         auto seg = src.buffers[j];
@@ -459,9 +454,9 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
     if (plan.slice.mode() == pb::MODE_SYNC) {
       // Live buffers (the trainer is paused in Publish meanwhile).
       for (size_t j = 0; j < layout.buffers.size(); ++j) {
-        auto seg = w->second.buffers[j];
+        auto seg = w->worker.buffers[j];
         if (seg == nullptr) {
-          std::shared_ptr<CudaImport> imp = w->second.cuda[j];
+          std::shared_ptr<CudaImport> imp = w->worker.cuda[j];
           out.holds.push_back(imp);
           out.regions[node::RegionKey(i, j)] = node::RegionMemory{transport::MemoryKind::kCuda, nullptr, imp->size, imp->device, imp->h};
           continue;
@@ -474,8 +469,8 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
         out.regions[node::RegionKey(i, j)] = SegmentRegion(seg);
       }
     } else {
-      auto snap = w->second.snapshots.find(exec.version);
-      if (snap == w->second.snapshots.end()) {
+      auto snap = w->worker.snapshots.find(exec.version);
+      if (snap == w->worker.snapshots.end()) {
         return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", pw.worker_id()));
       }
       out.holds.push_back(snap->second);
@@ -491,14 +486,13 @@ absl::Status NodeDaemon::GatherVersionMemory(Exec& exec, VersionMemory& out) {
 
 std::set<uint32_t> NodeDaemon::HostLiveSyncRollouts(const ModelPlan& plan) {
   std::set<uint32_t> out;
-  absl::MutexLock l(&mu_);
   for (int i = 0; i < plan.slice.workers_size(); ++i) {
     const pb::PlanWorker& pw = plan.slice.workers(i);
     if (pw.node_id() != options_.node_id || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
-    auto w = workers_.find({plan.slice.model_id(), pw.worker_id()});
-    if (w == workers_.end() || w->second.mode != pb::MODE_SYNC || w->second.buffers.size() < plan.layouts[i].buffers.size()) continue;
+    std::optional<LocalWorkers::View> w = local_.Get({plan.slice.model_id(), pw.worker_id()});
+    if (!w || w->worker.mode != pb::MODE_SYNC || w->worker.buffers.size() < plan.layouts[i].buffers.size()) continue;
     bool host = true;
-    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->second.buffers[j] != nullptr;
+    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->worker.buffers[j] != nullptr;
     if (host) out.insert(static_cast<uint32_t>(i));
   }
   return out;

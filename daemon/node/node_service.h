@@ -1,6 +1,19 @@
 #pragma once
 // NodeService (TCP, called by the coordinator and peer nodes): InstallPlan, ExecuteVersion,
-// CommitVersion, AbortVersion, ExchangeRegions, DropWorker, SetupDataChannel, Drain, Status.
-// Defined in node_service.cc as NodeDaemon::NodeImpl; NodeDaemon::MakeNodeService creates it.
+// CommitVersion, AbortVersion, ExchangeRegions, DropWorker, SetupDataChannel, Drain, Status. A
+// thin adapter: each call goes to the NodeDaemon method of the same name
+// (daemon/node_daemon_versions.cc), whose absl::Status becomes the gRPC status through
+// ToGrpcStatus (proto/grpc_status.h).
 
-#include "daemon/node_daemon.h"
+#include <memory>
+
+#include "proto/weightbridge.grpc.pb.h"
+
+namespace wb::daemon {
+
+class NodeDaemon;
+
+// `node` must outlive the service.
+std::unique_ptr<::weightbridge::v1::NodeService::Service> NewNodeService(NodeDaemon* node);
+
+}  // namespace wb::daemon

@@ -1,0 +1,283 @@
+// NodeDaemon, part four: what the coordinator and peer nodes ask of this node (the NodeService
+// calls; daemon/node/node_service.cc only adapts gRPC to these): plans, starting, committing and
+// aborting versions, the data-plane exchange with peers. Version execution itself is in
+// daemon/node_daemon_exec.cc; local worker state in LocalWorkers (daemon/node/local_workers.h).
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "daemon/convert.h"
+#include "daemon/log.h"
+#include "daemon/metrics.h"
+#include "daemon/nccl_route.h"
+#include "daemon/node/deadlines.h"
+#include "daemon/node_daemon.h"
+#include "planner/box.h"
+#include "planner/inventory.h"
+#include "planner/quantized.h"
+
+namespace wb::daemon {
+
+// ------------------------------------------------------------------------------- NodeService calls
+absl::Status NodeDaemon::InstallPlan(const pb::InstallPlanRequest& req) {
+  auto plan = std::make_shared<ModelPlan>();
+  plan->slice = req.slice();
+  auto inv = InventoryFromProto(plan->slice.tensors());
+  if (!inv.ok()) return inv.status();
+  plan->inventory = std::move(*inv);
+  for (const pb::PlanWorker& w : plan->slice.workers()) {
+    planner::WorkerLayout layout;
+    if (w.has_layout()) {
+      auto l = LayoutFromProto(w.layout(), plan->inventory);
+      if (!l.ok()) return Annotate(l.status(), absl::StrCat("worker ", w.worker_id()));
+      layout = std::move(*l);
+    }
+    plan->quantized.push_back(planner::HasQuantizedPieces(layout));
+    plan->layouts.push_back(planner::StagingLayout(plan->inventory, layout));
+    plan->live_layouts.push_back(std::move(layout));
+  }
+  const std::string& me = options_.node_id;
+  for (const pb::TransferOp& op : plan->slice.ops()) {
+    if (op.src_worker() >= static_cast<uint32_t>(plan->slice.workers_size()) ||
+        op.dst_worker() >= static_cast<uint32_t>(plan->slice.workers_size()) || op.bucket() >= plan->slice.num_buckets()) {
+      return absl::InvalidArgumentError(absl::StrCat("op ", op.index(), " refers outside the slice"));
+    }
+    for (bool src : {true, false}) {
+      const uint32_t w = src ? op.src_worker() : op.dst_worker();
+      const int32_t piece = src ? op.src_piece() : op.dst_piece();
+      if (piece >= 0 && piece >= static_cast<int32_t>(plan->layouts[w].pieces.size())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("op ", op.index(), ": piece ", piece, " of worker ", plan->slice.workers(w).worker_id(), " is not in the slice"));
+      }
+      if (piece < 0 && plan->slice.workers(w).node_id() == me) plan->hosts_gather = true;
+    }
+  }
+  Log(LogLevel::kDebug, "plan installed",
+      {{"node", me}, {"model", plan->slice.model_id()}, {"epoch", plan->slice.plan_epoch()}, {"ops", plan->slice.ops_size()}});
+  absl::MutexLock l(&mu_);
+  // A catch-up slice (docs/daemon.md "Catch-up") never replaces the model's plan.
+  (plan->slice.catch_up() ? catch_up_plans_ : plans_)[plan->slice.model_id()] = std::move(plan);
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
+  // Declared before the lock so finished executors are joined after it is released.
+  std::vector<std::thread> finished;
+  absl::Cleanup join_finished = [&finished] {
+    for (auto& t : finished) t.join();
+  };
+  absl::MutexLock l(&mu_);
+  finished = TakeFinishedExecThreadsLocked();
+  auto exec = GetExecLocked(req.model_id(), req.version(), req.plan_epoch());
+  if (!exec.ok()) return exec.status();
+  if ((*exec)->started) return absl::OkStatus();
+  (*exec)->started = true;
+  (*exec)->coordinator_instance = req.coordinator_instance();
+  (*exec)->deadline = absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
+  // Answers at once: staging is allocated and every copy runs on the executor thread.
+  // Snapshots older than this version can never be sent any more (superseded).
+  local_.DropSnapshotsBefore(req.model_id(), req.version());
+  std::shared_ptr<Exec> e = *exec;
+  const uint64_t tid = next_exec_thread_++;
+  exec_threads_.emplace(tid, std::thread([this, e, tid] {
+                          RunExec(e);
+                          MarkExecThreadDone(tid);
+                        }));
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::CommitVersion(const pb::CommitVersionRequest& req) {
+  // The commit is counted while mu_ is held, before anyone can see the version committed here
+  // (Apply, then a metrics scrape, must find its counts): async rollouts see it once the first
+  // block below releases mu_, sync ones once their live copies are done (second block).
+  const absl::Time commit_start = absl::Now();
+  auto count_commit = [&] {
+    DaemonMetrics& m = metrics();
+    m.Phase(options_.node_id, "commit", absl::ToDoubleSeconds(absl::Now() - commit_start));
+    m.Version(options_.node_id, req.model_id(), "committed");
+    m.Committed(options_.node_id, req.model_id(), req.version());
+  };
+  // What the sync live copy needs is captured under the lock by value (worker id, buffers,
+  // layout): a concurrent Deregister may erase the LocalWorker meanwhile.
+  std::vector<LiveJob> jobs;
+  std::shared_ptr<Exec> exec;
+  const std::string& me = options_.node_id;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = execs_.find({req.model_id(), req.version()});
+    if (it == execs_.end()) {
+      // Idempotent for a retried commit; a node that lost the version's staging (restart)
+      // cannot apply it: its waiters see the version aborted, nothing is half-applied.
+      if (req.version() <= committed_[req.model_id()]) return absl::OkStatus();
+      std::string reason = absl::StrCat("node ", me, " no longer holds the staging of version ", req.version(), " (restarted before the commit)");
+      local_.NoteAborted(req.model_id(), req.version(), reason);
+      return absl::FailedPreconditionError(reason);
+    }
+    exec = it->second;
+    if (!exec->transferred) {
+      // Committing bytes that have not all arrived would hand rollouts a half-written version.
+      const std::string missing = exec->failed     ? absl::StrCat("its transfer failed here (", exec->error, ")")
+                                  : !exec->started ? std::string("its transfer has not started here (no ExecuteVersion)")
+                                                   : absl::StrCat("its transfer is still running here (", exec->bytes_done.load(),
+                                                                  " bytes received so far; not reported done)");
+      return absl::FailedPreconditionError(absl::StrCat("cannot commit model ", req.model_id(), " version ", req.version(), " on node ", me,
+                                                        ": the version has not fully landed: ", missing));
+    }
+    execs_.erase(it);
+    std::set<std::string> relayed;  // rollouts with relays at commit
+    for (const auto& [wid, pieces] : exec->pieces_at_commit) relayed.insert(wid);
+    jobs = local_.Commit(req.model_id(), req.version(), exec->incoming, relayed);
+    for (LiveJob& t : jobs) {
+      const std::string& wid = t.worker;
+      t.inventory = std::shared_ptr<const planner::Inventory>(exec->plan, &exec->plan->inventory);
+      t.label = absl::StrCat("commit ", wid, " v", req.version());
+      for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
+        if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->live_layouts[i];
+      }
+      auto relayed_pieces = exec->pieces_at_commit.find(wid);
+      if (relayed_pieces != exec->pieces_at_commit.end()) {
+        std::vector<planner::Piece> own;
+        for (size_t k = 0; k < t.layout.pieces.size(); ++k) {
+          if (relayed_pieces->second.count(static_cast<int32_t>(k)) == 0) own.push_back(t.layout.pieces[k]);
+        }
+        t.layout.pieces = std::move(own);
+        t.relays = &exec->relays_at_commit[wid];
+        t.incoming = &exec->incoming;
+      }
+    }
+    local_.DropSnapshots(req.model_id(), req.version());
+    if (jobs.empty()) count_commit();  // nothing left that can fail
+  }
+  // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
+  // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
+  const absl::Time copy_start = absl::Now();
+  std::vector<absl::Status> copied = local_.RunLiveCopies(jobs);
+  absl::MutexLock l(&mu_);
+  absl::Status failed;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (!copied[i].ok()) {
+      Log(LogLevel::kError, "sync commit copy failed", {{"node", me}, {"worker", jobs[i].worker}, {"error", copied[i].message()}});
+      const std::string what = absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
+                                            ": live copy into rollout ", jobs[i].worker, " failed: ", copied[i].message());
+      failed = failed.ok() ? absl::Status(copied[i].code(), what) : absl::Status(failed.code(), absl::StrCat(failed.message(), "; ", what));
+      continue;
+    }
+    // Live weights hold it now and nothing reads this staging again (Apply finds nothing newer):
+    // its memory goes back to the pool for the next version instead of sitting here.
+    local_.MarkApplied({jobs[i].model, jobs[i].worker}, req.version(), jobs[i].staging, /*after_commit=*/true);
+  }
+  if (!failed.ok()) {
+    // Not committed on this node: the version stays here so that a retried CommitVersion copies
+    // again (restoring whole weights); Apply of a torn rollout copies from its committed staging.
+    execs_.emplace(std::pair{req.model_id(), req.version()}, exec);
+    return failed;
+  }
+  // Versions of this model whose commit failed here earlier are superseded now.
+  for (auto it = execs_.begin(); it != execs_.end();) {
+    const bool stale = it->first.first == req.model_id() && it->first.second < req.version() && it->second->transferred;
+    it = stale ? execs_.erase(it) : std::next(it);
+  }
+  if (exec->relay_bytes_at_commit > 0) {
+    transport::Transport* host_t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+    if (host_t != nullptr) metrics().Bytes(me, req.model_id(), host_t->capabilities().kind, me, exec->relay_bytes_at_commit);
+    metrics().RelayAtCommit(me, exec->relay_bytes_at_commit);
+  }
+  if (!jobs.empty()) count_commit();
+  // Published last: node-local waiters (Apply) see the version only once live weights hold it.
+  committed_[req.model_id()] = std::max(committed_[req.model_id()], req.version());
+  Log(LogLevel::kInfo, "version committed on node",
+      {{"node", me},
+       {"model", req.model_id()},
+       {"version", req.version()},
+       {"live_copies", jobs.size()},
+       {"copy_s", absl::ToDoubleSeconds(absl::Now() - copy_start)}});
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::AbortVersion(const pb::AbortVersionRequest& req) {
+  metrics().Version(options_.node_id, req.model_id(), "aborted");
+  metrics().Failure(options_.node_id, absl::AbortedError(req.reason()));
+  std::map<std::string, transport::PeerId> connected;
+  {
+    absl::MutexLock l(&mu_);
+    local_.NoteAborted(req.model_id(), req.version(), req.reason());
+    auto it = execs_.find({req.model_id(), req.version()});
+    if (it != execs_.end()) {
+      it->second->aborted = true;
+      it->second->error = req.reason();
+      connected = it->second->connected;
+      execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
+    }
+    local_.DropSnapshots(req.model_id(), req.version());
+  }
+  // Blocked waits on the version's channels end now instead of at the transfer deadline.
+  for (auto& [peer, id] : connected) DropChannel(req.model_id(), peer, id);
+  Log(LogLevel::kInfo, "version aborted on node",
+      {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"reason", req.reason()}});
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp) {
+  const std::string& mine = req.transport_kind();
+  const std::string& theirs = req.from_transport().empty() ? mine : req.from_transport();
+  transport::Transport* cross = CrossTransport(mine);
+  if (cross == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no '", mine, "' transport",
+                                                      ParseNcclLaneName(mine) >= 0 ? " (nccl lane; needs --gpu_staging_bytes)" : ""));
+  }
+  absl::MutexLock l(&mu_);
+  auto e = GetExecLocked(req.model_id(), req.version(), req.plan_epoch());
+  if (!e.ok()) return e.status();
+  std::shared_ptr<Exec> exec = *e;
+  // Our regions exist once our executor registered them (ExecuteVersion may reach us later).
+  auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return exec->regions_ready || exec->aborted || exec->failed || stopping_; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&ready), exec->deadline)) {
+    return absl::DeadlineExceededError(absl::StrCat("node ", options_.node_id, ": version ", req.version(), " did not start in time"));
+  }
+  if (!exec->regions_ready) return absl::AbortedError(absl::StrCat("version ", req.version(), " aborted: ", exec->error));
+  std::string from_instance;
+  for (const pb::PlanWorker& w : exec->plan->slice.workers()) {
+    if (w.node_id() == req.from_node()) {
+      auto it = w.transport_instances().find(theirs);
+      if (it != w.transport_instances().end()) from_instance = it->second;
+    }
+  }
+  const std::string chan = ChannelName(req.from_node(), mine, theirs);
+  const std::optional<node::ChannelCache::Entry> c = channels_.Find(req.model_id(), chan);
+  const bool reuse = req.reuse() && c.has_value() && c->peer_instance == from_instance;
+  auto endpoint = cross->ExportEndpoint(from_instance);
+  if (!endpoint.ok()) return endpoint.status();
+  PeerState& ps = exec->peers[chan];
+  ps.have = true;
+  ps.reuse = reuse;
+  ps.endpoint = req.endpoint();
+  for (const pb::PeerRegion& r : req.regions()) ps.regions[r.key()] = r.region_descriptor();
+  resp->set_reuse(reuse);
+  resp->set_endpoint(*endpoint);
+  for (auto& [k, d] : exec->local_desc[mine]) {
+    pb::PeerRegion* r = resp->add_regions();
+    r->set_key(k);
+    r->set_region_descriptor(d);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::DropWorker(const pb::DropWorkerRequest& req) {
+  local_.Remove({req.model_id(), req.worker_id()});
+  return absl::OkStatus();
+}
+
+absl::Status NodeDaemon::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
+  pb::DrainRequest r = req;
+  if (r.node_id().empty()) r.set_node_id(options_.node_id);
+  return coordinator_client_->Drain(r, resp, CallTimeout(Deadline(req.timeout_ms())));
+}
+
+}  // namespace wb::daemon
