@@ -1,4 +1,5 @@
-// CoordinatorCore: membership, models, layouts and the waiting handlers. The driver is in
+// CoordinatorCore: the handlers over the node table (node_table.h) and the model registry
+// (model_registry.h), and the waiting ones (Publish, WaitVersion, Drain). The driver is in
 // driver.cc, status and WatchStatus in status.cc.
 #include "daemon/coordinator/core.h"
 
@@ -11,24 +12,11 @@
 #include "daemon/coordinator/checks.h"
 #include "daemon/coordinator/grpc_node_client.h"
 #include "daemon/log.h"
-#include "daemon/lora_spec.h"
-#include "planner/inventory.h"
-#include "planner/lora.h"
 #include "planner/planner.h"
-#include "planner/presets.h"
-#include "planner/validate.h"
 #include "base/status_macros.h"
 
 namespace wb::daemon {
 namespace {
-
-ModeKind ToMode(pb::Mode mode) {
-  switch (mode) {
-    case pb::MODE_ONE_STEP_OFF: return ModeKind::kOneStepOff;
-    case pb::MODE_ASYNC: return ModeKind::kAsync;
-    default: return ModeKind::kSync;
-  }
-}
 
 std::string NewInstanceId() {
   std::random_device rd;
@@ -38,7 +26,11 @@ std::string NewInstanceId() {
 
 }  // namespace
 
-CoordinatorCore::CoordinatorCore(CoordinatorOptions options) : options_(std::move(options)), instance_(NewInstanceId()) {
+CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
+    : options_(std::move(options)),
+      nodes_(NodeTable::Options{options_.lease, options_.local_node, options_.max_heartbeat_progress}),
+      models_(ModelRegistry::Options{options_.max_models, options_.max_name_bytes, options_.max_reply_bytes}),
+      instance_(NewInstanceId()) {
   if (!options_.make_plan) options_.make_plan = [](const planner::Problem& p, planner::Strategy s) { return planner::MakePlan(p, s); };
   if (!options_.make_node_client) {
     auto make_channel = options_.make_channel;
@@ -83,78 +75,17 @@ int CoordinatorCore::num_models() const {
   return static_cast<int>(models_.size());
 }
 
-absl::StatusOr<CoordinatorCore::Model*> CoordinatorCore::GetModelLocked(const std::string& id) {
-  auto it = models_.find(id);
-  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("unknown model ", EchoValue(id)));
-  return &it->second;
-}
-
 void CoordinatorCore::MarkPlanDirtyLocked(Model& m) {
   m.plan_dirty = true;
   ++m.membership;
-}
-
-absl::Status CoordinatorCore::CreateModelLocked(const pb::ModelSpec& spec, bool* created) {
-  *created = false;
-  RETURN_IF_ERROR(CheckModelSpecEnums(spec, options_.max_name_bytes));
-  auto it = models_.find(spec.model_id());
-  if (it != models_.end()) {
-    const pb::ModelSpec& have = it->second.spec;
-    if (have.mode() != spec.mode() || have.num_trainer_workers() != spec.num_trainer_workers() ||
-        have.num_rollout_workers() != spec.num_rollout_workers() || have.strategy() != spec.strategy() ||
-        have.max_staleness() != spec.max_staleness()) {
-      return absl::AlreadyExistsError(absl::StrCat("model ", spec.model_id(), " exists with a different spec"));
-    }
-    RETURN_IF_ERROR(CheckSameLora(have, spec));
-    return absl::OkStatus();
-  }
-  if (static_cast<int>(models_.size()) >= options_.max_models) {
-    return absl::ResourceExhaustedError(absl::StrCat("model ", spec.model_id(), " refused: ", models_.size(),
-                                                     " models exist, the limit (max_models) is ", options_.max_models));
-  }
-  if (spec.num_trainer_workers() == 0 || spec.num_rollout_workers() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": worker counts must be > 0"));
-  }
-  Model m;
-  m.spec = spec;
-  planner::Inventory inventory;
-  if (spec.has_explicit_tensors()) {
-    if (spec.has_lora()) return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": lora needs hf_config_json"));
-    ASSIGN_OR_RETURN(inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
-  } else if (!spec.hf_config_json().empty()) {
-    planner::DType dtype = planner::DType::kBF16;
-    if (spec.dtype() != pb::DTYPE_UNSPECIFIED) {
-      ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
-    }
-    auto config = planner::ParseHfConfig(spec.hf_config_json());
-    if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
-    ASSIGN_OR_RETURN(inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
-    m.config = std::move(*config);
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
-  }
-  if (inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
-  m.inventory = std::make_shared<const planner::Inventory>(std::move(inventory));
-  auto inventory_proto = std::make_shared<pb::ExplicitInventory>();
-  InventoryToProto(*m.inventory, inventory_proto->mutable_tensors());
-  m.inventory_bytes = inventory_proto->ByteSizeLong();
-  m.inventory_proto = std::move(inventory_proto);
-  m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
-  Log(LogLevel::kInfo, "model created", {{"model", spec.model_id()}, {"tensors", m.inventory->tensors.size()},
-                                         {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
-                                         {"trainers", spec.num_trainer_workers()}, {"rollouts", spec.num_rollout_workers()}});
-  models_.emplace(spec.model_id(), std::move(m));
-  StatusChangedLocked();
-  *created = true;
-  return absl::OkStatus();
 }
 
 absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, pb::RegisterNodeResponse* resp) {
   RETURN_IF_ERROR(CheckRegisterNode(req, options_.max_name_bytes));
   std::shared_ptr<NodeClient> client = options_.make_node_client(req.node_id(), req.address());
   absl::MutexLock l(&mu_);
-  Node& n = nodes_[req.node_id()];
-  if (n.incarnation > 0) {
+  const NodeTable::Registered reg = nodes_.Register(req, std::move(client), options_.clock->Now());
+  if (reg.restarted) {
     // A restarted node: whatever its workers had registered is gone with the old process.
     for (auto& [id, m] : models_) {
       std::vector<std::string> gone;
@@ -166,27 +97,14 @@ absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, p
       }
     }
   }
-  n.address = req.address();
-  n.data_address = req.data_address();
-  n.incarnation += 1;
-  n.alive = true;
-  if (n.draining) --draining_nodes_;
-  n.draining = false;
-  // A lease shorter than 3 heartbeats of the node would expire on one late beat.
-  n.lease = std::max(options_.lease, 3 * absl::Milliseconds(req.heartbeat_ms()));
-  n.lease_expiry = options_.clock->Now() + n.lease;
-  n.client = std::move(client);
-  n.transport_instances.clear();
-  for (auto& [k, v] : req.transport_instances()) n.transport_instances[k] = v;
-  n.data_nics.assign(req.data_nics().begin(), req.data_nics().end());
   // Commits the old incarnation missed are moot: its staging died with it.
   pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
                                         [&](const PendingCommit& p) { return p.node == req.node_id(); }),
                          pending_commits_.end());
   Log(LogLevel::kInfo, "node registered", {{"node", req.node_id()}, {"address", req.address()},
-                                           {"data_address", req.data_address()}, {"incarnation", n.incarnation}});
-  resp->set_lease_ms(absl::ToInt64Milliseconds(n.lease));
-  resp->set_incarnation(n.incarnation);
+                                           {"data_address", req.data_address()}, {"incarnation", reg.incarnation}});
+  resp->set_lease_ms(absl::ToInt64Milliseconds(reg.lease));
+  resp->set_incarnation(reg.incarnation);
   resp->set_coordinator_instance(instance_);
   wake_ = true;
   StatusChangedLocked();
@@ -197,58 +115,36 @@ absl::Status CoordinatorCore::Heartbeat(const pb::HeartbeatRequest& req, pb::Hea
   // Receipt time, taken before the lock: a busy coordinator must not count its own delay as a
   // missed heartbeat.
   const absl::Time received = options_.clock->Now();
-  if (req.progress_size() > options_.max_heartbeat_progress) {
-    // A node reports one entry per model with a version in flight; more is a bug or an attack
-    // (400k entries held +539 MiB). Refused before anything is stored; the lease is not renewed.
-    return absl::ResourceExhaustedError(absl::StrCat("heartbeat from node ", EchoValue(req.node_id()), " carries ", req.progress_size(),
-                                                     " progress entries, more than the limit of ", options_.max_heartbeat_progress,
-                                                     " (max_heartbeat_progress)"));
-  }
+  RETURN_IF_ERROR(nodes_.CheckHeartbeat(req));  // refused before anything is stored
   absl::MutexLock l(&mu_);
   resp->set_coordinator_instance(instance_);
-  auto it = nodes_.find(req.node_id());
-  if (it == nodes_.end() || !it->second.alive || it->second.incarnation != req.incarnation()) {
-    return absl::NotFoundError(absl::StrCat("node ", EchoValue(req.node_id()), " is not registered (lease lost?): register again"));
-  }
-  it->second.lease_expiry = std::max(it->second.lease_expiry, received + it->second.lease);
+  ASSIGN_OR_RETURN(const absl::Duration lease, nodes_.Heartbeat(req.node_id(), req.incarnation(), received));
   for (const pb::VersionProgress& p : req.progress()) {
-    auto m = models_.find(p.model_id());
-    if (m == models_.end()) continue;
+    Model* m = models_.Find(p.model_id());
+    if (m == nullptr) continue;
     // Only versions transferring now are kept (and dropped at commit/abort): a node cannot grow
     // the table with made-up versions.
-    const VersionRecord* rec = m->second.machine->Find(p.version());
+    const VersionRecord* rec = m->machine->Find(p.version());
     if (rec == nullptr || rec->state != VState::kTransferring) continue;
-    uint64_t& done = m->second.progress[p.version()][req.node_id()];
+    uint64_t& done = m->progress[p.version()][req.node_id()];
     // New bytes of a running version are news for watchers (wbctl watch shows progress); a beat
     // that only renews the lease is not (lease_left_ms is left to the safety net).
     if (done != p.bytes_done()) StatusChangedLocked();
     done = p.bytes_done();
   }
-  resp->set_lease_ms(absl::ToInt64Milliseconds(it->second.lease));
+  resp->set_lease_ms(absl::ToInt64Milliseconds(lease));
   return absl::OkStatus();
-}
-
-absl::Status CoordinatorCore::CheckReplySizeLocked(const std::string& model_id, size_t extra, bool created) {
-  auto it = models_.find(model_id);
-  if (it == models_.end()) return absl::OkStatus();
-  // The reply must reach the node (its coordinator channel's receive limit); a model this call
-  // created is removed again, so failed attempts leave nothing behind.
-  const size_t size = it->second.inventory_bytes + extra;
-  if (static_cast<int64_t>(size) <= options_.max_reply_bytes) return absl::OkStatus();
-  if (created) models_.erase(it);
-  return absl::ResourceExhaustedError(absl::StrCat("model ", model_id, ": its inventory reply is ", size, " bytes, more than max_reply_bytes (",
-                                                   options_.max_reply_bytes, ")", created ? "; the model was not kept" : ""));
 }
 
 absl::Status CoordinatorCore::CreateModel(const pb::CreateModelRequest& req, pb::CreateModelResponse* resp) {
   std::shared_ptr<const pb::ExplicitInventory> inventory;
   {
     absl::MutexLock l(&mu_);
-    bool created = false;
-    RETURN_IF_ERROR(CreateModelLocked(req.model(), &created));
-    RETURN_IF_ERROR(CheckReplySizeLocked(req.model().model_id(), 16, created));
+    ASSIGN_OR_RETURN(const bool created, models_.Create(req.model()));
+    if (created) StatusChangedLocked();
+    RETURN_IF_ERROR(models_.CheckReplySize(req.model().model_id(), 16, created));
     resp->set_created(created);
-    inventory = models_.at(req.model().model_id()).inventory_proto;
+    inventory = models_.Find(req.model().model_id())->inventory_proto;
   }
   *resp->mutable_tensors() = inventory->tensors();  // outside the lock: the bulk of the reply
   return absl::OkStatus();
@@ -260,31 +156,22 @@ absl::Status CoordinatorCore::JoinWorker(const pb::JoinWorkerRequest& req, pb::J
   {
     absl::MutexLock l(&mu_);
     RETURN_IF_ERROR(JoinWorkerLocked(req, resp));
-    inventory = models_.at(req.model_id()).inventory_proto;
+    inventory = models_.Find(req.model_id())->inventory_proto;
   }
   *resp->mutable_tensors() = inventory->tensors();  // outside the lock: the bulk of the reply
   return absl::OkStatus();
 }
 
 absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) {
-  if (!nodes_.count(req.node_id()) || !nodes_.at(req.node_id()).alive) {
+  if (!nodes_.IsAlive(req.node_id())) {
     return absl::FailedPreconditionError(absl::StrCat("node ", req.node_id(), " is not registered"));
   }
   bool created = false;
-  if (req.has_model() && !models_.count(req.model_id())) {
-    pb::ModelSpec spec = req.model();
-    if (spec.model_id().empty()) spec.set_model_id(req.model_id());
-    RETURN_IF_ERROR(CreateModelLocked(spec, &created));
-  }
-  ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
-  if (req.has_model() && !created) {
-    // Every worker of a model declares its spec (issue 16.5): the first one no longer wins silently.
-    pb::ModelSpec declared = req.model();
-    if (declared.model_id().empty()) declared.set_model_id(req.model_id());
-    RETURN_IF_ERROR(CheckSameSpec(mp->spec, declared, req.worker_id(), req.role()));
-  }
-  Model& model = *mp;
-  RETURN_IF_ERROR(CheckReplySizeLocked(req.model_id(), model.spec.ByteSizeLong() + 32, created));
+  absl::StatusOr<Model*> mp = models_.ForJoin(req, &created);
+  if (created) StatusChangedLocked();  // (even if the spec check below fails: as before the split)
+  RETURN_IF_ERROR(mp.status());
+  Model& model = **mp;
+  RETURN_IF_ERROR(models_.CheckReplySize(req.model_id(), model.spec.ByteSizeLong() + 32, created));
   *resp->mutable_model() = model.spec;
   resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
   if (model.workers.count(req.worker_id())) {
@@ -294,7 +181,6 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
   rec.node = req.node_id();
   rec.role = FromProto(req.role());
   rec.gpu = req.gpu();
-  rec.serial = next_worker_serial_++;
   if (req.rejoin()) {
     // A node re-submits what it holds (coordinator restart / lost lease): the committed version
     // bounds what may be published next, a rollout's applied version feeds the staleness bound.
@@ -304,94 +190,17 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
   }
-  model.workers[req.worker_id()] = std::move(rec);
+  models_.AddWorker(model, req.worker_id(), std::move(rec));
   StatusChangedLocked();
   return absl::OkStatus();
 }
 
-absl::StatusOr<planner::WorkerLayout> CoordinatorCore::ResolveLayoutLocked(const Model& m, const pb::SubmitLayoutRequest& req,
-                                                                           pb::ResolvedLayout* resolved) {
-  *resolved->mutable_buffers() = req.buffers();
-  if (req.layout().has_pieces()) {
-    *resolved->mutable_pieces() = req.layout().pieces().pieces();
-    return LayoutFromProto(*resolved, *m.inventory);
-  }
-  if (!req.layout().has_preset()) {
-    return absl::InvalidArgumentError("layout: pieces or preset required (index probes are resolved by the node)");
-  }
-  if (!m.config) {
-    return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
-  }
-  const pb::ParallelConfig& pc = req.layout().preset();
-  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
-  if (!preset.ok()) {
-    return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
-  }
-  planner::WorkerLayout layout = std::move(preset->layout);
-  if (layout.buffers.size() != static_cast<size_t>(req.buffers_size())) {
-    return absl::InvalidArgumentError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), ": preset ", pc.preset(), " needs ",
-                                                   layout.buffers.size(), " buffers, the worker registered ", req.buffers_size()));
-  }
-  for (size_t i = 0; i < layout.buffers.size(); ++i) {
-    if (layout.buffers[i].size_bytes > static_cast<int64_t>(req.buffers(i).size_bytes())) {
-      return absl::InvalidArgumentError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), ": preset ", pc.preset(),
-                                                     " buffer ", i, " needs ", layout.buffers[i].size_bytes, " bytes, registered ",
-                                                     req.buffers(i).size_bytes()));
-    }
-    layout.buffers[i].size_bytes = static_cast<int64_t>(req.buffers(i).size_bytes());
-  }
-  resolved->clear_pieces();
-  LayoutToProto(layout, *m.inventory, req.buffers(), resolved);
-  return layout;
-}
-
 absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * mp, GetModelLocked(req.model_id()));
-  Model& m = *mp;
-  auto w = m.workers.find(req.worker_id());
-  if (w == m.workers.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(req.worker_id()), " has not joined model ", req.model_id()));
-  }
-  auto resolved = std::make_shared<pb::ResolvedLayout>();
-  ASSIGN_OR_RETURN(planner::WorkerLayout layout, ResolveLayoutLocked(m, req, resolved.get()));
-  absl::Status s = planner::ValidateLayout(*m.inventory, layout, w->second.role, req.worker_id());
-  if (!s.ok()) {
-    Log(LogLevel::kWarning, "layout rejected", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"error", s.message()}});
-    return s;
-  }
-  // A second layout for the same worker (NODE helper, issue 15.13): the same one again is OK and
-  // changes nothing; another one while the worker is in the model's plan is refused (dropping the
-  // worker here left it registered on its node but gone from the coordinator); before any plan
-  // includes it, it replaces the first.
-  if (w->second.has_layout) {
-    if (w->second.layout_proto != nullptr && w->second.layout_proto->SerializeAsString() == resolved->SerializeAsString()) {
-      *resp->mutable_layout() = *w->second.layout_proto;
-      return absl::OkStatus();
-    }
-    bool in_plan = false;
-    for (const std::string& id : m.plan.worker_ids) in_plan |= id == req.worker_id();
-    if (in_plan || m.planning) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "worker ", EchoValue(req.worker_id()), " of model ", req.model_id(), " already has a different layout in the model's plan",
-          m.plan.epoch > 0 ? absl::StrCat(" (epoch ", m.plan.epoch, ")") : std::string(),
-          "; a worker's layout cannot change under a plan: Deregister and RegisterWorker again to register a new one"));
-    }
-  }
-  w->second.has_layout = true;
-  w->second.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
-  // A worker with CUDA buffers sits on their GPU as its node daemon numbers it (the node rewrites
-  // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
-  // topology (same-GPU colocation) then compares GPUs of one numbering.
-  for (const pb::BufferSpec& b : resolved->buffers()) {
-    if ((b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) && b.gpu() >= 0) {
-      w->second.gpu = b.gpu();
-      break;
-    }
-  }
-  *resp->mutable_layout() = *resolved;
-  w->second.layout_proto = std::move(resolved);
-  MarkPlanDirtyLocked(m);
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+  ASSIGN_OR_RETURN(const bool changed, models_.SetLayout(*m, req, resp));
+  if (!changed) return absl::OkStatus();  // the same layout again
+  MarkPlanDirtyLocked(*m);
   wake_ = true;
   StatusChangedLocked();
   return absl::OkStatus();
@@ -400,8 +209,7 @@ absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, p
 void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) {
   auto it = m.workers.find(worker);
   if (it == m.workers.end()) return;
-  bool in_plan = false;
-  for (const std::string& id : m.plan.worker_ids) in_plan |= id == worker;
+  const bool in_plan = m.InPlan(worker);
   m.workers.erase(it);
   Log(LogLevel::kInfo, "worker dropped", {{"model", m.spec.model_id()}, {"worker", worker}, {"reason", reason}});
   // A plan being made outside the lock may include the worker: it is stale now.
@@ -417,8 +225,7 @@ void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, c
                                            const std::string& reason) {
   std::vector<std::shared_ptr<NodeClient>> targets;
   for (const std::string& n : nodes) {
-    auto it = nodes_.find(n);
-    if (it != nodes_.end() && it->second.alive && it->second.client) targets.push_back(it->second.client);
+    if (auto client = nodes_.AliveClient(n)) targets.push_back(std::move(client));
   }
   pending_rpcs_.push_back([targets, model_id, version, reason] {
     // Best effort: a dead node has nothing to drop.
@@ -441,7 +248,7 @@ void CoordinatorCore::AbortLocked(const std::string& model_id, Model& m, uint64_
 
 absl::Status CoordinatorCore::LeaveWorker(const pb::LeaveWorkerRequest& req, pb::LeaveWorkerResponse*) {
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   DropWorkerLocked(*m, req.worker_id(),
                    absl::StrCat("worker ", req.worker_id(), " left", req.reason().empty() ? "" : ": ", EchoValue(req.reason())));
   return absl::OkStatus();
@@ -451,15 +258,14 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
   const absl::Time start = options_.clock->Now();
   const absl::Time deadline = Deadline(req.timeout_ms());
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   const uint64_t v = req.version();
   if (cluster_draining_ && !m->machine->Find(v)) {
     return absl::UnavailableError(absl::StrCat("cluster is draining: version ", v, " refused"));
   }
   // (Only looked at when some node drains: a version of T trainers on N nodes is T publishes.)
-  for (const std::string& n : draining_nodes_ > 0 ? m->plan.nodes : std::set<std::string>{}) {
-    auto it = nodes_.find(n);
-    if (it != nodes_.end() && it->second.draining && !m->machine->Find(v)) {
+  for (const std::string& n : nodes_.any_draining() ? m->plan.nodes : std::set<std::string>{}) {
+    if (nodes_.IsDraining(n) && !m->machine->Find(v)) {
       return absl::UnavailableError(absl::StrCat("node ", n, " is draining: version ", v, " refused"));
     }
   }
@@ -506,7 +312,7 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
 
 absl::Status CoordinatorCore::ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp) {
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   auto w = m->workers.find(req.worker_id());
   if (w == m->workers.end()) {
     // As in Publish: NOT_FOUND (nothing recorded) lets its node re-send after re-joining it.
@@ -535,7 +341,7 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
     return absl::OkStatus();
   }
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   if (req.catch_up()) {
     CatchUpDoneLocked(req, *m);
     return absl::OkStatus();
@@ -564,7 +370,7 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
 
 absl::Status CoordinatorCore::ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse*) {
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   m->machine->RecordApplied(req.worker_id(), req.version());
   StatusChangedLocked();
   return absl::OkStatus();
@@ -573,7 +379,7 @@ absl::Status CoordinatorCore::ReportApplied(const pb::ReportAppliedRequest& req,
 absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {
   const absl::Time deadline = Deadline(req.timeout_ms());
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   const uint64_t v = std::max<uint64_t>(req.version(), 1);
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
@@ -605,44 +411,39 @@ absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainRespon
     return absl::InvalidArgumentError(absl::StrCat("Drain: node_id (", EchoValue(req.node_id()), ") and all = true are exclusive"));
   }
   absl::MutexLock l(&mu_);
-  Node* node = nullptr;
-  if (!req.node_id().empty()) {
-    auto it = nodes_.find(req.node_id());
-    if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("unknown node ", EchoValue(req.node_id())));
-    node = &it->second;
+  const bool one_node = !req.node_id().empty();
+  if (one_node && nodes_.Find(req.node_id()) == nullptr) {
+    return absl::NotFoundError(absl::StrCat("unknown node ", EchoValue(req.node_id())));
   }
   if (req.undo()) {
     // Lifts the drain: new versions are accepted again (a node's drain also ends when it
     // re-registers). Answers at once.
-    if (node != nullptr) {
-      if (node->draining) --draining_nodes_;
-      node->draining = false;
+    if (one_node) {
+      nodes_.SetDraining(req.node_id(), false);
     } else {
       cluster_draining_ = false;
       for (auto& [id, m] : models_) m.machine->set_draining(false);
-      for (auto& [id, n] : nodes_) n.draining = false;
-      draining_nodes_ = 0;
+      nodes_.ClearDraining();
     }
-    Log(LogLevel::kInfo, "drain lifted", {{"target", node != nullptr ? req.node_id() : std::string("cluster")}});
+    Log(LogLevel::kInfo, "drain lifted", {{"target", one_node ? req.node_id() : std::string("cluster")}});
     wake_ = true;
     StatusChangedLocked();
     resp->set_drained(false);
     return absl::OkStatus();
   }
-  if (node != nullptr) {
-    if (!node->draining) ++draining_nodes_;
-    node->draining = true;
+  if (one_node) {
+    nodes_.SetDraining(req.node_id(), true);
   } else {
     cluster_draining_ = true;
     for (auto& [id, m] : models_) m.machine->set_draining(true);
   }
-  Log(LogLevel::kInfo, "drain", {{"target", node != nullptr ? req.node_id() : std::string("cluster")}});
+  Log(LogLevel::kInfo, "drain", {{"target", one_node ? req.node_id() : std::string("cluster")}});
   StatusChangedLocked();
   // Drained when nothing the drain covers is queued or transferring.
   auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     if (stopping_) return true;
     for (auto& [id, m] : models_) {
-      if (node == nullptr ? !m.machine->Idle() : m.machine->InFlightInvolves(req.node_id())) return false;
+      if (!one_node ? !m.machine->Idle() : m.machine->InFlightInvolves(req.node_id())) return false;
     }
     return true;
   };
@@ -656,7 +457,7 @@ absl::Status CoordinatorCore::Drain(const pb::DrainRequest& req, pb::DrainRespon
 
 absl::Status CoordinatorCore::Plan(const pb::PlanRequest& req, pb::PlanResponse* resp) {
   absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, GetModelLocked(req.model_id()));
+  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   if (m->plan.epoch == 0) {
     return absl::FailedPreconditionError(absl::StrCat("model ", req.model_id(), " has no plan yet",
                                                       m->plan_error.empty() ? "" : ": ", m->plan_error));
@@ -672,8 +473,8 @@ absl::Status CoordinatorCore::Plan(const pb::PlanRequest& req, pb::PlanResponse*
 bool CoordinatorCore::AwaitPlanInstalled(const std::string& model_id, absl::Time deadline) const {
   absl::MutexLock l(&mu_);
   auto installed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    auto it = models_.find(model_id);
-    return it != models_.end() && it->second.plan.installed && !it->second.plan_dirty && !it->second.planning;
+    const Model* m = models_.Find(model_id);
+    return m != nullptr && m->plan.installed && !m->plan_dirty && !m->planning;
   };
   return options_.clock->WaitUntil(&mu_, absl::Condition(&installed), deadline);
 }

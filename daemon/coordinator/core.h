@@ -14,6 +14,11 @@
 //   - the planner thread (PlannerLoop): makes queued plans from snapshots OUTSIDE mu_, slices
 //     them, applies the result under mu_ if membership did not change meanwhile, installs.
 //   Nothing slow ever runs under mu_.
+// Locking: mu_ is the one lock of the membership state. The node table (node_table.h) and the
+// model registry (model_registry.h) are plain data, not thread-safe, guarded by mu_ and only
+// touched with it held; they take no lock of their own. PlanCache has its own lock, taken only
+// on the planner thread with mu_ NOT held (plan_outside_lock_test), so there is no lock order
+// to keep between the two.
 //   - WatchStatus streams: build the status under mu_, write outside it (real time: client streams).
 // Every lease, heartbeat, staleness and timeout decision reads options.clock and every wait goes
 // through it, so tests run the coordinator on a FakeClock.
@@ -32,8 +37,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/coordinator/digest_book.h"
+#include "daemon/coordinator/model_registry.h"
 #include "daemon/coordinator/node_client.h"
+#include "daemon/coordinator/node_table.h"
 #include "daemon/coordinator/plan_cache.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
@@ -140,18 +146,14 @@ class CoordinatorCore {
   bool AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) const;
 
  private:
-  struct Node {
-    std::string address, data_address;
-    uint64_t incarnation = 0;
-    absl::Time lease_expiry;
-    bool alive = true;
-    bool draining = false;
-    std::map<std::string, std::string> transport_instances;
-    std::vector<std::string> data_nics;  // RegisterNodeRequest.data_nics (status only)
-    absl::Duration lease = absl::ZeroDuration();  // max(Options::lease, 3 heartbeats of the node)
-    // shared: driver work that captured it may still run while RegisterNode replaces it.
-    std::shared_ptr<NodeClient> client;
-  };
+  // The tables (node_table.h, model_registry.h): plain data guarded by mu_, not thread-safe.
+  // The aliases keep the names the driver, catch-up and digest code use.
+  using Node = NodeTable::Node;
+  using Model = ModelRegistry::Model;
+  using WorkerRec = ModelRegistry::WorkerRec;
+  using CatchUpRun = ModelRegistry::CatchUpRun;
+  using PlanState = ModelRegistry::PlanState;
+
   // A commit the coordinator decided that one node has not acknowledged yet (async / one-step-off:
   // RPC failed). Retried until the node acks, answers that its staging is gone, or loses its
   // lease / re-registers (its workers are dropped and get the next version).
@@ -161,80 +163,8 @@ class CoordinatorCore {
     uint64_t incarnation = 0;
     absl::Time next_try;
   };
-  struct WorkerRec {
-    std::string node;
-    planner::Role role = planner::Role::kTrainer;
-    int32_t gpu = 0;
-    bool has_layout = false;
-    // Sync: BeginUpdate seen for the next version. Kept here too because the version machine only
-    // knows rollouts of the current plan: a pause that arrives before the (re-)plan is re-applied.
-    bool paused = false;
-    std::shared_ptr<const pb::ResolvedLayout> layout_proto;  // shared with plan snapshots
-    std::shared_ptr<const planner::WorkerLayout> layout;
-    uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
-    // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
-    // staging or live weights), set when a version or a catch-up is committed on its node; a
-    // rollout holding less than the model's committed version is late and is caught up.
-    uint64_t holds = 0;
-    uint64_t catch_up_failed = 0;  // the committed version its last catch-up failed for (not retried)
-    std::string catch_up_error;
-    uint64_t serial = 0;           // unique per registration (a catch-up notices a re-registered worker)
-  };
-  // A catch-up in progress (catch_up.cc): `version` (committed) again, from the rollouts that hold
-  // it to the late ones, on its own plan epoch; normal versions wait until it ends.
-  struct CatchUpRun {
-    uint64_t version = 0;
-    uint64_t epoch = 0;
-    enum class Phase { kRunning, kDone, kCommitting } phase = Phase::kRunning;  // kDone: every node reported done
-    std::map<std::string, uint64_t> sources, dests;  // worker -> serial at the start
-    std::set<std::string> nodes, done;
-    absl::Time started, deadline;
-  };
-  struct PlanState {
-    uint64_t epoch = 0;
-    std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
-    std::vector<std::string> worker_ids;  // Problem::workers order
-    // WorkerRec::serial of each planned worker: a worker registered again since (a restarted
-    // rollout) is not the one the plan's versions reached (catch_up.cc).
-    std::map<std::string, uint64_t> serials;
-    std::set<std::string> nodes;
-    uint64_t total_bytes = 0;
-    bool installed = false;
-  };
-  struct Model {
-    pb::ModelSpec spec;
-    std::optional<planner::ModelConfig> config;  // models created from hf_config_json (presets)
-    std::shared_ptr<const planner::Inventory> inventory;
-    // The inventory as replies carry it, built once at creation and copied into replies outside
-    // mu_ (a Kimi-K2 inventory is ~70k tensors: rebuilding it per JoinWorker under the lock held
-    // heartbeats for ~0.1 s per worker); inventory_bytes = its encoded size.
-    std::shared_ptr<const pb::ExplicitInventory> inventory_proto;
-    size_t inventory_bytes = 0;
-    std::unique_ptr<VersionMachine> machine;
-    std::map<std::string, WorkerRec> workers;
-    PlanState plan;
-    bool plan_dirty = false;
-    uint64_t membership = 0;  // bumped whenever plan_dirty is set: a plan of older membership is stale
-    bool planning = false;    // the driver plans it outside the lock right now
-    bool planned_once = false;
-    std::string plan_error;
-    uint64_t committing = 0;  // version whose commit the driver is sending
-    std::map<uint64_t, std::map<std::string, uint64_t>> progress;  // version -> node -> bytes
-    // End-to-end digests (digests.cc): the reports of the version in flight, and the verdicts of
-    // recent versions (ClusterStatus, `wbctl versions`).
-    std::map<uint64_t, DigestBook> digests;
-    std::map<uint64_t, DigestVerdict> verdicts;
-    double last_seconds = 0;
-    uint64_t last_bytes = 0;
-    std::optional<CatchUpRun> catch_up;
-    double last_catch_up_seconds = 0;
-  };
 
-  absl::StatusOr<Model*> GetModelLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CreateModelLocked(const pb::ModelSpec& spec, bool* created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status JoinWorkerLocked(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<planner::WorkerLayout> ResolveLayoutLocked(const Model& m, const pb::SubmitLayoutRequest& req,
-                                                            pb::ResolvedLayout* resolved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -250,9 +180,6 @@ class CoordinatorCore {
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                             const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Time Deadline(int64_t timeout_ms) const;
-  // RESOURCE_EXHAUSTED when a reply with the model's inventory (plus `extra` bytes) would exceed
-  // max_reply_bytes; removes the model if this call `created` it.
-  absl::Status CheckReplySizeLocked(const std::string& model_id, size_t extra, bool created) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC/plan work to run
   // outside it.
@@ -292,8 +219,8 @@ class CoordinatorCore {
 
   CoordinatorOptions options_;
   mutable absl::Mutex mu_;
-  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
+  NodeTable nodes_ ABSL_GUARDED_BY(mu_);
+  ModelRegistry models_ ABSL_GUARDED_BY(mu_);
   PlanCache plan_cache_;                                                 // own lock
   std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
   std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
@@ -301,10 +228,8 @@ class CoordinatorCore {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
-  int draining_nodes_ ABSL_GUARDED_BY(mu_) = 0;  // nodes with Node::draining set
   uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
   int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_worker_serial_ ABSL_GUARDED_BY(mu_) = 1;  // WorkerRec::serial
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
   const std::string instance_;
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver

@@ -47,21 +47,11 @@ void CoordinatorCore::DriverLoop() {
 }
 
 void CoordinatorCore::SweepLeasesLocked(absl::Time now) {
-  // If the driver itself did not run for a while (an overloaded coordinator), that time is not
-  // the nodes' fault: extend every lease by the gap before judging.
-  if (last_sweep_ != absl::InfinitePast() && now - last_sweep_ > options_.lease / 4) {
-    const absl::Duration gap = now - last_sweep_;
-    for (auto& [nid, n] : nodes_) n.lease_expiry += gap;
-  }
+  // Leases (gap extension for a driver that did not run, the local node) are the node table's;
+  // a lost node's versions and workers are the models'.
+  const absl::Time last = last_sweep_;
   last_sweep_ = now;
-  for (auto& [nid, n] : nodes_) {
-    if (!n.alive || now < n.lease_expiry) continue;
-    if (!options_.local_node.empty() && nid == options_.local_node) {
-      Log(LogLevel::kWarning, "local node heartbeat late (same process: lease kept)", {{"node", nid}, {"late_s", absl::ToDoubleSeconds(now - n.lease_expiry)}});
-      n.lease_expiry = now + n.lease;
-      continue;
-    }
-    n.alive = false;
+  nodes_.Sweep(now, last, [&](const std::string& nid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     StatusChangedLocked();
     const std::string reason = absl::StrCat("node ", nid, " lost its lease");
     Log(LogLevel::kWarning, "node lost", {{"node", nid}, {"reason", reason}});
@@ -71,7 +61,7 @@ void CoordinatorCore::SweepLeasesLocked(absl::Time now) {
       for (auto& [w, rec] : m.workers) if (rec.node == nid) gone.push_back(w);
       for (const std::string& w : gone) DropWorkerLocked(m, w, reason);
     }
-  }
+  });
 }
 
 std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {

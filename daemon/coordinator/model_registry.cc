@@ -1,0 +1,227 @@
+#include "daemon/coordinator/model_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/convert.h"
+#include "daemon/coordinator/checks.h"
+#include "daemon/log.h"
+#include "daemon/lora_spec.h"
+#include "planner/inventory.h"
+#include "planner/lora.h"
+#include "planner/presets.h"
+#include "planner/validate.h"
+#include "base/status_macros.h"
+
+namespace wb::daemon {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+
+ModeKind ToMode(pb::Mode mode) {
+  switch (mode) {
+    case pb::MODE_ONE_STEP_OFF: return ModeKind::kOneStepOff;
+    case pb::MODE_ASYNC: return ModeKind::kAsync;
+    default: return ModeKind::kSync;
+  }
+}
+
+// The inventory (and, from hf_config_json, the model config) of a new model's spec.
+absl::Status BuildInventory(const pb::ModelSpec& spec, ModelRegistry::Model* m) {
+  planner::Inventory inventory;
+  if (spec.has_explicit_tensors()) {
+    if (spec.has_lora()) return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": lora needs hf_config_json"));
+    ASSIGN_OR_RETURN(inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
+  } else if (!spec.hf_config_json().empty()) {
+    planner::DType dtype = planner::DType::kBF16;
+    if (spec.dtype() != pb::DTYPE_UNSPECIFIED) {
+      ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
+    }
+    auto config = planner::ParseHfConfig(spec.hf_config_json());
+    if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
+    ASSIGN_OR_RETURN(inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
+    m->config = std::move(*config);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
+  }
+  if (inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
+  m->inventory = std::make_shared<const planner::Inventory>(std::move(inventory));
+  auto inventory_proto = std::make_shared<pb::ExplicitInventory>();
+  InventoryToProto(*m->inventory, inventory_proto->mutable_tensors());
+  m->inventory_bytes = inventory_proto->ByteSizeLong();
+  m->inventory_proto = std::move(inventory_proto);
+  return absl::OkStatus();
+}
+
+// A layout as submitted (pieces, or a preset of a model made from hf_config_json) -> the
+// planner's layout; `resolved` gets the buffers and the pieces it resolved to.
+absl::StatusOr<planner::WorkerLayout> ResolveLayout(const ModelRegistry::Model& m, const pb::SubmitLayoutRequest& req,
+                                                    pb::ResolvedLayout* resolved) {
+  *resolved->mutable_buffers() = req.buffers();
+  if (req.layout().has_pieces()) {
+    *resolved->mutable_pieces() = req.layout().pieces().pieces();
+    return LayoutFromProto(*resolved, *m.inventory);
+  }
+  if (!req.layout().has_preset()) {
+    return absl::InvalidArgumentError("layout: pieces or preset required (index probes are resolved by the node)");
+  }
+  if (!m.config) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
+  }
+  const pb::ParallelConfig& pc = req.layout().preset();
+  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
+  if (!preset.ok()) {
+    return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
+  }
+  planner::WorkerLayout layout = std::move(preset->layout);
+  if (layout.buffers.size() != static_cast<size_t>(req.buffers_size())) {
+    return absl::InvalidArgumentError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), ": preset ", pc.preset(), " needs ",
+                                                   layout.buffers.size(), " buffers, the worker registered ", req.buffers_size()));
+  }
+  for (size_t i = 0; i < layout.buffers.size(); ++i) {
+    if (layout.buffers[i].size_bytes > static_cast<int64_t>(req.buffers(i).size_bytes())) {
+      return absl::InvalidArgumentError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), ": preset ", pc.preset(),
+                                                     " buffer ", i, " needs ", layout.buffers[i].size_bytes, " bytes, registered ",
+                                                     req.buffers(i).size_bytes()));
+    }
+    layout.buffers[i].size_bytes = static_cast<int64_t>(req.buffers(i).size_bytes());
+  }
+  resolved->clear_pieces();
+  LayoutToProto(layout, *m.inventory, req.buffers(), resolved);
+  return layout;
+}
+
+}  // namespace
+
+bool ModelRegistry::Model::InPlan(const std::string& worker) const {
+  return std::find(plan.worker_ids.begin(), plan.worker_ids.end(), worker) != plan.worker_ids.end();
+}
+
+absl::StatusOr<bool> ModelRegistry::Create(const pb::ModelSpec& spec) {
+  RETURN_IF_ERROR(CheckModelSpecEnums(spec, options_.max_name_bytes));
+  auto it = models_.find(spec.model_id());
+  if (it != models_.end()) {
+    const pb::ModelSpec& have = it->second.spec;
+    if (have.mode() != spec.mode() || have.num_trainer_workers() != spec.num_trainer_workers() ||
+        have.num_rollout_workers() != spec.num_rollout_workers() || have.strategy() != spec.strategy() ||
+        have.max_staleness() != spec.max_staleness()) {
+      return absl::AlreadyExistsError(absl::StrCat("model ", spec.model_id(), " exists with a different spec"));
+    }
+    RETURN_IF_ERROR(CheckSameLora(have, spec));
+    return false;
+  }
+  if (static_cast<int>(models_.size()) >= options_.max_models) {
+    return absl::ResourceExhaustedError(absl::StrCat("model ", spec.model_id(), " refused: ", models_.size(),
+                                                     " models exist, the limit (max_models) is ", options_.max_models));
+  }
+  if (spec.num_trainer_workers() == 0 || spec.num_rollout_workers() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": worker counts must be > 0"));
+  }
+  Model m;
+  m.spec = spec;
+  RETURN_IF_ERROR(BuildInventory(spec, &m));
+  m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
+  Log(LogLevel::kInfo, "model created", {{"model", spec.model_id()}, {"tensors", m.inventory->tensors.size()},
+                                         {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
+                                         {"trainers", spec.num_trainer_workers()}, {"rollouts", spec.num_rollout_workers()}});
+  models_.emplace(spec.model_id(), std::move(m));
+  return true;
+}
+
+absl::StatusOr<ModelRegistry::Model*> ModelRegistry::ForJoin(const pb::JoinWorkerRequest& req, bool* created) {
+  *created = false;
+  if (req.has_model() && !models_.count(req.model_id())) {
+    pb::ModelSpec spec = req.model();
+    if (spec.model_id().empty()) spec.set_model_id(req.model_id());
+    ASSIGN_OR_RETURN(*created, Create(spec));
+  }
+  ASSIGN_OR_RETURN(Model * m, Get(req.model_id()));
+  if (req.has_model() && !*created) {
+    // Every worker of a model declares its spec (issue 16.5): the first one no longer wins silently.
+    pb::ModelSpec declared = req.model();
+    if (declared.model_id().empty()) declared.set_model_id(req.model_id());
+    RETURN_IF_ERROR(CheckSameSpec(m->spec, declared, req.worker_id(), req.role()));
+  }
+  return m;
+}
+
+absl::StatusOr<ModelRegistry::Model*> ModelRegistry::Get(const std::string& model_id) {
+  Model* m = Find(model_id);
+  if (m == nullptr) return absl::NotFoundError(absl::StrCat("unknown model ", EchoValue(model_id)));
+  return m;
+}
+
+ModelRegistry::Model* ModelRegistry::Find(const std::string& model_id) {
+  auto it = models_.find(model_id);
+  return it == models_.end() ? nullptr : &it->second;
+}
+
+const ModelRegistry::Model* ModelRegistry::Find(const std::string& model_id) const {
+  auto it = models_.find(model_id);
+  return it == models_.end() ? nullptr : &it->second;
+}
+
+absl::Status ModelRegistry::CheckReplySize(const std::string& model_id, size_t extra, bool created) {
+  auto it = models_.find(model_id);
+  if (it == models_.end()) return absl::OkStatus();
+  // The reply must reach the node (its coordinator channel's receive limit); a model this call
+  // created is removed again, so failed attempts leave nothing behind.
+  const size_t size = it->second.inventory_bytes + extra;
+  if (static_cast<int64_t>(size) <= options_.max_reply_bytes) return absl::OkStatus();
+  if (created) models_.erase(it);
+  return absl::ResourceExhaustedError(absl::StrCat("model ", model_id, ": its inventory reply is ", size, " bytes, more than max_reply_bytes (",
+                                                   options_.max_reply_bytes, ")", created ? "; the model was not kept" : ""));
+}
+
+ModelRegistry::WorkerRec& ModelRegistry::AddWorker(Model& m, const std::string& worker_id, WorkerRec rec) {
+  rec.serial = next_worker_serial_++;
+  WorkerRec& slot = m.workers[worker_id];
+  slot = std::move(rec);
+  return slot;
+}
+
+absl::StatusOr<bool> ModelRegistry::SetLayout(Model& m, const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
+  auto w = m.workers.find(req.worker_id());
+  if (w == m.workers.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(req.worker_id()), " has not joined model ", req.model_id()));
+  }
+  auto resolved = std::make_shared<pb::ResolvedLayout>();
+  ASSIGN_OR_RETURN(planner::WorkerLayout layout, ResolveLayout(m, req, resolved.get()));
+  absl::Status s = planner::ValidateLayout(*m.inventory, layout, w->second.role, req.worker_id());
+  if (!s.ok()) {
+    Log(LogLevel::kWarning, "layout rejected", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"error", s.message()}});
+    return s;
+  }
+  // A second layout for the same worker (NODE helper, issue 15.13): the same one again is OK and
+  // changes nothing; another one while the worker is in the model's plan is refused (dropping the
+  // worker here left it registered on its node but gone from the coordinator); before any plan
+  // includes it, it replaces the first.
+  if (w->second.has_layout) {
+    if (w->second.layout_proto != nullptr && w->second.layout_proto->SerializeAsString() == resolved->SerializeAsString()) {
+      *resp->mutable_layout() = *w->second.layout_proto;
+      return false;
+    }
+    if (m.InPlan(req.worker_id()) || m.planning) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker ", EchoValue(req.worker_id()), " of model ", req.model_id(), " already has a different layout in the model's plan",
+          m.plan.epoch > 0 ? absl::StrCat(" (epoch ", m.plan.epoch, ")") : std::string(),
+          "; a worker's layout cannot change under a plan: Deregister and RegisterWorker again to register a new one"));
+    }
+  }
+  w->second.has_layout = true;
+  w->second.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
+  // A worker with CUDA buffers sits on their GPU as its node daemon numbers it (the node rewrites
+  // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
+  // topology (same-GPU colocation) then compares GPUs of one numbering.
+  for (const pb::BufferSpec& b : resolved->buffers()) {
+    if ((b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) && b.gpu() >= 0) {
+      w->second.gpu = b.gpu();
+      break;
+    }
+  }
+  *resp->mutable_layout() = *resolved;
+  w->second.layout_proto = std::move(resolved);
+  return true;
+}
+
+}  // namespace wb::daemon

@@ -1,0 +1,161 @@
+#pragma once
+// The coordinator's model registry (docs/architecture.md "Coordinator"): the models (spec,
+// inventory, version machine, plan state), their workers and the workers' layouts.
+//
+// NOT thread-safe: plain data that CoordinatorCore guards with its mu_ (every call is made with
+// mu_ held; the member is ABSL_GUARDED_BY(mu_)). It never blocks or calls a node; it builds
+// inventories and resolves layouts (bounded CPU work the handlers did under mu_ before, too).
+//
+// Contract:
+//   - Create: a new model needs an inventory source (explicit_tensors, or hf_config_json with
+//     optional LoRA) and worker counts > 0, and is refused (RESOURCE_EXHAUSTED naming the limit)
+//     beyond max_models. The same spec again is OK (created = false); a different one is
+//     ALREADY_EXISTS. A worker joining with a spec (ForJoin) is checked field by field: the error
+//     names the worker and every differing field with both values (checks.h CheckSameSpec).
+//   - Get: NOT_FOUND "unknown model <id>".
+//   - CheckReplySize: a reply carrying the inventory must fit max_reply_bytes; a model the failing
+//     call created is removed again, so a failed creation leaves nothing behind.
+//   - Model addresses are stable while the model exists (std::map nodes): the driver and the
+//     planner thread keep Model* across unlocked work. Models are only removed by a failed
+//     creation, inside the call that created them, before any other thread saw them.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/coordinator/digest_book.h"
+#include "daemon/version_machine.h"
+#include "planner/model_config.h"
+#include "planner/types.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+class ModelRegistry {
+ public:
+  struct WorkerRec {
+    std::string node;
+    planner::Role role = planner::Role::kTrainer;
+    int32_t gpu = 0;
+    bool has_layout = false;
+    // Sync: BeginUpdate seen for the next version. Kept here too because the version machine only
+    // knows rollouts of the current plan: a pause that arrives before the (re-)plan is re-applied.
+    bool paused = false;
+    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> layout_proto;  // shared with plan snapshots
+    std::shared_ptr<const planner::WorkerLayout> layout;
+    uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
+    // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
+    // staging or live weights), set when a version or a catch-up is committed on its node; a
+    // rollout holding less than the model's committed version is late and is caught up.
+    uint64_t holds = 0;
+    uint64_t catch_up_failed = 0;  // the committed version its last catch-up failed for (not retried)
+    std::string catch_up_error;
+    uint64_t serial = 0;           // unique per registration (a catch-up notices a re-registered worker)
+  };
+  // A catch-up in progress (catch_up.cc): `version` (committed) again, from the rollouts that hold
+  // it to the late ones, on its own plan epoch; normal versions wait until it ends.
+  struct CatchUpRun {
+    uint64_t version = 0;
+    uint64_t epoch = 0;
+    enum class Phase { kRunning, kDone, kCommitting } phase = Phase::kRunning;  // kDone: every node reported done
+    std::map<std::string, uint64_t> sources, dests;  // worker -> serial at the start
+    std::set<std::string> nodes, done;
+    absl::Time started, deadline;
+  };
+  struct PlanState {
+    uint64_t epoch = 0;
+    std::shared_ptr<const planner::Plan> plan = std::make_shared<planner::Plan>();
+    std::vector<std::string> worker_ids;  // Problem::workers order
+    // WorkerRec::serial of each planned worker: a worker registered again since (a restarted
+    // rollout) is not the one the plan's versions reached (catch_up.cc).
+    std::map<std::string, uint64_t> serials;
+    std::set<std::string> nodes;
+    uint64_t total_bytes = 0;
+    bool installed = false;
+  };
+  struct Model {
+    ::weightbridge::v1::ModelSpec spec;
+    std::optional<planner::ModelConfig> config;  // models created from hf_config_json (presets)
+    std::shared_ptr<const planner::Inventory> inventory;
+    // The inventory as replies carry it, built once at creation and copied into replies outside
+    // mu_ (a Kimi-K2 inventory is ~70k tensors: rebuilding it per JoinWorker under the lock held
+    // heartbeats for ~0.1 s per worker); inventory_bytes = its encoded size.
+    std::shared_ptr<const ::weightbridge::v1::ExplicitInventory> inventory_proto;
+    size_t inventory_bytes = 0;
+    std::unique_ptr<VersionMachine> machine;
+    std::map<std::string, WorkerRec> workers;
+    PlanState plan;
+    bool plan_dirty = false;
+    uint64_t membership = 0;  // bumped whenever plan_dirty is set: a plan of older membership is stale
+    bool planning = false;    // the driver plans it outside the lock right now
+    bool planned_once = false;
+    std::string plan_error;
+    uint64_t committing = 0;  // version whose commit the driver is sending
+    std::map<uint64_t, std::map<std::string, uint64_t>> progress;  // version -> node -> bytes
+    // End-to-end digests (digests.cc): the reports of the version in flight, and the verdicts of
+    // recent versions (ClusterStatus, `wbctl versions`).
+    std::map<uint64_t, DigestBook> digests;
+    std::map<uint64_t, DigestVerdict> verdicts;
+    double last_seconds = 0;
+    uint64_t last_bytes = 0;
+    std::optional<CatchUpRun> catch_up;
+    double last_catch_up_seconds = 0;
+
+    // `worker` is one of the workers the installed plan (plan.worker_ids) was made of.
+    bool InPlan(const std::string& worker) const;
+  };
+  using Map = std::map<std::string, Model>;
+
+  struct Options {
+    int max_models = 256;        // models held at once
+    int max_name_bytes = 1024;   // model ids
+    int64_t max_reply_bytes = int64_t{4} << 20;  // largest CreateModel / JoinWorker reply
+  };
+
+  explicit ModelRegistry(Options options) : options_(std::move(options)) {}
+
+  // Creates the model of `spec` (true) or finds the same one already there (false).
+  absl::StatusOr<bool> Create(const ::weightbridge::v1::ModelSpec& spec);
+  // The model a JoinWorker names: created from req.model() if it is not known yet (*created), else
+  // checked against the spec the worker declares, if any (ALREADY_EXISTS naming the fields).
+  absl::StatusOr<Model*> ForJoin(const ::weightbridge::v1::JoinWorkerRequest& req, bool* created);
+  // NOT_FOUND "unknown model <id>".
+  absl::StatusOr<Model*> Get(const std::string& model_id);
+  Model* Find(const std::string& model_id);
+  const Model* Find(const std::string& model_id) const;
+  // RESOURCE_EXHAUSTED when a reply with the model's inventory plus `extra` bytes would exceed
+  // max_reply_bytes; removes the model if the calling request `created` it. OK for unknown ids.
+  absl::Status CheckReplySize(const std::string& model_id, size_t extra, bool created);
+
+  // Records `worker_id` of `m` (replacing a record of that id) with a new serial.
+  WorkerRec& AddWorker(Model& m, const std::string& worker_id, WorkerRec rec);
+  // A worker's layout (SubmitLayout): resolved (pieces, or a preset of a model made from
+  // hf_config_json), validated against the inventory and stored; the resolved layout goes into
+  // `resp`. true = the worker's layout changed (the model must be re-planned); false = the same
+  // layout again. NOT_FOUND for a worker that has not joined; FAILED_PRECONDITION for a
+  // different layout of a worker already in the model's plan.
+  absl::StatusOr<bool> SetLayout(Model& m, const ::weightbridge::v1::SubmitLayoutRequest& req,
+                                 ::weightbridge::v1::SubmitLayoutResponse* resp);
+
+  size_t size() const { return models_.size(); }
+  // Map view (id -> Model, sorted by id): the driver and status walk every model. Adding and
+  // removing models goes through the methods above.
+  Map::iterator begin() { return models_.begin(); }
+  Map::iterator end() { return models_.end(); }
+  Map::const_iterator begin() const { return models_.begin(); }
+  Map::const_iterator end() const { return models_.end(); }
+
+ private:
+  const Options options_;
+  Map models_;
+  uint64_t next_worker_serial_ = 1;  // WorkerRec::serial
+};
+
+}  // namespace wb::daemon

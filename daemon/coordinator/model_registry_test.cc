@@ -1,0 +1,198 @@
+// ModelRegistry alone: creation and its spec checks, the model cap, lookup, the reply-size check
+// that leaves nothing behind, workers and their layouts.
+#include "daemon/coordinator/model_registry.h"
+
+#include <string>
+
+#include "daemon/coordinator/test_specs.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+using testing::SmallModelSpec;
+using testing::WholeTensorLayout;
+
+ModelRegistry::Options Opts(int max_models = 4, int64_t max_reply_bytes = int64_t{4} << 20) {
+  ModelRegistry::Options o;
+  o.max_models = max_models;
+  o.max_reply_bytes = max_reply_bytes;
+  return o;
+}
+
+bool Contains(const absl::Status& s, const std::string& text) { return s.message().find(text) != absl::string_view::npos; }
+
+TEST(ModelRegistry, CreateThenSameSpecAgainThenADifferentOne) {
+  ModelRegistry r(Opts());
+  auto created = r.Create(SmallModelSpec("m"));
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_TRUE(*created);
+  ASSERT_EQ(r.size(), 1u);
+  const ModelRegistry::Model* m = r.Find("m");
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->inventory->tensors.size(), 1u);
+  EXPECT_GT(m->inventory_bytes, 0u);
+  ASSERT_NE(m->machine, nullptr);
+
+  created = r.Create(SmallModelSpec("m"));
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_FALSE(*created);
+
+  created = r.Create(SmallModelSpec("m", /*rollouts=*/2));
+  EXPECT_TRUE(absl::IsAlreadyExists(created.status())) << created.status();
+  EXPECT_TRUE(Contains(created.status(), "model m")) << created.status();
+  EXPECT_EQ(r.size(), 1u);
+}
+
+TEST(ModelRegistry, RefusesBadSpecsAndStoresNothing) {
+  ModelRegistry r(Opts());
+  pb::ModelSpec no_workers = SmallModelSpec("a");
+  no_workers.set_num_rollout_workers(0);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.Create(no_workers).status()));
+  pb::ModelSpec no_inventory = SmallModelSpec("b");
+  no_inventory.clear_explicit_tensors();
+  absl::Status s = r.Create(no_inventory).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_TRUE(Contains(s, "no inventory")) << s;
+  pb::ModelSpec bad_mode = SmallModelSpec("c");
+  bad_mode.set_mode(static_cast<pb::Mode>(99));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.Create(bad_mode).status()));
+  EXPECT_EQ(r.size(), 0u);
+}
+
+TEST(ModelRegistry, ModelCapNamesTheLimit) {
+  ModelRegistry r(Opts(/*max_models=*/2));
+  ASSERT_TRUE(r.Create(SmallModelSpec("a")).ok());
+  ASSERT_TRUE(r.Create(SmallModelSpec("b")).ok());
+  absl::Status s = r.Create(SmallModelSpec("c")).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(Contains(s, "max_models")) << s;
+  EXPECT_TRUE(Contains(s, "model c")) << s;
+  // An existing model is still found at the cap.
+  EXPECT_TRUE(r.Create(SmallModelSpec("a")).ok());
+  EXPECT_EQ(r.size(), 2u);
+}
+
+TEST(ModelRegistry, UnknownModel) {
+  ModelRegistry r(Opts());
+  absl::Status s = r.Get("nope").status();
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_TRUE(Contains(s, "unknown model 'nope'")) << s;
+  EXPECT_EQ(r.Find("nope"), nullptr);
+}
+
+TEST(ModelRegistry, OversizedReplyRemovesTheModelItCreatedOnly) {
+  ModelRegistry r(Opts(4, /*max_reply_bytes=*/64));
+  ASSERT_TRUE(r.Create(SmallModelSpec("m")).ok());
+  const size_t inventory = r.Find("m")->inventory_bytes;
+  ASSERT_LT(inventory, 64u);
+  // Not created by this call: refused but kept.
+  absl::Status s = r.CheckReplySize("m", 64, /*created=*/false);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(Contains(s, "max_reply_bytes")) << s;
+  EXPECT_NE(r.Find("m"), nullptr);
+  // Created by this call: removed, so the failed attempt leaves nothing.
+  s = r.CheckReplySize("m", 64, /*created=*/true);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(Contains(s, "not kept")) << s;
+  EXPECT_EQ(r.Find("m"), nullptr);
+  EXPECT_EQ(r.size(), 0u);
+  EXPECT_TRUE(r.CheckReplySize("m", 1 << 20, true).ok());  // unknown: nothing to check
+}
+
+pb::JoinWorkerRequest Join(const std::string& worker, pb::Role role, const pb::ModelSpec* spec) {
+  pb::JoinWorkerRequest req;
+  req.set_node_id("n1");
+  req.set_model_id("m");
+  req.set_worker_id(worker);
+  req.set_role(role);
+  if (spec != nullptr) *req.mutable_model() = *spec;
+  return req;
+}
+
+TEST(ModelRegistry, JoinCreatesOrChecksTheDeclaredSpecNamingFields) {
+  ModelRegistry r(Opts());
+  pb::ModelSpec spec = SmallModelSpec("");  // the id comes from the request
+  bool created = false;
+  auto m = r.ForJoin(Join("t0", pb::ROLE_TRAINER, &spec), &created);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(created);
+  EXPECT_EQ((*m)->spec.model_id(), "m");
+
+  m = r.ForJoin(Join("r0", pb::ROLE_ROLLOUT, &spec), &created);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_FALSE(created);
+  m = r.ForJoin(Join("r1", pb::ROLE_ROLLOUT, nullptr), &created);  // no spec declared: joins
+  ASSERT_TRUE(m.ok()) << m.status();
+
+  pb::ModelSpec other = spec;
+  other.set_num_rollout_workers(8);
+  other.set_mode(pb::MODE_ASYNC);
+  m = r.ForJoin(Join("r2", pb::ROLE_ROLLOUT, &other), &created);
+  EXPECT_TRUE(absl::IsAlreadyExists(m.status())) << m.status();
+  EXPECT_FALSE(created);
+  EXPECT_TRUE(Contains(m.status(), "r2")) << m.status();
+  EXPECT_TRUE(Contains(m.status(), "num_rollout_workers 8")) << m.status();
+  EXPECT_TRUE(Contains(m.status(), "MODE_ASYNC")) << m.status();
+
+  // No spec and no model: unknown model, nothing created.
+  pb::JoinWorkerRequest lost = Join("x", pb::ROLE_ROLLOUT, nullptr);
+  lost.set_model_id("other");
+  m = r.ForJoin(lost, &created);
+  EXPECT_TRUE(absl::IsNotFound(m.status())) << m.status();
+  EXPECT_EQ(r.size(), 1u);
+}
+
+TEST(ModelRegistry, WorkersGetFreshSerialsAndLayouts) {
+  ModelRegistry r(Opts());
+  ASSERT_TRUE(r.Create(SmallModelSpec("m")).ok());
+  ModelRegistry::Model& m = *r.Find("m");
+  ModelRegistry::WorkerRec rec;
+  rec.node = "n1";
+  rec.role = planner::Role::kRollout;
+  const uint64_t first = r.AddWorker(m, "r0", rec).serial;
+  const uint64_t again = r.AddWorker(m, "r0", rec).serial;  // registered again: a new serial
+  EXPECT_GT(again, first);
+  EXPECT_EQ(m.workers.size(), 1u);
+
+  pb::SubmitLayoutResponse resp;
+  pb::SubmitLayoutRequest unknown = WholeTensorLayout("n1", "nobody");
+  EXPECT_TRUE(absl::IsNotFound(r.SetLayout(m, unknown, &resp).status()));
+
+  auto changed = r.SetLayout(m, WholeTensorLayout("n1", "r0"), &resp);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_TRUE(*changed);
+  EXPECT_TRUE(m.workers.at("r0").has_layout);
+  EXPECT_NE(m.workers.at("r0").layout, nullptr);
+  EXPECT_EQ(resp.layout().pieces_size(), 1);
+
+  // The same layout again changes nothing.
+  changed = r.SetLayout(m, WholeTensorLayout("n1", "r0"), &resp);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_FALSE(*changed);
+
+  // Another layout replaces it before a plan includes the worker, and is refused after.
+  pb::SubmitLayoutRequest other = WholeTensorLayout("n1", "r0");
+  other.mutable_buffers(0)->set_size_bytes(64);
+  changed = r.SetLayout(m, other, &resp);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_TRUE(*changed);
+  m.plan.worker_ids = {"r0"};
+  EXPECT_TRUE(m.InPlan("r0"));
+  changed = r.SetLayout(m, WholeTensorLayout("n1", "r0"), &resp);
+  EXPECT_TRUE(absl::IsFailedPrecondition(changed.status())) << changed.status();
+  EXPECT_TRUE(Contains(changed.status(), "r0")) << changed.status();
+
+  // A layout that does not fit the inventory is refused naming the worker.
+  ModelRegistry::WorkerRec t;
+  t.node = "n1";
+  r.AddWorker(m, "t0", t);
+  pb::SubmitLayoutRequest bad = WholeTensorLayout("n1", "t0");
+  bad.mutable_layout()->mutable_pieces()->mutable_pieces(0)->set_tensor("missing");
+  changed = r.SetLayout(m, bad, &resp);
+  EXPECT_FALSE(changed.ok());
+  EXPECT_FALSE(m.workers.at("t0").has_layout);
+}
+
+}  // namespace
+}  // namespace wb::daemon
