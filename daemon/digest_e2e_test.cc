@@ -18,14 +18,16 @@
 namespace wb::daemon {
 namespace {
 
-// The cross-node transport of a node, with one fault: when `armed`, the first batch that lands
-// bytes on this node gets one bit of its first received element flipped after the transport
-// reported it complete - a corruption on the wire (NIC, switch, DMA) that no per-batch check
-// caught. Everything else is the real host_tcp.
+// A transport of a node, with one fault: when `armed`, the first batch that lands bytes on this
+// node gets one bit of its first received element flipped after the transport reported it
+// complete. Cross-node (host_tcp): a corruption on the wire (NIC, switch, DMA) that no per-batch
+// check caught. Same-node (host_shm, `version` > 0: only the executor's batches of that version):
+// a bad copy into a rollout's staging, landing before its batch is reported done - what the
+// node's digests, hashed as each batch completes, must see. Everything else is the real transport.
 class CorruptingTransport final : public transport::Transport {
  public:
-  CorruptingTransport(transport::TransportSet inner, std::atomic<bool>* armed)
-      : inner_(std::move(inner)), t_(inner_.Find("host_tcp")), armed_(armed) {}
+  CorruptingTransport(transport::TransportSet inner, const std::string& kind, std::atomic<bool>* armed, uint64_t version = 0)
+      : inner_(std::move(inner)), t_(inner_.Find(kind)), armed_(armed), version_(version) {}
 
   transport::Capabilities capabilities() const override { return t_->capabilities(); }
   std::string instance_id() const override { return t_->instance_id(); }
@@ -52,7 +54,7 @@ class CorruptingTransport final : public transport::Transport {
   }
   absl::StatusOr<transport::BatchId> Post(const transport::Batch& batch) override {
     auto id = t_->Post(batch);
-    if (id.ok()) {
+    if (id.ok() && (version_ == 0 || (batch.tag >> 24) == version_)) {
       absl::MutexLock l(&mu_);
       posted_[id->id] = batch.ops;
     }
@@ -67,7 +69,7 @@ class CorruptingTransport final : public transport::Transport {
     if (s.ok()) {
       for (const transport::CopyOp& op : ops->second) {
         auto dst = local_.find(op.dst.region.id);
-        if (dst == local_.end() || local_.count(op.src.region.id) > 0 || op.bytes() == 0) continue;  // not a receive
+        if (dst == local_.end() || (version_ == 0 && local_.count(op.src.region.id) > 0) || op.bytes() == 0) continue;  // not a receive
         bool expected = true;
         if (!armed_->compare_exchange_strong(expected, false)) break;
         dst->second[op.dst.offset_bytes] ^= 0x20;
@@ -83,6 +85,7 @@ class CorruptingTransport final : public transport::Transport {
   transport::TransportSet inner_;
   transport::Transport* t_;
   std::atomic<bool>* armed_;
+  const uint64_t version_;
   absl::Mutex mu_;
   std::map<uint64_t, uint8_t*> local_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::vector<transport::CopyOp>> posted_ ABSL_GUARDED_BY(mu_);
@@ -97,7 +100,23 @@ absl::StatusOr<transport::TransportSet> CorruptingHostTransports(std::atomic<boo
   if (!set.ok()) return set.status();
   auto inner = transport::CreateTransports(tcp);
   if (!inner.ok()) return inner.status();
-  set->Add(std::make_unique<CorruptingTransport>(std::move(*inner), armed));
+  set->Add(std::make_unique<CorruptingTransport>(std::move(*inner), "host_tcp", armed));
+  return set;
+}
+
+// A CorruptingTransport over host_shm (corrupting version `version`'s same-node copies) + host_tcp.
+absl::StatusOr<transport::TransportSet> CorruptingSameNodeTransports(std::atomic<bool>* armed, uint64_t version) {
+  transport::TransportConfig shm, tcp;
+  shm.kinds = {"host_shm"};
+  tcp.kinds = {"host_tcp"};
+  auto inner_shm = transport::CreateTransports(shm);
+  if (!inner_shm.ok()) return inner_shm.status();
+  auto inner_tcp = transport::CreateTransports(tcp);
+  if (!inner_tcp.ok()) return inner_tcp.status();
+  static std::atomic<bool> never{false};  // host_tcp as is (the same-node transport must come first: Pick)
+  transport::TransportSet set;
+  set.Add(std::make_unique<CorruptingTransport>(std::move(*inner_shm), "host_shm", armed, version));
+  set.Add(std::make_unique<CorruptingTransport>(std::move(*inner_tcp), "host_tcp", &never));
   return set;
 }
 
@@ -129,6 +148,7 @@ double VerifiedCount(int port) {
 struct ModeCase {
   pb::Mode mode;
   pb::Strategy strategy;
+  bool overlap = true;  // NodeDaemon::Options::digest_overlap (false: hashed after the buckets)
 };
 
 class DigestModesTest : public ::testing::TestWithParam<ModeCase> {};
@@ -144,8 +164,7 @@ TEST_P(DigestModesTest, EveryVersionIsVerified) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
   c.StartCoordinator();
-  c.StartNode(0);
-  c.StartNode(1);
+  for (int n : {0, 1}) c.StartNode(n, nullptr, nullptr, [&](ServerOptions& o) { o.digest_overlap = mc.overlap; });
   const pb::ModelSpec spec = SmallSpec(mc.mode, mc.strategy);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
   for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
@@ -175,9 +194,12 @@ TEST_P(DigestModesTest, EveryVersionIsVerified) {
 INSTANTIATE_TEST_SUITE_P(Modes, DigestModesTest,
                          ::testing::Values(ModeCase{pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE}, ModeCase{pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE},
                                            ModeCase{pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE}, ModeCase{pb::MODE_SYNC, pb::STRATEGY_RANK0_BROADCAST},
-                                           ModeCase{pb::MODE_ONE_STEP_OFF, pb::STRATEGY_P2P_NO_DEDUP}),
+                                           ModeCase{pb::MODE_ONE_STEP_OFF, pb::STRATEGY_P2P_NO_DEDUP},
+                                           ModeCase{pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE, false},
+                                           ModeCase{pb::MODE_ONE_STEP_OFF, pb::STRATEGY_RANK0_BROADCAST, false}),
                          [](const ::testing::TestParamInfo<ModeCase>& i) {
-                           return absl::StrCat(pb::Mode_Name(i.param.mode), "_", pb::Strategy_Name(i.param.strategy));
+                           return absl::StrCat(pb::Mode_Name(i.param.mode), "_", pb::Strategy_Name(i.param.strategy),
+                                               i.param.overlap ? "" : "_AfterBuckets");
                          });
 
 // Checks an abort's message names the digest mismatch with tensor, box and both workers.
@@ -228,6 +250,8 @@ TEST(DigestFaultTest, BitFlippedOnTheWireAbortsTheVersionAndKeepsThePrevious) {
 // One-step-off: after version 2's buckets a bit of rollout r0's staging on n0 flips (memory, a
 // bad copy). r0's landed digest differs from the source's: version 2 is aborted naming the op
 // into r0, Apply(2) is refused, r0 keeps version 1 whole, and version 3 goes through verified.
+// The flip comes after the buckets, so n0 hashes after them here (--digest_overlap=false); with
+// the digests hashed as batches complete, the next test flips a bit as the copy lands.
 TEST(DigestFaultTest, BitFlippedInStagingAbortsTheVersionAndKeepsThePrevious) {
   planner::Inventory inv = SmallInventory();
   std::atomic<bool> armed{false};
@@ -235,6 +259,7 @@ TEST(DigestFaultTest, BitFlippedInStagingAbortsTheVersionAndKeepsThePrevious) {
   Cluster c;
   c.StartCoordinator();
   c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) {
+    o.digest_overlap = false;
     o.configure_node = [&](NodeDaemon::Options& no) {
       no.test_after_buckets = [&](const std::string&, uint64_t, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions) {
         auto r = regions.find("r0.b0");
@@ -258,6 +283,45 @@ TEST(DigestFaultTest, BitFlippedInStagingAbortsTheVersionAndKeepsThePrevious) {
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   grpc::Status a = c.Apply(r0, "m", 2, &resp);
   EXPECT_EQ(flips.load(), 1) << "the staging fault never fired";
+  EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
+  ExpectNamedMismatch(a.error_message(), "r0 (node n0)");
+  const pb::VersionStatus v2 = VersionOf(c, 2);
+  EXPECT_EQ(v2.state(), "aborted");
+  ExpectNamedMismatch(v2.error(), "r0 (node n0)");
+  EXPECT_EQ(CountBad(r0, 1), 0) << "r0 must still hold version 1 whole";
+
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  }
+  EXPECT_TRUE(VersionOf(c, 3).verified());
+  c.Stop();
+}
+
+// One-step-off, digests hashed as batches complete (the default): version 2's same-node copy into
+// rollout r0's staging on n0 lands one flipped bit (a bad copy). r0's landed digest, taken when
+// that batch completed, differs from the source's: version 2 is aborted naming the op into r0,
+// Apply(2) is refused, r0 keeps version 1 whole, and version 3 goes through verified.
+TEST(DigestFaultTest, BitFlippedByASameNodeCopyIsCaughtWhileTheBucketsRun) {
+  planner::Inventory inv = SmallInventory();
+  std::atomic<bool> armed{false};
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) { o.make_transports = [&armed] { return CorruptingSameNodeTransports(&armed, 2); }; });
+  c.StartNode(1);
+  const pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  pb::ApplyResponse resp;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
+  ASSERT_EQ(CountBad(r0, 1), 0);
+
+  armed = true;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  grpc::Status a = c.Apply(r0, "m", 2, &resp);
+  EXPECT_FALSE(armed.load()) << "the copy fault never fired";
   EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
   ExpectNamedMismatch(a.error_message(), "r0 (node n0)");
   const pb::VersionStatus v2 = VersionOf(c, 2);

@@ -54,6 +54,9 @@ ABSL_FLAG(bool, checksums, false,
 ABSL_FLAG(bool, digests, true,
           "end-to-end digests: every version commits only when what each op landed matches what its source read "
           "(docs/daemon.md \"End-to-end digests\")");
+ABSL_FLAG(bool, digest_overlap, true,
+          "hash the digests while the buckets run (sources at once, each landed box as its batch completes); false: all "
+          "after the buckets (bench:e2e --digest_cost measures both)");
 ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
 ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
@@ -266,6 +269,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.topology.colocated = absl::GetFlag(FLAGS_colocated);
   o.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
   o.digests = absl::GetFlag(FLAGS_digests);
+  o.digest_overlap = absl::GetFlag(FLAGS_digest_overlap);
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = ChecksumsGiven(argc, argv) ? absl::GetFlag(FLAGS_checksums) : !o.digests;
   wb::transport::TransportConfig tc;

@@ -80,6 +80,9 @@ class NodeDaemon {
     // when every pair matches).
     bool digests = true;
     int digest_threads = 8;
+    // Hash while the buckets run (digest::OpDigestTracker: sources at once, each landed box as its
+    // batch completes); false: everything after the buckets (bench:e2e --digest_cost compares).
+    bool digest_overlap = true;
     // TEST ONLY: after a version's buckets, before its digests: the host memory of each local
     // region, keyed "<worker id>.b<buffer>" (and "g": the gather staging); fault tests flip a bit
     // of a rollout's staging here.
@@ -284,8 +287,9 @@ class NodeDaemon {
   std::set<uint32_t> HostLiveSyncRollouts(const ModelPlan& plan);
   // Deadline, abort check, metrics and progress of the executor for `exec`.
   node::ExecOptions ExecOptionsFor(Exec& exec);
-  // After the buckets: end-to-end digests of the local ops (and the TEST ONLY after-buckets hook).
-  absl::Status DigestVersion(Exec& exec, const VersionMemory& memory, const node::Slice& slice, const node::ExecPlan& xplan);
+  // After the buckets: end-to-end digests of the local ops (`digests`: started before the buckets;
+  // null with --digests=false) and the TEST ONLY after-buckets hook.
+  absl::Status DigestVersion(Exec& exec, const VersionMemory& memory, digest::OpDigestTracker* digests);
   // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
   void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
   // gRPC stub to peer node `peer` at `address`; one per peer node, replaced when its address changes.

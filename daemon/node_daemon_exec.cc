@@ -580,11 +580,27 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     exec.relay_bytes_at_commit = xplan->relay_bytes_at_commit;
   }
 
-  // 3. Register, set up channels, run the buckets.
+  // 3. Register, set up channels, run the buckets. End-to-end digests hash alongside (docs/daemon.md
+  // "End-to-end digests"): sources at once, each landed box as its batch completes. Declared after
+  // `memory`: a failed version's tracker stops hashing before the memory goes.
   const double prepare_s = absl::ToDoubleSeconds(absl::Now() - phase_start);
+  node::ExecOptions exec_options = ExecOptionsFor(exec);
+  std::unique_ptr<digest::OpDigestTracker> digests;
+  if (options_.digests) {
+    std::map<std::string, digest::RegionBytes> host;  // device memory (no host address) has no digest
+    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> t = digest::OpDigestTracker::Start(
+        slice, me, *xplan, host, {options_.digest_threads, exec.deadline, options_.digest_overlap});
+    if (!t.ok()) return Annotate(t.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
+    digests = std::move(*t);
+    exec_options.on_batch_done = [metered = std::move(exec_options.on_batch_done), d = digests.get()](const node::Route& r, const std::string& kind) {
+      if (metered) metered(r, kind);
+      d->OnRouteDone(r);
+    };
+  }
   ExecChannels channels(this, exec);
   node::ExecResult result;
-  absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, ExecOptionsFor(exec), result);
+  absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, exec_options, result);
   exec.links = result.links;
   exec.setup_s = prepare_s + result.setup_s;
   exec.buckets_s = result.buckets_s;
@@ -598,20 +614,17 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   }
   exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
   phase_start = absl::Now();
-  RETURN_IF_ERROR(DigestVersion(exec, memory, slice, *xplan));
+  RETURN_IF_ERROR(DigestVersion(exec, memory, digests.get()));
   exec.buckets_s += absl::ToDoubleSeconds(absl::Now() - phase_start);
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::DigestVersion(Exec& exec, const VersionMemory& memory, const node::Slice& slice, const node::ExecPlan& xplan) {
-  if (!options_.digests && !options_.test_after_buckets) return absl::OkStatus();
+absl::Status NodeDaemon::DigestVersion(Exec& exec, const VersionMemory& memory, digest::OpDigestTracker* digests) {
+  if (digests == nullptr && !options_.test_after_buckets) return absl::OkStatus();
   const ModelPlan& plan = *exec.plan;
-  const std::string& me = options_.node_id;
   using transport::MemoryKind;
   // End-to-end digests (docs/daemon.md "End-to-end digests"): what each local op read and landed,
   // over host memory (device memory has none), before anything quantises staging.
-  std::map<std::string, digest::RegionBytes> regions;
-  for (const auto& [key, m] : memory.regions) regions[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
   if (options_.test_after_buckets) {
     std::map<std::string, std::pair<uint8_t*, int64_t>> named;
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
@@ -625,9 +638,9 @@ absl::Status NodeDaemon::DigestVersion(Exec& exec, const VersionMemory& memory, 
     if (auto g = memory.regions.find("g"); g != memory.regions.end() && g->second.kind == MemoryKind::kHost) named["g"] = {g->second.base, g->second.size};
     options_.test_after_buckets(exec.model_id, exec.version, named);
   }
-  if (options_.digests) {
-    const absl::Time t0 = absl::Now();
-    absl::StatusOr<digest::OpDigests> d = digest::DigestLocalOps(slice, me, xplan.at_commit, regions, options_.digest_threads, exec.deadline);
+  if (digests != nullptr) {
+    const absl::Time t0 = absl::Now();  // digest_s: what is left to hash after the buckets
+    absl::StatusOr<digest::OpDigests> d = digests->Finish();
     if (!d.ok()) return Annotate(d.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
     exec.digests = std::move(*d);
     exec.digest_s = absl::ToDoubleSeconds(absl::Now() - t0);

@@ -78,6 +78,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     ASSIGN_OR_RETURN(no.transports, o.make_transports());
     no.checksums = o.checksums;
     no.digests = o.digests;
+    no.digest_overlap = o.digest_overlap;
     no.device_staging = o.device_staging;
     no.test_before_bucket = o.test_before_bucket;
     no.test_skip_heartbeat = o.test_skip_heartbeat;

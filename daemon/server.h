@@ -44,6 +44,7 @@ struct ServerOptions {
   // every op's landed bytes against what its source read, which covers the wire.
   bool checksums = false;
   bool digests = true;                        // NodeDaemon::Options::digests
+  bool digest_overlap = true;                 // NodeDaemon::Options::digest_overlap
   absl::Duration status_resend = absl::Seconds(1);  // WatchStatus safety net (Coordinator::Options)
   // Injected dependencies (main.cc picks the concrete ones).
   PlanFn make_plan;  // empty = planner::MakePlan

@@ -6,7 +6,12 @@
 #include <xxh_x86dispatch.h>
 #endif
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <deque>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -145,41 +150,118 @@ absl::StatusOr<Digest> BoxDigest(const StridedBox& box) {
 }
 
 absl::StatusOr<std::vector<Digest>> DigestMany(const std::vector<StridedBox>& boxes, int threads, absl::Time deadline) {
-  std::vector<Walk> walks;
-  walks.reserve(boxes.size());
-  std::vector<std::vector<uint64_t>> chunk_hashes(boxes.size());
-  std::vector<std::pair<size_t, int64_t>> tasks;  // (box, chunk)
+  DigestPool::Options o;
+  o.threads = std::max(1, threads) - 1;  // the caller hashes too, in Finish
+  o.deadline = deadline;
+  DigestPool pool(o);
   for (size_t i = 0; i < boxes.size(); ++i) {
-    absl::StatusOr<Walk> w = Prepare(boxes[i]);
-    if (!w.ok()) return absl::Status(w.status().code(), absl::StrCat("box ", i, ": ", w.status().message()));
-    walks.push_back(std::move(*w));
-    const int64_t n = NumChunks(walks.back());
-    chunk_hashes[i].resize(static_cast<size_t>(n));
-    for (int64_t k = 0; k < n; ++k) tasks.push_back({i, k});
+    absl::StatusOr<size_t> id = pool.Add(boxes[i]);
+    if (!id.ok()) return absl::Status(id.status().code(), absl::StrCat("box ", i, ": ", id.status().message()));
   }
-  std::atomic<size_t> next{0};
-  std::atomic<bool> late{false};
-  auto work = [&] {
+  return pool.Finish();
+}
+
+struct DigestPool::State {
+  // One chunk to hash: pointers into the deques below (stable while elements are appended).
+  struct Task {
+    const Walk* walk = nullptr;
+    int64_t k = 0;
+    uint64_t* out = nullptr;
+  };
+  Options o;
+  absl::Mutex mu;
+  std::deque<Walk> walks ABSL_GUARDED_BY(mu);                     // by id
+  std::deque<std::vector<uint64_t>> chunk_hashes ABSL_GUARDED_BY(mu);  // by id; written by the task's thread
+  std::deque<Task> queue ABSL_GUARDED_BY(mu);
+  size_t pending ABSL_GUARDED_BY(mu) = 0;  // tasks queued or being hashed
+  bool finishing ABSL_GUARDED_BY(mu) = false, finished ABSL_GUARDED_BY(mu) = false;
+  bool stop ABSL_GUARDED_BY(mu) = false, late ABSL_GUARDED_BY(mu) = false;
+  std::vector<std::thread> threads ABSL_GUARDED_BY(mu);
+
+  // Hashes queued chunks until there are none (helper: until every chunk is done) or the pool
+  // stops; background threads also wait for more work until Finish.
+  void Work(bool helper) {
+    if (!helper && o.nice > 0) {
+#if defined(__linux__)
+      // Linux nice is per thread: only this hashing thread yields to the transports' threads.
+      (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), o.nice);
+#endif
+    }
     HashState state(XXH3_createState());
     std::vector<uint8_t> gather(64 << 10);
-    for (size_t t = next++; t < tasks.size(); t = next++) {
-      if (late.load(std::memory_order_relaxed)) return;
-      if ((t & 15) == 0 && absl::Now() > deadline) {
+    absl::MutexLock l(&mu);
+    while (true) {
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+        return stop || late || !queue.empty() || (helper ? pending == 0 : finishing);
+      };
+      if (!mu.AwaitWithDeadline(absl::Condition(&ready), o.deadline)) late = true;
+      if (stop || late || queue.empty()) return;
+      if (absl::Now() > o.deadline) {
         late = true;
         return;
       }
-      const auto [i, k] = tasks[t];
-      chunk_hashes[i][static_cast<size_t>(k)] = HashChunk(walks[i], k, state.get(), gather);
+      const Task t = queue.front();
+      queue.pop_front();
+      mu.Unlock();
+      const uint64_t h = HashChunk(*t.walk, t.k, state.get(), gather);
+      mu.Lock();
+      *t.out = h;
+      --pending;
     }
-  };
-  const size_t n_threads = std::min<size_t>(tasks.size(), static_cast<size_t>(std::max(1, threads)));
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  if (late) return absl::DeadlineExceededError(absl::StrCat("digests of ", boxes.size(), " boxes did not finish before the deadline"));
-  std::vector<Digest> out(boxes.size());
-  for (size_t i = 0; i < boxes.size(); ++i) out[i] = Combine(walks[i], chunk_hashes[i]);
+  }
+};
+
+DigestPool::DigestPool(Options options) : s_(std::make_unique<State>()) { s_->o = options; }
+
+DigestPool::~DigestPool() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock l(&s_->mu);
+    s_->stop = true;
+    threads = std::move(s_->threads);
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+absl::StatusOr<size_t> DigestPool::Add(const StridedBox& box) {
+  absl::StatusOr<Walk> w = Prepare(box);
+  if (!w.ok()) return w.status();
+  State& s = *s_;
+  absl::MutexLock l(&s.mu);
+  if (s.finishing) return absl::FailedPreconditionError("digest pool: Add after Finish");
+  const size_t id = s.walks.size();
+  s.walks.push_back(std::move(*w));
+  const int64_t n = NumChunks(s.walks.back());
+  s.chunk_hashes.emplace_back(static_cast<size_t>(n));
+  for (int64_t k = 0; k < n; ++k) s.queue.push_back({&s.walks.back(), k, &s.chunk_hashes.back()[static_cast<size_t>(k)]});
+  s.pending += static_cast<size_t>(n);
+  while (s.threads.size() < static_cast<size_t>(std::max(0, s.o.threads)) && s.threads.size() < s.pending) {
+    s.threads.emplace_back([&s] { s.Work(false); });
+  }
+  return id;
+}
+
+absl::StatusOr<std::vector<Digest>> DigestPool::Finish() {
+  State& s = *s_;
+  {
+    absl::MutexLock l(&s.mu);
+    if (s.finished) return absl::FailedPreconditionError("digest pool: Finish called twice");
+    s.finishing = s.finished = true;
+  }
+  s.Work(true);
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock l(&s.mu);
+    if (s.late) s.stop = true;
+    threads = std::move(s.threads);
+  }
+  for (std::thread& t : threads) t.join();
+  absl::MutexLock l(&s.mu);
+  if (s.late || s.pending > 0) {
+    return absl::DeadlineExceededError(absl::StrCat("digests of ", s.walks.size(), " boxes did not finish before the deadline"));
+  }
+  std::vector<Digest> out(s.walks.size());
+  for (size_t i = 0; i < s.walks.size(); ++i) out[i] = Combine(s.walks[i], s.chunk_hashes[i]);
   return out;
 }
 

@@ -21,6 +21,7 @@
 // dim) has the digest of the empty stream.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,39 @@ absl::StatusOr<Digest> BoxDigest(const StridedBox& box);
 // BoxDigest(boxes[i]). DEADLINE_EXCEEDED when `deadline` passes first (checked between chunks).
 absl::StatusOr<std::vector<Digest>> DigestMany(const std::vector<StridedBox>& boxes, int threads,
                                                absl::Time deadline = absl::InfiniteFuture());
+
+// Digests of boxes added over time (issue 17.4's cost: a version's boxes are hashed as they become
+// final - a trainer's snapshot at once, what landed as its batch completes - while the transport is
+// still moving other bytes, instead of all of them after the last bucket). Chunks of every added box
+// are shared out over up to `threads` background threads, started on the first Add; Finish() hashes
+// on the calling thread too until every chunk is done. The bytes of an added box must not change
+// until Finish returns or the pool is destroyed (the destructor stops and joins the threads: after
+// a failed version the caller may destroy it at once).
+class DigestPool {
+ public:
+  struct Options {
+    int threads = 8;
+    absl::Time deadline = absl::InfiniteFuture();
+    // Linux nice of the background threads (0: as the caller). Hashing ahead is work the version
+    // needs only at its end: while buckets run, the transports' threads go first on a busy host.
+    int nice = 0;
+  };
+  explicit DigestPool(Options options);
+  ~DigestPool();
+  DigestPool(const DigestPool&) = delete;
+  DigestPool& operator=(const DigestPool&) = delete;
+
+  // Queues `box`; returns its id (0, 1, ...: ids index Finish's answer). INVALID_ARGUMENT for a
+  // malformed box (as BoxDigest); FAILED_PRECONDITION after Finish.
+  absl::StatusOr<size_t> Add(const StridedBox& box);
+  // Waits until every added box is hashed (helping on this thread) and returns the digests by id.
+  // DEADLINE_EXCEEDED when the deadline passes first. Call once.
+  absl::StatusOr<std::vector<Digest>> Finish();
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
 
 // The digest as it appears in messages: 16 lowercase hex digits.
 std::string DigestHex(Digest d);

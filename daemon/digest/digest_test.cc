@@ -153,5 +153,36 @@ TEST(DigestTest, MalformedBoxesAreRefusedNamingTheProblem) {
   EXPECT_EQ(DigestHex(0xabc), "0000000000000abc");
 }
 
+// Boxes added over time, hashed by background threads and the caller of Finish: the same digests
+// as DigestMany, ids in Add order; Add after Finish is refused.
+TEST(DigestPoolTest, BoxesAddedOverTimeGetDigestManysDigests) {
+  std::vector<uint8_t> bytes(3 * kChunkElements * 2 + 10);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 131 + 7);
+  std::vector<StridedBox> boxes = {{bytes.data(), {3 * kChunkElements + 5}, {1}, 2},
+                                   {bytes.data() + 2, {7, 3}, {5, 1}, 2},
+                                   {bytes.data(), {0}, {1}, 2}};
+  auto want = DigestMany(boxes, 1);
+  ASSERT_TRUE(want.ok());
+  for (int nice : {0, 10}) {
+    DigestPool pool({3, absl::InfiniteFuture(), nice});
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      auto id = pool.Add(boxes[i]);
+      ASSERT_TRUE(id.ok()) << id.status();
+      EXPECT_EQ(*id, i);
+    }
+    auto got = pool.Finish();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, *want);
+    EXPECT_EQ(pool.Add(boxes[0]).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  DigestPool empty({2, absl::InfiniteFuture(), 0});
+  auto none = empty.Finish();
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+  DigestPool late({2, absl::InfinitePast(), 0});
+  ASSERT_TRUE(late.Add(boxes[0]).ok());
+  EXPECT_EQ(late.Finish().status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
 }  // namespace
 }  // namespace wb::digest

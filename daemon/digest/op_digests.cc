@@ -1,5 +1,6 @@
 #include "daemon/digest/op_digests.h"
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -20,15 +21,38 @@ using BoxKey = std::tuple<std::string, int64_t, std::vector<int64_t>, std::vecto
 
 }  // namespace
 
-absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const std::string& me, const std::set<uint32_t>& at_commit,
-                                         const std::map<std::string, RegionBytes>& regions, int threads, absl::Time deadline) {
-  OpDigests out;
-  std::map<BoxKey, size_t> index;  // box -> position in `boxes`
+struct OpDigestTracker::Boxes {
+  struct Side {
+    bool landed = false;  // OpDigests::landed, else ::source
+    uint32_t op = 0;
+    size_t box = 0;
+  };
+  OpDigests out;  // bytes and skipped_sides; the digests come with Finish
   std::vector<StridedBox> boxes;
-  std::vector<std::pair<std::map<uint32_t, Digest>*, std::pair<uint32_t, size_t>>> wanted;  // (side map, (op, box))
+  std::vector<std::string> key;          // per box: its region
+  std::vector<std::set<uint32_t>> deps;  // per box: ops whose landing here it waits for
+  std::vector<Side> sides;
+  // Tracking: per box the ops of `deps` not landed yet, whether it was queued and its pool id.
+  std::vector<size_t> waits;
+  std::vector<bool> queued;
+  std::vector<size_t> pool_id;
+  std::map<uint32_t, int64_t> route_ops_left;       // op -> its route ops landing here not done yet
+  std::map<uint32_t, std::vector<size_t>> waiters;  // op -> boxes waiting for it
+  std::set<std::string> written;                    // regions this version's buckets write here
+};
+
+namespace {
+
+// The boxes of every local op side (identical boxes once), as DigestLocalOps documents.
+absl::StatusOr<std::unique_ptr<OpDigestTracker::Boxes>> Collect(const daemon::node::Slice& slice, const std::string& me,
+                                                                 const std::set<uint32_t>& at_commit,
+                                                                 const std::map<std::string, RegionBytes>& regions) {
+  auto b = std::make_unique<OpDigestTracker::Boxes>();
+  OpDigests& out = b->out;
+  std::map<BoxKey, size_t> index;  // box -> position in `boxes`
   auto local = [&](uint32_t w) { return w < slice.workers.size() && slice.workers[w].node_id == me; };
   // Adds the box an op side covers; false when that side is in device memory.
-  auto add = [&](const SliceOp& op, const PieceAt& at, std::map<uint32_t, Digest>* into) -> absl::StatusOr<bool> {
+  auto add = [&](const SliceOp& op, const PieceAt& at, bool landed) -> absl::StatusOr<bool> {
     auto r = regions.find(at.key);
     if (r == regions.end()) return absl::InternalError(absl::StrCat("digests: op ", op.index, ": region ", at.key, " is not a region of node ", me));
     if (r->second.host == nullptr) return false;
@@ -56,14 +80,16 @@ absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const
     }
     box.base = empty ? nullptr : r->second.host + ref.offset_bytes;
     BoxKey key{at.key, ref.offset_bytes, box.shape, box.strides, es};
-    auto [it, inserted] = index.emplace(std::move(key), boxes.size());
+    auto [it, inserted] = index.emplace(std::move(key), b->boxes.size());
     if (inserted) {
       int64_t n = es;
       for (int64_t s : box.shape) n *= std::max<int64_t>(s, 0);
       out.bytes += n;
-      boxes.push_back(std::move(box));
+      b->boxes.push_back(std::move(box));
+      b->key.push_back(at.key);
+      b->deps.emplace_back();
     }
-    wanted.push_back({into, {op.index, it->second}});
+    b->sides.push_back({landed, op.index, it->second});
     return true;
   };
   for (const SliceOp& op : slice.ops) {
@@ -71,12 +97,12 @@ absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const
     if (!s && !d) continue;
     if (s) {
       ASSIGN_OR_RETURN(PieceAt src, daemon::node::ResolveSide(slice, op, true));
-      ASSIGN_OR_RETURN(bool done, add(op, src, &out.source));
+      ASSIGN_OR_RETURN(bool done, add(op, src, false));
       if (!done) ++out.skipped_sides;
       if (at_commit.count(op.index) > 0) {
         // Left to the commit: what will be copied into live memory is the source box itself.
         if (done) {
-          ASSIGN_OR_RETURN(done, add(op, src, &out.landed));
+          ASSIGN_OR_RETURN(done, add(op, src, true));
         }
         if (!done) ++out.skipped_sides;
         continue;
@@ -84,13 +110,124 @@ absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const
     }
     if (d) {
       ASSIGN_OR_RETURN(PieceAt dst, daemon::node::ResolveSide(slice, op, false));
-      ASSIGN_OR_RETURN(bool done, add(op, dst, &out.landed));
+      ASSIGN_OR_RETURN(bool done, add(op, dst, true));
       if (!done) ++out.skipped_sides;
     }
   }
-  ASSIGN_OR_RETURN(std::vector<Digest> digests, DigestMany(boxes, threads, deadline));
-  for (auto& [into, at] : wanted) (*into)[at.first] = digests[at.second];
+  return b;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<OpDigestTracker>> OpDigestTracker::Start(const daemon::node::Slice& slice, const std::string& me,
+                                                                        const daemon::node::ExecPlan& plan,
+                                                                        const std::map<std::string, RegionBytes>& regions, Options options) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Boxes> b, Collect(slice, me, plan.at_commit, regions));
+  b->written = plan.written;
+  // Which route ops land each op here, and in which region.
+  std::map<std::string, std::set<uint32_t>> landing_in;  // region -> ops landing there
+  for (const daemon::node::BucketPlan& bucket : plan.buckets) {
+    for (const daemon::node::Route& r : bucket.routes) {
+      for (const daemon::node::RouteOp& op : r.ops) {
+        if (!op.dst_local) continue;
+        ++b->route_ops_left[op.op_index];
+        landing_in[op.dst_key].insert(op.op_index);
+      }
+    }
+  }
+  // A landed box waits for its op; a source box in a written region for every op landing there.
+  for (const Boxes::Side& side : b->sides) {
+    std::set<uint32_t>& deps = b->deps[side.box];
+    if (side.landed && plan.at_commit.count(side.op) == 0) {
+      if (b->route_ops_left.count(side.op) > 0) deps.insert(side.op);
+    } else if (b->written.count(b->key[side.box]) > 0) {
+      auto in = landing_in.find(b->key[side.box]);
+      if (in != landing_in.end()) deps.insert(in->second.begin(), in->second.end());
+    }
+  }
+  const size_t n = b->boxes.size();
+  b->waits.resize(n);
+  b->queued.assign(n, false);
+  b->pool_id.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    b->waits[i] = b->deps[i].size();
+    for (uint32_t op : b->deps[i]) b->waiters[op].push_back(i);
+  }
+  std::unique_ptr<OpDigestTracker> t(new OpDigestTracker(std::move(b), options));
+  if (options.overlap) {
+    absl::MutexLock l(&t->mu_);
+    // Boxes no bucket writes are final now (a written region's box with nothing landing it here
+    // waits for Finish: whatever writes it is not a batch this tracker hears of).
+    for (size_t i = 0; i < n; ++i) {
+      if (t->boxes_->waits[i] == 0 && t->boxes_->written.count(t->boxes_->key[i]) == 0) t->QueueLocked(i);
+    }
+  }
+  return t;
+}
+
+OpDigestTracker::OpDigestTracker(std::unique_ptr<Boxes> boxes, Options options) : options_(options), boxes_(std::move(boxes)) {
+  DigestPool::Options po;
+  po.threads = options.threads;
+  po.deadline = options.deadline;
+  po.nice = options.overlap ? options.nice : 0;
+  pool_ = std::make_unique<DigestPool>(po);
+}
+
+// The pool stops (its destructor joins) before the boxes go.
+OpDigestTracker::~OpDigestTracker() { pool_.reset(); }
+
+void OpDigestTracker::QueueLocked(size_t box) {
+  Boxes& b = *boxes_;
+  if (b.queued[box]) return;
+  b.queued[box] = true;
+  absl::StatusOr<size_t> id = pool_->Add(b.boxes[box]);
+  if (!id.ok()) {
+    if (error_.ok()) error_ = id.status();
+    return;
+  }
+  b.pool_id[box] = *id;
+}
+
+void OpDigestTracker::OnRouteDone(const daemon::node::Route& route) {
+  absl::MutexLock l(&mu_);
+  Boxes& b = *boxes_;
+  for (const daemon::node::RouteOp& op : route.ops) {
+    if (!op.dst_local) continue;
+    auto left = b.route_ops_left.find(op.op_index);
+    if (left == b.route_ops_left.end() || left->second <= 0 || --left->second > 0) continue;
+    auto w = b.waiters.find(op.op_index);
+    if (w == b.waiters.end()) continue;
+    for (size_t box : w->second) {
+      if (b.waits[box] > 0 && --b.waits[box] == 0 && options_.overlap) QueueLocked(box);
+    }
+  }
+}
+
+absl::StatusOr<OpDigests> OpDigestTracker::Finish() {
+  {
+    absl::MutexLock l(&mu_);
+    for (size_t i = 0; i < boxes_->boxes.size(); ++i) QueueLocked(i);
+    if (!error_.ok()) return error_;
+  }
+  ASSIGN_OR_RETURN(std::vector<Digest> digests, pool_->Finish());
+  absl::MutexLock l(&mu_);
+  OpDigests out = boxes_->out;
+  for (const Boxes::Side& side : boxes_->sides) {
+    (side.landed ? out.landed : out.source)[side.op] = digests[boxes_->pool_id[side.box]];
+  }
   return out;
+}
+
+absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const std::string& me, const std::set<uint32_t>& at_commit,
+                                         const std::map<std::string, RegionBytes>& regions, int threads, absl::Time deadline) {
+  daemon::node::ExecPlan plan;  // no routes: every box is hashed in Finish
+  plan.at_commit = at_commit;
+  OpDigestTracker::Options o;
+  o.threads = std::max(1, threads) - 1;  // Finish's caller hashes too
+  o.deadline = deadline;
+  o.overlap = false;
+  ASSIGN_OR_RETURN(std::unique_ptr<OpDigestTracker> t, OpDigestTracker::Start(slice, me, plan, regions, o));
+  return t->Finish();
 }
 
 }  // namespace wb::digest

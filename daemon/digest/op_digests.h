@@ -5,10 +5,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/digest/digest.h"
 #include "daemon/node/exec_plan.h"
@@ -38,5 +41,47 @@ struct OpDigests {
 // DEADLINE_EXCEEDED past `deadline`.
 absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const std::string& me, const std::set<uint32_t>& at_commit,
                                          const std::map<std::string, RegionBytes>& regions, int threads, absl::Time deadline);
+
+// The same digests, hashed while the version's buckets run (docs/daemon.md "End-to-end digests",
+// cost): Start queues every box no bucket of this version writes (what a trainer snapshot or live
+// buffer, or a catch-up source, sends) on a DigestPool at once; OnRouteDone, called as each batch
+// of the node's ExecPlan completes, queues each landed box once every route op landing it here
+// completed; a box of a written region read as a source (a relay, an op left to the commit) waits
+// for every route op landing in that region; Finish queues whatever is left, waits and returns
+// what DigestLocalOps would have (same digests, same maps). With `overlap` false nothing is queued
+// before Finish (the digests after the buckets, as before; bench:e2e --digest_cost compares both).
+// The caller keeps every region's memory alive until Finish returns or the tracker is destroyed
+// (the destructor stops the hashing: a failed version just drops it).
+class OpDigestTracker {
+ public:
+  struct Options {
+    int threads = 8;  // background hashing threads (Finish's caller hashes too)
+    absl::Time deadline = absl::InfiniteFuture();
+    bool overlap = true;
+    int nice = 10;  // of the background threads while the buckets run (DigestPool::Options::nice)
+  };
+  // Errors as DigestLocalOps (a region missing, a box outside its region).
+  static absl::StatusOr<std::unique_ptr<OpDigestTracker>> Start(const daemon::node::Slice& slice, const std::string& me,
+                                                                const daemon::node::ExecPlan& plan,
+                                                                const std::map<std::string, RegionBytes>& regions, Options options);
+  ~OpDigestTracker();
+
+  // A batch of `route` completed OK (ExecOptions::on_batch_done; any thread, cheap: it only queues).
+  void OnRouteDone(const daemon::node::Route& route);
+  // Every op's digests; call once, after the last batch completed.
+  absl::StatusOr<OpDigests> Finish();
+
+  struct Boxes;  // the node's boxes and who waits for what (op_digests.cc)
+
+ private:
+  OpDigestTracker(std::unique_ptr<Boxes> boxes, Options options);
+  void QueueLocked(size_t box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  absl::Mutex mu_;
+  std::unique_ptr<Boxes> boxes_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<DigestPool> pool_;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);  // a box the pool refused (never expected: boxes are checked in Start)
+};
 
 }  // namespace wb::digest

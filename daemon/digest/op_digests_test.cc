@@ -1,5 +1,6 @@
 #include "daemon/digest/op_digests.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -107,6 +108,86 @@ TEST(OpDigestsTest, MissingRegionsAndBoxesOutsideTheirRegionAreBugsNamed) {
   d = DigestLocalOps(f.slice, "n0", {}, regions, 1, absl::InfiniteFuture());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kInternal);
   EXPECT_NE(d.status().message().find("reaches byte"), std::string::npos) << d.status();
+}
+
+// n0's ExecPlan for the fixture: ops 0 and 1 land in r0's staging (w1.b0) in two buckets, op 2
+// goes to n1.
+daemon::node::ExecPlan TwoBucketPlan() {
+  daemon::node::ExecPlan plan;
+  plan.written = {"w1.b0"};
+  plan.buckets.resize(2);
+  for (uint32_t op : {0u, 1u}) {
+    daemon::node::Route r;
+    r.bucket = op;
+    daemon::node::RouteOp ro;
+    ro.op_index = op;
+    ro.src_key = "w0.b0";
+    ro.dst_key = "w1.b0";
+    r.ops.push_back(ro);
+    plan.buckets[op].routes.push_back(r);
+  }
+  daemon::node::Route away;
+  daemon::node::RouteOp ro;
+  ro.op_index = 2;
+  ro.dst_local = false;
+  away.ops.push_back(ro);
+  plan.buckets[0].routes.push_back(away);
+  return plan;
+}
+
+TEST(OpDigestTrackerTest, HashedDuringTheBucketsEqualsHashedAfter) {
+  Fixture f;
+  auto after = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 2, absl::InfiniteFuture());
+  ASSERT_TRUE(after.ok()) << after.status();
+  const daemon::node::ExecPlan plan = TwoBucketPlan();
+  for (bool overlap : {true, false}) {
+    OpDigestTracker::Options o;
+    o.threads = 2;
+    o.overlap = overlap;
+    auto t = OpDigestTracker::Start(f.slice, "n0", plan, f.Regions(), o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (const auto& bucket : plan.buckets) {
+      for (const auto& r : bucket.routes) (*t)->OnRouteDone(r);
+    }
+    auto d = (*t)->Finish();
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->source, after->source) << overlap;
+    EXPECT_EQ(d->landed, after->landed) << overlap;
+    EXPECT_EQ(d->bytes, after->bytes);
+    EXPECT_EQ((*t)->Finish().status().code(), absl::StatusCode::kFailedPrecondition) << "Finish twice";
+  }
+}
+
+// A landed box is hashed only once its op's batch completed: bytes that are still wrong when the
+// tracker starts (nothing landed yet) and right when the batch completes give the right digest.
+TEST(OpDigestTrackerTest, ALandedBoxIsHashedOnlyAfterItsBatchCompleted) {
+  Fixture f;
+  auto want = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(want.ok());
+  const std::vector<uint8_t> landed = f.rollout;
+  std::fill(f.rollout.begin(), f.rollout.end(), 0xAB);  // nothing landed yet
+  const daemon::node::ExecPlan plan = TwoBucketPlan();
+  OpDigestTracker::Options o;
+  o.threads = 4;
+  auto t = OpDigestTracker::Start(f.slice, "n0", plan, f.Regions(), o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  f.rollout = landed;  // same buffer size: the regions' pointers stay valid
+  for (const auto& bucket : plan.buckets) {
+    for (const auto& r : bucket.routes) (*t)->OnRouteDone(r);
+  }
+  auto d = (*t)->Finish();
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->landed, want->landed);
+  EXPECT_EQ(d->source, want->source);
+}
+
+// A failed version drops its tracker without Finish: the hashing stops and nothing is left running.
+TEST(OpDigestTrackerTest, DroppedWithoutFinish) {
+  Fixture f;
+  auto t = OpDigestTracker::Start(f.slice, "n0", TwoBucketPlan(), f.Regions(), {});
+  ASSERT_TRUE(t.ok()) << t.status();
+  (*t)->OnRouteDone(TwoBucketPlan().buckets[0].routes[0]);
+  t->reset();
 }
 
 }  // namespace
