@@ -237,8 +237,11 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   // The waiter must be waiting on the clock before simulated time moves: a thread that starts
   // late would take its 10 s from a later time and outlive the 30 s transfer timeout.
   ASSERT_TRUE(clock.AwaitWaiter(wait_deadline, absl::Now() + kReal));
-  // Lease renewals keep n0 alive while simulated time runs (steps below lease / 4).
-  for (int step = 0; step < 70 && !returned.HasBeenNotified(); ++step) {
+  // Lease renewals keep n0 alive while simulated time runs (steps below lease / 4). Exactly up to
+  // the waiter's 10 s deadline, then its answer is awaited in real time: advancing on until it
+  // returned could pass the 30 s transfer timeout before a woken but not yet scheduled waiter
+  // (loaded machine) ran, and it would see the abort instead of its deadline.
+  for (int step = 0; step < 20; ++step) {
     pb::HeartbeatRequest hb;
     hb.set_node_id("n0");
     hb.set_incarnation(1);
