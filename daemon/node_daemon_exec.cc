@@ -31,6 +31,7 @@
 #include "daemon/node/grpc_coordinator_client.h"
 #include "daemon/node/exec_plan_proto.h"
 #include "daemon/node/quantize_incoming.h"
+#include "daemon/node/quantize_outgoing.h"
 #include "daemon/quantize.h"
 #include "planner/box.h"
 #include "planner/index_probe.h"
@@ -550,7 +551,8 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   node::ExecFacts facts;
   facts.me = me;
   for (auto& [device, t] : transports.lanes) facts.lanes.insert(device);
-  const node::Slice slice = node::SliceFromProto(plan.slice, plan.layouts, plan.quantized, plan.hosts_gather, plan.inventory);
+  const node::Slice slice = node::SliceFromProto(plan.slice, plan.layouts, plan.quantized, plan.hosts_gather, plan.inventory,
+                                                 plan.live_layouts);
   ASSIGN_OR_RETURN(node::LanePlan lanes, node::PlanLanes(slice, me, facts.lanes));
 
   // 0. Staging of this version, allocated here (outside mu_).
@@ -578,6 +580,16 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
     exec.relays_at_commit = xplan->relays_at_commit;
     exec.pieces_at_commit = xplan->pieces_at_commit;
     exec.relay_bytes_at_commit = xplan->relay_bytes_at_commit;
+  }
+  // Sender-side quantisation (issue 17.1): this node's trainers' boxes of sender-quantised ops are
+  // quantised into its q staging before the buckets (daemon/node/quantize_outgoing.h).
+  ASSIGN_OR_RETURN(node::OutgoingStaging qout, node::OutgoingQuantizer().Quantize(plan.inventory, xplan->quant_out, memory.regions,
+                                                                                   absl::StrCat(exec.model_id, " v", exec.version), exec.deadline));
+  for (auto& [key, m] : qout.regions) memory.regions[key] = m;
+  memory.holds.push_back(qout.hold);
+  if (qout.ops > 0) {
+    Log(LogLevel::kInfo, "version quantised on send", {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"ops", qout.ops},
+                                                        {"bytes", qout.canonical_bytes}, {"wire_bytes", qout.wire_bytes}, {"seconds", qout.seconds}});
   }
 
   // 3. Register, set up channels, run the buckets. End-to-end digests hash alongside (docs/daemon.md
@@ -615,6 +627,12 @@ absl::Status NodeDaemon::RunExecInner(Exec& exec) {
   exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
   phase_start = absl::Now();
   RETURN_IF_ERROR(DigestVersion(exec, memory, digests.get()));
+  if (options_.digests) {
+    // Sender-quantised ops (issue 17.1): both sides digest the quantised bytes that travel.
+    std::map<std::string, digest::RegionBytes> host;
+    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    RETURN_IF_ERROR(node::DigestSenderQuantized(slice, me, host, options_.digest_threads, exec.deadline, exec.digests));
+  }
   exec.buckets_s += absl::ToDoubleSeconds(absl::Now() - phase_start);
   return absl::OkStatus();
 }
@@ -659,7 +677,13 @@ absl::Status NodeDaemon::QuantizeIncoming(Exec& exec) {
       auto in = exec.incoming.find(w.worker_id());
       if (in == exec.incoming.end()) continue;
       // exec.incoming keeps the staging alive (the executor's exec holds it until RunExec returns).
-      targets.push_back({w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get()});
+      // Pieces whose senders quantised them (issue 17.1) are in place already.
+      const std::set<int32_t>* sent_quantized = nullptr;
+      if (exec.exec_plan != nullptr) {
+        auto q = exec.exec_plan->quant_pieces_in.find(static_cast<uint32_t>(i));
+        if (q != exec.exec_plan->quant_pieces_in.end()) sent_quantized = &q->second;
+      }
+      targets.push_back({w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get(), sent_quantized});
     }
   }
   if (targets.empty()) return absl::OkStatus();

@@ -4,10 +4,29 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "planner/planner.h"
+#include "planner/quantized.h"
 #include "planner/validate.h"
 #include "base/status_macros.h"
 
 namespace wb::daemon {
+
+bool SenderQuantizationFor(const SliceInput& in, const PlanSettings& settings) {
+  if (!settings.sender_quantization || settings.strategy != planner::Strategy::kWeightBridge) return false;
+  bool quantized_rollout = false;
+  for (const SliceWorker& w : in.workers) {
+    if (w.layout == nullptr) return false;
+    if (w.role == planner::Role::kRollout) {
+      quantized_rollout = quantized_rollout || planner::HasQuantizedPieces(*w.layout);
+      continue;
+    }
+    if (planner::HasQuantizedPieces(*w.layout) || w.layout_proto == nullptr) return false;
+    for (const pb::BufferSpec& b : w.layout_proto->buffers()) {
+      if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) return false;
+    }
+  }
+  return quantized_rollout;
+}
 
 absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const PlanSettings& settings, const PlanFn& make_plan) {
   planner::Problem problem;
@@ -22,6 +41,8 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
   // Cache key: everything the planner sees.
   std::string key_src = absl::StrCat(in.model_id, "|", static_cast<int>(settings.strategy_proto), "|", settings.topology.intra_node_GBps,
                                      "/", settings.topology.nic_GBps_per_gpu, "/", settings.topology.colocated, "/", settings.bucket_bytes);
+  const bool sender_quantization = SenderQuantizationFor(in, settings);
+  absl::StrAppend(&key_src, sender_quantization ? "|sq" : "");
   for (const SliceWorker& w : in.workers) {
     planner::Worker pw;
     pw.id = w.id;
@@ -49,7 +70,9 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     for (const planner::Worker& w : problem.workers) (w.role == planner::Role::kTrainer ? sources : destinations).push_back(&w);
     RETURN_IF_ERROR_WITH(planner::ValidateCoverage(problem.inventory, sources, destinations), absl::StrCat("model ", in.model_id));
     const absl::Time t0 = absl::Now();
-    auto plan = make_plan(problem, settings.strategy);
+    planner::PlanOptions options;
+    options.sender_quantization = true;
+    auto plan = sender_quantization ? planner::MakePlanWithOptions(problem, settings.strategy, options) : make_plan(problem, settings.strategy);
     if (!plan.ok()) return plan.status();
     plan->stats.plan_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     out.plan = std::make_shared<const planner::Plan>(std::move(*plan));

@@ -25,7 +25,18 @@ struct PlanSettings {
   pb::Strategy strategy_proto = pb::STRATEGY_UNSPECIFIED;
   planner::Topology topology;
   int64_t bucket_bytes = int64_t{2} << 30;
+  // Sender-side quantisation (issue 17.1, planner/sender_quant.h) allowed. PlanAndSlice plans with
+  // it only where every source can quantise on send (SenderQuantizationFor); otherwise the plan
+  // keeps receiver-side quantisation (canonical bytes into the rollouts' shadows).
+  bool sender_quantization = true;
 };
+
+// Whether PlanAndSlice plans `in` with sender-side quantisation: allowed by `settings`, WeightBridge's
+// strategy, some rollout holds quantised pieces, and every source is a trainer whose buffers are
+// all host memory (the sending node quantises on its CPU) holding no quantised pieces (a catch-up
+// slice's sources are rollouts: they stay receiver-side). A plan made with it is made by
+// planner::MakePlanWithOptions, not by the injected PlanFn.
+bool SenderQuantizationFor(const SliceInput& in, const PlanSettings& settings);
 
 struct PlanOutcome {
   std::shared_ptr<const planner::Plan> plan;

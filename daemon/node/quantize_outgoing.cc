@@ -102,4 +102,69 @@ absl::StatusOr<OutgoingStaging> OutgoingQuantizer::Quantize(const planner::Inven
   return out;
 }
 
+absl::Status DigestSenderQuantized(const Slice& slice, const std::string& me, const std::map<std::string, digest::RegionBytes>& regions,
+                                   int threads, absl::Time deadline, digest::OpDigests& digests) {
+  bool any = false;
+  for (const SliceOp& op : slice.ops) any = any || op.sender_quantized;
+  if (!any) return absl::OkStatus();
+  ASSIGN_OR_RETURN(SenderQuant sq, PlanSenderQuant(slice, me));
+  auto local = [&](uint32_t w) { return w < slice.workers.size() && slice.workers[w].node_id == me; };
+  std::vector<digest::StridedBox> boxes;
+  struct Want {
+    std::map<uint32_t, digest::Digest>* into;
+    uint32_t op;
+    size_t elements;  // index into boxes; the scales are the next one
+  };
+  std::vector<Want> wanted;
+  // The box a copy side covers, from its region's host bytes; false when it is device memory.
+  auto add = [&](uint32_t op, const std::string& key, const transport::CopyOp& c, const transport::StridedRef& ref) -> absl::StatusOr<bool> {
+    auto r = regions.find(key);
+    if (r == regions.end()) return absl::InternalError(absl::StrCat("digests: sender-quantised op ", op, ": region ", key, " is not a region of node ", me));
+    if (r->second.host == nullptr) return false;
+    int64_t last = ref.offset_bytes;
+    bool empty = false;
+    for (size_t d = 0; d < c.shape.size(); ++d) {
+      empty = empty || c.shape[d] <= 0;
+      last += (c.shape[d] - 1) * ref.strides[d] * c.element_size;
+    }
+    if (!empty && (ref.offset_bytes < 0 || last + c.element_size > r->second.size)) {
+      return absl::InternalError(absl::StrCat("digests: sender-quantised op ", op, ": reaches byte ", last + c.element_size, " of region ", key,
+                                              " (", r->second.size, " bytes)"));
+    }
+    boxes.push_back({empty ? nullptr : r->second.host + ref.offset_bytes, c.shape, ref.strides, c.element_size});
+    return true;
+  };
+  std::map<uint32_t, const SliceOp*> by_index;
+  for (const SliceOp& o : slice.ops) by_index[o.index] = &o;
+  for (const auto& [index, copies] : sq.copies) {
+    const SliceOp* op = by_index.at(index);  // PlanSenderQuant made copies for slice ops only
+    const auto& [el, sc] = copies;
+    for (bool src : {true, false}) {
+      if (!local(src ? op->src_worker : op->dst_worker)) continue;
+      const size_t at = boxes.size();
+      ASSIGN_OR_RETURN(bool a, add(index, src ? el.src_key : el.dst_key, el.copy, src ? el.copy.src : el.copy.dst));
+      ASSIGN_OR_RETURN(bool b, add(index, src ? sc.src_key : sc.dst_key, sc.copy, src ? sc.copy.src : sc.copy.dst));
+      std::map<uint32_t, digest::Digest>& into = src ? digests.source : digests.landed;
+      if (!a || !b) {
+        boxes.resize(at);
+        into.erase(index);
+        ++digests.skipped_sides;
+        continue;
+      }
+      wanted.push_back({&into, index, at});
+    }
+  }
+  ASSIGN_OR_RETURN(std::vector<digest::Digest> d, digest::DigestMany(boxes, threads, deadline));
+  for (const Want& w : wanted) {
+    const uint64_t pair[2] = {d[w.elements], d[w.elements + 1]};
+    ASSIGN_OR_RETURN((*w.into)[w.op], digest::BoxDigest({reinterpret_cast<const uint8_t*>(pair), {2}, {1}, 8}));
+  }
+  for (const digest::StridedBox& b : boxes) {
+    int64_t n = b.element_size;
+    for (int64_t x : b.shape) n *= std::max<int64_t>(x, 0);
+    digests.bytes += n;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace wb::daemon::node

@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/digest/op_digests.h"
 #include "daemon/node/exec_plan.h"
 #include "daemon/node/executor.h"
 #include "planner/types.h"
@@ -51,5 +52,16 @@ class OutgoingQuantizer {
  private:
   const int max_threads_;
 };
+
+// End-to-end digests of sender-quantised ops (issue 17.4; docs/daemon.md "End-to-end digests"):
+// what travels is the quantised bytes, so both sides digest those. Per op with a side on `me`, the
+// digest is digest::BoxDigest over the two u64 digests (elements, then scales) of its two copies'
+// boxes: on the source side where the copies read (the q region or a relay's staging), on the
+// destination side where they landed. Overwrites those ops' entries of `digests` (the generic pass
+// digested their canonical sides); other entries stay. Device-memory sides are skipped (counted in
+// skipped_sides). INTERNAL for a region missing or a box outside it; DEADLINE_EXCEEDED past
+// `deadline`.
+absl::Status DigestSenderQuantized(const Slice& slice, const std::string& me, const std::map<std::string, digest::RegionBytes>& regions,
+                                   int threads, absl::Time deadline, digest::OpDigests& digests);
 
 }  // namespace wb::daemon::node

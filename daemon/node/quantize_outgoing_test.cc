@@ -187,6 +187,28 @@ TEST_P(QuantizeOutgoingTest, LandsTheBytesTheReceiverWouldHaveQuantised) {
   EXPECT_EQ(std::memcmp(r0.data(), ref.data(), static_cast<size_t>(live_bytes)), 0) << GetParam().name;
   EXPECT_EQ(std::memcmp(r1.data(), ref.data(), static_cast<size_t>(live_bytes)), 0) << GetParam().name;
 
+  // Digests (issue 17.4): each side digests the quantised bytes; they match, and a flipped scale
+  // byte in staging is seen.
+  digest::OpDigests sent, landed;
+  std::map<std::string, digest::RegionBytes> n0 = {
+      {RegionKey(0, 0), {source_[0].data(), static_cast<int64_t>(source_[0].size())}},
+      {RegionKey(1, 0), {source_[1].data(), static_cast<int64_t>(source_[1].size())}},
+      {QuantOutKey("n1"), {q, out->regions.at(QuantOutKey("n1")).size}}};
+  std::map<std::string, digest::RegionBytes> n1 = {{RegionKey(2, 0), {r0.data(), static_cast<int64_t>(r0.size())}},
+                                                   {RegionKey(3, 0), {r1.data(), static_cast<int64_t>(r1.size())}}};
+  ASSERT_TRUE(DigestSenderQuantized(slice_, "n0", n0, 2, absl::InfiniteFuture(), sent).ok());
+  ASSERT_TRUE(DigestSenderQuantized(slice_, "n1", n1, 2, absl::InfiniteFuture(), landed).ok());
+  ASSERT_EQ(sent.source.size(), 2u);
+  ASSERT_EQ(landed.landed.size(), 3u);
+  ASSERT_EQ(landed.source.size(), 1u);  // the relay r0 -> r1 reads on n1
+  for (uint32_t op : {0u, 1u}) EXPECT_EQ(sent.source.at(op), landed.landed.at(op)) << op;
+  EXPECT_EQ(landed.source.at(2), landed.landed.at(2));
+  r0[static_cast<size_t>(live_.pieces[0].quant->scale_offset_bytes)] ^= 0x10;  // the first block's scale (op 0's)
+  digest::OpDigests flipped;
+  ASSERT_TRUE(DigestSenderQuantized(slice_, "n1", n1, 1, absl::InfiniteFuture(), flipped).ok());
+  EXPECT_NE(flipped.landed.at(0), sent.source.at(0));
+  EXPECT_EQ(flipped.landed.at(1), sent.source.at(1));
+
   // Both nodes place each op at the same q offsets (the sender's jobs, the receiver's copies).
   for (const QuantJob& j : sq->regions.at(QuantOutKey("n1")).jobs) {
     bool found = false;
