@@ -69,8 +69,10 @@ TEST(StatusPushTest, PushesChangesHonoursDeadlineLimitCancelAndShutdown) {
       seen = CommittedOf(msg, "m") == 2;
     }
     ASSERT_TRUE(seen) << "the commit of version 2 was not pushed";
+    // Well under the 30 s resend, so only the change signal can have delivered it; not a tighter
+    // bound: a loaded 2-core CI machine can leave the watcher's thread unscheduled for a second.
     const absl::Duration lag = absl::Now() - committed;
-    EXPECT_LT(lag, absl::Milliseconds(500)) << "commit pushed " << lag << " after WaitVersion returned";
+    EXPECT_LT(lag, absl::Seconds(5)) << "commit pushed " << lag << " after WaitVersion returned";
     EXPECT_GE(messages, 3) << "publish / transfer steps should have been pushed before the commit";
     w->ctx.TryCancel();
     (void)w->reader->Finish();
