@@ -158,12 +158,11 @@ absl::Status WorkerGuard::CheckBound(const PeerCred& sender, const std::string& 
   return absl::OkStatus();
 }
 
-absl::StatusOr<PeerCred> WorkerGuard::BoundCred(const std::string& worker) {
+absl::StatusOr<PeerCred> WorkerGuard::BoundCred(const std::string& model, const std::string& worker) {
   absl::MutexLock l(&mu_);
-  for (const auto& [key, b] : bindings_) {
-    if (key.second == worker) return b.cred;
-  }
-  return absl::NotFoundError(absl::StrCat("worker ", worker, " is not registered on node ", node_id_));
+  auto it = bindings_.find({model, worker});
+  if (it != bindings_.end()) return it->second.cred;
+  return absl::NotFoundError(absl::StrCat("worker ", worker, " of model ", model, " is not registered on node ", node_id_));
 }
 
 void WorkerGuard::NoteCommitted(const std::string& model, uint64_t version) {
@@ -359,7 +358,7 @@ void WorkerGuard::AddRules(AuthGate& gate) {
                  absl::MutexLock l(&mu_);
                  bindings_.erase({model, worker});
                }
-               if (on_deregister_) on_deregister_(worker);
+               if (on_deregister_) on_deregister_(model, worker);
              };
              return v;
            }));

@@ -70,12 +70,11 @@ class WorkerGuard {
   // The fd channel (daemon/fd_channel.h): OK when `sender` is the live process bound to `worker`
   // (pid + start time) and the worker belongs to `model`; NOT_FOUND / PERMISSION_DENIED otherwise.
   absl::Status CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker);
-  // The process `worker` is bound to (any model: the VMM fd path names no model; one process
-  // serving two models under the same id is the same cred); NOT_FOUND if none.
-  absl::StatusOr<PeerCred> BoundCred(const std::string& worker);
-  // Told the id of every worker that deregistered (the fd channel releases its fds). Set before
-  // serving.
-  void set_on_deregister(std::function<void(const std::string& worker)> f) { on_deregister_ = std::move(f); }
+  // The process `worker` of `model` is bound to; NOT_FOUND if none.
+  absl::StatusOr<PeerCred> BoundCred(const std::string& model, const std::string& worker);
+  // Told the (model, worker) of every worker that deregistered (the fd channel releases its fds).
+  // Set before serving.
+  void set_on_deregister(std::function<void(const std::string& model, const std::string& worker)> f) { on_deregister_ = std::move(f); }
 
  private:
   struct Binding {
@@ -99,7 +98,7 @@ class WorkerGuard {
   // Keyed by (model, worker): worker ids are scoped per model (issue 16.5).
   std::map<std::pair<std::string, std::string>, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
-  std::function<void(const std::string&)> on_deregister_;
+  std::function<void(const std::string&, const std::string&)> on_deregister_;
   BlockedCalls blocked_;
 };
 

@@ -185,10 +185,11 @@ size_t FdChannel::ReleaseDead() {
   return ReleaseDeadLocked();
 }
 
-size_t FdChannel::ReleaseWorker(const std::string& worker) {
+size_t FdChannel::ReleaseWorker(const std::string& model, const std::string& worker) {
   absl::MutexLock l(&mu_);
   size_t n = 0;
-  for (auto it = entries_.lower_bound({worker, ""}); it != entries_.end() && it->first.first == worker;) {
+  for (auto it = entries_.lower_bound(Key{model, worker, ""});
+       it != entries_.end() && std::get<0>(it->first) == model && std::get<1>(it->first) == worker;) {
     ::close(it->second.fd);
     it = entries_.erase(it);
     ++n;
@@ -199,15 +200,16 @@ size_t FdChannel::ReleaseWorker(const std::string& worker) {
 absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model, const std::string& worker,
                                const std::string& key, int64_t bytes, int fd) {
   if (absl::Status s = authorize_(sender, model, worker); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("fd channel: offer of '", key, "' for worker ", worker, " from pid ", sender.pid,
-                                               " uid ", sender.uid, " refused: ", s.message()));
+    return absl::Status(s.code(), absl::StrCat("fd channel: offer of '", key, "' for worker ", worker, " of model ", model, " from pid ",
+                                               sender.pid, " uid ", sender.uid, " refused: ", s.message()));
   }
   absl::MutexLock l(&mu_);
   ReleaseDeadLocked();
   size_t mine = 0;
-  for (auto it = entries_.lower_bound({worker, ""}); it != entries_.end() && it->first.first == worker;) {
+  for (auto it = entries_.lower_bound(Key{model, worker, ""});
+       it != entries_.end() && std::get<0>(it->first) == model && std::get<1>(it->first) == worker;) {
     const PeerCred& was = it->second.sender;
-    if (was.pid != sender.pid || was.start_time != sender.start_time) {  // a previous process of this worker id
+    if (was.pid != sender.pid || was.start_time != sender.start_time) {  // a previous process of this (model, worker)
       ::close(it->second.fd);
       it = entries_.erase(it);
       continue;
@@ -215,7 +217,7 @@ absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model,
     ++mine;
     ++it;
   }
-  auto it = entries_.find({worker, key});
+  auto it = entries_.find(Key{model, worker, key});
   if (it == entries_.end()) {
     size_t uid = 0;
     for (const auto& [k, e] : entries_) uid += e.sender.uid == sender.uid;
@@ -235,33 +237,35 @@ absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model,
       max = limits_.total;
     }
     if (limit != nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("fd channel: offer of '", key, "' for worker ", worker, " (uid ", sender.uid,
-                                                       ") refused: ", have, " fds already kept, limit ", max, " ", limit,
+      return absl::ResourceExhaustedError(absl::StrCat("fd channel: offer of '", key, "' for worker ", worker, " of model ", model, " (uid ",
+                                                       sender.uid, ") refused: ", have, " fds already kept, limit ", max, " ", limit,
                                                        " (Deregister workers or restart them to release theirs)"));
     }
   }
   if (it != entries_.end()) ::close(it->second.fd);
-  entries_[{worker, key}] = Entry{fd, bytes, sender};
+  entries_[Key{model, worker, key}] = Entry{fd, bytes, sender};
   return absl::OkStatus();
 }
 
-absl::StatusOr<CudaVmmFd> FdChannel::Get(const std::string& worker, const std::string& key, const PeerCred& bound) const {
+absl::StatusOr<CudaVmmFd> FdChannel::Get(const std::string& model, const std::string& worker, const std::string& key,
+                                         const PeerCred& bound) const {
   absl::MutexLock l(&mu_);
-  auto it = entries_.find({worker, key});
+  auto it = entries_.find(Key{model, worker, key});
   if (it == entries_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " sent no CUDA VMM fd under key '", key, "' on the fd channel ",
-                                            path_, " (send it before RegisterLayout)"));
+    return absl::NotFoundError(absl::StrCat("worker ", worker, " of model ", model, " sent no CUDA VMM fd under key '", key,
+                                            "' on the fd channel ", path_, " (send it before RegisterLayout)"));
   }
   const Entry& e = it->second;
   if (e.sender.pid != bound.pid || e.sender.start_time != bound.start_time) {
-    return absl::PermissionDeniedError(absl::StrCat("the fd under key '", key, "' was sent by pid ", e.sender.pid,
-                                                    ", not by worker ", worker, "'s process ", bound.pid));
+    return absl::PermissionDeniedError(absl::StrCat("the fd under key '", key, "' was sent by pid ", e.sender.pid, ", not by worker ",
+                                                    worker, " of model ", model, "'s process ", bound.pid));
   }
   CudaVmmFd out;
   out.fd = ::fcntl(e.fd, F_DUPFD_CLOEXEC, 0);
   if (out.fd < 0) return absl::ResourceExhaustedError(absl::StrCat("fd channel: dup: ", std::strerror(errno)));
   out.allocation_bytes = e.allocation_bytes;
-  out.cache_key = absl::StrCat(e.sender.pid, ".", e.sender.start_time, "/", worker, "/", key);
+  // Length-prefixed: ids may contain '/', and (model, worker, key) must map to one cache key only.
+  out.cache_key = absl::StrCat(e.sender.pid, ".", e.sender.start_time, "/", model.size(), ":", model, "/", worker.size(), ":", worker, "/", key);
   return out;
 }
 

@@ -8,18 +8,21 @@
 // process's SO_PEERCRED (pid, uid; kernel-filled at connect, unforgeable) plus its start time must
 // be the process the worker id is bound to (RegisterWorker through the guarded worker socket,
 // daemon/auth.h) for that model - `authorize` decides; anything else is refused and the fd closed
-// at once. Accepted fds are kept keyed by (worker, key), with the sender's identity; a new offer
-// for the same key replaces (closes) the old fd; an offer from a new process of the same worker id
-// (a restart) drops the fds the previous process sent.
+// at once. Accepted fds are kept keyed by (model, worker, key), with the sender's identity: worker
+// ids are scoped per model (docs/daemon.md "Model and worker rules"), so two models' `rollout/0`
+// in one process never share or replace each other's fds. A new offer for the same key replaces
+// (closes) the old fd; an offer from a new process of the same (model, worker) (a restart) drops
+// the fds the previous process sent for it.
 //
-// Bounds (FdChannelLimits, RESOURCE_EXHAUSTED naming the limit beyond): fds per worker id, per
-// sending uid (one principal may hold several worker ids) and per node in total (further capped
-// at half of RLIMIT_NOFILE at Bind). Fds are released when the worker deregisters
-// (ReleaseWorker, from the guarded worker service) and when the process that sent them has exited
-// (checked on every offer and every second), so dead or departed workers pin nothing.
+// Bounds (FdChannelLimits, RESOURCE_EXHAUSTED naming the limit beyond): fds per worker (a
+// (model, worker) pair), per sending uid (one principal may hold several workers) and per node in
+// total (further capped at half of RLIMIT_NOFILE at Bind). Fds are released when the worker
+// deregisters from its model (ReleaseWorker, from the guarded worker service) and when the process
+// that sent them has exited (checked on every offer and every second), so dead or departed
+// workers pin nothing.
 //
 // Get() hands out a dup of the fd (the caller closes it) only to a lookup that names the process
-// currently bound to the worker: fds of a dead predecessor never reach a new registration.
+// currently bound to the (model, worker): fds of a dead predecessor never reach a new registration.
 // Connections are served concurrently by one poll loop: a message is one datagram, read without
 // blocking, so a slow, silent or refused client delays no other. A connection idle for
 // message_timeout (2 s) is closed; at most max_connections at once, max_connections_per_uid per
@@ -32,6 +35,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -55,7 +59,7 @@ struct FdChannelLimits {
 struct CudaVmmFd {
   int fd = -1;                   // a dup owned by the caller
   int64_t allocation_bytes = 0;  // as the worker declared it
-  std::string cache_key;         // unique per (sending process, worker, key): the transport's mapping key
+  std::string cache_key;         // unique per (sending process, model, worker, key): the transport's mapping key
 };
 
 class FdChannel {
@@ -69,12 +73,14 @@ class FdChannel {
   // Stops accepting and unlinks the socket file. Idempotent.
   void Stop();
 
-  // NOT_FOUND when `worker` sent nothing under `key`, PERMISSION_DENIED when it was sent by
-  // another process than `bound` (pid + start time).
-  absl::StatusOr<CudaVmmFd> Get(const std::string& worker, const std::string& key, const PeerCred& bound) const;
+  // NOT_FOUND when `worker` of `model` sent nothing under `key`, PERMISSION_DENIED when it was
+  // sent by another process than `bound` (pid + start time).
+  absl::StatusOr<CudaVmmFd> Get(const std::string& model, const std::string& worker, const std::string& key,
+                                const PeerCred& bound) const;
   size_t size() const;
-  // Closes every fd `worker` sent (it deregistered). Returns how many.
-  size_t ReleaseWorker(const std::string& worker);
+  // Closes every fd `worker` of `model` sent (it deregistered from that model; its fds for other
+  // models stay). Returns how many.
+  size_t ReleaseWorker(const std::string& model, const std::string& worker);
   // Closes every fd whose sending process has exited. Returns how many.
   size_t ReleaseDead();
   const FdChannelLimits& limits() const { return limits_; }
@@ -107,7 +113,8 @@ class FdChannel {
   int stop_fd_ = -1;  // eventfd: wakes the serving thread
   std::thread thread_;
   mutable absl::Mutex mu_;
-  std::map<std::pair<std::string, std::string>, Entry> entries_ ABSL_GUARDED_BY(mu_);  // (worker, key)
+  using Key = std::tuple<std::string, std::string, std::string>;  // (model, worker, key)
+  std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
 

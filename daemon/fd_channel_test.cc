@@ -48,8 +48,8 @@ FdChannel::Authorize OnlyMe() {
 
 PeerCred Me() { return PeerCred{getpid(), getuid(), getgid(), ProcessStartTime(getpid())}; }
 
-absl::Status Offer(const std::string& path, const std::string& worker, const std::string& key, int fd) {
-  return transport::OfferVmmFd(path, {"m", worker, key, 2 << 20}, fd, absl::Now() + absl::Seconds(10));
+absl::Status Offer(const std::string& path, const std::string& worker, const std::string& key, int fd, const std::string& model = "m") {
+  return transport::OfferVmmFd(path, {model, worker, key, 2 << 20}, fd, absl::Now() + absl::Seconds(10));
 }
 
 TEST(FdChannelTest, RegisteredWorkerSendsAndTheDaemonGetsTheSameFile) {
@@ -58,7 +58,7 @@ TEST(FdChannelTest, RegisteredWorkerSendsAndTheDaemonGetsTheSameFile) {
   const int fd = MemfdWith("allocation zero");
   ASSERT_TRUE(Offer((*c)->path(), "w0", "alloc0", fd).ok());
   close(fd);  // the daemon keeps its own descriptor
-  auto got = (*c)->Get("w0", "alloc0", Me());
+  auto got = (*c)->Get("m", "w0", "alloc0", Me());
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(ReadAll(got->fd), "allocation zero");
   EXPECT_EQ(got->allocation_bytes, 2 << 20);
@@ -69,7 +69,7 @@ TEST(FdChannelTest, RegisteredWorkerSendsAndTheDaemonGetsTheSameFile) {
   ASSERT_TRUE(Offer((*c)->path(), "w0", "alloc0", fd2).ok());
   close(fd2);
   EXPECT_EQ((*c)->size(), 1u);
-  got = (*c)->Get("w0", "alloc0", Me());
+  got = (*c)->Get("m", "w0", "alloc0", Me());
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(ReadAll(got->fd), "allocation zero, new");
   close(got->fd);
@@ -81,12 +81,12 @@ TEST(FdChannelTest, UnknownKeyOrAnotherBoundProcessIsRefused) {
   const int fd = MemfdWith("x");
   ASSERT_TRUE(Offer((*c)->path(), "w0", "alloc0", fd).ok());
   close(fd);
-  auto unknown = (*c)->Get("w0", "alloc1", Me());
+  auto unknown = (*c)->Get("m", "w0", "alloc1", Me());
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
-  EXPECT_EQ((*c)->Get("w1", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*c)->Get("m", "w1", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
   PeerCred successor = Me();
   successor.pid += 1;  // the worker id is now bound to another process (a restart)
-  auto stale = (*c)->Get("w0", "alloc0", successor);
+  auto stale = (*c)->Get("m", "w0", "alloc0", successor);
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kPermissionDenied) << stale.status();
 }
 
@@ -117,7 +117,7 @@ TEST(FdChannelTest, OfferFromAnotherProcessIsRefusedAndNothingKept) {
   EXPECT_NE(reply.find("PERMISSION_DENIED"), std::string::npos) << reply;
   EXPECT_NE(reply.find(absl::StrCat("from pid ", child)), std::string::npos) << reply;
   EXPECT_EQ((*c)->size(), 0u);
-  EXPECT_EQ((*c)->Get("w0", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*c)->Get("m", "w0", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
   // An unregistered worker id is refused too (the authorizer's NOT_FOUND).
   const int fd = MemfdWith("y");
   absl::Status s = Offer(path, "nobody", "alloc0", fd);
@@ -215,10 +215,69 @@ TEST(FdChannelTest, DeregisterReleasesAndUidAndNodeBoundsHold) {
   s = Offer((*c)->path(), "w1", "k2", fd);  // a third worker id of the same uid
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_NE(s.message().find("limit 5 per uid"), std::string::npos) << s;
-  EXPECT_EQ((*c)->ReleaseWorker("w0"), 3u);
+  EXPECT_EQ((*c)->ReleaseWorker("m", "w0"), 3u);
   EXPECT_EQ((*c)->size(), 2u);
   EXPECT_TRUE(Offer((*c)->path(), "w2", "k0", fd).ok()) << "room again after w0 deregistered";
   close(fd);
+}
+
+// Worker ids are scoped per model (docs/daemon.md "Model and worker rules"): one process serving
+// two models, each with a `rollout/0` offering the same allocation key, keeps two fds; each model
+// gets its own, a new offer for one replaces only that one, the per-worker bound counts per
+// (model, worker), and deregistering one model's worker releases only its fds.
+TEST(FdChannelTest, TwoModelsWithTheSameWorkerIdKeepTheirOwnFds) {
+  auto any_worker = [me = getpid()](const PeerCred& sender, const std::string&, const std::string&) -> absl::Status {
+    return sender.pid == me ? absl::OkStatus() : absl::PermissionDeniedError("not me");
+  };
+  FdChannelLimits limits;
+  limits.per_worker = 2;
+  auto c = FdChannel::Bind(TempPath("models"), 0600, any_worker, limits);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int a = MemfdWith("model a"), b = MemfdWith("model b");
+  ASSERT_TRUE(Offer((*c)->path(), "rollout/0", "alloc0", a, "a").ok());
+  ASSERT_TRUE(Offer((*c)->path(), "rollout/0", "alloc0", b, "b").ok());
+  close(a);
+  close(b);
+  EXPECT_EQ((*c)->size(), 2u) << "the second model's offer must not replace the first's";
+  auto got_a = (*c)->Get("a", "rollout/0", "alloc0", Me());
+  auto got_b = (*c)->Get("b", "rollout/0", "alloc0", Me());
+  ASSERT_TRUE(got_a.ok()) << got_a.status();
+  ASSERT_TRUE(got_b.ok()) << got_b.status();
+  EXPECT_EQ(ReadAll(got_a->fd), "model a");
+  EXPECT_EQ(ReadAll(got_b->fd), "model b");
+  EXPECT_NE(got_a->cache_key, got_b->cache_key) << "the transport maps each model's allocation once, apart";
+  close(got_a->fd);
+  close(got_b->fd);
+  auto none = (*c)->Get("c", "rollout/0", "alloc0", Me());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(none.status().message().find("of model c"), std::string::npos) << none.status();
+  // The per-worker bound counts per (model, worker): model a's rollout/0 may add one more (2),
+  // model b's too, however many the other holds.
+  const int x = MemfdWith("x");
+  ASSERT_TRUE(Offer((*c)->path(), "rollout/0", "alloc1", x, "a").ok());
+  absl::Status s = Offer((*c)->path(), "rollout/0", "alloc2", x, "a");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("of model a"), std::string::npos) << s;
+  ASSERT_TRUE(Offer((*c)->path(), "rollout/0", "alloc1", x, "b").ok());
+  close(x);
+  EXPECT_EQ((*c)->size(), 4u);
+  // A new offer under model b's key replaces model b's fd only.
+  const int b2 = MemfdWith("model b, new");
+  ASSERT_TRUE(Offer((*c)->path(), "rollout/0", "alloc0", b2, "b").ok());
+  close(b2);
+  EXPECT_EQ((*c)->size(), 4u);
+  got_a = (*c)->Get("a", "rollout/0", "alloc0", Me());
+  ASSERT_TRUE(got_a.ok());
+  EXPECT_EQ(ReadAll(got_a->fd), "model a");
+  close(got_a->fd);
+  // Deregistering model a's rollout/0 releases its two fds; model b's stay.
+  EXPECT_EQ((*c)->ReleaseWorker("a", "rollout/0"), 2u);
+  EXPECT_EQ((*c)->size(), 2u);
+  EXPECT_EQ((*c)->Get("a", "rollout/0", "alloc0", Me()).status().code(), absl::StatusCode::kNotFound);
+  got_b = (*c)->Get("b", "rollout/0", "alloc0", Me());
+  ASSERT_TRUE(got_b.ok()) << got_b.status();
+  EXPECT_EQ(ReadAll(got_b->fd), "model b, new");
+  close(got_b->fd);
 }
 
 TEST(FdChannelTest, GarbageAndFdLessOffersAreInvalidArgument) {

@@ -123,7 +123,8 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
   if (fds.ok()) {
     fd_channel_ = std::move(*fds);
     // A deregistered worker's fds are closed at once (those of exited processes by the channel).
-    workers_->set_on_deregister([c = fd_channel_.get()](const std::string& worker) { c->ReleaseWorker(worker); });
+    workers_->set_on_deregister(
+        [c = fd_channel_.get()](const std::string& model, const std::string& worker) { c->ReleaseWorker(model, worker); });
   } else {
     fd_channel_error_ = fds.status();
   }
@@ -137,14 +138,14 @@ void DaemonFront::Stop() {
   if (fd_channel_) fd_channel_->Stop();
 }
 
-absl::StatusOr<CudaVmmFd> DaemonFront::FindVmmFd(const std::string& worker, const std::string& key) {
+absl::StatusOr<CudaVmmFd> DaemonFront::FindVmmFd(const std::string& model, const std::string& worker, const std::string& key) {
   if (!fd_channel_ || !workers_) {
     return absl::FailedPreconditionError(absl::StrCat("the fd channel for CUDA VMM fds is not serving: ",
                                                       fd_channel_error_.ok() ? "no worker socket" : fd_channel_error_.message()));
   }
-  absl::StatusOr<PeerCred> bound = workers_->BoundCred(worker);
+  absl::StatusOr<PeerCred> bound = workers_->BoundCred(model, worker);
   if (!bound.ok()) return bound.status();
-  return fd_channel_->Get(worker, key, *bound);
+  return fd_channel_->Get(model, worker, key, *bound);
 }
 
 }  // namespace wb::daemon

@@ -72,7 +72,7 @@ class DaemonFront {
   // The fd of a CUDA VMM allocation that `worker` sent on the fd channel (<worker socket>.fd,
   // started by ServeWorkers) under `key`, if the process that sent it is the one bound to the
   // worker now (daemon/fd_channel.h). FAILED_PRECONDITION before ServeWorkers.
-  absl::StatusOr<CudaVmmFd> FindVmmFd(const std::string& worker, const std::string& key);
+  absl::StatusOr<CudaVmmFd> FindVmmFd(const std::string& model, const std::string& worker, const std::string& key);
 
  private:
   PeerAuthenticated OnAuthenticated();

@@ -347,7 +347,8 @@ absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> NodeDaemon::TryDeviceSt
   return m;
 }
 
-absl::StatusOr<std::shared_ptr<CudaImport>> NodeDaemon::ImportCuda(const std::string& worker, const pb::BufferSpec& b) {
+absl::StatusOr<std::shared_ptr<CudaImport>> NodeDaemon::ImportCuda(const std::string& model, const std::string& worker,
+                                                                   const pb::BufferSpec& b) {
   const bool is_vmm = b.memory_case() == pb::BufferSpec::kCudaVmmKey;
   const std::string what =
       absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), is_vmm ? " (CUDA VMM, gpu " : " (CUDA IPC, gpu ", b.gpu(), ")");
@@ -357,7 +358,11 @@ absl::StatusOr<std::shared_ptr<CudaImport>> NodeDaemon::ImportCuda(const std::st
                                                       " has no cuda_ipc transport (no GPU visible to the daemon, "
                                                       "or --transports excludes it); register host shared memory instead"));
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<CudaImport> imp, gpu_import_->Import(*t, worker, b, what, options_.cuda_vmm_fd));
+  GpuImport::VmmFdFn vmm_fd;
+  if (options_.cuda_vmm_fd) {
+    vmm_fd = [this, &model](const std::string& w, const std::string& key) { return options_.cuda_vmm_fd(model, w, key); };
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<CudaImport> imp, gpu_import_->Import(*t, worker, b, what, vmm_fd));
   if (imp->device != b.gpu()) {
     Log(LogLevel::kInfo, "CUDA buffer on another GPU than the worker numbers it",
         {{"node", options_.node_id}, {"worker", worker}, {"buffer", b.buffer_id()}, {"worker_gpu", b.gpu()}, {"daemon_gpu", imp->device}});

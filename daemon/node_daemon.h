@@ -100,8 +100,9 @@ class NodeDaemon {
     // Channel to the coordinator (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
     // CUDA VMM buffers (BufferSpec.cuda_vmm_key): the fd a worker sent on the fd channel
-    // (DaemonFront::FindVmmFd). Unset: such buffers are FAILED_PRECONDITION.
-    std::function<absl::StatusOr<CudaVmmFd>(const std::string& worker, const std::string& key)> cuda_vmm_fd;
+    // (DaemonFront::FindVmmFd; keyed by model too: worker ids are scoped per model). Unset: such
+    // buffers are FAILED_PRECONDITION.
+    std::function<absl::StatusOr<CudaVmmFd>(const std::string& model, const std::string& worker, const std::string& key)> cuda_vmm_fd;
     // Opens workers' CUDA IPC / VMM buffers (daemon/node/gpu_import.h). Null: NewGpuImport(), the
     // build's own (CUDA IPC when built with CUDA, else refusing them).
     std::shared_ptr<GpuImport> gpu_import;
@@ -309,7 +310,7 @@ class NodeDaemon {
   uint64_t session();
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
   // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
-  absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& worker, const pb::BufferSpec& b);
+  absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& model, const std::string& worker, const pb::BufferSpec& b);
   // One copy of staging into a local rollout's live memory (sync commit or Apply): LocalWorkers::RunLiveCopies.
   using LiveJob = LocalWorkers::LiveJob;
   // Copies a worker's live buffers (host or CUDA) into `out` (one entry per buffer). With

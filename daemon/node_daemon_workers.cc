@@ -179,7 +179,7 @@ absl::Status NodeDaemon::RegisterLayout(const pb::RegisterLayoutRequest& req, pb
   std::vector<std::shared_ptr<CudaImport>> cuda;
   for (const pb::BufferSpec& b : req.buffers()) {
     if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) {
-      auto imp = ImportCuda(req.worker_id(), b);
+      auto imp = ImportCuda(req.model_id(), req.worker_id(), b);
       if (!imp.ok()) return imp.status();
       buffers.push_back(nullptr);
       cuda.push_back(std::move(*imp));

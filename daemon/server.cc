@@ -69,8 +69,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.clock = o.clock;
     no.heartbeat = o.heartbeat;
     no.make_channel = s->front_->channel_factory();
-    no.cuda_vmm_fd = [front = s->front_.get()](const std::string& worker, const std::string& key) {
-      return front->FindVmmFd(worker, key);
+    no.cuda_vmm_fd = [front = s->front_.get()](const std::string& model, const std::string& worker, const std::string& key) {
+      return front->FindVmmFd(model, worker, key);
     };
     no.staging_budget_bytes = o.staging_budget_bytes;
     no.metrics = metrics;
