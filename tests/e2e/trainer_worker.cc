@@ -8,6 +8,7 @@
 //                  WaitVersion(v) before touching the buffers again.
 //   one_step_off:  fill v, Publish(v) (returns after the daemon's snapshot), go on computing v+1.
 //   async:         as one_step_off; Publish blocks while a rollout lags more than max_staleness.
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/flags/parse.h"
@@ -19,6 +20,9 @@
 namespace wb::e2e {
 namespace {
 
+// How long a trainer waits for the test to open the gate of its next version (--gate_dir).
+constexpr absl::Duration kGateTimeout = absl::Minutes(10);
+
 int Run() {
   auto ctx_or = SetUpWorker(planner::Role::kTrainer);
   if (!ctx_or.ok()) {
@@ -29,7 +33,10 @@ int Run() {
   std::vector<uint64_t> published, failed;
   for (uint64_t v = ctx.first_version; v <= ctx.last_version; ++v) {
     if (!ctx.gate_dir.empty()) {
-      absl::Status gate = WaitForGate(absl::StrCat(ctx.gate_dir, "/publish-", v), ctx.version_timeout);
+      // Not the version deadline: the test opens the gate once its own checks of the previous
+      // version are done, which on a loaded machine took longer than a deliberately short
+      // --timeout_ms (the drain test's 10 s). The harness ends a worker whose gate never opens.
+      absl::Status gate = WaitForGate(absl::StrCat(ctx.gate_dir, "/publish-", v), std::max(ctx.version_timeout, kGateTimeout));
       if (!gate.ok()) {
         EmitError(ctx.worker_id, gate);
         return kExitRpc;
