@@ -4,6 +4,9 @@
 //
 //   bazel run -c opt //bench:e2e [-- --json] [-- --versions=3 --replicas=2]
 //   profiling: --baseline=false (WeightBridge only), --daemon_flags=--checksums=false,...
+//   sender-side quantisation: --quantization=fp8_block128 (inter-node bytes of bf16 rollouts against
+//   rollouts quantised on the sending node, one cluster, same run; default config
+//   bench/testdata/qwen2-wide-8l.json, whose Megatron tp=2 shards hold whole 128x128 blocks)
 //   end-to-end digests' cost: --digest_cost (update time with no check / per-batch checksums / digests
 //   hashed after the buckets / digests hashed while the buckets run)
 //
@@ -39,6 +42,7 @@
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "daemon/metrics_scrape.h"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/e2e_util.h"
 #include "tests/e2e/harness.h"
@@ -55,6 +59,11 @@ ABSL_FLAG(bool, digest_cost, false,
           "per-batch checksums, with checksums only (the old default), with digests hashed after the buckets "
           "(--digest_overlap=false) and with digests hashed while the buckets run (the default), one cluster each");
 
+ABSL_FLAG(std::string, quantization, "",
+          "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
+          "quantization preset (fp8_block128, mxfp8, w4a16_g32), quantised on the sending node where the trainer shards hold "
+          "whole blocks (issue 17.1); one cluster, same run");
+
 namespace wb::bench {
 namespace {
 
@@ -70,19 +79,21 @@ struct StrategyResult {
   int64_t bytes_inter_node = 0;  // of the plan, per version
   int64_t bytes_intra_node = 0;
   int64_t bytes_moved = 0;  // coordinator's last_transfer_bytes
+  int64_t wire_bytes_inter_node = 0;  // of the plan, per version, as moved (sender-side quantisation)
   bool verified = false;
   std::string error;
 };
 
 using e2e::Median;
 
+// `quantization`: the rollouts' --quantization preset ("" = bf16 rollouts).
 StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::string& config,
-                           int versions, int replicas) {
+                           int versions, int replicas, const std::string& quantization = "") {
   StrategyResult res;
   res.strategy = strategy;
   e2e::RunOptions run;
   run.config = config;
-  run.model_id = "qwen-" + strategy;
+  run.model_id = "qwen-" + strategy + (quantization.empty() ? "" : "-" + quantization);
   run.mode = "sync";
   run.strategy = strategy;
   run.versions = versions;
@@ -96,6 +107,7 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
   for (int r = 0; r < 2 * replicas; ++r) {
     e2e::WorkerSpec w{false, 1, "vllm", 2, 1, 1, replicas, r, r};
     w.extra_flags = {"--populate"};
+    if (!quantization.empty()) w.extra_flags.push_back("--quantization=" + quantization);
     rollout_specs.push_back(w);
   }
   auto workers = cl.RunWorkers(run, trainer_specs, rollout_specs, absl::Minutes(10), absl::Minutes(2));
@@ -133,7 +145,15 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
       res.bytes_moved = static_cast<int64_t>(m.last_transfer_bytes());
       res.bytes_inter_node = m.plan_stats().bytes_inter_node();
       res.bytes_intra_node = m.plan_stats().bytes_intra_node();
+      res.wire_bytes_inter_node = m.plan_stats().wire_bytes_inter_node();
     }
+  }
+  if (!quantization.empty()) {
+    // A quantised replica holds about what crossed to its node once (fp8 elements + scales, the
+    // rest bf16): every rollout on n1, so at least `replicas` x the plan's inter-node wire bytes.
+    const int64_t want = static_cast<int64_t>(replicas) * res.wire_bytes_inter_node;
+    res.verified = ok && want > 0 && verified_last >= want;
+    res.error = ok && !res.verified ? absl::StrCat("only ", verified_last, " bytes verified for the last version, want >= ", want) : res.error;
   }
   return res;
 }
@@ -266,12 +286,92 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
   return verified ? 0 : 1;
 }
 
+// --quantization: bf16 rollouts, then rollouts of the preset, each with the same trainers on one
+// cluster (node metrics on). Inter-node bytes are measured: the host_tcp payload the rollout node
+// received (wb_nic_bytes_total) over each run, per version; next to the plan's wire bytes.
+int RunQuantization(const std::string& quantization, const std::string& config, int versions, int replicas, bool json) {
+  auto harness = e2e::Harness::Create("bench-e2e-quant");
+  if (!harness.ok()) {
+    std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
+    return 1;
+  }
+  e2e::ClusterOptions copts;
+  copts.num_nodes = 2;
+  copts.lease_ms = 10000;
+  copts.transfer_timeout_ms = 300000;
+  copts.node_metrics = true;
+  copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
+  auto cluster = Cluster::Start(harness->get(), copts);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "bench/e2e: cluster: %s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  auto received = [&]() -> double {
+    auto m = daemon::ScrapeMetrics((*cluster)->node_metrics_port(1), absl::Seconds(10));
+    return m.ok() ? daemon::MetricSum(*m, "wb_nic_bytes_total", "direction=\"received\"") : -1;
+  };
+  struct Case {
+    std::string name, quantization;
+    StrategyResult result;
+    double nic_bytes = 0;  // per version, measured
+  };
+  std::vector<Case> cases = {{"bf16", "", {}}, {quantization, quantization, {}}};
+  for (Case& c : cases) {
+    if (!json) std::fprintf(stderr, "bench/e2e: rollouts in %s...\n", c.name.c_str());
+    const double before = received();
+    c.result = RunStrategy(**cluster, "weightbridge", config, versions, replicas, c.quantization);
+    const double after = received();
+    c.nic_bytes = before >= 0 && after >= 0 ? (after - before) / versions : -1;
+  }
+  (*harness)->KillAll();
+  const Case& b = cases[0];
+  const Case& q = cases[1];
+  const double ratio = b.nic_bytes > 0 ? q.nic_bytes / b.nic_bytes : 0;
+  const double plan_ratio = b.result.wire_bytes_inter_node > 0 ? static_cast<double>(q.result.wire_bytes_inter_node) / b.result.wire_bytes_inter_node : 0;
+  const bool verified = b.result.verified && q.result.verified;
+  if (json) {
+    nlohmann::json j = {{"quantization", quantization},
+                        {"config", config},
+                        {"model_bytes", e2e::ModelBytes(config)},
+                        {"replicas", replicas},
+                        {"versions", versions},
+                        {"inter_node_bytes_bf16", b.nic_bytes},
+                        {"inter_node_bytes_quantized", q.nic_bytes},
+                        {"inter_node_ratio", ratio},
+                        {"plan_wire_bytes_inter_node_bf16", b.result.wire_bytes_inter_node},
+                        {"plan_wire_bytes_inter_node_quantized", q.result.wire_bytes_inter_node},
+                        {"plan_ratio", plan_ratio},
+                        {"update_s_bf16", b.result.median_s},
+                        {"update_s_quantized", q.result.median_s},
+                        {"verified", verified}};
+    for (const Case* c : {&b, &q}) {
+      if (!c->result.error.empty()) j["error_" + c->name] = c->result.error;
+    }
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%s (%.3f GB bf16), 2 Megatron tp=2 trainers on n0 -> %d vLLM tp=2 replica(s) on n1, sync, %d versions\n",
+                config.c_str(), e2e::ModelBytes(config) / 1e9, replicas, versions);
+    std::printf("%-14s %16s %16s %10s %9s\n", "rollouts", "inter_node_GB", "plan_wire_GB", "update_s", "verified");
+    for (const Case* c : {&b, &q}) {
+      std::printf("%-14s %16.3f %16.3f %10.3f %9s\n", c->name.c_str(), c->nic_bytes / 1e9, c->result.wire_bytes_inter_node / 1e9,
+                  c->result.median_s, c->result.verified ? "yes" : "NO");
+      if (!c->result.error.empty()) std::printf("  error: %s\n", c->result.error.c_str());
+    }
+    std::printf("inter-node bytes %s / bf16: %.3fx (plan: %.3fx)\n", quantization.c_str(), ratio, plan_ratio);
+  }
+  return verified ? 0 : 1;
+}
+
 int Run() {
   const bool json = absl::GetFlag(FLAGS_json);
   const int versions = std::max(1, absl::GetFlag(FLAGS_versions));
   const int replicas = std::max(1, absl::GetFlag(FLAGS_replicas));
   std::string config = absl::GetFlag(FLAGS_config);
   if (config.empty()) config = e2e::ModelConfigPath(/*full=*/true);
+  if (const std::string q = absl::GetFlag(FLAGS_quantization); !q.empty()) {
+    if (absl::GetFlag(FLAGS_config).empty()) config = e2e::Runfile("bench/testdata/qwen2-wide-8l.json");
+    return RunQuantization(q, config, versions, replicas, json);
+  }
   if (absl::GetFlag(FLAGS_digest_cost)) return RunDigestCost(config, versions, replicas, json);
 
   auto bc = StartBenchCluster("bench-e2e", {});
