@@ -316,7 +316,10 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   run.versions = 3;
   run.tolerate_failures = true;
   run.gate_dir = "gates";
-  run.timeout_ms = ScaledMs(10000);
+  // The rollouts' deadline per version: short, so that they give up on the refused v3 soon, but
+  // v2 must fit in it (filled by the trainers, held while n2 is frozen and both drains run, then
+  // landed): 10 s was tight on a loaded 2-core machine, where the fill alone took 6 s.
+  run.timeout_ms = ScaledMs(30000);
   Fixture f;
   absl::Status s = StartFixture(f, "drain", copts, run);
   ASSERT_TRUE(s.ok()) << s;
@@ -369,7 +372,7 @@ TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {
   }
   // Rollouts give up on v3 after their timeout, still exactly on v2.
   for (Process* r : f.rollouts) {
-    auto failed = r->WaitForEvent("version_failed", 3, Scaled(absl::Seconds(30)));
+    auto failed = r->WaitForEvent("version_failed", 3, absl::Milliseconds(f.run.timeout_ms) + Scaled(absl::Seconds(30)));
     ASSERT_TRUE(failed.ok()) << failed.status();
     EXPECT_EQ((*failed)["still"].get<uint64_t>(), 2u);
     absl::Status e = ExpectCleanExit(r, Scaled(absl::Seconds(60)));
