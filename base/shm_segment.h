@@ -87,8 +87,10 @@ class ShmSegment {
   // Pre-faults every page of the mapping for writing (MADV_POPULATE_WRITE), on up to `threads`
   // threads, without changing a byte: the daemon calls it for a rollout's live buffers when they
   // are registered, so the first copy into them (a sync commit, an Apply, a catch-up) does not pay
-  // page allocation and mapping faults inside a version's critical path. OK and a no-op on kernels
-  // without it (before 5.14); an error (e.g. the segment was truncated under us) names the segment.
+  // page allocation and mapping faults inside a version's critical path. Then reads one byte per
+  // page through this mapping (a VM shadowing page tables traps the first access per page and
+  // mapping even after the populate). OK and a no-op on kernels without MADV_POPULATE_WRITE
+  // (before 5.14); an error (e.g. the segment was truncated under us) names the segment.
   absl::Status Populate(int threads = 4) const;
   // PERMISSION_DENIED naming the mode unless the segment grants no group/other access (0600): a
   // segment others may write can change under a version.

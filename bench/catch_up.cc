@@ -12,12 +12,18 @@
 // on n0 (sources on the peer node over host_tcp: peer_catch_up_s): each time is from its
 // RegisterLayout returning to its WaitVersion (sync) / Apply (otherwise) reporting version 2, and
 // every byte of the late replica is then checked against version 2. ratio = catch-up / update.
+// Each window is broken down (setup, transfer, digest, commit with its live copy, apply) from the
+// daemons' log lines (LogTap below): --json adds update_parts / same_node_parts / peer_parts.
 // The late replicas' memory is touched before they register (an engine's weights are allocated).
 // The node of the peer case (n0) held no rollout before: its first catch-up allocates staging
 // memory that a node receiving every version already holds (the staging pool), and pays for it.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -26,9 +32,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/multinode_fixture.h"
 #include "planner/model_config.h"
@@ -41,9 +50,159 @@ ABSL_FLAG(std::string, config, "tests/e2e/testdata/qwen2.5-0.5b.json", "HF confi
 namespace wb::daemon {
 namespace {
 
+// Where a window's time went, from the daemons' own log lines (they run in this process and log
+// to stderr: the bench reads its stderr through a pipe, echoes every line and keeps these):
+//   setup    = from the window's start to the transfer starting on its slowest node (coordinator:
+//              choosing, planning, ExecuteVersion) + that node's staging_s + setup_s (channels)
+//   transfer = buckets_s - digest_s of the slowest node (the bytes moving)
+//   digest   = digest_s of that node (end-to-end digests after the buckets)
+//   commit   = transfer done -> the coordinator's "version committed" / "catch-up committed" line
+//              (a sync commit copies staging into live weights here: copy_s = the slowest node's)
+//   apply    = that line -> the client call returning (one-step-off / async: Apply's live copy)
+struct LogLine {
+  absl::Time at;
+  std::string msg;
+  std::map<std::string, std::string> fields;
+  double Num(const std::string& k) const {
+    auto it = fields.find(k);
+    double v = 0;
+    return it != fields.end() && absl::SimpleAtod(it->second, &v) ? v : 0;
+  }
+};
+
+class LogTap {
+ public:
+  // Routes fd 2 through a pipe read by a thread (lines echoed to the original stderr).
+  void Start() {
+    int p[2];
+    if (pipe(p) != 0) return;
+    saved_ = dup(2);
+    dup2(p[1], 2);
+    close(p[1]);
+    read_fd_ = p[0];
+    reader_ = std::thread([this] { Read(); });
+  }
+  std::vector<LogLine> Since(absl::Time t) {
+    absl::MutexLock l(&mu_);
+    std::vector<LogLine> out;
+    for (const LogLine& x : lines_) {
+      if (x.at >= t) out.push_back(x);
+    }
+    return out;
+  }
+  // Blocks until a line with `msg` arrived at or after `t` (log lines come a moment after the
+  // call that caused them returns), or 5 s passed.
+  void AwaitLine(const std::string& msg, absl::Time t) {
+    absl::MutexLock l(&mu_);
+    auto seen = [&] {
+      for (const LogLine& x : lines_) {
+        if (x.at >= t && x.msg == msg) return true;
+      }
+      return false;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&seen), absl::Seconds(5));
+  }
+
+ private:
+  void Read() {
+    std::string buf;
+    char chunk[65536];
+    while (true) {
+      const ssize_t n = read(read_fd_, chunk, sizeof(chunk));
+      if (n <= 0) return;
+      (void)!write(saved_, chunk, static_cast<size_t>(n));
+      buf.append(chunk, static_cast<size_t>(n));
+      size_t nl;
+      while ((nl = buf.find('\n')) != std::string::npos) {
+        Parse(buf.substr(0, nl));
+        buf.erase(0, nl + 1);
+      }
+    }
+  }
+  void Parse(const std::string& line) {
+    LogLine x;
+    x.at = absl::Now();
+    size_t i = line.find(' ');
+    while (i != std::string::npos && i < line.size()) {
+      const size_t eq = line.find('=', i + 1);
+      if (eq == std::string::npos) break;
+      const std::string key = line.substr(i + 1, eq - i - 1);
+      std::string value;
+      size_t next;
+      if (eq + 1 < line.size() && line[eq + 1] == '"') {
+        const size_t q = line.find('"', eq + 2);
+        value = line.substr(eq + 2, q == std::string::npos ? std::string::npos : q - eq - 2);
+        next = q == std::string::npos ? std::string::npos : line.find(' ', q);
+      } else {
+        next = line.find(' ', eq);
+        value = line.substr(eq + 1, next == std::string::npos ? std::string::npos : next - eq - 1);
+      }
+      (key == "msg" ? x.msg : x.fields[key]) = value;
+      i = next;
+    }
+    if (x.msg.empty()) return;
+    absl::MutexLock l(&mu_);
+    lines_.push_back(std::move(x));
+  }
+
+  int saved_ = -1, read_fd_ = -1;
+  std::thread reader_;  // detached at exit: the process ends with it blocked in read
+  absl::Mutex mu_;
+  std::vector<LogLine> lines_ ABSL_GUARDED_BY(mu_);
+
+ public:
+  ~LogTap() {
+    if (reader_.joinable()) reader_.detach();
+  }
+};
+
+LogTap& Tap() {
+  static LogTap* tap = new LogTap;
+  return *tap;
+}
+
+struct Breakdown {
+  double setup_s = 0, transfer_s = 0, digest_s = 0, commit_s = 0, copy_s = 0, apply_s = 0;
+};
+
+// The breakdown of a window [start, end] in which `committed_msg` ends the version (or catch-up)
+// of `version` on the coordinator.
+Breakdown BreakdownOf(absl::Time start, absl::Time end, uint64_t version, const std::string& committed_msg) {
+  Tap().AwaitLine(committed_msg, start);
+  Breakdown b;
+  const LogLine* slowest = nullptr;
+  std::vector<LogLine> lines = Tap().Since(start);
+  absl::Time committed = end;
+  for (const LogLine& x : lines) {
+    if (x.Num("version") != version) continue;
+    if (x.msg == "version transferred" && (slowest == nullptr || x.at > slowest->at)) slowest = &x;
+    if (x.msg == "version committed on node") b.copy_s = std::max(b.copy_s, x.Num("copy_s"));
+    if (x.msg == committed_msg) committed = std::min(committed, x.at);
+  }
+  if (slowest == nullptr) return b;
+  const absl::Time exec_start = slowest->at - absl::Seconds(slowest->Num("seconds"));
+  b.setup_s = absl::ToDoubleSeconds(exec_start - start) + slowest->Num("staging_s") + slowest->Num("setup_s");
+  b.digest_s = slowest->Num("digest_s");
+  b.transfer_s = slowest->Num("buckets_s") - b.digest_s;
+  b.commit_s = absl::ToDoubleSeconds(committed - slowest->at);
+  b.apply_s = std::max(0.0, absl::ToDoubleSeconds(end - committed));
+  return b;
+}
+
+std::string BreakdownJson(const std::string& name, const Breakdown& b) {
+  return absl::StrFormat("\"%s\":{\"setup_s\":%.4f,\"transfer_s\":%.4f,\"digest_s\":%.4f,\"commit_s\":%.4f,\"live_copy_s\":%.4f,\"apply_s\":%.4f}",
+                         name, b.setup_s, b.transfer_s, b.digest_s, b.commit_s, b.copy_s, b.apply_s);
+}
+
+std::string BreakdownText(const std::string& name, const Breakdown& b) {
+  return absl::StrFormat("  %-15s setup %.3f  transfer %.3f  digest %.3f  commit %.3f (live copy %.3f)  apply %.3f\n", name, b.setup_s,
+                         b.transfer_s, b.digest_s, b.commit_s, b.copy_s, b.apply_s);
+}
+
 struct Result {
   std::string mode;
   double update_s = 0, same_node_s = 0, peer_s = 0;
+  Breakdown update, same_node, peer;
   int64_t model_bytes = 0;
   bool verified = false;
   std::string error;
@@ -178,15 +337,20 @@ Result RunMode(const std::string& mode_name, const std::string& config_json) {
       grpc::Status s = Receive(c, *r, mode, v);
       if (!s.ok()) return res.error = absl::StrCat(r->id, " v", v, ": ", s.error_message()), c.Stop(), res;
     }
-    res.update_s = absl::ToDoubleSeconds(absl::Now() - start);
+    const absl::Time end = absl::Now();
+    res.update_s = absl::ToDoubleSeconds(end - start);
+    if (v == 2) res.update = BreakdownOf(start, end, v, "version committed");
   }
   res.verified = true;
-  for (auto [id, node, rank, out] : {std::tuple{"late_n1", 1, 2, &res.same_node_s}, std::tuple{"late_n0", 0, 3, &res.peer_s}}) {
+  for (auto [id, node, rank, out, parts] : {std::tuple{"late_n1", 1, 2, &res.same_node_s, &res.same_node},
+                                            std::tuple{"late_n0", 0, 3, &res.peer_s, &res.peer}}) {
     auto w = add(id, pb::ROLE_ROLLOUT, node, "vllm", rank, /*touch=*/true);
     if (!w.ok()) return res.error = w.status().ToString(), c.Stop(), res;
     const absl::Time start = absl::Now();
     grpc::Status s = Receive(c, **w, mode, 2);
-    *out = absl::ToDoubleSeconds(absl::Now() - start);
+    const absl::Time end = absl::Now();
+    *out = absl::ToDoubleSeconds(end - start);
+    *parts = BreakdownOf(start, end, 2, "catch-up committed");
     if (!s.ok()) return res.error = absl::StrCat(id, ": ", s.error_message()), c.Stop(), res;
     res.verified &= CountBad(**w, 2) == 0;
   }
@@ -213,12 +377,15 @@ int Run() {
     const double a = r.update_s > 0 ? r.same_node_s / r.update_s : 0, b = r.update_s > 0 ? r.peer_s / r.update_s : 0;
     if (absl::GetFlag(FLAGS_json)) {
       std::printf("{\"mode\":\"%s\",\"model_bytes\":%lld,\"update_s\":%.4f,\"same_node_catch_up_s\":%.4f,\"same_node_ratio\":%.3f,"
-                  "\"peer_catch_up_s\":%.4f,\"peer_ratio\":%.3f,\"verified\":%s,\"error\":\"%s\"}\n",
+                  "\"peer_catch_up_s\":%.4f,\"peer_ratio\":%.3f,\"verified\":%s,\"error\":\"%s\",%s,%s,%s}\n",
                   r.mode.c_str(), static_cast<long long>(r.model_bytes), r.update_s, r.same_node_s, a, r.peer_s, b,
-                  r.verified ? "true" : "false", r.error.c_str());
+                  r.verified ? "true" : "false", r.error.c_str(), BreakdownJson("update_parts", r.update).c_str(),
+                  BreakdownJson("same_node_parts", r.same_node).c_str(), BreakdownJson("peer_parts", r.peer).c_str());
     } else {
       std::printf("%-13s %9.3f %10.3f %12.3f %10.2f %11.3f %9.2f %9s\n", r.mode.c_str(), r.model_bytes / 1e9, r.update_s, r.same_node_s, a,
                   r.peer_s, b, r.verified ? "yes" : "NO");
+      std::printf("%s%s%s", BreakdownText("update", r.update).c_str(), BreakdownText("same-node", r.same_node).c_str(),
+                  BreakdownText("peer", r.peer).c_str());
       if (!r.error.empty()) std::printf("  error: %s\n", r.error.c_str());
     }
     std::fflush(stdout);
@@ -231,5 +398,6 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  wb::daemon::Tap().Start();
   return wb::daemon::Run();
 }

@@ -55,7 +55,10 @@ class StagingPool {
   // Allocates (and so faults in) an idle buffer of `size` bytes ahead of the version that will
   // Take it, unless one of that size is idle already or idle bytes would exceed `room`. The node
   // calls it when a rollout registers host buffers, so a node's first version (or a late
-  // rollout's catch-up) does not fault in its staging on the critical path. True if allocated.
+  // rollout's catch-up) does not fault in its staging on the critical path. The buffer is
+  // written once from user code and once from the kernel (read of /dev/zero): a VM shadowing page
+  // tables per CPU mode traps the first access per page from each (staging_pool.cc). True if
+  // allocated.
   bool Prewarm(int64_t size, int64_t room);
   // Frees buffers idle for longer than max_idle_time.
   void Trim();
