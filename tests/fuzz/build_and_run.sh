@@ -15,7 +15,7 @@
 set -uo pipefail
 
 ROOT=${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
-TARGETS_ALL=(fuzz_validate_layout fuzz_index_probe fuzz_hf_config fuzz_transport_wire)
+TARGETS_ALL=(fuzz_validate_layout fuzz_index_probe fuzz_hf_config fuzz_transport_wire fuzz_delta_decode)
 CXX=${CXX_FUZZ:-}
 if [ -z "$CXX" ]; then
   for c in clang++-14 clang++; do command -v "$c" >/dev/null && { CXX=$c; break; }; done
@@ -60,6 +60,7 @@ sources_of() {
     fuzz_transport_wire) echo transport/host_shm/host_shm.cc transport/host_tcp/host_tcp.cc transport/host_tcp/channel_auth.cc transport/common.cc transport/registry.cc \
                               base/shm_segment.cc transport/strided.cc transport/testing/peer_process.cc \
                               transport/cpu_affinity.cc transport/host_tcp/nic_list.cc ;;
+    fuzz_delta_decode) echo daemon/delta/codec.cc ;;
     *) echo "build_and_run.sh: unknown target $1" >&2; return 1 ;;
   esac
 }
