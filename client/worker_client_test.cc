@@ -442,9 +442,9 @@ int MemfdWith(const std::string& text) {
   return fd;
 }
 
-// What the daemon holds under (trainer/0, key), read back.
+// What the daemon holds under (tiny, trainer/0, key), read back.
 std::string HeldBy(const daemon::FdChannel& c, const std::string& key, int64_t* bytes = nullptr) {
-  auto got = c.Get("trainer/0", key, Me());
+  auto got = c.Get("tiny", "trainer/0", key, Me());
   if (!got.ok()) return std::string(got.status().ToString());
   char buf[64];
   const ssize_t n = pread(got->fd, buf, sizeof(buf), 0);
