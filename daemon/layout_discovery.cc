@@ -76,20 +76,9 @@ absl::StatusOr<std::shared_ptr<const LayoutDescriber::Model>> LayoutDescriber::M
   }
   // Built outside the lock (a large MoE inventory takes a while); as the coordinator does.
   auto m = std::make_shared<Model>();
-  if (spec.has_explicit_tensors()) {
-    ASSIGN_OR_RETURN(m->inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
-  } else if (!spec.hf_config_json().empty()) {
-    planner::DType dtype = planner::DType::kBF16;
-    if (spec.dtype() != pb::DTYPE_UNSPECIFIED) {
-      ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
-    }
-    auto config = planner::ParseHfConfig(spec.hf_config_json());
-    if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
-    ASSIGN_OR_RETURN(m->inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
-    m->config = std::move(*config);
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
-  }
+  ASSIGN_OR_RETURN(SpecInventory built, InventoryForSpec(spec));
+  m->inventory = std::move(built.inventory);
+  m->config = std::move(built.config);
   absl::MutexLock l(&mu_);
   cache_.emplace_back(key, m);
   if (cache_.size() > kCacheEntries) cache_.erase(cache_.begin());

@@ -1,6 +1,8 @@
 #include "daemon/lora_spec.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "daemon/convert.h"
 #include "planner/lora.h"
 
 namespace wb::daemon {
@@ -23,6 +25,26 @@ absl::StatusOr<planner::Inventory> BuildSpecInventory(const ::weightbridge::v1::
                         absl::StrCat("model ", spec.model_id(), ": ", inventory.status().message()));
   }
   return inventory;
+}
+
+absl::StatusOr<SpecInventory> InventoryForSpec(const ::weightbridge::v1::ModelSpec& spec) {
+  SpecInventory out;
+  if (spec.has_explicit_tensors()) {
+    ASSIGN_OR_RETURN(out.inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
+    return out;
+  }
+  if (spec.hf_config_json().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
+  }
+  planner::DType dtype = planner::DType::kBF16;
+  if (spec.dtype() != ::weightbridge::v1::DTYPE_UNSPECIFIED) {
+    ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
+  }
+  auto config = planner::ParseHfConfig(spec.hf_config_json());
+  if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
+  ASSIGN_OR_RETURN(out.inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
+  out.config = std::move(*config);
+  return out;
 }
 
 absl::Status CheckSameLora(const ::weightbridge::v1::ModelSpec& have, const ::weightbridge::v1::ModelSpec& spec) {

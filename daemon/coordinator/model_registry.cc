@@ -28,22 +28,12 @@ ModeKind ToMode(pb::Mode mode) {
 
 // The inventory (and, from hf_config_json, the model config) of a new model's spec.
 absl::Status BuildInventory(const pb::ModelSpec& spec, ModelRegistry::Model* m) {
-  planner::Inventory inventory;
-  if (spec.has_explicit_tensors()) {
-    if (spec.has_lora()) return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": lora needs hf_config_json"));
-    ASSIGN_OR_RETURN(inventory, InventoryFromProto(spec.explicit_tensors().tensors()));
-  } else if (!spec.hf_config_json().empty()) {
-    planner::DType dtype = planner::DType::kBF16;
-    if (spec.dtype() != pb::DTYPE_UNSPECIFIED) {
-      ASSIGN_OR_RETURN(dtype, FromProto(spec.dtype()));
-    }
-    auto config = planner::ParseHfConfig(spec.hf_config_json());
-    if (!config.ok()) return Annotate(config.status(), absl::StrCat("model ", spec.model_id(), ": hf_config_json"));
-    ASSIGN_OR_RETURN(inventory, BuildSpecInventory(spec, *config, dtype));  // base tensors or LoRA adapters
-    m->config = std::move(*config);
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": no inventory (hf_config_json or explicit_tensors)"));
+  if (spec.has_explicit_tensors() && spec.has_lora()) {
+    return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": lora needs hf_config_json"));
   }
+  ASSIGN_OR_RETURN(SpecInventory built, InventoryForSpec(spec));
+  planner::Inventory inventory = std::move(built.inventory);
+  m->config = std::move(built.config);
   if (inventory.tensors.empty()) return absl::InvalidArgumentError("model has no tensors");
   m->inventory = std::make_shared<const planner::Inventory>(std::move(inventory));
   auto inventory_proto = std::make_shared<pb::ExplicitInventory>();
