@@ -75,6 +75,10 @@ absl::Status NodeDaemon::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   };
   absl::MutexLock l(&mu_);
   finished = TakeFinishedExecThreadsLocked();
+  // Snapshots older than this version can never be sent any more (superseded, or aborted with the
+  // abort still on its way here): dropped before this version's staging is charged to the node's
+  // budget, which they would otherwise still hold.
+  local_.DropSnapshotsBefore(req.model_id(), req.version());
   auto exec = GetExecLocked(req.model_id(), req.version(), req.plan_epoch());
   if (!exec.ok()) return exec.status();
   if ((*exec)->started) return absl::OkStatus();
@@ -82,8 +86,6 @@ absl::Status NodeDaemon::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   (*exec)->coordinator_instance = req.coordinator_instance();
   (*exec)->deadline = absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
   // Answers at once: staging is allocated and every copy runs on the executor thread.
-  // Snapshots older than this version can never be sent any more (superseded).
-  local_.DropSnapshotsBefore(req.model_id(), req.version());
   std::shared_ptr<Exec> e = *exec;
   const uint64_t tid = next_exec_thread_++;
   exec_threads_.emplace(tid, std::thread([this, e, tid] {
