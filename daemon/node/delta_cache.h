@@ -1,0 +1,99 @@
+#pragma once
+// The sending node's copy of what its destinations committed, for lossless deltas (issue 17.2;
+// docs/daemon.md "Deltas (design and status)"). Per model, keyed by (tensor, canonical box,
+// element size): the packed bytes of that box (row-major over the box) of one version.
+//
+// Life of an entry: the executor packs the box it sends in version V and files it as PENDING for
+// V (AddPending); when the node's CommitVersion(V) arrives, V's pending entries become the
+// COMMITTED ones (replacing older versions of the same key) and pending entries of older versions
+// are dropped (superseded: they never became anyone's base); AbortVersion(V) drops V's pending
+// entries. So a committed entry always holds bytes some destination committed, and a delta
+// against it names that version (the receiver checks version and digest before applying).
+//
+// Bounded by `capacity_bytes` (the node's --delta_cache_bytes) over committed + pending bytes:
+// adding beyond it first evicts the key's own committed entry (read for this version already),
+// then committed entries least recently used (looked up or committed), then refuses the add (that
+// box goes full next version). Steady state needs 1x the bytes the node sends as deltas per
+// version for single-destination boxes, 2x when one box goes to destinations one after another. Entries are shared_ptrs: an eviction
+// never frees bytes an encoder still reads. Thread-safe (one leaf mutex).
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "planner/types.h"
+
+namespace wb::daemon::node {
+
+struct DeltaKey {
+  int32_t tensor = 0;
+  std::vector<int64_t> begin, end;  // the canonical box
+  int elem_size = 0;
+  static DeltaKey Of(int32_t tensor, const planner::Box& box, int elem_size) { return {tensor, box.begin, box.end, elem_size}; }
+  friend bool operator<(const DeltaKey& a, const DeltaKey& b) {
+    return std::tie(a.tensor, a.begin, a.end, a.elem_size) < std::tie(b.tensor, b.begin, b.end, b.elem_size);
+  }
+  std::string ToString() const;
+};
+
+// One version's packed bytes of a key.
+struct DeltaEntry {
+  uint64_t version = 0;
+  std::vector<uint8_t> bytes;
+};
+
+class DeltaCache {
+ public:
+  explicit DeltaCache(uint64_t capacity_bytes) : capacity_(capacity_bytes) {}
+
+  uint64_t capacity() const { return capacity_; }
+  bool enabled() const { return capacity_ > 0; }
+
+  // The committed entry of `key` when it holds `version`; null otherwise (none, evicted, another
+  // version). Marks it recently used.
+  std::shared_ptr<const DeltaEntry> Committed(const DeltaKey& key, uint64_t version);
+
+  // Files `bytes` as `key`'s pending entry of `version` (replacing one already there). False when
+  // it does not fit in the capacity even after evicting every committed entry.
+  bool AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes);
+
+  // CommitVersion(version): its pending entries become the committed ones; older pending ones go.
+  void Commit(uint64_t version);
+  // AbortVersion(version): its pending entries go.
+  void Drop(uint64_t version);
+  // Everything goes (the model was removed).
+  void Clear();
+
+  struct Stats {
+    uint64_t committed_bytes = 0, pending_bytes = 0;
+    uint64_t committed_entries = 0, pending_entries = 0;
+    uint64_t evictions = 0, refused_adds = 0;
+  };
+  Stats stats() const;
+  uint64_t bytes() const;  // committed + pending
+
+ private:
+  struct Slot {
+    std::shared_ptr<const DeltaEntry> entry;
+    std::list<DeltaKey>::iterator lru;  // position in lru_ (front = most recent)
+  };
+  void EvictLocked(const DeltaKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint64_t capacity_;
+  mutable absl::Mutex mu_;
+  std::map<DeltaKey, Slot> committed_ ABSL_GUARDED_BY(mu_);
+  std::list<DeltaKey> lru_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::map<DeltaKey, std::shared_ptr<const DeltaEntry>>> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t committed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace wb::daemon::node
