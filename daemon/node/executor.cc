@@ -400,6 +400,13 @@ class Run {
           break;
         }
       }
+      // After the abort check: a version aborted while its bytes are prepared ends with the abort.
+      if (o_.before_post) {
+        if (absl::Status s = o_.before_post(b); !s.ok()) {
+          Fail(Annotate(s, absl::StrCat("preparing bucket ", b)));
+          break;
+        }
+      }
       const BucketPlan& bucket = plan_.buckets[b];
       if (bucket.has_nccl) {
         PostNcclBucket(bucket);

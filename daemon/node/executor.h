@@ -83,6 +83,10 @@ struct ExecOptions {
   std::function<absl::Status()> aborted;
   // TEST ONLY: before each bucket is posted.
   std::function<void(uint32_t bucket)> before_bucket;
+  // Called on the executor thread before it posts bucket `bucket`'s batches; blocks until every
+  // outgoing op of that bucket has its bytes ready (sender quantisation, delta encoding), or fails
+  // the version with its status. Null: nothing to wait for.
+  std::function<absl::Status(uint32_t bucket)> before_post;
   // GPU staging of `size` bytes on `device` for an nccl bounce; null when over budget.
   std::function<absl::StatusOr<std::shared_ptr<transport::DeviceMemory>>(int device, int64_t size, const std::string& what)> device_staging;
   // Observers (optional): a batch completed OK (route, its transport's kind); an nccl bounce of

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -174,6 +175,7 @@ class ExecutorTest : public ::testing::Test {
         o.bytes_done = &out_[n].bytes;
         if (before_bucket) o.before_bucket = [&, n](uint32_t b) { before_bucket(n, b); };
         o.aborted = aborted;
+        if (before_post_) o.before_post = [&, n](uint32_t b) { return before_post_(n, b); };
         Rendezvous::Side side(&rendezvous_, me);
         out_[n].status = RunExecPlan(*plan, mem, t, side, o, out_[n].result);
       });
@@ -189,6 +191,7 @@ class ExecutorTest : public ::testing::Test {
   std::unique_ptr<transport::Transport> cross_[2];
   Rendezvous rendezvous_;
   Outcome out_[2];
+  std::function<absl::Status(int node, uint32_t bucket)> before_post_;  // ExecOptions::before_post per node
 };
 
 TEST_F(ExecutorTest, TwoNodesMoveEveryByteExactlyAndCountIt) {
@@ -256,6 +259,55 @@ TEST_F(ExecutorTest, AbortStopsBeforeTheNextBucket) {
     EXPECT_EQ(out_[n].status.code(), absl::StatusCode::kAborted) << out_[n].status;
   }
   EXPECT_EQ(relay_, std::vector<uint8_t>(relay_.size(), 0));
+}
+
+TEST_F(ExecutorTest, BeforePostRunsOncePerBucketInOrderBeforeItsBytesAreRead) {
+  MakeTransports();
+  // n0's hook writes bucket b's half of the source only when asked for bucket b (as sender
+  // quantisation fills its staging): the receiver gets the hook's bytes only if each bucket was
+  // posted after its hook returned.
+  std::vector<uint8_t> want(mem_[0].size());
+  for (size_t i = 0; i < want.size(); ++i) want[i] = static_cast<uint8_t>(i * 13 + 1);
+  std::fill(mem_[0].begin(), mem_[0].end(), 0);
+  absl::Mutex mu;
+  std::vector<uint32_t> calls[2];
+  before_post_ = [&](int node, uint32_t b) {
+    if (node == 0 && b < 2) {
+      const size_t half = want.size() / 2;
+      std::memcpy(mem_[0].data() + b * half, want.data() + b * half, half);
+    }
+    absl::MutexLock l(&mu);
+    calls[node].push_back(b);
+    return absl::OkStatus();
+  };
+  RunBoth(absl::Seconds(10));
+  ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
+  ASSERT_TRUE(out_[1].status.ok()) << out_[1].status;
+  EXPECT_EQ(mem_[1], want);
+  EXPECT_EQ(relay_, want);
+  for (int n = 0; n < 2; ++n) EXPECT_EQ(calls[n], (std::vector<uint32_t>{0, 1, 2})) << n;
+}
+
+TEST_F(ExecutorTest, ABeforePostErrorFailsTheVersionWithIt) {
+  MakeTransports();
+  absl::Mutex mu;
+  std::vector<uint32_t> calls[2];
+  before_post_ = [&](int node, uint32_t b) {
+    absl::MutexLock l(&mu);
+    calls[node].push_back(b);
+    if (b == 1) return absl::ResourceExhaustedError(absl::StrCat("quantising tensor t0 on node n", node, ": test"));
+    return absl::OkStatus();
+  };
+  RunBoth(absl::Seconds(10));
+  for (int n = 0; n < 2; ++n) {
+    ASSERT_FALSE(out_[n].status.ok()) << n;
+    EXPECT_EQ(out_[n].status.code(), absl::StatusCode::kResourceExhausted) << out_[n].status;
+    EXPECT_NE(out_[n].status.message().find(absl::StrCat("quantising tensor t0 on node n", n, ": test")), std::string::npos)
+        << out_[n].status;
+    EXPECT_NE(out_[n].status.message().find("bucket 1"), std::string::npos) << out_[n].status;
+    EXPECT_EQ(calls[n], (std::vector<uint32_t>{0, 1})) << n;  // no bucket after the failing one
+  }
+  EXPECT_EQ(relay_, std::vector<uint8_t>(relay_.size(), 0));  // bucket 2 was never posted
 }
 
 class FailingSetup : public ChannelSetup {
