@@ -4,8 +4,10 @@
 // each op landed matches what its source read); a bit flipped on the wire or in staging aborts the
 // version with an error naming tensor, box, source and destination worker, while the previous
 // version stays whole in the rollouts.
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "absl/synchronization/mutex.h"
@@ -247,13 +249,44 @@ TEST(DigestFaultTest, BitFlippedOnTheWireAbortsTheVersionAndKeepsThePrevious) {
   c.Stop();
 }
 
-// One-step-off: after version 2's buckets a bit of rollout r0's staging on n0 flips (memory, a
-// bad copy). r0's landed digest differs from the source's: version 2 is aborted naming the op
-// into r0, Apply(2) is refused, r0 keeps version 1 whole, and version 3 goes through verified.
-// The flip comes after the buckets, so n0 hashes after them here (--digest_overlap=false); with
-// the digests hashed as batches complete, the next test flips a bit as the copy lands.
-TEST(DigestFaultTest, BitFlippedInStagingAbortsTheVersionAndKeepsThePrevious) {
+// One-step-off, on `c` (coordinator, n0, n1 started; n0 carries the fault): version 1 lands whole;
+// then `arm` arms a fault that corrupts what lands in rollout r0's staging on n0 during version 2,
+// and `fired` says afterwards whether it struck. r0's landed digest differs from the source's:
+// version 2 is aborted naming the op into r0, Apply(2) is refused, r0 keeps version 1 whole, and
+// version 3 goes through verified.
+void ExpectStagingFaultIntoR0IsCaught(Cluster& c, const std::function<void()>& arm, const std::function<bool()>& fired) {
   planner::Inventory inv = SmallInventory();
+  const pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  pb::ApplyResponse resp;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
+  ASSERT_EQ(CountBad(r0, 1), 0);
+
+  arm();
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  grpc::Status a = c.Apply(r0, "m", 2, &resp);
+  EXPECT_TRUE(fired()) << "the staging fault never fired";
+  EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
+  ExpectNamedMismatch(a.error_message(), "r0 (node n0)");
+  const pb::VersionStatus v2 = VersionOf(c, 2);
+  EXPECT_EQ(v2.state(), "aborted");
+  ExpectNamedMismatch(v2.error(), "r0 (node n0)");
+  EXPECT_EQ(CountBad(r0, 1), 0) << "r0 must still hold version 1 whole";
+
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  }
+  EXPECT_TRUE(VersionOf(c, 3).verified());
+}
+
+// After version 2's buckets a bit of rollout r0's staging on n0 flips (memory, a bad copy). The
+// flip comes after the buckets, so n0 hashes after them here (--digest_overlap=false); with the
+// digests hashed as batches complete, the next test flips a bit as the copy lands.
+TEST(DigestFaultTest, BitFlippedInStagingAbortsTheVersionAndKeepsThePrevious) {
   std::atomic<bool> armed{false};
   std::atomic<int> flips{0};
   Cluster c;
@@ -271,72 +304,140 @@ TEST(DigestFaultTest, BitFlippedInStagingAbortsTheVersionAndKeepsThePrevious) {
     };
   });
   c.StartNode(1);
-  const pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
-  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
-  pb::ApplyResponse resp;
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
-  ASSERT_EQ(CountBad(r0, 1), 0);
-
-  armed = true;
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  grpc::Status a = c.Apply(r0, "m", 2, &resp);
-  EXPECT_EQ(flips.load(), 1) << "the staging fault never fired";
-  EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
-  ExpectNamedMismatch(a.error_message(), "r0 (node n0)");
-  const pb::VersionStatus v2 = VersionOf(c, 2);
-  EXPECT_EQ(v2.state(), "aborted");
-  ExpectNamedMismatch(v2.error(), "r0 (node n0)");
-  EXPECT_EQ(CountBad(r0, 1), 0) << "r0 must still hold version 1 whole";
-
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  for (TestWorker* r : {&r0, &r1}) {
-    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
-    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
-  }
-  EXPECT_TRUE(VersionOf(c, 3).verified());
+  ExpectStagingFaultIntoR0IsCaught(c, [&] { armed = true; }, [&] { return flips.load() == 1; });
   c.Stop();
 }
 
-// One-step-off, digests hashed as batches complete (the default): version 2's same-node copy into
-// rollout r0's staging on n0 lands one flipped bit (a bad copy). r0's landed digest, taken when
-// that batch completed, differs from the source's: version 2 is aborted naming the op into r0,
-// Apply(2) is refused, r0 keeps version 1 whole, and version 3 goes through verified.
+// Digests hashed as batches complete (the default): version 2's same-node copy into rollout r0's
+// staging on n0 lands one flipped bit (a bad copy); r0's landed digest is taken when that batch
+// completed, and must see it.
 TEST(DigestFaultTest, BitFlippedByASameNodeCopyIsCaughtWhileTheBucketsRun) {
-  planner::Inventory inv = SmallInventory();
   std::atomic<bool> armed{false};
   Cluster c;
   c.StartCoordinator();
   c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) { o.make_transports = [&armed] { return CorruptingSameNodeTransports(&armed, 2); }; });
   c.StartNode(1);
-  const pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
-  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
-  pb::ApplyResponse resp;
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
-  ASSERT_EQ(CountBad(r0, 1), 0);
-
-  armed = true;
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  grpc::Status a = c.Apply(r0, "m", 2, &resp);
-  EXPECT_FALSE(armed.load()) << "the copy fault never fired";
-  EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
-  ExpectNamedMismatch(a.error_message(), "r0 (node n0)");
-  const pb::VersionStatus v2 = VersionOf(c, 2);
-  EXPECT_EQ(v2.state(), "aborted");
-  ExpectNamedMismatch(v2.error(), "r0 (node n0)");
-  EXPECT_EQ(CountBad(r0, 1), 0) << "r0 must still hold version 1 whole";
-
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  for (TestWorker* r : {&r0, &r1}) {
-    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
-    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
-  }
-  EXPECT_TRUE(VersionOf(c, 3).verified());
+  ExpectStagingFaultIntoR0IsCaught(c, [&] { armed = true; }, [&] { return !armed.load(); });
   c.Stop();
 }
+
+// ------------------------------------------------------------------ catch-up (docs "Catch-up")
+
+// The whole-model layout of a late rollout.
+planner::WorkerLayout Whole(const planner::Inventory& inv, bool transposed) {
+  return LayoutOf(inv, {{0, {0, 0}, {8, 16}, transposed}, {1, {0, 0}, {4, 6}, transposed}});
+}
+
+double CatchUpEvents(int port, const std::string& event) {
+  auto m = ScrapeMetrics(port, absl::Seconds(10));
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? MetricSum(*m, "wb_versions_total", absl::StrCat("event=\"", event, "\"")) : -1;
+}
+
+// How a rollout of `mode` is told version v: sync, WaitVersion with its id (answered once it
+// holds v); otherwise Apply(v).
+grpc::Status Receive(Cluster& c, TestWorker& r, pb::Mode mode, uint64_t v) {
+  if (mode != pb::MODE_SYNC) {
+    pb::ApplyResponse resp;
+    return c.Apply(r, "m", v, &resp);
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  pb::WaitVersionRequest req;
+  req.set_model_id("m");
+  req.set_version(v);
+  req.set_timeout_ms(20000);
+  req.set_worker_id(r.id);
+  pb::WaitVersionResponse resp;
+  return r.stub->WaitVersion(&ctx, req, &resp);
+}
+
+struct CatchUpCase {
+  pb::Mode mode;
+  bool flip;  // flip a bit in the late rollout's staging after the catch-up's buckets on n1
+};
+
+class CatchUpDigestTest : public ::testing::TestWithParam<CatchUpCase> {};
+
+// Version 1 is committed to r0 (n0) and r1 (n1); rollout r2 registers late on n1 and is caught up
+// from their copies. Clean: the coordinator compares the catch-up's digests like a version's and
+// counts it verified; r2 holds version 1 byte for byte. Flipped (a bit of r2's incoming staging
+// on n1 after the catch-up's buckets; n1 hashes after them): the catch-up is aborted before its
+// commit, r2 is told why (WaitVersion / Apply ABORTED naming tensor, box, source and destination
+// worker), its memory is untouched (still zero), and version 2 then reaches all three verified.
+TEST_P(CatchUpDigestTest, CatchUpDigestsAreCompared) {
+  const CatchUpCase cc = GetParam();
+  auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  const double verified_before = CatchUpEvents(port, "catch_up_verified");
+  const double mismatch_before = CatchUpEvents(port, "catch_up_digest_mismatch");
+  planner::Inventory inv = SmallInventory();
+  std::atomic<bool> armed{false};
+  std::atomic<int> flips{0};
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1, nullptr, nullptr, [&](ServerOptions& o) {
+    o.digest_overlap = false;  // the flip comes after the buckets
+    o.configure_node = [&](NodeDaemon::Options& no) {
+      no.test_after_buckets = [&](const std::string&, uint64_t v, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions) {
+        auto r = regions.find("r2.b0");
+        bool expected = true;
+        if (v != 1 || r == regions.end() || r->second.second == 0 || !armed.compare_exchange_strong(expected, false)) return;
+        r->second.first[5] ^= 0x10;  // a byte of r2's first piece (tensor a, element (0, 1))
+        ++flips;
+      };
+    };
+  });
+  const pb::ModelSpec spec = SmallSpec(cc.mode, pb::STRATEGY_WEIGHTBRIDGE);
+  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", cc.mode, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(Receive(c, *r, cc.mode, 1).ok()) << r->id;
+    ASSERT_EQ(CountBad(*r, 1), 0) << r->id;
+  }
+  ASSERT_TRUE(VersionOf(c, 1).verified());
+
+  armed = cc.flip;
+  TestWorker& r2 = c.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv, Whole(inv, false));
+  ASSERT_TRUE(c.Register(r2, spec).ok());
+  grpc::Status s = Receive(c, r2, cc.mode, 1);
+  if (!cc.flip) {
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(CountBad(r2, 1), 0);
+    EXPECT_EQ(CatchUpEvents(port, "catch_up_verified") - verified_before, 1) << "the clean catch-up was not counted verified";
+    EXPECT_EQ(CatchUpEvents(port, "catch_up_digest_mismatch") - mismatch_before, 0);
+  } else {
+    EXPECT_EQ(flips.load(), 1) << "the staging fault never fired";
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    const std::string msg = s.error_message();
+    for (const std::string part : {"end-to-end digest mismatch in the catch-up of model m version 1", "tensor a box [", " from worker r",
+                                   " to worker r2 (node n1)", "the catch-up is aborted"}) {
+      EXPECT_NE(msg.find(part), std::string::npos) << "'" << part << "' missing in: " << msg;
+    }
+    const uint8_t* bytes = static_cast<const uint8_t*>(r2.seg.data());
+    EXPECT_EQ(std::count(bytes, bytes + r2.seg.size(), 0), r2.seg.size()) << "the aborted catch-up wrote r2's memory";
+    EXPECT_EQ(CatchUpEvents(port, "catch_up_digest_mismatch") - mismatch_before, 1);
+    EXPECT_EQ(CatchUpEvents(port, "catch_up_verified") - verified_before, 0);
+  }
+  // Nothing of the catch-up touched the committed version; the next one reaches every rollout.
+  for (auto& p : c.Publish("m", cc.mode, 2, {&t0, &t1}, {&r0, &r1, &r2})) ASSERT_TRUE(p.ok()) << p.error_message();
+  for (TestWorker* r : {&r0, &r1, &r2}) {
+    ASSERT_TRUE(Receive(c, *r, cc.mode, 2).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
+  }
+  EXPECT_TRUE(VersionOf(c, 2).verified());
+  c.Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CatchUpDigestTest,
+                         ::testing::Values(CatchUpCase{pb::MODE_SYNC, false}, CatchUpCase{pb::MODE_SYNC, true},
+                                           CatchUpCase{pb::MODE_ONE_STEP_OFF, true}),
+                         [](const ::testing::TestParamInfo<CatchUpCase>& i) {
+                           return absl::StrCat(pb::Mode_Name(i.param.mode), i.param.flip ? "_Flipped" : "_Clean");
+                         });
 
 }  // namespace
 }  // namespace wb::daemon

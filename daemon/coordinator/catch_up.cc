@@ -14,10 +14,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "daemon/coordinator/checks.h"
 #include "base/parallel_for.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/log.h"
+#include "daemon/metrics.h"
 #include "planner/quantized.h"
 
 namespace wb::daemon {
@@ -62,6 +64,17 @@ bool HostMemoryOnly(const pb::ResolvedLayout* layout) {
   return true;
 }
 
+// A catch-up's digest outcome: wb_versions_total{event=...} (node label as for versions:
+// `coordinator`, or the standalone node's id) and a log line.
+void CatchUpDigestEvent(const CoordinatorOptions& o, const std::string& model_id, uint64_t version, const char* event,
+                        absl::string_view detail) {
+  DaemonMetrics& metrics = o.metrics != nullptr ? *o.metrics : Metrics();
+  metrics.Version(o.local_node.empty() ? std::string("coordinator") : o.local_node, model_id, event);
+  const bool bad = absl::string_view(event) == "catch_up_digest_mismatch";
+  Log(bad ? LogLevel::kError : LogLevel::kInfo, absl::StrReplaceAll(event, {{"_", " "}}),
+      {{"model", model_id}, {"version", version}, {bad ? "error" : "ops", detail}});
+}
+
 }  // namespace
 
 void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) {
@@ -85,8 +98,7 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
     c.catch_up_failed = rec.catch_up_failed;
     c.host_memory = HostMemoryOnly(rec.layout_proto.get());
     c.quantized = rec.layout != nullptr && planner::HasQuantizedPieces(*rec.layout);
-    auto n = nodes_.find(rec.node);
-    if (n == nodes_.end() || !n->second.alive) c.has_layout = false;  // neither source nor destination now
+    if (!nodes_.IsAlive(rec.node)) c.has_layout = false;  // neither source nor destination now
     candidates.push_back(std::move(c));
   }
   CatchUpChoice choice = ChooseCatchUp(v, candidates);
@@ -123,8 +135,7 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
     for (const std::string& id : *ids) {
       const WorkerRec& w = m.workers.at(id);
       in.workers.push_back({id, w.node, role, w.gpu, w.layout, w.layout_proto});
-      const Node& n = nodes_.at(w.node);
-      in.nodes[w.node] = {n.data_address, n.transport_instances};
+      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances};
       (role == planner::Role::kTrainer ? run.sources : run.dests)[id] = w.serial;
     }
   }
@@ -156,10 +167,19 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
       return;
     }
     for (auto& [n, slice] : outcome->slices.by_node) {
-      auto it = nodes_.find(n);
-      clients.push_back({n, it != nodes_.end() && it->second.alive ? it->second.client : nullptr});
+      clients.push_back({n, nodes_.AliveClient(n)});
       m->catch_up->nodes.insert(n);
     }
+    // What the nodes will report is checked against this plan (end-to-end digests, as for a
+    // version: docs/daemon.md "End-to-end digests"). Made before any node can run it.
+    std::vector<std::string> ids;
+    std::map<std::string, std::string> node_of;
+    for (const SliceWorker& w : in.workers) {
+      ids.push_back(w.id);
+      node_of[w.id] = w.node;
+    }
+    m->catch_up->digests.emplace(model_id, version, outcome->plan, std::move(ids), in.inventory, std::move(node_of),
+                                 DigestBook::Kind::kCatchUp);
   }
   std::vector<absl::Status> results(clients.size());
   ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
@@ -211,9 +231,25 @@ void CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model&
     FailCatchUpLocked(req.model_id(), m, absl::StrCat("node ", req.node_id(), ": ", req.error()), true);
     return;
   }
+  // What landed in the late rollouts' staging must be what the sources read: a mismatch ends the
+  // catch-up before its commit (nothing of it reaches the late rollouts' committed or live state),
+  // finally, as a node error does - a corrupting source or path would only repeat it; the late
+  // rollouts are told why (tensor, box, both workers) and get the next version.
+  if (m.catch_up->digests) {
+    if (absl::Status d = m.catch_up->digests->Add(req); !d.ok()) {
+      CatchUpDigestEvent(options_, req.model_id(), m.catch_up->version, "catch_up_digest_mismatch", d.message());
+      FailCatchUpLocked(req.model_id(), m, std::string(d.message()), true);
+      return;
+    }
+  }
   m.catch_up->done.insert(req.node_id());
   if (m.catch_up->done.size() == m.catch_up->nodes.size()) {
     m.catch_up->phase = CatchUpRun::Phase::kDone;
+    if (m.catch_up->digests) {
+      const DigestVerdict verdict = m.catch_up->digests->Verdict();
+      CatchUpDigestEvent(options_, req.model_id(), m.catch_up->version, verdict.verified ? "catch_up_verified" : "catch_up_not_verified",
+                         absl::StrCat(verdict.ops_verified, " of ", verdict.ops_total, " ops verified"));
+    }
     wake_ = true;
   }
 }
@@ -231,8 +267,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
     for (const auto* side : {&c.sources, &c.dests}) {
       for (const auto& [id, serial] : *side) {
         auto w = m.workers.find(id);
-        auto n = w == m.workers.end() ? nodes_.end() : nodes_.find(w->second.node);
-        if (w == m.workers.end() || w->second.serial != serial || n == nodes_.end() || !n->second.alive) {
+        if (w == m.workers.end() || w->second.serial != serial || !nodes_.IsAlive(w->second.node)) {
           FailCatchUpLocked(model_id, m, absl::StrCat("worker ", id, " left or registered again during the catch-up"), false);
           return nullptr;
         }
@@ -245,10 +280,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
   c.phase = CatchUpRun::Phase::kCommitting;
   std::vector<std::string> nodes(c.nodes.begin(), c.nodes.end());
   std::vector<std::shared_ptr<NodeClient>> clients;
-  for (const std::string& n : nodes) {
-    auto it = nodes_.find(n);
-    clients.push_back(it != nodes_.end() ? it->second.client : nullptr);
-  }
+  for (const std::string& n : nodes) clients.push_back(nodes_.Client(n));
   const uint64_t v = c.version, epoch = c.epoch;
   const absl::Duration timeout = std::max(absl::Seconds(5), options_.transfer_timeout);
   Model* mp = &m;

@@ -9,9 +9,10 @@
 namespace wb::daemon {
 
 DigestBook::DigestBook(std::string model_id, uint64_t version, std::shared_ptr<const planner::Plan> plan, std::vector<std::string> worker_ids,
-                       std::shared_ptr<const planner::Inventory> inventory, std::map<std::string, std::string> node_of)
+                       std::shared_ptr<const planner::Inventory> inventory, std::map<std::string, std::string> node_of, Kind kind)
     : model_id_(std::move(model_id)),
       version_(version),
+      kind_(kind),
       plan_(std::move(plan)),
       worker_ids_(std::move(worker_ids)),
       inventory_(std::move(inventory)),
@@ -60,6 +61,12 @@ absl::Status DigestBook::Add(const pb::ReportDoneRequest& report) {
   for (const auto& [op, sent] : source_) {
     auto l = landed_.find(op);
     if (l == landed_.end() || l->second == sent) continue;
+    if (kind_ == Kind::kCatchUp) {
+      return absl::DataLossError(absl::StrFormat(
+          "end-to-end digest mismatch in the catch-up of model %s version %d: %s: the source read digest %016x but what landed has "
+          "digest %016x; the catch-up is aborted (the late rollouts keep what they had)",
+          model_id_, version_, DescribeOp(op), sent, l->second));
+    }
     return absl::DataLossError(absl::StrFormat(
         "end-to-end digest mismatch in model %s version %d: %s: the source read digest %016x but what landed has digest %016x; "
         "the version is aborted (the previous version stays whole in live memory)",

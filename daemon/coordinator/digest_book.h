@@ -4,7 +4,8 @@
 // of what its source read (reported by the sending node) and of what landed (reported by the
 // receiving node; both by the one node of a same-node op). A pair that differs is a mismatch: the
 // version must not commit, and the error names the op's tensor, box, source and destination
-// worker (and their nodes). Once every node reported, the version is `verified` when every op of
+// worker (and their nodes). A catch-up (Kind::kCatchUp) is checked the same way; its mismatch
+// aborts the catch-up, not the committed version. Once every node reported, the version is `verified` when every op of
 // the plan has both digests and they match (ops a node could not digest - device memory on a GPU
 // path - leave it unverified, never failed).
 //
@@ -32,10 +33,16 @@ struct DigestVerdict {
 
 class DigestBook {
  public:
+  // What the book checks: a version, or a catch-up (catch_up.h: the committed version once more,
+  // from the rollouts that hold it to the late ones, on its own plan). Only the wording of a
+  // mismatch differs: what is aborted, and what stays.
+  enum class Kind { kVersion, kCatchUp };
+
   // `plan` and `worker_ids` (Problem::workers order, i.e. TransferOp worker indices) are the plan
   // the version runs on; op indices are the plan's ops in bucket order (as the slicer numbers them).
   DigestBook(std::string model_id, uint64_t version, std::shared_ptr<const planner::Plan> plan, std::vector<std::string> worker_ids,
-             std::shared_ptr<const planner::Inventory> inventory, std::map<std::string, std::string> node_of);
+             std::shared_ptr<const planner::Inventory> inventory, std::map<std::string, std::string> node_of,
+             Kind kind = Kind::kVersion);
 
   // Records one node's digests. DATA_LOSS naming the first op whose two digests differ (tensor,
   // box, source worker and node, destination worker and node, both digests); INVALID_ARGUMENT for
@@ -51,6 +58,7 @@ class DigestBook {
 
   std::string model_id_;
   uint64_t version_ = 0;
+  Kind kind_ = Kind::kVersion;
   std::shared_ptr<const planner::Plan> plan_;
   std::vector<std::string> worker_ids_;
   std::shared_ptr<const planner::Inventory> inventory_;

@@ -110,10 +110,9 @@ std::function<void()> CoordinatorCore::CommitWorkLocked(const std::string& model
   std::vector<std::shared_ptr<NodeClient>> clients;
   std::vector<uint64_t> incarnations;
   for (const std::string& n : m.plan.nodes) {
-    auto it = nodes_.find(n);
     nodes.push_back(n);
-    clients.push_back(it != nodes_.end() ? it->second.client : nullptr);
-    incarnations.push_back(it != nodes_.end() ? it->second.incarnation : 0);
+    clients.push_back(nodes_.Client(n));
+    incarnations.push_back(nodes_.Incarnation(n));
   }
   // Sync commits copy staging into live weights before answering: as long as a transfer may take.
   const absl::Duration timeout = std::max(absl::Seconds(5), options_.transfer_timeout);
@@ -245,8 +244,7 @@ bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
     for (auto& [id, w] : m.workers) {
       if (!w.has_layout || w.role != role) continue;
       in.workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
-      auto n = nodes_.find(w.node);
-      if (n != nodes_.end()) in.nodes[w.node] = {n->second.data_address, n->second.transport_instances};
+      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances};
     }
   }
   PlanSettings settings;
@@ -325,10 +323,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
                                        {"fingerprint", plan.fingerprint}, {"ops", plan.stats.num_ops}, {"buckets", plan.buckets.size()},
                                        {"bytes", m->plan.total_bytes}, {"bytes_inter_node", plan.stats.bytes_inter_node},
                                        {"plan_ms", plan.stats.plan_ms}, {"cached", outcome->cached ? "yes" : "no"}});
-    for (auto& [n, slice] : outcome->slices.by_node) {
-      auto it = nodes_.find(n);
-      installs.push_back({it != nodes_.end() ? it->second.client : nullptr, n});
-    }
+    for (auto& [n, slice] : outcome->slices.by_node) installs.push_back({nodes_.Client(n), n});
   }
   // Each slice gets its header (inventory, workers: the bulk of it) just before it is sent, so at
   // most the 32 slices in flight are held whole.
@@ -366,10 +361,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
   Log(LogLevel::kInfo, "version started", {{"model", model_id}, {"version", v}, {"epoch", m.plan.epoch}, {"nodes", m.plan.nodes.size()},
                                            {"bytes", m.plan.total_bytes}});
   std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;
-  for (const std::string& n : m.plan.nodes) {
-    auto it = nodes_.find(n);
-    clients.push_back({n, it != nodes_.end() ? it->second.client : nullptr});
-  }
+  for (const std::string& n : m.plan.nodes) clients.push_back({n, nodes_.Client(n)});
   pb::ExecuteVersionRequest req;
   req.set_model_id(model_id);
   req.set_version(v);
@@ -402,8 +394,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
 void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* work) {
   const absl::Time now = options_.clock->Now();
   for (auto it = pending_commits_.begin(); it != pending_commits_.end();) {
-    auto n = nodes_.find(it->node);
-    if (n == nodes_.end() || !n->second.alive || n->second.incarnation != it->incarnation) {
+    if (!nodes_.HoldsIncarnation(it->node, it->incarnation)) {
       Log(LogLevel::kWarning, "owed commit dropped: node lost or restarted", {{"model", it->model_id}, {"version", it->version}, {"node", it->node}});
       it = pending_commits_.erase(it);
       continue;
@@ -411,7 +402,7 @@ void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* w
     if (now >= it->next_try) {
       it->next_try = now + options_.commit_retry;
       PendingCommit p = *it;
-      std::shared_ptr<NodeClient> client = n->second.client;
+      std::shared_ptr<NodeClient> client = nodes_.AliveClient(p.node);  // held at p.incarnation: alive
       work->push_back([this, p, client] {
         absl::Status st = client->CommitVersion(p.model_id, p.version, absl::Seconds(2));
         if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) return;  // try again later

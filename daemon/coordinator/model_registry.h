@@ -68,6 +68,9 @@ class ModelRegistry {
     std::map<std::string, uint64_t> sources, dests;  // worker -> serial at the start
     std::set<std::string> nodes, done;
     absl::Time started, deadline;
+    // End-to-end digests of the catch-up's own plan (catch_up.cc): set when its plan is made, before
+    // any node runs it; a mismatch fails the catch-up.
+    std::optional<DigestBook> digests;
   };
   struct PlanState {
     uint64_t epoch = 0;

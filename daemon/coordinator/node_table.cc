@@ -107,4 +107,9 @@ std::shared_ptr<NodeClient> NodeTable::AliveClient(const std::string& node_id) c
   return n != nullptr && n->alive ? n->client : nullptr;
 }
 
+uint64_t NodeTable::Incarnation(const std::string& node_id) const {
+  const Node* n = Find(node_id);
+  return n != nullptr ? n->incarnation : 0;
+}
+
 }  // namespace wb::daemon

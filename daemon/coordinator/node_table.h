@@ -96,14 +96,15 @@ class NodeTable {
   bool HoldsIncarnation(const std::string& node_id, uint64_t incarnation) const;
   std::shared_ptr<NodeClient> Client(const std::string& node_id) const;
   std::shared_ptr<NodeClient> AliveClient(const std::string& node_id) const;
+  // The node's current incarnation, alive or lost; 0 when unknown (incarnations start at 1), so
+  // a commit recorded against it is dropped by HoldsIncarnation.
+  uint64_t Incarnation(const std::string& node_id) const;
   size_t size() const { return nodes_.size(); }
 
-  // Read-only map view (id -> Node, sorted by id), so callers iterate and look up as on a
-  // std::map (status, the driver, catch_up.cc). Every change goes through the methods above.
+  // Read-only iteration over every node (id -> Node, sorted by id), for ClusterStatus. Lookups of
+  // one node go through the named queries above; every change through the methods above.
   Map::const_iterator begin() const { return nodes_.begin(); }
   Map::const_iterator end() const { return nodes_.end(); }
-  Map::const_iterator find(const std::string& node_id) const { return nodes_.find(node_id); }
-  const Node& at(const std::string& node_id) const { return nodes_.at(node_id); }
 
  private:
   const Options options_;

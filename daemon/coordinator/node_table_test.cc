@@ -174,16 +174,41 @@ TEST(NodeTable, DrainingPerNodeAndClearedByRegisterOrClear) {
   EXPECT_FALSE(t.any_draining());
 }
 
-TEST(NodeTable, MapViewListsNodesInIdOrder) {
+TEST(NodeTable, IterationListsNodesInIdOrder) {
   NodeTable t(Opts());
   for (const char* id : {"c", "a", "b"}) t.Register(Req(id), nullptr, kT0);
   std::vector<std::string> ids;
   for (const auto& [id, n] : t) ids.push_back(id);
   EXPECT_EQ(ids, (std::vector<std::string>{"a", "b", "c"}));
-  EXPECT_EQ(t.find("zz"), t.end());
-  EXPECT_EQ(t.at("b").address, "addr-b");
+  EXPECT_EQ(t.Find("zz"), nullptr);
+  EXPECT_EQ(t.Find("b")->address, "addr-b");
   EXPECT_EQ(t.Client("zz"), nullptr);
   EXPECT_FALSE(t.IsAlive("zz"));
+}
+
+// The queries the driver and the catch-up use in place of map lookups: the client whether or not
+// the node is alive (commits, aborts), only while alive (installs), and the incarnation a commit
+// is recorded against (0 for an unknown node, which no node ever holds).
+TEST(NodeTable, QueriesForTheDriverAndTheCatchUp) {
+  NodeTable t(Opts());
+  auto ca = std::make_shared<FakeNodeClient>("a");
+  t.Register(Req("a"), ca, kT0);
+  t.Register(Req("b"), nullptr, kT0 + absl::Seconds(2));
+  EXPECT_EQ(t.Incarnation("a"), 1u);
+  EXPECT_EQ(t.Incarnation("zz"), 0u);
+  EXPECT_FALSE(t.HoldsIncarnation("zz", t.Incarnation("zz")));
+  EXPECT_EQ(SweepAt(t, kT0 + absl::Seconds(3), kT0 + absl::Milliseconds(2900)), std::vector<std::string>{"a"});
+  // Lost: the client stays reachable by Client (an abort is best effort), not by AliveClient, and
+  // the incarnation it had is no longer held.
+  EXPECT_EQ(t.Client("a"), ca);
+  EXPECT_EQ(t.AliveClient("a"), nullptr);
+  EXPECT_EQ(t.Incarnation("a"), 1u);
+  EXPECT_FALSE(t.HoldsIncarnation("a", 1));
+  EXPECT_TRUE(t.IsAlive("b"));
+  t.Register(Req("a"), ca, kT0 + absl::Seconds(4));
+  EXPECT_EQ(t.Incarnation("a"), 2u);
+  EXPECT_EQ(t.AliveClient("a"), ca);
+  EXPECT_TRUE(t.HoldsIncarnation("a", 2));
 }
 
 }  // namespace
