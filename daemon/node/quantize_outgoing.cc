@@ -15,29 +15,81 @@
 
 namespace wb::daemon::node {
 
-absl::StatusOr<OutgoingStaging> OutgoingQuantizer::Quantize(const planner::Inventory& inventory,
-                                                            const std::map<std::string, QuantRegion>& regions,
-                                                            const std::map<std::string, RegionMemory>& memory, const std::string& label,
-                                                            absl::Time deadline) const {
-  OutgoingStaging out;
+struct OutgoingQuantization::Chunk {
+  uint32_t bucket = 0;
+  size_t job = 0;          // index into jobs_
+  const uint8_t* src = nullptr;  // base of the source region
+  uint8_t* q = nullptr;          // base of the q region
+  int64_t lo = 0, hi = 0;  // dim-0 rows of the job's box, relative to its begin
+  int64_t elements_offset = 0, scales_offset = 0;  // in the q region
+  int es = 0;                                      // canonical element size
+};
+
+namespace {
+
+std::string TensorName(const planner::Inventory& inventory, int32_t tensor) {
+  return tensor >= 0 && static_cast<size_t>(tensor) < inventory.tensors.size() ? inventory.tensors[static_cast<size_t>(tensor)].name : "?";
+}
+
+// The dim-0 row ranges a job's box is cut into, each of whole block rows (the last may end at the
+// box's end) with its elements' and scales' byte offsets in the job's q bytes. One range (the whole
+// box) where the byte arithmetic does not divide evenly (never for today's formats).
+struct Cut {
+  int64_t lo, hi, elements, scales;
+};
+std::vector<Cut> CutRows(const QuantJob& j, int es, int64_t chunk_bytes) {
+  const size_t rank = j.box.begin.size();
+  std::vector<Cut> whole = {{0, rank == 0 ? 1 : j.box.end[0] - j.box.begin[0], 0, 0}};
+  if (rank == 0 || j.quant.block.size() != rank || j.quant.block[0] <= 0) return whole;
+  const int64_t rows = j.box.end[0] - j.box.begin[0];
+  int64_t inner = 1;  // elements per dim-0 row
+  for (size_t d = 1; d < rank; ++d) inner *= j.box.end[d] - j.box.begin[d];
+  const int64_t bits = j.quant.dtype == planner::DType::kI4 ? 4 : 8;
+  const int64_t b0 = j.quant.block[0];
+  const int64_t grid0 = (rows + b0 - 1) / b0;
+  if (rows <= 0 || inner <= 0 || rows * inner * bits != j.elements_bytes * 8 || j.scales_bytes % grid0 != 0) return whole;
+  const int64_t per_grid_row = j.scales_bytes / grid0;
+  const int64_t step = b0 * std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(1, b0 * inner * es));
+  std::vector<Cut> cuts;
+  for (int64_t lo = 0; lo < rows; lo += step) {
+    if ((lo * inner * bits) % 8 != 0) return whole;
+    cuts.push_back({lo, std::min(rows, lo + step), lo * inner * bits / 8, lo / b0 * per_grid_row});
+  }
+  return cuts;
+}
+
+// Source rows [lo, hi) of the job's box: a contiguous row-major run in the source buffer (its
+// address), or null when they must be gathered.
+const uint8_t* ContiguousRows(const uint8_t* base, const planner::Piece& src, const planner::Box& box, int64_t lo, int es) {
+  const size_t rank = box.begin.size();
+  if (src.strides.size() != rank || rank == 0 || src.strides[rank - 1] != 1) return nullptr;
+  for (size_t d = 1; d < rank; ++d) {
+    if (src.strides[d - 1] != src.strides[d] * (box.end[d] - box.begin[d])) return nullptr;
+  }
+  int64_t off = 0;
+  for (size_t d = 0; d < rank; ++d) off += (box.begin[d] + (d == 0 ? lo : 0) - src.box.begin[d]) * src.strides[d];
+  return base + src.offset_bytes + off * es;
+}
+
+}  // namespace
+
+OutgoingQuantization::OutgoingQuantization(const planner::Inventory& inventory, std::string label, absl::Time deadline)
+    : inventory_(inventory), label_(std::move(label)), deadline_(deadline), start_(absl::Now()) {}
+
+absl::StatusOr<std::unique_ptr<OutgoingQuantization>> OutgoingQuantization::Start(const planner::Inventory& inventory,
+                                                                                  const std::map<std::string, QuantRegion>& regions,
+                                                                                  const std::map<uint32_t, uint32_t>& bucket_of,
+                                                                                  const std::map<std::string, RegionMemory>& memory,
+                                                                                  const std::string& label, absl::Time deadline,
+                                                                                  const OutgoingOptions& options) {
+  std::unique_ptr<OutgoingQuantization> out(new OutgoingQuantization(inventory, label, deadline));
   if (regions.empty()) return out;
-  struct Job {
-    const QuantJob* job;
-    const uint8_t* src;  // base of the source region
-    uint8_t* q;          // base of the q region
-  };
-  std::vector<Job> jobs;
-  auto buffers = std::make_shared<std::vector<std::unique_ptr<uint8_t[]>>>();
+  // Checked before anything is charged or allocated.
+  int64_t total = 0;
   for (const auto& [key, region] : regions) {
-    // Uninitialised: every byte a copy reads is written below (gaps are alignment only).
-    buffers->emplace_back(new uint8_t[static_cast<size_t>(std::max<int64_t>(region.size, 1))]);
-    uint8_t* q = buffers->back().get();
-    out.regions[key] = RegionMemory{transport::MemoryKind::kHost, q, region.size, -1, {}};
+    total += std::max<int64_t>(region.size, 1);
     for (const QuantJob& j : region.jobs) {
-      const std::string what = absl::StrCat(label, ": sender-side quantisation of op ", j.op_index, " (tensor ",
-                                            j.src.tensor >= 0 && static_cast<size_t>(j.src.tensor) < inventory.tensors.size()
-                                                ? inventory.tensors[static_cast<size_t>(j.src.tensor)].name
-                                                : "?",
+      const std::string what = absl::StrCat(label, ": sender-side quantisation of op ", j.op_index, " (tensor ", TensorName(inventory, j.src.tensor),
                                             " box ", planner::BoxToString(j.box), ", region ", j.src_key, ")");
       auto m = memory.find(j.src_key);
       if (m == memory.end()) return absl::InternalError(absl::StrCat(what, ": source region missing"));
@@ -52,53 +104,190 @@ absl::StatusOr<OutgoingStaging> OutgoingQuantizer::Quantize(const planner::Inven
       if (j.elements_offset < 0 || j.scales_offset < j.elements_offset + j.elements_bytes || j.scales_offset + j.scales_bytes > region.size) {
         return absl::InternalError(absl::StrCat(what, ": outside its q region of ", region.size, " bytes"));
       }
-      jobs.push_back(Job{&j, m->second.base, q});
-      out.canonical_bytes += planner::BoxVolume(j.box) * es;
-      out.wire_bytes += j.elements_bytes + j.scales_bytes;
     }
   }
-  out.ops = static_cast<int64_t>(jobs.size());
-  out.hold = buffers;
-  const absl::Time t0 = absl::Now();
-  const size_t threads = std::min<size_t>(jobs.size(), std::max<size_t>(1, std::min<size_t>(max_threads_, std::thread::hardware_concurrency())));
-  absl::Mutex mu;
-  absl::Status first;
-  ParallelFor(jobs.size(), threads, [&](size_t i) {
-    {
-      absl::MutexLock l(&mu);
-      if (!first.ok()) return;
-    }
-    absl::Status s;
-    if (absl::Now() > deadline) {
-      s = absl::DeadlineExceededError(absl::StrCat(label, ": sender-side quantisation did not finish before the transfer deadline"));
+  // Charged like incoming staging, for as long as the q memory lives (the charge travels in hold).
+  std::shared_ptr<StagingBudget::Charge> charge;
+  if (options.budget != nullptr) {
+    ASSIGN_OR_RETURN(charge, options.budget->Reserve(total, absl::StrCat(label, " outgoing quantised staging (sender-side quantisation, ",
+                                                                         regions.size(), " q region(s))")));
+  }
+  auto holds = std::make_shared<std::vector<std::shared_ptr<void>>>();
+  std::map<std::string, uint8_t*> q_base;
+  for (const auto& [key, region] : regions) {
+    const int64_t size = std::max<int64_t>(region.size, 1);
+    QStaging q;
+    if (options.allocate) {
+      ASSIGN_OR_RETURN(q, options.allocate(size, absl::StrCat(label, " outgoing ", key)));
     } else {
-      const QuantJob& j = *jobs[i].job;
+      // Uninitialised: every byte a copy reads is written (gaps are alignment only).
+      std::shared_ptr<uint8_t[]> mem(new uint8_t[static_cast<size_t>(size)]);
+      q = QStaging{mem.get(), mem};
+    }
+    if (q.base == nullptr) return absl::InternalError(absl::StrCat(label, ": no memory for outgoing ", key));
+    holds->push_back(q.hold);
+    q_base[key] = q.base;
+    out->regions_[key] = RegionMemory{transport::MemoryKind::kHost, q.base, region.size, -1, {}};
+  }
+  holds->push_back(std::move(charge));  // after the memory: released once it is gone
+  out->hold_ = holds;
+  for (const auto& [key, region] : regions) {
+    for (const QuantJob& j : region.jobs) {
+      const size_t job = out->jobs_.size();
+      out->jobs_.push_back(j);
       const int es = planner::DTypeSize(inventory.tensors[static_cast<size_t>(j.src.tensor)].dtype);
-      // The box row-major in the canonical dtype (what a receiver's shadow would hold), then the
-      // receiver's quantiser over a piece that is exactly the box, written into the q region.
-      std::vector<uint8_t> canonical(static_cast<size_t>(planner::BoxVolume(j.box) * es));
-      GatherBox(jobs[i].src, j.src, j.box, es, canonical.data());
-      planner::Piece piece;
-      piece.tensor = j.src.tensor;
-      piece.box = j.box;
-      piece.offset_bytes = 0;
-      std::vector<int64_t> extents;
-      for (size_t d = 0; d < j.box.begin.size(); ++d) extents.push_back(j.box.end[d] - j.box.begin[d]);
-      piece.strides = planner::ContiguousStrides(extents);
-      piece.quant = j.quant;
-      piece.quant->scale_buffer = 0;
-      piece.quant->scale_offset_bytes = 0;
-      s = QuantizePiece(inventory, piece, canonical.data(), jobs[i].q + j.elements_offset, jobs[i].q + j.scales_offset);
-      if (!s.ok()) s = absl::Status(s.code(), absl::StrCat(label, ": op ", j.op_index, ": ", s.message()));
+      auto b = bucket_of.find(j.op_index);
+      const uint32_t bucket = b == bucket_of.end() ? 0 : b->second;
+      for (const Cut& c : CutRows(j, es, options.chunk_bytes)) {
+        out->chunks_.push_back(Chunk{bucket, job, memory.at(j.src_key).base, q_base.at(key), c.lo, c.hi, j.elements_offset + c.elements,
+                                     j.scales_offset + c.scales, es});
+      }
+      ++out->base_.ops;
+      out->base_.canonical_bytes += planner::BoxVolume(j.box) * es;
+      out->base_.wire_bytes += j.elements_bytes + j.scales_bytes;
     }
-    if (!s.ok()) {
-      absl::MutexLock l(&mu);
-      if (first.ok()) first = s;
+  }
+  // Bucket order (stable: op order within a bucket), so the first bucket's chunks go first.
+  std::stable_sort(out->chunks_.begin(), out->chunks_.end(), [](const Chunk& x, const Chunk& y) { return x.bucket < y.bucket; });
+  out->base_.chunks = static_cast<int64_t>(out->chunks_.size());
+  {
+    absl::MutexLock l(&out->mu_);
+    for (const Chunk& c : out->chunks_) ++out->remaining_[c.bucket];
+    out->last_done_ = out->start_;
+  }
+  const size_t threads = std::min<size_t>(out->chunks_.size(), HardwareThreads(static_cast<size_t>(std::max(1, options.max_threads))));
+  out->base_.threads = static_cast<int>(threads);
+  out->before_chunk_ = options.before_chunk;
+  for (size_t t = 0; t < threads; ++t) out->threads_.emplace_back([p = out.get()] { p->Work(); });
+  return out;
+}
+
+OutgoingQuantization::~OutgoingQuantization() {
+  stop_ = true;
+  for (std::thread& t : threads_) t.join();
+}
+
+absl::Status OutgoingQuantization::Run(const Chunk& c, std::vector<uint8_t>& scratch, int64_t& gathered) const {
+  const QuantJob& j = jobs_[c.job];
+  planner::Piece piece;  // exactly the chunk's rows, row-major
+  piece.tensor = j.src.tensor;
+  piece.box = j.box;
+  const size_t rank = j.box.begin.size();
+  if (rank > 0) {
+    piece.box.begin[0] = j.box.begin[0] + c.lo;
+    piece.box.end[0] = j.box.begin[0] + c.hi;
+  }
+  std::vector<int64_t> extents;
+  for (size_t d = 0; d < rank; ++d) extents.push_back(piece.box.end[d] - piece.box.begin[d]);
+  piece.strides = planner::ContiguousStrides(extents);
+  piece.offset_bytes = 0;
+  piece.quant = j.quant;
+  piece.quant->scale_buffer = 0;
+  piece.quant->scale_offset_bytes = 0;
+  const uint8_t* canonical = ContiguousRows(c.src, j.src, j.box, c.lo, c.es);
+  if (canonical == nullptr) {
+    const size_t n = static_cast<size_t>(planner::BoxVolume(piece.box) * c.es);
+    if (scratch.size() < n) scratch.resize(n);  // reused across chunks: no per-chunk allocation
+    GatherBox(c.src, j.src, piece.box, c.es, scratch.data());
+    canonical = scratch.data();
+    gathered += static_cast<int64_t>(n);
+  }
+  absl::Status s = QuantizePiece(inventory_, piece, canonical, c.q + c.elements_offset, c.q + c.scales_offset);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(label_, ": sender-side quantisation of op ", j.op_index, " (tensor ", TensorName(inventory_, j.src.tensor),
+                                               " rows ", piece.box.begin.empty() ? 0 : piece.box.begin[0], "..",
+                                               piece.box.end.empty() ? 0 : piece.box.end[0], "): ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+void OutgoingQuantization::Work() {
+  std::vector<uint8_t> scratch;
+  for (size_t i = next_.fetch_add(1); i < chunks_.size(); i = next_.fetch_add(1)) {
+    const Chunk& c = chunks_[i];
+    absl::Status s;
+    int64_t gathered = 0;
+    bool failed;
+    {
+      absl::MutexLock l(&mu_);
+      failed = !error_.ok();
     }
-  });
-  RETURN_IF_ERROR(first);
-  out.seconds = absl::ToDoubleSeconds(absl::Now() - t0);
-  out.threads = static_cast<int>(threads);
+    if (stop_ || failed) {
+      s = absl::CancelledError(absl::StrCat(label_, ": sender-side quantisation stopped"));
+    } else if (absl::Now() > deadline_) {
+      s = absl::DeadlineExceededError(absl::StrCat(label_, ": sender-side quantisation did not finish before the transfer deadline"));
+    } else {
+      if (before_chunk_) before_chunk_(c.bucket);
+      s = Run(c, scratch, gathered);
+    }
+    absl::MutexLock l(&mu_);
+    if (!s.ok() && error_.ok()) error_ = s;
+    --remaining_[c.bucket];
+    gathered_ += gathered;
+    if (s.ok()) last_done_ = absl::Now();
+  }
+}
+
+absl::Status OutgoingQuantization::WaitBucket(uint32_t bucket) {
+  const absl::Time t0 = absl::Now();
+  absl::MutexLock l(&mu_);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!error_.ok()) return true;
+    for (const auto& [b, n] : remaining_) {
+      if (b > bucket) break;
+      if (n > 0) return false;
+    }
+    return true;
+  };
+  const bool done = mu_.AwaitWithDeadline(absl::Condition(&ready), deadline_);
+  waited_ += absl::Now() - t0;
+  if (!error_.ok()) return error_;
+  if (!done) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(label_, ": sender-side quantisation of bucket ", bucket, " did not finish before the transfer deadline"));
+  }
+  return absl::OkStatus();
+}
+
+OutgoingQuantization::Stats OutgoingQuantization::stats() const {
+  Stats s = base_;
+  absl::MutexLock l(&mu_);
+  s.gathered_bytes = gathered_;
+  s.seconds = absl::ToDoubleSeconds(last_done_ - start_);
+  s.waited_seconds = absl::ToDoubleSeconds(waited_);
+  return s;
+}
+
+std::map<uint32_t, uint32_t> QuantBuckets(const ExecPlan& plan) {
+  std::map<uint32_t, uint32_t> out;
+  for (uint32_t b = 0; b < plan.buckets.size(); ++b) {
+    for (const Route& r : plan.buckets[b].routes) {
+      for (const RouteOp& op : r.ops) {
+        if (op.part == RouteOp::Part::kCanonical || plan.quant_out.count(op.src_key) == 0) continue;
+        out.emplace(op.op_index, b);  // buckets ascend: the first one stays
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<OutgoingStaging> OutgoingQuantizer::Quantize(const planner::Inventory& inventory,
+                                                            const std::map<std::string, QuantRegion>& regions,
+                                                            const std::map<std::string, RegionMemory>& memory, const std::string& label,
+                                                            absl::Time deadline) const {
+  OutgoingOptions o;
+  o.max_threads = max_threads_;
+  ASSIGN_OR_RETURN(std::unique_ptr<OutgoingQuantization> q, OutgoingQuantization::Start(inventory, regions, {}, memory, label, deadline, o));
+  RETURN_IF_ERROR(q->WaitAll());
+  const OutgoingQuantization::Stats st = q->stats();
+  OutgoingStaging out;
+  out.regions = q->regions();
+  out.hold = q->hold();
+  out.ops = st.ops;
+  out.canonical_bytes = st.canonical_bytes;
+  out.wire_bytes = st.wire_bytes;
+  out.seconds = st.seconds;
+  out.threads = st.threads;
   return out;
 }
 
