@@ -1,105 +1,116 @@
+// NodeDaemon: the wiring of the node's parts (see node_daemon.h and docs/architecture.md "Node
+// daemon"), Start / Shutdown, registration and re-join, the control tick.
 #include "daemon/node_daemon.h"
 
 #include <grpcpp/grpcpp.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstring>
-#include <functional>
-#include <limits>
-#include <thread>
 #include <tuple>
+#include <utility>
+#include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/box_copy.h"
+#include "base/status_macros.h"
 #include "daemon/convert.h"
-#include "daemon/layout_discovery.h"
 #include "daemon/log.h"
-#include "daemon/metrics.h"
 #include "daemon/nccl_route.h"
-#include "daemon/node/deadlines.h"
 #include "daemon/node/grpc_coordinator_client.h"
 #include "daemon/node/node_service.h"
 #include "daemon/node/worker_service.h"
-#include "daemon/node/exec_plan_proto.h"
-#include "daemon/node/quantize_incoming.h"
-#include "daemon/quantize.h"
-#include "planner/box.h"
-#include "planner/index_probe.h"
-#include "planner/inventory.h"
-#include "planner/quantized.h"
-#include "proto/grpc_status.h"
-#include "base/status_macros.h"
 
 namespace wb::daemon {
-// ------------------------------------------------------------------------------- NodeDaemon
+namespace {
+
+DaemonMetrics* MetricsOf(const NodeDaemon::Options& o) { return o.metrics != nullptr ? o.metrics : &Metrics(); }
+
+node::NodeStaging::Options StagingOptions(const NodeDaemon::Options& o, LiveCopier* copier) {
+  node::NodeStaging::Options so;
+  so.node_id = o.node_id;
+  so.budget_bytes = o.staging_budget_bytes;
+  so.clock = o.clock;
+  so.device_staging = o.device_staging;
+  so.metrics = MetricsOf(o);
+  so.copier = copier;
+  return so;
+}
+
+node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::PeerStubs* peers) {
+  node::Versions::Options vo;
+  vo.node_id = o.node_id;
+  vo.clock = o.clock;
+  vo.metrics = MetricsOf(o);
+  vo.checksums = o.checksums;
+  vo.digests = o.digests;
+  vo.digest_threads = o.digest_threads;
+  vo.digest_overlap = o.digest_overlap;
+  vo.test_after_buckets = o.test_after_buckets;
+  vo.test_before_bucket = o.test_before_bucket;
+  vo.exchange_regions = [peers](const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,
+                                pb::ExchangeRegionsResponse* resp, absl::Time deadline) {
+    return peers->ExchangeRegions(peer, address, req, resp, deadline);
+  };
+  return vo;
+}
+
+node::WorkerCalls::Options WorkerCallsOptions(const NodeDaemon::Options& o, std::shared_ptr<GpuImport> gpu_import) {
+  node::WorkerCalls::Options wo;
+  wo.node_id = o.node_id;
+  wo.clock = o.clock;
+  wo.metrics = MetricsOf(o);
+  wo.cuda_vmm_fd = o.cuda_vmm_fd;
+  wo.gpu_import = std::move(gpu_import);
+  return wo;
+}
+
+}  // namespace
+
 NodeDaemon::NodeDaemon(Options options)
     : options_(std::move(options)),
-      worker_impl_(NewWorkerService(this)),
-      node_impl_(NewNodeService(this)),
-      copier_(options_.node_id, options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false),
-              options_.test_live_copy_fault),
-      local_(LocalWorkers::Options{options_.node_id, options_.clock, options_.live_copy_timeout, &copier_}) {
-  // Idle staging is bounded by the staging budget (what versions may hold anyway) and returned to
-  // the system after a few minutes without a version that wants it.
-  StagingPool::Options po;
-  po.max_idle_bytes = options_.staging_budget_bytes;
-  po.clock = options_.clock;
-  staging_pool_ = std::make_shared<StagingPool>(po);
-  budget_ = StagingBudget::Create(options_.node_id, options_.staging_budget_bytes);
+      transports_(&options_.transports, options_.device_staging),
+      gpu_import_(options_.gpu_import != nullptr ? options_.gpu_import : NewGpuImport()),
+      copier_(options_.node_id, transports_.Local(), options_.test_live_copy_fault),
+      local_(LocalWorkers::Options{options_.node_id, options_.clock, options_.live_copy_timeout, &copier_}),
+      staging_(StagingOptions(options_, &copier_)),
+      peer_stubs_(options_.make_channel),
+      unstarted_(options_.node_id),
+      versions_(VersionsOptions(options_, &peer_stubs_), local_, channels_, staging_, transports_, *this),
+      worker_calls_(WorkerCallsOptions(options_, gpu_import_), local_, staging_, versions_, transports_, *this),
+      worker_impl_(NewWorkerService(&worker_calls_)),
+      node_impl_(NewNodeService(&versions_, &worker_calls_, [this] { return data_address_; })) {
   // Workers' shm segments may shrink under us (a worker truncating its own memory): a fault in one
   // must fail that worker's call, not kill the daemon (ShmSegment::CheckIntact).
   transport::ShmSegment::InstallSigbusGuard();
-  gpu_import_ = options_.gpu_import != nullptr ? options_.gpu_import : NewGpuImport();
-}
-
-std::vector<uint8_t> NodeDaemon::TakeHost(int64_t size) {
-  bool reused = false;
-  std::vector<uint8_t> out = staging_pool_->Take(size, &reused);
-  if (size > 0) metrics().StagingTaken(options_.node_id, reused, static_cast<uint64_t>(size));
-  return out;
-}
-
-void NodeDaemon::PrewarmStaging(int64_t size) {
-  if (staging_pool_->Prewarm(size, std::max<int64_t>(0, budget_->budget() - budget_->in_use()))) {
-    metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
-  }
-}
-
-std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::NewBytes(size_t n, std::vector<std::shared_ptr<StagingBudget::Charge>> charges) {
-  std::weak_ptr<StagingPool> pool = staging_pool_;
-  std::shared_ptr<StagingBudget> budget = budget_;
-  return std::shared_ptr<Bytes>(new Bytes(n), [pool, budget, charges = std::move(charges)](Bytes* b) mutable {
-    std::shared_ptr<StagingPool> p = pool.lock();
-    if (p) {
-      for (StagedBuffer& sb : *b) p->Give(std::move(sb.host));
-    }
-    delete b;
-    charges.clear();  // released first: what the pool may keep idle is what the budget leaves
-    // Idle pooled memory counts too: in use + idle stays within the node's budget.
-    if (p) p->TrimTo(std::max<int64_t>(0, budget->budget() - budget->in_use()));
-  });
-}
-
-std::shared_ptr<NodeDaemon::Bytes> NodeDaemon::KeepWith(std::shared_ptr<Bytes> bytes, std::shared_ptr<StagingBudget::Charge> charge) {
-  auto holder = std::make_shared<std::pair<std::shared_ptr<Bytes>, std::shared_ptr<StagingBudget::Charge>>>(std::move(bytes), std::move(charge));
-  Bytes* raw = holder->first.get();
-  return std::shared_ptr<Bytes>(std::move(holder), raw);
 }
 
 NodeDaemon::~NodeDaemon() { Shutdown(); }
 
-pb::WorkerService::Service* NodeDaemon::worker_service() { return worker_impl_.get(); }
-pb::NodeService::Service* NodeDaemon::node_service() { return node_impl_.get(); }
+CoordinatorClient& NodeDaemon::client() {
+  CoordinatorClient* c = client_.load();
+  return c != nullptr ? *c : unstarted_;
+}
+
+bool NodeDaemon::AwaitRegistered(absl::Time deadline) {
+  CoordinatorSession* s = session_.load();
+  return s != nullptr && s->AwaitRegistered(deadline);
+}
+
+uint64_t NodeDaemon::session() {
+  CoordinatorSession* s = session_.load();
+  return s != nullptr ? s->session() : 0;
+}
+
+std::optional<std::string> NodeDaemon::AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) {
+  CoordinatorSession* s = session_.load();
+  if (s == nullptr) return std::nullopt;
+  return s->AwaitCoordinatorChange(session0, deadline);
+}
+
+void NodeDaemon::TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) {
+  CoordinatorSession* s = session_.load();
+  if (s != nullptr) s->TrackProgress(model_id, version, std::move(bytes_done));
+}
 
 void NodeDaemon::CheckWorkers() {
-  const std::vector<WorkerKey> gone = local_.ReapExited();  // (model, worker), marked leaving
+  const std::vector<LocalWorkers::WorkerKey> gone = local_.ReapExited();  // (model, worker), marked leaving
   for (auto& [model, worker] : gone) {
     pb::LeaveWorkerRequest r;
     r.set_node_id(options_.node_id);
@@ -107,14 +118,13 @@ void NodeDaemon::CheckWorkers() {
     r.set_worker_id(worker);
     r.set_reason("its process exited");
     pb::LeaveWorkerResponse rr;
-    coordinator_client_->LeaveWorker(r, &rr, absl::Seconds(7)).IgnoreError();  // the lease drops it otherwise
+    client().LeaveWorker(r, &rr, absl::Seconds(7)).IgnoreError();  // the lease drops it otherwise
     local_.LeaveDone({model, worker});
   }
 }
 
 absl::Status NodeDaemon::Start(const std::string& node_address) {
-  using transport::MemoryKind;
-  if (options_.transports.Pick(MemoryKind::kHost, MemoryKind::kHost, false) == nullptr) {
+  if (transports_.Local() == nullptr) {
     return absl::InvalidArgumentError("node daemon needs a same-node host-memory transport (host_shm)");
   }
   if (!options_.live_state_dir.empty()) {
@@ -135,8 +145,8 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
     channel = grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
   }
-  coordinator_ = pb::CoordinatorService::NewStub(channel);
   coordinator_client_ = std::make_unique<GrpcCoordinatorClient>(channel);
+  client_.store(coordinator_client_.get());
   CoordinatorSession::Options so;
   so.node_id = options_.node_id;
   so.client = coordinator_client_.get();
@@ -147,6 +157,7 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
   so.tick = [this] { ControlTick(); };
   so.test_skip_heartbeat = options_.test_skip_heartbeat;
   coord_ = std::make_unique<CoordinatorSession>(std::move(so));
+  session_.store(coord_.get());
   RETURN_IF_ERROR_WITH(coord_->Start(), absl::StrCat("registering node ", options_.node_id, " with coordinator ", options_.coordinator));
   return absl::OkStatus();
 }
@@ -168,57 +179,45 @@ pb::RegisterNodeRequest NodeDaemon::Registration() const {
       for (const std::string& a : caps.local_addresses) req.add_data_nics(a);
     }
   }
-  for (auto& [device, t] : NcclLanes()) (*req.mutable_transport_instances())[NcclLaneName(device)] = t->instance_id();
+  for (auto& [device, t] : transports_.NcclLanes()) (*req.mutable_transport_instances())[NcclLaneName(device)] = t->instance_id();
   return req;
 }
 
 void NodeDaemon::Rejoin(const std::string& reason) {
   // 1. Whatever was in flight belongs to the old coordinator session: abort it here (node-local
   //    waiters - Apply - get ABORTED naming the reason; rollouts keep their committed/live copy).
-  std::vector<std::tuple<std::string, std::string, transport::PeerId>> drop;
+  std::map<std::string, uint64_t> committed = versions_.AbortAllForRejoin(reason);
   struct Job {
-    WorkerKey worker;
+    LocalWorkers::WorkerKey worker;
     pb::JoinWorkerRequest join;
     bool has_layout = false;
     pb::SubmitLayoutRequest layout;
   };
   std::vector<Job> jobs;
-  {
-    absl::MutexLock l(&mu_);
-    for (auto& [key, e] : execs_) {
-      e->aborted = true;
-      e->error = reason;
-      local_.NoteAborted(key.first, key.second, reason);
-      for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
-    }
-    execs_.clear();
-    local_.NoteRejoin(reason);
-    for (LocalWorkers::JoinInfo& w : local_.Joins()) {
-      Job j;
-      j.worker = w.key;
-      j.join.set_node_id(options_.node_id);
-      j.join.set_worker_id(w.key.second);
-      j.join.set_model_id(w.key.first);
-      j.join.set_role(ToProto(w.role));
-      j.join.set_gpu(w.gpu);
-      *j.join.mutable_model() = std::move(w.spec);
-      j.join.set_rejoin(true);
-      j.join.set_committed_version(committed_[w.key.first]);
-      j.join.set_applied_version(w.applied_version);
-      j.has_layout = w.has_layout;
-      j.layout = std::move(w.submitted);
-      jobs.push_back(std::move(j));
-    }
+  for (LocalWorkers::JoinInfo& w : local_.Joins()) {
+    Job j;
+    j.worker = w.key;
+    j.join.set_node_id(options_.node_id);
+    j.join.set_worker_id(w.key.second);
+    j.join.set_model_id(w.key.first);
+    j.join.set_role(ToProto(w.role));
+    j.join.set_gpu(w.gpu);
+    *j.join.mutable_model() = std::move(w.spec);
+    j.join.set_rejoin(true);
+    j.join.set_committed_version(committed[w.key.first]);
+    j.join.set_applied_version(w.applied_version);
+    j.has_layout = w.has_layout;
+    j.layout = std::move(w.submitted);
+    jobs.push_back(std::move(j));
   }
-  for (auto& [model, peer, id] : drop) DropChannel(model, peer, id);
   // 2. Re-submit models, workers and layouts. A worker the coordinator refuses is dropped here
   //    (its client sees NOT_FOUND and registers again).
   for (Job& j : jobs) {
     pb::JoinWorkerResponse jr;
-    absl::Status s = coordinator_client_->JoinWorker(j.join, &jr, absl::Seconds(12));
+    absl::Status s = client().JoinWorker(j.join, &jr, absl::Seconds(12));
     if (s.ok() && j.has_layout) {
       pb::SubmitLayoutResponse sr;
-      s = coordinator_client_->SubmitLayout(j.layout, &sr, absl::Seconds(32));
+      s = client().SubmitLayout(j.layout, &sr, absl::Seconds(32));
     }
     if (!s.ok()) {
       Log(LogLevel::kWarning, "worker not re-joined",
@@ -229,145 +228,16 @@ void NodeDaemon::Rejoin(const std::string& reason) {
   Log(LogLevel::kInfo, "node re-joined", {{"node", options_.node_id}, {"workers", jobs.size()}, {"reason", reason}});
 }
 
-bool NodeDaemon::AwaitRegistered(absl::Time deadline) { return coord_ != nullptr && coord_->AwaitRegistered(deadline); }
-
-uint64_t NodeDaemon::session() { return coord_ != nullptr ? coord_->session() : 0; }
-
-std::optional<std::string> NodeDaemon::AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) {
-  if (coord_ == nullptr) return std::nullopt;
-  return coord_->AwaitCoordinatorChange(session0, deadline);
-}
-
 void NodeDaemon::ControlTick() {
   CheckWorkers();
-  staging_pool_->Trim();
-  metrics().StagingPoolBytes(options_.node_id, staging_pool_->stats().idle_bytes);
+  staging_.Tick();
 }
 
 void NodeDaemon::Shutdown() {
-  std::vector<std::thread> threads;
-  {
-    absl::MutexLock l(&mu_);
-    if (stopping_) return;
-    stopping_ = true;
-    for (auto& [k, e] : execs_) e->aborted = true;
-    local_.Stop();
-    for (auto& [id, t] : exec_threads_) threads.push_back(std::move(t));
-    exec_threads_.clear();
-    exec_done_.clear();
-  }
+  if (stopped_.exchange(true)) return;
+  versions_.Stop();          // aborts versions in flight, ends LocalWorkers' waits
   if (coord_) coord_->Stop();
-  // Executors blocked on a channel end when it is torn down.
-  std::vector<std::tuple<std::string, std::string, transport::PeerId>> channels;
-  {
-    absl::MutexLock l(&mu_);
-    for (const node::ChannelCache::Keyed& c : channels_.All()) channels.push_back({c.model_id, c.channel, c.id});
-  }
-  for (auto& [model, peer, id] : channels) DropChannel(model, peer, id);
-  for (auto& t : threads) t.join();
-}
-
-absl::Status NodeDaemon::ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                                  const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label,
-                                  absl::Time deadline, bool on_gpu) {
-  out.clear();
-  out.resize(buffers.size());
-  std::vector<const uint8_t*> src;
-  std::vector<uint8_t*> dst;
-  std::vector<int64_t> size;
-  transport::Transport* ct = nullptr;
-  transport::Batch device_batch;
-  std::vector<transport::RegionHandle> regions;  // on ct
-  absl::Cleanup cleanup = [&] {
-    for (auto& h : regions) (void)ct->Release(h);
-  };
-  for (size_t j = 0; j < buffers.size(); ++j) {
-    if (buffers[j]) {
-      out[j].host = TakeHost(buffers[j]->size());  // every byte is copied over below
-      src.push_back(static_cast<const uint8_t*>(buffers[j]->data()));
-      dst.push_back(out[j].host.data());
-      size.push_back(buffers[j]->size());
-      continue;
-    }
-    if (j >= cuda.size() || cuda[j] == nullptr) return absl::InternalError(absl::StrCat(label, ": buffer ", j, " is neither host nor CUDA"));
-    // CUDA: device -> GPU staging (device to device) when allowed, else device -> host; both on
-    // the cuda_ipc transport (host memory registered with it: pinned when possible).
-    ct = cuda[j]->t;
-    const int64_t n = cuda[j]->size;
-    if (on_gpu) {
-      ASSIGN_OR_RETURN(out[j].device, TryDeviceStaging(cuda[j]->device, n, absl::StrCat(label, " b", j)));
-      metrics().Staged(options_.node_id, out[j].device ? "gpu" : "host", "snapshot", static_cast<uint64_t>(n));
-    }
-    transport::MemorySpec spec;
-    if (out[j].device) {
-      spec.kind = transport::MemoryKind::kCuda;
-      spec.base = out[j].device->data();
-      spec.device = out[j].device->device();
-    } else {
-      out[j].host = TakeHost(n);
-      spec.kind = transport::MemoryKind::kHost;
-      spec.base = out[j].host.data();
-    }
-    spec.size_bytes = n;
-    spec.label = absl::StrCat(label, " staging b", j);
-    ASSIGN_OR_RETURN(transport::RegionHandle h, ct->RegisterMemory(spec));
-    regions.push_back(h);
-    transport::CopyOp op;
-    op.shape = {n};
-    op.element_size = 1;
-    op.src = {cuda[j]->h, 0, {1}};
-    op.dst = {h, 0, {1}};
-    device_batch.ops.push_back(std::move(op));
-  }
-  if (!device_batch.ops.empty()) {
-    ASSIGN_OR_RETURN(transport::BatchId id, ct->Post(device_batch));
-    RETURN_IF_ERROR_WITH(ct->Wait(id, deadline), absl::StrCat(label, ": copying CUDA buffers"));
-  }
-  // The worker may have truncated its segments (before: refused; during: the SIGBUS guard let the
-  // copy finish on zero pages, and the snapshot is refused).
-  RETURN_IF_ERROR(CheckLive(buffers, label));
-  RETURN_IF_ERROR(copier_.CopyFlat(src, dst, size, label, deadline));
-  return CheckLive(buffers, label);
-}
-
-transport::Transport* NodeDaemon::CudaTransport() const {
-  return options_.transports.Pick(transport::MemoryKind::kCuda, transport::MemoryKind::kCuda, false);
-}
-
-absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> NodeDaemon::TryDeviceStaging(int device, int64_t size, const std::string& label) {
-  if (options_.device_staging == nullptr || !options_.device_staging->enabled()) return std::shared_ptr<transport::DeviceMemory>();
-  auto m = options_.device_staging->TryAllocate(device, size, label);
-  if (!m.ok()) return Annotate(m.status(), absl::StrCat("GPU staging for ", label));
-  if (*m == nullptr) {
-    // Not an error: over the per-GPU budget (or the GPU is full): host staging, as without a GPU.
-    Log(LogLevel::kInfo, "GPU staging unavailable, staging in host memory",
-        {{"node", options_.node_id}, {"what", label}, {"gpu", device}, {"bytes", size},
-         {"used", options_.device_staging->used(device)}, {"budget", options_.device_staging->budget_per_gpu()}});
-  }
-  return m;
-}
-
-absl::StatusOr<std::shared_ptr<CudaImport>> NodeDaemon::ImportCuda(const std::string& model, const std::string& worker,
-                                                                   const pb::BufferSpec& b) {
-  const bool is_vmm = b.memory_case() == pb::BufferSpec::kCudaVmmKey;
-  const std::string what =
-      absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), is_vmm ? " (CUDA VMM, gpu " : " (CUDA IPC, gpu ", b.gpu(), ")");
-  transport::Transport* t = options_.transports.Find("cuda_ipc");
-  if (t == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(what, ": node ", options_.node_id,
-                                                      " has no cuda_ipc transport (no GPU visible to the daemon, "
-                                                      "or --transports excludes it); register host shared memory instead"));
-  }
-  GpuImport::VmmFdFn vmm_fd;
-  if (options_.cuda_vmm_fd) {
-    vmm_fd = [this, &model](const std::string& w, const std::string& key) { return options_.cuda_vmm_fd(model, w, key); };
-  }
-  ASSIGN_OR_RETURN(std::shared_ptr<CudaImport> imp, gpu_import_->Import(*t, worker, b, what, vmm_fd));
-  if (imp->device != b.gpu()) {
-    Log(LogLevel::kInfo, "CUDA buffer on another GPU than the worker numbers it",
-        {{"node", options_.node_id}, {"worker", worker}, {"buffer", b.buffer_id()}, {"worker_gpu", b.gpu()}, {"daemon_gpu", imp->device}});
-  }
-  return imp;
+  versions_.Join();          // tears down channels (blocked executors end), joins executors
 }
 
 }  // namespace wb::daemon

@@ -1,19 +1,18 @@
 #pragma once
-// Node daemon: WorkerService (Unix socket, local workers) and NodeService (TCP, from the
-// coordinator and peer nodes), the executor that runs this node's plan slice bucket by bucket on
-// the transport interface (transport/transport.h), and staging.
-//
-// Executor (per version): every local memory of the version (trainer live buffers in sync mode or
-// their Publish snapshot, rollout incoming staging, the rank-0 gather staging) is registered with
-// the same-node transport and, when the slice has cross-node ops, with the cross-node transport.
-// For each peer node, the node with the smaller id calls the other's ExchangeRegions (endpoint +
-// region descriptors, per model); both connect (or keep a healthy channel) and import. Then per
-// bucket: one batch of same-node ops (one-sided) and, per peer, one batch of the ops between the
-// two nodes in op-index order - the mirror batch the peer derives from its own slice in the same
-// way. Every batch of a bucket is waited for before the next bucket starts, so relays (and
-// rank0_broadcast reads of gathered data) read delivered bytes. AbortVersion disconnects the
-// version's peers so blocked waits end at once.
-// See docs/daemon.md for the memory model:
+// Node daemon: wires the node's parts (daemon/node/) and owns them. It serves WorkerService (Unix
+// socket, local workers) and NodeService (TCP, from the coordinator and peer nodes) through thin
+// gRPC adapters (daemon/node/worker_service.cc, node_service.cc) over:
+//  - node::WorkerCalls (daemon/node/worker_calls.h): the WorkerService calls;
+//  - node::Versions (daemon/node/versions.h): the NodeService calls and running each version
+//    (exec plan -> executor over the transports, staging, channels with peers, digests, commit);
+//  - LocalWorkers (worker table, snapshots, committed staging, live copies), node::NodeStaging
+//    (host/GPU staging, the node's budget), node::ChannelCache, node::NodeTransports, PeerStubs;
+//  - CoordinatorSession (registration, heartbeats, re-join) over CoordinatorClient.
+// NodeDaemon itself keeps Options, Start / Shutdown, what RegisterNode sends (Registration), the
+// re-join of its workers (Rejoin), the control tick (CheckWorkers, staging pool) and is the
+// node::CoordinatorAccess seam the parts reach the coordinator session through.
+// docs/architecture.md ("Node daemon") draws the parts, their threads and the lock order; see
+// docs/daemon.md for the memory model:
 //  - trainer sources: live shm (sync: the trainer waits in Publish) or a per-version snapshot taken
 //    at Publish (one-step-off / async);
 //  - rollout destinations: bytes always land in an "incoming" staging copy per version; at commit it
@@ -24,49 +23,44 @@
 #include <atomic>
 #include <functional>
 #include <map>
-#include <optional>
 #include <memory>
-#include <set>
+#include <optional>
 #include <string>
-#include <thread>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "planner/types.h"
-#include "proto/weightbridge.grpc.pb.h"
+#include "base/clock.h"
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
-#include "daemon/layout_discovery.h"
 #include "daemon/metrics.h"
-#include "daemon/nic_meter.h"
-#include "daemon/digest/op_digests.h"
 #include "daemon/node/channel_cache.h"
-#include "daemon/node/exec_plan.h"
-#include "daemon/node/executor.h"
+#include "daemon/node/coordinator_access.h"
 #include "daemon/node/coordinator_client.h"
 #include "daemon/node/coordinator_session.h"
 #include "daemon/node/gpu_import.h"
 #include "daemon/node/live_copy.h"
+#include "daemon/node/live_markers.h"
 #include "daemon/node/local_workers.h"
-#include "daemon/node/staging_budget.h"
-#include "daemon/staging_pool.h"
-#include "base/clock.h"
-#include "transport/device_allocator.h"
+#include "daemon/node/node_staging.h"
+#include "daemon/node/node_transports.h"
+#include "daemon/node/peer_stubs.h"
+#include "daemon/node/versions.h"
+#include "daemon/node/worker_calls.h"
+#include "proto/weightbridge.grpc.pb.h"
 #include "transport/factory.h"
-#include "base/shm_segment.h"
 
 namespace wb::daemon {
 
 namespace pb = ::weightbridge::v1;
 
-class NodeDaemon {
+class NodeDaemon final : private node::CoordinatorAccess {
  public:
   struct Options {
     std::string node_id = "node0";
     std::string coordinator;  // host:port of CoordinatorService
     std::string data_listen = "127.0.0.1:0";
+    // Every deadline and wait of the node (versions, worker calls, sessions). Transports and gRPC
+    // measure real time: a FakeClock suits tests of the control logic, not moving bytes.
     Clock* clock = Clock::Real();
     absl::Duration heartbeat = absl::Milliseconds(500);
     int64_t staging_budget_bytes = int64_t{64} << 30;
@@ -121,7 +115,9 @@ class NodeDaemon {
   };
 
   explicit NodeDaemon(Options options);
-  ~NodeDaemon();
+  ~NodeDaemon() override;
+  NodeDaemon(const NodeDaemon&) = delete;
+  NodeDaemon& operator=(const NodeDaemon&) = delete;
 
   // Registers with the coordinator (node_address = where our NodeService listens; peers reach it
   // there for ExchangeRegions, so it is also our data_address) and starts heartbeats (which also
@@ -130,171 +126,20 @@ class NodeDaemon {
   void Shutdown();
 
   void set_coordinator(const std::string& address) { options_.coordinator = address; }
-  pb::WorkerService::Service* worker_service();
-  pb::NodeService::Service* node_service();
+  pb::WorkerService::Service* worker_service() { return worker_impl_.get(); }
+  pb::NodeService::Service* node_service() { return node_impl_.get(); }
   const std::string& data_address() const { return data_address_; }
   // Options::metrics, or the process default.
   DaemonMetrics& metrics() const { return options_.metrics != nullptr ? *options_.metrics : Metrics(); }
 
-  // ---- WorkerService calls (daemon/node_daemon_workers.cc; the gRPC adapter is
-  // daemon/node/worker_service.cc). Each answers as the RPC of the same name; errors name the
-  // worker, model and node.
-  absl::Status RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
-  absl::Status RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp);
-  absl::Status Publish(const pb::PublishRequest& req, pb::PublishResponse* resp);
-  absl::Status BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp);
-  absl::Status Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
-  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
-  absl::Status Deregister(const pb::DeregisterRequest& req);
-  absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
-  // Status on both services: the coordinator's cluster status plus this node's live states.
-  absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
-
-  // ---- NodeService calls (daemon/node_daemon_versions.cc; the gRPC adapter is
-  // daemon/node/node_service.cc).
-  absl::Status InstallPlan(const pb::InstallPlanRequest& req);
-  absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req);
-  absl::Status CommitVersion(const pb::CommitVersionRequest& req);
-  absl::Status AbortVersion(const pb::AbortVersionRequest& req);
-  absl::Status ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp);
-  absl::Status DropWorker(const pb::DropWorkerRequest& req);
-  absl::Status Drain(const pb::DrainRequest& req, pb::DrainResponse* resp);
-
  private:
-  // Publish / Apply without their metrics (Publish and Apply count them before the reply).
-  absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
-  absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
-  // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
-  // held while the node (re-)registers and sent again once after a re-join that answered
-  // NOT_FOUND (daemon/node_daemon_workers.cc). *sent_in = the session of the last attempt.
-  absl::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
-                           const std::function<absl::Status(absl::Time)>& call);
-  // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
-  // naming the restart once the node re-joined a restarted coordinator, else `s`.
-  absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
+  // node::CoordinatorAccess, over coord_ and coordinator_client_ (set by Start).
+  CoordinatorClient& client() override;
+  bool AwaitRegistered(absl::Time deadline) override;
+  uint64_t session() override;
+  std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) override;
+  void TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) override;
 
-  // StagedBuffer, CudaImport, RelayAtCommit: daemon/node/live_copy.h.
-  using Bytes = StagedBytes;  // one entry per buffer, layout order
-  // `n` empty buffers whose host memory goes back to staging_pool_ when the last reference drops
-  // (fill them with TakeHost): every host staging of a version is made this way.
-  // `charges` (daemon/node/staging_budget.h) are held until the memory is gone.
-  std::shared_ptr<Bytes> NewBytes(size_t n = 0, std::vector<std::shared_ptr<StagingBudget::Charge>> charges = {});
-  // `bytes`, also holding `charge` until the memory is gone.
-  static std::shared_ptr<Bytes> KeepWith(std::shared_ptr<Bytes> bytes, std::shared_ptr<StagingBudget::Charge> charge);
-  // Host staging of `size` bytes from staging_pool_ (recycled when one of that size is idle).
-  std::vector<uint8_t> TakeHost(int64_t size);
-  // An idle host staging buffer of `size` bytes in staging_pool_ ahead of the first version that
-  // needs it (StagingPool::Prewarm), within what the node's staging budget leaves.
-  void PrewarmStaging(int64_t size);
-  // The local worker table (daemon/node/local_workers.h).
-  using WorkerKey = LocalWorkers::WorkerKey;
-  using LocalWorker = LocalWorkers::Worker;
-  static std::string LiveKey(const std::string& model, const std::string& worker) { return LocalWorkers::LiveKey(model, worker); }
-  struct ModelPlan {
-    pb::PlanSlice slice;
-    planner::Inventory inventory;
-    // Per slice worker (empty when the slice has no layout for it). `layouts` is what transfers
-    // address: a rollout's staging, where quantised pieces are replaced by their canonical-dtype
-    // shadows (planner::StagingLayout); `live_layouts` is the worker's own layout (commit/Apply
-    // copy into it; the quantiser writes its quantised pieces and scales in staging). The same
-    // for everyone without quantised pieces.
-    std::vector<planner::WorkerLayout> layouts;
-    std::vector<planner::WorkerLayout> live_layouts;
-    std::vector<bool> quantized;                 // the worker holds quantised pieces (host staging)
-    bool hosts_gather = false;                   // rank0_broadcast: this node holds the gather staging
-  };
-  // One peer node's side of a version's data plane.
-  struct PeerState {
-    bool have = false;  // its ExchangeRegions (request or response) arrived
-    bool reuse = false;
-    std::string endpoint;
-    std::map<std::string, std::string> regions;  // key -> descriptor
-  };
-  using LinkStat = node::LinkStat;
-  struct Exec {
-    std::string model_id;
-    uint64_t version = 0;
-    uint64_t epoch = 0;
-    std::string coordinator_instance;  // of the ExecuteVersion that started it (set under mu_ before the thread)
-    std::shared_ptr<const ModelPlan> plan;
-    std::map<std::string, std::shared_ptr<Bytes>> incoming;  // local rollout worker -> staging
-    std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
-    std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
-    int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
-    std::shared_ptr<StagingBudget::Charge> charge;  // staging_bytes of the node's budget; travels with the staging
-    bool started = false, aborted = false, failed = false;
-    // Catch-up (docs/daemon.md "Catch-up"): an execution of a catch-up slice (catch_up_plans_) for
-    // the already committed `version`: its ROLE_TRAINER workers are rollouts holding it (sources).
-    bool catch_up = false;
-    // Every byte of the version landed in this node's staging (the executor finished OK, before
-    // ReportDone): only then may CommitVersion make it the committed copy (FAILED_PRECONDITION before).
-    bool transferred = false;
-    std::string error;
-    absl::Time deadline;
-    // Data plane of this version (guarded by mu_).
-    bool regions_ready = false;
-    // transport name (a kind, "host_tcp", or an nccl lane, "nccl/<device>") -> (key -> descriptor)
-    std::map<std::string, std::map<std::string, std::string>> local_desc;
-    std::map<std::string, PeerState> peers;              // channel (ChannelName) -> the peer's side
-    std::map<std::string, transport::PeerId> connected;  // channel -> the connection this version uses
-    std::map<std::string, LinkStat> links;  // executor thread only: peer node (own id = same-node) -> totals
-    // Sync mode: same-node relays into a rollout whose staging nothing else reads are not copied
-    // staging to staging during the transfer; the commit copies them from the relay's source
-    // staging straight into the rollout's live buffers (RunExecInner "Relays at commit"). Written
-    // by the executor under mu_ before it reports done; read by CommitVersion.
-    using RelayAtCommit = daemon::RelayAtCommit;
-    std::map<std::string, std::vector<RelayAtCommit>> relays_at_commit;  // destination rollout -> copies
-    std::map<std::string, std::set<int32_t>> pieces_at_commit;           // destination rollout -> its pieces they fill
-    uint64_t relay_bytes_at_commit = 0;
-    // Executor thread only: seconds spent allocating staging, registering memory and setting up
-    // channels (ExchangeRegions, Connect), and in the buckets (logged with "version transferred").
-    double staging_s = 0, setup_s = 0, buckets_s = 0;
-    // The pure plan this node ran (set by the executor before its buckets): routes, ops with their
-    // region keys, pieces and boxes, relays at commit. Kept for what runs after the buckets.
-    std::shared_ptr<const node::ExecPlan> exec_plan;
-    // Executor thread only: the digests of this node's ops after the buckets (reported with
-    // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.
-    digest::OpDigests digests;
-    double digest_s = 0;
-  };
-
-  absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunExec(std::shared_ptr<Exec> exec);
-  absl::Status RunExecInner(Exec& exec);
-  // After every byte of a version landed: quantises the quantised pieces of this node's rollouts
-  // from their shadows into their places and scales in incoming (host) staging, on a few threads.
-  absl::Status QuantizeIncoming(Exec& exec);
-  // Exchanges regions with `peer` and returns the channel for this version (connecting if needed):
-  // our transport `mine` (named `mine_name`) with the peer's transport named `theirs_name`.
-  absl::StatusOr<node::ChannelLink> SetupPeer(Exec& exec, const node::ChannelPlan& channel, transport::Transport* mine);
-  // The executor's ChannelSetup: SetupPeer per channel, our descriptors into exec.local_desc.
-  class ExecChannels;
-  // Which memory backs each region key of a version on this node ("w<i>.b<j>", "g"), and what keeps
-  // it alive while the executor runs (GatherVersionMemory).
-  struct VersionMemory {
-    std::map<std::string, node::RegionMemory> regions;
-    std::vector<std::shared_ptr<void>> holds;  // snapshots / segments / staging / CUDA imports
-    // Live segments read in place (sync trainers, catch-up sources): checked again after the buckets.
-    std::vector<std::pair<std::string, std::shared_ptr<transport::ShmSegment>>> live_sources;
-  };
-  // Allocates the version's incoming staging (per local rollout, on its GPU where it may) and the
-  // gather staging, outside mu_.
-  absl::Status AllocateStaging(Exec& exec, const node::LanePlan& lanes);
-  // The memory of each local region key: rollout staging, trainer live buffers (sync) or snapshots,
-  // a catch-up source's committed staging or live buffers, the gather staging.
-  absl::Status GatherVersionMemory(Exec& exec, VersionMemory& out);
-  // Local sync rollouts whose live buffers are all host memory (relays may be left to the commit).
-  std::set<uint32_t> HostLiveSyncRollouts(const ModelPlan& plan);
-  // Deadline, abort check, metrics and progress of the executor for `exec`.
-  node::ExecOptions ExecOptionsFor(Exec& exec);
-  // After the buckets: end-to-end digests of the local ops (`digests`: started before the buckets;
-  // null with --digests=false) and the TEST ONLY after-buckets hook.
-  absl::Status DigestVersion(Exec& exec, const VersionMemory& memory, digest::OpDigestTracker* digests);
-  // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
-  void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
-  // gRPC stub to peer node `peer` at `address`; one per peer node, replaced when its address changes.
-  std::shared_ptr<pb::NodeService::Stub> PeerStub(const std::string& peer, const std::string& address);
   // Checks local worker processes; tells the coordinator about the ones that exited.
   void CheckWorkers();
   // What RegisterNode sends (addresses, transports): daemon/node/coordinator_session.h.
@@ -304,86 +149,33 @@ class NodeDaemon {
   // After (re-)registration: aborts local versions in flight (`reason`), re-submits models,
   // workers and layouts the node holds.
   void Rejoin(const std::string& reason);
-  // The coordinator session's (CoordinatorSession, coord_); false / nullopt / 0 before Start.
-  std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline);
-  bool AwaitRegistered(absl::Time deadline);
-  uint64_t session();
-  // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
-  // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
-  absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& model, const std::string& worker, const pb::BufferSpec& b);
-  // One copy of staging into a local rollout's live memory (sync commit or Apply): LocalWorkers::RunLiveCopies.
-  using LiveJob = LocalWorkers::LiveJob;
-  // Copies a worker's live buffers (host or CUDA) into `out` (one entry per buffer). With
-  // `on_gpu`, a CUDA buffer is copied device to device into GPU staging when the budget allows
-  // (else, and for host buffers, into host memory).
-  absl::Status ReadLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers,
-                        const std::vector<std::shared_ptr<CudaImport>>& cuda, Bytes& out, const std::string& label, absl::Time deadline,
-                        bool on_gpu = false);
-  // GPU staging of `size` bytes on `device`, or nullptr (host staging) when off / over budget.
-  absl::StatusOr<std::shared_ptr<transport::DeviceMemory>> TryDeviceStaging(int device, int64_t size, const std::string& label);
-  // The same-node transport that reaches CUDA memory (cuda_ipc), or nullptr.
-  transport::Transport* CudaTransport() const;
-  // The nccl lanes (device -> transport) when this node moves GPU staging across nodes (nccl built
-  // and usable, GPU staging on), else empty.
-  std::map<int, transport::Transport*> NcclLanes() const;
-  // The cross-node transport of this node named `name`: the host channel's kind ("host_tcp") or an
-  // nccl lane ("nccl/<device>"); nullptr when there is none.
-  transport::Transport* CrossTransport(const std::string& name) const;
-  // Cross-node channels: "<node>" for the host channel, "<node>\n<mine>><theirs>" for the nccl lane
-  // pair (our lane, the peer's lane), e.g. "n1\nnccl/0>nccl/3" (a newline cannot be part of a node
-  // id given by flag). ChannelTransportName returns <mine> ("" for the host channel).
-  static std::string ChannelName(const std::string& peer, const std::string& mine, const std::string& theirs) {
-    return node::ChannelName(peer, mine, theirs);
-  }
-  static std::string ChannelTransportName(const std::string& chan) { return node::ChannelTransportName(chan); }
 
+  // Declaration order is construction order: each part is built from the ones above it.
   Options options_;
-  std::unique_ptr<pb::WorkerService::Service> worker_impl_;
-  std::unique_ptr<pb::NodeService::Service> node_impl_;
-  std::unique_ptr<pb::CoordinatorService::Stub> coordinator_;
-  // Node -> coordinator calls (daemon/node/coordinator_client.h) and the session over them:
-  // registration, heartbeats (never take mu_), re-registration (Rejoin). Set by Start.
-  std::unique_ptr<CoordinatorClient> coordinator_client_;
-  std::unique_ptr<CoordinatorSession> coord_;
+  node::NodeTransports transports_;
   std::shared_ptr<GpuImport> gpu_import_;  // options_.gpu_import or the build's
-  LayoutDescriber describer_;               // RegisterLayout / DescribeLayout (thread-safe)
-  std::string node_address_, data_address_;
-
-  // Lock order: mu_ -> local_'s own mutex (LocalWorkers never calls back into NodeDaemon); the
-  // channel cache, staging pool and budget have leaf locks of their own.
-  absl::Mutex mu_;
-  std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through local_
-  LiveCopier copier_;                     // staging -> live copies on the host transport
+  LiveCopier copier_;                      // staging -> live copies on the host transport
   // The local workers: table, layouts, buffers, snapshots, committed staging, live state, the
   // node-local outcomes Apply waits for (aborted versions, re-joins) and live copies.
   LocalWorkers local_;
-  std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
-  // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
-  std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
-  std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);                       // model -> version
+  node::NodeStaging staging_;
   node::ChannelCache channels_;  // healthy cross-node channels per (model, channel) (own leaf lock)
-  NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
-  // Host staging memory reused across versions (own lock; buffers come back from NewBytes' deleter).
-  std::shared_ptr<StagingPool> staging_pool_;
-  // --staging_budget_bytes as the node's total of host staging (own lock).
-  std::shared_ptr<StagingBudget> budget_;
-  absl::Mutex stubs_mu_;
-  struct PeerStubEntry {
-    std::string address;
-    std::shared_ptr<pb::NodeService::Stub> stub;
-  };
-  std::map<std::string, PeerStubEntry> peer_stubs_ ABSL_GUARDED_BY(stubs_mu_);  // peer node -> stub
-  // Executor threads, one per started version. A thread files its id in exec_done_ as its last
-  // step under mu_; the next ExecuteVersion (and Shutdown) joins those, so a daemon that runs for
-  // weeks at one version a second keeps only the executors still running, not one per version.
-  std::map<uint64_t, std::thread> exec_threads_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> exec_done_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_exec_thread_ ABSL_GUARDED_BY(mu_) = 0;
-  // Moves the finished executor threads out (to be joined by the caller without mu_ held).
-  std::vector<std::thread> TakeFinishedExecThreadsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MarkExecThreadDone(uint64_t id);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  node::PeerStubs peer_stubs_;   // gRPC stubs to peers' NodeService (own leaf lock)
+  node::UnstartedCoordinatorClient unstarted_;  // client() before Start
+  node::Versions versions_;
+  node::WorkerCalls worker_calls_;
+  std::unique_ptr<pb::WorkerService::Service> worker_impl_;
+  std::unique_ptr<pb::NodeService::Service> node_impl_;
+  // Node -> coordinator calls (daemon/node/coordinator_client.h) and the session over them:
+  // registration, heartbeats, re-registration (Rejoin). Set by Start, before any worker can reach
+  // the node (the worker socket opens after Start); read by gRPC threads through CoordinatorAccess.
+  std::unique_ptr<CoordinatorClient> coordinator_client_;
+  std::unique_ptr<CoordinatorSession> coord_;
+  std::atomic<CoordinatorClient*> client_{nullptr};
+  std::atomic<CoordinatorSession*> session_{nullptr};
+  std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through local_
+  std::string node_address_, data_address_;
+  std::atomic<bool> stopped_{false};
 };
 
 }  // namespace wb::daemon

@@ -2,7 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "daemon/node_daemon.h"
+#include "daemon/node/versions.h"
+#include "daemon/node/worker_calls.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
@@ -10,7 +11,8 @@ namespace {
 
 class NodeServiceImpl final : public pb::NodeService::Service {
  public:
-  explicit NodeServiceImpl(NodeDaemon* node) : node_(node) {}
+  NodeServiceImpl(node::Versions* versions, node::WorkerCalls* calls, std::function<std::string()> data_address)
+      : node_(versions), calls_(calls), data_address_(std::move(data_address)) {}
 
   grpc::Status InstallPlan(grpc::ServerContext*, const pb::InstallPlanRequest* req, pb::InstallPlanResponse*) override {
     return ToGrpcStatus(node_->InstallPlan(*req));
@@ -34,19 +36,24 @@ class NodeServiceImpl final : public pb::NodeService::Service {
     return ToGrpcStatus(node_->Drain(*req, resp));
   }
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest* req, pb::StatusResponse* resp) override {
-    return ToGrpcStatus(node_->ClusterStatus(*req, resp));
+    return ToGrpcStatus(calls_->ClusterStatus(*req, resp));
   }
   grpc::Status SetupDataChannel(grpc::ServerContext*, const pb::SetupDataChannelRequest*, pb::SetupDataChannelResponse* resp) override {
-    resp->set_endpoint(node_->data_address());  // data planes are set up per version by ExchangeRegions
+    resp->set_endpoint(data_address_());  // data planes are set up per version by ExchangeRegions
     return grpc::Status::OK;
   }
 
  private:
-  NodeDaemon* node_;
+  node::Versions* node_;
+  node::WorkerCalls* calls_;
+  std::function<std::string()> data_address_;
 };
 
 }  // namespace
 
-std::unique_ptr<pb::NodeService::Service> NewNodeService(NodeDaemon* node) { return std::make_unique<NodeServiceImpl>(node); }
+std::unique_ptr<pb::NodeService::Service> NewNodeService(node::Versions* versions, node::WorkerCalls* calls,
+                                                        std::function<std::string()> data_address) {
+  return std::make_unique<NodeServiceImpl>(versions, calls, std::move(data_address));
+}
 
 }  // namespace wb::daemon

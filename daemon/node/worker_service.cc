@@ -2,7 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "daemon/node_daemon.h"
+#include "daemon/node/worker_calls.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
@@ -10,7 +10,7 @@ namespace {
 
 class WorkerServiceImpl final : public pb::WorkerService::Service {
  public:
-  explicit WorkerServiceImpl(NodeDaemon* node) : node_(node) {}
+  explicit WorkerServiceImpl(node::WorkerCalls* node) : node_(node) {}
 
   grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse* resp) override {
     return ToGrpcStatus(node_->RegisterWorker(*req, resp));
@@ -40,11 +40,11 @@ class WorkerServiceImpl final : public pb::WorkerService::Service {
     return ToGrpcStatus(node_->DescribeLayout(*req, resp));
   }
  private:
-  NodeDaemon* node_;
+  node::WorkerCalls* node_;
 };
 
 }  // namespace
 
-std::unique_ptr<pb::WorkerService::Service> NewWorkerService(NodeDaemon* node) { return std::make_unique<WorkerServiceImpl>(node); }
+std::unique_ptr<pb::WorkerService::Service> NewWorkerService(node::WorkerCalls* node) { return std::make_unique<WorkerServiceImpl>(node); }
 
 }  // namespace wb::daemon

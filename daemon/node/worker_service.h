@@ -1,8 +1,8 @@
 #pragma once
 // WorkerService (the node's Unix socket, called by local workers): RegisterWorker, RegisterLayout,
 // Publish, BeginUpdate, Apply, WaitVersion, Deregister, Status, DescribeLayout. A thin adapter:
-// each call goes to the NodeDaemon method of the same name (daemon/node_daemon_workers.cc), whose
-// absl::Status becomes the gRPC status through ToGrpcStatus (proto/grpc_status.h).
+// each call goes to the node::WorkerCalls method of the same name (daemon/node/worker_calls.h),
+// whose absl::Status becomes the gRPC status through ToGrpcStatus (proto/grpc_status.h).
 
 #include <memory>
 
@@ -10,9 +10,11 @@
 
 namespace wb::daemon {
 
-class NodeDaemon;
+namespace node {
+class WorkerCalls;
+}
 
-// `node` must outlive the service.
-std::unique_ptr<::weightbridge::v1::WorkerService::Service> NewWorkerService(NodeDaemon* node);
+// `calls` must outlive the service.
+std::unique_ptr<::weightbridge::v1::WorkerService::Service> NewWorkerService(node::WorkerCalls* calls);
 
 }  // namespace wb::daemon

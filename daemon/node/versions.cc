@@ -1,32 +1,39 @@
-// NodeDaemon, part four: what the coordinator and peer nodes ask of this node (the NodeService
-// calls; daemon/node/node_service.cc only adapts gRPC to these): plans, starting, committing and
-// aborting versions, the data-plane exchange with peers. Version execution itself is in
-// daemon/node_daemon_exec.cc; local worker state in LocalWorkers (daemon/node/local_workers.h).
+// node::Versions, part one: the NodeService calls, the exec table, re-join and shutdown (see
+// versions.h for the split and the thread / lock rules).
+#include "daemon/node/versions.h"
+
 #include <algorithm>
-#include <map>
 #include <optional>
-#include <set>
-#include <string>
-#include <thread>
-#include <vector>
+#include <tuple>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "daemon/convert.h"
 #include "daemon/log.h"
-#include "daemon/metrics.h"
 #include "daemon/nccl_route.h"
 #include "daemon/node/deadlines.h"
-#include "daemon/node_daemon.h"
-#include "planner/box.h"
 #include "planner/inventory.h"
 #include "planner/quantized.h"
 
-namespace wb::daemon {
+namespace wb::daemon::node {
 
-// ------------------------------------------------------------------------------- NodeService calls
-absl::Status NodeDaemon::InstallPlan(const pb::InstallPlanRequest& req) {
+Versions::Versions(Options options, LocalWorkers& local, ChannelCache& channels, NodeStaging& staging, const NodeTransports& transports,
+                   CoordinatorAccess& coordinator)
+    : options_(std::move(options)),
+      local_(local),
+      channels_(channels),
+      staging_(staging),
+      transports_(transports),
+      coordinator_(coordinator) {}
+
+Versions::~Versions() {
+  Stop();
+  Join();
+  options_.clock->Forget(&mu_);
+}
+
+absl::Status Versions::InstallPlan(const pb::InstallPlanRequest& req) {
   auto plan = std::make_shared<ModelPlan>();
   plan->slice = req.slice();
   auto inv = InventoryFromProto(plan->slice.tensors());
@@ -67,13 +74,67 @@ absl::Status NodeDaemon::InstallPlan(const pb::InstallPlanRequest& req) {
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
+absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch) {
+  // Catch-up (docs/daemon.md "Catch-up"): the epoch of the installed catch-up slice; its version is
+  // already committed (and may have been aborted by an earlier catch-up attempt).
+  auto cu = catch_up_plans_.find(model_id);
+  const bool catch_up = cu != catch_up_plans_.end() && cu->second->slice.plan_epoch() == epoch;
+  auto it = execs_.find({model_id, version});
+  if (it != execs_.end() && catch_up && (!it->second->catch_up || it->second->epoch != epoch)) {
+    return absl::FailedPreconditionError(absl::StrCat("catch-up of model ", model_id, " version ", version, " on node ", options_.node_id,
+                                                      ": another execution of that version is still held here"));
+  }
+  if (it != execs_.end()) return it->second;
+  if (std::optional<std::string> aborted = local_.AbortReason(model_id, version); !catch_up && aborted) {
+    return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", *aborted));
+  }
+  if (!catch_up && version <= committed_[model_id]) return absl::FailedPreconditionError(absl::StrCat("version ", version, " is already committed"));
+  auto p = catch_up ? cu : plans_.find(model_id);
+  if (p == plans_.end() || p->second->slice.plan_epoch() != epoch) {
+    return absl::FailedPreconditionError(absl::StrCat("plan epoch ", epoch, " of model ", model_id, " is not installed on node ", options_.node_id));
+  }
+  auto exec = std::make_shared<Exec>();
+  exec->model_id = model_id;
+  exec->version = version;
+  exec->epoch = epoch;
+  exec->catch_up = catch_up;
+  exec->plan = p->second;
+  exec->deadline = options_.clock->Now() + absl::Seconds(60);
+  // Staging (incoming per local rollout + gather) is only sized here; the executor allocates it
+  // outside mu_ (zero-filling a model-sized buffer under the lock stalled every handler).
+  // With GPU staging, a rollout's CUDA buffers are staged on its GPU under the per-GPU budget and
+  // are not counted here; the executor checks any that fall back to host memory.
+  const bool gpu_staging = staging_.gpu_staging();
+  int64_t staging = 0;
+  for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = exec->plan->slice.workers(i);
+    if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT) continue;
+    const std::vector<std::shared_ptr<CudaImport>> lw = local_.Cuda({exec->model_id, w.worker_id()});  // empty: unknown
+    for (size_t j = 0; j < exec->plan->layouts[i].buffers.size(); ++j) {
+      const bool cuda = j < lw.size() && lw[j] != nullptr;
+      if (gpu_staging && cuda && !exec->plan->quantized[i]) continue;  // quantised: host staging (the quantiser runs there)
+      staging += exec->plan->layouts[i].buffers[j].size_bytes;
+    }
+  }
+  if (exec->plan->hosts_gather) staging += static_cast<int64_t>(exec->plan->slice.gather_staging_bytes());
+  // The node's total (daemon/node/staging_budget.h), not this version's alone: other versions in
+  // flight, snapshots and committed staging not applied yet count too.
+  ASSIGN_OR_RETURN(exec->charge, staging_.budget().Reserve(staging, absl::StrCat("the staging of model ", model_id, " version ", version)));
+  exec->staging_bytes = staging;
+  execs_[{model_id, version}] = exec;
+  // Heartbeats report the version's progress while it exists (without mu_).
+  coordinator_.TrackProgress(model_id, version, std::shared_ptr<const std::atomic<uint64_t>>(exec, &exec->bytes_done));
+  return exec;
+}
+
+absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   // Declared before the lock so finished executors are joined after it is released.
   std::vector<std::thread> finished;
   absl::Cleanup join_finished = [&finished] {
     for (auto& t : finished) t.join();
   };
   absl::MutexLock l(&mu_);
+  if (stopping_) return absl::UnavailableError(absl::StrCat("node ", options_.node_id, " is shutting down"));
   finished = TakeFinishedExecThreadsLocked();
   // Snapshots older than this version can never be sent any more (superseded, or aborted with the
   // abort still on its way here): dropped before this version's staging is charged to the node's
@@ -84,7 +145,7 @@ absl::Status NodeDaemon::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   if ((*exec)->started) return absl::OkStatus();
   (*exec)->started = true;
   (*exec)->coordinator_instance = req.coordinator_instance();
-  (*exec)->deadline = absl::Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
+  (*exec)->deadline = options_.clock->Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
   // Answers at once: staging is allocated and every copy runs on the executor thread.
   std::shared_ptr<Exec> e = *exec;
   const uint64_t tid = next_exec_thread_++;
@@ -95,20 +156,45 @@ absl::Status NodeDaemon::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::CommitVersion(const pb::CommitVersionRequest& req) {
+std::vector<LocalWorkers::LiveJob> Versions::CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) {
+  std::set<std::string> relayed;  // rollouts with relays at commit
+  for (const auto& [wid, pieces] : exec.pieces_at_commit) relayed.insert(wid);
+  std::vector<LocalWorkers::LiveJob> jobs = local_.Commit(req.model_id(), req.version(), exec.incoming, relayed);
+  for (LocalWorkers::LiveJob& t : jobs) {
+    const std::string& wid = t.worker;
+    t.inventory = std::shared_ptr<const planner::Inventory>(exec.plan, &exec.plan->inventory);
+    t.label = absl::StrCat("commit ", wid, " v", req.version());
+    for (int i = 0; i < exec.plan->slice.workers_size(); ++i) {
+      if (exec.plan->slice.workers(i).worker_id() == wid) t.layout = exec.plan->live_layouts[i];
+    }
+    auto relayed_pieces = exec.pieces_at_commit.find(wid);
+    if (relayed_pieces != exec.pieces_at_commit.end()) {
+      std::vector<planner::Piece> own;
+      for (size_t k = 0; k < t.layout.pieces.size(); ++k) {
+        if (relayed_pieces->second.count(static_cast<int32_t>(k)) == 0) own.push_back(t.layout.pieces[k]);
+      }
+      t.layout.pieces = std::move(own);
+      t.relays = &exec.relays_at_commit[wid];
+      t.incoming = &exec.incoming;
+    }
+  }
+  return jobs;
+}
+
+absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   // The commit is counted while mu_ is held, before anyone can see the version committed here
   // (Apply, then a metrics scrape, must find its counts): async rollouts see it once the first
   // block below releases mu_, sync ones once their live copies are done (second block).
-  const absl::Time commit_start = absl::Now();
+  const absl::Time commit_start = options_.clock->Now();
   auto count_commit = [&] {
     DaemonMetrics& m = metrics();
-    m.Phase(options_.node_id, "commit", absl::ToDoubleSeconds(absl::Now() - commit_start));
+    m.Phase(options_.node_id, "commit", absl::ToDoubleSeconds(options_.clock->Now() - commit_start));
     m.Version(options_.node_id, req.model_id(), "committed");
     m.Committed(options_.node_id, req.model_id(), req.version());
   };
   // What the sync live copy needs is captured under the lock by value (worker id, buffers,
   // layout): a concurrent Deregister may erase the LocalWorker meanwhile.
-  std::vector<LiveJob> jobs;
+  std::vector<LocalWorkers::LiveJob> jobs;
   std::shared_ptr<Exec> exec;
   const std::string& me = options_.node_id;
   {
@@ -133,33 +219,13 @@ absl::Status NodeDaemon::CommitVersion(const pb::CommitVersionRequest& req) {
                                                         ": the version has not fully landed: ", missing));
     }
     execs_.erase(it);
-    std::set<std::string> relayed;  // rollouts with relays at commit
-    for (const auto& [wid, pieces] : exec->pieces_at_commit) relayed.insert(wid);
-    jobs = local_.Commit(req.model_id(), req.version(), exec->incoming, relayed);
-    for (LiveJob& t : jobs) {
-      const std::string& wid = t.worker;
-      t.inventory = std::shared_ptr<const planner::Inventory>(exec->plan, &exec->plan->inventory);
-      t.label = absl::StrCat("commit ", wid, " v", req.version());
-      for (int i = 0; i < exec->plan->slice.workers_size(); ++i) {
-        if (exec->plan->slice.workers(i).worker_id() == wid) t.layout = exec->plan->live_layouts[i];
-      }
-      auto relayed_pieces = exec->pieces_at_commit.find(wid);
-      if (relayed_pieces != exec->pieces_at_commit.end()) {
-        std::vector<planner::Piece> own;
-        for (size_t k = 0; k < t.layout.pieces.size(); ++k) {
-          if (relayed_pieces->second.count(static_cast<int32_t>(k)) == 0) own.push_back(t.layout.pieces[k]);
-        }
-        t.layout.pieces = std::move(own);
-        t.relays = &exec->relays_at_commit[wid];
-        t.incoming = &exec->incoming;
-      }
-    }
+    jobs = CommitJobsLocked(req, *exec);
     local_.DropSnapshots(req.model_id(), req.version());
     if (jobs.empty()) count_commit();  // nothing left that can fail
   }
   // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
   // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
-  const absl::Time copy_start = absl::Now();
+  const absl::Time copy_start = options_.clock->Now();
   std::vector<absl::Status> copied = local_.RunLiveCopies(jobs);
   absl::MutexLock l(&mu_);
   absl::Status failed;
@@ -187,7 +253,7 @@ absl::Status NodeDaemon::CommitVersion(const pb::CommitVersionRequest& req) {
     it = stale ? execs_.erase(it) : std::next(it);
   }
   if (exec->relay_bytes_at_commit > 0) {
-    transport::Transport* host_t = options_.transports.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false);
+    transport::Transport* host_t = transports_.Local();
     if (host_t != nullptr) metrics().Bytes(me, req.model_id(), host_t->capabilities().kind, me, exec->relay_bytes_at_commit);
     metrics().RelayAtCommit(me, exec->relay_bytes_at_commit);
   }
@@ -199,11 +265,11 @@ absl::Status NodeDaemon::CommitVersion(const pb::CommitVersionRequest& req) {
        {"model", req.model_id()},
        {"version", req.version()},
        {"live_copies", jobs.size()},
-       {"copy_s", absl::ToDoubleSeconds(absl::Now() - copy_start)}});
+       {"copy_s", absl::ToDoubleSeconds(options_.clock->Now() - copy_start)}});
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::AbortVersion(const pb::AbortVersionRequest& req) {
+absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   metrics().Version(options_.node_id, req.model_id(), "aborted");
   metrics().Failure(options_.node_id, absl::AbortedError(req.reason()));
   std::map<std::string, transport::PeerId> connected;
@@ -226,10 +292,10 @@ absl::Status NodeDaemon::AbortVersion(const pb::AbortVersionRequest& req) {
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp) {
+absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp) {
   const std::string& mine = req.transport_kind();
   const std::string& theirs = req.from_transport().empty() ? mine : req.from_transport();
-  transport::Transport* cross = CrossTransport(mine);
+  transport::Transport* cross = transports_.Cross(mine);
   if (cross == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("node ", options_.node_id, " has no '", mine, "' transport",
                                                       ParseNcclLaneName(mine) >= 0 ? " (nccl lane; needs --gpu_staging_bytes)" : ""));
@@ -240,7 +306,7 @@ absl::Status NodeDaemon::ExchangeRegions(const pb::ExchangeRegionsRequest& req, 
   std::shared_ptr<Exec> exec = *e;
   // Our regions exist once our executor registered them (ExecuteVersion may reach us later).
   auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return exec->regions_ready || exec->aborted || exec->failed || stopping_; };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&ready), exec->deadline)) {
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&ready), exec->deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("node ", options_.node_id, ": version ", req.version(), " did not start in time"));
   }
   if (!exec->regions_ready) return absl::AbortedError(absl::StrCat("version ", req.version(), " aborted: ", exec->error));
@@ -252,7 +318,7 @@ absl::Status NodeDaemon::ExchangeRegions(const pb::ExchangeRegionsRequest& req, 
     }
   }
   const std::string chan = ChannelName(req.from_node(), mine, theirs);
-  const std::optional<node::ChannelCache::Entry> c = channels_.Find(req.model_id(), chan);
+  const std::optional<ChannelCache::Entry> c = channels_.Find(req.model_id(), chan);
   const bool reuse = req.reuse() && c.has_value() && c->peer_instance == from_instance;
   auto endpoint = cross->ExportEndpoint(from_instance);
   if (!endpoint.ok()) return endpoint.status();
@@ -271,15 +337,87 @@ absl::Status NodeDaemon::ExchangeRegions(const pb::ExchangeRegionsRequest& req, 
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::DropWorker(const pb::DropWorkerRequest& req) {
+absl::Status Versions::DropWorker(const pb::DropWorkerRequest& req) {
   local_.Remove({req.model_id(), req.worker_id()});
   return absl::OkStatus();
 }
 
-absl::Status NodeDaemon::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
+absl::Status Versions::Drain(const pb::DrainRequest& req, pb::DrainResponse* resp) {
   pb::DrainRequest r = req;
   if (r.node_id().empty()) r.set_node_id(options_.node_id);
-  return coordinator_client_->Drain(r, resp, CallTimeout(Deadline(req.timeout_ms())));
+  return coordinator_.client().Drain(r, resp, CallTimeout(options_.clock, Deadline(options_.clock, req.timeout_ms())));
 }
 
-}  // namespace wb::daemon
+uint64_t Versions::Committed(const std::string& model_id) {
+  absl::MutexLock l(&mu_);
+  auto it = committed_.find(model_id);
+  return it == committed_.end() ? 0 : it->second;
+}
+
+std::shared_ptr<const ModelPlan> Versions::Plan(const std::string& model_id) {
+  absl::MutexLock l(&mu_);
+  auto it = plans_.find(model_id);
+  return it == plans_.end() ? nullptr : it->second;
+}
+
+std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& reason) {
+  std::vector<std::tuple<std::string, std::string, transport::PeerId>> drop;
+  std::map<std::string, uint64_t> committed;
+  {
+    absl::MutexLock l(&mu_);
+    for (auto& [key, e] : execs_) {
+      e->aborted = true;
+      e->error = reason;
+      local_.NoteAborted(key.first, key.second, reason);
+      for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
+    }
+    execs_.clear();
+    local_.NoteRejoin(reason);
+    committed = committed_;
+  }
+  for (auto& [model, peer, id] : drop) DropChannel(model, peer, id);
+  return committed;
+}
+
+bool Versions::Stop() {
+  absl::MutexLock l(&mu_);
+  if (stopping_) return false;
+  stopping_ = true;
+  for (auto& [k, e] : execs_) e->aborted = true;
+  local_.Stop();
+  return true;
+}
+
+void Versions::Join() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock l(&mu_);
+    if (joined_) return;
+    joined_ = true;
+    for (auto& [id, t] : exec_threads_) threads.push_back(std::move(t));
+    exec_threads_.clear();
+    exec_done_.clear();
+  }
+  // Executors blocked on a channel end when it is torn down.
+  for (const ChannelCache::Keyed& c : channels_.All()) DropChannel(c.model_id, c.channel, c.id);
+  for (auto& t : threads) t.join();
+}
+
+std::vector<std::thread> Versions::TakeFinishedExecThreadsLocked() {
+  std::vector<std::thread> out;
+  for (uint64_t id : exec_done_) {
+    auto it = exec_threads_.find(id);
+    if (it == exec_threads_.end()) continue;
+    out.push_back(std::move(it->second));
+    exec_threads_.erase(it);
+  }
+  exec_done_.clear();
+  return out;
+}
+
+void Versions::MarkExecThreadDone(uint64_t id) {
+  absl::MutexLock l(&mu_);
+  exec_done_.push_back(id);
+}
+
+}  // namespace wb::daemon::node

@@ -1,0 +1,273 @@
+#pragma once
+// node::Versions: what the coordinator and peer nodes ask of this node about versions (the
+// NodeService calls; daemon/node/node_service.cc only adapts gRPC to them) and running each
+// version here: plans, executions, commits, aborts, the data-plane exchange with peers.
+//
+//   versions.cc         the NodeService calls (InstallPlan, ExecuteVersion, CommitVersion,
+//                       AbortVersion, ExchangeRegions, DropWorker, Drain), the exec table, re-join
+//                       and shutdown.
+//   versions_run.cc     one version on the executor thread: RunExec (ReportDone), RunExecInner
+//                       (exec plan -> executor), ExecOptionsFor, the channel setup with peers
+//                       (ExecChannels, SetupPeer, DropChannel).
+//   versions_memory.cc  the memory of a version: AllocateStaging, GatherVersionMemory,
+//                       HostLiveSyncRollouts, DigestVersion, QuantizeIncoming.
+//
+// Executor (per version): every local memory of the version (trainer live buffers in sync mode or
+// their Publish snapshot, rollout incoming staging, the rank-0 gather staging) is registered with
+// the same-node transport and, when the slice has cross-node ops, with the cross-node transport.
+// For each peer node, the node with the smaller id calls the other's ExchangeRegions (endpoint +
+// region descriptors, per model); both connect (or keep a healthy channel) and import. Then the
+// buckets run (daemon/node/exec_plan.h states the ordering and deadlock rules, daemon/node/
+// executor.h runs them). AbortVersion disconnects the version's peers so blocked waits end at once.
+//
+// Threads and locks:
+//  - NodeService calls run on gRPC threads; each started version runs on its own executor thread
+//    (ExecuteVersion starts it; the next ExecuteVersion and Stop join the finished ones).
+//  - mu_ guards plans_, catch_up_plans_, execs_, committed_, the executor thread table, stopping_
+//    and the fields of each Exec marked "under mu_". Lock order: mu_ -> LocalWorkers' own mutex
+//    (LocalWorkers never calls back); ChannelCache, NodeStaging (pool, budget), the metrics and
+//    the clock's own lock are leaves under mu_. mu_ is never held across a network call, a copy
+//    or a wait for a peer except through Clock::WaitUntil on mu_ itself (ExchangeRegions, SetupPeer).
+//  - Every wait goes through Options::clock (Clock::WaitUntil on mu_; deadlines are clock->Now()
+//    + timeout). Transports and gRPC measure real time, so a FakeClock suits the control logic
+//    (tests) but not a version whose bytes move.
+//
+// Dependencies are passed in and must outlive this object: LocalWorkers (worker table, snapshots,
+// committed staging, live copies), node::ChannelCache (healthy cross-node channels per model),
+// node::NodeStaging (host/GPU staging and the node's budget), node::NodeTransports, and the
+// coordinator seam node::CoordinatorAccess (ReportDone, progress for heartbeats, Drain).
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "base/clock.h"
+#include "daemon/digest/op_digests.h"
+#include "daemon/metrics.h"
+#include "daemon/nic_meter.h"
+#include "daemon/node/channel_cache.h"
+#include "daemon/node/coordinator_access.h"
+#include "daemon/node/exec_plan.h"
+#include "daemon/node/executor.h"
+#include "daemon/node/live_copy.h"
+#include "daemon/node/local_workers.h"
+#include "daemon/node/node_staging.h"
+#include "daemon/node/node_transports.h"
+#include "daemon/node/staging_budget.h"
+#include "planner/types.h"
+#include "proto/weightbridge.pb.h"
+#include "base/shm_segment.h"
+
+namespace wb::daemon::node {
+
+namespace pb = ::weightbridge::v1;
+
+// A model's installed plan slice, resolved.
+struct ModelPlan {
+  pb::PlanSlice slice;
+  planner::Inventory inventory;
+  // Per slice worker (empty when the slice has no layout for it). `layouts` is what transfers
+  // address: a rollout's staging, where quantised pieces are replaced by their canonical-dtype
+  // shadows (planner::StagingLayout); `live_layouts` is the worker's own layout (commit/Apply
+  // copy into it; the quantiser writes its quantised pieces and scales in staging). The same
+  // for everyone without quantised pieces.
+  std::vector<planner::WorkerLayout> layouts;
+  std::vector<planner::WorkerLayout> live_layouts;
+  std::vector<bool> quantized;  // the worker holds quantised pieces (host staging)
+  bool hosts_gather = false;    // rank0_broadcast: this node holds the gather staging
+};
+
+// One peer node's side of a version's data plane.
+struct PeerState {
+  bool have = false;  // its ExchangeRegions (request or response) arrived
+  bool reuse = false;
+  std::string endpoint;
+  std::map<std::string, std::string> regions;  // key -> descriptor
+};
+
+// One execution of a version on this node.
+struct Exec {
+  using Bytes = StagedBytes;
+  std::string model_id;
+  uint64_t version = 0;
+  uint64_t epoch = 0;
+  std::string coordinator_instance;  // of the ExecuteVersion that started it (set under mu_ before the thread)
+  std::shared_ptr<const ModelPlan> plan;
+  std::map<std::string, std::shared_ptr<Bytes>> incoming;  // local rollout worker -> staging
+  std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
+  std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
+  int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
+  std::shared_ptr<StagingBudget::Charge> charge;  // staging_bytes of the node's budget; travels with the staging
+  bool started = false, aborted = false, failed = false;  // under mu_
+  // Catch-up (docs/daemon.md "Catch-up"): an execution of a catch-up slice (catch_up_plans_) for
+  // the already committed `version`: its ROLE_TRAINER workers are rollouts holding it (sources).
+  bool catch_up = false;
+  // Every byte of the version landed in this node's staging (the executor finished OK, before
+  // ReportDone): only then may CommitVersion make it the committed copy (FAILED_PRECONDITION before).
+  bool transferred = false;
+  std::string error;
+  absl::Time deadline;  // on Options::clock
+  // Data plane of this version (under mu_).
+  bool regions_ready = false;
+  // transport name (a kind, "host_tcp", or an nccl lane, "nccl/<device>") -> (key -> descriptor)
+  std::map<std::string, std::map<std::string, std::string>> local_desc;
+  std::map<std::string, PeerState> peers;              // channel (ChannelName) -> the peer's side
+  std::map<std::string, transport::PeerId> connected;  // channel -> the connection this version uses
+  std::map<std::string, LinkStat> links;  // executor thread only: peer node (own id = same-node) -> totals
+  // Sync mode: same-node relays into a rollout whose staging nothing else reads are not copied
+  // staging to staging during the transfer; the commit copies them from the relay's source
+  // staging straight into the rollout's live buffers (RunExecInner "Relays at commit"). Written
+  // by the executor under mu_ before it reports done; read by CommitVersion.
+  std::map<std::string, std::vector<daemon::RelayAtCommit>> relays_at_commit;  // destination rollout -> copies
+  std::map<std::string, std::set<int32_t>> pieces_at_commit;                   // destination rollout -> its pieces they fill
+  uint64_t relay_bytes_at_commit = 0;
+  // Executor thread only: seconds spent allocating staging, registering memory and setting up
+  // channels (ExchangeRegions, Connect), and in the buckets (logged with "version transferred").
+  double staging_s = 0, setup_s = 0, buckets_s = 0;
+  // The pure plan this node ran (set by the executor before its buckets): routes, ops with their
+  // region keys, pieces and boxes, relays at commit. Kept for what runs after the buckets.
+  std::shared_ptr<const ExecPlan> exec_plan;
+  // Executor thread only: the digests of this node's ops after the buckets (reported with
+  // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.
+  digest::OpDigests digests;
+  double digest_s = 0;
+};
+
+class Versions {
+ public:
+  using Bytes = StagedBytes;
+  struct Options {
+    std::string node_id;
+    Clock* clock = Clock::Real();
+    DaemonMetrics* metrics = nullptr;  // required; must outlive this
+    bool checksums = true;             // per-batch xxh3 on cross-node batches
+    bool digests = true;               // end-to-end digests (NodeDaemon::Options::digests)
+    int digest_threads = 8;
+    bool digest_overlap = true;
+    // TEST ONLY hooks: see NodeDaemon::Options.
+    std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>
+        test_after_buckets;
+    std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
+    // Seam: peer node `peer`'s ExchangeRegions at `address`, cut at `deadline` (PeerStubs).
+    std::function<absl::Status(const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,
+                               pb::ExchangeRegionsResponse* resp, absl::Time deadline)>
+        exchange_regions;
+  };
+  Versions(Options options, LocalWorkers& local, ChannelCache& channels, NodeStaging& staging, const NodeTransports& transports,
+           CoordinatorAccess& coordinator);
+  ~Versions();  // Stop + Join if not done
+  Versions(const Versions&) = delete;
+  Versions& operator=(const Versions&) = delete;
+
+  // ---- NodeService calls (errors name the model, version and node).
+  absl::Status InstallPlan(const pb::InstallPlanRequest& req);
+  // Answers at once: staging is allocated and every copy runs on the version's executor thread.
+  absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req);
+  // FAILED_PRECONDITION while the version has not fully landed here (not transferred).
+  absl::Status CommitVersion(const pb::CommitVersionRequest& req);
+  absl::Status AbortVersion(const pb::AbortVersionRequest& req);
+  // Waits (on the clock, up to the version's deadline) until our executor registered its regions.
+  absl::Status ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp);
+  absl::Status DropWorker(const pb::DropWorkerRequest& req);
+  absl::Status Drain(const pb::DrainRequest& req, pb::DrainResponse* resp);
+
+  // ---- For NodeDaemon and WorkerCalls.
+  // The model's committed version here (0: none).
+  uint64_t Committed(const std::string& model_id);
+  // The model's installed plan (not a catch-up slice), or null.
+  std::shared_ptr<const ModelPlan> Plan(const std::string& model_id);
+  // After (re-)registration: aborts every version in flight naming `reason` (LocalWorkers::
+  // NoteAborted, NoteRejoin) and drops their channels. Returns the committed versions (model ->
+  // version) as they were at the abort, for the re-join of the node's workers.
+  std::map<std::string, uint64_t> AbortAllForRejoin(const std::string& reason);
+  // Shutdown, first half: aborts every version, stops LocalWorkers' waits; no new executor starts.
+  // False when already stopped.
+  bool Stop();
+  // Shutdown, second half (after the coordinator session stopped): tears down every cached
+  // channel (executors blocked on one end) and joins the executor threads.
+  void Join();
+
+ private:
+  DaemonMetrics& metrics() const { return *options_.metrics; }
+  absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).
+  std::vector<LocalWorkers::LiveJob> CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // versions_run.cc
+  void RunExec(std::shared_ptr<Exec> exec);
+  absl::Status RunExecInner(Exec& exec);
+  void ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0);
+  // Exchanges regions with the peer of `channel` and returns the channel for this version
+  // (connecting if needed) over our transport `mine`.
+  absl::StatusOr<ChannelLink> SetupPeer(Exec& exec, const ChannelPlan& channel, transport::Transport* mine);
+  // The executor's ChannelSetup: SetupPeer per channel, our descriptors into exec.local_desc.
+  class ExecChannels;
+  // Deadline, abort check, metrics and progress of the executor for `exec`.
+  ExecOptions ExecOptionsFor(Exec& exec);
+  // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
+  void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
+
+  // versions_memory.cc
+  // Which memory backs each region key of a version on this node ("w<i>.b<j>", "g"), and what
+  // keeps it alive while the executor runs (GatherVersionMemory).
+  struct VersionMemory {
+    std::map<std::string, RegionMemory> regions;
+    std::vector<std::shared_ptr<void>> holds;  // snapshots / segments / staging / CUDA imports
+    // Live segments read in place (sync trainers, catch-up sources): checked again after the buckets.
+    std::vector<std::pair<std::string, std::shared_ptr<transport::ShmSegment>>> live_sources;
+  };
+  // Allocates the version's incoming staging (per local rollout, on its GPU where it may) and the
+  // gather staging, outside mu_.
+  absl::Status AllocateStaging(Exec& exec, const LanePlan& lanes);
+  // The memory of each local region key: rollout staging, trainer live buffers (sync) or snapshots,
+  // a catch-up source's committed staging or live buffers, the gather staging.
+  absl::Status GatherVersionMemory(Exec& exec, VersionMemory& out);
+  // Local sync rollouts whose live buffers are all host memory (relays may be left to the commit).
+  std::set<uint32_t> HostLiveSyncRollouts(const ModelPlan& plan);
+  // After the buckets: end-to-end digests of the local ops (`digests`: started before the buckets;
+  // null with digests off) and the TEST ONLY after-buckets hook.
+  absl::Status DigestVersion(Exec& exec, const VersionMemory& memory, digest::OpDigestTracker* digests);
+  // After every byte of a version landed: quantises the quantised pieces of this node's rollouts
+  // from their shadows into their places and scales in incoming (host) staging, on a few threads.
+  absl::Status QuantizeIncoming(Exec& exec);
+
+  // Executor threads: a thread files its id in exec_done_ as its last step under mu_; the next
+  // ExecuteVersion (and Join) joins those, so a daemon that runs for weeks at one version a
+  // second keeps only the executors still running, not one per version.
+  std::vector<std::thread> TakeFinishedExecThreadsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkExecThreadDone(uint64_t id);
+
+  const Options options_;
+  LocalWorkers& local_;
+  ChannelCache& channels_;
+  NodeStaging& staging_;
+  const NodeTransports& transports_;
+  CoordinatorAccess& coordinator_;
+  NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
+
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
+  // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
+  std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);  // model -> version
+  std::map<uint64_t, std::thread> exec_threads_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> exec_done_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_exec_thread_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool joined_ ABSL_GUARDED_BY(mu_) = false;  // Join ran
+};
+
+}  // namespace wb::daemon::node

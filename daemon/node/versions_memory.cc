@@ -1,0 +1,254 @@
+// node::Versions, part three: the memory of a version on this node (see versions.h): its staging,
+// which memory backs each region key, digests after the buckets, quantising incoming staging.
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "daemon/log.h"
+#include "daemon/node/quantize_incoming.h"
+#include "daemon/node/versions.h"
+
+namespace wb::daemon::node {
+
+absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) {
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  const std::string vlabel = absl::StrCat(exec.model_id, " v", exec.version);
+  // A rollout whose live buffers are CUDA memory and that exchanges nothing with other nodes is
+  // staged on its GPU when the GPU staging budget allows (GPU-direct: the version never leaves the
+  // GPUs); one that receives over nccl is staged on its lane's GPU.
+  std::map<std::string, std::vector<std::shared_ptr<CudaImport>>> rollout_cuda;
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = plan.slice.workers(i);
+    if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+    rollout_cuda[w.worker_id()] = local_.Cuda({exec.model_id, w.worker_id()});
+  }
+  std::map<std::string, std::shared_ptr<Bytes>> incoming;
+  std::shared_ptr<Bytes> gather;
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = plan.slice.workers(i);
+    if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
+    const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
+    std::shared_ptr<Bytes> bytes = staging_.NewBytes(0, {exec.charge});
+    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
+      const int64_t size = plan.layouts[i].buffers[j].size_bytes;
+      StagedBuffer sb;
+      if (j < cuda.size() && cuda[j] != nullptr && !plan.quantized[i]) {
+        const std::string what = absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j);
+        auto lane = lanes.lane_of.find(node::RegionKey(i, j));
+        if (lane != lanes.lane_of.end()) {
+          // Received over nccl: staged on the lane's GPU (the buffer's own GPU when it has a lane;
+          // commit/apply copy it to the worker's buffer).
+          ASSIGN_OR_RETURN(sb.device, staging_.TryDeviceStaging(lane->second, size, what));
+          if (sb.device == nullptr) {
+            return absl::ResourceExhaustedError(absl::StrCat(what, ": ", size, " bytes of GPU staging on GPU ", lane->second,
+                                                             " (nccl route) exceed --gpu_staging_bytes or the GPU's free memory"));
+          }
+        } else if (lanes.crosses.count(static_cast<uint32_t>(i)) == 0 || lanes.nccl_in.count(static_cast<uint32_t>(i)) > 0) {
+          // Nothing from another node lands in this buffer except over nccl: stage it on its GPU.
+          ASSIGN_OR_RETURN(sb.device, staging_.TryDeviceStaging(cuda[j]->device, size, what));
+        }
+        metrics().Staged(me, sb.device ? "gpu" : "host", "incoming", static_cast<uint64_t>(size));
+        if (sb.device == nullptr && staging_.gpu_staging()) {
+          // Not counted in exec.staging_bytes (expected on the GPU): reserved from the host budget now.
+          ASSIGN_OR_RETURN(std::shared_ptr<StagingBudget::Charge> extra,
+                           staging_.budget().Reserve(size, absl::StrCat(vlabel, " incoming ", w.worker_id(), " b", j,
+                                                               " (a CUDA buffer that did not fit the GPU staging budget)")));
+          bytes = NodeStaging::KeepWith(std::move(bytes), std::move(extra));
+        }
+      }
+      if (sb.device == nullptr) sb.host = staging_.TakeHost(size);  // recycled: see daemon/staging_pool.h
+      bytes->push_back(std::move(sb));
+    }
+    incoming[w.worker_id()] = std::move(bytes);
+  }
+  if (plan.hosts_gather) {
+    gather = staging_.NewBytes(1, {exec.charge});
+    (*gather)[0].host = staging_.TakeHost(static_cast<int64_t>(plan.slice.gather_staging_bytes()));
+  }
+  absl::MutexLock l(&mu_);
+  exec.incoming = std::move(incoming);
+  exec.gather = std::move(gather);
+  return absl::OkStatus();
+}
+
+namespace {
+
+node::RegionMemory StagedRegion(const StagedBuffer& b) {
+  node::RegionMemory m;
+  m.size = b.size();
+  if (b.device) {
+    m.kind = transport::MemoryKind::kCuda;
+    m.base = static_cast<uint8_t*>(b.device->data());
+    m.device = b.device->device();
+  } else {
+    m.base = const_cast<uint8_t*>(b.host.data());
+  }
+  return m;
+}
+
+node::RegionMemory SegmentRegion(const std::shared_ptr<transport::ShmSegment>& seg) {
+  return node::RegionMemory{transport::MemoryKind::kHost, static_cast<uint8_t*>(seg->data()), seg->size(), -1, {}};
+}
+
+}  // namespace
+
+absl::Status Versions::GatherVersionMemory(Exec& exec, VersionMemory& out) {
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  absl::MutexLock l(&mu_);
+  if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& pw = plan.slice.workers(i);
+    if (pw.node_id() != me) continue;
+    const planner::WorkerLayout& layout = plan.layouts[i];
+    if (pw.role() == pb::ROLE_ROLLOUT) {
+      std::shared_ptr<Bytes> staging = exec.incoming.at(pw.worker_id());
+      out.holds.push_back(staging);
+      for (size_t j = 0; j < staging->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*staging)[j]);
+      continue;
+    }
+    std::optional<LocalWorkers::View> w = local_.Get({exec.model_id, pw.worker_id()});
+    if (!w || !w->worker.has_layout) {
+      return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " of model ", exec.model_id, " is gone from node ", me));
+    }
+    if (w->worker.buffers.size() < layout.buffers.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " has fewer buffers than its layout"));
+    }
+    if (exec.catch_up) {
+      // Catch-up source (docs/daemon.md "Catch-up"): a rollout holding the committed version,
+      // read in place: its committed staging while held, else its live buffers when they hold
+      // exactly that version whole (no newer version commits while a catch-up runs, so no
+      // commit or Apply writes them meanwhile).
+      const LocalWorkers::Worker& src = w->worker;
+      const std::string what = absl::StrCat("catch-up source rollout ", pw.worker_id(), " on node ", me);
+      if (src.role != planner::Role::kRollout) return absl::FailedPreconditionError(absl::StrCat(what, ": not a rollout here"));
+      if (src.committed != nullptr && src.committed_version == exec.version) {
+        out.holds.push_back(src.committed);
+        for (size_t j = 0; j < src.committed->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*src.committed)[j]);
+        continue;
+      }
+      if (src.applied_version != exec.version || w->copying || !w->torn.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(what, " no longer holds version ", exec.version, " (committed staging: version ",
+                                                          src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
+                                                          src.applied_version, w->copying ? ", being written" : "", ")"));
+      }
+      for (size_t j = 0; j < layout.buffers.size(); ++j) {
+        auto seg = src.buffers[j];
+        if (seg == nullptr) return absl::FailedPreconditionError(absl::StrCat(what, " buffer ", j, ": CUDA memory is not a catch-up source"));
+        if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+          return absl::Status(intact.code(), absl::StrCat(what, " buffer ", j, ": ", intact.message()));
+        }
+        out.live_sources.push_back({absl::StrCat(what, " buffer ", j), seg});
+        out.holds.push_back(seg);
+        out.regions[node::RegionKey(i, j)] = SegmentRegion(seg);
+      }
+      continue;
+    }
+    if (plan.slice.mode() == pb::MODE_SYNC) {
+      // Live buffers (the trainer is paused in Publish meanwhile).
+      for (size_t j = 0; j < layout.buffers.size(); ++j) {
+        auto seg = w->worker.buffers[j];
+        if (seg == nullptr) {
+          std::shared_ptr<CudaImport> imp = w->worker.cuda[j];
+          out.holds.push_back(imp);
+          out.regions[node::RegionKey(i, j)] = node::RegionMemory{transport::MemoryKind::kCuda, nullptr, imp->size, imp->device, imp->h};
+          continue;
+        }
+        if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+          return absl::Status(intact.code(), absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j, ": ", intact.message()));
+        }
+        out.live_sources.push_back({absl::StrCat("trainer worker ", pw.worker_id(), " buffer ", j), seg});
+        out.holds.push_back(seg);
+        out.regions[node::RegionKey(i, j)] = SegmentRegion(seg);
+      }
+    } else {
+      auto snap = w->worker.snapshots.find(exec.version);
+      if (snap == w->worker.snapshots.end()) {
+        return absl::FailedPreconditionError(absl::StrCat("no snapshot of version ", exec.version, " for worker ", pw.worker_id()));
+      }
+      out.holds.push_back(snap->second);
+      for (size_t j = 0; j < snap->second->size(); ++j) out.regions[node::RegionKey(i, j)] = StagedRegion((*snap->second)[j]);
+    }
+  }
+  if (exec.gather) {
+    out.holds.push_back(exec.gather);
+    out.regions["g"] = StagedRegion((*exec.gather)[0]);
+  }
+  return absl::OkStatus();
+}
+
+std::set<uint32_t> Versions::HostLiveSyncRollouts(const ModelPlan& plan) {
+  std::set<uint32_t> out;
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& pw = plan.slice.workers(i);
+    if (pw.node_id() != options_.node_id || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
+    std::optional<LocalWorkers::View> w = local_.Get({plan.slice.model_id(), pw.worker_id()});
+    if (!w || w->worker.mode != pb::MODE_SYNC || w->worker.buffers.size() < plan.layouts[i].buffers.size()) continue;
+    bool host = true;
+    for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->worker.buffers[j] != nullptr;
+    if (host) out.insert(static_cast<uint32_t>(i));
+  }
+  return out;
+}
+
+absl::Status Versions::DigestVersion(Exec& exec, const VersionMemory& memory, digest::OpDigestTracker* digests) {
+  if (digests == nullptr && !options_.test_after_buckets) return absl::OkStatus();
+  const ModelPlan& plan = *exec.plan;
+  using transport::MemoryKind;
+  // End-to-end digests (docs/daemon.md "End-to-end digests"): what each local op read and landed,
+  // over host memory (device memory has none), before anything quantises staging.
+  if (options_.test_after_buckets) {
+    std::map<std::string, std::pair<uint8_t*, int64_t>> named;
+    for (int i = 0; i < plan.slice.workers_size(); ++i) {
+      for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
+        auto m = memory.regions.find(node::RegionKey(i, j));
+        if (m != memory.regions.end() && m->second.kind == MemoryKind::kHost) {
+          named[absl::StrCat(plan.slice.workers(i).worker_id(), ".b", j)] = {m->second.base, m->second.size};
+        }
+      }
+    }
+    if (auto g = memory.regions.find("g"); g != memory.regions.end() && g->second.kind == MemoryKind::kHost) named["g"] = {g->second.base, g->second.size};
+    options_.test_after_buckets(exec.model_id, exec.version, named);
+  }
+  if (digests != nullptr) {
+    const absl::Time t0 = options_.clock->Now();  // digest_s: what is left to hash after the buckets
+    absl::StatusOr<digest::OpDigests> d = digests->Finish();
+    if (!d.ok()) return Annotate(d.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
+    exec.digests = std::move(*d);
+    exec.digest_s = absl::ToDoubleSeconds(options_.clock->Now() - t0);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Versions::QuantizeIncoming(Exec& exec) {
+  const ModelPlan& plan = *exec.plan;
+  std::vector<node::QuantizeTarget> targets;
+  {
+    absl::MutexLock l(&mu_);
+    for (int i = 0; i < plan.slice.workers_size(); ++i) {
+      const pb::PlanWorker& w = plan.slice.workers(i);
+      if (w.node_id() != options_.node_id || w.role() != pb::ROLE_ROLLOUT || !plan.quantized[i]) continue;
+      auto in = exec.incoming.find(w.worker_id());
+      if (in == exec.incoming.end()) continue;
+      // exec.incoming keeps the staging alive (the executor's exec holds it until RunExec returns).
+      // Pieces whose senders quantised them (issue 17.1) are in place already.
+      const std::set<int32_t>* sent_quantized = nullptr;
+      if (exec.exec_plan != nullptr) {
+        auto q = exec.exec_plan->quant_pieces_in.find(static_cast<uint32_t>(i));
+        if (q != exec.exec_plan->quant_pieces_in.end()) sent_quantized = &q->second;
+      }
+      targets.push_back({w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get(), sent_quantized});
+    }
+  }
+  if (targets.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(node::QuantizeResult r, node::QuantizeStaging(plan.inventory, targets, exec.version, exec.deadline));
+  if (r.pieces == 0) return absl::OkStatus();
+  metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.seconds);
+  Log(LogLevel::kInfo, "version quantised", {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version},
+                                             {"pieces", r.pieces}, {"bytes", r.bytes}, {"seconds", r.seconds}, {"threads", r.threads}});
+  return absl::OkStatus();
+}
+
+}  // namespace wb::daemon::node

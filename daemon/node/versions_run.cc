@@ -1,0 +1,347 @@
+// node::Versions, part two: one version on its executor thread (see versions.h): the pure exec
+// plan (daemon/node/exec_plan.h) run by the executor (daemon/node/executor.h) over this node's
+// transports, channel setup with peers, and the report to the coordinator.
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "daemon/log.h"
+#include "daemon/node/deadlines.h"
+#include "daemon/node/exec_plan_proto.h"
+#include "daemon/node/quantize_outgoing.h"
+#include "daemon/node/versions.h"
+
+namespace wb::daemon::node {
+
+void Versions::RunExec(std::shared_ptr<Exec> exec) {
+  const absl::Time t0 = options_.clock->Now();
+  absl::Status s = RunExecInner(*exec);
+  if (s.ok()) s = QuantizeIncoming(*exec);
+  {
+    // Before ReportDone: from here CommitVersion may make this staging the committed copy.
+    absl::MutexLock l(&mu_);
+    exec->transferred = s.ok();
+    if (!s.ok()) {
+      exec->failed = true;
+      if (exec->error.empty()) exec->error = std::string(s.message());
+    }
+  }
+  if (s.ok()) {
+    // GB/s per link of this transfer (bytes over the summed batch times towards that peer).
+    for (auto& [peer, ls] : exec->links) {
+      if (ls.bytes > 0 && ls.seconds > 0) metrics().Link(options_.node_id, peer, ls.bytes, ls.seconds);
+    }
+  }
+  std::map<std::string, transport::PeerId> connected;
+  {
+    absl::MutexLock l(&mu_);
+    connected = exec->connected;
+  }
+  if (!s.ok()) {
+    // A failed batch may leave a channel unusable: start the next version on fresh ones.
+    for (auto& [peer, id] : connected) DropChannel(exec->model_id, peer, id);
+  }
+  {
+    absl::MutexLock l(&mu_);
+    if (exec->aborted || stopping_) return;  // the coordinator already knows
+  }
+  ReportDone(*exec, s, t0);
+}
+
+void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0) {
+  const double seconds = absl::ToDoubleSeconds(options_.clock->Now() - t0);
+  Log(s.ok() ? LogLevel::kInfo : LogLevel::kWarning, s.ok() ? "version transferred" : "version failed",
+      {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"bytes", exec.bytes_done.load()},
+       {"seconds", seconds}, {"staging_s", exec.staging_s}, {"setup_s", exec.setup_s},
+       {"buckets_s", exec.buckets_s}, {"relay_bytes_at_commit", exec.relay_bytes_at_commit}, {"digest_s", exec.digest_s},
+       {"digest_bytes", exec.digests.bytes}, {"error", s.message()}});
+  pb::ReportDoneRequest req;
+  req.set_node_id(options_.node_id);
+  req.set_model_id(exec.model_id);
+  req.set_version(exec.version);
+  req.set_ok(s.ok());
+  req.set_error(std::string(s.message()));
+  req.set_bytes(exec.bytes_done.load());
+  req.set_seconds(seconds);
+  req.set_coordinator_instance(exec.coordinator_instance);
+  for (const auto& [op, d] : exec.digests.source) {
+    pb::OpDigest* o = req.add_source_digests();
+    o->set_op(op);
+    o->set_digest(d);
+  }
+  for (const auto& [op, d] : exec.digests.landed) {
+    pb::OpDigest* o = req.add_landed_digests();
+    o->set_op(op);
+    o->set_digest(d);
+  }
+  req.set_catch_up(exec.catch_up);
+  pb::ReportDoneResponse resp;
+  // Best effort: a lost report ends in the coordinator's version timeout (and abort).
+  coordinator_.client().ReportDone(req, &resp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(10))).IgnoreError();
+}
+
+void Versions::DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
+  channels_.EraseIf(model_id, chan, id);
+  transport::Transport* cross = transports_.OfChannel(chan);
+  if (cross != nullptr && id != transport::kNoPeer) (void)cross->Disconnect(id);
+}
+
+absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& channel, transport::Transport* cross) {
+  const std::string& peer = channel.peer;
+  const std::string& mine_name = channel.mine;
+  const std::string& theirs_name = channel.theirs;
+  const std::string& chan = channel.name;
+  const std::string kind = mine_name == theirs_name ? mine_name : absl::StrCat(mine_name, " -> ", theirs_name);  // for messages
+  const pb::PlanWorker* peer_worker = nullptr;
+  for (const pb::PlanWorker& w : exec.plan->slice.workers()) {
+    if (w.node_id() == peer) peer_worker = &w;
+  }
+  if (peer_worker == nullptr) return absl::InvalidArgumentError(absl::StrCat("node ", peer, " has no worker in the plan slice of model ", exec.model_id));
+  auto inst_it = peer_worker->transport_instances().find(theirs_name);
+  if (inst_it == peer_worker->transport_instances().end()) {
+    return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", theirs_name, "' transport"));
+  }
+  const std::string& peer_instance = inst_it->second;
+  // A peer that restarted (new transport instance) left a stale channel: disconnected, not reused.
+  const ChannelCache::Lookup cache = channels_.ForPeer(exec.model_id, chan, peer_instance);
+  const transport::PeerId cached = cache.reuse;
+  if (cache.stale != transport::kNoPeer) DropChannel(exec.model_id, chan, cache.stale);
+  ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
+  bool reuse = false;
+  std::string peer_endpoint;
+  if (options_.node_id < peer) {
+    // We call: the peer's regions and endpoint come back in the response.
+    pb::ExchangeRegionsRequest req;
+    req.set_model_id(exec.model_id);
+    req.set_version(exec.version);
+    req.set_plan_epoch(exec.epoch);
+    req.set_from_node(options_.node_id);
+    req.set_transport_kind(theirs_name);
+    if (theirs_name != mine_name) req.set_from_transport(mine_name);
+    req.set_endpoint(my_endpoint);
+    req.set_reuse(cached != transport::kNoPeer);
+    {
+      absl::MutexLock l(&mu_);
+      for (auto& [k, d] : exec.local_desc[mine_name]) {
+        pb::PeerRegion* r = req.add_regions();
+        r->set_key(k);
+        r->set_region_descriptor(d);
+      }
+    }
+    pb::ExchangeRegionsResponse resp;
+    if (!options_.exchange_regions) return absl::InternalError(absl::StrCat("node ", options_.node_id, ": no way to reach peer nodes"));
+    RETURN_IF_ERROR_WITH(options_.exchange_regions(peer, peer_worker->data_address(), req, &resp, exec.deadline),
+                         absl::StrCat("exchanging regions with node ", peer));
+    absl::MutexLock l(&mu_);
+    PeerState& ps = exec.peers[chan];
+    ps.have = true;
+    ps.reuse = resp.reuse();
+    ps.endpoint = resp.endpoint();
+    for (const pb::PeerRegion& r : resp.regions()) ps.regions[r.key()] = r.region_descriptor();
+    reuse = ps.reuse;
+    peer_endpoint = ps.endpoint;
+  } else {
+    // The peer calls us (ExchangeRegions handler fills exec.peers[peer]).
+    absl::MutexLock l(&mu_);
+    auto have = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      auto it = exec.peers.find(chan);
+      return exec.aborted || stopping_ || (it != exec.peers.end() && it->second.have);
+    };
+    if (!options_.clock->WaitUntil(&mu_, absl::Condition(&have), exec.deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("node ", peer, " did not set up the data plane of version ", exec.version, " in time"));
+    }
+    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    reuse = exec.peers[chan].reuse;
+    peer_endpoint = exec.peers[chan].endpoint;
+  }
+  transport::PeerId id = cached;
+  if (!reuse) {
+    if (cached != transport::kNoPeer) DropChannel(exec.model_id, chan, cached);
+    auto c = cross->Connect(peer_endpoint, exec.deadline);
+    if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer, " (", kind, ")"));
+    id = *c;
+    Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
+  }
+  ChannelLink link;
+  link.id = id;
+  transport::PeerId replaced = transport::kNoPeer;
+  absl::Status aborted;
+  {
+    absl::MutexLock l(&mu_);
+    // Another version of the model may have cached its own channel meanwhile; the one we replace
+    // must be disconnected (its fds closed) unless a version in flight still uses it.
+    replaced = channels_.Put(exec.model_id, chan, id, peer_instance);
+    for (auto& [key, other] : execs_) {
+      for (auto& [p, used] : other->connected) {
+        if (used == replaced) replaced = transport::kNoPeer;
+      }
+    }
+    exec.connected[chan] = id;
+    link.regions = exec.peers[chan].regions;
+    if (exec.aborted) aborted = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+  }
+  if (replaced != transport::kNoPeer) DropChannel(exec.model_id, chan, replaced);
+  if (!aborted.ok()) return aborted;
+  return link;
+}
+
+// The executor's way to its peers (ChannelSetup): our descriptors go into exec.local_desc (the
+// ExchangeRegions handler answers with them), and each channel is set up by SetupPeer
+// (ExchangeRegions + the model's channel cache).
+class Versions::ExecChannels final : public ChannelSetup {
+ public:
+  ExecChannels(Versions* v, Exec& exec) : v_(v), exec_(exec) {}
+  void Publish(std::map<std::string, std::map<std::string, std::string>> descriptors) override {
+    absl::MutexLock l(&v_->mu_);
+    exec_.local_desc = std::move(descriptors);
+    exec_.regions_ready = true;
+  }
+  absl::StatusOr<ChannelLink> Setup(const ChannelPlan& channel, transport::Transport* t, absl::Time) override {
+    return v_->SetupPeer(exec_, channel, t);
+  }
+
+ private:
+  Versions* v_;
+  Exec& exec_;
+};
+
+node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
+  const std::string& me = options_.node_id;
+  node::ExecOptions o;
+  o.label = absl::StrCat(exec.model_id, " v", exec.version);
+  o.version = exec.version;
+  o.deadline = exec.deadline;
+  o.aborted = [this, &exec]() -> absl::Status {
+    absl::MutexLock l(&mu_);
+    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    return absl::OkStatus();
+  };
+  if (options_.test_before_bucket) o.before_bucket = [this, &exec](uint32_t b) { options_.test_before_bucket(exec.model_id, exec.version, b); };
+  o.device_staging = [this](int device, int64_t size, const std::string& what) { return staging_.TryDeviceStaging(device, size, what); };
+  DaemonMetrics* m = &metrics();
+  o.on_batch_done = [m, me, model = exec.model_id](const node::Route& r, const std::string& kind) {
+    m->Bytes(me, model, kind, r.peer, static_cast<uint64_t>(r.bytes));
+    if (r.lane.first >= 0) m->NcclLane(me, r.peer, r.lane.first, r.lane.second, static_cast<uint64_t>(r.bytes));
+  };
+  o.on_bounce = [m, me](uint64_t bytes) { m->NcclBounce(me, bytes); };
+  // Per-NIC bytes of the host channel (also of a failed batch: those bytes did cross the wire).
+  transport::Transport* cross_t = transports_.CrossHost();
+  std::map<std::string, std::string> peer_instances;  // the peers' host-channel transport instance -> node
+  if (cross_t != nullptr) {
+    const std::string kind = cross_t->capabilities().kind;
+    for (const pb::PlanWorker& w : exec.plan->slice.workers()) {
+      auto it = w.transport_instances().find(kind);
+      if (w.node_id() != me && it != w.transport_instances().end()) peer_instances[it->second] = w.node_id();
+    }
+  }
+  if (cross_t != nullptr && !peer_instances.empty()) {
+    o.after_wait = [this, m, me, cross_t, peer_instances] { nic_meter_.Record(*m, me, cross_t->stats().paths, peer_instances); };
+  }
+  o.bytes_done = &exec.bytes_done;
+  return o;
+}
+
+// One version on this node: staging, the memory of each region key, the pure exec plan
+// (daemon/node/exec_plan.h: channel order, relays at commit, routes) and its run over the
+// transports (daemon/node/executor.h).
+absl::Status Versions::RunExecInner(Exec& exec) {
+  const ModelPlan& plan = *exec.plan;
+  const std::string& me = options_.node_id;
+  using transport::MemoryKind;
+  absl::Time phase_start = options_.clock->Now();  // phase times for the "version transferred" log line
+  node::ExecTransports transports;
+  transports.local = transports_.Local();
+  transports.cross = transports_.CrossHost();
+  transports.cuda = transports_.Cuda();
+  transports.lanes = transports_.NcclLanes();
+  node::ExecFacts facts;
+  facts.me = me;
+  for (auto& [device, t] : transports.lanes) facts.lanes.insert(device);
+  const node::Slice slice = node::SliceFromProto(plan.slice, plan.layouts, plan.quantized, plan.hosts_gather, plan.inventory,
+                                                 plan.live_layouts);
+  ASSIGN_OR_RETURN(node::LanePlan lanes, node::PlanLanes(slice, me, facts.lanes));
+
+  // 0. Staging of this version, allocated here (outside mu_).
+  RETURN_IF_ERROR(AllocateStaging(exec, lanes));
+  exec.staging_s = absl::ToDoubleSeconds(options_.clock->Now() - phase_start);
+  phase_start = options_.clock->Now();
+
+  // 1. The memory behind each region key of this version on this node.
+  VersionMemory memory;
+  RETURN_IF_ERROR(GatherVersionMemory(exec, memory));
+
+  // 2. The plan: which transport reaches which region, channels, relays at commit, routes.
+  for (auto& [key, m] : memory.regions) facts.kind[key] = m.kind;
+  if (plan.slice.mode() == pb::MODE_SYNC) facts.host_live_sync = HostLiveSyncRollouts(plan);
+  facts.cross_kind = transports.cross != nullptr ? transports.cross->capabilities().kind : "host_tcp";
+  facts.have_local = transports.local != nullptr;
+  facts.have_cuda = transports.cuda != nullptr;
+  facts.have_cross = transports.cross != nullptr;
+  facts.checksums = options_.checksums;
+  ASSIGN_OR_RETURN(node::ExecPlan made, node::MakeExecPlan(slice, facts));
+  auto xplan = std::make_shared<const node::ExecPlan>(std::move(made));
+  {
+    absl::MutexLock l(&mu_);
+    exec.exec_plan = xplan;
+    exec.relays_at_commit = xplan->relays_at_commit;
+    exec.pieces_at_commit = xplan->pieces_at_commit;
+    exec.relay_bytes_at_commit = xplan->relay_bytes_at_commit;
+  }
+  // Sender-side quantisation (issue 17.1): this node's trainers' boxes of sender-quantised ops are
+  // quantised into its q staging before the buckets (daemon/node/quantize_outgoing.h).
+  ASSIGN_OR_RETURN(node::OutgoingStaging qout, node::OutgoingQuantizer().Quantize(plan.inventory, xplan->quant_out, memory.regions,
+                                                                                   absl::StrCat(exec.model_id, " v", exec.version), exec.deadline));
+  for (auto& [key, m] : qout.regions) memory.regions[key] = m;
+  memory.holds.push_back(qout.hold);
+  if (qout.ops > 0) {
+    Log(LogLevel::kInfo, "version quantised on send", {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"ops", qout.ops},
+                                                        {"bytes", qout.canonical_bytes}, {"wire_bytes", qout.wire_bytes}, {"seconds", qout.seconds}});
+  }
+
+  // 3. Register, set up channels, run the buckets. End-to-end digests hash alongside (docs/daemon.md
+  // "End-to-end digests"): sources at once, each landed box as its batch completes. Declared after
+  // `memory`: a failed version's tracker stops hashing before the memory goes.
+  const double prepare_s = absl::ToDoubleSeconds(options_.clock->Now() - phase_start);
+  node::ExecOptions exec_options = ExecOptionsFor(exec);
+  std::unique_ptr<digest::OpDigestTracker> digests;
+  if (options_.digests) {
+    std::map<std::string, digest::RegionBytes> host;  // device memory (no host address) has no digest
+    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> t = digest::OpDigestTracker::Start(
+        slice, me, *xplan, host, {options_.digest_threads, exec.deadline, options_.digest_overlap});
+    if (!t.ok()) return Annotate(t.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
+    digests = std::move(*t);
+    exec_options.on_batch_done = [metered = std::move(exec_options.on_batch_done), d = digests.get()](const node::Route& r, const std::string& kind) {
+      if (metered) metered(r, kind);
+      d->OnRouteDone(r);
+    };
+  }
+  ExecChannels channels(this, exec);
+  node::ExecResult result;
+  absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, exec_options, result);
+  exec.links = result.links;
+  exec.setup_s = prepare_s + result.setup_s;
+  exec.buckets_s = result.buckets_s;
+  RETURN_IF_ERROR(s);
+  // Sync: trainers' live segments were read in place (a trainer may truncate its memory
+  // mid-version; ShmSegment's SIGBUS guard kept the daemon alive meanwhile).
+  for (auto& [what, seg] : memory.live_sources) {
+    if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
+      return absl::Status(intact.code(), absl::StrCat("version ", exec.version, ": ", what, ": ", intact.message()));
+    }
+  }
+  exec.bytes_done += exec.relay_bytes_at_commit;  // in staging as far as the commit is concerned
+  phase_start = options_.clock->Now();
+  RETURN_IF_ERROR(DigestVersion(exec, memory, digests.get()));
+  if (options_.digests) {
+    // Sender-quantised ops (issue 17.1): both sides digest the quantised bytes that travel.
+    std::map<std::string, digest::RegionBytes> host;
+    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    RETURN_IF_ERROR(node::DigestSenderQuantized(slice, me, host, options_.digest_threads, exec.deadline, exec.digests));
+  }
+  exec.buckets_s += absl::ToDoubleSeconds(options_.clock->Now() - phase_start);
+  return absl::OkStatus();
+}
+
+}  // namespace wb::daemon::node

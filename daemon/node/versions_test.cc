@@ -1,0 +1,186 @@
+// node::Versions on fakes: a FakeClock, a fake cross-node transport posing as host_tcp, no
+// coordinator (UnstartedCoordinatorClient) and no peers. What runs here is the NodeService side
+// without an executor: commits of versions that have not landed, and the ExchangeRegions wait for
+// our own executor, on simulated time.
+#include "daemon/node/versions.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "base/clock.h"
+#include "daemon/metrics.h"
+#include "daemon/node/channel_cache.h"
+#include "daemon/node/coordinator_access.h"
+#include "daemon/node/live_copy.h"
+#include "daemon/node/local_workers.h"
+#include "daemon/node/node_staging.h"
+#include "daemon/node/node_transports.h"
+#include "transport/config.h"
+#include "transport/factory.h"
+#include "transport/host_shm/host_shm.h"
+#include "transport/testing/fake_transport.h"
+
+namespace wb::daemon::node {
+namespace {
+
+// No coordinator: calls answer UNAVAILABLE, nothing is registered.
+class NoCoordinator final : public CoordinatorAccess {
+ public:
+  CoordinatorClient& client() override { return client_; }
+  bool AwaitRegistered(absl::Time) override { return false; }
+  uint64_t session() override { return 0; }
+  std::optional<std::string> AwaitCoordinatorChange(uint64_t, absl::Time) override { return std::nullopt; }
+  void TrackProgress(const std::string&, uint64_t, std::weak_ptr<const std::atomic<uint64_t>>) override {}
+
+ private:
+  UnstartedCoordinatorClient client_{"n0"};
+};
+
+class VersionsTest : public ::testing::Test {
+ protected:
+  VersionsTest() {
+    set_.Add(transport::NewHostShmTransport(transport::TransportConfig{}));
+    transport::testing::FakeOptions fo;
+    fo.fabric = &fabric_;
+    fo.node_id = "n0";
+    fo.kind = "host_tcp";
+    set_.Add(transport::testing::MakeFakeTransport(fo));
+    copier_ = std::make_unique<LiveCopier>("n0", set_.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false));
+    local_ = std::make_unique<LocalWorkers>(LocalWorkers::Options{"n0", &clock_, absl::Minutes(2), copier_.get()});
+    NodeStaging::Options so;
+    so.node_id = "n0";
+    so.budget_bytes = int64_t{1} << 20;
+    so.clock = &clock_;
+    so.metrics = &metrics_;
+    so.copier = copier_.get();
+    staging_ = std::make_unique<NodeStaging>(so);
+    transports_ = std::make_unique<NodeTransports>(&set_, nullptr);
+    Versions::Options vo;
+    vo.node_id = "n0";
+    vo.clock = &clock_;
+    vo.metrics = &metrics_;
+    versions_ = std::make_unique<Versions>(vo, *local_, channels_, *staging_, *transports_, coordinator_);
+  }
+  ~VersionsTest() override {
+    versions_.reset();
+    local_.reset();
+  }
+
+  // Model "m", plan epoch 1: a trainer on n0 and a rollout on n1, no ops.
+  void InstallPlan() {
+    pb::InstallPlanRequest req;
+    pb::PlanSlice* s = req.mutable_slice();
+    s->set_model_id("m");
+    s->set_plan_epoch(1);
+    s->set_num_buckets(1);
+    pb::PlanWorker* t = s->add_workers();
+    t->set_worker_id("trainer/0");
+    t->set_node_id("n0");
+    t->set_role(pb::ROLE_TRAINER);
+    pb::PlanWorker* r = s->add_workers();
+    r->set_worker_id("rollout/0");
+    r->set_node_id("n1");
+    r->set_role(pb::ROLE_ROLLOUT);
+    (*r->mutable_transport_instances())["host_tcp"] = "n1-instance";
+    ASSERT_TRUE(versions_->InstallPlan(req).ok());
+  }
+
+  pb::ExchangeRegionsRequest Exchange(uint64_t version) {
+    pb::ExchangeRegionsRequest req;
+    req.set_model_id("m");
+    req.set_version(version);
+    req.set_plan_epoch(1);
+    req.set_from_node("n1");
+    req.set_transport_kind("host_tcp");
+    return req;
+  }
+
+  FakeClock clock_;
+  DaemonMetrics metrics_;
+  transport::testing::FakeFabric fabric_;
+  transport::TransportSet set_;
+  std::unique_ptr<LiveCopier> copier_;
+  std::unique_ptr<LocalWorkers> local_;
+  std::unique_ptr<NodeStaging> staging_;
+  ChannelCache channels_;
+  std::unique_ptr<NodeTransports> transports_;
+  NoCoordinator coordinator_;
+  std::unique_ptr<Versions> versions_;
+};
+
+TEST_F(VersionsTest, CommitOfAVersionThisNodeNeverHeldIsRefusedAndAbortsItsWaiters) {
+  InstallPlan();
+  pb::CommitVersionRequest c;
+  c.set_model_id("m");
+  c.set_version(3);
+  absl::Status s = versions_->CommitVersion(c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("no longer holds the staging of version 3"), std::string::npos) << s;
+  EXPECT_EQ(versions_->Committed("m"), 0u);
+  // The node-local outcome: version 3 is aborted here (Apply's waiters learn it).
+  EXPECT_TRUE(local_->AbortReason("m", 3).has_value());
+}
+
+TEST_F(VersionsTest, CommitBeforeTheVersionLandedIsRefusedThenAbortEndsThePeersWait) {
+  InstallPlan();
+  // A peer's ExchangeRegions arrives before our ExecuteVersion: it creates the version here and
+  // waits (on the clock) for our executor's regions.
+  const absl::Time deadline = clock_.Now() + absl::Seconds(60);
+  absl::Status exchanged;
+  std::thread peer([&] {
+    pb::ExchangeRegionsResponse resp;
+    exchanged = versions_->ExchangeRegions(Exchange(2), &resp);
+  });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  pb::CommitVersionRequest c;
+  c.set_model_id("m");
+  c.set_version(2);
+  absl::Status s = versions_->CommitVersion(c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("has not fully landed"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("has not started here"), std::string::npos) << s;
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(2);
+  a.set_reason("test abort");
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  peer.join();
+  EXPECT_EQ(exchanged.code(), absl::StatusCode::kAborted) << exchanged;
+  EXPECT_NE(exchanged.message().find("test abort"), std::string::npos) << exchanged;
+  EXPECT_EQ(versions_->Committed("m"), 0u);
+}
+
+TEST_F(VersionsTest, ExchangeRegionsWaitTimesOutInSimulatedTime) {
+  InstallPlan();
+  const absl::Time deadline = clock_.Now() + absl::Seconds(60);
+  absl::Notification done;
+  absl::Status exchanged;
+  std::thread peer([&] {
+    pb::ExchangeRegionsResponse resp;
+    exchanged = versions_->ExchangeRegions(Exchange(1), &resp);
+    done.Notify();
+  });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock_.Advance(absl::Seconds(59));
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50)));  // 1 s of simulated time left
+  clock_.Advance(absl::Seconds(1));
+  peer.join();
+  EXPECT_EQ(exchanged.code(), absl::StatusCode::kDeadlineExceeded) << exchanged;
+  EXPECT_NE(exchanged.message().find("version 1 did not start in time"), std::string::npos) << exchanged;
+}
+
+TEST_F(VersionsTest, ExchangeRegionsForAnUninstalledPlanEpochNamesIt) {
+  InstallPlan();
+  pb::ExchangeRegionsRequest req = Exchange(1);
+  req.set_plan_epoch(7);
+  pb::ExchangeRegionsResponse resp;
+  absl::Status s = versions_->ExchangeRegions(req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("plan epoch 7 of model m is not installed on node n0"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace wb::daemon::node

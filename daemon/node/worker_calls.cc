@@ -1,0 +1,347 @@
+// node::WorkerCalls, part one: the WorkerService calls that forward to the coordinator and move
+// versions into and out of live memory (see worker_calls.h).
+#include "daemon/node/worker_calls.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "daemon/convert.h"
+#include "daemon/log.h"
+#include "daemon/node/deadlines.h"
+#include "planner/inventory.h"
+
+namespace wb::daemon::node {
+
+WorkerCalls::WorkerCalls(Options options, LocalWorkers& local, NodeStaging& staging, Versions& versions, const NodeTransports& transports,
+                         CoordinatorAccess& coordinator)
+    : options_(std::move(options)),
+      local_(local),
+      staging_(staging),
+      versions_(versions),
+      transports_(transports),
+      coordinator_(coordinator) {}
+
+// ------------------------------------------------------------------------------- WorkerService calls
+absl::Status WorkerCalls::RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp) {
+  // Enums are checked before anything is forwarded or stored (role 99 was counted as a trainer).
+  // Ids were checked by the front (daemon/limits.h: length, control characters).
+  if (req.role() != pb::ROLE_TRAINER && req.role() != pb::ROLE_ROLLOUT) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterWorker.role is ", static_cast<int>(req.role()), ": must be ROLE_TRAINER (1) or ROLE_ROLLOUT (2)"));
+  }
+  if (req.has_model() && !pb::Mode_IsValid(req.model().mode())) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterWorker.model.mode is ", static_cast<int>(req.model().mode()),
+                                                   ": must be MODE_SYNC (1), MODE_ONE_STEP_OFF (2), MODE_ASYNC (3) or unset"));
+  }
+  if (req.has_model() && !pb::Strategy_IsValid(req.model().strategy())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterWorker.model.strategy is ", static_cast<int>(req.model().strategy()),
+                     ": must be STRATEGY_WEIGHTBRIDGE (1), STRATEGY_RANK0_BROADCAST (2), STRATEGY_P2P_NO_DEDUP (3) or unset"));
+  }
+  // A join sent before this node's (re-)registration and re-join have finished could reach the
+  // coordinator first and then be dropped by that registration (a restarted node's workers are
+  // dropped there) while this node keeps the worker: it would be left out of every plan.
+  if (!coordinator_.AwaitRegistered(options_.clock->Now() + absl::Seconds(10))) {
+    return absl::UnavailableError(absl::StrCat("node ", options_.node_id, " is not registered with the coordinator yet (retry)"));
+  }
+  const std::string& id = req.worker_id();
+  const LocalWorkers::WorkerKey key{req.model_id(), id};  // worker ids are scoped per model (issue 16.5)
+  // An earlier process of this worker id that exited: its LeaveWorker reaches the coordinator
+  // before this join (LocalWorkers::BeginJoin).
+  if (absl::Status joining = local_.BeginJoin(key, options_.clock->Now() + absl::Seconds(10)); !joining.ok()) return joining;
+  struct Joined {
+    LocalWorkers* workers;
+    LocalWorkers::WorkerKey key;
+    ~Joined() { workers->EndJoin(key); }
+  } joined{&local_, key};
+  pb::JoinWorkerRequest j;
+  j.set_node_id(options_.node_id);
+  j.set_worker_id(req.worker_id());
+  j.set_model_id(req.model_id());
+  j.set_role(req.role());
+  j.set_gpu(req.gpu());
+  if (req.has_model()) *j.mutable_model() = req.model();
+  pb::JoinWorkerResponse jr;
+  absl::Status s = coordinator_.client().JoinWorker(j, &jr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(10)));
+  if (!s.ok()) return s;
+  LocalWorkers::Worker w;
+  w.model_id = req.model_id();
+  w.role = FromProto(req.role());
+  w.gpu = req.gpu();
+  w.mode = jr.mode();
+  w.spec = jr.has_model() ? jr.model() : req.model();
+  if (w.spec.model_id().empty()) w.spec.set_model_id(req.model_id());
+  if (req.pid() > 0) {
+    auto watch = PidWatch::Open(req.pid(), absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id()));
+    if (!watch.ok()) return watch.status();
+    w.pid = std::move(*watch);
+  }
+  auto inv = InventoryFromProto(jr.tensors());
+  local_.Add(key, std::move(w), inv.ok() ? std::optional<planner::Inventory>(std::move(*inv)) : std::nullopt);
+  Log(LogLevel::kInfo, "worker registered",
+      {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"role", pb::Role_Name(req.role())}, {"pid", req.pid()}});
+  resp->set_session(absl::StrCat(options_.node_id, "/", req.worker_id()));
+  return absl::OkStatus();
+}
+
+// Publish and Apply are counted here, before their reply is sent.
+absl::Status WorkerCalls::Publish(const pb::PublishRequest& req, pb::PublishResponse* resp) {
+  absl::Status s = PublishVersion(req, resp);
+  const std::string& me = options_.node_id;
+  if (s.ok()) {
+    metrics().Version(me, req.model_id(), "published");
+    metrics().Phase(me, "publish_stall", resp->stall_seconds());
+  } else {
+    metrics().Failure(me, s);
+  }
+  return s;
+}
+
+absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp) {
+  const absl::Time start = options_.clock->Now();
+  const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
+  std::vector<std::shared_ptr<transport::ShmSegment>> to_snapshot;
+  std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
+  std::shared_ptr<StagingBudget::Charge> snap_charge;
+  bool snapshot = false;
+  {
+    std::optional<LocalWorkers::View> it = local_.Get({req.model_id(), req.worker_id()});
+    if (!it || !it->worker.has_layout) {
+      return absl::NotFoundError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " has no layout on node ", options_.node_id));
+    }
+    const LocalWorkers::Worker& w = it->worker;
+    if (w.role != planner::Role::kTrainer) {
+      return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " is not a trainer"));
+    }
+    if (w.mode != pb::MODE_SYNC) {
+      // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
+      // With GPU staging, CUDA buffers are snapshotted on their GPU (under its own budget); if
+      // one falls back to host memory it is checked against this budget after the copy.
+      const bool gpu_staging = staging_.gpu_staging();
+      int64_t need = 0;
+      for (size_t j = 0; j < w.buffers.size(); ++j) {
+        if (w.buffers[j]) {
+          need += w.buffers[j]->size();
+        } else if (!gpu_staging) {
+          need += w.cuda[j]->size;
+        }
+      }
+      // One node total (daemon/node/staging_budget.h): with every other snapshot, version in
+      // flight and committed staging not applied yet. Reserved before the copy, which runs
+      // outside any lock; the charge goes with the snapshot's memory.
+      auto charge = staging_.budget().Reserve(need, absl::StrCat("the snapshot of worker ", req.worker_id(), " version ", req.version()));
+      if (!charge.ok()) return charge.status();
+      snap_charge = std::move(*charge);
+      snapshot = true;
+      to_snapshot = w.buffers;
+      cuda_snapshot = w.cuda;
+    }
+  }
+  if (snapshot) {
+    std::shared_ptr<Bytes> snap = staging_.NewBytes(0, {snap_charge});
+    absl::Status copied = staging_.ReadLive(to_snapshot, cuda_snapshot, *snap, absl::StrCat("snapshot ", req.worker_id(), " v", req.version()), deadline,
+                                   /*on_gpu=*/true);
+    if (!copied.ok()) return Annotate(copied, absl::StrCat("snapshot of version ", req.version()));
+    int64_t fell_back = 0;  // CUDA buffers that did not fit GPU staging: host memory after all
+    for (size_t j = 0; j < snap->size(); ++j) {
+      if (!(*snap)[j].device && j < cuda_snapshot.size() && cuda_snapshot[j] && staging_.gpu_staging()) {
+        fell_back += (*snap)[j].size();
+      }
+    }
+    if (fell_back > 0) {
+      auto extra = staging_.budget().Reserve(fell_back, absl::StrCat("the snapshot of worker ", req.worker_id(), " version ", req.version(),
+                                                            " (CUDA buffers that did not fit the GPU staging budget)"));
+      if (!extra.ok()) return extra.status();
+      snap = NodeStaging::KeepWith(std::move(snap), std::move(*extra));
+    }
+    if (!local_.AddSnapshot({req.model_id(), req.worker_id()}, req.version(), std::move(snap))) {
+      return absl::NotFoundError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " left during Publish"));
+    }
+  }
+  pb::CoordPublishRequest c;
+  c.set_node_id(options_.node_id);
+  c.set_model_id(req.model_id());
+  c.set_worker_id(req.worker_id());
+  c.set_version(req.version());
+  uint64_t session0 = 0;
+  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0, [&](absl::Time dl) {
+    c.set_timeout_ms(absl::ToInt64Milliseconds(dl - options_.clock->Now()));
+    return coordinator_.client().Publish(c, resp, CallTimeout(options_.clock, dl));
+  });
+  if (!s.ok()) {
+    local_.DropSnapshot({req.model_id(), req.worker_id()}, req.version());
+    // NOT_FOUND: ForwardHeld already waited for a re-join; nothing was recorded anywhere.
+    if (s.code() == absl::StatusCode::kNotFound) return s;
+    return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
+  }
+  resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp) {
+  pb::ReportReadyRequest r;
+  r.set_node_id(options_.node_id);
+  r.set_model_id(req.model_id());
+  r.set_worker_id(req.worker_id());
+  pb::ReportReadyResponse rr;
+  uint64_t session0 = 0;
+  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), Deadline(options_.clock, req.timeout_ms()), &session0,
+                               [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
+  resp->set_committed_version(rr.committed_version());
+  return s;
+}
+
+absl::Status WorkerCalls::Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp) {
+  absl::Status s = ApplyVersion(req, resp);
+  if (s.ok()) {
+    const uint64_t committed = versions_.Committed(req.model_id());
+    const std::string& me = options_.node_id;
+    metrics().Version(me, req.model_id(), "applied");
+    metrics().Phase(me, "apply", resp->stall_seconds());
+    metrics().Applied(me, req.model_id(), req.worker_id(), resp->applied_version(), committed);
+  }
+  return s;
+}
+
+absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp) {
+  const absl::Time start = options_.clock->Now();
+  // The client's deadline bounds the wait for the version (and for a copy into this worker that
+  // is already running); a copy that started runs to live_copy_timeout (RunLiveCopies).
+  const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
+  const std::string& model = req.model_id();
+  const std::string& wid = req.worker_id();
+  absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, req.version(), deadline);
+  if (!found.ok()) return found.status();
+  if (found->staging == nullptr) {
+    resp->set_applied_version(found->applied_version);
+    resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
+    return absl::OkStatus();
+  }
+  std::vector<LocalWorkers::LiveJob> jobs(1);
+  LocalWorkers::LiveJob& job = jobs[0];
+  job.model = model;
+  job.worker = wid;
+  job.version = found->version;
+  job.staging = found->staging;
+  job.live = std::move(found->live);
+  std::shared_ptr<const ModelPlan> plan = versions_.Plan(model);
+  if (plan == nullptr) return absl::FailedPreconditionError("no plan installed");
+  job.inventory = std::shared_ptr<const planner::Inventory>(plan, &plan->inventory);
+  for (int i = 0; i < plan->slice.workers_size(); ++i) {
+    if (plan->slice.workers(i).worker_id() == wid) job.layout = plan->live_layouts[i];
+  }
+  job.label = absl::StrCat("apply ", wid, " v", job.version);
+  // A copy that starts runs to its end; one that would obviously outlast the caller's timeout
+  // (the wait for the version took it) is not started: the caller learns that nothing changed
+  // instead of giving up while its live weights are being rewritten.
+  int64_t bytes = 0;
+  for (const StagedBuffer& b : *job.staging) bytes += b.size();
+  const absl::Duration estimate = absl::Seconds(static_cast<double>(bytes) / found->copy_Bps);
+  if (options_.clock->Now() + estimate > deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("version ", job.version, " is committed on node ", options_.node_id, " but copying it into the live weights of worker ", wid,
+                     " (", bytes, " bytes, about ", absl::FormatDuration(estimate), ") does not fit in what is left of the call's timeout (",
+                     absl::FormatDuration(std::max(absl::ZeroDuration(), deadline - options_.clock->Now())),
+                     "); nothing was copied: live weights still hold version ", found->applied_version, " (call Apply with a longer timeout)"));
+  }
+  // The rollout's only stall: copy its pieces from committed staging into live weights (on the
+  // same-node transport's copy threads).
+  const uint64_t version = job.version;
+  absl::Status copied = local_.RunLiveCopies(jobs)[0];
+  if (!copied.ok()) return Annotate(copied, absl::StrCat("applying version ", version, " to ", req.worker_id()));
+  // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
+  local_.MarkApplied({model, wid}, version, job.staging, /*after_commit=*/false);
+  pb::ReportAppliedRequest r;
+  r.set_node_id(options_.node_id);
+  r.set_model_id(req.model_id());
+  r.set_worker_id(req.worker_id());
+  r.set_version(version);
+  pb::ReportAppliedResponse rr;
+  // Best effort: the coordinator learns the applied version from the next ReportApplied or re-join.
+  coordinator_.client().ReportApplied(r, &rr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5))).IgnoreError();
+  resp->set_applied_version(version);
+  resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
+  return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {
+  const uint64_t session0 = coordinator_.session();
+  const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
+  absl::Status s = coordinator_.client().WaitVersion(req, resp, CallTimeout(options_.clock, deadline));
+  if (s.ok()) {
+    // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
+    // hold it (sync: "committed" includes live weights): say so instead of OK.
+    if (absl::Status torn = local_.TornRollout(req.model_id()); !torn.ok()) return torn;
+  }
+  return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
+}
+
+absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req) {
+  local_.Remove({req.model_id(), req.worker_id()});
+  pb::LeaveWorkerRequest r;
+  r.set_node_id(options_.node_id);
+  r.set_model_id(req.model_id());
+  r.set_worker_id(req.worker_id());
+  r.set_reason("deregistered");
+  pb::LeaveWorkerResponse rr;
+  return coordinator_.client().LeaveWorker(r, &rr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5)));
+}
+
+absl::Status WorkerCalls::ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp) {
+  absl::Status s = coordinator_.client().ClusterStatus(req, resp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5)));
+  resp->set_role("node");
+  resp->set_node_id(options_.node_id);
+  local_.AddLiveState(resp);
+  return s;
+}
+
+// Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline).
+// Held while the node (re-)registers and re-joins, so it reaches the session that knows the
+// worker. NOT_FOUND from the coordinator (Publish, ReportReady) means it does not know the
+// worker or model and recorded nothing: a restarted coordinator this node has not re-joined yet
+// (or a lost lease). Then, once the node has re-joined (a new session: the worker was
+// re-submitted), the call is sent again - never twice in one session, all within `deadline`.
+// Returns the last answer; *sent_in = the session that attempt was sent in.
+absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
+                                     const std::function<absl::Status(absl::Time)>& call) {
+  *sent_in = coordinator_.session();
+  while (true) {
+    if (!coordinator_.AwaitRegistered(deadline)) {
+      return absl::UnavailableError(
+          absl::StrCat("node ", options_.node_id, " is not registered with the coordinator (re-joining?); worker ", worker, " of model ", model));
+    }
+    *sent_in = coordinator_.session();
+    absl::Status s = call(deadline);
+    if (s.code() != absl::StatusCode::kNotFound) return s;
+    if (!coordinator_.AwaitCoordinatorChange(*sent_in, deadline)) return s;  // no re-join: the answer stands
+    if (!local_.Has({model, worker})) {
+      return absl::NotFoundError(absl::StrCat("worker ", worker, " of model ", model, " was not re-joined by node ", options_.node_id, " after ",
+                                              local_.restart_reason(), ": register again"));
+    }
+    Log(LogLevel::kInfo, "worker call sent again after re-join", {{"node", options_.node_id}, {"worker", worker}, {"first_answer", s.message()}});
+  }
+}
+
+// A waiting call the coordinator could not answer because it went away (UNAVAILABLE, CANCELLED) or does
+// not know us any more (NOT_FOUND): once the node re-joined a restarted coordinator the caller
+// gets ABORTED naming the restart (what it waited for will never happen there); otherwise the
+// original error.
+absl::Status WorkerCalls::RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what) {
+  // CANCELLED: the coordinator's server shut down under the call.
+  if (s.ok() || (s.code() != absl::StatusCode::kUnavailable && s.code() != absl::StatusCode::kNotFound && s.code() != absl::StatusCode::kCancelled)) {
+    return s;
+  }
+  std::optional<std::string> change = coordinator_.AwaitCoordinatorChange(session0, deadline);
+  if (!change) return s;
+  return absl::AbortedError(
+      absl::StrCat(what, " aborted: ", *change, " (node ", options_.node_id, " re-submitted its workers; publish a newer version)"));
+}
+
+}  // namespace wb::daemon::node

@@ -1,0 +1,95 @@
+#pragma once
+// node::WorkerCalls: what local workers ask of this node (the WorkerService calls; daemon/node/
+// worker_service.cc only adapts gRPC to them). Each answers as the RPC of the same name; errors
+// name the worker, model and node.
+//
+//   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, Apply, WaitVersion, Deregister,
+//                           ClusterStatus, and the forwarding rules (ForwardHeld, RestartAware).
+//   worker_calls_layout.cc  RegisterLayout (buffers, CUDA imports, index probes), DescribeLayout.
+//
+// Threads and locks: calls run on gRPC threads, any number at once. WorkerCalls has no lock of
+// its own: worker state is LocalWorkers' (own mutex), staging NodeStaging's (leaf locks), plans
+// and committed versions node::Versions' (read through Plan / Committed, never held across a
+// call), and coordinator calls and waits go through the CoordinatorAccess seam without any lock
+// held. Every deadline and wait is on Options::clock.
+//
+// Dependencies (passed in, must outlive this): LocalWorkers, NodeStaging, Versions, NodeTransports
+// (cuda_ipc for CUDA buffers), CoordinatorAccess, and the GpuImport seam.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "base/clock.h"
+#include "daemon/fd_channel.h"
+#include "daemon/layout_discovery.h"
+#include "daemon/metrics.h"
+#include "daemon/node/coordinator_access.h"
+#include "daemon/node/gpu_import.h"
+#include "daemon/node/live_copy.h"
+#include "daemon/node/local_workers.h"
+#include "daemon/node/node_staging.h"
+#include "daemon/node/node_transports.h"
+#include "daemon/node/versions.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon::node {
+
+class WorkerCalls {
+ public:
+  struct Options {
+    std::string node_id;
+    Clock* clock = Clock::Real();
+    DaemonMetrics* metrics = nullptr;  // required; must outlive this
+    // CUDA VMM buffers: the fd a worker sent on the fd channel (NodeDaemon::Options::cuda_vmm_fd).
+    std::function<absl::StatusOr<CudaVmmFd>(const std::string& model, const std::string& worker, const std::string& key)> cuda_vmm_fd;
+    std::shared_ptr<GpuImport> gpu_import;  // required: opens workers' CUDA IPC / VMM buffers
+  };
+  WorkerCalls(Options options, LocalWorkers& local, NodeStaging& staging, Versions& versions, const NodeTransports& transports,
+              CoordinatorAccess& coordinator);
+  WorkerCalls(const WorkerCalls&) = delete;
+  WorkerCalls& operator=(const WorkerCalls&) = delete;
+
+  absl::Status RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
+  absl::Status RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp);
+  absl::Status Publish(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  absl::Status BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp);
+  absl::Status Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
+  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
+  absl::Status Deregister(const pb::DeregisterRequest& req);
+  absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
+  // Status on both services: the coordinator's cluster status plus this node's live states.
+  absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
+
+ private:
+  using Bytes = StagedBytes;
+  DaemonMetrics& metrics() const { return *options_.metrics; }
+  // Publish / Apply without their metrics (Publish and Apply count them before the reply).
+  absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
+  // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
+  // held while the node (re-)registers and sent again once after a re-join that answered
+  // NOT_FOUND. *sent_in = the session of the last attempt.
+  absl::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
+                           const std::function<absl::Status(absl::Time)>& call);
+  // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
+  // naming the restart once the node re-joined a restarted coordinator, else `s`.
+  absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
+  // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
+  // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
+  absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& model, const std::string& worker, const pb::BufferSpec& b);
+
+  const Options options_;
+  LocalWorkers& local_;
+  NodeStaging& staging_;
+  Versions& versions_;
+  const NodeTransports& transports_;
+  CoordinatorAccess& coordinator_;
+  LayoutDescriber describer_;  // RegisterLayout / DescribeLayout (thread-safe)
+};
+
+}  // namespace wb::daemon::node

@@ -1,0 +1,232 @@
+// node::WorkerCalls, part two: layouts (see worker_calls.h): RegisterLayout maps a worker's
+// buffers (shared memory, CUDA IPC / VMM), resolves index probes and submits the layout;
+// DescribeLayout answers layout discovery on this node.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "daemon/convert.h"
+#include "daemon/log.h"
+#include "daemon/node/deadlines.h"
+#include "daemon/node/worker_calls.h"
+#include "planner/box.h"
+#include "planner/index_probe.h"
+#include "planner/inventory.h"
+
+namespace wb::daemon::node {
+namespace {
+
+// Runs planner::ExtractPieces on every probed local tensor. The probe (int64 canonical indices,
+// -1 = unmapped) is read from the worker's registered shared memory.
+absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& inventory, const pb::RegisterLayoutRequest& req,
+                                                     const std::vector<std::shared_ptr<transport::ShmSegment>>& buffers) {
+  const std::vector<int64_t> bases = planner::TensorBases(inventory);
+  int64_t total = 0;
+  for (const planner::TensorSpec& t : inventory.tensors) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    total += n;
+  }
+  std::map<uint32_t, int> index_of;
+  for (int i = 0; i < req.buffers_size(); ++i) index_of[req.buffers(i).buffer_id()] = i;
+  pb::ExplicitPieces out;
+  const auto& probe = req.layout().index_probe();
+  for (int t = 0; t < probe.tensors_size(); ++t) {
+    const pb::IndexProbe::LocalTensor& lt = probe.tensors(t);
+    auto b = index_of.find(lt.buffer_id()), pbuf = index_of.find(lt.probe_buffer_id());
+    if (b == index_of.end() || pbuf == index_of.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": unknown buffer id ", lt.buffer_id(), " or ", lt.probe_buffer_id()));
+    }
+    std::vector<int64_t> shape(lt.shape().begin(), lt.shape().end());
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      if (d < 0) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": negative dim"));
+      n *= d;
+    }
+    if (buffers[pbuf->second] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": the index probe must be in a shared-memory buffer, not CUDA memory"));
+    }
+    const transport::ShmSegment& seg = *buffers[pbuf->second];
+    if (absl::Status intact = seg.CheckIntact(); !intact.ok()) {
+      return absl::Status(intact.code(), absl::StrCat("local tensor ", t, ": probe buffer ", lt.probe_buffer_id(), ": ", intact.message()));
+    }
+    if (lt.probe_offset_bytes() % sizeof(int64_t) != 0 || lt.probe_offset_bytes() > static_cast<uint64_t>(seg.size()) ||
+        static_cast<uint64_t>(n) * sizeof(int64_t) > static_cast<uint64_t>(seg.size()) - lt.probe_offset_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": probe of ", n, " int64 at byte ", lt.probe_offset_bytes(),
+                                                     " is outside (or misaligned in) buffer ", lt.probe_buffer_id()));
+    }
+    absl::Span<const int64_t> values(reinterpret_cast<const int64_t*>(static_cast<const uint8_t*>(seg.data()) + lt.probe_offset_bytes()),
+                                     static_cast<size_t>(n));
+    // Element size: the dtype of the first mapped canonical tensor (ExtractPieces checks the rest).
+    int elem = 0;
+    for (int64_t v : values) {
+      if (v < 0) continue;
+      if (v >= total) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": index ", v, " out of range"));
+      size_t k = static_cast<size_t>(std::upper_bound(bases.begin(), bases.end(), v) - bases.begin()) - 1;
+      elem = planner::DTypeSize(inventory.tensors[k].dtype);
+      break;
+    }
+    if (elem == 0) continue;  // nothing mapped (e.g. pure padding)
+    ASSIGN_OR_RETURN(std::vector<planner::Piece> pieces,
+                     planner::ExtractPieces(inventory, bases, values, shape, static_cast<int64_t>(lt.offset_bytes()), elem, b->second));
+    for (const planner::Piece& p : pieces) {
+      pb::Piece* pp = out.add_pieces();
+      pp->set_tensor(inventory.tensors[p.tensor].name);
+      ToProto(p.box, pp->mutable_box());
+      pp->set_buffer_id(lt.buffer_id());
+      pp->set_offset_bytes(static_cast<uint64_t>(p.offset_bytes));
+      for (int64_t st : p.strides) pp->add_strides(st);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp) {
+  pb::ModelSpec spec;
+  planner::Role role = planner::Role::kTrainer;
+  {
+    std::optional<LocalWorkers::View> it = local_.Get({req.model_id(), req.worker_id()});
+    if (!it || it->worker.model_id != req.model_id()) {
+      return absl::NotFoundError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " is not registered on node ",
+                                              options_.node_id, " (register again)"));
+    }
+    spec = it->worker.spec;
+    role = it->worker.role;
+  }
+  // Layout discovery: a preset's buffer sizes are checked against its description first,
+  // naming worker, model and both sizes; the description is the response's `layout`.
+  auto preset_described = describer_.DescribePresetForRegister(spec, req);
+  if (!preset_described.ok()) return preset_described.status();
+  // Map every buffer first: a bad name fails the call and changes nothing.
+  std::vector<std::shared_ptr<transport::ShmSegment>> buffers;
+  std::vector<std::shared_ptr<CudaImport>> cuda;
+  for (const pb::BufferSpec& b : req.buffers()) {
+    if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) {
+      auto imp = ImportCuda(req.model_id(), req.worker_id(), b);
+      if (!imp.ok()) return imp.status();
+      buffers.push_back(nullptr);
+      cuda.push_back(std::move(*imp));
+      continue;
+    }
+    if (b.memory_case() != pb::BufferSpec::kShmName) {
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", b.buffer_id(), ": neither shm_name nor cuda_ipc_handle"));
+    }
+    cuda.push_back(nullptr);
+    auto seg = transport::ShmSegment::Open(b.shm_name(), static_cast<int64_t>(b.size_bytes()));
+    if (seg.ok()) {
+      absl::Status priv = seg->CheckPrivate();
+      if (!priv.ok()) seg = priv;
+    }
+    if (!seg.ok()) return Annotate(seg.status(), absl::StrCat("worker ", req.worker_id(), " buffer ", b.buffer_id()));
+    // Ownership (the segment's uid == the calling worker's uid) is checked by the front
+    // (daemon/auth.cc) with the worker's SO_PEERCRED uid; the daemon's own uid is irrelevant.
+    buffers.push_back(std::make_shared<transport::ShmSegment>(std::move(*seg)));
+  }
+  if (role == planner::Role::kRollout) {
+    // The daemon writes a rollout's live buffers (sync commit, Apply, catch-up): their pages are
+    // faulted in now, not inside the first version's (or a late rollout's catch-up's) copy.
+    const absl::Time t0 = options_.clock->Now();
+    for (size_t j = 0; j < buffers.size(); ++j) {
+      if (buffers[j] == nullptr) continue;
+      if (absl::Status pre = buffers[j]->Populate(); !pre.ok()) {
+        return Annotate(pre, absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " buffer ", j));
+      }
+    }
+    // And its incoming staging of the first version (or of a catch-up) is faulted in now too.
+    for (const auto& b : buffers) {
+      if (b != nullptr) staging_.PrewarmStaging(b->size());
+    }
+    Log(LogLevel::kDebug, "rollout buffers pre-faulted",
+        {{"model", req.model_id()}, {"worker", req.worker_id()}, {"seconds", absl::ToDoubleSeconds(options_.clock->Now() - t0)}});
+  }
+  pb::SubmitLayoutRequest sreq;
+  sreq.set_node_id(options_.node_id);
+  sreq.set_model_id(req.model_id());
+  sreq.set_worker_id(req.worker_id());
+  *sreq.mutable_buffers() = req.buffers();
+  // The coordinator places CUDA buffers (nccl lanes) by GPU in this daemon's numbering.
+  for (int i = 0; i < sreq.buffers_size(); ++i) {
+    if (cuda[i] != nullptr) sreq.mutable_buffers(i)->set_gpu(cuda[i]->device);
+  }
+  if (req.layout().has_index_probe()) {
+    // Index probes are resolved here (the probe bytes live in this node's shared memory) and
+    // reach the coordinator as explicit pieces.
+    std::optional<planner::Inventory> inventory = local_.Inventory(req.model_id());
+    if (!inventory) return absl::FailedPreconditionError("model inventory unknown on this node");
+    auto pieces = ResolveIndexProbe(*inventory, req, buffers);
+    if (!pieces.ok()) return Annotate(pieces.status(), absl::StrCat("worker ", req.worker_id(), " index probe"));
+    *sreq.mutable_layout()->mutable_pieces() = std::move(*pieces);
+  } else {
+    *sreq.mutable_layout() = req.layout();
+  }
+  pb::SubmitLayoutResponse sresp;
+  absl::Status s = coordinator_.client().SubmitLayout(sreq, &sresp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(30)));
+  if (!s.ok()) return s;
+  if (preset_described->has_value()) {
+    *resp->mutable_layout() = std::move(**preset_described);
+  } else {
+    auto described =
+        describer_.DescribeResolved(spec, sresp.layout(), req.layout().has_index_probe() ? "index_probe" : "pieces", role, req.worker_id());
+    if (described.ok()) *resp->mutable_layout() = std::move(*described);
+    if (!described.ok()) Log(LogLevel::kWarning, "layout not described", {{"worker", req.worker_id()}, {"error", described.status().message()}});
+  }
+  absl::StatusOr<uint64_t> bytes =
+      local_.AttachLayout({req.model_id(), req.worker_id()}, std::move(buffers), std::move(cuda), std::move(sreq), sresp.layout());
+  if (!bytes.ok()) return bytes.status();
+  resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
+  resp->set_bytes(*bytes);
+  return absl::OkStatus();
+}
+
+// Layout discovery (daemon/layout_discovery.h), computed on this node: from the model's spec as
+// this node holds it (a worker of the model registered here: the coordinator's spec), else from
+// the request's `model`, so a worker can size its buffers before it registers anything.
+absl::Status WorkerCalls::DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp) {
+  std::optional<pb::ModelSpec> spec;
+  std::optional<planner::Role> role;
+  if (req.role() != pb::ROLE_UNSPECIFIED) role = FromProto(req.role());
+  spec = local_.SpecOf(req.model_id(), req.worker_id(), &role);
+  const std::string who = absl::StrCat(req.worker_id().empty() ? "" : absl::StrCat("worker ", req.worker_id(), " of "), "model ", req.model_id());
+  if (!spec && req.has_model()) spec = req.model();
+  if (!spec) {
+    return absl::NotFoundError(absl::StrCat(who, " is unknown on node ", options_.node_id,
+                                            ": send its spec (DescribeLayoutRequest.model) or register a worker of it first"));
+  }
+  auto described = describer_.Describe(*spec, req.layout(), {}, role, req.worker_id().empty() ? "layout" : req.worker_id());
+  if (!described.ok()) return Annotate(described.status(), who);
+  *resp->mutable_layout() = std::move(*described);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<CudaImport>> WorkerCalls::ImportCuda(const std::string& model, const std::string& worker,
+                                                                   const pb::BufferSpec& b) {
+  const bool is_vmm = b.memory_case() == pb::BufferSpec::kCudaVmmKey;
+  const std::string what =
+      absl::StrCat("worker ", worker, " buffer ", b.buffer_id(), is_vmm ? " (CUDA VMM, gpu " : " (CUDA IPC, gpu ", b.gpu(), ")");
+  transport::Transport* t = transports_.set().Find("cuda_ipc");
+  if (t == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": node ", options_.node_id,
+                                                      " has no cuda_ipc transport (no GPU visible to the daemon, "
+                                                      "or --transports excludes it); register host shared memory instead"));
+  }
+  GpuImport::VmmFdFn vmm_fd;
+  if (options_.cuda_vmm_fd) {
+    vmm_fd = [this, &model](const std::string& w, const std::string& key) { return options_.cuda_vmm_fd(model, w, key); };
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<CudaImport> imp, options_.gpu_import->Import(*t, worker, b, what, vmm_fd));
+  if (imp->device != b.gpu()) {
+    Log(LogLevel::kInfo, "CUDA buffer on another GPU than the worker numbers it",
+        {{"node", options_.node_id}, {"worker", worker}, {"buffer", b.buffer_id()}, {"worker_gpu", b.gpu()}, {"daemon_gpu", imp->device}});
+  }
+  return imp;
+}
+
+}  // namespace wb::daemon::node
