@@ -335,4 +335,46 @@ absl::Status CheckNodeIdentity(const grpc::ServerContextBase& ctx, const PeerAut
                                                   "): with mutual TLS a node may act only as the node its certificate names"));
 }
 
+absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& method) {
+  if (!config.tls() || !config.bind_node_id || config.coordinator_identity.empty()) return absl::OkStatus();
+  auto auth = ctx.auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) {
+    return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " presented no client certificate signed by the cluster CA"));
+  }
+  const std::string& want = config.coordinator_identity;
+  std::vector<std::string> names;
+  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+    for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+  }
+  for (const std::string& n : names) {
+    if (n == want) return absl::OkStatus();
+    // "*.example.com" names exactly one more label, as the TLS host check allows it.
+    const size_t dot = want.find('.');
+    if (n.size() > 2 && n[0] == '*' && n[1] == '.' && dot != std::string::npos && dot > 0 && want.substr(dot) == n.substr(1)) {
+      return absl::OkStatus();
+    }
+  }
+  std::string shown = absl::StrJoin(names, ", ");
+  if (shown.size() > 256) shown = shown.substr(0, 256) + "...";
+  return absl::PermissionDeniedError(absl::StrCat("NodeService.", method, " is the coordinator's call: the caller's certificate (CN/SAN: ",
+                                                  shown.empty() ? "none" : shown, ") does not name the coordinator '", want,
+                                                  "' (--tls_server_name, else the host of --coordinator)"));
+}
+
+std::string TargetHost(const std::string& target) {
+  std::string t = target;
+  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
+    if (t.rfind(scheme, 0) == 0) {
+      t = t.substr(std::string(scheme).size());
+      break;
+    }
+  }
+  if (!t.empty() && t[0] == '[') {
+    const size_t close = t.find(']');
+    return close == std::string::npos ? t : t.substr(1, close - 1);
+  }
+  const size_t colon = t.rfind(':');
+  return colon == std::string::npos ? t : t.substr(0, colon);
+}
+
 }  // namespace wb::daemon

@@ -111,6 +111,14 @@ struct PeerAuthConfig {
   // LeaveWorker, Publish, Report*) must name the node the client certificate names (its CN or a
   // DNS SAN), else PERMISSION_DENIED naming both. Issue one certificate per node.
   bool bind_node_id = true;
+  // With TLS and bind_node_id, on a node: a name its coordinator's certificate carries (main.cc:
+  // --tls_server_name, else the host of --coordinator: the name the node verifies when it dials the
+  // coordinator, and the coordinator presents the same certificate as a client). The NodeService
+  // calls only the coordinator makes (InstallPlan, ExecuteVersion, CommitVersion, AbortVersion,
+  // DropWorker) must come from a certificate naming it (CN or SAN; a "*.domain" SAN matches one
+  // label), else PERMISSION_DENIED: another node's certificate cannot install a plan or commit a
+  // version on this node. Empty: any certificate of the cluster CA may (standalone, tests).
+  std::string coordinator_identity;
   bool tls() const { return !tls_cert_pem.empty(); }
 };
 
@@ -136,6 +144,12 @@ absl::Status CheckPeer(const grpc::ServerContextBase& ctx, const PeerAuthConfig&
 // With TLS and bind_node_id: PERMISSION_DENIED unless `node_id` is the verified client
 // certificate's CN or one of its SANs. OK without TLS (the token is shared: no per-node identity).
 absl::Status CheckNodeIdentity(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& node_id);
+// The coordinator-only NodeService calls (PeerAuthConfig::coordinator_identity): OK without TLS,
+// without bind_node_id or without an identity; else the caller's certificate must name it.
+// PERMISSION_DENIED names `method`, the identity and the certificate's names.
+absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& method);
+// The host part of a gRPC target ("host:port", "[v6]:port", "dns:///host:port").
+std::string TargetHost(const std::string& target);
 
 // Told the gRPC peer string of every call that passed CheckPeer (DaemonFront: ConnGuard).
 using PeerAuthenticated = std::function<void(const std::string& grpc_peer)>;

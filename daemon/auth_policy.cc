@@ -93,10 +93,27 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
 }
 
 // ------------------------------------------------------------------------------ NodeService
+namespace {
+
+// A call only the coordinator makes: CheckPeer, then (mTLS) the caller's certificate must name
+// the coordinator (PeerAuthConfig::coordinator_identity).
+Verdict CoordinatorOnly(const PeerRuleOptions& o, const AuthCall& call, const std::string& method) {
+  if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+  if (absl::Status s = CheckCoordinatorIdentity(*call.ctx, *o.config, method); !s.ok()) return Refuse(std::move(s), "impersonation");
+  return Verdict::Ok();
+}
+
+template <typename Req>
+void AddCoordinatorOnly(AuthGate& gate, const std::string& method, const PeerRuleOptions& o) {
+  gate.Add(kNode + method, Rule<Req>([o, method](AuthCall& call, Req&) { return CoordinatorOnly(o, call, method); }));
+}
+
+}  // namespace
+
 void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commit, VersionHook on_abort) {
-  AddPeerOnly<pb::InstallPlanRequest>(gate, kNode, "InstallPlan", o);
-  AddPeerOnly<pb::ExecuteVersionRequest>(gate, kNode, "ExecuteVersion", o);
-  AddPeerOnly<pb::DropWorkerRequest>(gate, kNode, "DropWorker", o);
+  AddCoordinatorOnly<pb::InstallPlanRequest>(gate, "InstallPlan", o);
+  AddCoordinatorOnly<pb::ExecuteVersionRequest>(gate, "ExecuteVersion", o);
+  AddCoordinatorOnly<pb::DropWorkerRequest>(gate, "DropWorker", o);
   AddPeerOnly<pb::SetupDataChannelRequest>(gate, kNode, "SetupDataChannel", o);
   AddPeerOnly<pb::ExchangeRegionsRequest>(gate, kNode, "ExchangeRegions", o);
   AddPeerOnly<pb::DrainRequest>(gate, kNode, "Drain", o);
@@ -104,14 +121,14 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commi
   // Commits and aborts change which versions a trainer may still publish (WorkerGuard); their
   // metrics are counted by the node in its commit / abort paths.
   gate.Add(std::string(kNode) + "CommitVersion", Rule<pb::CommitVersionRequest>([o, on_commit](AuthCall& call, pb::CommitVersionRequest& req) {
-             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             if (Verdict v = CoordinatorOnly(o, call, "CommitVersion"); !v.status.ok()) return v;
              call.after = [on_commit, model = req.model_id(), version = req.version()](const grpc::Status& s, const void*) {
                if (s.ok() && on_commit) on_commit(model, version);
              };
              return Verdict::Ok();
            }));
   gate.Add(std::string(kNode) + "AbortVersion", Rule<pb::AbortVersionRequest>([o, on_abort](AuthCall& call, pb::AbortVersionRequest& req) {
-             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             if (Verdict v = CoordinatorOnly(o, call, "AbortVersion"); !v.status.ok()) return v;
              if (on_abort) on_abort(req.model_id(), req.version());
              return Verdict::Ok();
            }));

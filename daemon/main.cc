@@ -85,7 +85,9 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "", "PEM CA that signs every daemon's certificate");
 ABSL_FLAG(std::string, tls_server_name, "", "expected name in peer certificates (default: the host dialed)");
 ABSL_FLAG(bool, tls_bind_node_id, true,
-          "with --tls_*: a node may act only as the node id its certificate names (CN or SAN); issue one certificate per node");
+          "with --tls_*: a node may act only as the node id its certificate names (CN or SAN), and accepts the coordinator's "
+          "NodeService calls only from a certificate naming the coordinator (--tls_server_name, else the host of --coordinator); "
+          "issue one certificate per node");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the shared token checked on every daemon RPC and proven on every data-channel (host_tcp) connection");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest gRPC message accepted");
 ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have");
@@ -208,6 +210,12 @@ absl::Status SecurityFromFlags(wb::daemon::ServerOptions& o) {
   if (!auth.ok()) return auth.status();
   auth->tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   auth->bind_node_id = absl::GetFlag(FLAGS_tls_bind_node_id);
+  // A node accepts the coordinator-only NodeService calls from the certificate it verifies when it
+  // dials the coordinator (docs/security.md "A node acts only as itself").
+  if (absl::GetFlag(FLAGS_role) == "node" && auth->tls() && auth->bind_node_id) {
+    auth->coordinator_identity =
+        auth->tls_server_name.empty() ? wb::daemon::TargetHost(absl::GetFlag(FLAGS_coordinator)) : auth->tls_server_name;
+  }
   o.security.peer_auth = std::make_shared<wb::daemon::PeerAuthConfig>(std::move(*auth));
   o.security.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   wb::daemon::Limits& l = o.security.limits;

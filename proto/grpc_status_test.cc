@@ -28,6 +28,22 @@ TEST(GrpcStatus, NamedCodesMatch) {
             absl::StatusCode::kUnauthenticated);
 }
 
+// Issue 15.12: an echoed 1 MiB value must not push the status past gRPC's metadata limit.
+TEST(GrpcStatus, LongMessagesAreCappedKeepingHeadAndTail) {
+  const std::string what = "worker w: tensor '";
+  const std::string why = "' is not in the model";
+  grpc::Status g = ToGrpcStatus(absl::InvalidArgumentError(what + std::string(1 << 20, 'x') + why));
+  EXPECT_LE(g.error_message().size(), kMaxEncodedStatusMessage + 64);
+  EXPECT_EQ(g.error_message().rfind(what, 0), 0u) << g.error_message().substr(0, 100);
+  EXPECT_EQ(g.error_message().substr(g.error_message().size() - why.size()), why);
+  EXPECT_NE(g.error_message().find("bytes of this message cut"), std::string::npos);
+  // Bytes that travel percent-encoded count three times.
+  g = ToGrpcStatus(absl::InvalidArgumentError(std::string(4000, '\n')));
+  EXPECT_LE(g.error_message().size(), kMaxEncodedStatusMessage / 3 + 64);
+  // Short messages are untouched.
+  EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("no model m")).error_message(), "no model m");
+}
+
 TEST(Protos, MessagesSerialize) {
   weightbridge::v1::Piece p;
   p.set_tensor("model.layers.0.self_attn.q_proj.weight");
