@@ -7,8 +7,9 @@
 //   sender-side quantisation: --quantization=fp8_block128 (inter-node bytes of bf16 rollouts against
 //   rollouts quantised on the sending node, one cluster, same run; default config
 //   bench/testdata/qwen2-wide-8l.json, whose Megatron tp=2 shards hold whole 128x128 blocks)
-//   end-to-end digests' cost: --digest_cost (update time with no check / per-batch checksums / digests
-//   hashed after the buckets / digests hashed while the buckets run)
+//   end-to-end digests' cost: --digest_cost [--digest_rounds=3 --digest_settings=none,digests] (update
+//   time with no check against digests on, interleaved rounds of fresh clusters; also: checksums,
+//   digests_after_buckets)
 //
 // Setup: a coordinator and two node daemons (`weightbridged`, separate processes, loopback TCP
 // between nodes). Node n0: Megatron tp=2 trainer ranks; node n1: vLLM tp=2 rollout replicas
@@ -30,12 +31,16 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -55,9 +60,13 @@ ABSL_FLAG(std::vector<std::string>, daemon_flags, {},
           "extra weightbridged flags for every daemon, comma-separated (e.g. --bucket_bytes=268435456,--checksums=false)");
 ABSL_FLAG(bool, baseline, true, "also run the rank0_broadcast baseline (false: WeightBridge only, e.g. while profiling)");
 ABSL_FLAG(bool, digest_cost, false,
-          "instead: the cost of end-to-end digests (issue 17.4): WeightBridge's update time with neither digests nor "
-          "per-batch checksums, with checksums only (the old default), with digests hashed after the buckets "
-          "(--digest_overlap=false) and with digests hashed while the buckets run (the default), one cluster each");
+          "instead: the cost of end-to-end digests (issue 17.4): WeightBridge's update time under the integrity settings "
+          "of --digest_settings, one fresh cluster per setting and round, the settings interleaved over --digest_rounds "
+          "rounds (order reversed every other round); medians of every steady version and per-round ratios");
+ABSL_FLAG(int, digest_rounds, 3, "--digest_cost: rounds (each runs every setting once, on a fresh cluster)");
+ABSL_FLAG(std::vector<std::string>, digest_settings, std::vector<std::string>({"none", "digests"}),
+          "--digest_cost: settings to compare, first = the reference: none (no digests, no per-batch checksums), "
+          "checksums (per-batch checksums only), digests_after_buckets (--digest_overlap=false), digests (the default)");
 
 ABSL_FLAG(std::string, quantization, "",
           "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
@@ -227,62 +236,151 @@ absl::StatusOr<BenchCluster> StartBenchCluster(const std::string& tag, const std
   return out;
 }
 
-// --digest_cost: WeightBridge's median update time under four integrity settings, each on a fresh
-// cluster (same machine, same run): none, per-batch checksums only, end-to-end digests hashed after
-// the buckets (the old way, --digest_overlap=false) and hashed while the buckets run (the default).
-int RunDigestCost(const std::string& config, int versions, int replicas, bool json) {
-  struct Setting {
-    const char* name;
-    std::vector<std::string> flags;
-    StrategyResult result;
-  };
-  std::vector<Setting> settings = {{"none", {"--digests=false", "--checksums=false"}, {}},
-                                   {"checksums", {"--digests=false", "--checksums=true"}, {}},
-                                   {"digests_after_buckets", {"--digests=true", "--checksums=false", "--digest_overlap=false"}, {}},
-                                   {"digests", {"--digests=true", "--checksums=false", "--digest_overlap=true"}, {}}};
-  for (Setting& st : settings) {
-    auto bc = StartBenchCluster(absl::StrCat("bench-e2e-", st.name), st.flags);
-    if (!bc.ok()) {
-      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", st.name, bc.status().ToString().c_str());
-      return 1;
+// Per version of `model`: the most seconds any node daemon of `cl` spent hashing after the last
+// bucket (digest_s of its "version transferred" log line: what the digests add to the update
+// directly; hashing during the buckets only competes for CPU). Versions with no line are absent.
+std::map<uint64_t, double> DigestTailSeconds(const Cluster& cl, int num_nodes, const std::string& model) {
+  std::map<uint64_t, double> out;
+  for (int i = 0; i < num_nodes; ++i) {
+    std::ifstream in(cl.node(i)->log_path());
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find("msg=\"version transferred\"") == std::string::npos || line.find(" model=" + model + " ") == std::string::npos) continue;
+      auto field = [&](const std::string& key) -> std::optional<double> {
+        const size_t at = line.find(" " + key + "=");
+        if (at == std::string::npos) return std::nullopt;
+        double v = 0;
+        if (!absl::SimpleAtod(absl::string_view(line).substr(at + key.size() + 2, line.find(' ', at + 1) - at - key.size() - 2), &v)) return std::nullopt;
+        return v;
+      };
+      const std::optional<double> version = field("version"), digest_s = field("digest_s");
+      if (!version || !digest_s) continue;
+      double& d = out[static_cast<uint64_t>(*version)];
+      d = std::max(d, *digest_s);
     }
-    if (!json) std::fprintf(stderr, "bench/e2e: integrity setting '%s' (%s)...\n", st.name, absl::StrJoin(st.flags, " ").c_str());
-    st.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas);
-    bc->harness->KillAll();
   }
-  const double none = settings[0].result.median_s, sums = settings[1].result.median_s, after = settings[2].result.median_s,
-               digests = settings[3].result.median_s;
-  const double overhead = none > 0 ? digests / none - 1 : 0;
-  const double overhead_after = none > 0 ? after / none - 1 : 0;
-  const double vs_checksums = sums > 0 ? digests / sums - 1 : 0;
+  return out;
+}
+
+// --digest_cost: WeightBridge's update time under integrity settings (--digest_settings; the first
+// is the reference, by default none against the default digests). On a shared, noisy host one
+// cluster per setting measured back to back confounds the setting with whatever else ran then, so
+// the settings are interleaved: --digest_rounds rounds, each starting a fresh cluster for every
+// setting, in reverse order every other round (A B, B A, A B, ...), so drift in the host's load
+// hits both alike. Reported per setting: the median of every steady version (all rounds pooled)
+// and each round's median; the overhead as the ratio of pooled medians and as the median of the
+// per-round ratios (each round's pair ran minutes apart at most).
+int RunDigestCost(const std::string& config, int versions, int replicas, bool json) {
+  const std::map<std::string, std::vector<std::string>> known = {
+      {"none", {"--digests=false", "--checksums=false"}},
+      {"checksums", {"--digests=false", "--checksums=true"}},
+      {"digests_after_buckets", {"--digests=true", "--checksums=false", "--digest_overlap=false"}},
+      {"digests", {"--digests=true", "--checksums=false", "--digest_overlap=true"}}};
+  struct Setting {
+    std::string name;
+    std::vector<std::string> flags;
+    std::vector<double> steady;               // every steady version's update time, all rounds
+    std::vector<double> round_s;              // per round: median of its steady versions
+    std::vector<std::vector<double>> update_s;  // per round: every version
+    std::vector<double> tail_s;               // every steady version: hashing left after the buckets (slowest node)
+    bool verified = true;
+    std::string error;
+  };
+  std::vector<Setting> settings;
+  for (const std::string& name : absl::GetFlag(FLAGS_digest_settings)) {
+    auto f = known.find(name);
+    if (f == known.end()) {
+      std::fprintf(stderr, "bench/e2e: unknown --digest_settings entry '%s' (none, checksums, digests_after_buckets, digests)\n", name.c_str());
+      return 2;
+    }
+    settings.push_back({name, f->second, {}, {}, {}, {}, true, {}});
+  }
+  if (settings.size() < 2) {
+    std::fprintf(stderr, "bench/e2e: --digest_settings needs at least two settings\n");
+    return 2;
+  }
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_digest_rounds));
+  for (int r = 0; r < rounds; ++r) {
+    std::vector<Setting*> order;
+    for (Setting& st : settings) order.push_back(&st);
+    if (r % 2 == 1) std::reverse(order.begin(), order.end());
+    for (Setting* st : order) {
+      auto bc = StartBenchCluster(absl::StrCat("bench-e2e-", st->name, "-r", r), st->flags);
+      if (!bc.ok()) {
+        std::fprintf(stderr, "bench/e2e: cluster (%s, round %d): %s\n", st->name.c_str(), r + 1, bc.status().ToString().c_str());
+        return 1;
+      }
+      if (!json) std::fprintf(stderr, "bench/e2e: round %d/%d, integrity setting '%s' (%s)...\n", r + 1, rounds, st->name.c_str(),
+                              absl::StrJoin(st->flags, " ").c_str());
+      StrategyResult res = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas);
+      for (const auto& [v, t] : DigestTailSeconds(*bc->cluster, 2, "qwen-weightbridge")) {
+        if (v > 1) st->tail_s.push_back(t);
+      }
+      bc->harness->KillAll();
+      st->verified = st->verified && res.verified;
+      if (!res.error.empty()) st->error = res.error;
+      st->update_s.push_back(res.update_s);
+      st->round_s.push_back(res.median_s);
+      st->steady.insert(st->steady.end(), res.update_s.begin() + (res.update_s.size() > 1 ? 1 : 0), res.update_s.end());
+    }
+  }
+  const Setting& ref = settings[0];
+  const double ref_s = Median(ref.steady);
   bool verified = true;
-  for (const Setting& st : settings) verified = verified && st.result.verified;
+  for (const Setting& st : settings) verified = verified && st.verified;
+  // Per setting: pooled median, overhead against the reference (pooled), and the median of the
+  // per-round ratios.
+  struct Figures {
+    double median_s = 0, overhead = 0, overhead_paired = 0;
+    std::vector<double> round_ratio;
+  };
+  std::vector<Figures> figs;
+  for (const Setting& st : settings) {
+    Figures f;
+    f.median_s = Median(st.steady);
+    f.overhead = ref_s > 0 ? f.median_s / ref_s - 1 : 0;
+    for (size_t r = 0; r < st.round_s.size() && r < ref.round_s.size(); ++r) {
+      if (ref.round_s[r] > 0) f.round_ratio.push_back(st.round_s[r] / ref.round_s[r]);
+    }
+    f.overhead_paired = f.round_ratio.empty() ? 0 : Median(f.round_ratio) - 1;
+    figs.push_back(std::move(f));
+  }
   if (json) {
-    nlohmann::json j = {{"none_s", none},
-                        {"checksums_s", sums},
-                        {"digests_after_buckets_s", after},
-                        {"digests_s", digests},
-                        {"digest_overhead_after_buckets", overhead_after},
-                        {"digest_overhead", overhead},
-                        {"digests_vs_checksums", vs_checksums},
-                        {"verified", verified},
-                        {"model_bytes", e2e::ModelBytes(config)}, {"replicas", replicas}, {"versions", versions}};
-    for (const Setting& st : settings) {
-      j[absl::StrCat(st.name, "_update_s")] = st.result.update_s;
-      if (!st.result.error.empty()) j[absl::StrCat(st.name, "_error")] = st.result.error;
+    nlohmann::json j = {{"reference", ref.name}, {"verified", verified}, {"rounds", rounds}, {"model_bytes", e2e::ModelBytes(config)},
+                        {"replicas", replicas}, {"versions", versions}};
+    for (size_t i = 0; i < settings.size(); ++i) {
+      const Setting& st = settings[i];
+      j[st.name + "_s"] = figs[i].median_s;
+      j[st.name + "_round_s"] = st.round_s;
+      j[st.name + "_update_s"] = st.update_s;
+      if (!st.tail_s.empty()) j[st.name + "_digest_tail_s"] = Median(st.tail_s);
+      if (i > 0) {
+        // digest_overhead / digest_overhead_paired for "digests" (the default against the reference).
+        const std::string key = st.name == "digests" ? std::string("digest_overhead") : st.name + "_overhead";
+        j[key] = figs[i].overhead;
+        j[key + "_paired"] = figs[i].overhead_paired;
+        j[st.name + "_round_ratio"] = figs[i].round_ratio;
+      }
+      if (!st.error.empty()) j[st.name + "_error"] = st.error;
     }
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("Qwen2.5-0.5B (%.3f GB bf16), WeightBridge, sync, %d versions (median of v2..), %d replica(s)\n",
-                e2e::ModelBytes(config) / 1e9, versions, replicas);
-    std::printf("%-22s %10s %9s\n", "integrity", "update_s", "verified");
-    for (const Setting& st : settings) {
-      std::printf("%-22s %10.3f %9s\n", st.name, st.result.median_s, st.result.verified ? "yes" : "NO");
-      if (!st.result.error.empty()) std::printf("  error: %s\n", st.result.error.c_str());
+    std::printf("%s (%.3f GB bf16), WeightBridge, sync, %d round(s) x %d versions (steady = v2..), %d replica(s)\n", config.c_str(),
+                e2e::ModelBytes(config) / 1e9, rounds, versions, replicas);
+    std::printf("%-22s %10s %-30s %10s %10s %12s %9s\n", "integrity", "median_s", "per-round median_s", "overhead", "paired",
+                "digest_tail_s", "verified");
+    for (size_t i = 0; i < settings.size(); ++i) {
+      const Setting& st = settings[i];
+      std::vector<std::string> rs;
+      for (double x : st.round_s) rs.push_back(absl::StrFormat("%.3f", x));
+      std::printf("%-22s %10.3f %-30s %9.1f%% %9.1f%% %12.3f %9s\n", st.name.c_str(), figs[i].median_s, absl::StrJoin(rs, " ").c_str(),
+                  100 * figs[i].overhead, 100 * figs[i].overhead_paired, st.tail_s.empty() ? 0.0 : Median(st.tail_s),
+                  st.verified ? "yes" : "NO");
+      if (!st.error.empty()) std::printf("  error: %s\n", st.error.c_str());
     }
-    std::printf("digests cost %.1f%% of the update time without any check (after the buckets: %.1f%%; %+.1f%% against per-batch "
-                "checksums)\n",
-                100 * overhead, 100 * overhead_after, 100 * vs_checksums);
+    std::printf("overhead = pooled median / %s's - 1; paired = median over rounds of (round median / %s's round median) - 1;\n"
+                "digest_tail_s = median over steady versions of the slowest node's hashing after its last bucket\n",
+                ref.name.c_str(), ref.name.c_str());
   }
   return verified ? 0 : 1;
 }
