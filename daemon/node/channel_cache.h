@@ -3,7 +3,7 @@
 // reuses its channel to a peer instead of connecting again (docs/daemon.md "Flow of one version").
 // A channel is tied to the peer's transport instance: a peer that restarted has a new instance and
 // its old channel is stale (dropped, never reused). Own lock, a leaf: nothing else is taken while it
-// is held, so callers may hold NodeDaemon::mu_ around these calls.
+// is held, so callers may hold node::Versions::mu_ around these calls.
 //
 // Disconnecting is the caller's (outside any lock): these calls only say which channel to drop.
 

@@ -10,7 +10,7 @@
 namespace wb::daemon::node {
 
 // `layouts` (the staging layouts transfers address), `quantized` and `inventory` are the node's
-// resolved view of the slice (NodeDaemon::ModelPlan); `inventory` must outlive the result.
+// resolved view of the slice (node::ModelPlan, daemon/node/versions.h); `inventory` must outlive the result.
 // `live_layouts`: the workers' own layouts (Slice::live_layouts; sender-quantised ops need them).
 Slice SliceFromProto(const ::weightbridge::v1::PlanSlice& slice, const std::vector<planner::WorkerLayout>& layouts,
                      const std::vector<bool>& quantized, bool hosts_gather, const planner::Inventory& inventory,

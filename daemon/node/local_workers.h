@@ -7,11 +7,11 @@
 // worker at a time).
 //
 // Threads and ownership: every field below is guarded by this class's own mutex (a leaf for
-// everything but the clock: no method calls back into NodeDaemon, the coordinator or a
-// transport with it held). Callers: the WorkerService handlers (registration, layouts, Publish,
-// Apply, WaitVersion), the NodeService handlers (commit / abort / drop) and the executor threads
-// (GatherVersionMemory, AllocateStaging) through NodeDaemon, which may call in while holding its
-// own mutex (lock order: NodeDaemon::mu_ -> LocalWorkers::mu_). RunLiveCopies runs on the caller's
+// everything but the clock: no method calls back into the node's other parts, the coordinator or
+// a transport with it held). Callers: node::WorkerCalls (registration, layouts, Publish, Apply,
+// WaitVersion), node::Versions' NodeService calls (commit / abort / drop) and its executor
+// threads (GatherVersionMemory, AllocateStaging), which may call in while holding Versions' mutex
+// (lock order: node::Versions::mu_ -> LocalWorkers::mu_). RunLiveCopies runs on the caller's
 // thread (plus one copy thread per extra job) and must be called with no lock held.
 //
 // Waits go through the injected Clock (base/clock.h) and end at a deadline; Stop() ends them.
