@@ -47,10 +47,12 @@ struct PlanOptions {
   // Sender-side quantisation (issue 17.1, planner/sender_quant.h): ops into quantised rollout
   // pieces whose every op lies on the piece's block grid carry the quantised elements and scales
   // (TransferOp::sender_quantized, wire_bytes), and links, buckets and the lower bound count those
-  // bytes. Off by default: MakePlan (the coordinator's planner) keeps receiver-side quantisation,
-  // the only one today's node executor runs. `wbctl plan` and bench:planner turn it on for the
-  // prediction (docs/planner.md). Do not hand such a plan to today's executor: it would move
-  // canonical bytes in buckets sized for the (about half as many) quantised ones.
+  // bytes. Off by default (MakePlan: every op canonical, receiver-side quantisation). The
+  // coordinator turns it on where the sending nodes can quantise (daemon/coordinator/plan_cache.h
+  // SenderQuantizationFor: WeightBridge's strategy, quantised rollouts, host-memory trainers); the
+  // node executor then moves each flagged op's quantised elements and scales, quantised on the
+  // sending node (daemon/node/quantize_outgoing.h). `wbctl plan` and bench:planner use it for the
+  // prediction (docs/planner.md).
   bool sender_quantization = false;
 };
 absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,

@@ -1,11 +1,14 @@
 #pragma once
 // Quantized rollout pieces (planner/types.h `Quantization`): the layout-level rules, pure.
 //
-// A quantized piece changes where the worker keeps its box; by default not what travels: ops carry
-// the canonical dtype (sender-side quantisation, planner/sender_quant.h, is the planner's option). So the receiving node gives each quantized piece a "shadow" in its staging - a
-// contiguous canonical-dtype copy of the box appended after the end of the piece's buffer - and
-// every transfer addresses the shadow; once the version has landed, the node quantises each
-// shadow into the piece's place and its scales (daemon/quantize.h) and commits as usual.
+// A quantized piece changes where the worker keeps its box. What travels into it: its quantised
+// elements and scales when the plan flags its ops sender-quantised (planner/sender_quant.h; the
+// coordinator's plans do where the sending node can quantise), else the canonical dtype
+// (receiver-side quantisation, the fallback). For the fallback the receiving node gives each
+// quantized piece a "shadow" in its staging - a contiguous canonical-dtype copy of the box appended
+// after the end of the piece's buffer - and every such transfer addresses the shadow; once the
+// version has landed, the node quantises each shadow into the piece's place and its scales
+// (daemon/quantize.h) and commits as usual.
 // StagingLayout() is that addressing; every node computes it from the same layout (the sender
 // writes into the receiver's staging), so it must stay a pure function of the layout.
 
