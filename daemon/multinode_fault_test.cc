@@ -14,6 +14,8 @@
 #include "absl/synchronization/notification.h"
 #include "daemon/convert.h"
 #include "daemon/multinode_fixture.h"
+#include "transport/factory.h"
+#include "transport/transport.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
@@ -30,8 +32,14 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   absl::Notification entered, release;
   std::atomic<bool> frozen{false};
   c.StartNode(0);
+  // The hook runs before every bucket and freezes only the first (bucket 0 of version 2). After
+  // the thaw the executor may well reach bucket 1 of the aborted version: its bucket-0 posts go
+  // out without error when n0 has not closed the data connection yet (n0's AbortVersion wakes the
+  // waiters, which lets this test release n1, before it drops the version's channels). Before,
+  // that second call notified `entered` again (absl::Notification: "Notify() called more than
+  // once", a crash in CI) and would have frozen n1's heartbeats for good.
   c.StartNode(1, [&](const std::string&, uint64_t version, uint32_t) {
-    if (version != 2) return;
+    if (version != 2 || entered.HasBeenNotified()) return;  // the executor's thread only: no race
     frozen = true;
     entered.Notify();
     release.WaitForNotificationWithTimeout(absl::Seconds(20));
@@ -91,6 +99,118 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   c.Stop();
 }
 
+// host_tcp whose Disconnect waits, once armed, until `gate` is notified (at most 30 s): a node
+// whose teardown of an aborted version's channels is slow (descheduled, as on a loaded machine).
+class SlowDisconnectTransport final : public transport::Transport {
+ public:
+  SlowDisconnectTransport(transport::TransportSet inner, std::atomic<bool>* armed, absl::Notification* gate)
+      : inner_(std::move(inner)), t_(inner_.Find("host_tcp")), armed_(armed), gate_(gate) {}
+
+  transport::Capabilities capabilities() const override { return t_->capabilities(); }
+  std::string instance_id() const override { return t_->instance_id(); }
+  absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer) override { return t_->ExportEndpoint(peer); }
+  absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override { return t_->Connect(endpoint, deadline); }
+  absl::Status Disconnect(transport::PeerId peer) override {
+    if (armed_->exchange(false)) gate_->WaitForNotificationWithTimeout(absl::Seconds(30));
+    return t_->Disconnect(peer);
+  }
+  absl::StatusOr<transport::RegionHandle> RegisterMemory(const transport::MemorySpec& spec) override { return t_->RegisterMemory(spec); }
+  absl::StatusOr<std::string> ExportDescriptor(transport::RegionHandle r) override { return t_->ExportDescriptor(r); }
+  absl::StatusOr<transport::RegionHandle> ImportDescriptor(absl::string_view d) override { return t_->ImportDescriptor(d); }
+  absl::StatusOr<transport::RegionInfo> Describe(transport::RegionHandle r) const override { return t_->Describe(r); }
+  absl::Status Release(transport::RegionHandle r) override { return t_->Release(r); }
+  absl::StatusOr<transport::BatchId> Post(const transport::Batch& batch) override { return t_->Post(batch); }
+  absl::StatusOr<transport::BatchState> Poll(transport::BatchId b) override { return t_->Poll(b); }
+  absl::Status Wait(transport::BatchId b, absl::Time deadline) override { return t_->Wait(b, deadline); }
+  transport::TransportStats stats() const override { return t_->stats(); }
+
+ private:
+  transport::TransportSet inner_;
+  transport::Transport* t_;
+  std::atomic<bool>* armed_;
+  absl::Notification* gate_;
+};
+
+// The interleaving behind LeaseExpiresMidTransferAbortsAndKeepsPrevious' CI crash, made certain:
+// n0 wakes version 2's waiters (the Apply below returns ABORTED) before it drops the version's
+// channels, and here that drop is held until n1, thawed, has run on into bucket 1 of the version
+// the coordinator aborted (its bucket-0 posts went out on the still-open connection). n1's late
+// bytes must not reach n0's rollout (still exactly version 1), n1 must come back, and version 3
+// must land everywhere. The hook freezes only its first call; a hook that froze every call of
+// version 2 (as that test's did) crashed here with "Notify() called more than once".
+TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator(absl::Milliseconds(600));
+  std::atomic<bool> disconnect_armed{false};
+  absl::Notification gate;
+  c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) {
+    o.make_transports = [&]() -> absl::StatusOr<transport::TransportSet> {
+      transport::TransportConfig shm, tcp;
+      shm.kinds = {"host_shm"};
+      tcp.kinds = {"host_tcp"};
+      auto set = transport::CreateTransports(shm);
+      if (!set.ok()) return set.status();
+      auto inner = transport::CreateTransports(tcp);
+      if (!inner.ok()) return inner.status();
+      set->Add(std::make_unique<SlowDisconnectTransport>(std::move(*inner), &disconnect_armed, &gate));
+      return set;
+    };
+  });
+  absl::Notification entered, release, later_bucket;
+  std::atomic<bool> frozen{false};
+  c.StartNode(1, [&](const std::string&, uint64_t version, uint32_t bucket) {
+    if (version != 2) return;
+    if (entered.HasBeenNotified()) {  // the executor's thread only: no race with the first call
+      if (bucket > 0 && !later_bucket.HasBeenNotified()) later_bucket.Notify();
+      return;
+    }
+    frozen = true;
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  }, [&] { return frozen.load(); });
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  pb::ApplyResponse resp;
+  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
+  ASSERT_EQ(CountBad(r0, 1), 0);
+
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  disconnect_armed = true;  // n0's next Disconnect (its abort's drop of the n1 channel) waits for the gate
+  grpc::Status s = c.Apply(r0, "m", 2, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("node n1 lost its lease"), std::string::npos) << s.error_message();
+  frozen = false;
+  release.Notify();
+  const bool ran_on = later_bucket.WaitForNotificationWithTimeout(absl::Seconds(20));
+  gate.Notify();
+  ASSERT_TRUE(ran_on) << "n1 did not reach bucket 1 of version 2 while n0 kept the channel open";
+  EXPECT_EQ(CountBad(r0, 1), 0) << "rollout weights must still be exactly version 1";
+
+  auto back = c.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        for (const pb::NodeStatus& n : st.nodes()) {
+          if (n.node_id() == "n1") return n.alive();
+        }
+        return false;
+      },
+      absl::Seconds(10));
+  ASSERT_TRUE(back.ok()) << "n1 did not register again: " << back.status();
+  for (TestWorker* w : {&t1, &r1}) {
+    grpc::Status reg = c.Register(*w, spec);
+    ASSERT_TRUE(reg.ok()) << w->id << ": " << reg.error_message();
+  }
+  for (auto& st : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(st.ok()) << st.error_message();
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  }
+  c.Stop();
+}
+
 // The coordinator restarts (new process state) while version 2 is in flight: nodes notice the new
 // instance, abort the version locally (waiters: ABORTED naming the restart; rollouts keep version 1
 // byte for byte), re-submit models, workers and layouts, and version 3 succeeds with the same
@@ -100,7 +220,7 @@ TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
   Cluster c;
   absl::Notification entered, release;
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n0_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
-    if (version != 2) return;
+    if (version != 2 || entered.HasBeenNotified()) return;  // hold bucket 0 only (the hook runs per bucket)
     entered.Notify();
     release.WaitForNotificationWithTimeout(absl::Seconds(20));
   }});
