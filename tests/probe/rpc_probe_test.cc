@@ -303,35 +303,61 @@ class RpcProbeTest : public ::testing::Test {
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/rpc-probe-certs";
     ASSERT_EQ(MakeCerts(dir_, {"coordinator", "n0", "n1", "n5"}), "");
-    c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [&](ServerOptions& o) { o.security.peer_auth = Auth("coordinator"); });
-    for (int n : {0, 1}) {
-      c_.StartNode(n, nullptr, nullptr, [&, n](ServerOptions& o) {
-        auto auth = Auth(absl::StrCat("n", n));
-        auth->coordinator_identity = "coordinator";  // as main.cc sets it from --tls_server_name / --coordinator
-        o.security.peer_auth = auth;
-      });
-    }
-    ASSERT_FALSE(HasFatalFailure());
     spec_ = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
-    w_ = std::make_unique<TwoNodeWorkers>(AddTwoNodeWorkers(c_, inv_));
-    for (TestWorker* x : {&w_->t0, &w_->t1, &w_->r0, &w_->r1}) ASSERT_TRUE(c_.Register(*x, spec_).ok()) << x->id;
+    if (standalone_) {
+      // One process in both roles (the probe's SIGBUS took the coordinator role down there too).
+      ServerOptions so;
+      so.role = DaemonRole::kStandalone;
+      so.worker_socket = absl::StrCat("/tmp/wbprobe-sa-", ::getpid(), ".sock");
+      so.make_transports = HostTransports;
+      so.security.peer_auth = Auth("coordinator");
+      so.node_id = "coordinator";  // its node registers with its own coordinator under its certificate's name
+      auto server = Server::Start(so);
+      ASSERT_TRUE(server.ok()) << server.status();
+      c_.nodes_.push_back(std::move(*server));
+      coord_server_ = c_.nodes_[0].get();
+      spec_.set_num_trainer_workers(1);
+      spec_.set_num_rollout_workers(1);
+      const std::vector<PieceDef> whole = {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}};
+      trainers_ = {&c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, whole))};
+      rollouts_ = {&c_.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, whole))};
+    } else {
+      c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [&](ServerOptions& o) { o.security.peer_auth = Auth("coordinator"); });
+      for (int n : {0, 1}) {
+        c_.StartNode(n, nullptr, nullptr, [&, n](ServerOptions& o) {
+          auto auth = Auth(absl::StrCat("n", n));
+          auth->coordinator_identity = "coordinator";  // as main.cc sets it from --tls_server_name / --coordinator
+          o.security.peer_auth = auth;
+        });
+      }
+      ASSERT_FALSE(HasFatalFailure());
+      coord_server_ = c_.coord_.get();
+      TwoNodeWorkers w = AddTwoNodeWorkers(c_, inv_);
+      trainers_ = {&w.t0, &w.t1};
+      rollouts_ = {&w.r0, &w.r1};
+    }
+    for (TestWorker* x : trainers_) ASSERT_TRUE(c_.Register(*x, spec_).ok()) << x->id;
+    for (TestWorker* x : rollouts_) ASSERT_TRUE(c_.Register(*x, spec_).ok()) << x->id;
     pb::ApplyResponse resp;
-    for (auto& s : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&w_->t0, &w_->t1}, {&w_->r0, &w_->r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-    for (TestWorker* r : {&w_->r0, &w_->r1}) {
+    for (auto& s : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 1, trainers_, rollouts_)) ASSERT_TRUE(s.ok()) << s.error_message();
+    for (TestWorker* r : rollouts_) {
       ASSERT_TRUE(c_.Apply(*r, "m", 1, &resp).ok()) << r->id;
       ASSERT_EQ(CountBad(*r, 1), 0) << r->id;
     }
     // Whatever the probe publishes carries version 2's bytes.
-    for (TestWorker* t : {&w_->t0, &w_->t1}) Fill(*t, 2);
+    for (TestWorker* t : trainers_) Fill(*t, 2);
     n5_ = Auth("n5");
     worker_channel_ = grpc::CreateChannel("unix:" + c_.nodes_[0]->worker_socket(), grpc::InsecureChannelCredentials());
-    coord_channel_ = MakePeerChannel(c_.coord_->address(), *n5_, int64_t{512} << 20);
+    coord_channel_ = MakePeerChannel(coord_server_->address(), *n5_, int64_t{512} << 20);
     // NodeService as a buggy coordinator (its certificate; another node's is refused, see
     // CallsFromWhereTheyDoNotBelongAreRefused), on a model of its own ("pm"): a coordinator may
     // install any plan for a model, so m's live memory is not its to probe.
     node_channel_ = MakePeerChannel(c_.nodes_[0]->address(), *Auth("coordinator"), int64_t{512} << 20);
   }
   void TearDown() override { c_.Stop(); }
+  // Every method: empty, plausible, each field at each edge value, and a body that is no protobuf;
+  // then the daemons must answer, live memory must be whole, and a fresh model must move versions.
+  void ProbeEverything();
 
   std::shared_ptr<PeerAuthConfig> Auth(const std::string& name, const std::string& token = "token") {
     auto auth = LoadPeerAuth(dir_ + "/" + name + ".pem", dir_ + "/" + name + ".key", dir_ + "/ca.pem", dir_ + "/" + token);
@@ -341,7 +367,7 @@ class RpcProbeTest : public ::testing::Test {
 
   // r0's layout as RegisterLayout / SubmitLayout carry it.
   void FillLayout(google::protobuf::RepeatedPtrField<pb::BufferSpec>* buffers, pb::LayoutSpec* layout) {
-    const TestWorker& r0 = w_->r0;
+    const TestWorker& r0 = *rollouts_[0];
     pb::BufferSpec* b = buffers->Add();
     b->set_buffer_id(7);
     b->set_size_bytes(static_cast<uint64_t>(r0.seg.size()));
@@ -454,9 +480,11 @@ class RpcProbeTest : public ::testing::Test {
   }
 
   planner::Inventory inv_ = SmallInventory();
+  bool standalone_ = false;  // one standalone daemon instead of a coordinator and two nodes
   Cluster c_;
+  Server* coord_server_ = nullptr;  // the process serving CoordinatorService
   pb::ModelSpec spec_;
-  std::unique_ptr<TwoNodeWorkers> w_;
+  std::vector<TestWorker*> trainers_, rollouts_;
   std::string dir_;
   std::shared_ptr<PeerAuthConfig> n5_;
   std::shared_ptr<grpc::Channel> worker_channel_, coord_channel_, node_channel_;
@@ -472,7 +500,7 @@ const std::vector<const ServiceDescriptor*>& Services() {
 
 // Every method: empty, plausible, and each field at each edge value. Then the daemons must answer,
 // live memory must be whole, and a fresh model must move versions byte for byte.
-TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) {
+void RpcProbeTest::ProbeEverything() {
   // A node of the probe's own (n5, unreachable address) so node-scoped calls reach the handlers.
   {
     auto stub = pb::CoordinatorService::NewStub(coord_channel_);
@@ -481,12 +509,13 @@ TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) {
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString("node_id: 'n5' address: '127.0.0.1:1' data_address: '127.0.0.1:1'", &req));
     pb::RegisterNodeResponse resp;
     grpc::Status s = stub->RegisterNode(&ctx, req, &resp);
-    ASSERT_TRUE(s.ok()) << s.error_message();
+    if (!standalone_) ASSERT_TRUE(s.ok()) << s.error_message();
   }
   struct Job {
     const MethodDescriptor* method;
     std::shared_ptr<const Message> base;
     Variant variant;
+    std::string raw;  // sent as is instead of the edited base (a body that is no protobuf)
   };
   std::vector<Job> jobs;
   std::map<std::string, int> per_method;
@@ -496,6 +525,7 @@ TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) {
       std::shared_ptr<const Message> base = Base(m);
       jobs.push_back({m, base, {"(empty request)", [](Message* root) { root->Clear(); }}});
       jobs.push_back({m, base, {"(plausible request)", [](Message*) {}}});
+      jobs.push_back({m, base, {"(garbage body)", nullptr}, std::string("\xff\xff\xff\xff\x0f garbage", 14)});
       std::vector<Variant> vs;
       CollectVariants(m->input_type(), "", [](Message* root) { return root; }, 3, &vs);
       for (Variant& v : vs) jobs.push_back({m, base, std::move(v)});
@@ -516,14 +546,16 @@ TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) {
     threads.emplace_back([&] {
       for (size_t k = next++; k < n; k = next++) {
         const Job& job = jobs[(k * stride) % n];
-        std::unique_ptr<Message> req(job.base->New());
-        req->CopyFrom(*job.base);
-        job.variant.edit(req.get());
-        const std::string body = req->SerializeAsString();
-        req.reset();
+        std::string body = job.raw;
+        if (body.empty()) {
+          std::unique_ptr<Message> req(job.base->New());
+          req->CopyFrom(*job.base);
+          job.variant.edit(req.get());
+          body = req->SerializeAsString();
+        }
         const std::string method = absl::StrCat("/", job.method->service()->full_name(), "/", job.method->name());
         const std::shared_ptr<grpc::Channel>& ch = ChannelFor(job.method->service());
-        const Outcome o = job.method->server_streaming() ? CallWatch(ch, body) : CallGeneric(ch, method, body);
+        const Outcome o = job.method->server_streaming() && job.raw.empty() ? CallWatch(ch, body) : CallGeneric(ch, method, body);
         const std::string bad = Judge(method, o);
         absl::MutexLock l(&mu);
         codes[o.code]++;
@@ -551,18 +583,21 @@ TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) {
     EXPECT_TRUE(s.ok()) << s.error_message();
   }
   // Every daemon still answers.
-  for (Server* srv : {c_.coord_.get(), c_.nodes_[0].get(), c_.nodes_[1].get()}) {
+  std::vector<Server*> daemons;
+  if (c_.coord_) daemons.push_back(c_.coord_.get());
+  for (auto& n : c_.nodes_) daemons.push_back(n.get());
+  for (Server* srv : daemons) {
     auto stub = pb::CoordinatorService::NewStub(MakePeerChannel(srv->address(), *n5_));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     pb::StatusResponse resp;
-    grpc::Status s = srv == c_.coord_.get() ? stub->ClusterStatus(&ctx, pb::StatusRequest(), &resp)
+    grpc::Status s = srv == coord_server_ ? stub->ClusterStatus(&ctx, pb::StatusRequest(), &resp)
                                             : pb::NodeService::NewStub(MakePeerChannel(srv->address(), *n5_))
                                                   ->Status(&ctx, pb::StatusRequest(), &resp);
     EXPECT_TRUE(s.ok()) << srv->address() << ": " << s.error_message();
   }
   // No rollout's live memory is a mix: each holds version 1 or 2 whole, or says it is torn.
-  for (TestWorker* r : {&w_->r0, &w_->r1}) {
+  for (TestWorker* r : rollouts_) {
     const pb::WorkerStatus ws = LocalStatus(c_, *r);
     if (ws.live_state() == "torn") {
       EXPECT_FALSE(ws.live_detail().empty()) << r->id;
@@ -576,21 +611,38 @@ TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) {
   // A fresh model on the same daemons moves two versions byte for byte across both nodes.
   pb::ModelSpec spec2 = spec_;
   spec2.set_model_id("m2");
-  TestWorker& a0 = c_.AddWorker("a0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
-  TestWorker& a1 = c_.AddWorker("a1", pb::ROLE_TRAINER, 1, &inv_, LayoutOf(inv_, {{0, {4, 0}, {8, 16}, false}}));
-  TestWorker& b0 = c_.AddWorker("b0", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
-  TestWorker& b1 = c_.AddWorker("b1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
-  for (TestWorker* x : {&a0, &a1, &b0, &b1}) ASSERT_TRUE(c_.Register(*x, spec2).ok()) << x->id;
+  std::vector<TestWorker*> a, b;
+  if (standalone_) {
+    const std::vector<PieceDef> whole = {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}};
+    a = {&c_.AddWorker("a0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, whole))};
+    b = {&c_.AddWorker("b0", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, whole))};
+  } else {
+    a = {&c_.AddWorker("a0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}})),
+         &c_.AddWorker("a1", pb::ROLE_TRAINER, 1, &inv_, LayoutOf(inv_, {{0, {4, 0}, {8, 16}, false}}))};
+    b = {&c_.AddWorker("b0", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}})),
+         &c_.AddWorker("b1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}))};
+  }
+  for (TestWorker* x : a) ASSERT_TRUE(c_.Register(*x, spec2).ok()) << x->id;
+  for (TestWorker* x : b) ASSERT_TRUE(c_.Register(*x, spec2).ok()) << x->id;
   pb::ApplyResponse resp;
   for (uint64_t v : {1, 2}) {
-    for (auto& s : c_.Publish("m2", pb::MODE_ONE_STEP_OFF, v, {&a0, &a1}, {&b0, &b1})) ASSERT_TRUE(s.ok()) << "m2 v" << v << ": " << s.error_message();
-    for (TestWorker* r : {&b0, &b1}) {
+    for (auto& s : c_.Publish("m2", pb::MODE_ONE_STEP_OFF, v, a, b)) ASSERT_TRUE(s.ok()) << "m2 v" << v << ": " << s.error_message();
+    for (TestWorker* r : b) {
       grpc::Status s = c_.Apply(*r, "m2", v, &resp);
       ASSERT_TRUE(s.ok()) << r->id << " v" << v << ": " << s.error_message();
       EXPECT_EQ(CountBad(*r, v), 0) << r->id << " v" << v;
     }
   }
 }
+
+TEST_F(RpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) { ProbeEverything(); }
+
+// The same probe against one standalone daemon (coordinator and node roles in one process).
+class StandaloneRpcProbeTest : public RpcProbeTest {
+ protected:
+  StandaloneRpcProbeTest() { standalone_ = true; }
+};
+TEST_F(StandaloneRpcProbeTest, EveryRpcSurvivesEmptyHugeAndOutOfRangeFields) { ProbeEverything(); }
 
 // Calls from where they do not belong: a worker (on the worker socket) calling the daemons' TCP
 // services, a node naming another node in every call a node makes about itself, a caller with
@@ -650,8 +702,8 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
   }
   // n0 and its workers still work: version 2 reaches both rollouts whole.
   pb::ApplyResponse resp;
-  for (auto& s : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&w_->t0, &w_->t1}, {&w_->r0, &w_->r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  for (TestWorker* r : {&w_->r0, &w_->r1}) {
+  for (auto& s : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 2, trainers_, rollouts_)) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : rollouts_) {
     ASSERT_TRUE(c_.Apply(*r, "m", 2, &resp).ok()) << r->id;
     EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
   }
@@ -663,7 +715,7 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
   no_cert.token = n5_->token;
   for (const auto& [label, auth] : std::vector<std::pair<std::string, PeerAuthConfig>>{{"wrong token", *wrong_token}, {"no certificate", no_cert}}) {
     for (const ServiceDescriptor* s : {Service("NodeService"), Service("CoordinatorService")}) {
-      Server* srv = s == Service("NodeService") ? c_.nodes_[0].get() : c_.coord_.get();
+      Server* srv = s == Service("NodeService") ? c_.nodes_[0].get() : coord_server_;
       grpc::ChannelArguments args;
       args.SetInt("wb.probe.distinct", label.size());
       std::shared_ptr<grpc::Channel> ch;
