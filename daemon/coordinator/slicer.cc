@@ -91,6 +91,32 @@ std::vector<bool> NcclOps(const planner::Plan& plan, const SliceInput& in,
 
 }  // namespace
 
+std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl) {
+  std::set<uint32_t> relays;  // workers some op reads from that are not trainers
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      if (in.workers[op.src_worker].role != planner::Role::kTrainer) relays.insert(op.src_worker);
+    }
+  }
+  std::vector<bool> out;
+  size_t i = 0;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      const SliceWorker& sw = in.workers[op.src_worker];
+      const SliceWorker& dw = in.workers[op.dst_worker];
+      auto n = in.nodes.find(sw.node);
+      const bool ok = in.deltas && !over_nccl[i] && !op.sender_quantized && sw.node != dw.node && n != in.nodes.end() &&
+                      n->second.sends_deltas && sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout &&
+                      op.src_piece >= 0 && op.dst_piece >= 0 && CudaBuffer(sw, op.src_piece) == nullptr &&
+                      CudaBuffer(dw, op.dst_piece) == nullptr && !planner::HasQuantizedPieces(*dw.layout) &&
+                      relays.count(op.dst_worker) == 0;
+      out.push_back(ok);
+      ++i;
+    }
+  }
+  return out;
+}
+
 // The header of every slice: model, epoch, inventory, stats, every worker (layouts only for the
 // node's own workers and the peers of its ops).
 void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,
@@ -156,6 +182,7 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
     lanes[n] = NcclLaneDevices(names);
   }
   const std::vector<bool> over_nccl = NcclOps(plan, in, lanes);
+  const std::vector<bool> delta = DeltaOps(plan, in, over_nccl);
   size_t op_i = 0;
   uint32_t index = 0;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
@@ -167,6 +194,7 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
       pop.set_index(index++);
       pop.set_bucket(static_cast<uint32_t>(b));
       convert::OpToProto(op, &pop);
+      if (delta[op_i]) pop.set_delta(true);
       if (over_nccl[op_i++]) {
         // Both ends' lanes: the GPU of each side's buffer when it has a lane (daemon/nccl_route.h).
         pop.set_nccl(true);

@@ -30,6 +30,7 @@ struct SliceWorker {
 struct SliceNode {
   std::string data_address;
   std::map<std::string, std::string> transport_instances;  // kind or "nccl/<device>" -> instance
+  bool sends_deltas = false;  // RegisterNodeRequest.delta_cache_bytes > 0 (TransferOp.delta)
 };
 
 struct SliceInput {
@@ -39,6 +40,9 @@ struct SliceInput {
   std::shared_ptr<const planner::Inventory> inventory;
   std::vector<SliceWorker> workers;        // plan worker index order (planner::Problem::workers)
   std::map<std::string, SliceNode> nodes;  // at least every node a worker sits on
+  // Lossless deltas (TransferOp.delta, DeltaOps): off for catch-up slices (their sources are
+  // rollouts' committed copies, whose destinations hold nothing to diff against).
+  bool deltas = true;
 };
 
 struct Slices {
@@ -58,6 +62,12 @@ absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in
 // fills only the ops, total_bytes, known and gather_bytes of each node's slice; FillSliceHeader
 // adds model, epoch, inventory, stats and workers to one of them.
 absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in);
+// Which ops may travel as lossless deltas (TransferOp.delta; docs/daemon.md "Deltas"), in plan op
+// order: cross-node ops not over nccl and not sender-quantised, from a trainer's host piece on a
+// node that sends deltas to a host rollout piece that is not quantised, of a rollout that relays
+// nothing in this plan (a relay would forward bytes before its delta is decoded and checked).
+std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl);
+
 void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,
                      pb::PlanSlice* slice);
 

@@ -105,6 +105,35 @@ TEST(SlicerTest, EachNodeGetsItsOpsAndTheLayoutsItNeeds) {
   }
 }
 
+// Lossless deltas (TransferOp.delta): cross-node host ops from a trainer on a node that sends
+// deltas to a rollout that relays nothing; never same-node, relays, nor when the source node or
+// the slice has them off.
+TEST(SlicerTest, DeltaOpsAreCrossNodeTrainerToNonRelayingRolloutFromADeltaNode) {
+  planner::Plan plan;
+  plan.fingerprint = "f";
+  plan.buckets.resize(2);
+  plan.buckets[0].ops = {Op(0, 1, 32, planner::Route::kInterNode), Op(0, 2, 32, planner::Route::kIntraNode),
+                         Op(0, 3, 32, planner::Route::kInterNode)};
+  auto deltas = [&](const SliceInput& in) {
+    auto slices = SlicePlan(plan, in);
+    EXPECT_TRUE(slices.ok()) << slices.status();
+    std::vector<bool> out;
+    for (const pb::TransferOp& op : slices->by_node.at("a").ops()) out.push_back(op.delta());
+    return out;
+  };
+  SliceInput in = Input();
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false})) << "node a does not send deltas";
+  in.nodes["a"].sends_deltas = true;
+  EXPECT_EQ(deltas(in), (std::vector<bool>{true, false, true}));
+  // The receiver's slice says the same (both ends derive the same delta slots).
+  EXPECT_TRUE(SlicePlan(plan, in)->by_node.at("b").ops(0).delta());
+  plan.buckets[1].ops = {Op(1, 3, 32, planner::Route::kInterNode)};  // r0 relays to r2 now
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true})) << "a relaying rollout gets full versions";
+  EXPECT_FALSE(SlicePlan(plan, in)->by_node.at("b").ops(1).delta()) << "relays go full";
+  in.deltas = false;  // a catch-up slice
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false}));
+}
+
 TEST(SlicerTest, StagedReadWithoutAGatherIsAnInternalErrorNamingTheTensor) {
   planner::Plan plan;
   plan.buckets.resize(1);

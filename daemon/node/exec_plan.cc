@@ -287,6 +287,9 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const Sender
     r.dst_local = d_local;
     r.box = op->box;
     r.bytes = op->bytes;
+    r.tensor = op->tensor;
+    r.dst_worker = op->dst_worker;
+    r.delta = op->delta && !op->nccl && !op->sender_quantized && s_local != d_local;
     const int elem = ElementSize(slice, op->tensor);
     r.copy.shape = Extents(op->box);
     r.copy.element_size = elem;

@@ -59,6 +59,9 @@ struct SliceOp {
   // and the scales of the box's blocks (SenderQuantCopies), `wire_bytes` in all.
   bool sender_quantized = false;
   uint64_t wire_bytes = 0;
+  // Lossless deltas (issue 17.2; pb::TransferOp.delta): may travel as a delta against the version
+  // its destination holds (ExecOptions::deltas.base_versions).
+  bool delta = false;
 };
 
 struct SliceWorker {
@@ -195,6 +198,11 @@ struct RouteOp {
   enum class Part { kCanonical, kElements, kScales } part = Part::kCanonical;
   transport::CopyOp copy;  // src.region / dst.region unset
   uint64_t bytes = 0;
+  // Lossless deltas: a kPeer route's canonical op that may travel as a delta (SliceOp.delta), its
+  // tensor and destination slice worker (whose base version decides).
+  bool delta = false;
+  int32_t tensor = 0;
+  uint32_t dst_worker = 0;
 };
 
 // One batch of a bucket.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -45,11 +46,14 @@ class Run {
     RETURN_IF_ERROR(RegisterSameNode());
     RETURN_IF_ERROR(RegisterCross());
     RETURN_IF_ERROR(RegisterNccl());
+    RETURN_IF_ERROR(PrepareDeltas());
     RETURN_IF_ERROR(Publish());
     RETURN_IF_ERROR(SetupChannels());
     const absl::Time t1 = absl::Now();
     result_.setup_s = absl::ToDoubleSeconds(t1 - t0);
     absl::Status s = RunBuckets();
+    if (s.ok() && delta_ != nullptr) s = DeltaTail();
+    if (delta_ != nullptr) result_.delta = delta_->stats();
     result_.buckets_s = absl::ToDoubleSeconds(absl::Now() - t1);
     return s;
   }
@@ -167,6 +171,99 @@ class Run {
     return PostAndWait(t_.cuda, bounce, "copying nccl sources to their lanes' GPUs");
   }
 
+  // Lossless deltas: the slots, the "d.<peer>" regions on the host channel (exported with the
+  // others), and the encodes start at once (they overlap channel setup and earlier buckets).
+  absl::Status PrepareDeltas() {
+    auto host = [this](const std::string& key) -> std::optional<std::pair<uint8_t*, int64_t>> {
+      const RegionMemory* m = Find(key);
+      if (m == nullptr || m->kind != MemoryKind::kHost || m->base == nullptr || m->cuda_import.id != 0) return std::nullopt;
+      return std::pair<uint8_t*, int64_t>{m->base, m->size};
+    };
+    ASSIGN_OR_RETURN(delta_, DeltaRun::Make(plan_, o_.deltas, o_.version, o_.label, host));
+    if (delta_ == nullptr) return absl::OkStatus();
+    for (auto& [key, m] : delta_->Regions()) {
+      if (t_.cross == nullptr) return absl::FailedPreconditionError(absl::StrCat(o_.label, ": no cross-node host transport"));
+      ASSIGN_OR_RETURN(cross_h_[key], Register(t_.cross, key, RegionMemory{MemoryKind::kHost, m.first, m.second, -1, {}}));
+    }
+    delta_->Start();
+    return absl::OkStatus();
+  }
+
+  // Posts the protocol's own batches (lengths or refusals) and waits for all of them.
+  absl::Status PostDeltaBatches(const std::vector<DeltaBatchPlan>& plans, const char* what) {
+    std::vector<std::pair<Transport*, transport::BatchId>> posted;
+    absl::Status error;
+    for (const DeltaBatchPlan& p : plans) {
+      auto rh = remote_h_.find(p.channel);
+      auto id = result_.channels.find(p.channel);
+      if (rh == remote_h_.end() || id == result_.channels.end()) {
+        error = absl::InternalError(absl::StrCat(o_.label, ": channel to node ", p.peer, " was not set up"));
+        break;
+      }
+      transport::Batch batch;
+      batch.tag = p.tag;
+      batch.peer = id->second;
+      batch.checksum = true;
+      for (const DeltaCopy& c : p.copies) {
+        auto sh = c.src_local ? cross_h_.find(c.src_key) : rh->second.find(c.src_key);
+        auto dh = c.src_local ? rh->second.find(c.dst_key) : cross_h_.find(c.dst_key);
+        if (sh == (c.src_local ? cross_h_.end() : rh->second.end()) || dh == (c.src_local ? rh->second.end() : cross_h_.end())) {
+          error = absl::InternalError(absl::StrCat(o_.label, ": delta region ", c.src_key, " or ", c.dst_key, " of node ", p.peer, " unknown"));
+          break;
+        }
+        batch.ops.push_back(DeltaCopyOp(c, sh->second, dh->second));
+      }
+      if (!error.ok()) break;
+      absl::StatusOr<transport::BatchId> bid = t_.cross->Post(batch);
+      if (!bid.ok()) {
+        error = Annotate(bid.status(), absl::StrCat(what, " with node ", p.peer));
+        break;
+      }
+      posted.push_back({t_.cross, *bid});
+    }
+    for (auto& [t, bid] : posted) {
+      absl::Status s = t->Wait(bid, o_.deadline);
+      if (!s.ok() && error.ok()) error = Annotate(s, what);
+    }
+    return error;
+  }
+
+  static transport::CopyOp DeltaCopyOp(const DeltaCopy& c, RegionHandle src, RegionHandle dst) {
+    transport::CopyOp op;
+    op.shape = {c.bytes};
+    op.element_size = 1;
+    op.src = {src, c.src_off, {1}};
+    op.dst = {dst, c.dst_off, {1}};
+    return op;
+  }
+
+  // Bucket `b`'s lengths: after its encodes, before any of its routes is posted.
+  absl::Status DeltaLengths(uint32_t b) {
+    ASSIGN_OR_RETURN(std::vector<DeltaBatchPlan> plans, delta_->LengthsBatches(b, o_.deadline));
+    if (plans.empty()) return absl::OkStatus();
+    RETURN_IF_ERROR(PostDeltaBatches(plans, "exchanging delta lengths"));
+    return delta_->LengthsLanded(b);
+  }
+
+  // After the buckets: refusals, then one full resend of every refused op (both directions).
+  absl::Status DeltaTail() {
+    ASSIGN_OR_RETURN(std::vector<DeltaBatchPlan> refusals, delta_->RefusalsBatches(o_.deadline));
+    if (!refusals.empty()) {
+      RETURN_IF_ERROR(PostDeltaBatches(refusals, "exchanging delta refusals"));
+      fallback_ = delta_->FallbackRoutes();
+      for (const Route& r : fallback_) Post(r);
+      WaitBefore();
+      absl::MutexLock l(&mu_);
+      if (!first_.ok()) return Annotate(first_, "resending refused deltas in full");
+    }
+    RETURN_IF_ERROR(delta_->Finish(o_.deadline));
+    // Every decoded or resent box is in place: the held routes are done now (digests hash them).
+    absl::MutexLock l(&mu_);
+    for (auto& [r, kind] : held_done_) o_.on_batch_done(*r, kind);
+    held_done_.clear();
+    return absl::OkStatus();
+  }
+
   absl::Status Publish() {
     std::map<std::string, std::map<std::string, std::string>> desc;
     for (auto& [key, h] : cross_h_) {
@@ -242,7 +339,7 @@ class Run {
   // The transport batch of a route: handles filled in.
   absl::StatusOr<transport::Batch> BatchOf(const Route& r, Transport*& t) const {
     transport::Batch batch;
-    batch.tag = BatchTag(o_.version, r.bucket);
+    batch.tag = r.bucket == 0xFFFFFFu ? FallbackTag(o_.version) : BatchTag(o_.version, r.bucket);
     batch.checksum = r.checksum;
     const std::map<std::string, RegionHandle>* mine = nullptr;
     const std::map<std::string, RegionHandle>* theirs = nullptr;
@@ -282,15 +379,32 @@ class Run {
       c.dst.region = dh->second;
       batch.ops.push_back(std::move(c));
     }
+    // Deltas: slots that travel as streams replace their full copies (same position on both nodes).
+    if (delta_ != nullptr && r.kind == RouteKind::kPeer && r.bucket != 0xFFFFFFu) {
+      for (const auto& [pos, dc] : delta_->Substitutions(r)) {
+        auto sh = dc.src_local ? mine->find(dc.src_key) : theirs->find(dc.src_key);
+        auto dh = dc.src_local ? theirs->find(dc.dst_key) : mine->find(dc.dst_key);
+        if (sh == (dc.src_local ? mine->end() : theirs->end()) || dh == (dc.src_local ? theirs->end() : mine->end())) {
+          return absl::InternalError(absl::StrCat(o_.label, ": delta region ", dc.src_key, " or ", dc.dst_key, " unknown (", r.what, ")"));
+        }
+        batch.ops[pos] = DeltaCopyOp(dc, sh->second, dh->second);
+      }
+    }
     return batch;
   }
 
   void Finish(const Route& r, Transport* t, const absl::Status& s) {
+    // Delta streams are decoded on worker threads: the route's bytes are final after DeltaTail.
+    const bool decoding = s.ok() && delta_ != nullptr && delta_->Landed(r);
     absl::MutexLock l(&mu_);
     if (!s.ok() && first_.ok()) first_ = Annotate(s, absl::StrCat("bucket ", r.bucket, ", ", r.what));
     if (!s.ok()) return;
     // Link time = the peer's first post -> this batch's completion (the union over its batches).
-    if (o_.on_batch_done) o_.on_batch_done(r, t->capabilities().kind);
+    if (o_.on_batch_done && decoding) {
+      held_done_.push_back({&r, t->capabilities().kind});
+    } else if (o_.on_batch_done) {
+      o_.on_batch_done(r, t->capabilities().kind);
+    }
     LinkStat& ls = result_.links[r.peer];
     ls.bytes += static_cast<uint64_t>(r.bytes);
     ls.seconds = std::max(ls.seconds, absl::ToDoubleSeconds(absl::Now() - first_post_[r.peer]));
@@ -407,6 +521,12 @@ class Run {
           break;
         }
       }
+      if (delta_ != nullptr) {
+        if (absl::Status s = DeltaLengths(b); !s.ok()) {
+          Fail(Annotate(s, absl::StrCat("bucket ", b)));
+          break;
+        }
+      }
       const BucketPlan& bucket = plan_.buckets[b];
       if (bucket.has_nccl) {
         PostNcclBucket(bucket);
@@ -432,11 +552,15 @@ class Run {
   std::map<std::string, RegionHandle> local_h_, cuda_h_, cross_h_, nccl_h_;
   std::map<std::string, std::map<std::string, RegionHandle>> remote_h_;  // channel -> the peer's regions
   std::vector<Posted> outstanding_;  // posted, not yet waited for (post order); executor thread only
+  std::unique_ptr<DeltaRun> delta_;  // lossless deltas of this run, or null (joins its threads first)
+  std::vector<Route> fallback_;      // full resends of refused deltas (outstanding_ points into it)
   // Guards what channel-setup and GPU schedule threads share with the executor's thread.
   absl::Mutex mu_;
   std::vector<std::pair<Transport*, RegionHandle>> registered_ ABSL_GUARDED_BY(mu_);
   absl::Status first_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Time> first_post_ ABSL_GUARDED_BY(mu_);  // per peer: its first post of the version
+  // Routes whose delta streams were still decoding when they completed (on_batch_done after DeltaTail).
+  std::vector<std::pair<const Route*, std::string>> held_done_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

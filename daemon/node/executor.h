@@ -10,7 +10,10 @@
 //  3. posts the buckets' batches per the plan's rules (pipelined; a batch that reads written regions
 //     after every earlier batch completed; buckets with nccl routes after a barrier, each GPU
 //     running its lane pairs in the global order) and waits for every posted batch, with the
-//     version's deadline; `aborted` is checked before each bucket.
+//     version's deadline; `aborted` is checked before each bucket;
+//  4. lossless deltas (ExecOptions::deltas): per bucket a lengths batch per peer before its
+//     routes, streams in place of full copies, decodes as routes land, and after the buckets the
+//     refusals and one full resend of refused ops (daemon/node/delta_exchange.h).
 // Every region it registered or imported is released before Run returns, on every path, and only
 // after every batch it posted was waited for (transports touch the memory until then).
 
@@ -24,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/node/delta_exchange.h"
 #include "daemon/node/exec_plan.h"
 #include "transport/device_allocator.h"
 #include "transport/transport.h"
@@ -96,12 +100,16 @@ struct ExecOptions {
   std::function<void()> after_wait;
   // Bytes landed on this node so far (progress, read by another thread); may be null.
   std::atomic<uint64_t>* bytes_done = nullptr;
+  // Lossless deltas (issue 17.2; daemon/node/delta_exchange.h): ops with RouteOp::delta whose
+  // destination has a base version travel as delta streams on the host channel (default: none).
+  DeltaOptions deltas;
 };
 
 struct ExecResult {
   std::map<std::string, LinkStat> links;  // per peer node (own id: same-node copies)
   std::map<std::string, transport::PeerId> channels;  // channel name -> connection used
   double setup_s = 0, buckets_s = 0;  // registering + channels; the buckets
+  DeltaStats delta;                   // what travelled as deltas, what was refused and resent
 };
 
 // Runs `plan` with `memory` (every local region key the plan names). `result` is filled as far as
