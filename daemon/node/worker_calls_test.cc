@@ -1,0 +1,162 @@
+// node::WorkerCalls on fakes (FakeClock, no coordinator): worker-call deadlines are on the
+// injected clock - Apply's wait for a version ends in simulated time, and a forwarded call held
+// while the node is not registered waits until the call's own deadline on that clock.
+#include "daemon/node/worker_calls.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "base/clock.h"
+#include "daemon/metrics.h"
+#include "daemon/node/channel_cache.h"
+#include "daemon/node/coordinator_access.h"
+#include "daemon/node/fake_gpu_import.h"
+#include "daemon/node/live_copy.h"
+#include "daemon/node/local_workers.h"
+#include "daemon/node/node_staging.h"
+#include "daemon/node/node_transports.h"
+#include "daemon/node/versions.h"
+#include "transport/config.h"
+#include "transport/factory.h"
+#include "transport/host_shm/host_shm.h"
+
+namespace wb::daemon::node {
+namespace {
+
+// Never registered: AwaitRegistered waits on the clock until its deadline (as CoordinatorSession's
+// does) and records the deadlines it was given.
+class UnregisteredCoordinator final : public CoordinatorAccess {
+ public:
+  explicit UnregisteredCoordinator(Clock* clock) : clock_(clock) {}
+  ~UnregisteredCoordinator() override { clock_->Forget(&mu_); }
+  CoordinatorClient& client() override { return client_; }
+  bool AwaitRegistered(absl::Time deadline) override {
+    absl::MutexLock l(&mu_);
+    deadlines_.push_back(deadline);
+    bool never = false;
+    return clock_->WaitUntil(&mu_, absl::Condition(&never), deadline);
+  }
+  uint64_t session() override { return 0; }
+  std::optional<std::string> AwaitCoordinatorChange(uint64_t, absl::Time) override { return std::nullopt; }
+  void TrackProgress(const std::string&, uint64_t, std::weak_ptr<const std::atomic<uint64_t>>) override {}
+  std::vector<absl::Time> deadlines() {
+    absl::MutexLock l(&mu_);
+    return deadlines_;
+  }
+
+ private:
+  Clock* clock_;
+  absl::Mutex mu_;
+  std::vector<absl::Time> deadlines_ ABSL_GUARDED_BY(mu_);
+  UnstartedCoordinatorClient client_{"n0"};
+};
+
+class WorkerCallsTest : public ::testing::Test {
+ protected:
+  WorkerCallsTest() : coordinator_(&clock_) {
+    set_.Add(transport::NewHostShmTransport(transport::TransportConfig{}));
+    copier_ = std::make_unique<LiveCopier>("n0", set_.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false));
+    local_ = std::make_unique<LocalWorkers>(LocalWorkers::Options{"n0", &clock_, absl::Minutes(2), copier_.get()});
+    NodeStaging::Options so;
+    so.node_id = "n0";
+    so.clock = &clock_;
+    so.metrics = &metrics_;
+    so.copier = copier_.get();
+    staging_ = std::make_unique<NodeStaging>(so);
+    transports_ = std::make_unique<NodeTransports>(&set_, nullptr);
+    Versions::Options vo;
+    vo.node_id = "n0";
+    vo.clock = &clock_;
+    vo.metrics = &metrics_;
+    versions_ = std::make_unique<Versions>(vo, *local_, channels_, *staging_, *transports_, coordinator_);
+    WorkerCalls::Options wo;
+    wo.node_id = "n0";
+    wo.clock = &clock_;
+    wo.metrics = &metrics_;
+    wo.gpu_import = std::make_shared<FakeGpuImport>();
+    calls_ = std::make_unique<WorkerCalls>(wo, *local_, *staging_, *versions_, *transports_, coordinator_);
+  }
+  ~WorkerCallsTest() override {
+    calls_.reset();
+    versions_.reset();
+    local_.reset();
+  }
+
+  FakeClock clock_;
+  DaemonMetrics metrics_;
+  transport::TransportSet set_;
+  std::unique_ptr<LiveCopier> copier_;
+  std::unique_ptr<LocalWorkers> local_;
+  std::unique_ptr<NodeStaging> staging_;
+  ChannelCache channels_;
+  std::unique_ptr<NodeTransports> transports_;
+  UnregisteredCoordinator coordinator_;
+  std::unique_ptr<Versions> versions_;
+  std::unique_ptr<WorkerCalls> calls_;
+};
+
+TEST_F(WorkerCallsTest, ApplyWaitsForTheVersionUntilItsDeadlineOnTheClock) {
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kRollout;
+  local_->Add({"m", "rollout/0"}, std::move(w), std::nullopt);
+  const absl::Time deadline = clock_.Now() + absl::Seconds(5);
+  absl::Notification done;
+  absl::Status applied;
+  std::thread worker([&] {
+    pb::ApplyRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("rollout/0");
+    req.set_version(2);
+    req.set_timeout_ms(5000);
+    pb::ApplyResponse resp;
+    applied = calls_->Apply(req, &resp);
+    done.Notify();
+  });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock_.Advance(absl::Seconds(4));
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50)));  // 1 s of simulated time left
+  clock_.Advance(absl::Seconds(1));
+  worker.join();
+  EXPECT_EQ(applied.code(), absl::StatusCode::kDeadlineExceeded) << applied;
+  EXPECT_NE(applied.message().find("version 2 not committed on node n0 in time"), std::string::npos) << applied;
+}
+
+TEST_F(WorkerCallsTest, ForwardedCallIsHeldWhileUnregisteredUntilItsDeadlineOnTheClock) {
+  const absl::Time deadline = clock_.Now() + absl::Seconds(3);
+  absl::Status began;
+  std::thread worker([&] {
+    pb::BeginUpdateRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("rollout/0");
+    req.set_timeout_ms(3000);
+    pb::BeginUpdateResponse resp;
+    began = calls_->BeginUpdate(req, &resp);
+  });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock_.Advance(absl::Seconds(3));
+  worker.join();
+  EXPECT_EQ(began.code(), absl::StatusCode::kUnavailable) << began;
+  EXPECT_NE(began.message().find("node n0 is not registered with the coordinator"), std::string::npos) << began;
+  EXPECT_NE(began.message().find("worker rollout/0 of model m"), std::string::npos) << began;
+  ASSERT_EQ(coordinator_.deadlines().size(), 1u);
+  EXPECT_EQ(coordinator_.deadlines()[0], deadline);
+}
+
+TEST_F(WorkerCallsTest, PublishByAWorkerWithoutLayoutNamesWorkerModelAndNode) {
+  pb::PublishRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("trainer/0");
+  req.set_version(1);
+  pb::PublishResponse resp;
+  absl::Status s = calls_->Publish(req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_NE(s.message().find("worker trainer/0 of model m has no layout on node n0"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace wb::daemon::node
