@@ -95,6 +95,10 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker::Boxes>> Collect(const daemon::no
   for (const SliceOp& op : slice.ops) {
     const bool s = local(op.src_worker), d = local(op.dst_worker);
     if (!s && !d) continue;
+    // Sender-quantised (issue 17.1): what travels is the quantised bytes, which
+    // node::DigestSenderQuantized digests on both sides; hashing the canonical boxes here would only
+    // be overwritten (and competed with the sending node's quantiser for its cores).
+    if (op.sender_quantized) continue;
     if (s) {
       ASSIGN_OR_RETURN(PieceAt src, daemon::node::ResolveSide(slice, op, true));
       ASSIGN_OR_RETURN(bool done, add(op, src, false));

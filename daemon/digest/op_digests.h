@@ -36,7 +36,8 @@ struct OpDigests {
 // its source is local, the landed digest over its destination box when its destination is local
 // (a same-node op: both). Ops in `at_commit` (same-node relays the sync commit copies straight from
 // the source rollout's staging into live memory; the buckets skipped them) get both from their
-// source, which is what the commit copies. Identical boxes are hashed once. INTERNAL for a region
+// source, which is what the commit copies. Sender-quantised ops are left out (their digests cover
+// the quantised bytes: node::DigestSenderQuantized). Identical boxes are hashed once. INTERNAL for a region
 // missing from `regions` or a box outside its region (a bug, never a silent skip);
 // DEADLINE_EXCEEDED past `deadline`.
 absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const std::string& me, const std::set<uint32_t>& at_commit,

@@ -289,14 +289,22 @@ absl::Status Versions::RunExecInner(Exec& exec) {
     exec.relay_bytes_at_commit = xplan->relay_bytes_at_commit;
   }
   // Sender-side quantisation (issue 17.1): this node's trainers' boxes of sender-quantised ops are
-  // quantised into its q staging before the buckets (daemon/node/quantize_outgoing.h).
-  ASSIGN_OR_RETURN(node::OutgoingStaging qout, node::OutgoingQuantizer().Quantize(plan.inventory, xplan->quant_out, memory.regions,
-                                                                                   absl::StrCat(exec.model_id, " v", exec.version), exec.deadline));
-  for (auto& [key, m] : qout.regions) memory.regions[key] = m;
-  memory.holds.push_back(qout.hold);
-  if (qout.ops > 0) {
-    Log(LogLevel::kInfo, "version quantised on send", {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"ops", qout.ops},
-                                                        {"bytes", qout.canonical_bytes}, {"wire_bytes", qout.wire_bytes}, {"seconds", qout.seconds}});
+  // quantised into its q staging (pooled, charged to the node's budget) in the background, in
+  // bucket order; the executor waits for a bucket's ops before posting it (before_post below;
+  // daemon/node/quantize_outgoing.h). Declared after `memory`: its threads stop before the sources go.
+  std::unique_ptr<node::OutgoingQuantization> qout;
+  if (!xplan->quant_out.empty()) {
+    node::OutgoingOptions qo;
+    qo.budget = &staging_.budget();
+    qo.allocate = [this](int64_t size, const std::string&) -> absl::StatusOr<node::QStaging> {
+      std::shared_ptr<Bytes> bytes = staging_.NewBytes(1);
+      (*bytes)[0].host = staging_.TakeHost(size);  // recycled: see daemon/staging_pool.h
+      return node::QStaging{(*bytes)[0].host.data(), bytes};
+    };
+    ASSIGN_OR_RETURN(qout, node::OutgoingQuantization::Start(plan.inventory, xplan->quant_out, node::QuantBuckets(*xplan), memory.regions,
+                                                             absl::StrCat(exec.model_id, " v", exec.version), exec.deadline, qo));
+    for (const auto& [key, m] : qout->regions()) memory.regions[key] = m;
+    memory.holds.push_back(qout->hold());
   }
 
   // 3. Register, set up channels, run the buckets. End-to-end digests hash alongside (docs/daemon.md
@@ -304,6 +312,12 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   // `memory`: a failed version's tracker stops hashing before the memory goes.
   const double prepare_s = absl::ToDoubleSeconds(options_.clock->Now() - phase_start);
   node::ExecOptions exec_options = ExecOptionsFor(exec);
+  if (qout != nullptr) {
+    exec_options.before_post = [prev = std::move(exec_options.before_post), q = qout.get()](uint32_t bucket) -> absl::Status {
+      if (prev) RETURN_IF_ERROR(prev(bucket));
+      return q->WaitBucket(bucket);
+    };
+  }
   std::unique_ptr<digest::OpDigestTracker> digests;
   if (options_.digests) {
     std::map<std::string, digest::RegionBytes> host;  // device memory (no host address) has no digest
@@ -324,6 +338,14 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   exec.setup_s = prepare_s + result.setup_s;
   exec.buckets_s = result.buckets_s;
   RETURN_IF_ERROR(s);
+  if (qout != nullptr) {
+    RETURN_IF_ERROR(qout->WaitAll());  // ops no bucket reads (none expected) are written too
+    const node::OutgoingQuantization::Stats q = qout->stats();
+    Log(LogLevel::kInfo, "version quantised on send",
+        {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"ops", q.ops}, {"chunks", q.chunks}, {"bytes", q.canonical_bytes},
+         {"gathered_bytes", q.gathered_bytes}, {"wire_bytes", q.wire_bytes}, {"threads", q.threads}, {"seconds", q.seconds},
+         {"waited_seconds", q.waited_seconds}});
+  }
   // Sync: trainers' live segments were read in place (a trainer may truncate its memory
   // mid-version; ShmSegment's SIGBUS guard kept the daemon alive meanwhile).
   for (auto& [what, seg] : memory.live_sources) {
