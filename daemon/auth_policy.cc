@@ -111,7 +111,11 @@ void AddCoordinatorOnly(AuthGate& gate, const std::string& method, const PeerRul
 }  // namespace
 
 void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commit, VersionHook on_abort) {
-  AddCoordinatorOnly<pb::InstallPlanRequest>(gate, "InstallPlan", o);
+  // A slice must cover every piece of each local rollout it writes (CheckSliceCoversLocalRollouts).
+  gate.Add(std::string(kNode) + "InstallPlan", Rule<pb::InstallPlanRequest>([o](AuthCall& call, pb::InstallPlanRequest& req) {
+             if (Verdict v = CoordinatorOnly(o, call, "InstallPlan"); !v.status.ok()) return v;
+             return Uncounted(CheckSliceCoversLocalRollouts(req.slice(), o.node_id));
+           }));
   AddCoordinatorOnly<pb::ExecuteVersionRequest>(gate, "ExecuteVersion", o);
   AddCoordinatorOnly<pb::DropWorkerRequest>(gate, "DropWorker", o);
   AddPeerOnly<pb::SetupDataChannelRequest>(gate, kNode, "SetupDataChannel", o);

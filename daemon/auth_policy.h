@@ -34,6 +34,7 @@ struct PeerRuleOptions {
   std::shared_ptr<const PeerAuthConfig> config;  // required
   Limits limits;
   PeerAuthenticated on_authenticated;  // told every call that passed CheckPeer (ConnGuard); may be empty
+  std::string node_id;                 // NodeService: this node (InstallPlan's slice check)
 };
 
 // CoordinatorService: CheckPeer on every call, CheckNodeIdentity on the node-scoped calls

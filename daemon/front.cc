@@ -75,7 +75,7 @@ PeerAuthenticated DaemonFront::OnAuthenticated() {
 }
 
 PeerRuleOptions DaemonFront::PeerRules() {
-  return PeerRuleOptions{.config = auth_, .limits = options_.limits, .on_authenticated = OnAuthenticated()};
+  return PeerRuleOptions{.config = auth_, .limits = options_.limits, .on_authenticated = OnAuthenticated(), .node_id = node_id_};
 }
 
 grpc::Service* DaemonFront::WrapCoordinator(pb::CoordinatorService::Service* inner) {

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <climits>
+#include <map>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -133,6 +135,57 @@ absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<pb::Buf
           return absl::InvalidArgumentError("index probe tensor shape is empty or overflows");
         }
       }
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+constexpr uint64_t kSaturated = uint64_t{1} << 62;
+
+// Elements of `a` inside `b` (0 for boxes of different rank), saturating at 2^62.
+uint64_t OverlapElements(const pb::Box& a, const pb::Box& b) {
+  if (a.begin_size() != a.end_size() || b.begin_size() != b.end_size() || a.begin_size() != b.begin_size()) return 0;
+  uint64_t n = 1;
+  for (int d = 0; d < a.begin_size(); ++d) {
+    const int64_t lo = std::max(a.begin(d), b.begin(d)), hi = std::min(a.end(d), b.end(d));
+    if (hi <= lo) return 0;
+    const uint64_t len = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
+    n = len != 0 && n > kSaturated / len ? kSaturated : n * len;
+  }
+  return n;
+}
+
+}  // namespace
+
+absl::Status CheckSliceCoversLocalRollouts(const pb::PlanSlice& slice, const std::string& node_id) {
+  const int workers = slice.workers_size();
+  std::map<std::pair<int, int>, uint64_t> landed;  // (worker, piece) -> elements the ops write there
+  std::set<int> destinations;
+  for (const pb::TransferOp& op : slice.ops()) {
+    const int w = static_cast<int>(op.dst_worker());
+    if (op.dst_worker() >= static_cast<uint32_t>(workers) || op.dst_piece() < 0) continue;  // staging, or refused by InstallPlan
+    const pb::PlanWorker& pw = slice.workers(w);
+    if (pw.node_id() != node_id || pw.role() != pb::ROLE_ROLLOUT || op.dst_piece() >= pw.layout().pieces_size()) continue;
+    destinations.insert(w);
+    uint64_t& got = landed[{w, op.dst_piece()}];
+    got = std::min(kSaturated, got + OverlapElements(op.box(), pw.layout().pieces(op.dst_piece()).box()));
+  }
+  for (int w : destinations) {
+    const pb::PlanWorker& pw = slice.workers(w);
+    for (int p = 0; p < pw.layout().pieces_size(); ++p) {
+      const pb::Piece& piece = pw.layout().pieces(p);
+      const uint64_t need = OverlapElements(piece.box(), piece.box());
+      auto it = landed.find({w, p});
+      const uint64_t got = it == landed.end() ? 0 : it->second;
+      if (got >= need) continue;
+      auto cut = [](const std::string& v) { return v.size() > 64 ? v.substr(0, 64) + "..." : v; };
+      return absl::InvalidArgumentError(absl::StrCat("plan epoch ", slice.plan_epoch(), " of model ", cut(slice.model_id()), " on node ",
+                                                     cut(node_id), ": rollout ", cut(pw.worker_id()), " piece ", p, " (tensor ",
+                                                     cut(piece.tensor()), ") gets ", got, " of its ", need,
+                                                     " elements from the slice's ops; a version committed from it would leave the "
+                                                     "rollout's live weights part old, part new"));
     }
   }
   return absl::OkStatus();

@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/convert.h"
+#include "daemon/limits.h"
 #include "daemon/multinode_fixture.h"
 #include "gtest/gtest.h"
 
@@ -742,6 +743,81 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
 
 namespace wb::daemon {
 namespace {
+
+// A plan slice that covers a local rollout in part, installed by the coordinator's certificate (a
+// buggy coordinator): refused naming the rollout, piece and tensor. Before, the node took it, a
+// version executed and committed from it, and the rollout's Apply made its live weights part old,
+// part new while its status said "whole" (the probe's finding). A slice covering every piece is
+// taken; m's own versions go on byte for byte.
+TEST_F(RpcProbeTest, SliceCoveringALocalRolloutInPartIsRefused) {
+  auto stub = pb::NodeService::NewStub(node_channel_);  // the coordinator's certificate
+  const std::string worker =
+      "workers { worker_id: 'r0' role: ROLE_ROLLOUT node_id: 'n0' gpu: -1 data_address: '127.0.0.1:1' "
+      "  layout { buffers { buffer_id: 7 size_bytes: 624 shm_name: '/wb-probe-none' gpu: -1 } "
+      "    pieces { tensor: 'a' box { begin: 0 begin: 0 end: 8 end: 16 } buffer_id: 7 strides: 16 strides: 1 } "
+      "    pieces { tensor: 'b' box { begin: 0 begin: 0 end: 4 end: 6 } buffer_id: 7 offset_bytes: 512 strides: 6 strides: 1 } } } ";
+  const std::string tensors = "tensors { name: 'a' shape: 8 shape: 16 dtype: DTYPE_F32 } tensors { name: 'b' shape: 4 shape: 6 dtype: DTYPE_BF16 } ";
+  const std::string op_a = "ops { index: 0 dst_worker: 0 src_piece: 0 dst_piece: 0 tensor: 0 box { begin: 0 begin: 0 end: 8 end: 16 } bytes: 512 } ";
+  const std::string op_b = "ops { index: 1 dst_worker: 0 src_piece: 1 dst_piece: 1 tensor: 1 box { begin: 0 begin: 0 end: 4 end: 6 } bytes: 48 } ";
+  auto install = [&](const std::string& model, const std::string& ops) {
+    pb::InstallPlanRequest req;
+    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(
+        absl::StrCat("slice { model_id: '", model, "' plan_epoch: 1000 mode: MODE_ONE_STEP_OFF ", tensors, worker, ops, " num_buckets: 1 }"), &req));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    pb::InstallPlanResponse resp;
+    return stub->InstallPlan(&ctx, req, &resp);
+  };
+  grpc::Status s = install("m", op_a);  // b of r0 never written
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  for (const char* want : {"rollout r0", "piece 1", "tensor b", "0 of its 24 elements", "part old, part new"}) {
+    EXPECT_NE(s.error_message().find(want), std::string::npos) << want << " missing in: " << s.error_message();
+  }
+  s = install("m", "ops { index: 0 dst_worker: 0 src_piece: 0 dst_piece: 0 tensor: 0 box { begin: 0 begin: 0 end: 4 end: 16 } bytes: 256 } " + op_b);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "half of a: " << s.error_message();
+  EXPECT_NE(s.error_message().find("64 of its 128 elements"), std::string::npos) << s.error_message();
+  s = install("pm", op_a + op_b);
+  EXPECT_TRUE(s.ok()) << "a slice covering every piece: " << s.error_message();
+  pb::ApplyResponse resp;
+  for (auto& p : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 2, trainers_, rollouts_)) ASSERT_TRUE(p.ok()) << p.error_message();
+  for (TestWorker* r : rollouts_) {
+    ASSERT_TRUE(c_.Apply(*r, "m", 2, &resp).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
+  }
+}
+
+// The check itself: only this node's rollouts that the slice writes into, each piece in full
+// (several ops may share a piece), catch-up slices included; remote rollouts and sources are not
+// this node's to check.
+TEST(SliceCoverageTest, EachWrittenLocalRolloutPieceMustBeCovered) {
+  auto slice = [](const std::string& text) {
+    pb::PlanSlice s;
+    EXPECT_TRUE(google::protobuf::TextFormat::ParseFromString(text, &s)) << text;
+    return s;
+  };
+  const std::string workers =
+      "model_id: 'm' plan_epoch: 3 "
+      "workers { worker_id: 't0' role: ROLE_TRAINER node_id: 'n1' layout { pieces { tensor: 'a' box { begin: 0 end: 10 } } } } "
+      "workers { worker_id: 'r0' role: ROLE_ROLLOUT node_id: 'n0' layout { pieces { tensor: 'a' box { begin: 0 end: 10 } } } } "
+      "workers { worker_id: 'r1' role: ROLE_ROLLOUT node_id: 'n1' layout { pieces { tensor: 'a' box { begin: 0 end: 10 } } } } ";
+  // Two ops fill r0's piece; r1 (remote) gets half from this node's slice: not n0's to check.
+  EXPECT_TRUE(CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 0 dst_worker: 1 dst_piece: 0 box { begin: 0 end: 6 } } "
+                                                              "ops { src_worker: 0 dst_worker: 1 dst_piece: 0 box { begin: 6 end: 10 } } "
+                                                              "ops { src_worker: 1 dst_worker: 2 dst_piece: 0 box { begin: 0 end: 5 } }"),
+                                            "n0")
+                  .ok());
+  // r0 short of elements 6-9.
+  absl::Status st = CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 0 dst_worker: 1 dst_piece: 0 box { begin: 0 end: 6 } }"), "n0");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("6 of its 10"), std::string::npos) << st;
+  // An op box reaching outside the piece counts only inside it.
+  st = CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 0 dst_worker: 1 dst_piece: 0 box { begin: 5 end: 100 } }"), "n0");
+  EXPECT_NE(st.message().find("5 of its 10"), std::string::npos) << st;
+  // A slice that writes nothing into r0 (e.g. a catch-up of another rollout) is not refused here.
+  EXPECT_TRUE(CheckSliceCoversLocalRollouts(slice(workers + "catch_up: true ops { src_worker: 1 dst_worker: 2 dst_piece: 0 box { begin: 0 end: 10 } }"), "n0").ok());
+  // Seen from n1, r1 is local: half of it is refused.
+  EXPECT_FALSE(CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 1 dst_worker: 2 dst_piece: 0 box { begin: 0 end: 5 } }"), "n1").ok());
+}
 
 // main.cc derives a node's coordinator identity from --coordinator with TargetHost.
 TEST(TargetHostTest, HostOfEachTargetForm) {
