@@ -57,6 +57,10 @@ ABSL_FLAG(bool, digests, true,
 ABSL_FLAG(bool, digest_overlap, true,
           "hash the digests while the buckets run (sources at once, each landed box as its batch completes); false: all "
           "after the buckets (bench:e2e --digest_cost measures both)");
+ABSL_FLAG(uint64_t, delta_cache_bytes, 0,
+          "lossless deltas: host memory per model for copies of what this node's destinations committed; > 0 = send "
+          "versions as deltas against them across nodes (about the bytes this node sends per version; 0 = off). "
+          "docs/daemon.md \"Deltas (design and status)\"");
 ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
 ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
@@ -278,6 +282,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
   o.digests = absl::GetFlag(FLAGS_digests);
   o.digest_overlap = absl::GetFlag(FLAGS_digest_overlap);
+  o.delta_cache_bytes = absl::GetFlag(FLAGS_delta_cache_bytes);
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = ChecksumsGiven(argc, argv) ? absl::GetFlag(FLAGS_checksums) : !o.digests;
   wb::transport::TransportConfig tc;

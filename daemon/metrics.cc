@@ -32,6 +32,9 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Counter>* staging;
   prometheus::Family<prometheus::Gauge>* staging_pool;
   prometheus::Family<prometheus::Counter>* relay_at_commit;
+  prometheus::Family<prometheus::Gauge>* delta_cache;
+  prometheus::Family<prometheus::Counter>* delta_bytes;
+  prometheus::Family<prometheus::Counter>* delta_fallbacks;
 };
 
 DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()), f_(std::make_unique<Families>()) {
@@ -53,6 +56,9 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->staging = &prometheus::BuildCounter().Name("wb_staging_bytes_total").Help("Host staging taken for versions: reused from the staging pool or newly allocated").Register(r);
   f_->staging_pool = &prometheus::BuildGauge().Name("wb_staging_pool_bytes").Help("Idle host staging kept for the next version").Register(r);
   f_->relay_at_commit = &prometheus::BuildCounter().Name("wb_relay_at_commit_bytes_total").Help("Same-node relays a sync commit copied straight into live weights").Register(r);
+  f_->delta_cache = &prometheus::BuildGauge().Name("wb_delta_cache_bytes").Help("Host memory of the sender's copies of what destinations committed (deltas)").Register(r);
+  f_->delta_bytes = &prometheus::BuildCounter().Name("wb_delta_bytes_total").Help("Delta ops sent: streams, the raw bytes they replaced, ops sent in full").Register(r);
+  f_->delta_fallbacks = &prometheus::BuildCounter().Name("wb_delta_fallbacks_total").Help("Deltas refused here (base mismatch, corrupt) and resent in full").Register(r);
 }
 
 DaemonMetrics::~DaemonMetrics() = default;
@@ -112,6 +118,14 @@ void DaemonMetrics::StagingPoolBytes(const std::string& node, int64_t idle_bytes
 
 void DaemonMetrics::RelayAtCommit(const std::string& node, uint64_t bytes) {
   f_->relay_at_commit->Add({{"node", node}}).Increment(static_cast<double>(bytes));
+}
+
+void DaemonMetrics::Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused) {
+  f_->delta_cache->Add({{"node", node}}).Set(static_cast<double>(cache_bytes));
+  f_->delta_bytes->Add({{"node", node}, {"kind", "stream"}}).Increment(static_cast<double>(stream));
+  f_->delta_bytes->Add({{"node", node}, {"kind", "replaced"}}).Increment(static_cast<double>(replaced));
+  f_->delta_bytes->Add({{"node", node}, {"kind", "full"}}).Increment(static_cast<double>(full));
+  f_->delta_fallbacks->Add({{"node", node}}).Increment(static_cast<double>(refused));
 }
 
 void DaemonMetrics::Failure(const std::string& node, const absl::Status& status) {

@@ -69,6 +69,11 @@ class DaemonMetrics {
   void StagingTaken(const std::string& node, bool reused, uint64_t bytes);
   void StagingPoolBytes(const std::string& node, int64_t idle_bytes);
   void RelayAtCommit(const std::string& node, uint64_t bytes);
+  // Lossless deltas (issue 17.2): wb_delta_cache_bytes{node} (host memory of the sender's copies of
+  // what destinations committed), wb_delta_bytes_total{node,kind=stream|replaced|full} (streams
+  // sent, the raw bytes they replaced, delta ops sent in full) and wb_delta_fallbacks_total{node}
+  // (deltas this node refused: base mismatch or corrupt, resent in full).
+  void Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);
   void Committed(const std::string& node, const std::string& model, uint64_t version);

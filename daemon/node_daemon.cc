@@ -42,6 +42,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
   vo.digests = o.digests;
   vo.digest_threads = o.digest_threads;
   vo.digest_overlap = o.digest_overlap;
+  vo.delta_cache_bytes = o.delta_cache_bytes;
   vo.test_after_buckets = o.test_after_buckets;
   vo.test_before_bucket = o.test_before_bucket;
   vo.exchange_regions = [peers](const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,
@@ -168,6 +169,7 @@ pb::RegisterNodeRequest NodeDaemon::Registration() const {
   req.set_address(node_address_);
   req.set_data_address(data_address_);
   req.set_heartbeat_ms(absl::ToInt64Milliseconds(options_.heartbeat));
+  req.set_delta_cache_bytes(options_.delta_cache_bytes);
   for (const auto& t : options_.transports.all()) {
     // nccl moves GPU staging only: without a GPU staging budget the node keeps cross-node bytes on
     // the host channel, and says so by not advertising nccl (the coordinator routes by it).

@@ -77,6 +77,10 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // Hash while the buckets run (digest::OpDigestTracker: sources at once, each landed box as its
     // batch completes); false: everything after the buckets (bench:e2e --digest_cost compares).
     bool digest_overlap = true;
+    // Lossless deltas (docs/daemon.md "Deltas (design and status)"): host memory per model for the
+    // copies of what this node's destinations committed (daemon/node/delta_cache.h); > 0 = this
+    // node sends deltas (advertised in RegisterNode). It decodes deltas others send whatever this is.
+    uint64_t delta_cache_bytes = 0;
     // TEST ONLY: after a version's buckets, before its digests: the host memory of each local
     // region, keyed "<worker id>.b<buffer>" (and "g": the gather staging); fault tests flip a bit
     // of a rollout's staging here.

@@ -244,7 +244,7 @@ bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
     for (auto& [id, w] : m.workers) {
       if (!w.has_layout || w.role != role) continue;
       in.workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
-      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances};
+      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0};
     }
   }
   PlanSettings settings;
@@ -368,6 +368,15 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
   req.set_plan_epoch(m.plan.epoch);
   req.set_timeout_ms(absl::ToInt64Milliseconds(options_.transfer_timeout));
   req.set_coordinator_instance(instance_);
+  // Lossless deltas: the version each rollout's node holds for it is the base of the delta ops into
+  // it (TransferOp.delta); a rollout registered again since the plan holds nothing (full).
+  for (const std::string& w : m.plan.worker_ids) {
+    auto rec = m.workers.find(w);
+    if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && rec->second.holds > 0 &&
+        rec->second.serial == m.plan.serials[w]) {
+      (*req.mutable_base_versions())[w] = rec->second.holds;
+    }
+  }
   // The node answers at once (the executor runs on its own thread); the deadline is the transfer
   // timeout anyway so that a slow, loaded node is not declared unable to start.
   const absl::Duration timeout = std::max(options_.transfer_timeout, absl::Seconds(5));

@@ -145,6 +145,7 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   if ((*exec)->started) return absl::OkStatus();
   (*exec)->started = true;
   (*exec)->coordinator_instance = req.coordinator_instance();
+  (*exec)->base_versions = {req.base_versions().begin(), req.base_versions().end()};
   (*exec)->deadline = options_.clock->Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
   // Answers at once: staging is allocated and every copy runs on the executor thread.
   std::shared_ptr<Exec> e = *exec;
@@ -260,6 +261,7 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   if (!jobs.empty()) count_commit();
   // Published last: node-local waiters (Apply) see the version only once live weights hold it.
   committed_[req.model_id()] = std::max(committed_[req.model_id()], req.version());
+  deltas_.Commit(req.model_id(), req.version());  // what this node sent is what destinations hold now
   Log(LogLevel::kInfo, "version committed on node",
       {{"node", me},
        {"model", req.model_id()},
@@ -285,6 +287,7 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
     }
     local_.DropSnapshots(req.model_id(), req.version());
   }
+  deltas_.Drop(req.model_id(), req.version());
   // Blocked waits on the version's channels end now instead of at the transfer deadline.
   for (auto& [peer, id] : connected) DropChannel(req.model_id(), peer, id);
   Log(LogLevel::kInfo, "version aborted on node",

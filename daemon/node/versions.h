@@ -58,6 +58,7 @@
 #include "daemon/nic_meter.h"
 #include "daemon/node/channel_cache.h"
 #include "daemon/node/coordinator_access.h"
+#include "daemon/node/delta_node.h"
 #include "daemon/node/exec_plan.h"
 #include "daemon/node/executor.h"
 #include "daemon/node/live_copy.h"
@@ -138,6 +139,10 @@ struct Exec {
   // The pure plan this node ran (set by the executor before its buckets): routes, ops with their
   // region keys, pieces and boxes, relays at commit. Kept for what runs after the buckets.
   std::shared_ptr<const ExecPlan> exec_plan;
+  // Lossless deltas: ExecuteVersionRequest.base_versions (rollout worker id -> the version its
+  // node holds) and, executor thread only, what travelled as deltas (the "version transferred" line).
+  std::map<std::string, uint64_t> base_versions;
+  DeltaStats delta;
   // Executor thread only: the digests of this node's ops after the buckets (reported with
   // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.
   digest::OpDigests digests;
@@ -155,6 +160,8 @@ class Versions {
     bool digests = true;               // end-to-end digests (NodeDaemon::Options::digests)
     int digest_threads = 8;
     bool digest_overlap = true;
+    uint64_t delta_cache_bytes = 0;  // NodeDaemon::Options::delta_cache_bytes (daemon/node/delta_node.h)
+    int delta_threads = 2;           // encode / decode threads per version
     // TEST ONLY hooks: see NodeDaemon::Options.
     std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>
         test_after_buckets;
@@ -256,6 +263,7 @@ class Versions {
   const NodeTransports& transports_;
   CoordinatorAccess& coordinator_;
   NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
+  NodeDeltas deltas_{options_.delta_cache_bytes, options_.delta_threads};  // per model delta caches (own lock)
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);

@@ -39,6 +39,7 @@ void Versions::RunExec(std::shared_ptr<Exec> exec) {
     connected = exec->connected;
   }
   if (!s.ok()) {
+    deltas_.Drop(exec->model_id, exec->version);  // its pending delta copies never become anyone's base
     // A failed batch may leave a channel unusable: start the next version on fresh ones.
     for (auto& [peer, id] : connected) DropChannel(exec->model_id, peer, id);
   }
@@ -55,7 +56,13 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"bytes", exec.bytes_done.load()},
        {"seconds", seconds}, {"staging_s", exec.staging_s}, {"setup_s", exec.setup_s},
        {"buckets_s", exec.buckets_s}, {"relay_bytes_at_commit", exec.relay_bytes_at_commit}, {"digest_s", exec.digest_s},
-       {"digest_bytes", exec.digests.bytes}, {"error", s.message()}});
+       {"digest_bytes", exec.digests.bytes}, {"delta_ops", exec.delta.ops_sent_delta}, {"delta_bytes", exec.delta.bytes_sent_stream},
+       {"delta_replaced_bytes", exec.delta.bytes_sent_raw}, {"delta_full_bytes", exec.delta.bytes_sent_full},
+       {"delta_decoded", exec.delta.ops_decoded}, {"delta_fallbacks", exec.delta.ops_refused},
+       {"delta_fallback_bytes", exec.delta.bytes_fallback}, {"delta_encode_s", exec.delta.encode_s}, {"delta_decode_s", exec.delta.decode_s},
+       {"delta_cache_bytes", deltas_.bytes()}, {"delta_refusal", exec.delta.first_refusal}, {"error", s.message()}});
+  metrics().Deltas(options_.node_id, deltas_.bytes(), exec.delta.bytes_sent_stream, exec.delta.bytes_sent_raw, exec.delta.bytes_sent_full,
+                   exec.delta.ops_refused);
   pb::ReportDoneRequest req;
   req.set_node_id(options_.node_id);
   req.set_model_id(exec.model_id);
@@ -239,6 +246,8 @@ node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
     o.after_wait = [this, m, me, cross_t, peer_instances] { nic_meter_.Record(*m, me, cross_t->stats().paths, peer_instances); };
   }
   o.bytes_done = &exec.bytes_done;
+  // Lossless deltas (not for catch-ups: their slices carry no delta ops).
+  if (!exec.catch_up) o.deltas = deltas_.For(me, exec.model_id, exec.plan->slice, exec.base_versions, local_);
   return o;
 }
 
@@ -335,6 +344,7 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   node::ExecResult result;
   absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, exec_options, result);
   exec.links = result.links;
+  exec.delta = result.delta;
   exec.setup_s = prepare_s + result.setup_s;
   exec.buckets_s = result.buckets_s;
   RETURN_IF_ERROR(s);

@@ -1,0 +1,98 @@
+#include "daemon/node/delta_node.h"
+
+#include <cstdio>
+#include <optional>
+#include <utility>
+
+namespace wb::daemon::node {
+namespace {
+
+// "w<worker>.b<buffer>" -> (worker, buffer).
+std::optional<std::pair<uint32_t, size_t>> ParseKey(const std::string& key) {
+  unsigned w = 0, b = 0;
+  char tail = 0;
+  if (std::sscanf(key.c_str(), "w%u.b%u%c", &w, &b, &tail) != 2) return std::nullopt;
+  return std::pair<uint32_t, size_t>{w, b};
+}
+
+}  // namespace
+
+std::shared_ptr<NodeDeltas::Model> NodeDeltas::ModelFor(const std::string& model) {
+  absl::MutexLock l(&mu_);
+  std::shared_ptr<Model>& m = models_[model];
+  if (m == nullptr) {
+    m = std::make_shared<Model>();
+    m->cache = std::make_unique<DeltaCache>(cache_bytes_);
+  }
+  return m;
+}
+
+DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
+                             const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local) {
+  std::shared_ptr<Model> m = ModelFor(model);
+  DeltaOptions o;
+  o.me = me;
+  o.threads = threads_;
+  o.cache = m->cache->enabled() ? m->cache.get() : nullptr;
+  o.buffers = &m->buffers;
+  std::map<uint32_t, std::string> local_rollouts;  // slice index -> worker id
+  for (int i = 0; i < slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = slice.workers(i);
+    auto bv = base_versions.find(w.worker_id());
+    if (bv != base_versions.end() && bv->second > 0) o.base_versions[static_cast<uint32_t>(i)] = bv->second;
+    if (w.node_id() == me && w.role() == pb::ROLE_ROLLOUT) local_rollouts[static_cast<uint32_t>(i)] = w.worker_id();
+  }
+  // `m` travels with the options: the cache and buffers outlive the executor run.
+  o.base = [m, model, local_rollouts, &local](const std::string& key) -> std::optional<DeltaBase> {
+    std::optional<std::pair<uint32_t, size_t>> at = ParseKey(key);
+    if (!at) return std::nullopt;
+    auto id = local_rollouts.find(at->first);
+    if (id == local_rollouts.end()) return std::nullopt;
+    std::optional<LocalWorkers::View> v = local.Get({model, id->second});
+    if (!v) return std::nullopt;
+    const LocalWorkers::Worker& w = v->worker;
+    const size_t j = at->second;
+    if (w.committed != nullptr && j < w.committed->size() && (*w.committed)[j].device == nullptr) {
+      const StagedBuffer& b = (*w.committed)[j];
+      return DeltaBase{w.committed_version, b.host.data(), b.size(), w.committed};
+    }
+    // Sync commits hand committed staging back to the pool once live weights hold it.
+    if (w.applied_version > 0 && !v->copying && v->torn.ok() && j < w.buffers.size() && w.buffers[j] != nullptr) {
+      const std::shared_ptr<transport::ShmSegment>& seg = w.buffers[j];
+      return DeltaBase{w.applied_version, static_cast<const uint8_t*>(seg->data()), static_cast<int64_t>(seg->size()), seg};
+    }
+    return std::nullopt;
+  };
+  return o;
+}
+
+void NodeDeltas::Commit(const std::string& model, uint64_t version) {
+  std::shared_ptr<Model> m;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = models_.find(model);
+    if (it == models_.end()) return;
+    m = it->second;
+  }
+  m->cache->Commit(version);
+}
+
+void NodeDeltas::Drop(const std::string& model, uint64_t version) {
+  std::shared_ptr<Model> m;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = models_.find(model);
+    if (it == models_.end()) return;
+    m = it->second;
+  }
+  m->cache->Drop(version);
+}
+
+uint64_t NodeDeltas::bytes() const {
+  absl::MutexLock l(&mu_);
+  uint64_t total = 0;
+  for (const auto& [name, m] : models_) total += m->cache->bytes();
+  return total;
+}
+
+}  // namespace wb::daemon::node

@@ -1,0 +1,60 @@
+#pragma once
+// The node's side of lossless deltas (issue 17.2; docs/daemon.md "Deltas (design and status)"):
+// per model the sender's DeltaCache (copies of what destinations committed, --delta_cache_bytes
+// per model) and the reusable delta-region buffers; per version the executor's DeltaOptions
+// (which ops have a base, the receiver's committed copies as bases). node::Versions owns one and
+// calls Commit / Drop from CommitVersion / AbortVersion / a failed executor. Thread-safe (one
+// leaf lock; LocalWorkers' own lock is taken inside a base lookup, never the other way round).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/node/delta_cache.h"
+#include "daemon/node/delta_exchange.h"
+#include "daemon/node/local_workers.h"
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon::node {
+
+class NodeDeltas {
+ public:
+  // `cache_bytes`: --delta_cache_bytes (per model; 0 = this node sends no deltas; it still
+  // decodes the deltas others send it).
+  NodeDeltas(uint64_t cache_bytes, int threads) : cache_bytes_(cache_bytes), threads_(threads) {}
+
+  uint64_t cache_bytes() const { return cache_bytes_; }
+
+  // The executor's delta options for `version` of `model` on node `me`: base versions by slice
+  // worker (from ExecuteVersionRequest.base_versions, by worker id), the model's cache and
+  // buffers, and the receiver's bases: a local rollout's committed staging (host) when it holds
+  // one, else its live host buffers when they hold an applied version whole (not being copied,
+  // not TORN). Layouts are those of its staging (the slicer sends deltas only to unquantised
+  // rollouts, whose staging and live layouts are the same).
+  DeltaOptions For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
+                   const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local);
+
+  // CommitVersion(version) of `model` here: its pending copies become the committed ones.
+  void Commit(const std::string& model, uint64_t version);
+  // AbortVersion(version) or a failed executor: its pending copies go.
+  void Drop(const std::string& model, uint64_t version);
+  // Host memory of every model's cache (the wb_delta_cache_bytes gauge).
+  uint64_t bytes() const;
+
+ private:
+  struct Model {
+    std::unique_ptr<DeltaCache> cache;
+    DeltaBuffers buffers;
+  };
+  std::shared_ptr<Model> ModelFor(const std::string& model);
+
+  const uint64_t cache_bytes_;
+  const int threads_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace wb::daemon::node
