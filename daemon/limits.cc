@@ -162,7 +162,12 @@ uint64_t OverlapElements(const pb::Box& a, const pb::Box& b) {
 absl::Status CheckSliceCoversLocalRollouts(const pb::PlanSlice& slice, const std::string& node_id) {
   const int workers = slice.workers_size();
   std::map<std::pair<int, int>, uint64_t> landed;  // (worker, piece) -> elements the ops write there
+  // A version's slice writes every rollout of the node (one it leaves out would apply staging
+  // nobody wrote); a catch-up slice only the late rollouts it writes into.
   std::set<int> destinations;
+  for (int w = 0; w < workers && !slice.catch_up(); ++w) {
+    if (slice.workers(w).node_id() == node_id && slice.workers(w).role() == pb::ROLE_ROLLOUT) destinations.insert(w);
+  }
   for (const pb::TransferOp& op : slice.ops()) {
     const int w = static_cast<int>(op.dst_worker());
     if (op.dst_worker() >= static_cast<uint32_t>(workers) || op.dst_piece() < 0) continue;  // staging, or refused by InstallPlan

@@ -60,8 +60,8 @@ absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<::weigh
 absl::Status CheckId(const std::string& what, const std::string& id, const Limits& limits);
 
 // A plan slice installed on node `node_id` (NodeService.InstallPlan): every piece of each rollout
-// on this node that the slice writes into (the destination of at least one op) is covered by the
-// ops landing in that piece (their boxes, clipped to the piece, add up to at least its elements;
+// on this node in the slice (a catch-up slice: each one it writes into, the destination of at
+// least one op) is covered by the ops landing in that piece (their boxes, clipped to the piece, add up to at least its elements;
 // planned ops do not overlap inside a destination piece). A version committed from a slice that
 // covers a rollout in part would make its next Apply part old, part new while reporting it whole
 // (issue 15, found by tests/probe/rpc_probe_test). INVALID_ARGUMENT naming model, epoch, node,

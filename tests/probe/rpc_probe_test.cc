@@ -786,9 +786,9 @@ TEST_F(RpcProbeTest, SliceCoveringALocalRolloutInPartIsRefused) {
   }
 }
 
-// The check itself: only this node's rollouts that the slice writes into, each piece in full
-// (several ops may share a piece), catch-up slices included; remote rollouts and sources are not
-// this node's to check.
+// The check itself: every rollout of this node in a version's slice (in a catch-up slice those it
+// writes into), each piece in full (several ops may share a piece); remote rollouts are not this
+// node's to check.
 TEST(SliceCoverageTest, EachWrittenLocalRolloutPieceMustBeCovered) {
   auto slice = [](const std::string& text) {
     pb::PlanSlice s;
@@ -813,8 +813,11 @@ TEST(SliceCoverageTest, EachWrittenLocalRolloutPieceMustBeCovered) {
   // An op box reaching outside the piece counts only inside it.
   st = CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 0 dst_worker: 1 dst_piece: 0 box { begin: 5 end: 100 } }"), "n0");
   EXPECT_NE(st.message().find("5 of its 10"), std::string::npos) << st;
-  // A slice that writes nothing into r0 (e.g. a catch-up of another rollout) is not refused here.
+  // A catch-up slice that writes nothing into r0 (it catches up another rollout) is fine; a
+  // version's slice that leaves r0 out is not (r0 would apply staging nobody wrote).
   EXPECT_TRUE(CheckSliceCoversLocalRollouts(slice(workers + "catch_up: true ops { src_worker: 1 dst_worker: 2 dst_piece: 0 box { begin: 0 end: 10 } }"), "n0").ok());
+  st = CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 1 dst_worker: 2 dst_piece: 0 box { begin: 0 end: 10 } }"), "n0");
+  EXPECT_NE(st.message().find("rollout r0 piece 0 (tensor a) gets 0 of its 10"), std::string::npos) << st;
   // Seen from n1, r1 is local: half of it is refused.
   EXPECT_FALSE(CheckSliceCoversLocalRollouts(slice(workers + "ops { src_worker: 1 dst_worker: 2 dst_piece: 0 box { begin: 0 end: 5 } }"), "n1").ok());
 }
