@@ -304,7 +304,7 @@ TEST(Issue15ScaleTest, FiveHeartbeatsOfFourHundredThousandProgressEntriesAreRefu
   }
   const int64_t grown_mib = (ProcStatus("VmRSS") - rss_after_first) / 1024;
   std::cerr << "RSS grew " << grown_mib << " MiB over heartbeats 2-5 of 400000 entries\n";
-  EXPECT_LT(grown_mib, 100) << "heartbeat payloads are being kept";
+  EXPECT_LT(grown_mib, 200) << "heartbeat payloads are being kept";  // 20-67 MiB seen; kept: ~430
   hb.clear_progress();
   grpc::ClientContext ctx;
   pb::HeartbeatResponse resp;
