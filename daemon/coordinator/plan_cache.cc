@@ -1,5 +1,7 @@
 #include "daemon/coordinator/plan_cache.h"
 
+#include <algorithm>
+
 #include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
@@ -42,7 +44,10 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
   std::string key_src = absl::StrCat(in.model_id, "|", static_cast<int>(settings.strategy_proto), "|", settings.topology.intra_node_GBps,
                                      "/", settings.topology.nic_GBps_per_gpu, "/", settings.topology.colocated, "/", settings.bucket_bytes);
   const bool sender_quantization = SenderQuantizationFor(in, settings);
-  absl::StrAppend(&key_src, sender_quantization ? "|sq" : "");
+  if (sender_quantization && settings.sender_quantization_bucket_bytes > 0) {
+    problem.staging_budget_bytes = std::min(problem.staging_budget_bytes, settings.sender_quantization_bucket_bytes);
+  }
+  absl::StrAppend(&key_src, sender_quantization ? absl::StrCat("|sq", problem.staging_budget_bytes) : "");
   for (const SliceWorker& w : in.workers) {
     planner::Worker pw;
     pw.id = w.id;

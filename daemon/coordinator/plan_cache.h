@@ -29,6 +29,11 @@ struct PlanSettings {
   // it only where every source can quantise on send (SenderQuantizationFor); otherwise the plan
   // keeps receiver-side quantisation (canonical bytes into the rollouts' shadows).
   bool sender_quantization = true;
+  // A plan with sender-side quantisation gets buckets of at most this many bytes per GPU (wire
+  // bytes, below bucket_bytes): the sending node quantises in bucket order and posts a bucket as
+  // soon as its own ops are written (node::OutgoingQuantization), so the first bucket leaves after
+  // a slice of the quantising instead of all of it, and the rest overlaps the transfer.
+  int64_t sender_quantization_bucket_bytes = int64_t{64} << 20;
 };
 
 // Whether PlanAndSlice plans `in` with sender-side quantisation: allowed by `settings`, WeightBridge's
