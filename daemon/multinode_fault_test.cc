@@ -177,9 +177,11 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
   ASSERT_EQ(CountBad(r0, 1), 0);
 
+  // Armed before version 2 (nothing disconnects while it runs until the abort), not after n1
+  // froze: a test thread descheduled past the 600 ms lease would arm it too late.
+  disconnect_armed = true;  // n0's next Disconnect (its abort's drop of the n1 channel) waits for the gate
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
-  disconnect_armed = true;  // n0's next Disconnect (its abort's drop of the n1 channel) waits for the gate
   grpc::Status s = c.Apply(r0, "m", 2, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
   EXPECT_NE(s.error_message().find("node n1 lost its lease"), std::string::npos) << s.error_message();
