@@ -51,6 +51,16 @@ void Fill(TestWorker& w, uint64_t version) {
   ForEachElement(w, [&](int32_t t, int elem, int64_t flat, uint8_t* at) { WriteWeight(t, version, flat, elem, at); });
 }
 
+void FillDelta(TestWorker& w, uint64_t version, double fraction) {
+  ForEachElement(w, [&](int32_t t, int elem, int64_t flat, uint8_t* at) { WriteDeltaWeight(t, version, flat, elem, fraction, at); });
+}
+
+int64_t CountBadDelta(const TestWorker& w, uint64_t version, double fraction) {
+  int64_t bad = 0;
+  ForEachElement(w, [&](int32_t t, int elem, int64_t flat, uint8_t* at) { bad += !CheckDeltaWeight(t, version, flat, elem, fraction, at); });
+  return bad;
+}
+
 int64_t CountBad(const TestWorker& w, uint64_t version) {
   int64_t bad = 0;
   ForEachElement(w, [&](int32_t t, int elem, int64_t flat, uint8_t* at) { bad += !CheckWeight(t, version, flat, elem, at); });
@@ -163,7 +173,13 @@ grpc::Status Cluster::RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, c
 
 std::vector<grpc::Status> Cluster::Publish(const std::string& model, pb::Mode mode, uint64_t v, const std::vector<TestWorker*>& trainers,
                                   const std::vector<TestWorker*>& rollouts) {
-  for (TestWorker* t : trainers) Fill(*t, v);
+  for (TestWorker* t : trainers) {
+    if (delta_fraction > 0) {
+      FillDelta(*t, v, delta_fraction);
+    } else {
+      Fill(*t, v);
+    }
+  }
   if (mode == pb::MODE_SYNC) {
     for (TestWorker* r : rollouts) {
       grpc::ClientContext ctx;

@@ -39,6 +39,10 @@ struct TestWorker {
 void Fill(TestWorker& w, uint64_t version);
 // Elements of `w` that differ from version `version`'s canonical bytes.
 int64_t CountBad(const TestWorker& w, uint64_t version);
+// The same for versions in which a share `fraction` of the elements changes from one version to
+// the next (tests/common/weight_gen.h DeltaElementBits; lossless deltas).
+void FillDelta(TestWorker& w, uint64_t version, double fraction);
+int64_t CountBadDelta(const TestWorker& w, uint64_t version, double fraction);
 // host_shm + host_tcp, as a node without GPUs has.
 absl::StatusOr<transport::TransportSet> HostTransports();
 
@@ -74,6 +78,8 @@ class Cluster {
   // Status as w's node answers it.
   pb::StatusResponse Status(TestWorker& w);
 
+  // > 0: Publish fills trainers with FillDelta(version, delta_fraction) instead of Fill (deltas).
+  double delta_fraction = 0;
   std::unique_ptr<Server> coord_;
   std::vector<std::unique_ptr<Server>> nodes_;
   // Node index -> worker socket of a node daemon running in another process (live_restart_test).

@@ -92,12 +92,21 @@ std::vector<bool> NcclOps(const planner::Plan& plan, const SliceInput& in,
 }  // namespace
 
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl) {
-  std::set<uint32_t> relays;  // workers some op reads from that are not trainers
+  // Boxes some op reads from a rollout (relays), per (worker, tensor).
+  std::map<std::pair<uint32_t, int32_t>, std::vector<const planner::Box*>> relayed;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
-      if (in.workers[op.src_worker].role != planner::Role::kTrainer) relays.insert(op.src_worker);
+      if (in.workers[op.src_worker].role != planner::Role::kTrainer) relayed[{op.src_worker, op.tensor}].push_back(&op.box);
     }
   }
+  auto relays_box = [&](uint32_t worker, int32_t tensor, const planner::Box& box) {
+    auto it = relayed.find({worker, tensor});
+    if (it == relayed.end()) return false;
+    for (const planner::Box* r : it->second) {
+      if (planner::Intersect(*r, box).has_value()) return true;
+    }
+    return false;
+  };
   std::vector<bool> out;
   size_t i = 0;
   for (const planner::Bucket& b : plan.buckets) {
@@ -109,7 +118,7 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
                       n->second.sends_deltas && sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout &&
                       op.src_piece >= 0 && op.dst_piece >= 0 && CudaBuffer(sw, op.src_piece) == nullptr &&
                       CudaBuffer(dw, op.dst_piece) == nullptr && !planner::HasQuantizedPieces(*dw.layout) &&
-                      relays.count(op.dst_worker) == 0;
+                      !relays_box(op.dst_worker, op.tensor, op.box);
       out.push_back(ok);
       ++i;
     }

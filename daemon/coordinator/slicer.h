@@ -64,8 +64,8 @@ absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in
 absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in);
 // Which ops may travel as lossless deltas (TransferOp.delta; docs/daemon.md "Deltas"), in plan op
 // order: cross-node ops not over nccl and not sender-quantised, from a trainer's host piece on a
-// node that sends deltas to a host rollout piece that is not quantised, of a rollout that relays
-// nothing in this plan (a relay would forward bytes before its delta is decoded and checked).
+// node that sends deltas to a host rollout piece that is not quantised, whose box no op of the plan
+// reads from that rollout (a relay would forward bytes before their delta is decoded and checked).
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl);
 
 void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,

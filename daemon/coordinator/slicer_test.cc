@@ -130,6 +130,12 @@ TEST(SlicerTest, DeltaOpsAreCrossNodeTrainerToNonRelayingRolloutFromADeltaNode) 
   plan.buckets[1].ops = {Op(1, 3, 32, planner::Route::kInterNode)};  // r0 relays to r2 now
   EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true})) << "a relaying rollout gets full versions";
   EXPECT_FALSE(SlicePlan(plan, in)->by_node.at("b").ops(1).delta()) << "relays go full";
+  // A relay of other rows of r0 leaves the op into rows 0-1 of r0 a delta.
+  plan.buckets[0].ops[0].box = {{0, 0}, {2, 4}};
+  plan.buckets[1].ops[0].box = {{2, 0}, {4, 4}};
+  EXPECT_EQ(deltas(in), (std::vector<bool>{true, false, true})) << "only boxes a relay reads go full";
+  plan.buckets[1].ops[0].box = {{1, 0}, {3, 4}};
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true})) << "overlapping the relayed rows";
   in.deltas = false;  // a catch-up slice
   EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false}));
 }

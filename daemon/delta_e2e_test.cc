@@ -1,0 +1,272 @@
+// Lossless deltas with real daemons (issue 17.2; docs/daemon.md "Deltas (design and status)"): a
+// coordinator and two node daemons in one process (--delta_cache_bytes set), workers on shared
+// memory, bytes over host_shm (same node) and host_tcp (across nodes). Trainers publish versions in
+// which 5% of the elements change (tests/common/weight_gen.h DeltaElementBits): the first version
+// goes in full, later ones as deltas across nodes; every rollout byte is checked, every version is
+// verified end to end (digests), and the delta counters show streams replacing full bytes. Also:
+// a version superseded before it started, a rollout that restarts (full by catch-up, then deltas
+// again), and a destination whose committed copy does not match (the base check refuses the delta,
+// the op is resent in full, bytes exact).
+#include <atomic>
+
+#include "absl/synchronization/notification.h"
+#include "daemon/metrics.h"
+#include "daemon/metrics_scrape.h"
+#include "daemon/multinode_fixture.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+constexpr double kChange = 0.05;
+
+// a [128, 256] f32, b [64, 128] bf16: boxes large enough that a delta is far smaller than them.
+planner::Inventory DeltaInventory() {
+  planner::Inventory inv;
+  inv.tensors.push_back({"a", {128, 256}, planner::DType::kF32});
+  inv.tensors.push_back({"b", {64, 128}, planner::DType::kBF16});
+  return inv;
+}
+
+pb::ModelSpec DeltaSpec(const planner::Inventory& inv, pb::Mode mode, pb::Strategy strategy) {
+  pb::ModelSpec spec;
+  spec.set_model_id("m");
+  for (const planner::TensorSpec& t : inv.tensors) {
+    pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
+    ts->set_name(t.name);
+    ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+    ts->set_dtype(t.dtype == planner::DType::kF32 ? pb::DTYPE_F32 : pb::DTYPE_BF16);
+  }
+  spec.set_num_trainer_workers(2);
+  spec.set_num_rollout_workers(2);
+  spec.set_mode(mode);
+  spec.set_strategy(strategy);
+  return spec;
+}
+
+struct Metered {
+  double stream = 0, replaced = 0, full = 0, fallbacks = 0;
+};
+
+class DeltaE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
+    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+    endpoint_ = std::move(*endpoint);
+  }
+  void TearDown() override {
+    if (!release_.HasBeenNotified()) release_.Notify();  // a held executor must not outlive the test
+    c_.Stop();
+  }
+
+  // Coordinator, n0 and n1 with a delta cache; `n0_hook` as n0's test_before_bucket.
+  void Start(Cluster::BucketHook n0_hook = nullptr) {
+    c_.delta_fraction = kChange;
+    c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 16384; });
+    for (int n : {0, 1}) {
+      c_.StartNode(n, n == 0 ? n0_hook : nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
+    }
+  }
+
+  // t0 (n0): rows 0-63 of a and all of b; t1 (n1): rows 64-127 of a; r0 (n0) whole; r1 (n1)
+  // whole, transposed (its boxes are strided: deltas decode into scratch and scatter).
+  void AddWorkers(pb::Mode mode, pb::Strategy strategy) {
+    spec_ = DeltaSpec(inv_, mode, strategy);
+    t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {64, 256}, false}, {1, {0, 0}, {64, 128}, false}}));
+    t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv_, LayoutOf(inv_, {{0, {64, 0}, {128, 256}, false}}));
+    r0_ = &c_.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}, {1, {0, 0}, {64, 128}, false}}));
+    r1_ = &c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, true}, {1, {0, 0}, {64, 128}, true}}));
+    for (TestWorker* w : {t0_, t1_, r0_, r1_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
+  }
+
+  Metered Meter() {
+    auto m = ScrapeMetrics(endpoint_->port(), absl::Seconds(10));
+    EXPECT_TRUE(m.ok()) << m.status();
+    Metered out;
+    if (!m.ok()) return out;
+    out.stream = MetricSum(*m, "wb_delta_bytes_total", "kind=\"stream\"");
+    out.replaced = MetricSum(*m, "wb_delta_bytes_total", "kind=\"replaced\"");
+    out.full = MetricSum(*m, "wb_delta_bytes_total", "kind=\"full\"");
+    out.fallbacks = MetricSum(*m, "wb_delta_fallbacks_total", "");
+    return out;
+  }
+
+  // The coordinator's final record of version v.
+  pb::VersionStatus VersionOf(uint64_t v) {
+    auto st = c_.WaitForCoordinator(
+        [v](const pb::StatusResponse& s) {
+          for (const pb::VersionStatus& vs : s.versions()) {
+            if (vs.version() == v && vs.state() != "queued" && vs.state() != "transferring" && vs.state() != "published") return true;
+          }
+          return false;
+        },
+        absl::Seconds(30));
+    EXPECT_TRUE(st.ok()) << st.status();
+    if (st.ok()) {
+      for (const pb::VersionStatus& vs : st->versions()) {
+        if (vs.version() == v) return vs;
+      }
+    }
+    return {};
+  }
+
+  // Version v published, applied where the mode asks, every rollout byte checked, verified.
+  void Version(pb::Mode mode, uint64_t v, bool apply = true) {
+    for (auto& s : c_.Publish("m", mode, v, {t0_, t1_}, {r0_, r1_})) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
+    if (!apply) return;
+    for (TestWorker* r : {r0_, r1_}) {
+      if (mode != pb::MODE_SYNC) {
+        pb::ApplyResponse resp;
+        grpc::Status a = c_.Apply(*r, "m", v, &resp);
+        ASSERT_TRUE(a.ok()) << r->id << " v" << v << ": " << a.error_message();
+      }
+      EXPECT_EQ(CountBadDelta(*r, v, kChange), 0) << r->id << " version " << v;
+    }
+    const pb::VersionStatus vs = VersionOf(v);
+    EXPECT_TRUE(vs.verified()) << "version " << v << ": " << vs.ShortDebugString();
+  }
+
+  planner::Inventory inv_ = DeltaInventory();
+  pb::ModelSpec spec_;
+  absl::Notification held_, release_;  // ASupersededVersionNeverBecomesABase
+  Cluster c_;
+  std::unique_ptr<MetricsEndpoint> endpoint_;
+  TestWorker *t0_ = nullptr, *t1_ = nullptr, *r0_ = nullptr, *r1_ = nullptr;
+};
+
+struct ModeCase {
+  pb::Mode mode;
+  pb::Strategy strategy;
+};
+
+class DeltaModesTest : public DeltaE2eTest, public ::testing::WithParamInterface<ModeCase> {};
+
+// Version 1 in full, versions 2-3 as deltas across nodes: every byte exact and verified; the
+// streams are a small share of the bytes they replace and no delta was refused.
+TEST_P(DeltaModesTest, DeltasAreByteExactAndSmall) {
+  const ModeCase mc = GetParam();
+  Start();
+  AddWorkers(mc.mode, mc.strategy);
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m0 = Meter();
+  Version(mc.mode, 1);
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m1 = Meter();
+  EXPECT_EQ(m1.stream - m0.stream, 0) << "version 1 has no base anywhere";
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(mc.mode, v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const Metered m3 = Meter();
+  EXPECT_EQ(m3.fallbacks - m0.fallbacks, 0) << "no delta may be refused here";
+  // (rank0_broadcast: the rank-0 trainer's own boxes go straight to the rollouts, as deltas; what
+  // passes through the gather staging goes full.)
+  EXPECT_GT(m3.stream - m1.stream, 0) << "versions 2-3 must travel as deltas";
+  EXPECT_LT((m3.stream - m1.stream) * 4, m3.replaced - m1.replaced) << "5% of elements changed: streams far below the raw bytes";
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeltaModesTest,
+                         ::testing::Values(ModeCase{pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE}, ModeCase{pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE},
+                                           ModeCase{pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE},
+                                           ModeCase{pb::MODE_ONE_STEP_OFF, pb::STRATEGY_P2P_NO_DEDUP},
+                                           ModeCase{pb::MODE_SYNC, pb::STRATEGY_RANK0_BROADCAST}),
+                         [](const ::testing::TestParamInfo<ModeCase>& i) {
+                           return absl::StrCat(pb::Mode_Name(i.param.mode), "_", pb::Strategy_Name(i.param.strategy));
+                         });
+
+// Async: version 1 is held in its first bucket on n0 while versions 2 and 3 are published, so 3
+// supersedes 2 (2 never travels). Version 3's deltas are made against what the destinations hold
+// (version 1), and land exact.
+TEST_F(DeltaE2eTest, ASupersededVersionNeverBecomesABase) {
+  absl::Notification& held = held_;  // members: the hook may run until the cluster stops
+  absl::Notification& release = release_;
+  Start([&held, &release](const std::string&, uint64_t v, uint32_t b) {
+    if (v != 1 || b != 0) return;
+    held.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  });
+  AddWorkers(pb::MODE_ASYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(pb::MODE_ASYNC, 1, /*apply=*/false);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(held.WaitForNotificationWithTimeout(absl::Seconds(20))) << "version 1 never reached its first bucket";
+  Version(pb::MODE_ASYNC, 2, /*apply=*/false);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(pb::MODE_ASYNC, 3, /*apply=*/false);
+  ASSERT_FALSE(HasFatalFailure());
+  release.Notify();
+  const Metered m0 = Meter();
+  for (TestWorker* r : {r0_, r1_}) {
+    pb::ApplyResponse resp;
+    grpc::Status a = c_.Apply(*r, "m", 3, &resp);
+    ASSERT_TRUE(a.ok()) << r->id << ": " << a.error_message();
+    EXPECT_EQ(CountBadDelta(*r, 3, kChange), 0) << r->id;
+  }
+  EXPECT_EQ(VersionOf(2).state(), "superseded");
+  EXPECT_TRUE(VersionOf(3).verified()) << VersionOf(3).ShortDebugString();
+  const Metered m1 = Meter();
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0);
+  // Then version 4 against 3.
+  Version(pb::MODE_ASYNC, 4);
+  EXPECT_GT(Meter().stream - m0.stream, 0);
+}
+
+// One-step-off: r1 leaves after version 2 and registers again (a restarted rollout: it holds
+// nothing). The catch-up brings it version 2 in full; version 3 reaches it as deltas again (its
+// node holds version 2 now), exact, and no delta is refused (the coordinator never claims a base a
+// restarted rollout lacks).
+TEST_F(DeltaE2eTest, ARestartedRolloutGetsFullBytesThenDeltasAgain) {
+  Start();
+  AddWorkers(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  ASSERT_FALSE(HasFatalFailure());
+  for (uint64_t v = 1; v <= 2; ++v) {
+    Version(pb::MODE_ONE_STEP_OFF, v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  {
+    grpc::ClientContext ctx;
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("r1");
+    pb::DeregisterResponse resp;
+    ASSERT_TRUE(r1_->stub->Deregister(&ctx, req, &resp).ok());
+  }
+  std::memset(r1_->seg.data(), 0, r1_->seg.size());  // the new process starts from nothing
+  ASSERT_TRUE(c_.Register(*r1_, spec_).ok());
+  pb::ApplyResponse resp;
+  grpc::Status a = c_.Apply(*r1_, "m", 2, &resp);  // the catch-up (full)
+  ASSERT_TRUE(a.ok()) << a.error_message();
+  EXPECT_EQ(CountBadDelta(*r1_, 2, kChange), 0);
+  const Metered m0 = Meter();
+  Version(pb::MODE_ONE_STEP_OFF, 3);
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m1 = Meter();
+  EXPECT_GT(m1.stream - m0.stream, 0) << "version 3 travels as deltas again";
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0);
+}
+
+// Sync: after version 1, one byte of r1's live weights changes behind the node's back (its
+// committed copy, the base of the next delta, no longer matches what the sender diffed against).
+// Version 2's deltas into r1 fail the base check BEFORE anything is applied, those ops are resent
+// in full, and every byte of version 2 is exact and verified.
+TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
+  Start();
+  AddWorkers(pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(pb::MODE_SYNC, 1);
+  ASSERT_FALSE(HasFatalFailure());
+  static_cast<uint8_t*>(r1_->seg.data())[5] ^= 0x40;  // a byte of r1's copy of tensor a (from t0)
+  const Metered m0 = Meter();
+  Version(pb::MODE_SYNC, 2);
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m1 = Meter();
+  EXPECT_GE(m1.fallbacks - m0.fallbacks, 1) << "r1's node must refuse the delta made against another base";
+  EXPECT_GT(m1.stream - m0.stream, 0) << "the other deltas still travel";
+  // And version 3 goes as deltas with no refusal (r1 holds version 2 whole now).
+  Version(pb::MODE_SYNC, 3);
+  EXPECT_EQ(Meter().fallbacks - m1.fallbacks, 0);
+}
+
+}  // namespace
+}  // namespace wb::daemon
