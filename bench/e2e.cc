@@ -451,6 +451,8 @@ int RunQuantization(const std::string& quantization, const std::string& config, 
                         {"plan_ratio", plan_ratio},
                         {"update_s_bf16", b.result.median_s},
                         {"update_s_quantized", q.result.median_s},
+                        {"update_s_bf16_versions", b.result.update_s},  // every version, the first warms up
+                        {"update_s_quantized_versions", q.result.update_s},
                         {"verified", verified}};
     for (const Case* c : {&b, &q}) {
       if (!c->result.error.empty()) j["error_" + c->name] = c->result.error;
@@ -464,8 +466,11 @@ int RunQuantization(const std::string& quantization, const std::string& config, 
       std::printf("%-14s %16.3f %16.3f %10.3f %9s\n", c->name.c_str(), c->nic_bytes / 1e9, c->result.wire_bytes_inter_node / 1e9,
                   c->result.median_s, c->result.verified ? "yes" : "NO");
       if (!c->result.error.empty()) std::printf("  error: %s\n", c->result.error.c_str());
+      std::printf("  per version (the first warms up): %s\n",
+                  absl::StrJoin(c->result.update_s, " ", [](std::string* o, double x) { absl::StrAppendFormat(o, "%.3f", x); }).c_str());
     }
-    std::printf("inter-node bytes %s / bf16: %.3fx (plan: %.3fx)\n", quantization.c_str(), ratio, plan_ratio);
+    std::printf("inter-node bytes %s / bf16: %.3fx (plan: %.3fx); update time %s / bf16: %.2fx\n", quantization.c_str(), ratio, plan_ratio,
+                quantization.c_str(), b.result.median_s > 0 ? q.result.median_s / b.result.median_s : 0);
   }
   return verified ? 0 : 1;
 }
