@@ -13,6 +13,39 @@ std::string DeltaKey::ToString() const {
   return absl::StrCat("tensor ", tensor, " box [", absl::StrJoin(dims, ", "), "]");
 }
 
+DeltaCache::DeltaCache(uint64_t capacity_bytes) : pool_(std::make_shared<Pool>()), capacity_(capacity_bytes) {
+  pool_->limit = capacity_bytes;
+}
+
+std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, std::vector<uint8_t> bytes) const {
+  std::weak_ptr<Pool> pool = pool_;
+  auto* e = new DeltaEntry{version, std::move(bytes)};
+  return std::shared_ptr<const DeltaEntry>(e, [pool](const DeltaEntry* d) {
+    std::unique_ptr<DeltaEntry> owned(const_cast<DeltaEntry*>(d));
+    std::shared_ptr<Pool> p = pool.lock();
+    if (p == nullptr || owned->bytes.empty()) return;
+    absl::MutexLock l(&p->mu);
+    if (p->bytes + owned->bytes.size() > p->limit) return;
+    p->bytes += owned->bytes.size();
+    const size_t size = owned->bytes.size();
+    p->free.emplace(size, std::move(owned->bytes));
+  });
+}
+
+std::vector<uint8_t> DeltaCache::Buffer(size_t size) {
+  {
+    absl::MutexLock l(&pool_->mu);
+    auto it = pool_->free.find(size);
+    if (it != pool_->free.end()) {
+      std::vector<uint8_t> out = std::move(it->second);
+      pool_->free.erase(it);
+      pool_->bytes -= size;
+      return out;
+    }
+  }
+  return std::vector<uint8_t>(size);
+}
+
 std::shared_ptr<const DeltaEntry> DeltaCache::Committed(const DeltaKey& key, uint64_t version) {
   absl::MutexLock l(&mu_);
   auto it = committed_.find(key);
@@ -52,10 +85,7 @@ bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, std::vector<u
     if (pv.empty()) pending_.erase(version);
     return false;
   }
-  auto e = std::make_shared<DeltaEntry>();
-  e->version = version;
-  e->bytes = std::move(bytes);
-  pv[key] = std::move(e);
+  pv[key] = NewEntry(version, std::move(bytes));
   pending_bytes_ += size;
   return true;
 }
@@ -103,6 +133,8 @@ DeltaCache::Stats DeltaCache::stats() const {
   for (auto& [v, m] : pending_) s.pending_entries += m.size();
   s.evictions = evictions_;
   s.refused_adds = refused_;
+  absl::MutexLock pl(&pool_->mu);
+  s.free_bytes = pool_->bytes;
   return s;
 }
 

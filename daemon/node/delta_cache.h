@@ -10,6 +10,10 @@
 // entries. So a committed entry always holds bytes some destination committed, and a delta
 // against it names that version (the receiver checks version and digest before applying).
 //
+// Buffers of entries that go (replaced, superseded, dropped, evicted) are kept for reuse by
+// Buffer() while their bytes stay within another `capacity_bytes` (fresh memory costs a first
+// touch per page, seconds per GB on some VMs; box sizes repeat from version to version).
+//
 // Bounded by `capacity_bytes` (the node's --delta_cache_bytes) over committed + pending bytes:
 // adding beyond it first evicts the key's own committed entry (read for this version already),
 // then committed entries least recently used (looked up or committed), then refuses the add (that
@@ -50,7 +54,7 @@ struct DeltaEntry {
 
 class DeltaCache {
  public:
-  explicit DeltaCache(uint64_t capacity_bytes) : capacity_(capacity_bytes) {}
+  explicit DeltaCache(uint64_t capacity_bytes);
 
   uint64_t capacity() const { return capacity_; }
   bool enabled() const { return capacity_ > 0; }
@@ -58,6 +62,10 @@ class DeltaCache {
   // The committed entry of `key` when it holds `version`; null otherwise (none, evicted, another
   // version). Marks it recently used.
   std::shared_ptr<const DeltaEntry> Committed(const DeltaKey& key, uint64_t version);
+
+  // `size` bytes to pack a box into (contents unspecified): a recycled buffer of that size when
+  // one is free, else a new one.
+  std::vector<uint8_t> Buffer(size_t size);
 
   // Files `bytes` as `key`'s pending entry of `version` (replacing one already there). False when
   // it does not fit in the capacity even after evicting every committed entry.
@@ -74,6 +82,7 @@ class DeltaCache {
     uint64_t committed_bytes = 0, pending_bytes = 0;
     uint64_t committed_entries = 0, pending_entries = 0;
     uint64_t evictions = 0, refused_adds = 0;
+    uint64_t free_bytes = 0;  // kept for reuse
   };
   Stats stats() const;
   uint64_t bytes() const;  // committed + pending
@@ -84,6 +93,15 @@ class DeltaCache {
     std::list<DeltaKey>::iterator lru;  // position in lru_ (front = most recent)
   };
   void EvictLocked(const DeltaKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Free buffers by size; shared with the entries' deleters (an entry may die after the cache).
+  struct Pool {
+    absl::Mutex mu;
+    std::multimap<size_t, std::vector<uint8_t>> free ABSL_GUARDED_BY(mu);
+    uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
+    uint64_t limit = 0;
+  };
+  std::shared_ptr<const DeltaEntry> NewEntry(uint64_t version, std::vector<uint8_t> bytes) const;
+  const std::shared_ptr<Pool> pool_;
 
   const uint64_t capacity_;
   mutable absl::Mutex mu_;

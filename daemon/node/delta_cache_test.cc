@@ -103,5 +103,22 @@ TEST(DeltaCacheTest, AnEntryInUseSurvivesItsEviction) {
   EXPECT_EQ(held->bytes, Bytes(16, 7));
 }
 
+TEST(DeltaCacheTest, BuffersOfEntriesThatGoAreReused) {
+  DeltaCache c(1000);
+  std::vector<uint8_t> b = c.Buffer(16);
+  ASSERT_EQ(b.size(), 16u);
+  const uint8_t* at = b.data();
+  std::fill(b.begin(), b.end(), 1);
+  ASSERT_TRUE(c.AddPending(Key(0), 1, std::move(b)));
+  c.Commit(1);
+  ASSERT_TRUE(c.AddPending(Key(0), 2, c.Buffer(16)));
+  c.Commit(2);  // v1's entry goes: its buffer is kept
+  EXPECT_EQ(c.stats().free_bytes, 16u);
+  std::vector<uint8_t> again = c.Buffer(16);
+  EXPECT_EQ(again.data(), at) << "the same memory, not a fresh allocation";
+  EXPECT_EQ(c.stats().free_bytes, 0u);
+  EXPECT_EQ(c.Buffer(8).size(), 8u) << "no free buffer of that size: a new one";
+}
+
 }  // namespace
 }  // namespace wb::daemon::node

@@ -87,7 +87,7 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
                   absl::Span<uint8_t> out, const std::string& label) {
   const int elem = op.copy.element_size;
   const int64_t raw = op.copy.bytes();
-  std::vector<uint8_t> target(static_cast<size_t>(raw));
+  std::vector<uint8_t> target = cache.Buffer(static_cast<size_t>(raw));  // recycled: no first touch
   if (!PackSide(src, src_size, op.copy.src, op.copy, target.data()).ok()) return 0;
   uint64_t len = 0;
   const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;

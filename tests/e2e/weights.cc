@@ -14,6 +14,14 @@
 namespace wb::e2e {
 namespace {
 
+// SetDeltaFraction: 0 = tests/common/weight_gen.h's ElementBits (every element changes every
+// version), else DeltaElementBits with that share of elements changing per version.
+double g_delta_fraction = 0;
+
+uint64_t VersionBits(uint32_t tensor, uint64_t version, uint64_t flat, int esize) {
+  return g_delta_fraction > 0 ? DeltaElementBits(tensor, version, flat, esize, g_delta_fraction) : ElementBits(tensor, version, flat, esize);
+}
+
 // Checks that every byte a piece addresses lies inside its buffer.
 absl::Status CheckPiece(const planner::Inventory& inventory, const planner::WorkerLayout& layout,
                         const MemoryView& memory, int piece_index) {
@@ -113,7 +121,7 @@ template <typename T>
 void FillRow(uint32_t tensor, uint64_t version, int64_t flat, int64_t flat_step, char* dst,
              int64_t step_bytes, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    T v = static_cast<T>(ElementBits(tensor, version, static_cast<uint64_t>(flat + i * flat_step), sizeof(T)));
+    T v = static_cast<T>(VersionBits(tensor, version, static_cast<uint64_t>(flat + i * flat_step), sizeof(T)));
     std::memcpy(dst + i * step_bytes, &v, sizeof(T));
   }
 }
@@ -124,7 +132,7 @@ bool RowMatches(uint32_t tensor, uint64_t version, int64_t flat, int64_t flat_st
   T diff = 0;
   for (int64_t i = 0; i < n; ++i) {
     T want = version == 0 ? T{0}
-                          : static_cast<T>(ElementBits(tensor, version,
+                          : static_cast<T>(VersionBits(tensor, version,
                                                        static_cast<uint64_t>(flat + i * flat_step), sizeof(T)));
     T got;
     std::memcpy(&got, src + i * step_bytes, sizeof(T));
@@ -284,7 +292,7 @@ void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout
   const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]) + p.offset_bytes;
   const uint8_t* scale_base = static_cast<const uint8_t*>(memory.buffers[q.scale_buffer]) + q.scale_offset_bytes;
   auto value = [&](int64_t flat) {
-    return CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
+    return CanonicalValue(VersionBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
   };
   // fn(local index, canonical flat index, block index, stored nibble): element e of the piece is in
   // byte e / 2, the low nibble when e is even.
@@ -348,7 +356,7 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
   std::vector<float> amax(static_cast<size_t>(count), 0.0f);
   if (version > 0) {
     for_each([&](const std::vector<int64_t>&, int64_t flat, int64_t block, uint8_t) {
-      const float x = CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
+      const float x = CanonicalValue(VersionBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
       amax[static_cast<size_t>(block)] = std::max(amax[static_cast<size_t>(block)], std::fabs(x));
     });
   }
@@ -382,7 +390,7 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
   for_each([&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, uint8_t got) {
     uint8_t want = 0;
     if (version > 0) {
-      const float x = CanonicalValue(ElementBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
+      const float x = CanonicalValue(VersionBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
       // float32 scales: the daemon multiplies in float (x * (448 / amax) rounded once); e8m0: exact.
       const float f = static_cast<float>(factor[static_cast<size_t>(block)]);
       want = NearestE4M3(e8m0 ? static_cast<float>(x * factor[static_cast<size_t>(block)]) : x * f);
@@ -396,6 +404,8 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
 }
 
 }  // namespace
+
+void SetDeltaFraction(double fraction) { g_delta_fraction = fraction; }
 
 absl::StatusOr<int64_t> FillPieces(const planner::Inventory& inventory,
                                    const planner::WorkerLayout& layout, const MemoryView& memory,
@@ -482,8 +492,9 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
                  if (row_ok) return;
                  for (int64_t i = 0; i < n; ++i) {
                    const uint64_t f = static_cast<uint64_t>(flat + i * flat_step);
+                   const uint64_t want_bits = version == 0 ? 0 : VersionBits(tensor, version, f, esize);  // little-endian low bytes
                    if (version == 0 ? IsZero(src + i * step_bytes, esize)
-                                    : CheckWeight(tensor, version, f, esize, src + i * step_bytes)) {
+                                    : std::memcmp(src + i * step_bytes, &want_bits, static_cast<size_t>(esize)) == 0) {
                      continue;
                    }
                    if (result.mismatches++ == 0) {
@@ -494,7 +505,7 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
                          " (piece ", pi, ", box ", planner::BoxToString(p.box), "): got 0x",
                          absl::Hex(got), ", want version ", version, "'s 0x",
                          absl::Hex(version == 0 ? 0
-                                                : ElementBits(tensor, version, f, esize) &
+                                                : VersionBits(tensor, version, f, esize) &
                                                       (esize == 8 ? ~0ull
                                                                   : ((1ull << (8 * esize)) - 1))));
                    }

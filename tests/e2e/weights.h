@@ -24,6 +24,11 @@ struct MemoryView {
   std::vector<int64_t> sizes;
 };
 
+// Process-wide: versions in which a share `fraction` of the elements changes from one version to
+// the next (tests/common/weight_gen.h DeltaElementBits; bench:e2e --delta); 0 (the default) =
+// every element changes (ElementBits). Call before any Fill / Verify.
+void SetDeltaFraction(double fraction);
+
 // Writes version `version`'s weights into every element of every piece. Returns bytes written.
 absl::StatusOr<int64_t> FillPieces(const planner::Inventory& inventory,
                                    const planner::WorkerLayout& layout, const MemoryView& memory,

@@ -44,6 +44,8 @@ ABSL_FLAG(bool, send_gpu_uuid, true, "--memory=cuda: send the GPU's UUID with th
 ABSL_FLAG(std::string, layout_source, "preset",
           "how the layout reaches the daemon: preset (by name) | pieces (explicit)");
 ABSL_FLAG(int64_t, first_version, 1, "first version");
+ABSL_FLAG(double, delta_fraction, 0,
+          "weights of versions in which this share of elements changes per version (lossless deltas; 0: every element)");
 ABSL_FLAG(int64_t, versions, 3, "number of versions (first_version .. first_version+versions-1)");
 ABSL_FLAG(int64_t, timeout_ms, 60000, "deadline of each version call");
 ABSL_FLAG(int64_t, step_ms, 0, "simulated compute / generation time per step");
@@ -166,6 +168,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   if (absl::GetFlag(FLAGS_socket).empty()) return absl::InvalidArgumentError("--socket is required");
   if (absl::GetFlag(FLAGS_config).empty()) return absl::InvalidArgumentError("--config is required");
   if (absl::GetFlag(FLAGS_preset).empty()) return absl::InvalidArgumentError("--preset is required");
+  SetDeltaFraction(absl::GetFlag(FLAGS_delta_fraction));
   if (absl::GetFlag(FLAGS_versions) < 1 || absl::GetFlag(FLAGS_first_version) < 1) {
     return absl::InvalidArgumentError("--versions and --first_version must be >= 1");
   }
