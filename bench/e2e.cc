@@ -7,6 +7,8 @@
 //   sender-side quantisation: --quantization=fp8_block128 (inter-node bytes of bf16 rollouts against
 //   rollouts quantised on the sending node, one cluster, same run; default config
 //   bench/testdata/qwen2-wide-8l.json, whose Megatron tp=2 shards hold whole 128x128 blocks)
+//   lossless deltas: --delta [--lr=1e-6] (full versions against deltas, one run: bytes_full,
+//   bytes_delta, full_s, delta_s, identical_fraction, verified)
 //   end-to-end digests' cost: --digest_cost [--digest_rounds=3 --digest_settings=none,digests] (update
 //   time with no check against digests on, interleaved rounds of fresh clusters; also: checksums,
 //   digests_after_buckets)
@@ -47,6 +49,7 @@
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "daemon/delta/update_model.h"
 #include "daemon/metrics_scrape.h"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/e2e_util.h"
@@ -68,6 +71,11 @@ ABSL_FLAG(std::vector<std::string>, digest_settings, std::vector<std::string>({"
           "--digest_cost: settings to compare, first = the reference: none (no digests, no per-batch checksums), "
           "checksums (per-batch checksums only), digests_after_buckets (--digest_overlap=false), digests (the default)");
 
+ABSL_FLAG(bool, delta, false,
+          "lossless deltas: one cluster without and one with --delta_cache_bytes, trainers publishing versions in which the "
+          "update model's share of bf16 elements changes at --lr (docs/daemon.md \"Deltas\"); prints bytes_full, bytes_delta, "
+          "full_s, delta_s, identical_fraction, verified");
+ABSL_FLAG(double, lr, 1e-6, "--delta: learning rate of the update model (daemon/delta/update_model.h)");
 ABSL_FLAG(std::string, quantization, "",
           "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
           "quantization preset (fp8_block128, mxfp8, w4a16_g32), quantised on the sending node where the trainer shards hold "
@@ -96,8 +104,10 @@ struct StrategyResult {
 using e2e::Median;
 
 // `quantization`: the rollouts' --quantization preset ("" = bf16 rollouts).
+// `worker_flags`: extra flags of every worker (--delta: --delta_fraction).
 StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::string& config,
-                           int versions, int replicas, const std::string& quantization = "") {
+                           int versions, int replicas, const std::string& quantization = "",
+                           const std::vector<std::string>& worker_flags = {}) {
   StrategyResult res;
   res.strategy = strategy;
   e2e::RunOptions run;
@@ -111,12 +121,14 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
   for (int r = 0; r < 2; ++r) {
     e2e::WorkerSpec w{true, 0, "megatron", 2, 1, 1, 1, r, r};
     w.extra_flags = {"--populate"};
+    w.extra_flags.insert(w.extra_flags.end(), worker_flags.begin(), worker_flags.end());
     trainer_specs.push_back(w);
   }
   for (int r = 0; r < 2 * replicas; ++r) {
     e2e::WorkerSpec w{false, 1, "vllm", 2, 1, 1, replicas, r, r};
     w.extra_flags = {"--populate"};
     if (!quantization.empty()) w.extra_flags.push_back("--quantization=" + quantization);
+    w.extra_flags.insert(w.extra_flags.end(), worker_flags.begin(), worker_flags.end());
     rollout_specs.push_back(w);
   }
   auto workers = cl.RunWorkers(run, trainer_specs, rollout_specs, absl::Minutes(10), absl::Minutes(2));
@@ -475,6 +487,99 @@ int RunQuantization(const std::string& quantization, const std::string& config, 
   return verified ? 0 : 1;
 }
 
+// --delta: the same sync WeightBridge run (one vLLM tp=2 replica) twice, each on a fresh cluster
+// (node metrics on): full
+// versions (no --delta_cache_bytes), then deltas (--delta_cache_bytes = 2x the model). Trainers
+// publish versions in which the update model's share of bf16 elements changes at --lr (workers'
+// --delta_fraction = 1 - identical_fraction); rollouts check every byte of every version.
+// bytes_*: host_tcp payload the rollout node received per version (wb_nic_bytes_total); the delta
+// run's first version has no base and goes in full, so bytes_delta = (its total - bytes_full) /
+// (versions - 1). *_s: median update time of versions 2.. (the first warms up).
+int RunDelta(const std::string& config, int versions, int replicas, bool json) {
+  const double lr = absl::GetFlag(FLAGS_lr);
+  absl::StatusOr<double> sampled = delta::SampleIdenticalFraction(lr);
+  if (!sampled.ok()) {
+    std::fprintf(stderr, "bench/e2e: %s\n", sampled.status().ToString().c_str());
+    return 1;
+  }
+  const double identical = *sampled;
+  const std::string fraction = absl::StrCat("--delta_fraction=", 1.0 - identical);
+  versions = std::max(versions, 2);
+  struct Case {
+    std::string name;
+    std::vector<std::string> daemon_flags;
+    StrategyResult result;
+    double nic_bytes = 0;  // over the whole run
+  };
+  const int64_t model_bytes = e2e::ModelBytes(config);
+  std::vector<Case> cases = {{"full", {}, {}}, {"delta", {absl::StrCat("--delta_cache_bytes=", 2 * model_bytes)}, {}}};
+  for (Case& c : cases) {
+    auto harness = e2e::Harness::Create("bench-e2e-" + c.name);
+    if (!harness.ok()) {
+      std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
+      return 1;
+    }
+    e2e::ClusterOptions copts;
+    copts.num_nodes = 2;
+    copts.lease_ms = 10000;
+    copts.transfer_timeout_ms = 300000;
+    copts.node_metrics = true;
+    copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
+    copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), c.daemon_flags.begin(), c.daemon_flags.end());
+    auto cluster = Cluster::Start(harness->get(), copts);
+    if (!cluster.ok()) {
+      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", c.name.c_str(), cluster.status().ToString().c_str());
+      return 1;
+    }
+    auto received = [&]() -> double {
+      auto m = daemon::ScrapeMetrics((*cluster)->node_metrics_port(1), absl::Seconds(10));
+      return m.ok() ? daemon::MetricSum(*m, "wb_nic_bytes_total", "direction=\"received\"") : -1;
+    };
+    if (!json) std::fprintf(stderr, "bench/e2e: %s versions (lr %g, %s)...\n", c.name.c_str(), lr, fraction.c_str());
+    const double before = received();
+    c.result = RunStrategy(**cluster, "weightbridge", config, versions, replicas, "", {fraction});
+    const double after = received();
+    c.nic_bytes = before >= 0 && after >= 0 ? after - before : -1;
+    (*harness)->KillAll();
+  }
+  const Case& f = cases[0];
+  const Case& d = cases[1];
+  const double bytes_full = f.nic_bytes / versions;
+  const double bytes_delta = (d.nic_bytes - bytes_full) / (versions - 1);
+  const bool verified = f.result.verified && d.result.verified;
+  if (json) {
+    nlohmann::json j = {{"lr", lr},
+                        {"identical_fraction", identical},
+                        {"bytes_full", bytes_full},
+                        {"bytes_delta", bytes_delta},
+                        {"bytes_ratio", bytes_full > 0 ? bytes_delta / bytes_full : 0},
+                        {"full_s", f.result.median_s},
+                        {"delta_s", d.result.median_s},
+                        {"time_ratio", f.result.median_s > 0 ? d.result.median_s / f.result.median_s : 0},
+                        {"full_update_s", f.result.update_s},
+                        {"delta_update_s", d.result.update_s},
+                        {"config", config},
+                        {"model_bytes", model_bytes},
+                        {"replicas", replicas},
+                        {"versions", versions},
+                        {"verified", verified}};
+    for (const Case* c : {&f, &d}) {
+      if (!c->result.error.empty()) j["error_" + c->name] = c->result.error;
+    }
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("%s (%.3f GB bf16), lr %g: %.4f of bf16 elements identical per version, %d replica(s), sync, %d versions\n", config.c_str(),
+                model_bytes / 1e9, lr, identical, replicas, versions);
+    std::printf("%-8s %16s %10s %9s\n", "versions", "inter_node_GB", "update_s", "verified");
+    std::printf("%-8s %16.4f %10.3f %9s\n", "full", bytes_full / 1e9, f.result.median_s, f.result.verified ? "yes" : "NO");
+    std::printf("%-8s %16.4f %10.3f %9s\n", "delta", bytes_delta / 1e9, d.result.median_s, d.result.verified ? "yes" : "NO");
+    for (const Case* c : {&f, &d}) {
+      if (!c->result.error.empty()) std::printf("  error (%s): %s\n", c->name.c_str(), c->result.error.c_str());
+    }
+  }
+  return verified ? 0 : 1;
+}
+
 int Run() {
   const bool json = absl::GetFlag(FLAGS_json);
   const int versions = std::max(1, absl::GetFlag(FLAGS_versions));
@@ -486,6 +591,9 @@ int Run() {
     return RunQuantization(q, config, versions, replicas, json);
   }
   if (absl::GetFlag(FLAGS_digest_cost)) return RunDigestCost(config, versions, replicas, json);
+  // One replica: with two, WeightBridge sends each box to n1 once and relays it to the other
+  // replica, and boxes a rollout relays on travel in full (docs/daemon.md "Deltas").
+  if (absl::GetFlag(FLAGS_delta)) return RunDelta(config, versions, /*replicas=*/1, json);
 
   auto bc = StartBenchCluster("bench-e2e", {});
   if (!bc.ok()) {
