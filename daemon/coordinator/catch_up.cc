@@ -221,15 +221,28 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
   }
 }
 
-void CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) {
+absl::Status CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) {
+  // The plan epoch tells attempts of one version apart: an attempt made void (a late rollout or
+  // source registered again) is followed by another of the same version on the same nodes, and
+  // the first one's executors may still report. Counted for the new attempt, such a report would
+  // commit it before its own executions finished. (0: a node that does not send the epoch.)
+  if (req.plan_epoch() != 0 && (!m.catch_up || m.catch_up->epoch != req.plan_epoch())) {
+    const std::string running = m.catch_up ? absl::StrCat("catch-up epoch ", m.catch_up->epoch, " is running") : "no catch-up is running";
+    Log(LogLevel::kInfo, "stale catch-up report refused",
+        {{"model", req.model_id()}, {"version", req.version()}, {"node", req.node_id()}, {"epoch", req.plan_epoch()},
+         {"running_epoch", m.catch_up ? m.catch_up->epoch : 0}});
+    return absl::FailedPreconditionError(absl::StrCat("catch-up report of model ", req.model_id(), " version ", req.version(),
+                                                      " from node ", req.node_id(), " is for plan epoch ", req.plan_epoch(),
+                                                      " while ", running, " (a late report of an earlier attempt): ignored"));
+  }
   if (!m.catch_up || m.catch_up->version != req.version() || m.catch_up->nodes.count(req.node_id()) == 0 ||
       m.catch_up->phase != CatchUpRun::Phase::kRunning) {
     Log(LogLevel::kInfo, "stale catch-up report ignored", {{"model", req.model_id()}, {"version", req.version()}, {"node", req.node_id()}});
-    return;
+    return absl::OkStatus();
   }
   if (!req.ok()) {
     FailCatchUpLocked(req.model_id(), m, absl::StrCat("node ", req.node_id(), ": ", req.error()), true);
-    return;
+    return absl::OkStatus();
   }
   // What landed in the late rollouts' staging must be what the sources read: a mismatch ends the
   // catch-up before its commit (nothing of it reaches the late rollouts' committed or live state),
@@ -239,7 +252,7 @@ void CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model&
     if (absl::Status d = m.catch_up->digests->Add(req); !d.ok()) {
       CatchUpDigestEvent(options_, req.model_id(), m.catch_up->version, "catch_up_digest_mismatch", d.message());
       FailCatchUpLocked(req.model_id(), m, std::string(d.message()), true);
-      return;
+      return absl::OkStatus();
     }
   }
   m.catch_up->done.insert(req.node_id());
@@ -252,6 +265,7 @@ void CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model&
     }
     wake_ = true;
   }
+  return absl::OkStatus();
 }
 
 std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& model_id, Model& m, absl::Time now) {

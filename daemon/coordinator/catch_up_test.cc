@@ -2,6 +2,7 @@
 // coordinator's catch-up driver over fake nodes (timeout, not overtaking a newer version).
 #include "daemon/coordinator/catch_up.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
@@ -94,8 +95,18 @@ class FakeCluster {
         done.set_ok(true);
         done.set_catch_up(req.catch_up());
         done.set_coordinator_instance(req.coordinator_instance());
+        if (req.catch_up() && hold_catch_up) {
+          absl::MutexLock l(&mu);
+          held.push_back({done, req.plan_epoch()});
+          return absl::OkStatus();
+        }
         pb::ReportDoneResponse resp;
         return core->ReportDone(done, &resp);
+      };
+      fake->on_commit = [this, node](const std::string&, uint64_t v) {
+        absl::MutexLock l(&mu);
+        log.push_back(absl::StrCat("commit ", v, " on ", node));
+        return absl::OkStatus();
       };
       return fake;
     };
@@ -134,11 +145,11 @@ class FakeCluster {
     pb::PublishResponse resp;
     return core->Publish(p, &resp);
   }
-  absl::Status WaitFor(const std::string& worker, uint64_t v) {
+  absl::Status WaitFor(const std::string& worker, uint64_t v, int64_t timeout_ms = 10000) {
     pb::WaitVersionRequest w;
     w.set_model_id("m");
     w.set_version(v);
-    w.set_timeout_ms(10000);
+    w.set_timeout_ms(timeout_ms);
     w.set_worker_id(worker);
     pb::WaitVersionResponse wr;
     return core->WaitVersion(w, &wr);
@@ -148,10 +159,25 @@ class FakeCluster {
     return log;
   }
 
+  // Waits (real time, 10 s at most) until `n` catch-up reports are held.
+  bool AwaitHeld(size_t n) {
+    absl::MutexLock l(&mu);
+    auto enough = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return held.size() >= n; };
+    return mu.AwaitWithTimeout(absl::Condition(&enough), absl::Seconds(10));
+  }
+
   std::atomic<bool> stall_catch_up{false};
+  // Catch-up executions report nothing at once: their ReportDone goes to `held`, with the
+  // ExecuteVersionRequest.plan_epoch of the execution, for the test to deliver (late) itself.
+  std::atomic<bool> hold_catch_up{false};
+  struct Held {
+    pb::ReportDoneRequest report;
+    uint64_t epoch = 0;
+  };
   std::unique_ptr<CoordinatorCore> core;
   absl::Mutex mu;
   std::vector<std::string> log ABSL_GUARDED_BY(mu);
+  std::vector<Held> held ABSL_GUARDED_BY(mu);
 };
 
 // A catch-up that never reports times out: the late rollout's WaitVersion is ABORTED naming the
@@ -187,6 +213,66 @@ TEST(CatchUpDriverTest, TimeoutIsReportedAndTheNextVersionBringsTheRollout) {
     }
   }
   EXPECT_TRUE(seen_v2);
+}
+
+// A catch-up attempt made void by a re-registered late rollout (not final: tried again) leaves its
+// nodes' executors running; their "done" reports may arrive during the next attempt of the SAME
+// version. Those reports name that version, those nodes and "catch-up", so without the plan epoch
+// they were counted for the new attempt: it committed on them although its own executions had not
+// finished (the late rollout's staging not yet written by it). A report of another epoch is now
+// refused, naming both epochs; the new attempt commits only on its own reports.
+TEST(CatchUpDriverTest, StaleDoneReportOfAnEarlierAttemptIsRefused) {
+  FakeCluster c;
+  c.Join("n0", "t0", pb::ROLE_TRAINER);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + absl::Seconds(10)));
+  ASSERT_TRUE(c.Publish(1).ok());
+  ASSERT_TRUE(c.WaitFor("r0", 1).ok());
+  c.hold_catch_up = true;
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT);
+  ASSERT_TRUE(c.AwaitHeld(2)) << "attempt 1 did not start on n0 and n1";
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT);  // r1 restarted: attempt 1 is void, attempt 2 starts
+  ASSERT_TRUE(c.AwaitHeld(4)) << "attempt 2 did not start on n0 and n1";
+  std::vector<FakeCluster::Held> held;
+  {
+    absl::MutexLock l(&c.mu);
+    held = c.held;
+  }
+  const uint64_t first = held[0].epoch, second = held[2].epoch;
+  ASSERT_EQ(held[1].epoch, first);
+  ASSERT_EQ(held[3].epoch, second);
+  ASSERT_NE(first, second);
+  for (int i = 0; i < 2; ++i) {
+    pb::ReportDoneRequest stale = held[i].report;
+    stale.set_plan_epoch(first);
+    pb::ReportDoneResponse resp;
+    absl::Status s = c.core->ReportDone(stale, &resp);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find(absl::StrCat("plan epoch ", first)), std::string::npos) << s;
+    EXPECT_NE(s.message().find(absl::StrCat("epoch ", second, " is running")), std::string::npos) << s;
+    EXPECT_NE(s.message().find(stale.node_id()), std::string::npos) << s;
+  }
+  // Attempt 2 has not reported: r1 must not be told it holds version 1 (before the fix the stale
+  // reports completed attempt 2 and it committed within milliseconds).
+  absl::Status early = c.WaitFor("r1", 1, /*timeout_ms=*/500);
+  EXPECT_EQ(early.code(), absl::StatusCode::kDeadlineExceeded) << early;
+  {
+    absl::MutexLock l(&c.mu);
+    for (const std::string& e : c.log) EXPECT_NE(e, "commit 1 on n1") << "the catch-up committed on stale reports";
+    c.log.push_back("attempt 2 reports");
+  }
+  for (int i = 2; i < 4; ++i) {
+    pb::ReportDoneRequest own = held[i].report;
+    own.set_plan_epoch(second);
+    pb::ReportDoneResponse resp;
+    EXPECT_TRUE(c.core->ReportDone(own, &resp).ok());
+  }
+  absl::Status s = c.WaitFor("r1", 1);
+  EXPECT_TRUE(s.ok()) << s;
+  const std::vector<std::string> log = c.Log();
+  auto reports = std::find(log.begin(), log.end(), "attempt 2 reports");
+  EXPECT_EQ(std::count(log.begin(), log.end(), "commit 1 on n1"), 1);
+  EXPECT_NE(std::find(reports, log.end(), "commit 1 on n1"), log.end()) << "the catch-up committed before its own reports";
 }
 
 }  // namespace

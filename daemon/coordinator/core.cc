@@ -342,10 +342,7 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
   }
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
-  if (req.catch_up()) {
-    CatchUpDoneLocked(req, *m);
-    return absl::OkStatus();
-  }
+  if (req.catch_up()) return CatchUpDoneLocked(req, *m);
   if (!req.ok()) {
     AbortLocked(req.model_id(), *m, req.version(), absl::StrCat("node ", req.node_id(), ": ", req.error()));
     return absl::OkStatus();

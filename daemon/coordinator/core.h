@@ -204,7 +204,9 @@ class CoordinatorCore {
   void StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> CatchUpWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunCatchUpPlan(const std::string& model_id, Model* m, const SliceInput& in);
-  void CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A node's report of a catch-up execution. FAILED_PRECONDITION for a report of another plan
+  // epoch than the catch-up running (a late report of an earlier attempt of the same version).
+  absl::Status CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the catch-up: AbortVersion to its nodes; with `final`, its late rollouts are not tried
   // again for this version (they get the next one) and `reason` is what they are told.
   void FailCatchUpLocked(const std::string& model_id, Model& m, const std::string& reason, bool final) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

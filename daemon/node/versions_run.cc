@@ -83,6 +83,7 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
     o->set_digest(d);
   }
   req.set_catch_up(exec.catch_up);
+  req.set_plan_epoch(exec.epoch);  // tells attempts of one catch-up version apart
   pb::ReportDoneResponse resp;
   // Best effort: a lost report ends in the coordinator's version timeout (and abort).
   coordinator_.client().ReportDone(req, &resp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(10))).IgnoreError();
