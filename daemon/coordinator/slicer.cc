@@ -89,14 +89,69 @@ std::vector<bool> NcclOps(const planner::Plan& plan, const SliceInput& in,
   return RouteOverNccl(facts);
 }
 
+bool CudaBufferAt(const SliceWorker& w, int32_t buffer) {
+  if (buffer < 0 || buffer >= w.layout_proto->buffers_size()) return false;
+  const pb::BufferSpec& b = w.layout_proto->buffers(buffer);
+  return b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
+}
+
+// Relays the receiving node leaves to the commit (daemon/node/exec_plan.h "Relays at commit"), by
+// plan op order. The same rule as node::PlanRelaysAtCommit, from what the coordinator knows: sync
+// mode, a same-node relay between host pieces into a rollout without quantised pieces whose
+// buffers are all host memory, into a piece no op reads, and the candidate relays into that piece
+// fill it whole. Such a relay runs after the executor, so it reads its source's staging only once
+// every delta into it was decoded, checked, or resent in full.
+std::vector<bool> RelaysAtCommit(const planner::Plan& plan, const SliceInput& in) {
+  const bool sync = in.mode == pb::MODE_SYNC || in.mode == pb::MODE_UNSPECIFIED;
+  std::set<std::pair<uint32_t, int32_t>> read;  // (worker, piece) some op reads
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      if (op.src_piece >= 0) read.insert({op.src_worker, op.src_piece});
+    }
+  }
+  auto candidate = [&](const planner::TransferOp& op) {
+    const SliceWorker& sw = in.workers[op.src_worker];
+    const SliceWorker& dw = in.workers[op.dst_worker];
+    if (!sync || sw.role != planner::Role::kRollout || dw.role != planner::Role::kRollout || sw.node != dw.node) return false;
+    if (op.src_piece < 0 || op.dst_piece < 0 || planner::HasQuantizedPieces(*dw.layout)) return false;
+    for (int j = 0; j < dw.layout_proto->buffers_size(); ++j) {
+      if (CudaBufferAt(dw, j)) return false;  // the node leaves relays only into host live buffers to the commit
+    }
+    return CudaBuffer(sw, op.src_piece) == nullptr && read.count({op.dst_worker, op.dst_piece}) == 0;
+  };
+  std::map<std::pair<uint32_t, int32_t>, int64_t> filled;  // (destination, piece) -> candidate relay bytes
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      if (candidate(op)) filled[{op.dst_worker, op.dst_piece}] += op.bytes;
+    }
+  }
+  std::vector<bool> out;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      bool at_commit = candidate(op);
+      if (at_commit) {
+        const planner::Piece& p = in.workers[op.dst_worker].layout->pieces[op.dst_piece];
+        const int64_t whole = planner::BoxVolume(p.box) * planner::DTypeSize(in.inventory->tensors[p.tensor].dtype);
+        at_commit = filled[{op.dst_worker, op.dst_piece}] == whole;
+      }
+      out.push_back(at_commit);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl) {
-  // Boxes some op reads from a rollout (relays), per (worker, tensor).
+  // Boxes some op reads from a rollout in the buckets (relays not left to the commit), per
+  // (worker, tensor): such a relay would forward bytes before their delta is decoded and checked.
+  const std::vector<bool> at_commit = RelaysAtCommit(plan, in);
   std::map<std::pair<uint32_t, int32_t>, std::vector<const planner::Box*>> relayed;
+  size_t k = 0;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
-      if (in.workers[op.src_worker].role != planner::Role::kTrainer) relayed[{op.src_worker, op.tensor}].push_back(&op.box);
+      if (in.workers[op.src_worker].role != planner::Role::kTrainer && !at_commit[k]) relayed[{op.src_worker, op.tensor}].push_back(&op.box);
+      ++k;
     }
   }
   auto relays_box = [&](uint32_t worker, int32_t tensor, const planner::Box& box) {
@@ -107,6 +162,15 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
     }
     return false;
   };
+  // The destination piece: host memory (its scales too), and either unquantised or filled by the
+  // sending node's quantised bytes (a delta of those; a receiver-quantised piece's base would be
+  // the canonical bytes, which its node does not keep).
+  auto host_target = [&](const SliceWorker& dw, const planner::TransferOp& op) {
+    if (CudaBuffer(dw, op.dst_piece) != nullptr) return false;
+    const planner::Piece& p = dw.layout->pieces[op.dst_piece];
+    if (!p.quant.has_value()) return !op.sender_quantized;
+    return op.sender_quantized && !CudaBufferAt(dw, p.quant->scale_buffer);
+  };
   std::vector<bool> out;
   size_t i = 0;
   for (const planner::Bucket& b : plan.buckets) {
@@ -114,11 +178,10 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
       const SliceWorker& sw = in.workers[op.src_worker];
       const SliceWorker& dw = in.workers[op.dst_worker];
       auto n = in.nodes.find(sw.node);
-      const bool ok = in.deltas && !over_nccl[i] && !op.sender_quantized && sw.node != dw.node && n != in.nodes.end() &&
-                      n->second.sends_deltas && sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout &&
-                      op.src_piece >= 0 && op.dst_piece >= 0 && CudaBuffer(sw, op.src_piece) == nullptr &&
-                      CudaBuffer(dw, op.dst_piece) == nullptr && !planner::HasQuantizedPieces(*dw.layout) &&
-                      !relays_box(op.dst_worker, op.tensor, op.box);
+      const bool ok = in.deltas && !over_nccl[i] && sw.node != dw.node && n != in.nodes.end() && n->second.sends_deltas &&
+                      sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout && op.src_piece >= 0 &&
+                      op.dst_piece >= 0 && op.dst_piece < static_cast<int32_t>(dw.layout->pieces.size()) &&
+                      CudaBuffer(sw, op.src_piece) == nullptr && host_target(dw, op) && !relays_box(op.dst_worker, op.tensor, op.box);
       out.push_back(ok);
       ++i;
     }

@@ -63,9 +63,14 @@ absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in
 // adds model, epoch, inventory, stats and workers to one of them.
 absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in);
 // Which ops may travel as lossless deltas (TransferOp.delta; docs/daemon.md "Deltas"), in plan op
-// order: cross-node ops not over nccl and not sender-quantised, from a trainer's host piece on a
-// node that sends deltas to a host rollout piece that is not quantised, whose box no op of the plan
-// reads from that rollout (a relay would forward bytes before their delta is decoded and checked).
+// order: cross-node ops not over nccl, from a trainer's host piece on a node that sends deltas to a
+// host rollout piece that is either unquantised (the op not sender-quantised) or filled with the
+// sender's quantised bytes (TransferOp.sender_quantized: a delta of the quantised elements and of
+// the scales; a receiver-quantised piece goes full, its node keeps no canonical base), and whose box
+// no relay in the buckets reads from that rollout (it would forward bytes before their delta is
+// decoded and checked). Relays the receiving node leaves to the commit (sync, same node, whole host
+// pieces of an unquantised rollout: node::PlanRelaysAtCommit's rule, mirrored here) read after the
+// executor, so the boxes they read may be deltas; relays themselves go full.
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl);
 
 void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,

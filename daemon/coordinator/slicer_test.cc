@@ -140,6 +140,76 @@ TEST(SlicerTest, DeltaOpsAreCrossNodeTrainerToNonRelayingRolloutFromADeltaNode) 
   EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false}));
 }
 
+// Relays the receiving node leaves to the commit (sync, same node, whole host pieces of an
+// unquantised rollout; node::PlanRelaysAtCommit) run after its executor, i.e. after every delta
+// into their source was decoded and checked: the op into the relayed box may be a delta. Every
+// other relay runs in a bucket and keeps the boxes it reads full. Relays themselves go full.
+TEST(SlicerTest, BoxesRelayedAtTheCommitMayBeDeltas) {
+  SliceInput in = Input();
+  in.mode = pb::MODE_SYNC;
+  in.nodes["a"].sends_deltas = true;
+  in.workers.push_back({"r3", "b", planner::Role::kRollout, 1, OnePiece(), Proto("r3")});  // next to r0
+  planner::Plan plan;
+  plan.fingerprint = "f";
+  plan.buckets.resize(2);
+  plan.buckets[0].ops = {Op(0, 1, 32, planner::Route::kInterNode)};  // t0 (a) -> r0 (b)
+  plan.buckets[1].ops = {Op(1, 4, 32, planner::Route::kIntraNode)};  // r0 -> r3, r3's whole piece
+  auto delta_of = [&](const SliceInput& input) {
+    auto slices = SlicePlan(plan, input);
+    EXPECT_TRUE(slices.ok()) << slices.status();
+    std::vector<bool> out;
+    for (const pb::TransferOp& op : slices->by_node.at("b").ops()) out.push_back(op.delta());
+    return out;
+  };
+  EXPECT_EQ(delta_of(in), (std::vector<bool>{true, false})) << "a relay at the commit reads decoded bytes; the relay goes full";
+  SliceInput other = in;
+  other.mode = pb::MODE_ONE_STEP_OFF;  // no relays at the commit outside sync
+  EXPECT_EQ(delta_of(other), (std::vector<bool>{false, false}));
+  other = in;
+  auto cuda = std::make_shared<pb::ResolvedLayout>(*Proto("r3"));
+  cuda->mutable_buffers(0)->mutable_cuda_ipc_handle();
+  other.workers[4].layout_proto = cuda;  // r3's live buffers on a GPU: the node relays in a bucket
+  EXPECT_EQ(delta_of(other), (std::vector<bool>{false, false}));
+  plan.buckets[1].ops[0].box = {{0, 0}, {2, 4}};  // the relay fills half of r3's piece
+  plan.buckets[1].ops[0].bytes = 16;
+  EXPECT_EQ(delta_of(in), (std::vector<bool>{false, false})) << "a piece filled in part is relayed in a bucket";
+  plan.buckets[1].ops[0].box = {{0, 0}, {4, 4}};
+  plan.buckets[1].ops[0].bytes = 32;
+  plan.buckets.push_back({});
+  plan.buckets[2].ops = {Op(4, 3, 32, planner::Route::kInterNode)};  // r3 relays on to r2 (c)
+  EXPECT_EQ(delta_of(in), (std::vector<bool>{false, false, false})) << "a piece some op reads is not left to the commit";
+}
+
+// Quantised rollouts: an op the sending node quantises (sender_quantized) may be a delta of the
+// quantised bytes; an op into a receiver-quantised piece goes full (the receiver keeps no
+// canonical base); an op into an unquantised piece of a quantised rollout may be a delta.
+TEST(SlicerTest, SenderQuantisedOpsAndUnquantisedPiecesOfQuantisedRolloutsMayBeDeltas) {
+  SliceInput in = Input();
+  in.nodes["a"].sends_deltas = true;
+  auto q = std::make_shared<planner::WorkerLayout>(*OnePiece());
+  planner::Piece norm = q->pieces[0];
+  planner::Quantization quant;
+  quant.block = {4, 4};
+  quant.scale_offset_bytes = 16;
+  q->pieces[0].quant = quant;
+  q->pieces.push_back(norm);  // an unquantised piece of the same rollout
+  in.workers[1].layout = q;   // r0 (b)
+  planner::Plan plan;
+  plan.fingerprint = "f";
+  plan.buckets.resize(1);
+  planner::TransferOp sq = Op(0, 1, 32, planner::Route::kInterNode);
+  sq.sender_quantized = true;
+  planner::TransferOp rq = Op(0, 1, 32, planner::Route::kInterNode);  // receiver-quantised
+  planner::TransferOp un = Op(0, 1, 32, planner::Route::kInterNode);
+  un.dst_piece = 1;
+  plan.buckets[0].ops = {sq, rq, un};
+  auto slices = SlicePlan(plan, in);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  std::vector<bool> delta;
+  for (const pb::TransferOp& op : slices->by_node.at("b").ops()) delta.push_back(op.delta());
+  EXPECT_EQ(delta, (std::vector<bool>{true, false, true}));
+}
+
 TEST(SlicerTest, StagedReadWithoutAGatherIsAnInternalErrorNamingTheTensor) {
   planner::Plan plan;
   plan.buckets.resize(1);

@@ -112,13 +112,15 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
   if (!base.has_value() || base->data == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("delta for ", what, ": the destination holds no committed copy in host memory"));
   }
-  if (base->size != dst_size) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("delta for ", what, ": the committed copy has ", base->size, " bytes, the staging ", dst_size));
-  }
   const int64_t raw = op.copy.bytes();
   absl::StatusOr<transport::StridedLayout> l = SideLayout(op.copy.dst, op.copy, dst_size);
   if (!l.ok()) return absl::InvalidArgumentError(absl::StrCat("delta for ", what, ": ", l.status().message()));
+  // The base is laid out as the staging as far as the box reaches: the same size for unquantised
+  // rollouts; a quantised rollout's live buffers end where its staging's canonical shadows begin.
+  if (base->size < l->end_byte()) {
+    return absl::FailedPreconditionError(absl::StrCat("delta for ", what, ": the committed copy has ", base->size,
+                                                      " bytes, the box reaches byte ", l->end_byte()));
+  }
   const bool dense = l->num_runs() <= 1;
   std::vector<uint8_t> base_box, out_box;
   absl::Span<const uint8_t> b;
