@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/testing/exec_rendezvous.h"
 #include "transport/config.h"
 #include "transport/host_shm/host_shm.h"
 #include "transport/testing/fake_transport.h"
@@ -19,62 +20,8 @@ namespace {
 
 using transport::MemoryKind;
 
-// Where two executors meet: each publishes its descriptors and an endpoint for the other, then
-// both connect (the fake is two-sided, like host_tcp).
-class Rendezvous {
- public:
-  struct Node {
-    transport::Transport* t = nullptr;
-  };
-  void Add(const std::string& node, transport::Transport* t) {
-    absl::MutexLock l(&mu_);
-    nodes_[node] = t;
-  }
-  class Side : public ChannelSetup {
-   public:
-    Side(Rendezvous* r, std::string me) : r_(r), me_(std::move(me)) {}
-    void Publish(std::map<std::string, std::map<std::string, std::string>> d) override {
-      absl::MutexLock l(&r_->mu_);
-      r_->desc_[me_] = std::move(d);
-    }
-    absl::StatusOr<ChannelLink> Setup(const ChannelPlan& c, transport::Transport* t, absl::Time deadline) override {
-      std::string peer_instance;
-      {
-        absl::MutexLock l(&r_->mu_);
-        peer_instance = r_->nodes_.at(c.peer)->instance_id();
-      }
-      auto endpoint = t->ExportEndpoint(peer_instance);
-      if (!endpoint.ok()) return endpoint.status();
-      std::string theirs;
-      std::map<std::string, std::string> regions;
-      {
-        absl::MutexLock l(&r_->mu_);
-        r_->endpoints_[{me_, c.peer}] = *endpoint;
-        auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(r_->mu_) {
-          return r_->endpoints_.count({c.peer, me_}) > 0 && r_->desc_.count(c.peer) > 0;
-        };
-        if (!r_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
-          return absl::DeadlineExceededError(absl::StrCat("node ", c.peer, " did not set up in time"));
-        }
-        theirs = r_->endpoints_.at({c.peer, me_});
-        regions = r_->desc_.at(c.peer)[c.theirs];
-      }
-      auto id = t->Connect(theirs, deadline);
-      if (!id.ok()) return id.status();
-      return ChannelLink{*id, regions};
-    }
-
-   private:
-    Rendezvous* r_;
-    std::string me_;
-  };
-
- private:
-  absl::Mutex mu_;
-  std::map<std::string, transport::Transport*> nodes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::map<std::string, std::map<std::string, std::string>>> desc_ ABSL_GUARDED_BY(mu_);
-  std::map<std::pair<std::string, std::string>, std::string> endpoints_ ABSL_GUARDED_BY(mu_);
-};
+// Where two executors meet (descriptors and endpoints through memory).
+using Rendezvous = daemon::testing::ExecRendezvous;
 
 constexpr int64_t kElems = 1024;  // tensor 0: [1024] float32
 

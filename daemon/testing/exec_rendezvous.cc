@@ -1,0 +1,50 @@
+#include "daemon/testing/exec_rendezvous.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace wb::daemon::testing {
+
+void ExecRendezvous::Add(const std::string& node, transport::Transport* t) {
+  absl::MutexLock l(&mu_);
+  nodes_[node] = t;
+}
+
+void ExecRendezvous::Reset() {
+  absl::MutexLock l(&mu_);
+  desc_.clear();
+  endpoints_.clear();
+}
+
+void ExecRendezvous::Side::Publish(std::map<std::string, std::map<std::string, std::string>> descriptors) {
+  absl::MutexLock l(&r_->mu_);
+  r_->desc_[me_] = std::move(descriptors);
+}
+
+absl::StatusOr<node::ChannelLink> ExecRendezvous::Side::Setup(const node::ChannelPlan& c, transport::Transport* t, absl::Time deadline) {
+  std::string peer_instance;
+  {
+    absl::MutexLock l(&r_->mu_);
+    peer_instance = r_->nodes_.at(c.peer)->instance_id();
+  }
+  auto endpoint = t->ExportEndpoint(peer_instance);
+  if (!endpoint.ok()) return endpoint.status();
+  std::string theirs;
+  std::map<std::string, std::string> regions;
+  {
+    absl::MutexLock l(&r_->mu_);
+    r_->endpoints_[{me_, c.peer}] = *endpoint;
+    auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(r_->mu_) {
+      return r_->endpoints_.count({c.peer, me_}) > 0 && r_->desc_.count(c.peer) > 0;
+    };
+    if (!r_->mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("node ", c.peer, " did not set up in time"));
+    }
+    theirs = r_->endpoints_.at({c.peer, me_});
+    regions = r_->desc_.at(c.peer)[c.theirs];
+  }
+  auto id = t->Connect(theirs, deadline);
+  if (!id.ok()) return id.status();
+  return node::ChannelLink{*id, regions};
+}
+
+}  // namespace wb::daemon::testing
