@@ -18,6 +18,7 @@
 #include "daemon/node/local_workers.h"
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
+#include "daemon/testing/sim_deadline.h"
 #include "transport/config.h"
 #include "transport/factory.h"
 #include "transport/host_shm/host_shm.h"
@@ -156,18 +157,10 @@ TEST_F(VersionsTest, CommitBeforeTheVersionLandedIsRefusedThenAbortEndsThePeersW
 TEST_F(VersionsTest, ExchangeRegionsWaitTimesOutInSimulatedTime) {
   InstallPlan();
   const absl::Time deadline = clock_.Now() + absl::Seconds(60);
-  absl::Notification done;
-  absl::Status exchanged;
-  std::thread peer([&] {
+  absl::Status exchanged = daemon::testing::EndsAtSimulatedDeadline(clock_, deadline, [&] {
     pb::ExchangeRegionsResponse resp;
-    exchanged = versions_->ExchangeRegions(Exchange(1), &resp);
-    done.Notify();
+    return versions_->ExchangeRegions(Exchange(1), &resp);
   });
-  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
-  clock_.Advance(absl::Seconds(59));
-  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50)));  // 1 s of simulated time left
-  clock_.Advance(absl::Seconds(1));
-  peer.join();
   EXPECT_EQ(exchanged.code(), absl::StatusCode::kDeadlineExceeded) << exchanged;
   EXPECT_NE(exchanged.message().find("version 1 did not start in time"), std::string::npos) << exchanged;
 }

@@ -20,6 +20,7 @@
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
 #include "daemon/node/versions.h"
+#include "daemon/testing/sim_deadline.h"
 #include "transport/config.h"
 #include "transport/factory.h"
 #include "transport/host_shm/host_shm.h"
@@ -105,41 +106,29 @@ TEST_F(WorkerCallsTest, ApplyWaitsForTheVersionUntilItsDeadlineOnTheClock) {
   w.role = planner::Role::kRollout;
   local_->Add({"m", "rollout/0"}, std::move(w), std::nullopt);
   const absl::Time deadline = clock_.Now() + absl::Seconds(5);
-  absl::Notification done;
-  absl::Status applied;
-  std::thread worker([&] {
+  absl::Status applied = daemon::testing::EndsAtSimulatedDeadline(clock_, deadline, [&] {
     pb::ApplyRequest req;
     req.set_model_id("m");
     req.set_worker_id("rollout/0");
     req.set_version(2);
     req.set_timeout_ms(5000);
     pb::ApplyResponse resp;
-    applied = calls_->Apply(req, &resp);
-    done.Notify();
+    return calls_->Apply(req, &resp);
   });
-  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
-  clock_.Advance(absl::Seconds(4));
-  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50)));  // 1 s of simulated time left
-  clock_.Advance(absl::Seconds(1));
-  worker.join();
   EXPECT_EQ(applied.code(), absl::StatusCode::kDeadlineExceeded) << applied;
   EXPECT_NE(applied.message().find("version 2 not committed on node n0 in time"), std::string::npos) << applied;
 }
 
 TEST_F(WorkerCallsTest, ForwardedCallIsHeldWhileUnregisteredUntilItsDeadlineOnTheClock) {
   const absl::Time deadline = clock_.Now() + absl::Seconds(3);
-  absl::Status began;
-  std::thread worker([&] {
+  absl::Status began = daemon::testing::EndsAtSimulatedDeadline(clock_, deadline, [&] {
     pb::BeginUpdateRequest req;
     req.set_model_id("m");
     req.set_worker_id("rollout/0");
     req.set_timeout_ms(3000);
     pb::BeginUpdateResponse resp;
-    began = calls_->BeginUpdate(req, &resp);
+    return calls_->BeginUpdate(req, &resp);
   });
-  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
-  clock_.Advance(absl::Seconds(3));
-  worker.join();
   EXPECT_EQ(began.code(), absl::StatusCode::kUnavailable) << began;
   EXPECT_NE(began.message().find("node n0 is not registered with the coordinator"), std::string::npos) << began;
   EXPECT_NE(began.message().find("worker rollout/0 of model m"), std::string::npos) << began;
