@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/server.h"
+#include "tests/common/conn_flooder.h"
 #include "gtest/gtest.h"
 #include "proto/weightbridge.grpc.pb.h"
 
@@ -45,72 +46,6 @@ class FdLimitScope {
   rlimit old_{};
 };
 
-// A forked child that opens kSources * kPerSource idle connections to `port` (never sending a
-// byte), reports on `ready` when all were attempted, and holds them until `stop` is written or
-// closed. Only raw syscalls in the child (it is forked from a threaded process).
-struct Flooder {
-  pid_t pid = -1;
-  int ready_r = -1, stop_w = -1;
-
-  static Flooder Start(int port) {
-    int ready[2], stop[2];
-    if (pipe2(ready, O_CLOEXEC) != 0 || pipe2(stop, O_CLOEXEC) != 0) std::abort();
-    Flooder f;
-    f.pid = fork();
-    if (f.pid == 0) {
-      close(ready[0]);
-      close(stop[1]);
-      // The child's own limit: enough for the whole flood.
-      rlimit rl{};
-      getrlimit(RLIMIT_NOFILE, &rl);
-      rl.rlim_cur = rl.rlim_max;
-      setrlimit(RLIMIT_NOFILE, &rl);
-      int opened = 0;
-      for (int s = 0; s < kSources; ++s) {
-        for (int i = 0; i < kPerSource; ++i) {
-          const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-          if (fd < 0) break;
-          sockaddr_in src{};
-          src.sin_family = AF_INET;
-          src.sin_addr.s_addr = htonl(0x7f000002 + s);
-          sockaddr_in dst{};
-          dst.sin_family = AF_INET;
-          dst.sin_port = htons(static_cast<uint16_t>(port));
-          dst.sin_addr.s_addr = htonl(0x7f000001);
-          if (bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof(src)) != 0) continue;
-          (void)!connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof(dst));
-          ++opened;
-        }
-      }
-      // Let the handshakes complete (the kernel accepts into the backlog without the server).
-      pollfd p = {stop[0], POLLIN, 0};
-      (void)poll(&p, 1, 300);
-      const char c = opened > 0 ? 1 : 0;
-      (void)!write(ready[1], &c, 1);
-      (void)!read(stop[0], const_cast<char*>(&c), 1);  // until told to stop (or the parent dies)
-      _exit(0);                                           // closes every flood connection
-    }
-    close(ready[1]);
-    close(stop[0]);
-    f.ready_r = ready[0];
-    f.stop_w = stop[1];
-    return f;
-  }
-  bool WaitReady() {
-    char c = 0;
-    return read(ready_r, &c, 1) == 1 && c == 1;
-  }
-  void Stop() {
-    if (pid <= 0) return;
-    close(stop_w);
-    close(ready_r);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    pid = -1;
-  }
-  ~Flooder() { Stop(); }
-};
-
 grpc::Status Status(const std::string& addr, const PeerAuthConfig& auth) {
   auto stub = pb::CoordinatorService::NewStub(MakePeerChannel(addr, auth));
   grpc::ClientContext ctx;
@@ -132,8 +67,9 @@ TEST(FloodTest, IdleConnectionFloodNeitherExhaustsFdsNorWedgesTheGrpcPort) {
   const std::string addr = (*server)->address();
   ASSERT_TRUE(Status(addr, *auth).ok());
 
-  Flooder flood = Flooder::Start((*server)->port());
-  ASSERT_TRUE(flood.WaitReady());
+  ConnFlooder flood;  // from a forked child (its own fd table, like a remote attacker)
+  flood.Start((*server)->port(), kSources, kPerSource);
+  ASSERT_GT(flood.WaitReady(), 0);
   // During the flood: 2,000 idle connections from 20 addresses, 4x the daemon's fd limit.
   for (int i = 0; i < 3; ++i) {
     grpc::Status s = Status(addr, *auth);

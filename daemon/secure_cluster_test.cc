@@ -14,28 +14,13 @@
 #include "daemon/server.h"
 #include "gtest/gtest.h"
 #include "proto/weightbridge.grpc.pb.h"
+#include "tests/common/test_certs.h"
 #include "tests/common/weight_gen.h"
 #include "transport/factory.h"
 #include "base/shm_segment.h"
 
 namespace wb::daemon {
 namespace {
-
-// A CA and one certificate per identity (CN = the node id, SAN DNS:<id> plus 127.0.0.1 /
-// localhost so every daemon can also serve): how docs/security.md says to issue them.
-std::string MakeCerts(const std::string& dir, const std::vector<std::string>& names) {
-  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-  std::string script = absl::StrCat("set -e; mkdir -p ", dir, "; cd ", dir, "; ", "openssl req -x509 ", ec,
-                                    " -keyout ca.key -out ca.pem -days 1 -subj /CN=wb-test-ca; ");
-  for (const std::string& n : names) {
-    absl::StrAppend(&script, "openssl req ", ec, " -keyout ", n, ".key -out ", n, ".csr -subj /CN=", n, "; ",
-                    "printf 'subjectAltName=DNS:", n, ",IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ",
-                    n, ".cnf; ", "openssl x509 -req -in ", n, ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -out ", n,
-                    ".pem -days 1 -extfile ", n, ".cnf; ");
-  }
-  absl::StrAppend(&script, "printf 'cluster-token' > token");
-  return std::system(absl::StrCat("(", script, ") >/dev/null 2>&1").c_str()) == 0 ? "" : "openssl failed";
-}
 
 struct Worker {
   std::string id;
@@ -50,7 +35,7 @@ class SecureClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/secure-certs";
-    ASSERT_EQ(MakeCerts(dir_, {"coordinator", "n0", "n1", "n5"}), "");
+    ASSERT_EQ(MakeTestCerts(dir_, {"coordinator", "n0", "n1", "n5"}, "wb-test-ca", {{"token", "cluster-token"}}), "");
     auth_ = Auth("coordinator");
     ServerOptions co;
     co.role = DaemonRole::kCoordinator;

@@ -34,6 +34,8 @@
 #include "daemon/fd_channel.h"
 #include "daemon/multinode_fixture.h"
 #include "gtest/gtest.h"
+#include "tests/common/conn_flooder.h"
+#include "tests/common/test_certs.h"
 
 namespace wb::daemon {
 namespace {
@@ -53,85 +55,7 @@ int64_t ProcStatus(const std::string& field) {
   return -1;
 }
 
-std::string MakeCerts(const std::string& dir, const std::vector<std::string>& names) {
-  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-  std::string script = absl::StrCat("set -e; rm -rf ", dir, "; mkdir -p ", dir, "; cd ", dir, "; ", "openssl req -x509 ", ec,
-                                    " -keyout ca.key -out ca.pem -days 1 -subj /CN=wb-scale-ca; ");
-  for (const std::string& n : names) {
-    absl::StrAppend(&script, "openssl req ", ec, " -keyout ", n, ".key -out ", n, ".csr -subj /CN=", n, "; ",
-                    "printf 'subjectAltName=DNS:", n, ",IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", n,
-                    ".cnf; ", "openssl x509 -req -in ", n, ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -out ", n,
-                    ".pem -days 1 -extfile ", n, ".cnf; ");
-  }
-  absl::StrAppend(&script, "printf 'scale-token' > token");
-  return std::system(absl::StrCat("(", script, ") >/dev/null 2>&1").c_str()) == 0 ? "" : "openssl failed";
-}
-
 // ------------------------------------------------------------------ 6: 19,000 idle connections
-
-// A forked child that opens `sources` x `per_source` idle connections to 127.0.0.1:port from
-// 127.0.0.2.. (never sending a byte), reports how many it opened on a pipe, and holds them until
-// the parent closes its end. Only raw syscalls in the child (forked from a threaded process).
-struct Flooder {
-  pid_t pid = -1;
-  int ready_r = -1, stop_w = -1;
-  void Start(int port, int sources, int per_source) {
-    int ready[2], stop[2];
-    if (pipe2(ready, O_CLOEXEC) != 0 || pipe2(stop, O_CLOEXEC) != 0) std::abort();
-    pid = fork();
-    if (pid == 0) {
-      close(ready[0]);
-      close(stop[1]);
-      rlimit rl{};
-      getrlimit(RLIMIT_NOFILE, &rl);
-      rl.rlim_cur = rl.rlim_max;
-      setrlimit(RLIMIT_NOFILE, &rl);
-      int32_t opened = 0;
-      for (int s = 0; s < sources; ++s) {
-        for (int i = 0; i < per_source; ++i) {
-          const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-          if (fd < 0) break;
-          sockaddr_in src{};
-          src.sin_family = AF_INET;
-          src.sin_addr.s_addr = htonl(0x7f000002 + s);
-          sockaddr_in dst{};
-          dst.sin_family = AF_INET;
-          dst.sin_port = htons(static_cast<uint16_t>(port));
-          dst.sin_addr.s_addr = htonl(0x7f000001);
-          if (bind(fd, reinterpret_cast<sockaddr*>(&src), sizeof(src)) != 0) {
-            close(fd);
-            continue;
-          }
-          (void)!connect(fd, reinterpret_cast<sockaddr*>(&dst), sizeof(dst));
-          ++opened;
-        }
-      }
-      pollfd p = {stop[0], POLLIN, 0};
-      (void)poll(&p, 1, 500);  // let the handshakes complete (the kernel's backlog, not the daemon)
-      (void)!write(ready[1], &opened, sizeof(opened));
-      char c;
-      (void)!read(stop[0], &c, 1);  // until the parent closes its end (or dies)
-      _exit(0);
-    }
-    close(ready[1]);
-    close(stop[0]);
-    ready_r = ready[0];
-    stop_w = stop[1];
-  }
-  int32_t WaitReady() {
-    int32_t opened = 0;
-    return read(ready_r, &opened, sizeof(opened)) == sizeof(opened) ? opened : -1;
-  }
-  void Stop() {
-    if (pid <= 0) return;
-    close(stop_w);
-    close(ready_r);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    pid = -1;
-  }
-  ~Flooder() { Stop(); }
-};
 
 grpc::Status ClusterStatus(const std::shared_ptr<grpc::Channel>& ch, pb::StatusResponse* resp) {
   auto stub = pb::CoordinatorService::NewStub(ch);
@@ -145,7 +69,7 @@ grpc::Status ClusterStatus(const std::shared_ptr<grpc::Channel>& ch, pb::StatusR
 // authenticated client gets through during it, and a node started after it registers.
 TEST(Issue15ScaleTest, NineteenThousandIdleConnectionsDoNotWedgeAnMtlsCoordinator) {
   const std::string dir = ::testing::TempDir() + "/scale-certs";
-  ASSERT_EQ(MakeCerts(dir, {"coordinator", "n0", "n1"}), "");
+  ASSERT_EQ(MakeTestCerts(dir, {"coordinator", "n0", "n1"}, "wb-scale-ca", {{"token", "scale-token"}}), "");
   auto auth = [&](const std::string& name) {
     auto a = LoadPeerAuth(dir + "/" + name + ".pem", dir + "/" + name + ".key", dir + "/ca.pem", dir + "/token");
     EXPECT_TRUE(a.ok()) << a.status();
@@ -159,7 +83,7 @@ TEST(Issue15ScaleTest, NineteenThousandIdleConnectionsDoNotWedgeAnMtlsCoordinato
   pb::StatusResponse st;
   ASSERT_TRUE(ClusterStatus(MakePeerChannel(c.coord_->address(), *n0_auth), &st).ok());
 
-  Flooder flood;
+  ConnFlooder flood;  // 127.0.0.2.. (tests/common/conn_flooder.h)
   flood.Start(c.coord_->port(), 19, 1000);
   const int32_t opened = flood.WaitReady();
   EXPECT_GE(opened, 18000) << "the flood itself could not open its connections";

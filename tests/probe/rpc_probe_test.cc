@@ -35,6 +35,7 @@
 #include "daemon/limits.h"
 #include "daemon/multinode_fixture.h"
 #include "gtest/gtest.h"
+#include "tests/common/test_certs.h"
 
 namespace wb::daemon {
 namespace {
@@ -45,22 +46,6 @@ using google::protobuf::Message;
 using google::protobuf::MethodDescriptor;
 using google::protobuf::Reflection;
 using google::protobuf::ServiceDescriptor;
-
-// ------------------------------------------------------------------ certificates (docs/security.md)
-
-std::string MakeCerts(const std::string& dir, const std::vector<std::string>& names) {
-  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-  std::string script = absl::StrCat("set -e; rm -rf ", dir, "; mkdir -p ", dir, "; cd ", dir, "; ", "openssl req -x509 ", ec,
-                                    " -keyout ca.key -out ca.pem -days 1 -subj /CN=wb-probe-ca; ");
-  for (const std::string& n : names) {
-    absl::StrAppend(&script, "openssl req ", ec, " -keyout ", n, ".key -out ", n, ".csr -subj /CN=", n, "; ",
-                    "printf 'subjectAltName=DNS:", n, ",IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", n,
-                    ".cnf; ", "openssl x509 -req -in ", n, ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -out ", n,
-                    ".pem -days 1 -extfile ", n, ".cnf; ");
-  }
-  absl::StrAppend(&script, "printf 'probe-token' > token; printf 'wrong-token' > wrong");
-  return std::system(absl::StrCat("(", script, ") >/dev/null 2>&1").c_str()) == 0 ? "" : "openssl failed";
-}
 
 // ------------------------------------------------------------------ request variants
 
@@ -303,7 +288,7 @@ class RpcProbeTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = ::testing::TempDir() + "/rpc-probe-certs";
-    ASSERT_EQ(MakeCerts(dir_, {"coordinator", "n0", "n1", "n5"}), "");
+    ASSERT_EQ(MakeTestCerts(dir_, {"coordinator", "n0", "n1", "n5"}, "wb-probe-ca", {{"token", "probe-token"}, {"wrong", "wrong-token"}}), "");
     spec_ = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
     if (standalone_) {
       // One process in both roles (the probe's SIGBUS took the coordinator role down there too).
