@@ -95,15 +95,9 @@ class CorruptingTransport final : public transport::Transport {
 
 // host_shm + a CorruptingTransport over host_tcp.
 absl::StatusOr<transport::TransportSet> CorruptingHostTransports(std::atomic<bool>* armed) {
-  transport::TransportConfig shm, tcp;
-  shm.kinds = {"host_shm"};
-  tcp.kinds = {"host_tcp"};
-  auto set = transport::CreateTransports(shm);
-  if (!set.ok()) return set.status();
-  auto inner = transport::CreateTransports(tcp);
-  if (!inner.ok()) return inner.status();
-  set->Add(std::make_unique<CorruptingTransport>(std::move(*inner), "host_tcp", armed));
-  return set;
+  return HostTransportsWrappingTcp([armed](transport::TransportSet tcp) -> std::unique_ptr<transport::Transport> {
+    return std::make_unique<CorruptingTransport>(std::move(tcp), "host_tcp", armed);
+  });
 }
 
 // A CorruptingTransport over host_shm (corrupting version `version`'s same-node copies) + host_tcp.

@@ -21,6 +21,33 @@
 namespace wb::daemon {
 namespace {
 
+// After n1 lost its lease and thawed: it registers again within a heartbeat (until then the
+// coordinator refuses JoinWorker, node not alive: wait for it on the coordinator's status push),
+// its workers t1 and r1 register again (as clients do after NOT_FOUND), and version 3 reaches
+// both rollouts byte for byte.
+void ExpectN1RejoinsAndVersion3Lands(Cluster& c, const pb::ModelSpec& spec, TestWorker& t0, TestWorker& t1, TestWorker& r0,
+                                     TestWorker& r1) {
+  auto back = c.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        for (const pb::NodeStatus& n : st.nodes()) {
+          if (n.node_id() == "n1") return n.alive();
+        }
+        return false;
+      },
+      absl::Seconds(10));
+  ASSERT_TRUE(back.ok()) << "n1 did not register again: " << back.status();
+  for (TestWorker* w : {&t1, &r1}) {
+    grpc::Status reg = c.Register(*w, spec);
+    ASSERT_TRUE(reg.ok()) << w->id << ": " << reg.error_message();
+  }
+  for (auto& st : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(st.ok()) << st.error_message();
+  pb::ApplyResponse resp;
+  for (TestWorker* r : {&r0, &r1}) {
+    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  }
+}
+
 // Node n1 freezes while version 2 is mid-transfer (its executor hangs in bucket 0, its heartbeats
 // stop): its lease expires, the version is aborted, the rollout on n0 still holds version 1 byte
 // for byte and its waiter gets ABORTED. When n1 thaws it re-registers (new incarnation), its
@@ -76,26 +103,7 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   // registers again; its workers re-register (as clients do after NOT_FOUND) and v3 succeeds.
   frozen = false;
   release.Notify();
-  // The node re-registers within a heartbeat; until then the coordinator refuses JoinWorker
-  // (node not alive). Wait for the re-registration on the coordinator's status push.
-  auto back = c.WaitForCoordinator(
-      [](const pb::StatusResponse& st) {
-        for (const pb::NodeStatus& n : st.nodes()) {
-          if (n.node_id() == "n1") return n.alive();
-        }
-        return false;
-      },
-      absl::Seconds(10));
-  ASSERT_TRUE(back.ok()) << "n1 did not register again: " << back.status();
-  for (TestWorker* w : {&t1, &r1}) {
-    grpc::Status reg = c.Register(*w, spec);
-    ASSERT_TRUE(reg.ok()) << w->id << ": " << reg.error_message();
-  }
-  for (auto& st : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(st.ok()) << st.error_message();
-  for (TestWorker* r : {&r0, &r1}) {
-    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
-    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
-  }
+  ExpectN1RejoinsAndVersion3Lands(c, spec, t0, t1, r0, r1);
   c.Stop();
 }
 
@@ -145,16 +153,10 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   std::atomic<bool> disconnect_armed{false};
   absl::Notification gate;
   c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) {
-    o.make_transports = [&]() -> absl::StatusOr<transport::TransportSet> {
-      transport::TransportConfig shm, tcp;
-      shm.kinds = {"host_shm"};
-      tcp.kinds = {"host_tcp"};
-      auto set = transport::CreateTransports(shm);
-      if (!set.ok()) return set.status();
-      auto inner = transport::CreateTransports(tcp);
-      if (!inner.ok()) return inner.status();
-      set->Add(std::make_unique<SlowDisconnectTransport>(std::move(*inner), &disconnect_armed, &gate));
-      return set;
+    o.make_transports = [&] {
+      return HostTransportsWrappingTcp([&](transport::TransportSet tcp) -> std::unique_ptr<transport::Transport> {
+        return std::make_unique<SlowDisconnectTransport>(std::move(tcp), &disconnect_armed, &gate);
+      });
     };
   });
   absl::Notification entered, release, later_bucket;
@@ -192,24 +194,7 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   ASSERT_TRUE(ran_on) << "n1 did not reach bucket 1 of version 2 while n0 kept the channel open";
   EXPECT_EQ(CountBad(r0, 1), 0) << "rollout weights must still be exactly version 1";
 
-  auto back = c.WaitForCoordinator(
-      [](const pb::StatusResponse& st) {
-        for (const pb::NodeStatus& n : st.nodes()) {
-          if (n.node_id() == "n1") return n.alive();
-        }
-        return false;
-      },
-      absl::Seconds(10));
-  ASSERT_TRUE(back.ok()) << "n1 did not register again: " << back.status();
-  for (TestWorker* w : {&t1, &r1}) {
-    grpc::Status reg = c.Register(*w, spec);
-    ASSERT_TRUE(reg.ok()) << w->id << ": " << reg.error_message();
-  }
-  for (auto& st : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(st.ok()) << st.error_message();
-  for (TestWorker* r : {&r0, &r1}) {
-    ASSERT_TRUE(c.Apply(*r, "m", 3, &resp).ok()) << r->id;
-    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
-  }
+  ExpectN1RejoinsAndVersion3Lands(c, spec, t0, t1, r0, r1);
   c.Stop();
 }
 

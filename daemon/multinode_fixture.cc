@@ -73,6 +73,19 @@ absl::StatusOr<transport::TransportSet> HostTransports() {
   return transport::CreateTransports(tc);
 }
 
+absl::StatusOr<transport::TransportSet> HostTransportsWrappingTcp(
+    const std::function<std::unique_ptr<transport::Transport>(transport::TransportSet tcp)>& wrap) {
+  transport::TransportConfig shm, tcp;
+  shm.kinds = {"host_shm"};
+  tcp.kinds = {"host_tcp"};
+  auto set = transport::CreateTransports(shm);
+  if (!set.ok()) return set.status();
+  auto inner = transport::CreateTransports(tcp);
+  if (!inner.ok()) return inner.status();
+  set->Add(wrap(std::move(*inner)));
+  return set;
+}
+
 void Cluster::StartCoordinator(absl::Duration lease, const std::string& listen,
                       const std::function<void(ServerOptions&)>& configure) {
   ServerOptions co;

@@ -45,6 +45,10 @@ void FillDelta(TestWorker& w, uint64_t version, double fraction);
 int64_t CountBadDelta(const TestWorker& w, uint64_t version, double fraction);
 // host_shm + host_tcp, as a node without GPUs has.
 absl::StatusOr<transport::TransportSet> HostTransports();
+// The same with host_tcp wrapped: `wrap` gets a set holding only the real host_tcp and returns the
+// transport the node uses in its place (a test's fault-injecting transport over the real one).
+absl::StatusOr<transport::TransportSet> HostTransportsWrappingTcp(
+    const std::function<std::unique_ptr<transport::Transport>(transport::TransportSet tcp)>& wrap);
 
 class Cluster {
  public:
