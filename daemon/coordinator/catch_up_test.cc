@@ -145,6 +145,14 @@ class FakeCluster {
     pb::PublishResponse resp;
     return core->Publish(p, &resp);
   }
+  // Trainer t0 and rollout r0 on n0, version 1 committed and held by r0.
+  void CommitVersion1() {
+    Join("n0", "t0", pb::ROLE_TRAINER);
+    Join("n0", "r0", pb::ROLE_ROLLOUT);
+    ASSERT_TRUE(core->AwaitPlanInstalled("m", absl::Now() + absl::Seconds(10)));
+    ASSERT_TRUE(Publish(1).ok());
+    ASSERT_TRUE(WaitFor("r0", 1).ok());
+  }
   absl::Status WaitFor(const std::string& worker, uint64_t v, int64_t timeout_ms = 10000) {
     pb::WaitVersionRequest w;
     w.set_model_id("m");
@@ -185,11 +193,7 @@ class FakeCluster {
 // only after the catch-up ended, and that version reaches the late rollout.
 TEST(CatchUpDriverTest, TimeoutIsReportedAndTheNextVersionBringsTheRollout) {
   FakeCluster c;
-  c.Join("n0", "t0", pb::ROLE_TRAINER);
-  c.Join("n0", "r0", pb::ROLE_ROLLOUT);
-  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + absl::Seconds(10)));
-  ASSERT_TRUE(c.Publish(1).ok());
-  ASSERT_TRUE(c.WaitFor("r0", 1).ok());
+  ASSERT_NO_FATAL_FAILURE(c.CommitVersion1());
   c.stall_catch_up = true;
   c.Join("n1", "r1", pb::ROLE_ROLLOUT);
   absl::Status s = c.WaitFor("r1", 1);
@@ -223,11 +227,7 @@ TEST(CatchUpDriverTest, TimeoutIsReportedAndTheNextVersionBringsTheRollout) {
 // refused, naming both epochs; the new attempt commits only on its own reports.
 TEST(CatchUpDriverTest, StaleDoneReportOfAnEarlierAttemptIsRefused) {
   FakeCluster c;
-  c.Join("n0", "t0", pb::ROLE_TRAINER);
-  c.Join("n0", "r0", pb::ROLE_ROLLOUT);
-  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + absl::Seconds(10)));
-  ASSERT_TRUE(c.Publish(1).ok());
-  ASSERT_TRUE(c.WaitFor("r0", 1).ok());
+  ASSERT_NO_FATAL_FAILURE(c.CommitVersion1());
   c.hold_catch_up = true;
   c.Join("n1", "r1", pb::ROLE_ROLLOUT);
   ASSERT_TRUE(c.AwaitHeld(2)) << "attempt 1 did not start on n0 and n1";
