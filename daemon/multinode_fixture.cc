@@ -177,6 +177,13 @@ grpc::Status Cluster::RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, c
       pp->set_buffer_id(7);
       pp->set_offset_bytes(static_cast<uint64_t>(p.offset_bytes));
       for (int64_t st : p.strides) pp->add_strides(st);
+      if (p.quant.has_value()) {  // a quantised rollout piece, its scales in the same buffer
+        pp->set_quant_dtype(p.quant->dtype == planner::DType::kI4 ? pb::DTYPE_I4 : pb::DTYPE_F8_E4M3);
+        for (int64_t b : p.quant->block) pp->add_quant_block(b);
+        pp->set_scale_buffer_id(7);
+        pp->set_scale_offset_bytes(static_cast<uint64_t>(p.quant->scale_offset_bytes));
+        pp->set_quant_scale_dtype(p.quant->scale_dtype == planner::DType::kE8M0 ? pb::DTYPE_E8M0 : pb::DTYPE_F32);
+      }
     }
   }
   grpc::ClientContext c2;

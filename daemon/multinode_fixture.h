@@ -65,7 +65,8 @@ class Cluster {
   // (Re)connects w's stub to its node's worker socket.
   void Connect(TestWorker& w);
 
-  // Registers the worker and its layout: explicit pieces, or `preset` when given.
+  // Registers the worker and its layout: explicit pieces (a quantised piece's scales in buffer 0
+  // too), or `preset` when given.
   grpc::Status Register(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr, int pid = ::getpid());
   // RegisterLayout alone: explicit pieces of w.layout, or `preset` when given.
   grpc::Status RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr);

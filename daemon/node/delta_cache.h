@@ -39,9 +39,14 @@ struct DeltaKey {
   int32_t tensor = 0;
   std::vector<int64_t> begin, end;  // the canonical box
   int elem_size = 0;
-  static DeltaKey Of(int32_t tensor, const planner::Box& box, int elem_size) { return {tensor, box.begin, box.end, elem_size}; }
+  // 0: the canonical bytes; else which bytes of a sender-quantised box (RouteOp::delta_variant:
+  // elements or scales, and the destination's format), so quantised and raw copies never mix.
+  uint64_t variant = 0;
+  static DeltaKey Of(int32_t tensor, const planner::Box& box, int elem_size, uint64_t variant = 0) {
+    return {tensor, box.begin, box.end, elem_size, variant};
+  }
   friend bool operator<(const DeltaKey& a, const DeltaKey& b) {
-    return std::tie(a.tensor, a.begin, a.end, a.elem_size) < std::tie(b.tensor, b.begin, b.end, b.elem_size);
+    return std::tie(a.tensor, a.begin, a.end, a.elem_size, a.variant) < std::tie(b.tensor, b.begin, b.end, b.elem_size, b.variant);
   }
   std::string ToString() const;
 };

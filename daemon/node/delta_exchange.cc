@@ -83,6 +83,8 @@ absl::Status UnpackSide(const uint8_t* in, uint8_t* region, int64_t region_size,
   return absl::OkStatus();
 }
 
+DeltaKey KeyOf(const RouteOp& op) { return DeltaKey::Of(op.tensor, op.box, op.copy.element_size, op.delta_variant); }
+
 uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint64_t version, uint64_t base_version, DeltaCache& cache,
                   absl::Span<uint8_t> out, const std::string& label) {
   const int elem = op.copy.element_size;
@@ -92,7 +94,7 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
   uint64_t len = 0;
   const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;
   if (!out.empty() && base_version > 0 && codec_elem) {
-    std::shared_ptr<const DeltaEntry> base = cache.Committed(DeltaKey::Of(op.tensor, op.box, elem), base_version);
+    std::shared_ptr<const DeltaEntry> base = cache.Committed(KeyOf(op), base_version);
     if (base != nullptr && static_cast<int64_t>(base->bytes.size()) == raw) {
       delta::EncodeOptions eo;
       eo.elem_size = elem;
@@ -102,7 +104,7 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       if (n.ok() && static_cast<int64_t>(*n) < raw) len = *n;
     }
   }
-  cache.AddPending(DeltaKey::Of(op.tensor, op.box, elem), version, std::move(target));
+  cache.AddPending(KeyOf(op), version, std::move(target));
   return len;
 }
 
@@ -206,11 +208,11 @@ absl::StatusOr<std::unique_ptr<DeltaRun>> DeltaRun::Make(const ExecPlan& plan, c
       if (r.kind != RouteKind::kPeer) continue;
       for (size_t i = 0; i < r.ops.size(); ++i) {
         const RouteOp& op = r.ops[i];
-        if (!op.delta || op.part != RouteOp::Part::kCanonical) continue;
+        if (!op.delta) continue;  // canonical ops, and both parts of sender-quantised ones
         auto bv = options.base_versions.find(op.dst_worker);
         const uint64_t base = bv != options.base_versions.end() ? bv->second : 0;
         if (base == 0) {
-          if (op.src_local && options.cache != nullptr && options.cache->enabled()) run->cache_only_.push_back(&op);
+          if (op.src_local && options.cache != nullptr && options.cache->enabled()) run->cache_only_.push_back({&op, b});
           continue;
         }
         Peer& p = run->peers_[r.peer];
@@ -253,11 +255,17 @@ std::map<std::string, std::pair<uint8_t*, int64_t>> DeltaRun::Regions() const {
   return out;
 }
 
+std::optional<std::pair<uint8_t*, int64_t>> DeltaRun::SourceWhenReady(const RouteOp& op, uint32_t bucket) {
+  // A sender-quantised part reads the q staging the node's quantiser is still filling.
+  if (op.part != RouteOp::Part::kCanonical && o_.source_ready && !o_.source_ready(bucket).ok()) return std::nullopt;
+  return host_(op.src_key);
+}
+
 void DeltaRun::EncodeSlot(Peer& p, size_t i) {
   Slot& s = p.out[i];
   const absl::Time t0 = absl::Now();
   uint64_t len = 0;
-  std::optional<std::pair<uint8_t*, int64_t>> src = host_(s.op->src_key);
+  std::optional<std::pair<uint8_t*, int64_t>> src = SourceWhenReady(*s.op, s.route->bucket);
   if (src.has_value() && o_.cache != nullptr && o_.cache->enabled()) {
     len = EncodeOp(*s.op, src->first, src->second, version_, s.base, *o_.cache,
                    absl::MakeSpan(p.mem->data() + p.mine.out_stream[i], static_cast<size_t>(s.max)), label_);
@@ -288,9 +296,9 @@ void DeltaRun::Start() {
   for (auto& [b, jobs] : by_bucket) {
     for (auto [p, i] : jobs) workers_->Encode([this, p = p, i = i] { EncodeSlot(*p, i); });
   }
-  for (const RouteOp* op : cache_only_) {
-    workers_->Encode([this, op] {
-      std::optional<std::pair<uint8_t*, int64_t>> src = host_(op->src_key);
+  for (auto [op, b] : cache_only_) {
+    workers_->Encode([this, op = op, b = b] {
+      std::optional<std::pair<uint8_t*, int64_t>> src = SourceWhenReady(*op, b);
       if (!src.has_value()) return;
       const absl::Time t0 = absl::Now();
       EncodeOp(*op, src->first, src->second, version_, 0, *o_.cache, {}, label_);

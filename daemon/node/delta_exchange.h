@@ -5,7 +5,9 @@
 // decode of one op, and the worker threads that run them.
 //
 // Which ops: a kPeer (host channel) route's op with RouteOp::delta whose destination worker has a
-// base version (DeltaOptions::base_versions > 0) is a SLOT. Both nodes of the op derive the same
+// base version (DeltaOptions::base_versions > 0) is a SLOT. A sender-quantised op is two slots,
+// its elements and its scales (RouteOp::Part), each coded with its own element size (fp8 / packed
+// int4: 1 byte, scales: their dtype's size) and cached apart from canonical bytes (DeltaKey::variant). Both nodes of the op derive the same
 // slots from their slices and the same ExecuteVersion (base_versions goes to every node).
 //
 // Per version and peer node, each side registers one host region "d.<peer>" on the cross
@@ -84,6 +86,10 @@ struct DeltaOptions {
   std::map<uint32_t, uint64_t> base_versions;
   // Sender: copies of what destinations committed; null = every slot goes full.
   DeltaCache* cache = nullptr;
+  // Sender: blocks until the bytes that bucket `bucket`'s sender-quantised ops read are written
+  // (the node's quantiser fills its q staging in the background; OutgoingQuantization::WaitReady);
+  // an error sends those slots in full (the executor's before_post reports it). Null: ready.
+  std::function<absl::Status(uint32_t bucket)> source_ready;
   // Receiver: the committed copy of local rollout region `key`; nullopt = refuse its slots.
   std::function<std::optional<DeltaBase>(const std::string& key)> base;
   DeltaBuffers* buffers = nullptr;  // null: fresh buffers per version
@@ -230,6 +236,8 @@ class DeltaRun {
     bool streams = false;  // some slot either way travelled as a stream
   };
   DeltaRun(const DeltaOptions& o, uint64_t version, std::string label, HostMemory host);
+  // The host memory of op's source once its bytes are written (DeltaOptions::source_ready).
+  std::optional<std::pair<uint8_t*, int64_t>> SourceWhenReady(const RouteOp& op, uint32_t bucket);
   void EncodeSlot(Peer& p, size_t i);
   void DecodeSlot(Peer& p, size_t j);
   bool Lo(const Peer& p) const { return o_.me < p.peer; }
@@ -239,7 +247,7 @@ class DeltaRun {
   const std::string label_;
   HostMemory host_;
   std::map<std::string, Peer> peers_;  // by peer node
-  std::vector<const RouteOp*> cache_only_;
+  std::vector<std::pair<const RouteOp*, uint32_t>> cache_only_;  // with the bucket of its route
   mutable absl::Mutex mu_;
   std::map<uint32_t, int> encoding_ ABSL_GUARDED_BY(mu_);  // bucket -> out slots not yet encoded
   int decoding_ ABSL_GUARDED_BY(mu_) = 0;

@@ -102,6 +102,19 @@ absl::StatusOr<const planner::Piece*> LivePiece(const Slice& slice, const SliceO
   return &layouts[w].pieces[static_cast<size_t>(p)];
 }
 
+// The destination's quantised format of a sender-quantised op (element dtype, block, scale dtype),
+// hashed: the sender's delta cache keeps the quantised bytes of one box apart per format.
+absl::StatusOr<uint64_t> QuantFormatHash(const Slice& slice, const SliceOp& op) {
+  ASSIGN_OR_RETURN(const planner::Piece* dp, LivePiece(slice, op, false));
+  if (!dp->quant.has_value()) return absl::InvalidArgumentError(absl::StrCat("sender-quantised op ", op.index, ": destination piece not quantised"));
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the format's numbers
+  auto mix = [&h](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+  mix(static_cast<uint64_t>(dp->quant->dtype));
+  mix(static_cast<uint64_t>(dp->quant->scale_dtype));
+  for (int64_t b : dp->quant->block) mix(static_cast<uint64_t>(b));
+  return h;
+}
+
 // The quantised elements of `box` in quantised piece `p`: its byte view (planner::StoredBytes;
 // int4: the last dim packed two per byte) and the matching sub-box.
 void ElementsSide(const planner::Inventory& inventory, const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy,
@@ -289,7 +302,8 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const Sender
     r.bytes = op->bytes;
     r.tensor = op->tensor;
     r.dst_worker = op->dst_worker;
-    r.delta = op->delta && !op->nccl && !op->sender_quantized && s_local != d_local;
+    // (A sender-quantised op's delta is of its quantised elements and scales: both parts below.)
+    r.delta = op->delta && !op->nccl && s_local != d_local;
     const int elem = ElementSize(slice, op->tensor);
     r.copy.shape = Extents(op->box);
     r.copy.element_size = elem;
@@ -298,9 +312,14 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const Sender
     // A sender-quantised op: its elements and its scales, two copies in one batch.
     std::vector<RouteOp> parts;
     if (auto q = quant.copies.find(op->index); q != quant.copies.end()) {
+      uint64_t format = 0;
+      if (r.delta) {
+        ASSIGN_OR_RETURN(format, QuantFormatHash(slice, *op));
+      }
       for (const QuantCopy* c : {&q->second.first, &q->second.second}) {
         RouteOp part = r;
         part.part = c == &q->second.first ? RouteOp::Part::kElements : RouteOp::Part::kScales;
+        part.delta_variant = r.delta ? (format << 2) | (part.part == RouteOp::Part::kElements ? 1u : 2u) : 0;
         part.src_key = c->src_key;
         part.dst_key = c->dst_key;
         part.copy = c->copy;

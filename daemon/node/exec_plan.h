@@ -203,6 +203,9 @@ struct RouteOp {
   bool delta = false;
   int32_t tensor = 0;
   uint32_t dst_worker = 0;
+  // A sender-quantised part's bytes in the sender's delta cache (DeltaKey::variant): a hash of the
+  // part and the destination's format, never 0; 0 for canonical bytes.
+  uint64_t delta_variant = 0;
 };
 
 // One batch of a bucket.

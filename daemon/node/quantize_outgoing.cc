@@ -228,7 +228,7 @@ void OutgoingQuantization::Work() {
   }
 }
 
-absl::Status OutgoingQuantization::WaitBucket(uint32_t bucket) {
+absl::Status OutgoingQuantization::Wait(uint32_t bucket, bool executor) {
   const absl::Time t0 = absl::Now();
   absl::MutexLock l(&mu_);
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -240,7 +240,7 @@ absl::Status OutgoingQuantization::WaitBucket(uint32_t bucket) {
     return true;
   };
   const bool done = mu_.AwaitWithDeadline(absl::Condition(&ready), deadline_);
-  waited_ += absl::Now() - t0;
+  if (executor) waited_ += absl::Now() - t0;
   if (!error_.ok()) return error_;
   if (!done) {
     return absl::DeadlineExceededError(

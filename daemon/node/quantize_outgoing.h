@@ -106,13 +106,18 @@ class OutgoingQuantization {
 
   // Blocks until every chunk of buckets <= `bucket` is written: OK; the first chunk's error
   // (label, op, tensor); DEADLINE_EXCEEDED at the version's deadline.
-  absl::Status WaitBucket(uint32_t bucket);
+  absl::Status WaitBucket(uint32_t bucket) { return Wait(bucket, true); }
   absl::Status WaitAll() { return WaitBucket(std::numeric_limits<uint32_t>::max()); }
+  // The same for the sending node's delta encoders (DeltaOptions::source_ready: a sender-quantised
+  // op's delta is of its quantised bytes), which wait off the executor thread: not counted in
+  // Stats::waited_seconds.
+  absl::Status WaitReady(uint32_t bucket) { return Wait(bucket, false); }
   Stats stats() const;
 
  private:
   struct Chunk;
   OutgoingQuantization(const planner::Inventory& inventory, std::string label, absl::Time deadline);
+  absl::Status Wait(uint32_t bucket, bool executor);
   void Work();
   absl::Status Run(const Chunk& c, std::vector<uint8_t>& scratch, int64_t& gathered) const;
 

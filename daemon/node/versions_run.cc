@@ -327,6 +327,8 @@ absl::Status Versions::RunExecInner(Exec& exec) {
       if (prev) RETURN_IF_ERROR(prev(bucket));
       return q->WaitBucket(bucket);
     };
+    // Deltas of sender-quantised ops encode the quantised bytes: each waits for its bucket's.
+    exec_options.deltas.source_ready = [q = qout.get()](uint32_t bucket) { return q->WaitReady(bucket); };
   }
   std::unique_ptr<digest::OpDigestTracker> digests;
   if (options_.digests) {

@@ -1,0 +1,136 @@
+// Lossless deltas into boxes a rollout relays on (issue 17.2; docs/daemon.md "Deltas (design and
+// status)"), with real daemons: trainers t0, t1 on n0, two rollout replicas r1, r2 on n1 (sync,
+// WeightBridge). Every box crosses the nodes once, into one replica; the other gets it by a
+// same-node relay that n1 leaves to the commit (daemon/node/exec_plan.h "Relays at commit"). The
+// ordering this relies on: a relay left to the commit runs after n1's executor returned, i.e. after
+// every delta stream into its source was decoded and checked and every refused one resent in full
+// (executor.cc DeltaTail) - so the slicer may send the relayed boxes as deltas (the relays
+// themselves go full, same-node). Shown here: versions 2-3 travel as deltas for every cross-node
+// byte, both replicas exact and verified; and when r1's copy - the relays' source - no longer
+// matches, its deltas are refused and resent in full, and r2 still gets exact bytes from the relay
+// (a relay that read r1's staging before the fallback would have copied undecoded bytes).
+#include "daemon/delta_e2e_util.h"
+#include "daemon/metrics.h"
+#include "daemon/metrics_scrape.h"
+#include "daemon/multinode_fixture.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+constexpr double kChange = 0.05;
+
+// a [128, 256] f32, b [64, 128] bf16.
+planner::Inventory RelayInventory() {
+  planner::Inventory inv;
+  inv.tensors.push_back({"a", {128, 256}, planner::DType::kF32});
+  inv.tensors.push_back({"b", {64, 128}, planner::DType::kBF16});
+  return inv;
+}
+constexpr double kModelBytes = 128 * 256 * 4 + 64 * 128 * 2;
+
+pb::ModelSpec RelaySpec(const planner::Inventory& inv) {
+  pb::ModelSpec spec;
+  spec.set_model_id("m");
+  for (const planner::TensorSpec& t : inv.tensors) {
+    pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
+    ts->set_name(t.name);
+    ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+    ts->set_dtype(t.dtype == planner::DType::kF32 ? pb::DTYPE_F32 : pb::DTYPE_BF16);
+  }
+  spec.set_num_trainer_workers(2);
+  spec.set_num_rollout_workers(2);
+  spec.set_mode(pb::MODE_SYNC);
+  spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
+  return spec;
+}
+
+class DeltaRelayTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
+    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+    endpoint_ = std::move(*endpoint);
+    c_.delta_fraction = kChange;
+    // 1 MiB buckets: the planner's fragments (load-balancing grain, at most a quarter of a bucket)
+    // stay whole tensors here.
+    c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 1 << 20; });
+    for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
+    spec_ = RelaySpec(inv_);
+    // One trainer per tensor: each tensor is one fragment, which crosses the nodes into one
+    // replica's whole piece and is relayed whole into the other's (a piece filled in part by a
+    // relay would be relayed in a bucket, and its boxes go full).
+    t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}}));
+    t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{1, {0, 0}, {64, 128}, false}}));
+    const std::vector<PieceDef> whole = {{0, {0, 0}, {128, 256}, false}, {1, {0, 0}, {64, 128}, false}};
+    r1_ = &c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, whole));
+    r2_ = &c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, whole));
+    for (TestWorker* w : {t0_, t1_, r1_, r2_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
+  }
+  void TearDown() override { c_.Stop(); }
+
+  double RelayedAtCommit() {
+    auto m = ScrapeMetrics(endpoint_->port(), absl::Seconds(10));
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? MetricSum(*m, "wb_relay_at_commit_bytes_total", "node=\"n1\"") : 0;
+  }
+
+  // Version v published (sync), both replicas exact, the version verified end to end.
+  void Version(uint64_t v) {
+    for (auto& s : c_.Publish("m", pb::MODE_SYNC, v, {t0_, t1_}, {r1_, r2_})) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
+    for (TestWorker* r : {r1_, r2_}) EXPECT_EQ(CountBadDelta(*r, v, kChange), 0) << r->id << " version " << v;
+    const pb::VersionStatus vs = FinalVersionStatus(c_, v);
+    EXPECT_TRUE(vs.verified()) << "version " << v << ": " << vs.ShortDebugString();
+  }
+
+  planner::Inventory inv_ = RelayInventory();
+  pb::ModelSpec spec_;
+  Cluster c_;
+  std::unique_ptr<MetricsEndpoint> endpoint_;
+  TestWorker *t0_ = nullptr, *t1_ = nullptr, *r1_ = nullptr, *r2_ = nullptr;
+};
+
+// Versions 2-3: every cross-node byte travels as a delta (the replaced bytes are the whole model
+// per version, though one replica's boxes are all relayed on), streams < 1/4 of them, no refusal;
+// the relays ran at the commit; both replicas exact and verified.
+TEST_F(DeltaRelayTest, BoxesRelayedAtTheCommitTravelAsDeltas) {
+  const DeltaMeter m0 = ScrapeDeltaMeter(endpoint_->port());
+  const double relayed0 = RelayedAtCommit();
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = ScrapeDeltaMeter(endpoint_->port());
+  EXPECT_EQ(m1.stream - m0.stream, 0) << "version 1 has no base";
+  EXPECT_GE(RelayedAtCommit() - relayed0, kModelBytes) << "the plan must relay one replica's copy at the commit";
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = ScrapeDeltaMeter(endpoint_->port());
+  EXPECT_EQ(m3.fallbacks - m0.fallbacks, 0);
+  EXPECT_EQ(m3.replaced - m1.replaced, 2 * kModelBytes) << "every cross-node op of versions 2-3, relayed boxes included, went as a delta";
+  EXPECT_GT(m3.stream - m1.stream, 0);
+  EXPECT_LT((m3.stream - m1.stream) * 4, m3.replaced - m1.replaced);
+  EXPECT_GE(RelayedAtCommit() - relayed0, 3 * kModelBytes);
+}
+
+// The relays' source no longer matches what the sender diffed against: after version 1 a byte of
+// each replica's live copy of tensor a changes behind n1's back. Version 2's deltas into that box
+// are refused and resent in full after the buckets; the relay at the commit copies the final bytes,
+// so both replicas are exact and verified (and version 3 is deltas again, no refusal).
+TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeTheRelayReadsIt) {
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  for (TestWorker* r : {r1_, r2_}) static_cast<uint8_t*>(r->seg.data())[5] ^= 0x40;  // whichever replica receives it
+  const DeltaMeter m0 = ScrapeDeltaMeter(endpoint_->port());
+  Version(2);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = ScrapeDeltaMeter(endpoint_->port());
+  EXPECT_GE(m1.fallbacks - m0.fallbacks, 1) << "the delta into the changed box must be refused";
+  EXPECT_GT(m1.stream - m0.stream, 0) << "the other deltas still travel";
+  Version(3);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(ScrapeDeltaMeter(endpoint_->port()).fallbacks - m1.fallbacks, 0);
+}
+
+}  // namespace
+}  // namespace wb::daemon
