@@ -18,6 +18,7 @@
 #include "daemon/node/local_workers.h"
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
+#include "daemon/testing/node_parts.h"
 #include "daemon/testing/sim_deadline.h"
 #include "transport/config.h"
 #include "transport/factory.h"
@@ -40,31 +41,10 @@ class NoCoordinator final : public CoordinatorAccess {
   UnstartedCoordinatorClient client_{"n0"};
 };
 
-class VersionsTest : public ::testing::Test {
+// The node's parts on a FakeClock, a fake transport posing as host_tcp (daemon/testing/node_parts.h).
+class VersionsTest : public ::testing::Test, public daemon::testing::NodeParts {
  protected:
-  VersionsTest() {
-    set_.Add(transport::NewHostShmTransport(transport::TransportConfig{}));
-    transport::testing::FakeOptions fo;
-    fo.fabric = &fabric_;
-    fo.node_id = "n0";
-    fo.kind = "host_tcp";
-    set_.Add(transport::testing::MakeFakeTransport(fo));
-    copier_ = std::make_unique<LiveCopier>("n0", set_.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false));
-    local_ = std::make_unique<LocalWorkers>(LocalWorkers::Options{"n0", &clock_, absl::Minutes(2), copier_.get()});
-    NodeStaging::Options so;
-    so.node_id = "n0";
-    so.budget_bytes = int64_t{1} << 20;
-    so.clock = &clock_;
-    so.metrics = &metrics_;
-    so.copier = copier_.get();
-    staging_ = std::make_unique<NodeStaging>(so);
-    transports_ = std::make_unique<NodeTransports>(&set_, nullptr);
-    Versions::Options vo;
-    vo.node_id = "n0";
-    vo.clock = &clock_;
-    vo.metrics = &metrics_;
-    versions_ = std::make_unique<Versions>(vo, *local_, channels_, *staging_, *transports_, coordinator_);
-  }
+  VersionsTest() : NodeParts({.fake_host_tcp = true, .staging_budget_bytes = int64_t{1} << 20}) { MakeVersions(coordinator_); }
   ~VersionsTest() override {
     versions_.reset();
     local_.reset();
@@ -99,17 +79,7 @@ class VersionsTest : public ::testing::Test {
     return req;
   }
 
-  FakeClock clock_;
-  DaemonMetrics metrics_;
-  transport::testing::FakeFabric fabric_;
-  transport::TransportSet set_;
-  std::unique_ptr<LiveCopier> copier_;
-  std::unique_ptr<LocalWorkers> local_;
-  std::unique_ptr<NodeStaging> staging_;
-  ChannelCache channels_;
-  std::unique_ptr<NodeTransports> transports_;
   NoCoordinator coordinator_;
-  std::unique_ptr<Versions> versions_;
 };
 
 TEST_F(VersionsTest, CommitOfAVersionThisNodeNeverHeldIsRefusedAndAbortsItsWaiters) {

@@ -20,6 +20,7 @@
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
 #include "daemon/node/versions.h"
+#include "daemon/testing/node_parts.h"
 #include "daemon/testing/sim_deadline.h"
 #include "transport/config.h"
 #include "transport/factory.h"
@@ -56,24 +57,11 @@ class UnregisteredCoordinator final : public CoordinatorAccess {
   UnstartedCoordinatorClient client_{"n0"};
 };
 
-class WorkerCallsTest : public ::testing::Test {
+// The node's parts on a FakeClock (daemon/testing/node_parts.h) + WorkerCalls over them.
+class WorkerCallsTest : public ::testing::Test, public daemon::testing::NodeParts {
  protected:
-  WorkerCallsTest() : coordinator_(&clock_) {
-    set_.Add(transport::NewHostShmTransport(transport::TransportConfig{}));
-    copier_ = std::make_unique<LiveCopier>("n0", set_.Pick(transport::MemoryKind::kHost, transport::MemoryKind::kHost, false));
-    local_ = std::make_unique<LocalWorkers>(LocalWorkers::Options{"n0", &clock_, absl::Minutes(2), copier_.get()});
-    NodeStaging::Options so;
-    so.node_id = "n0";
-    so.clock = &clock_;
-    so.metrics = &metrics_;
-    so.copier = copier_.get();
-    staging_ = std::make_unique<NodeStaging>(so);
-    transports_ = std::make_unique<NodeTransports>(&set_, nullptr);
-    Versions::Options vo;
-    vo.node_id = "n0";
-    vo.clock = &clock_;
-    vo.metrics = &metrics_;
-    versions_ = std::make_unique<Versions>(vo, *local_, channels_, *staging_, *transports_, coordinator_);
+  WorkerCallsTest() : NodeParts({}), coordinator_(&clock_) {
+    MakeVersions(coordinator_);
     WorkerCalls::Options wo;
     wo.node_id = "n0";
     wo.clock = &clock_;
@@ -87,16 +75,7 @@ class WorkerCallsTest : public ::testing::Test {
     local_.reset();
   }
 
-  FakeClock clock_;
-  DaemonMetrics metrics_;
-  transport::TransportSet set_;
-  std::unique_ptr<LiveCopier> copier_;
-  std::unique_ptr<LocalWorkers> local_;
-  std::unique_ptr<NodeStaging> staging_;
-  ChannelCache channels_;
-  std::unique_ptr<NodeTransports> transports_;
   UnregisteredCoordinator coordinator_;
-  std::unique_ptr<Versions> versions_;
   std::unique_ptr<WorkerCalls> calls_;
 };
 
