@@ -98,23 +98,12 @@ class ExecutorTest : public ::testing::Test {
     for (int n = 0; n < 2; ++n) {
       threads[n] = std::thread([&, n] {
         const std::string me = absl::StrCat("n", n);
-        ExecFacts f;
-        f.me = me;
         std::map<std::string, RegionMemory> mem;
         for (uint32_t w = 0; w < slice_.workers.size(); ++w) {
           if (slice_.workers[w].node_id != me) continue;
           uint8_t* base = w == 2 ? relay_.data() : mem_[n].data();
           mem[RegionKey(w, 0)] = RegionMemory{MemoryKind::kHost, base, kElems * 4, -1, {}};
-          f.kind[RegionKey(w, 0)] = MemoryKind::kHost;
         }
-        auto plan = MakeExecPlan(slice_, f);
-        if (!plan.ok()) {
-          out_[n].status = plan.status();
-          return;
-        }
-        ExecTransports t;
-        t.local = local_.get();
-        t.cross = cross_[n].get();
         ExecOptions o;
         o.label = absl::StrCat("m v1 on ", me);
         o.version = 1;
@@ -123,8 +112,7 @@ class ExecutorTest : public ::testing::Test {
         if (before_bucket) o.before_bucket = [&, n](uint32_t b) { before_bucket(n, b); };
         o.aborted = aborted;
         if (before_post_) o.before_post = [&, n](uint32_t b) { return before_post_(n, b); };
-        Rendezvous::Side side(&rendezvous_, me);
-        out_[n].status = RunExecPlan(*plan, mem, t, side, o, out_[n].result);
+        out_[n].status = rendezvous_.RunNode(slice_, me, mem, local_.get(), cross_[n].get(), o, out_[n].result);
       });
     }
     for (auto& t : threads) t.join();

@@ -15,6 +15,21 @@ void ExecRendezvous::Reset() {
   endpoints_.clear();
 }
 
+absl::Status ExecRendezvous::RunNode(const node::Slice& slice, const std::string& me,
+                                     const std::map<std::string, node::RegionMemory>& memory, transport::Transport* local,
+                                     transport::Transport* cross, const node::ExecOptions& options, node::ExecResult& result) {
+  node::ExecFacts facts;
+  facts.me = me;
+  for (const auto& [key, m] : memory) facts.kind[key] = m.kind;
+  auto plan = node::MakeExecPlan(slice, facts);
+  if (!plan.ok()) return plan.status();
+  node::ExecTransports t;
+  t.local = local;
+  t.cross = cross;
+  Side side(this, me);
+  return node::RunExecPlan(*plan, memory, t, side, options, result);
+}
+
 void ExecRendezvous::Side::Publish(std::map<std::string, std::map<std::string, std::string>> descriptors) {
   absl::MutexLock l(&r_->mu_);
   r_->desc_[me_] = std::move(descriptors);

@@ -23,6 +23,13 @@ class ExecRendezvous {
   // Forgets descriptors and endpoints (the transports stay): the next version meets afresh.
   void Reset();
 
+  // One node's executor in a test: the exec plan of `slice` for node `me` over `memory` (each
+  // region's kind as given), run with `local` / `cross` and `options`, meeting its peers here.
+  // Each node of the test calls it on its own thread at once.
+  absl::Status RunNode(const node::Slice& slice, const std::string& me, const std::map<std::string, node::RegionMemory>& memory,
+                       transport::Transport* local, transport::Transport* cross, const node::ExecOptions& options,
+                       node::ExecResult& result);
+
   // One node's side: the ChannelSetup its executor runs with.
   class Side : public node::ChannelSetup {
    public:
