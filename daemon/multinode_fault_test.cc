@@ -21,6 +21,16 @@
 namespace wb::daemon {
 namespace {
 
+// The lease tests' start: all four workers registered, version 1 (one-step-off) published and
+// applied by r0, byte for byte.
+void RegisterAndApplyVersion1(Cluster& c, const pb::ModelSpec& spec, TestWorker& t0, TestWorker& t1, TestWorker& r0, TestWorker& r1) {
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  pb::ApplyResponse resp;
+  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
+  ASSERT_EQ(CountBad(r0, 1), 0);
+}
+
 // After n1 lost its lease and thawed: it registers again within a heartbeat (until then the
 // coordinator refuses JoinWorker, node not alive: wait for it on the coordinator's status push),
 // its workers t1 and r1 register again (as clients do after NOT_FOUND), and version 3 reaches
@@ -73,11 +83,8 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   }, [&] { return frozen.load(); });
   pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, spec, t0, t1, r0, r1));
   pb::ApplyResponse resp;
-  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
-  ASSERT_EQ(CountBad(r0, 1), 0);
 
   // Version 2: publishes return (one-step-off), the transfer starts, n1 freezes in it.
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
@@ -173,11 +180,8 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   }, [&] { return frozen.load(); });
   pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
-  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, spec, t0, t1, r0, r1));
   pb::ApplyResponse resp;
-  ASSERT_TRUE(c.Apply(r0, "m", 1, &resp).ok());
-  ASSERT_EQ(CountBad(r0, 1), 0);
 
   // Armed before version 2 (nothing disconnects while it runs until the abort), not after n1
   // froze: a test thread descheduled past the 600 ms lease would arm it too late.
