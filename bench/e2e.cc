@@ -235,13 +235,14 @@ struct BenchCluster {
   std::unique_ptr<e2e::Harness> harness;  // owns the processes: destroyed after `cluster`
   std::unique_ptr<Cluster> cluster;
 };
-absl::StatusOr<BenchCluster> StartBenchCluster(const std::string& tag, const std::vector<std::string>& extra) {
+absl::StatusOr<BenchCluster> StartBenchCluster(const std::string& tag, const std::vector<std::string>& extra, bool node_metrics = false) {
   BenchCluster out;
   ASSIGN_OR_RETURN(out.harness, e2e::Harness::Create(tag));
   e2e::ClusterOptions copts;
   copts.num_nodes = 2;
   copts.lease_ms = 10000;
   copts.transfer_timeout_ms = 300000;
+  copts.node_metrics = node_metrics;
   copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
   copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), extra.begin(), extra.end());
   ASSIGN_OR_RETURN(out.cluster, Cluster::Start(out.harness.get(), copts));
@@ -410,24 +411,13 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
 // cluster (node metrics on). Inter-node bytes are measured: the host_tcp payload the rollout node
 // received (wb_nic_bytes_total) over each run, per version; next to the plan's wire bytes.
 int RunQuantization(const std::string& quantization, const std::string& config, int versions, int replicas, bool json) {
-  auto harness = e2e::Harness::Create("bench-e2e-quant");
-  if (!harness.ok()) {
-    std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
-    return 1;
-  }
-  e2e::ClusterOptions copts;
-  copts.num_nodes = 2;
-  copts.lease_ms = 10000;
-  copts.transfer_timeout_ms = 300000;
-  copts.node_metrics = true;
-  copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
-  auto cluster = Cluster::Start(harness->get(), copts);
-  if (!cluster.ok()) {
-    std::fprintf(stderr, "bench/e2e: cluster: %s\n", cluster.status().ToString().c_str());
+  auto bc = StartBenchCluster("bench-e2e-quant", {}, /*node_metrics=*/true);
+  if (!bc.ok()) {
+    std::fprintf(stderr, "bench/e2e: cluster: %s\n", bc.status().ToString().c_str());
     return 1;
   }
   auto received = [&]() -> double {
-    auto m = daemon::ScrapeMetrics((*cluster)->node_metrics_port(1), absl::Seconds(10));
+    auto m = daemon::ScrapeMetrics(bc->cluster->node_metrics_port(1), absl::Seconds(10));
     return m.ok() ? daemon::MetricSum(*m, "wb_nic_bytes_total", "direction=\"received\"") : -1;
   };
   struct Case {
@@ -439,11 +429,11 @@ int RunQuantization(const std::string& quantization, const std::string& config, 
   for (Case& c : cases) {
     if (!json) std::fprintf(stderr, "bench/e2e: rollouts in %s...\n", c.name.c_str());
     const double before = received();
-    c.result = RunStrategy(**cluster, "weightbridge", config, versions, replicas, c.quantization);
+    c.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas, c.quantization);
     const double after = received();
     c.nic_bytes = before >= 0 && after >= 0 ? (after - before) / versions : -1;
   }
-  (*harness)->KillAll();
+  bc->harness->KillAll();
   const Case& b = cases[0];
   const Case& q = cases[1];
   const double ratio = b.nic_bytes > 0 ? q.nic_bytes / b.nic_bytes : 0;
@@ -514,33 +504,21 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
   const int64_t model_bytes = e2e::ModelBytes(config);
   std::vector<Case> cases = {{"full", {}, {}}, {"delta", {absl::StrCat("--delta_cache_bytes=", 2 * model_bytes)}, {}}};
   for (Case& c : cases) {
-    auto harness = e2e::Harness::Create("bench-e2e-" + c.name);
-    if (!harness.ok()) {
-      std::fprintf(stderr, "bench/e2e: %s\n", harness.status().ToString().c_str());
-      return 1;
-    }
-    e2e::ClusterOptions copts;
-    copts.num_nodes = 2;
-    copts.lease_ms = 10000;
-    copts.transfer_timeout_ms = 300000;
-    copts.node_metrics = true;
-    copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
-    copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), c.daemon_flags.begin(), c.daemon_flags.end());
-    auto cluster = Cluster::Start(harness->get(), copts);
-    if (!cluster.ok()) {
-      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", c.name.c_str(), cluster.status().ToString().c_str());
+    auto bc = StartBenchCluster("bench-e2e-" + c.name, c.daemon_flags, /*node_metrics=*/true);
+    if (!bc.ok()) {
+      std::fprintf(stderr, "bench/e2e: cluster (%s): %s\n", c.name.c_str(), bc.status().ToString().c_str());
       return 1;
     }
     auto received = [&]() -> double {
-      auto m = daemon::ScrapeMetrics((*cluster)->node_metrics_port(1), absl::Seconds(10));
+      auto m = daemon::ScrapeMetrics(bc->cluster->node_metrics_port(1), absl::Seconds(10));
       return m.ok() ? daemon::MetricSum(*m, "wb_nic_bytes_total", "direction=\"received\"") : -1;
     };
     if (!json) std::fprintf(stderr, "bench/e2e: %s versions (lr %g, %s)...\n", c.name.c_str(), lr, fraction.c_str());
     const double before = received();
-    c.result = RunStrategy(**cluster, "weightbridge", config, versions, replicas, "", {fraction});
+    c.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas, "", {fraction});
     const double after = received();
     c.nic_bytes = before >= 0 && after >= 0 ? after - before : -1;
-    (*harness)->KillAll();
+    bc->harness->KillAll();
   }
   const Case& f = cases[0];
   const Case& d = cases[1];
