@@ -1,7 +1,8 @@
 // The planner runs OUTSIDE the coordinator's lock (issue 14): while a plan is being made,
 // heartbeats and ClusterStatus are answered. Deterministic: the injected planner blocks until the
 // test has seen a heartbeat and a status answered (or gives up after a deadline, failing the test
-// instead of hanging it). A second test plans the real Kimi-K2 on 2048 GPUs.
+// instead of hanging it). The real Kimi-K2 plans (8-1024 nodes of 8 GPUs) and the heartbeat p99
+// while they run are measured by bench:control_plane (docs/operations.md), not here.
 #include <atomic>
 #include <fstream>
 #include <sstream>
