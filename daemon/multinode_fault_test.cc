@@ -21,6 +21,23 @@
 namespace wb::daemon {
 namespace {
 
+// The lease tests freeze n1 inside version 2's executor: Hold (on the executor's thread, from the
+// before-bucket hook) stops its heartbeats (`frozen` is the node's heartbeat gate) and blocks until
+// Thaw (at most 20 s); `entered` tells the test it is frozen.
+struct Freeze {
+  absl::Notification entered, release;
+  std::atomic<bool> frozen{false};
+  void Hold() {
+    frozen = true;
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  }
+  void Thaw() {
+    frozen = false;
+    release.Notify();
+  }
+};
+
 // The lease tests' start: all four workers registered, version 1 (one-step-off) published and
 // applied by r0, byte for byte.
 void RegisterAndApplyVersion1(Cluster& c, const pb::ModelSpec& spec, TestWorker& t0, TestWorker& t1, TestWorker& r0, TestWorker& r1) {
@@ -66,8 +83,7 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
   c.StartCoordinator(absl::Milliseconds(600));
-  absl::Notification entered, release;
-  std::atomic<bool> frozen{false};
+  Freeze n1;
   c.StartNode(0);
   // The hook runs before every bucket and freezes only the first (bucket 0 of version 2). After
   // the thaw the executor may well reach bucket 1 of the aborted version: its bucket-0 posts go
@@ -76,11 +92,9 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   // that second call notified `entered` again (absl::Notification: "Notify() called more than
   // once", a crash in CI) and would have frozen n1's heartbeats for good.
   c.StartNode(1, [&](const std::string&, uint64_t version, uint32_t) {
-    if (version != 2 || entered.HasBeenNotified()) return;  // the executor's thread only: no race
-    frozen = true;
-    entered.Notify();
-    release.WaitForNotificationWithTimeout(absl::Seconds(20));
-  }, [&] { return frozen.load(); });
+    if (version != 2 || n1.entered.HasBeenNotified()) return;  // the executor's thread only: no race
+    n1.Hold();
+  }, [&] { return n1.frozen.load(); });
   pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
   ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, spec, t0, t1, r0, r1));
@@ -88,7 +102,7 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
 
   // Version 2: publishes return (one-step-off), the transfer starts, n1 freezes in it.
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(n1.entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
   grpc::Status s = c.Apply(r0, "m", 2, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
   EXPECT_NE(s.error_message().find("node n1 lost its lease"), std::string::npos) << s.error_message();
@@ -108,8 +122,7 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   }
   // Thaw: n1's executor fails on the torn-down channel, its next heartbeat is refused and it
   // registers again; its workers re-register (as clients do after NOT_FOUND) and v3 succeeds.
-  frozen = false;
-  release.Notify();
+  n1.Thaw();
   ExpectN1RejoinsAndVersion3Lands(c, spec, t0, t1, r0, r1);
   c.Stop();
 }
@@ -166,18 +179,16 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
       });
     };
   });
-  absl::Notification entered, release, later_bucket;
-  std::atomic<bool> frozen{false};
+  Freeze n1;
+  absl::Notification later_bucket;
   c.StartNode(1, [&](const std::string&, uint64_t version, uint32_t bucket) {
     if (version != 2) return;
-    if (entered.HasBeenNotified()) {  // the executor's thread only: no race with the first call
+    if (n1.entered.HasBeenNotified()) {  // the executor's thread only: no race with the first call
       if (bucket > 0 && !later_bucket.HasBeenNotified()) later_bucket.Notify();
       return;
     }
-    frozen = true;
-    entered.Notify();
-    release.WaitForNotificationWithTimeout(absl::Seconds(20));
-  }, [&] { return frozen.load(); });
+    n1.Hold();
+  }, [&] { return n1.frozen.load(); });
   pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
   ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, spec, t0, t1, r0, r1));
@@ -187,12 +198,11 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   // froze: a test thread descheduled past the 600 ms lease would arm it too late.
   disconnect_armed = true;  // n0's next Disconnect (its abort's drop of the n1 channel) waits for the gate
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
-  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(n1.entered.WaitForNotificationWithTimeout(absl::Seconds(20)));
   grpc::Status s = c.Apply(r0, "m", 2, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
   EXPECT_NE(s.error_message().find("node n1 lost its lease"), std::string::npos) << s.error_message();
-  frozen = false;
-  release.Notify();
+  n1.Thaw();
   const bool ran_on = later_bucket.WaitForNotificationWithTimeout(absl::Seconds(20));
   gate.Notify();
   ASSERT_TRUE(ran_on) << "n1 did not reach bucket 1 of version 2 while n0 kept the channel open";
