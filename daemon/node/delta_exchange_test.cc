@@ -116,22 +116,11 @@ class DeltaExecTest : public ::testing::Test {
     for (int n = 0; n < 2; ++n) {
       threads[n] = std::thread([&, n] {
         const std::string me = absl::StrCat("n", n);
-        ExecFacts f;
-        f.me = me;
         std::map<std::string, RegionMemory> mem;
         // n0 holds t (trainer 0) and r1 (staging 1); n1 holds r (staging 0) and t1 (trainer 1).
         const uint32_t tw = n == 0 ? 0 : 2, rw = n == 0 ? 3 : 1;
         mem[RegionKey(tw, 0)] = RegionMemory{MemoryKind::kHost, trainer_[n].data(), kBytes, -1, {}};
         mem[RegionKey(rw, 0)] = RegionMemory{MemoryKind::kHost, staging_[1 - n].data(), kBytes, -1, {}};
-        for (auto& [key, m] : mem) f.kind[key] = MemoryKind::kHost;
-        auto plan = MakeExecPlan(slice_, f);
-        if (!plan.ok()) {
-          out_[n].status = plan.status();
-          return;
-        }
-        ExecTransports t;
-        t.local = local_.get();
-        t.cross = cross_[n].get();
         ExecOptions o;
         o.label = absl::StrCat("m v", v, " on ", me);
         o.version = v;
@@ -157,8 +146,7 @@ class DeltaExecTest : public ::testing::Test {
           }
         };
         if (on_landed_) o.deltas.on_landed = [this, n](uint32_t op, absl::Span<uint8_t> s) { on_landed_(n, op, s); };
-        Rendezvous::Side side(&rendezvous_, me);
-        out_[n].status = RunExecPlan(*plan, mem, t, side, o, out_[n].result);
+        out_[n].status = rendezvous_.RunNode(slice_, me, mem, local_.get(), cross_[n].get(), o, out_[n].result);
       });
     }
     for (auto& t : threads) t.join();
