@@ -93,23 +93,7 @@ class DeltaE2eTest : public ::testing::Test {
   }
 
   // The coordinator's final record of version v.
-  pb::VersionStatus VersionOf(uint64_t v) {
-    auto st = c_.WaitForCoordinator(
-        [v](const pb::StatusResponse& s) {
-          for (const pb::VersionStatus& vs : s.versions()) {
-            if (vs.version() == v && vs.state() != "queued" && vs.state() != "transferring" && vs.state() != "published") return true;
-          }
-          return false;
-        },
-        absl::Seconds(30));
-    EXPECT_TRUE(st.ok()) << st.status();
-    if (st.ok()) {
-      for (const pb::VersionStatus& vs : st->versions()) {
-        if (vs.version() == v) return vs;
-      }
-    }
-    return {};
-  }
+  pb::VersionStatus VersionOf(uint64_t v) { return c_.FinalVersion(v); }
 
   // Version v published, applied where the mode asks, every rollout byte checked, verified.
   void Version(pb::Mode mode, uint64_t v, bool apply = true) {

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -247,6 +248,21 @@ absl::StatusOr<pb::StatusResponse> Cluster::WaitForCoordinator(const std::functi
   auto client = client::CtlClient::Connect(coord_->address(), timeout);
   if (!client.ok()) return client.status();
   return (*client)->WaitForStatus(pred, absl::Now() + timeout);
+}
+
+pb::VersionStatus Cluster::FinalVersion(uint64_t v, absl::Duration timeout) {
+  auto is_final = [v](const pb::VersionStatus& vs) {
+    return vs.version() == v && vs.state() != "queued" && vs.state() != "transferring";
+  };
+  auto st = WaitForCoordinator(
+      [&](const pb::StatusResponse& s) { return std::any_of(s.versions().begin(), s.versions().end(), is_final); }, timeout);
+  EXPECT_TRUE(st.ok()) << "version " << v << " not final in time: " << st.status();
+  if (st.ok()) {
+    for (const pb::VersionStatus& vs : st->versions()) {
+      if (is_final(vs)) return vs;
+    }
+  }
+  return {};
 }
 
 pb::StatusResponse Cluster::Status(TestWorker& w) {

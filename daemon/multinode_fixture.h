@@ -80,6 +80,9 @@ class Cluster {
   // Waits (bounded) on the coordinator's status push until `pred` holds.
   absl::StatusOr<pb::StatusResponse> WaitForCoordinator(const std::function<bool(const pb::StatusResponse&)>& pred,
                                                         absl::Duration timeout);
+  // The coordinator's record of version `v` once it is final (committed, aborted or superseded),
+  // waited for on the status push; an empty record and a test failure when it is not in `timeout`.
+  pb::VersionStatus FinalVersion(uint64_t v, absl::Duration timeout = absl::Seconds(30));
   // Status as w's node answers it.
   pb::StatusResponse Status(TestWorker& w);
 
