@@ -1,14 +1,16 @@
 // Lossless deltas into boxes a rollout relays on (issue 17.2; docs/daemon.md "Deltas (design and
-// status)"), with real daemons: trainers t0, t1 on n0, two rollout replicas r1, r2 on n1 (sync,
-// WeightBridge). Every box crosses the nodes once, into one replica; the other gets it by a
-// same-node relay that n1 leaves to the commit (daemon/node/exec_plan.h "Relays at commit"). The
-// ordering this relies on: a relay left to the commit runs after n1's executor returned, i.e. after
-// every delta stream into its source was decoded and checked and every refused one resent in full
-// (executor.cc DeltaTail) - so the slicer may send the relayed boxes as deltas (the relays
-// themselves go full, same-node). Shown here: versions 2-3 travel as deltas for every cross-node
-// byte, both replicas exact and verified; and when r1's copy - the relays' source - no longer
-// matches, its deltas are refused and resent in full, and r2 still gets exact bytes from the relay
-// (a relay that read r1's staging before the fallback would have copied undecoded bytes).
+// status)"), with real daemons: trainers t0, t1 on n0, two rollout replicas r1, r2 on n1
+// (WeightBridge). Every box crosses the nodes once, into one replica; the other gets it by a
+// same-node relay. The ordering this relies on: such a relay reads its source only after n1's
+// delta tail (executor.cc DeltaTail: every stream into the source decoded and checked, every
+// refused one resent in full) - a sync commit runs it after the executor (exec_plan.h "Relays at
+// commit"), otherwise the executor posts it in its bucket's after-deltas route once the tail is
+// done ("Relays after the deltas") - so the slicer may send the relayed boxes as deltas (relays
+// themselves go full, same-node). Shown here: every cross-node byte of versions 2-3 travels as a
+// delta with relays at the commit and with relays in their buckets (sync, one-step-off, async),
+// both replicas exact and verified; and when the relays' source no longer matches, its deltas are
+// refused and resent in full, and the relayed replica still gets exact bytes (a relay that read
+// before the full resend would have copied undecoded bytes).
 #include "daemon/delta_e2e_util.h"
 #include "daemon/metrics.h"
 #include "daemon/metrics_scrape.h"
@@ -29,7 +31,7 @@ planner::Inventory RelayInventory() {
 }
 constexpr double kModelBytes = 128 * 256 * 4 + 64 * 128 * 2;
 
-pb::ModelSpec RelaySpec(const planner::Inventory& inv) {
+pb::ModelSpec RelaySpec(const planner::Inventory& inv, pb::Mode mode) {
   pb::ModelSpec spec;
   spec.set_model_id("m");
   for (const planner::TensorSpec& t : inv.tensors) {
@@ -40,7 +42,7 @@ pb::ModelSpec RelaySpec(const planner::Inventory& inv) {
   }
   spec.set_num_trainer_workers(2);
   spec.set_num_rollout_workers(2);
-  spec.set_mode(pb::MODE_SYNC);
+  spec.set_mode(mode);
   spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
   return spec;
 }
@@ -51,20 +53,29 @@ class DeltaRelayTest : public ::testing::Test {
     auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
     ASSERT_TRUE(endpoint.ok()) << endpoint.status();
     endpoint_ = std::move(*endpoint);
+  }
+
+  // `whole`: 1 MiB buckets and one trainer per tensor, so the planner's fragments (its
+  // load-balancing grain, at most a quarter of a bucket) are whole tensors: each crosses the nodes
+  // into one replica's piece and is relayed whole into the other's, which a sync commit does.
+  // Else 16 KiB buckets and tensor a split over both trainers: 4 KiB fragments, alternating
+  // between the replicas, each relaying to the other in its buckets (after the delta tail).
+  void Start(pb::Mode mode, bool whole) {
+    mode_ = mode;
     c_.delta_fraction = kChange;
-    // 1 MiB buckets: the planner's fragments (load-balancing grain, at most a quarter of a bucket)
-    // stay whole tensors here.
-    c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 1 << 20; });
+    c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [whole](ServerOptions& o) { o.bucket_bytes = whole ? 1 << 20 : 16384; });
     for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
-    spec_ = RelaySpec(inv_);
-    // One trainer per tensor: each tensor is one fragment, which crosses the nodes into one
-    // replica's whole piece and is relayed whole into the other's (a piece filled in part by a
-    // relay would be relayed in a bucket, and its boxes go full).
-    t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}}));
-    t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{1, {0, 0}, {64, 128}, false}}));
-    const std::vector<PieceDef> whole = {{0, {0, 0}, {128, 256}, false}, {1, {0, 0}, {64, 128}, false}};
-    r1_ = &c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, whole));
-    r2_ = &c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, whole));
+    spec_ = RelaySpec(inv_, mode);
+    if (whole) {
+      t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}}));
+      t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{1, {0, 0}, {64, 128}, false}}));
+    } else {
+      t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {64, 256}, false}, {1, {0, 0}, {64, 128}, false}}));
+      t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {64, 0}, {128, 256}, false}}));
+    }
+    const std::vector<PieceDef> all = {{0, {0, 0}, {128, 256}, false}, {1, {0, 0}, {64, 128}, false}};
+    r1_ = &c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, all));
+    r2_ = &c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, all));
     for (TestWorker* w : {t0_, t1_, r1_, r2_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
   }
   void TearDown() override { c_.Stop(); }
@@ -75,16 +86,25 @@ class DeltaRelayTest : public ::testing::Test {
     return m.ok() ? MetricSum(*m, "wb_relay_at_commit_bytes_total", "node=\"n1\"") : 0;
   }
 
-  // Version v published (sync), both replicas exact, the version verified end to end.
+  // Version v published (and applied outside sync), both replicas exact, the version verified end
+  // to end.
   void Version(uint64_t v) {
-    for (auto& s : c_.Publish("m", pb::MODE_SYNC, v, {t0_, t1_}, {r1_, r2_})) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
-    for (TestWorker* r : {r1_, r2_}) EXPECT_EQ(CountBadDelta(*r, v, kChange), 0) << r->id << " version " << v;
+    for (auto& s : c_.Publish("m", mode_, v, {t0_, t1_}, {r1_, r2_})) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
+    for (TestWorker* r : {r1_, r2_}) {
+      if (mode_ != pb::MODE_SYNC) {
+        pb::ApplyResponse resp;
+        grpc::Status a = c_.Apply(*r, "m", v, &resp);
+        ASSERT_TRUE(a.ok()) << r->id << " v" << v << ": " << a.error_message();
+      }
+      EXPECT_EQ(CountBadDelta(*r, v, kChange), 0) << r->id << " version " << v;
+    }
     const pb::VersionStatus vs = FinalVersionStatus(c_, v);
     EXPECT_TRUE(vs.verified()) << "version " << v << ": " << vs.ShortDebugString();
   }
 
   planner::Inventory inv_ = RelayInventory();
   pb::ModelSpec spec_;
+  pb::Mode mode_ = pb::MODE_SYNC;
   Cluster c_;
   std::unique_ptr<MetricsEndpoint> endpoint_;
   TestWorker *t0_ = nullptr, *t1_ = nullptr, *r1_ = nullptr, *r2_ = nullptr;
@@ -94,6 +114,8 @@ class DeltaRelayTest : public ::testing::Test {
 // per version, though one replica's boxes are all relayed on), streams < 1/4 of them, no refusal;
 // the relays ran at the commit; both replicas exact and verified.
 TEST_F(DeltaRelayTest, BoxesRelayedAtTheCommitTravelAsDeltas) {
+  Start(pb::MODE_SYNC, /*whole=*/true);
+  ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m0 = ScrapeDeltaMeter(endpoint_->port());
   const double relayed0 = RelayedAtCommit();
   Version(1);
@@ -118,6 +140,8 @@ TEST_F(DeltaRelayTest, BoxesRelayedAtTheCommitTravelAsDeltas) {
 // are refused and resent in full after the buckets; the relay at the commit copies the final bytes,
 // so both replicas are exact and verified (and version 3 is deltas again, no refusal).
 TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeTheRelayReadsIt) {
+  Start(pb::MODE_SYNC, /*whole=*/true);
+  ASSERT_FALSE(HasFatalFailure());
   Version(1);
   ASSERT_FALSE(HasFatalFailure());
   for (TestWorker* r : {r1_, r2_}) static_cast<uint8_t*>(r->seg.data())[5] ^= 0x40;  // whichever replica receives it
@@ -131,6 +155,52 @@ TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeTheRelayReadsIt) {
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_EQ(ScrapeDeltaMeter(endpoint_->port()).fallbacks - m1.fallbacks, 0);
 }
+
+class DeltaRelayModesTest : public DeltaRelayTest, public ::testing::WithParamInterface<pb::Mode> {};
+
+// Relays in their buckets, both ways between the replicas (every piece filled partly by the
+// nodes' link, partly by a relay): the relays wait for n1's delta tail (exec_plan.h "Relays after
+// the deltas"), so every cross-node byte of versions 2-3 still travels as a delta; both replicas
+// exact and verified, in every mode.
+TEST_P(DeltaRelayModesTest, BoxesRelayedInTheirBucketsTravelAsDeltas) {
+  Start(GetParam(), /*whole=*/false);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = ScrapeDeltaMeter(endpoint_->port());
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = ScrapeDeltaMeter(endpoint_->port());
+  EXPECT_EQ(m3.fallbacks - m1.fallbacks, 0);
+  EXPECT_EQ(m3.replaced - m1.replaced, 2 * kModelBytes) << "every cross-node op of versions 2-3, relayed boxes included, went as a delta";
+  EXPECT_GT(m3.stream - m1.stream, 0);
+  EXPECT_LT((m3.stream - m1.stream) * 4, m3.replaced - m1.replaced);
+}
+
+// Sync, relays in their buckets (pieces filled partly by relays are not left to the commit): a
+// byte of both replicas' live copies - the bases - changes behind n1's back; the refused delta is
+// resent in full after the buckets and only then relayed: both replicas exact and verified.
+TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeARelayInItsBucketReadsIt) {
+  Start(pb::MODE_SYNC, /*whole=*/false);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  for (TestWorker* r : {r1_, r2_}) static_cast<uint8_t*>(r->seg.data())[5] ^= 0x40;
+  const DeltaMeter m0 = ScrapeDeltaMeter(endpoint_->port());
+  Version(2);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = ScrapeDeltaMeter(endpoint_->port());
+  EXPECT_GE(m1.fallbacks - m0.fallbacks, 1) << "the delta into the changed box must be refused";
+  EXPECT_GT(m1.stream - m0.stream, 0);
+  Version(3);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(ScrapeDeltaMeter(endpoint_->port()).fallbacks - m1.fallbacks, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeltaRelayModesTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
+                         [](const ::testing::TestParamInfo<pb::Mode>& i) { return pb::Mode_Name(i.param); });
 
 }  // namespace
 }  // namespace wb::daemon

@@ -95,46 +95,35 @@ bool CudaBufferAt(const SliceWorker& w, int32_t buffer) {
   return b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
 }
 
-// Relays the receiving node leaves to the commit (daemon/node/exec_plan.h "Relays at commit"), by
-// plan op order. The same rule as node::PlanRelaysAtCommit, from what the coordinator knows: sync
-// mode, a same-node relay between host pieces into a rollout without quantised pieces whose
-// buffers are all host memory, into a piece no op reads, and the candidate relays into that piece
-// fill it whole. Such a relay runs after the executor, so it reads its source's staging only once
-// every delta into it was decoded, checked, or resent in full.
-std::vector<bool> RelaysAtCommit(const planner::Plan& plan, const SliceInput& in) {
-  const bool sync = in.mode == pb::MODE_SYNC || in.mode == pb::MODE_UNSPECIFIED;
-  std::set<std::pair<uint32_t, int32_t>> read;  // (worker, piece) some op reads
+// Relays that read only decoded, checked bytes, by plan op order: same-node relays between host
+// pieces into a box no op reads. The receiving node runs them after its delta tail (every stream
+// decoded and checked, every refused op resent in full): left to the commit (sync, whole pieces
+// of an unquantised host rollout: daemon/node/exec_plan.h "Relays at commit"), or else in the
+// bucket's after-deltas route ("Relays after the deltas"), which delays nothing another op reads
+// because no op reads the box they write.
+std::vector<bool> RelaysAfterDeltas(const planner::Plan& plan, const SliceInput& in) {
+  std::map<std::pair<uint32_t, int32_t>, std::vector<const planner::Box*>> read;  // (worker, tensor) -> boxes ops read
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
-      if (op.src_piece >= 0) read.insert({op.src_worker, op.src_piece});
+      if (op.src_piece >= 0) read[{op.src_worker, op.tensor}].push_back(&op.box);
     }
   }
-  auto candidate = [&](const planner::TransferOp& op) {
-    const SliceWorker& sw = in.workers[op.src_worker];
-    const SliceWorker& dw = in.workers[op.dst_worker];
-    if (!sync || sw.role != planner::Role::kRollout || dw.role != planner::Role::kRollout || sw.node != dw.node) return false;
-    if (op.src_piece < 0 || op.dst_piece < 0 || planner::HasQuantizedPieces(*dw.layout)) return false;
-    for (int j = 0; j < dw.layout_proto->buffers_size(); ++j) {
-      if (CudaBufferAt(dw, j)) return false;  // the node leaves relays only into host live buffers to the commit
+  auto is_read = [&](uint32_t worker, int32_t tensor, const planner::Box& box) {
+    auto it = read.find({worker, tensor});
+    if (it == read.end()) return false;
+    for (const planner::Box* r : it->second) {
+      if (planner::Intersect(*r, box).has_value()) return true;
     }
-    return CudaBuffer(sw, op.src_piece) == nullptr && read.count({op.dst_worker, op.dst_piece}) == 0;
+    return false;
   };
-  std::map<std::pair<uint32_t, int32_t>, int64_t> filled;  // (destination, piece) -> candidate relay bytes
-  for (const planner::Bucket& b : plan.buckets) {
-    for (const planner::TransferOp& op : b.ops) {
-      if (candidate(op)) filled[{op.dst_worker, op.dst_piece}] += op.bytes;
-    }
-  }
   std::vector<bool> out;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
-      bool at_commit = candidate(op);
-      if (at_commit) {
-        const planner::Piece& p = in.workers[op.dst_worker].layout->pieces[op.dst_piece];
-        const int64_t whole = planner::BoxVolume(p.box) * planner::DTypeSize(in.inventory->tensors[p.tensor].dtype);
-        at_commit = filled[{op.dst_worker, op.dst_piece}] == whole;
-      }
-      out.push_back(at_commit);
+      const SliceWorker& sw = in.workers[op.src_worker];
+      const SliceWorker& dw = in.workers[op.dst_worker];
+      out.push_back(sw.role == planner::Role::kRollout && dw.role == planner::Role::kRollout && sw.node == dw.node &&
+                    op.src_piece >= 0 && op.dst_piece >= 0 && CudaBuffer(sw, op.src_piece) == nullptr &&
+                    CudaBuffer(dw, op.dst_piece) == nullptr && !is_read(op.dst_worker, op.tensor, op.box));
     }
   }
   return out;
@@ -143,14 +132,15 @@ std::vector<bool> RelaysAtCommit(const planner::Plan& plan, const SliceInput& in
 }  // namespace
 
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl) {
-  // Boxes some op reads from a rollout in the buckets (relays not left to the commit), per
-  // (worker, tensor): such a relay would forward bytes before their delta is decoded and checked.
-  const std::vector<bool> at_commit = RelaysAtCommit(plan, in);
+  // Boxes some op reads from a rollout before the receiving node's delta tail (relays other than
+  // RelaysAfterDeltas), per (worker, tensor): such a relay would forward bytes before their delta
+  // is decoded and checked.
+  const std::vector<bool> after_deltas = RelaysAfterDeltas(plan, in);
   std::map<std::pair<uint32_t, int32_t>, std::vector<const planner::Box*>> relayed;
   size_t k = 0;
   for (const planner::Bucket& b : plan.buckets) {
     for (const planner::TransferOp& op : b.ops) {
-      if (in.workers[op.src_worker].role != planner::Role::kTrainer && !at_commit[k]) relayed[{op.src_worker, op.tensor}].push_back(&op.box);
+      if (in.workers[op.src_worker].role != planner::Role::kTrainer && !after_deltas[k]) relayed[{op.src_worker, op.tensor}].push_back(&op.box);
       ++k;
     }
   }

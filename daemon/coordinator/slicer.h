@@ -67,10 +67,11 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
 // host rollout piece that is either unquantised (the op not sender-quantised) or filled with the
 // sender's quantised bytes (TransferOp.sender_quantized: a delta of the quantised elements and of
 // the scales; a receiver-quantised piece goes full, its node keeps no canonical base), and whose box
-// no relay in the buckets reads from that rollout (it would forward bytes before their delta is
-// decoded and checked). Relays the receiving node leaves to the commit (sync, same node, whole host
-// pieces of an unquantised rollout: node::PlanRelaysAtCommit's rule, mirrored here) read after the
-// executor, so the boxes they read may be deltas; relays themselves go full.
+// no relay reads from that rollout before the receiving node's delta tail (it would forward bytes
+// before their delta is decoded and checked). Same-node relays between host pieces into a box no
+// op reads run after the tail - left to the commit, or in the bucket's after-deltas route
+// (daemon/node/exec_plan.h) - so the boxes they read may be deltas; any other relay (across nodes,
+// into a box some op reads, GPU memory) keeps the boxes it reads full. Relays themselves go full.
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl);
 
 void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,

@@ -140,11 +140,12 @@ TEST(SlicerTest, DeltaOpsAreCrossNodeTrainerToNonRelayingRolloutFromADeltaNode) 
   EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false}));
 }
 
-// Relays the receiving node leaves to the commit (sync, same node, whole host pieces of an
-// unquantised rollout; node::PlanRelaysAtCommit) run after its executor, i.e. after every delta
-// into their source was decoded and checked: the op into the relayed box may be a delta. Every
-// other relay runs in a bucket and keeps the boxes it reads full. Relays themselves go full.
-TEST(SlicerTest, BoxesRelayedAtTheCommitMayBeDeltas) {
+// Same-node relays between host pieces into a piece no op reads run after the receiving node's
+// delta tail (left to the commit, or in the bucket's after-deltas route: daemon/node/exec_plan.h),
+// i.e. after every delta into their source was decoded and checked: the op into the relayed box
+// may be a delta, in every mode. A relay across nodes, out of a piece some op reads, or into GPU
+// memory reads in its bucket and keeps the boxes it reads full. Relays themselves go full.
+TEST(SlicerTest, BoxesRelayedAfterTheDeltaTailMayBeDeltas) {
   SliceInput in = Input();
   in.mode = pb::MODE_SYNC;
   in.nodes["a"].sends_deltas = true;
@@ -161,23 +162,23 @@ TEST(SlicerTest, BoxesRelayedAtTheCommitMayBeDeltas) {
     for (const pb::TransferOp& op : slices->by_node.at("b").ops()) out.push_back(op.delta());
     return out;
   };
-  EXPECT_EQ(delta_of(in), (std::vector<bool>{true, false})) << "a relay at the commit reads decoded bytes; the relay goes full";
+  EXPECT_EQ(delta_of(in), (std::vector<bool>{true, false})) << "the relay reads decoded bytes; the relay goes full";
   SliceInput other = in;
-  other.mode = pb::MODE_ONE_STEP_OFF;  // no relays at the commit outside sync
-  EXPECT_EQ(delta_of(other), (std::vector<bool>{false, false}));
+  other.mode = pb::MODE_ONE_STEP_OFF;  // no relays at the commit: after the deltas in its bucket
+  EXPECT_EQ(delta_of(other), (std::vector<bool>{true, false}));
   other = in;
   auto cuda = std::make_shared<pb::ResolvedLayout>(*Proto("r3"));
   cuda->mutable_buffers(0)->mutable_cuda_ipc_handle();
-  other.workers[4].layout_proto = cuda;  // r3's live buffers on a GPU: the node relays in a bucket
+  other.workers[4].layout_proto = cuda;  // r3's piece on a GPU: a CUDA copy in its bucket
   EXPECT_EQ(delta_of(other), (std::vector<bool>{false, false}));
   plan.buckets[1].ops[0].box = {{0, 0}, {2, 4}};  // the relay fills half of r3's piece
   plan.buckets[1].ops[0].bytes = 16;
-  EXPECT_EQ(delta_of(in), (std::vector<bool>{false, false})) << "a piece filled in part is relayed in a bucket";
+  EXPECT_EQ(delta_of(in), (std::vector<bool>{true, false})) << "a piece filled in part: after the deltas too";
   plan.buckets[1].ops[0].box = {{0, 0}, {4, 4}};
   plan.buckets[1].ops[0].bytes = 32;
   plan.buckets.push_back({});
   plan.buckets[2].ops = {Op(4, 3, 32, planner::Route::kInterNode)};  // r3 relays on to r2 (c)
-  EXPECT_EQ(delta_of(in), (std::vector<bool>{false, false, false})) << "a piece some op reads is not left to the commit";
+  EXPECT_EQ(delta_of(in), (std::vector<bool>{false, false, false})) << "a relay into a piece some op reads runs in its bucket";
 }
 
 // Quantised rollouts: an op the sending node quantises (sender_quantized) may be a delta of the

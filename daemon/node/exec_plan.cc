@@ -282,10 +282,32 @@ void PlanChannels(const ExecFacts& facts, const std::map<std::string, std::set<s
 
 // The routes of one bucket: one batch of same-node host copies, one of same-node CUDA copies, one
 // per peer channel, each with its ops in op-index order (the mirror the peer derives).
+// Boxes incoming delta ops of the slice write, per (local rollout, tensor): a same-node relay
+// reading one of them waits for the delta tail (Route::after_deltas).
+using DeltaWritten = std::map<std::pair<uint32_t, int32_t>, std::vector<planner::Box>>;
+DeltaWritten DeltaWrittenBoxes(const Slice& slice, const std::string& me) {
+  DeltaWritten out;
+  for (const SliceOp& op : slice.ops) {
+    if (op.delta && !op.nccl && !IsLocal(slice, op.src_worker, me) && IsLocal(slice, op.dst_worker, me)) {
+      out[{op.dst_worker, op.tensor}].push_back(op.box);
+    }
+  }
+  return out;
+}
+
+bool ReadsDeltaWritten(const DeltaWritten& written, const SliceOp& op) {
+  auto it = written.find({op.src_worker, op.tensor});
+  if (it == written.end()) return false;
+  for (const planner::Box& b : it->second) {
+    if (planner::Intersect(b, op.box).has_value()) return true;
+  }
+  return false;
+}
+
 absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const SenderQuant& quant, const std::vector<const SliceOp*>& ops,
-                        uint32_t b, ExecPlan& plan, BucketPlan& out) {
+                        uint32_t b, const DeltaWritten& delta_written, ExecPlan& plan, BucketPlan& out) {
   const std::string& me = facts.me;
-  int host_route = -1, cuda_route = -1;
+  int host_route = -1, cuda_route = -1, after_route = -1;
   std::map<std::string, int> peer_routes;
   for (const SliceOp* op : ops) {
     const bool s_local = IsLocal(slice, op->src_worker, me), d_local = IsLocal(slice, op->dst_worker, me);
@@ -336,10 +358,12 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const Sender
     fresh.bucket = b;
     if (s_local && d_local) {
       const bool host = KindOf(facts, r.src_key) == MemoryKind::kHost && KindOf(facts, r.dst_key) == MemoryKind::kHost;
-      slot = host ? &host_route : &cuda_route;
+      const bool after = host && slice.workers[op->src_worker].role == planner::Role::kRollout && ReadsDeltaWritten(delta_written, *op);
+      slot = after ? &after_route : host ? &host_route : &cuda_route;
       fresh.kind = host ? RouteKind::kHost : RouteKind::kCuda;
-      fresh.what = host ? "same-node copies" : "same-node CUDA copies";
+      fresh.what = after ? "same-node relays after the deltas" : host ? "same-node copies" : "same-node CUDA copies";
       fresh.peer = me;
+      fresh.after_deltas = after;
     } else {
       const std::string& peer = slice.workers[s_local ? op->dst_worker : op->src_worker].node_id;
       const int my_lane = s_local ? op->nccl_src_device : op->nccl_dst_device;
@@ -502,9 +526,10 @@ absl::StatusOr<ExecPlan> MakeExecPlan(const Slice& slice, const ExecFacts& facts
   std::vector<std::vector<const SliceOp*>> by_bucket(slice.num_buckets);
   for (const SliceOp& op : slice.ops) by_bucket[op.bucket].push_back(&op);
   plan.buckets.resize(slice.num_buckets);
+  const DeltaWritten delta_written = DeltaWrittenBoxes(slice, facts.me);
   for (uint32_t b = 0; b < slice.num_buckets; ++b) {
     std::sort(by_bucket[b].begin(), by_bucket[b].end(), [](const SliceOp* x, const SliceOp* y) { return x->index < y->index; });
-    RETURN_IF_ERROR(PlanBucket(slice, facts, quant, by_bucket[b], b, plan, plan.buckets[b]));
+    RETURN_IF_ERROR(PlanBucket(slice, facts, quant, by_bucket[b], b, delta_written, plan, plan.buckets[b]));
   }
   return plan;
 }

@@ -16,6 +16,12 @@
 //  - Relays at commit (sync mode): a same-node relay from rollout A's host staging into rollout B
 //    is left to the commit only when the relays fill a WHOLE piece of B that no op reads, and B is a
 //    local sync rollout with host live buffers and no quantised pieces.
+//  - Relays after the deltas: a same-node relay (host staging to host staging) whose source box
+//    overlaps a box an incoming delta op of this slice writes goes into its bucket's
+//    `after_deltas` route, which the executor posts only after the delta tail (every stream
+//    decoded and checked, every refused op resent in full), in bucket order. The coordinator marks
+//    a box delta only when every relay reading it in a bucket is such a relay into a box no op
+//    reads (slicer DeltaOps), so deferring it delays nothing another op reads.
 //  - Written regions: rollout incoming staging and the gather staging. A batch that reads one of
 //    them (reads_written) is posted only after every batch of the earlier buckets completed; other
 //    batches are pipelined.
@@ -219,6 +225,8 @@ struct Route {
   int64_t bytes = 0;
   int64_t incoming = 0;        // bytes landing on this node
   bool reads_written = false;  // reads a written region: needs every earlier bucket complete
+  // Same-node relays out of boxes incoming deltas write: posted after the delta tail (see the top).
+  bool after_deltas = false;
   std::pair<int, int> lane{-1, -1};  // nccl: (our GPU, the peer's GPU)
   std::tuple<std::string, std::string, int, int> order;  // nccl: place in the global channel order
   std::vector<RouteOp> ops;

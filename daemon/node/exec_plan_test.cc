@@ -266,6 +266,35 @@ TEST(ExecPlanTest, RelayIsNotLeftToTheCommitOutsideSyncModeOrIntoAQuantisedRollo
   }
 }
 
+// Relays after the deltas: one-step-off (no relays at the commit), op 0 into A is a delta. The
+// relays out of the box it writes go into their bucket's after_deltas route (the executor posts it
+// once every stream was decoded and checked and every refused op resent); without the delta they
+// are ordinary same-node copies, and a relay reading another box is not held back.
+TEST(ExecPlanTest, RelaysOutOfBoxesDeltasWriteWaitForTheDeltaTail) {
+  RelayCase c;
+  c.sb.slice().sync = false;
+  c.sb.slice().ops[0].delta = true;
+  c.sb.slice().ops[0].box = {{0}, {32}};  // the delta writes A's [0, 32)
+  c.sb.slice().ops[0].bytes = 128;
+  c.sb.Op(3, 0, c.t, 0, c.a, c.ap, 32, 64);  // A's [32, 64) in full
+  auto p = MakeExecPlan(c.sb.slice(), c.Facts(false));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->buckets.size(), 2u);
+  const Route* peer = FindRoute(p->buckets[0], RouteKind::kPeer);
+  ASSERT_NE(peer, nullptr);
+  EXPECT_TRUE(peer->ops[0].delta);
+  std::vector<std::pair<std::vector<uint32_t>, bool>> relays;
+  for (const Route& r : p->buckets[1].routes) relays.push_back({OpIndices(r), r.after_deltas});
+  EXPECT_EQ(relays, (std::vector<std::pair<std::vector<uint32_t>, bool>>{{{1}, true}, {{2}, false}}))
+      << "op 1 reads the delta's box, op 2 the full one";
+  c.sb.slice().ops[0].delta = false;
+  p = MakeExecPlan(c.sb.slice(), c.Facts(false));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->buckets[1].routes.size(), 1u);
+  EXPECT_FALSE(p->buckets[1].routes[0].after_deltas);
+  EXPECT_EQ(OpIndices(p->buckets[1].routes[0]), (std::vector<uint32_t>{1, 2}));
+}
+
 TEST(ExecPlanTest, ABatchReadingAWrittenRegionWaitsForEarlierBuckets) {
   RelayCase c;
   auto p = MakeExecPlan(c.sb.slice(), c.Facts(/*host_live=*/false));

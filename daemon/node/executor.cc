@@ -53,6 +53,7 @@ class Run {
     result_.setup_s = absl::ToDoubleSeconds(t1 - t0);
     absl::Status s = RunBuckets();
     if (s.ok() && delta_ != nullptr) s = DeltaTail();
+    if (s.ok()) s = RunAfterDeltas();
     if (delta_ != nullptr) result_.delta = delta_->stats();
     result_.buckets_s = absl::ToDoubleSeconds(absl::Now() - t1);
     return s;
@@ -458,6 +459,7 @@ class Run {
   void PostPipelined(const BucketPlan& bucket, uint32_t b) {
     bool any_reads_written = false;
     for (const Route& r : bucket.routes) {
+      if (r.after_deltas) continue;  // RunAfterDeltas
       if (r.reads_written) {
         any_reads_written = true;
       } else if (!Failed()) {
@@ -467,7 +469,7 @@ class Run {
     if (!any_reads_written) return;
     WaitBefore(b);
     for (const Route& r : bucket.routes) {
-      if (r.reads_written && !Failed()) Post(r);
+      if (r.reads_written && !r.after_deltas && !Failed()) Post(r);
     }
   }
 
@@ -480,7 +482,7 @@ class Run {
     WaitBefore();
     if (Failed()) return;
     for (const Route& r : bucket.routes) {
-      if (r.kind != RouteKind::kNccl && !Failed()) Post(r);
+      if (r.kind != RouteKind::kNccl && !r.after_deltas && !Failed()) Post(r);
     }
     std::vector<std::thread> gpu_threads;
     if (!Failed()) {
@@ -503,6 +505,24 @@ class Run {
     }
     WaitBefore();
     for (std::thread& t : gpu_threads) t.join();
+  }
+
+  // Same-node relays out of boxes incoming deltas write (Route::after_deltas): once the delta tail
+  // put every decoded or resent box in place, bucket by bucket (a relay may read what an earlier
+  // one wrote). Same-node routes have no mirror on a peer: only this node waits.
+  absl::Status RunAfterDeltas() {
+    for (const BucketPlan& bucket : plan_.buckets) {
+      bool any = false;
+      for (const Route& r : bucket.routes) {
+        if (r.after_deltas && !Failed()) {
+          Post(r);
+          any = true;
+        }
+      }
+      if (any) WaitBefore();
+    }
+    absl::MutexLock l(&mu_);
+    return first_.ok() ? first_ : Annotate(first_, absl::StrCat("version ", o_.version, ", relays after the deltas"));
   }
 
   absl::Status RunBuckets() {
