@@ -214,15 +214,8 @@ pb::Mode ModeOf(const std::string& m) {
 
 grpc::Status Receive(Cluster& c, TestWorker& r, pb::Mode mode, uint64_t v) {
   if (mode == pb::MODE_SYNC) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));
-    pb::WaitVersionRequest req;
-    req.set_model_id("qwen");
-    req.set_version(v);
-    req.set_timeout_ms(590000);
-    req.set_worker_id(r.id);
     pb::WaitVersionResponse resp;
-    return r.stub->WaitVersion(&ctx, req, &resp);
+    return WaitVersionAs(r, "qwen", v, 590000, &resp);
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(600));

@@ -18,14 +18,7 @@ namespace {
 
 // WaitVersion as the clients send it (with the worker's id).
 grpc::Status WaitFor(TestWorker& w, uint64_t v, pb::WaitVersionResponse* resp, int64_t timeout_ms = 20000) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms + 10000));
-  pb::WaitVersionRequest req;
-  req.set_model_id("m");
-  req.set_version(v);
-  req.set_timeout_ms(timeout_ms);
-  req.set_worker_id(w.id);
-  return w.stub->WaitVersion(&ctx, req, resp);
+  return WaitVersionAs(w, "m", v, timeout_ms, resp);
 }
 
 // What a rollout does to get version v: sync, WaitVersion (the commit writes live weights);

@@ -366,6 +366,17 @@ grpc::Status ApplyWithin(TestWorker& r, uint64_t v, int64_t timeout_ms, pb::Appl
   return r.stub->Apply(&ctx, req, resp);
 }
 
+grpc::Status WaitVersionAs(TestWorker& w, const std::string& model, uint64_t v, int64_t timeout_ms, pb::WaitVersionResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms + 10000));
+  pb::WaitVersionRequest req;
+  req.set_model_id(model);
+  req.set_version(v);
+  req.set_timeout_ms(timeout_ms);
+  req.set_worker_id(w.id);
+  return w.stub->WaitVersion(&ctx, req, resp);
+}
+
 uint64_t CommittedOf(const pb::StatusResponse& st, const std::string& model) {
   for (const pb::ModelStatus& m : st.models()) {
     if (m.model_id() == model) return m.committed_version();

@@ -133,6 +133,9 @@ grpc::Status WaitCommitted(TestWorker& w, const std::string& model, uint64_t v);
 pb::WorkerStatus LocalStatus(Cluster& c, TestWorker& w);
 // Apply of model "m" version v with the request's timeout_ms (the RPC's own deadline is 30 s).
 grpc::Status ApplyWithin(TestWorker& r, uint64_t v, int64_t timeout_ms, pb::ApplyResponse* resp);
+// WaitVersion(v) of `model` as the clients send it, with w's worker id (so a late rollout is
+// answered once it holds v); the request's timeout_ms, the RPC's own deadline 10 s later.
+grpc::Status WaitVersionAs(TestWorker& w, const std::string& model, uint64_t v, int64_t timeout_ms, pb::WaitVersionResponse* resp);
 // committed_version of `model` in a status (0 when absent).
 uint64_t CommittedOf(const pb::StatusResponse& st, const std::string& model);
 
