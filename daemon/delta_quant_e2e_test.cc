@@ -178,7 +178,7 @@ TEST_P(DeltaQuantTest, SenderQuantisedVersionsTravelAsDeltasOfTheQuantisedBytes)
   EXPECT_LT(stream * 4, replaced) << "5% of bf16 elements changed: streams far below the fp8 bytes";
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, DeltaQuantTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF),
+INSTANTIATE_TEST_SUITE_P(Modes, DeltaQuantTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
                          [](const ::testing::TestParamInfo<pb::Mode>& i) { return pb::Mode_Name(i.param); });
 
 // Sync: after version 1 a byte of r1's live fp8 elements (the block at rows 0-127, cols 0-127)
