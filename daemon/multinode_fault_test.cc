@@ -38,9 +38,13 @@ struct Freeze {
   }
 };
 
+// The lease tests' model: one-step-off, WeightBridge plans.
+pb::ModelSpec LeaseTestSpec() { return SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE); }
+
 // The lease tests' start: all four workers registered, version 1 (one-step-off) published and
 // applied by r0, byte for byte.
-void RegisterAndApplyVersion1(Cluster& c, const pb::ModelSpec& spec, TestWorker& t0, TestWorker& t1, TestWorker& r0, TestWorker& r1) {
+void RegisterAndApplyVersion1(Cluster& c, TestWorker& t0, TestWorker& t1, TestWorker& r0, TestWorker& r1) {
+  const pb::ModelSpec spec = LeaseTestSpec();
   for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   pb::ApplyResponse resp;
@@ -52,8 +56,8 @@ void RegisterAndApplyVersion1(Cluster& c, const pb::ModelSpec& spec, TestWorker&
 // coordinator refuses JoinWorker, node not alive: wait for it on the coordinator's status push),
 // its workers t1 and r1 register again (as clients do after NOT_FOUND), and version 3 reaches
 // both rollouts byte for byte.
-void ExpectN1RejoinsAndVersion3Lands(Cluster& c, const pb::ModelSpec& spec, TestWorker& t0, TestWorker& t1, TestWorker& r0,
-                                     TestWorker& r1) {
+void ExpectN1RejoinsAndVersion3Lands(Cluster& c, TestWorker& t0, TestWorker& t1, TestWorker& r0, TestWorker& r1) {
+  const pb::ModelSpec spec = LeaseTestSpec();
   auto back = c.WaitForCoordinator(
       [](const pb::StatusResponse& st) {
         for (const pb::NodeStatus& n : st.nodes()) {
@@ -95,9 +99,8 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
     if (version != 2 || n1.entered.HasBeenNotified()) return;  // the executor's thread only: no race
     n1.Hold();
   }, [&] { return n1.frozen.load(); });
-  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, spec, t0, t1, r0, r1));
+  ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, t0, t1, r0, r1));
   pb::ApplyResponse resp;
 
   // Version 2: publishes return (one-step-off), the transfer starts, n1 freezes in it.
@@ -123,7 +126,7 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   // Thaw: n1's executor fails on the torn-down channel, its next heartbeat is refused and it
   // registers again; its workers re-register (as clients do after NOT_FOUND) and v3 succeeds.
   n1.Thaw();
-  ExpectN1RejoinsAndVersion3Lands(c, spec, t0, t1, r0, r1);
+  ExpectN1RejoinsAndVersion3Lands(c, t0, t1, r0, r1);
   c.Stop();
 }
 
@@ -189,9 +192,8 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
     }
     n1.Hold();
   }, [&] { return n1.frozen.load(); });
-  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   auto [t0, t1, r0, r1] = AddTwoNodeWorkers(c, inv);
-  ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, spec, t0, t1, r0, r1));
+  ASSERT_NO_FATAL_FAILURE(RegisterAndApplyVersion1(c, t0, t1, r0, r1));
   pb::ApplyResponse resp;
 
   // Armed before version 2 (nothing disconnects while it runs until the abort), not after n1
@@ -208,7 +210,7 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   ASSERT_TRUE(ran_on) << "n1 did not reach bucket 1 of version 2 while n0 kept the channel open";
   EXPECT_EQ(CountBad(r0, 1), 0) << "rollout weights must still be exactly version 1";
 
-  ExpectN1RejoinsAndVersion3Lands(c, spec, t0, t1, r0, r1);
+  ExpectN1RejoinsAndVersion3Lands(c, t0, t1, r0, r1);
   c.Stop();
 }
 
