@@ -44,6 +44,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -82,6 +83,12 @@ struct EncodeOptions {
   int elem_size = 2;  // 1 (fp8, int8, int4 pairs), 2 (bf16, fp16), 4 (fp32), 8
   uint32_t chunk_elems = kDefaultChunkElems;
   std::string_view what;  // names the bytes in errors, e.g. "tensor 'x' box [0:4096, 0:896]"
+  // The digest of `base` when the caller recorded it (the target digest of the encode that made
+  // that version): the encoder then does not hash the base. Taken as given: a wrong one makes the
+  // receiver refuse the stream (never a wrong byte).
+  std::optional<Digest> base_digest;
+  // TEST ONLY: the portable scan even where a vector one exists (both must give the same stream).
+  bool portable_scan = false;
 };
 
 struct EncodeStats {
@@ -100,8 +107,25 @@ size_t MaxEncodedBytes(size_t total_bytes, int elem_size, uint32_t chunk_elems =
 // used. INVALID_ARGUMENT (naming options.what and the values) for an elem_size other than 1, 2,
 // 4, 8, a bad chunk_elems, base and target of different sizes or not a multiple of elem_size, or
 // a short `out`. Reads base and target once (the digests are computed in the same pass).
+// `target_digest` (optional) receives the target's digest (the next encode's base digest).
 absl::StatusOr<size_t> EncodeInto(const VersionBytes& base, const VersionBytes& target, const EncodeOptions& options,
-                                  absl::Span<uint8_t> out, EncodeStats* stats = nullptr);
+                                  absl::Span<uint8_t> out, EncodeStats* stats = nullptr, Digest* target_digest = nullptr);
+
+// Writes the target's bytes [offset, offset + dst.size()) into `dst` (e.g. packs part of a box).
+using FillFn = std::function<void(size_t offset, absl::Span<uint8_t> dst)>;
+
+// The sender's fused pass (pack + encode): per chunk, `fill` writes the target's chunk into
+// `target_out`, which is then hashed and encoded against `base` while it is in cache - one pass
+// over the bytes instead of a pack, then an encode. On return `target_out` holds the whole target
+// (the sender's copy for the next version) and `*target_digest` its digest. The same stream as
+// EncodeInto over that target; errors as EncodeInto (base and target_out of one size).
+absl::StatusOr<size_t> EncodeFilling(const VersionBytes& base, uint64_t target_version, const FillFn& fill,
+                                     absl::Span<uint8_t> target_out, const EncodeOptions& options,
+                                     absl::Span<uint8_t> out, Digest* target_digest, EncodeStats* stats = nullptr);
+
+// Fills `target_out` through `fill`, `chunk_bytes` at a time, hashing each piece while in cache:
+// returns DigestOf(target_out) (a box the sender keeps without a base to encode against).
+Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes = 64 * 1024);
 // The same into a new vector (sized to the result).
 absl::StatusOr<std::vector<uint8_t>> Encode(const VersionBytes& base, const VersionBytes& target,
                                             const EncodeOptions& options, EncodeStats* stats = nullptr);

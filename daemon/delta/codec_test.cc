@@ -268,5 +268,76 @@ TEST(DeltaCodec, RandomGarbageNeverCrashes) {
   }
 }
 
+// The vector scan (2-byte elements, AVX2 where the CPU has it) and the portable loop make the same
+// streams: every density, small and random changes (values needing 2 bytes: exceptions, raw,
+// dense), chunks that end mid mask word.
+TEST(DeltaCodec, VectorAndPortableScansMakeTheSameStream) {
+  for (double share : {0.0, 1e-3, 0.04, 0.3, 0.9, 1.0}) {
+    for (int max_step : {1, 100, 300, 40000}) {
+      for (uint32_t chunk : {64u, 4096u, kDefaultChunkElems}) {
+        const Pair p = MakePair(2 * 4096 + 45, 2, share, max_step, 5 + max_step);
+        EncodeOptions o;
+        o.elem_size = 2;
+        o.chunk_elems = chunk;
+        EncodeStats sv, sp;
+        auto vec = Encode({4, p.base}, {5, p.target}, o, &sv);
+        o.portable_scan = true;
+        auto port = Encode({4, p.base}, {5, p.target}, o, &sp);
+        ASSERT_TRUE(vec.ok() && port.ok());
+        ASSERT_EQ(*vec, *port) << "share " << share << " step " << max_step << " chunk " << chunk;
+        EXPECT_EQ(sv.changed_elements, sp.changed_elements);
+      }
+    }
+  }
+}
+
+// The sender's fused pass: the same stream as packing first, the target written out whole, its
+// digest returned; a recorded base digest gives the same stream without hashing the base; a wrong
+// one is refused by the receiver, never decoded into wrong bytes.
+TEST(DeltaCodec, EncodeFillingMatchesEncodeIntoAndRecordsTheTargetDigest) {
+  for (int es : {1, 2, 4, 8}) {
+    const Pair p = MakePair(3 * 4096 + 37, es, 0.04, 100, 21 + es);
+    EncodeOptions o;
+    o.elem_size = es;
+    o.chunk_elems = 4096;
+    const Coded want = EncodeOk(p, es, 4096);
+    std::vector<size_t> fills;
+    const FillFn fill = [&](size_t off, absl::Span<uint8_t> dst) {
+      fills.push_back(off);
+      std::memcpy(dst.data(), p.target.data() + off, dst.size());
+    };
+    Bytes target_out(p.target.size(), 0), out(MaxEncodedBytes(p.target.size(), es, 4096));
+    Digest td;
+    auto n = EncodeFilling({4, p.base}, 5, fill, absl::MakeSpan(target_out), o, absl::MakeSpan(out), &td);
+    ASSERT_TRUE(n.ok()) << n.status();
+    out.resize(*n);
+    EXPECT_EQ(out, want.stream) << "es " << es;
+    EXPECT_EQ(target_out, p.target);
+    EXPECT_EQ(td, DigestOf(p.target));
+    EXPECT_EQ(fills.size(), 4u) << "one fill per chunk";
+    // With the base's digest recorded: the same stream.
+    o.base_digest = DigestOf(p.base);
+    Bytes out2(MaxEncodedBytes(p.target.size(), es, 4096));
+    auto n2 = EncodeInto({4, p.base}, {5, p.target}, o, absl::MakeSpan(out2));
+    ASSERT_TRUE(n2.ok());
+    out2.resize(*n2);
+    EXPECT_EQ(out2, want.stream);
+    // A wrong recorded digest: the receiver refuses before writing.
+    o.base_digest = Digest{1, 2};
+    auto n3 = EncodeInto({4, p.base}, {5, p.target}, o, absl::MakeSpan(out2 = Bytes(MaxEncodedBytes(p.target.size(), es, 4096))));
+    ASSERT_TRUE(n3.ok());
+    out2.resize(*n3);
+    Bytes dec(p.target.size());
+    EXPECT_EQ(DecodeInto(out2, p.base, dec).code(), absl::StatusCode::kFailedPrecondition);
+  }
+  Bytes t(100000);
+  for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(i * 7);
+  Bytes got(t.size());
+  const Digest d = FillAndDigest([&](size_t off, absl::Span<uint8_t> dst) { std::memcpy(dst.data(), t.data() + off, dst.size()); },
+                                 absl::MakeSpan(got), 4096);
+  EXPECT_EQ(got, t);
+  EXPECT_EQ(d, DigestOf(t));
+}
+
 }  // namespace
 }  // namespace wb::delta

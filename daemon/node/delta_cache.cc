@@ -17,9 +17,10 @@ DeltaCache::DeltaCache(uint64_t capacity_bytes) : pool_(std::make_shared<Pool>()
   pool_->limit = capacity_bytes;
 }
 
-std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, std::vector<uint8_t> bytes) const {
+std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, std::vector<uint8_t> bytes,
+                                                       std::optional<delta::Digest> digest) const {
   std::weak_ptr<Pool> pool = pool_;
-  auto* e = new DeltaEntry{version, std::move(bytes)};
+  auto* e = new DeltaEntry{version, std::move(bytes), digest};
   return std::shared_ptr<const DeltaEntry>(e, [pool](const DeltaEntry* d) {
     std::unique_ptr<DeltaEntry> owned(const_cast<DeltaEntry*>(d));
     std::shared_ptr<Pool> p = pool.lock();
@@ -62,7 +63,8 @@ void DeltaCache::EvictLocked(const DeltaKey& key) {
   committed_.erase(it);
 }
 
-bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes) {
+bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes,
+                            std::optional<delta::Digest> digest) {
   absl::MutexLock l(&mu_);
   const uint64_t size = bytes.size();
   auto& pv = pending_[version];
@@ -85,7 +87,7 @@ bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, std::vector<u
     if (pv.empty()) pending_.erase(version);
     return false;
   }
-  pv[key] = NewEntry(version, std::move(bytes));
+  pv[key] = NewEntry(version, std::move(bytes), digest);
   pending_bytes_ += size;
   return true;
 }

@@ -25,12 +25,14 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/delta/codec.h"
 #include "planner/types.h"
 
 namespace wb::daemon::node {
@@ -55,6 +57,9 @@ struct DeltaKey {
 struct DeltaEntry {
   uint64_t version = 0;
   std::vector<uint8_t> bytes;
+  // delta::DigestOf(bytes), computed while they were packed (the next encode's base digest: the
+  // encoder then does not hash the base again).
+  std::optional<delta::Digest> digest;
 };
 
 class DeltaCache {
@@ -74,7 +79,8 @@ class DeltaCache {
 
   // Files `bytes` as `key`'s pending entry of `version` (replacing one already there). False when
   // it does not fit in the capacity even after evicting every committed entry.
-  bool AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes);
+  bool AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes,
+                  std::optional<delta::Digest> digest = std::nullopt);
 
   // CommitVersion(version): its pending entries become the committed ones; older pending ones go.
   void Commit(uint64_t version);
@@ -105,7 +111,7 @@ class DeltaCache {
     uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
     uint64_t limit = 0;
   };
-  std::shared_ptr<const DeltaEntry> NewEntry(uint64_t version, std::vector<uint8_t> bytes) const;
+  std::shared_ptr<const DeltaEntry> NewEntry(uint64_t version, std::vector<uint8_t> bytes, std::optional<delta::Digest> digest) const;
   const std::shared_ptr<Pool> pool_;
 
   const uint64_t capacity_;

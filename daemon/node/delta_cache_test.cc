@@ -23,6 +23,18 @@ TEST(DeltaCacheTest, PendingBecomesCommittedOnCommitOnly) {
   EXPECT_EQ(c.stats().pending_bytes, 0u);
 }
 
+TEST(DeltaCacheTest, TheDigestFiledWithTheBytesComesBackWithTheCommittedEntry) {
+  DeltaCache c(1000);
+  ASSERT_TRUE(c.AddPending(Key(0), 1, Bytes(16, 1), delta::Digest{7, 9}));
+  ASSERT_TRUE(c.AddPending(Key(1), 1, Bytes(16, 1)));
+  c.Commit(1);
+  auto e = c.Committed(Key(0), 1);
+  ASSERT_NE(e, nullptr);
+  ASSERT_TRUE(e->digest.has_value());
+  EXPECT_EQ(*e->digest, (delta::Digest{7, 9}));
+  EXPECT_FALSE(c.Committed(Key(1), 1)->digest.has_value()) << "none filed: the encoder hashes the base";
+}
+
 TEST(DeltaCacheTest, AbortDropsPendingAndKeepsCommitted) {
   DeltaCache c(1000);
   ASSERT_TRUE(c.AddPending(Key(0), 1, Bytes(16, 1)));

@@ -89,27 +89,42 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
                   absl::Span<uint8_t> out, const std::string& label) {
   const int elem = op.copy.element_size;
   const int64_t raw = op.copy.bytes();
+  absl::StatusOr<transport::StridedLayout> l = SideLayout(op.copy.src, op.copy, src_size);
+  if (!l.ok()) return 0;
   std::vector<uint8_t> target = cache.Buffer(static_cast<size_t>(raw));  // recycled: no first touch
-  if (!PackSide(src, src_size, op.copy.src, op.copy, target.data()).ok()) return 0;
+  // Packs the box into the cache's buffer a codec chunk at a time, each hashed and encoded while it
+  // is in cache: one pass over the source (issue 17.2 update time), not a pack and then an encode.
+  const delta::FillFn fill = [&](size_t off, absl::Span<uint8_t> dst) {
+    l->ForEachPiece(static_cast<int64_t>(off), static_cast<int64_t>(off + dst.size()),
+                    [&](int64_t at, int64_t logical, int64_t len) { std::memcpy(dst.data() + (logical - off), src + at, len); });
+  };
   uint64_t len = 0;
+  std::optional<delta::Digest> digest;
   const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;
   if (!out.empty() && base_version > 0 && codec_elem) {
     std::shared_ptr<const DeltaEntry> base = cache.Committed(KeyOf(op), base_version);
     if (base != nullptr && static_cast<int64_t>(base->bytes.size()) == raw) {
       delta::EncodeOptions eo;
       eo.elem_size = elem;
+      eo.base_digest = base->digest;  // computed when the base was packed: not hashed again
       const std::string what = OpWhat(op, label);
       eo.what = what;
-      absl::StatusOr<size_t> n = delta::EncodeInto({base_version, base->bytes}, {version, target}, eo, out);
-      if (n.ok() && static_cast<int64_t>(*n) < raw) len = *n;
+      delta::Digest td;
+      absl::StatusOr<size_t> n = delta::EncodeFilling({base_version, base->bytes}, version, fill, absl::MakeSpan(target), eo, out, &td);
+      if (n.ok()) {
+        digest = td;
+        if (static_cast<int64_t>(*n) < raw) len = *n;
+      }
     }
   }
-  cache.AddPending(KeyOf(op), version, std::move(target));
+  if (!digest.has_value()) digest = delta::FillAndDigest(fill, absl::MakeSpan(target));
+  cache.AddPending(KeyOf(op), version, std::move(target), digest);
   return len;
 }
 
 absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const std::optional<DeltaBase>& base,
-                      absl::Span<const uint8_t> stream, const std::string& label) {
+                      absl::Span<const uint8_t> stream, const std::string& label, std::optional<delta::Digest> recorded,
+                      delta::Digest* decoded) {
   const std::string what = OpWhat(op, label);
   if (!base.has_value() || base->data == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("delta for ", what, ": the destination holds no committed copy in host memory"));
@@ -137,7 +152,17 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
     b = base_box;
     out = absl::MakeSpan(out_box);
   }
-  if (absl::Status s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what); !s.ok()) return s;
+  absl::Status s = delta::Decode(stream, {base->version, b, recorded}, out, what);
+  // A recorded digest is a shortcut, never the judge: on any failure decide on the base itself
+  // (a base changed behind the node is refused as "made against ... digest", a bad stream stays
+  // DATA_LOSS).
+  if (!s.ok() && recorded.has_value()) s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what);
+  if (!s.ok()) return s;
+  if (decoded != nullptr) {
+    absl::StatusOr<delta::StreamHeader> h = delta::ReadHeader(stream, what);
+    if (!h.ok()) return h.status();
+    *decoded = h->target_digest;
+  }
   if (!dense) return UnpackSide(out_box.data(), dst, dst_size, op.copy.dst, op.copy);
   return absl::OkStatus();
 }
@@ -399,12 +424,17 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
   if (o_.on_landed) o_.on_landed(s.op->op_index, stream);
   std::optional<std::pair<uint8_t*, int64_t>> dst = host_(s.op->dst_key);
   std::optional<DeltaBase> base = o_.base ? o_.base(s.op->dst_key) : std::nullopt;
-  absl::Status st = dst.has_value() ? DecodeOp(*s.op, dst->first, dst->second, base, stream, label_)
+  std::optional<delta::Digest> recorded;
+  if (o_.recorded && base.has_value()) recorded = o_.recorded(*s.op, base->version);
+  delta::Digest decoded;
+  absl::Status st = dst.has_value() ? DecodeOp(*s.op, dst->first, dst->second, base, stream, label_, recorded, &decoded)
                                     : absl::FailedPreconditionError(absl::StrCat(label_, ": ", s.op->dst_key, " is not host staging"));
   s.refused = !st.ok();
   p.mem->data()[p.mine.in_ref + static_cast<int64_t>(j)] = s.refused ? 1 : 0;
+  if (st.ok() && o_.record) o_.record(*s.op, version_, decoded);
   absl::MutexLock l(&mu_);
   stats_.decode_s += absl::ToDoubleSeconds(absl::Now() - t0);
+  if (recorded.has_value()) ++stats_.base_digests_recorded;
   stats_.bytes_received_stream += s.len;
   if (s.refused) {
     ++stats_.ops_refused;

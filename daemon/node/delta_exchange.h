@@ -52,6 +52,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "daemon/delta/codec.h"
 #include "daemon/node/delta_cache.h"
 #include "daemon/node/exec_plan.h"
 #include "transport/transport.h"
@@ -92,6 +93,14 @@ struct DeltaOptions {
   std::function<absl::Status(uint32_t bucket)> source_ready;
   // Receiver: the committed copy of local rollout region `key`; nullopt = refuse its slots.
   std::function<std::optional<DeltaBase>(const std::string& key)> base;
+  // Receiver (optional): the digest of op's destination box as this node decoded and verified it
+  // in `version` (the stream's target digest), recorded by `record` after each good decode; the
+  // next version's base check then does not hash the base. Never trusted for correctness: a
+  // recorded digest that no longer matches the base (live weights changed behind the node) fails
+  // the decode's target digest, and the op is decoded again against the base's own digest (which
+  // refuses it as without a record). Null: the base is hashed.
+  std::function<std::optional<delta::Digest>(const RouteOp& op, uint64_t version)> recorded;
+  std::function<void(const RouteOp& op, uint64_t version, const delta::Digest& digest)> record;
   DeltaBuffers* buffers = nullptr;  // null: fresh buffers per version
   int threads = 2;                  // encode / decode threads
   // TEST ONLY: called with each landed stream before it is decoded (a test corrupts it).
@@ -107,6 +116,7 @@ struct DeltaStats {
   // Receiver side (in slots).
   uint64_t ops_decoded = 0, ops_refused = 0;
   uint64_t bytes_received_stream = 0, bytes_fallback = 0;
+  uint64_t base_digests_recorded = 0;  // decodes whose base digest was recorded, not hashed
   double encode_s = 0, decode_s = 0;  // summed over threads
   std::string first_refusal;          // why the first refused slot was refused
   uint64_t region_bytes = 0;          // host memory of the delta regions of this version
@@ -139,8 +149,12 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
 // Receiver: decodes `stream` against `base` into op's place in `dst` (incoming staging, host).
 // FAILED_PRECONDITION (base missing or of another version/digest) or DATA_LOSS (corrupt stream):
 // the caller resends the op in full; the op's place in `dst` holds unspecified bytes then.
+// `recorded`: the base box's digest if recorded (DeltaOptions::recorded); on any failure with it the
+// op is decoded once more against the base's own digest. `*decoded` (optional) receives the digest
+// of the box it wrote (the stream's verified target digest).
 absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const std::optional<DeltaBase>& base,
-                      absl::Span<const uint8_t> stream, const std::string& label);
+                      absl::Span<const uint8_t> stream, const std::string& label,
+                      std::optional<delta::Digest> recorded = std::nullopt, delta::Digest* decoded = nullptr);
 
 // Batch tags of the protocol's extra batches (distinct from every bucket's BatchTag).
 inline uint64_t LengthsTag(uint64_t version, uint32_t bucket) { return BatchTag(version, 0x800000u | bucket); }

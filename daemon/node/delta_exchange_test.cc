@@ -146,6 +146,18 @@ class DeltaExecTest : public ::testing::Test {
           }
         };
         if (on_landed_) o.deltas.on_landed = [this, n](uint32_t op, absl::Span<uint8_t> s) { on_landed_(n, op, s); };
+        if (record_digests_) {
+          o.deltas.recorded = [this, n](const RouteOp& op, uint64_t version) -> std::optional<delta::Digest> {
+            absl::MutexLock l(&recorded_mu_);
+            auto it = recorded_.find({n, op.op_index});
+            if (it == recorded_.end() || it->second.first != version) return std::nullopt;
+            return it->second.second;
+          };
+          o.deltas.record = [this, n](const RouteOp& op, uint64_t version, const delta::Digest& d) {
+            absl::MutexLock l(&recorded_mu_);
+            recorded_[{n, op.op_index}] = {version, d};
+          };
+        }
         out_[n].status = rendezvous_.RunNode(slice_, me, mem, local_.get(), cross_[n].get(), o, out_[n].result);
       });
     }
@@ -182,6 +194,10 @@ class DeltaExecTest : public ::testing::Test {
   Outcome out_[2];
   std::function<void(int node, uint32_t op, absl::Span<uint8_t> stream)> on_landed_;
   std::atomic<int> not_final_{0};
+  // Receivers record the digests of the boxes they decode (as NodeDeltas does), by (node, op).
+  bool record_digests_ = false;
+  absl::Mutex recorded_mu_;
+  std::map<std::pair<int, uint32_t>, std::pair<uint64_t, delta::Digest>> recorded_ ABSL_GUARDED_BY(recorded_mu_);
 };
 
 TEST_F(DeltaExecTest, FirstVersionFullThenDeltasBothWaysByteExact) {
@@ -235,6 +251,43 @@ TEST_F(DeltaExecTest, ABaseThatDoesNotMatchIsRefusedAndResentInFull) {
   EXPECT_GT(s1.bytes_fallback, 0u);
   EXPECT_EQ(out_[0].result.delta.ops_decoded, 1u);  // the other direction was fine
   EXPECT_EQ(out_[0].result.delta.bytes_sent_full, s1.bytes_fallback);
+}
+
+// Receivers that record what they decoded check the next version's base against that digest
+// (no hash of the base), and a base changed behind the node after it was recorded is still refused
+// ("made against", decided on the base's own digest) and resent in full: never a wrong byte.
+TEST_F(DeltaExecTest, RecordedBaseDigestsSkipTheBaseHashAndAStaleOneIsStillRefused) {
+  record_digests_ = true;
+  SetVersion(1);
+  Run(1, {});
+  ASSERT_TRUE(out_[0].status.ok() && out_[1].status.ok());
+  Commit(1);
+  for (uint64_t v = 2; v <= 3; ++v) {
+    SetVersion(v);
+    Run(v, {{1, v - 1}, {3, v - 1}});
+    ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
+    ASSERT_TRUE(out_[1].status.ok()) << out_[1].status;
+    ExpectExact(absl::StrCat("v", v).c_str());
+    const DeltaStats& s1 = out_[1].result.delta;
+    EXPECT_EQ(s1.ops_decoded, 3u) << "v" << v;
+    EXPECT_EQ(s1.ops_refused + out_[0].result.delta.ops_refused, 0u) << "v" << v;
+    // Version 1 came in full (nothing recorded); version 2's decodes were recorded.
+    EXPECT_EQ(s1.base_digests_recorded, v == 2 ? 0u : 3u) << "v" << v;
+    EXPECT_EQ(out_[0].result.delta.base_digests_recorded, v == 2 ? 0u : 1u) << "v" << v;
+    Commit(v);
+  }
+  committed_[0][4097] ^= 0x10;  // behind the node, after its digest was recorded
+  SetVersion(4);
+  Run(4, {{1, 3}, {3, 3}});
+  ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
+  ASSERT_TRUE(out_[1].status.ok()) << out_[1].status;
+  ExpectExact("v4 after the refusal");
+  const DeltaStats& s1 = out_[1].result.delta;
+  EXPECT_EQ(s1.ops_refused, 1u) << "only the op whose box holds the flipped byte";
+  EXPECT_EQ(s1.ops_decoded, 2u);
+  EXPECT_EQ(s1.base_digests_recorded, 3u);
+  EXPECT_NE(s1.first_refusal.find("was made against version 3"), std::string::npos) << s1.first_refusal;
+  EXPECT_GT(s1.bytes_fallback, 0u);
 }
 
 TEST_F(DeltaExecTest, ADestinationHoldingAnotherVersionGetsFullBytes) {

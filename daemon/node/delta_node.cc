@@ -4,6 +4,8 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace wb::daemon::node {
 namespace {
 
@@ -42,6 +44,30 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     if (bv != base_versions.end() && bv->second > 0) o.base_versions[static_cast<uint32_t>(i)] = bv->second;
     if (w.node_id() == me && w.role() == pb::ROLE_ROLLOUT) local_rollouts[static_cast<uint32_t>(i)] = w.worker_id();
   }
+  // Recorded base digests, by destination box. Slice indices change with plans: the key names the
+  // rollout by worker id.
+  auto box_key = [local_rollouts](const RouteOp& op) -> std::optional<std::string> {
+    std::optional<std::pair<uint32_t, size_t>> at = ParseKey(op.dst_key);
+    if (!at) return std::nullopt;
+    auto id = local_rollouts.find(at->first);
+    if (id == local_rollouts.end()) return std::nullopt;
+    return absl::StrCat(id->second, "|", at->second, "|", op.copy.dst.offset_bytes, "|",
+                        DeltaKey::Of(op.tensor, op.box, op.copy.element_size, op.delta_variant).ToString(), "|", op.delta_variant);
+  };
+  o.recorded = [m, box_key](const RouteOp& op, uint64_t version) -> std::optional<delta::Digest> {
+    std::optional<std::string> k = box_key(op);
+    if (!k) return std::nullopt;
+    absl::MutexLock l(&m->digests_mu);
+    auto it = m->digests.find(*k);
+    if (it == m->digests.end() || it->second.first != version) return std::nullopt;
+    return it->second.second;
+  };
+  o.record = [m, box_key](const RouteOp& op, uint64_t version, const delta::Digest& digest) {
+    std::optional<std::string> k = box_key(op);
+    if (!k) return;
+    absl::MutexLock l(&m->digests_mu);
+    m->digests[*k] = {version, digest};
+  };
   // `m` travels with the options: the cache and buffers outlive the executor run.
   o.base = [m, model, local_rollouts, &local](const std::string& key) -> std::optional<DeltaBase> {
     std::optional<std::pair<uint32_t, size_t>> at = ParseKey(key);

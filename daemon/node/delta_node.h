@@ -33,7 +33,8 @@ class NodeDeltas {
   // buffers, and the receiver's bases: a local rollout's committed staging (host) when it holds
   // one, else its live host buffers when they hold an applied version whole (not being copied,
   // not TORN). Layouts are those of its staging (the slicer sends deltas only to unquantised
-  // rollouts, whose staging and live layouts are the same).
+  // rollouts, whose staging and live layouts are the same). The digests of boxes it decodes are
+  // recorded per model for the next version's base check (DeltaOptions::recorded).
   DeltaOptions For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
                    const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local);
 
@@ -48,6 +49,10 @@ class NodeDeltas {
   struct Model {
     std::unique_ptr<DeltaCache> cache;
     DeltaBuffers buffers;
+    // Receiver: per destination box (rollout worker id, buffer, offset, tensor, box, element size,
+    // variant) the version and digest it decoded last (DeltaOptions::recorded / record).
+    absl::Mutex digests_mu;
+    std::map<std::string, std::pair<uint64_t, delta::Digest>> digests ABSL_GUARDED_BY(digests_mu);
   };
   std::shared_ptr<Model> ModelFor(const std::string& model);
 
