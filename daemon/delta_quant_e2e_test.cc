@@ -40,7 +40,7 @@ planner::Inventory QuantInventory() {
   return inv;
 }
 
-pb::ModelSpec QuantSpec(const planner::Inventory& inv, pb::Mode mode) {
+pb::ModelSpec QuantSpec(const planner::Inventory& inv, pb::Mode mode, int rollouts) {
   pb::ModelSpec spec;
   spec.set_model_id("m");
   for (const planner::TensorSpec& t : inv.tensors) {
@@ -50,7 +50,7 @@ pb::ModelSpec QuantSpec(const planner::Inventory& inv, pb::Mode mode) {
     ts->set_dtype(pb::DTYPE_BF16);
   }
   spec.set_num_trainer_workers(2);
-  spec.set_num_rollout_workers(1);
+  spec.set_num_rollout_workers(rollouts);
   spec.set_mode(mode);
   spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
   return spec;
@@ -115,28 +115,35 @@ class DeltaQuantE2eTest : public ::testing::Test {
   // 64 KiB buckets: sender-quantised plans budget a bucket's staging at most that, so the
   // fragments are single 128x128 blocks spread over several buckets (the delta encodes of later
   // buckets wait for their bytes to be quantised).
-  void Start(pb::Mode mode) {
+  // `replicas` 2: r2 next to r1 (n1), same layout; each block crosses once and is relayed.
+  void Start(pb::Mode mode, int replicas = 1) {
     mode_ = mode;
     c_.delta_fraction = kChange;
     c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 65536; });
     for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
-    spec_ = QuantSpec(inv_, mode);
+    spec_ = QuantSpec(inv_, mode, replicas);
     t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {256, kCols}, false}, {1, {0, 0}, {1, kNorm}, false}}));
     t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {256, 0}, {kRows, kCols}, false}}));
-    r1_ = &c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, layout_);
-    for (TestWorker* w : {t0_, t1_, r1_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
+    rollouts_ = {&c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, layout_)};
+    if (replicas == 2) rollouts_.push_back(&c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, layout_));
+    r1_ = rollouts_[0];
+    for (TestWorker* w : {t0_, t1_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
+    for (TestWorker* w : rollouts_) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
   }
 
   // Version v published (and applied outside sync), r1 byte-exact against the receiver's
   // quantisation, the version verified end to end.
   void Version(uint64_t v) {
-    for (auto& s : c_.Publish("m", mode_, v, {t0_, t1_}, {r1_})) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
-    if (mode_ != pb::MODE_SYNC) {
-      pb::ApplyResponse resp;
-      grpc::Status a = c_.Apply(*r1_, "m", v, &resp);
-      ASSERT_TRUE(a.ok()) << "v" << v << ": " << a.error_message();
+    for (auto& s : c_.Publish("m", mode_, v, {t0_, t1_}, rollouts_)) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
+    const std::vector<uint8_t> expected = Expected(inv_, layout_, v);
+    for (TestWorker* r : rollouts_) {
+      if (mode_ != pb::MODE_SYNC) {
+        pb::ApplyResponse resp;
+        grpc::Status a = c_.Apply(*r, "m", v, &resp);
+        ASSERT_TRUE(a.ok()) << r->id << " v" << v << ": " << a.error_message();
+      }
+      EXPECT_EQ(CountBadQuant(*r, expected), 0) << r->id << " version " << v;
     }
-    EXPECT_EQ(CountBadQuant(*r1_, Expected(inv_, layout_, v)), 0) << "version " << v;
     const pb::VersionStatus vs = FinalVersionStatus(c_, v);
     EXPECT_TRUE(vs.verified()) << "version " << v << ": " << vs.ShortDebugString();
   }
@@ -150,6 +157,7 @@ class DeltaQuantE2eTest : public ::testing::Test {
   Cluster c_;
   std::unique_ptr<MetricsEndpoint> endpoint_;
   TestWorker *t0_ = nullptr, *t1_ = nullptr, *r1_ = nullptr;
+  std::vector<TestWorker*> rollouts_;
 };
 
 class DeltaQuantTest : public DeltaQuantE2eTest, public ::testing::WithParamInterface<pb::Mode> {};
@@ -200,6 +208,28 @@ TEST_F(DeltaQuantE2eTest, AQuantisedBaseThatDoesNotMatchIsRefusedAndTheFullBytes
   Version(3);
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_EQ(Meter().fallbacks - m1.fallbacks, 0);
+}
+
+// Two fp8 replicas on n1 (one-step-off): each block crosses the nodes once, quantised, into one
+// replica, which relays its fp8 elements and scales to the other in the bucket's after-deltas
+// route (daemon/node/exec_plan.h), after n1's delta tail. Versions 2-3: every block's fp8 elements
+// as deltas (the replaced bytes are one copy of them per version), both replicas exact, verified.
+TEST_F(DeltaQuantE2eTest, QuantisedBlocksRelayedToASecondReplicaTravelAsDeltas) {
+  Start(pb::MODE_ONE_STEP_OFF, /*replicas=*/2);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = Meter();
+  EXPECT_EQ(m3.fallbacks - m1.fallbacks, 0);
+  const double replaced = m3.replaced - m1.replaced;
+  EXPECT_GE(replaced, 2 * kQuantBytes) << "every block's fp8 elements crossed as a delta";
+  EXPECT_LT(replaced, 2 * kQuantBytes + 2 * 2 * kNorm * 2 + 1) << "once per version: the second replica gets them by relays";
+  EXPECT_LT((m3.stream - m1.stream) * 4, replaced);
 }
 
 }  // namespace
