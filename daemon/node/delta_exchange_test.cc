@@ -75,16 +75,8 @@ class DeltaExecTest : public ::testing::Test {
   }
 
   void AddOp(uint32_t index, uint32_t bucket, uint32_t src, uint32_t dst, int32_t tensor, planner::Box box) {
-    SliceOp op;
-    op.index = index;
-    op.bucket = bucket;
-    op.src_worker = src;
-    op.dst_worker = dst;
-    op.src_piece = 0;
-    op.dst_piece = 0;
-    op.tensor = tensor;
-    op.bytes = static_cast<uint64_t>((box.end[0] - box.begin[0]) * (box.end[1] - box.begin[1]) * 2);
-    op.box = std::move(box);
+    const uint64_t bytes = static_cast<uint64_t>((box.end[0] - box.begin[0]) * (box.end[1] - box.begin[1]) * 2);
+    SliceOp op = daemon::testing::TestSliceOp(index, bucket, src, dst, tensor, std::move(box), bytes);
     op.delta = true;
     slice_.ops.push_back(op);
   }

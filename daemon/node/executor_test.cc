@@ -61,16 +61,7 @@ class ExecutorTest : public ::testing::Test {
   }
 
   void AddOp(uint32_t index, uint32_t bucket, uint32_t src, uint32_t dst, int64_t begin, int64_t end) {
-    SliceOp op;
-    op.index = index;
-    op.bucket = bucket;
-    op.src_worker = src;
-    op.dst_worker = dst;
-    op.src_piece = 0;
-    op.dst_piece = 0;
-    op.box = {{begin}, {end}};
-    op.bytes = static_cast<uint64_t>(end - begin) * 4;
-    slice_.ops.push_back(op);
+    slice_.ops.push_back(daemon::testing::TestSliceOp(index, bucket, src, dst, 0, {{begin}, {end}}, static_cast<uint64_t>(end - begin) * 4));
   }
 
   void MakeTransports(int64_t link = 0) {

@@ -4,6 +4,20 @@
 
 namespace wb::daemon::testing {
 
+node::SliceOp TestSliceOp(uint32_t index, uint32_t bucket, uint32_t src, uint32_t dst, int32_t tensor, planner::Box box, uint64_t bytes) {
+  node::SliceOp op;
+  op.index = index;
+  op.bucket = bucket;
+  op.src_worker = src;
+  op.dst_worker = dst;
+  op.src_piece = 0;
+  op.dst_piece = 0;
+  op.tensor = tensor;
+  op.box = std::move(box);
+  op.bytes = bytes;
+  return op;
+}
+
 void ExecRendezvous::Add(const std::string& node, transport::Transport* t) {
   absl::MutexLock l(&mu_);
   nodes_[node] = t;

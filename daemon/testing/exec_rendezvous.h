@@ -1,5 +1,6 @@
 #pragma once
-// TEST ONLY: where two in-process executors meet (daemon/node/executor.h's ChannelSetup seam).
+// TEST ONLY: what tests of the executor (daemon/node/executor.h) share: slice ops, and
+// ExecRendezvous, where two in-process executors meet (the ChannelSetup seam).
 // Each "node" of a test registers its cross-node transport, publishes its region descriptors and
 // an endpoint for each peer, then connects to the peer's endpoint once both are there - the fake
 // transport is two-sided, like host_tcp. The node daemon's real ChannelSetup exchanges the same
@@ -15,6 +16,9 @@
 #include "daemon/node/executor.h"
 
 namespace wb::daemon::testing {
+
+// An op of a test slice from piece 0 of slice worker `src` to piece 0 of `dst`.
+node::SliceOp TestSliceOp(uint32_t index, uint32_t bucket, uint32_t src, uint32_t dst, int32_t tensor, planner::Box box, uint64_t bytes);
 
 class ExecRendezvous {
  public:
