@@ -11,7 +11,7 @@
 //   bytes_delta, full_s, delta_s, identical_fraction, verified)
 //   end-to-end digests' cost: --digest_cost [--digest_rounds=3 --digest_settings=none,digests] (update
 //   time with no check against digests on, interleaved rounds of fresh clusters; also: checksums,
-//   digests_after_buckets)
+//   digests_after_buckets, digests_from_memory)
 //
 // Setup: a coordinator and two node daemons (`weightbridged`, separate processes, loopback TCP
 // between nodes). Node n0: Megatron tp=2 trainer ranks; node n1: vLLM tp=2 rollout replicas
@@ -67,9 +67,11 @@ ABSL_FLAG(bool, digest_cost, false,
           "of --digest_settings, one fresh cluster per setting and round, the settings interleaved over --digest_rounds "
           "rounds (order reversed every other round); medians of every steady version and per-round ratios");
 ABSL_FLAG(int, digest_rounds, 3, "--digest_cost: rounds (each runs every setting once, on a fresh cluster)");
+ABSL_FLAG(bool, digest_logs, false, "--digest_cost: also print every node's \"version transferred\" log lines to stderr");
 ABSL_FLAG(std::vector<std::string>, digest_settings, std::vector<std::string>({"none", "digests"}),
           "--digest_cost: settings to compare, first = the reference: none (no digests, no per-batch checksums), "
-          "checksums (per-batch checksums only), digests_after_buckets (--digest_overlap=false), digests (the default)");
+          "checksums (per-batch checksums only), digests_after_buckets (--digest_overlap=false), digests_from_memory (--digest_in_transport=false: "
+          "the node hashes what host_tcp moved from memory), digests (the default)");
 
 ABSL_FLAG(bool, delta, false,
           "lossless deltas: one cluster without and one with --delta_cache_bytes, trainers publishing versions in which the "
@@ -249,11 +251,16 @@ absl::StatusOr<BenchCluster> StartBenchCluster(const std::string& tag, const std
   return out;
 }
 
-// Per version of `model`: the most seconds any node daemon of `cl` spent hashing after the last
-// bucket (digest_s of its "version transferred" log line: what the digests add to the update
-// directly; hashing during the buckets only competes for CPU). Versions with no line are absent.
-std::map<uint64_t, double> DigestTailSeconds(const Cluster& cl, int num_nodes, const std::string& model) {
-  std::map<uint64_t, double> out;
+// Per version of `model`, from the node daemons' "version transferred" log lines: the most
+// seconds any node spent hashing after the last bucket (digest_s: what the digests add to the
+// update directly; hashing during the buckets only competes for CPU), and summed over the nodes
+// the CPU seconds spent hashing from memory (sources, landed boxes) and the bytes digested
+// from host_tcp's hashes as they crossed. Versions with no line are absent.
+struct DigestFigures {
+  double tail_s = 0, source_hash_s = 0, landed_hash_s = 0, bytes = 0, transport_bytes = 0;
+};
+std::map<uint64_t, DigestFigures> DigestTailSeconds(const Cluster& cl, int num_nodes, const std::string& model) {
+  std::map<uint64_t, DigestFigures> out;
   for (int i = 0; i < num_nodes; ++i) {
     std::ifstream in(cl.node(i)->log_path());
     std::string line;
@@ -268,8 +275,13 @@ std::map<uint64_t, double> DigestTailSeconds(const Cluster& cl, int num_nodes, c
       };
       const std::optional<double> version = field("version"), digest_s = field("digest_s");
       if (!version || !digest_s) continue;
-      double& d = out[static_cast<uint64_t>(*version)];
-      d = std::max(d, *digest_s);
+      if (absl::GetFlag(FLAGS_digest_logs)) std::fprintf(stderr, "bench/e2e: node %d: %s\n", i, line.c_str());
+      DigestFigures& d = out[static_cast<uint64_t>(*version)];
+      d.tail_s = std::max(d.tail_s, *digest_s);
+      d.source_hash_s += field("digest_source_hash_s").value_or(0);
+      d.landed_hash_s += field("digest_landed_hash_s").value_or(0);
+      d.bytes += field("digest_bytes").value_or(0);
+      d.transport_bytes += field("digest_transport_bytes").value_or(0);
     }
   }
   return out;
@@ -288,6 +300,7 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
       {"none", {"--digests=false", "--checksums=false"}},
       {"checksums", {"--digests=false", "--checksums=true"}},
       {"digests_after_buckets", {"--digests=true", "--checksums=false", "--digest_overlap=false"}},
+      {"digests_from_memory", {"--digests=true", "--checksums=false", "--digest_overlap=true", "--digest_in_transport=false"}},
       {"digests", {"--digests=true", "--checksums=false", "--digest_overlap=true"}}};
   struct Setting {
     std::string name;
@@ -296,6 +309,7 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
     std::vector<double> round_s;              // per round: median of its steady versions (0: the round failed)
     std::vector<std::vector<double>> update_s;  // per round: every version
     std::vector<double> tail_s;               // every steady version: hashing left after the buckets (slowest node)
+    std::vector<double> source_hash_s, landed_hash_s, transport_share;  // every steady version, both nodes
     bool verified = true;
     std::string error;
   };
@@ -303,10 +317,10 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
   for (const std::string& name : absl::GetFlag(FLAGS_digest_settings)) {
     auto f = known.find(name);
     if (f == known.end()) {
-      std::fprintf(stderr, "bench/e2e: unknown --digest_settings entry '%s' (none, checksums, digests_after_buckets, digests)\n", name.c_str());
+      std::fprintf(stderr, "bench/e2e: unknown --digest_settings entry '%s' (none, checksums, digests_after_buckets, digests_from_memory, digests)\n", name.c_str());
       return 2;
     }
-    settings.push_back({name, f->second, {}, {}, {}, {}, true, {}});
+    settings.push_back({name, f->second, {}, {}, {}, {}, {}, {}, {}, true, {}});
   }
   if (settings.size() < 2) {
     std::fprintf(stderr, "bench/e2e: --digest_settings needs at least two settings\n");
@@ -327,7 +341,11 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
                               absl::StrJoin(st->flags, " ").c_str());
       StrategyResult res = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas);
       for (const auto& [v, t] : DigestTailSeconds(*bc->cluster, 2, "qwen-weightbridge")) {
-        if (v > 1) st->tail_s.push_back(t);
+        if (v <= 1) continue;
+        st->tail_s.push_back(t.tail_s);
+        st->source_hash_s.push_back(t.source_hash_s);
+        st->landed_hash_s.push_back(t.landed_hash_s);
+        st->transport_share.push_back(t.bytes > 0 ? t.transport_bytes / t.bytes : 0);
       }
       bc->harness->KillAll();
       // A round that failed (a worker timed out on the loaded host, a byte not verified) counts in
@@ -375,7 +393,14 @@ int RunDigestCost(const std::string& config, int versions, int replicas, bool js
       j[st.name + "_round_s"] = st.round_s;
       j[st.name + "_update_s"] = st.update_s;
       j[st.name + "_rounds_ok"] = figs[i].rounds_ok;
-      if (!st.tail_s.empty()) j[st.name + "_digest_tail_s"] = Median(st.tail_s);
+      if (!st.tail_s.empty()) {
+        j[st.name + "_digest_tail_s"] = Median(st.tail_s);
+        // Where the hashing went (medians over steady versions, both nodes): CPU seconds hashing
+        // sources / landed boxes from memory, and the share of digested bytes host_tcp hashed.
+        j[st.name + "_source_hash_s"] = Median(st.source_hash_s);
+        j[st.name + "_landed_hash_s"] = Median(st.landed_hash_s);
+        j[st.name + "_transport_hashed"] = Median(st.transport_share);
+      }
       if (i > 0) {
         // digest_overhead / digest_overhead_paired for "digests" (the default against the reference).
         const std::string key = st.name == "digests" ? std::string("digest_overhead") : st.name + "_overhead";

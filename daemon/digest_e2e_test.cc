@@ -16,16 +16,19 @@
 #include "daemon/metrics_scrape.h"
 #include "daemon/multinode_fixture.h"
 #include "gtest/gtest.h"
+#include "transport/host_tcp/host_tcp.h"
 
 namespace wb::daemon {
 namespace {
 
-// A transport of a node, with one fault: when `armed`, the first batch that lands bytes on this
-// node gets one bit of its first received element flipped after the transport reported it
-// complete. Cross-node (host_tcp): a corruption on the wire (NIC, switch, DMA) that no per-batch
-// check caught. Same-node (host_shm, `version` > 0: only the executor's batches of that version):
-// a bad copy into a rollout's staging, landing before its batch is reported done - what the
-// node's digests, hashed as each batch completes, must see. Everything else is the real transport.
+// A transport of a node, with one fault when `armed`. Cross-node (host_tcp, `version` 0): the first
+// batch that lands bytes on this node gets one bit of its first frame flipped as it lands, before
+// host_tcp hashes it (HostTcpTestFlipNextReceived): a corruption on the wire (NIC, switch, DMA) that
+// no per-batch check caught. Same-node (host_shm, `version` > 0: only the executor's batches of
+// that version): the first batch landing bytes gets one bit of its first received element flipped
+// after the transport reported it complete - a bad copy into a rollout's staging, landing before
+// its batch is reported done, what the node's digests, hashed as each batch completes, must see.
+// Everything else is the real transport.
 class CorruptingTransport final : public transport::Transport {
  public:
   CorruptingTransport(transport::TransportSet inner, const std::string& kind, std::atomic<bool>* armed, uint64_t version = 0)
@@ -55,8 +58,16 @@ class CorruptingTransport final : public transport::Transport {
     return t_->Release(r);
   }
   absl::StatusOr<transport::BatchId> Post(const transport::Batch& batch) override {
+    if (version_ == 0 && LandsBytes(batch)) {
+      bool expected = true;
+      // Armed before the post: no frame of this batch is read before it is posted.
+      if (armed_->compare_exchange_strong(expected, false)) {
+        absl::Status s = transport::HostTcpTestFlipNextReceived(*t_);
+        if (!s.ok()) return s;
+      }
+    }
     auto id = t_->Post(batch);
-    if (id.ok() && (version_ == 0 || (batch.tag >> 24) == version_)) {
+    if (id.ok() && version_ > 0 && (batch.tag >> 24) == version_) {
       absl::MutexLock l(&mu_);
       posted_[id->id] = batch.ops;
     }
@@ -71,7 +82,7 @@ class CorruptingTransport final : public transport::Transport {
     if (s.ok()) {
       for (const transport::CopyOp& op : ops->second) {
         auto dst = local_.find(op.dst.region.id);
-        if (dst == local_.end() || (version_ == 0 && local_.count(op.src.region.id) > 0) || op.bytes() == 0) continue;  // not a receive
+        if (dst == local_.end() || op.bytes() == 0) continue;  // not a receive
         bool expected = true;
         if (!armed_->compare_exchange_strong(expected, false)) break;
         dst->second[op.dst.offset_bytes] ^= 0x20;
@@ -84,6 +95,15 @@ class CorruptingTransport final : public transport::Transport {
   transport::TransportStats stats() const override { return t_->stats(); }
 
  private:
+  // Some op of `batch` writes into memory registered here (a receive).
+  bool LandsBytes(const transport::Batch& batch) {
+    absl::MutexLock l(&mu_);
+    for (const transport::CopyOp& op : batch.ops) {
+      if (local_.count(op.dst.region.id) > 0 && op.bytes() > 0) return true;
+    }
+    return false;
+  }
+
   transport::TransportSet inner_;
   transport::Transport* t_;
   std::atomic<bool>* armed_;

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "base/status_macros.h"
 #include "daemon/device_staging.h"
+#include "daemon/digest/checksum_fold.h"
 #include "daemon/fd_limit.h"
 #include "daemon/log.h"
 #include "daemon/node/live_markers.h"
@@ -57,6 +58,9 @@ ABSL_FLAG(bool, digests, true,
 ABSL_FLAG(bool, digest_overlap, true,
           "hash the digests while the buckets run (sources at once, each landed box as its batch completes); false: all "
           "after the buckets (bench:e2e --digest_cost measures both)");
+ABSL_FLAG(bool, digest_in_transport, true,
+          "with --digest_overlap: host_tcp hashes what it sends and receives as the bytes cross (each 2^20-element chunk of "
+          "an op), instead of the node hashing those boxes from memory (docs/daemon.md \"End-to-end digests\")");
 ABSL_FLAG(uint64_t, delta_cache_bytes, 0,
           "lossless deltas: host memory per model for copies of what this node's destinations committed; > 0 = send "
           "versions as deltas against them across nodes (about the bytes this node sends per version; 0 = off). "
@@ -112,18 +116,6 @@ namespace {
 int Fail(const std::string& msg) {
   std::fprintf(stderr, "weightbridged: %s\n", msg.c_str());
   return 2;
-}
-
-// --checksums (or --nochecksums) on the command line: this abseil keeps
-// CommandLineFlag::IsSpecifiedOnCommandLine private.
-bool ChecksumsGiven(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view a = argv[i];
-    if (a == "--") break;
-    if (!absl::ConsumePrefix(&a, "--") && !absl::ConsumePrefix(&a, "-")) continue;
-    if (a == "checksums" || a == "nochecksums" || absl::StartsWith(a, "checksums=")) return true;
-  }
-  return false;
 }
 
 // Many descriptors per worker (shm segments, VMM allocation fds, data sockets): lift the soft limit.
@@ -282,9 +274,10 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.bucket_bytes = absl::GetFlag(FLAGS_bucket_bytes);
   o.digests = absl::GetFlag(FLAGS_digests);
   o.digest_overlap = absl::GetFlag(FLAGS_digest_overlap);
+  o.digest_in_transport = absl::GetFlag(FLAGS_digest_in_transport);
   o.delta_cache_bytes = absl::GetFlag(FLAGS_delta_cache_bytes);
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
-  o.checksums = ChecksumsGiven(argc, argv) ? absl::GetFlag(FLAGS_checksums) : !o.digests;
+  o.checksums = wb::digest::ChecksumsOn(argc, argv, o.digests, absl::GetFlag(FLAGS_checksums));
   wb::transport::TransportConfig tc;
   for (absl::string_view k : absl::StrSplit(absl::GetFlag(FLAGS_transports), ',', absl::SkipEmpty())) tc.kinds.emplace_back(k);
   const std::string data_listen = absl::GetFlag(FLAGS_data_listen);

@@ -42,6 +42,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
   vo.digests = o.digests;
   vo.digest_threads = o.digest_threads;
   vo.digest_overlap = o.digest_overlap;
+  vo.digest_in_transport = o.digest_in_transport;
   vo.delta_cache_bytes = o.delta_cache_bytes;
   vo.test_after_buckets = o.test_after_buckets;
   vo.test_before_bucket = o.test_before_bucket;

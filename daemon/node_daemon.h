@@ -77,6 +77,9 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // Hash while the buckets run (digest::OpDigestTracker: sources at once, each landed box as its
     // batch completes); false: everything after the buckets (bench:e2e --digest_cost compares).
     bool digest_overlap = true;
+    // With digest_overlap: host_tcp hashes the boxes it moves as they cross (transport::UnitHashes;
+    // digest::OpDigestTracker::PrepareBatch) instead of this node hashing them from memory.
+    bool digest_in_transport = true;
     // Lossless deltas (docs/daemon.md "Deltas (design and status)"): host memory per model for the
     // copies of what this node's destinations committed (daemon/node/delta_cache.h); > 0 = this
     // node sends deltas (advertised in RegisterNode). It decodes deltas others send whatever this is.

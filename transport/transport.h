@@ -203,6 +203,20 @@ struct CopyOp {
   }
 };
 
+// Hashing an op's bytes as they move (end-to-end digests' cost, docs/daemon.md "End-to-end
+// digests"; host_tcp only, other transports leave it untouched). The caller sets unit_bytes before
+// Post: per op of the batch (same index), U > 0 asks this side to hash the op's LOGICAL stream in
+// units [k * U, min((k + 1) * U, bytes)), each XXH3-64 with seed k - on the sending side the source
+// bytes as they are read for sending, on the receiving side the destination bytes right after they
+// landed; 0 (or a missing entry): not hashed. Before the batch completes OK the transport fills
+// hashes[i] (one per unit) and sets complete[i] = 1 for every op it hashed whole; an op it could not
+// hash that way (frames that cut a unit) stays complete[i] = 0, and the caller hashes its memory.
+struct UnitHashes {
+  std::vector<int64_t> unit_bytes;
+  std::vector<std::vector<uint64_t>> hashes;
+  std::vector<uint8_t> complete;
+};
+
 struct Batch {
   uint64_t tag = 0;        // identifies the batch to the peer (two-sided: mirror has the same tag);
                            // e.g. (version << 32) | bucket. Unique among unfinished batches per peer.
@@ -210,6 +224,7 @@ struct Batch {
   bool checksum = false;   // verify an xxh3 checksum of the moved bytes before completion
                            // (ignored with a warning-free no-op when !capabilities().checksums)
   std::vector<CopyOp> ops;
+  std::shared_ptr<UnitHashes> unit_hashes;  // optional: see UnitHashes (read only after Wait returned OK)
 };
 
 enum class BatchState : uint8_t { kRunning, kDone };

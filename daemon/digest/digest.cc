@@ -8,6 +8,7 @@
 
 #include <sys/resource.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -74,6 +75,14 @@ absl::StatusOr<Walk> Prepare(const StridedBox& box) {
     w.strides = {1};
   }
   return w;
+}
+
+// CPU time of the calling thread (a hashing thread preempted by the transports' threads is not
+// charged for the wait).
+int64_t ThreadCpuNanos() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
 int64_t NumChunks(const Walk& w) { return (w.elements + kChunkElements - 1) / kChunkElements; }
@@ -167,11 +176,13 @@ struct DigestPool::State {
     const Walk* walk = nullptr;
     int64_t k = 0;
     uint64_t* out = nullptr;
+    int64_t* ns = nullptr;
   };
   Options o;
   absl::Mutex mu;
   std::deque<Walk> walks ABSL_GUARDED_BY(mu);                     // by id
   std::deque<std::vector<uint64_t>> chunk_hashes ABSL_GUARDED_BY(mu);  // by id; written by the task's thread
+  std::deque<int64_t> hash_ns ABSL_GUARDED_BY(mu);                   // by id: thread-time spent hashing it
   std::deque<Task> queue ABSL_GUARDED_BY(mu);
   size_t pending ABSL_GUARDED_BY(mu) = 0;  // tasks queued or being hashed
   bool finishing ABSL_GUARDED_BY(mu) = false, finished ABSL_GUARDED_BY(mu) = false;
@@ -203,9 +214,12 @@ struct DigestPool::State {
       const Task t = queue.front();
       queue.pop_front();
       mu.Unlock();
+      const int64_t t0 = ThreadCpuNanos();
       const uint64_t h = HashChunk(*t.walk, t.k, state.get(), gather);
+      const int64_t ns = ThreadCpuNanos() - t0;
       mu.Lock();
       *t.out = h;
+      *t.ns += ns;
       --pending;
     }
   }
@@ -233,7 +247,8 @@ absl::StatusOr<size_t> DigestPool::Add(const StridedBox& box) {
   s.walks.push_back(std::move(*w));
   const int64_t n = NumChunks(s.walks.back());
   s.chunk_hashes.emplace_back(static_cast<size_t>(n));
-  for (int64_t k = 0; k < n; ++k) s.queue.push_back({&s.walks.back(), k, &s.chunk_hashes.back()[static_cast<size_t>(k)]});
+  s.hash_ns.push_back(0);
+  for (int64_t k = 0; k < n; ++k) s.queue.push_back({&s.walks.back(), k, &s.chunk_hashes.back()[static_cast<size_t>(k)], &s.hash_ns.back()});
   s.pending += static_cast<size_t>(n);
   while (s.threads.size() < static_cast<size_t>(std::max(0, s.o.threads)) && s.threads.size() < s.pending) {
     s.threads.emplace_back([&s] { s.Work(false); });
@@ -263,6 +278,24 @@ absl::StatusOr<std::vector<Digest>> DigestPool::Finish() {
   std::vector<Digest> out(s.walks.size());
   for (size_t i = 0; i < s.walks.size(); ++i) out[i] = Combine(s.walks[i], s.chunk_hashes[i]);
   return out;
+}
+
+absl::StatusOr<Digest> DigestFromChunks(int64_t stream_bytes, int32_t element_size, const std::vector<uint64_t>& chunk_hashes) {
+  if (element_size <= 0 || stream_bytes < 0 || stream_bytes % element_size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("digest: a stream of ", stream_bytes, " bytes of ", element_size, "-byte elements"));
+  }
+  Walk w;
+  w.es = element_size;
+  w.elements = stream_bytes / element_size;
+  if (static_cast<int64_t>(chunk_hashes.size()) != NumChunks(w)) {
+    return absl::InvalidArgumentError(absl::StrCat("digest: ", chunk_hashes.size(), " chunk hashes for a stream of ", NumChunks(w), " chunks"));
+  }
+  return Combine(w, chunk_hashes);
+}
+
+double DigestPool::HashSeconds(size_t id) const {
+  absl::MutexLock l(&s_->mu);
+  return id < s_->hash_ns.size() ? static_cast<double>(s_->hash_ns[id]) * 1e-9 : 0;
 }
 
 std::string DigestHex(Digest d) { return absl::StrFormat("%016x", d); }

@@ -85,11 +85,23 @@ class DigestPool {
   // Waits until every added box is hashed (helping on this thread) and returns the digests by id.
   // DEADLINE_EXCEEDED when the deadline passes first. Call once.
   absl::StatusOr<std::vector<Digest>> Finish();
+  // CPU seconds spent hashing box `id` so far (all its chunks, every thread; for the cost
+  // figures). 0 for an unknown id.
+  double HashSeconds(size_t id) const;
 
  private:
   struct State;
   std::unique_ptr<State> s_;
 };
+
+// Chunk hashes computed elsewhere (issue 17.4's cost: host_tcp hashes an op's bytes as they cross,
+// transport::UnitHashes): the digest of a stream of `stream_bytes` bytes whose chunk k (bytes
+// [k * chunk_bytes, ...), chunk_bytes = kChunkElements * element size) hashed XXH3-64 with seed k
+// to chunk_hashes[k] - the same value BoxDigest gives for a box with that canonical stream.
+// INVALID_ARGUMENT when the number of chunk hashes does not fit the stream.
+absl::StatusOr<Digest> DigestFromChunks(int64_t stream_bytes, int32_t element_size, const std::vector<uint64_t>& chunk_hashes);
+// Bytes of one chunk of the canonical stream for elements of `element_size` bytes.
+inline int64_t ChunkBytes(int32_t element_size) { return kChunkElements * element_size; }
 
 // The digest as it appears in messages: 16 lowercase hex digits.
 std::string DigestHex(Digest d);

@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -131,6 +132,30 @@ TEST(DigestTest, BigBoxesAcrossChunksAndThreadsAgree) {
   ASSERT_TRUE(after.ok());
   EXPECT_NE((*after)[2], (*one)[2]);
   EXPECT_EQ((*after)[0], (*one)[0]);
+}
+
+// Chunk hashes taken elsewhere (host_tcp hashing an op's bytes as they cross) combine into the
+// box's digest: chunk k = bytes [k * ChunkBytes(es), ...) of the canonical stream, seed k.
+TEST(DigestTest, DigestFromChunksEqualsTheBoxDigest) {
+  const int64_t rows = 2 * 1024 + 7, cols = 1031;  // 3 chunks of 2-byte elements, the last one short
+  const int es = 2;
+  auto dense = RowMajor(rows, cols, es, cols, 0);
+  auto trans = ColMajor(rows, cols, es);
+  std::vector<uint64_t> chunks;
+  const int64_t total = static_cast<int64_t>(dense.size());
+  for (int64_t off = 0, k = 0; off < total; off += ChunkBytes(es), ++k) {
+    chunks.push_back(XXH3_64bits_withSeed(dense.data() + off, static_cast<size_t>(std::min(ChunkBytes(es), total - off)), static_cast<uint64_t>(k)));
+  }
+  ASSERT_EQ(chunks.size(), 3u);
+  auto d = DigestFromChunks(total, es, chunks);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(*d, Of({trans.data(), {rows, cols}, {1, rows}, es}));
+  chunks[1] ^= 1;
+  EXPECT_NE(*DigestFromChunks(total, es, chunks), *d);
+  // The empty stream, and counts that do not fit.
+  EXPECT_EQ(*DigestFromChunks(0, es, {}), Of({nullptr, {0, 6}, {6, 1}, es}));
+  EXPECT_EQ(DigestFromChunks(total, es, {1, 2}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DigestFromChunks(total + 1, es, chunks).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(DigestTest, ThreeDimsWithUnitDimsAndScalars) {

@@ -39,6 +39,18 @@ struct OpDigestTracker::Boxes {
   std::map<uint32_t, int64_t> route_ops_left;       // op -> its route ops landing here not done yet
   std::map<uint32_t, std::vector<size_t>> waiters;  // op -> boxes waiting for it
   std::set<std::string> written;                    // regions this version's buckets write here
+  // Per box: final (nothing left to land in it; queued unless a transport is still to hash it),
+  // transport hashings still expected, the digest when a transport hashed it whole, its stream
+  // bytes and whether it has a landed side (cost split).
+  std::vector<bool> ready, have, landed_box;
+  std::vector<int> tcp_pending;
+  std::vector<Digest> digest;
+  std::vector<int64_t> box_bytes;
+  std::map<std::pair<uint32_t, bool>, size_t> side_box;  // (op, landed) -> box
+  // Host-channel routes whose ops the transport may hash: route -> (position in its ops, box), and
+  // the UnitHashes PrepareBatch attached to their batches.
+  std::map<const daemon::node::Route*, std::vector<std::pair<size_t, size_t>>> tcp_routes;
+  std::map<const daemon::node::Route*, std::shared_ptr<transport::UnitHashes>> attached;
 };
 
 namespace {
@@ -88,8 +100,12 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker::Boxes>> Collect(const daemon::no
       b->boxes.push_back(std::move(box));
       b->key.push_back(at.key);
       b->deps.emplace_back();
+      b->box_bytes.push_back(n);
+      b->landed_box.push_back(false);
     }
     b->sides.push_back({landed, op.index, it->second});
+    b->side_box.emplace(std::make_pair(op.index, landed), it->second);
+    if (landed) b->landed_box[it->second] = true;
     return true;
   };
   for (const SliceOp& op : slice.ops) {
@@ -153,18 +169,37 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker>> OpDigestTracker::Start(const da
   b->waits.resize(n);
   b->queued.assign(n, false);
   b->pool_id.assign(n, 0);
+  b->ready.assign(n, false);
+  b->have.assign(n, false);
+  b->tcp_pending.assign(n, 0);
+  b->digest.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     b->waits[i] = b->deps[i].size();
     for (uint32_t op : b->deps[i]) b->waiters[op].push_back(i);
-  }
-  std::unique_ptr<OpDigestTracker> t(new OpDigestTracker(std::move(b), options));
-  if (options.overlap) {
-    absl::MutexLock l(&t->mu_);
     // Boxes no bucket writes are final now (a written region's box with nothing landing it here
     // waits for Finish: whatever writes it is not a batch this tracker hears of).
-    for (size_t i = 0; i < n; ++i) {
-      if (t->boxes_->waits[i] == 0 && t->boxes_->written.count(t->boxes_->key[i]) == 0) t->QueueLocked(i);
+    b->ready[i] = b->waits[i] == 0 && b->written.count(b->key[i]) == 0;
+  }
+  if (options.overlap && options.in_transport) {
+    // The local side of each canonical, non-delta op of a host-channel route: hashed as it crosses.
+    for (const daemon::node::BucketPlan& bucket : plan.buckets) {
+      for (const daemon::node::Route& r : bucket.routes) {
+        if (r.kind != daemon::node::RouteKind::kPeer) continue;
+        for (size_t pos = 0; pos < r.ops.size(); ++pos) {
+          const daemon::node::RouteOp& op = r.ops[pos];
+          if (op.part != daemon::node::RouteOp::Part::kCanonical || op.delta || op.src_local == op.dst_local) continue;
+          auto side = b->side_box.find({op.op_index, op.dst_local});
+          if (side == b->side_box.end()) continue;  // device memory, sender-quantised
+          b->tcp_routes[&r].push_back({pos, side->second});
+          ++b->tcp_pending[side->second];
+        }
+      }
     }
+  }
+  std::unique_ptr<OpDigestTracker> t(new OpDigestTracker(std::move(b), options));
+  {
+    absl::MutexLock l(&t->mu_);
+    for (size_t i = 0; i < n; ++i) t->MaybeQueueLocked(i);
   }
   return t;
 }
@@ -192,9 +227,69 @@ void OpDigestTracker::QueueLocked(size_t box) {
   b.pool_id[box] = *id;
 }
 
+void OpDigestTracker::MaybeQueueLocked(size_t box) {
+  const Boxes& b = *boxes_;
+  if (!options_.overlap || !b.ready[box] || b.have[box] || b.tcp_pending[box] > 0) return;
+  QueueLocked(box);
+}
+
+void OpDigestTracker::PrepareBatch(const daemon::node::Route& route, transport::Batch& batch) {
+  absl::MutexLock l(&mu_);
+  Boxes& b = *boxes_;
+  auto tr = b.tcp_routes.find(&route);
+  if (tr == b.tcp_routes.end()) return;
+  auto uh = std::make_shared<transport::UnitHashes>();
+  uh->unit_bytes.assign(batch.ops.size(), 0);
+  bool any = false;
+  for (const auto& [pos, box] : tr->second) {
+    if (pos >= batch.ops.size() || pos >= route.ops.size()) continue;
+    const transport::CopyOp& c = batch.ops[pos];
+    const transport::CopyOp& want = route.ops[pos].copy;
+    const transport::StridedRef& local = route.ops[pos].dst_local ? c.dst : c.src;
+    const StridedBox& sb = b.boxes[box];
+    // Only the route's own copy (a delta stream may stand in its place) over this very box: then
+    // the op's logical stream is the box's canonical stream.
+    const bool same = c.shape == want.shape && c.element_size == want.element_size && c.src.offset_bytes == want.src.offset_bytes &&
+                      c.dst.offset_bytes == want.dst.offset_bytes && c.src.strides == want.src.strides && c.dst.strides == want.dst.strides &&
+                      c.shape == sb.shape && local.strides == sb.strides && c.element_size == sb.element_size;
+    if (!same) continue;
+    uh->unit_bytes[pos] = ChunkBytes(sb.element_size);
+    any = true;
+  }
+  if (!any) return;
+  batch.unit_hashes = uh;
+  b.attached[&route] = std::move(uh);
+}
+
+void OpDigestTracker::TakeUnitHashesLocked(const daemon::node::Route& route) {
+  Boxes& b = *boxes_;
+  auto tr = b.tcp_routes.find(&route);
+  if (tr == b.tcp_routes.end()) return;
+  std::shared_ptr<transport::UnitHashes> uh;
+  if (auto at = b.attached.find(&route); at != b.attached.end()) {
+    uh = std::move(at->second);
+    b.attached.erase(at);
+  }
+  const std::vector<std::pair<size_t, size_t>> ops = std::move(tr->second);
+  b.tcp_routes.erase(tr);  // a route completes once
+  for (const auto& [pos, box] : ops) {
+    if (b.tcp_pending[box] > 0) --b.tcp_pending[box];
+    if (!b.have[box] && uh != nullptr && pos < uh->complete.size() && uh->complete[pos] != 0) {
+      absl::StatusOr<Digest> d = DigestFromChunks(b.box_bytes[box], b.boxes[box].element_size, uh->hashes[pos]);
+      if (d.ok()) {
+        b.have[box] = true;
+        b.digest[box] = *d;
+        b.out.transport_bytes += b.box_bytes[box];
+      }
+    }
+    MaybeQueueLocked(box);
+  }
+}
+
 void OpDigestTracker::OnRouteDone(const daemon::node::Route& route) {
   absl::MutexLock l(&mu_);
   Boxes& b = *boxes_;
+  TakeUnitHashesLocked(route);  // first: a landed box the transport hashed is never queued
   for (const daemon::node::RouteOp& op : route.ops) {
     if (!op.dst_local) continue;
     auto left = b.route_ops_left.find(op.op_index);
@@ -202,7 +297,10 @@ void OpDigestTracker::OnRouteDone(const daemon::node::Route& route) {
     auto w = b.waiters.find(op.op_index);
     if (w == b.waiters.end()) continue;
     for (size_t box : w->second) {
-      if (b.waits[box] > 0 && --b.waits[box] == 0 && options_.overlap) QueueLocked(box);
+      if (b.waits[box] > 0 && --b.waits[box] == 0) {
+        b.ready[box] = true;
+        MaybeQueueLocked(box);
+      }
     }
   }
 }
@@ -210,14 +308,21 @@ void OpDigestTracker::OnRouteDone(const daemon::node::Route& route) {
 absl::StatusOr<OpDigests> OpDigestTracker::Finish() {
   {
     absl::MutexLock l(&mu_);
-    for (size_t i = 0; i < boxes_->boxes.size(); ++i) QueueLocked(i);
+    for (size_t i = 0; i < boxes_->boxes.size(); ++i) {
+      if (!boxes_->have[i]) QueueLocked(i);
+    }
     if (!error_.ok()) return error_;
   }
   ASSIGN_OR_RETURN(std::vector<Digest> digests, pool_->Finish());
   absl::MutexLock l(&mu_);
-  OpDigests out = boxes_->out;
-  for (const Boxes::Side& side : boxes_->sides) {
-    (side.landed ? out.landed : out.source)[side.op] = digests[boxes_->pool_id[side.box]];
+  const Boxes& b = *boxes_;
+  OpDigests out = b.out;
+  for (const Boxes::Side& side : b.sides) {
+    (side.landed ? out.landed : out.source)[side.op] = b.have[side.box] ? b.digest[side.box] : digests[b.pool_id[side.box]];
+  }
+  for (size_t i = 0; i < b.boxes.size(); ++i) {
+    if (b.have[i] || !b.queued[i]) continue;
+    (b.landed_box[i] ? out.landed_hash_s : out.source_hash_s) += pool_->HashSeconds(b.pool_id[i]);
   }
   return out;
 }

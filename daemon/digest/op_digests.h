@@ -30,6 +30,11 @@ struct OpDigests {
   std::map<uint32_t, Digest> landed;  // op index -> digest of what landed (ops this node receives)
   int64_t bytes = 0;                  // bytes hashed (distinct boxes)
   int64_t skipped_sides = 0;          // op sides in device memory (no digest)
+  // Cost figures (OpDigestTracker): of `bytes`, those host_tcp hashed as they crossed
+  // (transport::UnitHashes), and the CPU seconds spent hashing the rest from memory, split by
+  // boxes read as a source and boxes that landed (a box that is both counts as landed).
+  int64_t transport_bytes = 0;
+  double source_hash_s = 0, landed_hash_s = 0;
 };
 
 // For every op of `slice` with a side on node `me`: the source digest over the box it reads when
@@ -53,6 +58,16 @@ absl::StatusOr<OpDigests> DigestLocalOps(const daemon::node::Slice& slice, const
 // before Finish (the digests after the buckets, as before; bench:e2e --digest_cost compares both).
 // The caller keeps every region's memory alive until Finish returns or the tracker is destroyed
 // (the destructor stops the hashing: a failed version just drops it).
+//
+// Hashing in the transport (overlap only; PrepareBatch): a box that is the local side of a
+// canonical, non-delta op of a host-channel route is not hashed from memory at all when the
+// transport hashes it as it crosses (transport::UnitHashes, host_tcp: the sender hashes the source
+// bytes as it sends them, the receiver the destination bytes right after they landed, chunk by
+// chunk of the canonical stream, which is the op's logical stream): its digest is combined from
+// those chunk hashes when the route completes. Any box the transport did not hash whole is hashed
+// from memory as above. What a transport-hashed landed digest covers: the bytes as recv wrote them
+// into staging; a flip in staging after that is outside it (with `overlap` false, every box is
+// hashed from memory after the buckets).
 class OpDigestTracker {
  public:
   struct Options {
@@ -60,6 +75,10 @@ class OpDigestTracker {
     absl::Time deadline = absl::InfiniteFuture();
     bool overlap = true;
     int nice = 10;  // of the background threads while the buckets run (DigestPool::Options::nice)
+    // With `overlap`: the caller calls PrepareBatch for every batch it posts, so boxes the
+    // host channel moves wait for the transport's hashes (see above) instead of being hashed
+    // from memory.
+    bool in_transport = false;
   };
   // Errors as DigestLocalOps (a region missing, a box outside its region).
   static absl::StatusOr<std::unique_ptr<OpDigestTracker>> Start(const daemon::node::Slice& slice, const std::string& me,
@@ -67,6 +86,11 @@ class OpDigestTracker {
                                                                 const std::map<std::string, RegionBytes>& regions, Options options);
   ~OpDigestTracker();
 
+  // Before `route` is posted as `batch` (ExecOptions::prepare_batch; executor thread): asks the
+  // transport to hash the local side of each op whose box is hashed in the transport (see above) by
+  // setting batch.unit_hashes. Ops that differ from the route's copy (a delta stream in its place)
+  // and routes not of this tracker's plan are left alone.
+  void PrepareBatch(const daemon::node::Route& route, transport::Batch& batch);
   // A batch of `route` completed OK (ExecOptions::on_batch_done; any thread, cheap: it only queues).
   void OnRouteDone(const daemon::node::Route& route);
   // Every op's digests; call once, after the last batch completed.
@@ -77,6 +101,10 @@ class OpDigestTracker {
  private:
   OpDigestTracker(std::unique_ptr<Boxes> boxes, Options options);
   void QueueLocked(size_t box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues `box` when it is final and no transport is still to hash it.
+  void MaybeQueueLocked(size_t box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The transport's answer for the ops of a completed route PrepareBatch attached hashes to.
+  void TakeUnitHashesLocked(const daemon::node::Route& route) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   absl::Mutex mu_;

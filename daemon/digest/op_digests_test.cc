@@ -1,6 +1,9 @@
 #include "daemon/digest/op_digests.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <vector>
 
@@ -179,6 +182,89 @@ TEST(OpDigestTrackerTest, ALandedBoxIsHashedOnlyAfterItsBatchCompleted) {
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->landed, want->landed);
   EXPECT_EQ(d->source, want->source);
+}
+
+// n0's plan where op 2 (the whole tensor, t0 -> r1 on n1) goes over the host channel (kPeer).
+daemon::node::ExecPlan PeerPlan() {
+  daemon::node::ExecPlan plan = TwoBucketPlan();
+  daemon::node::Route& away = plan.buckets[0].routes[1];
+  away.kind = daemon::node::RouteKind::kPeer;
+  daemon::node::RouteOp& ro = away.ops[0];
+  ro.src_key = "w0.b0";
+  ro.dst_key = "w2.b0";
+  ro.copy.shape = {4, 6};
+  ro.copy.element_size = 2;
+  ro.copy.src = {{}, 0, {6, 1}};
+  ro.copy.dst = {{}, 0, {6, 1}};
+  return plan;
+}
+
+// The digest of op 2's source box with what a transport reported as its one chunk hash.
+struct TransportRun {
+  OpDigests digests;
+  bool attached = false;
+  int64_t unit_bytes = 0;
+};
+TransportRun RunWithTransport(Fixture& f, bool in_transport, bool substituted, std::optional<uint64_t> chunk_hash) {
+  const daemon::node::ExecPlan plan = PeerPlan();
+  OpDigestTracker::Options o;
+  o.threads = 2;
+  o.in_transport = in_transport;
+  auto t = OpDigestTracker::Start(f.slice, "n0", plan, f.Regions(), o);
+  EXPECT_TRUE(t.ok()) << t.status();
+  TransportRun run;
+  if (!t.ok()) return run;
+  const daemon::node::Route& away = plan.buckets[0].routes[1];
+  transport::Batch batch;
+  batch.ops = {away.ops[0].copy};
+  if (substituted) batch.ops[0].shape = {48};  // a delta stream in the op's place
+  (*t)->PrepareBatch(away, batch);
+  run.attached = batch.unit_hashes != nullptr;
+  if (run.attached) {
+    run.unit_bytes = batch.unit_hashes->unit_bytes[0];
+    // What host_tcp fills in before the batch completes.
+    batch.unit_hashes->hashes = {{chunk_hash.value_or(0)}};
+    batch.unit_hashes->complete = {static_cast<uint8_t>(chunk_hash.has_value() ? 1 : 0)};
+  }
+  for (const auto& bucket : plan.buckets) {
+    for (const auto& r : bucket.routes) (*t)->OnRouteDone(r);
+  }
+  auto d = (*t)->Finish();
+  EXPECT_TRUE(d.ok()) << d.status();
+  if (d.ok()) run.digests = *d;
+  return run;
+}
+
+// A box the host channel moves is digested from the chunk hashes the transport took as it sent
+// it (not hashed from memory again); an op the transport could not hash whole, a delta stream in
+// its place, or a tracker not told to (in_transport false) fall back to hashing the memory.
+TEST(OpDigestTrackerTest, TransportChunkHashesStandInForHashingTheMemory) {
+  Fixture f;
+  auto want = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(want.ok());
+  const uint64_t chunk = XXH3_64bits_withSeed(f.trainer.data(), f.trainer.size(), 0);
+  TransportRun run = RunWithTransport(f, true, false, chunk);
+  EXPECT_TRUE(run.attached);
+  EXPECT_EQ(run.unit_bytes, ChunkBytes(2));
+  EXPECT_EQ(run.digests.source, want->source);
+  EXPECT_EQ(run.digests.landed, want->landed);
+  EXPECT_EQ(run.digests.transport_bytes, 48);
+  // The transport's hash is what counts: another chunk hash (the bytes it sent differ) shows.
+  run = RunWithTransport(f, true, false, chunk ^ 1);
+  EXPECT_NE(run.digests.source.at(2), want->source.at(2));
+  EXPECT_EQ(run.digests.source.at(0), want->source.at(0));
+  // Incomplete: hashed from memory.
+  run = RunWithTransport(f, true, false, std::nullopt);
+  EXPECT_TRUE(run.attached);
+  EXPECT_EQ(run.digests.source, want->source);
+  EXPECT_EQ(run.digests.transport_bytes, 0);
+  // A delta stream in the op's place, or not asked to: nothing attached, hashed from memory.
+  for (bool substituted : {true, false}) {
+    run = RunWithTransport(f, substituted ? true : false, substituted, chunk ^ 1);
+    EXPECT_FALSE(run.attached) << substituted;
+    EXPECT_EQ(run.digests.source, want->source) << substituted;
+    EXPECT_EQ(run.digests.transport_bytes, 0) << substituted;
+  }
 }
 
 // A failed version drops its tracker without Finish: the hashing stops and nothing is left running.

@@ -426,6 +426,7 @@ class Run {
   void Post(const Route& r) {
     Transport* t = nullptr;
     absl::StatusOr<transport::Batch> batch = BatchOf(r, t);
+    if (batch.ok() && o_.prepare_batch) o_.prepare_batch(r, *batch);
     {
       absl::MutexLock l(&mu_);
       first_post_.emplace(r.peer, absl::Now());

@@ -98,6 +98,10 @@ struct ExecOptions {
   std::function<void(const Route& route, const std::string& kind)> on_batch_done;
   std::function<void(uint64_t bytes)> on_bounce;
   std::function<void()> after_wait;
+  // Called on the executor thread with each route's batch (handles filled, delta streams in
+  // place) right before it is posted: end-to-end digests ask the host channel to hash what it
+  // moves there (transport::Batch::unit_hashes). Null: nothing.
+  std::function<void(const Route& route, transport::Batch& batch)> prepare_batch;
   // Bytes landed on this node so far (progress, read by another thread); may be null.
   std::atomic<uint64_t>* bytes_done = nullptr;
   // Lossless deltas (issue 17.2; daemon/node/delta_exchange.h): ops with RouteOp::delta whose

@@ -160,6 +160,7 @@ class Versions {
     bool digests = true;               // end-to-end digests (NodeDaemon::Options::digests)
     int digest_threads = 8;
     bool digest_overlap = true;
+    bool digest_in_transport = true;  // NodeDaemon::Options::digest_in_transport
     uint64_t delta_cache_bytes = 0;  // NodeDaemon::Options::delta_cache_bytes (daemon/node/delta_node.h)
     int delta_threads = 2;           // encode / decode threads per version
     // TEST ONLY hooks: see NodeDaemon::Options.

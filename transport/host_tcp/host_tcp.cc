@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -147,6 +148,54 @@ bool ReadAll(int fd, void* p, size_t n) {
 
 struct Region : RegionRecord {};
 
+// Unit hashing (transport::UnitHashes): bytes are hashed in slices of at most this size right
+// before they are sent / right after they landed, so the hash and the socket copy share the cache.
+constexpr int64_t kHashSlice = int64_t{256} << 10;
+
+struct XxhStateDeleter {
+  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+};
+using XxhState = std::unique_ptr<XXH3_state_t, XxhStateDeleter>;
+
+// Hashes the units of one op's logical stream of `total` bytes as slices of it pass, in logical
+// order; a slice never crosses a unit border (ForEachSlice cuts there).
+class UnitHasher {
+ public:
+  UnitHasher(XXH3_state_t* st, int64_t unit, int64_t total, uint64_t* out) : st_(st), unit_(unit), total_(total), out_(out) {}
+  void Update(int64_t logical, const char* p, int64_t n) {
+    if (logical % unit_ == 0) XXH3_64bits_reset_withSeed(st_, static_cast<uint64_t>(logical / unit_));
+    XXH3_64bits_update(st_, p, static_cast<size_t>(n));
+    const int64_t e = logical + n;
+    if (e % unit_ == 0 || e == total_) out_[(e - 1) / unit_] = XXH3_64bits_digest(st_);
+  }
+
+ private:
+  XXH3_state_t* st_;
+  const int64_t unit_, total_;
+  uint64_t* out_;
+};
+
+// side.ForEachPiece(begin, end, f), the pieces cut at unit borders and into kHashSlice slices.
+template <typename F>
+void ForEachSlice(const StridedLayout& side, int64_t begin, int64_t end, int64_t unit, F&& f) {
+  side.ForEachPiece(begin, end, [&](int64_t off, int64_t logical, int64_t len) {
+    while (len > 0) {
+      const int64_t n = std::min({len, kHashSlice, unit - logical % unit});
+      f(off, logical, n);
+      off += n;
+      logical += n;
+      len -= n;
+    }
+  });
+}
+
+// Units of `unit` bytes in logical range [begin, end) of an op of `total` bytes when the range
+// holds whole units only (begin on a border, end on one or at the op's end), else 0.
+int64_t WholeUnits(int64_t unit, int64_t begin, int64_t end, int64_t total) {
+  if (unit <= 0 || begin % unit != 0 || (end % unit != 0 && end != total)) return 0;
+  return (end - begin + unit - 1) / unit;
+}
+
 struct Chunk {
   int op;
   int64_t offset;
@@ -166,6 +215,11 @@ struct TcpBatch {
   std::vector<bool> is_send;
   std::vector<uint64_t> regions;
   uint64_t manifest = 0;
+  // Unit hashing (Batch::unit_hashes; null: none): per op the unit size (0: not hashed) and the
+  // units hashed so far (under mu_); the hashes themselves go straight into unit_hashes->hashes.
+  std::shared_ptr<UnitHashes> unit_hashes;
+  std::vector<int64_t> unit;
+  std::vector<int64_t> units_done;
   // sending
   std::vector<Chunk> chunks;
   size_t next_chunk = 0;
@@ -611,6 +665,21 @@ class HostTcpTransport : public Transport {
     }
     b->manifest = XXH3_64bits(m.out().data(), m.out().size());
     const int64_t chunk = std::max<int64_t>(options_.chunk_bytes, 4096);
+    if (batch.unit_hashes != nullptr) {
+      b->unit_hashes = batch.unit_hashes;
+      UnitHashes& uh = *b->unit_hashes;
+      uh.hashes.assign(b->layouts.size(), {});
+      uh.complete.assign(b->layouts.size(), 0);
+      b->unit.assign(b->layouts.size(), 0);
+      b->units_done.assign(b->layouts.size(), 0);
+      for (size_t i = 0; i < b->layouts.size() && i < uh.unit_bytes.size(); ++i) {
+        const int64_t u = uh.unit_bytes[i], n = b->layouts[i].src.total_bytes();
+        if (u <= 0) continue;
+        b->unit[i] = u;
+        uh.hashes[i].assign(static_cast<size_t>((n + u - 1) / u), 0);
+        uh.complete[i] = n == 0 ? 1 : 0;
+      }
+    }
     for (size_t i = 0; i < b->layouts.size(); ++i) {
       const int64_t n = b->layouts[i].src.total_bytes();
       b->bytes += n;
@@ -618,7 +687,10 @@ class HostTcpTransport : public Transport {
         b->recv_expected += n;
         continue;
       }
-      for (int64_t off = 0; off < n; off += chunk) b->chunks.push_back({static_cast<int>(i), off, std::min(chunk, n - off)});
+      // A hashed op's frames hold whole units, so the receiver can hash each frame on its own.
+      const int64_t u = b->unit.empty() ? 0 : b->unit[i];
+      const int64_t step = u <= 0 ? chunk : std::max<int64_t>(1, chunk / u) * u;
+      for (int64_t off = 0; off < n; off += step) b->chunks.push_back({static_cast<int>(i), off, std::min(step, n - off)});
     }
     regions_.Pin(b->regions);
     b->id = next_id_++;
@@ -681,6 +753,9 @@ class HostTcpTransport : public Transport {
     absl::MutexLock l(&mu_);
     return stats_;
   }
+
+  // TEST ONLY (HostTcpTestFlipNextReceived).
+  void TestFlipNextReceived() { test_flip_next_received_ = true; }
 
  private:
   // The entry of stats_.paths for (peer instance, local address, remote address), added if new.
@@ -1077,6 +1152,7 @@ class HostTcpTransport : public Transport {
   void DataWriter(std::shared_ptr<PeerConn> p, size_t stream) {
     const int fd = p->fds[stream];
     std::vector<char> scratch;
+    XxhState unit_state(XXH3_createState());
     absl::MutexLock l(&mu_);
     while (true) {
       while (!p->broken && p->send_queue.empty()) cv_.Wait(&mu_);
@@ -1100,20 +1176,43 @@ class HostTcpTransport : public Transport {
         XXH3_freeState(st);
       }
       FrameHeader h = Header(kData, b->tag, c.op, c.offset, c.len);
+      // Unit hashing: this chunk holds whole units (Post cut it so); each slice is hashed right
+      // before it is handed to the socket.
+      const int64_t unit = b->unit.empty() ? 0 : b->unit[c.op];
+      const int64_t end = c.offset + c.len;
+      const int64_t units = WholeUnits(unit, c.offset, end, op.src.total_bytes());
+      UnitHasher hasher(unit_state.get(), unit, op.src.total_bytes(), units > 0 ? b->unit_hashes->hashes[c.op].data() : nullptr);
       std::vector<struct iovec> iov;
       iov.push_back({&h, sizeof(h)});
-      if (corrupt || op.src.CountPieces(c.offset, c.offset + c.len) > kMaxIov) {
+      bool ok = true;
+      if (corrupt || op.src.CountPieces(c.offset, end) > kMaxIov) {
         scratch.resize(c.len);
-        op.src.ForEachPiece(c.offset, c.offset + c.len, [&](int64_t off, int64_t logical, int64_t n) {
+        op.src.ForEachPiece(c.offset, end, [&](int64_t off, int64_t logical, int64_t n) {
           std::memcpy(scratch.data() + (logical - c.offset), base + off, n);
         });
-        if (corrupt) scratch[0] ^= 0x5a;  // TEST ONLY: after the hash was taken
+        for (int64_t l = c.offset; units > 0 && l < end;) {
+          const int64_t n = std::min(unit - l % unit, end - l);
+          hasher.Update(l, scratch.data() + (l - c.offset), n);
+          l += n;
+        }
+        if (corrupt) scratch[0] ^= 0x5a;  // TEST ONLY: after the hashes were taken
         iov.push_back({scratch.data(), static_cast<size_t>(c.len)});
+      } else if (units > 0) {
+        int64_t pending = 0;
+        ForEachSlice(op.src, c.offset, end, unit, [&](int64_t off, int64_t logical, int64_t n) {
+          hasher.Update(logical, base + off, n);
+          iov.push_back({base + off, static_cast<size_t>(n)});
+          pending += n;
+          if (pending >= kHashSlice || static_cast<int>(iov.size()) >= kMaxIov) {
+            ok = ok && WriteAll(fd, iov.data(), iov.size());
+            iov.clear();
+            pending = 0;
+          }
+        });
       } else {
-        op.src.ForEachPiece(c.offset, c.offset + c.len,
-                            [&](int64_t off, int64_t, int64_t n) { iov.push_back({base + off, static_cast<size_t>(n)}); });
+        op.src.ForEachPiece(c.offset, end, [&](int64_t off, int64_t, int64_t n) { iov.push_back({base + off, static_cast<size_t>(n)}); });
       }
-      const bool ok = WriteAll(fd, iov.data(), iov.size());
+      if (!iov.empty()) ok = ok && WriteAll(fd, iov.data(), iov.size());
       mu_.Lock();
       b->active--;
       if (!ok) {
@@ -1124,6 +1223,9 @@ class HostTcpTransport : public Transport {
       }
       b->chunks_written++;
       b->send_hash ^= hash;
+      if (units > 0 && (b->units_done[c.op] += units) == static_cast<int64_t>(b->unit_hashes->hashes[c.op].size())) {
+        b->unit_hashes->complete[c.op] = 1;
+      }
       stats_.bytes_copied += c.len;
       stats_.paths[p->path[stream]].bytes_sent += c.len;
       if (b->chunks_written == b->chunks.size() && b->checksum) {
@@ -1138,6 +1240,7 @@ class HostTcpTransport : public Transport {
   void DataReader(std::shared_ptr<PeerConn> p, size_t stream) {
     const int fd = p->fds[stream];
     std::vector<char> scratch;
+    XxhState unit_state(XXH3_createState());
     while (true) {
       FrameHeader h;
       bool ok = ReadAll(fd, &h, sizeof(h)) && h.magic == kFrameMagic && h.type == kData;
@@ -1170,16 +1273,36 @@ class HostTcpTransport : public Transport {
       const OpLayout& op = b->layouts[h.op];
       char* base = b->local_base[h.op];
       const int64_t end = h.offset + h.len;
+      // Unit hashing: a frame of whole units is hashed slice by slice as it lands (a frame that
+      // cuts a unit is not: the op stays incomplete and the caller hashes its memory).
+      const int64_t unit = b->unit.empty() ? 0 : b->unit[h.op];
+      const int64_t units = WholeUnits(unit, h.offset, end, op.dst.total_bytes());
+      UnitHasher hasher(unit_state.get(), unit, op.dst.total_bytes(), units > 0 ? b->unit_hashes->hashes[h.op].data() : nullptr);
+      bool flip = test_flip_next_received_.exchange(false);  // TEST ONLY: a bit flipped on the wire
       if (op.dst.CountPieces(h.offset, end) > kMaxIov) {
         scratch.resize(h.len);
         ok = ReadAll(fd, scratch.data(), h.len);
         if (ok) {
+          if (flip) scratch[0] ^= 0x20;
           op.dst.ForEachPiece(h.offset, end, [&](int64_t off, int64_t logical, int64_t n) {
             std::memcpy(base + off, scratch.data() + (logical - h.offset), n);
           });
+          if (units > 0) ForEachSlice(op.dst, h.offset, end, unit, [&](int64_t off, int64_t logical, int64_t n) { hasher.Update(logical, base + off, n); });
         }
+      } else if (units > 0) {
+        ForEachSlice(op.dst, h.offset, end, unit, [&](int64_t off, int64_t logical, int64_t n) {
+          ok = ok && ReadAll(fd, base + off, n);
+          if (!ok) return;
+          if (flip) base[off] ^= 0x20;
+          flip = false;
+          hasher.Update(logical, base + off, n);
+        });
       } else {
-        op.dst.ForEachPiece(h.offset, end, [&](int64_t off, int64_t, int64_t n) { ok = ok && ReadAll(fd, base + off, n); });
+        op.dst.ForEachPiece(h.offset, end, [&](int64_t off, int64_t, int64_t n) {
+          ok = ok && ReadAll(fd, base + off, n);
+          if (ok && flip) base[off] ^= 0x20;
+          flip = false;
+        });
       }
       uint64_t hash = 0;
       if (ok && b->checksum) {
@@ -1198,6 +1321,9 @@ class HostTcpTransport : public Transport {
       }
       b->recv_got += h.len;
       b->recv_hash ^= hash;
+      if (units > 0 && (b->units_done[h.op] += units) == static_cast<int64_t>(b->unit_hashes->hashes[h.op].size())) {
+        b->unit_hashes->complete[h.op] = 1;
+      }
       stats_.bytes_copied += h.len;
       stats_.paths[p->path[stream]].bytes_received += h.len;
       MaybeFinishRecvLocked(p.get(), b.get());
@@ -1211,6 +1337,7 @@ class HostTcpTransport : public Transport {
   const bool corrupt_;
   const std::vector<int> cpus_;  // stream threads' affinity; empty = float
   const bool multi_nic_;
+  std::atomic<bool> test_flip_next_received_{false};
   std::vector<Listener> listeners_;  // fixed after construction (threads joined in the destructor)
 
   mutable absl::Mutex mu_;
@@ -1272,6 +1399,13 @@ absl::StatusOr<std::vector<HostTcpStreamAddresses>> HostTcpStreams(const Transpo
   const auto* t = dynamic_cast<const HostTcpTransport*>(&transport);
   if (t == nullptr) return absl::InvalidArgumentError("HostTcpStreams: not a host_tcp transport");
   return t->StreamAddresses(peer);
+}
+
+absl::Status HostTcpTestFlipNextReceived(Transport& transport) {
+  auto* t = dynamic_cast<HostTcpTransport*>(&transport);
+  if (t == nullptr) return absl::InvalidArgumentError("HostTcpTestFlipNextReceived: not a host_tcp transport");
+  t->TestFlipNextReceived();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config) {

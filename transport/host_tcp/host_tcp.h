@@ -24,6 +24,12 @@
 // connections and fails its unfinished batches; reconnect to continue.
 // Mirror batches must be posted by both sides in the same order.
 //
+// Unit hashing (Batch::unit_hashes, transport.h UnitHashes; end-to-end digests' cost): the sender
+// cuts a hashed op into frames of whole units (the largest multiple of the unit <= chunk_bytes, at
+// least one unit) and hashes each slice (<= 256 KiB) of the source right before handing it to the
+// socket; the receiver hashes each slice of a frame of whole units right after recv wrote it into
+// the destination. A frame that cuts a unit is not hashed: that op stays incomplete.
+//
 // Multi-NIC (TcpOptions::local_addresses): one listener per NIC, all advertised in the endpoint;
 // the dialer binds data stream j to local NIC j mod L and dials remote NIC j mod R. A NIC that
 // cannot be bound or reached fails Connect (no fallback) with an error naming the stream and both
@@ -54,5 +60,10 @@ struct HostTcpStreamAddresses {
 // control connection, then the data streams. INVALID_ARGUMENT if `transport` is not host_tcp,
 // NOT_FOUND for an unknown peer.
 absl::StatusOr<std::vector<HostTcpStreamAddresses>> HostTcpStreams(const Transport& transport, PeerId peer);
+
+// TEST ONLY: the next DATA frame `transport` receives lands with one bit of its first byte flipped,
+// before any hash of it is taken (a corruption on the wire that TCP's own checksum missed).
+// INVALID_ARGUMENT if `transport` is not host_tcp.
+absl::Status HostTcpTestFlipNextReceived(Transport& transport);
 
 }  // namespace wb::transport
