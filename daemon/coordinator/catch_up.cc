@@ -352,7 +352,9 @@ void CoordinatorCore::FailCatchUpLocked(const std::string& model_id, Model& m, c
   }
   Log(LogLevel::kWarning, "catch-up failed", {{"model", model_id}, {"version", c.version}, {"final", final ? "yes" : "no (tried again)"},
                                               {"reason", reason}});
-  QueueAbortRpcsLocked(nodes, model_id, c.version, what);
+  // Of this attempt only: the next attempt of the same version may be running on these nodes by
+  // the time the abort arrives.
+  QueueAbortRpcsLocked(nodes, model_id, c.version, what, c.epoch);
   m.catch_up.reset();
   wake_ = true;
   StatusChangedLocked();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator/core.h"
@@ -82,6 +83,10 @@ class FakeCluster {
     o.transfer_timeout = absl::Milliseconds(600);
     o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
       auto fake = std::make_shared<FakeNodeClient>(node);
+      {
+        absl::MutexLock l(&mu);
+        fakes[node] = fake;
+      }
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
         {
           absl::MutexLock l(&mu);
@@ -186,6 +191,11 @@ class FakeCluster {
   absl::Mutex mu;
   std::vector<std::string> log ABSL_GUARDED_BY(mu);
   std::vector<Held> held ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::shared_ptr<FakeNodeClient>> fakes ABSL_GUARDED_BY(mu);  // by node
+  std::shared_ptr<FakeNodeClient> Fake(const std::string& node) {
+    absl::MutexLock l(&mu);
+    return fakes.at(node);
+  }
 };
 
 // A catch-up that never reports times out: the late rollout's WaitVersion is ABORTED naming the
@@ -242,6 +252,13 @@ TEST(CatchUpDriverTest, StaleDoneReportOfAnEarlierAttemptIsRefused) {
   ASSERT_EQ(held[1].epoch, first);
   ASSERT_EQ(held[3].epoch, second);
   ASSERT_NE(first, second);
+  // The voided attempt's aborts name its epoch (a node running attempt 2 by then keeps it).
+  for (const std::string n : {"n0", "n1"}) {
+    EXPECT_TRUE(c.Fake(n)->AwaitCalls(
+        [&](const FakeNodeClient::Calls& k) { return std::count(k.aborted_epochs.begin(), k.aborted_epochs.end(), first) == 1; },
+        absl::Now() + absl::Seconds(10)))
+        << "no abort of epoch " << first << " on " << n;
+  }
   for (int i = 0; i < 2; ++i) {
     pb::ReportDoneRequest stale = held[i].report;
     stale.set_plan_epoch(first);

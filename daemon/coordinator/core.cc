@@ -222,14 +222,14 @@ void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, cons
 }
 
 void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
-                                           const std::string& reason) {
+                                           const std::string& reason, uint64_t plan_epoch) {
   std::vector<std::shared_ptr<NodeClient>> targets;
   for (const std::string& n : nodes) {
     if (auto client = nodes_.AliveClient(n)) targets.push_back(std::move(client));
   }
-  pending_rpcs_.push_back([targets, model_id, version, reason] {
+  pending_rpcs_.push_back([targets, model_id, version, reason, plan_epoch] {
     // Best effort: a dead node has nothing to drop.
-    for (auto& client : targets) client->AbortVersion(model_id, version, reason, absl::Seconds(2)).IgnoreError();
+    for (auto& client : targets) client->AbortVersion(model_id, version, plan_epoch, reason, absl::Seconds(2)).IgnoreError();
   });
 }
 

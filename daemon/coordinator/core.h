@@ -176,9 +176,10 @@ class CoordinatorCore {
   void StartDigestsLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AddDigestsLocked(const std::string& model_id, Model& m, const pb::ReportDoneRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishDigestsLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock).
+  // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock); `plan_epoch` > 0
+  // ends only that execution of `version` (a catch-up attempt), 0 whatever runs for it.
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
-                            const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            const std::string& reason, uint64_t plan_epoch = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Time Deadline(int64_t timeout_ms) const;
 
   // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC/plan work to run

@@ -28,12 +28,13 @@ absl::Status FakeNodeClient::CommitVersion(const std::string& model_id, uint64_t
   return s;
 }
 
-absl::Status FakeNodeClient::AbortVersion(const std::string& model_id, uint64_t version, const std::string&,
+absl::Status FakeNodeClient::AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string&,
                                           absl::Duration) {
   absl::Status s = on_abort ? on_abort(model_id, version) : absl::OkStatus();
   absl::MutexLock l(&mu_);
   ++calls_.abort;
   calls_.aborted.push_back(version);
+  calls_.aborted_epochs.push_back(plan_epoch);
   return s;
 }
 

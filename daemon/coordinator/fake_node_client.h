@@ -30,7 +30,7 @@ class FakeNodeClient final : public NodeClient {
   absl::Status InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) override;
   absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req, absl::Duration timeout) override;
   absl::Status CommitVersion(const std::string& model_id, uint64_t version, absl::Duration timeout) override;
-  absl::Status AbortVersion(const std::string& model_id, uint64_t version, const std::string& reason,
+  absl::Status AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                             absl::Duration timeout) override;
 
   // What the coordinator asked so far.
@@ -38,6 +38,7 @@ class FakeNodeClient final : public NodeClient {
     int install = 0, execute = 0, commit = 0, abort = 0;
     uint64_t last_plan_epoch = 0;
     std::vector<uint64_t> committed, aborted;  // versions, in call order
+    std::vector<uint64_t> aborted_epochs;      // AbortVersion's plan_epoch, as `aborted`
     size_t last_slice_ops = 0;
   };
   Calls calls() const;

@@ -36,13 +36,14 @@ absl::Status GrpcNodeClient::CommitVersion(const std::string& model_id, uint64_t
   return FromGrpcStatus(stub_->CommitVersion(&ctx, req, &resp));
 }
 
-absl::Status GrpcNodeClient::AbortVersion(const std::string& model_id, uint64_t version, const std::string& reason,
+absl::Status GrpcNodeClient::AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                                           absl::Duration timeout) {
   grpc::ClientContext ctx;
   SetTimeout(&ctx, timeout);
   pb::AbortVersionRequest req;
   req.set_model_id(model_id);
   req.set_version(version);
+  req.set_plan_epoch(plan_epoch);
   req.set_reason(reason);
   pb::AbortVersionResponse resp;
   return FromGrpcStatus(stub_->AbortVersion(&ctx, req, &resp));

@@ -18,7 +18,7 @@ class GrpcNodeClient final : public NodeClient {
   absl::Status InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) override;
   absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req, absl::Duration timeout) override;
   absl::Status CommitVersion(const std::string& model_id, uint64_t version, absl::Duration timeout) override;
-  absl::Status AbortVersion(const std::string& model_id, uint64_t version, const std::string& reason,
+  absl::Status AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                             absl::Duration timeout) override;
 
  private:

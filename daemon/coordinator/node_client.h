@@ -30,7 +30,9 @@ class NodeClient {
   // Sync mode: the node copies staging into its paused rollouts' live weights before answering;
   // OK means every rollout of the node holds `version` whole in live memory.
   virtual absl::Status CommitVersion(const std::string& model_id, uint64_t version, absl::Duration timeout) = 0;
-  virtual absl::Status AbortVersion(const std::string& model_id, uint64_t version, const std::string& reason,
+  // Ends `version` on the node. `plan_epoch` > 0: only the execution of that epoch (a catch-up
+  // attempt's; a node running the version on another epoch keeps it); 0: whatever runs for it.
+  virtual absl::Status AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                                     absl::Duration timeout) = 0;
 };
 

@@ -272,21 +272,34 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
 }
 
 absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
-  metrics().Version(options_.node_id, req.model_id(), "aborted");
-  metrics().Failure(options_.node_id, absl::AbortedError(req.reason()));
   std::map<std::string, transport::PeerId> connected;
+  uint64_t other_epoch = 0;  // of an execution of the version this abort leaves running
   {
     absl::MutexLock l(&mu_);
-    local_.NoteAborted(req.model_id(), req.version(), req.reason());
     auto it = execs_.find({req.model_id(), req.version()});
-    if (it != execs_.end()) {
-      it->second->aborted = true;
-      it->second->error = req.reason();
-      connected = it->second->connected;
-      execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
+    if (req.plan_epoch() != 0 && it != execs_.end() && it->second->epoch != req.plan_epoch()) {
+      // The abort of one execution (a voided catch-up attempt) arriving after the next attempt of
+      // the same version started here on another epoch: that one is not what the coordinator ended.
+      other_epoch = it->second->epoch;
+    } else {
+      local_.NoteAborted(req.model_id(), req.version(), req.reason());
+      if (it != execs_.end()) {
+        it->second->aborted = true;
+        it->second->error = req.reason();
+        connected = it->second->connected;
+        execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
+      }
+      local_.DropSnapshots(req.model_id(), req.version());
     }
-    local_.DropSnapshots(req.model_id(), req.version());
   }
+  if (other_epoch != 0) {
+    Log(LogLevel::kInfo, "abort of another execution ignored",
+        {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"epoch", req.plan_epoch()},
+         {"running_epoch", other_epoch}});
+    return absl::OkStatus();
+  }
+  metrics().Version(options_.node_id, req.model_id(), "aborted");
+  metrics().Failure(options_.node_id, absl::AbortedError(req.reason()));
   deltas_.Drop(req.model_id(), req.version());
   // Blocked waits on the version's channels end now instead of at the transfer deadline.
   for (auto& [peer, id] : connected) DropChannel(req.model_id(), peer, id);

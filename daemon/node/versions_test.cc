@@ -124,6 +124,37 @@ TEST_F(VersionsTest, CommitBeforeTheVersionLandedIsRefusedThenAbortEndsThePeersW
   EXPECT_EQ(versions_->Committed("m"), 0u);
 }
 
+// An abort naming a plan epoch (a voided catch-up attempt's) that reaches the node after the
+// version runs here on another epoch leaves that execution alone: no waiter is told "aborted", the
+// peer's wait goes on; the abort of the running epoch ends it.
+TEST_F(VersionsTest, AnAbortOfAnotherEpochLeavesTheRunningExecutionAlone) {
+  InstallPlan();
+  const absl::Time deadline = clock_.Now() + absl::Seconds(60);
+  absl::Status exchanged;
+  absl::Notification done;
+  std::thread peer([&] {
+    pb::ExchangeRegionsResponse resp;
+    exchanged = versions_->ExchangeRegions(Exchange(2), &resp);  // version 2 on plan epoch 1
+    done.Notify();
+  });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(2);
+  a.set_plan_epoch(7);
+  a.set_reason("abort of epoch 7");
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  EXPECT_FALSE(local_->AbortReason("m", 2).has_value()) << "the abort of epoch 7 was noted for version 2";
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50))) << exchanged;
+  a.set_plan_epoch(1);
+  a.set_reason("abort of epoch 1");
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  peer.join();
+  EXPECT_EQ(exchanged.code(), absl::StatusCode::kAborted) << exchanged;
+  EXPECT_NE(exchanged.message().find("abort of epoch 1"), std::string::npos) << exchanged;
+  EXPECT_TRUE(local_->AbortReason("m", 2).has_value());
+}
+
 TEST_F(VersionsTest, ExchangeRegionsWaitTimesOutInSimulatedTime) {
   InstallPlan();
   const absl::Time deadline = clock_.Now() + absl::Seconds(60);
