@@ -60,11 +60,12 @@ class DeltaRelayTest : public ::testing::Test {
   // into one replica's piece and is relayed whole into the other's, which a sync commit does.
   // Else 16 KiB buckets and tensor a split over both trainers: 4 KiB fragments, alternating
   // between the replicas, each relaying to the other in its buckets (after the delta tail).
-  void Start(pb::Mode mode, bool whole) {
+  // `across`: r2 on a third node n2 instead of next to r1 (relays across nodes).
+  void Start(pb::Mode mode, bool whole, bool across = false) {
     mode_ = mode;
     c_.delta_fraction = kChange;
     c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [whole](ServerOptions& o) { o.bucket_bytes = whole ? 1 << 20 : 16384; });
-    for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
+    for (int n = 0; n < (across ? 3 : 2); ++n) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
     spec_ = RelaySpec(inv_, mode);
     if (whole) {
       t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}}));
@@ -75,10 +76,17 @@ class DeltaRelayTest : public ::testing::Test {
     }
     const std::vector<PieceDef> all = {{0, {0, 0}, {128, 256}, false}, {1, {0, 0}, {64, 128}, false}};
     r1_ = &c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, all));
-    r2_ = &c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, LayoutOf(inv_, all));
+    r2_ = &c_.AddWorker("r2", pb::ROLE_ROLLOUT, across ? 2 : 1, &inv_, LayoutOf(inv_, all));
     for (TestWorker* w : {t0_, t1_, r1_, r2_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
   }
   void TearDown() override { c_.Stop(); }
+
+  // Bytes n1 and n2 moved between them (relays across nodes; n1's count of its batches with n2).
+  double RelayedBetweenN1AndN2() {
+    auto m = ScrapeMetrics(endpoint_->port(), absl::Seconds(10));
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? MetricSum(*m, "wb_bytes_total", "node=\"n1\",peer=\"n2\"") : 0;
+  }
 
   double RelayedAtCommit() {
     auto m = ScrapeMetrics(endpoint_->port(), absl::Seconds(10));
@@ -197,6 +205,32 @@ TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeARelayInItsBucketReadsIt) {
   Version(3);
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_EQ(ScrapeDeltaMeter(endpoint_->port()).fallbacks - m1.fallbacks, 0);
+}
+
+// r1 on n1, r2 on n2: n0's trainers send each fragment to one of them (its egress bounds the
+// version) and that rollout relays it across to the other, in its channel's after-deltas batch on
+// both nodes (TransferOp.after_deltas) once the relaying node's delta tail is done. Versions 2-3:
+// n0 sends every fragment once to one rollout node (two models' bytes per version) less what
+// n1 and n2 relay to each other, and all of it as deltas - the relayed boxes included: the
+// replaced bytes are exactly that (relays that kept their boxes full would make them smaller);
+// both rollouts exact and verified.
+TEST_P(DeltaRelayModesTest, BoxesRelayedAcrossNodesTravelAsDeltas) {
+  Start(GetParam(), /*whole=*/false, /*across=*/true);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = ScrapeDeltaMeter(endpoint_->port());
+  const double relayed1 = RelayedBetweenN1AndN2();
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = ScrapeDeltaMeter(endpoint_->port());
+  const double relayed = RelayedBetweenN1AndN2() - relayed1;
+  EXPECT_GT(relayed, 0) << "the plan must relay across nodes";
+  EXPECT_EQ(m3.fallbacks - m1.fallbacks, 0);
+  EXPECT_EQ(m3.replaced - m1.replaced, 2 * 2 * kModelBytes - relayed) << "every byte n0 sent went as a delta, relayed boxes included";
+  EXPECT_LT((m3.stream - m1.stream) * 4, m3.replaced - m1.replaced);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeltaRelayModesTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),

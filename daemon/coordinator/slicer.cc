@@ -95,11 +95,12 @@ bool CudaBufferAt(const SliceWorker& w, int32_t buffer) {
   return b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
 }
 
-// Relays that read only decoded, checked bytes, by plan op order: same-node relays between host
-// pieces into a box no op reads. The receiving node runs them after its delta tail (every stream
-// decoded and checked, every refused op resent in full): left to the commit (sync, whole pieces
-// of an unquantised host rollout: daemon/node/exec_plan.h "Relays at commit"), or else in the
-// bucket's after-deltas route ("Relays after the deltas"), which delays nothing another op reads
+// Relays that may read only decoded, checked bytes, by plan op order: relays between host pieces
+// into a box no op reads. The relaying node runs them after its delta tail (every stream decoded
+// and checked, every refused op resent in full): a same-node one left to the commit (sync, whole
+// pieces of an unquantised host rollout: daemon/node/exec_plan.h "Relays at commit") or else in the
+// bucket's after-deltas route ("Relays after the deltas"), one across nodes in its channel's
+// after-deltas route on both nodes (TransferOp.after_deltas); that delays nothing another op reads
 // because no op reads the box they write.
 std::vector<bool> RelaysAfterDeltas(const planner::Plan& plan, const SliceInput& in) {
   std::map<std::pair<uint32_t, int32_t>, std::vector<const planner::Box*>> read;  // (worker, tensor) -> boxes ops read
@@ -121,9 +122,37 @@ std::vector<bool> RelaysAfterDeltas(const planner::Plan& plan, const SliceInput&
     for (const planner::TransferOp& op : b.ops) {
       const SliceWorker& sw = in.workers[op.src_worker];
       const SliceWorker& dw = in.workers[op.dst_worker];
-      out.push_back(sw.role == planner::Role::kRollout && dw.role == planner::Role::kRollout && sw.node == dw.node &&
+      out.push_back(sw.role == planner::Role::kRollout && dw.role == planner::Role::kRollout &&
                     op.src_piece >= 0 && op.dst_piece >= 0 && CudaBuffer(sw, op.src_piece) == nullptr &&
                     CudaBuffer(dw, op.dst_piece) == nullptr && !is_read(op.dst_worker, op.tensor, op.box));
+    }
+  }
+  return out;
+}
+
+// Relays across nodes out of a box a delta op writes (TransferOp.after_deltas), by plan op order.
+std::vector<bool> AfterDeltaRelays(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& delta) {
+  std::map<std::pair<uint32_t, int32_t>, std::vector<const planner::Box*>> written;  // (rollout, tensor) -> delta boxes
+  size_t i = 0;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      if (delta[i++]) written[{op.dst_worker, op.tensor}].push_back(&op.box);
+    }
+  }
+  const std::vector<bool> eligible = RelaysAfterDeltas(plan, in);
+  std::vector<bool> out;
+  i = 0;
+  for (const planner::Bucket& b : plan.buckets) {
+    for (const planner::TransferOp& op : b.ops) {
+      bool after = eligible[i++] && in.workers[op.src_worker].node != in.workers[op.dst_worker].node;
+      if (after) {
+        auto it = written.find({op.src_worker, op.tensor});
+        after = false;
+        if (it != written.end()) {
+          for (const planner::Box* w : it->second) after = after || planner::Intersect(*w, op.box).has_value();
+        }
+      }
+      out.push_back(after);
     }
   }
   return out;
@@ -245,6 +274,7 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
   }
   const std::vector<bool> over_nccl = NcclOps(plan, in, lanes);
   const std::vector<bool> delta = DeltaOps(plan, in, over_nccl);
+  const std::vector<bool> after_deltas = AfterDeltaRelays(plan, in, delta);
   size_t op_i = 0;
   uint32_t index = 0;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
@@ -257,6 +287,7 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
       pop.set_bucket(static_cast<uint32_t>(b));
       convert::OpToProto(op, &pop);
       if (delta[op_i]) pop.set_delta(true);
+      if (after_deltas[op_i]) pop.set_after_deltas(true);
       if (over_nccl[op_i++]) {
         // Both ends' lanes: the GPU of each side's buffer when it has a lane (daemon/nccl_route.h).
         pop.set_nccl(true);

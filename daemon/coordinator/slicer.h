@@ -68,10 +68,12 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
 // sender's quantised bytes (TransferOp.sender_quantized: a delta of the quantised elements and of
 // the scales; a receiver-quantised piece goes full, its node keeps no canonical base), and whose box
 // no relay reads from that rollout before the receiving node's delta tail (it would forward bytes
-// before their delta is decoded and checked). Same-node relays between host pieces into a box no
-// op reads run after the tail - left to the commit, or in the bucket's after-deltas route
-// (daemon/node/exec_plan.h) - so the boxes they read may be deltas; any other relay (across nodes,
-// into a box some op reads, GPU memory) keeps the boxes it reads full. Relays themselves go full.
+// before their delta is decoded and checked). Relays between host pieces into a box no op reads
+// run after the tail - same-node ones left to the commit or in the bucket's after-deltas route,
+// ones across nodes in their channel's after-deltas route on both nodes (SliceOps marks them
+// TransferOp.after_deltas; daemon/node/exec_plan.h) - so the boxes they read may be deltas; any
+// other relay (into a box some op reads, GPU memory) keeps the boxes it reads full. Relays
+// themselves go full.
 std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, const std::vector<bool>& over_nccl);
 
 void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slices& slices, const std::string& node,

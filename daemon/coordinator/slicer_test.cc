@@ -106,8 +106,8 @@ TEST(SlicerTest, EachNodeGetsItsOpsAndTheLayoutsItNeeds) {
 }
 
 // Lossless deltas (TransferOp.delta): cross-node host ops from a trainer on a node that sends
-// deltas to a rollout that relays nothing; never same-node, relays, nor when the source node or
-// the slice has them off.
+// deltas, into boxes relays read only after the delta tail (across nodes: TransferOp.after_deltas);
+// never same-node, relays, nor when the source node or the slice has them off.
 TEST(SlicerTest, DeltaOpsAreCrossNodeTrainerToNonRelayingRolloutFromADeltaNode) {
   planner::Plan plan;
   plan.fingerprint = "f";
@@ -127,17 +127,24 @@ TEST(SlicerTest, DeltaOpsAreCrossNodeTrainerToNonRelayingRolloutFromADeltaNode) 
   EXPECT_EQ(deltas(in), (std::vector<bool>{true, false, true}));
   // The receiver's slice says the same (both ends derive the same delta slots).
   EXPECT_TRUE(SlicePlan(plan, in)->by_node.at("b").ops(0).delta());
-  plan.buckets[1].ops = {Op(1, 3, 32, planner::Route::kInterNode)};  // r0 relays to r2 now
-  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true})) << "a relaying rollout gets full versions";
+  plan.buckets[1].ops = {Op(1, 3, 32, planner::Route::kInterNode)};  // r0 relays to r2 (across nodes) now
+  EXPECT_EQ(deltas(in), (std::vector<bool>{true, false, true})) << "the relay runs after the deltas on both nodes";
   EXPECT_FALSE(SlicePlan(plan, in)->by_node.at("b").ops(1).delta()) << "relays go full";
+  EXPECT_TRUE(SlicePlan(plan, in)->by_node.at("b").ops(1).after_deltas());
+  EXPECT_TRUE(SlicePlan(plan, in)->by_node.at("c").ops(1).after_deltas()) << "both nodes of the relay see the flag";
+  EXPECT_FALSE(SlicePlan(plan, in)->by_node.at("b").ops(0).after_deltas());
+  plan.buckets.push_back({});
+  plan.buckets[2].ops = {Op(3, 2, 32, planner::Route::kInterNode)};  // r2 relays on to r1 (node a's 4th op): r2's box is read
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true, false})) << "a relay into a box some op reads runs in its bucket";
+  EXPECT_FALSE(SlicePlan(plan, in)->by_node.at("b").ops(1).after_deltas());
   // A relay of other rows of r0 leaves the op into rows 0-1 of r0 a delta.
   plan.buckets[0].ops[0].box = {{0, 0}, {2, 4}};
   plan.buckets[1].ops[0].box = {{2, 0}, {4, 4}};
-  EXPECT_EQ(deltas(in), (std::vector<bool>{true, false, true})) << "only boxes a relay reads go full";
+  EXPECT_EQ(deltas(in), (std::vector<bool>{true, false, true, false})) << "only boxes such a relay reads go full";
   plan.buckets[1].ops[0].box = {{1, 0}, {3, 4}};
-  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true})) << "overlapping the relayed rows";
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, true, false})) << "overlapping the relayed rows";
   in.deltas = false;  // a catch-up slice
-  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(deltas(in), (std::vector<bool>{false, false, false, false}));
 }
 
 // Same-node relays between host pieces into a piece no op reads run after the receiving node's

@@ -369,10 +369,13 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const Sender
       const int my_lane = s_local ? op->nccl_src_device : op->nccl_dst_device;
       const int their_lane = s_local ? op->nccl_dst_device : op->nccl_src_device;
       const std::string chan = op->nccl ? ChannelName(peer, NcclLaneName(my_lane), NcclLaneName(their_lane)) : ChannelName(peer, "", "");
-      slot = &peer_routes.emplace(chan, -1).first->second;
+      const bool after = op->after_deltas && !op->nccl;  // both nodes of the op see the flag
+      slot = &peer_routes.emplace(after ? chan + "\nafter deltas" : chan, -1).first->second;
+      fresh.after_deltas = after;
       fresh.kind = op->nccl ? RouteKind::kNccl : RouteKind::kPeer;
-      fresh.what = op->nccl ? absl::StrCat("node ", me, " GPU ", my_lane, " <-> node ", peer, " GPU ", their_lane, " (nccl)")
-                            : absl::StrCat("node ", me, " <-> node ", peer);
+      fresh.what = op->nccl  ? absl::StrCat("node ", me, " GPU ", my_lane, " <-> node ", peer, " GPU ", their_lane, " (nccl)")
+                   : after ? absl::StrCat("node ", me, " <-> node ", peer, " (relays after the deltas)")
+                           : absl::StrCat("node ", me, " <-> node ", peer);
       fresh.peer = peer;
       fresh.channel = chan;
       fresh.checksum = facts.checksums && !op->nccl;

@@ -19,7 +19,9 @@
 //  - Relays after the deltas: a same-node relay (host staging to host staging) whose source box
 //    overlaps a box an incoming delta op of this slice writes goes into its bucket's
 //    `after_deltas` route, which the executor posts only after the delta tail (every stream
-//    decoded and checked, every refused op resent in full), in bucket order. The coordinator marks
+//    decoded and checked, every refused op resent in full), in bucket order. A relay across nodes
+//    the coordinator flagged (SliceOp::after_deltas) goes into an after-deltas route of its channel
+//    on both nodes, with its own batch tag (AfterDeltasTag). The coordinator marks
 //    a box delta only when every relay reading it in a bucket is such a relay into a box no op
 //    reads (slicer DeltaOps), so deferring it delays nothing another op reads.
 //  - Written regions: rollout incoming staging and the gather staging. A batch that reads one of
@@ -68,6 +70,9 @@ struct SliceOp {
   // Lossless deltas (issue 17.2; pb::TransferOp.delta): may travel as a delta against the version
   // its destination holds (ExecOptions::deltas.base_versions).
   bool delta = false;
+  // A relay across nodes out of a box a delta writes (pb::TransferOp.after_deltas): both nodes put
+  // it into the bucket's after-deltas route of that channel (Route::after_deltas).
+  bool after_deltas = false;
 };
 
 struct SliceWorker {
@@ -261,5 +266,7 @@ std::map<int, std::vector<const Route*>> LaneSchedule(const BucketPlan& bucket);
 
 // Unique among unfinished batches of one channel.
 inline uint64_t BatchTag(uint64_t version, uint32_t bucket) { return (version << 24) ^ bucket; }
+// The after-deltas batch of a bucket on a channel (Route::after_deltas across nodes).
+inline uint64_t AfterDeltasTag(uint64_t version, uint32_t bucket) { return BatchTag(version, 0x400000u | bucket); }
 
 }  // namespace wb::daemon::node

@@ -40,6 +40,7 @@ Slice SliceFromProto(const pb::PlanSlice& slice, const std::vector<planner::Work
     o.sender_quantized = op.sender_quantized();
     o.wire_bytes = op.wire_bytes() > 0 ? op.wire_bytes() : op.bytes();
     o.delta = op.delta();
+    o.after_deltas = op.after_deltas();
     out.ops.push_back(std::move(o));
   }
   return out;

@@ -340,7 +340,7 @@ class Run {
   // The transport batch of a route: handles filled in.
   absl::StatusOr<transport::Batch> BatchOf(const Route& r, Transport*& t) const {
     transport::Batch batch;
-    batch.tag = r.bucket == 0xFFFFFFu ? FallbackTag(o_.version) : BatchTag(o_.version, r.bucket);
+    batch.tag = r.bucket == 0xFFFFFFu ? FallbackTag(o_.version) : r.after_deltas ? AfterDeltasTag(o_.version, r.bucket) : BatchTag(o_.version, r.bucket);
     batch.checksum = r.checksum;
     const std::map<std::string, RegionHandle>* mine = nullptr;
     const std::map<std::string, RegionHandle>* theirs = nullptr;
