@@ -439,6 +439,22 @@ class Run {
     outstanding_.push_back({&r, t, *id});
   }
 
+  // Deltas: retires the outstanding batches that already completed (Poll), so the streams of
+  // earlier buckets decode while later buckets are still encoded and moving (otherwise decodes
+  // start only once every bucket is posted). Each batch is still waited for exactly once.
+  void RetireCompleted() {
+    std::vector<Posted> left;
+    for (const Posted& p : outstanding_) {
+      absl::StatusOr<transport::BatchState> st = p.t->Poll(p.id);
+      if (st.ok() && *st == transport::BatchState::kDone) {
+        Finish(*p.route, p.t, p.t->Wait(p.id, o_.deadline));
+      } else {
+        left.push_back(p);
+      }
+    }
+    outstanding_ = std::move(left);
+  }
+
   // Waits for the outstanding batches of buckets before `bucket` (all by default), each once.
   void WaitBefore(uint32_t bucket = std::numeric_limits<uint32_t>::max()) {
     std::vector<Posted> later;
@@ -543,6 +559,7 @@ class Run {
         }
       }
       if (delta_ != nullptr) {
+        RetireCompleted();
         if (absl::Status s = DeltaLengths(b); !s.ok()) {
           Fail(Annotate(s, absl::StrCat("bucket ", b)));
           break;
