@@ -4,7 +4,6 @@
 #if defined(__x86_64__)
 // XXH3 on the widest vector unit of this CPU (as transport/host_shm/host_shm.cc): same hashes, faster.
 #include <xxh_x86dispatch.h>
-#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "daemon/delta/scan.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the delta format is little-endian; so is this code");
 
@@ -57,21 +57,13 @@ V Get(const uint8_t* p) {
   return v;
 }
 
-// Element i of an array of T at p (any alignment; compiles to a plain load).
-template <typename T>
-T Load(const uint8_t* p, uint64_t i) {
-  return Get<T>(p + i * sizeof(T));
-}
+using internal::Load;
 
 std::string Label(std::string_view what) {
   return what.empty() ? std::string("delta stream") : "delta stream for " + std::string(what);
 }
 
-template <typename T>
-T ZigZag(T d) {
-  using S = std::make_signed_t<T>;
-  return static_cast<T>(static_cast<T>(d << 1) ^ static_cast<T>(static_cast<S>(d) >> (sizeof(T) * 8 - 1)));
-}
+using internal::ZigZag;
 
 template <typename T>
 T UnZigZag(T z) {
@@ -117,95 +109,8 @@ struct EncodeScratch {
   std::vector<uint8_t> vals;                         // a chunk's values before they go after its gaps
 };
 
-template <typename T>
-struct ChunkScan {
-  uint64_t changed = 0;
-  uint64_t over[sizeof(T)] = {};  // over[k]: changed elements whose value needs more than k bytes
-};
-
-// One pass over the chunk: the changed-element bitmap and how many values need more than k bytes.
-// (The portable loop; bf16 / fp16 chunks take ScanChunk16Avx2 below where the CPU has AVX2.)
-template <typename T>
-void ScanChunkPortable(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, ChunkScan<T>* s) {
-  constexpr int kEs = sizeof(T);
-  uint64_t over[kEs] = {};
-  for (uint64_t off = 0; off < n; off += 64) {
-    const uint64_t len = std::min<uint64_t>(64, n - off);
-    alignas(8) uint8_t nz[64] = {};
-    for (uint64_t j = 0; j < len; ++j) {
-      const T z = ZigZag(static_cast<T>(Load<T>(b, off + j) - Load<T>(a, off + j)));
-      nz[j] = z != 0;
-      for (int k = 1; k < kEs; ++k) over[k] += (z >> (8 * k)) != 0;
-    }
-    // Eight 0/1 bytes -> eight bits (bit i = byte i): the products land on distinct bits.
-    uint64_t m = 0;
-    for (int w = 0; w < 8; ++w) {
-      const uint64_t x = Get<uint64_t>(nz + 8 * w);
-      m |= ((x * 0x0102040810204080ull) >> 56) << (8 * w);
-    }
-    masks[off / 64] = m;
-    s->changed += static_cast<uint64_t>(std::popcount(m));
-  }
-  for (int k = 1; k < kEs; ++k) s->over[k] += over[k];
-}
-
-#if defined(__x86_64__)
-// The 2-byte scan on AVX2, 64 elements (one mask word) per step: difference, zigzag, "changed" and
-// "needs 2 bytes" as 16-bit compares packed to bytes and moved to bit masks. Same results as the
-// portable loop (the codec test runs both through the encoder); about 4x its speed, which is most
-// of the sender's CPU per version (issue 17.2 update time).
-// 64 16-bit lanes of 0 / 0xFFFF (four vectors, in element order) -> one bit each. packs
-// interleaves the 128-bit lanes ([0-7, 16-23, 8-15, 24-31]); the permute restores the order.
-__attribute__((target("avx2"))) inline uint64_t Bits64Avx2(const __m256i* x) {
-  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi16(x[0], x[1]), 0xD8);
-  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi16(x[2], x[3]), 0xD8);
-  return static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(lo))) |
-         static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(hi))) << 32;
-}
-
-__attribute__((target("avx2"))) void ScanChunk16Avx2(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks,
-                                                     ChunkScan<uint16_t>* s) {
-  const __m256i zero = _mm256_setzero_si256();
-  uint64_t changed = 0, over1 = 0;
-  uint64_t off = 0;
-  for (; off + 64 <= n; off += 64) {
-    __m256i same[4], fits[4];
-    for (int q = 0; q < 4; ++q) {
-      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2 * (off + 16 * q)));
-      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * (off + 16 * q)));
-      const __m256i d = _mm256_sub_epi16(vb, va);
-      const __m256i z = _mm256_xor_si256(_mm256_slli_epi16(d, 1), _mm256_srai_epi16(d, 15));
-      same[q] = _mm256_cmpeq_epi16(z, zero);
-      fits[q] = _mm256_cmpeq_epi16(_mm256_srli_epi16(z, 8), zero);
-    }
-    const uint64_t m = ~Bits64Avx2(same);
-    over1 += static_cast<uint64_t>(std::popcount(~Bits64Avx2(fits)));
-    masks[off / 64] = m;
-    changed += static_cast<uint64_t>(std::popcount(m));
-  }
-  s->changed += changed;
-  s->over[1] += over1;
-  if (off < n) ScanChunkPortable<uint16_t>(a + 2 * off, b + 2 * off, n - off, masks + off / 64, s);
-}
-
-bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-#endif
-
-template <typename T>
-void ScanChunk(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, ChunkScan<T>* s, bool portable) {
-#if defined(__x86_64__)
-  if constexpr (sizeof(T) == 2) {
-    if (!portable && HasAvx2()) {
-      ScanChunk16Avx2(a, b, n, masks, s);
-      return;
-    }
-  }
-#endif
-  ScanChunkPortable<T>(a, b, n, masks, s);
-}
+using internal::ChunkScan;
+using internal::ScanChunk;
 
 // Cheapest value width for `values` values of which over[w] need more than w bytes; returns
 // {width, upper bound of the bytes of values + exceptions}.
