@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "daemon/metrics.h"
 #include "daemon/metrics_scrape.h"
+#include "daemon/delta_e2e_util.h"
 #include "daemon/multinode_fixture.h"
 #include "gtest/gtest.h"
 
@@ -44,9 +45,7 @@ pb::ModelSpec DeltaSpec(const planner::Inventory& inv, pb::Mode mode, pb::Strate
   return spec;
 }
 
-struct Metered {
-  double stream = 0, replaced = 0, full = 0, fallbacks = 0;
-};
+using Metered = DeltaMeter;
 
 class DeltaE2eTest : public ::testing::Test {
  protected:
@@ -80,17 +79,7 @@ class DeltaE2eTest : public ::testing::Test {
     for (TestWorker* w : {t0_, t1_, r0_, r1_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
   }
 
-  Metered Meter() {
-    auto m = ScrapeMetrics(endpoint_->port(), absl::Seconds(10));
-    EXPECT_TRUE(m.ok()) << m.status();
-    Metered out;
-    if (!m.ok()) return out;
-    out.stream = MetricSum(*m, "wb_delta_bytes_total", "kind=\"stream\"");
-    out.replaced = MetricSum(*m, "wb_delta_bytes_total", "kind=\"replaced\"");
-    out.full = MetricSum(*m, "wb_delta_bytes_total", "kind=\"full\"");
-    out.fallbacks = MetricSum(*m, "wb_delta_fallbacks_total", "");
-    return out;
-  }
+  Metered Meter() { return ScrapeDeltaMeter(endpoint_->port()); }
 
   // The coordinator's final record of version v.
   pb::VersionStatus VersionOf(uint64_t v) { return c_.FinalVersion(v); }

@@ -1,4 +1,4 @@
-// Shared by the lossless-delta end-to-end tests with real daemons (delta_relay_e2e_test,
+// Shared by the lossless-delta end-to-end tests with real daemons (delta_e2e_test, delta_relay_e2e_test,
 // delta_quant_e2e_test): the node metrics that say what travelled as deltas, and the coordinator's
 // final record of a version.
 #pragma once

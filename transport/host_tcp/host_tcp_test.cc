@@ -1,5 +1,6 @@
 // host_tcp unit tests that need two transports in one process (the conformance suite covers the
 // rest against a peer process).
+#include "transport/host_tcp/connected_pair.h"
 #include "transport/host_tcp/host_tcp.h"
 
 #include <arpa/inet.h>
@@ -30,33 +31,10 @@
 namespace wb::transport {
 namespace {
 
-struct Pair {
-  std::unique_ptr<Transport> a, b;
-  PeerId a_to_b, b_to_a;
-};
+using Pair = ConnectedPair;
 
 absl::StatusOr<Pair> Connected(const TransportConfig& ca, const TransportConfig& cb) {
-  Pair p;
-  auto a = NewHostTcpTransport(ca);
-  if (!a.ok()) return a.status();
-  auto b = NewHostTcpTransport(cb);
-  if (!b.ok()) return b.status();
-  p.a = std::move(*a);
-  p.b = std::move(*b);
-  auto ea = p.a->ExportEndpoint(p.b->instance_id());
-  auto eb = p.b->ExportEndpoint(p.a->instance_id());
-  if (!ea.ok()) return ea.status();
-  if (!eb.ok()) return eb.status();
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  absl::StatusOr<PeerId> from_b = absl::UnknownError("not run");
-  std::thread th([&] { from_b = p.b->Connect(*ea, deadline); });
-  absl::StatusOr<PeerId> from_a = p.a->Connect(*eb, deadline);
-  th.join();
-  if (!from_a.ok()) return from_a.status();
-  if (!from_b.ok()) return from_b.status();
-  p.a_to_b = *from_a;
-  p.b_to_a = *from_b;
-  return p;
+  return ConnectHostTcpPair(ca, cb);
 }
 
 absl::StatusOr<RegionHandle> Import(Transport& exporter, RegionHandle h, Transport& importer) {
