@@ -77,6 +77,9 @@ ABSL_FLAG(bool, delta, false,
           "lossless deltas: one cluster without and one with --delta_cache_bytes, trainers publishing versions in which the "
           "update model's share of bf16 elements changes at --lr (docs/daemon.md \"Deltas\"); prints bytes_full, bytes_delta, "
           "full_s, delta_s, identical_fraction, verified");
+ABSL_FLAG(double, link_gbps, 0,
+          "emulate a NIC of this many Gb/s between the nodes: every daemon runs with --max_send_gbps (host_tcp egress "
+          "cap, transport/host_tcp/send_pacer.h); 0 = plain loopback");
 ABSL_FLAG(double, lr, 1e-6, "--delta: learning rate of the update model (daemon/delta/update_model.h)");
 ABSL_FLAG(std::string, quantization, "",
           "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
@@ -247,6 +250,7 @@ absl::StatusOr<BenchCluster> StartBenchCluster(const std::string& tag, const std
   copts.node_metrics = node_metrics;
   copts.extra_daemon_flags = absl::GetFlag(FLAGS_daemon_flags);
   copts.extra_daemon_flags.insert(copts.extra_daemon_flags.end(), extra.begin(), extra.end());
+  if (absl::GetFlag(FLAGS_link_gbps) > 0) copts.extra_daemon_flags.push_back(absl::StrCat("--max_send_gbps=", absl::GetFlag(FLAGS_link_gbps)));
   ASSIGN_OR_RETURN(out.cluster, Cluster::Start(out.harness.get(), copts));
   return out;
 }
@@ -563,6 +567,7 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
   const bool verified = f.result.verified && d.result.verified;
   if (json) {
     nlohmann::json j = {{"lr", lr},
+                        {"link_gbps", absl::GetFlag(FLAGS_link_gbps)},
                         {"identical_fraction", identical},
                         {"bytes_full", bytes_full},
                         {"bytes_delta", bytes_delta},
@@ -623,6 +628,7 @@ int Run() {
   if (absl::GetFlag(FLAGS_baseline)) r0 = RunStrategy(*bc->cluster, "rank0_broadcast", config, versions, replicas);
   bc->harness->KillAll();
   const double tcp = TcpLoopbackGBps(int64_t{1} << 30);
+  const double link_gbps = absl::GetFlag(FLAGS_link_gbps);
   const double mem = MemcpyGBps(int64_t{256} << 20);
   const double ratio = wb.median_s > 0 ? r0.median_s / wb.median_s : 0;
   const int64_t model_bytes = e2e::ModelBytes(config);
@@ -646,7 +652,13 @@ int Run() {
         {"bytes_intra_node_rank0_broadcast", r0.bytes_intra_node},
         {"tcp_loopback_GBps", tcp},
         {"memcpy_GBps", mem},
+        {"link_gbps", link_gbps},
     };
+    // --link_gbps: the emulated NIC is the physical limit; report WeightBridge's time against it.
+    if (link_gbps > 0) {
+      j["link_bound_s"] = wb.bytes_inter_node / (link_gbps * 1e9 / 8);
+      j["ratio_to_link_bound"] = wb.bytes_inter_node > 0 ? wb.median_s / (wb.bytes_inter_node / (link_gbps * 1e9 / 8)) : 0;
+    }
     if (!wb.error.empty()) j["weightbridge_error"] = wb.error;
     if (!r0.error.empty()) j["rank0_broadcast_error"] = r0.error;
     std::printf("%s\n", j.dump().c_str());
@@ -666,6 +678,11 @@ int Run() {
     std::printf("ratio rank0_broadcast / weightbridge: %.2fx\n", ratio);
     std::printf("host transport limits (same run): TCP loopback %.2f GB/s (1 stream), memcpy %.2f GB/s\n",
                 tcp, mem);
+    if (link_gbps > 0 && wb.bytes_inter_node > 0) {
+      const double bound = wb.bytes_inter_node / (link_gbps * 1e9 / 8);
+      std::printf("emulated link (--link_gbps): %.1f Gb/s per node egress; WeightBridge's inter-node bytes need %.3f s on it: "
+                  "update_s / that = %.2fx\n", link_gbps, bound, wb.median_s / bound);
+    }
   }
   return (wb.verified && r0.verified) ? 0 : 1;
 }

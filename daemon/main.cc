@@ -48,6 +48,9 @@ ABSL_FLAG(int, data_numa_node, -1,
           "-1 = off; exclusive with --data_cpus");
 ABSL_FLAG(std::string, transports, "", "comma-separated transport kinds (default: every usable one: cuda_ipc,nccl,host_shm,host_tcp)");
 ABSL_FLAG(int, tcp_streams, 4, "parallel TCP connections per peer node");
+ABSL_FLAG(double, max_send_gbps, 0,
+          "cap on what this node sends over host_tcp, in Gb/s over all peers and NICs (leave the trainer's collectives "
+          "their share of a shared NIC); 0 = no cap (docs/transport.md \"host_tcp: egress cap\")");
 ABSL_FLAG(int, copy_threads, 4, "same-node copy threads (host_shm)");
 ABSL_FLAG(bool, checksums, false,
           "also verify an xxh3 checksum of every cross-node batch on the wire; default: on only with --digests=false "
@@ -131,6 +134,9 @@ void RaiseFdLimitOrWarn() {
 absl::Status CheckNumericFlags() {
   if (absl::GetFlag(FLAGS_tcp_streams) < 1 || absl::GetFlag(FLAGS_copy_threads) < 1) {
     return absl::InvalidArgumentError("--tcp_streams and --copy_threads must be >= 1");
+  }
+  if (const double cap = absl::GetFlag(FLAGS_max_send_gbps); !(cap >= 0) || std::isinf(cap)) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_send_gbps must be a finite number >= 0 (0 = no cap), not ", cap));
   }
   if (!(absl::GetFlag(FLAGS_intra_node_GBps) > 0) || !(absl::GetFlag(FLAGS_nic_GBps) > 0) || absl::GetFlag(FLAGS_bucket_bytes) <= 0) {
     return absl::InvalidArgumentError("--intra_node_GBps, --nic_GBps and --bucket_bytes must be > 0");
@@ -285,6 +291,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   if (tc.tcp.bind_address.empty()) tc.tcp.bind_address = "127.0.0.1";
   tc.tcp.advertise_address = absl::GetFlag(FLAGS_data_advertise);
   tc.tcp.streams = absl::GetFlag(FLAGS_tcp_streams);
+  tc.tcp.max_send_bytes_per_s = absl::GetFlag(FLAGS_max_send_gbps) * 1e9 / 8;
   tc.tcp.local_addresses = std::move(data_nics);
   tc.cpus = std::move(data_cpus);
   // The data channel proves the same shared token as the daemon RPCs (docs/security.md).

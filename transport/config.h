@@ -32,6 +32,11 @@ struct TcpOptions {
   // connect, but one with a token refuses one without (UNAUTHENTICATED). Authenticates peers only:
   // the payload is neither encrypted nor MACed (docs/security.md, "Data channel").
   std::string auth_token;
+  // Egress cap over all peers, streams and NICs of this transport, in bytes per second; 0 = none
+  // (transport/host_tcp/send_pacer.h: the weight transfer's share of a NIC the trainer's own
+  // collectives use; also how bench/e2e emulates a NIC of a given speed on loopback). Negative or
+  // non-finite: INVALID_ARGUMENT.
+  double max_send_bytes_per_s = 0;
 };
 
 struct CudaIpcOptions {

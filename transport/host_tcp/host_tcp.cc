@@ -1,5 +1,7 @@
 #include "transport/host_tcp/host_tcp.h"
 
+#include <cmath>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -38,6 +40,7 @@
 #include "transport/common.h"
 #include "transport/cpu_affinity.h"
 #include "transport/host_tcp/nic_list.h"
+#include "transport/host_tcp/send_pacer.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
 #include "base/wire.h"
@@ -343,6 +346,7 @@ class HostTcpTransport : public Transport {
         cpus_(config.cpus),
         multi_nic_(multi_nic),
         listeners_(std::move(listeners)) {
+    if (options_.max_send_bytes_per_s > 0) pacer_ = std::make_unique<SendPacer>(options_.max_send_bytes_per_s, Clock::Real());
     for (Listener& l : listeners_) {
       const int fd = l.fd;
       l.thread = std::thread([this, fd] { AcceptLoop(fd); });
@@ -1166,6 +1170,8 @@ class HostTcpTransport : public Transport {
       mu_.Unlock();
       const OpLayout& op = b->layouts[c.op];
       char* base = b->local_base[c.op];
+      // Egress cap (--max_send_gbps): this chunk's link time is booked before any of it is sent.
+      if (pacer_ != nullptr) pacer_->Acquire(c.len + static_cast<int64_t>(sizeof(FrameHeader)));
       uint64_t hash = 0;
       if (b->checksum) {
         XXH3_state_t* st = XXH3_createState();
@@ -1337,6 +1343,7 @@ class HostTcpTransport : public Transport {
   const bool corrupt_;
   const std::vector<int> cpus_;  // stream threads' affinity; empty = float
   const bool multi_nic_;
+  std::unique_ptr<SendPacer> pacer_;  // set once in the constructor when options_ caps egress; thread-safe
   std::atomic<bool> test_flip_next_received_{false};
   std::vector<Listener> listeners_;  // fixed after construction (threads joined in the destructor)
 
@@ -1411,6 +1418,10 @@ absl::Status HostTcpTestFlipNextReceived(Transport& transport) {
 absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config) {
   if (config.tcp.streams < 1 || config.tcp.streams > 64) {
     return absl::InvalidArgumentError("host_tcp: tcp.streams must be in [1, 64]");
+  }
+  if (!(config.tcp.max_send_bytes_per_s >= 0) || std::isinf(config.tcp.max_send_bytes_per_s)) {
+    return absl::InvalidArgumentError(absl::StrCat("host_tcp: max_send_bytes_per_s must be a finite number >= 0 (0 = no cap), not ",
+                                                   config.tcp.max_send_bytes_per_s));
   }
   if (!config.cpus.empty()) {
     if (absl::Status s = ValidateCpuSet(config.cpus); !s.ok()) {

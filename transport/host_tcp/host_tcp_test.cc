@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
@@ -911,6 +912,34 @@ TEST(HostTcpAffinityTest, StreamThreadsArePinnedToTheConfiguredCpus) {
   bad.cpus = {CPU_SETSIZE - 1};
   auto t = NewHostTcpTransport(bad);
   EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+}
+
+// --max_send_gbps: a capped sender needs at least bytes / cap; the other direction, uncapped, is
+// not held back; the bytes arrive exact; a negative or non-finite cap is refused at creation.
+TEST(HostTcpPacingTest, CappedSenderTakesAtLeastBytesOverCapAndMovesBytesExactly) {
+  constexpr double kCap = 40e6;             // 40 MB/s
+  constexpr int64_t kBytes = int64_t{12} << 20;  // 12.6 MB: >= 0.31 s at the cap
+  TransportConfig capped;
+  capped.tcp.max_send_bytes_per_s = kCap;
+  auto pair = Connected(capped, TransportConfig{});
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  absl::Time start = absl::Now();
+  ExpectMovesBytes(*pair->a, pair->a_to_b, *pair->b, pair->b_to_a, kBytes);
+  const absl::Duration capped_took = absl::Now() - start;
+  EXPECT_GE(capped_took, absl::Seconds((kBytes - (int64_t{1} << 20)) / kCap)) << "the cap let bytes out faster than 40 MB/s";
+  // The uncapped side sends the same bytes back well under the capped time (loopback moves
+  // hundreds of MB/s even on a loaded host; a cap wrongly shared would take >= 0.31 s).
+  start = absl::Now();
+  ExpectMovesBytes(*pair->b, pair->b_to_a, *pair->a, pair->a_to_b, kBytes);
+  EXPECT_LT(absl::Now() - start, capped_took);
+  for (double bad : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    TransportConfig c;
+    c.tcp.max_send_bytes_per_s = bad;
+    auto t = NewHostTcpTransport(c);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(t.status().message().find("max_send_bytes_per_s"), std::string::npos) << t.status();
+  }
 }
 
 }  // namespace
