@@ -9,156 +9,19 @@
 // compared with the receiver's own quantisation of the canonical version (daemon/quantize.h
 // QuantizePiece, what the full path lands), and every version is verified by the end-to-end
 // digests. Also: a quantised base that no longer matches is refused and resent in full.
-#include <cstring>
-#include <vector>
-
-#include "daemon/delta_e2e_util.h"
-#include "daemon/metrics.h"
-#include "daemon/metrics_scrape.h"
-#include "daemon/multinode_fixture.h"
-#include "daemon/quantize.h"
+#include "daemon/delta_quant_e2e_fixture.h"
 #include "gtest/gtest.h"
-#include "tests/common/weight_gen.h"
 
 namespace wb::daemon {
 namespace {
 
-constexpr double kChange = 0.05;
-constexpr int64_t kRows = 512, kCols = 256, kNorm = 256;
-// r1's buffer: w's fp8 elements (row-major), its 4x2 float32 scales, then n (bf16).
-constexpr int64_t kScalesAt = kRows * kCols;           // 131072
-constexpr int64_t kScalesBytes = (kRows / 128) * (kCols / 128) * 4;
-constexpr int64_t kNormAt = kScalesAt + 64;            // 131136
-constexpr int64_t kRolloutBytes = kNormAt + kNorm * 2;  // 131648
-constexpr double kQuantBytes = kRows * kCols;           // fp8 elements of w per version
-constexpr double kCanonicalBytes = kRows * kCols * 2;   // bf16 bytes of w per version
+constexpr double kQuantBytes = kDeltaQuantRows * kDeltaQuantCols;          // fp8 elements of w per version
+constexpr double kCanonicalBytes = kDeltaQuantRows * kDeltaQuantCols * 2;  // bf16 bytes of w per version
+constexpr int64_t kNorm = kDeltaQuantNorm;
 
-planner::Inventory QuantInventory() {
-  planner::Inventory inv;
-  inv.tensors.push_back({"w", {kRows, kCols}, planner::DType::kBF16});
-  inv.tensors.push_back({"n", {1, kNorm}, planner::DType::kBF16});  // 2-D: LayoutOf takes rows and columns
-  return inv;
-}
-
-pb::ModelSpec QuantSpec(const planner::Inventory& inv, pb::Mode mode, int rollouts) {
-  pb::ModelSpec spec;
-  spec.set_model_id("m");
-  for (const planner::TensorSpec& t : inv.tensors) {
-    pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
-    ts->set_name(t.name);
-    ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-    ts->set_dtype(pb::DTYPE_BF16);
-  }
-  spec.set_num_trainer_workers(2);
-  spec.set_num_rollout_workers(rollouts);
-  spec.set_mode(mode);
-  spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
-  return spec;
-}
-
-planner::WorkerLayout QuantRolloutLayout() {
-  planner::WorkerLayout l;
-  l.buffers.push_back({kRolloutBytes});
-  planner::Piece w;
-  w.tensor = 0;
-  w.box = {{0, 0}, {kRows, kCols}};
-  w.offset_bytes = 0;
-  w.strides = {kCols, 1};
-  planner::Quantization q;
-  q.dtype = planner::DType::kF8E4M3;
-  q.block = {128, 128};
-  q.scale_buffer = 0;
-  q.scale_offset_bytes = kScalesAt;
-  q.scale_dtype = planner::DType::kF32;
-  w.quant = q;
-  l.pieces.push_back(w);
-  planner::Piece n;
-  n.tensor = 1;
-  n.box = {{0, 0}, {1, kNorm}};
-  n.offset_bytes = kNormAt;
-  n.strides = {kNorm, 1};
-  l.pieces.push_back(n);
-  return l;
-}
-
-// What r1's buffer holds once version v is applied, by the receiver's own quantiser (the full
-// path's bytes): w quantised from its canonical bf16 version, n as is.
-std::vector<uint8_t> Expected(const planner::Inventory& inv, const planner::WorkerLayout& layout, uint64_t v) {
-  std::vector<uint8_t> out(static_cast<size_t>(kRolloutBytes), 0);
-  std::vector<uint8_t> shadow(static_cast<size_t>(kRows * kCols * 2));
-  for (int64_t i = 0; i < kRows * kCols; ++i) WriteDeltaWeight(0, v, static_cast<uint64_t>(i), 2, kChange, shadow.data() + 2 * i);
-  const absl::Status s = QuantizePiece(inv, layout.pieces[0], shadow.data(), out.data(), out.data());
-  EXPECT_TRUE(s.ok()) << s;
-  for (int64_t i = 0; i < kNorm; ++i) WriteDeltaWeight(1, v, static_cast<uint64_t>(i), 2, kChange, out.data() + kNormAt + 2 * i);
-  return out;
-}
-
-// Bytes of r1 (elements, scales, n) that differ from `expected`.
-int64_t CountBadQuant(const TestWorker& r, const std::vector<uint8_t>& expected) {
-  const uint8_t* got = static_cast<const uint8_t*>(r.seg.data());
-  int64_t bad = 0;
-  for (auto [at, n] : {std::pair<int64_t, int64_t>{0, kScalesAt + kScalesBytes}, {kNormAt, kNorm * 2}}) {
-    for (int64_t i = at; i < at + n; ++i) bad += got[i] != expected[static_cast<size_t>(i)];
-  }
-  return bad;
-}
-
-class DeltaQuantE2eTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
-    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
-    endpoint_ = std::move(*endpoint);
-  }
-  void TearDown() override { c_.Stop(); }
-
-  // 64 KiB buckets: sender-quantised plans budget a bucket's staging at most that, so the
-  // fragments are single 128x128 blocks spread over several buckets (the delta encodes of later
-  // buckets wait for their bytes to be quantised).
-  // `replicas` 2: r2 next to r1 (n1), same layout; each block crosses once and is relayed.
-  void Start(pb::Mode mode, int replicas = 1) {
-    mode_ = mode;
-    c_.delta_fraction = kChange;
-    c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 65536; });
-    for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
-    spec_ = QuantSpec(inv_, mode, replicas);
-    t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {256, kCols}, false}, {1, {0, 0}, {1, kNorm}, false}}));
-    t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {256, 0}, {kRows, kCols}, false}}));
-    rollouts_ = {&c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, layout_)};
-    if (replicas == 2) rollouts_.push_back(&c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, layout_));
-    r1_ = rollouts_[0];
-    for (TestWorker* w : {t0_, t1_}) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
-    for (TestWorker* w : rollouts_) ASSERT_TRUE(c_.Register(*w, spec_).ok()) << w->id;
-  }
-
-  // Version v published (and applied outside sync), r1 byte-exact against the receiver's
-  // quantisation, the version verified end to end.
-  void Version(uint64_t v) {
-    for (auto& s : c_.Publish("m", mode_, v, {t0_, t1_}, rollouts_)) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
-    const std::vector<uint8_t> expected = Expected(inv_, layout_, v);
-    for (TestWorker* r : rollouts_) {
-      if (mode_ != pb::MODE_SYNC) {
-        pb::ApplyResponse resp;
-        grpc::Status a = c_.Apply(*r, "m", v, &resp);
-        ASSERT_TRUE(a.ok()) << r->id << " v" << v << ": " << a.error_message();
-      }
-      EXPECT_EQ(CountBadQuant(*r, expected), 0) << r->id << " version " << v;
-    }
-    const pb::VersionStatus vs = FinalVersionStatus(c_, v);
-    EXPECT_TRUE(vs.verified()) << "version " << v << ": " << vs.ShortDebugString();
-  }
-
-  DeltaMeter Meter() { return ScrapeDeltaMeter(endpoint_->port()); }
-
-  planner::Inventory inv_ = QuantInventory();
-  planner::WorkerLayout layout_ = QuantRolloutLayout();
-  pb::ModelSpec spec_;
-  pb::Mode mode_ = pb::MODE_SYNC;
-  Cluster c_;
-  std::unique_ptr<MetricsEndpoint> endpoint_;
-  TestWorker *t0_ = nullptr, *t1_ = nullptr, *r1_ = nullptr;
-  std::vector<TestWorker*> rollouts_;
-};
+// The cluster, the fp8_block128 layout (w's fp8 elements, its 4x2 float32 scales, then n) and the
+// exact check: daemon/delta_quant_e2e_fixture.h (shared with delta_quant_formats_e2e_test).
+class DeltaQuantE2eTest : public DeltaQuantFixture {};
 
 class DeltaQuantTest : public DeltaQuantE2eTest, public ::testing::WithParamInterface<pb::Mode> {};
 

@@ -183,7 +183,11 @@ grpc::Status Cluster::RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, c
         for (int64_t b : p.quant->block) pp->add_quant_block(b);
         pp->set_scale_buffer_id(7);
         pp->set_scale_offset_bytes(static_cast<uint64_t>(p.quant->scale_offset_bytes));
-        pp->set_quant_scale_dtype(p.quant->scale_dtype == planner::DType::kE8M0 ? pb::DTYPE_E8M0 : pb::DTYPE_F32);
+        const planner::DType sd = p.quant->scale_dtype;  // int4's bf16 / f16 scales too (w4a16)
+        pp->set_quant_scale_dtype(sd == planner::DType::kE8M0  ? pb::DTYPE_E8M0
+                                  : sd == planner::DType::kBF16 ? pb::DTYPE_BF16
+                                  : sd == planner::DType::kF16  ? pb::DTYPE_F16
+                                                                : pb::DTYPE_F32);
       }
     }
   }
