@@ -157,5 +157,30 @@ TEST(MultiNicTest, UnusableNicStopsTheDaemonNamingIt) {
   }
 }
 
+// A bad egress cap (--max_send_gbps: negative, not a number) stops the daemon at startup naming
+// the flag, rather than running uncapped or never sending.
+TEST(MultiNicTest, BadEgressCapStopsTheDaemonNamingIt) {
+  auto harness = Harness::Create("egress-cap-bad");
+  ASSERT_TRUE(harness.ok()) << harness.status();
+  int i = 0;
+  for (const std::string cap : {"-5", "inf"}) {
+    SCOPED_TRACE(cap);
+    ++i;
+    std::vector<std::string> argv = {Runfile("daemon/weightbridged"),
+                                     "--role=node",
+                                     "--listen=127.0.0.1:0",
+                                     "--worker_socket=" + (*harness)->Path(absl::StrCat("cap", i, ".sock")),
+                                     "--coordinator=127.0.0.1:1",
+                                     "--node_id=cap" + std::to_string(i),
+                                     "--max_send_gbps=" + cap};
+    auto p = (*harness)->Spawn(absl::StrCat("cap", i), argv);
+    ASSERT_TRUE(p.ok()) << p.status();
+    auto code = (*p)->WaitExit(Scaled(absl::Seconds(30)));
+    ASSERT_TRUE(code.ok()) << code.status() << "\n" << (*p)->LogTail();
+    EXPECT_EQ(*code, 2) << (*p)->LogTail();
+    EXPECT_TRUE(absl::StrContains((*p)->LogTail(), "--max_send_gbps must be a finite number >= 0")) << (*p)->LogTail();
+  }
+}
+
 }  // namespace
 }  // namespace wb::e2e
