@@ -388,6 +388,7 @@ absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_vers
     // Hashed while the chunk is still in cache: one read of base and target in all.
     if (hash_base) XXH3_128bits_update(hb.get(), a, n * es);
     XXH3_128bits_update(ht.get(), b, n * es);
+    if (options.on_target) options.on_target(absl::MakeConstSpan(b, n * es));
   }
   h.base_digest = hash_base ? Finish(hb.get()) : *options.base_digest;
   h.target_digest = Finish(ht.get());
@@ -414,13 +415,14 @@ absl::StatusOr<size_t> EncodeFilling(const VersionBytes& base, uint64_t target_v
                     target_digest, stats);
 }
 
-Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes) {
+Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes, const ChunkObserver& on_chunk) {
   HashState ht = NewHashState();
   chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   for (size_t off = 0; off < target_out.size(); off += chunk_bytes) {
     const size_t len = std::min(chunk_bytes, target_out.size() - off);
     fill(off, target_out.subspan(off, len));
     XXH3_128bits_update(ht.get(), target_out.data() + off, len);
+    if (on_chunk) on_chunk(absl::MakeConstSpan(target_out.data() + off, len));
   }
   return Finish(ht.get());
 }
@@ -658,7 +660,7 @@ absl::Status CheckBase(const StreamHeader& header, uint64_t version, const Diges
 }
 
 absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
-                    std::string_view what) {
+                    std::string_view what, const ChunkObserver& on_out) {
   absl::StatusOr<StreamHeader> header = ReadHeader(stream, what);
   if (!header.ok()) return header.status();
   const StreamHeader& h = *header;
@@ -716,6 +718,7 @@ absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, ab
     }
     if (!s.ok()) return s;
     XXH3_128bits_update(ht.get(), out.data() + off, n * es);
+    if (on_out) on_out(absl::MakeConstSpan(out.data() + off, n * es));
     p = payload + head.payload;
   }
   const Digest got = Finish(ht.get());

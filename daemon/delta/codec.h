@@ -74,6 +74,11 @@ inline constexpr size_t kChunkHeaderBytes = 16;
 enum class ChunkKind : uint8_t { kSame = 0, kRaw = 1, kBitmap = 2, kIndex = 3, kDenseDiff = 4 };
 const char* ChunkKindName(ChunkKind kind);
 
+// Sees consecutive pieces of a byte stream, in order (the target or the decoded output, a codec
+// chunk at a time while it is in cache: issue 17.4's end-to-end digests take their unit hashes
+// there instead of reading the box again).
+using ChunkObserver = std::function<void(absl::Span<const uint8_t> piece)>;
+
 struct VersionBytes {
   uint64_t version = 0;
   absl::Span<const uint8_t> bytes;
@@ -89,6 +94,9 @@ struct EncodeOptions {
   std::optional<Digest> base_digest;
   // TEST ONLY: the portable scan even where a vector one exists (both must give the same stream).
   bool portable_scan = false;
+  // Optional: called with each chunk of the target, in order, right after it was encoded (the
+  // packed chunk EncodeFilling's `fill` wrote, or the caller's target bytes).
+  ChunkObserver on_target;
 };
 
 struct EncodeStats {
@@ -125,7 +133,9 @@ absl::StatusOr<size_t> EncodeFilling(const VersionBytes& base, uint64_t target_v
 
 // Fills `target_out` through `fill`, `chunk_bytes` at a time, hashing each piece while in cache:
 // returns DigestOf(target_out) (a box the sender keeps without a base to encode against).
-Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes = 64 * 1024);
+// `on_chunk` (optional) sees each piece after it was filled.
+Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes = 64 * 1024,
+                     const ChunkObserver& on_chunk = {});
 // The same into a new vector (sized to the result).
 absl::StatusOr<std::vector<uint8_t>> Encode(const VersionBytes& base, const VersionBytes& target,
                                             const EncodeOptions& options, EncodeStats* stats = nullptr);
@@ -163,7 +173,10 @@ struct DecodeBase {
 // writing: each chunk's payload is checked (DATA_LOSS naming chunk and element range), and at the
 // end the digest of `out` against the target digest (DATA_LOSS). On any error `out` holds
 // unspecified bytes (decode into staging the caller can discard, never into live weights).
+// `on_out` (optional) sees each chunk of `out` right after it was decoded, in order, before the
+// target digest is checked: what it saw counts only when Decode returns OK (a failed attempt may
+// have shown it some chunks).
 absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
-                    std::string_view what = "");
+                    std::string_view what = "", const ChunkObserver& on_out = {});
 
 }  // namespace wb::delta

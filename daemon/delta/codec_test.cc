@@ -339,5 +339,45 @@ TEST(DeltaCodec, EncodeFillingMatchesEncodeIntoAndRecordsTheTargetDigest) {
   EXPECT_EQ(d, DigestOf(t));
 }
 
+// The observers (issue 17.4's unit hashes are taken there) see exactly the target / the decoded
+// output, in order, one codec chunk at a time, from memory that holds those bytes.
+TEST(DeltaCodec, ObserversSeeTheTargetAndTheDecodedOutputInOrder) {
+  for (int es : {1, 2, 8}) {
+    const Pair p = MakePair(3 * 4096 + 37, es, 0.04, 100, 31 + es);
+    Bytes seen;
+    size_t pieces = 0;
+    EncodeOptions o;
+    o.elem_size = es;
+    o.chunk_elems = 4096;
+    o.on_target = [&](absl::Span<const uint8_t> c) {
+      seen.insert(seen.end(), c.begin(), c.end());
+      ++pieces;
+    };
+    Bytes target_out(p.target.size()), out(MaxEncodedBytes(p.target.size(), es, 4096));
+    Digest td;
+    auto n = EncodeFilling({4, p.base}, 5, [&](size_t off, absl::Span<uint8_t> dst) { std::memcpy(dst.data(), p.target.data() + off, dst.size()); },
+                           absl::MakeSpan(target_out), o, absl::MakeSpan(out), &td);
+    ASSERT_TRUE(n.ok()) << n.status();
+    out.resize(*n);
+    EXPECT_EQ(seen, p.target) << "es " << es;
+    EXPECT_EQ(pieces, 4u);
+    seen.clear();
+    Bytes dec(p.target.size());
+    ASSERT_TRUE(Decode(out, {4, p.base, std::nullopt}, absl::MakeSpan(dec), "w",
+                       [&](absl::Span<const uint8_t> c) {
+                         // Each piece lies in `dec` (the caller's destination), already decoded.
+                         EXPECT_GE(c.data(), dec.data());
+                         EXPECT_LE(c.data() + c.size(), dec.data() + dec.size());
+                         seen.insert(seen.end(), c.begin(), c.end());
+                       }).ok());
+    EXPECT_EQ(seen, p.target);
+    seen.clear();
+    Bytes filled(p.target.size());
+    FillAndDigest([&](size_t off, absl::Span<uint8_t> dst) { std::memcpy(dst.data(), p.target.data() + off, dst.size()); },
+                  absl::MakeSpan(filled), 5000, [&](absl::Span<const uint8_t> c) { seen.insert(seen.end(), c.begin(), c.end()); });
+    EXPECT_EQ(seen, p.target);
+  }
+}
+
 }  // namespace
 }  // namespace wb::delta

@@ -293,6 +293,36 @@ absl::StatusOr<Digest> DigestFromChunks(int64_t stream_bytes, int32_t element_si
   return Combine(w, chunk_hashes);
 }
 
+struct ChunkStreamHasher::State {
+  HashState st{XXH3_createState()};
+};
+
+ChunkStreamHasher::ChunkStreamHasher(int32_t element_size)
+    : s_(std::make_unique<State>()), chunk_bytes_(ChunkBytes(std::max<int32_t>(1, element_size))) {}
+
+ChunkStreamHasher::~ChunkStreamHasher() = default;
+
+void ChunkStreamHasher::Update(const uint8_t* p, size_t n) {
+  while (n > 0) {
+    const int64_t within = bytes_ % chunk_bytes_;
+    if (within == 0) XXH3_64bits_reset_withSeed(s_->st.get(), static_cast<uint64_t>(bytes_ / chunk_bytes_));
+    const size_t take = static_cast<size_t>(std::min<int64_t>(chunk_bytes_ - within, static_cast<int64_t>(n)));
+    XXH3_64bits_update(s_->st.get(), p, take);
+    bytes_ += static_cast<int64_t>(take);
+    p += take;
+    n -= take;
+    if (bytes_ % chunk_bytes_ == 0) hashes_.push_back(XXH3_64bits_digest(s_->st.get()));
+  }
+}
+
+std::vector<uint64_t> ChunkStreamHasher::Finish() {
+  if (bytes_ % chunk_bytes_ != 0) hashes_.push_back(XXH3_64bits_digest(s_->st.get()));  // the short last chunk
+  std::vector<uint64_t> out = std::move(hashes_);
+  hashes_.clear();
+  bytes_ = 0;
+  return out;
+}
+
 double DigestPool::HashSeconds(size_t id) const {
   absl::MutexLock l(&s_->mu);
   return id < s_->hash_ns.size() ? static_cast<double>(s_->hash_ns[id]) * 1e-9 : 0;

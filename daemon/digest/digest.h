@@ -103,6 +103,32 @@ absl::StatusOr<Digest> DigestFromChunks(int64_t stream_bytes, int32_t element_si
 // Bytes of one chunk of the canonical stream for elements of `element_size` bytes.
 inline int64_t ChunkBytes(int32_t element_size) { return kChunkElements * element_size; }
 
+// The chunk hashes of a canonical stream fed in order, piece by piece, wherever its bytes are
+// (issue 17.4's cost: the delta codec hashes the box it packs or decodes chunk by chunk while the
+// chunk is in cache; a strided box's runs as they are written): chunk k hashed XXH3-64 with seed k,
+// the same values BoxDigest computes, for DigestFromChunks. Pieces may have any length and cut
+// chunks anywhere. Not thread-safe; one stream per hasher.
+class ChunkStreamHasher {
+ public:
+  explicit ChunkStreamHasher(int32_t element_size);
+  ~ChunkStreamHasher();
+  ChunkStreamHasher(const ChunkStreamHasher&) = delete;
+  ChunkStreamHasher& operator=(const ChunkStreamHasher&) = delete;
+  // The next `n` bytes of the stream.
+  void Update(const uint8_t* p, size_t n);
+  int64_t bytes() const { return bytes_; }
+  // The chunk hashes of everything fed (DigestFromChunks(bytes(), element_size, ...)); the hasher
+  // starts a new, empty stream afterwards.
+  std::vector<uint64_t> Finish();
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+  int64_t chunk_bytes_ = 0;
+  int64_t bytes_ = 0;
+  std::vector<uint64_t> hashes_;
+};
+
 // The digest as it appears in messages: 16 lowercase hex digits.
 std::string DigestHex(Digest d);
 

@@ -158,6 +158,38 @@ TEST(DigestTest, DigestFromChunksEqualsTheBoxDigest) {
   EXPECT_EQ(DigestFromChunks(total + 1, es, chunks).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A stream fed piece by piece (pieces of any size, cutting chunks anywhere, as the delta codec's
+// 64 KiB chunks and a strided box's runs do) gives the box's chunk hashes, hence its digest.
+TEST(DigestTest, ChunkStreamHasherGivesTheBoxesChunkHashes) {
+  const int64_t rows = 2 * 1024 + 7, cols = 1031;  // 3 chunks of 2-byte elements, the last one short
+  const int es = 2;
+  auto dense = RowMajor(rows, cols, es, cols, 0);
+  auto trans = ColMajor(rows, cols, es);
+  const Digest want = Of({trans.data(), {rows, cols}, {1, rows}, es});
+  ChunkStreamHasher h(es);
+  std::mt19937 rng(7);
+  for (size_t off = 0; off < dense.size();) {
+    const size_t n = std::min<size_t>(dense.size() - off, 1 + rng() % (off % 3 == 0 ? 70000 : 300));
+    h.Update(dense.data() + off, n);
+    off += n;
+  }
+  EXPECT_EQ(h.bytes(), static_cast<int64_t>(dense.size()));
+  std::vector<uint64_t> chunks = h.Finish();
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(*DigestFromChunks(static_cast<int64_t>(dense.size()), es, chunks), want);
+  // Exactly whole chunks, in one piece: no extra short chunk; then the hasher starts afresh.
+  h.Update(dense.data(), static_cast<size_t>(2 * ChunkBytes(es)));
+  chunks = h.Finish();
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[1], XXH3_64bits_withSeed(dense.data() + ChunkBytes(es), static_cast<size_t>(ChunkBytes(es)), 1));
+  EXPECT_TRUE(h.Finish().empty());
+  // A flipped byte shows in its chunk's hash only.
+  dense[static_cast<size_t>(ChunkBytes(es)) + 5] ^= 0x10;
+  h.Update(dense.data(), dense.size());
+  const std::vector<uint64_t> flipped = h.Finish();
+  EXPECT_NE(*DigestFromChunks(static_cast<int64_t>(dense.size()), es, flipped), want);
+}
+
 TEST(DigestTest, ThreeDimsWithUnitDimsAndScalars) {
   // [2, 1, 3] row-major == [6]; a scalar == a one-element box.
   auto dense = RowMajor(1, 6, 2, 6, 0);

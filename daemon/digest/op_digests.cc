@@ -46,6 +46,10 @@ struct OpDigestTracker::Boxes {
   std::vector<int> tcp_pending;
   std::vector<Digest> digest;
   std::vector<int64_t> box_bytes;
+  std::vector<int64_t> box_offset;  // byte offset of the box in its region
+  // The delta codec's hashes still expected: per box, and per side (op, landed) the calls left.
+  std::vector<int> codec_pending;
+  std::map<std::pair<uint32_t, bool>, int> codec_left;
   std::map<std::pair<uint32_t, bool>, size_t> side_box;  // (op, landed) -> box
   // Host-channel routes whose ops the transport may hash: route -> (position in its ops, box), and
   // the UnitHashes PrepareBatch attached to their batches.
@@ -101,6 +105,7 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker::Boxes>> Collect(const daemon::no
       b->key.push_back(at.key);
       b->deps.emplace_back();
       b->box_bytes.push_back(n);
+      b->box_offset.push_back(ref.offset_bytes);
       b->landed_box.push_back(false);
     }
     b->sides.push_back({landed, op.index, it->second});
@@ -172,6 +177,7 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker>> OpDigestTracker::Start(const da
   b->ready.assign(n, false);
   b->have.assign(n, false);
   b->tcp_pending.assign(n, 0);
+  b->codec_pending.assign(n, 0);
   b->digest.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     b->waits[i] = b->deps[i].size();
@@ -187,11 +193,40 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker>> OpDigestTracker::Start(const da
         if (r.kind != daemon::node::RouteKind::kPeer) continue;
         for (size_t pos = 0; pos < r.ops.size(); ++pos) {
           const daemon::node::RouteOp& op = r.ops[pos];
-          if (op.part != daemon::node::RouteOp::Part::kCanonical || op.delta || op.src_local == op.dst_local) continue;
+          // Delta ops too: when one travels in full, its copy is the route's (a stream standing in
+          // is never: PrepareBatch tells them apart).
+          if (op.part != daemon::node::RouteOp::Part::kCanonical || op.src_local == op.dst_local) continue;
           auto side = b->side_box.find({op.op_index, op.dst_local});
           if (side == b->side_box.end()) continue;  // device memory, sender-quantised
           b->tcp_routes[&r].push_back({pos, side->second});
           ++b->tcp_pending[side->second];
+        }
+      }
+    }
+  }
+  if (options.overlap && !options.codec_sides.empty()) {
+    // Delta ops' local sides the codec hashes as it packs / decodes them: only where the route op
+    // copies exactly the side's box, so the codec's stream (the op's logical order) is the box's
+    // canonical stream.
+    for (const daemon::node::BucketPlan& bucket : plan.buckets) {
+      for (const daemon::node::Route& r : bucket.routes) {
+        if (r.kind != daemon::node::RouteKind::kPeer) continue;
+        for (const daemon::node::RouteOp& op : r.ops) {
+          if (op.part != daemon::node::RouteOp::Part::kCanonical || !op.delta || op.src_local == op.dst_local) continue;
+          const std::pair<uint32_t, bool> side_key{op.op_index, op.dst_local};
+          if (options.codec_sides.count(side_key) == 0) continue;
+          auto side = b->side_box.find(side_key);
+          if (side == b->side_box.end()) continue;  // device memory
+          const size_t box = side->second;
+          const StridedBox& sb = b->boxes[box];
+          const transport::StridedRef& local = op.dst_local ? op.copy.dst : op.copy.src;
+          const std::string& key = op.dst_local ? op.dst_key : op.src_key;
+          if (op.copy.shape != sb.shape || op.copy.element_size != sb.element_size || local.strides != sb.strides ||
+              local.offset_bytes != b->box_offset[box] || key != b->key[box]) {
+            continue;
+          }
+          ++b->codec_left[side_key];
+          ++b->codec_pending[box];
         }
       }
     }
@@ -229,7 +264,7 @@ void OpDigestTracker::QueueLocked(size_t box) {
 
 void OpDigestTracker::MaybeQueueLocked(size_t box) {
   const Boxes& b = *boxes_;
-  if (!options_.overlap || !b.ready[box] || b.have[box] || b.tcp_pending[box] > 0) return;
+  if (!options_.overlap || !b.ready[box] || b.have[box] || b.tcp_pending[box] > 0 || b.codec_pending[box] > 0) return;
   QueueLocked(box);
 }
 
@@ -247,6 +282,7 @@ void OpDigestTracker::PrepareBatch(const daemon::node::Route& route, transport::
     const transport::CopyOp& want = route.ops[pos].copy;
     const transport::StridedRef& local = route.ops[pos].dst_local ? c.dst : c.src;
     const StridedBox& sb = b.boxes[box];
+    if (b.have[box]) continue;  // the delta codec hashed it already (it packed the source)
     // Only the route's own copy (a delta stream may stand in its place) over this very box: then
     // the op's logical stream is the box's canonical stream.
     const bool same = c.shape == want.shape && c.element_size == want.element_size && c.src.offset_bytes == want.src.offset_bytes &&
@@ -284,6 +320,25 @@ void OpDigestTracker::TakeUnitHashesLocked(const daemon::node::Route& route) {
     }
     MaybeQueueLocked(box);
   }
+}
+
+void OpDigestTracker::CodecHashes(uint32_t op, bool landed, const std::vector<uint64_t>* chunk_hashes) {
+  absl::MutexLock l(&mu_);
+  Boxes& b = *boxes_;
+  auto left = b.codec_left.find({op, landed});
+  if (left == b.codec_left.end() || left->second <= 0) return;
+  --left->second;
+  const size_t box = b.side_box.at({op, landed});
+  if (b.codec_pending[box] > 0) --b.codec_pending[box];
+  if (!b.have[box] && chunk_hashes != nullptr) {
+    absl::StatusOr<Digest> d = DigestFromChunks(b.box_bytes[box], b.boxes[box].element_size, *chunk_hashes);
+    if (d.ok()) {
+      b.have[box] = true;
+      b.digest[box] = *d;
+      b.out.codec_bytes += b.box_bytes[box];
+    }
+  }
+  MaybeQueueLocked(box);
 }
 
 void OpDigestTracker::OnRouteDone(const daemon::node::Route& route) {

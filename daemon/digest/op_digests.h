@@ -34,6 +34,8 @@ struct OpDigests {
   // (transport::UnitHashes), and the CPU seconds spent hashing the rest from memory, split by
   // boxes read as a source and boxes that landed (a box that is both counts as landed).
   int64_t transport_bytes = 0;
+  // Of `bytes`, those whose chunk hashes the delta codec took in its passes (CodecHashes).
+  int64_t codec_bytes = 0;
   double source_hash_s = 0, landed_hash_s = 0;
 };
 
@@ -79,6 +81,10 @@ class OpDigestTracker {
     // host channel moves wait for the transport's hashes (see above) instead of being hashed
     // from memory.
     bool in_transport = false;
+    // With `overlap`: local sides (op index, landed) of delta ops whose chunk hashes the delta
+    // codec hands over through CodecHashes (daemon/node/delta_exchange.h DeltaHashedSides): their
+    // boxes wait for them instead of being hashed from memory (see CodecHashes).
+    std::set<std::pair<uint32_t, bool>> codec_sides;
   };
   // Errors as DigestLocalOps (a region missing, a box outside its region).
   static absl::StatusOr<std::unique_ptr<OpDigestTracker>> Start(const daemon::node::Slice& slice, const std::string& me,
@@ -91,6 +97,13 @@ class OpDigestTracker {
   // setting batch.unit_hashes. Ops that differ from the route's copy (a delta stream in its place)
   // and routes not of this tracker's plan are left alone.
   void PrepareBatch(const daemon::node::Route& route, transport::Batch& batch);
+  // The delta codec's chunk hashes (digest format, ChunkStreamHasher) of the canonical box of op
+  // `op`'s local side (`landed`: the destination box, else the source box), taken while it packed
+  // the source or decoded into staging (DeltaOptions::unit_hashes; any thread); null = it did not
+  // hash it (the box is hashed from memory once final, or by the transport when it moved it in
+  // full). Counted only for a side of Options::codec_sides whose route op copies exactly the
+  // side's box (its canonical stream is the op's); one call per such route op.
+  void CodecHashes(uint32_t op, bool landed, const std::vector<uint64_t>* chunk_hashes);
   // A batch of `route` completed OK (ExecOptions::on_batch_done; any thread, cheap: it only queues).
   void OnRouteDone(const daemon::node::Route& route);
   // Every op's digests; call once, after the last batch completed.

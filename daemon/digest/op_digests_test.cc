@@ -267,6 +267,113 @@ TEST(OpDigestTrackerTest, TransportChunkHashesStandInForHashingTheMemory) {
   }
 }
 
+// n1's plan for op 2 (t0 on n0 -> r1 on n1, a delta op over the host channel): it lands in "w2.b0".
+daemon::node::ExecPlan LandingPlan() {
+  daemon::node::ExecPlan plan;
+  plan.written = {"w2.b0"};
+  plan.buckets.resize(1);
+  daemon::node::Route r;
+  r.kind = daemon::node::RouteKind::kPeer;
+  daemon::node::RouteOp ro;
+  ro.op_index = 2;
+  ro.src_local = false;
+  ro.dst_local = true;
+  ro.delta = true;
+  ro.src_key = "w0.b0";
+  ro.dst_key = "w2.b0";
+  ro.copy.shape = {4, 6};
+  ro.copy.element_size = 2;
+  ro.copy.src = {{}, 0, {6, 1}};
+  ro.copy.dst = {{}, 0, {6, 1}};
+  r.ops.push_back(ro);
+  plan.buckets[0].routes.push_back(r);
+  return plan;
+}
+
+// The chunk hashes of `bytes` as the delta codec hands them over (ChunkStreamHasher, in pieces).
+std::vector<uint64_t> CodecChunks(const std::vector<uint8_t>& bytes) {
+  ChunkStreamHasher h(2);
+  h.Update(bytes.data(), 20);
+  h.Update(bytes.data() + 20, bytes.size() - 20);
+  return h.Finish();
+}
+
+// The delta codec's chunk hashes (DeltaOptions::unit_hashes -> CodecHashes) stand in for hashing a
+// delta op's box from memory, on the sender (the box it packed) and on the receiver (what it
+// decoded into staging); the box waits for them even once its batch completed. Hashes of other
+// bytes show as another digest (a corrupted landing is caught by the coordinator's comparison);
+// none handed over (a refused stream resent in full), a side not announced in codec_sides, or a
+// route op whose copy is not the side's box: hashed from memory.
+TEST(OpDigestTrackerTest, DeltaCodecChunkHashesStandInForHashingTheMemory) {
+  Fixture f;
+  auto want = DigestLocalOps(f.slice, "n0", {}, f.Regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(want.ok());
+  // Sender (n0): op 2's source box.
+  for (int c = 0; c < 4; ++c) {  // 0: hashes, 1: hashes of other bytes, 2: none, 3: side not announced
+    daemon::node::ExecPlan plan = PeerPlan();
+    plan.buckets[0].routes[1].ops[0].delta = true;
+    OpDigestTracker::Options o;
+    o.threads = 2;
+    o.in_transport = true;
+    if (c != 3) o.codec_sides = {{2, false}};
+    auto t = OpDigestTracker::Start(f.slice, "n0", plan, f.Regions(), o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    std::vector<uint8_t> packed = f.trainer;  // what EncodeOp packed (t0's box is the whole tensor)
+    if (c == 1) packed[7] ^= 0x02;
+    const std::vector<uint64_t> chunks = CodecChunks(packed);
+    (*t)->CodecHashes(2, false, c == 2 ? nullptr : &chunks);
+    // A delta stream stood in for the op (or the box had its hashes): nothing for host_tcp to hash.
+    const daemon::node::Route& away = plan.buckets[0].routes[1];
+    transport::Batch batch;
+    batch.ops = {away.ops[0].copy};
+    batch.ops[0].shape = {30};
+    (*t)->PrepareBatch(away, batch);
+    EXPECT_EQ(batch.unit_hashes, nullptr);
+    for (const auto& bucket : plan.buckets) {
+      for (const auto& r : bucket.routes) (*t)->OnRouteDone(r);
+    }
+    auto d = (*t)->Finish();
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->codec_bytes, c == 0 || c == 1 ? 48 : 0) << c;
+    EXPECT_EQ(d->source.at(0), want->source.at(0)) << c;
+    if (c == 1) {
+      EXPECT_NE(d->source.at(2), want->source.at(2)) << "the codec's hashes are what counts";
+    } else {
+      EXPECT_EQ(d->source.at(2), want->source.at(2)) << c;
+    }
+  }
+  // Receiver (n1): what landed in r1's staging. The source digest n0 reports is want->source[2].
+  for (int c = 0; c < 4; ++c) {  // 0: hashes of what landed, 1: of a corrupted landing, 2: none, 3: copy not the box
+    std::vector<uint8_t> staging(48, 0xAB);  // nothing landed yet
+    const std::map<std::string, RegionBytes> regions = {{"w2.b0", {staging.data(), 48}}};
+    daemon::node::ExecPlan plan = LandingPlan();
+    if (c == 3) plan.buckets[0].routes[0].ops[0].copy.dst.strides = {1, 4};
+    OpDigestTracker::Options o;
+    o.threads = 2;
+    o.in_transport = true;
+    o.codec_sides = {{2, true}};
+    auto t = OpDigestTracker::Start(f.slice, "n1", plan, regions, o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    // The decode writes staging and hands its hashes over; the route completes later (the executor
+    // holds it until the delta tail), or first.
+    std::vector<uint8_t> landed = f.trainer;
+    if (c == 1) landed[30] ^= 0x40;
+    if (c == 2) (*t)->OnRouteDone(plan.buckets[0].routes[0]);
+    staging = landed;
+    const std::vector<uint64_t> chunks = CodecChunks(staging);
+    (*t)->CodecHashes(2, true, c == 2 ? nullptr : &chunks);
+    if (c != 2) (*t)->OnRouteDone(plan.buckets[0].routes[0]);
+    auto d = (*t)->Finish();
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->codec_bytes, c == 0 || c == 1 ? 48 : 0) << c;
+    if (c == 1) {
+      EXPECT_NE(d->landed.at(2), want->source.at(2)) << "a corrupted landing is caught";
+    } else {
+      EXPECT_EQ(d->landed.at(2), want->source.at(2)) << c;
+    }
+  }
+}
+
 // A failed version drops its tracker without Finish: the hashing stops and nothing is left running.
 TEST(OpDigestTrackerTest, DroppedWithoutFinish) {
   Fixture f;

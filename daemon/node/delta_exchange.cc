@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/delta/codec.h"
+#include "daemon/digest/digest.h"
 #include "transport/strided.h"
 
 namespace wb::daemon::node {
@@ -85,8 +86,27 @@ absl::Status UnpackSide(const uint8_t* in, uint8_t* region, int64_t region_size,
 
 DeltaKey KeyOf(const RouteOp& op) { return DeltaKey::Of(op.tensor, op.box, op.copy.element_size, op.delta_variant); }
 
+std::set<std::pair<uint32_t, bool>> DeltaHashedSides(const ExecPlan& plan, const DeltaOptions& options) {
+  // As DeltaRun::Make picks slots and ops only cached.
+  std::set<std::pair<uint32_t, bool>> out;
+  const bool caching = options.cache != nullptr && options.cache->enabled();
+  for (const BucketPlan& bucket : plan.buckets) {
+    for (const Route& r : bucket.routes) {
+      if (r.kind != RouteKind::kPeer) continue;
+      for (const RouteOp& op : r.ops) {
+        if (!op.delta || op.part != RouteOp::Part::kCanonical) continue;
+        auto bv = options.base_versions.find(op.dst_worker);
+        const bool slot = bv != options.base_versions.end() && bv->second > 0;
+        if (op.src_local && (slot || caching)) out.insert({op.op_index, false});
+        if (op.dst_local && slot) out.insert({op.op_index, true});
+      }
+    }
+  }
+  return out;
+}
+
 uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint64_t version, uint64_t base_version, DeltaCache& cache,
-                  absl::Span<uint8_t> out, const std::string& label) {
+                  absl::Span<uint8_t> out, const std::string& label, std::optional<std::vector<uint64_t>>* unit_hashes) {
   const int elem = op.copy.element_size;
   const int64_t raw = op.copy.bytes();
   absl::StatusOr<transport::StridedLayout> l = SideLayout(op.copy.src, op.copy, src_size);
@@ -98,6 +118,10 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
     l->ForEachPiece(static_cast<int64_t>(off), static_cast<int64_t>(off + dst.size()),
                     [&](int64_t at, int64_t logical, int64_t len) { std::memcpy(dst.data() + (logical - off), src + at, len); });
   };
+  // End-to-end digests' chunk hashes of the packed box, taken as each codec chunk is packed.
+  digest::ChunkStreamHasher hasher(elem);
+  delta::ChunkObserver observe;
+  if (unit_hashes != nullptr) observe = [&hasher](absl::Span<const uint8_t> c) { hasher.Update(c.data(), c.size()); };
   uint64_t len = 0;
   std::optional<delta::Digest> digest;
   const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;
@@ -109,22 +133,26 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       eo.base_digest = base->digest;  // computed when the base was packed: not hashed again
       const std::string what = OpWhat(op, label);
       eo.what = what;
+      eo.on_target = observe;
       delta::Digest td;
       absl::StatusOr<size_t> n = delta::EncodeFilling({base_version, base->bytes}, version, fill, absl::MakeSpan(target), eo, out, &td);
       if (n.ok()) {
         digest = td;
         if (static_cast<int64_t>(*n) < raw) len = *n;
+      } else {
+        (void)hasher.Finish();  // refused before packing anything; packed again below
       }
     }
   }
-  if (!digest.has_value()) digest = delta::FillAndDigest(fill, absl::MakeSpan(target));
+  if (!digest.has_value()) digest = delta::FillAndDigest(fill, absl::MakeSpan(target), 64 * 1024, observe);
+  if (unit_hashes != nullptr) *unit_hashes = hasher.Finish();
   cache.AddPending(KeyOf(op), version, std::move(target), digest);
   return len;
 }
 
 absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const std::optional<DeltaBase>& base,
                       absl::Span<const uint8_t> stream, const std::string& label, std::optional<delta::Digest> recorded,
-                      delta::Digest* decoded) {
+                      delta::Digest* decoded, std::vector<uint64_t>* unit_hashes) {
   const std::string what = OpWhat(op, label);
   if (!base.has_value() || base->data == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("delta for ", what, ": the destination holds no committed copy in host memory"));
@@ -152,18 +180,33 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
     b = base_box;
     out = absl::MakeSpan(out_box);
   }
-  absl::Status s = delta::Decode(stream, {base->version, b, recorded}, out, what);
+  // End-to-end digests' chunk hashes of what lands in `dst`: a dense box is staging itself, hashed
+  // as each codec chunk is decoded into it; a strided one run by run as the scratch is copied out.
+  digest::ChunkStreamHasher hasher(op.copy.element_size);
+  delta::ChunkObserver observe;
+  if (unit_hashes != nullptr && dense) observe = [&hasher](absl::Span<const uint8_t> c) { hasher.Update(c.data(), c.size()); };
+  absl::Status s = delta::Decode(stream, {base->version, b, recorded}, out, what, observe);
   // A recorded digest is a shortcut, never the judge: on any failure decide on the base itself
   // (a base changed behind the node is refused as "made against ... digest", a bad stream stays
   // DATA_LOSS).
-  if (!s.ok() && recorded.has_value()) s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what);
+  if (!s.ok() && recorded.has_value()) {
+    (void)hasher.Finish();  // what the failed attempt showed it does not count
+    s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what, observe);
+  }
   if (!s.ok()) return s;
   if (decoded != nullptr) {
     absl::StatusOr<delta::StreamHeader> h = delta::ReadHeader(stream, what);
     if (!h.ok()) return h.status();
     *decoded = h->target_digest;
   }
-  if (!dense) return UnpackSide(out_box.data(), dst, dst_size, op.copy.dst, op.copy);
+  if (!dense) {
+    // `l` was checked against dst_size above.
+    l->ForEachPiece(0, l->total_bytes(), [&](int64_t at, int64_t logical, int64_t len) {
+      std::memcpy(dst + at, out_box.data() + logical, static_cast<size_t>(len));
+      if (unit_hashes != nullptr) hasher.Update(dst + at, static_cast<size_t>(len));
+    });
+  }
+  if (unit_hashes != nullptr) *unit_hashes = hasher.Finish();
   return absl::OkStatus();
 }
 
@@ -291,10 +334,12 @@ void DeltaRun::EncodeSlot(Peer& p, size_t i) {
   const absl::Time t0 = absl::Now();
   uint64_t len = 0;
   std::optional<std::pair<uint8_t*, int64_t>> src = SourceWhenReady(*s.op, s.route->bucket);
+  std::optional<std::vector<uint64_t>> units;
   if (src.has_value() && o_.cache != nullptr && o_.cache->enabled()) {
     len = EncodeOp(*s.op, src->first, src->second, version_, s.base, *o_.cache,
-                   absl::MakeSpan(p.mem->data() + p.mine.out_stream[i], static_cast<size_t>(s.max)), label_);
+                   absl::MakeSpan(p.mem->data() + p.mine.out_stream[i], static_cast<size_t>(s.max)), label_, WantUnits(*s.op) ? &units : nullptr);
   }
+  HandUnits(*s.op, false, units);
   s.len = len;
   std::memcpy(p.mem->data() + p.mine.out_len + 8 * static_cast<int64_t>(i), &len, 8);
   absl::MutexLock l(&mu_);
@@ -324,9 +369,14 @@ void DeltaRun::Start() {
   for (auto [op, b] : cache_only_) {
     workers_->Encode([this, op = op, b = b] {
       std::optional<std::pair<uint8_t*, int64_t>> src = SourceWhenReady(*op, b);
-      if (!src.has_value()) return;
+      std::optional<std::vector<uint64_t>> units;
+      if (!src.has_value()) {
+        HandUnits(*op, false, units);
+        return;
+      }
       const absl::Time t0 = absl::Now();
-      EncodeOp(*op, src->first, src->second, version_, 0, *o_.cache, {}, label_);
+      EncodeOp(*op, src->first, src->second, version_, 0, *o_.cache, {}, label_, WantUnits(*op) ? &units : nullptr);
+      HandUnits(*op, false, units);
       absl::MutexLock l(&mu_);
       stats_.encode_s += absl::ToDoubleSeconds(absl::Now() - t0);
       ++stats_.cache_candidates;
@@ -381,6 +431,7 @@ absl::Status DeltaRun::LengthsLanded(uint32_t b) {
                                                 p.in[j].op->op_index, ", more than its bound ", p.in[j].max));
       }
       p.in[j].len = len;
+      if (len == 0) HandUnits(*p.in[j].op, true, std::nullopt);  // travels in full: not decoded here
     }
   }
   for (auto& [name, p] : peers_) {
@@ -427,9 +478,13 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
   std::optional<delta::Digest> recorded;
   if (o_.recorded && base.has_value()) recorded = o_.recorded(*s.op, base->version);
   delta::Digest decoded;
-  absl::Status st = dst.has_value() ? DecodeOp(*s.op, dst->first, dst->second, base, stream, label_, recorded, &decoded)
+  std::vector<uint64_t> units;
+  absl::Status st = dst.has_value() ? DecodeOp(*s.op, dst->first, dst->second, base, stream, label_, recorded, &decoded,
+                                               WantUnits(*s.op) ? &units : nullptr)
                                     : absl::FailedPreconditionError(absl::StrCat(label_, ": ", s.op->dst_key, " is not host staging"));
   s.refused = !st.ok();
+  // A refused op is resent in full: what lands then is hashed some other way.
+  HandUnits(*s.op, true, st.ok() ? std::optional<std::vector<uint64_t>>(std::move(units)) : std::nullopt);
   p.mem->data()[p.mine.in_ref + static_cast<int64_t>(j)] = s.refused ? 1 : 0;
   if (st.ok() && o_.record) o_.record(*s.op, version_, decoded);
   absl::MutexLock l(&mu_);
@@ -523,6 +578,13 @@ std::vector<Route> DeltaRun::FallbackRoutes() {
     out.push_back(std::move(r));
   }
   return out;
+}
+
+bool DeltaRun::WantUnits(const RouteOp& op) const { return o_.unit_hashes && op.part == RouteOp::Part::kCanonical; }
+
+void DeltaRun::HandUnits(const RouteOp& op, bool landed, const std::optional<std::vector<uint64_t>>& units) {
+  if (!WantUnits(op)) return;
+  o_.unit_hashes(op, landed, units.has_value() ? &*units : nullptr);
 }
 
 absl::Status DeltaRun::Finish(absl::Time deadline) {

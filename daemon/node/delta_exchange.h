@@ -41,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -101,6 +102,16 @@ struct DeltaOptions {
   // refuses it as without a record). Null: the base is hashed.
   std::function<std::optional<delta::Digest>(const RouteOp& op, uint64_t version)> recorded;
   std::function<void(const RouteOp& op, uint64_t version, const delta::Digest& digest)> record;
+  // End-to-end digests (issue 17.4; optional): the digest format's chunk hashes
+  // (digest::ChunkStreamHasher) of the canonical box of a delta op's local side, taken by the codec
+  // in its in-cache passes, so the digests need not read that box again. Called exactly once for
+  // every (op, side) DeltaHashedSides lists, on a worker thread: `landed` false = the sender's
+  // source box (the box it packed into the cache, chunk by chunk, while encoding it or only caching
+  // it), true = the receiver's destination box as decoded into staging (dense boxes: staging
+  // itself as each chunk is decoded; strided boxes: each run of staging right after it was copied
+  // from the scratch); null `unit_hashes` = not hashed here (no pack, a stream that was not decoded
+  // OK - the op is resent in full -, a slot that travelled in full): hash it some other way.
+  std::function<void(const RouteOp& op, bool landed, const std::vector<uint64_t>* unit_hashes)> unit_hashes;
   DeltaBuffers* buffers = nullptr;  // null: fresh buffers per version
   int threads = 2;                  // encode / decode threads
   // TEST ONLY: called with each landed stream before it is decoded (a test corrupts it).
@@ -140,21 +151,32 @@ absl::Status PackSide(const uint8_t* region, int64_t region_size, const transpor
 absl::Status UnpackSide(const uint8_t* in, uint8_t* region, int64_t region_size, const transport::StridedRef& side,
                         const transport::CopyOp& copy);
 
+// The local sides DeltaRun hands DeltaOptions::unit_hashes for (op index, landed): of every
+// canonical delta op of a kPeer route of `plan`, the source side when this node sends it (slots,
+// and ops only cached while the cache is on) and the destination side when this node receives it
+// as a slot (its destination has a base version).
+std::set<std::pair<uint32_t, bool>> DeltaHashedSides(const ExecPlan& plan, const DeltaOptions& options);
+
 // Sender: packs op's source box, encodes it against the cache's committed copy of `base_version`
 // into `out` when there is one (empty `out`: not a slot, only cached), files the packed box as
-// pending for `version`. Returns the stream's length, or 0 = send in full.
+// pending for `version`. Returns the stream's length, or 0 = send in full. `unit_hashes`
+// (optional) receives the digest format's chunk hashes of the packed box when it was packed.
 uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint64_t version, uint64_t base_version, DeltaCache& cache,
-                  absl::Span<uint8_t> out, const std::string& label);
+                  absl::Span<uint8_t> out, const std::string& label,
+                  std::optional<std::vector<uint64_t>>* unit_hashes = nullptr);
 
 // Receiver: decodes `stream` against `base` into op's place in `dst` (incoming staging, host).
 // FAILED_PRECONDITION (base missing or of another version/digest) or DATA_LOSS (corrupt stream):
 // the caller resends the op in full; the op's place in `dst` holds unspecified bytes then.
 // `recorded`: the base box's digest if recorded (DeltaOptions::recorded); on any failure with it the
 // op is decoded once more against the base's own digest. `*decoded` (optional) receives the digest
-// of the box it wrote (the stream's verified target digest).
+// of the box it wrote (the stream's verified target digest); `*unit_hashes` (optional, on success
+// only) the digest format's chunk hashes of the box as it is in `dst` (see
+// DeltaOptions::unit_hashes).
 absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const std::optional<DeltaBase>& base,
                       absl::Span<const uint8_t> stream, const std::string& label,
-                      std::optional<delta::Digest> recorded = std::nullopt, delta::Digest* decoded = nullptr);
+                      std::optional<delta::Digest> recorded = std::nullopt, delta::Digest* decoded = nullptr,
+                      std::vector<uint64_t>* unit_hashes = nullptr);
 
 // Batch tags of the protocol's extra batches (distinct from every bucket's BatchTag).
 inline uint64_t LengthsTag(uint64_t version, uint32_t bucket) { return BatchTag(version, 0x800000u | bucket); }
@@ -253,6 +275,9 @@ class DeltaRun {
   // The host memory of op's source once its bytes are written (DeltaOptions::source_ready).
   std::optional<std::pair<uint8_t*, int64_t>> SourceWhenReady(const RouteOp& op, uint32_t bucket);
   void EncodeSlot(Peer& p, size_t i);
+  // DeltaOptions::unit_hashes: whether op's hashes are wanted, and handing them over (null: none).
+  bool WantUnits(const RouteOp& op) const;
+  void HandUnits(const RouteOp& op, bool landed, const std::optional<std::vector<uint64_t>>& units);
   void DecodeSlot(Peer& p, size_t j);
   bool Lo(const Peer& p) const { return o_.me < p.peer; }
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/digest/digest.h"
 #include "daemon/node/executor.h"
 #include "daemon/testing/exec_rendezvous.h"
 #include "transport/config.h"
@@ -138,6 +139,12 @@ class DeltaExecTest : public ::testing::Test {
           }
         };
         if (on_landed_) o.deltas.on_landed = [this, n](uint32_t op, absl::Span<uint8_t> s) { on_landed_(n, op, s); };
+        if (track_units_) {
+          o.deltas.unit_hashes = [this, n](const RouteOp& op, bool landed, const std::vector<uint64_t>* h) {
+            absl::MutexLock l(&units_mu_);
+            units_[{n, op.op_index, landed}].push_back(h != nullptr ? std::optional<std::vector<uint64_t>>(*h) : std::nullopt);
+          };
+        }
         if (record_digests_) {
           o.deltas.recorded = [this, n](const RouteOp& op, uint64_t version) -> std::optional<delta::Digest> {
             absl::MutexLock l(&recorded_mu_);
@@ -165,6 +172,33 @@ class DeltaExecTest : public ::testing::Test {
     }
   }
 
+  // End-to-end digest (issue 17.4's format) of op's box in `bytes` (a trainer or a staging copy:
+  // both [kRows, kCols] row-major).
+  digest::Digest BoxDigestOf(const std::vector<uint8_t>& bytes, uint32_t op) const {
+    const planner::Box& box = slice_.ops[op].box;
+    const uint8_t* at = bytes.data() + (box.begin[0] * kCols + box.begin[1]) * 2;
+    absl::StatusOr<digest::Digest> d =
+        digest::BoxDigest({at, {box.end[0] - box.begin[0], box.end[1] - box.begin[1]}, {kCols, 1}, 2});
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? *d : 0;
+  }
+  // The digest the codec's unit hashes of (node, op, side) give; nullopt when it handed none.
+  std::optional<digest::Digest> UnitDigest(int node, uint32_t op, bool landed) {
+    absl::MutexLock l(&units_mu_);
+    auto it = units_.find({node, op, landed});
+    if (it == units_.end() || it->second.size() != 1 || !it->second[0].has_value()) return std::nullopt;
+    const planner::Box& box = slice_.ops[op].box;
+    const int64_t bytes = (box.end[0] - box.begin[0]) * (box.end[1] - box.begin[1]) * 2;
+    absl::StatusOr<digest::Digest> d = digest::DigestFromChunks(bytes, 2, *it->second[0]);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? std::optional<digest::Digest>(*d) : std::nullopt;
+  }
+  size_t UnitCalls(int node, uint32_t op, bool landed) {
+    absl::MutexLock l(&units_mu_);
+    auto it = units_.find({node, op, landed});
+    return it == units_.end() ? 0 : it->second.size();
+  }
+
   void ExpectExact(const char* what) {
     EXPECT_EQ(not_final_.load(), 0) << what << ": a route was reported done before its boxes were final";
     EXPECT_TRUE(staging_[0] == trainer_[0]) << what << ": tensor 0 on n1";
@@ -190,6 +224,10 @@ class DeltaExecTest : public ::testing::Test {
   bool record_digests_ = false;
   absl::Mutex recorded_mu_;
   std::map<std::pair<int, uint32_t>, std::pair<uint64_t, delta::Digest>> recorded_ ABSL_GUARDED_BY(recorded_mu_);
+  // DeltaOptions::unit_hashes, by (node, op, landed): every call's hashes (nullopt: none).
+  bool track_units_ = false;
+  absl::Mutex units_mu_;
+  std::map<std::tuple<int, uint32_t, bool>, std::vector<std::optional<std::vector<uint64_t>>>> units_ ABSL_GUARDED_BY(units_mu_);
 };
 
 TEST_F(DeltaExecTest, FirstVersionFullThenDeltasBothWaysByteExact) {
@@ -340,6 +378,55 @@ TEST_F(DeltaExecTest, ASenderWithoutTheBaseSendsInFull) {
   ASSERT_TRUE(out_[0].status.ok() && out_[1].status.ok());
   ExpectExact("v3");
   EXPECT_EQ(out_[0].result.delta.ops_sent_delta, 3u);
+}
+
+// Issue 17.4's digests of delta ops come from the codec's passes (DeltaOptions::unit_hashes): one
+// call per local side, whose chunk hashes give exactly the digest of the box the sender read and
+// of what landed in staging (ops 1 and 2 are strided boxes: hashed as the scratch is copied out).
+// Sides only cached (first version) are hashed as packed; a stream that is not decoded OK (corrupt,
+// or against another base) hands none: its full resend is hashed some other way.
+TEST_F(DeltaExecTest, TheCodecsUnitHashesAreTheDigestsOfWhatWasReadAndWhatLanded) {
+  track_units_ = true;
+  SetVersion(1);
+  Run(1, {});
+  ASSERT_TRUE(out_[0].status.ok() && out_[1].status.ok());
+  for (uint32_t op : {0u, 1u, 2u}) {
+    EXPECT_EQ(UnitDigest(0, op, false), BoxDigestOf(trainer_[0], op)) << "v1 op " << op << " cached only";
+    EXPECT_EQ(UnitCalls(1, op, true), 0u) << "no slot: nothing decoded";
+  }
+  EXPECT_EQ(UnitDigest(1, 3, false), BoxDigestOf(trainer_[1], 3));
+  Commit(1);
+  for (uint64_t v = 2; v <= 3; ++v) {
+    {
+      absl::MutexLock l(&units_mu_);
+      units_.clear();
+    }
+    SetVersion(v);
+    if (v == 3) {
+      on_landed_ = [](int node, uint32_t op, absl::Span<uint8_t> stream) {
+        if (node == 1 && op == 1) stream[stream.size() / 2] ^= 0x04;
+      };
+    }
+    Run(v, {{1, v - 1}, {3, v - 1}});
+    ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
+    ASSERT_TRUE(out_[1].status.ok()) << out_[1].status;
+    ExpectExact(absl::StrCat("v", v).c_str());
+    for (uint32_t op : {0u, 1u, 2u, 3u}) {
+      const int sender = op == 3 ? 1 : 0, receiver = 1 - sender;
+      const std::vector<uint8_t>& src = trainer_[op == 3 ? 1 : 0];
+      const std::vector<uint8_t>& landed = staging_[op == 3 ? 1 : 0];
+      EXPECT_EQ(UnitCalls(sender, op, false), 1u) << "v" << v << " op " << op;
+      EXPECT_EQ(UnitCalls(receiver, op, true), 1u) << "v" << v << " op " << op;
+      EXPECT_EQ(UnitDigest(sender, op, false), BoxDigestOf(src, op)) << "v" << v << " op " << op;
+      if (v == 3 && op == 1) {
+        EXPECT_EQ(UnitDigest(receiver, op, true), std::nullopt) << "corrupt stream: refused, resent in full, no codec hashes";
+      } else {
+        EXPECT_EQ(UnitDigest(receiver, op, true), BoxDigestOf(landed, op)) << "v" << v << " op " << op;
+      }
+    }
+    if (v == 3) EXPECT_EQ(out_[1].result.delta.ops_refused, 1u);
+    Commit(v);
+  }
 }
 
 TEST(DeltaPartsTest, RegionLayoutMirrorsThePeers) {

@@ -56,7 +56,7 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"bytes", exec.bytes_done.load()},
        {"seconds", seconds}, {"staging_s", exec.staging_s}, {"setup_s", exec.setup_s},
        {"buckets_s", exec.buckets_s}, {"relay_bytes_at_commit", exec.relay_bytes_at_commit}, {"digest_s", exec.digest_s},
-       {"digest_bytes", exec.digests.bytes}, {"digest_transport_bytes", exec.digests.transport_bytes},
+       {"digest_bytes", exec.digests.bytes}, {"digest_transport_bytes", exec.digests.transport_bytes}, {"digest_codec_bytes", exec.digests.codec_bytes},
        {"digest_source_hash_s", exec.digests.source_hash_s}, {"digest_landed_hash_s", exec.digests.landed_hash_s}, {"delta_ops", exec.delta.ops_sent_delta}, {"delta_bytes", exec.delta.bytes_sent_stream},
        {"delta_replaced_bytes", exec.delta.bytes_sent_raw}, {"delta_full_bytes", exec.delta.bytes_sent_full},
        {"delta_decoded", exec.delta.ops_decoded}, {"delta_fallbacks", exec.delta.ops_refused},
@@ -335,15 +335,22 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   if (options_.digests) {
     std::map<std::string, digest::RegionBytes> host;  // device memory (no host address) has no digest
     for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    // Delta ops' boxes: hashed by the codec as it packs the source / decodes into staging
+    // (DeltaOptions::unit_hashes), like host_tcp's for what it moves in full.
+    std::set<std::pair<uint32_t, bool>> codec_sides;
+    if (options_.digest_in_transport) codec_sides = node::DeltaHashedSides(*xplan, exec_options.deltas);
     absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> t = digest::OpDigestTracker::Start(
         slice, me, *xplan, host,
         {.threads = options_.digest_threads, .deadline = exec.deadline, .overlap = options_.digest_overlap,
-         .in_transport = options_.digest_in_transport});
+         .in_transport = options_.digest_in_transport, .codec_sides = std::move(codec_sides)});
     if (!t.ok()) return Annotate(t.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
     digests = std::move(*t);
     // host_tcp hashes what it moves as it moves it (digest::OpDigestTracker::PrepareBatch).
     if (options_.digest_in_transport) {
       exec_options.prepare_batch = [d = digests.get()](const node::Route& r, transport::Batch& b) { d->PrepareBatch(r, b); };
+      exec_options.deltas.unit_hashes = [d = digests.get()](const node::RouteOp& op, bool landed, const std::vector<uint64_t>* h) {
+        d->CodecHashes(op.op_index, landed, h);
+      };
     }
     exec_options.on_batch_done = [metered = std::move(exec_options.on_batch_done), d = digests.get()](const node::Route& r, const std::string& kind) {
       if (metered) metered(r, kind);
