@@ -1171,7 +1171,15 @@ class HostTcpTransport : public Transport {
       const OpLayout& op = b->layouts[c.op];
       char* base = b->local_base[c.op];
       // Egress cap (--max_send_gbps): this chunk's link time is booked before any of it is sent.
-      if (pacer_ != nullptr) pacer_->Acquire(c.len + static_cast<int64_t>(sizeof(FrameHeader)));
+      // The wait ends early when the peer breaks (or the transport is destroyed: that breaks every
+      // peer), so a low cap never holds a shutdown; the write below then fails as for any break.
+      if (pacer_ != nullptr) {
+        const absl::Time at = pacer_->Reserve(c.len + static_cast<int64_t>(sizeof(FrameHeader)));
+        if (at > absl::Now()) {
+          absl::MutexLock wait(&mu_);
+          mu_.AwaitWithDeadline(absl::Condition(+[](PeerConn* pc) { return pc->broken; }, p.get()), at);
+        }
+      }
       uint64_t hash = 0;
       if (b->checksum) {
         XXH3_state_t* st = XXH3_createState();

@@ -942,5 +942,38 @@ TEST(HostTcpPacingTest, CappedSenderTakesAtLeastBytesOverCapAndMovesBytesExactly
   }
 }
 
+// A low cap never holds a shutdown: destroying a transport whose writers sleep on their bookings
+// (0.5 MB/s, 16 MiB queued: the fourth stream's chunk would start at 6.3 s) returns at once.
+TEST(HostTcpPacingTest, DestroyingAPacedSenderDoesNotWaitForItsBookings) {
+  TransportConfig capped;
+  capped.tcp.max_send_bytes_per_s = 0.5e6;
+  auto pair = Connected(capped, TransportConfig{});
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  const int64_t n = int64_t{16} << 20;
+  std::vector<char> src(n, 7), dst(n, 0);
+  auto sh = pair->a->RegisterMemory({MemoryKind::kHost, src.data(), n, -1, "", 0, "src"});
+  auto dh = pair->b->RegisterMemory({MemoryKind::kHost, dst.data(), n, -1, "", 0, "dst"});
+  ASSERT_TRUE(sh.ok() && dh.ok());
+  auto d_in_a = Import(*pair->b, *dh, *pair->a);
+  auto s_in_b = Import(*pair->a, *sh, *pair->b);
+  ASSERT_TRUE(d_in_a.ok() && s_in_b.ok());
+  Batch bs;
+  bs.tag = 91;
+  bs.peer = pair->a_to_b;
+  bs.ops = {Contig(*sh, 0, *d_in_a, 0, n)};
+  Batch br = bs;
+  br.peer = pair->b_to_a;
+  br.ops = {Contig(*s_in_b, 0, *dh, 0, n)};
+  auto ps = pair->a->Post(bs);
+  auto pr = pair->b->Post(br);
+  ASSERT_TRUE(ps.ok() && pr.ok()) << ps.status() << " " << pr.status();
+  // The first chunk goes at once; the receiver's batch cannot finish before the sender is gone.
+  EXPECT_FALSE(pair->b->Wait(*pr, absl::Now() + absl::Milliseconds(300)).ok());
+  const absl::Time start = absl::Now();
+  pair->a.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "the destructor waited for paced writers' bookings";
+  EXPECT_FALSE(pair->b->Wait(*pr, absl::Now() + absl::Seconds(20)).ok());
+}
+
 }  // namespace
 }  // namespace wb::transport

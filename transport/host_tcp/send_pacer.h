@@ -34,7 +34,8 @@ class SendPacer {
   // Books `bytes` (>= 0) of link time; returns the time at which they may be sent.
   absl::Time Reserve(int64_t bytes);
 
-  // Reserve, then sleep on the clock until that time. Returns the time waited.
+  // Reserve, then sleep on the clock until that time. Returns the time waited. (host_tcp calls
+  // Reserve and waits on its own mutex instead, so that a broken peer ends the wait.)
   absl::Duration Acquire(int64_t bytes);
 
   double bytes_per_second() const { return bytes_per_second_; }
