@@ -14,6 +14,9 @@ DeltaMeter ScrapeDeltaMeter(int port) {
   out.replaced = MetricSum(*m, "wb_delta_bytes_total", "kind=\"replaced\"");
   out.full = MetricSum(*m, "wb_delta_bytes_total", "kind=\"full\"");
   out.fallbacks = MetricSum(*m, "wb_delta_fallbacks_total", "");
+  out.digest_transport = MetricSum(*m, "wb_digest_bytes_total", "how=\"transport\"");
+  out.digest_codec = MetricSum(*m, "wb_digest_bytes_total", "how=\"codec\"");
+  out.digest_memory = MetricSum(*m, "wb_digest_bytes_total", "how=\"memory\"");
   return out;
 }
 

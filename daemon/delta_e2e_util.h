@@ -12,6 +12,8 @@ namespace wb::daemon {
 // Sums over every node of this process (the metrics registry is process-wide).
 struct DeltaMeter {
   double stream = 0, replaced = 0, full = 0, fallbacks = 0;
+  // wb_digest_bytes_total{how=transport|codec|memory}: where the end-to-end digests were hashed.
+  double digest_transport = 0, digest_codec = 0, digest_memory = 0;
 };
 // wb_delta_bytes_total{kind=stream|replaced|full} and wb_delta_fallbacks_total, scraped from the
 // metrics endpoint on `port` (a test failure when it does not answer).

@@ -140,6 +140,13 @@ absl::StatusOr<transport::TransportSet> CorruptingSameNodeTransports(std::atomic
 // checks, as it failed this wait before).
 pb::VersionStatus VersionOf(Cluster& c, uint64_t v) { return c.FinalVersion(v, absl::Seconds(20)); }
 
+// Sum of a metric's samples whose labels contain `filter`.
+double Scraped(int port, const std::string& name, const std::string& filter) {
+  auto m = ScrapeMetrics(port, absl::Seconds(10));
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? MetricSum(*m, name, filter) : -1;
+}
+
 double VerifiedCount(int port) {
   auto m = ScrapeMetrics(port, absl::Seconds(10));
   EXPECT_TRUE(m.ok()) << m.status();
@@ -162,6 +169,9 @@ TEST_P(DigestModesTest, EveryVersionIsVerified) {
   auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   const double verified_before = VerifiedCount((*endpoint)->port());
+  const int port = (*endpoint)->port();
+  const double tcp_hashed_before = Scraped(port, "wb_digest_bytes_total", "how=\"transport\"");
+  const double tcp_moved_before = Scraped(port, "wb_bytes_total", "route=\"host_tcp\"");
   planner::Inventory inv = SmallInventory();
   Cluster c;
   c.StartCoordinator();
@@ -189,6 +199,22 @@ TEST_P(DigestModesTest, EveryVersionIsVerified) {
   EXPECT_NE(out.str().find("VERIFIED"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find(" yes "), std::string::npos) << out.str();
   EXPECT_GE(VerifiedCount((*endpoint)->port()) - verified_before, 2) << "wb_versions_total{event=\"verified\"}";
+  // Digests hashed in host_tcp as the bytes cross (the default, with overlap): every box a
+  // cross-node op read or landed - on each node, the bytes of the host_tcp routes it completed -
+  // was hashed by host_tcp, none read again from memory (a silent fallback would show here).
+  const double tcp_moved = Scraped(port, "wb_bytes_total", "route=\"host_tcp\"") - tcp_moved_before;
+  const double tcp_hashed = Scraped(port, "wb_digest_bytes_total", "how=\"transport\"") - tcp_hashed_before;
+  // (rank0_broadcast: the rows the other node's trainer sends into rank 0's gather staging are
+  // still hashed from memory there - open, docs/daemon.md "End-to-end digests".)
+  EXPECT_GT(tcp_moved, 0);
+  if (!mc.overlap) {
+    EXPECT_EQ(tcp_hashed, 0);
+  } else if (mc.strategy == pb::STRATEGY_RANK0_BROADCAST) {
+    EXPECT_GT(tcp_hashed, 0);
+    EXPECT_LE(tcp_hashed, tcp_moved);
+  } else {
+    EXPECT_EQ(tcp_hashed, tcp_moved) << "wb_digest_bytes_total{how=\"transport\"} against wb_bytes_total{route=\"host_tcp\"}";
+  }
   c.Stop();
 }
 

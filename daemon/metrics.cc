@@ -35,6 +35,7 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Gauge>* delta_cache;
   prometheus::Family<prometheus::Counter>* delta_bytes;
   prometheus::Family<prometheus::Counter>* delta_fallbacks;
+  prometheus::Family<prometheus::Counter>* digest_bytes;
 };
 
 DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()), f_(std::make_unique<Families>()) {
@@ -58,6 +59,7 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->relay_at_commit = &prometheus::BuildCounter().Name("wb_relay_at_commit_bytes_total").Help("Same-node relays a sync commit copied straight into live weights").Register(r);
   f_->delta_cache = &prometheus::BuildGauge().Name("wb_delta_cache_bytes").Help("Host memory of the sender's copies of what destinations committed (deltas)").Register(r);
   f_->delta_bytes = &prometheus::BuildCounter().Name("wb_delta_bytes_total").Help("Delta ops sent: streams, the raw bytes they replaced, ops sent in full").Register(r);
+  f_->digest_bytes = &prometheus::BuildCounter().Name("wb_digest_bytes_total").Help("Bytes of boxes digested end to end, by where they were hashed: transport, codec, memory").Register(r);
   f_->delta_fallbacks = &prometheus::BuildCounter().Name("wb_delta_fallbacks_total").Help("Deltas refused here (base mismatch, corrupt) and resent in full").Register(r);
 }
 
@@ -126,6 +128,12 @@ void DaemonMetrics::Deltas(const std::string& node, uint64_t cache_bytes, uint64
   f_->delta_bytes->Add({{"node", node}, {"kind", "replaced"}}).Increment(static_cast<double>(replaced));
   f_->delta_bytes->Add({{"node", node}, {"kind", "full"}}).Increment(static_cast<double>(full));
   f_->delta_fallbacks->Add({{"node", node}}).Increment(static_cast<double>(refused));
+}
+
+void DaemonMetrics::Digests(const std::string& node, uint64_t transport, uint64_t codec, uint64_t memory) {
+  f_->digest_bytes->Add({{"node", node}, {"how", "transport"}}).Increment(static_cast<double>(transport));
+  f_->digest_bytes->Add({{"node", node}, {"how", "codec"}}).Increment(static_cast<double>(codec));
+  f_->digest_bytes->Add({{"node", node}, {"how", "memory"}}).Increment(static_cast<double>(memory));
 }
 
 void DaemonMetrics::Failure(const std::string& node, const absl::Status& status) {

@@ -74,6 +74,10 @@ class DaemonMetrics {
   // sent, the raw bytes they replaced, delta ops sent in full) and wb_delta_fallbacks_total{node}
   // (deltas this node refused: base mismatch or corrupt, resent in full).
   void Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused);
+  // End-to-end digests (issue 17.4): wb_digest_bytes_total{node,how=transport|codec|memory}, the
+  // bytes of the boxes a version digested here, by where they were hashed: by host_tcp as they
+  // crossed, by the delta codec as it packed / decoded them, or read again from memory.
+  void Digests(const std::string& node, uint64_t transport, uint64_t codec, uint64_t memory);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);
   void Committed(const std::string& node, const std::string& model, uint64_t version);

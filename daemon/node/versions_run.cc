@@ -64,6 +64,11 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
        {"delta_cache_bytes", deltas_.bytes()}, {"delta_refusal", exec.delta.first_refusal}, {"error", s.message()}});
   metrics().Deltas(options_.node_id, deltas_.bytes(), exec.delta.bytes_sent_stream, exec.delta.bytes_sent_raw, exec.delta.bytes_sent_full,
                    exec.delta.ops_refused);
+  if (s.ok()) {
+    const int64_t hashed = exec.digests.transport_bytes + exec.digests.codec_bytes;
+    metrics().Digests(options_.node_id, static_cast<uint64_t>(exec.digests.transport_bytes), static_cast<uint64_t>(exec.digests.codec_bytes),
+                      static_cast<uint64_t>(std::max<int64_t>(0, exec.digests.bytes - hashed)));
+  }
   pb::ReportDoneRequest req;
   req.set_node_id(options_.node_id);
   req.set_model_id(exec.model_id);
