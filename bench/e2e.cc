@@ -57,7 +57,7 @@
 
 ABSL_FLAG(bool, json, false, "print one JSON object");
 ABSL_FLAG(int, versions, 4, "versions per strategy (the first is a warm-up)");
-ABSL_FLAG(int, replicas, 2, "vLLM tp=2 replicas on the rollout node");
+ABSL_FLAG(int, replicas, 0, "vLLM tp=2 replicas on the rollout node (0: 2, with --delta 1)");
 ABSL_FLAG(std::string, config, "", "HF config.json (default: tests/e2e/testdata/qwen2.5-0.5b.json)");
 ABSL_FLAG(std::vector<std::string>, daemon_flags, {},
           "extra weightbridged flags for every daemon, comma-separated (e.g. --bucket_bytes=268435456,--checksums=false)");
@@ -506,7 +506,7 @@ int RunQuantization(const std::string& quantization, const std::string& config, 
   return verified ? 0 : 1;
 }
 
-// --delta: the same sync WeightBridge run (one vLLM tp=2 replica) twice, each on a fresh cluster
+// --delta: the same sync WeightBridge run (vLLM tp=2 replicas: --replicas, default 1) twice, each on a fresh cluster
 // (node metrics on): full
 // versions (no --delta_cache_bytes), then deltas (--delta_cache_bytes = 2x the model). Trainers
 // publish versions in which the update model's share of bf16 elements changes at --lr (workers'
@@ -603,7 +603,9 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
 int Run() {
   const bool json = absl::GetFlag(FLAGS_json);
   const int versions = std::max(1, absl::GetFlag(FLAGS_versions));
-  const int replicas = std::max(1, absl::GetFlag(FLAGS_replicas));
+  // 0 (unset): 2 replicas, 1 with --delta (its figures so far are of one replica).
+  const int replicas_flag = absl::GetFlag(FLAGS_replicas);
+  const int replicas = replicas_flag > 0 ? replicas_flag : 2;
   std::string config = absl::GetFlag(FLAGS_config);
   if (config.empty()) config = e2e::ModelConfigPath(/*full=*/true);
   if (const std::string q = absl::GetFlag(FLAGS_quantization); !q.empty()) {
@@ -611,9 +613,10 @@ int Run() {
     return RunQuantization(q, config, versions, replicas, json);
   }
   if (absl::GetFlag(FLAGS_digest_cost)) return RunDigestCost(config, versions, replicas, json);
-  // One replica: with two, WeightBridge sends each box to n1 once and relays it to the other
-  // replica, and boxes a rollout relays on travel in full (docs/daemon.md "Deltas").
-  if (absl::GetFlag(FLAGS_delta)) return RunDelta(config, versions, /*replicas=*/1, json);
+  // Default one replica. With two, WeightBridge sends each box to n1 once and relays it to the
+  // other replica after n1's delta tail, so the relayed boxes travel as deltas too (docs/daemon.md
+  // "Deltas", Relays): n1's received bytes stay one copy of the model per version.
+  if (absl::GetFlag(FLAGS_delta)) return RunDelta(config, versions, replicas_flag > 0 ? replicas_flag : 1, json);
 
   auto bc = StartBenchCluster("bench-e2e", {});
   if (!bc.ok()) {
