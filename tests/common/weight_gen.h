@@ -66,6 +66,8 @@ inline bool CheckWeight(uint32_t tensor, uint64_t version, uint64_t flat_index, 
 // |difference| < 128 ulps -, 3 for 1-byte, 12 for 4-byte, 20 for 8-byte elements). The bit
 // patterns of consecutive values thus differ the way real bf16 updates do, which is what a delta
 // codec's byte count depends on. Versions must stay below 2^63.
+// client/python/weightbridge/weights.py mirrors these functions (delta_schedule, ...,
+// delta_element_bits); //client/python:weights_test checks it against delta_bits_dump.cc.
 
 // period == 0: the element never changes.
 struct DeltaSchedule {
