@@ -19,6 +19,32 @@ using daemon::node::SliceOp;
 // One box to hash, keyed by where it lives (equal keys: equal bytes).
 using BoxKey = std::tuple<std::string, int64_t, std::vector<int64_t>, std::vector<int64_t>, int32_t>;
 
+// (shape, strides) with dims of size 1 dropped and neighbours merged where the outer one steps
+// exactly over the inner one (row-major contiguous): the element order is unchanged, so two sides
+// with equal forms (same offset and element size) list the same bytes in the same order - e.g. a
+// route's copy flattened to one run and the box it covers.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> Merged(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+  std::pair<std::vector<int64_t>, std::vector<int64_t>> m;
+  for (size_t d = 0; d < shape.size() && d < strides.size(); ++d) {
+    if (shape[d] == 1) continue;
+    if (!m.first.empty() && m.second.back() == strides[d] * shape[d]) {
+      m.first.back() *= shape[d];
+      m.second.back() = strides[d];
+      continue;
+    }
+    m.first.push_back(shape[d]);
+    m.second.push_back(strides[d]);
+  }
+  return m;
+}
+
+// The canonical stream of `box` (at `offset` of its region) is the logical stream of a copy side
+// (`shape`, `side`, `element_size`).
+bool SameStream(const StridedBox& box, int64_t offset, const std::vector<int64_t>& shape, const transport::StridedRef& side, int32_t element_size) {
+  return element_size == box.element_size && side.offset_bytes == offset && shape.size() == side.strides.size() &&
+         Merged(shape, side.strides) == Merged(box.shape, box.strides);
+}
+
 }  // namespace
 
 struct OpDigestTracker::Boxes {
@@ -221,10 +247,7 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker>> OpDigestTracker::Start(const da
           const StridedBox& sb = b->boxes[box];
           const transport::StridedRef& local = op.dst_local ? op.copy.dst : op.copy.src;
           const std::string& key = op.dst_local ? op.dst_key : op.src_key;
-          if (op.copy.shape != sb.shape || op.copy.element_size != sb.element_size || local.strides != sb.strides ||
-              local.offset_bytes != b->box_offset[box] || key != b->key[box]) {
-            continue;
-          }
+          if (key != b->key[box] || !SameStream(sb, b->box_offset[box], op.copy.shape, local, op.copy.element_size)) continue;
           ++b->codec_left[side_key];
           ++b->codec_pending[box];
         }
@@ -287,7 +310,7 @@ void OpDigestTracker::PrepareBatch(const daemon::node::Route& route, transport::
     // the op's logical stream is the box's canonical stream.
     const bool same = c.shape == want.shape && c.element_size == want.element_size && c.src.offset_bytes == want.src.offset_bytes &&
                       c.dst.offset_bytes == want.dst.offset_bytes && c.src.strides == want.src.strides && c.dst.strides == want.dst.strides &&
-                      c.shape == sb.shape && local.strides == sb.strides && c.element_size == sb.element_size;
+                      SameStream(sb, b.box_offset[box], c.shape, local, c.element_size);
     if (!same) continue;
     uh->unit_bytes[pos] = ChunkBytes(sb.element_size);
     any = true;
