@@ -204,8 +204,8 @@ TEST_P(DigestModesTest, EveryVersionIsVerified) {
   // was hashed by host_tcp, none read again from memory (a silent fallback would show here).
   const double tcp_moved = Scraped(port, "wb_bytes_total", "route=\"host_tcp\"") - tcp_moved_before;
   const double tcp_hashed = Scraped(port, "wb_digest_bytes_total", "how=\"transport\"") - tcp_hashed_before;
-  // (rank0_broadcast: host_tcp also carries the other node's rows into rank 0's gather staging,
-  // which are not digested as boxes of their own on rank 0's node: fewer bytes hashed than moved.)
+  // (rank0_broadcast: the other node's rows land in rank 0's gather staging and are sent on from
+  // there over host_tcp again: one box, moved twice, hashed once.)
   EXPECT_GT(tcp_moved, 0);
   if (!mc.overlap) {
     EXPECT_EQ(tcp_hashed, 0);
