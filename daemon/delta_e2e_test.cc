@@ -239,6 +239,9 @@ TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
   const Metered m1 = Meter();
   EXPECT_GE(m1.fallbacks - m0.fallbacks, 1) << "r1's node must refuse the delta made against another base";
   EXPECT_GT(m1.stream - m0.stream, 0) << "the other deltas still travel";
+  // The refused op's landed digest is not the codec's (nothing it decoded counts): it is taken
+  // from what landed in full, and version 2 is verified (Version) on it.
+  EXPECT_LT(m1.digest_codec - m0.digest_codec, 2 * (m1.replaced - m0.replaced)) << "wb_digest_bytes_total{how=\"codec\"}";
   // And version 3 goes as deltas with no refusal (r1 holds version 2 whole now).
   Version(pb::MODE_SYNC, 3);
   ASSERT_FALSE(HasFatalFailure());
