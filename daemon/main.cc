@@ -48,6 +48,9 @@ ABSL_FLAG(int, data_numa_node, -1,
           "-1 = off; exclusive with --data_cpus");
 ABSL_FLAG(std::string, transports, "", "comma-separated transport kinds (default: every usable one: cuda_ipc,nccl,host_shm,host_tcp)");
 ABSL_FLAG(int, tcp_streams, 4, "parallel TCP connections per peer node");
+ABSL_FLAG(int64_t, tcp_chunk_bytes, int64_t{1} << 20,
+          "host_tcp frame payload size (bytes, >= 4096); ops whose digests host_tcp hashes use frames of whole "
+          "2^20-element units, at least one unit");
 ABSL_FLAG(double, max_send_gbps, 0,
           "cap on what this node sends over host_tcp, in Gb/s over all peers and NICs (leave the trainer's collectives "
           "their share of a shared NIC); 0 = no cap (docs/transport.md \"host_tcp: egress cap\")");
@@ -134,6 +137,9 @@ void RaiseFdLimitOrWarn() {
 absl::Status CheckNumericFlags() {
   if (absl::GetFlag(FLAGS_tcp_streams) < 1 || absl::GetFlag(FLAGS_copy_threads) < 1) {
     return absl::InvalidArgumentError("--tcp_streams and --copy_threads must be >= 1");
+  }
+  if (absl::GetFlag(FLAGS_tcp_chunk_bytes) < 4096 || absl::GetFlag(FLAGS_tcp_chunk_bytes) > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat("--tcp_chunk_bytes must be in [4096, 2^30], not ", absl::GetFlag(FLAGS_tcp_chunk_bytes)));
   }
   if (const double cap = absl::GetFlag(FLAGS_max_send_gbps); !(cap >= 0) || std::isinf(cap)) {
     return absl::InvalidArgumentError(absl::StrCat("--max_send_gbps must be a finite number >= 0 (0 = no cap), not ", cap));
@@ -292,6 +298,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   tc.tcp.advertise_address = absl::GetFlag(FLAGS_data_advertise);
   tc.tcp.streams = absl::GetFlag(FLAGS_tcp_streams);
   tc.tcp.max_send_bytes_per_s = absl::GetFlag(FLAGS_max_send_gbps) * 1e9 / 8;
+  tc.tcp.chunk_bytes = absl::GetFlag(FLAGS_tcp_chunk_bytes);
   tc.tcp.local_addresses = std::move(data_nics);
   tc.cpus = std::move(data_cpus);
   // The data channel proves the same shared token as the daemon RPCs (docs/security.md).

@@ -1170,16 +1170,6 @@ class HostTcpTransport : public Transport {
       mu_.Unlock();
       const OpLayout& op = b->layouts[c.op];
       char* base = b->local_base[c.op];
-      // Egress cap (--max_send_gbps): this chunk's link time is booked before any of it is sent.
-      // The wait ends early when the peer breaks (or the transport is destroyed: that breaks every
-      // peer), so a low cap never holds a shutdown; the write below then fails as for any break.
-      if (pacer_ != nullptr) {
-        const absl::Time at = pacer_->Reserve(c.len + static_cast<int64_t>(sizeof(FrameHeader)));
-        if (at > absl::Now()) {
-          absl::MutexLock wait(&mu_);
-          mu_.AwaitWithDeadline(absl::Condition(+[](PeerConn* pc) { return pc->broken; }, p.get()), at);
-        }
-      }
       uint64_t hash = 0;
       if (b->checksum) {
         XXH3_state_t* st = XXH3_createState();
@@ -1196,10 +1186,29 @@ class HostTcpTransport : public Transport {
       const int64_t end = c.offset + c.len;
       const int64_t units = WholeUnits(unit, c.offset, end, op.src.total_bytes());
       UnitHasher hasher(unit_state.get(), unit, op.src.total_bytes(), units > 0 ? b->unit_hashes->hashes[c.op].data() : nullptr);
+      const bool gathered = corrupt || op.src.CountPieces(c.offset, end) > kMaxIov;
+      // Egress cap (--max_send_gbps): this chunk's link time is booked before any of it is sent.
+      // The wait ends early when the peer breaks (or the transport is destroyed: that breaks every
+      // peer), so a low cap never holds a shutdown; the write below then fails as for any break.
+      // A chunk that must wait is unit-hashed first: the wait is link time, which a NIC spends
+      // draining the socket buffer while the writer hashes its next slices, so the hash should not
+      // add to it (the slices stay in cache for the send).
+      bool prehashed = false;
+      if (pacer_ != nullptr) {
+        const absl::Time at = pacer_->Reserve(c.len + static_cast<int64_t>(sizeof(FrameHeader)));
+        if (at > absl::Now()) {
+          if (units > 0 && !gathered) {
+            ForEachSlice(op.src, c.offset, end, unit, [&](int64_t off, int64_t logical, int64_t n) { hasher.Update(logical, base + off, n); });
+            prehashed = true;
+          }
+          absl::MutexLock wait(&mu_);
+          mu_.AwaitWithDeadline(absl::Condition(+[](PeerConn* pc) { return pc->broken; }, p.get()), at);
+        }
+      }
       std::vector<struct iovec> iov;
       iov.push_back({&h, sizeof(h)});
       bool ok = true;
-      if (corrupt || op.src.CountPieces(c.offset, end) > kMaxIov) {
+      if (gathered) {
         scratch.resize(c.len);
         op.src.ForEachPiece(c.offset, end, [&](int64_t off, int64_t logical, int64_t n) {
           std::memcpy(scratch.data() + (logical - c.offset), base + off, n);
@@ -1214,7 +1223,7 @@ class HostTcpTransport : public Transport {
       } else if (units > 0) {
         int64_t pending = 0;
         ForEachSlice(op.src, c.offset, end, unit, [&](int64_t off, int64_t logical, int64_t n) {
-          hasher.Update(logical, base + off, n);
+          if (!prehashed) hasher.Update(logical, base + off, n);
           iov.push_back({base + off, static_cast<size_t>(n)});
           pending += n;
           if (pending >= kHashSlice || static_cast<int>(iov.size()) >= kMaxIov) {

@@ -85,10 +85,13 @@ absl::Status RunMirror(Pair& p, Batch a, Batch b) {
 // Three ops: A -> B contiguous (5 units and a bit), A -> B into a padded 2-D layout on B (rows of
 // 1000 bytes, pitch 1024), B -> A contiguous with a unit larger than chunk_bytes; and one A -> B op
 // not hashed. Both sides' hashes equal the units of the logical stream.
-TEST(HostTcpUnitHashesTest, BothSidesHashEveryUnitOfTheLogicalStream) {
+// `cap`: both sides' egress cap (0 = none). A capped writer hashes each chunk's units before it
+// waits for its booking, not as it sends: the hashes must be the same.
+void ExpectBothSidesHashEveryUnit(double cap) {
   TransportConfig c;
   c.tcp.streams = 3;
   c.tcp.chunk_bytes = 256 << 10;
+  c.tcp.max_send_bytes_per_s = cap;
   auto p = Connected(c, c);
   ASSERT_TRUE(p.ok()) << p.status();
   constexpr int64_t kUnit = 128 << 10, kBig = 5 * kUnit + 1000, kRows = 700, kCols = 1000, kPitch = 1024;
@@ -147,6 +150,11 @@ TEST(HostTcpUnitHashesTest, BothSidesHashEveryUnitOfTheLogicalStream) {
   EXPECT_EQ(std::memcmp(s.a_mem.data() + a_back, back.data(), back.size()), 0);
   EXPECT_EQ(std::memcmp(s.b_mem.data() + b_back + kBack, s.a_mem.data() + a_back + kBack, kPlain), 0);
 }
+
+TEST(HostTcpUnitHashesTest, BothSidesHashEveryUnitOfTheLogicalStream) { ExpectBothSidesHashEveryUnit(0); }
+
+// 100 MB/s: about 3 MB of ops, so every chunk after the first few waits for its booking.
+TEST(HostTcpUnitHashesTest, ACappedSenderHashesWhileItWaitsAndGetsTheSameHashes) { ExpectBothSidesHashEveryUnit(100e6); }
 
 // The sender did not ask for units (its frames are chunk_bytes long): frames of the receiver's op
 // cut its units, so it reports the op incomplete (and the batch still succeeds).
