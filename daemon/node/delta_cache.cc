@@ -17,7 +17,7 @@ DeltaCache::DeltaCache(uint64_t capacity_bytes) : pool_(std::make_shared<Pool>()
   pool_->limit = capacity_bytes;
 }
 
-std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, std::vector<uint8_t> bytes,
+std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, UninitVector<uint8_t> bytes,
                                                        std::optional<delta::Digest> digest) const {
   std::weak_ptr<Pool> pool = pool_;
   auto* e = new DeltaEntry{version, std::move(bytes), digest};
@@ -33,18 +33,18 @@ std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, std::ve
   });
 }
 
-std::vector<uint8_t> DeltaCache::Buffer(size_t size) {
+UninitVector<uint8_t> DeltaCache::Buffer(size_t size) {
   {
     absl::MutexLock l(&pool_->mu);
     auto it = pool_->free.find(size);
     if (it != pool_->free.end()) {
-      std::vector<uint8_t> out = std::move(it->second);
+      UninitVector<uint8_t> out = std::move(it->second);
       pool_->free.erase(it);
       pool_->bytes -= size;
       return out;
     }
   }
-  return std::vector<uint8_t>(size);
+  return UninitVector<uint8_t>(size);
 }
 
 std::shared_ptr<const DeltaEntry> DeltaCache::Committed(const DeltaKey& key, uint64_t version) {
@@ -63,7 +63,7 @@ void DeltaCache::EvictLocked(const DeltaKey& key) {
   committed_.erase(it);
 }
 
-bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes,
+bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, UninitVector<uint8_t> bytes,
                             std::optional<delta::Digest> digest) {
   absl::MutexLock l(&mu_);
   const uint64_t size = bytes.size();
@@ -124,6 +124,38 @@ void DeltaCache::Clear() {
   lru_.clear();
   pending_.clear();
   committed_bytes_ = pending_bytes_ = 0;
+}
+
+uint64_t DeltaCache::WarmSpares() {
+  // Sizes of committed entries without a free buffer of their size (counted per size).
+  std::map<size_t, int64_t> need;
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& [key, slot] : committed_) ++need[slot.entry->bytes.size()];
+  }
+  {
+    absl::MutexLock l(&pool_->mu);
+    for (auto& [size, n] : need) n -= static_cast<int64_t>(pool_->free.count(size));
+  }
+  uint64_t added = 0;
+  for (const auto& [size, n] : need) {
+    for (int64_t i = 0; i < n && size > 0; ++i) {
+      if (stop_warming_.load()) return added;
+      {
+        absl::MutexLock l(&pool_->mu);
+        if (pool_->bytes + size > pool_->limit) return added;
+      }
+      UninitVector<uint8_t> buf(size);
+      constexpr size_t kPage = 4096;
+      for (size_t off = 0; off < size; off += kPage) buf[off] = 0;  // fault each page in now
+      absl::MutexLock l(&pool_->mu);
+      if (pool_->bytes + size > pool_->limit) return added;
+      pool_->bytes += size;
+      pool_->free.emplace(size, std::move(buf));
+      added += size;
+    }
+  }
+  return added;
 }
 
 DeltaCache::Stats DeltaCache::stats() const {

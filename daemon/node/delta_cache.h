@@ -21,6 +21,7 @@
 // version for single-destination boxes, 2x when one box goes to destinations one after another. Entries are shared_ptrs: an eviction
 // never frees bytes an encoder still reads. Thread-safe (one leaf mutex).
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -32,6 +33,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "base/default_init_allocator.h"
 #include "daemon/delta/codec.h"
 #include "planner/types.h"
 
@@ -56,7 +58,7 @@ struct DeltaKey {
 // One version's packed bytes of a key.
 struct DeltaEntry {
   uint64_t version = 0;
-  std::vector<uint8_t> bytes;
+  UninitVector<uint8_t> bytes;
   // delta::DigestOf(bytes), computed while they were packed (the next encode's base digest: the
   // encoder then does not hash the base again).
   std::optional<delta::Digest> digest;
@@ -75,11 +77,11 @@ class DeltaCache {
 
   // `size` bytes to pack a box into (contents unspecified): a recycled buffer of that size when
   // one is free, else a new one.
-  std::vector<uint8_t> Buffer(size_t size);
+  UninitVector<uint8_t> Buffer(size_t size);
 
   // Files `bytes` as `key`'s pending entry of `version` (replacing one already there). False when
   // it does not fit in the capacity even after evicting every committed entry.
-  bool AddPending(const DeltaKey& key, uint64_t version, std::vector<uint8_t> bytes,
+  bool AddPending(const DeltaKey& key, uint64_t version, UninitVector<uint8_t> bytes,
                   std::optional<delta::Digest> digest = std::nullopt);
 
   // CommitVersion(version): its pending entries become the committed ones; older pending ones go.
@@ -88,6 +90,15 @@ class DeltaCache {
   void Drop(uint64_t version);
   // Everything goes (the model was removed).
   void Clear();
+
+  // Makes sure the pool holds a spare buffer, its pages faulted in, for every committed entry, so
+  // that the next version's packs (Buffer) find warm memory: without it the first version after
+  // the first commit pays the first touch of a whole second copy (seconds per GB on some VMs) on
+  // its critical path. Allocates and touches outside every lock; spares stay within the pool's
+  // limit. Returns the bytes it added. Slow (first touch): the node runs it on a background thread
+  // after CommitVersion; StopWarming() makes a running call return early.
+  uint64_t WarmSpares();
+  void StopWarming() { stop_warming_.store(true); }
 
   struct Stats {
     uint64_t committed_bytes = 0, pending_bytes = 0;
@@ -107,14 +118,15 @@ class DeltaCache {
   // Free buffers by size; shared with the entries' deleters (an entry may die after the cache).
   struct Pool {
     absl::Mutex mu;
-    std::multimap<size_t, std::vector<uint8_t>> free ABSL_GUARDED_BY(mu);
+    std::multimap<size_t, UninitVector<uint8_t>> free ABSL_GUARDED_BY(mu);
     uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
     uint64_t limit = 0;
   };
-  std::shared_ptr<const DeltaEntry> NewEntry(uint64_t version, std::vector<uint8_t> bytes, std::optional<delta::Digest> digest) const;
+  std::shared_ptr<const DeltaEntry> NewEntry(uint64_t version, UninitVector<uint8_t> bytes, std::optional<delta::Digest> digest) const;
   const std::shared_ptr<Pool> pool_;
 
   const uint64_t capacity_;
+  std::atomic<bool> stop_warming_{false};
   mutable absl::Mutex mu_;
   std::map<DeltaKey, Slot> committed_ ABSL_GUARDED_BY(mu_);
   std::list<DeltaKey> lru_ ABSL_GUARDED_BY(mu_);

@@ -6,7 +6,7 @@ namespace wb::daemon::node {
 namespace {
 
 DeltaKey Key(int32_t tensor, int64_t begin = 0, int64_t end = 8) { return DeltaKey::Of(tensor, planner::Box{{begin}, {end}}, 2); }
-std::vector<uint8_t> Bytes(size_t n, uint8_t v) { return std::vector<uint8_t>(n, v); }
+UninitVector<uint8_t> Bytes(size_t n, uint8_t v) { return UninitVector<uint8_t>(n, v); }
 
 TEST(DeltaCacheTest, PendingBecomesCommittedOnCommitOnly) {
   DeltaCache c(1000);
@@ -117,7 +117,7 @@ TEST(DeltaCacheTest, AnEntryInUseSurvivesItsEviction) {
 
 TEST(DeltaCacheTest, BuffersOfEntriesThatGoAreReused) {
   DeltaCache c(1000);
-  std::vector<uint8_t> b = c.Buffer(16);
+  UninitVector<uint8_t> b = c.Buffer(16);
   ASSERT_EQ(b.size(), 16u);
   const uint8_t* at = b.data();
   std::fill(b.begin(), b.end(), 1);
@@ -126,10 +126,43 @@ TEST(DeltaCacheTest, BuffersOfEntriesThatGoAreReused) {
   ASSERT_TRUE(c.AddPending(Key(0), 2, c.Buffer(16)));
   c.Commit(2);  // v1's entry goes: its buffer is kept
   EXPECT_EQ(c.stats().free_bytes, 16u);
-  std::vector<uint8_t> again = c.Buffer(16);
+  UninitVector<uint8_t> again = c.Buffer(16);
   EXPECT_EQ(again.data(), at) << "the same memory, not a fresh allocation";
   EXPECT_EQ(c.stats().free_bytes, 0u);
   EXPECT_EQ(c.Buffer(8).size(), 8u) << "no free buffer of that size: a new one";
+}
+
+// After a commit, WarmSpares leaves one spare per committed entry in the pool (the next
+// version's packs take them), none twice, none beyond the pool's limit, none once stopped.
+TEST(DeltaCacheTest, WarmSparesLeavesOneSparePerCommittedEntry) {
+  DeltaCache c(64);
+  ASSERT_TRUE(c.AddPending(Key(0), 1, Bytes(16, 1)));
+  ASSERT_TRUE(c.AddPending(Key(1), 1, Bytes(16, 1)));
+  ASSERT_TRUE(c.AddPending(Key(2), 1, Bytes(8, 1)));
+  c.Commit(1);
+  EXPECT_EQ(c.stats().free_bytes, 0u);
+  EXPECT_EQ(c.WarmSpares(), 40u);
+  EXPECT_EQ(c.stats().free_bytes, 40u);
+  EXPECT_EQ(c.WarmSpares(), 0u) << "spares already there";
+  EXPECT_EQ(c.Buffer(16).size(), 16u);
+  EXPECT_EQ(c.stats().free_bytes, 24u) << "a pack took a warm spare";
+
+  // The pool's limit counts what is already free: with 16 of 20 bytes free (other sizes), a
+  // 16-byte spare does not fit.
+  DeltaCache small(20);
+  ASSERT_TRUE(small.AddPending(Key(0), 1, Bytes(16, 1)));
+  small.Commit(1);
+  ASSERT_TRUE(small.AddPending(Key(0), 2, Bytes(4, 2)));  // the box shrank: v1's 16 bytes go free
+  small.Commit(2);
+  ASSERT_EQ(small.stats().free_bytes, 16u);
+  EXPECT_EQ(small.WarmSpares(), 4u) << "a 4-byte spare fits (20), a 16-byte one would not";
+  EXPECT_EQ(small.stats().free_bytes, 20u);
+
+  DeltaCache stopped(64);
+  ASSERT_TRUE(stopped.AddPending(Key(0), 1, Bytes(16, 1)));
+  stopped.Commit(1);
+  stopped.StopWarming();
+  EXPECT_EQ(stopped.WarmSpares(), 0u);
 }
 
 }  // namespace

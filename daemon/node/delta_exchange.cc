@@ -29,8 +29,8 @@ std::string OpWhat(const RouteOp& op, const std::string& label) {
 
 }  // namespace
 
-std::shared_ptr<std::vector<uint8_t>> DeltaBuffers::Get(const std::string& name, int64_t size) {
-  std::vector<uint8_t> buf;
+std::shared_ptr<UninitVector<uint8_t>> DeltaBuffers::Get(const std::string& name, int64_t size) {
+  UninitVector<uint8_t> buf;
   {
     absl::MutexLock l(&mu_);
     auto it = free_.find(name);
@@ -39,9 +39,12 @@ std::shared_ptr<std::vector<uint8_t>> DeltaBuffers::Get(const std::string& name,
       free_.erase(it);
     }
   }
-  if (static_cast<int64_t>(buf.size()) < size) buf.assign(static_cast<size_t>(size), 0);
-  auto* raw = new std::vector<uint8_t>(std::move(buf));
-  return std::shared_ptr<std::vector<uint8_t>>(raw, [this, name](std::vector<uint8_t>* b) {
+  if (static_cast<int64_t>(buf.size()) < size) {
+    buf = UninitVector<uint8_t>();  // release the smaller one first (no copy of its bytes)
+    buf.resize(static_cast<size_t>(size));
+  }
+  auto* raw = new UninitVector<uint8_t>(std::move(buf));
+  return std::shared_ptr<UninitVector<uint8_t>>(raw, [this, name](UninitVector<uint8_t>* b) {
     absl::MutexLock l(&mu_);
     free_[name] = std::move(*b);
     delete b;
@@ -111,7 +114,7 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
   const int64_t raw = op.copy.bytes();
   absl::StatusOr<transport::StridedLayout> l = SideLayout(op.copy.src, op.copy, src_size);
   if (!l.ok()) return 0;
-  std::vector<uint8_t> target = cache.Buffer(static_cast<size_t>(raw));  // recycled: no first touch
+  UninitVector<uint8_t> target = cache.Buffer(static_cast<size_t>(raw));  // recycled: no first touch; fresh: not zeroed (fully packed over)
   // Packs the box into the cache's buffer a codec chunk at a time, each hashed and encoded while it
   // is in cache: one pass over the source (issue 17.2 update time), not a pack and then an encode.
   const delta::FillFn fill = [&](size_t off, absl::Span<uint8_t> dst) {
@@ -309,7 +312,7 @@ absl::StatusOr<std::unique_ptr<DeltaRun>> DeltaRun::Make(const ExecPlan& plan, c
     p.theirs = LayoutDeltaRegion(in_max, out_max);
     const std::string key = "d." + name;
     p.mem = options.buffers != nullptr ? options.buffers->Get(key, p.mine.size)
-                                       : std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(p.mine.size));
+                                       : std::make_shared<UninitVector<uint8_t>>(static_cast<size_t>(p.mine.size));
     run->stats_.region_bytes += static_cast<uint64_t>(p.mine.size);
     for (const auto& [b, range] : p.out_b) run->encoding_[b] += static_cast<int>(range.second - range.first);
   }

@@ -1,5 +1,7 @@
 #include "daemon/node/delta_node.h"
 
+#include <pthread.h>
+
 #include <cstdio>
 #include <optional>
 #include <utility>
@@ -18,6 +20,12 @@ std::optional<std::pair<uint32_t, size_t>> ParseKey(const std::string& key) {
 }
 
 }  // namespace
+
+NodeDeltas::Model::~Model() {
+  if (cache != nullptr) cache->StopWarming();
+  absl::MutexLock l(&warm_mu);
+  if (warmer.joinable()) warmer.join();
+}
 
 std::shared_ptr<NodeDeltas::Model> NodeDeltas::ModelFor(const std::string& model) {
   absl::MutexLock l(&mu_);
@@ -101,6 +109,17 @@ void NodeDeltas::Commit(const std::string& model, uint64_t version) {
     m = it->second;
   }
   m->cache->Commit(version);
+  // Warm the next version's pack buffers in the background. At normal priority: it is a one-off
+  // (after the first commit of each box size; later commits find their spares there and return at
+  // once), and at nice 10 the bench's trainers starved it until the next version came.
+  if (!m->cache->enabled() || m->warming.exchange(true)) return;
+  absl::MutexLock l(&m->warm_mu);
+  if (m->warmer.joinable()) m->warmer.join();  // finished: `warming` was false
+  m->warmer = std::thread([cache = m->cache.get(), warming = &m->warming] {
+    pthread_setname_np(pthread_self(), "wb-delta-warm");
+    cache->WarmSpares();
+    warming->store(false);
+  });
 }
 
 void NodeDeltas::Drop(const std::string& model, uint64_t version) {

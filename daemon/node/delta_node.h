@@ -6,10 +6,12 @@
 // calls Commit / Drop from CommitVersion / AbortVersion / a failed executor. Thread-safe (one
 // leaf lock; LocalWorkers' own lock is taken inside a base lookup, never the other way round).
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -47,8 +49,15 @@ class NodeDeltas {
 
  private:
   struct Model {
+    // Stops and joins a background WarmSpares first (it reads `cache`).
+    ~Model();
     std::unique_ptr<DeltaCache> cache;
     DeltaBuffers buffers;
+    // After a commit, one background thread at a time faults in the cache's spare buffers
+    // (DeltaCache::WarmSpares), so the next version's packs do not pay the first touch.
+    std::atomic<bool> warming{false};
+    absl::Mutex warm_mu;
+    std::thread warmer ABSL_GUARDED_BY(warm_mu);
     // Receiver: per destination box (rollout worker id, buffer, offset, tensor, box, element size,
     // variant) the version and digest it decoded last (DeltaOptions::recorded / record).
     absl::Mutex digests_mu;
