@@ -19,7 +19,10 @@
 namespace wb::daemon {
 namespace {
 
-QuantFormat FormatNamed(const std::string& name) { return name == "mxfp8" ? Mxfp8Format() : W4a16G32Format(); }
+QuantFormat FormatNamed(const std::string& name) {
+  if (name == "fp8_block128") return Fp8Block128Format();
+  return name == "mxfp8" ? Mxfp8Format() : W4a16G32Format();
+}
 
 constexpr double kCanonicalBytes = kDeltaQuantRows * kDeltaQuantCols * 2;  // bf16 bytes of w per version
 constexpr double kNormBytes = kDeltaQuantNorm * 2;
@@ -102,7 +105,8 @@ TEST_P(DeltaQuantFormatCaseTest, QuantisedBlocksRelayedToASecondReplicaTravelAsD
   EXPECT_LT((m3.stream - m1.stream) * 4, replaced);
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, DeltaQuantFormatCaseTest, ::testing::Values("mxfp8", "w4a16_g32"),
+// fp8_block128 too (its mode tests are delta_quant_e2e_test's).
+INSTANTIATE_TEST_SUITE_P(Formats, DeltaQuantFormatCaseTest, ::testing::Values("fp8_block128", "mxfp8", "w4a16_g32"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace
