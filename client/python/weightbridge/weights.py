@@ -20,12 +20,7 @@ def weight_bits(tensor, version, flat):
         x = np.asarray(flat, dtype=np.uint64) * _M0
         x ^= np.asarray(tensor, dtype=np.uint64) << np.uint64(40)
         x ^= np.uint64(version) * _M1
-        x ^= x >> np.uint64(30)
-        x *= _M2
-        x ^= x >> np.uint64(27)
-        x *= _M3
-        x ^= x >> np.uint64(31)
-    return x
+    return _mix_in_place(x)
 
 
 def weight_values(tensor, version, flat, elem_size):
@@ -67,15 +62,19 @@ _PHASE_SALT = np.uint64(0xBB67AE8584CAA73B)
 _DELTA_PATTERN_BITS = {1: 3, 2: 7, 4: 12, 8: 20}
 
 
-def _mix(x):
+def _mix_in_place(x):
+    """The 64-bit finaliser (splitmix64's) of the C++ hashes, applied to uint64 array `x` in place."""
     with np.errstate(over="ignore"):
-        x = np.array(x, dtype=np.uint64, copy=True)
         x ^= x >> np.uint64(30)
         x *= _M2
         x ^= x >> np.uint64(27)
         x *= _M3
         x ^= x >> np.uint64(31)
     return x
+
+
+def _mix(x):
+    return _mix_in_place(np.array(x, dtype=np.uint64, copy=True))
 
 
 def delta_schedule(tensor, flat, change_fraction):
