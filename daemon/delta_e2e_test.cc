@@ -29,21 +29,6 @@ planner::Inventory DeltaInventory() {
   return inv;
 }
 
-pb::ModelSpec DeltaSpec(const planner::Inventory& inv, pb::Mode mode, pb::Strategy strategy) {
-  pb::ModelSpec spec;
-  spec.set_model_id("m");
-  for (const planner::TensorSpec& t : inv.tensors) {
-    pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
-    ts->set_name(t.name);
-    ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-    ts->set_dtype(t.dtype == planner::DType::kF32 ? pb::DTYPE_F32 : pb::DTYPE_BF16);
-  }
-  spec.set_num_trainer_workers(2);
-  spec.set_num_rollout_workers(2);
-  spec.set_mode(mode);
-  spec.set_strategy(strategy);
-  return spec;
-}
 
 using Metered = DeltaMeter;
 
@@ -71,7 +56,7 @@ class DeltaE2eTest : public ::testing::Test {
   // t0 (n0): rows 0-63 of a and all of b; t1 (n1): rows 64-127 of a; r0 (n0) whole; r1 (n1)
   // whole, transposed (its boxes are strided: deltas decode into scratch and scatter).
   void AddWorkers(pb::Mode mode, pb::Strategy strategy) {
-    spec_ = DeltaSpec(inv_, mode, strategy);
+    spec_ = SpecOf(inv_, mode, strategy);
     t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {64, 256}, false}, {1, {0, 0}, {64, 128}, false}}));
     t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 1, &inv_, LayoutOf(inv_, {{0, {64, 0}, {128, 256}, false}}));
     r0_ = &c_.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}, {1, {0, 0}, {64, 128}, false}}));

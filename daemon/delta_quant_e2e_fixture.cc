@@ -28,21 +28,6 @@ planner::Inventory QuantInventory() {
   return inv;
 }
 
-pb::ModelSpec QuantSpec(const planner::Inventory& inv, pb::Mode mode, int rollouts) {
-  pb::ModelSpec spec;
-  spec.set_model_id("m");
-  for (const planner::TensorSpec& t : inv.tensors) {
-    pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
-    ts->set_name(t.name);
-    ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-    ts->set_dtype(pb::DTYPE_BF16);
-  }
-  spec.set_num_trainer_workers(2);
-  spec.set_num_rollout_workers(rollouts);
-  spec.set_mode(mode);
-  spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
-  return spec;
-}
 
 planner::WorkerLayout QuantRolloutLayout(const QuantFormat& f) {
   const QuantGeometry g = GeometryOf(f);
@@ -108,7 +93,7 @@ void DeltaQuantFixture::Start(pb::Mode mode, int replicas, const QuantFormat& fo
   c_.delta_fraction = kDeltaQuantChange;
   c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 65536; });
   for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
-  spec_ = QuantSpec(inv_, mode, replicas);
+  spec_ = SpecOf(inv_, mode, pb::STRATEGY_WEIGHTBRIDGE, /*trainers=*/2, /*rollouts=*/replicas);
   t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_,
                       LayoutOf(inv_, {{0, {0, 0}, {256, kDeltaQuantCols}, false}, {1, {0, 0}, {1, kDeltaQuantNorm}, false}}));
   t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {256, 0}, {kDeltaQuantRows, kDeltaQuantCols}, false}}));

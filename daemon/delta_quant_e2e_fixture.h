@@ -47,7 +47,6 @@ struct QuantGeometry {
 QuantGeometry GeometryOf(const QuantFormat& f);
 
 planner::Inventory QuantInventory();
-pb::ModelSpec QuantSpec(const planner::Inventory& inv, pb::Mode mode, int rollouts);
 planner::WorkerLayout QuantRolloutLayout(const QuantFormat& f);
 // What r1's buffer holds once version v is applied, by the receiver's own quantiser (the full
 // path's bytes): w quantised from its canonical bf16 version, n as is.

@@ -31,21 +31,6 @@ planner::Inventory RelayInventory() {
 }
 constexpr double kModelBytes = 128 * 256 * 4 + 64 * 128 * 2;
 
-pb::ModelSpec RelaySpec(const planner::Inventory& inv, pb::Mode mode) {
-  pb::ModelSpec spec;
-  spec.set_model_id("m");
-  for (const planner::TensorSpec& t : inv.tensors) {
-    pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
-    ts->set_name(t.name);
-    ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
-    ts->set_dtype(t.dtype == planner::DType::kF32 ? pb::DTYPE_F32 : pb::DTYPE_BF16);
-  }
-  spec.set_num_trainer_workers(2);
-  spec.set_num_rollout_workers(2);
-  spec.set_mode(mode);
-  spec.set_strategy(pb::STRATEGY_WEIGHTBRIDGE);
-  return spec;
-}
 
 class DeltaRelayTest : public ::testing::Test {
  protected:
@@ -66,7 +51,7 @@ class DeltaRelayTest : public ::testing::Test {
     c_.delta_fraction = kChange;
     c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [whole](ServerOptions& o) { o.bucket_bytes = whole ? 1 << 20 : 16384; });
     for (int n = 0; n < (across ? 3 : 2); ++n) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
-    spec_ = RelaySpec(inv_, mode);
+    spec_ = SpecOf(inv_, mode, pb::STRATEGY_WEIGHTBRIDGE);
     if (whole) {
       t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}}));
       t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{1, {0, 0}, {64, 128}, false}}));

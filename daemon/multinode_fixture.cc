@@ -300,21 +300,23 @@ planner::WorkerLayout LayoutOf(const planner::Inventory& inv, const std::vector<
   return l;
 }
 
-pb::ModelSpec SmallSpec(pb::Mode mode, pb::Strategy strategy) {
+pb::ModelSpec SpecOf(const planner::Inventory& inv, pb::Mode mode, pb::Strategy strategy, int trainers, int rollouts) {
   pb::ModelSpec spec;
   spec.set_model_id("m");
-  for (const planner::TensorSpec& t : SmallInventory().tensors) {
+  for (const planner::TensorSpec& t : inv.tensors) {
     pb::TensorSpec* ts = spec.mutable_explicit_tensors()->add_tensors();
     ts->set_name(t.name);
     ts->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
     ts->set_dtype(ToProto(t.dtype));
   }
-  spec.set_num_trainer_workers(2);
-  spec.set_num_rollout_workers(2);
+  spec.set_num_trainer_workers(trainers);
+  spec.set_num_rollout_workers(rollouts);
   spec.set_mode(mode);
   spec.set_strategy(strategy);
   return spec;
 }
+
+pb::ModelSpec SmallSpec(pb::Mode mode, pb::Strategy strategy) { return SpecOf(SmallInventory(), mode, strategy); }
 
 TwoNodeWorkers AddTwoNodeWorkers(Cluster& c, const planner::Inventory& inv) {
   TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));

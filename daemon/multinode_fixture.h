@@ -102,6 +102,8 @@ struct PieceDef { int tensor; std::vector<int64_t> begin, end; bool transposed; 
 planner::Inventory SmallInventory();
 // Pieces packed back to back in buffer 0 (row-major, or column-major when transposed).
 planner::WorkerLayout LayoutOf(const planner::Inventory& inv, const std::vector<PieceDef>& defs);
+// Model "m" of `inv`'s tensors (explicit, in their dtypes) with the given worker counts.
+pb::ModelSpec SpecOf(const planner::Inventory& inv, pb::Mode mode, pb::Strategy strategy, int trainers = 2, int rollouts = 2);
 // Model "m" of SmallInventory's tensors, 2 trainers, 2 rollouts.
 pb::ModelSpec SmallSpec(pb::Mode mode, pb::Strategy strategy);
 
