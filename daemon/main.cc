@@ -71,6 +71,9 @@ ABSL_FLAG(uint64_t, delta_cache_bytes, 0,
           "lossless deltas: host memory per model for copies of what this node's destinations committed; > 0 = send "
           "versions as deltas against them across nodes (about the bytes this node sends per version; 0 = off). "
           "docs/daemon.md \"Deltas (design and status)\"");
+ABSL_FLAG(int, delta_threads, 0,
+          "lossless deltas: encode / decode threads per version (the codec's CPU time is a delta version's time); "
+          "0 = half this machine's CPUs, at least 2, at most 16");
 ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
 ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
@@ -140,6 +143,9 @@ absl::Status CheckNumericFlags() {
   }
   if (absl::GetFlag(FLAGS_tcp_chunk_bytes) < 4096 || absl::GetFlag(FLAGS_tcp_chunk_bytes) > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError(absl::StrCat("--tcp_chunk_bytes must be in [4096, 2^30], not ", absl::GetFlag(FLAGS_tcp_chunk_bytes)));
+  }
+  if (const int t = absl::GetFlag(FLAGS_delta_threads); t < 0 || t > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("--delta_threads must be in [0, 256] (0 = half the CPUs), not ", t));
   }
   if (const double cap = absl::GetFlag(FLAGS_max_send_gbps); !(cap >= 0) || std::isinf(cap)) {
     return absl::InvalidArgumentError(absl::StrCat("--max_send_gbps must be a finite number >= 0 (0 = no cap), not ", cap));
@@ -288,6 +294,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.digest_overlap = absl::GetFlag(FLAGS_digest_overlap);
   o.digest_in_transport = absl::GetFlag(FLAGS_digest_in_transport);
   o.delta_cache_bytes = absl::GetFlag(FLAGS_delta_cache_bytes);
+  o.delta_threads = absl::GetFlag(FLAGS_delta_threads);
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = wb::digest::ChecksumsOn(argc, argv, o.digests, absl::GetFlag(FLAGS_checksums));
   wb::transport::TransportConfig tc;

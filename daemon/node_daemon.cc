@@ -4,6 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "daemon/convert.h"
 #include "daemon/log.h"
 #include "daemon/nccl_route.h"
+#include "daemon/node/delta_node.h"
 #include "daemon/node/grpc_coordinator_client.h"
 #include "daemon/node/node_service.h"
 #include "daemon/node/worker_service.h"
@@ -44,6 +46,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
   vo.digest_overlap = o.digest_overlap;
   vo.digest_in_transport = o.digest_in_transport;
   vo.delta_cache_bytes = o.delta_cache_bytes;
+  vo.delta_threads = node::ResolveDeltaThreads(o.delta_threads, std::thread::hardware_concurrency());
   vo.test_after_buckets = o.test_after_buckets;
   vo.test_before_bucket = o.test_before_bucket;
   vo.exchange_regions = [peers](const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,

@@ -84,6 +84,8 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // copies of what this node's destinations committed (daemon/node/delta_cache.h); > 0 = this
     // node sends deltas (advertised in RegisterNode). It decodes deltas others send whatever this is.
     uint64_t delta_cache_bytes = 0;
+    // Delta encode / decode threads per version (node::ResolveDeltaThreads: 0 = half the CPUs, 2..16).
+    int delta_threads = 0;
     // TEST ONLY: after a version's buckets, before its digests: the host memory of each local
     // region, keyed "<worker id>.b<buffer>" (and "g": the gather staging); fault tests flip a bit
     // of a rollout's staging here.

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <utility>
@@ -9,6 +10,12 @@
 #include "absl/strings/str_cat.h"
 
 namespace wb::daemon::node {
+
+int ResolveDeltaThreads(int requested, unsigned cpus) {
+  if (requested > 0) return requested;
+  return static_cast<int>(std::clamp<unsigned>(cpus / 2, 2, 16));
+}
+
 namespace {
 
 // "w<worker>.b<buffer>" -> (worker, buffer).

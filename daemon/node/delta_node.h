@@ -22,6 +22,13 @@
 
 namespace wb::daemon::node {
 
+// Encode / decode threads per version for --delta_threads `requested` on a machine with `cpus`
+// hardware threads: `requested` when > 0; 0 = auto: half the CPUs (the transports, the digests and
+// the other side's work want the rest), at least 2, at most 16. A delta version's time is the
+// codec's CPU time (about 0.3-0.45 s per GB per thread on a 2-core VM, docs/daemon.md "Deltas"),
+// so a fixed 2 threads would leave a 64-core host's deltas slower than its full versions.
+int ResolveDeltaThreads(int requested, unsigned cpus);
+
 class NodeDeltas {
  public:
   // `cache_bytes`: --delta_cache_bytes (per model; 0 = this node sends no deltas; it still
