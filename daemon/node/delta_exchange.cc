@@ -367,6 +367,11 @@ void DeltaRun::Start() {
     }
   }
   for (auto& [b, jobs] : by_bucket) {
+    // Largest first (LPT): a bucket's lengths go once its last encode is done, and one big box
+    // (an embedding) started last would keep the other threads idle while it runs alone.
+    std::stable_sort(jobs.begin(), jobs.end(), [](const std::pair<Peer*, size_t>& x, const std::pair<Peer*, size_t>& y) {
+      return x.first->out[x.second].op->copy.bytes() > y.first->out[y.second].op->copy.bytes();
+    });
     for (auto [p, i] : jobs) workers_->Encode([this, p = p, i = i] { EncodeSlot(*p, i); });
   }
   for (auto [op, b] : cache_only_) {
@@ -509,17 +514,21 @@ bool DeltaRun::Landed(const Route& r) {
   Peer& p = it->second;
   auto range = p.in_b.find(r.bucket);
   if (range == p.in_b.end()) return false;
-  bool queued = false;
+  std::vector<size_t> jobs;
   for (size_t j = range->second.first; j < range->second.second; ++j) {
     if (p.in[j].route != &r || p.in[j].len == 0) continue;
+    jobs.push_back(j);
+  }
+  // Largest first, as the encodes (Start).
+  std::stable_sort(jobs.begin(), jobs.end(), [&p](size_t x, size_t y) { return p.in[x].op->copy.bytes() > p.in[y].op->copy.bytes(); });
+  for (size_t j : jobs) {
     {
       absl::MutexLock l(&mu_);
       ++decoding_;
     }
     workers_->Decode([this, &p, j] { DecodeSlot(p, j); });
-    queued = true;
   }
-  return queued;
+  return !jobs.empty();
 }
 
 absl::StatusOr<std::vector<DeltaBatchPlan>> DeltaRun::RefusalsBatches(absl::Time deadline) {
