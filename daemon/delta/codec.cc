@@ -4,6 +4,7 @@
 #if defined(__x86_64__)
 // XXH3 on the widest vector unit of this CPU (as transport/host_shm/host_shm.cc): same hashes, faster.
 #include <xxh_x86dispatch.h>
+#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -98,6 +99,40 @@ bool GetVarint(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
 uint64_t ChunkElems(uint64_t total_elems, uint32_t chunk_elems, uint64_t c) {
   const uint64_t begin = c * chunk_elems;
   return std::min<uint64_t>(chunk_elems, total_elems - begin);
+}
+
+// Copies n bytes with stores that bypass the cache where the CPU has them (SSE2 on x86-64): the
+// sender's copy for the next version is written once and not read again in this pass, so neither
+// the read-for-ownership of its lines nor their room in the cache is worth paying. Call
+// StreamFence() before another thread may read what was copied.
+void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__x86_64__)
+  const size_t head = std::min(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+void StreamFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -338,7 +373,8 @@ namespace {
 // options carry no recorded digest of it.
 absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_version, const uint8_t* target,
                                   const FillFn* fill, uint8_t* target_out, size_t total, const EncodeOptions& options,
-                                  absl::Span<uint8_t> out, Digest* target_digest, EncodeStats* stats) {
+                                  absl::Span<uint8_t> out, Digest* target_digest, EncodeStats* stats,
+                                  uint8_t* copy_out = nullptr) {
   const int es = options.elem_size;
   if (absl::Status s = CheckElemSize(es, options.what); !s.ok()) return s;
   if (absl::Status s = CheckChunkElems(options.chunk_elems, options.what); !s.ok()) return s;
@@ -389,7 +425,9 @@ absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_vers
     if (hash_base) XXH3_128bits_update(hb.get(), a, n * es);
     XXH3_128bits_update(ht.get(), b, n * es);
     if (options.on_target) options.on_target(absl::MakeConstSpan(b, n * es));
+    if (copy_out != nullptr) StreamCopy(copy_out + off, b, n * es);
   }
+  if (copy_out != nullptr) StreamFence();
   h.base_digest = hash_base ? Finish(hb.get()) : *options.base_digest;
   h.target_digest = Finish(ht.get());
   PutHeader(out.data(), h);
@@ -413,6 +451,32 @@ absl::StatusOr<size_t> EncodeFilling(const VersionBytes& base, uint64_t target_v
                                      absl::Span<uint8_t> out, Digest* target_digest, EncodeStats* stats) {
   return EncodeImpl(base, target_version, nullptr, &fill, target_out.data(), target_out.size(), options, out,
                     target_digest, stats);
+}
+
+absl::StatusOr<size_t> EncodeCopying(const VersionBytes& base, const VersionBytes& target, absl::Span<uint8_t> target_copy,
+                                     const EncodeOptions& options, absl::Span<uint8_t> out, Digest* target_digest,
+                                     EncodeStats* stats) {
+  if (target_copy.size() != target.bytes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(Label(options.what), ": copy of ", target_copy.size(),
+                                                   " bytes for a target of ", target.bytes.size()));
+  }
+  return EncodeImpl(base, target.version, target.bytes.data(), nullptr, nullptr, target.bytes.size(), options, out,
+                    target_digest, stats, target_copy.data());
+}
+
+Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, size_t chunk_bytes,
+                     const ChunkObserver& on_chunk) {
+  HashState ht = NewHashState();
+  chunk_bytes = std::max<size_t>(chunk_bytes, 1);
+  const size_t n = std::min(src.size(), target_out.size());
+  for (size_t off = 0; off < n; off += chunk_bytes) {
+    const size_t len = std::min(chunk_bytes, n - off);
+    XXH3_128bits_update(ht.get(), src.data() + off, len);
+    if (on_chunk) on_chunk(src.subspan(off, len));
+    StreamCopy(target_out.data() + off, src.data() + off, len);
+  }
+  StreamFence();
+  return Finish(ht.get());
 }
 
 Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes, const ChunkObserver& on_chunk) {

@@ -131,6 +131,22 @@ absl::StatusOr<size_t> EncodeFilling(const VersionBytes& base, uint64_t target_v
                                      absl::Span<uint8_t> target_out, const EncodeOptions& options,
                                      absl::Span<uint8_t> out, Digest* target_digest, EncodeStats* stats = nullptr);
 
+// EncodeInto, and the target copied into `target_copy` (its size) on the way, each chunk right after
+// it was scanned, hashed and shown to `on_target`, with stores that bypass the cache: the sender's
+// fast path for a contiguous source box (one read of base and source, one write of the copy;
+// EncodeFilling packs into the copy first and reads it back). The same stream and digest as
+// EncodeInto; INVALID_ARGUMENT for a copy of another size, else as EncodeInto. `target_copy` must
+// not overlap the target, the base or `out`.
+absl::StatusOr<size_t> EncodeCopying(const VersionBytes& base, const VersionBytes& target, absl::Span<uint8_t> target_copy,
+                                     const EncodeOptions& options, absl::Span<uint8_t> out, Digest* target_digest,
+                                     EncodeStats* stats = nullptr);
+
+// FillAndDigest for a contiguous source: hashes `src` `chunk_bytes` at a time (each piece shown to
+// `on_chunk`) and copies it into `target_out` (the same size) with cache-bypassing stores; returns
+// DigestOf(src).
+Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, size_t chunk_bytes = 64 * 1024,
+                     const ChunkObserver& on_chunk = {});
+
 // Fills `target_out` through `fill`, `chunk_bytes` at a time, hashing each piece while in cache:
 // returns DigestOf(target_out) (a box the sender keeps without a base to encode against).
 // `on_chunk` (optional) sees each piece after it was filled.

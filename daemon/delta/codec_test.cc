@@ -339,6 +339,51 @@ TEST(DeltaCodec, EncodeFillingMatchesEncodeIntoAndRecordsTheTargetDigest) {
   EXPECT_EQ(d, DigestOf(t));
 }
 
+// The sender's contiguous-source path: the same stream and digest as EncodeInto, the copy exact
+// whatever its alignment and length (cache-bypassing stores with unaligned heads and short tails),
+// the observer sees the target; CopyAndDigest is FillAndDigest without a fill.
+TEST(DeltaCodec, EncodeCopyingMatchesEncodeIntoAndCopiesTheTarget) {
+  for (int es : {1, 2, 4, 8}) {
+    for (size_t shift : {0, 1, 3, 8, 15}) {
+      const Pair p = MakePair(3 * 4096 + 37, es, 0.04, 100, 41 + es);
+      EncodeOptions o;
+      o.elem_size = es;
+      o.chunk_elems = 4096;
+      const Coded want = EncodeOk(p, es, 4096);
+      Bytes seen;
+      o.on_target = [&](absl::Span<const uint8_t> c) { seen.insert(seen.end(), c.begin(), c.end()); };
+      Bytes copy_buf(p.target.size() + 16, 0xEE), out(MaxEncodedBytes(p.target.size(), es, 4096));
+      const absl::Span<uint8_t> copy = absl::MakeSpan(copy_buf).subspan(shift, p.target.size());
+      Digest td;
+      auto n = EncodeCopying({4, p.base}, {5, p.target}, copy, o, absl::MakeSpan(out), &td);
+      ASSERT_TRUE(n.ok()) << n.status();
+      out.resize(*n);
+      EXPECT_EQ(out, want.stream) << "es " << es << " shift " << shift;
+      EXPECT_TRUE(std::equal(copy.begin(), copy.end(), p.target.begin())) << "es " << es << " shift " << shift;
+      for (size_t i = 0; i < shift; ++i) EXPECT_EQ(copy_buf[i], 0xEE) << "wrote before the copy";
+      for (size_t i = shift + p.target.size(); i < copy_buf.size(); ++i) EXPECT_EQ(copy_buf[i], 0xEE) << "wrote past the copy";
+      EXPECT_EQ(td, DigestOf(p.target));
+      EXPECT_EQ(seen, p.target);
+    }
+  }
+  const Pair p = MakePair(1000, 2, 0.04, 100, 7);
+  EncodeOptions o;
+  Bytes small(10), out(MaxEncodedBytes(p.target.size(), 2));
+  EXPECT_EQ(EncodeCopying({4, p.base}, {5, p.target}, absl::MakeSpan(small), o, absl::MakeSpan(out), nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  for (size_t len : {size_t{0}, size_t{1}, size_t{63}, size_t{100000}}) {
+    Bytes t(len);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(i * 13 + 1);
+    Bytes got(len + 5, 0);
+    Bytes seen;
+    const Digest d = CopyAndDigest(t, absl::MakeSpan(got).subspan(5, len), 4096,
+                                   [&](absl::Span<const uint8_t> c) { seen.insert(seen.end(), c.begin(), c.end()); });
+    EXPECT_TRUE(std::equal(t.begin(), t.end(), got.begin() + 5)) << len;
+    EXPECT_EQ(d, DigestOf(t)) << len;
+    EXPECT_EQ(seen, t) << len;
+  }
+}
+
 // The observers (issue 17.4's unit hashes are taken there) see exactly the target / the decoded
 // output, in order, one codec chunk at a time, from memory that holds those bytes.
 TEST(DeltaCodec, ObserversSeeTheTargetAndTheDecodedOutputInOrder) {

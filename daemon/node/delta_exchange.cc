@@ -121,6 +121,10 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
     l->ForEachPiece(static_cast<int64_t>(off), static_cast<int64_t>(off + dst.size()),
                     [&](int64_t at, int64_t logical, int64_t len) { std::memcpy(dst.data() + (logical - off), src + at, len); });
   };
+  // A box that is one run of the source (matching shards: most boxes) is encoded straight from the
+  // source and copied into the cache's buffer with cache-bypassing stores (delta::EncodeCopying):
+  // nothing is packed and read back.
+  const uint8_t* contiguous = l->num_runs() == 1 && l->total_bytes() == raw ? src + l->RunOffset(0) : nullptr;
   // End-to-end digests' chunk hashes of the packed box, taken as each codec chunk is packed.
   digest::ChunkStreamHasher hasher(elem);
   delta::ChunkObserver observe;
@@ -138,7 +142,11 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       eo.what = what;
       eo.on_target = observe;
       delta::Digest td;
-      absl::StatusOr<size_t> n = delta::EncodeFilling({base_version, base->bytes}, version, fill, absl::MakeSpan(target), eo, out, &td);
+      absl::StatusOr<size_t> n =
+          contiguous != nullptr
+              ? delta::EncodeCopying({base_version, base->bytes}, {version, absl::MakeConstSpan(contiguous, static_cast<size_t>(raw))},
+                                     absl::MakeSpan(target), eo, out, &td)
+              : delta::EncodeFilling({base_version, base->bytes}, version, fill, absl::MakeSpan(target), eo, out, &td);
       if (n.ok()) {
         digest = td;
         if (static_cast<int64_t>(*n) < raw) len = *n;
@@ -147,7 +155,11 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       }
     }
   }
-  if (!digest.has_value()) digest = delta::FillAndDigest(fill, absl::MakeSpan(target), 64 * 1024, observe);
+  if (!digest.has_value()) {
+    digest = contiguous != nullptr
+                 ? delta::CopyAndDigest(absl::MakeConstSpan(contiguous, static_cast<size_t>(raw)), absl::MakeSpan(target), 64 * 1024, observe)
+                 : delta::FillAndDigest(fill, absl::MakeSpan(target), 64 * 1024, observe);
+  }
   if (unit_hashes != nullptr) *unit_hashes = hasher.Finish();
   cache.AddPending(KeyOf(op), version, std::move(target), digest);
   return len;
