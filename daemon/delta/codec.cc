@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/delta/scan.h"
+#include "daemon/digest/digest.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the delta format is little-endian; so is this code");
 
@@ -25,25 +26,35 @@ namespace wb::delta {
 namespace {
 
 constexpr uint32_t kMagic = 0x31444257;  // "WBD1"
-constexpr uint16_t kFormat = 1;
+// 2: digests are issue 17.4's chunked XXH3-64 (StreamDigest); 1 had XXH3-128 over the stream.
+constexpr uint16_t kFormat = 2;
 constexpr uint32_t kMaxChunkElems = 1u << 24;
 constexpr int kMaxVarint = 4;  // gaps and ordinals are < 2^24 < 2^28
 
-struct StateDeleter {
-  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+// The digest of a stream (docs/daemon.md "Deltas", codec): issue 17.4's digest of the bytes as a
+// one-dimensional box of `es`-byte elements - XXH3-64 per 2^20 elements, seed = chunk index,
+// combined (digest::ChunkStreamHasher, digest::DigestFromChunks) - in `lo`, the stream's length in
+// `hi`. The same hashes are the end-to-end digests' unit hashes, so a box is hashed once per side
+// for both the stream's check and issue 17.4 (one read of a cached chunk instead of two).
+class StreamDigest {
+ public:
+  explicit StreamDigest(int es) : es_(es == 1 || es == 2 || es == 4 || es == 8 ? es : 1), hasher_(es_) {}
+  void Update(const uint8_t* p, size_t n) { hasher_.Update(p, n); }
+  // The digest of everything fed; `units` (optional) receives the chunk hashes.
+  Digest Finish(std::vector<uint64_t>* units = nullptr) {
+    const int64_t bytes = hasher_.bytes();
+    std::vector<uint64_t> hashes = hasher_.Finish();
+    // Cannot fail: the hashes were made from `bytes` in chunks of this element size (a length that
+    // is not a whole number of elements is refused before any hashing, or hashed as 1-byte ones).
+    absl::StatusOr<digest::Digest> d = digest::DigestFromChunks(bytes, bytes % es_ == 0 ? es_ : 1, hashes);
+    if (units != nullptr) *units = std::move(hashes);
+    return Digest{d.ok() ? *d : 0, static_cast<uint64_t>(bytes)};
+  }
+
+ private:
+  int es_;
+  digest::ChunkStreamHasher hasher_;
 };
-using HashState = std::unique_ptr<XXH3_state_t, StateDeleter>;
-
-HashState NewHashState() {
-  HashState s(XXH3_createState());
-  XXH3_128bits_reset(s.get());
-  return s;
-}
-
-Digest Finish(XXH3_state_t* s) {
-  const XXH128_hash_t h = XXH3_128bits_digest(s);
-  return Digest{h.low64, h.high64};
-}
 
 template <typename V>
 void Put(uint8_t*& p, V v) {
@@ -336,9 +347,12 @@ void PutHeader(uint8_t* out, const StreamHeader& h) {
 
 std::string Digest::ToString() const { return absl::StrFormat("%016x%016x", hi, lo); }
 
-Digest DigestOf(absl::Span<const uint8_t> bytes) {
-  const XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
-  return Digest{h.low64, h.high64};
+Digest DigestOf(absl::Span<const uint8_t> bytes, int elem_size) {
+  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) elem_size = 1;
+  if (bytes.size() % static_cast<size_t>(elem_size) != 0) elem_size = 1;
+  StreamDigest d(elem_size);
+  d.Update(bytes.data(), bytes.size());
+  return d.Finish();
 }
 
 const char* ChunkKindName(ChunkKind kind) {
@@ -396,7 +410,9 @@ absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_vers
   EncodeScratch scratch;
   scratch.masks.resize(options.chunk_elems / 64);
   const bool hash_base = !options.base_digest.has_value();
-  HashState hb = hash_base ? NewHashState() : nullptr, ht = NewHashState();
+  std::optional<StreamDigest> hb;
+  if (hash_base) hb.emplace(es);
+  StreamDigest ht(es);
   StreamHeader h;
   h.elem_size = es;
   h.chunk_elems = options.chunk_elems;
@@ -422,14 +438,14 @@ absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_vers
       default: EncodeChunk<uint64_t>(a, b, n, &scratch, p, &local, options.portable_scan); break;
     }
     // Hashed while the chunk is still in cache: one read of base and target in all.
-    if (hash_base) XXH3_128bits_update(hb.get(), a, n * es);
-    XXH3_128bits_update(ht.get(), b, n * es);
+    if (hash_base) hb->Update(a, n * es);
+    ht.Update(b, n * es);
     if (options.on_target) options.on_target(absl::MakeConstSpan(b, n * es));
     if (copy_out != nullptr) StreamCopy(copy_out + off, b, n * es);
   }
   if (copy_out != nullptr) StreamFence();
-  h.base_digest = hash_base ? Finish(hb.get()) : *options.base_digest;
-  h.target_digest = Finish(ht.get());
+  h.base_digest = hash_base ? hb->Finish() : *options.base_digest;
+  h.target_digest = ht.Finish(options.target_unit_hashes);
   PutHeader(out.data(), h);
   if (target_digest != nullptr) *target_digest = h.target_digest;
   const size_t used = static_cast<size_t>(p - out.data());
@@ -464,31 +480,32 @@ absl::StatusOr<size_t> EncodeCopying(const VersionBytes& base, const VersionByte
                     target_digest, stats, target_copy.data());
 }
 
-Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, size_t chunk_bytes,
-                     const ChunkObserver& on_chunk) {
-  HashState ht = NewHashState();
+Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, int elem_size, size_t chunk_bytes,
+                     const ChunkObserver& on_chunk, std::vector<uint64_t>* unit_hashes) {
+  StreamDigest ht(elem_size);
   chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   const size_t n = std::min(src.size(), target_out.size());
   for (size_t off = 0; off < n; off += chunk_bytes) {
     const size_t len = std::min(chunk_bytes, n - off);
-    XXH3_128bits_update(ht.get(), src.data() + off, len);
+    ht.Update(src.data() + off, len);
     if (on_chunk) on_chunk(src.subspan(off, len));
     StreamCopy(target_out.data() + off, src.data() + off, len);
   }
   StreamFence();
-  return Finish(ht.get());
+  return ht.Finish(unit_hashes);
 }
 
-Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes, const ChunkObserver& on_chunk) {
-  HashState ht = NewHashState();
+Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, int elem_size, size_t chunk_bytes,
+                     const ChunkObserver& on_chunk, std::vector<uint64_t>* unit_hashes) {
+  StreamDigest ht(elem_size);
   chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   for (size_t off = 0; off < target_out.size(); off += chunk_bytes) {
     const size_t len = std::min(chunk_bytes, target_out.size() - off);
     fill(off, target_out.subspan(off, len));
-    XXH3_128bits_update(ht.get(), target_out.data() + off, len);
+    ht.Update(target_out.data() + off, len);
     if (on_chunk) on_chunk(absl::MakeConstSpan(target_out.data() + off, len));
   }
-  return Finish(ht.get());
+  return ht.Finish(unit_hashes);
 }
 
 absl::StatusOr<std::vector<uint8_t>> Encode(const VersionBytes& base, const VersionBytes& target,
@@ -724,7 +741,7 @@ absl::Status CheckBase(const StreamHeader& header, uint64_t version, const Diges
 }
 
 absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
-                    std::string_view what, const ChunkObserver& on_out) {
+                    std::string_view what, const ChunkObserver& on_out, std::vector<uint64_t>* out_unit_hashes) {
   absl::StatusOr<StreamHeader> header = ReadHeader(stream, what);
   if (!header.ok()) return header.status();
   const StreamHeader& h = *header;
@@ -762,10 +779,10 @@ absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, ab
     return absl::DataLossError(absl::StrCat(Label(what), ": ", stream_end - p, " bytes after the last chunk"));
   }
   // 2. The base: version and digest, still before anything is written.
-  const Digest base_digest = base.digest.has_value() ? *base.digest : DigestOf(base.bytes);
+  const Digest base_digest = base.digest.has_value() ? *base.digest : DigestOf(base.bytes, es);
   if (absl::Status s = CheckBase(h, base.version, base_digest, what); !s.ok()) return s;
   // 3. Decode, hashing each chunk of the output while it is in cache.
-  HashState ht = NewHashState();
+  StreamDigest ht(es);
   p = stream.data() + kHeaderBytes;
   for (uint64_t c = 0; c < h.num_chunks; ++c) {
     const uint64_t n = ChunkElems(elems, h.chunk_elems, c);
@@ -781,16 +798,18 @@ absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, ab
       default: s = DecodeChunk<uint64_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where); break;
     }
     if (!s.ok()) return s;
-    XXH3_128bits_update(ht.get(), out.data() + off, n * es);
+    ht.Update(out.data() + off, n * es);
     if (on_out) on_out(absl::MakeConstSpan(out.data() + off, n * es));
     p = payload + head.payload;
   }
-  const Digest got = Finish(ht.get());
+  std::vector<uint64_t> units;
+  const Digest got = ht.Finish(&units);
   if (got != h.target_digest) {
     return absl::DataLossError(absl::StrCat(Label(what), ": decoded version ", h.target_version, " has digest ",
                                             got.ToString(), ", the sender's has ", h.target_digest.ToString(),
                                             " (corrupted stream or base)"));
   }
+  if (out_unit_hashes != nullptr) *out_unit_hashes = std::move(units);
   return absl::OkStatus();
 }
 

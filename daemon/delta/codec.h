@@ -15,16 +15,16 @@
 // ("exceptions", e.g. a bf16 sign flip near 0) carry their high bytes in a list after the values.
 // For bf16 a +-1..127 ulp change is one byte, wherever the carry goes.
 //
-// The stream names the base it was made against: base version and XXH3-128 digest of the base
-// bytes, plus the digest of the target. Decode checks version and digest against the destination's
+// The stream names the base it was made against: base version and digest of the base bytes (DigestOf:
+// issue 17.4's chunked XXH3-64 digest of the box and its length), plus the digest of the target. Decode checks version and digest against the destination's
 // base BEFORE it writes a byte (FAILED_PRECONDITION naming both: the sender must send the full
 // version), and the target digest over what it wrote (DATA_LOSS): a wrong byte never passes.
 // Every length, count, index and kind read from the stream is checked against the stream's size
 // and the chunk's element count (DATA_LOSS naming the chunk and its element range), so hostile or
 // truncated input gives an error, never a crash or an out-of-bounds access.
 //
-// Wire format (version 1, little-endian):
-//   header, 88 bytes: "WBD1" magic (u32 0x31444257), format u16 = 1, elem_size u8 (1, 2, 4, 8),
+// Wire format (version 2, little-endian; format 1 had XXH3-128 digests and is refused):
+//   header, 88 bytes: "WBD1" magic (u32 0x31444257), format u16 = 2, elem_size u8 (1, 2, 4, 8),
 //     flags u8 = 0, chunk_elems u32 (multiple of 64, 64..2^24), reserved u32 = 0, total_bytes u64,
 //     base_version u64, target_version u64, base digest (lo u64, hi u64), target digest (lo, hi),
 //     num_chunks u64 (= ceil(total_bytes / elem_size / chunk_elems)), XXH3-64 of the 80 bytes before.
@@ -56,7 +56,7 @@
 
 namespace wb::delta {
 
-// XXH3-128 of some bytes.
+// A digest of some bytes (DigestOf): lo = issue 17.4's digest of them, hi = their length.
 struct Digest {
   uint64_t lo = 0;
   uint64_t hi = 0;
@@ -65,7 +65,13 @@ struct Digest {
   std::string ToString() const;  // 32 hex digits, hi first
 };
 
-Digest DigestOf(absl::Span<const uint8_t> bytes);
+// The codec's digest of `bytes` as a stream of `elem_size`-byte elements: `lo` is issue 17.4's
+// digest of that one-dimensional box (digest::BoxDigest: XXH3-64 per 2^20 elements, seed = chunk
+// index, combined), `hi` the length in bytes. Encode and decode compute it from the same chunk hashes
+// the end-to-end digests use (EncodeOptions::target_unit_hashes, Decode's out_unit_hashes), so a
+// box is hashed once per side. An elem_size other than 1, 2, 4, 8, or a length that is not a whole
+// number of them, is hashed as 1-byte elements.
+Digest DigestOf(absl::Span<const uint8_t> bytes, int elem_size);
 
 inline constexpr uint32_t kDefaultChunkElems = 32768;  // 64 KiB of bf16
 inline constexpr size_t kHeaderBytes = 88;
@@ -97,6 +103,9 @@ struct EncodeOptions {
   // Optional: called with each chunk of the target, in order, right after it was encoded (the
   // packed chunk EncodeFilling's `fill` wrote, or the caller's target bytes).
   ChunkObserver on_target;
+  // Optional: receives the target's chunk hashes in issue 17.4's format (digest::ChunkStreamHasher),
+  // of which the target digest is made, when the encode succeeds.
+  std::vector<uint64_t>* target_unit_hashes = nullptr;
 };
 
 struct EncodeStats {
@@ -144,14 +153,15 @@ absl::StatusOr<size_t> EncodeCopying(const VersionBytes& base, const VersionByte
 // FillAndDigest for a contiguous source: hashes `src` `chunk_bytes` at a time (each piece shown to
 // `on_chunk`) and copies it into `target_out` (the same size) with cache-bypassing stores; returns
 // DigestOf(src).
-Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, size_t chunk_bytes = 64 * 1024,
-                     const ChunkObserver& on_chunk = {});
+Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, int elem_size,
+                     size_t chunk_bytes = 64 * 1024, const ChunkObserver& on_chunk = {},
+                     std::vector<uint64_t>* unit_hashes = nullptr);
 
 // Fills `target_out` through `fill`, `chunk_bytes` at a time, hashing each piece while in cache:
 // returns DigestOf(target_out) (a box the sender keeps without a base to encode against).
 // `on_chunk` (optional) sees each piece after it was filled.
-Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, size_t chunk_bytes = 64 * 1024,
-                     const ChunkObserver& on_chunk = {});
+Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, int elem_size, size_t chunk_bytes = 64 * 1024,
+                     const ChunkObserver& on_chunk = {}, std::vector<uint64_t>* unit_hashes = nullptr);
 // The same into a new vector (sized to the result).
 absl::StatusOr<std::vector<uint8_t>> Encode(const VersionBytes& base, const VersionBytes& target,
                                             const EncodeOptions& options, EncodeStats* stats = nullptr);
@@ -192,7 +202,10 @@ struct DecodeBase {
 // `on_out` (optional) sees each chunk of `out` right after it was decoded, in order, before the
 // target digest is checked: what it saw counts only when Decode returns OK (a failed attempt may
 // have shown it some chunks).
+// `out_unit_hashes` (optional) receives, when Decode returns OK, the chunk hashes (issue 17.4's
+// format) of `out` the target digest was checked with.
 absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
-                    std::string_view what = "", const ChunkObserver& on_out = {});
+                    std::string_view what = "", const ChunkObserver& on_out = {},
+                    std::vector<uint64_t>* out_unit_hashes = nullptr);
 
 }  // namespace wb::delta

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/digest/digest.h"
 #include "gtest/gtest.h"
 
 namespace wb::delta {
@@ -136,7 +137,7 @@ TEST(DeltaCodec, RefusesAnotherBaseBeforeWritingAByte) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("made against version 4"), std::string::npos) << s;
   EXPECT_NE(s.message().find("holds version 3"), std::string::npos) << s;
-  EXPECT_NE(s.message().find(DigestOf(p.base).ToString()), std::string::npos) << s;
+  EXPECT_NE(s.message().find(DigestOf(p.base, 2).ToString()), std::string::npos) << s;
   EXPECT_NE(s.message().find("tensor 'w'"), std::string::npos) << s;
   EXPECT_EQ(out, untouched);
   // Right version, other bytes (e.g. a destination that missed a version): digest differs.
@@ -144,21 +145,21 @@ TEST(DeltaCodec, RefusesAnotherBaseBeforeWritingAByte) {
   other[777] ^= 1;
   s = DecodeInto(c.stream, other, out);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_NE(s.message().find(DigestOf(other).ToString()), std::string::npos) << s;
+  EXPECT_NE(s.message().find(DigestOf(other, 2).ToString()), std::string::npos) << s;
   EXPECT_EQ(out, untouched);
   // A recorded digest that no longer matches the bytes (staging corrupted after it landed): the
   // base check passes on the record, the target digest catches the result.
-  s = Decode(c.stream, DecodeBase{4, other, DigestOf(p.base)}, absl::MakeSpan(out), "w");
+  s = Decode(c.stream, DecodeBase{4, other, DigestOf(p.base, 2)}, absl::MakeSpan(out), "w");
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   // The recorded digest, right: no hashing of the base, same result.
-  s = Decode(c.stream, DecodeBase{4, p.base, DigestOf(p.base)}, absl::MakeSpan(out), "w");
+  s = Decode(c.stream, DecodeBase{4, p.base, DigestOf(p.base, 2)}, absl::MakeSpan(out), "w");
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(out, p.target);
   auto h = ReadHeader(c.stream);
   ASSERT_TRUE(h.ok());
   EXPECT_EQ(h->base_version, 4u);
   EXPECT_EQ(h->target_version, 5u);
-  EXPECT_EQ(h->target_digest, DigestOf(p.target));
+  EXPECT_EQ(h->target_digest, DigestOf(p.target, 2));
 }
 
 TEST(DeltaCodec, RejectsBadArguments) {
@@ -313,10 +314,10 @@ TEST(DeltaCodec, EncodeFillingMatchesEncodeIntoAndRecordsTheTargetDigest) {
     out.resize(*n);
     EXPECT_EQ(out, want.stream) << "es " << es;
     EXPECT_EQ(target_out, p.target);
-    EXPECT_EQ(td, DigestOf(p.target));
+    EXPECT_EQ(td, DigestOf(p.target, es));
     EXPECT_EQ(fills.size(), 4u) << "one fill per chunk";
     // With the base's digest recorded: the same stream.
-    o.base_digest = DigestOf(p.base);
+    o.base_digest = DigestOf(p.base, es);
     Bytes out2(MaxEncodedBytes(p.target.size(), es, 4096));
     auto n2 = EncodeInto({4, p.base}, {5, p.target}, o, absl::MakeSpan(out2));
     ASSERT_TRUE(n2.ok());
@@ -334,9 +335,9 @@ TEST(DeltaCodec, EncodeFillingMatchesEncodeIntoAndRecordsTheTargetDigest) {
   for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(i * 7);
   Bytes got(t.size());
   const Digest d = FillAndDigest([&](size_t off, absl::Span<uint8_t> dst) { std::memcpy(dst.data(), t.data() + off, dst.size()); },
-                                 absl::MakeSpan(got), 4096);
+                                 absl::MakeSpan(got), 1, 4096);
   EXPECT_EQ(got, t);
-  EXPECT_EQ(d, DigestOf(t));
+  EXPECT_EQ(d, DigestOf(t, 1));
 }
 
 // The sender's contiguous-source path: the same stream and digest as EncodeInto, the copy exact
@@ -362,7 +363,7 @@ TEST(DeltaCodec, EncodeCopyingMatchesEncodeIntoAndCopiesTheTarget) {
       EXPECT_TRUE(std::equal(copy.begin(), copy.end(), p.target.begin())) << "es " << es << " shift " << shift;
       for (size_t i = 0; i < shift; ++i) EXPECT_EQ(copy_buf[i], 0xEE) << "wrote before the copy";
       for (size_t i = shift + p.target.size(); i < copy_buf.size(); ++i) EXPECT_EQ(copy_buf[i], 0xEE) << "wrote past the copy";
-      EXPECT_EQ(td, DigestOf(p.target));
+      EXPECT_EQ(td, DigestOf(p.target, es));
       EXPECT_EQ(seen, p.target);
     }
   }
@@ -376,12 +377,62 @@ TEST(DeltaCodec, EncodeCopyingMatchesEncodeIntoAndCopiesTheTarget) {
     for (size_t i = 0; i < t.size(); ++i) t[i] = static_cast<uint8_t>(i * 13 + 1);
     Bytes got(len + 5, 0);
     Bytes seen;
-    const Digest d = CopyAndDigest(t, absl::MakeSpan(got).subspan(5, len), 4096,
+    const Digest d = CopyAndDigest(t, absl::MakeSpan(got).subspan(5, len), 1, 4096,
                                    [&](absl::Span<const uint8_t> c) { seen.insert(seen.end(), c.begin(), c.end()); });
     EXPECT_TRUE(std::equal(t.begin(), t.end(), got.begin() + 5)) << len;
-    EXPECT_EQ(d, DigestOf(t)) << len;
+    EXPECT_EQ(d, DigestOf(t, 1)) << len;
     EXPECT_EQ(seen, t) << len;
   }
+}
+
+// One hash per side: the codec's digests are issue 17.4's digest of the box (lo) and its length
+// (hi), and the chunk hashes it made them from are handed out by the encoder, the decoder,
+// CopyAndDigest and FillAndDigest - the end-to-end digests' unit hashes, equal to a separate
+// ChunkStreamHasher's over the same bytes.
+TEST(DeltaCodec, DigestsAreTheEndToEndDigestsAndTheirUnitHashesAreHandedOut) {
+  for (int es : {1, 2, 4, 8}) {
+    // Over two 2^20-element chunks for 1-byte elements, several codec chunks for every size.
+    const size_t elems = es == 1 ? (size_t{1} << 21) + 4099 : 300000 + 17;
+    const Pair p = MakePair(elems, es, 0.04, 100, 51 + es);
+    digest::ChunkStreamHasher want_units(es);
+    want_units.Update(p.target.data(), p.target.size());
+    const std::vector<uint64_t> want = want_units.Finish();
+    absl::StatusOr<digest::Digest> want_digest = digest::BoxDigest({p.target.data(), {static_cast<int64_t>(elems)}, {1}, es});
+    ASSERT_TRUE(want_digest.ok());
+    const Digest d = DigestOf(p.target, es);
+    EXPECT_EQ(d.lo, *want_digest) << "es " << es;
+    EXPECT_EQ(d.hi, p.target.size());
+    std::vector<uint64_t> enc_units, dec_units, copy_units, fill_units;
+    EncodeOptions o;
+    o.elem_size = es;
+    o.target_unit_hashes = &enc_units;
+    Bytes copy(p.target.size()), out(MaxEncodedBytes(p.target.size(), es));
+    Digest td;
+    auto n = EncodeCopying({4, p.base}, {5, p.target}, absl::MakeSpan(copy), o, absl::MakeSpan(out), &td);
+    ASSERT_TRUE(n.ok()) << n.status();
+    out.resize(*n);
+    EXPECT_EQ(td, d);
+    EXPECT_EQ(enc_units, want) << "es " << es;
+    Bytes dec(p.target.size());
+    ASSERT_TRUE(Decode(out, {4, p.base, DigestOf(p.base, es)}, absl::MakeSpan(dec), "w", {}, &dec_units).ok());
+    EXPECT_EQ(dec, p.target);
+    EXPECT_EQ(dec_units, want);
+    Bytes c2(p.target.size());
+    EXPECT_EQ(CopyAndDigest(p.target, absl::MakeSpan(c2), es, 65536, {}, &copy_units), d);
+    EXPECT_EQ(copy_units, want);
+    EXPECT_EQ(FillAndDigest([&](size_t off, absl::Span<uint8_t> dst) { std::memcpy(dst.data(), p.target.data() + off, dst.size()); },
+                            absl::MakeSpan(c2), es, 65536, {}, &fill_units),
+              d);
+    EXPECT_EQ(fill_units, want);
+    // A failed decode hands out nothing.
+    std::vector<uint64_t> none = {7};
+    Bytes bad = p.base;
+    bad[3] ^= 1;
+    EXPECT_FALSE(Decode(out, {4, bad, DigestOf(p.base, es)}, absl::MakeSpan(dec), "w", {}, &none).ok());
+    EXPECT_EQ(none, std::vector<uint64_t>{7});
+  }
+  EXPECT_EQ(DigestOf({}, 2).hi, 0u);
+  EXPECT_EQ(DigestOf({}, 2), DigestOf({}, 2));
 }
 
 // The observers (issue 17.4's unit hashes are taken there) see exactly the target / the decoded
@@ -419,7 +470,7 @@ TEST(DeltaCodec, ObserversSeeTheTargetAndTheDecodedOutputInOrder) {
     seen.clear();
     Bytes filled(p.target.size());
     FillAndDigest([&](size_t off, absl::Span<uint8_t> dst) { std::memcpy(dst.data(), p.target.data() + off, dst.size()); },
-                  absl::MakeSpan(filled), 5000, [&](absl::Span<const uint8_t> c) { seen.insert(seen.end(), c.begin(), c.end()); });
+                  absl::MakeSpan(filled), es, 5000, [&](absl::Span<const uint8_t> c) { seen.insert(seen.end(), c.begin(), c.end()); });
     EXPECT_EQ(seen, p.target);
   }
 }

@@ -59,7 +59,7 @@ struct DeltaKey {
 struct DeltaEntry {
   uint64_t version = 0;
   UninitVector<uint8_t> bytes;
-  // delta::DigestOf(bytes), computed while they were packed (the next encode's base digest: the
+  // delta::DigestOf(bytes, element size), computed while they were packed (the next encode's base digest: the
   // encoder then does not hash the base again).
   std::optional<delta::Digest> digest;
 };

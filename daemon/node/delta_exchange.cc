@@ -125,10 +125,10 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
   // source and copied into the cache's buffer with cache-bypassing stores (delta::EncodeCopying):
   // nothing is packed and read back.
   const uint8_t* contiguous = l->num_runs() == 1 && l->total_bytes() == raw ? src + l->RunOffset(0) : nullptr;
-  // End-to-end digests' chunk hashes of the packed box, taken as each codec chunk is packed.
-  digest::ChunkStreamHasher hasher(elem);
-  delta::ChunkObserver observe;
-  if (unit_hashes != nullptr) observe = [&hasher](absl::Span<const uint8_t> c) { hasher.Update(c.data(), c.size()); };
+  // End-to-end digests' chunk hashes of the packed box: the chunk hashes the codec makes its target
+  // digest of (one hash per side, delta::DigestOf).
+  std::vector<uint64_t> units;
+  std::vector<uint64_t>* want_units = unit_hashes != nullptr ? &units : nullptr;
   uint64_t len = 0;
   std::optional<delta::Digest> digest;
   const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;
@@ -140,7 +140,7 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       eo.base_digest = base->digest;  // computed when the base was packed: not hashed again
       const std::string what = OpWhat(op, label);
       eo.what = what;
-      eo.on_target = observe;
+      eo.target_unit_hashes = want_units;
       delta::Digest td;
       absl::StatusOr<size_t> n =
           contiguous != nullptr
@@ -150,17 +150,15 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       if (n.ok()) {
         digest = td;
         if (static_cast<int64_t>(*n) < raw) len = *n;
-      } else {
-        (void)hasher.Finish();  // refused before packing anything; packed again below
-      }
+      }  // else refused before packing anything: packed again below
     }
   }
   if (!digest.has_value()) {
-    digest = contiguous != nullptr
-                 ? delta::CopyAndDigest(absl::MakeConstSpan(contiguous, static_cast<size_t>(raw)), absl::MakeSpan(target), 64 * 1024, observe)
-                 : delta::FillAndDigest(fill, absl::MakeSpan(target), 64 * 1024, observe);
+    digest = contiguous != nullptr ? delta::CopyAndDigest(absl::MakeConstSpan(contiguous, static_cast<size_t>(raw)),
+                                                          absl::MakeSpan(target), elem, 64 * 1024, {}, want_units)
+                                   : delta::FillAndDigest(fill, absl::MakeSpan(target), elem, 64 * 1024, {}, want_units);
   }
-  if (unit_hashes != nullptr) *unit_hashes = hasher.Finish();
+  if (unit_hashes != nullptr) *unit_hashes = std::move(units);
   cache.AddPending(KeyOf(op), version, std::move(target), digest);
   return len;
 }
@@ -195,19 +193,15 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
     b = base_box;
     out = absl::MakeSpan(out_box);
   }
-  // End-to-end digests' chunk hashes of what lands in `dst`: a dense box is staging itself, hashed
-  // as each codec chunk is decoded into it; a strided one run by run as the scratch is copied out.
-  digest::ChunkStreamHasher hasher(op.copy.element_size);
-  delta::ChunkObserver observe;
-  if (unit_hashes != nullptr && dense) observe = [&hasher](absl::Span<const uint8_t> c) { hasher.Update(c.data(), c.size()); };
-  absl::Status s = delta::Decode(stream, {base->version, b, recorded}, out, what, observe);
+  // End-to-end digests' chunk hashes of what lands in `dst`: a dense box is staging itself, and the
+  // decoder's own chunk hashes of it (those it checked the target digest with) are handed over; a
+  // strided one is hashed run by run as the scratch is copied out.
+  std::vector<uint64_t>* decoder_units = unit_hashes != nullptr && dense ? unit_hashes : nullptr;
+  absl::Status s = delta::Decode(stream, {base->version, b, recorded}, out, what, {}, decoder_units);
   // A recorded digest is a shortcut, never the judge: on any failure decide on the base itself
   // (a base changed behind the node is refused as "made against ... digest", a bad stream stays
-  // DATA_LOSS).
-  if (!s.ok() && recorded.has_value()) {
-    (void)hasher.Finish();  // what the failed attempt showed it does not count
-    s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what, observe);
-  }
+  // DATA_LOSS). A failed attempt hands out no hashes.
+  if (!s.ok() && recorded.has_value()) s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what, {}, decoder_units);
   if (!s.ok()) return s;
   if (decoded != nullptr) {
     absl::StatusOr<delta::StreamHeader> h = delta::ReadHeader(stream, what);
@@ -215,13 +209,14 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
     *decoded = h->target_digest;
   }
   if (!dense) {
+    digest::ChunkStreamHasher hasher(op.copy.element_size);
     // `l` was checked against dst_size above.
     l->ForEachPiece(0, l->total_bytes(), [&](int64_t at, int64_t logical, int64_t len) {
       std::memcpy(dst + at, out_box.data() + logical, static_cast<size_t>(len));
       if (unit_hashes != nullptr) hasher.Update(dst + at, static_cast<size_t>(len));
     });
+    if (unit_hashes != nullptr) *unit_hashes = hasher.Finish();
   }
-  if (unit_hashes != nullptr) *unit_hashes = hasher.Finish();
   return absl::OkStatus();
 }
 

@@ -48,7 +48,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     PutU64(h + 16, total);
     PutU64(h + 24, 1);  // base_version
     const std::vector<uint8_t> base = BasePattern(total);
-    const wb::delta::Digest d = wb::delta::DigestOf(base);
+    const wb::delta::Digest d = wb::delta::DigestOf(base, h[6]);
     PutU64(h + 40, d.lo);
     PutU64(h + 48, d.hi);
     PutU64(h + kHeaderBytes - 8, XXH3_64bits(h, kHeaderBytes - 8));
@@ -61,11 +61,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   wb::delta::DecodeBase b;
   b.version = 1;
   b.bytes = base;
-  if (size % 2 == 0) b.digest = wb::delta::DigestOf(base);  // both ways: recorded digest, or hashed by Decode
+  const int es = size > 6 ? stream[6] : 1;  // the header's element size (DigestOf hashes others as bytes)
+  if (size % 2 == 0) b.digest = wb::delta::DigestOf(base, es);  // both ways: recorded digest, or hashed by Decode
   absl::Status s = wb::delta::Decode(stream, b, absl::MakeSpan(out), "fuzz");
   if (s.ok()) {
     // OK promises the target digest the stream named.
-    const wb::delta::Digest got = wb::delta::DigestOf(out);
+    const wb::delta::Digest got = wb::delta::DigestOf(out, es);
     if (got.lo != GetU64(stream.data() + 56) || got.hi != GetU64(stream.data() + 64)) __builtin_trap();
   }
   return 0;
