@@ -122,6 +122,7 @@ class DeltaExecTest : public ::testing::Test {
         o.deltas.base_versions = bases;
         o.deltas.cache = caches_[n].get();
         o.deltas.buffers = &buffers_[n];
+        o.deltas.threads = delta_threads_;
         const int staging = 1 - n;
         o.deltas.base = [this, staging](const std::string&) -> std::optional<DeltaBase> {
           if (committed_version_[staging] == 0) return std::nullopt;
@@ -228,9 +229,27 @@ class DeltaExecTest : public ::testing::Test {
   bool track_units_ = false;
   absl::Mutex units_mu_;
   std::map<std::tuple<int, uint32_t, bool>, std::vector<std::optional<std::vector<uint64_t>>>> units_ ABSL_GUARDED_BY(units_mu_);
+  int delta_threads_ = 2;  // DeltaOptions::threads of both executors
+
+ public:
+  void FullThenDeltasBothWays();
 };
 
-TEST_F(DeltaExecTest, FirstVersionFullThenDeltasBothWaysByteExact) {
+TEST_F(DeltaExecTest, FirstVersionFullThenDeltasBothWaysByteExact) { FullThenDeltasBothWays(); }
+
+// --delta_threads on a many-core host (ResolveDeltaThreads: up to 16), and a single thread: more
+// encodes and decodes than boxes at once, largest first; the same bytes and counts.
+TEST_F(DeltaExecTest, AnyNumberOfCodecThreadsGivesTheSameBytes) {
+  delta_threads_ = 16;
+  FullThenDeltasBothWays();
+}
+
+TEST_F(DeltaExecTest, OneCodecThreadGivesTheSameBytes) {
+  delta_threads_ = 1;
+  FullThenDeltasBothWays();
+}
+
+void DeltaExecTest::FullThenDeltasBothWays() {
   SetVersion(1);
   Run(1, {});  // nothing committed anywhere: full, but the senders cache what they sent
   ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
