@@ -4,7 +4,6 @@
 #if defined(__x86_64__)
 // XXH3 on the widest vector unit of this CPU (as transport/host_shm/host_shm.cc): same hashes, faster.
 #include <xxh_x86dispatch.h>
-#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -17,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/stream_copy.h"
 #include "daemon/delta/scan.h"
 #include "daemon/digest/digest.h"
 
@@ -110,40 +110,6 @@ bool GetVarint(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
 uint64_t ChunkElems(uint64_t total_elems, uint32_t chunk_elems, uint64_t c) {
   const uint64_t begin = c * chunk_elems;
   return std::min<uint64_t>(chunk_elems, total_elems - begin);
-}
-
-// Copies n bytes with stores that bypass the cache where the CPU has them (SSE2 on x86-64): the
-// sender's copy for the next version is written once and not read again in this pass, so neither
-// the read-for-ownership of its lines nor their room in the cache is worth paying. Call
-// StreamFence() before another thread may read what was copied.
-void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
-#if defined(__x86_64__)
-  const size_t head = std::min(n, (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  std::memcpy(dst + i, src + i, n - i);
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
-
-void StreamFence() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -441,9 +407,9 @@ absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_vers
     if (hash_base) hb->Update(a, n * es);
     ht.Update(b, n * es);
     if (options.on_target) options.on_target(absl::MakeConstSpan(b, n * es));
-    if (copy_out != nullptr) StreamCopy(copy_out + off, b, n * es);
+    if (copy_out != nullptr) wb::StreamCopy(copy_out + off, b, n * es);
   }
-  if (copy_out != nullptr) StreamFence();
+  if (copy_out != nullptr) wb::StreamFence();
   h.base_digest = hash_base ? hb->Finish() : *options.base_digest;
   h.target_digest = ht.Finish(options.target_unit_hashes);
   PutHeader(out.data(), h);
@@ -489,9 +455,9 @@ Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_o
     const size_t len = std::min(chunk_bytes, n - off);
     ht.Update(src.data() + off, len);
     if (on_chunk) on_chunk(src.subspan(off, len));
-    StreamCopy(target_out.data() + off, src.data() + off, len);
+    wb::StreamCopy(target_out.data() + off, src.data() + off, len);
   }
-  StreamFence();
+  wb::StreamFence();
   return ht.Finish(unit_hashes);
 }
 

