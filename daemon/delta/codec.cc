@@ -36,17 +36,18 @@ constexpr int kMaxVarint = 4;  // gaps and ordinals are < 2^24 < 2^28
 // combined (digest::ChunkStreamHasher, digest::DigestFromChunks) - in `lo`, the stream's length in
 // `hi`. The same hashes are the end-to-end digests' unit hashes, so a box is hashed once per side
 // for both the stream's check and issue 17.4 (one read of a cached chunk instead of two).
+// `es` must be 1, 2, 4 or 8 and divide what is fed (EncodeImpl and Decode check both first; the
+// public helpers pass DigestElemSize).
 class StreamDigest {
  public:
-  explicit StreamDigest(int es) : es_(es == 1 || es == 2 || es == 4 || es == 8 ? es : 1), hasher_(es_) {}
+  explicit StreamDigest(int es) : es_(es), hasher_(es) {}
   void Update(const uint8_t* p, size_t n) { hasher_.Update(p, n); }
   // The digest of everything fed; `units` (optional) receives the chunk hashes.
   Digest Finish(std::vector<uint64_t>* units = nullptr) {
     const int64_t bytes = hasher_.bytes();
     std::vector<uint64_t> hashes = hasher_.Finish();
-    // Cannot fail: the hashes were made from `bytes` in chunks of this element size (a length that
-    // is not a whole number of elements is refused before any hashing, or hashed as 1-byte ones).
-    absl::StatusOr<digest::Digest> d = digest::DigestFromChunks(bytes, bytes % es_ == 0 ? es_ : 1, hashes);
+    // Cannot fail: the hashes were made from `bytes` in chunks of this element size.
+    absl::StatusOr<digest::Digest> d = digest::DigestFromChunks(bytes, es_, hashes);
     if (units != nullptr) *units = std::move(hashes);
     return Digest{d.ok() ? *d : 0, static_cast<uint64_t>(bytes)};
   }
@@ -55,6 +56,13 @@ class StreamDigest {
   int es_;
   digest::ChunkStreamHasher hasher_;
 };
+
+// The element size `bytes` bytes are digested with (DigestOf's contract): `elem_size`, or 1 for a
+// size other than 1, 2, 4, 8 or a length that is not a whole number of them.
+int DigestElemSize(int elem_size, size_t bytes) {
+  const bool valid = elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8;
+  return valid && bytes % static_cast<size_t>(elem_size) == 0 ? elem_size : 1;
+}
 
 template <typename V>
 void Put(uint8_t*& p, V v) {
@@ -314,9 +322,7 @@ void PutHeader(uint8_t* out, const StreamHeader& h) {
 std::string Digest::ToString() const { return absl::StrFormat("%016x%016x", hi, lo); }
 
 Digest DigestOf(absl::Span<const uint8_t> bytes, int elem_size) {
-  if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) elem_size = 1;
-  if (bytes.size() % static_cast<size_t>(elem_size) != 0) elem_size = 1;
-  StreamDigest d(elem_size);
+  StreamDigest d(DigestElemSize(elem_size, bytes.size()));
   d.Update(bytes.data(), bytes.size());
   return d.Finish();
 }
@@ -448,9 +454,9 @@ absl::StatusOr<size_t> EncodeCopying(const VersionBytes& base, const VersionByte
 
 Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_out, int elem_size, size_t chunk_bytes,
                      const ChunkObserver& on_chunk, std::vector<uint64_t>* unit_hashes) {
-  StreamDigest ht(elem_size);
-  chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   const size_t n = std::min(src.size(), target_out.size());
+  StreamDigest ht(DigestElemSize(elem_size, n));
+  chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   for (size_t off = 0; off < n; off += chunk_bytes) {
     const size_t len = std::min(chunk_bytes, n - off);
     ht.Update(src.data() + off, len);
@@ -463,7 +469,7 @@ Digest CopyAndDigest(absl::Span<const uint8_t> src, absl::Span<uint8_t> target_o
 
 Digest FillAndDigest(const FillFn& fill, absl::Span<uint8_t> target_out, int elem_size, size_t chunk_bytes,
                      const ChunkObserver& on_chunk, std::vector<uint64_t>* unit_hashes) {
-  StreamDigest ht(elem_size);
+  StreamDigest ht(DigestElemSize(elem_size, target_out.size()));
   chunk_bytes = std::max<size_t>(chunk_bytes, 1);
   for (size_t off = 0; off < target_out.size(); off += chunk_bytes) {
     const size_t len = std::min(chunk_bytes, target_out.size() - off);

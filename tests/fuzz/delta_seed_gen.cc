@@ -1,5 +1,5 @@
 // Writes the fuzz_delta_decode seed corpus: delta::Encode outputs against the harness's base pattern
-// (byte i = i * 131 + 7, tests/fuzz/fuzz_delta_decode.cc), for element sizes 1, 2, 4, 8 and five
+// (tests/fuzz/delta_base_pattern.h), for element sizes 1, 2, 4, 8 and five
 // targets each (unchanged, few changes, many, random-looking, small dense changes over 197 elements),
 // 64-element chunks, base version 1, target version 2. Run when the stream format changes:
 //   bazel run //tests/fuzz:delta_seed_gen -- "$PWD/tests/fuzz/corpus/fuzz_delta_decode"
@@ -9,16 +9,7 @@
 #include <vector>
 
 #include "daemon/delta/codec.h"
-
-namespace {
-
-std::vector<uint8_t> BasePattern(size_t n) {
-  std::vector<uint8_t> b(n);
-  for (size_t i = 0; i < n; ++i) b[i] = static_cast<uint8_t>(i * 131 + 7);
-  return b;
-}
-
-}  // namespace
+#include "tests/fuzz/delta_base_pattern.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -29,7 +20,7 @@ int main(int argc, char** argv) {
   for (int es : {1, 2, 4, 8}) {
     for (int variant = 0; variant < 5; ++variant) {
       const size_t elems = variant == 4 ? 197 : 192;
-      const std::vector<uint8_t> base = BasePattern(elems * es);
+      const std::vector<uint8_t> base = wb::fuzz::DeltaBasePattern(elems * es);
       std::vector<uint8_t> target = base;
       uint32_t x = 12345u + static_cast<uint32_t>(es * 10 + variant);
       for (size_t i = 0; i < elems; ++i) {

@@ -16,17 +16,12 @@
 #include <vector>
 
 #include "daemon/delta/codec.h"
+#include "tests/fuzz/delta_base_pattern.h"
 
 namespace {
 
 constexpr uint64_t kMaxTotal = uint64_t{1} << 16;
 
-// The base every seed was encoded against (keep in sync with the seed generator in docs/fuzzing.md).
-std::vector<uint8_t> BasePattern(size_t n) {
-  std::vector<uint8_t> b(n);
-  for (size_t i = 0; i < n; ++i) b[i] = static_cast<uint8_t>(i * 131 + 7);
-  return b;
-}
 
 uint64_t GetU64(const uint8_t* p) {
   uint64_t v;
@@ -47,7 +42,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     total = GetU64(h + 16) % (kMaxTotal + 1);
     PutU64(h + 16, total);
     PutU64(h + 24, 1);  // base_version
-    const std::vector<uint8_t> base = BasePattern(total);
+    const std::vector<uint8_t> base = wb::fuzz::DeltaBasePattern(total);
     const wb::delta::Digest d = wb::delta::DigestOf(base, h[6]);
     PutU64(h + 40, d.lo);
     PutU64(h + 48, d.hi);
@@ -56,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     total = GetU64(stream.data() + 16);
     if (total > kMaxTotal) total = 0;  // Decode must refuse the short `out` below, not write past it
   }
-  const std::vector<uint8_t> base = BasePattern(total);
+  const std::vector<uint8_t> base = wb::fuzz::DeltaBasePattern(total);
   std::vector<uint8_t> out(total);
   wb::delta::DecodeBase b;
   b.version = 1;
