@@ -145,12 +145,31 @@ std::pair<int, uint64_t> BestWidth(const ChunkScan<T>& s, uint64_t values) {
   return best;
 }
 
+// Pulls the next chunk's base and target into cache a few lines at a time while the current
+// chunk's in-cache work (the walk over changed elements, the hash) runs: without it the memory sits
+// idle during that work and the next scan waits for every line (the hardware prefetcher only
+// follows the loads it sees).
+struct ChunkPrefetch {
+  const uint8_t* a = nullptr;
+  const uint8_t* b = nullptr;
+  size_t bytes = 0;
+  size_t next = 0;  // first byte not yet prefetched
+  // Prefetches the lines of both ranges up to byte `upto`.
+  void To(size_t upto) {
+    upto = std::min(upto, bytes);
+    for (; next < upto; next += 64) {
+      __builtin_prefetch(a + next, 0, 2);
+      if (b != nullptr) __builtin_prefetch(b + next, 0, 2);
+    }
+  }
+};
+
 // Writes the values (low `width` bytes of each zigzag difference) of the elements the masks
 // select - or of every element (dense) - and collects the exceptions. `p` may be written up to
 // sizeof(T) - width bytes past the last value (slack the callers provide).
 template <typename T>
 void PutValues(const uint8_t* a, const uint8_t* b, uint64_t n, const uint64_t* masks, bool dense, int width, uint8_t*& p,
-               EncodeScratch* scratch) {
+               EncodeScratch* scratch, ChunkPrefetch* pf) {
   scratch->excs.clear();
   const uint64_t limit = width >= static_cast<int>(sizeof(T)) ? ~uint64_t{0} : (uint64_t{1} << (8 * width)) - 1;
   uint32_t ordinal = 0;
@@ -162,9 +181,13 @@ void PutValues(const uint8_t* a, const uint8_t* b, uint64_t n, const uint64_t* m
     ++ordinal;
   };
   if (dense) {
-    for (uint64_t i = 0; i < n; ++i) put(i);
+    for (uint64_t i = 0; i < n; ++i) {
+      if (i % 64 == 0) pf->To((i + 64) * sizeof(T));
+      put(i);
+    }
   } else {
     for (uint64_t w = 0; w * 64 < n; ++w) {
+      pf->To((w + 1) * 64 * sizeof(T));
       for (uint64_t m = masks[w]; m != 0; m &= m - 1) put(w * 64 + std::countr_zero(m));
     }
   }
@@ -175,13 +198,14 @@ void PutValues(const uint8_t* a, const uint8_t* b, uint64_t n, const uint64_t* m
 // gap bytes.
 template <typename T>
 uint64_t PutGapsAndValues(const uint8_t* a, const uint8_t* b, uint64_t n, const uint64_t* masks, int width, uint8_t* gaps,
-                          uint8_t* vals, EncodeScratch* scratch) {
+                          uint8_t* vals, EncodeScratch* scratch, ChunkPrefetch* pf) {
   scratch->excs.clear();
   const uint64_t limit = width >= static_cast<int>(sizeof(T)) ? ~uint64_t{0} : (uint64_t{1} << (8 * width)) - 1;
   uint8_t* g = gaps;
   uint32_t ordinal = 0;
   int64_t prev = -1;
   for (uint64_t w = 0; w * 64 < n; ++w) {
+    pf->To((w + 1) * 64 * sizeof(T));
     for (uint64_t m = masks[w]; m != 0; m &= m - 1) {
       const int64_t idx = static_cast<int64_t>(w * 64 + std::countr_zero(m));
       PutVarint(g, static_cast<uint64_t>(idx - prev - 1));
@@ -209,7 +233,7 @@ void PutExceptions(int width, const EncodeScratch& scratch, uint8_t*& p) {
 
 template <typename T>
 void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeScratch* scratch, uint8_t*& p,
-                 EncodeStats* stats, bool portable) {
+                 EncodeStats* stats, bool portable, ChunkPrefetch* pf) {
   constexpr int kEs = sizeof(T);
   uint8_t* head = p;
   uint8_t* payload = p + kChunkHeaderBytes;
@@ -248,7 +272,7 @@ void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeS
   uint64_t gap_bytes = 0;
   if (try_index) {
     if (scratch->vals.size() < n * kEs + 8) scratch->vals.resize(n * kEs + 8);
-    gap_bytes = PutGapsAndValues<T>(a, b, n, masks, sparse_w, payload, scratch->vals.data(), scratch);
+    gap_bytes = PutGapsAndValues<T>(a, b, n, masks, sparse_w, payload, scratch->vals.data(), scratch, pf);
   }
   const uint64_t index = try_index ? gap_bytes + sparse_vals : raw + 1;
   const uint64_t best = std::min({raw, bitmap, index, dense_vals});
@@ -261,7 +285,7 @@ void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeS
   }
   uint8_t* q = payload;
   if (best == dense_vals) {
-    PutValues<T>(a, b, n, nullptr, /*dense=*/true, dense_w, q, scratch);
+    PutValues<T>(a, b, n, nullptr, /*dense=*/true, dense_w, q, scratch, pf);
     PutExceptions<T>(dense_w, *scratch, q);
     finish(ChunkKind::kDenseDiff, dense_w, n, scratch->excs.size(), q);
     return;
@@ -280,7 +304,7 @@ void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeS
     std::memcpy(q, scratch->vals.data(), value_bytes);
     q += value_bytes;
   } else {
-    PutValues<T>(a, b, n, masks, /*dense=*/false, sparse_w, q, scratch);
+    PutValues<T>(a, b, n, masks, /*dense=*/false, sparse_w, q, scratch, pf);
   }
   PutExceptions<T>(sparse_w, *scratch, q);
   finish(kind, sparse_w, scan.changed, scratch->excs.size(), q);
@@ -403,11 +427,17 @@ absl::StatusOr<size_t> EncodeImpl(const VersionBytes& base, uint64_t target_vers
       (*fill)(off, absl::MakeSpan(target_out + off, n * es));
       b = target_out + off;
     }
+    ChunkPrefetch pf;
+    if (c + 1 < h.num_chunks) {
+      pf.a = a + n * es;
+      pf.b = fill == nullptr ? b + n * es : nullptr;  // a filled target is written, not read
+      pf.bytes = ChunkElems(elems, options.chunk_elems, c + 1) * es;
+    }
     switch (es) {
-      case 1: EncodeChunk<uint8_t>(a, b, n, &scratch, p, &local, options.portable_scan); break;
-      case 2: EncodeChunk<uint16_t>(a, b, n, &scratch, p, &local, options.portable_scan); break;
-      case 4: EncodeChunk<uint32_t>(a, b, n, &scratch, p, &local, options.portable_scan); break;
-      default: EncodeChunk<uint64_t>(a, b, n, &scratch, p, &local, options.portable_scan); break;
+      case 1: EncodeChunk<uint8_t>(a, b, n, &scratch, p, &local, options.portable_scan, &pf); break;
+      case 2: EncodeChunk<uint16_t>(a, b, n, &scratch, p, &local, options.portable_scan, &pf); break;
+      case 4: EncodeChunk<uint32_t>(a, b, n, &scratch, p, &local, options.portable_scan, &pf); break;
+      default: EncodeChunk<uint64_t>(a, b, n, &scratch, p, &local, options.portable_scan, &pf); break;
     }
     // Hashed while the chunk is still in cache: one read of base and target in all.
     if (hash_base) hb->Update(a, n * es);
@@ -586,7 +616,7 @@ absl::Status DecodeChunk(const ChunkHead& h, const uint8_t* payload, const uint8
   const ChunkKind kind = static_cast<ChunkKind>(h.kind);
   const uint8_t* end = payload + h.payload;
   if (kind == ChunkKind::kSame) {
-    std::memcpy(out, base, n * kEs);
+    if (out != base) std::memcpy(out, base, n * kEs);
     return absl::OkStatus();
   }
   if (kind == ChunkKind::kRaw) {
@@ -639,7 +669,7 @@ absl::Status DecodeChunk(const ChunkHead& h, const uint8_t* payload, const uint8
     }
     zero_value = false;  // unchanged elements are 0 here
   } else {
-    std::memcpy(out, base, n * kEs);
+    if (out != base) std::memcpy(out, base, n * kEs);  // in place (DecodeInPlace): the base is there
     uint64_t ordinal = 0;
     if (kind == ChunkKind::kBitmap) {
       const uint64_t bitmap_bytes = (n + 7) / 8;
@@ -712,8 +742,11 @@ absl::Status CheckBase(const StreamHeader& header, uint64_t version, const Diges
       digest.ToString(), ": nothing applied (send the full version)"));
 }
 
-absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
-                    std::string_view what, const ChunkObserver& on_out, std::vector<uint64_t>* out_unit_hashes) {
+namespace {
+
+// Decode and DecodeInPlace (`out` is the base when in_place).
+absl::Status DecodeImpl(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out, bool in_place,
+                        std::string_view what, const ChunkObserver& on_out, std::vector<uint64_t>* out_unit_hashes) {
   absl::StatusOr<StreamHeader> header = ReadHeader(stream, what);
   if (!header.ok()) return header.status();
   const StreamHeader& h = *header;
@@ -722,7 +755,7 @@ absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, ab
                                                    base.bytes.size(), ", destination ", out.size()));
   }
   const uintptr_t b0 = reinterpret_cast<uintptr_t>(base.bytes.data()), o0 = reinterpret_cast<uintptr_t>(out.data());
-  if (h.total_bytes > 0 && b0 < o0 + h.total_bytes && o0 < b0 + h.total_bytes) {
+  if (!in_place && h.total_bytes > 0 && b0 < o0 + h.total_bytes && o0 < b0 + h.total_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(Label(what), ": destination overlaps the base (decode out of place)"));
   }
   const int es = h.elem_size;
@@ -783,6 +816,20 @@ absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, ab
   }
   if (out_unit_hashes != nullptr) *out_unit_hashes = std::move(units);
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, absl::Span<uint8_t> out,
+                    std::string_view what, const ChunkObserver& on_out, std::vector<uint64_t>* out_unit_hashes) {
+  return DecodeImpl(stream, base, out, /*in_place=*/false, what, on_out, out_unit_hashes);
+}
+
+absl::Status DecodeInPlace(absl::Span<const uint8_t> stream, uint64_t base_version, std::optional<Digest> base_digest,
+                           absl::Span<uint8_t> data, std::string_view what, const ChunkObserver& on_out,
+                           std::vector<uint64_t>* out_unit_hashes) {
+  return DecodeImpl(stream, DecodeBase{base_version, data, base_digest}, data, /*in_place=*/true, what, on_out,
+                    out_unit_hashes);
 }
 
 }  // namespace wb::delta

@@ -208,4 +208,16 @@ absl::Status Decode(absl::Span<const uint8_t> stream, const DecodeBase& base, ab
                     std::string_view what = "", const ChunkObserver& on_out = {},
                     std::vector<uint64_t>* out_unit_hashes = nullptr);
 
+// Decode in place: `data` holds the base (version `base_version`; `base_digest` as
+// DecodeBase::digest) and receives the target. The same checks, in the same order, as Decode: an
+// error before the first write (header, chunk headers, sizes, base version and digest) leaves
+// `data` untouched; an error after it (a chunk's payload, the target digest) leaves `data` holding
+// unspecified bytes - neither base nor target - so the caller must treat its base as gone (decode
+// in place only into staging it can refill, never into live weights). Reads each element of the
+// base once and writes only the elements that changed (plus raw chunks), then hashes each chunk
+// while it is in cache: no copy of the base.
+absl::Status DecodeInPlace(absl::Span<const uint8_t> stream, uint64_t base_version, std::optional<Digest> base_digest,
+                           absl::Span<uint8_t> data, std::string_view what = "", const ChunkObserver& on_out = {},
+                           std::vector<uint64_t>* out_unit_hashes = nullptr);
+
 }  // namespace wb::delta

@@ -162,6 +162,60 @@ TEST(DeltaCodec, RefusesAnotherBaseBeforeWritingAByte) {
   EXPECT_EQ(h->target_digest, DigestOf(p.target, 2));
 }
 
+// DecodeInPlace gives what Decode gives, for every element size, density and chunk kind
+// (same, index, bitmap, dense_diff, raw, exceptions), with the same unit hashes.
+TEST(DeltaCodec, DecodeInPlaceEqualsOutOfPlace) {
+  for (int es : {1, 2, 4, 8}) {
+    for (double share : {0.0, 1e-4, 0.04, 0.25, 0.95, 1.0}) {
+      for (bool random_changes : {false, true}) {
+        const size_t count = 3 * 4096 + 37;
+        const Pair p = MakePair(count, es, share, 100, 21 + es, random_changes);
+        const Coded c = EncodeOk(p, es, 4096);
+        Bytes out(p.target.size());
+        std::vector<uint64_t> units_out, units_in;
+        ASSERT_TRUE(Decode(c.stream, DecodeBase{4, p.base, std::nullopt}, absl::MakeSpan(out), "w", {}, &units_out).ok());
+        Bytes data = p.base;
+        for (const std::optional<Digest>& recorded : {std::optional<Digest>(), std::optional<Digest>(DigestOf(p.base, es))}) {
+          data = p.base;
+          const absl::Status s = DecodeInPlace(c.stream, 4, recorded, absl::MakeSpan(data), "w", {}, &units_in);
+          ASSERT_TRUE(s.ok()) << s << " es " << es << " share " << share;
+          ASSERT_EQ(data, p.target) << "es " << es << " share " << share << " random " << random_changes;
+          EXPECT_EQ(units_in, units_out);
+        }
+      }
+    }
+  }
+}
+
+// Refusals before the first write leave the base untouched (the caller may still use it); a
+// stream whose payload or target digest is wrong is caught after writing (the caller drops the
+// bytes).
+TEST(DeltaCodec, DecodeInPlaceRefusesBeforeWritingAndCatchesBadPayloads) {
+  const Pair p = MakePair(20000, 2, 0.05, 3, 7);
+  const Coded c = EncodeOk(p, 2, 4096);
+  Bytes data = p.base;
+  absl::Status s = DecodeInPlace(c.stream, 3, std::nullopt, absl::MakeSpan(data), "w");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(data, p.base);
+  Bytes other = p.base;
+  other[99] ^= 4;
+  Bytes before = other;
+  s = DecodeInPlace(c.stream, 4, std::nullopt, absl::MakeSpan(other), "w");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(other, before) << "refused on the base digest: nothing written";
+  Bytes truncated(c.stream.begin(), c.stream.end() - 1);
+  s = DecodeInPlace(truncated, 4, std::nullopt, absl::MakeSpan(data), "w");
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(data, p.base) << "chunk headers are checked before anything is written";
+  // A stale recorded digest: the base check passes on the record, the target digest catches it.
+  other = before;
+  s = DecodeInPlace(c.stream, 4, DigestOf(p.base, 2), absl::MakeSpan(other), "w");
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  // Wrong size.
+  Bytes shorter(p.base.begin(), p.base.end() - 2);
+  EXPECT_EQ(DecodeInPlace(c.stream, 4, std::nullopt, absl::MakeSpan(shorter), "w").code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(DeltaCodec, RejectsBadArguments) {
   const Pair p = MakePair(1000, 2, 0.1, 3, 4);
   EncodeOptions o;
