@@ -1,5 +1,7 @@
 #include "daemon/node/delta_cache.h"
 
+#include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,10 +19,9 @@ DeltaCache::DeltaCache(uint64_t capacity_bytes) : pool_(std::make_shared<Pool>()
   pool_->limit = capacity_bytes;
 }
 
-std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, UninitVector<uint8_t> bytes,
-                                                       std::optional<delta::Digest> digest) const {
+std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(DeltaEntry entry) const {
   std::weak_ptr<Pool> pool = pool_;
-  auto* e = new DeltaEntry{version, std::move(bytes), digest};
+  auto* e = new DeltaEntry(std::move(entry));
   return std::shared_ptr<const DeltaEntry>(e, [pool](const DeltaEntry* d) {
     std::unique_ptr<DeltaEntry> owned(const_cast<DeltaEntry*>(d));
     std::shared_ptr<Pool> p = pool.lock();
@@ -31,6 +32,16 @@ std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(uint64_t version, UninitV
     const size_t size = owned->bytes.size();
     p->free.emplace(size, std::move(owned->bytes));
   });
+}
+
+namespace {
+uint64_t PendingBytes(const DeltaEntry& e) { return e.bytes.size() + e.stream.size(); }
+}  // namespace
+
+uint64_t DeltaCache::SlotBytes(const Slot& slot) {
+  uint64_t n = slot.size;
+  for (const auto& q : slot.queued) n += q->stream.size();
+  return n;
 }
 
 UninitVector<uint8_t> DeltaCache::Buffer(size_t size) {
@@ -48,28 +59,103 @@ UninitVector<uint8_t> DeltaCache::Buffer(size_t size) {
 }
 
 std::shared_ptr<const DeltaEntry> DeltaCache::Committed(const DeltaKey& key, uint64_t version) {
+  {
+    absl::MutexLock l(&mu_);
+    auto it = committed_.find(key);
+    if (it == committed_.end() || it->second.applying) return nullptr;
+    Slot& slot = it->second;
+    const uint64_t logical = slot.queued.empty() ? slot.entry->version : slot.queued.back()->version;
+    if (logical != version) return nullptr;
+    lru_.splice(lru_.begin(), lru_, slot.lru);
+    if (slot.queued.empty()) return slot.entry;
+  }
+  // Streams committed since the background applier last ran: apply them here (the encoder needs
+  // this version's bytes now).
+  std::shared_ptr<const DeltaEntry> e = ApplySlot(key);
+  return e != nullptr && e->version == version ? e : nullptr;
+}
+
+std::shared_ptr<const DeltaEntry> DeltaCache::ApplySlot(const DeltaKey& key) {
+  std::shared_ptr<const DeltaEntry> base;
+  std::vector<std::shared_ptr<const DeltaEntry>> queued;
+  uint64_t generation = 0;
+  bool in_place = false;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = committed_.find(key);
+    if (it == committed_.end() || it->second.applying) return nullptr;
+    Slot& slot = it->second;
+    if (slot.queued.empty()) return slot.entry;
+    slot.applying = true;  // Committed() hands out nothing of this key until we are done
+    queued = slot.queued;
+    base = slot.entry;
+    generation = slot.generation;
+    // Only the slot and `base` hold it: no encoder reads these bytes, and none can get them while
+    // `applying`, so they may change in place. Otherwise (an encode of a version in flight still
+    // reads them) the streams go to a copy.
+    in_place = base.use_count() == 2;
+  }
+  UninitVector<uint8_t> bytes;
+  if (in_place) {
+    bytes = std::move(const_cast<DeltaEntry*>(base.get())->bytes);  // allocated non-const (NewEntry)
+  } else {
+    bytes = Buffer(base->bytes.size());
+    std::memcpy(bytes.data(), base->bytes.data(), base->bytes.size());
+  }
+  uint64_t version = base->version;
+  std::optional<delta::Digest> digest = base->digest;
+  bool ok = true;
+  uint64_t stream_bytes = 0;
+  for (const auto& q : queued) {
+    // Checks the base (version, digest) and the result (target digest): a wrong byte never becomes
+    // a committed entry.
+    const std::string what = absl::StrCat("the sender's cached ", key.ToString(), " (version ", q->version, ")");
+    if (!delta::DecodeInPlace(q->stream, version, digest, absl::MakeSpan(bytes), what).ok()) {
+      ok = false;
+      break;
+    }
+    version = q->version;
+    digest = q->digest;
+    stream_bytes += q->stream.size();
+  }
   absl::MutexLock l(&mu_);
   auto it = committed_.find(key);
-  if (it == committed_.end() || it->second.entry->version != version) return nullptr;
-  lru_.splice(lru_.begin(), lru_, it->second.lru);
-  return it->second.entry;
+  const bool same = it != committed_.end() && it->second.generation == generation;
+  if (same) it->second.applying = false;
+  if (!ok) {
+    ++failed_applies_;
+    if (same) {
+      EvictLocked(key);
+      ++evictions_;
+    }
+    return nullptr;
+  }
+  applied_ += queued.size();
+  if (!in_place) ++copied_applies_;
+  if (!same) return nullptr;  // evicted or replaced meanwhile: the result is nobody's base
+  Slot& slot = it->second;
+  slot.queued.erase(slot.queued.begin(), slot.queued.begin() + static_cast<std::ptrdiff_t>(queued.size()));
+  committed_bytes_ -= stream_bytes;
+  const bool packs = base->packs;
+  slot.entry = NewEntry(DeltaEntry{version, std::move(bytes), digest, {}, 0, packs});
+  return slot.queued.empty() ? slot.entry : nullptr;
 }
 
 void DeltaCache::EvictLocked(const DeltaKey& key) {
   auto it = committed_.find(key);
   if (it == committed_.end()) return;
-  committed_bytes_ -= it->second.entry->bytes.size();
+  committed_bytes_ -= SlotBytes(it->second);
   lru_.erase(it->second.lru);
   committed_.erase(it);
 }
 
 bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, UninitVector<uint8_t> bytes,
-                            std::optional<delta::Digest> digest) {
+                            std::optional<delta::Digest> digest, bool packs) {
   absl::MutexLock l(&mu_);
   const uint64_t size = bytes.size();
   auto& pv = pending_[version];
   if (auto old = pv.find(key); old != pv.end()) {
-    pending_bytes_ -= old->second->bytes.size();
+    pending_bytes_ -= PendingBytes(*old->second);
     pv.erase(old);
   }
   // First the key's own committed copy: the encoder has just read it for this version, and once
@@ -87,7 +173,36 @@ bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, UninitVector<
     if (pv.empty()) pending_.erase(version);
     return false;
   }
-  pv[key] = NewEntry(version, std::move(bytes), digest);
+  pv[key] = NewEntry(DeltaEntry{version, std::move(bytes), digest, {}, 0, packs});
+  pending_bytes_ += size;
+  return true;
+}
+
+bool DeltaCache::AddPendingStream(const DeltaKey& key, uint64_t version, uint64_t base_version, std::vector<uint8_t> stream,
+                                  const delta::Digest& target_digest) {
+  absl::MutexLock l(&mu_);
+  const uint64_t size = stream.size();
+  auto& pv = pending_[version];
+  if (auto old = pv.find(key); old != pv.end()) {
+    pending_bytes_ -= PendingBytes(*old->second);
+    pv.erase(old);
+  }
+  // Least recently used first, never the key's own committed entry: it is this stream's base.
+  auto victim = lru_.end();
+  while (committed_bytes_ + pending_bytes_ + size > capacity_ && victim != lru_.begin()) {
+    --victim;
+    if (*victim == key) continue;
+    const DeltaKey k = *victim;
+    victim = std::next(victim);  // EvictLocked erases the element the iterator names
+    EvictLocked(k);
+    ++evictions_;
+  }
+  if (committed_bytes_ + pending_bytes_ + size > capacity_) {
+    ++refused_;
+    if (pv.empty()) pending_.erase(version);
+    return false;
+  }
+  pv[key] = NewEntry(DeltaEntry{version, {}, target_digest, std::move(stream), base_version, false});
   pending_bytes_ += size;
   return true;
 }
@@ -97,14 +212,31 @@ void DeltaCache::Commit(uint64_t version) {
   for (auto it = pending_.begin(); it != pending_.end() && it->first <= version;) {
     if (it->first == version) {
       for (auto& [key, e] : it->second) {
+        pending_bytes_ -= PendingBytes(*e);
+        if (!e->stream.empty()) {
+          auto c = committed_.find(key);
+          const uint64_t logical =
+              c == committed_.end() ? 0 : (c->second.queued.empty() ? c->second.entry->version : c->second.queued.back()->version);
+          if (c != committed_.end() && logical == e->stream_base) {
+            committed_bytes_ += e->stream.size();
+            c->second.queued.push_back(std::move(e));
+            lru_.splice(lru_.begin(), lru_, c->second.lru);
+          } else if (c != committed_.end()) {
+            // Made against another version (two versions in flight against one base, and the
+            // other committed first): nothing here is anyone's base any more.
+            EvictLocked(key);
+            ++evictions_;
+          }
+          continue;
+        }
         EvictLocked(key);
-        pending_bytes_ -= e->bytes.size();
-        committed_bytes_ += e->bytes.size();
+        const uint64_t size = e->bytes.size();
+        committed_bytes_ += size;
         lru_.push_front(key);
-        committed_[key] = Slot{std::move(e), lru_.begin()};
+        committed_[key] = Slot{std::move(e), lru_.begin(), {}, false, ++next_generation_, size};
       }
     } else {
-      for (auto& [key, e] : it->second) pending_bytes_ -= e->bytes.size();  // superseded
+      for (auto& [key, e] : it->second) pending_bytes_ -= PendingBytes(*e);  // superseded
     }
     it = pending_.erase(it);
   }
@@ -114,7 +246,7 @@ void DeltaCache::Drop(uint64_t version) {
   absl::MutexLock l(&mu_);
   auto it = pending_.find(version);
   if (it == pending_.end()) return;
-  for (auto& [key, e] : it->second) pending_bytes_ -= e->bytes.size();
+  for (auto& [key, e] : it->second) pending_bytes_ -= PendingBytes(*e);
   pending_.erase(it);
 }
 
@@ -126,12 +258,36 @@ void DeltaCache::Clear() {
   committed_bytes_ = pending_bytes_ = 0;
 }
 
+int DeltaCache::ApplyQueued() {
+  int n = 0;
+  while (!stop_warming_.load()) {
+    std::optional<DeltaKey> next;
+    {
+      absl::MutexLock l(&mu_);
+      for (const auto& [key, slot] : committed_) {
+        if (!slot.queued.empty() && !slot.applying) {
+          next = key;
+          break;
+        }
+      }
+    }
+    if (!next.has_value()) break;
+    ApplySlot(*next);  // applied, or evicted on failure: either way it is not picked again
+    ++n;
+  }
+  return n;
+}
+
 uint64_t DeltaCache::WarmSpares() {
   // Sizes of committed entries without a free buffer of their size (counted per size).
   std::map<size_t, int64_t> need;
   {
     absl::MutexLock l(&mu_);
-    for (const auto& [key, slot] : committed_) ++need[slot.entry->bytes.size()];
+    // Entries whose next version packs a full copy again (strided boxes); the others travel as
+    // streams (AddPendingStream) and need no second buffer.
+    for (const auto& [key, slot] : committed_) {
+      if (slot.entry->packs) ++need[slot.size];
+    }
   }
   {
     absl::MutexLock l(&pool_->mu);
@@ -167,6 +323,10 @@ DeltaCache::Stats DeltaCache::stats() const {
   for (auto& [v, m] : pending_) s.pending_entries += m.size();
   s.evictions = evictions_;
   s.refused_adds = refused_;
+  for (const auto& [key, slot] : committed_) s.queued_streams += slot.queued.size();
+  s.applied_streams = applied_;
+  s.failed_applies = failed_applies_;
+  s.copied_applies = copied_applies_;
   absl::MutexLock pl(&pool_->mu);
   s.free_bytes = pool_->bytes;
   return s;

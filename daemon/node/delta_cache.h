@@ -52,16 +52,23 @@ struct DeltaKey {
   friend bool operator<(const DeltaKey& a, const DeltaKey& b) {
     return std::tie(a.tensor, a.begin, a.end, a.elem_size, a.variant) < std::tie(b.tensor, b.begin, b.end, b.elem_size, b.variant);
   }
+  friend bool operator==(const DeltaKey& a, const DeltaKey& b) { return !(a < b) && !(b < a); }
   std::string ToString() const;
 };
 
-// One version's packed bytes of a key.
+// One version of a key: its packed bytes, or (a pending entry only) the delta stream that makes
+// them from the committed entry of `stream_base` (the cache at 1x: see AddPendingStream).
 struct DeltaEntry {
   uint64_t version = 0;
   UninitVector<uint8_t> bytes;
   // delta::DigestOf(bytes, element size), computed while they were packed (the next encode's base digest: the
-  // encoder then does not hash the base again).
+  // encoder then does not hash the base again). For a stream entry: the stream's target digest.
   std::optional<delta::Digest> digest;
+  std::vector<uint8_t> stream;  // non-empty: a stream entry (bytes empty)
+  uint64_t stream_base = 0;     // the version the stream was made against
+  // The next version of this key packs a full copy again (a strided box): WarmSpares keeps a spare
+  // buffer for it. Boxes encoded straight from the source need none once they travel as streams.
+  bool packs = true;
 };
 
 class DeltaCache {
@@ -72,7 +79,8 @@ class DeltaCache {
   bool enabled() const { return capacity_ > 0; }
 
   // The committed entry of `key` when it holds `version`; null otherwise (none, evicted, another
-  // version). Marks it recently used.
+  // version, or another thread is applying its queued streams right now). Applies queued streams
+  // first on the caller's thread when ApplyQueued has not yet. Marks it recently used.
   std::shared_ptr<const DeltaEntry> Committed(const DeltaKey& key, uint64_t version);
 
   // `size` bytes to pack a box into (contents unspecified): a recycled buffer of that size when
@@ -80,12 +88,31 @@ class DeltaCache {
   UninitVector<uint8_t> Buffer(size_t size);
 
   // Files `bytes` as `key`'s pending entry of `version` (replacing one already there). False when
-  // it does not fit in the capacity even after evicting every committed entry.
+  // it does not fit in the capacity even after evicting every committed entry. `packs`: see
+  // DeltaEntry::packs.
   bool AddPending(const DeltaKey& key, uint64_t version, UninitVector<uint8_t> bytes,
-                  std::optional<delta::Digest> digest = std::nullopt);
+                  std::optional<delta::Digest> digest = std::nullopt, bool packs = true);
 
-  // CommitVersion(version): its pending entries become the committed ones; older pending ones go.
+  // The cache at 1x (docs/daemon.md "Deltas", Open (5)): files the delta stream that was sent for
+  // `key` in `version`, made against the committed entry of `base_version` (whose target digest is
+  // `target_digest`), as the pending entry instead of a full copy of the box. At Commit(version)
+  // the stream is queued on that committed entry and applied to its bytes in place
+  // (delta::DecodeInPlace) - by ApplyQueued in the background, or by the next Committed() of the
+  // key, whichever comes first - so the sender keeps one copy of each box and writes only the
+  // changed elements, off the version's critical path. Never evicts the key's own committed entry
+  // (the stream's base); false when the stream does not fit.
+  bool AddPendingStream(const DeltaKey& key, uint64_t version, uint64_t base_version, std::vector<uint8_t> stream,
+                        const delta::Digest& target_digest);
+
+  // CommitVersion(version): its pending entries become the committed ones (stream entries are
+  // queued on the committed entry they were made against; one made against another version - two
+  // versions in flight against one base - evicts the key: that box goes full once); older pending
+  // ones go.
   void Commit(uint64_t version);
+  // Applies every queued stream (see AddPendingStream); returns how many. Slow (a pass over each
+  // entry's bytes): the node runs it on a background thread after CommitVersion. StopWarming()
+  // makes it return early (the rest is applied by Committed()).
+  int ApplyQueued();
   // AbortVersion(version): its pending entries go.
   void Drop(uint64_t version);
   // Everything goes (the model was removed).
@@ -101,10 +128,11 @@ class DeltaCache {
   void StopWarming() { stop_warming_.store(true); }
 
   struct Stats {
-    uint64_t committed_bytes = 0, pending_bytes = 0;
+    uint64_t committed_bytes = 0, pending_bytes = 0;  // committed includes queued streams
     uint64_t committed_entries = 0, pending_entries = 0;
     uint64_t evictions = 0, refused_adds = 0;
     uint64_t free_bytes = 0;  // kept for reuse
+    uint64_t queued_streams = 0, applied_streams = 0, failed_applies = 0, copied_applies = 0;
   };
   Stats stats() const;
   uint64_t bytes() const;  // committed + pending
@@ -113,8 +141,18 @@ class DeltaCache {
   struct Slot {
     std::shared_ptr<const DeltaEntry> entry;
     std::list<DeltaKey>::iterator lru;  // position in lru_ (front = most recent)
+    // Committed stream entries not yet applied to `entry`, oldest first: the key's committed
+    // version is the last one's.
+    std::vector<std::shared_ptr<const DeltaEntry>> queued;
+    bool applying = false;  // a thread applies `queued` outside the lock (entry is not handed out)
+    uint64_t generation = 0;
+    uint64_t size = 0;  // entry->bytes.size() (an in-place apply moves them out meanwhile)
   };
   void EvictLocked(const DeltaKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static uint64_t SlotBytes(const Slot& slot);
+  // Applies `key`'s queued streams (the caller saw some and no other thread applying); returns the
+  // resulting entry, or null when the key was evicted meanwhile or an apply failed. Takes mu_.
+  std::shared_ptr<const DeltaEntry> ApplySlot(const DeltaKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Free buffers by size; shared with the entries' deleters (an entry may die after the cache).
   struct Pool {
     absl::Mutex mu;
@@ -122,7 +160,7 @@ class DeltaCache {
     uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
     uint64_t limit = 0;
   };
-  std::shared_ptr<const DeltaEntry> NewEntry(uint64_t version, UninitVector<uint8_t> bytes, std::optional<delta::Digest> digest) const;
+  std::shared_ptr<const DeltaEntry> NewEntry(DeltaEntry e) const;
   const std::shared_ptr<Pool> pool_;
 
   const uint64_t capacity_;
@@ -135,6 +173,10 @@ class DeltaCache {
   uint64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t applied_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t failed_applies_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t copied_applies_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace wb::daemon::node

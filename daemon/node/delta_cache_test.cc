@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 namespace wb::daemon::node {
 namespace {
 
@@ -163,6 +165,171 @@ TEST(DeltaCacheTest, WarmSparesLeavesOneSparePerCommittedEntry) {
   stopped.Commit(1);
   stopped.StopWarming();
   EXPECT_EQ(stopped.WarmSpares(), 0u);
+}
+
+// ---- The cache at 1x: streams as pending entries, applied to the committed copy after commit.
+
+// Version v of a 64 KiB box of bf16-like elements: every 7th element moves by one unit per version.
+UninitVector<uint8_t> Version(uint64_t v, size_t n = 32768) {
+  UninitVector<uint8_t> b(n * 2);
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t x = static_cast<uint16_t>(i * 2654435761u >> 7) + static_cast<uint16_t>(i % 7 == 0 ? v : 0);
+    std::memcpy(&b[2 * i], &x, 2);
+  }
+  return b;
+}
+
+std::vector<uint8_t> StreamOf(uint64_t from, uint64_t to, delta::Digest* target_digest) {
+  const UninitVector<uint8_t> a = Version(from), b = Version(to);
+  delta::EncodeOptions o;
+  o.elem_size = 2;
+  auto s = delta::Encode({from, absl::MakeConstSpan(a.data(), a.size())}, {to, absl::MakeConstSpan(b.data(), b.size())}, o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  *target_digest = delta::DigestOf(absl::MakeConstSpan(b.data(), b.size()), 2);
+  return s.ok() ? *s : std::vector<uint8_t>{};
+}
+
+// Commits version 1 of Key(0) as a full copy with its digest (as EncodeOp files it).
+void CommitFirst(DeltaCache& c) {
+  UninitVector<uint8_t> v1 = Version(1);
+  const delta::Digest d = delta::DigestOf(absl::MakeConstSpan(v1.data(), v1.size()), 2);
+  ASSERT_TRUE(c.AddPending(Key(0), 1, std::move(v1), d, /*packs=*/false));
+  c.Commit(1);
+}
+
+TEST(DeltaCacheStreamTest, ACommittedStreamIsAppliedInPlaceInTheBackground) {
+  DeltaCache c(1 << 20);
+  CommitFirst(c);
+  const uint8_t* at = c.Committed(Key(0), 1)->bytes.data();
+  delta::Digest d2;
+  std::vector<uint8_t> s12 = StreamOf(1, 2, &d2);
+  const size_t stream_bytes = s12.size();
+  ASSERT_LT(stream_bytes, Version(2).size() / 4);
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, std::move(s12), d2));
+  EXPECT_EQ(c.stats().pending_bytes, stream_bytes) << "a stream, not a second copy";
+  EXPECT_EQ(c.Committed(Key(0), 2), nullptr) << "pending is not committed";
+  ASSERT_NE(c.Committed(Key(0), 1), nullptr) << "the base stays until the commit";
+  c.Commit(2);
+  EXPECT_EQ(c.stats().queued_streams, 1u);
+  EXPECT_EQ(c.Committed(Key(0), 1), nullptr) << "committed is version 2 now (queued)";
+  EXPECT_EQ(c.ApplyQueued(), 1);
+  EXPECT_EQ(c.ApplyQueued(), 0);
+  auto e = c.Committed(Key(0), 2);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->bytes, Version(2));
+  EXPECT_EQ(e->bytes.data(), at) << "applied in place: one copy of the box";
+  ASSERT_TRUE(e->digest.has_value());
+  EXPECT_EQ(*e->digest, d2);
+  const DeltaCache::Stats st = c.stats();
+  EXPECT_EQ(st.applied_streams, 1u);
+  EXPECT_EQ(st.copied_applies, 0u);
+  EXPECT_EQ(st.queued_streams, 0u);
+  EXPECT_EQ(st.committed_bytes, Version(2).size()) << "1x the box";
+  EXPECT_EQ(st.pending_bytes, 0u);
+}
+
+TEST(DeltaCacheStreamTest, TheNextEncodeAppliesQueuedStreamsItself) {
+  DeltaCache c(1 << 20);
+  CommitFirst(c);
+  delta::Digest d2, d3;
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, StreamOf(1, 2, &d2), d2));
+  c.Commit(2);
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 3, 2, StreamOf(2, 3, &d3), d3));  // made against v2 (still queued)
+  c.Commit(3);
+  EXPECT_EQ(c.stats().queued_streams, 2u);
+  EXPECT_EQ(c.Committed(Key(0), 2), nullptr) << "committed is version 3";
+  auto e = c.Committed(Key(0), 3);  // no background apply ran: both streams applied here, in order
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->bytes, Version(3));
+  EXPECT_EQ(*e->digest, d3);
+  EXPECT_EQ(c.stats().applied_streams, 2u);
+  EXPECT_EQ(c.stats().committed_bytes, Version(3).size());
+}
+
+TEST(DeltaCacheStreamTest, AnEntryAnEncoderStillReadsIsCopiedNotChanged) {
+  DeltaCache c(1 << 20);
+  CommitFirst(c);
+  auto held = c.Committed(Key(0), 1);  // e.g. an encode of a later version in flight (async)
+  delta::Digest d2;
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, StreamOf(1, 2, &d2), d2));
+  c.Commit(2);
+  EXPECT_EQ(c.ApplyQueued(), 1);
+  EXPECT_EQ(held->bytes, Version(1)) << "the reader's bytes did not change under it";
+  auto e = c.Committed(Key(0), 2);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->bytes, Version(2));
+  EXPECT_EQ(c.stats().copied_applies, 1u);
+}
+
+TEST(DeltaCacheStreamTest, AnAbortedStreamLeavesTheBase) {
+  DeltaCache c(1 << 20);
+  CommitFirst(c);
+  delta::Digest d2;
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, StreamOf(1, 2, &d2), d2));
+  c.Drop(2);
+  c.Commit(2);
+  EXPECT_EQ(c.stats().pending_bytes, 0u);
+  auto e = c.Committed(Key(0), 1);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->bytes, Version(1));
+}
+
+TEST(DeltaCacheStreamTest, TwoVersionsMadeAgainstOneBaseEvictTheKeyOnce) {
+  // Async: v2 and v3 both encoded against v1; once v2 commits, v3's stream applies to nothing.
+  DeltaCache c(1 << 20);
+  CommitFirst(c);
+  delta::Digest d2, d3;
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, StreamOf(1, 2, &d2), d2));
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 3, 1, StreamOf(1, 3, &d3), d3));
+  c.Commit(2);
+  c.Commit(3);
+  EXPECT_EQ(c.Committed(Key(0), 3), nullptr) << "that box goes full next version";
+  EXPECT_EQ(c.Committed(Key(0), 2), nullptr);
+  EXPECT_EQ(c.stats().evictions, 1u);
+  EXPECT_EQ(c.bytes(), 0u);
+}
+
+TEST(DeltaCacheStreamTest, ACorruptStreamIsNeverApplied) {
+  DeltaCache c(1 << 20);
+  CommitFirst(c);
+  delta::Digest d2;
+  std::vector<uint8_t> s12 = StreamOf(1, 2, &d2);
+  s12[s12.size() - 3] ^= 0x10;  // a value in the last chunk's payload
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, std::move(s12), d2));
+  c.Commit(2);
+  EXPECT_EQ(c.ApplyQueued(), 1);
+  EXPECT_EQ(c.Committed(Key(0), 2), nullptr) << "the target digest caught it: evicted, never a wrong base";
+  EXPECT_EQ(c.stats().failed_applies, 1u);
+  EXPECT_EQ(c.bytes(), 0u);
+}
+
+TEST(DeltaCacheStreamTest, AStreamNeverEvictsItsOwnBase) {
+  const size_t box = Version(1).size();
+  DeltaCache c(box + 100);
+  CommitFirst(c);
+  delta::Digest d2;
+  std::vector<uint8_t> s12 = StreamOf(1, 2, &d2);
+  ASSERT_GT(s12.size(), 100u);
+  EXPECT_FALSE(c.AddPendingStream(Key(0), 2, 1, std::move(s12), d2)) << "does not fit beside its base";
+  EXPECT_EQ(c.stats().refused_adds, 1u);
+  EXPECT_NE(c.Committed(Key(0), 1), nullptr) << "the base was not evicted for it";
+  // Other keys are, least recently used first.
+  std::vector<uint8_t> again = StreamOf(1, 2, &d2);
+  DeltaCache d(box + 64 + again.size() - 10);  // the stream fits once key 1's 64 bytes go
+  CommitFirst(d);
+  ASSERT_TRUE(d.AddPending(Key(1), 1, Bytes(64, 1)));
+  d.Commit(1);
+  ASSERT_TRUE(d.AddPendingStream(Key(0), 2, 1, std::move(again), d2));
+  EXPECT_EQ(d.Committed(Key(1), 1), nullptr);
+  EXPECT_NE(d.Committed(Key(0), 1), nullptr);
+}
+
+TEST(DeltaCacheStreamTest, WarmSparesSkipsBoxesThatTravelAsStreams) {
+  DeltaCache c(1 << 20);
+  CommitFirst(c);  // packs = false
+  ASSERT_TRUE(c.AddPending(Key(1), 1, Bytes(16, 1)));  // a strided box: packs again
+  c.Commit(1);
+  EXPECT_EQ(c.WarmSpares(), 16u);
 }
 
 }  // namespace

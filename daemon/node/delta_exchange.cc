@@ -114,7 +114,6 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
   const int64_t raw = op.copy.bytes();
   absl::StatusOr<transport::StridedLayout> l = SideLayout(op.copy.src, op.copy, src_size);
   if (!l.ok()) return 0;
-  UninitVector<uint8_t> target = cache.Buffer(static_cast<size_t>(raw));  // recycled: no first touch; fresh: not zeroed (fully packed over)
   // Packs the box into the cache's buffer a codec chunk at a time, each hashed and encoded while it
   // is in cache: one pass over the source (issue 17.2 update time), not a pack and then an encode.
   const delta::FillFn fill = [&](size_t off, absl::Span<uint8_t> dst) {
@@ -122,16 +121,18 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
                     [&](int64_t at, int64_t logical, int64_t len) { std::memcpy(dst.data() + (logical - off), src + at, len); });
   };
   // A box that is one run of the source (matching shards: most boxes) is encoded straight from the
-  // source and copied into the cache's buffer with cache-bypassing stores (delta::EncodeCopying):
-  // nothing is packed and read back.
+  // source, and what the cache keeps of this version is the stream itself (DeltaCache::
+  // AddPendingStream: applied to the cached copy in place after the commit, off the critical
+  // path): nothing is packed, copied or read back.
   const uint8_t* contiguous = l->num_runs() == 1 && l->total_bytes() == raw ? src + l->RunOffset(0) : nullptr;
   // End-to-end digests' chunk hashes of the packed box: the chunk hashes the codec makes its target
   // digest of (one hash per side, delta::DigestOf).
   std::vector<uint64_t> units;
   std::vector<uint64_t>* want_units = unit_hashes != nullptr ? &units : nullptr;
+  const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;
+  UninitVector<uint8_t> target;  // the full copy the cache keeps when no stream goes
   uint64_t len = 0;
   std::optional<delta::Digest> digest;
-  const bool codec_elem = elem == 1 || elem == 2 || elem == 4 || elem == 8;
   if (!out.empty() && base_version > 0 && codec_elem) {
     std::shared_ptr<const DeltaEntry> base = cache.Committed(KeyOf(op), base_version);
     if (base != nullptr && static_cast<int64_t>(base->bytes.size()) == raw) {
@@ -142,24 +143,37 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
       eo.what = what;
       eo.target_unit_hashes = want_units;
       delta::Digest td;
-      absl::StatusOr<size_t> n =
-          contiguous != nullptr
-              ? delta::EncodeCopying({base_version, base->bytes}, {version, absl::MakeConstSpan(contiguous, static_cast<size_t>(raw))},
-                                     absl::MakeSpan(target), eo, out, &td)
-              : delta::EncodeFilling({base_version, base->bytes}, version, fill, absl::MakeSpan(target), eo, out, &td);
-      if (n.ok()) {
-        digest = td;
-        if (static_cast<int64_t>(*n) < raw) len = *n;
-      }  // else refused before packing anything: packed again below
+      if (contiguous != nullptr) {
+        absl::StatusOr<size_t> n =
+            delta::EncodeInto({base_version, base->bytes}, {version, absl::MakeConstSpan(contiguous, static_cast<size_t>(raw))}, eo, out,
+                              nullptr, &td);
+        base.reset();  // the cache may apply to it in place once no encoder holds it
+        if (n.ok() && static_cast<int64_t>(*n) < raw &&
+            cache.AddPendingStream(KeyOf(op), version, base_version, std::vector<uint8_t>(out.data(), out.data() + *n), td)) {
+          if (unit_hashes != nullptr) *unit_hashes = std::move(units);
+          return *n;
+        }
+        // Not smaller than the box, or the stream does not fit the cache: the box goes full and
+        // the cache keeps a full copy (below).
+        units.clear();
+      } else {
+        target = cache.Buffer(static_cast<size_t>(raw));  // recycled: no first touch; fresh: not zeroed (fully packed over)
+        absl::StatusOr<size_t> n = delta::EncodeFilling({base_version, base->bytes}, version, fill, absl::MakeSpan(target), eo, out, &td);
+        if (n.ok()) {
+          digest = td;
+          if (static_cast<int64_t>(*n) < raw) len = *n;
+        }  // else refused before packing anything: packed again below
+      }
     }
   }
   if (!digest.has_value()) {
+    if (target.size() != static_cast<size_t>(raw)) target = cache.Buffer(static_cast<size_t>(raw));
     digest = contiguous != nullptr ? delta::CopyAndDigest(absl::MakeConstSpan(contiguous, static_cast<size_t>(raw)),
                                                           absl::MakeSpan(target), elem, 64 * 1024, {}, want_units)
                                    : delta::FillAndDigest(fill, absl::MakeSpan(target), elem, 64 * 1024, {}, want_units);
   }
   if (unit_hashes != nullptr) *unit_hashes = std::move(units);
-  cache.AddPending(KeyOf(op), version, std::move(target), digest);
+  cache.AddPending(KeyOf(op), version, std::move(target), digest, /*packs=*/contiguous == nullptr);
   return len;
 }
 

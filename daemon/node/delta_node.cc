@@ -116,15 +116,18 @@ void NodeDeltas::Commit(const std::string& model, uint64_t version) {
     m = it->second;
   }
   m->cache->Commit(version);
-  // Warm the next version's pack buffers in the background. At normal priority: it is a one-off
-  // (after the first commit of each box size; later commits find their spares there and return at
-  // once), and at nice 10 the bench's trainers starved it until the next version came.
+  // In the background: apply the streams this commit queued to the cached copies in place (the
+  // cache at 1x: DeltaCache::AddPendingStream; an encode that comes first applies its key itself),
+  // then warm the next version's pack buffers of boxes that still pack full copies. At normal
+  // priority: at nice 10 the bench's trainers starved it until the next version came.
   if (!m->cache->enabled() || m->warming.exchange(true)) return;
   absl::MutexLock l(&m->warm_mu);
   if (m->warmer.joinable()) m->warmer.join();  // finished: `warming` was false
   m->warmer = std::thread([cache = m->cache.get(), warming = &m->warming] {
     pthread_setname_np(pthread_self(), "wb-delta-warm");
+    cache->ApplyQueued();
     cache->WarmSpares();
+    cache->ApplyQueued();  // committed while it warmed
     warming->store(false);
   });
 }

@@ -56,12 +56,13 @@ class NodeDeltas {
 
  private:
   struct Model {
-    // Stops and joins a background WarmSpares first (it reads `cache`).
+    // Stops and joins a background ApplyQueued / WarmSpares first (they read `cache`).
     ~Model();
     std::unique_ptr<DeltaCache> cache;
     DeltaBuffers buffers;
-    // After a commit, one background thread at a time faults in the cache's spare buffers
-    // (DeltaCache::WarmSpares), so the next version's packs do not pay the first touch.
+    // After a commit, one background thread at a time applies the committed streams to the cached
+    // copies (DeltaCache::ApplyQueued) and faults in the cache's spare buffers (WarmSpares), so the
+    // next version's packs do not pay the first touch.
     std::atomic<bool> warming{false};
     absl::Mutex warm_mu;
     std::thread warmer ABSL_GUARDED_BY(warm_mu);
