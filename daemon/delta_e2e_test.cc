@@ -122,6 +122,15 @@ TEST_P(DeltaModesTest, DeltasAreByteExactAndSmall) {
   // version 2's streams applied in place (the cache at 1x, DeltaCache::AddPendingStream).
   EXPECT_GT(m3.stream - m2.stream, 0) << "version 3 must travel as deltas too";
   EXPECT_GT(m2.stream - m1.stream, 0) << "version 2 must travel as deltas";
+  // Sync rollouts: the commit tagged their staging and the next version took it back from the pool,
+  // so the receiver decodes in place (no copy of the base). Other modes decode from committed
+  // staging into new staging.
+  if (mc.mode == pb::MODE_SYNC) {
+    EXPECT_GT(m3.decoded_in_place - m2.decoded_in_place, 0) << "version 3 decodes in place";
+  } else {
+    EXPECT_EQ(m3.decoded_in_place - m0.decoded_in_place, 0);
+    EXPECT_GT(m3.decoded_copied - m1.decoded_copied, 0);
+  }
   EXPECT_EQ(m3.fallbacks - m0.fallbacks, 0) << "no delta may be refused here";
   // (rank0_broadcast: the rank-0 trainer's own boxes go straight to the rollouts, as deltas; what
   // passes through the gather staging goes full.)
@@ -212,19 +221,20 @@ TEST_F(DeltaE2eTest, ARestartedRolloutGetsFullBytesThenDeltasAgain) {
   EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0);
 }
 
-// Sync: after version 1, one byte of r1's live weights changes behind the node's back (its
-// committed copy, the base of the next delta, no longer matches what the sender diffed against).
-// Version 2's deltas into r1 fail the base check BEFORE anything is applied, those ops are resent
-// in full, and every byte of version 2 is exact and verified.
+// One-step-off: after version 1 is applied, r1's live weights are its node's committed copy (the
+// committed staging went back to the pool), and one byte of them changes behind the node's back
+// (the base of the next delta no longer matches what the sender diffed against). Version 2's
+// deltas into r1 fail the base check BEFORE anything is applied, those ops are resent in full, and
+// every byte of version 2 is exact and verified.
 TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
   Start();
-  AddWorkers(pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  AddWorkers(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   ASSERT_FALSE(HasFatalFailure());
-  Version(pb::MODE_SYNC, 1);
+  Version(pb::MODE_ONE_STEP_OFF, 1);
   ASSERT_FALSE(HasFatalFailure());
   static_cast<uint8_t*>(r1_->seg.data())[5] ^= 0x40;  // a byte of r1's copy of tensor a (from t0)
   const Metered m0 = Meter();
-  Version(pb::MODE_SYNC, 2);
+  Version(pb::MODE_ONE_STEP_OFF, 2);
   ASSERT_FALSE(HasFatalFailure());
   const Metered m1 = Meter();
   EXPECT_GE(m1.fallbacks - m0.fallbacks, 1) << "r1's node must refuse the delta made against another base";
@@ -233,7 +243,7 @@ TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
   // from what landed in full, and version 2 is verified (Version) on it.
   EXPECT_LT(m1.digest_codec - m0.digest_codec, 2 * (m1.replaced - m0.replaced)) << "wb_digest_bytes_total{how=\"codec\"}";
   // And version 3 goes as deltas with no refusal (r1 holds version 2 whole now).
-  Version(pb::MODE_SYNC, 3);
+  Version(pb::MODE_ONE_STEP_OFF, 3);
   ASSERT_FALSE(HasFatalFailure());
   const Metered m2 = Meter();
   EXPECT_EQ(m2.fallbacks - m1.fallbacks, 0);
@@ -241,9 +251,30 @@ TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
   // (the next base check's digest, not hashed again); a byte changed behind the node after that is
   // still refused - decided on the base itself - resent in full, and version 4 is exact.
   static_cast<uint8_t*>(r1_->seg.data())[5] ^= 0x40;
-  Version(pb::MODE_SYNC, 4);
+  Version(pb::MODE_ONE_STEP_OFF, 4);
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_GE(Meter().fallbacks - m2.fallbacks, 1) << "a recorded digest must not let a changed base through";
+}
+
+// Sync: the base of a delta is the node's own copy, the staging the last commit copied into live
+// weights (tagged and taken back from the pool), not the live weights: a byte of r1's live weights
+// changed behind the node's back does not refuse anything, the deltas decode in place, and the
+// commit writes every piece of version 2 over it (exact and verified).
+TEST_F(DeltaE2eTest, SyncDeltasDecodeInPlaceIntoTheNodesOwnCopy) {
+  Start();
+  AddWorkers(pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(pb::MODE_SYNC, 1);
+  ASSERT_FALSE(HasFatalFailure());
+  static_cast<uint8_t*>(r1_->seg.data())[5] ^= 0x40;
+  const Metered m0 = Meter();
+  Version(pb::MODE_SYNC, 2);
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m1 = Meter();
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0);
+  EXPECT_GT(m1.stream - m0.stream, 0);
+  EXPECT_GT(m1.decoded_in_place - m0.decoded_in_place, 0);
+  EXPECT_EQ(m1.decoded_copied - m0.decoded_copied, 0) << "every decode found its base in the staging it writes";
 }
 
 }  // namespace

@@ -17,6 +17,8 @@ DeltaMeter ScrapeDeltaMeter(int port) {
   out.digest_transport = MetricSum(*m, "wb_digest_bytes_total", "how=\"transport\"");
   out.digest_codec = MetricSum(*m, "wb_digest_bytes_total", "how=\"codec\"");
   out.digest_memory = MetricSum(*m, "wb_digest_bytes_total", "how=\"memory\"");
+  out.decoded_in_place = MetricSum(*m, "wb_delta_decoded_total", "how=\"in_place\"");
+  out.decoded_copied = MetricSum(*m, "wb_delta_decoded_total", "how=\"copied\"");
   return out;
 }
 

@@ -14,6 +14,8 @@ struct DeltaMeter {
   double stream = 0, replaced = 0, full = 0, fallbacks = 0;
   // wb_digest_bytes_total{how=transport|codec|memory}: where the end-to-end digests were hashed.
   double digest_transport = 0, digest_codec = 0, digest_memory = 0;
+  // wb_delta_decoded_total{how=in_place|copied}.
+  double decoded_in_place = 0, decoded_copied = 0;
 };
 // wb_delta_bytes_total{kind=stream|replaced|full} and wb_delta_fallbacks_total, scraped from the
 // metrics endpoint on `port` (a test failure when it does not answer).

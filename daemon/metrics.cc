@@ -1,5 +1,7 @@
 #include "daemon/metrics.h"
 
+#include <algorithm>
+
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
@@ -35,6 +37,7 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Gauge>* delta_cache;
   prometheus::Family<prometheus::Counter>* delta_bytes;
   prometheus::Family<prometheus::Counter>* delta_fallbacks;
+  prometheus::Family<prometheus::Counter>* delta_decoded;
   prometheus::Family<prometheus::Counter>* digest_bytes;
 };
 
@@ -61,6 +64,7 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->delta_bytes = &prometheus::BuildCounter().Name("wb_delta_bytes_total").Help("Delta ops sent: streams, the raw bytes they replaced, ops sent in full").Register(r);
   f_->digest_bytes = &prometheus::BuildCounter().Name("wb_digest_bytes_total").Help("Bytes of boxes digested end to end, by where they were hashed: transport, codec, memory").Register(r);
   f_->delta_fallbacks = &prometheus::BuildCounter().Name("wb_delta_fallbacks_total").Help("Deltas refused here (base mismatch, corrupt) and resent in full").Register(r);
+  f_->delta_decoded = &prometheus::BuildCounter().Name("wb_delta_decoded_total").Help("Delta ops decoded here: in place (staging still held the base) or copied (base copied from committed staging or live weights)").Register(r);
 }
 
 DaemonMetrics::~DaemonMetrics() = default;
@@ -122,7 +126,10 @@ void DaemonMetrics::RelayAtCommit(const std::string& node, uint64_t bytes) {
   f_->relay_at_commit->Add({{"node", node}}).Increment(static_cast<double>(bytes));
 }
 
-void DaemonMetrics::Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused) {
+void DaemonMetrics::Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused,
+                          uint64_t decoded, uint64_t in_place) {
+  f_->delta_decoded->Add({{"node", node}, {"how", "in_place"}}).Increment(static_cast<double>(in_place));
+  f_->delta_decoded->Add({{"node", node}, {"how", "copied"}}).Increment(static_cast<double>(decoded - std::min(decoded, in_place)));
   f_->delta_cache->Add({{"node", node}}).Set(static_cast<double>(cache_bytes));
   f_->delta_bytes->Add({{"node", node}, {"kind", "stream"}}).Increment(static_cast<double>(stream));
   f_->delta_bytes->Add({{"node", node}, {"kind", "replaced"}}).Increment(static_cast<double>(replaced));

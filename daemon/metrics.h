@@ -73,7 +73,9 @@ class DaemonMetrics {
   // what destinations committed), wb_delta_bytes_total{node,kind=stream|replaced|full} (streams
   // sent, the raw bytes they replaced, delta ops sent in full) and wb_delta_fallbacks_total{node}
   // (deltas this node refused: base mismatch or corrupt, resent in full).
-  void Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused);
+  // `decoded` delta ops decoded here, `in_place` of them into staging that still held the base.
+  void Deltas(const std::string& node, uint64_t cache_bytes, uint64_t stream, uint64_t replaced, uint64_t full, uint64_t refused,
+              uint64_t decoded = 0, uint64_t in_place = 0);
   // End-to-end digests (issue 17.4): wb_digest_bytes_total{node,how=transport|codec|memory}, the
   // bytes of the boxes a version digested here, by where they were hashed: by host_tcp as they
   // crossed, by the delta codec as it packed / decoded them, or read again from memory.

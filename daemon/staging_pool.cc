@@ -32,20 +32,30 @@ void ZeroFromKernel(std::vector<uint8_t>& buffer) {
 
 }  // namespace
 
-std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused) {
+std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused, const std::string& tag, bool* tag_matched) {
   if (reused != nullptr) *reused = false;
+  if (tag_matched != nullptr) *tag_matched = false;
   if (size <= 0) return {};
   {
     absl::MutexLock l(&mu_);
-    // Newest first: the buffer given back last is the one most likely still in cache.
-    for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
-      if (static_cast<int64_t>(it->buffer.size()) != size) continue;
+    auto take = [&](std::list<Idle>::reverse_iterator it) {
       std::vector<uint8_t> out = std::move(it->buffer);
       idle_.erase(std::next(it).base());
       idle_bytes_ -= size;
       ++reused_;
       if (reused != nullptr) *reused = true;
       return out;
+    };
+    // The buffer with this tag; else newest first (the buffer given back last is the one most
+    // likely still in cache), untagged before tagged (those are someone's next base).
+    for (int pass = tag.empty() ? 1 : 0; pass < 3; ++pass) {
+      for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
+        if (static_cast<int64_t>(it->buffer.size()) != size) continue;
+        if (pass == 0 && it->tag != tag) continue;
+        if (pass == 1 && !it->tag.empty()) continue;
+        if (pass == 0 && tag_matched != nullptr) *tag_matched = true;
+        return take(it);
+      }
     }
     ++allocated_;
   }
@@ -53,7 +63,7 @@ std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused) {
   return std::vector<uint8_t>(static_cast<size_t>(size));
 }
 
-void StagingPool::Give(std::vector<uint8_t> buffer) {
+void StagingPool::Give(std::vector<uint8_t> buffer, std::string tag) {
   const int64_t size = static_cast<int64_t>(buffer.size());
   if (size == 0) return;
   std::list<Idle> freed;  // destroyed after the lock is released (munmap of large buffers)
@@ -64,7 +74,7 @@ void StagingPool::Give(std::vector<uint8_t> buffer) {
       idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
       freed.splice(freed.end(), idle_, idle_.begin());
     }
-    idle_.push_back(Idle{std::move(buffer), options_.clock->Now()});
+    idle_.push_back(Idle{std::move(buffer), options_.clock->Now(), std::move(tag)});
     idle_bytes_ += size;
   }
 }

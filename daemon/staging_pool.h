@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <list>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -46,12 +47,17 @@ class StagingPool {
   explicit StagingPool(Options options) : options_(options) {}
 
   // A host buffer of exactly `size` bytes: an idle one of that size when there is one (its bytes
-  // are stale: see above; *reused = true), else a new, zero-filled one.
-  std::vector<uint8_t> Take(int64_t size, bool* reused = nullptr);
+  // are stale: see above; *reused = true), else a new, zero-filled one. With `tag`, the idle buffer
+  // given back with that tag is taken first (*tag_matched = true: its bytes are what its last user
+  // said they were when it gave it back); untagged ones before another tag's.
+  std::vector<uint8_t> Take(int64_t size, bool* reused = nullptr, const std::string& tag = "", bool* tag_matched = nullptr);
   // Gives a buffer back for reuse. Empty buffers are ignored; a buffer that would push the idle
   // bytes past max_idle_bytes is freed here instead (oldest idle buffers go first to make room when
-  // this one alone fits).
-  void Give(std::vector<uint8_t> buffer);
+  // this one alone fits). `tag` (optional) names what the bytes hold, for a Take that wants exactly
+  // those bytes again (a sync rollout's committed staging: the next version decodes its deltas in
+  // place, docs/daemon.md "Deltas"); a tag is only a hint of who wants the buffer back, never a
+  // promise: the taker checks the bytes (a delta's base digest).
+  void Give(std::vector<uint8_t> buffer, std::string tag = "");
   // Allocates (and so faults in) an idle buffer of `size` bytes ahead of the version that will
   // Take it, unless one of that size is idle already or idle bytes would exceed `room`. The node
   // calls it when a rollout registers host buffers, so a node's first version (or a late
@@ -73,6 +79,7 @@ class StagingPool {
   struct Idle {
     std::vector<uint8_t> buffer;
     absl::Time since;
+    std::string tag;
   };
   const Options options_;
   mutable absl::Mutex mu_;

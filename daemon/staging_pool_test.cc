@@ -35,6 +35,39 @@ TEST(StagingPoolTest, GivenBackBufferIsTheOneTakenNextForTheSameSize) {
   EXPECT_EQ(pool.stats().idle_bytes, 0);
 }
 
+// A tagged buffer goes back to whoever asks for its tag (a sync rollout's committed staging to
+// that rollout's next version), even when others of its size are newer; untagged takers get
+// untagged buffers first.
+TEST(StagingPoolTest, ATaggedBufferGoesToItsTag) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  std::vector<uint8_t> a = pool.Take(4096), b = pool.Take(4096), c = pool.Take(4096);
+  a[0] = 1;
+  b[0] = 2;
+  c[0] = 3;
+  const uint8_t* at_a = a.data();
+  const uint8_t* at_b = b.data();
+  pool.Give(std::move(a), "r0 v1");
+  pool.Give(std::move(b), "r1 v1");
+  pool.Give(std::move(c));
+  bool reused = false, matched = false;
+  std::vector<uint8_t> x = pool.Take(4096, &reused, "r0 v1", &matched);
+  EXPECT_TRUE(reused);
+  EXPECT_TRUE(matched);
+  EXPECT_EQ(x.data(), at_a);
+  EXPECT_EQ(x[0], 1) << "the bytes its last user left";
+  std::vector<uint8_t> y = pool.Take(4096, &reused, "r0 v2", &matched);
+  EXPECT_FALSE(matched) << "another tag: any buffer, untagged first";
+  EXPECT_EQ(y[0], 3);
+  std::vector<uint8_t> z = pool.Take(4096, &reused);
+  EXPECT_TRUE(reused) << "a tagged buffer still serves when nothing else is idle";
+  EXPECT_EQ(z.data(), at_b);
+  matched = true;
+  std::vector<uint8_t> w = pool.Take(4096, &reused, "r1 v1", &matched);
+  EXPECT_FALSE(matched) << "taken by someone else: the tag went with it";
+  EXPECT_FALSE(reused);
+}
+
 TEST(StagingPoolTest, OtherSizesAreNotHandedOut) {
   FakeClock clock;
   StagingPool pool(Opts(&clock));

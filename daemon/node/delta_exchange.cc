@@ -211,11 +211,20 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
   // decoder's own chunk hashes of it (those it checked the target digest with) are handed over; a
   // strided one is hashed run by run as the scratch is copied out.
   std::vector<uint64_t>* decoder_units = unit_hashes != nullptr && dense ? unit_hashes : nullptr;
-  absl::Status s = delta::Decode(stream, {base->version, b, recorded}, out, what, {}, decoder_units);
-  // A recorded digest is a shortcut, never the judge: on any failure decide on the base itself
-  // (a base changed behind the node is refused as "made against ... digest", a bad stream stays
-  // DATA_LOSS). A failed attempt hands out no hashes.
-  if (!s.ok() && recorded.has_value()) s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what, {}, decoder_units);
+  absl::Status s;
+  if (dense && base->data == dst) {
+    // The destination still holds the base (a sync commit's staging taken back from the pool,
+    // NodeDeltas::For): decoded in place, writing only the changed elements. The base is the
+    // node's own memory, which nothing but this decode writes, so a recorded digest is not retried
+    // against the bytes: any failure refuses the op (its full copy overwrites the box).
+    s = delta::DecodeInPlace(stream, base->version, recorded, out, what, {}, decoder_units);
+  } else {
+    s = delta::Decode(stream, {base->version, b, recorded}, out, what, {}, decoder_units);
+    // A recorded digest is a shortcut, never the judge: on any failure decide on the base itself
+    // (a base changed behind the node is refused as "made against ... digest", a bad stream stays
+    // DATA_LOSS). A failed attempt hands out no hashes.
+    if (!s.ok() && recorded.has_value()) s = delta::Decode(stream, {base->version, b, std::nullopt}, out, what, {}, decoder_units);
+  }
   if (!s.ok()) return s;
   if (decoded != nullptr) {
     absl::StatusOr<delta::StreamHeader> h = delta::ReadHeader(stream, what);
@@ -506,6 +515,7 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
   std::optional<DeltaBase> base = o_.base ? o_.base(s.op->dst_key) : std::nullopt;
   std::optional<delta::Digest> recorded;
   if (o_.recorded && base.has_value()) recorded = o_.recorded(*s.op, base->version);
+  const bool in_place = base.has_value() && dst.has_value() && base->data == dst->first;
   delta::Digest decoded;
   std::vector<uint64_t> units;
   absl::Status st = dst.has_value() ? DecodeOp(*s.op, dst->first, dst->second, base, stream, label_, recorded, &decoded,
@@ -525,6 +535,7 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
     if (stats_.first_refusal.empty()) stats_.first_refusal = std::string(st.message());
   } else {
     ++stats_.ops_decoded;
+    if (in_place) ++stats_.ops_decoded_in_place;
   }
   --decoding_;
 }

@@ -130,6 +130,7 @@ struct DeltaStats {
   uint64_t cache_candidates = 0;                        // ops packed into the cache (slots or not)
   // Receiver side (in slots).
   uint64_t ops_decoded = 0, ops_refused = 0;
+  uint64_t ops_decoded_in_place = 0;  // into staging that still held the base (no base copy)
   uint64_t bytes_received_stream = 0, bytes_fallback = 0;
   uint64_t base_digests_recorded = 0;  // decodes whose base digest was recorded, not hashed
   double encode_s = 0, decode_s = 0;  // summed over threads

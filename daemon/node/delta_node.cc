@@ -45,7 +45,9 @@ std::shared_ptr<NodeDeltas::Model> NodeDeltas::ModelFor(const std::string& model
 }
 
 DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
-                             const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local) {
+                             const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local,
+                             const std::map<std::pair<std::string, size_t>, uint64_t>& staging_holds,
+                             const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming) {
   std::shared_ptr<Model> m = ModelFor(model);
   DeltaOptions o;
   o.me = me;
@@ -84,11 +86,22 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     m->digests[*k] = {version, digest};
   };
   // `m` travels with the options: the cache and buffers outlive the executor run.
-  o.base = [m, model, local_rollouts, &local](const std::string& key) -> std::optional<DeltaBase> {
+  // Incoming staging that still holds the committed version (taken back from the pool by tag):
+  // the base is the destination itself, and DecodeOp decodes in place (no copy of the base).
+  std::map<std::pair<std::string, size_t>, DeltaBase> in_place;
+  for (const auto& [at, version] : staging_holds) {
+    auto in = incoming.find(at.first);
+    if (in == incoming.end() || in->second == nullptr || at.second >= in->second->size()) continue;
+    const StagedBuffer& b = (*in->second)[at.second];
+    if (b.device != nullptr || b.host.empty()) continue;
+    in_place[at] = DeltaBase{version, b.host.data(), b.size(), in->second};
+  }
+  o.base = [m, model, local_rollouts, &local, in_place](const std::string& key) -> std::optional<DeltaBase> {
     std::optional<std::pair<uint32_t, size_t>> at = ParseKey(key);
     if (!at) return std::nullopt;
     auto id = local_rollouts.find(at->first);
     if (id == local_rollouts.end()) return std::nullopt;
+    if (auto ip = in_place.find({id->second, at->second}); ip != in_place.end()) return ip->second;
     std::optional<LocalWorkers::View> v = local.Get({model, id->second});
     if (!v) return std::nullopt;
     const LocalWorkers::Worker& w = v->worker;

@@ -44,8 +44,12 @@ class NodeDeltas {
   // not TORN). Layouts are those of its staging (the slicer sends deltas only to unquantised
   // rollouts, whose staging and live layouts are the same). The digests of boxes it decodes are
   // recorded per model for the next version's base check (DeltaOptions::recorded).
+  // `staging_holds` (Exec::staging_holds) names incoming staging buffers (of `incoming`) that
+  // still hold a committed version: those are the base first, and the decode runs in place.
   DeltaOptions For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
-                   const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local);
+                   const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local,
+                   const std::map<std::pair<std::string, size_t>, uint64_t>& staging_holds = {},
+                   const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming = {});
 
   // CommitVersion(version) of `model` here: its pending copies become the committed ones.
   void Commit(const std::string& model, uint64_t version);

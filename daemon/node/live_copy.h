@@ -42,6 +42,11 @@ namespace wb::daemon {
 struct StagedBuffer {
   std::vector<uint8_t> host;                         // when device == nullptr
   std::shared_ptr<transport::DeviceMemory> device;  // non-null: the bytes live on this GPU (host empty)
+  // Given back to the staging pool with this tag (StagingPool::Give): set by a sync commit once the
+  // bytes are a rollout's committed version (NodeStaging::BaseTag), so that the next version takes
+  // this buffer back and decodes its deltas in place. Written only by the commit, read only when
+  // the last reference drops.
+  std::string pool_tag;
   int64_t size() const { return device ? device->size() : static_cast<int64_t>(host.size()); }
 };
 using StagedBytes = std::vector<StagedBuffer>;  // one entry per buffer, layout order

@@ -20,9 +20,13 @@ NodeStaging::NodeStaging(Options options) : options_(std::move(options)) {
   budget_ = StagingBudget::Create(options_.node_id, options_.budget_bytes);
 }
 
-std::vector<uint8_t> NodeStaging::TakeHost(int64_t size) {
+std::string NodeStaging::BaseTag(const std::string& model, const std::string& worker, size_t buffer, uint64_t version) {
+  return absl::StrCat(model, "\n", worker, "\nb", buffer, "\nv", version);
+}
+
+std::vector<uint8_t> NodeStaging::TakeHost(int64_t size, const std::string& tag, bool* tag_matched) {
   bool reused = false;
-  std::vector<uint8_t> out = pool_->Take(size, &reused);
+  std::vector<uint8_t> out = pool_->Take(size, &reused, tag, tag_matched);
   if (size > 0) options_.metrics->StagingTaken(options_.node_id, reused, static_cast<uint64_t>(size));
   return out;
 }
@@ -44,7 +48,7 @@ std::shared_ptr<NodeStaging::Bytes> NodeStaging::NewBytes(size_t n, std::vector<
   return std::shared_ptr<Bytes>(new Bytes(n), [pool, budget, charges = std::move(charges)](Bytes* b) mutable {
     std::shared_ptr<StagingPool> p = pool.lock();
     if (p) {
-      for (StagedBuffer& sb : *b) p->Give(std::move(sb.host));
+      for (StagedBuffer& sb : *b) p->Give(std::move(sb.host), std::move(sb.pool_tag));
     }
     delete b;
     charges.clear();  // released first: what the pool may keep idle is what the budget leaves

@@ -46,8 +46,12 @@ class NodeStaging {
   std::shared_ptr<Bytes> NewBytes(size_t n = 0, std::vector<std::shared_ptr<StagingBudget::Charge>> charges = {});
   // `bytes`, also holding `charge` until the memory is gone.
   static std::shared_ptr<Bytes> KeepWith(std::shared_ptr<Bytes> bytes, std::shared_ptr<StagingBudget::Charge> charge);
-  // Host staging of `size` bytes from the pool (recycled when one of that size is idle).
-  std::vector<uint8_t> TakeHost(int64_t size);
+  // Host staging of `size` bytes from the pool (recycled when one of that size is idle). With
+  // `tag`, the buffer given back with that tag first (*tag_matched: it came back).
+  std::vector<uint8_t> TakeHost(int64_t size, const std::string& tag = "", bool* tag_matched = nullptr);
+  // The pool tag of a sync rollout's committed staging buffer: buffer `buffer` of `worker` of
+  // `model` holds `version` (StagedBuffer::pool_tag).
+  static std::string BaseTag(const std::string& model, const std::string& worker, size_t buffer, uint64_t version);
   // An idle host staging buffer of `size` bytes in the pool ahead of the first version that needs
   // it (StagingPool::Prewarm), within what the node's staging budget leaves.
   void PrewarmStaging(int64_t size);

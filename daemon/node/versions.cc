@@ -157,6 +157,26 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   return absl::OkStatus();
 }
 
+void Versions::TagCommittedStaging(const Exec& exec, const LocalWorkers::LiveJob& job) const {
+  // Every piece of this staging holds the committed version (plans are complete) except pieces
+  // relays at commit copied into live weights from another rollout's staging: no op of this
+  // plan lands those here, and an op of another plan that would finds stale bytes, which its base
+  // digest refuses (full copy), never a wrong byte. Quantised rollouts' staging also holds
+  // canonical shadows: not tagged.
+  if (job.staging == nullptr) return;
+  const ModelPlan& plan = *exec.plan;
+  for (int i = 0; i < plan.slice.workers_size(); ++i) {
+    const pb::PlanWorker& w = plan.slice.workers(i);
+    if (w.node_id() == options_.node_id && w.worker_id() == job.worker && plan.quantized[i]) return;
+  }
+  for (const StagedBuffer& b : *job.staging) {
+    if (b.device != nullptr) return;
+  }
+  for (size_t j = 0; j < job.staging->size(); ++j) {
+    (*job.staging)[j].pool_tag = NodeStaging::BaseTag(job.model, job.worker, j, job.version);
+  }
+}
+
 std::vector<LocalWorkers::LiveJob> Versions::CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) {
   std::set<std::string> relayed;  // rollouts with relays at commit
   for (const auto& [wid, pieces] : exec.pieces_at_commit) relayed.insert(wid);
@@ -239,8 +259,10 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
       continue;
     }
     // Live weights hold it now and nothing reads this staging again (Apply finds nothing newer):
-    // its memory goes back to the pool for the next version instead of sitting here.
+    // its memory goes back to the pool for the next version instead of sitting here - tagged with
+    // what it holds, so that the next version takes it back and decodes its deltas in place.
     local_.MarkApplied({jobs[i].model, jobs[i].worker}, req.version(), jobs[i].staging, /*after_commit=*/true);
+    TagCommittedStaging(*exec, jobs[i]);
   }
   if (!failed.ok()) {
     // Not committed on this node: the version stays here so that a retried CommitVersion copies

@@ -106,6 +106,10 @@ struct Exec {
   std::string coordinator_instance;  // of the ExecuteVersion that started it (set under mu_ before the thread)
   std::shared_ptr<const ModelPlan> plan;
   std::map<std::string, std::shared_ptr<Bytes>> incoming;  // local rollout worker -> staging
+  // (rollout, buffer) -> the committed version its incoming staging buffer still holds: the sync
+  // commit's tagged buffer came back from the pool (NodeStaging::BaseTag), so delta ops decode in
+  // place there instead of copying the base from live weights (NodeDeltas::For).
+  std::map<std::pair<std::string, size_t>, uint64_t> staging_holds;
   std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
   std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
   int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
@@ -212,6 +216,9 @@ class Versions {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).
   std::vector<LocalWorkers::LiveJob> CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a sync commit copied `job` into live weights: tags its staging buffers with the version
+  // they hold (StagedBuffer::pool_tag) (not quantised, host memory).
+  void TagCommittedStaging(const Exec& exec, const LocalWorkers::LiveJob& job) const;
 
   // versions_run.cc
   void RunExec(std::shared_ptr<Exec> exec);

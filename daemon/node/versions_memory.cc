@@ -25,11 +25,19 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
     rollout_cuda[w.worker_id()] = local_.Cuda({exec.model_id, w.worker_id()});
   }
   std::map<std::string, std::shared_ptr<Bytes>> incoming;
+  std::map<std::pair<std::string, size_t>, uint64_t> holds;
   std::shared_ptr<Bytes> gather;
   for (int i = 0; i < plan.slice.workers_size(); ++i) {
     const pb::PlanWorker& w = plan.slice.workers(i);
     if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
     const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
+    // A sync rollout's last commit tagged its staging with the version it holds
+    // (TagCommittedStaging): asked for by that tag, the pool hands the same buffers back.
+    uint64_t held = 0;
+    if (!plan.quantized[i]) {
+      std::optional<LocalWorkers::View> lw = local_.Get({exec.model_id, w.worker_id()});
+      if (lw && lw->worker.mode == pb::MODE_SYNC) held = lw->worker.applied_version;
+    }
     std::shared_ptr<Bytes> bytes = staging_.NewBytes(0, {exec.charge});
     for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
       const int64_t size = plan.layouts[i].buffers[j].size_bytes;
@@ -58,7 +66,11 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
           bytes = NodeStaging::KeepWith(std::move(bytes), std::move(extra));
         }
       }
-      if (sb.device == nullptr) sb.host = staging_.TakeHost(size);  // recycled: see daemon/staging_pool.h
+      if (sb.device == nullptr) {
+        bool matched = false;  // recycled: see daemon/staging_pool.h
+        sb.host = staging_.TakeHost(size, held > 0 ? NodeStaging::BaseTag(exec.model_id, w.worker_id(), j, held) : "", &matched);
+        if (matched) holds[{w.worker_id(), j}] = held;
+      }
       bytes->push_back(std::move(sb));
     }
     incoming[w.worker_id()] = std::move(bytes);
@@ -69,6 +81,7 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
   }
   absl::MutexLock l(&mu_);
   exec.incoming = std::move(incoming);
+  exec.staging_holds = std::move(holds);
   exec.gather = std::move(gather);
   return absl::OkStatus();
 }

@@ -59,11 +59,11 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
        {"digest_bytes", exec.digests.bytes}, {"digest_transport_bytes", exec.digests.transport_bytes}, {"digest_codec_bytes", exec.digests.codec_bytes},
        {"digest_source_hash_s", exec.digests.source_hash_s}, {"digest_landed_hash_s", exec.digests.landed_hash_s}, {"delta_ops", exec.delta.ops_sent_delta}, {"delta_bytes", exec.delta.bytes_sent_stream},
        {"delta_replaced_bytes", exec.delta.bytes_sent_raw}, {"delta_full_bytes", exec.delta.bytes_sent_full},
-       {"delta_decoded", exec.delta.ops_decoded}, {"delta_fallbacks", exec.delta.ops_refused},
+       {"delta_decoded", exec.delta.ops_decoded}, {"delta_decoded_in_place", exec.delta.ops_decoded_in_place}, {"delta_fallbacks", exec.delta.ops_refused},
        {"delta_fallback_bytes", exec.delta.bytes_fallback}, {"delta_encode_s", exec.delta.encode_s}, {"delta_decode_s", exec.delta.decode_s},
        {"delta_cache_bytes", deltas_.bytes()}, {"delta_refusal", exec.delta.first_refusal}, {"error", s.message()}});
   metrics().Deltas(options_.node_id, deltas_.bytes(), exec.delta.bytes_sent_stream, exec.delta.bytes_sent_raw, exec.delta.bytes_sent_full,
-                   exec.delta.ops_refused);
+                   exec.delta.ops_refused, exec.delta.ops_decoded, exec.delta.ops_decoded_in_place);
   if (s.ok()) {
     const int64_t hashed = exec.digests.transport_bytes + exec.digests.codec_bytes;
     metrics().Digests(options_.node_id, static_cast<uint64_t>(exec.digests.transport_bytes), static_cast<uint64_t>(exec.digests.codec_bytes),
@@ -254,7 +254,9 @@ node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
   }
   o.bytes_done = &exec.bytes_done;
   // Lossless deltas (not for catch-ups: their slices carry no delta ops).
-  if (!exec.catch_up) o.deltas = deltas_.For(me, exec.model_id, exec.plan->slice, exec.base_versions, local_);
+  if (!exec.catch_up) {
+    o.deltas = deltas_.For(me, exec.model_id, exec.plan->slice, exec.base_versions, local_, exec.staging_holds, exec.incoming);
+  }
   return o;
 }
 
