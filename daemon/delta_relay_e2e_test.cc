@@ -46,11 +46,19 @@ class DeltaRelayTest : public ::testing::Test {
   // Else 16 KiB buckets and tensor a split over both trainers: 4 KiB fragments, alternating
   // between the replicas, each relaying to the other in its buckets (after the delta tail).
   // `across`: r2 on a third node n2 instead of next to r1 (relays across nodes).
-  void Start(pb::Mode mode, bool whole, bool across = false) {
+  // `in_place` false: sync rollouts' deltas decode against their live weights (as when a node has
+  // no staging of the last commit to take back), so a byte changed there behind the node is a base
+  // mismatch.
+  void Start(pb::Mode mode, bool whole, bool across = false, bool in_place = true) {
     mode_ = mode;
     c_.delta_fraction = kChange;
     c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [whole](ServerOptions& o) { o.bucket_bytes = whole ? 1 << 20 : 16384; });
-    for (int n = 0; n < (across ? 3 : 2); ++n) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
+    for (int n = 0; n < (across ? 3 : 2); ++n) {
+      c_.StartNode(n, nullptr, nullptr, [in_place](ServerOptions& o) {
+        o.delta_cache_bytes = 64 << 20;
+        o.delta_in_place = in_place;
+      });
+    }
     spec_ = SpecOf(inv_, mode, pb::STRATEGY_WEIGHTBRIDGE);
     if (whole) {
       t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {128, 256}, false}}));
@@ -126,14 +134,16 @@ TEST_F(DeltaRelayTest, BoxesRelayedAtTheCommitTravelAsDeltas) {
   EXPECT_GT(m3.stream - m1.stream, 0);
   EXPECT_LT((m3.stream - m1.stream) * 4, m3.replaced - m1.replaced);
   EXPECT_GE(RelayedAtCommit() - relayed0, 3 * kModelBytes);
+  EXPECT_GT(m3.decoded_in_place - m1.decoded_in_place, 0) << "sync: decoded into the staging the last commit held";
 }
 
 // The relays' source no longer matches what the sender diffed against: after version 1 a byte of
-// each replica's live copy of tensor a changes behind n1's back. Version 2's deltas into that box
-// are refused and resent in full after the buckets; the relay at the commit copies the final bytes,
-// so both replicas are exact and verified (and version 3 is deltas again, no refusal).
+// each replica's live copy of tensor a changes behind n1's back (the live copies are the bases:
+// --delta_in_place=false). Version 2's deltas into that box are refused and resent in full after
+// the buckets; the relay at the commit copies the final bytes, so both replicas are exact and
+// verified (and version 3 is deltas again, no refusal).
 TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeTheRelayReadsIt) {
-  Start(pb::MODE_SYNC, /*whole=*/true);
+  Start(pb::MODE_SYNC, /*whole=*/true, /*across=*/false, /*in_place=*/false);
   ASSERT_FALSE(HasFatalFailure());
   Version(1);
   ASSERT_FALSE(HasFatalFailure());
@@ -173,10 +183,10 @@ TEST_P(DeltaRelayModesTest, BoxesRelayedInTheirBucketsTravelAsDeltas) {
 }
 
 // Sync, relays in their buckets (pieces filled partly by relays are not left to the commit): a
-// byte of both replicas' live copies - the bases - changes behind n1's back; the refused delta is
+// byte of both replicas' live copies - the bases (--delta_in_place=false) - changes behind n1's back; the refused delta is
 // resent in full after the buckets and only then relayed: both replicas exact and verified.
 TEST_F(DeltaRelayTest, ARefusedDeltaIsResentBeforeARelayInItsBucketReadsIt) {
-  Start(pb::MODE_SYNC, /*whole=*/false);
+  Start(pb::MODE_SYNC, /*whole=*/false, /*across=*/false, /*in_place=*/false);
   ASSERT_FALSE(HasFatalFailure());
   Version(1);
   ASSERT_FALSE(HasFatalFailure());

@@ -74,6 +74,9 @@ ABSL_FLAG(uint64_t, delta_cache_bytes, 0,
 ABSL_FLAG(int, delta_threads, 0,
           "lossless deltas: encode / decode threads per version (the codec's CPU time is a delta version's time); "
           "0 = half this machine's CPUs, at least 2, at most 16");
+ABSL_FLAG(bool, delta_in_place, true,
+          "lossless deltas: a sync rollout's deltas decode in place into the staging its last commit copied into live "
+          "weights (no copy of the base); false: against the live weights into fresh staging");
 ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
 ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
@@ -295,6 +298,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.digest_in_transport = absl::GetFlag(FLAGS_digest_in_transport);
   o.delta_cache_bytes = absl::GetFlag(FLAGS_delta_cache_bytes);
   o.delta_threads = absl::GetFlag(FLAGS_delta_threads);
+  o.delta_in_place = absl::GetFlag(FLAGS_delta_in_place);
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = wb::digest::ChecksumsOn(argc, argv, o.digests, absl::GetFlag(FLAGS_checksums));
   wb::transport::TransportConfig tc;

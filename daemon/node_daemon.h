@@ -86,6 +86,10 @@ class NodeDaemon final : private node::CoordinatorAccess {
     uint64_t delta_cache_bytes = 0;
     // Delta encode / decode threads per version (node::ResolveDeltaThreads: 0 = half the CPUs, 2..16).
     int delta_threads = 0;
+    // Sync rollouts' deltas decode in place into the staging their last commit copied into live
+    // weights (tagged, taken back from the pool); false: decode against the live weights into new
+    // staging (docs/daemon.md "Deltas").
+    bool delta_in_place = true;
     // TEST ONLY: after a version's buckets, before its digests: the host memory of each local
     // region, keyed "<worker id>.b<buffer>" (and "g": the gather staging); fault tests flip a bit
     // of a rollout's staging here.

@@ -82,6 +82,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.digest_in_transport = o.digest_in_transport;
     no.delta_cache_bytes = o.delta_cache_bytes;
     no.delta_threads = o.delta_threads;
+    no.delta_in_place = o.delta_in_place;
     no.device_staging = o.device_staging;
     no.test_before_bucket = o.test_before_bucket;
     no.test_skip_heartbeat = o.test_skip_heartbeat;

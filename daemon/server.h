@@ -48,6 +48,7 @@ struct ServerOptions {
   bool digest_in_transport = true;            // NodeDaemon::Options::digest_in_transport
   uint64_t delta_cache_bytes = 0;             // NodeDaemon::Options::delta_cache_bytes
   int delta_threads = 0;                      // NodeDaemon::Options::delta_threads
+  bool delta_in_place = true;                 // NodeDaemon::Options::delta_in_place
   absl::Duration status_resend = absl::Seconds(1);  // WatchStatus safety net (Coordinator::Options)
   // Injected dependencies (main.cc picks the concrete ones).
   PlanFn make_plan;  // empty = planner::MakePlan

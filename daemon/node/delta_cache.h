@@ -4,9 +4,12 @@
 // element size): the packed bytes of that box (row-major over the box) of one version.
 //
 // Life of an entry: the executor packs the box it sends in version V and files it as PENDING for
-// V (AddPending); when the node's CommitVersion(V) arrives, V's pending entries become the
-// COMMITTED ones (replacing older versions of the same key) and pending entries of older versions
-// are dropped (superseded: they never became anyone's base); AbortVersion(V) drops V's pending
+// V (AddPending) - or, for a box it encoded straight from the source against the committed entry,
+// files the stream it sent (AddPendingStream: the cache then holds 1x the bytes); when the node's
+// CommitVersion(V) arrives, V's pending entries become the COMMITTED ones (replacing older
+// versions of the same key; a stream is queued on the entry it was made against and applied to it
+// in place by ApplyQueued or the next Committed()) and pending entries of older versions are
+// dropped (superseded: they never became anyone's base); AbortVersion(V) drops V's pending
 // entries. So a committed entry always holds bytes some destination committed, and a delta
 // against it names that version (the receiver checks version and digest before applying).
 //

@@ -163,7 +163,7 @@ void Versions::TagCommittedStaging(const Exec& exec, const LocalWorkers::LiveJob
   // plan lands those here, and an op of another plan that would finds stale bytes, which its base
   // digest refuses (full copy), never a wrong byte. Quantised rollouts' staging also holds
   // canonical shadows: not tagged.
-  if (job.staging == nullptr) return;
+  if (job.staging == nullptr || !options_.delta_in_place) return;
   const ModelPlan& plan = *exec.plan;
   for (int i = 0; i < plan.slice.workers_size(); ++i) {
     const pb::PlanWorker& w = plan.slice.workers(i);

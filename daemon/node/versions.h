@@ -167,6 +167,7 @@ class Versions {
     bool digest_in_transport = true;  // NodeDaemon::Options::digest_in_transport
     uint64_t delta_cache_bytes = 0;  // NodeDaemon::Options::delta_cache_bytes (daemon/node/delta_node.h)
     int delta_threads = 2;           // encode / decode threads per version
+    bool delta_in_place = true;      // NodeDaemon::Options::delta_in_place
     // TEST ONLY hooks: see NodeDaemon::Options.
     std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>
         test_after_buckets;

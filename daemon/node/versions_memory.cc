@@ -34,7 +34,7 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
     // A sync rollout's last commit tagged its staging with the version it holds
     // (TagCommittedStaging): asked for by that tag, the pool hands the same buffers back.
     uint64_t held = 0;
-    if (!plan.quantized[i]) {
+    if (!plan.quantized[i] && options_.delta_in_place) {
       std::optional<LocalWorkers::View> lw = local_.Get({exec.model_id, w.worker_id()});
       if (lw && lw->worker.mode == pb::MODE_SYNC) held = lw->worker.applied_version;
     }

@@ -64,5 +64,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const wb::delta::Digest got = wb::delta::DigestOf(out, es);
     if (got.lo != GetU64(stream.data() + 56) || got.hi != GetU64(stream.data() + 64)) __builtin_trap();
   }
+  // In place (the receiver's sync path): the same verdict, and when OK the same bytes; a refusal
+  // before the first write leaves the base as it was.
+  std::vector<uint8_t> in_place = base;
+  absl::Status si = wb::delta::DecodeInPlace(stream, 1, b.digest, absl::MakeSpan(in_place), "fuzz");
+  if (si.ok() != s.ok()) __builtin_trap();
+  if (si.ok() && in_place != out) __builtin_trap();
+  if (absl::IsFailedPrecondition(si) || absl::IsInvalidArgument(si)) {
+    if (in_place != base) __builtin_trap();
+  }
   return 0;
 }
