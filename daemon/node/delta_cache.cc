@@ -151,58 +151,49 @@ void DeltaCache::EvictLocked(const DeltaKey& key) {
 
 bool DeltaCache::AddPending(const DeltaKey& key, uint64_t version, UninitVector<uint8_t> bytes,
                             std::optional<delta::Digest> digest, bool packs) {
+  std::shared_ptr<const DeltaEntry> e = NewEntry(DeltaEntry{version, std::move(bytes), digest, {}, 0, packs});
   absl::MutexLock l(&mu_);
-  const uint64_t size = bytes.size();
-  auto& pv = pending_[version];
-  if (auto old = pv.find(key); old != pv.end()) {
-    pending_bytes_ -= PendingBytes(*old->second);
-    pv.erase(old);
-  }
-  // First the key's own committed copy: the encoder has just read it for this version, and once
-  // this version commits it is replaced anyway (a cache of 1x the bytes then keeps every key).
-  if (committed_bytes_ + pending_bytes_ + size > capacity_ && committed_.count(key) > 0) {
-    EvictLocked(key);
-    ++evictions_;
-  }
-  while (committed_bytes_ + pending_bytes_ + size > capacity_ && !lru_.empty()) {
-    EvictLocked(lru_.back());
-    ++evictions_;
-  }
-  if (committed_bytes_ + pending_bytes_ + size > capacity_) {
-    ++refused_;
-    if (pv.empty()) pending_.erase(version);
-    return false;
-  }
-  pv[key] = NewEntry(DeltaEntry{version, std::move(bytes), digest, {}, 0, packs});
-  pending_bytes_ += size;
-  return true;
+  return FilePendingLocked(key, version, std::move(e), /*may_evict_own=*/true);
 }
 
 bool DeltaCache::AddPendingStream(const DeltaKey& key, uint64_t version, uint64_t base_version, std::vector<uint8_t> stream,
                                   const delta::Digest& target_digest) {
+  std::shared_ptr<const DeltaEntry> e = NewEntry(DeltaEntry{version, {}, target_digest, std::move(stream), base_version, false});
   absl::MutexLock l(&mu_);
-  const uint64_t size = stream.size();
+  return FilePendingLocked(key, version, std::move(e), /*may_evict_own=*/false);
+}
+
+bool DeltaCache::FilePendingLocked(const DeltaKey& key, uint64_t version, std::shared_ptr<const DeltaEntry> entry,
+                                   bool may_evict_own) {
+  const uint64_t size = PendingBytes(*entry);
   auto& pv = pending_[version];
   if (auto old = pv.find(key); old != pv.end()) {
     pending_bytes_ -= PendingBytes(*old->second);
     pv.erase(old);
   }
-  // Least recently used first, never the key's own committed entry: it is this stream's base.
-  auto victim = lru_.end();
-  while (committed_bytes_ + pending_bytes_ + size > capacity_ && victim != lru_.begin()) {
+  auto over = [&] { return committed_bytes_ + pending_bytes_ + size > capacity_; };
+  // A full copy evicts the key's own committed copy first: the encoder has just read it for this
+  // version, and once this version commits it is replaced anyway (a cache of 1x the bytes then
+  // keeps every key). A stream never evicts it: it is the stream's base.
+  if (may_evict_own && over() && committed_.count(key) > 0) {
+    EvictLocked(key);
+    ++evictions_;
+  }
+  // Then least recently used first.
+  for (auto victim = lru_.end(); over() && victim != lru_.begin();) {
     --victim;
-    if (*victim == key) continue;
+    if (*victim == key) continue;  // (only left when a stream's base)
     const DeltaKey k = *victim;
-    victim = std::next(victim);  // EvictLocked erases the element the iterator names
+    victim = std::next(victim);  // EvictLocked erases the element `victim` named
     EvictLocked(k);
     ++evictions_;
   }
-  if (committed_bytes_ + pending_bytes_ + size > capacity_) {
+  if (over()) {
     ++refused_;
     if (pv.empty()) pending_.erase(version);
     return false;
   }
-  pv[key] = NewEntry(DeltaEntry{version, {}, target_digest, std::move(stream), base_version, false});
+  pv[key] = std::move(entry);
   pending_bytes_ += size;
   return true;
 }

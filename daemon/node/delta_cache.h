@@ -152,6 +152,10 @@ class DeltaCache {
     uint64_t size = 0;  // entry->bytes.size() (an in-place apply moves them out meanwhile)
   };
   void EvictLocked(const DeltaKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AddPending / AddPendingStream: files `entry` as `key`'s pending entry of `version` within the
+  // capacity, evicting the key's own committed entry first only when `may_evict_own`.
+  bool FilePendingLocked(const DeltaKey& key, uint64_t version, std::shared_ptr<const DeltaEntry> entry, bool may_evict_own)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static uint64_t SlotBytes(const Slot& slot);
   // Applies `key`'s queued streams (the caller saw some and no other thread applying); returns the
   // resulting entry, or null when the key was evicted meanwhile or an apply failed. Takes mu_.
