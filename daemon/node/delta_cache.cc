@@ -61,6 +61,13 @@ UninitVector<uint8_t> DeltaCache::Buffer(size_t size) {
 std::shared_ptr<const DeltaEntry> DeltaCache::Committed(const DeltaKey& key, uint64_t version) {
   {
     absl::MutexLock l(&mu_);
+    // Another thread applies this key's queued streams (the background applier right after a
+    // commit): wait for it - CPU work bounded by the box's size - rather than send the box full.
+    auto idle = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto at = committed_.find(key);
+      return at == committed_.end() || !at->second.applying;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&idle), kApplyWait);
     auto it = committed_.find(key);
     if (it == committed_.end() || it->second.applying) return nullptr;
     Slot& slot = it->second;

@@ -36,6 +36,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "base/default_init_allocator.h"
 #include "daemon/delta/codec.h"
 #include "planner/types.h"
@@ -82,9 +83,11 @@ class DeltaCache {
   bool enabled() const { return capacity_ > 0; }
 
   // The committed entry of `key` when it holds `version`; null otherwise (none, evicted, another
-  // version, or another thread is applying its queued streams right now). Applies queued streams
-  // first on the caller's thread when ApplyQueued has not yet. Marks it recently used.
+  // version). Applies queued streams first on the caller's thread when ApplyQueued has not yet;
+  // waits (at most kApplyWait, then null) while another thread applies them. Marks it recently
+  // used.
   std::shared_ptr<const DeltaEntry> Committed(const DeltaKey& key, uint64_t version);
+  static constexpr absl::Duration kApplyWait = absl::Seconds(10);
 
   // `size` bytes to pack a box into (contents unspecified): a recycled buffer of that size when
   // one is free, else a new one.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <thread>
 
 namespace wb::daemon::node {
 namespace {
@@ -179,8 +180,8 @@ UninitVector<uint8_t> Version(uint64_t v, size_t n = 32768) {
   return b;
 }
 
-std::vector<uint8_t> StreamOf(uint64_t from, uint64_t to, delta::Digest* target_digest) {
-  const UninitVector<uint8_t> a = Version(from), b = Version(to);
+std::vector<uint8_t> StreamOf(uint64_t from, uint64_t to, delta::Digest* target_digest, size_t n = 32768) {
+  const UninitVector<uint8_t> a = Version(from, n), b = Version(to, n);
   delta::EncodeOptions o;
   o.elem_size = 2;
   auto s = delta::Encode({from, absl::MakeConstSpan(a.data(), a.size())}, {to, absl::MakeConstSpan(b.data(), b.size())}, o);
@@ -190,8 +191,8 @@ std::vector<uint8_t> StreamOf(uint64_t from, uint64_t to, delta::Digest* target_
 }
 
 // Commits version 1 of Key(0) as a full copy with its digest (as EncodeOp files it).
-void CommitFirst(DeltaCache& c) {
-  UninitVector<uint8_t> v1 = Version(1);
+void CommitFirst(DeltaCache& c, size_t n = 32768) {
+  UninitVector<uint8_t> v1 = Version(1, n);
   const delta::Digest d = delta::DigestOf(absl::MakeConstSpan(v1.data(), v1.size()), 2);
   ASSERT_TRUE(c.AddPending(Key(0), 1, std::move(v1), d, /*packs=*/false));
   c.Commit(1);
@@ -244,6 +245,25 @@ TEST(DeltaCacheStreamTest, TheNextEncodeAppliesQueuedStreamsItself) {
   EXPECT_EQ(*e->digest, d3);
   EXPECT_EQ(c.stats().applied_streams, 2u);
   EXPECT_EQ(c.stats().committed_bytes, Version(3).size());
+}
+
+// The background applier and the next encode race for a key: whichever runs the apply, the
+// other gets version 2 (the encode waits for a running apply instead of sending the box full).
+TEST(DeltaCacheStreamTest, AnEncodeWaitsForARunningApplyInsteadOfGoingFull) {
+  constexpr size_t kN = size_t{1} << 22;  // 8 MB: the apply takes long enough to be caught running
+  for (int round = 0; round < 5; ++round) {
+    DeltaCache c(64 << 20);
+    CommitFirst(c, kN);
+    delta::Digest d2;
+    ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, StreamOf(1, 2, &d2, kN), d2));
+    c.Commit(2);
+    std::thread applier([&c] { c.ApplyQueued(); });
+    auto e = c.Committed(Key(0), 2);
+    applier.join();
+    ASSERT_NE(e, nullptr) << "round " << round;
+    EXPECT_EQ(e->bytes, Version(2, kN));
+    EXPECT_EQ(c.stats().applied_streams, 1u);
+  }
 }
 
 TEST(DeltaCacheStreamTest, AnEntryAnEncoderStillReadsIsCopiedNotChanged) {
