@@ -15,6 +15,10 @@ std::string DeltaKey::ToString() const {
   return absl::StrCat("tensor ", tensor, " box [", absl::StrJoin(dims, ", "), "]");
 }
 
+namespace {
+constexpr size_t kMinPooledStream = 64 * 1024;
+}  // namespace
+
 DeltaCache::DeltaCache(uint64_t capacity_bytes) : pool_(std::make_shared<Pool>()), capacity_(capacity_bytes) {
   pool_->limit = capacity_bytes;
 }
@@ -25,13 +29,38 @@ std::shared_ptr<const DeltaEntry> DeltaCache::NewEntry(DeltaEntry entry) const {
   return std::shared_ptr<const DeltaEntry>(e, [pool](const DeltaEntry* d) {
     std::unique_ptr<DeltaEntry> owned(const_cast<DeltaEntry*>(d));
     std::shared_ptr<Pool> p = pool.lock();
-    if (p == nullptr || owned->bytes.empty()) return;
+    if (p == nullptr) return;
     absl::MutexLock l(&p->mu);
-    if (p->bytes + owned->bytes.size() > p->limit) return;
-    p->bytes += owned->bytes.size();
-    const size_t size = owned->bytes.size();
-    p->free.emplace(size, std::move(owned->bytes));
+    if (!owned->bytes.empty() && p->bytes + owned->bytes.size() <= p->limit) {
+      p->bytes += owned->bytes.size();
+      const size_t size = owned->bytes.size();
+      p->free.emplace(size, std::move(owned->bytes));
+    }
+    // Streams below the allocator's mmap threshold come back warm from malloc anyway.
+    const size_t cap = owned->stream.capacity();
+    if (cap >= kMinPooledStream && p->bytes + cap <= p->limit) {
+      p->bytes += cap;
+      owned->stream.clear();
+      p->free_streams.emplace(cap, std::move(owned->stream));
+    }
   });
+}
+
+std::vector<uint8_t> DeltaCache::StreamBuffer(size_t size) {
+  if (size >= kMinPooledStream) {
+    absl::MutexLock l(&pool_->mu);
+    // The smallest free one that holds it, unless it is much bigger (a small stream would pin it).
+    auto it = pool_->free_streams.lower_bound(size);
+    if (it != pool_->free_streams.end() && it->first <= 2 * size) {
+      std::vector<uint8_t> out = std::move(it->second);
+      pool_->bytes -= it->first;
+      pool_->free_streams.erase(it);
+      return out;
+    }
+  }
+  std::vector<uint8_t> out;
+  out.reserve(size);
+  return out;
 }
 
 namespace {

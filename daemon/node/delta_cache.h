@@ -93,6 +93,12 @@ class DeltaCache {
   // one is free, else a new one.
   UninitVector<uint8_t> Buffer(size_t size);
 
+  // A buffer to file a stream of `size` bytes in (AddPendingStream): empty, with capacity >= size -
+  // one an applied or dropped stream left when there is one of about that size (its pages are
+  // faulted in already: a fresh one per box and version cost the sender a first touch of every
+  // stream byte on the critical path), else a new one.
+  std::vector<uint8_t> StreamBuffer(size_t size);
+
   // Files `bytes` as `key`'s pending entry of `version` (replacing one already there). False when
   // it does not fit in the capacity even after evicting every committed entry. `packs`: see
   // DeltaEntry::packs.
@@ -167,6 +173,7 @@ class DeltaCache {
   struct Pool {
     absl::Mutex mu;
     std::multimap<size_t, UninitVector<uint8_t>> free ABSL_GUARDED_BY(mu);
+    std::multimap<size_t, std::vector<uint8_t>> free_streams ABSL_GUARDED_BY(mu);  // by capacity
     uint64_t bytes ABSL_GUARDED_BY(mu) = 0;
     uint64_t limit = 0;
   };

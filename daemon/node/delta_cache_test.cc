@@ -229,6 +229,45 @@ TEST(DeltaCacheStreamTest, ACommittedStreamIsAppliedInPlaceInTheBackground) {
   EXPECT_EQ(st.pending_bytes, 0u);
 }
 
+// The next version's streams go into the buffers the applied ones leave (their pages are faulted
+// in already): none is allocated afresh per box and version.
+TEST(DeltaCacheStreamTest, TheBufferOfAnAppliedStreamIsReusedForTheNextStream) {
+  DeltaCache c(4 << 20);
+  CommitFirst(c);
+  delta::Digest d2;
+  const std::vector<uint8_t> bytes = StreamOf(1, 2, &d2);
+  std::vector<uint8_t> s12;
+  s12.reserve(256 << 10);  // above the size the pool keeps (streams this small come warm from malloc)
+  s12.assign(bytes.begin(), bytes.end());
+  const uint8_t* buffer = s12.data();
+  ASSERT_TRUE(c.AddPendingStream(Key(0), 2, 1, std::move(s12), d2));
+  EXPECT_EQ(c.StreamBuffer(200 << 10).capacity() >= (200u << 10), true) << "none free yet: a new one";
+  c.Commit(2);
+  ASSERT_EQ(c.ApplyQueued(), 1);
+  EXPECT_EQ(c.stats().free_bytes, 256u << 10) << "the applied stream's buffer is kept";
+  std::vector<uint8_t> again = c.StreamBuffer(200 << 10);
+  EXPECT_EQ(again.data(), buffer) << "the applied stream's buffer";
+  EXPECT_TRUE(again.empty());
+  EXPECT_GE(again.capacity(), 200u << 10);
+  EXPECT_EQ(c.stats().free_bytes, 0u);
+  std::vector<uint8_t> small = c.StreamBuffer(1000);
+  EXPECT_GE(small.capacity(), 1000u);
+  // A much smaller stream does not pin a big buffer.
+  std::vector<uint8_t> big;
+  big.reserve(1 << 20);
+  const uint8_t* big_at = big.data();
+  {
+    DeltaCache d(4 << 20);
+    CommitFirst(d);
+    big.assign(bytes.begin(), bytes.end());
+    ASSERT_TRUE(d.AddPendingStream(Key(0), 2, 1, std::move(big), d2));
+    d.Commit(2);
+    ASSERT_EQ(d.ApplyQueued(), 1);
+    EXPECT_NE(d.StreamBuffer(100 << 10).data(), big_at) << "1 MiB is too big for a 100 KiB stream";
+    EXPECT_EQ(d.StreamBuffer(600 << 10).data(), big_at);
+  }
+}
+
 TEST(DeltaCacheStreamTest, TheNextEncodeAppliesQueuedStreamsItself) {
   DeltaCache c(1 << 20);
   CommitFirst(c);

@@ -148,8 +148,12 @@ uint64_t EncodeOp(const RouteOp& op, const uint8_t* src, int64_t src_size, uint6
             delta::EncodeInto({base_version, base->bytes}, {version, absl::MakeConstSpan(contiguous, static_cast<size_t>(raw))}, eo, out,
                               nullptr, &td);
         base.reset();  // the cache may apply to it in place once no encoder holds it
-        if (n.ok() && static_cast<int64_t>(*n) < raw &&
-            cache.AddPendingStream(KeyOf(op), version, base_version, std::vector<uint8_t>(out.data(), out.data() + *n), td)) {
+        std::vector<uint8_t> stream;
+        if (n.ok() && static_cast<int64_t>(*n) < raw) {
+          stream = cache.StreamBuffer(*n);
+          stream.assign(out.data(), out.data() + *n);
+        }
+        if (!stream.empty() && cache.AddPendingStream(KeyOf(op), version, base_version, std::move(stream), td)) {
           if (unit_hashes != nullptr) *unit_hashes = std::move(units);
           return *n;
         }
