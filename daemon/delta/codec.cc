@@ -209,7 +209,24 @@ void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeS
   const uint8_t* a = base;
   const uint8_t* b = target;
   ChunkScan<T> scan;
-  ScanChunk(a, b, n, scratch->masks.data(), &scan, portable);
+  if (scratch->vals.size() < n * kEs + 64) scratch->vals.resize(n * kEs + 64);
+  // 2-byte elements on AVX-512: one fused pass gives the scan, the index gaps (written in place,
+  // within the chunk's raw bytes the output reserves: n >= 64) and the 1-byte values, which is
+  // the width nearly every bf16 chunk takes; a chunk that wants 2-byte values walks again below.
+  bool walked = false;
+  uint64_t gap_bytes = 0;
+  if constexpr (kEs == 2) {
+    internal::Walk16 walk;
+    scratch->excs.clear();
+    if (!portable && n >= 64 &&
+        internal::ScanAndWalk16(a, b, n, scratch->masks.data(), payload, scratch->vals.data(), &scratch->excs, &walk, pf)) {
+      walked = true;
+      scan.changed = walk.changed;
+      scan.over[1] = walk.over1;
+      gap_bytes = walk.gap_bytes;
+    }
+  }
+  if (!walked) ScanChunk(a, b, n, scratch->masks.data(), &scan, portable);
   stats->changed_elements += scan.changed;
 
   const uint64_t raw = n * kEs;
@@ -222,9 +239,8 @@ void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeS
   // percent of elements changed.
   const bool try_index = scan.changed < (n + 7) / 8;
   const uint64_t* masks = scratch->masks.data();
-  uint64_t gap_bytes = 0;
-  if (try_index) {
-    if (scratch->vals.size() < n * kEs + 8) scratch->vals.resize(n * kEs + 8);
+  if (walked && sparse_w != 1) walked = false;  // the fused pass wrote 1-byte values
+  if (try_index && !walked) {
     gap_bytes = PutGapsAndValues<T>(a, b, n, masks, sparse_w, payload, scratch->vals.data(), scratch, pf);
   }
   const uint64_t index = try_index ? gap_bytes + sparse_vals : raw + 1;
@@ -252,7 +268,7 @@ void EncodeChunk(const uint8_t* base, const uint8_t* target, uint64_t n, EncodeS
     kind = ChunkKind::kIndex;
     q += gap_bytes;  // written above
   }
-  if (try_index) {
+  if (try_index || walked) {
     const size_t value_bytes = scan.changed * sparse_w;
     std::memcpy(q, scratch->vals.data(), value_bytes);
     q += value_bytes;

@@ -346,6 +346,61 @@ TEST(DeltaCodec, VectorAndPortableScansMakeTheSameStream) {
   }
 }
 
+// The fused AVX-512 pass (scan + gaps + 1-byte values in one, where the CPU has it) against the
+// portable loop: gaps of every LEB128 length (changes 1e-5 apart need 3 bytes), runs of adjacent
+// changes, values needing their high byte at every position of a step, steps without changes,
+// chunks of 64..100 elements and tails cut mid step, chunks that end up bitmap, index, dense or
+// raw; then each stream decodes back to the target.
+TEST(DeltaCodec, FusedWalkAndPortableLoopMakeTheSameStream) {
+  struct Case {
+    size_t count;
+    uint32_t chunk;
+    double share;
+    int max_step;
+  };
+  const std::vector<Case> cases = {
+      {3 * 32768 + 77, 32768, 1e-5, 50},  // gaps > 2^14: 3-byte LEB128
+      {3 * 32768 + 77, 32768, 3e-4, 50},  // gaps > 2^7: 2 bytes
+      {100000, 32768, 0.04, 100},         // bf16 at lr 1e-6: index
+      {100000, 32768, 0.04, 400},         // with exceptions
+      {100000, 32768, 0.25, 100},         // bitmap
+      {100000, 4096, 0.7, 300},           // dense / exceptions galore
+      {64 * 50 + 33, 64, 0.1, 1000},      // 64-element chunks, tail of 33
+      {192 * 40 + 100, 192, 0.5, 200},    // 192-element chunks, tail of 100: cut mid step
+      {128 * 7 + 70, 128, 0.02, 5},
+      {4096 * 4, 4096, 1.0, 2},           // every element changed
+  };
+  int seed = 0;
+  for (const Case& c : cases) {
+    for (bool random : {false, true}) {
+      const Pair p = MakePair(c.count, 2, c.share, c.max_step, 100 + ++seed, random);
+      Pair q = p;
+      if (!random) {  // plus runs of adjacent changes
+        for (size_t i = 0; i + 40 < c.count; i += 997) {
+          for (size_t j = i; j < i + 40; ++j) q.target[2 * j] ^= static_cast<uint8_t>(1 + (j & 3));
+        }
+      }
+      for (const Pair* x : {&p, static_cast<const Pair*>(&q)}) {
+        EncodeOptions o;
+        o.elem_size = 2;
+        o.chunk_elems = c.chunk;
+        EncodeStats sv, sp;
+        auto vec = Encode({4, x->base}, {5, x->target}, o, &sv);
+        o.portable_scan = true;
+        auto port = Encode({4, x->base}, {5, x->target}, o, &sp);
+        ASSERT_TRUE(vec.ok() && port.ok());
+        ASSERT_EQ(*vec, *port) << "count " << c.count << " chunk " << c.chunk << " share " << c.share << " random " << random;
+        EXPECT_EQ(sv.changed_elements, sp.changed_elements);
+        EXPECT_EQ(sv.exceptions, sp.exceptions);
+        for (int k = 0; k < 5; ++k) EXPECT_EQ(sv.chunks[k], sp.chunks[k]);
+        Bytes out(x->target.size());
+        ASSERT_TRUE(Decode(*vec, {4, x->base}, absl::MakeSpan(out)).ok());
+        EXPECT_EQ(out, x->target);
+      }
+    }
+  }
+}
+
 // The sender's fused pass: the same stream as packing first, the target written out whole, its
 // digest returned; a recorded base digest gives the same stream without hashing the base; a wrong
 // one is refused by the receiver, never decoded into wrong bytes.

@@ -50,9 +50,106 @@ bool HasAvx2() {
   return has;
 }
 
+bool HasAvx512Vbmi2() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2") &&
+                          __builtin_cpu_supports("popcnt");
+  return has;
+}
+
+#define WB_AVX512_WALK __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
+
+// One LEB128 value (< 2^28) at p; returns its length. The same bytes as the codec's PutVarint.
+WB_AVX512_WALK inline int PutGap(uint8_t* p, uint64_t v) {
+  int n = 0;
+  while (v >= 0x80) {
+    p[n++] = static_cast<uint8_t>(v | 0x80);
+    v >>= 7;
+  }
+  p[n++] = static_cast<uint8_t>(v);
+  return n;
+}
+
+// Per step of 32 elements (a cache line of base and of target): difference, zigzag, the nonzero
+// lanes as a mask; the changed lanes' zigzag values compressed to the front and narrowed to bytes
+// (their values); their lane numbers compressed the same way, each minus the one before it, minus
+// 1 (their gaps inside the step, all < 32: one LEB128 byte each). Only the step's first gap, from
+// the last change of an earlier step, may need more bytes: it is written by PutGap over the one
+// byte the vector store left for it (the store goes first, at the offset that lines its second
+// gap up behind the first). A step without changes writes garbage that the next one overwrites.
+WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps,
+                                        uint8_t* vals, std::vector<std::pair<uint32_t, uint64_t>>* excs, Walk16* out,
+                                        ChunkPrefetch* pf) {
+  const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12,
+                                        11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // Lane j takes lane j - 1 (lane 0 itself): the previous change's lane number.
+  const __m512i before = _mm512_set_epi16(30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11,
+                                          10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0);
+  const __m512i one = _mm512_set1_epi16(1);
+  const __m512i byte_max = _mm512_set1_epi16(0xFF);
+  uint8_t* g = gaps;
+  uint8_t* v = vals;
+  int64_t prev = -1;
+  uint64_t changed = 0, over1 = 0;
+  for (uint64_t off = 0; off < n; off += 32) {
+    const uint64_t left = n - off;
+    const __mmask32 live = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << left) - 1);
+    if (pf != nullptr && (off & 63) == 0) pf->To((off + 64) * 2);
+    const __m512i va = _mm512_maskz_loadu_epi16(live, a + 2 * off);
+    const __m512i vb = _mm512_maskz_loadu_epi16(live, b + 2 * off);
+    const __m512i d = _mm512_sub_epi16(vb, va);
+    const __m512i z = _mm512_xor_si512(_mm512_slli_epi16(d, 1), _mm512_srai_epi16(d, 15));
+    const __mmask32 k = _mm512_test_epi16_mask(z, z);
+    if ((off & 63) == 0) {
+      masks[off / 64] = k;
+    } else {
+      masks[off / 64] |= static_cast<uint64_t>(k) << 32;
+    }
+    const uint32_t kk = static_cast<uint32_t>(k);
+    const int cnt = std::popcount(kk);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v), _mm512_cvtepi16_epi8(_mm512_maskz_compress_epi16(k, z)));
+    const __m512i lanes = _mm512_maskz_compress_epi16(k, iota);
+    const __m512i in_gaps = _mm512_sub_epi16(_mm512_sub_epi16(lanes, _mm512_permutexvar_epi16(before, lanes)), one);
+    const int64_t first = static_cast<int64_t>(off) + std::countr_zero(kk);  // off + 32 without changes
+    const uint64_t gap0 = static_cast<uint64_t>(first - prev - 1);
+    const int len0 = gap0 < (1u << 7) ? 1 : gap0 < (1u << 14) ? 2 : gap0 < (1u << 21) ? 3 : 4;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + len0 - 1), _mm512_cvtepi16_epi8(in_gaps));
+    PutGap(g, gap0);
+    const __mmask32 big = _mm512_mask_cmpgt_epu16_mask(k, z, byte_max);
+    if (big != 0) {  // rare: values that need their high byte (exceptions), in ordinal order
+      alignas(64) uint16_t zs[32];
+      _mm512_store_si512(zs, z);
+      for (uint32_t m = static_cast<uint32_t>(big); m != 0; m &= m - 1) {
+        const int lane = std::countr_zero(m);
+        const uint32_t ordinal = static_cast<uint32_t>(changed) + std::popcount(kk & ((uint32_t{1} << lane) - 1));
+        excs->emplace_back(ordinal, zs[lane]);
+      }
+      over1 += static_cast<uint64_t>(std::popcount(static_cast<uint32_t>(big)));
+    }
+    g += cnt != 0 ? len0 + cnt - 1 : 0;
+    v += cnt;
+    prev = cnt != 0 ? static_cast<int64_t>(off) + 31 - std::countl_zero(kk) : prev;
+    changed += static_cast<uint64_t>(cnt);
+  }
+  out->changed = changed;
+  out->over1 = over1;
+  out->gap_bytes = static_cast<uint64_t>(g - gaps);
+}
+
 #endif
 
 }  // namespace
+
+bool ScanAndWalk16(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps, uint8_t* vals,
+                   std::vector<std::pair<uint32_t, uint64_t>>* excs, Walk16* out, ChunkPrefetch* pf) {
+#if defined(__x86_64__)
+  if (HasAvx512Vbmi2()) {
+    ScanAndWalk16Avx512(a, b, n, masks, gaps, vals, excs, out, pf);
+    return true;
+  }
+#endif
+  return false;
+}
 
 bool ScanChunk16Vector(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, ChunkScan<uint16_t>* s) {
 #if defined(__x86_64__)

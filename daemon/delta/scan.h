@@ -10,6 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "daemon/delta/codec_parts.h"
 
 namespace wb::delta::internal {
 
@@ -61,6 +65,26 @@ void ScanChunkPortable(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t*
 
 // The 2-byte scan on AVX2 (scan.cc); false, having done nothing, where the CPU lacks AVX2.
 bool ScanChunk16Vector(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, ChunkScan<uint16_t>* s);
+
+// What the fused 2-byte pass (ScanAndWalk16) found in a chunk.
+struct Walk16 {
+  uint64_t changed = 0;    // elements whose bits differ (= values written, one byte each)
+  uint64_t over1 = 0;      // changed elements whose zigzag value needs 2 bytes (the exceptions)
+  uint64_t gap_bytes = 0;  // LEB128 index gaps written
+};
+
+// The 2-byte scan fused with the walk over the changed elements, on AVX-512 (VBMI2 compress), 32
+// elements per step from registers: one pass that gives what ScanChunk and then a walk with 1-byte
+// values give - the change bitmap (`masks`), the changed elements' LEB128 index gaps in order
+// (`gaps`), the low byte of each one's zigzag difference (`vals`) and (ordinal, zigzag value) of
+// each one that needs 2 bytes (`excs`, appended in ordinal order). Branch-free per step except for
+// the rare exception: a chunk's changed elements cost no per-element loop (at a few percent
+// changed that loop was most of the encoder's time). Writes up to 36 bytes past the gaps and 32
+// past the values it reports (the caller's slack; at most n + 3 * ceil(n / 32) gap bytes). `pf`
+// (optional) is advanced as the pass goes. False, having done nothing, where the CPU lacks
+// AVX-512 BW / VBMI2.
+bool ScanAndWalk16(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps, uint8_t* vals,
+                   std::vector<std::pair<uint32_t, uint64_t>>* excs, Walk16* out, ChunkPrefetch* pf);
 
 // The vector scan where there is one (unless `portable`: tests compare both), else the portable loop.
 template <typename T>
