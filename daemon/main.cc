@@ -77,6 +77,9 @@ ABSL_FLAG(int, delta_threads, 0,
 ABSL_FLAG(bool, delta_in_place, true,
           "lossless deltas: a sync rollout's deltas decode in place into the staging its last commit copied into live "
           "weights (no copy of the base); false: against the live weights into fresh staging");
+ABSL_FLAG(int, delta_apply_delay_ms, 200,
+          "lossless deltas: after a commit, the sending node applies the streams it sent to its cached copies this many "
+          "ms later, in the background (not while other nodes still copy the version into live weights); 0 = at once");
 ABSL_FLAG(double, intra_node_GBps, 370.0, "planner: GPU<->GPU copy bandwidth inside a node, per GPU");
 ABSL_FLAG(double, nic_GBps, 50.0, "planner: network bandwidth per GPU per direction");
 ABSL_FLAG(bool, colocated, false, "planner: trainer and rollout workers with the same (node, gpu) share memory");
@@ -146,6 +149,9 @@ absl::Status CheckNumericFlags() {
   }
   if (absl::GetFlag(FLAGS_tcp_chunk_bytes) < 4096 || absl::GetFlag(FLAGS_tcp_chunk_bytes) > (int64_t{1} << 30)) {
     return absl::InvalidArgumentError(absl::StrCat("--tcp_chunk_bytes must be in [4096, 2^30], not ", absl::GetFlag(FLAGS_tcp_chunk_bytes)));
+  }
+  if (const int t = absl::GetFlag(FLAGS_delta_apply_delay_ms); t < 0 || t > 60000) {
+    return absl::InvalidArgumentError(absl::StrCat("--delta_apply_delay_ms must be in [0, 60000], not ", t));
   }
   if (const int t = absl::GetFlag(FLAGS_delta_threads); t < 0 || t > 256) {
     return absl::InvalidArgumentError(absl::StrCat("--delta_threads must be in [0, 256] (0 = half the CPUs), not ", t));
@@ -299,6 +305,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.delta_cache_bytes = absl::GetFlag(FLAGS_delta_cache_bytes);
   o.delta_threads = absl::GetFlag(FLAGS_delta_threads);
   o.delta_in_place = absl::GetFlag(FLAGS_delta_in_place);
+  o.delta_apply_delay = absl::Milliseconds(absl::GetFlag(FLAGS_delta_apply_delay_ms));
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = wb::digest::ChecksumsOn(argc, argv, o.digests, absl::GetFlag(FLAGS_checksums));
   wb::transport::TransportConfig tc;

@@ -48,6 +48,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
   vo.delta_cache_bytes = o.delta_cache_bytes;
   vo.delta_threads = node::ResolveDeltaThreads(o.delta_threads, std::thread::hardware_concurrency());
   vo.delta_in_place = o.delta_in_place;
+  vo.delta_apply_delay = o.delta_apply_delay;
   vo.test_after_buckets = o.test_after_buckets;
   vo.test_before_bucket = o.test_before_bucket;
   vo.exchange_regions = [peers](const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,

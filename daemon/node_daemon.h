@@ -90,6 +90,9 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // weights (tagged, taken back from the pool); false: decode against the live weights into new
     // staging (docs/daemon.md "Deltas").
     bool delta_in_place = true;
+    // After a commit, the sender's background applier waits this long before it applies the sent
+    // streams to its cached copies (node::NodeDeltas: not while the other nodes still commit).
+    absl::Duration delta_apply_delay = absl::Milliseconds(200);
     // TEST ONLY: after a version's buckets, before its digests: the host memory of each local
     // region, keyed "<worker id>.b<buffer>" (and "g": the gather staging); fault tests flip a bit
     // of a rollout's staging here.

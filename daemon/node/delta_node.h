@@ -15,6 +15,8 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "base/clock.h"
 #include "daemon/node/delta_cache.h"
 #include "daemon/node/delta_exchange.h"
 #include "daemon/node/local_workers.h"
@@ -33,7 +35,10 @@ class NodeDeltas {
  public:
   // `cache_bytes`: --delta_cache_bytes (per model; 0 = this node sends no deltas; it still
   // decodes the deltas others send it).
-  NodeDeltas(uint64_t cache_bytes, int threads) : cache_bytes_(cache_bytes), threads_(threads) {}
+  // `apply_delay` (--delta_apply_delay_ms): how long after a commit the background applier waits
+  // before it applies the committed streams to the cached copies (see Commit), on `clock`.
+  NodeDeltas(uint64_t cache_bytes, int threads, Clock* clock = Clock::Real(), absl::Duration apply_delay = absl::ZeroDuration())
+      : cache_bytes_(cache_bytes), threads_(threads), clock_(clock), apply_delay_(apply_delay) {}
 
   uint64_t cache_bytes() const { return cache_bytes_; }
 
@@ -62,6 +67,7 @@ class NodeDeltas {
   struct Model {
     // Stops and joins a background ApplyQueued / WarmSpares first (they read `cache`).
     ~Model();
+    Clock* clock = nullptr;
     std::unique_ptr<DeltaCache> cache;
     DeltaBuffers buffers;
     // After a commit, one background thread at a time applies the committed streams to the cached
@@ -70,6 +76,9 @@ class NodeDeltas {
     std::atomic<bool> warming{false};
     absl::Mutex warm_mu;
     std::thread warmer ABSL_GUARDED_BY(warm_mu);
+    // Ends the applier's wait after a commit (NodeDeltas' apply_delay) when the model goes.
+    absl::Mutex delay_mu;
+    bool stopping ABSL_GUARDED_BY(delay_mu) = false;
     // Receiver: per destination box (rollout worker id, buffer, offset, tensor, box, element size,
     // variant) the version and digest it decoded last (DeltaOptions::recorded / record).
     absl::Mutex digests_mu;
@@ -79,6 +88,8 @@ class NodeDeltas {
 
   const uint64_t cache_bytes_;
   const int threads_;
+  Clock* const clock_;
+  const absl::Duration apply_delay_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
 };

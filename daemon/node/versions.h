@@ -168,6 +168,7 @@ class Versions {
     uint64_t delta_cache_bytes = 0;  // NodeDaemon::Options::delta_cache_bytes (daemon/node/delta_node.h)
     int delta_threads = 2;           // encode / decode threads per version
     bool delta_in_place = true;      // NodeDaemon::Options::delta_in_place
+    absl::Duration delta_apply_delay = absl::ZeroDuration();  // NodeDaemon::Options::delta_apply_delay
     // TEST ONLY hooks: see NodeDaemon::Options.
     std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>
         test_after_buckets;
@@ -272,7 +273,7 @@ class Versions {
   const NodeTransports& transports_;
   CoordinatorAccess& coordinator_;
   NicMeter nic_meter_;  // wb_nic_bytes_total from the host channel's per-path counts (own lock)
-  NodeDeltas deltas_{options_.delta_cache_bytes, options_.delta_threads};  // per model delta caches (own lock)
+  NodeDeltas deltas_{options_.delta_cache_bytes, options_.delta_threads, options_.clock, options_.delta_apply_delay};  // per model delta caches (own lock)
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
