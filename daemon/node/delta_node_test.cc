@@ -61,8 +61,10 @@ TEST(NodeDeltasTest, TheBackgroundApplyWaitsTheDelayOnTheClock) {
     ASSERT_TRUE(o.cache->AddPending(key, 1, std::move(first), d1, /*packs=*/false));
     o.cache->Commit(1);
     ASSERT_TRUE(o.cache->AddPendingStream(key, 2, 1, out, d2));
+    const absl::Time committed = clock.Now();
     deltas.Commit("m", 2);
-    absl::SleepFor(absl::Milliseconds(100));  // real time: the applier would have run by now
+    // The applier waits on the clock, exactly the delay from the commit, with nothing applied.
+    ASSERT_TRUE(clock.AwaitWaiter(committed + absl::Milliseconds(200), absl::Now() + absl::Seconds(30)));
     EXPECT_EQ(o.cache->stats().applied_streams, 0u) << "nothing applied before the delay passed on the clock";
     EXPECT_EQ(o.cache->stats().queued_streams, 1u);
     if (encode_first) {
