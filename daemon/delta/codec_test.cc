@@ -1,5 +1,6 @@
 #include "daemon/delta/codec.h"
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -398,6 +399,26 @@ TEST(DeltaCodec, FusedWalkAndPortableLoopMakeTheSameStream) {
         EXPECT_EQ(out, x->target);
       }
     }
+  }
+}
+
+// The same over 300 random shapes: sizes, chunk sizes, densities, step sizes, random changes.
+TEST(DeltaCodec, FusedWalkAndPortableLoopAgreeOnRandomShapes) {
+  std::mt19937_64 rng(2026);
+  for (int i = 0; i < 300; ++i) {
+    const uint32_t chunk = 64u << (rng() % 10);  // 64 .. 32768
+    const size_t count = 1 + rng() % (3 * chunk + 200);
+    const double share = std::pow(10.0, -4.0 * static_cast<double>(rng() % 1000) / 1000.0);  // 1e-4 .. 1
+    const int max_step = 1 + static_cast<int>(rng() % (rng() % 2 ? 200 : 70000));
+    const Pair p = MakePair(count, 2, share, max_step, static_cast<uint32_t>(rng()), rng() % 4 == 0);
+    EncodeOptions o;
+    o.elem_size = 2;
+    o.chunk_elems = chunk;
+    auto vec = Encode({4, p.base}, {5, p.target}, o);
+    o.portable_scan = true;
+    auto port = Encode({4, p.base}, {5, p.target}, o);
+    ASSERT_TRUE(vec.ok() && port.ok());
+    ASSERT_EQ(*vec, *port) << "case " << i << ": count " << count << " chunk " << chunk << " share " << share << " step " << max_step;
   }
 }
 
