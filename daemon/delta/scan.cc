@@ -1,5 +1,7 @@
 #include "daemon/delta/scan.h"
 
+#include "daemon/delta/encode_parts.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -59,22 +61,11 @@ bool HasAvx512Vbmi2() {
 
 #define WB_AVX512_WALK __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
 
-// One LEB128 value (< 2^28) at p; returns its length. The same bytes as the codec's PutVarint.
-WB_AVX512_WALK inline int PutGap(uint8_t* p, uint64_t v) {
-  int n = 0;
-  while (v >= 0x80) {
-    p[n++] = static_cast<uint8_t>(v | 0x80);
-    v >>= 7;
-  }
-  p[n++] = static_cast<uint8_t>(v);
-  return n;
-}
-
 // Per step of 32 elements (a cache line of base and of target): difference, zigzag, the nonzero
 // lanes as a mask; the changed lanes' zigzag values compressed to the front and narrowed to bytes
 // (their values); their lane numbers compressed the same way, each minus the one before it, minus
 // 1 (their gaps inside the step, all < 32: one LEB128 byte each). Only the step's first gap, from
-// the last change of an earlier step, may need more bytes: it is written by PutGap over the one
+// the last change of an earlier step, may need more bytes: it is written by PutVarint over the one
 // byte the vector store left for it (the store goes first, at the offset that lines its second
 // gap up behind the first). A step without changes writes garbage that the next one overwrites.
 WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps,
@@ -112,9 +103,10 @@ WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint
     const __m512i in_gaps = _mm512_sub_epi16(_mm512_sub_epi16(lanes, _mm512_permutexvar_epi16(before, lanes)), one);
     const int64_t first = static_cast<int64_t>(off) + std::countr_zero(kk);  // off + 32 without changes
     const uint64_t gap0 = static_cast<uint64_t>(first - prev - 1);
-    const int len0 = gap0 < (1u << 7) ? 1 : gap0 < (1u << 14) ? 2 : gap0 < (1u << 21) ? 3 : 4;
+    const int len0 = VarintLen(gap0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(g + len0 - 1), _mm512_cvtepi16_epi8(in_gaps));
-    PutGap(g, gap0);
+    uint8_t* g0 = g;
+    PutVarint(g0, gap0);
     const __mmask32 big = _mm512_mask_cmpgt_epu16_mask(k, z, byte_max);
     if (big != 0) {  // rare: values that need their high byte (exceptions), in ordinal order
       alignas(64) uint16_t zs[32];
