@@ -1,5 +1,10 @@
 #include "daemon/delta/scan.h"
 
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
 #include "daemon/delta/encode_parts.h"
 
 #if defined(__x86_64__)
@@ -130,7 +135,143 @@ WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint
 
 #endif
 
+#if defined(__x86_64__)
+#define WB_AVX512_DECODE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
+
+// A LEB128 value of at most kMaxVarint bytes from [*p, end) (the codec's GetVarint).
+inline bool ReadGap(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
+  uint64_t x = 0;
+  for (int i = 0; i < kMaxVarint; ++i) {
+    if (p >= end) return false;
+    const uint8_t b = *p++;
+    x |= uint64_t{b & 0x7Fu} << (7 * i);
+    if ((b & 0x80) == 0) {
+      *v = x;
+      return true;
+    }
+  }
+  return false;
+}
+
+struct Sparse16Scratch {
+  std::vector<uint64_t> masks;
+  std::vector<std::pair<uint32_t, uint8_t>> excs;  // (value ordinal, high byte)
+};
+
+// Phase 1 of DecodeSparse16: the checks and the change bitmap; returns where the values start, or
+// null when anything is off.
+const uint8_t* CheckSparse16(bool index_kind, const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
+                             uint64_t n, Sparse16Scratch* s) {
+  const uint64_t words = (n + 63) / 64;
+  s->masks.assign(words, 0);
+  const uint8_t* vals;
+  if (index_kind) {
+    const uint8_t* q = payload;
+    int64_t prev = -1;
+    for (uint64_t k = 0; k < values; ++k) {
+      uint64_t gap;
+      if (q < end && *q < 0x80) {
+        gap = *q++;
+      } else if (!ReadGap(q, end, &gap)) {
+        return nullptr;
+      }
+      const uint64_t idx = static_cast<uint64_t>(prev + 1) + gap;
+      if (idx >= n) return nullptr;
+      s->masks[idx / 64] |= uint64_t{1} << (idx % 64);
+      prev = static_cast<int64_t>(idx);
+    }
+    vals = q;
+  } else {
+    const uint64_t bitmap_bytes = (n + 7) / 8;
+    if (static_cast<uint64_t>(end - payload) < bitmap_bytes) return nullptr;
+    uint64_t set = 0;
+    for (uint64_t w = 0; w < words; ++w) {
+      uint64_t m = 0;
+      std::memcpy(&m, payload + 8 * w, std::min<uint64_t>(8, bitmap_bytes - 8 * w));
+      if (n - w * 64 < 64 && (m >> (n - w * 64)) != 0) return nullptr;
+      s->masks[w] = m;
+      set += static_cast<uint64_t>(std::popcount(m));
+    }
+    if (set != values) return nullptr;
+    vals = payload + bitmap_bytes;
+  }
+  if (static_cast<uint64_t>(end - vals) < values) return nullptr;
+  s->excs.clear();
+  const uint8_t* e = vals + values;
+  int64_t prev = -1;
+  uint64_t zeros = 0;
+  for (uint64_t j = 0; j < excs; ++j) {
+    uint64_t gap;
+    if (!ReadGap(e, end, &gap) || e >= end) return nullptr;
+    const uint64_t ordinal = static_cast<uint64_t>(prev + 1) + gap;
+    if (ordinal >= values) return nullptr;
+    const uint8_t high = *e++;
+    if (high == 0 && vals[ordinal] == 0) return nullptr;  // a zero difference
+    if (vals[ordinal] == 0) ++zeros;                         // a zero low byte that is fine
+    s->excs.emplace_back(static_cast<uint32_t>(ordinal), high);
+    prev = static_cast<int64_t>(ordinal);
+  }
+  if (e != end) return nullptr;
+  uint64_t zero_lows = 0;
+  for (uint64_t k = 0; k < values; ++k) zero_lows += vals[k] == 0;
+  if (zero_lows != zeros) return nullptr;  // a changed element with a zero difference
+  return vals;
+}
+
+// Phase 2: the values into the changed lanes, 32 elements per step.
+WB_AVX512_DECODE void ApplySparse16(const uint64_t* masks, const uint8_t* vals, const uint8_t* base, uint8_t* out, uint64_t n,
+                                    bool in_place) {
+  const __m512i one = _mm512_set1_epi16(1);
+  const __m512i zero = _mm512_setzero_si512();
+  const uint8_t* vp = vals;
+  for (uint64_t off = 0; off < n; off += 32) {
+    const uint64_t left = n - off;
+    const __mmask32 live = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << left) - 1);
+    const uint32_t k = static_cast<uint32_t>(masks[off / 64] >> (off & 32));
+    const int cnt = std::popcount(k);
+    const __mmask32 take = cnt == 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << cnt) - 1);
+    const __m512i z = _mm512_maskz_expand_epi16(k, _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(take, vp)));
+    const __m512i d = _mm512_xor_si512(_mm512_srli_epi16(z, 1), _mm512_sub_epi16(zero, _mm512_and_si512(z, one)));
+    const __m512i r = _mm512_add_epi16(_mm512_maskz_loadu_epi16(live, base + 2 * off), d);
+    _mm512_mask_storeu_epi16(out + 2 * off, in_place ? static_cast<__mmask32>(k) : live, r);
+    vp += cnt;
+  }
+}
+
+uint16_t UnZigZag16(uint16_t z) { return static_cast<uint16_t>((z >> 1) ^ static_cast<uint16_t>(0 - (z & 1))); }
+
+// Phase 3: each exception's high byte (the element got base + its low byte's difference).
+WB_AVX512_DECODE void PatchExceptions16(const Sparse16Scratch& s, const uint8_t* vals, uint8_t* out) {
+  uint64_t w = 0, before = 0;  // the word the next ordinal is in, set bits before it
+  for (const auto& [ordinal, high] : s.excs) {
+    while (before + static_cast<uint64_t>(std::popcount(s.masks[w])) <= ordinal) before += std::popcount(s.masks[w++]);
+    const uint64_t idx = 64 * w + std::countr_zero(_pdep_u64(uint64_t{1} << (ordinal - before), s.masks[w]));
+    const uint16_t low = vals[ordinal];
+    const uint16_t full = static_cast<uint16_t>(low | (uint16_t{high} << 8));
+    uint16_t v;
+    std::memcpy(&v, out + 2 * idx, 2);
+    v = static_cast<uint16_t>(v - UnZigZag16(low) + UnZigZag16(full));
+    std::memcpy(out + 2 * idx, &v, 2);
+  }
+}
+#endif
+
 }  // namespace
+
+bool DecodeSparse16(bool index_kind, const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
+                    const uint8_t* base, uint8_t* out, uint64_t n) {
+#if defined(__x86_64__)
+  if (!HasAvx512Vbmi2()) return false;
+  thread_local Sparse16Scratch scratch;
+  const uint8_t* vals = CheckSparse16(index_kind, payload, end, values, excs, n, &scratch);
+  if (vals == nullptr) return false;
+  ApplySparse16(scratch.masks.data(), vals, base, out, n, out == base);
+  PatchExceptions16(scratch, vals, out);
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool ScanAndWalk16(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps, uint8_t* vals,
                    std::vector<std::pair<uint32_t, uint64_t>>* excs, Walk16* out, ChunkPrefetch* pf) {
