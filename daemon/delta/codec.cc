@@ -31,7 +31,7 @@ constexpr uint32_t kMagic = 0x31444257;  // "WBD1"
 // 2: digests are issue 17.4's chunked XXH3-64 (StreamDigest); 1 had XXH3-128 over the stream.
 constexpr uint16_t kFormat = 2;
 constexpr uint32_t kMaxChunkElems = 1u << 24;
-using internal::kMaxVarint;
+using internal::GetVarint;
 
 using internal::ChunkPrefetch;
 using internal::DigestElemSize;
@@ -61,21 +61,6 @@ using internal::ZigZag;
 template <typename T>
 T UnZigZag(T z) {
   return static_cast<T>(static_cast<T>(z >> 1) ^ static_cast<T>(0 - (z & 1)));
-}
-
-// Reads a LEB128 value of at most kMaxVarint bytes from [*p, end); false if truncated or longer.
-bool GetVarint(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
-  uint64_t x = 0;
-  for (int i = 0; i < kMaxVarint; ++i) {
-    if (p >= end) return false;
-    const uint8_t b = *p++;
-    x |= uint64_t{b & 0x7Fu} << (7 * i);
-    if ((b & 0x80) == 0) {
-      *v = x;
-      return true;
-    }
-  }
-  return false;
 }
 
 uint64_t ChunkElems(uint64_t total_elems, uint32_t chunk_elems, uint64_t c) {

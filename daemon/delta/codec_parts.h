@@ -1,6 +1,6 @@
 #pragma once
-// Internal parts of the delta codec (codec.cc): the stream digest, the digest element size and the
-// encoder's prefetch of the next chunk. Not an API: codec.h is.
+// Internal parts of the delta codec (codec.cc, scan.cc): the stream digest, the LEB128 reader, the
+// digest element size and the encoder's prefetch of the next chunk. Not an API: codec.h is.
 
 #include <algorithm>
 #include <cstddef>
@@ -38,6 +38,23 @@ class StreamDigest {
   int es_;
   digest::ChunkStreamHasher hasher_;
 };
+
+inline constexpr int kMaxVarint = 4;  // LEB128 gaps and ordinals are < 2^24 < 2^28
+
+// Reads a LEB128 value of at most kMaxVarint bytes from [*p, end); false if truncated or longer.
+inline bool GetVarint(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
+  uint64_t x = 0;
+  for (int i = 0; i < kMaxVarint; ++i) {
+    if (p >= end) return false;
+    const uint8_t b = *p++;
+    x |= uint64_t{b & 0x7Fu} << (7 * i);
+    if ((b & 0x80) == 0) {
+      *v = x;
+      return true;
+    }
+  }
+  return false;
+}
 
 // The element size `bytes` bytes are digested with (DigestOf's contract): `elem_size`, or 1 for a
 // size other than 1, 2, 4, 8 or a length that is not a whole number of them.

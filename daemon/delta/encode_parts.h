@@ -15,8 +15,6 @@
 
 namespace wb::delta::internal {
 
-inline constexpr int kMaxVarint = 4;  // gaps and ordinals are < 2^24 < 2^28
-
 inline int VarintLen(uint64_t v) { return v < (1u << 7) ? 1 : v < (1u << 14) ? 2 : v < (1u << 21) ? 3 : 4; }
 
 inline void PutVarint(uint8_t*& p, uint64_t v) {

@@ -138,21 +138,6 @@ WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint
 #if defined(__x86_64__)
 #define WB_AVX512_DECODE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
 
-// A LEB128 value of at most kMaxVarint bytes from [*p, end) (the codec's GetVarint).
-inline bool ReadGap(const uint8_t*& p, const uint8_t* end, uint64_t* v) {
-  uint64_t x = 0;
-  for (int i = 0; i < kMaxVarint; ++i) {
-    if (p >= end) return false;
-    const uint8_t b = *p++;
-    x |= uint64_t{b & 0x7Fu} << (7 * i);
-    if ((b & 0x80) == 0) {
-      *v = x;
-      return true;
-    }
-  }
-  return false;
-}
-
 struct Sparse16Scratch {
   std::vector<uint64_t> masks;
   std::vector<std::pair<uint32_t, uint8_t>> excs;  // (value ordinal, high byte)
@@ -172,7 +157,7 @@ const uint8_t* CheckSparse16(bool index_kind, const uint8_t* payload, const uint
       uint64_t gap;
       if (q < end && *q < 0x80) {
         gap = *q++;
-      } else if (!ReadGap(q, end, &gap)) {
+      } else if (!GetVarint(q, end, &gap)) {
         return nullptr;
       }
       const uint64_t idx = static_cast<uint64_t>(prev + 1) + gap;
@@ -202,7 +187,7 @@ const uint8_t* CheckSparse16(bool index_kind, const uint8_t* payload, const uint
   uint64_t zeros = 0;
   for (uint64_t j = 0; j < excs; ++j) {
     uint64_t gap;
-    if (!ReadGap(e, end, &gap) || e >= end) return nullptr;
+    if (!GetVarint(e, end, &gap) || e >= end) return nullptr;
     const uint64_t ordinal = static_cast<uint64_t>(prev + 1) + gap;
     if (ordinal >= values) return nullptr;
     const uint8_t high = *e++;
