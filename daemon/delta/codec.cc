@@ -56,12 +56,8 @@ std::string Label(std::string_view what) {
   return what.empty() ? std::string("delta stream") : "delta stream for " + std::string(what);
 }
 
+using internal::UnZigZag;
 using internal::ZigZag;
-
-template <typename T>
-T UnZigZag(T z) {
-  return static_cast<T>(static_cast<T>(z >> 1) ^ static_cast<T>(0 - (z & 1)));
-}
 
 uint64_t ChunkElems(uint64_t total_elems, uint32_t chunk_elems, uint64_t c) {
   const uint64_t begin = c * chunk_elems;

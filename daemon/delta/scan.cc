@@ -59,12 +59,13 @@ bool HasAvx2() {
 
 bool HasAvx512Vbmi2() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2") &&
-                          __builtin_cpu_supports("popcnt");
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2") &&
+                          __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
   return has;
 }
 
-#define WB_AVX512_WALK __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
+// The encoder's and the decoder's AVX-512 paths (HasAvx512Vbmi2 checks each feature).
+#define WB_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
 
 // Per step of 32 elements (a cache line of base and of target): difference, zigzag, the nonzero
 // lanes as a mask; the changed lanes' zigzag values compressed to the front and narrowed to bytes
@@ -73,7 +74,7 @@ bool HasAvx512Vbmi2() {
 // the last change of an earlier step, may need more bytes: it is written by PutVarint over the one
 // byte the vector store left for it (the store goes first, at the offset that lines its second
 // gap up behind the first). A step without changes writes garbage that the next one overwrites.
-WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps,
+WB_AVX512 void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps,
                                         uint8_t* vals, std::vector<std::pair<uint32_t, uint64_t>>* excs, Walk16* out,
                                         ChunkPrefetch* pf) {
   const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12,
@@ -136,7 +137,6 @@ WB_AVX512_WALK void ScanAndWalk16Avx512(const uint8_t* a, const uint8_t* b, uint
 #endif
 
 #if defined(__x86_64__)
-#define WB_AVX512_DECODE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,bmi,bmi2,lzcnt,popcnt")))
 
 struct Sparse16Scratch {
   std::vector<uint64_t> masks;
@@ -204,7 +204,7 @@ const uint8_t* CheckSparse16(bool index_kind, const uint8_t* payload, const uint
 }
 
 // Phase 2: the values into the changed lanes, 32 elements per step.
-WB_AVX512_DECODE void ApplySparse16(const uint64_t* masks, const uint8_t* vals, const uint8_t* base, uint8_t* out, uint64_t n,
+WB_AVX512 void ApplySparse16(const uint64_t* masks, const uint8_t* vals, const uint8_t* base, uint8_t* out, uint64_t n,
                                     bool in_place) {
   const __m512i one = _mm512_set1_epi16(1);
   const __m512i zero = _mm512_setzero_si512();
@@ -223,10 +223,8 @@ WB_AVX512_DECODE void ApplySparse16(const uint64_t* masks, const uint8_t* vals, 
   }
 }
 
-uint16_t UnZigZag16(uint16_t z) { return static_cast<uint16_t>((z >> 1) ^ static_cast<uint16_t>(0 - (z & 1))); }
-
 // Phase 3: each exception's high byte (the element got base + its low byte's difference).
-WB_AVX512_DECODE void PatchExceptions16(const Sparse16Scratch& s, const uint8_t* vals, uint8_t* out) {
+WB_AVX512 void PatchExceptions16(const Sparse16Scratch& s, const uint8_t* vals, uint8_t* out) {
   uint64_t w = 0, before = 0;  // the word the next ordinal is in, set bits before it
   for (const auto& [ordinal, high] : s.excs) {
     while (before + static_cast<uint64_t>(std::popcount(s.masks[w])) <= ordinal) before += std::popcount(s.masks[w++]);
@@ -235,7 +233,7 @@ WB_AVX512_DECODE void PatchExceptions16(const Sparse16Scratch& s, const uint8_t*
     const uint16_t full = static_cast<uint16_t>(low | (uint16_t{high} << 8));
     uint16_t v;
     std::memcpy(&v, out + 2 * idx, 2);
-    v = static_cast<uint16_t>(v - UnZigZag16(low) + UnZigZag16(full));
+    v = static_cast<uint16_t>(v - UnZigZag<uint16_t>(low) + UnZigZag<uint16_t>(full));
     std::memcpy(out + 2 * idx, &v, 2);
   }
 }

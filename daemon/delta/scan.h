@@ -32,6 +32,11 @@ T ZigZag(T d) {
 }
 
 template <typename T>
+T UnZigZag(T z) {
+  return static_cast<T>(static_cast<T>(z >> 1) ^ static_cast<T>(0 - (z & 1)));
+}
+
+template <typename T>
 struct ChunkScan {
   uint64_t changed = 0;
   uint64_t over[sizeof(T)] = {};  // over[k]: changed elements whose value needs more than k bytes
