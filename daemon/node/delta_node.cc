@@ -150,20 +150,20 @@ void NodeDeltas::Commit(const std::string& model, uint64_t version) {
   if (!m->cache->enabled() || m->warming.exchange(true)) return;
   absl::MutexLock l(&m->warm_mu);
   if (m->warmer.joinable()) m->warmer.join();  // finished: `warming` was false
-  m->warmer = std::thread([model = m.get(), cache = m->cache.get(), warming = &m->warming, delay = apply_delay_] {
+  // `model` outlives the thread: ~Model joins it.
+  m->warmer = std::thread([model = m.get(), delay = apply_delay_] {
     pthread_setname_np(pthread_self(), "wb-delta-warm");
+    bool stopping = false;
     if (delay > absl::ZeroDuration()) {
       absl::MutexLock l(&model->delay_mu);
-      const bool stopping = model->clock->WaitUntil(&model->delay_mu, absl::Condition(&model->stopping), model->clock->Now() + delay);
-      if (stopping) {
-        warming->store(false);
-        return;
-      }
+      stopping = model->clock->WaitUntil(&model->delay_mu, absl::Condition(&model->stopping), model->clock->Now() + delay);
     }
-    cache->ApplyQueued();
-    cache->WarmSpares();
-    cache->ApplyQueued();  // committed while it warmed
-    warming->store(false);
+    if (!stopping) {
+      model->cache->ApplyQueued();
+      model->cache->WarmSpares();
+      model->cache->ApplyQueued();  // committed while it warmed
+    }
+    model->warming.store(false);
   });
 }
 
