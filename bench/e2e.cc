@@ -67,6 +67,7 @@ ABSL_FLAG(bool, digest_cost, false,
           "of --digest_settings, one fresh cluster per setting and round, the settings interleaved over --digest_rounds "
           "rounds (order reversed every other round); medians of every steady version and per-round ratios");
 ABSL_FLAG(int, digest_rounds, 3, "--digest_cost: rounds (each runs every setting once, on a fresh cluster)");
+ABSL_FLAG(std::string, node_logs_dir, "", "--delta: copy every node daemon's log of each case into this directory (<case>-node<i>.log) before the cluster stops, for the per-version timings of its \"version transferred\" lines");
 ABSL_FLAG(bool, digest_logs, false, "--digest_cost: also print every node's \"version transferred\" log lines to stderr");
 ABSL_FLAG(std::vector<std::string>, digest_settings, std::vector<std::string>({"none", "digests"}),
           "--digest_cost: settings to compare, first = the reference: none (no digests, no per-batch checksums), "
@@ -552,6 +553,13 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
     c.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas, "", {fraction});
     const double after = received();
     c.nic_bytes = before >= 0 && after >= 0 ? after - before : -1;
+    if (const std::string dir = absl::GetFlag(FLAGS_node_logs_dir); !dir.empty()) {
+      for (int i = 0; i < 2; ++i) {
+        std::ifstream in(bc->cluster->node(i)->log_path(), std::ios::binary);
+        std::ofstream out(absl::StrCat(dir, "/", c.name, "-node", i, ".log"), std::ios::binary);
+        out << in.rdbuf();
+      }
+    }
     bc->harness->KillAll();
   }
   const Case& f = cases[0];
