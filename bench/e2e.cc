@@ -31,9 +31,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -234,6 +236,38 @@ double MemcpyGBps(int64_t bytes) {
   absl::Time start = absl::Now();
   for (int i = 0; i < 3; ++i) std::memcpy(b.data(), a.data(), bytes);
   return 3.0 * static_cast<double>(bytes) / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
+}
+
+// This host's memory bandwidth with every hardware thread (at most 8; best of 3 over `bytes`):
+// reading, as the delta codec's passes over source, base and landed staging do, and copying, as
+// the commit's live copy does. --delta's physical floors come from these.
+struct HostMemory {
+  double read_GBps = 0, copy_GBps = 0;
+  int threads = 0;
+};
+HostMemory MeasureHostMemory(int64_t bytes) {
+  HostMemory m;
+  m.threads = std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1, 8);
+  std::vector<uint64_t> a(static_cast<size_t>(bytes) / 8, 0x0101010101010101ULL), b(a.size(), 0);
+  std::atomic<uint64_t> sink{0};
+  auto best_of_3 = [&](const std::function<void(size_t, size_t)>& part) {
+    double best = 0;
+    for (int r = 0; r < 3; ++r) {
+      const absl::Time start = absl::Now();
+      std::vector<std::thread> ts;
+      for (int t = 0; t < m.threads; ++t) ts.emplace_back([&, t] { part(a.size() * t / m.threads, a.size() * (t + 1) / m.threads); });
+      for (std::thread& th : ts) th.join();
+      best = std::max(best, static_cast<double>(bytes) / absl::ToDoubleSeconds(absl::Now() - start) / 1e9);
+    }
+    return best;
+  };
+  m.copy_GBps = best_of_3([&](size_t lo, size_t hi) { std::memcpy(b.data() + lo, a.data() + lo, (hi - lo) * 8); });
+  m.read_GBps = best_of_3([&](size_t lo, size_t hi) {
+    // glibc's memchr reads with the CPU's widest loads (as the codec and XXH3 do); no byte is 0,
+    // so it reads the whole range. A scalar loop reads ~30% slower here.
+    sink += std::memchr(a.data() + lo, 0, (hi - lo) * 8) == nullptr ? 1 : 0;
+  });
+  return m;
 }
 
 // A coordinator + 2 node daemons for one measurement (--daemon_flags and `extra` passed to them).
@@ -573,6 +607,20 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
   const double bytes_full = f.nic_bytes / versions;
   const double bytes_delta = (d.nic_bytes - bytes_full) / (versions - 1);
   const bool verified = f.result.verified && d.result.verified;
+  // Physical floors of one steady version on this host, where both nodes share one memory system
+  // (on separate hosts the two nodes' reads would overlap): full = its bytes over the link
+  // (loopback: at the kernel's TCP loopback rate) + the commit's copy into live weights; delta = the
+  // sender's read of source and base, the receiver's read of the landed base (its digest covers
+  // every byte), the streams over the link and the same commit copy.
+  const HostMemory mem = MeasureHostMemory(int64_t{512} << 20);
+  // Without --link_gbps the link is the kernel's TCP loopback (one stream, measured here too).
+  const double tcp_GBps = absl::GetFlag(FLAGS_link_gbps) > 0 ? 0 : TcpLoopbackGBps(int64_t{1} << 30);
+  const double link_Bps = absl::GetFlag(FLAGS_link_gbps) > 0 ? absl::GetFlag(FLAGS_link_gbps) * 1e9 / 8 : tcp_GBps * 1e9;
+  const double copy_Bps = mem.copy_GBps * 1e9, read_Bps = mem.read_GBps * 1e9;
+  auto link_s = [&](double bytes) { return bytes / link_Bps; };
+  const double commit_s = model_bytes / copy_Bps;
+  const double full_floor_s = link_s(bytes_full) + commit_s;
+  const double delta_floor_s = 3.0 * model_bytes / read_Bps + link_s(bytes_delta) + commit_s;
   if (json) {
     nlohmann::json j = {{"lr", lr},
                         {"link_gbps", absl::GetFlag(FLAGS_link_gbps)},
@@ -584,6 +632,15 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
                         {"delta_s", delta_s},
                         {"time_ratio", full_s > 0 ? delta_s / full_s : 0},
                         {"times_median_from_version", kSteadyFrom},
+                        {"host_read_GBps", mem.read_GBps},
+                        {"host_copy_GBps", mem.copy_GBps},
+                        {"host_threads", mem.threads},
+                        {"tcp_loopback_GBps", tcp_GBps},
+                        {"full_floor_s", full_floor_s},
+                        {"delta_floor_s", delta_floor_s},
+                        {"floor_time_ratio", delta_floor_s / full_floor_s},
+                        {"full_to_floor", full_s / full_floor_s},
+                        {"delta_to_floor", delta_s / delta_floor_s},
                         {"full_update_s", f.result.update_s},
                         {"delta_update_s", d.result.update_s},
                         {"config", config},
@@ -601,6 +658,10 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
     std::printf("%-8s %16s %10s %9s\n", "versions", "inter_node_GB", "update_s", "verified");
     std::printf("%-8s %16.4f %10.3f %9s\n", "full", bytes_full / 1e9, full_s, f.result.verified ? "yes" : "NO");
     std::printf("%-8s %16.4f %10.3f %9s\n", "delta", bytes_delta / 1e9, delta_s, d.result.verified ? "yes" : "NO");
+    std::printf("delta / full: %.2fx; physical floors on this host (%d threads: read %.1f GB/s, copy %.1f GB/s; both nodes share "
+                "its memory): full %.3f s (update %.2fx it), delta %.3f s (update %.2fx it), floor ratio %.2fx\n",
+                full_s > 0 ? delta_s / full_s : 0, mem.threads, mem.read_GBps, mem.copy_GBps, full_floor_s, full_s / full_floor_s,
+                delta_floor_s, delta_s / delta_floor_s, delta_floor_s / full_floor_s);
     for (const Case* c : {&f, &d}) {
       if (!c->result.error.empty()) std::printf("  error (%s): %s\n", c->name.c_str(), c->result.error.c_str());
     }
