@@ -44,12 +44,17 @@ class DeltaE2eTest : public ::testing::Test {
     c_.Stop();
   }
 
-  // Coordinator, n0 and n1 with a delta cache; `n0_hook` as n0's test_before_bucket.
-  void Start(Cluster::BucketHook n0_hook = nullptr) {
+  // Coordinator, n0 and n1 with a delta cache; `n0_hook` as n0's test_before_bucket. `in_place`
+  // false (--delta_in_place=false): rollouts' deltas decode against their committed staging while
+  // held, else against their live weights, never into staging taken back by its tag.
+  void Start(Cluster::BucketHook n0_hook = nullptr, bool in_place = true) {
     c_.delta_fraction = kChange;
     c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 16384; });
     for (int n : {0, 1}) {
-      c_.StartNode(n, n == 0 ? n0_hook : nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
+      c_.StartNode(n, n == 0 ? n0_hook : nullptr, nullptr, [in_place](ServerOptions& o) {
+        o.delta_cache_bytes = 64 << 20;
+        o.delta_in_place = in_place;
+      });
     }
   }
 
@@ -122,15 +127,12 @@ TEST_P(DeltaModesTest, DeltasAreByteExactAndSmall) {
   // version 2's streams applied in place (the cache at 1x, DeltaCache::AddPendingStream).
   EXPECT_GT(m3.stream - m2.stream, 0) << "version 3 must travel as deltas too";
   EXPECT_GT(m2.stream - m1.stream, 0) << "version 2 must travel as deltas";
-  // Sync rollouts: the commit tagged their staging and the next version took it back from the pool,
-  // so the receiver decodes in place (no copy of the base). Other modes decode from committed
-  // staging into new staging.
-  if (mc.mode == pb::MODE_SYNC) {
-    EXPECT_GT(m3.decoded_in_place - m2.decoded_in_place, 0) << "version 3 decodes in place";
-  } else {
-    EXPECT_EQ(m3.decoded_in_place - m0.decoded_in_place, 0);
-    EXPECT_GT(m3.decoded_copied - m1.decoded_copied, 0);
-  }
+  // The commit tagged each rollout's staging, and once live weights held the version (the sync
+  // commit's copy; Apply in the other modes, which Version() calls before the next version) the
+  // pool got it back: the next version took it by its tag, so the receiver decodes in place (no
+  // copy of the base) in every mode.
+  EXPECT_GT(m3.decoded_in_place - m2.decoded_in_place, 0) << "version 3 decodes in place";
+  EXPECT_EQ(m3.decoded_copied - m1.decoded_copied, 0) << "every decode found its base in the staging it writes";
   EXPECT_EQ(m3.fallbacks - m0.fallbacks, 0) << "no delta may be refused here";
   // (rank0_broadcast: the rank-0 trainer's own boxes go straight to the rollouts, as deltas; what
   // passes through the gather staging goes full.)
@@ -221,13 +223,13 @@ TEST_F(DeltaE2eTest, ARestartedRolloutGetsFullBytesThenDeltasAgain) {
   EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0);
 }
 
-// One-step-off: after version 1 is applied, r1's live weights are its node's committed copy (the
-// committed staging went back to the pool), and one byte of them changes behind the node's back
+// One-step-off with --delta_in_place=false: after version 1 is applied, r1's live weights are its
+// node's committed copy (the committed staging went back to the pool untagged), and one byte of them changes behind the node's back
 // (the base of the next delta no longer matches what the sender diffed against). Version 2's
 // deltas into r1 fail the base check BEFORE anything is applied, those ops are resent in full, and
 // every byte of version 2 is exact and verified.
 TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
-  Start();
+  Start(nullptr, /*in_place=*/false);  // the live weights are the base (with in place: the node's own staging)
   AddWorkers(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
   ASSERT_FALSE(HasFatalFailure());
   Version(pb::MODE_ONE_STEP_OFF, 1);
@@ -276,6 +278,43 @@ TEST_F(DeltaE2eTest, SyncDeltasDecodeInPlaceIntoTheNodesOwnCopy) {
   EXPECT_GT(m1.decoded_in_place - m0.decoded_in_place, 0);
   EXPECT_EQ(m1.decoded_copied - m0.decoded_copied, 0) << "every decode found its base in the staging it writes";
 }
+
+// One-step-off and async: a rollout that has not applied version 2 when version 3 starts still
+// needs its committed staging of version 2 for Apply, so version 3 decodes out of place from it
+// into new staging; once the rollout applied version 3 before version 4 starts, version 4 decodes
+// in place again. Every byte exact after each Apply.
+class DeltaApplyTest : public DeltaE2eTest, public ::testing::WithParamInterface<pb::Mode> {};
+
+TEST_P(DeltaApplyTest, DeltasDecodeInPlaceOnlyIntoStagingTheRolloutAppliedAlready) {
+  const pb::Mode mode = GetParam();
+  Start();
+  AddWorkers(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(mode, 1);
+  Version(mode, 2, /*apply=*/false);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_TRUE(VersionOf(2).verified());  // committed on both nodes before anything is metered
+  const Metered m2 = Meter();
+  Version(mode, 3);  // applies version 3 (version 2 is never applied)
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m3 = Meter();
+  EXPECT_GT(m3.stream - m2.stream, 0) << "version 3 travels as deltas";
+  EXPECT_EQ(m3.fallbacks - m2.fallbacks, 0);
+  EXPECT_EQ(m3.decoded_in_place - m2.decoded_in_place, 0) << "version 2's staging is still the committed copy";
+  EXPECT_GT(m3.decoded_copied - m2.decoded_copied, 0);
+  // A byte of r1's live weights changed behind the node: not the base (the node's own staging
+  // is), so nothing is refused, and Apply writes every piece of version 4 over it (Version checks).
+  static_cast<uint8_t*>(r1_->seg.data())[5] ^= 0x40;
+  Version(mode, 4);
+  ASSERT_FALSE(HasFatalFailure());
+  const Metered m4 = Meter();
+  EXPECT_EQ(m4.fallbacks - m3.fallbacks, 0);
+  EXPECT_GT(m4.decoded_in_place - m3.decoded_in_place, 0) << "version 3 was applied before version 4 started";
+  EXPECT_EQ(m4.decoded_copied - m3.decoded_copied, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeltaApplyTest, ::testing::Values(pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
+                         [](const ::testing::TestParamInfo<pb::Mode>& i) { return pb::Mode_Name(i.param); });
 
 }  // namespace
 }  // namespace wb::daemon

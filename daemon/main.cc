@@ -75,8 +75,9 @@ ABSL_FLAG(int, delta_threads, 0,
           "lossless deltas: encode / decode threads per version (the codec's CPU time is a delta version's time); "
           "0 = half this machine's CPUs, at least 2, at most 16");
 ABSL_FLAG(bool, delta_in_place, true,
-          "lossless deltas: a sync rollout's deltas decode in place into the staging its last commit copied into live "
-          "weights (no copy of the base); false: against the live weights into fresh staging");
+          "lossless deltas: a rollout's deltas decode in place into the staging its last commit held, once live weights "
+          "hold that version (sync: the commit's copy; other modes: Apply) (no copy of the base); false: against "
+          "committed staging or the live weights into fresh staging");
 ABSL_FLAG(int, delta_apply_delay_ms, 200,
           "lossless deltas: after a commit, the sending node applies the streams it sent to its cached copies this many "
           "ms later, in the background (not while other nodes still copy the version into live weights); 0 = at once");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <tuple>
 
 #include "absl/cleanup/cleanup.h"
@@ -157,24 +158,24 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   return absl::OkStatus();
 }
 
-void Versions::TagCommittedStaging(const Exec& exec, const LocalWorkers::LiveJob& job) const {
+void Versions::TagCommittedStaging(const Exec& exec, const std::string& model, const std::string& worker, uint64_t version,
+                                   const std::shared_ptr<Bytes>& staging) const {
   // Every piece of this staging holds the committed version (plans are complete) except pieces
   // relays at commit copied into live weights from another rollout's staging: no op of this
   // plan lands those here, and an op of another plan that would finds stale bytes, which its base
   // digest refuses (full copy), never a wrong byte. Quantised rollouts' staging also holds
-  // canonical shadows: not tagged.
-  if (job.staging == nullptr || !options_.delta_in_place) return;
+  // canonical shadows: not tagged. Nothing writes committed staging, so the tag stays true until
+  // the pool hands the buffer out again.
+  if (staging == nullptr || !options_.delta_in_place) return;
   const ModelPlan& plan = *exec.plan;
   for (int i = 0; i < plan.slice.workers_size(); ++i) {
     const pb::PlanWorker& w = plan.slice.workers(i);
-    if (w.node_id() == options_.node_id && w.worker_id() == job.worker && plan.quantized[i]) return;
+    if (w.node_id() == options_.node_id && w.worker_id() == worker && plan.quantized[i]) return;
   }
-  for (const StagedBuffer& b : *job.staging) {
+  for (const StagedBuffer& b : *staging) {
     if (b.device != nullptr) return;
   }
-  for (size_t j = 0; j < job.staging->size(); ++j) {
-    (*job.staging)[j].pool_tag = NodeStaging::BaseTag(job.model, job.worker, j, job.version);
-  }
+  for (size_t j = 0; j < staging->size(); ++j) (*staging)[j].pool_tag = NodeStaging::BaseTag(model, worker, j, version);
 }
 
 std::vector<LocalWorkers::LiveJob> Versions::CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) {
@@ -241,6 +242,15 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
     }
     execs_.erase(it);
     jobs = CommitJobsLocked(req, *exec);
+    // One-step-off / async rollouts: their incoming staging is now the committed copy, which Apply
+    // copies into live weights and then hands back to the pool - tagged, so that the next version
+    // takes it back and decodes its deltas in place when the rollout applied this one before it
+    // started (Exec::staging_holds). Sync rollouts are tagged after their copy below.
+    std::set<std::string> sync;
+    for (const LocalWorkers::LiveJob& j : jobs) sync.insert(j.worker);
+    for (const auto& [wid, staging] : exec->incoming) {
+      if (sync.count(wid) == 0 && exec->pieces_at_commit.count(wid) == 0) TagCommittedStaging(*exec, req.model_id(), wid, req.version(), staging);
+    }
     local_.DropSnapshots(req.model_id(), req.version());
     if (jobs.empty()) count_commit();  // nothing left that can fail
   }
@@ -262,7 +272,7 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
     // its memory goes back to the pool for the next version instead of sitting here - tagged with
     // what it holds, so that the next version takes it back and decodes its deltas in place.
     local_.MarkApplied({jobs[i].model, jobs[i].worker}, req.version(), jobs[i].staging, /*after_commit=*/true);
-    TagCommittedStaging(*exec, jobs[i]);
+    TagCommittedStaging(*exec, jobs[i].model, jobs[i].worker, req.version(), jobs[i].staging);
   }
   if (!failed.ok()) {
     // Not committed on this node: the version stays here so that a retried CommitVersion copies

@@ -218,9 +218,11 @@ class Versions {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).
   std::vector<LocalWorkers::LiveJob> CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a sync commit copied `job` into live weights: tags its staging buffers with the version
-  // they hold (StagedBuffer::pool_tag) (not quantised, host memory).
-  void TagCommittedStaging(const Exec& exec, const LocalWorkers::LiveJob& job) const;
+  // Tags `worker`'s committed staging buffers with the version they hold (StagedBuffer::pool_tag;
+  // not quantised, host memory), for the pool to hand back to the next version: a sync rollout's
+  // after the commit copied them into live weights, another mode's at the commit (Apply copies it).
+  void TagCommittedStaging(const Exec& exec, const std::string& model, const std::string& worker, uint64_t version,
+                           const std::shared_ptr<Bytes>& staging) const;
 
   // versions_run.cc
   void RunExec(std::shared_ptr<Exec> exec);

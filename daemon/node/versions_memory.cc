@@ -31,12 +31,14 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
     const pb::PlanWorker& w = plan.slice.workers(i);
     if (w.node_id() != me || w.role() != pb::ROLE_ROLLOUT) continue;
     const std::vector<std::shared_ptr<CudaImport>>& cuda = rollout_cuda[w.worker_id()];
-    // A sync rollout's last commit tagged its staging with the version it holds
-    // (TagCommittedStaging): asked for by that tag, the pool hands the same buffers back.
+    // The commit tagged a rollout's staging with the version it holds (TagCommittedStaging), and
+    // the pool got it back once live weights held that version (a sync commit's copy, or Apply):
+    // asked for by that tag, the pool hands the same buffers back. Only while the rollout holds
+    // its newest committed version: that is the base the sender's deltas are made against.
     uint64_t held = 0;
     if (!plan.quantized[i] && options_.delta_in_place) {
       std::optional<LocalWorkers::View> lw = local_.Get({exec.model_id, w.worker_id()});
-      if (lw && lw->worker.mode == pb::MODE_SYNC) held = lw->worker.applied_version;
+      if (lw && lw->worker.applied_version >= lw->worker.committed_version) held = lw->worker.applied_version;
     }
     std::shared_ptr<Bytes> bytes = staging_.NewBytes(0, {exec.charge});
     for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
