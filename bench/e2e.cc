@@ -83,9 +83,6 @@ ABSL_FLAG(bool, delta, false,
 ABSL_FLAG(double, link_gbps, 0,
           "emulate a NIC of this many Gb/s between the nodes: every daemon runs with --max_send_gbps (host_tcp egress "
           "cap, transport/host_tcp/send_pacer.h); 0 = plain loopback");
-ABSL_FLAG(std::string, mode, "sync",
-          "--delta: update mode of both cases (sync, one_step_off, async; rollouts Apply each version as soon as it "
-          "is committed, generation steps of 0 s)");
 ABSL_FLAG(double, lr, 1e-6, "--delta: learning rate of the update model (daemon/delta/update_model.h)");
 ABSL_FLAG(std::string, quantization, "",
           "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
@@ -124,7 +121,7 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
   e2e::RunOptions run;
   run.config = config;
   run.model_id = "qwen-" + strategy + (quantization.empty() ? "" : "-" + quantization);
-  run.mode = absl::GetFlag(FLAGS_delta) ? absl::GetFlag(FLAGS_mode) : "sync";
+  run.mode = "sync";
   run.strategy = strategy;
   run.versions = versions;
   run.timeout_ms = 300000;
@@ -627,7 +624,6 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
   if (json) {
     nlohmann::json j = {{"lr", lr},
                         {"link_gbps", absl::GetFlag(FLAGS_link_gbps)},
-                        {"mode", absl::GetFlag(FLAGS_mode)},
                         {"identical_fraction", identical},
                         {"bytes_full", bytes_full},
                         {"bytes_delta", bytes_delta},
@@ -657,8 +653,8 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
     }
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("%s (%.3f GB bf16), lr %g: %.4f of bf16 elements identical per version, %d replica(s), %s, %d versions\n", config.c_str(),
-                model_bytes / 1e9, lr, identical, replicas, absl::GetFlag(FLAGS_mode).c_str(), versions);
+    std::printf("%s (%.3f GB bf16), lr %g: %.4f of bf16 elements identical per version, %d replica(s), sync, %d versions\n", config.c_str(),
+                model_bytes / 1e9, lr, identical, replicas, versions);
     std::printf("%-8s %16s %10s %9s\n", "versions", "inter_node_GB", "update_s", "verified");
     std::printf("%-8s %16.4f %10.3f %9s\n", "full", bytes_full / 1e9, full_s, f.result.verified ? "yes" : "NO");
     std::printf("%-8s %16.4f %10.3f %9s\n", "delta", bytes_delta / 1e9, delta_s, d.result.verified ? "yes" : "NO");
