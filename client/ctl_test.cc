@@ -137,6 +137,30 @@ TEST(StatusViewTest, VersionsShowWhetherEveryOpWasVerified) {
   EXPECT_TRUE(j["versions"][1]["verified"].get<bool>());
 }
 
+TEST(StatusViewTest, VersionsShowWhatTravelledAsDeltas) {
+  pb::StatusResponse s = Sample();
+  for (auto& v : *s.mutable_versions()) {
+    if (v.version() == 2) {
+      v.set_delta_bytes(42200000);
+      v.set_delta_replaced_bytes(988000000);
+    }
+    if (v.version() == 3) {
+      v.set_delta_bytes(40000000);
+      v.set_delta_replaced_bytes(900000000);
+      v.set_delta_fallback_bytes(88000000);  // refused deltas resent in full
+    }
+  }
+  const std::string table = VersionsTable(VersionsOf(s, "qwen"));
+  EXPECT_NE(table.find("DELTA"), std::string::npos) << table;
+  EXPECT_NE(table.find(" 42.2 MB/988.0 MB "), std::string::npos) << table;
+  EXPECT_NE(table.find(" 40.0 MB/900.0 MB +88.0 MB full "), std::string::npos) << table;
+  auto j = VersionsJson("qwen", VersionsOf(s, "qwen"));
+  EXPECT_EQ(j["versions"][0]["delta_replaced_bytes"].get<uint64_t>(), 0u);  // version 1: full
+  EXPECT_EQ(j["versions"][1]["delta_bytes"].get<uint64_t>(), 42200000u);
+  EXPECT_EQ(j["versions"][1]["delta_replaced_bytes"].get<uint64_t>(), 988000000u);
+  EXPECT_EQ(j["versions"][2]["delta_fallback_bytes"].get<uint64_t>(), 88000000u);
+}
+
 TEST(StatusViewTest, WatchPicksRunningVersionAndComputesRateAndEta) {
   auto picked = PickWatched(Sample(), "", 0);
   ASSERT_TRUE(picked.has_value());

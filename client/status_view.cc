@@ -209,9 +209,22 @@ bool HasModel(const pb::StatusResponse& s, const std::string& model) {
   return false;
 }
 
+namespace {
+
+// Lossless deltas of a version: "<streams>/<bytes they replaced>" ("-" when nothing travelled as a
+// delta), and "+<bytes> full" for refused deltas resent in full.
+std::string DeltaCell(const pb::VersionStatus& v) {
+  if (v.delta_replaced_bytes() == 0 && v.delta_fallback_bytes() == 0) return "-";
+  std::string out = absl::StrCat(FormatBytes(v.delta_bytes()), "/", FormatBytes(v.delta_replaced_bytes()));
+  if (v.delta_fallback_bytes() > 0) absl::StrAppend(&out, " +", FormatBytes(v.delta_fallback_bytes()), " full");
+  return out;
+}
+
+}  // namespace
+
 std::string VersionsTable(const std::vector<pb::VersionStatus>& versions) {
-  std::string out = absl::StrFormat("  %-12s %-8s %-13s %-22s %-9s %-8s %-9s %s\n", "MODEL", "VERSION",
-                                    "STATE", "BYTES", "SECONDS", "GB/s", "VERIFIED", "ERROR");
+  std::string out = absl::StrFormat("  %-12s %-8s %-13s %-22s %-9s %-8s %-9s %-24s %s\n", "MODEL", "VERSION",
+                                    "STATE", "BYTES", "SECONDS", "GB/s", "VERIFIED", "DELTA", "ERROR");
   for (const auto& v : versions) {
     std::string bytes = absl::StrCat(FormatBytes(v.bytes_done()), "/", FormatBytes(v.bytes_total()));
     double rate = v.seconds() > 0 ? static_cast<double>(v.bytes_done()) / v.seconds() / 1e9 : 0;
@@ -220,9 +233,9 @@ std::string VersionsTable(const std::vector<pb::VersionStatus>& versions) {
     std::string verified = v.verified() ? std::string("yes")
                            : v.ops_verified() > 0 ? absl::StrCat(v.ops_verified(), "/", v.num_ops())
                                                   : std::string("-");
-    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %-9s %s\n", v.model_id(),
+    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %-9s %-24s %s\n", v.model_id(),
                           v.version(), v.state(), bytes, v.seconds(),
-                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), verified, v.error());
+                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), verified, DeltaCell(v), v.error());
   }
   return out;
 }
@@ -241,6 +254,9 @@ nlohmann::json VersionsJson(const std::string& model_id, const std::vector<pb::V
                              {"num_ops", v.num_ops()},
                              {"verified", v.verified()},
                              {"ops_verified", v.ops_verified()},
+                             {"delta_bytes", v.delta_bytes()},
+                             {"delta_replaced_bytes", v.delta_replaced_bytes()},
+                             {"delta_fallback_bytes", v.delta_fallback_bytes()},
                              {"error", v.error()}});
   }
   return j;

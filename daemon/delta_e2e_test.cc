@@ -141,6 +141,12 @@ TEST_P(DeltaModesTest, DeltasAreByteExactAndSmall) {
   // Issue 17.4's digests of the delta ops came from the codec's own passes: each op's source box as
   // the sender packed it and its destination box as the receiver decoded it (neither read again).
   EXPECT_EQ(m3.digest_codec - m1.digest_codec, 2 * (m3.replaced - m1.replaced)) << "wb_digest_bytes_total{how=\"codec\"}";
+  // The coordinator's record of each version (ClusterStatus, `wbctl versions`' DELTA column) sums
+  // what the nodes reported sending: exactly what their counters moved by.
+  EXPECT_EQ(VersionOf(1).delta_replaced_bytes(), 0u);
+  EXPECT_EQ(static_cast<double>(VersionOf(3).delta_bytes()), m3.stream - m2.stream);
+  EXPECT_EQ(static_cast<double>(VersionOf(3).delta_replaced_bytes()), m3.replaced - m2.replaced);
+  EXPECT_EQ(VersionOf(3).delta_fallback_bytes(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeltaModesTest,
@@ -240,6 +246,7 @@ TEST_F(DeltaE2eTest, ABaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
   ASSERT_FALSE(HasFatalFailure());
   const Metered m1 = Meter();
   EXPECT_GE(m1.fallbacks - m0.fallbacks, 1) << "r1's node must refuse the delta made against another base";
+  EXPECT_GT(VersionOf(2).delta_fallback_bytes(), 0u) << "`wbctl versions` shows the refused bytes resent in full";
   EXPECT_GT(m1.stream - m0.stream, 0) << "the other deltas still travel";
   // The refused op's landed digest is not the codec's (nothing it decoded counts): it is taken
   // from what landed in full, and version 2 is verified (Version) on it.

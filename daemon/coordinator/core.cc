@@ -355,6 +355,8 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
       return absl::OkStatus();
     }
     m->progress[req.version()][req.node_id()] = req.bytes();
+    m->deltas[req.version()][req.node_id()] = {req.delta_stream_bytes(), req.delta_replaced_bytes(), req.delta_fallback_bytes()};
+    while (m->deltas.size() > kVersionDetailsKept) m->deltas.erase(m->deltas.begin());
     StatusChangedLocked();
   }
   if (m->machine->NodeDone(req.node_id(), req.version())) {

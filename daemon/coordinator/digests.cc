@@ -10,9 +10,6 @@
 namespace wb::daemon {
 namespace {
 
-// Verdicts kept per model for ClusterStatus (as many as the version machine keeps records).
-constexpr size_t kVerdictsKept = 64;
-
 // The daemon's metrics (CoordinatorOptions::metrics), else the process default.
 DaemonMetrics& MetricsOf(DaemonMetrics* injected) { return injected != nullptr ? *injected : Metrics(); }
 
@@ -45,7 +42,7 @@ void CoordinatorCore::FinishDigestsLocked(const std::string& model_id, Model& m,
   const DigestVerdict verdict = book->second.Verdict();
   m.digests.erase(book);
   m.verdicts[v] = verdict;
-  while (m.verdicts.size() > kVerdictsKept) m.verdicts.erase(m.verdicts.begin());
+  while (m.verdicts.size() > kVersionDetailsKept) m.verdicts.erase(m.verdicts.begin());
   if (verdict.verified) {
     MetricsOf(options_.metrics).Version(options_.local_node.empty() ? std::string("coordinator") : options_.local_node, model_id, "verified");
   }

@@ -38,6 +38,10 @@
 
 namespace wb::daemon {
 
+// Versions per model whose digest verdicts and delta tallies the coordinator keeps for
+// ClusterStatus (as many as the version machine keeps records).
+inline constexpr size_t kVersionDetailsKept = 64;
+
 class ModelRegistry {
  public:
   struct WorkerRec {
@@ -106,6 +110,12 @@ class ModelRegistry {
     // recent versions (ClusterStatus, `wbctl versions`).
     std::map<uint64_t, DigestBook> digests;
     std::map<uint64_t, DigestVerdict> verdicts;
+    // Lossless deltas per version and node, as the nodes' ReportDone said (by node: a report sent
+    // again replaces, never adds); the same recent versions as `verdicts`.
+    struct DeltaTally {
+      uint64_t stream = 0, replaced = 0, fallback = 0;
+    };
+    std::map<uint64_t, std::map<std::string, DeltaTally>> deltas;
     double last_seconds = 0;
     uint64_t last_bytes = 0;
     std::optional<CatchUpRun> catch_up;

@@ -85,6 +85,13 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
         vs->set_verified(d->second.verified);
         vs->set_ops_verified(d->second.ops_verified);
       }
+      if (auto d = m.deltas.find(v); d != m.deltas.end()) {
+        for (const auto& [node, t] : d->second) {
+          vs->set_delta_bytes(vs->delta_bytes() + t.stream);
+          vs->set_delta_replaced_bytes(vs->delta_replaced_bytes() + t.replaced);
+          vs->set_delta_fallback_bytes(vs->delta_fallback_bytes() + t.fallback);
+        }
+      }
     }
   }
 }

@@ -90,6 +90,9 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
   }
   req.set_catch_up(exec.catch_up);
   req.set_plan_epoch(exec.epoch);  // tells attempts of one catch-up version apart
+  req.set_delta_stream_bytes(static_cast<uint64_t>(exec.delta.bytes_sent_stream));
+  req.set_delta_replaced_bytes(static_cast<uint64_t>(exec.delta.bytes_sent_raw));
+  req.set_delta_fallback_bytes(static_cast<uint64_t>(exec.delta.bytes_fallback));
   pb::ReportDoneResponse resp;
   // Best effort: a lost report ends in the coordinator's version timeout (and abort).
   coordinator_.client().ReportDone(req, &resp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(10))).IgnoreError();
