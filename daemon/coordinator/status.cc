@@ -1,4 +1,6 @@
 // CoordinatorCore: ClusterStatus and the WatchStatus push stream.
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/convert.h"
 #include "daemon/coordinator/core.h"
@@ -86,10 +88,12 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
         vs->set_ops_verified(d->second.ops_verified);
       }
       if (auto d = m.deltas.find(v); d != m.deltas.end()) {
+        // Saturating: the figures are what nodes said, and a sum never wraps into a small number.
+        auto add = [](uint64_t a, uint64_t b) { return b > std::numeric_limits<uint64_t>::max() - a ? std::numeric_limits<uint64_t>::max() : a + b; };
         for (const auto& [node, t] : d->second) {
-          vs->set_delta_bytes(vs->delta_bytes() + t.stream);
-          vs->set_delta_replaced_bytes(vs->delta_replaced_bytes() + t.replaced);
-          vs->set_delta_fallback_bytes(vs->delta_fallback_bytes() + t.fallback);
+          vs->set_delta_bytes(add(vs->delta_bytes(), t.stream));
+          vs->set_delta_replaced_bytes(add(vs->delta_replaced_bytes(), t.replaced));
+          vs->set_delta_fallback_bytes(add(vs->delta_fallback_bytes(), t.fallback));
         }
       }
     }
