@@ -42,10 +42,27 @@ bool ForEachInBlock(const std::vector<Level>& levels, Fn&& fn) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inv, const std::vector<int64_t>& bases,
-                                                 absl::Span<const int64_t> probe,
-                                                 const std::vector<int64_t>& local_shape, int64_t offset_bytes,
-                                                 int element_size, int32_t buffer) {
+namespace {
+
+// Tensor of a canonical index, with a one-entry cache: neighbours usually share a tensor.
+class TensorOfIndex {
+ public:
+  explicit TensorOfIndex(const std::vector<int64_t>& bases) : bases_(bases) {}
+  size_t operator()(int64_t idx) {
+    if (cached_ + 1 < bases_.size() && bases_[cached_] <= idx && idx < bases_[cached_ + 1]) return cached_;
+    cached_ = std::upper_bound(bases_.begin(), bases_.end(), idx) - bases_.begin() - 1;
+    return cached_;
+  }
+
+ private:
+  const std::vector<int64_t>& bases_;
+  size_t cached_ = 0;
+};
+
+// ExtractPieces' arguments and every probe value (-1, or a canonical index of a tensor of
+// `element_size`); returns the local element count.
+absl::StatusOr<int64_t> CheckProbe(const Inventory& inv, const std::vector<int64_t>& bases, absl::Span<const int64_t> probe,
+                                   const std::vector<int64_t>& local_shape, int64_t offset_bytes, int element_size) {
   if (bases.size() != inv.tensors.size() + 1) {
     return absl::InvalidArgumentError("index probe: bases do not match the inventory (use TensorBases)");
   }
@@ -72,13 +89,7 @@ absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inv, const std
                                                    " or the tensor's bytes pass 2^63"));
   }
   const int64_t total = bases.back();
-  // Tensor of a canonical index, with a one-entry cache: neighbours usually share a tensor.
-  size_t cached = 0;
-  auto tensor_of = [&](int64_t idx) -> size_t {
-    if (cached < inv.tensors.size() && bases[cached] <= idx && idx < bases[cached + 1]) return cached;
-    cached = std::upper_bound(bases.begin(), bases.end(), idx) - bases.begin() - 1;
-    return cached;
-  };
+  TensorOfIndex tensor_of(bases);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t v = probe[i];
     if (v == -1) continue;
@@ -93,6 +104,19 @@ absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inv, const std
                                                      " but the local element size is ", element_size));
     }
   }
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inv, const std::vector<int64_t>& bases,
+                                                 absl::Span<const int64_t> probe,
+                                                 const std::vector<int64_t>& local_shape, int64_t offset_bytes,
+                                                 int element_size, int32_t buffer) {
+  absl::StatusOr<int64_t> checked = CheckProbe(inv, bases, probe, local_shape, offset_bytes, element_size);
+  if (!checked.ok()) return checked.status();
+  const int64_t n = *checked;
+  TensorOfIndex tensor_of(bases);
 
   const size_t lr = local_shape.size();
   const std::vector<int64_t> lstrides = ContiguousStrides(local_shape);
