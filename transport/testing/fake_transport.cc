@@ -67,7 +67,10 @@ struct Half {
   int64_t bytes = 0;
   bool done = false;
   absl::Status status;
-  std::shared_ptr<Match> match;
+  // Weak: the Match owns both halves, so a strong pointer back would be a cycle that keeps every
+  // matched batch alive forever (LeakSanitizer). The queue, and the copy thread while it runs,
+  // own the Match; once it is done nothing needs it.
+  std::weak_ptr<Match> match;
 };
 
 struct Match {
@@ -260,7 +263,8 @@ class FakeFabric::Impl {
     auto it = n.regions.find(h.id);
     if (it == n.regions.end()) return absl::NotFoundError(absl::StrCat("fake: no region ", h.id));
     for (const auto& [bid, half] : n.batches) {
-      const bool busy = !half->done || (half->match != nullptr && half->match->running);
+      const std::shared_ptr<Match> m = half->match.lock();
+      const bool busy = !half->done || (m != nullptr && m->running);
       if (busy && half->regions.count(h.id)) {
         return absl::FailedPreconditionError(
             absl::StrCat("fake: region ", h.id, " (", it->second.label, ") is used by unfinished batch tag ", half->tag));
@@ -344,8 +348,7 @@ class FakeFabric::Impl {
       }
     }
     // After Wait returns the transport holds no reference to the batch's memory.
-    if (half->match != nullptr) {
-      std::shared_ptr<Match> m = half->match;
+    if (std::shared_ptr<Match> m = half->match.lock(); m != nullptr) {
       AwaitStoppedLocked([&](const Match& x) { return &x == m.get(); });
     }
     unmatched_.erase(std::make_tuple(me, half->peer, half->tag));
@@ -430,7 +433,7 @@ class FakeFabric::Impl {
     if (h.done) return;
     h.done = true;
     h.status = s;
-    if (h.match != nullptr) h.match->cancel = true;
+    if (std::shared_ptr<Match> m = h.match.lock(); m != nullptr) m->cancel = true;
     auto n = nodes_.find(h.poster);
     if (n != nodes_.end()) ++n->second.stats.batches_failed;
     cv_.SignalAll();
