@@ -129,7 +129,9 @@ TEST_P(CatchUpTest, NewerVersionDuringCatchUpIsNotOvertaken) {
     EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
   }
   pb::ApplyResponse again;  // nothing older lands later
-  if (mode != pb::MODE_SYNC) ASSERT_TRUE(c_.Apply(r2, "m", 0, &again).ok());
+  if (mode != pb::MODE_SYNC) {
+    ASSERT_TRUE(c_.Apply(r2, "m", 0, &again).ok());
+  }
   EXPECT_EQ(CountBad(r2, 2), 0);
 }
 

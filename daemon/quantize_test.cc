@@ -284,7 +284,9 @@ TEST(QuantizeTest, FloatToBF16AndF16RoundToNearestEven) {
   for (int i = 0; i < 100000; ++i) {
     const float x = (rng() & 1 ? -1.0f : 1.0f) * std::exp2(mag(rng));
     ASSERT_EQ(FloatToBF16(x), NearestHalfLike(x, true)) << x;
-    if (std::fabs(x) < 65504.0f) ASSERT_EQ(FloatToF16(x), NearestHalfLike(x, false)) << x;
+    if (std::fabs(x) < 65504.0f) {
+      ASSERT_EQ(FloatToF16(x), NearestHalfLike(x, false)) << x;
+    }
   }
   // Ties: exactly between two bfloat16 codes -> the even one.
   EXPECT_EQ(FloatToBF16(1.0f + 0x1p-8f), 0x3f80);

@@ -269,7 +269,9 @@ TEST_F(SecureClusterTest, NodeCannotActAsAnotherNode) {
   grpc::ClientContext sctx;
   ASSERT_TRUE(stub->ClusterStatus(&sctx, sreq, &sresp).ok());
   for (const auto& n : sresp.nodes()) {
-    if (n.node_id() == "n0") EXPECT_EQ(n.address(), nodes_[0]->address());
+    if (n.node_id() == "n0") {
+      EXPECT_EQ(n.address(), nodes_[0]->address());
+    }
   }
 }
 

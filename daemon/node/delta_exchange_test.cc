@@ -443,7 +443,9 @@ TEST_F(DeltaExecTest, TheCodecsUnitHashesAreTheDigestsOfWhatWasReadAndWhatLanded
         EXPECT_EQ(UnitDigest(receiver, op, true), BoxDigestOf(landed, op)) << "v" << v << " op " << op;
       }
     }
-    if (v == 3) EXPECT_EQ(out_[1].result.delta.ops_refused, 1u);
+    if (v == 3) {
+      EXPECT_EQ(out_[1].result.delta.ops_refused, 1u);
+    }
     Commit(v);
   }
 }

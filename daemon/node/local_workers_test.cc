@@ -121,7 +121,7 @@ TEST_F(LocalWorkersTest, AJoinWaitsForTheLeaveOfAnExitedProcessOnTheClock) {
   if (child == 0) {
     ::close(pipefd[1]);  // EOF on the read end once the parent closes its write end
     char c;
-    (void)::read(pipefd[0], &c, 1);
+    [[maybe_unused]] const ssize_t got = ::read(pipefd[0], &c, 1);  // returns at EOF; the result does not matter
     ::_exit(0);
   }
   auto watch = PidWatch::Open(child, "worker r0");

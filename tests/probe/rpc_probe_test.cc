@@ -509,7 +509,9 @@ void RpcProbeTest::ProbeEverything() {
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString("node_id: 'n5' address: '127.0.0.1:1' data_address: '127.0.0.1:1'", &req));
     pb::RegisterNodeResponse resp;
     grpc::Status s = stub->RegisterNode(&ctx, req, &resp);
-    if (!standalone_) ASSERT_TRUE(s.ok()) << s.error_message();
+    if (!standalone_) {
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
   }
   struct Job {
     const MethodDescriptor* method;
