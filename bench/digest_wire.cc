@@ -16,6 +16,9 @@
 // cache), `digest_cold_cpu_s` the same at the cold rate, and `transport_extra_cpu_s` = transport -
 // plain CPU (what hashing in host_tcp costs here). Prints one JSON object with --json.
 #include <sys/resource.h>
+#include <xxhash.h>
+// The same XXH3 entry points as host_tcp (the widest vector unit of this CPU).
+#include <xxh_x86dispatch.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -31,10 +34,6 @@
 #include "absl/time/clock.h"
 #include "daemon/digest/digest.h"
 #include "transport/host_tcp/host_tcp.h"
-
-#include <xxhash.h>
-// The same XXH3 entry points as host_tcp (the widest vector unit of this CPU).
-#include <xxh_x86dispatch.h>
 
 ABSL_FLAG(int, mib, 512, "bytes moved per round, MiB");
 ABSL_FLAG(int, rounds, 5, "rounds (each runs every setting once)");
