@@ -36,6 +36,7 @@ const char* DTypeName(pb::DType d) {
     case pb::DTYPE_I64: return "int64";
     case pb::DTYPE_E8M0: return "float8_e8m0";
     case pb::DTYPE_I4: return "int4";
+    case pb::DTYPE_F4_E2M1: return "float4_e2m1";
     default: return "?";
   }
 }
@@ -58,6 +59,7 @@ std::string LayoutTable(const pb::LayoutDescription& d, const std::string& title
   for (const pb::LocalTensorInfo& t : d.tensors()) {
     std::string name = t.name();
     if (!t.scale_tensor().empty()) absl::StrAppend(&name, "  (scales: ", t.scale_tensor(), ")");
+    if (!t.global_scale_tensor().empty()) absl::StrAppend(&name, "  (global scale: ", t.global_scale_tensor(), ")");
     absl::StrAppendFormat(&out, "%7d %12d %12d %-12s %-16s %-14s %s\n", t.buffer_id(), t.offset_bytes(), t.size_bytes(), DTypeName(t.dtype()),
                           Dims(t.shape()), Dims(t.strides()), name);
   }

@@ -35,7 +35,7 @@ std::string DirOf(const std::string& path) {
 double MsSince(absl::Time start) { return absl::ToDoubleMilliseconds(Clock::Real()->Now() - start); }
 
 std::string Usage() {
-  return "usage: wbctl plan --spec FILE [--json] [--quantization fp8_block128|mxfp8|w4a16_g32|w4a16_experts_g32|none]\n"
+  return "usage: wbctl plan --spec FILE [--json] [--quantization fp8_block128|mxfp8|nvfp4|w4a16_g32|w4a16_experts_g32|none]\n"
          "                  [--receiver_quantization]\n";
 }
 
@@ -58,7 +58,7 @@ absl::Status OverrideQuantization(const std::string& name, planner::PlanSpec& sp
   const std::string q = name == "none" ? "" : name;
   if (!planner::KnownQuantization(q)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--quantization: unknown scheme '", name, "' (want fp8_block128, mxfp8, w4a16_g32, w4a16_experts_g32 or none)"));
+        "--quantization: unknown scheme '", name, "' (want fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32 or none)"));
   }
   spec.rollout.quantization = q;
   return absl::OkStatus();

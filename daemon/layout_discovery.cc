@@ -46,6 +46,8 @@ pb::LayoutDescription LayoutInfoToProto(const planner::LayoutInfo& info, const p
     for (int32_t k : t.pieces) lt->add_pieces(static_cast<uint32_t>(k));
     lt->set_scale_tensor(t.scale_tensor);
     lt->set_scales_of(t.scales_of);
+    lt->set_global_scale_tensor(t.global_scale_tensor);
+    lt->set_global_scale_of(t.global_scale_of);
   }
   out.set_piece_bytes(static_cast<uint64_t>(info.piece_bytes));
   return out;

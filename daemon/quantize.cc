@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "planner/box.h"
 #include "planner/quantized.h"
 
 namespace wb::daemon {
@@ -49,6 +51,26 @@ uint8_t E8M0ScaleFor(float amax) {
   std::frexp(amax, &exp2);  // amax = m * 2^exp2, m in [0.5, 1): floor(log2(amax)) = exp2 - 1
   const int e = std::clamp(exp2 - 1 - kE4M3MaxExponent, -127, 127);
   return static_cast<uint8_t>(e + 127);
+}
+
+uint8_t FloatToE2M1(float y) {
+  // ModelOpt's _cast_fp4: the code's magnitude is the number of rounding bounds below |y|, plus
+  // one on the three bounds where the even neighbour is the upper one; the sign is y < 0.
+  const float a = std::fabs(y);
+  const uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
+                       (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
+  const uint32_t code = a != a ? 7u : ord;  // NaN: past every bound (torch.searchsorted)
+  return static_cast<uint8_t>(code | (y < 0.0f ? 8u : 0u));
+}
+
+float E2M1ToFloat(uint8_t code) {
+  static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  return (code & 8) ? -kMag[code & 7] : kMag[code & 7];
+}
+
+float NvFp4GlobalScale(float amax) {
+  const float g = amax / (kE2M1Max * kE4M3Max);
+  return g > 0.0f || std::isnan(g) ? g : 1.0f;
 }
 
 uint16_t FloatToBF16(float x) {
@@ -252,6 +274,31 @@ inline __attribute__((always_inline)) void ScaledToInt4(const float* x, float s,
   }
 }
 
+// codes of x / d (d the block's divisor: its e4m3 scale read back times the global scale), two
+// per byte (even j low nibble); the same arithmetic as FloatToE2M1, written for the vectoriser.
+inline __attribute__((always_inline)) void ScaledToE2M1(const float* x, float d, int64_t n, uint8_t* nibbles) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float y = x[j] / d;
+    const float a = std::fabs(y);
+    uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
+                   (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
+    ord = a != a ? 7u : ord;
+    nibbles[j] = static_cast<uint8_t>(ord | (y < 0.0f ? 8u : 0u));
+  }
+}
+
+WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* divisor,
+                             std::vector<float>& tmp, uint8_t* out) {
+  if (tmp.size() < static_cast<size_t>(2 * inner)) tmp.resize(static_cast<size_t>(2 * inner));
+  float* x = tmp.data();
+  RowToFloat(row, dtype, inner, x);
+  uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + inner);
+  for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
+    ScaledToE2M1(x + lo, divisor[b], std::min(inner_block, inner - lo), nib + lo);
+  }
+  for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
+}
+
 WB_ROW_KERNEL void RowToInt4(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* scale,
                              std::vector<float>& tmp, uint8_t* out) {
   if (tmp.size() < static_cast<size_t>(2 * inner)) tmp.resize(static_cast<size_t>(2 * inner));
@@ -285,8 +332,24 @@ float StoreScale(float s, planner::DType dtype, uint8_t* at) {
 
 }  // namespace
 
+float ShadowAbsMax(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow) {
+  const planner::DType src = inventory.tensors[piece.tensor].dtype;
+  if (src != planner::DType::kBF16 && src != planner::DType::kF16 && src != planner::DType::kF32) return std::nanf("");
+  const int64_t n = planner::BoxVolume(piece.box);
+  const int es = planner::DTypeSize(src);
+  float m = 0.0f;
+  // In slices, so the vectorised max runs over a bounded count (and a NaN still wins).
+  constexpr int64_t kSlice = int64_t{1} << 16;
+  for (int64_t lo = 0; lo < n; lo += kSlice) {
+    const float s = AbsMax(shadow + lo * es, src, std::min(kSlice, n - lo));
+    m = (std::isnan(s) || s > m) ? s : m;
+    if (std::isnan(m)) break;
+  }
+  return m;
+}
+
 absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow,
-                           uint8_t* elements, uint8_t* scales) {
+                           uint8_t* elements, uint8_t* scales, std::optional<float> nvfp4_global_scale) {
   if (!piece.quant.has_value()) return absl::InvalidArgumentError("QuantizePiece: the piece is not quantised");
   const planner::DType src = inventory.tensors[piece.tensor].dtype;
   if (src != planner::DType::kBF16 && src != planner::DType::kF16 && src != planner::DType::kF32) {
@@ -295,17 +358,33 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
   }
   const planner::DType sdt = piece.quant->scale_dtype;
   const bool int4 = piece.quant->dtype == planner::DType::kI4;
-  const bool e8m0 = !int4 && sdt == planner::DType::kE8M0;
-  const bool scale_ok = int4 ? (sdt == planner::DType::kBF16 || sdt == planner::DType::kF16 || sdt == planner::DType::kF32)
-                             : (piece.quant->dtype == planner::DType::kF8E4M3 && (sdt == planner::DType::kE8M0 || sdt == planner::DType::kF32));
+  const bool nvfp4 = piece.quant->dtype == planner::DType::kF4E2M1;
+  const bool e8m0 = !int4 && !nvfp4 && sdt == planner::DType::kE8M0;
+  const bool scale_ok = int4    ? (sdt == planner::DType::kBF16 || sdt == planner::DType::kF16 || sdt == planner::DType::kF32)
+                        : nvfp4 ? sdt == planner::DType::kF8E4M3 && piece.quant->global_scale_offset_bytes >= 0
+                                : (piece.quant->dtype == planner::DType::kF8E4M3 && (sdt == planner::DType::kE8M0 || sdt == planner::DType::kF32));
   if (!scale_ok) {
     return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, " to ",
                                                    planner::DTypeName(piece.quant->dtype), " with ", planner::DTypeName(sdt), " scales"));
   }
-  if (int4 && (piece.box.begin.empty() || piece.strides.back() != 1 || (piece.box.end.back() - piece.box.begin.back()) % 2 != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name,
-                                                   " to int4: not packed along its last dim (validate the layout first)"));
+  const bool packed4 = int4 || nvfp4;
+  if (packed4 && (piece.box.begin.empty() || piece.strides.back() != 1 || (piece.box.end.back() - piece.box.begin.back()) % 2 != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot quantise ", inventory.tensors[piece.tensor].name, " to ",
+                                                   planner::DTypeName(piece.quant->dtype),
+                                                   ": not packed along its last dim (validate the layout first)"));
   }
+  // NVFP4's second-level scale: the caller's (shared by the piece's group, stored by the caller),
+  // else this piece's own, stored here.
+  float global = 0.0f;
+  if (nvfp4) {
+    if (nvfp4_global_scale.has_value()) {
+      global = *nvfp4_global_scale;
+    } else {
+      global = NvFp4GlobalScale(ShadowAbsMax(inventory, piece, shadow));
+      std::memcpy(scales + piece.quant->global_scale_offset_bytes, &global, 4);
+    }
+  }
+  const float six_global = kE2M1Max * global;
   const size_t rank = piece.box.begin.size();
   const int es = planner::DTypeSize(src);
   const std::vector<int64_t> grid = planner::ScaleShape(piece);
@@ -351,7 +430,13 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     for (int64_t base : bases) {
       for (int64_t b = base; b < base + inner_blocks; ++b) {
         const float a = amax[static_cast<size_t>(b)];
-        if (int4) {  // factor = the stored scale, read back: q = x / scale
+        if (nvfp4) {  // factor = the divisor: the stored e4m3 scale read back times the global scale
+          float bs = a / six_global;
+          bs = bs == 0.0f ? 1.0f : bs;  // ModelOpt: an all-zero block gets scale 1
+          const uint8_t code = FloatToE4M3(bs);
+          scale_out[b] = code;
+          factor[static_cast<size_t>(b)] = E4M3ToFloat(code) * global;
+        } else if (int4) {  // factor = the stored scale, read back: q = x / scale
           const float s = std::isnan(a) ? a : std::max(a / kInt4ScaleDivisor, kInt4MinScale);
           factor[static_cast<size_t>(b)] = StoreScale(s, sdt, scale_out + b * planner::DTypeSize(sdt));
         } else if (e8m0) {
@@ -368,6 +453,10 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     }
     bases.clear();
     for (const Row& r : group) {
+      if (nvfp4) {  // stride 1 (checked above), as int4
+        RowToE2M1(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, tmp, elements + r.dst);
+        continue;
+      }
       if (int4) {  // stride 1 (checked above): the row's packed bytes are contiguous
         RowToInt4(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, tmp, elements + r.dst);
         continue;
@@ -386,7 +475,7 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     int64_t block_base = 0, dst = piece.offset_bytes;
     for (size_t d = 0; d + 1 < rank; ++d) {
       block_base = block_base * grid[d] + idx[d] / block[d];
-      dst += int4 ? idx[d] * piece.strides[d] / 2 : idx[d] * piece.strides[d];  // fp8: a byte per element; int4: two
+      dst += packed4 ? idx[d] * piece.strides[d] / 2 : idx[d] * piece.strides[d];  // fp8: a byte per element; int4 / e2m1: two
     }
     block_base *= inner_blocks;
     if (runs && !group.empty() && group.back().base != block_base) flush();

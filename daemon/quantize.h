@@ -1,5 +1,5 @@
 #pragma once
-// float8_e4m3fn block quantisation of a rollout's quantised pieces (planner/types.h
+// Block quantisation (float8_e4m3fn, int4, NVFP4) of a rollout's quantised pieces (planner/types.h
 // `Quantization`, planner/quantized.h): runs on the receiving node, on host staging, after a
 // version has fully landed and before it commits.
 //
@@ -20,8 +20,17 @@
 //               torch computes in the model dtype, so a tie may round differently), NaN -> 0
 //   stored    = q + 8, two per byte along the last dim, the even element in the low nibble
 //               (compressed-tensors' int32 packing read as little-endian bytes).
+// NVFP4 (float4_e2m1 elements, 1x16 blocks, float8_e4m3 scales, float32 global scale; ModelOpt's
+// NVFP4QTensor, the format vLLM's modelopt_fp4 loads):
+//   global    = amax_group / (6 * 448) (amax over every piece sharing the global scale; 0 -> 1)
+//   scale     = e4m3(amax_block / (6 * global)), an exact 0 replaced by 1 before the cast
+//   q         = e2m1(x / (float(scale) * global)): round to nearest even over
+//               {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating at 6, sign = (x / d < 0) (so a negative
+//               value that rounds to 0 is code 8), NaN -> 7; float32 arithmetic in that order
+//   stored    = code (sign << 3 | magnitude index), two per byte, the even element in the low nibble.
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "planner/types.h"
@@ -48,13 +57,26 @@ inline constexpr uint8_t kE8M0Nan = 0xff;
 // The e8m0 scale byte of a block whose largest magnitude is `amax` (see above).
 uint8_t E8M0ScaleFor(float amax);
 
+inline constexpr float kE2M1Max = 6.0f;
+// float -> float4_e2m1 code (NVFP4 rounding above), and back.
+uint8_t FloatToE2M1(float y);
+float E2M1ToFloat(uint8_t code);
+// NVFP4's second-level scale for a group whose largest magnitude is `amax` (see above).
+float NvFp4GlobalScale(float amax);
+// max |x| over a quantised piece's shadow (canonical dtype, row-major over its box); NaN if any
+// element is NaN or the dtype is not bfloat16 / float16 / float32.
+float ShadowAbsMax(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow);
+
 // Quantises `piece` (quantised and validated against its layout): reads its box from `shadow`
 // (canonical dtype, row-major over the box, as planner::StagingLayout places it), writes the e4m3
 // (or packed int4) elements at the piece's offset and strides into `elements` (the base of the piece's buffer) and
 // the scales (quant.scale_dtype), row-major over the block grid, at quant.scale_offset_bytes of `scales` (the
 // base of the scale buffer). The caller has checked every address against its buffer (the layout
 // was validated); INVALID_ARGUMENT for a piece without quant or a dtype it cannot read.
+// NVFP4 pieces: `nvfp4_global_scale` is the group's global scale (NvFp4GlobalScale of the group's
+// ShadowAbsMax), which the caller stores once at quant.global_scale_offset_bytes of `scales`;
+// without it the piece is its own group and its global scale is computed and stored here.
 absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow,
-                           uint8_t* elements, uint8_t* scales);
+                           uint8_t* elements, uint8_t* scales, std::optional<float> nvfp4_global_scale = std::nullopt);
 
 }  // namespace wb::daemon

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -373,6 +374,150 @@ TEST(QuantizeTest, Int4GroupsPackTwoElementsPerByte) {
     for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(buf[i], 0xAB);
     for (int64_t i = q.scale_offset_bytes + 24 * ss; i < static_cast<int64_t>(buf.size()); ++i) ASSERT_EQ(buf[i], 0xAB);
   }
+}
+
+// NVFP4 reference, independent of FloatToE2M1's bound counting: the nearest of the eight
+// magnitudes by search, ties to the even code, sign = y < 0, NaN -> 7.
+uint8_t NearestE2M1(float y) {
+  static const double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  if (std::isnan(y)) return 7;
+  if (std::isinf(y)) return y < 0 ? 15 : 7;  // beyond 6: saturates
+  const double a = std::fabs(static_cast<double>(y));
+  int best = 0;
+  for (int c = 1; c < 8; ++c) {
+    const double d = std::fabs(kMag[c] - a), bd = std::fabs(kMag[best] - a);
+    if (d < bd || (d == bd && c % 2 == 0)) best = c;
+  }
+  return static_cast<uint8_t>(best | (y < 0.0f ? 8 : 0));
+}
+
+TEST(QuantizeTest, E2M1RoundsToNearestEvenAndSaturates) {
+  // Every tie, both sides of it, and the cases ModelOpt's sign rule makes special.
+  const float ties[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  for (float t : ties) {
+    for (float v : {t, std::nextafter(t, 0.0f), std::nextafter(t, 10.0f)}) {
+      EXPECT_EQ(FloatToE2M1(v), NearestE2M1(v)) << v;
+      EXPECT_EQ(FloatToE2M1(-v), NearestE2M1(-v)) << -v;
+    }
+  }
+  EXPECT_EQ(FloatToE2M1(0.25f), 0);    // 0 is the even neighbour
+  EXPECT_EQ(FloatToE2M1(0.75f), 2);    // 1.0
+  EXPECT_EQ(FloatToE2M1(2.5f), 4);     // 2.0
+  EXPECT_EQ(FloatToE2M1(3.5f), 6);     // 4.0
+  EXPECT_EQ(FloatToE2M1(5.0f), 6);     // 4.0
+  EXPECT_EQ(FloatToE2M1(100.0f), 7);   // saturates at 6
+  EXPECT_EQ(FloatToE2M1(-INFINITY), 15);
+  EXPECT_EQ(FloatToE2M1(-0.0f), 0);    // -0 < 0 is false
+  EXPECT_EQ(FloatToE2M1(-0.1f), 8);    // rounds to 0, keeps its sign
+  EXPECT_EQ(FloatToE2M1(std::nanf("")), 7);
+  for (int c = 0; c < 16; ++c) {
+    if (c == 8) continue;  // -0 decodes to -0.0, which encodes as 0
+    EXPECT_EQ(FloatToE2M1(E2M1ToFloat(static_cast<uint8_t>(c))), c) << c;
+  }
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-8.0f, 8.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const float v = u(rng);
+    ASSERT_EQ(FloatToE2M1(v), NearestE2M1(v)) << v;
+  }
+  EXPECT_EQ(NvFp4GlobalScale(2688.0f), 1.0f);
+  EXPECT_EQ(NvFp4GlobalScale(0.0f), 1.0f);  // all zeros: scale 1 (ModelOpt would divide by 0)
+  EXPECT_EQ(NvFp4GlobalScale(1.5f), 1.5f / 2688.0f);
+}
+
+// NVFP4: a bf16 piece with a row pitch, blocks of 1 x 16, e4m3 scales and its own global scale
+// (no group given), then the same piece with a group's (larger) global scale; every nibble, scale
+// and the global scale against the reference above, computed here from the definitions.
+TEST(QuantizeTest, NvFp4BlocksPackTwoElementsPerByteWithAGlobalScale) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {16, 96}, planner::DType::kBF16});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{4, 32}, {16, 96}};  // 12 x 64: blocks 1 x 16 -> 12 x 4
+  p.buffer = 0;
+  p.offset_bytes = 8;
+  p.strides = {80, 1};  // row pitch 40 bytes
+  planner::Quantization q;
+  q.dtype = planner::DType::kF4E2M1;
+  q.scale_dtype = planner::DType::kF8E4M3;
+  q.block = {1, 16};
+  q.scale_offset_bytes = 8 + 11 * 40 + 32 + 1;
+  q.global_scale_offset_bytes = (q.scale_offset_bytes + 48 + 3) / 4 * 4;
+  p.quant = q;
+  planner::WorkerLayout layout;
+  layout.buffers.push_back({q.global_scale_offset_bytes + 4 + 8});
+  layout.pieces.push_back(p);
+  ASSERT_TRUE(planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r").ok())
+      << planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r");
+  const int64_t rows = 12, cols = 64;
+  std::vector<uint16_t> shadow(rows * cols);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> n(0.0f, 0.02f);
+  for (int64_t i = 0; i < rows * cols; ++i) shadow[i] = ToBF16(n(rng));
+  for (int64_t c = 0; c < 16; ++c) shadow[2 * cols + c] = 0;  // zero block: scale 1.0
+  shadow[5 * cols + 3] = ToBF16(0.5f);                        // the piece's largest magnitude
+  for (int64_t c = 16; c < 32; ++c) shadow[6 * cols + c] = ToBF16(1e-9f * (c - 20));  // tiny block: scale underflows
+  auto val = [&](int64_t r, int64_t c) {
+    uint32_t b = static_cast<uint32_t>(shadow[r * cols + c]) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  };
+  for (float group_amax : {0.0f, 0.75f}) {  // 0: the piece is its own group
+    std::vector<uint8_t> buf(layout.buffers[0].size_bytes, 0xAB);
+    std::optional<float> given;
+    if (group_amax > 0) given = NvFp4GlobalScale(group_amax);
+    ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data(), given).ok());
+    const float g = (group_amax > 0 ? group_amax : 0.5f) / 2688.0f;
+    float stored_g;
+    std::memcpy(&stored_g, buf.data() + q.global_scale_offset_bytes, 4);
+    if (given.has_value()) {
+      uint32_t untouched;
+      std::memcpy(&untouched, buf.data() + q.global_scale_offset_bytes, 4);
+      EXPECT_EQ(untouched, 0xABABABABu) << "a given group scale is stored by the caller";
+    } else {
+      EXPECT_EQ(stored_g, g);
+    }
+    int underflowed = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < 4; ++b) {
+        float amax = 0;
+        for (int64_t c = b * 16; c < b * 16 + 16; ++c) amax = std::max(amax, std::fabs(val(r, c)));
+        float bs = amax / (6.0f * g);
+        if (bs == 0.0f) bs = 1.0f;
+        const uint8_t want_scale = NearestCode(bs);
+        const uint8_t got_scale = buf[q.scale_offset_bytes + r * 4 + b];
+        ASSERT_EQ(got_scale, want_scale) << r << "," << b;
+        underflowed += want_scale == 0;
+        const float d = static_cast<float>(CodeValue(want_scale)) * g;
+        for (int64_t c = b * 16; c < b * 16 + 16; ++c) {
+          const uint8_t byte = buf[8 + r * 40 + c / 2];
+          const int got = c % 2 == 0 ? byte & 0xf : byte >> 4;
+          ASSERT_EQ(got, NearestE2M1(val(r, c) / d)) << r << "," << c;
+        }
+      }
+    }
+    EXPECT_GT(underflowed, 0) << "the tiny block's scale should round to e4m3 zero (x / 0 saturates)";
+    EXPECT_EQ(buf[q.scale_offset_bytes + 2 * 4], 0x38) << "an all-zero block gets scale 1.0";
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 32; c < 40 && 8 + r * 40 + c < q.scale_offset_bytes; ++c) ASSERT_EQ(buf[8 + r * 40 + c], 0xAB);
+    }
+    for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(buf[i], 0xAB);
+    for (int64_t i = q.scale_offset_bytes + 48; i < q.global_scale_offset_bytes; ++i) ASSERT_EQ(buf[i], 0xAB);
+  }
+}
+
+TEST(QuantizeTest, ShadowAbsMaxFindsTheLargestMagnitudeAndNaN) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {3, 70000}, planner::DType::kBF16});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{0, 0}, {3, 70000}};
+  std::vector<uint16_t> shadow(3 * 70000, ToBF16(0.25f));
+  shadow[3 * 70000 - 1] = ToBF16(-3.0f);  // past the first 2^16-element slice
+  EXPECT_EQ(ShadowAbsMax(inv, p, reinterpret_cast<const uint8_t*>(shadow.data())), 3.0f);
+  shadow[5] = 0x7fc0;
+  EXPECT_TRUE(std::isnan(ShadowAbsMax(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()))));
 }
 
 TEST(QuantizeTest, RefusesUnquantisedPieces) {

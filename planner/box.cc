@@ -19,12 +19,13 @@ int DTypeSize(DType dtype) {
     case DType::kI64:
       return 8;
     case DType::kI4:
+    case DType::kF4E2M1:
       return 0;  // sub-byte
   }
   return 0;
 }
 
-int DTypeBits(DType dtype) { return dtype == DType::kI4 ? 4 : 8 * DTypeSize(dtype); }
+int DTypeBits(DType dtype) { return IsPacked4(dtype) ? 4 : 8 * DTypeSize(dtype); }
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
@@ -42,6 +43,8 @@ const char* DTypeName(DType dtype) {
       return "float8_e8m0";
     case DType::kI4:
       return "int4";
+    case DType::kF4E2M1:
+      return "float4_e2m1";
   }
   return "unknown";
 }

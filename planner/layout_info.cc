@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
@@ -95,6 +96,16 @@ LayoutInfo DescribePresetLayout(const Inventory& inventory, const PresetLayout& 
         break;
       }
     }
+    const int64_t g = p.quant->global_scale_offset_bytes;
+    if (g < 0) continue;
+    for (LocalTensorInfo& s : info.tensors) {
+      if (!s.pieces.empty() || s.buffer != p.quant->scale_buffer || s.dtype != DType::kF32) continue;
+      if (g >= s.offset_bytes && g < s.offset_bytes + s.size_bytes) {
+        t.global_scale_tensor = s.name;
+        s.global_scale_of = t.name;
+        break;
+      }
+    }
   }
   return info;
 }
@@ -103,6 +114,7 @@ absl::StatusOr<LayoutInfo> DescribePieces(const Inventory& inventory, const Work
   LayoutInfo info;
   info.layout = layout;
   std::map<int32_t, int> pieces_of;  // tensor -> pieces in the layout
+  std::map<std::pair<int32_t, int64_t>, std::string> global_names;  // NVFP4 global scale place -> its name
   for (const Piece& p : layout.pieces) ++pieces_of[p.tensor];
   std::vector<int64_t> need(static_cast<size_t>(std::max(num_buffers, 0)), 0);
   auto reach = [&](int32_t buffer, int64_t end) -> absl::Status {
@@ -144,8 +156,29 @@ absl::StatusOr<LayoutInfo> DescribePieces(const Inventory& inventory, const Work
       RETURN_IF_ERROR(reach(s.buffer, scale_end));
       s.scales_of = t.name;
       t.scale_tensor = s.name;
+      // NVFP4: the global scale, described once per place (the first piece naming it names it).
+      const int64_t g = p.quant->global_scale_offset_bytes;
+      std::optional<LocalTensorInfo> gs;
+      if (g >= 0) {
+        auto [it, fresh] = global_names.emplace(std::make_pair(p.quant->scale_buffer, g), absl::StrCat(t.name, "_scale_2"));
+        t.global_scale_tensor = it->second;
+        if (fresh) {
+          if (g > INT64_MAX - 4) return absl::InvalidArgumentError(absl::StrCat("piece ", i, " (", t.name, "): global scale at ", g, " overflows"));
+          gs.emplace();
+          gs->name = it->second;
+          gs->shape = {1};
+          gs->dtype = DType::kF32;
+          gs->buffer = p.quant->scale_buffer;
+          gs->offset_bytes = g;
+          gs->strides = {1};
+          gs->size_bytes = 4;
+          gs->global_scale_of = t.name;
+          RETURN_IF_ERROR(reach(gs->buffer, g + 4));
+        }
+      }
       info.tensors.push_back(std::move(t));
       info.tensors.push_back(std::move(s));
+      if (gs.has_value()) info.tensors.push_back(*std::move(gs));
     } else {
       info.tensors.push_back(std::move(t));
     }

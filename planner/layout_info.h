@@ -7,10 +7,12 @@
 // Two sources:
 //  - a preset (planner/presets.h): the framework's local tensors in the preset's packing order,
 //    each at a kLocalTensorAlignment-aligned offset of buffer 0, stored row-major; a quantised
-//    tensor is followed by its scales tensor ("<name>_scale_inv" / "<name>_scale");
+//    tensor is followed by its scales tensor ("<name>_scale_inv" / "<name>_scale"; NVFP4 also by
+//    "<name>_scale_2", its float32 global scale);
 //  - explicit pieces (or pieces an index probe resolved to): one local tensor per piece, named
 //    after its canonical tensor (plus the box when the tensor has several pieces), with the
-//    piece's own strides in canonical dim order; a quantised piece gets a scales tensor too.
+//    piece's own strides in canonical dim order; a quantised piece gets a scales tensor too (and
+//    an NVFP4 one its global scale, one per distinct place, named after the first piece naming it).
 
 #include <cstdint>
 #include <string>
@@ -33,6 +35,10 @@ struct LocalTensorInfo {
   std::vector<int32_t> pieces;   // indices into LayoutInfo::layout.pieces stored in this tensor
   std::string scale_tensor;      // quantised: name of the local tensor holding its scales
   std::string scales_of;         // scales: name of the tensor they belong to
+  // NVFP4 (float4_e2m1) pieces: their float32 second-level scale ("<name>_scale_2", ModelOpt's
+  // weight_scale_2, shape [1]), and on that tensor the quantised tensor it belongs to.
+  std::string global_scale_tensor;
+  std::string global_scale_of;
 };
 
 struct LayoutInfo {

@@ -137,6 +137,37 @@ Inventory Small() {
   return inv;
 }
 
+// NVFP4 pieces: each gets its e4m3 scales; the float32 global scale two of them share is described
+// once, named after the first piece that names it, and counts towards its buffer's size.
+TEST(LayoutInfoTest, Nvfp4PiecesDescribeTheirSharedGlobalScaleOnce) {
+  Inventory inv = Small();
+  WorkerLayout l;
+  Piece top{2, Box{{0, 0}, {128, 192}}, 0, 0, {192, 1}, std::nullopt};
+  top.quant = Quantization{DType::kF4E2M1, {1, 16}, 1, 0, DType::kF8E4M3, 2 * 128 * 12};
+  Piece bottom{2, Box{{128, 0}, {256, 192}}, 0, 128 * 96, {192, 1}, std::nullopt};
+  bottom.quant = Quantization{DType::kF4E2M1, {1, 16}, 1, 128 * 12, DType::kF8E4M3, 2 * 128 * 12};
+  l.pieces = {top, bottom};
+  auto info = DescribePieces(inv, l);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->buffer_bytes, (std::vector<int64_t>{256 * 96, 2 * 128 * 12 + 4}));
+  ASSERT_EQ(info->tensors.size(), 5u);
+  EXPECT_EQ(info->tensors[0].name, "w[0:128, 0:192]");
+  EXPECT_EQ(info->tensors[0].dtype, DType::kF4E2M1);
+  EXPECT_EQ(info->tensors[0].size_bytes, 127 * 96 + 96);
+  EXPECT_EQ(info->tensors[0].scale_tensor, "w[0:128, 0:192]_scale");
+  EXPECT_EQ(info->tensors[0].global_scale_tensor, "w[0:128, 0:192]_scale_2");
+  EXPECT_EQ(info->tensors[1].dtype, DType::kF8E4M3);
+  EXPECT_EQ(info->tensors[1].shape, (std::vector<int64_t>{128, 12}));
+  EXPECT_EQ(info->tensors[2].name, "w[0:128, 0:192]_scale_2");
+  EXPECT_EQ(info->tensors[2].dtype, DType::kF32);
+  EXPECT_EQ(info->tensors[2].offset_bytes, 2 * 128 * 12);
+  EXPECT_EQ(info->tensors[2].global_scale_of, "w[0:128, 0:192]");
+  EXPECT_EQ(info->tensors[3].name, "w[128:256, 0:192]");
+  EXPECT_EQ(info->tensors[3].global_scale_tensor, "w[0:128, 0:192]_scale_2");  // shared, not described twice
+  EXPECT_EQ(info->tensors[4].name, "w[128:256, 0:192]_scale");
+  EXPECT_TRUE(ValidateLayout(inv, info->layout, Role::kRollout, "r").ok()) << ValidateLayout(inv, info->layout, Role::kRollout, "r");
+}
+
 TEST(LayoutInfoTest, ExplicitPiecesSizeEachBufferFromTheFarthestByte) {
   Inventory inv = Small();
   WorkerLayout l;

@@ -776,17 +776,31 @@ bool QuantizableTensor(const TensorSpec& t, bool experts_only) {
   return n.find("proj") != std::string::npos || n.find(".experts.") != std::string::npos;
 }
 
+// Blocks of `block` covering `box` (ceil per dim); 0 when the ranks differ (the caller refuses those).
+int64_t BlocksOf(const Box& box, const std::vector<int64_t>& block) {
+  if (box.begin.size() != block.size()) return 0;
+  int64_t n = 1;
+  for (size_t d = 0; d < block.size(); ++d) n *= (box.end[d] - box.begin[d] + block[d] - 1) / block[d];
+  return n;
+}
+
 // Re-packs `out` (one buffer) with quantisable local tensors quantised + their scales.
 absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, PresetLayout& out) {
   // fp8_block128: float8_e4m3, 128x128 blocks, float32 scale_inv (DeepSeek-V3); mxfp8: float8_e4m3,
   // 1x32 blocks along the input dim, e8m0 scales (OCP MX, vLLM's "weight_scale" uint8);
   // w4a16_g32 / w4a16_experts_g32: int4, 1x32 groups, scales in the tensor's dtype
   // (compressed-tensors pack-quantized; "<name>_packed" holds the int4 pairs).
+  // nvfp4: float4_e2m1 (ModelOpt NVFP4 as vLLM loads it), 1x16 blocks, float8_e4m3 scales in
+  // "<name>_scale", then the float32 global scale all the local tensor's pieces share in
+  // "<name>_scale_2" (one per local tensor: vLLM's fused qkv_proj keeps one after loading).
   const bool mx = scheme == "mxfp8";
+  const bool nvfp4 = scheme == "nvfp4";
   const bool int4 = scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
   const bool experts_only = scheme == "w4a16_experts_g32";
-  const std::vector<int64_t> block = mx || int4 ? std::vector<int64_t>{1, 32} : std::vector<int64_t>{128, 128};
-  const DType elem_dtype = int4 ? DType::kI4 : DType::kF8E4M3;
+  const std::vector<int64_t> block = nvfp4 ? std::vector<int64_t>{1, 16}
+                                     : mx || int4 ? std::vector<int64_t>{1, 32}
+                                                  : std::vector<int64_t>{128, 128};
+  const DType elem_dtype = int4 ? DType::kI4 : nvfp4 ? DType::kF4E2M1 : DType::kF8E4M3;
   PresetLayout q;
   q.layout.buffers = out.layout.buffers;
   q.layout.pieces = out.layout.pieces;
@@ -796,7 +810,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
       quantize = quantize && QuantizableTensor(inv.tensors[out.layout.pieces[k].tensor], experts_only);
     }
-    const DType scale_dtype = mx ? DType::kE8M0 : int4 ? lt.dtype : DType::kF32;
+    const DType scale_dtype = mx ? DType::kE8M0 : int4 ? lt.dtype : nvfp4 ? DType::kF8E4M3 : DType::kF32;
     const int scale_size = DTypeSize(scale_dtype);
     const int old_bits = DTypeBits(lt.dtype);
     const int new_bits = quantize ? DTypeBits(elem_dtype) : old_bits;
@@ -820,7 +834,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     if (!quantize) continue;
     LocalTensor st;
     st.name = lt.name;
-    const char* suffix = mx || int4 ? "_scale" : "_scale_inv";
+    const char* suffix = mx || int4 || nvfp4 ? "_scale" : "_scale_inv";
     // "x.weight" -> "x.weight_scale"; vLLM's fused expert "experts.w13_weight" -> "experts.w13_weight_scale".
     st.name += absl::EndsWith(st.name, "weight") ? suffix : absl::StrCat(".weight", suffix);
     st.dtype = scale_dtype;
@@ -829,6 +843,14 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     st.num_pieces = 0;
     int64_t count = 0, row_blocks = 0, col_blocks = -1;
     bool slabs = lt.shape.size() == 2;
+    // NVFP4's global scale goes after the block scales; its place is known once they are counted,
+    // so the pieces get it below (CheckQuantization runs on a stand-in until then).
+    int64_t global_at = -1;
+    if (nvfp4) {
+      int64_t n = 0;
+      for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) n += BlocksOf(q.layout.pieces[k].box, block);
+      global_at = AlignUp(st.offset_bytes + n * scale_size, kLocalTensorAlignment);
+    }
     for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
       Piece& p = q.layout.pieces[k];
       Quantization quant;
@@ -841,6 +863,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
       quant.scale_dtype = scale_dtype;
       quant.scale_buffer = 0;
       quant.scale_offset_bytes = st.offset_bytes + count * scale_size;
+      quant.global_scale_offset_bytes = global_at;
       p.quant = quant;
       RETURN_IF_ERROR(CheckQuantization(inv, WorkerLayout{{BufferInfo{int64_t{1} << 62}}, {}}, p,
                                         absl::StrCat(scheme, ": local tensor ", lt.name, " (tensor ", inv.tensors[p.tensor].name,
@@ -856,7 +879,19 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     }
     st.shape = slabs ? std::vector<int64_t>{row_blocks, col_blocks} : std::vector<int64_t>{count};
     cursor = st.offset_bytes + count * scale_size;
+    const std::string scale_name = st.name;
     q.local_tensors.push_back(std::move(st));
+    if (nvfp4) {
+      LocalTensor gt;  // "x.weight_scale" -> "x.weight_scale_2" (ModelOpt)
+      gt.name = absl::StrCat(scale_name, "_2");
+      gt.dtype = DType::kF32;
+      gt.shape = {1};
+      gt.offset_bytes = global_at;
+      gt.first_piece = lt.first_piece;
+      gt.num_pieces = 0;
+      cursor = global_at + 4;
+      q.local_tensors.push_back(std::move(gt));
+    }
   }
   q.layout.buffers = {BufferInfo{AlignUp(cursor, kLocalTensorAlignment)}};
   out = std::move(q);
@@ -869,7 +904,7 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
                                                     const ParallelConfig& parallel) {
   ASSIGN_OR_RETURN(Kind kind, KindOf(parallel.preset));
   if (!KnownQuantization(parallel.quantization)) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8, w4a16_g32, w4a16_experts_g32 or none)"));
+    return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32 or none)"));
   }
   if (!parallel.quantization.empty() && kind != Kind::kVllm) {
     return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",
@@ -933,7 +968,8 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
 }
 
 bool KnownQuantization(const std::string& scheme) {
-  return scheme.empty() || scheme == "fp8_block128" || scheme == "mxfp8" || scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
+  return scheme.empty() || scheme == "fp8_block128" || scheme == "mxfp8" || scheme == "nvfp4" || scheme == "w4a16_g32" ||
+         scheme == "w4a16_experts_g32";
 }
 
 std::vector<int64_t> VllmLocalExperts(int64_t experts, int64_t ep_size, int64_t ep_rank, bool round_robin) {

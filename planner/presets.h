@@ -90,6 +90,11 @@ struct ParallelConfig {
   // groups of 1x32 along the input dim): the local tensor becomes "<name>_packed" (int4, two per
   // byte), followed by "<name>_scale" in the tensor's dtype. "w4a16_experts_g32": routed experts
   // only (".experts." but not shared experts), as Kimi-K2-Thinking's INT4 checkpoint.
+  // "nvfp4": the same tensors as float4_e2m1 (ModelOpt NVFP4, vLLM's modelopt_fp4 checkpoint
+  // layout: two per byte, the even element in the low nibble), followed by "<name>_scale"
+  // (float8_e4m3, one per 1x16 block along the input dim) and "<name>_scale_2" (float32 [1], the
+  // second-level scale: one per local tensor, from the largest magnitude of its pieces, so a fused
+  // qkv_proj / gate_up_proj shares it as ModelOpt exports them; per TP rank, from that rank's rows).
   // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
   std::string quantization;
 };

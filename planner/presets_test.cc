@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "planner/box.h"
 #include "planner/inventory.h"
+#include "planner/layout_info.h"
 #include "planner/quantized.h"
 #include "planner/validate.h"
 
@@ -213,6 +214,70 @@ TEST(Presets, VllmMxfp8HoldsOneE8M0ScalePer32Inputs) {
   const LocalTensor* norm = FindLocal(*l, "model.layers.0.input_layernorm.weight");
   ASSERT_NE(norm, nullptr);
   EXPECT_EQ(norm->dtype, DType::kBF16);
+}
+
+// NVFP4 (ModelOpt, vLLM modelopt_fp4): e2m1 pairs, one e4m3 scale per 16 inputs, and one float32
+// "<name>_scale_2" per local tensor that all its pieces (q, k and v of the fused qkv_proj) share.
+TEST(Presets, VllmNvfp4HoldsE4M3ScalesPer16InputsAndOneGlobalScalePerLocalTensor) {
+  Model m = Load("qwen2.5-7b.json", 2);
+  ParallelConfig par{.preset = "vllm", .tp = 4, .replicas = 2};
+  par.quantization = "nvfp4";
+  auto l = MakePresetLayout(m.config, m.inv, par, /*rank=*/5);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout, "r").ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout, "r");
+  const LocalTensor* qkv = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  EXPECT_EQ(qkv->dtype, DType::kF4E2M1);
+  const LocalTensor* scales = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight_scale");
+  ASSERT_NE(scales, nullptr);
+  EXPECT_EQ(scales->dtype, DType::kF8E4M3);
+  EXPECT_EQ(scales->shape, (std::vector<int64_t>{qkv->shape[0], 3584 / 16}));
+  const LocalTensor* global = FindLocal(*l, "model.layers.1.self_attn.qkv_proj.weight_scale_2");
+  ASSERT_NE(global, nullptr);
+  EXPECT_EQ(global->dtype, DType::kF32);
+  EXPECT_EQ(global->shape, (std::vector<int64_t>{1}));
+  EXPECT_GE(global->offset_bytes, scales->offset_bytes + qkv->shape[0] * 224);
+  ASSERT_EQ(qkv->num_pieces, 3);  // q, k, v rows of this rank
+  int64_t at = scales->offset_bytes;
+  for (int32_t p = qkv->first_piece; p < qkv->first_piece + qkv->num_pieces; ++p) {
+    const Piece& piece = l->layout.pieces[p];
+    ASSERT_TRUE(piece.quant.has_value());
+    EXPECT_EQ(piece.quant->dtype, DType::kF4E2M1);
+    EXPECT_EQ(piece.quant->block, (std::vector<int64_t>{1, 16}));
+    EXPECT_EQ(piece.quant->scale_dtype, DType::kF8E4M3);
+    EXPECT_EQ(piece.quant->scale_offset_bytes, at);
+    EXPECT_EQ(piece.quant->global_scale_offset_bytes, global->offset_bytes);
+    at += ScaleCount(piece);
+  }
+  // The packed elements: half a byte each; the next local tensor starts after the global scale.
+  const LocalTensor* down = FindLocal(*l, "model.layers.0.mlp.down_proj.weight_scale");
+  ASSERT_NE(down, nullptr);
+  EXPECT_EQ(down->shape, (std::vector<int64_t>{3584, 4736 / 16}));
+  const LocalTensor* down_w = FindLocal(*l, "model.layers.0.mlp.down_proj.weight");
+  ASSERT_NE(down_w, nullptr);
+  const LocalTensor* down_g = FindLocal(*l, "model.layers.0.mlp.down_proj.weight_scale_2");
+  ASSERT_NE(down_g, nullptr);
+  EXPECT_NE(down_g->offset_bytes, global->offset_bytes);
+  EXPECT_EQ(FindLocal(*l, "model.layers.0.input_layernorm.weight")->dtype, DType::kBF16);
+  EXPECT_EQ(FindLocal(*l, "model.embed_tokens.weight")->dtype, DType::kBF16);
+  auto info = DescribePresetLayout(m.inv, *l);
+  bool found = false;
+  for (const LocalTensorInfo& t : info.tensors) {
+    if (t.name != "model.layers.1.self_attn.qkv_proj.weight") continue;
+    found = true;
+    EXPECT_EQ(t.scale_tensor, "model.layers.1.self_attn.qkv_proj.weight_scale");
+    EXPECT_EQ(t.global_scale_tensor, "model.layers.1.self_attn.qkv_proj.weight_scale_2");
+    EXPECT_EQ(t.size_bytes, qkv->shape[0] * 3584 / 2);
+  }
+  EXPECT_TRUE(found);
+  for (const LocalTensorInfo& t : info.tensors) {
+    if (t.name == "model.layers.1.self_attn.qkv_proj.weight_scale_2") {
+      EXPECT_EQ(t.global_scale_of, "model.layers.1.self_attn.qkv_proj.weight");
+    }
+    if (t.name == "model.layers.1.self_attn.qkv_proj.weight_scale") {
+      EXPECT_TRUE(t.global_scale_of.empty());
+    }
+  }
 }
 
 TEST(Presets, KimiInt4ExpertsOnly) {

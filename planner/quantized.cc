@@ -13,7 +13,7 @@ ByteView StoredBytes(const Inventory& inventory, const Piece& piece) {
     v.element_size = DTypeSize(inventory.tensors[piece.tensor].dtype);
     return v;
   }
-  if (piece.quant->dtype != DType::kI4 || piece.box.begin.empty()) {
+  if (!IsPacked4(piece.quant->dtype) || piece.box.begin.empty()) {
     v.element_size = DTypeSize(piece.quant->dtype);
     return v;
   }
@@ -26,19 +26,20 @@ ByteView StoredBytes(const Inventory& inventory, const Piece& piece) {
 }
 
 absl::Status CheckInt4Packing(const Piece& piece, absl::string_view where) {
-  if (!piece.quant.has_value() || piece.quant->dtype != DType::kI4) return absl::OkStatus();
+  if (!piece.quant.has_value() || !IsPacked4(piece.quant->dtype)) return absl::OkStatus();
+  const char* name = DTypeName(piece.quant->dtype);
   const size_t rank = piece.box.begin.size();
   if (rank == 0 || piece.strides.size() != rank) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": an int4 piece needs at least one dim"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": an ", name, " piece needs at least one dim"));
   }
   const int64_t ext = piece.box.end[rank - 1] - piece.box.begin[rank - 1];
   if (piece.strides[rank - 1] != 1 || ext % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": int4 elements are packed two per byte along the last dim, so its stride must be 1 and its extent even (stride ",
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", name, " elements are packed two per byte along the last dim, so its stride must be 1 and its extent even (stride ",
                                                    piece.strides[rank - 1], ", extent ", ext, ")"));
   }
   for (size_t d = 0; d + 1 < rank; ++d) {
     if (piece.strides[d] % 2 != 0 && piece.box.end[d] - piece.box.begin[d] > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": int4 stride of dim ", d, " is ", piece.strides[d],
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ", name, " stride of dim ", d, " is ", piece.strides[d],
                                                      " elements, not a whole number of bytes (must be even)"));
     }
   }
@@ -69,9 +70,9 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
                                absl::string_view where) {
   const Quantization& q = *piece.quant;
   const TensorSpec& t = inventory.tensors[piece.tensor];
-  if (q.dtype != DType::kF8E4M3 && q.dtype != DType::kI4) {
+  if (q.dtype != DType::kF8E4M3 && q.dtype != DType::kI4 && q.dtype != DType::kF4E2M1) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": quantised dtype ", DTypeName(q.dtype),
-                                                   " is not supported (float8_e4m3 or int4)"));
+                                                   " is not supported (float8_e4m3, int4 or float4_e2m1)"));
   }
   if (t.dtype != DType::kBF16 && t.dtype != DType::kF16 && t.dtype != DType::kF32) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": cannot quantise a ", DTypeName(t.dtype),
@@ -109,6 +110,24 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
   if (q.dtype == DType::kI4 && q.scale_dtype != DType::kBF16 && q.scale_dtype != DType::kF16 && q.scale_dtype != DType::kF32) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": scale dtype ", DTypeName(q.scale_dtype),
                                                    " is not supported for int4 (bfloat16, float16 or float32)"));
+  }
+  if (q.dtype == DType::kF4E2M1) {
+    // NVFP4 as vLLM / ModelOpt define it: 16 elements per scale along the input (last) dim,
+    // e4m3 scales, one float32 second-level scale.
+    bool nvfp4_block = q.block.back() == 16;
+    for (size_t d = 0; d + 1 < q.block.size(); ++d) nvfp4_block = nvfp4_block && q.block[d] == 1;
+    if (!nvfp4_block || q.scale_dtype != DType::kF8E4M3) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": float4_e2m1 (NVFP4) needs blocks of 16 along the last dim (1x...x16, got ",
+                                                     absl::StrJoin(q.block, "x"), ") and float8_e4m3 scales (got ", DTypeName(q.scale_dtype), ")"));
+    }
+    const int64_t size = layout.buffers[q.scale_buffer].size_bytes;
+    if (q.global_scale_offset_bytes < 0 || q.global_scale_offset_bytes % 4 != 0 || q.global_scale_offset_bytes > size - 4) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": float4_e2m1 (NVFP4) needs its float32 global scale inside scale buffer ",
+                                                      q.scale_buffer, " (", size, " bytes) at a multiple of 4 (got offset ",
+                                                      q.global_scale_offset_bytes, ")"));
+    }
+  } else if (q.global_scale_offset_bytes != -1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a global scale is for float4_e2m1 (NVFP4) pieces only, not ", DTypeName(q.dtype)));
   }
   RETURN_IF_ERROR(CheckInt4Packing(piece, where));
   const int scale_size = ScaleElementSize(q);
@@ -157,7 +176,8 @@ int64_t QuantizedBoxBytes(const Box& box, const Quantization& quant) {
 }
 
 bool SameQuantFormat(const Quantization& a, const Quantization& b) {
-  return a.dtype == b.dtype && a.scale_dtype == b.scale_dtype && a.block == b.block;
+  return a.dtype == b.dtype && a.scale_dtype == b.scale_dtype && a.block == b.block &&
+         (a.global_scale_offset_bytes < 0) == (b.global_scale_offset_bytes < 0);
 }
 
 WorkerLayout StagingLayout(const Inventory& inventory, const WorkerLayout& layout) {

@@ -180,6 +180,52 @@ TEST(QuantizedTest, Int4PiecesPackTwoElementsPerByteAlongTheLastDim) {
   ExpectError(ValidateLayout(inv, two, Role::kRollout, "r"), "overlap");
 }
 
+// NVFP4: e2m1 pairs like int4, 1x16 blocks of e4m3 scales, a float32 global scale that pieces
+// naming the same place share.
+TEST(QuantizedTest, Nvfp4PiecesNeedE4M3ScalesBlocksOf16AndAGlobalScale) {
+  Inventory inv = Inv();
+  // Rows [0, 128) and [128, 256) of a.weight, each 128 x 192 bytes, then their 128 x 24 scales
+  // each, then one global scale both share.
+  const int64_t half = 128 * 192, scales = 2 * half, global = scales + 2 * 128 * 24;
+  WorkerLayout l;
+  l.buffers.push_back({global + 4});
+  for (int k = 0; k < 2; ++k) {
+    l.pieces.push_back(QuantPiece(0, {{128 * k, 0}, {128 * k + 128, 384}}, k * half, {384, 1}, {1, 16}, scales + k * 128 * 24));
+    l.pieces[k].quant->dtype = DType::kF4E2M1;
+    l.pieces[k].quant->scale_dtype = DType::kF8E4M3;
+    l.pieces[k].quant->global_scale_offset_bytes = global;
+  }
+  EXPECT_TRUE(ValidateLayout(inv, l, Role::kRollout, "r").ok()) << ValidateLayout(inv, l, Role::kRollout, "r");
+  EXPECT_EQ(StoredBytes(inv, l.pieces[0]).element_size, 1);
+  EXPECT_EQ(StoredBytes(inv, l.pieces[0]).piece.box.end, (std::vector<int64_t>{128, 192}));
+  EXPECT_EQ(ScaleCount(l.pieces[1]), 128 * 24);
+  WorkerLayout s = l;
+  s.pieces[1].quant->block = {1, 32};
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "float4_e2m1 (NVFP4) needs blocks of 16 along the last dim");
+  s = l;
+  s.pieces[0].quant->scale_dtype = DType::kE8M0;
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "float8_e4m3 scales (got float8_e8m0)");
+  s = l;
+  s.pieces[0].quant->global_scale_offset_bytes = -1;
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "needs its float32 global scale inside scale buffer 0");
+  s = l;
+  s.pieces[0].quant->global_scale_offset_bytes = global + 2;  // not a multiple of 4, and past the end
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "at a multiple of 4");
+  s = l;
+  s.pieces[1].quant->global_scale_offset_bytes = scales + 4;  // inside piece 0's scales
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "overlap");
+  s = l;
+  s.pieces[0].strides = {385, 1};
+  ExpectError(ValidateLayout(inv, s, Role::kRollout, "r"), "float4_e2m1 stride of dim 0 is 385 elements");
+  // A global scale is NVFP4's only.
+  WorkerLayout f = Good();
+  f.buffers[0].size_bytes += 4;
+  f.pieces[0].quant->global_scale_offset_bytes = 49152 + 12;
+  ExpectError(ValidateLayout(inv, f, Role::kRollout, "r"), "a global scale is for float4_e2m1 (NVFP4) pieces only");
+  // Wire bytes: half a byte per element and a byte per block (no sender-side quantisation).
+  EXPECT_EQ(QuantizedBoxBytes(l.pieces[0].box, *l.pieces[0].quant), half + 128 * 24);
+}
+
 // Found by fuzz_validate_layout: a scale region whose end does not fit int64 (the error message
 // added offset + bytes). INVALID_ARGUMENT, computed without overflow.
 TEST(QuantizedTest, ScaleRegionEndingPast2To63IsRefused) {

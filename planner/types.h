@@ -18,7 +18,12 @@ namespace wb::planner {
 
 // kE8M0: OCP microscaling scale byte (value 2^(bits - 127), 0xff NaN); only as a scale dtype.
 // kI4: signed 4-bit integer, two per byte; only as a quantised piece's element dtype.
-enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64, kE8M0, kI4 };
+// kF4E2M1: 4-bit float (sign, 2 exponent bits, 1 mantissa bit: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), two
+// per byte like kI4; only as a quantised piece's element dtype (NVFP4).
+enum class DType : uint8_t { kBF16, kF16, kF32, kF8E4M3, kI64, kE8M0, kI4, kF4E2M1 };
+
+// Packed two per byte along the last dim (kI4, kF4E2M1): planner/quantized.h StoredBytes.
+inline bool IsPacked4(DType dtype) { return dtype == DType::kI4 || dtype == DType::kF4E2M1; }
 
 // Bytes per element; 0 for kI4 (sub-byte: see DTypeBits and planner/quantized.h StoredBytes).
 int DTypeSize(DType dtype);
@@ -60,12 +65,18 @@ struct Box {
 // buffer `scale_buffer`.
 // Bytes always travel in the canonical dtype; the receiving node quantises once the version has
 // landed (docs/daemon.md, "Quantized targets").
+// kF4E2M1 (NVFP4, ModelOpt's format as vLLM loads it): packed like int4 (codes sign << 3 | e2m1,
+// no bias), blocks of 16 along the last dim, kF8E4M3 block scales, and a second-level float32
+// scale at `global_scale_offset_bytes` of the scale buffer: one per group of pieces that name the
+// same place (a preset's local tensor; e.g. vLLM's fused qkv_proj on one rank), computed from the
+// group's largest magnitude (daemon/quantize.h). -1 (required for every other dtype): none.
 struct Quantization {
-  DType dtype = DType::kF8E4M3;  // kF8E4M3 or kI4
+  DType dtype = DType::kF8E4M3;  // kF8E4M3, kI4 or kF4E2M1
   std::vector<int64_t> block;    // elements per block, per canonical dim (>= 1)
   int32_t scale_buffer = 0;
   int64_t scale_offset_bytes = 0;
-  DType scale_dtype = DType::kF32;  // e4m3: kF32 or kE8M0; int4: kBF16, kF16 or kF32
+  DType scale_dtype = DType::kF32;  // e4m3: kF32 or kE8M0; int4: kBF16, kF16 or kF32; e2m1: kF8E4M3
+  int64_t global_scale_offset_bytes = -1;  // e2m1 only: the float32 global scale (weight_scale_2)
 };
 
 struct Piece {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -92,6 +93,7 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
     }
   }
   std::vector<std::vector<Extent>> extents(layout.buffers.size());
+  std::set<std::pair<int32_t, int64_t>> global_scales;  // (scale buffer, offset) of NVFP4 global scales
   for (size_t i = 0; i < layout.pieces.size(); ++i) {
     const Piece& p = layout.pieces[i];
     if (p.tensor < 0 || static_cast<size_t>(p.tensor) >= inv.tensors.size()) {
@@ -119,9 +121,9 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i),
                                                      ": only rollout workers may hold a quantised piece"));
     }
-    if (p.quant.has_value() && p.quant->dtype != DType::kF8E4M3 && p.quant->dtype != DType::kI4) {
-      return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": quantised dtype ",
-                                                     DTypeName(p.quant->dtype), " is not supported (float8_e4m3 or int4)"));
+    if (p.quant.has_value() && p.quant->dtype != DType::kF8E4M3 && p.quant->dtype != DType::kI4 && p.quant->dtype != DType::kF4E2M1) {
+      return absl::InvalidArgumentError(absl::StrCat(Where(worker, inv, p, i), ": quantised dtype ", DTypeName(p.quant->dtype),
+                                                     " is not supported (float8_e4m3, int4 or float4_e2m1)"));
     }
     // Bounds are checked on the bytes the piece occupies (int4: two elements per byte).
     RETURN_IF_ERROR(CheckInt4Packing(p, Where(worker, inv, p, i)));
@@ -177,6 +179,12 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
       RETURN_IF_ERROR(CheckQuantization(inv, layout, p, Where(worker, inv, p, i)));
       const int64_t lo = p.quant->scale_offset_bytes;
       extents[p.quant->scale_buffer].push_back(Extent{lo, lo + ScaleCount(p) * ScaleElementSize(*p.quant), i, true});
+      // An NVFP4 global scale: one float32 that every piece naming the same place shares (its
+      // group), so it is one extent, added by the first piece that names it.
+      const int64_t g = p.quant->global_scale_offset_bytes;
+      if (g >= 0 && global_scales.insert({p.quant->scale_buffer, g}).second) {
+        extents[p.quant->scale_buffer].push_back(Extent{g, g + 4, i, true});
+      }
     }
   }
   if (role != Role::kRollout) return absl::OkStatus();

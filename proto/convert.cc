@@ -65,9 +65,17 @@ absl::StatusOr<planner::Piece> ConvertPiece(const pb::Piece& p, int index, const
       return Invalid(absl::StrCat(name, ": scale_offset_bytes ", p.scale_offset_bytes(), " too large"));
     }
     q.scale_offset_bytes = static_cast<int64_t>(p.scale_offset_bytes());
+    if (p.has_quant_global_scale_offset()) {
+      if (p.quant_global_scale_offset() > static_cast<uint64_t>(INT64_MAX)) {
+        return Invalid(absl::StrCat(name, ": quant_global_scale_offset ", p.quant_global_scale_offset(), " too large"));
+      }
+      q.global_scale_offset_bytes = static_cast<int64_t>(p.quant_global_scale_offset());
+    }
     piece.quant = std::move(q);
   } else if (p.quant_block_size() > 0) {
     return Invalid(absl::StrCat(name, ": quant_block without quant_dtype"));
+  } else if (p.has_quant_global_scale_offset()) {
+    return Invalid(absl::StrCat(name, ": quant_global_scale_offset without quant_dtype"));
   }
   const size_t rank = inventory.tensors[t->second].shape.size();
   if (piece.box.begin.size() != rank || piece.strides.size() != rank) {
@@ -128,6 +136,7 @@ absl::StatusOr<planner::DType> FromProto(pb::DType dtype) {
     case pb::DTYPE_I64: return planner::DType::kI64;
     case pb::DTYPE_E8M0: return planner::DType::kE8M0;
     case pb::DTYPE_I4: return planner::DType::kI4;
+    case pb::DTYPE_F4_E2M1: return planner::DType::kF4E2M1;
     default: break;
   }
   return Invalid(absl::StrCat("unknown dtype enum value ", static_cast<int>(dtype)));
@@ -166,6 +175,7 @@ pb::DType ToProto(planner::DType dtype) {
     case planner::DType::kI64: return pb::DTYPE_I64;
     case planner::DType::kE8M0: return pb::DTYPE_E8M0;
     case planner::DType::kI4: return pb::DTYPE_I4;
+    case planner::DType::kF4E2M1: return pb::DTYPE_F4_E2M1;
   }
   return pb::DTYPE_UNSPECIFIED;
 }
@@ -307,6 +317,9 @@ absl::StatusOr<pb::Piece> PieceToProto(const planner::Piece& piece, const planne
     out.mutable_quant_block()->Assign(piece.quant->block.begin(), piece.quant->block.end());
     out.set_scale_buffer_id(static_cast<uint32_t>(piece.quant->scale_buffer));
     out.set_scale_offset_bytes(static_cast<uint64_t>(piece.quant->scale_offset_bytes));
+    if (piece.quant->global_scale_offset_bytes >= 0) {
+      out.set_quant_global_scale_offset(static_cast<uint64_t>(piece.quant->global_scale_offset_bytes));
+    }
   }
   return out;
 }
@@ -360,6 +373,9 @@ void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory
       p->mutable_quant_block()->Assign(piece.quant->block.begin(), piece.quant->block.end());
       p->set_scale_buffer_id(id_of(piece.quant->scale_buffer));
       p->set_scale_offset_bytes(static_cast<uint64_t>(piece.quant->scale_offset_bytes));
+      if (piece.quant->global_scale_offset_bytes >= 0) {
+        p->set_quant_global_scale_offset(static_cast<uint64_t>(piece.quant->global_scale_offset_bytes));
+      }
     }
   }
 }

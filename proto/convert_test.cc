@@ -117,6 +117,22 @@ TEST(ConvertTest, LayoutMapsBufferIdsBothWays) {
   auto round = LayoutFromProto(again, inv);
   ASSERT_TRUE(round.ok()) << round.status();
   EXPECT_EQ(round->pieces[0].strides, (std::vector<int64_t>{6, 1}));
+  EXPECT_FALSE(again.pieces(1).has_quant_global_scale_offset());  // unset unless NVFP4
+  EXPECT_EQ(round->pieces[1].quant->global_scale_offset_bytes, -1);
+
+  // NVFP4: the global scale's offset survives both ways, including 0.
+  proto.mutable_pieces(1)->set_quant_dtype(pb::DTYPE_F4_E2M1);
+  proto.mutable_pieces(1)->set_quant_scale_dtype(pb::DTYPE_F8_E4M3);
+  proto.mutable_pieces(1)->set_quant_global_scale_offset(0);
+  auto nv = LayoutFromProto(proto, inv);
+  ASSERT_TRUE(nv.ok()) << nv.status();
+  EXPECT_EQ(nv->pieces[1].quant->dtype, planner::DType::kF4E2M1);
+  EXPECT_EQ(nv->pieces[1].quant->global_scale_offset_bytes, 0);
+  pb::ResolvedLayout nv_again;
+  LayoutToProto(*nv, inv, proto.buffers(), &nv_again);
+  ASSERT_TRUE(nv_again.pieces(1).has_quant_global_scale_offset());
+  EXPECT_EQ(nv_again.pieces(1).quant_global_scale_offset(), 0u);
+  EXPECT_EQ(nv_again.pieces(1).quant_dtype(), pb::DTYPE_F4_E2M1);
 }
 
 TEST(ConvertTest, LayoutErrorsNameThePiece) {
@@ -138,6 +154,10 @@ TEST(ConvertTest, LayoutErrorsNameThePiece) {
       {"bad quant dtype", [](pb::ResolvedLayout* l) { l->mutable_pieces(1)->set_quant_dtype(static_cast<pb::DType>(99)); },
        "piece 1 of tensor b: quant_dtype: unknown dtype enum value 99"},
       {"huge offset", [](pb::ResolvedLayout* l) { l->mutable_pieces(0)->set_offset_bytes(~0ull); }, "offset_bytes 18446744073709551615 too large"},
+      {"global scale without dtype", [](pb::ResolvedLayout* l) { l->mutable_pieces(0)->set_quant_global_scale_offset(8); },
+       "piece 0 of tensor a: quant_global_scale_offset without quant_dtype"},
+      {"huge global scale offset", [](pb::ResolvedLayout* l) { l->mutable_pieces(1)->set_quant_global_scale_offset(~0ull); },
+       "piece 1 of tensor b: quant_global_scale_offset 18446744073709551615 too large"},
   };
   for (const Case& c : cases) {
     pb::ResolvedLayout l = TwoPieceLayout();
@@ -150,7 +170,7 @@ TEST(ConvertTest, LayoutErrorsNameThePiece) {
 
 TEST(ConvertTest, EnumsRoundTripAndUnknownValuesAreErrors) {
   for (auto d : {planner::DType::kBF16, planner::DType::kF16, planner::DType::kF32, planner::DType::kF8E4M3,
-                 planner::DType::kI64, planner::DType::kE8M0, planner::DType::kI4}) {
+                 planner::DType::kI64, planner::DType::kE8M0, planner::DType::kI4, planner::DType::kF4E2M1}) {
     EXPECT_EQ(*FromProto(ToProto(d)), d);
   }
   for (auto m : {Mode::kSync, Mode::kOneStepOff, Mode::kAsync}) {

@@ -1,5 +1,6 @@
 #include "daemon/node/live_copy.h"
 
+#include <set>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -158,6 +159,7 @@ absl::Status LiveCopier::CopyToLive(const StagedBytes& staging, const LiveBuffer
   }
   // The scales of quantised pieces: one contiguous run each, same offset in staging and live
   // memory. Their buffer has a target already when a piece lives in it; else register it.
+  std::set<std::pair<int32_t, int64_t>> global_scales;  // (scale buffer, offset) already copied
   for (const planner::Piece* piece : scale_regions) {
     const int32_t sb = piece->quant->scale_buffer;
     auto it = by_buffer.find(sb);
@@ -175,6 +177,16 @@ absl::Status LiveCopier::CopyToLive(const StagedBytes& staging, const LiveBuffer
     op.src = {it->second.src, piece->quant->scale_offset_bytes, {1}};
     op.dst = {it->second.dst, piece->quant->scale_offset_bytes, {1}};
     batches[it->second.t].ops.push_back(std::move(op));
+    // NVFP4: the float32 global scale its group shares, copied once per place.
+    const int64_t g = piece->quant->global_scale_offset_bytes;
+    if (g >= 0 && global_scales.insert({sb, g}).second) {
+      transport::CopyOp gop;
+      gop.shape = {1};
+      gop.element_size = 4;
+      gop.src = {it->second.src, g, {1}};
+      gop.dst = {it->second.dst, g, {1}};
+      batches[it->second.t].ops.push_back(std::move(gop));
+    }
   }
   RETURN_IF_ERROR(Run(batches, label, deadline, wrote));
   return CheckLive(buffers, label);

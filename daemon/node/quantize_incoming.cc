@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -21,7 +24,16 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
     const planner::Piece* shadow;  // where its canonical bytes landed
     StagedBuffer* elements;
     StagedBuffer* scales;
+    int group = -1;                // NVFP4: index into `groups` (the pieces sharing its global scale)
   };
+  // NVFP4 global scales: one per (rollout, scale buffer, offset); every piece naming it counts.
+  struct Group {
+    StagedBuffer* scales;
+    int64_t offset;
+    float amax = 0.0f;
+    float global = 0.0f;
+  };
+  std::vector<Group> groups;
   std::vector<Job> jobs;
   QuantizeResult out;
   for (const QuantizeTarget& t : targets) {
@@ -46,7 +58,18 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
       }
       const planner::ByteView bytes_of_p = planner::StoredBytes(inventory, p);  // int4: two elements per byte
       RETURN_IF_ERROR(CheckPieceInBuffer(bytes_of_p.piece, bytes_of_p.element_size, staging[b].size(), inventory.tensors[p.tensor].name));
-      jobs.push_back(Job{&p, &sp, &staging[b], &staging[sb]});
+      Job job{&p, &sp, &staging[b], &staging[sb]};
+      if (p.quant->global_scale_offset_bytes >= 0) {
+        const int64_t g = p.quant->global_scale_offset_bytes;
+        if (g + 4 > static_cast<int64_t>(staging[sb].size())) {
+          return absl::InternalError(absl::StrCat("version ", version, ": rollout ", t.worker, " tensor ", inventory.tensors[p.tensor].name,
+                                                  ": global scale outside its staging"));
+        }
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& gr) { return gr.scales == &staging[sb] && gr.offset == g; });
+        if (it == groups.end()) it = groups.insert(groups.end(), Group{&staging[sb], g});
+        job.group = static_cast<int>(it - groups.begin());
+      }
+      jobs.push_back(job);
       out.bytes += sh_bytes;
     }
   }
@@ -67,8 +90,10 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
         return;
       }
       const Job& job = jobs[j];
+      std::optional<float> global;
+      if (job.group >= 0) global = groups[static_cast<size_t>(job.group)].global;
       absl::Status s = QuantizePiece(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes, job.elements->host.data(),
-                                     job.scales->host.data());
+                                     job.scales->host.data(), global);
       if (!s.ok()) {
         absl::MutexLock l(&err_mu);
         if (first.ok()) first = s;
@@ -76,6 +101,20 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
       }
     }
   };
+  // NVFP4 first: each group's largest magnitude over all its pieces' shadows, then its global
+  // scale, stored once (the pieces' QuantizePiece calls then share it; threads only read it).
+  if (!groups.empty()) {
+    for (const Job& job : jobs) {
+      if (job.group < 0) continue;
+      Group& gr = groups[static_cast<size_t>(job.group)];
+      const float m = ShadowAbsMax(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes);
+      gr.amax = (std::isnan(m) || m > gr.amax) ? m : gr.amax;
+    }
+    for (Group& gr : groups) {
+      gr.global = NvFp4GlobalScale(gr.amax);
+      std::memcpy(gr.scales->host.data() + gr.offset, &gr.global, 4);
+    }
+  }
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t) pool.emplace_back(work);
   work();

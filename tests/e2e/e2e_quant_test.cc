@@ -8,7 +8,9 @@
 // independent of daemon/quantize), in sync and one-step-off mode, with the layout reaching the
 // daemon as a preset (resolved by the coordinator) and as explicit pieces; once with MXFP8 (preset
 // quantization mxfp8: 1x32 blocks, float8_e8m0 scales) and once with INT4 (w4a16_g32:
-// compressed-tensors W4A16, groups of 32, bf16 scales, two elements per byte).
+// compressed-tensors W4A16, groups of 32, bf16 scales, two elements per byte), and NVFP4 (nvfp4:
+// e2m1 pairs, 1x16 blocks of e4m3 scales, a float32 global scale per local tensor that the fused
+// qkv_proj's q, k and v pieces share; quantised by the receiving nodes only).
 // Sender-side quantisation (issue 17.1): the coordinator plans it (the trainers' buffers are host
 // memory), so ops whose trainer shard holds whole blocks travel quantised - quantised by n0 before
 // sending, relayed as they are - and the rest falls back to the receiving node's quantiser: with
@@ -31,7 +33,7 @@ namespace {
 struct Case {
   std::string mode;           // sync | one_step_off | async
   std::string layout_source;  // preset | pieces
-  std::string scheme;         // fp8_block128 | mxfp8 | w4a16_g32
+  std::string scheme;         // fp8_block128 | mxfp8 | w4a16_g32 | nvfp4
 };
 
 std::string CaseName(const testing::TestParamInfo<Case>& info) {
@@ -87,9 +89,12 @@ TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
     EXPECT_GT(VerifiedBytes(p, last), 0) << p->name();
   }
   // The trainers' node quantised on send (the log line it writes per version); with 128x128
-  // blocks each rollout's node also quantised the pieces whose shards are not whole blocks.
-  EXPECT_TRUE(absl::StrContains(cl.node(0)->LogTail(1 << 22), "msg=\"version quantised on send\"")) << cl.node(0)->LogTail();
-  if (c.scheme == "fp8_block128") {
+  // blocks each rollout's node also quantised the pieces whose shards are not whole blocks. NVFP4
+  // is never quantised on send (its global scale needs every piece of the group): both receiving
+  // nodes quantise, and the wire carries bf16.
+  const bool nvfp4 = c.scheme == "nvfp4";
+  EXPECT_EQ(absl::StrContains(cl.node(0)->LogTail(1 << 22), "msg=\"version quantised on send\""), !nvfp4) << cl.node(0)->LogTail();
+  if (c.scheme == "fp8_block128" || nvfp4) {
     for (int n = 0; n < 2; ++n) {
       EXPECT_TRUE(absl::StrContains(cl.node(n)->LogTail(1 << 22), "msg=\"version quantised\"")) << cl.node(n)->LogTail();
     }
@@ -102,6 +107,11 @@ TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
     if (m.model_id() != run.model_id) continue;
     found = true;
     const auto& ps = m.plan_stats();
+    if (nvfp4) {
+      EXPECT_EQ(ps.sender_quantized_bytes(), 0) << ps.ShortDebugString();
+      EXPECT_EQ(ps.wire_bytes_inter_node(), ps.bytes_inter_node()) << ps.ShortDebugString();
+      continue;
+    }
     EXPECT_GT(ps.sender_quantized_bytes(), 0) << ps.ShortDebugString();
     EXPECT_LT(ps.wire_bytes(), ps.bytes_inter_node() + ps.bytes_intra_node()) << ps.ShortDebugString();
     EXPECT_LT(ps.wire_bytes_inter_node(), ps.bytes_inter_node()) << ps.ShortDebugString();
@@ -120,7 +130,8 @@ INSTANTIATE_TEST_SUITE_P(E2E, QuantTest,
                          testing::Values(Case{"sync", "preset", "fp8_block128"}, Case{"one_step_off", "pieces", "fp8_block128"},
                                          Case{"async", "preset", "fp8_block128"}, Case{"sync", "pieces", "mxfp8"},
                                          Case{"one_step_off", "preset", "mxfp8"}, Case{"async", "pieces", "mxfp8"},
-                                         Case{"sync", "pieces", "w4a16_g32"}),
+                                         Case{"sync", "pieces", "w4a16_g32"}, Case{"sync", "preset", "nvfp4"},
+                                         Case{"one_step_off", "pieces", "nvfp4"}),
                          CaseName);
 
 }  // namespace

@@ -43,7 +43,7 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
     return absl::InvalidArgumentError(absl::StrCat(where(), ": buffer ", p.buffer, " not mapped"));
   }
   if (planner::BoxEmpty(p.box)) return absl::OkStatus();
-  if (p.quant.has_value() && p.quant->dtype == planner::DType::kI4) {
+  if (p.quant.has_value() && planner::IsPacked4(p.quant->dtype)) {
     RETURN_IF_ERROR(planner::CheckInt4Packing(p, where()));
   }
   // The bytes the piece occupies (int4: two elements per byte along the last dim).
@@ -65,7 +65,11 @@ absl::Status CheckPiece(const planner::Inventory& inventory, const planner::Work
     const bool fp8_ok = q.dtype == planner::DType::kF8E4M3 && (q.scale_dtype == planner::DType::kF32 || q.scale_dtype == planner::DType::kE8M0);
     const bool int4_ok = q.dtype == planner::DType::kI4 && (q.scale_dtype == planner::DType::kBF16 || q.scale_dtype == planner::DType::kF16 ||
                                                             q.scale_dtype == planner::DType::kF32);
-    if ((!fp8_ok && !int4_ok) ||
+    const bool nvfp4_ok = q.dtype == planner::DType::kF4E2M1 && q.scale_dtype == planner::DType::kF8E4M3 &&
+                          q.global_scale_offset_bytes >= 0 && q.scale_buffer >= 0 &&
+                          q.scale_buffer < static_cast<int>(memory.buffers.size()) &&
+                          q.global_scale_offset_bytes + 4 <= memory.sizes[q.scale_buffer];
+    if ((!fp8_ok && !int4_ok && !nvfp4_ok) ||
         q.block.size() != t.shape.size() || q.scale_buffer < 0 ||
         q.scale_buffer >= static_cast<int>(memory.buffers.size())) {
       return absl::InvalidArgumentError(absl::StrCat(where(), ": malformed quantisation"));
@@ -332,6 +336,84 @@ void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout
   result.bytes += planner::BoxVolume(p.box) / 2 + ss * count;
 }
 
+// The NVFP4 code of y by search over the eight magnitudes (ties to the even code, beyond 6
+// saturating, NaN 7; sign = y < 0) - independent of the daemon's bound counting.
+int NearestE2M1(float y) {
+  static const double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  if (std::isnan(y)) return 7;
+  int best = 7;
+  if (!std::isinf(y)) {
+    const double a = std::fabs(static_cast<double>(y));
+    best = 0;
+    for (int c = 1; c < 8; ++c) {
+      const double d = std::fabs(kMag[c] - a), bd = std::fabs(kMag[best] - a);
+      if (d < bd || (d == bd && c % 2 == 0)) best = c;
+    }
+  }
+  return best | (y < 0.0f ? 8 : 0);
+}
+
+// Checks NVFP4 piece `pi` (daemon/quantize.h) against version `version`: its global scale from the
+// largest magnitude over every piece of the layout that shares it, its e4m3 block scales, and
+// every packed element.
+void VerifyNvFp4(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory, int pi,
+                 uint64_t version, VerifyResult& result) {
+  const planner::Piece& p = layout.pieces[pi];
+  const planner::Quantization& q = *p.quant;
+  const planner::TensorSpec& t = inventory.tensors[p.tensor];
+  const uint8_t* base = static_cast<const uint8_t*>(memory.buffers[p.buffer]) + p.offset_bytes;
+  const uint8_t* scale_buffer = static_cast<const uint8_t*>(memory.buffers[q.scale_buffer]);
+  const uint8_t* scale_base = scale_buffer + q.scale_offset_bytes;
+  auto value_of = [&](const planner::Piece& piece, int64_t flat) {
+    const planner::TensorSpec& ts = inventory.tensors[piece.tensor];
+    return CanonicalValue(VersionBits(static_cast<uint32_t>(piece.tensor), version, static_cast<uint64_t>(flat), planner::DTypeSize(ts.dtype)),
+                          ts.dtype);
+  };
+  auto mismatch = [&](const std::string& what) {
+    if (result.mismatches++ == 0) {
+      result.first_mismatch = absl::StrCat("tensor ", t.name, " (nvfp4 piece ", pi, ", box ", planner::BoxToString(p.box), "): ", what);
+    }
+  };
+  float group_amax = 0;
+  if (version > 0) {
+    for (const planner::Piece& o : layout.pieces) {
+      if (!o.quant.has_value() || o.quant->scale_buffer != q.scale_buffer || o.quant->global_scale_offset_bytes != q.global_scale_offset_bytes) continue;
+      ForEachQuantElement(inventory.tensors[o.tensor], o, [&](const std::vector<int64_t>&, int64_t flat, int64_t, int64_t) {
+        group_amax = std::max(group_amax, std::fabs(value_of(o, flat)));
+      });
+    }
+  }
+  float g = group_amax / 2688.0f;
+  if (g == 0.0f) g = 1.0f;
+  float got_g;
+  std::memcpy(&got_g, scale_buffer + q.global_scale_offset_bytes, 4);
+  const float want_g = version == 0 ? 0.0f : g;
+  if (std::memcmp(&got_g, &want_g, 4) != 0) mismatch(absl::StrCat("global scale: got ", got_g, ", want ", want_g));
+  const int64_t count = planner::ScaleCount(p);
+  std::vector<float> amax(static_cast<size_t>(count), 0.0f), divisor(static_cast<size_t>(count), 0.0f);
+  if (version > 0) {
+    ForEachQuantElement(t, p, [&](const std::vector<int64_t>&, int64_t flat, int64_t block, int64_t) {
+      amax[static_cast<size_t>(block)] = std::max(amax[static_cast<size_t>(block)], std::fabs(value_of(p, flat)));
+    });
+  }
+  const std::vector<double>& e4m3 = E4M3Values();
+  for (int64_t b = 0; b < count; ++b) {
+    float bs = amax[static_cast<size_t>(b)] / (6.0f * g);
+    if (bs == 0.0f) bs = 1.0f;
+    const uint8_t want = version == 0 ? 0 : NearestE4M3(bs);
+    if (scale_base[b] != want) mismatch(absl::StrCat("e4m3 scale of block ", b, ": got 0x", absl::Hex(scale_base[b]), ", want 0x", absl::Hex(want)));
+    divisor[static_cast<size_t>(b)] = static_cast<float>(e4m3[want & 0x7f]) * g;
+  }
+  ForEachQuantElement(t, p, [&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, int64_t elem) {
+    const uint8_t byte = base[elem / 2];
+    const int got = elem % 2 == 0 ? (byte & 0xf) : (byte >> 4);
+    const int want = version == 0 ? 0 : NearestE2M1(value_of(p, flat) / divisor[static_cast<size_t>(block)]);
+    if (got != want) mismatch(absl::StrCat("element at local [", absl::StrJoin(idx, ", "), "]: got code ", got, ", want ", want));
+  });
+  result.elements += planner::BoxVolume(p.box);
+  result.bytes += planner::BoxVolume(p.box) / 2 + count;
+}
+
 // Checks quantised piece `pi` against version `version` (0: every element and scale byte zero).
 void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory,
                      int pi, uint64_t version, VerifyResult& result) {
@@ -463,6 +545,8 @@ absl::StatusOr<VerifyResult> VerifyPieces(const planner::Inventory& inventory,
     if (p.quant.has_value()) {
       if (p.quant->dtype == planner::DType::kI4) {
         VerifyInt4(inventory, layout, memory, pi, version, result);
+      } else if (p.quant->dtype == planner::DType::kF4E2M1) {
+        VerifyNvFp4(inventory, layout, memory, pi, version, result);
       } else {
         VerifyQuantized(inventory, layout, memory, pi, version, result);
       }

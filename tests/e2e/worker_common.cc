@@ -31,7 +31,7 @@ ABSL_FLAG(int, ep, 1, "expert parallel size (megatron)");
 ABSL_FLAG(int, etp, 0, "expert tensor parallel size (megatron; 0 = tp)");
 ABSL_FLAG(bool, expert_parallel, false, "vllm/sglang expert parallel");
 ABSL_FLAG(int, replicas, 1, "vllm/sglang replicas");
-ABSL_FLAG(std::string, quantization, "", "vllm/sglang rollouts: \"\", fp8_block128, mxfp8, w4a16_g32 or w4a16_experts_g32 (planner/presets.h)");
+ABSL_FLAG(std::string, quantization, "", "vllm/sglang rollouts: \"\", fp8_block128, mxfp8, nvfp4, w4a16_g32 or w4a16_experts_g32 (planner/presets.h)");
 ABSL_FLAG(int, rank, 0, "this worker's rank in the preset's world");
 ABSL_FLAG(std::string, lora_targets, "",
           "comma-separated PEFT target modules: the model is these LoRA adapters alone (ModelSpec.lora; presets peft / vllm_lora)");
