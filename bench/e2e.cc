@@ -86,7 +86,7 @@ ABSL_FLAG(double, link_gbps, 0,
 ABSL_FLAG(double, lr, 1e-6, "--delta: learning rate of the update model (daemon/delta/update_model.h)");
 ABSL_FLAG(std::string, quantization, "",
           "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
-          "quantization preset (fp8_block128, mxfp8, w4a16_g32), quantised on the sending node where the trainer shards hold "
+          "quantization preset (fp8_block128, mxfp8, nvfp4, w4a16_g32), quantised on the sending node where the trainer shards hold "
           "whole blocks (issue 17.1); one cluster, same run");
 
 namespace wb::bench {

@@ -5,7 +5,7 @@
 //
 //   bazel run //bench:planner [-- --specs_dir DIR] [--quantization NAME] [--receiver_quantization]
 //
-// --quantization overrides every spec's rollout.quantization (fp8_block128, mxfp8, w4a16_g32,
+// --quantization overrides every spec's rollout.quantization (fp8_block128, mxfp8, nvfp4, w4a16_g32,
 // w4a16_experts_g32, none); plans use sender-side quantisation unless --receiver_quantization
 // (client/plan_command.h).
 

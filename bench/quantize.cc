@@ -1,7 +1,8 @@
 // Quantiser bench: how fast a node turns a landed bf16 version into its rollouts' fp8 pieces
 // (daemon/quantize.h, the step between "every byte landed" and "version transferred").
 //
-// For each scheme (fp8_block128: 128x128 blocks, float32 scales; mxfp8: 1x32 blocks, e8m0 scales)
+// For each scheme (fp8_block128: 128x128 blocks, float32 scales; mxfp8: 1x32 blocks, e8m0 scales;
+// nvfp4: e2m1 pairs, 1x16 blocks, e4m3 scales and a global scale, each piece its own group)
 // it quantises `--pieces` row-major bf16 pieces of `--rows` x `--cols` (default 16 x 4096 x 4096 =
 // 512 MiB of bf16), first on one thread, then on `--threads` threads taking pieces in turn as the
 // daemon does, and prints the input GB/s next to the baseline measured in the same run: a plain
@@ -112,9 +113,11 @@ int main(int argc, char** argv) {
     const char* name;
     std::vector<int64_t> block;
     wb::planner::DType scale_dtype;
+    wb::planner::DType dtype = wb::planner::DType::kF8E4M3;
   };
   const Scheme schemes[] = {{"fp8_block128", {128, 128}, wb::planner::DType::kF32},
-                            {"mxfp8", {1, 32}, wb::planner::DType::kE8M0}};
+                            {"mxfp8", {1, 32}, wb::planner::DType::kE8M0},
+                            {"nvfp4", {1, 16}, wb::planner::DType::kF8E4M3, wb::planner::DType::kF4E2M1}};
   if (!a.json) {
     std::cout << absl::StrFormat("quantise %d pieces of %d x %d bf16 (%.0f MiB), best of %d; memcpy %.2f GB/s (1 thread), %.2f GB/s (%d threads)\n",
                                  a.pieces, a.rows, a.cols, static_cast<double>(in_bytes) * a.pieces / (1 << 20), a.repeats, memcpy1,
@@ -130,11 +133,16 @@ int main(int argc, char** argv) {
     p.offset_bytes = 0;
     p.strides = {a.cols, 1};
     wb::planner::Quantization q;
+    q.dtype = s.dtype;
     q.block = s.block;
     q.scale_dtype = s.scale_dtype;
     q.scale_offset_bytes = n;
     p.quant = q;
-    const int64_t out_bytes = n + wb::planner::ScaleCount(p) * wb::planner::ScaleElementSize(q);
+    int64_t out_bytes = n + wb::planner::ScaleCount(p) * wb::planner::ScaleElementSize(q);
+    if (s.dtype == wb::planner::DType::kF4E2M1) {  // each piece its own group (its global scale after the scales)
+      p.quant->global_scale_offset_bytes = (out_bytes + 3) / 4 * 4;
+      out_bytes = p.quant->global_scale_offset_bytes + 4;
+    }
     std::vector<std::vector<uint8_t>> out(static_cast<size_t>(a.pieces), std::vector<uint8_t>(static_cast<size_t>(out_bytes)));
     std::vector<uint8_t> reference;
     auto run = [&](int threads) {

@@ -452,6 +452,8 @@ absl::StatusOr<LayoutDescription> LayoutDescriptionFromProto(const pb::LayoutDes
     p.pieces.assign(t.pieces().begin(), t.pieces().end());
     p.scale_tensor = t.scale_tensor();
     p.scales_of = t.scales_of();
+    p.global_scale_tensor = t.global_scale_tensor();
+    p.global_scale_of = t.global_scale_of();
     out.tensors.push_back(std::move(p));
   }
   out.pieces.assign(d.pieces().begin(), d.pieces().end());

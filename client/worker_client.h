@@ -144,6 +144,8 @@ struct LocalTensorPlace {
   std::vector<uint32_t> pieces;         // indices into LayoutDescription::pieces held here
   std::string scale_tensor;             // quantised: the tensor holding its scales
   std::string scales_of;                // scales: whose
+  std::string global_scale_tensor;      // NVFP4: the tensor holding its float32 global scale ("<name>_scale_2")
+  std::string global_scale_of;          // a global scale: whose
 };
 struct LayoutDescription {
   std::vector<std::pair<uint32_t, int64_t>> buffers;  // (buffer id, least size in bytes), the buffers it uses

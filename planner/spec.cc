@@ -173,7 +173,7 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
       if (!KnownQuantization(spec.rollout.quantization)) {
         return Bad("rollout.quantization",
                    absl::StrCat("unknown quantization '", q,
-                                "' (want none, fp8_block128, mxfp8, w4a16_g32 or w4a16_experts_g32)"));
+                                "' (want none, fp8_block128, mxfp8, nvfp4, w4a16_g32 or w4a16_experts_g32)"));
       }
     }
   }

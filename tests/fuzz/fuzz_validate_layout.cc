@@ -47,11 +47,13 @@ WorkerLayout MakeLayout(FuzzedDataProvider& p, int num_tensors) {
     piece.offset_bytes = Value(p);
     const int srank = p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeIntegralInRange(0, 5) : rank;
     for (int d = 0; d < srank; ++d) piece.strides.push_back(Value(p));
-    // Quantised pieces (fp8 / MX / int4 with any scale dtype, hostile blocks and scale regions).
+    // Quantised pieces (fp8 / MX / int4 / NVFP4 with any scale dtype, hostile blocks, scale
+    // regions and global scales).
     if (p.ConsumeIntegralInRange(0, 3) == 0) {
       Quantization q;
-      q.dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 7));  // 7: invalid
-      q.scale_dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 7));
+      q.dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 8));  // 8: invalid
+      q.scale_dtype = static_cast<DType>(p.ConsumeIntegralInRange<uint8_t>(0, 8));
+      if (p.ConsumeBool()) q.global_scale_offset_bytes = Value(p);
       const int brank = p.ConsumeIntegralInRange(0, 15) == 0 ? p.ConsumeIntegralInRange(0, 5) : rank;
       for (int d = 0; d < brank; ++d) q.block.push_back(Value(p));
       q.scale_buffer = p.ConsumeIntegralInRange<int32_t>(-1, buffers);

@@ -378,8 +378,49 @@ def e4m3_reference(x):
     return (pick | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
 
 
+def e4m3_value(codes):
+    """float32 value of float8_e4m3fn codes (no NaN among them)."""
+    c = np.asarray(codes, dtype=np.int64)
+    e, m = (c >> 3) & 0xF, c & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8.0) * 2.0 ** (e - 7))
+    return np.where(c & 0x80, -mag, mag).astype(np.float32)
+
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_reference(y):
+    """float4_e2m1 codes of float32 array `y`: nearest of the 8 magnitudes (ties to the even code,
+    saturating at 6, NaN -> 7), sign bit 8 when y < 0 (so -0.0 -> 0), by search over the values."""
+    a = np.abs(y.astype(np.float64))
+    d = np.abs(a[..., None] - E2M1_VALUES)  # inf / NaN rows: handled below
+    best = d.min(axis=-1, keepdims=True)
+    tied = d == best
+    # lowest even code among the nearest, else the nearest
+    even = np.where(tied & (np.arange(8) % 2 == 0), np.arange(8), 99).min(axis=-1)
+    code = np.where(even < 99, even, np.argmin(d, axis=-1))
+    code = np.where(np.isnan(a) | (a >= 6.0), 7, code)
+    return (code | np.where(y < 0, 8, 0)).astype(np.uint8)
+
+
+def nvfp4_reference(x, g):
+    """NVFP4 of float32 `x` (rows x cols, cols a multiple of 16) with global scale `g` (float32):
+    (packed element bytes, e4m3 scale bytes [rows, cols / 16]), float32 arithmetic throughout."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // 16, 16)
+    amax = np.abs(blocks).max(axis=-1).astype(np.float32)
+    bs = (amax / (np.float32(6.0) * g)).astype(np.float32)
+    bs = np.where(bs == 0, np.float32(1.0), bs).astype(np.float32)
+    sbytes = e4m3_reference(bs)
+    d = (e4m3_value(sbytes) * g).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = (blocks / d[..., None]).astype(np.float32)
+    codes = e2m1_reference(y).reshape(rows, cols)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), sbytes
+
+
 class QuantizedTest(unittest.TestCase):
-    """An explicit fp8 block-quantised rollout piece through a real daemon (sync mode)."""
+    """Explicit quantised rollout pieces (fp8 block, MXFP8, int4, NVFP4) through a real daemon."""
 
     @classmethod
     def setUpClass(cls):
@@ -467,6 +508,140 @@ class QuantizedTest(unittest.TestCase):
         for c in (tr, ro):
             c.deregister()
             c.close()
+
+    def test_rollout_holds_nvfp4_pieces_sharing_one_global_scale(self):
+        rows, cols = 12, 64  # blocks 1 x 16: 4 per row; pieces: rows [0, 4) and [4, 12)
+        split = 4
+        model = wb.ModelConfig(model_id="py_nvfp4", explicit_tensors=[("w", [rows, cols])], num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        tr = self.daemon.client("f4")
+        tr.register_worker(model, "trainer/0", "trainer")
+        tbuf = tr.create_buffer(rows * cols * 2)
+        tr.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols])]))
+        ro = self.daemon.client("f4")
+        ro.register_worker(model, "rollout/0", "rollout")
+        b_at = split * cols // 2                    # packed pairs of piece A, then of piece B
+        sa_at = rows * cols // 2                    # e4m3 scale bytes of A, then of B
+        sb_at = sa_at + split * cols // 16
+        g_at = sb_at + (rows - split) * cols // 16  # the shared float32 global scale (a multiple of 4)
+        self.assertEqual(g_at % 4, 0)
+        size = g_at + 4
+        rbuf = ro.create_buffer(size)
+
+        def pieces(global_at):
+            qa = wb.Quantization(block=[1, 16], scale_offset_bytes=sa_at, dtype="float4_e2m1",
+                                 scale_dtype="float8_e4m3", global_scale_offset_bytes=global_at)
+            qb = wb.Quantization(block=[1, 16], scale_offset_bytes=sb_at, dtype="float4_e2m1",
+                                 scale_dtype="float8_e4m3", global_scale_offset_bytes=global_at)
+            return wb.ExplicitLayout([wb.Piece("w", [0, 0], [split, cols], quant=qa),
+                                      wb.Piece("w", [split, 0], [rows, cols], offset_bytes=b_at, quant=qb)])
+
+        with self.assertRaises(wb.WeightBridgeError) as cm:  # the global scale not on a multiple of 4
+            ro.register_layout(pieces(g_at - 2))
+        self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT, cm.exception.message)
+        self.assertIn("float4_e2m1", cm.exception.message)
+        ro.register_layout(pieces(g_at))
+
+        rng = np.random.default_rng(8)
+        # Row magnitudes 2^0 .. 2^-30: normal, subnormal and zero e4m3 block scales (a scale byte 0
+        # divides by zero: +-inf -> code 7 / 15, 0 / 0 -> 7).
+        exps = np.array([0, -3, -6, -9, -1, -12, -15, -18, -21, 0, -24, -30])
+        w = (np.clip(rng.standard_normal((rows, cols)), -2.5, 2.5) * 2.0 ** exps[:, None]).astype(np.float32)
+        w[9, 5] = 2.625  # the group's amax, in piece B: g = 2.625 / 2688 = 2^-10 exactly
+        w[0, 16:32] = 0  # an all-zero block: scale 1.0 (byte 0x38), codes 0
+        # Block (1, 1): amax 6 * 2^-10, so its scale is exactly 1 and x / d = these values: the
+        # round-half-to-even ties, saturation, a negative that rounds to 0 (code 8) and -0.0 (code 0).
+        ties = np.array([0.75, 1.75, 3.5, 0.25, 1.25, 2.5, 5.0, 6.0, -0.75, -1.75, -3.5, -0.25, -0.1, -0.0, 0.0, -6.0])
+        w[1, 16:32] = (ties * 2.0 ** -10).astype(np.float32)
+        w[2, 48:64] = -w[2, 48:64]
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 (truncated)
+        tbuf.array("uint16", (rows, cols))[:] = bits
+        tr.publish(1, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(1, timeout=TIMEOUT).applied_version, 1)
+
+        x = (bits.astype(np.uint32) << 16).view(np.float32)
+        amax = np.float32(np.abs(x).max())  # over BOTH pieces: they share the global scale
+        g = np.float32(amax / np.float32(2688.0))
+        g = np.float32(1.0) if g == 0 else g
+        self.assertEqual(g, np.float32(2.0 ** -10))
+        amax_a = np.float32(np.abs(x[:split]).max())
+        self.assertLess(amax_a, amax)  # piece A alone would have had another global scale
+        mem = rbuf.array("uint8", (size,))
+        got_g = mem[g_at:g_at + 4].view(np.float32)[0]
+        self.assertEqual(got_g, g)
+        want_q, want_s = nvfp4_reference(x, g)
+        got_q = np.concatenate([mem[:b_at].reshape(split, cols // 2), mem[b_at:sa_at].reshape(rows - split, cols // 2)])
+        got_s = np.concatenate([mem[sa_at:sb_at].reshape(split, cols // 16), mem[sb_at:g_at].reshape(rows - split, cols // 16)])
+        np.testing.assert_array_equal(got_s, want_s)
+        np.testing.assert_array_equal(got_q, want_q)
+        # Hand-checked anchors, independent of the reference.
+        self.assertEqual(int(got_s[0, 1]), 0x38)  # all-zero block: scale 1.0
+        self.assertTrue(np.all(got_q[0, 8:16] == 0))
+        self.assertEqual(int(got_s[1, 1]), 0x38)
+        codes = np.stack([got_q[1, 8:16] & 0xF, got_q[1, 8:16] >> 4], axis=-1).reshape(16)
+        self.assertEqual(codes.tolist(), [2, 4, 6, 0, 2, 4, 6, 7, 10, 12, 14, 8, 8, 0, 0, 15])
+        self.assertEqual(int(got_q[9, 2]) >> 4, 7)  # the outlier (odd: high nibble): 2.625 / (448 * 2^-10) = 6
+        self.assertEqual(int(got_s[9, 0]), 0x7E)
+        self.assertTrue(np.any((got_s[6:8] > 0) & (got_s[6:8] < 8)))  # subnormal e4m3 scales
+        self.assertTrue(np.all(got_s[10:] == 0))  # too small for e4m3: scale byte 0
+        # The A-only global scale would give other scale bytes: the daemon used the shared one.
+        g_a = np.float32(amax_a / np.float32(2688.0))
+        self.assertFalse(np.array_equal(nvfp4_reference(x[:split], g_a)[1], got_s[:split]))
+        self.assertGreater(len(np.unique(np.concatenate([got_q & 0xF, got_q >> 4]))), 12)
+
+        # Version 2: the amax now in piece A, and not a multiple of 2688 (g inexact); every byte again.
+        w2 = (rng.standard_normal((rows, cols)) * 2.0 ** exps[:, None] * 0.37).astype(np.float32)
+        w2[2, 40] = -3.1
+        bits2 = (w2.view(np.uint32) >> 16).astype(np.uint16)
+        tbuf.array("uint16", (rows, cols))[:] = bits2
+        tr.publish(2, timeout=TIMEOUT)
+        self.assertEqual(ro.apply(2, timeout=TIMEOUT).applied_version, 2)
+        x2 = (bits2.astype(np.uint32) << 16).view(np.float32)
+        g2 = np.float32(np.float32(np.abs(x2).max()) / np.float32(2688.0))
+        self.assertLess(np.abs(x2[split:]).max(), np.abs(x2).max())  # piece B alone: another global scale
+        self.assertEqual(mem[g_at:g_at + 4].view(np.float32)[0], g2)
+        want_q2, want_s2 = nvfp4_reference(x2, g2)
+        got_q2 = np.concatenate([mem[:b_at].reshape(split, cols // 2), mem[b_at:sa_at].reshape(rows - split, cols // 2)])
+        got_s2 = np.concatenate([mem[sa_at:sb_at].reshape(split, cols // 16), mem[sb_at:g_at].reshape(rows - split, cols // 16)])
+        np.testing.assert_array_equal(got_s2, want_s2)
+        np.testing.assert_array_equal(got_q2, want_q2)
+        for c in (tr, ro):
+            c.deregister()
+            c.close()
+
+    def test_nvfp4_quantization_to_proto(self):
+        q = wb.Quantization(block=[1, 16], scale_offset_bytes=64, dtype="float4_e2m1", scale_dtype="float8_e4m3",
+                            global_scale_offset_bytes=96)
+        p = wb.Piece("w", [0, 0], [4, 32], offset_bytes=8, quant=q).to_proto()
+        self.assertEqual(p.quant_dtype, wb.pb.DTYPE_F4_E2M1)
+        self.assertEqual(p.quant_scale_dtype, wb.pb.DTYPE_F8_E4M3)
+        self.assertEqual(list(p.quant_block), [1, 16])
+        self.assertEqual(p.scale_offset_bytes, 64)
+        self.assertTrue(p.HasField("quant_global_scale_offset"))
+        self.assertEqual(p.quant_global_scale_offset, 96)
+        q0 = wb.Quantization(block=[1, 16], dtype="float4_e2m1", scale_dtype="float8_e4m3", global_scale_offset_bytes=0)
+        p0 = wb.Piece("w", [0, 0], [4, 32], quant=q0).to_proto()
+        self.assertTrue(p0.HasField("quant_global_scale_offset"))  # offset 0 is set, not "absent"
+        # fp8 / int4 pieces carry no global scale (unchanged).
+        fp8 = wb.Piece("w", [0, 0], [4, 32], quant=wb.Quantization(block=[128, 128])).to_proto()
+        self.assertEqual(fp8.quant_dtype, wb.pb.DTYPE_F8_E4M3)
+        self.assertFalse(fp8.HasField("quant_global_scale_offset"))
+        with self.assertRaises(ValueError) as cm:  # NVFP4 without its global scale: the tensor named
+            wb.Piece("w_nvfp4", [0, 0], [4, 32], quant=wb.Quantization(block=[1, 16], dtype="float4_e2m1",
+                                                                       scale_dtype="float8_e4m3")).to_proto()
+        self.assertIn("w_nvfp4", str(cm.exception))
+        self.assertIn("global_scale_offset_bytes", str(cm.exception))
+        with self.assertRaises(ValueError):  # NVFP4 takes e4m3 scales, not e8m0
+            wb.Piece("w", [0, 0], [4, 32], quant=wb.Quantization(block=[1, 16], dtype="float4_e2m1", scale_dtype="float8_e8m0",
+                                                                 global_scale_offset_bytes=0)).to_proto()
+        with self.assertRaises(ValueError):  # ... nor the float32 default
+            wb.Piece("w", [0, 0], [4, 32], quant=wb.Quantization(block=[1, 16], dtype="float4_e2m1",
+                                                                 global_scale_offset_bytes=0)).to_proto()
+        for other in (wb.Quantization(block=[128, 128], global_scale_offset_bytes=0),
+                      wb.Quantization(block=[1, 32], dtype="int4", scale_dtype="bfloat16", global_scale_offset_bytes=0)):
+            with self.assertRaises(ValueError) as cm:  # a global scale is NVFP4's only
+                wb.Piece("w", [0, 0], [4, 32], quant=other).to_proto()
+            self.assertIn("float4_e2m1", str(cm.exception))
 
     def test_rollout_holds_int4_groups_with_bf16_scales(self):
         rows, cols = 6, 64  # groups 1 x 32: a 6 x 2 grid

@@ -162,6 +162,87 @@ class DiscoveryTest(unittest.TestCase):
             x.deregister()
             x.close()
 
+    def test_nvfp4_pieces_share_a_global_scale_and_view_as_packed_bytes(self):
+        rows, cols, split = 8, 32, 2
+        model = wb.ModelConfig(model_id="py_discover_nvfp4", explicit_tensors=[("w", (rows, cols))],
+                               num_trainer_workers=1, num_rollout_workers=1, mode="one_step_off")
+        c = self.daemon.client("dnv")
+
+        def quant(scale_at):
+            return wb.Quantization(block=[1, 16], scale_buffer_id=1, scale_offset_bytes=scale_at, dtype="float4_e2m1",
+                                   scale_dtype="float8_e4m3", global_scale_offset_bytes=16)
+        layout = wb.ExplicitLayout([
+            wb.Piece("w", [0, 0], [split, cols], quant=quant(0)),
+            wb.Piece("w", [split, 0], [rows, cols], offset_bytes=split * cols // 2, quant=quant(split * 2)),
+        ])
+        desc = c.describe_layout(layout, model=model)
+        self.assertEqual(desc.buffers, {0: rows * cols // 2, 1: 16 + 4})
+        elems = [t for t in desc.tensors.values() if t.dtype == "float4_e2m1"]
+        self.assertEqual([t.shape for t in elems], [(split, cols), (rows - split, cols)])  # unpacked elements
+        a, b = elems
+        self.assertEqual(desc[a.scale_tensor].dtype, "float8_e4m3")
+        self.assertEqual(desc[b.scale_tensor].shape, (rows - split, cols // 16))
+        self.assertEqual(desc[b.scale_tensor].scales_of, b.name)
+        self.assertEqual(a.global_scale_tensor, a.name + "_scale_2")
+        self.assertEqual(b.global_scale_tensor, a.global_scale_tensor)  # one shared global scale
+        gs = desc[a.global_scale_tensor]
+        self.assertEqual((gs.dtype, gs.shape, gs.buffer_id, gs.offset_bytes, gs.size_bytes), ("float32", (1,), 1, 16, 4))
+        self.assertEqual(gs.global_scale_of, a.name)
+        self.assertEqual([p.quant_global_scale_offset for p in desc.pieces], [16, 16])
+
+        tr = self.daemon.client("dnv")
+        tr.register_worker(model, "trainer/0", "trainer")
+        tbuf = tr.create_buffer(rows * cols * 2)
+        tr.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [rows, cols])]))
+        w = np.full((rows, cols), 0x3F80, np.uint16)  # 1.0
+        w[5, 0] = 0x4000                                # 2.0, in the second piece: the group's amax
+        tbuf.array("uint16", (rows, cols))[:] = w
+        c.register_worker(model, "rollout/0", "rollout")
+        for buf_id in range(2):
+            c.create_buffer(desc.buffer_bytes(buf_id))
+        info = c.register_layout(layout)
+        tr.publish(1, timeout=TIMEOUT)
+        self.assertEqual(c.apply(1, timeout=TIMEOUT).applied_version, 1)
+        views = info.layout.views(c.buffers)
+        va, vb = views[a.name], views[b.name]
+        self.assertEqual((va.dtype, va.shape, vb.shape), (np.uint8, (split, cols // 2), (rows - split, cols // 2)))
+        g = np.float32(2.0) / np.float32(2688.0)
+        np.testing.assert_array_equal(views[a.global_scale_tensor], np.array([g], np.float32))
+        # amax-1 blocks: scale 1 / (6 g) = 224 (e4m3 0x76), 1.0 / (224 g) = 6 -> code 7; the block
+        # holding 2.0: scale 448 (0x7e), 2.0 -> 6 (code 7), 1.0 -> 3 (code 5).
+        want_s = np.full((rows, cols // 16), 0x76, np.uint8)
+        want_s[5, 0] = 0x7E
+        want_q = np.full((rows, cols // 2), 0x77, np.uint8)
+        want_q[5, :8] = 0x55
+        want_q[5, 0] = 0x57
+        np.testing.assert_array_equal(np.concatenate([views[a.scale_tensor], views[b.scale_tensor]]), want_s)
+        np.testing.assert_array_equal(np.concatenate([va, vb]), want_q)
+        for x in (tr, c):
+            x.deregister()
+            x.close()
+
+    def test_nvfp4_preset_names_the_global_scale(self):
+        model = wb.ModelConfig(model_id="py_discover_nvfp4_preset", hf_config_json=self.config, num_trainer_workers=1,
+                               num_rollout_workers=1)
+        c = self.daemon.client("dnp")
+        desc = c.describe_layout(wb.PresetLayout("vllm", quantization="nvfp4"), model=model)
+        name = "model.layers.0.self_attn.qkv_proj.weight"
+        qkv = desc[name]
+        self.assertEqual(qkv.dtype, "float4_e2m1")
+        self.assertEqual((qkv.scale_tensor, qkv.global_scale_tensor), (name + "_scale", name + "_scale_2"))
+        sc, gs = desc[name + "_scale"], desc[name + "_scale_2"]
+        self.assertEqual((sc.dtype, sc.shape, sc.scales_of), ("float8_e4m3", (qkv.shape[0], qkv.shape[1] // 16), name))
+        self.assertEqual((gs.dtype, gs.shape, gs.global_scale_of), ("float32", (1,), name))
+        self.assertEqual(len(qkv.pieces), 3)  # q, k, v: one global scale
+        for k in qkv.pieces:
+            self.assertEqual(desc.pieces[k].quant_dtype, wb.pb.DTYPE_F4_E2M1)
+            self.assertEqual(desc.pieces[k].quant_global_scale_offset, gs.offset_bytes)
+        c.create_buffer(desc.buffer_bytes(0))
+        views = desc.views(c.buffers)
+        self.assertEqual((views[name].dtype, views[name].shape), (np.uint8, (qkv.shape[0], qkv.shape[1] // 2)))
+        self.assertEqual((views[name + "_scale_2"].dtype, views[name + "_scale_2"].shape), (np.float32, (1,)))
+        c.close()
+
     def test_lora_adapter_model_describes_peft_and_vllm_lora(self):
         """ModelSpec.lora (issue 17.3): the model is the adapters alone; vllm_lora tp=2 rank 1 holds
         the q slice's lora_B rows of its heads and o_proj's lora_A columns of its shard."""

@@ -12,8 +12,8 @@ register_layout(...) answers the same description in LayoutInfo.layout. Then:
     views["decoder.layers.0.self_attention.linear_qkv.weight"][:] = ...   # fills the buffer in place
 
 numpy has no bfloat16: bfloat16 tensors are viewed as uint16 (their bits; torch users: see
-`torch_views`), float8 / e8m0 as uint8, int4 as uint8 with the last dim halved (two elements per
-byte, the even one in the low nibble). CUDA buffers have no host view: `device_pointer(buffers,
+`torch_views`), float8 / e8m0 as uint8, int4 and float4_e2m1 (NVFP4) as uint8 with the last dim
+halved (two elements per byte, the even one in the low nibble). CUDA buffers have no host view: `device_pointer(buffers,
 name)` gives the device address (buffer base + offset) for a torch/cupy view of your own.
 """
 
@@ -28,16 +28,16 @@ from weightbridge._proto import pb
 _DTYPES = {pb.DTYPE_BF16: ("bfloat16", np.uint16, 16), pb.DTYPE_F16: ("float16", np.float16, 16),
            pb.DTYPE_F32: ("float32", np.float32, 32), pb.DTYPE_F8_E4M3: ("float8_e4m3", np.uint8, 8),
            pb.DTYPE_I64: ("int64", np.int64, 64), pb.DTYPE_E8M0: ("float8_e8m0", np.uint8, 8),
-           pb.DTYPE_I4: ("int4", np.uint8, 4)}
+           pb.DTYPE_I4: ("int4", np.uint8, 4), pb.DTYPE_F4_E2M1: ("float4_e2m1", np.uint8, 4)}
 
 
 @dataclasses.dataclass
 class TensorPlace:
-    """One local tensor: a preset's framework tensor, a quantised tensor's scales, or (explicit
-    pieces) one piece named after its canonical tensor."""
+    """One local tensor: a preset's framework tensor, a quantised tensor's scales (NVFP4: also its
+    float32 global scale), or (explicit pieces) one piece named after its canonical tensor."""
     name: str
-    shape: tuple        # elements (int4: unpacked)
-    dtype: str          # as stored: "bfloat16", ..., "float8_e4m3", "int4", "float8_e8m0"
+    shape: tuple        # elements (int4 / float4_e2m1: unpacked)
+    dtype: str          # as stored: "bfloat16", ..., "float8_e4m3", "int4", "float4_e2m1", "float8_e8m0"
     buffer_id: int
     offset_bytes: int   # of element [0, ..., 0]
     strides: tuple      # elements per dim (row-major for preset tensors)
@@ -45,6 +45,8 @@ class TensorPlace:
     pieces: tuple       # indices into LayoutDescription.pieces held in this tensor
     scale_tensor: str = ""  # quantised: the local tensor holding its scales
     scales_of: str = ""     # scales: the tensor they belong to
+    global_scale_tensor: str = ""  # NVFP4: the local tensor holding its float32 global scale ("<name>_scale_2")
+    global_scale_of: str = ""      # a global scale: the NVFP4 tensor it belongs to (shared: the first naming it)
 
     def numpy_dtype(self):
         return _DTYPES_BY_NAME[self.dtype][0]
@@ -68,7 +70,8 @@ class LayoutDescription:
             if t.dtype not in _DTYPES:
                 raise ValueError("local tensor %s: unknown dtype %d" % (t.name, t.dtype))
             tensors[t.name] = TensorPlace(t.name, tuple(t.shape), _DTYPES[t.dtype][0], t.buffer_id, t.offset_bytes,
-                                          tuple(t.strides), t.size_bytes, tuple(t.pieces), t.scale_tensor, t.scales_of)
+                                          tuple(t.strides), t.size_bytes, tuple(t.pieces), t.scale_tensor, t.scales_of,
+                                          t.global_scale_tensor, t.global_scale_of)
         return LayoutDescription({b.buffer_id: b.size_bytes for b in d.buffers}, tensors, list(d.pieces),
                                  d.piece_bytes, d.source)
 
@@ -104,7 +107,7 @@ class LayoutDescription:
         shape, strides = list(t.shape), [int(s) for s in t.strides]
         if bits == 4:  # two per byte along the last dim (stride 1): a byte view of the pairs
             if shape and (shape[-1] % 2 or strides[-1] != 1):
-                raise ValueError("int4 tensor %s: last dim must be even with stride 1" % name)
+                raise ValueError("%s tensor %s: last dim must be even with stride 1" % (t.dtype, name))
             if shape:
                 shape[-1] //= 2
                 strides = [s // 2 for s in strides[:-1]] + [1]
@@ -134,12 +137,14 @@ class LayoutDescription:
     def torch_views(self, buffers):
         """{local name: torch tensor} over host (shm) or CUDA buffers (CudaBuffer, VmmBuffer), no
         copy, in the tensor's real dtype (bfloat16, float8_e4m3fn, float8_e8m0fnu when torch has
-        them, else uint8); int4 tensors as packed uint8 with the last dim halved. Needs torch."""
+        them, else uint8); int4 and float4_e2m1 tensors as packed uint8 with the last dim halved.
+        Needs torch."""
         import torch  # only when used
 
         tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int64": torch.int64,
                "float8_e4m3": getattr(torch, "float8_e4m3fn", torch.uint8),
-               "float8_e8m0": getattr(torch, "float8_e8m0fnu", torch.uint8), "int4": torch.uint8}
+               "float8_e8m0": getattr(torch, "float8_e8m0fnu", torch.uint8), "int4": torch.uint8,
+               "float4_e2m1": torch.uint8}
         out = {}
         for name, t in self.tensors.items():
             b = self._buffer(buffers, t)
@@ -151,7 +156,7 @@ class LayoutDescription:
                 out[name] = src.view(dtype) if src.element_size() == _itemsize(torch, dtype) else src
                 continue
             shape, strides = list(t.shape), [int(x) for x in t.strides]
-            if t.dtype == "int4" and shape:
+            if t.dtype in ("int4", "float4_e2m1") and shape:
                 shape[-1] //= 2
                 strides = [x // 2 for x in strides[:-1]] + [1]
             elem = _itemsize(torch, dtype)

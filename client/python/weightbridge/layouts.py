@@ -36,32 +36,45 @@ def row_major_strides(shape):
     return list(reversed(strides))
 
 
-# Quantised element dtype -> the scale dtypes it takes (planner/types.h Quantization).
-_QUANT_SCALES = {"float8_e4m3": ("float32", "float8_e8m0"), "int4": ("bfloat16", "float16", "float32")}
+# Quantised element dtype -> (proto DType, the scale dtypes it takes) (planner/types.h Quantization).
+# The 4-bit element dtypes are not in DTYPES (no byte size): they are only ever a piece's quant dtype.
+_QUANT_DTYPES = {"float8_e4m3": (pb.DTYPE_F8_E4M3, ("float32", "float8_e8m0")),
+                 "int4": (pb.DTYPE_I4, ("bfloat16", "float16", "float32")),
+                 "float4_e2m1": (pb.DTYPE_F4_E2M1, ("float8_e4m3",))}
 
 
 @dataclasses.dataclass
 class Quantization:
-    """A rollout piece held as float8_e4m3 with one scale per block (docs/daemon.md, "Quantized
+    """A rollout piece held quantised with one scale per block (docs/daemon.md, "Quantized
     targets"): `block` elements per canonical dim; the scales, row-major over the box's block grid,
-    at `scale_offset_bytes` of buffer `scale_buffer_id`. `scale_dtype`: "float32" (scale_inv =
-    amax / 448, DeepSeek-V3 fp8 block) or "float8_e8m0" (MXFP8: one power-of-two byte per block,
-    usually block=[1, 32]). dtype="int4" (compressed-tensors W4A16, symmetric): scale_dtype
-    "bfloat16"/"float16"/"float32" (amax / 7.5), block=[1, G]; elements packed two per byte along
-    the last dim (even element in the low nibble, stored as q + 8); `strides` still count int4
+    at `scale_offset_bytes` of buffer `scale_buffer_id`.
+
+    dtype="float8_e4m3" (the default): `scale_dtype` "float32" (scale_inv = amax / 448, DeepSeek-V3
+    fp8 block) or "float8_e8m0" (MXFP8: one power-of-two byte per block, usually block=[1, 32]).
+    dtype="int4" (compressed-tensors W4A16, symmetric): scale_dtype "bfloat16"/"float16"/"float32"
+    (amax / 7.5), block=[1, G].
+    dtype="float4_e2m1" (NVFP4, ModelOpt / vLLM modelopt_fp4): scale_dtype "float8_e4m3" (one e4m3
+    byte per block), block=[1, ..., 1, 16], and `global_scale_offset_bytes` (required): where the
+    float32 second-level scale (weight_scale_2) lies in the scale buffer, a multiple of 4; pieces of
+    one worker naming the same offset share it (e.g. q, k, v of a fused qkv_proj: amax over all of
+    them). It must be None for the other dtypes.
+    int4 and float4_e2m1 elements are packed two per byte along the last dim (even element in the
+    low nibble; int4 stored as q + 8, e2m1 as its sign-magnitude code); `strides` still count 4-bit
     elements (last 1, others even)."""
     block: Sequence[int]
     scale_buffer_id: int = 0
     scale_offset_bytes: int = 0
     dtype: str = "float8_e4m3"
     scale_dtype: str = "float32"
+    global_scale_offset_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass
 class Piece:
     """Canonical box [begin, end) of `tensor` at `offset_bytes` of buffer `buffer_id`.
     `strides`: local element stride per canonical dim (default: the box stored row-major).
-    `quant`: rollouts only, the box is held quantised (elements of the quantised dtype's size)."""
+    `quant`: rollouts only, the box is held quantised (elements of the quantised dtype's size; int4 /
+    float4_e2m1: half a byte)."""
     tensor: str
     begin: Sequence[int]
     end: Sequence[int]
@@ -76,18 +89,31 @@ class Piece:
         p = pb.Piece(tensor=self.tensor, box=pb.Box(begin=list(self.begin), end=list(self.end)),
                      buffer_id=self.buffer_id, offset_bytes=self.offset_bytes, strides=list(strides))
         if self.quant is not None:
-            allowed = _QUANT_SCALES.get(self.quant.dtype)
-            if allowed is None:
-                raise ValueError(f"piece of {self.tensor}: quantised dtype {self.quant.dtype!r} is not supported "
-                                 "(float8_e4m3 or int4)")
-            p.quant_dtype = pb.DTYPE_F8_E4M3 if self.quant.dtype == "float8_e4m3" else pb.DTYPE_I4
-            p.quant_block.extend(list(self.quant.block))
-            p.scale_buffer_id = self.quant.scale_buffer_id
-            p.scale_offset_bytes = self.quant.scale_offset_bytes
-            if self.quant.scale_dtype not in allowed:
-                raise ValueError(f"piece of {self.tensor}: scale dtype {self.quant.scale_dtype!r} is not supported "
-                                 f"for {self.quant.dtype} ({' or '.join(allowed)})")
-            p.quant_scale_dtype = DTYPES[self.quant.scale_dtype][0]
+            q = self.quant
+            if q.dtype not in _QUANT_DTYPES:
+                raise ValueError(f"piece of {self.tensor}: quantised dtype {q.dtype!r} is not supported "
+                                 f"({', '.join(_QUANT_DTYPES)})")
+            code, allowed = _QUANT_DTYPES[q.dtype]
+            if q.scale_dtype not in allowed:
+                raise ValueError(f"piece of {self.tensor}: scale dtype {q.scale_dtype!r} is not supported "
+                                 f"for {q.dtype} ({' or '.join(allowed)})")
+            if q.dtype == "float4_e2m1":
+                if q.global_scale_offset_bytes is None:
+                    raise ValueError(f"piece of {self.tensor}: float4_e2m1 (NVFP4) needs global_scale_offset_bytes "
+                                     "(the float32 global scale's place in the scale buffer)")
+                if int(q.global_scale_offset_bytes) < 0:
+                    raise ValueError(f"piece of {self.tensor}: global_scale_offset_bytes "
+                                     f"{q.global_scale_offset_bytes} is negative")
+            elif q.global_scale_offset_bytes is not None:
+                raise ValueError(f"piece of {self.tensor}: global_scale_offset_bytes is for float4_e2m1 (NVFP4) "
+                                 f"pieces only, not {q.dtype}")
+            p.quant_dtype = code
+            p.quant_block.extend(list(q.block))
+            p.scale_buffer_id = q.scale_buffer_id
+            p.scale_offset_bytes = q.scale_offset_bytes
+            p.quant_scale_dtype = DTYPES[q.scale_dtype][0]
+            if q.global_scale_offset_bytes is not None:
+                p.quant_global_scale_offset = int(q.global_scale_offset_bytes)
         return p
 
 
@@ -110,7 +136,7 @@ class PresetLayout:
     expert_parallel: bool = False
     replicas: int = 1
     rank: int = 0
-    quantization: str = ""  # vllm/sglang rollouts: "", "fp8_block128", "mxfp8", "w4a16_g32", "w4a16_experts_g32"
+    quantization: str = ""  # vllm/sglang rollouts: "", "fp8_block128", "mxfp8", "w4a16_g32", "w4a16_experts_g32", "nvfp4"
     # megatron: --decoder-first/last-pipeline-num-layers (0 = not set), virtual pipeline size.
     first_stage_layers: int = 0
     last_stage_layers: int = 0
