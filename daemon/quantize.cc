@@ -274,9 +274,20 @@ inline __attribute__((always_inline)) void ScaledToInt4(const float* x, float s,
   }
 }
 
+// E4M3ToFloat of every code, once (NVFP4 reads a scale back per 16 elements; ldexp there cost
+// more than the block's elements).
+const float* E4M3Table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = E4M3ToFloat(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table.data();
+}
+
 // codes of x / d (d the block's divisor: its e4m3 scale read back times the global scale), two
 // per byte (even j low nibble); the same arithmetic as FloatToE2M1, written for the vectoriser.
-inline __attribute__((always_inline)) void ScaledToE2M1(const float* x, float d, int64_t n, uint8_t* nibbles) {
+inline __attribute__((always_inline)) void ScaledToE2M1(const float* __restrict__ x, float d, int64_t n, uint8_t* __restrict__ nibbles) {
   for (int64_t j = 0; j < n; ++j) {
     const float y = x[j] / d;
     const float a = std::fabs(y);
@@ -294,7 +305,12 @@ WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t i
   RowToFloat(row, dtype, inner, x);
   uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + inner);
   for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
-    ScaledToE2M1(x + lo, divisor[b], std::min(inner_block, inner - lo), nib + lo);
+    const int64_t n = std::min(inner_block, inner - lo);
+    if (n == 16) {  // NVFP4's block: a constant trip count the compiler unrolls into whole vectors
+      ScaledToE2M1(x + lo, divisor[b], 16, nib + lo);
+    } else {
+      ScaledToE2M1(x + lo, divisor[b], n, nib + lo);
+    }
   }
   for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
 }
@@ -435,7 +451,7 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
           bs = bs == 0.0f ? 1.0f : bs;  // ModelOpt: an all-zero block gets scale 1
           const uint8_t code = FloatToE4M3(bs);
           scale_out[b] = code;
-          factor[static_cast<size_t>(b)] = E4M3ToFloat(code) * global;
+          factor[static_cast<size_t>(b)] = E4M3Table()[code] * global;
         } else if (int4) {  // factor = the stored scale, read back: q = x / scale
           const float s = std::isnan(a) ? a : std::max(a / kInt4ScaleDivisor, kInt4MinScale);
           factor[static_cast<size_t>(b)] = StoreScale(s, sdt, scale_out + b * planner::DTypeSize(sdt));

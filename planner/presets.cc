@@ -792,7 +792,8 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
   // (compressed-tensors pack-quantized; "<name>_packed" holds the int4 pairs).
   // nvfp4: float4_e2m1 (ModelOpt NVFP4 as vLLM loads it), 1x16 blocks, float8_e4m3 scales in
   // "<name>_scale", then the float32 global scale all the local tensor's pieces share in
-  // "<name>_scale_2" (one per local tensor: vLLM's fused qkv_proj keeps one after loading).
+  // "<name>_scale_2" (one per local tensor: vLLM's fused qkv_proj keeps one after loading; fused
+  // MoE experts one per local expert, shared by its gate and up as vLLM keeps w13's).
   const bool mx = scheme == "mxfp8";
   const bool nvfp4 = scheme == "nvfp4";
   const bool int4 = scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
@@ -820,9 +821,14 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     if (quantize && int4) {  // compressed-tensors: the packed pairs are "<weight>_packed"
       nt.name = absl::StrCat(lt.name, "_packed");
     }
+    // NVFP4: the slot of each piece's global scale - 0, or for fused MoE experts ([E, rows, cols]
+    // local tensors) the piece's expert, so that each expert's gate and up (w13) share one.
+    std::vector<int64_t> global_slot(static_cast<size_t>(std::max(lt.num_pieces, 0)), 0);
+    const int64_t expert_elems = lt.shape.size() == 3 ? lt.shape[1] * lt.shape[2] : 0;
     for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) {
       Piece& p = q.layout.pieces[k];
       const int64_t elems = (out.layout.pieces[k].offset_bytes - lt.offset_bytes) * 8 / old_bits;
+      if (expert_elems > 0) global_slot[static_cast<size_t>(k - lt.first_piece)] = elems / expert_elems;
       if (elems * new_bits % 8 != 0) {
         return absl::InvalidArgumentError(absl::StrCat(scheme, ": local tensor ", lt.name, " holds a piece of ", inv.tensors[p.tensor].name,
                                                        " at element ", elems, ", not on a byte boundary once packed"));
@@ -863,7 +869,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
       quant.scale_dtype = scale_dtype;
       quant.scale_buffer = 0;
       quant.scale_offset_bytes = st.offset_bytes + count * scale_size;
-      quant.global_scale_offset_bytes = global_at;
+      quant.global_scale_offset_bytes = global_at < 0 ? -1 : global_at + 4 * global_slot[static_cast<size_t>(k - lt.first_piece)];
       p.quant = quant;
       RETURN_IF_ERROR(CheckQuantization(inv, WorkerLayout{{BufferInfo{int64_t{1} << 62}}, {}}, p,
                                         absl::StrCat(scheme, ": local tensor ", lt.name, " (tensor ", inv.tensors[p.tensor].name,
@@ -885,11 +891,11 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
       LocalTensor gt;  // "x.weight_scale" -> "x.weight_scale_2" (ModelOpt)
       gt.name = absl::StrCat(scale_name, "_2");
       gt.dtype = DType::kF32;
-      gt.shape = {1};
+      gt.shape = {expert_elems > 0 ? lt.shape[0] : 1};  // one per local expert, else one
       gt.offset_bytes = global_at;
       gt.first_piece = lt.first_piece;
       gt.num_pieces = 0;
-      cursor = global_at + 4;
+      cursor = global_at + 4 * gt.shape[0];
       q.local_tensors.push_back(std::move(gt));
     }
   }

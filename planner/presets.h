@@ -94,7 +94,8 @@ struct ParallelConfig {
   // layout: two per byte, the even element in the low nibble), followed by "<name>_scale"
   // (float8_e4m3, one per 1x16 block along the input dim) and "<name>_scale_2" (float32 [1], the
   // second-level scale: one per local tensor, from the largest magnitude of its pieces, so a fused
-  // qkv_proj / gate_up_proj shares it as ModelOpt exports them; per TP rank, from that rank's rows).
+  // qkv_proj / gate_up_proj shares it as ModelOpt exports them; per TP rank, from that rank's rows;
+  // fused MoE experts [E, rows, cols]: [E], one per expert, its gate and up sharing it).
   // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
   std::string quantization;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -277,6 +278,35 @@ TEST(Presets, VllmNvfp4HoldsE4M3ScalesPer16InputsAndOneGlobalScalePerLocalTensor
     if (t.name == "model.layers.1.self_attn.qkv_proj.weight_scale") {
       EXPECT_TRUE(t.global_scale_of.empty());
     }
+  }
+}
+
+// NVFP4 fused MoE experts: one global scale per local expert ([E_local]), shared by its gate and
+// up rows in w13 as vLLM keeps them after loading.
+TEST(Presets, VllmNvfp4FusedExpertsGetOneGlobalScalePerExpert) {
+  Model m = Load("qwen3-30b-a3b.json", 2);
+  auto l = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 4, .quantization = "nvfp4"}, 2);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout, "r").ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout, "r");
+  for (const char* name : {"model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"}) {
+    const LocalTensor* w = FindLocal(*l, name);
+    ASSERT_NE(w, nullptr) << name;
+    EXPECT_EQ(w->dtype, DType::kF4E2M1);
+    const LocalTensor* g = FindLocal(*l, absl::StrCat(name, "_scale_2"));
+    ASSERT_NE(g, nullptr) << name;
+    EXPECT_EQ(g->shape, (std::vector<int64_t>{128}));
+    std::map<int64_t, std::set<std::string>> parts_by_slot;  // expert slot -> which projections name it
+    for (int32_t k = w->first_piece; k < w->first_piece + w->num_pieces; ++k) {
+      const Piece& p = l->layout.pieces[k];
+      const std::string& t = m.inv.tensors[p.tensor].name;
+      const int64_t slot = (p.quant->global_scale_offset_bytes - g->offset_bytes) / 4;
+      ASSERT_GE(slot, 0);
+      ASSERT_LT(slot, 128);
+      EXPECT_TRUE(absl::StrContains(t, absl::StrCat(".experts.", slot, "."))) << t << " slot " << slot;
+      parts_by_slot[slot].insert(t.substr(t.rfind('.', t.size() - 8) + 1));
+    }
+    EXPECT_EQ(parts_by_slot.size(), 128u);
+    EXPECT_EQ(parts_by_slot[5].size(), absl::StrContains(name, "w13") ? 2u : 1u);  // gate_proj + up_proj share
   }
 }
 
