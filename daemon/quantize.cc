@@ -285,11 +285,13 @@ const float* E4M3Table() {
   return table.data();
 }
 
-// codes of x / d (d the block's divisor: its e4m3 scale read back times the global scale), two
-// per byte (even j low nibble); the same arithmetic as FloatToE2M1, written for the vectoriser.
-inline __attribute__((always_inline)) void ScaledToE2M1(const float* __restrict__ x, float d, int64_t n, uint8_t* __restrict__ nibbles) {
+// codes of x[j] / d[j] (d the element's block divisor: its e4m3 scale read back times the global
+// scale), the same arithmetic as FloatToE2M1, over a whole row so the loop runs in full vectors
+// (per 16-element block the loop's setup cost as much as its work).
+inline __attribute__((always_inline)) void ScaledToE2M1(const float* __restrict__ x, const float* __restrict__ d, int64_t n,
+                                                        uint8_t* __restrict__ nibbles) {
   for (int64_t j = 0; j < n; ++j) {
-    const float y = x[j] / d;
+    const float y = x[j] / d[j];
     const float a = std::fabs(y);
     uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
                    (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
@@ -300,18 +302,16 @@ inline __attribute__((always_inline)) void ScaledToE2M1(const float* __restrict_
 
 WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* divisor,
                              std::vector<float>& tmp, uint8_t* out) {
-  if (tmp.size() < static_cast<size_t>(2 * inner)) tmp.resize(static_cast<size_t>(2 * inner));
+  if (tmp.size() < static_cast<size_t>(3 * inner)) tmp.resize(static_cast<size_t>(3 * inner));
   float* x = tmp.data();
+  float* d = tmp.data() + inner;
   RowToFloat(row, dtype, inner, x);
-  uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + inner);
   for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
     const int64_t n = std::min(inner_block, inner - lo);
-    if (n == 16) {  // NVFP4's block: a constant trip count the compiler unrolls into whole vectors
-      ScaledToE2M1(x + lo, divisor[b], 16, nib + lo);
-    } else {
-      ScaledToE2M1(x + lo, divisor[b], n, nib + lo);
-    }
+    for (int64_t j = 0; j < n; ++j) d[lo + j] = divisor[b];
   }
+  uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + 2 * inner);
+  ScaledToE2M1(x, d, inner, nib);
   for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
 }
 
