@@ -53,15 +53,22 @@ uint8_t E8M0ScaleFor(float amax) {
   return static_cast<uint8_t>(e + 127);
 }
 
-uint8_t FloatToE2M1(float y) {
-  // ModelOpt's _cast_fp4: the code's magnitude is the number of rounding bounds below |y|, plus
-  // one on the three bounds where the even neighbour is the upper one; the sign is y < 0.
+namespace {
+
+// ModelOpt's _cast_fp4: the code's magnitude is the number of rounding bounds below |y|, plus one
+// on the three bounds where the even neighbour is the upper one; the sign is y < 0. Branch-free,
+// so the quantiser's row loop (ScaledToE2M1) vectorises with it inlined.
+inline __attribute__((always_inline)) uint8_t E2M1Code(float y) {
   const float a = std::fabs(y);
-  const uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
-                       (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
-  const uint32_t code = a != a ? 7u : ord;  // NaN: past every bound (torch.searchsorted)
-  return static_cast<uint8_t>(code | (y < 0.0f ? 8u : 0u));
+  uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
+                 (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
+  ord = a != a ? 7u : ord;  // NaN: past every bound (torch.searchsorted)
+  return static_cast<uint8_t>(ord | (y < 0.0f ? 8u : 0u));
 }
+
+}  // namespace
+
+uint8_t FloatToE2M1(float y) { return E2M1Code(y); }
 
 float E2M1ToFloat(uint8_t code) {
   static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -286,18 +293,11 @@ const float* E4M3Table() {
 }
 
 // codes of x[j] / d[j] (d the element's block divisor: its e4m3 scale read back times the global
-// scale), the same arithmetic as FloatToE2M1, over a whole row so the loop runs in full vectors
-// (per 16-element block the loop's setup cost as much as its work).
+// scale), over a whole row so the loop runs in full vectors (per 16-element block the loop's setup
+// cost as much as its work).
 inline __attribute__((always_inline)) void ScaledToE2M1(const float* __restrict__ x, const float* __restrict__ d, int64_t n,
                                                         uint8_t* __restrict__ nibbles) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float y = x[j] / d[j];
-    const float a = std::fabs(y);
-    uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
-                   (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
-    ord = a != a ? 7u : ord;
-    nibbles[j] = static_cast<uint8_t>(ord | (y < 0.0f ? 8u : 0u));
-  }
+  for (int64_t j = 0; j < n; ++j) nibbles[j] = E2M1Code(x[j] / d[j]);
 }
 
 WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* divisor,
