@@ -58,17 +58,17 @@ namespace {
 // ModelOpt's _cast_fp4: the code's magnitude is the number of rounding bounds below |y|, plus one
 // on the three bounds where the even neighbour is the upper one; the sign is y < 0. Branch-free,
 // so the quantiser's row loop (ScaledToE2M1) vectorises with it inlined.
-inline __attribute__((always_inline)) uint8_t E2M1Code(float y) {
+inline __attribute__((always_inline)) uint32_t E2M1Code(float y) {
   const float a = std::fabs(y);
   uint32_t ord = static_cast<uint32_t>(a > 0.25f) + (a > 0.75f) + (a > 1.25f) + (a > 1.75f) + (a > 2.5f) + (a > 3.5f) +
                  (a > 5.0f) + (a == 0.75f) + (a == 1.75f) + (a == 3.5f);
   ord = a != a ? 7u : ord;  // NaN: past every bound (torch.searchsorted)
-  return static_cast<uint8_t>(ord | (y < 0.0f ? 8u : 0u));
+  return ord | (y < 0.0f ? 8u : 0u);
 }
 
 }  // namespace
 
-uint8_t FloatToE2M1(float y) { return E2M1Code(y); }
+uint8_t FloatToE2M1(float y) { return static_cast<uint8_t>(E2M1Code(y)); }
 
 float E2M1ToFloat(uint8_t code) {
   static constexpr float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -295,9 +295,11 @@ const float* E4M3Table() {
 // codes of x[j] / d[j] (d the element's block divisor: its e4m3 scale read back times the global
 // scale), over a whole row so the loop runs in full vectors (per 16-element block the loop's setup
 // cost as much as its work).
+// The codes go out as 32-bit lanes: with byte outputs GCC narrowed each of E2M1Code's compares to
+// bytes before adding them (packs and permutes per compare, 4x the work of the compares).
 inline __attribute__((always_inline)) void ScaledToE2M1(const float* __restrict__ x, const float* __restrict__ d, int64_t n,
-                                                        uint8_t* __restrict__ nibbles) {
-  for (int64_t j = 0; j < n; ++j) nibbles[j] = E2M1Code(x[j] / d[j]);
+                                                        uint32_t* __restrict__ codes) {
+  for (int64_t j = 0; j < n; ++j) codes[j] = E2M1Code(x[j] / d[j]);
 }
 
 WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* divisor,
@@ -310,9 +312,9 @@ WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t i
     const int64_t n = std::min(inner_block, inner - lo);
     for (int64_t j = 0; j < n; ++j) d[lo + j] = divisor[b];
   }
-  uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + 2 * inner);
-  ScaledToE2M1(x, d, inner, nib);
-  for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
+  uint32_t* codes = reinterpret_cast<uint32_t*>(tmp.data() + 2 * inner);
+  ScaledToE2M1(x, d, inner, codes);
+  for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
 }
 
 WB_ROW_KERNEL void RowToInt4(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* scale,
