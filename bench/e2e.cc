@@ -8,7 +8,9 @@
 //   rollouts quantised on the sending node, one cluster, same run; default config
 //   bench/testdata/qwen2-wide-8l.json, whose Megatron tp=2 shards hold whole 128x128 blocks)
 //   lossless deltas: --delta [--lr=1e-6] (full versions against deltas, one run: bytes_full,
-//   bytes_delta, full_s, delta_s, identical_fraction, verified)
+//   bytes_delta, full_s, delta_s, identical_fraction, verified); with --quantization=P the rollouts
+//   hold preset P in both cases (nvfp4: deltas of the bf16 bytes, quantised by the rollout's node;
+//   the printed floors assume bf16 rollouts)
 //   end-to-end digests' cost: --digest_cost [--digest_rounds=3 --digest_settings=none,digests] (update
 //   time with no check against digests on, interleaved rounds of fresh clusters; also: checksums,
 //   digests_after_buckets, digests_from_memory)
@@ -87,7 +89,7 @@ ABSL_FLAG(double, lr, 1e-6, "--delta: learning rate of the update model (daemon/
 ABSL_FLAG(std::string, quantization, "",
           "instead: inter-node bytes and update time of WeightBridge into bf16 rollouts and into rollouts of this "
           "quantization preset (fp8_block128, mxfp8, nvfp4, w4a16_g32), quantised on the sending node where the trainer shards hold "
-          "whole blocks (issue 17.1); one cluster, same run");
+          "whole blocks (issue 17.1); one cluster, same run. With --delta: the delta bench into rollouts of the preset");
 
 namespace wb::bench {
 namespace {
@@ -147,10 +149,11 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
   bool ok = workers->failures.empty();
   if (!ok) res.error = workers->failures.back().ToString();
   const int64_t model_bytes = e2e::ModelBytes(config);
-  int64_t verified_last = 0;
+  int64_t verified_last = 0, verified_elements = 0;
   for (Process* p : workers->rollouts) {
     if (!e2e::EventsNamed(p, "mismatch").empty()) ok = false;
     verified_last += e2e::VerifiedBytes(p, static_cast<uint64_t>(versions));
+    verified_elements += e2e::VerifiedElements(p, static_cast<uint64_t>(versions));
   }
   // Each rollout checked every byte of its pieces; together the replicas hold at least the whole
   // model per replica (more where vLLM replicates norms across tp ranks).
@@ -178,12 +181,13 @@ StrategyResult RunStrategy(Cluster& cl, const std::string& strategy, const std::
     }
   }
   if (!quantization.empty()) {
-    // A quantised replica holds about what crossed to its node once (fp8 elements + scales, the
-    // rest bf16): every rollout on n1, so at least `replicas` x the plan's inter-node wire bytes.
-    const int64_t want = static_cast<int64_t>(replicas) * res.wire_bytes_inter_node;
-    res.verified = ok && want > 0 && verified_last >= want;
+    // A quantised replica stores fewer bytes than the bf16 model (and what crossed may be bf16:
+    // NVFP4 is quantised by the receiving node), so count canonical elements: the rollouts checked
+    // every element of their pieces, at least the model's elements per replica.
+    const int64_t want = static_cast<int64_t>(replicas) * (model_bytes / 2);
+    res.verified = ok && want > 0 && verified_elements >= want;
     if (res.verified) res.error.clear();  // the bf16 threshold above does not apply
-    if (ok && !res.verified) res.error = absl::StrCat("only ", verified_last, " bytes verified for the last version, want >= ", want);
+    if (ok && !res.verified) res.error = absl::StrCat("only ", verified_elements, " elements verified for the last version, want >= ", want);
   }
   return res;
 }
@@ -550,7 +554,8 @@ int RunQuantization(const std::string& quantization, const std::string& config, 
 // run's first version has no base and goes in full, so bytes_delta = (its total - bytes_full) /
 // (versions - 1). *_s: median update time of versions 3.. in both cases (at least 5 versions; the
 // first two warm up: first touch of staging, of the delta regions and of the cache's second copy).
-int RunDelta(const std::string& config, int versions, int replicas, bool json) {
+// `quantization`: the rollouts' preset in both cases ("" = bf16 rollouts).
+int RunDelta(const std::string& config, int versions, int replicas, bool json, const std::string& quantization = "") {
   const double lr = absl::GetFlag(FLAGS_lr);
   absl::StatusOr<double> sampled = delta::SampleIdenticalFraction(lr);
   if (!sampled.ok()) {
@@ -584,7 +589,7 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
     };
     if (!json) std::fprintf(stderr, "bench/e2e: %s versions (lr %g, %s)...\n", c.name.c_str(), lr, fraction.c_str());
     const double before = received();
-    c.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas, "", {fraction});
+    c.result = RunStrategy(*bc->cluster, "weightbridge", config, versions, replicas, quantization, {fraction});
     const double after = received();
     c.nic_bytes = before >= 0 && after >= 0 ? after - before : -1;
     if (const std::string dir = absl::GetFlag(FLAGS_node_logs_dir); !dir.empty()) {
@@ -623,6 +628,7 @@ int RunDelta(const std::string& config, int versions, int replicas, bool json) {
   const double delta_floor_s = 3.0 * model_bytes / read_Bps + link_s(bytes_delta) + commit_s;
   if (json) {
     nlohmann::json j = {{"lr", lr},
+                        {"quantization", quantization},
                         {"link_gbps", absl::GetFlag(FLAGS_link_gbps)},
                         {"identical_fraction", identical},
                         {"bytes_full", bytes_full},
@@ -678,6 +684,8 @@ int Run() {
   std::string config = absl::GetFlag(FLAGS_config);
   if (config.empty()) config = e2e::ModelConfigPath(/*full=*/true);
   if (const std::string q = absl::GetFlag(FLAGS_quantization); !q.empty()) {
+    // With --delta: full against delta versions into rollouts of the preset (the default config).
+    if (absl::GetFlag(FLAGS_delta)) return RunDelta(config, versions, replicas_flag > 0 ? replicas_flag : 1, json, q);
     if (absl::GetFlag(FLAGS_config).empty()) config = e2e::Runfile("bench/testdata/qwen2-wide-8l.json");
     return RunQuantization(q, config, versions, replicas, json);
   }

@@ -8,14 +8,19 @@ namespace wb::daemon {
 QuantFormat Fp8Block128Format() { return {"fp8_block128", planner::DType::kF8E4M3, {128, 128}, planner::DType::kF32}; }
 QuantFormat Mxfp8Format() { return {"mxfp8", planner::DType::kF8E4M3, {1, 32}, planner::DType::kE8M0}; }
 QuantFormat W4a16G32Format() { return {"w4a16_g32", planner::DType::kI4, {1, 32}, planner::DType::kBF16}; }
+QuantFormat Nvfp4Format() { return {"nvfp4", planner::DType::kF4E2M1, {1, 16}, planner::DType::kF8E4M3, true}; }
 
 QuantGeometry GeometryOf(const QuantFormat& f) {
   QuantGeometry g;
   const int64_t elements = kDeltaQuantRows * kDeltaQuantCols;
-  g.element_bytes = f.dtype == planner::DType::kI4 ? elements / 2 : elements * planner::DTypeSize(f.dtype);
+  g.element_bytes = planner::IsPacked4(f.dtype) ? elements / 2 : elements * planner::DTypeSize(f.dtype);
   g.scales_at = g.element_bytes;
   const int64_t scales = ((kDeltaQuantRows + f.block[0] - 1) / f.block[0]) * ((kDeltaQuantCols + f.block[1] - 1) / f.block[1]);
   g.scale_bytes = scales * planner::DTypeSize(f.scale_dtype);
+  if (f.global_scale) {
+    g.global_at = g.scales_at + (g.scale_bytes + 3) / 4 * 4;
+    g.scale_bytes = g.global_at + 4 - g.scales_at;
+  }
   g.norm_at = g.scales_at + (g.scale_bytes + 63) / 64 * 64;
   g.rollout_bytes = g.norm_at + kDeltaQuantNorm * 2;
   return g;
@@ -44,6 +49,7 @@ planner::WorkerLayout QuantRolloutLayout(const QuantFormat& f) {
   q.scale_buffer = 0;
   q.scale_offset_bytes = g.scales_at;
   q.scale_dtype = f.scale_dtype;
+  q.global_scale_offset_bytes = g.global_at;
   w.quant = q;
   l.pieces.push_back(w);
   planner::Piece n;
@@ -85,18 +91,24 @@ void DeltaQuantFixture::SetUp() {
   endpoint_ = std::move(*endpoint);
 }
 
-void DeltaQuantFixture::Start(pb::Mode mode, int replicas, const QuantFormat& format) {
+void DeltaQuantFixture::Start(pb::Mode mode, int replicas, const QuantFormat& format, int64_t split_row,
+                              std::function<void(ServerOptions&)> node_options) {
   mode_ = mode;
   format_ = format;
   geo_ = GeometryOf(format);
   layout_ = QuantRolloutLayout(format);
   c_.delta_fraction = kDeltaQuantChange;
   c_.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = 65536; });
-  for (int n : {0, 1}) c_.StartNode(n, nullptr, nullptr, [](ServerOptions& o) { o.delta_cache_bytes = 64 << 20; });
+  for (int n : {0, 1}) {
+    c_.StartNode(n, nullptr, nullptr, [&node_options](ServerOptions& o) {
+      o.delta_cache_bytes = 64 << 20;
+      if (node_options) node_options(o);
+    });
+  }
   spec_ = SpecOf(inv_, mode, pb::STRATEGY_WEIGHTBRIDGE, /*trainers=*/2, /*rollouts=*/replicas);
   t0_ = &c_.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv_,
-                      LayoutOf(inv_, {{0, {0, 0}, {256, kDeltaQuantCols}, false}, {1, {0, 0}, {1, kDeltaQuantNorm}, false}}));
-  t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {256, 0}, {kDeltaQuantRows, kDeltaQuantCols}, false}}));
+                      LayoutOf(inv_, {{0, {0, 0}, {split_row, kDeltaQuantCols}, false}, {1, {0, 0}, {1, kDeltaQuantNorm}, false}}));
+  t1_ = &c_.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv_, LayoutOf(inv_, {{0, {split_row, 0}, {kDeltaQuantRows, kDeltaQuantCols}, false}}));
   rollouts_ = {&c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, layout_)};
   if (replicas == 2) rollouts_.push_back(&c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, layout_));
   r1_ = rollouts_[0];

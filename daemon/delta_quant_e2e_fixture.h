@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,14 +26,17 @@ namespace wb::daemon {
 
 // A quantised format of w, as planner/presets.cc makes it for the preset `name`.
 struct QuantFormat {
-  std::string name;  // the preset name: fp8_block128, mxfp8, w4a16_g32
+  std::string name;  // the preset name: fp8_block128, mxfp8, w4a16_g32, nvfp4
   planner::DType dtype = planner::DType::kF8E4M3;
   std::vector<int64_t> block;
   planner::DType scale_dtype = planner::DType::kF32;
+  bool global_scale = false;  // NVFP4's float32 second-level scale, after the block scales
 };
 QuantFormat Fp8Block128Format();  // float8_e4m3, 128x128 blocks, float32 scales
 QuantFormat Mxfp8Format();        // float8_e4m3, 1x32 blocks, float8_e8m0 scales
 QuantFormat W4a16G32Format();     // int4 (two per byte), 1x32 groups, bfloat16 scales (w's dtype)
+QuantFormat Nvfp4Format();        // float4_e2m1 (two per byte), 1x16 blocks, float8_e4m3 scales, a global
+                                  // scale: always quantised by the receiving node
 
 inline constexpr double kDeltaQuantChange = 0.05;
 inline constexpr int64_t kDeltaQuantRows = 512, kDeltaQuantCols = 256, kDeltaQuantNorm = 256;
@@ -41,7 +45,8 @@ inline constexpr int64_t kDeltaQuantRows = 512, kDeltaQuantCols = 256, kDeltaQua
 // (row-major over the block grid) right after them, n (bf16) at the next multiple of 64.
 struct QuantGeometry {
   int64_t element_bytes = 0;  // w's quantised elements (what a delta of the elements replaces)
-  int64_t scales_at = 0, scale_bytes = 0;
+  int64_t scales_at = 0, scale_bytes = 0;  // scale_bytes: NVFP4's global scale included
+  int64_t global_at = -1;                  // NVFP4: its global scale's offset
   int64_t norm_at = 0, rollout_bytes = 0;
 };
 QuantGeometry GeometryOf(const QuantFormat& f);
@@ -64,7 +69,11 @@ class DeltaQuantFixture : public ::testing::Test {
   void TearDown() override { c_.Stop(); }
 
   // `replicas` 2: r2 next to r1 (n1), same layout; each block crosses once and is relayed.
-  void Start(pb::Mode mode, int replicas = 1, const QuantFormat& format = Fp8Block128Format());
+  // `split_row`: t0 holds w's rows [0, split_row) and n, t1 the rest (256: whole blocks of every
+  // format; 192 leaves 128x128 blocks split between the trainers, so fp8_block128 is quantised by
+  // the receiving node). `node_options` adjusts both nodes' options.
+  void Start(pb::Mode mode, int replicas = 1, const QuantFormat& format = Fp8Block128Format(), int64_t split_row = 256,
+             std::function<void(ServerOptions&)> node_options = nullptr);
   // Version v published (and applied outside sync), every rollout byte-exact against the
   // receiver's quantisation, the version verified end to end.
   void Version(uint64_t v);

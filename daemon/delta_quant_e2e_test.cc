@@ -5,7 +5,7 @@
 // shards of whole blocks): n0 quantises each box and sends its fp8 elements and scales. With
 // --delta_cache_bytes, version 1 goes in full and later versions as deltas OF THE QUANTISED BYTES
 // (n0 caches the quantised bytes it sent, apart from canonical ones; r1's node decodes against its
-// committed quantised copy: committed staging, or its live buffers in sync). Every byte of r1 is
+// committed quantised copy: the staging it committed, taken back and decoded in place). Every byte of r1 is
 // compared with the receiver's own quantisation of the canonical version (daemon/quantize.h
 // QuantizePiece, what the full path lands), and every version is verified by the end-to-end
 // digests. (A quantised base that no longer matches, refused and resent in full, and two replicas

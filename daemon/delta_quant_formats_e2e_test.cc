@@ -9,7 +9,8 @@
 // slot with the scale's size: 1 for e8m0, 2 for bf16), in sync / one-step-off / async and with two
 // replicas relaying each other's blocks; every rollout byte equals the receiver's own quantisation
 // of the canonical version, every version verified. A changed quantised base is refused and resent
-// in full.
+// in full (with --delta_in_place=false: in place, the default, the base is the staging the node
+// committed, and a changed live byte is overwritten by the commit).
 #include <string>
 #include <tuple>
 
@@ -63,12 +64,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 class DeltaQuantFormatCaseTest : public DeltaQuantFixture, public ::testing::WithParamInterface<std::string> {};
 
-// Sync: after version 1 one bit of r1's live quantised elements (row 0: e4m3 element 5, or the
-// int4 pair 10-11) changes behind n1's back. Version 2's delta into that box fails the base check
-// before anything is applied, the box is resent in full (quantised), r1 is exact and verified;
-// the other boxes still go as deltas; version 3 goes as deltas with no refusal.
+// Sync with --delta_in_place=false, so that the base of r1's deltas is its live weights (in place,
+// the default, the base is the staging n1 kept and committed, which nothing else writes: see the
+// next test): after version 1 one bit of r1's live quantised elements (row 0: e4m3 element 5, or
+// the int4 pair 10-11) changes behind n1's back. Version 2's delta into that box fails the base
+// check before anything is applied, the box is resent in full (quantised), r1 is exact and
+// verified; the other boxes still go as deltas; version 3 goes as deltas with no refusal.
 TEST_P(DeltaQuantFormatCaseTest, AQuantisedBaseThatDoesNotMatchIsRefusedAndTheFullBytesLand) {
-  Start(pb::MODE_SYNC, /*replicas=*/1, FormatNamed(GetParam()));
+  Start(pb::MODE_SYNC, /*replicas=*/1, FormatNamed(GetParam()), /*split_row=*/256, [](ServerOptions& o) { o.delta_in_place = false; });
   ASSERT_FALSE(HasFatalFailure());
   Version(1);
   ASSERT_FALSE(HasFatalFailure());
@@ -82,6 +85,24 @@ TEST_P(DeltaQuantFormatCaseTest, AQuantisedBaseThatDoesNotMatchIsRefusedAndTheFu
   Version(3);
   ASSERT_FALSE(HasFatalFailure());
   EXPECT_EQ(Meter().fallbacks - m1.fallbacks, 0);
+}
+
+// Sync, in place (the default): the same bit of r1's live weights changes behind n1's back after
+// version 1. The base of version 2's deltas is the staging n1 committed (decoded in place), so
+// nothing is refused, and the commit's copy overwrites the changed byte: r1 exact and verified.
+TEST_P(DeltaQuantFormatCaseTest, InPlaceALiveByteChangedBehindTheNodeIsOverwrittenByTheCommit) {
+  Start(pb::MODE_SYNC, /*replicas=*/1, FormatNamed(GetParam()));
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  static_cast<uint8_t*>(r1_->seg.data())[5] ^= 0x01;
+  const DeltaMeter m0 = Meter();
+  Version(2);  // checks every byte of r1
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0) << "the base is n1's committed staging, not r1's live weights";
+  EXPECT_GT(m1.stream - m0.stream, 0);
+  EXPECT_GT(m1.decoded_in_place - m0.decoded_in_place, 0);
 }
 
 // Two replicas on n1 (one-step-off): each block crosses the nodes once, quantised, into one

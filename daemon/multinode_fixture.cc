@@ -179,15 +179,14 @@ grpc::Status Cluster::RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, c
       pp->set_offset_bytes(static_cast<uint64_t>(p.offset_bytes));
       for (int64_t st : p.strides) pp->add_strides(st);
       if (p.quant.has_value()) {  // a quantised rollout piece, its scales in the same buffer
-        pp->set_quant_dtype(p.quant->dtype == planner::DType::kI4 ? pb::DTYPE_I4 : pb::DTYPE_F8_E4M3);
+        pp->set_quant_dtype(ToProto(p.quant->dtype));
         for (int64_t b : p.quant->block) pp->add_quant_block(b);
         pp->set_scale_buffer_id(7);
         pp->set_scale_offset_bytes(static_cast<uint64_t>(p.quant->scale_offset_bytes));
-        const planner::DType sd = p.quant->scale_dtype;  // int4's bf16 / f16 scales too (w4a16)
-        pp->set_quant_scale_dtype(sd == planner::DType::kE8M0  ? pb::DTYPE_E8M0
-                                  : sd == planner::DType::kBF16 ? pb::DTYPE_BF16
-                                  : sd == planner::DType::kF16  ? pb::DTYPE_F16
-                                                                : pb::DTYPE_F32);
+        pp->set_quant_scale_dtype(ToProto(p.quant->scale_dtype));  // int4's bf16 / f16 scales too (w4a16)
+        if (p.quant->global_scale_offset_bytes >= 0) {  // NVFP4's second-level scale
+          pp->set_quant_global_scale_offset(static_cast<uint64_t>(p.quant->global_scale_offset_bytes));
+        }
       }
     }
   }

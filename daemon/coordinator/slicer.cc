@@ -181,14 +181,15 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
     }
     return false;
   };
-  // The destination piece: host memory (its scales too), and either unquantised or filled by the
-  // sending node's quantised bytes (a delta of those; a receiver-quantised piece's base would be
-  // the canonical bytes, which its node does not keep).
+  // The destination piece: host memory (its scales too). Unquantised: a delta of its bytes;
+  // filled by the sending node's quantised bytes: a delta of those; receiver-quantised: a delta of
+  // the canonical bytes into its shadow, against the shadow of the committed staging (the receiving
+  // node keeps it: Versions::TagCommittedStaging), which the node then quantises as before.
   auto host_target = [&](const SliceWorker& dw, const planner::TransferOp& op) {
     if (CudaBuffer(dw, op.dst_piece) != nullptr) return false;
     const planner::Piece& p = dw.layout->pieces[op.dst_piece];
     if (!p.quant.has_value()) return !op.sender_quantized;
-    return op.sender_quantized && !CudaBufferAt(dw, p.quant->scale_buffer);
+    return !CudaBufferAt(dw, p.quant->scale_buffer);
   };
   std::vector<bool> out;
   size_t i = 0;

@@ -64,9 +64,10 @@ absl::StatusOr<Slices> SlicePlan(const planner::Plan& plan, const SliceInput& in
 absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in);
 // Which ops may travel as lossless deltas (TransferOp.delta; docs/daemon.md "Deltas"), in plan op
 // order: cross-node ops not over nccl, from a trainer's host piece on a node that sends deltas to a
-// host rollout piece that is either unquantised (the op not sender-quantised) or filled with the
-// sender's quantised bytes (TransferOp.sender_quantized: a delta of the quantised elements and of
-// the scales; a receiver-quantised piece goes full, its node keeps no canonical base), and whose box
+// host rollout piece (its scales too) that is unquantised (the op not sender-quantised), filled
+// with the sender's quantised bytes (TransferOp.sender_quantized: a delta of the quantised elements
+// and of the scales) or receiver-quantised (a delta of the canonical bytes into the piece's shadow,
+// decoded against the shadow its node kept in the committed staging, then quantised), and whose box
 // no relay reads from that rollout before the receiving node's delta tail (it would forward bytes
 // before their delta is decoded and checked). Relays between host pieces into a box no op reads
 // run after the tail - same-node ones left to the commit or in the bucket's after-deltas route,

@@ -189,9 +189,11 @@ TEST(SlicerTest, BoxesRelayedAfterTheDeltaTailMayBeDeltas) {
 }
 
 // Quantised rollouts: an op the sending node quantises (sender_quantized) may be a delta of the
-// quantised bytes; an op into a receiver-quantised piece goes full (the receiver keeps no
-// canonical base); an op into an unquantised piece of a quantised rollout may be a delta.
-TEST(SlicerTest, SenderQuantisedOpsAndUnquantisedPiecesOfQuantisedRolloutsMayBeDeltas) {
+// quantised bytes; an op into a receiver-quantised piece may be a delta of the canonical bytes
+// (into its shadow, against the shadow the receiver keeps in its committed staging); an op into an
+// unquantised piece of a quantised rollout may be a delta. With the scales in GPU memory none of
+// the quantised piece's ops may (the node quantises into host staging and copies them over).
+TEST(SlicerTest, QuantisedPiecesAndUnquantisedPiecesOfQuantisedRolloutsMayBeDeltas) {
   SliceInput in = Input();
   in.nodes["a"].sends_deltas = true;
   auto q = std::make_shared<planner::WorkerLayout>(*OnePiece());
@@ -215,7 +217,22 @@ TEST(SlicerTest, SenderQuantisedOpsAndUnquantisedPiecesOfQuantisedRolloutsMayBeD
   ASSERT_TRUE(slices.ok()) << slices.status();
   std::vector<bool> delta;
   for (const pb::TransferOp& op : slices->by_node.at("b").ops()) delta.push_back(op.delta());
-  EXPECT_EQ(delta, (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(delta, (std::vector<bool>{true, true, true}));
+
+  // The scales in a second buffer, on a GPU.
+  q->pieces[0].quant->scale_buffer = 1;
+  q->pieces[0].quant->scale_offset_bytes = 0;
+  q->buffers.push_back({});
+  auto proto = std::make_shared<pb::ResolvedLayout>(*in.workers[1].layout_proto);
+  pb::BufferSpec* gpu = proto->add_buffers();
+  gpu->set_size_bytes(32);
+  gpu->set_cuda_ipc_handle(std::string(64, '\0'));
+  in.workers[1].layout_proto = proto;
+  slices = SlicePlan(plan, in);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  delta.clear();
+  for (const pb::TransferOp& op : slices->by_node.at("b").ops()) delta.push_back(op.delta());
+  EXPECT_EQ(delta, (std::vector<bool>{false, false, true})) << "the scales on a GPU: the quantised piece's ops go full";
 }
 
 TEST(SlicerTest, StagedReadWithoutAGatherIsAnInternalErrorNamingTheTensor) {

@@ -163,15 +163,13 @@ void Versions::TagCommittedStaging(const Exec& exec, const std::string& model, c
   // Every piece of this staging holds the committed version (plans are complete) except pieces
   // relays at commit copied into live weights from another rollout's staging: no op of this
   // plan lands those here, and an op of another plan that would finds stale bytes, which its base
-  // digest refuses (full copy), never a wrong byte. Quantised rollouts' staging also holds
-  // canonical shadows: not tagged. Nothing writes committed staging, so the tag stays true until
-  // the pool hands the buffer out again.
+  // digest refuses (full copy), never a wrong byte. A quantised rollout's staging holds the
+  // committed version twice: quantised at the pieces' places and canonical in their shadows
+  // (planner::StagingLayout), which quantising only reads - the base of receiver-quantised deltas
+  // (a shadow of a sender-quantised piece is never written: stale, so refused by its base digest
+  // if a later plan landed a delta there). Nothing writes committed staging, so the tag stays true
+  // until the pool hands the buffer out again.
   if (staging == nullptr || !options_.delta_in_place) return;
-  const ModelPlan& plan = *exec.plan;
-  for (int i = 0; i < plan.slice.workers_size(); ++i) {
-    const pb::PlanWorker& w = plan.slice.workers(i);
-    if (w.node_id() == options_.node_id && w.worker_id() == worker && plan.quantized[i]) return;
-  }
   for (const StagedBuffer& b : *staging) {
     if (b.device != nullptr) return;
   }

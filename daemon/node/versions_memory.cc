@@ -36,7 +36,7 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
     // asked for by that tag, the pool hands the same buffers back. Only while the rollout holds
     // its newest committed version: that is the base the sender's deltas are made against.
     uint64_t held = 0;
-    if (!plan.quantized[i] && options_.delta_in_place) {
+    if (options_.delta_in_place) {
       std::optional<LocalWorkers::View> lw = local_.Get({exec.model_id, w.worker_id()});
       if (lw && lw->worker.applied_version >= lw->worker.committed_version) held = lw->worker.applied_version;
     }

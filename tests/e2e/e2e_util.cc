@@ -61,15 +61,18 @@ double Median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-int64_t VerifiedBytes(const Process* p, uint64_t version) {
-  int64_t bytes = 0;
+namespace {
+int64_t SumVerified(const Process* p, uint64_t version, const char* field) {
+  int64_t sum = 0;
   for (auto& e : EventsNamed(p, "verified")) {
-    if (e.value("why", "") == "applied" && e.value("version", uint64_t{0}) == version) {
-      bytes += e.value("bytes", int64_t{0});
-    }
+    if (e.value("why", "") == "applied" && e.value("version", uint64_t{0}) == version) sum += e.value(field, int64_t{0});
   }
-  return bytes;
+  return sum;
 }
+}  // namespace
+
+int64_t VerifiedBytes(const Process* p, uint64_t version) { return SumVerified(p, version, "bytes"); }
+int64_t VerifiedElements(const Process* p, uint64_t version) { return SumVerified(p, version, "elements"); }
 
 std::string ModelConfigPath(bool full) {
   if (full) return Runfile("tests/e2e/testdata/qwen2.5-0.5b.json");

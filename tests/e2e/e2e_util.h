@@ -21,6 +21,9 @@ absl::Status ExpectCleanExit(const Process* p, absl::Duration timeout);
 
 // Sum of the "bytes" of rollout `p`'s "verified" events for `version` with why == "applied".
 int64_t VerifiedBytes(const Process* p, uint64_t version);
+// Canonical elements the rollout checked for `version` (quantised pieces count their elements,
+// not their stored bytes): from its "verified" events with why = "applied".
+int64_t VerifiedElements(const Process* p, uint64_t version);
 
 // One version's update window from the workers' events: `start` = the latest of every trainer's
 // publish start ("published" t_start) and every rollout's pause / apply start ("applied"

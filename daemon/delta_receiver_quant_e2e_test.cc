@@ -1,0 +1,117 @@
+// Lossless deltas into receiver-quantised pieces (issue 17.2 with quantised targets; docs/daemon.md
+// "Deltas (design and status)"), with real daemons (delta_quant_e2e_fixture.h): rollout r1 holds w
+// in a format its node quantises itself - NVFP4 (never quantised on the sender: its global scale
+// needs the whole piece), or fp8_block128 when the trainers split w at row 192, inside a 128-row
+// block - so every op into w carries canonical bf16 bytes into w's shadow in r1's staging. With
+// --delta_cache_bytes those travel as deltas of the canonical bytes from version 2 on, decoded
+// against the shadow r1's node kept in the staging of the committed version (in place in sync; the
+// committed staging in one-step-off / async), then quantised as before. Every rollout byte equals
+// the receiver's own quantisation of the canonical version (daemon/quantize.h QuantizePiece, what
+// the full path lands), every version is verified end to end. Without a kept shadow (sync with
+// --delta_in_place=false: the base would be r1's live weights, which hold no canonical bytes) the
+// node refuses each such delta and the full bytes land: exact, never a wrong byte.
+#include <string>
+#include <tuple>
+
+#include "daemon/delta_quant_e2e_fixture.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+constexpr double kCanonicalBytes = kDeltaQuantRows * kDeltaQuantCols * 2;  // bf16 bytes of w per version
+constexpr double kNormBytes = kDeltaQuantNorm * 2;
+
+// (format, split row): the trainers' shards of w hold whole blocks (256) or not (192).
+struct ReceiverCase {
+  QuantFormat format;
+  int64_t split_row = 256;
+};
+ReceiverCase CaseNamed(const std::string& name) {
+  if (name == "nvfp4") return {Nvfp4Format(), 256};
+  return {Fp8Block128Format(), 192};  // "fp8_block128_split": blocks straddle the trainers
+}
+
+class DeltaReceiverQuantTest : public DeltaQuantFixture, public ::testing::WithParamInterface<std::tuple<std::string, pb::Mode>> {};
+
+// Versions 2-3: w's canonical bytes went as deltas (what the streams replaced is w's bf16 bytes,
+// at most with n's), the streams under a quarter of that, no refusal, r1 exact and verified.
+TEST_P(DeltaReceiverQuantTest, ReceiverQuantisedPiecesGetDeltasOfTheCanonicalBytes) {
+  const ReceiverCase rc = CaseNamed(std::get<0>(GetParam()));
+  Start(std::get<1>(GetParam()), /*replicas=*/1, rc.format, rc.split_row);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m0 = Meter();
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  EXPECT_EQ(m1.stream - m0.stream, 0) << "version 1 has no base";
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = Meter();
+  EXPECT_EQ(m3.fallbacks - m0.fallbacks, 0) << "the kept shadows are the base: no delta may be refused";
+  const double replaced = m3.replaced - m1.replaced, stream = m3.stream - m1.stream;
+  EXPECT_GE(replaced, 2 * kCanonicalBytes) << "every box of w's canonical bytes of versions 2-3 went as a delta";
+  EXPECT_LE(replaced, 2 * (kCanonicalBytes + kNormBytes));
+  EXPECT_GT(stream, 0);
+  EXPECT_LT(stream * 4, replaced) << "5% of bf16 elements changed: streams far below the canonical bytes";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    FormatsAndModes, DeltaReceiverQuantTest,
+    ::testing::Combine(::testing::Values("nvfp4", "fp8_block128_split"),
+                       ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC)),
+    [](const ::testing::TestParamInfo<std::tuple<std::string, pb::Mode>>& i) {
+      return std::get<0>(i.param) + "_" + pb::Mode_Name(std::get<1>(i.param));
+    });
+
+class DeltaReceiverQuantCaseTest : public DeltaQuantFixture, public ::testing::WithParamInterface<std::string> {};
+
+// Sync without in-place decoding: the only base r1's node has is r1's live weights (quantised
+// bytes only), so each delta into w's shadow is refused (the committed copy is too short to hold
+// the shadow, or its bytes fail the base digest) and the full canonical bytes land: r1 exact and
+// verified in every version, refusals counted; n (unquantised) still goes as a delta.
+TEST_P(DeltaReceiverQuantCaseTest, WithoutAKeptShadowTheDeltaIsRefusedAndTheFullBytesLand) {
+  const ReceiverCase rc = CaseNamed(GetParam());
+  Start(pb::MODE_SYNC, /*replicas=*/1, rc.format, rc.split_row, [](ServerOptions& o) { o.delta_in_place = false; });
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = Meter();
+  EXPECT_GE(m3.fallbacks - m1.fallbacks, 2) << "each version's deltas into w's shadow must be refused";
+  EXPECT_GE(m3.full - m1.full, 2 * kCanonicalBytes) << "and w's canonical bytes resent in full";
+}
+
+// Two replicas on n1 (one-step-off): w's canonical boxes cross the nodes once, as deltas, into
+// one replica's shadow, which relays them to the other's after n1's delta tail; both quantise.
+// Versions 2-3: both replicas exact, verified, no refusal, w's bytes replaced once per version.
+TEST_P(DeltaReceiverQuantCaseTest, ShadowsRelayedToASecondReplicaAfterTheirDeltas) {
+  const ReceiverCase rc = CaseNamed(GetParam());
+  Start(pb::MODE_ONE_STEP_OFF, /*replicas=*/2, rc.format, rc.split_row);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  for (uint64_t v = 2; v <= 3; ++v) {
+    Version(v);
+    ASSERT_FALSE(HasFatalFailure());
+  }
+  const DeltaMeter m3 = Meter();
+  EXPECT_EQ(m3.fallbacks - m1.fallbacks, 0);
+  const double replaced = m3.replaced - m1.replaced;
+  EXPECT_GE(replaced, 2 * kCanonicalBytes) << "w's canonical bytes crossed as deltas";
+  EXPECT_LE(replaced, 2 * (kCanonicalBytes + 2 * kNormBytes)) << "once per version: the second replica gets them by relays";
+  EXPECT_LT((m3.stream - m1.stream) * 4, replaced);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, DeltaReceiverQuantCaseTest, ::testing::Values("nvfp4", "fp8_block128_split"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace wb::daemon
