@@ -176,6 +176,7 @@ pb::RegisterNodeRequest NodeDaemon::Registration() const {
   req.set_data_address(data_address_);
   req.set_heartbeat_ms(absl::ToInt64Milliseconds(options_.heartbeat));
   req.set_delta_cache_bytes(options_.delta_cache_bytes);
+  req.set_delta_in_place(options_.delta_in_place);
   for (const auto& t : options_.transports.all()) {
     // nccl moves GPU staging only: without a GPU staging budget the node keeps cross-node bytes on
     // the host channel, and says so by not advertising nccl (the coordinator routes by it).

@@ -244,7 +244,7 @@ bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
     for (auto& [id, w] : m.workers) {
       if (!w.has_layout || w.role != role) continue;
       in.workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
-      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0};
+      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0, n->delta_in_place};
     }
   }
   PlanSettings settings;

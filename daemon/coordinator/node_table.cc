@@ -25,6 +25,7 @@ NodeTable::Registered NodeTable::Register(const pb::RegisterNodeRequest& req, st
   for (auto& [k, v] : req.transport_instances()) n.transport_instances[k] = v;
   n.data_nics.assign(req.data_nics().begin(), req.data_nics().end());
   n.delta_cache_bytes = req.delta_cache_bytes();
+  n.delta_in_place = req.delta_in_place();
   out.incarnation = n.incarnation;
   out.lease = n.lease;
   return out;

@@ -185,11 +185,16 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
   // filled by the sending node's quantised bytes: a delta of those; receiver-quantised: a delta of
   // the canonical bytes into its shadow, against the shadow of the committed staging (the receiving
   // node keeps it: Versions::TagCommittedStaging), which the node then quantises as before.
+  // Without in-place decoding the receiving node's only base would be live weights, which hold no
+  // shadows: every such delta would be refused and resent in full.
   auto host_target = [&](const SliceWorker& dw, const planner::TransferOp& op) {
     if (CudaBuffer(dw, op.dst_piece) != nullptr) return false;
     const planner::Piece& p = dw.layout->pieces[op.dst_piece];
     if (!p.quant.has_value()) return !op.sender_quantized;
-    return !CudaBufferAt(dw, p.quant->scale_buffer);
+    if (CudaBufferAt(dw, p.quant->scale_buffer)) return false;
+    if (op.sender_quantized) return true;
+    auto dn = in.nodes.find(dw.node);
+    return dn != in.nodes.end() && dn->second.keeps_shadows;
   };
   std::vector<bool> out;
   size_t i = 0;

@@ -31,6 +31,9 @@ struct SliceNode {
   std::string data_address;
   std::map<std::string, std::string> transport_instances;  // kind or "nccl/<device>" -> instance
   bool sends_deltas = false;  // RegisterNodeRequest.delta_cache_bytes > 0 (TransferOp.delta)
+  // RegisterNodeRequest.delta_in_place: the node keeps its quantised rollouts' canonical shadows in
+  // the staging it committed, the base of deltas into receiver-quantised pieces.
+  bool keeps_shadows = false;
 };
 
 struct SliceInput {
@@ -67,7 +70,8 @@ absl::StatusOr<Slices> SliceOps(const planner::Plan& plan, const SliceInput& in)
 // host rollout piece (its scales too) that is unquantised (the op not sender-quantised), filled
 // with the sender's quantised bytes (TransferOp.sender_quantized: a delta of the quantised elements
 // and of the scales) or receiver-quantised (a delta of the canonical bytes into the piece's shadow,
-// decoded against the shadow its node kept in the committed staging, then quantised), and whose box
+// decoded against the shadow its node kept in the committed staging, then quantised; only where
+// that node keeps them, SliceNode::keeps_shadows), and whose box
 // no relay reads from that rollout before the receiving node's delta tail (it would forward bytes
 // before their delta is decoded and checked). Relays between host pieces into a box no op reads
 // run after the tail - same-node ones left to the commit or in the bucket's after-deltas route,

@@ -190,12 +190,14 @@ TEST(SlicerTest, BoxesRelayedAfterTheDeltaTailMayBeDeltas) {
 
 // Quantised rollouts: an op the sending node quantises (sender_quantized) may be a delta of the
 // quantised bytes; an op into a receiver-quantised piece may be a delta of the canonical bytes
-// (into its shadow, against the shadow the receiver keeps in its committed staging); an op into an
-// unquantised piece of a quantised rollout may be a delta. With the scales in GPU memory none of
-// the quantised piece's ops may (the node quantises into host staging and copies them over).
+// (into its shadow, against the shadow the receiving node keeps in its committed staging) when
+// that node decodes in place (keeps_shadows); an op into an unquantised piece of a quantised
+// rollout may be a delta. With the scales in GPU memory none of the quantised piece's ops may (the
+// node quantises into host staging and copies them over).
 TEST(SlicerTest, QuantisedPiecesAndUnquantisedPiecesOfQuantisedRolloutsMayBeDeltas) {
   SliceInput in = Input();
   in.nodes["a"].sends_deltas = true;
+  in.nodes["b"].keeps_shadows = true;
   auto q = std::make_shared<planner::WorkerLayout>(*OnePiece());
   planner::Piece norm = q->pieces[0];
   planner::Quantization quant;
@@ -218,6 +220,14 @@ TEST(SlicerTest, QuantisedPiecesAndUnquantisedPiecesOfQuantisedRolloutsMayBeDelt
   std::vector<bool> delta;
   for (const pb::TransferOp& op : slices->by_node.at("b").ops()) delta.push_back(op.delta());
   EXPECT_EQ(delta, (std::vector<bool>{true, true, true}));
+
+  in.nodes["b"].keeps_shadows = false;  // its only base would be live weights: no shadows there
+  slices = SlicePlan(plan, in);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  delta.clear();
+  for (const pb::TransferOp& op : slices->by_node.at("b").ops()) delta.push_back(op.delta());
+  EXPECT_EQ(delta, (std::vector<bool>{true, false, true})) << "receiver-quantised: full without kept shadows";
+  in.nodes["b"].keeps_shadows = true;
 
   // The scales in a second buffer, on a GPU.
   q->pieces[0].quant->scale_buffer = 1;
