@@ -157,9 +157,41 @@ void RowToFloat(const uint8_t* row, planner::DType dtype, int64_t n, float* out)
   }
 }
 
-// FloatToE4M3 of x[j] * f for j in [0, n), branch-free so that the compiler vectorises it (the
-// same arithmetic as FloatToE4M3, every case computed and selected; quantize_test checks every
-// element QuantizePiece writes against a nearest-code search).
+// FloatToE4M3(y), branch-free so that loops calling it vectorise (every case computed and
+// selected; quantize_test checks every element QuantizePiece writes against a nearest-code search).
+inline __attribute__((always_inline)) uint32_t E4M3Code(float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  const uint32_t u = bits & 0x7fffffffu;
+  // Selects on integers only (float compares would keep GCC from if-converting the loop).
+  const uint32_t normal = (u + 0x7ffffu + ((u >> 20) & 1u) - (120u << 23)) >> 20;
+  const uint32_t small_bits = u < 0x3c800000u ? u : 0x3c800000u;  // keeps the int conversion in range
+  float small;
+  std::memcpy(&small, &small_bits, 4);
+  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>((small * 512.0f + 8388608.0f) - 8388608.0f));
+  uint32_t code = u >= 0x3c800000u ? normal : subnormal;
+  code = u >= 0x43e00000u ? 0x7eu : code;
+  code = u > 0x7f800000u ? 0x7fu : code;
+  return code | ((bits >> 24) & 0x80u);
+}
+
+// E4M3ToFloat(code), branch-free (NVFP4 reads each block's scale back).
+inline __attribute__((always_inline)) float E4M3Value(uint32_t code) {
+  const uint32_t mag = code & 0x7fu;
+  // Normal: exponent rebias 7 -> 127, three mantissa bits on top; subnormal: m * 2^-9, exact.
+  const uint32_t normal_bits = (mag << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, 4);
+  const float subnormal = static_cast<float>(static_cast<int32_t>(mag & 7u)) * (1.0f / 512.0f);
+  float v = mag < 8u ? subnormal : normal;
+  uint32_t vb;
+  std::memcpy(&vb, &v, 4);
+  vb = mag == 0x7fu ? 0x7fc00000u : vb | ((code & 0x80u) << 24);
+  std::memcpy(&v, &vb, 4);
+  return v;
+}
+
+// FloatToE4M3 of x[j] * f for j in [0, n).
 // kBf16: the inputs are bfloat16 bytes, else float32 bytes.
 template <bool kBf16>
 inline __attribute__((always_inline)) void ScaledToE4M3(const uint8_t* p, float f, int64_t n, uint8_t* out) {
@@ -173,20 +205,7 @@ inline __attribute__((always_inline)) void ScaledToE4M3(const uint8_t* p, float 
     } else {
       std::memcpy(&x, p + 4 * j, 4);
     }
-    const float y = x * f;
-    uint32_t bits;
-    std::memcpy(&bits, &y, 4);
-    const uint32_t u = bits & 0x7fffffffu;
-    // Selects on integers only (float compares would keep GCC from if-converting the loop).
-    const uint32_t normal = (u + 0x7ffffu + ((u >> 20) & 1u) - (120u << 23)) >> 20;
-    const uint32_t small_bits = u < 0x3c800000u ? u : 0x3c800000u;  // keeps the int conversion in range
-    float small;
-    std::memcpy(&small, &small_bits, 4);
-    const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>((small * 512.0f + 8388608.0f) - 8388608.0f));
-    uint32_t code = u >= 0x3c800000u ? normal : subnormal;
-    code = u >= 0x43e00000u ? 0x7eu : code;
-    code = u > 0x7f800000u ? 0x7fu : code;
-    out[j] = static_cast<uint8_t>(code | ((bits >> 24) & 0x80u));
+    out[j] = static_cast<uint8_t>(E4M3Code(x * f));
   }
 }
 
@@ -248,12 +267,78 @@ inline __attribute__((always_inline)) void QuantizeSpan(const uint8_t* row, plan
 #define WB_ROW_KERNEL
 #endif
 
+// bfloat16 rows in blocks of a constant kBlock elements (NVFP4's 16, MX's 32): the block's max is
+// a fixed-size reduction the compiler unrolls into whole vectors (with a run-time count it built a
+// vector loop, its tail and its reduction per block). Returns the elements done (whole blocks).
+template <int kBlock>
+inline __attribute__((always_inline)) int64_t Bf16BlocksAbsMax(const uint8_t* row, int64_t inner, float* amax) {
+  const int64_t whole = inner / kBlock;
+  for (int64_t b = 0; b < whole; ++b) {
+    const uint32_t bits = static_cast<uint32_t>(AbsMaxBits<uint16_t, 0x7fff>(row + b * kBlock * 2, kBlock)) << 16;
+    float m;
+    std::memcpy(&m, &bits, 4);  // NaN bits stay NaN
+    amax[b] = (std::isnan(m) || m > amax[b]) ? m : amax[b];
+  }
+  return whole * kBlock;
+}
+
 // amax[b] = max(amax[b], max |x| over block b of the row); a NaN sticks.
 WB_ROW_KERNEL void RowBlockAbsMax(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, float* amax) {
   const int es = planner::DTypeSize(dtype);
-  for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
+  int64_t done = 0;
+  if (dtype == planner::DType::kBF16 && inner_block == 16) done = Bf16BlocksAbsMax<16>(row, inner, amax);
+  if (dtype == planner::DType::kBF16 && inner_block == 32) done = Bf16BlocksAbsMax<32>(row, inner, amax);
+  for (int64_t lo = done, b = done / inner_block; lo < inner; lo += inner_block, ++b) {
     const float m = AbsMax(row + lo * es, dtype, std::min(inner_block, inner - lo));
     amax[b] = (std::isnan(m) || m > amax[b]) ? m : amax[b];
+  }
+}
+
+// NVFP4 block scales over n blocks: code = e4m3(amax / (6 * global)) (0 -> 1, as ModelOpt), and
+// the divisor its elements use, the code read back times the global scale. A loop of its own with
+// the branch-free conversions, so it runs in vectors (it was the scalar conversion per block).
+WB_ROW_KERNEL void Nvfp4BlockScales(const float* __restrict__ amax, int64_t n, float six_global, float global,
+                                    uint8_t* __restrict__ codes, float* __restrict__ divisor) {
+  for (int64_t b = 0; b < n; ++b) {
+    float bs = amax[b] / six_global;
+    bs = bs == 0.0f ? 1.0f : bs;
+    const uint32_t code = E4M3Code(bs);
+    codes[b] = static_cast<uint8_t>(code);
+    divisor[b] = E4M3Value(code) * global;
+  }
+}
+
+// MX block scales over n blocks (amax >= 0 or NaN): code = E8M0ScaleFor(amax), and the factor
+// its elements are multiplied by, 2^(127 - code) exactly (NaN for the NaN code). Branch-free (the
+// exponent read off the float's bits; a subnormal amax scaled by 2^64 first), so it vectorises
+// where E8M0ScaleFor's frexp ran per block.
+WB_ROW_KERNEL void E8M0BlockScales(const float* __restrict__ amax, int64_t n, uint8_t* __restrict__ codes,
+                                   float* __restrict__ factor) {
+  for (int64_t b = 0; b < n; ++b) {
+    const float a = amax[b];
+    uint32_t u;
+    std::memcpy(&u, &a, 4);
+    u &= 0x7fffffffu;
+    const float scaled = a * 18446744073709551616.0f;  // 2^64: a subnormal's exponent becomes readable
+    uint32_t us;
+    std::memcpy(&us, &scaled, 4);
+    us &= 0x7fffffffu;
+    // floor(log2(a)) for 0 < a < inf.
+    const int32_t e2 = u >= 0x00800000u ? static_cast<int32_t>(u >> 23) - 127 : static_cast<int32_t>(us >> 23) - 127 - 64;
+    int32_t e = e2 - kE4M3MaxExponent;
+    e = e < -127 ? -127 : e;
+    e = e > 127 ? 127 : e;
+    uint32_t code = static_cast<uint32_t>(e + 127);
+    code = u == 0u ? 0u : code;                // all zeros: the smallest scale
+    code = u == 0x7f800000u ? 254u : code;     // inf: log2 clamps to 127
+    code = u > 0x7f800000u ? 0xffu : code;     // NaN
+    codes[b] = static_cast<uint8_t>(code);
+    // 2^(127 - code): normal down to 2^-126 (code 253), 2^-127 (code 254) is the subnormal 0x00400000.
+    uint32_t fb = code <= 253u ? (254u - code) << 23 : 0x00400000u;
+    fb = code == 0xffu ? 0x7fc00000u : fb;
+    float f;
+    std::memcpy(&f, &fb, 4);
+    factor[b] = f;
   }
 }
 
@@ -281,16 +366,6 @@ inline __attribute__((always_inline)) void ScaledToInt4(const float* x, float s,
   }
 }
 
-// E4M3ToFloat of every code, once (NVFP4 reads a scale back per 16 elements; ldexp there cost
-// more than the block's elements).
-const float* E4M3Table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int c = 0; c < 256; ++c) t[static_cast<size_t>(c)] = E4M3ToFloat(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return table.data();
-}
 
 // codes of x[j] / d[j] (d the element's block divisor: its e4m3 scale read back times the global
 // scale), over a whole row so the loop runs in full vectors (per 16-element block the loop's setup
@@ -350,6 +425,11 @@ float StoreScale(float s, planner::DType dtype, uint8_t* at) {
 
 }  // namespace
 
+namespace {
+// max |x| over n elements, in the AVX2 clone where the CPU has it (ShadowAbsMax's whole-piece pass).
+WB_ROW_KERNEL float SpanAbsMax(const uint8_t* p, planner::DType dtype, int64_t n) { return AbsMax(p, dtype, n); }
+}  // namespace
+
 float ShadowAbsMax(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow) {
   const planner::DType src = inventory.tensors[piece.tensor].dtype;
   if (src != planner::DType::kBF16 && src != planner::DType::kF16 && src != planner::DType::kF32) return std::nanf("");
@@ -359,7 +439,7 @@ float ShadowAbsMax(const planner::Inventory& inventory, const planner::Piece& pi
   // In slices, so the vectorised max runs over a bounded count (and a NaN still wins).
   constexpr int64_t kSlice = int64_t{1} << 16;
   for (int64_t lo = 0; lo < n; lo += kSlice) {
-    const float s = AbsMax(shadow + lo * es, src, std::min(kSlice, n - lo));
+    const float s = SpanAbsMax(shadow + lo * es, src, std::min(kSlice, n - lo));
     m = (std::isnan(s) || s > m) ? s : m;
     if (std::isnan(m)) break;
   }
@@ -446,21 +526,19 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     // Per block the factor that maps x onto the e4m3 grid: 448 / amax (float32 scale_inv) or
     // 2^-e as an exact float (e8m0).
     for (int64_t base : bases) {
+      if (nvfp4) {  // factor = the divisor: the stored e4m3 scale read back times the global scale
+        Nvfp4BlockScales(amax.data() + base, inner_blocks, six_global, global, scale_out + base, factor.data() + base);
+        continue;
+      }
+      if (e8m0) {  // factor = 2^-e, exact
+        E8M0BlockScales(amax.data() + base, inner_blocks, scale_out + base, factor.data() + base);
+        continue;
+      }
       for (int64_t b = base; b < base + inner_blocks; ++b) {
         const float a = amax[static_cast<size_t>(b)];
-        if (nvfp4) {  // factor = the divisor: the stored e4m3 scale read back times the global scale
-          float bs = a / six_global;
-          bs = bs == 0.0f ? 1.0f : bs;  // ModelOpt: an all-zero block gets scale 1
-          const uint8_t code = FloatToE4M3(bs);
-          scale_out[b] = code;
-          factor[static_cast<size_t>(b)] = E4M3Table()[code] * global;
-        } else if (int4) {  // factor = the stored scale, read back: q = x / scale
+        if (int4) {  // factor = the stored scale, read back: q = x / scale
           const float s = std::isnan(a) ? a : std::max(a / kInt4ScaleDivisor, kInt4MinScale);
           factor[static_cast<size_t>(b)] = StoreScale(s, sdt, scale_out + b * planner::DTypeSize(sdt));
-        } else if (e8m0) {
-          const uint8_t sb = E8M0ScaleFor(a);
-          scale_out[b] = sb;
-          factor[static_cast<size_t>(b)] = sb == kE8M0Nan ? std::nanf("") : std::ldexp(1.0f, 127 - static_cast<int>(sb));
         } else {
           const float m = std::isnan(a) ? a : std::max(a, kMinBlockAmax);
           const float scale_inv = m / kE4M3Max;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -79,35 +80,52 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
   // Threads take pieces in turn (big pieces dominate; they are independent). Nothing else of this
   // version runs meanwhile, and one thread quantises ~2-3 GB/s (//bench:quantize), so up to 16.
   const int threads = static_cast<int>(std::min<size_t>(jobs.size(), std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
-  std::atomic<size_t> next{0};
   absl::Mutex err_mu;
   absl::Status first;
-  auto work = [&] {
-    for (size_t j = next++; j < jobs.size(); j = next++) {
-      if (absl::Now() > deadline) {
-        absl::MutexLock l(&err_mu);
-        if (first.ok()) first = absl::DeadlineExceededError(absl::StrCat("version ", version, ": quantising did not finish before the transfer deadline"));
-        return;
-      }
-      const Job& job = jobs[j];
-      std::optional<float> global;
-      if (job.group >= 0) global = groups[static_cast<size_t>(job.group)].global;
-      absl::Status s = QuantizePiece(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes, job.elements->host.data(),
-                                     job.scales->host.data(), global);
-      if (!s.ok()) {
-        absl::MutexLock l(&err_mu);
-        if (first.ok()) first = s;
-        return;
-      }
-    }
+  auto fail = [&](absl::Status s) {
+    absl::MutexLock l(&err_mu);
+    if (first.ok()) first = std::move(s);
   };
-  // NVFP4 first: each group's largest magnitude over all its pieces' shadows, then its global
-  // scale, stored once (the pieces' QuantizePiece calls then share it; threads only read it).
+  // Runs fn(j) for j in [0, n) on `threads` threads taking indices in turn (big pieces dominate;
+  // they are independent); stops taking new ones after an error or past the deadline.
+  auto for_each = [&](size_t n, const std::function<absl::Status(size_t)>& fn) {
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    auto work = [&] {
+      for (size_t j = next++; j < n && !failed.load(); j = next++) {
+        absl::Status s = absl::Now() > deadline
+                             ? absl::DeadlineExceededError(absl::StrCat("version ", version, ": quantising did not finish before the transfer deadline"))
+                             : fn(j);
+        if (!s.ok()) {
+          failed = true;
+          fail(std::move(s));
+          return;
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < std::min<int>(threads, static_cast<int>(n)); ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+  };
+  // NVFP4 first: each group's largest magnitude over all its pieces' shadows (each piece's on the
+  // threads, then the group's max), then its global scale, stored once (the pieces' QuantizePiece
+  // calls then share it; threads only read it).
   if (!groups.empty()) {
-    for (const Job& job : jobs) {
-      if (job.group < 0) continue;
-      Group& gr = groups[static_cast<size_t>(job.group)];
-      const float m = ShadowAbsMax(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes);
+    std::vector<size_t> grouped;
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (jobs[j].group >= 0) grouped.push_back(j);
+    }
+    std::vector<float> piece_amax(grouped.size(), 0.0f);
+    for_each(grouped.size(), [&](size_t k) {
+      const Job& job = jobs[grouped[k]];
+      piece_amax[k] = ShadowAbsMax(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes);
+      return absl::OkStatus();
+    });
+    RETURN_IF_ERROR(first);
+    for (size_t k = 0; k < grouped.size(); ++k) {
+      Group& gr = groups[static_cast<size_t>(jobs[grouped[k]].group)];
+      const float m = piece_amax[k];
       gr.amax = (std::isnan(m) || m > gr.amax) ? m : gr.amax;
     }
     for (Group& gr : groups) {
@@ -115,10 +133,13 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
       std::memcpy(gr.scales->host.data() + gr.offset, &gr.global, 4);
     }
   }
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
+  for_each(jobs.size(), [&](size_t j) {
+    const Job& job = jobs[j];
+    std::optional<float> global;
+    if (job.group >= 0) global = groups[static_cast<size_t>(job.group)].global;
+    return QuantizePiece(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes, job.elements->host.data(),
+                         job.scales->host.data(), global);
+  });
   RETURN_IF_ERROR(first);
   out.seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   out.threads = threads;
