@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <random>
 #include <vector>
@@ -41,6 +42,15 @@ uint16_t ToBF16(float f) {  // truncation is fine for making inputs
   std::memcpy(&b, &f, 4);
   return static_cast<uint16_t>(b >> 16);
 }
+
+float BF16Value(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+float ToBF16Value(float f) { return BF16Value(ToBF16(f)); }
 
 TEST(QuantizeTest, EveryCodeRoundTrips) {
   for (int c = 0; c < 256; ++c) {
@@ -504,6 +514,119 @@ TEST(QuantizeTest, NvFp4BlocksPackTwoElementsPerByteWithAGlobalScale) {
     }
     for (int64_t i = 0; i < 8; ++i) ASSERT_EQ(buf[i], 0xAB);
     for (int64_t i = q.scale_offset_bytes + 48; i < q.global_scale_offset_bytes; ++i) ASSERT_EQ(buf[i], 0xAB);
+  }
+}
+
+// NVFP4 block scales over every e4m3 code: with the global scale 1, block k's largest magnitude is
+// 6 x code k's value (exact in bfloat16), so its scale must be code k, an all-zero block 1.0 (0x38),
+// and a block between two codes the nearest one; its elements against the reference with the
+// divisor read back. Covers the block-scale loop's branch-free e4m3 conversion and read-back.
+TEST(QuantizeTest, NvFp4ScalesHitEveryE4M3Code) {
+  const int64_t blocks = 0x7e + 1 + 8;  // codes 0..0x7e, then 8 blocks halfway between codes
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {1, blocks * 16}, planner::DType::kBF16});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{0, 0}, {1, blocks * 16}};
+  p.buffer = 0;
+  p.offset_bytes = 0;
+  p.strides = {blocks * 16, 1};
+  planner::Quantization q;
+  q.dtype = planner::DType::kF4E2M1;
+  q.scale_dtype = planner::DType::kF8E4M3;
+  q.block = {1, 16};
+  q.scale_offset_bytes = blocks * 8;
+  q.global_scale_offset_bytes = (q.scale_offset_bytes + blocks + 3) / 4 * 4;
+  p.quant = q;
+  planner::WorkerLayout layout;
+  layout.buffers.push_back({q.global_scale_offset_bytes + 4});
+  layout.pieces.push_back(p);
+  ASSERT_TRUE(planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r").ok());
+  std::vector<float> want_amax(static_cast<size_t>(blocks));
+  for (int64_t b = 0; b <= 0x7e; ++b) want_amax[static_cast<size_t>(b)] = 6.0f * static_cast<float>(CodeValue(static_cast<int>(b)));
+  for (int64_t k = 0; k < 8; ++k) {  // midpoints between codes 16k+3 and 16k+4 (ties to even) and a bit above
+    const int c = static_cast<int>(16 * k + 3);
+    const double mid = (CodeValue(c) + CodeValue(c + 1)) / 2 * 6.0;
+    want_amax[static_cast<size_t>(0x7f + k)] = ToBF16Value(static_cast<float>(k % 2 == 0 ? mid : mid * 1.01));
+  }
+  std::vector<uint16_t> shadow(static_cast<size_t>(blocks * 16));
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float a = want_amax[static_cast<size_t>(b)];
+    for (int64_t j = 0; j < 16; ++j) shadow[static_cast<size_t>(b * 16 + j)] = ToBF16(a * u(rng));
+    shadow[static_cast<size_t>(b * 16 + (b % 16))] = ToBF16(b % 2 == 0 ? a : -a);  // the block's magnitude, exact in bf16
+  }
+  std::vector<uint8_t> buf(layout.buffers[0].size_bytes, 0);
+  ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data(), 1.0f).ok());
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0;
+    for (int64_t j = 0; j < 16; ++j) amax = std::max(amax, std::fabs(BF16Value(shadow[static_cast<size_t>(b * 16 + j)])));
+    ASSERT_EQ(amax, want_amax[static_cast<size_t>(b)]) << b;
+    const float bs = amax / 6.0f == 0.0f ? 1.0f : amax / 6.0f;
+    const uint8_t want_scale = NearestCode(bs);
+    if (b <= 0x7e && b > 0) ASSERT_EQ(want_scale, b) << "the sweep itself";
+    ASSERT_EQ(buf[static_cast<size_t>(q.scale_offset_bytes + b)], want_scale) << "block " << b;
+    const float d = static_cast<float>(CodeValue(want_scale));
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t c = b * 16 + j;
+      const uint8_t byte = buf[static_cast<size_t>(c / 2)];
+      ASSERT_EQ(c % 2 == 0 ? byte & 0xf : byte >> 4, NearestE2M1(BF16Value(shadow[static_cast<size_t>(c)]) / d)) << "block " << b << " element " << j;
+    }
+  }
+  EXPECT_EQ(buf[static_cast<size_t>(q.scale_offset_bytes)], 0x38) << "an all-zero block gets scale 1.0";
+}
+
+// MX (e8m0) scales over every exponent a float32 block's magnitude can have: subnormal magnitudes
+// (down to 2^-149, clamping at e = -127), every normal binade, the largest finite value, infinity
+// and NaN; scales against ReferenceE8M0 and elements against the nearest-code search. Covers the
+// block-scale loop's exponent read off the float's bits.
+TEST(QuantizeTest, MxScalesCoverEveryExponent) {
+  std::vector<float> amax;
+  for (int k = -149; k <= 127; ++k) amax.push_back(std::ldexp(k % 3 == 0 ? 1.0f : 1.75f, k));
+  amax.push_back(std::numeric_limits<float>::max());
+  amax.push_back(std::numeric_limits<float>::infinity());
+  amax.push_back(std::nanf(""));
+  amax.push_back(0.0f);
+  const int64_t rows = static_cast<int64_t>(amax.size());
+  planner::Inventory inv;
+  inv.tensors.push_back({"w", {rows, 32}, planner::DType::kF32});
+  planner::Piece p;
+  p.tensor = 0;
+  p.box = {{0, 0}, {rows, 32}};
+  p.buffer = 0;
+  p.offset_bytes = 0;
+  p.strides = {32, 1};
+  planner::Quantization q;
+  q.block = {1, 32};
+  q.scale_dtype = planner::DType::kE8M0;
+  q.scale_buffer = 0;
+  q.scale_offset_bytes = rows * 32;
+  p.quant = q;
+  planner::WorkerLayout layout;
+  layout.buffers.push_back({q.scale_offset_bytes + rows});
+  layout.pieces.push_back(p);
+  ASSERT_TRUE(planner::ValidateLayout(inv, layout, planner::Role::kRollout, "r").ok());
+  std::vector<float> shadow(static_cast<size_t>(rows * 32));
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float a = amax[static_cast<size_t>(r)];
+    for (int64_t j = 0; j < 32; ++j) shadow[static_cast<size_t>(r * 32 + j)] = std::isfinite(a) ? a * u(rng) : 0.0f;
+    shadow[static_cast<size_t>(r * 32 + r % 32)] = r % 2 == 0 ? a : -a;
+  }
+  std::vector<uint8_t> buf(layout.buffers[0].size_bytes, 0);
+  ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data()).ok());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float a = amax[static_cast<size_t>(r)];
+    const uint8_t want = std::isinf(a) ? 254 : ReferenceE8M0(a);
+    ASSERT_EQ(buf[static_cast<size_t>(q.scale_offset_bytes + r)], want) << "block magnitude " << a;
+    if (!std::isfinite(a)) continue;
+    const double pow2 = std::pow(2.0, static_cast<int>(want) - 127);
+    for (int64_t j = 0; j < 32; ++j) {
+      const float x = shadow[static_cast<size_t>(r * 32 + j)];
+      ASSERT_EQ(buf[static_cast<size_t>(r * 32 + j)], NearestCode(static_cast<float>(x / pow2))) << "block magnitude " << a << " element " << j;
+    }
   }
 }
 
