@@ -310,8 +310,7 @@ WB_ROW_KERNEL void Nvfp4BlockScales(const float* __restrict__ amax, int64_t n, f
 
 // MX block scales over n blocks (amax >= 0 or NaN): code = E8M0ScaleFor(amax), and the factor
 // its elements are multiplied by, 2^(127 - code) exactly (NaN for the NaN code). Branch-free (the
-// exponent read off the float's bits; a subnormal amax scaled by 2^64 first), so it vectorises
-// where E8M0ScaleFor's frexp ran per block.
+// exponent read off the float's bits), so it vectorises where E8M0ScaleFor's frexp ran per block.
 WB_ROW_KERNEL void E8M0BlockScales(const float* __restrict__ amax, int64_t n, uint8_t* __restrict__ codes,
                                    float* __restrict__ factor) {
   for (int64_t b = 0; b < n; ++b) {
@@ -319,12 +318,9 @@ WB_ROW_KERNEL void E8M0BlockScales(const float* __restrict__ amax, int64_t n, ui
     uint32_t u;
     std::memcpy(&u, &a, 4);
     u &= 0x7fffffffu;
-    const float scaled = a * 18446744073709551616.0f;  // 2^64: a subnormal's exponent becomes readable
-    uint32_t us;
-    std::memcpy(&us, &scaled, 4);
-    us &= 0x7fffffffu;
-    // floor(log2(a)) for 0 < a < inf.
-    const int32_t e2 = u >= 0x00800000u ? static_cast<int32_t>(u >> 23) - 127 : static_cast<int32_t>(us >> 23) - 127 - 64;
+    // floor(log2(a)) for normal a; a subnormal one (< 2^-126) has floor(log2(a)) - 8 < -127, which
+    // clamps to -127 like the -127 taken for it here.
+    const int32_t e2 = u >= 0x00800000u ? static_cast<int32_t>(u >> 23) - 127 : -127;
     int32_t e = e2 - kE4M3MaxExponent;
     e = e < -127 ? -127 : e;
     e = e > 127 ? 127 : e;
@@ -365,7 +361,6 @@ inline __attribute__((always_inline)) void ScaledToInt4(const float* x, float s,
     nibbles[j] = static_cast<uint8_t>(static_cast<int32_t>(r) + 8);
   }
 }
-
 
 // codes of x[j] / d[j] (d the element's block divisor: its e4m3 scale read back times the global
 // scale), over a whole row so the loop runs in full vectors (per 16-element block the loop's setup
@@ -423,11 +418,9 @@ float StoreScale(float s, planner::DType dtype, uint8_t* at) {
   }
 }
 
-}  // namespace
-
-namespace {
 // max |x| over n elements, in the AVX2 clone where the CPU has it (ShadowAbsMax's whole-piece pass).
 WB_ROW_KERNEL float SpanAbsMax(const uint8_t* p, planner::DType dtype, int64_t n) { return AbsMax(p, dtype, n); }
+
 }  // namespace
 
 float ShadowAbsMax(const planner::Inventory& inventory, const planner::Piece& piece, const uint8_t* shadow) {
