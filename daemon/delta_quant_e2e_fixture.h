@@ -77,6 +77,11 @@ class DeltaQuantFixture : public ::testing::Test {
   // Version v published (and applied outside sync), every rollout byte-exact against the
   // receiver's quantisation, the version verified end to end.
   void Version(uint64_t v);
+  // Version(v) for v in [first, last], stopping at the first fatal failure (callers check
+  // HasFatalFailure() after it).
+  void Versions(uint64_t first, uint64_t last) {
+    for (uint64_t v = first; v <= last && !HasFatalFailure(); ++v) Version(v);
+  }
   DeltaMeter Meter() { return ScrapeDeltaMeter(endpoint_->port()); }
 
   planner::Inventory inv_ = QuantInventory();

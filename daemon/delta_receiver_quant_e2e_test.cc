@@ -45,10 +45,8 @@ TEST_P(DeltaReceiverQuantTest, ReceiverQuantisedPiecesGetDeltasOfTheCanonicalByt
   ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m1 = Meter();
   EXPECT_EQ(m1.stream - m0.stream, 0) << "version 1 has no base";
-  for (uint64_t v = 2; v <= 3; ++v) {
-    Version(v);
-    ASSERT_FALSE(HasFatalFailure());
-  }
+  Versions(2, 3);
+  ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m3 = Meter();
   EXPECT_EQ(m3.fallbacks - m0.fallbacks, 0) << "the kept shadows are the base: no delta may be refused";
   const double replaced = m3.replaced - m1.replaced, stream = m3.stream - m1.stream;
@@ -79,10 +77,8 @@ TEST_P(DeltaReceiverQuantCaseTest, WithoutKeptShadowsTheReceiverQuantisedOpsGoFu
   Version(1);
   ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m1 = Meter();
-  for (uint64_t v = 2; v <= 3; ++v) {
-    Version(v);
-    ASSERT_FALSE(HasFatalFailure());
-  }
+  Versions(2, 3);
+  ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m3 = Meter();
   EXPECT_EQ(m3.fallbacks - m1.fallbacks, 0) << "nothing sent as a delta that the node must refuse";
   EXPECT_GT(m3.replaced - m1.replaced, 0) << "n still travels as deltas";
@@ -99,10 +95,8 @@ TEST_P(DeltaReceiverQuantCaseTest, ShadowsRelayedToASecondReplicaAfterTheirDelta
   Version(1);
   ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m1 = Meter();
-  for (uint64_t v = 2; v <= 3; ++v) {
-    Version(v);
-    ASSERT_FALSE(HasFatalFailure());
-  }
+  Versions(2, 3);
+  ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m3 = Meter();
   EXPECT_EQ(m3.fallbacks - m1.fallbacks, 0);
   const double replaced = m3.replaced - m1.replaced;
