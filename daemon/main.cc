@@ -74,6 +74,10 @@ ABSL_FLAG(uint64_t, delta_cache_bytes, 0,
 ABSL_FLAG(int, delta_threads, 0,
           "lossless deltas: encode / decode threads per version (the codec's CPU time is a delta version's time); "
           "0 = half this machine's CPUs, at least 2, at most 16");
+ABSL_FLAG(int, quantize_early_threads, 0,
+          "quantised rollouts: threads that quantise a piece as soon as every op into it landed, while the buckets still "
+          "run (0 = half this machine's CPUs, at least 1; -1 = none: everything after the last bucket). "
+          "docs/daemon.md \"Quantized targets\"");
 ABSL_FLAG(bool, delta_in_place, true,
           "lossless deltas: a rollout's deltas decode in place into the staging its last commit held, once live weights "
           "hold that version (sync: the commit's copy; other modes: Apply) (no copy of the base); false: against "
@@ -156,6 +160,9 @@ absl::Status CheckNumericFlags() {
   }
   if (const int t = absl::GetFlag(FLAGS_delta_threads); t < 0 || t > 256) {
     return absl::InvalidArgumentError(absl::StrCat("--delta_threads must be in [0, 256] (0 = half the CPUs), not ", t));
+  }
+  if (const int t = absl::GetFlag(FLAGS_quantize_early_threads); t < -1 || t > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("--quantize_early_threads must be in [-1, 256] (0 = half the CPUs, -1 = none), not ", t));
   }
   if (const double cap = absl::GetFlag(FLAGS_max_send_gbps); !(cap >= 0) || std::isinf(cap)) {
     return absl::InvalidArgumentError(absl::StrCat("--max_send_gbps must be a finite number >= 0 (0 = no cap), not ", cap));
@@ -308,6 +315,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.delta_cache_bytes = absl::GetFlag(FLAGS_delta_cache_bytes);
   o.delta_threads = absl::GetFlag(FLAGS_delta_threads);
   o.delta_in_place = absl::GetFlag(FLAGS_delta_in_place);
+  o.quantize_early_threads = absl::GetFlag(FLAGS_quantize_early_threads);
   o.delta_apply_delay = absl::Milliseconds(absl::GetFlag(FLAGS_delta_apply_delay_ms));
   // Per-batch checksums only repeat what the digests check: off with digests, unless asked for.
   o.checksums = wb::digest::ChecksumsOn(argc, argv, o.digests, absl::GetFlag(FLAGS_checksums));

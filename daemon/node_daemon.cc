@@ -47,6 +47,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
   vo.digest_in_transport = o.digest_in_transport;
   vo.delta_cache_bytes = o.delta_cache_bytes;
   vo.delta_threads = node::ResolveDeltaThreads(o.delta_threads, std::thread::hardware_concurrency());
+  vo.quantize_early_threads = o.quantize_early_threads;
   vo.delta_in_place = o.delta_in_place;
   vo.delta_apply_delay = o.delta_apply_delay;
   vo.test_after_buckets = o.test_after_buckets;

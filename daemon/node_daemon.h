@@ -86,6 +86,9 @@ class NodeDaemon final : private node::CoordinatorAccess {
     uint64_t delta_cache_bytes = 0;
     // Delta encode / decode threads per version (node::ResolveDeltaThreads: 0 = half the CPUs, 2..16).
     int delta_threads = 0;
+    // Receiver-side quantising: threads that quantise pieces whose ops all landed while the buckets
+    // still run (daemon/node/quantize_incoming.h; 0 = half the CPUs, at least 1; -1 = none).
+    int quantize_early_threads = 0;
     // Sync rollouts' deltas decode in place into the staging their last commit copied into live
     // weights (tagged, taken back from the pool); false: decode against the live weights into new
     // staging (docs/daemon.md "Deltas").

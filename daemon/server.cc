@@ -83,6 +83,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.delta_cache_bytes = o.delta_cache_bytes;
     no.delta_threads = o.delta_threads;
     no.delta_in_place = o.delta_in_place;
+    no.quantize_early_threads = o.quantize_early_threads;
     no.delta_apply_delay = o.delta_apply_delay;
     no.device_staging = o.device_staging;
     no.test_before_bucket = o.test_before_bucket;

@@ -49,6 +49,7 @@ struct ServerOptions {
   uint64_t delta_cache_bytes = 0;             // NodeDaemon::Options::delta_cache_bytes
   int delta_threads = 0;                      // NodeDaemon::Options::delta_threads
   bool delta_in_place = true;                 // NodeDaemon::Options::delta_in_place
+  int quantize_early_threads = 0;             // NodeDaemon::Options::quantize_early_threads
   absl::Duration delta_apply_delay = absl::Milliseconds(200);  // NodeDaemon::Options::delta_apply_delay
   absl::Duration status_resend = absl::Seconds(1);  // WatchStatus safety net (Coordinator::Options)
   // Injected dependencies (main.cc picks the concrete ones).

@@ -530,6 +530,7 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
   HandUnits(*s.op, true, st.ok() ? std::optional<std::vector<uint64_t>>(std::move(units)) : std::nullopt);
   p.mem->data()[p.mine.in_ref + static_cast<int64_t>(j)] = s.refused ? 1 : 0;
   if (st.ok() && o_.record) o_.record(*s.op, version_, decoded);
+  if (st.ok() && o_.decoded) o_.decoded(*s.op);
   absl::MutexLock l(&mu_);
   stats_.decode_s += absl::ToDoubleSeconds(absl::Now() - t0);
   if (recorded.has_value()) ++stats_.base_digests_recorded;
@@ -544,7 +545,7 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
   --decoding_;
 }
 
-bool DeltaRun::Landed(const Route& r) {
+bool DeltaRun::Landed(const Route& r, std::set<uint32_t>* decoding) {
   auto it = peers_.find(r.peer);
   if (r.kind != RouteKind::kPeer || it == peers_.end()) return false;
   Peer& p = it->second;
@@ -554,6 +555,7 @@ bool DeltaRun::Landed(const Route& r) {
   for (size_t j = range->second.first; j < range->second.second; ++j) {
     if (p.in[j].route != &r || p.in[j].len == 0) continue;
     jobs.push_back(j);
+    if (decoding != nullptr) decoding->insert(p.in[j].op->op_index);
   }
   // Largest first, as the encodes (Start).
   std::stable_sort(jobs.begin(), jobs.end(), [&p](size_t x, size_t y) { return p.in[x].op->copy.bytes() > p.in[y].op->copy.bytes(); });

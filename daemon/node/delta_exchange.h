@@ -106,6 +106,10 @@ struct DeltaOptions {
   // refuses it as without a record). Null: the base is hashed.
   std::function<std::optional<delta::Digest>(const RouteOp& op, uint64_t version)> recorded;
   std::function<void(const RouteOp& op, uint64_t version, const delta::Digest& digest)> record;
+  // Receiver (optional): op's destination box was decoded into staging and verified - its bytes
+  // there are final (a refused op is not reported: its full resend lands as a route). On a decode
+  // worker thread; must not block.
+  std::function<void(const RouteOp& op)> decoded;
   // End-to-end digests (issue 17.4; optional): the digest format's chunk hashes
   // (digest::ChunkStreamHasher) of the canonical box of a delta op's local side, taken by the codec
   // in its in-cache passes, so the digests need not read that box again. Called exactly once for
@@ -246,8 +250,9 @@ class DeltaRun {
   std::map<size_t, DeltaCopy> Substitutions(const Route& r) const;
   // Route `r` completed: decode its landed streams (worker threads). True when it queued any: the
   // route's destination bytes are final only after RefusalsBatches and the fallback (the executor
-  // holds the route's on_batch_done until then).
-  bool Landed(const Route& r);
+  // holds the route's on_batch_done until then). `decoding` (optional) receives the op indices
+  // queued: DeltaOptions::decoded reports each that decodes; the route's other ops are final now.
+  bool Landed(const Route& r, std::set<uint32_t>* decoding = nullptr);
   // After the buckets: waits for the decodes, then the refusals batches (one per peer that had a
   // stream either way).
   absl::StatusOr<std::vector<DeltaBatchPlan>> RefusalsBatches(absl::Time deadline);

@@ -104,6 +104,10 @@ class DeltaExecTest : public ::testing::Test {
   // Runs version v on both nodes; `bases`: per destination slice worker its base version.
   void Run(uint64_t v, std::map<uint32_t, uint64_t> bases) {
     rendezvous_.Reset();
+    {
+      absl::MutexLock l(&landed_mu_);
+      landed_.clear();
+    }
     for (auto& s : staging_) std::fill(s.begin(), s.end(), 0xAB);  // reused staging: stale bytes
     std::thread threads[2];
     for (int n = 0; n < 2; ++n) {
@@ -138,6 +142,15 @@ class DeltaExecTest : public ::testing::Test {
             ASSERT_TRUE(PackSide(src.data(), kBytes, op.copy.src, op.copy, want.data()).ok());
             if (got != want) ++not_final_;
           }
+        };
+        // Receiver-side quantising starts a piece on on_op_landed: each op once, its box final.
+        o.on_op_landed = [this, n](const RouteOp& op) {
+          std::vector<uint8_t> got(static_cast<size_t>(op.copy.bytes())), want(got.size());
+          ASSERT_TRUE(PackSide(staging_[1 - n].data(), kBytes, op.copy.dst, op.copy, got.data()).ok());
+          ASSERT_TRUE(PackSide(trainer_[1 - n].data(), kBytes, op.copy.src, op.copy, want.data()).ok());
+          if (got != want) ++not_final_;
+          absl::MutexLock l(&landed_mu_);
+          ++landed_[{n, op.op_index}];
         };
         if (on_landed_) o.deltas.on_landed = [this, n](uint32_t op, absl::Span<uint8_t> s) { on_landed_(n, op, s); };
         if (track_units_) {
@@ -201,7 +214,10 @@ class DeltaExecTest : public ::testing::Test {
   }
 
   void ExpectExact(const char* what) {
-    EXPECT_EQ(not_final_.load(), 0) << what << ": a route was reported done before its boxes were final";
+    EXPECT_EQ(not_final_.load(), 0) << what << ": a route or op was reported done before its boxes were final";
+    absl::MutexLock l(&landed_mu_);
+    EXPECT_EQ(landed_.size(), slice_.ops.size()) << what << ": every op lands on one node and is reported there";
+    for (const auto& [at, count] : landed_) EXPECT_EQ(count, 1) << what << ": node " << at.first << " op " << at.second;
     EXPECT_TRUE(staging_[0] == trainer_[0]) << what << ": tensor 0 on n1";
     EXPECT_TRUE(staging_[1] == trainer_[1]) << what << ": tensor 1 on n0";
   }
@@ -221,6 +237,8 @@ class DeltaExecTest : public ::testing::Test {
   Outcome out_[2];
   std::function<void(int node, uint32_t op, absl::Span<uint8_t> stream)> on_landed_;
   std::atomic<int> not_final_{0};
+  absl::Mutex landed_mu_;
+  std::map<std::pair<int, uint32_t>, int> landed_ ABSL_GUARDED_BY(landed_mu_);  // (node, op) -> on_op_landed calls
   // Receivers record the digests of the boxes they decode (as NodeDeltas does), by (node, op).
   bool record_digests_ = false;
   absl::Mutex recorded_mu_;

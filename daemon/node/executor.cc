@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -180,7 +181,14 @@ class Run {
       if (m == nullptr || m->kind != MemoryKind::kHost || m->base == nullptr || m->cuda_import.id != 0) return std::nullopt;
       return std::pair<uint8_t*, int64_t>{m->base, m->size};
     };
-    ASSIGN_OR_RETURN(delta_, DeltaRun::Make(plan_, o_.deltas, o_.version, o_.label, host));
+    delta_options_ = o_.deltas;  // DeltaRun keeps a reference: a member declared before delta_
+    if (o_.on_op_landed) {
+      delta_options_.decoded = [prev = std::move(delta_options_.decoded), landed = o_.on_op_landed](const RouteOp& op) {
+        if (prev) prev(op);
+        landed(op);
+      };
+    }
+    ASSIGN_OR_RETURN(delta_, DeltaRun::Make(plan_, delta_options_, o_.version, o_.label, host));
     if (delta_ == nullptr) return absl::OkStatus();
     for (auto& [key, m] : delta_->Regions()) {
       if (t_.cross == nullptr) return absl::FailedPreconditionError(absl::StrCat(o_.label, ": no cross-node host transport"));
@@ -396,10 +404,16 @@ class Run {
 
   void Finish(const Route& r, Transport* t, const absl::Status& s) {
     // Delta streams are decoded on worker threads: the route's bytes are final after DeltaTail.
-    const bool decoding = s.ok() && delta_ != nullptr && delta_->Landed(r);
+    std::set<uint32_t> decoded_later;  // reported by DeltaOptions::decoded (or resent in full)
+    const bool decoding = s.ok() && delta_ != nullptr && delta_->Landed(r, o_.on_op_landed ? &decoded_later : nullptr);
     absl::MutexLock l(&mu_);
     if (!s.ok() && first_.ok()) first_ = Annotate(s, absl::StrCat("bucket ", r.bucket, ", ", r.what));
     if (!s.ok()) return;
+    if (o_.on_op_landed) {
+      for (const RouteOp& op : r.ops) {
+        if (op.dst_local && decoded_later.count(op.op_index) == 0) o_.on_op_landed(op);
+      }
+    }
     // Link time = the peer's first post -> this batch's completion (the union over its batches).
     if (o_.on_batch_done && decoding) {
       held_done_.push_back({&r, t->capabilities().kind});
@@ -590,6 +604,7 @@ class Run {
   std::map<std::string, RegionHandle> local_h_, cuda_h_, cross_h_, nccl_h_;
   std::map<std::string, std::map<std::string, RegionHandle>> remote_h_;  // channel -> the peer's regions
   std::vector<Posted> outstanding_;  // posted, not yet waited for (post order); executor thread only
+  DeltaOptions delta_options_;       // ExecOptions::deltas, decoded reports chained to on_op_landed
   std::unique_ptr<DeltaRun> delta_;  // lossless deltas of this run, or null (joins its threads first)
   std::vector<Route> fallback_;      // full resends of refused deltas (outstanding_ points into it)
   // Guards what channel-setup and GPU schedule threads share with the executor's thread.

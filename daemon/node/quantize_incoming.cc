@@ -1,50 +1,60 @@
 #include "daemon/node/quantize_incoming.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <optional>
-#include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "daemon/box_copy.h"
 #include "daemon/quantize.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
-#include "base/status_macros.h"
 
 namespace wb::daemon::node {
 
-absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& inventory, const std::vector<QuantizeTarget>& targets,
-                                               uint64_t version, absl::Time deadline) {
-  struct Job {
-    const planner::Piece* live;    // the quantised piece (its place and scales in staging)
-    const planner::Piece* shadow;  // where its canonical bytes landed
-    StagedBuffer* elements;
-    StagedBuffer* scales;
-    int group = -1;                // NVFP4: index into `groups` (the pieces sharing its global scale)
-  };
-  // NVFP4 global scales: one per (rollout, scale buffer, offset); every piece naming it counts.
-  struct Group {
-    StagedBuffer* scales;
-    int64_t offset;
-    float amax = 0.0f;
-    float global = 0.0f;
-  };
-  std::vector<Group> groups;
-  std::vector<Job> jobs;
-  QuantizeResult out;
-  for (const QuantizeTarget& t : targets) {
+struct IncomingQuantization::Job {
+  const planner::Piece* live;    // the quantised piece (its place and scales in staging)
+  const planner::Piece* shadow;  // where its canonical bytes landed
+  StagedBuffer* elements;
+  StagedBuffer* scales;
+  int group = -1;                // NVFP4: index into groups_ (the pieces sharing its global scale)
+  size_t target = 0;             // where it comes from (after_piece)
+  int32_t piece = 0;
+};
+
+// NVFP4 global scales: one per (rollout, scale buffer, offset); every piece naming it counts.
+struct IncomingQuantization::Group {
+  StagedBuffer* scales;
+  int64_t offset;
+  std::vector<size_t> jobs;
+  size_t ready = 0;      // jobs whose ops all landed (under mu_)
+  size_t amax_left = 0;  // magnitude tasks not done yet (under mu_)
+  float amax = 0.0f;     // (under mu_)
+  float global = 0.0f;   // written once before the group's quantise tasks are queued
+};
+
+IncomingQuantization::IncomingQuantization(const planner::Inventory& inventory, uint64_t version, absl::Time deadline)
+    : inventory_(inventory), version_(version), deadline_(deadline) {}
+
+absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Start(const planner::Inventory& inventory,
+                                                                                  std::vector<QuantizeTarget> targets, uint64_t version,
+                                                                                  absl::Time deadline, const IncomingOptions& options) {
+  std::unique_ptr<IncomingQuantization> q(new IncomingQuantization(inventory, version, deadline));
+  q->targets_ = std::move(targets);
+  std::vector<std::vector<uint32_t>> ops_of_job;
+  for (QuantizeTarget& t : q->targets_) {
     StagedBytes& staging = *t.staging;
     for (size_t k = 0; k < t.live->pieces.size(); ++k) {
       const planner::Piece& p = t.live->pieces[k];
       if (!p.quant.has_value()) continue;
       if (t.sender_quantized != nullptr && t.sender_quantized->count(static_cast<int32_t>(k)) > 0) continue;
       const size_t b = static_cast<size_t>(p.buffer), sb = static_cast<size_t>(p.quant->scale_buffer);
-      if (b >= staging.size() || sb >= staging.size() || staging[b].device != nullptr || staging[sb].device != nullptr) {
+      if (b >= staging.size() || sb >= staging.size() || staging[b].device != nullptr || staging[sb].device != nullptr ||
+          k >= t.shadow->pieces.size()) {
         return absl::InternalError(absl::StrCat("version ", version, ": staging of rollout ", t.worker,
                                                 " cannot be quantised (buffer missing or not in host memory)"));
       }
@@ -59,91 +69,171 @@ absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& invento
       }
       const planner::ByteView bytes_of_p = planner::StoredBytes(inventory, p);  // int4: two elements per byte
       RETURN_IF_ERROR(CheckPieceInBuffer(bytes_of_p.piece, bytes_of_p.element_size, staging[b].size(), inventory.tensors[p.tensor].name));
-      Job job{&p, &sp, &staging[b], &staging[sb]};
+      Job job{&p, &sp, &staging[b], &staging[sb], -1, static_cast<size_t>(&t - q->targets_.data()), static_cast<int32_t>(k)};
       if (p.quant->global_scale_offset_bytes >= 0) {
         const int64_t g = p.quant->global_scale_offset_bytes;
         if (g + 4 > static_cast<int64_t>(staging[sb].size())) {
           return absl::InternalError(absl::StrCat("version ", version, ": rollout ", t.worker, " tensor ", inventory.tensors[p.tensor].name,
                                                   ": global scale outside its staging"));
         }
-        auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& gr) { return gr.scales == &staging[sb] && gr.offset == g; });
-        if (it == groups.end()) it = groups.insert(groups.end(), Group{&staging[sb], g});
-        job.group = static_cast<int>(it - groups.begin());
+        auto it = std::find_if(q->groups_.begin(), q->groups_.end(), [&](const Group& gr) { return gr.scales == &staging[sb] && gr.offset == g; });
+        if (it == q->groups_.end()) it = q->groups_.insert(q->groups_.end(), Group{&staging[sb], g});
+        job.group = static_cast<int>(it - q->groups_.begin());
+        it->jobs.push_back(q->jobs_.size());
       }
-      jobs.push_back(job);
-      out.bytes += sh_bytes;
+      auto l = t.landing.find(static_cast<int32_t>(k));
+      ops_of_job.push_back(l == t.landing.end() ? std::vector<uint32_t>{} : l->second);
+      q->jobs_.push_back(job);
+      q->base_.bytes += sh_bytes;
     }
   }
-  out.pieces = static_cast<int64_t>(jobs.size());
-  if (jobs.empty()) return out;
-  const absl::Time t0 = absl::Now();
-  // Threads take pieces in turn (big pieces dominate; they are independent). Nothing else of this
-  // version runs meanwhile, and one thread quantises ~2-3 GB/s (//bench:quantize), so up to 16.
-  const int threads = static_cast<int>(std::min<size_t>(jobs.size(), std::max(1u, std::min(16u, std::thread::hardware_concurrency()))));
-  absl::Mutex err_mu;
-  absl::Status first;
-  auto fail = [&](absl::Status s) {
-    absl::MutexLock l(&err_mu);
-    if (first.ok()) first = std::move(s);
-  };
-  // Runs fn(j) for j in [0, n) on `threads` threads taking indices in turn (big pieces dominate;
-  // they are independent); stops taking new ones after an error or past the deadline.
-  auto for_each = [&](size_t n, const std::function<absl::Status(size_t)>& fn) {
-    std::atomic<size_t> next{0};
-    std::atomic<bool> failed{false};
-    auto work = [&] {
-      for (size_t j = next++; j < n && !failed.load(); j = next++) {
-        absl::Status s = absl::Now() > deadline
-                             ? absl::DeadlineExceededError(absl::StrCat("version ", version, ": quantising did not finish before the transfer deadline"))
-                             : fn(j);
-        if (!s.ok()) {
-          failed = true;
-          fail(std::move(s));
-          return;
+  q->base_.pieces = static_cast<int64_t>(q->jobs_.size());
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = std::min<int>(static_cast<int>(q->jobs_.size()), std::min(std::max(1, options.max_threads), cores));
+  q->base_.threads = threads;
+  {
+    absl::MutexLock l(&q->mu_);
+    q->job_waits_.assign(q->jobs_.size(), 0);
+    q->job_ready_.assign(q->jobs_.size(), false);
+    for (size_t j = 0; j < q->jobs_.size(); ++j) {
+      std::vector<uint32_t>& ops = ops_of_job[j];
+      std::sort(ops.begin(), ops.end());
+      ops.erase(std::unique(ops.begin(), ops.end()), ops.end());
+      for (uint32_t op : ops) {
+        q->op_left_[op] = 1;
+        q->jobs_of_op_[op].push_back(j);
+      }
+      // No op listed: never ready before Finish (a count no OpLanded can bring to zero).
+      q->job_waits_[j] = ops.empty() ? 1 : ops.size();
+    }
+    q->allowed_ = options.early_threads < 0 ? 0 : std::min(threads, options.early_threads > 0 ? options.early_threads : std::max(1, cores / 2));
+  }
+  q->after_piece_ = options.after_piece;
+  for (int t = 0; t < threads; ++t) q->threads_.emplace_back([p = q.get()] { p->Work(); });
+  return q;
+}
+
+IncomingQuantization::~IncomingQuantization() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void IncomingQuantization::OpLanded(uint32_t op_index) {
+  absl::MutexLock l(&mu_);
+  auto it = op_left_.find(op_index);
+  if (it == op_left_.end() || it->second == 0) return;
+  it->second = 0;
+  for (size_t j : jobs_of_op_.at(op_index)) {
+    if (job_waits_[j] > 0 && --job_waits_[j] == 0) ReadyLocked(j);
+  }
+}
+
+// Every op of `job` landed (or Finish): queue its quantising, or, for NVFP4, once its whole group
+// is ready, the group's magnitude tasks (the last of them queues the group's quantising).
+void IncomingQuantization::ReadyLocked(size_t job) {
+  if (job_ready_[job]) return;
+  job_ready_[job] = true;
+  const int g = jobs_[job].group;
+  if (g < 0) {
+    queue_.push_back({job, false});
+    return;
+  }
+  Group& gr = groups_[static_cast<size_t>(g)];
+  if (++gr.ready < gr.jobs.size()) return;
+  gr.amax_left = gr.jobs.size();
+  for (size_t j : gr.jobs) queue_.push_back({j, true});
+}
+
+absl::Status IncomingQuantization::Run(const Task& t, float& amax) const {
+  if (absl::Now() > deadline_) {
+    return absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
+  }
+  const Job& job = jobs_[t.job];
+  const uint8_t* shadow = job.elements->host.data() + job.shadow->offset_bytes;
+  if (t.amax) {
+    amax = ShadowAbsMax(inventory_, *job.live, shadow);
+    return absl::OkStatus();
+  }
+  std::optional<float> global;
+  if (job.group >= 0) global = groups_[static_cast<size_t>(job.group)].global;  // written before this task was queued
+  return QuantizePiece(inventory_, *job.live, shadow, job.elements->host.data(), job.scales->host.data(), global);
+}
+
+void IncomingQuantization::Work() {
+  for (;;) {
+    Task t;
+    {
+      absl::MutexLock l(&mu_);
+      auto can = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !error_.ok() || quantized_ == jobs_.size() || (!queue_.empty() && running_ < allowed_);
+      };
+      if (!mu_.AwaitWithDeadline(absl::Condition(&can), deadline_)) {
+        if (error_.ok()) {
+          error_ = absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
         }
+        return;
       }
-    };
-    std::vector<std::thread> pool;
-    for (int t = 1; t < std::min<int>(threads, static_cast<int>(n)); ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
-  };
-  // NVFP4 first: each group's largest magnitude over all its pieces' shadows (each piece's on the
-  // threads, then the group's max), then its global scale, stored once (the pieces' QuantizePiece
-  // calls then share it; threads only read it).
-  if (!groups.empty()) {
-    std::vector<size_t> grouped;
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      if (jobs[j].group >= 0) grouped.push_back(j);
+      if (stop_ || !error_.ok() || quantized_ == jobs_.size()) return;
+      t = queue_.front();
+      queue_.pop_front();
+      ++running_;
+      const absl::Time now = absl::Now();
+      first_start_ = std::min(first_start_, now);
+      if (!finishing_ && !t.amax) ++early_;
     }
-    std::vector<float> piece_amax(grouped.size(), 0.0f);
-    for_each(grouped.size(), [&](size_t k) {
-      const Job& job = jobs[grouped[k]];
-      piece_amax[k] = ShadowAbsMax(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes);
-      return absl::OkStatus();
-    });
-    RETURN_IF_ERROR(first);
-    for (size_t k = 0; k < grouped.size(); ++k) {
-      Group& gr = groups[static_cast<size_t>(jobs[grouped[k]].group)];
-      const float m = piece_amax[k];
-      gr.amax = (std::isnan(m) || m > gr.amax) ? m : gr.amax;
+    const absl::Time t0 = absl::Now();
+    float amax = 0.0f;
+    absl::Status s = Run(t, amax);
+    const absl::Time t1 = absl::Now();
+    if (s.ok() && !t.amax && after_piece_) after_piece_(jobs_[t.job].target, jobs_[t.job].piece);
+    absl::MutexLock l(&mu_);
+    --running_;
+    busy_ += t1 - t0;
+    last_end_ = std::max(last_end_, t1);
+    if (!s.ok()) {
+      if (error_.ok()) error_ = std::move(s);
+      continue;
     }
-    for (Group& gr : groups) {
-      gr.global = NvFp4GlobalScale(gr.amax);
-      std::memcpy(gr.scales->host.data() + gr.offset, &gr.global, 4);
+    if (!t.amax) {
+      ++quantized_;
+      continue;
     }
+    Group& gr = groups_[static_cast<size_t>(jobs_[t.job].group)];
+    gr.amax = (std::isnan(amax) || amax > gr.amax) ? amax : gr.amax;  // NaN sticks
+    if (--gr.amax_left > 0) continue;
+    gr.global = NvFp4GlobalScale(gr.amax);
+    std::memcpy(gr.scales->host.data() + gr.offset, &gr.global, 4);
+    for (size_t j : gr.jobs) queue_.push_back({j, false});
   }
-  for_each(jobs.size(), [&](size_t j) {
-    const Job& job = jobs[j];
-    std::optional<float> global;
-    if (job.group >= 0) global = groups[static_cast<size_t>(job.group)].global;
-    return QuantizePiece(inventory, *job.live, job.elements->host.data() + job.shadow->offset_bytes, job.elements->host.data(),
-                         job.scales->host.data(), global);
-  });
-  RETURN_IF_ERROR(first);
-  out.seconds = absl::ToDoubleSeconds(absl::Now() - t0);
-  out.threads = threads;
+}
+
+absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
+  const absl::Time t0 = absl::Now();
+  absl::MutexLock l(&mu_);
+  finishing_ = true;
+  allowed_ = base_.threads;
+  for (size_t j = 0; j < jobs_.size(); ++j) ReadyLocked(j);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !error_.ok() || quantized_ == jobs_.size(); };
+  const bool in_time = mu_.AwaitWithDeadline(absl::Condition(&done), deadline_);
+  if (!error_.ok()) return error_;
+  if (!in_time) return absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
+  QuantizeResult out = base_;
+  if (!jobs_.empty()) out.seconds = absl::ToDoubleSeconds(last_end_ - first_start_);
+  out.busy_seconds = absl::ToDoubleSeconds(busy_);
+  out.finish_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+  out.early_pieces = early_;
   return out;
+}
+
+absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& inventory, const std::vector<QuantizeTarget>& targets,
+                                               uint64_t version, absl::Time deadline) {
+  std::vector<QuantizeTarget> all = targets;
+  for (QuantizeTarget& t : all) t.landing.clear();
+  ASSIGN_OR_RETURN(std::unique_ptr<IncomingQuantization> q, IncomingQuantization::Start(inventory, std::move(all), version, deadline));
+  return q->Finish();
 }
 
 }  // namespace wb::daemon::node

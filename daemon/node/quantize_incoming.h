@@ -1,15 +1,31 @@
 #pragma once
-// Quantised rollouts (docs/daemon.md "Quantized targets"): once every byte of a version landed in a
-// rollout's incoming (host) staging, each quantised piece is quantised from its canonical-dtype
-// shadow (planner::StagingLayout) into its place and scales in the same staging, on a few threads,
-// before the node reports the version transferred.
+// Quantised rollouts (docs/daemon.md "Quantized targets"): the canonical bytes of a rollout's
+// quantised pieces land in its incoming (host) staging, each piece in its shadow
+// (planner::StagingLayout); the node quantises each shadow into the piece's place and scales in the
+// same staging before it reports the version transferred.
+//
+// IncomingQuantization does that while the buckets still run: a piece is quantised as soon as
+// every op landing in it has landed (the executor's ExecOptions::on_op_landed), on a few threads
+// beside the transports; NVFP4 pieces sharing a global scale wait for the whole group (the scale
+// is the group's largest magnitude). Finish() quantises whatever is left (pieces no op was seen
+// for, pieces of ops at commit) with every thread and waits. Quantising reads only the shadows and
+// writes only the pieces' places and scales, which no transfer touches (StagingLayout puts the
+// shadows past every buffer's end), and staging is private to the version, so an abort loses
+// nothing: the destructor stops and joins the threads.
 
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/node/live_copy.h"
 #include "planner/types.h"
@@ -25,17 +41,93 @@ struct QuantizeTarget {
   // Pieces (indices into `live`) that arrived quantised by their senders (issue 17.1,
   // ExecPlan::quant_pieces_in): already in place, not quantised again. May be null.
   const std::set<int32_t>* sender_quantized = nullptr;
+  // Piece index -> the ops (slice op indices) whose boxes land in its shadow. A piece listed here
+  // is quantised once every one of them was reported through OpLanded; a piece not listed (or an
+  // empty list) waits for Finish.
+  std::map<int32_t, std::vector<uint32_t>> landing;
 };
 
 struct QuantizeResult {
   int64_t pieces = 0;
   int64_t bytes = 0;  // canonical bytes read
-  double seconds = 0;
+  double seconds = 0;         // the first piece started -> the last one written
+  double busy_seconds = 0;    // summed over threads (bytes / busy_seconds: the quantiser's rate)
+  double finish_seconds = 0;  // Finish() waiting: what the version's critical path paid
+  int64_t early_pieces = 0;   // quantised (or started) before Finish
   int threads = 0;
 };
 
-// INTERNAL naming the rollout (and tensor) when staging cannot hold a quantised piece or is not in
-// host memory; DEADLINE_EXCEEDED when `deadline` passes first.
+struct IncomingOptions {
+  int max_threads = 16;  // capped by the machine's cores and the number of pieces
+  // Threads that may quantise before Finish (the buckets' transports and delta decoders share the
+  // cores meanwhile). 0: half the cores, at least one; negative: none (all at Finish).
+  int early_threads = 0;
+  // TEST ONLY: on the quantising thread after piece `piece` of target `target` was written.
+  std::function<void(size_t target, int32_t piece)> after_piece;
+};
+
+class IncomingQuantization {
+ public:
+  // Checks every quantised piece of `targets` (INTERNAL naming the rollout and tensor when staging
+  // cannot hold it or is not host memory) and starts the threads; nothing is quantised until its
+  // ops landed. `targets` (their layouts and staging) and `inventory` must outlive the object.
+  static absl::StatusOr<std::unique_ptr<IncomingQuantization>> Start(const planner::Inventory& inventory,
+                                                                     std::vector<QuantizeTarget> targets, uint64_t version,
+                                                                     absl::Time deadline, const IncomingOptions& options = {});
+  ~IncomingQuantization();
+  IncomingQuantization(const IncomingQuantization&) = delete;
+  IncomingQuantization& operator=(const IncomingQuantization&) = delete;
+
+  // Op `op_index` has landed on this node for good (its bytes are final in staging). Any thread;
+  // cheap (queues work, never waits for it); repeated or unknown ops are ignored.
+  void OpLanded(uint32_t op_index);
+
+  // Quantises every piece not yet quantised, with every thread, and waits: the totals, the first
+  // piece's error, or DEADLINE_EXCEEDED at the deadline. Call once.
+  absl::StatusOr<QuantizeResult> Finish();
+
+ private:
+  struct Job;
+  struct Group;
+  struct Task {
+    size_t job;
+    bool amax;  // NVFP4: the piece's largest magnitude (for its group), else quantise the piece
+  };
+  IncomingQuantization(const planner::Inventory& inventory, uint64_t version, absl::Time deadline);
+  void ReadyLocked(size_t job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Work();
+  absl::Status Run(const Task& t, float& amax) const;
+
+  const planner::Inventory& inventory_;
+  const uint64_t version_;
+  const absl::Time deadline_;
+  std::vector<QuantizeTarget> targets_;
+  std::vector<Job> jobs_;      // fixed after Start
+  std::vector<Group> groups_;  // fixed after Start but amax / global / counts (under mu_)
+  std::map<uint32_t, std::vector<size_t>> jobs_of_op_;  // fixed after Start
+  std::function<void(size_t target, int32_t piece)> after_piece_;
+  QuantizeResult base_;
+  std::vector<std::thread> threads_;
+
+  mutable absl::Mutex mu_;
+  std::map<uint32_t, size_t> op_left_ ABSL_GUARDED_BY(mu_);  // listed op -> not landed yet (1 or 0)
+  std::vector<size_t> job_waits_ ABSL_GUARDED_BY(mu_);      // ops each job still waits for
+  std::vector<bool> job_ready_ ABSL_GUARDED_BY(mu_);
+  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+  int allowed_ ABSL_GUARDED_BY(mu_) = 1;  // threads that may run a task now
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t quantized_ ABSL_GUARDED_BY(mu_) = 0;  // jobs written
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  absl::Time first_start_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Time last_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Duration busy_ ABSL_GUARDED_BY(mu_);
+  int64_t early_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// All at once, for callers without an executor (tests): Start with no op lists, then Finish.
+// Errors as IncomingQuantization::Start and Finish.
 absl::StatusOr<QuantizeResult> QuantizeStaging(const planner::Inventory& inventory, const std::vector<QuantizeTarget>& targets,
                                                uint64_t version, absl::Time deadline);
 

@@ -2,8 +2,10 @@
 
 #include <cstring>
 #include <random>
+#include <set>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/quantize.h"
 #include "gtest/gtest.h"
@@ -95,6 +97,177 @@ TEST(QuantizeIncomingTest, Nvfp4PiecesSharingAGlobalScaleUseTheGroupsLargestMagn
   std::vector<uint8_t> alone = before;
   ASSERT_TRUE(QuantizePiece(inv, live.pieces[0], before.data() + shadow.pieces[0].offset_bytes, alone.data(), alone.data()).ok());
   EXPECT_NE(std::memcmp(alone.data() + scales, want.data() + scales, 128), 0);
+}
+
+// IncomingQuantization: a piece is quantised once every op listed for it landed, not before; an
+// NVFP4 group once all its pieces' ops landed; Finish quantises the rest. Every byte equals what
+// QuantizeStaging writes after the fact.
+class IncomingQuantizationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    inv_.tensors.push_back({"a", {64, 64}, planner::DType::kBF16});  // fp8 block 32x32: its own piece
+    inv_.tensors.push_back({"q", {32, 64}, planner::DType::kBF16});  // NVFP4, q and k share a global scale
+    inv_.tensors.push_back({"k", {32, 64}, planner::DType::kBF16});
+    inv_.tensors.push_back({"b", {32, 64}, planner::DType::kBF16});  // fp8, no ops listed: waits for Finish
+    auto fp8 = [](int32_t tensor, int64_t rows, int64_t at, int64_t scale_at) {
+      planner::Piece p;
+      p.tensor = tensor;
+      p.box = {{0, 0}, {rows, 64}};
+      p.offset_bytes = at;
+      p.strides = {64, 1};
+      planner::Quantization q;
+      q.dtype = planner::DType::kF8E4M3;
+      q.scale_dtype = planner::DType::kF32;
+      q.block = {32, 32};
+      q.scale_offset_bytes = scale_at;
+      p.quant = q;
+      return p;
+    };
+    auto nv = [](int32_t tensor, int64_t at, int64_t scale_at) {
+      planner::Piece p;
+      p.tensor = tensor;
+      p.box = {{0, 0}, {32, 64}};
+      p.offset_bytes = at;
+      p.strides = {64, 1};
+      planner::Quantization q;
+      q.dtype = planner::DType::kF4E2M1;
+      q.scale_dtype = planner::DType::kF8E4M3;
+      q.block = {1, 16};
+      q.scale_offset_bytes = scale_at;
+      q.global_scale_offset_bytes = 8192;
+      p.quant = q;
+      return p;
+    };
+    // Elements: a 0..4095, q 4096..5119, k 5120..6143, b 6144..8191; scales from 8192 on.
+    live_.pieces.push_back(fp8(0, 64, 0, 8208));
+    live_.pieces.push_back(nv(1, 4096, 8240));
+    live_.pieces.push_back(nv(2, 5120, 8368));
+    live_.pieces.push_back(fp8(3, 32, 6144, 8496));
+    live_.buffers.push_back({8512});
+    ASSERT_TRUE(planner::ValidateLayout(inv_, live_, planner::Role::kRollout, "r").ok())
+        << planner::ValidateLayout(inv_, live_, planner::Role::kRollout, "r");
+    shadow_ = planner::StagingLayout(inv_, live_);
+    staging_.resize(1);
+    staging_[0].host.assign(static_cast<size_t>(shadow_.buffers[0].size_bytes), 0);
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> x(-2.0f, 2.0f);
+    for (size_t k = 0; k < live_.pieces.size(); ++k) {
+      const planner::Piece& sp = shadow_.pieces[k];
+      uint16_t* e = reinterpret_cast<uint16_t*>(staging_[0].host.data() + sp.offset_bytes);
+      for (int64_t i = 0; i < planner::BoxVolume(sp.box); ++i) e[i] = Bf16(x(rng) * (k == 2 ? 3.0f : 1.0f));
+    }
+  }
+
+  QuantizeTarget Target(StagedBytes* staging) {
+    QuantizeTarget t;
+    t.worker = "r";
+    t.live = &live_;
+    t.shadow = &shadow_;
+    t.staging = staging;
+    t.landing = {{0, {10, 11}}, {1, {12}}, {2, {13, 14}}};  // piece 3 (b) has none
+    return t;
+  }
+  // The bytes before any shadow: elements, scales, the global scale.
+  std::vector<uint8_t> Placed(const StagedBytes& s) const { return {s[0].host.begin(), s[0].host.begin() + 8512}; }
+
+  planner::Inventory inv_;
+  planner::WorkerLayout live_, shadow_;
+  StagedBytes staging_;
+};
+
+TEST_F(IncomingQuantizationTest, PiecesAreQuantisedAsTheirOpsLandAndFinishDoesTheRest) {
+  StagedBytes reference = staging_;
+  QuantizeTarget rt = Target(&reference);
+  ASSERT_TRUE(QuantizeStaging(inv_, {rt}, 1, absl::Now() + absl::Seconds(30)).ok());
+  const std::vector<uint8_t> want = Placed(reference);
+  const std::vector<uint8_t> untouched = Placed(staging_);
+  ASSERT_NE(want, untouched);
+  auto region = [](const std::vector<uint8_t>& b, int64_t from, int64_t to) { return std::vector<uint8_t>(b.begin() + from, b.begin() + to); };
+
+  absl::Mutex mu;
+  std::set<int32_t> done;  // pieces written
+  IncomingOptions o;
+  o.early_threads = 2;
+  o.after_piece = [&](size_t target, int32_t piece) {
+    EXPECT_EQ(target, 0u);
+    absl::MutexLock l(&mu);
+    done.insert(piece);
+  };
+  auto q = IncomingQuantization::Start(inv_, {Target(&staging_)}, 1, absl::Now() + absl::Seconds(30), o);
+  ASSERT_TRUE(q.ok()) << q.status();
+  // Waits, with a deadline, until the pieces written are `want_done`; then they must hold the
+  // reference's bytes.
+  auto wait_for = [&](const std::set<int32_t>& want_done) {
+    absl::MutexLock l(&mu);
+    auto reached = [&] { return done.size() >= want_done.size(); };
+    mu.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(20));
+    return done;
+  };
+  (*q)->OpLanded(10);
+  (*q)->OpLanded(99);  // not listed: ignored
+  (*q)->OpLanded(12);  // q's ops all landed, k's not: the group waits
+  (*q)->OpLanded(13);
+  (*q)->OpLanded(11);  // a is complete
+  EXPECT_EQ(wait_for({0}), std::set<int32_t>({0})) << "a once its two ops landed; nothing whose ops did not all land";
+  EXPECT_EQ(region(Placed(staging_), 0, 4096), region(want, 0, 4096));
+  EXPECT_EQ(region(Placed(staging_), 8208, 8240), region(want, 8208, 8240));
+  EXPECT_EQ(region(Placed(staging_), 4096, 8208), region(untouched, 4096, 8208)) << "q, k and b still wait";
+  (*q)->OpLanded(14);
+  (*q)->OpLanded(14);  // repeated: ignored
+  EXPECT_EQ(wait_for({0, 1, 2}), std::set<int32_t>({0, 1, 2})) << "q and k together, with the group's global scale";
+  EXPECT_EQ(region(Placed(staging_), 4096, 6144), region(want, 4096, 6144));
+  EXPECT_EQ(region(Placed(staging_), 8192, 8196), region(want, 8192, 8196));
+  EXPECT_EQ(region(Placed(staging_), 8240, 8496), region(want, 8240, 8496));
+  EXPECT_EQ(region(Placed(staging_), 6144, 8192), region(untouched, 6144, 8192)) << "b has no ops listed: only Finish quantises it";
+  absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Placed(staging_), want);
+  EXPECT_EQ(r->pieces, 4);
+  EXPECT_EQ(r->early_pieces, 3);
+  EXPECT_GT(r->busy_seconds, 0.0);
+}
+
+// --quantize_early_threads=-1: nothing before Finish, whatever landed; the same bytes after it.
+TEST_F(IncomingQuantizationTest, NoEarlyThreadsQuantisesEverythingInFinish) {
+  StagedBytes reference = staging_;
+  ASSERT_TRUE(QuantizeStaging(inv_, {Target(&reference)}, 1, absl::Now() + absl::Seconds(30)).ok());
+  IncomingOptions o;
+  o.early_threads = -1;
+  auto q = IncomingQuantization::Start(inv_, {Target(&staging_)}, 1, absl::Now() + absl::Seconds(30), o);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (uint32_t op : {10, 11, 12, 13, 14}) (*q)->OpLanded(op);
+  absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->early_pieces, 0);
+  EXPECT_EQ(r->pieces, 4);
+  EXPECT_EQ(Placed(staging_), Placed(reference));
+}
+
+TEST_F(IncomingQuantizationTest, PastTheDeadlineFinishSaysSoAndAnAbandonedRunJoinsItsThreads) {
+  {
+    auto q = IncomingQuantization::Start(inv_, {Target(&staging_)}, 3, absl::Now() - absl::Seconds(1));
+    ASSERT_TRUE(q.ok()) << q.status();
+    absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+    EXPECT_NE(r.status().message().find("version 3"), std::string::npos) << r.status();
+  }
+  // An aborted version drops its quantiser before Finish, with pieces queued and ops pending.
+  auto q = IncomingQuantization::Start(inv_, {Target(&staging_)}, 4, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(q.ok()) << q.status();
+  (*q)->OpLanded(10);
+  (*q)->OpLanded(11);
+  q->reset();  // joins: no thread may outlive the staging it writes
+}
+
+TEST_F(IncomingQuantizationTest, StagingThatCannotHoldAPieceIsRefusedNamingTheRolloutAndTensor) {
+  StagedBytes small(1);
+  small[0].host.assign(4000, 0);
+  auto q = IncomingQuantization::Start(inv_, {Target(&small)}, 1, absl::Now() + absl::Seconds(30));
+  ASSERT_FALSE(q.ok());
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(q.status().message().find("rollout r"), std::string::npos) << q.status();
+  EXPECT_NE(q.status().message().find("tensor a"), std::string::npos) << q.status();
 }
 
 }  // namespace

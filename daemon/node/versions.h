@@ -10,7 +10,7 @@
 //                       (exec plan -> executor), ExecOptionsFor, the channel setup with peers
 //                       (ExecChannels, SetupPeer, DropChannel).
 //   versions_memory.cc  the memory of a version: AllocateStaging, GatherVersionMemory,
-//                       HostLiveSyncRollouts, DigestVersion, QuantizeIncoming.
+//                       HostLiveSyncRollouts, DigestVersion, StartQuantizing / FinishQuantizing.
 //
 // Executor (per version): every local memory of the version (trainer live buffers in sync mode or
 // their Publish snapshot, rollout incoming staging, the rank-0 gather staging) is registered with
@@ -65,6 +65,7 @@
 #include "daemon/node/local_workers.h"
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
+#include "daemon/node/quantize_incoming.h"
 #include "daemon/node/staging_budget.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
@@ -167,6 +168,10 @@ class Versions {
     bool digest_in_transport = true;  // NodeDaemon::Options::digest_in_transport
     uint64_t delta_cache_bytes = 0;  // NodeDaemon::Options::delta_cache_bytes (daemon/node/delta_node.h)
     int delta_threads = 2;           // encode / decode threads per version
+    // Receiver-side quantising (daemon/node/quantize_incoming.h): threads per version, and those
+    // that may run while the buckets do (0: half the cores, at least one; -1: none).
+    int quantize_threads = 16;
+    int quantize_early_threads = 0;
     bool delta_in_place = true;      // NodeDaemon::Options::delta_in_place
     absl::Duration delta_apply_delay = absl::ZeroDuration();  // NodeDaemon::Options::delta_apply_delay
     // TEST ONLY hooks: see NodeDaemon::Options.
@@ -258,9 +263,12 @@ class Versions {
   // After the buckets: end-to-end digests of the local ops (`digests`: started before the buckets;
   // null with digests off) and the TEST ONLY after-buckets hook.
   absl::Status DigestVersion(Exec& exec, const VersionMemory& memory, digest::OpDigestTracker* digests);
-  // After every byte of a version landed: quantises the quantised pieces of this node's rollouts
-  // from their shadows into their places and scales in incoming (host) staging, on a few threads.
-  absl::Status QuantizeIncoming(Exec& exec);
+  // Receiver-side quantising of this node's quantised rollouts (their pieces from their shadows
+  // into their places and scales in incoming host staging): started once the exec plan is made,
+  // each piece as soon as every op into it landed (ExecOptions::on_op_landed); null when nothing
+  // here is quantised. FinishQuantizing, after the buckets, quantises the rest, waits and logs.
+  absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> StartQuantizing(Exec& exec, const node::Slice& slice);
+  absl::Status FinishQuantizing(Exec& exec, node::IncomingQuantization& q);
 
   // Executor threads: a thread files its id in exec_done_ as its last step under mu_; the next
   // ExecuteVersion (and Join) joins those, so a daemon that runs for weeks at one version a

@@ -237,7 +237,7 @@ absl::Status Versions::DigestVersion(Exec& exec, const VersionMemory& memory, di
   return absl::OkStatus();
 }
 
-absl::Status Versions::QuantizeIncoming(Exec& exec) {
+absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuantizing(Exec& exec, const node::Slice& slice) {
   const ModelPlan& plan = *exec.plan;
   std::vector<node::QuantizeTarget> targets;
   {
@@ -254,15 +254,32 @@ absl::Status Versions::QuantizeIncoming(Exec& exec) {
         auto q = exec.exec_plan->quant_pieces_in.find(static_cast<uint32_t>(i));
         if (q != exec.exec_plan->quant_pieces_in.end()) sent_quantized = &q->second;
       }
-      targets.push_back({w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get(), sent_quantized});
+      node::QuantizeTarget t{w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get(), sent_quantized};
+      // The ops landing in each piece: it is quantised as soon as they all landed (those left to
+      // the commit never are: their pieces wait for Finish).
+      for (const node::SliceOp& op : slice.ops) {
+        if (op.dst_worker != static_cast<uint32_t>(i) || op.dst_piece < 0) continue;
+        if (exec.exec_plan != nullptr && exec.exec_plan->at_commit.count(op.index) > 0) continue;
+        t.landing[op.dst_piece].push_back(op.index);
+      }
+      targets.push_back(std::move(t));
     }
   }
-  if (targets.empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(node::QuantizeResult r, node::QuantizeStaging(plan.inventory, targets, exec.version, exec.deadline));
+  if (targets.empty()) return std::unique_ptr<node::IncomingQuantization>();
+  node::IncomingOptions o;
+  o.max_threads = options_.quantize_threads;
+  o.early_threads = options_.quantize_early_threads;
+  return node::IncomingQuantization::Start(plan.inventory, std::move(targets), exec.version, exec.deadline, o);
+}
+
+absl::Status Versions::FinishQuantizing(Exec& exec, node::IncomingQuantization& q) {
+  ASSIGN_OR_RETURN(node::QuantizeResult r, q.Finish());
   if (r.pieces == 0) return absl::OkStatus();
-  metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.seconds);
-  Log(LogLevel::kInfo, "version quantised", {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version},
-                                             {"pieces", r.pieces}, {"bytes", r.bytes}, {"seconds", r.seconds}, {"threads", r.threads}});
+  metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.busy_seconds / std::max(1, r.threads));
+  Log(LogLevel::kInfo, "version quantised",
+      {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"pieces", r.pieces}, {"bytes", r.bytes},
+       {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces},
+       {"threads", r.threads}});
   return absl::OkStatus();
 }
 

@@ -17,7 +17,6 @@ namespace wb::daemon::node {
 void Versions::RunExec(std::shared_ptr<Exec> exec) {
   const absl::Time t0 = options_.clock->Now();
   absl::Status s = RunExecInner(*exec);
-  if (s.ok()) s = QuantizeIncoming(*exec);
   {
     // Before ReportDone: from here CommitVersion may make this staging the committed copy.
     absl::MutexLock l(&mu_);
@@ -328,6 +327,11 @@ absl::Status Versions::RunExecInner(Exec& exec) {
     memory.holds.push_back(qout->hold());
   }
 
+  // Receiver-side quantising: each quantised piece as soon as every op into it landed, beside the
+  // buckets (daemon/node/quantize_incoming.h). Declared after `memory`; its threads stop before
+  // RunExecInner returns (exec.incoming, the staging it writes, lives longer).
+  ASSIGN_OR_RETURN(std::unique_ptr<node::IncomingQuantization> qin, StartQuantizing(exec, slice));
+
   // 3. Register, set up channels, run the buckets. End-to-end digests hash alongside (docs/daemon.md
   // "End-to-end digests"): sources at once, each landed box as its batch completes. Declared after
   // `memory`: a failed version's tracker stops hashing before the memory goes.
@@ -367,6 +371,7 @@ absl::Status Versions::RunExecInner(Exec& exec) {
       d->OnRouteDone(r);
     };
   }
+  if (qin != nullptr) exec_options.on_op_landed = [q = qin.get()](const node::RouteOp& op) { q->OpLanded(op.op_index); };
   ExecChannels channels(this, exec);
   node::ExecResult result;
   absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, exec_options, result);
@@ -399,6 +404,9 @@ absl::Status Versions::RunExecInner(Exec& exec) {
     for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
     RETURN_IF_ERROR(node::DigestSenderQuantized(slice, me, host, options_.digest_threads, exec.deadline, exec.digests));
   }
+  // After the digests: they hash the shadows (canonical bytes) the quantiser reads; it writes only
+  // the pieces' places and scales.
+  if (qin != nullptr) RETURN_IF_ERROR(FinishQuantizing(exec, *qin));
   exec.buckets_s += absl::ToDoubleSeconds(options_.clock->Now() - phase_start);
   return absl::OkStatus();
 }
