@@ -61,8 +61,9 @@ class DaemonMetrics {
   // NIC), the peer node's address `peer_nic`; direction "sent" | "received" (daemon/nic_meter.h).
   void NicBytes(const std::string& node, const std::string& nic, const std::string& peer, const std::string& peer_nic,
                 const std::string& direction, uint64_t bytes);
-  // Canonical bytes of quantised rollout pieces quantised on this node (and the pass's seconds as
-  // phase "quantize").
+  // Canonical bytes of quantised rollout pieces quantised on this node (and the seconds the version
+  // waited for them after its buckets as phase "quantize": pieces quantised beside the buckets cost
+  // it nothing there).
   void Quantized(const std::string& node, uint64_t bytes, double seconds);
   void Link(const std::string& node, const std::string& peer, uint64_t bytes, double seconds);
   // Host staging handed to a version: recycled from the staging pool (`reused`) or newly allocated.

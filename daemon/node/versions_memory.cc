@@ -275,7 +275,7 @@ absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuant
 absl::Status Versions::FinishQuantizing(Exec& exec, node::IncomingQuantization& q) {
   ASSIGN_OR_RETURN(node::QuantizeResult r, q.Finish());
   if (r.pieces == 0) return absl::OkStatus();
-  metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.busy_seconds / std::max(1, r.threads));
+  metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.finish_seconds);
   Log(LogLevel::kInfo, "version quantised",
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"pieces", r.pieces}, {"bytes", r.bytes},
        {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces},
