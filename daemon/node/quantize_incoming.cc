@@ -215,6 +215,7 @@ absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
   absl::MutexLock l(&mu_);
   finishing_ = true;
   allowed_ = base_.threads;
+  const int64_t ready_before = std::count(job_ready_.begin(), job_ready_.end(), true);
   for (size_t j = 0; j < jobs_.size(); ++j) ReadyLocked(j);
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !error_.ok() || quantized_ == jobs_.size(); };
   const bool in_time = mu_.AwaitWithDeadline(absl::Condition(&done), deadline_);
@@ -225,6 +226,7 @@ absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
   out.busy_seconds = absl::ToDoubleSeconds(busy_);
   out.finish_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   out.early_pieces = early_;
+  out.ready_pieces = ready_before;
   return out;
 }
 

@@ -54,6 +54,7 @@ struct QuantizeResult {
   double busy_seconds = 0;    // summed over threads (bytes / busy_seconds: the quantiser's rate)
   double finish_seconds = 0;  // Finish() waiting: what the version's critical path paid
   int64_t early_pieces = 0;   // quantised (or started) before Finish
+  int64_t ready_pieces = 0;   // whose ops had all landed before Finish (early or not)
   int threads = 0;
 };
 

@@ -224,6 +224,7 @@ TEST_F(IncomingQuantizationTest, PiecesAreQuantisedAsTheirOpsLandAndFinishDoesTh
   EXPECT_EQ(Placed(staging_), want);
   EXPECT_EQ(r->pieces, 4);
   EXPECT_EQ(r->early_pieces, 3);
+  EXPECT_EQ(r->ready_pieces, 3);  // b had no ops listed
   EXPECT_GT(r->busy_seconds, 0.0);
 }
 
@@ -239,6 +240,7 @@ TEST_F(IncomingQuantizationTest, NoEarlyThreadsQuantisesEverythingInFinish) {
   absl::StatusOr<QuantizeResult> r = (*q)->Finish();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->early_pieces, 0);
+  EXPECT_EQ(r->ready_pieces, 3);  // ready, but no thread may start before Finish
   EXPECT_EQ(r->pieces, 4);
   EXPECT_EQ(Placed(staging_), Placed(reference));
 }

@@ -278,7 +278,7 @@ absl::Status Versions::FinishQuantizing(Exec& exec, node::IncomingQuantization& 
   metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.finish_seconds);
   Log(LogLevel::kInfo, "version quantised",
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"pieces", r.pieces}, {"bytes", r.bytes},
-       {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces},
+       {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces}, {"ready_pieces", r.ready_pieces},
        {"threads", r.threads}});
   return absl::OkStatus();
 }
