@@ -22,6 +22,25 @@ uint16_t Bf16(float f) {
   return static_cast<uint16_t>(b >> 16);
 }
 
+// A [rows, 64] row-major piece of `tensor` at byte `at`, quantised as `dtype` with `block` and
+// `scale_dtype` scales at `scale_at` (NVFP4: the global scale at `global_at`; -1 = none).
+planner::Piece QuantPiece(int32_t tensor, int64_t rows, int64_t at, planner::DType dtype, std::vector<int64_t> block,
+                          planner::DType scale_dtype, int64_t scale_at, int64_t global_at = -1) {
+  planner::Piece p;
+  p.tensor = tensor;
+  p.box = {{0, 0}, {rows, 64}};
+  p.offset_bytes = at;
+  p.strides = {64, 1};
+  planner::Quantization q;
+  q.dtype = dtype;
+  q.scale_dtype = scale_dtype;
+  q.block = std::move(block);
+  q.scale_offset_bytes = scale_at;
+  q.global_scale_offset_bytes = global_at;
+  p.quant = q;
+  return p;
+}
+
 // NVFP4 groups: pieces naming one global scale share it (the largest magnitude over all of them),
 // a piece naming its own keeps its own; every byte equals QuantizePiece given that group's scale.
 TEST(QuantizeIncomingTest, Nvfp4PiecesSharingAGlobalScaleUseTheGroupsLargestMagnitude) {
@@ -32,20 +51,8 @@ TEST(QuantizeIncomingTest, Nvfp4PiecesSharingAGlobalScaleUseTheGroupsLargestMagn
   // q and k share the global scale at 4096 (as a fused qkv_proj's pieces do); o has its own at 4100.
   planner::WorkerLayout live;
   const int64_t scales = 3072;
-  auto nv = [&](int32_t tensor, int64_t rows, int64_t at, int64_t scale_at, int64_t global_at) {
-    planner::Piece p;
-    p.tensor = tensor;
-    p.box = {{0, 0}, {rows, 64}};
-    p.offset_bytes = at;
-    p.strides = {64, 1};
-    planner::Quantization q;
-    q.dtype = planner::DType::kF4E2M1;
-    q.scale_dtype = planner::DType::kF8E4M3;
-    q.block = {1, 16};
-    q.scale_offset_bytes = scale_at;
-    q.global_scale_offset_bytes = global_at;
-    p.quant = q;
-    return p;
+  auto nv = [](int32_t tensor, int64_t rows, int64_t at, int64_t scale_at, int64_t global_at) {
+    return QuantPiece(tensor, rows, at, planner::DType::kF4E2M1, {1, 16}, planner::DType::kF8E4M3, scale_at, global_at);
   };
   live.pieces.push_back(nv(0, 32, 0, scales, 4096));
   live.pieces.push_back(nv(1, 16, 32 * 32, scales + 128, 4096));
@@ -110,33 +117,10 @@ class IncomingQuantizationTest : public ::testing::Test {
     inv_.tensors.push_back({"k", {32, 64}, planner::DType::kBF16});
     inv_.tensors.push_back({"b", {32, 64}, planner::DType::kBF16});  // fp8, no ops listed: waits for Finish
     auto fp8 = [](int32_t tensor, int64_t rows, int64_t at, int64_t scale_at) {
-      planner::Piece p;
-      p.tensor = tensor;
-      p.box = {{0, 0}, {rows, 64}};
-      p.offset_bytes = at;
-      p.strides = {64, 1};
-      planner::Quantization q;
-      q.dtype = planner::DType::kF8E4M3;
-      q.scale_dtype = planner::DType::kF32;
-      q.block = {32, 32};
-      q.scale_offset_bytes = scale_at;
-      p.quant = q;
-      return p;
+      return QuantPiece(tensor, rows, at, planner::DType::kF8E4M3, {32, 32}, planner::DType::kF32, scale_at);
     };
     auto nv = [](int32_t tensor, int64_t at, int64_t scale_at) {
-      planner::Piece p;
-      p.tensor = tensor;
-      p.box = {{0, 0}, {32, 64}};
-      p.offset_bytes = at;
-      p.strides = {64, 1};
-      planner::Quantization q;
-      q.dtype = planner::DType::kF4E2M1;
-      q.scale_dtype = planner::DType::kF8E4M3;
-      q.block = {1, 16};
-      q.scale_offset_bytes = scale_at;
-      q.global_scale_offset_bytes = 8192;
-      p.quant = q;
-      return p;
+      return QuantPiece(tensor, 32, at, planner::DType::kF4E2M1, {1, 16}, planner::DType::kF8E4M3, scale_at, 8192);
     };
     // Elements: a 0..4095, q 4096..5119, k 5120..6143, b 6144..8191; scales from 8192 on.
     live_.pieces.push_back(fp8(0, 64, 0, 8208));
