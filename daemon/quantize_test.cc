@@ -565,7 +565,9 @@ TEST(QuantizeTest, NvFp4ScalesHitEveryE4M3Code) {
     ASSERT_EQ(amax, want_amax[static_cast<size_t>(b)]) << b;
     const float bs = amax / 6.0f == 0.0f ? 1.0f : amax / 6.0f;
     const uint8_t want_scale = NearestCode(bs);
-    if (b <= 0x7e && b > 0) ASSERT_EQ(want_scale, b) << "the sweep itself";
+    if (b <= 0x7e && b > 0) {
+      ASSERT_EQ(want_scale, b) << "the sweep itself";
+    }
     ASSERT_EQ(buf[static_cast<size_t>(q.scale_offset_bytes + b)], want_scale) << "block " << b;
     const float d = static_cast<float>(CodeValue(want_scale));
     for (int64_t j = 0; j < 16; ++j) {
