@@ -40,6 +40,10 @@ struct IncomingQuantization::Group {
 IncomingQuantization::IncomingQuantization(const planner::Inventory& inventory, uint64_t version, absl::Time deadline)
     : inventory_(inventory), version_(version), deadline_(deadline) {}
 
+absl::Status IncomingQuantization::DeadlineError() const {
+  return absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
+}
+
 absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Start(const planner::Inventory& inventory,
                                                                                   std::vector<QuantizeTarget> targets, uint64_t version,
                                                                                   absl::Time deadline, const IncomingOptions& options) {
@@ -149,7 +153,7 @@ void IncomingQuantization::ReadyLocked(size_t job) {
 
 absl::Status IncomingQuantization::Run(const Task& t, float& amax) const {
   if (absl::Now() > deadline_) {
-    return absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
+    return DeadlineError();
   }
   const Job& job = jobs_[t.job];
   const uint8_t* shadow = job.elements->host.data() + job.shadow->offset_bytes;
@@ -172,7 +176,7 @@ void IncomingQuantization::Work() {
       };
       if (!mu_.AwaitWithDeadline(absl::Condition(&can), deadline_)) {
         if (error_.ok()) {
-          error_ = absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
+          error_ = DeadlineError();
         }
         return;
       }
@@ -220,7 +224,7 @@ absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !error_.ok() || quantized_ == jobs_.size(); };
   const bool in_time = mu_.AwaitWithDeadline(absl::Condition(&done), deadline_);
   if (!error_.ok()) return error_;
-  if (!in_time) return absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
+  if (!in_time) return DeadlineError();
   QuantizeResult out = base_;
   if (!jobs_.empty()) out.seconds = absl::ToDoubleSeconds(last_end_ - first_start_);
   out.busy_seconds = absl::ToDoubleSeconds(busy_);

@@ -98,6 +98,7 @@ class IncomingQuantization {
   void ReadyLocked(size_t job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Work();
   absl::Status Run(const Task& t, float& amax) const;
+  absl::Status DeadlineError() const;
 
   const planner::Inventory& inventory_;
   const uint64_t version_;

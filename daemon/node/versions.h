@@ -168,9 +168,8 @@ class Versions {
     bool digest_in_transport = true;  // NodeDaemon::Options::digest_in_transport
     uint64_t delta_cache_bytes = 0;  // NodeDaemon::Options::delta_cache_bytes (daemon/node/delta_node.h)
     int delta_threads = 2;           // encode / decode threads per version
-    // Receiver-side quantising (daemon/node/quantize_incoming.h): threads per version, and those
-    // that may run while the buckets do (0: half the cores, at least one; -1: none).
-    int quantize_threads = 16;
+    // Receiver-side quantising (daemon/node/quantize_incoming.h): threads that may run while the
+    // buckets do (0: half the cores, at least one; -1: none).
     int quantize_early_threads = 0;
     bool delta_in_place = true;      // NodeDaemon::Options::delta_in_place
     absl::Duration delta_apply_delay = absl::ZeroDuration();  // NodeDaemon::Options::delta_apply_delay

@@ -267,7 +267,6 @@ absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuant
   }
   if (targets.empty()) return std::unique_ptr<node::IncomingQuantization>();
   node::IncomingOptions o;
-  o.max_threads = options_.quantize_threads;
   o.early_threads = options_.quantize_early_threads;
   return node::IncomingQuantization::Start(plan.inventory, std::move(targets), exec.version, exec.deadline, o);
 }
