@@ -545,7 +545,7 @@ void DeltaRun::DecodeSlot(Peer& p, size_t j) {
   --decoding_;
 }
 
-bool DeltaRun::Landed(const Route& r, std::set<uint32_t>* decoding) {
+bool DeltaRun::Landed(const Route& r, std::set<const RouteOp*>* decoding) {
   auto it = peers_.find(r.peer);
   if (r.kind != RouteKind::kPeer || it == peers_.end()) return false;
   Peer& p = it->second;
@@ -555,7 +555,7 @@ bool DeltaRun::Landed(const Route& r, std::set<uint32_t>* decoding) {
   for (size_t j = range->second.first; j < range->second.second; ++j) {
     if (p.in[j].route != &r || p.in[j].len == 0) continue;
     jobs.push_back(j);
-    if (decoding != nullptr) decoding->insert(p.in[j].op->op_index);
+    if (decoding != nullptr) decoding->insert(p.in[j].op);
   }
   // Largest first, as the encodes (Start).
   std::stable_sort(jobs.begin(), jobs.end(), [&p](size_t x, size_t y) { return p.in[x].op->copy.bytes() > p.in[y].op->copy.bytes(); });

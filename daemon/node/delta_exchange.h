@@ -250,9 +250,11 @@ class DeltaRun {
   std::map<size_t, DeltaCopy> Substitutions(const Route& r) const;
   // Route `r` completed: decode its landed streams (worker threads). True when it queued any: the
   // route's destination bytes are final only after RefusalsBatches and the fallback (the executor
-  // holds the route's on_batch_done until then). `decoding` (optional) receives the op indices
-  // queued: DeltaOptions::decoded reports each that decodes; the route's other ops are final now.
-  bool Landed(const Route& r, std::set<uint32_t>* decoding = nullptr);
+  // holds the route's on_batch_done until then). `decoding` (optional) receives the route ops
+  // queued (elements of r.ops: a sender-quantised op's two parts share an op index, so they are
+  // told apart by address): DeltaOptions::decoded reports each that decodes; the route's other
+  // ops are final now.
+  bool Landed(const Route& r, std::set<const RouteOp*>* decoding = nullptr);
   // After the buckets: waits for the decodes, then the refusals batches (one per peer that had a
   // stream either way).
   absl::StatusOr<std::vector<DeltaBatchPlan>> RefusalsBatches(absl::Time deadline);

@@ -404,14 +404,14 @@ class Run {
 
   void Finish(const Route& r, Transport* t, const absl::Status& s) {
     // Delta streams are decoded on worker threads: the route's bytes are final after DeltaTail.
-    std::set<uint32_t> decoded_later;  // reported by DeltaOptions::decoded (or resent in full)
+    std::set<const RouteOp*> decoded_later;  // reported by DeltaOptions::decoded (or resent in full)
     const bool decoding = s.ok() && delta_ != nullptr && delta_->Landed(r, o_.on_op_landed ? &decoded_later : nullptr);
     absl::MutexLock l(&mu_);
     if (!s.ok() && first_.ok()) first_ = Annotate(s, absl::StrCat("bucket ", r.bucket, ", ", r.what));
     if (!s.ok()) return;
     if (o_.on_op_landed) {
       for (const RouteOp& op : r.ops) {
-        if (op.dst_local && decoded_later.count(op.op_index) == 0) o_.on_op_landed(op);
+        if (op.dst_local && decoded_later.count(&op) == 0) o_.on_op_landed(op);
       }
     }
     // Link time = the peer's first post -> this batch's completion (the union over its batches).

@@ -97,7 +97,8 @@ struct ExecOptions {
   // `bytes`; after each round of waits (the node meters NIC paths there).
   std::function<void(const Route& route, const std::string& kind)> on_batch_done;
   // An op's bytes are final in this node's memory: each route op landing here, once (a
-  // sender-quantised op's two copies are two) - as its batch completes, or, for a delta stream
+  // sender-quantised op's two copies are two route ops with one op index, each reported when its
+  // own bytes are final) - as its batch completes, or, for a delta stream
   // decoded here, as its decode succeeds (a refused one when its full resend completes). Ops left
   // to the commit are not reported. Any thread, possibly under the executor's lock: must not block
   // (receiver-side quantisation starts a piece once every op into it landed).

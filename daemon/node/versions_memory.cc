@@ -213,7 +213,8 @@ absl::Status Versions::DigestVersion(Exec& exec, const VersionMemory& memory, di
   const ModelPlan& plan = *exec.plan;
   using transport::MemoryKind;
   // End-to-end digests (docs/daemon.md "End-to-end digests"): what each local op read and landed,
-  // over host memory (device memory has none), before anything quantises staging.
+  // over host memory (device memory has none). Receiver-side quantising may run meanwhile: it
+  // reads the shadows these hash and writes only the pieces' places and scales.
   if (options_.test_after_buckets) {
     std::map<std::string, std::pair<uint8_t*, int64_t>> named;
     for (int i = 0; i < plan.slice.workers_size(); ++i) {
@@ -239,6 +240,23 @@ absl::Status Versions::DigestVersion(Exec& exec, const VersionMemory& memory, di
 
 absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuantizing(Exec& exec, const node::Slice& slice) {
   const ModelPlan& plan = *exec.plan;
+  // The ops landing in each piece of each destination worker: a piece is quantised as soon as they
+  // all landed. Built once, outside the lock (the slice and the exec plan do not change while the
+  // version runs). An op left to the commit must not land in a quantised piece: Finish would
+  // quantise the piece before its bytes are there (the exec plan never routes one so: no relays at
+  // commit for quantised rollouts).
+  std::map<uint32_t, std::map<int32_t, std::vector<uint32_t>>> landing;  // worker -> piece -> ops
+  for (const node::SliceOp& op : slice.ops) {
+    if (op.dst_piece < 0) continue;
+    if (exec.exec_plan != nullptr && exec.exec_plan->at_commit.count(op.index) > 0) {
+      if (op.dst_worker < slice.quantized.size() && slice.quantized[op.dst_worker]) {
+        return absl::InternalError(absl::StrCat("version ", exec.version, ": op ", op.index,
+                                                " into a quantised rollout's piece is left to the commit (its piece would be quantised first)"));
+      }
+      continue;
+    }
+    landing[op.dst_worker][op.dst_piece].push_back(op.index);
+  }
   std::vector<node::QuantizeTarget> targets;
   {
     absl::MutexLock l(&mu_);
@@ -255,13 +273,7 @@ absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuant
         if (q != exec.exec_plan->quant_pieces_in.end()) sent_quantized = &q->second;
       }
       node::QuantizeTarget t{w.worker_id(), &plan.live_layouts[i], &plan.layouts[i], in->second.get(), sent_quantized};
-      // The ops landing in each piece: it is quantised as soon as they all landed (those left to
-      // the commit never are: their pieces wait for Finish).
-      for (const node::SliceOp& op : slice.ops) {
-        if (op.dst_worker != static_cast<uint32_t>(i) || op.dst_piece < 0) continue;
-        if (exec.exec_plan != nullptr && exec.exec_plan->at_commit.count(op.index) > 0) continue;
-        t.landing[op.dst_piece].push_back(op.index);
-      }
+      if (auto it = landing.find(static_cast<uint32_t>(i)); it != landing.end()) t.landing = std::move(it->second);
       targets.push_back(std::move(t));
     }
   }
