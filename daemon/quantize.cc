@@ -46,7 +46,7 @@ float E4M3ToFloat(uint8_t bits) {
 uint8_t E8M0ScaleFor(float amax) {
   if (std::isnan(amax)) return kE8M0Nan;
   if (!(amax > 0.0f)) return 0;  // all zeros: the smallest scale, every element stays 0
-  if (std::isinf(amax)) return 127 + 127;  // log2(inf) clamps to 127
+  if (std::isinf(amax)) return kE8M0Nan;  // torchao: an infinite block magnitude gives the NaN scale
   int exp2 = 0;
   std::frexp(amax, &exp2);  // amax = m * 2^exp2, m in [0.5, 1): floor(log2(amax)) = exp2 - 1
   const int e = std::clamp(exp2 - 1 - kE4M3MaxExponent, -127, 127);
@@ -326,8 +326,7 @@ WB_ROW_KERNEL void E8M0BlockScales(const float* __restrict__ amax, int64_t n, ui
     e = e > 127 ? 127 : e;
     uint32_t code = static_cast<uint32_t>(e + 127);
     code = u == 0u ? 0u : code;                // all zeros: the smallest scale
-    code = u == 0x7f800000u ? 254u : code;     // inf: log2 clamps to 127
-    code = u > 0x7f800000u ? 0xffu : code;     // NaN
+    code = u >= 0x7f800000u ? 0xffu : code;    // inf or NaN: the NaN scale (torchao)
     codes[b] = static_cast<uint8_t>(code);
     // 2^(127 - code): normal down to 2^-126 (code 253), 2^-127 (code 254) is the subnormal 0x00400000.
     uint32_t fb = code <= 253u ? (254u - code) << 23 : 0x00400000u;
@@ -346,14 +345,27 @@ WB_ROW_KERNEL void RowToE4M3(const uint8_t* row, planner::DType dtype, int64_t i
   }
 }
 
-// q = clamp(rint(x / s), -8, 7) (NaN -> 0), stored as q + 8, two per byte (even j low nibble).
+// How compressed-tensors' `x / scale` rounds the quotient before torch.round: in the dtype torch
+// promotes the weight and its scale to (both bfloat16: bfloat16; both float16: float16; else float32).
+enum class QuotientRounding { kFloat32, kBf16, kF16 };
+
+// q = clamp(rint(x / s), -8, 7) (NaN -> 0), stored as q + 8, two per byte (even j low nibble);
+// the quotient first rounded to bfloat16 (nearest even) with kBf16.
+template <QuotientRounding kRound>
 inline __attribute__((always_inline)) void ScaledToInt4(const float* x, float s, int64_t n, uint8_t* nibbles) {
   for (int64_t j = 0; j < n; ++j) {
     float q = x[j] / s;
     uint32_t bits;
     std::memcpy(&bits, &q, 4);
     bits = (bits & 0x7fffffffu) > 0x7f800000u ? 0u : bits;  // NaN -> 0 (int4 has no NaN)
+    if constexpr (kRound == QuotientRounding::kBf16) {
+      bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;  // finite: nearest even (may reach inf: clamped)
+    }
     std::memcpy(&q, &bits, 4);
+    if constexpr (kRound == QuotientRounding::kF16) {  // rare: the scalar conversion
+      const uint16_t h = FloatToF16(q);
+      q = LoadAsFloat(reinterpret_cast<const uint8_t*>(&h), planner::DType::kF16);
+    }
     q = q < -8.0f ? -8.0f : q;
     q = q > 7.0f ? 7.0f : q;
     // Round half to even: adding 1.5 * 2^23 leaves an integer mantissa (|q| <= 8).
@@ -388,13 +400,23 @@ WB_ROW_KERNEL void RowToE2M1(const uint8_t* row, planner::DType dtype, int64_t i
 }
 
 WB_ROW_KERNEL void RowToInt4(const uint8_t* row, planner::DType dtype, int64_t inner, int64_t inner_block, const float* scale,
-                             std::vector<float>& tmp, uint8_t* out) {
+                             QuotientRounding rounding, std::vector<float>& tmp, uint8_t* out) {
   if (tmp.size() < static_cast<size_t>(2 * inner)) tmp.resize(static_cast<size_t>(2 * inner));
   float* x = tmp.data();
   RowToFloat(row, dtype, inner, x);
   uint8_t* nib = reinterpret_cast<uint8_t*>(tmp.data() + inner);  // inner bytes, inside tmp's second half
   for (int64_t lo = 0, b = 0; lo < inner; lo += inner_block, ++b) {
-    ScaledToInt4(x + lo, scale[b], std::min(inner_block, inner - lo), nib + lo);
+    const int64_t n = std::min(inner_block, inner - lo);
+    switch (rounding) {
+      case QuotientRounding::kBf16:
+        ScaledToInt4<QuotientRounding::kBf16>(x + lo, scale[b], n, nib + lo);
+        break;
+      case QuotientRounding::kF16:
+        ScaledToInt4<QuotientRounding::kF16>(x + lo, scale[b], n, nib + lo);
+        break;
+      default:
+        ScaledToInt4<QuotientRounding::kFloat32>(x + lo, scale[b], n, nib + lo);
+    }
   }
   for (int64_t j = 0; j < inner / 2; ++j) out[j] = static_cast<uint8_t>(nib[2 * j] | (nib[2 * j + 1] << 4));
 }
@@ -476,6 +498,10 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     }
   }
   const float six_global = kE2M1Max * global;
+  const QuotientRounding int4_rounding = sdt != src                    ? QuotientRounding::kFloat32
+                                         : src == planner::DType::kBF16 ? QuotientRounding::kBf16
+                                         : src == planner::DType::kF16  ? QuotientRounding::kF16
+                                                                        : QuotientRounding::kFloat32;
   const size_t rank = piece.box.begin.size();
   const int es = planner::DTypeSize(src);
   const std::vector<int64_t> grid = planner::ScaleShape(piece);
@@ -516,8 +542,8 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
     }
     std::sort(bases.begin(), bases.end());
     bases.erase(std::unique(bases.begin(), bases.end()), bases.end());
-    // Per block the factor that maps x onto the e4m3 grid: 448 / amax (float32 scale_inv) or
-    // 2^-e as an exact float (e8m0).
+    // Per block the factor that maps x onto the e4m3 grid: 1 / scale_inv (float32 scale_inv,
+    // DeepGEMM's `x * (1.0 / sf)`) or 2^-e as an exact float (e8m0).
     for (int64_t base : bases) {
       if (nvfp4) {  // factor = the divisor: the stored e4m3 scale read back times the global scale
         Nvfp4BlockScales(amax.data() + base, inner_blocks, six_global, global, scale_out + base, factor.data() + base);
@@ -536,7 +562,7 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
           const float m = std::isnan(a) ? a : std::max(a, kMinBlockAmax);
           const float scale_inv = m / kE4M3Max;
           std::memcpy(scale_out + b * 4, &scale_inv, 4);
-          factor[static_cast<size_t>(b)] = kE4M3Max / m;
+          factor[static_cast<size_t>(b)] = 1.0f / scale_inv;
         }
       }
     }
@@ -547,7 +573,7 @@ absl::Status QuantizePiece(const planner::Inventory& inventory, const planner::P
         continue;
       }
       if (int4) {  // stride 1 (checked above): the row's packed bytes are contiguous
-        RowToInt4(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, tmp, elements + r.dst);
+        RowToInt4(shadow + r.index * inner * es, src, inner, inner_block, factor.data() + r.base, int4_rounding, tmp, elements + r.dst);
         continue;
       }
       uint8_t* out = inner_stride == 1 ? elements + r.dst : packed.data();

@@ -3,21 +3,27 @@
 // `Quantization`, planner/quantized.h): runs on the receiving node, on host staging, after a
 // version has fully landed and before it commits.
 //
-// Numerics, float32 scales (DeepGEMM's per_block_cast_to_fp8, which vLLM / SGLang fp8 block
-// checkpoints use):
+// Numerics, float32 scales (DeepGEMM's per_block_cast_to_fp8, copied into vLLM as
+// vllm/utils/deep_gemm.py: `sf = amax / 448.0; (x * (1.0 / sf)).to(float8_e4m3fn)`), IEEE float32
+// operations as written (torch on the CPU; torch on CUDA turns `amax / 448.0` into a multiply by
+// the rounded reciprocal, which can differ in scale_inv's last bit):
 //   amax      = max(max |x| over the block, 1e-4)   (x read in float32 from the canonical dtype)
 //   scale_inv = amax / 448                          (stored, float32; dequantise: q * scale_inv)
-//   q         = float8_e4m3fn(x * (448 / amax))     (round to nearest even, saturating at +-448)
+//   q         = float8_e4m3fn(x * (1 / scale_inv))  (each operation rounded to float32; the cast
+//                                                    rounds to nearest even, saturating at +-448)
 // float8_e8m0 scales (OCP Microscaling spec v1.0, MXFP8 e4m3; torchao's default FLOOR rounding):
 //   e         = floor(log2(amax)) - 8, clamped to [-127, 127] (amax 0 -> -127; 8 = emax of e4m3)
 //   scale     = e + 127 stored as one byte (dequantise: q * 2^e)
 //   q         = float8_e4m3fn(x * 2^-e)             (exact scaling; round to nearest even,
 //                                                    saturating: amax * 2^-e lies in [256, 512))
-// NaN inputs give the e4m3fn NaN (0x7f / 0xff); with e8m0 a block holding a NaN gets scale 0xff.
+// NaN inputs give the e4m3fn NaN (0x7f / 0xff); with e8m0 a block holding a NaN or an infinity
+// gets scale 0xff (the NaN scale, as torchao's to_mx) and NaN elements.
 // int4 (compressed-tensors "pack-quantized" W4A16, symmetric, group strategy):
 //   scale     = max(amax / 7.5, 2^-23), stored in the scale dtype (bf16/f16/f32, nearest even)
-//   q         = clamp(rint(x / s), -8, 7) with s the stored scale read back (float32 arithmetic;
-//               torch computes in the model dtype, so a tie may round differently), NaN -> 0
+//   q         = clamp(rint(x / s), -8, 7) with s the stored scale read back, NaN -> 0; the
+//               quotient rounded as compressed-tensors' `x / scale` rounds it in torch: to the
+//               model dtype when the scale has that dtype (bfloat16 / float16: nearest even, then
+//               rint - about 1% of elements differ from rounding the float32 quotient), else float32
 //   stored    = q + 8, two per byte along the last dim, the even element in the low nibble
 //               (compressed-tensors' int32 packing read as little-endian bytes).
 // NVFP4 (float4_e2m1 elements, 1x16 blocks, float8_e4m3 scales, float32 global scale; ModelOpt's

@@ -150,7 +150,8 @@ TEST(QuantizeTest, BlockQuantisesATransposedPieceWithAPartialBlock) {
       for (int64_t r = br * 128; r < std::min<int64_t>(rows, br * 128 + 128); ++r) {
         for (int64_t c = bc * 128; c < std::min<int64_t>(cols, bc * 128 + 128); ++c) {
           const uint8_t got = buf[64 + r + c * 172];
-          ASSERT_EQ(got, NearestCode(val(r, c) * (448.0f / amax))) << "element " << r << "," << c;
+          // DeepGEMM's x * (1.0 / sf), each operation rounded to float32.
+          ASSERT_EQ(got, NearestCode(val(r, c) * (1.0f / stored))) << "element " << r << "," << c;
         }
       }
     }
@@ -189,6 +190,7 @@ TEST(QuantizeTest, E8M0ScaleIsTheFloorPowerOfTwoOverTheE4M3Range) {
   EXPECT_EQ(E8M0ScaleFor(512.0f), 127 + 1);
   EXPECT_EQ(E8M0ScaleFor(0.0f), 0);
   EXPECT_EQ(E8M0ScaleFor(std::nanf("")), 0xff);
+  EXPECT_EQ(E8M0ScaleFor(std::numeric_limits<float>::infinity()), 0xff);  // torchao's to_mx: the NaN scale
   EXPECT_EQ(E8M0ScaleFor(std::ldexp(1.0f, -140)), 0);  // clamps at e = -127
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> mag(-130.0f, 127.0f);
@@ -372,7 +374,16 @@ TEST(QuantizeTest, Int4GroupsPackTwoElementsPerByte) {
           const uint8_t byte = buf[8 + r * 40 + c / 2];
           const int got = (c % 2 == 0 ? byte & 0xf : byte >> 4) - 8;
           int want = 0;
-          if (!nan) want = static_cast<int>(std::clamp(std::nearbyint(static_cast<double>(val(r, c) / stored)), -8.0, 7.0));
+          if (!nan) {
+            // compressed-tensors: x / scale in torch's promoted dtype (bf16 / bf16 rounds to bf16),
+            // then torch.round (half to even).
+            float quotient = val(r, c) / stored;
+            if (sdt == planner::DType::kBF16) {
+              const uint16_t h = NearestHalfLike(quotient, true);
+              quotient = LoadAsFloat(reinterpret_cast<const uint8_t*>(&h), planner::DType::kBF16);
+            }
+            want = static_cast<int>(std::clamp(std::nearbyint(static_cast<double>(quotient)), -8.0, 7.0));
+          }
           ASSERT_EQ(got, want) << r << "," << c;
         }
       }
@@ -621,9 +632,12 @@ TEST(QuantizeTest, MxScalesCoverEveryExponent) {
   ASSERT_TRUE(QuantizePiece(inv, p, reinterpret_cast<const uint8_t*>(shadow.data()), buf.data(), buf.data()).ok());
   for (int64_t r = 0; r < rows; ++r) {
     const float a = amax[static_cast<size_t>(r)];
-    const uint8_t want = std::isinf(a) ? 254 : ReferenceE8M0(a);
+    const uint8_t want = std::isinf(a) ? 0xff : ReferenceE8M0(a);  // torchao: inf -> the NaN scale
     ASSERT_EQ(buf[static_cast<size_t>(q.scale_offset_bytes + r)], want) << "block magnitude " << a;
-    if (!std::isfinite(a)) continue;
+    if (!std::isfinite(a)) {  // the NaN scale: every element NaN
+      for (int64_t j = 0; j < 32; ++j) ASSERT_EQ(buf[static_cast<size_t>(r * 32 + j)] & 0x7f, 0x7f) << "block magnitude " << a << " element " << j;
+      continue;
+    }
     const double pow2 = std::pow(2.0, static_cast<int>(want) - 127);
     for (int64_t j = 0; j < 32; ++j) {
       const float x = shadow[static_cast<size_t>(r * 32 + j)];

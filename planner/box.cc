@@ -189,4 +189,56 @@ std::vector<Box> FlatRangeToBoxes(const std::vector<int64_t>& shape, int64_t fla
   return out;
 }
 
+bool BoxesCover(const std::vector<Box>& boxes, const std::vector<int64_t>& shape, int64_t max_cells) {
+  const size_t rank = shape.size();
+  for (int64_t s : shape) {
+    if (s <= 0) return true;  // nothing to cover
+  }
+  // Per dim the sorted distinct cut points (0, the shape and every box boundary inside it).
+  std::vector<std::vector<int64_t>> cuts(rank);
+  int64_t cells = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    cuts[d] = {0, shape[d]};
+    for (const Box& b : boxes) {
+      if (b.begin.size() != rank || b.end.size() != rank) return false;
+      for (int64_t c : {b.begin[d], b.end[d]}) {
+        if (c > 0 && c < shape[d]) cuts[d].push_back(c);
+      }
+    }
+    std::sort(cuts[d].begin(), cuts[d].end());
+    cuts[d].erase(std::unique(cuts[d].begin(), cuts[d].end()), cuts[d].end());
+    const int64_t n = static_cast<int64_t>(cuts[d].size()) - 1;
+    if (n > max_cells || cells > max_cells / n) return false;
+    cells *= n;
+  }
+  // Mark each box's cells; a cell is inside a box exactly when its lower corner is.
+  std::vector<uint8_t> covered(static_cast<size_t>(cells), 0);
+  for (const Box& b : boxes) {
+    std::vector<int64_t> lo(rank), hi(rank);  // the box's cell range per dim
+    bool empty = false;
+    for (size_t d = 0; d < rank; ++d) {
+      lo[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), std::max<int64_t>(b.begin[d], 0)) - cuts[d].begin();
+      hi[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), std::min(b.end[d], shape[d])) - cuts[d].begin();
+      empty = empty || lo[d] >= hi[d];
+    }
+    if (empty) continue;
+    std::vector<int64_t> idx = lo;
+    for (;;) {
+      int64_t flat = 0;
+      for (size_t d = 0; d < rank; ++d) flat = flat * (static_cast<int64_t>(cuts[d].size()) - 1) + idx[d];
+      covered[static_cast<size_t>(flat)] = 1;
+      bool done = true;  // odometer over [lo, hi): the last dim fastest
+      for (size_t d = rank; d-- > 0;) {
+        if (++idx[d] < hi[d]) {
+          done = false;
+          break;
+        }
+        idx[d] = lo[d];
+      }
+      if (done) break;
+    }
+  }
+  return std::all_of(covered.begin(), covered.end(), [](uint8_t c) { return c != 0; });
+}
+
 }  // namespace wb::planner

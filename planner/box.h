@@ -25,6 +25,12 @@ bool BoxEqual(const Box& a, const Box& b);
 // "[0:128, 0:896]"
 std::string BoxToString(const Box& box);
 
+// True when the union of `boxes` (each inside [0, shape), any overlaps) covers every element of
+// a tensor of `shape`. Exact: the boxes' boundaries cut each dim into intervals and every cell of
+// that grid must lie in some box. False when the grid would have more than `max_cells` cells
+// (not decided).
+bool BoxesCover(const std::vector<Box>& boxes, const std::vector<int64_t>& shape, int64_t max_cells = int64_t{1} << 20);
+
 // Decomposes the flat row-major element range [flat_begin, flat_end) of a tensor with `shape`
 // into disjoint boxes (at most 2*rank-1), in flat order. Used for FSDP flat shards.
 std::vector<Box> FlatRangeToBoxes(const std::vector<int64_t>& shape, int64_t flat_begin,

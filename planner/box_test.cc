@@ -57,5 +57,32 @@ TEST(Box, FlatRangeDecompositionIsExact) {
   }
 }
 
+TEST(BoxTest, BoxesCover) {
+  const std::vector<int64_t> shape{8, 6};
+  EXPECT_TRUE(BoxesCover({FullBox(shape)}, shape));
+  EXPECT_FALSE(BoxesCover({}, shape));
+  // Two row halves (tp = 2) cover; one alone does not.
+  const Box top{{0, 0}, {4, 6}}, bottom{{4, 0}, {8, 6}};
+  EXPECT_TRUE(BoxesCover({top, bottom}, shape));
+  EXPECT_FALSE(BoxesCover({bottom}, shape));
+  // Overlapping boxes of two layouts (rows halves and column thirds with one third missing a
+  // corner): the union decides, not the sum of volumes.
+  const Box c0{{0, 0}, {8, 2}}, c1{{0, 2}, {8, 4}}, c2{{0, 4}, {7, 6}};
+  EXPECT_FALSE(BoxesCover({c0, c1, c2}, shape));  // [7, 4:6] missing; volumes sum to 44 of 48
+  EXPECT_TRUE(BoxesCover({c0, c1, c2, bottom}, shape));
+  EXPECT_FALSE(BoxesCover({top, top, c0, c1, c2}, shape));  // volumes sum past 48, still a hole
+  // Rank 3 (fused experts) and rank 1.
+  const std::vector<int64_t> e{4, 3, 2};
+  EXPECT_TRUE(BoxesCover({Box{{0, 0, 0}, {2, 3, 2}}, Box{{2, 0, 0}, {4, 3, 1}}, Box{{2, 0, 1}, {4, 3, 2}}}, e));
+  EXPECT_FALSE(BoxesCover({Box{{0, 0, 0}, {2, 3, 2}}, Box{{2, 0, 0}, {4, 3, 1}}, Box{{2, 1, 1}, {4, 3, 2}}}, e));
+  EXPECT_TRUE(BoxesCover({Box{{0}, {3}}, Box{{2}, {5}}}, {5}));
+  EXPECT_FALSE(BoxesCover({Box{{0}, {2}}, Box{{3}, {5}}}, {5}));
+  // A grid past the cap is not decided (false).
+  EXPECT_FALSE(BoxesCover({top, bottom}, shape, 1));
+  EXPECT_TRUE(BoxesCover({top, bottom}, shape, 2));
+  // A box of the wrong rank never covers.
+  EXPECT_FALSE(BoxesCover({Box{{0}, {8}}}, shape));
+}
+
 }  // namespace
 }  // namespace wb::planner

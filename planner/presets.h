@@ -93,8 +93,10 @@ struct ParallelConfig {
   // "nvfp4": the same tensors as float4_e2m1 (ModelOpt NVFP4, vLLM's modelopt_fp4 checkpoint
   // layout: two per byte, the even element in the low nibble), followed by "<name>_scale"
   // (float8_e4m3, one per 1x16 block along the input dim) and "<name>_scale_2" (float32 [1], the
-  // second-level scale: one per local tensor, from the largest magnitude of its pieces, so a fused
-  // qkv_proj / gate_up_proj shares it as ModelOpt exports them; per TP rank, from that rank's rows;
+  // second-level scale: one per local tensor, from the largest magnitude of the whole canonical
+  // tensors of its pieces, so a fused qkv_proj / gate_up_proj shares it as ModelOpt exports them
+  // and every TP rank holds the same value (when the receiving node holds the whole tensors:
+  // daemon/node/quantize_incoming.h);
   // fused MoE experts [E, rows, cols]: [E], one per expert, its gate and up sharing it).
   // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
   std::string quantization;

@@ -52,11 +52,13 @@ struct Box {
 // on the tensor's global grid, so the box must start on a block boundary and end on one or at the
 // tensor's end); each block gets one scale. Formats (numerics in daemon/quantize.h):
 //   float8_e4m3 elements, kF32 scales  - DeepSeek-V3 / vLLM fp8 block-quant checkpoints
-//                                        (scale_inv = amax / 448);
+//                                        (scale_inv = amax / 448, q = x * (1 / scale_inv));
 //   float8_e4m3 elements, kE8M0 scales - OCP microscaling (MXFP8): one power-of-two scale byte
 //                                        (2^(e - 127)) per block, usually 1x32 along the last dim;
 //   int4 elements, kBF16/kF16/kF32 scales - compressed-tensors "pack-quantized" W4A16, symmetric
-//                                        (scale = amax / 7.5), groups of 1xG along the last dim.
+//                                        (scale = amax / 7.5, q = rint(x / scale) with the
+//                                        quotient in the model dtype as torch computes it),
+//                                        groups of 1xG along the last dim.
 //                                        Two elements per byte along the last dim, the even one in
 //                                        the low nibble, each stored as q + 8; the piece's strides
 //                                        count int4 elements, the last one must be 1 and the others

@@ -26,11 +26,15 @@ struct IncomingQuantization::Job {
   int32_t piece = 0;
 };
 
-// NVFP4 global scales: one per (rollout, scale buffer, offset); every piece naming it counts.
+// NVFP4 global scales: the pieces naming one (rollout, scale buffer, offset) slot share it, and
+// slots whose pieces hold parts of one canonical tensor are merged (transitively): the group's
+// scale is the largest magnitude over all their pieces, written into every slot - ModelOpt's one
+// weight_scale_2 per full tensor (unified over a fused layer's tensors), which every TP rank of
+// the engine holds, when this node holds the whole tensors.
 struct IncomingQuantization::Group {
-  StagedBuffer* scales;
-  int64_t offset;
+  std::vector<std::pair<StagedBuffer*, int64_t>> slots;  // where the global scale goes
   std::vector<size_t> jobs;
+  bool partial = false;  // the pieces do not cover their canonical tensors: a partial magnitude
   size_t ready = 0;      // jobs whose ops all landed (under mu_)
   size_t amax_left = 0;  // magnitude tasks not done yet (under mu_)
   float amax = 0.0f;     // (under mu_)
@@ -44,12 +48,51 @@ absl::Status IncomingQuantization::DeadlineError() const {
   return absl::DeadlineExceededError(absl::StrCat("version ", version_, ": quantising did not finish before the transfer deadline"));
 }
 
+void IncomingQuantization::MergeGroups(const std::vector<std::pair<StagedBuffer*, int64_t>>& slots) {
+  // Union-find over the slots: two slots whose pieces share a canonical tensor are one group.
+  std::vector<size_t> parent(slots.size());
+  for (size_t i = 0; i < parent.size(); ++i) parent[i] = i;
+  auto root = [&parent](size_t i) {
+    while (parent[i] != i) i = parent[i] = parent[parent[i]];
+    return i;
+  };
+  std::map<int32_t, size_t> slot_of_tensor;
+  for (const Job& job : jobs_) {
+    if (job.group < 0) continue;
+    auto [it, added] = slot_of_tensor.try_emplace(job.live->tensor, static_cast<size_t>(job.group));
+    if (!added) parent[root(static_cast<size_t>(job.group))] = root(it->second);
+  }
+  std::map<size_t, size_t> group_of_root;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    auto [it, added] = group_of_root.try_emplace(root(i), groups_.size());
+    if (added) groups_.emplace_back();
+    groups_[it->second].slots.push_back(slots[i]);
+  }
+  std::vector<std::map<int32_t, std::vector<planner::Box>>> boxes(groups_.size());  // group -> tensor -> boxes
+  for (size_t j = 0; j < jobs_.size(); ++j) {
+    Job& job = jobs_[j];
+    if (job.group < 0) continue;
+    job.group = static_cast<int>(group_of_root.at(root(static_cast<size_t>(job.group))));
+    groups_[static_cast<size_t>(job.group)].jobs.push_back(j);
+    boxes[static_cast<size_t>(job.group)][job.live->tensor].push_back(job.live->box);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (const auto& [tensor, b] : boxes[g]) {
+      if (!planner::BoxesCover(b, inventory_.tensors[static_cast<size_t>(tensor)].shape)) groups_[g].partial = true;
+    }
+    base_.partial_global_scales += groups_[g].partial ? 1 : 0;
+  }
+  base_.global_scales = static_cast<int64_t>(groups_.size());
+}
+
 absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Start(const planner::Inventory& inventory,
                                                                                   std::vector<QuantizeTarget> targets, uint64_t version,
                                                                                   absl::Time deadline, const IncomingOptions& options) {
   std::unique_ptr<IncomingQuantization> q(new IncomingQuantization(inventory, version, deadline));
   q->targets_ = std::move(targets);
   std::vector<std::vector<uint32_t>> ops_of_job;
+  std::map<std::pair<StagedBuffer*, int64_t>, size_t> slot_index;  // NVFP4 global scale slot -> index
+  std::vector<std::pair<StagedBuffer*, int64_t>> slots;
   for (QuantizeTarget& t : q->targets_) {
     StagedBytes& staging = *t.staging;
     for (size_t k = 0; k < t.live->pieces.size(); ++k) {
@@ -80,10 +123,9 @@ absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Star
           return absl::InternalError(absl::StrCat("version ", version, ": rollout ", t.worker, " tensor ", inventory.tensors[p.tensor].name,
                                                   ": global scale outside its staging"));
         }
-        auto it = std::find_if(q->groups_.begin(), q->groups_.end(), [&](const Group& gr) { return gr.scales == &staging[sb] && gr.offset == g; });
-        if (it == q->groups_.end()) it = q->groups_.insert(q->groups_.end(), Group{&staging[sb], g});
-        job.group = static_cast<int>(it - q->groups_.begin());
-        it->jobs.push_back(q->jobs_.size());
+        auto [it, added] = slot_index.try_emplace({&staging[sb], g}, slots.size());
+        if (added) slots.push_back(it->first);
+        job.group = static_cast<int>(it->second);  // the slot for now; MergeGroups makes it the group
       }
       auto l = t.landing.find(static_cast<int32_t>(k));
       ops_of_job.push_back(l == t.landing.end() ? std::vector<uint32_t>{} : l->second);
@@ -91,6 +133,7 @@ absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Star
       q->base_.bytes += sh_bytes;
     }
   }
+  q->MergeGroups(slots);
   q->base_.pieces = static_cast<int64_t>(q->jobs_.size());
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = std::min<int>(static_cast<int>(q->jobs_.size()), std::min(std::max(1, options.max_threads), cores));
@@ -209,7 +252,7 @@ void IncomingQuantization::Work() {
     gr.amax = (std::isnan(amax) || amax > gr.amax) ? amax : gr.amax;  // NaN sticks
     if (--gr.amax_left > 0) continue;
     gr.global = NvFp4GlobalScale(gr.amax);
-    std::memcpy(gr.scales->host.data() + gr.offset, &gr.global, 4);
+    for (const auto& [scales, offset] : gr.slots) std::memcpy(scales->host.data() + offset, &gr.global, 4);
     for (size_t j : gr.jobs) queue_.push_back({j, false});
   }
 }

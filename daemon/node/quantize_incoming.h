@@ -7,7 +7,10 @@
 // IncomingQuantization does that while the buckets still run: a piece is quantised as soon as
 // every op landing in it has landed (the executor's ExecOptions::on_op_landed), on a few threads
 // beside the transports; NVFP4 pieces sharing a global scale wait for the whole group (the scale
-// is the group's largest magnitude). Finish() quantises whatever is left (pieces no op was seen
+// is the group's largest magnitude). An NVFP4 group is every piece of this node's targets that
+// names one global scale slot, merged with the groups holding parts of the same canonical tensors
+// (the TP ranks of one engine on this node): its scale is then ModelOpt's per-tensor
+// weight_scale_2, the same on every rank, as vLLM holds it after loading a ModelOpt checkpoint. Finish() quantises whatever is left (pieces no op was seen
 // for, pieces the early threads had not reached) with every thread and waits. A task checks the
 // deadline and a stop before it starts, not inside a piece: an abort waits for the pieces being
 // quantised (a piece runs at 1.5-3.5 GB/s per thread). Quantising reads only the shadows and
@@ -57,6 +60,11 @@ struct QuantizeResult {
   double finish_seconds = 0;  // Finish() waiting: what the version's critical path paid
   int64_t early_pieces = 0;   // quantised (or started) before Finish
   int64_t ready_pieces = 0;   // whose ops had all landed before Finish (early or not)
+  // NVFP4: global scales computed (groups of slots merged by canonical tensor), and of those the
+  // ones whose pieces on this node do not cover their tensors (the rollout's ranks span nodes, or a
+  // version reached only some of them): those come from the magnitude of the part held here.
+  int64_t global_scales = 0;
+  int64_t partial_global_scales = 0;
   int threads = 0;
 };
 
@@ -97,6 +105,9 @@ class IncomingQuantization {
     bool amax;  // NVFP4: the piece's largest magnitude (for its group), else quantise the piece
   };
   IncomingQuantization(const planner::Inventory& inventory, uint64_t version, absl::Time deadline);
+  // Start: turns each NVFP4 job's slot index (Job::group) into its merged group's index, fills
+  // groups_ and the global scale counts.
+  void MergeGroups(const std::vector<std::pair<StagedBuffer*, int64_t>>& slots);
   void ReadyLocked(size_t job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Work();
   absl::Status Run(const Task& t, float& amax) const;

@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/quantize.h"
@@ -104,6 +105,89 @@ TEST(QuantizeIncomingTest, Nvfp4PiecesSharingAGlobalScaleUseTheGroupsLargestMagn
   std::vector<uint8_t> alone = before;
   ASSERT_TRUE(QuantizePiece(inv, live.pieces[0], before.data() + shadow.pieces[0].offset_bytes, alone.data(), alone.data()).ok());
   EXPECT_NE(std::memcmp(alone.data() + scales, want.data() + scales, 128), 0);
+}
+
+// NVFP4 across the TP ranks of one engine on this node: each rank names its own global scale slots
+// (a fused q/k slot, an o slot), and slots holding parts of one canonical tensor share one scale -
+// the largest magnitude over the whole tensors, as ModelOpt exports weight_scale_2 and vLLM holds
+// it on every rank. A rank alone (its peer elsewhere) gets its part's magnitude, counted partial.
+TEST(QuantizeIncomingTest, Nvfp4RanksOfOneEngineShareTheWholeTensorsGlobalScale) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"q", {32, 64}, planner::DType::kBF16});
+  inv.tensors.push_back({"k", {16, 64}, planner::DType::kBF16});
+  inv.tensors.push_back({"o", {32, 64}, planner::DType::kBF16});
+  // Rank r: q rows [16r, 16r + 16), k rows [8r, 8r + 8) sharing the slot at 1440; o rows
+  // [16r, 16r + 16) with its own at 1444.
+  auto nv = [](int32_t tensor, int64_t begin, int64_t rows, int64_t at, int64_t scale_at, int64_t global_at) {
+    planner::Piece p = QuantPiece(tensor, rows, at, planner::DType::kF4E2M1, {1, 16}, planner::DType::kF8E4M3, scale_at, global_at);
+    p.box = {{begin, 0}, {begin + rows, 64}};
+    return p;
+  };
+  planner::WorkerLayout live[2], shadow[2];
+  StagedBytes staging[2];
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int r = 0; r < 2; ++r) {
+    live[r].pieces = {nv(0, 16 * r, 16, 0, 1280, 1440), nv(1, 8 * r, 8, 512, 1344, 1440), nv(2, 16 * r, 16, 768, 1376, 1444)};
+    live[r].buffers = {{1448}};
+    ASSERT_TRUE(planner::ValidateLayout(inv, live[r], planner::Role::kRollout, "r").ok())
+        << planner::ValidateLayout(inv, live[r], planner::Role::kRollout, "r");
+    shadow[r] = planner::StagingLayout(inv, live[r]);
+    staging[r].resize(1);
+    staging[r][0].host.assign(static_cast<size_t>(shadow[r].buffers[0].size_bytes), 0);
+    // The largest magnitudes lie on rank 1 (k: 3, o: 0.5); rank 0 holds small values only.
+    const float mag[3] = {0.05f, r == 1 ? 3.0f : 0.05f, r == 1 ? 0.5f : 0.02f};
+    for (size_t k = 0; k < 3; ++k) {
+      uint16_t* x = reinterpret_cast<uint16_t*>(staging[r][0].host.data() + shadow[r].pieces[k].offset_bytes);
+      for (int64_t i = 0; i < planner::BoxVolume(shadow[r].pieces[k].box); ++i) x[i] = Bf16(u(rng) * mag[k]);
+    }
+  }
+  const StagedBytes before[2] = {staging[0], staging[1]};
+  auto target = [&](int r, StagedBytes* s) {
+    QuantizeTarget t;
+    t.worker = absl::StrCat("r", r);
+    t.live = &live[r];
+    t.shadow = &shadow[r];
+    t.staging = s;
+    return t;
+  };
+  // The whole tensors' magnitudes, over both ranks' shadows.
+  auto amax_of = [&](std::initializer_list<size_t> pieces) {
+    float a = 0;
+    for (int r = 0; r < 2; ++r) {
+      for (size_t k : pieces) a = std::max(a, ShadowAbsMax(inv, live[r].pieces[k], before[r][0].host.data() + shadow[r].pieces[k].offset_bytes));
+    }
+    return a;
+  };
+  const float qk = NvFp4GlobalScale(amax_of({0, 1})), o = NvFp4GlobalScale(amax_of({2}));
+  ASSERT_GT(qk, o);
+
+  auto both = QuantizeStaging(inv, {target(0, &staging[0]), target(1, &staging[1])}, 1, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->global_scales, 2);
+  EXPECT_EQ(both->partial_global_scales, 0);
+  for (int r = 0; r < 2; ++r) {
+    std::vector<uint8_t> want = before[r][0].host;
+    for (size_t k = 0; k < 3; ++k) {
+      const float g = k < 2 ? qk : o;
+      std::memcpy(want.data() + live[r].pieces[k].quant->global_scale_offset_bytes, &g, 4);
+      ASSERT_TRUE(QuantizePiece(inv, live[r].pieces[k], before[r][0].host.data() + shadow[r].pieces[k].offset_bytes, want.data(),
+                                want.data(), g).ok());
+    }
+    for (int64_t i = 0; i < 1448; ++i) ASSERT_EQ(staging[r][0].host[static_cast<size_t>(i)], want[static_cast<size_t>(i)]) << "rank " << r << " byte " << i;
+  }
+
+  // Rank 0 alone: its own parts' magnitudes, both scales partial.
+  StagedBytes alone = before[0];
+  auto one = QuantizeStaging(inv, {target(0, &alone)}, 1, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->global_scales, 2);
+  EXPECT_EQ(one->partial_global_scales, 2);
+  float got;
+  std::memcpy(&got, alone[0].host.data() + 1440, 4);
+  EXPECT_EQ(got, NvFp4GlobalScale(std::max(ShadowAbsMax(inv, live[0].pieces[0], before[0][0].host.data() + shadow[0].pieces[0].offset_bytes),
+                                           ShadowAbsMax(inv, live[0].pieces[1], before[0][0].host.data() + shadow[0].pieces[1].offset_bytes))));
+  EXPECT_LT(got, qk);
 }
 
 // IncomingQuantization: a piece is quantised once every op listed for it landed, not before; an

@@ -290,6 +290,7 @@ absl::Status Versions::FinishQuantizing(Exec& exec, node::IncomingQuantization& 
   Log(LogLevel::kInfo, "version quantised",
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"pieces", r.pieces}, {"bytes", r.bytes},
        {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces}, {"ready_pieces", r.ready_pieces},
+       {"global_scales", r.global_scales}, {"partial_global_scales", r.partial_global_scales},
        {"threads", r.threads}});
   return absl::OkStatus();
 }

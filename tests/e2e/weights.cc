@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -327,7 +328,12 @@ void VerifyInt4(const planner::Inventory& inventory, const planner::WorkerLayout
   for_each([&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, int got) {
     int want = 0;  // version 0: fresh memory, every byte zero
     if (version > 0) {
-      const float quotient = value(flat) / scale[static_cast<size_t>(block)];  // float32, as defined
+      // compressed-tensors' x / scale: torch rounds the quotient to the promoted dtype (the model
+      // dtype when the scale has it), then torch.round (half to even).
+      float quotient = value(flat) / scale[static_cast<size_t>(block)];
+      if (q.scale_dtype == t.dtype && t.dtype != planner::DType::kF32) {
+        quotient = std::copysign(NearestScale(std::fabs(quotient), t.dtype), quotient);
+      }
       want = static_cast<int>(std::clamp(std::nearbyint(quotient), -8.0f, 7.0f)) + 8;
     }
     if (got != want) mismatch(absl::StrCat("element at local [", absl::StrJoin(idx, ", "), "]: got nibble ", got, ", want ", want));
@@ -354,8 +360,8 @@ int NearestE2M1(float y) {
 }
 
 // Checks NVFP4 piece `pi` (daemon/quantize.h) against version `version`: its global scale from the
-// largest magnitude over every piece of the layout that shares it, its e4m3 block scales, and
-// every packed element.
+// largest magnitude over the whole canonical tensors of the pieces that share it, its e4m3 block
+// scales, and every packed element.
 void VerifyNvFp4(const planner::Inventory& inventory, const planner::WorkerLayout& layout, const MemoryView& memory, int pi,
                  uint64_t version, VerifyResult& result) {
   const planner::Piece& p = layout.pieces[pi];
@@ -374,13 +380,23 @@ void VerifyNvFp4(const planner::Inventory& inventory, const planner::WorkerLayou
       result.first_mismatch = absl::StrCat("tensor ", t.name, " (nvfp4 piece ", pi, ", box ", planner::BoxToString(p.box), "): ", what);
     }
   };
+  // ModelOpt's weight_scale_2: the largest magnitude over the WHOLE canonical tensors of the
+  // pieces sharing the scale (a fused layer's q / k / v unified), the same on every TP rank.
   float group_amax = 0;
   if (version > 0) {
+    std::set<int32_t> tensors;
     for (const planner::Piece& o : layout.pieces) {
-      if (!o.quant.has_value() || o.quant->scale_buffer != q.scale_buffer || o.quant->global_scale_offset_bytes != q.global_scale_offset_bytes) continue;
-      ForEachQuantElement(inventory.tensors[o.tensor], o, [&](const std::vector<int64_t>&, int64_t flat, int64_t, int64_t) {
-        group_amax = std::max(group_amax, std::fabs(value_of(o, flat)));
-      });
+      if (o.quant.has_value() && o.quant->scale_buffer == q.scale_buffer && o.quant->global_scale_offset_bytes == q.global_scale_offset_bytes) {
+        tensors.insert(o.tensor);
+      }
+    }
+    for (int32_t ti : tensors) {
+      const planner::TensorSpec& ts = inventory.tensors[ti];
+      const int64_t n = planner::BoxVolume(planner::FullBox(ts.shape));
+      for (int64_t flat = 0; flat < n; ++flat) {
+        group_amax = std::max(group_amax, std::fabs(CanonicalValue(VersionBits(static_cast<uint32_t>(ti), version, static_cast<uint64_t>(flat),
+                                                                               planner::DTypeSize(ts.dtype)), ts.dtype)));
+      }
     }
   }
   float g = group_amax / 2688.0f;
@@ -442,8 +458,9 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
       amax[static_cast<size_t>(block)] = std::max(amax[static_cast<size_t>(block)], std::fabs(x));
     });
   }
-  // Per block, the factor that maps x onto the e4m3 grid: 448 / max(amax, 1e-4) (float32 scale_inv)
-  // or 2^-e with e = floor(log2 amax) - 8, found here by halving/doubling (float8_e8m0).
+  // Per block, the factor that maps x onto the e4m3 grid: 1 / scale_inv with scale_inv =
+  // max(amax, 1e-4) / 448 (DeepGEMM's x * (1.0 / sf), float32) or 2^-e with e = floor(log2 amax) - 8,
+  // found here by halving/doubling (float8_e8m0).
   const bool e8m0 = q.scale_dtype == planner::DType::kE8M0;
   std::vector<double> factor(static_cast<size_t>(count), 0.0);
   for (int64_t b = 0; b < count; ++b) {
@@ -467,13 +484,13 @@ void VerifyQuantized(const planner::Inventory& inventory, const planner::WorkerL
     std::memcpy(&got, scale_base + 4 * b, 4);
     const float want = version == 0 ? 0.0f : std::max(a, 1e-4f) / 448.0f;
     if (std::memcmp(&got, &want, 4) != 0) mismatch(absl::StrCat("scale of block ", b, ": got ", got, ", want ", want));
-    factor[static_cast<size_t>(b)] = 448.0f / std::max(a, 1e-4f);
+    factor[static_cast<size_t>(b)] = 1.0f / (std::max(a, 1e-4f) / 448.0f);
   }
   for_each([&](const std::vector<int64_t>& idx, int64_t flat, int64_t block, uint8_t got) {
     uint8_t want = 0;
     if (version > 0) {
       const float x = CanonicalValue(VersionBits(static_cast<uint32_t>(p.tensor), version, static_cast<uint64_t>(flat), es), t.dtype);
-      // float32 scales: the daemon multiplies in float (x * (448 / amax) rounded once); e8m0: exact.
+      // float32 scales: x * (1 / scale_inv), each rounded to float; e8m0: exact.
       const float f = static_cast<float>(factor[static_cast<size_t>(block)]);
       want = NearestE4M3(e8m0 ? static_cast<float>(x * factor[static_cast<size_t>(block)]) : x * f);
     }

@@ -464,7 +464,7 @@ class QuantizedTest(unittest.TestCase):
                 blk = x[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128]
                 amax = np.float32(max(float(np.abs(blk).max()), 1e-4))
                 self.assertEqual(got_s[br, bc], np.float32(amax / np.float32(448.0)))
-                want = e4m3_reference(blk * (np.float32(448.0) / amax))
+                want = e4m3_reference(blk * (np.float32(1.0) / np.float32(amax / np.float32(448.0))))  # DeepGEMM: x * (1.0 / sf)
                 np.testing.assert_array_equal(got_q[br * 128:(br + 1) * 128, bc * 128:(bc + 1) * 128], want)
         self.assertEqual(int(got_q[3, 7]), 0x7E)  # the outlier is its block's amax: 448
         for c in (tr, ro):
@@ -678,7 +678,10 @@ class QuantizedTest(unittest.TestCase):
                 b = int(s.view(np.uint32))  # to bfloat16, round to nearest even
                 s_bf16 = np.uint32(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16).view(np.float32)
                 self.assertEqual(scales[r, g], s_bf16, (r, g))
-                want = np.clip(np.rint(blk / s_bf16), -8, 7).astype(np.int32)
+                # compressed-tensors: bf16 x / bf16 scale is a bf16 quotient, then torch.round
+                qb = (blk / s_bf16).astype(np.float32).view(np.uint32).astype(np.uint64)
+                q_bf16 = (((qb + 0x7FFF + ((qb >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+                want = np.clip(np.rint(q_bf16), -8, 7).astype(np.int32)
                 np.testing.assert_array_equal(nibbles[r, g * 32:(g + 1) * 32], want)
         self.assertGreater(len(np.unique(nibbles)), 6)
         for c in (tr, ro):

@@ -49,15 +49,16 @@ class Quantization:
     targets"): `block` elements per canonical dim; the scales, row-major over the box's block grid,
     at `scale_offset_bytes` of buffer `scale_buffer_id`.
 
-    dtype="float8_e4m3" (the default): `scale_dtype` "float32" (scale_inv = amax / 448, DeepSeek-V3
-    fp8 block) or "float8_e8m0" (MXFP8: one power-of-two byte per block, usually block=[1, 32]).
+    dtype="float8_e4m3" (the default): `scale_dtype` "float32" (scale_inv = amax / 448, elements
+    x * (1 / scale_inv): DeepGEMM's per_block_cast_to_fp8, DeepSeek-V3 fp8 block) or "float8_e8m0" (MXFP8: one power-of-two byte per block, usually block=[1, 32]).
     dtype="int4" (compressed-tensors W4A16, symmetric): scale_dtype "bfloat16"/"float16"/"float32"
     (amax / 7.5), block=[1, G].
     dtype="float4_e2m1" (NVFP4, ModelOpt / vLLM modelopt_fp4): scale_dtype "float8_e4m3" (one e4m3
     byte per block), block=[1, ..., 1, 16], and `global_scale_offset_bytes` (required): where the
     float32 second-level scale (weight_scale_2) lies in the scale buffer, a multiple of 4; pieces of
     one worker naming the same offset share it (e.g. q, k, v of a fused qkv_proj: amax over all of
-    them). It must be None for the other dtypes.
+    them), and so do the TP ranks on one node holding parts of the same tensors (amax over the whole
+    tensors, as ModelOpt exports it). It must be None for the other dtypes.
     int4 and float4_e2m1 elements are packed two per byte along the last dim (even element in the
     low nibble; int4 stored as q + 8, e2m1 as its sign-magnitude code); `strides` still count 4-bit
     elements (last 1, others even)."""
