@@ -155,10 +155,10 @@ TEST(LoraSpec, LayoutDiscoveryDescribesVllmLoraAndKeysOnLora) {
   ASSERT_TRUE(d4.ok()) << d4.status();
   ASSERT_GT(d4->tensors_size(), 0);
   EXPECT_EQ(d4->tensors(0).name(), "model.layers.0.self_attn.qkv_proj.lora_a_stacked.0");
-  EXPECT_EQ(d4->tensors(0).shape(0), 4);
-  auto d8 = describer.Describe(LoraModel("m", 8), layout, {}, planner::Role::kRollout);
-  ASSERT_TRUE(d8.ok()) << d8.status();
-  EXPECT_EQ(d8->tensors(0).shape(0), 8);  // not the cached r=4 model
+  EXPECT_EQ(d4->tensors(0).shape(0), 16);  // vLLM's default --max-lora-rank slot
+  auto d24 = describer.Describe(LoraModel("m", 24), layout, {}, planner::Role::kRollout);
+  ASSERT_TRUE(d24.ok()) << d24.status();
+  EXPECT_EQ(d24->tensors(0).shape(0), 32);  // not the cached r=4 model: the smallest slot vLLM accepts >= 24
   pb::ModelSpec base = LoraModel("m", 4);
   base.clear_lora();
   auto wrong = describer.Describe(base, layout, {}, planner::Role::kRollout);

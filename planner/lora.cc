@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -61,7 +62,7 @@ std::string ModulePath(int64_t layer, int m) {
   return absl::StrCat(layer, ".", kModules[m].block, ".", kModules[m].name);
 }
 
-int64_t MaxRank(const LoraConfig& lora) { return lora.max_lora_rank > 0 ? lora.max_lora_rank : lora.r; }
+int64_t MaxRank(const LoraConfig& lora) { return VllmSlotRank(lora); }
 
 int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -192,7 +193,9 @@ PresetLayout MakeVllmLora(const ModelConfig& c, const LoraConfig& lora, const In
       const int32_t a = t++, b = t++;
       const TensorSpec& A = inv.tensors[a];  // [r, in]
       const TensorSpec& B = inv.tensors[b];  // [out, r]
-      const std::string base = absl::StrCat("model.layers.", l, ".", info.block, ".", info.packed);
+      // vLLM's GPT-OSS names its attention `attn` (gpt_oss.py maps HF's `.self_attn.` to `.attn.`).
+      const char* block = c.family == ModelFamily::kGptOss && std::string(info.block) == "self_attn" ? "attn" : info.block;
+      const std::string base = absl::StrCat("model.layers.", l, ".", block, ".", info.packed);
       const std::string a_name = absl::StrCat(base, ".lora_a_stacked.", info.slice);
       const std::string b_name = absl::StrCat(base, ".lora_b_stacked.", info.slice);
       const int64_t in = A.shape[1], out = B.shape[0];
@@ -231,6 +234,14 @@ const std::vector<std::string>& LoraModuleNames() {
   return *names;
 }
 
+int64_t VllmSlotRank(const LoraConfig& lora) {
+  if (lora.max_lora_rank > 0) return lora.max_lora_rank;
+  for (int64_t v : kVllmMaxLoraRanks) {
+    if (v >= kVllmDefaultMaxLoraRank && v >= lora.r) return v;
+  }
+  return lora.r;
+}
+
 absl::Status ValidateLora(const ModelConfig& c, const LoraConfig& lora) {
   if (lora.r < 1 || lora.r > kMaxLoraRank) {
     return absl::InvalidArgumentError(absl::StrCat("lora.r=", lora.r, " must be in [1, ", kMaxLoraRank, "]"));
@@ -238,9 +249,12 @@ absl::Status ValidateLora(const ModelConfig& c, const LoraConfig& lora) {
   if (!std::isfinite(lora.alpha) || lora.alpha <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("lora.alpha=", lora.alpha, " must be finite and > 0"));
   }
-  if (lora.max_lora_rank != 0 && (lora.max_lora_rank < lora.r || lora.max_lora_rank > kMaxLoraRank)) {
-    return absl::InvalidArgumentError(absl::StrCat("lora.max_lora_rank=", lora.max_lora_rank, " must be 0 or in [r=", lora.r,
-                                                   ", ", kMaxLoraRank, "] (vLLM requires rank <= max_lora_rank)"));
+  if (lora.max_lora_rank != 0 &&
+      (lora.max_lora_rank < lora.r || std::find(std::begin(kVllmMaxLoraRanks), std::end(kVllmMaxLoraRanks), lora.max_lora_rank) ==
+                                          std::end(kVllmMaxLoraRanks))) {
+    return absl::InvalidArgumentError(absl::StrCat("lora.max_lora_rank=", lora.max_lora_rank, " must be 0 (vLLM's default, ",
+                                                   kVllmDefaultMaxLoraRank, ", or the smallest value holding r) or a value vLLM's --max-lora-rank accepts (",
+                                                   absl::StrJoin(kVllmMaxLoraRanks, ", "), ") and >= r=", lora.r));
   }
   if (lora.target_modules.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("lora.target_modules is empty (expected some of ",

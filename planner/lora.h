@@ -59,11 +59,20 @@ namespace wb::planner {
 // Largest LoRA rank accepted (vLLM allows up to 512; PEFT has no limit).
 inline constexpr int64_t kMaxLoraRank = int64_t{1} << 16;
 
+// The values vLLM's --max-lora-rank accepts (vllm/config/lora.py MaxLoRARanks); its default is 16.
+inline constexpr int64_t kVllmMaxLoraRanks[] = {1, 8, 16, 32, 64, 128, 256, 320, 512};
+inline constexpr int64_t kVllmDefaultMaxLoraRank = 16;
+
+// The rows of a vllm_lora slot (vLLM's --max-lora-rank): LoraConfig::max_lora_rank when set, else
+// vLLM's default 16 when r fits it, else the smallest value vLLM accepts that holds r (r beyond
+// 512, which no vLLM slot holds: r).
+int64_t VllmSlotRank(const LoraConfig& lora);
+
 // The PEFT target module names a LoraConfig may list, in canonical order.
 const std::vector<std::string>& LoraModuleNames();
 
 // Validates `lora` against `config`: r in [1, kMaxLoraRank], alpha finite and > 0, max_lora_rank 0
-// or in [r, kMaxLoraRank], target_modules non-empty, known (LoraModuleNames), without duplicates;
+// or one of kVllmMaxLoraRanks and >= r, target_modules non-empty, known (LoraModuleNames), without duplicates;
 // attention targets need standard attention (not MLA), MLP targets a dense model (no experts:
 // PEFT would also match every expert's projections). InvalidArgument naming the field and value.
 absl::Status ValidateLora(const ModelConfig& config, const LoraConfig& lora);

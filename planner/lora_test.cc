@@ -3,6 +3,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -119,6 +120,8 @@ TEST(LoraInventory, BadConfigsNameTheField) {
   cases.push_back({l, "lora.alpha=-1"});
   l = AllTargets(4, 2);
   cases.push_back({l, "lora.max_lora_rank=2"});
+  l = AllTargets(4, 12);  // >= r, but no value vLLM's --max-lora-rank accepts
+  cases.push_back({l, "lora.max_lora_rank=12"});
   l = AllTargets(4);
   l.target_modules = {};
   cases.push_back({l, "lora.target_modules is empty"});
@@ -194,7 +197,7 @@ TEST(LoraPresets, VllmLoraMatchesVllmSlicing) {
   ModelConfig c = Config(kSmallLlama);
   for (int64_t max_rank : {0, 8}) {
     LoraConfig lora = AllTargets(4, max_rank);
-    const int64_t R = max_rank > 0 ? max_rank : 4;
+    const int64_t R = max_rank > 0 ? max_rank : 16;  // 0: vLLM's default --max-lora-rank
     auto inv = BuildLoraInventory(c, lora, DType::kBF16);
     ASSERT_TRUE(inv.ok()) << inv.status();
     TensorIndex idx(*inv);
@@ -378,6 +381,40 @@ TEST(LoraPresets, ModelDispatchRefusesMismatchedPresets) {
   auto bad_rank = MakeLoraPresetLayout(with, *with.lora, *inv, Par("vllm_lora", 2), 2);
   ASSERT_FALSE(bad_rank.ok());
   EXPECT_TRUE(absl::StrContains(bad_rank.status().message(), "rank 2")) << bad_rank.status();
+}
+
+// vLLM's --max-lora-rank: only its listed values; 0 means its default (16) or, for a larger r, the
+// smallest value that holds r.
+TEST(LoraPresets, SlotRankFollowsVllmsMaxLoraRank) {
+  EXPECT_EQ(VllmSlotRank(AllTargets(4)), 16);
+  EXPECT_EQ(VllmSlotRank(AllTargets(16)), 16);
+  EXPECT_EQ(VllmSlotRank(AllTargets(17)), 32);
+  EXPECT_EQ(VllmSlotRank(AllTargets(300)), 320);
+  EXPECT_EQ(VllmSlotRank(AllTargets(600)), 600);  // beyond vLLM: no slot holds it
+  EXPECT_EQ(VllmSlotRank(AllTargets(4, 8)), 8);
+  ModelConfig c = Config(kSmallLlama);
+  for (int64_t ok : {8, 16, 320, 512}) EXPECT_TRUE(ValidateLora(c, AllTargets(4, ok)).ok()) << ok;
+  for (int64_t bad : {2, 5, 24, 1024}) EXPECT_FALSE(ValidateLora(c, AllTargets(4, bad)).ok()) << bad;
+}
+
+// vLLM's GPT-OSS names its attention `attn` (gpt_oss.py maps HF's .self_attn. to .attn.): the
+// vllm_lora local tensors follow; the PEFT (trainer) names keep HF's self_attn.
+TEST(LoraPresets, VllmLoraOnGptOssUsesItsAttnNames) {
+  ModelConfig c = Config(ReadTestdata("gpt-oss-20b.json"));
+  LoraConfig lora;
+  lora.target_modules = {"q_proj", "o_proj"};
+  lora.r = 8;
+  lora.alpha = 16;
+  auto inv = BuildLoraInventory(c, lora, DType::kBF16);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  EXPECT_TRUE(TensorIndex(*inv).Find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight").has_value());
+  auto l = MakeLoraPresetLayout(c, lora, *inv, Par("vllm_lora", 2), 1);
+  ASSERT_TRUE(l.ok()) << l.status();
+  std::set<std::string> names;
+  for (const LocalTensor& lt : l->local_tensors) names.insert(lt.name);
+  EXPECT_TRUE(names.count("model.layers.0.attn.qkv_proj.lora_a_stacked.0")) << *names.begin();
+  EXPECT_TRUE(names.count("model.layers.0.attn.o_proj.lora_b_stacked.0")) << *names.begin();
+  for (const std::string& n : names) EXPECT_FALSE(absl::StrContains(n, "self_attn")) << n;
 }
 
 }  // namespace

@@ -34,7 +34,7 @@ struct LoraConfig {
   std::vector<std::string> target_modules;  // PEFT names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
   int64_t r = 0;                            // rank
   double alpha = 0;                         // lora_alpha (metadata: scaling alpha / r is not applied to bytes)
-  int64_t max_lora_rank = 0;                // vllm_lora: vLLM's --max-lora-rank (0: r)
+  int64_t max_lora_rank = 0;                // vllm_lora: vLLM's --max-lora-rank (0: planner::VllmSlotRank)
 };
 
 struct ModelConfig {

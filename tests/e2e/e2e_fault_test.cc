@@ -454,7 +454,9 @@ TEST(FaultTest, MalformedLayoutIsRejectedAndChangesNothing) {
   EXPECT_EQ(model_of(*after).registered_rollouts(), 2u);
   EXPECT_EQ(model_of(*after).registered_trainers(), 2u);
   for (const auto& w : after->workers()) {
-    if (w.worker_id() == "rollout/bad") EXPECT_FALSE(w.has_layout());
+    if (w.worker_id() == "rollout/bad") {
+      EXPECT_FALSE(w.has_layout());
+    }
   }
   EXPECT_TRUE((*client)->Deregister().ok());
 

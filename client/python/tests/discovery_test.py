@@ -256,10 +256,10 @@ class DiscoveryTest(unittest.TestCase):
         desc = c.describe_layout(wb.PresetLayout("vllm_lora", tp=2, rank=1), model=model)
         qb = desc.tensors["model.layers.0.self_attn.qkv_proj.lora_b_stacked.0"]
         q_rows = peft.tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"].shape[0]
-        self.assertEqual(qb.shape, (q_rows // 2, 4))
+        self.assertEqual(qb.shape, (q_rows // 2, 16))  # r=4 in vLLM's default 16-wide slot (max_lora_rank=0)
         self.assertEqual(tuple(desc.pieces[qb.pieces[0]].box.begin), (q_rows // 2, 0))
         oa = desc.tensors["model.layers.0.self_attn.o_proj.lora_a_stacked.0"]
-        self.assertEqual(oa.shape, (4, q_rows // 2))
+        self.assertEqual(oa.shape, (16, q_rows // 2))
         with self.assertRaises(wb.WeightBridgeError) as cm:  # base presets do not apply to adapters
             c.describe_layout(wb.PresetLayout("vllm"), model=model)
         self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT, cm.exception.message)

@@ -55,7 +55,7 @@ class LoraConfig:
     target_modules: Sequence[str]  # PEFT names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
     r: int
     alpha: float
-    max_lora_rank: int = 0  # vllm_lora: vLLM --max-lora-rank (0 = r)
+    max_lora_rank: int = 0  # vllm_lora: vLLM --max-lora-rank (0 = its default 16, or the smallest it accepts >= r)
 
     def to_proto(self):
         return pb.LoraSpec(target_modules=list(self.target_modules), r=self.r, alpha=self.alpha,
