@@ -2,7 +2,8 @@
 // (daemon/quantize.h, the step between "every byte landed" and "version transferred").
 //
 // For each scheme (fp8_block128: 128x128 blocks, float32 scales; mxfp8: 1x32 blocks, e8m0 scales;
-// nvfp4: e2m1 pairs, 1x16 blocks, e4m3 scales and a global scale, each piece its own group)
+// nvfp4: e2m1 pairs, 1x16 blocks, e4m3 scales and a global scale, each piece its own group;
+// w4a16_g32: int4 pairs, 1x32 groups, bf16 scales)
 // it quantises `--pieces` row-major bf16 pieces of `--rows` x `--cols` (default 16 x 4096 x 4096 =
 // 512 MiB of bf16), first on one thread, then on `--threads` threads taking pieces in turn as the
 // daemon does, and prints the input GB/s next to the baseline measured in the same run: a plain
@@ -117,7 +118,8 @@ int main(int argc, char** argv) {
   };
   const Scheme schemes[] = {{"fp8_block128", {128, 128}, wb::planner::DType::kF32},
                             {"mxfp8", {1, 32}, wb::planner::DType::kE8M0},
-                            {"nvfp4", {1, 16}, wb::planner::DType::kF8E4M3, wb::planner::DType::kF4E2M1}};
+                            {"nvfp4", {1, 16}, wb::planner::DType::kF8E4M3, wb::planner::DType::kF4E2M1},
+                            {"w4a16_g32", {1, 32}, wb::planner::DType::kBF16, wb::planner::DType::kI4}};
   if (!a.json) {
     std::cout << absl::StrFormat("quantise %d pieces of %d x %d bf16 (%.0f MiB), best of %d; memcpy %.2f GB/s (1 thread), %.2f GB/s (%d threads)\n",
                                  a.pieces, a.rows, a.cols, static_cast<double>(in_bytes) * a.pieces / (1 << 20), a.repeats, memcpy1,
