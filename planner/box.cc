@@ -211,17 +211,23 @@ bool BoxesCover(const std::vector<Box>& boxes, const std::vector<int64_t>& shape
     if (n > max_cells || cells > max_cells / n) return false;
     cells *= n;
   }
-  // Mark each box's cells; a cell is inside a box exactly when its lower corner is.
+  // Mark each box's cells; a cell is inside a box exactly when its lower corner is. The marking
+  // is bounded too (many boxes each over most of the grid): past 4 * max_cells, not decided.
   std::vector<uint8_t> covered(static_cast<size_t>(cells), 0);
+  int64_t work = 0;
   for (const Box& b : boxes) {
     std::vector<int64_t> lo(rank), hi(rank);  // the box's cell range per dim
     bool empty = false;
+    int64_t box_cells = 1;
     for (size_t d = 0; d < rank; ++d) {
       lo[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), std::max<int64_t>(b.begin[d], 0)) - cuts[d].begin();
       hi[d] = std::lower_bound(cuts[d].begin(), cuts[d].end(), std::min(b.end[d], shape[d])) - cuts[d].begin();
       empty = empty || lo[d] >= hi[d];
+      box_cells *= std::max<int64_t>(hi[d] - lo[d], 0);  // <= cells <= max_cells: no overflow
     }
     if (empty) continue;
+    work += box_cells;
+    if (work > 4 * max_cells) return false;
     std::vector<int64_t> idx = lo;
     for (;;) {
       int64_t flat = 0;

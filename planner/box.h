@@ -27,8 +27,8 @@ std::string BoxToString(const Box& box);
 
 // True when the union of `boxes` (each inside [0, shape), any overlaps) covers every element of
 // a tensor of `shape`. Exact: the boxes' boundaries cut each dim into intervals and every cell of
-// that grid must lie in some box. False when the grid would have more than `max_cells` cells
-// (not decided).
+// that grid must lie in some box. False when the grid would have more than `max_cells` cells or
+// marking the boxes' cells would take more than 4 * max_cells steps (not decided).
 bool BoxesCover(const std::vector<Box>& boxes, const std::vector<int64_t>& shape, int64_t max_cells = int64_t{1} << 20);
 
 // Decomposes the flat row-major element range [flat_begin, flat_end) of a tensor with `shape`

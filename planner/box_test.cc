@@ -80,6 +80,7 @@ TEST(BoxTest, BoxesCover) {
   // A grid past the cap is not decided (false).
   EXPECT_FALSE(BoxesCover({top, bottom}, shape, 1));
   EXPECT_TRUE(BoxesCover({top, bottom}, shape, 2));
+  EXPECT_FALSE(BoxesCover(std::vector<Box>(9, FullBox(shape)), shape, 2));  // 9 boxes of 2 cells: past 4 * 2 steps
   // A box of the wrong rank never covers.
   EXPECT_FALSE(BoxesCover({Box{{0}, {8}}}, shape));
 }
