@@ -103,6 +103,7 @@ absl::StatusOr<pb::ModelSpec> ModelSpecToProto(const ModelConfig& model) {
     out->set_r(static_cast<uint32_t>(l.r));
     out->set_alpha(l.alpha);
     out->set_max_lora_rank(static_cast<uint32_t>(l.max_lora_rank));
+    out->set_fully_sharded_loras(l.fully_sharded_loras);
   }
   return spec;
 }

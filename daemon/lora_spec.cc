@@ -13,6 +13,7 @@ planner::LoraConfig LoraFromProto(const ::weightbridge::v1::LoraSpec& lora) {
   out.r = lora.r();
   out.alpha = lora.alpha();
   out.max_lora_rank = lora.max_lora_rank();
+  out.fully_sharded_loras = lora.fully_sharded_loras();
   return out;
 }
 

@@ -146,6 +146,15 @@ absl::Status CheckVllmLora(const ModelConfig& c, const LoraConfig& lora, int tp)
     }
     return absl::OkStatus();
   };
+  // fully_sharded_loras: vLLM divides max_lora_rank (column-parallel slices' lora_a) and the output
+  // (row-parallel slices' lora_b: hidden_size) by tp.
+  for (int m : lora.fully_sharded_loras ? Targets(lora) : std::vector<int>{}) {
+    if (kModules[m].row_parallel) {
+      RETURN_IF_ERROR(divides(c.hidden, "hidden_size (fully_sharded_loras: o_proj / down_proj lora_b rows)"));
+    } else {
+      RETURN_IF_ERROR(divides(MaxRank(lora), "max_lora_rank (fully_sharded_loras)"));
+    }
+  }
   for (int m : Targets(lora)) {
     if (m <= 3) {
       RETURN_IF_ERROR(divides(c.heads, "num_attention_heads"));
@@ -203,11 +212,24 @@ PresetLayout MakeVllmLora(const ModelConfig& c, const LoraConfig& lora, const In
         // RowParallelLinearWithLoRA.slice_lora_a: lora_a[:, tp_rank*shard : (tp_rank+1)*shard].
         const int64_t shard = in / tp;
         w.Add(a_name, {R, shard}, a, Cols(A, tp_rank * shard, (tp_rank + 1) * shard), {shard, 1});
-        w.Add(b_name, {out, R}, b, Rows(B, 0, out), {R, 1});
+        if (lora.fully_sharded_loras) {
+          // RowParallelLinearWithShardedLoRA.slice_lora_b: lora_b[tp_rank*s : (tp_rank+1)*s, :], s = out / tp.
+          const int64_t s = out / tp;
+          w.Add(b_name, {s, R}, b, Rows(B, tp_rank * s, (tp_rank + 1) * s), {R, 1});
+        } else {
+          w.Add(b_name, {out, R}, b, Rows(B, 0, out), {R, 1});
+        }
         continue;
       }
-      // Column-parallel slices: lora_a whole, lora_b rows of this rank's shard.
-      w.Add(a_name, {R, in}, a, Rows(A, 0, r), {in, 1});
+      // Column-parallel slices: lora_a whole (fully sharded, S-LoRA: its rows [tp_rank*R/tp, +R/tp)
+      // of the adapter's r, at the slot's first rows - *ShardedLoRA.slice_lora_a), lora_b rows of
+      // this rank's shard.
+      if (lora.fully_sharded_loras) {
+        const int64_t s = R / tp, lo = std::min(r, tp_rank * s), hi = std::min(r, tp_rank * s + s);
+        w.Add(a_name, {s, in}, a, Rows(A, lo, hi), {in, 1});
+      } else {
+        w.Add(a_name, {R, in}, a, Rows(A, 0, r), {in, 1});
+      }
       int64_t shard = 0, shard_id = tp_rank;
       if (m == 0) {
         shard = c.heads / tp * c.head_dim;

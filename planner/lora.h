@@ -40,7 +40,12 @@
 //                (slice_lora_a), "...lora_b_stacked.0" [out, max_lora_rank] holds lora_B whole.
 //              Only targeted slices get local tensors (vLLM leaves the others zero). With
 //              max_lora_rank > r, rows [r, max_lora_rank) of lora_a and columns [r, max) of lora_b
-//              are not covered by pieces (the engine keeps them zero).
+//              are not covered by pieces (the engine keeps them zero). With
+//              LoraConfig::fully_sharded_loras (vLLM's *WithShardedLoRA, S-LoRA): the column
+//              slices' lora_a_stacked.{i} is [max_lora_rank/tp, in] holding lora_A rows
+//              [tp_rank*max_lora_rank/tp, +max_lora_rank/tp) that exist (below r), and o_proj /
+//              down_proj's lora_b_stacked.0 [out/tp, max_lora_rank] lora_B rows [tp_rank*out/tp,
+//              +out/tp).
 // Every worker has ONE buffer, local tensors packed in order at 256-byte aligned offsets.
 
 #include <cstdint>

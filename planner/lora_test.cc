@@ -1,5 +1,6 @@
 #include "planner/lora.h"
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -192,11 +193,16 @@ std::vector<int64_t> Stacked(int64_t rows, int64_t cols, int64_t row0, int64_t c
 // Every rank of vllm_lora against an independent transcription of vLLM's slicing
 // (MergedQKVParallelLinearWithLoRA / MergedColumnParallelLinearWithLoRA / RowParallelLinearWithLoRA
 // slice_lora_a, slice_lora_b), for a GQA model with tp = 1, 2 (KV heads split) and 4 (each KV head
-// on 2 ranks), with max_lora_rank == r and > r.
+// on 2 ranks), with max_lora_rank == r and > r, and with fully_sharded_loras (S-LoRA:
+// *ShardedLoRA.slice_lora_a takes rows [tp_rank * R/tp, +R/tp) of the column slices' lora_a,
+// RowParallelLinearWithShardedLoRA.slice_lora_b rows [tp_rank * out/tp, +out/tp) of lora_b).
 TEST(LoraPresets, VllmLoraMatchesVllmSlicing) {
   ModelConfig c = Config(kSmallLlama);
-  for (int64_t max_rank : {0, 8}) {
+  for (int combo = 0; combo < 4; ++combo) {
+    const int64_t max_rank = combo % 2 == 0 ? 0 : 8;
+    const bool sharded = combo >= 2;
     LoraConfig lora = AllTargets(4, max_rank);
+    lora.fully_sharded_loras = sharded;
     const int64_t R = max_rank > 0 ? max_rank : 16;  // 0: vLLM's default --max-lora-rank
     auto inv = BuildLoraInventory(c, lora, DType::kBF16);
     ASSERT_TRUE(inv.ok()) << inv.status();
@@ -234,10 +240,18 @@ TEST(LoraPresets, VllmLoraMatchesVllmSlicing) {
             if (is_a) {
               ASSERT_EQ(lt.shape, (std::vector<int64_t>{R, in_shard})) << lt.name;
               want = Stacked(R, in_shard, 0, rank * in_shard, 4, in_shard, shape[1]);
+            } else if (sharded) {
+              const int64_t s = 64 / tp;
+              ASSERT_EQ(lt.shape, (std::vector<int64_t>{s, R})) << lt.name;
+              want = Stacked(s, R, rank * s, 0, s, 4, shape[1]);
             } else {
               ASSERT_EQ(lt.shape, (std::vector<int64_t>{64, R})) << lt.name;
               want = Stacked(64, R, 0, 0, 64, 4, shape[1]);
             }
+          } else if (is_a && sharded) {
+            const int64_t s = R / tp, lo = std::min<int64_t>(4, rank * s), hi = std::min<int64_t>(4, rank * s + s);
+            ASSERT_EQ(lt.shape, (std::vector<int64_t>{s, 64})) << lt.name;
+            want = Stacked(s, 64, lo, 0, hi - lo, 64, shape[1]);
           } else if (is_a) {
             ASSERT_EQ(lt.shape, (std::vector<int64_t>{R, 64})) << lt.name;
             want = Stacked(R, 64, 0, 0, 4, 64, shape[1]);
@@ -248,7 +262,7 @@ TEST(LoraPresets, VllmLoraMatchesVllmSlicing) {
             ASSERT_EQ(lt.shape, (std::vector<int64_t>{shard, R})) << lt.name;
             want = Stacked(shard, R, id * shard, 0, shard, 4, shape[1]);
           }
-          EXPECT_EQ(LocalContent(*inv, *l, lt), want) << lt.name << " tp=" << tp << " rank=" << rank << " R=" << R;
+          EXPECT_EQ(LocalContent(*inv, *l, lt), want) << lt.name << " tp=" << tp << " rank=" << rank << " R=" << R << " sharded=" << sharded;
         }
       }
     }
@@ -395,6 +409,16 @@ TEST(LoraPresets, SlotRankFollowsVllmsMaxLoraRank) {
   ModelConfig c = Config(kSmallLlama);
   for (int64_t ok : {8, 16, 320, 512}) EXPECT_TRUE(ValidateLora(c, AllTargets(4, ok)).ok()) << ok;
   for (int64_t bad : {2, 5, 24, 1024}) EXPECT_FALSE(ValidateLora(c, AllTargets(4, bad)).ok()) << bad;
+  // fully_sharded_loras: vLLM divides the slot's rank by tp (column targets).
+  LoraConfig one = AllTargets(1, 1);
+  one.fully_sharded_loras = true;
+  auto inv = BuildLoraInventory(c, one, DType::kBF16);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  auto bad = MakeLoraPresetLayout(c, one, *inv, Par("vllm_lora", 2), 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "max_lora_rank (fully_sharded_loras)")) << bad.status();
+  one.fully_sharded_loras = false;
+  EXPECT_TRUE(MakeLoraPresetLayout(c, one, *inv, Par("vllm_lora", 2), 0).ok());
 }
 
 // vLLM's GPT-OSS names its attention `attn` (gpt_oss.py maps HF's .self_attn. to .attn.): the

@@ -35,6 +35,7 @@ struct LoraConfig {
   int64_t r = 0;                            // rank
   double alpha = 0;                         // lora_alpha (metadata: scaling alpha / r is not applied to bytes)
   int64_t max_lora_rank = 0;                // vllm_lora: vLLM's --max-lora-rank (0: planner::VllmSlotRank)
+  bool fully_sharded_loras = false;         // vllm_lora: vLLM's --fully-sharded-loras
 };
 
 struct ModelConfig {

@@ -12,6 +12,9 @@
 //                       two ranks), q/k/v/o + down_proj, r=4 in vLLM slots of max_lora_rank=8
 //                       (strided pieces), peft_fsdp2 trainers, layouts sent as presets (resolved
 //                       by the coordinator).
+//   llama_gqa_fully_sharded: the same with vLLM's --fully-sharded-loras (S-LoRA): the column
+//                       slices' lora_a split along the rank dim (ranks 0 and 1 hold rows [0, 2) and
+//                       [2, 4), ranks 2 and 3 an empty slot), the row slices' lora_b along its rows.
 //
 // Then, on the same daemons, a merged-weight model (Megatron tp=2 -> vLLM tp=2, the full
 // Qwen2.5-0.5B-2layer tensors) keeps working next to the adapter model.
@@ -31,7 +34,7 @@ namespace wb::e2e {
 namespace {
 
 struct Case {
-  std::string model;  // qwen_all_targets | llama_gqa_replicated_kv
+  std::string model;  // qwen_all_targets | llama_gqa_replicated_kv | llama_gqa_fully_sharded
   std::string mode;   // sync | one_step_off
 };
 
@@ -102,11 +105,13 @@ TEST_P(LoraTest, AdapterVersionsLandInVllmLoraLayoutByteExact) {
   lora.r = qwen ? 8 : 4;
   lora.alpha = 16;
   lora.max_lora_rank = qwen ? 0 : 8;
+  lora.fully_sharded_loras = c.model == "llama_gqa_fully_sharded";
   std::string targets;
   for (const std::string& t : lora.target_modules) absl::StrAppend(&targets, targets.empty() ? "" : ",", t);
   const std::vector<std::string> lora_flags = {"--lora_targets=" + targets, absl::StrCat("--lora_r=", lora.r),
                                                absl::StrCat("--lora_alpha=", lora.alpha),
-                                               absl::StrCat("--lora_max_rank=", lora.max_lora_rank)};
+                                               absl::StrCat("--lora_max_rank=", lora.max_lora_rank),
+                                               absl::StrCat("--lora_fully_sharded=", lora.fully_sharded_loras ? "true" : "false")};
   const int tp = qwen ? 2 : 4;
 
   std::vector<WorkerSpec> trainers, rollouts;
@@ -169,7 +174,7 @@ TEST_P(LoraTest, AdapterVersionsLandInVllmLoraLayoutByteExact) {
 INSTANTIATE_TEST_SUITE_P(E2E, LoraTest,
                          testing::Values(Case{"qwen_all_targets", "sync"}, Case{"qwen_all_targets", "one_step_off"},
                                          Case{"llama_gqa_replicated_kv", "sync"},
-                                         Case{"llama_gqa_replicated_kv", "one_step_off"}),
+                                         Case{"llama_gqa_replicated_kv", "one_step_off"}, Case{"llama_gqa_fully_sharded", "sync"}),
                          CaseName);
 
 }  // namespace

@@ -37,7 +37,8 @@ ABSL_FLAG(std::string, lora_targets, "",
           "comma-separated PEFT target modules: the model is these LoRA adapters alone (ModelSpec.lora; presets peft / vllm_lora)");
 ABSL_FLAG(int64_t, lora_r, 8, "LoRA rank (with --lora_targets)");
 ABSL_FLAG(double, lora_alpha, 16, "LoRA alpha (with --lora_targets)");
-ABSL_FLAG(int64_t, lora_max_rank, 0, "vllm_lora: vLLM --max-lora-rank (0 = r)");
+ABSL_FLAG(int64_t, lora_max_rank, 0, "vllm_lora: vLLM --max-lora-rank (0 = vLLM's default 16, or the smallest it accepts >= r)");
+ABSL_FLAG(bool, lora_fully_sharded, false, "vllm_lora: vLLM --fully-sharded-loras");
 ABSL_FLAG(std::string, worker_id, "", "worker id (default <role>/<rank>)");
 ABSL_FLAG(int, gpu, -1, "host slot / GPU index reported to the daemon (-1 = host)");
 ABSL_FLAG(bool, send_gpu_uuid, true, "--memory=cuda: send the GPU's UUID with the buffer (false: the daemon must find the GPU itself)");
@@ -191,6 +192,7 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
     lora.r = absl::GetFlag(FLAGS_lora_r);
     lora.alpha = absl::GetFlag(FLAGS_lora_alpha);
     lora.max_lora_rank = absl::GetFlag(FLAGS_lora_max_rank);
+    lora.fully_sharded_loras = absl::GetFlag(FLAGS_lora_fully_sharded);
     ctx.config.lora = std::move(lora);
   }
   ASSIGN_OR_RETURN(ctx.inventory, planner::BuildModelInventory(ctx.config, dtype));

@@ -56,10 +56,11 @@ class LoraConfig:
     r: int
     alpha: float
     max_lora_rank: int = 0  # vllm_lora: vLLM --max-lora-rank (0 = its default 16, or the smallest it accepts >= r)
+    fully_sharded_loras: bool = False  # vllm_lora: vLLM --fully-sharded-loras
 
     def to_proto(self):
         return pb.LoraSpec(target_modules=list(self.target_modules), r=self.r, alpha=self.alpha,
-                           max_lora_rank=self.max_lora_rank)
+                           max_lora_rank=self.max_lora_rank, fully_sharded_loras=self.fully_sharded_loras)
 
 
 @dataclasses.dataclass
