@@ -848,7 +848,12 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     st.first_piece = lt.first_piece;
     st.num_pieces = 0;
     int64_t count = 0, row_blocks = 0, col_blocks = -1;
-    bool slabs = lt.shape.size() == 2;
+    // Row slabs of one grid width: [row blocks, column blocks]; for fused MoE experts ([E, rows,
+    // cols]) expert by expert, the same blocks each: [E, row blocks per expert, column blocks], as
+    // vLLM's w13_weight_scale_inv / w13_weight_scale are shaped (the bytes are the same either way).
+    bool slabs = lt.shape.size() == 2 || lt.shape.size() == 3;
+    std::vector<int64_t> expert_row_blocks(lt.shape.size() == 3 ? static_cast<size_t>(lt.shape[0]) : 0, 0);
+    int64_t last_expert = 0;
     // NVFP4's global scale goes after the block scales; its place is known once they are counted,
     // so the pieces get it below (CheckQuantization runs on a stand-in until then).
     int64_t global_at = -1;
@@ -882,8 +887,21 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
       } else {
         slabs = false;
       }
+      if (!expert_row_blocks.empty() && slabs) {
+        const int64_t e = global_slot[static_cast<size_t>(k - lt.first_piece)];
+        slabs = e >= last_expert && e < static_cast<int64_t>(expert_row_blocks.size());  // experts in order
+        if (slabs) expert_row_blocks[static_cast<size_t>(e)] += grid[0];
+        last_expert = e;
+      }
     }
-    st.shape = slabs ? std::vector<int64_t>{row_blocks, col_blocks} : std::vector<int64_t>{count};
+    for (int64_t n : expert_row_blocks) slabs = slabs && n == expert_row_blocks[0];
+    if (!slabs) {
+      st.shape = {count};
+    } else if (!expert_row_blocks.empty()) {
+      st.shape = {lt.shape[0], expert_row_blocks[0], col_blocks};
+    } else {
+      st.shape = {row_blocks, col_blocks};
+    }
     cursor = st.offset_bytes + count * scale_size;
     const std::string scale_name = st.name;
     q.local_tensors.push_back(std::move(st));

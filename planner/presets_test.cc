@@ -331,6 +331,7 @@ TEST(Presets, KimiInt4ExpertsOnly) {
   const LocalTensor* scale = FindLocal(*l, "model.layers.1.mlp.experts.w13_weight_scale");
   ASSERT_NE(scale, nullptr);
   EXPECT_EQ(scale->dtype, DType::kBF16);  // the model's dtype
+  EXPECT_EQ(scale->shape, (std::vector<int64_t>{48, 2 * I, H / 32}));  // per expert: gate's groups, then up's
   EXPECT_EQ(scale->offset_bytes, (w13->offset_bytes + 48 * 2 * I * H / 2 + kLocalTensorAlignment - 1) / kLocalTensorAlignment * kLocalTensorAlignment);
   for (int32_t p = w13->first_piece; p < w13->first_piece + w13->num_pieces; ++p) {
     const Piece& piece = l->layout.pieces[p];
@@ -1070,6 +1071,34 @@ TEST(Presets, ClearErrors) {
   // Sizes from a request: an overflowing product is refused, not wrapped.
   EXPECT_FALSE(PresetWorldSize({.preset = "megatron", .tp = 65536, .pp = 65536, .dp = 65536}).ok());
   EXPECT_FALSE(PresetWorldSize({.preset = "vllm", .tp = 1 << 30, .replicas = 4}).ok());
+}
+
+// Fused MoE experts' block scales are shaped as vLLM holds them after loading ([E, row blocks,
+// column blocks]: w13 = each expert's gate blocks then its up blocks), not flat; Qwen3-30B-A3B
+// (128 experts, hidden 2048, moe_intermediate 768) fp8_block128 at tp = 2.
+TEST(Presets, QuantizedMoeScalesAreShapedPerExpert) {
+  Model m = Load("qwen3-30b-a3b.json", 1);
+  ParallelConfig par{.preset = "vllm", .tp = 2};
+  par.quantization = "fp8_block128";
+  auto l = MakePresetLayout(m.config, m.inv, par, /*rank=*/1);
+  ASSERT_TRUE(l.ok()) << l.status();
+  ASSERT_TRUE(ValidateLayout(m.inv, l->layout, Role::kRollout, "r").ok()) << ValidateLayout(m.inv, l->layout, Role::kRollout, "r");
+  const LocalTensor* w13 = FindLocal(*l, "model.layers.0.mlp.experts.w13_weight_scale_inv");
+  const LocalTensor* w2 = FindLocal(*l, "model.layers.0.mlp.experts.w2_weight_scale_inv");
+  ASSERT_NE(w13, nullptr);
+  ASSERT_NE(w2, nullptr);
+  EXPECT_EQ(w13->shape, (std::vector<int64_t>{128, 6, 16}));  // 2 x ceil(384 / 128) rows, 2048 / 128 columns
+  EXPECT_EQ(w2->shape, (std::vector<int64_t>{128, 16, 3}));
+  // Expert 5's up_proj scales start at [5, 3, 0]: the pieces' scale offsets follow that order.
+  const auto up5 = *TensorIndex(m.inv).Find("model.layers.0.mlp.experts.5.up_proj.weight");
+  bool found = false;
+  for (int32_t k = 0; k < static_cast<int32_t>(l->layout.pieces.size()); ++k) {
+    const Piece& p = l->layout.pieces[k];
+    if (p.tensor != up5) continue;
+    found = true;
+    EXPECT_EQ(p.quant->scale_offset_bytes, w13->offset_bytes + ((5 * 6 + 3) * 16) * 4);
+  }
+  EXPECT_TRUE(found);
 }
 
 }  // namespace
