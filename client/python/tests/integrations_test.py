@@ -205,6 +205,27 @@ class IntegrationsTest(unittest.TestCase):
         hook.client.deregister()
         hook.client.close()
 
+    def test_copy_out_moves_bits_into_engine_dtypes(self):
+        """A rollout's read_into (copy_out): int4 pairs held as uint8 [N, K/2] land in vLLM's int32
+        weight_packed [N, K/8] byte for byte; a layout whose bytes are in another order (vLLM's
+        transposed W4A16 MoE weights) is refused, not copied; same shapes copy by value."""
+        from weightbridge.integrations._common import copy_out
+        rng = np.random.default_rng(3)
+        packed = rng.integers(0, 256, size=(4, 16), dtype=np.uint8)  # [N, K/2] with K = 32
+        weight_packed = np.zeros((4, 4), dtype=np.int32)             # vLLM: [N, K/8]
+        copy_out("w.weight_packed", packed, weight_packed)
+        np.testing.assert_array_equal(weight_packed.view(np.uint8), packed)
+        self.assertEqual(int(weight_packed[0, 0]), int.from_bytes(bytes(packed[0, :4]), "little", signed=True))
+        with self.assertRaises(ValueError) as cm:  # [K/8, N]: other bytes at each place
+            copy_out("w13_weight_packed", packed, np.zeros((4, 4), dtype=np.int32).T)
+        self.assertIn("w13_weight_packed", str(cm.exception))
+        with self.assertRaises(ValueError):
+            copy_out("w", packed, np.zeros((16, 4), dtype=np.uint8))
+        bits = rng.integers(0, 1 << 16, size=(2, 3), dtype=np.uint16)
+        same = np.zeros((2, 3), dtype=np.uint16)
+        copy_out("n", bits, same)
+        np.testing.assert_array_equal(same, bits)
+
     def test_modules_import_without_torch(self):
         self.assertNotIn("torch", sys.modules)
         self.assertTrue(hasattr(vllm, "WeightBridgeWorkerExtension"))

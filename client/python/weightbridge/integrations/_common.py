@@ -28,6 +28,52 @@ def _is_torch(t):
     return type(t).__module__.startswith("torch")
 
 
+def _np_bytes(a):
+    """uint8 view of an array whose last axis is contiguous (its bytes, same memory), else None."""
+    if not isinstance(a, np.ndarray) or a.ndim == 0 or a.strides[-1] != a.itemsize:
+        return None
+    return a.view(np.uint8)
+
+
+def _torch_bytes(t):
+    import torch
+    try:
+        return t.view(torch.uint8)
+    except RuntimeError:  # last dim not contiguous
+        return None
+
+
+def copy_out(name, src, target):
+    """Copies a local tensor `src` (a view of the buffer) into the engine parameter `target` (numpy
+    array or torch tensor). Same shape: by value (a floating dtype may convert, e.g. bfloat16 into a
+    float32 parameter), but between a raw-byte dtype and another of its size (float8_e8m0 scales
+    and vLLM's uint8 ones, float8 and uint8) the bits. Another shape: the bits, when both hold the
+    same bytes in the same order - their byte views have one shape (int4 / e2m1 pairs as uint8
+    [N, K/2] and vLLM's int32 weight_packed [N, K/8]); else ValueError naming both shapes (e.g.
+    vLLM's transposed W4A16 MoE weights: not these bytes)."""
+    if _is_torch(target):
+        dst = target.data if hasattr(target, "data") else target
+        if tuple(dst.shape) == tuple(src.shape):
+            raw = not dst.dtype.is_floating_point or not src.dtype.is_floating_point or dst.element_size() == 1
+            if dst.dtype != src.dtype and raw and dst.element_size() == src.element_size():
+                dst.copy_(src.view(dst.dtype))  # the bits, not a value conversion
+            else:
+                dst.copy_(src)
+            return
+        tb, sb = _torch_bytes(dst), _torch_bytes(src)
+        if tb is None or sb is None or tuple(tb.shape) != tuple(sb.shape):
+            raise ValueError("parameter %s: shape %s, the layout holds %s" % (name, tuple(dst.shape), tuple(src.shape)))
+        tb.copy_(sb)
+        return
+    if tuple(np.shape(target)) == tuple(src.shape):
+        target[...] = src
+        return
+    tb, sb = _np_bytes(target), _np_bytes(src)
+    if tb is None or sb is None or tb.shape != sb.shape:
+        raise ValueError("parameter %s: shape %s, the layout holds %s" % (name, tuple(np.shape(target)), tuple(src.shape)))
+    tb[...] = sb
+
+
 def local_tensor(t):
     """A DTensor's local shard (torch FSDP2 parameters are DTensors); anything else as is."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -135,17 +181,7 @@ class LayoutHook:
             if name not in params:
                 continue
             p = params[name]
-            if _is_torch(p):
-                src = self._torch()[name]
-                target = p.data if hasattr(p, "data") else p
-                if tuple(target.shape) != tuple(src.shape):
-                    raise ValueError("parameter %s: shape %s, the layout holds %s" % (name, tuple(target.shape), tuple(src.shape)))
-                target.copy_(src)
-            else:
-                src = self._np_views[name]
-                if tuple(np.shape(p)) != tuple(src.shape):
-                    raise ValueError("parameter %s: shape %s, the layout holds %s" % (name, tuple(np.shape(p)), tuple(src.shape)))
-                p[...] = src
+            copy_out(name, self._torch()[name] if _is_torch(p) else self._np_views[name], p)
             done.append(name)
         return done
 
