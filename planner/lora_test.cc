@@ -6,6 +6,7 @@
 #include <sstream>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -41,6 +42,15 @@ LoraConfig AllTargets(int64_t r, int64_t max_rank = 0) {
   l.r = r;
   l.alpha = 2.0 * r;
   l.max_lora_rank = max_rank;
+  return l;
+}
+
+// Adapters on `targets` with rank r and alpha = 2r.
+LoraConfig Adapters(std::vector<std::string> targets, int64_t r) {
+  LoraConfig l;
+  l.target_modules = std::move(targets);
+  l.r = r;
+  l.alpha = 2.0 * r;
   return l;
 }
 
@@ -271,10 +281,7 @@ TEST(LoraPresets, VllmLoraMatchesVllmSlicing) {
 
 TEST(LoraPresets, PackedSliceIndicesWithSubsetOfTargets) {
   ModelConfig c = Config(kSmallLlama);
-  LoraConfig lora;
-  lora.target_modules = {"v_proj", "up_proj"};
-  lora.r = 2;
-  lora.alpha = 4;
+  const LoraConfig lora = Adapters({"v_proj", "up_proj"}, 2);
   auto inv = BuildLoraInventory(c, lora, DType::kBF16);
   ASSERT_TRUE(inv.ok()) << inv.status();
   auto l = MakeLoraPresetLayout(c, lora, *inv, Par("vllm_lora", 2), 1);
@@ -425,10 +432,7 @@ TEST(LoraPresets, SlotRankFollowsVllmsMaxLoraRank) {
 // vllm_lora local tensors follow; the PEFT (trainer) names keep HF's self_attn.
 TEST(LoraPresets, VllmLoraOnGptOssUsesItsAttnNames) {
   ModelConfig c = Config(ReadTestdata("gpt-oss-20b.json"));
-  LoraConfig lora;
-  lora.target_modules = {"q_proj", "o_proj"};
-  lora.r = 8;
-  lora.alpha = 16;
+  const LoraConfig lora = Adapters({"q_proj", "o_proj"}, 8);
   auto inv = BuildLoraInventory(c, lora, DType::kBF16);
   ASSERT_TRUE(inv.ok()) << inv.status();
   EXPECT_TRUE(TensorIndex(*inv).Find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight").has_value());
