@@ -86,6 +86,17 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              call.slot.emplace(std::move(*slot));
              return Verdict::Ok();
            }));
+  // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes (a blocked call).
+  auto exchanges = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.ExchangeMagnitudes", o.limits.max_blocked_calls);
+  gate.Add(std::string(kCoordinator) + "ExchangeMagnitudes",
+           Rule<pb::ExchangeMagnitudesRequest>([o, exchanges](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
+             if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
+             if (!req.wait()) return Verdict::Ok();
+             absl::StatusOr<BlockedCalls::Slot> slot = exchanges->Acquire();
+             if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
+             call.slot.emplace(std::move(*slot));
+             return Verdict::Ok();
+           }));
   AddPeerOnly<pb::StatusRequest>(gate, kCoordinator, "ClusterStatus", o);
   AddPeerOnly<pb::DrainRequest>(gate, kCoordinator, "Drain", o);
   AddPeerOnly<pb::PlanRequest>(gate, kCoordinator, "Plan", o);

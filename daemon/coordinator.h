@@ -42,6 +42,7 @@ class Coordinator final : public pb::CoordinatorService::Service {
   grpc::Status ReportDone(grpc::ServerContext*, const pb::ReportDoneRequest*, pb::ReportDoneResponse*) override;
   grpc::Status ReportApplied(grpc::ServerContext*, const pb::ReportAppliedRequest*, pb::ReportAppliedResponse*) override;
   grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest*, pb::WaitVersionResponse*) override;
+  grpc::Status ExchangeMagnitudes(grpc::ServerContext*, const pb::ExchangeMagnitudesRequest*, pb::ExchangeMagnitudesResponse*) override;
   grpc::Status ClusterStatus(grpc::ServerContext*, const pb::StatusRequest*, pb::StatusResponse*) override;
   grpc::Status WatchStatus(grpc::ServerContext*, const pb::WatchStatusRequest*,
                            grpc::ServerWriter<pb::StatusResponse>*) override;

@@ -155,6 +155,13 @@ bool HasQuantizedPieces(const WorkerLayout& layout) {
   return false;
 }
 
+bool HasGlobalScales(const WorkerLayout& layout) {
+  for (const Piece& p : layout.pieces) {
+    if (p.quant.has_value() && p.quant->global_scale_offset_bytes >= 0) return true;
+  }
+  return false;
+}
+
 bool BoxOnBlockGrid(const Box& box, const std::vector<int64_t>& shape, const std::vector<int64_t>& block) {
   if (block.size() != box.begin.size() || shape.size() != box.begin.size()) return false;
   for (size_t d = 0; d < block.size(); ++d) {

@@ -51,6 +51,9 @@ absl::Status CheckQuantization(const Inventory& inventory, const WorkerLayout& l
                                absl::string_view where);
 
 bool HasQuantizedPieces(const WorkerLayout& layout);
+// Some piece has an NVFP4 global scale (Quantization::global_scale_offset_bytes >= 0): its node
+// takes part in the version's magnitude exchange (daemon/coordinator/magnitude_book.h).
+bool HasGlobalScales(const WorkerLayout& layout);
 
 // Sender-side quantisation helpers (planner/sender_quant.h decides which ops use it).
 // Whether `box` of a tensor of `shape` is a union of whole blocks of the tensor's global block

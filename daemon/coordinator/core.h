@@ -124,6 +124,13 @@ class CoordinatorCore {
   absl::Status ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp);
   absl::Status ReportDone(const pb::ReportDoneRequest& req, pb::ReportDoneResponse* resp);
   absl::Status ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse* resp);
+  // NVFP4 global scales across nodes (magnitudes.cc, magnitude_book.h). A node of the version's
+  // book adds its parts; with wait, the answer comes once every node of the book reported (the
+  // request's timeout: DEADLINE_EXCEEDED naming the missing nodes; ABORTED when the version ends
+  // first). FAILED_PRECONDITION for a version not transferring, one without NVFP4 rollout pieces,
+  // a node not in the book, or a call of an execution an earlier coordinator started; a catch-up
+  // is answered from the committed version's book (NOT_FOUND when none is kept).
+  absl::Status ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest& req, pb::ExchangeMagnitudesResponse* resp);
   absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
   absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
   // Streams ClusterStatus through `write` (false = the client is gone): the current status at
@@ -176,6 +183,9 @@ class CoordinatorCore {
   void StartDigestsLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AddDigestsLocked(const std::string& model_id, Model& m, const pb::ReportDoneRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishDigestsLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NVFP4 magnitudes (magnitudes.cc): version v's book, for the nodes holding NVFP4 rollout pieces
+  // of the current plan (none: no book); older books go, but the committed version's.
+  void StartMagnitudesLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock); `plan_epoch` > 0
   // ends only that execution of `version` (a catch-up attempt), 0 whatever runs for it.
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,

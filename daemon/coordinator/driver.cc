@@ -357,6 +357,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
   const uint64_t v = *next;
   m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes);
   StartDigestsLocked(model_id, m, v);
+  StartMagnitudesLocked(model_id, m, v);
   StatusChangedLocked();
   Log(LogLevel::kInfo, "version started", {{"model", model_id}, {"version", v}, {"epoch", m.plan.epoch}, {"nodes", m.plan.nodes.size()},
                                            {"bytes", m.plan.total_bytes}});

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/coordinator/digest_book.h"
+#include "daemon/coordinator/magnitude_book.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
 #include "planner/types.h"
@@ -110,6 +111,8 @@ class ModelRegistry {
     // recent versions (ClusterStatus, `wbctl versions`).
     std::map<uint64_t, DigestBook> digests;
     std::map<uint64_t, DigestVerdict> verdicts;
+    // NVFP4 magnitudes (magnitudes.cc): the book of the version in flight and of the committed one.
+    std::map<uint64_t, MagnitudeBook> magnitudes;
     // Lossless deltas per version and node, as the nodes' ReportDone said (by node: a report sent
     // again replaces, never adds); the same recent versions as `verdicts`.
     struct DeltaTally {

@@ -50,6 +50,7 @@ class UnstartedCoordinatorClient final : public CoordinatorClient {
   WB_UNSTARTED_(ReportDone, ReportDoneRequest, ReportDoneResponse)
   WB_UNSTARTED_(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
   WB_UNSTARTED_(WaitVersion, WaitVersionRequest, WaitVersionResponse)
+  WB_UNSTARTED_(ExchangeMagnitudes, ExchangeMagnitudesRequest, ExchangeMagnitudesResponse)
   WB_UNSTARTED_(ClusterStatus, StatusRequest, StatusResponse)
   WB_UNSTARTED_(Drain, DrainRequest, DrainResponse)
 #undef WB_UNSTARTED_

@@ -34,6 +34,9 @@ class CoordinatorClient {
   virtual absl::Status ReportDone(const pb::ReportDoneRequest& req, pb::ReportDoneResponse* resp, absl::Duration timeout) = 0;
   virtual absl::Status ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse* resp, absl::Duration timeout) = 0;
   virtual absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Duration timeout) = 0;
+  // NVFP4 global scales across nodes (CoordinatorCore::ExchangeMagnitudes).
+  virtual absl::Status ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest& req, pb::ExchangeMagnitudesResponse* resp,
+                                          absl::Duration timeout) = 0;
   // Forwarded for wbctl / workers.
   virtual absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp, absl::Duration timeout) = 0;
   virtual absl::Status Drain(const pb::DrainRequest& req, pb::DrainResponse* resp, absl::Duration timeout) = 0;

@@ -56,6 +56,9 @@ class FakeCoordinatorClient final : public CoordinatorClient {
     return Count("ReportApplied");
   }
   absl::Status WaitVersion(const pb::WaitVersionRequest&, pb::WaitVersionResponse*, absl::Duration) override { return Count("WaitVersion"); }
+  absl::Status ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest&, pb::ExchangeMagnitudesResponse*, absl::Duration) override {
+    return Count("ExchangeMagnitudes");
+  }
   absl::Status ClusterStatus(const pb::StatusRequest&, pb::StatusResponse*, absl::Duration) override { return Count("ClusterStatus"); }
   absl::Status Drain(const pb::DrainRequest&, pb::DrainResponse*, absl::Duration) override { return Count("Drain"); }
 

@@ -43,6 +43,11 @@ absl::Status GrpcCoordinatorClient::Publish(const pb::CoordPublishRequest& req, 
 absl::Status GrpcCoordinatorClient::ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp, absl::Duration timeout) {
   return Call(stub_.get(), &pb::CoordinatorService::Stub::ReportReady, req, resp, timeout);
 }
+absl::Status GrpcCoordinatorClient::ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest& req, pb::ExchangeMagnitudesResponse* resp,
+                                                       absl::Duration timeout) {
+  return Call(stub_.get(), &pb::CoordinatorService::Stub::ExchangeMagnitudes, req, resp, timeout);
+}
+
 absl::Status GrpcCoordinatorClient::ReportDone(const pb::ReportDoneRequest& req, pb::ReportDoneResponse* resp, absl::Duration timeout) {
   return Call(stub_.get(), &pb::CoordinatorService::Stub::ReportDone, req, resp, timeout);
 }

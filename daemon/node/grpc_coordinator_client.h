@@ -20,6 +20,8 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
   absl::Status Publish(const pb::CoordPublishRequest& req, pb::PublishResponse* resp, absl::Duration timeout) override;
   absl::Status ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp, absl::Duration timeout) override;
   absl::Status ReportDone(const pb::ReportDoneRequest& req, pb::ReportDoneResponse* resp, absl::Duration timeout) override;
+  absl::Status ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest& req, pb::ExchangeMagnitudesResponse* resp,
+                                  absl::Duration timeout) override;
   absl::Status ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse* resp, absl::Duration timeout) override;
   absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Duration timeout) override;
   absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp, absl::Duration timeout) override;

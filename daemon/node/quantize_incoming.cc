@@ -41,6 +41,13 @@ struct IncomingQuantization::Group {
   float global = 0.0f;   // written once before the group's quantise tasks are queued
 };
 
+namespace {
+
+// The larger magnitude; a NaN sticks (an element that is NaN makes the group's scale NaN).
+float MaxMagnitude(float a, float b) { return (std::isnan(b) || b > a) ? b : a; }
+
+}  // namespace
+
 IncomingQuantization::IncomingQuantization(const planner::Inventory& inventory, uint64_t version, absl::Time deadline)
     : inventory_(inventory), version_(version), deadline_(deadline) {}
 
@@ -142,6 +149,7 @@ absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Star
     absl::MutexLock l(&q->mu_);
     q->job_waits_.assign(q->jobs_.size(), 0);
     q->job_ready_.assign(q->jobs_.size(), false);
+    q->job_amax_.assign(q->jobs_.size(), 0.0f);
     for (size_t j = 0; j < q->jobs_.size(); ++j) {
       std::vector<uint32_t>& ops = ops_of_job[j];
       std::sort(ops.begin(), ops.end());
@@ -156,6 +164,7 @@ absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Star
     q->allowed_ = options.early_threads < 0 ? 0 : std::min(threads, options.early_threads > 0 ? options.early_threads : std::max(1, cores / 2));
   }
   q->after_piece_ = options.after_piece;
+  q->exchange_ = options.exchange;
   for (int t = 0; t < threads; ++t) q->threads_.emplace_back([p = q.get()] { p->Work(); });
   return q;
 }
@@ -249,12 +258,70 @@ void IncomingQuantization::Work() {
       continue;
     }
     Group& gr = groups_[static_cast<size_t>(jobs_[t.job].group)];
-    gr.amax = (std::isnan(amax) || amax > gr.amax) ? amax : gr.amax;  // NaN sticks
+    job_amax_[t.job] = amax;
+    gr.amax = MaxMagnitude(gr.amax, amax);
     if (--gr.amax_left > 0) continue;
-    gr.global = NvFp4GlobalScale(gr.amax);
-    for (const auto& [scales, offset] : gr.slots) std::memcpy(scales->host.data() + offset, &gr.global, 4);
-    for (size_t j : gr.jobs) queue_.push_back({j, false});
+    ++groups_measured_;
+    if (gr.partial && exchange_) continue;  // Finish: after the other nodes' magnitudes came
+    GlobalScaleLocked(gr);
   }
+}
+
+void IncomingQuantization::GlobalScaleLocked(Group& gr) {
+  gr.global = NvFp4GlobalScale(gr.amax);
+  for (const auto& [scales, offset] : gr.slots) std::memcpy(scales->host.data() + offset, &gr.global, 4);
+  for (size_t j : gr.jobs) queue_.push_back({j, false});
+}
+
+absl::Status IncomingQuantization::ExchangeLocked(QuantizeResult& out) {
+  std::map<int32_t, MagnitudePart> by_tensor;
+  for (size_t j = 0; j < jobs_.size(); ++j) {
+    if (jobs_[j].group < 0) continue;
+    auto [it, added] = by_tensor.try_emplace(jobs_[j].live->tensor);
+    MagnitudePart& part = it->second;
+    part.tensor = jobs_[j].live->tensor;
+    part.amax = added ? job_amax_[j] : MaxMagnitude(part.amax, job_amax_[j]);
+    part.boxes.push_back(jobs_[j].live->box);
+  }
+  std::vector<MagnitudePart> parts;
+  parts.reserve(by_tensor.size());
+  for (auto& [tensor, part] : by_tensor) parts.push_back(std::move(part));
+  bool wait = false;
+  for (const Group& gr : groups_) wait = wait || gr.partial;
+  // The call may wait for other nodes: not under mu_ (the threads quantise the whole groups).
+  mu_.Unlock();
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<std::map<int32_t, TensorMagnitude>> answer = exchange_(parts, wait);
+  const absl::Time t1 = absl::Now();
+  mu_.Lock();
+  out.exchange_seconds = absl::ToDoubleSeconds(t1 - t0);
+  if (!answer.ok()) {
+    return absl::Status(answer.status().code(),
+                        absl::StrCat("version ", version_, ": NVFP4 magnitudes of the other nodes: ", answer.status().message()));
+  }
+  out.exchanged_tensors = static_cast<int64_t>(answer->size());
+  for (Group& gr : groups_) {
+    if (!gr.partial) continue;
+    // Largest over every node's parts of the group's tensors; whole once they cover every tensor.
+    bool whole = true;
+    std::set<int32_t> tensors;
+    for (size_t j : gr.jobs) tensors.insert(jobs_[j].live->tensor);
+    for (int32_t t : tensors) {
+      auto it = answer->find(t);
+      if (it == answer->end()) {
+        whole = false;
+        continue;
+      }
+      gr.amax = MaxMagnitude(gr.amax, it->second.amax);
+      whole = whole && it->second.whole;
+    }
+    if (whole) {
+      gr.partial = false;
+      --out.partial_global_scales;
+    }
+    GlobalScaleLocked(gr);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
@@ -264,11 +331,18 @@ absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
   allowed_ = base_.threads;
   const int64_t ready_before = std::count(job_ready_.begin(), job_ready_.end(), true);
   for (size_t j = 0; j < jobs_.size(); ++j) ReadyLocked(j);
+  QuantizeResult out = base_;
+  if (exchange_ && !groups_.empty()) {
+    auto measured = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !error_.ok() || groups_measured_ == groups_.size(); };
+    const bool measured_in_time = mu_.AwaitWithDeadline(absl::Condition(&measured), deadline_);
+    if (!error_.ok()) return error_;
+    if (!measured_in_time) return DeadlineError();
+    RETURN_IF_ERROR(ExchangeLocked(out));
+  }
   auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !error_.ok() || quantized_ == jobs_.size(); };
   const bool in_time = mu_.AwaitWithDeadline(absl::Condition(&done), deadline_);
   if (!error_.ok()) return error_;
   if (!in_time) return DeadlineError();
-  QuantizeResult out = base_;
   if (!jobs_.empty()) out.seconds = absl::ToDoubleSeconds(last_end_ - first_start_);
   out.busy_seconds = absl::ToDoubleSeconds(busy_);
   out.finish_seconds = absl::ToDoubleSeconds(absl::Now() - t0);

@@ -4,6 +4,10 @@
 // (planner::StagingLayout); the node quantises each shadow into the piece's place and scales in the
 // same staging before it reports the version transferred.
 //
+// NVFP4 groups whose pieces on this node do not cover their tensors (an engine's ranks on several
+// nodes, a catch-up of some ranks) take the tensors' magnitudes from the other nodes through
+// IncomingOptions::exchange (the coordinator's ExchangeMagnitudes) before they quantise.
+//
 // IncomingQuantization does that while the buckets still run: a piece is quantised as soon as
 // every op landing in it has landed (the executor's ExecOptions::on_op_landed), on a few threads
 // beside the transports; NVFP4 pieces sharing a global scale wait for the whole group (the scale
@@ -64,15 +68,37 @@ struct QuantizeResult {
   // ones whose pieces on this node do not cover their tensors (the rollout's ranks span nodes, or a
   // version reached only some of them): those come from the magnitude of the part held here.
   int64_t global_scales = 0;
-  int64_t partial_global_scales = 0;
+  int64_t partial_global_scales = 0;  // after the exchange, if any
+  int64_t exchanged_tensors = 0;      // tensors whose magnitude the exchange answered
+  double exchange_seconds = 0;        // in IncomingOptions::exchange (waiting for other nodes)
   int threads = 0;
 };
+
+// NVFP4: the largest magnitude of the part of one canonical tensor this node's pieces hold.
+struct MagnitudePart {
+  int32_t tensor = -1;  // inventory index
+  float amax = 0.0f;
+  std::vector<planner::Box> boxes;
+};
+// The exchange's answer for one tensor: the magnitude over every node's parts, and whether they
+// cover the tensor.
+struct TensorMagnitude {
+  float amax = 0.0f;
+  bool whole = false;
+};
+// Called once, from Finish, with this node's parts of every NVFP4 tensor; `wait`: some group here
+// is partial and needs the answer (the exchange then returns once every node reported). An empty
+// answer leaves the partial groups with their own magnitude; an error fails Finish.
+using MagnitudeExchange =
+    std::function<absl::StatusOr<std::map<int32_t, TensorMagnitude>>(const std::vector<MagnitudePart>& parts, bool wait)>;
 
 struct IncomingOptions {
   int max_threads = 16;  // capped by the machine's cores and the number of pieces
   // Threads that may quantise before Finish (the buckets' transports and delta decoders share the
   // cores meanwhile). 0: half the cores, at least one; negative: none (all at Finish).
   int early_threads = 0;
+  // NVFP4 magnitudes across nodes (see MagnitudeExchange); unset: partial groups use their own.
+  MagnitudeExchange exchange;
   // TEST ONLY: on the quantising thread after piece `piece` of target `target` was written.
   std::function<void(size_t target, int32_t piece)> after_piece;
 };
@@ -94,7 +120,9 @@ class IncomingQuantization {
   void OpLanded(uint32_t op_index);
 
   // Quantises every piece not yet quantised, with every thread, and waits: the totals, the first
-  // piece's error, or DEADLINE_EXCEEDED at the deadline. Call once.
+  // piece's error, or DEADLINE_EXCEEDED at the deadline. With an exchange and NVFP4 pieces it
+  // first waits for every group's magnitude, exchanges (partial groups wait for the answer; the
+  // others are quantised meanwhile), then quantises the partial groups. Call once.
   absl::StatusOr<QuantizeResult> Finish();
 
  private:
@@ -112,6 +140,11 @@ class IncomingQuantization {
   void Work();
   absl::Status Run(const Task& t, float& amax) const;
   absl::Status DeadlineError() const;
+  // Finish, with an exchange: the parts of every NVFP4 tensor, sent; the partial groups' scales
+  // from the answer, their quantising queued. Called with mu_ held; releases it around the call.
+  absl::Status ExchangeLocked(QuantizeResult& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The group's global scale from gr.amax, written into its slots; its quantising queued.
+  void GlobalScaleLocked(Group& gr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const planner::Inventory& inventory_;
   const uint64_t version_;
@@ -121,6 +154,7 @@ class IncomingQuantization {
   std::vector<Group> groups_;  // fixed after Start but amax / global / counts (under mu_)
   std::map<uint32_t, std::vector<size_t>> jobs_of_op_;  // fixed after Start
   std::function<void(size_t target, int32_t piece)> after_piece_;
+  MagnitudeExchange exchange_;
   QuantizeResult base_;
   std::vector<std::thread> threads_;
 
@@ -128,6 +162,8 @@ class IncomingQuantization {
   std::map<uint32_t, size_t> op_left_ ABSL_GUARDED_BY(mu_);  // listed op -> not landed yet (1 or 0)
   std::vector<size_t> job_waits_ ABSL_GUARDED_BY(mu_);      // ops each job still waits for
   std::vector<bool> job_ready_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> job_amax_ ABSL_GUARDED_BY(mu_);  // NVFP4 jobs: the piece's largest magnitude
+  size_t groups_measured_ ABSL_GUARDED_BY(mu_) = 0;   // groups whose magnitude tasks all ran
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   int allowed_ ABSL_GUARDED_BY(mu_) = 1;  // threads that may run a task now
   int running_ ABSL_GUARDED_BY(mu_) = 0;

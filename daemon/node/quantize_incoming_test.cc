@@ -2,7 +2,9 @@
 
 #include <cstring>
 #include <random>
+#include <map>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -188,6 +190,110 @@ TEST(QuantizeIncomingTest, Nvfp4RanksOfOneEngineShareTheWholeTensorsGlobalScale)
   EXPECT_EQ(got, NvFp4GlobalScale(std::max(ShadowAbsMax(inv, live[0].pieces[0], before[0][0].host.data() + shadow[0].pieces[0].offset_bytes),
                                            ShadowAbsMax(inv, live[0].pieces[1], before[0][0].host.data() + shadow[0].pieces[1].offset_bytes))));
   EXPECT_LT(got, qk);
+
+  // The two ranks on two nodes, each with its own IncomingQuantization, exchanging their parts'
+  // magnitudes as the coordinator's ExchangeMagnitudes does (every node's parts, merged; both
+  // wait): each rank gets the whole tensors' scales, byte for byte what one node holding both
+  // ranks wrote.
+  struct Rendezvous {
+    absl::Mutex mu;
+    std::map<int32_t, std::pair<float, std::vector<planner::Box>>> merged ABSL_GUARDED_BY(mu);
+    int reported ABSL_GUARDED_BY(mu) = 0;
+    std::vector<bool> waited ABSL_GUARDED_BY(mu);
+  } rv;
+  auto exchange = [&](const std::vector<MagnitudePart>& parts, bool wait) -> absl::StatusOr<std::map<int32_t, TensorMagnitude>> {
+    absl::MutexLock l(&rv.mu);
+    for (const MagnitudePart& p : parts) {
+      auto& [amax, boxes] = rv.merged[p.tensor];
+      amax = std::max(amax, p.amax);
+      boxes.insert(boxes.end(), p.boxes.begin(), p.boxes.end());
+    }
+    ++rv.reported;
+    rv.waited.push_back(wait);
+    auto all = [&rv]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(rv.mu) { return rv.reported == 2; };
+    if (!rv.mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(30))) return absl::DeadlineExceededError("the other node");
+    std::map<int32_t, TensorMagnitude> out;
+    for (const auto& [t, m] : rv.merged) out[t] = {m.first, planner::BoxesCover(m.second, inv.tensors[static_cast<size_t>(t)].shape)};
+    return out;
+  };
+  StagedBytes apart[2] = {before[0], before[1]};
+  absl::StatusOr<QuantizeResult> results[2];
+  {
+    std::vector<std::thread> nodes;
+    for (int r = 0; r < 2; ++r) {
+      nodes.emplace_back([&, r] {
+        IncomingOptions o;
+        o.exchange = exchange;
+        auto q = IncomingQuantization::Start(inv, {target(r, &apart[r])}, 1, absl::Now() + absl::Seconds(30), o);
+        results[r] = q.ok() ? (*q)->Finish() : absl::StatusOr<QuantizeResult>(q.status());
+      });
+    }
+    for (std::thread& t : nodes) t.join();
+  }
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r].status();
+    EXPECT_EQ(results[r]->global_scales, 2);
+    EXPECT_EQ(results[r]->partial_global_scales, 0) << "rank " << r;
+    EXPECT_EQ(results[r]->exchanged_tensors, 3);
+    for (int64_t i = 0; i < 1448; ++i) {
+      ASSERT_EQ(apart[r][0].host[static_cast<size_t>(i)], staging[r][0].host[static_cast<size_t>(i)]) << "rank " << r << " byte " << i;
+    }
+  }
+  {
+    absl::MutexLock l(&rv.mu);
+    EXPECT_EQ(rv.waited, (std::vector<bool>{true, true}));
+  }
+
+  // A failed exchange fails the version (nothing is guessed); an empty answer (a coordinator that
+  // keeps no magnitudes) leaves the part's own, counted partial.
+  {
+    IncomingOptions o;
+    o.exchange = [](const std::vector<MagnitudePart>&, bool) -> absl::StatusOr<std::map<int32_t, TensorMagnitude>> {
+      return absl::AbortedError("version 1 aborted: node n1 went away");
+    };
+    StagedBytes s = before[0];
+    auto q = IncomingQuantization::Start(inv, {target(0, &s)}, 1, absl::Now() + absl::Seconds(30), o);
+    ASSERT_TRUE(q.ok()) << q.status();
+    absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kAborted) << r.status();
+    EXPECT_NE(r.status().message().find("NVFP4 magnitudes"), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("n1 went away"), std::string::npos) << r.status();
+  }
+  {
+    IncomingOptions o;
+    o.exchange = [](const std::vector<MagnitudePart>& parts, bool wait) -> absl::StatusOr<std::map<int32_t, TensorMagnitude>> {
+      EXPECT_TRUE(wait);
+      EXPECT_EQ(parts.size(), 3u);
+      return std::map<int32_t, TensorMagnitude>{};
+    };
+    StagedBytes s = before[0];
+    auto q = IncomingQuantization::Start(inv, {target(0, &s)}, 1, absl::Now() + absl::Seconds(30), o);
+    ASSERT_TRUE(q.ok()) << q.status();
+    absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->partial_global_scales, 2);
+    EXPECT_EQ(s[0].host, alone[0].host);
+  }
+  // Both ranks on one node: nothing partial, the exchange only reports (does not wait).
+  {
+    IncomingOptions o;
+    bool waited = true;
+    o.exchange = [&waited](const std::vector<MagnitudePart>& parts, bool wait) -> absl::StatusOr<std::map<int32_t, TensorMagnitude>> {
+      waited = wait;
+      EXPECT_EQ(parts.size(), 3u);
+      for (const MagnitudePart& p : parts) EXPECT_EQ(p.boxes.size(), 2u) << p.tensor;  // one box per rank
+      return std::map<int32_t, TensorMagnitude>{};
+    };
+    StagedBytes s0 = before[0], s1 = before[1];
+    auto q = IncomingQuantization::Start(inv, {target(0, &s0), target(1, &s1)}, 1, absl::Now() + absl::Seconds(30), o);
+    ASSERT_TRUE(q.ok()) << q.status();
+    absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(waited);
+    EXPECT_EQ(r->partial_global_scales, 0);
+    EXPECT_EQ(s0[0].host, staging[0][0].host);
+    EXPECT_EQ(s1[0].host, staging[1][0].host);
+  }
 }
 
 // IncomingQuantization: a piece is quantised once every op listed for it landed, not before; an

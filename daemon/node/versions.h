@@ -268,6 +268,13 @@ class Versions {
   // here is quantised. FinishQuantizing, after the buckets, quantises the rest, waits and logs.
   absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> StartQuantizing(Exec& exec, const node::Slice& slice);
   absl::Status FinishQuantizing(Exec& exec, node::IncomingQuantization& q);
+  // NVFP4 (node::MagnitudeExchange): this node's parts' magnitudes to the coordinator
+  // (ExchangeMagnitudes) and, with `wait`, the tensors' magnitudes over every node's parts. A
+  // coordinator that keeps none (a catch-up after its restart) or does not know the call: an empty
+  // answer (the partial groups keep their own magnitude, counted in the log); other errors fail
+  // the version when the answer is needed. A catch-up reports nothing and asks only with `wait`.
+  absl::StatusOr<std::map<int32_t, node::TensorMagnitude>> ExchangeMagnitudes(const Exec& exec, const std::vector<node::MagnitudePart>& parts,
+                                                                              bool wait);
 
   // Executor threads: a thread files its id in exec_done_ as its last step under mu_; the next
   // ExecuteVersion (and Join) joins those, so a daemon that runs for weeks at one version a

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "daemon/log.h"
+#include "daemon/node/deadlines.h"
 #include "daemon/node/quantize_incoming.h"
 #include "daemon/node/versions.h"
 
@@ -280,6 +281,7 @@ absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuant
   if (targets.empty()) return std::unique_ptr<node::IncomingQuantization>();
   node::IncomingOptions o;
   o.early_threads = options_.quantize_early_threads;
+  o.exchange = [this, &exec](const std::vector<node::MagnitudePart>& parts, bool wait) { return ExchangeMagnitudes(exec, parts, wait); };
   return node::IncomingQuantization::Start(plan.inventory, std::move(targets), exec.version, exec.deadline, o);
 }
 
@@ -291,8 +293,53 @@ absl::Status Versions::FinishQuantizing(Exec& exec, node::IncomingQuantization& 
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"pieces", r.pieces}, {"bytes", r.bytes},
        {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces}, {"ready_pieces", r.ready_pieces},
        {"global_scales", r.global_scales}, {"partial_global_scales", r.partial_global_scales},
+       {"exchanged_tensors", r.exchanged_tensors}, {"exchange_seconds", r.exchange_seconds},
        {"threads", r.threads}});
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<int32_t, node::TensorMagnitude>> Versions::ExchangeMagnitudes(const Exec& exec,
+                                                                                      const std::vector<node::MagnitudePart>& parts, bool wait) {
+  std::map<int32_t, node::TensorMagnitude> out;
+  if (exec.catch_up && !wait) return out;  // the committed version's book stays as its nodes made it
+  const planner::Inventory& inventory = exec.plan->inventory;
+  pb::ExchangeMagnitudesRequest req;
+  req.set_node_id(options_.node_id);
+  req.set_model_id(exec.model_id);
+  req.set_version(exec.version);
+  req.set_plan_epoch(exec.epoch);
+  req.set_coordinator_instance(exec.coordinator_instance);
+  req.set_catch_up(exec.catch_up);
+  req.set_wait(wait);
+  req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(exec.deadline - options_.clock->Now())));
+  std::map<std::string, int32_t> index;  // the tensors asked about
+  for (const node::MagnitudePart& p : parts) {
+    const std::string& name = inventory.tensors[static_cast<size_t>(p.tensor)].name;
+    index[name] = p.tensor;
+    if (exec.catch_up) continue;  // asks only: nothing to add to the committed version's book
+    pb::TensorMagnitude* t = req.add_parts();
+    t->set_tensor(name);
+    t->set_amax(p.amax);
+    for (const planner::Box& b : p.boxes) {
+      pb::Box* pbox = t->add_boxes();
+      for (int64_t x : b.begin) pbox->add_begin(x);
+      for (int64_t x : b.end) pbox->add_end(x);
+    }
+  }
+  pb::ExchangeMagnitudesResponse resp;
+  absl::Status s = coordinator_.client().ExchangeMagnitudes(req, &resp, CallTimeout(options_.clock, exec.deadline));
+  if (!s.ok()) {
+    if (wait && s.code() != absl::StatusCode::kNotFound && s.code() != absl::StatusCode::kUnimplemented) return s;
+    Log(LogLevel::kWarning, "NVFP4 magnitudes not exchanged",
+        {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"catch_up", exec.catch_up ? "yes" : "no"},
+         {"wait", wait ? "yes" : "no"}, {"error", s.message()}});
+    return out;
+  }
+  for (const pb::TensorMagnitude& t : resp.tensors()) {
+    auto it = index.find(t.tensor());
+    if (it != index.end()) out[it->second] = {t.amax(), t.whole()};
+  }
+  return out;
 }
 
 }  // namespace wb::daemon::node

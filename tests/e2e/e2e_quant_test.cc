@@ -12,7 +12,9 @@
 // e2m1 pairs, 1x16 blocks of e4m3 scales, a float32 global scale per local tensor that the fused
 // qkv_proj's q, k and v pieces share; quantised by the receiving nodes only) - also with both
 // ranks of one vLLM tp=2 engine on n1, whose global scales must come from the whole tensors
-// (ModelOpt's weight_scale_2 on every rank), not from each rank's half.
+// (ModelOpt's weight_scale_2 on every rank), not from each rank's half; and with rank r of that
+// engine on node r, where each node holds half of every tensor and the whole tensors' magnitudes
+// come from the coordinator's ExchangeMagnitudes (every node's parts merged).
 // Sender-side quantisation (issue 17.1): the coordinator plans it (the trainers' buffers are host
 // memory), so ops whose trainer shard holds whole blocks travel quantised - quantised by n0 before
 // sending, relayed as they are - and the rest falls back to the receiving node's quantiser: with
@@ -38,10 +40,11 @@ struct Case {
   std::string layout_source;  // preset | pieces
   std::string scheme;         // fp8_block128 | mxfp8 | w4a16_g32 | nvfp4
   int tp = 1;                 // 1: two tp=1 replicas, one per node; 2: one tp=2 replica on n1
+  bool split = false;         // tp=2: rank r on node r (the engine spans both nodes)
 };
 
 std::string CaseName(const testing::TestParamInfo<Case>& info) {
-  return info.param.mode + "_" + info.param.layout_source + "_" + info.param.scheme + (info.param.tp > 1 ? "_tp2" : "");
+  return info.param.mode + "_" + info.param.layout_source + "_" + info.param.scheme + (info.param.tp > 1 ? "_tp2" : "") + (info.param.split ? "_split" : "");
 }
 
 class QuantTest : public testing::TestWithParam<Case> {};
@@ -68,7 +71,7 @@ TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
   for (int r = 0; r < 2; ++r) trainers.push_back({true, 0, "megatron", 2, 1, 1, 1, r, r});
   for (int r = 0; r < 2; ++r) {
     WorkerSpec w{false, r, "vllm", 1, 1, 1, 2, r, 2};
-    if (c.tp == 2) w = WorkerSpec{false, 1, "vllm", 2, 1, 1, 1, r, 2};  // both ranks of one engine on n1
+    if (c.tp == 2) w = WorkerSpec{false, c.split ? r : 1, "vllm", 2, 1, 1, 1, r, 2};  // one engine: on n1, or rank r on node r
     w.extra_flags = {"--quantization=" + c.scheme};
     if (c.mode == "async") w.step_ms = 200;  // generate between updates: newer versions may supersede
     rollouts.push_back(w);
@@ -100,7 +103,7 @@ TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
   const bool nvfp4 = c.scheme == "nvfp4";
   EXPECT_EQ(absl::StrContains(cl.node(0)->LogTail(1 << 22), "msg=\"version quantised on send\""), !nvfp4) << cl.node(0)->LogTail();
   if (c.scheme == "fp8_block128" || nvfp4) {
-    for (int n = c.tp == 2 ? 1 : 0; n < 2; ++n) {
+    for (int n = c.tp == 2 && !c.split ? 1 : 0; n < 2; ++n) {
       const std::string log = cl.node(n)->LogTail(1 << 22);
       EXPECT_TRUE(absl::StrContains(log, "msg=\"version quantised\"")) << cl.node(n)->LogTail();
       // NVFP4: every global scale from whole tensors (a tp=1 rank holds them; the tp=2 engine's
@@ -108,6 +111,12 @@ TEST_P(QuantTest, QuantisedRolloutsMatchTheReferenceQuantisation) {
       // same magnitude in every half of a tensor, so the elements alone would not tell.)
       if (nvfp4) {
         EXPECT_TRUE(absl::StrContains(log, "partial_global_scales=0")) << log;
+        // Split: each node holds half of every tensor; the whole magnitudes came from the
+        // coordinator's exchange (every tensor of the half answered).
+        if (c.split) {
+          EXPECT_TRUE(absl::StrContains(log, "exchanged_tensors=")) << log;
+          EXPECT_FALSE(absl::StrContains(log, "exchanged_tensors=0")) << log;
+        }
         for (char d = '1'; d <= '9'; ++d) EXPECT_FALSE(absl::StrContains(log, absl::StrCat("partial_global_scales=", std::string(1, d)))) << log;
       }
     }
@@ -144,7 +153,8 @@ INSTANTIATE_TEST_SUITE_P(E2E, QuantTest,
                                          Case{"async", "preset", "fp8_block128"}, Case{"sync", "pieces", "mxfp8"},
                                          Case{"one_step_off", "preset", "mxfp8"}, Case{"async", "pieces", "mxfp8"},
                                          Case{"sync", "pieces", "w4a16_g32"}, Case{"sync", "preset", "nvfp4"},
-                                         Case{"one_step_off", "pieces", "nvfp4"}, Case{"sync", "preset", "nvfp4", 2}),
+                                         Case{"one_step_off", "pieces", "nvfp4"}, Case{"sync", "preset", "nvfp4", 2},
+                                         Case{"sync", "preset", "nvfp4", 2, true}, Case{"one_step_off", "pieces", "nvfp4", 2, true}),
                          CaseName);
 
 }  // namespace
