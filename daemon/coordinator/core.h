@@ -127,7 +127,7 @@ class CoordinatorCore {
   // NVFP4 global scales across nodes (magnitudes.cc, magnitude_book.h). A node of the version's
   // book adds its parts; with wait, the answer comes once every node of the book reported (the
   // request's timeout: DEADLINE_EXCEEDED naming the missing nodes; ABORTED when the version ends
-  // first). FAILED_PRECONDITION for a version not transferring, one without NVFP4 rollout pieces,
+  // first, or had ended). FAILED_PRECONDITION for a version not transferring, one without NVFP4 rollout pieces,
   // a node not in the book, or a call of an execution an earlier coordinator started; a catch-up
   // is answered from the committed version's book (NOT_FOUND when none is kept).
   absl::Status ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest& req, pb::ExchangeMagnitudesResponse* resp);

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -62,7 +63,8 @@ class Cluster {
     EXPECT_TRUE(core->RegisterNode(req, &resp).ok());
     return resp.incarnation();
   }
-  void Join(const std::string& node, const std::string& worker, pb::Role role, const pb::ModelSpec& spec) {
+  void Join(const std::string& node, const std::string& worker, pb::Role role, const pb::ModelSpec& spec,
+            std::optional<pb::SubmitLayoutRequest> layout = std::nullopt) {
     pb::JoinWorkerRequest j;
     j.set_node_id(node);
     j.set_worker_id(worker);
@@ -71,7 +73,7 @@ class Cluster {
     *j.mutable_model() = spec;
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
-    pb::SubmitLayoutRequest l = testing::WholeTensorLayout(node, worker);
+    pb::SubmitLayoutRequest l = layout.has_value() ? *layout : testing::WholeTensorLayout(node, worker);
     pb::SubmitLayoutResponse lr;
     absl::Status s = core->SubmitLayout(l, &lr);
     ASSERT_TRUE(s.ok()) << s;
@@ -268,6 +270,138 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   EXPECT_EQ(st.versions(0).state(), "aborted");
   EXPECT_NE(st.versions(0).error().find("timed out after 30s"), std::string::npos) << st.versions(0).error();
   EXPECT_TRUE(st.nodes(0).alive());
+}
+
+// NVFP4 rollout rows [row0, row0 + 2) of w (4x4): e2m1 pairs at 0, e4m3 block scales at 8, the
+// global scale (weight_scale_2) at 12.
+pb::SubmitLayoutRequest Nvfp4Rows(const std::string& node, const std::string& worker, int64_t row0) {
+  pb::SubmitLayoutRequest req = testing::WholeTensorLayout(node, worker);
+  pb::Piece* p = req.mutable_layout()->mutable_pieces()->mutable_pieces(0);
+  p->mutable_box()->set_begin(0, row0);
+  p->mutable_box()->set_end(0, row0 + 2);
+  p->set_quant_dtype(pb::DTYPE_F4_E2M1);
+  p->add_quant_block(1);
+  p->add_quant_block(16);
+  p->set_scale_buffer_id(0);
+  p->set_scale_offset_bytes(8);
+  p->set_quant_scale_dtype(pb::DTYPE_F8_E4M3);
+  p->set_quant_global_scale_offset(12);
+  return req;
+}
+
+pb::ExchangeMagnitudesRequest Magnitudes(const std::string& node, uint64_t v, float amax, int64_t row0, bool wait, int64_t timeout_ms = 20000) {
+  pb::ExchangeMagnitudesRequest r;
+  r.set_node_id(node);
+  r.set_model_id("m");
+  r.set_version(v);
+  r.set_wait(wait);
+  r.set_timeout_ms(timeout_ms);
+  pb::TensorMagnitude* t = r.add_parts();
+  t->set_tensor("w");
+  t->set_amax(amax);
+  pb::Box* b = t->add_boxes();
+  b->add_begin(row0);
+  b->add_begin(0);
+  b->add_end(row0 + 2);
+  b->add_end(4);
+  return r;
+}
+
+// NVFP4 global scales across nodes: one engine's two ranks on n0 and n1, each holding half of w.
+// A node that needs the whole tensor's magnitude waits until the other reported; the answer is
+// the magnitude over both halves, whole; a catch-up of the committed version gets the same again;
+// a version aborted meanwhile ends the wait (ABORTED), a node that never reports ends it at the
+// request's timeout (DEADLINE_EXCEEDED naming it).
+TEST(CoreMagnitudesTest, HalvesOnTwoNodesGetTheWholeTensorsMagnitude) {
+  Cluster c;
+  c.report_done = false;
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 2, pb::MODE_ASYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec, Nvfp4Rows("n0", "r0", 0));
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec, Nvfp4Rows("n1", "r1", 2));
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  auto started = [&c](int n) {
+    return c.fakes.at("n0")->AwaitCalls([n](const FakeNodeClient::Calls& k) { return k.execute >= n; }, absl::Now() + kReal) &&
+           c.fakes.at("n1")->AwaitCalls([n](const FakeNodeClient::Calls& k) { return k.execute >= n; }, absl::Now() + kReal);
+  };
+  auto done = [&c](const std::string& node, uint64_t v, bool ok) {
+    pb::ReportDoneRequest d;
+    d.set_node_id(node);
+    d.set_model_id("m");
+    d.set_version(v);
+    d.set_ok(ok);
+    if (!ok) d.set_error("rollout r1 went away");
+    pb::ReportDoneResponse resp;
+    return c.core->ReportDone(d, &resp);
+  };
+  std::thread publish1([&] { EXPECT_TRUE(c.Publish(1).ok()); });
+  ASSERT_TRUE(started(1));
+  publish1.join();
+
+  // Before the version's nodes answer: a node outside the book, and a tensor nobody has.
+  pb::ExchangeMagnitudesResponse resp;
+  absl::Status s = c.core->ExchangeMagnitudes(Magnitudes("n7", 1, 1.0f, 0, false), &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  pb::ExchangeMagnitudesRequest bad = Magnitudes("n1", 1, 1.0f, 0, false);
+  bad.mutable_parts(0)->set_tensor("v");
+  s = c.core->ExchangeMagnitudes(bad, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  pb::ExchangeMagnitudesResponse got0;
+  absl::Status s0;
+  std::thread n0([&] { s0 = c.core->ExchangeMagnitudes(Magnitudes("n0", 1, 2.0f, 0, true), &got0); });
+  pb::ExchangeMagnitudesResponse got1;
+  ASSERT_TRUE(c.core->ExchangeMagnitudes(Magnitudes("n1", 1, 5.0f, 2, false), &got1).ok());
+  EXPECT_EQ(got1.tensors_size(), 0);  // only reported
+  n0.join();
+  ASSERT_TRUE(s0.ok()) << s0;
+  ASSERT_EQ(got0.tensors_size(), 1) << got0.ShortDebugString();
+  EXPECT_EQ(got0.tensors(0).tensor(), "w");
+  EXPECT_EQ(got0.tensors(0).amax(), 5.0f);
+  EXPECT_TRUE(got0.tensors(0).whole());
+  ASSERT_TRUE(done("n0", 1, true).ok());
+  ASSERT_TRUE(done("n1", 1, true).ok());
+  pb::WaitVersionRequest w;
+  w.set_model_id("m");
+  w.set_version(1);
+  w.set_timeout_ms(20000);
+  pb::WaitVersionResponse wr;
+  ASSERT_TRUE(c.core->WaitVersion(w, &wr).ok());
+
+  // A catch-up of version 1 (say r1 restarted) asks without adding: the same answer.
+  pb::ExchangeMagnitudesRequest ask = Magnitudes("n1", 1, 0.5f, 2, true);
+  ask.set_catch_up(true);
+  pb::ExchangeMagnitudesResponse again;
+  ASSERT_TRUE(c.core->ExchangeMagnitudes(ask, &again).ok());
+  ASSERT_EQ(again.tensors_size(), 1);
+  EXPECT_EQ(again.tensors(0).amax(), 5.0f);
+  EXPECT_TRUE(again.tensors(0).whole());
+  ask.set_version(7);
+  s = c.core->ExchangeMagnitudes(ask, &again);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+
+  // Version 2 aborted while n0 waits: ABORTED with the reason.
+  std::thread publish2([&] { (void)c.Publish(2); });
+  ASSERT_TRUE(started(2));
+  publish2.join();
+  std::thread n0b([&] { s0 = c.core->ExchangeMagnitudes(Magnitudes("n0", 2, 2.0f, 0, true), &got0); });
+  ASSERT_TRUE(done("n1", 2, false).ok());
+  n0b.join();
+  EXPECT_EQ(s0.code(), absl::StatusCode::kAborted) << s0;
+  EXPECT_NE(s0.message().find("went away"), std::string::npos) << s0;
+
+  // Version 3: n1 never reports; n0's wait ends at its timeout, naming n1.
+  std::thread publish3([&] { (void)c.Publish(3); });
+  ASSERT_TRUE(started(3));
+  publish3.join();
+  s0 = c.core->ExchangeMagnitudes(Magnitudes("n0", 3, 2.0f, 0, true, 200), &got0);
+  EXPECT_EQ(s0.code(), absl::StatusCode::kDeadlineExceeded) << s0;
+  EXPECT_NE(s0.message().find("n1"), std::string::npos) << s0;
+  // The committed version's book is still there for catch-ups.
+  ask.set_version(1);
+  EXPECT_TRUE(c.core->ExchangeMagnitudes(ask, &again).ok());
 }
 
 }  // namespace

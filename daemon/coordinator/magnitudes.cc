@@ -55,6 +55,10 @@ absl::Status CoordinatorCore::ExchangeMagnitudes(const pb::ExchangeMagnitudesReq
       inventory = m->inventory;
     } else {
       const VersionRecord* rec = m->machine->Find(v);
+      if (rec != nullptr && (rec->state == VState::kAborted || rec->state == VState::kSuperseded)) {
+        return absl::AbortedError(absl::StrCat("version ", v, " of model ", req.model_id(), " ended (", VStateName(rec->state), ")",
+                                               rec->error.empty() ? "" : ": ", rec->error));
+      }
       if (rec == nullptr || rec->state != VState::kTransferring) {
         return absl::FailedPreconditionError(absl::StrCat("version ", v, " of model ", req.model_id(), " is not transferring (",
                                                           rec == nullptr ? "unknown" : VStateName(rec->state), ")"));

@@ -465,6 +465,10 @@ class RpcProbeTest : public ::testing::Test {
            "source_digests { op: 0 digest: 1 } landed_digests { op: 0 digest: 2 }");
     } else if (name == "CoordinatorService/ReportApplied") {
       text("node_id: 'n5' model_id: 'm' worker_id: 'r0' version: 1");
+    } else if (name == "CoordinatorService/ExchangeMagnitudes") {
+      // A node that holds no NVFP4 piece, naming a tensor that does not exist, asking to wait.
+      text("node_id: 'n5' model_id: 'm' version: 1 wait: true timeout_ms: 200 "
+           "parts { tensor: 'no.such.weight' amax: 1e30 boxes { begin: 0 end: 99999 } }");
     } else if (name == "CoordinatorService/Plan") {
       text("model_id: 'm'");
     } else if (name == "CoordinatorService/WatchStatus") {
@@ -670,6 +674,7 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
       {"ReportReady", "node_id: 'n0' model_id: 'm' worker_id: 'r0'"},
       {"ReportDone", "node_id: 'n0' model_id: 'm' version: 1 ok: false error: 'forged'"},
       {"ReportApplied", "node_id: 'n0' model_id: 'm' worker_id: 'r0' version: 1"},
+      {"ExchangeMagnitudes", "node_id: 'n0' model_id: 'm' version: 1 wait: true timeout_ms: 100"},
   };
   for (const auto& [name, text] : scoped) {
     const MethodDescriptor* m = Service("CoordinatorService")->FindMethodByName(name);
