@@ -78,7 +78,7 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              return Uncounted(CheckModelSpec(req.model(), o.limits));
            }));
   // Each blocked call holds a server thread: at most max_blocked_calls at once.
-  auto blocked = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.WaitVersion", o.limits.max_blocked_calls);
+  auto blocked = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.WaitVersion / ExchangeMagnitudes", o.limits.max_blocked_calls);
   gate.Add(std::string(kCoordinator) + "WaitVersion", Rule<pb::WaitVersionRequest>([o, blocked](AuthCall& call, pb::WaitVersionRequest&) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
              absl::StatusOr<BlockedCalls::Slot> slot = blocked->Acquire();
@@ -86,13 +86,13 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              call.slot.emplace(std::move(*slot));
              return Verdict::Ok();
            }));
-  // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes (a blocked call).
-  auto exchanges = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.ExchangeMagnitudes", o.limits.max_blocked_calls);
+  // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes: a blocked call,
+  // from the same slots as WaitVersion (the server's threads are sized for one pool).
   gate.Add(std::string(kCoordinator) + "ExchangeMagnitudes",
-           Rule<pb::ExchangeMagnitudesRequest>([o, exchanges](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
+           Rule<pb::ExchangeMagnitudesRequest>([o, blocked](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
              if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
              if (!req.wait()) return Verdict::Ok();
-             absl::StatusOr<BlockedCalls::Slot> slot = exchanges->Acquire();
+             absl::StatusOr<BlockedCalls::Slot> slot = blocked->Acquire();
              if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
              call.slot.emplace(std::move(*slot));
              return Verdict::Ok();
