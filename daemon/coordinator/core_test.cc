@@ -95,6 +95,14 @@ class Cluster {
     pb::PublishResponse resp;
     return core->Publish(p, &resp);
   }
+  absl::Status WaitVersion(uint64_t v, int64_t timeout_ms = 20000) {
+    pb::WaitVersionRequest w;
+    w.set_model_id("m");
+    w.set_version(v);
+    w.set_timeout_ms(timeout_ms);
+    pb::WaitVersionResponse wr;
+    return core->WaitVersion(w, &wr);
+  }
   pb::StatusResponse Status() {
     pb::StatusResponse st;
     EXPECT_TRUE(core->ClusterStatus(pb::StatusRequest(), &st).ok());
@@ -178,12 +186,7 @@ TEST(CoreCommitTest, AsyncCommitOwedToAnUnreachableNodeIsRetried) {
   c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec);
   ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
   ASSERT_TRUE(c.Publish(1).ok());
-  pb::WaitVersionRequest w;
-  w.set_model_id("m");
-  w.set_version(1);
-  w.set_timeout_ms(20000);
-  pb::WaitVersionResponse wr;
-  ASSERT_TRUE(c.core->WaitVersion(w, &wr).ok());
+  ASSERT_TRUE(c.WaitVersion(1).ok());
   EXPECT_TRUE(c.fakes.at("n1")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.committed.size() == 1; }, absl::Now() + kReal))
       << "the owed commit was never delivered";
 }
@@ -228,12 +231,7 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   absl::Notification returned;
   const absl::Time wait_deadline = clock.Now() + absl::Seconds(10);
   std::thread waiter([&] {
-    pb::WaitVersionRequest w;
-    w.set_model_id("m");
-    w.set_version(1);
-    w.set_timeout_ms(10000);
-    pb::WaitVersionResponse wr;
-    waited = c.core->WaitVersion(w, &wr);
+    waited = c.WaitVersion(1, 10000);
     returned.Notify();
   });
   // The waiter must be waiting on the clock before simulated time moves: a thread that starts
@@ -363,12 +361,7 @@ TEST(CoreMagnitudesTest, HalvesOnTwoNodesGetTheWholeTensorsMagnitude) {
   EXPECT_TRUE(got0.tensors(0).whole());
   ASSERT_TRUE(done("n0", 1, true).ok());
   ASSERT_TRUE(done("n1", 1, true).ok());
-  pb::WaitVersionRequest w;
-  w.set_model_id("m");
-  w.set_version(1);
-  w.set_timeout_ms(20000);
-  pb::WaitVersionResponse wr;
-  ASSERT_TRUE(c.core->WaitVersion(w, &wr).ok());
+  ASSERT_TRUE(c.WaitVersion(1).ok());
 
   // A catch-up of version 1 (say r1 restarted) asks without adding: the same answer.
   pb::ExchangeMagnitudesRequest ask = Magnitudes("n1", 1, 0.5f, 2, true);

@@ -9,6 +9,7 @@
 #include "daemon/node/deadlines.h"
 #include "daemon/node/quantize_incoming.h"
 #include "daemon/node/versions.h"
+#include "proto/convert.h"
 
 namespace wb::daemon::node {
 
@@ -320,11 +321,7 @@ absl::StatusOr<std::map<int32_t, node::TensorMagnitude>> Versions::ExchangeMagni
     pb::TensorMagnitude* t = req.add_parts();
     t->set_tensor(name);
     t->set_amax(p.amax);
-    for (const planner::Box& b : p.boxes) {
-      pb::Box* pbox = t->add_boxes();
-      for (int64_t x : b.begin) pbox->add_begin(x);
-      for (int64_t x : b.end) pbox->add_end(x);
-    }
+    for (const planner::Box& b : p.boxes) convert::ToProto(b, t->add_boxes());
   }
   pb::ExchangeMagnitudesResponse resp;
   absl::Status s = coordinator_.client().ExchangeMagnitudes(req, &resp, CallTimeout(options_.clock, exec.deadline));
