@@ -203,6 +203,7 @@ std::vector<grpc::Status> Cluster::Publish(const std::string& model, pb::Mode mo
     } else {
       Fill(*t, v);
     }
+    if (after_fill) after_fill(*t, v);
   }
   if (mode == pb::MODE_SYNC) {
     for (TestWorker* r : rollouts) {

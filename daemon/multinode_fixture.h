@@ -88,6 +88,8 @@ class Cluster {
 
   // > 0: Publish fills trainers with FillDelta(version, delta_fraction) instead of Fill (deltas).
   double delta_fraction = 0;
+  // Set: Publish calls it for each trainer after filling it (a test's own change to the weights).
+  std::function<void(TestWorker&, uint64_t)> after_fill;
   std::unique_ptr<Server> coord_;
   std::vector<std::unique_ptr<Server>> nodes_;
   // Node index -> worker socket of a node daemon running in another process (live_restart_test).
