@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -78,7 +79,7 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              return Uncounted(CheckModelSpec(req.model(), o.limits));
            }));
   // Each blocked call holds a server thread: at most max_blocked_calls at once.
-  auto blocked = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.WaitVersion / ExchangeMagnitudes", o.limits.max_blocked_calls);
+  auto blocked = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.WaitVersion", o.limits.max_blocked_calls);
   gate.Add(std::string(kCoordinator) + "WaitVersion", Rule<pb::WaitVersionRequest>([o, blocked](AuthCall& call, pb::WaitVersionRequest&) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
              absl::StatusOr<BlockedCalls::Slot> slot = blocked->Acquire();
@@ -86,13 +87,17 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              call.slot.emplace(std::move(*slot));
              return Verdict::Ok();
            }));
-  // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes: a blocked call,
-  // from the same slots as WaitVersion (the server's threads are sized for one pool).
+  // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes. Its own slots
+  // (workers' WaitVersion calls must not starve the exchange their version needs), a quarter of
+  // --max_blocked_calls (at least 16): one waiting call per node and model in flight, inside the
+  // 256 threads the server has beyond the blocked calls.
+  auto exchanges = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.ExchangeMagnitudes",
+                                                  std::max(16, o.limits.max_blocked_calls / 4));
   gate.Add(std::string(kCoordinator) + "ExchangeMagnitudes",
-           Rule<pb::ExchangeMagnitudesRequest>([o, blocked](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
+           Rule<pb::ExchangeMagnitudesRequest>([o, exchanges](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
              if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
              if (!req.wait()) return Verdict::Ok();
-             absl::StatusOr<BlockedCalls::Slot> slot = blocked->Acquire();
+             absl::StatusOr<BlockedCalls::Slot> slot = exchanges->Acquire();
              if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
              call.slot.emplace(std::move(*slot));
              return Verdict::Ok();

@@ -354,6 +354,7 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
       AbortLocked(req.model_id(), *m, req.version(), std::string(d.message()));
       return absl::OkStatus();
     }
+    MagnitudesDoneLocked(*m, req.node_id(), req.version());
     m->progress[req.version()][req.node_id()] = req.bytes();
     m->deltas[req.version()][req.node_id()] = {req.delta_stream_bytes(), req.delta_replaced_bytes(), req.delta_fallback_bytes()};
     while (m->deltas.size() > kVersionDetailsKept) m->deltas.erase(m->deltas.begin());

@@ -186,6 +186,9 @@ class CoordinatorCore {
   // NVFP4 magnitudes (magnitudes.cc): version v's book, for the nodes holding NVFP4 rollout pieces
   // of the current plan (none: no book); older books go, but the committed version's.
   void StartMagnitudesLocked(const std::string& model_id, Model& m, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A node reported v done: it counts as having reported its magnitudes (none, if it did not),
+  // so no node waits for it any longer.
+  void MagnitudesDoneLocked(Model& m, const std::string& node, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock); `plan_epoch` > 0
   // ends only that execution of `version` (a catch-up attempt), 0 whatever runs for it.
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,

@@ -287,7 +287,7 @@ pb::SubmitLayoutRequest Nvfp4Rows(const std::string& node, const std::string& wo
   return req;
 }
 
-pb::ExchangeMagnitudesRequest Magnitudes(const std::string& node, uint64_t v, float amax, int64_t row0, bool wait, int64_t timeout_ms = 20000) {
+pb::ExchangeMagnitudesRequest Magnitudes(const std::string& node, uint64_t v, float amax, bool wait, int64_t timeout_ms = 20000) {
   pb::ExchangeMagnitudesRequest r;
   r.set_node_id(node);
   r.set_model_id("m");
@@ -297,21 +297,19 @@ pb::ExchangeMagnitudesRequest Magnitudes(const std::string& node, uint64_t v, fl
   pb::TensorMagnitude* t = r.add_parts();
   t->set_tensor("w");
   t->set_amax(amax);
-  pb::Box* b = t->add_boxes();
-  b->add_begin(row0);
-  b->add_begin(0);
-  b->add_end(row0 + 2);
-  b->add_end(4);
   return r;
 }
 
-// NVFP4 global scales across nodes: one engine's two ranks on n0 and n1, each holding half of w.
-// A node that needs the whole tensor's magnitude waits until the other reported; the answer is
-// the magnitude over both halves, whole; a catch-up of the committed version gets the same again;
-// a version aborted meanwhile ends the wait (ABORTED), a node that never reports ends it at the
-// request's timeout (DEADLINE_EXCEEDED naming it).
+// NVFP4 global scales across nodes: one engine's two ranks on n0 and n1, each holding half of w,
+// in simulated time (each wait is seen blocked on the clock before the other side acts). A node
+// that needs the whole tensor's magnitude waits until the other reported; the answer is the
+// magnitude over both halves, whole; a catch-up of the committed version gets the same again; a
+// version aborted meanwhile ends the wait (ABORTED), a node done without its magnitudes ends it
+// (partial answer), a node that never reports ends it at the request's timeout (DEADLINE_EXCEEDED
+// naming it).
 TEST(CoreMagnitudesTest, HalvesOnTwoNodesGetTheWholeTensorsMagnitude) {
-  Cluster c;
+  FakeClock clock;
+  Cluster c(&clock);
   c.report_done = false;
   c.Register("n0");
   c.Register("n1");
@@ -320,9 +318,13 @@ TEST(CoreMagnitudesTest, HalvesOnTwoNodesGetTheWholeTensorsMagnitude) {
   c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec, Nvfp4Rows("n0", "r0", 0));
   c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec, Nvfp4Rows("n1", "r1", 2));
   ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
-  auto started = [&c](int n) {
-    return c.fakes.at("n0")->AwaitCalls([n](const FakeNodeClient::Calls& k) { return k.execute >= n; }, absl::Now() + kReal) &&
-           c.fakes.at("n1")->AwaitCalls([n](const FakeNodeClient::Calls& k) { return k.execute >= n; }, absl::Now() + kReal);
+  auto start = [&c](uint64_t v) {
+    std::thread publish([&c, v] { (void)c.Publish(v); });
+    const bool started =
+        c.fakes.at("n0")->AwaitCalls([v](const FakeNodeClient::Calls& k) { return k.execute >= static_cast<int>(v); }, absl::Now() + kReal) &&
+        c.fakes.at("n1")->AwaitCalls([v](const FakeNodeClient::Calls& k) { return k.execute >= static_cast<int>(v); }, absl::Now() + kReal);
+    publish.join();
+    return started;
   };
   auto done = [&c](const std::string& node, uint64_t v, bool ok) {
     pb::ReportDoneRequest d;
@@ -334,37 +336,46 @@ TEST(CoreMagnitudesTest, HalvesOnTwoNodesGetTheWholeTensorsMagnitude) {
     pb::ReportDoneResponse resp;
     return c.core->ReportDone(d, &resp);
   };
-  std::thread publish1([&] { EXPECT_TRUE(c.Publish(1).ok()); });
-  ASSERT_TRUE(started(1));
-  publish1.join();
+  // n0 asks with wait in a thread; returns once that call is blocked on the clock.
+  struct Waiter {
+    std::thread thread;
+    absl::Status status;
+    pb::ExchangeMagnitudesResponse resp;
+  };
+  auto wait_n0 = [&c, &clock](Waiter& w, uint64_t v, int64_t timeout_ms) {
+    const absl::Time deadline = clock.Now() + absl::Milliseconds(timeout_ms);
+    w.thread = std::thread([&c, &w, v, timeout_ms] { w.status = c.core->ExchangeMagnitudes(Magnitudes("n0", v, 2.0f, true, timeout_ms), &w.resp); });
+    return clock.AwaitWaiter(deadline, absl::Now() + kReal);
+  };
+  ASSERT_TRUE(start(1));
 
-  // Before the version's nodes answer: a node outside the book, and a tensor nobody has.
+  // A node outside the book, and a tensor the node holds no NVFP4 piece of.
   pb::ExchangeMagnitudesResponse resp;
-  absl::Status s = c.core->ExchangeMagnitudes(Magnitudes("n7", 1, 1.0f, 0, false), &resp);
+  absl::Status s = c.core->ExchangeMagnitudes(Magnitudes("n7", 1, 1.0f, false), &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  pb::ExchangeMagnitudesRequest bad = Magnitudes("n1", 1, 1.0f, 0, false);
+  pb::ExchangeMagnitudesRequest bad = Magnitudes("n1", 1, 1.0f, false);
   bad.mutable_parts(0)->set_tensor("v");
   s = c.core->ExchangeMagnitudes(bad, &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 
-  pb::ExchangeMagnitudesResponse got0;
-  absl::Status s0;
-  std::thread n0([&] { s0 = c.core->ExchangeMagnitudes(Magnitudes("n0", 1, 2.0f, 0, true), &got0); });
+  // n0 waits for n1's half.
+  Waiter w1;
+  ASSERT_TRUE(wait_n0(w1, 1, 20000));
   pb::ExchangeMagnitudesResponse got1;
-  ASSERT_TRUE(c.core->ExchangeMagnitudes(Magnitudes("n1", 1, 5.0f, 2, false), &got1).ok());
+  ASSERT_TRUE(c.core->ExchangeMagnitudes(Magnitudes("n1", 1, 5.0f, false), &got1).ok());
   EXPECT_EQ(got1.tensors_size(), 0);  // only reported
-  n0.join();
-  ASSERT_TRUE(s0.ok()) << s0;
-  ASSERT_EQ(got0.tensors_size(), 1) << got0.ShortDebugString();
-  EXPECT_EQ(got0.tensors(0).tensor(), "w");
-  EXPECT_EQ(got0.tensors(0).amax(), 5.0f);
-  EXPECT_TRUE(got0.tensors(0).whole());
+  w1.thread.join();
+  ASSERT_TRUE(w1.status.ok()) << w1.status;
+  ASSERT_EQ(w1.resp.tensors_size(), 1) << w1.resp.ShortDebugString();
+  EXPECT_EQ(w1.resp.tensors(0).tensor(), "w");
+  EXPECT_EQ(w1.resp.tensors(0).amax(), 5.0f);
+  EXPECT_TRUE(w1.resp.tensors(0).whole());
   ASSERT_TRUE(done("n0", 1, true).ok());
   ASSERT_TRUE(done("n1", 1, true).ok());
   ASSERT_TRUE(c.WaitVersion(1).ok());
 
   // A catch-up of version 1 (say r1 restarted) asks without adding: the same answer.
-  pb::ExchangeMagnitudesRequest ask = Magnitudes("n1", 1, 0.5f, 2, true);
+  pb::ExchangeMagnitudesRequest ask = Magnitudes("n1", 1, 0.5f, true);
   ask.set_catch_up(true);
   pb::ExchangeMagnitudesResponse again;
   ASSERT_TRUE(c.core->ExchangeMagnitudes(ask, &again).ok());
@@ -376,25 +387,41 @@ TEST(CoreMagnitudesTest, HalvesOnTwoNodesGetTheWholeTensorsMagnitude) {
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
 
   // Version 2 aborted while n0 waits: ABORTED with the reason.
-  std::thread publish2([&] { (void)c.Publish(2); });
-  ASSERT_TRUE(started(2));
-  publish2.join();
-  std::thread n0b([&] { s0 = c.core->ExchangeMagnitudes(Magnitudes("n0", 2, 2.0f, 0, true), &got0); });
+  ASSERT_TRUE(start(2));
+  Waiter w2;
+  ASSERT_TRUE(wait_n0(w2, 2, 20000));
   ASSERT_TRUE(done("n1", 2, false).ok());
-  n0b.join();
-  EXPECT_EQ(s0.code(), absl::StatusCode::kAborted) << s0;
-  EXPECT_NE(s0.message().find("went away"), std::string::npos) << s0;
+  w2.thread.join();
+  EXPECT_EQ(w2.status.code(), absl::StatusCode::kAborted) << w2.status;
+  EXPECT_NE(w2.status.message().find("went away"), std::string::npos) << w2.status;
 
-  // Version 3: n1 never reports; n0's wait ends at its timeout, naming n1.
-  std::thread publish3([&] { (void)c.Publish(3); });
-  ASSERT_TRUE(started(3));
-  publish3.join();
-  s0 = c.core->ExchangeMagnitudes(Magnitudes("n0", 3, 2.0f, 0, true, 200), &got0);
-  EXPECT_EQ(s0.code(), absl::StatusCode::kDeadlineExceeded) << s0;
-  EXPECT_NE(s0.message().find("n1"), std::string::npos) << s0;
-  // The committed version's book is still there for catch-ups.
-  ask.set_version(1);
+  // Version 3: n1 reports the version done without its magnitudes (its report was lost): n0 is
+  // answered at once with its own half, not whole.
+  ASSERT_TRUE(start(3));
+  Waiter w3;
+  ASSERT_TRUE(wait_n0(w3, 3, 20000));
+  ASSERT_TRUE(done("n1", 3, true).ok());
+  w3.thread.join();
+  ASSERT_TRUE(w3.status.ok()) << w3.status;
+  ASSERT_EQ(w3.resp.tensors_size(), 1);
+  EXPECT_EQ(w3.resp.tensors(0).amax(), 2.0f);
+  EXPECT_FALSE(w3.resp.tensors(0).whole());
+  ASSERT_TRUE(done("n0", 3, true).ok());
+  ASSERT_TRUE(c.WaitVersion(3).ok());
+
+  // Version 4: n1 never reports; n0's wait ends at its timeout, naming n1.
+  ASSERT_TRUE(start(4));
+  Waiter w4;
+  ASSERT_TRUE(wait_n0(w4, 4, 200));
+  clock.Advance(absl::Milliseconds(300));
+  w4.thread.join();
+  EXPECT_EQ(w4.status.code(), absl::StatusCode::kDeadlineExceeded) << w4.status;
+  EXPECT_NE(w4.status.message().find("n1"), std::string::npos) << w4.status;
+  // The committed version's book (3) is there for catch-ups; version 1's is gone.
+  ask.set_version(3);
   EXPECT_TRUE(c.core->ExchangeMagnitudes(ask, &again).ok());
+  ask.set_version(1);
+  EXPECT_EQ(c.core->ExchangeMagnitudes(ask, &again).code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

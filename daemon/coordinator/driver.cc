@@ -277,6 +277,12 @@ void CoordinatorCore::PlannerLoop() {
 void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t membership, const SliceInput& in,
                               const PlanSettings& settings) {
   absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
+  std::shared_ptr<const MagnitudePlan> magnitudes;  // NVFP4: made here, outside the lock
+  if (outcome.ok()) {
+    std::vector<MagnitudeWorker> mw;
+    for (const SliceWorker& w : in.workers) mw.push_back({w.node, w.role == planner::Role::kRollout, w.layout.get()});
+    magnitudes = MakeMagnitudePlan(mw, *in.inventory);
+  }
   std::vector<std::pair<std::shared_ptr<NodeClient>, std::string>> installs;  // client, node
   {
     absl::MutexLock l(&mu_);
@@ -310,6 +316,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
       (w.role == planner::Role::kTrainer ? trainers : rollouts).insert(w.id);
     }
     m->plan.total_bytes = outcome->slices.total_bytes;
+    m->plan.magnitudes = std::move(magnitudes);
     m->plan.installed = false;
     m->machine->SetTrainers(trainers);
     m->machine->SetRollouts(rollouts);

@@ -20,15 +20,13 @@ void CoordinatorCore::StartMagnitudesLocked(const std::string& model_id, Model& 
   for (auto it = m.magnitudes.begin(); it != m.magnitudes.end();) {
     it = (it->first != committed || it->first >= v) ? m.magnitudes.erase(it) : std::next(it);
   }
-  std::vector<MagnitudeWorker> workers;
-  for (const std::string& id : m.plan.worker_ids) {
-    auto rec = m.workers.find(id);
-    if (rec == m.workers.end()) continue;
-    workers.push_back({rec->second.node, rec->second.role == planner::Role::kRollout, rec->second.layout.get()});
-  }
-  std::set<std::string> nodes = MagnitudeNodes(workers);
-  if (nodes.empty()) return;
-  m.magnitudes.emplace(v, MagnitudeBook(model_id, v, std::move(nodes), m.inventory));
+  if (m.plan.magnitudes == nullptr || m.plan.magnitudes->held.empty()) return;
+  m.magnitudes.emplace(v, MagnitudeBook(model_id, v, m.plan.magnitudes));
+}
+
+void CoordinatorCore::MagnitudesDoneLocked(Model& m, const std::string& node, uint64_t v) {
+  auto book = m.magnitudes.find(v);
+  if (book != m.magnitudes.end()) book->second.MarkDone(node);
 }
 
 absl::Status CoordinatorCore::ExchangeMagnitudes(const pb::ExchangeMagnitudesRequest& req, pb::ExchangeMagnitudesResponse* resp) {
@@ -38,7 +36,7 @@ absl::Status CoordinatorCore::ExchangeMagnitudes(const pb::ExchangeMagnitudesReq
   }
   const absl::Time deadline = Deadline(req.timeout_ms());
   const uint64_t v = req.version();
-  std::shared_ptr<const MagnitudeBook::Parts> parts;
+  MagnitudeBook::Snap snap;
   std::shared_ptr<const planner::Inventory> inventory;
   {
     absl::MutexLock l(&mu_);
@@ -51,7 +49,7 @@ absl::Status CoordinatorCore::ExchangeMagnitudes(const pb::ExchangeMagnitudesReq
         return absl::NotFoundError(absl::StrCat("no NVFP4 magnitudes kept for version ", v, " of model ", req.model_id(),
                                                 " (committed: ", m->machine->committed(), ")"));
       }
-      parts = book->second.Snapshot();
+      snap = book->second.Snapshot();
       inventory = m->inventory;
     } else {
       const VersionRecord* rec = m->machine->Find(v);
@@ -94,11 +92,11 @@ absl::Status CoordinatorCore::ExchangeMagnitudes(const pb::ExchangeMagnitudesReq
         return absl::AbortedError(absl::StrCat("version ", v, " of model ", req.model_id(), " ended while waiting for NVFP4 magnitudes",
                                                r != nullptr && !r->error.empty() ? ": " : "", r != nullptr ? r->error : ""));
       }
-      parts = book->second.Snapshot();
+      snap = book->second.Snapshot();
       inventory = m->inventory;
     }
   }
-  MagnitudeBook::Answer(*parts, *inventory, resp);  // coverage per tensor: outside the lock
+  MagnitudeBook::Answer(snap, *inventory, resp);  // coverage per tensor: outside the lock
   return absl::OkStatus();
 }
 

@@ -87,6 +87,9 @@ class ModelRegistry {
     std::set<std::string> nodes;
     uint64_t total_bytes = 0;
     bool installed = false;
+    // NVFP4 (magnitudes.cc): what each node's rollouts hold of NVFP4 tensors, made with the plan
+    // (outside the lock); null or empty: no version of this plan opens a magnitude book.
+    std::shared_ptr<const MagnitudePlan> magnitudes;
   };
   struct Model {
     ::weightbridge::v1::ModelSpec spec;

@@ -9,7 +9,6 @@
 #include "daemon/node/deadlines.h"
 #include "daemon/node/quantize_incoming.h"
 #include "daemon/node/versions.h"
-#include "proto/convert.h"
 
 namespace wb::daemon::node {
 
@@ -318,13 +317,26 @@ absl::StatusOr<std::map<int32_t, node::TensorMagnitude>> Versions::ExchangeMagni
     const std::string& name = inventory.tensors[static_cast<size_t>(p.tensor)].name;
     index[name] = p.tensor;
     if (exec.catch_up) continue;  // asks only: nothing to add to the committed version's book
-    pb::TensorMagnitude* t = req.add_parts();
+    pb::TensorMagnitude* t = req.add_parts();  // which boxes: the coordinator takes them from the plan
     t->set_tensor(name);
     t->set_amax(p.amax);
-    for (const planner::Box& b : p.boxes) convert::ToProto(b, t->add_boxes());
   }
   pb::ExchangeMagnitudesResponse resp;
-  absl::Status s = coordinator_.client().ExchangeMagnitudes(req, &resp, CallTimeout(options_.clock, exec.deadline));
+  absl::Status s;
+  // A coordinator busy (its waiting slots full) or briefly unreachable is asked again until the
+  // version's deadline: a node whose report is lost holds the others until its ReportDone.
+  for (absl::Duration backoff = absl::Milliseconds(20);; backoff = std::min(2 * backoff, absl::Seconds(1))) {
+    resp.Clear();
+    s = coordinator_.client().ExchangeMagnitudes(req, &resp, CallTimeout(options_.clock, exec.deadline));
+    if (s.code() != absl::StatusCode::kResourceExhausted && s.code() != absl::StatusCode::kUnavailable) break;
+    const absl::Time retry = options_.clock->Now() + backoff;
+    if (retry >= exec.deadline) break;
+    {
+      absl::MutexLock l(&mu_);
+      if (exec.aborted || stopping_) break;
+    }
+    options_.clock->SleepUntil(retry);
+  }
   if (!s.ok()) {
     if (wait && s.code() != absl::StatusCode::kNotFound && s.code() != absl::StatusCode::kUnimplemented) return s;
     Log(LogLevel::kWarning, "NVFP4 magnitudes not exchanged",
