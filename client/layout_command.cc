@@ -25,7 +25,8 @@ constexpr const char* kUsage =
     "usage: wbctl layout (--config CONFIG.json | --addr unix:PATH --model ID [--config CONFIG.json])\n"
     "                    --preset P --rank R [--tp N] [--pp N] [--dp N] [--ep N] [--etp N] [--replicas N]\n"
     "                    [--expert_parallel] [--expert_placement round_robin] [--quantization Q]\n"
-    "                    [--first_stage_layers N] [--last_stage_layers N] [--vpp N] [--dtype bfloat16] [--json] [--timeout 10s]\n";
+    "                    [--first_stage_layers N] [--last_stage_layers N] [--vpp N] [--make_vocab_size_divisible_by N]\n"
+    "                    [--moe_grouped_gemm] [--dtype bfloat16] [--json] [--timeout 10s]\n";
 
 const char* DTypeName(pb::DType d) {
   switch (d) {
@@ -71,8 +72,8 @@ std::string LayoutTable(const pb::LayoutDescription& d, const std::string& title
 int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   auto parsed = CtlArgs::Parse(args, {{"addr", "model", "config", "preset", "rank", "tp", "pp", "dp", "ep", "etp", "replicas",
                                        "quantization", "dtype", "timeout", "first_stage_layers", "last_stage_layers", "vpp",
-                                       "expert_placement"},
-                                      {"json", "expert_parallel"}});
+                                       "expert_placement", "make_vocab_size_divisible_by"},
+                                      {"json", "expert_parallel", "moe_grouped_gemm"}});
   if (!parsed.ok()) {
     err << "wbctl layout: " << parsed.status().message() << "\n" << kUsage;
     return kCtlUsage;
@@ -91,6 +92,7 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   pc->set_expert_parallel(a.Has("expert_parallel"));
   pc->set_quantization(a.Get("quantization"));
   pc->set_expert_placement(a.Get("expert_placement"));
+  pc->set_moe_grouped_gemm(a.Has("moe_grouped_gemm"));
   struct UintFlag {
     const char* name;
     void (pb::ParallelConfig::*set)(uint32_t);
@@ -102,7 +104,8 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
                             UintFlag{"replicas", &pb::ParallelConfig::set_replicas, 1},
                             UintFlag{"first_stage_layers", &pb::ParallelConfig::set_first_stage_layers, 0},
                             UintFlag{"last_stage_layers", &pb::ParallelConfig::set_last_stage_layers, 0},
-                            UintFlag{"vpp", &pb::ParallelConfig::set_vpp, 1}}) {
+                            UintFlag{"vpp", &pb::ParallelConfig::set_vpp, 1},
+                            UintFlag{"make_vocab_size_divisible_by", &pb::ParallelConfig::set_make_vocab_size_divisible_by, 0}}) {
     auto v = a.GetUint(f.name, f.fallback);
     if (!v.ok()) return usage(std::string(v.status().message()));
     if (*v > (1u << 30)) return usage(absl::StrCat("--", f.name, " ", *v, " is too large"));

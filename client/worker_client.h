@@ -123,6 +123,10 @@ struct PresetLayout {
   // vllm expert_parallel: "" (linear) or "round_robin". docs/presets.md.
   uint32_t first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
   std::string expert_placement;
+  // megatron: --make-vocab-size-divisible-by (0 = 128; 1 for Megatron-Bridge / verl mcore, whose
+  // vocab is unpadded) and --moe-grouped-gemm (TEGroupedMLP expert names). docs/presets.md.
+  uint32_t make_vocab_size_divisible_by = 0;
+  bool moe_grouped_gemm = false;
 };
 struct IndexProbeLayout {
   std::vector<pb::IndexProbe::LocalTensor> tensors;

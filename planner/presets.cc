@@ -328,7 +328,17 @@ absl::Status CheckMegatron(const ModelConfig& c, const ParallelConfig& p) {
   if (!p.expert_placement.empty()) {
     return absl::InvalidArgumentError("megatron: expert_placement is a vllm option");
   }
+  if (p.vocab_divisible_by < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("megatron: make_vocab_size_divisible_by must be >= 1 (got ", p.vocab_divisible_by, ")"));
+  }
   RETURN_IF_ERROR(MegatronStageLayers(c.layers, p, 0).status());
+  // Megatron has add_qkv_bias (q/k/v) and add_bias_linear (linear_proj, linear_fc1, linear_fc2 and
+  // the experts' together): an o_proj bias without MLP biases, or the other way round, has no
+  // Megatron model.
+  if (c.o_bias != c.mlp_bias) {
+    return absl::InvalidArgumentError(absl::StrCat("megatron: ", c.o_bias ? "attention_bias (o_proj bias) without mlp_bias" : "mlp_bias without attention_bias",
+                                                   " has no Megatron-Core model (add_bias_linear gives linear_proj and linear_fc1/fc2 biases together)"));
+  }
   RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m));
   if (!c.mla) {
     if (c.kv_heads % p.tp != 0) {
@@ -371,6 +381,17 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   }
   if (p.expert_placement == "round_robin" && !p.expert_parallel) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
+  }
+  if (sglang) {
+    // Configs SGLang's model classes do not build as the HF config says (models/llama.py,
+    // gemma2.py / gemma3, qwen2_moe.py / qwen3_moe.py): refused rather than mis-described.
+    if (c.mlp_bias) return absl::InvalidArgumentError("sglang: mlp_bias (SGLang's LlamaMLP has no biases and skips them at load)");
+    if ((c.family == ModelFamily::kGemma2 || c.family == ModelFamily::kGemma3) && !c.tie_word_embeddings) {
+      return absl::InvalidArgumentError("sglang: tie_word_embeddings false on Gemma (SGLang's Gemma computes logits from embed_tokens)");
+    }
+    if ((c.family == ModelFamily::kQwen2Moe || c.family == ModelFamily::kQwen3Moe) && (c.decoder_sparse_step != 1 || !c.mlp_only_layers.empty())) {
+      return absl::InvalidArgumentError("sglang: decoder_sparse_step != 1 or mlp_only_layers (SGLang's Qwen MoE layers are all sparse)");
+    }
   }
   RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m.c_str()));
   if (!c.mla) {
@@ -470,6 +491,11 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
   const int64_t per_ep = c.experts / par.ep;
   for (int64_t j = 0; j < per_ep; ++j) {
     const auto& e = L.experts[ep_rank * per_ep + j];
+    if (par.moe_grouped_gemm) {  // TEGroupedMLP: one parameter per local expert, suffixed by its index
+      w.FusedRows(absl::StrCat(p, "mlp.experts.linear_fc1.weight", j), e[0], e[1], etp, etp_rank);
+      w.Split(absl::StrCat(p, "mlp.experts.linear_fc2.weight", j), e[2], 1, etp, etp_rank);
+      continue;
+    }
     const std::string x = absl::StrCat(p, "mlp.experts.local_experts.", j, ".");
     w.FusedRows(x + "linear_fc1.weight", e[0], e[1], etp, etp_rank);
     w.Split(x + "linear_fc2.weight", e[2], 1, etp, etp_rank);
@@ -489,7 +515,7 @@ absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelCo
   const int pp_rank = rank / (par.tp * par.dp);
   const int expert_local = tp_rank + par.tp * dp_rank;
   ASSIGN_OR_RETURN(auto chunks, MegatronStageLayers(c.layers, par, pp_rank));
-  const int64_t vocab_per_rank = CeilDiv(c.vocab, int64_t{128} * par.tp) * 128;
+  const int64_t vocab_per_rank = CeilDiv(c.vocab, int64_t{par.vocab_divisible_by} * par.tp) * par.vocab_divisible_by;
   Writer w(inv);
   for (size_t v = 0; v < chunks.size(); ++v) {
     // Model chunks of the virtual pipeline: Megatron's checkpoint keys them model0, model1, ...
@@ -785,7 +811,7 @@ int64_t BlocksOf(const Box& box, const std::vector<int64_t>& block) {
 }
 
 // Re-packs `out` (one buffer) with quantisable local tensors quantised + their scales.
-absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, PresetLayout& out) {
+absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, bool sglang, PresetLayout& out) {
   // fp8_block128: float8_e4m3, 128x128 blocks, float32 scale_inv (DeepSeek-V3); mxfp8: float8_e4m3,
   // 1x32 blocks along the input dim, e8m0 scales (OCP MX, vLLM's "weight_scale" uint8);
   // w4a16_g32 / w4a16_experts_g32: int4, 1x32 groups, scales in the tensor's dtype
@@ -794,6 +820,8 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
   // "<name>_scale", then the float32 global scale all the local tensor's pieces share in
   // "<name>_scale_2" (one per local tensor: vLLM's fused qkv_proj keeps one after loading; fused
   // MoE experts one per local expert, shared by its gate and up as vLLM keeps w13's).
+  // SGLang holds MXFP8 block scales as fp8 block ones, under "<name>_scale_inv" (its
+  // Fp8LinearMethod with use_mxfp8: uint8, [rows, cols/32]; MoE "w13_weight_scale_inv").
   const bool mx = scheme == "mxfp8";
   const bool nvfp4 = scheme == "nvfp4";
   const bool int4 = scheme == "w4a16_g32" || scheme == "w4a16_experts_g32";
@@ -840,7 +868,7 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, Pre
     if (!quantize) continue;
     LocalTensor st;
     st.name = lt.name;
-    const char* suffix = mx || int4 || nvfp4 ? "_scale" : "_scale_inv";
+    const char* suffix = (mx && !sglang) || int4 || nvfp4 ? "_scale" : "_scale_inv";
     // "x.weight" -> "x.weight_scale"; vLLM's fused expert "experts.w13_weight" -> "experts.w13_weight_scale".
     st.name += absl::EndsWith(st.name, "weight") ? suffix : absl::StrCat(".weight", suffix);
     st.dtype = scale_dtype;
@@ -930,6 +958,9 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
   if (!KnownQuantization(parallel.quantization)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32 or none)"));
   }
+  if (kind != Kind::kMegatron && (parallel.vocab_divisible_by != 128 || parallel.moe_grouped_gemm)) {
+    return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": make_vocab_size_divisible_by and moe_grouped_gemm are megatron options"));
+  }
   if (!parallel.quantization.empty() && kind != Kind::kVllm) {
     return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",
                                                    parallel.preset));
@@ -984,7 +1015,7 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
       return MakeFsdpFlat(parallel_, *inventory_, rank);
     case Kind::kVllm: {
       PresetLayout l = MakeVllm(config_, parallel_, *inventory_, *ids_, rank);
-      if (!parallel_.quantization.empty()) RETURN_IF_ERROR(QuantizePreset(*inventory_, parallel_.quantization, l));
+      if (!parallel_.quantization.empty()) RETURN_IF_ERROR(QuantizePreset(*inventory_, parallel_.quantization, parallel_.preset == "sglang", l));
       return l;
     }
   }

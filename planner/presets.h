@@ -77,6 +77,16 @@ struct ParallelConfig {
   int first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
   // vllm: --expert-placement-strategy, "" (= "linear") or "round_robin" (expert_parallel only).
   std::string expert_placement;
+  // megatron: --make-vocab-size-divisible-by: the embedding and output layer hold
+  // ceil(vocab / (m * tp)) * m rows per rank (Megatron-LM pads the vocab to a multiple of m * tp;
+  // 128 is its default). 1: padded to a multiple of tp only - Megatron-Bridge's and verl's mcore
+  // models build the vocab unpadded (should_pad_vocab false), which is this when tp divides it.
+  int vocab_divisible_by = 128;
+  // megatron: --moe-grouped-gemm with Transformer Engine (TEGroupedMLP, verl's and
+  // Megatron-Bridge's default for MoE): rank-local expert j's weights are
+  // "mlp.experts.linear_fc1.weight<j>" / "mlp.experts.linear_fc2.weight<j>" instead of
+  // SequentialMLP's "mlp.experts.local_experts.<j>.linear_fc1.weight"; the same bytes.
+  bool moe_grouped_gemm = false;
   // vllm/sglang only: "" (weights in the canonical dtype) or "fp8_block128": every 2-D linear
   // weight (a ".weight" whose name has "proj" or ".experts.") is held as float8_e4m3 with
   // 128x128 block scales (planner/types.h Quantization), as vLLM / SGLang fp8 block-quant
@@ -85,7 +95,8 @@ struct ParallelConfig {
   // [sum of the pieces' row blocks, column blocks] when the pieces are row slabs of a 2-D tensor,
   // else [number of scales]. Embeddings, lm_head, norms, routers and biases stay unquantised.
   // "mxfp8": the same tensors as float8_e4m3 with OCP MX scales: blocks of 1x32 along the input
-  // (last) dim, one float8_e8m0 byte per block, in "<name>_scale" ([rows, cols/32] for row slabs).
+  // (last) dim, one float8_e8m0 byte per block, in "<name>_scale" ([rows, cols/32] for row slabs;
+  // "<name>_scale_inv" for sglang, whose Fp8LinearMethod holds MX scales under fp8's name).
   // "w4a16_g32": the same tensors as int4 (compressed-tensors pack-quantized W4A16, symmetric,
   // groups of 1x32 along the input dim): the local tensor becomes "<name>_packed" (int4, two per
   // byte), followed by "<name>_scale" in the tensor's dtype. "w4a16_experts_g32": routed experts

@@ -215,6 +215,17 @@ TEST(Presets, VllmMxfp8HoldsOneE8M0ScalePer32Inputs) {
   const LocalTensor* norm = FindLocal(*l, "model.layers.0.input_layernorm.weight");
   ASSERT_NE(norm, nullptr);
   EXPECT_EQ(norm->dtype, DType::kBF16);
+  // SGLang holds the same uint8 scales under fp8's name (Fp8LinearMethod with use_mxfp8:
+  // "weight_scale_inv"); the bytes and places are the same.
+  par.preset = "sglang";
+  auto sg = MakePresetLayout(m.config, m.inv, par, /*rank=*/5);
+  ASSERT_TRUE(sg.ok()) << sg.status();
+  const LocalTensor* sg_scales = FindLocal(*sg, "model.layers.1.self_attn.qkv_proj.weight_scale_inv");
+  ASSERT_NE(sg_scales, nullptr);
+  EXPECT_EQ(FindLocal(*sg, "model.layers.1.self_attn.qkv_proj.weight_scale"), nullptr);
+  EXPECT_EQ(sg_scales->offset_bytes, scales->offset_bytes);
+  EXPECT_EQ(sg_scales->shape, scales->shape);
+  EXPECT_EQ(sg_scales->dtype, DType::kE8M0);
 }
 
 // NVFP4 (ModelOpt, vLLM modelopt_fp4): e2m1 pairs, one e4m3 scale per 16 inputs, and one float32
@@ -492,6 +503,66 @@ TEST(Presets, FusedGateUpAndExperts) {
   }
 }
 
+// --make-vocab-size-divisible-by: Megatron-LM pads the vocab to a multiple of m * tp (m = 128 by
+// default); Megatron-Bridge / verl mcore build it unpadded (m = 1 where tp divides it). Qwen2.5's
+// 151936 at tp=2: 76032 rows per rank padded, 75968 unpadded - rank 1 starts at that row.
+TEST(Presets, MegatronVocabPaddingFollowsMakeVocabSizeDivisibleBy) {
+  Model m = Load("qwen2.5-0.5b.json", 2);
+  TensorIndex idx(m.inv);
+  const int64_t H = 896;
+  for (const auto& [divisible_by, rows] : {std::pair<int, int64_t>{128, 76032}, {1, 75968}, {7, 75971}}) {
+    ParallelConfig par{.preset = "megatron", .tp = 2};
+    par.vocab_divisible_by = divisible_by;
+    auto l = MakePresetLayout(m.config, m.inv, par, 1);
+    ASSERT_TRUE(l.ok()) << l.status();
+    const LocalTensor* e = FindLocal(*l, "embedding.word_embeddings.weight");
+    ASSERT_NE(e, nullptr);
+    ASSERT_EQ(e->shape, (std::vector<int64_t>{rows, H})) << divisible_by;
+    auto got = CanonicalAt(m.inv, *l, *e, 5 * H + 3);  // local row 5 of rank 1
+    EXPECT_EQ(got.first, *idx.Find("model.embed_tokens.weight"));
+    EXPECT_EQ(got.second, (rows + 5) * H + 3) << divisible_by;
+  }
+  ParallelConfig zero{.preset = "megatron", .tp = 2};
+  zero.vocab_divisible_by = 0;
+  EXPECT_EQ(MakePresetLayout(m.config, m.inv, zero, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  ParallelConfig vllm{.preset = "vllm", .tp = 2};
+  vllm.vocab_divisible_by = 1;
+  absl::Status s = MakePresetLayout(m.config, m.inv, vllm, 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("megatron option"), std::string::npos) << s;
+}
+
+// --moe-grouped-gemm (TEGroupedMLP): expert j's weights are mlp.experts.linear_fc1.weight<j> /
+// linear_fc2.weight<j>, the same bytes SequentialMLP's local_experts.<j> hold.
+TEST(Presets, MegatronGroupedGemmExpertNames) {
+  Model m = Load("qwen3-30b-a3b.json", 2);
+  ParallelConfig seq{.preset = "megatron", .tp = 2, .dp = 4, .ep = 8, .etp = 1};
+  ParallelConfig grouped = seq;
+  grouped.moe_grouped_gemm = true;
+  auto a = MakePresetLayout(m.config, m.inv, seq, 5);
+  auto b = MakePresetLayout(m.config, m.inv, grouped, 5);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(a->local_tensors.size(), b->local_tensors.size());
+  ASSERT_EQ(a->layout.pieces.size(), b->layout.pieces.size());
+  for (size_t i = 0; i < a->layout.pieces.size(); ++i) {
+    EXPECT_EQ(a->layout.pieces[i].tensor, b->layout.pieces[i].tensor) << i;
+    EXPECT_EQ(a->layout.pieces[i].box.begin, b->layout.pieces[i].box.begin) << i;
+    EXPECT_EQ(a->layout.pieces[i].offset_bytes, b->layout.pieces[i].offset_bytes) << i;
+  }
+  EXPECT_EQ(FindLocal(*b, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"), nullptr);
+  const LocalTensor* fc1 = FindLocal(*b, "decoder.layers.1.mlp.experts.linear_fc1.weight3");
+  const LocalTensor* seq_fc1 = FindLocal(*a, "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight");
+  ASSERT_NE(fc1, nullptr);
+  ASSERT_NE(seq_fc1, nullptr);
+  EXPECT_EQ(fc1->shape, seq_fc1->shape);
+  EXPECT_EQ(fc1->offset_bytes, seq_fc1->offset_bytes);
+  EXPECT_NE(FindLocal(*b, "decoder.layers.0.mlp.experts.linear_fc2.weight15"), nullptr);
+  ParallelConfig fsdp{.preset = "fsdp", .dp = 2};
+  fsdp.moe_grouped_gemm = true;
+  EXPECT_EQ(MakePresetLayout(m.config, m.inv, fsdp, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Presets, VllmMlaFusedQkvA) {
   Model m = Load("deepseek-v3.json", 4);
   TensorIndex idx(m.inv);
@@ -720,6 +791,19 @@ TEST(Presets, SmallFamiliesCover) {
         auto refused = PresetBuilder::Create(m.config, m.inv, par);
         ASSERT_FALSE(refused.ok());
         EXPECT_NE(refused.status().message().find("Gemma3ForCausalLM"), std::string::npos) << refused.status();
+        continue;
+      }
+      // Configs the engine's model classes do not build as HF does: refused, naming the flag.
+      // Megatron: an o_proj bias without MLP biases or the other way round (add_bias_linear is
+      // both); SGLang: Llama mlp_bias, Qwen MoE dense layers.
+      std::string refusal;
+      if (par.preset == "megatron" && m.config.o_bias != m.config.mlp_bias) refusal = m.config.o_bias ? "attention_bias" : "mlp_bias";
+      if (par.preset == "sglang" && m.config.mlp_bias) refusal = "mlp_bias";
+      if (par.preset == "sglang" && m.config.family == ModelFamily::kQwen2Moe) refusal = "decoder_sparse_step";
+      if (!refusal.empty()) {
+        auto refused = PresetBuilder::Create(m.config, m.inv, par);
+        ASSERT_FALSE(refused.ok()) << m.config.architecture << " " << par.preset;
+        EXPECT_NE(refused.status().message().find(refusal), std::string::npos) << refused.status();
         continue;
       }
       auto b = PresetBuilder::Create(m.config, m.inv, par);
@@ -970,10 +1054,25 @@ TEST(Presets, BiasesNormsAndRefusals) {
   const LocalTensor* db = FindLocal(*v, "model.layers.0.mlp.down_proj.bias");
   ASSERT_NE(db, nullptr);
   EXPECT_EQ(db->shape, (std::vector<int64_t>{64}));
-  auto g = MakePresetLayout(m.config, m.inv, {.preset = "megatron", .tp = 2}, 0);
+  // Megatron's add_bias_linear gives linear_proj and linear_fc1/fc2 biases together: mlp_bias alone
+  // (or attention_bias alone) has no Megatron model; both together do. SGLang's LlamaMLP has no
+  // biases at all.
+  for (const char* preset : {"megatron", "sglang"}) {
+    absl::Status s = MakePresetLayout(m.config, m.inv, {.preset = preset, .tp = 2}, 0).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << preset;
+    EXPECT_NE(s.message().find("mlp_bias"), std::string::npos) << s;
+  }
+  Model both = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":1,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":1000,"mlp_bias":true,"attention_bias":true})");
+  auto g = MakePresetLayout(both.config, both.inv, {.preset = "megatron", .tp = 2}, 0);
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_NE(FindLocal(*g, "decoder.layers.0.mlp.linear_fc1.bias"), nullptr);
   EXPECT_NE(FindLocal(*g, "decoder.layers.0.mlp.linear_fc2.bias"), nullptr);
+  EXPECT_NE(FindLocal(*g, "decoder.layers.0.self_attention.linear_proj.bias"), nullptr);
+  Model attn = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":1,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":1000,"attention_bias":true})");
+  EXPECT_EQ(MakePresetLayout(attn.config, attn.inv, {.preset = "megatron", .tp = 2}, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(MakePresetLayout(attn.config, attn.inv, {.preset = "sglang", .tp = 2}, 0).ok());
 
   Model oss = Load("gpt-oss-20b.json", 2);
   for (const char* preset : {"sglang", "megatron"}) {
@@ -996,6 +1095,20 @@ TEST(Presets, BiasesNormsAndRefusals) {
   EXPECT_NE(FindLocal(*gv, "model.layers.1.pre_feedforward_layernorm.weight"), nullptr);
   EXPECT_NE(FindLocal(*gv, "model.layers.1.post_feedforward_layernorm.weight"), nullptr);
   EXPECT_EQ(FindLocal(*gv, "lm_head.weight"), nullptr);  // tied
+  // SGLang's Gemma computes logits from embed_tokens: an untied Gemma is refused there.
+  Model untied = FromText(R"({"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":128,"head_dim":16,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000,"tie_word_embeddings":false})");
+  EXPECT_TRUE(MakePresetLayout(untied.config, untied.inv, {.preset = "vllm"}, 0).ok());
+  absl::Status us = MakePresetLayout(untied.config, untied.inv, {.preset = "sglang"}, 0).status();
+  EXPECT_EQ(us.code(), absl::StatusCode::kInvalidArgument) << us;
+  // SGLang's Qwen MoE layers are all sparse: a config with dense layers is refused there.
+  Model dense = FromText(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,"head_dim":16,
+    "moe_intermediate_size":32,"num_experts":4,"num_experts_per_tok":2,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":1000,"mlp_only_layers":[0]})");
+  EXPECT_TRUE(MakePresetLayout(dense.config, dense.inv, {.preset = "vllm"}, 0).ok());
+  absl::Status ds = MakePresetLayout(dense.config, dense.inv, {.preset = "sglang"}, 0).status();
+  EXPECT_EQ(ds.code(), absl::StatusCode::kInvalidArgument) << ds;
+  EXPECT_NE(ds.message().find("mlp_only_layers"), std::string::npos) << ds;
 }
 
 // vLLM's GPT-OSS (gpt_oss.py, bf16): attn.* names, sinks by heads, FusedMoE w13/w2 transposed from

@@ -7,6 +7,7 @@ in its buffer, or an engine parameter that received another tensor's bytes, fail
 Run by //client/python:integrations_test.
 """
 
+import json
 import os
 import sys
 import threading
@@ -118,6 +119,55 @@ def fsdp2_shard(c, dp, r):
     return out
 
 
+# A tiny GLM-4.5 (Glm4MoeForCausalLM): layer 0 dense, layer 1 MoE with 4 experts, a shared expert and
+# the router's float32 e_score_correction_bias (Megatron: router.expert_bias, a registered buffer).
+TINY_GLM = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True, "head_dim": 64,
+            "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "n_group": 1, "topk_group": 1, "n_routed_experts": 4, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 2, "norm_topk_prob": True,
+            "use_qk_norm": True, "num_nextn_predict_layers": 1, "vocab_size": 1024, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "partial_rotary_factor": 0.5, "routed_scaling_factor": 2.5}
+
+
+def filled(layout, seed):
+    """{local name: array} of every local tensor of `layout`, distinct values per tensor."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for n, t in layout.tensors.items():
+        dt = np.dtype(t.numpy_dtype())
+        if dt == np.float32:
+            out[n] = rng.standard_normal(t.shape).astype(np.float32)
+        else:
+            out[n] = rng.integers(0, np.iinfo(dt).max, size=t.shape, dtype=dt)
+    return out
+
+
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+class FakeSglangModule:
+    """A module of SGLang's model as refresh_derived sees it: a `weight`, a cached `_weight_fp32`."""
+
+    def __init__(self, weight, cached):
+        self.weight = weight
+        self._weight_fp32 = cached
+
+
+class FakeSglangModel:
+    """SGLang's model_runner.model as the hook sees it: post_load_weights (DeepSeek: w_kc / w_vc
+    from kv_b_proj) records what the parameter it derives from held when it ran; modules() as torch."""
+
+    def __init__(self, source, mods):
+        self.source, self.mods, self.seen = source, mods, []
+
+    def post_load_weights(self, is_nextn=False, weight_names=None):
+        self.seen.append((is_nextn, weight_names, self.source.copy()))
+
+    def modules(self):
+        return [self] + self.mods
+
+
 def run_all(fns):
     errors, threads = [], []
     for fn in fns:
@@ -204,6 +254,128 @@ class IntegrationsTest(unittest.TestCase):
         np.testing.assert_array_equal(hook.view("decoder.final_layernorm.weight"), np.full((H,), 0x3F80, np.uint16))
         hook.client.deregister()
         hook.client.close()
+
+    def test_megatron_names_under_nested_wrappers_and_vpp_chunks(self):
+        """--bf16 Megatron is DDP(Float16Module(GPTModel)): every name starts "module.module." (and
+        so in each vpp chunk); each prefix is stripped, and the tensors reach their local tensors."""
+        model = self.model("int_megatron_bf16", "one_step_off", 2, 1)
+        trainers = [megatron.MegatronTrainerHook(None, model, rank=r, tp=2, client=self.daemon.client("mbf"))
+                    for r in (0, 1)]
+        engine = vllm.VllmRollout(None, model, tp=1, client=self.daemon.client("vbf"))
+        params = {n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}
+        c = canonical(1)
+        for r, t in enumerate(trainers):
+            t.publish(1, (("module.module." + n, a) for n, a in megatron_tp2(c, r).items()), timeout=TIMEOUT)
+        self.assertEqual(engine.apply(1, params, timeout=TIMEOUT), 1)
+        for n, want in vllm_tp(c, 1, 0).items():
+            np.testing.assert_array_equal(params[n], want, err_msg=n)
+
+        # 4 layers, pp = 2, vpp = 2: each stage has two chunks, named model0. / model1. by the hook.
+        cfg = json.loads(self.config)
+        cfg["num_hidden_layers"] = 4
+        vmodel = wb.ModelConfig(model_id="int_megatron_vpp", hf_config_json=json.dumps(cfg), num_trainer_workers=2,
+                                num_rollout_workers=1, mode="one_step_off")
+        stages = [megatron.MegatronTrainerHook(None, vmodel, rank=r, pp=2, vpp=2, client=self.daemon.client("mvp"))
+                  for r in (0, 1)]
+        vengine = vllm.VllmRollout(None, vmodel, tp=1, client=self.daemon.client("vvp"))
+        given = [filled(h.layout, seed=10 + r) for r, h in enumerate(stages)]
+        chunked = []
+        for g in given:
+            chunks = [[], []]
+            for n, a in g.items():
+                v, rest = n.split(".", 1)
+                self.assertIn(v, ("model0", "model1"))
+                chunks[int(v[len("model"):])].append(("module.module." + rest, a))
+            chunked.append(chunks)
+        self.assertTrue(all(ch[0] and ch[1] for ch in chunked))
+        errors = run_all([lambda h=h, ch=ch: h.publish(1, ch, timeout=TIMEOUT) for h, ch in zip(stages, chunked)])
+        self.assertEqual(errors, [])
+        for h, g in zip(stages, given):
+            for n, a in g.items():
+                np.testing.assert_array_equal(h.view(n), a, err_msg=n)
+        for h in trainers + stages + [engine, vengine]:
+            h.client.deregister()
+            h.client.close()
+
+    def test_megatron_router_expert_bias_buffer_and_mtp(self):
+        """Megatron's router.expert_bias is a registered buffer (float32), not a parameter: publish
+        takes named_buffers() and copies the ones the layout holds; MTP parameters ("mtp.") are not
+        in WeightBridge layouts and are skipped; any other unknown name is still refused."""
+        model = wb.ModelConfig(model_id="int_megatron_bias", hf_config_json=json.dumps(TINY_GLM), num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        hook = megatron.MegatronTrainerHook(None, model, rank=0, client=self.daemon.client("mbi"))
+        engine = vllm.VllmRollout(None, model, tp=1, client=self.daemon.client("vbi"))
+        bias_name = "decoder.layers.1.mlp.router.expert_bias"
+        self.assertEqual(hook.layout[bias_name].dtype, "float32")
+        local = filled(hook.layout, seed=5)
+        bias = local.pop(bias_name)
+        mtp = [("module.module.mtp.layers.0.enorm.weight", np.zeros((128,), np.uint16)),
+               ("module.module.mtp.layers.0.eh_proj.weight", np.zeros((128, 256), np.uint16))]
+        named_parameters = [("module.module." + n, a) for n, a in local.items()] + mtp
+        named_buffers = [("module.module." + bias_name, bias),
+                         ("module.module.rotary_pos_emb.inv_freq", np.ones((32,), np.float32)),  # not a weight
+                         ("module.module.decoder.layers.1.mlp.router.local_tokens_per_expert",
+                          np.zeros((4,), np.float32))]
+        with self.assertRaises(KeyError) as cm:  # parameters alone: the bias is missing, nothing published
+            hook.publish(1, named_parameters, timeout=TIMEOUT)
+        self.assertIn(bias_name, str(cm.exception))
+        self.assertIn("named_buffers", str(cm.exception))
+        with self.assertRaises(KeyError) as cm:
+            hook.publish(1, named_parameters + [("module.module.decoder.layers.9.extra.weight", np.zeros(1))],
+                         named_buffers, timeout=TIMEOUT)
+        self.assertIn("decoder.layers.9.extra.weight", str(cm.exception))
+        hook.publish(1, named_parameters, named_buffers, timeout=TIMEOUT)
+        np.testing.assert_array_equal(hook.view(bias_name), bias)
+        params = {n: np.zeros(t.shape, t.numpy_dtype()) for n, t in engine.layout.tensors.items()}
+        self.assertEqual(engine.apply(1, params, timeout=TIMEOUT), 1)
+        np.testing.assert_array_equal(params["model.layers.1.mlp.gate.e_score_correction_bias"], bias)
+        np.testing.assert_array_equal(params["model.layers.1.mlp.gate.weight"],
+                                      local["decoder.layers.1.mlp.router.weight"])
+        for h in (hook, engine):
+            h.client.deregister()
+            h.client.close()
+
+    def test_sglang_refreshes_derived_copies_after_each_version(self):
+        """SGLang derives copies at load time (DeepSeek's w_kc / w_vc in post_load_weights, GLM-4.5's
+        gate _weight_fp32); WeightBridge writes parameters in place, so each applied version
+        refreshes them, after the parameters hold it."""
+        model = self.model("int_sglang_derived", "one_step_off", 1, 1)
+        trainer = fsdp2.FSDP2TrainerHook(None, model, rank=0, dp=1, client=self.daemon.client("fsd"))
+        params = {n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}
+        src = "model.layers.0.self_attn.qkv_proj.weight"  # stands in for kv_b_proj
+        gate = FakeSglangModule(params["model.norm.weight"], np.zeros((H,), np.float32))
+        cache = gate._weight_fp32
+        lazy = FakeSglangModule(params["model.norm.weight"], None)  # not computed yet: stays None
+        other = FakeSglangModule(np.zeros((3,), np.uint16), np.zeros((H,), np.float32))  # another shape: dropped
+        fake = FakeSglangModel(params[src], [gate, lazy, other])
+        engine = sglang.SglangRollout(None, model, tp=1, engine_model=fake, client=self.daemon.client("sgd"))
+        for version in (1, 2):
+            c = canonical(version)
+            trainer.publish(version, fsdp2_shard(c, 1, 0).items(), timeout=TIMEOUT)
+            self.assertEqual(engine.apply(version, params, timeout=TIMEOUT), version)
+            want = vllm_tp(c, 1, 0)
+            self.assertEqual(len(fake.seen), version)
+            is_nextn, weight_names, seen = fake.seen[-1]
+            self.assertEqual((is_nextn, weight_names), (False, None))  # every layer
+            np.testing.assert_array_equal(seen, want[src])  # ran after the parameters held the version
+            self.assertIs(gate._weight_fp32, cache)  # in place: a captured CUDA graph reads this memory
+            np.testing.assert_array_equal(gate._weight_fp32, bf16_to_f32(want["model.norm.weight"]))
+            self.assertIsNone(lazy._weight_fp32)
+            self.assertIsNone(other._weight_fp32)
+        # Older post_load_weights(self, is_nextn) without a default get is_nextn=False; a model with
+        # neither post_load_weights nor modules() is left alone.
+        calls = []
+
+        class Old:
+            def post_load_weights(self, is_nextn):
+                calls.append(is_nextn)
+
+        self.assertEqual(sglang.refresh_derived(Old()), 0)
+        self.assertEqual(calls, [False])
+        self.assertEqual(sglang.refresh_derived(object()), 0)
+        for h in (trainer, engine):
+            h.client.deregister()
+            h.client.close()
 
     def test_copy_out_moves_bits_into_engine_dtypes(self):
         """A rollout's read_into (copy_out): int4 pairs held as uint8 [N, K/2] land in vLLM's int32

@@ -143,13 +143,18 @@ class PresetLayout:
     last_stage_layers: int = 0
     vpp: int = 1
     expert_placement: str = ""  # vllm expert_parallel: "" (linear) or "round_robin"
+    # megatron: --make-vocab-size-divisible-by (0 = 128, Megatron-LM's default; 1 for Megatron-Bridge /
+    # verl mcore models, whose vocab is unpadded) and --moe-grouped-gemm (TEGroupedMLP expert names).
+    make_vocab_size_divisible_by: int = 0
+    moe_grouped_gemm: bool = False
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
             preset=self.preset, tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp,
             expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank,
             quantization=self.quantization, first_stage_layers=self.first_stage_layers,
-            last_stage_layers=self.last_stage_layers, vpp=self.vpp, expert_placement=self.expert_placement))
+            last_stage_layers=self.last_stage_layers, vpp=self.vpp, expert_placement=self.expert_placement,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, moe_grouped_gemm=self.moe_grouped_gemm))
 
 
 @dataclasses.dataclass

@@ -74,6 +74,21 @@ def copy_out(name, src, target):
     tb[...] = sb
 
 
+def strip_leading(name, prefixes):
+    """`name` without any number of leading `prefixes`, in any order. Wrappers nest: Megatron with
+    --bf16 / --fp16 is DDP(Float16Module(GPTModel)), so named_parameters() shows "module.module."
+    (Megatron-Bridge and verl wrap the same way); torch.compile under DDP adds "_orig_mod."."""
+    prefixes = [p for p in prefixes if p]  # an empty prefix would never stop
+    stripped = True
+    while stripped:
+        stripped = False
+        for p in prefixes:
+            if name.startswith(p):
+                name = name[len(p):]
+                stripped = True
+    return name
+
+
 def local_tensor(t):
     """A DTensor's local shard (torch FSDP2 parameters are DTensors); anything else as is."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -127,16 +142,16 @@ class LayoutHook:
         return self._np_views[name] if self.memory == "host" else self._torch()[name]
 
     # ---- trainer side ------------------------------------------------------------------------
-    def write(self, named_tensors: Iterable[Tuple[str, object]], strip_prefixes=("module.",), require_all=True):
+    def write(self, named_tensors: Iterable[Tuple[str, object]], strip_prefixes=("module.",), require_all=True,
+              missing_hint=""):
         """Copies each (name, tensor) into its place in the buffer. Names are the framework's
-        (leading `strip_prefixes` removed, e.g. DDP's "module."). ValueError for a shape mismatch,
+        (leading `strip_prefixes` removed, as often as they repeat: DDP's "module.", and
+        "module.module." for Megatron's DDP(Float16Module(...))). ValueError for a shape mismatch,
         KeyError for a name the layout lacks, and (require_all) for local tensors not given: a
-        version must never go out with stale tensors in it."""
+        version must never go out with stale tensors in it (`missing_hint` is added to that error)."""
         seen = set()
         for name, t in named_tensors:
-            for p in strip_prefixes:
-                if name.startswith(p):
-                    name = name[len(p):]
+            name = strip_leading(name, strip_prefixes)
             if name not in self.layout.tensors:
                 raise KeyError("tensor %r is not a local tensor of this rank's %s layout (it has %d: %s ...)"
                                % (name, self.preset.preset, len(self.layout.tensors), ", ".join(self.names[:4])))
@@ -145,7 +160,8 @@ class LayoutHook:
         if require_all:
             missing = [n for n, t in self.layout.tensors.items() if n not in seen and t.pieces]
             if missing:
-                raise KeyError("%d local tensors of this rank were not given: %s" % (len(missing), ", ".join(missing[:8])))
+                raise KeyError("%d local tensors of this rank were not given: %s%s"
+                               % (len(missing), ", ".join(missing[:8]), missing_hint))
         return seen
 
     def _copy_in(self, name, t):

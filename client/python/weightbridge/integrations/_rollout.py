@@ -26,13 +26,24 @@ class RolloutHook(LayoutHook):
         the buffer (and, host memory, copied into `params`)."""
         self.client.begin_update(timeout)
         got = self.client.wait_version(version, timeout)
-        if params is not None and self.memory == "host":
-            self.read_into(params)
+        self._landed(params)
         return got
 
     def apply(self, version=0, params=None, timeout=300.0):
         """One-step-off / async, at a step boundary: makes `version` (0 = newest committed) live."""
         got = self.client.apply(version, timeout).applied_version
-        if params is not None and self.memory == "host":
-            self.read_into(params)
+        self._landed(params)
         return got
+
+    def _landed(self, params):
+        """A version is in the buffer. Host memory: copied into `params` (none given: the engine's
+        weights did not change). Then whatever the engine derived from its weights is refreshed."""
+        if self.memory == "host":
+            if params is None:
+                return
+            self.read_into(params)
+        self.refresh_derived()
+
+    def refresh_derived(self):
+        """Called once the engine's parameters hold a new version: engines that derive copies from
+        their weights at load time recompute them here (SglangRollout). Nothing by default."""

@@ -1,6 +1,7 @@
 """SGLang rollout: the same for an SGLang TP worker (ModelRunner).
 
-    rollout = SglangRollout(socket, model, tp=tp_size, tp_rank=tp_rank)   # in the TP worker process
+    rollout = SglangRollout(socket, model, tp=tp_size, tp_rank=tp_rank,   # in the TP worker process
+                            engine_model=model_runner.model)
     params = dict(model_runner.model.named_parameters())
     rollout.update(version, params)        # sync, generation paused
     rollout.apply(0, params)               # one-step-off / async, between batches
@@ -8,11 +9,78 @@
 Preset "sglang" (docs/presets.md): vLLM's layout with SGLang's names where they differ
 (fused_qkv_a_proj_with_mqa for MLA); shared-expert fusion off (--disable-shared-experts-fusion),
 dp = 1 (SGLang DP attention is refused by the preset). memory="cuda" with bind(params) as for vLLM.
+
+WeightBridge writes the parameters in place, never through SGLang's load_weights, so what SGLang
+derives from them at load time would keep the old version: DeepSeek's MLA `w_kc` / `w_vc` (split
+from `kv_b_proj` by post_load_weights, which only load_weights calls) and GLM-4.5's
+Glm4MoeGate `_weight_fp32` (a float32 copy of the gate weight cached on the first forward). Give
+`engine_model` (model_runner.model) and every update / apply refreshes them once the parameters
+hold the version (refresh_derived below); without it, call sglang.refresh_derived(model) yourself.
 """
 
+import inspect
+
+import numpy as np
+
+from weightbridge.integrations._common import _is_torch
 from weightbridge.integrations._rollout import RolloutHook
 
 
 class SglangRollout(RolloutHook):
-    def __init__(self, socket_path, model, **kw):
+    def __init__(self, socket_path, model, engine_model=None, **kw):
+        """`model`: the WeightBridge ModelConfig; `engine_model`: SGLang's model object
+        (model_runner.model), whose derived copies are refreshed after each version."""
         super().__init__("sglang", socket_path, model, **kw)
+        self.engine_model = engine_model
+
+    def refresh_derived(self):
+        if self.engine_model is not None:
+            refresh_derived(self.engine_model)
+
+
+def refresh_derived(engine_model):
+    """Recomputes what SGLang derived from the weights at load time, after they were written in
+    place: calls engine_model.post_load_weights() (DeepSeek V2/V3, Kimi-K2: w_kc / w_vc from
+    kv_b_proj; it copies into the existing tensors, so captured CUDA graphs see the new values;
+    older signatures without defaults get is_nextn=False), and refreshes every module's cached
+    `_weight_fp32` (GLM-4.5's router gate). Returns the number of `_weight_fp32` caches refreshed."""
+    post = getattr(engine_model, "post_load_weights", None)
+    if callable(post):
+        try:
+            inspect.signature(post).bind()
+            no_args = True
+        except TypeError:  # a required argument (is_nextn)
+            no_args = False
+        except ValueError:  # no signature to inspect: try it bare
+            no_args = True
+        if no_args:
+            post()
+        else:
+            post(is_nextn=False)
+    modules = engine_model.modules() if callable(getattr(engine_model, "modules", None)) else [engine_model]
+    refreshed = 0
+    for m in modules:
+        if hasattr(m, "_weight_fp32"):
+            refreshed += _refresh_weight_fp32(m)
+    return refreshed
+
+
+def _refresh_weight_fp32(m):
+    """A cached float32 copy of m.weight. None stays None (the next forward computes it from the new
+    weight). A tensor is overwritten in place rather than dropped: a CUDA graph captured after the
+    first forward reads that tensor's memory, and a replacement made on the next eager forward would
+    never reach the graph. Anything else (no weight, another shape) is dropped to None."""
+    cached, w = m._weight_fp32, getattr(m, "weight", None)
+    if cached is None:
+        return 0
+    if w is not None and tuple(cached.shape) == tuple(w.shape):
+        if _is_torch(cached):
+            cached.copy_(w.detach() if hasattr(w, "detach") else w)  # copy_ converts bfloat16 -> float32
+        else:
+            a = np.asarray(w)
+            if a.dtype == np.uint16:  # numpy stand-in for bfloat16: its bits
+                a = (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            cached[...] = a
+        return 1
+    m._weight_fp32 = None
+    return 1
