@@ -281,7 +281,7 @@ absl::Status IncomingQuantization::ExchangeLocked(QuantizeResult& out) {
     MagnitudePart& part = it->second;
     part.tensor = jobs_[j].live->tensor;
     part.amax = added ? job_amax_[j] : MaxMagnitude(part.amax, job_amax_[j]);
-    part.boxes.push_back(jobs_[j].live->box);
+    part.boxes.push_back(jobs_[j].live->box);  // for exchanges without a plan (tests); the coordinator uses its own
   }
   std::vector<MagnitudePart> parts;
   parts.reserve(by_tensor.size());
