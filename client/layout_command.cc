@@ -26,7 +26,8 @@ constexpr const char* kUsage =
     "                    --preset P --rank R [--tp N] [--pp N] [--dp N] [--ep N] [--etp N] [--replicas N]\n"
     "                    [--expert_parallel] [--expert_placement round_robin] [--quantization Q]\n"
     "                    [--first_stage_layers N] [--last_stage_layers N] [--vpp N] [--make_vocab_size_divisible_by N]\n"
-    "                    [--moe_grouped_gemm] [--dtype bfloat16] [--json] [--timeout 10s]\n";
+    "                    [--moe_grouped_gemm [--moe_use_legacy_grouped_gemm]] [--use_tp_pp_dp_mapping]\n"
+    "                    [--dtype bfloat16] [--json] [--timeout 10s]\n";
 
 const char* DTypeName(pb::DType d) {
   switch (d) {
@@ -73,7 +74,7 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   auto parsed = CtlArgs::Parse(args, {{"addr", "model", "config", "preset", "rank", "tp", "pp", "dp", "ep", "etp", "replicas",
                                        "quantization", "dtype", "timeout", "first_stage_layers", "last_stage_layers", "vpp",
                                        "expert_placement", "make_vocab_size_divisible_by"},
-                                      {"json", "expert_parallel", "moe_grouped_gemm"}});
+                                      {"json", "expert_parallel", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping"}});
   if (!parsed.ok()) {
     err << "wbctl layout: " << parsed.status().message() << "\n" << kUsage;
     return kCtlUsage;
@@ -93,6 +94,8 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   pc->set_quantization(a.Get("quantization"));
   pc->set_expert_placement(a.Get("expert_placement"));
   pc->set_moe_grouped_gemm(a.Has("moe_grouped_gemm"));
+  pc->set_moe_use_legacy_grouped_gemm(a.Has("moe_use_legacy_grouped_gemm"));
+  pc->set_use_tp_pp_dp_mapping(a.Has("use_tp_pp_dp_mapping"));
   struct UintFlag {
     const char* name;
     void (pb::ParallelConfig::*set)(uint32_t);

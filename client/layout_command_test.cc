@@ -46,6 +46,24 @@ TEST(LayoutCommandTest, QuantisedRolloutNamesItsScales) {
   EXPECT_NE(out.find("(scales: model.layers.0.self_attn.o_proj.weight_scale_inv)"), std::string::npos) << out;
 }
 
+// Megatron's option flags reach the preset: the legacy GroupedMLP's weight1 / weight2, and the
+// tp-pp-dp rank order (rank 2 of tp=2 pp=2 dp=2 is on the last stage, holding the output layer).
+TEST(LayoutCommandTest, MegatronOptionFlags) {
+  const char* moe = "planner/testdata/qwen3-30b-a3b.json";
+  std::string out, err;
+  ASSERT_EQ(RunCmd({"--config", moe, "--preset", "megatron", "--tp", "2", "--dp", "2", "--ep", "4", "--etp", "1", "--rank", "3",
+                    "--moe_grouped_gemm", "--moe_use_legacy_grouped_gemm"}, &out, &err), 0) << err;
+  EXPECT_NE(out.find("decoder.layers.0.mlp.experts.weight1"), std::string::npos) << out;
+  EXPECT_NE(out.find("[2048, 49152]"), std::string::npos) << out;  // hidden x (128 / ep 4 local experts) * 2 * 768
+  EXPECT_EQ(out.find("linear_fc1.weight0"), std::string::npos) << out;
+  ASSERT_EQ(RunCmd({"--config", kConfig, "--preset", "megatron", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "2",
+                    "--use_tp_pp_dp_mapping"}, &out, &err), 0) << err;
+  EXPECT_NE(out.find("output_layer.weight"), std::string::npos) << out;
+  EXPECT_EQ(out.find("embedding.word_embeddings.weight"), std::string::npos) << out;
+  ASSERT_EQ(RunCmd({"--config", kConfig, "--preset", "megatron", "--tp", "2", "--pp", "2", "--dp", "2", "--rank", "2"}, &out, &err), 0) << err;
+  EXPECT_NE(out.find("embedding.word_embeddings.weight"), std::string::npos) << out;
+}
+
 TEST(LayoutCommandTest, ErrorsAndUsage) {
   std::string out, err;
   EXPECT_EQ(RunCmd({"--config", kConfig, "--preset", "megatron", "--tp", "3"}, &out, &err), 1);

@@ -61,6 +61,8 @@ struct VisitLayout {
     pc->set_expert_placement(l.expert_placement);
     pc->set_make_vocab_size_divisible_by(l.make_vocab_size_divisible_by);
     pc->set_moe_grouped_gemm(l.moe_grouped_gemm);
+    pc->set_moe_use_legacy_grouped_gemm(l.moe_use_legacy_grouped_gemm);
+    pc->set_use_tp_pp_dp_mapping(l.use_tp_pp_dp_mapping);
   }
   void operator()(const IndexProbeLayout& l) const {
     auto* probe = out->mutable_index_probe();

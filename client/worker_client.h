@@ -124,9 +124,13 @@ struct PresetLayout {
   uint32_t first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
   std::string expert_placement;
   // megatron: --make-vocab-size-divisible-by (0 = 128; 1 for Megatron-Bridge / verl mcore, whose
-  // vocab is unpadded) and --moe-grouped-gemm (TEGroupedMLP expert names). docs/presets.md.
+  // vocab is unpadded), --moe-grouped-gemm (TEGroupedMLP expert names), with
+  // --moe-use-legacy-grouped-gemm the legacy GroupedMLP's weight1 / weight2, and
+  // --use-tp-pp-dp-mapping (rank order tp-pp-dp). docs/presets.md.
   uint32_t make_vocab_size_divisible_by = 0;
   bool moe_grouped_gemm = false;
+  bool moe_use_legacy_grouped_gemm = false;
+  bool use_tp_pp_dp_mapping = false;
 };
 struct IndexProbeLayout {
   std::vector<pb::IndexProbe::LocalTensor> tensors;

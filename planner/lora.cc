@@ -126,7 +126,7 @@ Box Cols(const TensorSpec& t, int64_t lo, int64_t hi) {
 absl::Status CheckSizes(const ParallelConfig& p) {
   if (p.tp < 1 || p.dp < 1 || p.replicas < 1 || p.pp != 1 || p.ep != 1 || p.etp != 0 || p.vpp != 1 ||
       p.first_stage_layers != 0 || p.last_stage_layers != 0 || p.expert_parallel || !p.expert_placement.empty() ||
-      p.vocab_divisible_by != 128 || p.moe_grouped_gemm ||
+      p.vocab_divisible_by != 128 || p.moe_grouped_gemm || p.moe_legacy_grouped_gemm || p.tp_pp_dp_mapping ||
       !p.quantization.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         p.preset, ": only tp, dp and replicas apply (each >= 1; pp/ep/vpp 1, no etp, expert options or quantization); got tp=", p.tp,

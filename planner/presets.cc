@@ -359,8 +359,20 @@ absl::Status CheckMegatron(const ModelConfig& c, const ParallelConfig& p) {
     if (c.shared_expert_intermediate > 0) {
       RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m));
     }
+    if (p.tp_pp_dp_mapping && int64_t{p.ep} * etp != p.tp) {
+      // Megatron builds the expert groups in the same order (tp-cp-ep-pp-dp): their pipeline groups
+      // match the dense ones only when ep * etp spans exactly the tp ranks.
+      return absl::InvalidArgumentError(absl::StrCat("megatron: use_tp_pp_dp_mapping needs ep*etp = tp (got ep=", p.ep, " etp=", etp,
+                                                     " tp=", p.tp, "): the expert groups would cross pipeline stages"));
+    }
   } else if (p.ep != 1 || (p.etp != 0 && p.etp != p.tp)) {
     return absl::InvalidArgumentError("megatron: ep/etp given for a dense model");
+  }
+  if (p.moe_legacy_grouped_gemm && !p.moe_grouped_gemm) {
+    return absl::InvalidArgumentError("megatron: moe_use_legacy_grouped_gemm needs moe_grouped_gemm (--moe-use-legacy-grouped-gemm only applies with --moe-grouped-gemm)");
+  }
+  if (p.moe_legacy_grouped_gemm && c.mlp_bias) {
+    return absl::InvalidArgumentError("megatron: moe_use_legacy_grouped_gemm with mlp_bias: the legacy GroupedMLP has no biases");
   }
   return absl::OkStatus();
 }
@@ -433,6 +445,32 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
 
 // ---- Megatron ----
 
+// The legacy GroupedMLP (--moe-grouped-gemm --moe-use-legacy-grouped-gemm): weight1 [H, E_l * F]
+// and weight2 [E_l * F2, H] whose memory GroupedMLP.forward reads as [E_l, H, F] and [E_l, F2, H]:
+// local expert j's linear_fc1 slice ([gate rows; up rows], F x H) and linear_fc2 slice (H x F2),
+// each transposed, one after the other.
+void MegatronLegacyGroupedExperts(const ModelConfig& c, const Inventory& inv, const LayerIds& L, const std::string& p,
+                                  int64_t per_ep, int ep_rank, int etp, int etp_rank, Writer& w) {
+  const int64_t H = c.hidden;
+  const int64_t n = c.moe_intermediate / etp;  // gate (and up) rows of this etp rank
+  const int64_t F = 2 * n;
+  const int64_t i0 = int64_t{etp_rank} * n;
+  w.Begin(p + "mlp.experts.weight1", {H, per_ep * F}, L.experts[0][0]);
+  for (int64_t j = 0; j < per_ep; ++j) {
+    const auto& e = L.experts[ep_rank * per_ep + j];
+    // Canonical gate / up [I, H]: element (i, h) of the slice lands at j*H*F + h*F + (i - i0) (+ n for up).
+    w.Strided(e[0], Box{{i0, 0}, {i0 + n, H}}, {1, F}, j * H * F);
+    w.Strided(e[1], Box{{i0, 0}, {i0 + n, H}}, {1, F}, j * H * F + n);
+  }
+  w.Begin(p + "mlp.experts.weight2", {per_ep * n, H}, L.experts[0][2]);
+  for (int64_t j = 0; j < per_ep; ++j) {
+    const auto& e = L.experts[ep_rank * per_ep + j];
+    // Canonical down [H, I]: element (h, i) of the slice lands at j*n*H + (i - i0)*H + h.
+    w.Strided(e[2], Box{{0, i0}, {H, i0 + n}}, {1, H}, j * n * H);
+  }
+  (void)inv;
+}
+
 void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv, const LayerIds& L,
                    const std::string& p, int tp_rank, int expert_local, Writer& w) {
   const int64_t tp = par.tp;
@@ -489,7 +527,10 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
   const int etp_rank = expert_local % etp;
   const int ep_rank = (expert_local / etp) % par.ep;
   const int64_t per_ep = c.experts / par.ep;
-  for (int64_t j = 0; j < per_ep; ++j) {
+  if (par.moe_legacy_grouped_gemm) {
+    MegatronLegacyGroupedExperts(c, inv, L, p, per_ep, ep_rank, etp, etp_rank, w);
+  }
+  for (int64_t j = 0; j < per_ep && !par.moe_legacy_grouped_gemm; ++j) {
     const auto& e = L.experts[ep_rank * per_ep + j];
     if (par.moe_grouped_gemm) {  // TEGroupedMLP: one parameter per local expert, suffixed by its index
       w.FusedRows(absl::StrCat(p, "mlp.experts.linear_fc1.weight", j), e[0], e[1], etp, etp_rank);
@@ -511,8 +552,11 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
 absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
                                           const PresetBuilder::Ids& ids, int rank) {
   const int tp_rank = rank % par.tp;
-  const int dp_rank = (rank / par.tp) % par.dp;
-  const int pp_rank = rank / (par.tp * par.dp);
+  // Megatron's default order tp-dp-pp, or tp-pp-dp (--use-tp-pp-dp-mapping).
+  const int dp_rank = par.tp_pp_dp_mapping ? rank / (par.tp * par.pp) : (rank / par.tp) % par.dp;
+  const int pp_rank = par.tp_pp_dp_mapping ? (rank / par.tp) % par.pp : rank / (par.tp * par.dp);
+  // Within one pipeline stage, expert groups order the same tp x dp ranks (with tp-pp-dp, ep*etp = tp
+  // keeps that true: CheckMegatron).
   const int expert_local = tp_rank + par.tp * dp_rank;
   ASSIGN_OR_RETURN(auto chunks, MegatronStageLayers(c.layers, par, pp_rank));
   const int64_t vocab_per_rank = CeilDiv(c.vocab, int64_t{par.vocab_divisible_by} * par.tp) * par.vocab_divisible_by;
@@ -958,8 +1002,10 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
   if (!KnownQuantization(parallel.quantization)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown quantization `", parallel.quantization, "` (expected fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32 or none)"));
   }
-  if (kind != Kind::kMegatron && (parallel.vocab_divisible_by != 128 || parallel.moe_grouped_gemm)) {
-    return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": make_vocab_size_divisible_by and moe_grouped_gemm are megatron options"));
+  if (kind != Kind::kMegatron && (parallel.vocab_divisible_by != 128 || parallel.moe_grouped_gemm ||
+                                  parallel.moe_legacy_grouped_gemm || parallel.tp_pp_dp_mapping)) {
+    return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": make_vocab_size_divisible_by, moe_grouped_gemm, moe_use_legacy_grouped_gemm and "
+                                                   "use_tp_pp_dp_mapping are megatron options"));
   }
   if (!parallel.quantization.empty() && kind != Kind::kVllm) {
     return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",

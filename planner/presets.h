@@ -87,6 +87,17 @@ struct ParallelConfig {
   // "mlp.experts.linear_fc1.weight<j>" / "mlp.experts.linear_fc2.weight<j>" instead of
   // SequentialMLP's "mlp.experts.local_experts.<j>.linear_fc1.weight"; the same bytes.
   bool moe_grouped_gemm = false;
+  // megatron: --moe-use-legacy-grouped-gemm (with moe_grouped_gemm): the legacy GroupedMLP holds a
+  // layer's local experts in two parameters, "mlp.experts.weight1" [hidden, E_local * F] and
+  // "mlp.experts.weight2" [E_local * F2, hidden] (F = 2 * moe_intermediate / etp, F2 = F / 2),
+  // whose memory is, per local expert j, linear_fc1's slice transposed ([hidden, F]: gate columns,
+  // then up) and linear_fc2's slice transposed ([F2, hidden]), as GroupedMLP.forward's
+  // view(E_local, hidden, -1) / view(E_local, -1, hidden) reads it. No biases (GroupedMLP has none).
+  bool moe_legacy_grouped_gemm = false;
+  // megatron: --use-tp-pp-dp-mapping (rank order tp-pp-dp instead of tp-dp-pp):
+  // rank = tp_rank + tp * (pp_rank + pp * dp_rank). Megatron wants no CP with it, and for MoE
+  // models the expert groups must keep the same pipeline groups (ep * etp = tp).
+  bool tp_pp_dp_mapping = false;
   // vllm/sglang only: "" (weights in the canonical dtype) or "fp8_block128": every 2-D linear
   // weight (a ".weight" whose name has "proj" or ".experts.") is held as float8_e4m3 with
   // 128x128 block scales (planner/types.h Quantization), as vLLM / SGLang fp8 block-quant

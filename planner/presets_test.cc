@@ -563,6 +563,114 @@ TEST(Presets, MegatronGroupedGemmExpertNames) {
   EXPECT_EQ(MakePresetLayout(m.config, m.inv, fsdp, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// --moe-grouped-gemm --moe-use-legacy-grouped-gemm (GroupedMLP): a layer's local experts live in
+// weight1 [H, E_l*F] / weight2 [E_l*F2, H], read by GroupedMLP.forward as view(E_l, H, -1) /
+// view(E_l, -1, H): expert j's linear_fc1 slice and linear_fc2 slice, each transposed.
+TEST(Presets, MegatronLegacyGroupedGemmTransposesEachExpert) {
+  Model m = Load("qwen3-30b-a3b.json", 2);
+  const int64_t H = m.config.hidden;
+  for (int etp : {1, 2}) {
+    ParallelConfig seq{.preset = "megatron", .tp = 2, .dp = 4, .ep = 8 / etp, .etp = etp};
+    ParallelConfig legacy = seq;
+    legacy.moe_grouped_gemm = true;
+    legacy.moe_legacy_grouped_gemm = true;
+    const int rank = 5;
+    auto a = MakePresetLayout(m.config, m.inv, seq, rank);
+    auto b = MakePresetLayout(m.config, m.inv, legacy, rank);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_TRUE(ValidateLayout(m.inv, b->layout, Role::kTrainer, "t").ok()) << ValidateLayout(m.inv, b->layout, Role::kTrainer, "t");
+    EXPECT_EQ(FindLocal(*b, "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"), nullptr);
+    EXPECT_EQ(FindLocal(*b, "decoder.layers.1.mlp.experts.linear_fc1.weight0"), nullptr);
+    const int64_t E_l = m.config.experts / seq.ep;
+    const int64_t n = m.config.moe_intermediate / etp, F = 2 * n;
+    const LocalTensor* w1 = FindLocal(*b, "decoder.layers.1.mlp.experts.weight1");
+    const LocalTensor* w2 = FindLocal(*b, "decoder.layers.1.mlp.experts.weight2");
+    ASSERT_NE(w1, nullptr);
+    ASSERT_NE(w2, nullptr);
+    EXPECT_EQ(w1->shape, (std::vector<int64_t>{H, E_l * F}));
+    EXPECT_EQ(w2->shape, (std::vector<int64_t>{E_l * n, H}));
+    for (int64_t j : {int64_t{0}, int64_t{3}, E_l - 1}) {
+      const LocalTensor* fc1 = FindLocal(*a, absl::StrCat("decoder.layers.1.mlp.experts.local_experts.", j, ".linear_fc1.weight"));
+      const LocalTensor* fc2 = FindLocal(*a, absl::StrCat("decoder.layers.1.mlp.experts.local_experts.", j, ".linear_fc2.weight"));
+      ASSERT_NE(fc1, nullptr);
+      ASSERT_NE(fc2, nullptr);
+      ASSERT_EQ(fc1->shape, (std::vector<int64_t>{F, H}));
+      // Rows f of fc1 (gate rows, then up rows) at column f of expert j's [H, F] block.
+      for (int64_t f : {int64_t{0}, int64_t{1}, n - 1, n, F - 1}) {
+        for (int64_t h : {int64_t{0}, int64_t{7}, H - 1}) {
+          EXPECT_EQ(CanonicalAt(m.inv, *b, *w1, j * H * F + h * F + f), CanonicalAt(m.inv, *a, *fc1, f * H + h))
+              << "etp " << etp << " expert " << j << " f " << f << " h " << h;
+        }
+      }
+      ASSERT_EQ(fc2->shape, (std::vector<int64_t>{H, n}));
+      for (int64_t i : {int64_t{0}, int64_t{5}, n - 1}) {
+        for (int64_t h : {int64_t{0}, int64_t{9}, H - 1}) {
+          EXPECT_EQ(CanonicalAt(m.inv, *b, *w2, j * n * H + i * H + h), CanonicalAt(m.inv, *a, *fc2, h * n + i))
+              << "etp " << etp << " expert " << j << " i " << i << " h " << h;
+        }
+      }
+    }
+  }
+  ParallelConfig no_grouped{.preset = "megatron", .tp = 2, .dp = 4, .ep = 8, .etp = 1};
+  no_grouped.moe_legacy_grouped_gemm = true;
+  absl::Status s = MakePresetLayout(m.config, m.inv, no_grouped, 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("moe_grouped_gemm"), std::string::npos) << s;
+  ParallelConfig vllm{.preset = "vllm", .tp = 2};
+  vllm.moe_legacy_grouped_gemm = true;
+  EXPECT_EQ(MakePresetLayout(m.config, m.inv, vllm, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --use-tp-pp-dp-mapping: rank = tp_rank + tp * (pp_rank + pp * dp_rank) (Megatron's order
+// tp-pp-dp); the default is tp-dp-pp.
+TEST(Presets, MegatronTpPpDpMapping) {
+  Model m = Load("qwen2.5-7b.json", 4);
+  ParallelConfig def{.preset = "megatron", .tp = 2, .pp = 2, .dp = 2};
+  ParallelConfig mapped = def;
+  mapped.tp_pp_dp_mapping = true;
+  // Rank 2: default -> dp_rank 1, pp_rank 0 (embedding, layers 0-1); mapped -> pp_rank 1, dp_rank 0.
+  auto d2 = MakePresetLayout(m.config, m.inv, def, 2);
+  auto m2 = MakePresetLayout(m.config, m.inv, mapped, 2);
+  auto m4 = MakePresetLayout(m.config, m.inv, mapped, 4);
+  ASSERT_TRUE(d2.ok()) << d2.status();
+  ASSERT_TRUE(m2.ok()) << m2.status();
+  ASSERT_TRUE(m4.ok()) << m4.status();
+  EXPECT_NE(FindLocal(*d2, "embedding.word_embeddings.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*m2, "embedding.word_embeddings.weight"), nullptr);
+  EXPECT_NE(FindLocal(*m2, "output_layer.weight"), nullptr);
+  EXPECT_NE(FindLocal(*m4, "embedding.word_embeddings.weight"), nullptr);  // tp 0, pp 0, dp 1
+  // Mapped rank 2 holds what default rank 4 (tp 0, dp 0, pp 1) holds; mapped rank 4 what default 2 does.
+  auto d4 = MakePresetLayout(m.config, m.inv, def, 4);
+  ASSERT_TRUE(d4.ok()) << d4.status();
+  for (auto [x, y] : {std::pair{&*m2, &*d4}, std::pair{&*m4, &*d2}}) {
+    ASSERT_EQ(x->layout.pieces.size(), y->layout.pieces.size());
+    for (size_t i = 0; i < x->layout.pieces.size(); ++i) {
+      EXPECT_EQ(x->layout.pieces[i].tensor, y->layout.pieces[i].tensor) << i;
+      EXPECT_EQ(x->layout.pieces[i].box.begin, y->layout.pieces[i].box.begin) << i;
+      EXPECT_EQ(x->layout.pieces[i].box.end, y->layout.pieces[i].box.end) << i;
+    }
+  }
+  // MoE: the expert groups keep the dense pipeline groups only when ep * etp = tp.
+  Model moe = Load("qwen3-30b-a3b.json", 2);
+  ParallelConfig ok{.preset = "megatron", .tp = 2, .pp = 2, .dp = 2, .ep = 2, .etp = 1};
+  ok.tp_pp_dp_mapping = true;
+  auto o = MakePresetLayout(moe.config, moe.inv, ok, 3);  // tp 1, pp 1, dp 0: ep_rank 1
+  ASSERT_TRUE(o.ok()) << o.status();
+  TensorIndex idx(moe.inv);
+  const LocalTensor* fc1 = FindLocal(*o, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight");
+  ASSERT_NE(fc1, nullptr);
+  EXPECT_EQ(CanonicalAt(moe.inv, *o, *fc1, 0).first, *idx.Find("model.layers.1.mlp.experts.64.gate_proj.weight"));
+  ParallelConfig bad = ok;
+  bad.ep = 4;
+  absl::Status s = MakePresetLayout(moe.config, moe.inv, bad, 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("use_tp_pp_dp_mapping needs ep*etp = tp"), std::string::npos) << s;
+  ParallelConfig fsdp{.preset = "fsdp", .dp = 2};
+  fsdp.tp_pp_dp_mapping = true;
+  EXPECT_EQ(MakePresetLayout(m.config, m.inv, fsdp, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Presets, VllmMlaFusedQkvA) {
   Model m = Load("deepseek-v3.json", 4);
   TensorIndex idx(m.inv);
@@ -748,7 +856,14 @@ INSTANTIATE_TEST_SUITE_P(
                                           .last_stage_layers = 2, .vpp = 2}},
         CoverCase{"qwen2.5-0.5b.json", 8, {.preset = "megatron", .tp = 2, .pp = 2, .dp = 1, .vpp = 2}},
         CoverCase{"deepseek-v3.json", 6, {.preset = "megatron", .tp = 1, .pp = 2, .dp = 8, .ep = 8, .etp = 1,
-                                          .first_stage_layers = 2, .vpp = 2}}));
+                                          .first_stage_layers = 2, .vpp = 2}},
+        // Legacy GroupedMLP (transposed experts) and the tp-pp-dp rank order.
+        CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "megatron", .tp = 2, .pp = 2, .dp = 4, .ep = 4, .etp = 2,
+                                            .moe_grouped_gemm = true, .moe_legacy_grouped_gemm = true}},
+        CoverCase{"deepseek-v3.json", 4, {.preset = "megatron", .tp = 4, .pp = 2, .dp = 2, .ep = 4, .etp = 1,
+                                          .moe_grouped_gemm = true, .moe_legacy_grouped_gemm = true,
+                                          .tp_pp_dp_mapping = true}},
+        CoverCase{"qwen2.5-7b.json", 4, {.preset = "megatron", .tp = 2, .pp = 2, .dp = 2, .tp_pp_dp_mapping = true}}));
 
 TEST(Presets, SmallFamiliesCover) {
   // Mixtral, DeepSeek without q_lora, Qwen2-MoE with a gated shared expert, Llama with bias.

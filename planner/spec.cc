@@ -126,7 +126,8 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   {
     const json& t = doc["trainer"];
     RETURN_IF_ERROR(CheckKeys(t, "trainer.", {"layout", "tp", "pp", "dp", "ep", "etp", "first_stage_layers",
-                                              "last_stage_layers", "vpp", "replicas"}));
+                                              "last_stage_layers", "vpp", "replicas", "make_vocab_size_divisible_by",
+                                              "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping"}));
     ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp_flat"}));
     RETURN_IF_ERROR(GetInt(t, "trainer.", "dp", &spec.trainer.dp, spec.trainer.preset != "megatron"));
     if (spec.trainer.preset == "megatron") {
@@ -138,11 +139,18 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
       RETURN_IF_ERROR(GetInt(t, "trainer.", "first_stage_layers", &spec.trainer.first_stage_layers, false));
       RETURN_IF_ERROR(GetInt(t, "trainer.", "last_stage_layers", &spec.trainer.last_stage_layers, false));
       RETURN_IF_ERROR(GetInt(t, "trainer.", "vpp", &spec.trainer.vpp, false));
+      // Megatron-LM / Megatron-Bridge options that change names, vocab rows or rank order.
+      RETURN_IF_ERROR(GetInt(t, "trainer.", "make_vocab_size_divisible_by", &spec.trainer.vocab_divisible_by, false));
+      RETURN_IF_ERROR(GetBool(t, "trainer.", "moe_grouped_gemm", &spec.trainer.moe_grouped_gemm));
+      RETURN_IF_ERROR(GetBool(t, "trainer.", "moe_use_legacy_grouped_gemm", &spec.trainer.moe_legacy_grouped_gemm));
+      RETURN_IF_ERROR(GetBool(t, "trainer.", "use_tp_pp_dp_mapping", &spec.trainer.tp_pp_dp_mapping));
       if (t.contains("replicas")) return Bad("trainer.replicas", "not used by the megatron layout");
     } else {
       // fsdp2: replicas = HSDP replicate size.
       if (spec.trainer.preset != "fsdp_flat") RETURN_IF_ERROR(GetInt(t, "trainer.", "replicas", &spec.trainer.replicas, false));
-      for (const char* k : {"tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers", "vpp", "replicas"}) {
+      for (const char* k : {"tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers", "vpp", "replicas",
+                            "make_vocab_size_divisible_by", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
+                            "use_tp_pp_dp_mapping"}) {
         if (k == std::string_view("replicas") && spec.trainer.preset != "fsdp_flat") continue;
         if (t.contains(k)) return Bad(absl::StrCat("trainer.", k), absl::StrCat("not used by the ", spec.trainer.preset, " layout"));
       }

@@ -209,5 +209,32 @@ TEST(SpecTest, DataParallelExpertParallelAndCustomPipeline) {
   EXPECT_NE(bad.status().message().find("trainer.vpp"), std::string::npos) << bad.status();
 }
 
+// Megatron-LM / Megatron-Bridge options that change names, vocab rows or rank order.
+TEST(SpecTest, MegatronOptions) {
+  const std::string json = R"({"model": "qwen3-30b-a3b.json",
+    "trainer": {"layout": "megatron", "tp": 2, "pp": 2, "dp": 2, "ep": 2, "etp": 1, "make_vocab_size_divisible_by": 1,
+                "moe_grouped_gemm": true, "moe_use_legacy_grouped_gemm": true, "use_tp_pp_dp_mapping": true},
+    "rollout": {"layout": "vllm", "tp": 4}, "cluster": {"gpus_per_node": 8}})";
+  auto spec = ParsePlanSpec(json, ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->trainer.vocab_divisible_by, 1);
+  EXPECT_TRUE(spec->trainer.moe_grouped_gemm);
+  EXPECT_TRUE(spec->trainer.moe_legacy_grouped_gemm);
+  EXPECT_TRUE(spec->trainer.tp_pp_dp_mapping);
+  auto p = BuildProblem(*spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto plan = MakePlan(*p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  auto bad = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 2, "moe_grouped_gemm": true},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("trainer.moe_grouped_gemm"), std::string::npos) << bad.status();
+  auto wrong = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "megatron", "use_tp_pp_dp_mapping": 1},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("trainer.use_tp_pp_dp_mapping"), std::string::npos) << wrong.status();
+}
+
 }  // namespace
 }  // namespace wb::planner

@@ -399,6 +399,8 @@ planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
   c.expert_placement = p.expert_placement();
   c.vocab_divisible_by = p.make_vocab_size_divisible_by() ? static_cast<int>(std::min<uint32_t>(p.make_vocab_size_divisible_by(), 1u << 20)) : 128;
   c.moe_grouped_gemm = p.moe_grouped_gemm();
+  c.moe_legacy_grouped_gemm = p.moe_use_legacy_grouped_gemm();
+  c.tp_pp_dp_mapping = p.use_tp_pp_dp_mapping();
   return c;
 }
 

@@ -144,9 +144,13 @@ class PresetLayout:
     vpp: int = 1
     expert_placement: str = ""  # vllm expert_parallel: "" (linear) or "round_robin"
     # megatron: --make-vocab-size-divisible-by (0 = 128, Megatron-LM's default; 1 for Megatron-Bridge /
-    # verl mcore models, whose vocab is unpadded) and --moe-grouped-gemm (TEGroupedMLP expert names).
+    # verl mcore models, whose vocab is unpadded), --moe-grouped-gemm (TEGroupedMLP expert names),
+    # with --moe-use-legacy-grouped-gemm the legacy GroupedMLP (mlp.experts.weight1 / weight2), and
+    # --use-tp-pp-dp-mapping (rank = tp_rank + tp * (pp_rank + pp * dp_rank)).
     make_vocab_size_divisible_by: int = 0
     moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False
+    use_tp_pp_dp_mapping: bool = False
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
@@ -154,7 +158,9 @@ class PresetLayout:
             expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank,
             quantization=self.quantization, first_stage_layers=self.first_stage_layers,
             last_stage_layers=self.last_stage_layers, vpp=self.vpp, expert_placement=self.expert_placement,
-            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, moe_grouped_gemm=self.moe_grouped_gemm))
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, moe_grouped_gemm=self.moe_grouped_gemm,
+            moe_use_legacy_grouped_gemm=self.moe_use_legacy_grouped_gemm,
+            use_tp_pp_dp_mapping=self.use_tp_pp_dp_mapping))
 
 
 @dataclasses.dataclass

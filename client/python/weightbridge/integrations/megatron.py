@@ -39,14 +39,20 @@ MTP_PREFIX = "mtp."
 class MegatronTrainerHook(LayoutHook):
     def __init__(self, socket_path, model, rank, tp=1, pp=1, dp=1, ep=1, etp=0, first_stage_layers=0,
                  last_stage_layers=0, vpp=1, worker_id=None, memory="host", gpu=-1, client=None,
-                 make_vocab_size_divisible_by=0, moe_grouped_gemm=False):
+                 make_vocab_size_divisible_by=0, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
+                 use_tp_pp_dp_mapping=False):
         """make_vocab_size_divisible_by: Megatron's --make-vocab-size-divisible-by (0 = 128, its
         default); 1 for Megatron-Bridge / verl mcore models, which build the vocab unpadded.
         moe_grouped_gemm: --moe-grouped-gemm with Transformer Engine (TEGroupedMLP: expert j's
-        weights are mlp.experts.linear_fc1.weight<j>), verl's and Megatron-Bridge's default."""
+        weights are mlp.experts.linear_fc1.weight<j>), verl's and Megatron-Bridge's default.
+        moe_use_legacy_grouped_gemm: --moe-use-legacy-grouped-gemm (with moe_grouped_gemm): the legacy
+        GroupedMLP's mlp.experts.weight1 / weight2.
+        use_tp_pp_dp_mapping: --use-tp-pp-dp-mapping (rank order tp-pp-dp; `rank` is the global rank)."""
         preset = PresetLayout("megatron", tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, rank=rank,
                               first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers, vpp=vpp,
-                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, moe_grouped_gemm=moe_grouped_gemm)
+                              make_vocab_size_divisible_by=make_vocab_size_divisible_by, moe_grouped_gemm=moe_grouped_gemm,
+                              moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm,
+                              use_tp_pp_dp_mapping=use_tp_pp_dp_mapping)
         self.vpp = vpp
         super().__init__(socket_path, model, worker_id or "trainer/%d" % rank, "trainer", preset, memory, gpu, client,
                          shm_prefix="megatron")
