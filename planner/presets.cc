@@ -394,6 +394,20 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   if (p.expert_placement == "round_robin" && !p.expert_parallel) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
   }
+  if (!sglang) {
+    // Configs vLLM's model classes do not build as the HF config says (gemma2.py / gemma3.py assert
+    // tied embeddings; qwen3.py / qwen3_moe.py build o_proj without a bias; gpt_oss.py always
+    // builds the q/k/v/o biases): refused rather than mis-described.
+    if ((c.family == ModelFamily::kGemma2 || c.family == ModelFamily::kGemma3) && !c.tie_word_embeddings) {
+      return absl::InvalidArgumentError("vllm: tie_word_embeddings false on Gemma (vLLM's Gemma asserts tied embeddings and computes logits from embed_tokens)");
+    }
+    if ((c.family == ModelFamily::kQwen3 || c.family == ModelFamily::kQwen3Moe) && c.o_bias) {
+      return absl::InvalidArgumentError("vllm: attention_bias on Qwen3 (vLLM's Qwen3 o_proj has no bias)");
+    }
+    if (c.family == ModelFamily::kGptOss && !c.o_bias) {
+      return absl::InvalidArgumentError("vllm: attention_bias false on GPT-OSS (vLLM's GPT-OSS always holds q/k/v/o biases)");
+    }
+  }
   if (sglang) {
     // Configs SGLang's model classes do not build as the HF config says (models/llama.py,
     // gemma2.py / gemma3, qwen2_moe.py / qwen3_moe.py): refused rather than mis-described.
@@ -584,6 +598,15 @@ absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelCo
 
 // ---- vLLM / SGLang ----
 
+// vLLM's ParallelConfig.use_sequence_parallel_moe (all2all backend allgather_reducescatter - the
+// default - or a DeepEP / MoRI / NIXL-EP one, expert parallel, tp > 1, dp > 1): the MoE input is
+// split over the tp ranks, and DeepseekV2MoE (DeepSeek-V2/V3, Kimi-K2) keeps its shared experts
+// whole on every rank. Other families' shared experts stay TP-split (glm4_moe.py, qwen2_moe.py).
+bool VllmSequenceParallelMoe(const ModelConfig& c, const ParallelConfig& par) {
+  return par.preset == "vllm" && par.expert_parallel && par.tp > 1 && par.dp > 1 &&
+         (c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2);
+}
+
 // `flat`, `flat_rank`: the engine's dp*tp ranks the MoE layers span, and this rank among them.
 void VllmExperts(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L, const std::string& m,
                  int64_t flat, int64_t flat_rank, Writer& w) {
@@ -748,8 +771,11 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     VllmExperts(c, par, L, m, flat, flat_rank, w);
     if (L.sh_gate >= 0) {
       const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
-      w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, tp, tp_rank);
-      w.Split(s + "down_proj.weight", L.sh_down, 1, tp, tp_rank);
+      // vLLM's DeepseekV2MoE builds its shared experts with disable_tp=use_sequence_parallel_moe
+      // (expert parallel, tp > 1 and dp > 1 with the default all2all backend): whole on every rank.
+      const bool whole = VllmSequenceParallelMoe(c, par);
+      w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, whole ? 1 : tp, whole ? 0 : tp_rank);
+      w.Split(s + "down_proj.weight", L.sh_down, 1, whole ? 1 : tp, whole ? 0 : tp_rank);
       if (L.sh_expert_gate >= 0) w.Replicated(m + "shared_expert_gate.weight", L.sh_expert_gate);
     }
   }

@@ -671,6 +671,33 @@ TEST(Presets, MegatronTpPpDpMapping) {
   EXPECT_EQ(MakePresetLayout(m.config, m.inv, fsdp, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// vLLM's DeepseekV2MoE with use_sequence_parallel_moe (expert parallel, tp > 1, dp > 1, the
+// default all2all backend) builds its shared experts with disable_tp: whole on every rank; with
+// dp = 1 (or without EP) they stay TP-split.
+TEST(Presets, VllmDeepseekSharedExpertsWholeUnderSequenceParallelMoe) {
+  Model m = Load("deepseek-v3.json", 4);  // layer 3 is MoE; shared expert I = 2048, H = 7168
+  TensorIndex idx(m.inv);
+  auto sp = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true}, 6);
+  auto tp = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 4, .dp = 1, .expert_parallel = true}, 2);
+  ASSERT_TRUE(sp.ok()) << sp.status();
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  const LocalTensor* gu = FindLocal(*sp, "model.layers.3.mlp.shared_experts.gate_up_proj.weight");
+  const LocalTensor* dn = FindLocal(*sp, "model.layers.3.mlp.shared_experts.down_proj.weight");
+  ASSERT_NE(gu, nullptr);
+  ASSERT_NE(dn, nullptr);
+  EXPECT_EQ(gu->shape, (std::vector<int64_t>{2 * 2048, 7168}));
+  EXPECT_EQ(dn->shape, (std::vector<int64_t>{7168, 2048}));
+  EXPECT_EQ(CanonicalAt(m.inv, *sp, *gu, 2048 * 7168 + 5),
+            std::make_pair(*idx.Find("model.layers.3.mlp.shared_experts.up_proj.weight"), int64_t{5}));
+  // Dense layers' MLP stays TP-split (DeepseekV2MLP without is_sequence_parallel).
+  const LocalTensor* dense = FindLocal(*sp, "model.layers.0.mlp.gate_up_proj.weight");
+  ASSERT_NE(dense, nullptr);
+  EXPECT_EQ(dense->shape[0], 2 * 18432 / 4);
+  const LocalTensor* split = FindLocal(*tp, "model.layers.3.mlp.shared_experts.gate_up_proj.weight");
+  ASSERT_NE(split, nullptr);
+  EXPECT_EQ(split->shape, (std::vector<int64_t>{2 * 2048 / 4, 7168}));
+}
+
 TEST(Presets, VllmMlaFusedQkvA) {
   Model m = Load("deepseek-v3.json", 4);
   TensorIndex idx(m.inv);
@@ -790,7 +817,11 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
     return p.dp;
   }
   // vllm/sglang: dp ranks of one engine each hold the dense part; MoE experts once per engine.
-  if (replicated) return int64_t{p.tp} * p.dp * p.replicas;
+  // vLLM's sequence-parallel MoE (EP, tp > 1, dp > 1) keeps DeepSeek's shared experts whole.
+  const bool deepseek = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2;
+  const bool sp_shared = p.preset == "vllm" && deepseek && p.expert_parallel && p.tp > 1 && p.dp > 1 &&
+                         absl::StrContains(name, ".shared_experts.");
+  if (replicated || sp_shared) return int64_t{p.tp} * p.dp * p.replicas;
   if (expert) return p.replicas;
   const bool kv = absl::StrContains(name, "k_proj") || absl::StrContains(name, "v_proj");
   if (kv && p.tp > c.kv_heads) return int64_t{p.replicas} * p.dp * p.tp / c.kv_heads;
@@ -1210,12 +1241,32 @@ TEST(Presets, BiasesNormsAndRefusals) {
   EXPECT_NE(FindLocal(*gv, "model.layers.1.pre_feedforward_layernorm.weight"), nullptr);
   EXPECT_NE(FindLocal(*gv, "model.layers.1.post_feedforward_layernorm.weight"), nullptr);
   EXPECT_EQ(FindLocal(*gv, "lm_head.weight"), nullptr);  // tied
-  // SGLang's Gemma computes logits from embed_tokens: an untied Gemma is refused there.
+  // vLLM's and SGLang's Gemma compute logits from embed_tokens (vLLM asserts tied embeddings): an
+  // untied Gemma is refused there; FSDP2 holds its lm_head.
   Model untied = FromText(R"({"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":128,"head_dim":16,
     "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000,"tie_word_embeddings":false})");
-  EXPECT_TRUE(MakePresetLayout(untied.config, untied.inv, {.preset = "vllm"}, 0).ok());
-  absl::Status us = MakePresetLayout(untied.config, untied.inv, {.preset = "sglang"}, 0).status();
-  EXPECT_EQ(us.code(), absl::StatusCode::kInvalidArgument) << us;
+  for (const char* preset : {"vllm", "sglang"}) {
+    absl::Status us = MakePresetLayout(untied.config, untied.inv, {.preset = preset}, 0).status();
+    EXPECT_EQ(us.code(), absl::StatusCode::kInvalidArgument) << us;
+    EXPECT_NE(us.message().find("tie_word_embeddings"), std::string::npos) << us;
+  }
+  EXPECT_TRUE(MakePresetLayout(untied.config, untied.inv, {.preset = "fsdp"}, 0).ok());
+  // vLLM's Qwen3 o_proj has no bias: attention_bias (q/k/v/o in HF) is refused there, not SGLang.
+  Model qb = FromText(R"({"architectures":["Qwen3ForCausalLM"],"hidden_size":64,"intermediate_size":128,"head_dim":16,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000,"attention_bias":true})");
+  absl::Status qs = MakePresetLayout(qb.config, qb.inv, {.preset = "vllm"}, 0).status();
+  EXPECT_EQ(qs.code(), absl::StatusCode::kInvalidArgument) << qs;
+  EXPECT_NE(qs.message().find("attention_bias"), std::string::npos) << qs;
+  EXPECT_TRUE(MakePresetLayout(qb.config, qb.inv, {.preset = "sglang"}, 0).ok());
+  // vLLM's GPT-OSS always builds q/k/v/o biases: attention_bias false is refused (it used to read
+  // the missing bias tensors out of bounds).
+  Model nob = FromText(R"({"architectures":["GptOssForCausalLM"],"hidden_size":64,"intermediate_size":64,"head_dim":16,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000,"num_local_experts":4,
+    "num_experts_per_tok":2,"attention_bias":false})");
+  absl::Status os = MakePresetLayout(nob.config, nob.inv, {.preset = "vllm"}, 0).status();
+  EXPECT_EQ(os.code(), absl::StatusCode::kInvalidArgument) << os;
+  EXPECT_NE(os.message().find("attention_bias"), std::string::npos) << os;
+  EXPECT_TRUE(MakePresetLayout(nob.config, nob.inv, {.preset = "fsdp"}, 0).ok());
   // SGLang's Qwen MoE layers are all sparse: a config with dense layers is refused there.
   Model dense = FromText(R"({"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,"head_dim":16,
     "moe_intermediate_size":32,"num_experts":4,"num_experts_per_tok":2,"num_hidden_layers":2,"num_attention_heads":4,
