@@ -150,6 +150,33 @@ absl::Status CoordinatorCore::CreateModel(const pb::CreateModelRequest& req, pb:
   return absl::OkStatus();
 }
 
+namespace {
+
+// A worker-scoped call must come from the node the worker joined through. Node ids are bound to
+// the caller's certificate under mTLS (daemon/auth_policy.cc), so this is what keeps one node from
+// publishing, pausing, dropping, re-laying-out or advancing another node's workers.
+absl::Status WorkerOnNode(const ModelRegistry::Model& m, const std::string& worker, const std::string& node) {
+  auto w = m.workers.find(worker);
+  if (w == m.workers.end() || w->second.node == node) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("worker ", EchoValue(worker), " of model ", m.spec.model_id(),
+                                                  " joined through node ", w->second.node, ", not ", EchoValue(node)));
+}
+
+// A re-joining node's committed / applied versions bound every later publish: the same limits as
+// a published version (VersionMachine::kMaxVersion, kMaxVersionJump above the newest known), so
+// one wild number (2^64 - 1) cannot block the model or make waiters see versions never sent.
+absl::Status CheckRestoredVersion(const VersionMachine& vm, const char* what, uint64_t version) {
+  uint64_t newest = vm.committed();
+  if (!vm.records().empty()) newest = std::max(newest, vm.records().rbegin()->first);
+  if (version > VersionMachine::kMaxVersion || version - std::min(version, newest) > VersionMachine::kMaxVersionJump) {
+    return absl::InvalidArgumentError(absl::StrCat("re-join: ", what, " ", version, " is above the largest version ", VersionMachine::kMaxVersion,
+                                                   " or more than 2^32 above the newest version ", newest, " of this model"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CoordinatorCore::JoinWorker(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) {
   RETURN_IF_ERROR(CheckJoinWorker(req, options_.max_name_bytes));
   std::shared_ptr<const pb::ExplicitInventory> inventory;
@@ -174,7 +201,17 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
   RETURN_IF_ERROR(models_.CheckReplySize(req.model_id(), model.spec.ByteSizeLong() + 32, created));
   *resp->mutable_model() = model.spec;
   resp->set_mode(model.spec.mode() == pb::MODE_UNSPECIFIED ? pb::MODE_SYNC : model.spec.mode());
-  if (model.workers.count(req.worker_id())) {
+  if (req.rejoin()) {
+    RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "committed_version", req.committed_version()));
+    RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "applied_version", req.applied_version()));
+  }
+  if (auto old = model.workers.find(req.worker_id()); old != model.workers.end()) {
+    // Moving a worker to another node is fine once its old node is gone; while that node lives,
+    // the worker is its (another node's join would take it over).
+    if (old->second.node != req.node_id() && nodes_.IsAlive(old->second.node)) {
+      return absl::PermissionDeniedError(absl::StrCat("worker ", EchoValue(req.worker_id()), " of model ", req.model_id(),
+                                                      " is held by live node ", old->second.node, "; it must leave there first"));
+    }
     DropWorkerLocked(model, req.worker_id(), absl::StrCat("worker ", req.worker_id(), " registered again"));
   }
   WorkerRec rec;
@@ -198,6 +235,7 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
 absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+  RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
   ASSIGN_OR_RETURN(const bool changed, models_.SetLayout(*m, req, resp));
   if (!changed) return absl::OkStatus();  // the same layout again
   MarkPlanDirtyLocked(*m);
@@ -249,6 +287,7 @@ void CoordinatorCore::AbortLocked(const std::string& model_id, Model& m, uint64_
 absl::Status CoordinatorCore::LeaveWorker(const pb::LeaveWorkerRequest& req, pb::LeaveWorkerResponse*) {
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+  RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
   DropWorkerLocked(*m, req.worker_id(),
                    absl::StrCat("worker ", req.worker_id(), " left", req.reason().empty() ? "" : ": ", EchoValue(req.reason())));
   return absl::OkStatus();
@@ -285,6 +324,7 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
     return absl::NotFoundError(absl::StrCat("worker ", EchoValue(worker), " has not joined model ", req.model_id(),
                                             " with a layout at this coordinator (node ", EchoValue(req.node_id()), " not re-joined yet?)"));
   }
+  RETURN_IF_ERROR(WorkerOnNode(*m, worker, req.node_id()));
   // Staleness bound (async): hold the trainer while a rollout is too far behind.
   auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->PublishAdmissible(v); };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&admissible), deadline)) {
@@ -319,6 +359,7 @@ absl::Status CoordinatorCore::ReportReady(const pb::ReportReadyRequest& req, pb:
     return absl::NotFoundError(absl::StrCat("worker ", EchoValue(req.worker_id()), " has not joined model ", req.model_id(),
                                             " at this coordinator (node ", EchoValue(req.node_id()), " not re-joined yet?)"));
   }
+  RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
   if (w->second.role != planner::Role::kRollout) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), " is not a registered rollout worker"));
   }
@@ -344,6 +385,18 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   if (req.catch_up()) return CatchUpDoneLocked(req, *m);
   if (!req.ok()) {
+    // Only a node the version is transferring through can fail it: another node's (or a version
+    // never started) must not abort it, nor leave a record for a version no one published.
+    const VersionRecord* r = m->machine->Find(req.version());
+    if (r == nullptr || r->state != VState::kTransferring || !m->plan.nodes.count(req.node_id())) {
+      if (r != nullptr && r->state == VState::kTransferring) {
+        return absl::PermissionDeniedError(absl::StrCat("node ", EchoValue(req.node_id()), " is not in version ", req.version(),
+                                                        " of model ", req.model_id()));
+      }
+      Log(LogLevel::kInfo, "failure report for a version not transferring ignored",
+          {{"node", req.node_id()}, {"model", req.model_id()}, {"version", req.version()}});
+      return absl::OkStatus();
+    }
     AbortLocked(req.model_id(), *m, req.version(), absl::StrCat("node ", req.node_id(), ": ", req.error()));
     return absl::OkStatus();
   }
@@ -371,6 +424,13 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
 absl::Status CoordinatorCore::ReportApplied(const pb::ReportAppliedRequest& req, pb::ReportAppliedResponse*) {
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+  RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
+  // Applied versions only rise, and feed the staleness bound: one never published cannot be held.
+  if (uint64_t newest = m->machine->records().empty() ? m->machine->committed() : std::max(m->machine->committed(), m->machine->records().rbegin()->first);
+      req.version() > newest) {
+    return absl::InvalidArgumentError(absl::StrCat("worker ", EchoValue(req.worker_id()), " reports version ", req.version(),
+                                                   " applied, but the newest version of model ", req.model_id(), " is ", newest));
+  }
   m->machine->RecordApplied(req.worker_id(), req.version());
   StatusChangedLocked();
   return absl::OkStatus();

@@ -55,6 +55,7 @@ class Cluster {
   }
   ~Cluster() { core->Shutdown(); }
 
+  std::map<std::string, std::string> node_of;  // worker -> the node it joined through
   uint64_t Register(const std::string& node) {
     pb::RegisterNodeRequest req;
     req.set_node_id(node);
@@ -73,6 +74,7 @@ class Cluster {
     *j.mutable_model() = spec;
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
+    node_of[worker] = node;
     pb::SubmitLayoutRequest l = layout.has_value() ? *layout : testing::WholeTensorLayout(node, worker);
     pb::SubmitLayoutResponse lr;
     absl::Status s = core->SubmitLayout(l, &lr);
@@ -80,6 +82,7 @@ class Cluster {
   }
   absl::Status Ready(const std::string& rollout) {
     pb::ReportReadyRequest r;
+    r.set_node_id(node_of[rollout]);  // a worker's calls come from its node (else PERMISSION_DENIED)
     r.set_model_id("m");
     r.set_worker_id(rollout);
     pb::ReportReadyResponse resp;

@@ -55,6 +55,12 @@ absl::Status MagnitudeBook::Add(const pb::ExchangeMagnitudesRequest& req) {
       return absl::InvalidArgumentError(absl::StrCat("node ", req.node_id(), " holds no NVFP4 piece of tensor '", t.tensor().substr(0, 200),
                                                      "' (model ", model_id_, ", version ", version_, ")"));
     }
+    // A largest magnitude is >= 0; NaN stays (a NaN element makes the scale NaN, as ModelOpt's
+    // amax does), but an infinite or negative one would set every other node's scale wrong.
+    if (std::isinf(t.amax()) || (!std::isnan(t.amax()) && std::signbit(t.amax()))) {
+      return absl::InvalidArgumentError(absl::StrCat("node ", req.node_id(), ": amax ", t.amax(), " of tensor '", t.tensor().substr(0, 200),
+                                                     "' is not a finite magnitude >= 0"));
+    }
     checked.push_back({it->second, t.amax()});
   }
   if (shared_) {

@@ -145,6 +145,13 @@ TEST(MagnitudeBookTest, RefusesStrangersAndTensorsTheNodeDoesNotHold) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find(tensor), std::string::npos) << s;
   }
+  // A largest magnitude is finite and >= 0 (NaN aside): an infinite one set every other node's
+  // global scale to infinity (their blocks quantised to zero), a negative one is no magnitude.
+  for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), -1.0f, -0.0f}) {
+    s = book.Add(Report("n0", "q", bad));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad << ": " << s;
+    EXPECT_NE(s.message().find("not a finite magnitude"), std::string::npos) << s;
+  }
   EXPECT_FALSE(book.complete());
   EXPECT_TRUE(book.Snapshot().parts->empty());  // q of the refused reports was not recorded
 }

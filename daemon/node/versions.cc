@@ -347,12 +347,24 @@ absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb
                                                       ParseNcclLaneName(mine) >= 0 ? " (nccl lane; needs --gpu_staging_bytes)" : ""));
   }
   absl::MutexLock l(&mu_);
+  const bool existed = execs_.count({req.model_id(), req.version()}) > 0;
   auto e = GetExecLocked(req.model_id(), req.version(), req.plan_epoch());
   if (!e.ok()) return e.status();
   std::shared_ptr<Exec> exec = *e;
+  // Only a node of the plan exchanges regions for it.
+  bool peer_in_plan = false;
+  for (const pb::PlanWorker& w : exec->plan->slice.workers()) peer_in_plan = peer_in_plan || w.node_id() == req.from_node();
+  if (!peer_in_plan) {
+    if (!existed) ReapUnstartedLocked(exec);
+    return absl::PermissionDeniedError(absl::StrCat("node '", req.from_node().substr(0, 128), "' is not in plan epoch ", req.plan_epoch(),
+                                                    " of model ", req.model_id(), " on node ", options_.node_id));
+  }
   // Our regions exist once our executor registered them (ExecuteVersion may reach us later).
   auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return exec->regions_ready || exec->aborted || exec->failed || stopping_; };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&ready), exec->deadline)) {
+    // A peer's call made the execution and ExecuteVersion never came (a version this node was
+    // never told of, or a peer that raced an abort): its staging goes back to the budget.
+    ReapUnstartedLocked(exec);
     return absl::DeadlineExceededError(absl::StrCat("node ", options_.node_id, ": version ", req.version(), " did not start in time"));
   }
   if (!exec->regions_ready) return absl::AbortedError(absl::StrCat("version ", req.version(), " aborted: ", exec->error));
@@ -381,6 +393,14 @@ absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb
     r->set_region_descriptor(d);
   }
   return absl::OkStatus();
+}
+
+void Versions::ReapUnstartedLocked(const std::shared_ptr<Exec>& exec) {
+  if (exec->started) return;
+  auto it = execs_.find({exec->model_id, exec->version});
+  if (it != execs_.end() && it->second == exec) {
+    execs_.erase(it);  // its staging charge goes back with the last reference (progress tracking is weak)
+  }
 }
 
 absl::Status Versions::DropWorker(const pb::DropWorkerRequest& req) {

@@ -218,6 +218,9 @@ class Versions {
 
  private:
   DaemonMetrics& metrics() const { return *options_.metrics; }
+  // Drops an execution no ExecuteVersion started (made by a peer's ExchangeRegions), releasing its
+  // staging reservation; nothing when it started or was already replaced.
+  void ReapUnstartedLocked(const std::shared_ptr<Exec>& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).

@@ -322,21 +322,33 @@ absl::StatusOr<std::map<int32_t, node::TensorMagnitude>> Versions::ExchangeMagni
     t->set_amax(p.amax);
   }
   pb::ExchangeMagnitudesResponse resp;
-  absl::Status s;
   // A coordinator busy (its waiting slots full) or briefly unreachable is asked again until the
   // version's deadline: a node whose report is lost holds the others until its ReportDone.
-  for (absl::Duration backoff = absl::Milliseconds(20);; backoff = std::min(2 * backoff, absl::Seconds(1))) {
-    resp.Clear();
-    s = coordinator_.client().ExchangeMagnitudes(req, &resp, CallTimeout(options_.clock, exec.deadline));
-    if (s.code() != absl::StatusCode::kResourceExhausted && s.code() != absl::StatusCode::kUnavailable) break;
-    const absl::Time retry = options_.clock->Now() + backoff;
-    if (retry >= exec.deadline) break;
-    {
-      absl::MutexLock l(&mu_);
-      if (exec.aborted || stopping_) break;
+  auto call = [&](const pb::ExchangeMagnitudesRequest& r) {
+    absl::Status st;
+    for (absl::Duration backoff = absl::Milliseconds(20);; backoff = std::min(2 * backoff, absl::Seconds(1))) {
+      resp.Clear();
+      st = coordinator_.client().ExchangeMagnitudes(r, &resp, CallTimeout(options_.clock, exec.deadline));
+      if (st.code() != absl::StatusCode::kResourceExhausted && st.code() != absl::StatusCode::kUnavailable) break;
+      const absl::Time retry = options_.clock->Now() + backoff;
+      if (retry >= exec.deadline) break;
+      {
+        absl::MutexLock l(&mu_);
+        if (exec.aborted || stopping_) break;
+      }
+      options_.clock->SleepUntil(retry);
     }
-    options_.clock->SleepUntil(retry);
+    return st;
+  };
+  if (wait && req.parts_size() > 0) {
+    // Report first, without waiting: a report takes none of the coordinator's waiting slots, so it
+    // is recorded even while they are full (a refused waiting call lost the report with it, and
+    // every node waiting for it was held to the deadline). The wait below then only asks.
+    pb::ExchangeMagnitudesRequest report = req;
+    report.set_wait(false);
+    if (call(report).ok()) req.clear_parts();  // else the waiting call carries them again
   }
+  absl::Status s = call(req);
   if (!s.ok()) {
     if (wait && s.code() != absl::StatusCode::kNotFound && s.code() != absl::StatusCode::kUnimplemented) return s;
     Log(LogLevel::kWarning, "NVFP4 magnitudes not exchanged",

@@ -176,5 +176,67 @@ TEST_F(VersionsTest, ExchangeRegionsForAnUninstalledPlanEpochNamesIt) {
   EXPECT_NE(s.message().find("plan epoch 7 of model m is not installed on node n0"), std::string::npos) << s;
 }
 
+
+// A peer's ExchangeRegions for a version this node is never told of (hostile, or a peer that
+// raced an abort) made an execution that reserved the rollouts' staging until a restart: every
+// later version was RESOURCE_EXHAUSTED. Now that execution goes at its deadline, and a node that
+// is not in the plan is refused without one.
+TEST_F(VersionsTest, PeerExchangeForAVersionNeverStartedReleasesItsStaging) {
+  pb::InstallPlanRequest req;
+  pb::PlanSlice* s = req.mutable_slice();
+  s->set_model_id("m");
+  s->set_plan_epoch(1);
+  s->set_num_buckets(1);
+  pb::TensorSpec* t = s->add_tensors();
+  t->set_name("w");
+  t->add_shape(153600);
+  t->set_dtype(pb::DTYPE_F32);
+  pb::PlanWorker* tr = s->add_workers();
+  tr->set_worker_id("trainer/0");
+  tr->set_node_id("n1");
+  tr->set_role(pb::ROLE_TRAINER);
+  (*tr->mutable_transport_instances())["host_tcp"] = "n1-instance";
+  pb::PlanWorker* r = s->add_workers();
+  r->set_worker_id("rollout/0");
+  r->set_node_id("n0");
+  r->set_role(pb::ROLE_ROLLOUT);
+  pb::BufferSpec* b = r->mutable_layout()->add_buffers();
+  b->set_buffer_id(0);
+  b->set_size_bytes(614400);  // over half the node's 1 MiB staging budget
+  b->set_shm_name("/wb-peer-reap");
+  b->set_gpu(-1);
+  pb::Piece* pc = r->mutable_layout()->add_pieces();
+  pc->set_tensor("w");
+  pc->mutable_box()->add_begin(0);
+  pc->mutable_box()->add_end(153600);
+  pc->add_strides(1);
+  pc->set_buffer_id(0);
+  ASSERT_TRUE(versions_->InstallPlan(req).ok());
+  pb::ExchangeRegionsRequest stranger = Exchange(1000001);
+  stranger.set_from_node("n7");
+  pb::ExchangeRegionsResponse resp;
+  absl::Status refused = versions_->ExchangeRegions(stranger, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
+  EXPECT_NE(refused.message().find("'n7' is not in plan epoch 1"), std::string::npos) << refused;
+  const absl::Time deadline = clock_.Now() + absl::Seconds(60);
+  absl::Status exchanged = daemon::testing::EndsAtSimulatedDeadline(clock_, deadline, [&] {
+    pb::ExchangeRegionsResponse r2;
+    return versions_->ExchangeRegions(Exchange(1000000), &r2);
+  });
+  EXPECT_EQ(exchanged.code(), absl::StatusCode::kDeadlineExceeded) << exchanged;
+  pb::ExecuteVersionRequest e;
+  e.set_model_id("m");
+  e.set_version(2);
+  e.set_plan_epoch(1);
+  e.set_timeout_ms(1000);
+  absl::Status st = versions_->ExecuteVersion(e);
+  EXPECT_TRUE(st.ok()) << st;
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(2);
+  a.set_reason("cleanup");
+  versions_->AbortVersion(a).IgnoreError();
+}
+
 }  // namespace
 }  // namespace wb::daemon::node

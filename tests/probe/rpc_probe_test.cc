@@ -28,6 +28,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -685,6 +686,34 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
     EXPECT_EQ(o.code, grpc::StatusCode::PERMISSION_DENIED) << name << ": " << o.message;
     EXPECT_NE(o.message.find("'n0'"), std::string::npos) << name << ": " << o.message;
     EXPECT_NE(o.message.find("n5"), std::string::npos) << name << ": " << o.message;
+  }
+  // n1 under its own name acting on n0's workers (publishing n0's trainer, pausing, dropping,
+  // re-laying-out, advancing or taking over n0's rollout): PERMISSION_DENIED naming n0. A re-join
+  // claiming version 2^64 - 1 committed is refused (it blocked every later publish and made
+  // waiters see versions never sent); a failure report for a version not transferring changes
+  // nothing (it left an aborted record that failed version 2's publish below).
+  if (!standalone_) {
+    auto n1_coord = MakePeerChannel(coord_server_->address(), *Auth("n1"), int64_t{256} << 20);
+    const std::vector<std::tuple<std::string, std::string, grpc::StatusCode>> foreign = {
+        {"Publish", "node_id: 'n1' model_id: 'm' worker_id: 't0' version: 2 timeout_ms: 100", grpc::StatusCode::PERMISSION_DENIED},
+        {"ReportReady", "node_id: 'n1' model_id: 'm' worker_id: 'r0'", grpc::StatusCode::PERMISSION_DENIED},
+        {"LeaveWorker", "node_id: 'n1' model_id: 'm' worker_id: 'r0'", grpc::StatusCode::PERMISSION_DENIED},
+        {"ReportApplied", "node_id: 'n1' model_id: 'm' worker_id: 'r0' version: 18446744073709551615", grpc::StatusCode::PERMISSION_DENIED},
+        {"SubmitLayout", "node_id: 'n1' model_id: 'm' worker_id: 'r0'", grpc::StatusCode::PERMISSION_DENIED},
+        {"JoinWorker", "node_id: 'n1' worker_id: 'r0' model_id: 'm' role: ROLE_ROLLOUT", grpc::StatusCode::PERMISSION_DENIED},
+        {"JoinWorker", "node_id: 'n1' worker_id: 'ghost' model_id: 'm' role: ROLE_ROLLOUT rejoin: true committed_version: 18446744073709551615",
+         grpc::StatusCode::INVALID_ARGUMENT},
+        {"ReportDone", "node_id: 'n1' model_id: 'm' version: 2 ok: false error: 'forged'", grpc::StatusCode::OK},
+    };
+    for (const auto& [name, text, want] : foreign) {
+      const MethodDescriptor* m = Service("CoordinatorService")->FindMethodByName(name);
+      ASSERT_NE(m, nullptr) << name;
+      std::unique_ptr<Message> req(google::protobuf::MessageFactory::generated_factory()->GetPrototype(m->input_type())->New());
+      ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(text, req.get())) << name;
+      const Outcome o = CallGeneric(n1_coord, absl::StrCat("/", m->service()->full_name(), "/", name), req->SerializeAsString());
+      EXPECT_EQ(o.code, want) << text << ": " << o.message;
+      if (want == grpc::StatusCode::PERMISSION_DENIED) EXPECT_NE(o.message.find("n0"), std::string::npos) << text << ": " << o.message;
+    }
   }
   // n5 calling n0's coordinator-only NodeService methods: PERMISSION_DENIED naming the coordinator
   // (before: a node's certificate installed a plan covering part of r0 and committed it, and r0's
