@@ -135,7 +135,11 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commi
   AddCoordinatorOnly<pb::ExecuteVersionRequest>(gate, "ExecuteVersion", o);
   AddCoordinatorOnly<pb::DropWorkerRequest>(gate, "DropWorker", o);
   AddPeerOnly<pb::SetupDataChannelRequest>(gate, kNode, "SetupDataChannel", o);
-  AddPeerOnly<pb::ExchangeRegionsRequest>(gate, kNode, "ExchangeRegions", o);
+  // A peer exchanges regions as itself: from_node must be its certificate's (else it could replace
+  // another node's endpoint for a version in flight).
+  gate.Add(std::string(kNode) + "ExchangeRegions", Rule<pb::ExchangeRegionsRequest>([o](AuthCall& call, pb::ExchangeRegionsRequest& req) {
+             return NodeScoped(o, call, req.from_node());
+           }));
   AddPeerOnly<pb::DrainRequest>(gate, kNode, "Drain", o);
   AddPeerOnly<pb::StatusRequest>(gate, kNode, "Status", o);
   // Commits and aborts change which versions a trainer may still publish (WorkerGuard); their

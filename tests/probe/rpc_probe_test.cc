@@ -736,6 +736,20 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
     EXPECT_NE(o.message.find("coordinator"), std::string::npos) << name << ": " << o.message;
     EXPECT_NE(o.message.find("n5"), std::string::npos) << name << ": " << o.message;
   }
+  // n5 exchanging regions with n0 as n1 (replacing n1's endpoint for a version in flight):
+  // PERMISSION_DENIED naming both.
+  {
+    pb::ExchangeRegionsRequest x;
+    x.set_model_id("m");
+    x.set_version(3);
+    x.set_plan_epoch(1);
+    x.set_from_node("n1");
+    x.set_transport_kind("host_tcp");
+    const Outcome o = CallGeneric(n5_to_n0, "/weightbridge.v1.NodeService/ExchangeRegions", x.SerializeAsString());
+    EXPECT_EQ(o.code, grpc::StatusCode::PERMISSION_DENIED) << o.message;
+    EXPECT_NE(o.message.find("'n1'"), std::string::npos) << o.message;
+    EXPECT_NE(o.message.find("n5"), std::string::npos) << o.message;
+  }
   // n0 and its workers still work: version 2 reaches both rollouts whole.
   pb::ApplyResponse resp;
   for (auto& s : c_.Publish("m", pb::MODE_ONE_STEP_OFF, 2, trainers_, rollouts_)) ASSERT_TRUE(s.ok()) << s.error_message();
