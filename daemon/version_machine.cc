@@ -49,8 +49,7 @@ absl::Status VersionMachine::RecordPublish(const std::string& trainer, uint64_t 
       return absl::InvalidArgumentError(absl::StrCat("version ", version, " is above the largest version ", kMaxVersion,
                                                      " (2^53 - 1): no later version could ever follow it"));
     }
-    uint64_t newest = std::max(committed_, newest_started_);
-    if (!records_.empty()) newest = std::max(newest, records_.rbegin()->first);
+    const uint64_t newest = newest_known();
     if (version - std::min(version, newest) > kMaxVersionJump) {
       return absl::InvalidArgumentError(absl::StrCat("version ", version, " is more than ", kMaxVersionJump, " (2^32) above the newest version ",
                                                      newest, " of this model (a corrupt step counter?): refused, it would block every later version"));
@@ -197,6 +196,12 @@ bool VersionMachine::Idle() const {
     if (rec.state == VState::kQueued || rec.state == VState::kTransferring) return false;
   }
   return true;
+}
+
+uint64_t VersionMachine::newest_known() const {
+  uint64_t newest = std::max(committed_, newest_started_);
+  if (!records_.empty()) newest = std::max(newest, records_.rbegin()->first);
+  return newest;
 }
 
 const VersionRecord* VersionMachine::Find(uint64_t version) const {

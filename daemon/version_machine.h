@@ -104,6 +104,8 @@ class VersionMachine {
   std::optional<absl::Status> Outcome(uint64_t version) const;
 
   uint64_t committed() const { return committed_; }
+  // The newest version known: committed, started, or with a record (published, aborted, ...).
+  uint64_t newest_known() const;
   // Coordinator restart: a node reports `version` as committed on it. Later publishes must be
   // newer; waiters on versions <= it see them committed. Never lowers anything.
   void RestoreCommitted(uint64_t version) {

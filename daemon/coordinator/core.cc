@@ -166,8 +166,7 @@ absl::Status WorkerOnNode(const ModelRegistry::Model& m, const std::string& work
 // a published version (VersionMachine::kMaxVersion, kMaxVersionJump above the newest known), so
 // one wild number (2^64 - 1) cannot block the model or make waiters see versions never sent.
 absl::Status CheckRestoredVersion(const VersionMachine& vm, const char* what, uint64_t version) {
-  uint64_t newest = vm.committed();
-  if (!vm.records().empty()) newest = std::max(newest, vm.records().rbegin()->first);
+  const uint64_t newest = vm.newest_known();
   if (version > VersionMachine::kMaxVersion || version - std::min(version, newest) > VersionMachine::kMaxVersionJump) {
     return absl::InvalidArgumentError(absl::StrCat("re-join: ", what, " ", version, " is above the largest version ", VersionMachine::kMaxVersion,
                                                    " or more than 2^32 above the newest version ", newest, " of this model"));
@@ -426,8 +425,7 @@ absl::Status CoordinatorCore::ReportApplied(const pb::ReportAppliedRequest& req,
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
   // Applied versions only rise, and feed the staleness bound: one never published cannot be held.
-  if (uint64_t newest = m->machine->records().empty() ? m->machine->committed() : std::max(m->machine->committed(), m->machine->records().rbegin()->first);
-      req.version() > newest) {
+  if (const uint64_t newest = m->machine->newest_known(); req.version() > newest) {
     return absl::InvalidArgumentError(absl::StrCat("worker ", EchoValue(req.worker_id()), " reports version ", req.version(),
                                                    " applied, but the newest version of model ", req.model_id(), " is ", newest));
   }

@@ -712,7 +712,9 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
       ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(text, req.get())) << name;
       const Outcome o = CallGeneric(n1_coord, absl::StrCat("/", m->service()->full_name(), "/", name), req->SerializeAsString());
       EXPECT_EQ(o.code, want) << text << ": " << o.message;
-      if (want == grpc::StatusCode::PERMISSION_DENIED) EXPECT_NE(o.message.find("n0"), std::string::npos) << text << ": " << o.message;
+      if (want == grpc::StatusCode::PERMISSION_DENIED) {
+        EXPECT_NE(o.message.find("n0"), std::string::npos) << text << ": " << o.message;
+      }
     }
   }
   // n5 calling n0's coordinator-only NodeService methods: PERMISSION_DENIED naming the coordinator
