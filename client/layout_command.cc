@@ -24,7 +24,7 @@ namespace pb = ::weightbridge::v1;
 constexpr const char* kUsage =
     "usage: wbctl layout (--config CONFIG.json | --addr unix:PATH --model ID [--config CONFIG.json])\n"
     "                    --preset P --rank R [--tp N] [--pp N] [--dp N] [--ep N] [--etp N] [--replicas N]\n"
-    "                    [--expert_parallel] [--expert_placement round_robin] [--quantization Q]\n"
+    "                    [--expert_parallel] [--expert_placement round_robin] [--moe_a2a_backend B] [--quantization Q]\n"
     "                    [--first_stage_layers N] [--last_stage_layers N] [--vpp N] [--make_vocab_size_divisible_by N]\n"
     "                    [--moe_grouped_gemm [--moe_use_legacy_grouped_gemm]] [--use_tp_pp_dp_mapping]\n"
     "                    [--dtype bfloat16] [--json] [--timeout 10s]\n";
@@ -73,7 +73,7 @@ std::string LayoutTable(const pb::LayoutDescription& d, const std::string& title
 int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   auto parsed = CtlArgs::Parse(args, {{"addr", "model", "config", "preset", "rank", "tp", "pp", "dp", "ep", "etp", "replicas",
                                        "quantization", "dtype", "timeout", "first_stage_layers", "last_stage_layers", "vpp",
-                                       "expert_placement", "make_vocab_size_divisible_by"},
+                                       "expert_placement", "moe_a2a_backend", "make_vocab_size_divisible_by"},
                                       {"json", "expert_parallel", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping"}});
   if (!parsed.ok()) {
     err << "wbctl layout: " << parsed.status().message() << "\n" << kUsage;
@@ -93,6 +93,7 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   pc->set_expert_parallel(a.Has("expert_parallel"));
   pc->set_quantization(a.Get("quantization"));
   pc->set_expert_placement(a.Get("expert_placement"));
+  pc->set_moe_a2a_backend(a.Get("moe_a2a_backend"));
   pc->set_moe_grouped_gemm(a.Has("moe_grouped_gemm"));
   pc->set_moe_use_legacy_grouped_gemm(a.Has("moe_use_legacy_grouped_gemm"));
   pc->set_use_tp_pp_dp_mapping(a.Has("use_tp_pp_dp_mapping"));

@@ -64,6 +64,27 @@ TEST(LayoutCommandTest, MegatronOptionFlags) {
   EXPECT_NE(out.find("embedding.word_embeddings.weight"), std::string::npos) << out;
 }
 
+TEST(LayoutCommandTest, MoeA2aBackendFlag) {
+  const char* ds = "planner/testdata/deepseek-v3.json";  // shared experts: I = 2048, H = 7168
+  // The line naming `name` (names end the line).
+  auto line_of = [](const std::string& out, const std::string& name) {
+    const size_t at = out.find(name + "\n");
+    if (at == std::string::npos) return std::string();
+    const size_t begin = out.rfind('\n', at);
+    return out.substr(begin == std::string::npos ? 0 : begin + 1, at + name.size() - (begin == std::string::npos ? 0 : begin + 1));
+  };
+  const std::string gu = "model.layers.3.mlp.shared_experts.gate_up_proj.weight";
+  std::string out, err;
+  ASSERT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "8", "--expert_parallel", "--rank", "3",
+                    "--moe_a2a_backend", "deepep"}, &out, &err), 0) << err;
+  EXPECT_NE(line_of(out, gu).find("[4096, 7168]"), std::string::npos) << line_of(out, gu);
+  ASSERT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "8", "--expert_parallel", "--rank", "3"}, &out, &err), 0) << err;
+  EXPECT_NE(line_of(out, gu).find("[512, 7168]"), std::string::npos) << line_of(out, gu);
+  EXPECT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "8", "--expert_parallel", "--rank", "3",
+                    "--moe_a2a_backend", "pplx"}, &out, &err), 1);
+  EXPECT_NE(err.find("unknown moe_a2a_backend `pplx`"), std::string::npos) << err;
+}
+
 TEST(LayoutCommandTest, ErrorsAndUsage) {
   std::string out, err;
   EXPECT_EQ(RunCmd({"--config", kConfig, "--preset", "megatron", "--tp", "3"}, &out, &err), 1);

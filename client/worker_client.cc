@@ -59,6 +59,7 @@ struct VisitLayout {
     pc->set_last_stage_layers(l.last_stage_layers);
     pc->set_vpp(l.vpp);
     pc->set_expert_placement(l.expert_placement);
+    pc->set_moe_a2a_backend(l.moe_a2a_backend);
     pc->set_make_vocab_size_divisible_by(l.make_vocab_size_divisible_by);
     pc->set_moe_grouped_gemm(l.moe_grouped_gemm);
     pc->set_moe_use_legacy_grouped_gemm(l.moe_use_legacy_grouped_gemm);

@@ -123,6 +123,9 @@ struct PresetLayout {
   // vllm expert_parallel: "" (linear) or "round_robin". docs/presets.md.
   uint32_t first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
   std::string expert_placement;
+  // vllm: --all2all-backend; sglang: --moe-a2a-backend ("" = the engine's default). Decides
+  // whether shared experts are whole on every rank (docs/presets.md).
+  std::string moe_a2a_backend;
   // megatron: --make-vocab-size-divisible-by (0 = 128; 1 for Megatron-Bridge / verl mcore, whose
   // vocab is unpadded), --moe-grouped-gemm (TEGroupedMLP expert names), with
   // --moe-use-legacy-grouped-gemm the legacy GroupedMLP's weight1 / weight2, and

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
 #include "planner/inventory.h"
@@ -377,6 +378,68 @@ absl::Status CheckMegatron(const ModelConfig& c, const ParallelConfig& p) {
   return absl::OkStatus();
 }
 
+// vLLM's all2all backends (--all2all-backend, VLLM_ALL2ALL_BACKEND; vllm/config/parallel.py): those
+// ParallelConfig.use_sequence_parallel_moe lists (in one release or another; "" = vLLM's default,
+// allgather_reducescatter) and the others.
+constexpr std::array<const char*, 9> kVllmSequenceParallelA2a = {
+    "allgather_reducescatter", "naive", "deepep_high_throughput", "deepep_low_latency", "mori",
+    "mori_high_throughput", "mori_low_latency", "nixl_ep", "flashinfer_nvlink_one_sided"};
+constexpr std::array<const char*, 3> kVllmOtherA2a = {"pplx", "flashinfer_all2allv", "flashinfer_nvlink_two_sided"};
+// SGLang's --moe-a2a-backend values ("" = none, SGLang's default).
+constexpr std::array<const char*, 7> kSglangA2a = {"none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer"};
+
+template <size_t N>
+bool OneOf(const std::array<const char*, N>& names, const std::string& s) {
+  return std::find(names.begin(), names.end(), s) != names.end();
+}
+
+bool VllmSequenceParallelA2a(const std::string& backend) {
+  return backend.empty() || OneOf(kVllmSequenceParallelA2a, backend);
+}
+
+bool SglangA2aNone(const std::string& backend) { return backend.empty() || backend == "none"; }
+
+// Whether the engine keeps the MoE layers' shared experts whole on every rank instead of TP-split.
+// vLLM: ParallelConfig.use_sequence_parallel_moe (an all2all backend of kVllmSequenceParallelA2a,
+// expert parallel, tp > 1, dp > 1) makes DeepseekV2MoE (DeepSeek-V2/V3, Kimi-K2) build its shared
+// experts with disable_tp; other families' stay TP-split (glm4_moe.py, qwen2_moe.py).
+// SGLang: with an a2a MoE backend (--moe-a2a-backend other than none) DeepseekV2MoE and
+// Glm4MoeSparseMoeBlock build them with tp_size 1, and Qwen2MoeSparseMoeBlock with deepep /
+// flashinfer (CheckVllm refuses Qwen2-MoE with the others).
+bool SharedExpertsWhole(const ModelConfig& c, const ParallelConfig& par) {
+  const bool deepseek = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2;
+  if (par.preset == "vllm") {
+    return deepseek && par.expert_parallel && par.tp > 1 && par.dp > 1 && VllmSequenceParallelA2a(par.moe_a2a_backend);
+  }
+  return !SglangA2aNone(par.moe_a2a_backend) &&
+         (deepseek || c.family == ModelFamily::kGlm4Moe || c.family == ModelFamily::kQwen2Moe);
+}
+
+absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
+  const std::string& b = p.moe_a2a_backend;
+  if (p.preset == "vllm") {
+    if (b.empty() || OneOf(kVllmSequenceParallelA2a, b) || OneOf(kVllmOtherA2a, b)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("vllm: unknown moe_a2a_backend `", b, "` (vLLM's --all2all-backend: ",
+                                                   absl::StrJoin(kVllmSequenceParallelA2a, ", "), ", ",
+                                                   absl::StrJoin(kVllmOtherA2a, ", "), ")"));
+  }
+  if (!b.empty() && !OneOf(kSglangA2a, b)) {
+    return absl::InvalidArgumentError(absl::StrCat("sglang: unknown moe_a2a_backend `", b, "` (SGLang's --moe-a2a-backend: ",
+                                                   absl::StrJoin(kSglangA2a, ", "), ")"));
+  }
+  if (SglangA2aNone(b)) return absl::OkStatus();
+  if (c.experts > 0 && !p.expert_parallel) {
+    // server_args.py: an a2a backend sets ep_size = tp_size.
+    return absl::InvalidArgumentError(absl::StrCat("sglang: moe_a2a_backend ", b,
+                                                   " makes SGLang's expert parallel size the tp size: set expert_parallel"));
+  }
+  if (c.family == ModelFamily::kQwen2Moe && b != "deepep" && b != "flashinfer") {
+    return absl::InvalidArgumentError(absl::StrCat("sglang: moe_a2a_backend ", b, " on ", c.architecture,
+                                                   ": its shared expert's split is not described (deepep and flashinfer keep it whole)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   const std::string& m = p.preset;
   const bool sglang = m == "sglang";
@@ -394,6 +457,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   if (p.expert_placement == "round_robin" && !p.expert_parallel) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
   }
+  RETURN_IF_ERROR(CheckA2aBackend(c, p));
   if (!sglang) {
     // Configs vLLM's model classes do not build as the HF config says (gemma2.py / gemma3.py assert
     // tied embeddings; qwen3.py / qwen3_moe.py build o_proj without a bias; gpt_oss.py always
@@ -407,8 +471,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     if (c.family == ModelFamily::kGptOss && !c.o_bias) {
       return absl::InvalidArgumentError("vllm: attention_bias false on GPT-OSS (vLLM's GPT-OSS always holds q/k/v/o biases)");
     }
-  }
-  if (sglang) {
+  } else {
     // Configs SGLang's model classes do not build as the HF config says (models/llama.py,
     // gemma2.py / gemma3, qwen2_moe.py / qwen3_moe.py): refused rather than mis-described.
     if (c.mlp_bias) return absl::InvalidArgumentError("sglang: mlp_bias (SGLang's LlamaMLP has no biases and skips them at load)");
@@ -450,7 +513,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     } else {
       RETURN_IF_ERROR(Divides(flat, c.moe_intermediate, p.dp > 1 ? "dp*tp" : "tp", "moe_intermediate_size", m.c_str()));
     }
-    if (c.shared_expert_intermediate > 0) {
+    if (c.shared_expert_intermediate > 0 && !SharedExpertsWhole(c, p)) {
       RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m.c_str()));
     }
   }
@@ -463,7 +526,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
 // and weight2 [E_l * F2, H] whose memory GroupedMLP.forward reads as [E_l, H, F] and [E_l, F2, H]:
 // local expert j's linear_fc1 slice ([gate rows; up rows], F x H) and linear_fc2 slice (H x F2),
 // each transposed, one after the other.
-void MegatronLegacyGroupedExperts(const ModelConfig& c, const Inventory& inv, const LayerIds& L, const std::string& p,
+void MegatronLegacyGroupedExperts(const ModelConfig& c, const LayerIds& L, const std::string& p,
                                   int64_t per_ep, int ep_rank, int etp, int etp_rank, Writer& w) {
   const int64_t H = c.hidden;
   const int64_t n = c.moe_intermediate / etp;  // gate (and up) rows of this etp rank
@@ -482,10 +545,9 @@ void MegatronLegacyGroupedExperts(const ModelConfig& c, const Inventory& inv, co
     // Canonical down [H, I]: element (h, i) of the slice lands at j*n*H + (i - i0)*H + h.
     w.Strided(e[2], Box{{0, i0}, {H, i0 + n}}, {1, H}, j * n * H);
   }
-  (void)inv;
 }
 
-void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv, const LayerIds& L,
+void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L,
                    const std::string& p, int tp_rank, int expert_local, Writer& w) {
   const int64_t tp = par.tp;
   const int64_t H = c.hidden;
@@ -542,7 +604,7 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
   const int ep_rank = (expert_local / etp) % par.ep;
   const int64_t per_ep = c.experts / par.ep;
   if (par.moe_legacy_grouped_gemm) {
-    MegatronLegacyGroupedExperts(c, inv, L, p, per_ep, ep_rank, etp, etp_rank, w);
+    MegatronLegacyGroupedExperts(c, L, p, per_ep, ep_rank, etp, etp_rank, w);
   }
   for (int64_t j = 0; j < per_ep && !par.moe_legacy_grouped_gemm; ++j) {
     const auto& e = L.experts[ep_rank * per_ep + j];
@@ -560,7 +622,6 @@ void MegatronLayer(const ModelConfig& c, const ParallelConfig& par, const Invent
     w.Split(p + "mlp.shared_experts.linear_fc2.weight", L.sh_down, 1, tp, tp_rank);
     if (L.sh_expert_gate >= 0) w.Replicated(p + "mlp.shared_experts.gate_weight", L.sh_expert_gate);
   }
-  (void)inv;
 }
 
 absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
@@ -581,7 +642,7 @@ absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelCo
     const auto [l0, n] = chunks[v];
     if (pp_rank == 0 && v == 0) w.Vocab(chunk + "embedding.word_embeddings.weight", ids.embed, vocab_per_rank, tp_rank);
     for (int64_t i = 0; i < n; ++i) {
-      MegatronLayer(c, par, inv, ids.layers[l0 + i], absl::StrCat(chunk, "decoder.layers.", i, "."), tp_rank, expert_local, w);
+      MegatronLayer(c, par, ids.layers[l0 + i], absl::StrCat(chunk, "decoder.layers.", i, "."), tp_rank, expert_local, w);
     }
     if (pp_rank == par.pp - 1 && v + 1 == chunks.size()) {
       w.Replicated(chunk + "decoder.final_layernorm.weight", ids.final_norm);
@@ -597,15 +658,6 @@ absl::StatusOr<PresetLayout> MakeMegatron(const ModelConfig& c, const ParallelCo
 }
 
 // ---- vLLM / SGLang ----
-
-// vLLM's ParallelConfig.use_sequence_parallel_moe (all2all backend allgather_reducescatter - the
-// default - or a DeepEP / MoRI / NIXL-EP one, expert parallel, tp > 1, dp > 1): the MoE input is
-// split over the tp ranks, and DeepseekV2MoE (DeepSeek-V2/V3, Kimi-K2) keeps its shared experts
-// whole on every rank. Other families' shared experts stay TP-split (glm4_moe.py, qwen2_moe.py).
-bool VllmSequenceParallelMoe(const ModelConfig& c, const ParallelConfig& par) {
-  return par.preset == "vllm" && par.expert_parallel && par.tp > 1 && par.dp > 1 &&
-         (c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2);
-}
 
 // `flat`, `flat_rank`: the engine's dp*tp ranks the MoE layers span, and this rank among them.
 void VllmExperts(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L, const std::string& m,
@@ -771,9 +823,7 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     VllmExperts(c, par, L, m, flat, flat_rank, w);
     if (L.sh_gate >= 0) {
       const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
-      // vLLM's DeepseekV2MoE builds its shared experts with disable_tp=use_sequence_parallel_moe
-      // (expert parallel, tp > 1 and dp > 1 with the default all2all backend): whole on every rank.
-      const bool whole = VllmSequenceParallelMoe(c, par);
+      const bool whole = SharedExpertsWhole(c, par);
       w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, whole ? 1 : tp, whole ? 0 : tp_rank);
       w.Split(s + "down_proj.weight", L.sh_down, 1, whole ? 1 : tp, whole ? 0 : tp_rank);
       if (L.sh_expert_gate >= 0) w.Replicated(m + "shared_expert_gate.weight", L.sh_expert_gate);

@@ -77,6 +77,13 @@ struct ParallelConfig {
   int first_stage_layers = 0, last_stage_layers = 0, vpp = 1;
   // vllm: --expert-placement-strategy, "" (= "linear") or "round_robin" (expert_parallel only).
   std::string expert_placement;
+  // vllm: --all2all-backend (VLLM_ALL2ALL_BACKEND), "" = allgather_reducescatter; sglang:
+  // --moe-a2a-backend, "" = none. It decides whether the engine keeps the MoE layers' shared
+  // experts whole on every rank (docs/presets.md): vLLM's DeepSeek-V2/V3 under
+  // use_sequence_parallel_moe (a backend of its list, expert parallel, tp > 1, dp > 1); SGLang's
+  // DeepSeek, GLM-4.5 and Qwen2-MoE with any a2a backend (Qwen2-MoE: deepep / flashinfer only).
+  // An unknown name is refused, listing the known ones.
+  std::string moe_a2a_backend;
   // megatron: --make-vocab-size-divisible-by: the embedding and output layer hold
   // ceil(vocab / (m * tp)) * m rows per rank (Megatron-LM pads the vocab to a multiple of m * tp;
   // 128 is its default). 1: padded to a multiple of tp only - Megatron-Bridge's and verl's mcore

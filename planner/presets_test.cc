@@ -698,6 +698,78 @@ TEST(Presets, VllmDeepseekSharedExpertsWholeUnderSequenceParallelMoe) {
   EXPECT_EQ(split->shape, (std::vector<int64_t>{2 * 2048 / 4, 7168}));
 }
 
+// The engines' a2a MoE backends decide whether shared experts are TP-split or whole: vLLM's
+// use_sequence_parallel_moe list (config/parallel.py), SGLang's --moe-a2a-backend (deepseek_v2.py,
+// glm4_moe.py, qwen2_moe.py build the shared experts with tp_size 1 under an a2a backend).
+TEST(Presets, MoeA2aBackendDecidesSharedExperts) {
+  Model ds = Load("deepseek-v3.json", 4);  // layer 3 is MoE; shared expert I = 2048, H = 7168
+  const std::string gu = "model.layers.3.mlp.shared_experts.gate_up_proj.weight";
+  auto rows = [&](const Model& m, const ParallelConfig& par, int rank, const std::string& name) -> int64_t {
+    auto l = MakePresetLayout(m.config, m.inv, par, rank);
+    EXPECT_TRUE(l.ok()) << l.status();
+    if (!l.ok()) return -1;
+    const LocalTensor* t = FindLocal(*l, name);
+    return t == nullptr ? -2 : t->shape[0];
+  };
+  EXPECT_EQ(rows(ds, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "pplx"}, 5, gu), 2 * 2048 / 4);
+  EXPECT_EQ(rows(ds, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "flashinfer_all2allv"}, 5, gu),
+            2 * 2048 / 4);
+  EXPECT_EQ(rows(ds, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "deepep_high_throughput"}, 5, gu),
+            2 * 2048);
+  EXPECT_EQ(rows(ds, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "allgather_reducescatter"}, 5, gu),
+            2 * 2048);
+  EXPECT_EQ(rows(ds, {.preset = "sglang", .tp = 4, .expert_parallel = true}, 1, gu), 2 * 2048 / 4);
+  EXPECT_EQ(rows(ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "none"}, 1, gu), 2 * 2048 / 4);
+  for (const char* b : {"deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer"}) {
+    EXPECT_EQ(rows(ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = b}, 1, gu), 2 * 2048) << b;
+  }
+  // Whole means the same bytes on every rank: rank 3 holds up_proj's row 0 right after gate's rows.
+  auto l = MakePresetLayout(ds.config, ds.inv, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "deepep"}, 3);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const LocalTensor* t = FindLocal(*l, gu);
+  ASSERT_NE(t, nullptr);
+  TensorIndex idx(ds.inv);
+  EXPECT_EQ(CanonicalAt(ds.inv, *l, *t, 2048 * 7168 + 9),
+            std::make_pair(*idx.Find("model.layers.3.mlp.shared_experts.up_proj.weight"), int64_t{9}));
+  const LocalTensor* dn = FindLocal(*l, "model.layers.3.mlp.shared_experts.down_proj.weight");
+  ASSERT_NE(dn, nullptr);
+  EXPECT_EQ(dn->shape, (std::vector<int64_t>{7168, 2048}));
+
+  // GLM-4.5 and Qwen2-MoE (every layer sparse, as SGLang requires).
+  Model glm = FromText(R"({"architectures":["Glm4MoeForCausalLM"],"hidden_size":64,"head_dim":16,
+    "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":8,
+    "num_key_value_heads":4,"vocab_size":1000,"n_routed_experts":8,"n_shared_experts":1,"first_k_dense_replace":1})");
+  EXPECT_EQ(rows(glm, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "mooncake"}, 2,
+                 "model.layers.1.mlp.shared_experts.gate_up_proj.weight"), 2 * 32);
+  EXPECT_EQ(rows(glm, {.preset = "sglang", .tp = 4, .expert_parallel = true}, 2, "model.layers.1.mlp.shared_experts.gate_up_proj.weight"),
+            2 * 32 / 4);
+  EXPECT_EQ(rows(glm, {.preset = "vllm", .tp = 2, .dp = 2, .expert_parallel = true}, 2, "model.layers.1.mlp.shared_experts.gate_up_proj.weight"),
+            2 * 32 / 2);  // vLLM's GLM keeps them TP-split under sequence-parallel MoE
+  Model qwen = FromText(R"({"architectures":["Qwen2MoeForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
+    "num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":1000,"num_experts":8})");
+  EXPECT_EQ(rows(qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "flashinfer"}, 3,
+                 "model.layers.0.mlp.shared_expert.gate_up_proj.weight"), 2 * 64);
+  EXPECT_EQ(rows(qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true}, 3, "model.layers.0.mlp.shared_expert.gate_up_proj.weight"),
+            2 * 64 / 4);
+
+  // Refusals name what is wrong.
+  struct Refusal {
+    const Model* m;
+    ParallelConfig par;
+    const char* says;
+  };
+  for (const Refusal& r : {Refusal{&ds, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "deepep"}, "allgather_reducescatter"},
+                           Refusal{&ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "deepep_low_latency"}, "mooncake"},
+                           Refusal{&ds, {.preset = "sglang", .tp = 4, .moe_a2a_backend = "deepep"}, "expert_parallel"},
+                           Refusal{&qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "mori"}, "Qwen2MoeForCausalLM"}}) {
+    auto b = PresetBuilder::Create(r.m->config, r.m->inv, r.par);
+    ASSERT_FALSE(b.ok()) << r.par.preset << " " << r.par.moe_a2a_backend;
+    EXPECT_TRUE(absl::StrContains(b.status().message(), "moe_a2a_backend")) << b.status();
+    EXPECT_TRUE(absl::StrContains(b.status().message(), r.says)) << b.status();
+  }
+}
+
 TEST(Presets, VllmMlaFusedQkvA) {
   Model m = Load("deepseek-v3.json", 4);
   TensorIndex idx(m.inv);
@@ -817,10 +889,16 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
     return p.dp;
   }
   // vllm/sglang: dp ranks of one engine each hold the dense part; MoE experts once per engine.
-  // vLLM's sequence-parallel MoE (EP, tp > 1, dp > 1) keeps DeepSeek's shared experts whole.
+  // vLLM's sequence-parallel MoE (EP, tp > 1, dp > 1, an all2all backend of its list) keeps
+  // DeepSeek's shared experts whole; SGLang's a2a backends keep DeepSeek's, GLM's and Qwen2-MoE's.
   const bool deepseek = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2;
-  const bool sp_shared = p.preset == "vllm" && deepseek && p.expert_parallel && p.tp > 1 && p.dp > 1 &&
-                         absl::StrContains(name, ".shared_experts.");
+  const bool shared = absl::StrContains(name, ".shared_experts.") || absl::StrContains(name, ".shared_expert.");
+  const bool vllm_sp = p.moe_a2a_backend != "pplx" && p.moe_a2a_backend != "flashinfer_all2allv" &&
+                       p.moe_a2a_backend != "flashinfer_nvlink_two_sided";
+  const bool sp_shared =
+      shared && ((p.preset == "vllm" && deepseek && p.expert_parallel && p.tp > 1 && p.dp > 1 && vllm_sp) ||
+                 (p.preset == "sglang" && !p.moe_a2a_backend.empty() && p.moe_a2a_backend != "none" &&
+                  (deepseek || c.family == ModelFamily::kGlm4Moe || c.family == ModelFamily::kQwen2Moe)));
   if (replicated || sp_shared) return int64_t{p.tp} * p.dp * p.replicas;
   if (expert) return p.replicas;
   const bool kv = absl::StrContains(name, "k_proj") || absl::StrContains(name, "v_proj");
@@ -880,6 +958,14 @@ INSTANTIATE_TEST_SUITE_P(
                                             .expert_placement = "round_robin"}},
         CoverCase{"qwen3-30b-a3b.json", 2, {.preset = "vllm", .tp = 2, .dp = 2}},
         CoverCase{"deepseek-v3.json", 4, {.preset = "vllm", .tp = 4, .dp = 3, .expert_parallel = true}},
+        // The engines' a2a MoE backends: vLLM's pplx is outside use_sequence_parallel_moe (shared
+        // experts TP-split again), SGLang's deepep keeps them whole.
+        CoverCase{"deepseek-v3.json", 4, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true,
+                                          .moe_a2a_backend = "pplx"}},
+        CoverCase{"kimi-k2.json", 4, {.preset = "vllm", .tp = 2, .dp = 4, .expert_parallel = true,
+                                      .moe_a2a_backend = "deepep_low_latency"}},
+        CoverCase{"deepseek-v3.json", 4, {.preset = "sglang", .tp = 8, .expert_parallel = true, .replicas = 2,
+                                          .moe_a2a_backend = "deepep"}},
         // Megatron custom pipeline splits and virtual pipeline stages.
         CoverCase{"qwen2.5-7b.json", 10, {.preset = "megatron", .tp = 2, .pp = 4, .dp = 1, .first_stage_layers = 1,
                                           .last_stage_layers = 3}},

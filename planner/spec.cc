@@ -161,7 +161,7 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   if (!doc.contains("rollout") || !doc["rollout"].is_object()) return Bad("rollout", "missing or not an object");
   {
     const json& r = doc["rollout"];
-    RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "dp", "expert_parallel", "expert_placement", "replicas",
+    RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "dp", "expert_parallel", "expert_placement", "moe_a2a_backend", "replicas",
                                               "quantization"}));
     ASSIGN_OR_RETURN(spec.rollout.preset, GetLayout(r, "rollout.", {"vllm", "sglang"}));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "tp", &spec.rollout.tp, false));
@@ -172,6 +172,10 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
     if (r.contains("expert_placement")) {
       if (!r["expert_placement"].is_string()) return Bad("rollout.expert_placement", "must be a string");
       spec.rollout.expert_placement = r["expert_placement"].get<std::string>();
+    }
+    if (r.contains("moe_a2a_backend")) {
+      if (!r["moe_a2a_backend"].is_string()) return Bad("rollout.moe_a2a_backend", "must be a string");
+      spec.rollout.moe_a2a_backend = r["moe_a2a_backend"].get<std::string>();
     }
     if (r.contains("quantization")) {
       if (!r["quantization"].is_string()) return Bad("rollout.quantization", "must be a string");

@@ -236,5 +236,32 @@ TEST(SpecTest, MegatronOptions) {
   EXPECT_NE(wrong.status().message().find("trainer.use_tp_pp_dp_mapping"), std::string::npos) << wrong.status();
 }
 
+TEST(SpecTest, RolloutMoeA2aBackend) {
+  auto spec = ParsePlanSpec(R"({"model": {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+      "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 8,
+      "vocab_size": 1000, "n_routed_experts": 8, "n_shared_experts": 2, "first_k_dense_replace": 1,
+      "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
+    "trainer": {"layout": "megatron", "tp": 2, "pp": 1, "dp": 4, "ep": 4, "etp": 1},
+    "rollout": {"layout": "sglang", "tp": 4, "expert_parallel": true, "moe_a2a_backend": "deepep"},
+    "cluster": {"gpus_per_node": 8}})", ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->rollout.moe_a2a_backend, "deepep");
+  auto p = BuildProblem(*spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto plan = MakePlan(*p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  auto wrong = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 2},
+    "rollout": {"layout": "vllm", "tp": 2, "moe_a2a_backend": 3}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("rollout.moe_a2a_backend"), std::string::npos) << wrong.status();
+  auto unknown = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 2},
+    "rollout": {"layout": "vllm", "tp": 2, "moe_a2a_backend": "carrier_pigeon"}, "cluster": {}})", ReadTestdata);
+  ASSERT_TRUE(unknown.ok()) << unknown.status();  // the preset checks it, naming it
+  auto problem = BuildProblem(*unknown);
+  ASSERT_FALSE(problem.ok());
+  EXPECT_NE(problem.status().message().find("carrier_pigeon"), std::string::npos) << problem.status();
+}
+
 }  // namespace
 }  // namespace wb::planner

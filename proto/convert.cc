@@ -397,6 +397,7 @@ planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
   c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
   c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
   c.expert_placement = p.expert_placement();
+  c.moe_a2a_backend = p.moe_a2a_backend();
   c.vocab_divisible_by = p.make_vocab_size_divisible_by() ? static_cast<int>(std::min<uint32_t>(p.make_vocab_size_divisible_by(), 1u << 20)) : 128;
   c.moe_grouped_gemm = p.moe_grouped_gemm();
   c.moe_legacy_grouped_gemm = p.moe_use_legacy_grouped_gemm();

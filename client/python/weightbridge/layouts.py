@@ -143,6 +143,9 @@ class PresetLayout:
     last_stage_layers: int = 0
     vpp: int = 1
     expert_placement: str = ""  # vllm expert_parallel: "" (linear) or "round_robin"
+    # vllm: --all2all-backend / VLLM_ALL2ALL_BACKEND; sglang: --moe-a2a-backend ("" = the engine's
+    # default). Decides whether shared experts are whole on every rank (docs/presets.md).
+    moe_a2a_backend: str = ""
     # megatron: --make-vocab-size-divisible-by (0 = 128, Megatron-LM's default; 1 for Megatron-Bridge /
     # verl mcore models, whose vocab is unpadded), --moe-grouped-gemm (TEGroupedMLP expert names),
     # with --moe-use-legacy-grouped-gemm the legacy GroupedMLP (mlp.experts.weight1 / weight2), and
@@ -158,6 +161,7 @@ class PresetLayout:
             expert_parallel=self.expert_parallel, replicas=self.replicas, rank=self.rank,
             quantization=self.quantization, first_stage_layers=self.first_stage_layers,
             last_stage_layers=self.last_stage_layers, vpp=self.vpp, expert_placement=self.expert_placement,
+            moe_a2a_backend=self.moe_a2a_backend,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, moe_grouped_gemm=self.moe_grouped_gemm,
             moe_use_legacy_grouped_gemm=self.moe_use_legacy_grouped_gemm,
             use_tp_pp_dp_mapping=self.use_tp_pp_dp_mapping))

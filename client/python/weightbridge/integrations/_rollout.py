@@ -13,11 +13,11 @@ class RolloutHook(LayoutHook):
     registered buffer (no copy of ours after that)."""
 
     def __init__(self, engine, socket_path, model, tp=1, tp_rank=0, dp=1, dp_rank=0, replica=0, replicas=1,
-                 expert_parallel=False, expert_placement="", quantization="", worker_id=None, memory="host", gpu=-1,
+                 expert_parallel=False, expert_placement="", moe_a2a_backend="", quantization="", worker_id=None, memory="host", gpu=-1,
                  client=None):
         rank = (replica * dp + dp_rank) * tp + tp_rank
         preset = PresetLayout(engine, tp=tp, dp=dp, replicas=replicas, rank=rank, expert_parallel=expert_parallel,
-                              expert_placement=expert_placement, quantization=quantization)
+                              expert_placement=expert_placement, moe_a2a_backend=moe_a2a_backend, quantization=quantization)
         super().__init__(socket_path, model, worker_id or "rollout/%d" % rank, "rollout", preset, memory, gpu, client,
                          shm_prefix=engine)
 

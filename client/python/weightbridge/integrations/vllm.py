@@ -16,6 +16,8 @@ the registered CUDA buffer once (bind), and versions land in them directly. The 
 VllmRollout (tested in CI with numpy parameters); the extension only reads vLLM's worker state.
 """
 
+import os
+
 from weightbridge.client import ModelConfig
 from weightbridge.integrations._rollout import RolloutHook
 
@@ -28,15 +30,18 @@ class VllmRollout(RolloutHook):
 class WeightBridgeWorkerExtension:
     """Mixed into vLLM's GPU worker: `self` has model_runner, device, parallel_config (vLLM >= 0.8)."""
 
-    def wb_init(self, socket_path, model_cfg, replica=0, memory="host", expert_placement="", quantization=""):
+    def wb_init(self, socket_path, model_cfg, replica=0, memory="host", expert_placement="", quantization="",
+                moe_a2a_backend=None):
         pc = self.parallel_config
+        if moe_a2a_backend is None:  # vLLM's own setting: --all2all-backend, or the older environment variable
+            moe_a2a_backend = getattr(pc, "all2all_backend", None) or os.environ.get("VLLM_ALL2ALL_BACKEND", "")
         tp, dp = pc.tensor_parallel_size, getattr(pc, "data_parallel_size", 1)
         tp_rank = self.rank % tp if hasattr(self, "rank") else 0
         dp_rank = getattr(pc, "data_parallel_rank", 0)
         model = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig(**model_cfg)
         self.wb = VllmRollout(socket_path, model, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, replica=replica,
                               expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
-                              quantization=quantization, memory=memory, gpu=self.device.index if memory == "cuda" else -1)
+                              moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory, gpu=self.device.index if memory == "cuda" else -1)
         self.wb_params = dict(self.model_runner.model.named_parameters())
         if memory == "cuda":
             self.wb.bind(self.wb_params)
