@@ -141,6 +141,12 @@ absl::Status CheckSizes(const ParallelConfig& p) {
 }
 
 absl::Status CheckVllmLora(const ModelConfig& c, const LoraConfig& lora, int tp) {
+  if (lora.r > kVllmMaxLoraRanks[std::size(kVllmMaxLoraRanks) - 1]) {
+    // vllm/config/lora.py: max_lora_rank is one of MaxLoRARanks (at most 512), and an adapter whose
+    // r exceeds it is rejected at load.
+    return absl::InvalidArgumentError(absl::StrCat("vllm_lora: lora.r=", lora.r, " exceeds vLLM's largest --max-lora-rank (",
+                                                   kVllmMaxLoraRanks[std::size(kVllmMaxLoraRanks) - 1], ")"));
+  }
   auto divides = [&](int64_t n, const char* field) -> absl::Status {
     if (n % tp != 0) {
       return absl::InvalidArgumentError(absl::StrCat("vllm_lora: tp=", tp, " must divide ", field, "=", n));

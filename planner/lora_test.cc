@@ -426,6 +426,14 @@ TEST(LoraPresets, SlotRankFollowsVllmsMaxLoraRank) {
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "max_lora_rank (fully_sharded_loras)")) << bad.status();
   one.fully_sharded_loras = false;
   EXPECT_TRUE(MakeLoraPresetLayout(c, one, *inv, Par("vllm_lora", 2), 0).ok());
+  // r beyond vLLM's largest --max-lora-rank: no engine holds it (PEFT trainers still may).
+  LoraConfig big = AllTargets(600);
+  auto big_inv = BuildLoraInventory(c, big, DType::kBF16);
+  ASSERT_TRUE(big_inv.ok()) << big_inv.status();
+  auto refused = MakeLoraPresetLayout(c, big, *big_inv, Par("vllm_lora", 1), 0);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "lora.r=600 exceeds vLLM's largest --max-lora-rank (512)")) << refused.status();
+  EXPECT_TRUE(MakeLoraPresetLayout(c, big, *big_inv, Par("peft", 1), 0).ok());
 }
 
 // vLLM's GPT-OSS names its attention `attn` (gpt_oss.py maps HF's .self_attn. to .attn.): the

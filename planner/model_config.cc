@@ -92,6 +92,15 @@ class Reader {
     return AsInt(key, *v);
   }
 
+  // Absent -> `absent` (the default of the family's HF config class, which differs from what a
+  // null means); null -> `null_value`.
+  absl::StatusOr<int64_t> IntAbsentOr(const char* key, int64_t absent, int64_t null_value) const {
+    const json* v = Find(key);
+    if (v == nullptr) return absent;
+    if (v->is_null()) return null_value;
+    return AsInt(key, *v);
+  }
+
   absl::StatusOr<bool> BoolOr(const char* key, bool dflt) const {
     const json* v = Find(key);
     if (v == nullptr || v->is_null()) return dflt;
@@ -263,8 +272,8 @@ absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
       std::sort(c.mlp_only_layers.begin(), c.mlp_only_layers.end());
       c.mlp_only_layers.erase(std::unique(c.mlp_only_layers.begin(), c.mlp_only_layers.end()), c.mlp_only_layers.end());
     }
-    if (c.family == ModelFamily::kQwen2Moe) {
-      ASSIGN_OR_RETURN(c.shared_expert_intermediate, r.IntOr("shared_expert_intermediate_size", 0));
+    if (c.family == ModelFamily::kQwen2Moe) {  // Qwen2MoeConfig's default: 5632
+      ASSIGN_OR_RETURN(c.shared_expert_intermediate, r.IntAbsentOr("shared_expert_intermediate_size", 5632, 0));
     }
   } else if (c.family == ModelFamily::kMixtral || c.family == ModelFamily::kGptOss) {
     c.experts_field = "num_local_experts";
@@ -282,23 +291,42 @@ absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
     if (const json* t = r.Find("topk_method"); t != nullptr && t->is_string()) topk_method = t->get<std::string>();
     c.router_bias = glm || topk_method == "noaux_tc";
     c.experts_field = "n_routed_experts";
-    ASSIGN_OR_RETURN(c.experts, r.IntOr("n_routed_experts", 0));
+    // A field the config leaves out takes its HF config class's default, as transformers, vLLM and
+    // SGLang (which load the config through it) see it: DeepseekV3Config n_routed_experts 256,
+    // moe_intermediate_size 2048, n_shared_experts 1, first_k_dense_replace 3, q_lora_rank 1536;
+    // Glm4MoeConfig 128, 1408, 1, 1. DeepseekV2's defaults changed between releases (the remote
+    // code's None - no experts - and transformers' 64 / 2): those two must be given. null is
+    // None: no experts, no shared experts, no q compression.
+    const bool v3 = c.family == ModelFamily::kDeepseekV3;
+    if (c.family == ModelFamily::kDeepseekV2) {
+      for (const char* k : {"n_routed_experts", "n_shared_experts"}) {
+        if (r.Find(k) == nullptr) {
+          return absl::InvalidArgumentError(absl::StrCat("config.json: DeepseekV2ForCausalLM needs `", k,
+                                                         "` (its default differs between transformers releases)"));
+        }
+      }
+    }
+    ASSIGN_OR_RETURN(c.experts, r.IntAbsentOr("n_routed_experts", v3 ? 256 : glm ? 128 : 0, 0));
     if (c.experts > 0) {
-      ASSIGN_OR_RETURN(c.moe_intermediate, r.Int("moe_intermediate_size"));
+      if (c.family == ModelFamily::kDeepseekV2) {
+        ASSIGN_OR_RETURN(c.moe_intermediate, r.Int("moe_intermediate_size"));
+      } else {
+        ASSIGN_OR_RETURN(c.moe_intermediate, r.IntAbsentOr("moe_intermediate_size", v3 ? 2048 : 1408, 0));
+      }
       RETURN_IF_ERROR(RequirePositive("moe_intermediate_size", c.moe_intermediate));
     }
-    ASSIGN_OR_RETURN(c.n_shared_experts, r.IntOr("n_shared_experts", 0));
+    ASSIGN_OR_RETURN(c.n_shared_experts, r.IntAbsentOr("n_shared_experts", 1, 0));
     // Over int64: refused by CheckDerivedDims below (naming both fields).
     if (__builtin_mul_overflow(c.n_shared_experts, c.moe_intermediate, &c.shared_expert_intermediate)) {
       c.shared_expert_intermediate = kMaxDerivedDim + 1;
     }
-    ASSIGN_OR_RETURN(c.first_k_dense_replace, r.IntOr("first_k_dense_replace", 0));
+    ASSIGN_OR_RETURN(c.first_k_dense_replace, r.IntAbsentOr("first_k_dense_replace", v3 ? 3 : glm ? 1 : 0, 0));
     if (!glm) {  // Glm4Moe has no moe_layer_freq: every layer from first_k_dense_replace on is MoE
       ASSIGN_OR_RETURN(c.moe_layer_freq, r.IntOr("moe_layer_freq", 1));
       RETURN_IF_ERROR(RequirePositive("moe_layer_freq", c.moe_layer_freq));
     }
     if (c.mla) {
-      ASSIGN_OR_RETURN(c.q_lora_rank, r.IntOr("q_lora_rank", 0));  // null -> no q compression
+      ASSIGN_OR_RETURN(c.q_lora_rank, r.IntAbsentOr("q_lora_rank", 1536, 0));  // null -> no q compression
       ASSIGN_OR_RETURN(c.kv_lora_rank, r.Int("kv_lora_rank"));
       ASSIGN_OR_RETURN(c.qk_nope_head_dim, r.Int("qk_nope_head_dim"));
       ASSIGN_OR_RETURN(c.qk_rope_head_dim, r.Int("qk_rope_head_dim"));

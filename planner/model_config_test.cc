@@ -67,6 +67,46 @@ TEST(ModelConfig, NullQLoraRankAndMixtral) {
   EXPECT_TRUE(m->IsMoeLayer(1));
 }
 
+// A field the config leaves out takes its HF config class's default (what transformers, vLLM and
+// SGLang see); null is None.
+TEST(ModelConfig, AbsentFieldsTakeTheHfConfigClassDefaults) {
+  const std::string base = R"("hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,"num_attention_heads":4,
+    "vocab_size":100,"kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":4,"v_head_dim":8)";
+  auto v3 = ParseHfConfig(R"({"architectures":["DeepseekV3ForCausalLM"],)" + base + "}");
+  ASSERT_TRUE(v3.ok()) << v3.status();
+  EXPECT_EQ(v3->experts, 256);  // DeepseekV3Config defaults
+  EXPECT_EQ(v3->moe_intermediate, 2048);
+  EXPECT_EQ(v3->n_shared_experts, 1);
+  EXPECT_EQ(v3->first_k_dense_replace, 3);
+  EXPECT_EQ(v3->q_lora_rank, 1536);
+  EXPECT_FALSE(v3->IsMoeLayer(2));
+  EXPECT_TRUE(v3->IsMoeLayer(3));
+  auto nulls = ParseHfConfig(R"({"architectures":["DeepseekV3ForCausalLM"],"n_routed_experts":4,"moe_intermediate_size":32,
+    "n_shared_experts":null,"first_k_dense_replace":null,"q_lora_rank":null,)" + base + "}");
+  ASSERT_TRUE(nulls.ok()) << nulls.status();
+  EXPECT_EQ(nulls->n_shared_experts, 0);
+  EXPECT_EQ(nulls->first_k_dense_replace, 0);
+  EXPECT_EQ(nulls->q_lora_rank, 0);
+  auto glm = ParseHfConfig(R"({"architectures":["Glm4MoeForCausalLM"],"num_key_value_heads":2,)" + base + "}");
+  ASSERT_TRUE(glm.ok()) << glm.status();
+  EXPECT_EQ(glm->experts, 128);  // Glm4MoeConfig defaults
+  EXPECT_EQ(glm->moe_intermediate, 1408);
+  EXPECT_EQ(glm->n_shared_experts, 1);
+  EXPECT_EQ(glm->first_k_dense_replace, 1);
+  // DeepSeek-V2's defaults changed between releases: both counts must be given.
+  auto v2 = ParseHfConfig(R"({"architectures":["DeepseekV2ForCausalLM"],"n_routed_experts":4,"moe_intermediate_size":32,)" + base + "}");
+  ASSERT_FALSE(v2.ok());
+  EXPECT_NE(v2.status().message().find("`n_shared_experts`"), std::string::npos) << v2.status();
+  auto v2ok = ParseHfConfig(R"({"architectures":["DeepseekV2ForCausalLM"],"n_routed_experts":4,"n_shared_experts":2,"moe_intermediate_size":32,)" + base + "}");
+  ASSERT_TRUE(v2ok.ok()) << v2ok.status();
+  EXPECT_EQ(v2ok->q_lora_rank, 1536);
+  EXPECT_EQ(v2ok->first_k_dense_replace, 0);
+  auto qwen = ParseHfConfig(R"({"architectures":["Qwen2MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "moe_intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"num_experts":4})");
+  ASSERT_TRUE(qwen.ok()) << qwen.status();
+  EXPECT_EQ(qwen->shared_expert_intermediate, 5632);  // Qwen2MoeConfig default
+}
+
 TEST(ModelConfig, ErrorsNameTheProblem) {
   auto bad_arch = ParseHfConfig(R"({"architectures":["GPT2LMHeadModel"]})");
   ASSERT_FALSE(bad_arch.ok());
@@ -118,7 +158,7 @@ TEST(ModelConfig, TensorFlagsHonouredOrRefused) {
   auto mix = parse("MixtralForCausalLM", R"("num_local_experts":4,"attention_bias":true)");
   ASSERT_FALSE(mix.ok());
   EXPECT_NE(mix.status().message().find("attention_bias"), std::string::npos);
-  const std::string mla = R"("n_routed_experts":4,"moe_intermediate_size":32,"kv_lora_rank":16,"qk_nope_head_dim":8,
+  const std::string mla = R"("n_routed_experts":4,"n_shared_experts":1,"moe_intermediate_size":32,"kv_lora_rank":16,"qk_nope_head_dim":8,
     "qk_rope_head_dim":4,"v_head_dim":8)";
   auto ds = parse("DeepseekV3ForCausalLM", mla + R"(,"attention_bias":true)");
   ASSERT_FALSE(ds.ok());

@@ -428,6 +428,11 @@ absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
                                                    absl::StrJoin(kSglangA2a, ", "), ")"));
   }
   if (SglangA2aNone(b)) return absl::OkStatus();
+  if (b == "flashinfer" && c.experts > 0) {
+    // server_args.py ties it to FlashInfer's CUTLASS MoE runner, whose weight loader puts up before
+    // gate in w13_weight (load_up_proj_weight_first).
+    return absl::InvalidArgumentError("sglang: moe_a2a_backend flashinfer runs FlashInfer's CUTLASS MoE, which holds w13_weight as [up; gate]: not described");
+  }
   if (c.experts > 0 && !p.expert_parallel) {
     // server_args.py: an a2a backend sets ep_size = tp_size.
     return absl::InvalidArgumentError(absl::StrCat("sglang: moe_a2a_backend ", b,
@@ -483,6 +488,17 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     }
   }
   RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m.c_str()));
+  // VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of 64 and divide()
+  // it by tp (which asserts); SGLang's Gemma 3 embedding is whole, but its tied head is the same.
+  if (const int64_t padded = AlignUp(c.vocab, 64); padded % p.tp != 0 && !(sglang && c.family == ModelFamily::kGemma3)) {
+    return absl::InvalidArgumentError(absl::StrCat(m, ": tp=", p.tp, " must divide the vocabulary padded to a multiple of 64 (vocab_size=",
+                                                   c.vocab, " -> ", padded, ")"));
+  }
+  if (sglang && (c.family == ModelFamily::kQwen2Moe || c.family == ModelFamily::kMixtral) && c.head_dim * c.heads != c.hidden) {
+    // SGLang's Qwen2MoeAttention / MixtralAttention take head_dim = hidden_size / num_heads.
+    return absl::InvalidArgumentError(absl::StrCat("sglang: head_dim=", c.head_dim, " on ", c.architecture, " (SGLang uses hidden_size / num_attention_heads = ",
+                                                   c.hidden / c.heads, ")"));
+  }
   if (!c.mla) {
     if (p.tp >= c.kv_heads ? p.tp % c.kv_heads != 0 : c.kv_heads % p.tp != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -755,7 +771,13 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
   // SGLang names the fused q_a + kv_a projection after both halves.
   const std::string fused_qkv_a = par.preset == "sglang" ? "fused_qkv_a_proj_with_mqa.weight" : "fused_qkv_a_proj.weight";
   Writer w(inv);
-  w.Vocab(c.fused_experts ? "model.embedding.weight" : "model.embed_tokens.weight", ids.embed, vocab_per_rank, tp_rank);
+  if (par.preset == "sglang" && c.family == ModelFamily::kGemma3) {
+    // SGLang's Gemma 3 (gemma3_causal.py) embeds with Gemma3TextScaledWordEmbedding, a plain
+    // nn.Embedding: the whole unpadded [vocab, hidden] on every rank (also its tied head).
+    w.Replicated("model.embed_tokens.weight", ids.embed);
+  } else {
+    w.Vocab(c.fused_experts ? "model.embedding.weight" : "model.embed_tokens.weight", ids.embed, vocab_per_rank, tp_rank);
+  }
   for (int64_t l = 0; l < c.layers; ++l) {
     const LayerIds& L = ids.layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
@@ -1072,6 +1094,25 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, boo
 
 }  // namespace
 
+// A size or option the preset's framework has no counterpart for is refused, naming it, rather
+// than ignored (the world and every rank's pieces would silently describe something else).
+absl::Status CheckFieldsApply(Kind kind, const ParallelConfig& p) {
+  std::vector<std::string> unused;
+  const bool fsdp = kind == Kind::kFsdp2 || kind == Kind::kFsdpFlat;
+  if (fsdp && p.tp != 1) unused.push_back(absl::StrCat("tp=", p.tp));
+  if ((fsdp || kind == Kind::kVllm) && p.pp != 1) unused.push_back(absl::StrCat("pp=", p.pp));
+  if ((fsdp || kind == Kind::kVllm) && p.ep != 1) unused.push_back(absl::StrCat("ep=", p.ep));
+  if ((fsdp || kind == Kind::kVllm) && p.etp != 0) unused.push_back(absl::StrCat("etp=", p.etp));
+  if (kind != Kind::kVllm && p.expert_parallel) unused.push_back("expert_parallel");
+  if (kind != Kind::kVllm && !p.moe_a2a_backend.empty()) unused.push_back("moe_a2a_backend");
+  if ((kind == Kind::kMegatron || kind == Kind::kFsdpFlat) && p.replicas != 1) unused.push_back(absl::StrCat("replicas=", p.replicas));
+  if (unused.empty()) return absl::OkStatus();
+  const char* why = kind == Kind::kVllm ? " (engine pipeline parallelism is not described; experts follow dp*tp and expert_parallel)"
+                    : kind == Kind::kMegatron ? " (Megatron's data parallelism is dp and its expert parallelism ep)"
+                                              : " (FSDP2 combined with tensor, pipeline or expert parallelism is not described)";
+  return absl::InvalidArgumentError(absl::StrCat(p.preset, ": ", absl::StrJoin(unused, ", "), " does not apply", why));
+}
+
 absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, const Inventory& inventory,
                                                     const ParallelConfig& parallel) {
   ASSIGN_OR_RETURN(Kind kind, KindOf(parallel.preset));
@@ -1087,6 +1128,7 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
     return absl::InvalidArgumentError(absl::StrCat("quantization `", parallel.quantization, "` is for rollout presets (vllm, sglang), not ",
                                                    parallel.preset));
   }
+  RETURN_IF_ERROR(CheckFieldsApply(kind, parallel));
   PresetBuilder b;
   ASSIGN_OR_RETURN(b.world_, PresetWorldSize(parallel));
   b.config_ = config;

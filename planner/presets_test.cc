@@ -720,7 +720,7 @@ TEST(Presets, MoeA2aBackendDecidesSharedExperts) {
             2 * 2048);
   EXPECT_EQ(rows(ds, {.preset = "sglang", .tp = 4, .expert_parallel = true}, 1, gu), 2 * 2048 / 4);
   EXPECT_EQ(rows(ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "none"}, 1, gu), 2 * 2048 / 4);
-  for (const char* b : {"deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer"}) {
+  for (const char* b : {"deepep", "mooncake", "nixl", "mori", "ascend_fuseep"}) {
     EXPECT_EQ(rows(ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = b}, 1, gu), 2 * 2048) << b;
   }
   // Whole means the same bytes on every rank: rank 3 holds up_proj's row 0 right after gate's rows.
@@ -748,7 +748,7 @@ TEST(Presets, MoeA2aBackendDecidesSharedExperts) {
   Model qwen = FromText(R"({"architectures":["Qwen2MoeForCausalLM"],"hidden_size":64,
     "intermediate_size":128,"moe_intermediate_size":32,"shared_expert_intermediate_size":64,
     "num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":1000,"num_experts":8})");
-  EXPECT_EQ(rows(qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "flashinfer"}, 3,
+  EXPECT_EQ(rows(qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "deepep"}, 3,
                  "model.layers.0.mlp.shared_expert.gate_up_proj.weight"), 2 * 64);
   EXPECT_EQ(rows(qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true}, 3, "model.layers.0.mlp.shared_expert.gate_up_proj.weight"),
             2 * 64 / 4);
@@ -762,12 +762,80 @@ TEST(Presets, MoeA2aBackendDecidesSharedExperts) {
   for (const Refusal& r : {Refusal{&ds, {.preset = "vllm", .tp = 4, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "deepep"}, "allgather_reducescatter"},
                            Refusal{&ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "deepep_low_latency"}, "mooncake"},
                            Refusal{&ds, {.preset = "sglang", .tp = 4, .moe_a2a_backend = "deepep"}, "expert_parallel"},
-                           Refusal{&qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "mori"}, "Qwen2MoeForCausalLM"}}) {
+                           Refusal{&qwen, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "mori"}, "Qwen2MoeForCausalLM"},
+                           // FlashInfer's CUTLASS MoE holds w13 as [up; gate].
+                           Refusal{&ds, {.preset = "sglang", .tp = 4, .expert_parallel = true, .moe_a2a_backend = "flashinfer"}, "[up; gate]"},
+                           Refusal{&ds, {.preset = "megatron", .tp = 4, .moe_a2a_backend = "deepep"}, "does not apply"}}) {
     auto b = PresetBuilder::Create(r.m->config, r.m->inv, r.par);
     ASSERT_FALSE(b.ok()) << r.par.preset << " " << r.par.moe_a2a_backend;
     EXPECT_TRUE(absl::StrContains(b.status().message(), "moe_a2a_backend")) << b.status();
     EXPECT_TRUE(absl::StrContains(b.status().message(), r.says)) << b.status();
   }
+}
+
+// Sizes and options a preset's framework has no counterpart for are refused, naming them.
+TEST(Presets, FieldsThatDoNotApplyAreRefused) {
+  Model m = Load("qwen3-30b-a3b.json", 2);
+  struct Case {
+    ParallelConfig par;
+    const char* says;
+  };
+  for (const Case& c : {Case{{.preset = "fsdp", .tp = 2, .dp = 4}, "tp=2"},
+                        Case{{.preset = "fsdp2", .pp = 2, .dp = 4}, "pp=2"},
+                        Case{{.preset = "fsdp", .dp = 4, .ep = 2}, "ep=2"},
+                        Case{{.preset = "fsdp", .dp = 4, .etp = 1}, "etp=1"},
+                        Case{{.preset = "fsdp", .dp = 4, .expert_parallel = true}, "expert_parallel"},
+                        Case{{.preset = "fsdp_flat", .dp = 4, .replicas = 2}, "replicas=2"},
+                        Case{{.preset = "vllm", .tp = 2, .pp = 2}, "pp=2"},
+                        Case{{.preset = "sglang", .tp = 8, .ep = 2, .expert_parallel = true}, "ep=2"},
+                        Case{{.preset = "vllm", .tp = 4, .etp = 2}, "etp=2"},
+                        Case{{.preset = "megatron", .tp = 2, .dp = 2, .replicas = 2}, "replicas=2"},
+                        Case{{.preset = "megatron", .tp = 2, .dp = 2, .expert_parallel = true}, "expert_parallel"}}) {
+    auto b = PresetBuilder::Create(m.config, m.inv, c.par);
+    ASSERT_FALSE(b.ok()) << c.par.preset << " " << c.says;
+    EXPECT_TRUE(absl::StrContains(b.status().message(), c.says)) << b.status();
+    EXPECT_TRUE(absl::StrContains(b.status().message(), "does not apply")) << b.status();
+  }
+}
+
+// vLLM's and SGLang's VocabParallelEmbedding divide() the vocabulary padded to 64 by tp.
+TEST(Presets, RolloutTpMustDivideThePaddedVocabulary) {
+  Model odd = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":96,"intermediate_size":192,
+    "num_hidden_layers":1,"num_attention_heads":6,"num_key_value_heads":3,"vocab_size":1000})");
+  for (const char* preset : {"vllm", "sglang"}) {
+    auto b = PresetBuilder::Create(odd.config, odd.inv, {.preset = preset, .tp = 3});  // 1000 -> 1024, not / 3
+    ASSERT_FALSE(b.ok()) << preset;
+    EXPECT_TRUE(absl::StrContains(b.status().message(), "vocab_size=1000 -> 1024")) << b.status();
+  }
+  EXPECT_TRUE(PresetBuilder::Create(odd.config, odd.inv, {.preset = "megatron", .tp = 3}).ok());
+}
+
+// SGLang's Gemma 3 (gemma3_causal.py) embeds with a plain nn.Embedding: whole and unpadded on
+// every rank, at any tp; Gemma 2 and vLLM's Gemma 3 are vocab-parallel.
+TEST(Presets, SglangGemma3EmbeddingIsWhole) {
+  Model m = FromText(R"({"architectures":["Gemma3ForCausalLM"],"hidden_size":64,"head_dim":32,
+    "intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000})");
+  auto s = MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 2}, 1);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const LocalTensor* e = FindLocal(*s, "model.embed_tokens.weight");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->shape, (std::vector<int64_t>{1000, 64}));
+  EXPECT_EQ(CanonicalAt(m.inv, *s, *e, 999 * 64).second, 999 * 64);
+  auto v = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 2}, 1);
+  ASSERT_TRUE(v.ok()) << v.status();
+  ASSERT_NE(FindLocal(*v, "model.embed_tokens.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*v, "model.embed_tokens.weight")->shape, (std::vector<int64_t>{512, 64}));
+}
+
+// SGLang's Qwen2-MoE and Mixtral attention take head_dim = hidden / heads, whatever the config says.
+TEST(Presets, SglangRefusesAHeadDimItsQwen2MoeAndMixtralIgnore) {
+  Model m = FromText(R"({"architectures":["MixtralForCausalLM"],"hidden_size":64,"head_dim":32,
+    "intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,
+    "vocab_size":1000,"num_local_experts":4})");
+  auto b = PresetBuilder::Create(m.config, m.inv, {.preset = "sglang", .tp = 2});
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(absl::StrContains(b.status().message(), "head_dim=32")) << b.status();
+  EXPECT_TRUE(PresetBuilder::Create(m.config, m.inv, {.preset = "vllm", .tp = 2}).ok());
 }
 
 TEST(Presets, VllmMlaFusedQkvA) {
@@ -879,6 +947,8 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
                           absl::StrContains(name, "q_a_proj") || absl::StrContains(name, "kv_a_proj") ||
                           absl::StrContains(name, "o_proj.bias") || absl::EndsWith(name, "down_proj.bias");
   const bool expert = absl::StrContains(name, ".experts.");
+  // SGLang's Gemma 3 embedding is a plain nn.Embedding: whole on every rank.
+  const bool whole_embedding = p.preset == "sglang" && c.family == ModelFamily::kGemma3 && name == "model.embed_tokens.weight";
   if (p.preset == "fsdp_flat") return 1;
   if (p.preset == "fsdp" || p.preset == "fsdp2") return p.replicas;
   if (p.preset == "megatron") {
@@ -899,7 +969,7 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
       shared && ((p.preset == "vllm" && deepseek && p.expert_parallel && p.tp > 1 && p.dp > 1 && vllm_sp) ||
                  (p.preset == "sglang" && !p.moe_a2a_backend.empty() && p.moe_a2a_backend != "none" &&
                   (deepseek || c.family == ModelFamily::kGlm4Moe || c.family == ModelFamily::kQwen2Moe)));
-  if (replicated || sp_shared) return int64_t{p.tp} * p.dp * p.replicas;
+  if (replicated || sp_shared || whole_embedding) return int64_t{p.tp} * p.dp * p.replicas;
   if (expert) return p.replicas;
   const bool kv = absl::StrContains(name, "k_proj") || absl::StrContains(name, "v_proj");
   if (kv && p.tp > c.kv_heads) return int64_t{p.replicas} * p.dp * p.tp / c.kv_heads;
