@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import threading
+import types
 import unittest
 
 import numpy as np
@@ -20,6 +21,7 @@ from client_test import TIMEOUT, TINY_CONFIG, Daemon  # noqa: E402
 
 import weightbridge as wb  # noqa: E402
 from weightbridge.integrations import fsdp2, megatron, sglang, vllm  # noqa: E402
+from weightbridge.integrations._common import normalize_name  # noqa: E402
 
 # tests/soak/testdata/qwen2-tiny.json: hidden 256, 4 heads / 2 KV heads of 64, intermediate 512,
 # 2 layers, vocab 4096, tied embeddings, q/k/v biases.
@@ -100,23 +102,99 @@ def vllm_tp(c, tp, r):
     return out
 
 
-class FakeDTensor:
-    """What FSDP2's parameters expose here: the local shard."""
+class FakeShard:
+    """torch's Shard(dim) placement as the FSDP2 hook sees it (is_shard, dim)."""
 
-    def __init__(self, local):
-        self.local = local
+    def __init__(self, dim):
+        self.dim = dim
+
+    def is_shard(self, dim=None):
+        return dim is None or dim == self.dim
+
+    def is_replicate(self):
+        return False
+
+    def __repr__(self):
+        return "Shard(dim=%d)" % self.dim
+
+
+class FakeReplicate:
+    def is_shard(self, dim=None):
+        return False
+
+    def is_replicate(self):
+        return True
+
+    def __repr__(self):
+        return "Replicate()"
+
+
+class FakeMesh:
+    """A DeviceMesh: its dims' sizes and this rank's coordinate on each (get_local_rank)."""
+
+    def __init__(self, sizes, coords):
+        self.sizes, self.coords = sizes, coords
+        self.ndim = len(sizes)
+
+    def size(self, mesh_dim=None):
+        return self.sizes[mesh_dim]
+
+    def get_local_rank(self, mesh_dim=None):
+        return self.coords[mesh_dim]
+
+
+class FakeDTensor:
+    """What FSDP2's parameters expose here: the local shard, its placements and device mesh."""
+
+    def __init__(self, local, placements, device_mesh):
+        self.local, self.placements, self.device_mesh = local, placements, device_mesh
 
     def to_local(self):
         return self.local
 
 
 def fsdp2_shard(c, dp, r):
-    """FSDP2 fully_shard: dim-0 chunks with torch.chunk semantics, as DTensors, HF names."""
+    """FSDP2 fully_shard: dim-0 chunks with torch.chunk semantics, as DTensors (Shard(0) over a 1-D
+    mesh of dp ranks), HF names."""
     out = {}
     for name, t in c.items():
         ch = -(-t.shape[0] // dp)
-        out[name] = FakeDTensor(t[min(t.shape[0], r * ch):min(t.shape[0], (r + 1) * ch)])
+        out[name] = FakeDTensor(t[min(t.shape[0], r * ch):min(t.shape[0], (r + 1) * ch)], (FakeShard(0),),
+                                FakeMesh((dp,), (r,)))
     return out
+
+
+# vLLM with --enable-lora (and SGLang's LoRA wrapper): every linear layer and the embedding are
+# *WithLoRA modules holding the original as `base_layer`; norms are not wrapped.
+LORA_WRAPPED = ("qkv_proj.", "o_proj.", "gate_up_proj.", "down_proj.", "embed_tokens.")
+
+
+def with_base_layer(name):
+    """`name` as named_parameters() shows it under a LoRA wrapper: "...qkv_proj.base_layer.weight"."""
+    for m in LORA_WRAPPED:
+        i = name.find(m)
+        if i >= 0:
+            return name[:i + len(m)] + "base_layer." + name[i + len(m):]
+    return name
+
+
+class FakeEngineModel:
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(list(self.params.items()))
+
+
+def fake_vllm_worker(params, tp=1, rank=0):
+    """A vLLM GPU worker with the WeightBridge extension mixed in, as wb_init reads it."""
+    w = vllm.WeightBridgeWorkerExtension()
+    w.parallel_config = types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_size=1, data_parallel_rank=0,
+                                              enable_expert_parallel=False, all2all_backend="")
+    w.rank = rank
+    w.device = types.SimpleNamespace(index=0)
+    w.model_runner = types.SimpleNamespace(model=FakeEngineModel(params))
+    return w
 
 
 # A tiny GLM-4.5 (Glm4MoeForCausalLM): layer 0 dense, layer 1 MoE with 4 experts, a shared expert and
@@ -397,6 +475,135 @@ class IntegrationsTest(unittest.TestCase):
         same = np.zeros((2, 3), dtype=np.uint16)
         copy_out("n", bits, same)
         np.testing.assert_array_equal(same, bits)
+
+    def test_lora_wrapped_engines_land_under_base_layer_names(self):
+        """vLLM --enable-lora (and SGLang's LoRA) wrap each linear layer: named_parameters() shows
+        "...qkv_proj.base_layer.weight". The vLLM extension (wb_init / wb_apply on a stand-in worker)
+        and SGLang's read_into address them without the segment, byte for byte; two parameters that
+        collapse to one name are refused before anything is registered."""
+        for engine in ("vllm", "sglang"):
+            model = self.model("int_lora_names_" + engine, "one_step_off", 1, 1)
+            trainer = fsdp2.FSDP2TrainerHook(None, model, rank=0, dp=1, client=self.daemon.client("fln"))
+            params = {with_base_layer(n): np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}
+            wrapped = [n for n in params if ".base_layer." in n]
+            self.assertIn("model.layers.0.self_attn.qkv_proj.base_layer.weight", wrapped)
+            self.assertIn("model.layers.1.mlp.gate_up_proj.base_layer.weight", wrapped)
+            if engine == "vllm":
+                worker = fake_vllm_worker(params)
+                worker.wb_init(self.daemon.socket, model)
+                hook, land = worker.wb, worker.wb_apply
+            else:
+                hook = sglang.SglangRollout(None, model, tp=1, client=self.daemon.client("sln"))
+                land = lambda v: hook.apply(v, params, timeout=TIMEOUT)  # noqa: E731
+            for version in (1, 2):
+                c = canonical(version)
+                trainer.publish(version, fsdp2_shard(c, 1, 0).items(), timeout=TIMEOUT)
+                self.assertEqual(land(version), version)
+                for n, want in vllm_tp(c, 1, 0).items():
+                    np.testing.assert_array_equal(params[with_base_layer(n)], want,
+                                                  err_msg="%s %s v%d" % (engine, n, version))
+            for h in (trainer, hook):
+                h.client.deregister()
+                h.client.close()
+
+        # Both the wrapped and an unwrapped parameter for one name: refused, naming both.
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        both = dict(params)
+        both[qkv] = np.zeros_like(params[with_base_layer(qkv)])
+        worker = fake_vllm_worker(both)
+        model = self.model("int_lora_collide", "one_step_off", 1, 1)
+        with self.assertRaises(ValueError) as cm:
+            worker.wb_init(self.daemon.socket, model)
+        self.assertIn(qkv, str(cm.exception))
+        self.assertIn(with_base_layer(qkv), str(cm.exception))
+        self.assertFalse(hasattr(worker, "wb"))  # refused before registering
+        engine = vllm.VllmRollout(None, model, tp=1, client=self.daemon.client("vcl"))
+        with self.assertRaises(ValueError) as cm:  # read_into checks the same for a dict given directly
+            engine.read_into(both)
+        self.assertIn(with_base_layer(qkv), str(cm.exception))
+        engine.client.deregister()
+        engine.client.close()
+        # Only the exact segment goes.
+        self.assertEqual(normalize_name("a.my_base_layer.base_layer.w", ("base_layer",)), "a.my_base_layer.w")
+
+    def test_fsdp2_names_with_checkpoint_and_compile_wrappers(self):
+        """torchtitan wraps each block in checkpoint_wrapper and torch.compile: the segments
+        "_checkpoint_wrapped_module" / "_orig_mod" sit in the middle of the names (in either order,
+        and "_orig_mod." leading for a compiled whole model); they are removed wherever they are and
+        every shard lands at its place (checked byte for byte in two SGLang tp=2 engines)."""
+        model = self.model("int_fsdp2_wrapped", "sync", 2, 2)
+        trainers = [fsdp2.FSDP2TrainerHook(None, model, rank=r, dp=2, client=self.daemon.client("fwr")) for r in (0, 1)]
+        engines = [sglang.SglangRollout(None, model, tp=2, tp_rank=r, client=self.daemon.client("swr")) for r in (0, 1)]
+        params = [{n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 2, r).items()} for r in (0, 1)]
+
+        def wrapped(name):
+            name = name.replace("model.layers.0.", "model.layers.0._orig_mod._checkpoint_wrapped_module.")
+            name = name.replace("model.layers.1.", "model.layers.1._checkpoint_wrapped_module._orig_mod.")
+            return "_orig_mod." + name
+
+        c = canonical(1)
+        given = [[(wrapped(n), t) for n, t in fsdp2_shard(c, 2, r).items()] for r in (0, 1)]
+        self.assertIn("_orig_mod.model.layers.0._orig_mod._checkpoint_wrapped_module.mlp.up_proj.weight",
+                      [n for n, _ in given[0]])
+        errors = run_all([lambda e=e, p=p: e.update(1, p, timeout=TIMEOUT) for e, p in zip(engines, params)] +
+                         [lambda t=t, g=g: t.publish(1, g, timeout=TIMEOUT) for t, g in zip(trainers, given)])
+        self.assertEqual(errors, [])
+        for r in (0, 1):
+            for n, want in vllm_tp(c, 2, r).items():
+                np.testing.assert_array_equal(params[r][n], want, err_msg="sglang rank %d %s" % (r, n))
+        for h in trainers + engines:
+            h.client.deregister()
+            h.client.close()
+
+    def test_fsdp2_refuses_placements_the_preset_does_not_describe(self):
+        """FSDP2 with a shard_placement_fn returning Shard(1), or FSDP2 + TP (a 2-D mesh with a TP
+        dim), or a rank whose shard index on the mesh is not the preset's: other bytes than the fsdp
+        preset describes. Refused naming the parameter and its placements, before any byte is copied."""
+        model = self.model("int_fsdp2_placements", "one_step_off", 2, 1)
+        hook = fsdp2.FSDP2TrainerHook(None, model, rank=0, dp=2, client=self.daemon.client("fpl"))
+        c = canonical(1)
+        first = "model.embed_tokens.weight"
+        self.assertEqual(next(iter(c)), first)
+        bad = "model.layers.0.self_attn.q_proj.weight"
+        q = c[bad]
+        cases = [
+            # shard_placement_fn -> Shard(1): columns [0, 128) of every row.
+            (FakeDTensor(q[:, :128], (FakeShard(1),), FakeMesh((2,), (0,))), "Shard(dim=1)"),
+            # FSDP2 + TP: (dp, tp) mesh, the TP dim sharding rows too.
+            (FakeDTensor(q[:64], (FakeShard(0), FakeShard(0)), FakeMesh((2, 2), (0, 0))), "Shard(dim=0), Shard(dim=0)"),
+            # FSDP2 + TP for a parameter TP replicates: the same shape as dp=2's shard, yet refused.
+            (FakeDTensor(q[:128], (FakeShard(0), FakeReplicate()), FakeMesh((2, 2), (0, 1))), "Replicate()"),
+        ]
+        for t, found in cases:
+            named = dict(fsdp2_shard(c, 2, 0))
+            named[bad] = t
+            with self.assertRaises(ValueError) as cm:
+                hook.publish(1, named.items(), timeout=TIMEOUT)
+            msg = str(cm.exception)
+            self.assertIn(bad, msg)
+            self.assertIn(found, msg)
+            self.assertIn("shard_placement_fn / FSDP2 + TP is not described by the fsdp preset", msg)
+            self.assertFalse(hook.view(first).any())  # nothing copied, not even the tensors before it
+        # Shard(0), but this process holds shard 1 of the mesh, not the preset's rank 0: every shape
+        # matches (all dim-0 sizes are even), the bytes are another shard's.
+        with self.assertRaises(ValueError) as cm:
+            hook.publish(1, fsdp2_shard(c, 2, 1).items(), timeout=TIMEOUT)
+        self.assertIn("shard 1", str(cm.exception))
+        self.assertFalse(hook.view(first).any())
+        # HSDP: (Replicate(), Shard(0)) over (replicate, shard) is what replicas > 1 describes; a
+        # 1-D Shard(0) there is not.
+        check = fsdp2.check_placements
+        check("w", FakeDTensor(None, (FakeReplicate(), FakeShard(0)), FakeMesh((2, 4), (1, 3))), 4, 2, 3)
+        with self.assertRaises(ValueError):
+            check("w", FakeDTensor(None, (FakeShard(0),), FakeMesh((4,), (3,))), 4, 2, 3)
+        with self.assertRaises(ValueError):  # the shard dim has 8 ranks, the preset dp = 4
+            check("w", FakeDTensor(None, (FakeShard(0),), FakeMesh((8,), (3,))), 4, 1, 3)
+        check("w", np.zeros(3), 4, 1, 3)  # not a DTensor: not checked
+        for r in (0, 1):  # FSDP2's own placements pass (and go out in the tests above)
+            for n, t in fsdp2_shard(c, 2, r).items():
+                check(n, t, 2, 1, r)
+        hook.client.deregister()
+        hook.client.close()
 
     def test_modules_import_without_torch(self):
         self.assertNotIn("torch", sys.modules)

@@ -89,6 +89,41 @@ def strip_leading(name, prefixes):
     return name
 
 
+# Module wrappers that insert a path segment in the middle of parameter names (removed wherever the
+# exact segment occurs, as torch's own FQN cleaning in torch.distributed.checkpoint.state_dict does):
+# torch's checkpoint_wrapper (activation checkpointing) wraps a block as "_checkpoint_wrapped_module",
+# torch.compile of a block as "_orig_mod" (torchtitan does both, per transformer block).
+TRAINER_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+# Engines' LoRA wrappers: vLLM with --enable-lora replaces every linear layer by a *WithLoRA module
+# holding the original as `base_layer` (vllm/lora/layers/base_linear.py), SGLang's BaseLayerWithLoRA
+# likewise, so "...qkv_proj.weight" shows as "...qkv_proj.base_layer.weight".
+ENGINE_WRAPPER_SEGMENTS = ("base_layer",)
+
+
+def normalize_name(name, segments):
+    """`name` without every dot-separated path segment that is exactly one of `segments`:
+    "layers.0._checkpoint_wrapped_module._orig_mod.mlp.weight" -> "layers.0.mlp.weight" (a
+    segment that merely contains the word, e.g. "my_base_layer", stays)."""
+    if not any(s in name for s in segments):
+        return name
+    return ".".join(part for part in name.split(".") if part not in segments)
+
+
+def engine_params(named, segments=ENGINE_WRAPPER_SEGMENTS):
+    """{name: parameter} of an engine's (name, parameter) pairs or dict, every name normalised
+    (normalize_name: LoRA's "base_layer" dropped), ValueError naming both when two parameters
+    collapse to one name (one would silently receive the other's bytes)."""
+    items = named.items() if hasattr(named, "items") else named
+    out, origin = {}, {}
+    for name, p in items:
+        key = normalize_name(name, segments)
+        if key in out:
+            raise ValueError("engine parameters %r and %r both address %r once wrapper segments (%s) are removed"
+                             % (origin[key], name, key, ", ".join(segments)))
+        out[key], origin[key] = p, name
+    return out
+
+
 def local_tensor(t):
     """A DTensor's local shard (torch FSDP2 parameters are DTensors); anything else as is."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -146,12 +181,16 @@ class LayoutHook:
               missing_hint=""):
         """Copies each (name, tensor) into its place in the buffer. Names are the framework's
         (leading `strip_prefixes` removed, as often as they repeat: DDP's "module.", and
-        "module.module." for Megatron's DDP(Float16Module(...))). ValueError for a shape mismatch,
+        "module.module." for Megatron's DDP(Float16Module(...)); then the wrapper segments
+        "_checkpoint_wrapped_module" / "_orig_mod" wherever they occur, TRAINER_WRAPPER_SEGMENTS).
+        ValueError for a name given twice (after that normalising) or a shape mismatch,
         KeyError for a name the layout lacks, and (require_all) for local tensors not given: a
         version must never go out with stale tensors in it (`missing_hint` is added to that error)."""
         seen = set()
-        for name, t in named_tensors:
-            name = strip_leading(name, strip_prefixes)
+        for given, t in named_tensors:
+            name = normalize_name(strip_leading(given, strip_prefixes), TRAINER_WRAPPER_SEGMENTS)
+            if name in seen:
+                raise ValueError("tensor %r (given as %r) was given twice" % (name, given))
             if name not in self.layout.tensors:
                 raise KeyError("tensor %r is not a local tensor of this rank's %s layout (it has %d: %s ...)"
                                % (name, self.preset.preset, len(self.layout.tensors), ", ".join(self.names[:4])))
@@ -187,8 +226,11 @@ class LayoutHook:
     # ---- rollout side ------------------------------------------------------------------------
     def read_into(self, params: Dict[str, object], strict=True):
         """Copies every local tensor of the buffer into the engine's parameter of the same name
-        (numpy arrays or torch tensors, e.g. dict(model.named_parameters())). strict: every local
-        tensor holding pieces must have a parameter (KeyError naming the missing ones)."""
+        (numpy arrays or torch tensors, e.g. dict(model.named_parameters())). Names are normalised
+        first (engine_params: LoRA's "base_layer" segment dropped; ValueError if two collapse).
+        strict: every local tensor holding pieces must have a parameter (KeyError naming the missing
+        ones)."""
+        params = engine_params(params)
         missing = [n for n, t in self.layout.tensors.items() if t.pieces and n not in params]
         if strict and missing:
             raise KeyError("the engine has no parameter for %d local tensors: %s" % (len(missing), ", ".join(missing[:8])))
@@ -204,9 +246,11 @@ class LayoutHook:
     def bind(self, params):
         """CUDA memory, torch: points every parameter at its place in the registered buffer
         (param.data = view, after copying the current weights in), so versions land in the
-        engine's weights with no copy of ours (Apply / the sync commit write them)."""
+        engine's weights with no copy of ours (Apply / the sync commit write them). Names
+        normalised as for read_into."""
         if self.memory != "cuda":
             raise ValueError("bind needs memory='cuda' (host buffers: use read_into after each update)")
+        params = engine_params(params)
         views = self._torch()
         for name, p in params.items():
             if name in views:

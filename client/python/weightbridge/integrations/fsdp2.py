@@ -8,10 +8,61 @@ Preset "fsdp" (= FSDP2, docs/presets.md): each parameter's local shard is its DT
 empty on trailing ranks - under its HF name (FSDP2 does not rename parameters); the layout reserves
 c rows per rank like FSDP2's padded storage. HSDP: replicas = the replicate dim (rank = replica *
 dp + shard_rank). Shards are copied into the buffer at each publish.
+
+Names: wrapper segments are removed wherever they occur (torch's checkpoint_wrapper
+"_checkpoint_wrapped_module", per-block torch.compile "_orig_mod", as torchtitan wraps; _common).
+Before anything is copied, every DTensor parameter's placements are checked against the preset
+(check_placements): FSDP2's default Shard(0) on a 1-D mesh, (Replicate(), Shard(0)) on HSDP's
+(replicate, shard) mesh, this rank's shard index on the shard dim. A shard_placement_fn returning
+Shard(k != 0), or FSDP2 + TP (a mesh with a TP dim), lays out other bytes and is refused.
 """
 
 from weightbridge.integrations._common import LayoutHook
 from weightbridge.layouts import PresetLayout
+
+UNDESCRIBED = "shard_placement_fn / FSDP2 + TP is not described by the fsdp preset"
+
+
+def _is(p, kind):
+    """p.is_shard() / p.is_replicate() (torch's Placement API; duck-typed, torch not imported)."""
+    f = getattr(p, kind, None)
+    return bool(callable(f) and f())
+
+
+def _plain_shard0(p):
+    """torch's Shard(0) itself: not another dim, not _StridedShard (FSDP2 + TP's split_factor)."""
+    return _is(p, "is_shard") and getattr(p, "dim", None) == 0 and getattr(p, "split_factor", 1) == 1
+
+
+def check_placements(name, t, dp, replicas, shard_rank):
+    """ValueError unless DTensor `t` is laid out as the fsdp preset describes: placements exactly
+    (Shard(0),) (replicas = 1) or (Replicate(), Shard(0)) (HSDP), the shard mesh dim of size dp,
+    and this rank's index on it (device_mesh.get_local_rank, where the mesh has it) = shard_rank.
+    Anything without `placements` / `device_mesh` (a plain tensor) is not checked."""
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return
+    placements = tuple(placements)
+    if replicas > 1:
+        ok = len(placements) == 2 and _is(placements[0], "is_replicate") and _plain_shard0(placements[1])
+        want = "(Replicate(), Shard(dim=0))"
+    else:
+        ok = len(placements) == 1 and _plain_shard0(placements[0])
+        want = "(Shard(dim=0),)"
+    if not ok:
+        raise ValueError("parameter %s: placements %s, the fsdp preset (replicas=%d) describes %s; %s"
+                         % (name, placements, replicas, want, UNDESCRIBED))
+    shard_dim = len(placements) - 1
+    size = getattr(mesh, "size", None)
+    if callable(size) and size(shard_dim) != dp:
+        raise ValueError("parameter %s: placements %s over a shard mesh dim of %d ranks, the preset has dp=%d"
+                         % (name, placements, size(shard_dim), dp))
+    local_rank = getattr(mesh, "get_local_rank", None)
+    if callable(local_rank) and local_rank(shard_dim) != shard_rank:
+        raise ValueError("parameter %s: placements %s, this rank holds shard %d of the mesh, the preset's rank "
+                         "holds shard %d (rank = replica * dp + shard_rank)"
+                         % (name, placements, local_rank(shard_dim), shard_rank))
 
 
 class FSDP2TrainerHook(LayoutHook):
@@ -19,10 +70,15 @@ class FSDP2TrainerHook(LayoutHook):
                  strip_prefixes=("module.", "_orig_mod.")):
         preset = PresetLayout("fsdp", dp=dp, replicas=replicas, rank=rank)
         self.strip_prefixes = strip_prefixes
+        self.dp, self.replicas, self.shard_rank = dp, replicas, rank % dp
         super().__init__(socket_path, model, worker_id or "trainer/%d" % rank, "trainer", preset, memory, gpu, client,
                          shm_prefix="fsdp2")
 
     def publish(self, version, named_parameters, timeout=300.0):
-        """Copies every parameter's local shard (DTensor.to_local()) into the buffer and publishes."""
-        self.write(named_parameters, strip_prefixes=self.strip_prefixes)
+        """Checks every DTensor parameter's placements (check_placements: ValueError before any
+        byte is copied), copies every local shard (DTensor.to_local()) into the buffer, publishes."""
+        named = list(named_parameters)
+        for name, t in named:
+            check_placements(name, t, self.dp, self.replicas, self.shard_rank)
+        self.write(named, strip_prefixes=self.strip_prefixes)
         return self.client.publish(version, timeout).stall_seconds

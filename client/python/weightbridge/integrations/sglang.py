@@ -9,6 +9,9 @@
 Preset "sglang" (docs/presets.md): vLLM's layout with SGLang's names where they differ
 (fused_qkv_a_proj_with_mqa for MLA); shared-expert fusion off (--disable-shared-experts-fusion),
 dp = 1 (SGLang DP attention is refused by the preset). memory="cuda" with bind(params) as for vLLM.
+With --enable-lora SGLang wraps linear layers keeping the original as `base_layer`
+(BaseLayerWithLoRA): read_into / bind drop that segment from the names, as for vLLM
+(_common.engine_params).
 
 WeightBridge writes the parameters in place, never through SGLang's load_weights, so what SGLang
 derives from them at load time would keep the old version: DeepSeek's MLA `w_kc` / `w_vc` (split

@@ -14,11 +14,17 @@ experts.w13_weight / w2_weight, fp8 weight + weight_scale_inv). Host memory: eac
 copied from the shm buffer into the parameters. memory="cuda": the parameters are re-pointed into
 the registered CUDA buffer once (bind), and versions land in them directly. The logic lives in
 VllmRollout (tested in CI with numpy parameters); the extension only reads vLLM's worker state.
+
+With --enable-lora, vLLM wraps every linear layer (`*WithLoRA`, the original kept as `base_layer`),
+so named_parameters() shows "...qkv_proj.base_layer.weight": the parameters are addressed with that
+segment dropped (_common.engine_params; two parameters collapsing to one name are refused). The
+adapters themselves (lora_a_stacked / lora_b_stacked) are not parameters and not written here.
 """
 
 import os
 
 from weightbridge.client import ModelConfig
+from weightbridge.integrations._common import engine_params
 from weightbridge.integrations._rollout import RolloutHook
 
 
@@ -39,10 +45,13 @@ class WeightBridgeWorkerExtension:
         tp_rank = self.rank % tp if hasattr(self, "rank") else 0
         dp_rank = getattr(pc, "data_parallel_rank", 0)
         model = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig(**model_cfg)
+        # LoRA's "base_layer" segment dropped from the names; two parameters collapsing to one name
+        # are refused here, before anything is registered.
+        params = engine_params(self.model_runner.model.named_parameters())
         self.wb = VllmRollout(socket_path, model, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, replica=replica,
                               expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
                               moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory, gpu=self.device.index if memory == "cuda" else -1)
-        self.wb_params = dict(self.model_runner.model.named_parameters())
+        self.wb_params = params
         if memory == "cuda":
             self.wb.bind(self.wb_params)
         return self.wb.layout.buffer_bytes(0)
