@@ -216,6 +216,9 @@ absl::Status ParseTensorFlags(const Reader& r, ModelConfig& c) {
       }
       c.qkv_bias = c.o_bias = attention_bias;
       c.mlp_bias = mlp_bias;
+      // InternLM-style `bias`: HF's Llama ignores it; vLLM's and SGLang's llama.py read
+      // `attention_bias or bias`.
+      if (const json* b = r.Find("bias"); b != nullptr && b->is_boolean()) c.bias_key = b->get<bool>();
       break;
     case ModelFamily::kMixtral:
       if (attention_bias) return refuse("attention_bias");

@@ -55,6 +55,7 @@ struct ModelConfig {
   bool o_bias = false;    // o_proj has a bias (attention_bias on Llama/Qwen3)
   bool qk_norm = false;   // per-head q_norm/k_norm (Qwen3, Gemma 3, GLM-4.5 use_qk_norm)
   bool mlp_bias = false;  // gate/up/down_proj biases (Llama mlp_bias)
+  bool bias_key = false;  // Llama config `bias: true`: HF ignores it, vLLM / SGLang add q/k/v/o biases
   bool ffn_norms = false; // pre_feedforward_layernorm + post_feedforward_layernorm (Gemma 2/3)
   bool attn_sinks = false;     // self_attn.sinks [heads] (GPT-OSS)
   bool fused_experts = false;  // GPT-OSS: mlp.experts.{gate_up_proj,down_proj}[_bias] over all experts, mlp.router.{weight,bias}

@@ -463,6 +463,11 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
   }
   RETURN_IF_ERROR(CheckA2aBackend(c, p));
+  if (c.bias_key && !c.o_bias) {
+    // llama.py (both engines): attention_bias = config.attention_bias or config.bias.
+    return absl::InvalidArgumentError(absl::StrCat(m, ": `bias: true` on ", c.architecture, " without attention_bias (", m,
+                                                   "'s Llama builds q/k/v/o biases from it; Hugging Face's Llama has none)"));
+  }
   if (!sglang) {
     // Configs vLLM's model classes do not build as the HF config says (gemma2.py / gemma3.py assert
     // tied embeddings; qwen3.py / qwen3_moe.py build o_proj without a bias; gpt_oss.py always

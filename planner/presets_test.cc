@@ -773,6 +773,22 @@ TEST(Presets, MoeA2aBackendDecidesSharedExperts) {
   }
 }
 
+// InternLM-style `bias: true`: HF's Llama ignores it, vLLM's and SGLang's llama.py build q/k/v/o
+// biases from it. Refused for the engines; trainers follow HF.
+TEST(Presets, EnginesRefuseLlamaBiasKeyHfIgnores) {
+  Model m = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000,"bias":true})");
+  for (const char* preset : {"vllm", "sglang"}) {
+    auto b = PresetBuilder::Create(m.config, m.inv, {.preset = preset, .tp = 2});
+    ASSERT_FALSE(b.ok()) << preset;
+    EXPECT_TRUE(absl::StrContains(b.status().message(), "`bias: true`")) << b.status();
+  }
+  EXPECT_TRUE(PresetBuilder::Create(m.config, m.inv, {.preset = "fsdp", .dp = 2}).ok());
+  Model both = FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1000,"bias":true,"attention_bias":true})");
+  EXPECT_TRUE(PresetBuilder::Create(both.config, both.inv, {.preset = "vllm", .tp = 2}).ok());
+}
+
 // Sizes and options a preset's framework has no counterpart for are refused, naming them.
 TEST(Presets, FieldsThatDoNotApplyAreRefused) {
   Model m = Load("qwen3-30b-a3b.json", 2);
