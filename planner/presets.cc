@@ -499,10 +499,11 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": tp=", p.tp, " must divide the vocabulary padded to a multiple of 64 (vocab_size=",
                                                    c.vocab, " -> ", padded, ")"));
   }
-  if (sglang && (c.family == ModelFamily::kQwen2Moe || c.family == ModelFamily::kMixtral) && c.head_dim * c.heads != c.hidden) {
-    // SGLang's Qwen2MoeAttention / MixtralAttention take head_dim = hidden_size / num_heads.
-    return absl::InvalidArgumentError(absl::StrCat("sglang: head_dim=", c.head_dim, " on ", c.architecture, " (SGLang uses hidden_size / num_attention_heads = ",
-                                                   c.hidden / c.heads, ")"));
+  if ((c.family == ModelFamily::kQwen2Moe || (sglang && c.family == ModelFamily::kMixtral)) && c.head_dim * c.heads != c.hidden) {
+    // Qwen2MoeAttention (vLLM and SGLang) and SGLang's MixtralAttention take head_dim =
+    // hidden_size / num_heads, whatever the config says.
+    return absl::InvalidArgumentError(absl::StrCat(m, ": head_dim=", c.head_dim, " on ", c.architecture, " (", m,
+                                                   " uses hidden_size / num_attention_heads = ", c.hidden / c.heads, ")"));
   }
   if (!c.mla) {
     if (p.tp >= c.kv_heads ? p.tp % c.kv_heads != 0 : c.kv_heads % p.tp != 0) {

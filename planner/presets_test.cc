@@ -852,6 +852,14 @@ TEST(Presets, SglangRefusesAHeadDimItsQwen2MoeAndMixtralIgnore) {
   ASSERT_FALSE(b.ok());
   EXPECT_TRUE(absl::StrContains(b.status().message(), "head_dim=32")) << b.status();
   EXPECT_TRUE(PresetBuilder::Create(m.config, m.inv, {.preset = "vllm", .tp = 2}).ok());
+  Model q = FromText(R"({"architectures":["Qwen2MoeForCausalLM"],"hidden_size":64,"head_dim":32,
+    "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":1,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":1000,"num_experts":4})");
+  for (const char* preset : {"vllm", "sglang"}) {
+    auto r = PresetBuilder::Create(q.config, q.inv, {.preset = preset, .tp = 2});
+    ASSERT_FALSE(r.ok()) << preset;
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "head_dim=32")) << r.status();
+  }
 }
 
 TEST(Presets, VllmMlaFusedQkvA) {
