@@ -442,15 +442,25 @@ class CudaIpcTransport : public Transport {
     device = m.device;
     const std::string key = absl::StrCat(d->handle, "@", device);
     // (subtraction: alloc_offset and size are each < 2^63 but their sum may not be)
-    if (m.alloc_size >= 0 && (d->alloc_offset > m.alloc_size || d->size > m.alloc_size - d->alloc_offset)) {
+    // Without the opened allocation's size (cuMemGetAddressRange unavailable or failed) the bytes
+    // cannot be checked against it: refused, as the export side refuses a region whose allocation
+    // it cannot place, rather than mapping a range that may run past the allocation.
+    if (m.alloc_size < 0 || d->alloc_offset > m.alloc_size || d->size > m.alloc_size - d->alloc_offset) {
       if (opened) {
         (void)cudaSetDevice(m.device);
         (void)cudaIpcCloseMemHandle(m.base);
         (void)cudaGetLastError();
       }
-      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc import of region '", d->label, "': bytes [",
-                                                     d->alloc_offset, ", ", d->alloc_offset + d->size,
-                                                     ") exceed the exported allocation of ", m.alloc_size, " bytes"));
+      if (m.alloc_size < 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cuda_ipc import of region '", d->label, "': the driver did not report the size of the allocation its ",
+            "IPC handle maps on GPU ", m.device, " (cuMemGetAddressRange unavailable or failed), so its ", d->size,
+            " bytes at offset ", d->alloc_offset, " cannot be checked against it; not imported"));
+      }
+      // (no sum in the message: alloc_offset + size may overflow)
+      return absl::InvalidArgumentError(absl::StrCat("cuda_ipc import of region '", d->label, "': ", d->size,
+                                                     " bytes at offset ", d->alloc_offset,
+                                                     " exceed the exported allocation of ", m.alloc_size, " bytes"));
     }
     absl::MutexLock l(&mu_);
     Mapping& stored = mappings_[key];

@@ -145,12 +145,14 @@ absl::Status CheckParams(const ChannelAuthParams& p) {
 
 // The acceptor hung up before proving anything: it never saw our proof, so this says nothing about
 // the token. It closes connections it has no room for (unauthenticated connections bounded per
-// source and in total), ones that outlive its handshake bound, and everything when it stops.
+// source and in total; host_tcp's park of authenticated connections no Connect has claimed yet),
+// ones that outlive its handshake bound, and everything when it stops.
 absl::Status ClosedBeforeProof(absl::Status s) {
   if (s.code() != absl::StatusCode::kUnauthenticated) return s;
   return absl::UnavailableError(absl::StrCat(
       "the acceptor closed the connection before proving itself (", s.message(),
-      "): it is busy with unauthenticated connections from this address or in total, it timed out this handshake, "
+      "): it is busy with unauthenticated connections from this address or in total, it holds as many "
+      "authenticated connections waiting for a Connect as it keeps, it timed out this handshake, "
       "or it is stopping"));
 }
 

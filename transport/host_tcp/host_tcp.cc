@@ -72,6 +72,9 @@ constexpr char kAuthRefused[] = "shared token differs or is missing on one side"
 // after the single-address fields, so a single-NIC endpoint keeps the original format.
 constexpr uint32_t kNicsMagic = 0x494e4257;  // "WBNI"
 constexpr uint32_t kMaxNics = 64;
+// tcp.streams' range: a hello's stream count (data streams + the control connection) is in
+// [2, kMaxStreams + 1] and its index below the count; any other hello is closed unauthenticated.
+constexpr int kMaxStreams = 64;
 
 enum FrameType : uint8_t { kManifest = 1, kData = 2, kChecksum = 3, kAck = 4 };
 
@@ -231,6 +234,10 @@ struct TcpBatch {
   // receiving
   int64_t recv_expected = 0;
   int64_t recv_got = 0;
+  // Per op, the byte ranges [begin, end) of its logical stream already received (or being
+  // received), adjacent ranges merged: a frame overlapping one is refused, so recv_got reaching
+  // recv_expected means every byte arrived exactly once (no duplicate frame can fill a hole).
+  std::vector<std::map<int64_t, int64_t>> recv_ranges;
   uint64_t recv_hash = 0;
   bool peer_checksum_known = false;
   uint64_t peer_checksum = 0;
@@ -266,7 +273,39 @@ struct PeerConn {
   std::map<uint64_t, uint64_t> early_checksum;
   std::map<uint64_t, absl::Status> early_ack;
   std::vector<std::thread> threads;
+
+  // Control frames held for batches this side has not posted (bounded: HostTcpLimits).
+  int64_t early_frames() const {
+    return static_cast<int64_t>(early_manifest.size() + early_checksum.size() + early_ack.size());
+  }
 };
+
+// Claims [begin, end) in `ranges` (begin -> end, disjoint, adjacent ones merged). False, leaving
+// `ranges` as it was, when it overlaps a range already there.
+bool ClaimRange(std::map<int64_t, int64_t>& ranges, int64_t begin, int64_t end) {
+  auto next = ranges.upper_bound(begin);  // first range starting after begin
+  if (next != ranges.end() && next->first < end) return false;
+  if (next != ranges.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second > begin) return false;
+    if (prev->second == begin) {  // extend the range before
+      prev->second = end;
+      if (next != ranges.end() && next->first == end) {
+        prev->second = next->second;
+        ranges.erase(next);
+      }
+      return true;
+    }
+  }
+  if (next != ranges.end() && next->first == end) {  // extend the range after, downwards
+    const int64_t e = next->second;
+    ranges.erase(next);
+    ranges.emplace(begin, e);
+    return true;
+  }
+  ranges.emplace(begin, end);
+  return true;
+}
 
 // One data-plane address of a node: where it listens (and what peers dial).
 struct Nic {
@@ -338,8 +377,10 @@ class HostTcpTransport : public Transport {
  public:
   // `listeners`: one per data NIC (one in single-address mode), already listening.
   // `multi_nic`: TcpOptions::local_addresses was set (dialing sockets bind to a local NIC).
-  HostTcpTransport(const TransportConfig& config, std::vector<Listener> listeners, bool multi_nic)
+  HostTcpTransport(const TransportConfig& config, const HostTcpLimits& limits, std::vector<Listener> listeners,
+                   bool multi_nic)
       : options_(config.tcp),
+        limits_(limits),
         node_id_(config.node_id.empty() ? DefaultNodeId() : config.node_id),
         instance_id_(RandomInstanceId()),
         corrupt_(config.test_corrupt_checksummed_payload),
@@ -363,9 +404,10 @@ class HostTcpTransport : public Transport {
         BreakLocked(p.get(), absl::CancelledError("transport destroyed"));
         peers.push_back(p);
       }
-      for (auto& [inst, fds] : pending_) {
-        for (auto& [idx, fd] : fds) close(fd);
+      for (auto& [inst, parked] : pending_) {
+        for (auto& [idx, fd] : parked.fds) close(fd);
       }
+      pending_.clear();
       accept_cv_.SignalAll();  // an acceptor-side Connect still waiting returns CANCELLED
       // Unblocks handshakes in progress now; none starts after stopping_ (AcceptLoop checks).
       for (Handshake& h : handshakes_) {
@@ -474,10 +516,20 @@ class HostTcpTransport : public Transport {
       }
     } else {
       absl::MutexLock l(&mu_);
+      // While this Connect waits, connections claiming `inst` are taken even when the park is
+      // full, and never expire.
+      ++awaited_[inst];
+      struct Unawait {
+        std::map<std::string, int>& awaited;
+        const std::string& inst;
+        ~Unawait() {
+          if (--awaited[inst] <= 0) awaited.erase(inst);
+        }
+      } unawait{awaited_, inst};
       auto ready = [&] {
         auto it = pending_.find(inst);
-        return stopping_ || (it != pending_.end() && static_cast<int>(it->second.size()) >= 1 &&
-                             static_cast<int>(it->second.size()) == pending_total_[inst]);
+        return stopping_ || (it != pending_.end() && !it->second.fds.empty() &&
+                             static_cast<int>(it->second.fds.size()) == it->second.total);
       };
       while (!ready()) {
         if (accept_cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
@@ -491,14 +543,21 @@ class HostTcpTransport : public Transport {
                             "transport started (more than ", kMaxHandshakesPerSource, " in handshake from one address or ",
                             kMaxConcurrentHandshakes, " in all; last from ", last_busy_source_, ")");
           }
+          if (parked_refused_ > 0) {
+            absl::StrAppend(&why, "; ", parked_refused_, " connection(s) were closed before authentication since this ",
+                            "transport started because ", limits_.max_parked_connections,
+                            " authenticated connections were already parked unclaimed (last claiming ",
+                            last_parked_refused_inst_, ")");
+          }
           return absl::DeadlineExceededError(absl::StrCat("host_tcp: peer ", inst, " at ", addr, ":", port,
                                                           " did not connect before the deadline", why));
         }
       }
       if (stopping_) return absl::CancelledError("transport destroyed");
-      for (auto& [idx, fd] : pending_[inst]) fds.push_back(fd);
-      pending_.erase(inst);
-      pending_total_.erase(inst);
+      auto taken = pending_.find(inst);
+      for (auto& [idx, fd] : taken->second.fds) fds.push_back(fd);
+      parked_count_ -= static_cast<int64_t>(taken->second.fds.size());
+      pending_.erase(taken);
       auth_failures_.erase(inst);
     }
     auto peer = std::make_shared<PeerConn>();
@@ -684,6 +743,7 @@ class HostTcpTransport : public Transport {
         uh.complete[i] = n == 0 ? 1 : 0;
       }
     }
+    b->recv_ranges.resize(b->layouts.size());
     for (size_t i = 0; i < b->layouts.size(); ++i) {
       const int64_t n = b->layouts[i].src.total_bytes();
       b->bytes += n;
@@ -760,6 +820,18 @@ class HostTcpTransport : public Transport {
 
   // TEST ONLY (HostTcpTestFlipNextReceived).
   void TestFlipNextReceived() { test_flip_next_received_ = true; }
+
+  HostTcpCounters Counters() const {
+    absl::MutexLock l(&mu_);
+    HostTcpCounters c;
+    c.parked_connections = parked_count_;
+    c.parked_refused = parked_refused_;
+    c.parked_expired = parked_expired_;
+    c.hellos_refused = hellos_refused_;
+    for (const auto& [id, p] : peers_) c.early_control_frames += p->early_frames();
+    c.early_overflows = early_overflows_;
+    return c;
+  }
 
  private:
   // The entry of stats_.paths for (peer instance, local address, remote address), added if new.
@@ -980,11 +1052,36 @@ class HostTcpTransport : public Transport {
       hello.resize(n);
       ok = ReadAllBy(fd, hello.data(), n, deadline);
     }
+    const bool read = ok;  // a whole hello arrived (what it says is checked below)
     wire::Reader r(hello);
     uint32_t magic = r.U32();
     std::string inst = r.Str();
     uint32_t idx = r.U32(), total = r.U32();
-    ok = ok && r.done() && magic == kFrameMagic && total >= 2 && total <= 1024 && idx < total;
+    // Only a smaller instance dials this one (Connect), so a hello claiming an instance that is
+    // not smaller could never be claimed: refused like a malformed one.
+    ok = ok && r.done() && magic == kFrameMagic && total >= 2 && total <= static_cast<uint32_t>(kMaxStreams) + 1 &&
+         idx < total && inst < instance_id_;
+    // A place in the park is reserved before the handshake, so that a dialer that would find it
+    // full is closed before proving itself (it redials) rather than after its Connect succeeded.
+    bool reserved = false;
+    if (read) {
+      absl::MutexLock l(&mu_);
+      if (!ok) {
+        ++hellos_refused_;
+      } else {
+        ExpireParkedLocked();
+        if (awaited_.count(inst) == 0) {
+          if (parked_count_ + parked_reserved_ >= limits_.max_parked_connections) {
+            ok = false;
+            ++parked_refused_;
+            last_parked_refused_inst_ = inst.substr(0, 64);
+          } else {
+            ++parked_reserved_;
+            reserved = true;
+          }
+        }
+      }
+    }
     bool authenticated = false;
     if (ok) {
       ChannelAuthParams auth;
@@ -1000,11 +1097,18 @@ class HostTcpTransport : public Transport {
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     }
     absl::MutexLock l(&mu_);
+    if (reserved) --parked_reserved_;
     if (authenticated && !stopping_) {
-      auto& slot = pending_[inst];
-      if (slot.count(idx)) close(slot[idx]);
-      slot[idx] = fd;
-      pending_total_[inst] = total;
+      Parked& parked = pending_[inst];
+      if (auto old = parked.fds.find(idx); old != parked.fds.end()) {
+        close(old->second);  // the same stream again (a redial): the newer connection wins
+      } else {
+        ++parked_count_;
+      }
+      parked.fds[idx] = fd;
+      parked.total = static_cast<int>(total);
+      parked.last = absl::Now();
+      ExpireParkedLocked();
     } else {
       close(fd);
       if (ok && !stopping_ && (auth_failures_.count(inst) || auth_failures_.size() < kMaxAuthFailureIds)) {
@@ -1015,6 +1119,23 @@ class HostTcpTransport : public Transport {
     self->done = true;
     UncountLocked(*self);
     accept_cv_.SignalAll();
+  }
+
+  // Closes the parked connections of every claimed instance that no Connect is waiting for and
+  // whose last connection arrived more than parked_timeout ago.
+  void ExpireParkedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (awaited_.count(it->first) == 0 && now - it->second.last > limits_.parked_timeout) {
+        for (auto& [idx, fd] : it->second.fds) close(fd);
+        const int64_t n = static_cast<int64_t>(it->second.fds.size());
+        parked_count_ -= n;
+        parked_expired_ += n;
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
 
   // A failed batch starts no further chunk: its queued send chunks are dropped here, and the
@@ -1036,6 +1157,10 @@ class HostTcpTransport : public Transport {
       p->broken_status = why;
       for (int fd : p->fds) shutdown(fd, SHUT_RDWR);
     }
+    // Nothing posts on a broken channel (Post refuses it): what the peer sent early is dropped.
+    p->early_manifest.clear();
+    p->early_checksum.clear();
+    p->early_ack.clear();
     for (auto& [tag, b] : p->batches) FailLocked(b.get(), why);
     cv_.SignalAll();
   }
@@ -1118,10 +1243,23 @@ class HostTcpTransport : public Transport {
       }
       auto it = p->batches.find(h.tag);
       TcpBatch* b = it == p->batches.end() ? nullptr : it->second.get();
+      // A frame for a batch this side has not posted yet is held until Post (not on a broken
+      // channel: nothing is posted there again); at most max_early_control_frames per channel, so
+      // a peer streaming frames of made-up tags cannot grow this side's memory without bound.
+      const bool hold = b == nullptr && !p->broken;
+      if (hold && (h.type == kManifest || h.type == kChecksum || h.type == kAck) &&
+          p->early_frames() >= limits_.max_early_control_frames) {
+        ++early_overflows_;
+        BreakLocked(p.get(), absl::ResourceExhaustedError(absl::StrCat(
+                                 "host_tcp peer ", p->instance, " sent more than ", limits_.max_early_control_frames,
+                                 " control frames for batches this side has not posted (last: type ",
+                                 static_cast<int>(h.type), " for batch ", h.tag, "); channel closed")));
+        return;
+      }
       if (h.type == kManifest) {
         if (b) {
           OnManifestLocked(p.get(), b, static_cast<uint64_t>(h.offset));
-        } else {
+        } else if (hold) {
           p->early_manifest[h.tag] = static_cast<uint64_t>(h.offset);
         }
       } else if (h.type == kChecksum) {
@@ -1129,14 +1267,14 @@ class HostTcpTransport : public Transport {
           b->peer_checksum_known = true;
           b->peer_checksum = static_cast<uint64_t>(h.offset);
           MaybeFinishRecvLocked(p.get(), b);
-        } else {
+        } else if (hold) {
           p->early_checksum[h.tag] = static_cast<uint64_t>(h.offset);
         }
       } else if (h.type == kAck) {
         absl::Status s = h.op == 0 ? absl::OkStatus() : absl::Status(static_cast<absl::StatusCode>(h.op), payload);
         if (b) {
           OnAckLocked(b, s);
-        } else {
+        } else if (hold) {
           p->early_ack[h.tag] = s;
         }
         if (!s.ok()) {
@@ -1285,10 +1423,21 @@ class HostTcpTransport : public Transport {
         BreakLocked(p.get(), b->status);
         return;
       }
-      if (h.op >= b->layouts.size() || b->is_send[h.op] || h.offset < 0 || h.len <= 0 ||
-          h.offset + h.len > b->layouts[h.op].dst.total_bytes()) {
+      // Bounds by subtraction: offset + len could overflow int64 (offset near INT64_MAX).
+      const int64_t op_bytes = h.op < b->layouts.size() ? b->layouts[h.op].dst.total_bytes() : 0;
+      std::string bad;
+      if (h.op >= b->layouts.size() || b->is_send[h.op]) {
+        bad = absl::StrCat("op ", h.op, " is not one this side receives in the batch");
+      } else if (h.offset < 0 || h.len <= 0 || h.offset > op_bytes || h.len > op_bytes - h.offset) {
+        bad = absl::StrCat("bytes at offset ", h.offset, " length ", h.len, " are outside op ", h.op, "'s ", op_bytes,
+                           " bytes");
+      } else if (!ClaimRange(b->recv_ranges[h.op], h.offset, h.offset + h.len)) {
+        bad = absl::StrCat("op ", h.op, " bytes [", h.offset, ", ", h.offset + h.len,
+                           ") overlap bytes of it already received (a duplicate frame)");
+      }
+      if (!bad.empty()) {
         BreakLocked(p.get(), absl::InternalError(absl::StrCat("host_tcp peer ", p->instance, " sent a bad frame (batch ",
-                                                              h.tag, " op ", h.op, " offset ", h.offset, ")")));
+                                                              h.tag, ": ", bad, ")")));
         return;
       }
       b->active++;
@@ -1355,6 +1504,7 @@ class HostTcpTransport : public Transport {
   }
 
   const TcpOptions options_;
+  const HostTcpLimits limits_;
   const std::string node_id_;
   const std::string instance_id_;
   const bool corrupt_;
@@ -1372,8 +1522,21 @@ class HostTcpTransport : public Transport {
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::shared_ptr<PeerConn>> peers_ ABSL_GUARDED_BY(mu_);
   BatchTable<TcpBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
-  std::map<std::string, std::map<uint32_t, int>> pending_ ABSL_GUARDED_BY(mu_);  // dialer -> stream idx -> fd
-  std::map<std::string, int> pending_total_ ABSL_GUARDED_BY(mu_);
+  // Authenticated connections waiting for a Connect, by claimed dialer instance.
+  struct Parked {
+    std::map<uint32_t, int> fds;  // stream idx -> fd
+    int total = 0;                // the stream count the hellos announced (the last one's)
+    absl::Time last;              // when the last one was parked (parked_timeout runs from here)
+  };
+  std::map<std::string, Parked> pending_ ABSL_GUARDED_BY(mu_);
+  int64_t parked_count_ ABSL_GUARDED_BY(mu_) = 0;     // fds in pending_
+  int64_t parked_reserved_ ABSL_GUARDED_BY(mu_) = 0;  // places taken by handshakes in progress
+  std::map<std::string, int> awaited_ ABSL_GUARDED_BY(mu_);  // instance -> Connects waiting for it
+  int64_t parked_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_parked_refused_inst_ ABSL_GUARDED_BY(mu_);
+  int64_t parked_expired_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t hellos_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t early_overflows_ ABSL_GUARDED_BY(mu_) = 0;
   std::list<Handshake> handshakes_ ABSL_GUARDED_BY(mu_);          // accepted, not yet authenticated
   std::map<std::string, int> auth_failures_ ABSL_GUARDED_BY(mu_);  // claimed instance -> refusals
   std::map<std::string, int> handshakes_by_source_ ABSL_GUARDED_BY(mu_);  // dialer address -> in handshake
@@ -1432,8 +1595,23 @@ absl::Status HostTcpTestFlipNextReceived(Transport& transport) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<HostTcpCounters> HostTcpCountersOf(const Transport& transport) {
+  const auto* t = dynamic_cast<const HostTcpTransport*>(&transport);
+  if (t == nullptr) return absl::InvalidArgumentError("HostTcpCountersOf: not a host_tcp transport");
+  return t->Counters();
+}
+
 absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config) {
-  if (config.tcp.streams < 1 || config.tcp.streams > 64) {
+  return NewHostTcpTransport(config, HostTcpLimits{});
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config,
+                                                               const HostTcpLimits& limits) {
+  if (limits.max_parked_connections < 0 || limits.parked_timeout < absl::ZeroDuration() ||
+      limits.max_early_control_frames < 0) {
+    return absl::InvalidArgumentError("host_tcp: HostTcpLimits must not be negative");
+  }
+  if (config.tcp.streams < 1 || config.tcp.streams > kMaxStreams) {
     return absl::InvalidArgumentError("host_tcp: tcp.streams must be in [1, 64]");
   }
   if (!(config.tcp.max_send_bytes_per_s >= 0) || std::isinf(config.tcp.max_send_bytes_per_s)) {
@@ -1484,7 +1662,7 @@ absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportCo
     }
     listeners.push_back(std::move(*l));
   }
-  return std::unique_ptr<Transport>(new HostTcpTransport(config, std::move(listeners), multi_nic));
+  return std::unique_ptr<Transport>(new HostTcpTransport(config, limits, std::move(listeners), multi_nic));
 }
 
 }  // namespace wb::transport

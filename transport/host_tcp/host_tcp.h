@@ -41,12 +41,48 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "transport/config.h"
 #include "transport/transport.h"
 
 namespace wb::transport {
 
 absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config);
+
+// Bounds on what an authenticated peer can make a transport hold (docs/transport.md, "host_tcp:
+// what an authenticated peer can hold"). The defaults are what NewHostTcpTransport(config) uses;
+// tests pass smaller ones.
+struct HostTcpLimits {
+  // Authenticated connections parked until a Connect claims them (acceptor side), over all claimed
+  // instances. A hello past this bound is closed before authentication (the dialer sees "closed
+  // before proving" and redials until its deadline), unless a Connect is waiting for the instance
+  // it claims (then it is always taken). Per claimed instance at most 65 (stream count <= 64 + 1).
+  int max_parked_connections = 1024;
+  // A claimed instance whose parked connections no Connect took within this time (since its last
+  // one arrived) has them closed; checked whenever a hello arrives or a connection is parked.
+  absl::Duration parked_timeout = absl::Seconds(60);
+  // Control frames (MANIFEST / CHECKSUM / ACK) one peer channel may hold for batches this side has
+  // not posted yet; one more closes the channel (RESOURCE_EXHAUSTED naming the peer). A batch the
+  // peer posted first leaves at most three such frames, so the default holds 21,845 batches ahead.
+  int64_t max_early_control_frames = int64_t{1} << 16;
+};
+
+absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config,
+                                                               const HostTcpLimits& limits);
+
+// What the bounds above have done so far (diagnostics and tests).
+struct HostTcpCounters {
+  int64_t parked_connections = 0;    // now: authenticated connections waiting for a Connect
+  int64_t parked_refused = 0;        // hellos closed before authentication: max_parked_connections
+  int64_t parked_expired = 0;        // parked connections closed: no Connect within parked_timeout
+  int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, or a
+                                     // claimed instance that cannot dial this one (not smaller)
+  int64_t early_control_frames = 0;  // now, over all peers: frames held for batches not posted here
+  int64_t early_overflows = 0;       // channels closed for passing max_early_control_frames
+};
+
+// INVALID_ARGUMENT if `transport` is not host_tcp.
+absl::StatusOr<HostTcpCounters> HostTcpCountersOf(const Transport& transport);
 
 // Where one connection of a peer runs (getsockname / getpeername of its socket).
 struct HostTcpStreamAddresses {

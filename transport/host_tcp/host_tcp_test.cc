@@ -978,5 +978,370 @@ TEST(HostTcpPacingTest, DestroyingAPacedSenderDoesNotWaitForItsBookings) {
   EXPECT_FALSE(pair->b->Wait(*pr, absl::Now() + absl::Seconds(20)).ok());
 }
 
+
+// ---------------------------------------------------------------- what an authenticated peer can hold
+
+// The wire's frame header (host_tcp.cc FrameHeader), for a raw peer that speaks the protocol.
+struct RawFrame {
+  uint32_t magic = 0x46425757;  // "WWBF"
+  uint8_t type = 0;             // 1 MANIFEST, 2 DATA, 3 CHECKSUM, 4 ACK
+  uint8_t pad[3] = {};
+  uint64_t tag = 0;
+  uint32_t op = 0;
+  uint32_t pad2 = 0;
+  int64_t offset = 0;
+  int64_t len = 0;
+};
+static_assert(sizeof(RawFrame) == 40);
+
+std::string FrameBytes(uint8_t type, uint64_t tag, uint32_t op, int64_t offset, int64_t len) {
+  RawFrame f;
+  f.type = type;
+  f.tag = tag;
+  f.op = op;
+  f.offset = offset;
+  f.len = len;
+  return std::string(reinterpret_cast<const char*>(&f), sizeof(f));
+}
+
+// A connection to 127.0.0.1:port that says hello {inst, idx, total} and passes the channel
+// authentication with `token` as `inst` would: what any holder of the token can do. Returns the
+// fd, or the dialer-side handshake's status.
+absl::StatusOr<int> RawDial(uint32_t port, const std::string& acceptor_inst, const std::string& token,
+                            const std::string& inst, uint32_t idx, uint32_t total) {
+  const int fd = RawConnect(port);
+  if (fd < 0) return absl::UnavailableError("connect failed");
+  wire::Writer hello;
+  hello.U32(0x46425757);
+  hello.Str(inst);
+  hello.U32(idx);
+  hello.U32(total);
+  wire::Writer framed;
+  framed.U32(static_cast<uint32_t>(hello.out().size()));
+  framed.Raw(hello.out().data(), hello.out().size());
+  if (!SendAll(fd, framed.out())) {
+    close(fd);
+    return absl::UnavailableError("hello not sent");
+  }
+  ChannelAuthParams auth;
+  auth.key = token;
+  auth.self = inst;
+  auth.peer = acceptor_inst;
+  auth.context = hello.out();
+  auth.deadline = absl::Now() + absl::Seconds(10);
+  if (absl::Status s = AuthenticateDialer(fd, auth); !s.ok()) {
+    close(fd);
+    return s;
+  }
+  return fd;
+}
+
+// Polls `probe` until it holds or `within` passes; the last value is what the caller asserts on.
+template <typename F>
+bool Eventually(F probe, absl::Duration within = absl::Seconds(20)) {
+  const absl::Time deadline = absl::Now() + within;
+  while (!probe()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(2));  // a probe interval, not a wait for an event
+  }
+  return true;
+}
+
+HostTcpCounters CountersOf(const Transport& t) {
+  absl::StatusOr<HostTcpCounters> c = HostTcpCountersOf(t);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *c : HostTcpCounters{};
+}
+
+// A raw, authenticated peer `inst` connected to `acceptor` (control + one data connection), and
+// the acceptor's id for it. `inst` must sort before the acceptor's instance id (the smaller dials).
+struct RawPeer {
+  std::string inst;
+  int control = -1, data = -1;
+  PeerId id;
+  ~RawPeer() {
+    if (control >= 0) close(control);
+    if (data >= 0) close(data);
+  }
+};
+
+void ConnectRawPeer(Transport& acceptor, const std::string& token, RawPeer& peer) {
+  auto ep = acceptor.ExportEndpoint("");
+  ASSERT_TRUE(ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  ASSERT_LT(peer.inst, acc.inst);
+  wire::Writer raw_ep = RecordWriter(RecordType::kEndpoint, "host_tcp", peer.inst, "raw-node");
+  raw_ep.Str("127.0.0.1");
+  raw_ep.U32(1);  // never dialled: the acceptor waits for the raw peer's connections
+  absl::StatusOr<PeerId> accepted = absl::UnknownError("not run");
+  std::thread th([&] { accepted = acceptor.Connect(raw_ep.out(), absl::Now() + absl::Seconds(20)); });
+  absl::StatusOr<int> c = RawDial(acc.port, acc.inst, token, peer.inst, 0, 2);
+  absl::StatusOr<int> d = c.ok() ? RawDial(acc.port, acc.inst, token, peer.inst, 1, 2) : c;
+  th.join();
+  ASSERT_TRUE(c.ok()) << c.status();
+  peer.control = *c;
+  ASSERT_TRUE(d.ok()) << d.status();
+  peer.data = *d;
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  peer.id = *accepted;
+}
+
+// Review M2a: MANIFEST / CHECKSUM / ACK frames for tags this side has not posted were held
+// without bound. A peer streaming them fills up to max_early_control_frames, then the channel is
+// closed (RESOURCE_EXHAUSTED naming the peer) and what it held is dropped; at the default too.
+TEST(HostTcpLimitsTest, EarlyControlFramesForUnpostedBatchesAreBounded) {
+  for (const int64_t limit : {int64_t{64}, HostTcpLimits{}.max_early_control_frames}) {
+    SCOPED_TRACE(absl::StrCat("limit ", limit));
+    HostTcpLimits limits;
+    limits.max_early_control_frames = limit;
+    auto t = NewHostTcpTransport(WithToken("cluster-token"), limits);
+    ASSERT_TRUE(t.ok()) << t.status();
+    Transport& acceptor = **t;
+    RawPeer peer;
+    peer.inst = "!flooder";
+    ConnectRawPeer(acceptor, "cluster-token", peer);
+    if (HasFatalFailure()) return;
+    // Exactly `limit` frames of made-up tags, all three kinds: held.
+    std::string frames;
+    for (int64_t i = 0; i < limit; ++i) {
+      const uint8_t type = i % 3 == 0 ? 1 : i % 3 == 1 ? 3 : 4;
+      frames += FrameBytes(type, 1000000 + static_cast<uint64_t>(i), 0, static_cast<int64_t>(i), 0);
+    }
+    ASSERT_TRUE(SendAll(peer.control, frames));
+    EXPECT_TRUE(Eventually([&] { return CountersOf(acceptor).early_control_frames == limit; }))
+        << CountersOf(acceptor).early_control_frames;
+    EXPECT_EQ(CountersOf(acceptor).early_overflows, 0);
+    // One more: the channel is closed, nothing is held any more.
+    ASSERT_TRUE(SendAll(peer.control, FrameBytes(1, 99, 0, 0, 0)));
+    EXPECT_TRUE(Eventually([&] { return CountersOf(acceptor).early_overflows == 1; }));
+    EXPECT_EQ(CountersOf(acceptor).early_control_frames, 0);
+    bool closed = false;
+    ReadUntilClosed(peer.control, &closed);
+    EXPECT_TRUE(closed) << "the control connection stays open";
+    Batch b;
+    b.tag = 5;
+    b.peer = peer.id;
+    auto posted = acceptor.Post(b);
+    ASSERT_FALSE(posted.ok());
+    EXPECT_EQ(posted.status().code(), absl::StatusCode::kUnavailable) << posted.status();
+    EXPECT_NE(posted.status().message().find(absl::StrCat("host_tcp peer !flooder sent more than ", limit,
+                                                          " control frames for batches this side has not posted")),
+              std::string::npos)
+        << posted.status();
+  }
+}
+
+// A receive-only batch of `n` bytes from the raw peer into a zeroed local buffer.
+struct RawReceive {
+  std::vector<char> dst;
+  BatchId id;
+};
+
+void PostReceive(Transport& t, const RawPeer& peer, uint64_t tag, int64_t n, RawReceive& r) {
+  r.dst.assign(n, 0);
+  auto dh = t.RegisterMemory({MemoryKind::kHost, r.dst.data(), n, -1, "", 0, "dst"});
+  ASSERT_TRUE(dh.ok()) << dh.status();
+  auto sh = t.ImportDescriptor(EncodePlainDescriptor("host_tcp", {peer.inst, "raw-node", 7, n, "raw src"}));
+  ASSERT_TRUE(sh.ok()) << sh.status();
+  Batch b;
+  b.tag = tag;
+  b.peer = peer.id;
+  b.ops = {Contig(*sh, 0, *dh, 0, n)};
+  auto id = t.Post(b);
+  ASSERT_TRUE(id.ok()) << id.status();
+  r.id = *id;
+  // The mirror: the peer echoes this side's manifest (the hash of the batch as both sides see it)
+  // and ACKs (it receives nothing in this batch).
+  // (ACKs of earlier batches may come first: skipped with their payload.)
+  RawFrame m;
+  do {
+    ASSERT_EQ(recv(peer.control, &m, sizeof(m), MSG_WAITALL), static_cast<ssize_t>(sizeof(m)));
+    if (m.type == 4 && m.len > 0) {
+      std::string payload(m.len, '\0');
+      ASSERT_EQ(recv(peer.control, payload.data(), m.len, MSG_WAITALL), m.len);
+    }
+  } while (m.type == 4);
+  ASSERT_EQ(m.type, 1);
+  ASSERT_EQ(m.tag, tag);
+  ASSERT_TRUE(SendAll(peer.control, FrameBytes(1, tag, 0, m.offset, 0) + FrameBytes(4, tag, 0, 0, 0)));
+}
+
+// Review L1: a DATA frame's bounds were checked as offset + len > op bytes in int64, which
+// overflows for an offset near INT64_MAX (undefined behaviour; in practice the check passed and
+// the frame counted as received). Now refused naming the bytes.
+TEST(HostTcpLimitsTest, DataFrameAtAnOffsetNearInt64MaxIsRefused) {
+  auto t = NewHostTcpTransport(WithToken("cluster-token"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  RawPeer peer;
+  peer.inst = "!raw";
+  ConnectRawPeer(**t, "cluster-token", peer);
+  if (HasFatalFailure()) return;
+  RawReceive r;
+  PostReceive(**t, peer, 5, 8192, r);
+  if (HasFatalFailure()) return;
+  const int64_t offset = std::numeric_limits<int64_t>::max() - 16;
+  ASSERT_TRUE(SendAll(peer.data, FrameBytes(2, 5, 0, offset, 4096) + std::string(4096, 'x')));
+  absl::Status s = (*t)->Wait(r.id, absl::Now() + absl::Seconds(20));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find(absl::StrCat("host_tcp peer !raw sent a bad frame (batch 5: bytes at offset ", offset,
+                                          " length 4096 are outside op 0's 8192 bytes)")),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(std::count(r.dst.begin(), r.dst.end(), 0), 8192) << "bytes were written";
+}
+
+// Review L1: a batch completed once its received byte count reached the expected count, so a
+// duplicate frame could complete it with a hole. Frames in any order still complete it; a frame
+// overlapping bytes already received is refused.
+TEST(HostTcpLimitsTest, DuplicateFrameCannotCompleteABatchWithAHole) {
+  auto t = NewHostTcpTransport(WithToken("cluster-token"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  RawPeer peer;
+  peer.inst = "!raw";
+  ConnectRawPeer(**t, "cluster-token", peer);
+  if (HasFatalFailure()) return;
+  // Out of order, every way a range can join the ones before it: alone, alone, between two
+  // (merges both), before the first (extends it downwards).
+  {
+    RawReceive r;
+    PostReceive(**t, peer, 5, 8192, r);
+    if (HasFatalFailure()) return;
+    std::string wire;
+    for (const int64_t off : {2048, 6144, 4096, 0}) {
+      wire += FrameBytes(2, 5, 0, off, 2048) + std::string(2048, static_cast<char>('a' + off / 2048));
+    }
+    ASSERT_TRUE(SendAll(peer.data, wire));
+    absl::Status s = (*t)->Wait(r.id, absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(s.ok()) << s;
+    for (int64_t i = 0; i < 8192; ++i) ASSERT_EQ(r.dst[i], static_cast<char>('a' + i / 2048)) << "byte " << i;
+  }
+  // The first half twice: 8192 bytes arrive, the second half never did.
+  RawReceive r;
+  PostReceive(**t, peer, 6, 8192, r);
+  if (HasFatalFailure()) return;
+  const std::string half = FrameBytes(2, 6, 0, 0, 4096) + std::string(4096, 'd');
+  ASSERT_TRUE(SendAll(peer.data, half + half));
+  absl::Status s = (*t)->Wait(r.id, absl::Now() + absl::Seconds(20));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("host_tcp peer !raw sent a bad frame (batch 6: op 0 bytes [0, 4096) overlap bytes of it "
+                             "already received (a duplicate frame))"),
+            std::string::npos)
+      << s;
+}
+
+// Two transports with `limits`, ordered: [0] dials [1].
+std::vector<std::unique_ptr<Transport>> OrderedPair(const HostTcpLimits& limits) {
+  std::vector<std::unique_ptr<Transport>> ts;
+  for (int i = 0; i < 2; ++i) {
+    auto t = NewHostTcpTransport(WithToken("cluster-token"), limits);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (!t.ok()) return {};
+    ts.push_back(std::move(*t));
+  }
+  if (ts[1]->instance_id() < ts[0]->instance_id()) std::swap(ts[0], ts[1]);
+  return ts;
+}
+
+// Review M2b: authenticated connections were parked until a Connect took them, without bound,
+// whatever instance, stream index and count their hellos claimed. Hellos out of range are
+// refused before authentication; past max_parked_connections a hello is closed before the
+// handshake (the dialer hears "closed before proving"); a Connect waiting for its peer still gets
+// that peer's connections, and bytes move.
+TEST(HostTcpLimitsTest, ParkedConnectionsAreBoundedAndAConnectStillWorks) {
+  HostTcpLimits limits;
+  limits.max_parked_connections = 8;
+  limits.parked_timeout = absl::Hours(1);
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(limits);
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint("");
+  ASSERT_TRUE(ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+
+  // Out of range: 65 data streams + control, an index past the count, an instance that does not
+  // sort before the acceptor's (it could never be claimed: the smaller instance dials).
+  const struct {
+    std::string inst;
+    uint32_t idx, total;
+  } bad[] = {{"!junk", 0, 66}, {"!junk", 2, 2}, {acc.inst + "z", 0, 2}};
+  for (const auto& h : bad) {
+    SCOPED_TRACE(absl::StrCat(h.inst, " ", h.idx, "/", h.total));
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", h.inst, h.idx, h.total);
+    ASSERT_FALSE(fd.ok());
+    EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnavailable) << fd.status();
+    EXPECT_NE(fd.status().message().find("closed the connection before proving"), std::string::npos) << fd.status();
+  }
+  EXPECT_EQ(CountersOf(acceptor).hellos_refused, 3);
+  // The largest valid count is taken.
+  absl::StatusOr<int> widest = RawDial(acc.port, acc.inst, "cluster-token", "!junk-wide", 64, 65);
+  ASSERT_TRUE(widest.ok()) << widest.status();
+
+  std::vector<int> junk = {*widest};
+  for (int i = 1; i < limits.max_parked_connections; ++i) {
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", absl::StrCat("!junk", i), 0, 2);
+    ASSERT_TRUE(fd.ok()) << i << ": " << fd.status();
+    junk.push_back(*fd);
+  }
+  EXPECT_TRUE(Eventually([&] { return CountersOf(acceptor).parked_connections == limits.max_parked_connections; }))
+      << CountersOf(acceptor).parked_connections;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", absl::StrCat("!more", i), 0, 2);
+    ASSERT_FALSE(fd.ok()) << "connection " << i << " past the bound was parked";
+    EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnavailable) << fd.status();
+    EXPECT_NE(fd.status().message().find("closed the connection before proving"), std::string::npos) << fd.status();
+  }
+  EXPECT_EQ(CountersOf(acceptor).parked_refused, 3);
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, limits.max_parked_connections);
+
+  // The genuine peer, both Connects at once: the acceptor's waiting Connect takes its connections.
+  ConnectResult r = ConnectBoth(*ts[0], acceptor, absl::Now() + absl::Seconds(20));
+  ASSERT_EQ(r.dialer, ts[0].get());
+  ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+  ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+  ExpectMovesBytes(*r.dialer, *r.dialed, *r.acceptor, *r.accepted, 1 << 20);
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, limits.max_parked_connections) << "only the junk is parked";
+  for (int fd : junk) close(fd);
+}
+
+// Review M2b: parked connections no Connect claims are closed after parked_timeout, which frees
+// the park for a dialer that comes before its acceptor's Connect (it redials until then).
+TEST(HostTcpLimitsTest, UnclaimedParkedConnectionsExpire) {
+  HostTcpLimits limits;
+  limits.max_parked_connections = 3;  // what the dialer needs (control + 2 data): all the junk must go
+  limits.parked_timeout = absl::Milliseconds(500);
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(limits);
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint("");
+  ASSERT_TRUE(ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  std::vector<int> junk;
+  for (int i = 0; i < limits.max_parked_connections; ++i) {
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", absl::StrCat("!junk", i), 0, 2);
+    ASSERT_TRUE(fd.ok()) << i << ": " << fd.status();
+    junk.push_back(*fd);
+  }
+  // The dialer alone (no Connect waits for it yet): refused while the park is full, it redials
+  // until the junk expired and its own connections are parked.
+  auto dialed = dialer.Connect(*ep, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(dialed.ok()) << dialed.status();
+  EXPECT_EQ(CountersOf(acceptor).parked_expired, limits.max_parked_connections);
+  EXPECT_TRUE(Eventually([&] { return CountersOf(acceptor).parked_connections == 3; }))
+      << CountersOf(acceptor).parked_connections << " parked; the dialer's control + 2 data connections expected";
+  for (int fd : junk) {
+    bool closed = false;
+    ReadUntilClosed(fd, &closed);
+    EXPECT_TRUE(closed) << "an expired connection stays open";
+    close(fd);
+  }
+  auto dialer_ep = dialer.ExportEndpoint("");
+  ASSERT_TRUE(dialer_ep.ok());
+  auto accepted = acceptor.Connect(*dialer_ep, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
+  ExpectMovesBytes(dialer, *dialed, acceptor, *accepted, 1 << 20);
+}
+
 }  // namespace
 }  // namespace wb::transport
