@@ -15,6 +15,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -181,14 +182,41 @@ absl::StatusOr<PeerCred> PeerCredListener::Lookup(const grpc::ServerContextBase&
   return it->second;
 }
 
-absl::StatusOr<BlockedCalls::Slot> BlockedCalls::Acquire() {
-  const int was = in_use_.fetch_add(1);
-  Slot slot(this);  // gives the count back on every path
-  if (was >= limit_) {
-    return absl::ResourceExhaustedError(absl::StrCat(what_, ": ", was, " calls are already waiting (limit ", limit_,
+absl::StatusOr<BlockedCalls::Slot> BlockedCalls::Acquire(const std::string& key, const std::string& who) {
+  absl::MutexLock l(&mu_);
+  if (per_key_ > 0) {
+    auto it = by_key_.find(key);
+    const int held = it == by_key_.end() ? 0 : it->second;
+    if (held >= per_key_) {
+      return absl::ResourceExhaustedError(absl::StrCat(what_, ": ", who.empty() ? key : who, " already holds ", held,
+                                                       " waiting calls (limit ", per_key_, " ", per_key_what_, "); retry later"));
+    }
+  }
+  if (in_use_ >= limit_) {
+    return absl::ResourceExhaustedError(absl::StrCat(what_, ": ", in_use_, " calls are already waiting (limit ", limit_,
                                                      ", --max_blocked_calls); retry later"));
   }
-  return slot;
+  ++in_use_;
+  ++by_key_[key];
+  return Slot(this, key);
+}
+
+void BlockedCalls::Release(const std::string& key) {
+  absl::MutexLock l(&mu_);
+  --in_use_;
+  auto it = by_key_.find(key);
+  if (it != by_key_.end() && --it->second <= 0) by_key_.erase(it);
+}
+
+int BlockedCalls::in_use() const {
+  absl::MutexLock l(&mu_);
+  return in_use_;
+}
+
+int BlockedCalls::in_use(const std::string& key) const {
+  absl::MutexLock l(&mu_);
+  auto it = by_key_.find(key);
+  return it == by_key_.end() ? 0 : it->second;
 }
 
 namespace {
@@ -359,6 +387,21 @@ absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const 
   return absl::PermissionDeniedError(absl::StrCat("NodeService.", method, " is the coordinator's call: the caller's certificate (CN/SAN: ",
                                                   shown.empty() ? "none" : shown, ") does not name the coordinator '", want,
                                                   "' (--tls_server_name, else the host of --coordinator)"));
+}
+
+std::string PeerKey(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config) {
+  if (config.tls()) {
+    auto auth = ctx.auth_context();
+    if (auth && auth->IsPeerAuthenticated()) {
+      for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+        for (const grpc::string_ref& v : auth->FindPropertyValues(property)) {
+          std::string name(v.data(), std::min<size_t>(v.size(), 256));
+          return absl::StrCat("node ", name, " (certificate)");
+        }
+      }
+    }
+  }
+  return absl::StrCat("the connection ", ctx.peer(), " (no TLS: nodes told apart by connection)");
 }
 
 std::string TargetHost(const std::string& target) {

@@ -78,28 +78,45 @@ class PeerCredListener {
   std::map<int, PeerCred> by_fd_ ABSL_GUARDED_BY(mu_);
 };
 
-// At most `limit` calls at once hold a slot; Acquire() fails RESOURCE_EXHAUSTED naming `what` and
-// the limit when all are taken. For calls that block (WaitVersion), each holding a server thread.
+// At most `limit` calls at once hold a slot, and (per_key > 0) at most `per_key` of them per key:
+// one caller (a worker on the worker socket, a node at the coordinator) cannot take every slot
+// and starve the others. Acquire() fails RESOURCE_EXHAUSTED naming `what`, the caller and the
+// limit it hit. For calls that block (WaitVersion, Publish, Apply, Drain), each holding a server
+// thread. Thread-safe.
 class BlockedCalls {
  public:
-  BlockedCalls(std::string what, int limit) : what_(std::move(what)), limit_(limit) {}
+  // `per_key_what` says in errors what the per-key limit is ("per worker, --flag").
+  BlockedCalls(std::string what, int limit, int per_key = 0, std::string per_key_what = "")
+      : what_(std::move(what)), limit_(limit), per_key_(per_key), per_key_what_(std::move(per_key_what)) {}
   class Slot {
    public:
-    explicit Slot(BlockedCalls* owner) : owner_(owner) {}
-    Slot(Slot&& o) noexcept : owner_(o.owner_) { o.owner_ = nullptr; }
+    Slot(Slot&& o) noexcept : owner_(o.owner_), key_(std::move(o.key_)) { o.owner_ = nullptr; }
+    Slot& operator=(Slot&&) = delete;
     ~Slot() {
-      if (owner_ != nullptr) owner_->in_use_.fetch_sub(1);
+      if (owner_ != nullptr) owner_->Release(key_);
     }
 
    private:
+    friend class BlockedCalls;
+    Slot(BlockedCalls* owner, std::string key) : owner_(owner), key_(std::move(key)) {}
     BlockedCalls* owner_;
+    std::string key_;
   };
-  absl::StatusOr<Slot> Acquire();
+  // `key` identifies the caller (calls with the same key share its per-key limit); `who` names it
+  // in the error (empty: the key itself).
+  absl::StatusOr<Slot> Acquire(const std::string& key = "", const std::string& who = "");
+  int in_use() const;
+  int in_use(const std::string& key) const;
 
  private:
-  std::string what_;
-  int limit_;
-  std::atomic<int> in_use_{0};
+  void Release(const std::string& key);
+  const std::string what_;
+  const int limit_;
+  const int per_key_;
+  const std::string per_key_what_;
+  mutable absl::Mutex mu_;
+  int in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> by_key_ ABSL_GUARDED_BY(mu_);
 };
 
 // ------------------------------------------------------------------------- daemon <-> daemon
@@ -148,6 +165,14 @@ absl::Status CheckNodeIdentity(const grpc::ServerContextBase& ctx, const PeerAut
 // without bind_node_id or without an identity; else the caller's certificate must name it.
 // PERMISSION_DENIED names `method`, the identity and the certificate's names.
 absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& method);
+// Who holds a daemon server's blocked-call slots, for BlockedCalls' per-key limit: with mutual TLS
+// the node its verified certificate names (CN, else its first SAN: the identity the node-scoped
+// rules bind node ids to); without, the caller's connection (ServerContext::peer(); the TCP port's
+// ConnGuard splices each connection to gRPC on its own socket). A node daemon forwards its
+// workers' calls over its one channel to the coordinator, so a worker behind it is bounded by its
+// node's share; the node id in a request is no better under a shared token (WaitVersion carries
+// none, and a token holder can name any).
+std::string PeerKey(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config);
 // The host part of a gRPC target ("host:port", "[v6]:port", "dns:///host:port").
 std::string TargetHost(const std::string& target);
 

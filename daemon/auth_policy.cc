@@ -39,6 +39,22 @@ Verdict NodeScoped(const PeerRuleOptions& o, const AuthCall& call, const std::st
   return Verdict::Ok();
 }
 
+// A waiting call's timeout_ms beyond Limits::max_wait_ms is clamped to it before the handler
+// sees the request (0 keeps each handler's default of 60 s): every wait ends, and gives back its
+// thread and slot.
+template <typename Req>
+void ClampWait(Req& req, const Limits& limits) {
+  if (req.timeout_ms() > limits.max_wait_ms) req.set_timeout_ms(limits.max_wait_ms);
+}
+
+// A slot of `pool` for the caller (PeerKey: its certificate's node, else its address).
+Verdict TakePeerSlot(BlockedCalls& pool, const PeerRuleOptions& o, AuthCall& call) {
+  absl::StatusOr<BlockedCalls::Slot> slot = pool.Acquire(PeerKey(*call.ctx, *o.config));
+  if (!slot.ok()) return Verdict{slot.status(), "blocked_calls"};
+  call.slot.emplace(std::move(*slot));
+  return Verdict::Ok();
+}
+
 // Checks of the request body that are not counted as refusals (as before the gate).
 Verdict Uncounted(absl::Status s) { return Verdict{std::move(s), ""}; }
 
@@ -65,7 +81,6 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
   AddNodeScoped<pb::LeaveWorkerRequest>(gate, "LeaveWorker", o);
   AddNodeScoped<pb::ReportReadyRequest>(gate, "ReportReady", o);
   AddNodeScoped<pb::ReportAppliedRequest>(gate, "ReportApplied", o);
-  AddNodeScoped<pb::CoordPublishRequest>(gate, "Publish", o);
   AddNodeScoped<pb::ReportDoneRequest>(gate, "ReportDone", o);
   AddNodeScoped<pb::JoinWorkerRequest>(gate, "JoinWorker", o, [limits = o.limits](const pb::JoinWorkerRequest& r) {
     return r.has_model() ? CheckModelSpec(r.model(), limits) : absl::OkStatus();
@@ -78,32 +93,44 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
              return Uncounted(CheckModelSpec(req.model(), o.limits));
            }));
-  // Each blocked call holds a server thread: at most max_blocked_calls at once.
-  auto blocked = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.WaitVersion", o.limits.max_blocked_calls);
-  gate.Add(std::string(kCoordinator) + "WaitVersion", Rule<pb::WaitVersionRequest>([o, blocked](AuthCall& call, pb::WaitVersionRequest&) {
+  // Each blocked call holds a server thread: WaitVersion, Publish (waits for its plan, the
+  // staleness bound and in sync mode the commit) and Drain share max_blocked_calls slots, of which
+  // one node holds at most BlockedCallsPerNode; each waits at most max_wait_ms.
+  auto blocked = std::make_shared<BlockedCalls>(
+      "coordinator: CoordinatorService waiting calls (WaitVersion, Publish, Drain)", o.limits.max_blocked_calls,
+      BlockedCallsPerNode(o.limits, o.limits.max_blocked_calls), "per node, --max_blocked_calls_per_node");
+  gate.Add(std::string(kCoordinator) + "WaitVersion", Rule<pb::WaitVersionRequest>([o, blocked](AuthCall& call, pb::WaitVersionRequest& req) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
-             absl::StatusOr<BlockedCalls::Slot> slot = blocked->Acquire();
-             if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
-             call.slot.emplace(std::move(*slot));
-             return Verdict::Ok();
+             ClampWait(req, o.limits);
+             return TakePeerSlot(*blocked, o, call);
+           }));
+  gate.Add(std::string(kCoordinator) + "Publish", Rule<pb::CoordPublishRequest>([o, blocked](AuthCall& call, pb::CoordPublishRequest& req) {
+             if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
+             ClampWait(req, o.limits);
+             return TakePeerSlot(*blocked, o, call);
+           }));
+  // Lifting a drain answers at once and needs no slot: an operator can always undo one.
+  gate.Add(std::string(kCoordinator) + "Drain", Rule<pb::DrainRequest>([o, blocked](AuthCall& call, pb::DrainRequest& req) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             if (req.undo()) return Verdict::Ok();
+             ClampWait(req, o.limits);
+             return TakePeerSlot(*blocked, o, call);
            }));
   // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes. Its own slots
   // (workers' WaitVersion calls must not starve the exchange their version needs), a quarter of
   // --max_blocked_calls (at least 16): one waiting call per node and model in flight, inside the
-  // 256 threads the server has beyond the blocked calls.
-  auto exchanges = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.ExchangeMagnitudes",
-                                                  std::max(16, o.limits.max_blocked_calls / 4));
+  // 256 threads the server has beyond the blocked calls; one node holds at most its share of them.
+  const int exchange_slots = std::max(16, o.limits.max_blocked_calls / 4);
+  auto exchanges = std::make_shared<BlockedCalls>("coordinator: CoordinatorService.ExchangeMagnitudes", exchange_slots,
+                                                  BlockedCallsPerNode(o.limits, exchange_slots), "per node, --max_blocked_calls_per_node");
   gate.Add(std::string(kCoordinator) + "ExchangeMagnitudes",
            Rule<pb::ExchangeMagnitudesRequest>([o, exchanges](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
              if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
+             ClampWait(req, o.limits);
              if (!req.wait()) return Verdict::Ok();
-             absl::StatusOr<BlockedCalls::Slot> slot = exchanges->Acquire();
-             if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
-             call.slot.emplace(std::move(*slot));
-             return Verdict::Ok();
+             return TakePeerSlot(*exchanges, o, call);
            }));
   AddPeerOnly<pb::StatusRequest>(gate, kCoordinator, "ClusterStatus", o);
-  AddPeerOnly<pb::DrainRequest>(gate, kCoordinator, "Drain", o);
   AddPeerOnly<pb::PlanRequest>(gate, kCoordinator, "Plan", o);
   AddPeerOnly<pb::WatchStatusRequest>(gate, kCoordinator, "WatchStatus", o);
 }
@@ -140,7 +167,12 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commi
   gate.Add(std::string(kNode) + "ExchangeRegions", Rule<pb::ExchangeRegionsRequest>([o](AuthCall& call, pb::ExchangeRegionsRequest& req) {
              return NodeScoped(o, call, req.from_node());
            }));
-  AddPeerOnly<pb::DrainRequest>(gate, kNode, "Drain", o);
+  // Forwarded to the coordinator's Drain (which takes a slot there) within max_wait_ms.
+  gate.Add(std::string(kNode) + "Drain", Rule<pb::DrainRequest>([o](AuthCall& call, pb::DrainRequest& req) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             ClampWait(req, o.limits);
+             return Verdict::Ok();
+           }));
   AddPeerOnly<pb::StatusRequest>(gate, kNode, "Status", o);
   // Commits and aborts change which versions a trainer may still publish (WorkerGuard); their
   // metrics are counted by the node in its commit / abort paths.
@@ -163,7 +195,8 @@ WorkerGuard::WorkerGuard(const PeerCredListener* peers, Limits limits, std::stri
     : peers_(peers),
       limits_(limits),
       node_id_(std::move(node_id)),
-      blocked_(absl::StrCat("node ", node_id_, ": WorkerService.WaitVersion"), limits.max_blocked_calls) {}
+      blocked_(absl::StrCat("node ", node_id_, ": WorkerService waiting calls (WaitVersion, Publish, Apply, BeginUpdate)"),
+               limits.max_blocked_calls, limits.max_blocked_calls_per_worker, "per worker, --max_blocked_calls_per_worker") {}
 
 absl::StatusOr<PeerCred> WorkerGuard::Caller(const AuthCall& call) const { return peers_->Lookup(*call.ctx); }
 
@@ -182,6 +215,25 @@ absl::Status WorkerGuard::CheckActsAs(const AuthCall& call, const std::string& m
                                                     ", not to the caller (pid ", me->pid, ")"));
   }
   return absl::OkStatus();
+}
+
+// Keyed by the worker and its process (pid + start time): a restarted worker does not inherit the
+// slots its dead predecessor's calls still hold.
+Verdict WorkerGuard::TakeSlot(AuthCall& call, const PeerCred& me, const std::string& model, const std::string& worker) {
+  // An empty `worker`: a WaitVersion naming none of the caller's workers, counted for its process.
+  absl::StatusOr<BlockedCalls::Slot> slot =
+      blocked_.Acquire(absl::StrCat(me.pid, "/", me.start_time, "/", model.size(), ":", model, "/", worker),
+                       worker.empty() ? absl::StrCat("process ", me.pid, " (WaitVersion naming none of its workers of model '", model, "')")
+                                      : absl::StrCat("worker ", worker, " of model '", model, "' (pid ", me.pid, ")"));
+  if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
+  call.slot.emplace(std::move(*slot));
+  return Verdict::Ok();
+}
+
+Verdict WorkerGuard::Waiting(AuthCall& call, const std::string& model, const std::string& worker) {
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  return TakeSlot(call, *me, model, worker);
 }
 
 absl::Status WorkerGuard::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
@@ -299,8 +351,11 @@ Verdict WorkerGuard::RegisterLayout(AuthCall& call, const pb::RegisterLayoutRequ
   return Verdict::Ok();
 }
 
-Verdict WorkerGuard::Publish(AuthCall& call, const pb::PublishRequest& req) {
+Verdict WorkerGuard::Publish(AuthCall& call, pb::PublishRequest& req) {
   if (absl::Status s = CheckActsAs(call, req.model_id(), req.worker_id()); !s.ok()) return Refuse(s, "impersonation");
+  // Publish waits (snapshot, plan, staleness bound, a sync commit): a blocked call like WaitVersion.
+  ClampWait(req, limits_);
+  if (Verdict v = Waiting(call, req.model_id(), req.worker_id()); !v.status.ok()) return v;
   {
     // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
     absl::MutexLock l(&mu_);
@@ -331,9 +386,12 @@ Verdict WorkerGuard::Publish(AuthCall& call, const pb::PublishRequest& req) {
   return Verdict::Ok();
 }
 
-Verdict WorkerGuard::WaitVersion(AuthCall& call, const pb::WaitVersionRequest& req) {
+Verdict WorkerGuard::WaitVersion(AuthCall& call, pb::WaitVersionRequest& req) {
   absl::StatusOr<PeerCred> me = Caller(call);
   if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  // Counted against the worker it names when that worker is the caller's own; else (no worker
+  // named, or another's) against the caller's process: naming a victim's id cannot use up its slots.
+  std::string counted_as;
   {
     absl::MutexLock l(&mu_);
     bool member = false;
@@ -343,11 +401,13 @@ Verdict WorkerGuard::WaitVersion(AuthCall& call, const pb::WaitVersionRequest& r
                                                              "' on node ", node_id_)),
                     "impersonation");
     }
+    auto named = bindings_.find({req.model_id(), req.worker_id()});
+    if (named != bindings_.end() && named->second.cred.pid == me->pid && named->second.cred.start_time == me->start_time) {
+      counted_as = req.worker_id();
+    }
   }
-  absl::StatusOr<BlockedCalls::Slot> slot = blocked_.Acquire();
-  if (!slot.ok()) return Refuse(slot.status(), "blocked_calls");
-  call.slot.emplace(std::move(*slot));
-  return Verdict::Ok();
+  ClampWait(req, limits_);
+  return TakeSlot(call, *me, req.model_id(), counted_as);
 }
 
 Verdict WorkerGuard::DescribeLayout(AuthCall& call, const pb::DescribeLayoutRequest& req) {
@@ -387,10 +447,18 @@ void WorkerGuard::AddRules(AuthGate& gate) {
   gate.Add(w + "Publish", Rule<pb::PublishRequest>([this](AuthCall& c, pb::PublishRequest& r) { return Publish(c, r); }));
   gate.Add(w + "WaitVersion", Rule<pb::WaitVersionRequest>([this](AuthCall& c, pb::WaitVersionRequest& r) { return WaitVersion(c, r); }));
   gate.Add(w + "DescribeLayout", Rule<pb::DescribeLayoutRequest>([this](AuthCall& c, pb::DescribeLayoutRequest& r) { return DescribeLayout(c, r); }));
-  gate.Add(w + "BeginUpdate", Rule<pb::BeginUpdateRequest>([acts_as](AuthCall& c, pb::BeginUpdateRequest& r) {
-             return acts_as(c, r.model_id(), r.worker_id());
+  // BeginUpdate (held while the node re-joins) and Apply (waits for the version) block: a slot of
+  // the worker's, within max_wait_ms.
+  gate.Add(w + "BeginUpdate", Rule<pb::BeginUpdateRequest>([this, acts_as](AuthCall& c, pb::BeginUpdateRequest& r) {
+             if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
+             ClampWait(r, limits_);
+             return Waiting(c, r.model_id(), r.worker_id());
            }));
-  gate.Add(w + "Apply", Rule<pb::ApplyRequest>([acts_as](AuthCall& c, pb::ApplyRequest& r) { return acts_as(c, r.model_id(), r.worker_id()); }));
+  gate.Add(w + "Apply", Rule<pb::ApplyRequest>([this, acts_as](AuthCall& c, pb::ApplyRequest& r) {
+             if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
+             ClampWait(r, limits_);
+             return Waiting(c, r.model_id(), r.worker_id());
+           }));
   gate.Add(w + "Deregister", Rule<pb::DeregisterRequest>([this, acts_as](AuthCall& c, pb::DeregisterRequest& r) {
              Verdict v = acts_as(c, r.model_id(), r.worker_id());
              if (!v.status.ok()) return v;

@@ -7,7 +7,8 @@
 //    TLS, a verified client certificate (CheckPeer, UNAUTHENTICATED); calls a node makes about
 //    itself name the node its certificate names (CheckNodeIdentity, PERMISSION_DENIED,
 //    "impersonation"); calls carrying specs / layouts are checked against the limits; blocking
-//    calls (WaitVersion) hold a BlockedCalls slot.
+//    calls (WaitVersion, Publish, Drain, waiting ExchangeMagnitudes) hold a BlockedCalls slot,
+//    at most a share per node (PeerKey), and their timeout_ms is clamped to Limits::max_wait_ms.
 //  - WorkerService (Unix socket, local workers): WorkerGuard binds worker ids to the process that
 //    registered them (SO_PEERCRED, PeerCredListener) and checks every later call against it,
 //    shm ownership, limits and the versions a trainer may have in flight.
@@ -39,8 +40,8 @@ struct PeerRuleOptions {
 
 // CoordinatorService: CheckPeer on every call, CheckNodeIdentity on the node-scoped calls
 // (RegisterNode, Heartbeat, JoinWorker, SubmitLayout, LeaveWorker, Publish, ReportReady,
-// ReportDone, ReportApplied), limits on CreateModel / JoinWorker / SubmitLayout, WaitVersion
-// bounded by limits.max_blocked_calls.
+// ReportDone, ReportApplied), limits on CreateModel / JoinWorker / SubmitLayout, WaitVersion,
+// Publish and Drain bounded by limits.max_blocked_calls (BlockedCallsPerNode of them per node).
 void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& options);
 
 // NodeService: CheckPeer on every call. `on_commit` (after a CommitVersion succeeded, before its
@@ -56,7 +57,10 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& options, VersionHook on
 //  - every other call naming a worker must come from the bound process and name its model;
 //    WaitVersion needs some worker of the caller bound to that model;
 //  - RegisterLayout: every shm segment must be owned by the caller's uid (fstat of the opened
-//    descriptor) and be at least size_bytes large; request limits (daemon/limits.h) first.
+//    descriptor) and be at least size_bytes large; request limits (daemon/limits.h) first. The
+//    node checks the owner again on the descriptor it maps (WorkerCalls::Options::worker_uid).
+//  - waiting calls (WaitVersion, Publish, Apply, BeginUpdate) hold a BlockedCalls slot, at most
+//    max_blocked_calls_per_worker per worker, and wait at most max_wait_ms.
 class WorkerGuard {
  public:
   // `peers` must outlive this; `node_id` names the node in errors.
@@ -88,8 +92,13 @@ class WorkerGuard {
   absl::Status CheckActsAs(const AuthCall& call, const std::string& model, const std::string& worker);
   Verdict RegisterWorker(AuthCall& call, ::weightbridge::v1::RegisterWorkerRequest& req);
   Verdict RegisterLayout(AuthCall& call, const ::weightbridge::v1::RegisterLayoutRequest& req);
-  Verdict Publish(AuthCall& call, const ::weightbridge::v1::PublishRequest& req);
-  Verdict WaitVersion(AuthCall& call, const ::weightbridge::v1::WaitVersionRequest& req);
+  Verdict Publish(AuthCall& call, ::weightbridge::v1::PublishRequest& req);
+  Verdict WaitVersion(AuthCall& call, ::weightbridge::v1::WaitVersionRequest& req);
+  // A blocked-call slot for a waiting call of `worker` (of `model`) from process `me`: at most
+  // max_blocked_calls_per_worker per worker, max_blocked_calls on this node.
+  Verdict TakeSlot(AuthCall& call, const PeerCred& me, const std::string& model, const std::string& worker);
+  // The same for the caller of `call`.
+  Verdict Waiting(AuthCall& call, const std::string& model, const std::string& worker);
   Verdict DescribeLayout(AuthCall& call, const ::weightbridge::v1::DescribeLayoutRequest& req);
 
   const PeerCredListener* peers_;

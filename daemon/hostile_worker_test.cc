@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -362,6 +363,192 @@ TEST(StagingBudgetNodeTest, BudgetIsTheNodeTotal) {
   for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0}, {&r0})) ASSERT_TRUE(s.ok()) << s.error_message();
   ASSERT_TRUE(c.Apply(r0, "m", 3, &resp).ok());
   EXPECT_EQ(CountBad(r0, 3), 0);
+  c.Stop();
+}
+
+// ------------------------------------------------------------------ waiting calls (blocked-call slots, max wait)
+
+// Calls sent at once on a completion queue, each answered in the order they finish.
+struct InFlight {
+  struct Call {
+    std::string who;  // "r0 WaitVersion"
+    grpc::ClientContext ctx;
+    grpc::Status status;
+    pb::WaitVersionResponse wait;
+    pb::ApplyResponse apply;
+    pb::PublishResponse publish;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<pb::WaitVersionResponse>> wait_rpc;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<pb::ApplyResponse>> apply_rpc;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<pb::PublishResponse>> publish_rpc;
+  };
+  grpc::CompletionQueue cq;
+  std::vector<std::unique_ptr<Call>> calls;
+
+  Call& New(const std::string& who) {
+    calls.push_back(std::make_unique<Call>());
+    Call& c = *calls.back();
+    c.who = who;
+    c.ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return c;
+  }
+  // Version 2^53 - 1 (never published) with a timeout of 10^12 ms: only the daemon's cap ends it.
+  void WaitVersion(pb::WorkerService::Stub& stub, const std::string& worker) {
+    Call& c = New(worker + " WaitVersion");
+    pb::WaitVersionRequest req;
+    req.set_model_id("m");
+    req.set_version((uint64_t{1} << 53) - 1);
+    req.set_timeout_ms(int64_t{1000000000000});
+    req.set_worker_id(worker);
+    c.wait_rpc = stub.AsyncWaitVersion(&c.ctx, req, &cq);
+    c.wait_rpc->Finish(&c.wait, &c.status, &c);
+  }
+  void Apply(pb::WorkerService::Stub& stub, const std::string& worker) {
+    Call& c = New(worker + " Apply");
+    pb::ApplyRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    req.set_version(uint64_t{1} << 53);
+    req.set_timeout_ms(int64_t{1000000000000});
+    c.apply_rpc = stub.AsyncApply(&c.ctx, req, &cq);
+    c.apply_rpc->Finish(&c.apply, &c.status, &c);
+  }
+  // Version 1 of a model that is never planned: the coordinator holds it until its deadline.
+  void Publish(pb::WorkerService::Stub& stub, const std::string& worker) {
+    Call& c = New(worker + " Publish");
+    pb::PublishRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    req.set_version(1);
+    req.set_timeout_ms(int64_t{1000000000000});
+    c.publish_rpc = stub.AsyncPublish(&c.ctx, req, &cq);
+    c.publish_rpc->Finish(&c.publish, &c.status, &c);
+  }
+  // Every call's answer (each call has a 30 s deadline of its own).
+  void Finish() {
+    for (size_t done = 0; done < calls.size(); ++done) {
+      void* tag = nullptr;
+      bool ok = false;
+      ASSERT_TRUE(cq.Next(&tag, &ok));
+    }
+    cq.Shutdown();
+  }
+};
+
+// H1 / H2 of the hostile review: one local worker could hold every waiting slot of its node (and,
+// forwarded, of the coordinator), for as long as it asked (timeout_ms 10^12). Now a worker holds
+// at most 4 waiting calls at once - WaitVersion, Apply and Publish together - and the 5th is
+// refused at once naming it and the limit, while other workers still get slots; and no wait
+// outlasts the cap (--max_wait_ms, here 4 s): each call ends DEADLINE_EXCEEDED from the daemon.
+TEST(WaitingCallsTest, AWorkerHoldsAtMostFourWaitingCallsAndNoWaitOutlastsTheCap) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0, nullptr, nullptr, [](ServerOptions& o) { o.security.limits.max_wait_ms = 4000; });
+  // Two trainers expected, one registers: the model is never planned.
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  const planner::WorkerLayout whole = LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}});
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, whole);
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, whole);
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 0, &inv, whole);
+  for (TestWorker* w : {&t0, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  const absl::Time start = absl::Now();
+  InFlight f;
+  // r0: 2 WaitVersion + 2 Apply hold its 4 slots, a 5th call is refused; t0: 4 Publish + 1.
+  for (int i = 0; i < 2; ++i) {
+    f.WaitVersion(*r0.stub, "r0");
+    f.Apply(*r0.stub, "r0");
+  }
+  f.WaitVersion(*r0.stub, "r0");
+  for (int i = 0; i < 5; ++i) f.Publish(*t0.stub, "t0");
+  // Another worker of the same process still waits.
+  f.WaitVersion(*r1.stub, "r1");
+  ASSERT_NO_FATAL_FAILURE(f.Finish());
+  const absl::Duration took = absl::Now() - start;
+  std::map<std::string, int> refused, timed_out;
+  for (const auto& call : f.calls) {
+    const grpc::Status& s = call->status;
+    const std::string worker = call->who.substr(0, 2);
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused[worker];
+      for (const std::string& want : {absl::StrCat("worker ", worker, " of model 'm'"), std::string("already holds 4 waiting calls"),
+                                      std::string("limit 4 per worker, --max_blocked_calls_per_worker")}) {
+        EXPECT_NE(s.error_message().find(want), std::string::npos) << call->who << ": " << want << " missing in: " << s.error_message();
+      }
+    } else {
+      // Every wait ended by the daemon's cap (4 s), not by this client's 30 s deadline: the
+      // daemon says what it waited for.
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << call->who << ": " << s.error_message();
+      EXPECT_NE(s.error_message().find("in time"), std::string::npos) << call->who << ": " << s.error_message();
+      ++timed_out[worker];
+    }
+  }
+  EXPECT_EQ(refused["r0"], 1);
+  EXPECT_EQ(refused["t0"], 1);
+  EXPECT_EQ(refused["r1"], 0);
+  EXPECT_EQ(timed_out["r0"], 4);
+  EXPECT_EQ(timed_out["t0"], 4);
+  EXPECT_EQ(timed_out["r1"], 1);
+  EXPECT_LT(took, absl::Seconds(25)) << "waits of 10^12 ms were not cut to --max_wait_ms=4000";
+  c.Stop();
+}
+
+// At the coordinator one node holds at most its share of the waiting slots, max(16,
+// max_blocked_calls / 4). Without TLS a node is told apart by its connection (a node daemon
+// forwards its workers' calls over its one channel): 20 WaitVersion calls over one connection
+// against a limit of 64, 16 wait and 4 are refused naming the connection and the share, while a
+// call over another connection still waits.
+TEST(WaitingCallsTest, ANodeHoldsAtMostItsShareOfTheCoordinatorsWaitingSlots) {
+  Cluster c;
+  c.StartCoordinator(absl::Seconds(3), "127.0.0.1:0", [](ServerOptions& o) {
+    o.security.limits.max_blocked_calls = 64;
+    o.security.limits.max_wait_ms = 3000;
+  });
+  // Each channel with its own connection (gRPC would otherwise share one between equal channels).
+  auto connect = [&] {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return pb::CoordinatorService::NewStub(grpc::CreateCustomChannel(c.coord_->address(), grpc::InsecureChannelCredentials(), args));
+  };
+  auto node_a = connect(), node_b = connect();
+  {
+    pb::CreateModelRequest req;
+    *req.mutable_model() = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+    pb::CreateModelResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(node_a->CreateModel(&ctx, req, &resp).ok());
+  }
+  auto wait = [](pb::CoordinatorService::Stub& stub) {
+    pb::WaitVersionRequest req;
+    req.set_model_id("m");
+    req.set_version(7);
+    req.set_timeout_ms(int64_t{1000000000000});
+    pb::WaitVersionResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return stub.WaitVersion(&ctx, req, &resp);
+  };
+  constexpr int kCalls = 20;
+  std::vector<grpc::Status> got(kCalls);
+  grpc::Status other;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCalls; ++i) threads.emplace_back([&, i] { got[i] = wait(*node_a); });
+  threads.emplace_back([&] { other = wait(*node_b); });
+  for (auto& t : threads) t.join();
+  int refused = 0, timed_out = 0;
+  for (const grpc::Status& s : got) {
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      for (const char* want : {"coordinator: CoordinatorService waiting calls", "the connection ", "already holds 16 waiting calls",
+                               "limit 16 per node, --max_blocked_calls_per_node"}) {
+        EXPECT_NE(s.error_message().find(want), std::string::npos) << want << " missing in: " << s.error_message();
+      }
+    }
+    timed_out += s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && s.error_message().find("in time") != std::string::npos;
+  }
+  EXPECT_EQ(timed_out, 16);
+  EXPECT_EQ(refused, kCalls - 16);
+  EXPECT_EQ(other.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << other.error_message();
+  EXPECT_NE(other.error_message().find("in time"), std::string::npos) << other.error_message();
   c.Stop();
 }
 

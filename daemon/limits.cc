@@ -33,6 +33,11 @@ int64_t PeerMessageBytes(const Limits& limits) {
 
 int ServerThreadBudget(const Limits& limits) { return limits.max_blocked_calls + 256; }
 
+int BlockedCallsPerNode(const Limits& limits, int total) {
+  const int share = limits.max_blocked_calls_per_node > 0 ? limits.max_blocked_calls_per_node : std::max(16, total / 4);
+  return std::min(share, total);
+}
+
 absl::Status CheckModelSpec(const pb::ModelSpec& spec, const Limits& limits) {
   if (!spec.model_id().empty()) {
     if (absl::Status s = CheckId("model_id", spec.model_id(), limits); !s.ok()) return s;

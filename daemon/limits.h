@@ -36,7 +36,22 @@ struct Limits {
   // at once. Each holds a server thread; the servers' thread quota is this plus headroom for
   // short calls (heartbeats), so blocked calls can never starve them.
   int max_blocked_calls = 512;
+  // Of those, what one caller may hold at once, so that no one caller starves the others: on the
+  // worker socket one worker (its WaitVersion, Publish, Apply and BeginUpdate calls together; a
+  // WaitVersion naming none of the caller's workers counts for its process); at the coordinator
+  // one node (its WaitVersion, Publish and Drain calls; and of the ExchangeMagnitudes slots a
+  // share computed the same way). 0 = max(16, max_blocked_calls / 4) (BlockedCallsPerNode).
+  int max_blocked_calls_per_worker = 4;
+  int max_blocked_calls_per_node = 0;
+  // The longest a call may wait (timeout_ms of WaitVersion, Publish, Apply, BeginUpdate, Drain,
+  // ExchangeMagnitudes): a longer timeout_ms is clamped to it when the call is
+  // received, so a blocked call always ends (DEADLINE_EXCEEDED) and gives its slot back.
+  int64_t max_wait_ms = int64_t{3600} * 1000;
 };
+
+// The blocked-call slots one node may hold at the coordinator out of `total`:
+// max_blocked_calls_per_node, or when 0, max(16, total / 4); never more than `total`.
+int BlockedCallsPerNode(const Limits& limits, int total);
 
 // The gRPC message size set on the daemons' TCP servers and their channels to each other (both
 // directions): the larger of max_message_bytes and the worst inventory the limits allow

@@ -127,7 +127,11 @@ ABSL_FLAG(int32_t, max_vmm_fds_per_node, 131072, "CUDA VMM allocation fds the no
 ABSL_FLAG(int32_t, max_concurrent_versions, 16, "versions a trainer may have published and not yet committed");
 ABSL_FLAG(int32_t, max_unauthenticated_per_source, 64,
           "gRPC port: connections one source address may hold before their first authenticated call");
-ABSL_FLAG(int32_t, max_blocked_calls, 512, "calls that block (WaitVersion) one server holds at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_blocked_calls, 512,
+          "calls that block (WaitVersion, Publish, Apply, BeginUpdate, Drain) one server holds at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int32_t, max_blocked_calls_per_worker, 4, "of those, what one worker may hold at once on the worker socket");
+ABSL_FLAG(int32_t, max_blocked_calls_per_node, 0, "of those, what one node may hold at once at the coordinator; 0 = max(16, max_blocked_calls / 4)");
+ABSL_FLAG(int64_t, max_wait_ms, 3600000, "longest wait a call may ask for (timeout_ms of WaitVersion, Publish, Apply, Drain, ...); longer ones are cut to it");
 ABSL_FLAG(int32_t, max_unauthenticated, 1024, "gRPC port: connections before their first authenticated call, all sources");
 ABSL_FLAG(int64_t, unauthenticated_timeout_ms, 10000, "gRPC port: a connection with no authenticated call by then is closed");
 
@@ -257,6 +261,9 @@ absl::Status SecurityFromFlags(wb::daemon::ServerOptions& o) {
   l.max_vmm_fds_per_worker = absl::GetFlag(FLAGS_max_vmm_fds_per_worker);
   l.max_vmm_fds_per_uid = absl::GetFlag(FLAGS_max_vmm_fds_per_uid);
   l.max_blocked_calls = absl::GetFlag(FLAGS_max_blocked_calls);
+  l.max_blocked_calls_per_worker = absl::GetFlag(FLAGS_max_blocked_calls_per_worker);
+  l.max_blocked_calls_per_node = absl::GetFlag(FLAGS_max_blocked_calls_per_node);
+  l.max_wait_ms = absl::GetFlag(FLAGS_max_wait_ms);
   l.max_vmm_fds_per_node = absl::GetFlag(FLAGS_max_vmm_fds_per_node);
   l.max_concurrent_versions = absl::GetFlag(FLAGS_max_concurrent_versions);
   l.max_worker_bytes = o.staging_budget_bytes;  // a worker's buffers are mirrored in staging
@@ -270,8 +277,11 @@ absl::Status SecurityFromFlags(wb::daemon::ServerOptions& o) {
   }
   if (l.max_message_bytes <= 0 || l.max_pieces_per_layout <= 0 || l.max_tensors_per_model <= 0 || l.max_buffers_per_worker <= 0 ||
       l.max_vmm_fds_per_worker <= 0 || l.max_vmm_fds_per_uid <= 0 || l.max_blocked_calls <= 0 || l.max_vmm_fds_per_node <= 0 ||
-      l.max_concurrent_versions <= 0) {
+      l.max_concurrent_versions <= 0 || l.max_blocked_calls_per_worker <= 0 || l.max_wait_ms <= 0) {
     return absl::InvalidArgumentError("--max_* limits must be > 0");
+  }
+  if (l.max_blocked_calls_per_node < 0) {
+    return absl::InvalidArgumentError("--max_blocked_calls_per_node must be >= 0 (0 = max(16, --max_blocked_calls / 4))");
   }
   return absl::OkStatus();
 }

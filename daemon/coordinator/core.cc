@@ -67,7 +67,8 @@ bool CoordinatorCore::AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) 
 }
 
 absl::Time CoordinatorCore::Deadline(int64_t timeout_ms) const {
-  return options_.clock->Now() + (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60));
+  const absl::Duration asked = timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60);
+  return options_.clock->Now() + std::min(asked, options_.max_wait);
 }
 
 int CoordinatorCore::num_models() const {
@@ -314,7 +315,14 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
     auto w = m->workers.find(worker);
     return stopping_ || w == m->workers.end() || !w->second.has_layout || m->machine->trainers().count(worker) > 0;
   };
-  options_.clock->WaitUntil(&mu_, absl::Condition(&planned), deadline);
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&planned), deadline)) {
+    // Still joined with its layout and still not in a plan: say so (was FAILED_PRECONDITION "not a
+    // registered trainer", which read as if the trainer had never joined).
+    return absl::DeadlineExceededError(absl::StrCat("publish of version ", v, " by ", EchoValue(worker), ": model ", req.model_id(),
+                                                    " has no plan with this trainer yet, not in time (",
+                                                    m->plan_error.empty() ? "are all its workers registered with their layouts?" : m->plan_error,
+                                                    ")"));
+  }
   if (stopping_) return absl::UnavailableError("coordinator shutting down");
   // Unknown here (or joined without its layout yet): after a coordinator restart or a lost lease
   // its node has not re-submitted it yet. NOT_FOUND, nothing recorded: the node sends the publish

@@ -88,6 +88,10 @@ struct CoordinatorOptions {
   // Largest CreateModel / JoinWorker reply (the inventory): over it the call fails and the model
   // it created is removed. 4 MiB = gRPC's default receive limit of the nodes' coordinator channel.
   int64_t max_reply_bytes = int64_t{4} << 20;
+  // The longest any request waits (Publish, WaitVersion, Drain, ExchangeMagnitudes): a longer
+  // timeout_ms is cut to it (the gate already clamps remote calls to Limits::max_wait_ms; this
+  // bounds every caller of the core). Past it the call ends DEADLINE_EXCEEDED as at its own timeout.
+  absl::Duration max_wait = absl::Hours(1);
   // Where the coordinator's events are counted (daemon/metrics.h; the daemon's instance, made in
   // main.cc); null = the process default, Metrics(). Must outlive the coordinator.
   DaemonMetrics* metrics = nullptr;
@@ -193,6 +197,7 @@ class CoordinatorCore {
   // ends only that execution of `version` (a catch-up attempt), 0 whatever runs for it.
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                             const std::string& reason, uint64_t plan_epoch = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // now + timeout_ms (60 s when <= 0), at most max_wait from now.
   absl::Time Deadline(int64_t timeout_ms) const;
 
   // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC/plan work to run

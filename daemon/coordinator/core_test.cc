@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "daemon/coordinator/fake_node_client.h"
 #include "daemon/coordinator/test_specs.h"
+#include "daemon/testing/sim_deadline.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
@@ -29,10 +30,12 @@ pb::ModelSpec Spec(const std::string& id, int rollouts, pb::Mode mode) {
 // `report_done` is off), as a node whose transfer takes no time would.
 class Cluster {
  public:
-  explicit Cluster(Clock* clock = Clock::Real(), absl::Duration transfer_timeout = absl::Seconds(60)) {
+  explicit Cluster(Clock* clock = Clock::Real(), absl::Duration transfer_timeout = absl::Seconds(60),
+                   const std::function<void(CoordinatorOptions&)>& configure = nullptr) {
     CoordinatorOptions o;
     o.clock = clock;
     o.transfer_timeout = transfer_timeout;
+    if (configure) configure(o);
     o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
       auto fake = std::make_shared<FakeNodeClient>(node);
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
@@ -271,6 +274,30 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   EXPECT_EQ(st.versions(0).state(), "aborted");
   EXPECT_NE(st.versions(0).error().find("timed out after 30s"), std::string::npos) << st.versions(0).error();
   EXPECT_TRUE(st.nodes(0).alive());
+}
+
+// H1 / H2 of the hostile review: timeout_ms 10^12 made a wait practically endless (its thread and
+// blocked-call slot held for good). The core cuts every request's wait to max_wait (default 1 h):
+// a WaitVersion for a version never published and a Publish of a trainer whose model is never
+// planned (its rollout never joins) both end DEADLINE_EXCEEDED exactly 1 h later, in simulated
+// time, naming what they waited for.
+TEST(CoreSimulatedTimeTest, RequestedWaitsAreCutToMaxWait) {
+  FakeClock clock;
+  // n0's lease never expires (as a standalone daemon's own node): an hour passes without heartbeats.
+  Cluster c(&clock, absl::Seconds(60), [](CoordinatorOptions& o) { o.local_node = "n0"; });
+  c.Register("n0");
+  c.Join("n0", "t0", pb::ROLE_TRAINER, Spec("m", 1, pb::MODE_ONE_STEP_OFF));
+  absl::Status waited = testing::EndsAtSimulatedDeadline(clock, clock.Now() + absl::Hours(1), [&] {
+    return c.WaitVersion((uint64_t{1} << 53) - 1, int64_t{1000000000000});
+  });
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  EXPECT_NE(waited.message().find("not committed in time"), std::string::npos) << waited;
+  absl::Status published = testing::EndsAtSimulatedDeadline(clock, clock.Now() + absl::Hours(1), [&] {
+    return c.Publish(1, int64_t{1000000000000});
+  });
+  EXPECT_EQ(published.code(), absl::StatusCode::kDeadlineExceeded) << published;
+  EXPECT_NE(published.message().find("publish of version 1 by 't0': model m has no plan with this trainer yet"), std::string::npos)
+      << published;
 }
 
 // NVFP4 rollout rows [row0, row0 + 2) of w (4x4): e2m1 pairs at 0, e4m3 block scales at 8, the

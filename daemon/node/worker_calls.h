@@ -16,6 +16,8 @@
 // Dependencies (passed in, must outlive this): LocalWorkers, NodeStaging, Versions, NodeTransports
 // (cuda_ipc for CUDA buffers), CoordinatorAccess, and the GpuImport seam.
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -25,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "base/clock.h"
+#include "base/shm_segment.h"
 #include "daemon/fd_channel.h"
 #include "daemon/layout_discovery.h"
 #include "daemon/metrics.h"
@@ -48,6 +51,12 @@ class WorkerCalls {
     // CUDA VMM buffers: the fd a worker sent on the fd channel (NodeDaemon::Options::cuda_vmm_fd).
     std::function<absl::StatusOr<CudaVmmFd>(const std::string& model, const std::string& worker, const std::string& key)> cuda_vmm_fd;
     std::shared_ptr<GpuImport> gpu_import;  // required: opens workers' CUDA IPC / VMM buffers
+    // The uid the worker socket bound `worker` of `model` to (the front's WorkerGuard::BoundCred).
+    // RegisterLayout checks every shared-memory segment it maps is owned by it, on the node's own
+    // descriptor: the front's ownership check opened the name separately, and the name may point
+    // at another uid's segment by the time the node opens it. Unset: not checked here (only the
+    // front's check).
+    std::function<absl::StatusOr<uid_t>(const std::string& model, const std::string& worker)> worker_uid;
   };
   WorkerCalls(Options options, LocalWorkers& local, NodeStaging& staging, Versions& versions, const NodeTransports& transports,
               CoordinatorAccess& coordinator);
@@ -79,6 +88,9 @@ class WorkerCalls {
   // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
   // naming the restart once the node re-joined a restarted coordinator, else `s`.
   absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
+  // PERMISSION_DENIED naming worker, buffer and segment unless `seg` (as this node opened it) is
+  // owned by the uid `worker` is bound to (Options::worker_uid; OK when unset).
+  absl::Status CheckWorkerOwns(const std::string& model, const std::string& worker, uint32_t buffer_id, const transport::ShmSegment& seg) const;
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
   // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
   absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& model, const std::string& worker, const pb::BufferSpec& b);

@@ -89,6 +89,21 @@ absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& i
 
 }  // namespace
 
+absl::Status WorkerCalls::CheckWorkerOwns(const std::string& model, const std::string& worker, uint32_t buffer_id,
+                                          const transport::ShmSegment& seg) const {
+  if (!options_.worker_uid) return absl::OkStatus();
+  absl::StatusOr<uid_t> uid = options_.worker_uid(model, worker);
+  if (!uid.ok()) return Annotate(uid.status(), absl::StrCat("worker ", worker, " buffer ", buffer_id));
+  absl::StatusOr<uid_t> owner = seg.OwnerUid();
+  if (!owner.ok()) return Annotate(owner.status(), absl::StrCat("worker ", worker, " buffer ", buffer_id));
+  if (*owner != *uid) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model ", model, " buffer ", buffer_id, ": shared memory segment '",
+                                                    seg.name(), "' as node ", options_.node_id, " opened it is owned by uid ", *owner,
+                                                    ", not by the worker's uid ", *uid, " (was the name replaced after it was checked?)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp) {
   pb::ModelSpec spec;
   planner::Role role = planner::Role::kTrainer;
@@ -126,8 +141,10 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
       if (!priv.ok()) seg = priv;
     }
     if (!seg.ok()) return Annotate(seg.status(), absl::StrCat("worker ", req.worker_id(), " buffer ", b.buffer_id()));
-    // Ownership (the segment's uid == the calling worker's uid) is checked by the front
-    // (daemon/auth.cc) with the worker's SO_PEERCRED uid; the daemon's own uid is irrelevant.
+    // Ownership: the segment's uid must be the registering worker's (its SO_PEERCRED uid, bound at
+    // RegisterWorker); the daemon's own uid is irrelevant. The front checked the name before this
+    // call; checked again here on the descriptor this node maps, which is the one that counts.
+    if (absl::Status owned = CheckWorkerOwns(req.model_id(), req.worker_id(), b.buffer_id(), *seg); !owned.ok()) return owned;
     buffers.push_back(std::make_shared<transport::ShmSegment>(std::move(*seg)));
   }
   if (role == planner::Role::kRollout) {

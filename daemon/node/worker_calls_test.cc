@@ -3,11 +3,15 @@
 // while the node is not registered waits until the call's own deadline on that clock.
 #include "daemon/node/worker_calls.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <memory>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "base/clock.h"
@@ -67,6 +71,10 @@ class WorkerCallsTest : public ::testing::Test, public daemon::testing::NodePart
     wo.clock = &clock_;
     wo.metrics = &metrics_;
     wo.gpu_import = std::make_shared<FakeGpuImport>();
+    wo.worker_uid = [this](const std::string& model, const std::string& worker) -> absl::StatusOr<uid_t> {
+      if (model != "m" || worker != "t0") return absl::NotFoundError(absl::StrCat("worker ", worker, " is not bound"));
+      return worker_uid_;
+    };
     calls_ = std::make_unique<WorkerCalls>(wo, *local_, *staging_, *versions_, *transports_, coordinator_);
   }
   ~WorkerCallsTest() override {
@@ -76,6 +84,7 @@ class WorkerCallsTest : public ::testing::Test, public daemon::testing::NodePart
   }
 
   UnregisteredCoordinator coordinator_;
+  uid_t worker_uid_ = ::getuid();  // the uid the worker socket bound t0 of m to
   std::unique_ptr<WorkerCalls> calls_;
 };
 
@@ -124,6 +133,44 @@ TEST_F(WorkerCallsTest, PublishByAWorkerWithoutLayoutNamesWorkerModelAndNode) {
   absl::Status s = calls_->Publish(req, &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   EXPECT_NE(s.message().find("worker trainer/0 of model m has no layout on node n0"), std::string::npos) << s;
+}
+
+// M3 of the hostile review: the front checks a segment's owner on a descriptor of its own and
+// closes it; the node opened the name again and checked only mode and size, so a name replaced in
+// between by another uid's segment was mapped. The node checks the owner on the descriptor it
+// maps: a segment owned by another uid than the worker's is PERMISSION_DENIED naming worker,
+// buffer, segment and both uids. (Root gives the segment to uid 65534, as a swap would.)
+TEST_F(WorkerCallsTest, RegisterLayoutRefusesASegmentNotOwnedByTheWorkersUid) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a segment to another uid";
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kTrainer;
+  local_->Add({"m", "t0"}, std::move(w), std::nullopt);
+  auto seg = transport::ShmSegment::Create(transport::ShmSegment::UniqueName("owner"), 4096);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  const int fd = ::shm_open(seg->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fchown(fd, 65534, 65534), 0);
+  ::close(fd);
+  pb::RegisterLayoutRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("t0");
+  pb::BufferSpec* b = req.add_buffers();
+  b->set_buffer_id(3);
+  b->set_shm_name(seg->name());
+  b->set_size_bytes(4096);
+  pb::RegisterLayoutResponse resp;
+  absl::Status s = calls_->RegisterLayout(req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  for (const std::string& want : {std::string("worker t0 of model m buffer 3"), absl::StrCat("'", seg->name(), "'"),
+                                  std::string("owned by uid 65534, not by the worker's uid "), absl::StrCat(::getuid())}) {
+    EXPECT_NE(s.message().find(want), std::string::npos) << want << " missing in: " << s;
+  }
+  // The same segment for a worker bound to its owner passes the check (and fails later: no
+  // coordinator here), so the refusal above is the owner's.
+  worker_uid_ = 65534;
+  s = calls_->RegisterLayout(req, &resp);
+  EXPECT_EQ(s.message().find("owned by uid"), std::string::npos) << s;
 }
 
 }  // namespace
