@@ -148,4 +148,12 @@ absl::StatusOr<CudaVmmFd> DaemonFront::FindVmmFd(const std::string& model, const
   return fd_channel_->Get(model, worker, key, *bound);
 }
 
+absl::StatusOr<uid_t> DaemonFront::WorkerUid(const std::string& model, const std::string& worker) {
+  WorkerGuard* w = workers_ready_.load();
+  if (w == nullptr) return absl::FailedPreconditionError("the worker socket is not serving: no worker is bound");
+  absl::StatusOr<PeerCred> bound = w->BoundCred(model, worker);
+  if (!bound.ok()) return bound.status();
+  return bound->uid;
+}
+
 }  // namespace wb::daemon

@@ -73,6 +73,9 @@ class DaemonFront {
   // started by ServeWorkers) under `key`, if the process that sent it is the one bound to the
   // worker now (daemon/fd_channel.h). FAILED_PRECONDITION before ServeWorkers.
   absl::StatusOr<CudaVmmFd> FindVmmFd(const std::string& model, const std::string& worker, const std::string& key);
+  // The uid `worker` of `model` is bound to on the worker socket (WorkerGuard::BoundCred).
+  // FAILED_PRECONDITION before ServeWorkers, NOT_FOUND when the worker is not bound.
+  absl::StatusOr<uid_t> WorkerUid(const std::string& model, const std::string& worker);
 
  private:
   PeerAuthenticated OnAuthenticated();

@@ -65,6 +65,7 @@ node::WorkerCalls::Options WorkerCallsOptions(const NodeDaemon::Options& o, std:
   wo.clock = o.clock;
   wo.metrics = MetricsOf(o);
   wo.cuda_vmm_fd = o.cuda_vmm_fd;
+  wo.worker_uid = o.worker_uid;
   wo.gpu_import = std::move(gpu_import);
   return wo;
 }

@@ -116,6 +116,9 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // (DaemonFront::FindVmmFd; keyed by model too: worker ids are scoped per model). Unset: such
     // buffers are FAILED_PRECONDITION.
     std::function<absl::StatusOr<CudaVmmFd>(const std::string& model, const std::string& worker, const std::string& key)> cuda_vmm_fd;
+    // The uid the worker socket bound `worker` of `model` to (DaemonFront::WorkerUid): RegisterLayout
+    // checks each shared-memory segment it maps is that uid's (WorkerCalls::Options::worker_uid).
+    std::function<absl::StatusOr<uid_t>(const std::string& model, const std::string& worker)> worker_uid;
     // Opens workers' CUDA IPC / VMM buffers (daemon/node/gpu_import.h). Null: NewGpuImport(), the
     // build's own (CUDA IPC when built with CUDA, else refusing them).
     std::shared_ptr<GpuImport> gpu_import;

@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.max_status_watchers = o.security.limits.max_status_watchers;
     // Replies travel on channels sized by PeerMessageBytes (DaemonFront::channel_factory).
     co.max_reply_bytes = PeerMessageBytes(o.security.limits);
+    co.max_wait = absl::Milliseconds(o.security.limits.max_wait_ms);
     co.status_resend = o.status_resend;
     co.metrics = metrics;
     // Standalone: the node lives in this very process, so it cannot be lost while we run (its
@@ -72,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     no.cuda_vmm_fd = [front = s->front_.get()](const std::string& model, const std::string& worker, const std::string& key) {
       return front->FindVmmFd(model, worker, key);
     };
+    no.worker_uid = [front = s->front_.get()](const std::string& model, const std::string& worker) { return front->WorkerUid(model, worker); };
     no.staging_budget_bytes = o.staging_budget_bytes;
     no.metrics = metrics;
     no.live_state_dir = o.live_state_dir;
