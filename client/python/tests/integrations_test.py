@@ -388,7 +388,9 @@ class IntegrationsTest(unittest.TestCase):
         local = filled(hook.layout, seed=5)
         bias = local.pop(bias_name)
         mtp = [("module.module.mtp.layers.0.enorm.weight", np.zeros((128,), np.uint16)),
-               ("module.module.mtp.layers.0.eh_proj.weight", np.zeros((128, 256), np.uint16))]
+               ("module.module.mtp.layers.0.eh_proj.weight", np.zeros((128, 256), np.uint16)),
+               # torch.compile's wrapper in front of the MTP block: still MTP, still skipped
+               ("_orig_mod.module.mtp.layers.0.hnorm.weight", np.zeros((128,), np.uint16))]
         named_parameters = [("module.module." + n, a) for n, a in local.items()] + mtp
         named_buffers = [("module.module." + bias_name, bias),
                          ("module.module.rotary_pos_emb.inv_freq", np.ones((32,), np.float32)),  # not a weight
