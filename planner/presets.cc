@@ -417,8 +417,13 @@ bool SharedExpertsWhole(const ModelConfig& c, const ParallelConfig& par) {
 
 absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
   const std::string& b = p.moe_a2a_backend;
+  // Dense models: the backend changes nothing (the vLLM hook passes the engine's own setting,
+  // whatever a future release calls it). vLLM: it only decides shared experts.
+  if (c.experts == 0) return absl::OkStatus();
   if (p.preset == "vllm") {
-    if (b.empty() || OneOf(kVllmSequenceParallelA2a, b) || OneOf(kVllmOtherA2a, b)) return absl::OkStatus();
+    if (b.empty() || OneOf(kVllmSequenceParallelA2a, b) || OneOf(kVllmOtherA2a, b) || c.shared_expert_intermediate == 0) {
+      return absl::OkStatus();
+    }
     return absl::InvalidArgumentError(absl::StrCat("vllm: unknown moe_a2a_backend `", b, "` (vLLM's --all2all-backend: ",
                                                    absl::StrJoin(kVllmSequenceParallelA2a, ", "), ", ",
                                                    absl::StrJoin(kVllmOtherA2a, ", "), ")"));

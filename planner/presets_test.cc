@@ -771,6 +771,14 @@ TEST(Presets, MoeA2aBackendDecidesSharedExperts) {
     EXPECT_TRUE(absl::StrContains(b.status().message(), "moe_a2a_backend")) << b.status();
     EXPECT_TRUE(absl::StrContains(b.status().message(), r.says)) << b.status();
   }
+  // Without experts (or, for vLLM, without shared experts) the backend decides nothing: a name
+  // a later engine release introduces is no reason to refuse.
+  Model dense = Load("qwen2.5-0.5b.json", 2);
+  EXPECT_TRUE(PresetBuilder::Create(dense.config, dense.inv, {.preset = "vllm", .tp = 2, .moe_a2a_backend = "future_backend"}).ok());
+  EXPECT_TRUE(PresetBuilder::Create(dense.config, dense.inv, {.preset = "sglang", .tp = 2, .moe_a2a_backend = "future_backend"}).ok());
+  Model qwen3 = Load("qwen3-30b-a3b.json", 2);
+  EXPECT_TRUE(PresetBuilder::Create(qwen3.config, qwen3.inv, {.preset = "vllm", .tp = 2, .dp = 2, .expert_parallel = true,
+                                                              .moe_a2a_backend = "future_backend"}).ok());
 }
 
 // InternLM-style `bias: true`: HF's Llama ignores it, vLLM's and SGLang's llama.py build q/k/v/o

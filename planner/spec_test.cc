@@ -255,8 +255,12 @@ TEST(SpecTest, RolloutMoeA2aBackend) {
     "rollout": {"layout": "vllm", "tp": 2, "moe_a2a_backend": 3}, "cluster": {}})", ReadTestdata);
   ASSERT_FALSE(wrong.ok());
   EXPECT_NE(wrong.status().message().find("rollout.moe_a2a_backend"), std::string::npos) << wrong.status();
-  auto unknown = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 2},
-    "rollout": {"layout": "vllm", "tp": 2, "moe_a2a_backend": "carrier_pigeon"}, "cluster": {}})", ReadTestdata);
+  auto unknown = ParsePlanSpec(R"({"model": {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+      "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "vocab_size": 1000, "num_experts": 4},
+    "trainer": {"layout": "fsdp", "dp": 2},
+    "rollout": {"layout": "sglang", "tp": 2, "expert_parallel": true, "moe_a2a_backend": "carrier_pigeon"}, "cluster": {}})",
+                               ReadTestdata);
   ASSERT_TRUE(unknown.ok()) << unknown.status();  // the preset checks it, naming it
   auto problem = BuildProblem(*unknown);
   ASSERT_FALSE(problem.ok());
