@@ -404,8 +404,8 @@ bool SglangA2aNone(const std::string& backend) { return backend.empty() || backe
 // expert parallel, tp > 1, dp > 1) makes DeepseekV2MoE (DeepSeek-V2/V3, Kimi-K2) build its shared
 // experts with disable_tp; other families' stay TP-split (glm4_moe.py, qwen2_moe.py).
 // SGLang: with an a2a MoE backend (--moe-a2a-backend other than none) DeepseekV2MoE and
-// Glm4MoeSparseMoeBlock build them with tp_size 1, and Qwen2MoeSparseMoeBlock with deepep /
-// flashinfer (CheckVllm refuses Qwen2-MoE with the others).
+// Glm4MoeSparseMoeBlock build them with tp_size 1, and Qwen2MoeSparseMoeBlock with deepep
+// (CheckA2aBackend refuses flashinfer for MoE models and Qwen2-MoE with the others).
 bool SharedExpertsWhole(const ModelConfig& c, const ParallelConfig& par) {
   const bool deepseek = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2;
   if (par.preset == "vllm") {
@@ -433,19 +433,19 @@ absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
                                                    absl::StrJoin(kSglangA2a, ", "), ")"));
   }
   if (SglangA2aNone(b)) return absl::OkStatus();
-  if (b == "flashinfer" && c.experts > 0) {
+  if (b == "flashinfer") {
     // server_args.py ties it to FlashInfer's CUTLASS MoE runner, whose weight loader puts up before
     // gate in w13_weight (load_up_proj_weight_first).
     return absl::InvalidArgumentError("sglang: moe_a2a_backend flashinfer runs FlashInfer's CUTLASS MoE, which holds w13_weight as [up; gate]: not described");
   }
-  if (c.experts > 0 && !p.expert_parallel) {
+  if (!p.expert_parallel) {
     // server_args.py: an a2a backend sets ep_size = tp_size.
     return absl::InvalidArgumentError(absl::StrCat("sglang: moe_a2a_backend ", b,
                                                    " makes SGLang's expert parallel size the tp size: set expert_parallel"));
   }
-  if (c.family == ModelFamily::kQwen2Moe && b != "deepep" && b != "flashinfer") {
+  if (c.family == ModelFamily::kQwen2Moe && b != "deepep") {
     return absl::InvalidArgumentError(absl::StrCat("sglang: moe_a2a_backend ", b, " on ", c.architecture,
-                                                   ": its shared expert's split is not described (deepep and flashinfer keep it whole)"));
+                                                   ": its shared expert's split is not described (deepep keeps it whole)"));
   }
   return absl::OkStatus();
 }
