@@ -109,6 +109,14 @@ def normalize_name(name, segments):
     return ".".join(part for part in name.split(".") if part not in segments)
 
 
+def trainer_name(given, strip_prefixes=("module.",)):
+    """A trainer's parameter name as the layout names it: wrapper segments
+    (TRAINER_WRAPPER_SEGMENTS) removed wherever they occur, then leading `strip_prefixes`. One
+    place for LayoutHook.write and the hooks that look at names before writing (Megatron's MTP
+    skip)."""
+    return strip_leading(normalize_name(given, TRAINER_WRAPPER_SEGMENTS), strip_prefixes)
+
+
 def engine_params(named, segments=ENGINE_WRAPPER_SEGMENTS):
     """{name: parameter} of an engine's (name, parameter) pairs or dict, every name normalised
     (normalize_name: LoRA's "base_layer" dropped), ValueError naming both when two parameters
@@ -180,15 +188,15 @@ class LayoutHook:
     def write(self, named_tensors: Iterable[Tuple[str, object]], strip_prefixes=("module.",), require_all=True,
               missing_hint=""):
         """Copies each (name, tensor) into its place in the buffer. Names are the framework's
-        (leading `strip_prefixes` removed, as often as they repeat: DDP's "module.", and
-        "module.module." for Megatron's DDP(Float16Module(...)); then the wrapper segments
-        "_checkpoint_wrapped_module" / "_orig_mod" wherever they occur, TRAINER_WRAPPER_SEGMENTS).
+        (trainer_name: the wrapper segments "_checkpoint_wrapped_module" / "_orig_mod" removed
+        wherever they occur, then leading `strip_prefixes` as often as they repeat: DDP's
+        "module.", and "module.module." for Megatron's DDP(Float16Module(...))).
         ValueError for a name given twice (after that normalising) or a shape mismatch,
         KeyError for a name the layout lacks, and (require_all) for local tensors not given: a
         version must never go out with stale tensors in it (`missing_hint` is added to that error)."""
         seen = set()
         for given, t in named_tensors:
-            name = normalize_name(strip_leading(given, strip_prefixes), TRAINER_WRAPPER_SEGMENTS)
+            name = trainer_name(given, strip_prefixes)
             if name in seen:
                 raise ValueError("tensor %r (given as %r) was given twice" % (name, given))
             if name not in self.layout.tensors:

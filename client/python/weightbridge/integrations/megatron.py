@@ -29,7 +29,7 @@ the GPU). Weights are copied at each publish: Megatron's parameters keep their o
 import itertools
 import numbers
 
-from weightbridge.integrations._common import TRAINER_WRAPPER_SEGMENTS, LayoutHook, normalize_name, strip_leading
+from weightbridge.integrations._common import LayoutHook, trainer_name
 from weightbridge.layouts import PresetLayout
 
 # Megatron's Multi-Token Prediction block (GPTModel.mtp): not part of any WeightBridge layout.
@@ -64,9 +64,8 @@ class MegatronTrainerHook(LayoutHook):
         chunks = enumerate(named_tensors) if self.vpp > 1 else [(None, named_tensors)]
         for v, chunk in chunks:
             for name, t in chunk:
-                # Wrapper segments (activation checkpointing, torch.compile) anywhere first, so
-                # "_orig_mod.module.mtp...." is recognised as MTP too.
-                name = strip_leading(normalize_name(name, TRAINER_WRAPPER_SEGMENTS), ("module.",))
+                # As write() will name it, so "_orig_mod.module.mtp...." is recognised as MTP too.
+                name = trainer_name(name)
                 if name.startswith(MTP_PREFIX):
                     continue
                 yield (name if v is None else "model%d.%s" % (v, name)), t
