@@ -39,6 +39,8 @@ struct DaemonMetrics::Families {
   prometheus::Family<prometheus::Counter>* delta_fallbacks;
   prometheus::Family<prometheus::Counter>* delta_decoded;
   prometheus::Family<prometheus::Counter>* digest_bytes;
+  prometheus::Family<prometheus::Counter>* guard_events;
+  prometheus::Family<prometheus::Gauge>* guard_held;
 };
 
 DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry>()), f_(std::make_unique<Families>()) {
@@ -64,6 +66,8 @@ DaemonMetrics::DaemonMetrics() : registry_(std::make_shared<prometheus::Registry
   f_->delta_bytes = &prometheus::BuildCounter().Name("wb_delta_bytes_total").Help("Delta ops sent: streams, the raw bytes they replaced, ops sent in full").Register(r);
   f_->digest_bytes = &prometheus::BuildCounter().Name("wb_digest_bytes_total").Help("Bytes of boxes digested end to end, by where they were hashed: transport, codec, memory").Register(r);
   f_->delta_fallbacks = &prometheus::BuildCounter().Name("wb_delta_fallbacks_total").Help("Deltas refused here (base mismatch, corrupt) and resent in full").Register(r);
+  f_->guard_events = &prometheus::BuildCounter().Name("wb_transport_guard_events_total").Help("A transport's bounds against its peers acting (host_tcp: hellos refused, parked connections refused or expired, channels closed for early control frames)").Register(r);
+  f_->guard_held = &prometheus::BuildGauge().Name("wb_transport_guard_held").Help("What a transport's peers make it hold now (host_tcp: parked connections, early control frames)").Register(r);
   f_->delta_decoded = &prometheus::BuildCounter().Name("wb_delta_decoded_total").Help("Delta ops decoded here: in place (staging still held the base) or copied (base copied from committed staging or live weights)").Register(r);
 }
 
@@ -141,6 +145,14 @@ void DaemonMetrics::Digests(const std::string& node, uint64_t transport, uint64_
   f_->digest_bytes->Add({{"node", node}, {"how", "transport"}}).Increment(static_cast<double>(transport));
   f_->digest_bytes->Add({{"node", node}, {"how", "codec"}}).Increment(static_cast<double>(codec));
   f_->digest_bytes->Add({{"node", node}, {"how", "memory"}}).Increment(static_cast<double>(memory));
+}
+
+void DaemonMetrics::GuardEvents(const std::string& node, const std::string& transport, const std::string& what, uint64_t n) {
+  f_->guard_events->Add({{"node", node}, {"transport", transport}, {"what", what}}).Increment(static_cast<double>(n));
+}
+
+void DaemonMetrics::GuardHeld(const std::string& node, const std::string& transport, const std::string& what, int64_t held) {
+  f_->guard_held->Add({{"node", node}, {"transport", transport}, {"what", what}}).Set(static_cast<double>(held));
 }
 
 void DaemonMetrics::Failure(const std::string& node, const absl::Status& status) {

@@ -23,6 +23,10 @@
 //   staleness_versions{node,model,worker}     committed - applied for a rollout worker
 //   committed_version{node,model}, applied_version{node,model,worker}
 //   rejected_total{node,what}                 requests refused by auth / limits
+//   transport_guard_events_total{node,transport,what}  a transport's bounds against its peers
+//                                             acting (host_tcp: hellos_refused, parked_refused, ...)
+//   transport_guard_held{node,transport,what}  (gauge)  what peers make it hold now (host_tcp:
+//                                             parked_connections, early_control_frames)
 // Contract: every recording call is thread-safe, cheap (a map lookup under prometheus' family
 // lock) and never fails.
 
@@ -81,6 +85,10 @@ class DaemonMetrics {
   // bytes of the boxes a version digested here, by where they were hashed: by host_tcp as they
   // crossed, by the delta codec as it packed / decoded them, or read again from memory.
   void Digests(const std::string& node, uint64_t transport, uint64_t codec, uint64_t memory);
+  // A transport's bounds against its peers (daemon/guard_meter.h turns the transports' cumulative
+  // counts into these): `n` more events of `what`, or `held` = how much `what` holds now.
+  void GuardEvents(const std::string& node, const std::string& transport, const std::string& what, uint64_t n);
+  void GuardHeld(const std::string& node, const std::string& transport, const std::string& what, int64_t held);
   void Failure(const std::string& node, const absl::Status& status);
   void Rejected(const std::string& node, const std::string& what);
   void Committed(const std::string& node, const std::string& model, uint64_t version);

@@ -242,6 +242,19 @@ void NodeDaemon::Rejoin(const std::string& reason) {
 void NodeDaemon::ControlTick() {
   CheckWorkers();
   staging_.Tick();
+  RecordGuards();
+}
+
+void NodeDaemon::RecordGuards() {
+  const transport::TransportSet& set = transports_.set();
+  for (const auto& t : set.all()) {
+    transport::TransportStats stats = t->stats();
+    if (stats.guards.empty()) continue;
+    const int device = set.DeviceOf(t.get());
+    std::string label = t->capabilities().kind;
+    if (device >= 0) absl::StrAppend(&label, "/", device);  // nccl lanes: one per GPU
+    guard_meter_.Record(metrics(), options_.node_id, label, stats.guards);
+  }
 }
 
 void NodeDaemon::Shutdown() {

@@ -32,6 +32,7 @@
 #include "base/clock.h"
 #include "daemon/device_staging.h"
 #include "daemon/fd_channel.h"
+#include "daemon/guard_meter.h"
 #include "daemon/metrics.h"
 #include "daemon/node/channel_cache.h"
 #include "daemon/node/coordinator_access.h"
@@ -166,8 +167,11 @@ class NodeDaemon final : private node::CoordinatorAccess {
   void CheckWorkers();
   // What RegisterNode sends (addresses, transports): daemon/node/coordinator_session.h.
   pb::RegisterNodeRequest Registration() const;
-  // Runs on the session's control thread once per heartbeat period: worker liveness, staging pool.
+  // Runs on the session's control thread once per heartbeat period: worker liveness, staging pool,
+  // the transports' guard counts (wb_transport_guard_*).
   void ControlTick();
+  // Records every transport's bounds against peers (TransportStats::guards) through guard_meter_.
+  void RecordGuards();
   // After (re-)registration: aborts local versions in flight (`reason`), re-submits models,
   // workers and layouts the node holds.
   void Rejoin(const std::string& reason);
@@ -185,6 +189,7 @@ class NodeDaemon final : private node::CoordinatorAccess {
   node::PeerStubs peer_stubs_;   // gRPC stubs to peers' NodeService (own leaf lock)
   node::UnstartedCoordinatorClient unstarted_;  // client() before Start
   node::Versions versions_;
+  GuardMeter guard_meter_;  // wb_transport_guard_* from the transports' counts (own leaf lock)
   node::WorkerCalls worker_calls_;
   std::unique_ptr<pb::WorkerService::Service> worker_impl_;
   std::unique_ptr<pb::NodeService::Service> node_impl_;

@@ -238,6 +238,16 @@ struct PathStats {
   int64_t bytes_received = 0;
 };
 
+// What one of a transport's bounds against its peers has done (host_tcp: HostTcpCounters, e.g.
+// hellos refused, parked connections): `name` is a short snake_case word; `cumulative` counts
+// only grow (events), the others are how much is held now. The daemon exports them as
+// wb_transport_guard_events_total / wb_transport_guard_held (daemon/guard_meter.h).
+struct GuardCount {
+  std::string name;
+  int64_t value = 0;
+  bool cumulative = true;
+};
+
 // Progress counters, for metrics and tests.
 struct TransportStats {
   int64_t batches_posted = 0;
@@ -249,6 +259,8 @@ struct TransportStats {
   // batches that fail later), cumulative over the transport's lifetime, kept after the peer
   // disconnects (a peer that restarts is a new instance, with entries of its own).
   std::vector<PathStats> paths;
+  // The transport's bounds against peers (empty for transports that keep none).
+  std::vector<GuardCount> guards;
 };
 
 class Transport {
