@@ -450,6 +450,32 @@ absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
   return absl::OkStatus();
 }
 
+// SGLang DP attention (--enable-dp-attention --dp-size D --tp-size T): the preset's dp is D and
+// its tp the attention-TP size T / D (compute_dp_attention_world_info, layers/dp_attention.py:
+// attn_tp_rank = tp_rank % (T / D), attn_dp_rank = tp_rank / (T / D)), so the preset's rank is
+// SGLang's tp_rank. Only DeepSeek-V2/V3's layout (models/deepseek_v2.py) is described.
+bool SglangDpAttention(const ParallelConfig& p) { return p.preset == "sglang" && p.dp > 1; }
+
+absl::Status CheckSglangDpAttention(const ModelConfig& c, const ParallelConfig& p) {
+  if (c.family != ModelFamily::kDeepseekV3 && c.family != ModelFamily::kDeepseekV2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sglang: dp=", p.dp, " (DP attention) is described for DeepSeek-V2/V3 (MLA) only; ", c.architecture,
+        "'s layout under --enable-dp-attention is not described (use dp=1 with replicas for independent engines)"));
+  }
+  const int64_t world = int64_t{p.dp} * p.tp;
+  // ParallelLMHead (use_attn_tp_group off, SGLang's default without --enable-dp-lm-head) splits
+  // the vocabulary padded to 64 over all tp_size = dp*tp ranks, as divide() asserts.
+  if (const int64_t padded = AlignUp(c.vocab, 64); !c.tie_word_embeddings && padded % world != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("sglang: dp*tp=", world, " (DP attention: lm_head over all ranks) must divide the vocabulary padded to a multiple of 64 (vocab_size=",
+                                                   c.vocab, " -> ", padded, ")"));
+  }
+  // Dense layers' DeepseekV2MLP is TP over all tp_size ranks (--moe-dense-tp-size unset).
+  for (int64_t l = 0; l < c.layers; ++l) {
+    if (!c.IsMoeLayer(l)) return Divides(world, c.intermediate, "dp*tp (DP attention: dense MLPs over all ranks)", "intermediate_size", "sglang");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   const std::string& m = p.preset;
   const bool sglang = m == "sglang";
@@ -460,10 +486,10 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": unknown expert_placement `", p.expert_placement,
                                                    "` (expected linear or round_robin)"));
   }
-  if (sglang && (p.dp > 1 || p.expert_placement == "round_robin")) {
-    return absl::InvalidArgumentError(absl::StrCat("sglang: ", p.dp > 1 ? "dp > 1 (DP attention)" : "expert_placement round_robin",
-                                                   " is not supported; use replicas for independent engines"));
+  if (sglang && p.expert_placement == "round_robin") {
+    return absl::InvalidArgumentError("sglang: expert_placement round_robin is not supported (SGLang assigns contiguous expert ranges)");
   }
+  if (SglangDpAttention(p)) RETURN_IF_ERROR(CheckSglangDpAttention(c, p));
   if (p.expert_placement == "round_robin" && !p.expert_parallel) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
   }
@@ -541,7 +567,9 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
       RETURN_IF_ERROR(Divides(flat, c.moe_intermediate, p.dp > 1 ? "dp*tp" : "tp", "moe_intermediate_size", m.c_str()));
     }
     if (c.shared_expert_intermediate > 0 && !SharedExpertsWhole(c, p)) {
-      RETURN_IF_ERROR(Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m.c_str()));
+      // SGLang DP attention: DeepseekV2MoE's shared experts are TP over all tp_size = dp*tp ranks.
+      RETURN_IF_ERROR(SglangDpAttention(p) ? Divides(flat, c.shared_expert_intermediate, "dp*tp (DP attention)", "shared expert intermediate size", m.c_str())
+                                          : Divides(p.tp, c.shared_expert_intermediate, "tp", "shared expert intermediate size", m.c_str()));
     }
   }
   return absl::OkStatus();
@@ -781,6 +809,12 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
   const int64_t flat = int64_t{par.dp} * tp, flat_rank = int64_t{dp_rank} * tp + tp_rank;
   // SGLang names the fused q_a + kv_a projection after both halves.
   const std::string fused_qkv_a = par.preset == "sglang" ? "fused_qkv_a_proj_with_mqa.weight" : "fused_qkv_a_proj.weight";
+  // SGLang DP attention (deepseek_v2.py): attention and embed_tokens over the attention-TP group
+  // (tp ranks), but dense MLPs (DeepseekV2MLP's default tp), shared experts and lm_head
+  // (ParallelLMHead without --enable-dp-lm-head) over all tp_size = dp*tp ranks of the engine.
+  const bool dp_attention = SglangDpAttention(par);
+  const int64_t mlp_parts = dp_attention ? flat : tp, mlp_rank = dp_attention ? flat_rank : tp_rank;
+  const int64_t head_per_rank = dp_attention ? CeilDiv(AlignUp(c.vocab, 64), flat) : vocab_per_rank;
   Writer w(inv);
   if (par.preset == "sglang" && c.family == ModelFamily::kGemma3) {
     // SGLang's Gemma 3 (gemma3_causal.py) embeds with Gemma3TextScaledWordEmbedding, a plain
@@ -842,9 +876,9 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     w.Replicated(p + "post_attention_layernorm.weight", L.post_norm);
     if (L.pre_ff >= 0) w.Replicated(p + "pre_feedforward_layernorm.weight", L.pre_ff);
     if (!L.moe) {
-      w.FusedRows(p + "mlp.gate_up_proj.weight", L.gate, L.up, tp, tp_rank);
-      if (L.gate_b >= 0) w.FusedRows(p + "mlp.gate_up_proj.bias", L.gate_b, L.up_b, tp, tp_rank);
-      w.Split(p + "mlp.down_proj.weight", L.down, 1, tp, tp_rank);
+      w.FusedRows(p + "mlp.gate_up_proj.weight", L.gate, L.up, mlp_parts, mlp_rank);
+      if (L.gate_b >= 0) w.FusedRows(p + "mlp.gate_up_proj.bias", L.gate_b, L.up_b, mlp_parts, mlp_rank);
+      w.Split(p + "mlp.down_proj.weight", L.down, 1, mlp_parts, mlp_rank);
       // RowParallelLinear keeps the whole bias on every rank (added once, after the reduce).
       if (L.down_b >= 0) w.Replicated(p + "mlp.down_proj.bias", L.down_b);
       if (L.post_ff >= 0) w.Replicated(p + "post_feedforward_layernorm.weight", L.post_ff);
@@ -857,13 +891,13 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     if (L.sh_gate >= 0) {
       const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
       const bool whole = SharedExpertsWhole(c, par);
-      w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, whole ? 1 : tp, whole ? 0 : tp_rank);
-      w.Split(s + "down_proj.weight", L.sh_down, 1, whole ? 1 : tp, whole ? 0 : tp_rank);
+      w.FusedRows(s + "gate_up_proj.weight", L.sh_gate, L.sh_up, whole ? 1 : mlp_parts, whole ? 0 : mlp_rank);
+      w.Split(s + "down_proj.weight", L.sh_down, 1, whole ? 1 : mlp_parts, whole ? 0 : mlp_rank);
       if (L.sh_expert_gate >= 0) w.Replicated(m + "shared_expert_gate.weight", L.sh_expert_gate);
     }
   }
   w.Replicated("model.norm.weight", ids.final_norm);
-  if (ids.lm_head >= 0) w.Vocab("lm_head.weight", ids.lm_head, vocab_per_rank, tp_rank);
+  if (ids.lm_head >= 0) w.Vocab("lm_head.weight", ids.lm_head, head_per_rank, dp_attention ? flat_rank : tp_rank);
   return w.Finish();
 }
 

@@ -36,8 +36,10 @@
 //   "fsdp" had before FSDP2 was added; neither FSDP1 nor FSDP2 shards like this.)
 // vllm / sglang: world = tp*dp*replicas, rank = (replica*dp + dp_rank)*tp + tp_rank. `replicas`
 //   are independent engines; `dp` is data parallelism inside one engine (vLLM
-//   --data-parallel-size; sglang refuses dp > 1 - SGLang's DP attention splits attention over
-//   tp/dp ranks of a tp-rank world, not described): attention, dense MLPs, shared experts,
+//   --data-parallel-size; sglang dp > 1 is DP attention, --tp-size tp*dp --dp-size dp
+//   --enable-dp-attention, described for DeepSeek-V2/V3 only: attention and embed_tokens over the
+//   tp ranks of the DP rank, dense MLPs, shared experts and lm_head over all dp*tp ranks -
+//   docs/presets.md; otherwise): attention, dense MLPs, shared experts,
 //   embeddings and lm_head are tensor-parallel over the tp ranks of the DP rank, and the MoE layers
 //   span all dp*tp ranks of the engine (vLLM FusedMoEParallelConfig flatten_tp_across_dp:
 //   flat_rank = dp_rank*tp + tp_rank). qkv_proj = [q;k;v] per rank (KV heads replicated when

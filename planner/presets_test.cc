@@ -50,6 +50,12 @@ Model FromText(const std::string& text) {
   return Model{*c, *inv};
 }
 
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 const LocalTensor* FindLocal(const PresetLayout& l, const std::string& name) {
   for (const LocalTensor& t : l.local_tensors) {
     if (t.name == name) return &t;
@@ -1003,6 +1009,10 @@ int64_t ExpectedCopies(const ModelConfig& c, const ParallelConfig& p, const std:
                   (deepseek || c.family == ModelFamily::kGlm4Moe || c.family == ModelFamily::kQwen2Moe)));
   if (replicated || sp_shared || whole_embedding) return int64_t{p.tp} * p.dp * p.replicas;
   if (expert) return p.replicas;
+  // SGLang DP attention (deepseek_v2.py): dense MLPs, TP-split shared experts and lm_head span all
+  // dp*tp ranks of the engine (attention and embed_tokens only the attention-TP group).
+  const bool dense_mlp = absl::StrContains(name, ".mlp.") && !absl::StrContains(name, ".mlp.gate.");
+  if (p.preset == "sglang" && p.dp > 1 && (dense_mlp || name == "lm_head.weight")) return p.replicas;
   const bool kv = absl::StrContains(name, "k_proj") || absl::StrContains(name, "v_proj");
   if (kv && p.tp > c.kv_heads) return int64_t{p.replicas} * p.dp * p.tp / c.kv_heads;
   return int64_t{p.dp} * p.replicas;
@@ -1068,6 +1078,10 @@ INSTANTIATE_TEST_SUITE_P(
                                       .moe_a2a_backend = "deepep_low_latency"}},
         CoverCase{"deepseek-v3.json", 4, {.preset = "sglang", .tp = 8, .expert_parallel = true, .replicas = 2,
                                           .moe_a2a_backend = "deepep"}},
+        // SGLang DP attention (--tp-size 8 --dp-size 4 --enable-dp-attention: tp = 2, dp = 4).
+        CoverCase{"deepseek-v3.json", 4, {.preset = "sglang", .tp = 2, .dp = 4, .expert_parallel = true, .replicas = 2}},
+        CoverCase{"deepseek-v3.json", 4, {.preset = "sglang", .tp = 1, .dp = 8}},
+        CoverCase{"kimi-k2.json", 2, {.preset = "sglang", .tp = 1, .dp = 8, .expert_parallel = true, .moe_a2a_backend = "deepep"}},
         // Megatron custom pipeline splits and virtual pipeline stages.
         CoverCase{"qwen2.5-7b.json", 10, {.preset = "megatron", .tp = 2, .pp = 4, .dp = 1, .first_stage_layers = 1,
                                           .last_stage_layers = 3}},
@@ -1241,6 +1255,161 @@ TEST(Presets, VllmDataParallelExpertParallel) {
   EXPECT_EQ(t13->shape, (std::vector<int64_t>{128, 2 * 96, 2048}));
   EXPECT_EQ(t->layout.pieces[t13->first_piece].box.begin[0], 5 * 96);
   EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 2, .dp = 4}, 0).ok());
+}
+
+// SGLang DP attention (--tp-size T --dp-size D --enable-dp-attention; preset tp = T / D, dp = D),
+// transcribed from sglang's models/deepseek_v2.py and layers/dp_attention.py independently of the
+// preset code: attn_tp_rank = rank % (T/D); MLA projections (q_b, kv_b by heads, o_proj by columns)
+// and embed_tokens (VocabParallelEmbedding use_attn_tp_group: padded vocab over T/D) over the
+// attention-TP group; dense MLPs (DeepseekV2MLP default tp), shared experts, routed experts and
+// lm_head (ParallelLMHead without --enable-dp-lm-head) over all T ranks; norms and routers whole.
+// Every element of every local tensor of every rank is checked.
+const char* kSmallDeepseekV3 = R"({"architectures":["DeepseekV3ForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":8,
+    "vocab_size":1000,"n_routed_experts":8,"n_shared_experts":2,"first_k_dense_replace":1,
+    "q_lora_rank":24,"kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":4,"v_head_dim":8})";
+
+void CheckSglangDpAttentionRank(const Model& m, const ParallelConfig& par, int rank) {
+  TensorIndex idx(m.inv);
+  auto l = MakePresetLayout(m.config, m.inv, par, rank);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const int64_t A = par.tp, T = int64_t{par.tp} * par.dp, a = rank % A, t = rank % T;
+  const int64_t padded = 1024, vocab = 1000;
+  const bool whole_shared = par.moe_a2a_backend == "deepep";
+  // Expected canonical (name, row, col) of local element (e, i, j) of the local tensor `name`.
+  struct Want {
+    std::string name;
+    int64_t row = -1, col = -1;
+  };
+  auto expect = [&](const std::string& name, int64_t e, int64_t i, int64_t j) -> Want {
+    auto rows = [&](int64_t n, int64_t part) { return part * n + i; };
+    if (name == "model.embed_tokens.weight") {
+      const int64_t r = rows(padded / A, a);
+      return r < vocab ? Want{name, r, j} : Want{};
+    }
+    if (name == "lm_head.weight") {
+      const int64_t r = rows(padded / T, t);
+      return r < vocab ? Want{name, r, j} : Want{};
+    }
+    if (absl::EndsWith(name, "norm.weight") || absl::EndsWith(name, ".mlp.gate.weight") ||
+        absl::EndsWith(name, "e_score_correction_bias")) {
+      return {name, i, j};
+    }
+    const std::string p = name.substr(0, name.find(".self_attn.") != std::string::npos ? name.find(".self_attn.") + 1
+                                                                                         : name.find(".mlp.") + 1);
+    if (absl::EndsWith(name, "fused_qkv_a_proj_with_mqa.weight")) {
+      return i < 24 ? Want{p + "self_attn.q_a_proj.weight", i, j} : Want{p + "self_attn.kv_a_proj_with_mqa.weight", i - 24, j};
+    }
+    if (absl::EndsWith(name, "q_b_proj.weight")) return {name, rows(8 * 12 / A, a), j};
+    if (absl::EndsWith(name, "kv_b_proj.weight")) return {name, rows(8 * 16 / A, a), j};
+    if (absl::EndsWith(name, "o_proj.weight")) return {name, i, a * (64 / A) + j};
+    const bool shared = absl::StrContains(name, ".shared_experts.");
+    const std::string mlp = p + (shared ? "mlp.shared_experts." : "mlp.");
+    const int64_t I = shared ? 64 : 128;
+    const int64_t parts = shared && whole_shared ? 1 : T, part = shared && whole_shared ? 0 : t;
+    if (absl::EndsWith(name, "mlp.gate_up_proj.weight") || absl::EndsWith(name, "shared_experts.gate_up_proj.weight")) {
+      const int64_t n = I / parts;
+      return i < n ? Want{mlp + "gate_proj.weight", part * n + i, j} : Want{mlp + "up_proj.weight", part * n + i - n, j};
+    }
+    if (absl::EndsWith(name, "down_proj.weight")) return {mlp + "down_proj.weight", i, part * (I / parts) + j};
+    // Routed experts (FusedMoE over all T ranks): EP holds 8/T whole experts, else 32/T rows each.
+    const int64_t n = par.expert_parallel ? 32 : 32 / T, i0 = par.expert_parallel ? 0 : t * n;
+    const int64_t expert = par.expert_parallel ? t * (8 / T) + e : e;
+    const std::string x = absl::StrCat(p, "mlp.experts.", expert, ".");
+    if (absl::EndsWith(name, "experts.w13_weight")) {
+      return i < n ? Want{x + "gate_proj.weight", i0 + i, j} : Want{x + "up_proj.weight", i0 + i - n, j};
+    }
+    if (absl::EndsWith(name, "experts.w2_weight")) return {x + "down_proj.weight", i, i0 + j};
+    ADD_FAILURE() << "unexpected local tensor " << name;
+    return {};
+  };
+  std::set<std::string> seen;
+  for (const LocalTensor& lt : l->local_tensors) {
+    seen.insert(lt.name);
+    const int64_t n = Numel(lt.shape);
+    const int64_t cols = lt.shape.back(), rows = lt.shape.size() >= 2 ? lt.shape[lt.shape.size() - 2] : 1;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t e = lt.shape.size() == 3 ? k / (rows * cols) : 0;
+      const int64_t i = lt.shape.size() >= 2 ? (k / cols) % rows : k, j = lt.shape.size() >= 2 ? k % cols : 0;
+      Want w = expect(lt.name, e, i, j);
+      std::pair<int32_t, int64_t> want{-1, -1};
+      if (!w.name.empty()) {
+        auto tid = idx.Find(w.name);
+        ASSERT_TRUE(tid.has_value()) << w.name;
+        const std::vector<int64_t>& shape = m.inv.tensors[*tid].shape;
+        want = {*tid, shape.size() == 1 ? w.row : w.row * shape[1] + w.col};
+      }
+      ASSERT_EQ(CanonicalAt(m.inv, *l, lt, k), want) << "rank " << rank << " " << lt.name << " element " << k;
+    }
+  }
+  // The engine's parameters, no more and no fewer: dense layer 0, MoE layers 1 and 2.
+  for (const char* name : {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                           "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                           "model.layers.2.self_attn.fused_qkv_a_proj_with_mqa.weight",
+                           "model.layers.2.mlp.experts.w13_weight", "model.layers.2.mlp.shared_experts.down_proj.weight"}) {
+    EXPECT_TRUE(seen.count(name)) << name;
+  }
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.mlp.gate_up_proj.weight"), nullptr);
+}
+
+TEST(Presets, SglangDpAttentionDeepseek) {
+  Model m = FromText(kSmallDeepseekV3);
+  for (const ParallelConfig& par :
+       {ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2},  // --tp-size 4 --dp-size 2
+        ParallelConfig{.preset = "sglang", .tp = 1, .dp = 4},  // --tp-size 4 --dp-size 4
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true},
+        ParallelConfig{.preset = "sglang", .tp = 1, .dp = 4, .expert_parallel = true, .moe_a2a_backend = "deepep"},
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true, .replicas = 2}}) {
+    auto b = PresetBuilder::Create(m.config, m.inv, par);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->world_size(), par.tp * par.dp * par.replicas);
+    for (int r = 0; r < b->world_size(); ++r) {
+      SCOPED_TRACE(testing::Message() << "tp=" << par.tp << " dp=" << par.dp << " ep=" << par.expert_parallel
+                                      << " a2a=" << par.moe_a2a_backend << " rank " << r);
+      CheckSglangDpAttentionRank(m, par, r);
+    }
+  }
+  // Shapes spelled out for --tp-size 4 --dp-size 2, rank 3 (attn_tp_rank 1, attn_dp_rank 1).
+  auto l = MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 2, .dp = 2}, 3);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(FindLocal(*l, "model.embed_tokens.weight")->shape, (std::vector<int64_t>{512, 64}));
+  EXPECT_EQ(FindLocal(*l, "lm_head.weight")->shape, (std::vector<int64_t>{256, 64}));
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.self_attn.q_b_proj.weight")->shape, (std::vector<int64_t>{48, 24}));
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.self_attn.o_proj.weight")->shape, (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(FindLocal(*l, "model.layers.0.mlp.gate_up_proj.weight")->shape, (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.mlp.shared_experts.gate_up_proj.weight")->shape, (std::vector<int64_t>{32, 64}));
+  EXPECT_EQ(FindLocal(*l, "model.layers.1.mlp.experts.w13_weight")->shape, (std::vector<int64_t>{8, 16, 64}));
+}
+
+// What SGLang's DP attention layout does not describe stays refused, naming the constraint.
+TEST(Presets, SglangDpAttentionRefusals) {
+  Model ds = FromText(kSmallDeepseekV3);
+  Model qwen3 = Load("qwen3-30b-a3b.json", 2);
+  Model dense = Load("qwen2.5-7b.json", 2);
+  const std::string llama = R"({"architectures":["LlamaForCausalLM"],"hidden_size":64,
+    "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":2,"vocab_size":1000})";
+  Model ll = FromText(llama);
+  struct Refusal {
+    const Model* m;
+    ParallelConfig par;
+    std::string needle;
+  };
+  for (const Refusal& r : {Refusal{&qwen3, {.preset = "sglang", .tp = 2, .dp = 4}, "Qwen3MoeForCausalLM"},
+                           Refusal{&dense, {.preset = "sglang", .tp = 2, .dp = 2}, "DeepSeek-V2/V3"},
+                           Refusal{&ll, {.preset = "sglang", .tp = 1, .dp = 2}, "LlamaForCausalLM"},
+                           // lm_head over all dp*tp = 3 ranks: 1024 padded rows do not split.
+                           Refusal{&ds, {.preset = "sglang", .tp = 1, .dp = 3}, "lm_head"},
+                           // Dense MLPs over all dp*tp = 256 ranks: intermediate 128 does not split.
+                           Refusal{&ds, {.preset = "sglang", .tp = 4, .dp = 64}, "dense MLPs"},
+                           Refusal{&ds, {.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true, .expert_placement = "round_robin"},
+                                   "round_robin"}}) {
+    auto b = PresetBuilder::Create(r.m->config, r.m->inv, r.par);
+    ASSERT_FALSE(b.ok()) << r.m->config.architecture << " tp=" << r.par.tp << " dp=" << r.par.dp;
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(b.status().message().find(r.needle), std::string::npos) << b.status();
+  }
+  // dp = 1 is plain TP, as before.
+  EXPECT_TRUE(PresetBuilder::Create(dense.config, dense.inv, {.preset = "sglang", .tp = 2}).ok());
 }
 
 // vLLM determine_expert_map: 10 experts over 4 EP ranks -> 3, 3, 2, 2 (earlier ranks take the
