@@ -4,9 +4,13 @@
 #include <climits>
 #include <map>
 #include <set>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 
@@ -148,52 +152,130 @@ absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<pb::Buf
 namespace {
 
 constexpr uint64_t kSaturated = uint64_t{1} << 62;
+// Box pairs compared while looking for overlapping ops inside one slice's destination pieces. Real
+// slices tile each piece along one dimension, and the sweep below runs along the dimension with
+// the most distinct starts, so it compares each op with about one other; this bounds what a
+// hostile slice (many ops overlapping each other in every dimension) can make a node spend.
+constexpr int64_t kOverlapComparisons = int64_t{1} << 27;
 
-// Elements of `a` inside `b` (0 for boxes of different rank), saturating at 2^62.
-uint64_t OverlapElements(const pb::Box& a, const pb::Box& b) {
-  if (a.begin_size() != a.end_size() || b.begin_size() != b.end_size() || a.begin_size() != b.begin_size()) return 0;
-  uint64_t n = 1;
+// An op's box clipped to its destination piece (half-open per dimension).
+struct Clipped {
+  std::vector<int64_t> begin, end;
+  int op = 0;  // index in the slice, for messages
+};
+
+// `a` clipped to `b`; nullopt when they do not intersect or differ in rank.
+std::optional<Clipped> Clip(const pb::Box& a, const pb::Box& b, int op) {
+  if (a.begin_size() != a.end_size() || b.begin_size() != b.end_size() || a.begin_size() != b.begin_size()) return std::nullopt;
+  Clipped c;
+  c.op = op;
   for (int d = 0; d < a.begin_size(); ++d) {
     const int64_t lo = std::max(a.begin(d), b.begin(d)), hi = std::min(a.end(d), b.end(d));
-    if (hi <= lo) return 0;
-    const uint64_t len = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
+    if (hi <= lo) return std::nullopt;
+    c.begin.push_back(lo);
+    c.end.push_back(hi);
+  }
+  return c;
+}
+
+uint64_t Elements(const std::vector<int64_t>& begin, const std::vector<int64_t>& end) {
+  uint64_t n = 1;
+  for (size_t d = 0; d < begin.size(); ++d) {
+    const uint64_t len = static_cast<uint64_t>(end[d]) - static_cast<uint64_t>(begin[d]);
     n = len != 0 && n > kSaturated / len ? kSaturated : n * len;
   }
   return n;
 }
 
+bool Overlap(const Clipped& a, const Clipped& b) {
+  for (size_t d = 0; d < a.begin.size(); ++d) {
+    if (std::max(a.begin[d], b.begin[d]) >= std::min(a.end[d], b.end[d])) return false;
+  }
+  return true;
+}
+
+// Two boxes of `boxes` (all clipped to one piece) that overlap, or nullopt; sweeps along the
+// dimension where the boxes start at the most distinct places. RESOURCE_EXHAUSTED past `*budget`
+// comparisons (shared by the whole slice).
+absl::StatusOr<std::optional<std::pair<int, int>>> FindOverlap(std::vector<Clipped>& boxes, int64_t* budget) {
+  if (boxes.size() < 2) return std::optional<std::pair<int, int>>();
+  const size_t rank = boxes[0].begin.size();
+  size_t dim = 0, best = 0;
+  for (size_t d = 0; d < rank; ++d) {
+    std::vector<int64_t> starts;
+    starts.reserve(boxes.size());
+    for (const Clipped& b : boxes) starts.push_back(b.begin[d]);
+    std::sort(starts.begin(), starts.end());
+    const size_t distinct = static_cast<size_t>(std::unique(starts.begin(), starts.end()) - starts.begin());
+    if (distinct > best) best = distinct, dim = d;
+  }
+  std::sort(boxes.begin(), boxes.end(), [dim](const Clipped& a, const Clipped& b) { return a.begin[dim] < b.begin[dim]; });
+  std::vector<const Clipped*> active;  // boxes whose extent along `dim` reaches the current start
+  for (const Clipped& b : boxes) {
+    active.erase(std::remove_if(active.begin(), active.end(), [&](const Clipped* a) { return a->end[dim] <= b.begin[dim]; }),
+                 active.end());
+    for (const Clipped* a : active) {
+      if (--*budget < 0) {
+        return absl::ResourceExhaustedError(absl::StrCat("the slice's ops need more than ", kOverlapComparisons,
+                                                         " box comparisons to check that they do not overlap"));
+      }
+      if (Overlap(*a, b)) return std::optional<std::pair<int, int>>(std::make_pair(a->op, b.op));
+    }
+    active.push_back(&b);
+  }
+  return std::optional<std::pair<int, int>>();
+}
+
+std::string Cut(const std::string& v) { return v.size() > 64 ? v.substr(0, 64) + "..." : v; }
+
 }  // namespace
 
 absl::Status CheckSliceCoversLocalRollouts(const pb::PlanSlice& slice, const std::string& node_id) {
   const int workers = slice.workers_size();
-  std::map<std::pair<int, int>, uint64_t> landed;  // (worker, piece) -> elements the ops write there
+  // (worker, piece) -> the ops' boxes landing there, clipped to the piece.
+  std::map<std::pair<int, int>, std::vector<Clipped>> landed;
   // A version's slice writes every rollout of the node (one it leaves out would apply staging
   // nobody wrote); a catch-up slice only the late rollouts it writes into.
   std::set<int> destinations;
   for (int w = 0; w < workers && !slice.catch_up(); ++w) {
     if (slice.workers(w).node_id() == node_id && slice.workers(w).role() == pb::ROLE_ROLLOUT) destinations.insert(w);
   }
-  for (const pb::TransferOp& op : slice.ops()) {
+  for (int i = 0; i < slice.ops_size(); ++i) {
+    const pb::TransferOp& op = slice.ops(i);
     const int w = static_cast<int>(op.dst_worker());
     if (op.dst_worker() >= static_cast<uint32_t>(workers) || op.dst_piece() < 0) continue;  // staging, or refused by InstallPlan
     const pb::PlanWorker& pw = slice.workers(w);
     if (pw.node_id() != node_id || pw.role() != pb::ROLE_ROLLOUT || op.dst_piece() >= pw.layout().pieces_size()) continue;
     destinations.insert(w);
-    uint64_t& got = landed[{w, op.dst_piece()}];
-    got = std::min(kSaturated, got + OverlapElements(op.box(), pw.layout().pieces(op.dst_piece()).box()));
+    std::vector<Clipped>& boxes = landed[{w, op.dst_piece()}];
+    if (std::optional<Clipped> c = Clip(op.box(), pw.layout().pieces(op.dst_piece()).box(), i)) boxes.push_back(*std::move(c));
   }
+  auto prefix = [&](const pb::PlanWorker& pw, int p) {
+    return absl::StrCat("plan epoch ", slice.plan_epoch(), " of model ", Cut(slice.model_id()), " on node ", Cut(node_id), ": rollout ",
+                        Cut(pw.worker_id()), " piece ", p, " (tensor ", Cut(pw.layout().pieces(p).tensor()), ")");
+  };
+  int64_t budget = kOverlapComparisons;
   for (int w : destinations) {
     const pb::PlanWorker& pw = slice.workers(w);
     for (int p = 0; p < pw.layout().pieces_size(); ++p) {
-      const pb::Piece& piece = pw.layout().pieces(p);
-      const uint64_t need = OverlapElements(piece.box(), piece.box());
+      const pb::Box& box = pw.layout().pieces(p).box();
+      std::vector<int64_t> begin(box.begin().begin(), box.begin().end()), end(box.end().begin(), box.end().end());
+      const uint64_t need = begin.size() == end.size() ? Elements(begin, end) : 0;
       auto it = landed.find({w, p});
-      const uint64_t got = it == landed.end() ? 0 : it->second;
+      uint64_t got = 0;
+      if (it != landed.end()) {
+        // The planner writes every destination element once; ops that overlap would let their
+        // sum reach the piece's size while leaving part of it unwritten.
+        using Pair = std::optional<std::pair<int, int>>;
+        ASSIGN_OR_RETURN(Pair both, FindOverlap(it->second, &budget));
+        if (both.has_value()) {
+          return absl::InvalidArgumentError(absl::StrCat(prefix(pw, p), ": ops ", both->first, " and ", both->second,
+                                                         " of the slice write the same elements; a plan writes each element once"));
+        }
+        for (const Clipped& c : it->second) got = std::min(kSaturated, got + Elements(c.begin, c.end));
+      }
       if (got >= need) continue;
-      auto cut = [](const std::string& v) { return v.size() > 64 ? v.substr(0, 64) + "..." : v; };
-      return absl::InvalidArgumentError(absl::StrCat("plan epoch ", slice.plan_epoch(), " of model ", cut(slice.model_id()), " on node ",
-                                                     cut(node_id), ": rollout ", cut(pw.worker_id()), " piece ", p, " (tensor ",
-                                                     cut(piece.tensor()), ") gets ", got, " of its ", need,
+      return absl::InvalidArgumentError(absl::StrCat(prefix(pw, p), " gets ", got, " of its ", need,
                                                      " elements from the slice's ops; a version committed from it would leave the "
                                                      "rollout's live weights part old, part new"));
     }

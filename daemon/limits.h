@@ -76,11 +76,13 @@ absl::Status CheckId(const std::string& what, const std::string& id, const Limit
 
 // A plan slice installed on node `node_id` (NodeService.InstallPlan): every piece of each rollout
 // on this node in the slice (a catch-up slice: each one it writes into, the destination of at
-// least one op) is covered by the ops landing in that piece (their boxes, clipped to the piece, add up to at least its elements;
-// planned ops do not overlap inside a destination piece). A version committed from a slice that
-// covers a rollout in part would make its next Apply part old, part new while reporting it whole
-// (issue 15, found by tests/probe/rpc_probe_test). INVALID_ARGUMENT naming model, epoch, node,
-// rollout, piece and tensor.
+// least one op) is covered by the ops landing in that piece: their boxes, clipped to the piece, do
+// not overlap (the planner writes each element once) and add up to its elements. A version
+// committed from a slice that covers a rollout in part would make its next Apply part old, part
+// new while reporting it whole (issue 15, found by tests/probe/rpc_probe_test; overlapping ops
+// whose sum hid a hole, hostile review of the twenty-sixth session). INVALID_ARGUMENT naming
+// model, epoch, node, rollout, piece and tensor (and the two overlapping ops); RESOURCE_EXHAUSTED
+// when ruling out overlaps would take more than 2^27 box comparisons.
 absl::Status CheckSliceCoversLocalRollouts(const ::weightbridge::v1::PlanSlice& slice, const std::string& node_id);
 
 }  // namespace wb::daemon
