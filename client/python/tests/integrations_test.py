@@ -612,5 +612,25 @@ class IntegrationsTest(unittest.TestCase):
         self.assertTrue(hasattr(vllm, "WeightBridgeWorkerExtension"))
 
 
+
+class SglangDpAttentionRanksTest(unittest.TestCase):
+    def test_sglang_numbers_become_the_presets(self):
+        # --tp-size 4 --dp-size 2 --enable-dp-attention: attention-TP groups of 2; the preset's
+        # rank (dp_rank * tp + tp_rank) is SGLang's tp_rank.
+        for tp_rank in range(4):
+            got = sglang.dp_attention_ranks(tp=4, tp_rank=tp_rank, dp=2, memory="host")
+            self.assertEqual(got, dict(tp=2, tp_rank=tp_rank % 2, dp=2, dp_rank=tp_rank // 2, memory="host"))
+            self.assertEqual(got["dp_rank"] * got["tp"] + got["tp_rank"], tp_rank)
+        self.assertEqual(sglang.dp_attention_ranks(tp=8, tp_rank=5, dp=8), dict(tp=1, tp_rank=0, dp=8, dp_rank=5))
+
+    def test_bad_numbers_are_refused(self):
+        with self.assertRaisesRegex(ValueError, "must divide"):
+            sglang.dp_attention_ranks(tp=4, tp_rank=0, dp=3)
+        with self.assertRaisesRegex(ValueError, "outside"):
+            sglang.dp_attention_ranks(tp=4, tp_rank=4, dp=2)
+        with self.assertRaisesRegex(ValueError, "not dp_rank"):
+            sglang.dp_attention_ranks(tp=4, tp_rank=1, dp=2, dp_rank=0)
+
+
 if __name__ == "__main__":
     unittest.main()

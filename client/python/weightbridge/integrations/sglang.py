@@ -8,7 +8,11 @@
 
 Preset "sglang" (docs/presets.md): vLLM's layout with SGLang's names where they differ
 (fused_qkv_a_proj_with_mqa for MLA); shared-expert fusion off (--disable-shared-experts-fusion),
-dp = 1 (SGLang DP attention is refused by the preset). memory="cuda" with bind(params) as for vLLM.
+memory="cuda" with bind(params) as for vLLM. DP attention (--enable-dp-attention, DeepSeek-V2/V3
+and Kimi-K2 only, docs/presets.md): pass SGLang's own numbers and say so -
+SglangRollout(..., tp=tp_size, tp_rank=tp_rank, dp=dp_size, enable_dp_attention=True) - and the
+hook describes the engine as the preset does (tp = tp_size / dp_size, the attention-TP group;
+dp = dp_size; rank = SGLang's tp_rank). Plan specs and wbctl take the preset's numbers directly.
 With --enable-lora SGLang wraps linear layers keeping the original as `base_layer`
 (BaseLayerWithLoRA): read_into / bind drop that segment from the names, as for vLLM
 (_common.engine_params).
@@ -30,15 +34,33 @@ from weightbridge.integrations._rollout import RolloutHook
 
 
 class SglangRollout(RolloutHook):
-    def __init__(self, socket_path, model, engine_model=None, **kw):
+    def __init__(self, socket_path, model, engine_model=None, enable_dp_attention=False, **kw):
         """`model`: the WeightBridge ModelConfig; `engine_model`: SGLang's model object
-        (model_runner.model), whose derived copies are refreshed after each version."""
+        (model_runner.model), whose derived copies are refreshed after each version.
+        `enable_dp_attention`: SGLang's flag; `tp`, `tp_rank` and `dp` are then SGLang's
+        --tp-size, the worker's tp_rank and --dp-size (dp_rank is derived, not given)."""
+        if enable_dp_attention:
+            kw = dp_attention_ranks(**kw)
         super().__init__("sglang", socket_path, model, **kw)
         self.engine_model = engine_model
 
     def refresh_derived(self):
         if self.engine_model is not None:
             refresh_derived(self.engine_model)
+
+
+def dp_attention_ranks(tp=1, tp_rank=0, dp=1, dp_rank=None, **kw):
+    """SGLang's DP attention numbers (--tp-size T, tp_rank, --dp-size D) as the preset's: the
+    attention-TP group tp = T / D, dp = D, and tp_rank % (T / D), tp_rank // (T / D) within them
+    (SGLang's compute_dp_attention_world_info), so the preset's rank is SGLang's tp_rank."""
+    if dp_rank is not None:
+        raise ValueError("enable_dp_attention: give SGLang's tp_rank, not dp_rank (it is tp_rank // (tp / dp))")
+    if dp < 1 or tp < 1 or tp % dp != 0:
+        raise ValueError("enable_dp_attention: --dp-size %d must divide --tp-size %d" % (dp, tp))
+    if not 0 <= tp_rank < tp:
+        raise ValueError("enable_dp_attention: tp_rank %d is outside --tp-size %d" % (tp_rank, tp))
+    attn_tp = tp // dp
+    return dict(kw, tp=attn_tp, tp_rank=tp_rank % attn_tp, dp=dp, dp_rank=tp_rank // attn_tp)
 
 
 def refresh_derived(engine_model):
