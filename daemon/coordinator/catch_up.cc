@@ -143,7 +143,7 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
                                              {"late", absl::StrJoin(choice.dests, ",")}, {"sources", absl::StrJoin(choice.sources, ",")}});
   m.catch_up = std::move(run);
   StatusChangedLocked();
-  Model* mp = &m;
+  Model* mp = &m;  // no hold: a catch-up needs a committed version, never evicted (model_registry.h)
   plan_queue_.push_back([this, model_id, mp, in = std::move(in)] { RunCatchUpPlan(model_id, mp, in); });
 }
 
@@ -297,7 +297,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
   for (const std::string& n : nodes) clients.push_back(nodes_.Client(n));
   const uint64_t v = c.version, epoch = c.epoch;
   const absl::Duration timeout = std::max(absl::Seconds(5), options_.transfer_timeout);
-  Model* mp = &m;
+  Model* mp = &m;  // no hold: as in StartCatchUpLocked
   return [this, mp, model_id, v, epoch, nodes, clients, timeout] {
     std::vector<absl::Status> acks(clients.size());
     ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {

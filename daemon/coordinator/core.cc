@@ -29,7 +29,8 @@ std::string NewInstanceId() {
 CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
     : options_(std::move(options)),
       nodes_(NodeTable::Options{options_.lease, options_.local_node, options_.max_heartbeat_progress}),
-      models_(ModelRegistry::Options{options_.max_models, options_.max_name_bytes, options_.max_reply_bytes}),
+      models_(ModelRegistry::Options{options_.max_models, options_.max_name_bytes, options_.max_reply_bytes,
+                                     options_.model_idle_grace, options_.clock}),
       instance_(NewInstanceId()) {
   if (!options_.make_plan) options_.make_plan = [](const planner::Problem& p, planner::Strategy s) { return planner::MakePlan(p, s); };
   if (!options_.make_node_client) {
@@ -249,6 +250,7 @@ void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, cons
   if (it == m.workers.end()) return;
   const bool in_plan = m.InPlan(worker);
   m.workers.erase(it);
+  models_.Touch(m);  // its idle grace starts now, not at the last call (a node's lease just lapsed?)
   Log(LogLevel::kInfo, "worker dropped", {{"model", m.spec.model_id()}, {"worker", worker}, {"reason", reason}});
   // A plan being made outside the lock may include the worker: it is stale now.
   if (in_plan || m.planning) {
@@ -298,6 +300,7 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
   const absl::Time deadline = Deadline(req.timeout_ms());
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+  ModelRegistry::Held held(models_, *m);  // m is kept across the waits below
   const uint64_t v = req.version();
   if (cluster_draining_ && !m->machine->Find(v)) {
     return absl::UnavailableError(absl::StrCat("cluster is draining: version ", v, " refused"));
@@ -446,6 +449,7 @@ absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb:
   const absl::Time deadline = Deadline(req.timeout_ms());
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+  ModelRegistry::Held held(models_, *m);  // m is kept across the waits below
   const uint64_t v = std::max<uint64_t>(req.version(), 1);
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {

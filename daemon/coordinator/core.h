@@ -20,8 +20,11 @@
 // on the planner thread with mu_ NOT held (plan_outside_lock_test), so there is no lock order
 // to keep between the two.
 //   - WatchStatus streams: build the status under mu_, write outside it (real time: client streams).
-// Every lease, heartbeat, staleness and timeout decision reads options.clock and every wait goes
-// through it, so tests run the coordinator on a FakeClock.
+// Every lease, heartbeat, staleness, timeout and eviction decision reads options.clock and every
+// wait goes through it, so tests run the coordinator on a FakeClock.
+// Model pointers: a Model* / Model& is used under mu_; one kept across a release of mu_ (a wait,
+// work outside the lock) needs a hold (ModelRegistry::Held, Hold / Release) or a model with a
+// version, or an idle-model eviction could free it (model_registry.h, "Why eviction never ...").
 
 #include <deque>
 #include <functional>
@@ -83,6 +86,10 @@ struct CoordinatorOptions {
   absl::Duration status_resend = absl::Seconds(1);
   // Input bounds (RESOURCE_EXHAUSTED / INVALID_ARGUMENT naming the limit; docs/daemon.md "Limits").
   int max_models = 256;                  // models held at once (CreateModel / JoinWorker with a spec)
+  // At max_models a new model evicts the model idle longest among those with no workers, no
+  // version ever, nothing waiting on or planning it, and no call touching it for this long
+  // (ModelRegistry, docs/daemon.md "Idle models are evicted").
+  absl::Duration model_idle_grace = absl::Seconds(60);
   int max_name_bytes = 1024;             // node, worker and model ids, addresses
   int max_heartbeat_progress = 1024;     // VersionProgress entries in one heartbeat
   // Largest CreateModel / JoinWorker reply (the inventory): over it the call fails and the model

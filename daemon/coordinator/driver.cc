@@ -26,6 +26,17 @@ std::string ShortList(const std::vector<std::string>& names, size_t max = 8) {
   return absl::StrCat(absl::StrJoin(head, ", "), " and ", names.size() - max, " more");
 }
 
+// Ends the planner's hold on a model (PlanWorkLocked) at scope exit unless disarmed. Declared
+// after a MutexLock of mu_, so it releases with mu_ still held.
+struct ReleaseHold {
+  ModelRegistry& registry;
+  ModelRegistry::Model* m;
+  bool armed = true;
+  ~ReleaseHold() {
+    if (armed) registry.Release(*m);
+  }
+};
+
 }  // namespace
 
 void CoordinatorCore::DriverLoop() {
@@ -116,7 +127,7 @@ std::function<void()> CoordinatorCore::CommitWorkLocked(const std::string& model
   }
   // Sync commits copy staging into live weights before answering: as long as a transfer may take.
   const absl::Duration timeout = std::max(absl::Seconds(5), options_.transfer_timeout);
-  Model* mp = &m;
+  Model* mp = &m;  // no hold: a model committing has a version, never evicted (model_registry.h)
   return [this, mp, model_id, v, nodes, clients, incarnations, timeout] {
     std::vector<absl::Status> acks(clients.size());
     ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
@@ -254,6 +265,8 @@ bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
   settings.bucket_bytes = options_.bucket_bytes;
   const uint64_t membership = m.membership;
   Model* mp = &m;
+  // RunPlan keeps mp until its last locked step, and the model may have no version: held till then.
+  models_.Hold(m);
   plan_queue_.push_back([this, model_id, mp, membership, in = std::move(in), settings] { RunPlan(model_id, mp, membership, in, settings); });
   return true;
 }
@@ -286,6 +299,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
   std::vector<std::pair<std::shared_ptr<NodeClient>, std::string>> installs;  // client, node
   {
     absl::MutexLock l(&mu_);
+    ReleaseHold release{models_, m};  // disarmed below when the installs (and m) follow
     m->planning = false;
     wake_ = true;
     if (stopping_) return;
@@ -331,6 +345,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
                                        {"bytes", m->plan.total_bytes}, {"bytes_inter_node", plan.stats.bytes_inter_node},
                                        {"plan_ms", plan.stats.plan_ms}, {"cached", outcome->cached ? "yes" : "no"}});
     for (auto& [n, slice] : outcome->slices.by_node) installs.push_back({nodes_.Client(n), n});
+    release.armed = false;  // still held across the installs
   }
   // Each slice gets its header (inventory, workers: the bulk of it) just before it is sent, so at
   // most the 32 slices in flight are held whole.
@@ -347,6 +362,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t me
   absl::Status status;
   for (const absl::Status& s : results) if (!s.ok()) status = s;
   absl::MutexLock l(&mu_);
+  ReleaseHold release{models_, m};
   if (m->plan.epoch != in.epoch) return;
   if (status.ok()) {
     m->plan.installed = true;
@@ -388,7 +404,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
   // The node answers at once (the executor runs on its own thread); the deadline is the transfer
   // timeout anyway so that a slow, loaded node is not declared unable to start.
   const absl::Duration timeout = std::max(options_.transfer_timeout, absl::Seconds(5));
-  Model* mp = &m;
+  Model* mp = &m;  // no hold: a model starting a version has one, never evicted (model_registry.h)
   return [this, mp, model_id, v, clients, req, timeout] {
     // Every node at once (each answers at once; one after another the last node would start a
     // round trip per node later, and the first nodes' executors would wait for it).

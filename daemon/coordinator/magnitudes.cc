@@ -41,6 +41,7 @@ absl::Status CoordinatorCore::ExchangeMagnitudes(const pb::ExchangeMagnitudesReq
   {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+    ModelRegistry::Held held(models_, *m);  // m is kept across the wait below
     auto book = m->magnitudes.find(v);
     if (req.catch_up()) {
       // Answered from the reports of the nodes that took the committed version (nothing added:

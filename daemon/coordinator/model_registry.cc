@@ -98,11 +98,16 @@ absl::StatusOr<bool> ModelRegistry::Create(const pb::ModelSpec& spec) {
       return absl::AlreadyExistsError(absl::StrCat("model ", spec.model_id(), " exists with a different spec"));
     }
     RETURN_IF_ERROR(CheckSameLora(have, spec));
+    Touch(it->second);
     return false;
   }
+  // At the cap an idle model makes room; it is removed only once the new one is built (a spec
+  // that fails leaves it). Nothing else runs meanwhile: the caller holds mu_.
+  Map::iterator victim = models_.end();
   if (static_cast<int>(models_.size()) >= options_.max_models) {
-    return absl::ResourceExhaustedError(absl::StrCat("model ", spec.model_id(), " refused: ", models_.size(),
-                                                     " models exist, the limit (max_models) is ", options_.max_models));
+    absl::Status refusal;
+    victim = PickVictim(spec.model_id(), &refusal);
+    if (victim == models_.end()) return refusal;
   }
   if (spec.num_trainer_workers() == 0 || spec.num_rollout_workers() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("model ", spec.model_id(), ": worker counts must be > 0"));
@@ -111,6 +116,13 @@ absl::StatusOr<bool> ModelRegistry::Create(const pb::ModelSpec& spec) {
   m.spec = spec;
   RETURN_IF_ERROR(BuildInventory(spec, &m));
   m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
+  m.last_used = options_.clock->Now();
+  if (victim != models_.end()) {
+    Log(LogLevel::kInfo, "model evicted", {{"model", victim->first}, {"for", spec.model_id()},
+                                           {"idle_seconds", absl::ToDoubleSeconds(m.last_used - victim->second.last_used)},
+                                           {"max_models", options_.max_models}});
+    models_.erase(victim);
+  }
   Log(LogLevel::kInfo, "model created", {{"model", spec.model_id()}, {"tensors", m.inventory->tensors.size()},
                                          {"mode", ModeName(spec.mode())}, {"strategy", planner::StrategyName(FromProto(spec.strategy()))},
                                          {"trainers", spec.num_trainer_workers()}, {"rollouts", spec.num_rollout_workers()}});
@@ -138,7 +150,42 @@ absl::StatusOr<ModelRegistry::Model*> ModelRegistry::ForJoin(const pb::JoinWorke
 absl::StatusOr<ModelRegistry::Model*> ModelRegistry::Get(const std::string& model_id) {
   Model* m = Find(model_id);
   if (m == nullptr) return absl::NotFoundError(absl::StrCat("unknown model ", EchoValue(model_id)));
+  Touch(*m);
   return m;
+}
+
+void ModelRegistry::Release(Model& m) {
+  --m.holds;
+  Touch(m);
+}
+
+ModelRegistry::Kept ModelRegistry::WhyKept(const Model& m, absl::Time now) const {
+  if (!m.workers.empty()) return Kept::kWorkers;
+  // Committed data (or a version a node reported holding) matters: never evicted.
+  if (m.machine->newest_known() > 0) return Kept::kVersions;
+  // (planning / committing / catch_up imply a hold or a version; checked anyway.)
+  if (m.holds > 0 || m.planning || m.committing != 0 || m.catch_up.has_value()) return Kept::kInUse;
+  if (now - m.last_used < options_.idle_grace) return Kept::kGrace;
+  return Kept::kEvictable;
+}
+
+ModelRegistry::Map::iterator ModelRegistry::PickVictim(const std::string& new_id, absl::Status* refusal) {
+  const absl::Time now = options_.clock->Now();
+  Map::iterator victim = models_.end();
+  std::map<Kept, size_t> kept;
+  for (auto it = models_.begin(); it != models_.end(); ++it) {
+    const Kept why = WhyKept(it->second, now);
+    ++kept[why];
+    if (why == Kept::kEvictable && (victim == models_.end() || it->second.last_used < victim->second.last_used)) victim = it;
+  }
+  if (victim == models_.end()) {
+    *refusal = absl::ResourceExhaustedError(absl::StrCat(
+        "model ", new_id, " refused: ", models_.size(), " models exist, the limit (max_models) is ", options_.max_models,
+        ", and none is idle enough to evict: ", kept[Kept::kWorkers], " held by workers, ", kept[Kept::kVersions],
+        " have had a version, ", kept[Kept::kInUse], " in use (a waiting call or a plan), ", kept[Kept::kGrace],
+        " used within the idle grace period (", absl::FormatDuration(options_.idle_grace), ")"));
+  }
+  return victim;
 }
 
 ModelRegistry::Model* ModelRegistry::Find(const std::string& model_id) {
@@ -165,6 +212,7 @@ absl::Status ModelRegistry::CheckReplySize(const std::string& model_id, size_t e
 
 ModelRegistry::WorkerRec& ModelRegistry::AddWorker(Model& m, const std::string& worker_id, WorkerRec rec) {
   rec.serial = next_worker_serial_++;
+  Touch(m);
   WorkerRec& slot = m.workers[worker_id];
   slot = std::move(rec);
   return slot;

@@ -16,8 +16,21 @@
 //   - CheckReplySize: a reply carrying the inventory must fit max_reply_bytes; a model the failing
 //     call created is removed again, so a failed creation leaves nothing behind.
 //   - Model addresses are stable while the model exists (std::map nodes): the driver and the
-//     planner thread keep Model* across unlocked work. Models are only removed by a failed
-//     creation, inside the call that created them, before any other thread saw them.
+//     planner thread keep Model* across unlocked work. Models are removed by a failed creation,
+//     inside the call that created them, before any other thread saw them, and by eviction
+//     (below).
+//   - Eviction (docs/daemon.md "Idle models are evicted"): a Create that would pass max_models
+//     first removes the model idle longest among the evictable ones, else is RESOURCE_EXHAUSTED
+//     saying why each model is kept (WhyKept). Evictable: no workers, never a version
+//     (VersionMachine::newest_known() == 0: it never decreases), no hold, not planning /
+//     committing / catching up, and untouched for idle_grace (options.clock).
+//   - Why eviction never pulls a model from under a thread: every use of a Model* is under
+//     CoordinatorCore's mu_, and so is eviction. A Model* kept across a release of mu_ (a waiting
+//     call, the planner's RunPlan) is covered by a hold (Hold/Release, Held), and eviction skips
+//     held models. The driver's start / commit / catch-up work also keeps Model* unlocked; it
+//     exists only for models with a version, which are never evicted. A call that arrives after
+//     the eviction looks the id up under mu_ again and finds nothing (NOT_FOUND) or, with a spec
+//     (CreateModel, JoinWorker), creates the model afresh.
 
 #include <cstdint>
 #include <map>
@@ -30,6 +43,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/clock.h"
 #include "daemon/coordinator/digest_book.h"
 #include "daemon/coordinator/magnitude_book.h"
 #include "daemon/version_machine.h"
@@ -126,6 +140,10 @@ class ModelRegistry {
     uint64_t last_bytes = 0;
     std::optional<CatchUpRun> catch_up;
     double last_catch_up_seconds = 0;
+    // Eviction (see the contract above): the last time a call looked the model up, a worker left
+    // or a hold ended (options.clock), and the holds now (threads keeping Model* without mu_).
+    absl::Time last_used;
+    int holds = 0;
 
     // `worker` is one of the workers the installed plan (plan.worker_ids) was made of.
     bool InPlan(const std::string& worker) const;
@@ -136,6 +154,26 @@ class ModelRegistry {
     int max_models = 256;        // models held at once
     int max_name_bytes = 1024;   // model ids
     int64_t max_reply_bytes = int64_t{4} << 20;  // largest CreateModel / JoinWorker reply
+    // An evictable model must have been untouched this long (CoordinatorOptions::model_idle_grace).
+    absl::Duration idle_grace = absl::Seconds(60);
+    Clock* clock = Clock::Real();  // every eviction time (tests: FakeClock)
+  };
+  // Why a model cannot be evicted now (the first that applies), or kEvictable.
+  enum class Kept { kEvictable, kWorkers, kVersions, kInUse, kGrace };
+
+  // A hold for the lifetime of a scope that keeps Model* across waits on mu_ (Publish,
+  // WaitVersion, ExchangeMagnitudes). Construct it after the MutexLock, so it is destroyed (and
+  // the hold released) while mu_ is still held.
+  class Held {
+   public:
+    Held(ModelRegistry& registry, Model& m) : registry_(registry), m_(m) { registry_.Hold(m_); }
+    ~Held() { registry_.Release(m_); }
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+
+   private:
+    ModelRegistry& registry_;
+    Model& m_;
   };
 
   explicit ModelRegistry(Options options) : options_(std::move(options)) {}
@@ -145,7 +183,7 @@ class ModelRegistry {
   // The model a JoinWorker names: created from req.model() if it is not known yet (*created), else
   // checked against the spec the worker declares, if any (ALREADY_EXISTS naming the fields).
   absl::StatusOr<Model*> ForJoin(const ::weightbridge::v1::JoinWorkerRequest& req, bool* created);
-  // NOT_FOUND "unknown model <id>".
+  // NOT_FOUND "unknown model <id>". A call's lookup: the model counts as used now.
   absl::StatusOr<Model*> Get(const std::string& model_id);
   Model* Find(const std::string& model_id);
   const Model* Find(const std::string& model_id) const;
@@ -163,6 +201,14 @@ class ModelRegistry {
   absl::StatusOr<bool> SetLayout(Model& m, const ::weightbridge::v1::SubmitLayoutRequest& req,
                                  ::weightbridge::v1::SubmitLayoutResponse* resp);
 
+  // Holds (see the contract above): Hold under mu_ before releasing it with Model* kept, Release
+  // under mu_ once the Model* is no longer used; the model counts as used at the release. Touch:
+  // something a call did to the model (a worker dropped) restarts its idle grace.
+  void Hold(Model& m) { ++m.holds; }
+  void Release(Model& m);
+  void Touch(Model& m) { m.last_used = options_.clock->Now(); }
+  Kept WhyKept(const Model& m, absl::Time now) const;
+
   size_t size() const { return models_.size(); }
   // Map view (id -> Model, sorted by id): the driver and status walk every model. Adding and
   // removing models goes through the methods above.
@@ -172,6 +218,10 @@ class ModelRegistry {
   Map::const_iterator end() const { return models_.end(); }
 
  private:
+  // At max_models: the evictable model idle longest (end() if none; `refusal` then says why each
+  // model is kept). Picked before the new model's inventory is built, removed after it was.
+  Map::iterator PickVictim(const std::string& new_id, absl::Status* refusal);
+
   const Options options_;
   Map models_;
   uint64_t next_worker_serial_ = 1;  // WorkerRec::serial

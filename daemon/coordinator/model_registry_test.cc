@@ -1,9 +1,11 @@
-// ModelRegistry alone: creation and its spec checks, the model cap, lookup, the reply-size check
-// that leaves nothing behind, workers and their layouts.
+// ModelRegistry alone: creation and its spec checks, the model cap and idle-model eviction (in
+// simulated time), lookup, the reply-size check that leaves nothing behind, workers and their
+// layouts.
 #include "daemon/coordinator/model_registry.h"
 
 #include <string>
 
+#include "base/clock.h"
 #include "daemon/coordinator/test_specs.h"
 #include "gtest/gtest.h"
 
@@ -21,6 +23,14 @@ ModelRegistry::Options Opts(int max_models = 4, int64_t max_reply_bytes = int64_
 }
 
 bool Contains(const absl::Status& s, const std::string& text) { return s.message().find(text) != absl::string_view::npos; }
+
+// Eviction tests: a registry on a FakeClock with a 60 s idle grace.
+ModelRegistry::Options SimOpts(FakeClock* clock, int max_models) {
+  ModelRegistry::Options o = Opts(max_models);
+  o.clock = clock;
+  o.idle_grace = absl::Seconds(60);
+  return o;
+}
 
 TEST(ModelRegistry, CreateThenSameSpecAgainThenADifferentOne) {
   ModelRegistry r(Opts());
@@ -192,6 +202,100 @@ TEST(ModelRegistry, WorkersGetFreshSerialsAndLayouts) {
   changed = r.SetLayout(m, bad, &resp);
   EXPECT_FALSE(changed.ok());
   EXPECT_FALSE(m.workers.at("t0").has_layout);
+}
+
+// At the cap, a new model evicts the evictable model idle longest (untouched for the 60 s
+// grace): creation order does not decide, the last call touching a model does.
+TEST(ModelRegistryEviction, NewModelEvictsTheModelIdleLongest) {
+  FakeClock clock;
+  ModelRegistry r(SimOpts(&clock, 3));
+  ASSERT_TRUE(r.Create(SmallModelSpec("a")).ok());  // t = 0
+  clock.Advance(absl::Seconds(10));
+  ASSERT_TRUE(r.Create(SmallModelSpec("b")).ok());  // t = 10
+  clock.Advance(absl::Seconds(10));
+  ASSERT_TRUE(r.Create(SmallModelSpec("c")).ok());  // t = 20
+  clock.Advance(absl::Seconds(10));
+  ASSERT_TRUE(r.Get("a").ok());  // a call touches a: t = 30
+  // t = 75: b (idle 65 s) is past the grace, c (55 s) and a (45 s) are not.
+  clock.Advance(absl::Seconds(45));
+  auto created = r.Create(SmallModelSpec("d"));
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_TRUE(*created);
+  EXPECT_EQ(r.size(), 3u);
+  EXPECT_EQ(r.Find("b"), nullptr);
+  EXPECT_NE(r.Find("a"), nullptr);
+  EXPECT_NE(r.Find("c"), nullptr);
+  // t = 95: c (75 s) and a (65 s) are both past it: c, idle longer, goes first.
+  clock.Advance(absl::Seconds(20));
+  ASSERT_TRUE(r.Create(SmallModelSpec("e")).ok());
+  EXPECT_EQ(r.Find("c"), nullptr);
+  EXPECT_NE(r.Find("a"), nullptr);
+  // An evicted id is created afresh later (another spec than before is fine: nothing is left).
+  ASSERT_TRUE(r.Create(SmallModelSpec("b", /*rollouts=*/2)).ok());
+  ASSERT_NE(r.Find("b"), nullptr);
+  EXPECT_EQ(r.Find("b")->spec.num_rollout_workers(), 2u);
+  EXPECT_EQ(r.Find("a"), nullptr);  // idle 65 s at t = 95: made room for b
+}
+
+// Never evicted: a model with a worker, one that had a version, one held by a waiting call or
+// the planner, one touched within the grace. The refusal counts each; once the hold ends (and
+// the grace passes again) that model makes room.
+TEST(ModelRegistryEviction, KeptModelsAreCountedInTheRefusal) {
+  FakeClock clock;
+  ModelRegistry r(SimOpts(&clock, 4));
+  for (const char* id : {"worker", "version", "held"}) ASSERT_TRUE(r.Create(SmallModelSpec(id)).ok());
+  ModelRegistry::WorkerRec rec;
+  rec.node = "n1";
+  r.AddWorker(*r.Find("worker"), "t0", rec);
+  r.Find("version")->machine->RestoreCommitted(1);  // as a re-joining node reports it
+  r.Hold(*r.Find("held"));
+  clock.Advance(absl::Hours(1));
+  ASSERT_TRUE(r.Create(SmallModelSpec("fresh")).ok());
+  clock.Advance(absl::Seconds(59));
+  absl::Status s = r.Create(SmallModelSpec("new")).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  for (const char* text : {"model new refused: 4 models exist, the limit (max_models) is 4", "1 held by workers",
+                           "1 have had a version", "1 in use", "1 used within the idle grace period (1m)"}) {
+    EXPECT_TRUE(Contains(s, text)) << text << " not in: " << s;
+  }
+  EXPECT_EQ(r.size(), 4u);
+  // The hold ends: the model counts as used then, so it waits out the grace first.
+  r.Release(*r.Find("held"));
+  EXPECT_TRUE(absl::IsResourceExhausted(r.Create(SmallModelSpec("new")).status()));
+  clock.Advance(absl::Seconds(60));  // now "fresh" (119 s) and "held" (60 s) are idle: fresh goes
+  ASSERT_TRUE(r.Create(SmallModelSpec("new")).ok());
+  EXPECT_EQ(r.Find("fresh"), nullptr);
+  for (const char* id : {"worker", "version", "held", "new"}) EXPECT_NE(r.Find(id), nullptr) << id;
+}
+
+// A version published (not only committed) keeps the model too: its number bounds later ones.
+TEST(ModelRegistryEviction, APublishedVersionKeepsTheModel) {
+  FakeClock clock;
+  ModelRegistry r(SimOpts(&clock, 1));
+  ASSERT_TRUE(r.Create(SmallModelSpec("m")).ok());
+  ModelRegistry::Model& m = *r.Find("m");
+  m.machine->SetTrainers({"t0"});
+  ASSERT_TRUE(m.machine->RecordPublish("t0", 1).ok());
+  clock.Advance(absl::Hours(1));
+  EXPECT_EQ(r.WhyKept(m, clock.Now()), ModelRegistry::Kept::kVersions);
+  absl::Status s = r.Create(SmallModelSpec("x")).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(Contains(s, "1 have had a version")) << s;
+}
+
+// A spec that fails to build evicts nothing: the idle model stays.
+TEST(ModelRegistryEviction, AFailedCreationEvictsNothing) {
+  FakeClock clock;
+  ModelRegistry r(SimOpts(&clock, 1));
+  ASSERT_TRUE(r.Create(SmallModelSpec("idle")).ok());
+  clock.Advance(absl::Hours(1));
+  pb::ModelSpec no_inventory = SmallModelSpec("bad");
+  no_inventory.clear_explicit_tensors();
+  EXPECT_TRUE(absl::IsInvalidArgument(r.Create(no_inventory).status()));
+  EXPECT_NE(r.Find("idle"), nullptr);
+  // The same spec again touches the model (a CreateModel is a use of it).
+  ASSERT_TRUE(r.Create(SmallModelSpec("idle")).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(r.Create(SmallModelSpec("other")).status()));
 }
 
 }  // namespace
