@@ -23,7 +23,7 @@ namespace wb::transport {
 namespace {
 
 // Domain separation: a MAC made with the token for anything else never verifies here.
-constexpr char kLabel[] = "weightbridge/host_tcp/channel-auth/v1";
+constexpr char kLabel[] = "weightbridge/host_tcp/channel-auth/v2";
 using Nonce = std::array<uint8_t, kChannelAuthNonceBytes>;
 using Mac = std::array<uint8_t, kChannelAuthMacBytes>;
 
@@ -108,7 +108,27 @@ absl::StatusOr<Nonce> FreshNonce() {
   return n;
 }
 
-absl::StatusOr<Mac> ComputeMac(absl::string_view key, absl::string_view role, absl::string_view dialer,
+// The HMAC key: token and peer secret, each length-prefixed (no other pair encodes the same).
+// A key longer than SHA-256's block is hashed by HMAC first; either way a party lacking one part
+// lacks the key. Wiped after use.
+class MacKey {
+ public:
+  MacKey(absl::string_view token, absl::string_view peer_secret) {
+    wire::Writer w;
+    w.Str(token);
+    w.Str(peer_secret);
+    bytes_ = std::move(w.out());
+  }
+  ~MacKey() { OPENSSL_cleanse(bytes_.data(), bytes_.size()); }
+  MacKey(const MacKey&) = delete;
+  MacKey& operator=(const MacKey&) = delete;
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+absl::StatusOr<Mac> ComputeMac(const MacKey& key, absl::string_view role, absl::string_view dialer,
                                absl::string_view acceptor, const Nonce& nonce_d, const Nonce& nonce_a,
                                absl::string_view context) {
   wire::Writer w;
@@ -121,9 +141,9 @@ absl::StatusOr<Mac> ComputeMac(absl::string_view key, absl::string_view role, ab
   w.Str(context);
   Mac mac;
   unsigned int len = 0;
-  static const unsigned char kEmpty = 0;  // HMAC() wants a non-null key pointer even for length 0
-  const void* k = key.empty() ? static_cast<const void*>(&kEmpty) : static_cast<const void*>(key.data());
-  if (HMAC(EVP_sha256(), k, static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(w.out().data()),
+  // Never empty (two length prefixes), so HMAC() always gets a non-null key pointer.
+  const std::string& k = key.bytes();
+  if (HMAC(EVP_sha256(), k.data(), static_cast<int>(k.size()), reinterpret_cast<const unsigned char*>(w.out().data()),
            w.out().size(), mac.data(), &len) == nullptr ||
       len != mac.size()) {
     return absl::InternalError("channel auth: HMAC-SHA256 failed");
@@ -152,8 +172,9 @@ absl::Status ClosedBeforeProof(absl::Status s) {
   return absl::UnavailableError(absl::StrCat(
       "the acceptor closed the connection before proving itself (", s.message(),
       "): it is busy with unauthenticated connections from this address or in total, it holds as many "
-      "authenticated connections waiting for a Connect as it keeps, it timed out this handshake, "
-      "or it is stopping"));
+      "authenticated connections waiting for a Connect as it keeps, it holds no endpoint it exported for "
+      "this instance (never exported, or dropped past its bound: export it again and use the new bytes), "
+      "it timed out this handshake, or it is stopping"));
 }
 
 }  // namespace
@@ -182,17 +203,20 @@ absl::Status AuthenticateDialer(int fd, const ChannelAuthParams& p) {
   r.Raw(nonce_a.data(), nonce_a.size());
   r.Raw(mac_a.data(), mac_a.size());
   if (!r.done() || magic != kChannelAuthMagic || version != kChannelAuthVersion) {
-    return absl::UnauthenticatedError("the acceptor's proof is malformed (not a WeightBridge channel-auth v1 peer)");
+    return absl::UnauthenticatedError("the acceptor's proof is malformed (not a WeightBridge channel-auth v2 peer)");
   }
   if (acceptor != p.peer) {
     return absl::UnavailableError(absl::StrCat("the port now belongs to instance ", acceptor, ", not ", p.peer,
                                                " (stale endpoint?)"));
   }
-  ASSIGN_OR_RETURN(Mac want_a, ComputeMac(p.key, "acceptor", p.self, acceptor, nonce_d, nonce_a, p.context));
+  const MacKey key(p.key, p.peer_secret);
+  ASSIGN_OR_RETURN(Mac want_a, ComputeMac(key, "acceptor", p.self, acceptor, nonce_d, nonce_a, p.context));
   // Proving our side before this check would hand a MAC to whoever answered: verify first.
-  if (!SameMac(want_a, mac_a)) return absl::UnauthenticatedError("the acceptor's proof does not match our token");
+  if (!SameMac(want_a, mac_a)) {
+    return absl::UnauthenticatedError("the acceptor's proof does not match our token and the peer secret of its endpoint");
+  }
 
-  ASSIGN_OR_RETURN(Mac mac_d, ComputeMac(p.key, "dialer", p.self, acceptor, nonce_d, nonce_a, p.context));
+  ASSIGN_OR_RETURN(Mac mac_d, ComputeMac(key, "dialer", p.self, acceptor, nonce_d, nonce_a, p.context));
   RETURN_IF_ERROR(WriteMessage(fd, std::string(reinterpret_cast<const char*>(mac_d.data()), mac_d.size()), p.deadline,
                                "sending our proof"));
   uint8_t verdict = 0;
@@ -211,14 +235,15 @@ absl::Status AuthenticateAcceptor(int fd, const ChannelAuthParams& p) {
   Nonce nonce_d;
   r.Raw(nonce_d.data(), nonce_d.size());
   if (!r.done() || magic != kChannelAuthMagic || version != kChannelAuthVersion) {
-    return absl::UnauthenticatedError("the dialer's challenge is malformed (not a WeightBridge channel-auth v1 peer)");
+    return absl::UnauthenticatedError("the dialer's challenge is malformed (not a WeightBridge channel-auth v2 peer)");
   }
   if (dialer != p.peer) {
     return absl::UnauthenticatedError(
         absl::StrCat("the dialer states instance '", dialer, "' in its challenge but claimed '", p.peer, "'"));
   }
   ASSIGN_OR_RETURN(Nonce nonce_a, FreshNonce());
-  ASSIGN_OR_RETURN(Mac mac_a, ComputeMac(p.key, "acceptor", dialer, p.self, nonce_d, nonce_a, p.context));
+  const MacKey key(p.key, p.peer_secret);
+  ASSIGN_OR_RETURN(Mac mac_a, ComputeMac(key, "acceptor", dialer, p.self, nonce_d, nonce_a, p.context));
   wire::Writer proof;
   proof.U32(kChannelAuthMagic);
   proof.U8(kChannelAuthVersion);
@@ -228,7 +253,7 @@ absl::Status AuthenticateAcceptor(int fd, const ChannelAuthParams& p) {
   RETURN_IF_ERROR(WriteMessage(fd, proof.out(), p.deadline, "sending our proof"));
 
   ASSIGN_OR_RETURN(std::string theirs, ReadMessage(fd, p.deadline, "waiting for the dialer's proof"));
-  ASSIGN_OR_RETURN(Mac want_d, ComputeMac(p.key, "dialer", dialer, p.self, nonce_d, nonce_a, p.context));
+  ASSIGN_OR_RETURN(Mac want_d, ComputeMac(key, "dialer", dialer, p.self, nonce_d, nonce_a, p.context));
   Mac mac_d{};
   const bool well_formed = theirs.size() == mac_d.size();
   if (well_formed) std::memcpy(mac_d.data(), theirs.data(), mac_d.size());
@@ -237,8 +262,50 @@ absl::Status AuthenticateAcceptor(int fd, const ChannelAuthParams& p) {
   // The verdict is best effort when refusing: the dialer learns it either way (0 or EOF).
   absl::Status sent = WriteExact(fd, &verdict, 1, p.deadline, "sending the verdict");
   if (!well_formed) return absl::UnauthenticatedError("the dialer's proof is malformed");
-  if (!ok) return absl::UnauthenticatedError("the dialer's proof does not match our token");
+  if (!ok) return absl::UnauthenticatedError("the dialer's proof does not match our token and the secret exported for it");
   return sent;
+}
+
+PeerSecrets::~PeerSecrets() {
+  for (auto& [peer, e] : entries_) OPENSSL_cleanse(e.secret.data(), e.secret.size());
+}
+
+absl::StatusOr<std::string> PeerSecrets::Get(const std::string& peer, absl::FunctionRef<std::set<std::string>()> in_use) {
+  if (auto it = entries_.find(peer); it != entries_.end()) {
+    it->second.last_export = ++tick_;
+    return it->second.secret;
+  }
+  if (entries_.size() >= max_entries_) {
+    // Past the bound: the least recently exported entry nobody uses goes. Linear, but only on an
+    // export past the bound (a new peer instance after max_entries_ others).
+    const std::set<std::string> keep = in_use();
+    auto victim = entries_.end();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (keep.count(it->first) == 0 && (victim == entries_.end() || it->second.last_export < victim->second.last_export)) {
+        victim = it;
+      }
+    }
+    if (victim == entries_.end()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no per-peer secret can be made for instance ", peer.substr(0, 64), ": all ", max_entries_,
+          " held are for peers with a live channel, parked connections or a waiting Connect"));
+    }
+    OPENSSL_cleanse(victim->second.secret.data(), victim->second.secret.size());
+    entries_.erase(victim);
+    ++evicted_;
+  }
+  Entry e;
+  e.secret.resize(kPeerSecretBytes);
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(e.secret.data()), static_cast<int>(e.secret.size())) != 1) {
+    return absl::InternalError("channel auth: RAND_bytes failed (no entropy?)");
+  }
+  e.last_export = ++tick_;
+  return entries_.emplace(peer, std::move(e)).first->second.secret;
+}
+
+const std::string* PeerSecrets::Find(const std::string& peer) const {
+  auto it = entries_.find(peer);
+  return it == entries_.end() ? nullptr : &it->second.secret;
 }
 
 }  // namespace wb::transport

@@ -6,6 +6,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <set>
 #include <string>
 #include <thread>
 
@@ -53,12 +54,18 @@ struct Result {
 };
 
 Result Handshake(absl::string_view dialer_key, absl::string_view acceptor_key, absl::string_view dialer_context = "stream 1/5",
-           absl::string_view expected_acceptor = "acc") {
+           absl::string_view expected_acceptor = "acc", absl::string_view dialer_secret = "",
+           absl::string_view acceptor_secret = "") {
   Pair s;
   Result r;
-  std::thread acc([&] { r.acceptor = AuthenticateAcceptor(s.fd[1], Params(acceptor_key, "acc", "dia")); });
+  std::thread acc([&] {
+    ChannelAuthParams a = Params(acceptor_key, "acc", "dia");
+    a.peer_secret = acceptor_secret;
+    r.acceptor = AuthenticateAcceptor(s.fd[1], a);
+  });
   ChannelAuthParams d = Params(dialer_key, "dia", expected_acceptor);
   d.context = dialer_context;
+  d.peer_secret = dialer_secret;
   r.dialer = AuthenticateDialer(s.fd[0], d);
   if (!r.dialer.ok()) s.Close(0);  // as host_tcp does: the acceptor then sees EOF, not a hang
   acc.join();
@@ -119,6 +126,75 @@ TEST(ChannelAuthTest, KeyOnOneSideOnlyIsRefused) {
     EXPECT_EQ(r.dialer.code(), absl::StatusCode::kUnauthenticated) << r.dialer;
     EXPECT_EQ(r.acceptor.code(), absl::StatusCode::kUnauthenticated) << r.acceptor;
   }
+}
+
+// The per-peer secret is part of the key: the same token with another secret (or none) fails on
+// both sides, whichever side lacks it; the same token and secret pass.
+TEST(ChannelAuthTest, PeerSecretIsPartOfTheProof) {
+  const std::string secret(kPeerSecretBytes, 's');
+  std::string other = secret;
+  other[7] ^= 1;
+  Result same = Handshake("cluster-token", "cluster-token", "stream 1/5", "acc", secret, secret);
+  EXPECT_TRUE(same.dialer.ok()) << same.dialer;
+  EXPECT_TRUE(same.acceptor.ok()) << same.acceptor;
+  for (auto [d, a] : {std::pair<std::string, std::string>{other, secret}, {"", secret}, {secret, ""}}) {
+    Result r = Handshake("cluster-token", "cluster-token", "stream 1/5", "acc", d, a);
+    EXPECT_EQ(r.dialer.code(), absl::StatusCode::kUnauthenticated) << r.dialer;
+    EXPECT_NE(r.dialer.message().find("peer secret"), std::string::npos) << r.dialer;
+    EXPECT_EQ(r.acceptor.code(), absl::StatusCode::kUnauthenticated) << r.acceptor;
+  }
+  // Token and secret are not interchangeable: moving bytes from one to the other changes the key.
+  Result moved = Handshake("cluster-tokens", "cluster-token", "stream 1/5", "acc", "", "s");
+  EXPECT_EQ(moved.dialer.code(), absl::StatusCode::kUnauthenticated) << moved.dialer;
+}
+
+TEST(PeerSecretsTest, OneRandomSecretPerPeerStableAcrossExports) {
+  PeerSecrets t(8);
+  auto none = [] { return std::set<std::string>(); };
+  auto x = t.Get("x", none);
+  auto y = t.Get("y", none);
+  ASSERT_TRUE(x.ok() && y.ok());
+  EXPECT_EQ(x->size(), kPeerSecretBytes);
+  EXPECT_NE(*x, *y);
+  EXPECT_NE(*x, std::string(kPeerSecretBytes, '\0'));
+  auto again = t.Get("x", none);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *x);
+  ASSERT_NE(t.Find("x"), nullptr);
+  EXPECT_EQ(*t.Find("x"), *x);
+  EXPECT_EQ(t.Find("z"), nullptr);
+  EXPECT_EQ(t.size(), 2u);
+  EXPECT_EQ(t.evicted(), 0);
+}
+
+// Past the bound the least recently exported entry goes, unless its peer is in use; when every
+// entry is in use, a new peer gets RESOURCE_EXHAUSTED and nothing is dropped.
+TEST(PeerSecretsTest, PastTheBoundTheLeastRecentUnusedEntryGoes) {
+  PeerSecrets t(3);
+  std::set<std::string> used;
+  auto in_use = [&] { return used; };
+  auto a = t.Get("a", in_use);
+  auto b = t.Get("b", in_use);
+  auto c = t.Get("c", in_use);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  ASSERT_TRUE(t.Get("a", in_use).ok());  // a is now the most recent export: b is the oldest
+  used = {"b"};                          // ... but in use: c goes
+  ASSERT_TRUE(t.Get("d", in_use).ok());
+  EXPECT_EQ(t.Find("c"), nullptr);
+  ASSERT_NE(t.Find("a"), nullptr);
+  ASSERT_NE(t.Find("b"), nullptr);
+  EXPECT_EQ(*t.Find("a"), *a);
+  EXPECT_EQ(*t.Find("b"), *b);
+  EXPECT_EQ(t.evicted(), 1);
+  used = {"a", "b", "d"};
+  auto e = t.Get("e", in_use);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kResourceExhausted) << e.status();
+  EXPECT_NE(e.status().message().find("all 3"), std::string::npos) << e.status();
+  EXPECT_EQ(t.size(), 3u);
+  EXPECT_EQ(*t.Find("a"), *a);
+  EXPECT_EQ(t.evicted(), 1);
+  // An entry already held is returned whatever the bound.
+  EXPECT_TRUE(t.Get("d", in_use).ok());
 }
 
 TEST(ChannelAuthTest, ContextIsBoundIntoTheProof) {

@@ -27,6 +27,7 @@
 #include <iterator>
 #include <list>
 #include <map>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -67,11 +68,19 @@ constexpr absl::Duration kRedialFirst = absl::Milliseconds(20), kRedialMax = abs
 // Distinct claimed instance ids whose failed handshakes are counted (input from unauthenticated
 // dialers: bounded).
 constexpr size_t kMaxAuthFailureIds = 1024;
-constexpr char kAuthRefused[] = "shared token differs or is missing on one side";
+constexpr char kAuthRefused[] =
+    "shared token differs or is missing on one side, or the dialer's per-peer secret is not the one the acceptor "
+    "exported for it";
 // Multi-NIC endpoints append this marker, the count of further NICs and their (address, port)
-// after the single-address fields, so a single-NIC endpoint keeps the original format.
+// after the single-address fields and the secret (kSecretMagic below).
 constexpr uint32_t kNicsMagic = 0x494e4257;  // "WBNI"
 constexpr uint32_t kMaxNics = 64;
+// Every endpoint carries, right after the primary (address, port), this marker and the per-peer
+// secret (length-prefixed, kPeerSecretBytes) that the exporter requires of the peer the endpoint
+// is for when that peer dials it (docs/transport.md, "What the data-plane handshake proves").
+// An endpoint for a peer that the exporter dials itself (a larger instance id) carries zeros: that
+// peer never dials it, so no secret is made or kept for it.
+constexpr uint32_t kSecretMagic = 0x53504257;  // "WBPS"
 // tcp.streams' range: a hello's stream count (data streams + the control connection) is in
 // [2, kMaxStreams + 1] and its index below the count; any other hello is closed unauthenticated.
 constexpr int kMaxStreams = 64;
@@ -322,9 +331,11 @@ struct Listener {
 struct ParsedEndpoint {
   std::string instance;
   std::vector<Nic> nics;  // [0] = the primary address (the only one in single-address mode)
+  std::string secret;     // what the exporter requires of us when we dial it
 };
 
 absl::StatusOr<ParsedEndpoint> ParseEndpoint(absl::string_view endpoint) {
+  constexpr char kNotOne[] = "host_tcp Connect: bytes are not a host_tcp endpoint";
   wire::Reader r(endpoint);
   uint32_t magic = r.U32();
   uint8_t type = r.U8();
@@ -336,12 +347,29 @@ absl::StatusOr<ParsedEndpoint> ParseEndpoint(absl::string_view endpoint) {
   first.addr = r.Str();
   first.port = r.U32();
   e.nics.push_back(std::move(first));
+  if (!r.ok() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
+    return absl::InvalidArgumentError(kNotOne);
+  }
+  // An endpoint without the secret (from a binary before per-peer secrets, or cut short) names
+  // what is missing: a dial without it could only be refused.
+  const std::string whose = absl::StrCat("host_tcp Connect: the endpoint of instance ", e.instance.substr(0, 64));
+  const uint32_t secret_magic = r.done() ? 0 : r.U32();
+  if (!r.ok() || (secret_magic != kSecretMagic && (r.done() || secret_magic == kNicsMagic))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        whose, " carries no per-peer secret (exported by a WeightBridge binary before per-peer secrets? every node "
+               "must run one that has them)"));
+  }
+  if (secret_magic != kSecretMagic) return absl::InvalidArgumentError(kNotOne);
+  e.secret = r.Str(1024);
+  if (!r.ok()) return absl::InvalidArgumentError(absl::StrCat(whose, " has a truncated per-peer secret"));
+  if (e.secret.size() != kPeerSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(whose, " has a per-peer secret of ", e.secret.size(), " bytes, not ",
+                                                   kPeerSecretBytes));
+  }
   if (r.ok() && !r.done()) {
     const uint32_t nics_magic = r.U32();
     const uint32_t more = r.U32();
-    if (nics_magic != kNicsMagic || more >= kMaxNics) {
-      return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
-    }
+    if (nics_magic != kNicsMagic || more >= kMaxNics) return absl::InvalidArgumentError(kNotOne);
     for (uint32_t i = 0; i < more && r.ok(); ++i) {
       Nic n;
       n.addr = r.Str();
@@ -349,9 +377,7 @@ absl::StatusOr<ParsedEndpoint> ParseEndpoint(absl::string_view endpoint) {
       e.nics.push_back(std::move(n));
     }
   }
-  if (!r.done() || magic != kWireMagic || type != static_cast<uint8_t>(RecordType::kEndpoint) || kind != kKind) {
-    return absl::InvalidArgumentError("host_tcp Connect: bytes are not a host_tcp endpoint");
-  }
+  if (!r.done()) return absl::InvalidArgumentError(kNotOne);
   return e;
 }
 
@@ -386,7 +412,8 @@ class HostTcpTransport : public Transport {
         corrupt_(config.test_corrupt_checksummed_payload),
         cpus_(config.cpus),
         multi_nic_(multi_nic),
-        listeners_(std::move(listeners)) {
+        listeners_(std::move(listeners)),
+        peer_secrets_(static_cast<size_t>(limits.max_peer_secrets)) {
     if (options_.max_send_bytes_per_s > 0) pacer_ = std::make_unique<SendPacer>(options_.max_send_bytes_per_s, Clock::Real());
     for (Listener& l : listeners_) {
       const int fd = l.fd;
@@ -447,11 +474,27 @@ class HostTcpTransport : public Transport {
 
   std::string instance_id() const override { return instance_id_; }
 
-  absl::StatusOr<std::string> ExportEndpoint(absl::string_view) override {
+  // The bytes are for `peer` only (transport.h): when `peer` dials this transport (its instance id
+  // is the smaller), they carry the secret made for it, which its connections must prove.
+  absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer_instance) override {
+    if (peer_instance.empty()) {
+      return absl::InvalidArgumentError(
+          "host_tcp ExportEndpoint: no peer instance id (an endpoint is for one peer: it carries that peer's secret)");
+    }
+    const std::string peer(peer_instance);
+    std::string secret(kPeerSecretBytes, '\0');  // we dial `peer`: it never proves a secret to us
+    if (peer < instance_id_) {
+      absl::MutexLock l(&mu_);
+      absl::StatusOr<std::string> s = peer_secrets_.Get(peer, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return InUseLocked(); });
+      if (!s.ok()) return absl::Status(s.status().code(), absl::StrCat("host_tcp ExportEndpoint: ", s.status().message()));
+      secret = std::move(*s);
+    }
     wire::Writer w = RecordWriter(RecordType::kEndpoint, kKind, instance_id_, node_id_);
     const Nic& first = listeners_[0].nic;
     w.Str(!multi_nic_ && !options_.advertise_address.empty() ? options_.advertise_address : first.addr);
     w.U32(first.port);
+    w.U32(kSecretMagic);
+    w.Str(secret);
     if (listeners_.size() > 1) {
       w.U32(kNicsMagic);
       w.U32(static_cast<uint32_t>(listeners_.size() - 1));
@@ -493,12 +536,12 @@ class HostTcpTransport : public Transport {
         const std::string route = local != nullptr
                                       ? absl::StrCat(" from local NIC ", *local, " to ", remote.addr, ":", remote.port)
                                       : absl::StrCat(" to ", remote.addr, ":", remote.port);
-        auto fd = Dial(inst, local, remote, deadline, i, total);
+        auto fd = Dial(inst, ep.secret, local, remote, deadline, i, total);
         for (absl::Duration backoff = kRedialFirst; !fd.ok() && IsClosedBeforeProof(fd.status()) &&
                                                     absl::Now() + backoff < deadline;
              backoff = std::min(2 * backoff, kRedialMax)) {
           absl::SleepFor(backoff);  // the acceptor was busy: a short pause, then a fresh connection
-          auto again = Dial(inst, local, remote, deadline, i, total);
+          auto again = Dial(inst, ep.secret, local, remote, deadline, i, total);
           if (again.ok() || IsClosedBeforeProof(again.status())) fd = std::move(again);
           else break;
         }
@@ -516,8 +559,16 @@ class HostTcpTransport : public Transport {
       }
     } else {
       absl::MutexLock l(&mu_);
+      // Only a peer this transport exported an endpoint for can prove itself (its secret): fail
+      // now rather than at the deadline.
+      if (peer_secrets_.Find(inst) == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "host_tcp Connect: peer ", inst, " can never connect: this transport holds no endpoint exported for it (call "
+            "ExportEndpoint(", inst, ") and hand that peer those bytes first; or it was dropped past max_peer_secrets = ",
+            limits_.max_peer_secrets, ", ", peer_secrets_.evicted(), " dropped so far: export it again)"));
+      }
       // While this Connect waits, connections claiming `inst` are taken even when the park is
-      // full, and never expire.
+      // full, and never expire; its secret is kept (InUseLocked).
       ++awaited_[inst];
       struct Unawait {
         std::map<std::string, int>& awaited;
@@ -828,12 +879,25 @@ class HostTcpTransport : public Transport {
     c.parked_refused = parked_refused_;
     c.parked_expired = parked_expired_;
     c.hellos_refused = hellos_refused_;
+    c.hellos_unknown_instance = hellos_unknown_instance_;
+    c.peer_secrets = static_cast<int64_t>(peer_secrets_.size());
+    c.peer_secrets_evicted = peer_secrets_.evicted();
     for (const auto& [id, p] : peers_) c.early_control_frames += p->early_frames();
     c.early_overflows = early_overflows_;
     return c;
   }
 
  private:
+  // Peer instances whose secrets must stay (PeerSecrets' eviction): a channel (even a broken one
+  // not yet disconnected), parked connections, or a Connect waiting for them.
+  std::set<std::string> InUseLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::set<std::string> keep;
+    for (const auto& [id, p] : peers_) keep.insert(p->instance);
+    for (const auto& [inst, parked] : pending_) keep.insert(inst);
+    for (const auto& [inst, n] : awaited_) keep.insert(inst);
+    return keep;
+  }
+
   // The entry of stats_.paths for (peer instance, local address, remote address), added if new.
   size_t PathIndexLocked(const std::string& inst, const std::string& local, const std::string& remote)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -874,8 +938,9 @@ class HostTcpTransport : public Transport {
   // channel authentication (bound to the hello). The fd is handed out only after both succeed.
   // `local`: the NIC address the socket binds to before connecting (multi-NIC), or nullptr (the
   // kernel picks the source address).
-  absl::StatusOr<int> Dial(const std::string& inst, const std::string* local, const Nic& remote, absl::Time deadline,
-                           int idx, int total) {
+  // `secret`: the one in the acceptor's endpoint, made by it for us.
+  absl::StatusOr<int> Dial(const std::string& inst, const std::string& secret, const std::string* local,
+                           const Nic& remote, absl::Time deadline, int idx, int total) {
     const std::string& addr = remote.addr;
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return absl::InternalError(Errno("socket"));
@@ -933,6 +998,7 @@ class HostTcpTransport : public Transport {
     }
     ChannelAuthParams auth;
     auth.key = options_.auth_token;
+    auth.peer_secret = secret;
     auth.self = instance_id_;
     auth.peer = inst;
     auth.context = w.out();
@@ -1064,11 +1130,19 @@ class HostTcpTransport : public Transport {
     // A place in the park is reserved before the handshake, so that a dialer that would find it
     // full is closed before proving itself (it redials) rather than after its Connect succeeded.
     bool reserved = false;
+    std::string secret;  // the one exported for `inst`
     if (read) {
       absl::MutexLock l(&mu_);
+      const std::string* held = ok ? peer_secrets_.Find(inst) : nullptr;
       if (!ok) {
         ++hellos_refused_;
+      } else if (held == nullptr) {
+        // No endpoint was exported for this instance (or its secret was dropped past the bound):
+        // it cannot prove itself, and nothing is parked or counted per instance for it.
+        ok = false;
+        ++hellos_unknown_instance_;
       } else {
+        secret = *held;
         ExpireParkedLocked();
         if (awaited_.count(inst) == 0) {
           if (parked_count_ + parked_reserved_ >= limits_.max_parked_connections) {
@@ -1086,6 +1160,7 @@ class HostTcpTransport : public Transport {
     if (ok) {
       ChannelAuthParams auth;
       auth.key = options_.auth_token;
+      auth.peer_secret = secret;
       auth.self = instance_id_;
       auth.peer = inst;
       auth.context = hello;
@@ -1536,6 +1611,9 @@ class HostTcpTransport : public Transport {
   std::string last_parked_refused_inst_ ABSL_GUARDED_BY(mu_);
   int64_t parked_expired_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hellos_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t hellos_unknown_instance_ ABSL_GUARDED_BY(mu_) = 0;
+  // The secret made for each peer that dials this transport, handed out in ExportEndpoint(peer).
+  PeerSecrets peer_secrets_ ABSL_GUARDED_BY(mu_);
   int64_t early_overflows_ ABSL_GUARDED_BY(mu_) = 0;
   std::list<Handshake> handshakes_ ABSL_GUARDED_BY(mu_);          // accepted, not yet authenticated
   std::map<std::string, int> auth_failures_ ABSL_GUARDED_BY(mu_);  // claimed instance -> refusals
@@ -1610,6 +1688,9 @@ absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportCo
   if (limits.max_parked_connections < 0 || limits.parked_timeout < absl::ZeroDuration() ||
       limits.max_early_control_frames < 0) {
     return absl::InvalidArgumentError("host_tcp: HostTcpLimits must not be negative");
+  }
+  if (limits.max_peer_secrets < 1) {
+    return absl::InvalidArgumentError("host_tcp: HostTcpLimits::max_peer_secrets must be at least 1");
   }
   if (config.tcp.streams < 1 || config.tcp.streams > kMaxStreams) {
     return absl::InvalidArgumentError("host_tcp: tcp.streams must be in [1, 64]");

@@ -4,8 +4,10 @@
 // Channel: per peer, TcpOptions::streams TCP connections dialled by the peer with the smaller
 // instance id. Each connection opens with a hello (dialer instance id, stream index, stream count)
 // and then the channel authentication of transport/host_tcp/channel_auth.h, keyed by TcpOptions::auth_token
-// and bound to that hello: both sides prove they hold the token (HMAC-SHA256 over fresh nonces),
-// and only an authenticated connection is handed to a peer. A dialer whose proof is refused, or
+// and the per-peer secret, and bound to that hello: both sides prove they hold the token and the
+// secret the acceptor made for the claimed dialer in ExportEndpoint(dialer) (HMAC-SHA256 over
+// fresh nonces), and only an authenticated connection is handed to a peer. A hello claiming an
+// instance the acceptor never exported an endpoint for is closed before authentication. A dialer whose proof is refused, or
 // who refuses the acceptor's, fails Connect with UNAUTHENTICATED; the acceptor counts refusals per
 // claimed instance and names them when its own Connect then misses the deadline. Handshakes run
 // on short-lived threads, each bounded to 5 s, so a silent dialer stalls nobody. The payload is
@@ -65,6 +67,12 @@ struct HostTcpLimits {
   // not posted yet; one more closes the channel (RESOURCE_EXHAUSTED naming the peer). A batch the
   // peer posted first leaves at most three such frames, so the default holds 21,845 batches ahead.
   int64_t max_early_control_frames = int64_t{1} << 16;
+  // Per-peer secrets kept (one per peer instance that dials this one, made in ExportEndpoint; see
+  // PeerSecrets in channel_auth.h). A new peer past this bound drops the least recently exported
+  // secret whose peer has no channel, parked connection or waiting Connect (that peer must be
+  // exported for again before it can connect; the daemon exports before every Connect); if every
+  // one is in use, ExportEndpoint fails with RESOURCE_EXHAUSTED. ~100 bytes each.
+  int64_t max_peer_secrets = 16384;
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportConfig& config,
@@ -77,6 +85,10 @@ struct HostTcpCounters {
   int64_t parked_expired = 0;        // parked connections closed: no Connect within parked_timeout
   int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, or a
                                      // claimed instance that cannot dial this one (not smaller)
+  int64_t hellos_unknown_instance = 0;  // hellos closed before authentication: this transport holds
+                                        // no secret for the claimed instance (never exported for)
+  int64_t peer_secrets = 0;          // now: per-peer secrets held (max_peer_secrets)
+  int64_t peer_secrets_evicted = 0;  // secrets dropped past max_peer_secrets
   int64_t early_control_frames = 0;  // now, over all peers: frames held for batches not posted here
   int64_t early_overflows = 0;       // channels closed for passing max_early_control_frames
 };

@@ -141,9 +141,14 @@ TransportConfig WithToken(const std::string& token) {
   return c;
 }
 
+// After the primary (address, port) every endpoint carries "WBPS" and the per-peer secret
+// (docs/transport.md, "What the data-plane handshake proves").
+constexpr uint32_t kSecretMagic = 0x53504257;
+
 struct Endpoint {
   std::string inst, node, addr;
   uint32_t port = 0;
+  std::string secret;  // what the exporter requires of the peer the endpoint is for
 };
 
 Endpoint ParseEndpoint(const std::string& bytes) {
@@ -156,17 +161,25 @@ Endpoint ParseEndpoint(const std::string& bytes) {
   e.node = r.Str();
   e.addr = r.Str();
   e.port = r.U32();
+  EXPECT_EQ(r.U32(), kSecretMagic);
+  e.secret = r.Str();
+  EXPECT_EQ(e.secret.size(), kPeerSecretBytes);
   EXPECT_TRUE(r.done());
   return e;
 }
 
-// The same endpoint with another port (a relay in front of the transport).
-std::string EndpointWithPort(const Endpoint& e, uint32_t port) {
-  wire::Writer w = RecordWriter(RecordType::kEndpoint, "host_tcp", e.inst, e.node);
-  w.Str(e.addr);
+// An endpoint of instance `inst` at 127.0.0.1:port with `secret` (the raw peers below; a relay).
+std::string EndpointBytes(const std::string& inst, const std::string& node, uint32_t port, const std::string& secret) {
+  wire::Writer w = RecordWriter(RecordType::kEndpoint, "host_tcp", inst, node);
+  w.Str("127.0.0.1");
   w.U32(port);
+  w.U32(kSecretMagic);
+  w.Str(secret);
   return std::move(w.out());
 }
+
+// The same endpoint with another port (a relay in front of the transport).
+std::string EndpointWithPort(const Endpoint& e, uint32_t port) { return EndpointBytes(e.inst, e.node, port, e.secret); }
 
 // A blocking TCP connection to 127.0.0.1:port whose reads give up after 10 s.
 int RawConnect(uint32_t port) {
@@ -391,7 +404,7 @@ TEST(HostTcpAuthTest, ForgedAndReplayedConnectionsAreRefusedAndServiceContinues)
   ASSERT_TRUE(a.ok() && b.ok());
   Transport* dialer = (*a)->instance_id() < (*b)->instance_id() ? a->get() : b->get();
   Transport* acceptor = dialer == a->get() ? b->get() : a->get();
-  auto acc_ep = acceptor->ExportEndpoint("");
+  auto acc_ep = acceptor->ExportEndpoint(dialer->instance_id());
   ASSERT_TRUE(acc_ep.ok());
   const Endpoint acc = ParseEndpoint(*acc_ep);
 
@@ -470,7 +483,7 @@ TEST(HostTcpAuthTest, ForgedAndReplayedConnectionsAreRefusedAndServiceContinues)
     close(fd);
   }
   // The acceptor names the refused connections that claimed the dialer's identity.
-  auto dialer_ep = dialer->ExportEndpoint("");
+  auto dialer_ep = dialer->ExportEndpoint(acceptor->instance_id());
   ASSERT_TRUE(dialer_ep.ok());
   auto again = acceptor->Connect(*dialer_ep, absl::Now() + absl::Milliseconds(300));
   EXPECT_EQ(again.status().code(), absl::StatusCode::kDeadlineExceeded) << again.status();
@@ -528,7 +541,7 @@ TEST(HostTcpAuthTest, SilentFloodFromOneAddressBlocksNoOtherPeer) {
   }
   std::sort(ts.begin(), ts.end(), [](const auto& x, const auto& y) { return x->instance_id() < y->instance_id(); });
   Transport& acceptor = *ts.back();
-  auto ep = acceptor.ExportEndpoint("");
+  auto ep = acceptor.ExportEndpoint(ts[0]->instance_id());
   ASSERT_TRUE(ep.ok());
   const Endpoint acc = ParseEndpoint(*ep);
   std::vector<int> flood;
@@ -567,7 +580,7 @@ TEST(HostTcpAuthTest, ConnectionClosedBeforeTheProofIsNotReportedAsATokenMismatc
   ASSERT_TRUE(a.ok() && b.ok());
   Transport* dialer = (*a)->instance_id() < (*b)->instance_id() ? a->get() : b->get();
   Transport* acceptor = dialer == a->get() ? b->get() : a->get();
-  auto ep = acceptor->ExportEndpoint("");
+  auto ep = acceptor->ExportEndpoint(dialer->instance_id());
   ASSERT_TRUE(ep.ok());
   const Endpoint acc = ParseEndpoint(*ep);
   std::vector<int> flood;
@@ -590,7 +603,7 @@ TEST(HostTcpAuthTest, ConnectionClosedBeforeTheProofIsNotReportedAsATokenMismatc
 TEST(HostTcpAuthTest, DestructorEndsHandshakesInProgress) {
   auto a = NewHostTcpTransport(WithToken("cluster-token"));
   ASSERT_TRUE(a.ok());
-  auto ep = (*a)->ExportEndpoint("");
+  auto ep = (*a)->ExportEndpoint("!peer");
   ASSERT_TRUE(ep.ok());
   int fd = RawConnect(ParseEndpoint(*ep).port);
   ASSERT_GE(fd, 0);
@@ -622,7 +635,7 @@ TransportConfig TwoNics(int streams = 4) {
 constexpr uint32_t kNicsMagic = 0x494e4257;
 
 struct MultiEndpoint {
-  std::string inst, node;
+  std::string inst, node, secret;
   std::vector<std::pair<std::string, uint32_t>> nics;
 };
 
@@ -637,6 +650,8 @@ MultiEndpoint ParseMultiEndpoint(const std::string& bytes) {
   std::string addr = r.Str();
   uint32_t port = r.U32();
   e.nics.emplace_back(addr, port);
+  EXPECT_EQ(r.U32(), kSecretMagic);
+  e.secret = r.Str();
   if (!r.done()) {
     EXPECT_EQ(r.U32(), kNicsMagic);
     const uint32_t more = r.U32();
@@ -654,6 +669,8 @@ std::string EncodeMultiEndpoint(const MultiEndpoint& e) {
   wire::Writer w = RecordWriter(RecordType::kEndpoint, "host_tcp", e.inst, e.node);
   w.Str(e.nics[0].first);
   w.U32(e.nics[0].second);
+  w.U32(kSecretMagic);
+  w.Str(e.secret);
   w.U32(kNicsMagic);
   w.U32(static_cast<uint32_t>(e.nics.size() - 1));
   for (size_t i = 1; i < e.nics.size(); ++i) {
@@ -663,12 +680,12 @@ std::string EncodeMultiEndpoint(const MultiEndpoint& e) {
   return std::move(w.out());
 }
 
-TEST(HostTcpMultiNicTest, SingleAddressEndpointKeepsTheOriginalFormat) {
+TEST(HostTcpMultiNicTest, SingleAddressEndpointHasNoNicSection) {
   auto t = NewHostTcpTransport(TransportConfig{});
   ASSERT_TRUE(t.ok()) << t.status();
-  auto ep = (*t)->ExportEndpoint("");
+  auto ep = (*t)->ExportEndpoint("!peer");
   ASSERT_TRUE(ep.ok());
-  Endpoint e = ParseEndpoint(*ep);  // the pre-multi-NIC reader: must consume it exactly
+  Endpoint e = ParseEndpoint(*ep);  // header, address, port, secret: must consume it exactly
   EXPECT_EQ(e.addr, "127.0.0.1");
   EXPECT_GT(e.port, 0u);
 }
@@ -681,7 +698,7 @@ TEST(HostTcpMultiNicTest, StreamsUseEveryLocalAndRemoteNic) {
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
   for (Transport* t : {a->get(), b->get()}) {
-    auto ep = t->ExportEndpoint("");
+    auto ep = t->ExportEndpoint("!peer");
     ASSERT_TRUE(ep.ok());
     MultiEndpoint m = ParseMultiEndpoint(*ep);
     ASSERT_EQ(m.nics.size(), 2u);
@@ -1005,10 +1022,10 @@ std::string FrameBytes(uint8_t type, uint64_t tag, uint32_t op, int64_t offset, 
 }
 
 // A connection to 127.0.0.1:port that says hello {inst, idx, total} and passes the channel
-// authentication with `token` as `inst` would: what any holder of the token can do. Returns the
-// fd, or the dialer-side handshake's status.
+// authentication with `token` and `secret` as `inst` would: what a holder of the token and of the
+// endpoint exported for `inst` can do. Returns the fd, or the dialer-side handshake's status.
 absl::StatusOr<int> RawDial(uint32_t port, const std::string& acceptor_inst, const std::string& token,
-                            const std::string& inst, uint32_t idx, uint32_t total) {
+                            const std::string& secret, const std::string& inst, uint32_t idx, uint32_t total) {
   const int fd = RawConnect(port);
   if (fd < 0) return absl::UnavailableError("connect failed");
   wire::Writer hello;
@@ -1025,6 +1042,7 @@ absl::StatusOr<int> RawDial(uint32_t port, const std::string& acceptor_inst, con
   }
   ChannelAuthParams auth;
   auth.key = token;
+  auth.peer_secret = secret;
   auth.self = inst;
   auth.peer = acceptor_inst;
   auth.context = hello.out();
@@ -1066,17 +1084,16 @@ struct RawPeer {
 };
 
 void ConnectRawPeer(Transport& acceptor, const std::string& token, RawPeer& peer) {
-  auto ep = acceptor.ExportEndpoint("");
+  auto ep = acceptor.ExportEndpoint(peer.inst);
   ASSERT_TRUE(ep.ok());
   const Endpoint acc = ParseEndpoint(*ep);
   ASSERT_LT(peer.inst, acc.inst);
-  wire::Writer raw_ep = RecordWriter(RecordType::kEndpoint, "host_tcp", peer.inst, "raw-node");
-  raw_ep.Str("127.0.0.1");
-  raw_ep.U32(1);  // never dialled: the acceptor waits for the raw peer's connections
+  // Port 1: never dialled, the acceptor waits for the raw peer's connections.
+  const std::string raw_ep = EndpointBytes(peer.inst, "raw-node", 1, std::string(kPeerSecretBytes, '\0'));
   absl::StatusOr<PeerId> accepted = absl::UnknownError("not run");
-  std::thread th([&] { accepted = acceptor.Connect(raw_ep.out(), absl::Now() + absl::Seconds(20)); });
-  absl::StatusOr<int> c = RawDial(acc.port, acc.inst, token, peer.inst, 0, 2);
-  absl::StatusOr<int> d = c.ok() ? RawDial(acc.port, acc.inst, token, peer.inst, 1, 2) : c;
+  std::thread th([&] { accepted = acceptor.Connect(raw_ep, absl::Now() + absl::Seconds(20)); });
+  absl::StatusOr<int> c = RawDial(acc.port, acc.inst, token, acc.secret, peer.inst, 0, 2);
+  absl::StatusOr<int> d = c.ok() ? RawDial(acc.port, acc.inst, token, acc.secret, peer.inst, 1, 2) : c;
   th.join();
   ASSERT_TRUE(c.ok()) << c.status();
   peer.control = *c;
@@ -1254,9 +1271,16 @@ TEST(HostTcpLimitsTest, ParkedConnectionsAreBoundedAndAConnectStillWorks) {
   std::vector<std::unique_ptr<Transport>> ts = OrderedPair(limits);
   ASSERT_EQ(ts.size(), 2u);
   Transport& acceptor = *ts[1];
-  auto ep = acceptor.ExportEndpoint("");
+  auto ep = acceptor.ExportEndpoint(ts[0]->instance_id());
   ASSERT_TRUE(ep.ok());
   const Endpoint acc = ParseEndpoint(*ep);
+  // Junk that the acceptor exported endpoints for (else its hellos are refused before anything
+  // is parked): a peer that holds its endpoint but never connects, or a token holder that read it.
+  auto secret_for = [&](const std::string& inst) {
+    auto e = acceptor.ExportEndpoint(inst);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? ParseEndpoint(*e).secret : std::string();
+  };
 
   // Out of range: 65 data streams + control, an index past the count, an instance that does not
   // sort before the acceptor's (it could never be claimed: the smaller instance dials).
@@ -1266,26 +1290,29 @@ TEST(HostTcpLimitsTest, ParkedConnectionsAreBoundedAndAConnectStillWorks) {
   } bad[] = {{"!junk", 0, 66}, {"!junk", 2, 2}, {acc.inst + "z", 0, 2}};
   for (const auto& h : bad) {
     SCOPED_TRACE(absl::StrCat(h.inst, " ", h.idx, "/", h.total));
-    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", h.inst, h.idx, h.total);
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", secret_for("!junk"), h.inst, h.idx, h.total);
     ASSERT_FALSE(fd.ok());
     EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnavailable) << fd.status();
     EXPECT_NE(fd.status().message().find("closed the connection before proving"), std::string::npos) << fd.status();
   }
   EXPECT_EQ(CountersOf(acceptor).hellos_refused, 3);
   // The largest valid count is taken.
-  absl::StatusOr<int> widest = RawDial(acc.port, acc.inst, "cluster-token", "!junk-wide", 64, 65);
+  absl::StatusOr<int> widest =
+      RawDial(acc.port, acc.inst, "cluster-token", secret_for("!junk-wide"), "!junk-wide", 64, 65);
   ASSERT_TRUE(widest.ok()) << widest.status();
 
   std::vector<int> junk = {*widest};
   for (int i = 1; i < limits.max_parked_connections; ++i) {
-    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", absl::StrCat("!junk", i), 0, 2);
+    const std::string inst = absl::StrCat("!junk", i);
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", secret_for(inst), inst, 0, 2);
     ASSERT_TRUE(fd.ok()) << i << ": " << fd.status();
     junk.push_back(*fd);
   }
   EXPECT_TRUE(Eventually([&] { return CountersOf(acceptor).parked_connections == limits.max_parked_connections; }))
       << CountersOf(acceptor).parked_connections;
   for (int i = 0; i < 3; ++i) {
-    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", absl::StrCat("!more", i), 0, 2);
+    const std::string inst = absl::StrCat("!more", i);
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", secret_for(inst), inst, 0, 2);
     ASSERT_FALSE(fd.ok()) << "connection " << i << " past the bound was parked";
     EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnavailable) << fd.status();
     EXPECT_NE(fd.status().message().find("closed the connection before proving"), std::string::npos) << fd.status();
@@ -1313,12 +1340,15 @@ TEST(HostTcpLimitsTest, UnclaimedParkedConnectionsExpire) {
   ASSERT_EQ(ts.size(), 2u);
   Transport& dialer = *ts[0];
   Transport& acceptor = *ts[1];
-  auto ep = acceptor.ExportEndpoint("");
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
   ASSERT_TRUE(ep.ok());
   const Endpoint acc = ParseEndpoint(*ep);
   std::vector<int> junk;
   for (int i = 0; i < limits.max_parked_connections; ++i) {
-    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", absl::StrCat("!junk", i), 0, 2);
+    const std::string inst = absl::StrCat("!junk", i);
+    auto junk_ep = acceptor.ExportEndpoint(inst);
+    ASSERT_TRUE(junk_ep.ok());
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", ParseEndpoint(*junk_ep).secret, inst, 0, 2);
     ASSERT_TRUE(fd.ok()) << i << ": " << fd.status();
     junk.push_back(*fd);
   }
@@ -1335,12 +1365,253 @@ TEST(HostTcpLimitsTest, UnclaimedParkedConnectionsExpire) {
     EXPECT_TRUE(closed) << "an expired connection stays open";
     close(fd);
   }
-  auto dialer_ep = dialer.ExportEndpoint("");
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
   ASSERT_TRUE(dialer_ep.ok());
   auto accepted = acceptor.Connect(*dialer_ep, absl::Now() + absl::Seconds(20));
   ASSERT_TRUE(accepted.ok()) << accepted.status();
   EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
   ExpectMovesBytes(dialer, *dialed, acceptor, *accepted, 1 << 20);
+}
+
+// ---------------------------------------------------------------- per-peer secrets
+
+// Three transports with `limits`, ordered by instance id: [0] and [1] dial [2].
+std::vector<std::unique_ptr<Transport>> OrderedThree(const HostTcpLimits& limits = {}) {
+  std::vector<std::unique_ptr<Transport>> ts;
+  for (int i = 0; i < 3; ++i) {
+    auto t = NewHostTcpTransport(WithToken("cluster-token"), limits);
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (!t.ok()) return {};
+    ts.push_back(std::move(*t));
+  }
+  std::sort(ts.begin(), ts.end(), [](const auto& x, const auto& y) { return x->instance_id() < y->instance_id(); });
+  return ts;
+}
+
+// The gap this closes (docs/transport.md, "What the data-plane handshake proves"): a token holder
+// that knows X's instance id dialled first as X and had its sockets become the acceptor's channel
+// to X. Without the secret the acceptor made for X it is refused, whatever it guesses (none, zeros,
+// the secret of its own endpoint), nothing of it is parked, and X's own channel comes up.
+TEST(HostTcpPeerSecretTest, ATokenHolderWithoutTheSecretForXCannotClaimX) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedThree();
+  ASSERT_EQ(ts.size(), 3u);
+  Transport& x = *ts[0];
+  Transport& mallory = *ts[1];  // holds the token, and an endpoint the acceptor made for itself
+  Transport& acceptor = *ts[2];
+  auto for_x = acceptor.ExportEndpoint(x.instance_id());
+  auto for_mallory = acceptor.ExportEndpoint(mallory.instance_id());
+  ASSERT_TRUE(for_x.ok() && for_mallory.ok());
+  const Endpoint acc = ParseEndpoint(*for_mallory);
+  for (const std::string& guess : {std::string(), std::string(kPeerSecretBytes, '\0'), acc.secret}) {
+    for (uint32_t idx = 0; idx < 3; ++idx) {  // control + 2 data streams: a whole channel
+      absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", guess, x.instance_id(), idx, 3);
+      ASSERT_FALSE(fd.ok()) << "a token holder without X's secret was let in as X (guess of " << guess.size()
+                            << " bytes, stream " << idx << ")";
+      EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnauthenticated) << fd.status();
+      EXPECT_NE(fd.status().message().find("peer secret"), std::string::npos) << fd.status();
+    }
+  }
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
+  // X's own channel, with the endpoint made for it.
+  ConnectResult r = ConnectBoth(x, acceptor, absl::Now() + absl::Seconds(20));
+  ASSERT_EQ(r.dialer, &x);
+  ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+  ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+  ExpectMovesBytes(x, *r.dialed, acceptor, *r.accepted, 1 << 20);
+  ExpectMovesBytes(acceptor, *r.accepted, x, *r.dialed, 1 << 16);
+}
+
+// A hello claiming an instance the acceptor never exported an endpoint for is closed before the
+// handshake and counted (hellos_unknown_instance), not parked and not counted against the
+// instance; an acceptor Connect for such a peer fails at once naming the missing export. Once
+// exported for, the same instance with that endpoint's secret gets in.
+TEST(HostTcpPeerSecretTest, AHelloForAnInstanceNeverExportedForIsRefusedAndCounted) {
+  auto t = NewHostTcpTransport(WithToken("cluster-token"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  Transport& acceptor = **t;
+  auto for_other = acceptor.ExportEndpoint("!other");
+  ASSERT_TRUE(for_other.ok());
+  const Endpoint acc = ParseEndpoint(*for_other);
+  for (const std::string& guess : {std::string(), acc.secret}) {
+    absl::StatusOr<int> fd = RawDial(acc.port, acc.inst, "cluster-token", guess, "!stranger", 0, 2);
+    ASSERT_FALSE(fd.ok()) << "a hello for an instance never exported for was authenticated";
+    EXPECT_EQ(fd.status().code(), absl::StatusCode::kUnavailable) << fd.status();
+    EXPECT_NE(fd.status().message().find("closed the connection before proving"), std::string::npos) << fd.status();
+  }
+  HostTcpCounters c = CountersOf(acceptor);
+  EXPECT_EQ(c.hellos_unknown_instance, 2);
+  EXPECT_EQ(c.hellos_refused, 0);
+  EXPECT_EQ(c.parked_connections, 0);
+  EXPECT_EQ(c.peer_secrets, 1);
+
+  const absl::Time start = absl::Now();
+  auto waiting = acceptor.Connect(EndpointBytes("!stranger", "raw-node", 1, std::string(kPeerSecretBytes, '\0')),
+                                  absl::Now() + absl::Seconds(20));
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kFailedPrecondition) << waiting.status();
+  EXPECT_NE(waiting.status().message().find("ExportEndpoint(!stranger)"), std::string::npos) << waiting.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "waited for a peer that can never prove itself";
+
+  auto for_stranger = acceptor.ExportEndpoint("!stranger");
+  ASSERT_TRUE(for_stranger.ok());
+  absl::StatusOr<int> fd =
+      RawDial(acc.port, acc.inst, "cluster-token", ParseEndpoint(*for_stranger).secret, "!stranger", 0, 2);
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  EXPECT_TRUE(Eventually([&] { return CountersOf(acceptor).parked_connections == 1; }));
+  EXPECT_EQ(CountersOf(acceptor).hellos_unknown_instance, 2);
+  close(*fd);
+}
+
+// The secret is per peer: the acceptor makes one for each peer, the same one on every export for
+// that peer, and Y's secret proves Y, never X. Z, holding the endpoint made for Y (the token and
+// Y's secret), cannot claim X; X then connects.
+TEST(HostTcpPeerSecretTest, TheSecretIsPerPeer) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedThree();
+  ASSERT_EQ(ts.size(), 3u);
+  Transport& x = *ts[0];
+  Transport& acceptor = *ts[2];
+  auto for_x = acceptor.ExportEndpoint(x.instance_id());
+  auto for_y = acceptor.ExportEndpoint("!y");
+  auto for_x_again = acceptor.ExportEndpoint(x.instance_id());
+  ASSERT_TRUE(for_x.ok() && for_y.ok() && for_x_again.ok());
+  const Endpoint ex = ParseEndpoint(*for_x), ey = ParseEndpoint(*for_y);
+  EXPECT_NE(ex.secret, ey.secret);
+  EXPECT_EQ(*for_x_again, *for_x) << "a repeated export for the same peer must give the same bytes";
+  // An endpoint for a peer the exporter dials itself carries no secret that matters (zeros).
+  auto x_for_acceptor = x.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(x_for_acceptor.ok());
+  EXPECT_EQ(ParseEndpoint(*x_for_acceptor).secret, std::string(kPeerSecretBytes, '\0'));
+
+  absl::StatusOr<int> as_x = RawDial(ey.port, ey.inst, "cluster-token", ey.secret, x.instance_id(), 0, 3);
+  ASSERT_FALSE(as_x.ok()) << "Y's secret was taken as proof of X";
+  EXPECT_EQ(as_x.status().code(), absl::StatusCode::kUnauthenticated) << as_x.status();
+  absl::StatusOr<int> as_y = RawDial(ey.port, ey.inst, "cluster-token", ey.secret, "!y", 0, 2);
+  ASSERT_TRUE(as_y.ok()) << as_y.status();
+  close(*as_y);
+
+  ConnectResult r = ConnectBoth(x, acceptor, absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+  ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+  ExpectMovesBytes(x, *r.dialed, acceptor, *r.accepted, 1 << 16);
+}
+
+// Reconnects keep working with the endpoint bytes handed out first (the secret stays for the
+// life of the transport): the daemon's channel cache drops and redials channels, and a peer may
+// dial again with the endpoint it already holds.
+TEST(HostTcpPeerSecretTest, ReconnectsWithTheFirstEndpointKeepWorking) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedThree();
+  ASSERT_EQ(ts.size(), 3u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[2];
+  auto acceptor_ep = acceptor.ExportEndpoint(dialer.instance_id());
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(acceptor_ep.ok() && dialer_ep.ok());
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    if (round == 2) {
+      ASSERT_TRUE(acceptor.ExportEndpoint(dialer.instance_id()).ok());  // a re-export changes nothing
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    absl::StatusOr<PeerId> accepted = absl::UnknownError("not run");
+    std::thread th([&] { accepted = acceptor.Connect(*dialer_ep, deadline); });
+    absl::StatusOr<PeerId> dialed = dialer.Connect(*acceptor_ep, deadline);
+    th.join();
+    ASSERT_TRUE(dialed.ok()) << dialed.status();
+    ASSERT_TRUE(accepted.ok()) << accepted.status();
+    ExpectMovesBytes(dialer, *dialed, acceptor, *accepted, 1 << 16);
+    ASSERT_TRUE(dialer.Disconnect(*dialed).ok());
+    ASSERT_TRUE(acceptor.Disconnect(*accepted).ok());
+  }
+  EXPECT_EQ(CountersOf(acceptor).peer_secrets, 1);
+}
+
+// max_peer_secrets: past it the least recently exported secret of a peer without a channel goes
+// (counted); a peer with a live channel keeps its secret however old, and its channel keeps
+// moving bytes; a dropped peer is refused until exported again, and its acceptor Connect says so;
+// when every held secret is in use, ExportEndpoint fails instead of dropping one.
+TEST(HostTcpPeerSecretTest, PastTheBoundOnlyUnusedSecretsAreDropped) {
+  HostTcpLimits limits;
+  limits.max_peer_secrets = 2;
+  std::vector<std::unique_ptr<Transport>> ts = OrderedThree(limits);
+  ASSERT_EQ(ts.size(), 3u);
+  Transport& x = *ts[0];
+  Transport& acceptor = *ts[2];
+  ConnectResult r = ConnectBoth(x, acceptor, absl::Now() + absl::Seconds(20));  // exports for X first
+  ASSERT_TRUE(r.dialed.ok()) << r.dialed.status();
+  ASSERT_TRUE(r.accepted.ok()) << r.accepted.status();
+  auto for_x = acceptor.ExportEndpoint(x.instance_id());
+  ASSERT_TRUE(for_x.ok());
+  auto for_y = acceptor.ExportEndpoint("!y");
+  ASSERT_TRUE(for_y.ok());
+  const Endpoint ey = ParseEndpoint(*for_y);
+  // Make X's the least recent export: Y again. X is still kept (live channel); Y goes.
+  ASSERT_TRUE(acceptor.ExportEndpoint("!y").ok());
+  auto for_z = acceptor.ExportEndpoint("!z");
+  ASSERT_TRUE(for_z.ok()) << for_z.status();
+  HostTcpCounters c = CountersOf(acceptor);
+  EXPECT_EQ(c.peer_secrets, 2);
+  EXPECT_EQ(c.peer_secrets_evicted, 1);
+  auto x_again = acceptor.ExportEndpoint(x.instance_id());
+  ASSERT_TRUE(x_again.ok());
+  EXPECT_EQ(*x_again, *for_x) << "X's secret was dropped while X had a live channel";
+  ExpectMovesBytes(x, *r.dialed, acceptor, *r.accepted, 1 << 16);
+
+  absl::StatusOr<int> y = RawDial(ey.port, ey.inst, "cluster-token", ey.secret, "!y", 0, 2);
+  ASSERT_FALSE(y.ok()) << "a dropped secret still let its peer in";
+  EXPECT_NE(y.status().message().find("closed the connection before proving"), std::string::npos) << y.status();
+  auto waiting = acceptor.Connect(EndpointBytes("!y", "raw-node", 1, std::string(kPeerSecretBytes, '\0')),
+                                  absl::Now() + absl::Seconds(20));
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kFailedPrecondition) << waiting.status();
+  EXPECT_NE(waiting.status().message().find("max_peer_secrets = 2"), std::string::npos) << waiting.status();
+
+  // Z gets a channel too (raw, control + data): now both held secrets are in use.
+  RawPeer z;
+  z.inst = "!z";
+  ConnectRawPeer(acceptor, "cluster-token", z);
+  auto refused = acceptor.ExportEndpoint("!w");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(CountersOf(acceptor).peer_secrets_evicted, 1);
+  ExpectMovesBytes(acceptor, *r.accepted, x, *r.dialed, 1 << 16);
+}
+
+// Endpoints without a well-formed secret are refused by Connect with INVALID_ARGUMENT naming what
+// is wrong; an export without a peer is refused too (the bytes are for one peer).
+TEST(HostTcpPeerSecretTest, MalformedSecretsAreInvalidArgumentNamingIt) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedThree();
+  ASSERT_EQ(ts.size(), 3u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[2];
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  ASSERT_TRUE(ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  wire::Writer old_format = RecordWriter(RecordType::kEndpoint, "host_tcp", acc.inst, acc.node);
+  old_format.Str(acc.addr);
+  old_format.U32(acc.port);
+  wire::Writer old_multi = old_format;
+  old_multi.U32(kNicsMagic);
+  old_multi.U32(0);
+  wire::Writer cut = old_format;
+  cut.U32(kSecretMagic);
+  cut.U32(kPeerSecretBytes);
+  cut.Raw(acc.secret.data(), 5);
+  const struct {
+    std::string bytes, says;
+  } cases[] = {
+      {old_format.out(), "carries no per-peer secret"},
+      {old_multi.out(), "carries no per-peer secret"},
+      {EndpointBytes(acc.inst, acc.node, acc.port, acc.secret.substr(0, 5)), "per-peer secret of 5 bytes, not 32"},
+      {EndpointBytes(acc.inst, acc.node, acc.port, ""), "per-peer secret of 0 bytes, not 32"},
+      {cut.out(), "truncated per-peer secret"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.says);
+    auto got = dialer.Connect(c.bytes, absl::Now() + absl::Seconds(2));
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+    EXPECT_NE(got.status().message().find(c.says), std::string::npos) << got.status();
+    EXPECT_NE(got.status().message().find(acc.inst), std::string::npos) << got.status();
+  }
+  auto none = acceptor.ExportEndpoint("");
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
+  EXPECT_EQ(CountersOf(acceptor).hellos_unknown_instance + CountersOf(acceptor).hellos_refused, 0) << "nothing dialled";
 }
 
 }  // namespace
