@@ -5,6 +5,7 @@
 // Shared setup: daemon/multinode_fixture.h.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +16,7 @@
 #include "planner/box.h"
 #include "planner/model_config.h"
 #include "planner/presets.h"
+#include "transport/factory.h"
 
 namespace wb::daemon {
 namespace {
@@ -213,6 +215,57 @@ TEST(SyncRelayTest, RelaysLeftToTheCommitAreByteExactAndStagingIsReused) {
   // The model is ~0.1 MB; three versions relay (most of) it to the second replica.
   EXPECT_GT(grew("wb_relay_at_commit_bytes_total", "node=\"n1\""), 0);
   EXPECT_GT(grew("wb_staging_bytes_total", "result=\"reused\""), 0);
+}
+
+}  // namespace
+}  // namespace wb::daemon
+
+namespace wb::daemon {
+namespace {
+
+// A stranger dialing a node's host_tcp data port, claiming an instance the node never made an
+// endpoint for, is refused before the handshake; the node's control tick carries the transport's
+// count into wb_transport_guard_events_total without any version running (daemon/guard_meter.h).
+TEST(GuardMetricsTest, AStrangerOnTheDataPortShowsInTheNodesMetrics) {
+  auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", Metrics().registry());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const std::string series = "wb_transport_guard_events_total{node=\"n0\",transport=\"host_tcp\",what=\"hellos_unknown_instance\"}";
+  auto value = [&] {
+    auto m = ScrapeMetrics((*endpoint)->port(), absl::Seconds(10));
+    return m.ok() ? std::max(0.0, MetricValue(*m, series)) : -1.0;
+  };
+  const double before = value();
+  ASSERT_GE(before, 0);
+  Cluster c;
+  c.StartCoordinator();
+  transport::Transport* node_tcp = nullptr;  // owned by n0's transport set
+  c.StartNode(0, nullptr, nullptr, [&node_tcp](ServerOptions& o) {
+    o.make_transports = [&node_tcp] {
+      auto set = HostTransports();
+      if (set.ok()) node_tcp = set->Find("host_tcp");
+      return set;
+    };
+  });
+  ASSERT_NE(node_tcp, nullptr);
+  // Only the smaller instance dials: a stranger whose id sorts before n0's.
+  std::unique_ptr<transport::Transport> stranger;
+  for (int i = 0; i < 64 && stranger == nullptr; ++i) {
+    transport::TransportConfig tc;
+    auto t = transport::CreateTransport("host_tcp", tc);
+    ASSERT_TRUE(t.ok()) << t.status();
+    if ((*t)->instance_id() < node_tcp->instance_id()) stranger = std::move(*t);
+  }
+  ASSERT_NE(stranger, nullptr);
+  // n0's endpoint made for another peer: the stranger learns the port, not a secret for itself.
+  auto for_other = node_tcp->ExportEndpoint("!someone-else");
+  ASSERT_TRUE(for_other.ok()) << for_other.status();
+  auto dialed = stranger->Connect(*for_other, absl::Now() + absl::Seconds(2));
+  EXPECT_FALSE(dialed.ok()) << "a stranger without n0's secret for it got a channel";
+  // The count reaches the metric on n0's next control ticks (every heartbeat period, 500 ms).
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (value() <= before && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));  // a scrape interval
+  EXPECT_GT(value(), before) << series;
+  c.Stop();
 }
 
 }  // namespace

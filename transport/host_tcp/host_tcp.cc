@@ -865,8 +865,21 @@ class HostTcpTransport : public Transport {
   }
 
   TransportStats stats() const override {
+    // The bounds' counts (Counters() takes mu_ itself), as TransportStats::guards for the daemon's
+    // wb_transport_guard_* metrics.
+    const HostTcpCounters c = Counters();
     absl::MutexLock l(&mu_);
-    return stats_;
+    TransportStats s = stats_;
+    s.guards = {{"hellos_refused", c.hellos_refused, true},
+                {"hellos_unknown_instance", c.hellos_unknown_instance, true},
+                {"parked_refused", c.parked_refused, true},
+                {"parked_expired", c.parked_expired, true},
+                {"early_overflows", c.early_overflows, true},
+                {"peer_secrets_evicted", c.peer_secrets_evicted, true},
+                {"parked_connections", c.parked_connections, false},
+                {"early_control_frames", c.early_control_frames, false},
+                {"peer_secrets", c.peer_secrets, false}};
+    return s;
   }
 
   // TEST ONLY (HostTcpTestFlipNextReceived).

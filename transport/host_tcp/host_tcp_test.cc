@@ -1443,6 +1443,13 @@ TEST(HostTcpPeerSecretTest, AHelloForAnInstanceNeverExportedForIsRefusedAndCount
   EXPECT_EQ(c.hellos_refused, 0);
   EXPECT_EQ(c.parked_connections, 0);
   EXPECT_EQ(c.peer_secrets, 1);
+  // The same counts reach the daemon's metrics through TransportStats::guards.
+  std::map<std::string, std::pair<int64_t, bool>> guards;
+  for (const GuardCount& g : acceptor.stats().guards) guards[g.name] = {g.value, g.cumulative};
+  EXPECT_EQ(guards["hellos_unknown_instance"], std::make_pair(int64_t{2}, true));
+  EXPECT_EQ(guards["hellos_refused"], std::make_pair(int64_t{0}, true));
+  EXPECT_EQ(guards["peer_secrets"], std::make_pair(int64_t{1}, false));
+  EXPECT_EQ(guards["parked_connections"], std::make_pair(int64_t{0}, false));
 
   const absl::Time start = absl::Now();
   auto waiting = acceptor.Connect(EndpointBytes("!stranger", "raw-node", 1, std::string(kPeerSecretBytes, '\0')),
