@@ -1,10 +1,12 @@
 #include "planner/fragments.h"
 
 #include <algorithm>
-#include <cstring>
+#include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "base/status_macros.h"
 #include "planner/box.h"
 
 namespace wb::planner {
@@ -17,35 +19,19 @@ inline uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Calls fn(cell_index) for every cell of the index box [lo, hi) of a row-major grid with `dims`.
-template <typename Fn>
-void ForEachCell(const std::vector<int64_t>& dims, const int64_t* lo, const int64_t* hi, Fn&& fn) {
-  const size_t rank = dims.size();
-  for (size_t d = 0; d < rank; ++d) {
-    if (lo[d] >= hi[d]) return;
-  }
-  if (rank == 0) {
-    fn(0);
-    return;
-  }
-  int64_t idx[16];
-  for (size_t d = 0; d < rank; ++d) idx[d] = lo[d];
-  while (true) {
-    int64_t c = 0;
-    for (size_t d = 0; d < rank; ++d) c = c * dims[d] + idx[d];
-    // The last dimension is contiguous in cell order.
-    const int64_t run = hi[rank - 1] - lo[rank - 1];
-    for (int64_t k = 0; k < run; ++k) fn(c + k);
-    if (rank == 1) return;
-    size_t d = rank - 2;
-    while (true) {
-      if (++idx[d] < hi[d]) break;
-      idx[d] = lo[d];
-      if (d == 0) return;
-      --d;
-    }
-  }
-}
+// The pieces of one side (sources or destinations) of a tensor, grouped by their box clipped to
+// the destinations' hull: the grid is walked once per group, and a fragment's holders (needers)
+// are the members of the groups containing it. Pieces that miss the hull are in no group.
+struct Groups {
+  std::vector<int64_t> box;       // per group: rank begins, then rank ends (clipped)
+  std::vector<int64_t> lo, hi;    // per group: its grid index range, rank values each
+  std::vector<uint32_t> mem_off;  // group g's members are mem[mem_off[g], mem_off[g + 1])
+  std::vector<PieceRef> mem;      // (worker, piece) order within a group
+  std::vector<uint32_t> by_row;   // group ids by lo[0]: the merge's row sweep adds them in order
+  std::vector<uint32_t> active;   // groups whose rows include the sweep's current row
+  size_t next = 0;                // by_row[next] is the next group to activate
+  size_t size() const { return mem_off.size() - 1; }
+};
 
 struct Scratch {
   std::vector<std::vector<int64_t>> bp;
@@ -54,15 +40,34 @@ struct Scratch {
   std::vector<int32_t> dcount, scount;
   std::vector<uint8_t> assigned;
   std::vector<int64_t> lo, hi, hull_lo, hull_hi, idx, ext, slab_lo, slab_hi;
+  std::vector<int64_t> clip;
+  std::vector<uint32_t> order;
+  Groups src, dst;
+  int64_t row = -1;  // the sweep's current row (dim-0 cell index)
 };
 
-// Allocation-free: do two boxes of equal rank share an element?
-bool Overlaps(const Box& a, const Box& b) {
-  for (size_t d = 0; d < a.begin.size(); ++d) {
-    if (std::max(a.begin[d], b.begin[d]) >= std::min(a.end[d], b.end[d])) return false;
+// Counts the work of one BuildFragments call against its budget.
+class WorkMeter {
+ public:
+  explicit WorkMeter(int64_t budget) : budget_(budget) {}
+  // Adds `units`; false once the total passes the budget (then Exhausted() is the error).
+  bool Charge(int64_t units) {
+    if (__builtin_add_overflow(used_, units, &used_)) used_ = std::numeric_limits<int64_t>::max();
+    return used_ <= budget_;
   }
-  return true;
-}
+  // RESOURCE_EXHAUSTED naming the tensor, `who` (a piece to blame; may be empty) and `what` ran out.
+  absl::Status Exhausted(const TensorSpec& ts, absl::string_view who, absl::string_view what) const {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tensor ", ts.name, who.empty() ? "" : " (", who, who.empty() ? "" : ")", ": ", what,
+        " exceeds the planner's work budget of ", budget_,
+        " units (boxes overlap far more than any framework's layout; docs/planner.md \"Work bounds\")"));
+  }
+  int64_t used() const { return used_; }
+
+ private:
+  int64_t used_ = 0;
+  const int64_t budget_;
+};
 
 std::string PieceName(const Problem& p, PieceRef r) {
   return absl::StrCat("worker ", p.workers[r.worker].id, " piece ", r.piece);
@@ -164,10 +169,102 @@ absl::Status IndexPieces(const Problem& p, PieceIndex* ix, int64_t* total_dst_by
   return absl::OkStatus();
 }
 
+// Groups refs[a, b) by their box clipped to [hull_lo, hull_hi) (see Groups). With
+// `one_per_worker`, a group keeps one member per worker (its lowest piece): a source worker
+// holding the same box twice is one choice of sender, not two.
+void GroupBoxes(const Problem& p, const std::vector<PieceRef>& refs, uint32_t a, uint32_t b, size_t rank, bool one_per_worker,
+                Scratch& s, Groups* g) {
+  const size_t w = 2 * rank;
+  s.clip.resize(size_t{b - a} * w);
+  s.order.clear();
+  for (uint32_t k = a; k < b; ++k) {
+    const Box& box = BoxOf(p, refs[k]);
+    int64_t* c = s.clip.data() + size_t{k - a} * w;
+    bool empty = false;
+    for (size_t d = 0; d < rank; ++d) {
+      c[d] = std::max(box.begin[d], s.hull_lo[d]);
+      c[rank + d] = std::min(box.end[d], s.hull_hi[d]);
+      empty = empty || c[d] >= c[rank + d];
+    }
+    if (!empty) s.order.push_back(k - a);
+  }
+  // Ties (equal boxes) keep ref order, which is (worker, piece) order.
+  std::sort(s.order.begin(), s.order.end(), [&](uint32_t x, uint32_t y) {
+    const int64_t* cx = s.clip.data() + size_t{x} * w;
+    const int64_t* cy = s.clip.data() + size_t{y} * w;
+    for (size_t i = 0; i < w; ++i) {
+      if (cx[i] != cy[i]) return cx[i] < cy[i];
+    }
+    return x < y;
+  });
+  g->box.clear();
+  g->mem_off.assign(1, 0);
+  g->mem.clear();
+  for (size_t i = 0; i < s.order.size(); ++i) {
+    const int64_t* c = s.clip.data() + size_t{s.order[i]} * w;
+    const bool same = i > 0 && std::equal(c, c + w, s.clip.data() + size_t{s.order[i - 1]} * w);
+    if (!same) {
+      if (i > 0) g->mem_off.push_back(static_cast<uint32_t>(g->mem.size()));
+      g->box.insert(g->box.end(), c, c + w);
+    }
+    const PieceRef r = refs[a + s.order[i]];
+    if (same && one_per_worker && g->mem.back().worker == r.worker) continue;
+    g->mem.push_back(r);
+  }
+  if (!s.order.empty()) g->mem_off.push_back(static_cast<uint32_t>(g->mem.size()));
+}
+
+// The grid index range of every group, and the cells their walks will visit (saturating).
+int64_t IndexGroups(size_t rank, Scratch& s, Groups* g, uint32_t* largest) {
+  const size_t n = g->size();
+  g->lo.resize(n * rank);
+  g->hi.resize(n * rank);
+  int64_t total = 0, most = -1;
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t* c = g->box.data() + k * 2 * rank;
+    int64_t vol = 1;
+    for (size_t d = 0; d < rank; ++d) {
+      const auto& bp = s.bp[d];
+      g->lo[k * rank + d] = std::lower_bound(bp.begin(), bp.end(), c[d]) - bp.begin();
+      g->hi[k * rank + d] = std::lower_bound(bp.begin(), bp.end(), c[rank + d]) - bp.begin();
+      vol *= g->hi[k * rank + d] - g->lo[k * rank + d];  // <= kMaxGridCells
+    }
+    if (vol > most) {
+      most = vol;
+      *largest = static_cast<uint32_t>(k);
+    }
+    if (__builtin_add_overflow(total, vol, &total)) total = std::numeric_limits<int64_t>::max();
+  }
+  g->by_row.resize(n);
+  for (size_t k = 0; k < n; ++k) g->by_row[k] = static_cast<uint32_t>(k);
+  if (rank > 0) {
+    std::stable_sort(g->by_row.begin(), g->by_row.end(),
+                     [&](uint32_t x, uint32_t y) { return g->lo[x * rank] < g->lo[y * rank]; });
+  }
+  g->active.clear();
+  g->next = 0;
+  return total;
+}
+
+// Adds every cell of each group's range to the cells' signature (one 128-bit hash per group,
+// sources and destinations apart) and count.
+void WalkGroups(const Groups& g, size_t rank, bool dst, Scratch& s) {
+  for (size_t k = 0; k < g.size(); ++k) {
+    const uint64_t ha = Mix(2 * uint64_t{k} + (dst ? 1 : 0));
+    const uint64_t hb = Mix(ha ^ (dst ? 0x5bd1e995ULL : 0x27d4eb2fULL));
+    std::vector<int32_t>& count = dst ? s.dcount : s.scount;
+    ForEachGridCell(s.dims, g.lo.data() + k * rank, g.hi.data() + k * rank, [&](int64_t c) {
+      s.sig_a[c] += ha;
+      s.sig_b[c] += hb;
+      ++count[c];
+    });
+  }
+}
+
 // Tensor t's grid in `s`: the breakpoints of its destination boxes (and of source boxes inside
-// their hull) per dimension, and per cell the signatures and counts of the destination and source
-// pieces covering it. Returns the number of cells.
-absl::StatusOr<int64_t> BuildGrid(const Problem& p, const PieceIndex& ix, size_t t, Scratch& s) {
+// their hull) per dimension, the pieces grouped by clipped box, and per cell the signatures and
+// counts of the source and destination groups covering it. Returns the number of cells.
+absl::StatusOr<int64_t> BuildGrid(const Problem& p, const PieceIndex& ix, size_t t, WorkMeter& meter, Scratch& s) {
   const uint32_t d0 = ix.dst_off[t], d1 = ix.dst_off[t + 1];
   const uint32_t s0 = ix.src_off[t], s1 = ix.src_off[t + 1];
   const TensorSpec& ts = p.inventory.tensors[t];
@@ -207,10 +304,25 @@ absl::StatusOr<int64_t> BuildGrid(const Problem& p, const PieceIndex& ix, size_t
     v.erase(std::unique(v.begin(), v.end()), v.end());
     s.dims[d] = static_cast<int64_t>(v.size()) - 1;
     cells *= s.dims[d];
-    if (cells > (int64_t{1} << 24)) {
+    if (cells > kMaxGridCells) {
       return absl::ResourceExhaustedError(
           absl::StrCat("tensor ", ts.name, ": piece boundaries form more than 2^24 grid cells"));
     }
+  }
+  GroupBoxes(p, ix.srcs, s0, s1, rank, /*one_per_worker=*/true, s, &s.src);
+  GroupBoxes(p, ix.dsts, d0, d1, rank, /*one_per_worker=*/false, s, &s.dst);
+  // Charged before walking, so a hostile layout fails at once instead of after the budget's time.
+  uint32_t big_src = 0, big_dst = 0;
+  const int64_t src_walk = IndexGroups(rank, s, &s.src, &big_src);
+  const int64_t dst_walk = IndexGroups(rank, s, &s.dst, &big_dst);
+  if (!meter.Charge(cells)) return meter.Exhausted(ts, "", absl::StrCat("merging ", cells, " grid cells"));
+  if (!meter.Charge(src_walk)) {
+    return meter.Exhausted(ts, absl::StrCat("largest box: ", PieceName(p, s.src.mem[s.src.mem_off[big_src]])),
+                           absl::StrCat("walking ", s.src.size(), " distinct source boxes over ", src_walk, " cells"));
+  }
+  if (!meter.Charge(dst_walk)) {
+    return meter.Exhausted(ts, absl::StrCat("largest box: ", PieceName(p, s.dst.mem[s.dst.mem_off[big_dst]])),
+                           absl::StrCat("walking ", s.dst.size(), " distinct destination boxes over ", dst_walk, " cells"));
   }
   s.sig_a.assign(cells, 0);
   s.sig_b.assign(cells, 0);
@@ -219,61 +331,89 @@ absl::StatusOr<int64_t> BuildGrid(const Problem& p, const PieceIndex& ix, size_t
   s.assigned.assign(cells, 0);
   s.lo.resize(rank);
   s.hi.resize(rank);
-
-  auto index_range = [&](const Box& b) -> bool {
-    for (size_t d = 0; d < rank; ++d) {
-      const int64_t lo = std::max(b.begin[d], hull_lo[d]);
-      const int64_t hi = std::min(b.end[d], hull_hi[d]);
-      if (lo >= hi) return false;
-      s.lo[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), lo) - s.bp[d].begin();
-      s.hi[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), hi) - s.bp[d].begin();
-    }
-    return true;
-  };
-  for (uint32_t k = d0; k < d1; ++k) {
-    if (!index_range(BoxOf(p, ix.dsts[k]))) continue;
-    const uint64_t ha = Mix(2 * uint64_t{k} + 1), hb = Mix(ha ^ 0x5bd1e995ULL);
-    ForEachCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t c) {
-      s.sig_a[c] += ha;
-      s.sig_b[c] += hb;
-      ++s.dcount[c];
-    });
-  }
-  for (uint32_t k = s0; k < s1; ++k) {
-    if (!index_range(BoxOf(p, ix.srcs[k]))) continue;
-    const uint64_t ha = Mix(2 * uint64_t{k}), hb = Mix(ha ^ 0x27d4eb2fULL);
-    ForEachCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t c) {
-      s.sig_a[c] += ha;
-      s.sig_b[c] += hb;
-      ++s.scount[c];
-    });
-  }
+  WalkGroups(s.dst, rank, /*dst=*/true, s);
+  WalkGroups(s.src, rank, /*dst=*/false, s);
+  s.row = -1;
   return cells;
 }
 
-// Files fragment `f` of tensor t (its box and bytes set): its holders and needers by exact
-// containment (a partial overlap means the signature lied), split into pieces of at most
-// `max_fragment_bytes` when that is set.
-absl::Status EmitFragment(const Problem& p, const PieceIndex& ix, size_t t, Fragment f, int64_t max_fragment_bytes,
-                          const FragmentOptions& options, FragmentSet* out) {
-  const TensorSpec& ts = p.inventory.tensors[t];
-  auto collect = [&](const std::vector<PieceRef>& refs, uint32_t a, uint32_t b) -> absl::Status {
-    for (uint32_t k = a; k < b; ++k) {
-      const Box& pb = BoxOf(p, refs[k]);
-      if (BoxContains(pb, f.box)) {
-        out->refs.push_back(refs[k]);
-      } else if (Overlaps(pb, f.box)) {
-        return absl::InternalError(absl::StrCat("fragment signature collision on tensor ", ts.name, " box ",
-                                                BoxToString(f.box), " (", PieceName(p, refs[k]), ")"));
-      }
+// Moves the row sweep of `g` to `row` (non-decreasing): activates the groups starting at or before
+// it and drops those ending at or before it. Rank 0: every group is active.
+void SweepTo(Groups& g, size_t rank, int64_t row) {
+  if (rank == 0) {
+    if (g.next == 0) {
+      for (uint32_t k = 0; k < g.size(); ++k) g.active.push_back(k);
+      g.next = g.size();
     }
-    return absl::OkStatus();
-  };
+    return;
+  }
+  size_t keep = 0;
+  for (uint32_t k : g.active) {
+    if (g.hi[k * rank] > row) g.active[keep++] = k;
+  }
+  g.active.resize(keep);
+  while (g.next < g.by_row.size() && g.lo[g.by_row[g.next] * rank] <= row) {
+    const uint32_t k = g.by_row[g.next++];
+    if (g.hi[k * rank] > row) g.active.push_back(k);
+  }
+}
+
+bool GroupContains(const int64_t* c, size_t rank, const Box& b) {
+  for (size_t d = 0; d < rank; ++d) {
+    if (c[d] > b.begin[d] || b.end[d] > c[rank + d]) return false;
+  }
+  return true;
+}
+
+bool GroupOverlaps(const int64_t* c, size_t rank, const Box& b) {
+  for (size_t d = 0; d < rank; ++d) {
+    if (std::max(c[d], b.begin[d]) >= std::min(c[rank + d], b.end[d])) return false;
+  }
+  return true;
+}
+
+// Appends to out->refs the members of the active groups of `g` that contain `box`, in (worker,
+// piece) order. An active group that overlaps the box without containing it means the merge
+// joined cells of different coverage (impossible with equal counts; kept as a guard).
+absl::Status CollectHolders(const Problem& p, const Groups& g, size_t rank, const Box& box, const TensorSpec& ts,
+                            WorkMeter& meter, FragmentSet* out) {
+  const size_t first = out->refs.size();
+  int contributing = 0;
+  for (uint32_t k : g.active) {
+    const int64_t* c = g.box.data() + size_t{k} * 2 * rank;
+    const PieceRef* m0 = g.mem.data() + g.mem_off[k];
+    const PieceRef* m1 = g.mem.data() + g.mem_off[k + 1];
+    if (GroupContains(c, rank, box)) {
+      out->refs.insert(out->refs.end(), m0, m1);
+      ++contributing;
+    } else if (GroupOverlaps(c, rank, box)) {
+      return absl::InternalError(absl::StrCat("fragment signature collision on tensor ", ts.name, " box ",
+                                              BoxToString(box), " (", PieceName(p, *m0), ")"));
+    }
+  }
+  if (contributing > 1) {
+    std::sort(out->refs.begin() + first, out->refs.end(), [](const PieceRef& a, const PieceRef& b) {
+      return a.worker != b.worker ? a.worker < b.worker : a.piece < b.piece;
+    });
+  }
+  if (!meter.Charge(static_cast<int64_t>(g.active.size() + (out->refs.size() - first)))) {
+    return meter.Exhausted(ts, "", "testing the candidate holders and needers of its fragments");
+  }
+  return absl::OkStatus();
+}
+
+// Files fragment `f` of tensor t (its box and bytes set): its holders and needers by exact
+// containment among the sweep's active groups, split into pieces of at most `max_fragment_bytes`
+// when that is set.
+absl::Status EmitFragment(const Problem& p, size_t t, Fragment f, int64_t max_fragment_bytes,
+                          const FragmentOptions& options, WorkMeter& meter, Scratch& s, FragmentSet* out) {
+  const TensorSpec& ts = p.inventory.tensors[t];
+  const size_t rank = ts.shape.size();
   f.src_begin = static_cast<uint32_t>(out->refs.size());
-  if (auto st = collect(ix.srcs, ix.src_off[t], ix.src_off[t + 1]); !st.ok()) return st;
+  RETURN_IF_ERROR(CollectHolders(p, s.src, rank, f.box, ts, meter, out));
   f.src_end = static_cast<uint32_t>(out->refs.size());
   f.dst_begin = f.src_end;
-  if (auto st = collect(ix.dsts, ix.dst_off[t], ix.dst_off[t + 1]); !st.ok()) return st;
+  RETURN_IF_ERROR(CollectHolders(p, s.dst, rank, f.box, ts, meter, out));
   f.dst_end = static_cast<uint32_t>(out->refs.size());
 
   if (max_fragment_bytes <= 0 || f.bytes <= max_fragment_bytes) {
@@ -288,6 +428,12 @@ absl::Status EmitFragment(const Problem& p, const PieceIndex& ix, size_t t, Frag
     const Piece& pc = p.workers[r.worker].layout.pieces[r.piece];
     if (pc.quant.has_value()) quantum = &pc.quant->block;
   }
+  // A tiny grain (a tiny staging budget) must not turn one box into billions of chunks unnoticed.
+  int64_t extent = 1;  // of the dim SplitBox cuts: it makes at most that many chunks
+  for (size_t d = 0; d < rank && extent <= 1; ++d) extent = f.box.end[d] - f.box.begin[d];
+  if (!meter.Charge(std::min(n, extent))) {
+    return meter.Exhausted(ts, "", absl::StrCat("splitting fragments at a grain of ", max_fragment_bytes, " bytes"));
+  }
   const int64_t esize = DTypeSize(ts.dtype);
   for (Box& b : SplitBox(f.box, n, quantum)) {
     Fragment g = f;
@@ -298,11 +444,13 @@ absl::Status EmitFragment(const Problem& p, const PieceIndex& ix, size_t t, Frag
   return absl::OkStatus();
 }
 
-// Greedy merge of tensor t's equal-signature cells (BuildGrid) into boxes, row-major: each box
-// grows along the last dimension first, then the earlier ones, while every cell it takes in is
-// unassigned, needed and of the same signature.
-absl::Status MergeCells(const Problem& p, const PieceIndex& ix, size_t t, int64_t cells, int64_t max_fragment_bytes,
-                        const FragmentOptions& options, Scratch& s, FragmentSet* out) {
+// Greedy merge of tensor t's cells (BuildGrid) of equal signature and equal group counts into
+// boxes, row-major: each box grows along the last dimension first, then the earlier ones, while
+// every cell it takes in is unassigned, needed and alike. Equal counts make the holders exact
+// (CollectHolders): every cell of a box is covered by the groups covering its first cell, which
+// contain the box, and by no others.
+absl::Status MergeCells(const Problem& p, size_t t, int64_t cells, int64_t max_fragment_bytes,
+                        const FragmentOptions& options, WorkMeter& meter, Scratch& s, FragmentSet* out) {
   const TensorSpec& ts = p.inventory.tensors[t];
   const size_t rank = ts.shape.size();
   std::vector<int64_t>& idx = s.idx;
@@ -330,6 +478,7 @@ absl::Status MergeCells(const Problem& p, const PieceIndex& ix, size_t t, int64_
                                                         " is needed by a destination but held by no source"));
     }
     const uint64_t sa = s.sig_a[c], sb = s.sig_b[c];
+    const int32_t sn = s.scount[c], dn = s.dcount[c];
     for (size_t d = 0; d < rank; ++d) ext[d] = 1;
     for (size_t d = rank; d-- > 0;) {
       while (idx[d] + ext[d] < s.dims[d]) {
@@ -340,8 +489,8 @@ absl::Status MergeCells(const Problem& p, const PieceIndex& ix, size_t t, int64_
         slab_lo[d] = idx[d] + ext[d];
         slab_hi[d] = slab_lo[d] + 1;
         bool ok = true;
-        ForEachCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) {
-          if (s.assigned[x] || s.dcount[x] == 0 || s.sig_a[x] != sa || s.sig_b[x] != sb) ok = false;
+        ForEachGridCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) {
+          if (s.assigned[x] || s.dcount[x] != dn || s.scount[x] != sn || s.sig_a[x] != sa || s.sig_b[x] != sb) ok = false;
         });
         if (!ok) break;
         ++ext[d];
@@ -351,7 +500,7 @@ absl::Status MergeCells(const Problem& p, const PieceIndex& ix, size_t t, int64_
       slab_lo[e] = idx[e];
       slab_hi[e] = idx[e] + ext[e];
     }
-    ForEachCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) { s.assigned[x] = 1; });
+    ForEachGridCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) { s.assigned[x] = 1; });
 
     Fragment f;
     f.tensor = static_cast<int32_t>(t);
@@ -362,7 +511,13 @@ absl::Status MergeCells(const Problem& p, const PieceIndex& ix, size_t t, int64_
       f.box.end[d] = s.bp[d][idx[d] + ext[d]];
     }
     f.bytes = BoxVolume(f.box) * DTypeSize(ts.dtype);
-    if (absl::Status st = EmitFragment(p, ix, t, std::move(f), max_fragment_bytes, options, out); !st.ok()) return st;
+    const int64_t row = rank > 0 ? idx[0] : 0;
+    if (row != s.row) {
+      SweepTo(s.src, rank, row);
+      SweepTo(s.dst, rank, row);
+      s.row = row;
+    }
+    RETURN_IF_ERROR(EmitFragment(p, t, std::move(f), max_fragment_bytes, options, meter, s, out));
   }
   return absl::OkStatus();
 }
@@ -378,13 +533,17 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
     const int64_t grain = out.total_dst_bytes / (options.auto_grain_slots * 64);
     max_fragment_bytes = std::max<int64_t>(std::min(std::max(grain, int64_t{4} << 20), options.auto_grain_cap), 1);
   }
+  int64_t pieces = 0;
+  for (const Worker& w : p.workers) pieces += static_cast<int64_t>(w.layout.pieces.size());
+  WorkMeter meter(options.work_budget > 0 ? options.work_budget : FragmentWorkBudget(pieces));
   Scratch s;
   for (size_t t = 0; t < p.inventory.tensors.size(); ++t) {
     if (ix.dst_off[t] == ix.dst_off[t + 1]) continue;
-    absl::StatusOr<int64_t> cells = BuildGrid(p, ix, t, s);
+    absl::StatusOr<int64_t> cells = BuildGrid(p, ix, t, meter, s);
     if (!cells.ok()) return cells.status();
-    if (absl::Status st = MergeCells(p, ix, t, *cells, max_fragment_bytes, options, s, &out); !st.ok()) return st;
+    RETURN_IF_ERROR(MergeCells(p, t, *cells, max_fragment_bytes, options, meter, s, &out));
   }
+  out.work = meter.used();
   return out;
 }
 

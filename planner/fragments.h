@@ -8,8 +8,14 @@
 // Construction is per tensor: the breakpoints of all boxes of that tensor form a grid; grid cells
 // are labelled by a 128-bit signature of the covering pieces; equal-signature cells are merged
 // greedily into maximal boxes; membership is then recomputed exactly by containment (a signature
-// collision is detected, not trusted). Cost is linear in (pieces x cells they cover), never
-// per element, and independent tensors never meet (no O(n^2) over the model).
+// collision is detected, not trusted). Cost is linear in (distinct boxes x cells they cover),
+// never per element, and independent tensors never meet (no O(n^2) over the model).
+//
+// Work bounds (docs/planner.md "Work bounds"): pieces are grouped by their box clipped to the
+// destinations' hull, so N copies of a box cost one grid walk; the work (cells walked, cells
+// merged, candidate holders tested, refs written, split chunks) is metered against
+// FragmentWorkBudget(pieces) and exceeding it is RESOURCE_EXHAUSTED, so a hostile layout cannot
+// keep the coordinator's planner thread busy for hours.
 
 #include <cstdint>
 #include <vector>
@@ -38,7 +44,20 @@ struct FragmentSet {
   std::vector<Fragment> fragments;  // tensor order, then row-major box order: deterministic
   std::vector<PieceRef> refs;       // pooled holder/needer lists
   int64_t total_dst_bytes = 0;      // sum over destination pieces of their bytes
+  int64_t work = 0;                 // work units spent (FragmentWorkBudget), for tests and benches
 };
+
+// Most grid cells one tensor's piece boundaries may form (scratch is a few bytes per cell).
+inline constexpr int64_t kMaxGridCells = int64_t{1} << 24;
+// Work budget of one BuildFragments call: kFragmentWorkBase + kFragmentWorkPerPiece per piece
+// (trainer and rollout pieces together). A unit is one grid cell walked or merged, one candidate
+// box tested against a fragment, one holder/needer ref written or one split chunk: a few ns each,
+// so the base alone is about a second of one core. Real layouts use well under 1% of it
+// (docs/planner.md "Work bounds" lists them); only layouts whose boxes overlap each other in ways
+// no framework produces get near it.
+inline constexpr int64_t kFragmentWorkBase = int64_t{1} << 28;
+inline constexpr int64_t kFragmentWorkPerPiece = 1024;
+inline int64_t FragmentWorkBudget(int64_t pieces) { return kFragmentWorkBase + kFragmentWorkPerPiece * pieces; }
 
 struct FragmentOptions {
   // Fragments larger than this are split along their first dimension of extent > 1 into
@@ -51,16 +70,57 @@ struct FragmentOptions {
   // Splits of a fragment whose (first) needer is a quantised piece cut on that piece's block grid
   // (sender-side quantisation: planner/sender_quant.h).
   bool align_splits_to_quant_blocks = false;
+  // > 0: the work budget instead of FragmentWorkBudget(pieces) (tests).
+  int64_t work_budget = 0;
 };
 
 // Builds the fragments of `problem`. Errors: INVALID_ARGUMENT when a piece names an unknown
 // tensor or has a box of the wrong rank / outside the tensor (naming worker, tensor and box);
-// FAILED_PRECONDITION when some destination element is held by no source (naming tensor and box).
+// FAILED_PRECONDITION when some destination element is held by no source (naming tensor and box);
+// RESOURCE_EXHAUSTED when a tensor's boundaries form more than kMaxGridCells cells or the work
+// budget (FragmentWorkBudget, or options.work_budget when > 0) runs out (naming the tensor, the
+// worker when one piece is to blame, and the budget).
+//
+// Holders: a worker holding several pieces with the same box (clipped to the destinations' hull)
+// is listed once per fragment, with its lowest-indexed such piece (one GPU, one choice); distinct
+// workers holding the same box all stay holders (alternative senders for load balancing).
+// Needers are never merged: every destination piece gets its own ref.
 absl::StatusOr<FragmentSet> BuildFragments(const Problem& problem, const FragmentOptions& options);
 
 // Splits a fragment box into `n` near-equal chunks along its first dimension of extent > 1.
 // With `quantum` (elements per block, per dim) and a box starting on a multiple of it in the
 // split dim, every cut lies on a multiple (fewer chunks when the box has fewer blocks).
 std::vector<Box> SplitBox(const Box& box, int64_t n, const std::vector<int64_t>* quantum = nullptr);
+
+// Calls fn(cell_index) for every cell of the index box [lo, hi) of a row-major grid with `dims`
+// (rank <= 16), in increasing cell order. Shared with ValidateCoverage (planner/validate.cc).
+template <typename Fn>
+void ForEachGridCell(const std::vector<int64_t>& dims, const int64_t* lo, const int64_t* hi, Fn&& fn) {
+  const size_t rank = dims.size();
+  for (size_t d = 0; d < rank; ++d) {
+    if (lo[d] >= hi[d]) return;
+  }
+  if (rank == 0) {
+    fn(int64_t{0});
+    return;
+  }
+  int64_t idx[16];
+  for (size_t d = 0; d < rank; ++d) idx[d] = lo[d];
+  while (true) {
+    int64_t c = 0;
+    for (size_t d = 0; d < rank; ++d) c = c * dims[d] + idx[d];
+    // The last dimension is contiguous in cell order.
+    const int64_t run = hi[rank - 1] - lo[rank - 1];
+    for (int64_t k = 0; k < run; ++k) fn(c + k);
+    if (rank == 1) return;
+    size_t d = rank - 2;
+    while (true) {
+      if (++idx[d] < hi[d]) break;
+      idx[d] = lo[d];
+      if (d == 0) return;
+      --d;
+    }
+  }
+}
 
 }  // namespace wb::planner

@@ -96,5 +96,102 @@ TEST(FragmentsTest, MissingSourceNamesTensorAndBox) {
   EXPECT_NE(fs.status().message().find("tensor w box [0:4, 2:4]"), std::string::npos) << fs.status();
 }
 
+Problem F32Tensor(int64_t n) {
+  Problem p;
+  p.inventory.tensors.push_back(TensorSpec{"w", {n, n}, DType::kF32});
+  return p;
+}
+
+// One-element boxes on the diagonal every 4 elements: 2 grid breakpoints each per dim.
+std::vector<Box> Diagonal(int64_t count) {
+  std::vector<Box> out;
+  for (int64_t i = 0; i < count; ++i) out.push_back(Box{{4 * i, 4 * i}, {4 * i + 1, 4 * i + 1}});
+  return out;
+}
+
+TEST(FragmentsTest, DuplicateSourceBoxesCostOneWalkAndStayAlternativeSenders) {
+  // Security review, variant A: the diagonal makes a 2049 x 2049-cell grid and 32768 copies of the
+  // full box on one trainer would each walk all of it (~3 min before grouping). Grouped: one walk.
+  Problem p = F32Tensor(4096);
+  std::vector<Box> hostile = Diagonal(1024);
+  for (int i = 0; i < 32768; ++i) hostile.push_back(FullBox({4096, 4096}));
+  Add(p, Role::kTrainer, hostile);
+  Add(p, Role::kTrainer, {FullBox({4096, 4096}), FullBox({4096, 4096})});  // another worker, twice
+  Add(p, Role::kRollout, {FullBox({4096, 4096})});
+  auto fs = BuildFragments(p, {});
+  ASSERT_TRUE(fs.ok()) << fs.status();
+  EXPECT_LT(fs->work, int64_t{3} * 2049 * 2049 + 64 * 1024 * 1024);
+  int64_t total = 0;
+  for (const Fragment& f : fs->fragments) {
+    total += BoxVolume(f.box);
+    // Each worker once (its lowest full-box piece, or its diagonal piece), in worker order.
+    ASSERT_EQ(f.src_end - f.src_begin, BoxVolume(f.box) == 1 && f.box.begin[0] % 4 == 0 ? 3u : 2u)
+        << BoxToString(f.box);
+    const PieceRef a = fs->refs[f.src_begin];
+    const PieceRef b = fs->refs[f.src_end - 1];
+    EXPECT_EQ(a.worker, 0);
+    EXPECT_EQ(b.worker, 1);
+    EXPECT_EQ(b.piece, 0);
+    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
+      const PieceRef r = fs->refs[k];
+      EXPECT_TRUE(BoxContains(p.workers[r.worker].layout.pieces[r.piece].box, f.box));
+      if (r.worker == 0 && r.piece >= 1024) {
+        EXPECT_EQ(r.piece, 1024);  // the first full-box copy
+      }
+    }
+    ASSERT_EQ(f.dst_end - f.dst_begin, 1u);
+  }
+  EXPECT_EQ(total, int64_t{4096} * 4096);
+}
+
+TEST(FragmentsTest, DistinctOverlappingSourceBoxesExhaustTheWorkBudget) {
+  // 1024 distinct boxes that each cover nearly all 2049 x 3073 cells: ~6.4e9 cells to walk (the
+  // old code walked them, seconds to minutes). Charged before walking: an error at once.
+  Problem p = F32Tensor(4096);
+  std::vector<Box> hostile = Diagonal(1024);
+  for (int64_t k = 0; k < 1024; ++k) hostile.push_back(Box{{0, 0}, {4096, 4096 - 2 * k - 2}});
+  hostile.push_back(FullBox({4096, 4096}));
+  Add(p, Role::kTrainer, hostile);
+  Add(p, Role::kRollout, {FullBox({4096, 4096})});
+  auto fs = BuildFragments(p, {});
+  ASSERT_FALSE(fs.ok());
+  EXPECT_EQ(fs.status().code(), absl::StatusCode::kResourceExhausted) << fs.status();
+  EXPECT_NE(fs.status().message().find("tensor w (largest box: worker t0 piece "), std::string::npos) << fs.status();
+  EXPECT_NE(fs.status().message().find(absl::StrCat("work budget of ", FragmentWorkBudget(2050))), std::string::npos)
+      << fs.status();
+}
+
+TEST(FragmentsTest, ManyCandidateHoldersPerFragmentExhaustTheWorkBudget) {
+  // Row strips and column strips: every cell is its own fragment (4M) and each row has 2048 + 1
+  // candidate groups: ~1.7e10 holder tests, counted as they happen.
+  Problem p = F32Tensor(2048);
+  std::vector<Box> hostile;
+  for (int64_t i = 0; i < 2048; ++i) {
+    hostile.push_back(Box{{i, 0}, {i + 1, 2048}});
+    hostile.push_back(Box{{0, i}, {2048, i + 1}});
+  }
+  Add(p, Role::kTrainer, hostile);
+  Add(p, Role::kRollout, {FullBox({2048, 2048})});
+  auto fs = BuildFragments(p, {});
+  ASSERT_FALSE(fs.ok());
+  EXPECT_EQ(fs.status().code(), absl::StatusCode::kResourceExhausted) << fs.status();
+  EXPECT_NE(fs.status().message().find("tensor w: testing the candidate holders"), std::string::npos) << fs.status();
+}
+
+TEST(FragmentsTest, WorkBudgetOptionAndSmallProblemsStayFarBelowIt) {
+  Problem p = Tensor(64, 64);
+  for (int i = 0; i < 4; ++i) Add(p, Role::kTrainer, {Box{{16 * i, 0}, {16 * i + 16, 64}}});
+  for (int i = 0; i < 8; ++i) Add(p, Role::kRollout, {Box{{0, 8 * i}, {64, 8 * i + 8}}});
+  auto fs = BuildFragments(p, {});
+  ASSERT_TRUE(fs.ok()) << fs.status();
+  EXPECT_GT(fs->work, 0);
+  EXPECT_LT(fs->work, 1000);
+  FragmentOptions tight;
+  tight.work_budget = fs->work - 1;
+  EXPECT_EQ(BuildFragments(p, tight).status().code(), absl::StatusCode::kResourceExhausted);
+  tight.work_budget = fs->work;
+  EXPECT_TRUE(BuildFragments(p, tight).ok());
+}
+
 }  // namespace
 }  // namespace wb::planner

@@ -29,7 +29,9 @@
 //
 // Errors: INVALID_ARGUMENT for malformed pieces, FAILED_PRECONDITION when a destination element has
 // no source (both name the tensor and the box), INVALID_ARGUMENT for a non-positive budget or
-// bandwidth.
+// bandwidth, RESOURCE_EXHAUSTED (naming the tensor and the budget) when the pieces' boxes overlap
+// so much that building fragments would pass its work budget (planner/fragments.h
+// FragmentWorkBudget; docs/planner.md "Work bounds").
 
 #include <cstdint>
 

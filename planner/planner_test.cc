@@ -215,6 +215,51 @@ TEST(PlannerTest, UncoveredDestinationIsAnErrorNamingTheTensor) {
   EXPECT_NE(plan.status().message().find("tensor w box [4:8, 0:8]"), std::string::npos) << plan.status();
 }
 
+TEST(PlannerTest, DuplicatedSourceBoxesPlanQuicklyAndEveryHolderStaysASender) {
+  // Security review, variant A: a trainer with a diagonal of one-element pieces (a 2049^2-cell
+  // grid) and 32768 copies of the full box (~3 min of grid walks before grouping identical boxes).
+  Problem p;
+  p.inventory.tensors.push_back(TensorSpec{"w", {4096, 4096}, DType::kF32});
+  std::vector<std::pair<int, Box>> hostile;
+  for (int64_t i = 0; i < 1024; ++i) hostile.push_back({0, B({4 * i, 4 * i}, {4 * i + 1, 4 * i + 1})});
+  for (int i = 0; i < 32768; ++i) hostile.push_back({0, FullBox({4096, 4096})});
+  AddWorker(p, Role::kTrainer, 0, 0, hostile);
+  AddWorker(p, Role::kTrainer, 0, 1, {{0, FullBox({4096, 4096})}});
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({4096, 4096})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  EXPECT_EQ(plan->stats.redundant_bytes, 0);
+  std::map<int, int64_t> sent;
+  int64_t bytes = 0;
+  for (const TransferOp* op : AllOps(*plan)) {
+    const Box& src = p.workers[op->src_worker].layout.pieces[op->src_piece].box;
+    ASSERT_TRUE(BoxContains(src, op->box)) << BoxToString(op->box);
+    EXPECT_TRUE(op->src_piece < 1025 || op->src_worker != 0) << op->src_piece;  // first full copy
+    sent[op->src_worker] += op->bytes;
+    bytes += op->bytes;
+  }
+  EXPECT_EQ(bytes, int64_t{4096} * 4096 * 4);
+  EXPECT_GT(sent[0], bytes / 4);  // both holders send: duplicates did not hide the other worker
+  EXPECT_GT(sent[1], bytes / 4);
+}
+
+TEST(PlannerTest, OverlappingSourceBoxesPastTheWorkBudgetAreResourceExhausted) {
+  // 1024 distinct boxes each covering nearly the whole 2049 x 3073-cell grid: refused before walking.
+  Problem p;
+  p.inventory.tensors.push_back(TensorSpec{"w", {4096, 4096}, DType::kF32});
+  std::vector<std::pair<int, Box>> hostile;
+  for (int64_t i = 0; i < 1024; ++i) hostile.push_back({0, B({4 * i, 4 * i}, {4 * i + 1, 4 * i + 1})});
+  for (int64_t k = 0; k <= 1024; ++k) hostile.push_back({0, B({0, 0}, {4096, 4096 - 2 * k})});
+  AddWorker(p, Role::kTrainer, 0, 0, hostile);
+  AddWorker(p, Role::kRollout, 1, 0, {{0, FullBox({4096, 4096})}});
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  EXPECT_NE(plan.status().message().find("tensor w (largest box: worker trainer/0 piece 1024)"), std::string::npos)
+      << plan.status();
+}
+
 TEST(PlannerTest, BadBoxIsInvalidArgument) {
   Problem p = OneTensor(8, 8);
   AddWorker(p, Role::kTrainer, 0, 0, {{0, B({0, 0}, {9, 8})}});

@@ -1,12 +1,14 @@
 #include "planner/validate.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
+#include "planner/fragments.h"
 #include "planner/quantized.h"
 #include "base/status_macros.h"
 
@@ -237,79 +239,216 @@ absl::Status ValidateLayout(const Inventory& inv, const WorkerLayout& layout, Ro
 
 namespace {
 
-// Appends (rem - cut) to `out` (rem and cut intersect in `in`).
-void Subtract(Box rem, const Box& in, std::vector<Box>& out) {
-  for (size_t d = 0; d < rem.begin.size(); ++d) {
-    if (rem.begin[d] < in.begin[d]) {
-      Box b = rem;
-      b.end[d] = in.begin[d];
-      out.push_back(std::move(b));
-      rem.begin[d] = in.begin[d];
+// One piece of one worker (messages name both).
+struct PieceAt {
+  const Worker* worker;
+  size_t index;
+  const Piece& piece() const { return worker->layout.pieces[index]; }
+};
+
+struct CoverageScratch {
+  std::vector<std::vector<int64_t>> bp;
+  std::vector<int64_t> dims, hull_lo, hull_hi, clip, lo, hi;
+  std::vector<uint32_t> order;
+  std::vector<uint8_t> covered;
+};
+
+// Clips `boxes` to the hull (flat: rank begins, rank ends each, into s.clip) and returns the
+// indices of the distinct non-empty ones, each the first of its equals in `boxes` order.
+std::vector<uint32_t> DistinctClipped(const std::vector<PieceAt>& boxes, size_t rank, CoverageScratch& s) {
+  const size_t w = 2 * rank;
+  s.clip.resize(boxes.size() * w);
+  s.order.clear();
+  for (size_t k = 0; k < boxes.size(); ++k) {
+    const Box& b = boxes[k].piece().box;
+    int64_t* c = s.clip.data() + k * w;
+    bool empty = false;
+    for (size_t d = 0; d < rank; ++d) {
+      c[d] = std::max(b.begin[d], s.hull_lo[d]);
+      c[rank + d] = std::min(b.end[d], s.hull_hi[d]);
+      empty = empty || c[d] >= c[rank + d];
     }
-    if (in.end[d] < rem.end[d]) {
-      Box b = rem;
-      b.begin[d] = in.end[d];
-      out.push_back(std::move(b));
-      rem.end[d] = in.end[d];
+    if (!empty) s.order.push_back(static_cast<uint32_t>(k));
+  }
+  auto box_of = [&](uint32_t k) { return s.clip.data() + size_t{k} * w; };
+  std::sort(s.order.begin(), s.order.end(), [&](uint32_t x, uint32_t y) {
+    for (size_t i = 0; i < w; ++i) {
+      if (box_of(x)[i] != box_of(y)[i]) return box_of(x)[i] < box_of(y)[i];
+    }
+    return x < y;
+  });
+  std::vector<uint32_t> distinct;
+  for (size_t i = 0; i < s.order.size(); ++i) {
+    if (i == 0 || !std::equal(box_of(s.order[i]), box_of(s.order[i]) + w, box_of(s.order[i - 1]))) {
+      distinct.push_back(s.order[i]);
     }
   }
+  return distinct;
 }
 
-bool BoxLess(const Box& a, const Box& b) {
-  if (a.begin != b.begin) return a.begin < b.begin;
-  return a.end < b.end;
+// Grid index range of clipped box k (s.clip) into s.lo / s.hi; returns the cells it covers.
+int64_t IndexRange(uint32_t k, size_t rank, CoverageScratch& s) {
+  const int64_t* c = s.clip.data() + size_t{k} * 2 * rank;
+  int64_t vol = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    const auto& bp = s.bp[d];
+    s.lo[d] = std::lower_bound(bp.begin(), bp.end(), c[d]) - bp.begin();
+    s.hi[d] = std::lower_bound(bp.begin(), bp.end(), c[rank + d]) - bp.begin();
+    vol *= s.hi[d] - s.lo[d];
+  }
+  return vol;
+}
+
+// Tensor t's grid: breakpoints of the needed boxes and of the held boxes inside their hull. Returns
+// the number of cells, RESOURCE_EXHAUSTED past kMaxGridCells.
+absl::StatusOr<int64_t> CoverageGrid(const TensorSpec& ts, const std::vector<PieceAt>& held,
+                                     const std::vector<PieceAt>& needed, CoverageScratch& s) {
+  const size_t rank = ts.shape.size();
+  s.bp.resize(rank);
+  s.hull_lo.assign(rank, std::numeric_limits<int64_t>::max());
+  s.hull_hi.assign(rank, std::numeric_limits<int64_t>::min());
+  for (size_t d = 0; d < rank; ++d) s.bp[d].clear();
+  for (const PieceAt& n : needed) {
+    const Box& b = n.piece().box;
+    for (size_t d = 0; d < rank; ++d) {
+      s.hull_lo[d] = std::min(s.hull_lo[d], b.begin[d]);
+      s.hull_hi[d] = std::max(s.hull_hi[d], b.end[d]);
+      s.bp[d].push_back(b.begin[d]);
+      s.bp[d].push_back(b.end[d]);
+    }
+  }
+  for (const PieceAt& h : held) {
+    const Box& b = h.piece().box;
+    for (size_t d = 0; d < rank; ++d) {
+      if (b.begin[d] > s.hull_lo[d] && b.begin[d] < s.hull_hi[d]) s.bp[d].push_back(b.begin[d]);
+      if (b.end[d] > s.hull_lo[d] && b.end[d] < s.hull_hi[d]) s.bp[d].push_back(b.end[d]);
+    }
+  }
+  s.dims.assign(rank, 0);
+  int64_t cells = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    auto& v = s.bp[d];
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    s.dims[d] = std::max<int64_t>(static_cast<int64_t>(v.size()) - 1, 0);
+    cells *= s.dims[d];
+    if (cells > kMaxGridCells) {
+      return absl::ResourceExhaustedError(absl::StrCat("tensor `", ts.name, "`: piece boundaries form more than 2^24 grid cells"));
+    }
+  }
+  s.lo.resize(rank);
+  s.hi.resize(rank);
+  return cells;
+}
+
+// Checks one tensor: every cell of a distinct needed box lies in a held box. Charges `work` (cells,
+// then the distinct boxes' walks, before walking) against `budget`.
+absl::Status CoverTensor(const Inventory& inv, const TensorSpec& ts, const std::vector<PieceAt>& held,
+                         const std::vector<PieceAt>& needed, int64_t budget, int64_t* work, CoverageScratch& s) {
+  const size_t rank = ts.shape.size();
+  if (rank > 16) return absl::InvalidArgumentError(absl::StrCat("tensor `", ts.name, "` has rank ", rank, " (at most 16)"));
+  ASSIGN_OR_RETURN(const int64_t cells, CoverageGrid(ts, held, needed, s));
+  const std::vector<uint32_t> held_boxes = DistinctClipped(held, rank, s);
+  std::vector<int64_t> held_clip = s.clip;  // DistinctClipped below reuses s.clip
+  int64_t walk = cells, most = -1;
+  uint32_t largest = 0;
+  for (uint32_t k : held_boxes) {
+    const int64_t* c = held_clip.data() + size_t{k} * 2 * rank;
+    int64_t vol = 1;
+    for (size_t d = 0; d < rank; ++d) {
+      vol *= (std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[rank + d]) -
+              std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[d]));
+    }
+    if (vol > most) {
+      most = vol;
+      largest = k;
+    }
+    walk += vol;
+  }
+  const std::vector<uint32_t> needed_boxes = DistinctClipped(needed, rank, s);
+  for (uint32_t k : needed_boxes) walk += IndexRange(k, rank, s);
+  if (__builtin_add_overflow(*work, walk, work) || *work > budget) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tensor `", ts.name, "`", held_boxes.empty() ? "" : " (largest source box: ",
+        held_boxes.empty() ? "" : Where(held[largest].worker->id, inv, held[largest].piece(), held[largest].index),
+        held_boxes.empty() ? "" : ")", ": checking coverage of ", needed_boxes.size(), " distinct boxes by ",
+        held_boxes.size(), " distinct source boxes over ", walk, " cells exceeds the work budget of ", budget,
+        " units (docs/planner.md \"Work bounds\")"));
+  }
+  s.covered.assign(cells, 0);
+  for (uint32_t k : held_boxes) {
+    const int64_t* c = held_clip.data() + size_t{k} * 2 * rank;
+    for (size_t d = 0; d < rank; ++d) {
+      s.lo[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[d]) - s.bp[d].begin();
+      s.hi[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[rank + d]) - s.bp[d].begin();
+    }
+    ForEachGridCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t x) { s.covered[x] = 1; });
+  }
+  // Report the first uncovered piece in destination order (needed_boxes are the first of equals).
+  uint32_t bad = std::numeric_limits<uint32_t>::max();
+  int64_t bad_cell = -1;
+  for (uint32_t k : needed_boxes) {
+    if (k > bad) continue;
+    IndexRange(k, rank, s);
+    int64_t first = -1;
+    ForEachGridCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t x) {
+      if (first < 0 && !s.covered[x]) first = x;
+    });
+    if (first >= 0) {
+      bad = k;
+      bad_cell = first;
+    }
+  }
+  if (bad_cell < 0) return absl::OkStatus();
+  Box cell;
+  for (size_t d = rank; d-- > 0;) {
+    const int64_t i = bad_cell % s.dims[d];
+    bad_cell /= s.dims[d];
+    cell.begin.insert(cell.begin.begin(), s.bp[d][i]);
+    cell.end.insert(cell.end.begin(), s.bp[d][i + 1]);
+  }
+  const PieceAt& n = needed[bad];
+  return absl::InvalidArgumentError(
+      absl::StrCat(Where(n.worker->id, inv, n.piece(), n.index), ": elements ", BoxToString(cell), " are held by no source"));
 }
 
 }  // namespace
 
 absl::Status ValidateCoverage(const Inventory& inv, const std::vector<const Worker*>& sources,
-                              const std::vector<const Worker*>& destinations) {
+                              const std::vector<const Worker*>& destinations, int64_t work_budget) {
   const size_t nt = inv.tensors.size();
-  std::vector<std::vector<Box>> held(nt);
+  std::vector<std::vector<PieceAt>> held(nt), needed(nt);
+  int64_t pieces = 0;
   for (const Worker* w : sources) {
-    for (const Piece& p : w->layout.pieces) {
-      if (p.tensor >= 0 && static_cast<size_t>(p.tensor) < nt) held[p.tensor].push_back(p.box);
+    for (size_t i = 0; i < w->layout.pieces.size(); ++i) {
+      const Piece& p = w->layout.pieces[i];
+      ++pieces;
+      // Malformed sources hold nothing (layouts are validated before; this keeps the grid in range).
+      if (p.tensor < 0 || static_cast<size_t>(p.tensor) >= nt) continue;
+      const size_t rank = inv.tensors[p.tensor].shape.size();
+      if (p.box.begin.size() == rank && p.box.end.size() == rank) held[p.tensor].push_back({w, i});
     }
   }
-  for (auto& boxes : held) {
-    std::sort(boxes.begin(), boxes.end(), BoxLess);
-    boxes.erase(std::unique(boxes.begin(), boxes.end(), BoxEqual), boxes.end());
-  }
-  std::vector<Box> rem, next;
   for (const Worker* w : destinations) {
     for (size_t i = 0; i < w->layout.pieces.size(); ++i) {
       const Piece& p = w->layout.pieces[i];
+      ++pieces;
       if (p.tensor < 0 || static_cast<size_t>(p.tensor) >= nt) {
         return absl::InvalidArgumentError(absl::StrCat(Where(w->id, inv, p, i), ": no such tensor"));
       }
-      const std::vector<Box>& src = held[p.tensor];
-      bool covered = false;
-      for (const Box& s : src) {
-        if (BoxContains(s, p.box)) {
-          covered = true;
-          break;
-        }
+      const size_t rank = inv.tensors[p.tensor].shape.size();
+      if (p.box.begin.size() != rank || p.box.end.size() != rank) {
+        return absl::InvalidArgumentError(absl::StrCat(Where(w->id, inv, p, i), ": rank mismatch"));
       }
-      if (covered) continue;
-      rem.assign(1, p.box);
-      for (const Box& s : src) {
-        if (rem.empty()) break;
-        next.clear();
-        for (const Box& r : rem) {
-          std::optional<Box> in = Intersect(r, s);
-          if (!in) {
-            next.push_back(r);
-          } else {
-            Subtract(r, *in, next);
-          }
-        }
-        std::swap(rem, next);
-      }
-      if (!rem.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(Where(w->id, inv, p, i), ": elements ",
-                                                       BoxToString(rem[0]), " are held by no source"));
-      }
+      needed[p.tensor].push_back({w, i});
     }
+  }
+  const int64_t budget = work_budget > 0 ? work_budget : CoverageWorkBudget(pieces);
+  int64_t work = 0;
+  CoverageScratch s;
+  for (size_t t = 0; t < nt; ++t) {
+    if (needed[t].empty()) continue;
+    RETURN_IF_ERROR(CoverTensor(inv, inv.tensors[t], held[t], needed[t], budget, &work, s));
   }
   return absl::OkStatus();
 }

@@ -142,6 +142,63 @@ TEST(ValidateCoverage, UnionOfSourcesAndMissingElements) {
   ExpectError(ValidateCoverage(inv, {&s0}, {&d3}), "b.bias");
 }
 
+Worker Boxes(const std::string& id, Role role, int32_t tensor, const std::vector<Box>& boxes) {
+  std::vector<Piece> pieces;
+  for (const Box& b : boxes) pieces.push_back(P(tensor, b, 0, {b.end[1] - b.begin[1], 1}));
+  return W(id, role, std::move(pieces));
+}
+
+TEST(ValidateCoverage, DiagonalSourcesAreRefusedAtOnce) {
+  // Security review, variant B: 16384 one-element sources on the diagonal of [65536, 65536], the
+  // destination holding it all (box subtraction took 24 s). Their boundaries form 32769^2 cells.
+  Inventory inv;
+  inv.tensors.push_back({"big", {65536, 65536}, DType::kF32});
+  std::vector<Box> diag;
+  for (int64_t i = 0; i < 16384; ++i) diag.push_back(Box{{4 * i, 4 * i}, {4 * i + 1, 4 * i + 1}});
+  Worker s = Boxes("trainer/0", Role::kTrainer, 0, diag);
+  Worker d = Boxes("rollout/0", Role::kRollout, 0, {FullBox({65536, 65536})});
+  absl::Status st = ValidateCoverage(inv, {&s}, {&d});
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("tensor `big`"), std::string::npos) << st;
+}
+
+TEST(ValidateCoverage, OverlappingSourceBoxesPastTheWorkBudgetAreRefused) {
+  // 2047 diagonal sources make 4095^2 cells; 64 distinct boxes each covering nearly all of them
+  // would walk ~1e9 cells, past the budget: refused before walking, naming the largest box.
+  Inventory inv;
+  inv.tensors.push_back({"w", {8192, 8192}, DType::kF32});
+  std::vector<Box> boxes;
+  for (int64_t i = 0; i < 2047; ++i) boxes.push_back(Box{{4 * i, 4 * i}, {4 * i + 1, 4 * i + 1}});
+  for (int64_t k = 0; k < 64; ++k) boxes.push_back(Box{{0, 0}, {8192, 8192 - 4 * k}});
+  Worker s = Boxes("trainer/0", Role::kTrainer, 0, boxes);
+  Worker d = Boxes("rollout/0", Role::kRollout, 0, {FullBox({8192, 8192})});
+  absl::Status st = ValidateCoverage(inv, {&s}, {&d});
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("tensor `w` (largest source box: worker `trainer/0` piece 2047"), std::string::npos) << st;
+  EXPECT_NE(st.message().find(absl::StrCat("work budget of ", CoverageWorkBudget(2047 + 64 + 1))), std::string::npos) << st;
+  // The same boxes once each (one big box): a few cells per source, accepted.
+  boxes.resize(2048);
+  Worker s1 = Boxes("trainer/0", Role::kTrainer, 0, boxes);
+  EXPECT_TRUE(ValidateCoverage(inv, {&s1}, {&d}).ok());
+}
+
+TEST(ValidateCoverage, DuplicateBoxesAreCheckedOnceAndTheFirstUncoveredPieceIsNamed) {
+  Inventory inv;
+  inv.tensors.push_back({"w", {4096, 4096}, DType::kF32});
+  std::vector<Box> copies(20000, FullBox({4096, 4096}));
+  copies.push_back(Box{{0, 0}, {1, 1}});
+  Worker s = Boxes("trainer/0", Role::kTrainer, 0, copies);
+  Worker d = Boxes("rollout/0", Role::kRollout, 0, {FullBox({4096, 4096})});
+  EXPECT_TRUE(ValidateCoverage(inv, {&s}, {&d}).ok());
+  Worker half = Boxes("trainer/1", Role::kTrainer, 0, std::vector<Box>(20000, Box{{0, 0}, {4096, 2048}}));
+  Worker d1 = Boxes("rollout/1", Role::kRollout, 0, {Box{{0, 0}, {4096, 1024}}, Box{{1, 1000}, {3, 3000}}});
+  absl::Status st = ValidateCoverage(inv, {&half}, {&d, &d1});
+  ExpectError(st, "worker `rollout/0` piece 0");
+  ExpectError(st, "[0:1, 2048:3000] are held by no source");  // its first uncovered grid cell
+  EXPECT_TRUE(ValidateCoverage(inv, {&half}, {&d1}).code() == absl::StatusCode::kInvalidArgument);
+  ExpectError(ValidateCoverage(inv, {&half}, {&d1}), "worker `rollout/1` piece 1");
+}
+
 TEST(ValidateProblem, KimiK2SpecLayoutsAreValid) {
   auto c = ParseHfConfig(ReadTestdata("kimi-k2.json"));
   ASSERT_TRUE(c.ok());
