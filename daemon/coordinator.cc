@@ -45,7 +45,12 @@ grpc::Status Coordinator::WatchStatus(grpc::ServerContext* ctx, const pb::WatchS
                                       grpc::ServerWriter<pb::StatusResponse>* writer) {
   return ToGrpcStatus(core_.WatchStatus(
       *req, [writer](const pb::StatusResponse& s) { return writer->Write(s); },
-      [ctx] { return ctx != nullptr && ctx->IsCancelled(); }));
+      [ctx] { return ctx != nullptr && ctx->IsCancelled(); },
+      // A Write blocked on a client that stopped reading returns false once the call is cancelled
+      // (the core's watchdog calls this past the stream's deadline).
+      [ctx] {
+        if (ctx != nullptr) ctx->TryCancel();
+      }));
 }
 
 }  // namespace wb::daemon

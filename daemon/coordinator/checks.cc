@@ -59,17 +59,29 @@ absl::Status CheckRegisterNode(const pb::RegisterNodeRequest& req, int max_name_
   if (absl::Status s = CheckName("RegisterNode.node_id", req.node_id(), max_name_bytes); !s.ok()) return s;
   if (absl::Status s = CheckName("RegisterNode.address", req.address(), max_name_bytes); !s.ok()) return s;
   if (absl::Status s = CheckName("RegisterNode.data_address", req.data_address(), max_name_bytes, true); !s.ok()) return s;
-  constexpr int kMaxEntries = 1024;  // transports / lanes / NICs of one node
-  if (req.transport_instances_size() > kMaxEntries || req.data_nics_size() > kMaxEntries) {
-    return absl::InvalidArgumentError(absl::StrCat("RegisterNode: ", req.transport_instances_size(), " transport_instances and ",
-                                                   req.data_nics_size(), " data_nics, more than the limit of ", kMaxEntries));
+  if (req.transport_instances_size() > kMaxNodeTransportInstances) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterNode.transport_instances has ", req.transport_instances_size(),
+                                                   " entries, more than the limit of ", kMaxNodeTransportInstances,
+                                                   " (kMaxNodeTransportInstances)"));
   }
+  if (req.data_nics_size() > kMaxNodeDataNics) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterNode.data_nics has ", req.data_nics_size(),
+                                                   " entries, more than the limit of ", kMaxNodeDataNics, " (kMaxNodeDataNics)"));
+  }
+  // Sized here, not by CheckName: its message would name max_name_bytes, not this limit.
+  auto entry = [](absl::string_view field, absl::string_view value, bool allow_empty) {
+    if (value.size() > static_cast<size_t>(kMaxNodeEntryBytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " is ", value.size(), " bytes, more than the limit of ",
+                                                     kMaxNodeEntryBytes, " (kMaxNodeEntryBytes): ", EchoValue(value)));
+    }
+    return CheckName(field, value, kMaxNodeEntryBytes, allow_empty);
+  };
   for (const auto& [kind, instance] : req.transport_instances()) {
-    if (absl::Status s = CheckName("RegisterNode.transport_instances key", kind, max_name_bytes); !s.ok()) return s;
-    if (absl::Status s = CheckName("RegisterNode.transport_instances value", instance, max_name_bytes, true); !s.ok()) return s;
+    if (absl::Status s = entry("RegisterNode.transport_instances key", kind, false); !s.ok()) return s;
+    if (absl::Status s = entry("RegisterNode.transport_instances value", instance, true); !s.ok()) return s;
   }
   for (const std::string& nic : req.data_nics()) {
-    if (absl::Status s = CheckName("RegisterNode.data_nics", nic, max_name_bytes); !s.ok()) return s;
+    if (absl::Status s = entry("RegisterNode.data_nics", nic, false); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

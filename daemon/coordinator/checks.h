@@ -25,7 +25,17 @@ absl::Status CheckRole(absl::string_view field, int role);
 absl::Status CheckMode(absl::string_view field, int mode);
 absl::Status CheckStrategy(absl::string_view field, int strategy);
 
-// RegisterNodeRequest: node_id, address, data_address, transport instance names, data NICs.
+// What one node may register. Every StatusResponse (ClusterStatus, each WatchStatus message)
+// carries each node's transports and NICs, and the table keeps them: with 1,024 entries of 1 KiB
+// each (the old bound) a node added ~2 MiB to every status, and 3 such nodes put ClusterStatus past
+// a client's 4 MiB receive limit. A real node registers a few transport kinds plus one nccl lane
+// ("nccl/<device>") per GPU, 16-hex-digit instance ids, and an address per NIC.
+inline constexpr int kMaxNodeTransportInstances = 64;  // RegisterNodeRequest.transport_instances entries
+inline constexpr int kMaxNodeDataNics = 64;            // RegisterNodeRequest.data_nics entries
+inline constexpr int kMaxNodeEntryBytes = 256;         // each transport key / value and each NIC address
+
+// RegisterNodeRequest: node_id, address, data_address (max_name_bytes), transport_instances and
+// data_nics (the caps above). INVALID_ARGUMENT naming the field and the limit.
 absl::Status CheckRegisterNode(const ::weightbridge::v1::RegisterNodeRequest& req, int max_name_bytes);
 // JoinWorkerRequest: node_id, worker_id, model_id, role, and the model spec's enums if present.
 absl::Status CheckJoinWorker(const ::weightbridge::v1::JoinWorkerRequest& req, int max_name_bytes);

@@ -86,6 +86,9 @@ absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, p
   RETURN_IF_ERROR(CheckRegisterNode(req, options_.max_name_bytes));
   std::shared_ptr<NodeClient> client = options_.make_node_client(req.node_id(), req.address());
   absl::MutexLock l(&mu_);
+  if (nodes_.Find(req.node_id()) == nullptr && nodes_.size() >= static_cast<size_t>(std::max(0, options_.max_nodes))) {
+    RETURN_IF_ERROR(MakeRoomForNodeLocked(req.node_id()));
+  }
   const NodeTable::Registered reg = nodes_.Register(req, std::move(client), options_.clock->Now());
   if (reg.restarted) {
     // A restarted node: whatever its workers had registered is gone with the old process.
@@ -109,6 +112,44 @@ absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, p
   resp->set_incarnation(reg.incarnation);
   resp->set_coordinator_instance(instance_);
   wake_ = true;
+  StatusChangedLocked();
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorCore::MakeRoomForNodeLocked(const std::string& node_id) {
+  // What may refer to a node entry: workers (their node), a plan's nodes (commit / start work
+  // looks their clients up), a version in flight, a catch-up run, an owed commit (incarnation).
+  // A lost node's workers are dropped and its versions aborted when its lease runs out, so a lost
+  // node is normally free of all of them by the next re-plan.
+  std::set<std::string> used;
+  for (const PendingCommit& p : pending_commits_) used.insert(p.node);
+  for (auto& [mid, m] : models_) {
+    for (auto& [w, rec] : m.workers) used.insert(rec.node);
+    used.insert(m.plan.nodes.begin(), m.plan.nodes.end());
+    if (m.catch_up) used.insert(m.catch_up->nodes.begin(), m.catch_up->nodes.end());
+  }
+  const std::string* victim = nullptr;
+  absl::Time victim_expiry = absl::InfiniteFuture();
+  int lost = 0;
+  for (const auto& [id, n] : nodes_) {
+    if (n.alive) continue;
+    ++lost;
+    if (used.count(id) > 0 || n.lease_expiry >= victim_expiry) continue;
+    bool in_flight = false;
+    for (auto& [mid, m] : models_) in_flight = in_flight || m.machine->InFlightInvolves(id);
+    if (in_flight) continue;
+    victim = &id;
+    victim_expiry = n.lease_expiry;
+  }
+  if (victim == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("RegisterNode: node ", EchoValue(node_id), " refused: ", nodes_.size(),
+                                                     " nodes are registered, the limit (max_nodes) is ", options_.max_nodes, ", and ",
+                                                     lost == 0 ? "none is lost" : absl::StrCat("each of the ", lost, " lost ones still has workers, a plan or a version"),
+                                                     " (a lost node without them gives its place)"));
+  }
+  const std::string gone = *victim;
+  Log(LogLevel::kInfo, "lost node removed", {{"node", gone}, {"for", node_id}, {"max_nodes", options_.max_nodes}});
+  nodes_.Remove(gone);
   StatusChangedLocked();
   return absl::OkStatus();
 }

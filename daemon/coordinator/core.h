@@ -19,7 +19,8 @@
 // touched with it held; they take no lock of their own. PlanCache has its own lock, taken only
 // on the planner thread with mu_ NOT held (plan_outside_lock_test), so there is no lock order
 // to keep between the two.
-//   - WatchStatus streams: build the status under mu_, write outside it (real time: client streams).
+//   - WatchStatus streams: build the status under mu_, write outside it (real time: client streams);
+//     each has a watchdog thread that cancels the call if a write outlives the stream's deadline.
 // Every lease, heartbeat, staleness, timeout and eviction decision reads options.clock and every
 // wait goes through it, so tests run the coordinator on a FakeClock.
 // Model pointers: a Model* / Model& is used under mu_; one kept across a release of mu_ (a wait,
@@ -91,6 +92,11 @@ struct CoordinatorOptions {
   // (ModelRegistry, docs/daemon.md "Idle models are evicted").
   absl::Duration model_idle_grace = absl::Seconds(60);
   int max_name_bytes = 1024;             // node, worker and model ids, addresses
+  // Node ids in the node table. A new id at the cap takes the place of the lost node (lease ran
+  // out) that nothing refers to any more - no worker, plan, version, catch-up or owed commit -
+  // and whose lease ran out first; with none, RegisterNode is RESOURCE_EXHAUSTED. (Each id used to
+  // stay for good: 100 made-up ids added 322 MiB.) Re-registering a known id is never refused.
+  int max_nodes = 4096;
   int max_heartbeat_progress = 1024;     // VersionProgress entries in one heartbeat
   // Largest CreateModel / JoinWorker reply (the inventory): over it the call fails and the model
   // it created is removed. 4 MiB = gRPC's default receive limit of the nodes' coordinator channel.
@@ -111,6 +117,9 @@ class CoordinatorCore {
   static constexpr absl::Duration kWatchMaxTimeout = absl::Minutes(10);
   // How often a waiting watcher checks whether its client went away.
   static constexpr absl::Duration kWatchCancelCheck = absl::Milliseconds(100);
+  // How long past its timeout (or Shutdown) a stream may still be writing before it is cancelled:
+  // a write that flow control holds (the client stopped reading) never returns by itself.
+  static constexpr absl::Duration kWatchWriteGrace = absl::Seconds(2);
 
   explicit CoordinatorCore(CoordinatorOptions options);
   ~CoordinatorCore();
@@ -147,9 +156,12 @@ class CoordinatorCore {
   // Streams ClusterStatus through `write` (false = the client is gone): the current status at
   // once, then a message per change. Ends OK at the request's timeout, CANCELLED when `cancelled`
   // says so (checked every kWatchCancelCheck), UNAVAILABLE as soon as Shutdown() runs,
-  // RESOURCE_EXHAUSTED over max_status_watchers.
+  // RESOURCE_EXHAUSTED over max_status_watchers. `cancel` (may be empty) must make a `write`
+  // blocked on a client that does not read return false; it is called, from another thread, when
+  // the stream is still running kWatchWriteGrace past its timeout or past Shutdown(), and never
+  // after WatchStatus returns.
   absl::Status WatchStatus(const pb::WatchStatusRequest& req, const std::function<bool(const pb::StatusResponse&)>& write,
-                           const std::function<bool()>& cancelled);
+                           const std::function<bool()>& cancelled, const std::function<void()>& cancel = nullptr);
   bool AwaitStatusWatchersAtMost(int n, absl::Time deadline) const;
   // Drain a node (node_id) or the whole cluster (all = true; an empty request is refused); undo =
   // true lifts that drain again. docs/daemon.md "Drain".
@@ -204,6 +216,9 @@ class CoordinatorCore {
   // ends only that execution of `version` (a catch-up attempt), 0 whatever runs for it.
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                             const std::string& reason, uint64_t plan_epoch = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RegisterNode of a new id at max_nodes: removes the lost node nothing refers to whose lease ran
+  // out first, or RESOURCE_EXHAUSTED naming max_nodes.
+  absl::Status MakeRoomForNodeLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // now + timeout_ms (60 s when <= 0), at most max_wait from now.
   absl::Time Deadline(int64_t timeout_ms) const;
 
@@ -240,7 +255,20 @@ class CoordinatorCore {
   // waiting; OK: it holds it or is not a late rollout; ABORTED: its catch-up failed).
   std::optional<absl::Status> CaughtUpLocked(const Model& m, const std::string& worker, uint64_t v) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  // Status (status.cc).
+  // Status (status.cc). WatchDog: one per WatchStatus stream; calls `cancel` once the stream
+  // overruns its deadline (or Shutdown) by kWatchWriteGrace; the destructor stops and joins it.
+  class WatchDog {
+   public:
+    WatchDog(CoordinatorCore* core, absl::Time deadline, const std::function<void()>& cancel);
+    ~WatchDog();
+    WatchDog(const WatchDog&) = delete;
+    WatchDog& operator=(const WatchDog&) = delete;
+
+   private:
+    CoordinatorCore* const core_;
+    bool done_ ABSL_GUARDED_BY(core_->mu_) = false;  // the stream ended
+    std::thread thread_;
+  };
   void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Something ClusterStatus reports changed: wakes WatchStatus streams.
   void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }

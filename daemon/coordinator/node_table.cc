@@ -66,6 +66,13 @@ void NodeTable::Sweep(absl::Time now, absl::Time last_sweep, const std::function
   }
 }
 
+void NodeTable::Remove(const std::string& node_id) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return;
+  if (it->second.draining) --draining_;
+  nodes_.erase(it);
+}
+
 bool NodeTable::SetDraining(const std::string& node_id, bool draining) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return false;

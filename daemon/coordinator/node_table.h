@@ -14,7 +14,8 @@
 //   - Heartbeat: renews the lease of the node's current incarnation only; NOT_FOUND for an unknown,
 //     lost or older incarnation (the node registers again).
 //   - Sweep: marks lost every node whose lease ran out; the local node (same process) never is.
-//   - Nodes are never removed: a lost node stays (alive = false) until it registers again.
+//   - A lost node stays (alive = false) until it registers again, or until the caller Removes it
+//     (CoordinatorCore: at max_nodes, a lost node nothing refers to makes room for a new one).
 
 #include <cstdint>
 #include <functional>
@@ -84,6 +85,9 @@ class NodeTable {
   // `on_lost(id)` runs right then, before the next node is looked at (what it queues for other
   // nodes sees them still alive, as it did when this lived in the driver).
   void Sweep(absl::Time now, absl::Time last_sweep, const std::function<void(const std::string&)>& on_lost);
+
+  // Forgets the node (nothing when unknown). The caller makes sure nothing refers to it any more.
+  void Remove(const std::string& node_id);
 
   // Drain flags. SetDraining: false when the node is unknown. ClearDraining: every node.
   bool SetDraining(const std::string& node_id, bool draining);

@@ -107,6 +107,42 @@ absl::Status CoordinatorCore::ClusterStatus(const pb::StatusRequest&, pb::Status
   return absl::OkStatus();
 }
 
+// A write to a client that stopped reading blocks on flow control and does not return by itself, so
+// the stream's own deadline and cancel checks (after the write) never run: the stream held its
+// watcher slot and a server thread until the client went away (security review: two such
+// clients held both slots of max_status_watchers = 2 for as long as they liked). The watchdog
+// calls `cancel` (the adapter's ServerContext::TryCancel, which makes a blocked write return
+// false) once the stream is kWatchWriteGrace past its deadline, or that long after Shutdown(),
+// and it is still running. A condition wait on mu_ with a deadline: no polling; it wakes at
+// once when the stream ends. Real time, as the stream's deadline.
+CoordinatorCore::WatchDog::WatchDog(CoordinatorCore* core, absl::Time deadline, const std::function<void()>& cancel)
+    : core_(core) {
+  if (!cancel) return;
+  thread_ = std::thread([this, deadline, cancel] {
+    bool fire = false;
+    {
+      absl::MutexLock l(&core_->mu_);
+      auto over = [this]() ABSL_SHARED_LOCKS_REQUIRED(core_->mu_) { return done_ || core_->stopping_; };
+      core_->mu_.AwaitWithDeadline(absl::Condition(&over), deadline + kWatchWriteGrace);
+      if (!done_ && core_->stopping_) {
+        // Shutdown: a stream in its wait ends UNAVAILABLE by itself; only a blocked write is cut.
+        auto ended = [this]() ABSL_SHARED_LOCKS_REQUIRED(core_->mu_) { return done_; };
+        core_->mu_.AwaitWithDeadline(absl::Condition(&ended), absl::Now() + kWatchWriteGrace);
+      }
+      fire = !done_;
+    }
+    if (fire) cancel();
+  });
+}
+
+CoordinatorCore::WatchDog::~WatchDog() {
+  {
+    absl::MutexLock l(&core_->mu_);
+    done_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
 bool CoordinatorCore::AwaitStatusWatchersAtMost(int n, absl::Time deadline) const {
   absl::MutexLock l(&mu_);
   auto few = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return status_watchers_ <= n; };
@@ -116,7 +152,7 @@ bool CoordinatorCore::AwaitStatusWatchersAtMost(int n, absl::Time deadline) cons
 // Runs on real time (a client's stream and its cancellation are real-time things).
 absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
                                           const std::function<bool(const pb::StatusResponse&)>& write,
-                                          const std::function<bool()>& cancelled) {
+                                          const std::function<bool()>& cancelled, const std::function<void()>& cancel) {
   const absl::Duration timeout =
       req.timeout_ms() > 0 ? std::min(absl::Milliseconds(req.timeout_ms()), kWatchMaxTimeout) : kWatchDefaultTimeout;
   const absl::Time deadline = absl::Now() + timeout;
@@ -138,6 +174,9 @@ absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
       --c->status_watchers_;
     }
   } slot{this};
+  // Declared after `slot`: the watchdog is stopped and joined before the slot is freed, and before
+  // the handler returns (`cancel` may touch the server's per-call context only while it runs).
+  WatchDog watchdog(this, deadline, cancel);
 
   uint64_t seen = 0;
   bool first = true;
@@ -157,6 +196,9 @@ absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
         mu_.AwaitWithDeadline(absl::Condition(&changed), wake);
       }
       if (stopping_) return absl::UnavailableError("coordinator shutting down: status stream closed");
+      // No write starts past the deadline: a stream that ends by itself ends within the
+      // watchdog's grace, so the watchdog only ever cancels a write that flow control holds.
+      if (!first && absl::Now() >= deadline) return absl::OkStatus();
       if (first || status_generation_ != seen || absl::Now() >= next_rebuild) {
         seen = status_generation_;
         status.set_role("coordinator");
