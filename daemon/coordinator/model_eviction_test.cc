@@ -310,6 +310,13 @@ TEST(ModelEvictionTest, JoinsAndLayoutsRacingEvictionsLoseNoRegistration) {
   start.Notify();
   for (std::thread& t : threads) t.join();
   evictor.join();
+  // Whether the evictor's own creations found an idle model during the race depends on the
+  // scheduling (joiners touching every model within the grace keep them all; a CI run saw none),
+  // so the count is only recorded. After the race, with time past the grace, a creation must
+  // evict one of the models no worker holds - and never the workers that stayed.
+  const int race_evictions = evictions.load();
+  sim.clock.Advance(absl::Seconds(2));
+  EXPECT_TRUE(sim.Create("after").ok()) << "no idle model evicted after the race";
   std::set<std::pair<std::string, std::string>> want, have;
   for (const auto& k : kept) want.insert(k.begin(), k.end());
   pb::StatusResponse st;
@@ -319,9 +326,8 @@ TEST(ModelEvictionTest, JoinsAndLayoutsRacingEvictionsLoseNoRegistration) {
   EXPECT_LE(st.models_size(), 4);
   ::testing::Test::RecordProperty("joined", joined.load());
   ::testing::Test::RecordProperty("refused", refused.load());
-  ::testing::Test::RecordProperty("evictions", evictions.load());
+  ::testing::Test::RecordProperty("evictions", race_evictions);
   EXPECT_GT(joined.load(), 0);
-  EXPECT_GT(evictions.load(), 0) << "the evictor evicted nothing";
 }
 
 }  // namespace
