@@ -144,7 +144,7 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
   m.catch_up = std::move(run);
   StatusChangedLocked();
   Model* mp = &m;  // no hold: a catch-up needs a committed version, never evicted (model_registry.h)
-  plan_queue_.push_back([this, model_id, mp, in = std::move(in)] { RunCatchUpPlan(model_id, mp, in); });
+  plan_queue_.Push(model_id, kCatchUpJob, [this, model_id, mp, in = std::move(in)] { RunCatchUpPlan(model_id, mp, in); });
 }
 
 // Planner thread: plan, install the catch-up slices, start the executors (no lock held while

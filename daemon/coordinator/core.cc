@@ -585,9 +585,24 @@ bool CoordinatorCore::AwaitPlanInstalled(const std::string& model_id, absl::Time
   absl::MutexLock l(&mu_);
   auto installed = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     const Model* m = models_.Find(model_id);
-    return m != nullptr && m->plan.installed && !m->plan_dirty && !m->planning;
+    return m != nullptr && m->plan.installed && !m->plan_dirty && !m->planning && !m->plan_queued;
   };
   return options_.clock->WaitUntil(&mu_, absl::Condition(&installed), deadline);
+}
+
+bool CoordinatorCore::AwaitPlansWaiting(size_t n, absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto waiting = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return plan_queue_.size() == n; };
+  return options_.clock->WaitUntil(&mu_, absl::Condition(&waiting), deadline);
+}
+
+bool CoordinatorCore::AwaitPlanSettled(const std::string& model_id, absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto settled = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const Model* m = models_.Find(model_id);
+    return m != nullptr && !m->plan_dirty && !m->planning && !m->plan_queued;
+  };
+  return options_.clock->WaitUntil(&mu_, absl::Condition(&settled), deadline);
 }
 
 }  // namespace wb::daemon

@@ -11,8 +11,9 @@
 //   - the driver thread (DriverLoop): under mu_ it decides (leases, timeouts, what to plan,
 //     start, commit) and collects work; every node RPC runs OUTSIDE mu_ (on up to 32 helper
 //     threads per version), then results are applied under mu_ again.
-//   - the planner thread (PlannerLoop): makes queued plans from snapshots OUTSIDE mu_, slices
-//     them, applies the result under mu_ if membership did not change meanwhile, installs.
+//   - the planner thread (PlannerLoop): takes queued plan jobs round-robin over models (PlanQueue),
+//     snapshots the model under mu_, plans and slices OUTSIDE mu_, applies the result under mu_ if
+//     membership did not change meanwhile, installs.
 //   Nothing slow ever runs under mu_.
 // Locking: mu_ is the one lock of the membership state. The node table (node_table.h) and the
 // model registry (model_registry.h) are plain data, not thread-safe, guarded by mu_ and only
@@ -45,6 +46,7 @@
 #include "daemon/coordinator/node_client.h"
 #include "daemon/coordinator/node_table.h"
 #include "daemon/coordinator/plan_cache.h"
+#include "daemon/coordinator/plan_queue.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
 #include "planner/types.h"
@@ -170,6 +172,11 @@ class CoordinatorCore {
 
   // Tests and the bench: waits until the model has an installed plan (false at `deadline`).
   bool AwaitPlanInstalled(const std::string& model_id, absl::Time deadline) const;
+  // Tests: waits until `n` jobs wait for the planner thread (not counting the one it runs).
+  bool AwaitPlansWaiting(size_t n, absl::Time deadline) const;
+  // Tests: waits until nothing is left to plan for the model (no change unplanned, no plan job
+  // waiting or running): its last plan was made, or failed (ModelStatus.plan_error).
+  bool AwaitPlanSettled(const std::string& model_id, absl::Time deadline) const;
   int num_models() const;
   // Tests in simulated time: waits (real time) until the driver has made a pass (lease sweep,
   // timeouts, starts, commits) at clock time `t` or later.
@@ -231,9 +238,15 @@ class CoordinatorCore {
   void FinishCommitLocked(const std::string& model_id, Model& m, uint64_t v, const std::vector<std::string>& nodes,
                           const std::vector<absl::Status>& acks, const std::vector<uint64_t>& incarnations)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Planning (driver.cc): the driver queues one plan job per model (plan_queued); the job takes
+  // the model's snapshot when the planner thread starts it (PlanSnapshotLocked), plans outside
+  // mu_, applies the result if membership did not change meanwhile, and installs.
+  bool PlanReadyLocked(const Model& m) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool PlanWorkLocked(const std::string& model_id, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool PlanSnapshotLocked(const std::string& model_id, Model& m, SliceInput* in, PlanSettings* settings)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlannerLoop();
-  void RunPlan(const std::string& model_id, Model* m, uint64_t membership, const SliceInput& in, const PlanSettings& settings);
+  void RunPlan(const std::string& model_id, Model* m);
   std::function<void()> StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OwedCommitWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -289,7 +302,11 @@ class CoordinatorCore {
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
   const std::string instance_;
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver
-  std::deque<std::function<void()>> plan_queue_ ABSL_GUARDED_BY(mu_);  // for the planner thread
+  // The planner thread's work: per model, round-robin; a model's plan job and its catch-up job
+  // are keyed (PlanQueue coalesces a key's waiting job).
+  static constexpr const char* kPlanJob = "plan";
+  static constexpr const char* kCatchUpJob = "catch-up";
+  PlanQueue plan_queue_ ABSL_GUARDED_BY(mu_);
   std::thread driver_, planner_;
 };
 

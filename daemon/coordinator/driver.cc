@@ -93,11 +93,16 @@ std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
       if (auto f = CatchUpWorkLocked(mid, m, now)) work.push_back(std::move(f));
       continue;
     }
-    if (m.machine->InFlight() || m.planning) continue;
+    if (m.machine->InFlight()) continue;
     if (m.plan_dirty) {
-      PlanWorkLocked(mid, m);
+      // One queued plan per model (plan_queued): it takes its snapshot when the planner thread
+      // gets to it, so it plans the newest membership however often the model changed meanwhile.
+      // Queued also while an older plan of the model is being made (that one will be discarded):
+      // the model then waits its turn behind the other models' plans (PlanQueue: round-robin).
+      if (!m.plan_queued) PlanWorkLocked(mid, m);
       continue;
     }
+    if (m.planning) continue;
     if (!m.plan.installed) continue;
     if (auto f = StartWorkLocked(mid, m, now)) {
       work.push_back(std::move(f));
@@ -232,63 +237,84 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
   finish();
 }
 
-// (Re-)plan: trainers complete; rollouts complete the first time, any non-empty set later. The
-// plan is queued for the planner thread, which makes it outside mu_ from a snapshot (layouts are
-// shared, not copied). False when the model is not ready to plan.
-bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
+// (Re-)plan: trainers complete; rollouts complete the first time, any non-empty set later.
+bool CoordinatorCore::PlanReadyLocked(const Model& m) const {
   uint32_t nt = 0, nr = 0;
   for (auto& [w, rec] : m.workers) {
     if (!rec.has_layout) continue;
     (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
   }
-  const bool ready = nt >= m.spec.num_trainer_workers() && nr > 0 && (m.planned_once || nr >= m.spec.num_rollout_workers());
-  if (!ready) return false;
+  return nt >= m.spec.num_trainer_workers() && nr > 0 && (m.planned_once || nr >= m.spec.num_rollout_workers());
+}
+
+// Queues a plan of the model for the planner thread (PlanQueue, round-robin over models). The job
+// takes its snapshot when it starts (PlanSnapshotLocked), not now: however often the model changes
+// while it waits, it plans the newest membership once. False when the model is not ready to plan.
+bool CoordinatorCore::PlanWorkLocked(const std::string& model_id, Model& m) {
+  if (!PlanReadyLocked(m)) return false;
+  m.plan_queued = true;
+  Model* mp = &m;
+  // RunPlan keeps mp until its last locked step, and the model may have no version: held till then.
+  models_.Hold(m);
+  plan_queue_.Push(model_id, kPlanJob, [this, model_id, mp] { RunPlan(model_id, mp); });
+  return true;
+}
+
+// The planner thread's first step of a plan job, under mu_: the model's current membership (layouts
+// are shared, not copied). False when it is not ready any more (a worker left while it waited).
+bool CoordinatorCore::PlanSnapshotLocked(const std::string& model_id, Model& m, SliceInput* in, PlanSettings* settings) {
+  m.plan_queued = false;
+  if (!PlanReadyLocked(m)) return false;
   m.plan_dirty = false;
   m.planning = true;
-  SliceInput in;
-  in.model_id = model_id;
-  in.epoch = next_epoch_++;
-  in.mode = m.spec.mode();
-  in.inventory = m.inventory;
+  in->model_id = model_id;
+  in->epoch = next_epoch_++;
+  in->mode = m.spec.mode();
+  in->inventory = m.inventory;
   // Problem order: trainers then rollouts (ids sorted: std::map order), only workers with a layout.
   for (planner::Role role : {planner::Role::kTrainer, planner::Role::kRollout}) {
     for (auto& [id, w] : m.workers) {
       if (!w.has_layout || w.role != role) continue;
-      in.workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
-      if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0, n->delta_in_place};
+      in->workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
+      if (const Node* n = nodes_.Find(w.node)) in->nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0, n->delta_in_place};
     }
   }
-  PlanSettings settings;
-  settings.strategy = FromProto(m.spec.strategy());
-  settings.strategy_proto = m.spec.strategy();
-  settings.topology = options_.topology;
-  settings.bucket_bytes = options_.bucket_bytes;
-  const uint64_t membership = m.membership;
-  Model* mp = &m;
-  // RunPlan keeps mp until its last locked step, and the model may have no version: held till then.
-  models_.Hold(m);
-  plan_queue_.push_back([this, model_id, mp, membership, in = std::move(in), settings] { RunPlan(model_id, mp, membership, in, settings); });
+  settings->strategy = FromProto(m.spec.strategy());
+  settings->strategy_proto = m.spec.strategy();
+  settings->topology = options_.topology;
+  settings->bucket_bytes = options_.bucket_bytes;
   return true;
 }
 
-// The planner thread: runs queued plans one at a time, never under mu_.
+// The planner thread: runs queued jobs one at a time, round-robin over models, never under mu_.
 void CoordinatorCore::PlannerLoop() {
   while (true) {
-    std::function<void()> job;
+    std::optional<PlanQueue::Job> job;
     {
       absl::MutexLock l(&mu_);
       auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !plan_queue_.empty(); };
       if (!options_.clock->WaitUntil(&mu_, absl::Condition(&ready), options_.clock->Now() + absl::Seconds(1))) continue;
       if (stopping_) return;
-      job = std::move(plan_queue_.front());
-      plan_queue_.pop_front();
+      job = plan_queue_.Pop();
     }
-    job();
+    if (job) (*job)();
   }
 }
 
-void CoordinatorCore::RunPlan(const std::string& model_id, Model* m, uint64_t membership, const SliceInput& in,
-                              const PlanSettings& settings) {
+void CoordinatorCore::RunPlan(const std::string& model_id, Model* m) {
+  SliceInput in;
+  PlanSettings settings;
+  uint64_t membership = 0;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_ || !PlanSnapshotLocked(model_id, *m, &in, &settings)) {
+      m->plan_queued = false;
+      models_.Release(*m);  // plan_dirty stays: the driver queues it again once it is ready
+      wake_ = true;
+      return;
+    }
+    membership = m->membership;
+  }
   absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
   std::shared_ptr<const MagnitudePlan> magnitudes;  // NVFP4: made here, outside the lock
   if (outcome.ok()) {

@@ -164,7 +164,7 @@ ModelRegistry::Kept ModelRegistry::WhyKept(const Model& m, absl::Time now) const
   // Committed data (or a version a node reported holding) matters: never evicted.
   if (m.machine->newest_known() > 0) return Kept::kVersions;
   // (planning / committing / catch_up imply a hold or a version; checked anyway.)
-  if (m.holds > 0 || m.planning || m.committing != 0 || m.catch_up.has_value()) return Kept::kInUse;
+  if (m.holds > 0 || m.planning || m.plan_queued || m.committing != 0 || m.catch_up.has_value()) return Kept::kInUse;
   if (now - m.last_used < options_.idle_grace) return Kept::kGrace;
   return Kept::kEvictable;
 }

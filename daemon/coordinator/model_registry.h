@@ -119,7 +119,8 @@ class ModelRegistry {
     PlanState plan;
     bool plan_dirty = false;
     uint64_t membership = 0;  // bumped whenever plan_dirty is set: a plan of older membership is stale
-    bool planning = false;    // the driver plans it outside the lock right now
+    bool planning = false;    // the planner thread plans a snapshot of it outside the lock right now
+    bool plan_queued = false; // a plan job waits for the planner thread (its snapshot not taken yet)
     bool planned_once = false;
     std::string plan_error;
     uint64_t committing = 0;  // version whose commit the driver is sending

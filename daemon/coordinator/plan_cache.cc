@@ -69,16 +69,24 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
       out.plan = it->second;
       out.cached = true;
     }
+    if (auto f = failed_.find(key); f != failed_.end()) return f->second;  // failed before: at once
   }
   if (!out.plan) {
     std::vector<const planner::Worker*> sources, destinations;
     for (const planner::Worker& w : problem.workers) (w.role == planner::Role::kTrainer ? sources : destinations).push_back(&w);
-    RETURN_IF_ERROR_WITH(planner::ValidateCoverage(problem.inventory, sources, destinations), absl::StrCat("model ", in.model_id));
+    if (absl::Status covered = planner::ValidateCoverage(problem.inventory, sources, destinations); !covered.ok()) {
+      covered = Annotate(covered, absl::StrCat("model ", in.model_id));
+      RememberFailure(key, covered);
+      return covered;
+    }
     const absl::Time t0 = absl::Now();
     planner::PlanOptions options;
     options.sender_quantization = true;
     auto plan = sender_quantization ? planner::MakePlanWithOptions(problem, settings.strategy, options) : make_plan(problem, settings.strategy);
-    if (!plan.ok()) return plan.status();
+    if (!plan.ok()) {
+      RememberFailure(key, plan.status());
+      return plan.status();
+    }
     plan->stats.plan_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     out.plan = std::make_shared<const planner::Plan>(std::move(*plan));
     absl::MutexLock l(&mu_);
@@ -92,6 +100,25 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
 size_t PlanCache::size() const {
   absl::MutexLock l(&mu_);
   return plans_.size();
+}
+
+size_t PlanCache::failures() const {
+  absl::MutexLock l(&mu_);
+  return failed_.size();
+}
+
+void PlanCache::RememberFailure(const std::string& key, const absl::Status& status) {
+  if (max_failures_ == 0 || absl::IsCancelled(status) || absl::IsDeadlineExceeded(status) || absl::IsUnavailable(status) ||
+      absl::IsAborted(status)) {
+    return;
+  }
+  absl::MutexLock l(&mu_);
+  if (!failed_.emplace(key, status).second) return;
+  failed_order_.push_back(key);
+  while (failed_.size() > max_failures_) {
+    failed_.erase(failed_order_.front());
+    failed_order_.pop_front();
+  }
 }
 
 }  // namespace wb::daemon

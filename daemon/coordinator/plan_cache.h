@@ -4,6 +4,7 @@
 // keyed by everything the planner sees (layouts, placement, strategy, topology, bucket budget) and
 // is bounded. Thread-safe; PlanAndSlice holds no lock while the planner runs.
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -51,20 +52,32 @@ struct PlanOutcome {
 
 class PlanCache {
  public:
-  explicit PlanCache(size_t max_entries = 64) : max_entries_(max_entries) {}
+  // Negative cache: a layout set whose coverage check or planning failed fails again at once, with
+  // the same error, instead of being planned again (a hostile layout just under the planner's work
+  // budgets would otherwise hold the one planner thread once more each time it is re-submitted).
+  // At most max_failures are kept, the oldest forgotten first. Errors that may pass on another try
+  // (CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE, ABORTED) are never kept.
+  explicit PlanCache(size_t max_entries = 64, size_t max_failures = 64) : max_entries_(max_entries), max_failures_(max_failures) {}
 
   // Problem from the snapshot (node index = order of node ids; gpu = the worker's gpu, or for host
-  // workers (gpu < 0) a slot of its own above every real gpu), coverage check, cache or planner,
-  // then SliceOps: the caller adds each slice's header (FillSliceHeader) when it sends it, so
-  // only the slices in flight are held whole. Errors name the model.
+  // workers (gpu < 0) a slot of its own above every real gpu), coverage check, cache (plans and
+  // failures) or planner, then SliceOps: the caller adds each slice's header (FillSliceHeader)
+  // when it sends it, so only the slices in flight are held whole. Errors name the model.
   absl::StatusOr<PlanOutcome> PlanAndSlice(const SliceInput& in, const PlanSettings& settings, const PlanFn& make_plan);
 
   size_t size() const;
+  size_t failures() const;
 
  private:
+  // Remembers a failed key (see max_failures).
+  void RememberFailure(const std::string& key, const absl::Status& status);
+
   const size_t max_entries_;
+  const size_t max_failures_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const planner::Plan>> plans_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Status> failed_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> failed_order_ ABSL_GUARDED_BY(mu_);  // failed_'s keys, oldest first
 };
 
 }  // namespace wb::daemon

@@ -99,5 +99,72 @@ TEST(PlanCacheTest, CanonicalPlansKeepTheBucketBudget) {
   EXPECT_EQ(out->plan->buckets.size(), 1u);
 }
 
+// Negative cache: a layout set that failed fails again at once with the same error (the planner
+// is not called), at most max_failures are kept (the oldest forgotten first), and errors that may
+// pass on another try are not kept.
+TEST(PlanCacheTest, ALayoutSetThatFailedFailsAgainAtOnceBoundedInNumber) {
+  PlanCache cache(/*max_entries=*/64, /*max_failures=*/2);
+  PlanSettings settings;
+  int calls = 0;
+  absl::StatusCode code = absl::StatusCode::kResourceExhausted;
+  PlanFn failing = [&](const planner::Problem&, planner::Strategy) -> absl::StatusOr<planner::Plan> {
+    ++calls;
+    return absl::Status(code, "work budget exceeded #" + std::to_string(calls));
+  };
+  auto input = [](const std::string& model) {
+    SliceInput in = Input(false);
+    in.model_id = model;  // part of the cache key: one layout set per model here
+    return in;
+  };
+  absl::StatusOr<PlanOutcome> first = cache.PlanAndSlice(input("m1"), settings, failing);
+  ASSERT_EQ(first.status().code(), absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<PlanOutcome> again = cache.PlanAndSlice(input("m1"), settings, failing);
+  EXPECT_EQ(again.status(), first.status()) << "the same error";
+  EXPECT_EQ(calls, 1) << "without planning again";
+
+  ASSERT_FALSE(cache.PlanAndSlice(input("m2"), settings, failing).ok());
+  ASSERT_FALSE(cache.PlanAndSlice(input("m3"), settings, failing).ok());
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(cache.failures(), 2u) << "bounded";
+  absl::StatusOr<PlanOutcome> forgotten = cache.PlanAndSlice(input("m1"), settings, failing);
+  EXPECT_EQ(calls, 4) << "the oldest failure was forgotten: planned again";
+  EXPECT_EQ(forgotten.status().message(), "work budget exceeded #4");
+  ASSERT_FALSE(cache.PlanAndSlice(input("m3"), settings, failing).ok());
+  EXPECT_EQ(calls, 4) << "a newer failure is still remembered";
+
+  // A failure that may pass on another try is planned again each time; a layout set that plans is
+  // cached as a plan, never as a failure.
+  code = absl::StatusCode::kDeadlineExceeded;
+  ASSERT_FALSE(cache.PlanAndSlice(input("m5"), settings, failing).ok());
+  ASSERT_FALSE(cache.PlanAndSlice(input("m5"), settings, failing).ok());
+  EXPECT_EQ(calls, 6);
+  ASSERT_TRUE(cache.PlanAndSlice(input("m6"), settings, planner::MakePlan).ok());
+  absl::StatusOr<PlanOutcome> cached = cache.PlanAndSlice(input("m6"), settings, failing);
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  EXPECT_TRUE(cached->cached);
+  EXPECT_EQ(calls, 6);
+}
+
+// The coverage check's failure (a trainer layout with a hole) is remembered too.
+TEST(PlanCacheTest, ACoverageFailureIsRemembered) {
+  PlanCache cache;
+  PlanSettings settings;
+  int calls = 0;
+  PlanFn counting = [&](const planner::Problem& p, planner::Strategy s) {
+    ++calls;
+    return planner::MakePlan(p, s);
+  };
+  SliceInput in = Input(false);
+  auto holed = std::make_shared<planner::WorkerLayout>(*in.workers[0].layout);
+  holed->pieces.pop_back();  // the trainer no longer holds the last tensor
+  in.workers[0].layout = holed;
+  absl::StatusOr<PlanOutcome> first = cache.PlanAndSlice(in, settings, counting);
+  ASSERT_FALSE(first.ok());
+  EXPECT_NE(first.status().message().find("model m: "), absl::string_view::npos) << first.status();
+  EXPECT_EQ(cache.PlanAndSlice(in, settings, counting).status(), first.status());
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(cache.failures(), 1u);
+}
+
 }  // namespace
 }  // namespace wb::daemon
