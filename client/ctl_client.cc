@@ -35,14 +35,29 @@ absl::StatusOr<CtlAddress> ParseCtlAddress(const std::string& addr) {
 }
 
 absl::StatusOr<std::unique_ptr<CtlClient>> CtlClient::Connect(const std::string& addr,
-                                                              absl::Duration timeout) {
+                                                              absl::Duration timeout,
+                                                              CtlAuth auth) {
   ASSIGN_OR_RETURN(CtlAddress a, ParseCtlAddress(addr));
-  auto channel = grpc::CreateChannel(a.target, grpc::InsecureChannelCredentials());
+  auto channel = MakeCtlChannel(a.target, a.unix_socket, auth);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
-    return absl::UnavailableError(absl::StrCat("cannot connect to ", a.target, " within ",
-                                               absl::FormatDuration(timeout)));
+    // A TLS handshake the daemon refuses (or plaintext against a TLS daemon) shows up here too.
+    const absl::Status s = absl::UnavailableError(absl::StrCat(
+        "cannot connect to ", a.target, " within ", absl::FormatDuration(timeout)));
+    return absl::UnavailableError(
+        absl::StrCat(s.message(), a.unix_socket ? "" : CredentialHint(s, auth, false)));
   }
-  return std::unique_ptr<CtlClient>(new CtlClient(std::move(a), std::move(channel)));
+  return std::unique_ptr<CtlClient>(new CtlClient(std::move(a), std::move(channel), std::move(auth)));
+}
+
+void CtlClient::Prepare(grpc::ClientContext* ctx, absl::Time deadline, bool operator_call) const {
+  ctx->set_deadline(absl::ToChronoTime(deadline));
+  if (!addr_.unix_socket) AddCallCredentials(ctx, auth_, operator_call);
+}
+
+absl::Status CtlClient::Hinted(const absl::Status& s, bool operator_call) const {
+  if (s.ok() || addr_.unix_socket) return s;
+  const std::string hint = CredentialHint(s, auth_, operator_call);
+  return hint.empty() ? s : absl::Status(s.code(), absl::StrCat(s.message(), hint));
 }
 
 absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout,
@@ -51,7 +66,7 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
   pb::StatusResponse resp;
   if (addr_.unix_socket) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(&ctx, deadline);
     RETURN_IF_ERROR(FromGrpcStatus(
         pb::WorkerService::NewStub(channel_)->Status(&ctx, pb::StatusRequest(), &resp)));
     if (source) *source = "worker socket";
@@ -59,20 +74,20 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
   }
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(&ctx, deadline);
     absl::Status s = FromGrpcStatus(
         pb::CoordinatorService::NewStub(channel_)->ClusterStatus(&ctx, pb::StatusRequest(), &resp));
     if (s.ok()) {
       if (source) *source = "coordinator";
       return resp;
     }
-    if (s.code() != absl::StatusCode::kUnimplemented) return s;
+    if (s.code() != absl::StatusCode::kUnimplemented) return Hinted(s);
   }
   resp.Clear();
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(deadline));
-  RETURN_IF_ERROR(
-      FromGrpcStatus(pb::NodeService::NewStub(channel_)->Status(&ctx, pb::StatusRequest(), &resp)));
+  Prepare(&ctx, deadline);
+  RETURN_IF_ERROR(Hinted(
+      FromGrpcStatus(pb::NodeService::NewStub(channel_)->Status(&ctx, pb::StatusRequest(), &resp))));
   if (source) *source = "node";
   return resp;
 }
@@ -91,7 +106,7 @@ absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
   grpc::ClientContext ctx;
   // The coordinator ends the stream (OK) at timeout_ms; the RPC deadline is a little later so
   // that its OK normally ends it (a DEADLINE_EXCEEDED at or after `deadline` counts as OK too).
-  ctx.set_deadline(absl::ToChronoTime(deadline + absl::Milliseconds(200)));
+  Prepare(&ctx, deadline + absl::Milliseconds(200));
   ctx.set_wait_for_ready(wait_for_ready);
   auto stub = pb::CoordinatorService::NewStub(channel_);
   std::unique_ptr<grpc::ClientReader<pb::StatusResponse>> reader = stub->WatchStatus(&ctx, req);
@@ -106,7 +121,7 @@ absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
   }
   absl::Status s = FromGrpcStatus(reader->Finish());
   if (absl::IsDeadlineExceeded(s) && absl::Now() >= deadline) return absl::OkStatus();
-  return s;
+  return Hinted(s);
 }
 
 absl::Status CtlClient::WatchStatus(absl::Time deadline, const StatusFn& on_status) {
@@ -167,17 +182,18 @@ absl::StatusOr<pb::DrainResponse> CtlClient::Drain(const std::string& node_id,
   pb::DrainResponse resp;
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(&ctx, deadline, /*operator_call=*/true);
     absl::Status s =
         FromGrpcStatus(pb::CoordinatorService::NewStub(channel_)->Drain(&ctx, req, &resp));
     if (s.ok()) return resp;
-    if (s.code() != absl::StatusCode::kUnimplemented) return s;
+    if (s.code() != absl::StatusCode::kUnimplemented) return Hinted(s, /*operator_call=*/true);
   }
   resp.Clear();
   req.set_all(false);  // a node daemon drains itself (node_id empty = this node)
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(deadline));
-  RETURN_IF_ERROR(FromGrpcStatus(pb::NodeService::NewStub(channel_)->Drain(&ctx, req, &resp)));
+  Prepare(&ctx, deadline, /*operator_call=*/true);
+  RETURN_IF_ERROR(Hinted(FromGrpcStatus(pb::NodeService::NewStub(channel_)->Drain(&ctx, req, &resp)),
+                         /*operator_call=*/true));
   return resp;
 }
 

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/ctl_auth.h"
 #include "grpcpp/channel.h"
 #include "proto/weightbridge.pb.h"
 
@@ -42,8 +43,11 @@ absl::StatusOr<CtlAddress> ParseCtlAddress(const std::string& addr);
 
 class CtlClient {
  public:
+  // `auth`: TLS and tokens for a secured cluster (client/ctl_auth.h); errors a missing credential
+  // probably caused name the wbctl flag to add.
   static absl::StatusOr<std::unique_ptr<CtlClient>> Connect(const std::string& addr,
-                                                            absl::Duration timeout);
+                                                            absl::Duration timeout,
+                                                            CtlAuth auth = {});
   // The daemon's status. `source` (optional) receives "coordinator", "node" or "worker socket".
   absl::StatusOr<weightbridge::v1::StatusResponse> FetchStatus(absl::Duration timeout,
                                                                std::string* source = nullptr);
@@ -75,10 +79,15 @@ class CtlClient {
   // waits for the channel to (re)connect instead of failing fast.
   absl::Status WatchOnce(absl::Time deadline, bool wait_for_ready, const StatusFn& on_status,
                          bool* stopped);
-  CtlClient(CtlAddress addr, std::shared_ptr<grpc::Channel> channel)
-      : addr_(std::move(addr)), channel_(std::move(channel)) {}
+  CtlClient(CtlAddress addr, std::shared_ptr<grpc::Channel> channel, CtlAuth auth)
+      : addr_(std::move(addr)), channel_(std::move(channel)), auth_(std::move(auth)) {}
+  // A call context with the deadline and the credentials (operator_call: also the operator token).
+  void Prepare(grpc::ClientContext* ctx, absl::Time deadline, bool operator_call = false) const;
+  // `s` with CredentialHint appended to its message.
+  absl::Status Hinted(const absl::Status& s, bool operator_call = false) const;
   CtlAddress addr_;
   std::shared_ptr<grpc::Channel> channel_;
+  CtlAuth auth_;
 };
 
 }  // namespace wb::client

@@ -1,8 +1,10 @@
 // wbctl's pure parts: flag parsing, address parsing, status rendering and watch arithmetic.
+#include <cstdio>
 #include <sstream>
 
 #include "absl/time/time.h"
 #include "client/ctl_args.h"
+#include "client/ctl_auth.h"
 #include "client/ctl_client.h"
 #include "client/status_command.h"
 #include "client/status_view.h"
@@ -195,6 +197,55 @@ TEST(CommandsTest, UsageErrorsExitTwoAndUnreachableDaemonExitsOne) {
   EXPECT_EQ(RunStatusCommand({"--addr", "127.0.0.1:1", "--timeout", "300ms"}, out, err),
             kCtlRpcFailed);
   EXPECT_NE(err.str().find("cannot connect"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace wb::client
+
+namespace wb::client {
+namespace {
+
+// wbctl's credential flags (client/ctl_auth.h): files read as the daemons read theirs; partial or
+// unreadable ones are usage errors naming the flag.
+TEST(CtlAuthTest, LoadsFlagsAndRefusesPartialOrBadFiles) {
+  const std::string dir = ::testing::TempDir();
+  auto write = [&](const std::string& name, const std::string& body) {
+    const std::string path = dir + "/" + name;
+    FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs(body.c_str(), f);
+    std::fclose(f);
+    return path;
+  };
+  const std::string token = write("ctl-token", "  tok-1\n");
+  const std::string op = write("ctl-op", "op-2\n");
+  const std::string spaced = write("ctl-spaced", "a b\n");
+  const std::string pem = write("ctl-cert.pem", "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n");
+  const std::string not_pem = write("ctl-notpem", "hello\n");
+  const CtlFlagSpec spec = WithAuthFlags({{"addr"}, {}});
+  auto parse = [&](std::vector<std::string> args) { return LoadCtlAuth(*CtlArgs::Parse(args, spec)); };
+
+  auto ok = parse({"--auth_token_file", token, "--operator_token_file", op});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->token, "tok-1");
+  EXPECT_EQ(ok->operator_token, "op-2");
+  EXPECT_FALSE(ok->tls());
+  auto tls = parse({"--tls_ca", pem, "--tls_cert", pem, "--tls_key", pem, "--tls_server_name", "coord"});
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  EXPECT_TRUE(tls->tls());
+  EXPECT_EQ(tls->tls_server_name, "coord");
+
+  for (const auto& bad : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--tls_ca", pem, "--tls_cert", pem}, "--tls_key"},
+           {{"--tls_server_name", "x"}, "--tls_server_name"},
+           {{"--tls_ca", pem, "--tls_cert", not_pem, "--tls_key", pem}, "--tls_cert"},
+           {{"--auth_token_file", dir + "/missing"}, "--auth_token_file"},
+           {{"--operator_token_file", spaced}, "--operator_token_file"}}) {
+    auto r = parse(bad.first);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad.second;
+    EXPECT_NE(r.status().message().find(bad.second), std::string::npos) << r.status();
+  }
+  // The credential flags are accepted by every dialing subcommand's parser, not by others.
+  EXPECT_FALSE(CtlArgs::Parse({"--auth_token_file", token}, {{"addr"}, {}}).ok());
 }
 
 }  // namespace

@@ -11,16 +11,17 @@ int RunDrainCommand(const std::vector<std::string>& args, std::ostream& out, std
       "usage: wbctl drain --addr ADDR [--node ID | --all] [--undo] [--timeout 60s] [--json]\n"
       "  without --node: the whole cluster (coordinator address) or that node (node address);\n"
       "  --undo lifts the drain again (new versions accepted)\n";
-  auto parsed = CtlArgs::Parse(args, {{"addr", "node", "timeout"}, {"json", "all", "undo"}});
+  const std::string usage_all = std::string(usage) + kCtlAuthUsage;
+  auto parsed = CtlArgs::Parse(args, WithAuthFlags({{"addr", "node", "timeout"}, {"json", "all", "undo"}}));
   if (!parsed.ok()) {
-    err << "wbctl drain: " << parsed.status().message() << "\n" << usage;
+    err << "wbctl drain: " << parsed.status().message() << "\n" << usage_all;
     return kCtlUsage;
   }
   auto timeout = parsed->GetDuration("timeout", absl::Seconds(60));
   auto addr = ParseCtlAddress(parsed->Get("addr"));
   if (!timeout.ok() || !addr.ok()) {
     err << "wbctl drain: " << (!timeout.ok() ? timeout.status() : addr.status()).message() << "\n"
-        << usage;
+        << usage_all;
     return kCtlUsage;
   }
   if (addr->unix_socket) {
@@ -32,7 +33,12 @@ int RunDrainCommand(const std::vector<std::string>& args, std::ostream& out, std
     err << "wbctl drain: --node and --all are exclusive\n" << usage;
     return kCtlUsage;
   }
-  auto client = CtlClient::Connect(parsed->Get("addr"), std::min(*timeout, absl::Seconds(10)));
+  auto auth = LoadCtlAuth(*parsed);
+  if (!auth.ok()) {
+    err << "wbctl drain: " << auth.status().message() << "\n";
+    return kCtlUsage;
+  }
+  auto client = CtlClient::Connect(parsed->Get("addr"), std::min(*timeout, absl::Seconds(10)), *std::move(auth));
   if (!client.ok()) {
     err << "wbctl drain: " << client.status() << "\n";
     return kCtlRpcFailed;

@@ -8,10 +8,10 @@
 namespace wb::client {
 
 int RunStatusCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  auto parsed = CtlArgs::Parse(args, {{"addr", "timeout"}, {"json"}});
+  auto parsed = CtlArgs::Parse(args, WithAuthFlags({{"addr", "timeout"}, {"json"}}));
   if (!parsed.ok()) {
     err << "wbctl status: " << parsed.status().message()
-        << "\nusage: wbctl status --addr ADDR [--json] [--timeout 10s]\n";
+        << "\nusage: wbctl status --addr ADDR [--json] [--timeout 10s]\n" << kCtlAuthUsage;
     return kCtlUsage;
   }
   auto timeout = parsed->GetDuration("timeout", absl::Seconds(10));
@@ -20,7 +20,12 @@ int RunStatusCommand(const std::vector<std::string>& args, std::ostream& out, st
     err << "wbctl status: " << (!timeout.ok() ? timeout.status() : addr.status()).message() << "\n";
     return kCtlUsage;
   }
-  auto client = CtlClient::Connect(parsed->Get("addr"), *timeout);
+  auto auth = LoadCtlAuth(*parsed);
+  if (!auth.ok()) {
+    err << "wbctl status: " << auth.status().message() << "\n";
+    return kCtlUsage;
+  }
+  auto client = CtlClient::Connect(parsed->Get("addr"), *timeout, *std::move(auth));
   if (!client.ok()) {
     err << "wbctl status: " << client.status() << "\n";
     return kCtlRpcFailed;
@@ -40,10 +45,10 @@ int RunStatusCommand(const std::vector<std::string>& args, std::ostream& out, st
 }
 
 int RunVersionsCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  auto parsed = CtlArgs::Parse(args, {{"addr", "timeout", "model"}, {"json"}});
+  auto parsed = CtlArgs::Parse(args, WithAuthFlags({{"addr", "timeout", "model"}, {"json"}}));
   const char* usage = "usage: wbctl versions --addr ADDR --model ID [--json] [--timeout 10s]\n";
   if (!parsed.ok()) {
-    err << "wbctl versions: " << parsed.status().message() << "\n" << usage;
+    err << "wbctl versions: " << parsed.status().message() << "\n" << usage << kCtlAuthUsage;
     return kCtlUsage;
   }
   const std::string model = parsed->Get("model");
@@ -56,7 +61,12 @@ int RunVersionsCommand(const std::vector<std::string>& args, std::ostream& out, 
         << "\n" << usage;
     return kCtlUsage;
   }
-  auto client = CtlClient::Connect(parsed->Get("addr"), *timeout);
+  auto auth = LoadCtlAuth(*parsed);
+  if (!auth.ok()) {
+    err << "wbctl versions: " << auth.status().message() << "\n";
+    return kCtlUsage;
+  }
+  auto client = CtlClient::Connect(parsed->Get("addr"), *timeout, *std::move(auth));
   if (!client.ok()) {
     err << "wbctl versions: " << client.status() << "\n";
     return kCtlRpcFailed;

@@ -15,9 +15,9 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
   const char* usage =
       "usage: wbctl watch --addr ADDR [--model ID] [--version V] [--timeout 300s] "
       "[--interval 0.5s] [--json]\n";
-  auto parsed = CtlArgs::Parse(args, {{"addr", "model", "version", "timeout", "interval"}, {"json"}});
+  auto parsed = CtlArgs::Parse(args, WithAuthFlags({{"addr", "model", "version", "timeout", "interval"}, {"json"}}));
   if (!parsed.ok()) {
-    err << "wbctl watch: " << parsed.status().message() << "\n" << usage;
+    err << "wbctl watch: " << parsed.status().message() << "\n" << usage << kCtlAuthUsage;
     return kCtlUsage;
   }
   auto timeout = parsed->GetDuration("timeout", absl::Seconds(300));
@@ -35,7 +35,12 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
   const absl::Time deadline = absl::Now() + *timeout;
   const absl::Duration rpc_timeout = std::min(*timeout, absl::Seconds(10));
 
-  auto client = CtlClient::Connect(parsed->Get("addr"), rpc_timeout);
+  auto auth = LoadCtlAuth(*parsed);
+  if (!auth.ok()) {
+    err << "wbctl watch: " << auth.status().message() << "\n";
+    return kCtlUsage;
+  }
+  auto client = CtlClient::Connect(parsed->Get("addr"), rpc_timeout, *std::move(auth));
   if (!client.ok()) {
     err << "wbctl watch: " << client.status() << "\n";
     return kCtlRpcFailed;

@@ -247,6 +247,47 @@ class StatusMessageInterceptorFactory final : public grpc::experimental::ServerI
   }
 };
 
+// Adds the operator token to CoordinatorService.Drain only: a node daemon forwards a Drain its own
+// gate accepted (NodeService.Drain checks the operator credential first); no other call carries it.
+class OperatorTokenInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit OperatorTokenInterceptor(std::string value) : value_(std::move(value)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({kOperatorTokenHeader, value_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string value_;
+};
+
+class OperatorTokenInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit OperatorTokenInterceptorFactory(std::string value) : value_(std::move(value)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo* info) override {
+    if (info == nullptr || info->method() == nullptr || std::strcmp(info->method(), "/weightbridge.v1.CoordinatorService/Drain") != 0) {
+      return nullptr;  // gRPC skips a factory that returns no interceptor
+    }
+    return new OperatorTokenInterceptor(value_);
+  }
+
+ private:
+  std::string value_;
+};
+
+// The verified client certificate's CN and SANs (empty without one).
+std::vector<std::string> CertificateNames(const grpc::ServerContextBase& ctx) {
+  std::vector<std::string> names;
+  auto auth = ctx.auth_context();
+  if (!auth || !auth->IsPeerAuthenticated()) return names;
+  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
+    for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+  }
+  return names;
+}
+
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeStatusMessageInterceptor() {
@@ -287,6 +328,32 @@ absl::StatusOr<PeerAuthConfig> LoadPeerAuth(const std::string& cert_path, const 
   return c;
 }
 
+absl::Status LoadOperatorCredential(const std::string& token_path, const std::string& names, PeerAuthConfig* config) {
+  if (!token_path.empty()) {
+    auto token = ReadFile("operator_token_file", token_path);
+    if (!token.ok()) return token.status();
+    std::string t(absl::StripAsciiWhitespace(*token));
+    if (t.empty()) return absl::InvalidArgumentError(absl::StrCat("--operator_token_file ", token_path, " is empty"));
+    for (unsigned char ch : t) {
+      if (ch < 0x21 || ch > 0x7e) return absl::InvalidArgumentError("--operator_token_file: the token must be printable ASCII without spaces");
+    }
+    if (!config->token.empty() && ConstantTimeEqual(t, config->token)) {
+      return absl::InvalidArgumentError(
+          "--operator_token_file holds the cluster token (--auth_token_file): every node has that one, so it cannot tell an operator "
+          "apart; use a separate token");
+    }
+    config->operator_token = std::move(t);
+  }
+  config->operator_names.clear();
+  for (absl::string_view n : absl::StrSplit(names, ',', absl::SkipWhitespace())) {
+    config->operator_names.emplace_back(absl::StripAsciiWhitespace(n));
+  }
+  if (!config->operator_names.empty() && !config->tls()) {
+    return absl::InvalidArgumentError("--operator_names names client certificates: it needs --tls_cert, --tls_key and --tls_ca");
+  }
+  return absl::OkStatus();
+}
+
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const PeerAuthConfig& config) {
   if (!config.tls()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
@@ -320,6 +387,7 @@ std::shared_ptr<grpc::Channel> MakePeerChannel(const std::string& target, const 
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   if (!config.token.empty()) interceptors.push_back(std::make_unique<TokenInterceptorFactory>(absl::StrCat("Bearer ", config.token)));
+  if (!config.operator_token.empty()) interceptors.push_back(std::make_unique<OperatorTokenInterceptorFactory>(config.operator_token));
   return grpc::experimental::CreateCustomChannelWithInterceptors(target, creds, args, std::move(interceptors));
 }
 
@@ -387,6 +455,39 @@ absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const 
   return absl::PermissionDeniedError(absl::StrCat("NodeService.", method, " is the coordinator's call: the caller's certificate (CN/SAN: ",
                                                   shown.empty() ? "none" : shown, ") does not name the coordinator '", want,
                                                   "' (--tls_server_name, else the host of --coordinator)"));
+}
+
+absl::Status CheckOperator(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& action) {
+  if (!config.operator_required()) return absl::OkStatus();
+  bool sent_token = false;
+  if (!config.operator_token.empty()) {
+    const auto& md = ctx.client_metadata();
+    auto it = md.find(kOperatorTokenHeader);
+    if (it != md.end()) {
+      sent_token = true;
+      if (ConstantTimeEqual(absl::string_view(it->second.data(), it->second.size()), config.operator_token)) return absl::OkStatus();
+    }
+  }
+  std::vector<std::string> names;
+  if (config.tls() && !config.operator_names.empty()) {
+    names = CertificateNames(ctx);
+    for (const std::string& n : names) {
+      for (const std::string& op : config.operator_names) {
+        if (n == op) return absl::OkStatus();
+      }
+    }
+  }
+  std::string how;
+  if (!config.operator_token.empty()) {
+    how = sent_token ? "the operator token sent is wrong" : "send the operator token (wbctl --operator_token_file; header x-wb-operator-token)";
+  }
+  if (!config.operator_names.empty()) {
+    std::string shown = absl::StrJoin(names, ", ");
+    if (shown.size() > 256) shown = shown.substr(0, 256) + "...";
+    absl::StrAppend(&how, how.empty() ? "" : ", or ", "call with a client certificate naming one of --operator_names (the caller's: ",
+                    shown.empty() ? "none" : shown, ")");
+  }
+  return absl::PermissionDeniedError(absl::StrCat(action, " needs the operator credential: ", how));
 }
 
 std::string PeerKey(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config) {

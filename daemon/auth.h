@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 #include <atomic>
 
 #include "absl/base/thread_annotations.h"
@@ -136,13 +137,32 @@ struct PeerAuthConfig {
   // label), else PERMISSION_DENIED: another node's certificate cannot install a plan or commit a
   // version on this node. Empty: any certificate of the cluster CA may (standalone, tests).
   std::string coordinator_identity;
+  // The operator credential (docs/security.md "Operators"). When either is set, a Drain that
+  // reaches beyond the caller's own node - the whole cluster (all), another node, or lifting a
+  // drain (undo) of another node or of the cluster - needs it: the header kOperatorTokenHeader
+  // holding operator_token (wbctl --operator_token_file), or (TLS) a client certificate whose CN /
+  // SAN is one of operator_names. Under mTLS with bind_node_id a node's own certificate may still
+  // drain and undrain its own node (a node could stop serving anyway). Both empty: Drain is open
+  // to every cluster identity, as before (main.cc warns). A node daemon forwarding a Drain it
+  // accepted attaches its own operator_token (MakePeerChannel, on CoordinatorService.Drain only).
+  std::string operator_token;
+  std::vector<std::string> operator_names;
   bool tls() const { return !tls_cert_pem.empty(); }
+  bool operator_required() const { return !operator_token.empty() || !operator_names.empty(); }
 };
+
+// The metadata key of the operator token (wbctl sends the same: client/ctl_auth.h).
+inline constexpr char kOperatorTokenHeader[] = "x-wb-operator-token";
 
 // Reads the files (empty path = not given). TLS needs all of cert/key/ca; a token file must hold
 // a non-empty token (surrounding whitespace trimmed). INVALID_ARGUMENT names the flag.
 absl::StatusOr<PeerAuthConfig> LoadPeerAuth(const std::string& cert_path, const std::string& key_path,
                                             const std::string& ca_path, const std::string& token_path);
+
+// Fills config's operator credential: `token_path` (a file as for the cluster token; it must
+// differ from the cluster token, which every node holds) and `names` (comma-separated certificate
+// names; needs TLS). INVALID_ARGUMENT names the flag (--operator_token_file, --operator_names).
+absl::Status LoadOperatorCredential(const std::string& token_path, const std::string& names, PeerAuthConfig* config);
 
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const PeerAuthConfig& config);
 // A channel to another daemon with TLS (when configured) and the token on every call.
@@ -165,6 +185,10 @@ absl::Status CheckNodeIdentity(const grpc::ServerContextBase& ctx, const PeerAut
 // without bind_node_id or without an identity; else the caller's certificate must name it.
 // PERMISSION_DENIED names `method`, the identity and the certificate's names.
 absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& method);
+// OK when no operator credential is configured, or the call carries the operator token, or (TLS)
+// its verified certificate names one of operator_names; else PERMISSION_DENIED saying `action`
+// needs the operator credential and how to send it.
+absl::Status CheckOperator(const grpc::ServerContextBase& ctx, const PeerAuthConfig& config, const std::string& action);
 // Who holds a daemon server's blocked-call slots, for BlockedCalls' per-key limit: with mutual TLS
 // the node its verified certificate names (CN, else its first SAN: the identity the node-scoped
 // rules bind node ids to); without, the caller's connection (ServerContext::peer(); the TCP port's

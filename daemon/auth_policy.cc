@@ -39,6 +39,22 @@ Verdict NodeScoped(const PeerRuleOptions& o, const AuthCall& call, const std::st
   return Verdict::Ok();
 }
 
+// Drain's operator check (PeerAuthConfig::operator_required): a Drain reaching beyond the caller's
+// own node needs the operator credential. `self` is the node a node's own certificate may drain
+// and undrain without it (mTLS with bind_node_id): at the coordinator the node the request names,
+// at a node this node. Counted as "operator".
+Verdict DrainOperator(const PeerRuleOptions& o, const AuthCall& call, const pb::DrainRequest& req, const std::string& self,
+                      const std::string& method) {
+  const PeerAuthConfig& c = *o.config;
+  if (!c.operator_required()) return Verdict::Ok();
+  if (!req.all() && !self.empty() && c.tls() && c.bind_node_id && CheckNodeIdentity(*call.ctx, c, self).ok()) return Verdict::Ok();
+  std::string target = req.all() ? std::string("the whole cluster")
+                                 : absl::StrCat("node '", (req.node_id().empty() ? o.node_id : req.node_id()).substr(0, 128), "'");
+  std::string action = absl::StrCat(method, " (", req.undo() ? "lift the drain of " : "drain ", target, ")");
+  if (absl::Status s = CheckOperator(*call.ctx, c, action); !s.ok()) return Refuse(std::move(s), "operator");
+  return Verdict::Ok();
+}
+
 // A waiting call's timeout_ms beyond Limits::max_wait_ms is clamped to it before the handler
 // sees the request (0 keeps each handler's default of 60 s): every wait ends, and gives back its
 // thread and slot.
@@ -112,6 +128,7 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
   // Lifting a drain answers at once and needs no slot: an operator can always undo one.
   gate.Add(std::string(kCoordinator) + "Drain", Rule<pb::DrainRequest>([o, blocked](AuthCall& call, pb::DrainRequest& req) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             if (Verdict v = DrainOperator(o, call, req, req.node_id(), "CoordinatorService.Drain"); !v.status.ok()) return v;
              if (req.undo()) return Verdict::Ok();
              ClampWait(req, o.limits);
              return TakePeerSlot(*blocked, o, call);
@@ -170,6 +187,11 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commi
   // Forwarded to the coordinator's Drain (which takes a slot there) within max_wait_ms.
   gate.Add(std::string(kNode) + "Drain", Rule<pb::DrainRequest>([o](AuthCall& call, pb::DrainRequest& req) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             // This node's own certificate may drain this node; anything else needs the operator.
+             const bool this_node = !req.all() && (req.node_id().empty() || req.node_id() == o.node_id);
+             if (Verdict v = DrainOperator(o, call, req, this_node ? o.node_id : std::string(), "NodeService.Drain"); !v.status.ok()) {
+               return v;
+             }
              ClampWait(req, o.limits);
              return Verdict::Ok();
            }));

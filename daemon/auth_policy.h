@@ -42,6 +42,8 @@ struct PeerRuleOptions {
 // (RegisterNode, Heartbeat, JoinWorker, SubmitLayout, LeaveWorker, Publish, ReportReady,
 // ReportDone, ReportApplied), limits on CreateModel / JoinWorker / SubmitLayout, WaitVersion,
 // Publish and Drain bounded by limits.max_blocked_calls (BlockedCallsPerNode of them per node).
+// Drain of the cluster, of another node or undoing such a drain needs the operator credential when
+// one is configured (CheckOperator; a node's own certificate may drain itself), "operator".
 void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& options);
 
 // NodeService: CheckPeer on every call. `on_commit` (after a CommitVersion succeeded, before its

@@ -116,6 +116,13 @@ ABSL_FLAG(bool, tls_bind_node_id, true,
           "with --tls_*: a node may act only as the node id its certificate names (CN or SAN), and accepts the coordinator's "
           "NodeService calls only from a certificate naming the coordinator (--tls_server_name, else the host of --coordinator); "
           "issue one certificate per node");
+ABSL_FLAG(std::string, operator_token_file, "",
+          "file holding the operator token (not the cluster token): with it (or --operator_names), draining the whole "
+          "cluster or another node, and lifting such a drain, need it (wbctl --operator_token_file); a node forwarding "
+          "an accepted Drain sends its own copy. Give every daemon the same file (docs/security.md \"Operators\")");
+ABSL_FLAG(std::string, operator_names, "",
+          "with --tls_*: comma-separated certificate names (CN or SAN) whose holders are operators (may drain the "
+          "cluster or any node; docs/security.md \"Operators\")");
 ABSL_FLAG(std::string, auth_token_file, "", "file holding the shared token checked on every daemon RPC and proven on every data-channel (host_tcp) connection");
 ABSL_FLAG(int64_t, max_message_bytes, int64_t{256} << 20, "largest gRPC message accepted");
 ABSL_FLAG(int32_t, max_pieces_per_layout, 1 << 20, "pieces one layout may have");
@@ -250,6 +257,13 @@ absl::Status SecurityFromFlags(wb::daemon::ServerOptions& o) {
   if (absl::GetFlag(FLAGS_role) == "node" && auth->tls() && auth->bind_node_id) {
     auth->coordinator_identity =
         auth->tls_server_name.empty() ? wb::daemon::TargetHost(absl::GetFlag(FLAGS_coordinator)) : auth->tls_server_name;
+  }
+  RETURN_IF_ERROR(wb::daemon::LoadOperatorCredential(absl::GetFlag(FLAGS_operator_token_file), absl::GetFlag(FLAGS_operator_names), &*auth));
+  if ((auth->tls() || !auth->token.empty()) && !auth->operator_required() && absl::GetFlag(FLAGS_role) != "standalone") {
+    wb::daemon::Log(wb::daemon::LogLevel::kWarning,
+                    "Drain is open to every cluster identity: any token / certificate holder can drain the whole cluster or another "
+                    "node; set --operator_token_file (or --operator_names) on every daemon",
+                    {});
   }
   o.security.peer_auth = std::make_shared<wb::daemon::PeerAuthConfig>(std::move(*auth));
   o.security.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
