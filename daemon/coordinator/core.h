@@ -28,6 +28,7 @@
 // work outside the lock) needs a hold (ModelRegistry::Held, Hold / Release) or a model with a
 // version, or an idle-model eviction could free it (model_registry.h, "Why eviction never ...").
 
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <map>
@@ -87,6 +88,11 @@ struct CoordinatorOptions {
   // sends it when its bytes differ from the last message (catches any change not bumped).
   int max_status_watchers = 64;
   absl::Duration status_resend = absl::Seconds(1);
+  // ClusterStatus / WatchStatus byte budget: a larger status is trimmed, least important details
+  // first (status_budget.h; docs/daemon.md "Status byte budget"), to stay under the 4 MiB a gRPC
+  // client receives by default (wbctl; a node daemon forwarding ClusterStatus to its workers adds
+  // their live state). <= 0: no budget.
+  int64_t max_status_bytes = int64_t{3} << 20;
   // Input bounds (RESOURCE_EXHAUSTED / INVALID_ARGUMENT naming the limit; docs/daemon.md "Limits").
   int max_models = 256;                  // models held at once (CreateModel / JoinWorker with a spec)
   // At max_models a new model evicts the model idle longest among those with no workers, no
@@ -283,6 +289,8 @@ class CoordinatorCore {
     std::thread thread_;
   };
   void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Trims a built status to options.max_status_bytes (status_budget.h); called without mu_.
+  void FitStatus(pb::StatusResponse* status) const;
   // Something ClusterStatus reports changed: wakes WatchStatus streams.
   void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }
 
@@ -299,6 +307,7 @@ class CoordinatorCore {
   bool cluster_draining_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t status_generation_ ABSL_GUARDED_BY(mu_) = 0;
   int status_watchers_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable std::atomic<int64_t> status_warned_at_s_{0};  // FitStatus's last warning (unix seconds)
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
   const std::string instance_;
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver

@@ -4,6 +4,8 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/convert.h"
 #include "daemon/coordinator/core.h"
+#include "daemon/coordinator/status_budget.h"
+#include "daemon/log.h"
 
 namespace wb::daemon {
 
@@ -101,10 +103,28 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
 }
 
 absl::Status CoordinatorCore::ClusterStatus(const pb::StatusRequest&, pb::StatusResponse* resp) {
-  absl::MutexLock l(&mu_);
-  resp->set_role("coordinator");
-  FillStatusLocked(resp);
+  {
+    absl::MutexLock l(&mu_);
+    resp->set_role("coordinator");
+    FillStatusLocked(resp);
+  }
+  FitStatus(resp);
   return absl::OkStatus();
+}
+
+// The status byte budget (status_budget.h), outside mu_: trimming reads the whole message again.
+void CoordinatorCore::FitStatus(pb::StatusResponse* status) const {
+  if (options_.max_status_bytes <= 0) return;
+  const StatusTrim trim = FitStatusToBudget(status, static_cast<size_t>(options_.max_status_bytes));
+  // Node ids, addresses and workers are never dropped: a status they alone make too big is sent as
+  // it is; said in the log, at most once a minute (watchers rebuild every second).
+  const int64_t now_s = absl::ToUnixSeconds(options_.clock->Now());
+  int64_t warned = status_warned_at_s_.load();
+  if (!trim.fits && now_s - warned >= 60 && status_warned_at_s_.compare_exchange_strong(warned, now_s)) {
+    Log(LogLevel::kWarning, "status over its byte budget after trimming",
+        {{"bytes", trim.bytes_after}, {"budget", options_.max_status_bytes}, {"nodes", status->nodes_size()},
+         {"workers", status->workers_size()}});
+  }
 }
 
 // A write to a client that stopped reading blocks on flow control and does not return by itself, so
@@ -208,6 +228,7 @@ absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
     }
     if (cancelled()) return absl::CancelledError("status watcher went away");
     if (built) {
+      FitStatus(&status);
       next_rebuild = absl::Now() + options_.status_resend;
       std::string bytes;
       status.SerializeToString(&bytes);

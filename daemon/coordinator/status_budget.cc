@@ -1,0 +1,102 @@
+#include "daemon/coordinator/status_budget.h"
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace wb::daemon {
+namespace {
+
+// Cuts `list`, which held `original` entries before any cut, to its first `keep` entries plus one
+// marker entry saying how many are left out. False when that saves no bytes.
+bool CutList(google::protobuf::RepeatedPtrField<std::string>* list, int original, int keep, size_t budget) {
+  if (list->size() <= keep) return false;
+  std::string marker = absl::StrCat(kStatusTrimmedMarker, original - keep, " more not listed; status byte budget ", budget, ")");
+  size_t removed = 0;
+  for (int i = keep; i < list->size(); ++i) removed += list->Get(i).size();
+  if (removed <= marker.size()) return false;
+  list->DeleteSubrange(keep, list->size() - keep);
+  *list->Add() = std::move(marker);
+  return true;
+}
+
+// Cuts `text` to about kStatusTextKeep bytes, on a UTF-8 character boundary (proto3 strings must
+// stay valid UTF-8). False when it is short enough.
+bool CutText(std::string* text) {
+  static constexpr char kTail[] = " ... (trimmed)";
+  if (text->size() <= kStatusTextKeep + sizeof(kTail)) return false;
+  size_t end = kStatusTextKeep;
+  while (end > 0 && (static_cast<unsigned char>((*text)[end]) & 0xC0) == 0x80) --end;
+  text->resize(end);
+  text->append(kTail);
+  return true;
+}
+
+bool Finished(const std::string& state) { return state == "committed" || state == "aborted" || state == "superseded"; }
+
+// Step 2: per model, finished records but the newest are dropped; one marker record per model says
+// how many.
+int DropOldVersions(pb::StatusResponse* status, size_t budget) {
+  std::map<std::string, uint64_t> newest_finished;  // model -> version
+  for (const pb::VersionStatus& v : status->versions()) {
+    if (!Finished(v.state())) continue;
+    uint64_t& newest = newest_finished[v.model_id()];
+    newest = std::max(newest, v.version());
+  }
+  std::map<std::string, int> dropped;  // model -> records left out
+  google::protobuf::RepeatedPtrField<pb::VersionStatus> kept;
+  for (pb::VersionStatus& v : *status->mutable_versions()) {
+    if (Finished(v.state()) && v.version() != newest_finished[v.model_id()]) {
+      ++dropped[v.model_id()];
+      continue;
+    }
+    *kept.Add() = std::move(v);
+  }
+  int total = 0;
+  for (const auto& [model, n] : dropped) {
+    pb::VersionStatus* marker = kept.Add();
+    marker->set_model_id(model);
+    marker->set_state(kStatusTrimmedState);
+    marker->set_error(absl::StrCat(n, " older finished version records not listed (status byte budget ", budget, ")"));
+    total += n;
+  }
+  if (total > 0) status->mutable_versions()->Swap(&kept);
+  return total;
+}
+
+}  // namespace
+
+StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget) {
+  StatusTrim out;
+  out.bytes_before = out.bytes_after = status->ByteSizeLong();
+  if (budget == 0 || out.bytes_after <= budget) return out;
+  auto fits = [&] {
+    out.bytes_after = status->ByteSizeLong();
+    return out.bytes_after <= budget;
+  };
+  std::vector<std::pair<int, int>> sizes;  // per node: transports, data_nics before any cut
+  for (const pb::NodeStatus& n : status->nodes()) sizes.push_back({n.transports_size(), n.data_nics_size()});
+  auto cut_lists = [&](int keep) {
+    for (int i = 0; i < status->nodes_size(); ++i) {
+      pb::NodeStatus* n = status->mutable_nodes(i);
+      out.lists_cut += CutList(n->mutable_transports(), sizes[i].first, keep, budget);
+      out.lists_cut += CutList(n->mutable_data_nics(), sizes[i].second, keep, budget);
+    }
+  };
+  cut_lists(kStatusListKeep);
+  if (fits()) return out;
+  out.versions_dropped = DropOldVersions(status, budget);
+  if (fits()) return out;
+  for (pb::VersionStatus& v : *status->mutable_versions()) out.texts_cut += CutText(v.mutable_error());
+  for (pb::WorkerStatus& w : *status->mutable_workers()) out.texts_cut += CutText(w.mutable_catch_up_error());
+  for (pb::ModelStatus& m : *status->mutable_models()) out.texts_cut += CutText(m.mutable_plan_error());
+  if (fits()) return out;
+  cut_lists(0);
+  out.fits = fits();
+  return out;
+}
+
+}  // namespace wb::daemon

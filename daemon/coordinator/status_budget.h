@@ -1,0 +1,47 @@
+#pragma once
+// The ClusterStatus / WatchStatus byte budget (docs/daemon.md "Status byte budget"). A status lists
+// every node with the transports and data NICs it registered (up to 64 of each, 256 bytes each:
+// checks.h kMaxNode*), every worker and up to 64 version records per model; on a large cluster that
+// passes the 4 MiB a gRPC client receives by default (wbctl, and a node daemon forwarding
+// ClusterStatus to its workers), and the client gets nothing at all. PURE: no lock, no clock.
+//
+// FitStatusToBudget trims the least important repeated details first, checking the size after each
+// step, and stops as soon as the status fits:
+//   1. each node's transports and data_nics beyond kStatusListKeep entries;
+//   2. per model, finished version records (committed, aborted, superseded) but the newest one;
+//      versions still publishing, queued or transferring are kept;
+//   3. free text over kStatusTextKeep bytes (version errors, catch-up errors, plan errors);
+//   4. each node's transports and data_nics altogether.
+// What is left out is said in the status itself (no proto field for it yet): a trimmed list ends
+// with one entry starting with kStatusTrimmedMarker ("(trimmed: 48 more not listed; status byte
+// budget 3145728)"), a model whose version records were dropped gets one record with version 0
+// and state "trimmed" whose error says how many, and cut text ends with " ... (trimmed)". Node
+// ids, addresses, workers and models are never dropped: a status whose nodes and workers alone
+// pass the budget still passes it (the result says so: fits = false).
+
+#include <cstddef>
+
+#include "proto/weightbridge.pb.h"
+
+namespace wb::daemon {
+
+namespace pb = ::weightbridge::v1;
+
+inline constexpr int kStatusListKeep = 16;         // entries a node's trimmed list keeps (step 1)
+inline constexpr size_t kStatusTextKeep = 256;     // bytes a cut free-text field keeps (step 3)
+inline constexpr char kStatusTrimmedMarker[] = "(trimmed: ";
+inline constexpr char kStatusTrimmedState[] = "trimmed";  // VersionStatus.state of the marker record
+
+struct StatusTrim {
+  size_t bytes_before = 0, bytes_after = 0;  // serialized size
+  int lists_cut = 0;                         // node lists (transports, data_nics) cut
+  int versions_dropped = 0;                  // version records left out
+  int texts_cut = 0;                         // free-text fields cut
+  bool fits = true;                          // bytes_after <= budget
+};
+
+// Trims `status` to at most `budget` serialized bytes as far as the steps above allow. budget 0:
+// no budget (nothing changes).
+StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget);
+
+}  // namespace wb::daemon
