@@ -1,5 +1,5 @@
 // The ClusterStatus / WatchStatus byte budget (status_budget.h, docs/daemon.md "Status byte
-// budget"): 128 nodes registered at every per-node cap used to make a status of ~4.5 MiB, more
+// budget"): 128 nodes registered at every per-node cap used to make a status of 4.4 MiB, more
 // than the 4 MiB a gRPC client receives by default (wbctl got nothing at all). Now it is trimmed
 // under the budget, least important details first, says so, and still lists every node.
 #include "daemon/coordinator/status_budget.h"
