@@ -209,7 +209,12 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   // prometheus-cpp (civetweb) reports a failed bind by throwing; this is the one boundary where
   // a third-party exception is turned into a status.
   try {
-    e->exposer_ = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/1);
+    // civetweb serves one connection per thread: with one thread, a single silent connection held
+    // every scrape for its 30 s default timeout (and a client trickling bytes, for good). Several
+    // threads and a short read timeout keep the endpoint answering while a few connections
+    // stall; a flood of them still can (bind --metrics_listen to a trusted network).
+    e->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", listen, "num_threads", "8", "request_timeout_ms", "3000", "enable_keep_alive", "no"});
   } catch (const std::exception& ex) {
     return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen, ": ", ex.what()));
   }

@@ -8,6 +8,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -55,6 +56,33 @@ TEST(MetricsTest, BusyPortIsUnavailableNotACrash) {
   ASSERT_TRUE(a.ok());
   auto b = MetricsEndpoint::Start(absl::StrCat("127.0.0.1:", (*a)->port()), m.registry());
   EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable) << b.status();
+}
+
+// A few silent connections (a port scanner, a stuck client, a half-open scrape) must not stop
+// Prometheus from scraping: before, the endpoint had one HTTP thread, which a single connection
+// that sent nothing held until civetweb's 30 s request timeout (and a client sending a byte now
+// and then, for good).
+TEST(MetricsTest, SilentConnectionsDoNotBlockAScrape) {
+  DaemonMetrics m;
+  m.Version("n0", "qwen", "committed");
+  auto ep = MetricsEndpoint::Start("127.0.0.1:0", m.registry());
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  std::vector<int> silent;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>((*ep)->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    if (i % 2 == 1) ASSERT_EQ(::send(fd, "GET /met", 8, 0), 8);  // a request that never ends
+    silent.push_back(fd);
+  }
+  auto scrape = ScrapeMetrics((*ep)->port(), absl::Seconds(5));
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_EQ(MetricValue(*scrape, "wb_versions_total{event=\"committed\",model=\"qwen\",node=\"n0\"}"), 1);
+  for (int fd : silent) ::close(fd);
 }
 
 TEST(MetricsTest, FailureReasonsAreAFixedVocabulary) {
