@@ -137,7 +137,7 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
   };
   absl::flat_hash_map<std::pair<uint64_t, uint64_t>, SetLoad> set_out;
 
-  std::vector<int32_t> src_nodes, src_slots, dst_nodes, dst_slots;
+  std::vector<int32_t> src_nodes, src_slots, dst_slots;
   for (size_t fi = 0; fi < fs.fragments.size(); ++fi) {
     const Fragment& f = fs.fragments[fi];
     const int64_t b = wire_bytes != nullptr ? (*wire_bytes)[fi] : f.bytes;
@@ -156,32 +156,25 @@ double LowerBoundOfFragments(const Problem& problem, const ClusterIndex& ci, con
       return std::binary_search(src_nodes.begin(), src_nodes.end(), n);
     };
 
-    // Destinations grouped by node (refs are in worker order, not node order).
-    dst_nodes.clear();
+    // Destination slots (refs are in worker order, not node order).
     dst_slots.clear();
-    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) {
-      dst_nodes.push_back(ci.worker_node[fs.refs[k].worker]);
-      dst_slots.push_back(ci.worker_slot[fs.refs[k].worker]);
-    }
-    std::sort(dst_nodes.begin(), dst_nodes.end());
-    dst_nodes.erase(std::unique(dst_nodes.begin(), dst_nodes.end()), dst_nodes.end());
+    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) dst_slots.push_back(ci.worker_slot[fs.refs[k].worker]);
     // Distinct slots: two workers sharing a GPU may pass the bytes on with a same-GPU copy.
     std::sort(dst_slots.begin(), dst_slots.end());
     dst_slots.erase(std::unique(dst_slots.begin(), dst_slots.end()), dst_slots.end());
+    // Slots are numbered in (node, gpu) order, so the sorted slots of one node are one run.
     bool leaves = false;
-    for (int32_t n : dst_nodes) {
-      if (has_src_node(n)) continue;
-      leaves = true;
-      node_in[n] += b;
-      // Exclusive receiver: exactly one slot of this node needs the fragment.
-      int32_t only = -1;
-      bool single = true;
-      for (int32_t slot : dst_slots) {
-        if (ci.slot_node[slot] != n) continue;
-        if (only >= 0) single = false;
-        only = slot;
+    for (size_t i = 0; i < dst_slots.size();) {
+      const int32_t n = ci.slot_node[dst_slots[i]];
+      size_t j = i + 1;
+      while (j < dst_slots.size() && ci.slot_node[dst_slots[j]] == n) ++j;
+      if (!has_src_node(n)) {
+        leaves = true;
+        node_in[n] += b;
+        // Exclusive receiver: exactly one slot of this node needs the fragment.
+        if (j - i == 1) excl_in[dst_slots[i]] += b;
       }
-      if (single && only >= 0) excl_in[only] += b;
+      i = j;
     }
     for (int32_t slot : dst_slots) {
       if (std::binary_search(src_slots.begin(), src_slots.end(), slot)) {

@@ -16,6 +16,54 @@ namespace {
 
 constexpr double kGB = 1e9;
 
+// Segment tree over leaves 0..n-1 (n <= capacity) that keeps the best leaf of every range under
+// `less`, a strict total order on leaves the caller defines from its current keys (with a unique
+// tie-break, so the answer never depends on the tree's shape). Best leaf of a range and a leaf
+// whose key changed: O(log capacity) each.
+class BestOf {
+ public:
+  template <typename Less>
+  void Build(int32_t n, int32_t capacity, const Less& less) {
+    size_ = 1;
+    while (size_ < capacity) size_ <<= 1;
+    t_.assign(2 * static_cast<size_t>(size_), -1);
+    n_ = n;
+    for (int32_t i = 0; i < n; ++i) t_[size_ + i] = i;
+    for (int32_t i = size_ - 1; i >= 1; --i) t_[i] = Pick(t_[2 * i], t_[2 * i + 1], less);
+  }
+  // Adds leaf n (n < capacity).
+  template <typename Less>
+  void Append(const Less& less) {
+    t_[size_ + n_] = n_;
+    Update(n_++, less);
+  }
+  template <typename Less>
+  void Update(int32_t leaf, const Less& less) {
+    for (int32_t i = (leaf + size_) >> 1; i >= 1; i >>= 1) t_[i] = Pick(t_[2 * i], t_[2 * i + 1], less);
+  }
+  // Best leaf of [lo, hi); -1 when empty.
+  template <typename Less>
+  int32_t Query(int32_t lo, int32_t hi, const Less& less) const {
+    int32_t best = -1;
+    for (lo += size_, hi += size_; lo < hi; lo >>= 1, hi >>= 1) {
+      if (lo & 1) best = Pick(best, t_[lo++], less);
+      if (hi & 1) best = Pick(best, t_[--hi], less);
+    }
+    return best;
+  }
+  int32_t Best() const { return n_ > 0 ? t_[1] : -1; }
+
+ private:
+  template <typename Less>
+  static int32_t Pick(int32_t a, int32_t b, const Less& less) {
+    if (a < 0) return b;
+    if (b < 0) return a;
+    return less(b, a) ? b : a;
+  }
+  int32_t size_ = 1, n_ = 0;
+  std::vector<int32_t> t_;
+};
+
 class Builder {
  public:
   Builder(const Problem& p, const FragmentSet& fs, const ClusterIndex& ci, const SenderQuantization& sq,
@@ -30,6 +78,13 @@ class Builder {
       piece_base_[w + 1] = piece_base_[w] + p.workers[w].layout.pieces.size();
     }
     covered_.assign(piece_base_.back(), 0);
+    node_stamp_.assign(ci.node_slots.size(), 0);
+    node_lo_.assign(ci.node_slots.size(), 0);
+    node_hi_.assign(ci.node_slots.size(), 0);
+    slot_stamp_.assign(ci.num_slots, 0);
+    slot_leaf_.assign(ci.num_slots, -1);
+    relay_stamp_.assign(ci.num_slots, 0);
+    relay_leaf_.assign(ci.num_slots, -1);
     plan_.strategy = strategy;
     plan_.stats.lower_bound_s = lower_bound_s;
   }
@@ -47,6 +102,7 @@ class Builder {
       cur_quantized_ = sq_.quantized[fi] != 0;
       cur_wire_ = sq_.wire_bytes[fi];
       inter_nodes_.clear();
+      BeginFragment(f);
       switch (strategy_) {
         case Strategy::kWeightBridge:
           PlanWeightBridge(f, fi);
@@ -85,55 +141,180 @@ class Builder {
   void PrecomputeReserve() {
     for (size_t fi = 0; fi < fs_.fragments.size(); ++fi) {
       const Fragment& f = fs_.fragments[fi];
+      BeginFragment(f);
       if (!Leaves(f)) continue;
       const double share = static_cast<double>(sq_.wire_bytes[fi]) / (f.src_end - f.src_begin);
       for (uint32_t k = f.src_begin; k < f.src_end; ++k) reserve_[Slot(fs_.refs[k])] += share;
     }
   }
 
-  bool HasSourceOnNode(const Fragment& f, int32_t node) const {
-    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
-      if (Node(fs_.refs[k]) == node) return true;
-    }
-    return false;
+  // ---- Per-fragment index of the holders (docs/planner.md "Plan builder cost") ----
+  // Built once per fragment, so each lookup below costs O(1) or O(log holders) instead of a scan
+  // of every holder: a fragment with H holders and N needers costs O((H + N) log(H + N)), not
+  // O(H x N). Every lookup returns exactly what the scan of the holders in ref order did (least
+  // load, the earliest ref on ties), so plans and fingerprints are unchanged.
+  //  - node_stamp_[node] == epoch_: a holder is on the node (marked by BeginFragment);
+  //  - leaves (EnsureLeaves): one per GPU slot holding the fragment, with the first holder ref on
+  //    it (holders sharing a slot share its loads, so the first one is the one a scan picks),
+  //    ordered by (node, first ref); a node's leaves are [node_lo_, node_hi_);
+  //  - intra_tree_: least intra-node egress over a node's leaves (the local sender);
+  //  - nic_tree_: least NIC egress (kP2PNoDedup) or projected egress, NIC egress + reserve
+  //    (kWeightBridge's sender) over all leaves;
+  //  - relay_tree_: kWeightBridge's cross-node relay candidates (holders_), one leaf per rollout
+  //    slot with its best entry (earliest bucket, then earliest entry), least NIC egress first.
+  // Emit updates the trees of the slot whose load it changed.
+  void BeginFragment(const Fragment& f) {
+    ++epoch_;
+    leaves_built_ = intra_valid_ = nic_valid_ = relay_valid_ = false;
+    for (uint32_t k = f.src_begin; k < f.src_end; ++k) node_stamp_[Node(fs_.refs[k])] = epoch_;
   }
+
+  bool HasSourceOnNode(int32_t node) const { return node_stamp_[node] == epoch_; }
 
   bool Leaves(const Fragment& f) const {
     for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) {
-      if (!HasSourceOnNode(f, Node(fs_.refs[k]))) return true;
+      if (!HasSourceOnNode(Node(fs_.refs[k]))) return true;
     }
     return false;
   }
 
+  void EnsureLeaves(const Fragment& f) {
+    if (leaves_built_) return;
+    leaves_built_ = true;
+    leaf_slot_.clear();
+    leaf_first_.clear();
+    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
+      const int32_t slot = Slot(fs_.refs[k]);
+      if (slot_stamp_[slot] == epoch_) continue;
+      slot_stamp_[slot] = epoch_;
+      leaf_slot_.push_back(slot);
+      leaf_first_.push_back(k);
+    }
+    const size_t n = leaf_slot_.size();
+    auto node_of_leaf = [&](size_t i) { return ci_.slot_node[leaf_slot_[i]]; };
+    bool sorted = true;
+    for (size_t i = 1; i < n && sorted; ++i) sorted = node_of_leaf(i - 1) <= node_of_leaf(i);
+    if (!sorted) {
+      leaf_order_.resize(n);
+      for (size_t i = 0; i < n; ++i) leaf_order_[i] = static_cast<uint32_t>(i);
+      std::stable_sort(leaf_order_.begin(), leaf_order_.end(),
+                       [&](uint32_t a, uint32_t b) { return node_of_leaf(a) < node_of_leaf(b); });
+      std::vector<int32_t> slots(n);
+      std::vector<uint32_t> firsts(n);
+      for (size_t i = 0; i < n; ++i) {
+        slots[i] = leaf_slot_[leaf_order_[i]];
+        firsts[i] = leaf_first_[leaf_order_[i]];
+      }
+      leaf_slot_.swap(slots);
+      leaf_first_.swap(firsts);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      slot_leaf_[leaf_slot_[i]] = static_cast<int32_t>(i);
+      const int32_t node = ci_.slot_node[leaf_slot_[i]];
+      if (i == 0 || node != node_of_leaf(i - 1)) node_lo_[node] = static_cast<uint32_t>(i);
+      node_hi_[node] = static_cast<uint32_t>(i + 1);
+    }
+  }
+
+  bool IntraLess(int32_t a, int32_t b) const {
+    const int64_t la = loads_.intra_out[leaf_slot_[a]], lb = loads_.intra_out[leaf_slot_[b]];
+    return la != lb ? la < lb : leaf_first_[a] < leaf_first_[b];
+  }
+  // The sender's key: NIC egress, plus the reserve for kWeightBridge (as a double, as it compares).
+  bool NicLess(int32_t a, int32_t b) const {
+    const int32_t sa = leaf_slot_[a], sb = leaf_slot_[b];
+    if (strategy_ == Strategy::kWeightBridge) {
+      const double la = loads_.nic_out[sa] + reserve_[sa], lb = loads_.nic_out[sb] + reserve_[sb];
+      if (la != lb) return la < lb;
+    } else if (loads_.nic_out[sa] != loads_.nic_out[sb]) {
+      return loads_.nic_out[sa] < loads_.nic_out[sb];
+    }
+    return leaf_first_[a] < leaf_first_[b];
+  }
+  bool RelayLess(int32_t a, int32_t b) const {
+    const int64_t la = loads_.nic_out[relay_slot_[a]], lb = loads_.nic_out[relay_slot_[b]];
+    if (la != lb) return la < lb;
+    const int32_t ba = holders_[relay_best_[a]].bucket, bb = holders_[relay_best_[b]].bucket;
+    if (ba != bb) return ba < bb;
+    return relay_best_[a] < relay_best_[b];
+  }
+
+  void EnsureIntraTree(const Fragment& f) {
+    EnsureLeaves(f);
+    if (intra_valid_) return;
+    intra_valid_ = true;
+    const int32_t n = static_cast<int32_t>(leaf_slot_.size());
+    intra_tree_.Build(n, n, [this](int32_t a, int32_t b) { return IntraLess(a, b); });
+  }
+  void EnsureNicTree(const Fragment& f) {
+    EnsureLeaves(f);
+    if (nic_valid_) return;
+    nic_valid_ = true;
+    const int32_t n = static_cast<int32_t>(leaf_slot_.size());
+    nic_tree_.Build(n, n, [this](int32_t a, int32_t b) { return NicLess(a, b); });
+  }
+  void EnsureRelayTree(const Fragment& f) {
+    if (relay_valid_) return;
+    relay_valid_ = true;
+    relay_slot_.clear();
+    relay_best_.clear();
+    for (size_t i = 0; i < holders_.size(); ++i) NoteRelayCandidate(i, /*in_tree=*/false);
+    relay_tree_.Build(static_cast<int32_t>(relay_slot_.size()), std::max<int32_t>(f.dst_end - f.dst_begin, 1),
+                      [this](int32_t a, int32_t b) { return RelayLess(a, b); });
+  }
+  // Files holders_[i] under its slot's leaf (new leaf, or a better entry for the slot).
+  void NoteRelayCandidate(size_t i, bool in_tree) {
+    const int32_t slot = Slot(holders_[i].ref);
+    auto less = [this](int32_t a, int32_t b) { return RelayLess(a, b); };
+    if (relay_stamp_[slot] != epoch_) {
+      relay_stamp_[slot] = epoch_;
+      relay_leaf_[slot] = static_cast<int32_t>(relay_slot_.size());
+      relay_slot_.push_back(slot);
+      relay_best_.push_back(static_cast<uint32_t>(i));
+      if (in_tree) relay_tree_.Append(less);
+      return;
+    }
+    const int32_t leaf = relay_leaf_[slot];
+    if (holders_[i].bucket < holders_[relay_best_[leaf]].bucket) {
+      relay_best_[leaf] = static_cast<uint32_t>(i);
+      if (in_tree) relay_tree_.Update(leaf, less);
+    }
+  }
+  void AddHolder(PieceRef ref, int32_t bucket) {
+    holders_.push_back({ref, bucket});
+    if (relay_valid_) NoteRelayCandidate(holders_.size() - 1, /*in_tree=*/true);
+  }
+
+  // After an op from `slot` over `route`: the trees keyed by that link's load see the change.
+  void OnLoadChanged(Route route, int32_t slot) {
+    if (route == Route::kIntraNode) {
+      if (intra_valid_ && slot_stamp_[slot] == epoch_) {
+        intra_tree_.Update(slot_leaf_[slot], [this](int32_t a, int32_t b) { return IntraLess(a, b); });
+      }
+    } else if (route == Route::kInterNode) {
+      if (nic_valid_ && slot_stamp_[slot] == epoch_) {
+        nic_tree_.Update(slot_leaf_[slot], [this](int32_t a, int32_t b) { return NicLess(a, b); });
+      }
+      if (relay_valid_ && relay_stamp_[slot] == epoch_) {
+        relay_tree_.Update(relay_leaf_[slot], [this](int32_t a, int32_t b) { return RelayLess(a, b); });
+      }
+    }
+  }
+
   // The cheapest holder for one destination: same GPU, else least intra-loaded on the node, else
-  // least NIC-loaded anywhere.
-  PieceRef NearestSource(const Fragment& f, PieceRef dst) const {
+  // least NIC-loaded anywhere (ties: the earliest holder ref).
+  PieceRef NearestSource(const Fragment& f, PieceRef dst) {
+    EnsureLeaves(f);
     const int32_t slot = Slot(dst), node = Node(dst);
-    PieceRef best{-1, -1};
-    int64_t best_load = 0;
-    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
-      const PieceRef s = fs_.refs[k];
-      if (Slot(s) == slot) return s;
+    if (slot_stamp_[slot] == epoch_) return fs_.refs[leaf_first_[slot_leaf_[slot]]];
+    if (HasSourceOnNode(node)) {
+      EnsureIntraTree(f);
+      const int32_t leaf = intra_tree_.Query(static_cast<int32_t>(node_lo_[node]), static_cast<int32_t>(node_hi_[node]),
+                                             [this](int32_t a, int32_t b) { return IntraLess(a, b); });
+      return fs_.refs[leaf_first_[leaf]];
     }
-    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
-      const PieceRef s = fs_.refs[k];
-      if (Node(s) != node) continue;
-      const int64_t load = loads_.intra_out[Slot(s)];
-      if (best.worker < 0 || load < best_load) {
-        best = s;
-        best_load = load;
-      }
-    }
-    if (best.worker >= 0) return best;
-    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
-      const PieceRef s = fs_.refs[k];
-      const int64_t load = loads_.nic_out[Slot(s)];
-      if (best.worker < 0 || load < best_load) {
-        best = s;
-        best_load = load;
-      }
-    }
-    return best;
+    EnsureNicTree(f);
+    return fs_.refs[leaf_first_[nic_tree_.Best()]];
   }
 
   void PlanWeightBridge(const Fragment& f, size_t fi) {
@@ -159,10 +340,10 @@ class Builder {
       const size_t ni = (first + step) % nn;
       const size_t m0 = node_starts_[ni], m1 = node_starts_[ni + 1];
       const int32_t node = by_node_[m0].first;
-      if (HasSourceOnNode(f, node)) {
+      if (HasSourceOnNode(node)) {
         for (size_t m = m0; m < m1; ++m) {
           const PieceRef d = fs_.refs[by_node_[m].second];
-          holders_.push_back({d, Emit(f, NearestSource(f, d), d, -1)});
+          AddHolder(d, Emit(f, NearestSource(f, d), d, -1));
         }
         continue;
       }
@@ -175,40 +356,30 @@ class Builder {
         }
       }
       const PieceRef r = fs_.refs[by_node_[rm].second];
-      // Sender: the trainer holder with the least projected egress ...
-      PieceRef s{-1, -1};
-      double s_load = 0;
-      for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
-        const int32_t slot = Slot(fs_.refs[k]);
-        const double load = loads_.nic_out[slot] + reserve_[slot];
-        if (s.worker < 0 || load < s_load) {
-          s = fs_.refs[k];
-          s_load = load;
-        }
-      }
+      // Sender: the trainer holder with the least projected egress (the earliest on ties) ...
+      EnsureNicTree(f);
+      const int32_t sl = nic_tree_.Best();
+      const PieceRef s = fs_.refs[leaf_first_[sl]];
+      const double s_load = loads_.nic_out[leaf_slot_[sl]] + reserve_[leaf_slot_[sl]];
       PieceRef sender = s;
       int32_t dep = -1;
       // ... unless that pushes it past the lower bound and a rollout GPU that already holds the
       // bytes has spare egress: then that one forwards them (cross-node relay).
+      // (The holder with the least NIC egress, then the earliest bucket, then the earliest entry.)
       if (s_load + b > threshold_ && !holders_.empty()) {
-        const Holder* h = nullptr;
-        for (const Holder& c : holders_) {
-          if (h == nullptr || loads_.nic_out[Slot(c.ref)] < loads_.nic_out[Slot(h->ref)] ||
-              (loads_.nic_out[Slot(c.ref)] == loads_.nic_out[Slot(h->ref)] && c.bucket < h->bucket)) {
-            h = &c;
-          }
-        }
-        if (static_cast<double>(loads_.nic_out[Slot(h->ref)]) < s_load) {
-          sender = h->ref;
-          dep = h->bucket;
+        EnsureRelayTree(f);
+        const Holder h = holders_[relay_best_[relay_tree_.Best()]];
+        if (static_cast<double>(loads_.nic_out[Slot(h.ref)]) < s_load) {
+          sender = h.ref;
+          dep = h.bucket;
         }
       }
       const int32_t rb = Emit(f, sender, r, dep);
-      holders_.push_back({r, rb});
+      AddHolder(r, rb);
       for (size_t m = m0; m < m1; ++m) {
         if (m == rm) continue;
         const PieceRef d = fs_.refs[by_node_[m].second];
-        holders_.push_back({d, Emit(f, r, d, rb)});
+        AddHolder(d, Emit(f, r, d, rb));
       }
     }
   }
@@ -246,6 +417,7 @@ class Builder {
     const bool quantized = cur_quantized_ && dst.piece >= 0;
     const int64_t wire = quantized ? cur_wire_ : f.bytes;
     loads_.Add(route, ss, ds, wire);
+    OnLoadChanged(route, ss);
     const int32_t b = Place(ss, ds, wire, dep);
     TransferOp op;
     op.src_worker = src.worker;
@@ -340,6 +512,19 @@ class Builder {
   std::vector<std::pair<int32_t, uint32_t>> by_node_;
   std::vector<size_t> node_starts_;
   std::vector<Holder> holders_;
+  // Per-fragment holder index (BeginFragment): stamps equal to epoch_ are the current fragment's.
+  uint64_t epoch_ = 0;
+  bool leaves_built_ = false, intra_valid_ = false, nic_valid_ = false, relay_valid_ = false;
+  std::vector<uint64_t> node_stamp_, slot_stamp_, relay_stamp_;
+  std::vector<uint32_t> node_lo_, node_hi_;   // per node: its leaves
+  std::vector<int32_t> slot_leaf_;            // per slot: its leaf
+  std::vector<int32_t> leaf_slot_;            // per leaf: the slot
+  std::vector<uint32_t> leaf_first_;          // per leaf: the first holder ref (index into fs_.refs)
+  std::vector<uint32_t> leaf_order_;
+  BestOf intra_tree_, nic_tree_, relay_tree_;
+  std::vector<int32_t> relay_leaf_;           // per slot: its relay leaf
+  std::vector<int32_t> relay_slot_;           // per relay leaf: the slot
+  std::vector<uint32_t> relay_best_;          // per relay leaf: its best entry of holders_
   int64_t redundant_ = 0;
   Plan plan_;
 };

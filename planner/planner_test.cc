@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <random>
 
 #include "gtest/gtest.h"
 #include "planner/box.h"
@@ -286,6 +287,159 @@ TEST(PlannerTest, DeterministicFingerprint) {
   auto c = MakePlan(p, Strategy::kP2PNoDedup);
   ASSERT_TRUE(c.ok());
   EXPECT_NE(c->fingerprint, a->fingerprint);
+}
+
+// Many holders and needers per fragment (docs/planner.md "Plan builder cost"): DDP trainers that
+// hold every tensor whole, added out of node order, two trainer workers on one GPU, nodes of 1 to
+// 4 GPUs, colocated slots, rollout nodes without a holder, and few trainers feeding many rollout
+// nodes (cross-node relays). The builder's per-fragment holder index must choose exactly what the
+// scan of every holder chose: these fingerprints were recorded with that scan (before 2026-12-06)
+// and must never change.
+Problem ManyHoldersProblem(int variant) {
+  Problem p;
+  p.inventory.architecture = "Test";
+  p.inventory.tensors = {TensorSpec{"a", {96, 40}, DType::kBF16}, TensorSpec{"b", {33}, DType::kF32},
+                         TensorSpec{"c", {24, 8}, DType::kBF16}};
+  const std::vector<std::pair<int, Box>> whole = {{0, FullBox({96, 40})}, {1, FullBox({33})}, {2, FullBox({24, 8})}};
+  auto half = [](int64_t h) {
+    return std::vector<std::pair<int, Box>>{{0, B({48 * h, 0}, {48 * h + 48, 40})}, {1, FullBox({33})},
+                                            {2, B({0, 4 * h}, {24, 4 * h + 4})}};
+  };
+  switch (variant) {
+    case 0:  // DDP 12 -> 20 whole, trainers in reverse node order, rollout nodes of 1..4 GPUs
+      for (int t = 11; t >= 0; --t) AddWorker(p, Role::kTrainer, t / 2, t % 2, whole);
+      for (int r = 0, node = 6, g = 0; r < 20; ++r) {
+        AddWorker(p, Role::kRollout, node, g, whole);
+        if (++g > (node % 4)) node++, g = 0;
+      }
+      break;
+    case 1:  // colocated DDP on 4 x 4 GPUs, two trainers on (0, 0), rollouts tp2 on the same slots,
+             // and a rollout node without a holder
+      for (int n = 0; n < 4; ++n) {
+        for (int g = 0; g < 4; ++g) AddWorker(p, Role::kTrainer, n, g, whole);
+      }
+      AddWorker(p, Role::kTrainer, 0, 0, whole);
+      for (int n = 0; n < 4; ++n) {
+        for (int g = 0; g < 4; ++g) AddWorker(p, Role::kRollout, n, g, half(g % 2));
+      }
+      for (int g = 0; g < 4; ++g) AddWorker(p, Role::kRollout, 4, g, half(g % 2));
+      p.topology.colocated = true;
+      break;
+    case 2:  // 2 trainers feed 16 one-GPU rollout nodes: trainer egress binds, rollouts relay
+      AddWorker(p, Role::kTrainer, 0, 0, whole);
+      AddWorker(p, Role::kTrainer, 0, 1, whole);
+      for (int r = 0; r < 16; ++r) AddWorker(p, Role::kRollout, 1 + r, 0, r % 3 == 0 ? whole : half(r % 2));
+      break;
+    default:  // tp2 x dp3 trainers scattered one GPU per node, rollouts on the trainers' nodes and others
+      for (int d = 0; d < 3; ++d) {
+        for (int h = 0; h < 2; ++h) AddWorker(p, Role::kTrainer, (5 * (2 * d + h)) % 7, 0, half(h));
+      }
+      for (int r = 0; r < 10; ++r) AddWorker(p, Role::kRollout, r, r < 7 ? 1 : 0, r % 2 ? whole : half(r % 4 / 2));
+      break;
+  }
+  p.staging_budget_bytes = 16384;
+  return p;
+}
+
+TEST(PlannerTest, ManyHoldersPlansKeepTheirFingerprints) {
+  const char* kWant[4][4] = {
+      {"4fb49aab44a17c868ee8f1f72aed0e3b", "6601f834c5c56acf33af771d73846a43",
+       "694fe6c5fc48065507a84435e3f21452", "47816e2118e0c0956c14e16a97fa1a0c"},
+      {"60f42af9174832699e45db76aae6026e", "3b497d6c9e74fa9809f0e656ab1bcd46",
+       "03a1800ed599f83a61247dc1fd0ee2b0", "7fec9d15f55b40f378681c2ff5f24aff"},
+      {"7d5f464d7bebb9799294dcc9fc42e12d", "2735121978fef622c78ce2d3950eff2f",
+       "ceede9054d5ab0ab5148aadb4a398c49", "89bd978365d027da5ad42ac9027f507f"},
+      {"2cb05eef5263c3d6ec583c7c28b6256f", "b5b181994c442688752a1fdd27eba373",
+       "fc1de07343a2578de03c8b4ac65cd978", "1922396eaa12810c4593314f763caf7c"},
+  };
+  const Strategy kStrategies[] = {Strategy::kWeightBridge, Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
+                                  Strategy::kP2PNoDedup};
+  for (int v = 0; v < 4; ++v) {
+    const Problem p = ManyHoldersProblem(v);
+    for (int s = 0; s < 4; ++s) {
+      PlanOptions opt;
+      opt.max_fragment_bytes = 1000;
+      auto plan = MakePlanWithOptions(p, kStrategies[s], opt);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      CheckOptions co;
+      co.require_no_redundancy = kStrategies[s] == Strategy::kWeightBridge;
+      co.allow_staging = kStrategies[s] == Strategy::kRank0Broadcast;
+      EXPECT_TRUE(CheckPlanElementwise(p, *plan, co).ok()) << v << " " << StrategyName(kStrategies[s]);
+      EXPECT_EQ(plan->fingerprint, kWant[v][s]) << "variant " << v << " " << StrategyName(kStrategies[s]);
+    }
+  }
+}
+
+// Random crowded problems: up to 24 trainers and 24 rollouts on random GPU slots (shared slots,
+// nodes of 1 to 4 GPUs, workers in random order), whole / half / quarter boxes, tiny and large
+// staging budgets. The FNV-1a digest of all their plans' fingerprints (every strategy) was
+// recorded with the scan of every holder (before 2026-12-06) and must never change.
+Problem CrowdedProblem(std::mt19937_64& rng) {
+  auto u = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  Problem p;
+  p.inventory.architecture = "Test";
+  const int nt = static_cast<int>(u(1, 3));
+  for (int t = 0; t < nt; ++t) {
+    p.inventory.tensors.push_back(TensorSpec{absl::StrCat("t", t), {u(2, 32) * 2, u(1, 8) * 2}, DType::kBF16});
+  }
+  std::vector<std::pair<int, int>> slots;
+  const int nodes = static_cast<int>(u(2, 8));
+  for (int n = 0; n < nodes; ++n) {
+    const int g = static_cast<int>(u(1, 4));
+    for (int i = 0; i < g; ++i) slots.push_back({n, i});
+  }
+  auto boxes = [&](bool whole) {
+    std::vector<std::pair<int, Box>> out;
+    for (int t = 0; t < nt; ++t) {
+      const auto& sh = p.inventory.tensors[t].shape;
+      const int64_t kind = whole ? 0 : u(0, 3), h = u(0, 1);
+      if (kind <= 1) {
+        out.push_back({t, FullBox(sh)});
+      } else if (kind == 2) {
+        out.push_back({t, B({h * sh[0] / 2, 0}, {(h + 1) * sh[0] / 2, sh[1]})});
+      } else {
+        out.push_back({t, B({0, h * sh[1] / 2}, {sh[0], (h + 1) * sh[1] / 2})});
+      }
+    }
+    return out;
+  };
+  struct W {
+    Role role;
+    std::pair<int, int> at;
+    std::vector<std::pair<int, Box>> pieces;
+  };
+  std::vector<W> ws;
+  const int trainers = static_cast<int>(u(1, 24)), rollouts = static_cast<int>(u(1, 24));
+  for (int i = 0; i < trainers; ++i) {
+    ws.push_back({Role::kTrainer, slots[u(0, slots.size() - 1)], boxes(i == 0 || u(0, 1) == 0)});
+  }
+  for (int i = 0; i < rollouts; ++i) ws.push_back({Role::kRollout, slots[u(0, slots.size() - 1)], boxes(false)});
+  std::shuffle(ws.begin(), ws.end(), rng);
+  for (const W& w : ws) AddWorker(p, w.role, w.at.first, w.at.second, w.pieces);
+  p.topology.nic_GBps_per_gpu = static_cast<double>(u(10, 100));
+  p.topology.intra_node_GBps = static_cast<double>(u(100, 400));
+  p.staging_budget_bytes = u(0, 1) ? u(64, 4096) : int64_t{1} << 30;
+  return p;
+}
+
+TEST(PlannerTest, CrowdedRandomPlansKeepTheirFingerprints) {
+  std::mt19937_64 rng(20261206);
+  uint64_t digest = 1469598103934665603ULL;
+  int64_t ops = 0;
+  for (int i = 0; i < 400; ++i) {
+    const Problem p = CrowdedProblem(rng);
+    PlanOptions opt;
+    opt.max_fragment_bytes = i % 3 == 0 ? -1 : (i % 3 == 1 ? 256 : 0);
+    for (Strategy s : {Strategy::kWeightBridge, Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
+                       Strategy::kP2PNoDedup}) {
+      auto plan = MakePlanWithOptions(p, s, opt);
+      ASSERT_TRUE(plan.ok()) << i << " " << StrategyName(s) << ": " << plan.status();
+      ops += plan->stats.num_ops;
+      for (char c : plan->fingerprint) digest = (digest ^ static_cast<uint8_t>(c)) * 1099511628211ULL;
+    }
+  }
+  EXPECT_EQ(ops, 135866);
+  EXPECT_EQ(digest, 11826321009302863369ULL);
 }
 
 TEST(PlannerTest, ReplicatedDestinationOverlapCrossesOnceIntoTheNode) {
