@@ -27,6 +27,7 @@ constexpr const char* kUsage =
     "                    [--expert_parallel] [--expert_placement round_robin] [--moe_a2a_backend B] [--quantization Q]\n"
     "                    [--first_stage_layers N] [--last_stage_layers N] [--vpp N] [--make_vocab_size_divisible_by N]\n"
     "                    [--moe_grouped_gemm [--moe_use_legacy_grouped_gemm]] [--use_tp_pp_dp_mapping]\n"
+    "                    [--enable_dp_lm_head] [--moe_dense_tp_size N]\n"
     "                    [--dtype bfloat16] [--json] [--timeout 10s]\n";
 
 const char* DTypeName(pb::DType d) {
@@ -73,8 +74,9 @@ std::string LayoutTable(const pb::LayoutDescription& d, const std::string& title
 int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   auto parsed = CtlArgs::Parse(args, {{"addr", "model", "config", "preset", "rank", "tp", "pp", "dp", "ep", "etp", "replicas",
                                        "quantization", "dtype", "timeout", "first_stage_layers", "last_stage_layers", "vpp",
-                                       "expert_placement", "moe_a2a_backend", "make_vocab_size_divisible_by"},
-                                      {"json", "expert_parallel", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping"}});
+                                       "expert_placement", "moe_a2a_backend", "make_vocab_size_divisible_by", "moe_dense_tp_size"},
+                                      {"json", "expert_parallel", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping",
+                                       "enable_dp_lm_head"}});
   if (!parsed.ok()) {
     err << "wbctl layout: " << parsed.status().message() << "\n" << kUsage;
     return kCtlUsage;
@@ -97,6 +99,7 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
   pc->set_moe_grouped_gemm(a.Has("moe_grouped_gemm"));
   pc->set_moe_use_legacy_grouped_gemm(a.Has("moe_use_legacy_grouped_gemm"));
   pc->set_use_tp_pp_dp_mapping(a.Has("use_tp_pp_dp_mapping"));
+  pc->set_enable_dp_lm_head(a.Has("enable_dp_lm_head"));  // sglang --enable-dp-lm-head
   struct UintFlag {
     const char* name;
     void (pb::ParallelConfig::*set)(uint32_t);
@@ -109,7 +112,8 @@ int RunLayoutCommand(const std::vector<std::string>& args, std::ostream& out, st
                             UintFlag{"first_stage_layers", &pb::ParallelConfig::set_first_stage_layers, 0},
                             UintFlag{"last_stage_layers", &pb::ParallelConfig::set_last_stage_layers, 0},
                             UintFlag{"vpp", &pb::ParallelConfig::set_vpp, 1},
-                            UintFlag{"make_vocab_size_divisible_by", &pb::ParallelConfig::set_make_vocab_size_divisible_by, 0}}) {
+                            UintFlag{"make_vocab_size_divisible_by", &pb::ParallelConfig::set_make_vocab_size_divisible_by, 0},
+                            UintFlag{"moe_dense_tp_size", &pb::ParallelConfig::set_moe_dense_tp_size, 0}}) {
     auto v = a.GetUint(f.name, f.fallback);
     if (!v.ok()) return usage(std::string(v.status().message()));
     if (*v > (1u << 30)) return usage(absl::StrCat("--", f.name, " ", *v, " is too large"));

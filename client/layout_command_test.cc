@@ -85,6 +85,33 @@ TEST(LayoutCommandTest, MoeA2aBackendFlag) {
   EXPECT_NE(err.find("unknown moe_a2a_backend `pplx`"), std::string::npos) << err;
 }
 
+// SGLang's --enable-dp-lm-head and --moe-dense-tp-size reach the preset: DeepSeek-V3 under
+// --tp-size 8 --dp-size 8 (preset tp 1, dp 8), rank 3: lm_head [129280 / 8, 7168] or whole with
+// the flag; the dense layer 0's gate_up_proj [2 x 18432 / 8, 7168] or whole with size 1.
+TEST(LayoutCommandTest, SglangDpLmHeadAndDenseTpFlags) {
+  const char* ds = "planner/testdata/deepseek-v3.json";
+  auto line_of = [](const std::string& out, const std::string& name) {
+    const size_t at = out.find(name + "\n");
+    if (at == std::string::npos) return std::string();
+    const size_t begin = out.rfind('\n', at);
+    return out.substr(begin == std::string::npos ? 0 : begin + 1, at + name.size() - (begin == std::string::npos ? 0 : begin + 1));
+  };
+  const std::string gu = "model.layers.0.mlp.gate_up_proj.weight";
+  std::string out, err;
+  ASSERT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "1", "--dp", "8", "--rank", "3"}, &out, &err), 0) << err;
+  EXPECT_NE(line_of(out, "lm_head.weight").find("[16160, 7168]"), std::string::npos) << line_of(out, "lm_head.weight");
+  EXPECT_NE(line_of(out, gu).find("[4608, 7168]"), std::string::npos) << line_of(out, gu);
+  ASSERT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "1", "--dp", "8", "--rank", "3", "--enable_dp_lm_head",
+                    "--moe_dense_tp_size", "1"}, &out, &err), 0) << err;
+  EXPECT_NE(line_of(out, "lm_head.weight").find("[129280, 7168]"), std::string::npos) << line_of(out, "lm_head.weight");
+  EXPECT_NE(line_of(out, gu).find("[36864, 7168]"), std::string::npos) << line_of(out, gu);
+  // What SGLang refuses is refused, naming the option.
+  EXPECT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "8", "--rank", "3", "--enable_dp_lm_head"}, &out, &err), 1);
+  EXPECT_NE(err.find("enable_dp_lm_head needs DP attention"), std::string::npos) << err;
+  EXPECT_EQ(RunCmd({"--config", ds, "--preset", "sglang", "--tp", "1", "--dp", "8", "--rank", "3", "--moe_dense_tp_size", "2"}, &out, &err), 1);
+  EXPECT_NE(err.find("moe_dense_tp_size=2"), std::string::npos) << err;
+}
+
 TEST(LayoutCommandTest, ErrorsAndUsage) {
   std::string out, err;
   EXPECT_EQ(RunCmd({"--config", kConfig, "--preset", "megatron", "--tp", "3"}, &out, &err), 1);

@@ -64,6 +64,8 @@ struct VisitLayout {
     pc->set_moe_grouped_gemm(l.moe_grouped_gemm);
     pc->set_moe_use_legacy_grouped_gemm(l.moe_use_legacy_grouped_gemm);
     pc->set_use_tp_pp_dp_mapping(l.use_tp_pp_dp_mapping);
+    pc->set_enable_dp_lm_head(l.enable_dp_lm_head);
+    pc->set_moe_dense_tp_size(l.moe_dense_tp_size);
   }
   void operator()(const IndexProbeLayout& l) const {
     auto* probe = out->mutable_index_probe();

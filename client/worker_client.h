@@ -134,6 +134,10 @@ struct PresetLayout {
   bool moe_grouped_gemm = false;
   bool moe_use_legacy_grouped_gemm = false;
   bool use_tp_pp_dp_mapping = false;
+  // sglang: --enable-dp-lm-head (DP attention only: lm_head over the attention-TP group) and
+  // --moe-dense-tp-size (0 = not set; 1: DeepSeek's dense MLPs whole on every rank). docs/presets.md.
+  bool enable_dp_lm_head = false;
+  uint32_t moe_dense_tp_size = 0;
 };
 struct IndexProbeLayout {
   std::vector<pb::IndexProbe::LocalTensor> tensors;

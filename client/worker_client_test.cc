@@ -271,15 +271,21 @@ TEST(WorkerClientTest, PresetLayoutIsSentByName) {
   ASSERT_TRUE((*client)->RegisterWorker(TinyModel(), {"rollout/0", planner::Role::kRollout, -1}).ok());
   ASSERT_TRUE((*client)->CreateBuffer(128).ok());
   PresetLayout preset;
-  preset.preset = "vllm";
+  preset.preset = "sglang";
   preset.tp = 2;
+  preset.dp = 2;
   preset.rank = 1;
+  preset.enable_dp_lm_head = true;
+  preset.moe_dense_tp_size = 1;
   ASSERT_TRUE((*client)->RegisterLayout(preset).ok());
   absl::MutexLock l(&daemon.service().mu_);
   const auto& pc = daemon.service().register_layout_.back().layout().preset();
-  EXPECT_EQ(pc.preset(), "vllm");
+  EXPECT_EQ(pc.preset(), "sglang");
   EXPECT_EQ(pc.tp(), 2u);
+  EXPECT_EQ(pc.dp(), 2u);
   EXPECT_EQ(pc.rank(), 1u);
+  EXPECT_TRUE(pc.enable_dp_lm_head());
+  EXPECT_EQ(pc.moe_dense_tp_size(), 1u);
 }
 
 TEST(WorkerClientTest, DaemonErrorsKeepTheirCodeAndNothingIsRemembered) {

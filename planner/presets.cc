@@ -456,21 +456,55 @@ absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
 // SGLang's tp_rank. Only DeepSeek-V2/V3's layout (models/deepseek_v2.py) is described.
 bool SglangDpAttention(const ParallelConfig& p) { return p.preset == "sglang" && p.dp > 1; }
 
+bool IsDeepseek(const ModelConfig& c) { return c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2; }
+
+// SGLang's --moe-dense-tp-size 1 (layers/communicator.py enable_moe_dense_fully_dp()):
+// DeepseekV2DecoderLayer builds its dense MLPs with tp_rank 0, tp_size 1, whole on every rank.
+bool SglangDenseMlpsWhole(const ParallelConfig& p) { return p.preset == "sglang" && p.moe_dense_tp_size == 1; }
+
+// The SGLang server options --enable-dp-lm-head and --moe-dense-tp-size: refused where SGLang
+// refuses them or where their layout is not described, naming the option.
+absl::Status CheckSglangServerOptions(const ModelConfig& c, const ParallelConfig& p) {
+  if (p.preset != "sglang") {
+    if (p.enable_dp_lm_head || p.moe_dense_tp_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(p.preset, ": enable_dp_lm_head and moe_dense_tp_size are sglang options (--enable-dp-lm-head, --moe-dense-tp-size)"));
+    }
+    return absl::OkStatus();
+  }
+  if (p.enable_dp_lm_head && p.dp == 1) {
+    // server_args.py: `assert enable_dp_attention` with enable_dp_lm_head; --dp-size 1 turns both off.
+    return absl::InvalidArgumentError("sglang: enable_dp_lm_head needs DP attention (dp > 1): SGLang asserts --enable-dp-attention with --enable-dp-lm-head and drops both when --dp-size is 1");
+  }
+  const int64_t engine_tp = int64_t{p.dp} * p.tp;  // SGLang's --tp-size
+  if (p.moe_dense_tp_size != 0 && p.moe_dense_tp_size != 1 && p.moe_dense_tp_size != engine_tp) {
+    // server_args.py check_server_args: moe_dense_tp_size in (None, 1, tp_size).
+    return absl::InvalidArgumentError(absl::StrCat("sglang: moe_dense_tp_size=", p.moe_dense_tp_size,
+                                                   " is not one SGLang accepts (--moe-dense-tp-size: 1 or its --tp-size, here dp*tp=", engine_tp, ")"));
+  }
+  if (p.moe_dense_tp_size == 1 && !IsDeepseek(c)) {
+    return absl::InvalidArgumentError(absl::StrCat("sglang: moe_dense_tp_size=1 is described for DeepSeek-V2/V3 only; ", c.architecture,
+                                                   "'s dense MLPs under --moe-dense-tp-size 1 are not described"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSglangDpAttention(const ModelConfig& c, const ParallelConfig& p) {
-  if (c.family != ModelFamily::kDeepseekV3 && c.family != ModelFamily::kDeepseekV2) {
+  if (!IsDeepseek(c)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sglang: dp=", p.dp, " (DP attention) is described for DeepSeek-V2/V3 (MLA) only; ", c.architecture,
         "'s layout under --enable-dp-attention is not described (use dp=1 with replicas for independent engines)"));
   }
   const int64_t world = int64_t{p.dp} * p.tp;
   // ParallelLMHead (use_attn_tp_group off, SGLang's default without --enable-dp-lm-head) splits
-  // the vocabulary padded to 64 over all tp_size = dp*tp ranks, as divide() asserts.
-  if (const int64_t padded = AlignUp(c.vocab, 64); !c.tie_word_embeddings && padded % world != 0) {
+  // the vocabulary padded to 64 over all tp_size = dp*tp ranks, as divide() asserts. With
+  // --enable-dp-lm-head it splits it over the attention-TP group (tp, checked with embed_tokens).
+  if (const int64_t padded = AlignUp(c.vocab, 64); !c.tie_word_embeddings && !p.enable_dp_lm_head && padded % world != 0) {
     return absl::InvalidArgumentError(absl::StrCat("sglang: dp*tp=", world, " (DP attention: lm_head over all ranks) must divide the vocabulary padded to a multiple of 64 (vocab_size=",
-                                                   c.vocab, " -> ", padded, ")"));
+                                                   c.vocab, " -> ", padded, "; --enable-dp-lm-head splits it over the tp ranks of a DP rank)"));
   }
-  // Dense layers' DeepseekV2MLP is TP over all tp_size ranks (--moe-dense-tp-size unset).
-  for (int64_t l = 0; l < c.layers; ++l) {
+  // Dense layers' DeepseekV2MLP is TP over all tp_size ranks (--moe-dense-tp-size unset or
+  // tp_size), whole with --moe-dense-tp-size 1.
+  for (int64_t l = 0; l < c.layers && !SglangDenseMlpsWhole(p); ++l) {
     if (!c.IsMoeLayer(l)) return Divides(world, c.intermediate, "dp*tp (DP attention: dense MLPs over all ranks)", "intermediate_size", "sglang");
   }
   return absl::OkStatus();
@@ -489,6 +523,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   if (sglang && p.expert_placement == "round_robin") {
     return absl::InvalidArgumentError("sglang: expert_placement round_robin is not supported (SGLang assigns contiguous expert ranges)");
   }
+  RETURN_IF_ERROR(CheckSglangServerOptions(c, p));
   if (SglangDpAttention(p)) RETURN_IF_ERROR(CheckSglangDpAttention(c, p));
   if (p.expert_placement == "round_robin" && !p.expert_parallel) {
     return absl::InvalidArgumentError(absl::StrCat(m, ": expert_placement round_robin needs expert_parallel"));
@@ -542,7 +577,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
           m, ": tp=", p.tp, " and num_key_value_heads=", c.kv_heads, " must divide one another"));
     }
   }
-  RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m.c_str()));
+  if (!SglangDenseMlpsWhole(p)) RETURN_IF_ERROR(Divides(p.tp, c.intermediate, "tp", "intermediate_size", m.c_str()));
   if (c.fused_experts) {
     // vLLM gpt_oss.py: MLPBlock asserts intermediate_size % world == 0; its weight loader slices
     // experts evenly over the EP ranks (num_experts // ep_size each).
@@ -812,9 +847,14 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
   // SGLang DP attention (deepseek_v2.py): attention and embed_tokens over the attention-TP group
   // (tp ranks), but dense MLPs (DeepseekV2MLP's default tp), shared experts and lm_head
   // (ParallelLMHead without --enable-dp-lm-head) over all tp_size = dp*tp ranks of the engine.
+  // --enable-dp-lm-head: lm_head over the attention-TP group too (use_attn_tp_group);
+  // --moe-dense-tp-size 1: dense MLPs whole (tp_rank 0, tp_size 1), with or without DP attention.
   const bool dp_attention = SglangDpAttention(par);
   const int64_t mlp_parts = dp_attention ? flat : tp, mlp_rank = dp_attention ? flat_rank : tp_rank;
-  const int64_t head_per_rank = dp_attention ? CeilDiv(AlignUp(c.vocab, 64), flat) : vocab_per_rank;
+  const bool dense_whole = SglangDenseMlpsWhole(par);
+  const int64_t dense_parts = dense_whole ? 1 : mlp_parts, dense_rank = dense_whole ? 0 : mlp_rank;
+  const bool head_over_all = dp_attention && !par.enable_dp_lm_head;
+  const int64_t head_per_rank = head_over_all ? CeilDiv(AlignUp(c.vocab, 64), flat) : vocab_per_rank;
   Writer w(inv);
   if (par.preset == "sglang" && c.family == ModelFamily::kGemma3) {
     // SGLang's Gemma 3 (gemma3_causal.py) embeds with Gemma3TextScaledWordEmbedding, a plain
@@ -876,9 +916,9 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     w.Replicated(p + "post_attention_layernorm.weight", L.post_norm);
     if (L.pre_ff >= 0) w.Replicated(p + "pre_feedforward_layernorm.weight", L.pre_ff);
     if (!L.moe) {
-      w.FusedRows(p + "mlp.gate_up_proj.weight", L.gate, L.up, mlp_parts, mlp_rank);
-      if (L.gate_b >= 0) w.FusedRows(p + "mlp.gate_up_proj.bias", L.gate_b, L.up_b, mlp_parts, mlp_rank);
-      w.Split(p + "mlp.down_proj.weight", L.down, 1, mlp_parts, mlp_rank);
+      w.FusedRows(p + "mlp.gate_up_proj.weight", L.gate, L.up, dense_parts, dense_rank);
+      if (L.gate_b >= 0) w.FusedRows(p + "mlp.gate_up_proj.bias", L.gate_b, L.up_b, dense_parts, dense_rank);
+      w.Split(p + "mlp.down_proj.weight", L.down, 1, dense_parts, dense_rank);
       // RowParallelLinear keeps the whole bias on every rank (added once, after the reduce).
       if (L.down_b >= 0) w.Replicated(p + "mlp.down_proj.bias", L.down_b);
       if (L.post_ff >= 0) w.Replicated(p + "post_feedforward_layernorm.weight", L.post_ff);
@@ -897,7 +937,7 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
     }
   }
   w.Replicated("model.norm.weight", ids.final_norm);
-  if (ids.lm_head >= 0) w.Vocab("lm_head.weight", ids.lm_head, head_per_rank, dp_attention ? flat_rank : tp_rank);
+  if (ids.lm_head >= 0) w.Vocab("lm_head.weight", ids.lm_head, head_per_rank, head_over_all ? flat_rank : tp_rank);
   return w.Finish();
 }
 
@@ -1150,6 +1190,8 @@ absl::Status CheckFieldsApply(Kind kind, const ParallelConfig& p) {
   if ((fsdp || kind == Kind::kVllm) && p.etp != 0) unused.push_back(absl::StrCat("etp=", p.etp));
   if (kind != Kind::kVllm && p.expert_parallel) unused.push_back("expert_parallel");
   if (kind != Kind::kVllm && !p.moe_a2a_backend.empty()) unused.push_back("moe_a2a_backend");
+  if (kind != Kind::kVllm && p.enable_dp_lm_head) unused.push_back("enable_dp_lm_head");
+  if (kind != Kind::kVllm && p.moe_dense_tp_size != 0) unused.push_back(absl::StrCat("moe_dense_tp_size=", p.moe_dense_tp_size));
   if ((kind == Kind::kMegatron || kind == Kind::kFsdpFlat) && p.replicas != 1) unused.push_back(absl::StrCat("replicas=", p.replicas));
   if (unused.empty()) return absl::OkStatus();
   const char* why = kind == Kind::kVllm ? " (engine pipeline parallelism is not described; experts follow dp*tp and expert_parallel)"

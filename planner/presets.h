@@ -38,7 +38,8 @@
 //   are independent engines; `dp` is data parallelism inside one engine (vLLM
 //   --data-parallel-size; sglang dp > 1 is DP attention, --tp-size tp*dp --dp-size dp
 //   --enable-dp-attention, described for DeepSeek-V2/V3 only: attention and embed_tokens over the
-//   tp ranks of the DP rank, dense MLPs, shared experts and lm_head over all dp*tp ranks -
+//   tp ranks of the DP rank, dense MLPs, shared experts and lm_head over all dp*tp ranks, lm_head
+//   over the tp ranks with enable_dp_lm_head, dense MLPs whole with moe_dense_tp_size 1 -
 //   docs/presets.md; otherwise): attention, dense MLPs, shared experts,
 //   embeddings and lm_head are tensor-parallel over the tp ranks of the DP rank, and the MoE layers
 //   span all dp*tp ranks of the engine (vLLM FusedMoEParallelConfig flatten_tp_across_dp:
@@ -132,6 +133,20 @@ struct ParallelConfig {
   // fused MoE experts [E, rows, cols]: [E], one per expert, its gate and up sharing it).
   // Every quantised piece must be block-aligned (InvalidArgument naming it otherwise).
   std::string quantization;
+  // sglang DP attention (dp > 1) only: --enable-dp-lm-head. lm_head.weight is vocab-parallel over
+  // the attention-TP group (the tp ranks of the DP rank, as embed_tokens: padded vocab / tp rows,
+  // part tp_rank) instead of all dp*tp ranks (deepseek_v2.py: ParallelLMHead(use_attn_tp_group=
+  // enable_dp_lm_head); layers/vocab_parallel_embedding.py: use_attn_tp_group takes the attention
+  // TP rank and size). SGLang asserts --enable-dp-attention with it and drops it with --dp-size 1:
+  // refused with dp = 1, naming it.
+  bool enable_dp_lm_head = false;
+  // sglang: --moe-dense-tp-size (0 = not set). 1: the dense MLPs of DeepSeek-V2/V3 / Kimi-K2 (the
+  // first_k_dense_replace prefix) are whole on every rank (DeepseekV2DecoderLayer builds
+  // DeepseekV2MLP with tp_rank 0, tp_size 1 when layers/communicator.py enable_moe_dense_fully_dp()),
+  // with or without DP attention; shared experts, routed experts and everything else unchanged.
+  // dp*tp (SGLang's --tp-size): the same as not set. Any other value is refused (SGLang's
+  // check_server_args accepts None, 1 or tp_size), and 1 on any other family (not described).
+  int moe_dense_tp_size = 0;
 };
 
 // One framework-local tensor inside the worker's buffer.

@@ -1263,7 +1263,10 @@ TEST(Presets, VllmDataParallelExpertParallel) {
 // and embed_tokens (VocabParallelEmbedding use_attn_tp_group: padded vocab over T/D) over the
 // attention-TP group; dense MLPs (DeepseekV2MLP default tp), shared experts, routed experts and
 // lm_head (ParallelLMHead without --enable-dp-lm-head) over all T ranks; norms and routers whole.
-// Every element of every local tensor of every rank is checked.
+// --enable-dp-lm-head (enable_dp_lm_head): lm_head over the attention-TP group instead
+// (ParallelLMHead(use_attn_tp_group=True)); --moe-dense-tp-size 1 (moe_dense_tp_size): the dense
+// MLP whole (DeepseekV2MLP tp_rank 0, tp_size 1), shared experts unchanged. dp = 1 is plain TP
+// (A = T = tp). Every element of every local tensor of every rank is checked.
 const char* kSmallDeepseekV3 = R"({"architectures":["DeepseekV3ForCausalLM"],"hidden_size":64,
     "intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":3,"num_attention_heads":8,
     "vocab_size":1000,"n_routed_experts":8,"n_shared_experts":2,"first_k_dense_replace":1,
@@ -1288,7 +1291,7 @@ void CheckSglangDpAttentionRank(const Model& m, const ParallelConfig& par, int r
       return r < vocab ? Want{name, r, j} : Want{};
     }
     if (name == "lm_head.weight") {
-      const int64_t r = rows(padded / T, t);
+      const int64_t r = par.enable_dp_lm_head ? rows(padded / A, a) : rows(padded / T, t);
       return r < vocab ? Want{name, r, j} : Want{};
     }
     if (absl::EndsWith(name, "norm.weight") || absl::EndsWith(name, ".mlp.gate.weight") ||
@@ -1306,7 +1309,8 @@ void CheckSglangDpAttentionRank(const Model& m, const ParallelConfig& par, int r
     const bool shared = absl::StrContains(name, ".shared_experts.");
     const std::string mlp = p + (shared ? "mlp.shared_experts." : "mlp.");
     const int64_t I = shared ? 64 : 128;
-    const int64_t parts = shared && whole_shared ? 1 : T, part = shared && whole_shared ? 0 : t;
+    const bool whole = shared ? whole_shared : par.moe_dense_tp_size == 1;
+    const int64_t parts = whole ? 1 : T, part = whole ? 0 : t;
     if (absl::EndsWith(name, "mlp.gate_up_proj.weight") || absl::EndsWith(name, "shared_experts.gate_up_proj.weight")) {
       const int64_t n = I / parts;
       return i < n ? Want{mlp + "gate_proj.weight", part * n + i, j} : Want{mlp + "up_proj.weight", part * n + i - n, j};
@@ -1359,13 +1363,22 @@ TEST(Presets, SglangDpAttentionDeepseek) {
         ParallelConfig{.preset = "sglang", .tp = 1, .dp = 4},  // --tp-size 4 --dp-size 4
         ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true},
         ParallelConfig{.preset = "sglang", .tp = 1, .dp = 4, .expert_parallel = true, .moe_a2a_backend = "deepep"},
-        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true, .replicas = 2}}) {
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true, .replicas = 2},
+        // --enable-dp-lm-head and / or --moe-dense-tp-size 1 (with DP attention, and plain TP).
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .enable_dp_lm_head = true},
+        ParallelConfig{.preset = "sglang", .tp = 1, .dp = 4, .enable_dp_lm_head = true, .moe_dense_tp_size = 1},
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .expert_parallel = true, .moe_a2a_backend = "deepep",
+                       .moe_dense_tp_size = 1},
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .replicas = 2, .enable_dp_lm_head = true, .moe_dense_tp_size = 1},
+        ParallelConfig{.preset = "sglang", .tp = 2, .dp = 2, .moe_dense_tp_size = 4},  // = --tp-size: as unset
+        ParallelConfig{.preset = "sglang", .tp = 4, .moe_dense_tp_size = 1}}) {
     auto b = PresetBuilder::Create(m.config, m.inv, par);
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_EQ(b->world_size(), par.tp * par.dp * par.replicas);
     for (int r = 0; r < b->world_size(); ++r) {
       SCOPED_TRACE(testing::Message() << "tp=" << par.tp << " dp=" << par.dp << " ep=" << par.expert_parallel
-                                      << " a2a=" << par.moe_a2a_backend << " rank " << r);
+                                      << " a2a=" << par.moe_a2a_backend << " dp_lm_head=" << par.enable_dp_lm_head
+                                      << " moe_dense_tp_size=" << par.moe_dense_tp_size << " rank " << r);
       CheckSglangDpAttentionRank(m, par, r);
     }
   }
@@ -1410,6 +1423,140 @@ TEST(Presets, SglangDpAttentionRefusals) {
   }
   // dp = 1 is plain TP, as before.
   EXPECT_TRUE(PresetBuilder::Create(dense.config, dense.inv, {.preset = "sglang", .tp = 2}).ok());
+}
+
+// --enable-dp-lm-head and --moe-dense-tp-size 1 on the real DeepSeek-V3 and Kimi-K2 configs
+// (first 4 layers: DeepSeek-V3 dense 0..2, Kimi-K2 dense 0, MoE 3): the shape of each rank's lm_head and dense / shared MLP
+// tensors and the canonical box each holds, with each option on and off.
+TEST(Presets, SglangDpLmHeadAndDenseTpOnRealConfigs) {
+  struct Case {
+    const char* config;
+    int64_t vocab, H, I, I_shared;
+    int last_dense;  // first_k_dense_replace - 1
+  };
+  for (const Case& k : {Case{"deepseek-v3.json", 129280, 7168, 18432, 2048, 2}, Case{"kimi-k2.json", 163840, 7168, 18432, 2048, 0}}) {
+    SCOPED_TRACE(k.config);
+    Model m = Load(k.config, 4);
+    TensorIndex idx(m.inv);
+    const int64_t V = k.vocab, H = k.H;  // both vocabularies are multiples of 64: no padding rows
+    // (preset tp, dp) = (--tp-size / --dp-size, --dp-size): --tp-size 8 with --dp-size 8, 4; plain TP 8.
+    for (auto [tp, dp] : {std::pair{1, 8}, std::pair{2, 4}, std::pair{8, 1}}) {
+      for (bool dp_lm_head : {false, true}) {
+        for (int dense_tp : {0, 1, 8}) {
+          if (dp_lm_head && dp == 1) continue;  // refused (below)
+          const ParallelConfig par{.preset = "sglang", .tp = tp, .dp = dp, .enable_dp_lm_head = dp_lm_head,
+                                   .moe_dense_tp_size = dense_tp};
+          for (int rank : {0, 5, 7}) {
+            SCOPED_TRACE(testing::Message() << "tp=" << tp << " dp=" << dp << " dp_lm_head=" << dp_lm_head
+                                            << " moe_dense_tp_size=" << dense_tp << " rank " << rank);
+            auto l = MakePresetLayout(m.config, m.inv, par, rank);
+            ASSERT_TRUE(l.ok()) << l.status();
+            const int64_t a = rank % tp, t = rank % 8;
+            auto box = [&](const LocalTensor* lt, int j) -> const Box& { return l->layout.pieces[lt->first_piece + j].box; };
+            auto tensor = [&](const LocalTensor* lt, int j) { return m.inv.tensors[l->layout.pieces[lt->first_piece + j].tensor].name; };
+            // lm_head: over the attention-TP group with --enable-dp-lm-head, else over all 8 ranks.
+            const int64_t head_parts = dp_lm_head ? tp : 8, head_part = dp_lm_head ? a : t;
+            const LocalTensor* head = FindLocal(*l, "lm_head.weight");
+            ASSERT_NE(head, nullptr);
+            EXPECT_EQ(head->shape, (std::vector<int64_t>{V / head_parts, H}));
+            EXPECT_EQ(box(head, 0).begin, (std::vector<int64_t>{head_part * (V / head_parts), 0}));
+            EXPECT_EQ(box(head, 0).end, (std::vector<int64_t>{(head_part + 1) * (V / head_parts), H}));
+            // embed_tokens: always over the attention-TP group.
+            const LocalTensor* embed = FindLocal(*l, "model.embed_tokens.weight");
+            ASSERT_NE(embed, nullptr);
+            EXPECT_EQ(embed->shape, (std::vector<int64_t>{V / tp, H}));
+            EXPECT_EQ(box(embed, 0).begin[0], a * (V / tp));
+            // Dense MLPs (the first_k_dense_replace prefix): whole with --moe-dense-tp-size 1, else over all 8 ranks.
+            const int64_t dparts = dense_tp == 1 ? 1 : 8, dpart = dense_tp == 1 ? 0 : t, n = k.I / dparts;
+            for (int layer : {0, k.last_dense}) {
+              const std::string p = absl::StrCat("model.layers.", layer, ".mlp.");
+              const LocalTensor* gu = FindLocal(*l, p + "gate_up_proj.weight");
+              const LocalTensor* down = FindLocal(*l, p + "down_proj.weight");
+              ASSERT_NE(gu, nullptr);
+              ASSERT_NE(down, nullptr);
+              EXPECT_EQ(gu->shape, (std::vector<int64_t>{2 * n, H}));
+              ASSERT_EQ(gu->num_pieces, 2);
+              EXPECT_EQ(tensor(gu, 0), p + "gate_proj.weight");
+              EXPECT_EQ(tensor(gu, 1), p + "up_proj.weight");
+              for (int j : {0, 1}) {
+                EXPECT_EQ(box(gu, j).begin, (std::vector<int64_t>{dpart * n, 0}));
+                EXPECT_EQ(box(gu, j).end, (std::vector<int64_t>{(dpart + 1) * n, H}));
+              }
+              EXPECT_EQ(down->shape, (std::vector<int64_t>{H, n}));
+              EXPECT_EQ(box(down, 0).begin, (std::vector<int64_t>{0, dpart * n}));
+              EXPECT_EQ(box(down, 0).end, (std::vector<int64_t>{H, (dpart + 1) * n}));
+            }
+            // Shared experts (layer 3): over all 8 ranks whatever --moe-dense-tp-size says.
+            const LocalTensor* sh = FindLocal(*l, "model.layers.3.mlp.shared_experts.gate_up_proj.weight");
+            ASSERT_NE(sh, nullptr);
+            EXPECT_EQ(sh->shape, (std::vector<int64_t>{2 * k.I_shared / 8, H}));
+            EXPECT_EQ(box(sh, 0).begin[0], t * (k.I_shared / 8));
+            EXPECT_EQ(FindLocal(*l, "model.layers.3.mlp.gate_up_proj.weight"), nullptr);
+          }
+        }
+      }
+    }
+  }
+  // The two options together, every rank of --tp-size 8 --dp-size 8 covering every canonical
+  // element (nothing lost to the new splits).
+  Model m = Load("deepseek-v3.json", 4);
+  std::vector<PresetLayout> ranks;
+  for (int r = 0; r < 8; ++r) {
+    auto l = MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 1, .dp = 8, .enable_dp_lm_head = true, .moe_dense_tp_size = 1}, r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    ranks.push_back(*std::move(l));
+  }
+  for (int64_t c : CoverageCounts(m.inv, ranks)) EXPECT_GE(c, 1);
+}
+
+// What SGLang refuses, or what is not described, with the two options: INVALID_ARGUMENT naming it.
+TEST(Presets, SglangDpLmHeadAndDenseTpRefusals) {
+  Model ds = FromText(kSmallDeepseekV3);
+  Model qwen3 = Load("qwen3-30b-a3b.json", 2);
+  Model glm = Load("glm-4.5-air.json", 2);
+  struct Refusal {
+    const Model* m;
+    ParallelConfig par;
+    std::string needle;
+  };
+  for (const Refusal& r : {
+           // SGLang asserts --enable-dp-attention with --enable-dp-lm-head (and drops it at --dp-size 1).
+           Refusal{&ds, {.preset = "sglang", .tp = 4, .enable_dp_lm_head = true}, "enable_dp_lm_head needs DP attention"},
+           // check_server_args: moe_dense_tp_size in (None, 1, tp_size).
+           Refusal{&ds, {.preset = "sglang", .tp = 2, .dp = 2, .moe_dense_tp_size = 2}, "moe_dense_tp_size=2"},
+           Refusal{&ds, {.preset = "sglang", .tp = 4, .moe_dense_tp_size = 2}, "moe_dense_tp_size=2"},
+           Refusal{&ds, {.preset = "sglang", .tp = 4, .moe_dense_tp_size = -1}, "moe_dense_tp_size=-1"},
+           // Other families' dense MLPs under --moe-dense-tp-size 1: not described.
+           Refusal{&qwen3, {.preset = "sglang", .tp = 2, .moe_dense_tp_size = 1}, "Qwen3MoeForCausalLM"},
+           Refusal{&glm, {.preset = "sglang", .tp = 2, .moe_dense_tp_size = 1}, "Glm4MoeForCausalLM"},
+           // Not vLLM's, nor a trainer's.
+           Refusal{&ds, {.preset = "vllm", .tp = 2, .dp = 2, .enable_dp_lm_head = true}, "sglang options"},
+           Refusal{&ds, {.preset = "vllm", .tp = 2, .moe_dense_tp_size = 1}, "sglang options"},
+           Refusal{&ds, {.preset = "megatron", .tp = 2, .moe_dense_tp_size = 1}, "moe_dense_tp_size=1 does not apply"},
+           Refusal{&ds, {.preset = "fsdp", .dp = 2, .enable_dp_lm_head = true}, "enable_dp_lm_head does not apply"}}) {
+    auto b = PresetBuilder::Create(r.m->config, r.m->inv, r.par);
+    ASSERT_FALSE(b.ok()) << r.m->config.architecture << " " << r.par.preset << " tp=" << r.par.tp << " dp=" << r.par.dp;
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(b.status().message().find(r.needle), std::string::npos) << b.status();
+  }
+  // --enable-dp-lm-head lifts the lm_head-over-all-ranks constraint: vocabulary 1050 (padded 1088
+  // = 17 x 64) does not split over --tp-size 128, but does over the attention-TP group of 2.
+  std::string text = kSmallDeepseekV3;
+  text.replace(text.find("\"vocab_size\":1000"), 17, "\"vocab_size\":1050");
+  text.replace(text.find("\"n_routed_experts\":8"), 20, "\"n_routed_experts\":128");
+  Model big = FromText(text);
+  ParallelConfig par{.preset = "sglang", .tp = 2, .dp = 64, .expert_parallel = true, .moe_a2a_backend = "deepep"};
+  auto without = PresetBuilder::Create(big.config, big.inv, par);
+  ASSERT_FALSE(without.ok());
+  EXPECT_NE(without.status().message().find("lm_head over all ranks"), std::string::npos) << without.status();
+  par.enable_dp_lm_head = true;
+  auto l = MakePresetLayout(big.config, big.inv, par, 127);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const LocalTensor* head = FindLocal(*l, "lm_head.weight");
+  ASSERT_NE(head, nullptr);
+  EXPECT_EQ(head->shape, (std::vector<int64_t>{544, 64}));
+  EXPECT_EQ(l->layout.pieces[head->first_piece].box.begin[0], 544);  // attn_tp_rank 1: rows 544..1049
+  EXPECT_EQ(l->layout.pieces[head->first_piece].box.end[0], 1050);
 }
 
 // vLLM determine_expert_map: 10 experts over 4 EP ranks -> 3, 3, 2, 2 (earlier ranks take the

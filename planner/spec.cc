@@ -162,7 +162,7 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
   {
     const json& r = doc["rollout"];
     RETURN_IF_ERROR(CheckKeys(r, "rollout.", {"layout", "tp", "dp", "expert_parallel", "expert_placement", "moe_a2a_backend", "replicas",
-                                              "quantization"}));
+                                              "quantization", "enable_dp_lm_head", "moe_dense_tp_size"}));
     ASSIGN_OR_RETURN(spec.rollout.preset, GetLayout(r, "rollout.", {"vllm", "sglang"}));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "tp", &spec.rollout.tp, false));
     RETURN_IF_ERROR(GetInt(r, "rollout.", "replicas", &spec.rollout.replicas, false));
@@ -177,6 +177,9 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
       if (!r["moe_a2a_backend"].is_string()) return Bad("rollout.moe_a2a_backend", "must be a string");
       spec.rollout.moe_a2a_backend = r["moe_a2a_backend"].get<std::string>();
     }
+    // SGLang's --enable-dp-lm-head and --moe-dense-tp-size (the preset checks where they apply).
+    RETURN_IF_ERROR(GetBool(r, "rollout.", "enable_dp_lm_head", &spec.rollout.enable_dp_lm_head));
+    RETURN_IF_ERROR(GetInt(r, "rollout.", "moe_dense_tp_size", &spec.rollout.moe_dense_tp_size, false));
     if (r.contains("quantization")) {
       if (!r["quantization"].is_string()) return Bad("rollout.quantization", "must be a string");
       const std::string q = r["quantization"].get<std::string>();

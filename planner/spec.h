@@ -5,8 +5,10 @@
 //
 // Spec JSON fields: model (path string or inline config object), dtype ("bfloat16" default,
 // "float16", "float32"), trainer {layout: megatron|fsdp, tp, pp, dp, ep, etp}, rollout {layout:
-// vllm|sglang, tp, expert_parallel, replicas, quantization (a ParallelConfig::quantization preset
-// name: fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32, or none)}, cluster {gpus_per_node, nic_GBps_per_gpu,
+// vllm|sglang, tp, dp, expert_parallel, expert_placement, moe_a2a_backend, replicas, quantization (a
+// ParallelConfig::quantization preset name: fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32,
+// or none), enable_dp_lm_head and moe_dense_tp_size (sglang: --enable-dp-lm-head,
+// --moe-dense-tp-size)}, cluster {gpus_per_node, nic_GBps_per_gpu,
 // intra_node_GBps, colocated, same_gpu_GBps (optional)}, staging_budget_bytes (optional, per GPU
 // per bucket). Unknown fields are errors (a typo must not silently change the problem).
 

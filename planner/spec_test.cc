@@ -267,5 +267,57 @@ TEST(SpecTest, RolloutMoeA2aBackend) {
   EXPECT_NE(problem.status().message().find("carrier_pigeon"), std::string::npos) << problem.status();
 }
 
+// SGLang DP attention with --enable-dp-lm-head and --moe-dense-tp-size 1 (docs/presets.md): the
+// keys reach the rollout preset, whose layout then plans completely; bad values name the key.
+TEST(SpecTest, RolloutSglangDpLmHeadAndDenseTp) {
+  const std::string model = R"({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+      "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 8,
+      "vocab_size": 1000, "n_routed_experts": 8, "n_shared_experts": 2, "first_k_dense_replace": 1,
+      "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8})";
+  auto spec = ParsePlanSpec(absl::StrCat(R"({"model": )", model, R"(,
+    "trainer": {"layout": "megatron", "tp": 2, "pp": 1, "dp": 4, "ep": 4, "etp": 1},
+    "rollout": {"layout": "sglang", "tp": 1, "dp": 4, "enable_dp_lm_head": true, "moe_dense_tp_size": 1},
+    "cluster": {"gpus_per_node": 8}})"), ReadTestdata);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->rollout.enable_dp_lm_head);
+  EXPECT_EQ(spec->rollout.moe_dense_tp_size, 1);
+  auto p = BuildProblem(*spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  // The rollout ranks' layouts are the preset's with both options: lm_head whole (attention-TP
+  // group of 1) and the dense MLP whole on every one of the 4 ranks.
+  int rollouts = 0;
+  for (const Worker& w : p->workers) {
+    if (w.role != Role::kRollout) continue;
+    ++rollouts;
+    int64_t head_rows = 0, dense_gate_rows = 0;
+    for (const Piece& piece : w.layout.pieces) {
+      const std::string& name = p->inventory.tensors[piece.tensor].name;
+      if (name == "lm_head.weight") head_rows += piece.box.end[0] - piece.box.begin[0];
+      if (name == "model.layers.0.mlp.gate_proj.weight") dense_gate_rows += piece.box.end[0] - piece.box.begin[0];
+    }
+    EXPECT_EQ(head_rows, 1000) << w.id;
+    EXPECT_EQ(dense_gate_rows, 128) << w.id;
+  }
+  EXPECT_EQ(rollouts, 4);
+  auto plan = MakePlan(*p, Strategy::kWeightBridge);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->stats.complete);
+  // Wrong JSON types and out-of-range values name the key; the preset names what SGLang refuses.
+  for (const char* bad : {R"("enable_dp_lm_head": 1)", R"("moe_dense_tp_size": 0)", R"("moe_dense_tp_size": "1")"}) {
+    auto wrong = ParsePlanSpec(absl::StrCat(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "dp": 2},
+      "rollout": {"layout": "sglang", "tp": 2, )", bad, R"(}, "cluster": {}})"), ReadTestdata);
+    ASSERT_FALSE(wrong.ok()) << bad;
+    EXPECT_NE(wrong.status().message().find(std::string(bad).substr(1, std::string(bad).find('"', 1) - 1)), std::string::npos)
+        << wrong.status();
+  }
+  auto refused = ParsePlanSpec(absl::StrCat(R"({"model": )", model, R"(, "trainer": {"layout": "fsdp", "dp": 2},
+    "rollout": {"layout": "sglang", "tp": 4, "enable_dp_lm_head": true}, "cluster": {}})"), ReadTestdata);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  auto problem = BuildProblem(*refused);
+  ASSERT_FALSE(problem.ok());
+  EXPECT_EQ(problem.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(problem.status().message().find("enable_dp_lm_head needs DP attention"), std::string::npos) << problem.status();
+}
+
 }  // namespace
 }  // namespace wb::planner

@@ -402,6 +402,9 @@ planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
   c.moe_grouped_gemm = p.moe_grouped_gemm();
   c.moe_legacy_grouped_gemm = p.moe_use_legacy_grouped_gemm();
   c.tp_pp_dp_mapping = p.use_tp_pp_dp_mapping();
+  c.enable_dp_lm_head = p.enable_dp_lm_head();
+  // Capped like the stage counts: a value over 2^30 is refused by the preset, never overflowed.
+  c.moe_dense_tp_size = static_cast<int>(std::min<uint32_t>(p.moe_dense_tp_size(), 1u << 30));
   return c;
 }
 

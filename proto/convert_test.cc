@@ -233,6 +233,23 @@ TEST(ConvertTest, ParallelConfigDefaultsAndCaps) {
   EXPECT_EQ(c.etp, 0);  // 0 = tp
   EXPECT_EQ(c.replicas, 1);
   EXPECT_EQ(c.vpp, 1 << 30);
+  EXPECT_FALSE(c.enable_dp_lm_head);
+  EXPECT_EQ(c.moe_dense_tp_size, 0);  // not set
+}
+
+// SGLang's --enable-dp-lm-head and --moe-dense-tp-size reach the preset (capped, never negative).
+TEST(ConvertTest, ParallelConfigSglangServerOptions) {
+  pb::ParallelConfig p;
+  p.set_preset("sglang");
+  p.set_tp(1);
+  p.set_dp(8);
+  p.set_enable_dp_lm_head(true);
+  p.set_moe_dense_tp_size(1);
+  planner::ParallelConfig c = ParallelFromProto(p);
+  EXPECT_TRUE(c.enable_dp_lm_head);
+  EXPECT_EQ(c.moe_dense_tp_size, 1);
+  p.set_moe_dense_tp_size(~0u);
+  EXPECT_EQ(ParallelFromProto(p).moe_dense_tp_size, 1 << 30);
 }
 
 TEST(ConvertTest, PlanStats) {

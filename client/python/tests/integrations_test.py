@@ -613,6 +613,173 @@ class IntegrationsTest(unittest.TestCase):
 
 
 
+# A small DeepSeek-V3 (planner/presets_test.cc kSmallDeepseekV3 with vocab 1024: no padding rows):
+# hidden 64, 8 MLA heads (q_lora 24, kv_lora 16, nope 8, rope 4, v 8), dense layer 0
+# (intermediate 128), MoE layers 1-2 (8 routed experts of 32, 2 shared: 64).
+TINY_DEEPSEEK = json.dumps({
+    "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 8, "vocab_size": 1024, "n_routed_experts": 8, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+    "v_head_dim": 8})
+
+
+def hashed(shapes_dtypes, version):
+    """{HF name: array} of `version`: bfloat16 bits (uint16) or float32, a function of name, version, index."""
+    out = {}
+    for name, (shape, dtype) in shapes_dtypes.items():
+        h = sum((i + 1) * ord(c) for i, c in enumerate(name)) + 7919 * version
+        n = int(np.prod(shape))
+        with np.errstate(over="ignore"):
+            bits = ((np.arange(n, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(h)) >> np.uint64(9)).astype(np.uint16)
+        out[name] = (bits.astype(np.float32) if dtype == "float32" else bits).reshape(shape)
+    return out
+
+
+def sglang_deepseek_dp_attention(c, T, D, tp_rank, dp_lm_head, dense_tp1):
+    """SGLang DeepseekV2ForCausalLM.named_parameters() of tp_rank under --tp-size T --dp-size D
+    --enable-dp-attention, transcribed from models/deepseek_v2.py and layers/dp_attention.py
+    independently of the preset: attention-TP rank a = tp_rank % (T/D) over A = T/D ranks for the MLA
+    projections and embed_tokens (VocabParallelEmbedding use_attn_tp_group); lm_head over all T ranks,
+    or over the A ranks with --enable-dp-lm-head (ParallelLMHead use_attn_tp_group=enable_dp_lm_head);
+    the dense MLP over all T ranks, or whole with --moe-dense-tp-size 1 (DeepseekV2MLP tp_rank 0,
+    tp_size 1); shared and routed experts over all T ranks (FusedMoE, no EP)."""
+    A = T // D
+    a = tp_rank % A
+
+    def rows(x, parts, part):
+        n = x.shape[0] // parts
+        return x[part * n:(part + 1) * n]
+
+    def cols(x, parts, part):
+        n = x.shape[1] // parts
+        return x[:, part * n:(part + 1) * n]
+
+    out = {"model.embed_tokens.weight": rows(c["model.embed_tokens.weight"], A, a),
+           "model.norm.weight": c["model.norm.weight"],
+           "lm_head.weight": rows(c["lm_head.weight"], A, a) if dp_lm_head else rows(c["lm_head.weight"], T, tp_rank)}
+    for l in range(3):
+        p = "model.layers.%d." % l
+        at, m = p + "self_attn.", p + "mlp."
+        out.update({
+            p + "input_layernorm.weight": c[p + "input_layernorm.weight"],
+            p + "post_attention_layernorm.weight": c[p + "post_attention_layernorm.weight"],
+            at + "fused_qkv_a_proj_with_mqa.weight": np.concatenate([c[at + "q_a_proj.weight"], c[at + "kv_a_proj_with_mqa.weight"]]),
+            at + "q_a_layernorm.weight": c[at + "q_a_layernorm.weight"],
+            at + "kv_a_layernorm.weight": c[at + "kv_a_layernorm.weight"],
+            at + "q_b_proj.weight": rows(c[at + "q_b_proj.weight"], A, a),
+            at + "kv_b_proj.weight": rows(c[at + "kv_b_proj.weight"], A, a),
+            at + "o_proj.weight": cols(c[at + "o_proj.weight"], A, a),
+        })
+        if l == 0:
+            parts, part = (1, 0) if dense_tp1 else (T, tp_rank)
+            out[m + "gate_up_proj.weight"] = np.concatenate([rows(c[m + "gate_proj.weight"], parts, part),
+                                                             rows(c[m + "up_proj.weight"], parts, part)])
+            out[m + "down_proj.weight"] = cols(c[m + "down_proj.weight"], parts, part)
+            continue
+        s = m + "shared_experts."
+        out.update({
+            m + "gate.weight": c[m + "gate.weight"],
+            s + "gate_up_proj.weight": np.concatenate([rows(c[s + "gate_proj.weight"], T, tp_rank),
+                                                       rows(c[s + "up_proj.weight"], T, tp_rank)]),
+            s + "down_proj.weight": cols(c[s + "down_proj.weight"], T, tp_rank),
+            m + "experts.w13_weight": np.stack([np.concatenate([rows(c[m + "experts.%d.gate_proj.weight" % e], T, tp_rank),
+                                                                rows(c[m + "experts.%d.up_proj.weight" % e], T, tp_rank)])
+                                                for e in range(8)]),
+            m + "experts.w2_weight": np.stack([cols(c[m + "experts.%d.down_proj.weight" % e], T, tp_rank) for e in range(8)]),
+        })
+        if m + "gate.e_score_correction_bias" in c:
+            out[m + "gate.e_score_correction_bias"] = c[m + "gate.e_score_correction_bias"]
+    return out
+
+
+class SglangDpAttentionOptionsTest(unittest.TestCase):
+    """SglangRollout(enable_dp_attention=True, enable_dp_lm_head=..., moe_dense_tp_size=...) through a
+    real weightbridged: an FSDP2 trainer (dp=1: whole HF tensors) publishes, four SGLang ranks of
+    --tp-size 4 --dp-size 2 receive, and every element of every engine parameter is compared with the
+    transcription above, for each option on and off."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def check(self, tag, dp_lm_head, moe_dense_tp_size):
+        model = wb.ModelConfig(model_id="int_sglang_dpattn_" + tag, hf_config_json=TINY_DEEPSEEK, num_trainer_workers=1,
+                               num_rollout_workers=4, mode="sync")
+        trainer = fsdp2.FSDP2TrainerHook(None, model, rank=0, dp=1, client=self.daemon.client("dsf" + tag))
+        canon = {n: (t.shape, t.dtype) for n, t in trainer.layout.tensors.items()}
+        engines = [sglang.SglangRollout(None, model, tp=4, tp_rank=r, dp=2, enable_dp_attention=True, enable_dp_lm_head=dp_lm_head,
+                                        moe_dense_tp_size=moe_dense_tp_size, client=self.daemon.client("dsr" + tag))
+                   for r in range(4)]
+        dense_tp1 = moe_dense_tp_size == 1
+        zero = hashed(canon, 0)
+        params = []
+        for r, e in enumerate(engines):
+            want = sglang_deepseek_dp_attention(zero, 4, 2, r, dp_lm_head, dense_tp1)
+            # The layout the daemon describes is the engine's parameter list, shape for shape.
+            self.assertEqual(sorted(e.layout.tensors), sorted(want), "rank %d" % r)
+            for n, t in e.layout.tensors.items():
+                self.assertEqual(tuple(t.shape), want[n].shape, "rank %d %s" % (r, n))
+            params.append({n: np.zeros_like(a) for n, a in want.items()})
+        for version in (1, 2):
+            c = hashed(canon, version)
+            errors = run_all([lambda e=e, p=p: e.update(version, p, timeout=TIMEOUT) for e, p in zip(engines, params)] +
+                             [lambda: trainer.publish(version, c.items(), timeout=TIMEOUT)])
+            self.assertEqual(errors, [])
+            for r in range(4):
+                for n, want in sglang_deepseek_dp_attention(c, 4, 2, r, dp_lm_head, dense_tp1).items():
+                    np.testing.assert_array_equal(params[r][n], want, err_msg="%s rank %d %s v%d" % (tag, r, n, version))
+        for h in [trainer] + engines:
+            h.client.deregister()
+            h.client.close()
+        return engines
+
+    def test_default_layout(self):
+        engines = self.check("plain", False, None)
+        self.assertEqual(engines[3].layout["lm_head.weight"].shape, (256, 64))  # 1024 rows over all 4 ranks
+        self.assertEqual(engines[3].layout["model.layers.0.mlp.gate_up_proj.weight"].shape, (64, 64))
+
+    def test_enable_dp_lm_head(self):
+        engines = self.check("lmhead", True, None)
+        self.assertEqual(engines[3].layout["lm_head.weight"].shape, (512, 64))  # over the attention-TP group of 2
+
+    def test_moe_dense_tp_size_1(self):
+        engines = self.check("dense1", False, 1)
+        self.assertEqual(engines[3].layout["model.layers.0.mlp.gate_up_proj.weight"].shape, (256, 64))  # whole
+        self.assertEqual(engines[3].layout["model.layers.1.mlp.shared_experts.gate_up_proj.weight"].shape, (32, 64))
+
+    def test_both_and_moe_dense_tp_size_equal_to_tp_size(self):
+        self.check("both", True, 1)
+        engines = self.check("dense4", False, 4)  # --moe-dense-tp-size = --tp-size: as not set
+        self.assertEqual(engines[0].layout["model.layers.0.mlp.gate_up_proj.weight"].shape, (64, 64))
+
+    def test_refusals_name_the_option(self):
+        model = wb.ModelConfig(model_id="int_sglang_dpattn_refused", hf_config_json=TINY_DEEPSEEK, num_trainer_workers=1,
+                               num_rollout_workers=4, mode="sync")
+        c = self.daemon.client("dsx")
+        # SGLang asserts --enable-dp-attention with --enable-dp-lm-head.
+        with self.assertRaisesRegex(Exception, "enable_dp_lm_head needs DP attention"):
+            sglang.SglangRollout(None, model, tp=4, tp_rank=0, enable_dp_lm_head=True, client=c)
+        # check_server_args: --moe-dense-tp-size is None, 1 or --tp-size.
+        with self.assertRaisesRegex(Exception, "moe_dense_tp_size=2"):
+            sglang.SglangRollout(None, model, tp=4, tp_rank=0, dp=2, enable_dp_attention=True, moe_dense_tp_size=2, client=c)
+        for bad in (0, -1, True, "1"):
+            with self.assertRaisesRegex(ValueError, "moe_dense_tp_size"):
+                sglang.SglangRollout(None, model, tp=4, tp_rank=0, moe_dense_tp_size=bad, client=c)
+        c.close()
+
+    def test_preset_layout_carries_both_options(self):
+        pc = wb.PresetLayout("sglang", tp=1, dp=8, rank=3, enable_dp_lm_head=True, moe_dense_tp_size=1).to_proto().preset
+        self.assertTrue(pc.enable_dp_lm_head)
+        self.assertEqual(pc.moe_dense_tp_size, 1)
+        pc = wb.PresetLayout("sglang", tp=8).to_proto().preset
+        self.assertFalse(pc.enable_dp_lm_head)
+        self.assertEqual(pc.moe_dense_tp_size, 0)
+
+
 class SglangDpAttentionRanksTest(unittest.TestCase):
     def test_sglang_numbers_become_the_presets(self):
         # --tp-size 4 --dp-size 2 --enable-dp-attention: attention-TP groups of 2; the preset's

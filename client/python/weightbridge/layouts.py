@@ -154,6 +154,12 @@ class PresetLayout:
     moe_grouped_gemm: bool = False
     moe_use_legacy_grouped_gemm: bool = False
     use_tp_pp_dp_mapping: bool = False
+    # sglang: --enable-dp-lm-head (DP attention, dp > 1, only: lm_head vocab-parallel over the
+    # attention-TP group, the preset's tp ranks of a DP rank, instead of all dp*tp ranks) and
+    # --moe-dense-tp-size (0 = not set; 1: DeepSeek-V2/V3's dense MLPs whole on every rank; dp*tp,
+    # SGLang's --tp-size, is the same as not set). Others are refused, naming them (docs/presets.md).
+    enable_dp_lm_head: bool = False
+    moe_dense_tp_size: int = 0
 
     def to_proto(self):
         return pb.LayoutSpec(preset=pb.ParallelConfig(
@@ -164,7 +170,8 @@ class PresetLayout:
             moe_a2a_backend=self.moe_a2a_backend,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by, moe_grouped_gemm=self.moe_grouped_gemm,
             moe_use_legacy_grouped_gemm=self.moe_use_legacy_grouped_gemm,
-            use_tp_pp_dp_mapping=self.use_tp_pp_dp_mapping))
+            use_tp_pp_dp_mapping=self.use_tp_pp_dp_mapping, enable_dp_lm_head=self.enable_dp_lm_head,
+            moe_dense_tp_size=self.moe_dense_tp_size))
 
 
 @dataclasses.dataclass

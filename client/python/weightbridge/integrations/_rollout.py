@@ -14,10 +14,11 @@ class RolloutHook(LayoutHook):
 
     def __init__(self, engine, socket_path, model, tp=1, tp_rank=0, dp=1, dp_rank=0, replica=0, replicas=1,
                  expert_parallel=False, expert_placement="", moe_a2a_backend="", quantization="", worker_id=None, memory="host", gpu=-1,
-                 client=None):
+                 client=None, enable_dp_lm_head=False, moe_dense_tp_size=0):
         rank = (replica * dp + dp_rank) * tp + tp_rank
         preset = PresetLayout(engine, tp=tp, dp=dp, replicas=replicas, rank=rank, expert_parallel=expert_parallel,
-                              expert_placement=expert_placement, moe_a2a_backend=moe_a2a_backend, quantization=quantization)
+                              expert_placement=expert_placement, moe_a2a_backend=moe_a2a_backend, quantization=quantization,
+                              enable_dp_lm_head=enable_dp_lm_head, moe_dense_tp_size=moe_dense_tp_size)
         super().__init__(socket_path, model, worker_id or "rollout/%d" % rank, "rollout", preset, memory, gpu, client,
                          shm_prefix=engine)
 

@@ -13,6 +13,12 @@ and Kimi-K2 only, docs/presets.md): pass SGLang's own numbers and say so -
 SglangRollout(..., tp=tp_size, tp_rank=tp_rank, dp=dp_size, enable_dp_attention=True) - and the
 hook describes the engine as the preset does (tp = tp_size / dp_size, the attention-TP group;
 dp = dp_size; rank = SGLang's tp_rank). Plan specs and wbctl take the preset's numbers directly.
+Two server options change that layout and must be passed as the engine runs with them:
+`enable_dp_lm_head=server_args.enable_dp_lm_head` (--enable-dp-lm-head: lm_head over the
+attention-TP group instead of all tp_size ranks; DP attention only) and
+`moe_dense_tp_size=server_args.moe_dense_tp_size` (--moe-dense-tp-size; None = not set, 1: the
+dense MLPs whole on every rank) - docs/presets.md. A mismatch gives the engine's parameters other
+shapes than the layout's, which read_into / bind refuse.
 With --enable-lora SGLang wraps linear layers keeping the original as `base_layer`
 (BaseLayerWithLoRA): read_into / bind drop that segment from the names, as for vLLM
 (_common.engine_params).
@@ -34,14 +40,21 @@ from weightbridge.integrations._rollout import RolloutHook
 
 
 class SglangRollout(RolloutHook):
-    def __init__(self, socket_path, model, engine_model=None, enable_dp_attention=False, **kw):
+    def __init__(self, socket_path, model, engine_model=None, enable_dp_attention=False, enable_dp_lm_head=False,
+                 moe_dense_tp_size=None, **kw):
         """`model`: the WeightBridge ModelConfig; `engine_model`: SGLang's model object
         (model_runner.model), whose derived copies are refreshed after each version.
         `enable_dp_attention`: SGLang's flag; `tp`, `tp_rank` and `dp` are then SGLang's
-        --tp-size, the worker's tp_rank and --dp-size (dp_rank is derived, not given)."""
+        --tp-size, the worker's tp_rank and --dp-size (dp_rank is derived, not given).
+        `enable_dp_lm_head`, `moe_dense_tp_size`: SGLang's --enable-dp-lm-head and
+        --moe-dense-tp-size as the server runs with them (server_args; None = not set)."""
         if enable_dp_attention:
             kw = dp_attention_ranks(**kw)
-        super().__init__("sglang", socket_path, model, **kw)
+        if moe_dense_tp_size is not None and (isinstance(moe_dense_tp_size, bool) or not isinstance(moe_dense_tp_size, int)
+                                              or moe_dense_tp_size < 1):
+            raise ValueError("moe_dense_tp_size: SGLang's --moe-dense-tp-size is None or a positive size, got %r" % (moe_dense_tp_size,))
+        super().__init__("sglang", socket_path, model, enable_dp_lm_head=bool(enable_dp_lm_head),
+                         moe_dense_tp_size=moe_dense_tp_size or 0, **kw)
         self.engine_model = engine_model
 
     def refresh_derived(self):
