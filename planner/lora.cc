@@ -127,11 +127,12 @@ absl::Status CheckSizes(const ParallelConfig& p) {
   if (p.tp < 1 || p.dp < 1 || p.replicas < 1 || p.pp != 1 || p.ep != 1 || p.etp != 0 || p.vpp != 1 ||
       p.first_stage_layers != 0 || p.last_stage_layers != 0 || p.expert_parallel || !p.expert_placement.empty() ||
       p.vocab_divisible_by != 128 || p.moe_grouped_gemm || p.moe_legacy_grouped_gemm || p.tp_pp_dp_mapping ||
-      !p.quantization.empty()) {
+      !p.quantization.empty() || p.enable_dp_lm_head || p.moe_dense_tp_size != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         p.preset, ": only tp, dp and replicas apply (each >= 1; pp/ep/vpp 1, no etp, expert options or quantization); got tp=", p.tp,
         " dp=", p.dp, " replicas=", p.replicas, " pp=", p.pp, " ep=", p.ep, " etp=", p.etp, " vpp=", p.vpp,
-        p.quantization.empty() ? "" : absl::StrCat(" quantization=", p.quantization)));
+        p.quantization.empty() ? "" : absl::StrCat(" quantization=", p.quantization),
+        p.enable_dp_lm_head ? " enable_dp_lm_head" : "", p.moe_dense_tp_size != 0 ? absl::StrCat(" moe_dense_tp_size=", p.moe_dense_tp_size) : ""));
   }
   if (p.preset != "vllm_lora" && p.tp != 1) {
     return absl::InvalidArgumentError(absl::StrCat(p.preset, ": adapters are replicated or FSDP2-sharded over dp; tp=", p.tp,

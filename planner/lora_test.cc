@@ -331,6 +331,17 @@ TEST(LoraPresets, PeftReplicatedAndCoversEveryVllmRank) {
   auto peft_tp = MakeLoraPresetLayout(c, lora, *inv, Par("peft", 2), 0);
   ASSERT_FALSE(peft_tp.ok());
   EXPECT_TRUE(absl::StrContains(peft_tp.status().message(), "tp=2")) << peft_tp.status();
+  // SGLang's DP-attention options do not describe adapters: named, never ignored.
+  ParallelConfig lm_head = Par("vllm_lora", 1);
+  lm_head.enable_dp_lm_head = true;
+  auto with_lm_head = MakeLoraPresetLayout(c, lora, *inv, lm_head, 0);
+  ASSERT_FALSE(with_lm_head.ok());
+  EXPECT_TRUE(absl::StrContains(with_lm_head.status().message(), "enable_dp_lm_head")) << with_lm_head.status();
+  ParallelConfig dense = Par("peft", 1);
+  dense.moe_dense_tp_size = 1;
+  auto with_dense = MakeLoraPresetLayout(c, lora, *inv, dense, 0);
+  ASSERT_FALSE(with_dense.ok());
+  EXPECT_TRUE(absl::StrContains(with_dense.status().message(), "moe_dense_tp_size=1")) << with_dense.status();
 }
 
 // PEFT under FSDP2 (verl's FSDP LoRA path): torch.chunk rows on dim 0, padded reservation, ranks
