@@ -177,6 +177,119 @@ TEST_P(CatchUpTest, NoSourceIsReportedAndTheNextVersionWorks) {
   Version(c_, mode, 2, {&w.t0, &w.t1}, {&r2});
 }
 
+// A catch-up attempt made void mid-transfer (a source, r0, leaves while n1 holds the attempt
+// before a bucket) is followed by another from the remaining source: the late rollout's Apply(1)
+// on n1 - one waiting since before, one sent while the retry is held there - does not answer
+// ABORTED; it answers OK once the retry committed, and r2 holds version 1 byte for byte. The void
+// attempt's abort ended its execution on n1; it is no outcome of version 1 for n1's rollouts.
+// (Before: n1 recorded version 1 as aborted, and Apply(1) there answered ABORTED at once, during
+// the retry and for good.)
+TEST_P(CatchUpTest, AVoidedAttemptDoesNotFailTheRolloutsApply) {
+  const pb::Mode mode = GetParam();
+  std::atomic<bool> armed{false};
+  std::atomic<int> entered{0};
+  absl::Notification first, second, release_first, release_second;
+  TwoNodeSetup setup{mode};
+  setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
+    if (version != 1 || !armed) return;
+    const int n = entered++;
+    if (n == 0) {  // the first attempt's executor on n1: held until the retry runs there
+      first.Notify();
+      release_first.WaitForNotificationWithTimeout(absl::Seconds(20));
+    } else if (n == 1) {  // the retry's executor (the first one is still held): held too
+      second.Notify();
+      release_second.WaitForNotificationWithTimeout(absl::Seconds(20));
+    }
+  };
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, setup);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  armed = true;  // from now on version 1 runs only as a catch-up
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r2, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  ASSERT_TRUE(first.WaitForNotificationWithTimeout(absl::Seconds(15))) << "no catch-up of version 1 ran on n1";
+  grpc::Status applied;
+  pb::ApplyResponse ar;
+  std::thread applier([&] { applied = c_.Apply(r2, "m", 1, &ar); });
+  grpc::Status deregistered;
+  {
+    grpc::ClientContext ctx;
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(w.r0.id);
+    pb::DeregisterResponse resp;
+    deregistered = w.r0.stub->Deregister(&ctx, req, &resp);
+  }
+  // The retry's executor on n1 exists only once the void attempt's execution was ended there.
+  const bool retried = deregistered.ok() && second.WaitForNotificationWithTimeout(absl::Seconds(15));
+  release_first.Notify();
+  grpc::Status during;
+  pb::ApplyResponse dr;
+  if (retried) during = ApplyWithin(r2, 1, 300, &dr);  // while the retry is held on n1
+  release_second.Notify();
+  applier.join();
+  ASSERT_TRUE(deregistered.ok()) << deregistered.error_message();
+  ASSERT_TRUE(retried) << "no second catch-up attempt ran on n1";
+  EXPECT_EQ(during.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "Apply(1) during the retry: " << during.error_message();
+  ASSERT_TRUE(applied.ok()) << applied.error_message();
+  EXPECT_GE(ar.applied_version(), 1u);
+  grpc::Status s = Receive(c_, r2, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r2, 1), 0);
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r1, &r2});
+}
+
+// A catch-up that fails for good (an end-to-end digest mismatch in r2's staging on n1) tells r2
+// why: Apply(1) on n1 ABORTED naming the mismatch. A rollout registering on n1 afterwards (r3) is
+// not failed by that record: it is caught up and Apply(1) answers OK with version 1 byte for byte.
+// (Before: n1 had recorded version 1 as aborted, and r3's Apply(1) answered ABORTED at once.)
+TEST_P(CatchUpTest, AFinalFailureIsToldToItsRolloutNotToLaterOnes) {
+  const pb::Mode mode = GetParam();
+  std::atomic<bool> armed{false};
+  std::atomic<int> flips{0};
+  c_.StartCoordinator();
+  c_.StartNode(0);
+  c_.StartNode(1, nullptr, nullptr, [&](ServerOptions& o) {
+    o.digest_overlap = false;  // the flip comes after the buckets
+    o.configure_node = [&](NodeDaemon::Options& no) {
+      no.test_after_buckets = [&](const std::string&, uint64_t v, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions) {
+        auto r = regions.find("r2.b0");
+        bool expected = true;
+        if (v != 1 || r == regions.end() || r->second.second == 0 || !armed.compare_exchange_strong(expected, false)) return;
+        r->second.first[5] ^= 0x10;
+        ++flips;
+      };
+    };
+  });
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TwoNodeWorkers w = AddTwoNodeWorkers(c_, inv_);
+  for (TestWorker* x : {&w.t0, &w.t1, &w.r0, &w.r1}) ASSERT_TRUE(c_.Register(*x, spec).ok()) << x->id;
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  armed = true;
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, false));
+  ASSERT_TRUE(c_.Register(r2, spec).ok());
+  pb::ApplyResponse ar;
+  grpc::Status a = c_.Apply(r2, "m", 1, &ar);
+  EXPECT_EQ(flips.load(), 1) << "the staging fault never fired";
+  EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
+  EXPECT_NE(a.error_message().find("end-to-end digest mismatch in the catch-up of model m version 1"), std::string::npos)
+      << a.error_message();
+  TestWorker& r3 = c_.AddWorker("r3", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r3, spec).ok());
+  grpc::Status a3 = c_.Apply(r3, "m", 1, &ar);
+  ASSERT_TRUE(a3.ok()) << a3.error_message();
+  EXPECT_GE(ar.applied_version(), 1u);
+  grpc::Status s = Receive(c_, r3, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r3, 1), 0);
+  // r2 is still told why, and gets the next version.
+  a = c_.Apply(r2, "m", 1, &ar);
+  EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2, &r3});
+}
+
 // A standalone daemon (coordinator and node in one process): the late rollout is caught up from
 // the same node's rollout.
 TEST_P(CatchUpTest, StandaloneLateRollout) {

@@ -115,8 +115,12 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
       nodes.insert(rec.node);
     }
     Log(LogLevel::kWarning, "catch-up not possible", {{"model", model_id}, {"version", v}, {"reason", reason}});
-    // Apply(v) of those rollouts, waiting on their nodes, learns why.
-    QueueAbortRpcsLocked(nodes, model_id, v, reason);
+    // Apply(v) of those rollouts, waiting on their nodes, learns why (from WaitVersion here: the
+    // node asks once a catch-up of v ended there). A catch-up's abort names a plan epoch - this
+    // one's own, which no execution has: nothing runs to be ended, and the node records no abort
+    // of the version itself (that would fail rollouts registering there later, which may get a
+    // catch-up of their own).
+    QueueAbortRpcsLocked(nodes, model_id, v, reason, next_epoch_++);
     StatusChangedLocked();
     return;
   }
@@ -353,7 +357,9 @@ void CoordinatorCore::FailCatchUpLocked(const std::string& model_id, Model& m, c
   Log(LogLevel::kWarning, "catch-up failed", {{"model", model_id}, {"version", c.version}, {"final", final ? "yes" : "no (tried again)"},
                                               {"reason", reason}});
   // Of this attempt only: the next attempt of the same version may be running on these nodes by
-  // the time the abort arrives.
+  // the time the abort arrives. Final or not, the nodes only end the attempt's execution; a
+  // waiting Apply(v) of a late rollout then asks WaitVersion here, which answers ABORTED with
+  // catch_up_error when this was final and otherwise waits for the next attempt.
   QueueAbortRpcsLocked(nodes, model_id, c.version, what, c.epoch);
   m.catch_up.reset();
   wake_ = true;

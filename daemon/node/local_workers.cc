@@ -261,6 +261,18 @@ std::optional<std::string> LocalWorkers::AbortReason(const std::string& model, u
   return it->second;
 }
 
+void LocalWorkers::NoteCatchUpAborted(const std::string& model, uint64_t version, const std::string& reason) {
+  absl::MutexLock l(&mu_);
+  catch_up_aborted_[{model, version}] = reason;
+}
+
+std::optional<std::string> LocalWorkers::CatchUpAbortReason(const std::string& model, uint64_t version) const {
+  absl::MutexLock l(&mu_);
+  auto it = catch_up_aborted_.find({model, version});
+  if (it == catch_up_aborted_.end()) return std::nullopt;
+  return it->second;
+}
+
 bool LocalWorkers::AddSnapshot(const WorkerKey& key, uint64_t version, std::shared_ptr<Bytes> snapshot) {
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);
@@ -328,7 +340,8 @@ void LocalWorkers::MarkApplied(const WorkerKey& key, uint64_t version, const std
   if (w.committed == staging && (after_commit || w.applied_version >= w.committed_version)) w.committed = nullptr;
 }
 
-absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline) const {
+absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline,
+                                                                       bool ask_on_catch_up_abort) const {
   const std::string& me = options_.node_id;
   const std::string& model = key.first;
   const std::string& wid = key.second;
@@ -345,7 +358,7 @@ absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const Wor
     if (live_.Copying(lk)) return false;  // its outcome decides what we answer
     if (want == 0) return true;           // safe point: take whatever is newest, never wait
     return w->second.committed_version >= want || w->second.applied_version >= want || aborted_.count({model, want}) > 0 ||
-           restarts_ != restarts0;
+           restarts_ != restarts0 || (ask_on_catch_up_abort && catch_up_aborted_.count({model, want}) > 0);
   };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&ready), deadline)) {
     if (live_.Copying(lk)) {
@@ -359,6 +372,14 @@ absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const Wor
   const Worker& w = it->second;
   if (want != 0 && w.committed_version < want && w.applied_version < want) {
     auto ab = aborted_.find({model, want});
+    if (ab == aborted_.end() && restarts_ == restarts0 && ask_on_catch_up_abort && catch_up_aborted_.count({model, want}) > 0) {
+      // A catch-up attempt of `want` ended here: whether this rollout gets another one (or was
+      // told why not) is the coordinator's to say, not this node's record - the record is the
+      // node's, not the rollout's, and may be of an attempt that never included it.
+      Applicable ask;
+      ask.ask_coordinator = true;
+      return ask;
+    }
     return absl::AbortedError(absl::StrCat("version ", want, " aborted: ", ab != aborted_.end() ? ab->second : restart_reason_));
   }
   Applicable out;

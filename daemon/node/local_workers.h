@@ -118,6 +118,10 @@ class LocalWorkers {
     std::shared_ptr<Bytes> staging;
     LiveBuffers live;
     double copy_Bps = 0;  // observed staging -> live copy speed (bytes/s)
+    // A catch-up of the (committed) version was aborted on this node and the rollout does not hold
+    // it: only the coordinator knows whether that was final or another attempt follows (WorkerCalls
+    // asks it, then waits again with ask_on_catch_up_abort = false). Nothing else is set.
+    bool ask_coordinator = false;
   };
 
   struct Options {
@@ -180,6 +184,12 @@ class LocalWorkers {
   // Apply waiters of it end with ABORTED naming `reason`.
   void NoteAborted(const std::string& model, uint64_t version, const std::string& reason);
   std::optional<std::string> AbortReason(const std::string& model, uint64_t version) const;
+  // A catch-up attempt of the committed `version` ended on this node (AbortVersion naming a plan
+  // epoch, a re-join ending a catch-up execution): not an outcome for anyone here - the attempt
+  // may be followed by another, and a rollout registering later has its own catch-up. Apply(v)
+  // of a rollout not holding `version` then asks the coordinator (Applicable::ask_coordinator).
+  void NoteCatchUpAborted(const std::string& model, uint64_t version, const std::string& reason);
+  std::optional<std::string> CatchUpAbortReason(const std::string& model, uint64_t version) const;
   // False (nothing kept) when the worker left meanwhile.
   bool AddSnapshot(const WorkerKey& key, uint64_t version, std::shared_ptr<Bytes> snapshot);
   void DropSnapshot(const WorkerKey& key, uint64_t version);
@@ -198,8 +208,11 @@ class LocalWorkers {
   // Apply: waits until `want` (0: whatever is newest) is committed or applied here, aborted, or
   // the node re-joined, and no copy into the worker runs; then says what to copy. NOT_FOUND (not a
   // rollout here), DEADLINE_EXCEEDED, ABORTED, UNAVAILABLE (stopped or left), DATA_LOSS (TORN with
-  // nothing to restore it from).
-  absl::StatusOr<Applicable> AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline) const;
+  // nothing to restore it from). `ask_on_catch_up_abort`: also ends when a catch-up of `want` was
+  // aborted here (before or during the wait) and the worker does not hold it, answering
+  // ask_coordinator (NoteCatchUpAborted); false: such aborts are not waited for.
+  absl::StatusOr<Applicable> AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline,
+                                             bool ask_on_catch_up_abort = false) const;
   // Runs `jobs` at once under the live-copy contract (daemon/node/live_copy.h): waits (bounded by
   // live_copy_timeout) until no copy into the same workers runs, marks them copying, copies with
   // live_copy_timeout as the deadline (not a client's), then records each worker whole or TORN.
@@ -219,6 +232,8 @@ class LocalWorkers {
   std::set<WorkerKey> leaving_ ABSL_GUARDED_BY(mu_);
   std::set<WorkerKey> joining_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
+  // (model, committed version) -> why a catch-up attempt of it ended here (NoteCatchUpAborted).
+  std::map<std::pair<std::string, uint64_t>, std::string> catch_up_aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (Apply waiters compare)
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
   // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until

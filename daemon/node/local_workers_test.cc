@@ -232,6 +232,39 @@ TEST_F(LocalWorkersTest, ApplyEndsAtItsDeadlineOnTheClockOrWhenTheVersionIsAbort
   EXPECT_EQ(workers_->AwaitApplicable({"m", "nobody"}, 1, clock_.Now()).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A catch-up attempt of version 1 ending on this node is no outcome of version 1 here: Apply(1)
+// of a rollout not holding it (waiting then, or asking later) is sent to the coordinator
+// (ask_coordinator) instead of being answered ABORTED, nothing is recorded as the version's abort,
+// and once the node committed version 1 for the rollout the record no longer matters.
+TEST_F(LocalWorkersTest, ACatchUpAbortSendsApplyToTheCoordinator) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  const Key key{"m", "r0"};
+  const absl::Time deadline = clock_.Now() + absl::Seconds(20);
+  absl::StatusOr<LocalWorkers::Applicable> got = absl::UnknownError("not run");
+  std::thread t([&] { got = workers_->AwaitApplicable(key, 1, deadline, /*ask_on_catch_up_abort=*/true); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  workers_->NoteCatchUpAborted("m", 1, "catch-up attempt void");
+  t.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->ask_coordinator);
+  EXPECT_EQ(got->staging, nullptr);
+  EXPECT_FALSE(workers_->AbortReason("m", 1).has_value());
+  EXPECT_EQ(workers_->CatchUpAbortReason("m", 1), "catch-up attempt void");
+  // A later Apply(1) asks at once; one that does not ask is not ended by the record.
+  got = workers_->AwaitApplicable(key, 1, clock_.Now(), /*ask_on_catch_up_abort=*/true);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->ask_coordinator);
+  EXPECT_EQ(workers_->AwaitApplicable(key, 1, clock_.Now()).status().code(), absl::StatusCode::kDeadlineExceeded);
+  // Committed here (the next attempt): copied as any version.
+  auto staging = Staging(0xCD);
+  EXPECT_TRUE(CommitJobs(1, {{"r0", staging}}).empty());
+  got = workers_->AwaitApplicable(key, 1, clock_.Now(), /*ask_on_catch_up_abort=*/true);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_FALSE(got->ask_coordinator);
+  EXPECT_EQ(got->version, 1u);
+  EXPECT_EQ(got->staging, staging);
+}
+
 TEST_F(LocalWorkersTest, SyncCommitCopyFailingMidwayLeavesTheRolloutTorn) {
   AddRollout("r0", pb::MODE_SYNC);
   AddRollout("r1", pb::MODE_SYNC);

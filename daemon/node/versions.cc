@@ -307,12 +307,21 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   {
     absl::MutexLock l(&mu_);
     auto it = execs_.find({req.model_id(), req.version()});
-    if (req.plan_epoch() != 0 && it != execs_.end() && it->second->epoch != req.plan_epoch()) {
-      // The abort of one execution (a voided catch-up attempt) arriving after the next attempt of
-      // the same version started here on another epoch: that one is not what the coordinator ended.
+    // Only a catch-up attempt's abort names a plan epoch (version aborts send 0): it ends that
+    // attempt's execution, but it is no outcome of the version for this node's rollouts - the
+    // version is committed, the attempt may be followed by another (a voided one always is), and
+    // a rollout registering later has a catch-up of its own. Apply(v) of a rollout that does not
+    // hold v asks the coordinator instead (LocalWorkers::NoteCatchUpAborted). Noting it as the
+    // version's abort failed every Apply(v) on this node at once, the retry's and later ones too.
+    // The abort of one execution (a voided catch-up attempt) arriving after the next attempt of
+    // the same version started here on another epoch: that one is not what the coordinator ended.
+    const bool other = req.plan_epoch() != 0 && it != execs_.end() && it->second->epoch != req.plan_epoch();
+    const bool catch_up = other || (it != execs_.end() ? it->second->catch_up : req.plan_epoch() != 0);
+    if (catch_up) local_.NoteCatchUpAborted(req.model_id(), req.version(), req.reason());
+    if (other) {
       other_epoch = it->second->epoch;
     } else {
-      local_.NoteAborted(req.model_id(), req.version(), req.reason());
+      if (!catch_up) local_.NoteAborted(req.model_id(), req.version(), req.reason());
       if (it != execs_.end()) {
         it->second->aborted = true;
         it->second->error = req.reason();
@@ -434,7 +443,12 @@ std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& r
     for (auto& [key, e] : execs_) {
       e->aborted = true;
       e->error = reason;
-      local_.NoteAborted(key.first, key.second, reason);
+      // A catch-up execution's version is committed: the new session may catch its rollouts up.
+      if (e->catch_up) {
+        local_.NoteCatchUpAborted(key.first, key.second, reason);
+      } else {
+        local_.NoteAborted(key.first, key.second, reason);
+      }
       for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
     }
     execs_.clear();

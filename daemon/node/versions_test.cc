@@ -145,6 +145,7 @@ TEST_F(VersionsTest, AnAbortOfAnotherEpochLeavesTheRunningExecutionAlone) {
   a.set_reason("abort of epoch 7");
   ASSERT_TRUE(versions_->AbortVersion(a).ok());
   EXPECT_FALSE(local_->AbortReason("m", 2).has_value()) << "the abort of epoch 7 was noted for version 2";
+  EXPECT_TRUE(local_->CatchUpAbortReason("m", 2).has_value()) << "Apply(2) waiters are not sent to the coordinator";
   EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50))) << exchanged;
   a.set_plan_epoch(1);
   a.set_reason("abort of epoch 1");
@@ -153,6 +154,24 @@ TEST_F(VersionsTest, AnAbortOfAnotherEpochLeavesTheRunningExecutionAlone) {
   EXPECT_EQ(exchanged.code(), absl::StatusCode::kAborted) << exchanged;
   EXPECT_NE(exchanged.message().find("abort of epoch 1"), std::string::npos) << exchanged;
   EXPECT_TRUE(local_->AbortReason("m", 2).has_value());
+}
+
+// A catch-up attempt's abort (it names a plan epoch) of a version with no execution here - the
+// attempt that could not start, or whose execution already ended - records no abort of the
+// version: Apply waiters ask the coordinator, later rollouts are not failed by it.
+TEST_F(VersionsTest, ACatchUpAbortIsNoAbortOfTheVersion) {
+  InstallPlan();
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(3);
+  a.set_plan_epoch(9);
+  a.set_reason("catch-up of model m version 3 failed: worker r0 left");
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  EXPECT_FALSE(local_->AbortReason("m", 3).has_value());
+  EXPECT_EQ(local_->CatchUpAbortReason("m", 3), a.reason());
+  a.set_plan_epoch(0);  // a version abort
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  EXPECT_TRUE(local_->AbortReason("m", 3).has_value());
 }
 
 TEST_F(VersionsTest, ExchangeRegionsWaitTimesOutInSimulatedTime) {

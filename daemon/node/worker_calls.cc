@@ -217,7 +217,13 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
   const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
   const std::string& model = req.model_id();
   const std::string& wid = req.worker_id();
-  absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, req.version(), deadline);
+  absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/true);
+  if (found.ok() && found->ask_coordinator) {
+    // Once per call: after the coordinator's answer only the node's own commit (or an abort of
+    // the version itself, a re-join, the deadline) ends the wait.
+    if (absl::Status s = AwaitCatchUp(model, wid, req.version(), deadline); !s.ok()) return s;
+    found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/false);
+  }
   if (!found.ok()) return found.status();
   if (found->staging == nullptr) {
     resp->set_applied_version(found->applied_version);
@@ -269,6 +275,18 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
   resp->set_applied_version(version);
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
   return absl::OkStatus();
+}
+
+absl::Status WorkerCalls::AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline) {
+  pb::WaitVersionRequest w;
+  w.set_model_id(model);
+  w.set_version(version);
+  w.set_worker_id(worker);
+  w.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - options_.clock->Now())));
+  pb::WaitVersionResponse resp;
+  const uint64_t session0 = coordinator_.session();
+  absl::Status s = coordinator_.client().WaitVersion(w, &resp, CallTimeout(options_.clock, deadline));
+  return RestartAware(s, session0, deadline, absl::StrCat("version ", version));
 }
 
 absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {

@@ -80,6 +80,10 @@ class WorkerCalls {
   // Publish / Apply without their metrics (Publish and Apply count them before the reply).
   absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
   absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
+  // Apply(v) of a rollout that does not hold v after a catch-up of v ended on this node: the
+  // coordinator's WaitVersion(v, worker) decides - OK once another attempt caught it up (or it
+  // holds v there), ABORTED naming why when its catch-up failed for good.
+  absl::Status AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline);
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
   // held while the node (re-)registers and sent again once after a re-join that answered
   // NOT_FOUND. *sent_in = the session of the last attempt.
