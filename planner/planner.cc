@@ -1,6 +1,7 @@
 #include "planner/planner.h"
 
 #include <algorithm>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -529,6 +530,50 @@ class Builder {
   Plan plan_;
 };
 
+// The ops `strategy` will emit for `fs`: one per needer per fragment, plus rank0_broadcast's
+// gather into trainer 0 for each fragment it does not hold. RESOURCE_EXHAUSTED past `limit`,
+// naming the model, the tensor that needs the most ops, the count and the limit.
+absl::Status CheckPlanSize(const Problem& p, const FragmentSet& fs, Strategy strategy, int64_t limit,
+                           int64_t pieces, bool default_limit) {
+  int32_t rank0 = -1;
+  if (strategy == Strategy::kRank0Broadcast) {
+    for (size_t w = 0; w < p.workers.size() && rank0 < 0; ++w) {
+      if (p.workers[w].role == Role::kTrainer) rank0 = static_cast<int32_t>(w);
+    }
+  }
+  int64_t total = 0, tensor_ops = 0, most = 0, most_fragments = 0, fragments = 0;
+  int32_t tensor = -1, most_tensor = -1;
+  auto close_tensor = [&] {
+    if (tensor >= 0 && tensor_ops > most) {
+      most = tensor_ops;
+      most_tensor = tensor;
+      most_fragments = fragments;
+    }
+  };
+  for (const Fragment& f : fs.fragments) {
+    if (f.tensor != tensor) {
+      close_tensor();
+      tensor = f.tensor;
+      tensor_ops = fragments = 0;
+    }
+    // Holders are in worker order and trainer 0 is the lowest-indexed trainer.
+    const int64_t gather = rank0 >= 0 && (f.src_begin == f.src_end || fs.refs[f.src_begin].worker != rank0) ? 1 : 0;
+    const int64_t n = int64_t{f.dst_end - f.dst_begin} + gather;
+    tensor_ops += n;
+    total += n;
+    ++fragments;
+  }
+  close_tensor();
+  if (total <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "model ", p.inventory.architecture.empty() ? "(unnamed)" : p.inventory.architecture, ": the ",
+      StrategyName(strategy), " plan would have ", total, " transfer ops, more than the limit of ", limit,
+      default_limit ? absl::StrCat(" (", kPlanOpsBase, " + ", kPlanOpsPerPiece, " per piece, ", pieces, " pieces)")
+                    : std::string(" (PlanOptions::max_ops)"),
+      "; tensor ", p.inventory.tensors[most_tensor].name, " alone needs ", most, " ops in ", most_fragments,
+      " fragments (docs/planner.md \"Work bounds\")"));
+}
+
 }  // namespace
 
 absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,
@@ -557,6 +602,10 @@ absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strate
   }
   fo.align_splits_to_quant_blocks = options.sender_quantization;
   ASSIGN_OR_RETURN(FragmentSet fs, BuildFragments(problem, fo));
+  int64_t pieces = 0;
+  for (const Worker& w : problem.workers) pieces += static_cast<int64_t>(w.layout.pieces.size());
+  RETURN_IF_ERROR(CheckPlanSize(problem, fs, strategy, options.max_ops > 0 ? options.max_ops : MaxPlanOps(pieces),
+                                pieces, options.max_ops <= 0));
   const SenderQuantization sq = DecideSenderQuantization(problem, fs, options.sender_quantization);
   const double lb = LowerBoundOfFragments(problem, ci, fs, &sq.wire_bytes);
   Builder builder(problem, fs, ci, sq, strategy, lb);

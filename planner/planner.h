@@ -31,7 +31,9 @@
 // no source (both name the tensor and the box), INVALID_ARGUMENT for a non-positive budget or
 // bandwidth, RESOURCE_EXHAUSTED (naming the tensor and the budget) when the pieces' boxes overlap
 // so much that building fragments would pass its work budget (planner/fragments.h
-// FragmentWorkBudget; docs/planner.md "Work bounds").
+// FragmentWorkBudget; docs/planner.md "Work bounds"), RESOURCE_EXHAUSTED (naming the model, the
+// tensor that needs the most ops, the count and the limit) when the plan would have more ops than
+// PlanOptions::max_ops / MaxPlanOps (counted before any op is built).
 
 #include <cstdint>
 
@@ -41,6 +43,17 @@
 namespace wb::planner {
 
 absl::StatusOr<Plan> MakePlan(const Problem& problem, Strategy strategy);
+
+// Plan size cap (docs/planner.md "Work bounds"): the most transfer ops one plan may have,
+// kPlanOpsBase + kPlanOpsPerPiece per piece of the problem (trainer and rollout pieces together).
+// An op takes about 160 bytes in memory, so the base keeps a plan of a small layout under ~3 GB,
+// and a large layout gets 256 ops per piece it sent (real layouts need at most ~200: every needer
+// gets one op per fragment, e.g. Qwen2.5-7B FSDP2 dp1024 -> vLLM tp1 x 256, 68M ops for 353k
+// pieces). Without it, fragments split at a tiny staging budget times their needers could ask for
+// billions of ops (the fragments' work budget counts the split chunks, not chunks x needers).
+inline constexpr int64_t kPlanOpsBase = int64_t{1} << 24;
+inline constexpr int64_t kPlanOpsPerPiece = 256;
+inline int64_t MaxPlanOps(int64_t pieces) { return kPlanOpsBase + kPlanOpsPerPiece * pieces; }
 
 struct PlanOptions {
   // Fragment split size (load-balancing grain). 0: automatic (about 1/64 of one GPU's share of
@@ -56,6 +69,9 @@ struct PlanOptions {
   // sending node (daemon/node/quantize_outgoing.h). `wbctl plan` and bench:planner use it for the
   // prediction (docs/planner.md).
   bool sender_quantization = false;
+  // > 0: the most ops the plan may have instead of MaxPlanOps(pieces) (tests, tools); past it,
+  // RESOURCE_EXHAUSTED before any op is built.
+  int64_t max_ops = 0;
 };
 absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,
                                          const PlanOptions& options);

@@ -442,6 +442,58 @@ TEST(PlannerTest, CrowdedRandomPlansKeepTheirFingerprints) {
   EXPECT_EQ(digest, 11826321009302863369ULL);
 }
 
+TEST(PlannerTest, PlanSizeCapCountsEveryOpBeforeBuildingThem) {
+  // PlanOptions::max_ops at exactly the plan's op count plans; one less is RESOURCE_EXHAUSTED naming
+  // the model, the tensor with the most ops, the count and the limit (every strategy: rank0's
+  // gathers count too).
+  for (int v = 0; v < 4; ++v) {
+    const Problem p = ManyHoldersProblem(v);
+    for (Strategy s : {Strategy::kWeightBridge, Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
+                       Strategy::kP2PNoDedup}) {
+      PlanOptions opt;
+      opt.max_fragment_bytes = 1000;
+      auto plan = MakePlanWithOptions(p, s, opt);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      const int64_t n = plan->stats.num_ops;
+      opt.max_ops = n;
+      auto at = MakePlanWithOptions(p, s, opt);
+      ASSERT_TRUE(at.ok()) << v << " " << StrategyName(s) << ": " << at.status();
+      EXPECT_EQ(at->fingerprint, plan->fingerprint);
+      opt.max_ops = n - 1;
+      auto past = MakePlanWithOptions(p, s, opt);
+      ASSERT_FALSE(past.ok()) << v << " " << StrategyName(s);
+      EXPECT_EQ(past.status().code(), absl::StatusCode::kResourceExhausted);
+      const std::string want = absl::StrCat("model Test: the ", StrategyName(s), " plan would have ", n,
+                                            " transfer ops, more than the limit of ", n - 1,
+                                            " (PlanOptions::max_ops); tensor a alone needs ");
+      EXPECT_NE(past.status().message().find(want), std::string::npos) << past.status();
+    }
+  }
+}
+
+TEST(PlannerTest, DefaultPlanSizeCapRefusesATinyGrainTimesManyNeeders) {
+  // A 16-byte staging budget splits a 32768-row tensor into one fragment per row (4 bytes), and
+  // 1024 rollout GPUs need every one: 33.5M ops, past MaxPlanOps(1025 pieces) = 2^24 + 256 x 1025.
+  // The fragments' work budget does not see it (32768 split chunks); the cap refuses it before a
+  // single op is built (about 5 GB of ops otherwise).
+  Problem p;
+  p.inventory.architecture = "TinyGrain";
+  p.inventory.tensors.push_back(TensorSpec{"w", {32768, 2}, DType::kBF16});
+  AddWorker(p, Role::kTrainer, 0, 0, {{0, FullBox({32768, 2})}});
+  for (int r = 0; r < 1024; ++r) AddWorker(p, Role::kRollout, 1 + r / 8, r % 8, {{0, FullBox({32768, 2})}});
+  p.staging_budget_bytes = 16;
+  EXPECT_EQ(MaxPlanOps(1025), (int64_t{1} << 24) + 256 * 1025);
+  auto plan = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(plan.status().message().find(
+                "model TinyGrain: the weightbridge plan would have 33554432 transfer ops, more than the limit of "
+                "17039616 (16777216 + 256 per piece, 1025 pieces); tensor w alone needs 33554432 ops in 32768 "
+                "fragments"),
+            std::string::npos)
+      << plan.status();
+}
+
 TEST(PlannerTest, ReplicatedDestinationOverlapCrossesOnceIntoTheNode) {
   // Two rollout GPUs on one node need overlapping (not identical) row ranges.
   Problem p = OneTensor(30, 4);
