@@ -324,7 +324,11 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id()](const grpc::Status& s, const void*) {
     if (!s.ok()) return;
     absl::MutexLock l(&mu_);
-    bindings_[{model, worker}] = Binding{cred, model};
+    Binding& b = bindings_[{model, worker}];
+    // The same process registering again (a client's replay after a reconnect; the node keeps the
+    // worker as it was) keeps its binding, with the versions it published and that are pending.
+    const bool same = b.cred.pid == cred.pid && b.cred.start_time == cred.start_time && b.cred.uid == cred.uid && b.model == model;
+    if (!same) b = Binding{cred, model};
   };
   return Verdict::Ok();
 }

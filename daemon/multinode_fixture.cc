@@ -145,18 +145,22 @@ void Cluster::Connect(TestWorker& w) {
 }
 
 grpc::Status Cluster::Register(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset, int pid) {
+  grpc::Status s = RegisterWorker(w, spec, pid);
+  if (!s.ok()) return s;
+  return RegisterLayout(w, spec, preset);
+}
+
+grpc::Status Cluster::RegisterWorker(TestWorker& w, const pb::ModelSpec& spec, int pid, int gpu) {
   grpc::ClientContext c1;
   pb::RegisterWorkerRequest rw;
   rw.set_model_id(spec.model_id());
   rw.set_worker_id(w.id);
   rw.set_role(w.role);
-  rw.set_gpu(-1);
+  rw.set_gpu(gpu);
   rw.set_pid(pid);
   *rw.mutable_model() = spec;
   pb::RegisterWorkerResponse rwr;
-  grpc::Status s = w.stub->RegisterWorker(&c1, rw, &rwr);
-  if (!s.ok()) return s;
-  return RegisterLayout(w, spec, preset);
+  return w.stub->RegisterWorker(&c1, rw, &rwr);
 }
 
 grpc::Status Cluster::RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset) {

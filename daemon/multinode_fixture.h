@@ -68,6 +68,8 @@ class Cluster {
   // Registers the worker and its layout: explicit pieces (a quantised piece's scales in buffer 0
   // too), or `preset` when given.
   grpc::Status Register(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr, int pid = ::getpid());
+  // RegisterWorker alone (what Register sends first; `gpu` -1: host memory).
+  grpc::Status RegisterWorker(TestWorker& w, const pb::ModelSpec& spec, int pid = ::getpid(), int gpu = -1);
   // RegisterLayout alone: explicit pieces of w.layout, or `preset` when given.
   grpc::Status RegisterLayout(TestWorker& w, const pb::ModelSpec& spec, const pb::ParallelConfig* preset = nullptr);
 

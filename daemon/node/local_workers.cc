@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
+#include "daemon/auth.h"
 #include "daemon/log.h"
 #include "planner/box.h"
 
@@ -29,9 +30,14 @@ bool PidWatch::Alive() const {
   return ::kill(pid, 0) == 0 || errno != ESRCH;
 }
 
+bool PidWatch::IsLive(int other) const {
+  return other == pid && start_time != 0 && Alive() && ProcessStartTime(other) == start_time;
+}
+
 absl::StatusOr<std::shared_ptr<PidWatch>> PidWatch::Open(int pid, const std::string& who) {
   auto watch = std::make_shared<PidWatch>();
   watch->pid = pid;
+  watch->start_time = ProcessStartTime(pid);
 #ifdef SYS_pidfd_open
   watch->fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
 #endif
@@ -105,10 +111,49 @@ absl::StatusOr<uint64_t> LocalWorkers::AttachLayout(const WorkerKey& key, std::v
   it->second.buffers = std::move(buffers);
   it->second.cuda = std::move(cuda);
   it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
+  it->second.layout_request.Clear();  // recorded once answered (RecordLayoutAnswer)
+  it->second.layout_response.Clear();
   // Memory an earlier process of this daemon died copying into (a live-copy marker): TORN.
   live_.Adopt(key.first, LiveKey(key.first, key.second), it->second.buffers, options_.node_id);
   it->second.submitted = std::move(submitted);
   return bytes;
+}
+
+bool LocalWorkers::RepeatRegistration(const WorkerKey& key, const pb::RegisterWorkerRequest& req) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || joining_.count(key) > 0 || leaving_.count(key) > 0) return false;
+  Worker& w = it->second;
+  // (No map fields in these messages: equal requests serialize to equal bytes.)
+  if (w.pid == nullptr || !w.pid->IsLive(req.pid()) || w.registration.SerializeAsString() != req.SerializeAsString()) return false;
+  w.repeat_pending = w.has_layout;
+  return true;
+}
+
+std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req) {
+  if (req.layout().has_index_probe()) return std::nullopt;
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || !it->second.has_layout || it->second.layout_request.buffers().empty()) return std::nullopt;
+  if (it->second.layout_request.SerializeAsString() != req.SerializeAsString()) return std::nullopt;
+  it->second.repeat_pending = false;
+  return it->second.layout_response;
+}
+
+std::optional<pb::RegisterWorkerRequest> LocalWorkers::TakeRepeat(const WorkerKey& key) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || !it->second.repeat_pending) return std::nullopt;
+  it->second.repeat_pending = false;
+  return it->second.registration;
+}
+
+void LocalWorkers::RecordLayoutAnswer(const WorkerKey& key, const pb::RegisterLayoutRequest& req, const pb::RegisterLayoutResponse& resp) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || !it->second.has_layout) return;
+  it->second.layout_request = req;
+  it->second.layout_response = resp;
 }
 
 void LocalWorkers::Remove(const WorkerKey& key) {

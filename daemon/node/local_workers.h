@@ -47,8 +47,12 @@ namespace pb = ::weightbridge::v1;
 struct PidWatch {
   int pid = 0;
   int fd = -1;
+  uint64_t start_time = 0;  // of the process when watched (/proc stat field 22; 0: unknown)
   ~PidWatch();
   bool Alive() const;
+  // `pid` is the very process watched, still alive: same pid and start time (immune to pid reuse
+  // also where the kernel has no pidfd).
+  bool IsLive(int pid) const;
   // Watches `pid`; INVALID_ARGUMENT naming `who` when no such process exists.
   static absl::StatusOr<std::shared_ptr<PidWatch>> Open(int pid, const std::string& who);
 };
@@ -79,6 +83,16 @@ class LocalWorkers {
     // What the node re-submits when it re-joins a (restarted) coordinator.
     pb::ModelSpec spec;
     pb::SubmitLayoutRequest submitted;  // valid when has_layout
+    // RegisterWorker as it came (pid filled in): the same request again from the same live process
+    // is a repeat (SameRegistration), not a new registration.
+    pb::RegisterWorkerRequest registration;
+    // RegisterLayout as it came and what it answered (empty until answered): the same request
+    // again is answered the same (SameLayout).
+    pb::RegisterLayoutRequest layout_request;
+    pb::RegisterLayoutResponse layout_response;
+    // A repeated RegisterWorker was answered without a join (RepeatRegistration) and the
+    // RegisterLayout that tells whether it was a replay has not come yet (TakeRepeat).
+    bool repeat_pending = false;
   };
   // A copy of one worker's entry (without `submitted`) and its live state, taken under the lock.
   struct View {
@@ -154,6 +168,26 @@ class LocalWorkers {
   absl::StatusOr<uint64_t> AttachLayout(const WorkerKey& key, std::vector<std::shared_ptr<transport::ShmSegment>> buffers,
                                         std::vector<std::shared_ptr<CudaImport>> cuda, pb::SubmitLayoutRequest submitted,
                                         const pb::ResolvedLayout& resolved);
+  // A RegisterWorker of `key` that only repeats its registration (a client replaying it after its
+  // channel to this node left READY - gRPC's idle timeout included - although the daemon did not
+  // restart): the entry's process is alive and is the one `req` names (PidWatch::IsLive), `req` is
+  // identical to the request it registered with (role, gpu, pid, model spec), and the id is not
+  // joining or leaving. The node then keeps the entry as it is (applied version, snapshots,
+  // committed staging, live state) and tells the coordinator nothing.
+  // When the entry has a layout the repeat stays pending until the next RegisterLayout says what
+  // it was (SameLayout, TakeRepeat).
+  bool RepeatRegistration(const WorkerKey& key, const pb::RegisterWorkerRequest& req);
+  // The answer to a RegisterLayout of `key` identical to the one it was answered for (shared
+  // memory and CUDA buffers alike; not index probes, whose probe bytes in the worker's memory
+  // may have changed); nullopt otherwise. The node answers it again and changes nothing (a
+  // pending repeat was a replay: settled).
+  std::optional<pb::RegisterLayoutResponse> SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req);
+  // A RegisterLayout that is not the same after a repeated RegisterWorker: the repeat was no
+  // replay (the process brings other memory or another layout), so it registers anew - returns
+  // the registration to join with (and clears the mark); nullopt when no repeat is pending.
+  std::optional<pb::RegisterWorkerRequest> TakeRepeat(const WorkerKey& key);
+  // RegisterLayout of `key` answered `resp` for `req` (after AttachLayout).
+  void RecordLayoutAnswer(const WorkerKey& key, const pb::RegisterLayoutRequest& req, const pb::RegisterLayoutResponse& resp);
   // Deregister / DropWorker / a refused re-join: the entry and its live state go.
   void Remove(const WorkerKey& key);
   // The liveness check: workers whose process exited (and that are not joining again) are removed

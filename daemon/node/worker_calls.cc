@@ -45,14 +45,31 @@ absl::Status WorkerCalls::RegisterWorker(const pb::RegisterWorkerRequest& req, p
         absl::StrCat("RegisterWorker.model.strategy is ", static_cast<int>(req.model().strategy()),
                      ": must be STRATEGY_WEIGHTBRIDGE (1), STRATEGY_RANK0_BROADCAST (2), STRATEGY_P2P_NO_DEDUP (3) or unset"));
   }
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};  // worker ids are scoped per model (issue 16.5)
+  // The same registration again from the same live process: a client replaying it after its
+  // channel to this node left READY (gRPC's client idle timeout, 30 min without calls, included),
+  // although this daemon did not restart. Answered as the first time, changing nothing here or at
+  // the coordinator. (Before, the node replaced the worker's entry - applied version, snapshots,
+  // live state - and the coordinator dropped the worker as "registered again", aborting the
+  // version in flight.) The RegisterLayout that follows tells a replay (the same layout) from a
+  // process that brings other memory (RegisterLayout: TakeRepeat).
+  if (req.pid() > 0 && local_.RepeatRegistration(key, req)) {
+    Log(LogLevel::kInfo, "worker registration repeated by its process: unchanged",
+        {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"pid", req.pid()}});
+    resp->set_session(absl::StrCat(options_.node_id, "/", req.worker_id()));
+    return absl::OkStatus();
+  }
+  return JoinWorker(req, resp);
+}
+
+absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp) {
   // A join sent before this node's (re-)registration and re-join have finished could reach the
   // coordinator first and then be dropped by that registration (a restarted node's workers are
   // dropped there) while this node keeps the worker: it would be left out of every plan.
   if (!coordinator_.AwaitRegistered(options_.clock->Now() + absl::Seconds(10))) {
     return absl::UnavailableError(absl::StrCat("node ", options_.node_id, " is not registered with the coordinator yet (retry)"));
   }
-  const std::string& id = req.worker_id();
-  const LocalWorkers::WorkerKey key{req.model_id(), id};  // worker ids are scoped per model (issue 16.5)
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
   // An earlier process of this worker id that exited: its LeaveWorker reaches the coordinator
   // before this join (LocalWorkers::BeginJoin).
   if (absl::Status joining = local_.BeginJoin(key, options_.clock->Now() + absl::Seconds(10)); !joining.ok()) return joining;
@@ -78,6 +95,7 @@ absl::Status WorkerCalls::RegisterWorker(const pb::RegisterWorkerRequest& req, p
   w.mode = jr.mode();
   w.spec = jr.has_model() ? jr.model() : req.model();
   if (w.spec.model_id().empty()) w.spec.set_model_id(req.model_id());
+  w.registration = req;
   if (req.pid() > 0) {
     auto watch = PidWatch::Open(req.pid(), absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id()));
     if (!watch.ok()) return watch.status();

@@ -79,6 +79,8 @@ class WorkerCalls {
   DaemonMetrics& metrics() const { return *options_.metrics; }
   // Publish / Apply without their metrics (Publish and Apply count them before the reply).
   absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  // RegisterWorker's join: JoinWorker at the coordinator, then the node's entry (replacing any).
+  absl::Status JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
   absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
   // Apply(v) of a rollout that does not hold v after a catch-up of v ended on this node: the
   // coordinator's WaitVersion(v, worker) decides - OK once another attempt caught it up (or it

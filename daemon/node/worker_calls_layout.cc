@@ -105,6 +105,21 @@ absl::Status WorkerCalls::CheckWorkerOwns(const std::string& model, const std::s
 }
 
 absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp) {
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
+  if (std::optional<pb::RegisterLayoutResponse> same = local_.SameLayout(key, req)) {
+    // The layout this worker registered, again (a client's replay after a reconnect, after its
+    // repeated RegisterWorker): the same answer; nothing is mapped, imported or submitted again.
+    *resp = std::move(*same);
+    Log(LogLevel::kInfo, "worker layout repeated: unchanged", {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}});
+    return absl::OkStatus();
+  }
+  if (std::optional<pb::RegisterWorkerRequest> repeated = local_.TakeRepeat(key)) {
+    // The RegisterWorker repeated before this was no replay: the process brings other memory or
+    // another layout, so it registers anew, as RegisterWorker always did before repeats were
+    // recognised (the coordinator drops and re-adds the worker, the node's entry is replaced).
+    pb::RegisterWorkerResponse joined;
+    RETURN_IF_ERROR(JoinWorker(*repeated, &joined));
+  }
   pb::ModelSpec spec;
   planner::Role role = planner::Role::kTrainer;
   {
@@ -200,6 +215,7 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
   if (!bytes.ok()) return bytes.status();
   resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
   resp->set_bytes(*bytes);
+  local_.RecordLayoutAnswer(key, req, *resp);
   return absl::OkStatus();
 }
 
