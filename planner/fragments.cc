@@ -34,12 +34,11 @@ struct Groups {
 };
 
 struct Scratch {
-  std::vector<std::vector<int64_t>> bp;
-  std::vector<int64_t> dims;
+  TensorGrid grid;
   std::vector<uint64_t> sig_a, sig_b;
   std::vector<int32_t> dcount, scount;
   std::vector<uint8_t> assigned;
-  std::vector<int64_t> lo, hi, hull_lo, hull_hi, idx, ext, slab_lo, slab_hi;
+  std::vector<int64_t> lo, hi, idx, ext, slab_lo, slab_hi;
   std::vector<int64_t> clip;
   std::vector<uint32_t> order;
   Groups src, dst;
@@ -182,8 +181,8 @@ void GroupBoxes(const Problem& p, const std::vector<PieceRef>& refs, uint32_t a,
     int64_t* c = s.clip.data() + size_t{k - a} * w;
     bool empty = false;
     for (size_t d = 0; d < rank; ++d) {
-      c[d] = std::max(box.begin[d], s.hull_lo[d]);
-      c[rank + d] = std::min(box.end[d], s.hull_hi[d]);
+      c[d] = std::max(box.begin[d], s.grid.hull_lo[d]);
+      c[rank + d] = std::min(box.end[d], s.grid.hull_hi[d]);
       empty = empty || c[d] >= c[rank + d];
     }
     if (!empty) s.order.push_back(k - a);
@@ -221,14 +220,8 @@ int64_t IndexGroups(size_t rank, Scratch& s, Groups* g, uint32_t* largest) {
   g->hi.resize(n * rank);
   int64_t total = 0, most = -1;
   for (size_t k = 0; k < n; ++k) {
-    const int64_t* c = g->box.data() + k * 2 * rank;
-    int64_t vol = 1;
-    for (size_t d = 0; d < rank; ++d) {
-      const auto& bp = s.bp[d];
-      g->lo[k * rank + d] = std::lower_bound(bp.begin(), bp.end(), c[d]) - bp.begin();
-      g->hi[k * rank + d] = std::lower_bound(bp.begin(), bp.end(), c[rank + d]) - bp.begin();
-      vol *= g->hi[k * rank + d] - g->lo[k * rank + d];  // <= kMaxGridCells
-    }
+    const int64_t vol = s.grid.IndexRange(g->box.data() + k * 2 * rank, g->lo.data() + k * rank,
+                                          g->hi.data() + k * rank);  // <= kMaxGridCells
     if (vol > most) {
       most = vol;
       *largest = static_cast<uint32_t>(k);
@@ -253,7 +246,7 @@ void WalkGroups(const Groups& g, size_t rank, bool dst, Scratch& s) {
     const uint64_t ha = Mix(2 * uint64_t{k} + (dst ? 1 : 0));
     const uint64_t hb = Mix(ha ^ (dst ? 0x5bd1e995ULL : 0x27d4eb2fULL));
     std::vector<int32_t>& count = dst ? s.dcount : s.scount;
-    ForEachGridCell(s.dims, g.lo.data() + k * rank, g.hi.data() + k * rank, [&](int64_t c) {
+    ForEachGridCell(s.grid.dims, g.lo.data() + k * rank, g.hi.data() + k * rank, [&](int64_t c) {
       s.sig_a[c] += ha;
       s.sig_b[c] += hb;
       ++count[c];
@@ -269,45 +262,14 @@ absl::StatusOr<int64_t> BuildGrid(const Problem& p, const PieceIndex& ix, size_t
   const uint32_t s0 = ix.src_off[t], s1 = ix.src_off[t + 1];
   const TensorSpec& ts = p.inventory.tensors[t];
   const size_t rank = ts.shape.size();
-  // Hull of the destination boxes, and the grid breakpoints clipped to it.
-  s.bp.resize(rank);
-  std::vector<int64_t>& hull_lo = s.hull_lo;
-  std::vector<int64_t>& hull_hi = s.hull_hi;
-  hull_lo.resize(rank);
-  hull_hi.resize(rank);
-  for (size_t d = 0; d < rank; ++d) {
-    hull_lo[d] = ts.shape[d];
-    hull_hi[d] = 0;
-    s.bp[d].clear();
-  }
-  for (uint32_t k = d0; k < d1; ++k) {
-    const Box& b = BoxOf(p, ix.dsts[k]);
-    for (size_t d = 0; d < rank; ++d) {
-      hull_lo[d] = std::min(hull_lo[d], b.begin[d]);
-      hull_hi[d] = std::max(hull_hi[d], b.end[d]);
-      s.bp[d].push_back(b.begin[d]);
-      s.bp[d].push_back(b.end[d]);
-    }
-  }
-  for (uint32_t k = s0; k < s1; ++k) {
-    const Box& b = BoxOf(p, ix.srcs[k]);
-    for (size_t d = 0; d < rank; ++d) {
-      if (b.begin[d] > hull_lo[d] && b.begin[d] < hull_hi[d]) s.bp[d].push_back(b.begin[d]);
-      if (b.end[d] > hull_lo[d] && b.end[d] < hull_hi[d]) s.bp[d].push_back(b.end[d]);
-    }
-  }
-  s.dims.assign(rank, 0);
-  int64_t cells = 1;
-  for (size_t d = 0; d < rank; ++d) {
-    auto& v = s.bp[d];
-    std::sort(v.begin(), v.end());
-    v.erase(std::unique(v.begin(), v.end()), v.end());
-    s.dims[d] = static_cast<int64_t>(v.size()) - 1;
-    cells *= s.dims[d];
-    if (cells > kMaxGridCells) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tensor ", ts.name, ": piece boundaries form more than 2^24 grid cells"));
-    }
+  // The grid (planner/grid.h): hull of the destination boxes, breakpoints clipped to it.
+  s.grid.Reset(rank);
+  for (uint32_t k = d0; k < d1; ++k) s.grid.AddNeeded(BoxOf(p, ix.dsts[k]));
+  for (uint32_t k = s0; k < s1; ++k) s.grid.AddHeld(BoxOf(p, ix.srcs[k]));
+  const int64_t cells = s.grid.Finish();
+  if (cells < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tensor ", ts.name, ": piece boundaries form more than 2^24 grid cells"));
   }
   GroupBoxes(p, ix.srcs, s0, s1, rank, /*one_per_worker=*/true, s, &s.src);
   GroupBoxes(p, ix.dsts, d0, d1, rank, /*one_per_worker=*/false, s, &s.dst);
@@ -465,14 +427,14 @@ absl::Status MergeCells(const Problem& p, size_t t, int64_t cells, int64_t max_f
     if (s.assigned[c] || s.dcount[c] == 0) continue;
     int64_t rem = c;
     for (size_t d = rank; d-- > 0;) {
-      idx[d] = rem % s.dims[d];
-      rem /= s.dims[d];
+      idx[d] = rem % s.grid.dims[d];
+      rem /= s.grid.dims[d];
     }
     if (s.scount[c] == 0) {
       Box cell;
       for (size_t d = 0; d < rank; ++d) {
-        cell.begin.push_back(s.bp[d][idx[d]]);
-        cell.end.push_back(s.bp[d][idx[d] + 1]);
+        cell.begin.push_back(s.grid.bp[d][idx[d]]);
+        cell.end.push_back(s.grid.bp[d][idx[d] + 1]);
       }
       return absl::FailedPreconditionError(absl::StrCat("tensor ", ts.name, " box ", BoxToString(cell),
                                                         " is needed by a destination but held by no source"));
@@ -481,7 +443,7 @@ absl::Status MergeCells(const Problem& p, size_t t, int64_t cells, int64_t max_f
     const int32_t sn = s.scount[c], dn = s.dcount[c];
     for (size_t d = 0; d < rank; ++d) ext[d] = 1;
     for (size_t d = rank; d-- > 0;) {
-      while (idx[d] + ext[d] < s.dims[d]) {
+      while (idx[d] + ext[d] < s.grid.dims[d]) {
         for (size_t e = 0; e < rank; ++e) {
           slab_lo[e] = idx[e];
           slab_hi[e] = idx[e] + ext[e];
@@ -489,7 +451,7 @@ absl::Status MergeCells(const Problem& p, size_t t, int64_t cells, int64_t max_f
         slab_lo[d] = idx[d] + ext[d];
         slab_hi[d] = slab_lo[d] + 1;
         bool ok = true;
-        ForEachGridCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) {
+        ForEachGridCell(s.grid.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) {
           if (s.assigned[x] || s.dcount[x] != dn || s.scount[x] != sn || s.sig_a[x] != sa || s.sig_b[x] != sb) ok = false;
         });
         if (!ok) break;
@@ -500,15 +462,15 @@ absl::Status MergeCells(const Problem& p, size_t t, int64_t cells, int64_t max_f
       slab_lo[e] = idx[e];
       slab_hi[e] = idx[e] + ext[e];
     }
-    ForEachGridCell(s.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) { s.assigned[x] = 1; });
+    ForEachGridCell(s.grid.dims, slab_lo.data(), slab_hi.data(), [&](int64_t x) { s.assigned[x] = 1; });
 
     Fragment f;
     f.tensor = static_cast<int32_t>(t);
     f.box.begin.resize(rank);
     f.box.end.resize(rank);
     for (size_t d = 0; d < rank; ++d) {
-      f.box.begin[d] = s.bp[d][idx[d]];
-      f.box.end[d] = s.bp[d][idx[d] + ext[d]];
+      f.box.begin[d] = s.grid.bp[d][idx[d]];
+      f.box.end[d] = s.grid.bp[d][idx[d] + ext[d]];
     }
     f.bytes = BoxVolume(f.box) * DTypeSize(ts.dtype);
     const int64_t row = rank > 0 ? idx[0] : 0;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "planner/grid.h"  // kMaxGridCells, ForEachGridCell (the grid shared with ValidateCoverage)
 #include "planner/types.h"
 
 namespace wb::planner {
@@ -47,8 +48,6 @@ struct FragmentSet {
   int64_t work = 0;                 // work units spent (FragmentWorkBudget), for tests and benches
 };
 
-// Most grid cells one tensor's piece boundaries may form (scratch is a few bytes per cell).
-inline constexpr int64_t kMaxGridCells = int64_t{1} << 24;
 // Work budget of one BuildFragments call: kFragmentWorkBase + kFragmentWorkPerPiece per piece
 // (trainer and rollout pieces together). A unit is one grid cell walked or merged, one candidate
 // box tested against a fragment, one holder/needer ref written or one split chunk: a few ns each,
@@ -91,36 +90,5 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& problem, const Fragmen
 // With `quantum` (elements per block, per dim) and a box starting on a multiple of it in the
 // split dim, every cut lies on a multiple (fewer chunks when the box has fewer blocks).
 std::vector<Box> SplitBox(const Box& box, int64_t n, const std::vector<int64_t>* quantum = nullptr);
-
-// Calls fn(cell_index) for every cell of the index box [lo, hi) of a row-major grid with `dims`
-// (rank <= 16), in increasing cell order. Shared with ValidateCoverage (planner/validate.cc).
-template <typename Fn>
-void ForEachGridCell(const std::vector<int64_t>& dims, const int64_t* lo, const int64_t* hi, Fn&& fn) {
-  const size_t rank = dims.size();
-  for (size_t d = 0; d < rank; ++d) {
-    if (lo[d] >= hi[d]) return;
-  }
-  if (rank == 0) {
-    fn(int64_t{0});
-    return;
-  }
-  int64_t idx[16];
-  for (size_t d = 0; d < rank; ++d) idx[d] = lo[d];
-  while (true) {
-    int64_t c = 0;
-    for (size_t d = 0; d < rank; ++d) c = c * dims[d] + idx[d];
-    // The last dimension is contiguous in cell order.
-    const int64_t run = hi[rank - 1] - lo[rank - 1];
-    for (int64_t k = 0; k < run; ++k) fn(c + k);
-    if (rank == 1) return;
-    size_t d = rank - 2;
-    while (true) {
-      if (++idx[d] < hi[d]) break;
-      idx[d] = lo[d];
-      if (d == 0) return;
-      --d;
-    }
-  }
-}
 
 }  // namespace wb::planner

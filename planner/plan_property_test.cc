@@ -260,10 +260,57 @@ void QuantizeSomeRollouts(Rng& rng, Problem& p) {
   }
 }
 
+// What the generator exercised, over all problems of a test.
+struct Seen {
+  int with_relays = 0, with_same_gpu = 0, sender_quantized = 0, receiver_quantized = 0, quantized_relays = 0;
+};
+
+// Plans `p` with every strategy and checks each plan element by element (plan_checker.h): complete,
+// the makespan its loads give, the lower bound (which no plan that copies same-node bytes inside the
+// node beats), and for weightbridge no redundancy and a deterministic fingerprint.
+void CheckAllStrategies(const Problem& p, const PlanOptions& opt, const std::string& ctx, Seen& seen) {
+  const double lb = LowerBound(p, opt.sender_quantization);
+  ASSERT_GE(lb, 0) << ctx;
+  for (Strategy s : {Strategy::kWeightBridge, Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
+                     Strategy::kP2PNoDedup}) {
+    auto plan = MakePlanWithOptions(p, s, opt);
+    ASSERT_TRUE(plan.ok()) << ctx << " " << StrategyName(s) << ": " << plan.status();
+    CheckOptions co;
+    co.require_no_redundancy = s == Strategy::kWeightBridge;
+    co.allow_staging = s == Strategy::kRank0Broadcast;
+    co.check_budget = true;
+    const absl::Status st = CheckPlanElementwise(p, *plan, co);
+    ASSERT_TRUE(st.ok()) << ctx << " " << StrategyName(s) << ": " << st;
+    EXPECT_TRUE(plan->stats.complete) << ctx;
+    EXPECT_NEAR(plan->stats.makespan_s, PredictMakespan(p, *plan), 1e-12) << ctx;
+    EXPECT_NEAR(plan->stats.lower_bound_s, lb, 1e-12 + 1e-9 * lb) << ctx;
+    if (s == Strategy::kWeightBridge || s == Strategy::kP2PNoDedup) {
+      // Both copy same-node bytes inside the node, so the bound applies.
+      EXPECT_GE(plan->stats.makespan_s, lb * (1 - 1e-9)) << ctx << " " << StrategyName(s);
+    }
+    if (s == Strategy::kWeightBridge) {
+      EXPECT_EQ(plan->stats.redundant_bytes, 0) << ctx;
+      for (const Bucket& b : plan->buckets) {
+        for (const TransferOp& op : b.ops) {
+          seen.with_relays += op.route == Route::kInterNode && p.workers[op.src_worker].role == Role::kRollout;
+          seen.with_same_gpu += op.route == Route::kSameGpu;
+          seen.sender_quantized += op.sender_quantized;
+          seen.quantized_relays += op.sender_quantized && p.workers[op.src_worker].role == Role::kRollout;
+          seen.receiver_quantized += !op.sender_quantized && op.dst_piece >= 0 &&
+                                     p.workers[op.dst_worker].layout.pieces[op.dst_piece].quant.has_value();
+        }
+      }
+      auto again = MakePlanWithOptions(p, s, opt);
+      ASSERT_TRUE(again.ok());
+      EXPECT_EQ(again->fingerprint, plan->fingerprint) << ctx;
+    }
+  }
+}
+
 TEST(PlanPropertyTest, RandomLayoutsGiveCorrectPlans) {
   Rng rng(20260512);
-  int checked = 0, with_relays = 0, with_same_gpu = 0, sender_quantized = 0, receiver_quantized = 0,
-      quantized_relays = 0;
+  int checked = 0;
+  Seen seen;
   for (int iter = 0; iter < 1000; ++iter) {
     Problem p = RandomProblem(rng);
     PlanOptions opt;
@@ -273,52 +320,108 @@ TEST(PlanPropertyTest, RandomLayoutsGiveCorrectPlans) {
     if (U(qrng, 0, 1) == 0) QuantizeSomeRollouts(qrng, p);
     opt.sender_quantization = U(qrng, 0, 2) != 0;
     const std::string ctx = absl::StrCat("iteration ", iter, opt.sender_quantization ? " (sender quantisation)" : "");
-    const double lb = LowerBound(p, opt.sender_quantization);
-    ASSERT_GE(lb, 0) << ctx;
+    ASSERT_NO_FATAL_FAILURE(CheckAllStrategies(p, opt, ctx, seen));
+    ++checked;
+  }
+  EXPECT_EQ(checked, 1000);
+  // The generator must actually exercise cross-node relays and colocated copies.
+  EXPECT_GT(seen.with_relays, 0);
+  EXPECT_GT(seen.with_same_gpu, 0);
+  // ... and sender-side quantisation, its relays and its fallback.
+  EXPECT_GT(seen.sender_quantized, 0);
+  EXPECT_GT(seen.quantized_relays, 0);
+  EXPECT_GT(seen.receiver_quantized, 0);
+}
+
+// Aliased trainer pieces (ValidateLayout accepts them; a hostile or sloppy trainer may register the
+// same box several times): some trainers get 1-3 extra copies of random pieces, each either at the
+// same buffer place (an alias) or at a new place at the end of the buffer, inserted before or after
+// the original; sometimes a second trainer worker on the same GPU holds a copy of a trainer's whole
+// layout. The same properties hold, and a trainer never sends from a piece when one of its
+// lower-indexed pieces has the same box (one GPU, one choice: planner/fragments.h).
+void DuplicateSomeTrainerPieces(Rng& rng, Problem& p) {
+  const size_t workers = p.workers.size();
+  for (size_t w = 0; w < workers; ++w) {
+    if (p.workers[w].role != Role::kTrainer || U(rng, 0, 1) == 0) continue;
+    WorkerLayout& l = p.workers[w].layout;
+    const size_t n = l.pieces.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (U(rng, 0, 2) != 0) continue;
+      const int64_t copies = U(rng, 1, 3);
+      for (int64_t c = 0; c < copies; ++c) {
+        Piece d = l.pieces[i];
+        if (U(rng, 0, 1) == 0) {  // a second place in the buffer (contiguous: the box's bytes)
+          d.offset_bytes = l.buffers[d.buffer].size_bytes;
+          l.buffers[d.buffer].size_bytes += BoxVolume(d.box) * DTypeSize(p.inventory.tensors[d.tensor].dtype);
+        }
+        const size_t at = static_cast<size_t>(U(rng, 0, static_cast<int64_t>(l.pieces.size())));
+        l.pieces.insert(l.pieces.begin() + at, std::move(d));
+      }
+    }
+    if (U(rng, 0, 3) == 0) {
+      Worker twin = p.workers[w];
+      twin.id += "/twin";
+      p.workers.push_back(std::move(twin));
+    }
+  }
+}
+
+TEST(PlanPropertyTest, AliasedTrainerPiecesGiveCorrectPlans) {
+  Rng rng(20261206);
+  int checked = 0, aliased_problems = 0;
+  int64_t from_aliased = 0;  // ops sent from a trainer piece that has a copy
+  Seen seen;
+  for (int iter = 0; iter < 1000; ++iter) {
+    Problem p = RandomProblem(rng);
+    DuplicateSomeTrainerPieces(rng, p);
+    PlanOptions opt;
+    opt.max_fragment_bytes = U(rng, 0, 1) ? -1 : U(rng, 8, 256);
+    if (U(rng, 0, 1) == 0) QuantizeSomeRollouts(rng, p);
+    opt.sender_quantization = U(rng, 0, 2) != 0;
+    const std::string ctx = absl::StrCat("aliased iteration ", iter);
+    // Per trainer piece: does a lower-indexed piece of the same worker have the same box (a later
+    // copy), does any other piece (has a copy)?
+    bool any = false;
+    std::vector<std::vector<uint8_t>> later_copy(p.workers.size()), has_copy(p.workers.size());
+    for (size_t w = 0; w < p.workers.size(); ++w) {
+      const auto& pcs = p.workers[w].layout.pieces;
+      later_copy[w].assign(pcs.size(), 0);
+      has_copy[w].assign(pcs.size(), 0);
+      if (p.workers[w].role != Role::kTrainer) continue;
+      for (size_t j = 0; j < pcs.size(); ++j) {
+        for (size_t i = 0; i < j; ++i) {
+          if (pcs[i].tensor == pcs[j].tensor && pcs[i].box.begin == pcs[j].box.begin &&
+              pcs[i].box.end == pcs[j].box.end) {
+            later_copy[w][j] = has_copy[w][j] = has_copy[w][i] = 1;
+          }
+        }
+        any |= later_copy[w][j] != 0;
+      }
+    }
+    aliased_problems += any;
+    ASSERT_NO_FATAL_FAILURE(CheckAllStrategies(p, opt, ctx, seen));
     for (Strategy s : {Strategy::kWeightBridge, Strategy::kRank0Broadcast, Strategy::kOwnerBroadcast,
                        Strategy::kP2PNoDedup}) {
       auto plan = MakePlanWithOptions(p, s, opt);
-      ASSERT_TRUE(plan.ok()) << ctx << " " << StrategyName(s) << ": " << plan.status();
-      CheckOptions co;
-      co.require_no_redundancy = s == Strategy::kWeightBridge;
-      co.allow_staging = s == Strategy::kRank0Broadcast;
-      co.check_budget = true;
-      const absl::Status st = CheckPlanElementwise(p, *plan, co);
-      ASSERT_TRUE(st.ok()) << ctx << " " << StrategyName(s) << ": " << st;
-      EXPECT_TRUE(plan->stats.complete) << ctx;
-      EXPECT_NEAR(plan->stats.makespan_s, PredictMakespan(p, *plan), 1e-12) << ctx;
-      EXPECT_NEAR(plan->stats.lower_bound_s, lb, 1e-12 + 1e-9 * lb) << ctx;
-      if (s == Strategy::kWeightBridge || s == Strategy::kP2PNoDedup) {
-        // Both copy same-node bytes inside the node, so the bound applies.
-        EXPECT_GE(plan->stats.makespan_s, lb * (1 - 1e-9)) << ctx << " " << StrategyName(s);
-      }
-      if (s == Strategy::kWeightBridge) {
-        EXPECT_EQ(plan->stats.redundant_bytes, 0) << ctx;
-        for (const Bucket& b : plan->buckets) {
-          for (const TransferOp& op : b.ops) {
-            with_relays += op.route == Route::kInterNode && p.workers[op.src_worker].role == Role::kRollout;
-            with_same_gpu += op.route == Route::kSameGpu;
-            sender_quantized += op.sender_quantized;
-            quantized_relays += op.sender_quantized && p.workers[op.src_worker].role == Role::kRollout;
-            receiver_quantized += !op.sender_quantized && op.dst_piece >= 0 &&
-                                  p.workers[op.dst_worker].layout.pieces[op.dst_piece].quant.has_value();
-          }
+      ASSERT_TRUE(plan.ok());
+      for (const Bucket& b : plan->buckets) {
+        for (const TransferOp& op : b.ops) {
+          if (op.src_piece < 0 || p.workers[op.src_worker].role != Role::kTrainer) continue;
+          from_aliased += has_copy[op.src_worker][op.src_piece];
+          EXPECT_FALSE(later_copy[op.src_worker][op.src_piece])
+              << ctx << " " << StrategyName(s) << ": sends from " << p.workers[op.src_worker].id << " piece "
+              << op.src_piece << ", a copy of a lower-indexed piece";
         }
-        auto again = MakePlanWithOptions(p, s, opt);
-        ASSERT_TRUE(again.ok());
-        EXPECT_EQ(again->fingerprint, plan->fingerprint) << ctx;
       }
     }
     ++checked;
   }
   EXPECT_EQ(checked, 1000);
-  // The generator must actually exercise cross-node relays and colocated copies.
-  EXPECT_GT(with_relays, 0);
-  EXPECT_GT(with_same_gpu, 0);
-  // ... and sender-side quantisation, its relays and its fallback.
-  EXPECT_GT(sender_quantized, 0);
-  EXPECT_GT(quantized_relays, 0);
-  EXPECT_GT(receiver_quantized, 0);
+  EXPECT_GT(aliased_problems, 250);
+  EXPECT_GT(from_aliased, 0);
+  EXPECT_GT(seen.with_relays, 0);
+  EXPECT_GT(seen.with_same_gpu, 0);
+  EXPECT_GT(seen.sender_quantized, 0);
 }
 
 }  // namespace

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "planner/box.h"
-#include "planner/fragments.h"
+#include "planner/grid.h"
 #include "planner/quantized.h"
 #include "base/status_macros.h"
 
@@ -247,8 +247,8 @@ struct PieceAt {
 };
 
 struct CoverageScratch {
-  std::vector<std::vector<int64_t>> bp;
-  std::vector<int64_t> dims, hull_lo, hull_hi, clip, lo, hi;
+  TensorGrid grid;
+  std::vector<int64_t> clip, lo, hi;
   std::vector<uint32_t> order;
   std::vector<uint8_t> covered;
 };
@@ -264,8 +264,8 @@ std::vector<uint32_t> DistinctClipped(const std::vector<PieceAt>& boxes, size_t 
     int64_t* c = s.clip.data() + k * w;
     bool empty = false;
     for (size_t d = 0; d < rank; ++d) {
-      c[d] = std::max(b.begin[d], s.hull_lo[d]);
-      c[rank + d] = std::min(b.end[d], s.hull_hi[d]);
+      c[d] = std::max(b.begin[d], s.grid.hull_lo[d]);
+      c[rank + d] = std::min(b.end[d], s.grid.hull_hi[d]);
       empty = empty || c[d] >= c[rank + d];
     }
     if (!empty) s.order.push_back(static_cast<uint32_t>(k));
@@ -288,53 +288,21 @@ std::vector<uint32_t> DistinctClipped(const std::vector<PieceAt>& boxes, size_t 
 
 // Grid index range of clipped box k (s.clip) into s.lo / s.hi; returns the cells it covers.
 int64_t IndexRange(uint32_t k, size_t rank, CoverageScratch& s) {
-  const int64_t* c = s.clip.data() + size_t{k} * 2 * rank;
-  int64_t vol = 1;
-  for (size_t d = 0; d < rank; ++d) {
-    const auto& bp = s.bp[d];
-    s.lo[d] = std::lower_bound(bp.begin(), bp.end(), c[d]) - bp.begin();
-    s.hi[d] = std::lower_bound(bp.begin(), bp.end(), c[rank + d]) - bp.begin();
-    vol *= s.hi[d] - s.lo[d];
-  }
-  return vol;
+  return s.grid.IndexRange(s.clip.data() + size_t{k} * 2 * rank, s.lo.data(), s.hi.data());
 }
 
-// Tensor t's grid: breakpoints of the needed boxes and of the held boxes inside their hull. Returns
-// the number of cells, RESOURCE_EXHAUSTED past kMaxGridCells.
+// Tensor t's grid (planner/grid.h, the one BuildFragments uses): breakpoints of the needed boxes
+// and of the held boxes inside their hull. Returns the number of cells, RESOURCE_EXHAUSTED past
+// kMaxGridCells.
 absl::StatusOr<int64_t> CoverageGrid(const TensorSpec& ts, const std::vector<PieceAt>& held,
                                      const std::vector<PieceAt>& needed, CoverageScratch& s) {
   const size_t rank = ts.shape.size();
-  s.bp.resize(rank);
-  s.hull_lo.assign(rank, std::numeric_limits<int64_t>::max());
-  s.hull_hi.assign(rank, std::numeric_limits<int64_t>::min());
-  for (size_t d = 0; d < rank; ++d) s.bp[d].clear();
-  for (const PieceAt& n : needed) {
-    const Box& b = n.piece().box;
-    for (size_t d = 0; d < rank; ++d) {
-      s.hull_lo[d] = std::min(s.hull_lo[d], b.begin[d]);
-      s.hull_hi[d] = std::max(s.hull_hi[d], b.end[d]);
-      s.bp[d].push_back(b.begin[d]);
-      s.bp[d].push_back(b.end[d]);
-    }
-  }
-  for (const PieceAt& h : held) {
-    const Box& b = h.piece().box;
-    for (size_t d = 0; d < rank; ++d) {
-      if (b.begin[d] > s.hull_lo[d] && b.begin[d] < s.hull_hi[d]) s.bp[d].push_back(b.begin[d]);
-      if (b.end[d] > s.hull_lo[d] && b.end[d] < s.hull_hi[d]) s.bp[d].push_back(b.end[d]);
-    }
-  }
-  s.dims.assign(rank, 0);
-  int64_t cells = 1;
-  for (size_t d = 0; d < rank; ++d) {
-    auto& v = s.bp[d];
-    std::sort(v.begin(), v.end());
-    v.erase(std::unique(v.begin(), v.end()), v.end());
-    s.dims[d] = std::max<int64_t>(static_cast<int64_t>(v.size()) - 1, 0);
-    cells *= s.dims[d];
-    if (cells > kMaxGridCells) {
-      return absl::ResourceExhaustedError(absl::StrCat("tensor `", ts.name, "`: piece boundaries form more than 2^24 grid cells"));
-    }
+  s.grid.Reset(rank);
+  for (const PieceAt& n : needed) s.grid.AddNeeded(n.piece().box);
+  for (const PieceAt& h : held) s.grid.AddHeld(h.piece().box);
+  const int64_t cells = s.grid.Finish();
+  if (cells < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("tensor `", ts.name, "`: piece boundaries form more than 2^24 grid cells"));
   }
   s.lo.resize(rank);
   s.hi.resize(rank);
@@ -353,12 +321,7 @@ absl::Status CoverTensor(const Inventory& inv, const TensorSpec& ts, const std::
   int64_t walk = cells, most = -1;
   uint32_t largest = 0;
   for (uint32_t k : held_boxes) {
-    const int64_t* c = held_clip.data() + size_t{k} * 2 * rank;
-    int64_t vol = 1;
-    for (size_t d = 0; d < rank; ++d) {
-      vol *= (std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[rank + d]) -
-              std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[d]));
-    }
+    const int64_t vol = s.grid.IndexRange(held_clip.data() + size_t{k} * 2 * rank, s.lo.data(), s.hi.data());
     if (vol > most) {
       most = vol;
       largest = k;
@@ -377,12 +340,8 @@ absl::Status CoverTensor(const Inventory& inv, const TensorSpec& ts, const std::
   }
   s.covered.assign(cells, 0);
   for (uint32_t k : held_boxes) {
-    const int64_t* c = held_clip.data() + size_t{k} * 2 * rank;
-    for (size_t d = 0; d < rank; ++d) {
-      s.lo[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[d]) - s.bp[d].begin();
-      s.hi[d] = std::lower_bound(s.bp[d].begin(), s.bp[d].end(), c[rank + d]) - s.bp[d].begin();
-    }
-    ForEachGridCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t x) { s.covered[x] = 1; });
+    s.grid.IndexRange(held_clip.data() + size_t{k} * 2 * rank, s.lo.data(), s.hi.data());
+    ForEachGridCell(s.grid.dims, s.lo.data(), s.hi.data(), [&](int64_t x) { s.covered[x] = 1; });
   }
   // Report the first uncovered piece in destination order (needed_boxes are the first of equals).
   uint32_t bad = std::numeric_limits<uint32_t>::max();
@@ -391,7 +350,7 @@ absl::Status CoverTensor(const Inventory& inv, const TensorSpec& ts, const std::
     if (k > bad) continue;
     IndexRange(k, rank, s);
     int64_t first = -1;
-    ForEachGridCell(s.dims, s.lo.data(), s.hi.data(), [&](int64_t x) {
+    ForEachGridCell(s.grid.dims, s.lo.data(), s.hi.data(), [&](int64_t x) {
       if (first < 0 && !s.covered[x]) first = x;
     });
     if (first >= 0) {
@@ -402,10 +361,10 @@ absl::Status CoverTensor(const Inventory& inv, const TensorSpec& ts, const std::
   if (bad_cell < 0) return absl::OkStatus();
   Box cell;
   for (size_t d = rank; d-- > 0;) {
-    const int64_t i = bad_cell % s.dims[d];
-    bad_cell /= s.dims[d];
-    cell.begin.insert(cell.begin.begin(), s.bp[d][i]);
-    cell.end.insert(cell.end.begin(), s.bp[d][i + 1]);
+    const int64_t i = bad_cell % s.grid.dims[d];
+    bad_cell /= s.grid.dims[d];
+    cell.begin.insert(cell.begin.begin(), s.grid.bp[d][i]);
+    cell.end.insert(cell.end.begin(), s.grid.bp[d][i + 1]);
   }
   const PieceAt& n = needed[bad];
   return absl::InvalidArgumentError(

@@ -26,7 +26,7 @@ absl::Status ValidateLayout(const Inventory& inventory, const WorkerLayout& layo
 // Every element of every destination piece is held by at least one source piece (same tensor).
 // Per tensor, the boundaries of the destination boxes and of the source boxes inside their hull
 // form a grid; the distinct source boxes mark the cells they cover and each distinct destination
-// box is checked cell by cell (the planner's grid, planner/fragments.h): linear in the cells the
+// box is checked cell by cell (the planner's grid, planner/grid.h): linear in the cells the
 // distinct boxes cover, never per element and never quadratic in pieces. Layouts are assumed valid.
 // Errors: INVALID_ARGUMENT naming the worker, tensor, box and an uncovered cell; RESOURCE_EXHAUSTED
 // naming the tensor (and the largest source piece) when its boundaries form more than
