@@ -290,6 +290,52 @@ TEST_P(CatchUpTest, AFinalFailureIsToldToItsRolloutNotToLaterOnes) {
   Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2, &r3});
 }
 
+// The coordinator restarts while the catch-up of late rollout r2 (n1) is held mid-transfer: n1
+// ends that execution and re-joins its workers, each with what it itself holds - r2 nothing.
+// The new coordinator counts r2 as late and catches it up: WaitVersion(1) / Apply(1) for r2
+// answer OK only once r2 holds version 1 byte for byte. (Before: n1 sent its own committed
+// version for every worker, the coordinator counted r2 as holding version 1, WaitVersion answered
+// OK over r2's zeroed memory and no catch-up ever ran; Apply(1) ran into its deadline.)
+TEST_P(CatchUpTest, ALateRolloutIsCaughtUpAfterACoordinatorRestart) {
+  const pb::Mode mode = GetParam();
+  std::atomic<bool> armed{false};
+  absl::Notification entered, release;
+  TwoNodeSetup setup{mode};
+  setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
+    if (version != 1 || !armed.exchange(false)) return;
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+  };
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, setup);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  armed = true;  // the first catch-up of version 1 on n1 is held
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, false));
+  ASSERT_TRUE(c_.Register(r2, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  const bool held = entered.WaitForNotificationWithTimeout(absl::Seconds(15));
+  const int port = c_.coord_->port();
+  c_.coord_->Shutdown();
+  c_.coord_.reset();
+  release.Notify();  // the old session's execution ends (n1 aborts it when it re-joins)
+  ASSERT_TRUE(held) << "no catch-up of version 1 ran on n1";
+  c_.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+  ASSERT_FALSE(HasFatalFailure());
+  // Every worker is back at the new coordinator (re-joined by its node, with its layout).
+  auto back = c_.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        int with_layout = 0;
+        for (const pb::WorkerStatus& ws : st.workers()) with_layout += ws.has_layout();
+        return with_layout == 5;
+      },
+      absl::Seconds(15));
+  ASSERT_TRUE(back.ok()) << back.status();
+  grpc::Status s = Receive(c_, r2, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r2, 1), 0) << "r2 was told version 1 before holding it";
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2});
+}
+
 // A standalone daemon (coordinator and node in one process): the late rollout is caught up from
 // the same node's rollout.
 TEST_P(CatchUpTest, StandaloneLateRollout) {

@@ -4,6 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -215,8 +216,13 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     j.join.set_gpu(w.gpu);
     *j.join.mutable_model() = std::move(w.spec);
     j.join.set_rejoin(true);
-    j.join.set_committed_version(committed[w.key.first]);
+    j.join.set_committed_version(committed[w.key.first]);  // the model's bound
     j.join.set_applied_version(w.applied_version);
+    // What this worker itself holds: a late rollout whose catch-up had not finished holds less
+    // than the node's committed version and must be caught up by the new session (sending the
+    // node's version for it made the coordinator count it as holding that version: WaitVersion
+    // answered OK for it and it was never caught up).
+    if (w.role == planner::Role::kRollout) j.join.set_holds_version(std::max(w.committed_version, w.applied_version));
     j.has_layout = w.has_layout;
     j.layout = std::move(w.submitted);
     jobs.push_back(std::move(j));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator/core.h"
@@ -126,7 +127,12 @@ class FakeCluster {
     }
   }
   ~FakeCluster() { core->Shutdown(); }
-  void Join(const std::string& node, const std::string& worker, pb::Role role) {
+  // `rejoin`: as a node re-joining a restarted coordinator sends it (JoinWorkerRequest.rejoin),
+  // with the node's committed version, the worker's applied version and what it holds.
+  struct Rejoin {
+    uint64_t committed = 0, applied = 0, holds = 0;
+  };
+  void Join(const std::string& node, const std::string& worker, pb::Role role, std::optional<Rejoin> rejoin = std::nullopt) {
     pb::ModelSpec spec = testing::SmallModelSpec("m", 1);
     spec.set_mode(pb::MODE_ASYNC);
     pb::JoinWorkerRequest j;
@@ -135,6 +141,12 @@ class FakeCluster {
     j.set_model_id("m");
     j.set_role(role);
     *j.mutable_model() = spec;
+    if (rejoin) {
+      j.set_rejoin(true);
+      j.set_committed_version(rejoin->committed);
+      j.set_applied_version(rejoin->applied);
+      j.set_holds_version(rejoin->holds);
+    }
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
     pb::SubmitLayoutResponse lr;
@@ -227,6 +239,24 @@ TEST(CatchUpDriverTest, TimeoutIsReportedAndTheNextVersionBringsTheRollout) {
     }
   }
   EXPECT_TRUE(seen_v2);
+}
+
+// A restarted coordinator rebuilt from re-joining nodes: both nodes committed version 1, but only
+// r0 holds it; r1 (a late rollout whose catch-up had not finished, or one re-joined by a node built
+// before holds_version, which sends 0) holds nothing. r1 is late: WaitVersion(1) for it answers OK
+// only after a catch-up of version 1 committed; r0 is answered at once. (Before: holds was the
+// node's committed version, r1 counted as holding version 1 and no catch-up ran.)
+TEST(CatchUpDriverTest, ARejoinedRolloutHoldsWhatItSaysNotWhatItsNodeCommitted) {
+  FakeCluster c;
+  c.Join("n0", "t0", pb::ROLE_TRAINER, FakeCluster::Rejoin{1, 0, 0});
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{1, 1, 1});
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{1, 0, 0});
+  EXPECT_TRUE(c.WaitFor("r0", 1, 1000).ok());
+  absl::Status s = c.WaitFor("r1", 1);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<std::string> log = c.Log();
+  EXPECT_NE(std::find(log.begin(), log.end(), "catch-up 1"), log.end()) << "r1 was counted as holding version 1";
+  EXPECT_NE(std::find(log.begin(), log.end(), "commit 1 on n1"), log.end());
 }
 
 // A catch-up attempt made void by a re-registered late rollout (not final: tried again) leaves its

@@ -246,6 +246,7 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
   if (req.rejoin()) {
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "committed_version", req.committed_version()));
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "applied_version", req.applied_version()));
+    RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "holds_version", req.holds_version()));
   }
   if (auto old = model.workers.find(req.worker_id()); old != model.workers.end()) {
     // Moving a worker to another node is fine once its old node is gone; while that node lives,
@@ -265,7 +266,11 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     // bounds what may be published next, a rollout's applied version feeds the staleness bound.
     model.machine->RestoreCommitted(req.committed_version());
     rec.restored_applied = req.applied_version();
-    rec.holds = std::max(req.committed_version(), req.applied_version());  // its node's committed copy (not a late rollout)
+    // What the rollout itself holds (holds_version), never more than its node: a late rollout
+    // whose catch-up had not finished is late here too and is caught up. Not the node's committed
+    // version: that made it count as holding it (WaitVersion answered OK, no catch-up ever ran).
+    // A node built before the field sends 0: the rollout is caught up (a copy of what it holds).
+    rec.holds = std::min(req.holds_version(), std::max(req.committed_version(), req.applied_version()));
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
   }

@@ -206,6 +206,7 @@ std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
     j.gpu = w.gpu;
     j.spec = w.spec;
     j.applied_version = w.applied_version;
+    j.committed_version = w.committed_version;
     j.has_layout = w.has_layout;
     j.submitted = w.submitted;
     out.push_back(std::move(j));

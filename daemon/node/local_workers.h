@@ -107,6 +107,7 @@ class LocalWorkers {
     int32_t gpu = 0;
     pb::ModelSpec spec;
     uint64_t applied_version = 0;
+    uint64_t committed_version = 0;  // the worker's own (its committed copy), not the node's
     bool has_layout = false;
     pb::SubmitLayoutRequest submitted;
   };
