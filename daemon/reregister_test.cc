@@ -5,7 +5,10 @@
 // applied version and layout on its node and at the coordinator, a version in flight is not
 // aborted, no catch-up runs - while a different request from the same process still registers
 // the worker anew (the coordinator drops it, it is caught up), as before.
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
@@ -155,6 +158,39 @@ TEST_P(ReregisterTest, TheSameRegistrationWithOtherMemoryRegistersAnew) {
   grpc::Status s = Receive(c_, r1b, mode, 1);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(CountBad(r1b, 1), 0) << "r1's new memory was not caught up";
+}
+
+// A segment that shrank (or faulted under a copy) is refused until the worker registers its layout
+// again; that registration is checked and maps the memory anew even when its request is the same:
+// the same layout over a segment that is still short is refused, not answered "unchanged".
+TEST_P(ReregisterTest, TheSameLayoutOverABrokenSegmentIsCheckedAgain) {
+  const pb::Mode mode = GetParam();
+  if (mode != pb::MODE_ASYNC) GTEST_SKIP() << "the copy into live memory is r1's own Apply in async mode";
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  for (grpc::Status& s : c_.Publish("m", mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(Receive(c_, *r, mode, 1).ok()) << r->id;
+  for (grpc::Status& s : c_.Publish("m", mode, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  // r1 truncates its segment: its Apply(2) is refused naming the segment.
+  const int fd = ::shm_open(w.r1.seg.name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  const off_t size = static_cast<off_t>(w.r1.seg.size());
+  ASSERT_EQ(::ftruncate(fd, 0), 0);
+  pb::ApplyResponse resp;
+  EXPECT_FALSE(c_.Apply(w.r1, "m", 2, &resp).ok()) << "a copy into a truncated segment must fail";
+  // The same registration while the segment is still short: checked again, refused.
+  ASSERT_TRUE(c_.RegisterWorker(w.r1, spec).ok());
+  grpc::Status short_layout = c_.RegisterLayout(w.r1, spec);
+  EXPECT_FALSE(short_layout.ok()) << "the same layout over a truncated segment was answered unchanged";
+  // Restored: registered again, r1 gets version 2 whole.
+  ASSERT_EQ(::ftruncate(fd, size), 0);
+  ::close(fd);
+  ASSERT_TRUE(c_.RegisterWorker(w.r1, spec).ok());
+  ASSERT_TRUE(c_.RegisterLayout(w.r1, spec).ok());
+  grpc::Status s = Receive(c_, w.r1, mode, 2);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(w.r1, 2), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ReregisterTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),

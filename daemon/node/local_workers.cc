@@ -136,6 +136,12 @@ std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerK
   auto it = workers_.find(key);
   if (it == workers_.end() || !it->second.has_layout || it->second.layout_request.buffers().empty()) return std::nullopt;
   if (it->second.layout_request.SerializeAsString() != req.SerializeAsString()) return std::nullopt;
+  // A mapping that faulted (the worker truncated its segment under a copy) or shrank stays refused
+  // until the worker registers its layout again (docs/security.md): that registration maps anew,
+  // even when its request is the same.
+  for (const auto& b : it->second.buffers) {
+    if (b != nullptr && !b->CheckIntact().ok()) return std::nullopt;
+  }
   it->second.repeat_pending = false;
   return it->second.layout_response;
 }
