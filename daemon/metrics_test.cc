@@ -76,7 +76,9 @@ TEST(MetricsTest, SilentConnectionsDoNotBlockAScrape) {
     addr.sin_port = htons(static_cast<uint16_t>((*ep)->port()));
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    if (i % 2 == 1) ASSERT_EQ(::send(fd, "GET /met", 8, 0), 8);  // a request that never ends
+    if (i % 2 == 1) {
+      ASSERT_EQ(::send(fd, "GET /met", 8, 0), 8);  // a request that never ends
+    }
     silent.push_back(fd);
   }
   auto scrape = ScrapeMetrics((*ep)->port(), absl::Seconds(5));

@@ -54,8 +54,8 @@ ARTIFACTS=${ARTIFACTS:-${TEST_UNDECLARED_OUTPUTS_DIR:-$OUT/artifacts}}
 # srcs in tests/fuzz/BUILD.bazel.
 sources_of() {
   case "$1" in
-    fuzz_validate_layout) echo planner/validate.cc planner/quantized.cc planner/box.cc ;;
-    fuzz_index_probe) echo planner/index_probe.cc planner/validate.cc planner/quantized.cc planner/box.cc planner/inventory.cc planner/model_config.cc ;;
+    fuzz_validate_layout) echo planner/validate.cc planner/grid.cc planner/quantized.cc planner/box.cc ;;
+    fuzz_index_probe) echo planner/index_probe.cc planner/validate.cc planner/grid.cc planner/quantized.cc planner/box.cc planner/inventory.cc planner/model_config.cc ;;
     fuzz_hf_config) echo planner/model_config.cc planner/inventory.cc planner/box.cc ;;
     fuzz_transport_wire) echo transport/host_shm/host_shm.cc transport/host_tcp/host_tcp.cc transport/host_tcp/channel_auth.cc transport/common.cc transport/registry.cc \
                               base/shm_segment.cc transport/strided.cc transport/testing/peer_process.cc \
