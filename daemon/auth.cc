@@ -51,6 +51,19 @@ absl::StatusOr<std::string> ReadFile(const std::string& flag, const std::string&
   return ss.str();
 }
 
+// A token file (--auth_token_file, --operator_token_file): surrounding whitespace trimmed, then
+// non-empty printable ASCII without spaces. INVALID_ARGUMENT names the flag.
+absl::StatusOr<std::string> ReadToken(const std::string& flag, const std::string& path) {
+  auto raw = ReadFile(flag, path);
+  if (!raw.ok()) return raw.status();
+  std::string token(absl::StripAsciiWhitespace(*raw));
+  if (token.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, " is empty"));
+  for (unsigned char ch : token) {
+    if (ch < 0x21 || ch > 0x7e) return absl::InvalidArgumentError(absl::StrCat("--", flag, ": the token must be printable ASCII without spaces"));
+  }
+  return token;
+}
+
 class TokenInterceptor final : public grpc::experimental::Interceptor {
  public:
   explicit TokenInterceptor(std::string value) : value_(std::move(value)) {}
@@ -317,26 +330,18 @@ absl::StatusOr<PeerAuthConfig> LoadPeerAuth(const std::string& cert_path, const 
     }
   }
   if (!token_path.empty()) {
-    auto token = ReadFile("auth_token_file", token_path);
+    auto token = ReadToken("auth_token_file", token_path);
     if (!token.ok()) return token.status();
-    c.token = std::string(absl::StripAsciiWhitespace(*token));
-    if (c.token.empty()) return absl::InvalidArgumentError(absl::StrCat("--auth_token_file ", token_path, " is empty"));
-    for (unsigned char ch : c.token) {
-      if (ch < 0x21 || ch > 0x7e) return absl::InvalidArgumentError("--auth_token_file: the token must be printable ASCII without spaces");
-    }
+    c.token = std::move(*token);
   }
   return c;
 }
 
 absl::Status LoadOperatorCredential(const std::string& token_path, const std::string& names, PeerAuthConfig* config) {
   if (!token_path.empty()) {
-    auto token = ReadFile("operator_token_file", token_path);
+    auto token = ReadToken("operator_token_file", token_path);
     if (!token.ok()) return token.status();
-    std::string t(absl::StripAsciiWhitespace(*token));
-    if (t.empty()) return absl::InvalidArgumentError(absl::StrCat("--operator_token_file ", token_path, " is empty"));
-    for (unsigned char ch : t) {
-      if (ch < 0x21 || ch > 0x7e) return absl::InvalidArgumentError("--operator_token_file: the token must be printable ASCII without spaces");
-    }
+    std::string t = std::move(*token);
     if (!config->token.empty() && ConstantTimeEqual(t, config->token)) {
       return absl::InvalidArgumentError(
           "--operator_token_file holds the cluster token (--auth_token_file): every node has that one, so it cannot tell an operator "
@@ -416,10 +421,7 @@ absl::Status CheckNodeIdentity(const grpc::ServerContextBase& ctx, const PeerAut
   if (!auth || !auth->IsPeerAuthenticated()) {
     return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " presented no client certificate signed by the cluster CA"));
   }
-  std::vector<std::string> names;
-  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
-    for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
-  }
+  const std::vector<std::string> names = CertificateNames(ctx);
   for (const std::string& n : names) {
     if (n == node_id) return absl::OkStatus();
   }
@@ -438,10 +440,7 @@ absl::Status CheckCoordinatorIdentity(const grpc::ServerContextBase& ctx, const 
     return absl::UnauthenticatedError(absl::StrCat("peer ", ctx.peer(), " presented no client certificate signed by the cluster CA"));
   }
   const std::string& want = config.coordinator_identity;
-  std::vector<std::string> names;
-  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME}) {
-    for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
-  }
+  const std::vector<std::string> names = CertificateNames(ctx);
   for (const std::string& n : names) {
     if (n == want) return absl::OkStatus();
     // "*.example.com" names exactly one more label, as the TLS host check allows it.
