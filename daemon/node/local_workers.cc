@@ -244,6 +244,7 @@ std::optional<LocalWorkers::View> LocalWorkers::Get(const WorkerKey& key) const 
   v.worker.applied_version = w.applied_version;
   v.worker.pid = w.pid;
   v.worker.spec = w.spec;
+  v.worker.paused = w.paused;
   const std::string lk = LiveKey(key.first, key.second);
   v.copying = live_.Copying(lk);
   v.torn = live_.TornError(lk, options_.node_id);
@@ -366,9 +367,20 @@ std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model
     if (w == workers_.end()) continue;
     // Relays at commit: this staging lacks the relayed pieces, so it must never be applied
     // later (Apply finds no committed staging; the commit writes the live weights).
-    w->second.committed = relayed.count(wid) == 0 ? staging : nullptr;
+    const bool relays = relayed.count(wid) > 0;
+    w->second.committed = relays ? nullptr : staging;
     w->second.committed_version = version;
     if (w->second.mode != pb::MODE_SYNC) continue;
+    if (!w->second.paused) {
+      // Resumed (EndUpdate): its engine reads its live weights now. The staging stays its
+      // committed copy, which its next BeginUpdate (or Apply, WaitVersion) copies - as in
+      // one-step-off. A staging that lacks pieces relayed at commit cannot wait for that: the
+      // commit writes those live weights as before (host rollouts only; CUDA rollouts never
+      // get relays at commit).
+      if (!relays) continue;
+      Log(LogLevel::kWarning, "sync commit writes the live weights of a resumed rollout (relays at commit)",
+          {{"node", options_.node_id}, {"model", model}, {"worker", wid}, {"version", version}});
+    }
     // Captured by value (buffers): a concurrent Deregister may erase the worker meanwhile.
     LiveJob t;
     t.model = model;
@@ -376,6 +388,7 @@ std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model
     t.version = version;
     t.staging = staging;
     t.live = LiveBuffers{w->second.buffers, w->second.cuda};
+    t.needs_pause = !relays;
     jobs.push_back(std::move(t));
   }
   return jobs;
@@ -386,7 +399,9 @@ void LocalWorkers::MarkApplied(const WorkerKey& key, uint64_t version, const std
   auto it = workers_.find(key);
   if (it == workers_.end()) return;
   Worker& w = it->second;
-  w.applied_version = std::max(w.applied_version, version);
+  // RunLiveCopies recorded what the live weights hold; a job it skipped (the worker resumed) did
+  // not make them hold `version`: its staging stays the committed copy.
+  if (w.applied_version < version) return;
   // Live weights hold it now and nothing reads this staging again (Apply finds nothing newer):
   // its memory goes back to the pool for the next version instead of sitting here.
   if (w.committed == staging && (after_commit || w.applied_version >= w.committed_version)) w.committed = nullptr;
@@ -449,6 +464,30 @@ absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const Wor
   return out;
 }
 
+absl::Status LocalWorkers::StartLiveCopyLocked(LiveJob& job) {
+  auto w = workers_.find({job.model, job.worker});
+  const std::string lk = LiveKey(job.model, job.worker);
+  // Live weights of the same memory (not a new process's) that hold this version or a newer one
+  // whole: nothing to copy. Two Apply calls (or an Apply and BeginUpdate's copy) that raced:
+  // the one that waited behind a newer version's copy must not write the older version over it.
+  const bool same_memory = w != workers_.end() && w->second.buffers == job.live.host && w->second.cuda == job.live.cuda;
+  if (same_memory && w->second.applied_version >= job.version && !live_.Torn(lk)) {
+    job.skipped = true;
+    job.holds = w->second.applied_version;
+    return absl::OkStatus();
+  }
+  // A sync commit's copy into a rollout that resumed since the commit chose it (EndUpdate): its
+  // staging stays its committed copy (LocalWorkers::Commit set it), for its next BeginUpdate.
+  if (job.needs_pause && w != workers_.end() && !w->second.paused) {
+    job.skipped = true;
+    job.holds = w->second.applied_version;
+    return absl::OkStatus();
+  }
+  live_.Begin(lk, job.version, w == workers_.end() ? 0 : w->second.applied_version);
+  // On disk before the first byte: a daemon killed mid-copy reports it after its restart.
+  return live_.Mark(job.model, lk, job.live.host);
+}
+
 std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs) {
   std::vector<absl::Status> out(jobs.size());
   if (jobs.empty()) return out;
@@ -468,13 +507,7 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
       }
       return out;
     }
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      auto w = workers_.find({jobs[i].model, jobs[i].worker});
-      const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
-      live_.Begin(lk, jobs[i].version, w == workers_.end() ? 0 : w->second.applied_version);
-      // On disk before the first byte: a daemon killed mid-copy reports it after its restart.
-      out[i] = live_.Mark(jobs[i].model, lk, jobs[i].live.host);
-    }
+    for (size_t i = 0; i < jobs.size(); ++i) out[i] = StartLiveCopyLocked(jobs[i]);
   }
   // Its own deadline: once bytes go into live memory the copy finishes (or fails) on its own
   // terms; cutting it at a client's deadline is what left weights half new, half old. The copy
@@ -482,7 +515,7 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
   const absl::Time deadline = absl::Now() + options_.live_copy_timeout;
   std::vector<char> wrote(jobs.size(), 0);
   auto copy_one = [&](size_t i) {
-    if (!out[i].ok()) return;  // not recorded: not started
+    if (!out[i].ok() || jobs[i].skipped) return;  // not recorded: not started
     LiveJob& j = jobs[i];
     bool w = false;
     out[i] = options_.copier->CopyToLive(*j.staging, j.live, j.layout, *j.inventory, j.label, deadline, &w);
@@ -500,7 +533,7 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
   const double seconds = absl::ToDoubleSeconds(absl::Now() - copy_start);
   int64_t bytes = 0;
   for (size_t i = 0; i < jobs.size(); ++i) {
-    for (const StagedBuffer& b : *jobs[i].staging) bytes += out[i].ok() ? b.size() : 0;
+    for (const StagedBuffer& b : *jobs[i].staging) bytes += out[i].ok() && !jobs[i].skipped ? b.size() : 0;
   }
   absl::MutexLock l(&mu_);
   if (bytes >= (int64_t{1} << 20) && seconds > 0) {
@@ -508,9 +541,20 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
     live_copy_Bps_ = 0.5 * live_copy_Bps_ + 0.5 * std::min(1e11, static_cast<double>(bytes) / seconds);
   }
   for (size_t i = 0; i < jobs.size(); ++i) {
+    if (jobs[i].skipped) continue;
     const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
     live_.End(lk, out[i], wrote[i]);
-    if (out[i].ok() || !wrote[i]) continue;
+    if (out[i].ok()) {
+      // Recorded with the end of the copy, under one lock: a copy waiting behind this one sees
+      // what live weights hold as soon as it may start (StartLiveCopyLocked).
+      auto w = workers_.find({jobs[i].model, jobs[i].worker});
+      if (w != workers_.end() && w->second.buffers == jobs[i].live.host && w->second.cuda == jobs[i].live.cuda) {
+        w->second.applied_version = jobs[i].version;
+      }
+      jobs[i].holds = jobs[i].version;
+      continue;
+    }
+    if (!wrote[i]) continue;
     Log(LogLevel::kError, "live weights torn",
         {{"node", me}, {"model", jobs[i].model}, {"worker", jobs[i].worker}, {"version", jobs[i].version}, {"error", out[i].message()}});
     absl::Status torn = live_.TornError(lk, me);
@@ -518,6 +562,43 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
     out[i] = torn.ok() ? absl::DataLossError(absl::StrCat("live weights of worker ", lk, " on node ", me, " are TORN: ", out[i].message()))
                        : torn;
   }
+  return out;
+}
+
+bool LocalWorkers::Pause(const WorkerKey& key) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || it->second.role != planner::Role::kRollout) return false;
+  it->second.paused = true;
+  return true;
+}
+
+absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key, absl::Time deadline) {
+  const std::string& me = options_.node_id;
+  const std::string lk = LiveKey(key.first, key.second);
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || it->second.role != planner::Role::kRollout) {
+    return absl::NotFoundError(absl::StrCat("EndUpdate: worker ", lk, " is not a rollout worker on node ", me));
+  }
+  // From here on no copy into its live weights starts (Commit, StartLiveCopyLocked); one that is
+  // running already finishes (a copy is never cut short: live_copy.h) and is waited for.
+  it->second.paused = false;
+  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || workers_.count(key) == 0 || !live_.Copying(lk); };
+  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&idle), deadline)) {
+    const LiveState::Info info = live_.Get(lk);
+    return absl::DeadlineExceededError(absl::StrCat(
+        "EndUpdate: worker ", lk, " on node ", me, ": a copy of version ", info.writing, " into its live weights (started before EndUpdate) is still running",
+        " when the call's timeout ended; it runs to its end (live copy timeout) - call EndUpdate again and do not read the live weights until it answers OK"));
+  }
+  it = workers_.find(key);
+  if (stopping_ || it == workers_.end()) {
+    return absl::UnavailableError(absl::StrCat("EndUpdate: worker ", lk, " on node ", me, ": the worker or the daemon went away"));
+  }
+  if (absl::Status torn = live_.TornError(lk, me); !torn.ok()) return torn;
+  Ended out;
+  out.applied_version = it->second.applied_version;
+  out.committed_version = it->second.committed_version;
   return out;
 }
 

@@ -93,12 +93,23 @@ class LocalWorkers {
     // A repeated RegisterWorker was answered without a join (RepeatRegistration) and the
     // RegisterLayout that tells whether it was a replay has not come yet (TakeRepeat).
     bool repeat_pending = false;
+    // Sync rollout: its engine is paused, so a commit may write its live weights. Cleared by
+    // EndUpdate (the engine resumed: a commit makes the version its committed copy instead, which
+    // the next BeginUpdate / Apply / WaitVersion copies), set again by BeginUpdate (Pause). True
+    // from registration on: a client that never calls EndUpdate has its live weights written by
+    // every commit, as before EndUpdate existed.
+    bool paused = true;
   };
   // A copy of one worker's entry (without `submitted`) and its live state, taken under the lock.
   struct View {
     Worker worker;     // `submitted` left empty
     bool copying = false;  // a copy into its live weights is running
     absl::Status torn;     // DATA_LOSS when its live weights are TORN
+  };
+  // What EndUpdate found once no copy into the worker's live weights runs.
+  struct Ended {
+    uint64_t applied_version = 0;    // what its live weights hold
+    uint64_t committed_version = 0;  // its newest committed version on this node
   };
   // What Rejoin re-submits for one worker.
   struct JoinInfo {
@@ -124,6 +135,15 @@ class LocalWorkers {
     const std::vector<RelayAtCommit>* relays = nullptr;
     const std::map<std::string, std::shared_ptr<Bytes>>* incoming = nullptr;
     std::string label;
+    // Sync commit: written only while the worker is paused (Worker::paused, checked again when
+    // the copy would start). Not for a job with relays: its staging lacks the relayed pieces, so
+    // the commit is the only chance to write them (host rollouts only; see EndUpdate).
+    bool needs_pause = false;
+    // Set by RunLiveCopies: the job was skipped, nothing copied (its status OK) - the worker
+    // resumed (needs_pause), or its live weights hold `version` or newer, whole (a copy of a
+    // newer version ran first). `holds`: the version its live weights hold after the job.
+    bool skipped = false;
+    uint64_t holds = 0;
   };
   // What Apply found after its wait: `staging` null = nothing newer to copy (live weights hold
   // `applied_version`); else copy `staging` (version `version`) into `live`.
@@ -233,12 +253,15 @@ class LocalWorkers {
   void DropSnapshotsBefore(const std::string& model, uint64_t version);
   // CommitVersion: `incoming` (rollout -> staging) becomes each local rollout's committed copy
   // (none for a rollout in `relayed`: its staging lacks pieces relayed at commit). Returns the
-  // live copies sync rollouts need (model, worker, version, staging, live filled in).
+  // live copies paused sync rollouts need (model, worker, version, staging, live, needs_pause
+  // filled in); a sync rollout that resumed (EndUpdate) gets none unless it is in `relayed`.
   std::vector<LiveJob> Commit(const std::string& model, uint64_t version, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
                               const std::set<std::string>& relayed);
-  // A live copy of `version` from `staging` succeeded. `after_commit`: the commit's copy (the
-  // staging is released when it is the committed one); else Apply's (released when nothing newer
-  // is committed).
+  // A live copy of `version` from `staging` succeeded (RunLiveCopies recorded the version as
+  // applied). `after_commit`: the commit's copy (the staging is released when it is the committed
+  // one); else Apply's (released when nothing newer is committed). Nothing happens when the live
+  // weights do not hold `version` (a sync commit's job skipped because the worker resumed: its
+  // staging stays its committed copy).
   void MarkApplied(const WorkerKey& key, uint64_t version, const std::shared_ptr<Bytes>& staging, bool after_commit);
   // Apply: waits until `want` (0: whatever is newest) is committed or applied here, aborted, or
   // the node re-joined, and no copy into the worker runs; then says what to copy. NOT_FOUND (not a
@@ -249,13 +272,30 @@ class LocalWorkers {
   absl::StatusOr<Applicable> AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline,
                                              bool ask_on_catch_up_abort = false) const;
   // Runs `jobs` at once under the live-copy contract (daemon/node/live_copy.h): waits (bounded by
-  // live_copy_timeout) until no copy into the same workers runs, marks them copying, copies with
-  // live_copy_timeout as the deadline (not a client's), then records each worker whole or TORN.
+  // live_copy_timeout) until no copy into the same workers runs, then skips (LiveJob::skipped,
+  // OK) a job whose worker's live weights hold its version or a newer one whole (two Apply calls
+  // racing: the older version never lands over the newer one) and a needs_pause job of a worker
+  // that resumed; marks the others copying, copies with live_copy_timeout as the deadline (not a
+  // client's), then records each worker whole (applied_version = the job's version) or TORN.
   // Per job: OK, the copy's error when it wrote nothing, or DATA_LOSS naming the torn worker.
   // Call with no lock held.
   std::vector<absl::Status> RunLiveCopies(std::vector<LiveJob>& jobs);
 
+  // ---- sync pause (BeginUpdate / EndUpdate)
+  // BeginUpdate: the rollout paused; commits write its live weights again. False when `key` is
+  // not a rollout here (nothing changes).
+  bool Pause(const WorkerKey& key);
+  // EndUpdate: the rollout resumed; no live copy into it starts from now on (Commit, RunLiveCopies).
+  // Waits (until `deadline`) for a copy into it that is running; NOT_FOUND (not a rollout here),
+  // DEADLINE_EXCEEDED (the copy still runs; the worker stays resumed), UNAVAILABLE (stopped or
+  // left), DATA_LOSS (its live weights are TORN). Errors name worker, model and node.
+  absl::StatusOr<Ended> EndUpdate(const WorkerKey& key, absl::Time deadline);
+
  private:
+  // RunLiveCopies, once no copy into the job's worker runs: skips it (LiveJob::skipped) or marks
+  // the worker copying and records the copy durably (an error: not started).
+  absl::Status StartLiveCopyLocked(LiveJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const Options options_;
   mutable absl::Mutex mu_;
   std::map<WorkerKey, Worker> workers_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,7 @@
 
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "base/clock.h"
 #include "base/shm_segment.h"
 #include "gtest/gtest.h"
@@ -23,6 +24,11 @@ class LocalWorkersTest : public ::testing::Test {
     t_ = transport::NewHostShmTransport(tc);
     ASSERT_NE(t_, nullptr);
     copier_ = std::make_unique<LiveCopier>("n0", t_.get(), [this](const std::string& label) {
+      if (label == hold_label_) {
+        // A copy held midway until the test releases it (no sleeps: notifications both ways).
+        held_.Notify();
+        release_.WaitForNotification();
+      }
       return label == fail_label_ ? absl::UnavailableError("injected") : absl::OkStatus();
     });
     LocalWorkers::Options o;
@@ -80,10 +86,28 @@ class LocalWorkersTest : public ::testing::Test {
     return jobs;
   }
 
+  // The one live-copy job of `version` into r0 from `staging`, labelled `label`.
+  std::vector<LocalWorkers::LiveJob> OneJob(uint64_t version, std::shared_ptr<StagedBytes> staging, const std::string& label) {
+    std::vector<LocalWorkers::LiveJob> jobs(1);
+    jobs[0].model = "m";
+    jobs[0].worker = "r0";
+    jobs[0].version = version;
+    jobs[0].staging = std::move(staging);
+    jobs[0].live = LiveBuffers{workers_->Get({"m", "r0"})->worker.buffers, {nullptr}};
+    jobs[0].layout = layout_;
+    jobs[0].inventory = inv_;
+    jobs[0].label = label;
+    return jobs;
+  }
+  // RunLiveCopies waits for a running copy into the same worker with this deadline on the clock.
+  absl::Time CopyWaitDeadline() { return clock_.Now() + absl::Seconds(30); }
+
   FakeClock clock_;
   std::unique_ptr<transport::Transport> t_;
   std::unique_ptr<LiveCopier> copier_;
   std::string fail_label_;
+  std::string hold_label_ = "(none)";  // a copy of this label blocks midway: held_, then release_
+  absl::Notification held_, release_;
   std::unique_ptr<LocalWorkers> workers_;
   std::shared_ptr<planner::Inventory> inv_;
   planner::WorkerLayout layout_;
@@ -330,6 +354,155 @@ TEST_F(LocalWorkersTest, SnapshotsPerVersion) {
   EXPECT_EQ(snaps.begin()->first, 2u);
   workers_->DropSnapshots("m", 2);
   EXPECT_TRUE(workers_->Get({"m", "t0"})->worker.snapshots.empty());
+}
+
+// Issue 11 (d): two Apply calls of one worker racing. The copy of version 6 runs; a copy of
+// version 5 (an Apply that found 5 before 6 was committed) waits behind it and must then be
+// skipped, not write 5 over 6.
+TEST_F(LocalWorkersTest, AnOlderCopyThatWaitedBehindANewerOneIsSkipped) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  const Key key{"m", "r0"};
+  auto v5 = Staging(0x05);
+  auto v6 = Staging(0x06);
+  EXPECT_TRUE(CommitJobs(5, {{"r0", v5}}).empty());
+  auto found5 = workers_->AwaitApplicable(key, 5, clock_.Now());
+  ASSERT_TRUE(found5.ok()) << found5.status();
+  ASSERT_EQ(found5->staging, v5);
+  EXPECT_TRUE(CommitJobs(6, {{"r0", v6}}).empty());
+  auto found6 = workers_->AwaitApplicable(key, 6, clock_.Now());
+  ASSERT_TRUE(found6.ok()) << found6.status();
+  ASSERT_EQ(found6->staging, v6);
+
+  hold_label_ = "apply r0 v6";
+  std::vector<LocalWorkers::LiveJob> jobs6 = OneJob(6, v6, "apply r0 v6");
+  std::vector<LocalWorkers::LiveJob> jobs5 = OneJob(5, v5, "apply r0 v5");
+  std::vector<absl::Status> copied6, copied5;
+  std::thread a([&] { copied6 = workers_->RunLiveCopies(jobs6); });
+  ASSERT_TRUE(held_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  const absl::Time wait_deadline = CopyWaitDeadline();
+  std::thread b([&] { copied5 = workers_->RunLiveCopies(jobs5); });
+  ASSERT_TRUE(clock_.AwaitWaiter(wait_deadline, absl::Now() + absl::Seconds(30))) << "the copy of 5 waits for the copy of 6";
+  release_.Notify();
+  a.join();
+  b.join();
+  ASSERT_TRUE(copied6[0].ok()) << copied6[0];
+  ASSERT_TRUE(copied5[0].ok()) << copied5[0];
+  EXPECT_FALSE(jobs6[0].skipped);
+  EXPECT_EQ(jobs6[0].holds, 6u);
+  EXPECT_TRUE(jobs5[0].skipped) << "version 5 was copied over version 6";
+  EXPECT_EQ(jobs5[0].holds, 6u);
+  EXPECT_EQ(LiveBytesEqual(key, 0x06), 64 * 64 * 4);
+  EXPECT_EQ(workers_->Get(key)->worker.applied_version, 6u);
+  EXPECT_TRUE(workers_->Get(key)->torn.ok());
+
+  // The version the live weights hold, again: nothing to copy either.
+  std::vector<LocalWorkers::LiveJob> again6 = OneJob(6, v6, "apply r0 v6 again");
+  EXPECT_TRUE(workers_->RunLiveCopies(again6)[0].ok());
+  EXPECT_TRUE(again6[0].skipped);
+  // Torn live weights are never skipped: a copy of 7 fails midway (they still count version 6
+  // applied), and a copy of 6 makes them whole again.
+  fail_label_ = "apply r0 v7";
+  std::vector<LocalWorkers::LiveJob> jobs7 = OneJob(7, Staging(0x07), "apply r0 v7");
+  EXPECT_EQ(workers_->RunLiveCopies(jobs7)[0].code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(workers_->Get(key)->worker.applied_version, 6u);
+  std::vector<LocalWorkers::LiveJob> restore6 = OneJob(6, v6, "apply r0 v6 restore");
+  ASSERT_TRUE(workers_->RunLiveCopies(restore6)[0].ok());
+  EXPECT_FALSE(restore6[0].skipped);
+  EXPECT_EQ(LiveBytesEqual(key, 0x06), 64 * 64 * 4);
+  EXPECT_TRUE(workers_->Get(key)->torn.ok());
+}
+
+// Issue 11 (b): a sync rollout that resumed (EndUpdate) gets no live copy from a commit: the
+// version becomes its committed copy, which a later copy (BeginUpdate, Apply) takes. Paused
+// again, commits write its live weights as before.
+TEST_F(LocalWorkersTest, AResumedSyncRolloutKeepsTheCommitAsItsCommittedCopy) {
+  AddRollout("r0", pb::MODE_SYNC);
+  const Key key{"m", "r0"};
+  EXPECT_TRUE(workers_->Get(key)->worker.paused) << "paused from registration on: commits write live weights as before EndUpdate";
+  auto ended = workers_->EndUpdate(key, clock_.Now());
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->applied_version, 0u);
+  auto v1 = Staging(0x11);
+  EXPECT_TRUE(CommitJobs(1, {{"r0", v1}}).empty()) << "a commit must not write the live weights of a resumed rollout";
+  EXPECT_EQ(LiveBytesEqual(key, 0x11), 0);
+  auto view = workers_->Get(key);
+  EXPECT_EQ(view->worker.committed, v1);
+  EXPECT_EQ(view->worker.committed_version, 1u);
+  EXPECT_EQ(view->worker.applied_version, 0u);
+  ended = workers_->EndUpdate(key, clock_.Now());
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->committed_version, 1u);
+  EXPECT_EQ(ended->applied_version, 0u);
+  // What BeginUpdate copies once paused: the committed copy.
+  ASSERT_TRUE(workers_->Pause(key));
+  auto found = workers_->AwaitApplicable(key, 0, clock_.Now());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->staging, v1);
+  EXPECT_EQ(found->version, 1u);
+  // Paused: the next commit writes the live weights.
+  std::vector<LocalWorkers::LiveJob> jobs = CommitJobs(2, {{"r0", Staging(0x22)}});
+  ASSERT_EQ(jobs.size(), 1u);
+  ASSERT_TRUE(workers_->RunLiveCopies(jobs)[0].ok());
+  EXPECT_EQ(LiveBytesEqual(key, 0x22), 64 * 64 * 4);
+  EXPECT_EQ(workers_->Get(key)->worker.applied_version, 2u);
+  EXPECT_FALSE(workers_->Pause({"m", "nobody"}));
+  EXPECT_EQ(workers_->EndUpdate({"m", "nobody"}, clock_.Now()).status().code(), absl::StatusCode::kNotFound);
+}
+
+// The commit chose the rollout while it was paused, then it resumed before the copy started:
+// the copy is skipped (nothing written), the staging stays its committed copy, and the commit's
+// MarkApplied changes nothing.
+TEST_F(LocalWorkersTest, ACommitCopyOfARolloutThatResumedBeforeItStartedIsSkipped) {
+  AddRollout("r0", pb::MODE_SYNC);
+  const Key key{"m", "r0"};
+  auto v1 = Staging(0x11);
+  std::vector<LocalWorkers::LiveJob> jobs = CommitJobs(1, {{"r0", v1}});
+  ASSERT_EQ(jobs.size(), 1u);
+  ASSERT_TRUE(workers_->EndUpdate(key, clock_.Now()).ok());
+  std::vector<absl::Status> copied = workers_->RunLiveCopies(jobs);
+  ASSERT_TRUE(copied[0].ok()) << copied[0];
+  EXPECT_TRUE(jobs[0].skipped);
+  EXPECT_EQ(LiveBytesEqual(key, 0x11), 0) << "the live weights of a resumed rollout were written";
+  workers_->MarkApplied(key, 1, v1, /*after_commit=*/true);
+  auto view = workers_->Get(key);
+  EXPECT_EQ(view->worker.applied_version, 0u);
+  EXPECT_EQ(view->worker.committed, v1) << "the committed copy must stay for the next BeginUpdate";
+}
+
+// EndUpdate while a commit's copy into the rollout runs: it waits for the copy (bounded by its
+// deadline on the clock, then DEADLINE_EXCEEDED naming worker, model, node and version), and
+// answers what the live weights hold once it ended.
+TEST_F(LocalWorkersTest, EndUpdateWaitsForACopyThatIsRunning) {
+  AddRollout("r0", pb::MODE_SYNC);
+  const Key key{"m", "r0"};
+  hold_label_ = "commit r0";
+  std::vector<LocalWorkers::LiveJob> jobs = CommitJobs(1, {{"r0", Staging(0x11)}});
+  ASSERT_EQ(jobs.size(), 1u);
+  std::vector<absl::Status> copied;
+  std::thread a([&] { copied = workers_->RunLiveCopies(jobs); });
+  ASSERT_TRUE(held_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+
+  absl::Time deadline = clock_.Now() + absl::Seconds(5);
+  absl::StatusOr<LocalWorkers::Ended> ended = absl::UnknownError("not run");
+  std::thread b([&] { ended = workers_->EndUpdate(key, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock_.Advance(absl::Seconds(6));
+  b.join();
+  EXPECT_EQ(ended.status().code(), absl::StatusCode::kDeadlineExceeded) << ended.status();
+  for (const char* part : {"EndUpdate: worker r0 of model m on node n0", "version 1", "call EndUpdate again"}) {
+    EXPECT_NE(ended.status().message().find(part), std::string::npos) << part << " in " << ended.status();
+  }
+
+  deadline = clock_.Now() + absl::Seconds(5);
+  std::thread c([&] { ended = workers_->EndUpdate(key, deadline); });
+  ASSERT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  release_.Notify();
+  a.join();
+  c.join();
+  ASSERT_TRUE(copied[0].ok()) << copied[0];
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->applied_version, 1u);
+  EXPECT_EQ(LiveBytesEqual(key, 0x11), 64 * 64 * 4);
 }
 
 }  // namespace

@@ -204,16 +204,37 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
 }
 
 absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp) {
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
+  const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
+  // Paused on this node before the coordinator hears of it: a commit the report lets start writes
+  // its live weights (LocalWorkers::Commit).
+  const bool rollout_here = local_.Pause(key);
   pb::ReportReadyRequest r;
   r.set_node_id(options_.node_id);
   r.set_model_id(req.model_id());
   r.set_worker_id(req.worker_id());
   pb::ReportReadyResponse rr;
   uint64_t session0 = 0;
-  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), Deadline(options_.clock, req.timeout_ms()), &session0,
+  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0,
                                [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
   resp->set_committed_version(rr.committed_version());
-  return s;
+  if (!s.ok() || !rollout_here) return s;
+  // A version committed while it had resumed (EndUpdate) is its committed copy, newer than its
+  // live weights: copied now that it is paused, so that BeginUpdate + WaitVersion(v) OK means its
+  // live weights hold v. The copy is not cut to the call's timeout (live_copy.h).
+  absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/false, "BeginUpdate");
+  return holds.ok() ? absl::OkStatus() : holds.status();
+}
+
+absl::Status WorkerCalls::EndUpdate(const pb::EndUpdateRequest& req, pb::EndUpdateResponse* resp) {
+  absl::StatusOr<LocalWorkers::Ended> ended =
+      local_.EndUpdate({req.model_id(), req.worker_id()}, Deadline(options_.clock, req.timeout_ms()));
+  if (!ended.ok()) return ended.status();
+  resp->set_applied_version(ended->applied_version);
+  resp->set_committed_version(ended->committed_version);
+  Log(LogLevel::kDebug, "rollout resumed (EndUpdate)",
+      {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"applied", ended->applied_version}});
+  return absl::OkStatus();
 }
 
 absl::Status WorkerCalls::Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp) {
@@ -243,18 +264,34 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
     found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/false);
   }
   if (!found.ok()) return found.status();
-  if (found->staging == nullptr) {
-    resp->set_applied_version(found->applied_version);
-    resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
-    return absl::OkStatus();
+  absl::StatusOr<uint64_t> holds = CopyApplicable(model, wid, *std::move(found), deadline, /*fit_deadline=*/true);
+  if (!holds.ok()) return holds.status();
+  resp->set_applied_version(*holds);
+  resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> WorkerCalls::CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
+                                                 const std::string& what) {
+  // Version 0: no wait for a version, only for a copy into the worker that is running.
+  absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, 0, deadline);
+  if (!found.ok()) {
+    return absl::Status(found.status().code(), absl::StrCat(what, " of worker ", wid, " of model ", model, " on node ", options_.node_id,
+                                                            ": ", found.status().message()));
   }
+  return CopyApplicable(model, wid, *std::move(found), deadline, fit_deadline);
+}
+
+absl::StatusOr<uint64_t> WorkerCalls::CopyApplicable(const std::string& model, const std::string& wid, LocalWorkers::Applicable found,
+                                                     absl::Time deadline, bool fit_deadline) {
+  if (found.staging == nullptr) return found.applied_version;
   std::vector<LocalWorkers::LiveJob> jobs(1);
   LocalWorkers::LiveJob& job = jobs[0];
   job.model = model;
   job.worker = wid;
-  job.version = found->version;
-  job.staging = found->staging;
-  job.live = std::move(found->live);
+  job.version = found.version;
+  job.staging = found.staging;
+  job.live = std::move(found.live);
   std::shared_ptr<const ModelPlan> plan = versions_.Plan(model);
   if (plan == nullptr) return absl::FailedPreconditionError("no plan installed");
   job.inventory = std::shared_ptr<const planner::Inventory>(plan, &plan->inventory);
@@ -267,32 +304,33 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
   // instead of giving up while its live weights are being rewritten.
   int64_t bytes = 0;
   for (const StagedBuffer& b : *job.staging) bytes += b.size();
-  const absl::Duration estimate = absl::Seconds(static_cast<double>(bytes) / found->copy_Bps);
-  if (options_.clock->Now() + estimate > deadline) {
+  const absl::Duration estimate = absl::Seconds(static_cast<double>(bytes) / found.copy_Bps);
+  if (fit_deadline && options_.clock->Now() + estimate > deadline) {
     return absl::DeadlineExceededError(
         absl::StrCat("version ", job.version, " is committed on node ", options_.node_id, " but copying it into the live weights of worker ", wid,
                      " (", bytes, " bytes, about ", absl::FormatDuration(estimate), ") does not fit in what is left of the call's timeout (",
                      absl::FormatDuration(std::max(absl::ZeroDuration(), deadline - options_.clock->Now())),
-                     "); nothing was copied: live weights still hold version ", found->applied_version, " (call Apply with a longer timeout)"));
+                     "); nothing was copied: live weights still hold version ", found.applied_version, " (call Apply with a longer timeout)"));
   }
   // The rollout's only stall: copy its pieces from committed staging into live weights (on the
   // same-node transport's copy threads).
   const uint64_t version = job.version;
   absl::Status copied = local_.RunLiveCopies(jobs)[0];
-  if (!copied.ok()) return Annotate(copied, absl::StrCat("applying version ", version, " to ", req.worker_id()));
+  if (!copied.ok()) return Annotate(copied, absl::StrCat("applying version ", version, " to ", wid));
+  // Skipped: a copy of this version or a newer one ran first (a concurrent Apply); its caller
+  // reports it. Answered with what the live weights hold.
+  if (job.skipped) return job.holds;
   // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
   local_.MarkApplied({model, wid}, version, job.staging, /*after_commit=*/false);
   pb::ReportAppliedRequest r;
   r.set_node_id(options_.node_id);
-  r.set_model_id(req.model_id());
-  r.set_worker_id(req.worker_id());
+  r.set_model_id(model);
+  r.set_worker_id(wid);
   r.set_version(version);
   pb::ReportAppliedResponse rr;
   // Best effort: the coordinator learns the applied version from the next ReportApplied or re-join.
   coordinator_.client().ReportApplied(r, &rr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5))).IgnoreError();
-  resp->set_applied_version(version);
-  resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
-  return absl::OkStatus();
+  return version;
 }
 
 absl::Status WorkerCalls::AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline) {
@@ -315,6 +353,15 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
     // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
     // hold it (sync: "committed" includes live weights): say so instead of OK.
     if (absl::Status torn = local_.TornRollout(req.model_id()); !torn.ok()) return torn;
+    // A sync rollout that resumed (EndUpdate) when the version committed holds it as its
+    // committed copy, not in its live weights: copied first, as Apply does, so that OK means its
+    // live weights hold it.
+    std::optional<LocalWorkers::View> w = req.worker_id().empty() ? std::nullopt : local_.Get({req.model_id(), req.worker_id()});
+    if (w && w->worker.role == planner::Role::kRollout && w->worker.mode == pb::MODE_SYNC && w->worker.committed != nullptr &&
+        w->worker.committed_version > w->worker.applied_version) {
+      absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/true, "WaitVersion");
+      if (!holds.ok()) return holds.status();
+    }
   }
   return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
 }

@@ -3,7 +3,7 @@
 // worker_service.cc only adapts gRPC to them). Each answers as the RPC of the same name; errors
 // name the worker, model and node.
 //
-//   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, Apply, WaitVersion, Deregister,
+//   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, EndUpdate, Apply, WaitVersion, Deregister,
 //                           ClusterStatus, and the forwarding rules (ForwardHeld, RestartAware).
 //   worker_calls_layout.cc  RegisterLayout (buffers, CUDA imports, index probes), DescribeLayout.
 //
@@ -66,7 +66,12 @@ class WorkerCalls {
   absl::Status RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
   absl::Status RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp);
   absl::Status Publish(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  // Sync pause (docs/daemon.md): BeginUpdate pauses the rollout on this node before it tells the
+  // coordinator, then copies a version committed while it had resumed into its live weights;
+  // EndUpdate resumes it (no commit writes its live weights until the next BeginUpdate), after a
+  // copy into them that is running (LocalWorkers::EndUpdate).
   absl::Status BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp);
+  absl::Status EndUpdate(const pb::EndUpdateRequest& req, pb::EndUpdateResponse* resp);
   absl::Status Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
   absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
   absl::Status Deregister(const pb::DeregisterRequest& req);
@@ -82,6 +87,16 @@ class WorkerCalls {
   // RegisterWorker's join: JoinWorker at the coordinator, then the node's entry (replacing any).
   absl::Status JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
   absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
+  // Copies what AwaitApplicable found (nothing when its staging is null) into the worker's live
+  // weights and reports it applied; returns the version they hold (a copy skipped because a newer
+  // one ran first answers that one). `fit_deadline`: a copy that would obviously outlast
+  // `deadline` is not started (DEADLINE_EXCEEDED, nothing copied).
+  absl::StatusOr<uint64_t> CopyApplicable(const std::string& model, const std::string& wid, LocalWorkers::Applicable found,
+                                          absl::Time deadline, bool fit_deadline);
+  // BeginUpdate / WaitVersion of a sync rollout: copies its newest committed version when its
+  // live weights hold an older one (after a copy that is running); `what` names the call in errors.
+  absl::StatusOr<uint64_t> CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
+                                      const std::string& what);
   // Apply(v) of a rollout that does not hold v after a catch-up of v ended on this node: the
   // coordinator's WaitVersion(v, worker) decides - OK once another attempt caught it up (or it
   // holds v there), ABORTED naming why when its catch-up failed for good.

@@ -24,6 +24,9 @@ class WorkerServiceImpl final : public pb::WorkerService::Service {
   grpc::Status BeginUpdate(grpc::ServerContext*, const pb::BeginUpdateRequest* req, pb::BeginUpdateResponse* resp) override {
     return ToGrpcStatus(node_->BeginUpdate(*req, resp));
   }
+  grpc::Status EndUpdate(grpc::ServerContext*, const pb::EndUpdateRequest* req, pb::EndUpdateResponse* resp) override {
+    return ToGrpcStatus(node_->EndUpdate(*req, resp));
+  }
   grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest* req, pb::ApplyResponse* resp) override {
     return ToGrpcStatus(node_->Apply(*req, resp));
   }

@@ -1,6 +1,6 @@
 #pragma once
 // WorkerService (the node's Unix socket, called by local workers): RegisterWorker, RegisterLayout,
-// Publish, BeginUpdate, Apply, WaitVersion, Deregister, Status, DescribeLayout. A thin adapter:
+// Publish, BeginUpdate, EndUpdate, Apply, WaitVersion, Deregister, Status, DescribeLayout. A thin adapter:
 // each call goes to the node::WorkerCalls method of the same name (daemon/node/worker_calls.h),
 // whose absl::Status becomes the gRPC status through ToGrpcStatus (proto/grpc_status.h).
 
