@@ -149,6 +149,13 @@ TEST(CoreCommitTest, SyncPublishFailsNamingTheNodeThatCouldNotCommit) {
   EXPECT_EQ(st.models(0).committed_version(), 0u) << "a version not every rollout holds counts as committed";
   // n1 was told to drop it.
   EXPECT_TRUE(c.fakes.at("n1")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.abort >= 1; }, absl::Now() + kReal));
+  // n0 acknowledged the commit and is told too (issue 11 (a)): it rolls its committed version
+  // back, so that its re-join at a restarted coordinator never restores version 1 as committed.
+  // Before: only the failed nodes got AbortVersion.
+  EXPECT_TRUE(c.fakes.at("n0")->AwaitCalls(
+      [](const FakeNodeClient::Calls& k) { return k.aborted.size() == 1 && k.aborted[0] == 1 && k.aborted_epochs[0] == 0; },
+      absl::Now() + kReal))
+      << "the node that acknowledged the failed sync commit was not told it was aborted";
   // The next version, committed everywhere, succeeds.
   fail_n1 = false;
   ASSERT_TRUE(c.Ready("r0").ok());

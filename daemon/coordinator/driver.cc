@@ -147,9 +147,11 @@ std::function<void()> CoordinatorCore::CommitWorkLocked(const std::string& model
 // The commit contract (docs/daemon.md "Commit"):
 //  - sync: the version is committed only if EVERY node acknowledged CommitVersion (every rollout
 //    holds it whole in live memory). Otherwise it is not committed: Publish and WaitVersion get
-//    ABORTED naming the nodes (and their rollouts) that do not hold it and why; the nodes that
-//    failed are told to drop it (AbortVersion, best effort); rollouts on nodes that acknowledged
-//    count as having applied it. The next version rewrites every rollout.
+//    ABORTED naming the nodes (and their rollouts) that do not hold it and why; every node of the
+//    commit is told it was aborted (AbortVersion, best effort): the ones that failed drop it, the
+//    ones that acknowledged roll their committed version back (a re-join never restores v as
+//    committed); rollouts on nodes that acknowledged count as having applied it. The next version
+//    rewrites every rollout.
 //  - one-step-off / async: CommitVersion only marks the landed staging committed (rollouts copy
 //    at Apply), so the version is committed; a node that did not answer (UNAVAILABLE /
 //    DEADLINE_EXCEEDED) is owed the commit and retried every commit_retry while it keeps its
@@ -204,7 +206,12 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
       rec->second.catch_up_error = absl::StrCat("version ", v, " was not committed (", reason, "); the next version rewrites it");
     }
     Log(LogLevel::kWarning, "version commit failed", {{"model", model_id}, {"version", v}, {"reason", reason}});
-    QueueAbortRpcsLocked(bad_nodes, model_id, v, reason);
+    // Every node of the commit is told (best effort), the ones that acknowledged too: those roll
+    // their committed version back (node::Versions::AbortVersion), so that a node re-joining a
+    // restarted coordinator never reports v as committed (RestoreCommitted takes the max over the
+    // nodes: v would come back committed and be caught up to other rollouts). Their rollouts keep
+    // v whole in live memory and still count as having applied it (`holding` above).
+    QueueAbortRpcsLocked(std::set<std::string>(nodes.begin(), nodes.end()), model_id, v, reason);
     finish();
     return;
   }

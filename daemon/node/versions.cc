@@ -221,14 +221,42 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
     absl::MutexLock l(&mu_);
     auto it = execs_.find({req.model_id(), req.version()});
     if (it == execs_.end()) {
-      // Idempotent for a retried commit; a node that lost the version's staging (restart)
-      // cannot apply it: its waiters see the version aborted, nothing is half-applied.
+      // A version aborted here (AbortVersion before the commit, or after it: rolled back) is not
+      // committed by a late or repeated CommitVersion.
+      if (std::optional<std::string> aborted = local_.AbortReason(req.model_id(), req.version())) {
+        return absl::AbortedError(absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
+                                               ": the version was aborted here: ", *aborted));
+      }
+      // Idempotent for a retried commit.
       if (req.version() <= committed_[req.model_id()]) return absl::OkStatus();
+      // A node that lost the version's staging (restart) cannot apply it; nothing is half-applied.
       std::string reason = absl::StrCat("node ", me, " no longer holds the staging of version ", req.version(), " (restarted before the commit)");
-      local_.NoteAborted(req.model_id(), req.version(), reason);
+      // Sync: the coordinator fails the version (not every node acknowledged): its waiters here
+      // see it aborted. One-step-off / async: the coordinator commits it anyway and counts this
+      // node's rollouts as not holding it (they are caught up): Apply(v) here must not answer
+      // ABORTED but ask the coordinator and wait for the catch-up (LocalWorkers::
+      // NoteCatchUpAborted -> Applicable::ask_coordinator). The mode is the installed plan's, else
+      // a local worker's model spec; unknown (neither here yet): the coordinator decides too.
+      std::optional<pb::Mode> mode;
+      if (auto p = plans_.find(req.model_id()); p != plans_.end()) {
+        mode = p->second->slice.mode();
+      } else if (std::optional<planner::Role> role; auto spec = local_.SpecOf(req.model_id(), "", &role)) {
+        mode = spec->mode();
+      }
+      if (mode.has_value() && (*mode == pb::MODE_SYNC || *mode == pb::MODE_UNSPECIFIED)) {
+        local_.NoteAborted(req.model_id(), req.version(), reason);
+      } else {
+        local_.NoteCatchUpAborted(req.model_id(), req.version(), reason);
+      }
       return absl::FailedPreconditionError(reason);
     }
     exec = it->second;
+    if (exec->committing) {
+      // Another CommitVersion of it is copying it into live weights right now: its outcome is that
+      // call's (a retry after it finished is answered by what it left).
+      return absl::UnavailableError(absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
+                                                 " is already running (live copies in progress); try again"));
+    }
     if (!exec->transferred) {
       // Committing bytes that have not all arrived would hand rollouts a half-written version.
       const std::string missing = exec->failed     ? absl::StrCat("its transfer failed here (", exec->error, ")")
@@ -238,7 +266,9 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
       return absl::FailedPreconditionError(absl::StrCat("cannot commit model ", req.model_id(), " version ", req.version(), " on node ", me,
                                                         ": the version has not fully landed: ", missing));
     }
-    execs_.erase(it);
+    // Kept in execs_ (marked committing) until the live copies ended: an AbortVersion meanwhile
+    // finds it, marks it aborted and erases it; the second block below then does not commit.
+    exec->committing = true;
     jobs = CommitJobsLocked(req, *exec);
     // One-step-off / async rollouts: their incoming staging is now the committed copy, which Apply
     // copies into live weights and then hands back to the pool - tagged, so that the next version
@@ -250,13 +280,32 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
       if (sync.count(wid) == 0 && exec->pieces_at_commit.count(wid) == 0) TagCommittedStaging(*exec, req.model_id(), wid, req.version(), staging);
     }
     local_.DropSnapshots(req.model_id(), req.version());
-    if (jobs.empty()) count_commit();  // nothing left that can fail
+    if (jobs.empty()) {
+      // Nothing left that can fail, and rollouts (one-step-off / async) see the committed staging
+      // as soon as mu_ is released: committed here now (a later AbortVersion rolls it back).
+      exec->committing = false;
+      execs_.erase(it);
+      count_commit();
+    }
   }
   // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
   // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
   const absl::Time copy_start = options_.clock->Now();
   std::vector<absl::Status> copied = local_.RunLiveCopies(jobs);
   absl::MutexLock l(&mu_);
+  exec->committing = false;
+  // Aborted during the copies (AbortVersion, a re-join, Stop): not committed here. Rollouts whose
+  // copy finished hold the version whole in live memory (recorded as applied: true, and the next
+  // version rewrites them), but their staging is not tagged as a delta base of it.
+  // (A node with no sync rollout here has no copy: its execution left execs_ in the first block,
+  // and an AbortVersion between the two blocks is seen in LocalWorkers' record.)
+  std::optional<std::string> abort_reason = local_.AbortReason(req.model_id(), req.version());
+  if (exec->aborted) abort_reason = exec->error.empty() ? std::string("node ") + me + " is shutting down" : exec->error;
+  const bool aborted = abort_reason.has_value();
+  auto erase_exec = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto e = execs_.find({req.model_id(), req.version()});
+    if (e != execs_.end() && e->second == exec) execs_.erase(e);
+  };
   absl::Status failed;
   for (size_t i = 0; i < jobs.size(); ++i) {
     if (!copied[i].ok()) {
@@ -270,17 +319,27 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
     // its memory goes back to the pool for the next version instead of sitting here - tagged with
     // what it holds, so that the next version takes it back and decodes its deltas in place.
     local_.MarkApplied({jobs[i].model, jobs[i].worker}, req.version(), jobs[i].staging, /*after_commit=*/true);
-    TagCommittedStaging(*exec, jobs[i].model, jobs[i].worker, req.version(), jobs[i].staging);
+    if (!aborted) TagCommittedStaging(*exec, jobs[i].model, jobs[i].worker, req.version(), jobs[i].staging);
+  }
+  if (aborted) {
+    erase_exec();  // (AbortVersion already did; Stop did not)
+    const std::string& why = *abort_reason;
+    Log(LogLevel::kWarning, "commit aborted during its live copy",
+        {{"node", me}, {"model", req.model_id()}, {"version", req.version()}, {"reason", why}});
+    const std::string what = absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
+                                          " was aborted during its live copy (", why, "): not committed here");
+    return failed.ok() ? absl::AbortedError(what) : absl::Status(failed.code(), absl::StrCat(what, "; ", failed.message()));
   }
   if (!failed.ok()) {
     // Not committed on this node: the version stays here so that a retried CommitVersion copies
     // again (restoring whole weights); Apply of a torn rollout copies from its committed staging.
-    execs_.emplace(std::pair{req.model_id(), req.version()}, exec);
     return failed;
   }
+  erase_exec();
   // Versions of this model whose commit failed here earlier are superseded now.
   for (auto it = execs_.begin(); it != execs_.end();) {
-    const bool stale = it->first.first == req.model_id() && it->first.second < req.version() && it->second->transferred;
+    const bool stale =
+        it->first.first == req.model_id() && it->first.second < req.version() && it->second->transferred && !it->second->committing;
     it = stale ? execs_.erase(it) : std::next(it);
   }
   if (exec->relay_bytes_at_commit > 0) {
@@ -290,7 +349,7 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   }
   if (!jobs.empty()) count_commit();
   // Published last: node-local waiters (Apply) see the version only once live weights hold it.
-  committed_[req.model_id()] = std::max(committed_[req.model_id()], req.version());
+  NoteCommittedLocked(req.model_id(), req.version());
   deltas_.Commit(req.model_id(), req.version());  // what this node sent is what destinations hold now
   Log(LogLevel::kInfo, "version committed on node",
       {{"node", me},
@@ -304,6 +363,8 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
 absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   std::map<std::string, transport::PeerId> connected;
   uint64_t other_epoch = 0;  // of an execution of the version this abort leaves running
+  std::optional<uint64_t> rolled_back;  // committed_ before this abort rolled `version` back
+  uint64_t committed_now = 0;
   {
     absl::MutexLock l(&mu_);
     auto it = execs_.find({req.model_id(), req.version()});
@@ -323,13 +384,27 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
     } else {
       if (!catch_up) local_.NoteAborted(req.model_id(), req.version(), req.reason());
       if (it != execs_.end()) {
+        // (A CommitVersion copying it into live weights - Exec::committing - sees this and does
+        // not commit it.)
         it->second->aborted = true;
         it->second->error = req.reason();
         connected = it->second->connected;
         execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
+      } else if (!catch_up) {
+        // Already committed here: a sync commit the coordinator declared failed (another node did
+        // not acknowledge it). The coordinator's committed version stays below it, so this node
+        // must not report it as committed when it re-joins (RestoreCommitted takes the max).
+        rolled_back = RollBackCommittedLocked(req.model_id(), req.version());
+        committed_now = committed_[req.model_id()];
       }
       local_.DropSnapshots(req.model_id(), req.version());
     }
+  }
+  if (rolled_back) {
+    metrics().Committed(options_.node_id, req.model_id(), committed_now);
+    Log(LogLevel::kWarning, "committed version rolled back",
+        {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"committed_before", *rolled_back},
+         {"committed_now", committed_now}, {"reason", req.reason()}});
   }
   if (other_epoch != 0) {
     Log(LogLevel::kInfo, "abort of another execution ignored",
@@ -345,6 +420,24 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   Log(LogLevel::kInfo, "version aborted on node",
       {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"reason", req.reason()}});
   return absl::OkStatus();
+}
+
+void Versions::NoteCommittedLocked(const std::string& model, uint64_t version) {
+  committed_[model] = std::max(committed_[model], version);
+  std::set<uint64_t>& history = committed_history_[model];
+  history.insert(version);
+  while (history.size() > kCommittedHistory) history.erase(history.begin());
+}
+
+std::optional<uint64_t> Versions::RollBackCommittedLocked(const std::string& model, uint64_t version) {
+  auto h = committed_history_.find(model);
+  if (h == committed_history_.end() || h->second.erase(version) == 0) return std::nullopt;
+  uint64_t& committed = committed_[model];
+  const uint64_t before = committed;
+  // The newest version committed here that is left (0: none known). One level back is what sync
+  // needs (one version at a time); a version rolled back under a newer one changes nothing.
+  if (committed == version) committed = h->second.empty() ? 0 : *h->second.rbegin();
+  return before;
 }
 
 absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp) {

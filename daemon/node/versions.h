@@ -41,6 +41,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -116,6 +117,10 @@ struct Exec {
   int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)
   std::shared_ptr<StagingBudget::Charge> charge;  // staging_bytes of the node's budget; travels with the staging
   bool started = false, aborted = false, failed = false;  // under mu_
+  // Under mu_: CommitVersion is copying this version into the sync rollouts' live weights (outside
+  // mu_). The execution stays in execs_ meanwhile, so that an AbortVersion (or a re-join, Stop)
+  // arriving during the copy marks it aborted and the commit sees it before committed_ advances.
+  bool committing = false;
   // Catch-up (docs/daemon.md "Catch-up"): an execution of a catch-up slice (catch_up_plans_) for
   // the already committed `version`: its ROLE_TRAINER workers are rollouts holding it (sources).
   bool catch_up = false;
@@ -225,6 +230,13 @@ class Versions {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).
   std::vector<LocalWorkers::LiveJob> CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // committed_ advances to `version` of `model` (and it joins committed_history_).
+  void NoteCommittedLocked(const std::string& model, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AbortVersion(version) of `model` (a version abort, no plan epoch) for a version this node had
+  // committed: forgets it; committed_ becomes the newest version committed here before it that is
+  // left (unchanged when a newer one was committed since). Returns the version committed_ held
+  // before, or nullopt when `version` was not committed here.
+  std::optional<uint64_t> RollBackCommittedLocked(const std::string& model, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tags `worker`'s committed staging buffers with the version they hold (StagedBuffer::pool_tag;
   // not quantised, host memory), for the pool to hand back to the next version: a sync rollout's
   // after the commit copied them into live weights, another mode's at the commit (Apply copies it).
@@ -300,6 +312,12 @@ class Versions {
   std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);  // model -> version
+  // model -> the newest versions committed here (at most kCommittedHistory): an AbortVersion of a
+  // version committed here (a sync commit the coordinator declared failed because another node did
+  // not acknowledge it) removes it, and committed_ falls back to the newest one left, so the
+  // node's re-join never reports it (RollBackCommittedLocked).
+  static constexpr size_t kCommittedHistory = 8;
+  std::map<std::string, std::set<uint64_t>> committed_history_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::thread> exec_threads_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> exec_done_ ABSL_GUARDED_BY(mu_);
   uint64_t next_exec_thread_ ABSL_GUARDED_BY(mu_) = 0;

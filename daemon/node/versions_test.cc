@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -51,11 +52,12 @@ class VersionsTest : public ::testing::Test, public daemon::testing::NodeParts {
   }
 
   // Model "m", plan epoch 1: a trainer on n0 and a rollout on n1, no ops.
-  void InstallPlan() {
+  void InstallPlan(pb::Mode mode = pb::MODE_UNSPECIFIED) {
     pb::InstallPlanRequest req;
     pb::PlanSlice* s = req.mutable_slice();
     s->set_model_id("m");
     s->set_plan_epoch(1);
+    s->set_mode(mode);
     s->set_num_buckets(1);
     pb::PlanWorker* t = s->add_workers();
     t->set_worker_id("trainer/0");
@@ -93,6 +95,65 @@ TEST_F(VersionsTest, CommitOfAVersionThisNodeNeverHeldIsRefusedAndAbortsItsWaite
   EXPECT_EQ(versions_->Committed("m"), 0u);
   // The node-local outcome: version 3 is aborted here (Apply's waiters learn it).
   EXPECT_TRUE(local_->AbortReason("m", 3).has_value());
+}
+
+// Issue 11 (e): one-step-off / async, a node that restarted before the commit reached it has no
+// staging of the version. The coordinator still commits it cluster-wide and counts this node's
+// rollouts as not holding it (they are caught up), so the node records no abort of the version:
+// a local rollout's Apply(3) asks the coordinator (and waits for its catch-up) instead of
+// answering ABORTED. Before: NoteAborted, and Apply(3) answered ABORTED at once.
+TEST_F(VersionsTest, ACommitWithoutStagingInOneStepOffIsNoAbortOfTheVersion) {
+  for (pb::Mode mode : {pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC}) {
+    SCOPED_TRACE(pb::Mode_Name(mode));
+    InstallPlan(mode);
+    LocalWorkers::Worker w;
+    w.model_id = "m";
+    w.role = planner::Role::kRollout;
+    w.mode = mode;
+    local_->Add({"m", "rollout/0"}, std::move(w), std::nullopt);
+    const uint64_t v = mode == pb::MODE_ASYNC ? 4 : 3;
+    pb::CommitVersionRequest c;
+    c.set_model_id("m");
+    c.set_version(v);
+    absl::Status s = versions_->CommitVersion(c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("no longer holds the staging"), std::string::npos) << s;
+    EXPECT_EQ(versions_->Committed("m"), 0u);
+    EXPECT_FALSE(local_->AbortReason("m", v).has_value()) << "recorded as aborted: " << *local_->AbortReason("m", v);
+    EXPECT_TRUE(local_->CatchUpAbortReason("m", v).has_value());
+    // Apply(v) of the local rollout: ask the coordinator (it answers once the catch-up landed).
+    absl::StatusOr<LocalWorkers::Applicable> a =
+        local_->AwaitApplicable({"m", "rollout/0"}, v, clock_.Now() + absl::Seconds(10), /*ask_on_catch_up_abort=*/true);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_TRUE(a->ask_coordinator);
+  }
+}
+
+// The same with no plan installed and no worker of the model here yet (a node that just
+// restarted): the mode is unknown, the coordinator decides - no abort recorded either.
+TEST_F(VersionsTest, ACommitWithoutStagingOrPlanIsNoAbortOfTheVersion) {
+  pb::CommitVersionRequest c;
+  c.set_model_id("m");
+  c.set_version(2);
+  absl::Status s = versions_->CommitVersion(c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_FALSE(local_->AbortReason("m", 2).has_value());
+  EXPECT_TRUE(local_->CatchUpAbortReason("m", 2).has_value());
+}
+
+// Sync (the model's plan says so): the coordinator fails the version when this node does not
+// acknowledge it, so the node records it aborted (as before); a later CommitVersion of a version
+// aborted here answers ABORTED naming the abort.
+TEST_F(VersionsTest, ACommitWithoutStagingInSyncAbortsTheVersionHere) {
+  InstallPlan(pb::MODE_SYNC);
+  pb::CommitVersionRequest c;
+  c.set_model_id("m");
+  c.set_version(3);
+  EXPECT_EQ(versions_->CommitVersion(c).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(local_->AbortReason("m", 3).has_value());
+  absl::Status again = versions_->CommitVersion(c);
+  EXPECT_EQ(again.code(), absl::StatusCode::kAborted) << again;
+  EXPECT_NE(again.message().find("was aborted here"), std::string::npos) << again;
 }
 
 TEST_F(VersionsTest, CommitBeforeTheVersionLandedIsRefusedThenAbortEndsThePeersWait) {

@@ -1,0 +1,135 @@
+// Sync commits that the coordinator declares failed (docs/daemon.md "Commit across nodes (sync)";
+// docs/status.md "Next steps" 11 (a)), on a coordinator + two node daemons in one process
+// (daemon/multinode_fixture.h): an AbortVersion that reaches a node while its CommitVersion copies
+// the version into live weights, and a node that acknowledged a commit that failed elsewhere.
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "daemon/coordinator.h"
+#include "daemon/multinode_fixture.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+using ::testing::Test;
+
+constexpr absl::Duration kReal = absl::Seconds(20);  // real-time bound on every wait here
+
+grpc::Status AbortOn(Server& node, uint64_t version, const std::string& reason) {
+  auto stub = pb::NodeService::NewStub(grpc::CreateChannel(node.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  pb::AbortVersionRequest req;
+  req.set_model_id("m");
+  req.set_version(version);
+  req.set_reason(reason);
+  pb::AbortVersionResponse resp;
+  return stub->AbortVersion(&ctx, req, &resp);
+}
+
+// The coordinator's driver ran the node RPCs it had queued by now (the AbortVersion of a failed
+// commit): a pass that began after now collected them, and the pass after it began once they ran.
+void AwaitQueuedNodeRpcs(Cluster& c) {
+  CoordinatorCore& core = c.coord_->coordinator()->core();
+  ASSERT_TRUE(core.AwaitDriverPassAt(absl::Now(), absl::Now() + kReal));
+  ASSERT_TRUE(core.AwaitDriverPassAt(absl::Now(), absl::Now() + kReal));
+}
+
+// An AbortVersion of version 2 reaches n0 while its CommitVersion(2) is copying it into r0's live
+// weights (the copy is held at its start). The commit sees the abort before it advances n0's
+// committed version: it answers ABORTED naming the abort, so the coordinator does not count
+// version 2 as committed; r0's live weights hold version 2 whole (nothing torn), and version 3
+// commits normally. Before: the execution had left the node's table before the copy, the abort
+// found nothing, and the commit answered OK and committed version 2 on n0.
+TEST(CommitAbortTest, AnAbortDuringTheSyncCommitsLiveCopyIsSeenByTheCommit) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  absl::Notification entered, release;
+  std::atomic<bool> armed{true};
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [&](const std::string& label) {
+                                                         if (label == "commit r0 v2" && armed.exchange(false)) {
+                                                           entered.Notify();
+                                                           release.WaitForNotificationWithTimeout(kReal);
+                                                         }
+                                                         return absl::OkStatus();
+                                                       }});
+  ASSERT_FALSE(Test::HasFailure());
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1}); });
+  const bool held = entered.WaitForNotificationWithTimeout(kReal);
+  grpc::Status aborted = held ? AbortOn(*c.nodes_[0], 2, "test: aborted during the live copy") : grpc::Status::OK;
+  release.Notify();
+  publisher.join();
+  ASSERT_TRUE(held) << "the commit's live copy into r0 never started";
+  ASSERT_TRUE(aborted.ok()) << aborted.error_message();
+  for (const grpc::Status& s : published) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("not committed"), std::string::npos) << s.error_message();
+  }
+  const pb::VersionStatus v2 = c.FinalVersion(2);
+  EXPECT_EQ(v2.state(), "aborted");
+  for (const char* want : {"node n0", "aborted during its live copy", "test: aborted during the live copy"}) {
+    EXPECT_NE(v2.error().find(want), std::string::npos) << want << " missing in: " << v2.error();
+  }
+  EXPECT_EQ(CommittedOf(c.Status(r1), "m"), 1u);
+  // The copy itself ran to its end: whole, not torn (the next version rewrites it anyway).
+  EXPECT_EQ(LocalStatus(c, r0).live_state(), "whole");
+  EXPECT_EQ(CountBad(r0, 2), 0);
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  EXPECT_EQ(CommittedOf(c.Status(r1), "m"), 3u);
+  c.Stop();
+}
+
+// Version 2's sync commit fails on n0 (its live copy into r0 fails) while n1 acknowledged it. The
+// coordinator tells both nodes it was aborted; n1 rolls its committed version back to 1. The
+// coordinator then restarts: the nodes re-join with what they committed, and the new coordinator's
+// committed version is 1, not 2 - version 2, answered ABORTED to the trainers, never comes back as
+// committed (nor is it caught up to other rollouts). Version 3 then commits everywhere. Before:
+// n1 re-joined with committed version 2 and the coordinator restored it (max over the nodes).
+TEST(CommitAbortTest, AFailedSyncCommitIsNotRestoredAsCommittedAfterACoordinatorRestart) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  auto faults = std::make_shared<std::atomic<int>>(1);
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [faults](const std::string& l) {
+                                                         return l == "commit r0 v2" && faults->fetch_sub(1) > 0
+                                                                    ? absl::UnavailableError("injected transport failure")
+                                                                    : absl::OkStatus();
+                                                       }});
+  ASSERT_FALSE(Test::HasFailure());
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1})) EXPECT_FALSE(s.ok());
+  const pb::VersionStatus v2 = c.FinalVersion(2);
+  EXPECT_EQ(v2.state(), "aborted");
+  EXPECT_NE(v2.error().find("nodes n1 hold it"), std::string::npos) << v2.error();
+  EXPECT_EQ(CountBad(r1, 2), 0) << "r1's node committed version 2 into r1's live weights";
+  AwaitQueuedNodeRpcs(c);  // the AbortVersion of version 2 reached both nodes
+  ASSERT_FALSE(Test::HasFatalFailure());
+  const int port = c.coord_->port();
+  c.coord_->Shutdown();
+  c.coord_.reset();
+  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+  ASSERT_FALSE(Test::HasFatalFailure());
+  // Every worker is back (re-joined by its node, each JoinWorker before its layout).
+  auto back = c.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        int with_layout = 0;
+        for (const pb::WorkerStatus& ws : st.workers()) with_layout += ws.has_layout();
+        return with_layout == 4;
+      },
+      kReal);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(CommittedOf(*back, "m"), 1u) << "version 2, whose commit failed, came back as committed after the restart";
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  c.Stop();
+}
+
+}  // namespace
+}  // namespace wb::daemon
