@@ -1,0 +1,149 @@
+// Sync mode, EndUpdate (docs/status.md next steps 11 (b)): a rollout whose WaitVersion timed out
+// and whose engine resumed says so with EndUpdate; from then on no commit writes its live weights
+// (the version becomes its committed copy), until BeginUpdate (paused again: it copies the
+// committed copy before answering) or WaitVersion (copies it before answering OK). A copy into its
+// live weights that is running when EndUpdate comes is waited for. Coordinator + two node daemons
+// in one process (daemon/multinode_fixture.h); every rollout byte checked.
+#include <grpcpp/grpcpp.h>
+
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "daemon/multinode_fixture.h"
+#include "gtest/gtest.h"
+
+namespace wb::daemon {
+namespace {
+
+using ::testing::Test;
+
+grpc::Status BeginUpdate(TestWorker& r) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  pb::BeginUpdateRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(r.id);
+  req.set_timeout_ms(20000);
+  pb::BeginUpdateResponse resp;
+  return r.stub->BeginUpdate(&ctx, req, &resp);
+}
+
+grpc::Status EndUpdate(TestWorker& r, int64_t timeout_ms, pb::EndUpdateResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms) + std::chrono::seconds(10));
+  pb::EndUpdateRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(r.id);
+  req.set_timeout_ms(timeout_ms);
+  return r.stub->EndUpdate(&ctx, req, resp);
+}
+
+// Publishes version v from both trainers (sync: each Publish returns once v is committed),
+// without pausing any rollout (the test does that itself).
+void PublishOnly(Cluster& c, uint64_t v, TwoNodeWorkers& w) {
+  for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, v, {&w.t0, &w.t1}, {})) {
+    EXPECT_TRUE(s.ok()) << "publish v" << v << ": " << s.error_message();
+  }
+}
+
+TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC});
+  ASSERT_FALSE(Test::HasFailure());
+  for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(CountBad(w.r0, 1), 0);
+  ASSERT_EQ(CountBad(w.r1, 1), 0);
+
+  // r0 pauses for version 2, its WaitVersion times out, its engine resumes: EndUpdate.
+  for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(BeginUpdate(*r).ok());
+  pb::WaitVersionResponse wv;
+  ASSERT_EQ(WaitVersionAs(w.r0, "m", 2, 100, &wv).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  pb::EndUpdateResponse ended;
+  grpc::Status s = EndUpdate(w.r0, 5000, &ended);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(ended.applied_version(), 1u);
+  EXPECT_EQ(ended.committed_version(), 1u);
+
+  // Version 2 commits (the coordinator still counts r0 paused): r1's live weights get it, r0's
+  // stay at version 1 while its engine generates.
+  PublishOnly(c, 2, w);
+  ASSERT_FALSE(Test::HasFailure());
+  EXPECT_EQ(CountBad(w.r1, 2), 0);
+  EXPECT_EQ(CountBad(w.r0, 1), 0) << "the commit of version 2 wrote the live weights of a rollout that had resumed";
+  EXPECT_EQ(LocalStatus(c, w.r0).live_state(), "whole");
+
+  // Paused again: BeginUpdate copies version 2 before it answers; WaitVersion(2) then says OK.
+  ASSERT_TRUE(BeginUpdate(w.r0).ok());
+  EXPECT_EQ(CountBad(w.r0, 2), 0) << "BeginUpdate must copy the version committed while the rollout had resumed";
+  s = WaitVersionAs(w.r0, "m", 2, 5000, &wv);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+
+  // Resumed again; version 3 commits; WaitVersion(3) without BeginUpdate copies it before OK.
+  ASSERT_TRUE(BeginUpdate(w.r1).ok());
+  s = EndUpdate(w.r0, 5000, &ended);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(ended.applied_version(), 2u);
+  PublishOnly(c, 3, w);
+  ASSERT_FALSE(Test::HasFailure());
+  EXPECT_EQ(CountBad(w.r0, 2), 0) << "the commit of version 3 wrote the live weights of a rollout that had resumed";
+  s = WaitVersionAs(w.r0, "m", 3, 5000, &wv);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(w.r0, 3), 0) << "WaitVersion(3) answered OK while the live weights hold an older version";
+  EXPECT_EQ(CountBad(w.r1, 3), 0);
+
+  // The usual cycle (BeginUpdate, commit, WaitVersion) works as before for both.
+  for (const grpc::Status& st : c.Publish("m", pb::MODE_SYNC, 4, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(st.ok()) << st.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1}) {
+    ASSERT_TRUE(WaitVersionAs(*r, "m", 4, 5000, &wv).ok());
+    EXPECT_EQ(CountBad(*r, 4), 0) << r->id;
+  }
+  // Not a rollout of this node: NOT_FOUND naming worker, model and node.
+  s = EndUpdate(w.t0, 1000, &ended);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
+  EXPECT_NE(s.error_message().find("t0 of model m is not a rollout worker on node n0"), std::string::npos) << s.error_message();
+  c.Stop();
+}
+
+// EndUpdate while the commit's copy into the rollout's live weights runs (held midway by the
+// node's live-copy hook): it waits for it, bounded by its timeout (DEADLINE_EXCEEDED naming
+// worker, model, node and version), and once the copy ended answers what the live weights hold.
+TEST(EndUpdateTest, EndUpdateWaitsForACopyIntoTheLiveWeightsThatIsRunning) {
+  planner::Inventory inv = SmallInventory();
+  auto held = std::make_shared<absl::Notification>();
+  auto release = std::make_shared<absl::Notification>();
+  Cluster c;
+  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [held, release](const std::string& label) {
+                                                    if (label == "commit r0 v2 midway") {
+                                                      held->Notify();
+                                                      // Bounded: a test that fails before releasing it must not hang the node.
+                                                      release->WaitForNotificationWithTimeout(absl::Seconds(60));
+                                                    }
+                                                    return absl::OkStatus();
+                                                  }});
+  ASSERT_FALSE(Test::HasFailure());
+  for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1}); });
+  ASSERT_TRUE(held->WaitForNotificationWithTimeout(absl::Seconds(30))) << "the commit's copy into r0 never started";
+
+  pb::EndUpdateResponse ended;
+  grpc::Status s = EndUpdate(w.r0, 200, &ended);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "EndUpdate answered while the copy into r0 was running: " << s.error_message();
+  for (const char* part : {"worker r0 of model m on node n0", "version 2", "call EndUpdate again"}) {
+    EXPECT_NE(s.error_message().find(part), std::string::npos) << part << " in: " << s.error_message();
+  }
+  grpc::Status later;
+  std::thread ender([&] { later = EndUpdate(w.r0, 20000, &ended); });
+  release->Notify();
+  ender.join();
+  publisher.join();
+  for (const grpc::Status& p : published) EXPECT_TRUE(p.ok()) << p.error_message();
+  ASSERT_TRUE(later.ok()) << later.error_message();
+  EXPECT_EQ(ended.applied_version(), 2u);
+  EXPECT_EQ(CountBad(w.r0, 2), 0);
+  c.Stop();
+}
+
+}  // namespace
+}  // namespace wb::daemon
