@@ -550,6 +550,22 @@ absl::Status WorkerClient::BeginUpdate(absl::Duration timeout) {
   return Annotate(s, absl::StrCat("BeginUpdate by ", register_request_.worker_id()));
 }
 
+absl::StatusOr<EndUpdateResult> WorkerClient::EndUpdate(absl::Duration timeout) {
+  const absl::Time deadline = options_.clock->Now() + timeout;
+  pb::EndUpdateResponse resp;
+  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
+    pb::EndUpdateRequest req;
+    req.set_model_id(register_request_.model_id());
+    req.set_worker_id(register_request_.worker_id());
+    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(d));
+    return FromGrpcStatus(stub()->EndUpdate(&ctx, req, &resp));
+  });
+  RETURN_IF_ERROR_WITH(s, absl::StrCat("EndUpdate by ", register_request_.worker_id()));
+  return EndUpdateResult{resp.applied_version(), resp.committed_version()};
+}
+
 absl::StatusOr<ApplyResult> WorkerClient::Apply(uint64_t version, absl::Duration timeout) {
   const absl::Time deadline = options_.clock->Now() + timeout;
   pb::ApplyResponse resp;

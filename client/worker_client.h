@@ -198,6 +198,11 @@ struct ApplyResult {
   double stall_seconds = 0;
 };
 
+struct EndUpdateResult {
+  uint64_t applied_version = 0;    // the version the worker's live weights hold (0: none yet)
+  uint64_t committed_version = 0;  // the newest version committed for the worker on its node
+};
+
 class WorkerClient {
  public:
   // Opens a channel to the daemon's worker socket (a filesystem path; "unix:" is added) and waits
@@ -286,8 +291,15 @@ class WorkerClient {
   // streams that wrote, e.g. cudaDeviceSynchronize / torch.cuda.synchronize(); a cudaMemcpy from
   // pageable memory may return before its DMA lands): the daemon reads them from another process.
   absl::StatusOr<PublishResult> Publish(uint64_t version, absl::Duration timeout);
-  // Rollout (sync mode): the worker has paused and its live weights may be overwritten.
+  // Rollout (sync mode): the worker has paused and its live weights may be overwritten. A version
+  // committed while it had resumed (EndUpdate) is copied into them before this returns.
   absl::Status BeginUpdate(absl::Duration timeout);
+  // Rollout (sync mode): the engine resumed generating (its WaitVersion timed out or failed):
+  // from now on no commit writes the live weights (a commit becomes the worker's committed copy,
+  // which the next BeginUpdate or WaitVersion copies). A copy into them that is running is waited
+  // for, up to `timeout`: DEADLINE_EXCEEDED when it still runs (call again before reading the
+  // live weights). Returns what the live weights hold. Other modes: no effect.
+  absl::StatusOr<EndUpdateResult> EndUpdate(absl::Duration timeout);
   // Rollout (one-step-off / async): make `version` (0 = newest committed) live at this step
   // boundary. Returns the version now live.
   absl::StatusOr<ApplyResult> Apply(uint64_t version, absl::Duration timeout);

@@ -63,6 +63,14 @@ class FakeWorkerService final : public pb::WorkerService::Service {
     begin_update_.push_back(*req);
     return grpc::Status::OK;
   }
+  grpc::Status EndUpdate(grpc::ServerContext*, const pb::EndUpdateRequest* req,
+                         pb::EndUpdateResponse* resp) override {
+    absl::MutexLock l(&mu_);
+    end_update_.push_back(*req);
+    resp->set_applied_version(4);
+    resp->set_committed_version(5);
+    return ToGrpcStatus(end_update_status_);
+  }
   grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest* req,
                      pb::ApplyResponse* resp) override {
     absl::MutexLock l(&mu_);
@@ -99,6 +107,8 @@ class FakeWorkerService final : public pb::WorkerService::Service {
   std::vector<pb::RegisterLayoutRequest> register_layout_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::PublishRequest> publish_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::BeginUpdateRequest> begin_update_ ABSL_GUARDED_BY(mu_);
+  std::vector<pb::EndUpdateRequest> end_update_ ABSL_GUARDED_BY(mu_);
+  absl::Status end_update_status_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::DeregisterRequest> deregister_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -329,6 +339,32 @@ TEST(WorkerClientTest, VersionCallsSendTheirTimeout) {
   int64_t begin_ms = daemon.service().begin_update_.back().timeout_ms();
   EXPECT_GT(begin_ms, 1000);
   EXPECT_LE(begin_ms, 1500);
+}
+
+TEST(WorkerClientTest, EndUpdateSendsItsTimeoutAndAnswersWhatLiveWeightsHold) {
+  std::string sock = TempSocket("endupdate");
+  FakeDaemon daemon(sock);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->RegisterWorker(TinyModel(), {"rollout/0", planner::Role::kRollout, -1}).ok());
+  auto ended = (*client)->EndUpdate(absl::Milliseconds(2500));
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_EQ(ended->applied_version, 4u);
+  EXPECT_EQ(ended->committed_version, 5u);
+  {
+    absl::MutexLock l(&daemon.service().mu_);
+    ASSERT_EQ(daemon.service().end_update_.size(), 1u);
+    const pb::EndUpdateRequest& req = daemon.service().end_update_.back();
+    EXPECT_EQ(req.worker_id(), "rollout/0");
+    EXPECT_GT(req.timeout_ms(), 2000);
+    EXPECT_LE(req.timeout_ms(), 2500);
+    daemon.service().end_update_status_ =
+        absl::DeadlineExceededError("EndUpdate: worker rollout/0 of model m on node n0: a copy of version 5 is still running");
+  }
+  ended = (*client)->EndUpdate(absl::Milliseconds(500));
+  EXPECT_EQ(ended.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(ended.status().message()), HasSubstr("EndUpdate by rollout/0"));
+  EXPECT_THAT(std::string(ended.status().message()), HasSubstr("still running"));
 }
 
 TEST(WorkerClientTest, ReconnectsAfterDaemonRestartAndReplaysRegistration) {

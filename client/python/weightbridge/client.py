@@ -4,7 +4,7 @@ Same verbs and contract as the C++ client (client/worker_client.h):
   [describe_layout: buffer sizes and local tensor places, any time] ->
   register_worker -> create_buffer (POSIX shm, numpy views) / create_cuda_buffer (CUDA IPC) /
   add_cuda_vmm_buffer (CUDA VMM memory, e.g. torch expandable segments) -> register_layout
-  -> publish (trainer) | begin_update + wait_version (sync rollout) | apply (one-step-off / async
+  -> publish (trainer) | begin_update + wait_version, end_update when the wait fails (sync rollout) | apply (one-step-off / async
   rollout) -> deregister; status() any time.
 Every call has a deadline (control calls: call_timeout; version calls: the explicit timeout, also
 sent to the daemon as timeout_ms). Errors raise WeightBridgeError carrying the daemon's gRPC code.
@@ -110,6 +110,12 @@ class PublishResult:
 class ApplyResult:
     applied_version: int
     stall_seconds: float
+
+
+@dataclasses.dataclass
+class EndUpdateResult:
+    applied_version: int    # the version the worker's live weights hold (0: none yet)
+    committed_version: int  # the newest version committed for the worker on its node
 
 
 @dataclasses.dataclass
@@ -444,11 +450,25 @@ class WorkerClient:
         return PublishResult(resp.version, resp.stall_seconds)
 
     def begin_update(self, timeout=60.0):
-        """Rollout, sync mode: paused; live weights may be overwritten by the next version."""
+        """Rollout, sync mode: paused; live weights may be overwritten by the next version. A version
+        committed while it had resumed (end_update) is copied into them before this returns."""
         resp = self._call("BeginUpdate of %s" % self.worker_id, "BeginUpdate",
                           pb.BeginUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
                                                 timeout_ms=_ms(timeout)), timeout)
         return resp.committed_version
+
+    def end_update(self, timeout=60.0) -> EndUpdateResult:
+        """Rollout, sync mode: the engine resumed generating (e.g. its wait_version timed out or
+        failed). From now on no commit writes the live weights: a version committed meanwhile
+        becomes the worker's committed copy, which the next begin_update (or wait_version) copies
+        into them before answering. A copy into them that is running is waited for, up to
+        `timeout`; DEADLINE_EXCEEDED when it still runs (call again before reading the weights).
+        Returns EndUpdateResult(applied_version = what the live weights hold, committed_version).
+        Other modes: no effect."""
+        resp = self._call("EndUpdate of %s" % self.worker_id, "EndUpdate",
+                          pb.EndUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
+                                              timeout_ms=_ms(timeout)), timeout)
+        return EndUpdateResult(resp.applied_version, resp.committed_version)
 
     def apply(self, version=0, timeout=60.0) -> ApplyResult:
         """Rollout, one-step-off / async: make `version` (0 = newest committed) live now."""

@@ -22,11 +22,23 @@ class RolloutHook(LayoutHook):
         super().__init__(socket_path, model, worker_id or "rollout/%d" % rank, "rollout", preset, memory, gpu, client,
                          shm_prefix=engine)
 
-    def update(self, version, params=None, timeout=300.0):
+    def update(self, version, params=None, timeout=300.0, end_update_timeout=None):
         """Sync mode: the engine has paused generation; returns once `version` is committed into
-        the buffer (and, host memory, copied into `params`)."""
+        the buffer (and, host memory, copied into `params`).
+
+        When the wait fails (timed out, aborted, ...) the engine is about to resume with the
+        weights it has: end_update() is called before the error is re-raised, so that no later
+        commit writes the buffer while the engine reads it (memory="cuda": the parameters ARE the
+        buffer); the next update() pauses again and copies what was committed meanwhile.
+        `end_update_timeout` (default `timeout`) bounds its wait for a copy into the buffer that
+        is already running. If end_update itself fails, that error is raised (chained to the
+        wait's): the buffer may still be written, so the engine must not resume on it."""
         self.client.begin_update(timeout)
-        got = self.client.wait_version(version, timeout)
+        try:
+            got = self.client.wait_version(version, timeout)
+        except Exception as wait_error:
+            self.client.end_update(timeout if end_update_timeout is None else end_update_timeout)
+            raise wait_error
         self._landed(params)
         return got
 
