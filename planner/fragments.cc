@@ -43,6 +43,15 @@ struct Scratch {
   std::vector<uint32_t> order;
   Groups src, dst;
   int64_t row = -1;  // the sweep's current row (dim-0 cell index)
+  // Cancellation (FragmentOptions::cancel): Tick counts work; once the check said stop, `stopped`
+  // is set and the helpers return at once (BuildFragments turns that into the check's error).
+  CancelPoll* cancel = nullptr;
+  bool stopped = false;
+  bool Tick(int64_t units) {
+    if (cancel == nullptr || cancel->Tick(units)) return true;
+    stopped = true;
+    return false;
+  }
 };
 
 // Counts the work of one BuildFragments call against its budget.
@@ -240,18 +249,22 @@ int64_t IndexGroups(size_t rank, Scratch& s, Groups* g, uint32_t* largest) {
 }
 
 // Adds every cell of each group's range to the cells' signature (one 128-bit hash per group,
-// sources and destinations apart) and count.
-void WalkGroups(const Groups& g, size_t rank, bool dst, Scratch& s) {
+// sources and destinations apart) and count. Polls s.cancel after each group (false: stopped).
+bool WalkGroups(const Groups& g, size_t rank, bool dst, Scratch& s) {
   for (size_t k = 0; k < g.size(); ++k) {
     const uint64_t ha = Mix(2 * uint64_t{k} + (dst ? 1 : 0));
     const uint64_t hb = Mix(ha ^ (dst ? 0x5bd1e995ULL : 0x27d4eb2fULL));
     std::vector<int32_t>& count = dst ? s.dcount : s.scount;
+    int64_t walked = 0;
     ForEachGridCell(s.grid.dims, g.lo.data() + k * rank, g.hi.data() + k * rank, [&](int64_t c) {
       s.sig_a[c] += ha;
       s.sig_b[c] += hb;
       ++count[c];
+      ++walked;
     });
+    if (!s.Tick(1 + walked)) return false;
   }
+  return true;
 }
 
 // Tensor t's grid in `s`: the breakpoints of its destination boxes (and of source boxes inside
@@ -293,8 +306,9 @@ absl::StatusOr<int64_t> BuildGrid(const Problem& p, const PieceIndex& ix, size_t
   s.assigned.assign(cells, 0);
   s.lo.resize(rank);
   s.hi.resize(rank);
-  WalkGroups(s.dst, rank, /*dst=*/true, s);
-  WalkGroups(s.src, rank, /*dst=*/false, s);
+  if (!WalkGroups(s.dst, rank, /*dst=*/true, s) || !WalkGroups(s.src, rank, /*dst=*/false, s)) {
+    return absl::CancelledError();  // s.stopped: BuildFragments returns the check's error
+  }
   s.row = -1;
   return cells;
 }
@@ -378,6 +392,8 @@ absl::Status EmitFragment(const Problem& p, size_t t, Fragment f, int64_t max_fr
   RETURN_IF_ERROR(CollectHolders(p, s.dst, rank, f.box, ts, meter, out));
   f.dst_end = static_cast<uint32_t>(out->refs.size());
 
+  if (!s.Tick(1 + (f.dst_end - f.src_begin))) return absl::CancelledError();  // s.stopped
+
   if (max_fragment_bytes <= 0 || f.bytes <= max_fragment_bytes) {
     out->fragments.push_back(std::move(f));
     return absl::OkStatus();
@@ -396,6 +412,7 @@ absl::Status EmitFragment(const Problem& p, size_t t, Fragment f, int64_t max_fr
   if (!meter.Charge(std::min(n, extent))) {
     return meter.Exhausted(ts, "", absl::StrCat("splitting fragments at a grain of ", max_fragment_bytes, " bytes"));
   }
+  if (!s.Tick(std::min(n, extent))) return absl::CancelledError();  // s.stopped
   const int64_t esize = DTypeSize(ts.dtype);
   for (Box& b : SplitBox(f.box, n, quantum)) {
     Fragment g = f;
@@ -424,6 +441,7 @@ absl::Status MergeCells(const Problem& p, size_t t, int64_t cells, int64_t max_f
   slab_lo.resize(rank);
   slab_hi.resize(rank);
   for (int64_t c = 0; c < cells; ++c) {
+    if (!s.Tick(1)) return absl::CancelledError();  // s.stopped
     if (s.assigned[c] || s.dcount[c] == 0) continue;
     int64_t rem = c;
     for (size_t d = rank; d-- > 0;) {
@@ -499,11 +517,17 @@ absl::StatusOr<FragmentSet> BuildFragments(const Problem& p, const FragmentOptio
   for (const Worker& w : p.workers) pieces += static_cast<int64_t>(w.layout.pieces.size());
   WorkMeter meter(options.work_budget > 0 ? options.work_budget : FragmentWorkBudget(pieces));
   Scratch s;
-  for (size_t t = 0; t < p.inventory.tensors.size(); ++t) {
+  s.cancel = options.cancel;
+  const size_t nt = p.inventory.tensors.size();
+  for (size_t t = 0; t < nt; ++t) {
     if (ix.dst_off[t] == ix.dst_off[t + 1]) continue;
     absl::StatusOr<int64_t> cells = BuildGrid(p, ix, t, meter, s);
-    if (!cells.ok()) return cells.status();
-    RETURN_IF_ERROR(MergeCells(p, t, *cells, max_fragment_bytes, options, meter, s, &out));
+    absl::Status st = cells.ok() ? MergeCells(p, t, *cells, max_fragment_bytes, options, meter, s, &out) : cells.status();
+    if (s.stopped) {
+      return s.cancel->Stopped(absl::StrCat("building fragments: tensor ", p.inventory.tensors[t].name, " (", t + 1, " of ",
+                                            nt, "), ", out.fragments.size(), " fragments so far"));
+    }
+    RETURN_IF_ERROR(st);
   }
   out.work = meter.used();
   return out;

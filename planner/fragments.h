@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "planner/cancel.h"
 #include "planner/grid.h"  // kMaxGridCells, ForEachGridCell (the grid shared with ValidateCoverage)
 #include "planner/types.h"
 
@@ -71,6 +72,9 @@ struct FragmentOptions {
   bool align_splits_to_quant_blocks = false;
   // > 0: the work budget instead of FragmentWorkBudget(pieces) (tests).
   int64_t work_budget = 0;
+  // Polled as the work is done (grid walks, cell merges, refs written, split chunks: planner/cancel.h);
+  // null: never. When it says stop, BuildFragments returns its error naming the tensor it was on.
+  CancelPoll* cancel = nullptr;
 };
 
 // Builds the fragments of `problem`. Errors: INVALID_ARGUMENT when a piece names an unknown
@@ -78,7 +82,8 @@ struct FragmentOptions {
 // FAILED_PRECONDITION when some destination element is held by no source (naming tensor and box);
 // RESOURCE_EXHAUSTED when a tensor's boundaries form more than kMaxGridCells cells or the work
 // budget (FragmentWorkBudget, or options.work_budget when > 0) runs out (naming the tensor, the
-// worker when one piece is to blame, and the budget).
+// worker when one piece is to blame, and the budget); options.cancel's error (its code) when it
+// says stop, naming the tensor and the fragments built so far.
 //
 // Holders: a worker holding several pieces with the same box (clipped to the destinations' hull)
 // is listed once per fragment, with its lowest-indexed such piece (one GPU, one choice); distinct

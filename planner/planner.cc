@@ -68,8 +68,8 @@ class BestOf {
 class Builder {
  public:
   Builder(const Problem& p, const FragmentSet& fs, const ClusterIndex& ci, const SenderQuantization& sq,
-          Strategy strategy, double lower_bound_s)
-      : p_(p), fs_(fs), ci_(ci), sq_(sq), strategy_(strategy), loads_(ci.num_slots),
+          Strategy strategy, double lower_bound_s, CancelPoll* cancel)
+      : p_(p), fs_(fs), ci_(ci), sq_(sq), strategy_(strategy), cancel_(cancel), loads_(ci.num_slots),
         send_ptr_(ci.num_slots, 0), recv_ptr_(ci.num_slots, 0), reserve_(ci.num_slots, 0) {
     budget_ = p.staging_budget_bytes;
     close_ = budget_ - budget_ / 10;
@@ -91,15 +91,21 @@ class Builder {
   }
 
   absl::StatusOr<Plan> Run() {
-    if (strategy_ == Strategy::kWeightBridge) PrecomputeReserve();
+    if (strategy_ == Strategy::kWeightBridge) RETURN_IF_ERROR(PrecomputeReserve());
     int32_t rank0 = -1;
     if (strategy_ == Strategy::kRank0Broadcast) {
       for (size_t w = 0; w < p_.workers.size() && rank0 < 0; ++w) {
         if (p_.workers[w].role == Role::kTrainer) rank0 = static_cast<int32_t>(w);
       }
     }
-    for (size_t fi = 0; fi < fs_.fragments.size(); ++fi) {
+    const size_t nf = fs_.fragments.size();
+    for (size_t fi = 0; fi < nf; ++fi) {
       const Fragment& f = fs_.fragments[fi];
+      // Ops: one per needer, plus a gather (rank0) or relays' lookups; each a few tree steps.
+      if (!Tick(1 + kCancelUnitsPerOp * (f.dst_end - f.dst_begin + 1) + (f.src_end - f.src_begin))) {
+        return cancel_->Stopped(absl::StrCat("building the ", StrategyName(strategy_), " ops: fragment ", fi, " of ", nf,
+                                             ", ", ops_, " ops built"));
+      }
       cur_quantized_ = sq_.quantized[fi] != 0;
       cur_wire_ = sq_.wire_bytes[fi];
       inter_nodes_.clear();
@@ -125,6 +131,9 @@ class Builder {
         if (inter_nodes_[i] == inter_nodes_[i - 1]) redundant_ += f.bytes;
       }
     }
+    if (cancel_ != nullptr && !cancel_->Poll()) {
+      return cancel_->Stopped(absl::StrCat("before the plan's stats and fingerprint: ", ops_, " ops built"));
+    }
     return Finish();
   }
 
@@ -137,16 +146,23 @@ class Builder {
   int32_t Slot(PieceRef r) const { return ci_.worker_slot[r.worker]; }
   int32_t Node(PieceRef r) const { return ci_.worker_node[r.worker]; }
 
+  bool Tick(int64_t units) { return cancel_ == nullptr || cancel_->Tick(units); }
+
   // Each byte that must leave its holders will be sent at least once by one of them: reserve that
   // share of every holder's NIC egress so early fragments cannot use it up for extra copies.
-  void PrecomputeReserve() {
-    for (size_t fi = 0; fi < fs_.fragments.size(); ++fi) {
+  absl::Status PrecomputeReserve() {
+    const size_t nf = fs_.fragments.size();
+    for (size_t fi = 0; fi < nf; ++fi) {
       const Fragment& f = fs_.fragments[fi];
+      if (!Tick(1 + (f.src_end - f.src_begin) + (f.dst_end - f.dst_begin))) {
+        return cancel_->Stopped(absl::StrCat("reserving sender egress: fragment ", fi, " of ", nf));
+      }
       BeginFragment(f);
       if (!Leaves(f)) continue;
       const double share = static_cast<double>(sq_.wire_bytes[fi]) / (f.src_end - f.src_begin);
       for (uint32_t k = f.src_begin; k < f.src_end; ++k) reserve_[Slot(fs_.refs[k])] += share;
     }
+    return absl::OkStatus();
   }
 
   // ---- Per-fragment index of the holders (docs/planner.md "Plan builder cost") ----
@@ -432,6 +448,7 @@ class Builder {
     op.sender_quantized = quantized;
     op.wire_bytes = wire;
     plan_.buckets[b].ops.push_back(std::move(op));
+    ++ops_;
     if (route == Route::kInterNode) {
       inter_nodes_.push_back(Node(dst));
       plan_.stats.bytes_inter_node += f.bytes;
@@ -499,6 +516,8 @@ class Builder {
   const ClusterIndex& ci_;
   const SenderQuantization& sq_;
   const Strategy strategy_;
+  CancelPoll* const cancel_;  // null: never stops
+  int64_t ops_ = 0;           // ops emitted so far (for the cancel message)
   bool cur_quantized_ = false;  // of the fragment being planned
   int64_t cur_wire_ = 0;
   LinkLoads loads_;
@@ -590,6 +609,8 @@ absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strate
       return absl::InvalidArgumentError(absl::StrCat("worker ", w.id, ": negative node or gpu"));
     }
   }
+  CancelPoll poll(&options.cancel);
+  if (!poll.Poll()) return poll.Stopped("before planning");
   const ClusterIndex ci = IndexCluster(problem);
   FragmentOptions fo;
   fo.max_fragment_bytes = options.max_fragment_bytes;
@@ -601,14 +622,15 @@ absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strate
     fo.max_fragment_bytes = 0;
   }
   fo.align_splits_to_quant_blocks = options.sender_quantization;
+  fo.cancel = &poll;
   ASSIGN_OR_RETURN(FragmentSet fs, BuildFragments(problem, fo));
   int64_t pieces = 0;
   for (const Worker& w : problem.workers) pieces += static_cast<int64_t>(w.layout.pieces.size());
   RETURN_IF_ERROR(CheckPlanSize(problem, fs, strategy, options.max_ops > 0 ? options.max_ops : MaxPlanOps(pieces),
                                 pieces, options.max_ops <= 0));
-  const SenderQuantization sq = DecideSenderQuantization(problem, fs, options.sender_quantization);
+  ASSIGN_OR_RETURN(const SenderQuantization sq, DecideSenderQuantization(problem, fs, options.sender_quantization, &poll));
   const double lb = LowerBoundOfFragments(problem, ci, fs, &sq.wire_bytes);
-  Builder builder(problem, fs, ci, sq, strategy, lb);
+  Builder builder(problem, fs, ci, sq, strategy, lb, &poll);
   return builder.Run();
 }
 

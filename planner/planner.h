@@ -33,11 +33,14 @@
 // so much that building fragments would pass its work budget (planner/fragments.h
 // FragmentWorkBudget; docs/planner.md "Work bounds"), RESOURCE_EXHAUSTED (naming the model, the
 // tensor that needs the most ops, the count and the limit) when the plan would have more ops than
-// PlanOptions::max_ops / MaxPlanOps (counted before any op is built).
+// PlanOptions::max_ops / MaxPlanOps (counted before any op is built); PlanOptions::cancel's error
+// (its code, CANCELLED / DEADLINE_EXCEEDED for the coordinator's) when it says stop, naming the
+// phase and its progress (planner/cancel.h).
 
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "planner/cancel.h"
 #include "planner/types.h"
 
 namespace wb::planner {
@@ -72,6 +75,15 @@ struct PlanOptions {
   // > 0: the most ops the plan may have instead of MaxPlanOps(pieces) (tests, tools); past it,
   // RESOURCE_EXHAUSTED before any op is built.
   int64_t max_ops = 0;
+  // Cancellation (planner/cancel.h, docs/planner.md "Cancelling a plan"): when set, called at the
+  // start and then about every kCancelPollUnits units of work - while building fragments, deciding
+  // sender-side quantisation, reserving sender egress and building ops (the load balancer and the
+  // bucketing) -, on the planning thread. A non-OK status stops the plan: MakePlanWithOptions
+  // returns its code and message plus " (planner stopped PHASE: PROGRESS)". The planner stays
+  // clock-free: a deadline is a check that reads the caller's clock. Not polled: the steps linear in
+  // the fragments (op count, lower bound) and the final fingerprint. A plan the
+  // check never stops is exactly the plan without it (same ops, same fingerprint).
+  CancelCheck cancel;
 };
 absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strategy,
                                          const PlanOptions& options);

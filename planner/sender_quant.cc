@@ -1,5 +1,8 @@
 #include "planner/sender_quant.h"
 
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
 
@@ -16,6 +19,11 @@ bool SenderCanQuantize(const Quantization& q) {
 }
 
 SenderQuantization DecideSenderQuantization(const Problem& p, const FragmentSet& fs, bool enabled) {
+  return *DecideSenderQuantization(p, fs, enabled, nullptr);  // no check: never stops
+}
+
+absl::StatusOr<SenderQuantization> DecideSenderQuantization(const Problem& p, const FragmentSet& fs, bool enabled,
+                                                            CancelPoll* cancel) {
   const size_t nf = fs.fragments.size();
   SenderQuantization out;
   out.quantized.assign(nf, 0);
@@ -44,35 +52,78 @@ SenderQuantization DecideSenderQuantization(const Problem& p, const FragmentSet&
   }
   if (!any) return out;
   auto piece_of = [&](PieceRef r) -> const Piece& { return p.workers[r.worker].layout.pieces[r.piece]; };
-  auto flag = [&](PieceRef r) -> uint8_t& { return eligible[base[r.worker] + r.piece]; };
+  auto flat = [&](PieceRef r) { return base[r.worker] + r.piece; };
+  auto tick = [&](int64_t units) { return cancel == nullptr || cancel->Tick(units); };
+  auto stopped = [&](absl::string_view what, size_t i, size_t n) {
+    return cancel->Stopped(absl::StrCat("deciding sender-side quantisation: ", what, " ", i, " of ", n));
+  };
 
-  // Fixpoint: a fragment that cannot travel quantised to all its needers demotes all of them.
-  // Eligibility only ever drops, so this ends (each pass but the last demotes a piece); in
-  // practice one or two passes.
-  bool changed = true;
-  while (changed) {
-    changed = false;
+  // The greatest set of pieces such that every fragment with a needer in it has all its needers in
+  // it, in one format, and lies on their block grid (a fixpoint: demotion only ever removes pieces).
+  // A fragment that fails demotes all its needers (`bad`, each fragment at most once); a demoted
+  // piece makes every fragment it needs fail. First every fragment is checked once, in order; the
+  // pieces it demoted then demote, through a piece -> fragments index built only when some piece
+  // was demoted, the other needers of their fragments, and so on. Every fragment is marked bad at
+  // most once and every piece demoted at most once: linear in the refs. The result is the fixpoint
+  // the repeated passes reached (it does not depend on the order of demotions), so plans are
+  // unchanged (planner_test's pinned fingerprints, SenderQuantisationChainOfDemotions).
+  std::vector<uint8_t> bad(nf, 0);
+  std::vector<size_t> demoted;  // pieces demoted, waiting to demote the fragments they need
+  auto fail = [&](size_t i) {
+    bad[i] = 1;
+    const Fragment& f = fs.fragments[i];
+    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) {
+      uint8_t& e = eligible[flat(fs.refs[k])];
+      if (e != 0) demoted.push_back(flat(fs.refs[k]));
+      e = 0;
+    }
+  };
+  for (size_t i = 0; i < nf; ++i) {
+    const Fragment& f = fs.fragments[i];
+    if (!tick(1 + (f.dst_end - f.dst_begin))) return stopped("checking fragment", i, nf);
+    if (f.dst_begin == f.dst_end) continue;
+    const Piece& first = piece_of(fs.refs[f.dst_begin]);
+    bool ok = true;
+    for (uint32_t k = f.dst_begin; k < f.dst_end && ok; ++k) {
+      const PieceRef r = fs.refs[k];
+      ok = eligible[flat(r)] != 0 && SameQuantFormat(*piece_of(r).quant, *first.quant);
+    }
+    ok = ok && BoxOnBlockGrid(f.box, p.inventory.tensors[f.tensor].shape, first.quant->block);
+    if (!ok) fail(i);
+  }
+  if (!demoted.empty()) {
+    // Piece -> the fragments it needs (CSR over the flat piece index).
+    std::vector<uint32_t> off(base.back() + 1, 0);
     for (size_t i = 0; i < nf; ++i) {
       const Fragment& f = fs.fragments[i];
-      if (f.dst_begin == f.dst_end) continue;
-      const Piece& first = piece_of(fs.refs[f.dst_begin]);
-      bool ok = true;
-      for (uint32_t k = f.dst_begin; k < f.dst_end && ok; ++k) {
-        const PieceRef r = fs.refs[k];
-        ok = flag(r) != 0 && SameQuantFormat(*piece_of(r).quant, *first.quant);
-      }
-      ok = ok && BoxOnBlockGrid(f.box, p.inventory.tensors[f.tensor].shape, first.quant->block);
-      if (ok) continue;
-      for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) {
-        uint8_t& e = flag(fs.refs[k]);
-        changed |= e != 0;
-        e = 0;
+      for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) ++off[flat(fs.refs[k]) + 1];
+    }
+    for (size_t x = 0; x + 1 < off.size(); ++x) off[x + 1] += off[x];
+    std::vector<uint32_t> needs(off.back());
+    std::vector<uint32_t> fill(off.begin(), off.end() - 1);
+    for (size_t i = 0; i < nf; ++i) {
+      const Fragment& f = fs.fragments[i];
+      if (!tick(1 + (f.dst_end - f.dst_begin))) return stopped("indexing fragment", i, nf);
+      for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) needs[fill[flat(fs.refs[k])]++] = static_cast<uint32_t>(i);
+    }
+    size_t done = 0;
+    while (!demoted.empty()) {
+      const size_t piece = demoted.back();
+      demoted.pop_back();
+      ++done;
+      for (uint32_t x = off[piece]; x < off[piece + 1]; ++x) {
+        const uint32_t i = needs[x];
+        if (bad[i]) continue;
+        if (!tick(1 + (fs.fragments[i].dst_end - fs.fragments[i].dst_begin))) {
+          return stopped("demoting the needers of demoted pieces: piece", done, done + demoted.size());
+        }
+        fail(i);
       }
     }
   }
   for (size_t i = 0; i < nf; ++i) {
     const Fragment& f = fs.fragments[i];
-    if (f.dst_begin == f.dst_end || !flag(fs.refs[f.dst_begin])) continue;
+    if (f.dst_begin == f.dst_end || !eligible[flat(fs.refs[f.dst_begin])]) continue;
     // At the fixpoint every needer is eligible, in one format, and the box is on its grid.
     const Quantization* q = &*piece_of(fs.refs[f.dst_begin]).quant;
     out.quantized[i] = 1;

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "planner/cancel.h"
 #include "planner/fragments.h"
 #include "planner/types.h"
 
@@ -40,7 +42,15 @@ struct SenderQuantization {
 };
 
 // `enabled` false: nothing quantised, wire_bytes = Fragment::bytes.
+// Cost: linear in the fragments' refs (each fragment is checked once; a demoted piece demotes the
+// other needers of its fragments through a piece -> fragments index, each fragment at most once),
+// however long the chain of demotions. (It used to repeat whole passes over every fragment until
+// nothing changed: one pass per link of a chain, quadratic on a chain of overlapping pieces.)
 SenderQuantization DecideSenderQuantization(const Problem& problem, const FragmentSet& fs, bool enabled);
+// The same, polling `cancel` (planner/cancel.h; null: never) as it checks fragments and demotes
+// pieces: its error, naming the progress, when it says stop.
+absl::StatusOr<SenderQuantization> DecideSenderQuantization(const Problem& problem, const FragmentSet& fs, bool enabled,
+                                                            CancelPoll* cancel);
 
 // Whether the sending node can produce `quant`'s format (see the rule above).
 bool SenderCanQuantize(const Quantization& quant);
