@@ -480,6 +480,12 @@ void WorkerGuard::AddRules(AuthGate& gate) {
              ClampWait(r, limits_);
              return Waiting(c, r.model_id(), r.worker_id());
            }));
+  // EndUpdate may wait for a running commit copy into the worker's live weights: a waiting slot too.
+  gate.Add(w + "EndUpdate", Rule<pb::EndUpdateRequest>([this, acts_as](AuthCall& c, pb::EndUpdateRequest& r) {
+             if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
+             ClampWait(r, limits_);
+             return Waiting(c, r.model_id(), r.worker_id());
+           }));
   gate.Add(w + "Apply", Rule<pb::ApplyRequest>([this, acts_as](AuthCall& c, pb::ApplyRequest& r) {
              if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
              ClampWait(r, limits_);

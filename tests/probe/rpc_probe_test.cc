@@ -273,7 +273,7 @@ Outcome CallWatch(const std::shared_ptr<grpc::Channel>& channel, const std::stri
 bool MayBlock(const std::string& method) {
   static const std::set<std::string> blocking = {
       "WorkerService/Publish",         "WorkerService/BeginUpdate",       "WorkerService/Apply",
-      "WorkerService/WaitVersion",     "CoordinatorService/WaitVersion",  "CoordinatorService/Publish",
+      "WorkerService/WaitVersion",     "WorkerService/EndUpdate",     "CoordinatorService/WaitVersion",  "CoordinatorService/Publish",
       "CoordinatorService/Drain",      "CoordinatorService/WatchStatus",  "NodeService/Drain",
       "NodeService/ExecuteVersion",    "NodeService/SetupDataChannel",    "NodeService/ExchangeRegions",
       "CoordinatorService/ReportReady"};
@@ -416,6 +416,8 @@ class RpcProbeTest : public ::testing::Test {
     } else if (name == "WorkerService/Publish") {
       text("model_id: 'm' worker_id: 't0' version: 1000 timeout_ms: 200");
     } else if (name == "WorkerService/BeginUpdate") {
+      text("model_id: 'm' worker_id: 'r0' timeout_ms: 200");
+    } else if (name == "WorkerService/EndUpdate") {
       text("model_id: 'm' worker_id: 'r0' timeout_ms: 200");
     } else if (name == "WorkerService/Apply") {
       text("model_id: 'm' worker_id: 'r0' version: 1 timeout_ms: 2000");
