@@ -1,6 +1,8 @@
 #include "daemon/coordinator/plan_cache.h"
 
 #include <algorithm>
+#include <optional>
+#include <string>
 
 #include <xxhash.h>
 
@@ -72,6 +74,28 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     if (auto f = failed_.find(key); f != failed_.end()) return f->second;  // failed before: at once
   }
   if (!out.plan) {
+    // Cancellation and the deadline (Options): checked before the coverage check and before the
+    // planner starts, and polled by the planner (MakePlanWithOptions) as it works.
+    auto clock = [this] { return options_.now ? options_.now() : absl::Now(); };
+    const absl::Time start = clock();
+    const absl::Duration deadline = options_.plan_deadline;
+    const bool has_deadline = deadline > absl::ZeroDuration() && deadline != absl::InfiniteDuration();
+    planner::CancelCheck check = [&, this]() -> absl::Status {
+      if (options_.cancelled) {
+        if (std::optional<std::string> why = options_.cancelled()) {
+          return absl::CancelledError(absl::StrCat("model ", in.model_id, ": plan cancelled after ",
+                                                   absl::FormatDuration(clock() - start), ": ", *why));
+        }
+      }
+      if (has_deadline) {
+        if (const absl::Duration spent = clock() - start; spent > deadline) {
+          return absl::DeadlineExceededError(absl::StrCat("model ", in.model_id, ": plan abandoned after ", absl::FormatDuration(spent),
+                                                          ", past the plan deadline of ", absl::FormatDuration(deadline)));
+        }
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status go = check(); !go.ok()) return go;
     std::vector<const planner::Worker*> sources, destinations;
     for (const planner::Worker& w : problem.workers) (w.role == planner::Role::kTrainer ? sources : destinations).push_back(&w);
     if (absl::Status covered = planner::ValidateCoverage(problem.inventory, sources, destinations); !covered.ok()) {
@@ -79,10 +103,17 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
       RememberFailure(key, covered);
       return covered;
     }
+    if (absl::Status go = check(); !go.ok()) return go;  // the coverage check is bounded (~1 s), not polled
     const absl::Time t0 = absl::Now();
-    planner::PlanOptions options;
-    options.sender_quantization = true;
-    auto plan = sender_quantization ? planner::MakePlanWithOptions(problem, settings.strategy, options) : make_plan(problem, settings.strategy);
+    absl::StatusOr<planner::Plan> plan;
+    if (sender_quantization || !make_plan) {
+      planner::PlanOptions options;
+      options.sender_quantization = sender_quantization;
+      if (options_.cancelled || has_deadline) options.cancel = check;
+      plan = planner::MakePlanWithOptions(problem, settings.strategy, options);
+    } else {
+      plan = make_plan(problem, settings.strategy);
+    }
     if (!plan.ok()) {
       RememberFailure(key, plan.status());
       return plan.status();
@@ -90,7 +121,7 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     plan->stats.plan_ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     out.plan = std::make_shared<const planner::Plan>(std::move(*plan));
     absl::MutexLock l(&mu_);
-    if (plans_.size() >= max_entries_) plans_.clear();
+    if (plans_.size() >= options_.max_entries) plans_.clear();
     plans_[key] = out.plan;
   }
   ASSIGN_OR_RETURN(out.slices, SliceOps(*out.plan, in));
@@ -108,14 +139,14 @@ size_t PlanCache::failures() const {
 }
 
 void PlanCache::RememberFailure(const std::string& key, const absl::Status& status) {
-  if (max_failures_ == 0 || absl::IsCancelled(status) || absl::IsDeadlineExceeded(status) || absl::IsUnavailable(status) ||
+  if (options_.max_failures == 0 || absl::IsCancelled(status) || absl::IsDeadlineExceeded(status) || absl::IsUnavailable(status) ||
       absl::IsAborted(status)) {
     return;
   }
   absl::MutexLock l(&mu_);
   if (!failed_.emplace(key, status).second) return;
   failed_order_.push_back(key);
-  while (failed_.size() > max_failures_) {
+  while (failed_.size() > options_.max_failures) {
     failed_.erase(failed_order_.front());
     failed_order_.pop_front();
   }

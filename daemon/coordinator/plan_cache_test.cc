@@ -5,6 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <string>
+
+#include "absl/strings/match.h"
+
 #include "planner/planner.h"
 
 namespace wb::daemon {
@@ -164,6 +169,114 @@ TEST(PlanCacheTest, ACoverageFailureIsRemembered) {
   EXPECT_EQ(cache.PlanAndSlice(in, settings, counting).status(), first.status());
   EXPECT_EQ(calls, 0);
   EXPECT_EQ(cache.failures(), 1u);
+}
+
+
+// ---- Cancelling a plan (Options::cancelled, plan_deadline) ----
+
+// Enough work that the planner polls many times: `tensors` bf16 tensors of 64 x 64 held whole by a
+// host-memory trainer on n0 and needed whole by 16 host-memory rollouts on n1 and n2 (one op per
+// tensor per rollout).
+SliceInput BigInput(int tensors) {
+  auto inv = std::make_shared<planner::Inventory>();
+  for (int i = 0; i < tensors; ++i) inv->tensors.push_back({"t" + std::to_string(i), {64, 64}, planner::DType::kBF16});
+  auto layout = std::make_shared<planner::WorkerLayout>();
+  for (int i = 0; i < tensors; ++i) {
+    planner::Piece p;
+    p.tensor = i;
+    p.box = {{0, 0}, {64, 64}};
+    p.strides = {64, 1};
+    p.offset_bytes = int64_t{i} * 64 * 64 * 2;
+    layout->pieces.push_back(p);
+  }
+  layout->buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
+  auto proto = std::make_shared<pb::ResolvedLayout>();
+  pb::BufferSpec* b = proto->add_buffers();
+  b->set_size_bytes(static_cast<uint64_t>(layout->buffers[0].size_bytes));
+  b->set_shm_name("/wb-test");
+  b->set_gpu(-1);
+  SliceInput in;
+  in.model_id = "m";
+  in.inventory = inv;
+  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, layout, proto});
+  for (int r = 0; r < 16; ++r) in.workers.push_back({"r" + std::to_string(r), r < 8 ? "n1" : "n2", planner::Role::kRollout, -1, layout, proto});
+  for (const char* n : {"n0", "n1", "n2"}) in.nodes[n] = {};
+  return in;
+}
+
+// A plan whose job is cancelled mid-way (Options::cancelled says why from its 6th call: the coverage
+// check and the planner's start went by) stops at that call, CANCELLED naming the model, the time
+// spent, the reason and where the planner was; it is not remembered as a failure, and the next
+// request plans. With no PlanFn the plan is MakePlanWithOptions's; an injected PlanFn is only
+// checked before it starts.
+TEST(PlanCacheTest, ACancelledPlanStopsWhereThePlannerWasAndTheNextOnePlans) {
+  int calls = 0, stop_from = 6;
+  PlanCache::Options o;
+  o.cancelled = [&]() -> std::optional<std::string> {
+    ++calls;
+    if (stop_from > 0 && calls >= stop_from) return std::string("a newer plan job of the model is queued");
+    return std::nullopt;
+  };
+  PlanCache cache(o);
+  PlanSettings settings;
+  const SliceInput in = BigInput(4096);
+  absl::StatusOr<PlanOutcome> stopped = cache.PlanAndSlice(in, settings, PlanFn());
+  ASSERT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
+  EXPECT_EQ(calls, stop_from) << "stopped at the call that said so";
+  EXPECT_TRUE(absl::StartsWith(stopped.status().message(), "model m: plan cancelled after ")) << stopped.status();
+  EXPECT_NE(stopped.status().message().find(": a newer plan job of the model is queued (planner stopped building "), std::string::npos)
+      << stopped.status();
+  EXPECT_EQ(cache.failures(), 0u) << "a cancelled plan may pass on another try";
+  EXPECT_EQ(cache.size(), 0u);
+
+  // Not cancelled: the same layout set plans (the planner polled all along), and is cached.
+  stop_from = 0;
+  calls = 0;
+  absl::StatusOr<PlanOutcome> next = cache.PlanAndSlice(in, settings, PlanFn());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_FALSE(next->cached);
+  EXPECT_EQ(next->plan->stats.num_ops, 4096 * 16);
+  EXPECT_GT(calls, 8) << "polled as the planner works";
+  PlanCache uncancellable;
+  absl::StatusOr<PlanOutcome> plain = uncancellable.PlanAndSlice(in, settings, planner::MakePlan);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(next->plan->fingerprint, plain->plan->fingerprint) << "the polls change nothing";
+
+  // An injected PlanFn has no options: checked before it starts, not polled.
+  int fn_calls = 0;
+  PlanFn fn = [&](const planner::Problem& p, planner::Strategy s) {
+    ++fn_calls;
+    return planner::MakePlan(p, s);
+  };
+  SliceInput other = BigInput(64);
+  stop_from = 1;
+  calls = 0;
+  absl::StatusOr<PlanOutcome> before = cache.PlanAndSlice(other, settings, fn);
+  EXPECT_EQ(before.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(fn_calls, 0);
+  stop_from = 0;
+  ASSERT_TRUE(cache.PlanAndSlice(other, settings, fn).ok());
+  EXPECT_EQ(fn_calls, 1);
+}
+
+// Past the plan deadline (a clock that advances 1 s per reading, a 10 s deadline): abandoned,
+// DEADLINE_EXCEEDED naming the model, the time spent, the deadline and where the planner was; not
+// remembered. Without a deadline (0) the same clock plans.
+TEST(PlanCacheTest, APlanPastTheDeadlineIsAbandoned) {
+  absl::Time t = absl::UnixEpoch();
+  PlanCache::Options o;
+  o.plan_deadline = absl::Seconds(10);
+  o.now = [&] { return t += absl::Seconds(1); };
+  PlanCache cache(o);
+  absl::StatusOr<PlanOutcome> late = cache.PlanAndSlice(BigInput(4096), PlanSettings(), PlanFn());
+  ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_TRUE(absl::StartsWith(late.status().message(), "model m: plan abandoned after 11s, past the plan deadline of 10s (planner stopped "))
+      << late.status();
+  EXPECT_EQ(cache.failures(), 0u);
+
+  o.plan_deadline = absl::ZeroDuration();
+  PlanCache unbounded(o);
+  ASSERT_TRUE(unbounded.PlanAndSlice(BigInput(4096), PlanSettings(), PlanFn()).ok());
 }
 
 }  // namespace

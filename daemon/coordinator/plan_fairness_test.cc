@@ -8,10 +8,14 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/coordinator/fake_node_client.h"
@@ -227,6 +231,93 @@ TEST_F(PlanFairnessTest, ALayoutSetThatFailedFailsAgainAtOnceWithTheSameError) {
   ASSERT_TRUE(core_->AwaitPlanSettled("e", Deadline()));
   EXPECT_EQ(PlanError("e"), "hostile layout #1") << "the first failure, remembered";
   EXPECT_EQ(planner_.calls().size(), 2u) << "the planner was called again for a layout set that failed";
+}
+
+
+// ---- Cancelling a superseded plan: PlanQueue and PlanCache as the coordinator wires them ----
+// (PlanCache::Options::cancelled = PlanQueue::CurrentJobCancelled, no PlanFn: the cancellable
+// planner). docs/planner.md "Cancelling a plan".
+
+// `tensors` 64 x 64 bf16 tensors, a host trainer on n0 holding them whole, 16 host rollouts on n1
+// and n2 needing them whole: one op per tensor per rollout.
+SliceInput BigInput(const std::string& model, int tensors) {
+  auto inv = std::make_shared<planner::Inventory>();
+  for (int i = 0; i < tensors; ++i) inv->tensors.push_back({absl::StrCat("t", i), {64, 64}, planner::DType::kBF16});
+  auto layout = std::make_shared<planner::WorkerLayout>();
+  for (int i = 0; i < tensors; ++i) {
+    planner::Piece p;
+    p.tensor = i;
+    p.box = {{0, 0}, {64, 64}};
+    p.strides = {64, 1};
+    p.offset_bytes = int64_t{i} * 64 * 64 * 2;
+    layout->pieces.push_back(p);
+  }
+  layout->buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
+  auto proto = std::make_shared<pb::ResolvedLayout>();
+  pb::BufferSpec* b = proto->add_buffers();
+  b->set_size_bytes(static_cast<uint64_t>(layout->buffers[0].size_bytes));
+  b->set_shm_name("/wb-test");
+  b->set_gpu(-1);
+  SliceInput in;
+  in.model_id = model;
+  in.inventory = inv;
+  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, layout, proto});
+  for (int r = 0; r < 16; ++r) in.workers.push_back({absl::StrCat("r", r), r < 8 ? "n1" : "n2", planner::Role::kRollout, -1, layout, proto});
+  for (const char* n : {"n0", "n1", "n2"}) in.nodes[n] = {};
+  return in;
+}
+
+// The planner thread runs model m's plan job; at the planner's 5th poll (mid-plan) the driver
+// queues a newer plan of m (its membership changed). The running plan stops at that poll,
+// CANCELLED "a newer plan job of the model is queued", and the next job - the newer plan - runs
+// and plans. The same for CancelRunning (the coordinator's shutdown).
+TEST(PlanCancelTest, ASupersededPlanIsCancelledAndTheNextOneRuns) {
+  for (const bool shutdown : {false, true}) {
+    PlanQueue queue;  // the test thread plays the driver (CoordinatorCore keeps it under its mu_)
+    absl::Notification at_poll, pushed;
+    int polls = 0;
+    PlanCache::Options o;
+    o.cancelled = [&]() -> std::optional<std::string> {
+      if (++polls == 5) {
+        at_poll.Notify();
+        EXPECT_TRUE(pushed.WaitForNotificationWithTimeout(kReal));
+      }
+      return PlanQueue::CurrentJobCancelled();
+    };
+    PlanCache cache(o);
+    const SliceInput in = BigInput("m", 4096);
+    std::vector<absl::StatusOr<PlanOutcome>> outcomes;
+    auto plan_job = [&] { outcomes.push_back(cache.PlanAndSlice(in, PlanSettings(), PlanFn())); };
+    queue.Push("m", "plan", plan_job);
+    std::optional<PlanQueue::Job> first = queue.Pop();
+    ASSERT_TRUE(first.has_value());
+    std::thread planner_thread([&] { (*first)(); });
+    ASSERT_TRUE(at_poll.WaitForNotificationWithTimeout(kReal));
+    if (shutdown) {
+      EXPECT_TRUE(queue.CancelRunning("coordinator shutting down"));
+    } else {
+      EXPECT_FALSE(queue.Push("m", "plan", plan_job));  // no waiting job replaced: queued
+    }
+    pushed.Notify();
+    planner_thread.join();
+    ASSERT_EQ(outcomes.size(), 1u);
+    ASSERT_EQ(outcomes[0].status().code(), absl::StatusCode::kCancelled) << outcomes[0].status();
+    EXPECT_EQ(polls, 5) << "stopped at the first poll after the cancel";
+    const std::string why = shutdown ? "coordinator shutting down" : "a newer plan job of the model is queued";
+    EXPECT_NE(outcomes[0].status().message().find(absl::StrCat(": ", why, " (planner stopped ")), std::string::npos)
+        << outcomes[0].status();
+    EXPECT_TRUE(absl::StartsWith(outcomes[0].status().message(), "model m: plan cancelled after ")) << outcomes[0].status();
+    if (shutdown) continue;
+
+    std::optional<PlanQueue::Job> next = queue.Pop();
+    ASSERT_TRUE(next.has_value());
+    (*next)();
+    ASSERT_EQ(outcomes.size(), 2u);
+    ASSERT_TRUE(outcomes[1].ok()) << outcomes[1].status();
+    EXPECT_EQ(outcomes[1]->plan->stats.num_ops, 4096 * 16);
+    EXPECT_FALSE(outcomes[1]->cached);
+    EXPECT_FALSE(queue.Pop().has_value());
+  }
 }
 
 }  // namespace
