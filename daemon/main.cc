@@ -104,6 +104,7 @@ ABSL_FLAG(int64_t, gpu_staging_bytes, 0,
 ABSL_FLAG(int64_t, heartbeat_ms, 500, "node -> coordinator heartbeat period");
 ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost");
 ABSL_FLAG(int64_t, transfer_timeout_ms, 60000, "a version not transferred in this time is aborted");
+ABSL_FLAG(int64_t, plan_deadline_s, 120, "coordinator: a plan still running after this many seconds is abandoned (DEADLINE_EXCEEDED naming the model; planned again when its layouts are submitted again); 0: no deadline");
 ABSL_FLAG(std::string, log_level, "info", "info | debug | warning | error");
 // Observability and security (docs/observability.md, docs/security.md).
 ABSL_FLAG(std::string, metrics_listen, "", "Prometheus /metrics host:port (port 0 = pick one); empty = off");
@@ -188,6 +189,7 @@ absl::Status CheckNumericFlags() {
     if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("--", name, " must be > 0"));
   }
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return absl::InvalidArgumentError("--gpu_staging_bytes must be >= 0");
+  if (absl::GetFlag(FLAGS_plan_deadline_s) < 0) return absl::InvalidArgumentError("--plan_deadline_s must be >= 0 (0: no deadline)");
   return absl::OkStatus();
 }
 
@@ -328,6 +330,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.heartbeat = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_ms));
   o.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   o.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
+  o.plan_deadline = absl::Seconds(absl::GetFlag(FLAGS_plan_deadline_s));
   RETURN_IF_ERROR(SecurityFromFlags(o));
   o.topology.intra_node_GBps = absl::GetFlag(FLAGS_intra_node_GBps);
   o.topology.nic_GBps_per_gpu = absl::GetFlag(FLAGS_nic_GBps);

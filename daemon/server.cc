@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.lease = o.lease;
     co.make_channel = s->front_->channel_factory();
     co.transfer_timeout = o.transfer_timeout;
+    co.plan_deadline = o.plan_deadline;
     co.make_plan = o.make_plan;
     co.topology = o.topology;
     co.bucket_bytes = o.bucket_bytes;

@@ -31,8 +31,11 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
       nodes_(NodeTable::Options{options_.lease, options_.local_node, options_.max_heartbeat_progress}),
       models_(ModelRegistry::Options{options_.max_models, options_.max_name_bytes, options_.max_reply_bytes,
                                      options_.model_idle_grace, options_.clock}),
+      // No default make_plan: PlanCache then plans with MakePlanWithOptions and polls the
+      // cancellation of the planner thread's job (a newer plan of the model queued, shutdown) and
+      // the plan deadline.
+      plan_cache_(PlanCache::Options{.plan_deadline = options_.plan_deadline, .cancelled = &PlanQueue::CurrentJobCancelled}),
       instance_(NewInstanceId()) {
-  if (!options_.make_plan) options_.make_plan = [](const planner::Problem& p, planner::Strategy s) { return planner::MakePlan(p, s); };
   if (!options_.make_node_client) {
     auto make_channel = options_.make_channel;
     options_.make_node_client = [make_channel](const std::string&, const std::string& address) -> std::shared_ptr<NodeClient> {
@@ -56,9 +59,11 @@ void CoordinatorCore::Shutdown() {
   {
     absl::MutexLock l(&mu_);
     stopping_ = true;
+    plan_queue_.CancelRunning("coordinator shutting down");
   }
   if (driver_.joinable()) driver_.join();
-  if (planner_.joinable()) planner_.join();  // a plan in progress finishes first (planner calls have no cancel)
+  // A running plan stops at the planner's next poll (milliseconds); an injected PlanFn runs to its end.
+  if (planner_.joinable()) planner_.join();
 }
 
 bool CoordinatorCore::AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) const {

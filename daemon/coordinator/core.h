@@ -67,7 +67,11 @@ struct CoordinatorOptions {
   absl::Duration lease = absl::Seconds(3);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration tick = absl::Milliseconds(20);  // driver wake-up cap
-  PlanFn make_plan;                               // empty = planner::MakePlan
+  PlanFn make_plan;  // empty = planner::MakePlanWithOptions, cancellable (plan_cache.h); tests inject one
+  // A plan (coverage check + planner) still running this long is abandoned (DEADLINE_EXCEEDED
+  // naming the model and the time; PlanCache::Options::plan_deadline; flag --plan_deadline_s).
+  // <= 0: none.
+  absl::Duration plan_deadline = kDefaultPlanDeadline;
   // Bandwidths the planner assumes (node index = registered node daemon, gpu = the worker's gpu
   // or, for host workers (gpu < 0), a distinct slot per worker of the node).
   planner::Topology topology;

@@ -320,5 +320,52 @@ TEST(PlanCancelTest, ASupersededPlanIsCancelledAndTheNextOneRuns) {
   }
 }
 
+// CoordinatorCore wires the cancellable planner: with no injected PlanFn its plans go through
+// PlanCache with CoordinatorOptions::plan_deadline (and the planner thread's cancellation). A
+// deadline of 1 ns has passed before the planner starts: the model's plan error says it was
+// abandoned; the default deadline plans and installs the same model.
+TEST(PlanCancelCoreTest, TheCoordinatorsPlansRunUnderItsPlanDeadline) {
+  for (const bool tiny : {true, false}) {
+    CoordinatorOptions o;
+    if (tiny) o.plan_deadline = absl::Nanoseconds(1);
+    o.make_node_client = [](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
+      return std::make_shared<FakeNodeClient>(node);
+    };
+    CoordinatorCore core(std::move(o));
+    core.Start();
+    pb::RegisterNodeRequest n;
+    n.set_node_id("n0");
+    n.set_address("n0:1");
+    pb::RegisterNodeResponse nr;
+    ASSERT_TRUE(core.RegisterNode(n, &nr).ok());
+    for (const auto& [name, role] : {std::pair{"m-t0", pb::ROLE_TRAINER}, std::pair{"m-r0", pb::ROLE_ROLLOUT}}) {
+      pb::JoinWorkerRequest j;
+      j.set_node_id("n0");
+      j.set_worker_id(name);
+      j.set_model_id("m");
+      j.set_role(role);
+      *j.mutable_model() = testing::SmallModelSpec("m");
+      pb::JoinWorkerResponse jr;
+      ASSERT_TRUE(core.JoinWorker(j, &jr).ok());
+      pb::SubmitLayoutRequest l = testing::WholeTensorLayout("n0", name);
+      l.set_model_id("m");
+      pb::SubmitLayoutResponse lr;
+      ASSERT_TRUE(core.SubmitLayout(l, &lr).ok());
+    }
+    const absl::Time deadline = absl::Now() + kReal;
+    if (tiny) {
+      ASSERT_TRUE(core.AwaitPlanSettled("m", deadline));
+      pb::StatusResponse st;
+      ASSERT_TRUE(core.ClusterStatus(pb::StatusRequest(), &st).ok());
+      ASSERT_EQ(st.models_size(), 1);
+      EXPECT_NE(st.models(0).plan_error().find("model m: plan abandoned after "), std::string::npos) << st.models(0).plan_error();
+      EXPECT_NE(st.models(0).plan_error().find("past the plan deadline of 1ns"), std::string::npos) << st.models(0).plan_error();
+    } else {
+      EXPECT_TRUE(core.AwaitPlanInstalled("m", deadline));
+    }
+    core.Shutdown();
+  }
+}
+
 }  // namespace
 }  // namespace wb::daemon
