@@ -38,8 +38,8 @@ bool CutText(std::string* text) {
 bool Finished(const std::string& state) { return state == "committed" || state == "aborted" || state == "superseded"; }
 
 // Step 2: per model, finished records but the newest are dropped; one marker record per model says
-// how many.
-int DropOldVersions(pb::StatusResponse* status, size_t budget) {
+// how many. Returns the records left out per model.
+std::map<std::string, int> DropOldVersions(pb::StatusResponse* status, size_t budget) {
   std::map<std::string, uint64_t> newest_finished;  // model -> version
   for (const pb::VersionStatus& v : status->versions()) {
     if (!Finished(v.state())) continue;
@@ -55,16 +55,14 @@ int DropOldVersions(pb::StatusResponse* status, size_t budget) {
     }
     *kept.Add() = std::move(v);
   }
-  int total = 0;
   for (const auto& [model, n] : dropped) {
     pb::VersionStatus* marker = kept.Add();
     marker->set_model_id(model);
     marker->set_state(kStatusTrimmedState);
     marker->set_error(absl::StrCat(n, " older finished version records not listed (status byte budget ", budget, ")"));
-    total += n;
   }
-  if (total > 0) status->mutable_versions()->Swap(&kept);
-  return total;
+  if (!dropped.empty()) status->mutable_versions()->Swap(&kept);
+  return dropped;
 }
 
 }  // namespace
@@ -73,22 +71,56 @@ StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget) {
   StatusTrim out;
   out.bytes_before = out.bytes_after = status->ByteSizeLong();
   if (budget == 0 || out.bytes_after <= budget) return out;
+  struct Lists {
+    int transports = 0, data_nics = 0;            // entries before any cut
+    bool transports_cut = false, data_nics_cut = false;
+  };
+  std::vector<Lists> lists;  // per node
+  for (const pb::NodeStatus& n : status->nodes()) lists.push_back({n.transports_size(), n.data_nics_size()});
+  std::map<std::string, int> versions_dropped;  // per model
+  // The note (StatusResponse.trimmed) is rewritten after every step, so that its own bytes count.
+  auto note = [&] {
+    pb::StatusTrimmed* t = status->mutable_trimmed();
+    t->Clear();
+    t->set_budget_bytes(budget);
+    t->set_bytes_before(out.bytes_before);
+    out.lists_cut = 0;
+    int nodes_cut = 0;
+    uint32_t transports = 0, nics = 0;
+    for (int i = 0; i < status->nodes_size(); ++i) {
+      const pb::NodeStatus& n = status->nodes(i);
+      // A cut list holds what it kept plus its marker entry.
+      if (lists[i].transports_cut) transports += static_cast<uint32_t>(lists[i].transports - (n.transports_size() - 1));
+      if (lists[i].data_nics_cut) nics += static_cast<uint32_t>(lists[i].data_nics - (n.data_nics_size() - 1));
+      out.lists_cut += lists[i].transports_cut + lists[i].data_nics_cut;
+      nodes_cut += lists[i].transports_cut || lists[i].data_nics_cut;
+    }
+    t->set_nodes_with_lists_cut(static_cast<uint32_t>(nodes_cut));
+    t->set_transports_dropped(transports);
+    t->set_data_nics_dropped(nics);
+    out.versions_dropped = 0;
+    for (const auto& [model, n] : versions_dropped) {
+      (*t->mutable_versions_dropped_by_model())[model] = static_cast<uint32_t>(n);
+      out.versions_dropped += n;
+    }
+    t->set_versions_dropped(static_cast<uint32_t>(out.versions_dropped));
+    t->set_texts_cut(static_cast<uint32_t>(out.texts_cut));
+  };
   auto fits = [&] {
+    note();
     out.bytes_after = status->ByteSizeLong();
     return out.bytes_after <= budget;
   };
-  std::vector<std::pair<int, int>> sizes;  // per node: transports, data_nics before any cut
-  for (const pb::NodeStatus& n : status->nodes()) sizes.push_back({n.transports_size(), n.data_nics_size()});
   auto cut_lists = [&](int keep) {
     for (int i = 0; i < status->nodes_size(); ++i) {
       pb::NodeStatus* n = status->mutable_nodes(i);
-      out.lists_cut += CutList(n->mutable_transports(), sizes[i].first, keep, budget);
-      out.lists_cut += CutList(n->mutable_data_nics(), sizes[i].second, keep, budget);
+      lists[i].transports_cut |= CutList(n->mutable_transports(), lists[i].transports, keep, budget);
+      lists[i].data_nics_cut |= CutList(n->mutable_data_nics(), lists[i].data_nics, keep, budget);
     }
   };
   cut_lists(kStatusListKeep);
   if (fits()) return out;
-  out.versions_dropped = DropOldVersions(status, budget);
+  versions_dropped = DropOldVersions(status, budget);
   if (fits()) return out;
   for (pb::VersionStatus& v : *status->mutable_versions()) out.texts_cut += CutText(v.mutable_error());
   for (pb::WorkerStatus& w : *status->mutable_workers()) out.texts_cut += CutText(w.mutable_catch_up_error());
@@ -96,6 +128,10 @@ StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget) {
   if (fits()) return out;
   cut_lists(0);
   out.fits = fits();
+  if (!out.fits) {
+    status->mutable_trimmed()->set_over_budget(true);
+    out.bytes_after = status->ByteSizeLong();
+  }
   return out;
 }
 

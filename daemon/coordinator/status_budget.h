@@ -12,12 +12,16 @@
 //      versions still publishing, queued or transferring are kept;
 //   3. free text over kStatusTextKeep bytes (version errors, catch-up errors, plan errors);
 //   4. each node's transports and data_nics altogether.
-// What is left out is said in the status itself (no proto field for it yet): a trimmed list ends
-// with one entry starting with kStatusTrimmedMarker ("(trimmed: 48 more not listed; status byte
-// budget 3145728)"), a model whose version records were dropped gets one record with version 0
-// and state "trimmed" whose error says how many, and cut text ends with " ... (trimmed)". Node
-// ids, addresses, workers and models are never dropped: a status whose nodes and workers alone
-// pass the budget still passes it (the result says so: fits = false).
+// What is left out is said twice. StatusResponse.trimmed (StatusTrimmed) counts it for programs:
+// the budget, the size before, nodes with lists cut, transports / data_nics entries and version
+// records (total and per model) left out, texts cut, over_budget; it is set whenever the status was
+// over the budget (absent: the status is whole) and its own bytes count against the budget. And in
+// place, for clients built before that field: a trimmed list ends with one entry starting with
+// kStatusTrimmedMarker ("(trimmed: 48 more not listed; status byte budget 3145728)"), a model whose
+// version records were dropped gets one record with version 0 and state "trimmed" whose error says
+// how many, and cut text ends with " ... (trimmed)". Node ids, addresses, workers and models are
+// never dropped: a status whose nodes and workers alone pass the budget still passes it (the
+// result says so: fits = false, and trimmed.over_budget).
 
 #include <cstddef>
 
@@ -34,10 +38,11 @@ inline constexpr char kStatusTrimmedState[] = "trimmed";  // VersionStatus.state
 
 struct StatusTrim {
   size_t bytes_before = 0, bytes_after = 0;  // serialized size
-  int lists_cut = 0;                         // node lists (transports, data_nics) cut
+  int lists_cut = 0;                         // node lists (transports, data_nics) cut, each once
   int versions_dropped = 0;                  // version records left out
   int texts_cut = 0;                         // free-text fields cut
   bool fits = true;                          // bytes_after <= budget
+  // The details (entries per kind, per model) are in status->trimmed(), set when bytes_before > budget.
 };
 
 // Trims `status` to at most `budget` serialized bytes as far as the steps above allow. budget 0:

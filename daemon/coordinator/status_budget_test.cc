@@ -67,6 +67,18 @@ void ExpectTrimmedButComplete(const pb::StatusResponse& st, const std::set<std::
     EXPECT_TRUE(StartsWith(n.data_nics(kStatusListKeep), kStatusTrimmedMarker)) << n.data_nics(kStatusListKeep);
   }
   EXPECT_EQ(listed, ids) << "every node is listed";
+  // StatusResponse.trimmed counts what went: every node's two lists lost all but kStatusListKeep.
+  ASSERT_TRUE(st.has_trimmed());
+  const pb::StatusTrimmed& t = st.trimmed();
+  EXPECT_EQ(t.budget_bytes(), kBudget);
+  EXPECT_GT(t.bytes_before(), kGrpcDefaultReceive);
+  EXPECT_EQ(t.nodes_with_lists_cut(), ids.size());
+  EXPECT_EQ(t.transports_dropped(), ids.size() * (kMaxNodeTransportInstances - kStatusListKeep));
+  EXPECT_EQ(t.data_nics_dropped(), ids.size() * (kMaxNodeDataNics - kStatusListKeep));
+  EXPECT_EQ(t.versions_dropped(), 0u);
+  EXPECT_TRUE(t.versions_dropped_by_model().empty());
+  EXPECT_EQ(t.texts_cut(), 0u);
+  EXPECT_FALSE(t.over_budget());
 }
 
 TEST(StatusBudgetTest, ALargeClusterAtTheNodeCapsFitsTheBudgetAndListsEveryNode) {
@@ -115,6 +127,7 @@ TEST(StatusBudgetTest, AStatusWithinTheBudgetIsUntouched) {
   const std::string before = st.SerializeAsString();
   const StatusTrim trim = FitStatusToBudget(&st, before.size());
   EXPECT_EQ(st.SerializeAsString(), before);
+  EXPECT_FALSE(st.has_trimmed()) << "a whole status has no trimmed note";
   EXPECT_TRUE(trim.fits);
   EXPECT_EQ(trim.lists_cut + trim.versions_dropped + trim.texts_cut, 0);
   EXPECT_EQ(FitStatusToBudget(&st, 0).bytes_after, before.size()) << "budget 0: no budget";
@@ -161,6 +174,20 @@ TEST(StatusBudgetTest, OldVersionRecordsThenLongTextsThenWholeListsGo) {
     kept.insert({vs.model_id(), vs.version()});
   }
   EXPECT_EQ(kept, (std::set<std::pair<std::string, uint64_t>>{{"a", 63}, {"a", 64}, {"b", 63}, {"b", 64}}));
+  // The note's counts are what went: 4 of node n0's 20 NICs, per model the 62 records not kept.
+  ASSERT_TRUE(trimmed.has_trimmed());
+  const pb::StatusTrimmed& t = trimmed.trimmed();
+  EXPECT_EQ(t.budget_bytes(), full / 4);
+  EXPECT_EQ(t.bytes_before(), full);
+  EXPECT_EQ(t.nodes_with_lists_cut(), 1u);
+  EXPECT_EQ(t.transports_dropped(), 0u);
+  EXPECT_EQ(t.data_nics_dropped(), 20u - kStatusListKeep);
+  EXPECT_EQ(t.versions_dropped(), static_cast<uint32_t>(st.versions_size()) - kept.size());
+  EXPECT_EQ(t.versions_dropped_by_model().size(), 2u);
+  EXPECT_EQ(t.versions_dropped_by_model().at("a"), 62u);
+  EXPECT_EQ(t.versions_dropped_by_model().at("b"), 62u);
+  EXPECT_EQ(t.texts_cut(), 0u);
+  EXPECT_FALSE(t.over_budget());
 
   // Tighter: long texts are cut, on a character boundary, and then the node's list goes
   // altogether (its marker counts all 20); the node stays.
@@ -177,6 +204,39 @@ TEST(StatusBudgetTest, OldVersionRecordsThenLongTextsThenWholeListsGo) {
   ASSERT_EQ(trimmed.nodes_size(), 1);
   ASSERT_EQ(trimmed.nodes(0).data_nics_size(), 1);
   EXPECT_TRUE(StartsWith(trimmed.nodes(0).data_nics(0), absl::StrCat(kStatusTrimmedMarker, "20 more"))) << trimmed.nodes(0).data_nics(0);
+  // The list cut twice counts once, with all its 20 entries; the note's bytes are within the budget.
+  EXPECT_EQ(trim.lists_cut, 1);
+  EXPECT_EQ(trimmed.trimmed().nodes_with_lists_cut(), 1u);
+  EXPECT_EQ(trimmed.trimmed().data_nics_dropped(), 20u);
+  EXPECT_EQ(trimmed.trimmed().versions_dropped(), 2u * 62);
+  EXPECT_EQ(trimmed.trimmed().texts_cut(), 5u);
+  EXPECT_FALSE(trimmed.trimmed().over_budget());
+  EXPECT_LE(trimmed.ByteSizeLong(), 4000u);
+}
+
+// A status that what is never dropped (node ids, addresses, workers) makes too big is sent as it
+// is, marked over budget; nothing could be left out, so every count is 0.
+TEST(StatusBudgetTest, AStatusTooBigByItselfIsMarkedOverBudget) {
+  pb::StatusResponse st;
+  for (int i = 0; i < 50; ++i) {
+    pb::NodeStatus* n = st.add_nodes();
+    n->set_node_id(Padded(absl::StrCat("n", i, "-"), 100, 'x'));
+    pb::WorkerStatus* w = st.add_workers();
+    w->set_worker_id(Padded(absl::StrCat("w", i, "-"), 100, 'y'));
+  }
+  const size_t full = st.ByteSizeLong();
+  const StatusTrim trim = FitStatusToBudget(&st, full / 2);
+  EXPECT_FALSE(trim.fits);
+  EXPECT_EQ(st.nodes_size(), 50);
+  EXPECT_EQ(st.workers_size(), 50);
+  ASSERT_TRUE(st.has_trimmed());
+  EXPECT_TRUE(st.trimmed().over_budget());
+  EXPECT_EQ(st.trimmed().budget_bytes(), full / 2);
+  EXPECT_EQ(st.trimmed().bytes_before(), full);
+  EXPECT_EQ(st.trimmed().nodes_with_lists_cut() + st.trimmed().transports_dropped() + st.trimmed().data_nics_dropped() +
+                st.trimmed().versions_dropped() + st.trimmed().texts_cut(),
+            0u);
+  EXPECT_EQ(trim.bytes_after, st.ByteSizeLong());
 }
 
 }  // namespace
