@@ -185,6 +185,110 @@ TEST(StatusViewTest, WatchPicksRunningVersionAndComputesRateAndEta) {
   EXPECT_NE(WatchProgress::Format(second).find("ETA 0.5s"), std::string::npos);
 }
 
+// A status the coordinator trimmed to its byte budget (StatusResponse.trimmed).
+pb::StatusResponse TrimmedSample() {
+  pb::StatusResponse s = Sample();
+  pb::StatusTrimmed* t = s.mutable_trimmed();
+  t->set_budget_bytes(3145728);
+  t->set_bytes_before(4613734);
+  t->set_nodes_with_lists_cut(2);
+  t->set_transports_dropped(96);
+  t->set_data_nics_dropped(48);
+  t->set_versions_dropped(62);
+  (*t->mutable_versions_dropped_by_model())["qwen"] = 62;
+  t->set_texts_cut(3);
+  return s;
+}
+
+size_t Count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = s.find(what); at != std::string::npos; at = s.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(StatusViewTest, ATrimmedStatusSaysWhatWasLeftOut) {
+  const std::string table = StatusTable(TrimmedSample(), "coordinator");
+  const std::string line = TrimmedLine(TrimmedSample());
+  ASSERT_FALSE(line.empty());
+  EXPECT_EQ(line.rfind("TRIMMED: ", 0), 0u) << line;
+  EXPECT_EQ(table.substr(table.size() - line.size()), line) << "the table ends with it:\n" << table;
+  for (const char* part : {"byte budget of 3145728 bytes (4613734 before)", "not listed: 96 transports and 48 data NICs of 2 nodes",
+                           "62 older finished version records (qwen: 62)", "3 long error texts cut",
+                           "Every node, worker, model and running version is listed", "The rest (a status takes no filter): older versions in the coordinator log",
+                           "--data_nics"}) {
+    EXPECT_NE(line.find(part), std::string::npos) << part << " in " << line;
+  }
+  EXPECT_EQ(line.find("still over"), std::string::npos);
+  auto j = StatusJson(TrimmedSample(), "coordinator");
+  ASSERT_TRUE(j["trimmed"].is_object()) << j.dump();
+  EXPECT_EQ(j["trimmed"]["budget_bytes"].get<uint64_t>(), 3145728u);
+  EXPECT_EQ(j["trimmed"]["bytes_before"].get<uint64_t>(), 4613734u);
+  EXPECT_EQ(j["trimmed"]["nodes_with_lists_cut"].get<uint32_t>(), 2u);
+  EXPECT_EQ(j["trimmed"]["transports_dropped"].get<uint32_t>(), 96u);
+  EXPECT_EQ(j["trimmed"]["data_nics_dropped"].get<uint32_t>(), 48u);
+  EXPECT_EQ(j["trimmed"]["versions_dropped"].get<uint32_t>(), 62u);
+  EXPECT_EQ(j["trimmed"]["versions_dropped_by_model"]["qwen"].get<uint32_t>(), 62u);
+  EXPECT_EQ(j["trimmed"]["texts_cut"].get<uint32_t>(), 3u);
+  EXPECT_FALSE(j["trimmed"]["over_budget"].get<bool>());
+
+  // Still over the budget with nothing left to leave out: said, and no "not listed".
+  pb::StatusResponse over = Sample();
+  over.mutable_trimmed()->set_budget_bytes(1000);
+  over.mutable_trimmed()->set_bytes_before(5000);
+  over.mutable_trimmed()->set_over_budget(true);
+  const std::string over_line = TrimmedLine(over);
+  EXPECT_NE(over_line.find("still over the budget"), std::string::npos) << over_line;
+  EXPECT_EQ(over_line.find("not listed"), std::string::npos) << over_line;
+  EXPECT_TRUE(StatusJson(over, "coordinator")["trimmed"]["over_budget"].get<bool>());
+
+  // wbctl versions --model: how many of the model's records are not listed.
+  EXPECT_EQ(VersionsNotListed(TrimmedSample(), "qwen"), 62u);
+  EXPECT_EQ(VersionsNotListed(TrimmedSample(), "llama"), 0u);
+  EXPECT_EQ(VersionsNotListed(Sample(), "qwen"), 0u);
+
+  // A whole status: no line, "trimmed": null.
+  EXPECT_EQ(TrimmedLine(Sample()), "");
+  EXPECT_EQ(StatusTable(Sample(), "coordinator").find("TRIMMED"), std::string::npos);
+  auto whole = StatusJson(Sample(), "coordinator");
+  ASSERT_TRUE(whole.contains("trimmed"));
+  EXPECT_TRUE(whole["trimmed"].is_null());
+}
+
+TEST(StatusViewTest, WatchSaysOnceInTextAndOnEveryJsonLineThatTheStatusWasTrimmed) {
+  const absl::Time t0 = absl::UnixEpoch();
+  {
+    std::ostringstream out, err;
+    WatchFollower f("qwen", 0, /*json=*/false, absl::ZeroDuration(), out, err);
+    EXPECT_FALSE(f.Handle(TrimmedSample(), t0).has_value());
+    EXPECT_FALSE(f.Handle(TrimmedSample(), t0 + absl::Seconds(1)).has_value());
+    EXPECT_EQ(f.followed(), 3u);
+    EXPECT_EQ(Count(out.str(), "TRIMMED: "), 1u) << out.str();
+    EXPECT_NE(out.str().find("62 older finished version records (qwen: 62)"), std::string::npos) << out.str();
+    EXPECT_EQ(Count(out.str(), "qwen v3"), 2u) << out.str();
+  }
+  {
+    std::ostringstream out, err;
+    WatchFollower f("qwen", 0, /*json=*/true, absl::ZeroDuration(), out, err);
+    f.Handle(TrimmedSample(), t0);
+    f.Handle(Sample(), t0 + absl::Seconds(1));
+    std::istringstream lines(out.str());
+    std::string first, second;
+    ASSERT_TRUE(std::getline(lines, first) && std::getline(lines, second)) << out.str();
+    auto j1 = nlohmann::json::parse(first);
+    auto j2 = nlohmann::json::parse(second);
+    EXPECT_EQ(j1["version"].get<uint64_t>(), 3u);
+    EXPECT_EQ(j1["status_trimmed"]["versions_dropped"].get<uint32_t>(), 62u) << first;
+    EXPECT_EQ(j1["status_trimmed"]["budget_bytes"].get<uint64_t>(), 3145728u) << first;
+    EXPECT_FALSE(j2.contains("status_trimmed")) << "a whole status: " << second;
+  }
+  {
+    std::ostringstream out, err;
+    WatchFollower f("qwen", 0, /*json=*/false, absl::ZeroDuration(), out, err);
+    f.Handle(Sample(), t0);
+    EXPECT_EQ(out.str().find("TRIMMED"), std::string::npos) << out.str();
+  }
+}
+
 TEST(CommandsTest, UsageErrorsExitTwoAndUnreachableDaemonExitsOne) {
   std::ostringstream out, err;
   EXPECT_EQ(RunStatusCommand({"--bogus"}, out, err), kCtlUsage);

@@ -81,10 +81,20 @@ int RunVersionsCommand(const std::vector<std::string>& args, std::ostream& out, 
     return kCtlNotFound;
   }
   auto versions = VersionsOf(*status, model);
+  // Older finished records the coordinator's status byte budget left out (the list also holds a
+  // record with state "trimmed" saying so).
+  const uint32_t not_listed = VersionsNotListed(*status, model);
   if (parsed->Has("json")) {
-    out << VersionsJson(model, versions).dump() << "\n";
+    nlohmann::json j = VersionsJson(model, versions);
+    j["versions_not_listed"] = not_listed;
+    out << j.dump() << "\n";
   } else {
     out << VersionsTable(versions);
+    if (not_listed > 0) {
+      out << "TRIMMED: " << not_listed << " older finished version records of " << model
+          << " not listed (the coordinator's status byte budget of " << status->trimmed().budget_bytes()
+          << " bytes); they are in the coordinator log (\"version committed\" / \"version aborted\")\n";
+    }
   }
   return kCtlOk;
 }

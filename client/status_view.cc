@@ -84,6 +84,58 @@ std::string TransportsSummary(const std::vector<std::string>& transports, const 
   return kinds.empty() ? "-" : absl::StrJoin(kinds, ",");
 }
 
+std::string TrimmedLine(const pb::StatusResponse& s) {
+  if (!s.has_trimmed()) return "";
+  const pb::StatusTrimmed& t = s.trimmed();
+  std::string out = absl::StrCat("TRIMMED: the coordinator cut this status to its byte budget of ", t.budget_bytes(),
+                                 " bytes (", t.bytes_before(), " before)");
+  std::vector<std::string> left_out;
+  if (t.transports_dropped() > 0) left_out.push_back(absl::StrCat(t.transports_dropped(), " transports"));
+  if (t.data_nics_dropped() > 0) left_out.push_back(absl::StrCat(t.data_nics_dropped(), " data NICs"));
+  if (!left_out.empty()) {
+    left_out = {absl::StrCat(absl::StrJoin(left_out, " and "), " of ", t.nodes_with_lists_cut(), " nodes")};
+  }
+  if (t.versions_dropped() > 0) {
+    std::vector<std::pair<std::string, uint32_t>> models(t.versions_dropped_by_model().begin(), t.versions_dropped_by_model().end());
+    std::sort(models.begin(), models.end());  // a proto map has no order
+    std::vector<std::string> per_model;
+    for (const auto& [model, n] : models) per_model.push_back(absl::StrCat(model, ": ", n));
+    left_out.push_back(absl::StrCat(t.versions_dropped(), " older finished version records (", absl::StrJoin(per_model, ", "), ")"));
+  }
+  if (!left_out.empty()) absl::StrAppend(&out, "; not listed: ", absl::StrJoin(left_out, ", "));
+  if (t.texts_cut() > 0) absl::StrAppend(&out, "; ", t.texts_cut(), " long error texts cut");
+  if (t.over_budget()) absl::StrAppend(&out, "; still over the budget (nodes, workers and models are never left out)");
+  absl::StrAppend(&out, ". Every node, worker, model and running version is listed");
+  // StatusRequest takes no filter, so no narrower status shows more: say where the rest is.
+  std::vector<std::string> rest;
+  if (t.versions_dropped() > 0) rest.push_back("older versions in the coordinator log (\"version committed\" / \"version aborted\")");
+  if (t.nodes_with_lists_cut() > 0) rest.push_back("a node's full transports / NICs in that node daemon's flags (--data_nics, GPU staging)");
+  if (!rest.empty()) absl::StrAppend(&out, ". The rest (a status takes no filter): ", absl::StrJoin(rest, "; "));
+  return out + "\n";
+}
+
+uint32_t VersionsNotListed(const pb::StatusResponse& s, const std::string& model_id) {
+  if (!s.has_trimmed()) return 0;
+  auto it = s.trimmed().versions_dropped_by_model().find(model_id);
+  return it == s.trimmed().versions_dropped_by_model().end() ? 0 : it->second;
+}
+
+nlohmann::json TrimmedJson(const pb::StatusResponse& s) {
+  if (!s.has_trimmed()) return nullptr;
+  const pb::StatusTrimmed& t = s.trimmed();
+  nlohmann::json by_model = nlohmann::json::object();
+  for (const auto& [model, n] : t.versions_dropped_by_model()) by_model[model] = n;
+  return {{"budget_bytes", t.budget_bytes()},
+          {"bytes_before", t.bytes_before()},
+          {"nodes_with_lists_cut", t.nodes_with_lists_cut()},
+          {"transports_dropped", t.transports_dropped()},
+          {"data_nics_dropped", t.data_nics_dropped()},
+          {"versions_dropped", t.versions_dropped()},
+          {"versions_dropped_by_model", by_model},
+          {"texts_cut", t.texts_cut()},
+          {"over_budget", t.over_budget()}};
+}
+
 std::string StatusTable(const pb::StatusResponse& s, const std::string& source) {
   std::string out = absl::StrFormat("daemon: %s%s%s%s (answered by the %s service)\n",
                                     s.role().empty() ? "?" : s.role(),
@@ -134,6 +186,7 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source) 
   }
   absl::StrAppendFormat(&out, "\nVERSIONS (%d)\n", s.versions_size());
   if (s.versions_size() > 0) out += VersionsTable({s.versions().begin(), s.versions().end()});
+  if (s.has_trimmed()) out += "\n" + TrimmedLine(s);
   return out;
 }
 
@@ -186,6 +239,7 @@ nlohmann::json StatusJson(const pb::StatusResponse& s, const std::string& source
   for (const auto& v : s.versions()) {
     j["versions"].push_back(VersionsJson(v.model_id(), {v})["versions"][0]);
   }
+  j["trimmed"] = TrimmedJson(s);  // null: the status is whole
   return j;
 }
 

@@ -21,6 +21,19 @@ bool IsFinalVersionState(const std::string& state);  // committed | aborted | su
 std::string StatusTable(const weightbridge::v1::StatusResponse& status, const std::string& source);
 nlohmann::json StatusJson(const weightbridge::v1::StatusResponse& status, const std::string& source);
 
+// A status the coordinator trimmed to its byte budget (StatusResponse.trimmed, docs/daemon.md
+// "Status byte budget"): one line starting "TRIMMED: " naming the budget and what was left out, per
+// kind with counts, and where the rest is. Empty for a whole status (no `trimmed`). StatusTable
+// ends with it; `wbctl watch` prints it once.
+std::string TrimmedLine(const weightbridge::v1::StatusResponse& status);
+// The same for scripts: an object with the StatusTrimmed fields (versions_dropped_by_model as an
+// object); null for a whole status. StatusJson's "trimmed".
+nlohmann::json TrimmedJson(const weightbridge::v1::StatusResponse& status);
+
+// `wbctl versions --model ID`: the model's older finished version records the budget left out
+// (trimmed.versions_dropped_by_model); 0 for a whole status.
+uint32_t VersionsNotListed(const weightbridge::v1::StatusResponse& status, const std::string& model_id);
+
 // A node's transports for the status table: kinds in the given order, then its nccl lanes
 // ("nccl/<device>") as one item with device ranges, e.g. "host_shm,host_tcp,nccl/{0-3,6}"; "-" for none.
 // With two or more `data_nics` (multi-NIC striping) host_tcp shows them: "host_tcp[10.0.0.5,10.0.1.5]".

@@ -11,6 +11,50 @@
 
 namespace wb::client {
 
+WatchFollower::WatchFollower(std::string model, uint64_t version, bool json, absl::Duration interval, std::ostream& out,
+                             std::ostream& err)
+    : model_(std::move(model)), version_(version), followed_(version), json_(json), interval_(interval), out_(out), err_(err) {}
+
+std::optional<int> WatchFollower::Handle(const weightbridge::v1::StatusResponse& status, absl::Time now) {
+  // A status cut to the coordinator's byte budget (older finished version records may be left
+  // out, so a --version long finished may not be found): said once in text, on every line in JSON.
+  if (!json_ && !trimmed_reported_ && status.has_trimmed()) {
+    out_ << TrimmedLine(status);
+    out_.flush();
+    trimmed_reported_ = true;
+  }
+  auto v = PickWatched(status, followed_model_.empty() ? model_ : followed_model_, followed_);
+  if (v.has_value()) {
+    // Stick to the first version found, even after it turns final.
+    followed_ = v->version();
+    followed_model_ = v->model_id();
+    WatchProgress next = progress_;
+    WatchProgress::Line line = next.Update(*v, now);
+    // --interval: at most one progress line per interval (pushes can come faster, e.g. per
+    // node heartbeat while bytes move); the first and the final line are printed at once.
+    if (!line.final && now - last_line_ < interval_) return std::nullopt;
+    progress_ = next;
+    last_line_ = now;
+    if (json_) {
+      nlohmann::json j = WatchProgress::ToJson(line);
+      if (status.has_trimmed()) j["status_trimmed"] = TrimmedJson(status);
+      out_ << j.dump() << "\n";
+    } else {
+      out_ << WatchProgress::Format(line) << "\n";
+    }
+    out_.flush();
+    if (line.final) return line.state == "aborted" ? kCtlVersionAborted : kCtlOk;
+  } else if (version_ > 0 && !model_.empty() && !HasModel(status, model_)) {
+    err_ << "wbctl watch: no model '" << model_ << "'\n";
+    return kCtlNotFound;
+  } else if (!waiting_reported_ && !json_) {
+    out_ << "waiting for a version to start" << (model_.empty() ? "" : " of ") << model_ << "...\n";
+    out_.flush();
+    waiting_reported_ = true;
+  }
+  return std::nullopt;
+}
+
 int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   const char* usage =
       "usage: wbctl watch --addr ADDR [--model ID] [--version V] [--timeout 300s] "
@@ -45,46 +89,11 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
     err << "wbctl watch: " << client.status() << "\n";
     return kCtlRpcFailed;
   }
-  WatchProgress progress;
-  std::string followed_model;
-  uint64_t followed = *version;
-  bool waiting_reported = false;
-  absl::Time last_line = absl::InfinitePast();
-  // One status sample: prints what changed; returns the exit code once the watch is over.
-  auto handle = [&](const weightbridge::v1::StatusResponse& status) -> std::optional<int> {
-    auto v = PickWatched(status, followed_model.empty() ? model : followed_model, followed);
-    if (v.has_value()) {
-      // Stick to the first version found, even after it turns final.
-      followed = v->version();
-      followed_model = v->model_id();
-      const absl::Time now = absl::Now();
-      WatchProgress next = progress;
-      WatchProgress::Line line = next.Update(*v, now);
-      // --interval: at most one progress line per interval (pushes can come faster, e.g. per
-      // node heartbeat while bytes move); the first and the final line are printed at once.
-      if (!line.final && now - last_line < *interval) return std::nullopt;
-      progress = next;
-      last_line = now;
-      if (json) {
-        out << WatchProgress::ToJson(line).dump() << "\n";
-      } else {
-        out << WatchProgress::Format(line) << "\n";
-      }
-      out.flush();
-      if (line.final) return line.state == "aborted" ? kCtlVersionAborted : kCtlOk;
-    } else if (*version > 0 && !model.empty() && !HasModel(status, model)) {
-      err << "wbctl watch: no model '" << model << "'\n";
-      return kCtlNotFound;
-    } else if (!waiting_reported && !json) {
-      out << "waiting for a version to start" << (model.empty() ? "" : " of ") << model << "...\n";
-      out.flush();
-      waiting_reported = true;
-    }
-    return std::nullopt;
-  };
+  WatchFollower follower(model, *version, json, *interval, out, err);
+  auto handle = [&](const weightbridge::v1::StatusResponse& status) { return follower.Handle(status, absl::Now()); };
   auto timed_out = [&] {
     err << "wbctl watch: timed out after " << absl::FormatDuration(*timeout)
-        << (followed ? absl::StrCat(" watching v", followed) : std::string(" with no version running"))
+        << (follower.followed() ? absl::StrCat(" watching v", follower.followed()) : std::string(" with no version running"))
         << "\n";
     return kCtlWatchTimeout;
   };

@@ -12,11 +12,42 @@
 // Exit codes: 0 committed (or applied / superseded by a newer version), 4 aborted,
 // 5 --timeout first, 1 RPC failed, 2 usage, 6 --version given but unknown to the daemon.
 
+#include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "absl/time/time.h"
+#include "client/status_view.h"
+#include "proto/weightbridge.pb.h"
+
 namespace wb::client {
+
+// The watch's printing, one status sample at a time (pure apart from the streams; tested in
+// ctl_test). A status the coordinator trimmed to its byte budget (StatusResponse.trimmed) prints
+// TrimmedLine once in text, and every --json line carries it as "status_trimmed".
+class WatchFollower {
+ public:
+  WatchFollower(std::string model, uint64_t version, bool json, absl::Duration interval, std::ostream& out,
+                std::ostream& err);
+  // Prints what changed in `status` (taken at `now`); the exit code once the watch is over.
+  std::optional<int> Handle(const weightbridge::v1::StatusResponse& status, absl::Time now);
+  uint64_t followed() const { return followed_; }  // 0 until a version is found
+
+ private:
+  const std::string model_;
+  const uint64_t version_;
+  uint64_t followed_;
+  std::string followed_model_;
+  const bool json_;
+  const absl::Duration interval_;
+  std::ostream& out_;
+  std::ostream& err_;
+  WatchProgress progress_;
+  bool waiting_reported_ = false, trimmed_reported_ = false;
+  absl::Time last_line_ = absl::InfinitePast();
+};
 
 int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
