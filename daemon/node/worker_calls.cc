@@ -218,10 +218,11 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
   absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0,
                                [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
   resp->set_committed_version(rr.committed_version());
-  if (!s.ok() || !rollout_here) return s;
+  if (!s.ok() || !rollout_here || !NewerCommitted(key)) return s;
   // A version committed while it had resumed (EndUpdate) is its committed copy, newer than its
   // live weights: copied now that it is paused, so that BeginUpdate + WaitVersion(v) OK means its
-  // live weights hold v. The copy is not cut to the call's timeout (live_copy.h).
+  // live weights hold v. The copy is not cut to the call's timeout (live_copy.h). (Nothing newer:
+  // answered as before, also for TORN live weights, which the next commit restores.)
   absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/false, "BeginUpdate");
   return holds.ok() ? absl::OkStatus() : holds.status();
 }
@@ -269,6 +270,12 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
   resp->set_applied_version(*holds);
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
   return absl::OkStatus();
+}
+
+bool WorkerCalls::NewerCommitted(const LocalWorkers::WorkerKey& key) const {
+  std::optional<LocalWorkers::View> w = local_.Get(key);
+  return w && w->worker.role == planner::Role::kRollout && w->worker.mode == pb::MODE_SYNC && w->worker.committed != nullptr &&
+         w->worker.committed_version > w->worker.applied_version;
 }
 
 absl::StatusOr<uint64_t> WorkerCalls::CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
@@ -356,9 +363,7 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
     // A sync rollout that resumed (EndUpdate) when the version committed holds it as its
     // committed copy, not in its live weights: copied first, as Apply does, so that OK means its
     // live weights hold it.
-    std::optional<LocalWorkers::View> w = req.worker_id().empty() ? std::nullopt : local_.Get({req.model_id(), req.worker_id()});
-    if (w && w->worker.role == planner::Role::kRollout && w->worker.mode == pb::MODE_SYNC && w->worker.committed != nullptr &&
-        w->worker.committed_version > w->worker.applied_version) {
+    if (!req.worker_id().empty() && NewerCommitted({req.model_id(), req.worker_id()})) {
       absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/true, "WaitVersion");
       if (!holds.ok()) return holds.status();
     }

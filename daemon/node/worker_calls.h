@@ -95,6 +95,9 @@ class WorkerCalls {
                                           absl::Time deadline, bool fit_deadline);
   // BeginUpdate / WaitVersion of a sync rollout: copies its newest committed version when its
   // live weights hold an older one (after a copy that is running); `what` names the call in errors.
+  // `key` is a local sync rollout whose committed copy is newer than its live weights (a commit
+  // while it had resumed).
+  bool NewerCommitted(const LocalWorkers::WorkerKey& key) const;
   absl::StatusOr<uint64_t> CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
                                       const std::string& what);
   // Apply(v) of a rollout that does not hold v after a catch-up of v ended on this node: the
