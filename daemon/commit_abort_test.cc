@@ -93,6 +93,10 @@ TEST(CommitAbortTest, AnAbortDuringTheSyncCommitsLiveCopyIsSeenByTheCommit) {
 // committed version is 1, not 2 - version 2, answered ABORTED to the trainers, never comes back as
 // committed (nor is it caught up to other rollouts). Version 3 then commits everywhere. Before:
 // n1 re-joined with committed version 2 and the coordinator restored it (max over the nodes).
+//
+// Version 2 published again after the restart (a trainer retrying its step number; the new
+// coordinator never saw version 2) is refused ABORTED naming the first abort: the nodes remember
+// it, so the number never comes to name other bytes.
 TEST(CommitAbortTest, AFailedSyncCommitIsNotRestoredAsCommittedAfterACoordinatorRestart) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
@@ -126,6 +130,10 @@ TEST(CommitAbortTest, AFailedSyncCommitIsNotRestoredAsCommittedAfterACoordinator
       kReal);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(CommittedOf(*back, "m"), 1u) << "version 2, whose commit failed, came back as committed after the restart";
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1})) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("version 2 was aborted"), std::string::npos) << s.error_message();
+  }
   for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
   c.Stop();

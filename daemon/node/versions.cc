@@ -221,14 +221,15 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
     absl::MutexLock l(&mu_);
     auto it = execs_.find({req.model_id(), req.version()});
     if (it == execs_.end()) {
+      // Idempotent for a retried commit (first: a version aborted here once - a re-join aborts the
+      // version in flight - may have run again for a restarted coordinator and committed).
+      if (req.version() <= committed_[req.model_id()]) return absl::OkStatus();
       // A version aborted here (AbortVersion before the commit, or after it: rolled back) is not
       // committed by a late or repeated CommitVersion.
       if (std::optional<std::string> aborted = local_.AbortReason(req.model_id(), req.version())) {
         return absl::AbortedError(absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
                                                ": the version was aborted here: ", *aborted));
       }
-      // Idempotent for a retried commit.
-      if (req.version() <= committed_[req.model_id()]) return absl::OkStatus();
       // A node that lost the version's staging (restart) cannot apply it; nothing is half-applied.
       std::string reason = absl::StrCat("node ", me, " no longer holds the staging of version ", req.version(), " (restarted before the commit)");
       // Sync: the coordinator fails the version (not every node acknowledged): its waiters here
@@ -280,13 +281,10 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
       if (sync.count(wid) == 0 && exec->pieces_at_commit.count(wid) == 0) TagCommittedStaging(*exec, req.model_id(), wid, req.version(), staging);
     }
     local_.DropSnapshots(req.model_id(), req.version());
-    if (jobs.empty()) {
-      // Nothing left that can fail, and rollouts (one-step-off / async) see the committed staging
-      // as soon as mu_ is released: committed here now (a later AbortVersion rolls it back).
-      exec->committing = false;
-      execs_.erase(it);
-      count_commit();
-    }
+    // Nothing left that can fail, and rollouts (one-step-off / async) see the committed staging
+    // as soon as mu_ is released: counted now. (The execution stays in execs_, committing, until
+    // the second block, with or without live copies: an AbortVersion meanwhile marks it aborted.)
+    if (jobs.empty()) count_commit();
   }
   // Sync: rollouts are paused; the commit writes their live weights before anyone is told.
   // All rollouts at once (their batches share the copy threads, so none waits for another's tail).
@@ -296,10 +294,10 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   exec->committing = false;
   // Aborted during the copies (AbortVersion, a re-join, Stop): not committed here. Rollouts whose
   // copy finished hold the version whole in live memory (recorded as applied: true, and the next
-  // version rewrites them), but their staging is not tagged as a delta base of it.
-  // (A node with no sync rollout here has no copy: its execution left execs_ in the first block,
-  // and an AbortVersion between the two blocks is seen in LocalWorkers' record.)
-  std::optional<std::string> abort_reason = local_.AbortReason(req.model_id(), req.version());
+  // version rewrites them), but their staging is not tagged as a delta base of it. Only this
+  // execution's own mark counts: LocalWorkers' abort record of the version may be of an earlier
+  // execution of it (a re-join aborted it; a restarted coordinator then ran it again).
+  std::optional<std::string> abort_reason;
   if (exec->aborted) abort_reason = exec->error.empty() ? std::string("node ") + me + " is shutting down" : exec->error;
   const bool aborted = abort_reason.has_value();
   auto erase_exec = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
