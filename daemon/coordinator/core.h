@@ -292,9 +292,13 @@ class CoordinatorCore {
     bool done_ ABSL_GUARDED_BY(core_->mu_) = false;  // the stream ended
     std::thread thread_;
   };
-  void FillStatusLocked(pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Trims a built status to options.max_status_bytes (status_budget.h); called without mu_.
-  void FitStatus(pb::StatusResponse* status) const;
+  // StatusRequest's filter: ids checked (INVALID_ARGUMENT) and known (NOT_FOUND).
+  absl::Status CheckStatusFilterLocked(const pb::StatusRequest& req) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The status, narrowed to the filter (checked already).
+  void FillStatusLocked(const pb::StatusRequest& filter, pb::StatusResponse* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Trims a built status to options.max_status_bytes (status_budget.h), keeping what `filter`
+  // asked for longest; called without mu_.
+  void FitStatus(pb::StatusResponse* status, const pb::StatusRequest& filter) const;
   // Something ClusterStatus reports changed: wakes WatchStatus streams.
   void StatusChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++status_generation_; }
 

@@ -3,15 +3,45 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/convert.h"
+#include "daemon/coordinator/checks.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/coordinator/status_budget.h"
 #include "daemon/log.h"
+#include "base/status_macros.h"
 
 namespace wb::daemon {
 
-void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
+// StatusRequest's filter: ids as other requests check them (INVALID_ARGUMENT), and known here
+// (NOT_FOUND naming the id). Looked up with Find: reading a status does not count as using a model.
+absl::Status CoordinatorCore::CheckStatusFilterLocked(const pb::StatusRequest& req) const {
+  RETURN_IF_ERROR(CheckName("StatusRequest.model_id", req.model_id(), options_.max_name_bytes, true));
+  RETURN_IF_ERROR(CheckName("StatusRequest.node_id", req.node_id(), options_.max_name_bytes, true));
+  if (!req.model_id().empty() && models_.Find(req.model_id()) == nullptr) {
+    return absl::NotFoundError(absl::StrCat("status filter: unknown model ", EchoValue(req.model_id())));
+  }
+  if (!req.node_id().empty() && nodes_.Find(req.node_id()) == nullptr) {
+    return absl::NotFoundError(absl::StrCat("status filter: unknown node ", EchoValue(req.node_id())));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// What the budget keeps longest for a filtered status: what the filter asked for.
+StatusKeep KeepFor(const pb::StatusRequest& filter) {
+  if (!filter.model_id().empty()) return StatusKeep::kVersions;
+  if (!filter.node_id().empty()) return StatusKeep::kNodeLists;
+  return StatusKeep::kDefault;
+}
+
+}  // namespace
+
+void CoordinatorCore::FillStatusLocked(const pb::StatusRequest& filter, pb::StatusResponse* out) {
   const absl::Time now = options_.clock->Now();
+  const std::string& only_model = filter.model_id();
+  const std::string& only_node = filter.node_id();
   for (auto& [id, n] : nodes_) {
+    if (!only_node.empty() && id != only_node) continue;
     pb::NodeStatus* ns = out->add_nodes();
     ns->set_node_id(id);
     ns->set_address(n.address);
@@ -31,6 +61,7 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
     ns->set_drained(n.draining && !busy);
   }
   for (auto& [mid, m] : models_) {
+    if (!only_model.empty() && mid != only_model) continue;
     const planner::Plan& plan = *m.plan.plan;
     pb::ModelStatus* ms = out->add_models();
     ms->set_model_id(mid);
@@ -55,6 +86,7 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
     ms->set_registered_rollouts(nr);
     StatsToProto(plan.stats, static_cast<int>(plan.buckets.size()), ms->mutable_plan_stats());
     for (auto& [w, rec] : m.workers) {
+      if (!only_node.empty() && rec.node != only_node) continue;
       pb::WorkerStatus* ws = out->add_workers();
       ws->set_worker_id(w);
       ws->set_model_id(mid);
@@ -102,20 +134,23 @@ void CoordinatorCore::FillStatusLocked(pb::StatusResponse* out) {
   }
 }
 
-absl::Status CoordinatorCore::ClusterStatus(const pb::StatusRequest&, pb::StatusResponse* resp) {
+// The filter narrows the status first; the byte budget trims what is left (so a status of one
+// model is whole unless that model alone is over the budget).
+absl::Status CoordinatorCore::ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp) {
   {
     absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckStatusFilterLocked(req));
     resp->set_role("coordinator");
-    FillStatusLocked(resp);
+    FillStatusLocked(req, resp);
   }
-  FitStatus(resp);
+  FitStatus(resp, req);
   return absl::OkStatus();
 }
 
 // The status byte budget (status_budget.h), outside mu_: trimming reads the whole message again.
-void CoordinatorCore::FitStatus(pb::StatusResponse* status) const {
+void CoordinatorCore::FitStatus(pb::StatusResponse* status, const pb::StatusRequest& filter) const {
   if (options_.max_status_bytes <= 0) return;
-  const StatusTrim trim = FitStatusToBudget(status, static_cast<size_t>(options_.max_status_bytes));
+  const StatusTrim trim = FitStatusToBudget(status, static_cast<size_t>(options_.max_status_bytes), KeepFor(filter));
   // Node ids, addresses and workers are never dropped: a status they alone make too big is sent as
   // it is; said in the log, at most once a minute (watchers rebuild every second).
   const int64_t now_s = absl::ToUnixSeconds(options_.clock->Now());
@@ -179,6 +214,9 @@ absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
   {
     absl::MutexLock l(&mu_);
     if (stopping_) return absl::UnavailableError("coordinator shutting down");
+    // The filter is checked once, at the start: a model removed later (eviction) leaves the
+    // stream running, its messages without that model.
+    RETURN_IF_ERROR(CheckStatusFilterLocked(req.request()));
     if (status_watchers_ >= options_.max_status_watchers) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "WatchStatus: ", status_watchers_, " status watchers open already (limit max_status_watchers = ",
@@ -222,13 +260,13 @@ absl::Status CoordinatorCore::WatchStatus(const pb::WatchStatusRequest& req,
       if (first || status_generation_ != seen || absl::Now() >= next_rebuild) {
         seen = status_generation_;
         status.set_role("coordinator");
-        FillStatusLocked(&status);
+        FillStatusLocked(req.request(), &status);
         built = true;
       }
     }
     if (cancelled()) return absl::CancelledError("status watcher went away");
     if (built) {
-      FitStatus(&status);
+      FitStatus(&status, req.request());
       next_rebuild = absl::Now() + options_.status_resend;
       std::string bytes;
       status.SerializeToString(&bytes);

@@ -1,6 +1,7 @@
 #include "daemon/coordinator/status_budget.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -67,7 +68,7 @@ std::map<std::string, int> DropOldVersions(pb::StatusResponse* status, size_t bu
 
 }  // namespace
 
-StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget) {
+StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget, StatusKeep keep) {
   StatusTrim out;
   out.bytes_before = out.bytes_after = status->ByteSizeLong();
   if (budget == 0 || out.bytes_after <= budget) return out;
@@ -118,15 +119,29 @@ StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget) {
       lists[i].data_nics_cut |= CutList(n->mutable_data_nics(), lists[i].data_nics, keep, budget);
     }
   };
-  cut_lists(kStatusListKeep);
-  if (fits()) return out;
-  versions_dropped = DropOldVersions(status, budget);
-  if (fits()) return out;
-  for (pb::VersionStatus& v : *status->mutable_versions()) out.texts_cut += CutText(v.mutable_error());
-  for (pb::WorkerStatus& w : *status->mutable_workers()) out.texts_cut += CutText(w.mutable_catch_up_error());
-  for (pb::ModelStatus& m : *status->mutable_models()) out.texts_cut += CutText(m.mutable_plan_error());
-  if (fits()) return out;
-  cut_lists(0);
+  auto drop_versions = [&] { versions_dropped = DropOldVersions(status, budget); };
+  auto cut_texts = [&] {
+    for (pb::VersionStatus& v : *status->mutable_versions()) out.texts_cut += CutText(v.mutable_error());
+    for (pb::WorkerStatus& w : *status->mutable_workers()) out.texts_cut += CutText(w.mutable_catch_up_error());
+    for (pb::ModelStatus& m : *status->mutable_models()) out.texts_cut += CutText(m.mutable_plan_error());
+  };
+  std::vector<std::function<void()>> steps;
+  switch (keep) {
+    case StatusKeep::kDefault:
+      steps = {[&] { cut_lists(kStatusListKeep); }, drop_versions, cut_texts, [&] { cut_lists(0); }};
+      break;
+    case StatusKeep::kVersions:
+      steps = {[&] { cut_lists(kStatusListKeep); }, [&] { cut_lists(0); }, drop_versions, cut_texts};
+      break;
+    case StatusKeep::kNodeLists:
+      steps = {drop_versions, cut_texts, [&] { cut_lists(kStatusListKeep); }, [&] { cut_lists(0); }};
+      break;
+  }
+  for (size_t i = 0; i + 1 < steps.size(); ++i) {
+    steps[i]();
+    if (fits()) return out;
+  }
+  steps.back()();
   out.fits = fits();
   if (!out.fits) {
     status->mutable_trimmed()->set_over_budget(true);

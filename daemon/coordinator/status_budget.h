@@ -45,8 +45,17 @@ struct StatusTrim {
   // The details (entries per kind, per model) are in status->trimmed(), set when bytes_before > budget.
 };
 
-// Trims `status` to at most `budget` serialized bytes as far as the steps above allow. budget 0:
-// no budget (nothing changes).
-StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget);
+// What a filtered status (StatusRequest's filter) keeps longest: what the filter asked for.
+//   kDefault:   the steps in the order above (no filter).
+//   kVersions:  a model filter. Node lists go first, altogether if need be (steps 1 and 4), then
+//               version records (2), then texts (3): the model's records stay whole unless they,
+//               with the node ids, addresses and workers, pass the budget by themselves.
+//   kNodeLists: a node filter alone. Version records (2) and texts (3) go first, then the node's
+//               lists (1, then 4).
+enum class StatusKeep { kDefault, kVersions, kNodeLists };
+
+// Trims `status` to at most `budget` serialized bytes as far as the steps above allow, in the
+// order `keep` picks. budget 0: no budget (nothing changes).
+StatusTrim FitStatusToBudget(pb::StatusResponse* status, size_t budget, StatusKeep keep = StatusKeep::kDefault);
 
 }  // namespace wb::daemon

@@ -214,6 +214,52 @@ TEST(StatusBudgetTest, OldVersionRecordsThenLongTextsThenWholeListsGo) {
   EXPECT_LE(trimmed.ByteSizeLong(), 4000u);
 }
 
+// A filtered status keeps what the filter asked for longest (StatusKeep): a model filter cuts node
+// lists altogether before any version record; a node filter drops version records and texts before
+// the node's lists.
+TEST(StatusBudgetTest, AFilteredStatusKeepsWhatTheFilterAskedForLongest) {
+  pb::StatusResponse st;
+  pb::NodeStatus* n = st.add_nodes();
+  n->set_node_id("n0");
+  for (int i = 0; i < 20; ++i) n->add_data_nics(Padded(absl::StrCat("nic", i, "-"), 200, 'c'));
+  for (int v = 1; v <= 64; ++v) {
+    pb::VersionStatus* vs = st.add_versions();
+    vs->set_model_id("a");
+    vs->set_version(v);
+    vs->set_state("committed");
+    vs->set_error(std::string(40, 'e'));
+  }
+  const size_t full = st.ByteSizeLong();
+  size_t versions_bytes = 0;
+  for (const pb::VersionStatus& vs : st.versions()) versions_bytes += vs.ByteSizeLong() + 2;
+  // Room for the versions but not for the NICs cut to kStatusListKeep (16 x 200 bytes).
+  const size_t budget = versions_bytes + 400;
+  ASSERT_LT(budget, full);
+
+  pb::StatusResponse by_model = st;
+  StatusTrim trim = FitStatusToBudget(&by_model, budget, StatusKeep::kVersions);
+  EXPECT_TRUE(trim.fits) << trim.bytes_after;
+  EXPECT_EQ(trim.versions_dropped, 0);
+  EXPECT_EQ(trim.texts_cut, 0);
+  EXPECT_EQ(by_model.versions_size(), 64) << "every record of the model is kept";
+  ASSERT_EQ(by_model.nodes(0).data_nics_size(), 1) << "the node's list went altogether first";
+  EXPECT_EQ(by_model.trimmed().data_nics_dropped(), 20u);
+  // The default order drops the records before the list goes altogether.
+  pb::StatusResponse unfiltered = st;
+  trim = FitStatusToBudget(&unfiltered, budget);
+  EXPECT_EQ(trim.versions_dropped, 63);
+
+  // A node filter: the node's 20 NICs stay whole, the older records go.
+  pb::StatusResponse by_node = st;
+  const size_t nics_bytes = n->ByteSizeLong();
+  trim = FitStatusToBudget(&by_node, nics_bytes + 400, StatusKeep::kNodeLists);
+  EXPECT_TRUE(trim.fits) << trim.bytes_after;
+  EXPECT_EQ(trim.lists_cut, 0);
+  EXPECT_EQ(by_node.nodes(0).data_nics_size(), 20);
+  EXPECT_EQ(trim.versions_dropped, 63);
+  EXPECT_EQ(by_node.trimmed().versions_dropped_by_model().at("a"), 63u);
+}
+
 // A status that what is never dropped (node ids, addresses, workers) makes too big is sent as it
 // is, marked over budget; nothing could be left out, so every count is 0.
 TEST(StatusBudgetTest, AStatusTooBigByItselfIsMarkedOverBudget) {
