@@ -51,6 +51,33 @@ uint64_t NodeApplied(Cluster& c, TestWorker& r) {
   return resp.applied_version();
 }
 
+// w's memory is replaced by a new, zeroed segment of the same size (an engine that slept and
+// discarded its weights): under the same name (a new file; `truncate_old`: the old one is cut to
+// 0 bytes first, so the node's mapping of it is no longer intact) or under a new name.
+void NewZeroedSegment(TestWorker& w, bool same_name, bool truncate_old = false) {
+  const std::string name = w.seg.name();
+  const int64_t size = w.seg.size();
+  if (truncate_old) {
+    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, 0), 0);
+    ::close(fd);
+  }
+  w.seg = transport::ShmSegment();  // unlinks the old name (the node may still map that file)
+  auto seg = transport::ShmSegment::Create(same_name ? name : transport::ShmSegment::UniqueName("mn"), size);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  w.seg = std::move(*seg);
+}
+
+grpc::Status Deregister(TestWorker& w) {
+  grpc::ClientContext ctx;
+  pb::DeregisterRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(w.id);
+  pb::DeregisterResponse resp;
+  return w.stub->Deregister(&ctx, req, &resp);
+}
+
 class ReregisterTest : public ::testing::TestWithParam<pb::Mode> {
  protected:
   void TearDown() override { c_.Stop(); }
@@ -191,6 +218,80 @@ TEST_P(ReregisterTest, TheSameLayoutOverABrokenSegmentIsCheckedAgain) {
   grpc::Status s = Receive(c_, w.r1, mode, 2);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(CountBad(w.r1, 2), 0);
+}
+
+// A rollout holding a version registers the same layout again, alone (no RegisterWorker), over new
+// zeroed memory: under the same shm name (a new file), under a new name, and under the same name
+// after the old file was cut short. Its live weights hold nothing: the node registers it anew, the
+// coordinator counts it as holding nothing, and Receive answers only once the version is in the
+// new memory (caught up from r0), byte for byte. Before: the same name was answered "unchanged"
+// (the node kept writing the old, unlinked file; Receive OK over zeros), a new name was refused
+// (another layout under the plan), a cut-short file was mapped anew but kept its applied version
+// (Receive OK over zeros).
+TEST_P(ReregisterTest, TheSameLayoutOverNewMemoryIsCaughtUpIntoIt) {
+  const pb::Mode mode = GetParam();
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  struct Case { const char* what; bool same_name, truncate_old; };
+  const Case cases[] = {{"same name, new file", true, false}, {"new name", false, false}, {"same name, old file cut short", true, true}};
+  uint64_t v = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    ++v;
+    for (grpc::Status& s : c_.Publish("m", mode, v, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+    for (TestWorker* r : {&w.r0, &w.r1}) {
+      ASSERT_TRUE(Receive(c_, *r, mode, v).ok()) << r->id;
+      ASSERT_EQ(CountBad(*r, v), 0) << r->id;
+    }
+    NewZeroedSegment(w.r1, k.same_name, k.truncate_old);
+    ASSERT_FALSE(HasFatalFailure());
+    grpc::Status reg = c_.RegisterLayout(w.r1, spec);
+    ASSERT_TRUE(reg.ok()) << reg.error_message();
+    grpc::Status s = Receive(c_, w.r1, mode, v);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(CountBad(w.r1, v), 0) << "version " << v << " reported to r1 while its new memory does not hold it";
+  }
+  ++v;
+  for (grpc::Status& s : c_.Publish("m", mode, v, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1}) {
+    ASSERT_TRUE(Receive(c_, *r, mode, v).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, v), 0) << r->id;
+  }
+}
+
+// While a rollout registered over new memory holds nothing it is never a catch-up source: r0
+// leaves, r1 (the only rollout holding version 1) registers its layout over new zeroed memory,
+// and a late r2 registers. Nobody holds version 1 any more: both are told so (ABORTED naming why,
+// never OK over zeros - before, r2 was "caught up" with r1's zeros and the catch-up's digests
+// agreed, both read and landed zeros), and version 2 then reaches both whole.
+TEST_P(ReregisterTest, ARolloutOverNewMemoryIsNoCatchUpSource) {
+  const pb::Mode mode = GetParam();
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  for (grpc::Status& s : c_.Publish("m", mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(Receive(c_, *r, mode, 1).ok()) << r->id;
+  ASSERT_TRUE(Deregister(w.r0).ok());
+  NewZeroedSegment(w.r1, /*same_name=*/true, /*truncate_old=*/true);
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(c_.RegisterLayout(w.r1, spec).ok());
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 0, &inv_, LayoutOf(inv_, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  ASSERT_TRUE(c_.Register(r2, spec).ok());
+  for (TestWorker* r : {&w.r1, &r2}) {
+    grpc::Status s = Receive(c_, *r, mode, 1);
+    if (s.ok()) {
+      ADD_FAILURE() << r->id << ": version 1 reported although no rollout holds it; wrong elements: " << CountBad(*r, 1);
+      continue;
+    }
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << r->id << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("no rollout holds version 1"), std::string::npos) << r->id << ": " << s.error_message();
+  }
+  for (grpc::Status& s : c_.Publish("m", mode, 2, {&w.t0, &w.t1}, {&w.r1, &r2})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&w.r1, &r2}) {
+    ASSERT_TRUE(Receive(c_, *r, mode, 2).ok()) << r->id;
+    EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ReregisterTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -44,6 +45,46 @@ absl::StatusOr<std::shared_ptr<PidWatch>> PidWatch::Open(int pid, const std::str
   if (watch->fd < 0 && errno == ESRCH) return absl::InvalidArgumentError(absl::StrCat(who, ": pid ", pid, " does not exist"));
   return watch;
 }
+
+namespace {
+
+// The file shm name `name` names now (as IdentifySegments: /dev/shm); nullopt when none.
+std::optional<SegmentId> IdentifyName(const std::string& name) {
+  const std::string path = absl::StrCat("/dev/shm", name.empty() || name[0] != '/' ? "/" : "", name);
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return SegmentId{name, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
+// Whether `req`'s buffers are the very memory `w` mapped: the same shm files (by name and
+// identity, mappings intact) and, unless `cuda_by_request` (the caller compared the whole request
+// already), the same CUDA IPC handles; a CUDA VMM key is then never the same memory (which
+// allocation a key stands for is the worker's to say).
+bool SameMemory(const LocalWorkers::Worker& w, const pb::RegisterLayoutRequest& req, bool cuda_by_request) {
+  if (static_cast<size_t>(req.buffers_size()) != w.buffers.size() || w.cuda.size() != w.buffers.size()) return false;
+  size_t host = 0;
+  for (int i = 0; i < req.buffers_size(); ++i) {
+    const pb::BufferSpec& b = req.buffers(i);
+    const auto& seg = w.buffers[i];
+    if (b.memory_case() == pb::BufferSpec::kShmName) {
+      if (seg == nullptr || seg->name() != b.shm_name() || !seg->CheckIntact().ok()) return false;
+      std::optional<SegmentId> now = IdentifyName(b.shm_name());
+      if (!now || host >= w.segments.size() || !(*now == w.segments[host])) return false;
+      ++host;
+      continue;
+    }
+    if (w.cuda[i] == nullptr) return false;
+    if (cuda_by_request) continue;
+    const pb::BufferSpec* was = i < w.layout_request.buffers_size() ? &w.layout_request.buffers(i) : nullptr;
+    if (b.memory_case() != pb::BufferSpec::kCudaIpcHandle || was == nullptr || was->memory_case() != pb::BufferSpec::kCudaIpcHandle ||
+        was->cuda_ipc_handle() != b.cuda_ipc_handle()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
 
 LocalWorkers::LocalWorkers(Options options) : options_(std::move(options)) {}
 
@@ -108,6 +149,21 @@ absl::StatusOr<uint64_t> LocalWorkers::AttachLayout(const WorkerKey& key, std::v
       }
     }
   }
+  Worker& w = it->second;
+  absl::StatusOr<std::vector<SegmentId>> ids = IdentifySegments(buffers);
+  std::vector<SegmentId> segments = ids.ok() ? *std::move(ids) : std::vector<SegmentId>();
+  bool same = ids.ok() && segments == w.segments && cuda.size() == w.cuda.size();
+  for (size_t j = 0; same && j < cuda.size(); ++j) same = (cuda[j] == nullptr) == (w.cuda[j] == nullptr);
+  if (w.has_layout && w.applied_version > 0 && !same) {
+    // Other memory under the same entry (a rollout's new memory re-joins before this - NewMemory -
+    // so this is a trainer, or memory that changed between the two): its live weights hold no
+    // version. The committed copy, if any, is still whole: Apply / BeginUpdate copy it in.
+    Log(LogLevel::kWarning, "layout attached over new memory: live weights hold no version",
+        {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}, {"was_applied", w.applied_version}});
+    w.applied_version = 0;
+    live_.Forget(LiveKey(key.first, key.second));
+  }
+  w.segments = std::move(segments);
   it->second.buffers = std::move(buffers);
   it->second.cuda = std::move(cuda);
   it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
@@ -138,10 +194,9 @@ std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerK
   if (it->second.layout_request.SerializeAsString() != req.SerializeAsString()) return std::nullopt;
   // A mapping that faulted (the worker truncated its segment under a copy) or shrank stays refused
   // until the worker registers its layout again (docs/security.md): that registration maps anew,
-  // even when its request is the same.
-  for (const auto& b : it->second.buffers) {
-    if (b != nullptr && !b->CheckIntact().ok()) return std::nullopt;
-  }
+  // even when its request is the same. So does a name that now names another file (the worker
+  // unlinked its segment and created a new one under the same name): the node must map that one.
+  if (!SameMemory(it->second, req, /*cuda_by_request=*/true)) return std::nullopt;
   it->second.repeat_pending = false;
   return it->second.layout_response;
 }
@@ -151,6 +206,14 @@ std::optional<pb::RegisterWorkerRequest> LocalWorkers::TakeRepeat(const WorkerKe
   auto it = workers_.find(key);
   if (it == workers_.end() || !it->second.repeat_pending) return std::nullopt;
   it->second.repeat_pending = false;
+  return it->second.registration;
+}
+
+std::optional<pb::RegisterWorkerRequest> LocalWorkers::NewMemory(const WorkerKey& key, const pb::RegisterLayoutRequest& req) const {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || !it->second.has_layout || it->second.role != planner::Role::kRollout) return std::nullopt;
+  if (SameMemory(it->second, req, /*cuda_by_request=*/false)) return std::nullopt;
   return it->second.registration;
 }
 

@@ -75,6 +75,10 @@ class LocalWorkers {
     bool has_layout = false;
     std::vector<std::shared_ptr<transport::ShmSegment>> buffers;  // live host memory, layout order (null: CUDA)
     std::vector<std::shared_ptr<CudaImport>> cuda;                 // same order: CUDA buffers (null: host)
+    // Which files the host buffers are (name, device, inode; taken by name when the layout was
+    // attached): a segment unlinked and created again under the same name is other memory
+    // (SameLayout, NewMemory).
+    std::vector<SegmentId> segments;
     std::map<uint64_t, std::shared_ptr<Bytes>> snapshots;          // trainer: version -> copy
     std::shared_ptr<Bytes> committed;                              // rollout: newest committed staging
     uint64_t committed_version = 0;
@@ -202,7 +206,19 @@ class LocalWorkers {
   // memory and CUDA buffers alike; not index probes, whose probe bytes in the worker's memory
   // may have changed); nullopt otherwise. The node answers it again and changes nothing (a
   // pending repeat was a replay: settled).
+  // Not the same either when a shm name of the request now names another file (a segment unlinked
+  // and created again under the same name) or the mapping faulted / shrank.
   std::optional<pb::RegisterLayoutResponse> SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req);
+  // A RegisterLayout of rollout `key` over NEW memory: the entry has a layout and `req` does not
+  // name the very memory it mapped (another number of buffers, another shm name, the same name
+  // naming another file now, a mapping that faulted or shrank, another CUDA IPC handle, any CUDA
+  // VMM key: which allocation a key stands for is the worker's to say). Its live weights then hold
+  // no version the node or the coordinator knows of, so the rollout registers anew: returns the
+  // registration to join with (the coordinator drops and re-adds it - it holds nothing, is caught
+  // up into the new memory and is no catch-up source meanwhile - and the node's entry, committed
+  // copy included, is replaced). nullopt: the same memory (an index-probe replay), no layout yet,
+  // or not a rollout (a trainer's new memory is simply mapped: it holds no version).
+  std::optional<pb::RegisterWorkerRequest> NewMemory(const WorkerKey& key, const pb::RegisterLayoutRequest& req) const;
   // A RegisterLayout that is not the same after a repeated RegisterWorker: the repeat was no
   // replay (the process brings other memory or another layout), so it registers anew - returns
   // the registration to join with (and clears the mark); nullopt when no repeat is pending.

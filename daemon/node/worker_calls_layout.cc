@@ -120,6 +120,8 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
     pb::RegisterWorkerResponse joined;
     RETURN_IF_ERROR(JoinWorker(*repeated, &joined));
   }
+  // Judged before mapping (what the entry mapped), joined once the new memory is mapped.
+  std::optional<pb::RegisterWorkerRequest> fresh = local_.NewMemory(key, req);
   pb::ModelSpec spec;
   planner::Role role = planner::Role::kTrainer;
   {
@@ -178,6 +180,22 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
     }
     Log(LogLevel::kDebug, "rollout buffers pre-faulted",
         {{"model", req.model_id()}, {"worker", req.worker_id()}, {"seconds", absl::ToDoubleSeconds(options_.clock->Now() - t0)}});
+  }
+  if (fresh) {
+    // A rollout registering its layout over new memory (a new segment, the same name naming a new
+    // file, a new CUDA allocation: e.g. an engine that slept and discarded its weights): its live
+    // weights hold nothing the node or the coordinator knows of. Registered anew: the coordinator
+    // counts it as holding no version (it is caught up into the new memory, never a catch-up
+    // source meanwhile), the node replaces its entry (applied and committed versions, committed
+    // copy, live state). Keeping the entry made Apply / WaitVersion answer the old version over
+    // the new memory and the coordinator use it as a catch-up source.
+    Log(LogLevel::kWarning, "rollout layout over new memory: registered anew",
+        {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}});
+    pb::RegisterWorkerResponse joined;
+    if (absl::Status s = JoinWorker(*fresh, &joined); !s.ok()) {
+      return Annotate(s, absl::StrCat("registering rollout ", req.worker_id(), " of model ", req.model_id(), " anew on node ", options_.node_id,
+                                      " (its layout names new memory)"));
+    }
   }
   pb::SubmitLayoutRequest sreq;
   sreq.set_node_id(options_.node_id);
