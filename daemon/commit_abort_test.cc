@@ -139,5 +139,74 @@ TEST(CommitAbortTest, AFailedSyncCommitIsNotRestoredAsCommittedAfterACoordinator
   c.Stop();
 }
 
+grpc::Status EndUpdate(TestWorker& r) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  pb::EndUpdateRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(r.id);
+  req.set_timeout_ms(10000);
+  pb::EndUpdateResponse resp;
+  return r.stub->EndUpdate(&ctx, req, &resp);
+}
+
+grpc::Status BeginUpdate(TestWorker& r) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  pb::BeginUpdateRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(r.id);
+  req.set_timeout_ms(10000);
+  pb::BeginUpdateResponse resp;
+  return r.stub->BeginUpdate(&ctx, req, &resp);
+}
+
+// r1 resumes (EndUpdate) while version 2 is held on n1 before a bucket, so n1's commit makes
+// version 2 r1's committed copy instead of writing its live weights; the commit fails on n0 and the
+// coordinator aborts version 2 everywhere. n1 drops r1's copy of it with the rollback: r1's next
+// BeginUpdate leaves its live weights at version 1 (before: it copied the aborted version 2 in), and
+// version 3 then reaches both rollouts whole.
+TEST(CommitAbortTest, AResumedRolloutDropsItsCopyOfAFailedSyncCommit) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  auto faults = std::make_shared<std::atomic<int>>(1);
+  absl::Notification entered, release;
+  std::atomic<bool> armed{false};
+  TwoNodeSetup setup{.mode = pb::MODE_SYNC, .n0_live_copy_fault = [faults](const std::string& l) {
+                       return l == "commit r0 v2" && faults->fetch_sub(1) > 0 ? absl::UnavailableError("injected transport failure")
+                                                                              : absl::OkStatus();
+                     }};
+  setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
+    if (version != 2 || !armed.exchange(false)) return;
+    entered.Notify();
+    release.WaitForNotificationWithTimeout(kReal);
+  };
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, setup);
+  ASSERT_FALSE(Test::HasFailure());
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(CountBad(r1, 1), 0);
+  armed = true;
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1}); });
+  const bool held = entered.WaitForNotificationWithTimeout(kReal);
+  grpc::Status ended = held ? EndUpdate(r1) : grpc::Status::OK;
+  release.Notify();
+  publisher.join();
+  ASSERT_TRUE(held) << "version 2 never ran on n1";
+  ASSERT_TRUE(ended.ok()) << ended.error_message();
+  for (const grpc::Status& s : published) EXPECT_FALSE(s.ok());
+  EXPECT_EQ(c.FinalVersion(2).state(), "aborted");
+  AwaitQueuedNodeRpcs(c);  // the AbortVersion of version 2 reached both nodes
+  ASSERT_FALSE(Test::HasFatalFailure());
+  EXPECT_EQ(CountBad(r1, 1), 0) << "the commit wrote the live weights of resumed r1";
+  grpc::Status begun = BeginUpdate(r1);
+  EXPECT_TRUE(begun.ok()) << begun.error_message();
+  EXPECT_EQ(CountBad(r1, 1), 0) << "BeginUpdate copied the aborted version 2 into r1's live weights";
+  EXPECT_GT(CountBad(r1, 2), 0);
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  c.Stop();
+}
+
 }  // namespace
 }  // namespace wb::daemon

@@ -457,6 +457,18 @@ std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model
   return jobs;
 }
 
+std::vector<std::string> LocalWorkers::DropAbortedCommit(const std::string& model, uint64_t version) {
+  std::vector<std::string> dropped;
+  absl::MutexLock l(&mu_);
+  for (auto& [key, w] : workers_) {
+    if (key.first != model || w.role != planner::Role::kRollout || w.committed_version != version || w.applied_version >= version) continue;
+    w.committed = nullptr;
+    w.committed_version = w.applied_version;
+    dropped.push_back(key.second);
+  }
+  return dropped;
+}
+
 void LocalWorkers::MarkApplied(const WorkerKey& key, uint64_t version, const std::shared_ptr<Bytes>& staging, bool after_commit) {
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);

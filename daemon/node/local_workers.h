@@ -273,6 +273,14 @@ class LocalWorkers {
   // filled in); a sync rollout that resumed (EndUpdate) gets none unless it is in `relayed`.
   std::vector<LiveJob> Commit(const std::string& model, uint64_t version, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
                               const std::set<std::string>& relayed);
+  // AbortVersion of `version` after this node committed it (a sync commit the coordinator declared
+  // failed; node::Versions rolled its committed version back): a rollout whose live weights do not
+  // hold it (resumed by EndUpdate when it committed: the version became its committed copy) drops
+  // that copy, so no BeginUpdate / WaitVersion / Apply copies the aborted version into its live
+  // weights; its committed version falls back to what its live weights hold. Rollouts whose live
+  // weights hold it keep it (they do hold it; the next version rewrites them). Returns the rollouts
+  // whose copy was dropped.
+  std::vector<std::string> DropAbortedCommit(const std::string& model, uint64_t version);
   // A live copy of `version` from `staging` succeeded (RunLiveCopies recorded the version as
   // applied). `after_commit`: the commit's copy (the staging is released when it is the committed
   // one); else Apply's (released when nothing newer is committed). Nothing happens when the live

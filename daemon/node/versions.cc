@@ -9,6 +9,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "daemon/convert.h"
 #include "daemon/log.h"
@@ -363,6 +364,7 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   uint64_t other_epoch = 0;  // of an execution of the version this abort leaves running
   std::optional<uint64_t> rolled_back;  // committed_ before this abort rolled `version` back
   uint64_t committed_now = 0;
+  std::vector<std::string> dropped_copies;  // resumed rollouts whose committed copy of it went
   {
     absl::MutexLock l(&mu_);
     auto it = execs_.find({req.model_id(), req.version()});
@@ -394,6 +396,9 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
         // must not report it as committed when it re-joins (RestoreCommitted takes the max).
         rolled_back = RollBackCommittedLocked(req.model_id(), req.version());
         committed_now = committed_[req.model_id()];
+        // Rollouts that resumed (EndUpdate) before the commit hold it as their committed copy
+        // only: dropped, or their next BeginUpdate would copy the aborted version into live weights.
+        if (rolled_back) dropped_copies = local_.DropAbortedCommit(req.model_id(), req.version());
       }
       local_.DropSnapshots(req.model_id(), req.version());
     }
@@ -402,7 +407,7 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
     metrics().Committed(options_.node_id, req.model_id(), committed_now);
     Log(LogLevel::kWarning, "committed version rolled back",
         {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"committed_before", *rolled_back},
-         {"committed_now", committed_now}, {"reason", req.reason()}});
+         {"committed_now", committed_now}, {"committed_copies_dropped", absl::StrJoin(dropped_copies, ",")}, {"reason", req.reason()}});
   }
   if (other_epoch != 0) {
     Log(LogLevel::kInfo, "abort of another execution ignored",
