@@ -61,14 +61,15 @@ absl::Status CtlClient::Hinted(const absl::Status& s, bool operator_call) const 
 }
 
 absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout,
-                                                          std::string* source) {
+                                                          std::string* source,
+                                                          const pb::StatusRequest& filter) {
   const absl::Time deadline = absl::Now() + timeout;
   pb::StatusResponse resp;
   if (addr_.unix_socket) {
     grpc::ClientContext ctx;
     Prepare(&ctx, deadline);
     RETURN_IF_ERROR(FromGrpcStatus(
-        pb::WorkerService::NewStub(channel_)->Status(&ctx, pb::StatusRequest(), &resp)));
+        pb::WorkerService::NewStub(channel_)->Status(&ctx, filter, &resp)));
     if (source) *source = "worker socket";
     return resp;
   }
@@ -76,7 +77,7 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
     grpc::ClientContext ctx;
     Prepare(&ctx, deadline);
     absl::Status s = FromGrpcStatus(
-        pb::CoordinatorService::NewStub(channel_)->ClusterStatus(&ctx, pb::StatusRequest(), &resp));
+        pb::CoordinatorService::NewStub(channel_)->ClusterStatus(&ctx, filter, &resp));
     if (s.ok()) {
       if (source) *source = "coordinator";
       return resp;
@@ -87,13 +88,14 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
   grpc::ClientContext ctx;
   Prepare(&ctx, deadline);
   RETURN_IF_ERROR(Hinted(
-      FromGrpcStatus(pb::NodeService::NewStub(channel_)->Status(&ctx, pb::StatusRequest(), &resp))));
+      FromGrpcStatus(pb::NodeService::NewStub(channel_)->Status(&ctx, filter, &resp))));
   if (source) *source = "node";
   return resp;
 }
 
 absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
-                                  const StatusFn& on_status, bool* stopped) {
+                                  const StatusFn& on_status, bool* stopped,
+                                  const pb::StatusRequest& filter) {
   *stopped = false;
   if (addr_.unix_socket) {
     return absl::UnimplementedError(
@@ -102,6 +104,7 @@ absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
   const absl::Duration left = deadline - absl::Now();
   if (left <= absl::ZeroDuration()) return absl::OkStatus();
   pb::WatchStatusRequest req;
+  *req.mutable_request() = filter;
   req.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(left)));
   grpc::ClientContext ctx;
   // The coordinator ends the stream (OK) at timeout_ms; the RPC deadline is a little later so
@@ -124,10 +127,10 @@ absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
   return Hinted(s);
 }
 
-absl::Status CtlClient::WatchStatus(absl::Time deadline, const StatusFn& on_status) {
+absl::Status CtlClient::WatchStatus(absl::Time deadline, const StatusFn& on_status, const pb::StatusRequest& filter) {
   while (true) {
     bool stopped = false;
-    RETURN_IF_ERROR(WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped));
+    RETURN_IF_ERROR(WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped, filter));
     if (stopped || absl::Now() >= deadline) return absl::OkStatus();
     // Ended OK before our deadline: the coordinator's cap on one stream. Open the next one.
   }

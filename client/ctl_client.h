@@ -49,8 +49,13 @@ class CtlClient {
                                                             absl::Duration timeout,
                                                             CtlAuth auth = {});
   // The daemon's status. `source` (optional) receives "coordinator", "node" or "worker socket".
-  absl::StatusOr<weightbridge::v1::StatusResponse> FetchStatus(absl::Duration timeout,
-                                                               std::string* source = nullptr);
+  // `filter` (StatusRequest: model_id, node_id) is sent as it is: the coordinator narrows the
+  // status to it before its byte budget (node daemons and worker sockets forward it there);
+  // NOT_FOUND for a model or node it does not know. A coordinator built before the filter ignores
+  // it and answers the whole status.
+  absl::StatusOr<weightbridge::v1::StatusResponse> FetchStatus(
+      absl::Duration timeout, std::string* source = nullptr,
+      const weightbridge::v1::StatusRequest& filter = weightbridge::v1::StatusRequest());
   // Called with each status a stream delivers; return false to stop watching.
   using StatusFn = std::function<bool(const weightbridge::v1::StatusResponse&)>;
   // Status push: calls `on_status` with the current status at once, then again whenever the
@@ -59,8 +64,10 @@ class CtlClient {
   // false or `deadline` passes (a stream the coordinator ends earlier at its 10 min cap is
   // re-opened, starting again with the current status). Errors keep the daemon's code:
   // UNAVAILABLE (coordinator gone or shutting down), UNIMPLEMENTED (not a coordinator),
-  // RESOURCE_EXHAUSTED (too many watchers there). Never re-connects on errors.
-  absl::Status WatchStatus(absl::Time deadline, const StatusFn& on_status);
+  // RESOURCE_EXHAUSTED (too many watchers there), NOT_FOUND (`filter` names a model or node the
+  // coordinator does not know; at once). Never re-connects on errors. `filter`: as FetchStatus's.
+  absl::Status WatchStatus(absl::Time deadline, const StatusFn& on_status,
+                           const weightbridge::v1::StatusRequest& filter = weightbridge::v1::StatusRequest());
   // Blocks until `pred` holds for the coordinator's status and returns that status. Built on
   // WatchStatus; a stream lost to UNAVAILABLE (coordinator restarting) is re-opened, waiting for
   // the coordinator to be reachable again, until `deadline`. DEADLINE_EXCEEDED when `pred` did not
@@ -78,7 +85,8 @@ class CtlClient {
   // One stream until `deadline`. *stopped = on_status returned false. wait_for_ready: the call
   // waits for the channel to (re)connect instead of failing fast.
   absl::Status WatchOnce(absl::Time deadline, bool wait_for_ready, const StatusFn& on_status,
-                         bool* stopped);
+                         bool* stopped,
+                         const weightbridge::v1::StatusRequest& filter = weightbridge::v1::StatusRequest());
   CtlClient(CtlAddress addr, std::shared_ptr<grpc::Channel> channel, CtlAuth auth)
       : addr_(std::move(addr)), channel_(std::move(channel)), auth_(std::move(auth)) {}
   // A call context with the deadline and the credentials (operator_call: also the operator token).

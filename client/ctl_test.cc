@@ -1,6 +1,8 @@
 // wbctl's pure parts: flag parsing, address parsing, status rendering and watch arithmetic.
 #include <cstdio>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "client/ctl_args.h"
@@ -10,6 +12,8 @@
 #include "client/status_view.h"
 #include "client/watch_command.h"
 #include "client/drain_command.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/weightbridge.grpc.pb.h"
 #include "gtest/gtest.h"
 
 namespace wb::client {
@@ -214,8 +218,8 @@ TEST(StatusViewTest, ATrimmedStatusSaysWhatWasLeftOut) {
   EXPECT_EQ(table.substr(table.size() - line.size()), line) << "the table ends with it:\n" << table;
   for (const char* part : {"byte budget of 3145728 bytes (4613734 before)", "not listed: 96 transports and 48 data NICs of 2 nodes",
                            "62 older finished version records (qwen: 62)", "3 long error texts cut",
-                           "Every node, worker, model and running version is listed", "The rest (a status takes no filter): older versions in the coordinator log",
-                           "--data_nics"}) {
+                           "Every node, worker, model and running version is listed",
+                           "The rest: a model's older versions with --model M", "a node's full transports / NICs with --node N"}) {
     EXPECT_NE(line.find(part), std::string::npos) << part << " in " << line;
   }
   EXPECT_EQ(line.find("still over"), std::string::npos);
@@ -350,6 +354,177 @@ TEST(CtlAuthTest, LoadsFlagsAndRefusesPartialOrBadFiles) {
   }
   // The credential flags are accepted by every dialing subcommand's parser, not by others.
   EXPECT_FALSE(CtlArgs::Parse({"--auth_token_file", token}, {{"addr"}, {}}).ok());
+}
+
+}  // namespace
+}  // namespace wb::client
+
+namespace wb::client {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+
+// A coordinator that records the StatusRequest filter of each ClusterStatus / WatchStatus and
+// answers as the real one does: NOT_FOUND for a model it does not know, else a status of the
+// filter's model, with model "qwen"'s older records trimmed unless the filter asked for it.
+class FilterRecordingCoordinator final : public pb::CoordinatorService::Service {
+ public:
+  grpc::Status ClusterStatus(grpc::ServerContext*, const pb::StatusRequest* req, pb::StatusResponse* resp) override {
+    return Answer(*req, resp);
+  }
+  grpc::Status WatchStatus(grpc::ServerContext*, const pb::WatchStatusRequest* req,
+                           grpc::ServerWriter<pb::StatusResponse>* writer) override {
+    pb::StatusResponse resp;
+    grpc::Status s = Answer(req->request(), &resp);
+    if (!s.ok()) return s;
+    writer->Write(resp);
+    return grpc::Status::OK;  // the watch goes on unfiltered / times out: not what these tests look at
+  }
+  std::vector<pb::StatusRequest> requests() {
+    std::lock_guard<std::mutex> l(mu_);
+    return requests_;
+  }
+
+ private:
+  grpc::Status Answer(const pb::StatusRequest& req, pb::StatusResponse* resp) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      requests_.push_back(req);
+    }
+    if (!req.model_id().empty() && req.model_id() != "qwen") {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "status filter: unknown model '" + req.model_id() + "'");
+    }
+    resp->set_role("coordinator");
+    resp->add_nodes()->set_node_id("n0");
+    pb::ModelStatus* m = resp->add_models();
+    m->set_model_id("qwen");
+    const uint64_t first = req.model_id().empty() ? 63 : 1;  // whole when filtered
+    for (uint64_t v = first; v <= 64; ++v) {
+      pb::VersionStatus* vs = resp->add_versions();
+      vs->set_model_id("qwen");
+      vs->set_version(v);
+      vs->set_state(v == 64 ? "transferring" : "committed");
+      vs->set_bytes_total(100);
+    }
+    if (req.model_id().empty()) {
+      pb::StatusTrimmed* t = resp->mutable_trimmed();
+      t->set_budget_bytes(3145728);
+      t->set_bytes_before(4613734);
+      t->set_versions_dropped(62);
+      (*t->mutable_versions_dropped_by_model())["qwen"] = 62;
+    }
+    return grpc::Status::OK;
+  }
+  std::mutex mu_;
+  std::vector<pb::StatusRequest> requests_;
+};
+
+class CtlFilterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&service_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    addr_ = "127.0.0.1:" + std::to_string(port);
+  }
+  void TearDown() override { server_->Shutdown(); }
+  pb::StatusRequest Last() {
+    auto r = service_.requests();
+    return r.empty() ? pb::StatusRequest() : r.back();
+  }
+
+  FilterRecordingCoordinator service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string addr_;
+};
+
+TEST_F(CtlFilterTest, StatusSendsModelAndNodeAndTheTrimmedLinePointsToModel) {
+  std::ostringstream out, err;
+  ASSERT_EQ(RunStatusCommand({"--addr", addr_}, out, err), kCtlOk) << err.str();
+  EXPECT_TRUE(Last().model_id().empty());
+  // Unfiltered and trimmed: the TRIMMED line points to --model for a model's older records.
+  EXPECT_NE(out.str().find("TRIMMED: "), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("The rest: a model's older versions with --model M (wbctl status --model M, wbctl versions --model M)"),
+            std::string::npos)
+      << out.str();
+
+  std::ostringstream fout, ferr;
+  ASSERT_EQ(RunStatusCommand({"--addr", addr_, "--model", "qwen", "--node", "n0"}, fout, ferr), kCtlOk) << ferr.str();
+  EXPECT_EQ(Last().model_id(), "qwen");
+  EXPECT_EQ(Last().node_id(), "n0");
+  EXPECT_NE(fout.str().find("filter: model qwen, node n0"), std::string::npos) << fout.str();
+  EXPECT_EQ(fout.str().find("TRIMMED"), std::string::npos) << "filtered: whole\n" << fout.str();
+  EXPECT_NE(fout.str().find("VERSIONS (64)"), std::string::npos) << fout.str();
+
+  std::ostringstream jout, jerr;
+  ASSERT_EQ(RunStatusCommand({"--addr", addr_, "--model", "qwen", "--json"}, jout, jerr), kCtlOk) << jerr.str();
+  auto j = nlohmann::json::parse(jout.str());
+  EXPECT_EQ(j["filter"]["model_id"], "qwen");
+  EXPECT_TRUE(j["trimmed"].is_null());
+
+  // An unknown model: the coordinator's NOT_FOUND, exit 6; an empty id is a usage error.
+  std::ostringstream uout, uerr;
+  EXPECT_EQ(RunStatusCommand({"--addr", addr_, "--model", "nope"}, uout, uerr), kCtlNotFound);
+  EXPECT_NE(uerr.str().find("unknown model 'nope'"), std::string::npos) << uerr.str();
+  EXPECT_EQ(RunStatusCommand({"--addr", addr_, "--model="}, uout, uerr), kCtlUsage);
+}
+
+TEST_F(CtlFilterTest, VersionsSendsTheModelSoItsRecordsAreWhole) {
+  std::ostringstream out, err;
+  ASSERT_EQ(RunVersionsCommand({"--addr", addr_, "--model", "qwen", "--json"}, out, err), kCtlOk) << err.str();
+  EXPECT_EQ(Last().model_id(), "qwen") << "versions narrows the status at the coordinator, not only in wbctl";
+  auto j = nlohmann::json::parse(out.str());
+  EXPECT_EQ(j["versions"].size(), 64u) << out.str();
+  EXPECT_EQ(j["versions_not_listed"].get<uint32_t>(), 0u);
+  std::ostringstream uout, uerr;
+  EXPECT_EQ(RunVersionsCommand({"--addr", addr_, "--model", "nope"}, uout, uerr), kCtlNotFound);
+  EXPECT_NE(uerr.str().find("no model 'nope'"), std::string::npos) << uerr.str();
+}
+
+TEST_F(CtlFilterTest, WatchSendsTheModelAndWaitsUnfilteredForAModelNotKnownYet) {
+  std::ostringstream out, err;
+  // qwen v64 is transferring and stays so: the watch times out, having asked for qwen only.
+  EXPECT_EQ(RunWatchCommand({"--addr", addr_, "--model", "qwen", "--timeout", "1s"}, out, err), kCtlWatchTimeout) << err.str();
+  ASSERT_FALSE(service_.requests().empty());
+  EXPECT_EQ(service_.requests().front().model_id(), "qwen");
+  EXPECT_NE(out.str().find("qwen v64"), std::string::npos) << out.str();
+  EXPECT_EQ(out.str().find("TRIMMED"), std::string::npos) << out.str();
+
+  // A model the coordinator does not know: with --version, exit 6 at once; without, the watch
+  // waits for it on the whole status (which is trimmed here: the line points to --model).
+  std::ostringstream vout, verr;
+  EXPECT_EQ(RunWatchCommand({"--addr", addr_, "--model", "later", "--version", "3", "--timeout", "1s"}, vout, verr), kCtlNotFound);
+  EXPECT_NE(verr.str().find("no model 'later'"), std::string::npos) << verr.str();
+  std::ostringstream wout, werr;
+  const size_t before = service_.requests().size();
+  EXPECT_EQ(RunWatchCommand({"--addr", addr_, "--model", "later", "--timeout", "1s"}, wout, werr), kCtlWatchTimeout) << werr.str();
+  auto reqs = service_.requests();
+  ASSERT_GE(reqs.size(), before + 2);
+  EXPECT_EQ(reqs[before].model_id(), "later");
+  EXPECT_TRUE(reqs[before + 1].model_id().empty()) << "the second watch is unfiltered";
+  EXPECT_NE(wout.str().find("waiting for a version to start of later"), std::string::npos) << wout.str();
+  EXPECT_NE(wout.str().find("with --model M"), std::string::npos) << wout.str();
+}
+
+// The TRIMMED line of a status asked for one model (that model alone over the budget) points to
+// the coordinator log, not to --model again.
+TEST(StatusViewTest, ATrimmedFilteredStatusPointsToTheLog) {
+  pb::StatusResponse s;
+  s.mutable_trimmed()->set_budget_bytes(1000);
+  s.mutable_trimmed()->set_versions_dropped(5);
+  (*s.mutable_trimmed()->mutable_versions_dropped_by_model())["qwen"] = 5;
+  s.mutable_trimmed()->set_nodes_with_lists_cut(1);
+  s.mutable_trimmed()->set_data_nics_dropped(4);
+  pb::StatusRequest filter;
+  filter.set_model_id("qwen");
+  const std::string line = TrimmedLine(s, filter);
+  EXPECT_NE(line.find("older versions of qwen (over the budget by itself) in the coordinator log"), std::string::npos) << line;
+  EXPECT_NE(line.find("with --node N"), std::string::npos) << line;
+  filter.set_node_id("n0");
+  EXPECT_NE(TrimmedLine(s, filter).find("in that node daemon's flags"), std::string::npos) << TrimmedLine(s, filter);
 }
 
 }  // namespace

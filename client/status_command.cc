@@ -8,10 +8,18 @@
 namespace wb::client {
 
 int RunStatusCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  auto parsed = CtlArgs::Parse(args, WithAuthFlags({{"addr", "timeout"}, {"json"}}));
+  auto parsed = CtlArgs::Parse(args, WithAuthFlags({{"addr", "timeout", "model", "node"}, {"json"}}));
   if (!parsed.ok()) {
     err << "wbctl status: " << parsed.status().message()
-        << "\nusage: wbctl status --addr ADDR [--json] [--timeout 10s]\n" << kCtlAuthUsage;
+        << "\nusage: wbctl status --addr ADDR [--model ID] [--node ID] [--json] [--timeout 10s]\n" << kCtlAuthUsage;
+    return kCtlUsage;
+  }
+  // StatusRequest's filter: the daemon narrows the status before its byte budget.
+  weightbridge::v1::StatusRequest filter;
+  filter.set_model_id(parsed->Get("model"));
+  filter.set_node_id(parsed->Get("node"));
+  if ((parsed->Has("model") && filter.model_id().empty()) || (parsed->Has("node") && filter.node_id().empty())) {
+    err << "wbctl status: --model and --node take a non-empty id\n";
     return kCtlUsage;
   }
   auto timeout = parsed->GetDuration("timeout", absl::Seconds(10));
@@ -31,15 +39,18 @@ int RunStatusCommand(const std::vector<std::string>& args, std::ostream& out, st
     return kCtlRpcFailed;
   }
   std::string source;
-  auto status = (*client)->FetchStatus(*timeout, &source);
+  auto status = (*client)->FetchStatus(*timeout, &source, filter);
   if (!status.ok()) {
     err << "wbctl status: " << status.status() << "\n";
-    return kCtlRpcFailed;
+    // A filter naming a model or node the coordinator does not know.
+    return absl::IsNotFound(status.status()) ? kCtlNotFound : kCtlRpcFailed;
   }
   if (parsed->Has("json")) {
-    out << StatusJson(*status, source).dump() << "\n";
+    nlohmann::json j = StatusJson(*status, source);
+    j["filter"] = {{"model_id", filter.model_id()}, {"node_id", filter.node_id()}};
+    out << j.dump() << "\n";
   } else {
-    out << StatusTable(*status, source);
+    out << StatusTable(*status, source, filter);
   }
   return kCtlOk;
 }
@@ -71,12 +82,16 @@ int RunVersionsCommand(const std::vector<std::string>& args, std::ostream& out, 
     err << "wbctl versions: " << client.status() << "\n";
     return kCtlRpcFailed;
   }
-  auto status = (*client)->FetchStatus(*timeout);
-  if (!status.ok()) {
+  // Sent as StatusRequest.model_id: the coordinator narrows the status to the model before its byte
+  // budget, so the model's records are all listed unless they alone pass the budget.
+  weightbridge::v1::StatusRequest filter;
+  filter.set_model_id(model);
+  auto status = (*client)->FetchStatus(*timeout, nullptr, filter);
+  if (!status.ok() && !absl::IsNotFound(status.status())) {
     err << "wbctl versions: " << status.status() << "\n";
     return kCtlRpcFailed;
   }
-  if (!HasModel(*status, model)) {
+  if (!status.ok() || !HasModel(*status, model)) {
     err << "wbctl versions: no model '" << model << "' at " << parsed->Get("addr") << "\n";
     return kCtlNotFound;
   }
@@ -92,8 +107,8 @@ int RunVersionsCommand(const std::vector<std::string>& args, std::ostream& out, 
     out << VersionsTable(versions);
     if (not_listed > 0) {
       out << "TRIMMED: " << not_listed << " older finished version records of " << model
-          << " not listed (the coordinator's status byte budget of " << status->trimmed().budget_bytes()
-          << " bytes); they are in the coordinator log (\"version committed\" / \"version aborted\")\n";
+          << " not listed: the model alone is over the coordinator's status byte budget of " << status->trimmed().budget_bytes()
+          << " bytes; they are in the coordinator log (\"version committed\" / \"version aborted\")\n";
     }
   }
   return kCtlOk;

@@ -84,7 +84,7 @@ std::string TransportsSummary(const std::vector<std::string>& transports, const 
   return kinds.empty() ? "-" : absl::StrJoin(kinds, ",");
 }
 
-std::string TrimmedLine(const pb::StatusResponse& s) {
+std::string TrimmedLine(const pb::StatusResponse& s, const pb::StatusRequest& filter) {
   if (!s.has_trimmed()) return "";
   const pb::StatusTrimmed& t = s.trimmed();
   std::string out = absl::StrCat("TRIMMED: the coordinator cut this status to its byte budget of ", t.budget_bytes(),
@@ -106,11 +106,25 @@ std::string TrimmedLine(const pb::StatusResponse& s) {
   if (t.texts_cut() > 0) absl::StrAppend(&out, "; ", t.texts_cut(), " long error texts cut");
   if (t.over_budget()) absl::StrAppend(&out, "; still over the budget (nodes, workers and models are never left out)");
   absl::StrAppend(&out, ". Every node, worker, model and running version is listed");
-  // StatusRequest takes no filter, so no narrower status shows more: say where the rest is.
+  // Where the rest is: a status narrowed to one model (or node) is narrowed before the budget, so
+  // it shows what this one left out - unless this one was narrowed to it already.
   std::vector<std::string> rest;
-  if (t.versions_dropped() > 0) rest.push_back("older versions in the coordinator log (\"version committed\" / \"version aborted\")");
-  if (t.nodes_with_lists_cut() > 0) rest.push_back("a node's full transports / NICs in that node daemon's flags (--data_nics, GPU staging)");
-  if (!rest.empty()) absl::StrAppend(&out, ". The rest (a status takes no filter): ", absl::StrJoin(rest, "; "));
+  if (t.versions_dropped() > 0) {
+    if (filter.model_id().empty()) {
+      rest.push_back("a model's older versions with --model M (wbctl status --model M, wbctl versions --model M)");
+    } else {
+      rest.push_back(absl::StrCat("older versions of ", filter.model_id(),
+                                  " (over the budget by itself) in the coordinator log (\"version committed\" / \"version aborted\")"));
+    }
+  }
+  if (t.nodes_with_lists_cut() > 0) {
+    if (filter.node_id().empty()) {
+      rest.push_back("a node's full transports / NICs with --node N (wbctl status --node N)");
+    } else {
+      rest.push_back("the node's full transports / NICs in that node daemon's flags (--data_nics, GPU staging)");
+    }
+  }
+  if (!rest.empty()) absl::StrAppend(&out, ". The rest: ", absl::StrJoin(rest, "; "));
   return out + "\n";
 }
 
@@ -136,11 +150,17 @@ nlohmann::json TrimmedJson(const pb::StatusResponse& s) {
           {"over_budget", t.over_budget()}};
 }
 
-std::string StatusTable(const pb::StatusResponse& s, const std::string& source) {
+std::string StatusTable(const pb::StatusResponse& s, const std::string& source, const pb::StatusRequest& filter) {
   std::string out = absl::StrFormat("daemon: %s%s%s%s (answered by the %s service)\n",
                                     s.role().empty() ? "?" : s.role(),
                                     s.node_id().empty() ? "" : " (", s.node_id(),
                                     s.node_id().empty() ? "" : ")", source);
+  if (!filter.model_id().empty() || !filter.node_id().empty()) {
+    std::vector<std::string> only;
+    if (!filter.model_id().empty()) only.push_back(absl::StrCat("model ", filter.model_id()));
+    if (!filter.node_id().empty()) only.push_back(absl::StrCat("node ", filter.node_id()));
+    absl::StrAppend(&out, "filter: ", absl::StrJoin(only, ", "), " (narrowed by the daemon before its status byte budget)\n");
+  }
   absl::StrAppendFormat(&out, "\nNODES (%d)\n", s.nodes_size());
   if (s.nodes_size() > 0) {
     absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8s %-10s %s\n", "ID", "ADDRESS", "ALIVE",
@@ -186,7 +206,7 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source) 
   }
   absl::StrAppendFormat(&out, "\nVERSIONS (%d)\n", s.versions_size());
   if (s.versions_size() > 0) out += VersionsTable({s.versions().begin(), s.versions().end()});
-  if (s.has_trimmed()) out += "\n" + TrimmedLine(s);
+  if (s.has_trimmed()) out += "\n" + TrimmedLine(s, filter);
   return out;
 }
 

@@ -17,15 +17,22 @@ namespace wb::client {
 bool IsFinalVersionState(const std::string& state);  // committed | aborted | superseded | applied
 
 // `wbctl status`: nodes, workers, models (committed version, last transfer time and GB/s),
-// versions. `source` names the service that answered ("coordinator", "node", ...).
-std::string StatusTable(const weightbridge::v1::StatusResponse& status, const std::string& source);
+// versions. `source` names the service that answered ("coordinator", "node", ...). `filter`: what
+// the status was asked for (StatusRequest: --model, --node); said in the header, and the TRIMMED
+// line's pointers depend on it.
+std::string StatusTable(const weightbridge::v1::StatusResponse& status, const std::string& source,
+                        const weightbridge::v1::StatusRequest& filter = weightbridge::v1::StatusRequest());
 nlohmann::json StatusJson(const weightbridge::v1::StatusResponse& status, const std::string& source);
 
 // A status the coordinator trimmed to its byte budget (StatusResponse.trimmed, docs/daemon.md
 // "Status byte budget"): one line starting "TRIMMED: " naming the budget and what was left out, per
-// kind with counts, and where the rest is. Empty for a whole status (no `trimmed`). StatusTable
-// ends with it; `wbctl watch` prints it once.
-std::string TrimmedLine(const weightbridge::v1::StatusResponse& status);
+// kind with counts, and where the rest is: `wbctl status --model M` / `wbctl versions --model M`
+// for a model's older records and `wbctl status --node N` for a node's lists (the coordinator
+// narrows a filtered status before its budget), or, when `filter` asked for that model or node
+// already (it alone is over the budget), the coordinator log / the node daemon's flags. Empty for a
+// whole status (no `trimmed`). StatusTable ends with it; `wbctl watch` prints it once.
+std::string TrimmedLine(const weightbridge::v1::StatusResponse& status,
+                        const weightbridge::v1::StatusRequest& filter = weightbridge::v1::StatusRequest());
 // The same for scripts: an object with the StatusTrimmed fields (versions_dropped_by_model as an
 // object); null for a whole status. StatusJson's "trimmed".
 nlohmann::json TrimmedJson(const weightbridge::v1::StatusResponse& status);

@@ -19,7 +19,7 @@ std::optional<int> WatchFollower::Handle(const weightbridge::v1::StatusResponse&
   // A status cut to the coordinator's byte budget (older finished version records may be left
   // out, so a --version long finished may not be found): said once in text, on every line in JSON.
   if (!json_ && !trimmed_reported_ && status.has_trimmed()) {
-    out_ << TrimmedLine(status);
+    out_ << TrimmedLine(status, filter_);
     out_.flush();
     trimmed_reported_ = true;
   }
@@ -98,14 +98,43 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
     return kCtlWatchTimeout;
   };
 
+  // --model is sent as StatusRequest's filter: the coordinator narrows the status to that model
+  // before its byte budget. A model it does not know (yet): with --version, exit 6; without, the
+  // watch waits for the model's first version on the whole status (the model may be created later).
+  weightbridge::v1::StatusRequest filter;
+  filter.set_model_id(model);
+  follower.SetFilter(filter);
+  // NOT_FOUND for the filter's model: exit 6 with --version, else drop the filter (true).
+  std::optional<int> refused;
+  auto unknown_model = [&](const absl::Status& s) {
+    if (!absl::IsNotFound(s) || filter.model_id().empty()) return false;
+    if (*version > 0) {
+      err << "wbctl watch: no model '" << model << "'\n";
+      refused = kCtlNotFound;
+    }
+    filter.Clear();
+    follower.SetFilter(filter);
+    return true;
+  };
+
   // A coordinator (or standalone daemon) pushes every status change (WatchStatus).
   std::optional<int> code;
   bool got_any = false;
-  absl::Status s = (*client)->WatchStatus(deadline, [&](const weightbridge::v1::StatusResponse& status) {
-    got_any = true;
-    code = handle(status);
-    return !code.has_value();
-  });
+  auto watch = [&] {
+    return (*client)->WatchStatus(
+        deadline,
+        [&](const weightbridge::v1::StatusResponse& status) {
+          got_any = true;
+          code = handle(status);
+          return !code.has_value();
+        },
+        filter);
+  };
+  absl::Status s = watch();
+  if (!got_any && unknown_model(s)) {
+    if (refused.has_value()) return *refused;
+    s = watch();
+  }
   if (code.has_value()) return *code;
   if (s.ok()) return timed_out();
   if (got_any || s.code() != absl::StatusCode::kUnimplemented) {
@@ -114,7 +143,11 @@ int RunWatchCommand(const std::vector<std::string>& args, std::ostream& out, std
   }
   // A node daemon or a worker socket has no push API: read its status every --interval.
   while (true) {
-    auto status = (*client)->FetchStatus(rpc_timeout);
+    auto status = (*client)->FetchStatus(rpc_timeout, nullptr, filter);
+    if (!status.ok() && unknown_model(status.status())) {
+      if (refused.has_value()) return *refused;
+      continue;  // unfiltered from now on
+    }
     if (!status.ok()) {
       err << "wbctl watch: " << status.status() << "\n";
       return kCtlRpcFailed;

@@ -23,7 +23,7 @@ struct Command {
 const Command kCommands[] = {
     {"plan", "plan --spec FILE [--json]   plan a spec offline and print its figures",
      &wb::client::RunPlanCommand},
-    {"status", "status --addr ADDR [--json]   nodes, workers, models, versions, last transfer",
+    {"status", "status --addr ADDR [--model ID] [--node ID] [--json]   nodes, workers, models, versions, last transfer",
      &wb::client::RunStatusCommand},
     {"watch", "watch --addr ADDR [--model ID] [--version V] [--timeout 300s] [--json]   live progress",
      &wb::client::RunWatchCommand},
