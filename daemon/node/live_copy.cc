@@ -198,6 +198,29 @@ absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& rela
                                           absl::Time deadline, bool* wrote) const {
   *wrote = false;
   if (relays.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckLive(live, label));
+  std::vector<std::pair<uint8_t*, int64_t>> dst;
+  for (const auto& seg : live) dst.push_back(seg == nullptr ? std::pair<uint8_t*, int64_t>{nullptr, 0}
+                                                            : std::pair<uint8_t*, int64_t>{static_cast<uint8_t*>(seg->data()), seg->size()});
+  RETURN_IF_ERROR(CopyRelays(relays, incoming, dst, "live", label, deadline, wrote));
+  return CheckLive(live, label);
+}
+
+absl::Status LiveCopier::CopyRelaysToStaging(const std::vector<RelayAtCommit>& relays,
+                                             const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming, StagedBytes& staging,
+                                             const std::string& label, absl::Time deadline) const {
+  std::vector<std::pair<uint8_t*, int64_t>> dst;
+  for (StagedBuffer& b : staging) dst.push_back(b.device != nullptr ? std::pair<uint8_t*, int64_t>{nullptr, 0}
+                                                                    : std::pair<uint8_t*, int64_t>{b.host.data(), static_cast<int64_t>(b.host.size())});
+  bool wrote = false;
+  return CopyRelays(relays, incoming, dst, "staging", label, deadline, &wrote);
+}
+
+absl::Status LiveCopier::CopyRelays(const std::vector<RelayAtCommit>& relays, const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming,
+                                    const std::vector<std::pair<uint8_t*, int64_t>>& dst, const std::string& dst_what,
+                                    const std::string& label, absl::Time deadline, bool* wrote) const {
+  *wrote = false;
+  if (relays.empty()) return absl::OkStatus();
   if (host_ == nullptr) return absl::FailedPreconditionError(absl::StrCat("node ", node_id_, " has no same-node host transport"));
   transport::Transport* t = host_;
   std::vector<transport::RegionHandle> regions;
@@ -205,8 +228,7 @@ absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& rela
     for (auto& h : regions) (void)t->Release(h);
   };
   std::map<std::pair<std::string, int32_t>, transport::RegionHandle> src_h;  // (rollout, staging buffer)
-  std::map<int32_t, transport::RegionHandle> dst_h;                         // live buffer
-  RETURN_IF_ERROR(CheckLive(live, label));
+  std::map<int32_t, transport::RegionHandle> dst_h;                         // destination buffer
   std::map<transport::Transport*, transport::Batch> batches;
   transport::Batch& batch = batches[t];
   for (const RelayAtCommit& r : relays) {
@@ -229,14 +251,14 @@ absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& rela
     }
     auto d = dst_h.find(r.dst_buffer);
     if (d == dst_h.end()) {
-      if (r.dst_buffer < 0 || r.dst_buffer >= static_cast<int32_t>(live.size()) || live[r.dst_buffer] == nullptr) {
-        return absl::InternalError(absl::StrCat(label, ": live buffer ", r.dst_buffer, " is not host memory"));
+      if (r.dst_buffer < 0 || r.dst_buffer >= static_cast<int32_t>(dst.size()) || dst[r.dst_buffer].first == nullptr) {
+        return absl::InternalError(absl::StrCat(label, ": ", dst_what, " buffer ", r.dst_buffer, " is not host memory"));
       }
       transport::MemorySpec spec;
       spec.kind = transport::MemoryKind::kHost;
-      spec.base = live[r.dst_buffer]->data();
-      spec.size_bytes = live[r.dst_buffer]->size();
-      spec.label = absl::StrCat(label, " live b", r.dst_buffer);
+      spec.base = dst[r.dst_buffer].first;
+      spec.size_bytes = dst[r.dst_buffer].second;
+      spec.label = absl::StrCat(label, " ", dst_what, " b", r.dst_buffer);
       ASSIGN_OR_RETURN(transport::RegionHandle h, t->RegisterMemory(spec));
       regions.push_back(h);
       d = dst_h.emplace(r.dst_buffer, h).first;
@@ -246,8 +268,7 @@ absl::Status LiveCopier::CopyRelaysToLive(const std::vector<RelayAtCommit>& rela
     op.dst.region = d->second;
     batch.ops.push_back(std::move(op));
   }
-  RETURN_IF_ERROR(Run(batches, label, deadline, wrote));
-  return CheckLive(live, label);
+  return Run(batches, label, deadline, wrote);
 }
 
 absl::Status CheckLive(const std::vector<std::shared_ptr<transport::ShmSegment>>& segments, const std::string& label) {

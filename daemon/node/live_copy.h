@@ -108,6 +108,14 @@ class LiveCopier {
                                 const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming,
                                 const std::vector<std::shared_ptr<transport::ShmSegment>>& live, const std::string& label,
                                 absl::Time deadline, bool* wrote) const;
+  // The same relays into the rollout's own incoming host staging instead (`staging`: the
+  // destination's buffers, layout order; its live layout is its staging layout, relays never go
+  // into quantised rollouts): a sync rollout that resumed (EndUpdate) before its commit's copy
+  // started gets them there, so that staging holds the whole version and becomes its committed
+  // copy, and its live memory is not written while its engine reads it.
+  absl::Status CopyRelaysToStaging(const std::vector<RelayAtCommit>& relays,
+                                   const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming, StagedBytes& staging,
+                                   const std::string& label, absl::Time deadline) const;
   // Whole buffers (src[i] -> dst[i], size[i] bytes) on the host transport.
   absl::Status CopyFlat(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst, const std::vector<int64_t>& size,
                         const std::string& label, absl::Time deadline) const;
@@ -117,6 +125,11 @@ class LiveCopier {
   // each, and returns the first error.
   absl::Status Run(std::map<transport::Transport*, transport::Batch>& batches, const std::string& label, absl::Time deadline,
                    bool* wrote) const;
+  // CopyRelaysToLive / CopyRelaysToStaging: `dst` = (base, size) per destination buffer (null base:
+  // not host memory, named `dst_what` in the error).
+  absl::Status CopyRelays(const std::vector<RelayAtCommit>& relays, const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming,
+                          const std::vector<std::pair<uint8_t*, int64_t>>& dst, const std::string& dst_what, const std::string& label,
+                          absl::Time deadline, bool* wrote) const;
 
   std::string node_id_;
   transport::Transport* host_;

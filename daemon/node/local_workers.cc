@@ -434,16 +434,12 @@ std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model
     w->second.committed = relays ? nullptr : staging;
     w->second.committed_version = version;
     if (w->second.mode != pb::MODE_SYNC) continue;
-    if (!w->second.paused) {
-      // Resumed (EndUpdate): its engine reads its live weights now. The staging stays its
-      // committed copy, which its next BeginUpdate (or Apply, WaitVersion) copies - as in
-      // one-step-off. A staging that lacks pieces relayed at commit cannot wait for that: the
-      // commit writes those live weights as before (host rollouts only; CUDA rollouts never
-      // get relays at commit).
-      if (!relays) continue;
-      Log(LogLevel::kWarning, "sync commit writes the live weights of a resumed rollout (relays at commit)",
-          {{"node", options_.node_id}, {"model", model}, {"worker", wid}, {"version", version}});
-    }
+    // Resumed (EndUpdate): its engine reads its live weights now. The staging stays its
+    // committed copy, which its next BeginUpdate (or Apply, WaitVersion) copies - as in
+    // one-step-off. A staging that lacks pieces relayed at commit gets its job all the same:
+    // when the copy would start, RunLiveCopies copies the relays into that staging (resumed) or
+    // writes the live weights (paused again by then).
+    if (!w->second.paused && !relays) continue;
     // Captured by value (buffers): a concurrent Deregister may erase the worker meanwhile.
     LiveJob t;
     t.model = model;
@@ -551,10 +547,12 @@ absl::Status LocalWorkers::StartLiveCopyLocked(LiveJob& job) {
     job.holds = w->second.applied_version;
     return absl::OkStatus();
   }
-  // A sync commit's copy into a rollout that resumed since the commit chose it (EndUpdate): its
-  // staging stays its committed copy (LocalWorkers::Commit set it), for its next BeginUpdate.
-  if (job.needs_pause && w != workers_.end() && !w->second.paused) {
+  // A sync commit's copy into a rollout that resumed (EndUpdate): its staging stays its committed
+  // copy (LocalWorkers::Commit set it), for its next BeginUpdate. With relays at commit, the
+  // relayed pieces go into that staging first (RunLiveCopies), never into its live memory.
+  if ((job.needs_pause || job.relays != nullptr) && w != workers_.end() && !w->second.paused && w->second.mode == pb::MODE_SYNC) {
     job.skipped = true;
+    job.to_staging = job.relays != nullptr;
     job.holds = w->second.applied_version;
     return absl::OkStatus();
   }
@@ -590,8 +588,13 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
   const absl::Time deadline = absl::Now() + options_.live_copy_timeout;
   std::vector<char> wrote(jobs.size(), 0);
   auto copy_one = [&](size_t i) {
-    if (!out[i].ok() || jobs[i].skipped) return;  // not recorded: not started
     LiveJob& j = jobs[i];
+    if (out[i].ok() && j.to_staging) {
+      // Resumed: the relayed pieces complete its staging (no live write, nothing recorded).
+      out[i] = options_.copier->CopyRelaysToStaging(*j.relays, *j.incoming, *j.staging, absl::StrCat(j.label, " relays into staging"), deadline);
+      return;
+    }
+    if (!out[i].ok() || j.skipped) return;  // not recorded: not started
     bool w = false;
     out[i] = options_.copier->CopyToLive(*j.staging, j.live, j.layout, *j.inventory, j.label, deadline, &w);
     wrote[i] = w;
@@ -616,6 +619,15 @@ std::vector<absl::Status> LocalWorkers::RunLiveCopies(std::vector<LiveJob>& jobs
     live_copy_Bps_ = 0.5 * live_copy_Bps_ + 0.5 * std::min(1e11, static_cast<double>(bytes) / seconds);
   }
   for (size_t i = 0; i < jobs.size(); ++i) {
+    if (jobs[i].to_staging && out[i].ok()) {
+      // Its staging holds the whole version now: its committed copy (unless a newer one came).
+      auto w = workers_.find({jobs[i].model, jobs[i].worker});
+      if (w != workers_.end() && w->second.committed_version == jobs[i].version && w->second.committed == nullptr) {
+        w->second.committed = jobs[i].staging;
+      }
+      Log(LogLevel::kInfo, "relays at commit into the staging of a resumed rollout",
+          {{"node", me}, {"model", jobs[i].model}, {"worker", jobs[i].worker}, {"version", jobs[i].version}});
+    }
     if (jobs[i].skipped) continue;
     const std::string lk = LiveKey(jobs[i].model, jobs[i].worker);
     live_.End(lk, out[i], wrote[i]);

@@ -140,13 +140,16 @@ class LocalWorkers {
     const std::map<std::string, std::shared_ptr<Bytes>>* incoming = nullptr;
     std::string label;
     // Sync commit: written only while the worker is paused (Worker::paused, checked again when
-    // the copy would start). Not for a job with relays: its staging lacks the relayed pieces, so
-    // the commit is the only chance to write them (host rollouts only; see EndUpdate).
+    // the copy would start). A job with relays is never skipped for that: its staging lacks the
+    // relayed pieces, so when the worker resumed RunLiveCopies copies the relays into its staging
+    // instead (to_staging), which then becomes its committed copy; its live memory is not written.
     bool needs_pause = false;
-    // Set by RunLiveCopies: the job was skipped, nothing copied (its status OK) - the worker
-    // resumed (needs_pause), or its live weights hold `version` or newer, whole (a copy of a
+    // Set by RunLiveCopies: the job was skipped, nothing copied into live memory (its status OK) -
+    // the worker resumed (needs_pause; or relays: to_staging is set too and the relayed pieces
+    // went into its staging), or its live weights hold `version` or newer, whole (a copy of a
     // newer version ran first). `holds`: the version its live weights hold after the job.
     bool skipped = false;
+    bool to_staging = false;
     uint64_t holds = 0;
   };
   // What Apply found after its wait: `staging` null = nothing newer to copy (live weights hold
@@ -268,9 +271,10 @@ class LocalWorkers {
   void DropSnapshots(const std::string& model, uint64_t version);
   void DropSnapshotsBefore(const std::string& model, uint64_t version);
   // CommitVersion: `incoming` (rollout -> staging) becomes each local rollout's committed copy
-  // (none for a rollout in `relayed`: its staging lacks pieces relayed at commit). Returns the
-  // live copies paused sync rollouts need (model, worker, version, staging, live, needs_pause
-  // filled in); a sync rollout that resumed (EndUpdate) gets none unless it is in `relayed`.
+  // (none for a rollout in `relayed`: its staging lacks pieces relayed at commit, until the relays
+  // are copied into it - RunLiveCopies, to_staging). Returns the live copies paused sync rollouts
+  // need (model, worker, version, staging, live, needs_pause filled in); a sync rollout that
+  // resumed (EndUpdate) gets none unless it is in `relayed` (then RunLiveCopies decides).
   std::vector<LiveJob> Commit(const std::string& model, uint64_t version, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
                               const std::set<std::string>& relayed);
   // AbortVersion of `version` after this node committed it (a sync commit the coordinator declared

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -467,6 +468,52 @@ TEST_F(LocalWorkersTest, ACommitCopyOfARolloutThatResumedBeforeItStartedIsSkippe
   auto view = workers_->Get(key);
   EXPECT_EQ(view->worker.applied_version, 0u);
   EXPECT_EQ(view->worker.committed, v1) << "the committed copy must stay for the next BeginUpdate";
+}
+
+// Relays at commit into a sync rollout that resumed (EndUpdate) after the commit chose it: the
+// relayed pieces go into its own staging, never into its live memory, and that staging (whole now)
+// becomes its committed copy, which it copies once paused again. Before: the commit wrote the live
+// weights of the resumed rollout (own pieces and relays).
+TEST_F(LocalWorkersTest, RelaysAtCommitIntoAResumedRolloutGoIntoItsStaging) {
+  AddRollout("r0", pb::MODE_SYNC);
+  const Key key{"m", "r0"};
+  const int64_t half = 32 * 64 * 4;
+  auto own = Staging(0x00);
+  std::fill((*own)[0].host.begin(), (*own)[0].host.begin() + half, 0x22);  // piece 0 landed; piece 1 is relayed
+  const std::map<std::string, std::shared_ptr<StagedBytes>> incoming = {{"r0", own}, {"src", Staging(0x33)}};
+  std::vector<RelayAtCommit> relays(1);
+  relays[0].src_worker = "src";
+  relays[0].op.shape = {32, 64};
+  relays[0].op.element_size = 4;
+  relays[0].op.src = RefFor(layout_.pieces[1], layout_.pieces[1].box, 4, {});
+  relays[0].op.dst = RefFor(layout_.pieces[1], layout_.pieces[1].box, 4, {});
+  std::vector<LocalWorkers::LiveJob> jobs = workers_->Commit("m", 1, {{"r0", own}}, {"r0"});
+  ASSERT_EQ(jobs.size(), 1u);
+  jobs[0].layout.pieces = {layout_.pieces[0]};  // its own pieces (what CommitJobsLocked leaves)
+  jobs[0].layout.buffers = layout_.buffers;
+  jobs[0].inventory = inv_;
+  jobs[0].label = "commit r0";
+  jobs[0].relays = &relays;
+  jobs[0].incoming = &incoming;
+  ASSERT_TRUE(workers_->EndUpdate(key, clock_.Now()).ok());
+  std::vector<absl::Status> copied = workers_->RunLiveCopies(jobs);
+  ASSERT_TRUE(copied[0].ok()) << copied[0];
+  EXPECT_TRUE(jobs[0].skipped);
+  EXPECT_EQ(LiveBytesEqual(key, 0x22) + LiveBytesEqual(key, 0x33), 0) << "the commit wrote the live weights of resumed r0";
+  auto view = workers_->Get(key);
+  EXPECT_EQ(view->worker.applied_version, 0u);
+  ASSERT_EQ(view->worker.committed, own) << "its staging, whole now, must be its committed copy";
+  EXPECT_EQ(view->worker.committed_version, 1u);
+  EXPECT_EQ(std::count((*own)[0].host.begin() + half, (*own)[0].host.end(), 0x33), half) << "the relayed piece is not in its staging";
+  // Paused again (BeginUpdate): the committed copy goes into live weights, whole.
+  ASSERT_TRUE(workers_->Pause(key));
+  auto found = workers_->AwaitApplicable(key, 0, clock_.Now());
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->staging, own);
+  std::vector<LocalWorkers::LiveJob> apply = OneJob(1, own, "apply r0");
+  ASSERT_TRUE(workers_->RunLiveCopies(apply)[0].ok());
+  EXPECT_EQ(LiveBytesEqual(key, 0x22), half);
+  EXPECT_EQ(LiveBytesEqual(key, 0x33), half);
 }
 
 // EndUpdate while a commit's copy into the rollout runs: it waits for the copy (bounded by its

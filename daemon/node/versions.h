@@ -272,7 +272,8 @@ class Versions {
   // The memory of each local region key: rollout staging, trainer live buffers (sync) or snapshots,
   // a catch-up source's committed staging or live buffers, the gather staging.
   absl::Status GatherVersionMemory(Exec& exec, VersionMemory& out);
-  // Local sync rollouts whose live buffers are all host memory (relays may be left to the commit).
+  // Local sync rollouts whose live buffers are all host memory and that are paused, not resumed by
+  // EndUpdate (relays may be left to the commit: it writes their live memory).
   std::set<uint32_t> HostLiveSyncRollouts(const ModelPlan& plan);
   // After the buckets: end-to-end digests of the local ops (`digests`: started before the buckets;
   // null with digests off) and the TEST ONLY after-buckets hook.

@@ -201,7 +201,9 @@ std::set<uint32_t> Versions::HostLiveSyncRollouts(const ModelPlan& plan) {
     const pb::PlanWorker& pw = plan.slice.workers(i);
     if (pw.node_id() != options_.node_id || pw.role() != pb::ROLE_ROLLOUT || plan.quantized[i]) continue;
     std::optional<LocalWorkers::View> w = local_.Get({plan.slice.model_id(), pw.worker_id()});
-    if (!w || w->worker.mode != pb::MODE_SYNC || w->worker.buffers.size() < plan.layouts[i].buffers.size()) continue;
+    // Not a rollout that resumed (EndUpdate): the commit must not write its live memory. (One that
+    // resumes after this decision gets the relays into its staging at the commit instead.)
+    if (!w || w->worker.mode != pb::MODE_SYNC || !w->worker.paused || w->worker.buffers.size() < plan.layouts[i].buffers.size()) continue;
     bool host = true;
     for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) host = host && w->worker.buffers[j] != nullptr;
     if (host) out.insert(static_cast<uint32_t>(i));
