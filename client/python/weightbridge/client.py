@@ -489,8 +489,11 @@ class WorkerClient:
                    pb.DeregisterRequest(model_id=self.model_id, worker_id=self.worker_id), self.call_timeout)
         self._register_req = self._layout_req = None
 
-    def status(self):
-        return self._call("Status", "Status", pb.StatusRequest(), self.call_timeout)
+    def status(self, model_id="", node_id=""):
+        """The daemon's StatusResponse. model_id / node_id: StatusRequest's filter, applied by the
+        coordinator before its status byte budget (only that model's status, versions and workers;
+        only that node and its workers); an id it does not know raises NOT_FOUND."""
+        return self._call("Status", "Status", pb.StatusRequest(model_id=model_id, node_id=node_id), self.call_timeout)
 
     def close(self):
         for b in self.buffers:
