@@ -214,6 +214,18 @@ absl::Status WorkerClient::Replay(absl::Time deadline) {
     auto resp = DoRegisterLayout(layout_request_, deadline);
     if (!resp.ok()) return resp.status();
   }
+  if (resumed_) {
+    // A restarted daemon counts every rollout as paused (its commits write live weights): this
+    // sync rollout's engine resumed (EndUpdate), so it says so again before anything else.
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    pb::EndUpdateRequest req;
+    req.set_model_id(register_request_.model_id());
+    req.set_worker_id(register_request_.worker_id());
+    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
+    pb::EndUpdateResponse resp;
+    RETURN_IF_ERROR_WITH(FromGrpcStatus(stub()->EndUpdate(&ctx, req, &resp)), "replaying EndUpdate");
+  }
   return absl::OkStatus();
 }
 
@@ -537,6 +549,7 @@ absl::StatusOr<PublishResult> WorkerClient::Publish(uint64_t version, absl::Dura
 
 absl::Status WorkerClient::BeginUpdate(absl::Duration timeout) {
   const absl::Time deadline = options_.clock->Now() + timeout;
+  resumed_ = false;  // paused from here on (the node marks it before anything else)
   absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
     pb::BeginUpdateRequest req;
     req.set_model_id(register_request_.model_id());
@@ -552,6 +565,7 @@ absl::Status WorkerClient::BeginUpdate(absl::Duration timeout) {
 
 absl::StatusOr<EndUpdateResult> WorkerClient::EndUpdate(absl::Duration timeout) {
   const absl::Time deadline = options_.clock->Now() + timeout;
+  resumed_ = true;  // replayed after a reconnect (Replay), also when this call fails
   pb::EndUpdateResponse resp;
   absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
     pb::EndUpdateRequest req;

@@ -26,7 +26,8 @@
 //    (bounded by Options::reconnect_timeout and the call's own deadline) for the daemon socket to
 //    accept connections again, replays what it had registered (RegisterWorker, the fds of shared
 //    CUDA VMM allocations, then RegisterLayout with the same shm names: the segments are owned by
-//    this process and survive the daemon), and (after UNAVAILABLE) retries the call once. The daemon must treat a
+//    this process and survive the daemon; EndUpdate again for a sync rollout whose last call of
+//    the two was EndUpdate), and (after UNAVAILABLE) retries the call once. The daemon must treat a
 //    re-registration with an identical spec as idempotent (ALREADY_EXISTS is accepted too).
 //  - Buffers created here belong to this client: their shm names are unlinked when the client is
 //    destroyed. Pointers returned by CreateBuffer stay valid for the client's lifetime.
@@ -342,6 +343,9 @@ class WorkerClient {
   pb::RegisterWorkerRequest register_request_;
   bool layout_registered_ = false;
   pb::RegisterLayoutRequest layout_request_;
+  // Sync rollout: EndUpdate was called after the last BeginUpdate (the engine reads its live
+  // weights). A restarted daemon counts the rollout as paused, so Replay sends EndUpdate again.
+  bool resumed_ = false;
 
   // Shared VMM allocations: key -> (our dup of the fd, allocation bytes).
   struct VmmAllocation {

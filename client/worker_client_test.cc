@@ -395,6 +395,37 @@ TEST(WorkerClientTest, ReconnectsAfterDaemonRestartAndReplaysRegistration) {
   EXPECT_EQ(daemon->service().publish_[0].version(), 2u);
 }
 
+// A sync rollout that resumed (EndUpdate) counts as paused again on a restarted daemon: the
+// replay sends EndUpdate after the registrations. One that paused again (BeginUpdate) does not.
+TEST(WorkerClientTest, AReplayEndsTheUpdateAgainForARolloutThatResumed) {
+  std::string sock = TempSocket("resumed");
+  auto daemon = std::make_unique<FakeDaemon>(sock);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok());
+  WorkerClient& c = **client;
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"rollout/0", planner::Role::kRollout, -1}).ok());
+  ASSERT_TRUE(c.EndUpdate(absl::Seconds(2)).ok());
+  daemon->Stop();
+  daemon = std::make_unique<FakeDaemon>(sock);
+  ASSERT_TRUE(c.Apply(0, absl::Seconds(5)).ok());
+  EXPECT_EQ(c.reconnects(), 1);
+  {
+    absl::MutexLock l(&daemon->service().mu_);
+    ASSERT_EQ(daemon->service().register_worker_.size(), 1u);
+    ASSERT_EQ(daemon->service().end_update_.size(), 1u) << "the restarted daemon was not told that the rollout resumed";
+    EXPECT_EQ(daemon->service().end_update_[0].worker_id(), "rollout/0");
+  }
+  // Paused again: a second restart replays no EndUpdate.
+  ASSERT_TRUE(c.BeginUpdate(absl::Seconds(2)).ok());
+  daemon->Stop();
+  daemon = std::make_unique<FakeDaemon>(sock);
+  ASSERT_TRUE(c.Apply(0, absl::Seconds(5)).ok());
+  EXPECT_EQ(c.reconnects(), 2);
+  absl::MutexLock l(&daemon->service().mu_);
+  EXPECT_EQ(daemon->service().register_worker_.size(), 1u);
+  EXPECT_TRUE(daemon->service().end_update_.empty());
+}
+
 TEST(WorkerClientTest, UnavailableOverAHealthyConnectionIsAnAnswerNotAReconnect) {
   std::string sock = TempSocket("draining");
   FakeDaemon daemon(sock);

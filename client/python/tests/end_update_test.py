@@ -24,9 +24,19 @@ from weightbridge.integrations._rollout import RolloutHook
 class FakeWorkerService(pb_grpc.WorkerServiceServicer):
     def __init__(self):
         self.requests = []
+        self.calls = []  # method names, in order
         self.error = None  # (grpc.StatusCode, message) to answer with
 
+    def RegisterWorker(self, request, context):
+        self.calls.append("RegisterWorker")
+        return pb.RegisterWorkerResponse()
+
+    def BeginUpdate(self, request, context):
+        self.calls.append("BeginUpdate")
+        return pb.BeginUpdateResponse()
+
     def EndUpdate(self, request, context):
+        self.calls.append("EndUpdate")
         self.requests.append(request)
         if self.error is not None:
             context.abort(self.error[0], self.error[1])
@@ -68,16 +78,34 @@ class EndUpdateClientTest(unittest.TestCase):
         self.assertIn("EndUpdate of rollout/0", str(e.exception))
 
 
+    def test_a_replay_ends_the_update_again_until_the_next_begin_update(self):
+        # What a reconnect to a restarted daemon replays (it counts every rollout as paused).
+        import time
+        self.client._register_req = pb.RegisterWorkerRequest(model_id="m", worker_id="rollout/0")
+        self.client.end_update(timeout=1.0)
+        self.service.calls.clear()
+        self.client._replay(time.monotonic() + 5.0)
+        self.assertEqual(self.service.calls, ["RegisterWorker", "EndUpdate"])
+        self.assertEqual(self.service.requests[-1].worker_id, "rollout/0")
+        self.client.begin_update(timeout=1.0)
+        self.service.calls.clear()
+        self.client._replay(time.monotonic() + 5.0)
+        self.assertEqual(self.service.calls, ["RegisterWorker"])
+
+
 class FakeClient:
     """What RolloutHook.update calls, recorded; wait_version answers or raises `wait_error`."""
 
-    def __init__(self, wait_error=None, end_error=None):
+    def __init__(self, wait_error=None, end_error=None, begin_error=None):
         self.calls = []
+        self.begin_error = begin_error
         self.wait_error = wait_error
         self.end_error = end_error
 
     def begin_update(self, timeout):
         self.calls.append(("begin_update", timeout))
+        if self.begin_error is not None:
+            raise self.begin_error
 
     def wait_version(self, version, timeout):
         self.calls.append(("wait_version", version, timeout))
@@ -122,6 +150,15 @@ class RolloutUpdateTest(unittest.TestCase):
             hook_with(client).update(3, timeout=7.0)
         self.assertEqual(e.exception.code, grpc.StatusCode.ABORTED)
         self.assertEqual(client.calls[-1], ("end_update", 7.0))
+
+    def test_a_failed_begin_update_ends_the_update_too(self):
+        # The node marks the rollout paused before it asks the coordinator; the engine resumes.
+        late = wb.WeightBridgeError("BeginUpdate of rollout/0", grpc.StatusCode.DEADLINE_EXCEEDED, "coordinator unreachable")
+        client = FakeClient(begin_error=late)
+        with self.assertRaises(wb.WeightBridgeError) as e:
+            hook_with(client).update(3, timeout=7.0)
+        self.assertIs(e.exception, late)
+        self.assertEqual(client.calls, [("begin_update", 7.0), ("end_update", 7.0)])
 
     def test_a_failed_end_update_is_raised_chained_to_the_wait(self):
         timed_out = wb.WeightBridgeError("WaitVersion v3 of m", grpc.StatusCode.DEADLINE_EXCEEDED, "not committed")

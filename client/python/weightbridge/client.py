@@ -194,6 +194,9 @@ class WorkerClient:
         self.worker_id = None
         self._register_req = None
         self._layout_req = None
+        # Sync rollout: end_update was called after the last begin_update (the engine reads its
+        # weights). A restarted daemon counts the rollout as paused, so _replay ends it again.
+        self._resumed = False
         self._vmm = {}  # key -> (our fd of the allocation, its bytes, cuda.VmmRange)
         self._channel = None
         self._stub = None
@@ -258,6 +261,13 @@ class WorkerClient:
                     raise WeightBridgeError("replay " + what, e.code(), e.details() or "") from None
             if method == "RegisterWorker":  # a restarted daemon has none of our VMM fds
                 self._offer_vmm_all(deadline)
+        if self._resumed and self._register_req is not None:
+            try:
+                self._stub.EndUpdate(pb.EndUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
+                                                         timeout_ms=_ms(max(0.001, deadline - time.monotonic()))),
+                                     timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                raise WeightBridgeError("replay EndUpdate", e.code(), e.details() or "") from None
         self.reconnects += 1
 
     def _offer_vmm(self, key, deadline):
@@ -452,6 +462,7 @@ class WorkerClient:
     def begin_update(self, timeout=60.0):
         """Rollout, sync mode: paused; live weights may be overwritten by the next version. A version
         committed while it had resumed (end_update) is copied into them before this returns."""
+        self._resumed = False  # paused from here on (the node marks it first)
         resp = self._call("BeginUpdate of %s" % self.worker_id, "BeginUpdate",
                           pb.BeginUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
                                                 timeout_ms=_ms(timeout)), timeout)
@@ -464,7 +475,9 @@ class WorkerClient:
         into them before answering. A copy into them that is running is waited for, up to
         `timeout`; DEADLINE_EXCEEDED when it still runs (call again before reading the weights).
         Returns EndUpdateResult(applied_version = what the live weights hold, committed_version).
-        Other modes: no effect."""
+        Other modes: no effect. Sent again after a reconnect to a restarted daemon (until the next
+        begin_update), which would otherwise count the rollout as paused."""
+        self._resumed = True  # replayed after a reconnect, also when this call fails
         resp = self._call("EndUpdate of %s" % self.worker_id, "EndUpdate",
                           pb.EndUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
                                               timeout_ms=_ms(timeout)), timeout)
@@ -488,6 +501,7 @@ class WorkerClient:
         self._call("Deregister %s" % self.worker_id, "Deregister",
                    pb.DeregisterRequest(model_id=self.model_id, worker_id=self.worker_id), self.call_timeout)
         self._register_req = self._layout_req = None
+        self._resumed = False
 
     def status(self, model_id="", node_id=""):
         """The daemon's StatusResponse. model_id / node_id: StatusRequest's filter, applied by the

@@ -26,15 +26,17 @@ class RolloutHook(LayoutHook):
         """Sync mode: the engine has paused generation; returns once `version` is committed into
         the buffer (and, host memory, copied into `params`).
 
-        When the wait fails (timed out, aborted, ...) the engine is about to resume with the
+        When begin_update or the wait fails (timed out, aborted, ...) the engine is about to resume with the
         weights it has: end_update() is called before the error is re-raised, so that no later
         commit writes the buffer while the engine reads it (memory="cuda": the parameters ARE the
         buffer); the next update() pauses again and copies what was committed meanwhile.
         `end_update_timeout` (default `timeout`) bounds its wait for a copy into the buffer that
         is already running. If end_update itself fails, that error is raised (chained to the
         wait's): the buffer may still be written, so the engine must not resume on it."""
-        self.client.begin_update(timeout)
         try:
+            # (A failed begin_update too: the node marks the rollout paused before it asks the
+            # coordinator, and the engine resumes when this raises.)
+            self.client.begin_update(timeout)
             got = self.client.wait_version(version, timeout)
         except Exception as wait_error:
             self.client.end_update(timeout if end_update_timeout is None else end_update_timeout)
