@@ -217,16 +217,20 @@ absl::Status WorkerClient::Replay(absl::Time deadline) {
   if (resumed_) {
     // A restarted daemon counts every rollout as paused (its commits write live weights): this
     // sync rollout's engine resumed (EndUpdate), so it says so again before anything else.
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
-    pb::EndUpdateRequest req;
-    req.set_model_id(register_request_.model_id());
-    req.set_worker_id(register_request_.worker_id());
-    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
     pb::EndUpdateResponse resp;
-    RETURN_IF_ERROR_WITH(FromGrpcStatus(stub()->EndUpdate(&ctx, req, &resp)), "replaying EndUpdate");
+    RETURN_IF_ERROR_WITH(DoEndUpdate(deadline, deadline, &resp), "replaying EndUpdate");
   }
   return absl::OkStatus();
+}
+
+absl::Status WorkerClient::DoEndUpdate(absl::Time until, absl::Time rpc_deadline, pb::EndUpdateResponse* resp) {
+  pb::EndUpdateRequest req;
+  req.set_model_id(register_request_.model_id());
+  req.set_worker_id(register_request_.worker_id());
+  req.set_timeout_ms(ToMillis(until - options_.clock->Now()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(rpc_deadline));
+  return FromGrpcStatus(stub()->EndUpdate(&ctx, req, resp));
 }
 
 absl::Status WorkerClient::DoRegisterWorker(absl::Time deadline) {
@@ -567,15 +571,7 @@ absl::StatusOr<EndUpdateResult> WorkerClient::EndUpdate(absl::Duration timeout) 
   const absl::Time deadline = options_.clock->Now() + timeout;
   resumed_ = true;  // replayed after a reconnect (Replay), also when this call fails
   pb::EndUpdateResponse resp;
-  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) {
-    pb::EndUpdateRequest req;
-    req.set_model_id(register_request_.model_id());
-    req.set_worker_id(register_request_.worker_id());
-    req.set_timeout_ms(ToMillis(deadline - options_.clock->Now()));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(d));
-    return FromGrpcStatus(stub()->EndUpdate(&ctx, req, &resp));
-  });
+  absl::Status s = CallWithReconnect(deadline + kDeadlineGrace, [&](absl::Time d) { return DoEndUpdate(deadline, d, &resp); });
   RETURN_IF_ERROR_WITH(s, absl::StrCat("EndUpdate by ", register_request_.worker_id()));
   return EndUpdateResult{resp.applied_version(), resp.committed_version()};
 }

@@ -325,6 +325,9 @@ class WorkerClient {
   template <typename Fn>
   absl::Status CallWithReconnect(absl::Time deadline, Fn rpc);
   absl::Status Replay(absl::Time deadline);
+  // One EndUpdate RPC: timeout_ms = what is left until `until`, the RPC's own deadline
+  // `rpc_deadline` (EndUpdate and Replay).
+  absl::Status DoEndUpdate(absl::Time until, absl::Time rpc_deadline, pb::EndUpdateResponse* resp);
   absl::Status DoRegisterWorker(absl::Time deadline);
   absl::StatusOr<pb::RegisterLayoutResponse> DoRegisterLayout(const pb::RegisterLayoutRequest& req,
                                                               absl::Time deadline);

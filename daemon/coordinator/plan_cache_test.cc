@@ -9,11 +9,14 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "daemon/coordinator/test_specs.h"
 
 #include "planner/planner.h"
 
 namespace wb::daemon {
 namespace {
+
+using testing::BigSliceInput;
 
 constexpr int kTensors = 4;
 constexpr int64_t kRows = 128, kCols = 256;  // one 128x128-block row: 64 KiB bf16, ~32 KiB fp8
@@ -171,38 +174,7 @@ TEST(PlanCacheTest, ACoverageFailureIsRemembered) {
   EXPECT_EQ(cache.failures(), 1u);
 }
 
-
 // ---- Cancelling a plan (Options::cancelled, plan_deadline) ----
-
-// Enough work that the planner polls many times: `tensors` bf16 tensors of 64 x 64 held whole by a
-// host-memory trainer on n0 and needed whole by 16 host-memory rollouts on n1 and n2 (one op per
-// tensor per rollout).
-SliceInput BigInput(int tensors) {
-  auto inv = std::make_shared<planner::Inventory>();
-  for (int i = 0; i < tensors; ++i) inv->tensors.push_back({"t" + std::to_string(i), {64, 64}, planner::DType::kBF16});
-  auto layout = std::make_shared<planner::WorkerLayout>();
-  for (int i = 0; i < tensors; ++i) {
-    planner::Piece p;
-    p.tensor = i;
-    p.box = {{0, 0}, {64, 64}};
-    p.strides = {64, 1};
-    p.offset_bytes = int64_t{i} * 64 * 64 * 2;
-    layout->pieces.push_back(p);
-  }
-  layout->buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
-  auto proto = std::make_shared<pb::ResolvedLayout>();
-  pb::BufferSpec* b = proto->add_buffers();
-  b->set_size_bytes(static_cast<uint64_t>(layout->buffers[0].size_bytes));
-  b->set_shm_name("/wb-test");
-  b->set_gpu(-1);
-  SliceInput in;
-  in.model_id = "m";
-  in.inventory = inv;
-  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, layout, proto});
-  for (int r = 0; r < 16; ++r) in.workers.push_back({"r" + std::to_string(r), r < 8 ? "n1" : "n2", planner::Role::kRollout, -1, layout, proto});
-  for (const char* n : {"n0", "n1", "n2"}) in.nodes[n] = {};
-  return in;
-}
 
 // A plan whose job is cancelled mid-way (Options::cancelled says why from its 6th call: the coverage
 // check and the planner's start went by) stops at that call, CANCELLED naming the model, the time
@@ -219,7 +191,7 @@ TEST(PlanCacheTest, ACancelledPlanStopsWhereThePlannerWasAndTheNextOnePlans) {
   };
   PlanCache cache(o);
   PlanSettings settings;
-  const SliceInput in = BigInput(4096);
+  const SliceInput in = BigSliceInput("m", 4096);
   absl::StatusOr<PlanOutcome> stopped = cache.PlanAndSlice(in, settings, PlanFn());
   ASSERT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
   EXPECT_EQ(calls, stop_from) << "stopped at the call that said so";
@@ -248,7 +220,7 @@ TEST(PlanCacheTest, ACancelledPlanStopsWhereThePlannerWasAndTheNextOnePlans) {
     ++fn_calls;
     return planner::MakePlan(p, s);
   };
-  SliceInput other = BigInput(64);
+  SliceInput other = BigSliceInput("m", 64);
   stop_from = 1;
   calls = 0;
   absl::StatusOr<PlanOutcome> before = cache.PlanAndSlice(other, settings, fn);
@@ -268,7 +240,7 @@ TEST(PlanCacheTest, APlanPastTheDeadlineIsAbandoned) {
   o.plan_deadline = absl::Seconds(10);
   o.now = [&] { return t += absl::Seconds(1); };
   PlanCache cache(o);
-  absl::StatusOr<PlanOutcome> late = cache.PlanAndSlice(BigInput(4096), PlanSettings(), PlanFn());
+  absl::StatusOr<PlanOutcome> late = cache.PlanAndSlice(BigSliceInput("m", 4096), PlanSettings(), PlanFn());
   ASSERT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
   EXPECT_TRUE(absl::StartsWith(late.status().message(), "model m: plan abandoned after 11s, past the plan deadline of 10s (planner stopped "))
       << late.status();
@@ -276,7 +248,7 @@ TEST(PlanCacheTest, APlanPastTheDeadlineIsAbandoned) {
 
   o.plan_deadline = absl::ZeroDuration();
   PlanCache unbounded(o);
-  ASSERT_TRUE(unbounded.PlanAndSlice(BigInput(4096), PlanSettings(), PlanFn()).ok());
+  ASSERT_TRUE(unbounded.PlanAndSlice(BigSliceInput("m", 4096), PlanSettings(), PlanFn()).ok());
 }
 
 }  // namespace

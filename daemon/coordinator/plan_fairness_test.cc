@@ -238,35 +238,6 @@ TEST_F(PlanFairnessTest, ALayoutSetThatFailedFailsAgainAtOnceWithTheSameError) {
 // (PlanCache::Options::cancelled = PlanQueue::CurrentJobCancelled, no PlanFn: the cancellable
 // planner). docs/planner.md "Cancelling a plan".
 
-// `tensors` 64 x 64 bf16 tensors, a host trainer on n0 holding them whole, 16 host rollouts on n1
-// and n2 needing them whole: one op per tensor per rollout.
-SliceInput BigInput(const std::string& model, int tensors) {
-  auto inv = std::make_shared<planner::Inventory>();
-  for (int i = 0; i < tensors; ++i) inv->tensors.push_back({absl::StrCat("t", i), {64, 64}, planner::DType::kBF16});
-  auto layout = std::make_shared<planner::WorkerLayout>();
-  for (int i = 0; i < tensors; ++i) {
-    planner::Piece p;
-    p.tensor = i;
-    p.box = {{0, 0}, {64, 64}};
-    p.strides = {64, 1};
-    p.offset_bytes = int64_t{i} * 64 * 64 * 2;
-    layout->pieces.push_back(p);
-  }
-  layout->buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
-  auto proto = std::make_shared<pb::ResolvedLayout>();
-  pb::BufferSpec* b = proto->add_buffers();
-  b->set_size_bytes(static_cast<uint64_t>(layout->buffers[0].size_bytes));
-  b->set_shm_name("/wb-test");
-  b->set_gpu(-1);
-  SliceInput in;
-  in.model_id = model;
-  in.inventory = inv;
-  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, layout, proto});
-  for (int r = 0; r < 16; ++r) in.workers.push_back({absl::StrCat("r", r), r < 8 ? "n1" : "n2", planner::Role::kRollout, -1, layout, proto});
-  for (const char* n : {"n0", "n1", "n2"}) in.nodes[n] = {};
-  return in;
-}
-
 // The planner thread runs model m's plan job; at the planner's 5th poll (mid-plan) the driver
 // queues a newer plan of m (its membership changed). The running plan stops at that poll,
 // CANCELLED "a newer plan job of the model is queued", and the next job - the newer plan - runs
@@ -285,7 +256,7 @@ TEST(PlanCancelTest, ASupersededPlanIsCancelledAndTheNextOneRuns) {
       return PlanQueue::CurrentJobCancelled();
     };
     PlanCache cache(o);
-    const SliceInput in = BigInput("m", 4096);
+    const SliceInput in = testing::BigSliceInput("m", 4096);
     std::vector<absl::StatusOr<PlanOutcome>> outcomes;
     auto plan_job = [&] { outcomes.push_back(cache.PlanAndSlice(in, PlanSettings(), PlanFn())); };
     queue.Push("m", "plan", plan_job);

@@ -1,5 +1,9 @@
 #include "daemon/coordinator/test_specs.h"
 
+#include <cstdint>
+#include <memory>
+#include <string>
+
 namespace wb::daemon::testing {
 
 pb::ModelSpec SmallModelSpec(const std::string& id, int rollouts) {
@@ -36,6 +40,33 @@ pb::SubmitLayoutRequest WholeTensorLayout(const std::string& node, const std::st
   p->add_strides(4);
   p->add_strides(1);
   return req;
+}
+
+SliceInput BigSliceInput(const std::string& model, int tensors) {
+  auto inv = std::make_shared<planner::Inventory>();
+  for (int i = 0; i < tensors; ++i) inv->tensors.push_back({"t" + std::to_string(i), {64, 64}, planner::DType::kBF16});
+  auto layout = std::make_shared<planner::WorkerLayout>();
+  for (int i = 0; i < tensors; ++i) {
+    planner::Piece p;
+    p.tensor = i;
+    p.box = {{0, 0}, {64, 64}};
+    p.strides = {64, 1};
+    p.offset_bytes = int64_t{i} * 64 * 64 * 2;
+    layout->pieces.push_back(p);
+  }
+  layout->buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
+  auto proto = std::make_shared<pb::ResolvedLayout>();
+  pb::BufferSpec* b = proto->add_buffers();
+  b->set_size_bytes(static_cast<uint64_t>(layout->buffers[0].size_bytes));
+  b->set_shm_name("/wb-test");
+  b->set_gpu(-1);
+  SliceInput in;
+  in.model_id = model;
+  in.inventory = inv;
+  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, layout, proto});
+  for (int r = 0; r < 16; ++r) in.workers.push_back({"r" + std::to_string(r), r < 8 ? "n1" : "n2", planner::Role::kRollout, -1, layout, proto});
+  for (const char* n : {"n0", "n1", "n2"}) in.nodes[n] = {};
+  return in;
 }
 
 }  // namespace wb::daemon::testing

@@ -263,9 +263,8 @@ class WorkerClient:
                 self._offer_vmm_all(deadline)
         if self._resumed and self._register_req is not None:
             try:
-                self._stub.EndUpdate(pb.EndUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
-                                                         timeout_ms=_ms(max(0.001, deadline - time.monotonic()))),
-                                     timeout=max(0.001, deadline - time.monotonic()))
+                left = max(0.001, deadline - time.monotonic())
+                self._stub.EndUpdate(self._end_update_request(left), timeout=left)
             except grpc.RpcError as e:
                 raise WeightBridgeError("replay EndUpdate", e.code(), e.details() or "") from None
         self.reconnects += 1
@@ -478,10 +477,11 @@ class WorkerClient:
         Other modes: no effect. Sent again after a reconnect to a restarted daemon (until the next
         begin_update), which would otherwise count the rollout as paused."""
         self._resumed = True  # replayed after a reconnect, also when this call fails
-        resp = self._call("EndUpdate of %s" % self.worker_id, "EndUpdate",
-                          pb.EndUpdateRequest(model_id=self.model_id, worker_id=self.worker_id,
-                                              timeout_ms=_ms(timeout)), timeout)
+        resp = self._call("EndUpdate of %s" % self.worker_id, "EndUpdate", self._end_update_request(timeout), timeout)
         return EndUpdateResult(resp.applied_version, resp.committed_version)
+
+    def _end_update_request(self, timeout):
+        return pb.EndUpdateRequest(model_id=self.model_id, worker_id=self.worker_id, timeout_ms=_ms(timeout))
 
     def apply(self, version=0, timeout=60.0) -> ApplyResult:
         """Rollout, one-step-off / async: make `version` (0 = newest committed) live now."""
