@@ -9,6 +9,7 @@
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
+#include "proto/grpc_retry.h"
 #include "proto/grpc_status.h"
 #include "proto/weightbridge.grpc.pb.h"
 #include "base/status_macros.h"
@@ -54,6 +55,15 @@ void CtlClient::Prepare(grpc::ClientContext* ctx, absl::Time deadline, bool oper
   if (!addr_.unix_socket) AddCallCredentials(ctx, auth_, operator_call);
 }
 
+template <typename Rpc>
+absl::Status CtlClient::Unary(absl::Time deadline, bool operator_call, Rpc&& rpc) const {
+  return CallWhileServerBusy(Clock::Real(), deadline, [&] {
+    grpc::ClientContext ctx;
+    Prepare(&ctx, deadline, operator_call);
+    return FromGrpcStatus(rpc(&ctx));
+  });
+}
+
 absl::Status CtlClient::Hinted(const absl::Status& s, bool operator_call) const {
   if (s.ok() || addr_.unix_socket) return s;
   const std::string hint = CredentialHint(s, auth_, operator_call);
@@ -66,18 +76,16 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
   const absl::Time deadline = absl::Now() + timeout;
   pb::StatusResponse resp;
   if (addr_.unix_socket) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, deadline);
-    RETURN_IF_ERROR(FromGrpcStatus(
-        pb::WorkerService::NewStub(channel_)->Status(&ctx, filter, &resp)));
+    RETURN_IF_ERROR(Unary(deadline, false, [&](grpc::ClientContext* ctx) {
+      return pb::WorkerService::NewStub(channel_)->Status(ctx, filter, &resp);
+    }));
     if (source) *source = "worker socket";
     return resp;
   }
   {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, deadline);
-    absl::Status s = FromGrpcStatus(
-        pb::CoordinatorService::NewStub(channel_)->ClusterStatus(&ctx, filter, &resp));
+    absl::Status s = Unary(deadline, false, [&](grpc::ClientContext* ctx) {
+      return pb::CoordinatorService::NewStub(channel_)->ClusterStatus(ctx, filter, &resp);
+    });
     if (s.ok()) {
       if (source) *source = "coordinator";
       return resp;
@@ -85,10 +93,9 @@ absl::StatusOr<pb::StatusResponse> CtlClient::FetchStatus(absl::Duration timeout
     if (s.code() != absl::StatusCode::kUnimplemented) return Hinted(s);
   }
   resp.Clear();
-  grpc::ClientContext ctx;
-  Prepare(&ctx, deadline);
-  RETURN_IF_ERROR(Hinted(
-      FromGrpcStatus(pb::NodeService::NewStub(channel_)->Status(&ctx, filter, &resp))));
+  RETURN_IF_ERROR(Hinted(Unary(deadline, false, [&](grpc::ClientContext* ctx) {
+    return pb::NodeService::NewStub(channel_)->Status(ctx, filter, &resp);
+  })));
   if (source) *source = "node";
   return resp;
 }
@@ -128,9 +135,17 @@ absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
 }
 
 absl::Status CtlClient::WatchStatus(absl::Time deadline, const StatusFn& on_status, const pb::StatusRequest& filter) {
+  absl::Duration backoff = kServerBusyFirstBackoff;
   while (true) {
     bool stopped = false;
-    RETURN_IF_ERROR(WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped, filter));
+    absl::Status s = WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped, filter);
+    if (IsServerThreadpoolExhausted(s) && absl::Now() + backoff < deadline) {
+      // The coordinator had no thread for the stream (proto/grpc_retry.h): open it again.
+      Clock::Real()->SleepUntil(absl::Now() + backoff);
+      backoff = std::min(backoff * 2, kServerBusyMaxBackoff);
+      continue;
+    }
+    RETURN_IF_ERROR(s);
     if (stopped || absl::Now() >= deadline) return absl::OkStatus();
     // Ended OK before our deadline: the coordinator's cap on one stream. Open the next one.
   }
@@ -141,6 +156,7 @@ absl::StatusOr<pb::StatusResponse> CtlClient::WaitForStatus(const StatusFn& pred
                                                             pb::StatusResponse* last) {
   std::optional<pb::StatusResponse> match;
   absl::Status last_error;
+  absl::Duration backoff = kServerBusyFirstBackoff;
   while (absl::Now() < deadline) {
     bool stopped = false;
     absl::Status s = WatchOnce(deadline, /*wait_for_ready=*/true,
@@ -153,6 +169,13 @@ absl::StatusOr<pb::StatusResponse> CtlClient::WaitForStatus(const StatusFn& pred
                                &stopped);
     if (match.has_value()) return *std::move(match);
     if (s.ok()) continue;  // the stream ended at the coordinator's cap (or our deadline)
+    if (IsServerThreadpoolExhausted(s)) {
+      // The coordinator had no thread for the stream (proto/grpc_retry.h): open it again.
+      last_error = s;
+      Clock::Real()->SleepUntil(std::min(deadline, absl::Now() + backoff));
+      backoff = std::min(backoff * 2, kServerBusyMaxBackoff);
+      continue;
+    }
     if (!absl::IsUnavailable(s)) return s;
     last_error = s;
     // A coordinator shutting down answers UNAVAILABLE over a connection that is still up: wait
@@ -184,18 +207,17 @@ absl::StatusOr<pb::DrainResponse> CtlClient::Drain(const std::string& node_id,
   const absl::Time deadline = absl::Now() + timeout + absl::Seconds(5);
   pb::DrainResponse resp;
   {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, deadline, /*operator_call=*/true);
-    absl::Status s =
-        FromGrpcStatus(pb::CoordinatorService::NewStub(channel_)->Drain(&ctx, req, &resp));
+    absl::Status s = Unary(deadline, /*operator_call=*/true, [&](grpc::ClientContext* ctx) {
+      return pb::CoordinatorService::NewStub(channel_)->Drain(ctx, req, &resp);
+    });
     if (s.ok()) return resp;
     if (s.code() != absl::StatusCode::kUnimplemented) return Hinted(s, /*operator_call=*/true);
   }
   resp.Clear();
   req.set_all(false);  // a node daemon drains itself (node_id empty = this node)
-  grpc::ClientContext ctx;
-  Prepare(&ctx, deadline, /*operator_call=*/true);
-  RETURN_IF_ERROR(Hinted(FromGrpcStatus(pb::NodeService::NewStub(channel_)->Drain(&ctx, req, &resp)),
+  RETURN_IF_ERROR(Hinted(Unary(deadline, /*operator_call=*/true, [&](grpc::ClientContext* ctx) {
+                           return pb::NodeService::NewStub(channel_)->Drain(ctx, req, &resp);
+                         }),
                          /*operator_call=*/true));
   return resp;
 }

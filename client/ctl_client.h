@@ -91,6 +91,10 @@ class CtlClient {
       : addr_(std::move(addr)), channel_(std::move(channel)), auth_(std::move(auth)) {}
   // A call context with the deadline and the credentials (operator_call: also the operator token).
   void Prepare(grpc::ClientContext* ctx, absl::Time deadline, bool operator_call = false) const;
+  // One unary call: `rpc(ctx)` with a fresh prepared context per try, sent again while gRPC answers
+  // that the daemon had no thread for it (proto/grpc_retry.h), until `deadline`.
+  template <typename Rpc>
+  absl::Status Unary(absl::Time deadline, bool operator_call, Rpc&& rpc) const;
   // `s` with CredentialHint appended to its message.
   absl::Status Hinted(const absl::Status& s, bool operator_call = false) const;
   CtlAddress addr_;

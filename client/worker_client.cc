@@ -16,6 +16,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "proto/grpc_retry.h"
 #include "proto/grpc_status.h"
 #include "base/status_macros.h"
 #include "base/fd_passing.h"
@@ -182,7 +183,9 @@ absl::Status WorkerClient::CallWithReconnect(absl::Time deadline, Fn rpc) {
     RETURN_IF_ERROR_WITH(Replay(reconnect_deadline), "replaying registration after reconnect");
     ++reconnects_;
   }
-  absl::Status status = rpc(deadline);
+  // Each try sent again while the daemon's server had no thread for it (proto/grpc_retry.h).
+  auto call = [&] { return CallWhileServerBusy(options_.clock, deadline, [&] { return rpc(deadline); }); };
+  absl::Status status = call();
   if (status.code() != absl::StatusCode::kUnavailable || !options_.reconnect) return status;
   // A daemon that is up but refuses (draining, shutting down) also answers UNAVAILABLE, over a
   // healthy connection: that is the answer, not a reason to reconnect.
@@ -199,7 +202,7 @@ absl::Status WorkerClient::CallWithReconnect(absl::Time deadline, Fn rpc) {
   }
   RETURN_IF_ERROR_WITH(Replay(reconnect_deadline), "replaying registration after reconnect");
   ++reconnects_;
-  return rpc(deadline);
+  return call();
 }
 
 absl::Status WorkerClient::Replay(absl::Time deadline) {

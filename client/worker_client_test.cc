@@ -53,6 +53,11 @@ class FakeWorkerService final : public pb::WorkerService::Service {
                        pb::PublishResponse* resp) override {
     absl::MutexLock l(&mu_);
     publish_.push_back(*req);
+    if (publish_busy_ > 0) {
+      // What gRPC's sync server answers when its thread quota is spent (the handler never runs).
+      --publish_busy_;
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Server Threadpool Exhausted");
+    }
     resp->set_version(req->version());
     resp->set_stall_seconds(0.25);
     return ToGrpcStatus(publish_status_);
@@ -103,6 +108,7 @@ class FakeWorkerService final : public pb::WorkerService::Service {
   absl::Status register_worker_status_ ABSL_GUARDED_BY(mu_);
   absl::Status register_layout_status_ ABSL_GUARDED_BY(mu_);
   absl::Status publish_status_ ABSL_GUARDED_BY(mu_);
+  int publish_busy_ ABSL_GUARDED_BY(mu_) = 0;  // Publish calls answered "Server Threadpool Exhausted"
   std::vector<pb::RegisterWorkerRequest> register_worker_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::RegisterLayoutRequest> register_layout_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::PublishRequest> publish_ ABSL_GUARDED_BY(mu_);
@@ -443,6 +449,34 @@ TEST(WorkerClientTest, UnavailableOverAHealthyConnectionIsAnAnswerNotAReconnect)
   absl::MutexLock l(&daemon.service().mu_);
   EXPECT_EQ(daemon.service().register_worker_.size(), 1u);  // nothing replayed
   EXPECT_EQ(daemon.service().publish_.size(), 1u);          // not retried
+}
+
+// A call gRPC turned away for want of a server thread is sent again (proto/grpc_retry.h); the
+// daemon's own RESOURCE_EXHAUSTED (a limit) is the answer.
+TEST(WorkerClientTest, ACallTheDaemonHadNoThreadForIsSentAgain) {
+  std::string sock = TempSocket("busy");
+  FakeDaemon daemon(sock);
+  auto client = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, -1}).ok());
+  {
+    absl::MutexLock l(&daemon.service().mu_);
+    daemon.service().publish_busy_ = 4;
+  }
+  auto pub = (*client)->Publish(3, absl::Seconds(5));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_EQ(pub->version, 3u);
+  {
+    absl::MutexLock l(&daemon.service().mu_);
+    EXPECT_EQ(daemon.service().publish_.size(), 5u);
+    daemon.service().publish_status_ = absl::ResourceExhaustedError("4 blocked calls of worker trainer/0 (limit 4)");
+  }
+  pub = (*client)->Publish(4, absl::Seconds(5));
+  EXPECT_EQ(pub.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(pub.status().message()), HasSubstr("limit 4"));
+  absl::MutexLock l(&daemon.service().mu_);
+  EXPECT_EQ(daemon.service().publish_.size(), 6u);  // not retried
+  EXPECT_EQ((*client)->reconnects(), 0);
 }
 
 TEST(WorkerClientTest, GivesUpWithinDeadlineWhenDaemonStaysDown) {

@@ -46,7 +46,8 @@ void DaemonFront::Configure(grpc::ServerBuilder& b, AuthGate* gate) const {
   b.SetMaxSendMessageSize(bytes);
   // Every in-flight call of a sync server holds a thread: blocked calls are bounded
   // (Limits::max_blocked_calls) and the quota leaves room for short ones; over the quota gRPC
-  // answers RESOURCE_EXHAUSTED "Server Threadpool Exhausted" instead of creating more threads.
+  // answers RESOURCE_EXHAUSTED "Server Threadpool Exhausted" instead of creating more threads
+  // (the daemons' clients send such a call again: proto/grpc_retry.h).
   grpc::ResourceQuota quota(absl::StrCat("wb-", node_id_));
   quota.SetMaxThreads(ServerThreadBudget(options_.limits));
   b.SetResourceQuota(quota);

@@ -35,7 +35,7 @@ int64_t PeerMessageBytes(const Limits& limits) {
   return std::min<int64_t>(std::max(limits.max_message_bytes, inventory), INT32_MAX);
 }
 
-int ServerThreadBudget(const Limits& limits) { return limits.max_blocked_calls + 256; }
+int ServerThreadBudget(const Limits& limits) { return limits.max_blocked_calls + std::max(1, limits.server_thread_headroom); }
 
 int BlockedCallsPerNode(const Limits& limits, int total) {
   const int share = limits.max_blocked_calls_per_node > 0 ? limits.max_blocked_calls_per_node : std::max(16, total / 4);

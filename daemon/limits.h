@@ -47,6 +47,11 @@ struct Limits {
   // ExchangeMagnitudes): a longer timeout_ms is clamped to it when the call is
   // received, so a blocked call always ends (DEADLINE_EXCEEDED) and gives its slot back.
   int64_t max_wait_ms = int64_t{3600} * 1000;
+  // Server threads beyond max_blocked_calls (ServerThreadBudget): room for short calls, including
+  // a burst of calls refused at the blocked-call limit (each holds a thread while it is refused).
+  // A call that finds no thread is answered RESOURCE_EXHAUSTED "Server Threadpool Exhausted" by
+  // gRPC and sent again by the daemons' clients (proto/grpc_retry.h). Not a flag: tests shrink it.
+  int server_thread_headroom = 256;
 };
 
 // The blocked-call slots one node may hold at the coordinator out of `total`:
@@ -59,7 +64,7 @@ int BlockedCallsPerNode(const Limits& limits, int total);
 // JoinWorkerResponse carries the tensors and the spec), capped at INT32_MAX.
 int64_t PeerMessageBytes(const Limits& limits);
 
-// Threads a server may use (grpc::ResourceQuota::SetMaxThreads): max_blocked_calls + headroom.
+// Threads a server may use (grpc::ResourceQuota::SetMaxThreads): max_blocked_calls + server_thread_headroom.
 int ServerThreadBudget(const Limits& limits);
 
 // Model spec: tensor count, names, dims > 0, element count and byte size without overflow,

@@ -1,52 +1,54 @@
 #include "daemon/coordinator/grpc_node_client.h"
 
 #include "absl/time/clock.h"
+#include "base/clock.h"
+#include "proto/grpc_retry.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
 namespace {
-void SetTimeout(grpc::ClientContext* ctx, absl::Duration timeout) {
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+
+// One unary call with its deadline `timeout` from now (real time), gRPC status -> absl; sent again
+// while the node's server had no thread for it (proto/grpc_retry.h).
+template <typename Req, typename Resp, typename Method>
+absl::Status Call(pb::NodeService::Stub* stub, Method method, const Req& req, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  return CallWhileServerBusy(Clock::Real(), deadline, [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Resp resp;
+    return FromGrpcStatus((stub->*method)(&ctx, req, &resp));
+  });
 }
+
 }  // namespace
 
 absl::Status GrpcNodeClient::InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetTimeout(&ctx, timeout);
   pb::InstallPlanRequest req;
   *req.mutable_slice() = slice;
-  pb::InstallPlanResponse resp;
-  return FromGrpcStatus(stub_->InstallPlan(&ctx, req, &resp));
+  return Call<pb::InstallPlanRequest, pb::InstallPlanResponse>(stub_.get(), &pb::NodeService::Stub::InstallPlan, req, timeout);
 }
 
 absl::Status GrpcNodeClient::ExecuteVersion(const pb::ExecuteVersionRequest& req, absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetTimeout(&ctx, timeout);
-  pb::ExecuteVersionResponse resp;
-  return FromGrpcStatus(stub_->ExecuteVersion(&ctx, req, &resp));
+  return Call<pb::ExecuteVersionRequest, pb::ExecuteVersionResponse>(stub_.get(), &pb::NodeService::Stub::ExecuteVersion, req,
+                                                                     timeout);
 }
 
 absl::Status GrpcNodeClient::CommitVersion(const std::string& model_id, uint64_t version, absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetTimeout(&ctx, timeout);
   pb::CommitVersionRequest req;
   req.set_model_id(model_id);
   req.set_version(version);
-  pb::CommitVersionResponse resp;
-  return FromGrpcStatus(stub_->CommitVersion(&ctx, req, &resp));
+  return Call<pb::CommitVersionRequest, pb::CommitVersionResponse>(stub_.get(), &pb::NodeService::Stub::CommitVersion, req, timeout);
 }
 
 absl::Status GrpcNodeClient::AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                                           absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  SetTimeout(&ctx, timeout);
   pb::AbortVersionRequest req;
   req.set_model_id(model_id);
   req.set_version(version);
   req.set_plan_epoch(plan_epoch);
   req.set_reason(reason);
-  pb::AbortVersionResponse resp;
-  return FromGrpcStatus(stub_->AbortVersion(&ctx, req, &resp));
+  return Call<pb::AbortVersionRequest, pb::AbortVersionResponse>(stub_.get(), &pb::NodeService::Stub::AbortVersion, req, timeout);
 }
 
 }  // namespace wb::daemon

@@ -3,19 +3,25 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/time/clock.h"
+#include "base/clock.h"
+#include "proto/grpc_retry.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
 namespace {
 
-// One unary call with its deadline `timeout` from now (real time), gRPC status -> absl.
+// One unary call with its deadline `timeout` from now (real time), gRPC status -> absl; sent again
+// while the coordinator's server had no thread for it (proto/grpc_retry.h).
 template <typename Req, typename Resp, typename Method>
 absl::Status Call(pb::CoordinatorService::Stub* stub, Method method, const Req& req, Resp* resp, absl::Duration timeout,
                   bool wait_for_ready = false) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  if (wait_for_ready) ctx.set_wait_for_ready(true);
-  return FromGrpcStatus((stub->*method)(&ctx, req, resp));
+  const absl::Time deadline = absl::Now() + timeout;
+  return CallWhileServerBusy(Clock::Real(), deadline, [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    if (wait_for_ready) ctx.set_wait_for_ready(true);
+    return FromGrpcStatus((stub->*method)(&ctx, req, resp));
+  });
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "daemon/node/peer_stubs.h"
 
+#include "base/clock.h"
+#include "proto/grpc_retry.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon::node {
@@ -20,9 +22,13 @@ std::shared_ptr<pb::NodeService::Stub> PeerStubs::Stub(const std::string& peer, 
 
 absl::Status PeerStubs::ExchangeRegions(const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,
                                         pb::ExchangeRegionsResponse* resp, absl::Time deadline) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(deadline));
-  return FromGrpcStatus(Stub(peer, address)->ExchangeRegions(&ctx, req, resp));
+  std::shared_ptr<pb::NodeService::Stub> stub = Stub(peer, address);
+  // Sent again while the peer's server had no thread for it (proto/grpc_retry.h).
+  return CallWhileServerBusy(Clock::Real(), deadline, [&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    return FromGrpcStatus(stub->ExchangeRegions(&ctx, req, resp));
+  });
 }
 
 }  // namespace wb::daemon::node

@@ -36,6 +36,18 @@ ROLES = {"trainer": pb.ROLE_TRAINER, "rollout": pb.ROLE_ROLLOUT}
 LIVE_COPY_ALLOWANCE_S = 120.0
 
 
+# gRPC's answer when a daemon's server had no thread for a call (its thread quota, daemon/front.cc):
+# the handler never ran, so the call is sent again within its deadline (proto/grpc_retry.h).
+SERVER_THREADPOOL_EXHAUSTED = "Server Threadpool Exhausted"
+SERVER_BUSY_FIRST_BACKOFF_S = 0.002
+SERVER_BUSY_MAX_BACKOFF_S = 0.1
+
+
+def server_threadpool_exhausted(err):
+    """True for gRPC's own thread-pool refusal (not the daemons' RESOURCE_EXHAUSTED limits)."""
+    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (err.details() or "") == SERVER_THREADPOOL_EXHAUSTED
+
+
 class WeightBridgeError(Exception):
     """A failed call. `code` is the grpc.StatusCode the daemon returned (or DEADLINE_EXCEEDED /
     UNAVAILABLE from the channel), `what` the call."""
@@ -189,6 +201,7 @@ class WorkerClient:
         self.shm_prefix = shm_prefix
         self.populate_buffers = populate_buffers
         self.reconnects = 0
+        self.server_busy_retries = 0  # calls sent again because the daemon had no thread for them
         self.buffers: List = []
         self.model_id = None
         self.worker_id = None
@@ -237,7 +250,7 @@ class WorkerClient:
             # Reconnect explicitly and replay first (RegisterWorker, VMM fds, RegisterLayout).
             self._replay(time.monotonic() + max(0.001, min(self.reconnect_timeout, timeout)))
         try:
-            return getattr(self._stub, method)(request, timeout=timeout + 2.0 + extra)
+            return self._send(method, request, deadline, timeout + 2.0 + extra)
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.UNAVAILABLE and retry and self.reconnect:
@@ -247,6 +260,22 @@ class WorkerClient:
                     return self._call(what, method, request, max(0.001, deadline - time.monotonic()), retry=False,
                                       extra=extra)
             raise WeightBridgeError(what, code, e.details() or "") from None
+
+    def _send(self, method, request, deadline, rpc_timeout):
+        """One RPC, sent again (2 ms backoff, doubling to 100 ms) while the daemon's gRPC server had no
+        thread for it (RESOURCE_EXHAUSTED "Server Threadpool Exhausted": its handler never ran) and the
+        next try starts before `deadline`; as the C++ clients do (proto/grpc_retry.h)."""
+        backoff = SERVER_BUSY_FIRST_BACKOFF_S
+        start = time.monotonic()
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=max(0.001, rpc_timeout - (time.monotonic() - start)))
+            except grpc.RpcError as e:
+                if not server_threadpool_exhausted(e) or time.monotonic() + backoff >= deadline:
+                    raise
+                self.server_busy_retries += 1
+            time.sleep(backoff)
+            backoff = min(backoff * 2, SERVER_BUSY_MAX_BACKOFF_S)
 
     def _replay(self, deadline):
         self._open(deadline)
