@@ -254,6 +254,69 @@ class SegmentWorker:
         self.seg.close()
 
 
+@unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
+                     "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
+class CudaVmmReplayTest(unittest.TestCase):
+    """Replays of VMM workers (docs/status.md next steps 11 (f)). First to the SAME daemon (a dropped
+    connection, no restart: RegisterWorker answers ALREADY_EXISTS, the fd channel takes each fd again
+    in place of the one it holds, RegisterLayout names the same keys), then to a restarted daemon that
+    holds none of their fds. Each time every allocation is offered once (not per buffer) and versions
+    keep landing in the same VMM memory, every byte checked, a rollout whose buffer spans three
+    allocations included."""
+
+    def test_vmm_fds_offered_again_to_the_same_daemon_and_to_a_restarted_one(self):
+        import weightbridge.client as wc
+        daemon = ct.Daemon(EMULATED_DAEMON, ["--transports=host_shm,host_tcp,cuda_ipc", "--gpu_staging_bytes=268435456"])
+        real_offer, offered = wc.offer_vmm_fd, []
+
+        def counting_offer(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=30.0):
+            offered.append((worker_id, key))
+            return real_offer(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=timeout)
+
+        try:
+            model = wb.ModelConfig(model_id="py_vmm_replay", explicit_tensors=ct.CANONICAL, num_trainer_workers=2,
+                                   num_rollout_workers=1, mode="one_step_off")
+            trainers = [VmmWorker(daemon, model, "trainer/%d" % r, "trainer", ct.HALF[r], gpu=r) for r in (0, 1)]
+            rollout = SegmentWorker(daemon, model, "rollout/0", "rollout", ct.FULL, gpu=1)
+            workers = trainers + [rollout]
+            want = sorted([(w.client.worker_id, k) for w in workers for k in w.client._vmm])
+            self.assertEqual(len(want), 5, "one allocation per VMM trainer, three for the segment")
+
+            def versions(vs, when):
+                for v in vs:
+                    for t in trainers:
+                        t.fill(v)
+                        self.assertEqual(t.client.publish(v, timeout=ct.TIMEOUT).version, v)
+                    self.assertEqual(rollout.client.apply(v, timeout=ct.TIMEOUT).applied_version, v)
+                    self.assertEqual(rollout.mismatches(v), 0, "v%d %s\n%s" % (v, when, daemon.log_tail()))
+
+            versions((1,), "before any replay")
+            wc.offer_vmm_fd = counting_offer
+            # A dropped connection to a daemon that did not restart (what the channel watch records).
+            for w in workers:
+                w.client._dropped = True
+                w.client.status()  # the next call replays first
+            self.assertEqual(sorted(offered), want)
+            versions((2, 3), "after a replay to the same daemon")
+            # A restarted daemon: real workers run side by side; here each one's next call (a status)
+            # makes it reconnect and replay before the trainers publish (a plan needs every worker).
+            offered.clear()
+            daemon.restart()
+            for w in workers:
+                w.client.status()
+            self.assertEqual(sorted(offered), want)
+            versions((4, 5), "after a restart")
+            for w in workers:
+                self.assertEqual(w.client.reconnects, 2, w.client.worker_id)
+            for w in workers:
+                w.close()
+        finally:
+            wc.offer_vmm_fd = real_offer
+            daemon.stop()
+
+
 # Another process offering an fd to the daemon's fd channel: prints the daemon's answer.
 FOREIGN_OFFER = textwrap.dedent("""
     import os, sys
@@ -440,9 +503,7 @@ class CudaVmmClientTest(unittest.TestCase):
             # A new daemon process (no fds, no workers) on the same socket: each client's next call
             # reconnects and replays RegisterWorker, its VMM fd, then RegisterLayout naming that fd's
             # key (which the new daemon refuses unless the fd came first).
-            d.proc.terminate()
-            d.proc.wait(timeout=10)
-            d.proc = subprocess.Popen(d.proc.args, stdout=d.log, stderr=subprocess.STDOUT)
+            d.restart()
             t.fill(2)
             errors = []
 

@@ -51,10 +51,19 @@ class Daemon:
         self.dir = tempfile.mkdtemp(prefix="wbpy.")
         self.socket = os.path.join(self.dir, "w.sock")
         self.log = open(os.path.join(self.dir, "daemon.log"), "w")
-        self.proc = subprocess.Popen([binary or daemon_binary(), "--role=standalone", "--worker_socket=" + self.socket,
-                                      "--listen=127.0.0.1:0", "--port_file=" + os.path.join(self.dir, "port"),
-                                      "--transfer_timeout_ms=20000"] + list(extra_flags),
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self._argv = [binary or daemon_binary(), "--role=standalone", "--worker_socket=" + self.socket,
+                      "--listen=127.0.0.1:0", "--port_file=" + os.path.join(self.dir, "port"),
+                      "--transfer_timeout_ms=20000"] + list(extra_flags)
+        self.proc = subprocess.Popen(self._argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self):
+        """Stops this daemon (SIGTERM: it forgets every worker, buffer and fd) and starts a new one with
+        the same flags at the same worker socket; clients find it when they reconnect."""
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.log.write("----- restarted -----\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(self._argv, stdout=self.log, stderr=subprocess.STDOUT)
 
     def client(self, prefix):
         # Connect waits (bounded) for the daemon to accept on the socket.
