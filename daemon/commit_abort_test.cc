@@ -95,8 +95,9 @@ TEST(CommitAbortTest, AnAbortDuringTheSyncCommitsLiveCopyIsSeenByTheCommit) {
 // n1 re-joined with committed version 2 and the coordinator restored it (max over the nodes).
 //
 // Version 2 published again after the restart (a trainer retrying its step number; the new
-// coordinator never saw version 2) is refused ABORTED naming the first abort: the nodes remember
-// it, so the number never comes to name other bytes.
+// coordinator never saw version 2) is refused ABORTED: r1 re-joined holding version 2 above the
+// committed version, so the coordinator counts the number as used (and the nodes remember the
+// abort), so it never comes to name other bytes.
 TEST(CommitAbortTest, AFailedSyncCommitIsNotRestoredAsCommittedAfterACoordinatorRestart) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
@@ -132,10 +133,123 @@ TEST(CommitAbortTest, AFailedSyncCommitIsNotRestoredAsCommittedAfterACoordinator
   EXPECT_EQ(CommittedOf(*back, "m"), 1u) << "version 2, whose commit failed, came back as committed after the restart";
   for (auto& s : c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1})) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
-    EXPECT_NE(s.error_message().find("version 2 was aborted"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("its number is used: rollout r1 on node n1"), std::string::npos) << s.error_message();
   }
   for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  c.Stop();
+}
+
+// Version 2's sync commit fails on n0 (its live copy into r0 fails midway: TORN) while n1 commits
+// it into r1's live weights and acknowledges. The coordinator declares version 2 failed and queues
+// its AbortVersion to both nodes, but it is shut down first (its driver exits before sending
+// queued node RPCs), so n1 never hears of the failure: it keeps version 2 as committed. A new
+// coordinator starts on the same port and the nodes re-join. Version 2 was never committed
+// cluster-wide (the trainers' Publish answered ABORTED), and no node was ever told it was: n1 rolls
+// it back at its re-join (as the lost AbortVersion would have), so the new coordinator's committed
+// version is 1, WaitVersion(2) answers ABORTED, r0 is not caught up to version 2 from r1 (it stays
+// TORN until the next version), version 2 published again is refused ABORTED (the number is used:
+// r1 holds it) and version 3 reaches both rollouts whole. Before: n1 re-joined with committed
+// version 2, the coordinator restored it (max over the nodes), WaitVersion(2) answered OK and r0
+// was caught up to version 2 from r1's live weights.
+TEST(CommitAbortTest, AFailedSyncCommitWhoseAbortWasLostIsNotRestoredAfterACoordinatorRestart) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  absl::Notification entered, release;
+  std::atomic<bool> armed{true};
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [&](const std::string& label) {
+                                                         if (label != "commit r0 v2" || !armed.exchange(false)) return absl::OkStatus();
+                                                         entered.Notify();
+                                                         release.WaitForNotificationWithTimeout(kReal);
+                                                         return absl::UnavailableError("injected transport failure");
+                                                       }});
+  ASSERT_FALSE(Test::HasFailure());
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1}); });
+  const bool held = entered.WaitForNotificationWithTimeout(kReal);
+  // The coordinator stops while n0's commit is held: its driver, waiting for that answer, then
+  // declares version 2 failed and exits without sending the AbortVersions it queued.
+  CoordinatorCore& old_core = c.coord_->coordinator()->core();
+  std::thread stopper([&] { c.coord_->Shutdown(); });
+  pb::WaitVersionRequest never;
+  never.set_model_id("m");
+  never.set_version(1000);
+  never.set_timeout_ms(absl::ToInt64Milliseconds(kReal));
+  pb::WaitVersionResponse never_resp;
+  const absl::Status stopping = old_core.WaitVersion(never, &never_resp);  // ends when Shutdown began
+  release.Notify();
+  stopper.join();
+  ASSERT_TRUE(held) << "n0's commit of version 2 never started its live copy";
+  ASSERT_TRUE(absl::IsUnavailable(stopping)) << stopping;
+  EXPECT_EQ(CountBad(r1, 2), 0) << "n1 did not commit version 2 into r1's live weights";
+  const int port = c.coord_->port();
+  c.coord_.reset();
+  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+  ASSERT_FALSE(Test::HasFatalFailure());
+  publisher.join();
+  for (const grpc::Status& s : published) EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+  ASSERT_TRUE(c.coord_->coordinator()->core().AwaitPlanInstalled("m", absl::Now() + kReal)) << "no plan after the restart";
+  const pb::StatusResponse back = c.Status(r1);
+  EXPECT_EQ(CommittedOf(back, "m"), 1u) << "version 2, never committed cluster-wide, came back as committed after the restart";
+  for (const pb::WorkerStatus& ws : back.workers()) EXPECT_FALSE(ws.catching_up()) << ws.worker_id() << " is caught up";
+  for (TestWorker* r : {&r0, &r1}) {
+    pb::WaitVersionResponse wr;
+    grpc::Status s = WaitVersionAs(*r, "m", 2, 10000, &wr);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << r->id << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("its number is used"), std::string::npos) << s.error_message();
+  }
+  EXPECT_EQ(LocalStatus(c, r0).live_state(), "torn");
+  EXPECT_GT(CountBad(r0, 2), 0) << "r0 was caught up to version 2, which was never committed";
+  EXPECT_EQ(CountBad(r1, 2), 0);
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1})) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("its number is used: rollout r1 on node n1"), std::string::npos) << s.error_message();
+  }
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  EXPECT_EQ(LocalStatus(c, r0).live_state(), "whole");
+  EXPECT_EQ(CommittedOf(c.Status(r1), "m"), 3u);
+  c.Stop();
+}
+
+// The other side of the test above: a sync version committed cluster-wide is kept over a
+// coordinator restart although n1, which holds only rollout r1, was never told so (the restart
+// comes right after the commit, before r1's next BeginUpdate or WaitVersion): n1 rolls its commit
+// of version 1 back at the re-join, but n0 was told (its trainers' Publish answered OK), so the new
+// coordinator's committed version is 1, both rollouts count as holding it (WaitVersion(1) OK, no
+// catch-up) and version 2 then commits everywhere.
+TEST(CommitAbortTest, ASyncCommitConfirmedToOneNodeIsKeptOverACoordinatorRestart) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1);
+  ASSERT_FALSE(Test::HasFatalFailure());
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  const pb::ModelSpec spec = SmallSpec(pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE);
+  for (TestWorker* w : {&t0, &t1, &r0, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  const int port = c.coord_->port();
+  c.coord_->Shutdown();
+  c.coord_.reset();
+  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+  ASSERT_FALSE(Test::HasFatalFailure());
+  ASSERT_TRUE(c.coord_->coordinator()->core().AwaitPlanInstalled("m", absl::Now() + kReal)) << "no plan after the restart";
+  const pb::StatusResponse back = c.Status(r1);
+  EXPECT_EQ(CommittedOf(back, "m"), 1u) << "version 1, committed on every node and answered OK, was lost over the restart";
+  for (const pb::WorkerStatus& ws : back.workers()) EXPECT_FALSE(ws.catching_up()) << ws.worker_id() << " is caught up";
+  for (TestWorker* r : {&r0, &r1}) {
+    pb::WaitVersionResponse wr;
+    grpc::Status s = WaitVersionAs(*r, "m", 1, 10000, &wr);
+    EXPECT_TRUE(s.ok()) << r->id << ": " << s.error_message();
+    EXPECT_EQ(CountBad(*r, 1), 0) << r->id;
+  }
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
   c.Stop();
 }
 

@@ -189,7 +189,10 @@ absl::Status CoordinatorCore::CreateModel(const pb::CreateModelRequest& req, pb:
   {
     absl::MutexLock l(&mu_);
     ASSIGN_OR_RETURN(const bool created, models_.Create(req.model()));
-    if (created) StatusChangedLocked();
+    if (created) {
+      used_by_rejoin_.erase(req.model().model_id());  // of an evicted model of that id
+      StatusChangedLocked();
+    }
     RETURN_IF_ERROR(models_.CheckReplySize(req.model().model_id(), 16, created));
     resp->set_created(created);
     inventory = models_.Find(req.model().model_id())->inventory_proto;
@@ -242,7 +245,10 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
   }
   bool created = false;
   absl::StatusOr<Model*> mp = models_.ForJoin(req, &created);
-  if (created) StatusChangedLocked();  // (even if the spec check below fails: as before the split)
+  if (created) {
+    used_by_rejoin_.erase(req.model_id());  // of an evicted model of that id
+    StatusChangedLocked();  // (even if the spec check below fails: as before the split)
+  }
   RETURN_IF_ERROR(mp.status());
   Model& model = **mp;
   RETURN_IF_ERROR(models_.CheckReplySize(req.model_id(), model.spec.ByteSizeLong() + 32, created));
@@ -276,12 +282,33 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     // version: that made it count as holding it (WaitVersion answered OK, no catch-up ever ran).
     // A node built before the field sends 0: the rollout is caught up (a copy of what it holds).
     rec.holds = std::min(req.holds_version(), std::max(req.committed_version(), req.applied_version()));
+    // Held above what is committed: a number used by a commit that was not cluster-wide. Never a
+    // catch-up source or destination (holds != committed), and never published again.
+    const uint64_t held = std::max(rec.holds, rec.restored_applied);
+    if (UsedByRejoin& used = used_by_rejoin_[req.model_id()]; held > model.machine->committed() && held > used.version) {
+      used = {held, req.worker_id(), req.node_id()};
+    }
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
   }
   models_.AddWorker(model, req.worker_id(), std::move(rec));
   StatusChangedLocked();
   return absl::OkStatus();
+}
+
+std::optional<absl::Status> CoordinatorCore::UsedUncommittedLocked(const std::string& model_id, const Model& m, uint64_t v,
+                                                                   const std::string& what) const {
+  auto used = used_by_rejoin_.find(model_id);
+  if (used == used_by_rejoin_.end() || v > used->second.version || v <= m.machine->committed() || m.machine->Find(v) != nullptr ||
+      !m.planned_once) {
+    return std::nullopt;
+  }
+  const UsedByRejoin& u = used->second;
+  return absl::AbortedError(absl::StrCat(what, ": version ", v, " of model ", model_id, " is not committed and its number is used: rollout ",
+                                         u.worker, " on node ", u.node, " re-joined holding version ", u.version,
+                                         ", above the committed version ", m.machine->committed(),
+                                         " (a sync commit that failed on another node, or was never confirmed before the coordinator"
+                                         " restarted); publish a version newer than ", u.version));
 }
 
 absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
@@ -386,6 +413,9 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
                                             " with a layout at this coordinator (node ", EchoValue(req.node_id()), " not re-joined yet?)"));
   }
   RETURN_IF_ERROR(WorkerOnNode(*m, worker, req.node_id()));
+  // A number a re-joined rollout holds without a cluster-wide commit: never named again (other
+  // bytes under it would pass for what that rollout holds).
+  if (std::optional<absl::Status> used = UsedUncommittedLocked(req.model_id(), *m, v, absl::StrCat("publish by ", worker))) return *used;
   // Staleness bound (async): hold the trainer while a rollout is too far behind.
   auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->PublishAdmissible(v); };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&admissible), deadline)) {
@@ -502,13 +532,20 @@ absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb:
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   ModelRegistry::Held held(models_, *m);  // m is kept across the waits below
   const uint64_t v = std::max<uint64_t>(req.version(), 1);
-  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
+  const std::string what = absl::StrCat("wait for version ", v);
+  // (A used number held by a re-joined rollout without a cluster-wide commit ends the wait: it is
+  // never published again, so only a newer commit could have answered it.)
+  auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return stopping_ || m->machine->Outcome(v).has_value() || UsedUncommittedLocked(req.model_id(), *m, v, what).has_value();
+  };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("version ", v, " of model ", req.model_id(),
                                                     " not committed in time (committed: ", m->machine->committed(), ")"));
   }
   if (stopping_) return absl::UnavailableError("coordinator shutting down");
-  RETURN_IF_ERROR(*m->machine->Outcome(v));
+  const std::optional<absl::Status> outcome = m->machine->Outcome(v);
+  if (!outcome.has_value()) return *UsedUncommittedLocked(req.model_id(), *m, v, what);
+  RETURN_IF_ERROR(*outcome);
   // A late rollout (registered or restarted after the version was committed) is told only once
   // its catch-up landed (docs/daemon.md "Catch-up").
   auto caught_up = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || CaughtUpLocked(*m, req.worker_id(), v).has_value(); };

@@ -212,6 +212,22 @@ class CoordinatorCore {
   };
 
   absl::Status JoinWorkerLocked(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A version number a re-joined rollout holds above the committed version (JoinWorkerRequest:
+  // holds_version / applied_version): its node committed it, but it was never committed
+  // cluster-wide - a sync commit that failed on another node while this one acknowledged it,
+  // rolled back on the node when the coordinator's AbortVersion came or, lost, at its re-join.
+  // The number is used: publishing it again is refused (the rollout's live weights hold its bytes),
+  // and WaitVersion of it answers ABORTED. Per model, the newest such number and who held it.
+  struct UsedByRejoin {
+    uint64_t version = 0;
+    std::string worker, node;
+  };
+  // ABORTED naming the rollout when `v` of `m` is such a number (not committed, no record of this
+  // coordinator, at most the newest held) and the model was planned since (every worker of its
+  // first plan re-joined, so a node that reports `v` committed would have raised the committed
+  // version first); nullopt otherwise.
+  std::optional<absl::Status> UsedUncommittedLocked(const std::string& model_id, const Model& m, uint64_t v, const std::string& what) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -309,6 +325,7 @@ class CoordinatorCore {
   PlanCache plan_cache_;                                                 // own lock
   std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
   std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, UsedByRejoin> used_by_rejoin_ ABSL_GUARDED_BY(mu_);  // model -> (see UsedByRejoin)
   uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -239,12 +239,7 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
       // ABORTED but ask the coordinator and wait for the catch-up (LocalWorkers::
       // NoteCatchUpAborted -> Applicable::ask_coordinator). The mode is the installed plan's, else
       // a local worker's model spec; unknown (neither here yet): the coordinator decides too.
-      std::optional<pb::Mode> mode;
-      if (auto p = plans_.find(req.model_id()); p != plans_.end()) {
-        mode = p->second->slice.mode();
-      } else if (std::optional<planner::Role> role; auto spec = local_.SpecOf(req.model_id(), "", &role)) {
-        mode = spec->mode();
-      }
+      const std::optional<pb::Mode> mode = ModeLocked(req.model_id());
       if (mode.has_value() && (*mode == pb::MODE_SYNC || *mode == pb::MODE_UNSPECIFIED)) {
         local_.NoteAborted(req.model_id(), req.version(), reason);
       } else {
@@ -349,6 +344,8 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   if (!jobs.empty()) count_commit();
   // Published last: node-local waiters (Apply) see the version only once live weights hold it.
   NoteCommittedLocked(req.model_id(), req.version());
+  // A catch-up is of a version the coordinator had committed: proof that survives a re-join.
+  if (exec->catch_up) confirmed_[req.model_id()] = std::max(confirmed_[req.model_id()], req.version());
   deltas_.Commit(req.model_id(), req.version());  // what this node sent is what destinations hold now
   Log(LogLevel::kInfo, "version committed on node",
       {{"node", me},
@@ -443,6 +440,47 @@ std::optional<uint64_t> Versions::RollBackCommittedLocked(const std::string& mod
   return before;
 }
 
+std::optional<pb::Mode> Versions::ModeLocked(const std::string& model) {
+  if (auto p = plans_.find(model); p != plans_.end()) return p->second->slice.mode();
+  std::optional<planner::Role> role;
+  if (std::optional<pb::ModelSpec> spec = local_.SpecOf(model, "", &role)) return spec->mode();
+  return std::nullopt;
+}
+
+void Versions::NoteClusterCommitted(const std::string& model, uint64_t version) {
+  if (version == 0) return;
+  absl::MutexLock l(&mu_);
+  uint64_t& confirmed = confirmed_[model];
+  confirmed = std::max(confirmed, version);
+}
+
+std::vector<Versions::RolledBack> Versions::RollBackUnconfirmedLocked(const std::string& reason) {
+  std::vector<RolledBack> out;
+  for (auto& [model, history] : committed_history_) {
+    const uint64_t confirmed = confirmed_[model];
+    if (history.empty() || *history.rbegin() <= confirmed) continue;
+    // Only sync: in the other modes the coordinator decides the commit before it sends
+    // CommitVersion, so a version committed here is committed (owed to nodes that missed it).
+    const std::optional<pb::Mode> mode = ModeLocked(model);
+    if (!mode.has_value() || (*mode != pb::MODE_SYNC && *mode != pb::MODE_UNSPECIFIED)) continue;
+    std::vector<uint64_t> unconfirmed(history.upper_bound(confirmed), history.end());
+    for (auto v = unconfirmed.rbegin(); v != unconfirmed.rend(); ++v) {
+      // As the AbortVersion of a failed sync commit would have: committed_ falls back, the
+      // version is recorded aborted here (a CommitVersion or ExecuteVersion of it, or the number
+      // published again, is refused ABORTED), resumed rollouts' committed copy of it goes.
+      // Rollouts whose live weights hold it still say so (holds_version): above the restored
+      // committed version they are neither catch-up sources nor destinations.
+      if (!RollBackCommittedLocked(model, *v)) continue;
+      local_.NoteAborted(model, *v, absl::StrCat("version ", *v, " was committed on node ", options_.node_id,
+                                                  " but never confirmed committed cluster-wide before ", reason,
+                                                  " (not every node may have committed it; its AbortVersion may have been lost): "
+                                                  "rolled back at the re-join"));
+      out.push_back({model, *v, committed_[model], local_.DropAbortedCommit(model, *v)});
+    }
+  }
+  return out;
+}
+
 absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp) {
   const std::string& mine = req.transport_kind();
   const std::string& theirs = req.from_transport().empty() ? mine : req.from_transport();
@@ -534,6 +572,7 @@ std::shared_ptr<const ModelPlan> Versions::Plan(const std::string& model_id) {
 std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& reason) {
   std::vector<std::tuple<std::string, std::string, transport::PeerId>> drop;
   std::map<std::string, uint64_t> committed;
+  std::vector<RolledBack> rolled_back;
   {
     absl::MutexLock l(&mu_);
     for (auto& [key, e] : execs_) {
@@ -548,8 +587,15 @@ std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& r
       for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
     }
     execs_.clear();
+    rolled_back = RollBackUnconfirmedLocked(reason);
     local_.NoteRejoin(reason);
     committed = committed_;
+  }
+  for (const RolledBack& r : rolled_back) {
+    metrics().Committed(options_.node_id, r.model, r.committed_now);
+    Log(LogLevel::kWarning, "unconfirmed commit rolled back at re-join",
+        {{"node", options_.node_id}, {"model", r.model}, {"version", r.version}, {"committed_now", r.committed_now},
+         {"committed_copies_dropped", absl::StrJoin(r.dropped_copies, ",")}, {"reason", reason}});
   }
   for (auto& [model, peer, id] : drop) DropChannel(model, peer, id);
   return committed;

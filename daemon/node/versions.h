@@ -210,9 +210,17 @@ class Versions {
   uint64_t Committed(const std::string& model_id);
   // The model's installed plan (not a catch-up slice), or null.
   std::shared_ptr<const ModelPlan> Plan(const std::string& model_id);
+  // A worker call's answer from the coordinator says `version` of `model` is committed cluster-wide
+  // (a sync Publish answered OK; ReportReady's or WaitVersion's committed_version). Only such
+  // versions are kept over a re-join (AbortAllForRejoin).
+  void NoteClusterCommitted(const std::string& model, uint64_t version);
   // After (re-)registration: aborts every version in flight naming `reason` (LocalWorkers::
-  // NoteAborted, NoteRejoin) and drops their channels. Returns the committed versions (model ->
-  // version) as they were at the abort, for the re-join of the node's workers.
+  // NoteAborted, NoteRejoin) and drops their channels. A sync model's versions committed here
+  // that the coordinator never confirmed committed cluster-wide (NoteClusterCommitted, a catch-up
+  // commit) are rolled back as their AbortVersion would have done: that commit may have failed on
+  // another node, and the AbortVersion saying so been lost with the coordinator (docs/daemon.md
+  // "Commit across nodes (sync)"). Returns the committed versions (model -> version) as they are
+  // then, for the re-join of the node's workers.
   std::map<std::string, uint64_t> AbortAllForRejoin(const std::string& reason);
   // Shutdown, first half: aborts every version, stops LocalWorkers' waits; no new executor starts.
   // False when already stopped.
@@ -237,6 +245,16 @@ class Versions {
   // left (unchanged when a newer one was committed since). Returns the version committed_ held
   // before, or nullopt when `version` was not committed here.
   std::optional<uint64_t> RollBackCommittedLocked(const std::string& model, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The model's mode as this node knows it: its installed plan's, else a local worker's spec.
+  std::optional<pb::Mode> ModeLocked(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A sync commit rolled back at a re-join (AbortAllForRejoin), for its log line.
+  struct RolledBack {
+    std::string model;
+    uint64_t version = 0, committed_now = 0;
+    std::vector<std::string> dropped_copies;
+  };
+  // AbortAllForRejoin's rollback of every sync version committed here above confirmed_.
+  std::vector<RolledBack> RollBackUnconfirmedLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tags `worker`'s committed staging buffers with the version they hold (StagedBuffer::pool_tag;
   // not quantised, host memory), for the pool to hand back to the next version: a sync rollout's
   // after the commit copied them into live weights, another mode's at the commit (Apply copies it).
@@ -319,6 +337,11 @@ class Versions {
   // node's re-join never reports it (RollBackCommittedLocked).
   static constexpr size_t kCommittedHistory = 8;
   std::map<std::string, std::set<uint64_t>> committed_history_ ABSL_GUARDED_BY(mu_);
+  // model -> the newest version the coordinator is known to have committed cluster-wide
+  // (NoteClusterCommitted, a catch-up commit here). In sync mode a node's own commit is no proof:
+  // the version is committed only once every node acknowledged, and the AbortVersion of one that
+  // was not is best effort.
+  std::map<std::string, uint64_t> confirmed_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::thread> exec_threads_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> exec_done_ ABSL_GUARDED_BY(mu_);
   uint64_t next_exec_thread_ ABSL_GUARDED_BY(mu_) = 0;

@@ -129,6 +129,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   std::vector<std::shared_ptr<CudaImport>> cuda_snapshot;
   std::shared_ptr<StagingBudget::Charge> snap_charge;
   bool snapshot = false;
+  bool sync = false;
   {
     std::optional<LocalWorkers::View> it = local_.Get({req.model_id(), req.worker_id()});
     if (!it || !it->worker.has_layout) {
@@ -138,7 +139,8 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
     if (w.role != planner::Role::kTrainer) {
       return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " is not a trainer"));
     }
-    if (w.mode != pb::MODE_SYNC) {
+    sync = w.mode == pb::MODE_SYNC;
+    if (!sync) {
       // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
       // With GPU staging, CUDA buffers are snapshotted on their GPU (under its own budget); if
       // one falls back to host memory it is checked against this budget after the copy.
@@ -199,6 +201,9 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
     if (s.code() == absl::StatusCode::kNotFound) return s;
     return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
   }
+  // Sync: OK means every node committed it. Recorded before the trainer hears it: this node keeps
+  // its own commit of the version over a re-join only when the coordinator said so.
+  if (sync) versions_.NoteClusterCommitted(req.model_id(), req.version());
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
   return absl::OkStatus();
 }
@@ -218,6 +223,7 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
   absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0,
                                [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
   resp->set_committed_version(rr.committed_version());
+  if (s.ok()) versions_.NoteClusterCommitted(req.model_id(), rr.committed_version());
   if (!s.ok() || !rollout_here || !NewerCommitted(key)) return s;
   // A version committed while it had resumed (EndUpdate) is its committed copy, newer than its
   // live weights: copied now that it is paused, so that BeginUpdate + WaitVersion(v) OK means its
@@ -349,6 +355,7 @@ absl::Status WorkerCalls::AwaitCatchUp(const std::string& model, const std::stri
   pb::WaitVersionResponse resp;
   const uint64_t session0 = coordinator_.session();
   absl::Status s = coordinator_.client().WaitVersion(w, &resp, CallTimeout(options_.clock, deadline));
+  if (s.ok()) versions_.NoteClusterCommitted(model, resp.committed_version());
   return RestartAware(s, session0, deadline, absl::StrCat("version ", version));
 }
 
@@ -357,6 +364,7 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
   const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
   absl::Status s = coordinator_.client().WaitVersion(req, resp, CallTimeout(options_.clock, deadline));
   if (s.ok()) {
+    versions_.NoteClusterCommitted(req.model_id(), resp->committed_version());
     // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
     // hold it (sync: "committed" includes live weights): say so instead of OK.
     if (absl::Status torn = local_.TornRollout(req.model_id()); !torn.ok()) return torn;
