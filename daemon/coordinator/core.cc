@@ -85,6 +85,18 @@ int CoordinatorCore::num_models() const {
 void CoordinatorCore::MarkPlanDirtyLocked(Model& m) {
   m.plan_dirty = true;
   ++m.membership;
+  if (!m.planning || stopping_) return;
+  // The plan being made is of an older membership: RunPlan discards it when it ends. It used to
+  // run on until the driver queued the newer plan (whose push cancels it), and the driver queues
+  // nothing for a model that is not ready to plan any more (its trainer left), nor for any model
+  // while it runs node RPCs (another model's sync commit copying into live memory, abort calls to
+  // an unreachable node): meanwhile the stale plan held the one planner thread - every other
+  // model's plan waited -, up to the plan deadline. So it is cancelled here, and the newer plan
+  // queued as the driver's next pass would (a model being planned has no version in flight, no
+  // commit and no catch-up: none starts while it plans; the checks mirror CollectWorkLocked).
+  const std::string& model_id = m.spec.model_id();
+  if (!m.plan_queued && m.committing == 0 && !m.catch_up && !m.machine->InFlight()) PlanWorkLocked(model_id, m);
+  plan_queue_.CancelRunning("the model's membership changed while its plan was being made", model_id, kPlanJob);
 }
 
 absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, pb::RegisterNodeResponse* resp) {
@@ -641,6 +653,15 @@ bool CoordinatorCore::AwaitPlansWaiting(size_t n, absl::Time deadline) const {
   absl::MutexLock l(&mu_);
   auto waiting = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return plan_queue_.size() == n; };
   return options_.clock->WaitUntil(&mu_, absl::Condition(&waiting), deadline);
+}
+
+bool CoordinatorCore::AwaitModelHolds(const std::string& model_id, int n, absl::Time deadline) const {
+  absl::MutexLock l(&mu_);
+  auto held = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const Model* m = models_.Find(model_id);
+    return m != nullptr && m->holds == n;
+  };
+  return options_.clock->WaitUntil(&mu_, absl::Condition(&held), deadline);
 }
 
 bool CoordinatorCore::AwaitPlanSettled(const std::string& model_id, absl::Time deadline) const {

@@ -187,6 +187,9 @@ class CoordinatorCore {
   // Tests: waits until nothing is left to plan for the model (no change unplanned, no plan job
   // waiting or running): its last plan was made, or failed (ModelStatus.plan_error).
   bool AwaitPlanSettled(const std::string& model_id, absl::Time deadline) const;
+  // Tests: waits until `n` threads keep the model across a release of mu_ (ModelRegistry holds:
+  // waiting Publish / WaitVersion calls, a queued or running plan job), e.g. until calls wait.
+  bool AwaitModelHolds(const std::string& model_id, int n, absl::Time deadline) const;
   int num_models() const;
   // Tests in simulated time: waits (real time) until the driver has made a pass (lease sweep,
   // timeouts, starts, commits) at clock time `t` or later.
@@ -228,6 +231,8 @@ class CoordinatorCore {
   // version first); nullopt otherwise.
   std::optional<absl::Status> UsedUncommittedLocked(const std::string& model_id, const Model& m, uint64_t v, const std::string& what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The model's membership changed (a layout, a worker gone): re-plan. A plan of it being made now
+  // is stale: cancelled at once, and the newer plan queued (see core.cc).
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

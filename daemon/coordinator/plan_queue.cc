@@ -64,9 +64,10 @@ std::optional<PlanQueue::Job> PlanQueue::Pop(std::string* model) {
   });
 }
 
-bool PlanQueue::CancelRunning(const std::string& reason, const std::string& model) {
+bool PlanQueue::CancelRunning(const std::string& reason, const std::string& model, const std::string& key) {
   if (!running_ || running_->done.load(std::memory_order_acquire)) return false;
   if (!model.empty() && running_->model != model) return false;
+  if (!key.empty() && running_->key != key) return false;
   running_->Cancel(reason);
   return true;
 }

@@ -16,7 +16,9 @@
 // that, while it runs, CurrentJobCancelled() on the thread running it says whether the job was
 // cancelled and why. A job is cancelled when a job of the same model and key is pushed while it
 // runs (its plan would be discarded: the model's membership changed since its snapshot, and the
-// newer job plans the newest one), or by CancelRunning (coordinator shutdown, a removed model).
+// newer job plans the newest one), or by CancelRunning (coordinator shutdown; a membership change
+// of the model whose plan runs, also when no newer job can be queued: CoordinatorCore's
+// MarkPlanDirtyLocked).
 // The coordinator's PlanCache polls it (PlanCache::Options::cancelled) while the planner works, so
 // a superseded plan stops within a few ms instead of holding the planner thread to its end.
 
@@ -51,9 +53,10 @@ class PlanQueue {
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
 
-  // Cancels the running job (if one runs and, with a non-empty `model`, it is that model's) with
-  // `reason`; true when it did. The first reason given to a job is the one it reports.
-  bool CancelRunning(const std::string& reason, const std::string& model = "");
+  // Cancels the running job (if one runs and, with a non-empty `model` / `key`, it is that model's
+  // / of that key) with `reason`; true when it did. The first reason given to a job is the one it
+  // reports.
+  bool CancelRunning(const std::string& reason, const std::string& model = "", const std::string& key = "");
   // Whether a popped job still runs; `model` and `key` (may be null) get its model and key.
   bool Running(std::string* model = nullptr, std::string* key = nullptr) const;
 
