@@ -361,6 +361,9 @@ void CoordinatorCore::FailCatchUpLocked(const std::string& model_id, Model& m, c
   // waiting Apply(v) of a late rollout then asks WaitVersion here, which answers ABORTED with
   // catch_up_error when this was final and otherwise waits for the next attempt.
   QueueAbortRpcsLocked(nodes, model_id, c.version, what, c.epoch);
+  // A plan still being made for this attempt is void: cancel it (nothing else would, the model's
+  // next plan job has another key), so it holds neither the planner thread nor other models' plans.
+  plan_queue_.CancelRunning(what, model_id, kCatchUpJob);
   m.catch_up.reset();
   wake_ = true;
   StatusChangedLocked();

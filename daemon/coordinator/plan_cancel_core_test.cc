@@ -78,7 +78,10 @@ class LongPlanner {
     bool long_plan = false;
     {
       absl::MutexLock l(&mu_);
-      long_plan = long_.erase(model) > 0;
+      // A catch-up's problem lists rollouts only (its sources stand as trainers); a plan job's
+      // lists the trainer ("<model>-t0") first.
+      const bool catch_up = !p.workers.empty() && p.workers.front().id != model + "-t0";
+      long_plan = long_.erase(catch_up ? model + kCatchUpSuffix : model) > 0;
       calls_.push_back({model, p.workers.empty() ? "" : p.workers.front().id, p.workers.size(), long_plan});
       i = calls_.size() - 1;
     }
@@ -89,9 +92,23 @@ class LongPlanner {
     return plan;
   }
 
-  void SetLong(const std::string& model) {
+  // The next plan job of `model` (or, with `catch_up`, its next catch-up plan) is a long plan.
+  void SetLong(const std::string& model, bool catch_up = false) {
     absl::MutexLock l(&mu_);
-    long_.insert(model);
+    long_.insert(catch_up ? model + kCatchUpSuffix : model);
+  }
+  // Waits until a long plan has polled its cancellation; its call index, or nullopt at `deadline`.
+  std::optional<size_t> AwaitLongPolled(absl::Time deadline) {
+    std::optional<size_t> found;
+    Await(
+        [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          for (size_t i = 0; i < calls_.size(); ++i) {
+            if (calls_[i].long_plan && calls_[i].polls > 0) found = i;
+          }
+          return found.has_value();
+        },
+        deadline);
+    return found;
   }
   // Waits until call `i` (0-based, in call order) has polled its cancellation (a long plan: it is
   // in the planner's work), or has ended.
@@ -131,6 +148,7 @@ class LongPlanner {
     return mu_.AwaitWithDeadline(absl::Condition(&pred), deadline);
   }
 
+  static constexpr const char* kCatchUpSuffix = "/catch-up";
   const planner::Problem big_;
   absl::Mutex mu_;
   std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);
@@ -449,6 +467,36 @@ TEST_F(PlanCancelCore, AVersionInFlightRunsOnItsOwnPlanAndTheNewerPlanFollowsIt)
   ASSERT_TRUE(core_->AwaitPlanInstalled("a", In(kReal)));
   // (The plan of t0 and r0 is version 1's, from the plan cache: no planner call.)
   EXPECT_EQ(PlanOps("a"), 1) << "re-planned for t0 and r0 once version 2 was aborted";
+}
+
+// A late rollout's catch-up is given up while its plan is being made (the late rollout leaves):
+// the catch-up's plan is cancelled at once (before: nothing cancelled it - the model's next plan
+// job has another key - so it ran on, holding the planner thread and every other model's plan, up
+// to the plan deadline), and the model goes on: version 2 commits on the remaining membership.
+TEST_F(PlanCancelCore, AGivenUpCatchUpsPlanIsCancelledAtOnce) {
+  Register("n0");
+  Register("n1");
+  Join("n0", "a", "t0", pb::ROLE_TRAINER);
+  Join("n0", "a", "r0", pb::ROLE_ROLLOUT);
+  ASSERT_TRUE(core_->AwaitPlanInstalled("a", In(kReal)));
+  ASSERT_TRUE(Ready("n0", "a", "a-r0").ok());
+  ASSERT_TRUE(Publish("n0", "a", 1).ok());
+
+  planner_.SetLong("a", /*catch_up=*/true);
+  Join("n1", "a", "r1", pb::ROLE_ROLLOUT);  // late: caught up to version 1 from r0
+  const std::optional<size_t> catch_up = planner_.AwaitLongPolled(In(kReal));
+  ASSERT_TRUE(catch_up.has_value()) << "r1's catch-up plan never reached the planner";
+  ASSERT_TRUE(Leave("n1", "a", "a-r1").ok());
+  EXPECT_TRUE(planner_.AwaitEnded(*catch_up, In(kPrompt))) << "the given-up catch-up's plan still runs " << kPrompt
+                                                           << " after its late rollout left";
+  const LongPlanner::Call plan = planner_.calls()[*catch_up];
+  EXPECT_EQ(plan.status.code(), absl::StatusCode::kCancelled) << plan.status;
+  EXPECT_TRUE(absl::StrContains(plan.status.message(), "catch-up of model a version 1 failed: worker a-r1 left")) << plan.status;
+
+  ASSERT_TRUE(core_->AwaitPlanInstalled("a", In(kReal)));
+  EXPECT_EQ(PlanOps("a"), 1) << "t0 and r0";
+  ASSERT_TRUE(Ready("n0", "a", "a-r0").ok());
+  EXPECT_TRUE(Publish("n0", "a", 2).ok());
 }
 
 }  // namespace
