@@ -135,17 +135,12 @@ absl::Status CtlClient::WatchOnce(absl::Time deadline, bool wait_for_ready,
 }
 
 absl::Status CtlClient::WatchStatus(absl::Time deadline, const StatusFn& on_status, const pb::StatusRequest& filter) {
-  absl::Duration backoff = kServerBusyFirstBackoff;
   while (true) {
     bool stopped = false;
-    absl::Status s = WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped, filter);
-    if (IsServerThreadpoolExhausted(s) && absl::Now() + backoff < deadline) {
-      // The coordinator had no thread for the stream (proto/grpc_retry.h): open it again.
-      Clock::Real()->SleepUntil(absl::Now() + backoff);
-      backoff = std::min(backoff * 2, kServerBusyMaxBackoff);
-      continue;
-    }
-    RETURN_IF_ERROR(s);
+    // A stream the coordinator had no thread for is opened again (proto/grpc_retry.h).
+    RETURN_IF_ERROR(CallWhileServerBusy(Clock::Real(), deadline, [&] {
+      return WatchOnce(deadline, /*wait_for_ready=*/false, on_status, &stopped, filter);
+    }));
     if (stopped || absl::Now() >= deadline) return absl::OkStatus();
     // Ended OK before our deadline: the coordinator's cap on one stream. Open the next one.
   }

@@ -253,28 +253,6 @@ TEST(CommitAbortTest, ASyncCommitConfirmedToOneNodeIsKeptOverACoordinatorRestart
   c.Stop();
 }
 
-grpc::Status EndUpdate(TestWorker& r) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  pb::EndUpdateRequest req;
-  req.set_model_id("m");
-  req.set_worker_id(r.id);
-  req.set_timeout_ms(10000);
-  pb::EndUpdateResponse resp;
-  return r.stub->EndUpdate(&ctx, req, &resp);
-}
-
-grpc::Status BeginUpdate(TestWorker& r) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  pb::BeginUpdateRequest req;
-  req.set_model_id("m");
-  req.set_worker_id(r.id);
-  req.set_timeout_ms(10000);
-  pb::BeginUpdateResponse resp;
-  return r.stub->BeginUpdate(&ctx, req, &resp);
-}
-
 // r1 resumes (EndUpdate) while version 2 is held on n1 before a bucket, so n1's commit makes
 // version 2 r1's committed copy instead of writing its live weights; the commit fails on n0 and the
 // coordinator aborts version 2 everywhere. n1 drops r1's copy of it with the rollback: r1's next
@@ -303,7 +281,8 @@ TEST(CommitAbortTest, AResumedRolloutDropsItsCopyOfAFailedSyncCommit) {
   std::vector<grpc::Status> published;
   std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1}); });
   const bool held = entered.WaitForNotificationWithTimeout(kReal);
-  grpc::Status ended = held ? EndUpdate(r1) : grpc::Status::OK;
+  pb::EndUpdateResponse ended_resp;
+  grpc::Status ended = held ? EndUpdateAs(r1, 10000, &ended_resp) : grpc::Status::OK;
   release.Notify();
   publisher.join();
   ASSERT_TRUE(held) << "version 2 never ran on n1";
@@ -313,7 +292,7 @@ TEST(CommitAbortTest, AResumedRolloutDropsItsCopyOfAFailedSyncCommit) {
   AwaitQueuedNodeRpcs(c);  // the AbortVersion of version 2 reached both nodes
   ASSERT_FALSE(Test::HasFatalFailure());
   EXPECT_EQ(CountBad(r1, 1), 0) << "the commit wrote the live weights of resumed r1";
-  grpc::Status begun = BeginUpdate(r1);
+  grpc::Status begun = BeginUpdateAs(r1, 10000);
   EXPECT_TRUE(begun.ok()) << begun.error_message();
   EXPECT_EQ(CountBad(r1, 1), 0) << "BeginUpdate copied the aborted version 2 into r1's live weights";
   EXPECT_GT(CountBad(r1, 2), 0);

@@ -17,27 +17,6 @@ namespace {
 
 using ::testing::Test;
 
-grpc::Status BeginUpdate(TestWorker& r) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  pb::BeginUpdateRequest req;
-  req.set_model_id("m");
-  req.set_worker_id(r.id);
-  req.set_timeout_ms(20000);
-  pb::BeginUpdateResponse resp;
-  return r.stub->BeginUpdate(&ctx, req, &resp);
-}
-
-grpc::Status EndUpdate(TestWorker& r, int64_t timeout_ms, pb::EndUpdateResponse* resp) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms) + std::chrono::seconds(10));
-  pb::EndUpdateRequest req;
-  req.set_model_id("m");
-  req.set_worker_id(r.id);
-  req.set_timeout_ms(timeout_ms);
-  return r.stub->EndUpdate(&ctx, req, resp);
-}
-
 // Publishes version v from both trainers (sync: each Publish returns once v is committed),
 // without pausing any rollout (the test does that itself).
 void PublishOnly(Cluster& c, uint64_t v, TwoNodeWorkers& w) {
@@ -56,11 +35,11 @@ TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
   ASSERT_EQ(CountBad(w.r1, 1), 0);
 
   // r0 pauses for version 2, its WaitVersion times out, its engine resumes: EndUpdate.
-  for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(BeginUpdate(*r).ok());
+  for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(BeginUpdateAs(*r, 20000).ok());
   pb::WaitVersionResponse wv;
   ASSERT_EQ(WaitVersionAs(w.r0, "m", 2, 100, &wv).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   pb::EndUpdateResponse ended;
-  grpc::Status s = EndUpdate(w.r0, 5000, &ended);
+  grpc::Status s = EndUpdateAs(w.r0, 5000, &ended);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(ended.applied_version(), 1u);
   EXPECT_EQ(ended.committed_version(), 1u);
@@ -74,14 +53,14 @@ TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
   EXPECT_EQ(LocalStatus(c, w.r0).live_state(), "whole");
 
   // Paused again: BeginUpdate copies version 2 before it answers; WaitVersion(2) then says OK.
-  ASSERT_TRUE(BeginUpdate(w.r0).ok());
+  ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
   EXPECT_EQ(CountBad(w.r0, 2), 0) << "BeginUpdate must copy the version committed while the rollout had resumed";
   s = WaitVersionAs(w.r0, "m", 2, 5000, &wv);
   ASSERT_TRUE(s.ok()) << s.error_message();
 
   // Resumed again; version 3 commits; WaitVersion(3) without BeginUpdate copies it before OK.
-  ASSERT_TRUE(BeginUpdate(w.r1).ok());
-  s = EndUpdate(w.r0, 5000, &ended);
+  ASSERT_TRUE(BeginUpdateAs(w.r1, 20000).ok());
+  s = EndUpdateAs(w.r0, 5000, &ended);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(ended.applied_version(), 2u);
   PublishOnly(c, 3, w);
@@ -99,7 +78,7 @@ TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
     EXPECT_EQ(CountBad(*r, 4), 0) << r->id;
   }
   // Not a rollout of this node: NOT_FOUND naming worker, model and node.
-  s = EndUpdate(w.t0, 1000, &ended);
+  s = EndUpdateAs(w.t0, 1000, &ended);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << s.error_message();
   EXPECT_NE(s.error_message().find("t0 of model m is not a rollout worker on node n0"), std::string::npos) << s.error_message();
   c.Stop();
@@ -128,13 +107,13 @@ TEST(EndUpdateTest, EndUpdateWaitsForACopyIntoTheLiveWeightsThatIsRunning) {
   ASSERT_TRUE(held->WaitForNotificationWithTimeout(absl::Seconds(30))) << "the commit's copy into r0 never started";
 
   pb::EndUpdateResponse ended;
-  grpc::Status s = EndUpdate(w.r0, 200, &ended);
+  grpc::Status s = EndUpdateAs(w.r0, 200, &ended);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "EndUpdate answered while the copy into r0 was running: " << s.error_message();
   for (const char* part : {"worker r0 of model m on node n0", "version 2", "call EndUpdate again"}) {
     EXPECT_NE(s.error_message().find(part), std::string::npos) << part << " in: " << s.error_message();
   }
   grpc::Status later;
-  std::thread ender([&] { later = EndUpdate(w.r0, 20000, &ended); });
+  std::thread ender([&] { later = EndUpdateAs(w.r0, 20000, &ended); });
   release->Notify();
   ender.join();
   publisher.join();

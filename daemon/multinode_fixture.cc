@@ -365,6 +365,27 @@ pb::WorkerStatus LocalStatus(Cluster& c, TestWorker& w) {
   return pb::WorkerStatus();
 }
 
+grpc::Status BeginUpdateAs(TestWorker& r, int64_t timeout_ms) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms) + std::chrono::seconds(10));
+  pb::BeginUpdateRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(r.id);
+  req.set_timeout_ms(timeout_ms);
+  pb::BeginUpdateResponse resp;
+  return r.stub->BeginUpdate(&ctx, req, &resp);
+}
+
+grpc::Status EndUpdateAs(TestWorker& r, int64_t timeout_ms, pb::EndUpdateResponse* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms) + std::chrono::seconds(10));
+  pb::EndUpdateRequest req;
+  req.set_model_id("m");
+  req.set_worker_id(r.id);
+  req.set_timeout_ms(timeout_ms);
+  return r.stub->EndUpdate(&ctx, req, resp);
+}
+
 grpc::Status ApplyWithin(TestWorker& r, uint64_t v, int64_t timeout_ms, pb::ApplyResponse* resp) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));

@@ -142,6 +142,10 @@ grpc::Status ApplyWithin(TestWorker& r, uint64_t v, int64_t timeout_ms, pb::Appl
 // WaitVersion(v) of `model` as the clients send it, with w's worker id (so a late rollout is
 // answered once it holds v); the request's timeout_ms, the RPC's own deadline 10 s later.
 grpc::Status WaitVersionAs(TestWorker& w, const std::string& model, uint64_t v, int64_t timeout_ms, pb::WaitVersionResponse* resp);
+// BeginUpdate / EndUpdate of model "m" as rollout `r` with the request's timeout_ms, the RPC's own
+// deadline 10 s later.
+grpc::Status BeginUpdateAs(TestWorker& r, int64_t timeout_ms);
+grpc::Status EndUpdateAs(TestWorker& r, int64_t timeout_ms, pb::EndUpdateResponse* resp);
 // committed_version of `model` in a status (0 when absent).
 uint64_t CommittedOf(const pb::StatusResponse& st, const std::string& model);
 

@@ -40,14 +40,8 @@ class Cluster {
       auto fake = std::make_shared<FakeNodeClient>(node);
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
         if (!report_done) return absl::OkStatus();
-        pb::ReportDoneRequest done;
-        done.set_node_id(node);
-        done.set_model_id(req.model_id());
-        done.set_version(req.version());
-        done.set_ok(true);
-        done.set_coordinator_instance(req.coordinator_instance());
         pb::ReportDoneResponse resp;
-        return core->ReportDone(done, &resp);
+        return core->ReportDone(testing::DoneReport(node, req), &resp);
       };
       if (auto it = commit_hooks.find(node); it != commit_hooks.end()) fake->on_commit = it->second;
       fakes[node] = fake;

@@ -41,14 +41,8 @@ class Sim {
       auto fake = std::make_shared<FakeNodeClient>(node);
       fake->on_install = [this](const pb::PlanSlice& slice) { return on_install ? on_install(slice) : absl::OkStatus(); };
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
-        pb::ReportDoneRequest done;
-        done.set_node_id(node);
-        done.set_model_id(req.model_id());
-        done.set_version(req.version());
-        done.set_ok(true);
-        done.set_coordinator_instance(req.coordinator_instance());
         pb::ReportDoneResponse resp;
-        return core->ReportDone(done, &resp);
+        return core->ReportDone(testing::DoneReport(node, req), &resp);
       };
       return fake;
     };

@@ -42,6 +42,16 @@ pb::SubmitLayoutRequest WholeTensorLayout(const std::string& node, const std::st
   return req;
 }
 
+pb::ReportDoneRequest DoneReport(const std::string& node, const pb::ExecuteVersionRequest& req) {
+  pb::ReportDoneRequest done;
+  done.set_node_id(node);
+  done.set_model_id(req.model_id());
+  done.set_version(req.version());
+  done.set_ok(true);
+  done.set_coordinator_instance(req.coordinator_instance());
+  return done;
+}
+
 SliceInput BigSliceInput(const std::string& model, int tensors) {
   auto inv = std::make_shared<planner::Inventory>();
   for (int i = 0; i < tensors; ++i) inv->tensors.push_back({"t" + std::to_string(i), {64, 64}, planner::DType::kBF16});

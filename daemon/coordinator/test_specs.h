@@ -23,4 +23,7 @@ pb::SubmitLayoutRequest WholeTensorLayout(const std::string& node, const std::st
 // n2 (one op per tensor per rollout).
 SliceInput BigSliceInput(const std::string& model, int tensors);
 
+// What a fake node reports when `req` (a version, not a catch-up) ran through on `node`: done, ok.
+pb::ReportDoneRequest DoneReport(const std::string& node, const pb::ExecuteVersionRequest& req);
+
 }  // namespace wb::daemon::testing

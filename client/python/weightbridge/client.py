@@ -274,6 +274,8 @@ class WorkerClient:
                 if not server_threadpool_exhausted(e) or time.monotonic() + backoff >= deadline:
                     raise
                 self.server_busy_retries += 1
+            # A backoff before sending again, not a poll: gRPC offers nothing to wait on for a free
+            # server thread; bounded by `deadline` above.
             time.sleep(backoff)
             backoff = min(backoff * 2, SERVER_BUSY_MAX_BACKOFF_S)
 
