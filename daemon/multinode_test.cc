@@ -236,26 +236,35 @@ TEST(GuardMetricsTest, AStrangerOnTheDataPortShowsInTheNodesMetrics) {
   };
   const double before = value();
   ASSERT_GE(before, 0);
-  Cluster c;
-  c.StartCoordinator();
-  transport::Transport* node_tcp = nullptr;  // owned by n0's transport set
-  c.StartNode(0, nullptr, nullptr, [&node_tcp](ServerOptions& o) {
-    o.make_transports = [&node_tcp] {
-      auto set = HostTransports();
-      if (set.ok()) node_tcp = set->Find("host_tcp");
-      return set;
-    };
-  });
-  ASSERT_NE(node_tcp, nullptr);
-  // Only the smaller instance dials: a stranger whose id sorts before n0's.
+  // Only the smaller instance dials: a stranger whose id sorts before n0's. Instance ids are random
+  // (before, the stranger was looked for among 64 new ids below n0's, which failed when n0's was
+  // among the smallest: about 1 run in 65): the stranger is the smallest of 64, and n0's transports
+  // are made again until its host_tcp id sorts after it (1 try in 65 needs a second).
   std::unique_ptr<transport::Transport> stranger;
-  for (int i = 0; i < 64 && stranger == nullptr; ++i) {
+  for (int i = 0; i < 64; ++i) {
     transport::TransportConfig tc;
     auto t = transport::CreateTransport("host_tcp", tc);
     ASSERT_TRUE(t.ok()) << t.status();
-    if ((*t)->instance_id() < node_tcp->instance_id()) stranger = std::move(*t);
+    if (stranger == nullptr || (*t)->instance_id() < stranger->instance_id()) stranger = std::move(*t);
   }
-  ASSERT_NE(stranger, nullptr);
+  Cluster c;
+  c.StartCoordinator();
+  transport::Transport* node_tcp = nullptr;  // owned by n0's transport set
+  c.StartNode(0, nullptr, nullptr, [&node_tcp, &stranger](ServerOptions& o) {
+    o.make_transports = [&node_tcp, &stranger]() -> absl::StatusOr<transport::TransportSet> {
+      for (int i = 0; i < 100; ++i) {
+        auto set = HostTransports();
+        if (!set.ok()) return set;
+        transport::Transport* tcp = set->Find("host_tcp");
+        if (tcp != nullptr && stranger->instance_id() < tcp->instance_id()) {
+          node_tcp = tcp;
+          return set;
+        }
+      }
+      return absl::InternalError("100 host_tcp instance ids in a row sorted before the stranger's");
+    };
+  });
+  ASSERT_NE(node_tcp, nullptr);
   // n0's endpoint made for another peer: the stranger learns the port, not a secret for itself.
   auto for_other = node_tcp->ExportEndpoint("!someone-else");
   ASSERT_TRUE(for_other.ok()) << for_other.status();
