@@ -35,16 +35,14 @@ CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandida
       continue;
     }
     if (w.holds != committed) continue;
-    if (!w.host_memory) {
-      unusable.push_back(absl::StrCat(w.id, " (CUDA buffers)"));
-    } else if (w.quantized) {
+    if (w.quantized) {
       unusable.push_back(absl::StrCat(w.id, " (quantised)"));
     } else {
       out.sources.push_back(w.id);
     }
   }
   if (!out.dests.empty() && out.sources.empty()) {
-    out.no_source = absl::StrCat("no rollout holds version ", committed, " in host memory in the canonical dtype",
+    out.no_source = absl::StrCat("no rollout holds version ", committed, " in the canonical dtype",
                                  unusable.empty() ? std::string(" (no rollout holds it at all)")
                                                   : absl::StrCat(" (holding it but not usable as a source: ", absl::StrJoin(unusable, ", "), ")"));
   }
@@ -55,14 +53,6 @@ namespace {
 
 // Per-node RPCs of one catch-up run at once, bounded (base/parallel_for.h).
 constexpr size_t kRpcThreads = 32;
-
-bool HostMemoryOnly(const pb::ResolvedLayout* layout) {
-  if (layout == nullptr) return false;
-  for (const pb::BufferSpec& b : layout->buffers()) {
-    if (b.memory_case() != pb::BufferSpec::kShmName) return false;
-  }
-  return true;
-}
 
 // A catch-up's digest outcome: wb_versions_total{event=...} (node label as for versions:
 // `coordinator`, or the standalone node's id) and a log line.
@@ -96,7 +86,6 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
     c.in_plan = in_plan.count(id) > 0;
     c.holds = rec.holds;
     c.catch_up_failed = rec.catch_up_failed;
-    c.host_memory = HostMemoryOnly(rec.layout_proto.get());
     c.quantized = rec.layout != nullptr && planner::HasQuantizedPieces(*rec.layout);
     if (!nodes_.IsAlive(rec.node)) c.has_layout = false;  // neither source nor destination now
     candidates.push_back(std::move(c));

@@ -22,7 +22,6 @@ struct CatchUpCandidate {
   bool in_plan = false;       // in the model's installed plan (a late rollout must be)
   uint64_t holds = 0;         // the committed version its node holds for it
   uint64_t catch_up_failed = 0;
-  bool host_memory = true;    // every buffer is host (shm) memory
   bool quantized = false;     // holds quantised pieces (its staging is not the canonical bytes)
 };
 
@@ -36,8 +35,8 @@ struct CatchUpChoice {
 
 // Late: a rollout with a layout, in the plan, holding less than `committed` (> 0) and whose catch-up
 // did not already fail for `committed`. Source: a rollout with a layout holding exactly
-// `committed`, in host memory and not quantised (its copy is then the canonical bytes, byte for
-// byte; GPU-staged and quantised rollouts are not sources: docs/daemon.md "Catch-up").
+// `committed` and not quantised (its copy is then the canonical bytes, byte for byte, in host or
+// CUDA memory; quantised rollouts are not sources: docs/daemon.md "Catch-up").
 // Both lists follow the candidates' order.
 CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandidate>& workers);
 

@@ -150,9 +150,21 @@ absl::Status Versions::GatherVersionMemory(Exec& exec, VersionMemory& out) {
                                                           src.committed != nullptr ? src.committed_version : 0, ", live weights: version ",
                                                           src.applied_version, w->copying ? ", being written" : "", ")"));
       }
+      if (src.buffers.size() < layout.buffers.size() || src.cuda.size() < layout.buffers.size()) {
+        return absl::FailedPreconditionError(absl::StrCat(what, " has fewer buffers than its layout"));
+      }
       for (size_t j = 0; j < layout.buffers.size(); ++j) {
         auto seg = src.buffers[j];
-        if (seg == nullptr) return absl::FailedPreconditionError(absl::StrCat(what, " buffer ", j, ": CUDA memory is not a catch-up source"));
+        if (seg == nullptr) {
+          // CUDA live weights (the engine reads them; nothing writes them while the catch-up
+          // runs): read on the GPU as a sync trainer's are (same node: cuda_ipc; other nodes:
+          // copied to host once, or bounced onto an nccl lane).
+          std::shared_ptr<CudaImport> imp = src.cuda[j];
+          if (imp == nullptr) return absl::FailedPreconditionError(absl::StrCat(what, " buffer ", j, ": neither host nor CUDA memory"));
+          out.holds.push_back(imp);
+          out.regions[node::RegionKey(i, j)] = node::RegionMemory{transport::MemoryKind::kCuda, nullptr, imp->size, imp->device, imp->h};
+          continue;
+        }
         if (absl::Status intact = seg->CheckIntact(); !intact.ok()) {
           return absl::Status(intact.code(), absl::StrCat(what, " buffer ", j, ": ", intact.message()));
         }

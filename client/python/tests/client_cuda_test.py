@@ -10,10 +10,16 @@ about real GPUs. Run by `bazel test //client/python:client_cuda_test`.
 
 import dataclasses
 import os
+import re
+import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
+import time
+import types
 import unittest
 
 import numpy as np
@@ -166,6 +172,182 @@ class CudaClientTest(unittest.TestCase):
             for r in rollouts:
                 self.assertEqual(r.mismatches(v), 0, "sync v%d" % v)
         self.close(trainers + rollouts)
+
+
+class EmulatedCluster:
+    """A coordinator and `nodes` node daemons (the emulated-GPU build) on loopback, port 0 each, a
+    temp Unix worker socket per node; `client(i, prefix)` connects to node i. Each daemon's address
+    is read from its own "listening on" line (select with a deadline), its output then kept in a log."""
+
+    def __init__(self, nodes, node_flags=()):
+        self.dir = tempfile.mkdtemp(prefix="wbpyc.")
+        self.procs, self.logs, self.sockets, self.drains = [], [], [], []
+        common = ["--heartbeat_ms=200", "--lease_ms=5000", "--transfer_timeout_ms=20000"]
+        port = self._start("coordinator", [EMULATED_DAEMON, "--role=coordinator", "--listen=127.0.0.1:0"] + common)
+        for i in range(nodes):
+            sock = os.path.join(self.dir, "n%d.sock" % i)
+            self.sockets.append(sock)
+            self._start("n%d" % i, [EMULATED_DAEMON, "--role=node", "--listen=127.0.0.1:0", "--data_listen=127.0.0.1:0",
+                                    "--worker_socket=" + sock, "--coordinator=127.0.0.1:%d" % port, "--node_id=n%d" % i]
+                        + common + list(node_flags))
+
+    def _start(self, name, argv):
+        log = os.path.join(self.dir, name + ".log")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        self.logs.append(log)
+        # Raw reads of the pipe (a buffered readline could hold the line select() waits for).
+        fd = proc.stdout.fileno()
+        out, deadline, seen, port = open(log, "wb"), time.monotonic() + ct.TIMEOUT, b"", None
+        while port is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                out.close()
+                raise AssertionError("%s did not start listening in %.0f s" % (name, ct.TIMEOUT))
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                out.close()
+                with open(log) as f:
+                    raise AssertionError("%s exited before listening:\n%s" % (name, f.read()))
+            out.write(chunk)
+            out.flush()
+            seen += chunk
+            m = re.search(rb"listening on \S+ port (\d+)", seen)
+            if m:
+                port = int(m.group(1))
+
+        def drain():
+            for rest in iter(lambda: os.read(fd, 65536), b""):
+                out.write(rest)
+                out.flush()
+            out.close()
+        self.drains.append(threading.Thread(target=drain, daemon=True))
+        self.drains[-1].start()
+        return port
+
+    def client(self, node, prefix):
+        return wb.WorkerClient(self.sockets[node], connect_timeout=ct.TIMEOUT, call_timeout=ct.TIMEOUT, shm_prefix=prefix)
+
+    def log_tail(self):
+        parts = []
+        for p in self.logs:
+            with open(p, errors="replace") as f:
+                parts.append("== %s ==\n%s" % (os.path.basename(p), f.read()[-2000:]))
+        return "\n".join(parts)
+
+    def stop(self):
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for th in self.drains:  # each ends at its daemon's EOF
+            th.join(10)
+        for proc in self.procs:
+            proc.stdout.close()
+        if not os.environ.get("WB_KEEP"):
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
+                     "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
+class CudaCatchUpTest(unittest.TestCase):
+    """A rollout whose weights live in CUDA memory restarts after a commit (a new registration with
+    new, zeroed device memory) and is caught up to the committed version from the other rollout's
+    CUDA copy (docs/daemon.md "Catch-up"), not from the trainers: their buffers hold other bytes by
+    then, so bytes taken from them would show. On one standalone daemon (the source read on the GPU
+    through cuda_ipc) and across two node daemons (the source on n0 copied to host once and sent
+    over host_tcp to n1, which commits it into the late rollout's device memory). Before CUDA
+    rollouts could serve as sources the restarted rollout was told there was no source and waited
+    for the next version."""
+
+    FLAGS = ["--transports=host_shm,host_tcp,cuda_ipc", "--gpu_staging_bytes=268435456"]
+
+    def deliver(self, mode, v, trainers, rollouts, logs):
+        if mode == "sync":
+            for r in rollouts:
+                r.client.begin_update(timeout=ct.TIMEOUT)
+        for t in trainers:
+            t.fill(v)
+        errors = []
+
+        def publish(t):
+            try:
+                t.client.publish(v, timeout=ct.TIMEOUT)
+            except wb.WeightBridgeError as e:
+                errors.append(e)
+        threads = [threading.Thread(target=publish, args=(t,)) for t in trainers]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(ct.TIMEOUT)
+        self.assertEqual(errors, [], logs())
+        for r in rollouts:
+            self.receive(mode, r, v, logs)
+
+    def receive(self, mode, r, v, logs):
+        if mode == "sync":
+            self.assertGreaterEqual(r.client.wait_version(v, timeout=ct.TIMEOUT), v)
+            r.client.end_update(timeout=ct.TIMEOUT)
+        else:
+            self.assertEqual(r.client.apply(v, timeout=ct.TIMEOUT).applied_version, v)
+        self.assertEqual(r.mismatches(v), 0, "rollout %s v%d\n%s" % (r.client.worker_id, v, logs()))
+
+    def run_mode(self, mode, across_nodes):
+        if across_nodes:
+            daemons = EmulatedCluster(2, self.FLAGS)
+            at = lambda node: types.SimpleNamespace(client=lambda prefix: daemons.client(node, prefix))  # noqa: E731
+        else:
+            daemons = ct.Daemon(EMULATED_DAEMON, self.FLAGS)
+            at = lambda node: daemons  # noqa: E731
+        try:
+            model = wb.ModelConfig(model_id="py_cuda_catch_up_" + mode, explicit_tensors=ct.CANONICAL, num_trainer_workers=2,
+                                   num_rollout_workers=2, mode=mode)
+            late_node = 1 if across_nodes else 0
+            trainers = [CudaWorker(at(0), model, "trainer/%d" % r, "trainer", ct.HALF[r], gpu=r) for r in (0, 1)]
+            rollouts = [CudaWorker(at(0), model, "rollout/0", "rollout", ct.FULL, gpu=0),
+                        CudaWorker(at(late_node), model, "rollout/1", "rollout", ct.FULL, gpu=1)]
+            self.deliver(mode, 1, trainers, rollouts, daemons.log_tail)
+            for t in trainers:  # the trainers move on: a catch-up that read them would land version 9's bytes
+                t.fill(9)
+            old = rollouts[1]
+            old.client.deregister()
+            old.client.close()
+            old.buf.close()
+            late = CudaWorker(at(late_node), model, "rollout/1", "rollout", ct.FULL, gpu=1)
+            self.assertEqual(late.buf.read(0, late.buf.size_bytes), bytes(late.buf.size_bytes))
+            if mode == "sync":
+                late.client.begin_update(timeout=ct.TIMEOUT)
+            self.receive(mode, late, 1, daemons.log_tail)
+            self.assertIn("catch-up", daemons.log_tail())
+            rollouts[1] = late
+            self.deliver(mode, 2, trainers, rollouts, daemons.log_tail)
+            for w in trainers + rollouts:
+                w.client.deregister()
+                w.client.close()
+                w.buf.close()
+        finally:
+            daemons.stop()
+
+    def test_sync(self):
+        self.run_mode("sync", across_nodes=False)
+
+    def test_one_step_off(self):
+        self.run_mode("one_step_off", across_nodes=False)
+
+    def test_async(self):
+        self.run_mode("async", across_nodes=False)
+
+    def test_sync_across_nodes(self):
+        self.run_mode("sync", across_nodes=True)
+
+    def test_one_step_off_across_nodes(self):
+        self.run_mode("one_step_off", across_nodes=True)
 
 
 # Buffer j of a VMM worker sits at VMM_OFFSETS[j] of its one allocation: neither offset is 0, so a
