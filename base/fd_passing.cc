@@ -110,6 +110,7 @@ std::string EncodeVmmFdOffer(const VmmFdOffer& offer) {
   w.Str(offer.worker_id);
   w.Str(offer.key);
   w.I64(offer.allocation_bytes);
+  if (offer.allocation_id != 0) w.U64(offer.allocation_id);
   return std::move(w.out());
 }
 
@@ -121,6 +122,7 @@ absl::StatusOr<VmmFdOffer> DecodeVmmFdOffer(absl::string_view bytes) {
   o.worker_id = r.Str(1024);
   o.key = r.Str(kMaxVmmKeyBytes);
   o.allocation_bytes = r.I64();
+  if (r.ok() && !r.done()) o.allocation_id = r.U64();  // absent from workers built before the field
   if (!r.done() || magic != kOfferMagic) return absl::InvalidArgumentError("fd channel: not a VMM fd offer");
   if (o.key.empty() || o.worker_id.empty() || o.allocation_bytes <= 0) {
     return absl::InvalidArgumentError("fd channel: offer needs a worker id, a key and a positive allocation size");

@@ -69,6 +69,16 @@ TEST(FdPassingTest, OfferAndReplyEncodings) {
   EXPECT_EQ(back->worker_id, "trainer/0");
   EXPECT_EQ(back->key, "alloc-7");
   EXPECT_EQ(back->allocation_bytes, 4 << 20);
+  EXPECT_EQ(back->allocation_id, 0u) << "none given: none on the wire (as a worker built before the field sends)";
+  VmmFdOffer with = o;
+  with.allocation_id = 0x1122334455667788ull;
+  EXPECT_EQ(EncodeVmmFdOffer(with).size(), EncodeVmmFdOffer(o).size() + 8);
+  back = DecodeVmmFdOffer(EncodeVmmFdOffer(with));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->allocation_id, 0x1122334455667788ull);
+  EXPECT_EQ(back->key, "alloc-7");
+  EXPECT_FALSE(DecodeVmmFdOffer(EncodeVmmFdOffer(o) + "xyz").ok()) << "a partial id is garbage";
+  EXPECT_FALSE(DecodeVmmFdOffer(EncodeVmmFdOffer(o) + std::string(9, 'x')).ok()) << "bytes after the id";
   EXPECT_FALSE(DecodeVmmFdOffer("garbage").ok());
   o.key = "";
   EXPECT_FALSE(DecodeVmmFdOffer(EncodeVmmFdOffer(o)).ok());

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -284,6 +285,7 @@ absl::Status WorkerClient::OfferVmmAllocation(const std::string& key, absl::Time
   offer.worker_id = register_request_.worker_id();
   offer.key = key;
   offer.allocation_bytes = a.bytes;
+  offer.allocation_id = a.id;
   // The fd channel's own poll deadline runs on the real clock.
   const absl::Duration left = std::max(deadline - options_.clock->Now(), absl::Milliseconds(1));
   return Annotate(transport::OfferVmmFd(absl::StrCat(socket_path_, ".fd"), offer, a.fd, absl::Now() + left),
@@ -316,7 +318,10 @@ absl::Status WorkerClient::ShareCudaVmmAllocation(const std::string& key, int fd
   if (mine < 0) {
     return absl::InvalidArgumentError(absl::StrCat("CUDA VMM allocation '", key, "': fd ", fd, ": ", std::strerror(errno)));
   }
-  vmm_[key] = VmmAllocation{mine, allocation_bytes};
+  // Process-wide: the daemon keys offers by process, and two clients of one process may share
+  // allocations under one key in turn (each its own allocation).
+  static std::atomic<uint64_t> next_allocation_id{0};
+  vmm_[key] = VmmAllocation{mine, allocation_bytes, ++next_allocation_id};
   absl::Status s = OfferVmmAllocation(key, options_.clock->Now() + options_.call_timeout);
   if (!s.ok()) {  // not shared: forget it
     ::close(mine);

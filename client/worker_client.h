@@ -354,6 +354,10 @@ class WorkerClient {
   struct VmmAllocation {
     int fd = -1;
     int64_t bytes = 0;
+    // VmmFdOffer::allocation_id: unique in this process (a counter shared by every WorkerClient),
+    // sent with every offer of this allocation, so the daemon tells a replay from another
+    // allocation under a key it saw before.
+    uint64_t id = 0;
   };
   std::map<std::string, VmmAllocation> vmm_;
 

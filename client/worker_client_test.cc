@@ -663,6 +663,30 @@ TEST(WorkerClientTest, VmmBufferOverSeveralAllocationsNamesThemInOrder) {
   EXPECT_TRUE(rl.buffers(1).cuda_vmm_next_keys().empty()) << "one allocation: as AddCudaVmmBuffer(key, ...)";
 }
 
+// Every allocation is offered with an id unique in the process (VmmFdOffer::allocation_id): two
+// clients of one process sharing their own allocations under one key in turn are two allocations
+// to the daemon (two cache keys: each mapped), not a replay of the first.
+TEST(WorkerClientTest, VmmAllocationsUnderOneKeyFromTwoClientsAreTwoAllocations) {
+  std::string sock = TempSocket("vmmids");
+  FakeDaemon daemon(sock);
+  auto channel = FdChannelFor(sock);
+  ASSERT_NE(channel, nullptr);
+  std::vector<std::string> cache_keys;
+  for (const char* what : {"first allocation", "second allocation"}) {
+    auto client = WorkerClient::Connect(sock, FastOptions());
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, 1}).ok());
+    const int fd = MemfdWith(what);
+    ASSERT_TRUE((*client)->ShareCudaVmmAllocation("weights", fd, 2 << 20).ok());
+    close(fd);
+    auto got = channel->Get("tiny", "trainer/0", "weights", Me());
+    ASSERT_TRUE(got.ok()) << got.status();
+    close(got->fd);
+    cache_keys.push_back(got->cache_key);
+  }
+  EXPECT_NE(cache_keys[0], cache_keys[1]);
+}
+
 TEST(WorkerClientTest, VmmRefusalsCarryTheDaemonsCodeAndMessage) {
   std::string sock = TempSocket("vmmno");
   FakeDaemon daemon(sock);

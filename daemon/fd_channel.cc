@@ -154,7 +154,7 @@ bool FdChannel::ServeOne(Conn& conn) {
   } else if (msg->fds.size() != 1) {
     s = absl::InvalidArgumentError("fd channel: an offer carries exactly one fd");
   } else {
-    s = Accept(conn.sender, offer->model_id, offer->worker_id, offer->key, offer->allocation_bytes, msg->fds[0]);
+    s = Accept(conn.sender, *offer, msg->fds[0]);
     if (s.ok()) msg->fds.clear();  // kept
   }
   for (int fd : msg->fds) ::close(fd);
@@ -197,8 +197,10 @@ size_t FdChannel::ReleaseWorker(const std::string& model, const std::string& wor
   return n;
 }
 
-absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model, const std::string& worker,
-                               const std::string& key, int64_t bytes, int fd) {
+absl::Status FdChannel::Accept(const PeerCred& sender, const transport::VmmFdOffer& offer, int fd) {
+  const std::string& model = offer.model_id;
+  const std::string& worker = offer.worker_id;
+  const std::string& key = offer.key;
   if (absl::Status s = authorize_(sender, model, worker); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("fd channel: offer of '", key, "' for worker ", worker, " of model ", model, " from pid ",
                                                sender.pid, " uid ", sender.uid, " refused: ", s.message()));
@@ -242,8 +244,12 @@ absl::Status FdChannel::Accept(const PeerCred& sender, const std::string& model,
                                                        " (Deregister workers or restart them to release theirs)"));
     }
   }
+  // The same allocation again (a replay: the id it was offered with) keeps its cache key; any
+  // other (a new id, or none after one) is another allocation, mapped apart.
+  const bool same = it != entries_.end() && it->second.allocation_id == offer.allocation_id;
+  const uint64_t serial = same ? it->second.serial : ++next_serial_;
   if (it != entries_.end()) ::close(it->second.fd);
-  entries_[Key{model, worker, key}] = Entry{fd, bytes, sender};
+  entries_[Key{model, worker, key}] = Entry{fd, offer.allocation_bytes, sender, offer.allocation_id, serial};
   return absl::OkStatus();
 }
 
@@ -265,7 +271,8 @@ absl::StatusOr<CudaVmmFd> FdChannel::Get(const std::string& model, const std::st
   if (out.fd < 0) return absl::ResourceExhaustedError(absl::StrCat("fd channel: dup: ", std::strerror(errno)));
   out.allocation_bytes = e.allocation_bytes;
   // Length-prefixed: ids may contain '/', and (model, worker, key) must map to one cache key only.
-  out.cache_key = absl::StrCat(e.sender.pid, ".", e.sender.start_time, "/", model.size(), ":", model, "/", worker.size(), ":", worker, "/", key);
+  out.cache_key = absl::StrCat(e.sender.pid, ".", e.sender.start_time, "/", model.size(), ":", model, "/", worker.size(), ":", worker, "/",
+                               key.size(), ":", key, "/", e.serial);
   return out;
 }
 

@@ -11,8 +11,10 @@
 // at once. Accepted fds are kept keyed by (model, worker, key), with the sender's identity: worker
 // ids are scoped per model (docs/daemon.md "Model and worker rules"), so two models' `rollout/0`
 // in one process never share or replace each other's fds. A new offer for the same key replaces
-// (closes) the old fd; an offer from a new process of the same (model, worker) (a restart) drops
-// the fds the previous process sent for it.
+// (closes) the old fd; it stands for the same allocation (same cache key) only when it carries the
+// allocation id the old one did (a client's replay), else for a new one (a new cache key: the
+// node maps it anew instead of reusing the old mapping). An offer from a new process of the same
+// (model, worker) (a restart) drops the fds the previous process sent for it.
 //
 // Bounds (FdChannelLimits, RESOURCE_EXHAUSTED naming the limit beyond): fds per worker (a
 // (model, worker) pair), per sending uid (one principal may hold several workers) and per node in
@@ -43,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/fd_passing.h"
 #include "daemon/auth.h"
 
 namespace wb::daemon {
@@ -59,7 +62,10 @@ struct FdChannelLimits {
 struct CudaVmmFd {
   int fd = -1;                   // a dup owned by the caller
   int64_t allocation_bytes = 0;  // as the worker declared it
-  std::string cache_key;         // unique per (sending process, model, worker, key): the transport's mapping key
+  // The transport's mapping key: unique per (sending process, model, worker, key, allocation). An
+  // offer under a key this process used before with another allocation id (VmmFdOffer) is another
+  // allocation and gets another cache key; the same id (a replay) keeps it.
+  std::string cache_key;
 };
 
 class FdChannel {
@@ -91,6 +97,8 @@ class FdChannel {
     int fd = -1;
     int64_t allocation_bytes = 0;
     PeerCred sender;
+    uint64_t allocation_id = 0;  // the worker's id of the allocation (VmmFdOffer; 0: not given)
+    uint64_t serial = 0;         // which allocation this is in the cache key: new for another allocation
   };
   struct Conn {
     int fd = -1;
@@ -102,8 +110,7 @@ class FdChannel {
   void AcceptConnections(std::vector<Conn>& conns);
   // Reads and answers one message; false when the connection is to be closed.
   bool ServeOne(Conn& conn);
-  absl::Status Accept(const PeerCred& sender, const std::string& model, const std::string& worker, const std::string& key,
-                      int64_t bytes, int fd);
+  absl::Status Accept(const PeerCred& sender, const transport::VmmFdOffer& offer, int fd);
   size_t ReleaseDeadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::string path_;
@@ -115,6 +122,7 @@ class FdChannel {
   mutable absl::Mutex mu_;
   using Key = std::tuple<std::string, std::string, std::string>;  // (model, worker, key)
   std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
 };
 

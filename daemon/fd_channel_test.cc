@@ -75,6 +75,48 @@ TEST(FdChannelTest, RegisteredWorkerSendsAndTheDaemonGetsTheSameFile) {
   close(got->fd);
 }
 
+// The allocation id of an offer (VmmFdOffer::allocation_id) says whether a key offered again is the
+// allocation of before (a client's replay: the same cache key, so the node keeps its mapping and a
+// repeated RegisterLayout stays a replay) or another one (a new cache key: mapped anew). Offers
+// without an id (workers built before the field) keep one cache key per key, as before.
+TEST(FdChannelTest, AKeyOfferedWithAnotherAllocationIdGetsANewCacheKey) {
+  auto c = FdChannel::Bind(TempPath("ids"), 0600, OnlyMe());
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto offer = [&](const std::string& key, uint64_t id, const std::string& text) {
+    const int fd = MemfdWith(text);
+    transport::VmmFdOffer o{"m", "w0", key, 2 << 20};
+    o.allocation_id = id;
+    absl::Status s = transport::OfferVmmFd((*c)->path(), o, fd, absl::Now() + absl::Seconds(10));
+    close(fd);
+    return s;
+  };
+  auto cache_key = [&](const std::string& key) -> std::string {
+    auto got = (*c)->Get("m", "w0", key, Me());
+    if (!got.ok()) return "";
+    close(got->fd);
+    return got->cache_key;
+  };
+  ASSERT_TRUE(offer("a", 7, "first").ok());
+  const std::string first = cache_key("a");
+  ASSERT_FALSE(first.empty());
+  ASSERT_TRUE(offer("a", 7, "first, offered again").ok());  // a replay
+  EXPECT_EQ(cache_key("a"), first);
+  ASSERT_TRUE(offer("a", 8, "second").ok());  // another allocation under the key
+  const std::string second = cache_key("a");
+  EXPECT_NE(second, first);
+  ASSERT_TRUE(offer("a", 7, "first id again").ok());  // not the first's mapping either: it was replaced
+  EXPECT_NE(cache_key("a"), first);
+  EXPECT_NE(cache_key("a"), second);
+  // No id: one cache key per key while offers keep giving none.
+  ASSERT_TRUE(offer("b", 0, "legacy").ok());
+  const std::string legacy = cache_key("b");
+  ASSERT_TRUE(offer("b", 0, "legacy again").ok());
+  EXPECT_EQ(cache_key("b"), legacy);
+  ASSERT_TRUE(offer("b", 3, "now with an id").ok());
+  EXPECT_NE(cache_key("b"), legacy);
+  EXPECT_EQ((*c)->size(), 2u);
+}
+
 TEST(FdChannelTest, UnknownKeyOrAnotherBoundProcessIsRefused) {
   auto c = FdChannel::Bind(TempPath("keys"), 0600, OnlyMe());
   ASSERT_TRUE(c.ok()) << c.status();

@@ -38,6 +38,7 @@ class CudaIpcImport final : public GpuImport {
     raw.label = what;
     absl::StatusOr<std::string> desc;
     absl::StatusOr<transport::RegionHandle> h;
+    std::vector<std::string> allocation_keys;
     if (is_vmm) {
       // VMM memory: each allocation's fd came over the fd channel (only from the process bound to
       // this worker); the transport maps each allocation (or each ordered list of allocations, for a
@@ -54,6 +55,7 @@ class CudaIpcImport final : public GpuImport {
           return Annotate(fd.status(), what);
         }
         fds.push_back(*fd);
+        allocation_keys.push_back(fd->cache_key);
       }
       transport::RawCudaVmmBuffer vmm;
       vmm.fd = fds[0].fd;
@@ -78,6 +80,7 @@ class CudaIpcImport final : public GpuImport {
     auto imp = std::make_shared<CudaImport>();
     imp->t = &t;
     imp->h = *h;
+    imp->allocation_keys = std::move(allocation_keys);
     imp->size = static_cast<int64_t>(b.size_bytes());
     // The GPU that holds the buffer in the daemon's numbering (found by UUID, or by the mapping).
     auto info = t.Describe(*h);

@@ -58,6 +58,10 @@ struct CudaImport {
   transport::RegionHandle h;
   int64_t size = 0;
   int device = 0;  // the daemon's ordinal of the buffer's GPU
+  // CUDA VMM buffers: the fd channel's cache keys of the allocations it was imported from, in the
+  // buffer's order (CudaVmmFd::cache_key); empty for CUDA IPC buffers. A RegisterLayout naming the
+  // same keys is a replay only while these are still the keys' allocations (LocalWorkers::SameLayout).
+  std::vector<std::string> allocation_keys;
   ~CudaImport();
 };
 

@@ -60,7 +60,8 @@ std::optional<SegmentId> IdentifyName(const std::string& name) {
 // identity, mappings intact) and, unless `cuda_by_request` (the caller compared the whole request
 // already), the same CUDA IPC handles; a CUDA VMM key is then never the same memory (which
 // allocation a key stands for is the worker's to say).
-bool SameMemory(const LocalWorkers::Worker& w, const pb::RegisterLayoutRequest& req, bool cuda_by_request) {
+bool SameMemory(const LocalWorkers::Worker& w, const pb::RegisterLayoutRequest& req, bool cuda_by_request,
+                const std::vector<std::vector<std::string>>* vmm_now = nullptr) {
   if (static_cast<size_t>(req.buffers_size()) != w.buffers.size() || w.cuda.size() != w.buffers.size()) return false;
   size_t host = 0;
   for (int i = 0; i < req.buffers_size(); ++i) {
@@ -74,7 +75,14 @@ bool SameMemory(const LocalWorkers::Worker& w, const pb::RegisterLayoutRequest& 
       continue;
     }
     if (w.cuda[i] == nullptr) return false;
-    if (cuda_by_request) continue;
+    if (cuda_by_request) {
+      // The request names the same keys; the allocations behind them must be the imported ones.
+      if (b.memory_case() == pb::BufferSpec::kCudaVmmKey &&
+          (vmm_now == nullptr || static_cast<size_t>(i) >= vmm_now->size() || (*vmm_now)[i] != w.cuda[i]->allocation_keys)) {
+        return false;
+      }
+      continue;
+    }
     const pb::BufferSpec* was = i < w.layout_request.buffers_size() ? &w.layout_request.buffers(i) : nullptr;
     if (b.memory_case() != pb::BufferSpec::kCudaIpcHandle || was == nullptr || was->memory_case() != pb::BufferSpec::kCudaIpcHandle ||
         was->cuda_ipc_handle() != b.cuda_ipc_handle()) {
@@ -186,7 +194,8 @@ bool LocalWorkers::RepeatRegistration(const WorkerKey& key, const pb::RegisterWo
   return true;
 }
 
-std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req) {
+std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req,
+                                                                   const std::vector<std::vector<std::string>>& vmm_now) {
   if (req.layout().has_index_probe()) return std::nullopt;
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);
@@ -196,7 +205,7 @@ std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerK
   // until the worker registers its layout again (docs/security.md): that registration maps anew,
   // even when its request is the same. So does a name that now names another file (the worker
   // unlinked its segment and created a new one under the same name): the node must map that one.
-  if (!SameMemory(it->second, req, /*cuda_by_request=*/true)) return std::nullopt;
+  if (!SameMemory(it->second, req, /*cuda_by_request=*/true, &vmm_now)) return std::nullopt;
   it->second.repeat_pending = false;
   return it->second.layout_response;
 }

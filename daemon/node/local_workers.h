@@ -210,8 +210,13 @@ class LocalWorkers {
   // may have changed); nullopt otherwise. The node answers it again and changes nothing (a
   // pending repeat was a replay: settled).
   // Not the same either when a shm name of the request now names another file (a segment unlinked
-  // and created again under the same name) or the mapping faulted / shrank.
-  std::optional<pb::RegisterLayoutResponse> SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req);
+  // and created again under the same name) or the mapping faulted / shrank, nor when a CUDA VMM
+  // buffer's allocations are not the ones it was imported from: `vmm_now[i]` holds the fd
+  // channel's cache keys of buffer i's allocations now (CudaVmmFd::cache_key, in the buffer's
+  // order; empty for other buffers, or when a key has no fd), compared with the import's
+  // (CudaImport::allocation_keys) - a key offered again with another allocation is new memory.
+  std::optional<pb::RegisterLayoutResponse> SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req,
+                                                       const std::vector<std::vector<std::string>>& vmm_now = {});
   // A RegisterLayout of rollout `key` over NEW memory: the entry has a layout and `req` does not
   // name the very memory it mapped (another number of buffers, another shm name, the same name
   // naming another file now, a mapping that faulted or shrank, another CUDA IPC handle, any CUDA

@@ -118,6 +118,9 @@ class WorkerCalls {
   // Opens a worker's CUDA IPC buffer through the cuda_ipc transport. FAILED_PRECONDITION naming
   // the buffer when this node has no usable cuda_ipc transport (no GPU visible, or built without CUDA).
   absl::StatusOr<std::shared_ptr<CudaImport>> ImportCuda(const std::string& model, const std::string& worker, const pb::BufferSpec& b);
+  // Per buffer of `req`, the fd channel's cache keys of its CUDA VMM allocations now (empty for
+  // other buffers and when a key has no fd): what LocalWorkers::SameLayout compares with the import.
+  std::vector<std::vector<std::string>> VmmAllocationsNow(const pb::RegisterLayoutRequest& req) const;
 
   const Options options_;
   LocalWorkers& local_;

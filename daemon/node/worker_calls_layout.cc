@@ -104,9 +104,28 @@ absl::Status WorkerCalls::CheckWorkerOwns(const std::string& model, const std::s
   return absl::OkStatus();
 }
 
+std::vector<std::vector<std::string>> WorkerCalls::VmmAllocationsNow(const pb::RegisterLayoutRequest& req) const {
+  std::vector<std::vector<std::string>> out(static_cast<size_t>(req.buffers_size()));
+  if (!options_.cuda_vmm_fd) return out;
+  for (int i = 0; i < req.buffers_size(); ++i) {
+    const pb::BufferSpec& b = req.buffers(i);
+    if (b.memory_case() != pb::BufferSpec::kCudaVmmKey) continue;
+    for (int k = -1; k < b.cuda_vmm_next_keys_size(); ++k) {
+      absl::StatusOr<CudaVmmFd> fd = options_.cuda_vmm_fd(req.model_id(), req.worker_id(), k < 0 ? b.cuda_vmm_key() : b.cuda_vmm_next_keys(k));
+      if (!fd.ok()) {  // no fd under a key: not the memory imported before (the import names why)
+        out[i].clear();
+        break;
+      }
+      ::close(fd->fd);
+      out[i].push_back(fd->cache_key);
+    }
+  }
+  return out;
+}
+
 absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp) {
   const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
-  if (std::optional<pb::RegisterLayoutResponse> same = local_.SameLayout(key, req)) {
+  if (std::optional<pb::RegisterLayoutResponse> same = local_.SameLayout(key, req, VmmAllocationsNow(req))) {
     // The layout this worker registered, again (a client's replay after a reconnect, after its
     // repeated RegisterWorker): the same answer; nothing is mapped, imported or submitted again.
     *resp = std::move(*same);

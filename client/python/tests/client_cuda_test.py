@@ -370,7 +370,8 @@ class VmmWorker:
         self.bufs = [self.client.add_cuda_vmm_buffer(self.alloc.ptr + off, i.size * ct.ELEM)
                      for off, i in zip(VMM_OFFSETS, self.index)]
         pieces = l0.pieces + [dataclasses.replace(p, buffer_id=1) for p in l1.pieces]
-        self.info = self.client.register_layout(wb.ExplicitLayout(pieces))
+        self.layout = wb.ExplicitLayout(pieces)
+        self.info = self.client.register_layout(self.layout)
 
     def fill(self, version):
         for off, index in zip(VMM_OFFSETS, self.index):
@@ -453,9 +454,13 @@ class CudaVmmReplayTest(unittest.TestCase):
         daemon = ct.Daemon(EMULATED_DAEMON, ["--transports=host_shm,host_tcp,cuda_ipc", "--gpu_staging_bytes=268435456"])
         real_offer, offered = wc.offer_vmm_fd, []
 
-        def counting_offer(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=30.0):
+        ids = {}  # (worker, key) -> allocation id of every offer
+
+        def counting_offer(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=30.0, allocation_id=0):
             offered.append((worker_id, key))
-            return real_offer(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=timeout)
+            ids.setdefault((worker_id, key), set()).add(allocation_id)
+            return real_offer(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=timeout,
+                              allocation_id=allocation_id)
 
         try:
             model = wb.ModelConfig(model_id="py_vmm_replay", explicit_tensors=ct.CANONICAL, num_trainer_workers=2,
@@ -492,6 +497,13 @@ class CudaVmmReplayTest(unittest.TestCase):
             versions((4, 5), "after a restart")
             for w in workers:
                 self.assertEqual(w.client.reconnects, 2, w.client.worker_id)
+            # Every offer of an allocation carried its one id (the daemon takes a replay as the same
+            # memory only so), and no two allocations shared one.
+            for w in workers:
+                for key, (_, _, alloc) in w.client._vmm.items():
+                    self.assertEqual(ids[(w.client.worker_id, key)], {alloc.allocation_id}, key)
+            self.assertEqual(len({a for s in ids.values() for a in s}), len(ids))
+            self.assertNotIn(0, {a for s in ids.values() for a in s})
             for w in workers:
                 w.close()
         finally:
@@ -598,6 +610,47 @@ class CudaVmmClientTest(unittest.TestCase):
         self.assertEqual(r.alloc.read(0, VMM_OFFSETS[0]), bytes(VMM_OFFSETS[0]))
         for w in trainers + rollouts:
             w.close()
+
+    def test_a_new_allocation_offered_under_a_key_used_before_is_mapped_anew(self):
+        """A rollout's weights move to another allocation B, which its client offers under the key
+        of the old allocation A (a key names an allocation in the worker's own terms: a client whose
+        keys repeat once an allocation was freed, or one of another language, can do this). Its
+        RegisterLayout is then byte for byte the one before, which the daemon used to answer as a
+        replay with A still mapped: later versions landed in A and B stayed zero. The offer's new
+        allocation id makes the daemon map B; A keeps what it held."""
+        from weightbridge.cuda import VmmAllocation, vmm_allocation_of
+        model = wb.ModelConfig(model_id="py_vmm_key_reused", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        trainer = VmmWorker(self.daemon, model, "trainer/0", "trainer", ct.FULL, gpu=0)
+        rollout = VmmWorker(self.daemon, model, "rollout/0", "rollout", ct.FULL, gpu=1)
+        trainer.fill(1)
+        trainer.client.publish(1, timeout=ct.TIMEOUT)
+        self.assertEqual(rollout.client.apply(1, timeout=ct.TIMEOUT).applied_version, 1)
+        self.assertEqual(rollout.mismatches(1), 0)
+        key = rollout.bufs[0].vmm_key
+        old_fd, size, old_range = rollout.client._vmm[key]
+        a, b = rollout.alloc, VmmAllocation(1, 1)
+        self.assertEqual(b.size_bytes, a.size_bytes)
+        new_range = vmm_allocation_of(b.ptr)
+        self.assertNotEqual(new_range.allocation_id, old_range.allocation_id)
+        # The client now stands for B under A's key: offered at once (and again on any replay).
+        rollout.client._vmm[key] = (new_range.export_fd(), size, new_range)
+        rollout.client._offer_vmm(key, time.monotonic() + ct.TIMEOUT)
+        os.close(old_fd)
+        old_range.close()
+        rollout.client.register_layout(rollout.layout)  # the very request of before
+        rollout.alloc = b
+        for v in (2, 3):
+            trainer.fill(v)
+            trainer.client.publish(v, timeout=ct.TIMEOUT)
+            self.assertEqual(rollout.client.apply(v, timeout=ct.TIMEOUT).applied_version, v)
+            self.assertEqual(rollout.mismatches(v), 0, "v%d did not land in the new allocation\n%s" % (v, self.daemon.log_tail()))
+        rollout.alloc = a
+        self.assertEqual(rollout.mismatches(1), 0, "the old allocation was written after the move")
+        rollout.alloc = b
+        trainer.close()
+        rollout.close()
+        a.close()
 
     def test_allocations_under_a_range_of_a_segment(self):
         from weightbridge.cuda import VmmAllocation, vmm_allocations_of

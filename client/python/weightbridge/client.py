@@ -154,15 +154,20 @@ def _wire_str(b):
     return struct.pack("<I", len(b)) + b
 
 
-def offer_vmm_fd(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=30.0):
+def offer_vmm_fd(channel_path, model_id, worker_id, key, allocation_bytes, fd, timeout=30.0, allocation_id=0):
     """Hands CUDA VMM allocation `fd` (cuMemExportToShareableHandle, POSIX fd; it stays the
     caller's) to the node daemon's fd channel under (`worker_id`, `key`), with the allocation's
     size. The daemon takes it only from the process it binds to `worker_id` (the one that
     registered it); its refusal raises WeightBridgeError with the daemon's code and message, a
-    channel nobody listens on UNAVAILABLE, a missed deadline DEADLINE_EXCEEDED."""
+    channel nobody listens on UNAVAILABLE, a missed deadline DEADLINE_EXCEEDED.
+    `allocation_id` (> 0; unique in this process, the same on every offer of one allocation: a
+    VmmRange's) lets the daemon tell a replay of the allocation from another one offered under a
+    key it saw before (it maps that one anew); 0 sends none (as before the field)."""
     what = "offer of CUDA VMM allocation '%s' of worker %s" % (key, worker_id)
     payload = (struct.pack("<I", _FD_OFFER_MAGIC) + _wire_str(model_id.encode()) + _wire_str(worker_id.encode())
                + _wire_str(key.encode()) + struct.pack("<q", int(allocation_bytes)))
+    if allocation_id:
+        payload += struct.pack("<Q", int(allocation_id))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(max(0.001, timeout))
@@ -301,9 +306,9 @@ class WorkerClient:
         self.reconnects += 1
 
     def _offer_vmm(self, key, deadline):
-        fd, size, _ = self._vmm[key]
+        fd, size, alloc = self._vmm[key]
         offer_vmm_fd(self.socket_path + ".fd", self.model_id, self.worker_id, key, size, fd,
-                     timeout=max(0.001, deadline - time.monotonic()))
+                     timeout=max(0.001, deadline - time.monotonic()), allocation_id=alloc.allocation_id)
 
     def _offer_vmm_all(self, deadline):
         for key in self._vmm:

@@ -23,6 +23,7 @@ libcuda.so.1. write()/read() move bytes without torch. Never run on a real GPU y
 
 import ctypes
 import ctypes.util
+import itertools
 import os
 
 _IPC_HANDLE_BYTES = 64
@@ -254,6 +255,9 @@ def _pointer_device(ptr):
     return device
 
 
+_ALLOCATION_IDS = itertools.count(1)
+
+
 class VmmRange:
     """The CUDA VMM allocation holding a pointer (vmm_allocation_of): [base, base + size) on `gpu`.
 
@@ -264,6 +268,9 @@ class VmmRange:
     def __init__(self, base, size, gpu, handle):
         self.base, self.size, self.gpu, self.handle = base, size, gpu, handle
         self.key = "vmm-%x-%x-%x" % (base, size, handle)
+        # Sent with every offer of this allocation (offer_vmm_fd): unique in this process, so a
+        # later allocation that happens to get the same key is mapped anew by the daemon.
+        self.allocation_id = next(_ALLOCATION_IDS)
 
     def export_fd(self):
         """A new POSIX fd of the allocation (cuMemExportToShareableHandle); the caller closes it."""
