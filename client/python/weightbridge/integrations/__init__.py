@@ -3,6 +3,9 @@
   megatron.MegatronTrainerHook   Megatron-Core trainer rank (preset "megatron")
   fsdp2.FSDP2TrainerHook         torch FSDP2 (fully_shard) trainer rank (preset "fsdp")
   vllm.WeightBridgeWorkerExtension / vllm.VllmRollout   vLLM worker (preset "vllm")
+  vllm_lora.WeightBridgeLoraWorkerExtension / vllm_lora.VllmLoraRollout   vLLM LoRA adapter slot
+                                 (preset "vllm_lora": a LoRA-adapter model's versions into the
+                                 adapter's slot of vLLM's stacked LoRA weights)
   sglang.SglangRollout           SGLang model runner (preset "sglang")
 
 Each sizes its buffer from the daemon's layout description and moves tensors by their framework

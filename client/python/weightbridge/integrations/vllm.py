@@ -18,7 +18,8 @@ VllmRollout (tested in CI with numpy parameters); the extension only reads vLLM'
 With --enable-lora, vLLM wraps every linear layer (`*WithLoRA`, the original kept as `base_layer`),
 so named_parameters() shows "...qkv_proj.base_layer.weight": the parameters are addressed with that
 segment dropped (_common.engine_params; two parameters collapsing to one name are refused). The
-adapters themselves (lora_a_stacked / lora_b_stacked) are not parameters and not written here.
+adapters themselves (lora_a_stacked / lora_b_stacked) are not parameters and not written here
+(vllm_lora.WeightBridgeLoraWorkerExtension writes them into the adapter's slot).
 """
 
 import os
