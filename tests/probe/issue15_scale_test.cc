@@ -211,7 +211,9 @@ void FloodOfBlockedCallsLeavesStatusAnswering(int headroom) {
   EXPECT_EQ(timed_out, 400);
   EXPECT_EQ(refused, kCalls - 400);
   // (With 8 threads of headroom gRPC may turn every one of them away itself.)
-  if (headroom >= 256) EXPECT_TRUE(limit_named) << "no refusal named the blocked-call limit";
+  if (headroom >= 256) {
+    EXPECT_TRUE(limit_named) << "no refusal named the blocked-call limit";
+  }
   // The process's other threads (gRPC's own, the clients') move by a few under load: with 8 threads
   // of headroom that noise is the bound's size, so the bound is checked with the default headroom.
   if (headroom >= 256) {
