@@ -41,9 +41,9 @@ struct VmmFdOffer {
   std::string worker_id;
   std::string key;               // the worker's name for the allocation (BufferSpec.cuda_vmm_key)
   int64_t allocation_bytes = 0;  // the size passed to cuMemCreate (the importer maps that much)
-  // The worker's random id of the allocation behind the fd (0: not given, as before this field):
-  // the same id when it offers the same allocation again (a replay after a reconnect), a new one
-  // for another allocation under a key it used before. The daemon maps a key offered with a new
+  // The worker's id of the allocation behind the fd, unique in its process (0: not given, as before
+  // this field): the same id when it offers the same allocation again (a replay after a
+  // reconnect), another one for another allocation under a key it used before. The daemon maps a key offered with a new
   // id anew, so a layout naming the key is not taken for a replay of the old memory
   // (docs/daemon.md "CUDA buffers"). On the wire: a u64 after allocation_bytes, absent = 0.
   uint64_t allocation_id = 0;
