@@ -189,7 +189,7 @@ class EmulatedCluster:
     def __init__(self, nodes, node_flags=()):
         self.dir = tempfile.mkdtemp(prefix="wbpyc.")
         self.procs, self.logs, self.sockets, self.drains = [], [], [], []
-        common = ["--heartbeat_ms=200", "--lease_ms=5000", "--transfer_timeout_ms=20000"]
+        common = ["--heartbeat_ms=300", "--lease_ms=10000", "--transfer_timeout_ms=20000"]  # lease: slack for a loaded CI host
         port = self._start("coordinator", [EMULATED_DAEMON, "--role=coordinator", "--listen=127.0.0.1:0"] + common)
         for i in range(nodes):
             sock = os.path.join(self.dir, "n%d.sock" % i)
