@@ -55,24 +55,6 @@ class CudaWorker:
         return int(np.count_nonzero(got != want))
 
 
-def publish_all(trainers, v):
-    """Every trainer publishes `v` at once (a sync Publish returns once the version committed, so one
-    thread each); returns the errors once all returned."""
-    errors = []
-
-    def publish(t):
-        try:
-            t.client.publish(v, timeout=ct.TIMEOUT)
-        except wb.WeightBridgeError as e:
-            errors.append(e)
-    threads = [threading.Thread(target=publish, args=(t,)) for t in trainers]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(ct.TIMEOUT)
-    return errors
-
-
 @unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
                      "emulated-GPU builds not present (built only with CUDA headers)")
 @unittest.skipIf(os.environ.get("WB_SANITIZER"),
@@ -172,7 +154,7 @@ class CudaClientTest(unittest.TestCase):
                 r.client.begin_update(timeout=ct.TIMEOUT)
             for t in trainers:
                 t.fill(v)
-            errors = publish_all(trainers, v)
+            errors = ct.publish_all(trainers, v)
             for r in rollouts:
                 self.assertGreaterEqual(r.client.wait_version(v, timeout=ct.TIMEOUT), v)
             self.assertEqual(errors, [])
@@ -281,7 +263,7 @@ class CudaCatchUpTest(unittest.TestCase):
                 r.client.begin_update(timeout=ct.TIMEOUT)
         for t in trainers:
             t.fill(v)
-        self.assertEqual(publish_all(trainers, v), [], logs())
+        self.assertEqual(ct.publish_all(trainers, v), [], logs())
         for r in rollouts:
             self.receive(mode, r, v, logs)
 

@@ -103,6 +103,24 @@ def row_blocks(blocks):
     return wb.ExplicitLayout(pieces), np.concatenate(index)
 
 
+def publish_all(trainers, v):
+    """Every trainer (anything with .client) publishes `v` at once, one thread each (a sync Publish
+    returns once the version committed); returns the errors once all returned."""
+    errors = []
+
+    def publish(t):
+        try:
+            t.client.publish(v, timeout=TIMEOUT)
+        except wb.WeightBridgeError as e:
+            errors.append(e)
+    threads = [threading.Thread(target=publish, args=(t,)) for t in trainers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT)
+    return errors
+
+
 def fill(buf, index, version):
     buf.array("uint16", (index.size,))[:] = weights.values_for_indices(BASES, version, index, ELEM)
 
@@ -199,20 +217,9 @@ class ClientTest(unittest.TestCase):
                 r.client.begin_update(timeout=TIMEOUT)
             for t in trainers:
                 fill(t.buf, t.index, v)
-            errors = []
-
-            def publish(t):
-                try:
-                    t.client.publish(v, timeout=TIMEOUT)  # sync: returns once v is in
-                except wb.WeightBridgeError as e:
-                    errors.append(e)
-            threads = [threading.Thread(target=publish, args=(t,)) for t in trainers]
-            for th in threads:
-                th.start()
+            errors = publish_all(trainers, v)  # sync: returns once v is in
             for r in rollouts:
                 self.assertGreaterEqual(r.client.wait_version(v, timeout=TIMEOUT), v)
-            for th in threads:
-                th.join(TIMEOUT)
             self.assertEqual(errors, [])
             for r in rollouts:
                 self.assertEqual(mismatches(r.buf, r.index, v), 0, "sync v%d" % v)
