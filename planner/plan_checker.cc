@@ -46,6 +46,14 @@ absl::Status CheckWireBytes(const Problem& p, const TransferOp& op,
   const Worker& dw = p.workers[op.dst_worker];
   const Piece* dp = op.dst_piece >= 0 ? &dw.layout.pieces[op.dst_piece] : nullptr;
   const Piece* sp = sw.role == Role::kRollout && op.src_piece >= 0 ? &sw.layout.pieces[op.src_piece] : nullptr;
+  // A quantised source piece (a catch-up from quantised rollouts: PlanOptions::quantized_sources)
+  // holds no canonical bytes: it only serves copies of its quantised bytes in its own format.
+  const Piece* qsrc = sw.role == Role::kTrainer && op.src_piece >= 0 && sw.layout.pieces[op.src_piece].quant.has_value()
+                          ? &sw.layout.pieces[op.src_piece]
+                          : nullptr;
+  if (qsrc != nullptr && (!op.sender_quantized || dp == nullptr || !dp->quant.has_value() || !SameQuantFormat(*qsrc->quant, *dp->quant))) {
+    return absl::InternalError(where + "a quantised source piece serves an op that is not a copy of its quantised bytes in its format");
+  }
   if (!op.sender_quantized) {
     if (op.wire_bytes != 0 && op.wire_bytes != op.bytes) return absl::InternalError(where + "wire bytes of a canonical op differ from its bytes");
   } else {

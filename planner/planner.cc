@@ -621,14 +621,20 @@ absl::StatusOr<Plan> MakePlanWithOptions(const Problem& problem, Strategy strate
   } else if (fo.max_fragment_bytes < 0) {
     fo.max_fragment_bytes = 0;
   }
-  fo.align_splits_to_quant_blocks = options.sender_quantization;
+  fo.align_splits_to_quant_blocks = options.sender_quantization || options.quantized_sources;
   fo.cancel = &poll;
   ASSIGN_OR_RETURN(FragmentSet fs, BuildFragments(problem, fo));
   int64_t pieces = 0;
   for (const Worker& w : problem.workers) pieces += static_cast<int64_t>(w.layout.pieces.size());
   RETURN_IF_ERROR(CheckPlanSize(problem, fs, strategy, options.max_ops > 0 ? options.max_ops : MaxPlanOps(pieces),
                                 pieces, options.max_ops <= 0));
-  ASSIGN_OR_RETURN(const SenderQuantization sq, DecideSenderQuantization(problem, fs, options.sender_quantization, &poll));
+  if (options.sender_quantization && options.quantized_sources) {
+    return absl::InvalidArgumentError("sender_quantization and quantized_sources exclude each other (a catch-up quantises nothing on send)");
+  }
+  ASSIGN_OR_RETURN(const SenderQuantization sq,
+                   DecideSenderQuantization(problem, fs, options.sender_quantization || options.quantized_sources, &poll,
+                                            options.quantized_sources));
+  if (options.quantized_sources) RETURN_IF_ERROR(KeepServingHolders(problem, sq, fs));
   const double lb = LowerBoundOfFragments(problem, ci, fs, &sq.wire_bytes);
   Builder builder(problem, fs, ci, sq, strategy, lb, &poll);
   return builder.Run();

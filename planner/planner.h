@@ -72,6 +72,15 @@ struct PlanOptions {
   // sending node (daemon/node/quantize_outgoing.h). `wbctl plan` and bench:planner use it for the
   // prediction (docs/planner.md).
   bool sender_quantization = false;
+  // Catch-up plans (daemon/coordinator/catch_up.cc): the sources (ROLE_TRAINER here) are rollouts
+  // holding a committed version, some of them quantised. A quantised source piece holds no
+  // canonical bytes; it serves, as a copy of its quantised elements and scales (a sender-quantised
+  // op that quantises nothing, like a relay's), exactly the fragments whose needers are all
+  // quantised in its format on whole blocks (planner/sender_quant.h `from_quantized_holders`);
+  // every other fragment is served by unquantised pieces only (KeepServingHolders), else the plan
+  // fails FAILED_PRECONDITION naming the box. Implies nothing is quantised by a sender; combine
+  // with sender_quantization = false.
+  bool quantized_sources = false;
   // > 0: the most ops the plan may have instead of MaxPlanOps(pieces) (tests, tools); past it,
   // RESOURCE_EXHAUSTED before any op is built.
   int64_t max_ops = 0;

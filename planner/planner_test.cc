@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <random>
 
 #include "gtest/gtest.h"
@@ -634,6 +635,89 @@ TEST(PlannerTest, SenderQuantisationFallsBackPerPiece) {
   ASSERT_TRUE(mixed.ok()) << mixed.status();
   EXPECT_EQ(mixed->stats.sender_quantized_bytes, 0);
   EXPECT_DOUBLE_EQ(mixed->stats.lower_bound_s, LowerBound(q));
+}
+
+
+// ---- Catch-up from quantised rollouts (PlanOptions::quantized_sources) ----
+
+// w [512, 256] and n [1, 256]; sources (kTrainer: the rollouts holding the version) and late
+// rollouts each hold w whole in `wq` (unset: bf16) and n unquantised.
+Problem CatchUpProblem(const std::vector<std::optional<Quantization>>& sources, const std::vector<std::optional<Quantization>>& late) {
+  Problem p = OneTensor(512, 256);
+  p.inventory.tensors.push_back(TensorSpec{"n", {1, 256}, DType::kBF16});
+  int gpu = 0;
+  for (const auto* side : {&sources, &late}) {
+    for (const std::optional<Quantization>& q : *side) {
+      const int w = AddWorker(p, side == &sources ? Role::kTrainer : Role::kRollout, gpu % 2, gpu / 2,
+                              {{0, FullBox({512, 256})}, {1, FullBox({1, 256})}});
+      p.workers[w].layout.pieces[0].quant = q;
+      ++gpu;
+    }
+  }
+  return p;
+}
+
+PlanOptions CatchUp() {
+  PlanOptions o;
+  o.quantized_sources = true;
+  return o;
+}
+
+TEST(PlannerTest, CatchUpCopiesTheQuantisedBytesOfSourcesInTheLateRolloutsFormat) {
+  // Two fp8 rollouts hold the version; a late fp8 rollout gets w as copies of their fp8 elements
+  // and scales (nobody quantises), n in bf16.
+  Problem p = CatchUpProblem({Fp8Block(128, 128), Fp8Block(128, 128)}, {Fp8Block(128, 128)});
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, CatchUp());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  EXPECT_TRUE(plan->stats.complete);
+  for (const TransferOp* op : AllOps(*plan)) {
+    EXPECT_EQ(op->sender_quantized, op->tensor == 0) << BoxToString(op->box);
+    if (op->tensor == 0) EXPECT_EQ(op->box.begin[0] % 128, 0);
+  }
+  EXPECT_EQ(plan->stats.wire_bytes, 512 * 256 + 4 * 2 * 4 + 256 * 2);
+  // Without the option a quantised source piece serves nothing quantised: the checker refuses
+  // a plan that would read canonical bytes from it.
+  PlanOptions both = CatchUp();
+  both.sender_quantization = true;
+  EXPECT_EQ(MakePlanWithOptions(p, Strategy::kWeightBridge, both).status().code(), absl::StatusCode::kInvalidArgument);
+  auto wrong = MakePlan(p, Strategy::kWeightBridge);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  EXPECT_FALSE(CheckPlanElementwise(p, *wrong, {}).ok());
+}
+
+TEST(PlannerTest, CatchUpServesOtherFormsFromUnquantisedSourcesOnly) {
+  // A bf16 late rollout, and an mxfp8 one, with only fp8 sources: no source holds w in their form.
+  for (const std::optional<Quantization>& late : {std::optional<Quantization>(), std::optional<Quantization>(Fp8Block(1, 32))}) {
+    Problem p = CatchUpProblem({Fp8Block(128, 128)}, {late});
+    auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, CatchUp());
+    ASSERT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
+    EXPECT_NE(plan.status().message().find("of tensor w in the canonical dtype"), std::string::npos) << plan.status();
+    EXPECT_NE(plan.status().message().find("hold it only quantised"), std::string::npos) << plan.status();
+  }
+  // With a bf16 source too: late rollouts in three forms share w's fragments, which are then
+  // canonical for all of them (one form per fragment), served by the bf16 source alone.
+  Problem p = CatchUpProblem({Fp8Block(128, 128), std::nullopt}, {std::nullopt, Fp8Block(1, 32), Fp8Block(128, 128)});
+  auto plan = MakePlanWithOptions(p, Strategy::kWeightBridge, CatchUp());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
+  for (const TransferOp* op : AllOps(*plan)) {
+    EXPECT_FALSE(op->sender_quantized);
+    if (op->tensor == 0 && p.workers[op->src_worker].role == Role::kTrainer) EXPECT_EQ(op->src_worker, 1);
+  }
+  // A late fp8 rollout alone: w copied from the fp8 source, n from either.
+  Problem q = CatchUpProblem({std::nullopt, Fp8Block(128, 128)}, {Fp8Block(128, 128)});
+  auto copy = MakePlanWithOptions(q, Strategy::kWeightBridge, CatchUp());
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  ASSERT_TRUE(CheckPlanElementwise(q, *copy, {}).ok()) << CheckPlanElementwise(q, *copy, {});
+  int fp8_ops = 0;
+  for (const TransferOp* op : AllOps(*copy)) {
+    if (op->tensor != 0) continue;
+    ++fp8_ops;
+    EXPECT_TRUE(op->sender_quantized);
+    EXPECT_EQ(op->src_worker, 1);
+  }
+  EXPECT_GT(fp8_ops, 0);
 }
 
 }  // namespace

@@ -18,12 +18,12 @@ bool SenderCanQuantize(const Quantization& q) {
   return false;
 }
 
-SenderQuantization DecideSenderQuantization(const Problem& p, const FragmentSet& fs, bool enabled) {
-  return *DecideSenderQuantization(p, fs, enabled, nullptr);  // no check: never stops
+SenderQuantization DecideSenderQuantization(const Problem& p, const FragmentSet& fs, bool enabled, bool from_quantized_holders) {
+  return *DecideSenderQuantization(p, fs, enabled, nullptr, from_quantized_holders);  // no check: never stops
 }
 
 absl::StatusOr<SenderQuantization> DecideSenderQuantization(const Problem& p, const FragmentSet& fs, bool enabled,
-                                                            CancelPoll* cancel) {
+                                                            CancelPoll* cancel, bool from_quantized_holders) {
   const size_t nf = fs.fragments.size();
   SenderQuantization out;
   out.quantized.assign(nf, 0);
@@ -89,6 +89,15 @@ absl::StatusOr<SenderQuantization> DecideSenderQuantization(const Problem& p, co
       ok = eligible[flat(r)] != 0 && SameQuantFormat(*piece_of(r).quant, *first.quant);
     }
     ok = ok && BoxOnBlockGrid(f.box, p.inventory.tensors[f.tensor].shape, first.quant->block);
+    if (ok && from_quantized_holders) {
+      // Nobody quantises: some holder must already hold the box in the needers' format.
+      bool held = false;
+      for (uint32_t k = f.src_begin; k < f.src_end && !held; ++k) {
+        const Piece& h = piece_of(fs.refs[k]);
+        held = h.quant.has_value() && SameQuantFormat(*h.quant, *first.quant);
+      }
+      ok = held;
+    }
     if (!ok) fail(i);
   }
   if (!demoted.empty()) {
@@ -131,6 +140,47 @@ absl::StatusOr<SenderQuantization> DecideSenderQuantization(const Problem& p, co
     out.wire_bytes[i] = QuantizedBoxBytes(f.box, *q);
   }
   return out;
+}
+
+absl::Status KeepServingHolders(const Problem& p, const SenderQuantization& sq, FragmentSet& fs) {
+  std::vector<PieceRef> refs;
+  refs.reserve(fs.refs.size());
+  for (size_t i = 0; i < fs.fragments.size(); ++i) {
+    Fragment& f = fs.fragments[i];
+    const Quantization* format = i < sq.quantized.size() && sq.quantized[i] ? sq.format[i] : nullptr;
+    const uint32_t src_begin = static_cast<uint32_t>(refs.size());
+    for (uint32_t k = f.src_begin; k < f.src_end; ++k) {
+      const Piece& h = p.workers[fs.refs[k].worker].layout.pieces[fs.refs[k].piece];
+      const bool serves = format != nullptr ? h.quant.has_value() && SameQuantFormat(*h.quant, *format) : !h.quant.has_value();
+      if (serves) refs.push_back(fs.refs[k]);
+    }
+    const uint32_t src_end = static_cast<uint32_t>(refs.size());
+    if (src_begin == src_end && f.dst_begin != f.dst_end) {
+      const Worker& dw = p.workers[fs.refs[f.dst_begin].worker];
+      const Piece& need = dw.layout.pieces[fs.refs[f.dst_begin].piece];
+      std::string form;
+      if (format != nullptr) {
+        form = absl::StrCat("quantised as ", DTypeName(format->dtype), " with ", DTypeName(format->scale_dtype), " scales, as ", dw.id, " needs it");
+      } else {
+        form = absl::StrCat("in the canonical dtype, as ", dw.id, " needs it");
+        if (need.quant.has_value()) {
+          absl::StrAppend(&form, " (it holds the box as ", DTypeName(need.quant->dtype),
+                          "; a source's quantised bytes serve it only in the same format, on whole blocks, in a format senders copy)");
+        }
+      }
+      return absl::FailedPreconditionError(absl::StrCat("no source holds box ", BoxToString(f.box), " of tensor ",
+                                                        p.inventory.tensors[f.tensor].name, " ", form,
+                                                        ": the sources hold it only quantised"));
+    }
+    const uint32_t dst_begin = static_cast<uint32_t>(refs.size());
+    for (uint32_t k = f.dst_begin; k < f.dst_end; ++k) refs.push_back(fs.refs[k]);
+    f.src_begin = src_begin;
+    f.src_end = src_end;
+    f.dst_begin = dst_begin;
+    f.dst_end = static_cast<uint32_t>(refs.size());
+  }
+  fs.refs = std::move(refs);
+  return absl::OkStatus();
 }
 
 }  // namespace wb::planner

@@ -42,15 +42,30 @@ struct SenderQuantization {
 };
 
 // `enabled` false: nothing quantised, wire_bytes = Fragment::bytes.
+//
+// `from_quantized_holders` (catch-up plans, PlanOptions::quantized_sources): the sources are
+// rollouts, some holding quantised pieces, and no sending node quantises. A fragment is then
+// sender-quantised only when, besides the rule above, one of its holders is a quantised piece in
+// its needers' format (its quantised elements and scales are then copied, as a relay's are; the
+// block grid is global, so they are bit for bit what the needers would have quantised).
 // Cost: linear in the fragments' refs (each fragment is checked once; a demoted piece demotes the
 // other needers of its fragments through a piece -> fragments index, each fragment at most once),
 // however long the chain of demotions. (It used to repeat whole passes over every fragment until
 // nothing changed: one pass per link of a chain, quadratic on a chain of overlapping pieces.)
-SenderQuantization DecideSenderQuantization(const Problem& problem, const FragmentSet& fs, bool enabled);
+SenderQuantization DecideSenderQuantization(const Problem& problem, const FragmentSet& fs, bool enabled,
+                                            bool from_quantized_holders = false);
 // The same, polling `cancel` (planner/cancel.h; null: never) as it checks fragments and demotes
 // pieces: its error, naming the progress, when it says stop.
 absl::StatusOr<SenderQuantization> DecideSenderQuantization(const Problem& problem, const FragmentSet& fs, bool enabled,
-                                                            CancelPoll* cancel);
+                                                            CancelPoll* cancel, bool from_quantized_holders = false);
+
+// Catch-up plans with quantised sources (PlanOptions::quantized_sources): keeps, per fragment, the
+// holders that can serve it as `sq` decided - quantised pieces in the needers' format for a
+// sender-quantised fragment, unquantised pieces otherwise (a quantised piece holds no canonical
+// bytes, and no sending node quantises a catch-up). Rewrites fs.refs; the fragments' order and
+// their needers are unchanged. FAILED_PRECONDITION naming tensor, box and the needers' form when a
+// fragment keeps no holder.
+absl::Status KeepServingHolders(const Problem& problem, const SenderQuantization& sq, FragmentSet& fs);
 
 // Whether the sending node can produce `quant`'s format (see the rule above).
 bool SenderCanQuantize(const Quantization& quant);

@@ -27,24 +27,16 @@ namespace wb::daemon {
 CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandidate>& workers) {
   CatchUpChoice out;
   if (committed == 0) return out;
-  std::vector<std::string> unusable;  // hold the version but are no source, and why
   for (const CatchUpCandidate& w : workers) {
     if (!w.rollout || !w.has_layout) continue;
     if (w.holds < committed) {
       if (w.in_plan && w.catch_up_failed != committed) out.dests.push_back(w.id);
       continue;
     }
-    if (w.holds != committed) continue;
-    if (w.quantized) {
-      unusable.push_back(absl::StrCat(w.id, " (quantised)"));
-    } else {
-      out.sources.push_back(w.id);
-    }
+    if (w.holds == committed) out.sources.push_back(w.id);
   }
   if (!out.dests.empty() && out.sources.empty()) {
-    out.no_source = absl::StrCat("no rollout holds version ", committed, " in the canonical dtype",
-                                 unusable.empty() ? std::string(" (no rollout holds it at all)")
-                                                  : absl::StrCat(" (holding it but not usable as a source: ", absl::StrJoin(unusable, ", "), ")"));
+    out.no_source = absl::StrCat("no rollout holds version ", committed, " (no rollout holds it at all)");
   }
   return out;
 }
@@ -86,7 +78,6 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
     c.in_plan = in_plan.count(id) > 0;
     c.holds = rec.holds;
     c.catch_up_failed = rec.catch_up_failed;
-    c.quantized = rec.layout != nullptr && planner::HasQuantizedPieces(*rec.layout);
     if (!nodes_.IsAlive(rec.node)) c.has_layout = false;  // neither source nor destination now
     candidates.push_back(std::move(c));
   }
@@ -148,6 +139,10 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
   settings.strategy_proto = pb::STRATEGY_WEIGHTBRIDGE;
   settings.topology = options_.topology;
   settings.bucket_bytes = options_.bucket_bytes;
+  // Quantised rollouts serve late rollouts quantised in their format, as copies of their
+  // quantised bytes (planner::PlanOptions::quantized_sources); nothing is quantised on send.
+  settings.sender_quantization = false;
+  settings.quantized_sources = true;
   absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
   std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;
   uint64_t version = 0;

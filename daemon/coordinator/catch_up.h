@@ -22,21 +22,21 @@ struct CatchUpCandidate {
   bool in_plan = false;       // in the model's installed plan (a late rollout must be)
   uint64_t holds = 0;         // the committed version its node holds for it
   uint64_t catch_up_failed = 0;
-  bool quantized = false;     // holds quantised pieces (its staging is not the canonical bytes)
 };
 
 struct CatchUpChoice {
-  std::vector<std::string> sources;  // rollouts holding the committed version, usable as sources
+  std::vector<std::string> sources;  // rollouts holding the committed version
   std::vector<std::string> dests;    // late rollouts to bring there
-  // Late rollouts exist but no rollout may serve as a source: why, naming the rollouts that hold
-  // the version and why each is not used (empty otherwise).
+  // Late rollouts exist but no rollout holds the version: why (empty otherwise).
   std::string no_source;
 };
 
 // Late: a rollout with a layout, in the plan, holding less than `committed` (> 0) and whose catch-up
 // did not already fail for `committed`. Source: a rollout with a layout holding exactly
-// `committed` and not quantised (its copy is then the canonical bytes, byte for byte, in host or
-// CUDA memory; quantised rollouts are not sources: docs/daemon.md "Catch-up").
+// `committed`, in host or CUDA memory. A quantised source's quantised pieces hold no canonical
+// bytes: the catch-up plan (planner::PlanOptions::quantized_sources) has them serve only late
+// rollouts quantised in their format, as copies of the quantised elements and scales, and takes
+// everything else from unquantised pieces (or fails naming the box): docs/daemon.md "Catch-up".
 // Both lists follow the candidates' order.
 CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandidate>& workers);
 

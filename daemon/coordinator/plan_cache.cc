@@ -50,6 +50,13 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     problem.staging_budget_bytes = std::min(problem.staging_budget_bytes, settings.sender_quantization_bucket_bytes);
   }
   absl::StrAppend(&key_src, sender_quantization ? absl::StrCat("|sq", problem.staging_budget_bytes) : "");
+  bool quantized_sources = false;
+  if (settings.quantized_sources && !sender_quantization) {
+    for (const SliceWorker& w : in.workers) {
+      quantized_sources = quantized_sources || (w.role == planner::Role::kTrainer && w.layout != nullptr && planner::HasQuantizedPieces(*w.layout));
+    }
+  }
+  absl::StrAppend(&key_src, quantized_sources ? "|qs" : "");
   for (const SliceWorker& w : in.workers) {
     planner::Worker pw;
     pw.id = w.id;
@@ -106,9 +113,10 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     if (absl::Status go = check(); !go.ok()) return go;  // the coverage check is bounded (~1 s), not polled
     const absl::Time t0 = absl::Now();
     absl::StatusOr<planner::Plan> plan;
-    if (sender_quantization || !make_plan) {
+    if (sender_quantization || quantized_sources || !make_plan) {
       planner::PlanOptions options;
       options.sender_quantization = sender_quantization;
+      options.quantized_sources = quantized_sources;
       if (options_.cancelled || has_deadline) options.cancel = check;
       plan = planner::MakePlanWithOptions(problem, settings.strategy, options);
     } else {

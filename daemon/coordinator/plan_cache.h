@@ -44,6 +44,11 @@ struct PlanSettings {
   // soon as its own ops are written (node::OutgoingQuantization), so the first bucket leaves after
   // a slice of the quantising instead of all of it, and the rest overlaps the transfer.
   int64_t sender_quantization_bucket_bytes = int64_t{64} << 20;
+  // Catch-up plans: sources (ROLE_TRAINER) may be quantised rollouts, whose quantised pieces serve
+  // only copies of their quantised bytes (planner::PlanOptions::quantized_sources). Applied when
+  // some source holds quantised pieces (planned by planner::MakePlanWithOptions, not the injected
+  // PlanFn); excludes sender_quantization.
+  bool quantized_sources = false;
 };
 
 // Whether PlanAndSlice plans `in` with sender-side quantisation: allowed by `settings`, WeightBridge's

@@ -434,9 +434,12 @@ absl::StatusOr<SenderQuant> PlanSenderQuant(const Slice& slice, const std::strin
     ScalesSide(*dp, op.box, sc.copy, sc.copy.dst);
     const std::string& src_node = slice.workers[op.src_worker].node_id;
     const std::string& dst_node = slice.workers[op.dst_worker].node_id;
-    if (slice.workers[op.src_worker].role == planner::Role::kRollout) {
-      // A relay: the quantised bytes it received, at its own piece's place.
-      ASSIGN_OR_RETURN(const planner::Piece* sp, LivePiece(slice, op, true));
+    // A source holding the box quantised: a relay, or a catch-up source (a rollout holding the
+    // committed version, a trainer in the catch-up slice: planner::PlanOptions::quantized_sources).
+    ASSIGN_OR_RETURN(const planner::Piece* held, LivePiece(slice, op, true));
+    if (slice.workers[op.src_worker].role == planner::Role::kRollout || held->quant.has_value()) {
+      // A copy of the quantised bytes it holds, at its own piece's place.
+      const planner::Piece* sp = held;
       if (!sp->quant.has_value() || !planner::SameQuantFormat(*sp->quant, *dp->quant) || !planner::BoxContains(sp->box, op.box)) {
         return absl::InvalidArgumentError(absl::StrCat(what, ": relay source piece ", planner::BoxToString(sp->box),
                                                        " does not hold the box in the destination's format"));

@@ -121,7 +121,10 @@ absl::StatusOr<PieceAt> ResolveSide(const Slice& slice, const SliceOp& op, bool 
 //    over the box then its scales row-major over the box's block grid. Both nodes of such an op
 //    hold every op between them in their slices, so they compute the same offsets;
 //  - a rollout piece (a relay): the quantised elements and scales it received, at its own piece's
-//    place (the planner gives every needer of a fragment the same format on the global grid).
+//    place (the planner gives every needer of a fragment the same format on the global grid);
+//  - a quantised piece of a catch-up source (a rollout holding the committed version, ROLE_TRAINER
+//    in the catch-up slice: planner::PlanOptions::quantized_sources): the same, read from its
+//    committed staging or live buffers.
 std::string QuantOutKey(const std::string& dst_node);
 
 // One trainer-source op to quantise on the sending node.
