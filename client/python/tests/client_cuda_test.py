@@ -327,6 +327,123 @@ class CudaCatchUpTest(unittest.TestCase):
         self.run_mode("one_step_off", across_nodes=True)
 
 
+class QuantWorker:
+    """fp8_block128 catch-up test's workers: tensor w [256, 256]. A trainer holds rows [r0, r1) in
+    host memory (bf16 drawn per version: whole 128-row blocks, so its node quantises on send); a
+    rollout holds w whole as float8_e4m3 with 128 x 128 blocks (its 2 x 2 float32 scales after the
+    elements) in a CUDA buffer on `gpu`."""
+
+    ROWS = COLS = 256
+    SCALES_AT = ROWS * COLS
+
+    def __init__(self, at, model, worker_id, role, rows=(0, 256), gpu=0):
+        self.client = at.client("q")
+        self.rows = rows
+        if role == "trainer":
+            self.client.register_worker(model, worker_id, role)
+            self.buf = self.client.create_buffer((rows[1] - rows[0]) * self.COLS * 2)
+            self.client.register_layout(wb.ExplicitLayout([wb.Piece("w", [rows[0], 0], [rows[1], self.COLS])]))
+        else:
+            self.client.register_worker(model, worker_id, role, gpu=gpu)
+            self.buf = self.client.create_cuda_buffer(self.SCALES_AT + 16, gpu)
+            quant = wb.Quantization(block=[128, 128], scale_offset_bytes=self.SCALES_AT)
+            self.client.register_layout(wb.ExplicitLayout([wb.Piece("w", [0, 0], [self.ROWS, self.COLS], quant=quant)]))
+
+    def fill(self, version):
+        x = (np.random.default_rng(version).standard_normal((self.ROWS, self.COLS)) * 0.02).astype(np.float32)
+        bits = (x.view(np.uint32) >> 16).astype(np.uint16)[self.rows[0]:self.rows[1]]
+        self.buf.array("uint16", bits.shape)[:] = bits
+
+    def held(self):
+        return self.buf.read(0, self.SCALES_AT + 16)
+
+    def close(self):
+        self.client.deregister()
+        self.client.close()
+        self.buf.close()
+
+
+@unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
+                     "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
+class CudaQuantCatchUpTest(unittest.TestCase):
+    """A quantised rollout (fp8_block128) whose weights live in CUDA memory restarts after a commit
+    and is caught up from the other fp8 rollout's copy: its fp8 elements and scales, read from that
+    rollout's device memory once Apply / the sync commit dropped its staging, copied as they are
+    (docs/daemon.md "Catch-up"); the late rollout then holds the other's bytes exactly, before
+    wait_version / apply report the version. One standalone daemon (cuda_ipc on the node) and two
+    node daemons (copied to host on n0, host_tcp to n1). Before quantised rollouts could serve, the
+    restarted rollout was told there was no source."""
+
+    def run_mode(self, mode, across_nodes):
+        flags = CudaCatchUpTest.FLAGS
+        if across_nodes:
+            daemons = EmulatedCluster(2, flags)
+            at = lambda node: types.SimpleNamespace(client=lambda prefix: daemons.client(node, prefix))  # noqa: E731
+        else:
+            daemons = ct.Daemon(EMULATED_DAEMON, flags)
+            at = lambda node: daemons  # noqa: E731
+        try:
+            model = wb.ModelConfig(model_id="py_cuda_quant_catch_up_" + mode, explicit_tensors=[("w", [256, 256])],
+                                   num_trainer_workers=2, num_rollout_workers=2, mode=mode)
+            late_node = 1 if across_nodes else 0
+            trainers = [QuantWorker(at(0), model, "trainer/%d" % r, "trainer", rows=(128 * r, 128 * (r + 1))) for r in (0, 1)]
+            rollouts = [QuantWorker(at(0), model, "rollout/0", "rollout", gpu=0),
+                        QuantWorker(at(late_node), model, "rollout/1", "rollout", gpu=1)]
+
+            def deliver(v):
+                if mode == "sync":
+                    for r in rollouts:
+                        r.client.begin_update(timeout=ct.TIMEOUT)
+                for t in trainers:
+                    t.fill(v)
+                self.assertEqual(ct.publish_all(trainers, v), [], daemons.log_tail())
+                for r in rollouts:
+                    self.receive(mode, r, v)
+                self.assertEqual(rollouts[0].held(), rollouts[1].held(), daemons.log_tail())
+
+            deliver(1)
+            v1 = rollouts[0].held()
+            self.assertNotEqual(v1, bytes(len(v1)))
+            for t in trainers:
+                t.fill(9)
+            rollouts[1].close()
+            late = QuantWorker(at(late_node), model, "rollout/1", "rollout", gpu=1)
+            self.assertEqual(late.held(), bytes(len(v1)))
+            if mode == "sync":
+                late.client.begin_update(timeout=ct.TIMEOUT)
+            self.receive(mode, late, 1)
+            self.assertEqual(late.held(), v1, "the late fp8 rollout does not hold the other's version 1\n" + daemons.log_tail())
+            self.assertIn("catch-up committed", daemons.log_tail())
+            rollouts[1] = late
+            deliver(2)
+            self.assertNotEqual(rollouts[0].held(), v1)
+            for w in trainers + rollouts:
+                w.close()
+        finally:
+            daemons.stop()
+
+    def receive(self, mode, r, v):
+        if mode == "sync":
+            self.assertGreaterEqual(r.client.wait_version(v, timeout=ct.TIMEOUT), v)
+            r.client.end_update(timeout=ct.TIMEOUT)
+        else:
+            self.assertEqual(r.client.apply(v, timeout=ct.TIMEOUT).applied_version, v)
+
+    def test_sync(self):
+        self.run_mode("sync", across_nodes=False)
+
+    def test_one_step_off(self):
+        self.run_mode("one_step_off", across_nodes=False)
+
+    def test_async_across_nodes(self):
+        self.run_mode("async", across_nodes=True)
+
+    def test_sync_across_nodes(self):
+        self.run_mode("sync", across_nodes=True)
+
+
 # Buffer j of a VMM worker sits at VMM_OFFSETS[j] of its one allocation: neither offset is 0, so a
 # daemon that ignored them would put bytes in the wrong place.
 VMM_OFFSETS = (4096, (1 << 20) + 256)
