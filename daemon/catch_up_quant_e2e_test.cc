@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "daemon/delta_quant_e2e_fixture.h"
+#include "daemon/metrics_scrape.h"
 #include "gtest/gtest.h"
 
 namespace wb::daemon {
@@ -34,6 +35,12 @@ class CatchUpQuantTest : public DeltaQuantFixture, public ::testing::WithParamIn
     pb::ApplyResponse resp;
     return c_.Apply(r, "m", v, &resp);
   }
+  // Host staging node `node` had to allocate for versions (not reused from its staging pool).
+  double StagingAllocated(int node) {
+    auto m = ScrapeMetrics(endpoint_->port(), absl::Seconds(10));
+    EXPECT_TRUE(m.ok()) << m.status();
+    return m.ok() ? MetricSum(*m, "wb_staging_bytes_total", absl::StrCat("node=\"n", node, "\",result=\"allocated\"")) : -1;
+  }
   TestWorker& Late(const std::string& id, int node, planner::WorkerLayout layout) {
     TestWorker& r = c_.AddWorker(id, pb::ROLE_ROLLOUT, node, &inv_, std::move(layout));
     EXPECT_TRUE(c_.Register(r, spec_).ok()) << id;
@@ -48,10 +55,14 @@ TEST_P(CatchUpQuantTest, LateQuantisedRolloutsAreServedTheQuantisedBytesOfOthers
   ASSERT_FALSE(HasFatalFailure());
   const std::vector<uint8_t> v2 = ExpectedQuant(inv_, layout_, geo_, 2);
   for (auto [id, node] : {std::pair<std::string, int>{"r3", 0}, {"r4", 1}}) {
+    const double allocated = StagingAllocated(node);
     TestWorker& r = Late(id, node, layout_);
     grpc::Status s = Receive(r, 2);
     ASSERT_TRUE(s.ok()) << format_.name << " " << id << " on n" << node << ": " << s.error_message();
     EXPECT_EQ(CountBadQuant(r, geo_, v2), 0) << format_.name << " " << id << " was told version 2 before holding it";
+    // Its incoming staging (grown by the shadows of its quantised pieces) was faulted in when it
+    // registered: the catch-up allocates none (n0 held no rollout before r3).
+    EXPECT_EQ(StagingAllocated(node), allocated) << id << " on n" << node;
     rollouts_.push_back(&r);
   }
   Version(3);

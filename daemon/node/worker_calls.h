@@ -121,6 +121,10 @@ class WorkerCalls {
   // Per buffer of `req`, the fd channel's cache keys of its CUDA VMM allocations now (empty for
   // other buffers and when a key has no fd): what LocalWorkers::SameLayout compares with the import.
   std::vector<std::vector<std::string>> VmmAllocationsNow(const pb::RegisterLayoutRequest& req) const;
+  // A registering rollout's incoming staging faulted in, in the sizes its versions will take
+  // (planner::StagingLayout of its resolved layout); `is_cuda` per buffer.
+  void PrewarmIncomingStaging(const std::string& model, const std::string& worker, const pb::ResolvedLayout& resolved,
+                              const std::vector<bool>& is_cuda);
 
   const Options options_;
   LocalWorkers& local_;

@@ -18,6 +18,7 @@
 #include "planner/box.h"
 #include "planner/index_probe.h"
 #include "planner/inventory.h"
+#include "planner/quantized.h"
 
 namespace wb::daemon::node {
 namespace {
@@ -193,13 +194,11 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
         return Annotate(pre, absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " buffer ", j));
       }
     }
-    // And its incoming staging of the first version (or of a catch-up) is faulted in now too.
-    for (const auto& b : buffers) {
-      if (b != nullptr) staging_.PrewarmStaging(b->size());
-    }
     Log(LogLevel::kDebug, "rollout buffers pre-faulted",
         {{"model", req.model_id()}, {"worker", req.worker_id()}, {"seconds", absl::ToDoubleSeconds(options_.clock->Now() - t0)}});
   }
+  std::vector<bool> is_cuda;  // per buffer (the vectors move into the entry below)
+  for (const auto& c : cuda) is_cuda.push_back(c != nullptr);
   if (fresh) {
     // A rollout registering its layout over new memory (a new segment, the same name naming a new
     // file, a new CUDA allocation: e.g. an engine that slept and discarded its weights): its live
@@ -250,10 +249,34 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
   absl::StatusOr<uint64_t> bytes =
       local_.AttachLayout({req.model_id(), req.worker_id()}, std::move(buffers), std::move(cuda), std::move(sreq), sresp.layout());
   if (!bytes.ok()) return bytes.status();
+  if (role == planner::Role::kRollout) PrewarmIncomingStaging(req.model_id(), req.worker_id(), sresp.layout(), is_cuda);
   resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
   resp->set_bytes(*bytes);
   local_.RecordLayoutAnswer(key, req, *resp);
   return absl::OkStatus();
+}
+
+// A rollout's incoming staging of the first version (or of a catch-up) is faulted in at
+// registration, not inside that version: one pool buffer per staging buffer, of the size a
+// version's staging will ask the pool for (planner::StagingLayout: a quantised rollout's buffers
+// grow by the canonical shadows of its quantised pieces, so its live buffer sizes never matched
+// and its first version - or a late rollout's catch-up - paid the fresh pages: seconds per GB on a
+// VM that traps first touches). Buffers staged on their GPU (--gpu_staging_bytes, unquantised
+// CUDA rollouts) take none. Best effort: what cannot be described is left to the version.
+void WorkerCalls::PrewarmIncomingStaging(const std::string& model, const std::string& worker, const pb::ResolvedLayout& resolved,
+                                         const std::vector<bool>& is_cuda) {
+  std::optional<planner::Inventory> inventory = local_.Inventory(model);
+  if (!inventory) return;
+  absl::StatusOr<planner::WorkerLayout> layout = LayoutFromProto(resolved, *inventory);
+  if (!layout.ok()) return;
+  const bool quantized = planner::HasQuantizedPieces(*layout);
+  const planner::WorkerLayout staging = planner::StagingLayout(*inventory, *layout);
+  for (size_t j = 0; j < staging.buffers.size(); ++j) {
+    const bool cuda = j < is_cuda.size() && is_cuda[j];
+    if (cuda && staging_.gpu_staging() && !quantized) continue;
+    staging_.PrewarmStaging(staging.buffers[j].size_bytes);
+  }
+  Log(LogLevel::kDebug, "rollout staging pre-faulted", {{"model", model}, {"worker", worker}, {"buffers", staging.buffers.size()}});
 }
 
 // Layout discovery (daemon/layout_discovery.h), computed on this node: from the model's spec as
