@@ -4,10 +4,12 @@ process loads the same emulation as a shared library through $WB_CUDART. Checks 
 CUDA path (cudaMalloc + IPC handle -> BufferSpec.cuda_ipc_handle, the daemon opening it, versions
 moving device to device with GPU staging, read back through cudaMemcpy) and its CUDA VMM path
 (cuMemCreate memory: the allocation found from a pointer, its fd sent once over the daemon's fd
-channel, several buffers in it -> BufferSpec.cuda_vmm_key/offset) without a GPU; says nothing
-about real GPUs. Run by `bazel test //client/python:client_cuda_test`.
+channel, several buffers in it -> BufferSpec.cuda_vmm_key/offset), and the rollout hooks' release /
+reacquire for engines that sleep (CudaRolloutSleepTest), without a GPU; says nothing about real
+GPUs. Run by `bazel test //client/python:client_cuda_test`.
 """
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -31,8 +33,10 @@ EMULATED_DAEMON = os.path.join(R, "daemon/weightbridged_emulated_gpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import client_test as ct  # noqa: E402  (helpers: Daemon, row_blocks, canonical weights)
+from integrations_test import TINY_CONFIG, canonical, megatron_tp2, run_all, vllm_tp  # noqa: E402  (the tiny Qwen2's frameworks' tensors)
 import weightbridge as wb  # noqa: E402
 from weightbridge import weights  # noqa: E402
+from weightbridge.integrations import megatron, vllm  # noqa: E402
 
 
 class CudaWorker:
@@ -442,6 +446,256 @@ class CudaQuantCatchUpTest(unittest.TestCase):
 
     def test_sync_across_nodes(self):
         self.run_mode("sync", across_nodes=True)
+
+
+def shm_segment_of(buf):
+    """The file behind emulated CUDA buffer `buf`: the shm name its IPC handle carries (the
+    emulation's handle: magic, pid, device, size, then the name; tests/fake_cuda/fake_cudart.cc)."""
+    return "/dev/shm" + buf.ipc_handle[24:64].split(b"\0")[0].decode()
+
+
+def maps_file(pid, path):
+    """Whether process `pid` maps file `path` (an unlinked one shows as "<path> (deleted)")."""
+    with open("/proc/%d/maps" % pid) as f:
+        return any(len(parts) > 5 and parts[5] == path for parts in (line.split() for line in f))
+
+
+class _PointerAttributes(ctypes.Structure):  # cudaPointerAttributes (CUDA 13's driver_types.h)
+    # `reserved` too: the runtime clears the whole struct (a shorter one here would be overrun).
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", ctypes.c_void_p),
+                ("hostPointer", ctypes.c_void_p), ("reserved", ctypes.c_long * 8)]
+
+
+def is_device_memory(ptr):
+    """cudaPointerGetAttributes says `ptr` is live device memory (cudaMemoryTypeDevice)."""
+    from weightbridge import cuda
+    a = _PointerAttributes()
+    err = cuda._rt().cudaPointerGetAttributes(ctypes.byref(a), ctypes.c_void_p(ptr))
+    if err != 0:
+        raise AssertionError("cudaPointerGetAttributes: cudaError %d" % err)
+    return a.type == 2
+
+
+class DeviceView:
+    """A stand-in for the torch CUDA view bind() puts in param.data (torch is not installed here):
+    local tensor `place` of emulated CudaBuffer `buf`. copy_ reads its source through the runtime,
+    so copying from a view of a freed buffer fails as reading freed memory would."""
+
+    def __init__(self, buf, place):
+        self.buf, self.offset, self.nbytes = buf, place.offset_bytes, int(np.prod(place.shape)) * ct.ELEM
+
+    def bytes(self):
+        return self.buf.read(self.offset, self.nbytes)
+
+    def copy_(self, src):
+        self.buf.write(self.offset, src.bytes() if isinstance(src, DeviceView) else np.ascontiguousarray(src).tobytes())
+
+
+class Param:
+    def __init__(self, data):
+        self.data = data
+
+
+@unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
+                     "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
+class CudaRolloutSleepTest(unittest.TestCase):
+    """An engine that sleeps between rollouts (vLLM sleep mode, SGLang release_memory_occupation):
+    RolloutHook.release leaves the daemon and frees the rank's CUDA buffer, reacquire registers it
+    again with a new, empty buffer, and versions land as before. Megatron tp=2 trainers (host
+    memory) -> vLLM tp=1 rollouts in emulated CUDA memory; the rollout's buffer is read back at
+    each local tensor's place and compared with vLLM's tensors of the version, built in
+    integrations_test independently of the daemon. Emulated GPUs and numpy stand-ins only."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = ct.Daemon(EMULATED_DAEMON, CudaCatchUpTest.FLAGS)
+        with open(TINY_CONFIG) as f:
+            cls.config = f.read()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def model(self, model_id, mode, rollouts):
+        return wb.ModelConfig(model_id=model_id, hf_config_json=self.config, num_trainer_workers=2,
+                              num_rollout_workers=rollouts, mode=mode)
+
+    def trainers(self, model):
+        return [megatron.MegatronTrainerHook(None, model, rank=r, tp=2, client=self.daemon.client("meg")) for r in (0, 1)]
+
+    def rollout(self, model, replica=0, replicas=1, memory="cuda"):
+        return vllm.VllmRollout(None, model, tp=1, replica=replica, replicas=replicas, memory=memory,
+                                gpu=replica if memory == "cuda" else -1, client=self.daemon.client("vsl"))
+
+    def deliver(self, mode, v, trainers, rollouts, params=None):
+        """Version v from the trainers into `rollouts` (sync: their updates and the publishes at once)."""
+        c = canonical(v)
+        params = params or [None] * len(rollouts)
+        publishes = [lambda t=t, r=r: t.publish(v, megatron_tp2(c, r).items(), timeout=ct.TIMEOUT)
+                     for r, t in enumerate(trainers)]
+        if mode == "sync":
+            updates = [lambda h=h, p=p: h.update(v, p, timeout=ct.TIMEOUT) for h, p in zip(rollouts, params)]
+            self.assertEqual(run_all(updates + publishes), [], self.daemon.log_tail())
+        else:
+            self.assertEqual(run_all(publishes), [], self.daemon.log_tail())
+            for h, p in zip(rollouts, params):
+                self.assertEqual(h.apply(v, p, timeout=ct.TIMEOUT), v)
+
+    def assert_holds(self, hook, v):
+        """The rollout's CUDA buffer holds vLLM's tensors of version v, byte for byte."""
+        want = vllm_tp(canonical(v), 1, 0)
+        self.assertEqual(set(hook.layout.tensors), set(want))
+        for name, t in hook.layout.tensors.items():
+            n = int(np.prod(t.shape)) * ct.ELEM
+            got = np.frombuffer(hook.buffer.read(t.offset_bytes, n), np.uint16).reshape(t.shape)
+            np.testing.assert_array_equal(got, want[name], err_msg="%s %s v%d" % (hook.worker_id, name, v))
+
+    def assert_empty(self, hook):
+        self.assertEqual([b.id for b in hook.client.buffers], [0], "buffer ids start at 0 again")
+        self.assertIs(hook.client.buffers[0], hook.buffer)
+        self.assertEqual(hook.buffer.read(0, hook.buffer.size_bytes), bytes(hook.buffer.size_bytes))
+
+    def registered(self, model):
+        c = self.daemon.client("st")
+        try:
+            return sorted(w.worker_id for w in c.status(model_id=model.model_id).workers)
+        finally:
+            c.close()
+
+    def close(self, hooks):
+        for h in hooks:
+            h.client.deregister()
+            h.client.close()
+
+    def sleep_and_wake(self, mode):
+        """One rollout holding v1 sleeps: it leaves the daemon, its device memory is freed (no
+        longer device memory here, mapped by neither process); after waking its new buffer is
+        empty, and version 2 lands byte for byte."""
+        model = self.model("py_sleep_" + mode, mode, 1)
+        trainers = self.trainers(model)
+        rollout = self.rollout(model)
+        self.deliver(mode, 1, trainers, [rollout])
+        self.assert_holds(rollout, 1)
+        ptr, segment = rollout.buffer.ptr, shm_segment_of(rollout.buffer)
+        self.assertTrue(maps_file(self.daemon.proc.pid, segment), "the daemon maps the rollout's buffer while registered")
+        self.assertTrue(is_device_memory(ptr))
+        rollout.release(timeout=ct.TIMEOUT)
+        self.assertEqual(self.registered(model), ["trainer/0", "trainer/1"])
+        self.assertEqual(rollout.client.buffers, [])
+        self.assertFalse(is_device_memory(ptr), "the rollout's buffer was not freed")
+        self.assertFalse(maps_file(self.daemon.proc.pid, segment), "the daemon still maps the freed buffer")
+        self.assertFalse(maps_file(os.getpid(), segment))
+        rollout.reacquire()
+        self.assertEqual(self.registered(model), ["rollout/0", "trainer/0", "trainer/1"])
+        self.assert_empty(rollout)
+        self.deliver(mode, 2, trainers, [rollout])
+        self.assert_holds(rollout, 2)
+        self.close(trainers + [rollout])
+
+    def one_sleeps_one_holds(self, mode):
+        """Two replicas hold v1; one sleeps and wakes while the other keeps v1: the woken one is
+        caught up to v1 (from the other's copy: the trainers' buffers hold other bytes by then)
+        before version 2 reaches both."""
+        model = self.model("py_sleep_two_" + mode, mode, 2)
+        trainers = self.trainers(model)
+        rollouts = [self.rollout(model, replica=r, replicas=2) for r in (0, 1)]
+        self.deliver(mode, 1, trainers, rollouts)
+        for h in rollouts:
+            self.assert_holds(h, 1)
+        woken = rollouts[1]
+        woken.release(timeout=ct.TIMEOUT)
+        self.assertEqual(self.registered(model), ["rollout/0", "trainer/0", "trainer/1"])
+        for r, t in enumerate(trainers):
+            t.write(megatron_tp2(canonical(9), r).items())  # not published: a catch-up that read them would show
+        woken.reacquire()
+        self.assert_empty(woken)
+        if mode == "sync":
+            self.assertGreaterEqual(woken.update(1, timeout=ct.TIMEOUT), 1)
+        else:
+            self.assertEqual(woken.apply(1, timeout=ct.TIMEOUT), 1)
+        self.assert_holds(woken, 1)
+        self.deliver(mode, 2, trainers, rollouts)
+        for h in rollouts:
+            self.assert_holds(h, 2)
+        self.close(trainers + rollouts)
+
+    def test_sleep_and_wake_sync(self):
+        self.sleep_and_wake("sync")
+
+    def test_sleep_and_wake_one_step_off(self):
+        self.sleep_and_wake("one_step_off")
+
+    def test_one_sleeps_while_the_other_holds_sync(self):
+        self.one_sleeps_one_holds("sync")
+
+    def test_one_sleeps_while_the_other_holds_one_step_off(self):
+        self.one_sleeps_one_holds("one_step_off")
+
+    def test_reacquire_binds_parameters_without_reading_the_freed_buffer(self):
+        """bind() after loading copies the engine's weights into the buffer; reacquire(params)
+        re-points the same parameters into the new buffer without a copy (their views address the
+        freed one). torch views are stood in for by DeviceView over the emulated buffers."""
+        model = self.model("py_sleep_bind", "one_step_off", 1)
+        rollout = self.rollout(model)
+        rollout._torch = lambda: {n: DeviceView(rollout.buffer, t) for n, t in rollout.layout.tensors.items()}
+        loaded = vllm_tp(canonical(5), 1, 0)
+        params = {n: Param(a) for n, a in loaded.items()}
+        rollout.bind(params)
+        for n, p in params.items():
+            self.assertIsInstance(p.data, DeviceView)
+            np.testing.assert_array_equal(np.frombuffer(p.data.bytes(), np.uint16).reshape(loaded[n].shape), loaded[n])
+        self.assert_holds(rollout, 5)
+        rollout.release(timeout=ct.TIMEOUT)
+        rollout.reacquire(params)
+        self.assert_empty(rollout)
+        for n, p in params.items():
+            self.assertIs(p.data.buf, rollout.buffer, n)
+            self.assertEqual(p.data.bytes(), bytes(p.data.nbytes), n)
+        self.close([rollout])
+
+    def test_host_memory_release_and_reacquire(self):
+        """memory="host": release frees the shm buffer too (unlinked, mapped by neither process);
+        after reacquire the next apply copies the version into the engine's parameters."""
+        model = self.model("py_sleep_host", "one_step_off", 1)
+        trainers = self.trainers(model)
+        rollout = self.rollout(model, memory="host")
+        params = [{n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}]
+        self.deliver("one_step_off", 1, trainers, [rollout], params)
+        segment = "/dev/shm" + rollout.buffer.name
+        self.assertTrue(maps_file(self.daemon.proc.pid, segment))
+        rollout.release(timeout=ct.TIMEOUT)
+        self.assertFalse(os.path.exists(segment))
+        self.assertFalse(maps_file(self.daemon.proc.pid, segment), "the daemon still maps the freed shm buffer")
+        self.assertFalse(maps_file(os.getpid(), segment), "a view of the hook still maps the freed shm buffer")
+        rollout.reacquire(params[0])
+        self.deliver("one_step_off", 2, trainers, [rollout], params)
+        for n, want in vllm_tp(canonical(2), 1, 0).items():
+            np.testing.assert_array_equal(params[0][n], want, err_msg=n)
+        self.close(trainers + [rollout])
+
+    def test_refusals_name_the_state(self):
+        model = self.model("py_sleep_refusals", "one_step_off", 1)
+        rollout = self.rollout(model)
+        with self.assertRaisesRegex(RuntimeError, "rollout/0 .*holds its buffer \\(not released\\)"):
+            rollout.reacquire()
+        with self.assertRaises(wb.WeightBridgeError) as e:
+            rollout.client.free_buffers()
+        self.assertEqual(e.exception.code.name, "FAILED_PRECONDITION")
+        self.assertIn("deregister first", e.exception.message)
+        self.assertEqual(rollout.client.buffers, [rollout.buffer], "nothing freed while registered")
+        self.assertTrue(is_device_memory(rollout.buffer.ptr))
+        rollout.release(timeout=ct.TIMEOUT)
+        with self.assertRaisesRegex(RuntimeError, "release: worker rollout/0 .*released its buffer"):
+            rollout.release(timeout=ct.TIMEOUT)
+        with self.assertRaisesRegex(RuntimeError, "apply\\(1\\): worker rollout/0 .*reacquire\\(\\) first"):
+            rollout.apply(1, timeout=ct.TIMEOUT)
+        with self.assertRaisesRegex(RuntimeError, "update\\(1\\): worker rollout/0 .*reacquire\\(\\) first"):
+            rollout.update(1, timeout=ct.TIMEOUT)
+        rollout.reacquire()
+        self.assert_empty(rollout)
+        self.close([rollout])
 
 
 # Buffer j of a VMM worker sits at VMM_OFFSETS[j] of its one allocation: neither offset is 0, so a

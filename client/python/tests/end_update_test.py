@@ -125,6 +125,7 @@ def hook_with(client):
     hook = RolloutHook.__new__(RolloutHook)
     hook.client = client
     hook.memory = "cuda"  # nothing to copy out; the engine's parameters are the buffer
+    hook.buffer = object()  # held: update() refuses a hook whose buffer was released
     hook.refresh_derived = lambda: None
     return hook
 

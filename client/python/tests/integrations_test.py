@@ -528,6 +528,36 @@ class IntegrationsTest(unittest.TestCase):
         # Only the exact segment goes.
         self.assertEqual(normalize_name("a.my_base_layer.base_layer.w", ("base_layer",)), "a.my_base_layer.w")
 
+    def test_vllm_extension_sleeps_and_wakes(self):
+        """The vLLM extension's wb_sleep / wb_wake on a stand-in worker (host memory): wb_sleep
+        leaves the daemon and unlinks the shm buffer, wb_wake registers again with a new, empty one,
+        and the next version reaches the parameters through wb_apply. A second wb_wake is refused."""
+        model = self.model("int_vllm_sleep", "one_step_off", 2, 1)
+        trainers = [megatron.MegatronTrainerHook(None, model, rank=r, tp=2, client=self.daemon.client("msl")) for r in (0, 1)]
+        params = {n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}
+        worker = fake_vllm_worker(params)
+        size = worker.wb_init(self.daemon.socket, model)
+        for version in (1, 2):
+            c = canonical(version)
+            for r, t in enumerate(trainers):
+                t.publish(version, megatron_tp2(c, r).items(), timeout=TIMEOUT)
+            self.assertEqual(worker.wb_apply(version, timeout=TIMEOUT), version)
+            for n, want in vllm_tp(c, 1, 0).items():
+                np.testing.assert_array_equal(params[n], want, err_msg="%s v%d" % (n, version))
+            if version == 1:
+                segment = "/dev/shm" + worker.wb.buffer.name
+                worker.wb_sleep(timeout=TIMEOUT)
+                self.assertFalse(os.path.exists(segment))
+                self.assertNotIn("rollout/0", [w.worker_id for w in trainers[0].client.status(model_id=model.model_id).workers])
+                self.assertEqual(worker.wb_wake(), size)
+                self.assertEqual(worker.wb.buffer.id, 0)
+                self.assertFalse(worker.wb.view("model.norm.weight").any(), "the new buffer is empty")
+        with self.assertRaisesRegex(RuntimeError, "not released"):
+            worker.wb_wake()
+        for h in trainers + [worker.wb]:
+            h.client.deregister()
+            h.client.close()
+
     def test_fsdp2_names_with_checkpoint_and_compile_wrappers(self):
         """torchtitan wraps each block in checkpoint_wrapper and torch.compile: the segments
         "_checkpoint_wrapped_module" / "_orig_mod" sit in the middle of the names (in either order,

@@ -10,7 +10,8 @@ Every call has a deadline (control calls: call_timeout; version calls: the expli
 sent to the daemon as timeout_ms). Errors raise WeightBridgeError carrying the daemon's gRPC code.
 Reconnect: on UNAVAILABLE the client waits (bounded) for the socket, replays RegisterWorker, the fds
 of shared VMM allocations and RegisterLayout (same shm names: the segments belong to this process
-and survive the daemon) and retries the call once. Buffers are unlinked by close(). One thread drives a client at a time.
+and survive the daemon) and retries the call once. Buffers are unlinked by close(), or by
+free_buffers() after deregister (an engine going to sleep). One thread drives a client at a time.
 """
 
 import dataclasses
@@ -545,7 +546,22 @@ class WorkerClient:
         only that node and its workers); an id it does not know raises NOT_FOUND."""
         return self._call("Status", "Status", pb.StatusRequest(model_id=model_id, node_id=node_id), self.call_timeout)
 
-    def close(self):
+    def free_buffers(self):
+        """After deregister(): closes every buffer this client made (shm segments unlinked, CUDA
+        buffers cudaFree'd) and drops its VMM fds and allocation references (VMM memory is the
+        caller's: its own free then releases it), so that an engine going to sleep (vLLM sleep
+        mode, SGLang release_memory_occupation) really gives the memory back - it cannot while
+        the daemon maps it (the daemon's CUDA IPC mapping keeps freed device memory alive, its shm
+        mapping the segment). Buffer ids start at 0 again: a later register_worker +
+        create_*buffer + register_layout sends only the new buffers. FAILED_PRECONDITION while
+        registered. The channel stays open (close() closes it)."""
+        if self._register_req is not None:
+            raise WeightBridgeError("free_buffers", grpc.StatusCode.FAILED_PRECONDITION,
+                                    "worker %s of model %s is registered and the daemon maps its buffers: deregister first"
+                                    % (self.worker_id, self.model_id))
+        self._close_buffers()
+
+    def _close_buffers(self):
         for b in self.buffers:
             b.close()
         self.buffers = []
@@ -553,6 +569,9 @@ class WorkerClient:
             os.close(fd)
             alloc.close()
         self._vmm = {}
+
+    def close(self):
+        self._close_buffers()
         if self._channel is not None:
             self._channel.close()
             self._channel = None

@@ -154,19 +154,34 @@ class LayoutHook:
         self.model = model
         self.preset = preset
         self.memory = memory
+        self.worker_id, self.role, self.gpu = worker_id, role, gpu
+        self.buffer = None
+        self._register()
+
+    def _register(self):
+        """Registers the worker with a new buffer: discovery, register_worker, a buffer of the
+        discovered size, register_layout. Run at construction, and again by RolloutHook.reacquire
+        (an engine woke up) with the same worker id, role, gpu and preset."""
         # Discovery first: the buffer is sized from the daemon's answer, never computed here.
-        desc = self.client.describe_layout(preset, model=model)
-        self.client.register_worker(model, worker_id, role, gpu=gpu if memory == "cuda" else -1)
+        desc = self.client.describe_layout(self.preset, model=self.model)
+        self.client.register_worker(self.model, self.worker_id, self.role, gpu=self.gpu if self.memory == "cuda" else -1)
         size = desc.buffer_bytes(0)
-        if memory == "cuda":
-            self.buffer = self.client.create_cuda_buffer(size, gpu)
+        if self.memory == "cuda":
+            self.buffer = self.client.create_cuda_buffer(size, self.gpu)
         else:
             self.buffer = self.client.create_buffer(size)
-        info = self.client.register_layout(preset)
+        info = self.client.register_layout(self.preset)
         self.layout: LayoutDescription = info.layout or desc
         self.info = info
-        self._np_views = self.layout.views(self.client.buffers) if memory == "host" else {}
+        self._np_views = self.layout.views(self.client.buffers) if self.memory == "host" else {}
         self._torch_views = None
+
+    def _holding(self, what):
+        """RuntimeError naming `what` when the buffer was released (RolloutHook.release): its views
+        would address freed memory."""
+        if self.buffer is None:
+            raise RuntimeError("%s: worker %s of model %s released its buffer (the engine sleeps): reacquire() first"
+                               % (what, self.worker_id, self.model.model_id))
 
     # ---- names -------------------------------------------------------------------------------
     @property
@@ -175,6 +190,7 @@ class LayoutHook:
         return [n for n, t in self.layout.tensors.items()]
 
     def _torch(self):
+        self._holding("torch views")
         if self._torch_views is None:
             self._torch_views = self.layout.torch_views(self.client.buffers)
         return self._torch_views
@@ -182,6 +198,7 @@ class LayoutHook:
     def view(self, name):
         """The buffer's view of local tensor `name`: numpy (host memory) or torch (CUDA memory)."""
         self.layout[name]  # KeyError naming the layout's tensors
+        self._holding("view(%r)" % name)
         return self._np_views[name] if self.memory == "host" else self._torch()[name]
 
     # ---- trainer side ------------------------------------------------------------------------
@@ -238,6 +255,7 @@ class LayoutHook:
         first (engine_params: LoRA's "base_layer" segment dropped; ValueError if two collapse).
         strict: every local tensor holding pieces must have a parameter (KeyError naming the missing
         ones)."""
+        self._holding("read_into")
         params = engine_params(params)
         missing = [n for n, t in self.layout.tensors.items() if t.pieces and n not in params]
         if strict and missing:
@@ -251,18 +269,21 @@ class LayoutHook:
             done.append(name)
         return done
 
-    def bind(self, params):
+    def bind(self, params, copy_current=True):
         """CUDA memory, torch: points every parameter at its place in the registered buffer
-        (param.data = view, after copying the current weights in), so versions land in the
-        engine's weights with no copy of ours (Apply / the sync commit write them). Names
-        normalised as for read_into."""
+        (param.data = view), so versions land in the engine's weights with no copy of ours (Apply
+        / the sync commit write them). `copy_current`: copy the parameters' current weights in
+        first (after loading); False after RolloutHook.reacquire, where the parameters still point
+        at the buffer freed by release() and their bytes must not be read - the new buffer holds
+        nothing until the next update / apply. Names normalised as for read_into."""
         if self.memory != "cuda":
             raise ValueError("bind needs memory='cuda' (host buffers: use read_into after each update)")
         params = engine_params(params)
         views = self._torch()
         for name, p in params.items():
             if name in views:
-                views[name].copy_(p.data)
+                if copy_current:
+                    views[name].copy_(p.data)
                 p.data = views[name]
 
     def close(self):

@@ -10,7 +10,13 @@ class RolloutHook(LayoutHook):
     Host memory: versions land in the shm buffer; `update()` (sync) / `apply()` (one-step-off,
     async) then copy it into the engine's parameters (`params`: dict(model.named_parameters())).
     memory="cuda": call `bind(params)` once after loading, and the parameters live in the
-    registered buffer (no copy of ours after that)."""
+    registered buffer (no copy of ours after that).
+
+    Engines that sleep between rollouts (colocated RL: vLLM `sleep` / `wake_up`, SGLang
+    `release_memory_occupation` / `resume_memory_occupation`): the engine's sleep does not free
+    this buffer (we allocated it, outside the engine's allocator), so call `release()` after the
+    engine slept and `reacquire(params)` after it woke (its weights), before the trainers publish
+    the next version; docs/integration.md "Engines that sleep"."""
 
     def __init__(self, engine, socket_path, model, tp=1, tp_rank=0, dp=1, dp_rank=0, replica=0, replicas=1,
                  expert_parallel=False, expert_placement="", moe_a2a_backend="", quantization="", worker_id=None, memory="host", gpu=-1,
@@ -33,6 +39,7 @@ class RolloutHook(LayoutHook):
         `end_update_timeout` (default `timeout`) bounds its wait for a copy into the buffer that
         is already running. If end_update itself fails, that error is raised (chained to the
         wait's): the buffer may still be written, so the engine must not resume on it."""
+        self._holding("update(%d)" % version)
         try:
             # (A failed begin_update too: the node marks the rollout paused before it asks the
             # coordinator, and the engine resumes when this raises.)
@@ -46,9 +53,47 @@ class RolloutHook(LayoutHook):
 
     def apply(self, version=0, params=None, timeout=300.0):
         """One-step-off / async, at a step boundary: makes `version` (0 = newest committed) live."""
+        self._holding("apply(%d)" % version)
         got = self.client.apply(version, timeout).applied_version
         self._landed(params)
         return got
+
+    def release(self, timeout=300.0):
+        """The engine went to sleep: this rank leaves the daemon and frees its buffer, so the memory
+        goes back (the daemon's mapping would keep it alive; WorkerClient.free_buffers). Sync mode:
+        end_update(timeout) first, which waits for a commit that is writing the buffer (DEADLINE_
+        EXCEEDED: still writing; nothing was released, call again). Then deregister and free.
+
+        memory="cuda": the parameters bound into the buffer now point at freed device memory until
+        reacquire() re-binds them: the engine must not run (generate, capture or replay CUDA
+        graphs) in between. memory="host": the shm buffer is freed the same way; the engine's
+        parameters are its own memory (what its sleep does to them is the engine's business).
+        RuntimeError when already released."""
+        self._holding("release")
+        if self.model.mode == "sync":
+            self.client.end_update(timeout)
+        self.client.deregister()
+        self.buffer = None  # released from here on, whatever free_buffers does
+        self._np_views, self._torch_views = {}, None  # host: the shm mapping goes with its last view
+        self.client.free_buffers()
+
+    def reacquire(self, params=None):
+        """The engine woke up (its weights at least): registers this rank again - same worker id,
+        role, gpu and preset - with a new, empty buffer of the discovered size. memory="cuda" with
+        `params`: the parameters are bound into it WITHOUT copying their current bytes (they point
+        at the buffer release() freed), so they hold zeros until the next update / apply. Host
+        memory: `params` is not used; the next update / apply copies the version into them.
+
+        The rank holds no version now. update(v) / apply(v) wait as usual: the daemon catches it up
+        to the committed version from another rollout that holds it (docs/daemon.md "Catch-up"),
+        or, when none does (every engine slept), it gets the next version the trainers publish - so
+        trainers should publish after the engines woke. RuntimeError when not released."""
+        if self.buffer is not None:
+            raise RuntimeError("reacquire: worker %s of model %s holds its buffer (not released): reacquire follows release()"
+                               % (self.worker_id, self.model.model_id))
+        self._register()
+        if self.memory == "cuda" and params is not None:
+            self.bind(params, copy_current=False)
 
     def _landed(self, params):
         """A version is in the buffer. Host memory: copied into `params` (none given: the engine's

@@ -19,6 +19,13 @@ attention-TP group instead of all tp_size ranks; DP attention only) and
 `moe_dense_tp_size=server_args.moe_dense_tp_size` (--moe-dense-tp-size; None = not set, 1: the
 dense MLPs whole on every rank) - docs/presets.md. A mismatch gives the engine's parameters other
 shapes than the layout's, which read_into / bind refuse.
+Memory release (colocated RL: `release_memory_occupation` / `resume_memory_occupation`): with
+memory="cuda" the weights live in our buffer, which SGLang's release does not free. After the
+release call `rollout.release()` (leaves the daemon, frees the buffer; the engine must not run
+until reacquire); after resuming (its weights) `rollout.reacquire(params)` (registered again,
+parameters re-bound into a new empty buffer without a copy), then the trainers publish and
+`update` / `apply` lands the version before the engine generates (RolloutHook; docs/integration.md
+"Engines that sleep").
 With --enable-lora SGLang wraps linear layers keeping the original as `base_layer`
 (BaseLayerWithLoRA): read_into / bind drop that segment from the names, as for vLLM
 (_common.engine_params).

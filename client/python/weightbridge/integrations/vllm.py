@@ -8,6 +8,26 @@
     # one-step-off / async, between engine steps:
     llm.collective_rpc("wb_apply")
 
+Sleep mode (colocated RL: the trainer gets the GPU memory between rollouts). With memory="cuda" the
+weights live in our buffer, outside vLLM's sleep-mode allocator, so llm.sleep frees only what vLLM
+allocated (the KV cache); wb_sleep frees the buffer (leaving the daemon first, whose mapping would
+keep it). Call order:
+    llm.sleep(level=1)                       # or 2
+    llm.collective_rpc("wb_sleep")           # the engine must not run until wb_wake
+    ... train ...
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("wb_wake")            # registered again, new empty buffer, parameters re-bound
+    # the trainers publish v (after the engines woke)
+    llm.collective_rpc("wb_update", args=(v,))   # or wb_apply: the version lands before generating
+    llm.wake_up(tags=["kv_cache"])
+After wb_wake the rank holds no version: with memory="cuda" the parameters point at the new buffer,
+zeros until wb_update / wb_apply lands a version (a version another rank still holds is copied from
+it - catch-up - else the next published one). Host memory: the new shm buffer is empty and the
+parameters are vLLM's (after level 2, garbage until written): the next wb_update / wb_apply copies
+the version into them. The buffer may get another device address at each wb_wake, and bind()
+re-points parameters: CUDA graphs captured over the old addresses are not updated (not handled
+here).
+
 The preset "vllm" (docs/presets.md) names the rank's local tensors as vLLM's
 model.named_parameters() does (fused qkv_proj = [q; k; v], gate_up_proj, FusedMoE
 experts.w13_weight / w2_weight, fp8 weight + weight_scale_inv). Host memory: each update is
@@ -62,3 +82,14 @@ class WeightBridgeWorkerExtension:
 
     def wb_apply(self, version=0, timeout=300.0):
         return self.wb.apply(version, self.wb_params, timeout)
+
+    def wb_sleep(self, timeout=300.0):
+        """After llm.sleep(): leaves the daemon and frees this rank's buffer (RolloutHook.release)."""
+        self.wb.release(timeout)
+
+    def wb_wake(self):
+        """After llm.wake_up(tags=["weights"]): registers again with a new buffer and, memory="cuda",
+        re-binds the parameters into it without copying (RolloutHook.reacquire). Returns the buffer's
+        size. The weights are written by the next wb_update / wb_apply."""
+        self.wb.reacquire(self.wb_params)
+        return self.wb.layout.buffer_bytes(0)
