@@ -122,8 +122,9 @@ class WorkerCalls {
   // other buffers and when a key has no fd): what LocalWorkers::SameLayout compares with the import.
   std::vector<std::vector<std::string>> VmmAllocationsNow(const pb::RegisterLayoutRequest& req) const;
   // A registering rollout's incoming staging faulted in, in the sizes its versions will take
-  // (planner::StagingLayout of its resolved layout); `is_cuda` per buffer.
-  void PrewarmIncomingStaging(const std::string& model, const std::string& worker, const pb::ResolvedLayout& resolved,
+  // (planner::StagingLayout of `layout` over the registered buffers), before it is submitted;
+  // `is_cuda` per buffer.
+  void PrewarmIncomingStaging(const pb::ModelSpec& spec, const pb::RegisterLayoutRequest& req, const pb::LayoutSpec& layout,
                               const std::vector<bool>& is_cuda);
 
   const Options options_;

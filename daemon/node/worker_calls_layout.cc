@@ -235,6 +235,8 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
   } else {
     *sreq.mutable_layout() = req.layout();
   }
+  // Before the coordinator knows the layout: a late rollout's catch-up starts right after it.
+  if (role == planner::Role::kRollout) PrewarmIncomingStaging(spec, req, sreq.layout(), is_cuda);
   pb::SubmitLayoutResponse sresp;
   absl::Status s = coordinator_.client().SubmitLayout(sreq, &sresp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(30)));
   if (!s.ok()) return s;
@@ -249,7 +251,6 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
   absl::StatusOr<uint64_t> bytes =
       local_.AttachLayout({req.model_id(), req.worker_id()}, std::move(buffers), std::move(cuda), std::move(sreq), sresp.layout());
   if (!bytes.ok()) return bytes.status();
-  if (role == planner::Role::kRollout) PrewarmIncomingStaging(req.model_id(), req.worker_id(), sresp.layout(), is_cuda);
   resp->set_num_pieces(static_cast<uint32_t>(sresp.layout().pieces_size()));
   resp->set_bytes(*bytes);
   local_.RecordLayoutAnswer(key, req, *resp);
@@ -258,25 +259,36 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
 
 // A rollout's incoming staging of the first version (or of a catch-up) is faulted in at
 // registration, not inside that version: one pool buffer per staging buffer, of the size a
-// version's staging will ask the pool for (planner::StagingLayout: a quantised rollout's buffers
-// grow by the canonical shadows of its quantised pieces, so its live buffer sizes never matched
-// and its first version - or a late rollout's catch-up - paid the fresh pages: seconds per GB on a
-// VM that traps first touches). Buffers staged on their GPU (--gpu_staging_bytes, unquantised
-// CUDA rollouts) take none. Best effort: what cannot be described is left to the version.
-void WorkerCalls::PrewarmIncomingStaging(const std::string& model, const std::string& worker, const pb::ResolvedLayout& resolved,
+// version's staging will ask the pool for (planner::StagingLayout of the layout the coordinator
+// resolves: the pieces over the registered buffers - a quantised rollout's buffers grow by the
+// canonical shadows of its quantised pieces, so the live sizes it was prewarmed with before never
+// matched, and its first version, or a late rollout's catch-up, paid fresh pages: seconds per GB
+// on a VM that traps first touches). Done before the layout is submitted, as the catch-up of a
+// late rollout starts right after (prewarming after it raced the catch-up's own allocation).
+// Buffers staged on their GPU (--gpu_staging_bytes, unquantised CUDA rollouts) take none. Best
+// effort: a layout that cannot be described here is left to the version (and refused by the
+// coordinator if it is wrong).
+void WorkerCalls::PrewarmIncomingStaging(const pb::ModelSpec& spec, const pb::RegisterLayoutRequest& req, const pb::LayoutSpec& layout,
                                          const std::vector<bool>& is_cuda) {
-  std::optional<planner::Inventory> inventory = local_.Inventory(model);
-  if (!inventory) return;
-  absl::StatusOr<planner::WorkerLayout> layout = LayoutFromProto(resolved, *inventory);
-  if (!layout.ok()) return;
-  const bool quantized = planner::HasQuantizedPieces(*layout);
-  const planner::WorkerLayout staging = planner::StagingLayout(*inventory, *layout);
+  absl::StatusOr<std::shared_ptr<const LayoutDescriber::Model>> model = describer_.ModelOf(spec);
+  if (!model.ok()) return;
+  const std::vector<pb::BufferSpec> buffers(req.buffers().begin(), req.buffers().end());
+  std::vector<uint32_t> ids;
+  absl::StatusOr<planner::LayoutInfo> info = describer_.DescribeInfo(**model, layout, buffers, planner::Role::kRollout, &ids, req.worker_id());
+  if (!info.ok()) return;
+  planner::WorkerLayout planned = std::move(info->layout);
+  // The registered sizes, as the resolved layout carries them (StagingLayout appends past them).
+  for (size_t j = 0; j < planned.buffers.size() && j < buffers.size(); ++j) planned.buffers[j].size_bytes = static_cast<int64_t>(buffers[j].size_bytes());
+  const bool quantized = planner::HasQuantizedPieces(planned);
+  const planner::WorkerLayout staging = planner::StagingLayout((*model)->inventory, planned);
+  const absl::Time t0 = options_.clock->Now();
   for (size_t j = 0; j < staging.buffers.size(); ++j) {
     const bool cuda = j < is_cuda.size() && is_cuda[j];
     if (cuda && staging_.gpu_staging() && !quantized) continue;
     staging_.PrewarmStaging(staging.buffers[j].size_bytes);
   }
-  Log(LogLevel::kDebug, "rollout staging pre-faulted", {{"model", model}, {"worker", worker}, {"buffers", staging.buffers.size()}});
+  Log(LogLevel::kDebug, "rollout staging pre-faulted",
+      {{"model", req.model_id()}, {"worker", req.worker_id()}, {"seconds", absl::ToDoubleSeconds(options_.clock->Now() - t0)}});
 }
 
 // Layout discovery (daemon/layout_discovery.h), computed on this node: from the model's spec as
