@@ -491,6 +491,24 @@ class DeviceView:
         self.buf.write(self.offset, src.bytes() if isinstance(src, DeviceView) else np.ascontiguousarray(src).tobytes())
 
 
+class LiveViews:
+    """A stand-in for a CUDA hook's views when the parameters are numpy arrays: local tensor
+    `name` read from the emulated buffer at the moment it is looked up (what a device-to-device
+    copy would read then)."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __getitem__(self, name):
+        t = self.hook.layout.tensors[name]
+        n = int(np.prod(t.shape)) * ct.ELEM
+        return np.frombuffer(self.hook.buffer.read(t.offset_bytes, n), np.uint16).reshape(t.shape)
+
+
+def live_views(hook):
+    hook._np_views = LiveViews(hook)
+
+
 class Param:
     def __init__(self, data):
         self.data = data
@@ -654,6 +672,31 @@ class CudaRolloutSleepTest(unittest.TestCase):
             self.assertIs(p.data.buf, rollout.buffer, n)
             self.assertEqual(p.data.bytes(), bytes(p.data.nbytes), n)
         self.close([rollout])
+
+    def test_unbound_cuda_rollout_copies_each_version_into_the_parameters(self):
+        """memory="cuda" without bind (the default of the vLLM extension when CUDA graphs are
+        captured over the parameters): update / apply copy each landed version into the engine's
+        parameters in place, so their addresses - which captured graphs hold - never change; across
+        release / reacquire as well. The device views are stood in for by arrays read from the
+        emulated buffer when they are read (no torch here); the parameters are numpy arrays."""
+        for mode in ("sync", "one_step_off"):
+            model = self.model("py_cuda_copy_" + mode, mode, 1)
+            trainers = self.trainers(model)
+            rollout = self.rollout(model)
+            live_views(rollout)
+            self.assertFalse(rollout.bound)
+            params = {n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}
+            addresses = {n: a.__array_interface__["data"][0] for n, a in params.items()}
+            for v in (1, 2):
+                if v == 2:
+                    rollout.release(timeout=ct.TIMEOUT)
+                    rollout.reacquire(params)
+                    live_views(rollout)
+                self.deliver(mode, v, trainers, [rollout], [params])
+                for n, want in vllm_tp(canonical(v), 1, 0).items():
+                    np.testing.assert_array_equal(params[n], want, err_msg="%s %s v%d" % (mode, n, v))
+                    self.assertEqual(params[n].__array_interface__["data"][0], addresses[n], n)
+            self.close(trainers + [rollout])
 
     def test_host_memory_release_and_reacquire(self):
         """memory="host": release frees the shm buffer too (unlinked, mapped by neither process);

@@ -124,7 +124,8 @@ def hook_with(client):
     """A RolloutHook around `client` without registering anything (update() needs only these)."""
     hook = RolloutHook.__new__(RolloutHook)
     hook.client = client
-    hook.memory = "cuda"  # nothing to copy out; the engine's parameters are the buffer
+    hook.memory = "cuda"  # nothing to copy out; the engine's parameters are the buffer (bound)
+    hook.bound = True
     hook.buffer = object()  # held: update() refuses a hook whose buffer was released
     hook.refresh_derived = lambda: None
     return hook

@@ -558,6 +558,20 @@ class IntegrationsTest(unittest.TestCase):
             h.client.deregister()
             h.client.close()
 
+    def test_vllm_binds_only_without_cuda_graphs(self):
+        """wb_init(memory="cuda") re-points the parameters into the buffer (bind) only when vLLM
+        captured no CUDA graph over them (enforce_eager, cudagraph_mode NONE); else versions are
+        copied in place. Unknown configs count as captured."""
+        ns = types.SimpleNamespace
+        self.assertTrue(vllm.captures_cuda_graphs(ns()))
+        self.assertTrue(vllm.captures_cuda_graphs(ns(model_config=ns(enforce_eager=False))))
+        self.assertFalse(vllm.captures_cuda_graphs(ns(model_config=ns(enforce_eager=True))))
+        self.assertFalse(vllm.captures_cuda_graphs(ns(vllm_config=ns(model_config=ns(enforce_eager=True)))))
+        graphs = ns(vllm_config=ns(model_config=ns(enforce_eager=False), compilation_config=ns(cudagraph_mode=ns(name="FULL_AND_PIECEWISE"))))
+        self.assertTrue(vllm.captures_cuda_graphs(graphs))
+        graphs.vllm_config.compilation_config.cudagraph_mode = ns(name="NONE")
+        self.assertFalse(vllm.captures_cuda_graphs(graphs))
+
     def test_fsdp2_names_with_checkpoint_and_compile_wrappers(self):
         """torchtitan wraps each block in checkpoint_wrapper and torch.compile: the segments
         "_checkpoint_wrapped_module" / "_orig_mod" sit in the middle of the names (in either order,

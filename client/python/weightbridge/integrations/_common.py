@@ -156,6 +156,7 @@ class LayoutHook:
         self.memory = memory
         self.worker_id, self.role, self.gpu = worker_id, role, gpu
         self.buffer = None
+        self.bound = False  # bind() re-pointed the engine's parameters into the buffer
         self._register()
 
     def _register(self):
@@ -272,7 +273,13 @@ class LayoutHook:
     def bind(self, params, copy_current=True):
         """CUDA memory, torch: points every parameter at its place in the registered buffer
         (param.data = view), so versions land in the engine's weights with no copy of ours (Apply
-        / the sync commit write them). `copy_current`: copy the parameters' current weights in
+        / the sync commit write them). Only for an engine that captured no CUDA graph over its
+        parameters (vLLM enforce_eager, SGLang --disable-cuda-graph) or captures them after this:
+        a graph keeps the addresses it was captured with, so after bind it would go on reading the
+        parameters' old memory (freed, then reused) - the versions would silently not reach it.
+        Unbound, a CUDA rollout's update / apply copies each version into the parameters in place
+        (device to device), which keeps every captured address valid at the cost of a second copy
+        of the weights on the GPU. `copy_current`: copy the parameters' current weights in
         first (after loading); False after RolloutHook.reacquire, where the parameters still point
         at the buffer freed by release() and their bytes must not be read - the new buffer holds
         nothing until the next update / apply. Names normalised as for read_into."""
@@ -285,6 +292,7 @@ class LayoutHook:
                 if copy_current:
                     views[name].copy_(p.data)
                 p.data = views[name]
+        self.bound = True
 
     def close(self):
         if self.own_client:

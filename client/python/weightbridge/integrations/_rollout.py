@@ -9,8 +9,11 @@ class RolloutHook(LayoutHook):
 
     Host memory: versions land in the shm buffer; `update()` (sync) / `apply()` (one-step-off,
     async) then copy it into the engine's parameters (`params`: dict(model.named_parameters())).
-    memory="cuda": call `bind(params)` once after loading, and the parameters live in the
-    registered buffer (no copy of ours after that).
+    memory="cuda": versions land in the registered CUDA buffer and `update()` / `apply()` copy
+    them into the parameters in place, device to device (the addresses CUDA graphs captured stay
+    valid; the weights are held twice on the GPU). `bind(params)` once after loading instead
+    re-points the parameters into the buffer (no copy, no second copy of the weights) - only for
+    an engine without CUDA graphs captured over its parameters (LayoutHook.bind).
 
     Engines that sleep between rollouts (colocated RL: vLLM `sleep` / `wake_up`, SGLang
     `release_memory_occupation` / `resume_memory_occupation`): the engine's sleep does not free
@@ -64,9 +67,9 @@ class RolloutHook(LayoutHook):
         end_update(timeout) first, which waits for a commit that is writing the buffer (DEADLINE_
         EXCEEDED: still writing; nothing was released, call again). Then deregister and free.
 
-        memory="cuda": the parameters bound into the buffer now point at freed device memory until
-        reacquire() re-binds them: the engine must not run (generate, capture or replay CUDA
-        graphs) in between. memory="host": the shm buffer is freed the same way; the engine's
+        memory="cuda", bound: the parameters now point at freed device memory until reacquire()
+        re-binds them: the engine must not run (generate, capture or replay CUDA graphs) in
+        between; not bound: the parameters are the engine's own memory, as for host memory. memory="host": the shm buffer is freed the same way; the engine's
         parameters are its own memory (what its sleep does to them is the engine's business).
         RuntimeError when already released."""
         self._holding("release")
@@ -79,10 +82,11 @@ class RolloutHook(LayoutHook):
 
     def reacquire(self, params=None):
         """The engine woke up (its weights at least): registers this rank again - same worker id,
-        role, gpu and preset - with a new, empty buffer of the discovered size. memory="cuda" with
-        `params`: the parameters are bound into it WITHOUT copying their current bytes (they point
-        at the buffer release() freed), so they hold zeros until the next update / apply. Host
-        memory: `params` is not used; the next update / apply copies the version into them.
+        role, gpu and preset - with a new, empty buffer of the discovered size. Bound before (bind)
+        and `params` given: the parameters are bound into it WITHOUT copying their current bytes
+        (they point at the buffer release() freed), so they hold zeros until the next update /
+        apply. Otherwise `params` is not used; the next update / apply copies the version into
+        them.
 
         The rank holds no version now. update(v) / apply(v) wait as usual: the daemon catches it up
         to the committed version from another rollout that holds it (docs/daemon.md "Catch-up"),
@@ -92,13 +96,15 @@ class RolloutHook(LayoutHook):
             raise RuntimeError("reacquire: worker %s of model %s holds its buffer (not released): reacquire follows release()"
                                % (self.worker_id, self.model.model_id))
         self._register()
-        if self.memory == "cuda" and params is not None:
+        if self.bound and params is not None:
             self.bind(params, copy_current=False)
 
     def _landed(self, params):
-        """A version is in the buffer. Host memory: copied into `params` (none given: the engine's
-        weights did not change). Then whatever the engine derived from its weights is refreshed."""
-        if self.memory == "host":
+        """A version is in the buffer. Host memory, or CUDA memory not bound: copied into `params`
+        in place (none given: the engine's weights did not change; CUDA: device to device, so the
+        addresses CUDA graphs captured stay valid). Bound CUDA memory: the parameters are the
+        buffer. Then whatever the engine derived from its weights is refreshed."""
+        if not self.bound:
             if params is None:
                 return
             self.read_into(params)

@@ -8,7 +8,8 @@
 
 Preset "sglang" (docs/presets.md): vLLM's layout with SGLang's names where they differ
 (fused_qkv_a_proj_with_mqa for MLA); shared-expert fusion off (--disable-shared-experts-fusion),
-memory="cuda" with bind(params) as for vLLM. DP attention (--enable-dp-attention, DeepSeek-V2/V3
+memory="cuda" as for vLLM: each version copied into the parameters in place (SGLang captures CUDA
+graphs over them by default); bind(params) only with --disable-cuda-graph. DP attention (--enable-dp-attention, DeepSeek-V2/V3
 and Kimi-K2 only, docs/presets.md): pass SGLang's own numbers and say so -
 SglangRollout(..., tp=tp_size, tp_rank=tp_rank, dp=dp_size, enable_dp_attention=True) - and the
 hook describes the engine as the preset does (tp = tp_size / dp_size, the attention-TP group;
@@ -20,10 +21,11 @@ attention-TP group instead of all tp_size ranks; DP attention only) and
 dense MLPs whole on every rank) - docs/presets.md. A mismatch gives the engine's parameters other
 shapes than the layout's, which read_into / bind refuse.
 Memory release (colocated RL: `release_memory_occupation` / `resume_memory_occupation`): with
-memory="cuda" the weights live in our buffer, which SGLang's release does not free. After the
-release call `rollout.release()` (leaves the daemon, frees the buffer; the engine must not run
-until reacquire); after resuming (its weights) `rollout.reacquire(params)` (registered again,
-parameters re-bound into a new empty buffer without a copy), then the trainers publish and
+memory="cuda" versions land in our buffer, which SGLang's release does not free (bound: the
+weights themselves live there). After the release call `rollout.release()` (leaves the daemon,
+frees the buffer; bound, the engine must not run until reacquire); after resuming (its weights)
+`rollout.reacquire(params)` (registered again with a new empty buffer; bound parameters re-bound
+into it without a copy), then the trainers publish and
 `update` / `apply` lands the version before the engine generates (RolloutHook; docs/integration.md
 "Engines that sleep").
 With --enable-lora SGLang wraps linear layers keeping the original as `base_layer`

@@ -8,25 +8,32 @@
     # one-step-off / async, between engine steps:
     llm.collective_rpc("wb_apply")
 
-Sleep mode (colocated RL: the trainer gets the GPU memory between rollouts). With memory="cuda" the
-weights live in our buffer, outside vLLM's sleep-mode allocator, so llm.sleep frees only what vLLM
-allocated (the KV cache); wb_sleep frees the buffer (leaving the daemon first, whose mapping would
-keep it). Call order:
+memory="cuda": versions land in a CUDA buffer WeightBridge registers on the rank's GPU. vLLM
+captures CUDA graphs over its parameters' addresses at engine start (unless enforce_eager or
+cudagraph_mode NONE), so by default each version is copied into the parameters in place, device to
+device, by wb_update / wb_apply (the weights are held twice on the GPU: the parameters and the
+buffer). Without CUDA graphs wb_init binds instead (bind=None: decided from vLLM's config;
+bind=True forces it): the parameters are re-pointed into the buffer and versions land in them with
+no copy and no second copy of the weights - with graphs captured that would leave the graphs
+reading the old, freed parameter memory: versions would silently not reach generation.
+
+Sleep mode (colocated RL: the trainer gets the GPU memory between rollouts). With memory="cuda"
+versions land in our buffer (bound: the weights live there), outside vLLM's sleep-mode allocator,
+so llm.sleep does not free it; wb_sleep frees the buffer (leaving the daemon first, whose mapping
+would keep it). Call order:
     llm.sleep(level=1)                       # or 2
-    llm.collective_rpc("wb_sleep")           # the engine must not run until wb_wake
+    llm.collective_rpc("wb_sleep")           # bound: the engine must not run until wb_wake
     ... train ...
     llm.wake_up(tags=["weights"])
-    llm.collective_rpc("wb_wake")            # registered again, new empty buffer, parameters re-bound
+    llm.collective_rpc("wb_wake")            # registered again, new empty buffer (bound: re-bound)
     # the trainers publish v (after the engines woke)
     llm.collective_rpc("wb_update", args=(v,))   # or wb_apply: the version lands before generating
     llm.wake_up(tags=["kv_cache"])
-After wb_wake the rank holds no version: with memory="cuda" the parameters point at the new buffer,
-zeros until wb_update / wb_apply lands a version (a version another rank still holds is copied from
-it - catch-up - else the next published one). Host memory: the new shm buffer is empty and the
-parameters are vLLM's (after level 2, garbage until written): the next wb_update / wb_apply copies
-the version into them. The buffer may get another device address at each wb_wake, and bind()
-re-points parameters: CUDA graphs captured over the old addresses are not updated (not handled
-here).
+After wb_wake the rank holds no version: the next wb_update / wb_apply lands one (a version
+another rank still holds is copied from it - catch-up - else the next published one) and copies it
+into the parameters (bound: the parameters are the new buffer, zeros until then). After a level-2
+sleep the parameters hold garbage until that copy. Bound, the buffer may get another device address
+at each wb_wake and bind() re-points the parameters (without CUDA graphs, nothing captured them).
 
 The preset "vllm" (docs/presets.md) names the rank's local tensors as vLLM's
 model.named_parameters() does (fused qkv_proj = [q; k; v], gate_up_proj, FusedMoE
@@ -54,11 +61,23 @@ class VllmRollout(RolloutHook):
         super().__init__("vllm", socket_path, model, **kw)
 
 
+def captures_cuda_graphs(worker):
+    """Whether vLLM runs `worker`'s model through CUDA graphs captured over the parameters'
+    addresses: not with model_config.enforce_eager, nor with compilation_config.cudagraph_mode
+    NONE. What cannot be read counts as captured (the safe side: copies in place)."""
+    cfg = getattr(worker, "vllm_config", None)
+    mc = getattr(worker, "model_config", None) or getattr(cfg, "model_config", None)
+    if getattr(mc, "enforce_eager", False) is True:
+        return False
+    mode = getattr(getattr(cfg, "compilation_config", None), "cudagraph_mode", None)
+    return mode is None or getattr(mode, "name", str(mode)) != "NONE"
+
+
 class WeightBridgeWorkerExtension:
     """Mixed into vLLM's GPU worker: `self` has model_runner, device, parallel_config (vLLM >= 0.8)."""
 
     def wb_init(self, socket_path, model_cfg, replica=0, memory="host", expert_placement="", quantization="",
-                moe_a2a_backend=None):
+                moe_a2a_backend=None, bind=None):
         pc = self.parallel_config
         if moe_a2a_backend is None:  # vLLM's own setting: --all2all-backend, or the older environment variable
             moe_a2a_backend = getattr(pc, "all2all_backend", None) or os.environ.get("VLLM_ALL2ALL_BACKEND", "")
@@ -73,7 +92,7 @@ class WeightBridgeWorkerExtension:
                               expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
                               moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory, gpu=self.device.index if memory == "cuda" else -1)
         self.wb_params = params
-        if memory == "cuda":
+        if memory == "cuda" and (bind if bind is not None else not captures_cuda_graphs(self)):
             self.wb.bind(self.wb_params)
         return self.wb.layout.buffer_bytes(0)
 
@@ -88,7 +107,7 @@ class WeightBridgeWorkerExtension:
         self.wb.release(timeout)
 
     def wb_wake(self):
-        """After llm.wake_up(tags=["weights"]): registers again with a new buffer and, memory="cuda",
+        """After llm.wake_up(tags=["weights"]): registers again with a new buffer and, when bound,
         re-binds the parameters into it without copying (RolloutHook.reacquire). Returns the buffer's
         size. The weights are written by the next wb_update / wb_apply."""
         self.wb.reacquire(self.wb_params)
