@@ -741,6 +741,221 @@ class CudaRolloutSleepTest(unittest.TestCase):
         self.close([rollout])
 
 
+class EngineParam:
+    """A stand-in for an engine's torch CUDA parameter (torch is not installed here): the
+    `shape` tensor of `elem`-byte elements at byte `offset` of emulated device memory `mem` (a
+    CudaBuffer or VmmAllocation), with the duck-typed attributes memory="engine" uses."""
+
+    def __init__(self, mem, offset, shape, dtype="torch.bfloat16", elem=2, contiguous=True):
+        self.mem, self.offset, self.shape, self.dtype, self.elem = mem, offset, tuple(shape), dtype, elem
+        self.contiguous = contiguous
+        self.device = types.SimpleNamespace(index=mem.gpu)
+
+    def data_ptr(self):
+        return self.mem.ptr + self.offset
+
+    def is_contiguous(self):
+        return self.contiguous
+
+    def element_size(self):
+        return self.elem
+
+    def nelement(self):
+        return int(np.prod(self.shape))
+
+    def nbytes(self):
+        return self.nelement() * self.elem
+
+    def value(self):
+        return np.frombuffer(self.mem.read(self.offset, self.nbytes()), np.uint16).reshape(self.shape)
+
+
+GAP = 384  # bytes between the engine's parameters (never written by a version)
+GARBAGE = 0xAB
+
+
+def scatter(shapes, allocations, gpu, kind="cuda"):
+    """The engine's parameters laid out NOT like the packed preset buffer: in reverse order, dealt
+    round-robin over `allocations` allocations (CudaBuffer, or kind="vmm": ONE VmmAllocation made of
+    that many allocations mapped back to back, parameters crossing their boundaries), each after a
+    GAP-byte gap. Every byte is GARBAGE first. Returns (memories, {name: EngineParam})."""
+    from weightbridge.cuda import CudaBuffer, VmmAllocation
+    names = list(reversed(list(shapes)))
+    slots = 1 if kind == "vmm" else allocations
+    placed, ends = {}, [0] * slots
+    for i, n in enumerate(names):
+        k = i % slots
+        placed[n] = (k, ends[k] + GAP)
+        ends[k] += GAP + int(np.prod(shapes[n])) * ct.ELEM
+    if kind == "vmm":
+        mems = [VmmAllocation(ends[0] + GAP, gpu, allocations=allocations)]
+    else:
+        mems = [CudaBuffer(e + GAP, gpu) for e in ends]
+    for m in mems:
+        m.write(0, bytes([GARBAGE]) * m.size_bytes)
+    return mems, {n: EngineParam(mems[k], off, shapes[n]) for n, (k, off) in placed.items()}
+
+
+def gaps_untouched(mems, params):
+    """Whether every byte outside the parameters still holds GARBAGE."""
+    for m in mems:
+        raw = bytearray(m.read(0, m.size_bytes))
+        for p in params.values():
+            if p.mem is m:
+                raw[p.offset:p.offset + p.nbytes()] = bytes([GARBAGE]) * p.nbytes()
+        if raw != bytes([GARBAGE]) * m.size_bytes:
+            return False
+    return True
+
+
+@unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
+                     "emulated-GPU builds not present (built only with CUDA headers)")
+@unittest.skipIf(os.environ.get("WB_SANITIZER"),
+                 "sanitizer build: the instrumented emulated runtime cannot be loaded into the uninstrumented python3")
+class CudaEngineMemoryTest(unittest.TestCase):
+    """memory="engine": the engine's OWN parameter memory is registered (cudaMalloc memory by CUDA
+    IPC of each allocation's base, VMM memory by fd) and versions land in the parameters
+    themselves, at their addresses, with nothing copied by the hook. Megatron tp=2 trainers (host
+    memory) -> a vLLM tp=1 rollout whose parameters are emulated device memory laid out unlike
+    the preset's packed buffer (reverse order, gaps, spread over allocations); every parameter is
+    read back through the runtime and compared with vLLM's tensors of the version, built in
+    integrations_test independently of the daemon. Emulated GPUs and duck-typed stand-ins for
+    torch parameters only: says nothing about a real vLLM or a real GPU."""
+
+    setUpClass = classmethod(CudaRolloutSleepTest.setUpClass.__func__)
+    tearDownClass = classmethod(CudaRolloutSleepTest.tearDownClass.__func__)
+    model = CudaRolloutSleepTest.model
+    trainers = CudaRolloutSleepTest.trainers
+    deliver = CudaRolloutSleepTest.deliver
+    registered = CudaRolloutSleepTest.registered
+    close = CudaRolloutSleepTest.close
+
+    def shapes(self):
+        return {n: a.shape for n, a in vllm_tp(canonical(0), 1, 0).items()}
+
+    def engine_rollout(self, model, params, gpu=0):
+        return vllm.VllmRollout(None, model, tp=1, memory="engine", params=params, gpu=gpu,
+                                client=self.daemon.client("veng"))
+
+    def assert_params_hold(self, params, v, what):
+        want = vllm_tp(canonical(v), 1, 0)
+        self.assertEqual(set(params), set(want))
+        for n, p in params.items():
+            np.testing.assert_array_equal(p.value(), want[n], err_msg="%s %s v%d" % (what, n, v))
+
+    def run_engine(self, mode, allocations, kind="cuda"):
+        model = self.model("py_engine_%s_%d_%s" % (kind, allocations, mode), mode, 1)
+        trainers = self.trainers(model)
+        mems, params = scatter(self.shapes(), allocations, 0, kind)
+        addresses = {n: p.data_ptr() for n, p in params.items()}
+        rollout = self.engine_rollout(model, params)
+        bufs = rollout.client.buffers
+        # One buffer per allocation (VMM: per run of allocations mapped back to back), not per tensor.
+        self.assertEqual(len(bufs), 1 if kind == "vmm" else allocations, [b.id for b in bufs])
+        if kind == "vmm":
+            self.assertEqual(len(bufs[0].vmm_next_keys), allocations - 1)
+        else:
+            self.assertEqual(sorted(b.ptr for b in bufs), sorted(m.ptr for m in mems))
+        self.assertEqual(self.registered(model), ["rollout/0", "trainer/0", "trainer/1"])
+        what = "%s %s x%d" % (mode, kind, allocations)
+        for v in (1, 2, 3):
+            if v == 3:
+                rollout.release(timeout=ct.TIMEOUT)
+                self.assertEqual(rollout.client.buffers, [])
+                for m in mems:  # never freed: the engine's memory, still holding v2
+                    self.assertTrue(is_device_memory(m.ptr))
+                self.assert_params_hold(params, 2, what + " released")
+                with self.assertRaisesRegex(RuntimeError, "reacquire\(\) first"):
+                    rollout.apply(3, timeout=ct.TIMEOUT)
+                rollout.reacquire()
+                self.assertEqual(len(rollout.client.buffers), len(bufs))
+                self.assertEqual(self.registered(model), ["rollout/0", "trainer/0", "trainer/1"])
+            self.deliver(mode, v, trainers, [rollout], [params])
+            self.assert_params_hold(params, v, what)
+            self.assertTrue(gaps_untouched(mems, params), "%s v%d: a version wrote outside the parameters" % (what, v))
+            self.assertEqual({n: p.data_ptr() for n, p in params.items()}, addresses)
+            self.assertIs(rollout.view("model.embed_tokens.weight"), params["model.embed_tokens.weight"])
+        self.close(trainers + [rollout])
+        for m in mems:
+            self.assertTrue(is_device_memory(m.ptr), "the hook freed the engine's memory")
+            m.close()
+
+    def test_sync_two_allocations(self):
+        self.run_engine("sync", 2)
+
+    def test_one_step_off_two_allocations(self):
+        self.run_engine("one_step_off", 2)
+
+    def test_one_step_off_one_allocation_per_parameter(self):
+        self.run_engine("one_step_off", len(self.shapes()))
+
+    def test_sync_vmm_segment_of_three_allocations(self):
+        self.run_engine("sync", 3, kind="vmm")
+
+    def test_mismatched_parameters_refused_before_anything_is_registered(self):
+        model = self.model("py_engine_refused", "one_step_off", 1)
+        shapes = self.shapes()
+        victim = "model.layers.0.self_attn.qkv_proj.weight"
+        self.assertIn(victim, shapes)
+        cases = []
+        short = dict(shapes)
+        short[victim] = (shapes[victim][0] - 1,) + tuple(shapes[victim][1:])
+        cases.append((short, None, ValueError, "engine parameter %s \(shape %s.*sizes differ" % (re.escape(victim),
+                                                                                                 re.escape(str(short[victim])))))
+        flat = dict(shapes)
+        flat[victim] = (shapes[victim][1], shapes[victim][0])  # same bytes, transposed shape
+        cases.append((flat, None, ValueError, "engine parameter %s .*shapes differ" % re.escape(victim)))
+        cases.append((shapes, "noncontiguous", ValueError, "engine parameter %s .*not contiguous" % re.escape(victim)))
+        cases.append((shapes, "float32", ValueError, "engine parameter %s .*(sizes|dtypes) differ" % re.escape(victim)))
+        cases.append((shapes, "missing", KeyError, "no parameter for 1 local tensors: %s" % re.escape(victim)))
+        for shp, twist, err, pattern in cases:
+            mems, params = scatter(shp, 2, 0)
+            if twist == "noncontiguous":
+                params[victim].contiguous = False
+            elif twist == "float32":
+                params[victim].dtype = "torch.float32"
+            elif twist == "missing":
+                del params[victim]
+            client = self.daemon.client("vref")
+            with self.assertRaisesRegex(err, pattern):
+                vllm.VllmRollout(None, model, tp=1, memory="engine", params=params, gpu=0, client=client)
+            self.assertEqual(client.buffers, [], twist)
+            with self.assertRaisesRegex(wb.WeightBridgeError, "NOT_FOUND: status filter: unknown model"):
+                self.registered(model)  # nobody registered: the model was never even created
+            client.close()
+            for m in mems:
+                m.close()
+        with self.assertRaisesRegex(ValueError, "needs params"):
+            vllm.VllmRollout(None, model, tp=1, memory="engine", gpu=0, client=self.daemon.client("vref"))
+
+    def test_ipc_buffer_over_memory_we_did_not_allocate(self):
+        """add_cuda_ipc_buffer: the whole cudaMalloc allocation holding a pointer, one buffer per
+        allocation, never freed by close(); VMM memory refused (it has its own path)."""
+        from weightbridge.cuda import CudaBuffer, VmmAllocation
+        model = wb.ModelConfig(model_id="py_engine_ipc", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        mem = CudaBuffer(4096, 1)
+        c = self.daemon.client("vipc")
+        c.register_worker(model, "rollout/0", "rollout", gpu=1)
+        b = c.add_cuda_ipc_buffer(mem.ptr + 1000, 100, 1)
+        self.assertEqual((b.id, b.ptr, b.base, b.size_bytes, b.gpu), (0, mem.ptr, mem.ptr, 4096, 1))
+        self.assertIs(c.add_cuda_ipc_buffer(mem.ptr + 3000, 16), b, "one buffer per allocation")
+        self.assertEqual(len(c.buffers), 1)
+        with self.assertRaisesRegex(ValueError, "run past the end"):
+            c.add_cuda_ipc_buffer(mem.ptr + 4000, 100)
+        with self.assertRaisesRegex(ValueError, "lives on GPU 1, not GPU 0"):
+            c.add_cuda_ipc_buffer(mem.ptr, 16, 0)
+        v = VmmAllocation(1, 1)
+        with self.assertRaisesRegex(ValueError, "CUDA VMM memory"):
+            c.add_cuda_ipc_buffer(v.ptr, 16)
+        c.deregister()
+        c.free_buffers()
+        self.assertTrue(is_device_memory(mem.ptr), "free_buffers freed memory that is not the client's")
+        c.close()
+        v.close()
+        mem.close()
+
+
 # Buffer j of a VMM worker sits at VMM_OFFSETS[j] of its one allocation: neither offset is 0, so a
 # daemon that ignored them would put bytes in the wrong place.
 VMM_OFFSETS = (4096, (1 << 20) + 256)

@@ -3,6 +3,7 @@
 Same verbs and contract as the C++ client (client/worker_client.h):
   [describe_layout: buffer sizes and local tensor places, any time] ->
   register_worker -> create_buffer (POSIX shm, numpy views) / create_cuda_buffer (CUDA IPC) /
+  add_cuda_ipc_buffer (existing cudaMalloc memory, e.g. an engine's parameters) /
   add_cuda_vmm_buffer (CUDA VMM memory, e.g. torch expandable segments) -> register_layout
   -> publish (trainer) | begin_update + wait_version, end_update when the wait fails (sync rollout) | apply (one-step-off / async
   rollout) -> deregister; status() any time.
@@ -340,6 +341,45 @@ class WorkerClient:
         """Device memory exported by CUDA IPC (see weightbridge.cuda; needs a GPU)."""
         from weightbridge.cuda import CudaBuffer
         b = CudaBuffer(size_bytes, gpu, len(self.buffers))
+        self.buffers.append(b)
+        return b
+
+    def add_cuda_ipc_buffer(self, ptr, size_bytes=None, gpu=None):
+        """A buffer over EXISTING cudaMalloc device memory this client did not allocate (e.g. an
+        engine's parameters from torch's caching allocator), shared by CUDA IPC. `ptr` is a device
+        pointer (int) or a torch tensor (size_bytes and gpu then default to the tensor's). The
+        allocation holding [ptr, ptr + size_bytes) is found (cuMemGetAddressRange) and the buffer
+        is that WHOLE allocation, exported by the IPC handle of its base (legacy IPC maps an
+        allocation from its base; a tensor inside is addressed by layout offsets from it:
+        `buffer.base`, as torch's CUDA IPC sends handle + offset). One buffer per allocation: a
+        pointer into an allocation that already has one returns that buffer (same id). ValueError
+        when the range is not inside one cudaMalloc allocation (CUDA VMM memory:
+        add_cuda_vmm_buffer), or `gpu` is not the GPU holding it. The memory stays its owner's:
+        close() / free_buffers() only forget it; it must stay allocated while registered."""
+        from weightbridge import cuda
+        if hasattr(ptr, "data_ptr"):  # a torch tensor
+            tensor = ptr
+            ptr = tensor.data_ptr()
+            if size_bytes is None:
+                size_bytes = tensor.nelement() * tensor.element_size()
+            if gpu is None:
+                gpu = tensor.device.index
+        ptr, size_bytes = int(ptr), int(size_bytes or 0)
+        if size_bytes <= 0:
+            raise ValueError("add_cuda_ipc_buffer: size_bytes must be > 0, got %d" % size_bytes)
+        alloc = cuda.device_allocation_of(ptr)
+        if alloc.vmm:
+            raise ValueError("add_cuda_ipc_buffer: 0x%x is CUDA VMM memory (cuMemCreate), which CUDA IPC cannot export: "
+                             "add_cuda_vmm_buffer" % ptr)
+        if ptr + size_bytes > alloc.base + alloc.size:
+            raise ValueError("add_cuda_ipc_buffer: %d bytes at 0x%x run past the end of their cudaMalloc allocation "
+                             "[0x%x, +%d)" % (size_bytes, ptr, alloc.base, alloc.size))
+        if gpu is not None and int(gpu) != alloc.gpu:
+            raise ValueError("add_cuda_ipc_buffer: 0x%x lives on GPU %d, not GPU %d" % (ptr, alloc.gpu, int(gpu)))
+        for b in self.buffers:
+            if isinstance(b, cuda.IpcBuffer) and b.ptr == alloc.base and b.size_bytes == alloc.size:
+                return b
+        b = cuda.IpcBuffer(alloc, len(self.buffers))
         self.buffers.append(b)
         return b
 

@@ -347,6 +347,66 @@ def vmm_allocations_of(ptr, size_bytes):
     return out
 
 
+class DeviceAllocation:
+    """The allocation holding a device pointer (device_allocation_of): [base, base + size) on `gpu`;
+    `vmm`: CUDA VMM memory (cuMemCreate + cuMemMap: torch's expandable segments, vLLM's sleep-mode
+    pool), shared by fd (WorkerClient.add_cuda_vmm_buffer); else cudaMalloc memory (torch's
+    caching allocator by default), shared by a CUDA IPC handle of `base`
+    (WorkerClient.add_cuda_ipc_buffer)."""
+
+    def __init__(self, base, size, gpu, vmm):
+        self.base, self.size, self.gpu, self.vmm = base, size, gpu, vmm
+
+
+def device_allocation_of(ptr):
+    """The allocation that device pointer `ptr` lies in (cuMemGetAddressRange gives its base and
+    size; cuMemRetainAllocationHandle succeeds for VMM memory only, which tells the two kinds
+    apart). For VMM memory base/size are those of the one mapping at `ptr` (an expandable segment
+    maps many back to back: vmm_allocations_of). ValueError when `ptr` is not device memory of this
+    process. Holds no reference."""
+    ptr = int(ptr)
+    gpu = _pointer_device(ptr)
+    rt = _rt()
+    _check(rt.cudaSetDevice(gpu), "cudaSetDevice(%d)" % gpu)
+    base, size, handle = _CU_DEVICEPTR(), ctypes.c_size_t(), _CU_HANDLE()
+    _cu("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), _CU_DEVICEPTR(ptr))
+    vmm = _driver("cuMemRetainAllocationHandle")(ctypes.byref(handle), ctypes.c_void_p(ptr)) == 0
+    if vmm:
+        _cu("cuMemRelease", handle)
+    else:
+        rt.cudaGetLastError()
+    return DeviceAllocation(base.value, size.value, gpu, vmm)
+
+
+class IpcBuffer(_DeviceBytes):
+    """A worker buffer over EXISTING cudaMalloc memory that is not ours (an engine's parameters
+    from torch's caching allocator; WorkerClient.add_cuda_ipc_buffer): the whole allocation
+    [ptr, ptr + size_bytes) found with cuMemGetAddressRange, exported by the CUDA IPC handle of its
+    base (cudaIpcGetMemHandle). The daemon opens the handle, which maps the whole allocation from
+    its base, so a tensor inside it is addressed by layout offsets relative to that base - as
+    torch's own CUDA IPC sends (handle, offset from the allocation's base). close() only forgets
+    the memory: it stays its owner's, never freed here."""
+
+    def __init__(self, alloc, buffer_id=0):
+        if alloc.vmm:
+            raise ValueError("[0x%x, +%d) is CUDA VMM memory (cuMemCreate), which CUDA IPC handles cannot export: "
+                             "add_cuda_vmm_buffer" % (alloc.base, alloc.size))
+        self.id = buffer_id
+        self.gpu = int(alloc.gpu)
+        self.ptr = alloc.base
+        self.size_bytes = int(alloc.size)
+        rt = _rt()
+        _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
+        handle = (ctypes.c_byte * _IPC_HANDLE_BYTES)()
+        _check(rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(self.ptr)), "cudaIpcGetMemHandle")
+        self.ipc_handle = bytes(handle)
+        self.gpu_uuid = gpu_uuid(self.gpu)
+        self.base = self.ptr  # stays after close(), for offsets computed against it
+
+    def close(self):
+        self.ptr = 0  # forgets it; the memory is its owner's
+
+
 class VmmAllocation(_DeviceBytes):
     """One CUDA VMM allocation of at least `size_bytes` (rounded up to the granularity) on `gpu`,
     exportable as a POSIX fd, mapped read-write here and zero-filled: a home for a worker's weights

@@ -11,9 +11,10 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import numpy as np
 
+from weightbridge._proto import pb
 from weightbridge.client import ModelConfig, WorkerClient
-from weightbridge.discovery import LayoutDescription
-from weightbridge.layouts import PresetLayout
+from weightbridge.discovery import _DTYPES_BY_NAME, LayoutDescription
+from weightbridge.layouts import ExplicitLayout, PresetLayout, row_major_strides
 
 
 def bf16_bits(x):
@@ -137,18 +138,83 @@ def local_tensor(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _dtype_name(dtype):
+    """torch.bfloat16 -> "bfloat16" (also a stand-in's dtype given as a string)."""
+    return str(dtype).split(".")[-1]
+
+
+def _byte_shape(shape, nbytes_last_dim):
+    return tuple(int(d) for d in shape[:-1]) + (nbytes_last_dim,)
+
+
+def check_engine_param(name, place, p):
+    """memory="engine": ValueError naming `name` unless engine parameter `p` (torch CUDA tensor or
+    a duck-typed stand-in: data_ptr, is_contiguous, element_size, nelement, shape, dtype) holds
+    exactly the bytes of local tensor `place` in the same order, so versions can land in it as the
+    layout writes the buffer: contiguous, place row-major, the same size in bytes and the same
+    byte-view shape (the last dim in bytes; int4 / e2m1 pairs as bytes, so vLLM's int32
+    weight_packed [N, K/8] matches int4 [N, K]); a floating dtype other than the layout's
+    (bfloat16 into float32, or into float16) is refused: that needs a value conversion, which
+    only a copy (memory="cuda") does. Returns the parameter's size in bytes."""
+    shape = tuple(int(d) for d in place.shape)
+    got_shape = tuple(int(d) for d in p.shape)
+    nbytes = int(p.nelement()) * int(p.element_size())
+    what = "engine parameter %s (shape %s, %s, %d bytes) vs the layout's local tensor (shape %s, %s, %d bytes)" % (
+        name, got_shape, _dtype_name(p.dtype), nbytes, shape, place.dtype, place.size_bytes)
+    if not p.is_contiguous():
+        raise ValueError("%s: the parameter is not contiguous; memory='engine' writes it as one row-major block "
+                         "(use memory='cuda')" % what)
+    if [int(x) for x in place.strides] != row_major_strides(shape) and 0 not in shape:
+        raise ValueError("%s: the layout places it with strides %s, not row-major (use memory='cuda')"
+                         % (what, tuple(place.strides)))
+    if nbytes != place.size_bytes:
+        raise ValueError("%s: sizes differ" % what)
+    bits = _DTYPES_BY_NAME[place.dtype][1]
+    want = _byte_shape(shape, shape[-1] * bits // 8) if shape else (place.size_bytes,)
+    got = _byte_shape(got_shape, got_shape[-1] * int(p.element_size())) if got_shape else (nbytes,)
+    if want != got:
+        raise ValueError("%s: shapes differ (as bytes %s vs %s)" % (what, got, want))
+    pd = _dtype_name(p.dtype)
+    if pd in _FLOAT_DTYPES and place.dtype in _FLOAT_DTYPES and pd != place.dtype:
+        raise ValueError("%s: dtypes differ (a value conversion: use memory='cuda')" % what)
+    return nbytes
+
+
+class _ProtoPiece:
+    """A pb.Piece as it is (ExplicitLayout of re-based description pieces)."""
+
+    def __init__(self, piece):
+        self.piece = piece
+
+    def to_proto(self):
+        return self.piece
+
+
 class LayoutHook:
     """Registers one worker whose buffer the layout discovery sized, and moves tensors by name.
 
-    `memory`: "host" (a POSIX shm buffer; torch tensors on a GPU are copied device -> host) or
-    "cuda" (a CUDA IPC buffer on `gpu`; needs a GPU and torch for the copies). `client` may be
-    given (tests, or a worker that registers other things itself); it is then not closed by close().
+    `memory`: "host" (a POSIX shm buffer; torch tensors on a GPU are copied device -> host),
+    "cuda" (a CUDA IPC buffer on `gpu`; needs a GPU and torch for the copies) or, rollouts only,
+    "engine" (zero copy: the engine's own parameter memory `params` is registered and versions
+    land in the parameters themselves; _register_engine). `client` may be given (tests, or a
+    worker that registers other things itself); it is then not closed by close().
     """
 
     def __init__(self, socket_path: Optional[str], model: ModelConfig, worker_id: str, role: str, preset: PresetLayout,
-                 memory: str = "host", gpu: int = -1, client: Optional[WorkerClient] = None, shm_prefix: str = "hook"):
-        if memory not in ("host", "cuda"):
-            raise ValueError("memory must be 'host' or 'cuda', got %r" % memory)
+                 memory: str = "host", gpu: int = -1, client: Optional[WorkerClient] = None, shm_prefix: str = "hook",
+                 params=None):
+        if memory not in ("host", "cuda", "engine"):
+            raise ValueError("memory must be 'host', 'cuda' or 'engine', got %r" % memory)
+        if memory == "engine":
+            if role != "rollout":
+                raise ValueError("memory='engine' is for rollouts (the engine's parameters receive the versions)")
+            if params is None:
+                raise ValueError("memory='engine' needs params (the engine's {name: CUDA parameter})")
+            params = engine_params(params)
+        self.engine_params = params if memory == "engine" else None
         self.own_client = client is None
         self.client = client or WorkerClient(socket_path, shm_prefix=shm_prefix)
         self.model = model
@@ -165,6 +231,9 @@ class LayoutHook:
         (an engine woke up) with the same worker id, role, gpu and preset."""
         # Discovery first: the buffer is sized from the daemon's answer, never computed here.
         desc = self.client.describe_layout(self.preset, model=self.model)
+        if self.memory == "engine":
+            self._register_engine(desc)
+            return
         self.client.register_worker(self.model, self.worker_id, self.role, gpu=self.gpu if self.memory == "cuda" else -1)
         size = desc.buffer_bytes(0)
         if self.memory == "cuda":
@@ -176,6 +245,105 @@ class LayoutHook:
         self.info = info
         self._np_views = self.layout.views(self.client.buffers) if self.memory == "host" else {}
         self._torch_views = None
+
+    def _register_engine(self, desc):
+        """memory="engine": registers the engine's parameter memory itself. Every local tensor that
+        holds pieces (and the scale / global-scale tensors its quantised pieces name) must have a
+        parameter holding exactly its bytes (check_engine_param; refused, naming it, before
+        anything is registered). Each parameter's allocation is registered once - cudaMalloc memory
+        by CUDA IPC of the allocation's base (add_cuda_ipc_buffer), CUDA VMM memory (expandable
+        segments, vLLM's sleep-mode pool) by fd, one buffer per run of allocations mapped back to
+        back (add_cuda_vmm_buffer) - and the description's pieces are re-based into them:
+        offset = piece offset - local tensor offset + (parameter address - buffer base), scales
+        likewise through their tensors' parameters. The engine's memory is never freed here."""
+        from weightbridge import cuda
+        params = self.engine_params
+        tensors = desc.tensors
+        needed = {}
+        for name, place in tensors.items():
+            if not place.pieces:
+                continue
+            needed[name] = place
+            if any(desc.pieces[i].quant_dtype for i in place.pieces):
+                for extra in (place.scale_tensor, place.global_scale_tensor):
+                    if extra:
+                        needed[extra] = tensors[extra]
+        missing = [n for n in needed if n not in params]
+        if missing:
+            raise KeyError("memory='engine': the engine has no parameter for %d local tensors: %s"
+                           % (len(missing), ", ".join(missing[:8])))
+        sizes = {n: check_engine_param(n, place, params[n]) for n, place in needed.items()}
+        gpus = {int(params[n].device.index) for n in needed}
+        gpu = self.gpu if self.gpu >= 0 else (min(gpus) if gpus else 0)
+        if gpus - {gpu}:
+            raise ValueError("memory='engine': the parameters lie on GPUs %s, the rank's GPU is %d" % (sorted(gpus), gpu))
+        self.client.register_worker(self.model, self.worker_id, self.role, gpu=gpu)
+        try:
+            where = {}  # name -> (buffer, address of the buffer's byte 0)
+            vmm = {}
+            for n in needed:
+                ptr = int(params[n].data_ptr())
+                if cuda.device_allocation_of(ptr).vmm:
+                    vmm[n] = ptr
+                else:
+                    b = self.client.add_cuda_ipc_buffer(ptr, sizes[n], gpu)
+                    where[n] = (b, b.base)
+            if vmm:
+                spans = {}
+                for n, ptr in vmm.items():
+                    for r in cuda.vmm_allocations_of(ptr, sizes[n]):
+                        spans[r.base] = r.size
+                        r.close()
+                runs = []  # [base, end): allocations mapped back to back, one buffer each
+                for base in sorted(spans):
+                    if runs and runs[-1][1] == base:
+                        runs[-1][1] = base + spans[base]
+                    else:
+                        runs.append([base, base + spans[base]])
+                bufs = [self.client.add_cuda_vmm_buffer(b, e - b, gpu) for b, e in runs]
+                for n, ptr in vmm.items():
+                    b = next(b for b in bufs if b.ptr <= ptr < b.ptr + b.size_bytes)
+                    where[n] = (b, b.ptr)
+
+            def rebase(name, buffer_id, offset, what):
+                place = tensors[name]
+                if buffer_id != place.buffer_id or not place.offset_bytes <= offset < place.offset_bytes + max(1, place.size_bytes):
+                    raise ValueError("memory='engine': %s at buffer %d offset %d is not inside local tensor %s"
+                                     % (what, buffer_id, offset, name))
+                b, base = where[name]
+                return b.id, offset - place.offset_bytes + (int(params[name].data_ptr()) - base)
+
+            pieces = []
+            for name, place in tensors.items():
+                for i in place.pieces:
+                    p = pb.Piece()
+                    p.CopyFrom(desc.pieces[i])
+                    p.buffer_id, p.offset_bytes = rebase(name, p.buffer_id, p.offset_bytes, "a piece of " + p.tensor)
+                    if p.quant_dtype:
+                        old_scale_buffer = p.scale_buffer_id
+                        p.scale_buffer_id, p.scale_offset_bytes = rebase(
+                            place.scale_tensor, old_scale_buffer, p.scale_offset_bytes, "the scales of " + p.tensor)
+                        if p.HasField("quant_global_scale_offset"):
+                            gb, go = rebase(place.global_scale_tensor, old_scale_buffer, p.quant_global_scale_offset,
+                                            "the global scale of " + p.tensor)
+                            if gb != p.scale_buffer_id:
+                                raise ValueError("memory='engine': %s's global scale (%s) and block scales (%s) lie in two "
+                                                 "allocations; a piece names one scale buffer (use memory='cuda')"
+                                                 % (name, place.global_scale_tensor, place.scale_tensor))
+                            p.quant_global_scale_offset = go
+                    pieces.append(_ProtoPiece(p))
+            info = self.client.register_layout(ExplicitLayout(pieces=pieces))
+        except BaseException:
+            try:
+                self.client.deregister()
+            finally:
+                self.client.free_buffers()  # forgets them; the engine's memory is never freed
+            raise
+        self.layout: LayoutDescription = desc  # the preset's names and places (views are the parameters)
+        self.engine_layout = info.layout
+        self.info = info
+        self.buffer = list(self.client.buffers)  # the engine's allocations, as registered
+        self._np_views, self._torch_views = {}, None
 
     def _holding(self, what):
         """RuntimeError naming `what` when the buffer was released (RolloutHook.release): its views
@@ -200,6 +368,8 @@ class LayoutHook:
         """The buffer's view of local tensor `name`: numpy (host memory) or torch (CUDA memory)."""
         self.layout[name]  # KeyError naming the layout's tensors
         self._holding("view(%r)" % name)
+        if self.memory == "engine":
+            return self.engine_params[name]  # the versions land in the parameter itself
         return self._np_views[name] if self.memory == "host" else self._torch()[name]
 
     # ---- trainer side ------------------------------------------------------------------------
@@ -257,6 +427,8 @@ class LayoutHook:
         strict: every local tensor holding pieces must have a parameter (KeyError naming the missing
         ones)."""
         self._holding("read_into")
+        if self.memory == "engine":
+            return []  # the versions land in the parameters themselves: nothing to copy
         params = engine_params(params)
         missing = [n for n, t in self.layout.tensors.items() if t.pieces and n not in params]
         if strict and missing:

@@ -14,6 +14,10 @@ class RolloutHook(LayoutHook):
     valid; the weights are held twice on the GPU). `bind(params)` once after loading instead
     re-points the parameters into the buffer (no copy, no second copy of the weights) - only for
     an engine without CUDA graphs captured over its parameters (LayoutHook.bind).
+    memory="engine" (zero copy; `params` at construction): the engine's own parameter memory is
+    registered (LayoutHook._register_engine) and versions land in the parameters themselves -
+    no copy, no second copy of the weights, and the parameters' addresses never change, so CUDA
+    graphs captured over them stay valid. update() / apply() copy nothing.
 
     Engines that sleep between rollouts (colocated RL: vLLM `sleep` / `wake_up`, SGLang
     `release_memory_occupation` / `resume_memory_occupation`): the engine's sleep does not free
@@ -23,13 +27,13 @@ class RolloutHook(LayoutHook):
 
     def __init__(self, engine, socket_path, model, tp=1, tp_rank=0, dp=1, dp_rank=0, replica=0, replicas=1,
                  expert_parallel=False, expert_placement="", moe_a2a_backend="", quantization="", worker_id=None, memory="host", gpu=-1,
-                 client=None, enable_dp_lm_head=False, moe_dense_tp_size=0):
+                 client=None, enable_dp_lm_head=False, moe_dense_tp_size=0, params=None):
         rank = (replica * dp + dp_rank) * tp + tp_rank
         preset = PresetLayout(engine, tp=tp, dp=dp, replicas=replicas, rank=rank, expert_parallel=expert_parallel,
                               expert_placement=expert_placement, moe_a2a_backend=moe_a2a_backend, quantization=quantization,
                               enable_dp_lm_head=enable_dp_lm_head, moe_dense_tp_size=moe_dense_tp_size)
         super().__init__(socket_path, model, worker_id or "rollout/%d" % rank, "rollout", preset, memory, gpu, client,
-                         shm_prefix=engine)
+                         shm_prefix=engine, params=params)
 
     def update(self, version, params=None, timeout=300.0, end_update_timeout=None):
         """Sync mode: the engine has paused generation; returns once `version` is committed into
@@ -71,6 +75,9 @@ class RolloutHook(LayoutHook):
         re-binds them: the engine must not run (generate, capture or replay CUDA graphs) in
         between; not bound: the parameters are the engine's own memory, as for host memory. memory="host": the shm buffer is freed the same way; the engine's
         parameters are its own memory (what its sleep does to them is the engine's business).
+        memory="engine": the daemon lets go of the engine's memory (its IPC / VMM mappings go with
+        the deregistration) and the client forgets the buffers and drops its VMM references;
+        nothing is freed here - the engine's sleep frees (or keeps) its own memory.
         RuntimeError when already released."""
         self._holding("release")
         if self.model.mode == "sync":
@@ -91,10 +98,18 @@ class RolloutHook(LayoutHook):
         The rank holds no version now. update(v) / apply(v) wait as usual: the daemon catches it up
         to the committed version from another rollout that holds it (docs/daemon.md "Catch-up"),
         or, when none does (every engine slept), it gets the next version the trainers publish - so
-        trainers should publish after the engines woke. RuntimeError when not released."""
+        trainers should publish after the engines woke. RuntimeError when not released.
+
+        memory="engine": the parameters (`params`, else those given at construction) are
+        registered again from their addresses now - after vLLM's wake_up the same virtual
+        addresses, possibly over new physical memory (VMM: each allocation is offered anew), so
+        the daemon counts the rank as holding no version, as above."""
         if self.buffer is not None:
             raise RuntimeError("reacquire: worker %s of model %s holds its buffer (not released): reacquire follows release()"
                                % (self.worker_id, self.model.model_id))
+        if self.memory == "engine" and params is not None:
+            from weightbridge.integrations._common import engine_params
+            self.engine_params = engine_params(params)
         self._register()
         if self.bound and params is not None:
             self.bind(params, copy_current=False)
@@ -102,9 +117,9 @@ class RolloutHook(LayoutHook):
     def _landed(self, params):
         """A version is in the buffer. Host memory, or CUDA memory not bound: copied into `params`
         in place (none given: the engine's weights did not change; CUDA: device to device, so the
-        addresses CUDA graphs captured stay valid). Bound CUDA memory: the parameters are the
-        buffer. Then whatever the engine derived from its weights is refreshed."""
-        if not self.bound:
+        addresses CUDA graphs captured stay valid). Bound CUDA memory, or memory="engine": the
+        parameters are the buffer. Then whatever the engine derived from its weights is refreshed."""
+        if not self.bound and self.memory != "engine":
             if params is None:
                 return
             self.read_into(params)
