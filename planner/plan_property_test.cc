@@ -424,5 +424,63 @@ TEST(PlanPropertyTest, AliasedTrainerPiecesGiveCorrectPlans) {
   EXPECT_GT(seen.sender_quantized, 0);
 }
 
+// Catch-up problems (PlanOptions::quantized_sources): some rollouts of a random problem, quantised
+// or not, become sources (ROLE_TRAINER keeping their pieces' quantisation), sometimes without the
+// original trainers. Every plan is element-wise correct, and a quantised source piece only ever
+// serves copies of its quantised bytes in its own format (plan_checker.h); a problem whose late
+// rollouts need a form no source holds fails FAILED_PRECONDITION (so does one no source covers).
+TEST(PlanPropertyTest, CatchUpsFromQuantisedSourcesGiveCorrectPlans) {
+  Rng rng(20261207);
+  int planned = 0, refused = 0, copies = 0;
+  for (int iter = 0; iter < 600; ++iter) {
+    Problem p = RandomProblem(rng);
+    QuantizeSomeRollouts(rng, p);
+    Problem q = p;
+    q.workers.clear();
+    const bool keep_trainers = U(rng, 0, 2) == 0;
+    int sources = 0;
+    for (const Worker& w : p.workers) {
+      if (w.role == Role::kTrainer) {
+        if (keep_trainers) q.workers.push_back(w);
+        continue;
+      }
+      Worker c = w;
+      if (U(rng, 0, 1) == 0) {
+        c.role = Role::kTrainer;
+        ++sources;
+      }
+      q.workers.push_back(std::move(c));
+    }
+    if (sources == 0) continue;
+    PlanOptions opt;
+    opt.quantized_sources = true;
+    opt.max_fragment_bytes = U(rng, 0, 1) ? -1 : U(rng, 8, 256);
+    const std::string ctx = absl::StrCat("iteration ", iter);
+    auto plan = MakePlanWithOptions(q, Strategy::kWeightBridge, opt);
+    if (!plan.ok()) {
+      ASSERT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition) << ctx << ": " << plan.status();
+      ++refused;
+      continue;
+    }
+    CheckOptions co;
+    co.require_no_redundancy = true;
+    co.check_budget = true;
+    const absl::Status st = CheckPlanElementwise(q, *plan, co);
+    ASSERT_TRUE(st.ok()) << ctx << ": " << st;
+    EXPECT_GE(plan->stats.makespan_s, plan->stats.lower_bound_s * (1 - 1e-9)) << ctx;
+    for (const Bucket& b : plan->buckets) {
+      for (const TransferOp& op : b.ops) {
+        const Worker& sw = q.workers[op.src_worker];
+        copies += sw.role == Role::kTrainer && op.src_piece >= 0 && sw.layout.pieces[op.src_piece].quant.has_value();
+      }
+    }
+    ++planned;
+  }
+  // The generator must exercise plans, refusals and copies of quantised sources' bytes.
+  EXPECT_GT(planned, 50);
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(copies, 0);
+}
+
 }  // namespace
 }  // namespace wb::planner
