@@ -9,7 +9,12 @@
 Preset "sglang" (docs/presets.md): vLLM's layout with SGLang's names where they differ
 (fused_qkv_a_proj_with_mqa for MLA); shared-expert fusion off (--disable-shared-experts-fusion),
 memory="cuda" as for vLLM: each version copied into the parameters in place (SGLang captures CUDA
-graphs over them by default); bind(params) only with --disable-cuda-graph. DP attention (--enable-dp-attention, DeepSeek-V2/V3
+graphs over them by default); bind(params) only with --disable-cuda-graph. memory="engine"
+(SglangRollout(..., memory="engine", params=dict(model_runner.model.named_parameters()))): zero
+copy - SGLang's own parameter memory is registered and versions land in the parameters, at
+addresses CUDA graphs keep (RolloutHook; the parameters must match the preset's local tensors byte
+for byte, else refused naming the tensor). Emulated GPUs only so far; refresh_derived still runs
+after each version. DP attention (--enable-dp-attention, DeepSeek-V2/V3
 and Kimi-K2 only, docs/presets.md): pass SGLang's own numbers and say so -
 SglangRollout(..., tp=tp_size, tp_rank=tp_rank, dp=dp_size, enable_dp_attention=True) - and the
 hook describes the engine as the preset does (tp = tp_size / dp_size, the attention-TP group;

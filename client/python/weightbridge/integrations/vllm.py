@@ -8,6 +8,19 @@
     # one-step-off / async, between engine steps:
     llm.collective_rpc("wb_apply")
 
+memory="engine" (recommended on GPUs): zero copy. The rank registers vLLM's OWN parameter memory
+with the daemon (each cudaMalloc allocation holding parameters by CUDA IPC of its base; VMM memory
+- sleep mode's pool, expandable segments - by fd) and versions land in the parameters themselves:
+wb_update / wb_apply copy nothing, the weights are held once, and the parameters' addresses never
+change, so the CUDA graphs vLLM captured over them stay valid. Requirement: every local tensor of
+the preset is, byte for byte, a parameter as vLLM holds it - same name, contiguous, the same size
+and (byte) shape, row-major; a floating dtype other than the preset's, a quantised weight's global
+scale in another allocation than its block scales, or any other mismatch is refused at wb_init,
+naming the tensor, before anything is registered (use memory="cuda" then). wb_sleep / wb_wake
+deregister and register the same parameters again (wb_sleep frees nothing: the memory is vLLM's).
+Tested only on emulated GPUs with stand-in parameters (client_cuda_test CudaEngineMemoryTest), not
+yet against a real vLLM.
+
 memory="cuda": versions land in a CUDA buffer WeightBridge registers on the rank's GPU. vLLM
 captures CUDA graphs over its parameters' addresses at engine start (unless enforce_eager or
 cudagraph_mode NONE), so by default each version is copied into the parameters in place, device to
@@ -88,13 +101,16 @@ class WeightBridgeWorkerExtension:
         # LoRA's "base_layer" segment dropped from the names; two parameters collapsing to one name
         # are refused here, before anything is registered.
         params = engine_params(self.model_runner.model.named_parameters())
+        on_gpu = memory in ("cuda", "engine")
         self.wb = VllmRollout(socket_path, model, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, replica=replica,
                               expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
-                              moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory, gpu=self.device.index if memory == "cuda" else -1)
+                              moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory,
+                              gpu=self.device.index if on_gpu else -1, params=params if memory == "engine" else None)
         self.wb_params = params
         if memory == "cuda" and (bind if bind is not None else not captures_cuda_graphs(self)):
             self.wb.bind(self.wb_params)
-        return self.wb.layout.buffer_bytes(0)
+        # memory="engine": the parameters' own bytes are registered; nothing to size (0).
+        return 0 if memory == "engine" else self.wb.layout.buffer_bytes(0)
 
     def wb_update(self, version, timeout=300.0):
         return self.wb.update(version, self.wb_params, timeout)
@@ -103,12 +119,14 @@ class WeightBridgeWorkerExtension:
         return self.wb.apply(version, self.wb_params, timeout)
 
     def wb_sleep(self, timeout=300.0):
-        """After llm.sleep(): leaves the daemon and frees this rank's buffer (RolloutHook.release)."""
+        """After llm.sleep(): leaves the daemon and frees this rank's buffer (RolloutHook.release;
+        memory="engine": frees nothing, the daemon lets go of vLLM's memory)."""
         self.wb.release(timeout)
 
     def wb_wake(self):
         """After llm.wake_up(tags=["weights"]): registers again with a new buffer and, when bound,
-        re-binds the parameters into it without copying (RolloutHook.reacquire). Returns the buffer's
-        size. The weights are written by the next wb_update / wb_apply."""
+        re-binds the parameters into it without copying (RolloutHook.reacquire; memory="engine":
+        registers the parameters' memory again, at the same addresses, and returns 0). Returns the
+        buffer's size. The weights are written by the next wb_update / wb_apply."""
         self.wb.reacquire(self.wb_params)
-        return self.wb.layout.buffer_bytes(0)
+        return 0 if self.wb.memory == "engine" else self.wb.layout.buffer_bytes(0)
