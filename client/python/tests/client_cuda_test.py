@@ -33,7 +33,7 @@ EMULATED_DAEMON = os.path.join(R, "daemon/weightbridged_emulated_gpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import client_test as ct  # noqa: E402  (helpers: Daemon, row_blocks, canonical weights)
-from integrations_test import TINY_CONFIG, canonical, megatron_tp2, run_all, vllm_tp  # noqa: E402  (the tiny Qwen2's frameworks' tensors)
+from integrations_test import TINY_CONFIG, canonical, fake_vllm_worker, megatron_tp2, run_all, vllm_tp  # noqa: E402  (the tiny Qwen2's frameworks' tensors)
 import weightbridge as wb  # noqa: E402
 from weightbridge import weights  # noqa: E402
 from weightbridge.integrations import megatron, vllm  # noqa: E402
@@ -891,6 +891,30 @@ class CudaEngineMemoryTest(unittest.TestCase):
 
     def test_sync_vmm_segment_of_three_allocations(self):
         self.run_engine("sync", 3, kind="vmm")
+
+    def test_vllm_extension_engine_memory(self):
+        """wb_init(memory="engine") on a stand-in vLLM worker registers the named parameters'
+        memory; wb_apply lands versions in them; wb_sleep / wb_wake deregister and register the
+        same memory again."""
+        model = self.model("py_engine_ext", "one_step_off", 1)
+        trainers = self.trainers(model)
+        mems, params = scatter(self.shapes(), 2, 0)
+        worker = fake_vllm_worker(params)
+        self.assertEqual(worker.wb_init(self.daemon.socket, model, memory="engine"), 0)
+        self.assertEqual(worker.wb.memory, "engine")
+        self.assertEqual(len(worker.wb.client.buffers), 2)
+        for v in (1, 2):
+            if v == 2:
+                worker.wb_sleep(timeout=ct.TIMEOUT)
+                self.assertEqual(worker.wb_wake(), 0)
+            self.assertEqual(run_all([lambda t=t, r=r: t.publish(v, megatron_tp2(canonical(v), r).items(), timeout=ct.TIMEOUT)
+                                      for r, t in enumerate(trainers)]), [])
+            self.assertEqual(worker.wb_apply(v, timeout=ct.TIMEOUT), v)
+            self.assert_params_hold(params, v, "extension")
+            self.assertTrue(gaps_untouched(mems, params))
+        self.close(trainers + [worker.wb])
+        for m in mems:
+            m.close()
 
     def test_mismatched_parameters_refused_before_anything_is_registered(self):
         model = self.model("py_engine_refused", "one_step_off", 1)
