@@ -418,8 +418,10 @@ class CudaQuantCatchUpTest(unittest.TestCase):
             if mode == "sync":
                 late.client.begin_update(timeout=ct.TIMEOUT)
             self.receive(mode, late, 1)
+            # (The trainers hold version 9 by now and are never sources: version 1's bytes can only
+            # have come from the other rollout. Not checked in the logs: their tails may have moved
+            # past the catch-up's lines.)
             self.assertEqual(late.held(), v1, "the late fp8 rollout does not hold the other's version 1\n" + daemons.log_tail())
-            self.assertIn("catch-up committed", daemons.log_tail())
             rollouts[1] = late
             deliver(2)
             self.assertNotEqual(rollouts[0].held(), v1)
