@@ -798,6 +798,32 @@ def scatter(shapes, allocations, gpu, kind="cuda"):
     return mems, {n: EngineParam(mems[k], off, shapes[n]) for n, (k, off) in placed.items()}
 
 
+_TORCH_DTYPES = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32",
+                 "float8_e4m3": "torch.float8_e4m3fn", "float8_e8m0": "torch.uint8"}
+
+
+def scatter_places(places, allocations, gpu):
+    """scatter() for local tensors of any dtype: `places` (LayoutDescription.tensors) gives each
+    parameter's shape, dtype and bytes; dealt in reverse order over `allocations` CudaBuffers after
+    GAP-byte gaps, every byte GARBAGE first. Returns (memories, {name: EngineParam})."""
+    from weightbridge.cuda import CudaBuffer
+    names = [n for n, t in reversed(list(places.items())) if t.pieces or t.scales_of]
+    placed, ends = {}, [0] * allocations
+    for i, n in enumerate(names):
+        k = i % allocations
+        placed[n] = (k, ends[k] + GAP)
+        ends[k] += GAP + places[n].size_bytes
+    mems = [CudaBuffer(e + GAP, gpu) for e in ends]
+    for m in mems:
+        m.write(0, bytes([GARBAGE]) * m.size_bytes)
+    params = {}
+    for n, (k, off) in placed.items():
+        t = places[n]
+        elem = t.size_bytes // max(1, int(np.prod(t.shape)))
+        params[n] = EngineParam(mems[k], off, t.shape, dtype=_TORCH_DTYPES[t.dtype], elem=elem)
+    return mems, params
+
+
 def gaps_untouched(mems, params):
     """Whether every byte outside the parameters still holds GARBAGE."""
     for m in mems:
@@ -915,6 +941,35 @@ class CudaEngineMemoryTest(unittest.TestCase):
             self.assert_params_hold(params, v, "extension")
             self.assertTrue(gaps_untouched(mems, params))
         self.close(trainers + [worker.wb])
+        for m in mems:
+            m.close()
+
+    def test_fp8_block128_engine_memory_holds_what_a_cuda_buffer_holds(self):
+        """Quantised preset (fp8_block128: float8_e4m3 weights and their float32 "_scale_inv"
+        tensors): the engine's fp8 parameters and scale parameters, scattered over two allocations
+        in reverse order with gaps, receive exactly the bytes replica 0 - the same preset in a
+        memory="cuda" buffer, the path the quantised end-to-end tests check - holds at each local
+        tensor's place (the pieces' and their scales' offsets re-based through two parameters)."""
+        model = wb.ModelConfig(model_id="py_engine_fp8", hf_config_json=self.config, num_trainer_workers=2,
+                               num_rollout_workers=2, mode="one_step_off")
+        trainers = self.trainers(model)
+        ref = vllm.VllmRollout(None, model, tp=1, replica=0, replicas=2, memory="cuda", gpu=0, quantization="fp8_block128",
+                               client=self.daemon.client("vq0"))
+        places = ref.layout.tensors
+        self.assertTrue(any(t.dtype == "float8_e4m3" for t in places.values()))
+        self.assertTrue(any(t.scales_of for t in places.values()))
+        mems, params = scatter_places(places, 2, 1)
+        engine = vllm.VllmRollout(None, model, tp=1, replica=1, replicas=2, memory="engine", params=params, gpu=1,
+                                  quantization="fp8_block128", client=self.daemon.client("vq1"))
+        for v in (1, 2):
+            self.deliver("one_step_off", v, trainers, [ref, engine])
+            for n, t in places.items():
+                want = ref.buffer.read(t.offset_bytes, t.size_bytes)
+                got = params[n].mem.read(params[n].offset, params[n].nbytes())
+                self.assertEqual(got, want, "%s v%d" % (n, v))
+                self.assertNotEqual(want, bytes(len(want)), "%s v%d: nothing landed" % (n, v))
+            self.assertTrue(gaps_untouched(mems, params), "v%d: a version wrote outside the parameters" % v)
+        self.close(trainers + [ref, engine])
         for m in mems:
             m.close()
 

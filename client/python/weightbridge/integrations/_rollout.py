@@ -73,8 +73,9 @@ class RolloutHook(LayoutHook):
 
         memory="cuda", bound: the parameters now point at freed device memory until reacquire()
         re-binds them: the engine must not run (generate, capture or replay CUDA graphs) in
-        between; not bound: the parameters are the engine's own memory, as for host memory. memory="host": the shm buffer is freed the same way; the engine's
-        parameters are its own memory (what its sleep does to them is the engine's business).
+        between; not bound: the parameters are the engine's own memory, as for host memory.
+        memory="host": the shm buffer is freed the same way; the engine's parameters are its own
+        memory (what its sleep does to them is the engine's business).
         memory="engine": the daemon lets go of the engine's memory (its IPC / VMM mappings go with
         the deregistration) and the client forgets the buffers and drops its VMM references;
         nothing is freed here - the engine's sleep frees (or keeps) its own memory.
