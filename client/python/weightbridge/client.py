@@ -197,6 +197,22 @@ def offer_vmm_fd(channel_path, model_id, worker_id, key, allocation_bytes, fd, t
         raise WeightBridgeError(what, _CODES[code], reply[12:].decode(errors="replace"))
 
 
+def _device_range(what, ptr, size_bytes, gpu):
+    """(pointer, bytes, gpu) of a device range given as an int pointer or a torch tensor (whose
+    size and GPU are then the defaults). ValueError naming `what` for a range of no bytes."""
+    if hasattr(ptr, "data_ptr"):  # a torch tensor
+        tensor = ptr
+        ptr = tensor.data_ptr()
+        if size_bytes is None:
+            size_bytes = tensor.nelement() * tensor.element_size()
+        if gpu is None:
+            gpu = tensor.device.index
+    ptr, size_bytes = int(ptr), int(size_bytes or 0)
+    if size_bytes <= 0:
+        raise ValueError("%s: size_bytes must be > 0, got %d" % (what, size_bytes))
+    return ptr, size_bytes, gpu
+
+
 class WorkerClient:
     def __init__(self, socket_path, call_timeout=30.0, connect_timeout=10.0, reconnect=True,
                  reconnect_timeout=30.0, shm_prefix="py", populate_buffers=False):
@@ -357,16 +373,7 @@ class WorkerClient:
         add_cuda_vmm_buffer), or `gpu` is not the GPU holding it. The memory stays its owner's:
         close() / free_buffers() only forget it; it must stay allocated while registered."""
         from weightbridge import cuda
-        if hasattr(ptr, "data_ptr"):  # a torch tensor
-            tensor = ptr
-            ptr = tensor.data_ptr()
-            if size_bytes is None:
-                size_bytes = tensor.nelement() * tensor.element_size()
-            if gpu is None:
-                gpu = tensor.device.index
-        ptr, size_bytes = int(ptr), int(size_bytes or 0)
-        if size_bytes <= 0:
-            raise ValueError("add_cuda_ipc_buffer: size_bytes must be > 0, got %d" % size_bytes)
+        ptr, size_bytes, gpu = _device_range("add_cuda_ipc_buffer", ptr, size_bytes, gpu)
         alloc = cuda.device_allocation_of(ptr)
         if alloc.vmm:
             raise ValueError("add_cuda_ipc_buffer: 0x%x is CUDA VMM memory (cuMemCreate), which CUDA IPC cannot export: "
@@ -401,19 +408,10 @@ class WorkerClient:
         registered; the client holds a reference to each allocation until close().
         Daemon refusals raise WeightBridgeError with the daemon's code and message."""
         from weightbridge import cuda
-        if hasattr(ptr, "data_ptr"):  # a torch tensor
-            tensor = ptr
-            ptr = tensor.data_ptr()
-            if size_bytes is None:
-                size_bytes = tensor.numel() * tensor.element_size()
-            if gpu is None:
-                gpu = tensor.device.index
         if self._register_req is None:
             raise WeightBridgeError("add_cuda_vmm_buffer", grpc.StatusCode.FAILED_PRECONDITION,
                                     "register_worker first (the daemon takes fds only from registered workers)")
-        ptr, size_bytes = int(ptr), int(size_bytes or 0)
-        if size_bytes <= 0:
-            raise ValueError("add_cuda_vmm_buffer: size_bytes must be > 0, got %d" % size_bytes)
+        ptr, size_bytes, gpu = _device_range("add_cuda_vmm_buffer", ptr, size_bytes, gpu)
         try:
             allocs = cuda.vmm_allocations_of(ptr, size_bytes)
         except ValueError as e:
