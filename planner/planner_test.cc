@@ -673,7 +673,9 @@ TEST(PlannerTest, CatchUpCopiesTheQuantisedBytesOfSourcesInTheLateRolloutsFormat
   EXPECT_TRUE(plan->stats.complete);
   for (const TransferOp* op : AllOps(*plan)) {
     EXPECT_EQ(op->sender_quantized, op->tensor == 0) << BoxToString(op->box);
-    if (op->tensor == 0) EXPECT_EQ(op->box.begin[0] % 128, 0);
+    if (op->tensor == 0) {
+      EXPECT_EQ(op->box.begin[0] % 128, 0);
+    }
   }
   EXPECT_EQ(plan->stats.wire_bytes, 512 * 256 + 4 * 2 * 4 + 256 * 2);
   // Without the option a quantised source piece serves nothing quantised: the checker refuses
@@ -703,7 +705,9 @@ TEST(PlannerTest, CatchUpServesOtherFormsFromUnquantisedSourcesOnly) {
   ASSERT_TRUE(CheckPlanElementwise(p, *plan, {}).ok()) << CheckPlanElementwise(p, *plan, {});
   for (const TransferOp* op : AllOps(*plan)) {
     EXPECT_FALSE(op->sender_quantized);
-    if (op->tensor == 0 && p.workers[op->src_worker].role == Role::kTrainer) EXPECT_EQ(op->src_worker, 1);
+    if (op->tensor == 0 && p.workers[op->src_worker].role == Role::kTrainer) {
+      EXPECT_EQ(op->src_worker, 1);
+    }
   }
   // A late fp8 rollout alone: w copied from the fp8 source, n from either.
   Problem q = CatchUpProblem({std::nullopt, Fp8Block(128, 128)}, {Fp8Block(128, 128)});
