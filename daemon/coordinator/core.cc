@@ -119,10 +119,14 @@ absl::Status CoordinatorCore::RegisterNode(const pb::RegisterNodeRequest& req, p
       }
     }
   }
-  // Commits the old incarnation missed are moot: its staging died with it.
+  // Commits the old incarnation missed are moot: its staging died with it. So are its owed
+  // aborts: a restarted node rolls back at its re-join every sync commit never confirmed to it.
   pending_commits_.erase(std::remove_if(pending_commits_.begin(), pending_commits_.end(),
                                         [&](const PendingCommit& p) { return p.node == req.node_id(); }),
                          pending_commits_.end());
+  pending_aborts_.erase(std::remove_if(pending_aborts_.begin(), pending_aborts_.end(),
+                                       [&](const PendingAbort& p) { return p.node == req.node_id() && p.incarnation != reg.incarnation; }),
+                        pending_aborts_.end());
   Log(LogLevel::kInfo, "node registered", {{"node", req.node_id()}, {"address", req.address()},
                                            {"data_address", req.data_address()}, {"incarnation", reg.incarnation}});
   resp->set_lease_ms(absl::ToInt64Milliseconds(reg.lease));
@@ -353,14 +357,67 @@ void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, cons
 
 void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                                            const std::string& reason, uint64_t plan_epoch) {
-  std::vector<std::shared_ptr<NodeClient>> targets;
+  std::vector<std::pair<PendingAbort, std::shared_ptr<NodeClient>>> targets;
   for (const std::string& n : nodes) {
-    if (auto client = nodes_.AliveClient(n)) targets.push_back(std::move(client));
+    // A lost node has nothing to drop (and rolls back at its re-join what it committed).
+    auto client = nodes_.AliveClient(n);
+    if (!client) continue;
+    PendingAbort p;
+    p.node = n;
+    p.model_id = model_id;
+    p.reason = reason;
+    p.version = version;
+    p.plan_epoch = plan_epoch;
+    p.incarnation = nodes_.Incarnation(n);
+    targets.emplace_back(std::move(p), std::move(client));
   }
-  pending_rpcs_.push_back([targets, model_id, version, reason, plan_epoch] {
-    // Best effort: a dead node has nothing to drop.
-    for (auto& client : targets) client->AbortVersion(model_id, version, plan_epoch, reason, absl::Seconds(2)).IgnoreError();
+  if (targets.empty()) return;
+  pending_rpcs_.push_back([this, targets] {
+    for (const auto& [p, client] : targets) SendAbort(p, client);
   });
+}
+
+void CoordinatorCore::SendAbort(PendingAbort p, const std::shared_ptr<NodeClient>& client) {
+  const absl::Status st = client->AbortVersion(p.model_id, p.version, p.plan_epoch, p.reason, absl::Seconds(2));
+  // (RESOURCE_EXHAUSTED: a node past its call limits did not run the handler.)
+  const bool owed = absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) || absl::IsResourceExhausted(st);
+  absl::MutexLock l(&mu_);
+  auto same = [&](const PendingAbort& q) {
+    return q.node == p.node && q.model_id == p.model_id && q.version == p.version && q.plan_epoch == p.plan_epoch;
+  };
+  auto it = std::find_if(pending_aborts_.begin(), pending_aborts_.end(), same);
+  if (!owed) {
+    if (it != pending_aborts_.end()) {
+      pending_aborts_.erase(it);
+      Log(st.ok() ? LogLevel::kInfo : LogLevel::kWarning, "owed abort delivered",
+          {{"model", p.model_id}, {"version", p.version}, {"epoch", p.plan_epoch}, {"node", p.node}, {"tries", p.tries + 1},
+           {"result", st.ok() ? "aborted" : st.message()}});
+    } else if (!st.ok()) {
+      Log(LogLevel::kWarning, "abort refused by node",
+          {{"model", p.model_id}, {"version", p.version}, {"node", p.node}, {"error", st.message()}});
+    }
+    return;
+  }
+  if (!nodes_.HoldsIncarnation(p.node, p.incarnation)) {
+    if (it != pending_aborts_.end()) pending_aborts_.erase(it);
+    return;  // lost or restarted: its re-join rolls back what it was not told
+  }
+  p.tries += 1;
+  p.next_try = options_.clock->Now() + options_.commit_retry;
+  if (it != pending_aborts_.end()) {
+    *it = std::move(p);
+    return;
+  }
+  Log(LogLevel::kWarning, "abort not delivered, owed to the node",
+      {{"model", p.model_id}, {"version", p.version}, {"epoch", p.plan_epoch}, {"node", p.node}, {"error", st.message()}});
+  if (pending_aborts_.size() >= kMaxPendingAborts) {
+    const PendingAbort& oldest = pending_aborts_.front();
+    Log(LogLevel::kWarning, "owed abort given up (too many owed)",
+        {{"model", oldest.model_id}, {"version", oldest.version}, {"node", oldest.node}, {"max", kMaxPendingAborts}});
+    pending_aborts_.erase(pending_aborts_.begin());
+  }
+  pending_aborts_.push_back(std::move(p));
+  wake_ = true;
 }
 
 void CoordinatorCore::AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason) {

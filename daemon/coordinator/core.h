@@ -76,8 +76,9 @@ struct CoordinatorOptions {
   // or, for host workers (gpu < 0), a distinct slot per worker of the node).
   planner::Topology topology;
   int64_t bucket_bytes = int64_t{2} << 30;        // planner staging budget per GPU per bucket
-  // Owed commits (async / one-step-off: a node that did not answer CommitVersion) are retried
-  // this often while the node keeps its incarnation.
+  // Owed commits (async / one-step-off: a node that did not answer CommitVersion) and owed
+  // aborts (an AbortVersion a node may have missed) are retried this often while the node keeps
+  // its incarnation.
   absl::Duration commit_retry = absl::Milliseconds(200);
   // Standalone role: the id of the node daemon in this same process. Its lease never expires
   // (a late heartbeat there means this process is starved, not that the node is gone).
@@ -213,6 +214,23 @@ class CoordinatorCore {
     uint64_t incarnation = 0;
     absl::Time next_try;
   };
+  // An AbortVersion that may not have reached a node (UNAVAILABLE / DEADLINE_EXCEEDED /
+  // RESOURCE_EXHAUSTED). Sent again every commit_retry while the node keeps its incarnation: a
+  // node that acknowledged a failed sync commit and missed its abort would otherwise keep the
+  // version as committed until the next commit - a rollout that resumed before it (EndUpdate)
+  // would copy the aborted version into its live weights at its next BeginUpdate. Safe to repeat:
+  // an aborted version number is never executed again (Publish of it is refused), and an abort
+  // naming a plan epoch ends only that execution. A restarted node rolls back what it was not
+  // told at its re-join instead.
+  struct PendingAbort {
+    std::string node, model_id, reason;
+    uint64_t version = 0, plan_epoch = 0, incarnation = 0;
+    absl::Time next_try;
+    int tries = 0;
+  };
+  // At most this many owed aborts are kept (each version or catch-up abort adds one per node that
+  // missed it; a node keeping its lease while refusing every abort would otherwise grow the list).
+  static constexpr size_t kMaxPendingAborts = 4096;
 
   absl::Status JoinWorkerLocked(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse* resp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A version number a re-joined rollout holds above the committed version (JoinWorkerRequest:
@@ -250,8 +268,9 @@ class CoordinatorCore {
   // A node reported v done: it counts as having reported its magnitudes (none, if it did not),
   // so no node waits for it any longer.
   void MagnitudesDoneLocked(Model& m, const std::string& node, uint64_t v) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sends AbortVersion to `nodes` (best effort, from the driver, outside the lock); `plan_epoch` > 0
-  // ends only that execution of `version` (a catch-up attempt), 0 whatever runs for it.
+  // Sends AbortVersion to `nodes` (from the driver, outside the lock; one a node may have missed is
+  // owed and sent again: PendingAbort); `plan_epoch` > 0 ends only that execution of `version` (a
+  // catch-up attempt), 0 whatever runs for it.
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
                             const std::string& reason, uint64_t plan_epoch = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RegisterNode of a new id at max_nodes: removes the lost node nothing refers to whose lease ran
@@ -280,6 +299,12 @@ class CoordinatorCore {
   void RunPlan(const std::string& model_id, Model* m);
   std::function<void()> StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OwedCommitWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Owed aborts (PendingAbort) due now: dropped for a node lost or restarted, else sent again.
+  void OwedAbortWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends `p`'s AbortVersion (without mu_, from the driver's work): an answer settles it (owed
+  // entry removed); UNAVAILABLE / DEADLINE_EXCEEDED owes it (again) while the node keeps
+  // p.incarnation.
+  void SendAbort(PendingAbort p, const std::shared_ptr<NodeClient>& client) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Catch-up of late rollouts (catch_up.cc, docs/daemon.md "Catch-up"). StartCatchUpLocked: when
   // nothing else runs for the model and a rollout of its plan holds less than the committed
@@ -330,6 +355,7 @@ class CoordinatorCore {
   PlanCache plan_cache_;                                                 // own lock
   std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
   std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
+  std::vector<PendingAbort> pending_aborts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, UsedByRejoin> used_by_rejoin_ ABSL_GUARDED_BY(mu_);  // model -> (see UsedByRejoin)
   uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;

@@ -3,6 +3,7 @@
 // deadlines on a FakeClock.
 #include "daemon/coordinator/core.h"
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
@@ -44,6 +45,7 @@ class Cluster {
         return core->ReportDone(testing::DoneReport(node, req), &resp);
       };
       if (auto it = commit_hooks.find(node); it != commit_hooks.end()) fake->on_commit = it->second;
+      if (auto it = abort_hooks.find(node); it != abort_hooks.end()) fake->on_abort = it->second;
       fakes[node] = fake;
       return fake;
     };
@@ -111,6 +113,7 @@ class Cluster {
 
   bool report_done = true;
   std::map<std::string, std::function<absl::Status(const std::string&, uint64_t)>> commit_hooks;  // set before Register
+  std::map<std::string, std::function<absl::Status(const std::string&, uint64_t)>> abort_hooks;   // set before Register
   std::map<std::string, std::shared_ptr<FakeNodeClient>> fakes;
   std::unique_ptr<CoordinatorCore> core;
 };
@@ -157,6 +160,96 @@ TEST(CoreCommitTest, SyncPublishFailsNamingTheNodeThatCouldNotCommit) {
   s = c.Publish(2);
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+}
+
+// The AbortVersion of a failed sync commit that a node which acknowledged the commit did not get
+// (UNAVAILABLE) is sent again until the node answers: before, it was sent once, and the node kept
+// the version as committed - a rollout resumed before the commit (EndUpdate) would have copied the
+// aborted version into its live weights at its next BeginUpdate.
+TEST(CoreCommitTest, SyncAbortMissedByANodeThatCommittedIsSentAgain) {
+  Cluster c;
+  c.commit_hooks["n1"] = [](const std::string&, uint64_t) { return absl::InternalError("copy into live memory failed"); };
+  std::atomic<int> n0_misses{2};
+  c.abort_hooks["n0"] = [&](const std::string&, uint64_t) {
+    return n0_misses.fetch_sub(1) > 0 ? absl::UnavailableError("connection reset") : absl::OkStatus();
+  };
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 2, pb::MODE_SYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  ASSERT_TRUE(c.Ready("r1").ok());
+  EXPECT_EQ(c.Publish(1).code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.abort >= 3; }, absl::Now() + kReal))
+      << "the abort n0 missed was not sent again (" << c.fakes.at("n0")->calls().abort << " calls)";
+  for (size_t i = 0; i < c.fakes.at("n0")->calls().aborted.size(); ++i) {
+    EXPECT_EQ(c.fakes.at("n0")->calls().aborted[i], 1u);
+    EXPECT_EQ(c.fakes.at("n0")->calls().aborted_epochs[i], 0u);
+  }
+  // n1 answered its abort at once: told once.
+  EXPECT_EQ(c.fakes.at("n1")->calls().abort, 1);
+}
+
+// Owed aborts in simulated time: retried every commit_retry while the node keeps its incarnation;
+// a node that answers with an error (it got the call) is not asked again; a node that restarted
+// (new incarnation: it rolls back at its re-join what it was not told) is not asked again either.
+TEST(CoreSimulatedTimeTest, OwedAbortsRetriedUntilAnsweredOrTheNodeRestarts) {
+  FakeClock clock;
+  Cluster c(&clock, absl::Seconds(30));
+  c.report_done = false;
+  std::atomic<bool> n0_answers{false};
+  c.abort_hooks["n0"] = [&](const std::string&, uint64_t) {
+    return n0_answers ? absl::NotFoundError("no such version") : absl::UnavailableError("unreachable");
+  };
+  c.abort_hooks["n1"] = [](const std::string&, uint64_t) { return absl::DeadlineExceededError("no answer"); };
+  uint64_t inc[2] = {c.Register("n0"), c.Register("n1")};
+  const pb::ModelSpec spec = Spec("m", 2, pb::MODE_ONE_STEP_OFF);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Publish(1).ok());
+  ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 1; }, absl::Now() + kReal));
+  // Steps of 100 ms (commit_retry is 200 ms), heartbeats keeping both leases.
+  auto step = [&] {
+    for (int i = 0; i < 2; ++i) {
+      pb::HeartbeatRequest hb;
+      hb.set_node_id(i == 0 ? "n0" : "n1");
+      hb.set_incarnation(inc[i]);
+      pb::HeartbeatResponse resp;
+      c.core->Heartbeat(hb, &resp).IgnoreError();
+    }
+    clock.Advance(absl::Milliseconds(100));
+    return c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal);
+  };
+  // Past the 30 s transfer timeout: version 1 aborted, both nodes told, neither gets it.
+  const absl::Time start = clock.Now();
+  while (c.fakes.at("n1")->calls().abort == 0 || c.fakes.at("n0")->calls().abort == 0) {
+    ASSERT_LT(clock.Now(), start + absl::Seconds(120)) << "version 1 never aborted";
+    ASSERT_TRUE(step());
+  }
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(step());  // 2 s: about 10 retries each
+  const int n0_tries = c.fakes.at("n0")->calls().abort, n1_tries = c.fakes.at("n1")->calls().abort;
+  EXPECT_GE(n0_tries, 5) << "an abort n0 did not get was not retried";
+  EXPECT_GE(n1_tries, 5) << "an abort n1 did not answer was not retried";
+  // n0 now answers (an error: it got the call): not asked again. n1 restarts: not asked again.
+  n0_answers = true;
+  for (int i = 0; i < 20 && c.fakes.at("n0")->calls().abort == n0_tries; ++i) ASSERT_TRUE(step());
+  pb::RegisterNodeRequest again;
+  again.set_node_id("n1");
+  again.set_address("n1:1");
+  pb::RegisterNodeResponse again_resp;
+  ASSERT_TRUE(c.core->RegisterNode(again, &again_resp).ok());
+  ASSERT_NE(again_resp.incarnation(), inc[1]);
+  inc[1] = again_resp.incarnation();
+  ASSERT_TRUE(step());  // a retry of n1 already taken before the re-registration may still land
+  const int n0_final = c.fakes.at("n0")->calls().abort, n1_final = c.fakes.at("n1")->calls().abort;
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(step());
+  EXPECT_EQ(c.fakes.at("n0")->calls().abort, n0_final) << "n0 answered its abort and was asked again";
+  EXPECT_EQ(c.fakes.at("n1")->calls().abort, n1_final) << "n1 restarted and was still sent its old incarnation's abort";
 }
 
 // A node lost during the commit (unreachable) counts as not holding the version too.

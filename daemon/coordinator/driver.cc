@@ -113,6 +113,7 @@ std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
     StartCatchUpLocked(mid, m, now);
   }
   OwedCommitWorkLocked(&work);
+  OwedAbortWorkLocked(&work);
   for (auto& f : pending_rpcs_) work.push_back(std::move(f));
   pending_rpcs_.clear();
   return work;
@@ -481,6 +482,26 @@ void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* w
                                               }),
                                pending_commits_.end());
       });
+    }
+    ++it;
+  }
+}
+
+void CoordinatorCore::OwedAbortWorkLocked(std::vector<std::function<void()>>* work) {
+  const absl::Time now = options_.clock->Now();
+  for (auto it = pending_aborts_.begin(); it != pending_aborts_.end();) {
+    if (!nodes_.HoldsIncarnation(it->node, it->incarnation)) {
+      Log(LogLevel::kWarning, "owed abort dropped: node lost or restarted (it rolls back at its re-join)",
+          {{"model", it->model_id}, {"version", it->version}, {"node", it->node}});
+      it = pending_aborts_.erase(it);
+      continue;
+    }
+    if (now >= it->next_try) {
+      // Not due again until this try answered (SendAbort sets the next time).
+      it->next_try = absl::InfiniteFuture();
+      PendingAbort p = *it;
+      std::shared_ptr<NodeClient> client = nodes_.AliveClient(p.node);  // held at p.incarnation: alive
+      work->push_back([this, p, client] { SendAbort(p, client); });
     }
     ++it;
   }
