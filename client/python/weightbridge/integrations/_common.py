@@ -133,6 +133,31 @@ def engine_params(named, segments=ENGINE_WRAPPER_SEGMENTS):
     return out
 
 
+def cuda_device(t):
+    """The torch.device of `t` when it is a torch CUDA tensor, else None."""
+    if not _is_torch(t):
+        return None
+    dev = getattr(t, "device", None)
+    return dev if getattr(dev, "type", None) == "cuda" else None
+
+
+def synchronize(devices):
+    """Waits until the work queued on each CUDA device in `devices` (torch.device) is done.
+
+    A torch copy_ between two CUDA tensors only queues the copy on the current stream and returns
+    (aten/src/ATen/native/cuda/Copy.cu, copy_device_to_device: CUDACachingAllocator::memcpyAsync or
+    a copy kernel, no host synchronisation; only copies to or from the host with
+    non_blocking=False end in memcpy_and_sync). The daemon reads (Publish) and writes (Apply, the
+    sync commit) our CUDA buffers from its own process and streams, which do not wait for this
+    process's streams: every copy into or out of a registered buffer must have finished before
+    the daemon is told to go on."""
+    if not devices:
+        return
+    import torch  # only when a torch CUDA tensor was copied
+    for d in devices:
+        torch.cuda.synchronize(d)
+
+
 def local_tensor(t):
     """A DTensor's local shard (torch FSDP2 parameters are DTensors); anything else as is."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -382,7 +407,7 @@ class LayoutHook:
         ValueError for a name given twice (after that normalising) or a shape mismatch,
         KeyError for a name the layout lacks, and (require_all) for local tensors not given: a
         version must never go out with stale tensors in it (`missing_hint` is added to that error)."""
-        seen = set()
+        seen, devices = set(), []
         for given, t in named_tensors:
             name = trainer_name(given, strip_prefixes)
             if name in seen:
@@ -390,8 +415,13 @@ class LayoutHook:
             if name not in self.layout.tensors:
                 raise KeyError("tensor %r is not a local tensor of this rank's %s layout (it has %d: %s ...)"
                                % (name, self.preset.preset, len(self.layout.tensors), ", ".join(self.names[:4])))
-            self._copy_in(name, local_tensor(t))
+            dev = self._copy_in(name, local_tensor(t))
+            if dev is not None and dev not in devices:
+                devices.append(dev)
             seen.add(name)
+        # The copies into a CUDA buffer are queued on this process's stream; publish() lets the
+        # daemon read the buffer from its own process right away (synchronize).
+        synchronize(devices)
         if require_all:
             missing = [n for n, t in self.layout.tensors.items() if n not in seen and t.pieces]
             if missing:
@@ -400,13 +430,15 @@ class LayoutHook:
         return seen
 
     def _copy_in(self, name, t):
+        """Copies `t` into local tensor `name`'s place; returns the CUDA device the copy was queued
+        on (its destination is CUDA memory: write() synchronizes it), else None."""
         place = self.layout[name]
         if _is_torch(t):
             dst = self._torch()[name]  # torch views over the buffer (host or CUDA)
             if tuple(dst.shape) != tuple(t.shape):
                 raise ValueError("tensor %s: shape %s, the layout holds %s" % (name, tuple(t.shape), tuple(dst.shape)))
             dst.copy_(t.detach())
-            return
+            return cuda_device(dst)
         if self.memory == "cuda":
             raise TypeError("tensor %s: numpy arrays need memory='host'" % name)
         dst = self._np_views[name]
@@ -418,6 +450,7 @@ class LayoutHook:
         elif a.dtype != dst.dtype:
             raise TypeError("tensor %s: dtype %s, the layout holds %s (%s)" % (name, a.dtype, place.dtype, dst.dtype))
         dst[...] = a
+        return None
 
     # ---- rollout side ------------------------------------------------------------------------
     def read_into(self, params: Dict[str, object], strict=True):
@@ -433,13 +466,20 @@ class LayoutHook:
         missing = [n for n, t in self.layout.tensors.items() if t.pieces and n not in params]
         if strict and missing:
             raise KeyError("the engine has no parameter for %d local tensors: %s" % (len(missing), ", ".join(missing[:8])))
-        done = []
+        done, devices = [], []
         for name in self.layout.tensors:
             if name not in params:
                 continue
             p = params[name]
-            copy_out(name, self._torch()[name] if _is_torch(p) else self._np_views[name], p)
+            src = self._torch()[name] if _is_torch(p) else self._np_views[name]
+            copy_out(name, src, p)
+            for dev in (cuda_device(p), cuda_device(src)):
+                if dev is not None and dev not in devices:
+                    devices.append(dev)
             done.append(name)
+        # Copies out of a CUDA buffer (or into CUDA parameters) are queued on this process's stream:
+        # finished before the daemon may write the buffer with the next version (synchronize).
+        synchronize(devices)
         return done
 
     def bind(self, params, copy_current=True):
@@ -459,11 +499,18 @@ class LayoutHook:
             raise ValueError("bind needs memory='cuda' (host buffers: use read_into after each update)")
         params = engine_params(params)
         views = self._torch()
+        devices = []
         for name, p in params.items():
             if name in views:
                 if copy_current:
                     views[name].copy_(p.data)
+                    dev = cuda_device(views[name])
+                    if dev is not None and dev not in devices:
+                        devices.append(dev)
                 p.data = views[name]
+        # The current weights' copies into the registered buffer are queued on this process's
+        # stream: finished before the daemon may write the buffer (synchronize).
+        synchronize(devices)
         self.bound = True
 
     def close(self):

@@ -1,0 +1,391 @@
+"""The client's torch / CUDA paths against a stand-in for torch that behaves as the real one does
+where the client depends on it (torch is not installed here and there is no GPU).
+
+The stand-in (`FakeTorch`, installed as sys.modules["torch"] in this process only) follows
+pytorch's sources, read at pytorch/pytorch commit 007aa8aee7ee70454229698ca4b2e45283f15239:
+  - aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda / copy_device_to_device: a copy_ between
+    two CUDA tensors is only QUEUED on the current stream (CUDACachingAllocator::memcpyAsync or a
+    copy kernel; no host synchronisation); a copy between host and device with non_blocking=False
+    ends in at::cuda::memcpy_and_sync (the stream's earlier work and the copy are done when it
+    returns). Here: a device-to-device copy_ is pending until torch.cuda.synchronize(device) or a
+    blocking host copy on that device; the "device memory" a daemon sees is what the finished
+    copies wrote.
+  - torch/csrc/utils/tensor_numpy.cpp, tensor_from_cuda_array_interface: `typestr` is parsed by
+    numpy (PyArray_DescrConverter) and mapped with numpy_dtype_to_aten - there is no type string
+    for bfloat16, float8 or float4; `strides` optional.
+  - Tensor.view(dtype) (aten/src/ATen/native/TensorConversions.cpp view_dtype): the same element
+    size always; another size needs the last dim contiguous (stride 1).
+  - c10/core/ScalarType.h: float8_e4m3fn / float8_e8m0fnu are floating types (isFloat8Type).
+The daemon is stood in for by a client whose calls (Publish / Apply) read or write the registered
+buffers' device memory at once, as the daemon's own process would, and record any copy of this
+process still pending then. Run by //client/python:torch_conformance_test.
+"""
+
+import os
+import sys
+import types
+import unittest
+
+import numpy as np
+
+# ------------------------------------------------------------------------------ the torch stand-in
+
+_DEVICE_MEMORY = {}  # base address -> numpy uint8 array: the emulated GPU 0's allocations
+_next_address = [0x7f0000000000]
+
+
+def device_alloc(nbytes):
+    """`nbytes` of emulated device memory (zeros); returns (address, its uint8 array)."""
+    base = _next_address[0]
+    _next_address[0] += (nbytes + 4095) // 4096 * 4096 + 4096
+    mem = np.zeros(nbytes, dtype=np.uint8)
+    _DEVICE_MEMORY[base] = mem
+    return base, mem
+
+
+def _region(ptr):
+    for base, mem in _DEVICE_MEMORY.items():
+        if base <= ptr < base + mem.size:
+            return base, mem
+    raise RuntimeError("0x%x is not device memory" % ptr)
+
+
+class _Dtype:
+    def __init__(self, name, np_dtype, itemsize, floating):
+        self.name, self.np, self.itemsize, self.is_floating_point = name, np.dtype(np_dtype), itemsize, floating
+
+    def __repr__(self):
+        return "torch." + self.name
+
+    __str__ = __repr__
+
+
+_Dtype.__module__ = "torch"
+
+
+class _Device:
+    def __init__(self, spec):
+        spec = str(spec)
+        self.type = spec.split(":")[0]
+        self.index = int(spec.split(":")[1]) if ":" in spec else (0 if self.type == "cuda" else None)
+
+    def __eq__(self, other):
+        return isinstance(other, _Device) and (self.type, self.index) == (other.type, other.index)
+
+    def __hash__(self):
+        return hash((self.type, self.index))
+
+    def __repr__(self):
+        return "device(type=%r, index=%r)" % (self.type, self.index)
+
+
+_Device.__module__ = "torch"
+
+
+def _bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _f32_to_bf16(x):
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+class Tensor:
+    """A torch tensor over numpy storage `arr` (the dtype's storage type; a view shares memory)."""
+
+    def __init__(self, arr, dtype, device="cpu"):
+        self.arr, self.dtype, self.device = arr, dtype, device if isinstance(device, _Device) else _Device(device)
+
+    # -- attributes the client reads
+    @property
+    def shape(self):
+        return tuple(self.arr.shape)
+
+    @property
+    def is_cuda(self):
+        return self.device.type == "cuda"
+
+    @property
+    def data(self):
+        return self
+
+    def element_size(self):
+        return self.dtype.itemsize
+
+    def nelement(self):
+        return int(self.arr.size)
+
+    def is_contiguous(self):
+        return self.arr.flags["C_CONTIGUOUS"]
+
+    def data_ptr(self):
+        addr = self.arr.__array_interface__["data"][0]
+        if self.is_cuda:  # the emulated device address of that byte
+            for base, mem in _DEVICE_MEMORY.items():
+                start = mem.__array_interface__["data"][0]
+                if start <= addr < start + mem.size:
+                    return base + addr - start
+        return addr
+
+    def detach(self):
+        return self
+
+    def __getitem__(self, idx):
+        return Tensor(self.arr[idx], self.dtype, self.device)
+
+    def values(self):
+        """float32 values (floating dtypes) or the stored integers."""
+        if self.dtype.name == "bfloat16":
+            return _bf16_to_f32(self.arr)
+        return self.arr
+
+    def view(self, dtype):
+        if dtype.itemsize != self.dtype.itemsize:
+            if self.arr.ndim == 0 or self.arr.strides[-1] != self.arr.itemsize:
+                raise RuntimeError("self.stride(-1) must be 1 to view %s as %s" % (self.dtype, dtype))
+        return Tensor(self.arr.view(dtype.np), dtype, self.device)
+
+    def as_strided(self, shape, strides):
+        base = self.arr
+        return Tensor(np.lib.stride_tricks.as_strided(base, shape=tuple(shape),
+                                                      strides=[int(s) * base.itemsize for s in strides]),
+                      self.dtype, self.device)
+
+    # -- copies, with CUDA's stream semantics
+    def copy_(self, src, non_blocking=False):
+        if tuple(src.shape) != self.shape:
+            raise RuntimeError("copy_: shapes %s and %s" % (self.shape, tuple(src.shape)))
+
+        def run():
+            if src.dtype is self.dtype or src.dtype.np == self.dtype.np and not (src.dtype.is_floating_point
+                                                                               and self.dtype.is_floating_point):
+                self.arr[...] = src.arr
+            elif self.dtype.name == "bfloat16":
+                self.arr[...] = _f32_to_bf16(src.values())
+            else:
+                self.arr[...] = src.values().astype(self.dtype.np)
+
+        if self.is_cuda and src.is_cuda:  # copy_device_to_device: queued on the current stream
+            cuda._pending.setdefault(self.device.index, []).append(run)
+        elif self.is_cuda or src.is_cuda:  # memcpy_and_sync: the stream's work, then this copy, is done
+            cuda.synchronize((self if self.is_cuda else src).device)
+            run()
+        else:
+            run()
+        return self
+
+
+Tensor.__module__ = "torch"
+
+
+class _Cuda:
+    """torch.cuda: the queued device work of each GPU."""
+
+    def __init__(self):
+        self._pending = {}
+        self.synchronize_calls = []
+
+    def synchronize(self, device=None):
+        self.synchronize_calls.append(device)
+        index = None if device is None else (device.index if isinstance(device, _Device) else int(device))
+        for i in list(self._pending):
+            if index is None or i == index:
+                for run in self._pending.pop(i):
+                    run()
+
+    def pending(self):
+        return sum(len(v) for v in self._pending.values())
+
+
+cuda = _Cuda()
+
+torch = types.ModuleType("torch")
+torch.Tensor = Tensor
+torch.cuda = cuda
+for _name, _np, _size, _floating in (("bfloat16", np.uint16, 2, True), ("float16", np.float16, 2, True),
+                                     ("float32", np.float32, 4, True), ("int64", np.int64, 8, False),
+                                     ("int32", np.int32, 4, False), ("int16", np.int16, 2, False),
+                                     ("uint8", np.uint8, 1, False), ("float8_e4m3fn", np.uint8, 1, True),
+                                     ("float8_e8m0fnu", np.uint8, 1, True), ("float4_e2m1fn_x2", np.uint8, 1, False)):
+    setattr(torch, _name, _Dtype(_name, _np, _size, _floating))
+_BY_NUMPY = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64,
+             np.dtype(np.int32): torch.int32, np.dtype(np.int16): torch.int16, np.dtype(np.uint8): torch.uint8}
+
+
+def _empty(shape, dtype, device="cpu"):
+    return Tensor(np.zeros(shape, dtype=dtype.np), dtype, device)
+
+
+def _from_numpy(a):
+    if a.dtype not in _BY_NUMPY:
+        raise TypeError("can't convert np.ndarray of type %s" % a.dtype)
+    return Tensor(a, _BY_NUMPY[a.dtype], "cpu")
+
+
+def _as_tensor(obj, device=None):
+    iface = getattr(obj, "__cuda_array_interface__", None)
+    if iface is None:
+        raise TypeError("as_tensor: only __cuda_array_interface__ objects here")
+    npd = np.dtype(iface["typestr"])  # numpy parses the type string, as torch does
+    if npd not in _BY_NUMPY:
+        raise TypeError("can't convert CUDA array interface type %s" % iface["typestr"])
+    ptr = iface["data"][0]
+    base, mem = _region(ptr)
+    shape = tuple(iface["shape"])
+    arr = np.ndarray(shape, dtype=npd, buffer=mem, offset=ptr - base, strides=iface.get("strides"))
+    return Tensor(arr, _BY_NUMPY[npd], device or "cuda:0")
+
+
+torch.empty = _empty
+torch.from_numpy = _from_numpy
+torch.as_tensor = _as_tensor
+torch.device = _Device
+
+
+def cuda_tensor(values, dtype):
+    """A CUDA tensor in its own emulated allocation holding `values` (storage type of `dtype`)."""
+    values = np.ascontiguousarray(values, dtype=dtype.np)
+    base, mem = device_alloc(max(1, values.nbytes))
+    arr = np.ndarray(values.shape, dtype=dtype.np, buffer=mem)
+    arr[...] = values
+    return Tensor(arr, dtype, "cuda:0")
+
+
+sys.modules["torch"] = torch
+
+import weightbridge as wb  # noqa: E402
+from weightbridge import cuda as wb_cuda  # noqa: E402
+from weightbridge.client import LayoutInfo  # noqa: E402
+from weightbridge.discovery import LayoutDescription, TensorPlace  # noqa: E402
+from weightbridge.integrations import megatron  # noqa: E402
+from weightbridge.integrations._rollout import RolloutHook  # noqa: E402
+
+
+# ------------------------------------------------------------------------------ the daemon stand-in
+
+class DeviceBuffer(wb_cuda._DeviceBytes):
+    """A registered CUDA buffer (what create_cuda_buffer returns) in emulated device memory."""
+
+    def __init__(self, size_bytes, gpu, buffer_id=0):
+        self.id, self.gpu, self.size_bytes = buffer_id, gpu, size_bytes
+        self.ptr, self.mem = device_alloc(size_bytes)
+
+    def close(self):
+        pass
+
+
+class FakeDaemonClient:
+    """WorkerClient's calls the hooks make, answered as the daemon would: describe / register the
+    layout `desc`; publish reads the buffer's device memory at once (another process reads it
+    then), apply writes `versions[v]` into it at once. Each call records how many copies of this
+    process were still pending on the device when the daemon touched the buffer."""
+
+    def __init__(self, desc, versions=None):
+        self.desc, self.versions = desc, versions or {}
+        self.buffers, self.published, self.pending_at_daemon = [], {}, []
+
+    def describe_layout(self, layout, model=None):
+        return self.desc
+
+    def register_worker(self, model, worker_id, role, gpu=-1):
+        return 1
+
+    def create_cuda_buffer(self, size_bytes, gpu):
+        b = DeviceBuffer(size_bytes, gpu, len(self.buffers))
+        self.buffers.append(b)
+        return b
+
+    def register_layout(self, layout):
+        return LayoutInfo(0, 0, "preset", self.desc)
+
+    def _touch(self):
+        self.pending_at_daemon.append(cuda.pending())
+
+    def publish(self, version, timeout=60.0):
+        self._touch()
+        b = self.buffers[0]
+        self.published[version] = {n: _DEVICE_MEMORY[b.ptr][t.offset_bytes:t.offset_bytes + t.size_bytes].copy()
+                                   for n, t in self.desc.tensors.items()}
+        return types.SimpleNamespace(version=version, stall_seconds=0.0)
+
+    def apply(self, version=0, timeout=60.0):
+        self._touch()
+        b = self.buffers[0]
+        for n, t in self.desc.tensors.items():
+            _DEVICE_MEMORY[b.ptr][t.offset_bytes:t.offset_bytes + t.size_bytes] = self.versions[version][n]
+        return types.SimpleNamespace(applied_version=version, stall_seconds=0.0)
+
+    def close(self):
+        pass
+
+
+def description(tensors):
+    """A LayoutDescription of bfloat16 tensors {name: shape} packed row-major, 256-byte aligned."""
+    places, off = {}, 0
+    for i, (name, shape) in enumerate(tensors.items()):
+        n = int(np.prod(shape)) * 2
+        strides = tuple(int(np.prod(shape[k + 1:])) for k in range(len(shape)))
+        places[name] = TensorPlace(name, tuple(shape), "bfloat16", 0, off, strides, n, (i,))
+        off += (n + 255) // 256 * 256
+    return LayoutDescription({0: off}, places, [None] * len(places), off, "preset")
+
+
+TENSORS = {"decoder.layers.0.mlp.linear_fc1.weight": (8, 16), "decoder.final_layernorm.weight": (16,)}
+MODEL = wb.ModelConfig(model_id="m", explicit_tensors=[("x", [1])], mode="one_step_off")
+
+
+def bf16_values(seed, shape):
+    rng = np.random.default_rng(seed)
+    return _f32_to_bf16(rng.standard_normal(shape).astype(np.float32))
+
+
+class CudaCopiesFinishBeforeTheDaemonTest(unittest.TestCase):
+    """torch copies into or out of a registered CUDA buffer are queued on this process's stream
+    (Copy.cu); the daemon reads (Publish) and writes (Apply) the buffer from its own process, so
+    the hooks must have synchronized them before the call."""
+
+    def setUp(self):
+        cuda._pending.clear()
+
+    def test_trainer_copies_land_before_publish(self):
+        desc = description(TENSORS)
+        client = FakeDaemonClient(desc)
+        hook = megatron.MegatronTrainerHook(None, MODEL, rank=0, memory="cuda", gpu=0, client=client)
+        params = {n: cuda_tensor(bf16_values(i, s), torch.bfloat16) for i, (n, s) in enumerate(TENSORS.items())}
+        hook.publish(1, [("module." + n, t) for n, t in params.items()])
+        self.assertEqual(client.pending_at_daemon, [0], "copies into the CUDA buffer still queued at Publish")
+        for n, t in params.items():
+            np.testing.assert_array_equal(client.published[1][n].view(np.uint16), t.arr.ravel(), err_msg=n)
+
+    def rollout(self, versions):
+        client = FakeDaemonClient(description(TENSORS), versions)
+        return RolloutHook("vllm", None, MODEL, memory="cuda", gpu=0, client=client), client
+
+    def test_rollout_copies_out_of_the_buffer_finish_before_the_next_apply(self):
+        versions = {v: {n: bf16_values(10 * v + i, s).view(np.uint8).ravel() for i, (n, s) in enumerate(TENSORS.items())}
+                    for v in (1, 2)}
+        rollout, client = self.rollout(versions)
+        params = {n: cuda_tensor(np.zeros(s), torch.bfloat16) for n, s in TENSORS.items()}
+        self.assertEqual(rollout.apply(1, params), 1)
+        self.assertEqual(rollout.apply(2, params), 2)
+        # Apply v2 wrote the buffer: a copy of v1 still queued then would have read v2's bytes.
+        self.assertEqual(client.pending_at_daemon, [0, 0], "copies out of the CUDA buffer still queued at the next Apply")
+        cuda.synchronize()
+        for n, p in params.items():
+            np.testing.assert_array_equal(p.arr.view(np.uint8).ravel(), versions[2][n], err_msg=n)
+
+    def test_bind_copies_current_weights_before_the_daemon_writes(self):
+        rollout, client = self.rollout({1: {n: np.zeros(int(np.prod(s)) * 2, np.uint8) for n, s in TENSORS.items()}})
+        weights = {n: bf16_values(i, s) for i, (n, s) in enumerate(TENSORS.items())}
+        params = {n: types.SimpleNamespace(data=cuda_tensor(w, torch.bfloat16)) for n, w in weights.items()}
+        rollout.bind(params)
+        b = client.buffers[0]
+        self.assertEqual(cuda.pending(), 0, "bind's copies of the current weights still queued")
+        for n, t in rollout.layout.tensors.items():
+            got = _DEVICE_MEMORY[b.ptr][t.offset_bytes:t.offset_bytes + t.size_bytes].view(np.uint16)
+            np.testing.assert_array_equal(got, weights[n].ravel(), err_msg=n)
+
+
+if __name__ == "__main__":
+    unittest.main()
