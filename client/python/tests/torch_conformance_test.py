@@ -387,5 +387,23 @@ class CudaCopiesFinishBeforeTheDaemonTest(unittest.TestCase):
             np.testing.assert_array_equal(got, weights[n].ravel(), err_msg=n)
 
 
+class DeviceBytesTensorTest(unittest.TestCase):
+    """weightbridge.cuda's .tensor(dtype, shape): a torch view of a CUDA buffer in any dtype the
+    layouts hold, through __cuda_array_interface__ (whose type strings are numpy's)."""
+
+    def test_views_in_float8_float4_and_int32(self):
+        buf = DeviceBuffer(4096, 0)
+        for dtype, shape in ((torch.float8_e4m3fn, (4, 8)), (torch.float8_e8m0fnu, (2, 3)),
+                             (torch.float4_e2m1fn_x2, (4, 4)), (torch.int32, (5,)), (torch.bfloat16, (3, 2)),
+                             (torch.float32, (2,))):
+            t = buf.tensor(dtype, shape, offset_bytes=256)
+            self.assertIs(t.dtype, dtype)
+            self.assertEqual(t.shape, shape)
+            self.assertEqual(t.data_ptr(), buf.ptr + 256)
+        t = buf.tensor(torch.float8_e4m3fn, (4, 8), offset_bytes=512)
+        t.arr[1, 2] = 0x38  # writes go to the buffer
+        self.assertEqual(int(_DEVICE_MEMORY[buf.ptr][512 + 8 + 2]), 0x38)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -121,12 +121,16 @@ class _DeviceBytes:
             n *= int(d)
         if offset_bytes < 0 or offset_bytes + n * elem > self.size_bytes:
             raise ValueError("view of %d bytes at %d outside the %d-byte buffer" % (n * elem, offset_bytes, self.size_bytes))
-        typestr = {torch.float32: "<f4", torch.float16: "<f2", torch.int64: "<i8", torch.uint8: "|u1",
-                   torch.int16: "<i2"}
-        # bfloat16 has no array-interface type string: view the bytes as int16 and reinterpret.
-        view_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+        # The array interface's type strings are numpy's, which has no bfloat16 and no float8 / float4
+        # (torch parses them with numpy: torch/csrc/utils/tensor_numpy.cpp): view the bytes as the
+        # integer type of the element's size, then reinterpret them in `dtype` (Tensor.view(dtype),
+        # same element size: any dtype).
+        ints = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
+        if elem not in ints:
+            raise ValueError("no view of %s (%d-byte elements)" % (dtype, elem))
+        view_dtype, typestr = ints[elem]
         holder = type("CudaArray", (), {})()
-        holder.__cuda_array_interface__ = {"shape": tuple(int(d) for d in shape), "typestr": typestr[view_dtype],
+        holder.__cuda_array_interface__ = {"shape": tuple(int(d) for d in shape), "typestr": typestr,
                                           "data": (self.ptr + offset_bytes, False), "version": 2}
         t = torch.as_tensor(holder, device="cuda:%d" % self.gpu)
         return t.view(dtype) if view_dtype != dtype else t
