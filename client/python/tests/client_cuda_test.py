@@ -836,6 +836,39 @@ def gaps_untouched(mems, params):
     return True
 
 
+class CuMemAllocatorMemory:
+    """Device memory allocated as vLLM's sleep-mode allocator allocates it (vllm-project/vllm
+    csrc/cumem_allocator.cpp, my_malloc + create_and_map, read at commit
+    0035e224f4bb39065187bddf4b5ae20ffe1bf945): `CUmemAllocationProp prop = {}` with type PINNED and
+    the device as location - requestedHandleTypes left 0, CU_MEM_HANDLE_TYPE_NONE - then
+    cuMemAddressReserve, cuMemCreate, cuMemMap and cuMemSetAccess. No process but this one can
+    map it: cuMemExportToShareableHandle refuses it."""
+
+    def __init__(self, size_bytes, gpu):
+        from weightbridge import cuda
+        self.gpu = gpu
+        cuda._check(cuda._rt().cudaSetDevice(gpu), "cudaSetDevice")
+        prop = cuda._AllocProp(type=cuda._CU_MEM_ALLOCATION_TYPE_PINNED,
+                               location=cuda._Location(cuda._CU_MEM_LOCATION_TYPE_DEVICE, gpu))
+        g = ctypes.c_size_t()
+        cuda._cu("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), cuda._CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        self.size_bytes = (size_bytes + g.value - 1) // g.value * g.value
+        va, self.handle = cuda._CU_DEVICEPTR(), cuda._CU_HANDLE()
+        cuda._cu("cuMemAddressReserve", ctypes.byref(va), self.size_bytes, 0, cuda._CU_DEVICEPTR(0), 0)
+        cuda._cu("cuMemCreate", ctypes.byref(self.handle), self.size_bytes, ctypes.byref(prop), 0)
+        cuda._cu("cuMemMap", va, self.size_bytes, 0, self.handle, 0)
+        access = cuda._AccessDesc(location=cuda._Location(cuda._CU_MEM_LOCATION_TYPE_DEVICE, gpu),
+                                  flags=cuda._CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        cuda._cu("cuMemSetAccess", va, self.size_bytes, ctypes.byref(access), 1)
+        self.ptr = va.value
+
+    def close(self):
+        from weightbridge import cuda
+        cuda._cu("cuMemUnmap", cuda._CU_DEVICEPTR(self.ptr), self.size_bytes)
+        cuda._cu("cuMemAddressFree", cuda._CU_DEVICEPTR(self.ptr), self.size_bytes)
+        cuda._cu("cuMemRelease", self.handle)
+
+
 @unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
                      "emulated-GPU builds not present (built only with CUDA headers)")
 @unittest.skipIf(os.environ.get("WB_SANITIZER"),
@@ -1008,6 +1041,33 @@ class CudaEngineMemoryTest(unittest.TestCase):
                 m.close()
         with self.assertRaisesRegex(ValueError, "needs params"):
             vllm.VllmRollout(None, model, tp=1, memory="engine", gpu=0, client=self.daemon.client("vref"))
+
+    def test_vllm_sleep_mode_memory_refused_before_anything_is_registered(self):
+        """vLLM's sleep-mode allocator creates VMM memory without a POSIX fd handle type
+        (CuMemAllocatorMemory): the daemon could never map it, so memory="engine" refuses it -
+        naming the parameter and memory='cuda' - before the worker registers, and
+        add_cuda_vmm_buffer refuses it before anything is offered."""
+        model = self.model("py_engine_cumem", "one_step_off", 1)
+        shapes = self.shapes()
+        mem = CuMemAllocatorMemory(sum(int(np.prod(s)) * ct.ELEM + GAP for s in shapes.values()), 0)
+        params, off = {}, 0
+        for n, s in shapes.items():
+            params[n] = EngineParam(mem, off, s)
+            off += int(np.prod(s)) * ct.ELEM + GAP
+        client = self.daemon.client("vcumem")
+        with self.assertRaisesRegex(ValueError, "memory='engine': engine parameter .*CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+                                                ".*sleep-mode CuMemAllocator.*use memory='cuda'"):
+            vllm.VllmRollout(None, model, tp=1, memory="engine", params=params, gpu=0, client=client)
+        self.assertEqual(client.buffers, [])
+        with self.assertRaisesRegex(wb.WeightBridgeError, "NOT_FOUND: status filter: unknown model"):
+            self.registered(model)  # nobody registered: the model was never even created
+        client.register_worker(model, "rollout/0", "rollout", gpu=0)
+        with self.assertRaisesRegex(ValueError, "add_cuda_vmm_buffer: CUDA VMM allocation .*CU_MEM_HANDLE_TYPE_POSIX"):
+            client.add_cuda_vmm_buffer(mem.ptr, 256, 0)
+        self.assertEqual((client.buffers, client._vmm), ([], {}))
+        client.deregister()
+        client.close()
+        mem.close()
 
     def test_ipc_buffer_over_memory_we_did_not_allocate(self):
         """add_cuda_ipc_buffer: the whole cudaMalloc allocation holding a pointer, one buffer per

@@ -405,7 +405,9 @@ class WorkerClient:
         (cuda.vmm_allocations_of), each shared once, and the buffer names them in order; the
         daemon maps them as one range. ValueError when a byte of the range is not mapped VMM
         memory or the allocations sit on two GPUs. The memory must stay allocated while
-        registered; the client holds a reference to each allocation until close().
+        registered; the client holds a reference to each allocation until close(). ValueError as
+        well for an allocation created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (vLLM's
+        sleep-mode allocator): no fd of it can be exported.
         Daemon refusals raise WeightBridgeError with the daemon's code and message."""
         from weightbridge import cuda
         if self._register_req is None:
@@ -413,7 +415,7 @@ class WorkerClient:
                                     "register_worker first (the daemon takes fds only from registered workers)")
         ptr, size_bytes, gpu = _device_range("add_cuda_vmm_buffer", ptr, size_bytes, gpu)
         try:
-            allocs = cuda.vmm_allocations_of(ptr, size_bytes)
+            allocs = cuda.vmm_allocations_of(ptr, size_bytes, exportable=True)
         except ValueError as e:
             raise ValueError("add_cuda_vmm_buffer: %s" % e) from None
         shared_now = []

@@ -269,8 +269,11 @@ class VmmRange:
     handle, and with it `key`, names this allocation and no other while it is open.
     """
 
-    def __init__(self, base, size, gpu, handle):
+    def __init__(self, base, size, gpu, handle, exportable=True):
         self.base, self.size, self.gpu, self.handle = base, size, gpu, handle
+        # Whether cuMemCreate requested CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (the only way the
+        # daemon can map it; True where the properties could not be read: export_fd then decides).
+        self.exportable = exportable
         self.key = "vmm-%x-%x-%x" % (base, size, handle)
         # Sent with every offer of this allocation (offer_vmm_fd): unique in this process, so a
         # later allocation that happens to get the same key is mapped anew by the daemon.
@@ -311,18 +314,27 @@ def vmm_allocation_of(ptr):
         raise ValueError("0x%x is device memory but not CUDA VMM memory (cuMemCreate); cudaMalloc memory goes by "
                          "CUDA IPC (CudaBuffer)" % ptr)
     prop = _AllocProp()
+    exportable = True
     if _driver("cuMemGetAllocationPropertiesFromHandle")(ctypes.byref(prop), handle) == 0:
         gpu = prop.location.id
-    return VmmRange(base.value, size.value, gpu, handle.value)
+        exportable = bool(prop.requestedHandleTypes & _CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return VmmRange(base.value, size.value, gpu, handle.value, exportable)
 
 
-def vmm_allocations_of(ptr, size_bytes):
+# Why VMM memory without a POSIX fd handle type is refused (vmm_allocations_of(exportable=True)).
+NOT_EXPORTABLE = ("created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes, so no other process "
+                  "can map it (vLLM's sleep-mode CuMemAllocator, csrc/cumem_allocator.cpp, creates its memory that way): "
+                  "use memory='cuda' for such an engine")
+
+
+def vmm_allocations_of(ptr, size_bytes, exportable=False):
     """The CUDA VMM allocations that hold [ptr, ptr + size_bytes), in address order: a list of
     VmmRange (each holding a reference until close()). Walks the range mapping by mapping
     (cuMemGetAddressRange gives the allocation mapped at an address, its end is where the next one
     must start), as torch's expandable segments map one allocation per page back to back.
     ValueError when a byte of the range is not mapped VMM memory, or the allocations are on two
-    GPUs; nothing stays retained then."""
+    GPUs, or (`exportable`) one was created without the POSIX fd handle type (NOT_EXPORTABLE);
+    nothing stays retained then."""
     ptr, end = int(ptr), int(ptr) + int(size_bytes)
     out = []
     try:
@@ -340,6 +352,9 @@ def vmm_allocations_of(ptr, size_bytes):
             out.append(r)
             if r.base + r.size <= at:  # the driver's range must contain the address asked for
                 raise RuntimeError("cuMemGetAddressRange(0x%x) returned [0x%x, +%d)" % (at, r.base, r.size))
+            if exportable and not r.exportable:
+                raise ValueError("CUDA VMM allocation [0x%x, +%d) under [0x%x, +%d) was %s" % (r.base, r.size, ptr, end - ptr,
+                                                                                           NOT_EXPORTABLE))
             if r.gpu != out[0].gpu:
                 raise ValueError("[0x%x, +%d) spans CUDA VMM allocations on GPU %d and GPU %d; a buffer lies on one GPU"
                                  % (ptr, end - ptr, out[0].gpu, r.gpu))
@@ -354,7 +369,8 @@ def vmm_allocations_of(ptr, size_bytes):
 class DeviceAllocation:
     """The allocation holding a device pointer (device_allocation_of): [base, base + size) on `gpu`;
     `vmm`: CUDA VMM memory (cuMemCreate + cuMemMap: torch's expandable segments, vLLM's sleep-mode
-    pool), shared by fd (WorkerClient.add_cuda_vmm_buffer); else cudaMalloc memory (torch's
+    pool), shared by fd (WorkerClient.add_cuda_vmm_buffer) where it was created exportable (vLLM's
+    pool is not: NOT_EXPORTABLE); else cudaMalloc memory (torch's
     caching allocator by default), shared by a CUDA IPC handle of `base`
     (WorkerClient.add_cuda_ipc_buffer)."""
 

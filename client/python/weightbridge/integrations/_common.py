@@ -277,8 +277,9 @@ class LayoutHook:
         parameter holding exactly its bytes (check_engine_param; refused, naming it, before
         anything is registered). Each parameter's allocation is registered once - cudaMalloc memory
         by CUDA IPC of the allocation's base (add_cuda_ipc_buffer), CUDA VMM memory (expandable
-        segments, vLLM's sleep-mode pool) by fd, one buffer per run of allocations mapped back to
-        back (add_cuda_vmm_buffer) - and the description's pieces are re-based into them:
+        segments) by fd, one buffer per run of allocations mapped back to back (add_cuda_vmm_buffer;
+        VMM memory created without a POSIX fd handle type, as vLLM's sleep-mode pool is, is refused
+        before registering: cuda.NOT_EXPORTABLE) - and the description's pieces are re-based into them:
         offset = piece offset - local tensor offset + (parameter address - buffer base), scales
         likewise through their tensors' parameters. The engine's memory is never freed here."""
         from weightbridge import cuda
@@ -302,23 +303,28 @@ class LayoutHook:
         gpu = self.gpu if self.gpu >= 0 else (min(gpus) if gpus else 0)
         if gpus - {gpu}:
             raise ValueError("memory='engine': the parameters lie on GPUs %s, the rank's GPU is %d" % (sorted(gpus), gpu))
+        # VMM memory the daemon cannot map (created without a POSIX fd handle type: vLLM's sleep-mode
+        # allocator) is refused here, before anything is registered.
+        vmm, spans = {}, {}  # name -> address; allocation base -> size
+        for n in needed:
+            ptr = int(params[n].data_ptr())
+            if cuda.device_allocation_of(ptr).vmm:
+                vmm[n] = ptr
+                try:
+                    ranges = cuda.vmm_allocations_of(ptr, sizes[n], exportable=True)
+                except ValueError as e:
+                    raise ValueError("memory='engine': engine parameter %s: %s" % (n, e)) from None
+                for r in ranges:
+                    spans[r.base] = r.size
+                    r.close()
         self.client.register_worker(self.model, self.worker_id, self.role, gpu=gpu)
         try:
             where = {}  # name -> (buffer, address of the buffer's byte 0)
-            vmm = {}
             for n in needed:
-                ptr = int(params[n].data_ptr())
-                if cuda.device_allocation_of(ptr).vmm:
-                    vmm[n] = ptr
-                else:
-                    b = self.client.add_cuda_ipc_buffer(ptr, sizes[n], gpu)
+                if n not in vmm:
+                    b = self.client.add_cuda_ipc_buffer(int(params[n].data_ptr()), sizes[n], gpu)
                     where[n] = (b, b.base)
             if vmm:
-                spans = {}
-                for n, ptr in vmm.items():
-                    for r in cuda.vmm_allocations_of(ptr, sizes[n]):
-                        spans[r.base] = r.size
-                        r.close()
                 runs = []  # [base, end): allocations mapped back to back, one buffer each
                 for base in sorted(spans):
                     if runs and runs[-1][1] == base:
