@@ -152,19 +152,48 @@ class Tensor:
                                                       strides=[int(s) * base.itemsize for s in strides]),
                       self.dtype, self.device)
 
+    def _assign(self, src):
+        """The copy itself (by value between floating dtypes, else the stored bits)."""
+        if src.dtype is self.dtype or src.dtype.np == self.dtype.np and not (src.dtype.is_floating_point
+                                                                           and self.dtype.is_floating_point):
+            self.arr[...] = src.arr
+        elif self.dtype.name == "bfloat16":
+            self.arr[...] = _f32_to_bf16(src.values())
+        else:
+            self.arr[...] = src.values().astype(self.dtype.np)
+
+    # -- kernels: on a CUDA tensor queued on the current stream, as copies are
+    def _kernel(self, out, fill):
+        if out.is_cuda:
+            cuda._pending.setdefault(out.device.index, []).append(fill)
+        else:
+            fill()
+        return out
+
+    def to(self, device=None, dtype=None):
+        dtype = dtype or self.dtype
+        out = _empty(self.shape, dtype, device or self.device)
+        return self._kernel(out, lambda: out._assign(self))
+
+    def __mul__(self, k):
+        out = _empty(self.shape, torch.float32, self.device)
+
+        def fill():
+            out.arr[...] = self.values().astype(np.float32) * np.float32(k)
+        return self._kernel(out, fill)
+
+    def __setitem__(self, idx, value):
+        def fill():
+            self.arr[idx] = value
+        self._kernel(self, fill)
+
     # -- copies, with CUDA's stream semantics
     def copy_(self, src, non_blocking=False):
         if tuple(src.shape) != self.shape:
             raise RuntimeError("copy_: shapes %s and %s" % (self.shape, tuple(src.shape)))
 
         def run():
-            if src.dtype is self.dtype or src.dtype.np == self.dtype.np and not (src.dtype.is_floating_point
-                                                                               and self.dtype.is_floating_point):
-                self.arr[...] = src.arr
-            elif self.dtype.name == "bfloat16":
-                self.arr[...] = _f32_to_bf16(src.values())
-            else:
-                self.arr[...] = src.values().astype(self.dtype.np)
+            self._assign(src)
 
         if self.is_cuda and src.is_cuda:  # copy_device_to_device: queued on the current stream
             cuda._pending.setdefault(self.device.index, []).append(run)
@@ -385,6 +414,53 @@ class CudaCopiesFinishBeforeTheDaemonTest(unittest.TestCase):
         for n, t in rollout.layout.tensors.items():
             got = _DEVICE_MEMORY[b.ptr][t.offset_bytes:t.offset_bytes + t.size_bytes].view(np.uint16)
             np.testing.assert_array_equal(got, weights[n].ravel(), err_msg=n)
+
+
+class LoraLayer:
+    """vLLM's linear *WithLoRA layer as create_lora_weights makes it (vllm-project/vllm
+    vllm/lora/layers/base_linear.py, read at 01235a494f173b84814002c8382137e379371b07): tuples of
+    CUDA tensors lora_a_stacked [max_loras, 1, max_lora_rank, in], lora_b_stacked
+    [max_loras, 1, out, max_lora_rank], in the LoRA dtype."""
+
+    def __init__(self, max_loras, rank, n_in, n_out):
+        self.lora_a_stacked = (cuda_tensor(np.zeros((max_loras, 1, rank, n_in)), torch.bfloat16),)
+        self.lora_b_stacked = (cuda_tensor(np.zeros((max_loras, 1, n_out, rank)), torch.bfloat16),)
+
+
+class VllmLoraSlotCopiesTest(unittest.TestCase):
+    """vllm_lora with memory="cuda": each version is copied (lora_b scaled) from the CUDA buffer
+    into the adapter's slot on this process's stream; finished before the daemon's next Apply
+    writes the buffer."""
+
+    def setUp(self):
+        cuda._pending.clear()
+
+    def test_slot_copies_finish_before_the_next_apply(self):
+        from weightbridge.integrations import vllm_lora
+        module, max_rank, n_in, n_out, adapter, slot = "model.layers.0.self_attn.o_proj", 16, 8, 8, 7, 1
+        shapes = {module + ".lora_a_stacked.0": (max_rank, n_in), module + ".lora_b_stacked.0": (n_out, max_rank)}
+        desc = description(shapes)
+        desc.pieces = [types.SimpleNamespace(tensor=n, offset_bytes=t.offset_bytes, strides=list(t.strides),
+                                             box=types.SimpleNamespace(begin=[0, 0], end=list(t.shape)))
+                       for n, t in desc.tensors.items()]
+        versions = {v: {n: bf16_values(10 * v + i, s).view(np.uint8).ravel() for i, (n, s) in enumerate(shapes.items())}
+                    for v in (1, 2)}
+        client = FakeDaemonClient(desc, versions)
+        layer = LoraLayer(4, max_rank, n_in, n_out)
+        model_obj = types.SimpleNamespace(named_modules=lambda: [("", None), (module, layer)])
+        manager = types.SimpleNamespace(lora_index_to_id=[None, adapter, None, None], model=model_obj,
+                                        _active_adapters=types.SimpleNamespace(pinned_items={adapter}),
+                                        get_adapter=lambda i: types.SimpleNamespace(rank=2))
+        model = wb.ModelConfig(model_id="lora", hf_config_json="{}", mode="one_step_off",
+                               lora=wb.LoraConfig(target_modules=["o_proj"], r=2, alpha=4.0))
+        rollout = vllm_lora.VllmLoraRollout(None, model, adapter, lora_manager=manager, memory="cuda", gpu=0, client=client)
+        self.assertEqual(rollout.apply(1), 1)
+        self.assertEqual(rollout.apply(2), 2)
+        self.assertEqual(client.pending_at_daemon, [0, 0], "copies out of the CUDA buffer still queued at the next Apply")
+        cuda.synchronize()
+        a, b = (_bf16_to_f32(versions[2][n].view(np.uint16).reshape(s)) for n, s in shapes.items())
+        np.testing.assert_array_equal(_bf16_to_f32(layer.lora_a_stacked[0].arr[slot, 0]), a)
+        np.testing.assert_array_equal(_bf16_to_f32(layer.lora_b_stacked[0].arr[slot, 0]), b * 2)  # alpha / r
 
 
 class DeviceBytesTensorTest(unittest.TestCase):

@@ -61,7 +61,7 @@ import re
 import numpy as np
 
 from weightbridge.client import LoraConfig, ModelConfig, WorkerClient
-from weightbridge.integrations._common import _is_torch, bf16_bits
+from weightbridge.integrations._common import _is_torch, bf16_bits, cuda_device, synchronize
 from weightbridge.integrations._rollout import RolloutHook
 from weightbridge.layouts import PresetLayout
 
@@ -322,14 +322,22 @@ class VllmLoraRollout(RolloutHook):
         resident and pinned; it may have moved). Returns the slot."""
         slot = adapter_slot(self.manager, self.lora_int_id, rank=self.lora.r)
         self.slot = slot
+        devices = []
         for s in self.slices:
             dst = s.target()
             if _is_torch(dst):
                 self._write_torch(s, dst[slot, 0])
+                for t in (dst, self._torch()[s.name]):
+                    dev = cuda_device(t)
+                    if dev is not None and dev not in devices:
+                        devices.append(dev)
             else:
                 self._write_numpy(s, dst[slot, 0])
         for module, kind, index in self.untargeted:
             getattr(module, kind)[index][slot, 0] = 0
+        # The copies out of a CUDA buffer are queued on this process's stream: finished before the
+        # daemon may write the buffer with the next version (_common.synchronize).
+        synchronize(devices)
         return slot
 
     def _write_numpy(self, s, dst):
