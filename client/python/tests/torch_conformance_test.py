@@ -226,6 +226,9 @@ class _Cuda:
     def pending(self):
         return sum(len(v) for v in self._pending.values())
 
+    def is_initialized(self):
+        return True
+
 
 cuda = _Cuda()
 
@@ -461,6 +464,35 @@ class VllmLoraSlotCopiesTest(unittest.TestCase):
         a, b = (_bf16_to_f32(versions[2][n].view(np.uint16).reshape(s)) for n, s in shapes.items())
         np.testing.assert_array_equal(_bf16_to_f32(layer.lora_a_stacked[0].arr[slot, 0]), a)
         np.testing.assert_array_equal(_bf16_to_f32(layer.lora_b_stacked[0].arr[slot, 0]), b * 2)  # alpha / r
+
+
+class SglangDerivedCopiesTest(unittest.TestCase):
+    """sglang.refresh_derived after a version landed: post_load_weights (bind_or_assign:
+    target.copy_(source), sgl-project/sglang python/sglang/srt/utils.py) and the _weight_fp32
+    refreshes read the parameters with queued device copies; with memory="engine" (or bound) the
+    parameters are the registered memory the daemon writes next, so they must be finished when
+    refresh_derived returns."""
+
+    def setUp(self):
+        cuda._pending.clear()
+
+    def test_refreshes_finished_when_it_returns(self):
+        from weightbridge.integrations import sglang
+        weight = cuda_tensor(bf16_values(3, (4, 8)), torch.bfloat16)
+        gate = types.SimpleNamespace(weight=weight, _weight_fp32=cuda_tensor(np.zeros((4, 8)), torch.float32))
+        w_kc = cuda_tensor(np.zeros((4, 8)), torch.bfloat16)
+
+        class Model:
+            def post_load_weights(self, is_nextn=False, weight_names=None):
+                w_kc.copy_(weight)  # bind_or_assign(self_attn.w_kc, ...)
+
+            def modules(self):
+                return [self, gate]
+
+        self.assertEqual(sglang.refresh_derived(Model()), 1)
+        self.assertEqual(cuda.pending(), 0, "refresh_derived's copies still queued when it returned")
+        np.testing.assert_array_equal(gate._weight_fp32.arr, _bf16_to_f32(weight.arr))
+        np.testing.assert_array_equal(w_kc.arr, weight.arr)
 
 
 class DeviceBytesTensorTest(unittest.TestCase):

@@ -46,6 +46,7 @@ hold the version (refresh_derived below); without it, call sglang.refresh_derive
 """
 
 import inspect
+import sys
 
 import numpy as np
 
@@ -114,6 +115,13 @@ def refresh_derived(engine_model):
     for m in modules:
         if hasattr(m, "_weight_fp32"):
             refreshed += _refresh_weight_fp32(m)
+    # post_load_weights' copies (bind_or_assign: target.copy_(source)) and the _weight_fp32 refreshes
+    # read the parameters on the current stream and are only queued (torch's device-to-device
+    # copy_); with memory="engine" or a bound buffer the parameters are the registered memory, which
+    # the daemon writes with the next version from its own process: finish them first.
+    torch = sys.modules.get("torch")  # never imported here: only an engine that has torch
+    if torch is not None and getattr(torch, "cuda", None) is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return refreshed
 
 
