@@ -375,6 +375,51 @@ class IntegrationsTest(unittest.TestCase):
             h.client.deregister()
             h.client.close()
 
+    def test_megatron_overlap_param_gather_completed_before_copying(self):
+        """Megatron's distributed optimizer with --overlap-param-gather (NVIDIA/Megatron-LM
+        megatron/core/optimizer/distrib_optimizer.py at d08b402b6e74e733c0bcac6a5e3b8ec548a8e5ab:
+        "If overlapping all-gather for parameters ... all-gathers are launched in the forward
+        pre-hook"): after optimizer.step() only this rank's shard of each bucket holds the new
+        weights until the next forward, or until the DDP chunk's start_param_sync(force_sync=True)
+        (megatron/core/distributed/distributed_data_parallel.py at 293e10419fd1b79c8680a0f4a206fc0a373729b5).
+        publish(..., model=chunk) forces it before copying; a chunk without the overlap is left alone."""
+        model = self.model("int_megatron_overlap", "one_step_off", 2, 1)
+        trainers = [megatron.MegatronTrainerHook(None, model, rank=r, tp=2, client=self.daemon.client("mov")) for r in (0, 1)]
+        engine = vllm.VllmRollout(None, model, tp=1, client=self.daemon.client("vov"))
+
+        class OverlapGatherDDP:
+            """A DDP chunk right after optimizer.step(): with the overlap its parameters hold the
+            previous step's bytes (outside this rank's shard) until the all-gather runs."""
+
+            def __init__(self, stale, gathered, overlap):
+                self.ddp_config = types.SimpleNamespace(use_distributed_optimizer=True, overlap_param_gather=overlap)
+                self.params = {n: a.copy() for n, a in (stale if overlap else gathered).items()}
+                self.gathered, self.syncs = gathered, []
+
+            def named_parameters(self):
+                return (("module." + n, a) for n, a in self.params.items())
+
+            def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
+                self.syncs.append(force_sync)
+                if force_sync:  # the synchronous all-gather
+                    for n, a in self.gathered.items():
+                        self.params[n][...] = a
+
+        params = {n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), 1, 0).items()}
+        for version, overlap in ((2, True), (3, False)):
+            chunks = [OverlapGatherDDP(megatron_tp2(canonical(version - 1), r), megatron_tp2(canonical(version), r), overlap)
+                      for r in (0, 1)]
+            for t, chunk in zip(trainers, chunks):
+                t.publish(version, chunk.named_parameters(), timeout=TIMEOUT, model=[chunk] if overlap else chunk)
+            # Overlap: gathered first; without it the optimizer step gathered already (left alone).
+            self.assertEqual([c.syncs for c in chunks], [[True], [True]] if overlap else [[], []])
+            self.assertEqual(engine.apply(version, params, timeout=TIMEOUT), version)
+            for n, want in vllm_tp(canonical(version), 1, 0).items():
+                np.testing.assert_array_equal(params[n], want, err_msg="%s v%d" % (n, version))
+        for h in trainers + [engine]:
+            h.client.deregister()
+            h.client.close()
+
     def test_megatron_router_expert_bias_buffer_and_mtp(self):
         """Megatron's router.expert_bias is a registered buffer (float32), not a parameter: publish
         takes named_buffers() and copies the ones the layout holds; MTP parameters ("mtp.") are not

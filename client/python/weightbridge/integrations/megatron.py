@@ -2,9 +2,10 @@
 
     hook = MegatronTrainerHook(socket, model, rank=torch.distributed.get_rank(), tp=8, pp=4, dp=2, ep=8)
     ...
-    hook.publish(step, model.named_parameters(), model.named_buffers())
+    hook.publish(step, model.named_parameters(), model.named_buffers(), model=model)
     # vpp > 1: one iterable per model chunk, for both:
-    hook.publish(step, [c.named_parameters() for c in model], [c.named_buffers() for c in model])
+    hook.publish(step, [c.named_parameters() for c in model], [c.named_buffers() for c in model], model=model)
+    # model=: with --overlap-param-gather the updated parameters are gathered first (sync_params)
 
 The rank's local tensors are the preset's ("megatron", docs/presets.md): the names
 named_parameters() shows under the Transformer Engine layer spec (wrapper prefixes stripped, as
@@ -34,6 +35,23 @@ from weightbridge.layouts import PresetLayout
 
 # Megatron's Multi-Token Prediction block (GPTModel.mtp): not part of any WeightBridge layout.
 MTP_PREFIX = "mtp."
+
+
+def sync_params(model):
+    """Completes the distributed optimizer's parameter all-gather of Megatron's DDP model chunk(s)
+    `model` where --overlap-param-gather defers it to the next forward: each such chunk's
+    start_param_sync(force_sync=True) (megatron/core/distributed/distributed_data_parallel.py; what
+    Megatron's own disable_forward_pre_hook(param_sync=True) does before a checkpoint is saved).
+    Chunks without the overlap gathered synchronously in the optimizer step and are left alone.
+    Returns the number of chunks synchronized."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    synced = 0
+    for chunk in chunks:
+        cfg = getattr(chunk, "ddp_config", None)
+        if getattr(cfg, "use_distributed_optimizer", False) and getattr(cfg, "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
+            synced += 1
+    return synced
 
 
 class MegatronTrainerHook(LayoutHook):
@@ -70,15 +88,21 @@ class MegatronTrainerHook(LayoutHook):
                     continue
                 yield (name if v is None else "model%d.%s" % (v, name)), t
 
-    def publish(self, version, named_parameters, named_buffers=None, timeout=300.0):
+    def publish(self, version, named_parameters, named_buffers=None, timeout=300.0, model=None):
         """Copies every local tensor into the buffer, then publishes `version`. `named_buffers`
         (model.named_buffers(), per chunk with vpp > 1): the buffers the layout holds (the router's
-        expert_bias) are copied, the others ignored. Sync mode returns once the version is in
-        every rollout; one-step-off / async once the daemon took its snapshot. Returns the
-        daemon's stall (seconds)."""
+        expert_bias) are copied, the others ignored. `model`: Megatron's DDP-wrapped model chunk(s)
+        (one, or the list train_step gets): with --use-distributed-optimizer --overlap-param-gather
+        the optimizer step updates only this rank's shard of each parameter bucket and the
+        all-gather of the others runs in the next forward's pre-hooks, so the parameters still hold
+        the previous step's bytes there; given `model`, publish first completes that all-gather
+        (sync_params). Sync mode returns once the version is in every rollout; one-step-off /
+        async once the daemon took its snapshot. Returns the daemon's stall (seconds)."""
         if isinstance(named_buffers, numbers.Number):  # publish(v, params, 30.0) from before named_buffers
             raise TypeError("publish(version, named_parameters, named_buffers=None, timeout=...): "
                             "got %r for named_buffers; pass timeout by keyword" % (named_buffers,))
+        if model is not None:
+            sync_params(model)
         tensors = self.named(named_parameters)
         if named_buffers is not None:
             buffers = ((n, t) for n, t in self.named(named_buffers) if n in self.layout.tensors)
