@@ -269,6 +269,53 @@ def _as_tensor(obj, device=None):
     return Tensor(arr, _BY_NUMPY[npd], device or "cuda:0")
 
 
+class Parameter(Tensor):
+    """torch.nn.Parameter as far as `.data` and requires_grad go: torch/csrc/autograd/variable.cpp
+    VariableHooks::set_data refuses data of a non-differentiable dtype while the parameter requires
+    grad ("data set to a tensor that requires gradients must be floating point or complex dtype"),
+    and requires_grad_(True) on an integer tensor fails ("only Tensors of floating point dtype can
+    require gradients")."""
+
+    def __init__(self, data, requires_grad=True):
+        self._data, self.requires_grad = data, requires_grad
+
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, new):
+        if self.requires_grad and not new.dtype.is_floating_point:
+            raise RuntimeError("data set to a tensor that requires gradients must be floating point or complex dtype")
+        self._data = new
+
+    def requires_grad_(self, requires_grad=True):
+        if requires_grad and not self._data.dtype.is_floating_point:
+            raise RuntimeError("only Tensors of floating point dtype can require gradients")
+        self.requires_grad = requires_grad
+        return self
+
+    @property
+    def shape(self):
+        return self._data.shape
+
+
+Parameter.__module__ = "torch.nn.parameter"
+
+
+def _full(shape, value, dtype=None, device="cpu"):
+    return Tensor(np.full(shape, value, dtype=dtype.np), dtype, device)
+
+
+def _numpy(self):
+    if self.is_cuda:
+        raise TypeError("can't convert cuda tensor to numpy")
+    return self.arr
+
+
+Tensor.numpy = _numpy
+torch.nn = types.SimpleNamespace(Parameter=Parameter)
+torch.full = _full
 torch.empty = _empty
 torch.from_numpy = _from_numpy
 torch.as_tensor = _as_tensor
@@ -493,6 +540,27 @@ class SglangDerivedCopiesTest(unittest.TestCase):
         self.assertEqual(cuda.pending(), 0, "refresh_derived's copies still queued when it returned")
         np.testing.assert_array_equal(gate._weight_fp32.arr, _bf16_to_f32(weight.arr))
         np.testing.assert_array_equal(w_kc.arr, weight.arr)
+
+
+class InferLayoutTorchTest(unittest.TestCase):
+    """layouts.infer_layout_torch swaps each parameter's data for an int64 probe: parameters that
+    require grad (any nn.Module not built for inference) must take it too, and get their data and
+    requires_grad back."""
+
+    def test_parameters_that_require_grad(self):
+        weight = Tensor(np.ones((4, 3), np.float32), torch.float32)
+        param = Parameter(weight, requires_grad=True)
+        model = types.SimpleNamespace(named_parameters=lambda: [("layer.w", param)])
+
+        def load_weights(m, weights):
+            for name, t in weights:
+                dict(m.named_parameters())["layer." + name].data.arr[...] = t.arr
+
+        inferred = wb.layouts.infer_layout_torch(model, load_weights, [("w", (4, 3))], dtype="float32")
+        self.assertEqual([t.name for t in inferred.tensors], ["layer.w"])
+        np.testing.assert_array_equal(inferred.tensors[0].probe, np.arange(12).reshape(4, 3))
+        self.assertIs(param.data, weight)
+        self.assertTrue(param.requires_grad)
 
 
 class DeviceBytesTensorTest(unittest.TestCase):

@@ -342,19 +342,26 @@ def infer_layout_torch(model, load_weights: Callable, canonical, dtype="bfloat16
     """
     import torch  # imported only when used
 
+    # A parameter that requires grad takes no int64 data: torch's set_data refuses it ("data set to a
+    # tensor that requires gradients must be floating point or complex dtype",
+    # torch/csrc/autograd/variable.cpp VariableHooks::set_data). requires_grad is off during the probe
+    # and restored after the original data (an int64 tensor cannot require grad either).
     saved = {}
-    for name, param in model.named_parameters():
-        if param_filter(name):
-            saved[name] = param.data
-            param.data = torch.full(tuple(param.shape), -1, dtype=torch.int64, device="cpu")
-
-    def numpy_load(weights):
-        load_weights(model, ((n, torch.from_numpy(a)) for n, a in weights))
-        return {n: p.data.numpy().copy() for n, p in model.named_parameters() if n in saved}
-
     try:
+        for name, param in model.named_parameters():
+            if param_filter(name):
+                saved[name] = (param.data, param.requires_grad)
+                param.requires_grad_(False)
+                param.data = torch.full(tuple(param.shape), -1, dtype=torch.int64, device="cpu")
+
+        def numpy_load(weights):
+            load_weights(model, ((n, torch.from_numpy(a)) for n, a in weights))
+            return {n: p.data.numpy().copy() for n, p in model.named_parameters() if n in saved}
+
         return infer_layout(numpy_load, canonical, dtype=dtype, align=align)
     finally:
         for name, param in model.named_parameters():
             if name in saved:
-                param.data = saved[name]
+                data, requires_grad = saved[name]
+                param.data = data
+                param.requires_grad_(requires_grad)
