@@ -367,6 +367,37 @@ TEST_P(CatchUpTest, StandaloneLateRollout) {
   Version(c_, mode, 2, {&t0, &t1}, {&r0, &r1, &r2});
 }
 
+// A source rollout whose memory changed after the version landed there (written since, torn, an
+// engine that changed its weights in place) does not serve it: the catch-up checks the boxes it
+// reads from the source against the digests the version landed with there (pb::CertifyBox) and
+// fails naming the source, the box and the tensor; the restarted rollout is told why and gets the
+// next version. Where the source's committed staging is what the catch-up reads (one-step-off,
+// async: intact), the late rollout gets the version byte for byte. Never the changed bytes.
+// Before: the catch-up only compared what landed with what the source read, so the late rollout
+// got the changed byte, certified.
+TEST_P(CatchUpTest, ASourceWhoseMemoryChangedDoesNotServeTheVersion) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  static_cast<uint8_t*>(w.r0.seg.data())[w.r0.layout.pieces[0].offset_bytes + 6] ^= 0x10;
+  ASSERT_EQ(CountBad(w.r0, 1), 1);
+  TestWorker& r1b = c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r1b, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  grpc::Status s = Receive(c_, r1b, mode, 1);
+  if (s.ok()) {
+    EXPECT_NE(mode, pb::MODE_SYNC) << "a sync source is read in its live weights, which changed";
+    EXPECT_EQ(CountBad(r1b, 1), 0) << "the late rollout got the source's changed bytes";
+  } else {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("source rollout r0 on node n0 no longer holds the version"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("of tensor " + inv_.tensors[0].name), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("as when the version landed there"), std::string::npos) << s.error_message();
+  }
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &r1b});
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, CatchUpTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
                          [](const ::testing::TestParamInfo<pb::Mode>& p) { return pb::Mode_Name(p.param); });
 

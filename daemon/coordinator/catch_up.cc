@@ -7,6 +7,7 @@
 // driver starts none), so it can never overtake a newer commit; a version that can start is
 // started instead of a catch-up, and brings the late rollouts to that newer version itself.
 #include "daemon/coordinator/catch_up.h"
+#include "daemon/coordinator/certify_boxes.h"
 
 #include <algorithm>
 #include <atomic>
@@ -168,6 +169,15 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
     }
     m->catch_up->digests.emplace(model_id, version, outcome->plan, std::move(ids), in.inventory, std::move(node_of),
                                  DigestBook::Kind::kCatchUp);
+    // The sources still hold the version: what it landed with in them, checked where the catch-up
+    // reads it (pb::CertifyBox; without digests, no node would hash them).
+    auto record = m->landed.find(version);
+    if (record != m->landed.end()) {
+      const CertifyCount certify = AddCertifyBoxes(*outcome->plan, in, record->second, &outcome->slices.by_node);
+      Log(LogLevel::kInfo, "catch-up sources to certify",
+          {{"model", model_id}, {"version", version}, {"boxes", certify.boxes}, {"sources", certify.sources},
+           {"sources_without_record", certify.uncovered_sources}});
+    }
   }
   std::vector<absl::Status> results(clients.size());
   ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
@@ -299,6 +309,8 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
       if (!acks[i].ok()) refused[nodes[i]] = std::string(acks[i].message());
     }
     std::vector<std::string> caught, failed;
+    std::map<std::string, std::vector<LandedBox>> caught_landed;
+    if (mp->catch_up->digests) caught_landed = mp->catch_up->digests->LandedByWorker();
     for (const auto& [id, serial] : mp->catch_up->dests) {
       auto w = mp->workers.find(id);
       if (w == mp->workers.end() || w->second.serial != serial) continue;
@@ -307,6 +319,17 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
         w->second.holds = std::max(w->second.holds, v);
         w->second.catch_up_error.clear();
         caught.push_back(id);
+        // What landed in it certifies it as a source of v later (AddCertifyBoxes), replacing what
+        // v's plan landed in an earlier incarnation of the same worker id.
+        auto record = mp->landed.find(v);
+        if (record != mp->landed.end()) {
+          auto it = caught_landed.find(id);
+          if (it != caught_landed.end()) {
+            record->second[id] = std::move(it->second);
+          } else {
+            record->second.erase(id);
+          }
+        }
       } else {
         w->second.catch_up_failed = v;
         w->second.catch_up_error = absl::StrCat("catch-up of version ", v, " not committed on node ", r->first, ": ", r->second,

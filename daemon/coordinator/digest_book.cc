@@ -75,6 +75,19 @@ absl::Status DigestBook::Add(const pb::ReportDoneRequest& report) {
   return absl::OkStatus();
 }
 
+std::map<std::string, std::vector<LandedBox>> DigestBook::LandedByWorker() const {
+  std::map<std::string, std::vector<LandedBox>> out;
+  for (const auto& [index, digest] : landed_) {
+    if (index >= ops_.size()) continue;
+    const planner::TransferOp& op = *ops_[index];
+    if (op.sender_quantized || op.dst_piece < 0 || op.dst_worker < 0 || static_cast<size_t>(op.dst_worker) >= worker_ids_.size()) continue;
+    auto sent = source_.find(index);
+    if (sent != source_.end() && sent->second != digest) continue;
+    out[worker_ids_[static_cast<size_t>(op.dst_worker)]].push_back({op.tensor, op.box, digest, index, kind_ == Kind::kCatchUp});
+  }
+  return out;
+}
+
 DigestVerdict DigestBook::Verdict() const {
   DigestVerdict v;
   v.ops_total = static_cast<uint32_t>(ops_.size());

@@ -31,6 +31,18 @@ struct DigestVerdict {
   uint32_t ops_total = 0;      // ops of the plan
 };
 
+// What landed in one rollout with a matching or unverifiable pair of digests: the digest of `box`
+// of `tensor` in canonical element order, as the receiving node computed it over what landed (after
+// decoding a delta; canonical shadows of receiver-quantised pieces). Layout independent, so it
+// certifies that box wherever the rollout holds it later (daemon/digest/certify.h).
+struct LandedBox {
+  int32_t tensor = -1;
+  planner::Box box;
+  uint64_t digest = 0;
+  uint32_t op = 0;             // the op of the book's plan it landed with
+  bool from_catch_up = false;  // the book was a catch-up's
+};
+
 class DigestBook {
  public:
   // What the book checks: a version, or a catch-up (catch_up.h: the committed version once more,
@@ -51,6 +63,10 @@ class DigestBook {
 
   // After every node reported.
   DigestVerdict Verdict() const;
+  // Per destination worker id, what landed in it (ops with a landed digest whose source digest
+  // matched or was not taken; sender-quantised ops, whose digests cover quantised bytes, and ops
+  // into a gather staging left out).
+  std::map<std::string, std::vector<LandedBox>> LandedByWorker() const;
 
  private:
   std::string DescribeOp(uint32_t index) const;

@@ -40,6 +40,8 @@ void CoordinatorCore::FinishDigestsLocked(const std::string& model_id, Model& m,
   auto book = m.digests.find(v);
   if (book == m.digests.end()) return;
   const DigestVerdict verdict = book->second.Verdict();
+  m.landed[v] = book->second.LandedByWorker();
+  while (m.landed.size() > Model::kLandedKept) m.landed.erase(m.landed.begin());
   m.digests.erase(book);
   m.verdicts[v] = verdict;
   while (m.verdicts.size() > kVersionDetailsKept) m.verdicts.erase(m.verdicts.begin());

@@ -129,6 +129,11 @@ class ModelRegistry {
     // recent versions (ClusterStatus, `wbctl versions`).
     std::map<uint64_t, DigestBook> digests;
     std::map<uint64_t, DigestVerdict> verdicts;
+    // What landed in each rollout with the newest versions whose digests all came in (and, for the
+    // committed version, in late rollouts by its catch-ups): catch-up sources are certified against
+    // it (digests.cc, catch_up.cc; pb::CertifyBox). At most kLandedKept versions.
+    std::map<uint64_t, std::map<std::string, std::vector<LandedBox>>> landed;
+    static constexpr size_t kLandedKept = 2;
     // NVFP4 magnitudes (magnitudes.cc): the book of the version in flight and of the committed one.
     std::map<uint64_t, MagnitudeBook> magnitudes;
     // Lossless deltas per version and node, as the nodes' ReportDone said (by node: a report sent

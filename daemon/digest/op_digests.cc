@@ -83,6 +83,32 @@ struct OpDigestTracker::Boxes {
   std::map<const daemon::node::Route*, std::shared_ptr<transport::UnitHashes>> attached;
 };
 
+absl::StatusOr<StridedBox> BoxInRegion(const std::string& what, const PieceAt& at, const planner::Box& box, int32_t element_size,
+                                        const RegionBytes& region, int64_t* offset) {
+  const int32_t es = element_size;
+  const transport::StridedRef ref = daemon::RefFor(at.piece, box, es, {});
+  StridedBox out;
+  out.element_size = es;
+  out.strides = ref.strides;
+  int64_t last = ref.offset_bytes;  // byte offset of the box's last element
+  bool empty = false;
+  for (size_t d = 0; d < box.begin.size() && d < box.end.size(); ++d) {
+    out.shape.push_back(box.end[d] - box.begin[d]);
+    empty = empty || out.shape.back() <= 0;
+    if (d < ref.strides.size()) last += (out.shape.back() - 1) * ref.strides[d] * es;
+  }
+  if (out.shape.size() != out.strides.size()) {
+    return absl::InternalError(absl::StrCat(what, ": box of rank ", out.shape.size(), " in a piece of rank ", out.strides.size()));
+  }
+  if (!empty && (ref.offset_bytes < 0 || last + es > region.size)) {
+    return absl::InternalError(absl::StrCat(what, ": box ", planner::BoxToString(box), " of region ", at.key, " reaches byte ", last + es,
+                                            " of ", region.size));
+  }
+  out.base = empty ? nullptr : region.host + ref.offset_bytes;
+  *offset = ref.offset_bytes;
+  return out;
+}
+
 namespace {
 
 // The boxes of every local op side (identical boxes once), as DigestLocalOps documents.
@@ -102,26 +128,9 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker::Boxes>> Collect(const daemon::no
       return absl::InternalError(absl::StrCat("digests: op ", op.index, ": tensor ", op.tensor, " is not in the inventory"));
     }
     const int32_t es = planner::DTypeSize(slice.inventory->tensors[static_cast<size_t>(op.tensor)].dtype);
-    const transport::StridedRef ref = daemon::RefFor(at.piece, op.box, es, {});
-    StridedBox box;
-    box.element_size = es;
-    box.strides = ref.strides;
-    int64_t last = ref.offset_bytes;  // byte offset of the box's last element
-    bool empty = false;
-    for (size_t d = 0; d < op.box.begin.size(); ++d) {
-      box.shape.push_back(op.box.end[d] - op.box.begin[d]);
-      empty = empty || box.shape.back() <= 0;
-      if (d < ref.strides.size()) last += (box.shape.back() - 1) * ref.strides[d] * es;
-    }
-    if (box.shape.size() != box.strides.size()) {
-      return absl::InternalError(absl::StrCat("digests: op ", op.index, ": box of rank ", box.shape.size(), " in a piece of rank ", box.strides.size()));
-    }
-    if (!empty && (ref.offset_bytes < 0 || last + es > r->second.size)) {
-      return absl::InternalError(absl::StrCat("digests: op ", op.index, ": box ", planner::BoxToString(op.box), " of region ", at.key,
-                                              " reaches byte ", last + es, " of ", r->second.size));
-    }
-    box.base = empty ? nullptr : r->second.host + ref.offset_bytes;
-    BoxKey key{at.key, ref.offset_bytes, box.shape, box.strides, es};
+    int64_t offset = 0;
+    ASSIGN_OR_RETURN(StridedBox box, BoxInRegion(absl::StrCat("digests: op ", op.index), at, op.box, es, r->second, &offset));
+    BoxKey key{at.key, offset, box.shape, box.strides, es};
     auto [it, inserted] = index.emplace(std::move(key), b->boxes.size());
     if (inserted) {
       int64_t n = es;
@@ -131,7 +140,7 @@ absl::StatusOr<std::unique_ptr<OpDigestTracker::Boxes>> Collect(const daemon::no
       b->key.push_back(at.key);
       b->deps.emplace_back();
       b->box_bytes.push_back(n);
-      b->box_offset.push_back(ref.offset_bytes);
+      b->box_offset.push_back(offset);
       b->landed_box.push_back(false);
     }
     b->sides.push_back({landed, op.index, it->second});

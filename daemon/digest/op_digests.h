@@ -25,6 +25,12 @@ struct RegionBytes {
   int64_t size = 0;
 };
 
+// `box` (tensor coordinates) of the piece `at` inside `region` (its host bytes, non-null) as a
+// StridedBox of elements of `element_size` bytes; *offset = its byte offset in the region.
+// INTERNAL, prefixed with `what`, for a box outside the region or of another rank than the piece.
+absl::StatusOr<StridedBox> BoxInRegion(const std::string& what, const daemon::node::PieceAt& at, const planner::Box& box,
+                                       int32_t element_size, const RegionBytes& region, int64_t* offset);
+
 struct OpDigests {
   std::map<uint32_t, Digest> source;  // op index -> digest of what it read (ops this node sends)
   std::map<uint32_t, Digest> landed;  // op index -> digest of what landed (ops this node receives)

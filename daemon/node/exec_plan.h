@@ -81,6 +81,17 @@ struct SliceWorker {
   planner::Role role = planner::Role::kTrainer;
 };
 
+// A catch-up source's box that must still hold the committed version (pb::CertifyBox).
+struct CertifyBox {
+  uint32_t worker = 0;  // slice worker index
+  int32_t piece = -1;
+  int32_t tensor = 0;
+  planner::Box box;
+  uint64_t digest = 0;
+  uint64_t version_op = 0;
+  bool from_catch_up = false;
+};
+
 // A node's slice of a plan. `layouts` are what transfers address (a rollout's staging layout);
 // `quantized[i]`: slice worker i holds quantised pieces (its staging is host memory).
 struct Slice {
@@ -92,6 +103,7 @@ struct Slice {
   std::vector<planner::WorkerLayout> live_layouts;
   std::vector<bool> quantized;
   std::vector<SliceOp> ops;
+  std::vector<CertifyBox> certify;  // catch-up slices: sources' boxes checked against the version's digests
   uint32_t num_buckets = 0;
   bool sync = false;          // MODE_SYNC
   bool hosts_gather = false;  // this node holds the rank-0 gather staging ("g")

@@ -43,6 +43,10 @@ Slice SliceFromProto(const pb::PlanSlice& slice, const std::vector<planner::Work
     o.after_deltas = op.after_deltas();
     out.ops.push_back(std::move(o));
   }
+  out.certify.reserve(static_cast<size_t>(slice.certify_size()));
+  for (const pb::CertifyBox& c : slice.certify()) {
+    out.certify.push_back({c.worker(), c.piece(), c.tensor(), FromProto(c.box()), c.digest(), c.version_op(), c.from_catch_up()});
+  }
   return out;
 }
 

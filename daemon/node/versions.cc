@@ -68,6 +68,16 @@ absl::Status Versions::InstallPlan(const pb::InstallPlanRequest& req) {
       if (piece < 0 && plan->slice.workers(w).node_id() == me) plan->hosts_gather = true;
     }
   }
+  if (plan->slice.certify_size() > 0 && !plan->slice.catch_up()) {
+    return absl::InvalidArgumentError("certified source boxes (PlanSlice.certify) belong to catch-up slices only");
+  }
+  for (const pb::CertifyBox& c : plan->slice.certify()) {
+    if (c.worker() >= static_cast<uint32_t>(plan->slice.workers_size()) || plan->slice.workers(c.worker()).role() != pb::ROLE_TRAINER ||
+        c.piece() < 0 || c.piece() >= static_cast<int32_t>(plan->layouts[c.worker()].pieces.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("certified box of op ", c.version_op(), ": worker ", c.worker(), " piece ", c.piece(),
+                                                     " is not a source piece of the slice"));
+    }
+  }
   Log(LogLevel::kDebug, "plan installed",
       {{"node", me}, {"model", plan->slice.model_id()}, {"epoch", plan->slice.plan_epoch()}, {"ops", plan->slice.ops_size()}});
   absl::MutexLock l(&mu_);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "daemon/digest/certify.h"
 #include "daemon/log.h"
 #include "daemon/node/deadlines.h"
 #include "daemon/node/exec_plan_proto.h"
@@ -372,6 +373,15 @@ absl::Status Versions::RunExecInner(Exec& exec) {
     };
   }
   if (qin != nullptr) exec_options.on_op_landed = [q = qin.get()](const node::RouteOp& op) { q->OpLanded(op.op_index); };
+  // A catch-up's sources here still hold the committed version: their boxes hashed where the
+  // catch-up reads them, against the digests the version landed with (pb::CertifyBox;
+  // daemon/digest/certify.h), beside the buckets (both only read them). Declared after `memory`.
+  digest::SourceCertification certification;
+  if (options_.digests && !slice.certify.empty()) {
+    std::map<std::string, digest::RegionBytes> host;
+    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
+    certification.Start(slice, me, std::move(host), options_.digest_threads, exec.deadline);
+  }
   ExecChannels channels(this, exec);
   node::ExecResult result;
   absl::Status s = node::RunExecPlan(*xplan, memory.regions, transports, channels, exec_options, result);
@@ -380,6 +390,15 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   exec.setup_s = prepare_s + result.setup_s;
   exec.buckets_s = result.buckets_s;
   RETURN_IF_ERROR(s);
+  if (certification.started()) {
+    absl::StatusOr<digest::CertifyOutcome> certified = certification.Finish();
+    if (!certified.ok()) {
+      return Annotate(certified.status(), absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version));
+    }
+    Log(LogLevel::kInfo, "catch-up sources certified",
+        {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"boxes", certified->boxes}, {"bytes", certified->bytes},
+         {"device_boxes_not_hashed", certified->skipped}});
+  }
   if (qout != nullptr) {
     RETURN_IF_ERROR(qout->WaitAll());  // ops no bucket reads (none expected) are written too
     const node::OutgoingQuantization::Stats q = qout->stats();
