@@ -323,7 +323,8 @@ def vmm_allocation_of(ptr):
 
 # Why VMM memory without a POSIX fd handle type is refused (vmm_allocations_of(exportable=True)).
 NOT_EXPORTABLE = ("created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes, so no other process "
-                  "can map it (vLLM's sleep-mode CuMemAllocator, csrc/cumem_allocator.cpp, creates its memory that way): "
+                  "can map it (vLLM's sleep-mode CuMemAllocator, csrc/cumem_allocator.cpp, and SGLang's "
+                  "--enable-memory-saver, torch_memory_saver's cu_mem_create, create their memory that way): "
                   "use memory='cuda' for such an engine")
 
 
