@@ -86,29 +86,48 @@ def captures_cuda_graphs(worker):
     return mode is None or getattr(mode, "name", str(mode)) != "NONE"
 
 
+def register_rank(socket_path, model_cfg, parallel_config, rank, device, named_parameters, graphs, replica=0,
+                  memory="host", expert_placement="", quantization="", moe_a2a_backend=None, bind=None):
+    """Registers one vLLM rank with its node daemon as WeightBridgeWorkerExtension.wb_init does
+    (shared with the weight-transfer backend, vllm_transfer). `parallel_config`: vLLM's
+    (tensor / data parallel sizes, data_parallel_rank, enable_expert_parallel, all2all_backend);
+    `rank`: the worker's rank (its tp rank is rank % tp); `device`: the rank's torch.device
+    (its index is the GPU for memory "cuda" / "engine"); `named_parameters`: the model's
+    named_parameters() (LoRA's "base_layer" segment dropped; two collapsing to one name refused
+    before anything is registered), or None where they cannot be had yet (then memory="engine"
+    and bind=True are refused); `graphs`: what captures_cuda_graphs reads (the worker, or an
+    object with vllm_config / model_config) to decide bind=None. Returns (VllmRollout, params)."""
+    pc = parallel_config
+    if moe_a2a_backend is None:  # vLLM's own setting: --all2all-backend, or the older environment variable
+        moe_a2a_backend = getattr(pc, "all2all_backend", None) or os.environ.get("VLLM_ALL2ALL_BACKEND", "")
+    tp, dp = pc.tensor_parallel_size, getattr(pc, "data_parallel_size", 1)
+    tp_rank = rank % tp
+    dp_rank = getattr(pc, "data_parallel_rank", 0)
+    model = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig(**model_cfg)
+    params = engine_params(named_parameters) if named_parameters is not None else None
+    bind = bind if bind is not None else not captures_cuda_graphs(graphs)
+    if params is None and (memory == "engine" or (memory == "cuda" and bind)):
+        raise ValueError("memory=%r%s needs the engine's parameters at registration, and none were given"
+                         % (memory, ", bound" if memory == "cuda" else ""))
+    on_gpu = memory in ("cuda", "engine")
+    rollout = VllmRollout(socket_path, model, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, replica=replica,
+                          expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
+                          moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory,
+                          gpu=device.index if on_gpu else -1, params=params if memory == "engine" else None)
+    if memory == "cuda" and bind:
+        rollout.bind(params)
+    return rollout, params
+
+
 class WeightBridgeWorkerExtension:
     """Mixed into vLLM's GPU worker: `self` has model_runner, device, parallel_config (vLLM >= 0.8)."""
 
     def wb_init(self, socket_path, model_cfg, replica=0, memory="host", expert_placement="", quantization="",
                 moe_a2a_backend=None, bind=None):
-        pc = self.parallel_config
-        if moe_a2a_backend is None:  # vLLM's own setting: --all2all-backend, or the older environment variable
-            moe_a2a_backend = getattr(pc, "all2all_backend", None) or os.environ.get("VLLM_ALL2ALL_BACKEND", "")
-        tp, dp = pc.tensor_parallel_size, getattr(pc, "data_parallel_size", 1)
-        tp_rank = self.rank % tp if hasattr(self, "rank") else 0
-        dp_rank = getattr(pc, "data_parallel_rank", 0)
-        model = model_cfg if isinstance(model_cfg, ModelConfig) else ModelConfig(**model_cfg)
-        # LoRA's "base_layer" segment dropped from the names; two parameters collapsing to one name
-        # are refused here, before anything is registered.
-        params = engine_params(self.model_runner.model.named_parameters())
-        on_gpu = memory in ("cuda", "engine")
-        self.wb = VllmRollout(socket_path, model, tp=tp, tp_rank=tp_rank, dp=dp, dp_rank=dp_rank, replica=replica,
-                              expert_parallel=getattr(pc, "enable_expert_parallel", False), expert_placement=expert_placement,
-                              moe_a2a_backend=moe_a2a_backend, quantization=quantization, memory=memory,
-                              gpu=self.device.index if on_gpu else -1, params=params if memory == "engine" else None)
-        self.wb_params = params
-        if memory == "cuda" and (bind if bind is not None else not captures_cuda_graphs(self)):
-            self.wb.bind(self.wb_params)
+        self.wb, self.wb_params = register_rank(
+            socket_path, model_cfg, self.parallel_config, getattr(self, "rank", 0), self.device,
+            self.model_runner.model.named_parameters(), self, replica=replica, memory=memory,
+            expert_placement=expert_placement, quantization=quantization, moe_a2a_backend=moe_a2a_backend, bind=bind)
         # memory="engine": the parameters' own bytes are registered; nothing to size (0).
         return 0 if memory == "engine" else self.wb.layout.buffer_bytes(0)
 
