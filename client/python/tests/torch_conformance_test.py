@@ -138,6 +138,10 @@ class Tensor:
         """float32 values (floating dtypes) or the stored integers."""
         if self.dtype.name == "bfloat16":
             return _bf16_to_f32(self.arr)
+        if self.dtype.name == "float8_e8m0fnu":  # 2^(bits - 127), 255 = NaN
+            return np.where(self.arr == 255, np.float32("nan"), np.exp2(self.arr.astype(np.float32) - 127))
+        if self.dtype.name in ("float8_e4m3fn", "float4_e2m1fn_x2"):
+            raise NotImplementedError("stand-in: no value conversion of %s" % self.dtype)
         return self.arr
 
     def view(self, dtype):
@@ -153,12 +157,18 @@ class Tensor:
                       self.dtype, self.device)
 
     def _assign(self, src):
-        """The copy itself (by value between floating dtypes, else the stored bits)."""
-        if src.dtype is self.dtype or src.dtype.np == self.dtype.np and not (src.dtype.is_floating_point
-                                                                           and self.dtype.is_floating_point):
+        """The copy itself: the bits between equal dtypes, else by value (as torch's copy_ converts:
+        uint8 127 into float8_e8m0fnu is the e8m0 code of 127.0, not 127)."""
+        if src.dtype is self.dtype:
             self.arr[...] = src.arr
         elif self.dtype.name == "bfloat16":
             self.arr[...] = _f32_to_bf16(src.values())
+        elif self.dtype.name == "float8_e8m0fnu":
+            v = np.asarray(src.values(), dtype=np.float32)
+            self.arr[...] = np.where(np.isnan(v) | (v <= 0), 255, np.clip(np.round(np.log2(np.where(v > 0, v, 1))) + 127,
+                                                                        0, 254)).astype(np.uint8)
+        elif self.dtype.name in ("float8_e4m3fn", "float4_e2m1fn_x2"):
+            raise NotImplementedError("stand-in: no value conversion into %s" % self.dtype)
         else:
             self.arr[...] = src.values().astype(self.dtype.np)
 
@@ -399,13 +409,15 @@ class FakeDaemonClient:
         pass
 
 
-def description(tensors):
-    """A LayoutDescription of bfloat16 tensors {name: shape} packed row-major, 256-byte aligned."""
+def description(tensors, dtypes=None):
+    """A LayoutDescription of tensors {name: shape} (bfloat16 unless `dtypes` names another)
+    packed row-major, 256-byte aligned."""
     places, off = {}, 0
     for i, (name, shape) in enumerate(tensors.items()):
-        n = int(np.prod(shape)) * 2
+        dtype = (dtypes or {}).get(name, "bfloat16")
+        n = int(np.prod(shape)) * {"bfloat16": 2, "float32": 4, "float8_e8m0": 1, "float8_e4m3": 1}[dtype]
         strides = tuple(int(np.prod(shape[k + 1:])) for k in range(len(shape)))
-        places[name] = TensorPlace(name, tuple(shape), "bfloat16", 0, off, strides, n, (i,))
+        places[name] = TensorPlace(name, tuple(shape), dtype, 0, off, strides, n, (i,))
         off += (n + 255) // 256 * 256
     return LayoutDescription({0: off}, places, [None] * len(places), off, "preset")
 
@@ -437,8 +449,8 @@ class CudaCopiesFinishBeforeTheDaemonTest(unittest.TestCase):
         for n, t in params.items():
             np.testing.assert_array_equal(client.published[1][n].view(np.uint16), t.arr.ravel(), err_msg=n)
 
-    def rollout(self, versions):
-        client = FakeDaemonClient(description(TENSORS), versions)
+    def rollout(self, versions, desc=None):
+        client = FakeDaemonClient(desc or description(TENSORS), versions)
         return RolloutHook("vllm", None, MODEL, memory="cuda", gpu=0, client=client), client
 
     def test_rollout_copies_out_of_the_buffer_finish_before_the_next_apply(self):
@@ -475,6 +487,45 @@ class LoraLayer:
     def __init__(self, max_loras, rank, n_in, n_out):
         self.lora_a_stacked = (cuda_tensor(np.zeros((max_loras, 1, rank, n_in)), torch.bfloat16),)
         self.lora_b_stacked = (cuda_tensor(np.zeros((max_loras, 1, n_out, rank)), torch.bfloat16),)
+
+
+class BindKeepsTheParametersDtypeTest(unittest.TestCase):
+    """bind() re-points each parameter at its place in the CUDA buffer. Where vLLM holds a tensor in
+    another dtype of the same bytes (MXFP8's e8m0 scales as uint8: the layout's float8_e8m0 is
+    torch.float8_e8m0fnu in torch_views), the parameter must keep its dtype and shape (the engine's
+    kernels read it as such) and the current weights must go in as bits: torch's copy_ between two
+    dtypes converts values."""
+
+    def setUp(self):
+        cuda._pending.clear()
+
+    def test_e8m0_scales_held_as_uint8(self):
+        scale, weight = "model.layers.0.mlp.down_proj.weight_scale", "model.layers.0.mlp.down_proj.weight"
+        desc = description({weight: (4, 64), scale: (4, 2)}, {scale: "float8_e8m0"})
+        rollout, client = CudaCopiesFinishBeforeTheDaemonTest.rollout(self, {}, desc)
+        bits = np.array([[127, 130], [120, 126], [131, 127], [100, 140]], np.uint8)
+        params = {weight: types.SimpleNamespace(data=cuda_tensor(bf16_values(1, (4, 64)), torch.bfloat16)),
+                  scale: types.SimpleNamespace(data=cuda_tensor(bits, torch.uint8))}
+        rollout.bind(params)
+        self.assertIs(params[scale].data.dtype, torch.uint8)
+        self.assertEqual(params[scale].data.shape, (4, 2))
+        t = desc.tensors[scale]
+        np.testing.assert_array_equal(_DEVICE_MEMORY[client.buffers[0].ptr][t.offset_bytes:t.offset_bytes + 8],
+                                      bits.ravel())
+        self.assertEqual(params[scale].data.data_ptr(), client.buffers[0].ptr + t.offset_bytes)  # bound
+
+    def test_another_shape_or_a_value_conversion_refused_before_anything_is_bound(self):
+        first, norm = list(TENSORS)
+        for bad in (cuda_tensor(np.zeros((16,)), torch.float32),     # bfloat16 into float32: values
+                    cuda_tensor(np.zeros((4, 4)), torch.bfloat16)):  # another shape
+            rollout, client = CudaCopiesFinishBeforeTheDaemonTest.rollout(self, {})
+            kept = cuda_tensor(np.zeros((8, 16)), torch.bfloat16)
+            params = {first: types.SimpleNamespace(data=kept), norm: types.SimpleNamespace(data=bad)}
+            with self.assertRaisesRegex(ValueError, "bind: parameter %s .*not the same bytes" % norm):
+                rollout.bind(params)
+            self.assertFalse(rollout.bound)
+            self.assertIs(params[first].data, kept)  # nothing re-pointed
+            self.assertIs(params[norm].data, bad)
 
 
 class VllmLoraSlotCopiesTest(unittest.TestCase):

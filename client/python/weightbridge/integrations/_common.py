@@ -75,6 +75,31 @@ def copy_out(name, src, target):
     tb[...] = sb
 
 
+def bind_view(name, view, param):
+    """The view of the registered buffer that LayoutHook.bind re-points torch parameter `param` at:
+    `view` (the local tensor in its layout dtype) when the parameter has that dtype and shape; else
+    the same bytes as the parameter's dtype and shape (Tensor.view(dtype): float8_e8m0 scales as
+    vLLM's uint8 ones, int4 pairs as an int32 weight_packed) where they are the same bytes in the
+    same order - copy_out's rule: no two floating dtypes of more than one byte, which copy_ would
+    convert by value. ValueError naming both otherwise: re-pointing would change the parameter's
+    dtype or shape under the engine (leave it unbound: update / apply copy it)."""
+    dst = param.data
+    if not (_is_torch(view) and _is_torch(dst)):  # stand-ins (tests without torch): as they are
+        return view
+    if view.dtype == dst.dtype and tuple(view.shape) == tuple(dst.shape):
+        return view
+    if not dst.dtype.is_floating_point or not view.dtype.is_floating_point or dst.element_size() == 1:
+        try:
+            same = view.view(dst.dtype)
+        except RuntimeError:  # the last dim not contiguous, or not a whole number of elements
+            same = None
+        if same is not None and tuple(same.shape) == tuple(dst.shape):
+            return same
+    raise ValueError("bind: parameter %s is %s %s, the layout holds %s %s: not the same bytes under the parameter's "
+                     "dtype and shape; bind cannot re-point it (unbound, update / apply copy it)"
+                     % (name, tuple(dst.shape), _dtype_name(dst.dtype), tuple(view.shape), _dtype_name(view.dtype)))
+
+
 def strip_leading(name, prefixes):
     """`name` without any number of leading `prefixes`, in any order. Wrappers nest: Megatron with
     --bf16 / --fp16 is DDP(Float16Module(GPTModel)), so named_parameters() shows "module.module."
@@ -505,15 +530,17 @@ class LayoutHook:
             raise ValueError("bind needs memory='cuda' (host buffers: use read_into after each update)")
         params = engine_params(params)
         views = self._torch()
+        # Every parameter's view first (a refusal re-points none), in the parameter's dtype and shape.
+        targets = {name: bind_view(name, views[name], p) for name, p in params.items() if name in views}
         devices = []
-        for name, p in params.items():
-            if name in views:
-                if copy_current:
-                    views[name].copy_(p.data)
-                    dev = cuda_device(views[name])
-                    if dev is not None and dev not in devices:
-                        devices.append(dev)
-                p.data = views[name]
+        for name, view in targets.items():
+            p = params[name]
+            if copy_current:
+                view.copy_(p.data)  # same dtype and shape: the bits
+                dev = cuda_device(view)
+                if dev is not None and dev not in devices:
+                    devices.append(dev)
+            p.data = view
         # The current weights' copies into the registered buffer are queued on this process's
         # stream: finished before the daemon may write the buffer (synchronize).
         synchronize(devices)
