@@ -398,6 +398,38 @@ TEST_P(CatchUpTest, ASourceWhoseMemoryChangedDoesNotServeTheVersion) {
   Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &r1b});
 }
 
+// A rollout caught up is certified as a source by what its catch-up landed in it (that record
+// replaces what the version's plan landed in its earlier incarnation; a late rollout new to the
+// model has only it): r1 restarts and is caught up from r0; then a byte of r1's memory changes and
+// r0 restarts, with r1 its only source: that catch-up fails naming r1 and the earlier catch-up.
+TEST_P(CatchUpTest, ACaughtUpRolloutIsCertifiedByWhatItsCatchUpLanded) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& r1b = c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r1b, spec).ok());
+  grpc::Status s = Receive(c_, r1b, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(CountBad(r1b, 1), 0);
+  static_cast<uint8_t*>(r1b.seg.data())[r1b.layout.pieces[0].offset_bytes + 2] ^= 0x01;
+  ASSERT_EQ(CountBad(r1b, 1), 1);
+  TestWorker& r0b = c_.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv_, Whole(inv_, false));
+  ASSERT_TRUE(c_.Register(r0b, spec).ok());
+  s = Receive(c_, r0b, mode, 1);
+  if (s.ok()) {
+    EXPECT_NE(mode, pb::MODE_SYNC) << "a sync source is read in its live weights, which changed";
+    EXPECT_EQ(CountBad(r0b, 1), 0) << "the late rollout got the source's changed bytes";
+  } else {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("source rollout r1 on node n1 no longer holds the version"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("as when an earlier catch-up landed there"), std::string::npos) << s.error_message();
+  }
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&r0b, &r1b});
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, CatchUpTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
                          [](const ::testing::TestParamInfo<pb::Mode>& p) { return pb::Mode_Name(p.param); });
 
