@@ -10,7 +10,9 @@
 
 memory="engine" (recommended on GPUs): zero copy. The rank registers vLLM's OWN parameter memory
 with the daemon (each cudaMalloc allocation holding parameters by CUDA IPC of its base; VMM memory
-- sleep mode's pool, expandable segments - by fd) and versions land in the parameters themselves:
+created exportable - torch's expandable segments - by fd; vLLM's sleep-mode pool (enable_sleep_mode)
+is created without an exportable handle type and is refused: memory="cuda" there) and versions land
+in the parameters themselves:
 wb_update / wb_apply copy nothing, the weights are held once, and the parameters' addresses never
 change, so the CUDA graphs vLLM captured over them stay valid. Requirement: every local tensor of
 the preset is, byte for byte, a parameter as vLLM holds it - same name, contiguous, the same size
