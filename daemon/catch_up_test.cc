@@ -390,12 +390,26 @@ TEST_P(CatchUpTest, ASourceWhoseMemoryChangedDoesNotServeTheVersion) {
     EXPECT_NE(mode, pb::MODE_SYNC) << "a sync source is read in its live weights, which changed";
     EXPECT_EQ(CountBad(r1b, 1), 0) << "the late rollout got the source's changed bytes";
   } else {
+    // r0 was the only holder: it serves version 1 no more, and r1 is told why.
     EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
-    EXPECT_NE(s.error_message().find("source rollout r0 on node n0 no longer holds the version"), std::string::npos) << s.error_message();
-    EXPECT_NE(s.error_message().find("of tensor " + inv_.tensors[0].name), std::string::npos) << s.error_message();
-    EXPECT_NE(s.error_message().find("as when the version landed there"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("no rollout holds version 1 (rollouts r0 held it, but a catch-up found their memory changed since)"),
+              std::string::npos)
+        << s.error_message();
+    // What the catch-up found, in r0's status.
+    std::string why;
+    const pb::StatusResponse st = c_.Status(w.t0);
+    for (const pb::WorkerStatus& ws : st.workers()) {
+      if (ws.worker_id() == "r0") why = ws.catch_up_error();
+    }
+    EXPECT_NE(why.find("its memory no longer holds version 1"), std::string::npos) << why;
+    EXPECT_NE(why.find("source rollout r0 on node n0 no longer holds the version it would serve: box [0:4, 0:16] of tensor " +
+                       inv_.tensors[0].name),
+              std::string::npos)
+        << why;
+    EXPECT_NE(why.find("as when the version landed there (op "), std::string::npos) << why;
   }
   Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &r1b});
+  EXPECT_EQ(CountBad(w.r0, 2), 0) << "the next version did not rewrite r0";
 }
 
 // A rollout caught up is certified as a source by what its catch-up landed in it (that record
@@ -424,10 +438,47 @@ TEST_P(CatchUpTest, ACaughtUpRolloutIsCertifiedByWhatItsCatchUpLanded) {
     EXPECT_EQ(CountBad(r0b, 1), 0) << "the late rollout got the source's changed bytes";
   } else {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
-    EXPECT_NE(s.error_message().find("source rollout r1 on node n1 no longer holds the version"), std::string::npos) << s.error_message();
-    EXPECT_NE(s.error_message().find("as when an earlier catch-up landed there"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("(rollouts r1 held it, but a catch-up found their memory changed since)"), std::string::npos)
+        << s.error_message();
+    std::string why;
+    const pb::StatusResponse st = c_.Status(w.t0);
+    for (const pb::WorkerStatus& ws : st.workers()) {
+      if (ws.worker_id() == "r1") why = ws.catch_up_error();
+    }
+    EXPECT_NE(why.find("source rollout r1 on node n1 no longer holds the version"), std::string::npos) << why;
+    EXPECT_NE(why.find("as when an earlier catch-up landed there"), std::string::npos) << why;
   }
   Version(c_, mode, 2, {&w.t0, &w.t1}, {&r0b, &r1b});
+}
+
+// A changed source among several holders: the catch-up that read it fails, the next attempt takes
+// the version from the other holder, and the late rollout gets it byte for byte; the changed source
+// is rewritten by the next version.
+TEST_P(CatchUpTest, AChangedSourceIsLeftOutAndTheOtherHoldersServe) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 0, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r2, spec).ok());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2});
+  ASSERT_FALSE(HasFatalFailure());
+  // Both on n0 hold version 1; the planner reads r1's boxes from r0 (the first of them).
+  static_cast<uint8_t*>(w.r0.seg.data())[w.r0.layout.pieces[0].offset_bytes + 6] ^= 0x10;
+  TestWorker& r1b = c_.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, true));
+  ASSERT_TRUE(c_.Register(r1b, spec).ok());
+  grpc::Status s = Receive(c_, r1b, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r1b, 1), 0) << "the late rollout got the changed source's bytes";
+  std::string why;
+  const pb::StatusResponse st = c_.Status(w.t0);
+  for (const pb::WorkerStatus& ws : st.workers()) {
+    if (ws.worker_id() == "r0") why = ws.catch_up_error();
+  }
+  EXPECT_NE(why.find("its memory no longer holds version 1"), std::string::npos)
+      << "r0 was not read (the planner chose r2): the changed source was never put to the test; r0's status: " << why;
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &r1b, &r2});
+  EXPECT_EQ(CountBad(w.r0, 2), 0) << "the next version did not rewrite r0";
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CatchUpTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),

@@ -27,6 +27,7 @@ namespace wb::daemon {
 
 CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandidate>& workers) {
   CatchUpChoice out;
+  std::vector<std::string> stale;
   if (committed == 0) return out;
   for (const CatchUpCandidate& w : workers) {
     if (!w.rollout || !w.has_layout) continue;
@@ -34,10 +35,12 @@ CatchUpChoice ChooseCatchUp(uint64_t committed, const std::vector<CatchUpCandida
       if (w.in_plan && w.catch_up_failed != committed) out.dests.push_back(w.id);
       continue;
     }
-    if (w.holds == committed) out.sources.push_back(w.id);
+    if (w.holds == committed) (w.stale ? stale : out.sources).push_back(w.id);
   }
   if (!out.dests.empty() && out.sources.empty()) {
-    out.no_source = absl::StrCat("no rollout holds version ", committed, " (no rollout holds it at all)");
+    out.no_source = stale.empty() ? absl::StrCat("no rollout holds version ", committed, " (no rollout holds it at all)")
+                                  : absl::StrCat("no rollout holds version ", committed, " (rollouts ", absl::StrJoin(stale, ", "),
+                                                 " held it, but a catch-up found their memory changed since)");
   }
   return out;
 }
@@ -53,7 +56,7 @@ void CatchUpDigestEvent(const CoordinatorOptions& o, const std::string& model_id
                         absl::string_view detail) {
   DaemonMetrics& metrics = o.metrics != nullptr ? *o.metrics : Metrics();
   metrics.Version(o.local_node.empty() ? std::string("coordinator") : o.local_node, model_id, event);
-  const bool bad = absl::string_view(event) == "catch_up_digest_mismatch";
+  const bool bad = absl::string_view(event) == "catch_up_digest_mismatch" || absl::string_view(event) == "catch_up_stale_source";
   Log(bad ? LogLevel::kError : LogLevel::kInfo, absl::StrReplaceAll(event, {{"_", " "}}),
       {{"model", model_id}, {"version", version}, {bad ? "error" : "ops", detail}});
 }
@@ -79,6 +82,7 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
     c.in_plan = in_plan.count(id) > 0;
     c.holds = rec.holds;
     c.catch_up_failed = rec.catch_up_failed;
+    c.stale = rec.stale_version == v;
     if (!nodes_.IsAlive(rec.node)) c.has_layout = false;  // neither source nor destination now
     candidates.push_back(std::move(c));
   }
@@ -239,7 +243,31 @@ absl::Status CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req
     return absl::OkStatus();
   }
   if (!req.ok()) {
-    FailCatchUpLocked(req.model_id(), m, absl::StrCat("node ", req.node_id(), ": ", req.error()), true);
+    const std::string reason = absl::StrCat("node ", req.node_id(), ": ", req.error());
+    // Sources of that node whose memory no longer holds the version (PlanSlice.certify): they serve
+    // it no more; the next attempt, chosen again at once, takes it from the other holders (or tells
+    // the late rollouts that none is left). The next version rewrites them. A node names only its
+    // own sources of this attempt.
+    std::vector<std::string> stale;
+    for (const std::string& id : req.stale_sources()) {
+      auto src = m.catch_up->sources.find(id);
+      auto w = m.workers.find(id);
+      if (src == m.catch_up->sources.end() || w == m.workers.end() || w->second.serial != src->second ||
+          w->second.node != req.node_id() || w->second.holds != m.catch_up->version) {
+        continue;
+      }
+      w->second.stale_version = m.catch_up->version;
+      w->second.stale_error = absl::StrCat("its memory no longer holds version ", m.catch_up->version,
+                                           " (found by a catch-up it was to serve; the next version rewrites it): ", req.error());
+      stale.push_back(id);
+    }
+    if (!stale.empty()) {
+      CatchUpDigestEvent(options_, req.model_id(), m.catch_up->version, "catch_up_stale_source",
+                         absl::StrCat("rollouts ", absl::StrJoin(stale, ","), " serve it no more: ", reason));
+      FailCatchUpLocked(req.model_id(), m, reason, false);
+      return absl::OkStatus();
+    }
+    FailCatchUpLocked(req.model_id(), m, reason, true);
     return absl::OkStatus();
   }
   // What landed in the late rollouts' staging must be what the sources read: a mismatch ends the

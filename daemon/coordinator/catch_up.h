@@ -22,6 +22,7 @@ struct CatchUpCandidate {
   bool in_plan = false;       // in the model's installed plan (a late rollout must be)
   uint64_t holds = 0;         // the committed version its node holds for it
   uint64_t catch_up_failed = 0;
+  bool stale = false;         // holds the committed version, but a catch-up found its memory changed
 };
 
 struct CatchUpChoice {
@@ -33,7 +34,8 @@ struct CatchUpChoice {
 
 // Late: a rollout with a layout, in the plan, holding less than `committed` (> 0) and whose catch-up
 // did not already fail for `committed`. Source: a rollout with a layout holding exactly
-// `committed`, in host or CUDA memory. A quantised source's quantised pieces hold no canonical
+// `committed`, in host or CUDA memory, unless a catch-up found its memory no longer holding it
+// (`stale`: PlanSlice.certify). A quantised source's quantised pieces hold no canonical
 // bytes: the catch-up plan (planner::PlanOptions::quantized_sources) has them serve only late
 // rollouts quantised in their format, as copies of the quantised elements and scales, and takes
 // everything else from unquantised pieces (or fails naming the box): docs/daemon.md "Catch-up".

@@ -68,6 +68,22 @@ TEST(ChooseCatchUpTest, NoSourceWhenNoRolloutHoldsTheVersion) {
   EXPECT_NE(c.no_source.find("no rollout holds version 2 (no rollout holds it at all)"), std::string::npos) << c.no_source;
 }
 
+// A holder whose memory a catch-up found changed (stale) is no source of that version; with no
+// other holder the late rollouts are told so.
+TEST(ChooseCatchUpTest, StaleHoldersAreNoSources) {
+  CatchUpCandidate stale = Rollout("r1", 2);
+  stale.stale = true;
+  CatchUpChoice c = ChooseCatchUp(2, {stale, Rollout("r2", 2), Rollout("r3", 0)});
+  EXPECT_EQ(c.sources, (std::vector<std::string>{"r2"}));
+  EXPECT_EQ(c.dests, (std::vector<std::string>{"r3"}));
+  c = ChooseCatchUp(2, {stale, Rollout("r3", 0)});
+  EXPECT_TRUE(c.sources.empty());
+  EXPECT_EQ(c.dests, (std::vector<std::string>{"r3"})) << "a stale holder is not late: the next version rewrites it";
+  EXPECT_NE(c.no_source.find("no rollout holds version 2 (rollouts r1 held it, but a catch-up found their memory changed since)"),
+            std::string::npos)
+      << c.no_source;
+}
+
 // ------------------------------------------------------------------ the driver, over fake nodes
 
 // One trainer (n0), rollout r0 (n0); versions run on fake nodes that report done at once, except

@@ -76,6 +76,10 @@ class ModelRegistry {
     uint64_t holds = 0;
     uint64_t catch_up_failed = 0;  // the committed version its last catch-up failed for (not retried)
     std::string catch_up_error;
+    // A catch-up found this source's memory no longer holding `stale_version` (PlanSlice.certify):
+    // not a source of that version again; the next version rewrites it. Why, for the status.
+    uint64_t stale_version = 0;
+    std::string stale_error;
     uint64_t serial = 0;           // unique per registration (a catch-up notices a re-registered worker)
   };
   // A catch-up in progress (catch_up.cc): `version` (committed) again, from the rollouts that hold

@@ -99,6 +99,8 @@ void CoordinatorCore::FillStatusLocked(const pb::StatusRequest& filter, pb::Stat
         // Late (docs/daemon.md "Catch-up"): being caught up, or why its catch-up failed.
         ws->set_catching_up(rec.catch_up_failed != m.machine->committed());
         ws->set_catch_up_error(rec.catch_up_error);
+      } else if (rec.stale_version != 0 && rec.stale_version == m.machine->committed()) {
+        ws->set_catch_up_error(rec.stale_error);  // a source that serves the version no more
       }
     }
     for (auto& [v, rec] : m.machine->records()) {

@@ -1,5 +1,6 @@
 #include "daemon/digest/certify.h"
 
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -52,6 +53,7 @@ absl::StatusOr<CertifyOutcome> CertifySources(const daemon::node::Slice& slice, 
   }
   if (boxes.empty()) return out;
   ASSIGN_OR_RETURN(std::vector<Digest> found, DigestMany(boxes, threads, deadline));
+  std::set<std::string> stale;
   for (size_t i = 0; i < found.size(); ++i) {
     const daemon::node::CertifyBox& c = *of[i];
     if (found[i] == c.digest) {
@@ -59,14 +61,16 @@ absl::StatusOr<CertifyOutcome> CertifySources(const daemon::node::Slice& slice, 
       continue;
     }
     const daemon::node::SliceWorker& w = slice.workers[c.worker];
+    stale.insert(w.worker_id);
+    if (!out.first_mismatch.empty()) continue;
     const std::string from = c.from_catch_up ? absl::StrCat("an earlier catch-up landed there (its op ", c.version_op, ")")
                                              : absl::StrCat("the version landed there (op ", c.version_op, " of its plan)");
-    return absl::DataLossError(absl::StrCat("source rollout ", w.worker_id, " on node ", w.node_id,
-                                            " no longer holds the version it would serve: box ", planner::BoxToString(c.box), " of tensor ",
-                                            slice.inventory->tensors[static_cast<size_t>(c.tensor)].name, " hashes to ", DigestHex(found[i]),
-                                            ", not to ", DigestHex(c.digest), " as when ", from,
-                                            " (its memory was written since, or is torn): not served"));
+    out.first_mismatch = absl::StrCat("source rollout ", w.worker_id, " on node ", w.node_id,
+                                      " no longer holds the version it would serve: box ", planner::BoxToString(c.box), " of tensor ",
+                                      slice.inventory->tensors[static_cast<size_t>(c.tensor)].name, " hashes to ", DigestHex(found[i]),
+                                      ", not to ", DigestHex(c.digest), " as when ", from, " (its memory was written since, or is torn)");
   }
+  out.stale.assign(stale.begin(), stale.end());
   return out;
 }
 

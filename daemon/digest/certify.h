@@ -11,6 +11,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -21,15 +22,19 @@ namespace wb::digest {
 
 struct CertifyOutcome {
   int64_t boxes = 0;    // local entries hashed and matching
-  int64_t bytes = 0;    // their bytes
+  int64_t bytes = 0;    // bytes hashed
   int64_t skipped = 0;  // local entries in device memory (not hashed)
+  // Sources with a box that differs (worker ids, sorted): they no longer hold the version. Empty:
+  // every hashed box matched.
+  std::vector<std::string> stale;
+  std::string first_mismatch;  // the first differing box, in words (worker, node, tensor, box, digests, origin)
 };
 
 // Hashes every entry of `slice.certify` whose worker runs on node `me`, over `regions` (the
 // version's regions: the source's committed staging or live buffers, as the catch-up reads them)
-// and compares it with the entry's digest. DATA_LOSS naming the first that differs (worker, tensor,
-// box, both digests, where the expected one comes from); INVALID_ARGUMENT for an entry outside the
-// slice (worker, piece, tensor, a box outside its piece); DEADLINE_EXCEEDED past `deadline`.
+// and compares it with the entry's digest; differences are in the outcome (`stale`,
+// `first_mismatch`). INVALID_ARGUMENT for an entry outside the slice (worker, piece, tensor, a box
+// outside its piece); DEADLINE_EXCEEDED past `deadline`.
 absl::StatusOr<CertifyOutcome> CertifySources(const daemon::node::Slice& slice, const std::string& me,
                                               const std::map<std::string, RegionBytes>& regions, int threads, absl::Time deadline);
 

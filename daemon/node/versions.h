@@ -157,6 +157,9 @@ struct Exec {
   // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.
   digest::OpDigests digests;
   double digest_s = 0;
+  // Executor thread only, catch-ups: this node's sources whose memory no longer holds the version
+  // (pb::CertifyBox; reported with ReportDone, ReportDoneRequest.stale_sources).
+  std::vector<std::string> stale_sources;
 };
 
 class Versions {

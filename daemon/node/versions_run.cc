@@ -89,6 +89,7 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
     o->set_digest(d);
   }
   req.set_catch_up(exec.catch_up);
+  for (const std::string& w : exec.stale_sources) req.add_stale_sources(w);
   req.set_plan_epoch(exec.epoch);  // tells attempts of one catch-up version apart
   req.set_delta_stream_bytes(static_cast<uint64_t>(exec.delta.bytes_sent_stream));
   req.set_delta_replaced_bytes(static_cast<uint64_t>(exec.delta.bytes_sent_raw));
@@ -394,6 +395,11 @@ absl::Status Versions::RunExecInner(Exec& exec) {
     absl::StatusOr<digest::CertifyOutcome> certified = certification.Finish();
     if (!certified.ok()) {
       return Annotate(certified.status(), absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version));
+    }
+    if (!certified->stale.empty()) {
+      exec.stale_sources = certified->stale;
+      return absl::DataLossError(absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version, ": ",
+                                              certified->first_mismatch, ": not served"));
     }
     Log(LogLevel::kInfo, "catch-up sources certified",
         {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"boxes", certified->boxes}, {"bytes", certified->bytes},
