@@ -151,6 +151,7 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
   absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
   std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;
   uint64_t version = 0;
+  std::shared_ptr<const LandedRecord> landed;  // what the version landed in each rollout
   {
     absl::MutexLock l(&mu_);
     if (stopping_ || !m->catch_up || m->catch_up->epoch != in.epoch) return;
@@ -173,15 +174,16 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
     }
     m->catch_up->digests.emplace(model_id, version, outcome->plan, std::move(ids), in.inventory, std::move(node_of),
                                  DigestBook::Kind::kCatchUp);
-    // The sources still hold the version: what it landed with in them, checked where the catch-up
-    // reads it (pb::CertifyBox; without digests, no node would hash them).
     auto record = m->landed.find(version);
-    if (record != m->landed.end()) {
-      const CertifyCount certify = AddCertifyBoxes(*outcome->plan, in, record->second, &outcome->slices.by_node);
-      Log(LogLevel::kInfo, "catch-up sources to certify",
-          {{"model", model_id}, {"version", version}, {"boxes", certify.boxes}, {"sources", certify.sources},
-           {"sources_without_record", certify.uncovered_sources}});
-    }
+    if (record != m->landed.end()) landed = record->second;
+  }
+  // The sources still hold the version: what it landed with in them, checked where the catch-up
+  // reads it (pb::CertifyBox; without digests, no record and nothing to check). Outside the lock.
+  if (landed != nullptr) {
+    const CertifyCount certify = AddCertifyBoxes(*outcome->plan, in, *landed, &outcome->slices.by_node);
+    Log(LogLevel::kInfo, "catch-up sources to certify",
+        {{"model", model_id}, {"version", version}, {"boxes", certify.boxes}, {"sources", certify.sources},
+         {"sources_without_record", certify.uncovered_sources}});
   }
   std::vector<absl::Status> results(clients.size());
   ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {
@@ -337,8 +339,14 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
       if (!acks[i].ok()) refused[nodes[i]] = std::string(acks[i].message());
     }
     std::vector<std::string> caught, failed;
-    std::map<std::string, std::vector<LandedBox>> caught_landed;
+    LandedRecord caught_landed;
     if (mp->catch_up->digests) caught_landed = mp->catch_up->digests->LandedByWorker();
+    auto record = mp->landed.find(v);
+    // What landed in a caught-up rollout certifies it as a source of v later (AddCertifyBoxes),
+    // replacing what v's plan landed in an earlier incarnation of the same worker id. A new
+    // record: the catch-up planner may be reading the old one outside the lock.
+    std::shared_ptr<LandedRecord> updated;
+    if (record != mp->landed.end() && record->second != nullptr) updated = std::make_shared<LandedRecord>(*record->second);
     for (const auto& [id, serial] : mp->catch_up->dests) {
       auto w = mp->workers.find(id);
       if (w == mp->workers.end() || w->second.serial != serial) continue;
@@ -347,15 +355,12 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
         w->second.holds = std::max(w->second.holds, v);
         w->second.catch_up_error.clear();
         caught.push_back(id);
-        // What landed in it certifies it as a source of v later (AddCertifyBoxes), replacing what
-        // v's plan landed in an earlier incarnation of the same worker id.
-        auto record = mp->landed.find(v);
-        if (record != mp->landed.end()) {
+        if (updated != nullptr) {
           auto it = caught_landed.find(id);
           if (it != caught_landed.end()) {
-            record->second[id] = std::move(it->second);
+            (*updated)[id] = std::move(it->second);
           } else {
-            record->second.erase(id);
+            updated->erase(id);
           }
         }
       } else {
@@ -365,6 +370,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
         failed.push_back(id);
       }
     }
+    if (updated != nullptr) record->second = std::move(updated);
     mp->last_catch_up_seconds = absl::ToDoubleSeconds(options_.clock->Now() - mp->catch_up->started);
     Log(failed.empty() ? LogLevel::kInfo : LogLevel::kWarning, "catch-up committed",
         {{"model", model_id}, {"version", v}, {"caught_up", absl::StrJoin(caught, ",")}, {"failed", absl::StrJoin(failed, ",")},

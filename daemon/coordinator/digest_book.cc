@@ -75,8 +75,8 @@ absl::Status DigestBook::Add(const pb::ReportDoneRequest& report) {
   return absl::OkStatus();
 }
 
-std::map<std::string, std::vector<LandedBox>> DigestBook::LandedByWorker() const {
-  std::map<std::string, std::vector<LandedBox>> out;
+LandedRecord DigestBook::LandedByWorker() const {
+  LandedRecord out;
   for (const auto& [index, digest] : landed_) {
     if (index >= ops_.size()) continue;
     const planner::TransferOp& op = *ops_[index];

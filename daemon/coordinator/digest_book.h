@@ -43,6 +43,9 @@ struct LandedBox {
   bool from_catch_up = false;  // the book was a catch-up's
 };
 
+// Per rollout worker id, what landed in it (the coordinator's record of a version).
+using LandedRecord = std::map<std::string, std::vector<LandedBox>>;
+
 class DigestBook {
  public:
   // What the book checks: a version, or a catch-up (catch_up.h: the committed version once more,
@@ -66,7 +69,7 @@ class DigestBook {
   // Per destination worker id, what landed in it (ops with a landed digest whose source digest
   // matched or was not taken; sender-quantised ops, whose digests cover quantised bytes, and ops
   // into a gather staging left out).
-  std::map<std::string, std::vector<LandedBox>> LandedByWorker() const;
+  LandedRecord LandedByWorker() const;
 
  private:
   std::string DescribeOp(uint32_t index) const;

@@ -40,7 +40,7 @@ void CoordinatorCore::FinishDigestsLocked(const std::string& model_id, Model& m,
   auto book = m.digests.find(v);
   if (book == m.digests.end()) return;
   const DigestVerdict verdict = book->second.Verdict();
-  m.landed[v] = book->second.LandedByWorker();
+  m.landed[v] = std::make_shared<const LandedRecord>(book->second.LandedByWorker());
   while (m.landed.size() > Model::kLandedKept) m.landed.erase(m.landed.begin());
   m.digests.erase(book);
   m.verdicts[v] = verdict;

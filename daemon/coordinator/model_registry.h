@@ -136,7 +136,9 @@ class ModelRegistry {
     // What landed in each rollout with the newest versions whose digests all came in (and, for the
     // committed version, in late rollouts by its catch-ups): catch-up sources are certified against
     // it (digests.cc, catch_up.cc; pb::CertifyBox). At most kLandedKept versions.
-    std::map<uint64_t, std::map<std::string, std::vector<LandedBox>>> landed;
+    // Shared, never changed in place (a catch-up's commit replaces it): the catch-up planner
+    // reads it outside the lock.
+    std::map<uint64_t, std::shared_ptr<const LandedRecord>> landed;
     static constexpr size_t kLandedKept = 2;
     // NVFP4 magnitudes (magnitudes.cc): the book of the version in flight and of the committed one.
     std::map<uint64_t, MagnitudeBook> magnitudes;
