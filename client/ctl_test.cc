@@ -91,6 +91,40 @@ TEST(StatusViewTest, TableAndJsonCarryTheFigures) {
   EXPECT_EQ(j["versions"].size(), 3u);
 }
 
+// The worker table says what an operator must act on: torn live weights, a copy running, a late
+// rollout being caught up, and why a catch-up failed or a source serves the version no more.
+TEST(StatusViewTest, WorkerStatesNameTornCatchingUpAndCatchUpErrors) {
+  pb::StatusResponse s;
+  auto add = [&](const std::string& id) {
+    pb::WorkerStatus* w = s.add_workers();
+    w->set_worker_id(id);
+    w->set_model_id("m");
+    w->set_role(pb::ROLE_ROLLOUT);
+    w->set_has_layout(true);
+    return w;
+  };
+  add("r-ok");
+  add("r-paused")->set_paused(true);
+  pb::WorkerStatus* torn = add("r-torn");
+  torn->set_live_state("torn");
+  torn->set_live_detail("version 3 over version 2: copy failed");
+  pb::WorkerStatus* copying = add("r-copy");
+  copying->set_live_state("copying");
+  copying->set_live_writing_version(4);
+  add("r-late")->set_catching_up(true);
+  add("r-stale")->set_catch_up_error("its memory no longer holds version 1 (found by a catch-up it was to serve)");
+  const std::string table = StatusTable(s, "coordinator");
+  for (const char* want : {"r-ok", "paused", "torn: version 3 over version 2: copy failed", "copying v4", "catching up",
+                           "catch-up error: its memory no longer holds version 1"}) {
+    EXPECT_NE(table.find(want), std::string::npos) << want << "\n" << table;
+  }
+  auto j = StatusJson(s, "coordinator");
+  EXPECT_EQ(j["workers"][2]["live_state"].get<std::string>(), "torn");
+  EXPECT_EQ(j["workers"][4]["state"].get<std::string>(), "catching up");
+  EXPECT_TRUE(j["workers"][4]["catching_up"].get<bool>());
+  EXPECT_NE(j["workers"][5]["catch_up_error"].get<std::string>().find("no longer holds version 1"), std::string::npos);
+}
+
 TEST(StatusViewTest, TransportsSummaryCollapsesNcclLanes) {
   EXPECT_EQ(TransportsSummary({}), "-");
   EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}), "host_shm,host_tcp");

@@ -46,6 +46,18 @@ bool IsFinalVersionState(const std::string& state) {
   return state == "committed" || state == "aborted" || state == "superseded" || state == "applied";
 }
 
+std::string WorkerState(const pb::WorkerStatus& w) {
+  if (!w.has_layout()) return "no layout";
+  if (w.live_state() == "torn") {
+    return absl::StrCat("torn: ", w.live_detail().empty() ? absl::StrCat("v", w.live_writing_version(), " over v", w.live_over_version())
+                                                          : w.live_detail());
+  }
+  if (w.live_state() == "copying") return absl::StrCat("copying v", w.live_writing_version());
+  if (w.catching_up()) return "catching up";
+  if (!w.catch_up_error().empty()) return absl::StrCat("catch-up error: ", w.catch_up_error());
+  return w.paused() ? "paused" : "ok";
+}
+
 std::string FormatBytes(uint64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (b >= 1e9) return absl::StrFormat("%.2f GB", b / 1e9);
@@ -180,8 +192,7 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source, 
   }
   for (const auto& w : s.workers()) {
     absl::StrAppendFormat(&out, "  %-20s %-12s %-8s %-12s %-8d %s\n", w.worker_id(), w.model_id(),
-                          RoleName(w.role()), w.node_id(), w.applied_version(),
-                          !w.has_layout() ? "no layout" : w.paused() ? "paused" : "ok");
+                          RoleName(w.role()), w.node_id(), w.applied_version(), WorkerState(w));
   }
   absl::StrAppendFormat(&out, "\nMODELS (%d)\n", s.models_size());
   if (s.models_size() > 0) {
@@ -236,7 +247,11 @@ nlohmann::json StatusJson(const pb::StatusResponse& s, const std::string& source
                             {"node_id", w.node_id()},
                             {"applied_version", w.applied_version()},
                             {"has_layout", w.has_layout()},
-                            {"paused", w.paused()}});
+                            {"paused", w.paused()},
+                            {"state", WorkerState(w)},
+                            {"live_state", w.live_state()},
+                            {"catching_up", w.catching_up()},
+                            {"catch_up_error", w.catch_up_error()}});
   }
   j["models"] = nlohmann::json::array();
   for (const auto& m : s.models()) {

@@ -44,6 +44,11 @@ uint32_t VersionsNotListed(const weightbridge::v1::StatusResponse& status, const
 // A node's transports for the status table: kinds in the given order, then its nccl lanes
 // ("nccl/<device>") as one item with device ranges, e.g. "host_shm,host_tcp,nccl/{0-3,6}"; "-" for none.
 // With two or more `data_nics` (multi-NIC striping) host_tcp shows them: "host_tcp[10.0.0.5,10.0.1.5]".
+// One worker's state in words: "no layout", "torn: <detail>", "copying v<N>", "catching up",
+// "catch-up error: <why>" (a late rollout whose catch-up failed, or a source found no longer
+// holding the committed version), "paused" or "ok".
+std::string WorkerState(const weightbridge::v1::WorkerStatus& worker);
+
 std::string TransportsSummary(const std::vector<std::string>& transports, const std::vector<std::string>& data_nics = {});
 
 // `wbctl versions --model ID`: the model's versions, oldest first. Empty when the model has none.

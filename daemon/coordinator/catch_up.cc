@@ -65,7 +65,7 @@ void CatchUpDigestEvent(const CoordinatorOptions& o, const std::string& model_id
 
 void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) {
   const uint64_t v = m.machine->committed();
-  if (v == 0 || m.catch_up) return;
+  if (v == 0 || m.catch_up || m.catch_up_aborts_unsent > 0) return;
   // An owed commit (async) still lands on its node: that node's version staging must not meet a
   // catch-up of the same version there.
   for (const PendingCommit& p : pending_commits_) {
@@ -401,7 +401,13 @@ void CoordinatorCore::FailCatchUpLocked(const std::string& model_id, Model& m, c
   // the time the abort arrives. Final or not, the nodes only end the attempt's execution; a
   // waiting Apply(v) of a late rollout then asks WaitVersion here, which answers ABORTED with
   // catch_up_error when this was final and otherwise waits for the next attempt.
-  QueueAbortRpcsLocked(nodes, model_id, c.version, what, c.epoch);
+  ++m.catch_up_aborts_unsent;
+  Model* mp = &m;  // no hold: a model with a committed version is never evicted (model_registry.h)
+  QueueAbortRpcsLocked(nodes, model_id, c.version, what, c.epoch, [this, mp] {
+    absl::MutexLock l(&mu_);
+    --mp->catch_up_aborts_unsent;
+    wake_ = true;
+  });
   // A plan still being made for this attempt is void: cancel it (nothing else would, the model's
   // next plan job has another key), so it holds neither the planner thread nor other models' plans.
   plan_queue_.CancelRunning(what, model_id, kCatchUpJob);

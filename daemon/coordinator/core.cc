@@ -356,7 +356,7 @@ void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, cons
 }
 
 void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
-                                           const std::string& reason, uint64_t plan_epoch) {
+                                           const std::string& reason, uint64_t plan_epoch, std::function<void()> sent) {
   std::vector<std::pair<PendingAbort, std::shared_ptr<NodeClient>>> targets;
   for (const std::string& n : nodes) {
     // A lost node has nothing to drop (and rolls back at its re-join what it committed).
@@ -371,9 +371,10 @@ void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, c
     p.incarnation = nodes_.Incarnation(n);
     targets.emplace_back(std::move(p), std::move(client));
   }
-  if (targets.empty()) return;
-  pending_rpcs_.push_back([this, targets] {
+  if (targets.empty() && !sent) return;
+  pending_rpcs_.push_back([this, targets, sent = std::move(sent)] {
     for (const auto& [p, client] : targets) SendAbort(p, client);
+    if (sent) sent();
   });
 }
 

@@ -271,8 +271,10 @@ class CoordinatorCore {
   // Sends AbortVersion to `nodes` (from the driver, outside the lock; one a node may have missed is
   // owed and sent again: PendingAbort); `plan_epoch` > 0 ends only that execution of `version` (a
   // catch-up attempt), 0 whatever runs for it.
+  // `sent` (optional) runs after every node got its first try (without mu_).
   void QueueAbortRpcsLocked(const std::set<std::string>& nodes, const std::string& model_id, uint64_t version,
-                            const std::string& reason, uint64_t plan_epoch = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            const std::string& reason, uint64_t plan_epoch = 0, std::function<void()> sent = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RegisterNode of a new id at max_nodes: removes the lost node nothing refers to whose lease ran
   // out first, or RESOURCE_EXHAUSTED naming max_nodes.
   absl::Status MakeRoomForNodeLocked(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

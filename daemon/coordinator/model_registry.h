@@ -152,6 +152,9 @@ class ModelRegistry {
     uint64_t last_bytes = 0;
     std::optional<CatchUpRun> catch_up;
     double last_catch_up_seconds = 0;
+    // AbortVersion rounds of ended catch-up attempts not sent yet: the next attempt waits for them,
+    // or its ExecuteVersion could reach a node still holding the ended attempt's execution.
+    int catch_up_aborts_unsent = 0;
     // Eviction (see the contract above): the last time a call looked the model up, a worker left
     // or a hold ended (options.clock), and the holds now (threads keeping Model* without mu_).
     absl::Time last_used;

@@ -38,16 +38,25 @@ void Versions::RunExec(std::shared_ptr<Exec> exec) {
     absl::MutexLock l(&mu_);
     connected = exec->connected;
   }
+  // A catch-up whose sources here no longer hold the version (pb::CertifyBox) reports before its
+  // channels go: the peers' executions would otherwise fail on the closed channels and their
+  // reports (without the stale sources) could reach the coordinator first and end the catch-up for
+  // good instead of trying it again from the other holders.
+  const bool report_first = !s.ok() && !exec->stale_sources.empty();
+  auto report = [&] {
+    {
+      absl::MutexLock l(&mu_);
+      if (exec->aborted || stopping_) return;  // the coordinator already knows
+    }
+    ReportDone(*exec, s, t0);
+  };
+  if (report_first) report();
   if (!s.ok()) {
     deltas_.Drop(exec->model_id, exec->version);  // its pending delta copies never become anyone's base
     // A failed batch may leave a channel unusable: start the next version on fresh ones.
     for (auto& [peer, id] : connected) DropChannel(exec->model_id, peer, id);
   }
-  {
-    absl::MutexLock l(&mu_);
-    if (exec->aborted || stopping_) return;  // the coordinator already knows
-  }
-  ReportDone(*exec, s, t0);
+  if (!report_first) report();
 }
 
 void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0) {
