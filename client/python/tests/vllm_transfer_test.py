@@ -385,11 +385,9 @@ class VllmTransferTest(unittest.TestCase):
                         send(named, {"hook": t, "version": version, "timeout": TIMEOUT})
                     else:
                         t.publish(version, named, timeout=TIMEOUT)
+                if not update:  # 0 = the newest committed: wait (server side) until that is `version`
+                    trainers[0].client.wait_version(version, timeout=TIMEOUT)
                 worker.session(dict(update, timeout=TIMEOUT))
-                deadline = time.monotonic() + TIMEOUT
-                while worker.engine.version != version and time.monotonic() < deadline:  # 0: what is committed yet
-                    time.sleep(0.05)
-                    worker.session(dict(update, timeout=TIMEOUT))
                 self.check(params, version, what="C one_step_off")
                 self.assertEqual(worker.engine.version, version)
             worker.shutdown()
