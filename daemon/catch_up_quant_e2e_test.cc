@@ -68,6 +68,44 @@ TEST_P(CatchUpQuantTest, LateQuantisedRolloutsAreServedTheQuantisedBytesOfOthers
   Version(3);
 }
 
+// A quantised source whose memory changed since the version landed there (one of its block
+// scales, as an engine that re-quantises its scales in place after loading) does not serve it: a
+// sender-quantised landing's digest covers the piece's elements and the scales of its blocks
+// (PlanSlice.certify, `quantized`), so the catch-up finds the change, r1 serves version 1 no more
+// and the late rollout is told why (sync: r1 is read in its live weights). Outside sync the
+// catch-up may read r1's committed staging, which still holds the version: then the late rollout
+// gets it byte for byte. Before, quantised sources were not certified: the late rollout got the
+// changed scale, with matching catch-up digests. Version 2 then rewrites r1 and reaches r3.
+TEST_P(CatchUpQuantTest, AQuantisedSourceWhoseScalesChangedDoesNotServeTheVersion) {
+  Start(GetParam().mode, 1, GetParam().format);
+  ASSERT_FALSE(HasFatalFailure());
+  Version(1);
+  ASSERT_FALSE(HasFatalFailure());
+  const std::vector<uint8_t> v1 = ExpectedQuant(inv_, layout_, geo_, 1);
+  static_cast<uint8_t*>(r1_->seg.data())[geo_.scales_at + 1] ^= 0x01;
+  ASSERT_EQ(CountBadQuant(*r1_, geo_, v1), 1);
+  TestWorker& r = Late("r3", 0, layout_);
+  grpc::Status s = Receive(r, 1);
+  if (s.ok()) {
+    EXPECT_NE(mode_, pb::MODE_SYNC) << format_.name << ": a sync source is read in its live weights, which changed";
+    EXPECT_EQ(CountBadQuant(r, geo_, v1), 0) << format_.name << ": the late rollout got the source's changed scale";
+  } else {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    EXPECT_NE(s.error_message().find("no rollout holds version 1 (rollouts r1 held it, but a catch-up found their memory changed since)"),
+              std::string::npos)
+        << s.error_message();
+    std::string why;
+    const pb::StatusResponse st = c_.Status(*t0_);
+    for (const pb::WorkerStatus& ws : st.workers()) {
+      if (ws.worker_id() == "r1") why = ws.catch_up_error();
+    }
+    EXPECT_NE(why.find("source rollout r1 on node n1 no longer holds the version it would serve: box "), std::string::npos) << why;
+    EXPECT_NE(why.find("of tensor w (quantised elements and scales) hashes to "), std::string::npos) << why;
+  }
+  rollouts_.push_back(&r);
+  Version(2);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     ModesAndFormats, CatchUpQuantTest,
     ::testing::Values(Case{pb::MODE_SYNC, Fp8Block128Format()}, Case{pb::MODE_ONE_STEP_OFF, Fp8Block128Format()},

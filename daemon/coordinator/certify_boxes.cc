@@ -36,7 +36,11 @@ CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, co
       for (const planner::Box* r : t->second) read = read || planner::Intersect(*r, l.box).has_value();
       if (!read) continue;
       for (size_t p = 0; p < pieces.size(); ++p) {
-        if (pieces[p].tensor != l.tensor || pieces[p].quant.has_value() || !planner::BoxContains(pieces[p].box, l.box)) continue;
+        // A canonical digest certifies an unquantised piece; a sender-quantised one a quantised
+        // piece holding the box in whole blocks (the source's node checks the format's grid).
+        if (pieces[p].tensor != l.tensor || pieces[p].quant.has_value() != l.quantized || !planner::BoxContains(pieces[p].box, l.box)) {
+          continue;
+        }
         pb::CertifyBox* c = slice->second.add_certify();
         c->set_worker(static_cast<uint32_t>(w));
         c->set_piece(static_cast<int32_t>(p));
@@ -45,6 +49,7 @@ CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, co
         c->set_digest(l.digest);
         c->set_version_op(l.op);
         c->set_from_catch_up(l.from_catch_up);
+        c->set_quantized(l.quantized);
         ++added;
         break;
       }

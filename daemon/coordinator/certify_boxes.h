@@ -23,9 +23,11 @@ struct CertifyCount {
 
 // For every source of the catch-up `plan` (the ROLE_TRAINER workers of `in`) and every box of
 // `landed[source]` (what the version landed in it) that intersects a box the plan reads from it and
-// lies inside one of its unquantised pieces (a quantised piece's memory holds quantised bytes, not
-// the canonical ones those digests cover): a CertifyBox in the slice of the source's node in
-// `by_node` (nodes without a slice there are skipped). Each landed box is added at most once.
+// lies inside one of its pieces of the same form - an unquantised piece for a canonical digest, a
+// quantised piece for a sender-quantised one (LandedBox::quantized; a quantised piece's memory holds
+// quantised bytes, so a canonical digest of a receiver-quantised landing certifies nothing there):
+// a CertifyBox in the slice of the source's node in `by_node` (nodes without a slice there are
+// skipped). Each landed box is added at most once.
 CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, const std::map<std::string, std::vector<LandedBox>>& landed,
                              std::map<std::string, pb::PlanSlice>* by_node);
 

@@ -81,5 +81,23 @@ TEST(CertifyBoxesTest, ASourceWithoutARecordIsCountedAndGetsNothing) {
   EXPECT_EQ(f.by_node["n0"].certify_size(), 0);
 }
 
+// A sender-quantised landing (its digest covers quantised elements and scales) certifies the
+// quantised piece the catch-up reads, marked as such; it never certifies an unquantised piece of
+// the same box, and a canonical digest never a quantised piece.
+TEST(CertifyBoxesTest, ASenderQuantisedLandingCertifiesTheQuantisedPieceOnly) {
+  Fixture f;
+  std::map<std::string, std::vector<LandedBox>> landed;
+  landed["s0"] = {{1, planner::Box{{0}, {4}}, 13, 5, false, true},        // quantised piece 1
+                  {0, planner::Box{{4, 0}, {8, 4}}, 14, 6, false, true}};  // piece 0 is unquantised: not this form
+  const CertifyCount n = AddCertifyBoxes(f.plan, f.in, landed, &f.by_node);
+  EXPECT_EQ(n.boxes, 1);
+  ASSERT_EQ(f.by_node["n0"].certify_size(), 1);
+  const pb::CertifyBox& c = f.by_node["n0"].certify(0);
+  EXPECT_EQ(c.piece(), 1);
+  EXPECT_EQ(c.tensor(), 1);
+  EXPECT_EQ(c.digest(), 13u);
+  EXPECT_TRUE(c.quantized());
+}
+
 }  // namespace
 }  // namespace wb::daemon

@@ -80,10 +80,11 @@ LandedRecord DigestBook::LandedByWorker() const {
   for (const auto& [index, digest] : landed_) {
     if (index >= ops_.size()) continue;
     const planner::TransferOp& op = *ops_[index];
-    if (op.sender_quantized || op.dst_piece < 0 || op.dst_worker < 0 || static_cast<size_t>(op.dst_worker) >= worker_ids_.size()) continue;
+    if (op.dst_piece < 0 || op.dst_worker < 0 || static_cast<size_t>(op.dst_worker) >= worker_ids_.size()) continue;
     auto sent = source_.find(index);
     if (sent != source_.end() && sent->second != digest) continue;
-    out[worker_ids_[static_cast<size_t>(op.dst_worker)]].push_back({op.tensor, op.box, digest, index, kind_ == Kind::kCatchUp});
+    out[worker_ids_[static_cast<size_t>(op.dst_worker)]].push_back(
+        {op.tensor, op.box, digest, index, kind_ == Kind::kCatchUp, op.sender_quantized});
   }
   return out;
 }

@@ -33,14 +33,17 @@ struct DigestVerdict {
 
 // What landed in one rollout with a matching or unverifiable pair of digests: the digest of `box`
 // of `tensor` in canonical element order, as the receiving node computed it over what landed (after
-// decoding a delta; canonical shadows of receiver-quantised pieces). Layout independent, so it
-// certifies that box wherever the rollout holds it later (daemon/digest/certify.h).
+// decoding a delta; canonical shadows of receiver-quantised pieces), or, for a sender-quantised op
+// (`quantized`), over the box's quantised elements and the scales of its blocks
+// (node::DigestSenderQuantized). Layout independent, so it certifies that box wherever the rollout
+// holds it later in the same form (daemon/digest/certify.h).
 struct LandedBox {
   int32_t tensor = -1;
   planner::Box box;
   uint64_t digest = 0;
   uint32_t op = 0;             // the op of the book's plan it landed with
   bool from_catch_up = false;  // the book was a catch-up's
+  bool quantized = false;      // the digest covers quantised bytes (a sender-quantised op)
 };
 
 // Per rollout worker id, what landed in it (the coordinator's record of a version).
@@ -67,8 +70,8 @@ class DigestBook {
   // After every node reported.
   DigestVerdict Verdict() const;
   // Per destination worker id, what landed in it (ops with a landed digest whose source digest
-  // matched or was not taken; sender-quantised ops, whose digests cover quantised bytes, and ops
-  // into a gather staging left out).
+  // matched or was not taken; sender-quantised ops marked `quantized`, their digests cover the
+  // quantised bytes; ops into a gather staging left out).
   LandedRecord LandedByWorker() const;
 
  private:

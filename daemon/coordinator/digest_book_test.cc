@@ -105,5 +105,50 @@ TEST(DigestBookTest, BadReportsAreRefused) {
   EXPECT_TRUE(book.Add(Report("n0", {{0, 1}}, {})).ok());  // the same digest again is harmless
 }
 
+// What landed in each rollout (the record catch-ups certify their sources against): ops whose two
+// digests match or whose source digest was not taken; a sender-quantised op's digest is marked as
+// covering quantised bytes (it certifies a quantised piece, never canonical bytes); a mismatching
+// op and an op into a gather staging are left out.
+TEST(DigestBookTest, LandedByWorkerKeepsMatchingOpsAndMarksSenderQuantisedOnes) {
+  auto plan = std::make_shared<planner::Plan>();
+  plan->buckets.resize(1);
+  auto op = [&](int32_t dst, int32_t piece, int64_t row, bool quantized) {
+    planner::TransferOp o;
+    o.src_worker = 0;
+    o.src_piece = 0;
+    o.dst_worker = dst;
+    o.dst_piece = piece;
+    o.tensor = 1;
+    o.box = planner::Box{{row, 0}, {row + 4, 8}};
+    o.sender_quantized = quantized;
+    plan->buckets[0].ops.push_back(o);
+  };
+  op(1, 0, 0, false);   // op 0: r0, canonical, digests match
+  op(1, 1, 4, true);    // op 1: r0, sender-quantised, digests match
+  op(2, 0, 0, false);   // op 2: r1, no source digest taken (device memory on the sender)
+  op(2, 1, 4, false);   // op 3: r1, digests differ (never recorded)
+  op(1, -1, 8, false);  // op 4: into a gather staging
+  auto inv = std::make_shared<planner::Inventory>();
+  inv->tensors.resize(2);
+  DigestBook book("m", 7, plan, {"t0", "r0", "r1"}, inv, {{"t0", "n0"}, {"r0", "n1"}, {"r1", "n1"}});
+  ASSERT_TRUE(book.Add(Report("n0", {{0, 10}, {1, 11}, {3, 13}, {4, 14}}, {})).ok());
+  EXPECT_FALSE(book.Add(Report("n1", {}, {{0, 10}, {1, 11}, {2, 12}, {3, 99}, {4, 14}})).ok());  // op 3 differs
+  const LandedRecord landed = book.LandedByWorker();
+  ASSERT_EQ(landed.size(), 2u);
+  const std::vector<LandedBox>& r0 = landed.at("r0");
+  ASSERT_EQ(r0.size(), 2u);
+  EXPECT_EQ(r0[0].op, 0u);
+  EXPECT_EQ(r0[0].digest, 10u);
+  EXPECT_FALSE(r0[0].quantized);
+  EXPECT_EQ(r0[1].op, 1u);
+  EXPECT_EQ(r0[1].digest, 11u);
+  EXPECT_TRUE(r0[1].quantized);
+  EXPECT_EQ(r0[1].box.begin, (std::vector<int64_t>{4, 0}));
+  const std::vector<LandedBox>& r1 = landed.at("r1");
+  ASSERT_EQ(r1.size(), 1u);
+  EXPECT_EQ(r1[0].op, 2u);
+  EXPECT_FALSE(r1[0].from_catch_up);
+}
+
 }  // namespace
 }  // namespace wb::daemon

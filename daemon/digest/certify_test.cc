@@ -103,5 +103,78 @@ TEST(CertifySourcesTest, DeviceMemoryIsSkippedAndBadEntriesAreRefused) {
   }
 }
 
+// A quantised source piece (fp8 elements, float32 scales of 2x3 blocks) of a [4, 6] tensor: a
+// sender-quantised landing's digest covers the box's elements and the scales of its blocks
+// (QuantizedDigest of the two), read from the worker's own layout. Computed here independently of
+// the daemon's geometry: rows [2, 4) are elements 12..23 of buffer 0 and scales 2..3 of buffer 1.
+TEST(CertifySourcesTest, AQuantisedSourceIsCheckedOverItsElementsAndTheScalesOfItsBlocks) {
+  planner::Inventory inv;
+  inv.tensors.push_back({"model.layers.0.mlp.down_proj.weight", {4, 6}, planner::DType::kBF16});
+  Slice slice;
+  slice.inventory = &inv;
+  slice.workers = {{"s0", "n0", planner::Role::kTrainer}, {"l0", "n1", planner::Role::kRollout}};
+  planner::Piece q{0, planner::Box{{0, 0}, {4, 6}}, 0, 0, {6, 1}, std::nullopt};
+  q.quant = planner::Quantization{planner::DType::kF8E4M3, {2, 3}, 1, 0, planner::DType::kF32, -1};
+  slice.live_layouts.resize(2);
+  slice.live_layouts[0].pieces.push_back(q);
+  // The staging layout addresses a shadow there (unquantised, past the buffer's end).
+  slice.layouts.resize(2);
+  slice.layouts[0].pieces.push_back({0, planner::Box{{0, 0}, {4, 6}}, 0, 64, {6, 1}, std::nullopt});
+  std::vector<uint8_t> elements(24 + 48);
+  std::vector<float> scales = {0.5f, 1.5f, 2.5f, 3.5f};
+  for (size_t i = 0; i < 24; ++i) elements[i] = static_cast<uint8_t>(3 * i + 1);
+  auto expected = [&](size_t first_el, size_t first_sc) {
+    auto e = BoxDigest({elements.data() + first_el, {2, 6}, {6, 1}, 1});
+    auto c = BoxDigest({reinterpret_cast<const uint8_t*>(scales.data() + first_sc), {1, 2}, {2, 1}, 4});
+    EXPECT_TRUE(e.ok() && c.ok());
+    return QuantizedDigest(*e, *c);
+  };
+  const Digest rows_2_4 = expected(12, 2);
+  auto regions = [&] {
+    return std::map<std::string, RegionBytes>{{"w0.b0", {elements.data(), static_cast<int64_t>(elements.size())}},
+                                              {"w0.b1", {reinterpret_cast<const uint8_t*>(scales.data()), 16}}};
+  };
+  slice.certify.push_back({0, 0, 0, planner::Box{{2, 0}, {4, 6}}, rows_2_4, 3, false, true});
+  auto out = CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->boxes, 1);
+  EXPECT_EQ(out->bytes, 12 + 8);
+  EXPECT_TRUE(out->stale.empty()) << out->first_mismatch;
+  // A scale of those blocks changed in place (an engine re-quantising its scales after loading).
+  scales[3] = 7.0f;
+  out = CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->stale, std::vector<std::string>{"s0"});
+  EXPECT_NE(out->first_mismatch.find("box [2:4, 0:6] of tensor model.layers.0.mlp.down_proj.weight (quantised elements and scales)"),
+            std::string::npos)
+      << out->first_mismatch;
+  scales[3] = 3.5f;
+  elements[20] ^= 0x01;  // an element of row 3
+  out = CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->stale, std::vector<std::string>{"s0"});
+  // Rows [0, 2) are untouched by either change.
+  elements[20] ^= 0x01;
+  elements[5] ^= 0x80;
+  slice.certify = {{0, 0, 0, planner::Box{{2, 0}, {4, 6}}, rows_2_4, 3, false, true}};
+  out = CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture());
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->stale.empty()) << out->first_mismatch;
+  // Not whole blocks, or a canonical entry on the quantised piece: refused.
+  for (const CertifyBox& c : std::vector<CertifyBox>{{0, 0, 0, planner::Box{{1, 0}, {3, 6}}, rows_2_4, 3, false, true}}) {
+    slice.certify = {c};
+    EXPECT_EQ(CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture()).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  slice.live_layouts[0].pieces[0].box = planner::Box{{0, 0}, {4, 6}};
+  slice.layouts[0] = slice.live_layouts[0];  // no separate staging layout: the quantised piece itself
+  slice.certify = {{0, 0, 0, planner::Box{{2, 0}, {4, 6}}, rows_2_4, 3, false, false}};
+  EXPECT_EQ(CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture()).status().code(), absl::StatusCode::kInvalidArgument);
+  // Device memory (no host address): skipped, not failed.
+  slice.certify = {{0, 0, 0, planner::Box{{2, 0}, {4, 6}}, rows_2_4, 3, false, true}};
+  auto skipped = CertifySources(slice, "n0", {{"w0.b0", {nullptr, 72}}, {"w0.b1", {nullptr, 16}}}, 1, absl::InfiniteFuture());
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_EQ(skipped->skipped, 1);
+}
+
 }  // namespace
 }  // namespace wb::digest

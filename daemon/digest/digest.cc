@@ -158,6 +158,13 @@ absl::StatusOr<Digest> BoxDigest(const StridedBox& box) {
   return (*d)[0];
 }
 
+Digest QuantizedDigest(Digest elements, Digest scales) {
+  const uint64_t pair[2] = {elements, scales};
+  // A well-formed box of two elements: BoxDigest cannot fail on it.
+  absl::StatusOr<Digest> d = BoxDigest({reinterpret_cast<const uint8_t*>(pair), {2}, {1}, 8});
+  return d.ok() ? *d : 0;
+}
+
 absl::StatusOr<std::vector<Digest>> DigestMany(const std::vector<StridedBox>& boxes, int threads, absl::Time deadline) {
   DigestPool::Options o;
   o.threads = std::max(1, threads) - 1;  // the caller hashes too, in Finish

@@ -52,6 +52,11 @@ struct StridedBox {
 // negative dim or stride, element_size <= 0, null base of a non-empty box).
 absl::StatusOr<Digest> BoxDigest(const StridedBox& box);
 
+// The digest of a quantised box (a sender-quantised op's side, a certified quantised source): the
+// digest of its two digests, elements then scales, as one box of two 8-byte elements. One function
+// so that every node combines them alike.
+Digest QuantizedDigest(Digest elements, Digest scales);
+
 // Digests of many boxes, spread over up to `threads` threads (chunks of all boxes are shared out
 // together, so a few big tensors and many small ones both keep the threads busy). out[i] is
 // BoxDigest(boxes[i]). DEADLINE_EXCEEDED when `deadline` passes first (checked between chunks).

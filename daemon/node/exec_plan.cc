@@ -115,10 +115,12 @@ absl::StatusOr<uint64_t> QuantFormatHash(const Slice& slice, const SliceOp& op) 
   return h;
 }
 
+}  // namespace
+
 // The quantised elements of `box` in quantised piece `p`: its byte view (planner::StoredBytes;
 // int4: the last dim packed two per byte) and the matching sub-box.
-void ElementsSide(const planner::Inventory& inventory, const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy,
-                  transport::StridedRef& ref) {
+void QuantElementsSide(const planner::Inventory& inventory, const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy,
+                       transport::StridedRef& ref) {
   const planner::ByteView bv = planner::StoredBytes(inventory, p);
   planner::Box vb = box;
   if (p.quant->dtype == planner::DType::kI4 && !vb.begin.empty()) {
@@ -132,7 +134,7 @@ void ElementsSide(const planner::Inventory& inventory, const planner::Piece& p, 
 }
 
 // The scales of `box`'s blocks: a sub-grid of `p`'s scale grid (row-major at scale_offset_bytes).
-void ScalesSide(const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy, transport::StridedRef& ref) {
+void QuantScalesSide(const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy, transport::StridedRef& ref) {
   const std::vector<int64_t> grid = planner::ScaleShape(p);
   const std::vector<int64_t> strides = planner::ContiguousStrides(grid);
   const int es = planner::ScaleElementSize(*p.quant);
@@ -147,6 +149,8 @@ void ScalesSide(const planner::Piece& p, const planner::Box& box, transport::Cop
   ref.offset_bytes = p.quant->scale_offset_bytes + first * es;
   ref.strides = strides;
 }
+
+namespace {
 
 // Relays at commit (sync mode). A same-node relay from rollout A's staging into rollout B's staging
 // would copy the bytes twice on this node: once in its bucket, again when the commit copies B's
@@ -430,8 +434,8 @@ absl::StatusOr<SenderQuant> PlanSenderQuant(const Slice& slice, const std::strin
     QuantCopy el, sc;
     el.dst_key = RegionKey(op.dst_worker, dp->buffer);
     sc.dst_key = RegionKey(op.dst_worker, dp->quant->scale_buffer);
-    ElementsSide(*slice.inventory, *dp, op.box, el.copy, el.copy.dst);
-    ScalesSide(*dp, op.box, sc.copy, sc.copy.dst);
+    QuantElementsSide(*slice.inventory, *dp, op.box, el.copy, el.copy.dst);
+    QuantScalesSide(*dp, op.box, sc.copy, sc.copy.dst);
     const std::string& src_node = slice.workers[op.src_worker].node_id;
     const std::string& dst_node = slice.workers[op.dst_worker].node_id;
     // A source holding the box quantised: a relay, or a catch-up source (a rollout holding the
@@ -447,8 +451,8 @@ absl::StatusOr<SenderQuant> PlanSenderQuant(const Slice& slice, const std::strin
       transport::CopyOp tmp;
       el.src_key = RegionKey(op.src_worker, sp->buffer);
       sc.src_key = RegionKey(op.src_worker, sp->quant->scale_buffer);
-      ElementsSide(*slice.inventory, *sp, op.box, tmp, el.copy.src);
-      ScalesSide(*sp, op.box, tmp, sc.copy.src);
+      QuantElementsSide(*slice.inventory, *sp, op.box, tmp, el.copy.src);
+      QuantScalesSide(*sp, op.box, tmp, sc.copy.src);
     } else {
       int64_t& at = next[{src_node, dst_node}];
       QuantJob job;

@@ -90,6 +90,7 @@ struct CertifyBox {
   uint64_t digest = 0;
   uint64_t version_op = 0;
   bool from_catch_up = false;
+  bool quantized = false;  // the digest covers quantised elements and scales (`piece` of live_layouts)
 };
 
 // A node's slice of a plan. `layouts` are what transfers address (a rollout's staging layout);
@@ -138,6 +139,16 @@ absl::StatusOr<PieceAt> ResolveSide(const Slice& slice, const SliceOp& op, bool 
 //    in the catch-up slice: planner::PlanOptions::quantized_sources): the same, read from its
 //    committed staging or live buffers.
 std::string QuantOutKey(const std::string& dst_node);
+
+// The two sides of `box` (whole blocks of the tensor's global grid, inside quantised piece `p`) in
+// the memory of `p`'s worker, as a copy addresses them: its quantised elements (planner::StoredBytes;
+// int4: the last dim packed two per byte) in `p.buffer`, and the scales of its blocks, a sub-grid
+// of `p`'s scale grid, in `p.quant->scale_buffer`. Each sets `copy.shape` / `copy.element_size` and
+// `ref` (offset and strides in that buffer). Layout independent in content: two pieces of one format
+// holding the same bytes give the same elements and scales in the same order (digests compare them).
+void QuantElementsSide(const planner::Inventory& inventory, const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy,
+                       transport::StridedRef& ref);
+void QuantScalesSide(const planner::Piece& p, const planner::Box& box, transport::CopyOp& copy, transport::StridedRef& ref);
 
 // One trainer-source op to quantise on the sending node.
 struct QuantJob {

@@ -344,10 +344,7 @@ absl::Status DigestSenderQuantized(const Slice& slice, const std::string& me, co
     }
   }
   ASSIGN_OR_RETURN(std::vector<digest::Digest> d, digest::DigestMany(boxes, threads, deadline));
-  for (const Want& w : wanted) {
-    const uint64_t pair[2] = {d[w.elements], d[w.elements + 1]};
-    ASSIGN_OR_RETURN((*w.into)[w.op], digest::BoxDigest({reinterpret_cast<const uint8_t*>(pair), {2}, {1}, 8}));
-  }
+  for (const Want& w : wanted) (*w.into)[w.op] = digest::QuantizedDigest(d[w.elements], d[w.elements + 1]);
   for (const digest::StridedBox& b : boxes) {
     int64_t n = b.element_size;
     for (int64_t x : b.shape) n *= std::max<int64_t>(x, 0);

@@ -165,7 +165,7 @@ class OutgoingQuantizer {
 
 // End-to-end digests of sender-quantised ops (issue 17.4; docs/daemon.md "End-to-end digests"):
 // what travels is the quantised bytes, so both sides digest those. Per op with a side on `me`, the
-// digest is digest::BoxDigest over the two u64 digests (elements, then scales) of its two copies'
+// digest is digest::QuantizedDigest of the two digests (elements, then scales) of its two copies'
 // boxes: on the source side where the copies read (the q region or a relay's staging), on the
 // destination side where they landed. Overwrites those ops' entries of `digests` (the generic pass
 // digested their canonical sides); other entries stay. Device-memory sides are skipped (counted in

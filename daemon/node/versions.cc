@@ -77,6 +77,13 @@ absl::Status Versions::InstallPlan(const pb::InstallPlanRequest& req) {
       return absl::InvalidArgumentError(absl::StrCat("certified box of op ", c.version_op(), ": worker ", c.worker(), " piece ", c.piece(),
                                                      " is not a source piece of the slice"));
     }
+    // A quantised digest certifies a quantised piece, a canonical one an unquantised piece.
+    if (plan->live_layouts[c.worker()].pieces[static_cast<size_t>(c.piece())].quant.has_value() != c.quantized()) {
+      return absl::InvalidArgumentError(absl::StrCat("certified box of op ", c.version_op(), ": piece ", c.piece(), " of worker ",
+                                                     plan->slice.workers(c.worker()).worker_id(), " is ",
+                                                     c.quantized() ? "not quantised" : "quantised", ", the digest covers ",
+                                                     c.quantized() ? "quantised" : "canonical", " bytes"));
+    }
   }
   Log(LogLevel::kDebug, "plan installed",
       {{"node", me}, {"model", plan->slice.model_id()}, {"epoch", plan->slice.plan_epoch()}, {"ops", plan->slice.ops_size()}});
