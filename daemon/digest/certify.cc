@@ -7,6 +7,7 @@
 #include "base/status_macros.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
+#include "planner/sender_quant.h"
 
 namespace wb::digest {
 
@@ -64,6 +65,11 @@ absl::StatusOr<CertifyOutcome> CertifySources(const daemon::node::Slice& slice, 
       if (!piece.quant.has_value() || !planner::BoxContains(piece.box, c.box) || !planner::BoxOnBlockGrid(c.box, tensor.shape, piece.quant->block)) {
         return absl::InvalidArgumentError(
             absl::StrCat(what, ": not whole blocks inside quantised piece ", c.piece, " (", planner::BoxToString(piece.box), ")"));
+      }
+      // Only formats senders produce have such digests (node::DigestSenderQuantized).
+      if (!planner::SenderCanQuantize(*piece.quant)) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": piece ", c.piece, " holds ", planner::DTypeName(piece.quant->dtype),
+                                                       ", a format no sender quantises to"));
       }
       const std::string el_key = daemon::node::RegionKey(c.worker, piece.buffer);
       const std::string sc_key = daemon::node::RegionKey(c.worker, piece.quant->scale_buffer);

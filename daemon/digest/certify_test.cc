@@ -165,6 +165,13 @@ TEST(CertifySourcesTest, AQuantisedSourceIsCheckedOverItsElementsAndTheScalesOfI
     slice.certify = {c};
     EXPECT_EQ(CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture()).status().code(), absl::StatusCode::kInvalidArgument);
   }
+  // A format no sender quantises to (NVFP4: e2m1 elements) has no such digests.
+  slice.live_layouts[0].pieces[0].quant->dtype = planner::DType::kF4E2M1;
+  slice.live_layouts[0].pieces[0].quant->scale_dtype = planner::DType::kF8E4M3;
+  slice.certify = {{0, 0, 0, planner::Box{{2, 0}, {4, 6}}, rows_2_4, 3, false, true}};
+  EXPECT_EQ(CertifySources(slice, "n0", regions(), 1, absl::InfiniteFuture()).status().code(), absl::StatusCode::kInvalidArgument);
+  slice.live_layouts[0].pieces[0].quant->dtype = planner::DType::kF8E4M3;
+  slice.live_layouts[0].pieces[0].quant->scale_dtype = planner::DType::kF32;
   slice.live_layouts[0].pieces[0].box = planner::Box{{0, 0}, {4, 6}};
   slice.layouts[0] = slice.live_layouts[0];  // no separate staging layout: the quantised piece itself
   slice.certify = {{0, 0, 0, planner::Box{{2, 0}, {4, 6}}, rows_2_4, 3, false, false}};
