@@ -56,8 +56,8 @@
 //  - Errors: per-thread last error (cudaGetLastError returns and clears it; a sticky error is
 //    returned forever); every failing call prints why on stderr ("fake_cuda[pid]: ...").
 //  - cudaGetDriverEntryPointByVersion hands out emulated driver calls: cuMemGetAddressRange (base
-//    and size of the live allocation or cuMemMap mapping containing the pointer) and the VMM calls
-//    below; other symbols: not found.
+//    and size of the live allocation or cuMemMap mapping containing the pointer), the VMM calls
+//    and cuPointerGetAttribute below; other symbols: not found.
 //  - VMM (PyTorch expandable segments): cuMemGetAllocationGranularity (2 MiB), cuMemCreate (pinned,
 //    device location, requestedHandleTypes NONE or POSIX_FILE_DESCRIPTOR; a memfd named
 //    "wbfc-vmm.p<machine device>", filled with 0xA5), cuMemRelease (the handle dies, mapped bytes
@@ -74,8 +74,23 @@
 //    mapping -> the handle mapped there, one more reference; cuMemRelease drops references one by
 //    one). A mapping is device memory for the runtime calls
 //    (cudaPointerGetAttributes, copies); cudaIpcGetMemHandle and cudaFree refuse it, as CUDA does.
-// Not emulated: kernels, CUDA arrays, memory pools, multicast / fabric handles, managed memory, cudaStreamPerThread,
-// timing events, peer-access control, the GPU memory model and performance.
+//  - Stream-ordered allocator (PyTorch's PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), each
+//    device's default pool only (cudaDeviceGetDefaultMemPool; cudaMallocFromPoolAsync takes no other
+//    pool: cudaErrorInvalidValue): cudaMallocAsync (the stream's device) / cudaMallocFromPoolAsync
+//    give device memory like cudaMalloc's, flagged as pool memory and usable at once (a use on
+//    another stream before the allocating stream reached it is not caught); cudaFreeAsync frees own
+//    memory (pool or cudaMalloc, as CUDA allows) when the stream reaches the free, cudaFree frees
+//    pool memory too; a second free of memory whose free is queued is cudaErrorInvalidValue.
+//    cudaIpcGetMemHandle refuses pool memory with cudaErrorInvalidValue, as CUDA does (pools share
+//    memory by cudaMemPoolExportPointer, not emulated).
+//  - cuPointerGetAttribute (driver entry point) answers CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+//    (an int: 1 for own cudaMalloc memory only; 0 for pool memory, cuMemMap mappings, IPC imports,
+//    pinned host memory) and CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE (the default pool of the memory's
+//    device for pool memory, else NULL); CUDA_ERROR_INVALID_VALUE for a pointer it does not know,
+//    CUDA_ERROR_NOT_SUPPORTED (with a line on stderr) for every other attribute.
+// Not emulated: kernels, CUDA arrays, memory pools other than the default ones (cudaMemPoolCreate,
+// pool attributes, trimming, IPC pools), multicast / fabric handles, managed memory,
+// cudaStreamPerThread, timing events, peer-access control, the GPU memory model and performance.
 
 #include <cuda_runtime_api.h>
 

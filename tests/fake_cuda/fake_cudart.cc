@@ -99,6 +99,11 @@ struct Alloc {
   char* alias = nullptr;   // the emulator's read-write view of the bytes
   int device = 0;
   bool opened = false;     // IPC import
+  // Stream-ordered memory-pool memory (cudaMallocAsync / cudaMallocFromPoolAsync, from the device's
+  // default pool): legacy IPC cannot export it (cudaIpcGetMemHandle refuses it, and
+  // cuPointerGetAttribute says CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 0).
+  bool pool = false;
+  bool free_pending = false;  // a cudaFree / cudaFreeAsync of it is under way (another one is a double free)
   int ipc_refs = 0;        // imports: how many opens are outstanding
   std::string shm_name;    // "/wbfc...."
   // cuMemMap mappings (VMM): `base` lies inside a cuMemAddressReserve reservation owned by the
@@ -1188,6 +1193,67 @@ CUresult FakeCuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, C
   return CUDA_SUCCESS;
 }
 
+// ---- memory pools (stream-ordered allocator): each device's default pool only ----
+
+// The opaque cudaMemPool_t / CUmemoryPool of device `d` (this process's ordinal): the address of
+// the d-th byte of a static array, never dereferenced by anyone.
+char g_pool_tags[64];
+cudaMemPool_t DefaultPool(int d) { return reinterpret_cast<cudaMemPool_t>(&g_pool_tags[d]); }
+// The device whose default pool `pool` is, or -1 (no other pool exists: cudaMemPoolCreate is not emulated).
+int PoolDevice(cudaMemPool_t pool) {
+  const char* p = reinterpret_cast<const char*>(pool);
+  if (p < g_pool_tags || p >= g_pool_tags + S().devices) return -1;
+  return static_cast<int>(p - g_pool_tags);
+}
+
+// cuPointerGetAttribute: the two attributes that tell memory legacy CUDA IPC can export
+// (cudaIpcGetMemHandle) from memory it cannot, for the pointers the emulator knows:
+//   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: *(int*)data = 1 for this process's own
+//     cudaMalloc memory, 0 for stream-ordered pool memory (cudaMallocAsync), cuMemMap mappings,
+//     IPC imports and pinned host memory - exactly the memory cudaIpcGetMemHandle here refuses.
+//     The driver documents "a boolean"; it is written as an int, as NCCL reads it (`int
+//     legacyIpcCap = 0`): callers pass a zeroed int.
+//   CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *(CUmemoryPool*)data = the pool the memory came from (the
+//     device's default pool, cudaDeviceGetDefaultMemPool), NULL for memory from no pool.
+// A pointer in no live device allocation and no pinned host range: CUDA_ERROR_INVALID_VALUE (as
+// the driver answers for memory it does not know); any other attribute: CUDA_ERROR_NOT_SUPPORTED
+// with a line saying it is not emulated (the real driver answers them).
+CUresult FakeCuPointerGetAttribute(void* data, CUpointer_attribute attribute, CUdeviceptr ptr) {
+  FAKE_DENTER("cuPointerGetAttribute");
+  const char* api = "cuPointerGetAttribute";
+  if (attribute != CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE && attribute != CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE) {
+    return DFail(CUDA_ERROR_NOT_SUPPORTED, api,
+                 "attribute %d is not emulated (only CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = %d and "
+                 "CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = %d are)",
+                 static_cast<int>(attribute), static_cast<int>(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE),
+                 static_cast<int>(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE));
+  }
+  if (data == nullptr) return DFail(CUDA_ERROR_INVALID_VALUE, api, "null data");
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  const uintptr_t u = static_cast<uintptr_t>(ptr);
+  bool capable = false;
+  cudaMemPool_t pool = nullptr;
+  std::shared_ptr<Alloc> a = FindLocked(u);
+  if (a != nullptr && u < a->base + a->size) {
+    capable = !a->opened && !a->vmm && !a->pool;
+    pool = a->pool ? DefaultPool(a->device) : nullptr;
+  } else {
+    auto it = s.host.upper_bound(u);
+    const bool pinned = it != s.host.begin() && u >= std::prev(it)->first && u < std::prev(it)->first + std::prev(it)->second.size;
+    if (!pinned) {
+      return DFail(CUDA_ERROR_INVALID_VALUE, api, "0x%llx is neither device memory of this process nor pinned host memory%s", ptr,
+                   InQuarantineLocked(u, 1) ? " (it was freed / unmapped / IPC-closed)" : "");
+    }
+  }
+  if (attribute == CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) {
+    *static_cast<int*>(data) = capable ? 1 : 0;
+  } else {
+    *static_cast<CUmemoryPool*>(data) = reinterpret_cast<CUmemoryPool>(pool);
+  }
+  return CUDA_SUCCESS;
+}
+
 // The driver symbols cudaGetDriverEntryPointByVersion hands out (all exist since CUDA 10.2).
 struct DriverSymbol {
   const char* name;
@@ -1208,6 +1274,7 @@ const DriverSymbol kDriverSymbols[] = {
     {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&FakeCuMemImportFromShareableHandle), 10020},
     {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void*>(&FakeCuMemGetAllocationPropertiesFromHandle), 10020},
     {"cuMemRetainAllocationHandle", reinterpret_cast<void*>(&FakeCuMemRetainAllocationHandle), 11000},
+    {"cuPointerGetAttribute", reinterpret_cast<void*>(&FakeCuPointerGetAttribute), 4000},
 };
 // Signatures must match the driver's (a mismatch would be undefined behaviour for callers).
 static_assert(std::is_same_v<decltype(&FakeCuMemCreate), decltype(&::cuMemCreate)>);
@@ -1223,6 +1290,7 @@ static_assert(std::is_same_v<decltype(&FakeCuMemUnmap), decltype(&::cuMemUnmap)>
 static_assert(std::is_same_v<decltype(&FakeCuMemRelease), decltype(&::cuMemRelease)>);
 static_assert(std::is_same_v<decltype(&FakeCuMemAddressFree), decltype(&::cuMemAddressFree)>);
 static_assert(std::is_same_v<decltype(&FakeCuMemRetainAllocationHandle), decltype(&::cuMemRetainAllocationHandle)>);
+static_assert(std::is_same_v<decltype(&FakeCuPointerGetAttribute), decltype(&::cuPointerGetAttribute)>);
 
 }  // namespace
 }  // namespace wb::fake_cuda
@@ -1388,6 +1456,81 @@ cudaError_t cudaDeviceSynchronize(void) {
 
 // ---- device memory ----
 
+namespace wb::fake_cuda {
+namespace {
+
+// A new device allocation of `size` bytes on `device` (a POSIX shm segment, see fake_cuda.h);
+// `pool`: stream-ordered memory of the device's default pool (cudaMallocAsync).
+cudaError_t AllocateLocked(int device, size_t size, bool pool, const char* api, void** p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
+  State& s = S();
+  if (s.used[device] + size > s.mem_per_device) {
+    return Fail(cudaErrorMemoryAllocation, api, "%zu bytes on device %d (%zu of %zu in use)", size, device, s.used[device],
+                s.mem_per_device);
+  }
+  StartReaperLocked();
+  char name[64];
+  snprintf(name, sizeof(name), "/%s%llu", s.prefix.c_str(), static_cast<unsigned long long>(++s.counter));
+  const int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return Fail(cudaErrorMemoryAllocation, api, "shm_open(%s): %s", name, strerror(errno));
+  auto a = std::make_shared<Alloc>();
+  const size_t mapped = RoundUp(size, PageSize());
+  if (ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
+    close(fd);
+    shm_unlink(name);
+    return Fail(cudaErrorMemoryAllocation, api, "ftruncate(%s, %zu): %s", name, mapped, strerror(errno));
+  }
+  if (cudaError_t e = MapAlloc(fd, size, a.get(), api); e != cudaSuccess) {
+    shm_unlink(name);
+    return e;
+  }
+  // Fresh device memory is not zeroed on a GPU; code must not rely on it.
+  memset(a->alias, 0xA5, size);
+  a->device = device;
+  a->pool = pool;
+  a->shm_name = name;
+  s.allocs[a->base] = a;
+  s.owned_names.push_back(name);
+  s.used[device] += size;
+  *p = reinterpret_cast<void*>(a->base);
+  return cudaSuccess;
+}
+
+// The live own allocation (cudaMalloc or pool memory) based at `p` with no free under way, or null
+// after recording why not (cudaErrorInvalidValue, as CUDA answers a bad free).
+std::shared_ptr<Alloc> FreeableLocked(void* p, const char* api) ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
+  State& s = S();
+  const uintptr_t u = reinterpret_cast<uintptr_t>(p);
+  auto it = s.allocs.find(u);
+  if (it == s.allocs.end() || it->second->opened || it->second->vmm || it->second->free_pending) {
+    const bool freed = InQuarantineLocked(u, 1);
+    Fail(cudaErrorInvalidValue, api, "%p is %s", p,
+         it != s.allocs.end() ? (it->second->vmm      ? "a cuMemMap mapping (use cuMemUnmap)"
+                                 : it->second->opened ? "an IPC mapping (use cudaIpcCloseMemHandle)"
+                                                      : "already being freed (a cudaFree / cudaFreeAsync of it is under way)")
+         : freed              ? "already freed / closed"
+         : FindLocked(u)      ? "inside an allocation, not its base"
+                              : "not a device allocation");
+    return nullptr;
+  }
+  return it->second;
+}
+
+// Frees an own allocation: its reservation stays (a use after free is caught, not reused), the
+// segment is unlinked (importers keep their mappings, as with CUDA).
+void ReleaseLocked(const std::shared_ptr<Alloc>& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(S().mu) {
+  State& s = S();
+  auto it = s.allocs.find(a->base);
+  if (it == s.allocs.end() || it->second != a) return;
+  s.allocs.erase(it);
+  s.quarantine[a->base] = a->reserved;
+  shm_unlink(a->shm_name.c_str());
+  s.owned_names.erase(std::remove(s.owned_names.begin(), s.owned_names.end(), a->shm_name), s.owned_names.end());
+  s.used[a->device] -= a->size;
+}
+
+}  // namespace
+}  // namespace wb::fake_cuda
+
 cudaError_t cudaMalloc(void** p, size_t size) {
   FAKE_ENTER("cudaMalloc");
   State& s = S();
@@ -1398,61 +1541,99 @@ cudaError_t cudaMalloc(void** p, size_t size) {
     return cudaSuccess;
   }
   absl::MutexLock l(&s.mu);
-  if (s.used[t_device] + size > s.mem_per_device) {
-    return Fail(cudaErrorMemoryAllocation, "cudaMalloc", "%zu bytes on device %d (%zu of %zu in use)", size, t_device,
-                s.used[t_device], s.mem_per_device);
-  }
-  StartReaperLocked();
-  char name[64];
-  snprintf(name, sizeof(name), "/%s%llu", s.prefix.c_str(), static_cast<unsigned long long>(++s.counter));
-  const int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return Fail(cudaErrorMemoryAllocation, "cudaMalloc", "shm_open(%s): %s", name, strerror(errno));
-  auto a = std::make_shared<Alloc>();
-  const size_t mapped = RoundUp(size, PageSize());
-  if (ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
-    close(fd);
-    shm_unlink(name);
-    return Fail(cudaErrorMemoryAllocation, "cudaMalloc", "ftruncate(%s, %zu): %s", name, mapped, strerror(errno));
-  }
-  if (cudaError_t e = MapAlloc(fd, size, a.get(), "cudaMalloc"); e != cudaSuccess) {
-    shm_unlink(name);
-    return e;
-  }
-  // Fresh device memory is not zeroed on a GPU; code must not rely on it.
-  memset(a->alias, 0xA5, size);
-  a->device = t_device;
-  a->shm_name = name;
-  s.allocs[a->base] = a;
-  s.owned_names.push_back(name);
-  s.used[t_device] += size;
-  *p = reinterpret_cast<void*>(a->base);
-  return cudaSuccess;
+  return AllocateLocked(t_device, size, /*pool=*/false, "cudaMalloc", p);
 }
 
+// Frees cudaMalloc memory, and pool memory too (CUDA allows cudaFree on cudaMallocAsync memory).
 cudaError_t cudaFree(void* p) {
   FAKE_ENTER("cudaFree");
   if (p == nullptr) return cudaSuccess;
   State& s = S();
   absl::MutexLock l(&s.mu);
-  const uintptr_t u = reinterpret_cast<uintptr_t>(p);
-  auto it = s.allocs.find(u);
-  if (it == s.allocs.end() || it->second->opened || it->second->vmm) {
-    const bool freed = InQuarantineLocked(u, 1);
-    return Fail(cudaErrorInvalidValue, "cudaFree", "%p is %s", p,
-                it != s.allocs.end() ? (it->second->vmm ? "a cuMemMap mapping (use cuMemUnmap)"
-                                                        : "an IPC mapping (use cudaIpcCloseMemHandle)")
-                : freed              ? "already freed / closed"
-                : FindLocked(u)      ? "inside an allocation, not its base"
-                                     : "not a device allocation");
-  }
+  std::shared_ptr<Alloc> a = FreeableLocked(p, "cudaFree");
+  if (a == nullptr) return cudaErrorInvalidValue;
   // cudaFree synchronises the device: queued work on this memory finishes first.
-  if (cudaError_t e = WaitAllLocked(-1, "cudaFree"); e == cudaErrorLaunchTimeout) return e;
-  std::shared_ptr<Alloc> a = it->second;
-  s.allocs.erase(it);
-  s.quarantine[a->base] = a->reserved;  // the PROT_NONE reservation stays: use-after-free is caught
-  shm_unlink(a->shm_name.c_str());      // importers keep their mappings, as with CUDA
-  s.owned_names.erase(std::remove(s.owned_names.begin(), s.owned_names.end(), a->shm_name), s.owned_names.end());
-  s.used[a->device] -= a->size;
+  a->free_pending = true;
+  if (cudaError_t e = WaitAllLocked(-1, "cudaFree"); e == cudaErrorLaunchTimeout) {
+    a->free_pending = false;
+    return e;
+  }
+  ReleaseLocked(a);
+  return cudaSuccess;
+}
+
+// ---- the stream-ordered allocator (memory pools): each device's default pool ----
+//
+// The allocation is usable at once (the emulation does not check a use on another stream before
+// the allocating stream reached it); cudaFreeAsync frees when the stream reaches the free, so work
+// queued before it on that stream still sees the bytes and later work faults (illegal address).
+
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int device) {
+  FAKE_ENTER("cudaDeviceGetDefaultMemPool");
+  if (pool == nullptr) return Fail(cudaErrorInvalidValue, "cudaDeviceGetDefaultMemPool", "null memPool");
+  if (device < 0 || device >= S().devices) {
+    return Fail(cudaErrorInvalidDevice, "cudaDeviceGetDefaultMemPool", "device %d of %d", device, S().devices);
+  }
+  *pool = wb::fake_cuda::DefaultPool(device);
+  return cudaSuccess;
+}
+
+namespace wb::fake_cuda {
+namespace {
+
+// cudaMallocAsync / cudaMallocFromPoolAsync: `device` < 0 means the stream's device.
+cudaError_t MallocAsync(void** p, size_t size, int device, cudaStream_t stream, const char* api) {
+  State& s = S();
+  if (p == nullptr) return Fail(cudaErrorInvalidValue, api, "null devPtr");
+  if (s.devices == 0) return Fail(cudaErrorNoDevice, api, "no device");
+  absl::MutexLock l(&s.mu);
+  cudaError_t err;
+  std::shared_ptr<Stream> st = ResolveStreamLocked(stream, &err);
+  if (st == nullptr) return Fail(err, api, "stream %p is not a live stream of this process", static_cast<void*>(stream));
+  if (size == 0) {  // as cudaMalloc
+    *p = nullptr;
+    return cudaSuccess;
+  }
+  return AllocateLocked(device < 0 ? st->device : device, size, /*pool=*/true, api, p);
+}
+
+}  // namespace
+}  // namespace wb::fake_cuda
+
+cudaError_t cudaMallocAsync(void** p, size_t size, cudaStream_t stream) {
+  FAKE_ENTER("cudaMallocAsync");
+  // "The allocation comes from the memory pool associated with the stream's device."
+  return wb::fake_cuda::MallocAsync(p, size, -1, stream, "cudaMallocAsync");
+}
+
+cudaError_t cudaMallocFromPoolAsync(void** p, size_t size, cudaMemPool_t pool, cudaStream_t stream) {
+  FAKE_ENTER("cudaMallocFromPoolAsync");
+  const int device = wb::fake_cuda::PoolDevice(pool);
+  if (device < 0) {
+    return Fail(cudaErrorInvalidValue, "cudaMallocFromPoolAsync",
+                "%p is not a memory pool of this emulator (only each device's default pool, cudaDeviceGetDefaultMemPool)",
+                static_cast<void*>(pool));
+  }
+  return wb::fake_cuda::MallocAsync(p, size, device, stream, "cudaMallocFromPoolAsync");
+}
+
+// Frees pool memory, and cudaMalloc memory too (CUDA allows both), when `stream` reaches the free.
+cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
+  FAKE_ENTER("cudaFreeAsync");
+  if (p == nullptr) return cudaSuccess;  // as cudaFree
+  State& s = S();
+  absl::MutexLock l(&s.mu);
+  cudaError_t err;
+  std::shared_ptr<Stream> st = ResolveStreamLocked(stream, &err);
+  if (st == nullptr) return Fail(err, "cudaFreeAsync", "stream %p is not a live stream of this process", static_cast<void*>(stream));
+  std::shared_ptr<Alloc> a = FreeableLocked(p, "cudaFreeAsync");
+  if (a == nullptr) return cudaErrorInvalidValue;
+  a->free_pending = true;
+  wb::fake_cuda::EnqueueLocked(st, [a] {
+    absl::MutexLock l2(&S().mu);
+    wb::fake_cuda::ReleaseLocked(a);
+    return cudaSuccess;
+  });
   return cudaSuccess;
 }
 
@@ -1833,6 +2014,12 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* p) {
     return Fail(cudaErrorInvalidValue, "cudaIpcGetMemHandle", "%p is not in a cudaMalloc allocation", p);
   }
   if (a->opened) return Fail(cudaErrorInvalidValue, "cudaIpcGetMemHandle", "%p is an IPC mapping", p);
+  if (a->pool) {
+    // As CUDA: stream-ordered pool memory is not legacy-IPC capable (pools share their memory with
+    // cudaMemPoolExportToShareableHandle + cudaMemPoolExportPointer, not emulated).
+    return Fail(cudaErrorInvalidValue, "cudaIpcGetMemHandle",
+                "%p is stream-ordered memory-pool memory (cudaMallocAsync), which legacy CUDA IPC cannot export", p);
+  }
   if (a->vmm) {
     // As CUDA: legacy IPC cannot export cuMemCreate memory (PyTorch expandable segments); share
     // it with cuMemExportToShareableHandle instead.

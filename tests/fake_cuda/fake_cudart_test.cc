@@ -947,5 +947,164 @@ TEST_F(FakeCudaTest, VmmImportOfADeviceTheProcessCannotSeeIsRefused) {
   EXPECT_EQ(v.release(h), CUDA_SUCCESS);
 }
 
+// ---- the stream-ordered allocator (cudaMallocAsync) and cuPointerGetAttribute ----
+
+using PointerGetAttributeFn = decltype(&cuPointerGetAttribute);
+
+// CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE of p (a zeroed int, as NCCL reads it), or -1 when
+// the query fails.
+int LegacyIpcCapable(PointerGetAttributeFn get, const void* p) {
+  int capable = 0;
+  if (get(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return -1;
+  return capable;
+}
+
+CUmemoryPool MempoolOf(PointerGetAttributeFn get, const void* p) {
+  CUmemoryPool pool = reinterpret_cast<CUmemoryPool>(uintptr_t{0xdead});
+  EXPECT_EQ(get(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, reinterpret_cast<CUdeviceptr>(p)), CUDA_SUCCESS);
+  return pool;
+}
+
+TEST_F(FakeCudaTest, PoolMemoryFromMallocAsyncIsRefusedByLegacyIpcAndTheDriverSaysSo) {
+  auto get = Driver<PointerGetAttributeFn>("cuPointerGetAttribute");
+  ASSERT_NE(get, nullptr) << "cuPointerGetAttribute is handed out by cudaGetDriverEntryPointByVersion";
+  cudaMemPool_t pool0 = nullptr, pool1 = nullptr;
+  ASSERT_CUDA(cudaDeviceGetDefaultMemPool(&pool0, 0));
+  ASSERT_CUDA(cudaDeviceGetDefaultMemPool(&pool1, 1));
+  EXPECT_NE(pool0, nullptr);
+  EXPECT_NE(pool0, pool1) << "each device has its own default pool";
+  EXPECT_EQ(cudaDeviceGetDefaultMemPool(&pool0, 2), cudaErrorInvalidDevice);
+  (void)cudaGetLastError();
+
+  // cudaMallocAsync allocates on the stream's device, from its default pool; the bytes are usable.
+  ASSERT_CUDA(cudaSetDevice(1));
+  cudaStream_t s = nullptr;
+  ASSERT_CUDA(cudaStreamCreate(&s));
+  const size_t n = 70000;
+  char* p = nullptr;
+  ASSERT_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&p), n, s));
+  ASSERT_NE(p, nullptr);
+  cudaPointerAttributes attr = {};
+  ASSERT_CUDA(cudaPointerGetAttributes(&attr, p + 100));
+  EXPECT_EQ(attr.type, cudaMemoryTypeDevice);
+  EXPECT_EQ(attr.device, 1);
+  auto in = Pattern(11, n);
+  std::vector<uint8_t> out(n);
+  ASSERT_CUDA(cudaMemcpyAsync(p, in.data(), n, cudaMemcpyHostToDevice, s));
+  ASSERT_CUDA(cudaMemcpyAsync(out.data(), p, n, cudaMemcpyDeviceToHost, s));
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  EXPECT_EQ(out, in);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  auto range = Driver<CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr)>("cuMemGetAddressRange");
+  ASSERT_EQ(range(&base, &size, reinterpret_cast<CUdeviceptr>(p + 777)), CUDA_SUCCESS);
+  EXPECT_EQ(base, reinterpret_cast<CUdeviceptr>(p));
+  EXPECT_EQ(size, n);
+  auto retain = Driver<decltype(&cuMemRetainAllocationHandle)>("cuMemRetainAllocationHandle");
+  CUmemGenericAllocationHandle h = 0;
+  EXPECT_EQ(retain(&h, p), CUDA_ERROR_INVALID_VALUE) << "pool memory is not cuMemMap-ped VMM memory";
+
+  // Legacy IPC refuses it as CUDA does; the driver tells it apart from cudaMalloc memory.
+  cudaIpcMemHandle_t ipc;
+  EXPECT_EQ(cudaIpcGetMemHandle(&ipc, p), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_EQ(LegacyIpcCapable(get, p + 5), 0);
+  EXPECT_EQ(MempoolOf(get, p + 5), reinterpret_cast<CUmemoryPool>(pool1));
+  ASSERT_CUDA(cudaSetDevice(0));
+  char* d = static_cast<char*>(Malloc(4096));
+  EXPECT_EQ(LegacyIpcCapable(get, d + 4095), 1);
+  EXPECT_EQ(MempoolOf(get, d), nullptr) << "cudaMalloc memory comes from no pool";
+  ASSERT_CUDA(cudaIpcGetMemHandle(&ipc, d));
+  // cudaMallocFromPoolAsync with the default pool of device 0, on the legacy stream of device 0.
+  void* q = nullptr;
+  ASSERT_CUDA(cudaMallocFromPoolAsync(&q, 64, pool0, nullptr));
+  ASSERT_CUDA(cudaPointerGetAttributes(&attr, q));
+  EXPECT_EQ(attr.device, 0);
+  EXPECT_EQ(MempoolOf(get, q), reinterpret_cast<CUmemoryPool>(pool0));
+  EXPECT_EQ(LegacyIpcCapable(get, q), 0);
+  int local = 0;
+  EXPECT_EQ(cudaMallocFromPoolAsync(&q, 64, reinterpret_cast<cudaMemPool_t>(&local), nullptr), cudaErrorInvalidValue)
+      << "no pool but the default ones";
+  (void)cudaGetLastError();
+  ASSERT_CUDA(cudaFree(q)) << "cudaFree frees pool memory too";
+  EXPECT_EQ(LegacyIpcCapable(get, q), -1) << "freed memory is unknown to the driver";
+
+  // Pinned host memory: known, not legacy-IPC capable, no pool; unknown memory and null data:
+  // CUDA_ERROR_INVALID_VALUE; an attribute the emulation does not answer: CUDA_ERROR_NOT_SUPPORTED.
+  void* pinned = nullptr;
+  ASSERT_CUDA(cudaMallocHost(&pinned, 4096));
+  EXPECT_EQ(LegacyIpcCapable(get, static_cast<char*>(pinned) + 8), 0);
+  EXPECT_EQ(MempoolOf(get, pinned), nullptr);
+  ASSERT_CUDA(cudaFreeHost(pinned));
+  EXPECT_EQ(LegacyIpcCapable(get, &local), -1);
+  EXPECT_EQ(get(nullptr, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, reinterpret_cast<CUdeviceptr>(d)),
+            CUDA_ERROR_INVALID_VALUE);
+  int ordinal = -1;
+  EXPECT_EQ(get(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, reinterpret_cast<CUdeviceptr>(d)), CUDA_ERROR_NOT_SUPPORTED);
+
+  // cudaFreeAsync frees when the stream reaches it: work queued before still sees the memory.
+  ASSERT_CUDA(cudaSetDevice(1));
+  Gate gate;
+  gate.Block(s);
+  ASSERT_CUDA(cudaFreeAsync(p, s));
+  EXPECT_TRUE(IsDevicePointer(p)) << "freed before the stream reached the free";
+  EXPECT_EQ(cudaFreeAsync(p, s), cudaErrorInvalidValue) << "its free is already queued";
+  EXPECT_EQ(cudaFree(p), cudaErrorInvalidValue) << "its free is already queued";
+  (void)cudaGetLastError();
+  gate.open.Notify();
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  EXPECT_FALSE(IsDevicePointer(p));
+  EXPECT_EQ(LegacyIpcCapable(get, p), -1);
+  EXPECT_EQ(cudaFreeAsync(p, s), cudaErrorInvalidValue) << "double free";
+  (void)cudaGetLastError();
+  // cudaFreeAsync of cudaMalloc memory (allowed by CUDA); of an interior pointer: refused.
+  void* m = nullptr;
+  ASSERT_CUDA(cudaMalloc(&m, 256));
+  EXPECT_EQ(cudaFreeAsync(static_cast<char*>(m) + 1, s), cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+  ASSERT_CUDA(cudaFreeAsync(m, s));
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  EXPECT_FALSE(IsDevicePointer(m));
+  ASSERT_CUDA(cudaStreamDestroy(s));
+  ASSERT_CUDA(cudaSetDevice(0));
+}
+
+TEST_F(FakeCudaTest, VmmMappingIsNotLegacyIpcCapableAndFromNoPool) {
+  Vmm v;
+  auto get = Driver<PointerGetAttributeFn>("cuPointerGetAttribute");
+  ASSERT_TRUE(v.ok() && get != nullptr);
+  const CUmemAllocationProp prop = Prop(0, true);
+  const size_t g = size_t{2} << 20;
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  ASSERT_EQ(v.create(&h, g, &prop, 0), CUDA_SUCCESS);
+  ASSERT_EQ(v.reserve(&va, g, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(v.map(va, g, 0, h, 0), CUDA_SUCCESS);
+  EXPECT_EQ(LegacyIpcCapable(get, reinterpret_cast<void*>(va + 12345)), 0);
+  EXPECT_EQ(MempoolOf(get, reinterpret_cast<void*>(va)), nullptr);
+  ASSERT_EQ(v.unmap(va, g), CUDA_SUCCESS);
+  ASSERT_EQ(v.free_va(va, g), CUDA_SUCCESS);
+  ASSERT_EQ(v.release(h), CUDA_SUCCESS);
+}
+
+void CopyAfterFreeAsync() {
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreate(&s) != cudaSuccess) _exit(3);
+  void* p = nullptr;
+  if (cudaMallocAsync(&p, 4096, s) != cudaSuccess) _exit(4);
+  std::vector<char> host(64, 1);
+  Gate gate;  // holds the stream, so that the copy is queued while the memory is still allocated
+  gate.Block(s);
+  if (cudaFreeAsync(p, s) != cudaSuccess) _exit(5);
+  // Ordered after the free on the same stream: a use after free, when it runs.
+  if (cudaMemcpyAsync(p, host.data(), host.size(), cudaMemcpyHostToDevice, s) != cudaSuccess) _exit(6);
+  gate.open.Notify();
+  _exit(cudaStreamSynchronize(s) == cudaErrorIllegalAddress ? 0 : 7);
+}
+
+TEST_F(FakeCudaTest, WorkOrderedAfterFreeAsyncIsAnIllegalAddress) {
+  EXPECT_EXIT(CopyAfterFreeAsync(), ::testing::ExitedWithCode(0), "ILLEGAL ADDRESS.*freed");
+}
+
 }  // namespace
 }  // namespace wb::fake_cuda

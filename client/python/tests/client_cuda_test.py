@@ -23,6 +23,7 @@ import threading
 import time
 import types
 import unittest
+from unittest import mock
 
 import numpy as np
 
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import client_test as ct  # noqa: E402  (helpers: Daemon, row_blocks, canonical weights)
 from integrations_test import TINY_CONFIG, canonical, fake_vllm_worker, megatron_tp2, run_all, vllm_tp  # noqa: E402  (the tiny Qwen2's frameworks' tensors)
 import weightbridge as wb  # noqa: E402
-from weightbridge import weights  # noqa: E402
+from weightbridge import cuda, weights  # noqa: E402
 from weightbridge.integrations import megatron, vllm  # noqa: E402
 
 
@@ -869,6 +870,37 @@ class CuMemAllocatorMemory:
         cuda._cu("cuMemRelease", self.handle)
 
 
+class PoolMemory(cuda._DeviceBytes):
+    """`size_bytes` of stream-ordered memory-pool memory on `gpu`, as torch's
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync allocates it: cudaMallocAsync on the legacy
+    stream, from the device's default pool (cudaDeviceGetDefaultMemPool: `pool`). Legacy CUDA IPC
+    cannot export it. close() frees it with cudaFreeAsync."""
+
+    def __init__(self, size_bytes, gpu):
+        self.gpu, self.size_bytes = gpu, size_bytes
+        rt = cuda._rt()
+        cuda._check(rt.cudaSetDevice(gpu), "cudaSetDevice")
+        p, pool = ctypes.c_void_p(), ctypes.c_void_p()
+        cuda._check(rt.cudaMallocAsync(ctypes.byref(p), ctypes.c_size_t(size_bytes), None), "cudaMallocAsync")
+        cuda._check(rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+        cuda._check(rt.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), gpu), "cudaDeviceGetDefaultMemPool")
+        self.ptr, self.pool = p.value, pool.value
+
+    def close(self):
+        rt = cuda._rt()
+        cuda._check(rt.cudaFreeAsync(ctypes.c_void_p(self.ptr), None), "cudaFreeAsync")
+        cuda._check(rt.cudaStreamSynchronize(None), "cudaStreamSynchronize")
+        self.ptr = 0
+
+
+def pool_refusal(mem):
+    """The ValueError message for stream-ordered pool memory `mem` (cuda.not_ipc_capable): the
+    range, the reason, and both ways out."""
+    return (r"\[0x%x, \+%d\) on GPU %d is stream-ordered memory-pool memory \(pool 0x%x; cudaMallocAsync.*"
+            r"backend:cudaMallocAsync.*cannot export it.*native caching allocator.*expandable_segments:True.*"
+            r"memory='cuda' \(WeightBridge owns the buffer and copies" % (mem.ptr, mem.size_bytes, mem.gpu, mem.pool))
+
+
 @unittest.skipUnless(os.access(EMULATED_DAEMON, os.X_OK) and os.path.exists(os.environ["WB_CUDART"]),
                      "emulated-GPU builds not present (built only with CUDA headers)")
 @unittest.skipIf(os.environ.get("WB_SANITIZER"),
@@ -1068,6 +1100,100 @@ class CudaEngineMemoryTest(unittest.TestCase):
         client.deregister()
         client.close()
         mem.close()
+
+    def test_stream_ordered_pool_memory_refused_before_anything_is_registered(self):
+        """Memory from cudaMallocAsync (torch's backend:cudaMallocAsync) cannot be exported by legacy
+        CUDA IPC: the driver says so (CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE /
+        IS_LEGACY_CUDA_IPC_CAPABLE), and add_cuda_ipc_buffer and memory="engine" refuse it with a
+        ValueError naming the range, the reason and what to use instead - before cudaIpcGetMemHandle,
+        and before anything reaches the daemon - while cudaMalloc memory of the same worker
+        still registers and receives versions."""
+        from weightbridge.cuda import CudaBuffer
+        pool = PoolMemory(8192, 0)
+        alloc = cuda.device_allocation_of(pool.ptr + 100, shareable=False)
+        self.assertEqual((alloc.base, alloc.size, alloc.gpu, alloc.vmm, alloc.legacy_ipc, alloc.mempool),
+                         (pool.ptr, 8192, 0, False, False, pool.pool))
+        with self.assertRaisesRegex(ValueError, pool_refusal(pool)):
+            cuda.device_allocation_of(pool.ptr + 100)
+        # memory="engine" over pool memory: refused before the worker registers.
+        model = self.model("py_engine_pool", "one_step_off", 1)
+        shapes = self.shapes()
+        params, off = {}, 0
+        engine_mem = PoolMemory(sum(int(np.prod(sh)) * ct.ELEM + GAP for sh in shapes.values()), 0)
+        for n, sh in shapes.items():
+            params[n] = EngineParam(engine_mem, off, sh)
+            off += int(np.prod(sh)) * ct.ELEM + GAP
+        client = self.daemon.client("vpool")
+        with self.assertRaisesRegex(ValueError, pool_refusal(engine_mem)):
+            vllm.VllmRollout(None, model, tp=1, memory="engine", params=params, gpu=0, client=client)
+        self.assertEqual(client.buffers, [])
+        with self.assertRaisesRegex(wb.WeightBridgeError, "NOT_FOUND: status filter: unknown model"):
+            self.registered(model)  # nobody registered: the model was never even created
+        client.close()
+        # add_cuda_ipc_buffer: the worker's cudaMalloc memory registers, its pool memory is refused
+        # and nothing of it reaches the daemon; versions land in the cudaMalloc buffer.
+        model = wb.ModelConfig(model_id="py_engine_ipc_pool", explicit_tensors=ct.CANONICAL, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="one_step_off")
+        trainer = ct.Worker(self.daemon, model, "trainer/0", "trainer", ct.FULL)
+        layout, index = ct.row_blocks(ct.FULL)
+        mem = CudaBuffer(index.size * ct.ELEM, 0)
+        c = self.daemon.client("vipcpool")
+        c.register_worker(model, "rollout/0", "rollout", gpu=0)
+        with self.assertRaisesRegex(ValueError, pool_refusal(pool)):
+            c.add_cuda_ipc_buffer(pool.ptr, 64, 0)
+        self.assertEqual(c.buffers, [])
+        b = c.add_cuda_ipc_buffer(mem.ptr, mem.size_bytes, 0)
+        with self.assertRaisesRegex(ValueError, pool_refusal(pool)):
+            c.add_cuda_ipc_buffer(pool.ptr + 4096, 16, 0)
+        self.assertEqual(c.buffers, [b])
+        info = c.register_layout(layout)
+        self.assertEqual(len(info.layout.buffers), 1)
+        self.assertTrue(maps_file(self.daemon.proc.pid, shm_segment_of(b)), "the daemon maps the cudaMalloc buffer")
+        self.assertEqual(self.registered(model), ["rollout/0", "trainer/0"])
+        ct.fill(trainer.buf, trainer.index, 2)
+        trainer.client.publish(2, timeout=ct.TIMEOUT)
+        self.assertEqual(c.apply(2, timeout=ct.TIMEOUT).applied_version, 2)
+        got = np.frombuffer(mem.read(0, mem.size_bytes), np.uint16)
+        np.testing.assert_array_equal(got, weights.values_for_indices(ct.BASES, 2, index, ct.ELEM))
+        for w in (c, trainer.client):
+            w.deregister()
+            w.close()
+        for m in (mem, pool, engine_mem):
+            m.close()
+
+    def test_pool_memory_left_to_cuda_ipc_where_the_driver_cannot_tell(self):
+        """A driver that cannot answer cuPointerGetAttribute (an old one: no entry point, or the
+        attribute unknown): nothing is refused up front, cudaIpcGetMemHandle decides as before -
+        RuntimeError for pool memory, cudaMalloc memory exported as usual."""
+        from weightbridge.cuda import CudaBuffer
+        pool = PoolMemory(4096, 1)
+        mem = CudaBuffer(4096, 1)
+        real = cuda._driver
+
+        def without(name):
+            if name == "cuPointerGetAttribute":
+                raise RuntimeError("CUDA driver call cuPointerGetAttribute not found")
+            return real(name)
+
+        def unknown_attribute(name):
+            if name == "cuPointerGetAttribute":
+                return lambda *args: 1  # CUDA_ERROR_INVALID_VALUE: a driver older than the attribute
+            return real(name)
+
+        for driver in (without, unknown_attribute):
+            with mock.patch.object(cuda, "_driver", side_effect=driver):
+                alloc = cuda.device_allocation_of(pool.ptr + 8)
+                self.assertEqual((alloc.base, alloc.legacy_ipc, alloc.mempool), (pool.ptr, None, 0), driver.__name__)
+                c = self.daemon.client("vold")
+                with self.assertRaisesRegex(RuntimeError, "cudaIpcGetMemHandle failed: invalid argument"):
+                    c.add_cuda_ipc_buffer(pool.ptr, 16, 1)
+                self.assertEqual(c.buffers, [])
+                b = c.add_cuda_ipc_buffer(mem.ptr + 8, 16, 1)
+                self.assertEqual((b.base, b.size_bytes, len(b.ipc_handle)), (mem.ptr, 4096, 64))
+                c.close()
+        self.assertTrue(cuda.device_allocation_of(mem.ptr).legacy_ipc, "the driver says cudaMalloc memory is capable")
+        mem.close()
+        pool.close()
 
     def test_ipc_buffer_over_memory_we_did_not_allocate(self):
         """add_cuda_ipc_buffer: the whole cudaMalloc allocation holding a pointer, one buffer per

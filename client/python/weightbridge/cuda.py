@@ -13,6 +13,12 @@ Two kinds of device memory reach the daemon:
     export_fd() gives an allocation's POSIX fd (cuMemExportToShareableHandle), which
     WorkerClient.add_cuda_vmm_buffer sends to the daemon over its fd channel, once per allocation
     however many buffers lie in it.
+  Stream-ordered memory-pool memory (cudaMallocAsync / cudaMallocFromPoolAsync: torch's
+  PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync) is neither: legacy IPC cannot export it and it
+  has no fd. device_allocation_of asks the driver (cuPointerGetAttribute:
+  CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE) and refuses
+  such memory with a ValueError saying what to use instead (not_ipc_capable), before anything is
+  exported; a driver that cannot answer leaves it to cudaIpcGetMemHandle, as before.
 
 The runtime is found as libcudart.so(.13/.12), or at $WB_CUDART when set (CI points it at the
 emulated runtime, //tests/fake_cuda:libwb_fake_cudart.so, to run this module without a GPU:
@@ -204,6 +210,7 @@ _DRIVER_SIGNATURES = {
     "cuMemMap": (_CU_DEVICEPTR, ctypes.c_size_t, ctypes.c_size_t, _CU_HANDLE, ctypes.c_ulonglong),
     "cuMemUnmap": (_CU_DEVICEPTR, ctypes.c_size_t),
     "cuMemSetAccess": (_CU_DEVICEPTR, ctypes.c_size_t, _P(_AccessDesc), ctypes.c_size_t),
+    "cuPointerGetAttribute": (ctypes.c_void_p, ctypes.c_int, _CU_DEVICEPTR),
 }
 # libcuda.so exports some calls only under their versioned names.
 _LIBCUDA_NAMES = {"cuMemGetAddressRange": "cuMemGetAddressRange_v2"}
@@ -373,18 +380,67 @@ class DeviceAllocation:
     pool), shared by fd (WorkerClient.add_cuda_vmm_buffer) where it was created exportable (vLLM's
     pool is not: NOT_EXPORTABLE); else cudaMalloc memory (torch's
     caching allocator by default), shared by a CUDA IPC handle of `base`
-    (WorkerClient.add_cuda_ipc_buffer)."""
+    (WorkerClient.add_cuda_ipc_buffer). `legacy_ipc`: what the driver says of cudaIpcGetMemHandle
+    on it (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE; None: not asked - VMM memory - or the
+    driver could not answer); `mempool`: the stream-ordered pool it came from
+    (CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE; 0: none, or not known), which nothing here can share."""
 
-    def __init__(self, base, size, gpu, vmm):
+    def __init__(self, base, size, gpu, vmm, legacy_ipc=None, mempool=0):
         self.base, self.size, self.gpu, self.vmm = base, size, gpu, vmm
+        self.legacy_ipc, self.mempool = legacy_ipc, mempool
+
+    def shareable(self):
+        """False when the driver ruled out both paths: pool memory, or non-VMM memory legacy IPC
+        cannot export (True where it could not tell: cudaIpcGetMemHandle decides)."""
+        return not self.mempool and (self.vmm or self.legacy_ipc is not False)
 
 
-def device_allocation_of(ptr):
+_CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+_CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = 17
+
+
+def _pointer_attribute(ptr, attribute):
+    """cuPointerGetAttribute(attribute, ptr) as an int, or None where the driver cannot answer (no
+    such entry point, or an older driver that does not know the attribute). Read from 8 zeroed
+    bytes: the driver writes a boolean / int (IS_LEGACY_CUDA_IPC_CAPABLE) or a handle
+    (MEMPOOL_HANDLE), whatever its width."""
+    try:
+        fn = _driver("cuPointerGetAttribute")
+    except RuntimeError:
+        return None
+    out = ctypes.c_uint64(0)
+    if fn(ctypes.byref(out), int(attribute), _CU_DEVICEPTR(int(ptr))) != 0:
+        return None
+    return out.value
+
+
+def not_ipc_capable(base, size, gpu, mempool):
+    """Why device memory [base, base + size) on `gpu` that legacy CUDA IPC cannot export is refused,
+    and what to do instead (`mempool`: the driver's pool handle, 0 when it named none)."""
+    if mempool:
+        what = ("stream-ordered memory-pool memory (pool 0x%x; cudaMallocAsync / cudaMallocFromPoolAsync, as torch's "
+                "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync allocates)" % mempool)
+    else:
+        what = "device memory the CUDA driver reports as not legacy-IPC capable (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 0)"
+    return ("[0x%x, +%d) on GPU %d is %s: legacy CUDA IPC (cudaIpcGetMemHandle) cannot export it and it has no fd, so the "
+            "daemon cannot map it. Use torch's native caching allocator instead (PYTORCH_CUDA_ALLOC_CONF without "
+            "backend:cudaMallocAsync; optionally with expandable_segments:True, whose memory is shared by fd: "
+            "add_cuda_vmm_buffer), or memory='cuda' (WeightBridge owns the buffer and copies each version into the "
+            "parameters)" % (base, size, gpu, what))
+
+
+def device_allocation_of(ptr, shareable=True):
     """The allocation that device pointer `ptr` lies in (cuMemGetAddressRange gives its base and
     size; cuMemRetainAllocationHandle succeeds for VMM memory only, which tells the two kinds
     apart). For VMM memory base/size are those of the one mapping at `ptr` (an expandable segment
     maps many back to back: vmm_allocations_of). ValueError when `ptr` is not device memory of this
-    process. Holds no reference."""
+    process, and (`shareable`, the default) when it is memory that neither path can share: the
+    driver says it came from a stream-ordered memory pool (CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE:
+    cudaMallocAsync, torch's backend:cudaMallocAsync) or, not being VMM memory, that legacy CUDA
+    IPC cannot export it (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 0); the message
+    (not_ipc_capable) names the range and what to use instead. Where the driver cannot answer
+    (older drivers), legacy_ipc is None and cudaIpcGetMemHandle decides, as before. Holds no
+    reference."""
     ptr = int(ptr)
     gpu = _pointer_device(ptr)
     rt = _rt()
@@ -396,7 +452,15 @@ def device_allocation_of(ptr):
         _cu("cuMemRelease", handle)
     else:
         rt.cudaGetLastError()
-    return DeviceAllocation(base.value, size.value, gpu, vmm)
+    mempool = _pointer_attribute(ptr, _CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE) or 0
+    capable = None if vmm else _pointer_attribute(ptr, _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)
+    legacy_ipc = None if capable is None else capable != 0
+    if mempool:
+        legacy_ipc = False  # pool memory: never legacy-IPC capable, whatever else the driver says
+    alloc = DeviceAllocation(base.value, size.value, gpu, vmm, legacy_ipc=legacy_ipc, mempool=mempool)
+    if shareable and not alloc.shareable():
+        raise ValueError(not_ipc_capable(alloc.base, alloc.size, gpu, mempool))
+    return alloc
 
 
 class IpcBuffer(_DeviceBytes):
@@ -405,13 +469,18 @@ class IpcBuffer(_DeviceBytes):
     [ptr, ptr + size_bytes) found with cuMemGetAddressRange, exported by the CUDA IPC handle of its
     base (cudaIpcGetMemHandle). The daemon opens the handle, which maps the whole allocation from
     its base, so a tensor inside it is addressed by layout offsets relative to that base - as
-    torch's own CUDA IPC sends (handle, offset from the allocation's base). close() only forgets
-    the memory: it stays its owner's, never freed here."""
+    torch's own CUDA IPC sends (handle, offset from the allocation's base). Memory the driver
+    says legacy IPC cannot export (stream-ordered pool memory: alloc.mempool / alloc.legacy_ipc
+    False) is refused with not_ipc_capable's ValueError before cudaIpcGetMemHandle is called.
+    close() only forgets the memory: it stays its owner's, never freed here."""
 
     def __init__(self, alloc, buffer_id=0):
         if alloc.vmm:
             raise ValueError("[0x%x, +%d) is CUDA VMM memory (cuMemCreate), which CUDA IPC handles cannot export: "
                              "add_cuda_vmm_buffer" % (alloc.base, alloc.size))
+        if getattr(alloc, "mempool", 0) or getattr(alloc, "legacy_ipc", None) is False:
+            # Refused before cudaIpcGetMemHandle, whose bare "invalid argument" would not say why.
+            raise ValueError(not_ipc_capable(alloc.base, alloc.size, alloc.gpu, getattr(alloc, "mempool", 0)))
         self.id = buffer_id
         self.gpu = int(alloc.gpu)
         self.ptr = alloc.base
