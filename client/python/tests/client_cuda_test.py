@@ -1124,7 +1124,7 @@ class CudaEngineMemoryTest(unittest.TestCase):
             params[n] = EngineParam(engine_mem, off, sh)
             off += int(np.prod(sh)) * ct.ELEM + GAP
         client = self.daemon.client("vpool")
-        with self.assertRaisesRegex(ValueError, pool_refusal(engine_mem)):
+        with self.assertRaisesRegex(ValueError, "memory='engine': engine parameter [^:]+: " + pool_refusal(engine_mem)):
             vllm.VllmRollout(None, model, tp=1, memory="engine", params=params, gpu=0, client=client)
         self.assertEqual(client.buffers, [])
         with self.assertRaisesRegex(wb.WeightBridgeError, "NOT_FOUND: status filter: unknown model"):

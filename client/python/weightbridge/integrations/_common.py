@@ -304,7 +304,8 @@ class LayoutHook:
         by CUDA IPC of the allocation's base (add_cuda_ipc_buffer), CUDA VMM memory (expandable
         segments) by fd, one buffer per run of allocations mapped back to back (add_cuda_vmm_buffer;
         VMM memory created without a POSIX fd handle type, as vLLM's sleep-mode pool is, is refused
-        before registering: cuda.NOT_EXPORTABLE) - and the description's pieces are re-based into them:
+        before registering: cuda.NOT_EXPORTABLE; so is stream-ordered pool memory, torch's
+        backend:cudaMallocAsync: cuda.not_ipc_capable) - and the description's pieces are re-based into them:
         offset = piece offset - local tensor offset + (parameter address - buffer base), scales
         likewise through their tensors' parameters. The engine's memory is never freed here."""
         from weightbridge import cuda
@@ -333,7 +334,11 @@ class LayoutHook:
         vmm, spans = {}, {}  # name -> address; allocation base -> size
         for n in needed:
             ptr = int(params[n].data_ptr())
-            if cuda.device_allocation_of(ptr).vmm:
+            try:
+                alloc = cuda.device_allocation_of(ptr)
+            except ValueError as e:  # stream-ordered pool memory (cuda.not_ipc_capable), not device memory
+                raise ValueError("memory='engine': engine parameter %s: %s" % (n, e)) from None
+            if alloc.vmm:
                 vmm[n] = ptr
                 try:
                     ranges = cuda.vmm_allocations_of(ptr, sizes[n], exportable=True)
