@@ -460,6 +460,52 @@ class IntegrationsTest(unittest.TestCase):
             h.client.deregister()
             h.client.close()
 
+    def test_fsdp2_router_bias_buffer_is_sharded_like_a_parameter(self):
+        """HF transformers registers GLM-4.5's (and DeepSeek-V3's, Kimi-K2's) router
+        e_score_correction_bias as a float32 buffer, which FSDP2 does not shard: every rank holds it
+        whole. publish takes named_buffers(), cuts this rank's rows by the preset's rule (dp=3 over
+        4 experts: rows 0-1, 2-3 and none), ignores buffers the layout lacks (rotary inv_freq);
+        without them the publish fails naming the bias and named_buffers. The rollout gets the
+        bias whole."""
+        dp = 3
+        model = wb.ModelConfig(model_id="int_fsdp2_bias", hf_config_json=json.dumps(TINY_GLM), num_trainer_workers=dp,
+                               num_rollout_workers=1, mode="one_step_off")
+        hooks = [fsdp2.FSDP2TrainerHook(None, model, rank=r, dp=dp, client=self.daemon.client("fbi%d" % r))
+                 for r in range(dp)]
+        engine = vllm.VllmRollout(None, model, tp=1, client=self.daemon.client("vfb"))
+        bias_name, router = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"
+        self.assertEqual(hooks[0].layout[bias_name].dtype, "float32")
+        self.assertEqual([h.layout[bias_name].shape[0] for h in hooks], [2, 2, 0])
+        rng = np.random.default_rng(17)
+        full = {}  # {HF name: whole tensor}, its rows summed over the ranks' shards
+        for n, t in hooks[0].layout.tensors.items():
+            shape = (sum(h.layout[n].shape[0] for h in hooks),) + tuple(t.shape[1:])
+            dt = np.dtype(t.numpy_dtype())
+            full[n] = (rng.standard_normal(shape).astype(np.float32) if dt == np.float32
+                       else rng.integers(0, np.iinfo(dt).max, size=shape, dtype=dt))
+        bias = full.pop(bias_name)
+        buffers = [("model.layers.1.mlp.gate." + "e_score_correction_bias", bias),
+                   ("model.rotary_emb.inv_freq", np.ones((16,), np.float32))]  # not a weight: ignored
+
+        def params(r):
+            return fsdp2_shard(full, dp, r).items()
+
+        with self.assertRaises(KeyError) as cm:  # parameters alone: the bias is missing, nothing published
+            hooks[0].publish(1, params(0), timeout=TIMEOUT)
+        self.assertIn(bias_name, str(cm.exception))
+        self.assertIn("named_buffers", str(cm.exception))
+        errors = run_all([lambda r=r: hooks[r].publish(1, params(r), buffers, timeout=TIMEOUT) for r in range(dp)])
+        self.assertEqual(errors, [])
+        np.testing.assert_array_equal(hooks[0].view(bias_name), bias[0:2])
+        np.testing.assert_array_equal(hooks[1].view(bias_name), bias[2:4])
+        out = {n: np.zeros(t.shape, t.numpy_dtype()) for n, t in engine.layout.tensors.items()}
+        self.assertEqual(engine.apply(1, out, timeout=TIMEOUT), 1)
+        np.testing.assert_array_equal(out[bias_name], bias)
+        np.testing.assert_array_equal(out[router], full[router])
+        for h in hooks + [engine]:
+            h.client.deregister()
+            h.client.close()
+
     def test_sglang_refreshes_derived_copies_after_each_version(self):
         """SGLang derives copies at load time (DeepSeek's w_kc / w_vc in post_load_weights, GLM-4.5's
         gate _weight_fp32); WeightBridge writes parameters in place, so each applied version

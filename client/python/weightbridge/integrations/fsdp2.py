@@ -1,7 +1,7 @@
 """torch FSDP2 (fully_shard) trainer hook.
 
     hook = FSDP2TrainerHook(socket, model, rank=dist.get_rank(), dp=dist.get_world_size())
-    hook.publish(step, model.named_parameters())
+    hook.publish(step, model.named_parameters(), model.named_buffers())
 
 Preset "fsdp" (= FSDP2, docs/presets.md): each parameter's local shard is its DTensor's
 `to_local()` - dim-0 rows [r*c, min(d0, (r+1)*c)) with c = ceil(d0 / dp), torch.chunk semantics,
@@ -17,7 +17,7 @@ Before anything is copied, every DTensor parameter's placements are checked agai
 Shard(k != 0), or FSDP2 + TP (a mesh with a TP dim), lays out other bytes and is refused.
 """
 
-from weightbridge.integrations._common import LayoutHook
+from weightbridge.integrations._common import LayoutHook, trainer_name
 from weightbridge.layouts import PresetLayout
 
 UNDESCRIBED = "shard_placement_fn / FSDP2 + TP is not described by the fsdp preset"
@@ -74,11 +74,40 @@ class FSDP2TrainerHook(LayoutHook):
         super().__init__(socket_path, model, worker_id or "trainer/%d" % rank, "trainer", preset, memory, gpu, client,
                          shm_prefix="fsdp2")
 
-    def publish(self, version, named_parameters, timeout=300.0):
+    def publish(self, version, named_parameters, named_buffers=None, timeout=300.0):
         """Checks every DTensor parameter's placements (check_placements: ValueError before any
-        byte is copied), copies every local shard (DTensor.to_local()) into the buffer, publishes."""
+        byte is copied), copies every local shard (DTensor.to_local()) into the buffer, publishes.
+
+        `named_buffers` (model.named_buffers()): the buffers the layout holds are copied, the others
+        (rotary inv_freq, ...) ignored. FSDP2 shards parameters only: a persistent buffer of the
+        checkpoint - DeepSeek-V3 / Kimi-K2 / GLM-4.5's router `e_score_correction_bias` in HF
+        transformers - stays whole on every rank, so this rank's rows are cut from it by the
+        preset's rule (torch.chunk: rows [r*c, min(d0, (r+1)*c)), c = ceil(d0 / dp)); a DTensor
+        buffer is taken as its local shard like a parameter. Without them such a model's publish
+        fails naming the tensors not given."""
         named = list(named_parameters)
         for name, t in named:
             check_placements(name, t, self.dp, self.replicas, self.shard_rank)
-        self.write(named, strip_prefixes=self.strip_prefixes)
+        if named_buffers is not None:
+            given = {trainer_name(n, self.strip_prefixes) for n, _ in named}
+            for name, b in named_buffers:
+                held = trainer_name(name, self.strip_prefixes)
+                if held in given or held not in self.layout.tensors:
+                    continue
+                if hasattr(b, "to_local"):
+                    check_placements(name, b, self.dp, self.replicas, self.shard_rank)
+                    named.append((name, b))
+                else:
+                    named.append((name, self.shard_rows(b)))
+        self.write(named, strip_prefixes=self.strip_prefixes,
+                   missing_hint=" (persistent buffers such as a router's e_score_correction_bias: publish(..., "
+                                "named_buffers=model.named_buffers()))")
         return self.client.publish(version, timeout).stall_seconds
+
+    def shard_rows(self, t):
+        """This rank's dim-0 rows of a whole tensor `t` (numpy or torch), as FSDP2 would shard it."""
+        if len(t.shape) == 0:
+            raise ValueError("a 0-d tensor has no rows to shard; the fsdp preset shards dim 0")
+        d0 = int(t.shape[0])
+        c = -(-d0 // self.dp)
+        return t[min(d0, self.shard_rank * c):min(d0, (self.shard_rank + 1) * c)]

@@ -337,7 +337,7 @@ class WeightBridgeWeightTransferEngine(_EngineBase):
     def trainer_send_weights(iterator, trainer_args):
         """vLLM's trainer-side call, mapped onto a WeightBridge trainer hook: `trainer_args` =
         {"hook": the rank's MegatronTrainerHook / FSDP2TrainerHook (anything with publish),
-        "version": v > 0, optionally "timeout", "named_buffers" (Megatron)}; the iterator is the
+        "version": v > 0, optionally "timeout", "named_buffers" (Megatron, FSDP2)}; the iterator is the
         rank's named_parameters(). Called on every trainer rank. Returns the hook's publish result."""
         args = dict(trainer_args) if isinstance(trainer_args, dict) else (
             dataclasses.asdict(trainer_args) if dataclasses.is_dataclass(trainer_args) else None)
