@@ -45,11 +45,14 @@ def make_hook(socket_path, model_cfg, rank, dp, replicas=1, memory="host", gpu=-
 
 
 def after_optimizer_step(hook: FSDP2TrainerHook, model, step, timeout=300.0):
-    """Publishes the weights of `step` (> 0, increasing) from model.named_parameters(). Returns the
+    """Publishes the weights of `step` (> 0, increasing) from model.named_parameters() and the
+    persistent buffers FSDP2 leaves whole (model.named_buffers(): the MoE router's
+    e_score_correction_bias of DeepSeek-V3 / Kimi-K2 / GLM-4.5 in HF transformers; others are
+    ignored). Returns the
     trainer's stall in seconds (sync: until every rollout holds the version; one-step-off / async:
     the daemon's snapshot of the buffer), or None when a sync version did not reach every rollout."""
     try:
-        return hook.publish(step, model.named_parameters(), timeout=timeout)
+        return hook.publish(step, model.named_parameters(), model.named_buffers(), timeout=timeout)
     except wb.WeightBridgeError as e:
         if e.code != grpc.StatusCode.ABORTED:
             raise

@@ -80,9 +80,12 @@ def shutdown(llm):
 
 def trainer_publish(hook, model, version, timeout=300.0):
     """vLLM's trainer-side call on one trainer rank: the same as hook.publish(version,
-    model.named_parameters()) with a WeightBridge trainer hook (MegatronTrainerHook, FSDP2TrainerHook)."""
+    model.named_parameters(), model.named_buffers()) with a WeightBridge trainer hook
+    (MegatronTrainerHook, FSDP2TrainerHook; the buffers the layout holds, e.g. a MoE router's bias,
+    are copied, the others ignored)."""
     return WeightBridgeWeightTransferEngine.trainer_send_weights(
-        model.named_parameters(), {"hook": hook, "version": version, "timeout": timeout})
+        model.named_parameters(),
+        {"hook": hook, "version": version, "timeout": timeout, "named_buffers": list(model.named_buffers())})
 
 
 # ---- `vllm serve`: the same over vLLM's RLHF routes (VLLM_SERVER_DEV_MODE=1) ---------------------

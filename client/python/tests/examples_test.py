@@ -417,6 +417,10 @@ class FakeFsdpModel:
     def named_parameters(self):
         return iter(list(self.shards.items()))
 
+    def named_buffers(self):
+        """The tiny Qwen2 has no persistent buffers; rotary's inv_freq is one the layout lacks."""
+        return iter([("model.rotary_emb.inv_freq", np.ones((32,), np.float32))])
+
 
 class FakeMegatronChunk:
     """A DDP-wrapped Megatron model chunk (no --overlap-param-gather): "module." names, no buffers."""
