@@ -562,8 +562,9 @@ class WorkerClient:
 
     def apply(self, version=0, timeout=60.0) -> ApplyResult:
         """Rollout, one-step-off / async: make `version` live now. 0 = the newest committed version,
-        without waiting (applied_version 0: nothing committed yet); v > 0 waits up to `timeout` for
-        v to commit."""
+        without waiting (applied_version 0: nothing committed yet); v > 0 waits up to `timeout`
+        until a version >= v is committed, then makes the newest committed one live
+        (applied_version may be > v)."""
         resp = self._call("Apply v%d by %s" % (version, self.worker_id), "Apply",
                           pb.ApplyRequest(model_id=self.model_id, worker_id=self.worker_id, version=version,
                                           timeout_ms=_ms(timeout)), timeout, extra=LIVE_COPY_ALLOWANCE_S)
