@@ -21,6 +21,9 @@ namespace {
 struct Case {
   pb::Mode mode;
   QuantFormat format;
+  // 256: the trainers' shards hold whole blocks (n0 quantises, sender-quantised ops into r1); 192:
+  // fp8_block128 blocks split between them, so r1's node quantises w itself (receiver-side).
+  int64_t split_row = 256;
 };
 
 class CatchUpQuantTest : public DeltaQuantFixture, public ::testing::WithParamInterface<Case> {
@@ -49,7 +52,7 @@ class CatchUpQuantTest : public DeltaQuantFixture, public ::testing::WithParamIn
 };
 
 TEST_P(CatchUpQuantTest, LateQuantisedRolloutsAreServedTheQuantisedBytesOfOthers) {
-  Start(GetParam().mode, 1, GetParam().format);
+  Start(GetParam().mode, 1, GetParam().format, GetParam().split_row);
   ASSERT_FALSE(HasFatalFailure());
   Versions(1, 2);
   ASSERT_FALSE(HasFatalFailure());
@@ -70,14 +73,15 @@ TEST_P(CatchUpQuantTest, LateQuantisedRolloutsAreServedTheQuantisedBytesOfOthers
 
 // A quantised source whose memory changed since the version landed there (one of its block
 // scales, as an engine that re-quantises its scales in place after loading) does not serve it: a
-// sender-quantised landing's digest covers the piece's elements and the scales of its blocks
+// sender-quantised landing's digest covers the piece's elements and the scales of its blocks, and
+// where r1's node quantised w itself (split_row 192) its quantiser's digest of the piece does
 // (PlanSlice.certify, `quantized`), so the catch-up finds the change, r1 serves version 1 no more
 // and the late rollout is told why (sync: r1 is read in its live weights). Outside sync the
 // catch-up may read r1's committed staging, which still holds the version: then the late rollout
 // gets it byte for byte. Before, quantised sources were not certified: the late rollout got the
 // changed scale, with matching catch-up digests. Version 2 then rewrites r1 and reaches r3.
 TEST_P(CatchUpQuantTest, AQuantisedSourceWhoseScalesChangedDoesNotServeTheVersion) {
-  Start(GetParam().mode, 1, GetParam().format);
+  Start(GetParam().mode, 1, GetParam().format, GetParam().split_row);
   ASSERT_FALSE(HasFatalFailure());
   Version(1);
   ASSERT_FALSE(HasFatalFailure());
@@ -110,8 +114,11 @@ INSTANTIATE_TEST_SUITE_P(
     ModesAndFormats, CatchUpQuantTest,
     ::testing::Values(Case{pb::MODE_SYNC, Fp8Block128Format()}, Case{pb::MODE_ONE_STEP_OFF, Fp8Block128Format()},
                       Case{pb::MODE_ASYNC, Fp8Block128Format()}, Case{pb::MODE_SYNC, Mxfp8Format()},
-                      Case{pb::MODE_ONE_STEP_OFF, W4a16G32Format()}),
-    [](const ::testing::TestParamInfo<Case>& i) { return pb::Mode_Name(i.param.mode) + "_" + i.param.format.name; });
+                      Case{pb::MODE_ONE_STEP_OFF, W4a16G32Format()}, Case{pb::MODE_SYNC, Fp8Block128Format(), 192},
+                      Case{pb::MODE_ONE_STEP_OFF, Fp8Block128Format(), 192}, Case{pb::MODE_ASYNC, Fp8Block128Format(), 192}),
+    [](const ::testing::TestParamInfo<Case>& i) {
+      return pb::Mode_Name(i.param.mode) + "_" + i.param.format.name + (i.param.split_row != 256 ? "_receiver_quantised" : "");
+    });
 
 class CatchUpQuantFormsTest : public CatchUpQuantTest {};
 

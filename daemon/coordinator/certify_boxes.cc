@@ -50,6 +50,7 @@ CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, co
         c->set_version_op(l.op);
         c->set_from_catch_up(l.from_catch_up);
         c->set_quantized(l.quantized);
+        c->set_quantized_here(l.quantized_here);
         ++added;
         break;
       }

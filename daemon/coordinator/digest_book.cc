@@ -1,10 +1,12 @@
 #include "daemon/coordinator/digest_book.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "planner/box.h"
+#include "proto/convert.h"
 
 namespace wb::daemon {
 
@@ -51,6 +53,24 @@ absl::Status DigestBook::Record(std::map<uint32_t, uint64_t>& side, const char* 
 }
 
 absl::Status DigestBook::Add(const pb::ReportDoneRequest& report) {
+  for (const pb::QuantizedPieceDigest& q : report.quantized_pieces()) {
+    const std::string what = absl::StrCat("node ", report.node_id(), " reported a quantised piece of worker ", q.worker_id(), " in model ",
+                                          model_id_, " version ", version_);
+    auto node = node_of_.find(q.worker_id());
+    if (node == node_of_.end() || node->second != report.node_id() ||
+        std::find(worker_ids_.begin(), worker_ids_.end(), q.worker_id()) == worker_ids_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ", which is no worker of the plan on that node"));
+    }
+    if (inventory_ == nullptr || q.tensor() < 0 || static_cast<size_t>(q.tensor()) >= inventory_->tensors.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": tensor ", q.tensor(), " is not in the inventory"));
+    }
+    absl::StatusOr<planner::Box> box = convert::FromProto(q.box());
+    if (!box.ok() || !planner::BoxInside(*box, inventory_->tensors[static_cast<size_t>(q.tensor())].shape)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": not a box of tensor ", inventory_->tensors[static_cast<size_t>(q.tensor())].name));
+    }
+    LandedBox l{q.tensor(), std::move(*box), q.digest(), 0, kind_ == Kind::kCatchUp, true, true};
+    quantized_pieces_.emplace_back(q.worker_id(), std::move(l));
+  }
   for (const pb::OpDigest& d : report.source_digests()) {
     if (absl::Status s = Record(source_, "source", d, report.node_id()); !s.ok()) return s;
   }
@@ -86,6 +106,7 @@ LandedRecord DigestBook::LandedByWorker() const {
     out[worker_ids_[static_cast<size_t>(op.dst_worker)]].push_back(
         {op.tensor, op.box, digest, index, kind_ == Kind::kCatchUp, op.sender_quantized});
   }
+  for (const auto& [worker, l] : quantized_pieces_) out[worker].push_back(l);
   return out;
 }
 

@@ -44,6 +44,9 @@ struct LandedBox {
   uint32_t op = 0;             // the op of the book's plan it landed with
   bool from_catch_up = false;  // the book was a catch-up's
   bool quantized = false;      // the digest covers quantised bytes (a sender-quantised op)
+  // With `quantized`: the rollout's node quantised the piece `box` itself (receiver-side;
+  // ReportDoneRequest.quantized_pieces), so `op` names no op.
+  bool quantized_here = false;
 };
 
 // Per rollout worker id, what landed in it (the coordinator's record of a version).
@@ -64,14 +67,17 @@ class DigestBook {
 
   // Records one node's digests. DATA_LOSS naming the first op whose two digests differ (tensor,
   // box, source worker and node, destination worker and node, both digests); INVALID_ARGUMENT for
-  // an op index outside the plan, or a second, different digest of one side of an op.
+  // an op index outside the plan, or a second, different digest of one side of an op, or a
+  // quantised piece (quantized_pieces) of a worker that is no rollout of the plan on that node or
+  // of no tensor box of the inventory.
   absl::Status Add(const pb::ReportDoneRequest& report);
 
   // After every node reported.
   DigestVerdict Verdict() const;
   // Per destination worker id, what landed in it (ops with a landed digest whose source digest
   // matched or was not taken; sender-quantised ops marked `quantized`, their digests cover the
-  // quantised bytes; ops into a gather staging left out).
+  // quantised bytes; ops into a gather staging left out), then the pieces its node quantised
+  // (`quantized`, `quantized_here`).
   LandedRecord LandedByWorker() const;
 
  private:
@@ -87,6 +93,7 @@ class DigestBook {
   std::map<std::string, std::string> node_of_;  // worker id -> node id
   std::vector<const planner::TransferOp*> ops_;  // by op index
   std::map<uint32_t, uint64_t> source_, landed_;
+  std::vector<std::pair<std::string, LandedBox>> quantized_pieces_;  // (worker id, piece) as reported
 };
 
 }  // namespace wb::daemon

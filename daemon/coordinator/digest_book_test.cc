@@ -23,6 +23,7 @@ DigestBook Book(DigestBook::Kind kind = DigestBook::Kind::kVersion) {
   inv->tensors.resize(2);
   inv->tensors[0].name = "model.embed_tokens.weight";
   inv->tensors[1].name = "model.layers.0.mlp.down_proj.weight";
+  inv->tensors[1].shape = {8, 8};
   return DigestBook("m", 7, plan, {"t0", "r0", "r1"}, inv, {{"t0", "n0"}, {"r0", "n1"}, {"r1", "n0"}}, kind);
 }
 
@@ -148,6 +149,38 @@ TEST(DigestBookTest, LandedByWorkerKeepsMatchingOpsAndMarksSenderQuantisedOnes) 
   ASSERT_EQ(r1.size(), 1u);
   EXPECT_EQ(r1[0].op, 2u);
   EXPECT_FALSE(r1[0].from_catch_up);
+}
+
+// A rollout's node reports the quantised pieces its quantiser wrote (receiver-side quantising):
+// kept with what landed, marked quantised and quantised there; a piece of a worker that is not
+// the reporting node's, or of no tensor box, is refused.
+TEST(DigestBookTest, QuantisedPiecesANodeWroteAreKeptForItsRollouts) {
+  DigestBook book = Book();
+  pb::ReportDoneRequest r = Report("n1", {}, {});
+  pb::QuantizedPieceDigest* q = r.add_quantized_pieces();
+  q->set_worker_id("r0");
+  q->set_tensor(1);
+  for (int64_t b : {0, 0}) q->mutable_box()->add_begin(b);
+  for (int64_t e : {8, 8}) q->mutable_box()->add_end(e);
+  q->set_digest(0x77);
+  ASSERT_TRUE(book.Add(r).ok());
+  const LandedRecord landed = book.LandedByWorker();
+  ASSERT_EQ(landed.at("r0").size(), 1u);
+  const LandedBox& l = landed.at("r0")[0];
+  EXPECT_EQ(l.tensor, 1);
+  EXPECT_EQ(l.digest, 0x77u);
+  EXPECT_TRUE(l.quantized);
+  EXPECT_TRUE(l.quantized_here);
+  EXPECT_EQ(l.box.end, (std::vector<int64_t>{8, 8}));
+  pb::ReportDoneRequest other = r;  // r1 is on n0, not n1
+  other.mutable_quantized_pieces(0)->set_worker_id("r1");
+  EXPECT_EQ(book.Add(other).code(), absl::StatusCode::kInvalidArgument);
+  pb::ReportDoneRequest outside = r;
+  outside.mutable_quantized_pieces(0)->mutable_box()->set_end(0, 9);
+  EXPECT_EQ(book.Add(outside).code(), absl::StatusCode::kInvalidArgument);
+  pb::ReportDoneRequest tensor = r;
+  tensor.mutable_quantized_pieces(0)->set_tensor(5);
+  EXPECT_EQ(book.Add(tensor).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -126,8 +126,11 @@ absl::StatusOr<CertifyOutcome> CertifySources(const daemon::node::Slice& slice, 
     const daemon::node::SliceWorker& w = slice.workers[c.worker];
     stale.insert(w.worker_id);
     if (!out.first_mismatch.empty()) continue;
-    const std::string from = c.from_catch_up ? absl::StrCat("an earlier catch-up landed there (its op ", c.version_op, ")")
-                                             : absl::StrCat("the version landed there (op ", c.version_op, " of its plan)");
+    const std::string from =
+        c.quantized_here ? std::string(c.from_catch_up ? "its node quantised what an earlier catch-up landed there"
+                                                       : "its node quantised what the version landed there")
+        : c.from_catch_up ? absl::StrCat("an earlier catch-up landed there (its op ", c.version_op, ")")
+                          : absl::StrCat("the version landed there (op ", c.version_op, " of its plan)");
     out.first_mismatch = absl::StrCat("source rollout ", w.worker_id, " on node ", w.node_id,
                                       " no longer holds the version it would serve: box ", planner::BoxToString(c.box), " of tensor ",
                                       slice.inventory->tensors[static_cast<size_t>(c.tensor)].name, (c.quantized ? " (quantised elements and scales)" : ""), " hashes to ", DigestHex(found),

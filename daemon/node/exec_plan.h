@@ -91,6 +91,7 @@ struct CertifyBox {
   uint64_t version_op = 0;
   bool from_catch_up = false;
   bool quantized = false;  // the digest covers quantised elements and scales (`piece` of live_layouts)
+  bool quantized_here = false;  // that digest is what the rollout's node quantised (no op)
 };
 
 // A node's slice of a plan. `layouts` are what transfers address (a rollout's staging layout);

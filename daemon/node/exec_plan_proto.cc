@@ -45,7 +45,7 @@ Slice SliceFromProto(const pb::PlanSlice& slice, const std::vector<planner::Work
   }
   out.certify.reserve(static_cast<size_t>(slice.certify_size()));
   for (const pb::CertifyBox& c : slice.certify()) {
-    out.certify.push_back({c.worker(), c.piece(), c.tensor(), FromProto(c.box()), c.digest(), c.version_op(), c.from_catch_up(), c.quantized()});
+    out.certify.push_back({c.worker(), c.piece(), c.tensor(), FromProto(c.box()), c.digest(), c.version_op(), c.from_catch_up(), c.quantized(), c.quantized_here()});
   }
   return out;
 }

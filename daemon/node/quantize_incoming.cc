@@ -10,9 +10,12 @@
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "daemon/box_copy.h"
+#include "daemon/digest/digest.h"
+#include "daemon/node/exec_plan.h"
 #include "daemon/quantize.h"
 #include "planner/box.h"
 #include "planner/quantized.h"
+#include "planner/sender_quant.h"
 
 namespace wb::daemon::node {
 
@@ -150,6 +153,7 @@ absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Star
     q->job_waits_.assign(q->jobs_.size(), 0);
     q->job_ready_.assign(q->jobs_.size(), false);
     q->job_amax_.assign(q->jobs_.size(), 0.0f);
+    q->job_digest_.assign(q->jobs_.size(), std::nullopt);
     for (size_t j = 0; j < q->jobs_.size(); ++j) {
       std::vector<uint32_t>& ops = ops_of_job[j];
       std::sort(ops.begin(), ops.end());
@@ -164,6 +168,7 @@ absl::StatusOr<std::unique_ptr<IncomingQuantization>> IncomingQuantization::Star
     q->allowed_ = options.early_threads < 0 ? 0 : std::min(threads, options.early_threads > 0 ? options.early_threads : std::max(1, cores / 2));
   }
   q->after_piece_ = options.after_piece;
+  q->digests_ = options.digests;
   q->exchange_ = options.exchange;
   for (int t = 0; t < threads; ++t) q->threads_.emplace_back([p = q.get()] { p->Work(); });
   return q;
@@ -218,6 +223,33 @@ absl::Status IncomingQuantization::Run(const Task& t, float& amax) const {
   return QuantizePiece(inventory_, *job.live, shadow, job.elements->host.data(), job.scales->host.data(), global);
 }
 
+absl::StatusOr<uint64_t> IncomingQuantization::PieceDigest(const Job& job, int64_t& bytes) const {
+  transport::CopyOp el, sc;
+  transport::StridedRef el_ref, sc_ref;
+  QuantElementsSide(inventory_, *job.live, job.live->box, el, el_ref);
+  QuantScalesSide(*job.live, job.live->box, sc, sc_ref);
+  digest::Digest d[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    const transport::CopyOp& c = i == 0 ? el : sc;
+    const transport::StridedRef& r = i == 0 ? el_ref : sc_ref;
+    const std::vector<uint8_t>& host = (i == 0 ? job.elements : job.scales)->host;
+    int64_t last = r.offset_bytes;
+    bool empty = false;
+    for (size_t k = 0; k < c.shape.size(); ++k) {
+      empty = empty || c.shape[k] <= 0;
+      last += (c.shape[k] - 1) * r.strides[k] * c.element_size;
+    }
+    if (!empty && (r.offset_bytes < 0 || last + c.element_size > static_cast<int64_t>(host.size()))) {
+      return absl::InternalError(absl::StrCat("digest of quantised piece ", job.piece, " (tensor ", inventory_.tensors[static_cast<size_t>(job.live->tensor)].name,
+                                              "): its ", i == 0 ? "elements reach" : "scales reach", " byte ", last + c.element_size,
+                                              " of a staging buffer of ", host.size()));
+    }
+    ASSIGN_OR_RETURN(d[i], digest::BoxDigest({empty ? nullptr : host.data() + r.offset_bytes, c.shape, r.strides, c.element_size}));
+    bytes += c.bytes();
+  }
+  return digest::QuantizedDigest(d[0], d[1]);
+}
+
 void IncomingQuantization::Work() {
   for (;;) {
     Task t;
@@ -243,6 +275,17 @@ void IncomingQuantization::Work() {
     const absl::Time t0 = absl::Now();
     float amax = 0.0f;
     absl::Status s = Run(t, amax);
+    // The piece's quantised bytes were just written: hashed while they are still warm.
+    std::optional<uint64_t> digest;
+    int64_t hashed = 0;
+    if (s.ok() && !t.amax && digests_ && planner::SenderCanQuantize(*jobs_[t.job].live->quant)) {
+      absl::StatusOr<uint64_t> d = PieceDigest(jobs_[t.job], hashed);
+      if (d.ok()) {
+        digest = *d;
+      } else {
+        s = d.status();
+      }
+    }
     const absl::Time t1 = absl::Now();
     if (s.ok() && !t.amax && after_piece_) after_piece_(jobs_[t.job].target, jobs_[t.job].piece);
     absl::MutexLock l(&mu_);
@@ -254,6 +297,8 @@ void IncomingQuantization::Work() {
       continue;
     }
     if (!t.amax) {
+      job_digest_[t.job] = digest;
+      digest_bytes_ += hashed;
       ++quantized_;
       continue;
     }
@@ -348,6 +393,12 @@ absl::StatusOr<QuantizeResult> IncomingQuantization::Finish() {
   out.finish_seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   out.early_pieces = early_;
   out.ready_pieces = ready_before;
+  for (size_t j = 0; j < jobs_.size(); ++j) {
+    if (!job_digest_[j].has_value()) continue;
+    const Job& job = jobs_[j];
+    out.digests.push_back({targets_[job.target].worker, job.piece, job.live->tensor, job.live->box, *job_digest_[j]});
+  }
+  out.digest_bytes = digest_bytes_;
   return out;
 }
 

@@ -27,6 +27,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -56,6 +57,17 @@ struct QuantizeTarget {
   std::map<int32_t, std::vector<uint32_t>> landing;
 };
 
+// What the quantiser wrote into one piece (IncomingOptions::digests): digest::QuantizedDigest of
+// its quantised elements and the scales of its blocks over the piece's box, read as
+// QuantElementsSide / QuantScalesSide read them (the form a sender-quantised op's digest has).
+struct QuantizedPieceDigest {
+  std::string worker;  // the target's worker
+  int32_t piece = 0;   // index into the target's `live` layout
+  int32_t tensor = -1;
+  planner::Box box;    // the piece's box
+  uint64_t digest = 0;
+};
+
 struct QuantizeResult {
   int64_t pieces = 0;
   int64_t bytes = 0;  // canonical bytes read
@@ -72,6 +84,10 @@ struct QuantizeResult {
   int64_t exchanged_tensors = 0;      // tensors whose magnitude the exchange answered
   double exchange_seconds = 0;        // in IncomingOptions::exchange (waiting for other nodes)
   int threads = 0;
+  // IncomingOptions::digests: one per piece quantised in a format senders produce (fp8, MXFP8,
+  // W4A16: the forms catch-ups serve), in target then piece order.
+  std::vector<QuantizedPieceDigest> digests;
+  int64_t digest_bytes = 0;  // quantised bytes hashed for them
 };
 
 // NVFP4: the largest magnitude of the part of one canonical tensor this node's pieces hold.
@@ -99,6 +115,10 @@ struct IncomingOptions {
   int early_threads = 0;
   // NVFP4 magnitudes across nodes (see MagnitudeExchange); unset: partial groups use their own.
   MagnitudeExchange exchange;
+  // Hash each piece right after quantising it (QuantizeResult::digests): the end-to-end record of
+  // what a receiver-quantised rollout holds, against which a catch-up certifies it as a source
+  // (pb::QuantizedPieceDigest). The node sets it with --digests.
+  bool digests = false;
   // TEST ONLY: on the quantising thread after piece `piece` of target `target` was written.
   std::function<void(size_t target, int32_t piece)> after_piece;
 };
@@ -139,6 +159,8 @@ class IncomingQuantization {
   void ReadyLocked(size_t job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Work();
   absl::Status Run(const Task& t, float& amax) const;
+  // The piece's QuantizedPieceDigest::digest (after Run quantised it); adds the bytes hashed.
+  absl::StatusOr<uint64_t> PieceDigest(const Job& job, int64_t& bytes) const;
   absl::Status DeadlineError() const;
   // Finish, with an exchange: the parts of every NVFP4 tensor, sent; the partial groups' scales
   // from the answer, their quantising queued. Called with mu_ held; releases it around the call.
@@ -154,6 +176,7 @@ class IncomingQuantization {
   std::vector<Group> groups_;  // fixed after Start but amax / global / counts (under mu_)
   std::map<uint32_t, std::vector<size_t>> jobs_of_op_;  // fixed after Start
   std::function<void(size_t target, int32_t piece)> after_piece_;
+  bool digests_ = false;
   MagnitudeExchange exchange_;
   QuantizeResult base_;
   std::vector<std::thread> threads_;
@@ -163,6 +186,8 @@ class IncomingQuantization {
   std::vector<size_t> job_waits_ ABSL_GUARDED_BY(mu_);      // ops each job still waits for
   std::vector<bool> job_ready_ ABSL_GUARDED_BY(mu_);
   std::vector<float> job_amax_ ABSL_GUARDED_BY(mu_);  // NVFP4 jobs: the piece's largest magnitude
+  std::vector<std::optional<uint64_t>> job_digest_ ABSL_GUARDED_BY(mu_);  // digests_: per job, once quantised
+  int64_t digest_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t groups_measured_ ABSL_GUARDED_BY(mu_) = 0;   // groups whose magnitude tasks all ran
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   int allowed_ ABSL_GUARDED_BY(mu_) = 1;  // threads that may run a task now

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/digest/digest.h"
 #include "daemon/quantize.h"
 #include "gtest/gtest.h"
 #include "planner/box.h"
@@ -400,6 +401,44 @@ TEST_F(IncomingQuantizationTest, PiecesAreQuantisedAsTheirOpsLandAndFinishDoesTh
   EXPECT_EQ(r->early_pieces, 3);
   EXPECT_EQ(r->ready_pieces, 3);  // b had no ops listed
   EXPECT_GT(r->busy_seconds, 0.0);
+}
+
+// IncomingOptions::digests: each piece in a format senders produce (the fp8 pieces a and b, not the
+// NVFP4 q and k) gets the digest of its quantised elements and the scales of its blocks, computed
+// independently here from the bytes it wrote (a: elements 0..4095 row-major, its 2x2 float32 scales
+// at 8208; b: elements 6144..8191, its 1x2 scales at 8496). None without the option.
+TEST_F(IncomingQuantizationTest, DigestsOfThePiecesItWroteInTheFormatsSendersProduce) {
+  IncomingOptions o;
+  o.digests = true;
+  auto q = IncomingQuantization::Start(inv_, {Target(&staging_)}, 1, absl::Now() + absl::Seconds(30), o);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (uint32_t op : {10, 11, 12, 13, 14}) (*q)->OpLanded(op);
+  absl::StatusOr<QuantizeResult> r = (*q)->Finish();
+  ASSERT_TRUE(r.ok()) << r.status();
+  const uint8_t* b = staging_[0].host.data();
+  auto expect = [&](int64_t elements_at, std::vector<int64_t> shape, int64_t scales_at, std::vector<int64_t> grid) {
+    auto e = digest::BoxDigest({b + elements_at, shape, {shape[1], 1}, 1});
+    auto c = digest::BoxDigest({b + scales_at, grid, {grid[1], 1}, 4});
+    EXPECT_TRUE(e.ok() && c.ok());
+    return digest::QuantizedDigest(*e, *c);
+  };
+  ASSERT_EQ(r->digests.size(), 2u);
+  EXPECT_EQ(r->digests[0].worker, "r");
+  EXPECT_EQ(r->digests[0].piece, 0);
+  EXPECT_EQ(r->digests[0].tensor, 0);
+  EXPECT_EQ(r->digests[0].box.end, (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(r->digests[0].digest, expect(0, {64, 64}, 8208, {2, 2}));
+  EXPECT_EQ(r->digests[1].piece, 3);
+  EXPECT_EQ(r->digests[1].tensor, 3);
+  EXPECT_EQ(r->digests[1].digest, expect(6144, {32, 64}, 8496, {1, 2}));
+  EXPECT_EQ(r->digest_bytes, 4096 + 16 + 2048 + 8);
+  // Without the option: none.
+  StagedBytes again = staging_;
+  auto plain = IncomingQuantization::Start(inv_, {Target(&again)}, 1, absl::Now() + absl::Seconds(30), IncomingOptions{});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  absl::StatusOr<QuantizeResult> none = (*plain)->Finish();
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->digests.empty());
 }
 
 // --quantize_early_threads=-1: nothing before Finish, whatever landed; the same bytes after it.

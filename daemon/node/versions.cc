@@ -77,6 +77,9 @@ absl::Status Versions::InstallPlan(const pb::InstallPlanRequest& req) {
       return absl::InvalidArgumentError(absl::StrCat("certified box of op ", c.version_op(), ": worker ", c.worker(), " piece ", c.piece(),
                                                      " is not a source piece of the slice"));
     }
+    if (c.quantized_here() && !c.quantized()) {
+      return absl::InvalidArgumentError(absl::StrCat("certified box of op ", c.version_op(), ": quantized_here without quantized"));
+    }
     // A quantised digest certifies a quantised piece, a canonical one an unquantised piece.
     if (plan->live_layouts[c.worker()].pieces[static_cast<size_t>(c.piece())].quant.has_value() != c.quantized()) {
       return absl::InvalidArgumentError(absl::StrCat("certified box of op ", c.version_op(), ": piece ", c.piece(), " of worker ",

@@ -160,6 +160,9 @@ struct Exec {
   // Executor thread only, catch-ups: this node's sources whose memory no longer holds the version
   // (pb::CertifyBox; reported with ReportDone, ReportDoneRequest.stale_sources).
   std::vector<std::string> stale_sources;
+  // What the node's quantiser wrote into its rollouts' quantised pieces (IncomingOptions::digests;
+  // reported with ReportDone, ReportDoneRequest.quantized_pieces).
+  std::vector<node::QuantizedPieceDigest> quantized_pieces;
 };
 
 class Versions {

@@ -295,6 +295,7 @@ absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuant
   if (targets.empty()) return std::unique_ptr<node::IncomingQuantization>();
   node::IncomingOptions o;
   o.early_threads = options_.quantize_early_threads;
+  o.digests = options_.digests;
   o.exchange = [this, &exec](const std::vector<node::MagnitudePart>& parts, bool wait) { return ExchangeMagnitudes(exec, parts, wait); };
   return node::IncomingQuantization::Start(plan.inventory, std::move(targets), exec.version, exec.deadline, o);
 }
@@ -302,13 +303,14 @@ absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> Versions::StartQuant
 absl::Status Versions::FinishQuantizing(Exec& exec, node::IncomingQuantization& q) {
   ASSIGN_OR_RETURN(node::QuantizeResult r, q.Finish());
   if (r.pieces == 0) return absl::OkStatus();
+  exec.quantized_pieces = std::move(r.digests);  // reported with ReportDone (pb::QuantizedPieceDigest)
   metrics().Quantized(options_.node_id, static_cast<uint64_t>(r.bytes), r.finish_seconds);
   Log(LogLevel::kInfo, "version quantised",
       {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"pieces", r.pieces}, {"bytes", r.bytes},
        {"seconds", r.seconds}, {"busy_seconds", r.busy_seconds}, {"finish_seconds", r.finish_seconds}, {"early_pieces", r.early_pieces}, {"ready_pieces", r.ready_pieces},
        {"global_scales", r.global_scales}, {"partial_global_scales", r.partial_global_scales},
        {"exchanged_tensors", r.exchanged_tensors}, {"exchange_seconds", r.exchange_seconds},
-       {"threads", r.threads}});
+       {"threads", r.threads}, {"digested_pieces", static_cast<int64_t>(exec.quantized_pieces.size())}, {"digest_bytes", r.digest_bytes}});
   return absl::OkStatus();
 }
 

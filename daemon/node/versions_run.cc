@@ -12,6 +12,7 @@
 #include "daemon/node/exec_plan_proto.h"
 #include "daemon/node/quantize_outgoing.h"
 #include "daemon/node/versions.h"
+#include "proto/convert.h"
 
 namespace wb::daemon::node {
 
@@ -99,6 +100,15 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
   }
   req.set_catch_up(exec.catch_up);
   for (const std::string& w : exec.stale_sources) req.add_stale_sources(w);
+  if (s.ok()) {
+    for (const node::QuantizedPieceDigest& q : exec.quantized_pieces) {
+      pb::QuantizedPieceDigest* p = req.add_quantized_pieces();
+      p->set_worker_id(q.worker);
+      p->set_tensor(q.tensor);
+      convert::ToProto(q.box, p->mutable_box());
+      p->set_digest(q.digest);
+    }
+  }
   req.set_plan_epoch(exec.epoch);  // tells attempts of one catch-up version apart
   req.set_delta_stream_bytes(static_cast<uint64_t>(exec.delta.bytes_sent_stream));
   req.set_delta_replaced_bytes(static_cast<uint64_t>(exec.delta.bytes_sent_raw));
