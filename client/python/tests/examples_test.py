@@ -12,7 +12,9 @@
   by integrations_test, independently of the daemon): FSDP2 trainers -> SGLang rollouts (sync, with
   release / resume), Megatron trainers -> vLLM worker extension (one-step-off, with sleep / wake),
   and trainers -> vLLM's weight-transfer API with the "weightbridge" backend (sync, through the
-  offline calls, and one-step-off over HTTP routes); every engine parameter compared.
+  offline calls, and one-step-off over HTTP routes), DeepSpeed ZeRO-3 trainers over 3 ranks (their
+  partitions built as deepspeed.zero.Init builds them) -> vLLM worker extension tp=2 (sync); every
+  engine parameter compared.
 """
 
 import ast
@@ -370,7 +372,8 @@ class ExamplesNameTest(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertEqual(p.stdout.strip(), "[]")
         self.assertEqual(set(EXAMPLE_FILES), {"quickstart.py", "megatron_trainer_hook.py", "fsdp2_trainer_hook.py",
-                                              "vllm_worker_extension.py", "vllm_transfer_backend.py", "sglang_rollout.py"})
+                                              "vllm_worker_extension.py", "vllm_transfer_backend.py", "sglang_rollout.py",
+                                              "deepspeed_zero3_trainer_hook.py"})
 
     def test_examples_name_only_what_exists(self):
         for f in EXAMPLE_FILES:
@@ -433,6 +436,37 @@ class FakeMegatronChunk:
 
     def named_buffers(self):
         return iter([])
+
+
+class FakeZero3Param:
+    """A parameter as deepspeed.zero.Init leaves it on rank `rank` of `world`
+    (deepspeed/runtime/zero/partition_parameters.py, _partition_param): ds_tensor holds flat
+    elements [rank * c, +c), c = ceil(n / world), the end's rank padded (0xDEAD here), param.data
+    freed."""
+
+    def __init__(self, whole, world, rank):
+        flat = whole.reshape(-1)
+        n, c = flat.size, -(-flat.size // world)
+        self.ds_tensor = np.full(c, 0xDEAD, flat.dtype)
+        valid = max(0, min(c, n - rank * c))
+        self.ds_tensor[:valid] = flat[rank * c:rank * c + valid]
+        self.ds_id, self.ds_numel, self.ds_shape, self.ds_persist = 0, n, tuple(whole.shape), False
+        self.ds_process_group = ns(size=lambda: world, rank=lambda: rank)
+        self.data = np.empty((0,), flat.dtype)
+
+
+class FakeZero3Engine:
+    """A DeepSpeed ZeRO-3 engine as the example sees it: "module." names, partitioned parameters,
+    whole buffers (rotary inv_freq: not a weight)."""
+
+    def __init__(self, c, world, rank):
+        self.params = [("module." + n, FakeZero3Param(a, world, rank)) for n, a in c.items()]
+
+    def named_parameters(self):
+        return iter(self.params)
+
+    def named_buffers(self):
+        return iter([("module.model.rotary_emb.inv_freq", np.ones((32,), np.float32))])
 
 
 def parallel(fns, what):
@@ -536,6 +570,7 @@ class ExamplesRunTest(unittest.TestCase):
         cls.sglang = load_example("sglang_rollout")
         cls.vllm_ext = load_example("vllm_worker_extension")
         cls.vllm_transfer = load_example("vllm_transfer_backend")
+        cls.zero3 = load_example("deepspeed_zero3_trainer_hook")
 
     @classmethod
     def tearDownClass(cls):
@@ -609,6 +644,30 @@ class ExamplesRunTest(unittest.TestCase):
         for h in hooks:
             h.client.deregister()
             h.close()
+        for w in llm.workers:
+            w.wb.client.deregister()
+            w.wb.close()
+
+    def test_deepspeed_zero3_trainers_to_vllm_worker_extension_sync(self):
+        """ZeRO-3 over 3 ranks (uneven: the embedding's 1048576 elements in 349526, 349526 and
+        349524) -> a vLLM tp=2 engine's two workers, sync, three versions."""
+        model = self.zero3.policy_model(self.config, trainer_ranks=3, rollout_ranks=2, mode="sync", model_id="ex_zero3_vllm")
+        hooks = [self.closing(self.zero3.make_hook(self.daemon.socket, model, rank=r, world=3)) for r in range(3)]
+        params = [zeros(2, r) for r in (0, 1)]
+        llm = FakeLLM([fake_vllm_worker(params[r], tp=2, rank=r) for r in (0, 1)])
+        self.assertEqual(len(self.vllm_ext.init(llm, self.daemon.socket, model)), 2)
+        for w in llm.workers:
+            self.closing(w.wb)
+        for v in (1, 2, 3):
+            c = canonical(v)
+            got = parallel([lambda: self.vllm_ext.update_sync(llm, v, TIMEOUT)] +
+                           [lambda h=h, r=r: self.zero3.after_optimizer_step(h, FakeZero3Engine(c, 3, r), v, TIMEOUT)
+                            for r, h in enumerate(hooks)], "version %d" % v)
+            self.assertEqual(got[0], [v, v])
+            for r in (0, 1):
+                self.check(params[r], v, 2, r, "vllm rank %d" % r)
+        for h in hooks:
+            self.zero3.leave(h)
         for w in llm.workers:
             w.wb.client.deregister()
             w.wb.close()

@@ -2,6 +2,8 @@
 
   megatron.MegatronTrainerHook   Megatron-Core trainer rank (preset "megatron")
   fsdp2.FSDP2TrainerHook         torch FSDP2 (fully_shard) trainer rank (preset "fsdp")
+  deepspeed.DeepSpeedZero3TrainerHook   DeepSpeed ZeRO-3 trainer rank (preset "fsdp_flat": ZeRO-3's
+                                 own flat partitions, each parameter's ds_tensor)
   vllm.WeightBridgeWorkerExtension / vllm.VllmRollout   vLLM worker (preset "vllm")
   vllm_lora.WeightBridgeLoraWorkerExtension / vllm_lora.VllmLoraRollout   vLLM LoRA adapter slot
                                  (preset "vllm_lora": a LoRA-adapter model's versions into the
