@@ -114,7 +114,7 @@ struct ExplicitLayout {
   std::vector<pb::Piece> pieces;  // tensor by HF name; see PiecesToProto for planner pieces
 };
 struct PresetLayout {
-  std::string preset;  // megatron | fsdp (= fsdp2) | fsdp_flat | vllm | sglang (docs/presets.md)
+  std::string preset;  // megatron | fsdp (= fsdp2) | fsdp_flat (= deepspeed_zero3) | vllm | sglang (docs/presets.md)
   uint32_t tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;
   bool expert_parallel = false;
   uint32_t replicas = 1;

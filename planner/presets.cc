@@ -30,10 +30,11 @@ enum class Kind { kMegatron, kFsdp2, kFsdpFlat, kVllm };
 absl::StatusOr<Kind> KindOf(const std::string& preset) {
   if (preset == "megatron") return Kind::kMegatron;
   if (preset == "fsdp" || preset == "fsdp2") return Kind::kFsdp2;
-  if (preset == "fsdp_flat") return Kind::kFsdpFlat;
+  // DeepSpeed ZeRO-3 partitions every parameter exactly as fsdp_flat lays it out (docs/presets.md).
+  if (preset == "fsdp_flat" || preset == "deepspeed_zero3") return Kind::kFsdpFlat;
   if (preset == "vllm" || preset == "sglang") return Kind::kVllm;
   return absl::InvalidArgumentError(absl::StrCat("unknown layout preset `", preset,
-                                                 "` (expected megatron, fsdp (= fsdp2), fsdp_flat, vllm or sglang)"));
+                                                 "` (expected megatron, fsdp (= fsdp2), fsdp_flat (= deepspeed_zero3), vllm or sglang)"));
 }
 
 struct LayerIds {

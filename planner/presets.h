@@ -32,8 +32,9 @@
 //   [rows, rest...] and is contiguous; c*rest elements are reserved for it (FSDP2's padded
 //   shard), so every rank's buffer has the same size. Empty shards are listed with 0 rows.
 // fsdp_flat: world = dp; every tensor flattened and split into dp contiguous ranges of ceil(n/dp)
-//   elements; local tensors keep the HF name and are 1-D; empty shards are omitted. (The layout
-//   "fsdp" had before FSDP2 was added; neither FSDP1 nor FSDP2 shards like this.)
+//   elements; local tensors keep the HF name and are 1-D; empty shards are omitted. This is
+//   DeepSpeed ZeRO-3's partitioning (each parameter's ds_tensor): also named "deepspeed_zero3".
+//   (The layout "fsdp" had before FSDP2 was added; neither FSDP1 nor FSDP2 shards like this.)
 // vllm / sglang: world = tp*dp*replicas, rank = (replica*dp + dp_rank)*tp + tp_rank. `replicas`
 //   are independent engines; `dp` is data parallelism inside one engine (vLLM
 //   --data-parallel-size; sglang dp > 1 is DP attention, --tp-size tp*dp --dp-size dp
@@ -72,7 +73,7 @@
 namespace wb::planner {
 
 struct ParallelConfig {
-  std::string preset;  // "megatron", "fsdp" (= "fsdp2"), "fsdp_flat", "vllm", "sglang"
+  std::string preset;  // "megatron", "fsdp" (= "fsdp2"), "fsdp_flat" (= "deepspeed_zero3"), "vllm", "sglang"
   int tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;  // etp 0 = tp
   bool expert_parallel = false;                 // vllm/sglang
   int replicas = 1;                             // vllm/sglang: engines; fsdp2: HSDP replicate size

@@ -1226,6 +1226,15 @@ TEST(Presets, Fsdp2TorchChunkSemantics) {
   const LocalTensor* emb = FindLocal(*flat, "model.embed_tokens.weight");
   ASSERT_NE(emb, nullptr);
   EXPECT_EQ(emb->shape, (std::vector<int64_t>{35 - 3 * 9}));
+  // deepspeed_zero3 names the same layout (ZeRO-3's partitioning), piece for piece.
+  auto zero3 = MakePresetLayout(m.config, m.inv, {.preset = "deepspeed_zero3", .dp = 4}, 3);
+  ASSERT_TRUE(zero3.ok()) << zero3.status();
+  ASSERT_EQ(zero3->layout.pieces.size(), flat->layout.pieces.size());
+  for (size_t i = 0; i < flat->layout.pieces.size(); ++i) {
+    EXPECT_EQ(BoxToString(zero3->layout.pieces[i].box), BoxToString(flat->layout.pieces[i].box));
+    EXPECT_EQ(zero3->layout.pieces[i].offset_bytes, flat->layout.pieces[i].offset_bytes);
+  }
+  EXPECT_FALSE(MakePresetLayout(m.config, m.inv, {.preset = "deepspeed_zero3", .dp = 4, .replicas = 2}, 0).ok());
 }
 
 // vLLM --data-parallel-size 4 --tensor-parallel-size 2 --enable-expert-parallel: attention TP

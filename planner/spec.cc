@@ -128,7 +128,8 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
     RETURN_IF_ERROR(CheckKeys(t, "trainer.", {"layout", "tp", "pp", "dp", "ep", "etp", "first_stage_layers",
                                               "last_stage_layers", "vpp", "replicas", "make_vocab_size_divisible_by",
                                               "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping"}));
-    ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp_flat"}));
+    ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp_flat", "deepspeed_zero3"}));
+    const bool flat = spec.trainer.preset == "fsdp_flat" || spec.trainer.preset == "deepspeed_zero3";
     RETURN_IF_ERROR(GetInt(t, "trainer.", "dp", &spec.trainer.dp, spec.trainer.preset != "megatron"));
     if (spec.trainer.preset == "megatron") {
       RETURN_IF_ERROR(GetInt(t, "trainer.", "tp", &spec.trainer.tp, false));
@@ -147,11 +148,11 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
       if (t.contains("replicas")) return Bad("trainer.replicas", "not used by the megatron layout");
     } else {
       // fsdp2: replicas = HSDP replicate size.
-      if (spec.trainer.preset != "fsdp_flat") RETURN_IF_ERROR(GetInt(t, "trainer.", "replicas", &spec.trainer.replicas, false));
+      if (!flat) RETURN_IF_ERROR(GetInt(t, "trainer.", "replicas", &spec.trainer.replicas, false));
       for (const char* k : {"tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers", "vpp", "replicas",
                             "make_vocab_size_divisible_by", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
                             "use_tp_pp_dp_mapping"}) {
-        if (k == std::string_view("replicas") && spec.trainer.preset != "fsdp_flat") continue;
+        if (k == std::string_view("replicas") && !flat) continue;
         if (t.contains(k)) return Bad(absl::StrCat("trainer.", k), absl::StrCat("not used by the ", spec.trainer.preset, " layout"));
       }
     }

@@ -207,6 +207,15 @@ TEST(SpecTest, DataParallelExpertParallelAndCustomPipeline) {
     "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("trainer.vpp"), std::string::npos) << bad.status();
+  // DeepSpeed ZeRO-3 trainers (= fsdp_flat): dp only.
+  auto zero3 = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "deepspeed_zero3", "dp": 3},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_TRUE(zero3.ok()) << zero3.status();
+  EXPECT_EQ(zero3->trainer.preset, "deepspeed_zero3");
+  auto zero3_replicas = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "deepspeed_zero3", "dp": 2, "replicas": 2},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(zero3_replicas.ok());
+  EXPECT_NE(zero3_replicas.status().message().find("trainer.replicas"), std::string::npos) << zero3_replicas.status();
 }
 
 // Megatron-LM / Megatron-Bridge options that change names, vocab rows or rank order.

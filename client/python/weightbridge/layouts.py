@@ -128,7 +128,7 @@ class ExplicitLayout:
 
 @dataclasses.dataclass
 class PresetLayout:
-    preset: str  # megatron | fsdp (= fsdp2, torch fully_shard) | fsdp_flat | vllm | sglang (docs/presets.md)
+    preset: str  # megatron | fsdp (= fsdp2, torch fully_shard) | fsdp_flat (= deepspeed_zero3) | vllm | sglang (docs/presets.md)
     tp: int = 1
     pp: int = 1
     dp: int = 1
