@@ -3,6 +3,7 @@ weightbridged (temp Unix socket, port 0). Run by //client/python:discovery_test.
 
 import os
 import sys
+import json
 import unittest
 
 import grpc
@@ -114,6 +115,33 @@ class DiscoveryTest(unittest.TestCase):
         for c in trainers + [ro]:
             c.deregister()
             c.close()
+
+    def test_model_tensors_are_the_inventory_whole(self):
+        """client.model_tensors: every HF tensor of the model with its whole shape and dtype, in
+        inventory order, before registering (model=) and after registering as a rollout; nothing is
+        registered by it."""
+        model = wb.ModelConfig(model_id="py_model_tensors", hf_config_json=self.config, num_trainer_workers=1,
+                               num_rollout_workers=1, mode="sync")
+        c = self.daemon.client("mtn")
+        with self.assertRaises(wb.WeightBridgeError) as cm:
+            c.model_tensors()
+        self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        tensors = c.model_tensors(model)
+        cfg = json.loads(self.config)
+        hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+        names = list(tensors)
+        self.assertEqual(names[0], "model.embed_tokens.weight")
+        self.assertEqual(tuple(tensors["model.embed_tokens.weight"].shape), (vocab, hidden))
+        self.assertEqual(tuple(tensors["model.layers.0.mlp.down_proj.weight"].shape), (cfg["intermediate_size"], hidden)[::-1])
+        self.assertEqual(tensors["model.norm.weight"].dtype, "bfloat16")
+        # The same tensors as a vLLM tp=1 rollout's pieces cover, whole.
+        rdesc = c.describe_layout(wb.PresetLayout("vllm"), model=model)
+        covered = {p.tensor: tuple(e - b for b, e in zip(p.box.begin, p.box.end)) for p in rdesc.pieces}
+        self.assertEqual({n: tuple(t.shape) for n, t in tensors.items()}, covered)
+        c.register_worker(model, "r0", "rollout")
+        self.assertEqual(list(c.model_tensors()), names)
+        c.deregister()
+        c.close()
 
     def test_explicit_pieces_transposed_and_quantised(self):
         model = wb.ModelConfig(model_id="py_discover_pieces", explicit_tensors=[("q", (8, 8)), ("w", (256, 192))],

@@ -525,6 +525,24 @@ class WorkerClient:
         resp = self._call("DescribeLayout for model %s" % req.model_id, "DescribeLayout", req, self.call_timeout)
         return LayoutDescription.from_proto(resp.layout)
 
+    def model_tensors(self, model: Optional["ModelConfig"] = None):
+        """The model's tensors as the daemon's inventory holds them (HF names, whole shapes, the
+        canonical dtype), in inventory order: {name: discovery.LocalTensor}. What a trainer or tool
+        needs to build or check whole tensors (a ZeRO-3 or FSDP2 rank holds only its part). The
+        daemon computes it from the model's HF config - the description of the `fsdp` preset at
+        dp=1, one rank holding every tensor whole -; nothing is registered. `model` as in
+        describe_layout (needed before register_worker)."""
+        if self._register_req is not None:
+            req = describe_request(self.model_id, "", PresetLayout("fsdp", dp=1, rank=0).to_proto(), role=pb.ROLE_TRAINER)
+        elif model is not None:
+            req = describe_request(model.model_id, "", PresetLayout("fsdp", dp=1, rank=0).to_proto(), model.to_proto(),
+                                   role=pb.ROLE_TRAINER)
+        else:
+            raise WeightBridgeError("DescribeLayout", grpc.StatusCode.FAILED_PRECONDITION,
+                                    "before register_worker, pass model= (its spec goes with the request)")
+        resp = self._call("DescribeLayout (model tensors) for model %s" % req.model_id, "DescribeLayout", req, self.call_timeout)
+        return dict(LayoutDescription.from_proto(resp.layout).tensors)
+
     def publish(self, version, timeout=60.0) -> PublishResult:
         """Trainer: `version` is ready in the buffers; they must not change until this returns.
 
