@@ -3,6 +3,8 @@
 #include <set>
 
 #include "planner/box.h"
+#include "planner/quantized.h"
+#include "planner/sender_quant.h"
 #include "proto/convert.h"
 
 namespace wb::daemon {
@@ -39,6 +41,14 @@ CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, co
         // A canonical digest certifies an unquantised piece; a sender-quantised one a quantised
         // piece holding the box in whole blocks (the source's node checks the format's grid).
         if (pieces[p].tensor != l.tensor || pieces[p].quant.has_value() != l.quantized || !planner::BoxContains(pieces[p].box, l.box)) {
+          continue;
+        }
+        // A quantised digest certifies whole blocks of a format senders produce, as the source's
+        // node checks (digest::CertifySources); anything else would fail the catch-up, not name a
+        // stale source: such a record certifies nothing.
+        if (l.quantized && (in.inventory == nullptr || static_cast<size_t>(l.tensor) >= in.inventory->tensors.size() ||
+                            !planner::SenderCanQuantize(*pieces[p].quant) ||
+                            !planner::BoxOnBlockGrid(l.box, in.inventory->tensors[static_cast<size_t>(l.tensor)].shape, pieces[p].quant->block))) {
           continue;
         }
         pb::CertifyBox* c = slice->second.add_certify();

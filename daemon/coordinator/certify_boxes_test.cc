@@ -17,7 +17,11 @@ struct Fixture {
     auto s0 = std::make_shared<planner::WorkerLayout>();
     s0->pieces.push_back({0, planner::Box{{0, 0}, {8, 4}}, 0, 0, {4, 1}, std::nullopt});
     planner::Piece q{1, planner::Box{{0}, {4}}, 0, 64, {1}, std::nullopt};
-    q.quant = planner::Quantization{};
+    q.quant = planner::Quantization{planner::DType::kF8E4M3, {2}, 0, 128, planner::DType::kF32, -1};
+    auto inv = std::make_shared<planner::Inventory>();
+    inv->tensors.push_back({"t0", {8, 4}, planner::DType::kBF16});
+    inv->tensors.push_back({"t1", {4}, planner::DType::kBF16});
+    in.inventory = inv;
     s0->pieces.push_back(q);
     auto s1 = std::make_shared<planner::WorkerLayout>();
     s1->pieces.push_back({0, planner::Box{{0, 0}, {4, 4}}, 0, 0, {4, 1}, std::nullopt});
@@ -97,6 +101,28 @@ TEST(CertifyBoxesTest, ASenderQuantisedLandingCertifiesTheQuantisedPieceOnly) {
   EXPECT_EQ(c.tensor(), 1);
   EXPECT_EQ(c.digest(), 13u);
   EXPECT_TRUE(c.quantized());
+  EXPECT_FALSE(c.quantized_here());
+}
+
+// What a rollout's node quantised itself (quantized_here) reaches the slice marked so; a quantised
+// record off the piece's block grid, or on a format no sender produces, certifies nothing (the
+// source's node would refuse it and fail the catch-up instead of naming a stale source).
+TEST(CertifyBoxesTest, QuantisedRecordsTheSourceCannotCheckAreLeftOut) {
+  Fixture f;
+  std::map<std::string, std::vector<LandedBox>> landed;
+  landed["s0"] = {{1, planner::Box{{0}, {4}}, 13, 0, false, true, true}};
+  ASSERT_EQ(AddCertifyBoxes(f.plan, f.in, landed, &f.by_node).boxes, 1);
+  EXPECT_TRUE(f.by_node["n0"].certify(0).quantized_here());
+  Fixture off_grid;
+  landed["s0"] = {{1, planner::Box{{1}, {3}}, 13, 0, false, true, true}};
+  EXPECT_EQ(AddCertifyBoxes(off_grid.plan, off_grid.in, landed, &off_grid.by_node).boxes, 0);
+  Fixture nvfp4;
+  auto layout = std::make_shared<planner::WorkerLayout>(*nvfp4.in.workers[0].layout);
+  layout->pieces[1].quant->dtype = planner::DType::kF4E2M1;
+  layout->pieces[1].quant->scale_dtype = planner::DType::kF8E4M3;
+  nvfp4.in.workers[0].layout = layout;
+  landed["s0"] = {{1, planner::Box{{0}, {4}}, 13, 0, false, true, true}};
+  EXPECT_EQ(AddCertifyBoxes(nvfp4.plan, nvfp4.in, landed, &nvfp4.by_node).boxes, 0);
 }
 
 }  // namespace

@@ -54,22 +54,36 @@ absl::Status DigestBook::Record(std::map<uint32_t, uint64_t>& side, const char* 
 
 absl::Status DigestBook::Add(const pb::ReportDoneRequest& report) {
   for (const pb::QuantizedPieceDigest& q : report.quantized_pieces()) {
-    const std::string what = absl::StrCat("node ", report.node_id(), " reported a quantised piece of worker ", q.worker_id(), " in model ",
-                                          model_id_, " version ", version_);
+    auto what = [&] {
+      return absl::StrCat("node ", report.node_id(), " reported a quantised piece of worker ", q.worker_id(), " in model ", model_id_,
+                          " version ", version_);
+    };
     auto node = node_of_.find(q.worker_id());
     if (node == node_of_.end() || node->second != report.node_id() ||
         std::find(worker_ids_.begin(), worker_ids_.end(), q.worker_id()) == worker_ids_.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ", which is no worker of the plan on that node"));
+      return absl::InvalidArgumentError(absl::StrCat(what(), ", which is no worker of the plan on that node"));
     }
     if (inventory_ == nullptr || q.tensor() < 0 || static_cast<size_t>(q.tensor()) >= inventory_->tensors.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": tensor ", q.tensor(), " is not in the inventory"));
+      return absl::InvalidArgumentError(absl::StrCat(what(), ": tensor ", q.tensor(), " is not in the inventory"));
     }
     absl::StatusOr<planner::Box> box = convert::FromProto(q.box());
     if (!box.ok() || !planner::BoxInside(*box, inventory_->tensors[static_cast<size_t>(q.tensor())].shape)) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": not a box of tensor ", inventory_->tensors[static_cast<size_t>(q.tensor())].name));
+      return absl::InvalidArgumentError(absl::StrCat(what(), ": not a box of tensor ", inventory_->tensors[static_cast<size_t>(q.tensor())].name));
     }
-    LandedBox l{q.tensor(), std::move(*box), q.digest(), 0, kind_ == Kind::kCatchUp, true, true};
-    quantized_pieces_.emplace_back(q.worker_id(), std::move(l));
+    auto key = std::make_tuple(q.worker_id(), q.tensor(), box->begin, box->end);
+    auto it = quantized_pieces_.find(key);
+    if (it != quantized_pieces_.end()) {
+      if (it->second.digest != q.digest()) {
+        return absl::InvalidArgumentError(absl::StrCat(what(), ": box ", planner::BoxToString(*box), " of tensor ",
+                                                       inventory_->tensors[static_cast<size_t>(q.tensor())].name,
+                                                       " again with another digest"));
+      }
+      continue;  // the same report again
+    }
+    if (quantized_pieces_.size() >= kMaxQuantizedPieces) {
+      return absl::InvalidArgumentError(absl::StrCat(what(), ": more than ", kMaxQuantizedPieces, " quantised pieces in one version"));
+    }
+    quantized_pieces_.emplace(std::move(key), LandedBox{q.tensor(), std::move(*box), q.digest(), 0, kind_ == Kind::kCatchUp, true, true});
   }
   for (const pb::OpDigest& d : report.source_digests()) {
     if (absl::Status s = Record(source_, "source", d, report.node_id()); !s.ok()) return s;
@@ -106,7 +120,7 @@ LandedRecord DigestBook::LandedByWorker() const {
     out[worker_ids_[static_cast<size_t>(op.dst_worker)]].push_back(
         {op.tensor, op.box, digest, index, kind_ == Kind::kCatchUp, op.sender_quantized});
   }
-  for (const auto& [worker, l] : quantized_pieces_) out[worker].push_back(l);
+  for (const auto& [key, l] : quantized_pieces_) out[std::get<0>(key)].push_back(l);
   return out;
 }
 

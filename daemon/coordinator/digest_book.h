@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -54,6 +55,9 @@ using LandedRecord = std::map<std::string, std::vector<LandedBox>>;
 
 class DigestBook {
  public:
+  // Quantised pieces (ReportDoneRequest.quantized_pieces) one book keeps at most.
+  static constexpr size_t kMaxQuantizedPieces = size_t{1} << 20;
+
   // What the book checks: a version, or a catch-up (catch_up.h: the committed version once more,
   // from the rollouts that hold it to the late ones, on its own plan). Only the wording of a
   // mismatch differs: what is aborted, and what stays.
@@ -68,8 +72,9 @@ class DigestBook {
   // Records one node's digests. DATA_LOSS naming the first op whose two digests differ (tensor,
   // box, source worker and node, destination worker and node, both digests); INVALID_ARGUMENT for
   // an op index outside the plan, or a second, different digest of one side of an op, or a
-  // quantised piece (quantized_pieces) of a worker that is no rollout of the plan on that node or
-  // of no tensor box of the inventory.
+  // quantised piece (quantized_pieces) of a worker that is not one of the plan's on that node, of
+  // no tensor box of the inventory, reported again with another digest, or past
+  // kMaxQuantizedPieces.
   absl::Status Add(const pb::ReportDoneRequest& report);
 
   // After every node reported.
@@ -93,7 +98,9 @@ class DigestBook {
   std::map<std::string, std::string> node_of_;  // worker id -> node id
   std::vector<const planner::TransferOp*> ops_;  // by op index
   std::map<uint32_t, uint64_t> source_, landed_;
-  std::vector<std::pair<std::string, LandedBox>> quantized_pieces_;  // (worker id, piece) as reported
+  // (worker id, tensor, box) -> the piece's record, as reported (quantized_pieces); at most
+  // kMaxQuantizedPieces per book.
+  std::map<std::tuple<std::string, int32_t, std::vector<int64_t>, std::vector<int64_t>>, LandedBox> quantized_pieces_;
 };
 
 }  // namespace wb::daemon

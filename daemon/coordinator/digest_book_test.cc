@@ -181,6 +181,12 @@ TEST(DigestBookTest, QuantisedPiecesANodeWroteAreKeptForItsRollouts) {
   pb::ReportDoneRequest tensor = r;
   tensor.mutable_quantized_pieces(0)->set_tensor(5);
   EXPECT_EQ(book.Add(tensor).code(), absl::StatusCode::kInvalidArgument);
+  // The same report again adds nothing; the same piece with another digest is refused.
+  ASSERT_TRUE(book.Add(r).ok());
+  EXPECT_EQ(book.LandedByWorker().at("r0").size(), 1u);
+  pb::ReportDoneRequest changed = r;
+  changed.mutable_quantized_pieces(0)->set_digest(0x78);
+  EXPECT_EQ(book.Add(changed).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -235,6 +235,74 @@ TEST_F(VersionsTest, ACatchUpAbortIsNoAbortOfTheVersion) {
   EXPECT_TRUE(local_->AbortReason("m", 3).has_value());
 }
 
+// A catch-up slice's certified boxes name the form of their digest: a quantised digest
+// (CertifyBox.quantized) only on a quantised piece, a canonical one only on an unquantised piece,
+// quantized_here only with quantized. Anything else is refused at install, naming the piece.
+TEST_F(VersionsTest, CertifiedBoxesMustMatchTheFormOfTheirPiece) {
+  auto slice = [](bool quantized, bool here, int32_t piece) {
+    pb::InstallPlanRequest req;
+    pb::PlanSlice* s = req.mutable_slice();
+    s->set_model_id("m");
+    s->set_plan_epoch(3);
+    s->set_catch_up(true);
+    s->set_num_buckets(1);
+    pb::TensorSpec* t = s->add_tensors();
+    t->set_name("w");
+    t->add_shape(4);
+    t->add_shape(4);
+    t->set_dtype(pb::DTYPE_BF16);
+    pb::PlanWorker* w = s->add_workers();  // a source rollout, a trainer of the catch-up slice
+    w->set_worker_id("r0");
+    w->set_node_id("n0");
+    w->set_role(pb::ROLE_TRAINER);
+    pb::ResolvedLayout* l = w->mutable_layout();
+    pb::BufferSpec* b = l->add_buffers();
+    b->set_buffer_id(0);
+    b->set_size_bytes(256);
+    for (int p = 0; p < 2; ++p) {  // piece 0 rows 0-1 unquantised, piece 1 rows 2-3 fp8 (1x4 blocks)
+      pb::Piece* pc = l->add_pieces();
+      pc->set_tensor("w");
+      pc->mutable_box()->add_begin(2 * p);
+      pc->mutable_box()->add_begin(0);
+      pc->mutable_box()->add_end(2 * p + 2);
+      pc->mutable_box()->add_end(4);
+      pc->set_offset_bytes(p == 0 ? 0 : 64);
+      pc->add_strides(4);
+      pc->add_strides(1);
+      if (p == 1) {
+        pc->set_quant_dtype(pb::DTYPE_F8_E4M3);
+        pc->add_quant_block(1);
+        pc->add_quant_block(4);
+        pc->set_scale_offset_bytes(128);
+      }
+    }
+    pb::CertifyBox* c = s->add_certify();
+    c->set_worker(0);
+    c->set_piece(piece);
+    c->set_tensor(0);
+    c->mutable_box()->add_begin(piece == 0 ? 0 : 2);
+    c->mutable_box()->add_begin(0);
+    c->mutable_box()->add_end(piece == 0 ? 2 : 4);
+    c->mutable_box()->add_end(4);
+    c->set_digest(1);
+    c->set_quantized(quantized);
+    c->set_quantized_here(here);
+    return req;
+  };
+  EXPECT_TRUE(versions_->InstallPlan(slice(false, false, 0)).ok()) << versions_->InstallPlan(slice(false, false, 0));
+  EXPECT_TRUE(versions_->InstallPlan(slice(true, false, 1)).ok()) << versions_->InstallPlan(slice(true, false, 1));
+  EXPECT_TRUE(versions_->InstallPlan(slice(true, true, 1)).ok()) << versions_->InstallPlan(slice(true, true, 1));
+  absl::Status s = versions_->InstallPlan(slice(true, false, 0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("piece 0 of worker r0 is not quantised, the digest covers quantised bytes"), std::string::npos) << s;
+  s = versions_->InstallPlan(slice(false, false, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("is quantised, the digest covers canonical bytes"), std::string::npos) << s;
+  s = versions_->InstallPlan(slice(false, true, 0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("quantized_here without quantized"), std::string::npos) << s;
+}
+
 TEST_F(VersionsTest, ExchangeRegionsWaitTimesOutInSimulatedTime) {
   InstallPlan();
   const absl::Time deadline = clock_.Now() + absl::Seconds(60);
