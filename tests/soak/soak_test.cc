@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -115,12 +116,20 @@ std::set<std::string> ShmNames() {
   return out;
 }
 
-// Worker shm segments are named /wb-<prefix>-<pid>-<n>-<salt>: those of process `pid`.
+// The segments the soak's worker process `pid` created: the e2e workers name them
+// /wb-e2e-<role>-<pid>-<n>-<salt> (tests/e2e/worker_common.cc). Called once that process exited
+// (reaped): a live process holding `pid` now is another one - pids are reused, and other tests run
+// beside this one (make test: two at a time) - so nothing is attributed to it, and nothing of
+// another test's (say a Python client's "wb-ptr-<pid>-...") is ever counted or unlinked here.
 std::vector<std::string> ShmOfPid(pid_t pid) {
   std::vector<std::string> out;
+  if (::kill(pid, 0) == 0 || errno == EPERM) {
+    std::printf("soak: pid %d is in use by another process again: its segments are not checked\n", static_cast<int>(pid));
+    return out;
+  }
   const std::string needle = absl::StrCat("-", pid, "-");
   for (const std::string& n : ShmNames()) {
-    if (absl::StartsWith(n, "wb-") && n.find(needle) != std::string::npos) out.push_back(n);
+    if (absl::StartsWith(n, "wb-e2e-") && n.find(needle) != std::string::npos) out.push_back(n);
   }
   return out;
 }
