@@ -87,6 +87,21 @@ class Daemon:
             return f.read()[-3000:]
 
 
+class DaemonTestCase(unittest.TestCase):
+    """Test classes sharing one standalone weightbridged (temp socket, port 0) and the tiny Qwen2
+    config (`self.config`, its text)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = Daemon()
+        with open(TINY_CONFIG) as f:
+            cls.config = f.read()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+
 def row_blocks(blocks):
     """Explicit pieces + canonical index map for a buffer holding `blocks` back to back:
     (tensor, r0, r1) = canonical rows [r0, r1) of a 2-D tensor (all columns) or range of a 1-D one."""

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client_test import TIMEOUT, TINY_CONFIG, WORKSPACE, Daemon  # noqa: E402
+from client_test import Daemon, DaemonTestCase, TIMEOUT, TINY_CONFIG, WORKSPACE  # noqa: E402
 
 import weightbridge as wb  # noqa: E402
 
@@ -34,17 +34,7 @@ def piece_view(buf, piece):
                                            strides=[s * 2 for s in piece.strides])
 
 
-class DiscoveryTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        with open(TINY_CONFIG) as f:
-            cls.config = f.read()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.stop()
-
+class DiscoveryTest(DaemonTestCase):
     def test_describe_before_registering_then_views_carry_a_version(self):
         model = wb.ModelConfig(model_id="py_discover", hf_config_json=self.config, num_trainer_workers=2,
                                num_rollout_workers=1, mode="one_step_off")

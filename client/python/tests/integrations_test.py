@@ -17,7 +17,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client_test import TIMEOUT, TINY_CONFIG, Daemon  # noqa: E402
+from client_test import Daemon, DaemonTestCase, TIMEOUT, TINY_CONFIG  # noqa: E402
 
 import weightbridge as wb  # noqa: E402
 from weightbridge.integrations import fsdp2, megatron, sglang, vllm  # noqa: E402
@@ -262,17 +262,7 @@ def run_all(fns):
     return errors
 
 
-class IntegrationsTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        with open(TINY_CONFIG) as f:
-            cls.config = f.read()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.stop()
-
+class IntegrationsTest(DaemonTestCase):
     def model(self, model_id, mode, trainers, rollouts):
         return wb.ModelConfig(model_id=model_id, hf_config_json=self.config, num_trainer_workers=trainers,
                               num_rollout_workers=rollouts, mode=mode)

@@ -24,7 +24,7 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client_test import TIMEOUT, TINY_CONFIG, Daemon  # noqa: E402
+from client_test import Daemon, DaemonTestCase, TIMEOUT, TINY_CONFIG  # noqa: E402
 from integrations_test import run_all  # noqa: E402
 
 import weightbridge as wb  # noqa: E402
@@ -261,17 +261,7 @@ def snapshot(model):
             for k in ("lora_a_stacked", "lora_b_stacked") for i, a in enumerate(getattr(layer, k))}
 
 
-class VllmLoraHookTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        with open(TINY_CONFIG) as f:
-            cls.config = f.read()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.stop()
-
+class VllmLoraHookTest(DaemonTestCase):
     def model(self, model_id, mode, rollouts, max_lora_rank=0, sharded=False):
         return wb.ModelConfig(model_id=model_id, hf_config_json=self.config, num_trainer_workers=1, num_rollout_workers=rollouts,
                               mode=mode, lora=wb.LoraConfig(target_modules=list(TARGETS), r=R, alpha=ALPHA,

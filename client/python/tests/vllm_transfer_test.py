@@ -27,7 +27,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client_test import TIMEOUT, TINY_CONFIG, Daemon  # noqa: E402
+from client_test import Daemon, DaemonTestCase, TIMEOUT, TINY_CONFIG  # noqa: E402
 from integrations_test import FakeEngineModel, canonical, fsdp2_shard, megatron_tp2, run_all, vllm_tp  # noqa: E402
 
 import weightbridge as wb  # noqa: E402
@@ -287,17 +287,7 @@ def zeros(tp, r):
     return {n: np.zeros_like(a) for n, a in vllm_tp(canonical(0), tp, r).items()}
 
 
-class VllmTransferTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = Daemon()
-        with open(TINY_CONFIG) as f:
-            cls.config = f.read()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.stop()
-
+class VllmTransferTest(DaemonTestCase):
     def model(self, model_id, mode, trainers, rollouts):
         return wb.ModelConfig(model_id=model_id, hf_config_json=self.config, num_trainer_workers=trainers,
                               num_rollout_workers=rollouts, mode=mode)
