@@ -96,6 +96,12 @@ void AddAttention(Builder& b, const ModelConfig& c, const std::string& a) {
     return;
   }
   const int64_t q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;
+  if (c.fused_proj) {
+    // Phi-3 (Phi3Attention): one qkv_proj whose rows are [q; k; v], no biases (ParseHfConfig).
+    b.Add(a + "qkv_proj.weight", {q + 2 * kv, H});
+    b.Add(a + "o_proj.weight", {H, q});
+    return;
+  }
   b.Add(a + "q_proj.weight", {q, H});
   if (c.qkv_bias) b.Add(a + "q_proj.bias", {q});
   b.Add(a + "k_proj.weight", {kv, H});
@@ -106,17 +112,29 @@ void AddAttention(Builder& b, const ModelConfig& c, const std::string& a) {
   if (c.o_bias) b.Add(a + "o_proj.bias", {H});
   if (c.attn_sinks) b.Add(a + "sinks", {c.heads});  // GPT-OSS: one learned sink logit per head
   if (c.qk_norm) {
-    b.Add(a + "q_norm.weight", {c.head_dim});
-    b.Add(a + "k_norm.weight", {c.head_dim});
+    // OLMo-2/3 normalise the whole q / k projection (Olmo2RMSNorm(heads * head_dim)), the others
+    // each head (RMSNorm(head_dim)).
+    b.Add(a + "q_norm.weight", {c.qk_norm_full ? q : c.head_dim});
+    b.Add(a + "k_norm.weight", {c.qk_norm_full ? kv : c.head_dim});
   }
 }
 
 void AddLayer(Builder& b, const ModelConfig& c, int64_t l) {
   const int64_t H = c.hidden;
   const std::string p = absl::StrCat("model.layers.", l, ".");
-  b.Add(p + "input_layernorm.weight", {H});
+  if (!c.post_norms) b.Add(p + "input_layernorm.weight", {H});  // OLMo-2/3 have none
   AddAttention(b, c, p + "self_attn.");
   b.Add(p + "post_attention_layernorm.weight", {H});
+  if (c.post_norms) {  // OLMo-2/3: the MLP's output is normalised, its input is not
+    AddGatedMlp(b, p + "mlp.", H, c.intermediate);
+    b.Add(p + "post_feedforward_layernorm.weight", {H});
+    return;
+  }
+  if (c.fused_proj) {  // Phi-3 (Phi3MLP): gate_up_proj rows are [gate; up] (forward chunks it in two)
+    b.Add(p + "mlp.gate_up_proj.weight", {2 * c.intermediate, H});
+    b.Add(p + "mlp.down_proj.weight", {H, c.intermediate});
+    return;
+  }
   if (c.ffn_norms) {  // Gemma 2/3: the MLP is wrapped in its own pre/post norms
     b.Add(p + "pre_feedforward_layernorm.weight", {H});
     AddGatedMlp(b, p + "mlp.", H, c.intermediate, c.mlp_bias);

@@ -61,7 +61,26 @@ INSTANTIATE_TEST_SUITE_P(Models, ParamCount,
                                            Published{"gemma-2-27b.json", 27.227e9},
                                            Published{"gemma-3-1b.json", 999885952, 1e-9},  // exact
                                            Published{"deepseek-v2-lite.json", 15.7e9},
-                                           Published{"deepseek-v2.json", 236e9}));
+                                           Published{"deepseek-v2.json", 236e9},
+                                           // OLMo-2 / OLMo-3: configs of allenai/OLMo-2-0425-1B, -1124-7B,
+                                           // -1124-13B, -0325-32B and Olmo-3-1025-7B. The 13B's config.json and
+                                           // safetensors index were read verbatim (total_size 54,864,793,600 bytes
+                                           // of float32 = 13,716,198,400 parameters, matched exactly); the others'
+                                           // fields as published on their model pages (1B also in a stored test
+                                           // of its config.json), checked against the cards' totals: 1.48B, 7.30B,
+                                           // 32.2B, 7.3B (Olmo 3's vocabulary 100278).
+                                           Published{"olmo-2-1124-13b.json", 13716198400, 1e-9},  // exact
+                                           Published{"olmo-2-0425-1b.json", 1.485e9},
+                                           Published{"olmo-2-1124-7b.json", 7.30e9},
+                                           Published{"olmo-2-0325-32b.json", 32.23e9},
+                                           Published{"olmo-3-1025-7b.json", 7.3e9, 0.01},
+                                           // Phi-3: microsoft/Phi-3-mini-4k-instruct 3,821,079,552 (3.82B), phi-4
+                                           // 14,659,507,200 (14.7B), Phi-4-mini-instruct 3,836,021,760 (3.84B,
+                                           // tied embeddings); config fields as published on the model pages
+                                           // (Phi-4-mini's cross-checked with stored copies of its config.json).
+                                           Published{"phi-3-mini-4k-instruct.json", 3.821e9},
+                                           Published{"phi-4.json", 14.66e9},
+                                           Published{"phi-4-mini-instruct.json", 3.836e9}));
 
 TEST(Inventory, TiedEmbeddingsHaveNoLmHead) {
   Inventory inv = Load("qwen2.5-0.5b.json");
@@ -164,6 +183,54 @@ TEST(Inventory, NewFamiliesTensors) {
   Inventory v2 = Load("deepseek-v2.json");
   EXPECT_EQ(shape_of(v2, "model.layers.5.self_attn.q_a_proj.weight"), (std::vector<int64_t>{1536, 5120}));
   EXPECT_FALSE(has(v2, "model.layers.5.mlp.gate.e_score_correction_bias"));  // group_limited_greedy
+}
+
+// OLMo-2 / OLMo-3 (modeling_olmo2.py): no input_layernorm; q_norm over all query heads and k_norm
+// over all KV heads (full width, not per head); post_attention_layernorm and
+// post_feedforward_layernorm. Phi-3 (modeling_phi3.py): fused qkv_proj [(H + 2*KV)*d, hidden] and
+// gate_up_proj [2*I, hidden], as the checkpoint and HF's modules hold them.
+TEST(Inventory, Olmo2AndPhi3Tensors) {
+  auto shape_of = [](const Inventory& inv, const std::string& n) -> std::vector<int64_t> {
+    auto i = TensorIndex(inv).Find(n);
+    return i ? inv.tensors[*i].shape : std::vector<int64_t>{-1};
+  };
+  auto has = [](const Inventory& inv, const std::string& n) { return TensorIndex(inv).Find(n).has_value(); };
+  Inventory o = Load("olmo-2-0325-32b.json");  // 40 heads, 8 KV heads, head_dim 128
+  EXPECT_FALSE(has(o, "model.layers.0.input_layernorm.weight"));
+  EXPECT_EQ(shape_of(o, "model.layers.0.self_attn.q_norm.weight"), (std::vector<int64_t>{40 * 128}));
+  EXPECT_EQ(shape_of(o, "model.layers.0.self_attn.k_norm.weight"), (std::vector<int64_t>{8 * 128}));
+  EXPECT_EQ(shape_of(o, "model.layers.63.self_attn.k_proj.weight"), (std::vector<int64_t>{1024, 5120}));
+  EXPECT_EQ(shape_of(o, "model.layers.63.post_attention_layernorm.weight"), (std::vector<int64_t>{5120}));
+  EXPECT_EQ(shape_of(o, "model.layers.63.post_feedforward_layernorm.weight"), (std::vector<int64_t>{5120}));
+  EXPECT_FALSE(has(o, "model.layers.0.pre_feedforward_layernorm.weight"));
+  EXPECT_FALSE(has(o, "model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_TRUE(has(o, "lm_head.weight"));
+  // The 13B's safetensors index: 11 tensors per layer, exactly these names.
+  Inventory o13 = Load("olmo-2-1124-13b.json");
+  EXPECT_EQ(o13.tensors.size(), 40u * 11 + 3);
+  for (const char* n : {"mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "post_attention_layernorm.weight",
+                        "post_feedforward_layernorm.weight", "self_attn.k_norm.weight", "self_attn.k_proj.weight",
+                        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight", "self_attn.v_proj.weight"}) {
+    EXPECT_TRUE(has(o13, std::string("model.layers.0.") + n)) << n;
+  }
+  // OLMo-3: the same tensors (Olmo3DecoderLayer is Olmo2DecoderLayer).
+  Inventory o3 = Load("olmo-3-1025-7b.json");
+  EXPECT_EQ(o3.tensors.size(), 32u * 11 + 3);
+  EXPECT_EQ(shape_of(o3, "model.embed_tokens.weight"), (std::vector<int64_t>{100278, 4096}));
+
+  Inventory p = Load("phi-4.json");  // 40 heads, 10 KV heads, head_dim 128, I = 17920
+  EXPECT_EQ(shape_of(p, "model.layers.0.self_attn.qkv_proj.weight"), (std::vector<int64_t>{(40 + 20) * 128, 5120}));
+  EXPECT_EQ(shape_of(p, "model.layers.0.self_attn.o_proj.weight"), (std::vector<int64_t>{5120, 5120}));
+  EXPECT_EQ(shape_of(p, "model.layers.39.mlp.gate_up_proj.weight"), (std::vector<int64_t>{2 * 17920, 5120}));
+  EXPECT_EQ(shape_of(p, "model.layers.39.mlp.down_proj.weight"), (std::vector<int64_t>{5120, 17920}));
+  EXPECT_TRUE(has(p, "model.layers.39.input_layernorm.weight"));
+  EXPECT_TRUE(has(p, "model.layers.39.post_attention_layernorm.weight"));
+  EXPECT_FALSE(has(p, "model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_FALSE(has(p, "model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_EQ(p.tensors.size(), 40u * 6 + 3);
+  Inventory mini = Load("phi-4-mini-instruct.json");  // tied
+  EXPECT_FALSE(has(mini, "lm_head.weight"));
+  EXPECT_EQ(shape_of(mini, "model.layers.0.self_attn.qkv_proj.weight"), (std::vector<int64_t>{(24 + 16) * 128, 3072}));
 }
 
 // Issue 15.5: a config.json's numbers are bounded before anything is allocated from them.

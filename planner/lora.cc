@@ -306,6 +306,11 @@ absl::Status ValidateLora(const ModelConfig& c, const LoraConfig& lora) {
       return absl::InvalidArgumentError(absl::StrCat("lora.target_modules: ", kModules[m].name, " on ", c.architecture,
                                                      ": multi-head latent attention has no such projection"));
     }
+    if (c.fused_proj && m != 3 && m != 6) {
+      // Phi-3's modules are qkv_proj / gate_up_proj: PEFT has no q/k/v/gate/up module to adapt.
+      return absl::InvalidArgumentError(absl::StrCat("lora.target_modules: ", kModules[m].name, " on ", c.architecture,
+                                                     ": its attention and MLP inputs are the fused qkv_proj / gate_up_proj (not modelled)"));
+    }
     if (m >= 4 && (c.experts > 0 || c.fused_experts)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "lora.target_modules: ", kModules[m].name, " on ", c.architecture, " (",

@@ -40,6 +40,10 @@ const char* ModelFamilyName(ModelFamily family) {
       return "gemma2";
     case ModelFamily::kGemma3:
       return "gemma3_text";
+    case ModelFamily::kOlmo2:
+      return "olmo2";
+    case ModelFamily::kPhi3:
+      return "phi3";
   }
   return "unknown";
 }
@@ -244,6 +248,23 @@ absl::Status ParseTensorFlags(const Reader& r, ModelConfig& c) {
       c.ffn_norms = true;
       c.qk_norm = c.family == ModelFamily::kGemma3;
       break;
+    case ModelFamily::kOlmo2:
+      // Olmo2Attention / Olmo3Attention (configuration_olmo2.py / olmo3.py: attention_bias default
+      // false): q/k/v/o biases from attention_bias; q_norm over num_attention_heads*head_dim and
+      // k_norm over num_key_value_heads*head_dim; Olmo2DecoderLayer drops input_layernorm.
+      c.qkv_bias = c.o_bias = attention_bias;
+      c.qk_norm = c.qk_norm_full = true;
+      c.post_norms = true;
+      break;
+    case ModelFamily::kPhi3:
+      // Phi3Attention / Phi3MLP build every projection with bias=False and Phi3Config has neither
+      // attention_bias nor mlp_bias: refused rather than ignored.
+      if (attention_bias) return refuse("attention_bias");
+      c.fused_proj = true;
+      // InternLM-style `bias`: HF's Phi-3 ignores it; vLLM's and SGLang's Phi-3 (their llama.py)
+      // read `attention_bias or bias` (refused there: CheckVllm).
+      if (const json* b = r.Find("bias"); b != nullptr && b->is_boolean()) c.bias_key = b->get<bool>();
+      break;
   }
 
   return absl::OkStatus();
@@ -367,7 +388,8 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       {"MixtralForCausalLM", ModelFamily::kMixtral},     {"DeepseekV3ForCausalLM", ModelFamily::kDeepseekV3},
       {"DeepseekV2ForCausalLM", ModelFamily::kDeepseekV2}, {"Glm4MoeForCausalLM", ModelFamily::kGlm4Moe},
       {"GptOssForCausalLM", ModelFamily::kGptOss},       {"Gemma2ForCausalLM", ModelFamily::kGemma2},
-      {"Gemma3ForCausalLM", ModelFamily::kGemma3}};
+      {"Gemma3ForCausalLM", ModelFamily::kGemma3},       {"Olmo2ForCausalLM", ModelFamily::kOlmo2},
+      {"Olmo3ForCausalLM", ModelFamily::kOlmo2},         {"Phi3ForCausalLM", ModelFamily::kPhi3}};
   bool known = false;
   std::vector<std::string> names;
   for (const auto& [name, family] : kArchitectures) {

@@ -25,6 +25,8 @@ enum class ModelFamily : uint8_t {
   kGptOss,      // GptOssForCausalLM: q/k/v/o biases, attention sinks, fused experts with biases, router bias
   kGemma2,      // Gemma2ForCausalLM: pre/post feed-forward norms, tied embeddings by default
   kGemma3,      // Gemma3ForCausalLM (text): as Gemma 2 plus q_norm/k_norm
+  kOlmo2,       // Olmo2ForCausalLM, Olmo3ForCausalLM (same tensors): post-norms only, full-width q_norm/k_norm
+  kPhi3,        // Phi3ForCausalLM (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini): fused qkv_proj and gate_up_proj in the checkpoint
 };
 const char* ModelFamilyName(ModelFamily family);
 
@@ -59,6 +61,15 @@ struct ModelConfig {
   bool ffn_norms = false; // pre_feedforward_layernorm + post_feedforward_layernorm (Gemma 2/3)
   bool attn_sinks = false;     // self_attn.sinks [heads] (GPT-OSS)
   bool fused_experts = false;  // GPT-OSS: mlp.experts.{gate_up_proj,down_proj}[_bias] over all experts, mlp.router.{weight,bias}
+  // OLMo-2/3: no input_layernorm; post_attention_layernorm normalises the attention output and
+  // post_feedforward_layernorm the MLP output (Olmo2DecoderLayer).
+  bool post_norms = false;
+  // With qk_norm: q_norm [heads*head_dim] and k_norm [kv_heads*head_dim] over all heads at once
+  // (OLMo-2/3's Olmo2RMSNorm on the whole projection) instead of per-head [head_dim].
+  bool qk_norm_full = false;
+  // Phi-3: the checkpoint (and HF's Phi3Attention / Phi3MLP) holds self_attn.qkv_proj
+  // [(heads + 2*kv_heads)*head_dim, hidden] and mlp.gate_up_proj [2*intermediate, hidden] fused.
+  bool fused_proj = false;
 
   // Mixture of experts (experts == 0: dense model).
   int64_t experts = 0;                    // num_experts / n_routed_experts / num_local_experts

@@ -190,5 +190,55 @@ TEST(ModelConfig, TensorFlagsHonouredOrRefused) {
   EXPECT_NE(mm.status().message().find("text"), std::string::npos) << mm.status();
 }
 
+// OLMo-2 / OLMo-3 (configuration_olmo2.py / configuration_olmo3.py, modeling_olmo2.py) and Phi-3
+// (configuration_phi3.py, modeling_phi3.py): families, flags and the HF classes' defaults.
+TEST(ModelConfig, Olmo2Olmo3AndPhi3) {
+  for (const char* f : {"olmo-2-1124-7b.json", "olmo-2-0325-32b.json", "olmo-3-1025-7b.json"}) {
+    auto c = ParseHfConfig(ReadTestdata(f));
+    ASSERT_TRUE(c.ok()) << f << ": " << c.status();
+    EXPECT_EQ(c->family, ModelFamily::kOlmo2) << f;
+    EXPECT_TRUE(c->post_norms && c->qk_norm && c->qk_norm_full) << f;
+    EXPECT_FALSE(c->qkv_bias || c->o_bias || c->fused_proj || c->ffn_norms || c->tie_word_embeddings) << f;
+    EXPECT_EQ(c->head_dim, 128) << f;  // hidden_size / num_attention_heads
+  }
+  // Olmo2Config: attention_bias -> q/k/v/o biases; tie_word_embeddings default false; mlp_bias
+  // has no tensors in Olmo2MLP.
+  const std::string olmo = R"({"architectures":["Olmo2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_attention_heads":4,"num_hidden_layers":1,"vocab_size":100)";
+  auto b = ParseHfConfig(olmo + R"(,"attention_bias":true})");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(b->qkv_bias && b->o_bias);
+  EXPECT_EQ(b->kv_heads, 4);  // num_key_value_heads defaults to num_attention_heads
+  auto mb = ParseHfConfig(olmo + R"(,"mlp_bias":true})");
+  ASSERT_FALSE(mb.ok());
+  EXPECT_EQ(mb.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(mb.status().message().find("mlp_bias"), std::string::npos) << mb.status();
+
+  auto p = ParseHfConfig(ReadTestdata("phi-4-mini-instruct.json"));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->family, ModelFamily::kPhi3);
+  EXPECT_TRUE(p->fused_proj);
+  EXPECT_TRUE(p->tie_word_embeddings);
+  EXPECT_EQ(p->head_dim, 128);  // 3072 / 24 (partial_rotary_factor changes no tensor)
+  EXPECT_EQ(p->kv_heads, 8);
+  EXPECT_FALSE(p->qk_norm || p->post_norms || p->qkv_bias || p->mlp_bias);
+  auto p4 = ParseHfConfig(ReadTestdata("phi-4.json"));
+  ASSERT_TRUE(p4.ok()) << p4.status();
+  EXPECT_FALSE(p4->tie_word_embeddings);
+  // Phi3Attention / Phi3MLP have no biases: attention_bias / mlp_bias true are refused, named.
+  const std::string phi = R"({"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_attention_heads":4,"num_hidden_layers":1,"vocab_size":100)";
+  for (const char* flag : {"attention_bias", "mlp_bias"}) {
+    auto r = ParseHfConfig(phi + ",\"" + flag + "\":true}");
+    ASSERT_FALSE(r.ok()) << flag;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(flag), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("Phi3ForCausalLM"), std::string::npos) << r.status();
+  }
+  auto hd = ParseHfConfig(phi + R"(,"head_dim":32})");  // Phi3Attention: getattr(config, "head_dim", ...)
+  ASSERT_TRUE(hd.ok());
+  EXPECT_EQ(hd->head_dim, 32);
+}
+
 }  // namespace
 }  // namespace wb::planner

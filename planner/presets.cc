@@ -46,6 +46,7 @@ struct LayerIds {
   int32_t gate_b = -1, up_b = -1, down_b = -1;  // Llama mlp_bias
   int32_t pre_ff = -1, post_ff = -1;            // Gemma pre/post feed-forward norms
   int32_t sinks = -1;                           // GPT-OSS attention sinks
+  int32_t qkv = -1, gate_up = -1;               // Phi-3's fused qkv_proj / gate_up_proj (canonical tensors)
   int32_t gu = -1, gu_b = -1, dn = -1, dn_b = -1;  // GPT-OSS fused experts (gate_up_proj[_bias], down_proj[_bias])
   int32_t router = -1, router_bias = -1;
   std::vector<std::array<int32_t, 3>> experts;  // {gate, up, down} (Mixtral: {w1, w3, w2})
@@ -214,8 +215,17 @@ absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const Model
     LayerIds& L = ids->layers[l];
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const std::string a = p + "self_attn.";
-    ASSIGN_OR_RETURN(L.input_norm, r.Need(p + "input_layernorm.weight"));
+    if (!c.post_norms) {  // OLMo-2/3 have no input_layernorm
+      ASSIGN_OR_RETURN(L.input_norm, r.Need(p + "input_layernorm.weight"));
+    }
     ASSIGN_OR_RETURN(L.post_norm, r.Need(p + "post_attention_layernorm.weight"));
+    if (c.fused_proj) {  // Phi-3: the canonical tensors are the fused ones
+      ASSIGN_OR_RETURN(L.qkv, r.Need(a + "qkv_proj.weight"));
+      ASSIGN_OR_RETURN(L.o, r.Need(a + "o_proj.weight"));
+      ASSIGN_OR_RETURN(L.gate_up, r.Need(p + "mlp.gate_up_proj.weight"));
+      ASSIGN_OR_RETURN(L.down, r.Need(p + "mlp.down_proj.weight"));
+      continue;
+    }
     if (c.mla) {
       if (c.q_lora_rank > 0) {
         ASSIGN_OR_RETURN(L.q_a, r.Need(a + "q_a_proj.weight"));
@@ -263,6 +273,8 @@ absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const Model
     L.moe = c.IsMoeLayer(l) && !c.ffn_norms;
     if (c.ffn_norms) {
       ASSIGN_OR_RETURN(L.pre_ff, r.Need(p + "pre_feedforward_layernorm.weight"));
+    }
+    if (c.ffn_norms || c.post_norms) {
       ASSIGN_OR_RETURN(L.post_ff, r.Need(p + "post_feedforward_layernorm.weight"));
     }
     if (!L.moe) {
@@ -511,6 +523,34 @@ absl::Status CheckSglangDpAttention(const ModelConfig& c, const ParallelConfig& 
   return absl::OkStatus();
 }
 
+// OLMo-2/3 in vLLM (vllm/model_executor/models/olmo2.py, which also serves Olmo3ForCausalLM) and
+// SGLang (python/sglang/srt/models/olmo2.py; configs/olmo3.py maps Olmo3ForCausalLM onto it):
+// Olmo2Attention takes head_dim = hidden_size / num_attention_heads, builds q_norm over
+// hidden_size and k_norm over num_key_value_heads * head_dim, and applies them to q / k
+// all-gathered over the tp ranks. With KV heads replicated (tp > num_key_value_heads) the
+// gathered k holds tp heads, not num_key_value_heads: k_norm cannot apply, so no engine runs it.
+// vLLM's olmo2.py builds qkv_proj / o_proj with bias=False and its loader skips checkpoint biases
+// it has no parameter for: attention_bias would be dropped silently. SGLang's builds them from
+// attention_bias.
+absl::Status CheckOlmo2Engine(const ModelConfig& c, const ParallelConfig& p) {
+  const std::string& m = p.preset;
+  if (c.head_dim * c.heads != c.hidden) {
+    return absl::InvalidArgumentError(absl::StrCat(m, ": head_dim=", c.head_dim, " on ", c.architecture, " (", m,
+                                                   "'s olmo2.py uses hidden_size / num_attention_heads)"));
+  }
+  if (p.tp > c.kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        m, ": tp=", p.tp, " > num_key_value_heads=", c.kv_heads, " on ", c.architecture, " (", m,
+        "'s olmo2.py applies k_norm [num_key_value_heads*head_dim] to k all-gathered over the tp ranks, which holds tp "
+        "heads once KV heads are replicated: no such engine runs)"));
+  }
+  if (m == "vllm" && c.o_bias) {
+    return absl::InvalidArgumentError(absl::StrCat("vllm: attention_bias on ", c.architecture,
+                                                   " (vLLM's olmo2.py builds qkv_proj / o_proj without biases and skips them at load)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   const std::string& m = p.preset;
   const bool sglang = m == "sglang";
@@ -533,7 +573,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
   if (c.bias_key && !c.o_bias) {
     // llama.py (both engines): attention_bias = config.attention_bias or config.bias.
     return absl::InvalidArgumentError(absl::StrCat(m, ": `bias: true` on ", c.architecture, " without attention_bias (", m,
-                                                   "'s Llama builds q/k/v/o biases from it; Hugging Face's Llama has none)"));
+                                                   "'s llama.py builds q/k/v/o biases from it; Hugging Face's ", c.architecture, " has none)"));
   }
   if (!sglang) {
     // Configs vLLM's model classes do not build as the HF config says (gemma2.py / gemma3.py assert
@@ -559,6 +599,7 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
       return absl::InvalidArgumentError("sglang: decoder_sparse_step != 1 or mlp_only_layers (SGLang's Qwen MoE layers are all sparse)");
     }
   }
+  if (c.family == ModelFamily::kOlmo2) RETURN_IF_ERROR(CheckOlmo2Engine(c, p));
   RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m.c_str()));
   // VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of 64 and divide()
   // it by tp (which asserts); SGLang's Gemma 3 embedding is whole, but its tied head is the same.
@@ -834,6 +875,41 @@ void VllmGptOssLayer(const ModelConfig& c, const ParallelConfig& par, const Laye
   if (par.expert_parallel || flat_rank == 0) w.Block(L.dn_b, 0, e0, e0 + ne, 0);
 }
 
+// KV heads of tp rank `tp_rank`: [kv0, kv0 + nkv). With tp > KV heads each KV head is on
+// tp / kv_heads consecutive ranks (QKVParallelLinear's num_kv_head_replicas).
+std::pair<int64_t, int64_t> VllmKvHeads(const ModelConfig& c, int64_t tp, int tp_rank) {
+  if (tp >= c.kv_heads) return {tp_rank / (tp / c.kv_heads), 1};
+  const int64_t nkv = c.kv_heads / tp;
+  return {tp_rank * nkv, nkv};
+}
+
+// Phi-3 (vllm/model_executor/models/phi3.py and SGLang's python/sglang/srt/models/llama.py both
+// run it as their Llama): the checkpoint's fused qkv_proj / gate_up_proj match no entry of
+// llama.py's stacked_params_mapping, so load_weights hands each to the parameter's weight_loader
+// with no shard id, and QKVParallelLinear / MergedColumnParallelLinear split it on disk order
+// (q rows [0, H*d), k rows [H*d, (H+KV)*d), v rows [(H+KV)*d, (H+2KV)*d); gate rows [0, I), up
+// rows [I, 2I)) and load each shard as for separate tensors. So the local qkv_proj holds three
+// boxes of the one canonical qkv_proj (the rank's q heads, its KV heads replicated when
+// tp > KV heads) and gate_up_proj two boxes of the canonical gate_up_proj.
+void VllmFusedCheckpointLayer(const ModelConfig& c, const ParallelConfig& par, const LayerIds& L,
+                              const std::string& p, int tp_rank, Writer& w) {
+  const int64_t tp = par.tp, H = c.hidden, hd = c.head_dim, nq = c.heads / tp;
+  const auto [kv0, nkv] = VllmKvHeads(c, tp, tp_rank);
+  const std::string a = p + "self_attn.";
+  const int64_t k_rows = c.heads * hd, v_rows = (c.heads + c.kv_heads) * hd;
+  w.Begin(a + "qkv_proj.weight", {(nq + 2 * nkv) * hd, H}, L.qkv);
+  w.Block(L.qkv, 0, tp_rank * nq * hd, (tp_rank + 1) * nq * hd, 0);
+  w.Block(L.qkv, 0, k_rows + kv0 * hd, k_rows + (kv0 + nkv) * hd, nq * hd * H);
+  w.Block(L.qkv, 0, v_rows + kv0 * hd, v_rows + (kv0 + nkv) * hd, (nq + nkv) * hd * H);
+  w.Split(a + "o_proj.weight", L.o, 1, tp, tp_rank);
+  w.Replicated(p + "post_attention_layernorm.weight", L.post_norm);
+  const int64_t I = c.intermediate, n = I / tp;
+  w.Begin(p + "mlp.gate_up_proj.weight", {2 * n, H}, L.gate_up);
+  w.Block(L.gate_up, 0, tp_rank * n, (tp_rank + 1) * n, 0);
+  w.Block(L.gate_up, 0, I + tp_rank * n, I + (tp_rank + 1) * n, n * H);
+  w.Split(p + "mlp.down_proj.weight", L.down, 1, tp, tp_rank);
+}
+
 PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inventory& inv,
                       const PresetBuilder::Ids& ids, int rank) {
   const int tp_rank = rank % par.tp;
@@ -872,7 +948,11 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
       continue;
     }
     const std::string a = p + "self_attn.";
-    w.Replicated(p + "input_layernorm.weight", L.input_norm);
+    if (L.input_norm >= 0) w.Replicated(p + "input_layernorm.weight", L.input_norm);  // none on OLMo-2/3
+    if (L.qkv >= 0) {
+      VllmFusedCheckpointLayer(c, par, L, p, tp_rank, w);
+      continue;
+    }
     if (c.mla) {
       if (L.q_b >= 0) {
         w.Begin(a + fused_qkv_a, {c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, H}, L.q_a);
@@ -1238,6 +1318,16 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
     // (a bridge) are not, so refuse rather than guess.
     return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": no preset layout for ", config.architecture,
                                                    " (use vllm, fsdp, explicit pieces or an index-probe layout)"));
+  }
+  if (kind == Kind::kMegatron && (config.post_norms || config.fused_proj)) {
+    // OLMo-2/3: Megatron-Core's GPT layer has pre-norms and per-head qk layernorms only; the
+    // Megatron-Bridge OLMo-2 bridge builds a custom post-norm layer spec whose TP layout (its
+    // full-width q/k layernorms in particular) is not verified here. Phi-3: no Megatron-Bridge
+    // mapping of the fused qkv_proj / gate_up_proj verified (the stored Phi3 bridges disagree).
+    return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,
+                                                   config.post_norms ? " (OLMo-2/3's post-norm layer and full-width q/k norms have no verified Megatron-Core layout)"
+                                                                     : " (no verified Megatron-Core mapping of its fused qkv_proj / gate_up_proj)",
+                                                   "; use fsdp, fsdp_flat, explicit pieces or an index-probe layout"));
   }
   if (kind == Kind::kMegatron && config.ffn_norms) {
     return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,

@@ -1893,5 +1893,246 @@ TEST(Presets, QuantizedMoeScalesAreShapedPerExpert) {
   EXPECT_TRUE(found);
 }
 
+// ---- OLMo-2 / OLMo-3 and Phi-3 on the rollout engines ----
+
+// Independent transcription of what each vLLM / SGLang TP rank holds for Phi-3 and OLMo-2/3: for
+// local tensor `local` (its shape `shape`) of tp rank `r`, the canonical (tensor name, row-major
+// flat index) at local element `i`, or {"", -1} for vocabulary padding. Follows the engines'
+// sources, not planner/presets.cc: QKVParallelLinear (num_heads = H / tp, num_kv_heads =
+// max(1, KV / tp), KV head replicas = tp / KV; a k/v shard's rank is tp_rank / replicas) loading
+// Phi-3's fused qkv_proj by its on-disk offsets q [0, H*d), k [H*d, (H+KV)*d), v [(H+KV)*d, ...)
+// (weight_loader with loaded_shard_id None); MergedColumnParallelLinear likewise [gate; up];
+// RowParallelLinear column slices; VocabParallelEmbedding rows of the vocabulary padded to 64;
+// OLMo-2's q_norm / k_norm and every norm whole (olmo2.py applies them to the all-gathered q / k).
+std::pair<std::string, int64_t> EngineHolds(const ModelConfig& c, int64_t tp, int64_t r, const std::string& local,
+                                            const std::vector<int64_t>& shape, int64_t i) {
+  const int64_t H = c.hidden, d = c.head_dim, cols = shape.size() == 2 ? shape[1] : 1;
+  const int64_t row = i / cols, col = i % cols;
+  if (local == "model.embed_tokens.weight" || local == "lm_head.weight") {
+    const int64_t per = ((c.vocab + 63) / 64 * 64) / tp, g = r * per + row;
+    if (g >= c.vocab) return {"", -1};
+    return {local, g * H + col};
+  }
+  if (!absl::StrContains(local, "_proj")) return {local, i};  // norms: whole on every rank
+  const size_t dot = local.find(".self_attn.") != std::string::npos ? local.find(".self_attn.") : local.find(".mlp.");
+  const std::string layer = local.substr(0, dot);
+  const int64_t nq = c.heads / tp, nkv = std::max<int64_t>(1, c.kv_heads / tp);
+  const int64_t replicas = std::max<int64_t>(1, tp / c.kv_heads), kv_rank = r / replicas;
+  const bool bias = absl::EndsWith(local, ".bias");
+  if (absl::StrContains(local, "qkv_proj")) {
+    const std::string kind = bias ? "bias" : "weight";
+    std::string shard;
+    int64_t shard_row;
+    if (row < nq * d) {
+      shard = "q", shard_row = r * nq * d + row;
+    } else if (row < (nq + nkv) * d) {
+      shard = "k", shard_row = kv_rank * nkv * d + row - nq * d;
+    } else {
+      shard = "v", shard_row = kv_rank * nkv * d + row - (nq + nkv) * d;
+    }
+    if (c.fused_proj) {
+      const int64_t base = shard == "q" ? 0 : shard == "k" ? c.heads * d : (c.heads + c.kv_heads) * d;
+      return {layer + ".self_attn.qkv_proj.weight", (base + shard_row) * H + col};
+    }
+    return {layer + ".self_attn." + shard + "_proj." + kind, shard_row * cols + col};
+  }
+  if (absl::StrContains(local, "gate_up_proj")) {
+    const int64_t n = c.intermediate / tp;
+    const bool up = row >= n;
+    const int64_t shard_row = r * n + (up ? row - n : row);
+    if (c.fused_proj) return {layer + ".mlp.gate_up_proj.weight", ((up ? c.intermediate : 0) + shard_row) * H + col};
+    return {layer + (up ? ".mlp.up_proj.weight" : ".mlp.gate_proj.weight"), shard_row * H + col};
+  }
+  if (bias) return {local, i};  // o_proj.bias: RowParallelLinear keeps it whole
+  // o_proj / down_proj: RowParallelLinear, columns [r * in/tp, (r+1) * in/tp).
+  const int64_t in = absl::StrContains(local, "o_proj") ? c.heads * d : c.intermediate;
+  return {local, row * in + r * (in / tp) + col};
+}
+
+// Every element of every local tensor of every rank against EngineHolds, and the local names
+// against the engines' parameters (OLMo-2: no input_layernorm; Phi-3: no q/k/v or gate/up parts).
+void ExpectEngineLayout(const Model& m, const ParallelConfig& par) {
+  SCOPED_TRACE(m.config.architecture + " " + par.preset + " tp=" + std::to_string(par.tp));
+  auto b = PresetBuilder::Create(m.config, m.inv, par);
+  ASSERT_TRUE(b.ok()) << b.status();
+  TensorIndex idx(m.inv);
+  for (int r = 0; r < b->world_size(); ++r) {
+    auto l = b->Make(r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    std::set<std::string> names;
+    for (const LocalTensor& lt : l->local_tensors) {
+      names.insert(lt.name);
+      EXPECT_FALSE(absl::StrContains(lt.name, "input_layernorm") && m.config.post_norms) << lt.name;
+      for (int64_t i = 0; i < Numel(lt.shape); ++i) {
+        const auto [want_name, want_flat] = EngineHolds(m.config, par.tp, r % par.tp, lt.name, lt.shape, i);
+        const auto got = CanonicalAt(m.inv, *l, lt, i);
+        if (want_name.empty()) {
+          ASSERT_EQ(got.first, -1) << lt.name << " rank " << r << " element " << i << " (padding)";
+          continue;
+        }
+        ASSERT_TRUE(idx.Find(want_name).has_value()) << want_name;
+        ASSERT_EQ(got, std::make_pair(*idx.Find(want_name), want_flat)) << lt.name << " rank " << r << " element " << i;
+      }
+    }
+    const std::string l0 = "model.layers.0.";
+    std::set<std::string> want = {"model.embed_tokens.weight", "model.norm.weight", l0 + "self_attn.qkv_proj.weight",
+                                  l0 + "self_attn.o_proj.weight", l0 + "post_attention_layernorm.weight",
+                                  l0 + "mlp.gate_up_proj.weight", l0 + "mlp.down_proj.weight"};
+    if (!m.config.tie_word_embeddings) want.insert("lm_head.weight");
+    if (m.config.post_norms) {
+      want.insert({l0 + "self_attn.q_norm.weight", l0 + "self_attn.k_norm.weight", l0 + "post_feedforward_layernorm.weight"});
+    } else {
+      want.insert(l0 + "input_layernorm.weight");
+    }
+    if (m.config.qkv_bias) want.insert({l0 + "self_attn.qkv_proj.bias", l0 + "self_attn.o_proj.bias"});
+    ASSERT_EQ(names, want) << "rank " << r;  // one-layer models
+  }
+}
+
+TEST(Presets, Phi3FusedCheckpointOnVllmAndSglang) {
+  // Phi-3 style, small: 8 heads, 4 KV heads (tp = 8 replicates each KV head on 2 ranks), head_dim 8.
+  const std::string phi = R"({"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_key_value_heads":4,"num_hidden_layers":1,"vocab_size":1000)";
+  for (const std::string& text : {phi + "}", phi + R"(,"tie_word_embeddings":true})"}) {
+    Model m = FromText(text);
+    for (const char* preset : {"vllm", "sglang"}) {
+      for (int tp : {1, 2, 4, 8}) ExpectEngineLayout(m, {.preset = preset, .tp = tp});
+    }
+  }
+  // MQA-like: 2 KV heads over 4 ranks, and a second replica (rank = replica * tp + tp_rank).
+  Model gqa = FromText(R"({"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_key_value_heads":2,"num_hidden_layers":1,"vocab_size":1000})");
+  ExpectEngineLayout(gqa, {.preset = "vllm", .tp = 4, .replicas = 2});
+  ExpectEngineLayout(gqa, {.preset = "sglang", .tp = 4});
+}
+
+TEST(Presets, Olmo2FullWidthQkNormWholeOnEveryRank) {
+  const std::string olmo = R"({"architectures":["Olmo2ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_hidden_layers":1,"vocab_size":1000)";
+  for (const std::string& text : {olmo + R"(,"num_key_value_heads":8})", olmo + R"(,"num_key_value_heads":4})",
+                                  olmo + R"(,"num_key_value_heads":4,"tie_word_embeddings":true})"}) {
+    Model m = FromText(text);
+    for (const char* preset : {"vllm", "sglang"}) {
+      for (int tp : {1, 2, 4}) ExpectEngineLayout(m, {.preset = preset, .tp = tp});
+    }
+  }
+  // OLMo-3 is served by the same classes (vLLM olmo2.py, SGLang's configs/olmo3.py -> Olmo2ForCausalLM).
+  Model o3 = FromText(R"({"architectures":["Olmo3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_key_value_heads":8,"num_hidden_layers":1,"vocab_size":1000,"sliding_window":16})");
+  ExpectEngineLayout(o3, {.preset = "vllm", .tp = 8});
+  // SGLang's olmo2.py builds qkv_proj / o_proj with attention_bias: [q;k;v] bias slices, o_proj.bias whole.
+  Model biased = FromText(olmo + R"(,"num_key_value_heads":4,"attention_bias":true})");
+  ExpectEngineLayout(biased, {.preset = "sglang", .tp = 2});
+}
+
+TEST(Presets, Olmo2AndPhi3OnRealConfigs) {
+  // OLMo-2 32B, vLLM tp = 8 (40 heads, 8 KV heads): q heads 5 per rank, one KV head, q_norm / k_norm whole.
+  Model o = Load("olmo-2-0325-32b.json", 1);
+  auto v = MakePresetLayout(o.config, o.inv, {.preset = "vllm", .tp = 8}, 3);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(FindLocal(*v, "model.layers.0.self_attn.qkv_proj.weight")->shape, (std::vector<int64_t>{(5 + 2) * 128, 5120}));
+  EXPECT_EQ(FindLocal(*v, "model.layers.0.self_attn.q_norm.weight")->shape, (std::vector<int64_t>{5120}));
+  EXPECT_EQ(FindLocal(*v, "model.layers.0.self_attn.k_norm.weight")->shape, (std::vector<int64_t>{1024}));
+  EXPECT_EQ(FindLocal(*v, "model.layers.0.mlp.gate_up_proj.weight")->shape, (std::vector<int64_t>{2 * 3456, 5120}));
+  EXPECT_EQ(FindLocal(*v, "model.embed_tokens.weight")->shape, (std::vector<int64_t>{12544, 5120}));
+  EXPECT_EQ(FindLocal(*v, "model.layers.0.input_layernorm.weight"), nullptr);
+  // phi-4 (40 heads, 10 KV heads) at tp = 2: rank 1 holds q rows 2560..5119, k rows 5120+640.., v rows 6400+640..
+  Model p = Load("phi-4.json", 1);
+  TensorIndex pidx(p.inv);
+  auto pv = MakePresetLayout(p.config, p.inv, {.preset = "vllm", .tp = 2}, 1);
+  ASSERT_TRUE(pv.ok()) << pv.status();
+  const LocalTensor* qkv = FindLocal(*pv, "model.layers.0.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  ASSERT_EQ(qkv->shape, (std::vector<int64_t>{(20 + 10) * 128, 5120}));
+  ASSERT_EQ(qkv->num_pieces, 3);
+  const int32_t t = *pidx.Find("model.layers.0.self_attn.qkv_proj.weight");
+  const int64_t H = 5120;
+  EXPECT_EQ(CanonicalAt(p.inv, *pv, *qkv, 0), std::make_pair(t, int64_t{2560} * H));
+  EXPECT_EQ(CanonicalAt(p.inv, *pv, *qkv, 2560 * H + 7), std::make_pair(t, (5120 + 640) * H + 7));
+  EXPECT_EQ(CanonicalAt(p.inv, *pv, *qkv, 3200 * H), std::make_pair(t, int64_t{6400 + 640} * H));
+  const LocalTensor* gu = FindLocal(*pv, "model.layers.0.mlp.gate_up_proj.weight");
+  ASSERT_NE(gu, nullptr);
+  EXPECT_EQ(gu->shape, (std::vector<int64_t>{17920, 5120}));
+  const int32_t g = *pidx.Find("model.layers.0.mlp.gate_up_proj.weight");
+  EXPECT_EQ(CanonicalAt(p.inv, *pv, *gu, 0), std::make_pair(g, int64_t{8960} * H));
+  EXPECT_EQ(CanonicalAt(p.inv, *pv, *gu, 8960 * H), std::make_pair(g, int64_t{17920 + 8960} * H));
+  // phi-4 at tp = 4: 10 KV heads neither divide nor are divided by 4 -> refused, named.
+  absl::Status s = MakePresetLayout(p.config, p.inv, {.preset = "vllm", .tp = 4}, 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("num_key_value_heads"), std::string::npos) << s;
+  // Phi-4-mini (tied, 24 heads, 8 KV heads) at tp = 4: no lm_head, 6 q heads + 2 KV heads per rank.
+  Model mini = Load("phi-4-mini-instruct.json", 1);
+  auto mv = MakePresetLayout(mini.config, mini.inv, {.preset = "sglang", .tp = 4}, 2);
+  ASSERT_TRUE(mv.ok()) << mv.status();
+  EXPECT_EQ(FindLocal(*mv, "lm_head.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*mv, "model.layers.0.self_attn.qkv_proj.weight")->shape, (std::vector<int64_t>{(6 + 4) * 128, 3072}));
+  EXPECT_EQ(FindLocal(*mv, "model.embed_tokens.weight")->shape, (std::vector<int64_t>{50016, 3072}));
+
+  // FSDP2 shards the fused canonical tensors by rows as they are; fsdp_flat by flat ranges.
+  Model mini4k = Load("phi-3-mini-4k-instruct.json", 1);
+  auto f = MakePresetLayout(mini4k.config, mini4k.inv, {.preset = "fsdp", .dp = 4}, 3);
+  ASSERT_TRUE(f.ok()) << f.status();
+  const LocalTensor* fq = FindLocal(*f, "model.layers.0.self_attn.qkv_proj.weight");
+  ASSERT_NE(fq, nullptr);
+  EXPECT_EQ(fq->shape, (std::vector<int64_t>{2304, 3072}));  // 9216 rows / 4
+  const int32_t mq = *TensorIndex(mini4k.inv).Find("model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(CanonicalAt(mini4k.inv, *f, *fq, 0), std::make_pair(mq, int64_t{3 * 2304} * 3072));
+  EXPECT_EQ(FindLocal(*f, "model.layers.0.mlp.gate_up_proj.weight")->shape, (std::vector<int64_t>{4096, 3072}));
+  auto ff = MakePresetLayout(mini4k.config, mini4k.inv, {.preset = "deepspeed_zero3", .dp = 3}, 2);
+  ASSERT_TRUE(ff.ok()) << ff.status();
+  EXPECT_EQ(FindLocal(*ff, "model.layers.0.self_attn.qkv_proj.weight")->shape, (std::vector<int64_t>{9216 * 3072 / 3}));
+  auto of = MakePresetLayout(o.config, o.inv, {.preset = "fsdp2", .dp = 3}, 2);
+  ASSERT_TRUE(of.ok()) << of.status();
+  EXPECT_EQ(FindLocal(*of, "model.layers.0.self_attn.k_norm.weight")->shape, (std::vector<int64_t>{1024 - 2 * 342}));
+  for (const auto* mm : {&o, &p, &mini4k}) {
+    for (ParallelConfig par : {ParallelConfig{.preset = "fsdp", .dp = 3, .replicas = 2}, ParallelConfig{.preset = "fsdp_flat", .dp = 5}}) {
+      auto b = PresetBuilder::Create(mm->config, mm->inv, par);
+      ASSERT_TRUE(b.ok()) << b.status();
+      std::vector<PresetLayout> ranks;
+      for (int r = 0; r < b->world_size(); ++r) ranks.push_back(*b->Make(r));
+      std::vector<int64_t> counts = CoverageCounts(mm->inv, ranks);
+      for (size_t i = 0; i < mm->inv.tensors.size(); ++i) {
+        EXPECT_EQ(counts[i], par.preset == "fsdp" ? 2 : 1) << mm->inv.tensors[i].name;
+      }
+    }
+  }
+}
+
+TEST(Presets, Olmo2AndPhi3Refusals) {
+  auto refused = [](const Model& m, const ParallelConfig& par, const std::string& words) {
+    absl::Status s = MakePresetLayout(m.config, m.inv, par, 0).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << par.preset << ": " << s;
+    EXPECT_NE(s.message().find(words), std::string::npos) << s;
+  };
+  // Megatron: no verified layout of either family, refused naming the architecture.
+  Model o = Load("olmo-2-1124-7b.json", 2);
+  Model o3 = Load("olmo-3-1025-7b.json", 2);
+  Model p = Load("phi-3-mini-4k-instruct.json", 2);
+  refused(o, {.preset = "megatron", .tp = 2}, "Olmo2ForCausalLM");
+  refused(o3, {.preset = "megatron"}, "Olmo3ForCausalLM");
+  refused(p, {.preset = "megatron", .tp = 2}, "Phi3ForCausalLM");
+  // OLMo-2 with KV heads replicated: olmo2.py's k_norm over num_key_value_heads*head_dim cannot
+  // apply to k gathered from tp > KV ranks.
+  Model gqa = FromText(R"({"architectures":["Olmo2ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_key_value_heads":2,"num_hidden_layers":1,"vocab_size":1000})");
+  for (const char* preset : {"vllm", "sglang"}) refused(gqa, {.preset = preset, .tp = 4}, "k_norm");
+  EXPECT_TRUE(MakePresetLayout(gqa.config, gqa.inv, {.preset = "vllm", .tp = 2}, 1).ok());
+  // vLLM's olmo2.py has no attention biases (and skips them at load); SGLang's builds them.
+  Model biased = FromText(R"({"architectures":["Olmo2ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_hidden_layers":1,"vocab_size":1000,"attention_bias":true})");
+  refused(biased, {.preset = "vllm", .tp = 2}, "attention_bias");
+  EXPECT_TRUE(MakePresetLayout(biased.config, biased.inv, {.preset = "fsdp", .dp = 2}, 1).ok());
+  // Both engines' olmo2.py take head_dim = hidden_size / num_attention_heads.
+  Model hd = FromText(R"({"architectures":["Olmo2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"head_dim":16,
+    "num_attention_heads":8,"num_hidden_layers":1,"vocab_size":1000})");
+  for (const char* preset : {"vllm", "sglang"}) refused(hd, {.preset = preset, .tp = 2}, "head_dim");
+  // Phi-3 `bias: true`: HF ignores it; the engines' llama.py would build q/k/v/o biases.
+  Model pb = FromText(R"({"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+    "num_attention_heads":8,"num_hidden_layers":1,"vocab_size":1000,"bias":true})");
+  for (const char* preset : {"vllm", "sglang"}) refused(pb, {.preset = preset, .tp = 2}, "bias");
+  // SGLang DP attention is described for DeepSeek only.
+  refused(p, {.preset = "sglang", .tp = 2, .dp = 2}, "DeepSeek");
+}
+
 }  // namespace
 }  // namespace wb::planner
