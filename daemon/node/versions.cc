@@ -222,6 +222,36 @@ std::vector<LocalWorkers::LiveJob> Versions::CommitJobsLocked(const pb::CommitVe
   return jobs;
 }
 
+// CommitVersion of a version this node holds no execution of: a retry of one committed here, one
+// aborted here, or one whose staging a restart lost (nothing is half-applied).
+absl::Status Versions::CommitOfUnknownLocked(const pb::CommitVersionRequest& req) {
+  const std::string& me = options_.node_id;
+  // Idempotent for a retried commit (first: a version aborted here once - a re-join aborts the
+  // version in flight - may have run again for a restarted coordinator and committed).
+  if (req.version() <= committed_[req.model_id()]) return absl::OkStatus();
+  // A version aborted here (AbortVersion before the commit, or after it: rolled back) is not
+  // committed by a late or repeated CommitVersion.
+  if (std::optional<std::string> aborted = local_.AbortReason(req.model_id(), req.version())) {
+    return absl::AbortedError(absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
+                                           ": the version was aborted here: ", *aborted));
+  }
+  // A node that lost the version's staging (restart) cannot apply it; nothing is half-applied.
+  std::string reason = absl::StrCat("node ", me, " no longer holds the staging of version ", req.version(), " (restarted before the commit)");
+  // Sync: the coordinator fails the version (not every node acknowledged): its waiters here
+  // see it aborted. One-step-off / async: the coordinator commits it anyway and counts this
+  // node's rollouts as not holding it (they are caught up): Apply(v) here must not answer
+  // ABORTED but ask the coordinator and wait for the catch-up (LocalWorkers::
+  // NoteCatchUpAborted -> Applicable::ask_coordinator). The mode is the installed plan's, else
+  // a local worker's model spec; unknown (neither here yet): the coordinator decides too.
+  const std::optional<pb::Mode> mode = ModeLocked(req.model_id());
+  if (mode.has_value() && (*mode == pb::MODE_SYNC || *mode == pb::MODE_UNSPECIFIED)) {
+    local_.NoteAborted(req.model_id(), req.version(), reason);
+  } else {
+    local_.NoteCatchUpAborted(req.model_id(), req.version(), reason);
+  }
+  return absl::FailedPreconditionError(reason);
+}
+
 absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   // The commit is counted while mu_ is held, before anyone can see the version committed here
   // (Apply, then a metrics scrape, must find its counts): async rollouts see it once the first
@@ -241,32 +271,7 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   {
     absl::MutexLock l(&mu_);
     auto it = execs_.find({req.model_id(), req.version()});
-    if (it == execs_.end()) {
-      // Idempotent for a retried commit (first: a version aborted here once - a re-join aborts the
-      // version in flight - may have run again for a restarted coordinator and committed).
-      if (req.version() <= committed_[req.model_id()]) return absl::OkStatus();
-      // A version aborted here (AbortVersion before the commit, or after it: rolled back) is not
-      // committed by a late or repeated CommitVersion.
-      if (std::optional<std::string> aborted = local_.AbortReason(req.model_id(), req.version())) {
-        return absl::AbortedError(absl::StrCat("commit of model ", req.model_id(), " version ", req.version(), " on node ", me,
-                                               ": the version was aborted here: ", *aborted));
-      }
-      // A node that lost the version's staging (restart) cannot apply it; nothing is half-applied.
-      std::string reason = absl::StrCat("node ", me, " no longer holds the staging of version ", req.version(), " (restarted before the commit)");
-      // Sync: the coordinator fails the version (not every node acknowledged): its waiters here
-      // see it aborted. One-step-off / async: the coordinator commits it anyway and counts this
-      // node's rollouts as not holding it (they are caught up): Apply(v) here must not answer
-      // ABORTED but ask the coordinator and wait for the catch-up (LocalWorkers::
-      // NoteCatchUpAborted -> Applicable::ask_coordinator). The mode is the installed plan's, else
-      // a local worker's model spec; unknown (neither here yet): the coordinator decides too.
-      const std::optional<pb::Mode> mode = ModeLocked(req.model_id());
-      if (mode.has_value() && (*mode == pb::MODE_SYNC || *mode == pb::MODE_UNSPECIFIED)) {
-        local_.NoteAborted(req.model_id(), req.version(), reason);
-      } else {
-        local_.NoteCatchUpAborted(req.model_id(), req.version(), reason);
-      }
-      return absl::FailedPreconditionError(reason);
-    }
+    if (it == execs_.end()) return CommitOfUnknownLocked(req);
     exec = it->second;
     if (exec->committing) {
       // Another CommitVersion of it is copying it into live weights right now: its outcome is that

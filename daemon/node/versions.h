@@ -72,7 +72,13 @@
 #include "proto/weightbridge.pb.h"
 #include "base/shm_segment.h"
 
+namespace wb::digest {
+class SourceCertification;
+}  // namespace wb::digest
+
 namespace wb::daemon::node {
+
+class OutgoingQuantization;
 
 namespace pb = ::weightbridge::v1;
 
@@ -267,6 +273,10 @@ class Versions {
   void TagCommittedStaging(const Exec& exec, const std::string& model, const std::string& worker, uint64_t version,
                            const std::shared_ptr<Bytes>& staging) const;
 
+  // CommitVersion of a version with no execution here: OK for one committed already, ABORTED for
+  // one aborted here, FAILED_PRECONDITION when a restart lost its staging (noted for Apply).
+  absl::Status CommitOfUnknownLocked(const pb::CommitVersionRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // versions_run.cc
   void RunExec(std::shared_ptr<Exec> exec);
   absl::Status RunExecInner(Exec& exec);
@@ -308,6 +318,14 @@ class Versions {
   // here is quantised. FinishQuantizing, after the buckets, quantises the rest, waits and logs.
   absl::StatusOr<std::unique_ptr<node::IncomingQuantization>> StartQuantizing(Exec& exec, const node::Slice& slice);
   absl::Status FinishQuantizing(Exec& exec, node::IncomingQuantization& q);
+  // versions_run.cc, RunExecInner's parts: the host address of each region (device memory: none),
+  // the end-to-end digest tracker wired into `exec_options`, a catch-up's source certification and
+  // sender-side quantisation finished (each logs its line).
+  static std::map<std::string, digest::RegionBytes> HostRegions(const VersionMemory& memory);
+  absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> StartDigests(Exec& exec, const node::Slice& slice, const node::ExecPlan& xplan,
+                                                                       const VersionMemory& memory, node::ExecOptions& exec_options);
+  absl::Status FinishCertification(Exec& exec, digest::SourceCertification& certification);
+  absl::Status FinishOutgoingQuantization(const Exec& exec, node::OutgoingQuantization& qout);
   // NVFP4 (node::MagnitudeExchange): this node's parts' magnitudes to the coordinator
   // (ExchangeMagnitudes) and, with `wait`, the tensors' magnitudes over every node's parts. A
   // coordinator that keeps none (a catch-up after its restart) or does not know the call: an empty

@@ -368,29 +368,7 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   }
   std::unique_ptr<digest::OpDigestTracker> digests;
   if (options_.digests) {
-    std::map<std::string, digest::RegionBytes> host;  // device memory (no host address) has no digest
-    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
-    // Delta ops' boxes: hashed by the codec as it packs the source / decodes into staging
-    // (DeltaOptions::unit_hashes), like host_tcp's for what it moves in full.
-    std::set<std::pair<uint32_t, bool>> codec_sides;
-    if (options_.digest_in_transport) codec_sides = node::DeltaHashedSides(*xplan, exec_options.deltas);
-    absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> t = digest::OpDigestTracker::Start(
-        slice, me, *xplan, host,
-        {.threads = options_.digest_threads, .deadline = exec.deadline, .overlap = options_.digest_overlap,
-         .in_transport = options_.digest_in_transport, .codec_sides = std::move(codec_sides)});
-    if (!t.ok()) return Annotate(t.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
-    digests = std::move(*t);
-    // host_tcp hashes what it moves as it moves it (digest::OpDigestTracker::PrepareBatch).
-    if (options_.digest_in_transport) {
-      exec_options.prepare_batch = [d = digests.get()](const node::Route& r, transport::Batch& b) { d->PrepareBatch(r, b); };
-      exec_options.deltas.unit_hashes = [d = digests.get()](const node::RouteOp& op, bool landed, const std::vector<uint64_t>* h) {
-        d->CodecHashes(op.op_index, landed, h);
-      };
-    }
-    exec_options.on_batch_done = [metered = std::move(exec_options.on_batch_done), d = digests.get()](const node::Route& r, const std::string& kind) {
-      if (metered) metered(r, kind);
-      d->OnRouteDone(r);
-    };
+    ASSIGN_OR_RETURN(digests, StartDigests(exec, slice, *xplan, memory, exec_options));
   }
   if (qin != nullptr) exec_options.on_op_landed = [q = qin.get()](const node::RouteOp& op) { q->OpLanded(op.op_index); };
   // A catch-up's sources here still hold the committed version: their boxes hashed where the
@@ -398,9 +376,7 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   // daemon/digest/certify.h), beside the buckets (both only read them). Declared after `memory`.
   digest::SourceCertification certification;
   if (options_.digests && !slice.certify.empty()) {
-    std::map<std::string, digest::RegionBytes> host;
-    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
-    certification.Start(slice, me, std::move(host), options_.digest_threads, exec.deadline);
+    certification.Start(slice, me, HostRegions(memory), options_.digest_threads, exec.deadline);
   }
   ExecChannels channels(this, exec);
   node::ExecResult result;
@@ -410,28 +386,8 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   exec.setup_s = prepare_s + result.setup_s;
   exec.buckets_s = result.buckets_s;
   RETURN_IF_ERROR(s);
-  if (certification.started()) {
-    absl::StatusOr<digest::CertifyOutcome> certified = certification.Finish();
-    if (!certified.ok()) {
-      return Annotate(certified.status(), absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version));
-    }
-    if (!certified->stale.empty()) {
-      exec.stale_sources = certified->stale;
-      return absl::DataLossError(absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version, ": ",
-                                              certified->first_mismatch, ": not served"));
-    }
-    Log(LogLevel::kInfo, "catch-up sources certified",
-        {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"boxes", certified->boxes}, {"bytes", certified->bytes},
-         {"device_boxes_not_hashed", certified->skipped}});
-  }
-  if (qout != nullptr) {
-    RETURN_IF_ERROR(qout->WaitAll());  // ops no bucket reads (none expected) are written too
-    const node::OutgoingQuantization::Stats q = qout->stats();
-    Log(LogLevel::kInfo, "version quantised on send",
-        {{"node", me}, {"model", exec.model_id}, {"version", exec.version}, {"ops", q.ops}, {"chunks", q.chunks}, {"bytes", q.canonical_bytes},
-         {"gathered_bytes", q.gathered_bytes}, {"wire_bytes", q.wire_bytes}, {"threads", q.threads}, {"seconds", q.seconds},
-         {"waited_seconds", q.waited_seconds}});
-  }
+  RETURN_IF_ERROR(FinishCertification(exec, certification));
+  if (qout != nullptr) RETURN_IF_ERROR(FinishOutgoingQuantization(exec, *qout));
   // Sync: trainers' live segments were read in place (a trainer may truncate its memory
   // mid-version; ShmSegment's SIGBUS guard kept the daemon alive meanwhile).
   for (auto& [what, seg] : memory.live_sources) {
@@ -444,14 +400,78 @@ absl::Status Versions::RunExecInner(Exec& exec) {
   RETURN_IF_ERROR(DigestVersion(exec, memory, digests.get()));
   if (options_.digests) {
     // Sender-quantised ops (issue 17.1): both sides digest the quantised bytes that travel.
-    std::map<std::string, digest::RegionBytes> host;
-    for (const auto& [key, m] : memory.regions) host[key] = {m.kind == MemoryKind::kHost ? m.base : nullptr, m.size};
-    RETURN_IF_ERROR(node::DigestSenderQuantized(slice, me, host, options_.digest_threads, exec.deadline, exec.digests));
+    RETURN_IF_ERROR(node::DigestSenderQuantized(slice, me, HostRegions(memory), options_.digest_threads, exec.deadline, exec.digests));
   }
   // After the digests: they hash the shadows (canonical bytes) the quantiser reads; it writes only
   // the pieces' places and scales.
   if (qin != nullptr) RETURN_IF_ERROR(FinishQuantizing(exec, *qin));
   exec.buckets_s += absl::ToDoubleSeconds(options_.clock->Now() - phase_start);
+  return absl::OkStatus();
+}
+
+// The host address of each region of `memory` (device memory, with none, has no digest).
+std::map<std::string, digest::RegionBytes> Versions::HostRegions(const VersionMemory& memory) {
+  std::map<std::string, digest::RegionBytes> host;
+  for (const auto& [key, m] : memory.regions) host[key] = {m.kind == transport::MemoryKind::kHost ? m.base : nullptr, m.size};
+  return host;
+}
+
+// End-to-end digests hash alongside the buckets (docs/daemon.md "End-to-end digests"): sources at
+// once, each landed box as its batch completes; wires the tracker into `exec_options`.
+absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> Versions::StartDigests(Exec& exec, const node::Slice& slice,
+                                                                               const node::ExecPlan& xplan, const VersionMemory& memory,
+                                                                               node::ExecOptions& exec_options) {
+  // Delta ops' boxes: hashed by the codec as it packs the source / decodes into staging
+  // (DeltaOptions::unit_hashes), like host_tcp's for what it moves in full.
+  std::set<std::pair<uint32_t, bool>> codec_sides;
+  if (options_.digest_in_transport) codec_sides = node::DeltaHashedSides(xplan, exec_options.deltas);
+  absl::StatusOr<std::unique_ptr<digest::OpDigestTracker>> t = digest::OpDigestTracker::Start(
+      slice, options_.node_id, xplan, HostRegions(memory),
+      {.threads = options_.digest_threads, .deadline = exec.deadline, .overlap = options_.digest_overlap,
+       .in_transport = options_.digest_in_transport, .codec_sides = std::move(codec_sides)});
+  if (!t.ok()) return Annotate(t.status(), absl::StrCat("version ", exec.version, ": end-to-end digests"));
+  std::unique_ptr<digest::OpDigestTracker> digests = std::move(*t);
+  // host_tcp hashes what it moves as it moves it (digest::OpDigestTracker::PrepareBatch).
+  if (options_.digest_in_transport) {
+    exec_options.prepare_batch = [d = digests.get()](const node::Route& r, transport::Batch& b) { d->PrepareBatch(r, b); };
+    exec_options.deltas.unit_hashes = [d = digests.get()](const node::RouteOp& op, bool landed, const std::vector<uint64_t>* h) {
+      d->CodecHashes(op.op_index, landed, h);
+    };
+  }
+  exec_options.on_batch_done = [metered = std::move(exec_options.on_batch_done), d = digests.get()](const node::Route& r, const std::string& kind) {
+    if (metered) metered(r, kind);
+    d->OnRouteDone(r);
+  };
+  return digests;
+}
+
+// A catch-up's sources certified (or not) against version v's landed digests: a stale one fails
+// the catch-up, naming the first mismatch, and is reported (exec.stale_sources).
+absl::Status Versions::FinishCertification(Exec& exec, digest::SourceCertification& certification) {
+  if (!certification.started()) return absl::OkStatus();
+  absl::StatusOr<digest::CertifyOutcome> certified = certification.Finish();
+  if (!certified.ok()) {
+    return Annotate(certified.status(), absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version));
+  }
+  if (!certified->stale.empty()) {
+    exec.stale_sources = certified->stale;
+    return absl::DataLossError(
+        absl::StrCat("catch-up of model ", exec.model_id, " to version ", exec.version, ": ", certified->first_mismatch, ": not served"));
+  }
+  Log(LogLevel::kInfo, "catch-up sources certified",
+      {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"boxes", certified->boxes},
+       {"bytes", certified->bytes}, {"device_boxes_not_hashed", certified->skipped}});
+  return absl::OkStatus();
+}
+
+// Sender-side quantisation's end: every op written (ops no bucket reads, none expected, too).
+absl::Status Versions::FinishOutgoingQuantization(const Exec& exec, node::OutgoingQuantization& qout) {
+  RETURN_IF_ERROR(qout.WaitAll());
+  const node::OutgoingQuantization::Stats q = qout.stats();
+  Log(LogLevel::kInfo, "version quantised on send",
+      {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"ops", q.ops}, {"chunks", q.chunks},
+       {"bytes", q.canonical_bytes}, {"gathered_bytes", q.gathered_bytes}, {"wire_bytes", q.wire_bytes}, {"threads", q.threads},
+       {"seconds", q.seconds}, {"waited_seconds", q.waited_seconds}});
   return absl::OkStatus();
 }
 
