@@ -126,8 +126,16 @@ absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inv, const std
   std::vector<Level> levels;
   std::vector<int> cdim_of_level;
   for (int64_t i = 0; i < n; ++i) {
-    if (taken[i] || probe[i] < 0) continue;
-    const int64_t v = probe[i];
+    if (taken[i]) continue;
+    // The probe may be shared memory its worker can still write (the node daemon reads it in
+    // place): CheckProbe's verdict on this value no longer holds, so it is read once and the value
+    // that indexes the inventory is checked again. Every other read below is only compared.
+    const int64_t v = *static_cast<const volatile int64_t*>(&probe[i]);
+    if (v < 0) continue;
+    if (v >= bases.back() || DTypeSize(inv.tensors[tensor_of(v)].dtype) != element_size) {
+      return absl::InvalidArgumentError(absl::StrCat("index probe: element ", i, " changed to ", v,
+                                                     " after it was checked (was the probe written while it was read?)"));
+    }
     const size_t t = tensor_of(v);
     const std::vector<int64_t>& cshape = inv.tensors[t].shape;
     const size_t cr = cshape.size();

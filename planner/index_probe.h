@@ -22,7 +22,9 @@ namespace wb::planner {
 // Returns pieces covering exactly the mapped elements, each a canonical box with local strides
 // (a local sub-box whose canonical coordinates are affine in the local ones, or a flat run
 // decomposed into boxes). Runs in O(n * local rank). Inconsistent input (size mismatch, index out
-// of range, dtype size mismatch) -> InvalidArgument; never crashes on arbitrary probe values.
+// of range, dtype size mismatch) -> InvalidArgument; never crashes on arbitrary probe values, nor on
+// values that change while it runs (`probe` may be a worker's shared memory): a value changed after
+// it was checked is InvalidArgument, or lands in pieces the layout's validation judges.
 absl::StatusOr<std::vector<Piece>> ExtractPieces(const Inventory& inventory, const std::vector<int64_t>& bases,
                                                  absl::Span<const int64_t> probe,
                                                  const std::vector<int64_t>& local_shape, int64_t offset_bytes,

@@ -1,5 +1,9 @@
 #include "planner/index_probe.h"
 
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <fstream>
 #include <limits>
 #include <random>
@@ -207,6 +211,64 @@ TEST(IndexProbe, GarbageIsAnErrorOrExact) {
     ASSERT_TRUE(pieces.ok()) << pieces.status();
     EXPECT_EQ(Render(f.inv, f.bases, *pieces, 24, 0, 2), probe);
   }
+}
+
+// A probe in a worker's shared memory can change while the node daemon extracts it. Here the
+// probe spans two pages; the second is unreadable until CheckProbe first touches it, and that
+// fault rewrites element 0 (already checked) to `changed_to`, so the extraction reads a value its
+// check never saw. Before, element 0 = the inventory's total indexed one tensor past the
+// inventory's end (the node daemon crashed: a worker rewriting its probe during RegisterLayout).
+struct ChangingProbe {
+  static inline int64_t* first = nullptr;
+  static inline char* second_page = nullptr;
+  static inline size_t page = 0;
+  static inline int64_t changed_to = 0;
+  static void OnFault(int, siginfo_t* info, void*) {
+    char* at = static_cast<char*>(info->si_addr);
+    if (second_page == nullptr || at < second_page || at >= second_page + page) {
+      signal(SIGSEGV, SIG_DFL);  // not ours: crash as usual
+      return;
+    }
+    *first = changed_to;
+    mprotect(second_page, page, PROT_READ);
+  }
+};
+
+absl::Status ExtractWhileElementZeroChanges(const Inventory& inv, const std::vector<int64_t>& bases, int64_t changed_to) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  void* mem = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return absl::InternalError("mmap");
+  auto* probe = static_cast<int64_t*>(mem);
+  const int64_t n = static_cast<int64_t>(2 * page / sizeof(int64_t));
+  for (int64_t i = 0; i < n; ++i) probe[i] = -1;
+  probe[0] = 0;  // tensor q, element 0: valid when checked
+  ChangingProbe::first = probe;
+  ChangingProbe::second_page = static_cast<char*>(mem) + page;
+  ChangingProbe::page = page;
+  ChangingProbe::changed_to = changed_to;
+  mprotect(ChangingProbe::second_page, page, PROT_NONE);
+  struct sigaction sa {}, old {};
+  sa.sa_sigaction = ChangingProbe::OnFault;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &old);
+  absl::Status s = ExtractPieces(inv, bases, absl::Span<const int64_t>(probe, static_cast<size_t>(n)), {n}, 0, 2).status();
+  sigaction(SIGSEGV, &old, nullptr);
+  ChangingProbe::second_page = nullptr;
+  munmap(mem, 2 * page);
+  return s;
+}
+
+TEST(IndexProbe, AProbeValueChangedAfterItsCheckIsAnErrorNotARead) {
+  Fixture f;
+  // Out of the inventory (its total, and far beyond), and into a tensor of another element size.
+  for (int64_t changed_to : {f.bases.back(), int64_t{1} << 62, f.bases[5]}) {
+    absl::Status s = ExtractWhileElementZeroChanges(f.inv, f.bases, changed_to);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << changed_to << ": " << s;
+    EXPECT_NE(s.message().find("changed to"), std::string::npos) << s;
+  }
+  // A value changed to another valid one of the same element size is simply extracted.
+  EXPECT_TRUE(ExtractWhileElementZeroChanges(f.inv, f.bases, 1).ok());
 }
 
 std::string ReadTestdata(const std::string& name) {
