@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "proto/grpc_status.h"
@@ -323,14 +324,35 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   if (req.pid() <= 0) req.set_pid(static_cast<int32_t>(me->pid));
   call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id()](const grpc::Status& s, const void*) {
     if (!s.ok()) return;
-    absl::MutexLock l(&mu_);
-    Binding& b = bindings_[{model, worker}];
-    // The same process registering again (a client's replay after a reconnect; the node keeps the
-    // worker as it was) keeps its binding, with the versions it published and that are pending.
-    const bool same = b.cred.pid == cred.pid && b.cred.start_time == cred.start_time && b.cred.uid == cred.uid && b.model == model;
-    if (!same) b = Binding{cred, model};
+    {
+      absl::MutexLock l(&mu_);
+      Binding& b = bindings_[{model, worker}];
+      // The same process registering again (a client's replay after a reconnect; the node keeps the
+      // worker as it was) keeps its binding, with the versions it published and that are pending.
+      const bool same = b.cred.pid == cred.pid && b.cred.start_time == cred.start_time && b.cred.uid == cred.uid && b.model == model;
+      if (!same) b = Binding{cred, model};
+      if (bindings_.size() <= sweep_at_) return;
+    }
+    SweepExitedBindings();
   };
   return Verdict::Ok();
+}
+
+void WorkerGuard::SweepExitedBindings() {
+  std::vector<std::pair<std::pair<std::string, std::string>, PeerCred>> held;
+  {
+    absl::MutexLock l(&mu_);
+    held.reserve(bindings_.size());
+    for (const auto& [key, b] : bindings_) held.emplace_back(key, b.cred);
+  }
+  // /proc is read without the lock; a binding that changed hands meanwhile is kept.
+  std::erase_if(held, [](const auto& h) { return h.second.start_time != 0 && ProcessStartTime(h.second.pid) == h.second.start_time; });
+  absl::MutexLock l(&mu_);
+  for (const auto& [key, cred] : held) {
+    auto it = bindings_.find(key);
+    if (it != bindings_.end() && it->second.cred.pid == cred.pid && it->second.cred.start_time == cred.start_time) bindings_.erase(it);
+  }
+  sweep_at_ = std::max(kMinBindingSweep, 2 * bindings_.size());
 }
 
 Verdict WorkerGuard::RegisterLayout(AuthCall& call, const pb::RegisterLayoutRequest& req) {

@@ -82,6 +82,11 @@ class WorkerGuard {
   // Told the (model, worker) of every worker that deregistered (the fd channel releases its fds).
   // Set before serving.
   void set_on_deregister(std::function<void(const std::string& model, const std::string& worker)> f) { on_deregister_ = std::move(f); }
+  // (model, worker) bindings held now: live workers, plus those of exited processes not yet swept.
+  size_t bindings() {
+    absl::MutexLock l(&mu_);
+    return bindings_.size();
+  }
 
  private:
   struct Binding {
@@ -102,6 +107,10 @@ class WorkerGuard {
   // The same for the caller of `call`.
   Verdict Waiting(AuthCall& call, const std::string& model, const std::string& worker);
   Verdict DescribeLayout(AuthCall& call, const ::weightbridge::v1::DescribeLayoutRequest& req);
+  // Drops the bindings of processes that have exited (a worker that never deregistered: the node
+  // reaps the worker, nothing else erases its binding), once the table has doubled since the last
+  // sweep, so workers of short-lived processes cannot grow it without bound.
+  void SweepExitedBindings();
 
   const PeerCredListener* peers_;
   Limits limits_;
@@ -110,6 +119,8 @@ class WorkerGuard {
   // Keyed by (model, worker): worker ids are scoped per model (issue 16.5).
   std::map<std::pair<std::string, std::string>, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
+  size_t sweep_at_ ABSL_GUARDED_BY(mu_) = kMinBindingSweep;
+  static constexpr size_t kMinBindingSweep = 64;
   std::function<void(const std::string&, const std::string&)> on_deregister_;
   BlockedCalls blocked_;
 };

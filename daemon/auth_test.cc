@@ -77,6 +77,18 @@ int ChildMain() {
     req.set_worker_id(worker);
     pb::RegisterWorkerResponse resp;
     s = stub->RegisterWorker(&ctx, req, &resp);
+  } else if (action == "register_many") {
+    // WB_COUNT workers <WB_WORKER>-0.. of model m, then exit without deregistering any.
+    const int count = std::atoi(std::getenv("WB_COUNT"));
+    for (int i = 0; i < count && s.ok(); ++i) {
+      grpc::ClientContext c;
+      c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      pb::RegisterWorkerRequest req;
+      req.set_model_id("m");
+      req.set_worker_id(absl::StrCat(worker, "-", i));
+      pb::RegisterWorkerResponse resp;
+      s = stub->RegisterWorker(&c, req, &resp);
+    }
   } else if (action == "status") {
     pb::StatusResponse resp;
     s = stub->Status(&ctx, pb::StatusRequest(), &resp);
@@ -197,6 +209,32 @@ TEST_F(WorkerFrontTest, DeadOwnersIdCanBeTakenOver) {
   // A child registers "ghost" and exits; its id is free for a restarted worker (this process).
   EXPECT_EQ(RunChild(ChildEnv("register", "ghost")), 0);
   EXPECT_TRUE(Register("ghost").ok());
+}
+
+// Workers whose processes exit without Deregister (kill -9, a crash, a client that never closes)
+// leave their bindings behind; the node reaps the workers but nothing erased the bindings, so a
+// stream of short-lived worker processes grew the table (and the daemon's memory, ~1 KiB a worker)
+// without bound. They are swept once the table doubles; a live worker's binding stays.
+TEST_F(WorkerFrontTest, BindingsOfExitedProcessesDoNotAccumulate) {
+  ASSERT_TRUE(Register("live").ok());
+  constexpr int kProcesses = 6, kEach = 100;
+  for (int p = 0; p < kProcesses; ++p) {
+    std::vector<std::string> env = ChildEnv("register_many", absl::StrCat("gone", p));
+    env.push_back(absl::StrCat("WB_COUNT=", kEach));
+    ASSERT_EQ(RunChild(env), 0) << "process " << p;
+  }
+  // 601 registered, 600 of them by processes that have exited: at most the last process's 100 and
+  // the table's doubling headroom remain.
+  EXPECT_LE(front_->bindings(), static_cast<size_t>(2 * kEach + 64)) << "bindings of exited processes accumulate";
+  // The live worker kept its binding through every sweep: it may still act, another may not take it.
+  grpc::ClientContext ctx;
+  pb::PublishRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("live");
+  req.set_version(1);
+  pb::PublishResponse resp;
+  EXPECT_TRUE(stub_->Publish(&ctx, req, &resp).ok());
+  EXPECT_EQ(RunChild(ChildEnv("register", "live")), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
 }
 
 TEST_F(WorkerFrontTest, OtherUidCannotConnect) {
