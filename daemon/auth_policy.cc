@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -303,6 +304,8 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   if (req.has_model()) {
     if (absl::Status s = CheckModelSpec(req.model(), limits_); !s.ok()) return Refuse(s, "limit");
   }
+  // Set when this call claimed the id from nobody (or from a dead process): the binding it replaced.
+  std::optional<std::optional<Binding>> claimed;
   {
     absl::MutexLock l(&mu_);
     // Worker ids are scoped per model: only the same (model, worker) can be held by someone else.
@@ -317,13 +320,31 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
                       "impersonation");
       }
     }
+    // Claimed now, not once the registration has succeeded: two live processes registering one id
+    // at the same time both passed the check above and both got OK (the later binding won).
+    if (it == bindings_.end() || it->second.cred.pid != me->pid) {
+      claimed.emplace(it == bindings_.end() ? std::nullopt : std::optional<Binding>(it->second));
+      bindings_[{req.model_id(), req.worker_id()}] = Binding{*me, req.model_id()};
+    }
   }
   // The node daemon watches the worker's process (kill -9 detection). A worker that names no pid
   // is watched through the kernel's word for it (SO_PEERCRED); one that names another (a launcher
   // registering for its engine process) keeps its choice - it can only get itself dropped.
   if (req.pid() <= 0) req.set_pid(static_cast<int32_t>(me->pid));
-  call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id()](const grpc::Status& s, const void*) {
-    if (!s.ok()) return;
+  call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id(), claimed](const grpc::Status& s, const void*) {
+    if (!s.ok()) {
+      // A failed registration gives a claimed id back (to the dead process it was taken from, or to nobody).
+      absl::MutexLock l(&mu_);
+      auto it = bindings_.find({model, worker});
+      if (claimed && it != bindings_.end() && it->second.cred.pid == cred.pid && it->second.cred.start_time == cred.start_time) {
+        if (claimed->has_value()) {
+          it->second = **claimed;
+        } else {
+          bindings_.erase(it);
+        }
+      }
+      return;
+    }
     {
       absl::MutexLock l(&mu_);
       Binding& b = bindings_[{model, worker}];

@@ -6,14 +6,17 @@
 #include "daemon/auth.h"
 
 #include <grpcpp/grpcpp.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/auth_gate.h"
 #include "daemon/auth_policy.h"
 #include "gtest/gtest.h"
@@ -26,7 +29,11 @@ namespace {
 class FakeWorkerService final : public pb::WorkerService::Service {
  public:
   std::atomic<int> calls{0};
-  grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest*, pb::RegisterWorkerResponse*) override { return Ok(); }
+  grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse*) override {
+    // A node's registration takes a while (it joins the worker at the coordinator): "slow*" ids do.
+    if (req->worker_id().rfind("slow", 0) == 0) absl::SleepFor(absl::Milliseconds(300));
+    return Ok();
+  }
   grpc::Status RegisterLayout(grpc::ServerContext*, const pb::RegisterLayoutRequest*, pb::RegisterLayoutResponse*) override { return Ok(); }
   grpc::Status Publish(grpc::ServerContext*, const pb::PublishRequest*, pb::PublishResponse*) override { return Ok(); }
   grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest*, pb::ApplyResponse*) override { return Ok(); }
@@ -51,6 +58,11 @@ class FakeNodeService final : public pb::NodeService::Service {
 };
 
 // ------------------------------------------------------------------ child process (impostor)
+bool stub_channel_ready(const std::string& sock) {
+  auto ch = grpc::CreateChannel("unix:" + sock, grpc::InsecureChannelCredentials());
+  return ch->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5));
+}
+
 // WB_AUTH_CHILD=<action> WB_SOCK=<path> WB_WORKER=<id> [WB_UID=<uid>] [WB_SHM=<name>]
 // Exit code: the gRPC status code of the call (0 = OK), 100+ on setup failure.
 int ChildMain() {
@@ -72,6 +84,19 @@ int ChildMain() {
     pb::PublishResponse resp;
     s = stub->Publish(&ctx, req, &resp);
   } else if (action == "register") {
+    pb::RegisterWorkerRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    pb::RegisterWorkerResponse resp;
+    s = stub->RegisterWorker(&ctx, req, &resp);
+  } else if (action == "register_on_go") {
+    // Connected, says so, then registers once a byte arrives on the fifo WB_GO (both racers at once).
+    if (!stub_channel_ready(sock)) return 103;
+    std::printf("ready\n");
+    std::fflush(stdout);
+    const int go = ::open(std::getenv("WB_GO"), O_RDONLY);
+    char byte;
+    if (go < 0 || ::read(go, &byte, 1) != 1) return 104;
     pb::RegisterWorkerRequest req;
     req.set_model_id("m");
     req.set_worker_id(worker);
@@ -235,6 +260,43 @@ TEST_F(WorkerFrontTest, BindingsOfExitedProcessesDoNotAccumulate) {
   pb::PublishResponse resp;
   EXPECT_TRUE(stub_->Publish(&ctx, req, &resp).ok());
   EXPECT_EQ(RunChild(ChildEnv("register", "live")), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+}
+
+// Two live processes registering the same worker id at the same moment: before, both passed the
+// check (the binding was recorded only once a registration succeeded) and both got OK, the later
+// binding winning. Now the first claims the id when its call is checked; the other is refused.
+TEST_F(WorkerFrontTest, TwoProcessesRegisteringOneIdAtOnceDoNotBothGetIt) {
+  const std::string go = absl::StrCat("/tmp/wbauth-go-", ::getpid());
+  ::unlink(go.c_str());
+  ASSERT_EQ(::mkfifo(go.c_str(), 0600), 0);
+  // Held open for writing throughout, so a racer's open for reading never waits for a writer.
+  const int fd = ::open(go.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  auto h = e2e::Harness::Create("auth_race");
+  ASSERT_TRUE(h.ok()) << h.status();
+  std::vector<e2e::Process*> racers;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::string> env = ChildEnv("register_on_go", "slow-r0");
+    env.push_back("WB_GO=" + go);
+    auto p = (*h)->Spawn(absl::StrCat("racer", i), {"/proc/self/exe"}, env);
+    ASSERT_TRUE(p.ok()) << p.status();
+    racers.push_back(*p);
+  }
+  for (e2e::Process* p : racers) {
+    ASSERT_TRUE(p->WaitForLine([](const std::string& l) { return l == "ready"; }, absl::Seconds(20)).ok()) << p->LogTail();
+  }
+  ASSERT_EQ(::write(fd, "gg", 2), 2);  // one byte each: both register at once
+  std::vector<int> codes;
+  for (e2e::Process* p : racers) {
+    auto code = p->WaitExit(absl::Seconds(20));
+    ASSERT_TRUE(code.ok()) << code.status();
+    codes.push_back(*code);
+  }
+  ::close(fd);
+  ::unlink(go.c_str());
+  std::sort(codes.begin(), codes.end());
+  EXPECT_EQ(codes, (std::vector<int>{0, static_cast<int>(grpc::StatusCode::PERMISSION_DENIED)}))
+      << "both processes were told they hold worker slow-r0";
 }
 
 TEST_F(WorkerFrontTest, OtherUidCannotConnect) {
