@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -25,16 +26,19 @@ int64_t Numel(const std::vector<int64_t>& shape) {
 int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-enum class Kind { kMegatron, kFsdp2, kFsdpFlat, kVllm };
+enum class Kind { kMegatron, kFsdp2, kFsdp2Tp, kFsdpFlat, kVllm };
 
 absl::StatusOr<Kind> KindOf(const std::string& preset) {
   if (preset == "megatron") return Kind::kMegatron;
   if (preset == "fsdp" || preset == "fsdp2") return Kind::kFsdp2;
+  // torch FSDP2 over the dp_shard dim of a (replicate, dp_shard, tp) mesh after tensor parallelism
+  // (NeMo-RL's DTensor policy with tensor_parallel_size > 1, torchtitan): docs/presets.md.
+  if (preset == "fsdp2_tp" || preset == "fsdp_tp") return Kind::kFsdp2Tp;
   // DeepSpeed ZeRO-3 partitions every parameter exactly as fsdp_flat lays it out (docs/presets.md).
   if (preset == "fsdp_flat" || preset == "deepspeed_zero3") return Kind::kFsdpFlat;
   if (preset == "vllm" || preset == "sglang") return Kind::kVllm;
   return absl::InvalidArgumentError(absl::StrCat("unknown layout preset `", preset,
-                                                 "` (expected megatron, fsdp (= fsdp2), fsdp_flat (= deepspeed_zero3), vllm or sglang)"));
+                                                 "` (expected megatron, fsdp (= fsdp2), fsdp2_tp (= fsdp_tp), fsdp_flat (= deepspeed_zero3), vllm or sglang)"));
 }
 
 struct LayerIds {
@@ -1049,6 +1053,72 @@ PresetLayout MakeFsdp2(const ParallelConfig& par, const Inventory& inv, int rank
   return w.Finish();
 }
 
+// [lo, hi) of part `idx` of a dim of `n` split `parts` ways with torch.chunk semantics: ceil(n / parts)
+// per part, the last non-empty part shorter, the parts past the end empty (torch.chunk returns
+// fewer chunks; DTensor's Shard._split_tensor and FSDP2's _chunk_with_empty append empty ones).
+std::pair<int64_t, int64_t> TorchChunk(int64_t n, int64_t parts, int64_t idx) {
+  const int64_t c = CeilDiv(n, parts);
+  const int64_t lo = std::min(n, idx * c);
+  return {lo, std::min(n, lo + c)};
+}
+
+// The tensor dim torch's tensor-parallel styles shard a canonical tensor on in the fsdp2_tp plan
+// (NeMo-RL nemo_rl/models/dtensor/parallelize.py _parallelize_llama / _parallelize_qwen /
+// _parallelize_gemma3 and get_hf_tp_plan; torchtitan's llama3 apply_tp), -1 when replicated:
+// ColwiseParallel on nn.Linear (q/k/v, gate/up, lm_head) shards weight and bias Shard(0);
+// RowwiseParallel on nn.Linear (o_proj, down_proj) shards the weight Shard(1) and replicates the
+// bias; RowwiseParallel on nn.Embedding (embed_tokens) shards the weight Shard(0)
+// (torch/distributed/tensor/parallel/style.py _partition_linear_fn / _partition_embedding_fn).
+// Norms (SequenceParallel or not parallelized) are whole on every TP rank.
+int TpShardDim(const std::string& name) {
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return 0;
+  for (const char* m : {".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", ".mlp.gate_proj.", ".mlp.up_proj."}) {
+    if (absl::StrContains(name, m)) return 0;
+  }
+  for (const char* m : {".self_attn.o_proj.weight", ".mlp.down_proj.weight"}) {
+    if (absl::EndsWith(name, m)) return 1;
+  }
+  return -1;
+}
+
+// FSDP2 + TP (2-D DeviceMesh): world = replicas * dp * tp, tp fastest (NeMo-RL's (dp, cp, tp) mesh,
+// torchtitan's / NeMo Automodel's (pp, dp_replicate, dp_shard, cp, tp)): rank = (replica * dp +
+// shard_rank) * tp + tp_rank. parallelize_module gives each TP rank its torch.chunk part of the
+// TP-sharded dim (DTensor Shard._split_tensor, unpadded local tensor); fully_shard then takes
+// param._local_tensor (FSDPParam._init_sharding_spec_tp) and shards it exactly like a plain
+// parameter (_init_sharded_param: _chunk_with_empty over dp on dim 0, the rank's chunk at the start
+// of a buffer of chunk 0's size): a TP Shard(0) tensor's rows are chunked twice (TP, then dp within
+// the TP part: _StridedShard(0, split_factor=tp) records it), a Shard(1) tensor's TP columns are
+// chunked by rows over dp. Each rank's local tensor is one box of the canonical tensor.
+PresetLayout MakeFsdp2Tp(const ParallelConfig& par, const Inventory& inv, int rank) {
+  const int64_t tp_rank = rank % par.tp;
+  const int64_t shard_rank = (rank / par.tp) % par.dp;
+  Writer w(inv);
+  for (size_t t = 0; t < inv.tensors.size(); ++t) {
+    const std::vector<int64_t>& shape = inv.tensors[t].shape;
+    Box box;
+    box.begin.assign(shape.size(), 0);
+    box.end = shape;
+    const int tp_dim = TpShardDim(inv.tensors[t].name);
+    if (tp_dim >= 0) std::tie(box.begin[tp_dim], box.end[tp_dim]) = TorchChunk(shape[tp_dim], par.tp, tp_rank);
+    // FSDP2 on the TP-local tensor: rows chunked over dp, chunk 0's size reserved on every rank.
+    const int64_t tp_rows = box.end[0] - box.begin[0];
+    const auto [lo, hi] = TorchChunk(tp_rows, par.dp, shard_rank);
+    const int64_t first = box.begin[0];
+    box.begin[0] = first + lo;
+    box.end[0] = first + hi;
+    std::vector<int64_t> local(shape.size());
+    for (size_t d = 0; d < shape.size(); ++d) local[d] = box.end[d] - box.begin[d];
+    std::vector<int64_t> padded = local;
+    padded[0] = CeilDiv(tp_rows, par.dp);
+    const int64_t numel = Numel(local);
+    std::vector<int64_t> strides = ContiguousStrides(local);
+    w.Begin(inv.tensors[t].name, std::move(local), static_cast<int32_t>(t), Numel(padded));
+    if (numel > 0) w.Strided(static_cast<int32_t>(t), std::move(box), std::move(strides), 0);
+  }
+  return w.Finish();
+}
+
 // fsdp_flat: every tensor flattened and split into dp contiguous 1-D ranges of ceil(n / dp)
 // elements (not what any torch FSDP version does; kept for specs written against it).
 PresetLayout MakeFsdpFlat(const ParallelConfig& par, const Inventory& inv, int rank) {
@@ -1083,6 +1153,9 @@ absl::StatusOr<int> PresetWorldSize(const ParallelConfig& p) {
       break;
     case Kind::kFsdp2:
       world = int64_t{p.dp} * p.replicas;
+      break;
+    case Kind::kFsdp2Tp:
+      world = int64_t{p.tp} * p.dp * p.replicas;
       break;
     case Kind::kFsdpFlat:
       world = p.dp;
@@ -1260,12 +1333,35 @@ absl::Status QuantizePreset(const Inventory& inv, const std::string& scheme, boo
 
 }  // namespace
 
+// fsdp2_tp describes the dense families whose tensor-parallel plan is verified (NeMo-RL's
+// PARALLIZE_FUNCTIONS: Llama, Qwen2, Qwen3, Gemma3ForCausalLM; Mistral through get_hf_tp_plan,
+// its base_model_tp_plan being Llama's); anything else is refused naming the architecture, and tp
+// not dividing the heads as NeMo-RL's _parallelize_model asserts.
+absl::Status CheckFsdp2Tp(const ModelConfig& config, const ParallelConfig& par) {
+  const std::string& a = config.architecture;
+  if (a != "LlamaForCausalLM" && a != "MistralForCausalLM" && a != "Qwen2ForCausalLM" && a != "Qwen3ForCausalLM" &&
+      a != "Gemma3ForCausalLM") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        par.preset, ": no preset layout for ", a,
+        " (its FSDP2 + TP plan is not verified; described: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+        "Qwen3ForCausalLM, Gemma3ForCausalLM); use fsdp with tp=1, explicit pieces or an index-probe layout"));
+  }
+  // nemo_rl/models/dtensor/parallelize.py _parallelize_model: both asserts when tp > 1.
+  if (config.kv_heads % par.tp != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(par.preset, ": tp=", par.tp, " must divide num_key_value_heads=", config.kv_heads));
+  }
+  if (config.heads % par.tp != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(par.preset, ": tp=", par.tp, " must divide num_attention_heads=", config.heads));
+  }
+  return absl::OkStatus();
+}
+
 // A size or option the preset's framework has no counterpart for is refused, naming it, rather
 // than ignored (the world and every rank's pieces would silently describe something else).
 absl::Status CheckFieldsApply(Kind kind, const ParallelConfig& p) {
   std::vector<std::string> unused;
-  const bool fsdp = kind == Kind::kFsdp2 || kind == Kind::kFsdpFlat;
-  if (fsdp && p.tp != 1) unused.push_back(absl::StrCat("tp=", p.tp));
+  const bool fsdp = kind == Kind::kFsdp2 || kind == Kind::kFsdp2Tp || kind == Kind::kFsdpFlat;
+  if (fsdp && kind != Kind::kFsdp2Tp && p.tp != 1) unused.push_back(absl::StrCat("tp=", p.tp));
   if ((fsdp || kind == Kind::kVllm) && p.pp != 1) unused.push_back(absl::StrCat("pp=", p.pp));
   if ((fsdp || kind == Kind::kVllm) && p.ep != 1) unused.push_back(absl::StrCat("ep=", p.ep));
   if ((fsdp || kind == Kind::kVllm) && p.etp != 0) unused.push_back(absl::StrCat("etp=", p.etp));
@@ -1277,7 +1373,8 @@ absl::Status CheckFieldsApply(Kind kind, const ParallelConfig& p) {
   if (unused.empty()) return absl::OkStatus();
   const char* why = kind == Kind::kVllm ? " (engine pipeline parallelism is not described; experts follow dp*tp and expert_parallel)"
                     : kind == Kind::kMegatron ? " (Megatron's data parallelism is dp and its expert parallelism ep)"
-                                              : " (FSDP2 combined with tensor, pipeline or expert parallelism is not described)";
+                    : kind == Kind::kFsdp2Tp ? " (FSDP2 + TP combined with pipeline or expert parallelism is not described)"
+                                              : " (FSDP2 with tensor parallelism is the fsdp2_tp preset; with pipeline or expert parallelism it is not described)";
   return absl::InvalidArgumentError(absl::StrCat(p.preset, ": ", absl::StrJoin(unused, ", "), " does not apply", why));
 }
 
@@ -1302,7 +1399,7 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
   b.config_ = config;
   b.parallel_ = parallel;
   b.inventory_ = &inventory;
-  if ((kind == Kind::kFsdp2 || kind == Kind::kFsdpFlat) &&
+  if ((kind == Kind::kFsdp2 || kind == Kind::kFsdp2Tp || kind == Kind::kFsdpFlat) &&
       (parallel.first_stage_layers != 0 || parallel.last_stage_layers != 0 || parallel.vpp != 1 || !parallel.expert_placement.empty())) {
     return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": first_stage_layers, last_stage_layers, vpp and expert_placement do not apply"));
   }
@@ -1313,6 +1410,10 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
     return b;
   }
   if (kind == Kind::kFsdpFlat) return b;
+  if (kind == Kind::kFsdp2Tp) {
+    RETURN_IF_ERROR(CheckFsdp2Tp(config, parallel));
+    return b;
+  }
   if (config.fused_experts && parallel.preset != "vllm") {
     // GPT-OSS: only vLLM's bf16 layout is modelled (MakeVllmGptOss); SGLang's and Megatron's
     // (a bridge) are not, so refuse rather than guess.
@@ -1353,6 +1454,8 @@ absl::StatusOr<PresetLayout> PresetBuilder::Make(int rank) const {
       return MakeMegatron(config_, parallel_, *inventory_, *ids_, rank);
     case Kind::kFsdp2:
       return MakeFsdp2(parallel_, *inventory_, rank);
+    case Kind::kFsdp2Tp:
+      return MakeFsdp2Tp(parallel_, *inventory_, rank);
     case Kind::kFsdpFlat:
       return MakeFsdpFlat(parallel_, *inventory_, rank);
     case Kind::kVllm: {

@@ -31,6 +31,15 @@
 //   e.g. d0=5 over 4 ranks: 2,2,1,0). The local tensor keeps the HF name and the shape
 //   [rows, rest...] and is contiguous; c*rest elements are reserved for it (FSDP2's padded
 //   shard), so every rank's buffer has the same size. Empty shards are listed with 0 rows.
+// fsdp2_tp (= fsdp_tp): torch FSDP2 `fully_shard` over the dp_shard dim of a 2-D (3-D with HSDP)
+//   DeviceMesh after tensor parallelism (parallelize_module): NeMo-RL's DTensor policy with
+//   tensor_parallel_size > 1, torchtitan. world = replicas * dp * tp, tp fastest: rank =
+//   (replica*dp + shard_rank)*tp + tp_rank. TP plan (torch ParallelStyles as NeMo-RL applies them):
+//   q/k/v/gate/up weight and bias, embed_tokens and lm_head Shard(0); o_proj/down_proj weight
+//   Shard(1); everything else (norms, o/down biases) whole. Each TP part is torch.chunk's (ceil,
+//   trailing parts short or empty); FSDP2 then splits the TP-local tensor's dim 0 over dp with
+//   torch.chunk semantics and reserves chunk 0's rows on every rank. Llama, Mistral, Qwen2, Qwen3,
+//   Gemma3 (text) only; tp must divide num_attention_heads and num_key_value_heads.
 // fsdp_flat: world = dp; every tensor flattened and split into dp contiguous ranges of ceil(n/dp)
 //   elements; local tensors keep the HF name and are 1-D; empty shards are omitted. This is
 //   DeepSpeed ZeRO-3's partitioning (each parameter's ds_tensor): also named "deepspeed_zero3".
@@ -73,10 +82,10 @@
 namespace wb::planner {
 
 struct ParallelConfig {
-  std::string preset;  // "megatron", "fsdp" (= "fsdp2"), "fsdp_flat" (= "deepspeed_zero3"), "vllm", "sglang"
+  std::string preset;  // "megatron", "fsdp" (= "fsdp2"), "fsdp2_tp" (= "fsdp_tp"), "fsdp_flat" (= "deepspeed_zero3"), "vllm", "sglang"
   int tp = 1, pp = 1, dp = 1, ep = 1, etp = 0;  // etp 0 = tp
   bool expert_parallel = false;                 // vllm/sglang
-  int replicas = 1;                             // vllm/sglang: engines; fsdp2: HSDP replicate size
+  int replicas = 1;                             // vllm/sglang: engines; fsdp2 / fsdp2_tp: HSDP replicate size
   // megatron: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (0 = not set)
   // and --virtual-pipeline-model-parallel-size (1 = none).
   int first_stage_layers = 0, last_stage_layers = 0, vpp = 1;

@@ -2134,5 +2134,201 @@ TEST(Presets, Olmo2AndPhi3Refusals) {
   refused(p, {.preset = "sglang", .tp = 2, .dp = 2}, "DeepSeek");
 }
 
+// ---- fsdp2_tp: FSDP2 + TP on a (replicate, dp_shard, tp) mesh ----
+
+// torch.chunk(x, parts) on a list of indices, transcribed from ATen's chunk (split by
+// ceil(n / parts)) plus the empty chunks DTensor's Shard._split_tensor (fill_empty_tensor_to_shards)
+// and FSDP2's _chunk_with_empty append so that there are `parts` of them. Built by walking the list,
+// not by the preset's arithmetic.
+std::vector<std::vector<int64_t>> TorchChunkList(const std::vector<int64_t>& x, int64_t parts) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  const int64_t split = (n + parts - 1) / parts;
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t at = 0; split > 0 && at < n; at += split) {
+    out.emplace_back(x.begin() + at, x.begin() + std::min(n, at + split));
+  }
+  while (static_cast<int64_t>(out.size()) < parts) out.emplace_back();
+  return out;
+}
+
+std::vector<int64_t> Iota(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
+  return v;
+}
+
+// The placement NeMo-RL's plan gives a parameter on the TP mesh dim, from the module it belongs to
+// (nemo_rl/models/dtensor/parallelize.py) and what torch's styles do to nn.Linear / nn.Embedding
+// (torch/distributed/tensor/parallel/style.py): 'R' replicate, '0' Shard(0), '1' Shard(1).
+char TpPlacement(const std::string& name) {
+  const std::string module = name.substr(0, name.rfind('.'));
+  const std::string param = name.substr(name.rfind('.') + 1);
+  const std::string leaf = module.substr(module.rfind('.') + 1);
+  static const std::set<std::string> colwise = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"};
+  static const std::set<std::string> rowwise = {"o_proj", "down_proj"};
+  if (colwise.count(leaf)) return '0';                  // ColwiseParallel(nn.Linear): weight and bias Shard(0)
+  if (rowwise.count(leaf)) return param == "weight" ? '1' : 'R';  // RowwiseParallel(nn.Linear): bias Replicate
+  if (leaf == "embed_tokens") return '0';               // RowwiseParallel(nn.Embedding): Shard(0)
+  return 'R';                                           // norms: SequenceParallel / not parallelized
+}
+
+// Every element of every local tensor of every rank against torch's two chunkings: parallelize_module
+// (TP part of the sharded dim), then fully_shard on the TP-local tensor (dim-0 chunk over dp).
+void ExpectFsdp2TpLayout(const Model& m, const ParallelConfig& par) {
+  SCOPED_TRACE(m.config.architecture + " tp=" + std::to_string(par.tp) + " dp=" + std::to_string(par.dp) +
+               " replicas=" + std::to_string(par.replicas));
+  auto b = PresetBuilder::Create(m.config, m.inv, par);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->world_size(), par.tp * par.dp * par.replicas);
+  std::map<int, std::vector<std::string>> per_replica_boxes;
+  for (int rank = 0; rank < b->world_size(); ++rank) {
+    // The mesh (replicate, dp_shard, tp), row-major: tp fastest.
+    const int tp_rank = rank % par.tp, shard = (rank / par.tp) % par.dp, replica = rank / (par.tp * par.dp);
+    auto l = b->Make(rank);
+    ASSERT_TRUE(l.ok()) << l.status();
+    ASSERT_TRUE(ValidateLayout(m.inv, l->layout, Role::kTrainer).ok());
+    ASSERT_EQ(l->local_tensors.size(), m.inv.tensors.size()) << "every tensor listed, empty shards too";
+    std::vector<std::string> boxes;
+    for (size_t t = 0; t < m.inv.tensors.size(); ++t) {
+      const TensorSpec& spec = m.inv.tensors[t];
+      const LocalTensor& lt = l->local_tensors[t];
+      ASSERT_EQ(lt.name, spec.name) << "HF names, inventory order";
+      std::vector<int64_t> rows = Iota(spec.shape[0]);
+      std::vector<int64_t> cols = spec.shape.size() > 1 ? Iota(spec.shape[1]) : std::vector<int64_t>{0};
+      const char place = TpPlacement(spec.name);
+      if (place == '0') rows = TorchChunkList(rows, par.tp)[tp_rank];
+      if (place == '1') cols = TorchChunkList(cols, par.tp)[tp_rank];
+      const std::vector<int64_t> tp_rows = rows;
+      rows = TorchChunkList(rows, par.dp)[shard];
+      std::vector<int64_t> want_shape = {static_cast<int64_t>(rows.size())};
+      if (spec.shape.size() > 1) want_shape.push_back(static_cast<int64_t>(cols.size()));
+      ASSERT_EQ(lt.shape, want_shape) << spec.name << " rank " << rank;
+      const int64_t ncols = static_cast<int64_t>(cols.size());
+      for (int64_t i = 0; i < Numel(lt.shape); ++i) {
+        const int64_t canon_row = rows[static_cast<size_t>(i / ncols)], canon_col = cols[static_cast<size_t>(i % ncols)];
+        const int64_t want_flat = spec.shape.size() > 1 ? canon_row * spec.shape[1] + canon_col : canon_row;
+        ASSERT_EQ(CanonicalAt(m.inv, *l, lt, i), std::make_pair(static_cast<int32_t>(t), want_flat))
+            << spec.name << " rank " << rank << " element " << i;
+      }
+      // FSDP2's padded storage: chunk 0 of the TP-local tensor's dim-0 chunks, reserved on every rank.
+      const int64_t reserved = static_cast<int64_t>(TorchChunkList(tp_rows, par.dp)[0].size()) * ncols * 2;
+      const int64_t next = t + 1 < l->local_tensors.size() ? l->local_tensors[t + 1].offset_bytes : l->layout.buffers[0].size_bytes;
+      EXPECT_GE(next, lt.offset_bytes + reserved) << spec.name << " rank " << rank;
+      EXPECT_LT(next, lt.offset_bytes + reserved + 2 * kLocalTensorAlignment) << spec.name << " rank " << rank;
+      for (int32_t k = lt.first_piece; k < lt.first_piece + lt.num_pieces; ++k) boxes.push_back(spec.name + BoxToString(l->layout.pieces[k].box));
+    }
+    // HSDP: every replica holds what replica 0 holds, rank for rank.
+    const int in_replica = rank % (par.tp * par.dp);
+    if (replica == 0) {
+      per_replica_boxes[in_replica] = boxes;
+    } else {
+      EXPECT_EQ(boxes, per_replica_boxes[in_replica]) << "rank " << rank;
+    }
+  }
+}
+
+// Small configs with every dim uneven somewhere: hidden 10, intermediate 10, vocab 11, 8 heads /
+// 4 KV heads of 2 (GQA), so tp = 4 gives TP parts 3, 3, 3, 1 of the MLP and 3, 3, 3, 2 of the
+// vocabulary, and dp = 3 then splits a 1-row TP part into 1, 0, 0 rows (empty FSDP2 shards).
+const char* kFsdp2TpDims = R"("hidden_size":10,"intermediate_size":10,"num_hidden_layers":2,
+    "num_attention_heads":8,"num_key_value_heads":4,"head_dim":2,"vocab_size":11)";
+
+TEST(Presets, Fsdp2TpEveryElementOfEveryRank) {
+  const std::string d = kFsdp2TpDims;
+  std::vector<Model> models = {
+      // Llama, untied, every bias (o_proj / down_proj biases replicated by RowwiseParallel).
+      FromText(R"({"architectures":["LlamaForCausalLM"],"attention_bias":true,"mlp_bias":true,)" + d + "}"),
+      // Qwen2 tied: one parameter, the embedding's vocab-parallel rows (lm_head absent).
+      FromText(R"({"architectures":["Qwen2ForCausalLM"],"tie_word_embeddings":true,)" + d + "}"),
+      // Qwen3: q_norm / k_norm [head_dim] whole on every TP rank, dim-0 chunked by FSDP2 (2 rows over 3).
+      FromText(R"({"architectures":["Qwen3ForCausalLM"],"tie_word_embeddings":false,)" + d + "}"),
+      FromText(R"({"architectures":["MistralForCausalLM"],)" + d + "}"),
+      FromText(R"({"architectures":["Gemma3ForCausalLM"],)" + d + "}"),
+  };
+  for (const Model& m : models) {
+    for (int tp : {1, 2, 4}) {
+      for (int dp : {1, 2, 3}) ExpectFsdp2TpLayout(m, {.preset = "fsdp2_tp", .tp = tp, .dp = dp});
+    }
+    ExpectFsdp2TpLayout(m, {.preset = "fsdp_tp", .tp = 2, .dp = 3, .replicas = 2});
+  }
+  // MQA-like: one KV head per rank at tp = 2.
+  ExpectFsdp2TpLayout(FromText(R"({"architectures":["LlamaForCausalLM"],"hidden_size":12,"intermediate_size":20,
+    "num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":9})"),
+                      {.preset = "fsdp2_tp", .tp = 2, .dp = 2, .replicas = 2});
+  // tp = 1 is the fsdp preset, box for box.
+  Model q = Load("qwen2.5-0.5b.json", 1);
+  for (int r = 0; r < 3; ++r) {
+    auto a = MakePresetLayout(q.config, q.inv, {.preset = "fsdp2_tp", .dp = 3}, r);
+    auto f = MakePresetLayout(q.config, q.inv, {.preset = "fsdp", .dp = 3}, r);
+    ASSERT_TRUE(a.ok() && f.ok());
+    ASSERT_EQ(a->layout.pieces.size(), f->layout.pieces.size());
+    for (size_t i = 0; i < a->layout.pieces.size(); ++i) {
+      EXPECT_EQ(BoxToString(a->layout.pieces[i].box), BoxToString(f->layout.pieces[i].box));
+      EXPECT_EQ(a->layout.pieces[i].offset_bytes, f->layout.pieces[i].offset_bytes);
+    }
+    EXPECT_EQ(a->layout.buffers[0].size_bytes, f->layout.buffers[0].size_bytes);
+  }
+}
+
+TEST(Presets, Fsdp2TpOnQwen25_7B) {
+  // Qwen2.5-7B (28 heads, 4 KV heads of 128, hidden 3584, intermediate 18944, vocab 152064),
+  // tp = 4, dp = 2: rank 5 = dp_shard 1, tp_rank 1.
+  Model m = Load("qwen2.5-7b.json", 1);
+  auto l = MakePresetLayout(m.config, m.inv, {.preset = "fsdp2_tp", .tp = 4, .dp = 2}, 5);
+  ASSERT_TRUE(l.ok()) << l.status();
+  auto box = [&](const std::string& name) {
+    const LocalTensor* lt = FindLocal(*l, name);
+    EXPECT_NE(lt, nullptr) << name;
+    if (lt == nullptr || lt->num_pieces != 1) return std::string("?");
+    return BoxToString(l->layout.pieces[lt->first_piece].box);
+  };
+  const std::string a = "model.layers.0.self_attn.", p = "model.layers.0.mlp.";
+  // Shard(0) twice: TP part 1 of 4 (rows 896..1791), then dp chunk 1 of 2 within it.
+  EXPECT_EQ(FindLocal(*l, a + "q_proj.weight")->shape, (std::vector<int64_t>{448, 3584}));
+  EXPECT_EQ(box(a + "q_proj.weight"), BoxToString(Box{{1344, 0}, {1792, 3584}}));
+  EXPECT_EQ(box(a + "k_proj.bias"), BoxToString(Box{{192}, {256}}));
+  // Shard(1): TP columns 896..1791, FSDP2 rows 1792..3583.
+  EXPECT_EQ(FindLocal(*l, a + "o_proj.weight")->shape, (std::vector<int64_t>{1792, 896}));
+  EXPECT_EQ(box(a + "o_proj.weight"), BoxToString(Box{{1792, 896}, {3584, 1792}}));
+  EXPECT_EQ(box(p + "down_proj.weight"), BoxToString(Box{{1792, 4736}, {3584, 9472}}));
+  EXPECT_EQ(box(p + "gate_proj.weight"), BoxToString(Box{{4736 + 2368, 0}, {9472, 3584}}));
+  // Vocab-parallel embedding and lm_head: 38016 rows per TP rank, 19008 per dp shard.
+  EXPECT_EQ(box("model.embed_tokens.weight"), BoxToString(Box{{38016 + 19008, 0}, {76032, 3584}}));
+  EXPECT_EQ(box("lm_head.weight"), BoxToString(Box{{38016 + 19008, 0}, {76032, 3584}}));
+  // Norms whole over tp, dim-0 chunked over dp.
+  EXPECT_EQ(box("model.norm.weight"), BoxToString(Box{{1792}, {3584}}));
+}
+
+TEST(Presets, Fsdp2TpRefusals) {
+  auto refused = [](const Model& m, const ParallelConfig& par, const std::string& words) {
+    absl::Status s = MakePresetLayout(m.config, m.inv, par, 0).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << par.preset << ": " << s;
+    EXPECT_NE(s.message().find(words), std::string::npos) << s;
+  };
+  const std::string d = kFsdp2TpDims;
+  Model llama = FromText(R"({"architectures":["LlamaForCausalLM"],)" + d + "}");
+  // NeMo-RL's _parallelize_model asserts tp | num_key_value_heads (and tp | num_attention_heads).
+  refused(llama, {.preset = "fsdp2_tp", .tp = 8, .dp = 1}, "tp=8 must divide num_key_value_heads=4");
+  refused(llama, {.preset = "fsdp2_tp", .tp = 3, .dp = 2}, "num_key_value_heads");
+  // Families whose FSDP2 + TP plan is not verified: refused naming the architecture.
+  refused(Load("qwen3-30b-a3b.json", 1), {.preset = "fsdp2_tp", .tp = 2, .dp = 2}, "Qwen3MoeForCausalLM");
+  refused(Load("phi-4.json", 1), {.preset = "fsdp2_tp", .tp = 2}, "Phi3ForCausalLM");
+  refused(Load("olmo-2-1124-7b.json", 1), {.preset = "fsdp2_tp", .tp = 2}, "Olmo2ForCausalLM");
+  refused(Load("gemma-2-2b.json", 1), {.preset = "fsdp2_tp", .tp = 2}, "Gemma2ForCausalLM");
+  refused(Load("deepseek-v3.json", 1), {.preset = "fsdp2_tp", .tp = 2}, "DeepseekV3ForCausalLM");
+  // Sizes and options FSDP2 + TP has no counterpart for.
+  refused(llama, {.preset = "fsdp2_tp", .tp = 2, .pp = 2}, "pp=2 does not apply");
+  refused(llama, {.preset = "fsdp2_tp", .tp = 2, .ep = 2}, "ep=2 does not apply");
+  refused(llama, {.preset = "fsdp2_tp", .tp = 2, .expert_parallel = true}, "expert_parallel");
+  refused(llama, {.preset = "fsdp2_tp", .tp = 2, .vpp = 2}, "vpp");
+  refused(llama, {.preset = "fsdp2_tp", .tp = 2, .quantization = "fp8_block128"}, "rollout presets");
+  // The fsdp preset points a tp at this one.
+  refused(llama, {.preset = "fsdp", .tp = 2, .dp = 2}, "fsdp2_tp");
+  EXPECT_EQ(*PresetWorldSize({.preset = "fsdp2_tp", .tp = 4, .dp = 8, .replicas = 2}), 64);
+  auto b = PresetBuilder::Create(llama.config, llama.inv, {.preset = "fsdp2_tp", .tp = 2, .dp = 2});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_FALSE(b->Make(4).ok());
+}
+
 }  // namespace
 }  // namespace wb::planner

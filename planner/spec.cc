@@ -128,8 +128,10 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
     RETURN_IF_ERROR(CheckKeys(t, "trainer.", {"layout", "tp", "pp", "dp", "ep", "etp", "first_stage_layers",
                                               "last_stage_layers", "vpp", "replicas", "make_vocab_size_divisible_by",
                                               "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "use_tp_pp_dp_mapping"}));
-    ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp_flat", "deepspeed_zero3"}));
+    ASSIGN_OR_RETURN(spec.trainer.preset, GetLayout(t, "trainer.", {"megatron", "fsdp", "fsdp2", "fsdp2_tp", "fsdp_tp", "fsdp_flat", "deepspeed_zero3"}));
     const bool flat = spec.trainer.preset == "fsdp_flat" || spec.trainer.preset == "deepspeed_zero3";
+    // FSDP2 + TP (docs/presets.md fsdp2_tp): tp, dp and replicas.
+    const bool with_tp = spec.trainer.preset == "fsdp2_tp" || spec.trainer.preset == "fsdp_tp";
     RETURN_IF_ERROR(GetInt(t, "trainer.", "dp", &spec.trainer.dp, spec.trainer.preset != "megatron"));
     if (spec.trainer.preset == "megatron") {
       RETURN_IF_ERROR(GetInt(t, "trainer.", "tp", &spec.trainer.tp, false));
@@ -149,10 +151,12 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
     } else {
       // fsdp2: replicas = HSDP replicate size.
       if (!flat) RETURN_IF_ERROR(GetInt(t, "trainer.", "replicas", &spec.trainer.replicas, false));
+      if (with_tp) RETURN_IF_ERROR(GetInt(t, "trainer.", "tp", &spec.trainer.tp, false));
       for (const char* k : {"tp", "pp", "ep", "etp", "first_stage_layers", "last_stage_layers", "vpp", "replicas",
                             "make_vocab_size_divisible_by", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
                             "use_tp_pp_dp_mapping"}) {
         if (k == std::string_view("replicas") && !flat) continue;
+        if (k == std::string_view("tp") && with_tp) continue;
         if (t.contains(k)) return Bad(absl::StrCat("trainer.", k), absl::StrCat("not used by the ", spec.trainer.preset, " layout"));
       }
     }

@@ -4,7 +4,7 @@
 // passes a resolver for the spec's model path.
 //
 // Spec JSON fields: model (path string or inline config object), dtype ("bfloat16" default,
-// "float16", "float32"), trainer {layout: megatron|fsdp, tp, pp, dp, ep, etp}, rollout {layout:
+// "float16", "float32"), trainer {layout: megatron|fsdp|fsdp2_tp|fsdp_flat, tp, pp, dp, ep, etp}, rollout {layout:
 // vllm|sglang, tp, dp, expert_parallel, expert_placement, moe_a2a_backend, replicas, quantization (a
 // ParallelConfig::quantization preset name: fp8_block128, mxfp8, nvfp4, w4a16_g32, w4a16_experts_g32,
 // or none), enable_dp_lm_head and moe_dense_tp_size (sglang: --enable-dp-lm-head,
@@ -27,7 +27,7 @@ namespace wb::planner {
 struct PlanSpec {
   ModelConfig model;
   DType dtype = DType::kBF16;
-  ParallelConfig trainer;  // preset "megatron" or "fsdp"
+  ParallelConfig trainer;  // preset "megatron", "fsdp", "fsdp2_tp" or "fsdp_flat" (and their aliases)
   ParallelConfig rollout;  // preset "vllm" or "sglang"
   int gpus_per_node = 8;
   Topology topology;

@@ -207,6 +207,27 @@ TEST(SpecTest, DataParallelExpertParallelAndCustomPipeline) {
     "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("trainer.vpp"), std::string::npos) << bad.status();
+  // FSDP2 + TP trainers: tp, dp and replicas (world tp * dp * replicas), no other sizes.
+  auto tp2 = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp2_tp", "tp": 2, "dp": 2, "replicas": 2},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_TRUE(tp2.ok()) << tp2.status();
+  EXPECT_EQ(tp2->trainer.tp, 2);
+  auto tp2_problem = BuildProblem(*tp2);
+  ASSERT_TRUE(tp2_problem.ok()) << tp2_problem.status();
+  int tp2_trainers = 0;
+  for (const Worker& w : tp2_problem->workers) tp2_trainers += w.role == Role::kTrainer;
+  EXPECT_EQ(tp2_trainers, 8);
+  auto tp2_plan = MakePlan(*tp2_problem, Strategy::kWeightBridge);
+  ASSERT_TRUE(tp2_plan.ok()) << tp2_plan.status();
+  EXPECT_TRUE(tp2_plan->stats.complete);
+  auto tp2_pp = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp_tp", "tp": 2, "dp": 2, "pp": 2},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(tp2_pp.ok());
+  EXPECT_NE(tp2_pp.status().message().find("trainer.pp"), std::string::npos) << tp2_pp.status();
+  auto fsdp_tp = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "fsdp", "tp": 2, "dp": 2},
+    "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);
+  ASSERT_FALSE(fsdp_tp.ok());
+  EXPECT_NE(fsdp_tp.status().message().find("trainer.tp"), std::string::npos) << fsdp_tp.status();
   // DeepSpeed ZeRO-3 trainers (= fsdp_flat): dp only.
   auto zero3 = ParsePlanSpec(R"({"model": "qwen2.5-0.5b.json", "trainer": {"layout": "deepspeed_zero3", "dp": 3},
     "rollout": {"layout": "vllm", "tp": 2}, "cluster": {}})", ReadTestdata);

@@ -128,7 +128,9 @@ class ExplicitLayout:
 
 @dataclasses.dataclass
 class PresetLayout:
-    preset: str  # megatron | fsdp (= fsdp2, torch fully_shard) | fsdp_flat (= deepspeed_zero3) | vllm | sglang (docs/presets.md)
+    # megatron | fsdp (= fsdp2, torch fully_shard) | fsdp2_tp (= fsdp_tp, FSDP2 + TP: tp, dp, replicas) |
+    # fsdp_flat (= deepspeed_zero3) | vllm | sglang (docs/presets.md)
+    preset: str
     tp: int = 1
     pp: int = 1
     dp: int = 1
