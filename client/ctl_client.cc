@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -31,6 +32,20 @@ absl::StatusOr<CtlAddress> ParseCtlAddress(const std::string& addr) {
       !absl::SimpleAtoi(addr.substr(colon + 1), &port) || port <= 0 || port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--addr '", addr, "' is neither host:port nor unix:PATH"));
+  }
+  // The host: a name or IPv4 address, or an IPv6 literal in brackets ([::1]:PORT). Anything else
+  // ('[::1' taken as host '[:' and port 1) would only fail in gRPC's resolver after the whole
+  // connect timeout.
+  const std::string host = addr.substr(0, colon);
+  const bool bracketed = host.size() > 2 && host.front() == '[' && host.back() == ']';
+  const std::string_view inner = bracketed ? std::string_view(host).substr(1, host.size() - 2) : std::string_view(host);
+  for (char ch : inner) {
+    const bool ok = bracketed ? (absl::ascii_isalnum(ch) || ch == ':' || ch == '.' || ch == '%')
+                              : (absl::ascii_isalnum(ch) || ch == '.' || ch == '-' || ch == '_');
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat("--addr '", addr, "': bad host '", host,
+                                                     "' (a name, an IPv4 address or an IPv6 address in brackets: [::1]:PORT)"));
+    }
   }
   return CtlAddress{addr, false};
 }

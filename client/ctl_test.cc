@@ -47,6 +47,14 @@ TEST(CtlAddressTest, AcceptsHostPortAndUnix) {
   EXPECT_FALSE(ParseCtlAddress("localhost").ok());
   EXPECT_FALSE(ParseCtlAddress("host:0").ok());
   EXPECT_FALSE(ParseCtlAddress("").ok());
+  // Hosts gRPC's resolver would only refuse after the connect timeout.
+  EXPECT_FALSE(ParseCtlAddress("[::1").ok());
+  EXPECT_FALSE(ParseCtlAddress("::1:4000").ok());
+  EXPECT_FALSE(ParseCtlAddress("a b:4000").ok());
+  EXPECT_FALSE(ParseCtlAddress("[]:4000").ok());
+  EXPECT_TRUE(ParseCtlAddress("[::1]:4000").ok());
+  EXPECT_TRUE(ParseCtlAddress("[fe80::1%eth0]:4000").ok());
+  EXPECT_TRUE(ParseCtlAddress("node-3.cluster.local:4000").ok());
 }
 
 pb::StatusResponse Sample() {

@@ -558,7 +558,15 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
           {{"node", req.node_id()}, {"model", req.model_id()}, {"version", req.version()}});
       return absl::OkStatus();
     }
-    AbortLocked(req.model_id(), *m, req.version(), absl::StrCat("node ", req.node_id(), ": ", req.error()));
+    // A node whose transfer deadline passed closes its channels, and its peers may report that
+    // ("peer vanished") before its own report of the timeout arrives: name the timeout whenever
+    // the version's deadline had (all but) passed, whoever reported first.
+    const absl::Duration slack = std::min(absl::Seconds(1), (r->deadline - r->started) / 20);
+    const bool timed_out = r->deadline != absl::InfiniteFuture() && options_.clock->Now() >= r->deadline - slack;
+    AbortLocked(req.model_id(), *m, req.version(),
+                absl::StrCat(timed_out ? absl::StrCat("transfer timed out after ", absl::FormatDuration(r->deadline - r->started), "; ")
+                                       : "",
+                             "node ", req.node_id(), ": ", req.error()));
     return absl::OkStatus();
   }
   const VersionRecord* rec = m->machine->Find(req.version());

@@ -370,6 +370,61 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   EXPECT_TRUE(st.nodes(0).alive());
 }
 
+// A node whose transfer deadline passed closes its channels; its peer can report "peer vanished"
+// before the timed-out node's own report arrives (thirty-fourth session's probe). A failure
+// reported within the last second of the version's deadline names the timeout; an earlier one
+// does not.
+TEST(CoreSimulatedTimeTest, AFailureReportedAtTheDeadlineNamesTheTimeout) {
+  FakeClock clock;
+  Cluster c(&clock, absl::Seconds(30));
+  c.report_done = false;
+  c.Register("n0");
+  const pb::ModelSpec spec = Spec("m", 1, pb::MODE_ONE_STEP_OFF);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  auto advance = [&](absl::Duration d) {  // lease renewals keep n0 alive (steps below lease / 4)
+    for (absl::Duration done; done < d; done += absl::Milliseconds(500)) {
+      pb::HeartbeatRequest hb;
+      hb.set_node_id("n0");
+      hb.set_incarnation(1);
+      pb::HeartbeatResponse resp;
+      c.core->Heartbeat(hb, &resp).IgnoreError();
+      clock.Advance(absl::Milliseconds(500));
+      ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
+    }
+  };
+  auto fail = [&](uint64_t v) {
+    pb::ReportDoneRequest d;
+    d.set_node_id("n0");
+    d.set_model_id("m");
+    d.set_version(v);
+    d.set_ok(false);
+    d.set_error("host_tcp peer n1 vanished (control connection closed)");
+    pb::ReportDoneResponse resp;
+    return c.core->ReportDone(d, &resp);
+  };
+  auto error_of = [&](uint64_t v) {
+    pb::StatusResponse st = c.Status();
+    for (const auto& r : st.versions()) {
+      if (r.version() == v) return r.state() + ": " + r.error();
+    }
+    return std::string("version not in status");
+  };
+  // Version 1 fails 5 s into its 30 s: the node's error alone.
+  ASSERT_TRUE(c.Publish(1).ok());
+  ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 1; }, absl::Now() + kReal));
+  advance(absl::Seconds(5));
+  ASSERT_TRUE(fail(1).ok());
+  EXPECT_EQ(error_of(1), "aborted: node n0: host_tcp peer n1 vanished (control connection closed)");
+  // Version 2 fails half a second before its deadline: the timeout is named first.
+  ASSERT_TRUE(c.Publish(2).ok());
+  ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 2; }, absl::Now() + kReal));
+  advance(absl::Milliseconds(29500));
+  ASSERT_TRUE(fail(2).ok());
+  EXPECT_EQ(error_of(2), "aborted: transfer timed out after 30s; node n0: host_tcp peer n1 vanished (control connection closed)");
+}
+
 // H1 / H2 of the hostile review: timeout_ms 10^12 made a wait practically endless (its thread and
 // blocked-call slot held for good). The core cuts every request's wait to max_wait (default 1 h):
 // a WaitVersion for a version never published and a Publish of a trainer whose model is never

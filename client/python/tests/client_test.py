@@ -193,6 +193,19 @@ class ClientTest(unittest.TestCase):
         c.close()
         self.assertFalse(os.path.exists("/dev/shm/" + b.name[1:]))
 
+    def test_buffer_size_must_be_an_integer(self):
+        # int(1.5) made a 1-byte segment; a float size is refused, numpy integers are sizes.
+        c = self.daemon.client("size")
+        before = set(os.listdir("/dev/shm"))
+        with self.assertRaisesRegex(TypeError, "integer number of bytes, got 1.5"):
+            c.create_buffer(1.5)
+        with self.assertRaisesRegex(ValueError, "size must be > 0"):
+            c.create_buffer(0)
+        self.assertEqual(c.create_buffer(np.int64(8192)).size_bytes, 8192)
+        self.assertEqual(len(c.buffers), 1)
+        c.close()
+        self.assertEqual(set(os.listdir("/dev/shm")) - before, set())
+
     def test_one_step_off_every_byte(self):
         model = self.model("py_osp", "one_step_off")
         trainers, rollouts = self.make_workers(model)

@@ -9,6 +9,7 @@ The creator unlinks the name on close(); mapped memory stays valid until the map
 
 import itertools
 import mmap
+import operator
 import os
 import secrets
 
@@ -32,11 +33,16 @@ class SharedBuffer:
 
     def __init__(self, name, size_bytes, buffer_id=0, populate=False):
         validate_name(name)
+        # An integer (numpy integers too): int(1.5) would quietly make a 1-byte segment.
+        try:
+            size_bytes = operator.index(size_bytes)
+        except TypeError:
+            raise TypeError("shm %s: size must be an integer number of bytes, got %r" % (name, size_bytes)) from None
         if size_bytes <= 0:
             raise ValueError("shm %s: size must be > 0, got %d" % (name, size_bytes))
         self.name = name
         self.id = buffer_id
-        self.size_bytes = int(size_bytes)
+        self.size_bytes = size_bytes
         path = os.path.join(_SHM_DIR, name[1:])
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
