@@ -224,21 +224,31 @@ WorkerGuard::WorkerGuard(const PeerCredListener* peers, Limits limits, std::stri
 
 absl::StatusOr<PeerCred> WorkerGuard::Caller(const AuthCall& call) const { return peers_->Lookup(*call.ctx); }
 
+namespace {
+// Said when a worker's binding is still held by a process that has exited (bindings of exited
+// processes are swept only now and then): the caller can take the id over by registering it.
+std::string OwnerGone(const PeerCred& owner) {
+  if (owner.start_time == 0 || ProcessStartTime(owner.pid) == owner.start_time) return "";
+  return ", which has exited (RegisterWorker takes the id over)";
+}
+}  // namespace
+
 absl::Status WorkerGuard::CheckActsAs(const AuthCall& call, const std::string& model, const std::string& worker) {
   absl::StatusOr<PeerCred> me = Caller(call);
   if (!me.ok()) return me.status();
-  absl::MutexLock l(&mu_);
-  auto it = bindings_.find({model, worker});
-  if (it == bindings_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " of model '", model, "' is not registered on node ", node_id_,
-                                            " (register again)"));
+  PeerCred owner;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find({model, worker});
+    if (it == bindings_.end()) {
+      return absl::NotFoundError(absl::StrCat("worker ", worker, " of model '", model, "' is not registered on node ", node_id_,
+                                              " (register again)"));
+    }
+    if (it->second.cred.pid == me->pid && it->second.cred.start_time == me->start_time) return absl::OkStatus();
+    owner = it->second.cred;
   }
-  const Binding& b = it->second;
-  if (b.cred.pid != me->pid || b.cred.start_time != me->start_time) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model '", model, "' belongs to process ", b.cred.pid,
-                                                    ", not to the caller (pid ", me->pid, ")"));
-  }
-  return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model '", model, "' belongs to process ", owner.pid,
+                                                  OwnerGone(owner), ", not to the caller (pid ", me->pid, ")"));
 }
 
 // Keyed by the worker and its process (pid + start time): a restarted worker does not inherit the
@@ -261,18 +271,20 @@ Verdict WorkerGuard::Waiting(AuthCall& call, const std::string& model, const std
 }
 
 absl::Status WorkerGuard::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
-  absl::MutexLock l(&mu_);
-  auto it = bindings_.find({model, worker});
-  if (it == bindings_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker, " of model '", model, "' is not registered on node ", node_id_,
-                                            " (RegisterWorker first)"));
+  PeerCred owner;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find({model, worker});
+    if (it == bindings_.end()) {
+      return absl::NotFoundError(absl::StrCat("worker ", worker, " of model '", model, "' is not registered on node ", node_id_,
+                                              " (RegisterWorker first)"));
+    }
+    const PeerCred& c = it->second.cred;
+    if (c.pid == sender.pid && c.start_time == sender.start_time && c.uid == sender.uid) return absl::OkStatus();
+    owner = c;
   }
-  const Binding& b = it->second;
-  if (b.cred.pid != sender.pid || b.cred.start_time != sender.start_time || b.cred.uid != sender.uid) {
-    return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model '", model, "' belongs to process ", b.cred.pid,
-                                                    " (uid ", b.cred.uid, "), not to the sender"));
-  }
-  return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat("worker ", worker, " of model '", model, "' belongs to process ", owner.pid, " (uid ",
+                                                  owner.uid, ")", OwnerGone(owner), ", not to the sender"));
 }
 
 absl::StatusOr<PeerCred> WorkerGuard::BoundCred(const std::string& model, const std::string& worker) {

@@ -262,6 +262,24 @@ TEST_F(WorkerFrontTest, BindingsOfExitedProcessesDoNotAccumulate) {
   EXPECT_EQ(RunChild(ChildEnv("register", "live")), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
 }
 
+// A worker whose process exited without Deregister keeps its binding until a sweep: a call naming
+// it from another process is refused, saying that its owner has exited and how to take it over.
+TEST_F(WorkerFrontTest, ARefusalNamesAnOwnerThatHasExited) {
+  ASSERT_EQ(RunChild(ChildEnv("register", "orphan")), 0);
+  grpc::ClientContext ctx;
+  pb::PublishRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("orphan");
+  req.set_version(1);
+  pb::PublishResponse resp;
+  grpc::Status s = stub_->Publish(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("which has exited (RegisterWorker takes the id over)"), std::string::npos) << s.error_message();
+  // A live owner is named without it.
+  ASSERT_TRUE(Register("mine").ok());
+  EXPECT_EQ(RunChild(ChildEnv("publish", "mine")), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+}
+
 // Two live processes registering the same worker id at the same moment: before, both passed the
 // check (the binding was recorded only once a registration succeeded) and both got OK, the later
 // binding winning. Now the first claims the id when its call is checked; the other is refused.
