@@ -1,6 +1,7 @@
 #include "client/ctl_client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 
 #include "absl/strings/ascii.h"
@@ -26,6 +27,10 @@ absl::StatusOr<CtlAddress> ParseCtlAddress(const std::string& addr) {
     return CtlAddress{addr, true};
   }
   if (addr[0] == '/') return CtlAddress{absl::StrCat("unix:", addr), true};
+  // gRPC target URIs with a resolver scheme go to gRPC as they are.
+  for (const char* scheme : {"dns:", "ipv4:", "ipv6:"}) {
+    if (absl::StartsWith(addr, scheme) && addr.size() > strlen(scheme)) return CtlAddress{addr, false};
+  }
   size_t colon = addr.rfind(':');
   int port = 0;
   if (colon == std::string::npos || colon == 0 ||
@@ -40,7 +45,7 @@ absl::StatusOr<CtlAddress> ParseCtlAddress(const std::string& addr) {
   const bool bracketed = host.size() > 2 && host.front() == '[' && host.back() == ']';
   const std::string_view inner = bracketed ? std::string_view(host).substr(1, host.size() - 2) : std::string_view(host);
   for (char ch : inner) {
-    const bool ok = bracketed ? (absl::ascii_isalnum(ch) || ch == ':' || ch == '.' || ch == '%')
+    const bool ok = bracketed ? (absl::ascii_isalnum(ch) || ch == ':' || ch == '.' || ch == '%' || ch == '-' || ch == '_')
                               : (absl::ascii_isalnum(ch) || ch == '.' || ch == '-' || ch == '_');
     if (!ok) {
       return absl::InvalidArgumentError(absl::StrCat("--addr '", addr, "': bad host '", host,

@@ -55,6 +55,11 @@ TEST(CtlAddressTest, AcceptsHostPortAndUnix) {
   EXPECT_TRUE(ParseCtlAddress("[::1]:4000").ok());
   EXPECT_TRUE(ParseCtlAddress("[fe80::1%eth0]:4000").ok());
   EXPECT_TRUE(ParseCtlAddress("node-3.cluster.local:4000").ok());
+  EXPECT_TRUE(ParseCtlAddress("[fe80::1%br-lan]:4000").ok());
+  // gRPC target URIs pass through.
+  EXPECT_EQ(ParseCtlAddress("dns:///coord.example.com:7070")->target, "dns:///coord.example.com:7070");
+  EXPECT_TRUE(ParseCtlAddress("ipv4:10.0.0.1:7070").ok());
+  EXPECT_TRUE(ParseCtlAddress("ipv6:[::1]:7070").ok());
 }
 
 pb::StatusResponse Sample() {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/log.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
@@ -225,11 +226,24 @@ WorkerGuard::WorkerGuard(const PeerCredListener* peers, Limits limits, std::stri
 absl::StatusOr<PeerCred> WorkerGuard::Caller(const AuthCall& call) const { return peers_->Lookup(*call.ctx); }
 
 namespace {
+// The same process: pid and start time (a pid alone may have been reused).
+bool SameProcess(const PeerCred& a, const PeerCred& b) { return a.pid == b.pid && a.start_time == b.start_time; }
+
+// Whether `c`'s process is known to have exited: its pid's start time now differs, or /proc has no
+// such pid. A process whose start time was never known (0: the daemon cannot see the worker's pid
+// namespace - a container without hostPID - or /proc could not be read) is never taken for gone,
+// nor is one whose /proc entry cannot be read now (out of descriptors): its binding stays.
+bool ProcessExited(const PeerCred& c) {
+  if (c.start_time == 0) return false;
+  if (const uint64_t now = ProcessStartTime(c.pid); now != 0) return now != c.start_time;
+  struct stat st;
+  return ::stat(absl::StrCat("/proc/", c.pid).c_str(), &st) != 0 && errno == ENOENT;
+}
+
 // Said when a worker's binding is still held by a process that has exited (bindings of exited
 // processes are swept only now and then): the caller can take the id over by registering it.
 std::string OwnerGone(const PeerCred& owner) {
-  if (owner.start_time == 0 || ProcessStartTime(owner.pid) == owner.start_time) return "";
-  return ", which has exited (RegisterWorker takes the id over)";
+  return ProcessExited(owner) ? ", which has exited (RegisterWorker takes the id over)" : "";
 }
 }  // namespace
 
@@ -316,41 +330,68 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   if (req.has_model()) {
     if (absl::Status s = CheckModelSpec(req.model(), limits_); !s.ok()) return Refuse(s, "limit");
   }
-  // Set when this call claimed the id from nobody (or from a dead process): the binding it replaced.
-  std::optional<std::optional<Binding>> claimed;
+  // The binding this call replaced when it claimed the id (from nobody or from a process that has
+  // exited), and its claim number; unset when the caller's own process held it already.
+  std::optional<std::optional<Binding>> replaced;
+  uint64_t claim = 0;
+  const std::pair<std::string, std::string> key{req.model_id(), req.worker_id()};
+  std::optional<PeerCred> owner;
   {
     absl::MutexLock l(&mu_);
     // Worker ids are scoped per model: only the same (model, worker) can be held by someone else.
-    auto it = bindings_.find({req.model_id(), req.worker_id()});
-    if (it != bindings_.end() && it->second.cred.pid != me->pid) {
-      const PeerCred& owner = it->second.cred;
-      // A restarted worker takes its id over from its dead predecessor; a live owner keeps it.
-      if (ProcessStartTime(owner.pid) == owner.start_time && owner.start_time != 0) {
+    auto it = bindings_.find(key);
+    if (it != bindings_.end() && !SameProcess(it->second.cred, *me)) owner = it->second.cred;
+  }
+  // A restarted worker takes its id over from its dead predecessor; a live owner keeps it. (/proc
+  // is read without the lock; the claim below checks that the owner did not change meanwhile.)
+  if (owner.has_value() && !ProcessExited(*owner)) {
+    return Refuse(absl::PermissionDeniedError(absl::StrCat("worker ", req.worker_id(), " of model '", req.model_id(), "' on node ",
+                                                           node_id_, " is held by live process ", owner->pid, ", not the caller (pid ",
+                                                           me->pid, ")")),
+                  "impersonation");
+  }
+  {
+    absl::MutexLock l(&mu_);
+    auto it = bindings_.find(key);
+    const bool mine = it != bindings_.end() && SameProcess(it->second.cred, *me);
+    if (!mine) {
+      // Claimed now, not once the registration has succeeded: two live processes registering one
+      // id at the same time both passed the check above and both got OK (the later binding won).
+      if (it != bindings_.end() && !(owner.has_value() && SameProcess(it->second.cred, *owner))) {
+        // Someone claimed it since the check: a live process (or one that exited since) - refused.
         return Refuse(absl::PermissionDeniedError(absl::StrCat("worker ", req.worker_id(), " of model '", req.model_id(), "' on node ",
-                                                               node_id_, " is held by live process ", owner.pid, ", not the caller (pid ",
-                                                               me->pid, ")")),
+                                                               node_id_, " was just claimed by process ", it->second.cred.pid,
+                                                               ", not the caller (pid ", me->pid, ")")),
                       "impersonation");
       }
-    }
-    // Claimed now, not once the registration has succeeded: two live processes registering one id
-    // at the same time both passed the check above and both got OK (the later binding won).
-    if (it == bindings_.end() || it->second.cred.pid != me->pid) {
-      claimed.emplace(it == bindings_.end() ? std::nullopt : std::optional<Binding>(it->second));
-      bindings_[{req.model_id(), req.worker_id()}] = Binding{*me, req.model_id()};
+      replaced.emplace(it == bindings_.end() ? std::nullopt : std::optional<Binding>(it->second));
+      claim = ++claims_;
+      Binding b{*me, req.model_id()};
+      b.claim = claim;
+      bindings_[key] = std::move(b);
     }
   }
   // The node daemon watches the worker's process (kill -9 detection). A worker that names no pid
   // is watched through the kernel's word for it (SO_PEERCRED); one that names another (a launcher
   // registering for its engine process) keeps its choice - it can only get itself dropped.
   if (req.pid() <= 0) req.set_pid(static_cast<int32_t>(me->pid));
-  call.after = [this, cred = *me, worker = req.worker_id(), model = req.model_id(), claimed](const grpc::Status& s, const void*) {
+  if (me->pid == 0) {
+    // The kernel reports pid 0 for a peer outside this daemon's pid namespace (a container without
+    // hostPID / shareProcessNamespace): its workers cannot be told apart nor watched.
+    Log(LogLevel::kWarning, "worker process not visible in this daemon's pid namespace",
+        {{"node", node_id_}, {"model", req.model_id()}, {"worker", req.worker_id()},
+         {"effect", "processes not told apart, a killed worker not noticed"},
+         {"fix", "run the daemon with hostPID: true (DaemonSet) or shareProcessNamespace: true (sidecar)"}});
+  }
+  call.after = [this, cred = *me, key, replaced, claim](const grpc::Status& s, const void*) {
     if (!s.ok()) {
-      // A failed registration gives a claimed id back (to the dead process it was taken from, or to nobody).
+      // A failed registration gives its own claim back (to the exited process it was taken from, or
+      // to nobody); a binding another call of this process made or kept meanwhile stays.
       absl::MutexLock l(&mu_);
-      auto it = bindings_.find({model, worker});
-      if (claimed && it != bindings_.end() && it->second.cred.pid == cred.pid && it->second.cred.start_time == cred.start_time) {
-        if (claimed->has_value()) {
-          it->second = **claimed;
+      auto it = bindings_.find(key);
+      if (replaced.has_value() && it != bindings_.end() && it->second.claim == claim) {
+        if (replaced->has_value()) {
+          it->second = **replaced;
         } else {
           bindings_.erase(it);
         }
@@ -359,11 +400,24 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
     }
     {
       absl::MutexLock l(&mu_);
-      Binding& b = bindings_[{model, worker}];
+      auto it = bindings_.find(key);
+      if (it == bindings_.end()) {
+        // Given up meanwhile (a Deregister of this process): the registration that succeeded binds it.
+        Binding b{cred, key.first};
+        b.claim = ++claims_;
+        bindings_.emplace(key, std::move(b));
+      } else if (SameProcess(it->second.cred, cred) && it->second.model == key.first) {
+        // Confirmed by a registration that succeeded: a failing call of this process that claimed
+        // it (two at once) no longer gives it back.
+        it->second.claim = ++claims_;
+      } else {
+        // Another process holds it now (its claim came after a Deregister of ours): that one keeps
+        // it; calls of this process naming the worker are refused from now on.
+        Log(LogLevel::kWarning, "worker id taken over during its registration",
+            {{"node", node_id_}, {"model", key.first}, {"worker", key.second}, {"registered_by", cred.pid}, {"held_by", it->second.cred.pid}});
+      }
       // The same process registering again (a client's replay after a reconnect; the node keeps the
       // worker as it was) keeps its binding, with the versions it published and that are pending.
-      const bool same = b.cred.pid == cred.pid && b.cred.start_time == cred.start_time && b.cred.uid == cred.uid && b.model == model;
-      if (!same) b = Binding{cred, model};
       if (bindings_.size() <= sweep_at_) return;
     }
     SweepExitedBindings();
@@ -379,11 +433,11 @@ void WorkerGuard::SweepExitedBindings() {
     for (const auto& [key, b] : bindings_) held.emplace_back(key, b.cred);
   }
   // /proc is read without the lock; a binding that changed hands meanwhile is kept.
-  std::erase_if(held, [](const auto& h) { return h.second.start_time != 0 && ProcessStartTime(h.second.pid) == h.second.start_time; });
+  std::erase_if(held, [](const auto& h) { return !ProcessExited(h.second); });
   absl::MutexLock l(&mu_);
   for (const auto& [key, cred] : held) {
     auto it = bindings_.find(key);
-    if (it != bindings_.end() && it->second.cred.pid == cred.pid && it->second.cred.start_time == cred.start_time) bindings_.erase(it);
+    if (it != bindings_.end() && SameProcess(it->second.cred, cred)) bindings_.erase(it);
   }
   sweep_at_ = std::max(kMinBindingSweep, 2 * bindings_.size());
 }

@@ -93,6 +93,9 @@ class WorkerGuard {
     PeerCred cred;
     std::string model;
     std::set<uint64_t> pending;  // published by this worker, not yet committed or aborted
+    // Which RegisterWorker call claimed it (claims_): a failed call gives back only its own claim,
+    // and a call that succeeds finds out whether its claim still stands.
+    uint64_t claim = 0;
   };
   absl::StatusOr<PeerCred> Caller(const AuthCall& call) const;
   // The caller is the process bound to `worker` and names its model.
@@ -120,6 +123,7 @@ class WorkerGuard {
   std::map<std::pair<std::string, std::string>, Binding> bindings_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);
   size_t sweep_at_ ABSL_GUARDED_BY(mu_) = kMinBindingSweep;
+  uint64_t claims_ ABSL_GUARDED_BY(mu_) = 0;
   static constexpr size_t kMinBindingSweep = 64;
   std::function<void(const std::string&, const std::string&)> on_deregister_;
   BlockedCalls blocked_;

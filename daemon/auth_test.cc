@@ -29,7 +29,9 @@ namespace {
 class FakeWorkerService final : public pb::WorkerService::Service {
  public:
   std::atomic<int> calls{0};
+  std::atomic<bool> fail_register{false};  // the node refuses registrations (e.g. not joined yet)
   grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse*) override {
+    if (fail_register) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "node n0 is not registered with the coordinator yet");
     // A node's registration takes a while (it joins the worker at the coordinator): "slow*" ids do.
     if (req->worker_id().rfind("slow", 0) == 0) absl::SleepFor(absl::Milliseconds(300));
     return Ok();
@@ -278,6 +280,33 @@ TEST_F(WorkerFrontTest, ARefusalNamesAnOwnerThatHasExited) {
   // A live owner is named without it.
   ASSERT_TRUE(Register("mine").ok());
   EXPECT_EQ(RunChild(ChildEnv("publish", "mine")), static_cast<int>(grpc::StatusCode::PERMISSION_DENIED));
+}
+
+// A registration the node refuses gives the id it claimed back: to the exited process it was taken
+// from, or to nobody; the next one that succeeds holds it.
+TEST_F(WorkerFrontTest, AFailedRegistrationGivesItsClaimBack) {
+  auto publish = [&](const std::string& worker) {
+    grpc::ClientContext ctx;
+    pb::PublishRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    req.set_version(1);
+    pb::PublishResponse resp;
+    return stub_->Publish(&ctx, req, &resp);
+  };
+  ASSERT_EQ(RunChild(ChildEnv("register", "held")), 0);  // held by a process that has exited
+  const size_t before = front_->bindings();
+  fake_.fail_register = true;
+  EXPECT_EQ(Register("held").error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Register("fresh").error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(front_->bindings(), before);
+  grpc::Status s = publish("held");  // back with the exited process, not with this one
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  EXPECT_NE(s.error_message().find("which has exited"), std::string::npos) << s.error_message();
+  EXPECT_EQ(publish("fresh").error_code(), grpc::StatusCode::NOT_FOUND);
+  fake_.fail_register = false;
+  ASSERT_TRUE(Register("held").ok());
+  EXPECT_TRUE(publish("held").ok());
 }
 
 // Two live processes registering the same worker id at the same moment: before, both passed the

@@ -482,6 +482,9 @@ def check_k8s(deploy_dir, all_flags, daemon_flags, errors, facts):
             errors.append(f"{where}: the node DaemonSet needs hostIPC: true (workers' shm and CUDA IPC)")
         if not spec.get("hostNetwork"):
             errors.append(f"{where}: the node DaemonSet needs hostNetwork: true (NCCL and the data plane use the node's NICs)")
+        if not spec.get("hostPID"):
+            errors.append(f"{where}: the node DaemonSet needs hostPID: true (workers in other pods have pid 0 in its own pid "
+                          f"namespace: the daemon could neither tell them apart nor notice one killed)")
         sock = flags.get("worker_socket") or ""
         m = mount_for(c, sock)
         vol = [v for v in spec.get("volumes") or [] if m and v.get("name") == m.get("name")]
@@ -540,6 +543,9 @@ def check_k8s(deploy_dir, all_flags, daemon_flags, errors, facts):
                     if sm and sm.get("name") == m.get("name") and \
                             os.path.relpath(ssock, sm["mountPath"]) == os.path.relpath(sock, m["mountPath"]):
                         ok = True
+                        if not spec.get("shareProcessNamespace"):
+                            errors.append(f"{where}: a pod with a weightbridged sidecar needs shareProcessNamespace: true "
+                                          f"(the daemon must see the engine's pids: SO_PEERCRED, kill -9 detection)")
                         shm_c, shm_s = mount_for(c, "/dev/shm/x"), mount_for(sc, "/dev/shm/x")
                         if not shm_c or not shm_s or shm_c.get("name") != shm_s.get("name"):
                             errors.append(f"{where}: engine and sidecar {name} must mount the same volume at /dev/shm "

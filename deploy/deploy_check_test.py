@@ -82,6 +82,13 @@ class BrokenCopyTest(unittest.TestCase):
     def test_daemonset_without_host_ipc(self):
         self.broken("k8s/node-daemonset.yaml", "hostIPC: true", "hostIPC: false", "needs hostIPC: true")
 
+    def test_daemonset_without_host_pid(self):
+        self.broken("k8s/node-daemonset.yaml", "hostPID: true", "hostPID: false", "needs hostPID: true")
+
+    def test_sidecar_without_shared_process_namespace(self):
+        self.broken("k8s/examples/rollout-with-sidecar.yaml", "shareProcessNamespace: true", "shareProcessNamespace: false",
+                    "needs shareProcessNamespace: true")
+
     def test_daemonset_listens_on_any_address(self):
         self.broken("k8s/node-daemonset.yaml", "--listen=$(HOST_IP):7071", "--listen=0.0.0.0:7071",
                     "is announced to peers as is")

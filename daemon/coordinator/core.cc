@@ -564,7 +564,7 @@ absl::Status CoordinatorCore::ReportDone(const pb::ReportDoneRequest& req, pb::R
     const absl::Duration slack = std::min(absl::Seconds(1), (r->deadline - r->started) / 20);
     const bool timed_out = r->deadline != absl::InfiniteFuture() && options_.clock->Now() >= r->deadline - slack;
     AbortLocked(req.model_id(), *m, req.version(),
-                absl::StrCat(timed_out ? absl::StrCat("transfer timed out after ", absl::FormatDuration(r->deadline - r->started), "; ")
+                absl::StrCat(timed_out ? absl::StrCat("at the transfer deadline (", absl::FormatDuration(r->deadline - r->started), "): ")
                                        : "",
                              "node ", req.node_id(), ": ", req.error()));
     return absl::OkStatus();

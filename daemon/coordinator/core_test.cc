@@ -422,7 +422,7 @@ TEST(CoreSimulatedTimeTest, AFailureReportedAtTheDeadlineNamesTheTimeout) {
   ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 2; }, absl::Now() + kReal));
   advance(absl::Milliseconds(29500));
   ASSERT_TRUE(fail(2).ok());
-  EXPECT_EQ(error_of(2), "aborted: transfer timed out after 30s; node n0: host_tcp peer n1 vanished (control connection closed)");
+  EXPECT_EQ(error_of(2), "aborted: at the transfer deadline (30s): node n0: host_tcp peer n1 vanished (control connection closed)");
 }
 
 // H1 / H2 of the hostile review: timeout_ms 10^12 made a wait practically endless (its thread and

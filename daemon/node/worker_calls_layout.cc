@@ -66,7 +66,9 @@ absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& i
                                      static_cast<size_t>(n));
     // Element size: the dtype of the first mapped canonical tensor (ExtractPieces checks the rest).
     int elem = 0;
-    for (int64_t v : values) {
+    for (const int64_t& value : values) {
+      // Read once (the worker may rewrite its probe meanwhile: ExtractPieces checks every value again).
+      const int64_t v = *static_cast<const volatile int64_t*>(&value);
       if (v < 0) continue;
       if (v >= total) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": index ", v, " out of range"));
       size_t k = static_cast<size_t>(std::upper_bound(bases.begin(), bases.end(), v) - bases.begin()) - 1;

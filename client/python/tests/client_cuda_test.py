@@ -98,6 +98,10 @@ class CudaClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             b.write(62, b"abc")
         b.close()
+        with self.assertRaisesRegex(TypeError, "integer number of bytes, got 1.5"):
+            CudaBuffer(1.5, 1)  # int() made a 1-byte buffer
+        with self.assertRaisesRegex(ValueError, "must be > 0"):
+            CudaBuffer(0, 1)
         with self.assertRaises(ValueError):
             b.read(0, 1)
 

@@ -199,6 +199,8 @@ class ClientTest(unittest.TestCase):
         before = set(os.listdir("/dev/shm"))
         with self.assertRaisesRegex(TypeError, "integer number of bytes, got 1.5"):
             c.create_buffer(1.5)
+        with self.assertRaisesRegex(TypeError, "integer number of bytes, got True"):
+            c.create_buffer(True)
         with self.assertRaisesRegex(ValueError, "size must be > 0"):
             c.create_buffer(0)
         self.assertEqual(c.create_buffer(np.int64(8192)).size_bytes, 8192)

@@ -149,7 +149,10 @@ class CudaBuffer(_DeviceBytes):
     def __init__(self, size_bytes, gpu, buffer_id=0):
         self.id = buffer_id
         self.gpu = int(gpu)
-        self.size_bytes = int(size_bytes)
+        from weightbridge.shm import byte_count
+        self.size_bytes = byte_count("CUDA buffer size", size_bytes)
+        if self.size_bytes <= 0:
+            raise ValueError("CUDA buffer size must be > 0, got %d" % self.size_bytes)
         rt = _rt()
         _check(rt.cudaSetDevice(self.gpu), "cudaSetDevice(%d)" % self.gpu)
         ptr = ctypes.c_void_p()

@@ -28,16 +28,23 @@ def validate_name(name):
         raise ValueError("invalid POSIX shm name %r: need a leading '/', no other '/', 2..255 chars" % name)
 
 
+def byte_count(what, value):
+    """`value` as a number of bytes: an integer (numpy integers too), never a float (int(1.5) would
+    quietly make a 1-byte buffer) nor a bool."""
+    if isinstance(value, bool):
+        raise TypeError("%s must be an integer number of bytes, got %r" % (what, value))
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError("%s must be an integer number of bytes, got %r" % (what, value)) from None
+
+
 class SharedBuffer:
     """One shm segment. `id` is its buffer_id in layouts (creation order within a client)."""
 
     def __init__(self, name, size_bytes, buffer_id=0, populate=False):
         validate_name(name)
-        # An integer (numpy integers too): int(1.5) would quietly make a 1-byte segment.
-        try:
-            size_bytes = operator.index(size_bytes)
-        except TypeError:
-            raise TypeError("shm %s: size must be an integer number of bytes, got %r" % (name, size_bytes)) from None
+        size_bytes = byte_count("shm %s: size" % name, size_bytes)
         if size_bytes <= 0:
             raise ValueError("shm %s: size must be > 0, got %d" % (name, size_bytes))
         self.name = name
