@@ -18,7 +18,8 @@ std::string FieldsWithValue(const ModelConfig& c, int64_t v) {
       {"intermediate_size", c.intermediate}, {"moe_intermediate_size", c.moe_intermediate},
       {"num_attention_heads", c.heads},   {"num_key_value_heads", c.kv_heads},
       {"head_dim", c.head_dim},           {"kv_lora_rank", c.kv_lora_rank},
-      {"q_lora_rank", c.q_lora_rank},     {c.experts_field.empty() ? "num_experts" : c.experts_field.c_str(), c.experts}};
+      {"q_lora_rank", c.q_lora_rank},     {"index_head_dim", c.index_head_dim},
+      {c.experts_field.empty() ? "num_experts" : c.experts_field.c_str(), c.experts}};
   std::vector<std::string> names;
   for (const auto& [name, value] : fields) {
     if (value == v && v > 0) names.push_back(name);
@@ -93,6 +94,18 @@ void AddAttention(Builder& b, const ModelConfig& c, const std::string& a) {
     b.Add(a + "kv_a_layernorm.weight", {c.kv_lora_rank});
     b.Add(a + "kv_b_proj.weight", {c.heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
     b.Add(a + "o_proj.weight", {H, c.heads * c.v_head_dim});
+    if (c.dsa_indexer) {
+      // DeepSeek-V3.2's lightning indexer (HF DeepseekV32Indexer, the checkpoint's
+      // self_attn.indexer.* keys). k_norm is a LayerNorm whose weight and bias are float32 in the
+      // reference model (inference/model.py LayerNorm), vLLM (layers/layernorm.py LayerNorm) and
+      // SGLang (nsa_indexer.py: LayerNorm(dtype=torch.float32)).
+      const std::string x = a + "indexer.";
+      b.Add(x + "wq_b.weight", {c.index_n_heads * c.index_head_dim, c.q_lora_rank});
+      b.Add(x + "wk.weight", {c.index_head_dim, H});
+      b.Add(x + "k_norm.weight", {c.index_head_dim}, DType::kF32);
+      b.Add(x + "k_norm.bias", {c.index_head_dim}, DType::kF32);
+      b.Add(x + "weights_proj.weight", {c.index_n_heads, H});
+    }
     return;
   }
   const int64_t q = c.heads * c.head_dim, kv = c.kv_heads * c.head_dim;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -81,6 +82,42 @@ INSTANTIATE_TEST_SUITE_P(Models, ParamCount,
                                            Published{"phi-3-mini-4k-instruct.json", 3.821e9},
                                            Published{"phi-4.json", 14.66e9},
                                            Published{"phi-4-mini-instruct.json", 3.836e9}));
+
+// DeepSeek-V3.2 (planner/testdata/deepseek-v3.2.json: the config.json of deepseek-ai/DeepSeek-V3.2,
+// as stored in transformers' src/transformers/models/deepseek_v32/deepseek_files/config.json; V3.2-Exp's
+// has the same fields): DeepSeek-V3's tensors plus, in every one of the 61 layers, the indexer's wq_b
+// [64 x 128, 1536], wk [128, 7168], k_norm weight and bias [128] (float32), weights_proj [64, 7168]:
+// 13,959,424 parameters a layer. The published "685B" counts the MTP layer (about 14B, as DeepSeek-V3's
+// 685B against its 671B main model), which is not a model.layers tensor here.
+TEST(Inventory, DeepseekV32IsV3PlusTheIndexer) {
+  Inventory v32 = Load("deepseek-v3.2.json");
+  Inventory v3 = Load("deepseek-v3.json");
+  const int64_t per_layer = 64 * 128 * 1536 + 128 * 7168 + 2 * 128 + 64 * 7168;
+  ASSERT_EQ(per_layer, 13959424);
+  EXPECT_EQ(TotalElements(v32) - TotalElements(v3), 61 * per_layer);
+  EXPECT_EQ(v32.tensors.size(), v3.tensors.size() + 61 * 5);
+  const double total = static_cast<double>(TotalElements(v32));
+  EXPECT_LT(std::abs((total + 14e9) / 685e9 - 1.0), 0.005) << total;
+  std::map<std::string, const TensorSpec*> by_name;
+  for (const TensorSpec& t : v32.tensors) by_name[t.name] = &t;
+  const std::string x = "model.layers.60.self_attn.indexer.";
+  ASSERT_TRUE(by_name.count(x + "wq_b.weight"));
+  EXPECT_EQ(by_name[x + "wq_b.weight"]->shape, (std::vector<int64_t>{8192, 1536}));
+  EXPECT_EQ(by_name[x + "wk.weight"]->shape, (std::vector<int64_t>{128, 7168}));
+  EXPECT_EQ(by_name[x + "weights_proj.weight"]->shape, (std::vector<int64_t>{64, 7168}));
+  EXPECT_EQ(by_name[x + "weights_proj.weight"]->dtype, DType::kBF16);
+  for (const char* n : {"k_norm.weight", "k_norm.bias"}) {
+    EXPECT_EQ(by_name[x + n]->shape, (std::vector<int64_t>{128}));
+    EXPECT_EQ(by_name[x + n]->dtype, DType::kF32) << n;
+  }
+  // The indexer follows the MLA tensors of its layer (HF DeepseekV32Attention registers it last).
+  size_t o = 0, wq = 0;
+  for (size_t i = 0; i < v32.tensors.size(); ++i) {
+    if (v32.tensors[i].name == "model.layers.0.self_attn.o_proj.weight") o = i;
+    if (v32.tensors[i].name == "model.layers.0.self_attn.indexer.wq_b.weight") wq = i;
+  }
+  EXPECT_EQ(wq, o + 1);
+}
 
 TEST(Inventory, TiedEmbeddingsHaveNoLmHead) {
   Inventory inv = Load("qwen2.5-0.5b.json");

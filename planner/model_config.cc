@@ -44,6 +44,8 @@ const char* ModelFamilyName(ModelFamily family) {
       return "olmo2";
     case ModelFamily::kPhi3:
       return "phi3";
+    case ModelFamily::kDeepseekV32:
+      return "deepseek_v32";
   }
   return "unknown";
 }
@@ -58,6 +60,7 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
       return layer >= first_k_dense_replace;
     case ModelFamily::kDeepseekV2:
     case ModelFamily::kDeepseekV3:
+    case ModelFamily::kDeepseekV32:
       return layer >= first_k_dense_replace && moe_layer_freq > 0 && layer % moe_layer_freq == 0;
     case ModelFamily::kQwen2Moe:
     case ModelFamily::kQwen3Moe:
@@ -173,6 +176,7 @@ absl::Status CheckDerivedDims(const ModelConfig& c) {
       {"num_attention_heads", c.heads, "qk_nope_head_dim + qk_rope_head_dim", c.qk_nope_head_dim + c.qk_rope_head_dim},
       {"num_attention_heads", c.heads, "qk_nope_head_dim + v_head_dim", c.qk_nope_head_dim + c.v_head_dim},
       {"n_shared_experts", c.n_shared_experts, "moe_intermediate_size", c.moe_intermediate},
+      {"index_n_heads", c.index_n_heads, "index_head_dim", c.index_head_dim},
   };
   for (const Product& p : products) {
     int64_t v = 0;
@@ -229,6 +233,7 @@ absl::Status ParseTensorFlags(const Reader& r, ModelConfig& c) {
       break;
     case ModelFamily::kDeepseekV2:
     case ModelFamily::kDeepseekV3:
+    case ModelFamily::kDeepseekV32:
       // HF DeepseekV3Attention puts attention_bias on q_a/kv_a/o projections: not modelled.
       if (attention_bias) return refuse("attention_bias");
       break;
@@ -270,6 +275,44 @@ absl::Status ParseTensorFlags(const Reader& r, ModelConfig& c) {
   return absl::OkStatus();
 }
 
+// DeepSeek-V3.2's lightning indexer (DeepseekV32Config: index_n_heads 64, index_head_dim 128).
+absl::Status ParseDsaIndexer(const Reader& r, ModelConfig& c) {
+  c.dsa_indexer = true;
+  ASSIGN_OR_RETURN(c.index_n_heads, r.IntOr("index_n_heads", 64));
+  ASSIGN_OR_RETURN(c.index_head_dim, r.IntOr("index_head_dim", 128));
+  RETURN_IF_ERROR(RequirePositive("index_n_heads", c.index_n_heads));
+  RETURN_IF_ERROR(RequirePositive("index_head_dim", c.index_head_dim));
+  // The indexer's queries come from the q_a latent (wq_b reads q_lora_rank): HF's
+  // DeepseekV32Attention and vLLM's Indexer (assert q_lora_rank is not None) need q compression.
+  if (c.q_lora_rank == 0) {
+    return absl::InvalidArgumentError(
+        "config.json: `q_lora_rank`: null is not supported for DeepseekV32ForCausalLM (the indexer's wq_b reads the q_a latent)");
+  }
+  // vLLM's IndexCache options build an indexer on some layers only; HF's DeepseekV32 has none of
+  // them (an indexer on every layer): refused rather than mis-described.
+  for (const char* k : {"index_topk_freq", "index_topk_pattern", "index_skip_topk_offset"}) {
+    const json* v = r.Find(k);
+    if (v == nullptr || v->is_null()) continue;
+    if (std::string(k) == "index_topk_freq" && v->is_number_integer() && v->get<int64_t>() == 1) continue;
+    return absl::InvalidArgumentError(absl::StrCat("config.json: `", k, "` is not supported for DeepseekV32ForCausalLM (",
+                                                   "its Hugging Face implementation has an indexer on every layer)"));
+  }
+  // transformers writes mlp_layer_types (dense / sparse per layer) when it saves the config; a
+  // list that disagrees with first_k_dense_replace / moe_layer_freq is refused naming it.
+  if (const json* m = r.Find("mlp_layer_types"); m != nullptr && !m->is_null()) {
+    bool ok = m->is_array() && static_cast<int64_t>(m->size()) == c.layers;
+    for (int64_t l = 0; ok && l < c.layers; ++l) {
+      const json& x = (*m)[static_cast<size_t>(l)];
+      ok = x.is_string() && x.get<std::string>() == (c.IsMoeLayer(l) ? "sparse" : "dense");
+    }
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          "config.json: `mlp_layer_types` disagrees with first_k_dense_replace / moe_layer_freq (not supported)");
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Experts, shared experts, dense prefix and MLA dimensions of the MoE families.
 absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
   if (c.family == ModelFamily::kQwen2Moe || c.family == ModelFamily::kQwen3Moe) {
@@ -306,7 +349,7 @@ absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
     c.moe_intermediate = c.intermediate;
     c.router_bias = c.family == ModelFamily::kGptOss;  // GPT-OSS: mlp.router.bias
   } else if (c.family == ModelFamily::kDeepseekV2 || c.family == ModelFamily::kDeepseekV3 ||
-             c.family == ModelFamily::kGlm4Moe) {
+             c.family == ModelFamily::kDeepseekV32 || c.family == ModelFamily::kGlm4Moe) {
     const bool glm = c.family == ModelFamily::kGlm4Moe;
     c.mla = !glm;
     // e_score_correction_bias exists with topk_method noaux_tc (vLLM / HF DeepseekV2); HF
@@ -321,7 +364,8 @@ absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
     // Glm4MoeConfig 128, 1408, 1, 1. DeepseekV2's defaults changed between releases (the remote
     // code's None - no experts - and transformers' 64 / 2): those two must be given. null is
     // None: no experts, no shared experts, no q compression.
-    const bool v3 = c.family == ModelFamily::kDeepseekV3;
+    // DeepseekV32Config (transformers' configuration_deepseek_v32.py) has V3's defaults.
+    const bool v3 = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV32;
     if (c.family == ModelFamily::kDeepseekV2) {
       for (const char* k : {"n_routed_experts", "n_shared_experts"}) {
         if (r.Find(k) == nullptr) {
@@ -360,6 +404,7 @@ absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
       RETURN_IF_ERROR(RequirePositive("qk_rope_head_dim", c.qk_rope_head_dim));
       RETURN_IF_ERROR(RequirePositive("v_head_dim", c.v_head_dim));
     }
+    if (c.family == ModelFamily::kDeepseekV32) RETURN_IF_ERROR(ParseDsaIndexer(r, c));
   }
   return absl::OkStatus();
 }
@@ -389,7 +434,8 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       {"DeepseekV2ForCausalLM", ModelFamily::kDeepseekV2}, {"Glm4MoeForCausalLM", ModelFamily::kGlm4Moe},
       {"GptOssForCausalLM", ModelFamily::kGptOss},       {"Gemma2ForCausalLM", ModelFamily::kGemma2},
       {"Gemma3ForCausalLM", ModelFamily::kGemma3},       {"Olmo2ForCausalLM", ModelFamily::kOlmo2},
-      {"Olmo3ForCausalLM", ModelFamily::kOlmo2},         {"Phi3ForCausalLM", ModelFamily::kPhi3}};
+      {"Olmo3ForCausalLM", ModelFamily::kOlmo2},         {"Phi3ForCausalLM", ModelFamily::kPhi3},
+      {"DeepseekV32ForCausalLM", ModelFamily::kDeepseekV32}};
   bool known = false;
   std::vector<std::string> names;
   for (const auto& [name, family] : kArchitectures) {

@@ -27,6 +27,7 @@ enum class ModelFamily : uint8_t {
   kGemma3,      // Gemma3ForCausalLM (text): as Gemma 2 plus q_norm/k_norm
   kOlmo2,       // Olmo2ForCausalLM, Olmo3ForCausalLM (same tensors): post-norms only, full-width q_norm/k_norm
   kPhi3,        // Phi3ForCausalLM (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini): fused qkv_proj and gate_up_proj in the checkpoint
+  kDeepseekV32, // DeepseekV32ForCausalLM (DeepSeek-V3.2, V3.2-Exp): DeepSeek-V3 plus a DSA lightning indexer per layer
 };
 const char* ModelFamilyName(ModelFamily family);
 
@@ -90,6 +91,13 @@ struct ModelConfig {
   int64_t qk_nope_head_dim = 0;
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
+
+  // DeepSeek-V3.2's DSA lightning indexer (self_attn.indexer.*, every layer): wq_b
+  // [index_n_heads*index_head_dim, q_lora_rank], wk [index_head_dim, hidden], k_norm (LayerNorm,
+  // weight and bias [index_head_dim], float32), weights_proj [index_n_heads, hidden].
+  bool dsa_indexer = false;
+  int64_t index_n_heads = 0;
+  int64_t index_head_dim = 0;
 
   // Set: the model's tensors are these adapters alone (planner/lora.h BuildModelInventory).
   std::optional<LoraConfig> lora;

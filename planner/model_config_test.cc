@@ -242,3 +242,62 @@ TEST(ModelConfig, Olmo2Olmo3AndPhi3) {
 
 }  // namespace
 }  // namespace wb::planner
+
+namespace wb::planner {
+namespace {
+
+TEST(ModelConfig, DeepseekV32) {
+  auto c = ParseHfConfig(ReadTestdata("deepseek-v3.2.json"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->family, ModelFamily::kDeepseekV32);
+  EXPECT_STREQ(ModelFamilyName(c->family), "deepseek_v32");
+  EXPECT_TRUE(c->mla && c->dsa_indexer && c->router_bias);
+  EXPECT_EQ(c->index_n_heads, 64);
+  EXPECT_EQ(c->index_head_dim, 128);
+  EXPECT_EQ(c->q_lora_rank, 1536);
+  EXPECT_TRUE(c->IsMoeLayer(3));
+  EXPECT_FALSE(c->IsMoeLayer(2));
+
+  // Absent fields take DeepseekV32Config's defaults (V3's, plus index_n_heads 64, index_head_dim 128).
+  const std::string base = R"({"architectures":["DeepseekV32ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":4,"num_attention_heads":8,"vocab_size":1000,"kv_lora_rank":16,"qk_nope_head_dim":8,
+    "qk_rope_head_dim":4,"v_head_dim":8)";
+  auto d = ParseHfConfig(base + "}");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->index_n_heads, 64);
+  EXPECT_EQ(d->index_head_dim, 128);
+  EXPECT_EQ(d->experts, 256);
+  EXPECT_EQ(d->moe_intermediate, 2048);
+  EXPECT_EQ(d->first_k_dense_replace, 3);
+  EXPECT_EQ(d->q_lora_rank, 1536);
+  // DeepseekV3 never reads the index_* fields.
+  auto v3 = ParseHfConfig(R"({"architectures":["DeepseekV3ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":4,"num_attention_heads":8,"vocab_size":1000,"kv_lora_rank":16,"qk_nope_head_dim":8,
+    "qk_rope_head_dim":4,"v_head_dim":8,"index_n_heads":4})");
+  ASSERT_TRUE(v3.ok()) << v3.status();
+  EXPECT_FALSE(v3->dsa_indexer);
+  // transformers' saved mlp_layer_types: accepted when it agrees with first_k_dense_replace.
+  auto types = ParseHfConfig(base + R"(,"mlp_layer_types":["dense","dense","dense","sparse"]})");
+  ASSERT_TRUE(types.ok()) << types.status();
+
+  auto refused = [&](const std::string& extra, const std::string& named) {
+    auto r = ParseHfConfig(base + extra + "}");
+    ASSERT_FALSE(r.ok()) << extra;
+    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
+  };
+  refused(R"(,"q_lora_rank":null)", "q_lora_rank");
+  refused(R"(,"index_topk_freq":2)", "index_topk_freq");
+  refused(R"(,"index_topk_pattern":"FSFS")", "index_topk_pattern");
+  refused(R"(,"index_skip_topk_offset":2)", "index_skip_topk_offset");
+  refused(R"(,"mlp_layer_types":["dense","sparse","sparse","sparse"])", "mlp_layer_types");
+  refused(R"(,"mlp_layer_types":["dense"])", "mlp_layer_types");
+  refused(R"(,"attention_bias":true)", "attention_bias");
+  refused(R"(,"index_n_heads":0)", "index_n_heads");
+  refused(R"(,"index_head_dim":4294967296,"index_n_heads":4294967296)", "index_n_heads");
+  // index_topk_freq 1 is every layer: the HF layout.
+  auto freq1 = ParseHfConfig(base + R"(,"index_topk_freq":1})");
+  EXPECT_TRUE(freq1.ok()) << freq1.status();
+}
+
+}  // namespace
+}  // namespace wb::planner

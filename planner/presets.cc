@@ -45,6 +45,8 @@ struct LayerIds {
   int32_t input_norm = -1, post_norm = -1;
   int32_t q = -1, k = -1, v = -1, o = -1, qb = -1, kb = -1, vb = -1, ob = -1, qn = -1, kn = -1;
   int32_t q_a = -1, q_a_norm = -1, q_b = -1, q_proj = -1, kv_a = -1, kv_a_norm = -1, kv_b = -1;
+  // DeepSeek-V3.2's indexer: wq_b, wk, k_norm weight / bias, weights_proj.
+  int32_t ix_wq_b = -1, ix_wk = -1, ix_kn = -1, ix_kn_b = -1, ix_wp = -1;
   bool moe = false;
   int32_t gate = -1, up = -1, down = -1;
   int32_t gate_b = -1, up_b = -1, down_b = -1;  // Llama mlp_bias
@@ -242,6 +244,14 @@ absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const Model
       ASSIGN_OR_RETURN(L.kv_a_norm, r.Need(a + "kv_a_layernorm.weight"));
       ASSIGN_OR_RETURN(L.kv_b, r.Need(a + "kv_b_proj.weight"));
       ASSIGN_OR_RETURN(L.o, r.Need(a + "o_proj.weight"));
+      if (c.dsa_indexer) {
+        const std::string x = a + "indexer.";
+        ASSIGN_OR_RETURN(L.ix_wq_b, r.Need(x + "wq_b.weight"));
+        ASSIGN_OR_RETURN(L.ix_wk, r.Need(x + "wk.weight"));
+        ASSIGN_OR_RETURN(L.ix_kn, r.Need(x + "k_norm.weight"));
+        ASSIGN_OR_RETURN(L.ix_kn_b, r.Need(x + "k_norm.bias"));
+        ASSIGN_OR_RETURN(L.ix_wp, r.Need(x + "weights_proj.weight"));
+      }
     } else {
       ASSIGN_OR_RETURN(L.q, r.Need(a + "q_proj.weight"));
       ASSIGN_OR_RETURN(L.k, r.Need(a + "k_proj.weight"));
@@ -424,7 +434,8 @@ bool SglangA2aNone(const std::string& backend) { return backend.empty() || backe
 // Glm4MoeSparseMoeBlock build them with tp_size 1, and Qwen2MoeSparseMoeBlock with deepep
 // (CheckA2aBackend refuses flashinfer for MoE models and Qwen2-MoE with the others).
 bool SharedExpertsWhole(const ModelConfig& c, const ParallelConfig& par) {
-  const bool deepseek = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2;
+  const bool deepseek = c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2 ||
+                        c.family == ModelFamily::kDeepseekV32;
   if (par.preset == "vllm") {
     return deepseek && par.expert_parallel && par.tp > 1 && par.dp > 1 && VllmSequenceParallelA2a(par.moe_a2a_backend);
   }
@@ -473,7 +484,9 @@ absl::Status CheckA2aBackend(const ModelConfig& c, const ParallelConfig& p) {
 // SGLang's tp_rank. Only DeepSeek-V2/V3's layout (models/deepseek_v2.py) is described.
 bool SglangDpAttention(const ParallelConfig& p) { return p.preset == "sglang" && p.dp > 1; }
 
-bool IsDeepseek(const ModelConfig& c) { return c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2; }
+bool IsDeepseek(const ModelConfig& c) {
+  return c.family == ModelFamily::kDeepseekV3 || c.family == ModelFamily::kDeepseekV2 || c.family == ModelFamily::kDeepseekV32;
+}
 
 // SGLang's --moe-dense-tp-size 1 (layers/communicator.py enable_moe_dense_fully_dp()):
 // DeepseekV2DecoderLayer builds its dense MLPs with tp_rank 0, tp_size 1, whole on every rank.
@@ -971,6 +984,27 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
       w.Replicated(a + "kv_a_layernorm.weight", L.kv_a_norm);
       w.Split(a + "kv_b_proj.weight", L.kv_b, 0, tp, tp_rank);
       w.Split(a + "o_proj.weight", L.o, 1, tp, tp_rank);
+      if (L.ix_wq_b >= 0) {
+        // DeepSeek-V3.2's indexer is replicated, whole on every rank, in both engines (and with
+        // SGLang's DP attention). vLLM (models/deepseek_v2.py, class Indexer): wq_b a
+        // ReplicatedLinear; wk and weights_proj fused into one MergedColumnParallelLinear
+        // (disable_tp) `wk_weights_proj` = [wk rows; weights_proj rows] (load_weights'
+        // indexer_fused_mapping, shards 0 and 1); k_norm a float32 LayerNorm. SGLang
+        // (layers/attention/nsa/nsa_indexer.py, class Indexer): wq_b, wk, weights_proj separate
+        // ReplicatedLinear under the checkpoint names, k_norm a float32 LayerNorm.
+        const std::string x = a + "indexer.";
+        w.Replicated(x + "wq_b.weight", L.ix_wq_b);
+        if (par.preset == "sglang") {
+          w.Replicated(x + "wk.weight", L.ix_wk);
+          w.Replicated(x + "weights_proj.weight", L.ix_wp);
+        } else {
+          w.Begin(x + "wk_weights_proj.weight", {c.index_head_dim + c.index_n_heads, H}, L.ix_wk);
+          w.Block(L.ix_wk, -1, 0, 0, 0);
+          w.Block(L.ix_wp, -1, 0, 0, c.index_head_dim * H);
+        }
+        w.Replicated(x + "k_norm.weight", L.ix_kn);
+        w.Replicated(x + "k_norm.bias", L.ix_kn_b);
+      }
     } else {
       const int64_t hd = c.head_dim, nq = c.heads / tp;
       int64_t nkv, kv0;
@@ -1429,6 +1463,16 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
                                                    config.post_norms ? " (OLMo-2/3's post-norm layer and full-width q/k norms have no verified Megatron-Core layout)"
                                                                      : " (no verified Megatron-Core mapping of its fused qkv_proj / gate_up_proj)",
                                                    "; use fsdp, fsdp_flat, explicit pieces or an index-probe layout"));
+  }
+  if (kind == Kind::kMegatron && config.dsa_indexer) {
+    // DeepSeek-V3.2: no Megatron-Core / Megatron-Bridge mapping of the DSA indexer verified.
+    return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,
+                                                   " (no verified Megatron-Core mapping of its DSA indexer); use fsdp, fsdp_flat, explicit pieces or an index-probe layout"));
+  }
+  if (kind == Kind::kVllm && config.dsa_indexer && !parallel.quantization.empty()) {
+    // vLLM quantises wq_b but keeps wk_weights_proj in bf16 (FP8 wk dequantised at load): not modelled.
+    return absl::InvalidArgumentError(absl::StrCat(parallel.preset, ": quantization on ", config.architecture,
+                                                   " is not described (its indexer's tensors are quantised differently per engine)"));
   }
   if (kind == Kind::kMegatron && config.ffn_norms) {
     return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,

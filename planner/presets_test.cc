@@ -1893,6 +1893,174 @@ TEST(Presets, QuantizedMoeScalesAreShapedPerExpert) {
   EXPECT_TRUE(found);
 }
 
+// ---- DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3 plus the DSA lightning indexer ----
+
+// A small DeepSeek-V3.2: 2 layers (layer 1 MoE), 8 heads, 8 experts, q_lora 24, indexer 4 heads of 16.
+const char* kSmallV32Fields = R"("hidden_size":64,"intermediate_size":128,"moe_intermediate_size":32,
+    "num_hidden_layers":2,"num_attention_heads":8,"vocab_size":1000,"n_routed_experts":8,"n_shared_experts":1,
+    "first_k_dense_replace":1,"q_lora_rank":24,"kv_lora_rank":16,"qk_nope_head_dim":8,"qk_rope_head_dim":4,
+    "v_head_dim":8,"index_n_heads":4,"index_head_dim":16,"index_topk":32)";
+
+Model SmallV32(const std::string& arch = "DeepseekV32ForCausalLM") {
+  return FromText(std::string(R"({"architectures":[")") + arch + "\"]," + kSmallV32Fields + "}");
+}
+
+// Independent transcription of the indexer tensors each engine rank holds (whole on every rank,
+// replicated, whatever tp / dp / expert parallelism): vLLM models/deepseek_v2.py class Indexer -
+// wq_b ReplicatedLinear; wk_weights_proj = MergedColumnParallelLinear(hidden, [index_head_dim,
+// index_n_heads], disable_tp=True) loaded from wk (shard 0) and weights_proj (shard 1); k_norm
+// LayerNorm with float32 weight and bias (layers/layernorm.py). SGLang
+// layers/attention/nsa/nsa_indexer.py class Indexer - wq_b, wk, weights_proj ReplicatedLinear under
+// the checkpoint names; k_norm LayerNorm(dtype=torch.float32). Returns the canonical (name, flat).
+std::pair<std::string, int64_t> IndexerHolds(const ModelConfig& c, bool sglang, const std::string& local, int64_t i) {
+  const std::string fused = ".indexer.wk_weights_proj.weight";
+  if (!sglang && absl::EndsWith(local, fused)) {
+    const std::string x = local.substr(0, local.size() - std::string("wk_weights_proj.weight").size());
+    const int64_t row = i / c.hidden, col = i % c.hidden;
+    if (row < c.index_head_dim) return {x + "wk.weight", row * c.hidden + col};
+    return {x + "weights_proj.weight", (row - c.index_head_dim) * c.hidden + col};
+  }
+  return {local, i};
+}
+
+void ExpectV32EngineLayout(const Model& v32, const Model& v3, const ParallelConfig& par) {
+  SCOPED_TRACE(par.preset + " tp=" + std::to_string(par.tp) + " dp=" + std::to_string(par.dp) +
+               (par.expert_parallel ? " ep" : ""));
+  const bool sglang = par.preset == "sglang";
+  auto b32 = PresetBuilder::Create(v32.config, v32.inv, par);
+  auto b3 = PresetBuilder::Create(v3.config, v3.inv, par);
+  ASSERT_TRUE(b32.ok()) << b32.status();
+  ASSERT_TRUE(b3.ok()) << b3.status();
+  ASSERT_EQ(b32->world_size(), b3->world_size());
+  TensorIndex i32(v32.inv), i3(v3.inv);
+  for (int r = 0; r < b32->world_size(); ++r) {
+    auto l32 = b32->Make(r);
+    auto l3 = b3->Make(r);
+    ASSERT_TRUE(l32.ok()) << l32.status();
+    ASSERT_TRUE(l3.ok()) << l3.status();
+    // Everything but the indexer is DeepSeek-V3's layout: the same local tensors, shapes, dtypes
+    // and, element by element, the same canonical elements.
+    std::set<std::string> indexer_names;
+    for (const LocalTensor& lt : l32->local_tensors) {
+      if (!absl::StrContains(lt.name, ".indexer.")) continue;
+      indexer_names.insert(lt.name.substr(lt.name.find(".indexer.")));
+      for (int64_t e = 0; e < Numel(lt.shape); ++e) {
+        const auto [want, flat] = IndexerHolds(v32.config, sglang, lt.name, e);
+        ASSERT_TRUE(i32.Find(want).has_value()) << want;
+        ASSERT_EQ(CanonicalAt(v32.inv, *l32, lt, e), std::make_pair(*i32.Find(want), flat)) << lt.name << " rank " << r << " element " << e;
+      }
+      const bool f32 = absl::StrContains(lt.name, "k_norm");
+      EXPECT_EQ(lt.dtype, f32 ? DType::kF32 : DType::kBF16) << lt.name;
+      const int64_t H = v32.config.hidden, D = v32.config.index_head_dim, N = v32.config.index_n_heads;
+      std::vector<int64_t> want_shape;
+      if (absl::EndsWith(lt.name, "wq_b.weight")) want_shape = {N * D, v32.config.q_lora_rank};
+      if (absl::EndsWith(lt.name, "wk_weights_proj.weight")) want_shape = {D + N, H};
+      if (absl::EndsWith(lt.name, ".wk.weight")) want_shape = {D, H};
+      if (absl::EndsWith(lt.name, "weights_proj.weight") && !absl::EndsWith(lt.name, "wk_weights_proj.weight")) want_shape = {N, H};
+      if (absl::StrContains(lt.name, "k_norm")) want_shape = {D};
+      EXPECT_EQ(lt.shape, want_shape) << lt.name;
+    }
+    const std::set<std::string> want_names =
+        sglang ? std::set<std::string>{".indexer.wq_b.weight", ".indexer.wk.weight", ".indexer.weights_proj.weight",
+                                       ".indexer.k_norm.weight", ".indexer.k_norm.bias"}
+               : std::set<std::string>{".indexer.wq_b.weight", ".indexer.wk_weights_proj.weight",
+                                       ".indexer.k_norm.weight", ".indexer.k_norm.bias"};
+    EXPECT_EQ(indexer_names, want_names) << "rank " << r;
+    std::vector<const LocalTensor*> rest;
+    for (const LocalTensor& lt : l32->local_tensors) {
+      if (!absl::StrContains(lt.name, ".indexer.")) rest.push_back(&lt);
+    }
+    ASSERT_EQ(rest.size(), l3->local_tensors.size()) << "rank " << r;
+    for (size_t k = 0; k < rest.size(); ++k) {
+      const LocalTensor& a = *rest[k];
+      const LocalTensor& w = l3->local_tensors[k];
+      ASSERT_EQ(a.name, w.name);
+      ASSERT_EQ(a.shape, w.shape) << a.name;
+      ASSERT_EQ(a.dtype, w.dtype) << a.name;
+      for (int64_t e = 0; e < Numel(a.shape); ++e) {
+        const auto got = CanonicalAt(v32.inv, *l32, a, e);
+        const auto want = CanonicalAt(v3.inv, *l3, w, e);
+        if (want.first < 0) {
+          ASSERT_EQ(got.first, -1) << a.name << " element " << e;
+          continue;
+        }
+        ASSERT_GE(got.first, 0) << a.name << " element " << e;
+        ASSERT_EQ(v32.inv.tensors[got.first].name, v3.inv.tensors[want.first].name) << a.name << " element " << e;
+        ASSERT_EQ(got.second, want.second) << a.name << " element " << e;
+      }
+    }
+  }
+}
+
+TEST(Presets, DeepseekV32IndexerWholeOnEveryEngineRank) {
+  Model v32 = SmallV32();
+  Model v3 = SmallV32("DeepseekV3ForCausalLM");  // the same fields: DeepseekV3 ignores the index_* ones
+  ASSERT_EQ(v32.inv.tensors.size(), v3.inv.tensors.size() + 2 * 5);
+  for (const char* preset : {"vllm", "sglang"}) {
+    for (int tp : {1, 2, 4, 8}) {
+      for (bool ep : {false, true}) ExpectV32EngineLayout(v32, v3, {.preset = preset, .tp = tp, .expert_parallel = ep});
+    }
+    // Engine data parallelism (experts over dp*tp; vLLM's sequence-parallel shared experts) and replicas.
+    ExpectV32EngineLayout(v32, v3, {.preset = preset, .tp = 2, .dp = 2, .expert_parallel = true});
+    ExpectV32EngineLayout(v32, v3, {.preset = preset, .tp = 2, .replicas = 2});
+  }
+  // SGLang DP attention (--tp-size 4 --dp-size 2): the indexer stays whole on every rank.
+  ExpectV32EngineLayout(v32, v3, {.preset = "sglang", .tp = 2, .dp = 2});
+}
+
+TEST(Presets, DeepseekV32OnTheRealConfig) {
+  Model m = Load("deepseek-v3.2.json", 4);  // layer 3 is MoE
+  TensorIndex idx(m.inv);
+  auto v = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 8, .expert_parallel = true}, 5);
+  auto s = MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 8}, 5);
+  ASSERT_TRUE(v.ok()) << v.status();
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string x = "model.layers.3.self_attn.indexer.";
+  const LocalTensor* fused = FindLocal(*v, x + "wk_weights_proj.weight");
+  ASSERT_NE(fused, nullptr);
+  EXPECT_EQ(fused->shape, (std::vector<int64_t>{128 + 64, 7168}));
+  EXPECT_EQ(CanonicalAt(m.inv, *v, *fused, 130 * 7168 + 9), std::make_pair(*idx.Find(x + "weights_proj.weight"), int64_t{2 * 7168 + 9}));
+  EXPECT_EQ(FindLocal(*v, x + "wk.weight"), nullptr);
+  EXPECT_EQ(FindLocal(*v, x + "wq_b.weight")->shape, (std::vector<int64_t>{64 * 128, 1536}));
+  EXPECT_EQ(FindLocal(*v, x + "k_norm.bias")->dtype, DType::kF32);
+  EXPECT_EQ(FindLocal(*s, x + "wk.weight")->shape, (std::vector<int64_t>{128, 7168}));
+  EXPECT_EQ(FindLocal(*s, x + "weights_proj.weight")->shape, (std::vector<int64_t>{64, 7168}));
+  EXPECT_EQ(FindLocal(*s, x + "k_norm.weight")->dtype, DType::kF32);
+  // The rest is DeepSeek-V3's: q_b_proj rows by heads, experts 160..191 of 256 on EP rank 5.
+  EXPECT_EQ(FindLocal(*v, "model.layers.3.self_attn.q_b_proj.weight")->shape, (std::vector<int64_t>{16 * 192, 1536}));
+  EXPECT_EQ(FindLocal(*v, "model.layers.3.mlp.experts.w13_weight")->shape, (std::vector<int64_t>{32, 2 * 2048, 7168}));
+  EXPECT_EQ(FindLocal(*s, "model.layers.3.self_attn.fused_qkv_a_proj_with_mqa.weight")->shape, (std::vector<int64_t>{1536 + 576, 7168}));
+  // Trainer presets shard the indexer like any tensor: every element covered once (fsdp dp=3,
+  // fsdp_flat dp=5), k_norm in float32.
+  for (ParallelConfig par : {ParallelConfig{.preset = "fsdp", .dp = 3}, ParallelConfig{.preset = "fsdp_flat", .dp = 5}}) {
+    auto b = PresetBuilder::Create(m.config, m.inv, par);
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<PresetLayout> ranks;
+    for (int r = 0; r < b->world_size(); ++r) ranks.push_back(*b->Make(r));
+    std::vector<int64_t> counts = CoverageCounts(m.inv, ranks);
+    for (size_t t = 0; t < m.inv.tensors.size(); ++t) EXPECT_EQ(counts[t], 1) << par.preset << " " << m.inv.tensors[t].name;
+    const LocalTensor* kn = FindLocal(ranks[0], x + "k_norm.weight");
+    ASSERT_NE(kn, nullptr);
+    EXPECT_EQ(kn->dtype, DType::kF32);
+  }
+}
+
+TEST(Presets, DeepseekV32Refusals) {
+  Model m = SmallV32();
+  // Megatron: no verified mapping of the indexer.
+  auto meg = PresetBuilder::Create(m.config, m.inv, {.preset = "megatron", .tp = 2});
+  ASSERT_FALSE(meg.ok());
+  EXPECT_NE(meg.status().message().find("DeepseekV32ForCausalLM"), std::string::npos) << meg.status();
+  // Quantised rollout layouts: vLLM quantises wq_b but not wk_weights_proj; not described.
+  auto q = PresetBuilder::Create(m.config, m.inv, {.preset = "vllm", .tp = 2, .quantization = "fp8_block128"});
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("DeepseekV32ForCausalLM"), std::string::npos) << q.status();
+  // The DeepSeek-V3 constraints still hold: tp must divide the heads.
+  auto heads = PresetBuilder::Create(m.config, m.inv, {.preset = "vllm", .tp = 16});
+  ASSERT_FALSE(heads.ok());
+  EXPECT_NE(heads.status().message().find("num_attention_heads"), std::string::npos) << heads.status();
+}
+
 // ---- OLMo-2 / OLMo-3 and Phi-3 on the rollout engines ----
 
 // Independent transcription of what each vLLM / SGLang TP rank holds for Phi-3 and OLMo-2/3: for
