@@ -171,9 +171,12 @@ void AddLayer(Builder& b, const ModelConfig& c, int64_t l) {
     b.Add(m + "experts.down_proj_bias", {E, H});
     return;
   }
-  if (c.family == ModelFamily::kMixtral) {
+  if (c.family == ModelFamily::kMixtral || c.family == ModelFamily::kMiniMaxM2) {
     const std::string m = p + "block_sparse_moe.";
     b.Add(m + "gate.weight", {c.experts, H});
+    // MiniMax-M2: the routing bias sits on the MoE block, not on the gate (checkpoint key
+    // block_sparse_moe.e_score_correction_bias; float32 in vLLM / SGLang's MiniMaxM2MoE).
+    if (c.family == ModelFamily::kMiniMaxM2) b.Add(m + "e_score_correction_bias", {c.experts}, DType::kF32);
     for (int64_t e = 0; e < c.experts; ++e) {
       const std::string x = absl::StrCat(m, "experts.", e, ".");
       b.Add(x + "w1.weight", {c.moe_intermediate, H});

@@ -81,7 +81,13 @@ INSTANTIATE_TEST_SUITE_P(Models, ParamCount,
                                            // (Phi-4-mini's cross-checked with stored copies of its config.json).
                                            Published{"phi-3-mini-4k-instruct.json", 3.821e9},
                                            Published{"phi-4.json", 14.66e9},
-                                           Published{"phi-4-mini-instruct.json", 3.836e9}));
+                                           Published{"phi-4-mini-instruct.json", 3.836e9},
+                                           // MiniMax-M2 (planner/testdata/minimax-m2.json: MiniMaxAI/MiniMax-M2's
+                                           // config.json fields as stored in a test of another repository
+                                           // (REAL_CONFIG) and cross-checked with vLLM's / SGLang's tests'
+                                           // copies): "230B total" on the model card; the 3 MTP modules are
+                                           // not model.layers tensors here. Within 1% (the card rounds).
+                                           Published{"minimax-m2.json", 230e9, 0.01}));
 
 // DeepSeek-V3.2 (planner/testdata/deepseek-v3.2.json: the config.json of deepseek-ai/DeepSeek-V3.2,
 // as stored in transformers' src/transformers/models/deepseek_v32/deepseek_files/config.json; V3.2-Exp's
@@ -117,6 +123,24 @@ TEST(Inventory, DeepseekV32IsV3PlusTheIndexer) {
     if (v32.tensors[i].name == "model.layers.0.self_attn.indexer.wq_b.weight") wq = i;
   }
   EXPECT_EQ(wq, o + 1);
+}
+
+TEST(Inventory, MiniMaxM2Tensors) {
+  Inventory inv = Load("minimax-m2.json");
+  std::map<std::string, const TensorSpec*> by_name;
+  for (const TensorSpec& t : inv.tensors) by_name[t.name] = &t;
+  const std::string p = "model.layers.61.";
+  ASSERT_TRUE(by_name.count(p + "self_attn.q_norm.weight"));
+  EXPECT_EQ(by_name[p + "self_attn.q_norm.weight"]->shape, (std::vector<int64_t>{48 * 128}));  // full width
+  EXPECT_EQ(by_name[p + "self_attn.k_norm.weight"]->shape, (std::vector<int64_t>{8 * 128}));
+  EXPECT_EQ(by_name[p + "block_sparse_moe.gate.weight"]->shape, (std::vector<int64_t>{256, 3072}));
+  EXPECT_EQ(by_name[p + "block_sparse_moe.e_score_correction_bias"]->dtype, DType::kF32);
+  EXPECT_EQ(by_name[p + "block_sparse_moe.experts.255.w1.weight"]->shape, (std::vector<int64_t>{1536, 3072}));
+  EXPECT_EQ(by_name[p + "block_sparse_moe.experts.255.w2.weight"]->shape, (std::vector<int64_t>{3072, 1536}));
+  EXPECT_EQ(by_name.count(p + "mlp.gate_proj.weight"), 0u);  // every layer sparse, no shared experts
+  EXPECT_EQ(by_name.count("model.layers.62.input_layernorm.weight"), 0u);  // MTP modules not modelled
+  // 62 layers x (2 norms, q/k/v/o, q_norm, k_norm, gate, bias, 256 x 3) + embed, norm, lm_head.
+  EXPECT_EQ(inv.tensors.size(), 62u * (10 + 256 * 3) + 3);
 }
 
 TEST(Inventory, TiedEmbeddingsHaveNoLmHead) {

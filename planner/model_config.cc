@@ -46,6 +46,8 @@ const char* ModelFamilyName(ModelFamily family) {
       return "phi3";
     case ModelFamily::kDeepseekV32:
       return "deepseek_v32";
+    case ModelFamily::kMiniMaxM2:
+      return "minimax_m2";
   }
   return "unknown";
 }
@@ -55,6 +57,7 @@ bool ModelConfig::IsMoeLayer(int64_t layer) const {
   switch (family) {
     case ModelFamily::kMixtral:
     case ModelFamily::kGptOss:
+    case ModelFamily::kMiniMaxM2:
       return true;
     case ModelFamily::kGlm4Moe:
       return layer >= first_k_dense_replace;
@@ -261,6 +264,25 @@ absl::Status ParseTensorFlags(const Reader& r, ModelConfig& c) {
       c.qk_norm = c.qk_norm_full = true;
       c.post_norms = true;
       break;
+    case ModelFamily::kMiniMaxM2:
+      // MiniMaxM2Attention (transformers' modular_minimax_m2.py, from FlexOlmoAttention): q/k/v/o
+      // without biases, q_norm over num_attention_heads*head_dim and k_norm over
+      // num_key_value_heads*head_dim (one RMSNorm over the whole projection). MiniMaxM2Config has no
+      // attention_bias (vLLM's minimax_m2.py would read it as a q/k/v bias): refused.
+      if (attention_bias) return refuse("attention_bias");
+      c.qk_norm = c.qk_norm_full = true;
+      {
+        // The engines build the norms from use_qk_norm / qk_norm_type (SGLang) or always (vLLM),
+        // HF always: anything but the per-layer full-width norm is refused, naming the field.
+        ASSIGN_OR_RETURN(bool qk, r.BoolOr("use_qk_norm", true));
+        if (!qk) {
+          return absl::InvalidArgumentError("config.json: `use_qk_norm`: false is not supported for MiniMaxM2ForCausalLM (its Hugging Face implementation and vLLM always hold q_norm / k_norm)");
+        }
+        if (const json* t = r.Find("qk_norm_type"); t != nullptr && !t->is_null() && !(t->is_string() && t->get<std::string>() == "per_layer")) {
+          return absl::InvalidArgumentError("config.json: `qk_norm_type` other than per_layer is not supported for MiniMaxM2ForCausalLM");
+        }
+      }
+      break;
     case ModelFamily::kPhi3:
       // Phi3Attention / Phi3MLP build every projection with bias=False and Phi3Config has neither
       // attention_bias nor mlp_bias: refused rather than ignored.
@@ -341,6 +363,24 @@ absl::Status ParseExperts(const Reader& r, ModelConfig& c) {
     }
     if (c.family == ModelFamily::kQwen2Moe) {  // Qwen2MoeConfig's default: 5632
       ASSIGN_OR_RETURN(c.shared_expert_intermediate, r.IntAbsentOr("shared_expert_intermediate_size", 5632, 0));
+    }
+  } else if (c.family == ModelFamily::kMiniMaxM2) {
+    // MiniMaxM2Config: num_local_experts 256; every layer sparse, each expert intermediate_size
+    // wide; no shared experts. The routing bias (block_sparse_moe.e_score_correction_bias) is a
+    // buffer in HF's MiniMaxM2SparseMoeBlock but exists in vLLM / SGLang only with
+    // use_routing_bias: a config without it would hold different tensors per side, so refused.
+    c.experts_field = "num_local_experts";
+    ASSIGN_OR_RETURN(c.experts, r.IntOr("num_local_experts", 256));
+    RETURN_IF_ERROR(RequirePositive("num_local_experts", c.experts));
+    c.moe_intermediate = c.intermediate;
+    ASSIGN_OR_RETURN(bool routing_bias, r.BoolOr("use_routing_bias", false));
+    if (!routing_bias) {
+      return absl::InvalidArgumentError("config.json: MiniMaxM2ForCausalLM needs `use_routing_bias`: true (Hugging Face always holds e_score_correction_bias; vLLM and SGLang only with it)");
+    }
+    c.router_bias = true;
+    ASSIGN_OR_RETURN(int64_t shared, r.IntOr("shared_intermediate_size", 0));
+    if (shared != 0) {
+      return absl::InvalidArgumentError("config.json: `shared_intermediate_size` > 0 is not supported for MiniMaxM2ForCausalLM (no shared experts in its Hugging Face implementation)");
     }
   } else if (c.family == ModelFamily::kMixtral || c.family == ModelFamily::kGptOss) {
     c.experts_field = "num_local_experts";
@@ -435,7 +475,7 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
       {"GptOssForCausalLM", ModelFamily::kGptOss},       {"Gemma2ForCausalLM", ModelFamily::kGemma2},
       {"Gemma3ForCausalLM", ModelFamily::kGemma3},       {"Olmo2ForCausalLM", ModelFamily::kOlmo2},
       {"Olmo3ForCausalLM", ModelFamily::kOlmo2},         {"Phi3ForCausalLM", ModelFamily::kPhi3},
-      {"DeepseekV32ForCausalLM", ModelFamily::kDeepseekV32}};
+      {"DeepseekV32ForCausalLM", ModelFamily::kDeepseekV32}, {"MiniMaxM2ForCausalLM", ModelFamily::kMiniMaxM2}};
   bool known = false;
   std::vector<std::string> names;
   for (const auto& [name, family] : kArchitectures) {
@@ -465,13 +505,15 @@ absl::StatusOr<ModelConfig> ParseHfConfig(std::string_view json_text) {
   RETURN_IF_ERROR(RequirePositive("num_attention_heads", c.heads));
   RETURN_IF_ERROR(RequirePositive("num_hidden_layers", c.layers));
   RETURN_IF_ERROR(RequirePositive("vocab_size", c.vocab));
-  ASSIGN_OR_RETURN(c.kv_heads, r.IntOr("num_key_value_heads", c.heads));
+  // MiniMaxM2Config's defaults: num_key_value_heads 8, head_dim 128 (not hidden / heads).
+  const bool minimax = c.family == ModelFamily::kMiniMaxM2;
+  ASSIGN_OR_RETURN(c.kv_heads, r.IntOr("num_key_value_heads", minimax ? 8 : c.heads));
   RETURN_IF_ERROR(RequirePositive("num_key_value_heads", c.kv_heads));
   if (c.heads % c.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: num_attention_heads ", c.heads,
                                                    " is not a multiple of num_key_value_heads ", c.kv_heads));
   }
-  ASSIGN_OR_RETURN(int64_t hd, r.IntOr("head_dim", 0));
+  ASSIGN_OR_RETURN(int64_t hd, r.IntOr("head_dim", minimax ? 128 : 0));
   if (hd == 0) {
     if (c.hidden % c.heads != 0) {
       return absl::InvalidArgumentError(

@@ -28,6 +28,7 @@ enum class ModelFamily : uint8_t {
   kOlmo2,       // Olmo2ForCausalLM, Olmo3ForCausalLM (same tensors): post-norms only, full-width q_norm/k_norm
   kPhi3,        // Phi3ForCausalLM (Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini): fused qkv_proj and gate_up_proj in the checkpoint
   kDeepseekV32, // DeepseekV32ForCausalLM (DeepSeek-V3.2, V3.2-Exp): DeepSeek-V3 plus a DSA lightning indexer per layer
+  kMiniMaxM2,   // MiniMaxM2ForCausalLM (MiniMax-M2, M2.x): full-width q_norm/k_norm, block_sparse_moe experts w1/w2/w3, fp32 router bias
 };
 const char* ModelFamilyName(ModelFamily family);
 

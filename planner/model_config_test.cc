@@ -301,3 +301,46 @@ TEST(ModelConfig, DeepseekV32) {
 
 }  // namespace
 }  // namespace wb::planner
+
+namespace wb::planner {
+namespace {
+
+TEST(ModelConfig, MiniMaxM2) {
+  auto c = ParseHfConfig(ReadTestdata("minimax-m2.json"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->family, ModelFamily::kMiniMaxM2);
+  EXPECT_STREQ(ModelFamilyName(c->family), "minimax_m2");
+  EXPECT_TRUE(c->qk_norm && c->qk_norm_full && c->router_bias);
+  EXPECT_FALSE(c->post_norms || c->qkv_bias || c->o_bias);
+  EXPECT_EQ(c->experts, 256);
+  EXPECT_EQ(c->moe_intermediate, 1536);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->kv_heads, 8);
+  EXPECT_TRUE(c->IsMoeLayer(0));
+  EXPECT_EQ(c->layers, 62);  // num_mtp_modules are not layers here
+
+  // Absent fields take MiniMaxM2Config's defaults: num_key_value_heads 8, head_dim 128 (not
+  // hidden / heads = 64), num_local_experts 256.
+  const std::string base = R"({"architectures":["MiniMaxM2ForCausalLM"],"hidden_size":3072,"intermediate_size":1536,
+    "num_hidden_layers":2,"num_attention_heads":48,"vocab_size":1000)";
+  auto d = ParseHfConfig(base + R"(,"use_routing_bias":true})");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->kv_heads, 8);
+  EXPECT_EQ(d->head_dim, 128);
+  EXPECT_EQ(d->experts, 256);
+  auto refused = [&](const std::string& extra, const std::string& named) {
+    auto r = ParseHfConfig(base + extra + "}");
+    ASSERT_FALSE(r.ok()) << extra;
+    EXPECT_NE(r.status().message().find(named), std::string::npos) << r.status();
+  };
+  refused("", "use_routing_bias");
+  refused(R"(,"use_routing_bias":false)", "use_routing_bias");
+  refused(R"(,"use_routing_bias":true,"attention_bias":true)", "attention_bias");
+  refused(R"(,"use_routing_bias":true,"use_qk_norm":false)", "use_qk_norm");
+  refused(R"(,"use_routing_bias":true,"qk_norm_type":"per_head")", "qk_norm_type");
+  refused(R"(,"use_routing_bias":true,"shared_intermediate_size":512)", "shared_intermediate_size");
+  refused(R"(,"use_routing_bias":true,"mlp_bias":true)", "mlp_bias");
+}
+
+}  // namespace
+}  // namespace wb::planner

@@ -303,9 +303,12 @@ absl::StatusOr<std::shared_ptr<const PresetBuilder::Ids>> ResolveIds(const Model
       continue;
     }
     L.experts.resize(c.experts);
-    if (c.family == ModelFamily::kMixtral) {
+    if (c.family == ModelFamily::kMixtral || c.family == ModelFamily::kMiniMaxM2) {
       const std::string m = p + "block_sparse_moe.";
       ASSIGN_OR_RETURN(L.router, r.Need(m + "gate.weight"));
+      if (c.family == ModelFamily::kMiniMaxM2) {
+        ASSIGN_OR_RETURN(L.router_bias, r.Need(m + "e_score_correction_bias"));
+      }
       for (int64_t e = 0; e < c.experts; ++e) {
         const std::string x = absl::StrCat(m, "experts.", e, ".");
         ASSIGN_OR_RETURN(L.experts[e][0], r.Need(x + "w1.weight"));
@@ -617,6 +620,12 @@ absl::Status CheckVllm(const ModelConfig& c, const ParallelConfig& p) {
     }
   }
   if (c.family == ModelFamily::kOlmo2) RETURN_IF_ERROR(CheckOlmo2Engine(c, p));
+  if (c.family == ModelFamily::kMiniMaxM2 && !sglang && p.tp > c.kv_heads) {
+    // vLLM's MiniMaxText01RMSNormTP splits k_norm [KV x head_dim] into tp row ranges, which with
+    // KV heads replicated is no longer the rank's k head: not described.
+    return absl::InvalidArgumentError(absl::StrCat("vllm: tp=", p.tp, " > num_key_value_heads=", c.kv_heads,
+                                                   " on MiniMaxM2ForCausalLM (k_norm is split by rows over tp, not by KV head)"));
+  }
   RETURN_IF_ERROR(Divides(p.tp, c.heads, "tp", "num_attention_heads", m.c_str()));
   // VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of 64 and divide()
   // it by tp (which asserts); SGLang's Gemma 3 embedding is whole, but its tied head is the same.
@@ -1027,7 +1036,18 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
       }
       w.Split(a + "o_proj.weight", L.o, 1, tp, tp_rank);
       if (L.ob >= 0) w.Replicated(a + "o_proj.bias", L.ob);
-      if (L.qn >= 0) {
+      if (L.qn >= 0 && c.family == ModelFamily::kMiniMaxM2) {
+        // MiniMax-M2's full-width q_norm / k_norm are TP-sharded like the projections they
+        // normalise (the variance is all-reduced). vLLM (models/minimax_m2.py,
+        // MiniMaxText01RMSNormTP in layers/mamba/linear_attn.py): weight [size / tp], its
+        // weight_loader copies rows [tp_rank * size/tp, +size/tp) - CheckVllm refuses tp > KV
+        // heads, where that would not be the rank's k head. SGLang (models/minimax_m2.py,
+        // MiniMaxM2RMSNormTP): by heads as QKVParallelLinear, num_heads / tp heads of q; k's
+        // kv0..kv0+nkv (with tp > KV heads the rank's replicated head, shard tp_rank / replicas).
+        w.Split(a + "q_norm.weight", L.qn, 0, tp, tp_rank);
+        w.Begin(a + "k_norm.weight", {nkv * hd}, L.kn);
+        w.Block(L.kn, 0, kv0 * hd, (kv0 + nkv) * hd, 0);
+      } else if (L.qn >= 0) {
         w.Replicated(a + "q_norm.weight", L.qn);
         w.Replicated(a + "k_norm.weight", L.kn);
       }
@@ -1043,9 +1063,11 @@ PresetLayout MakeVllm(const ModelConfig& c, const ParallelConfig& par, const Inv
       if (L.post_ff >= 0) w.Replicated(p + "post_feedforward_layernorm.weight", L.post_ff);
       continue;
     }
-    const std::string m = p + (c.family == ModelFamily::kMixtral ? "block_sparse_moe." : "mlp.");
+    const bool minimax = c.family == ModelFamily::kMiniMaxM2;
+    const std::string m = p + (c.family == ModelFamily::kMixtral || minimax ? "block_sparse_moe." : "mlp.");
     w.Replicated(m + "gate.weight", L.router);
-    if (L.router_bias >= 0) w.Replicated(m + "gate.e_score_correction_bias", L.router_bias);
+    // MiniMaxM2MoE (both engines) holds the bias on the MoE block: block_sparse_moe.e_score_correction_bias.
+    if (L.router_bias >= 0) w.Replicated(m + (minimax ? "e_score_correction_bias" : "gate.e_score_correction_bias"), L.router_bias);
     VllmExperts(c, par, L, m, flat, flat_rank, w);
     if (L.sh_gate >= 0) {
       const std::string s = m + (c.family == ModelFamily::kQwen2Moe ? "shared_expert." : "shared_experts.");
@@ -1463,6 +1485,11 @@ absl::StatusOr<PresetBuilder> PresetBuilder::Create(const ModelConfig& config, c
                                                    config.post_norms ? " (OLMo-2/3's post-norm layer and full-width q/k norms have no verified Megatron-Core layout)"
                                                                      : " (no verified Megatron-Core mapping of its fused qkv_proj / gate_up_proj)",
                                                    "; use fsdp, fsdp_flat, explicit pieces or an index-probe layout"));
+  }
+  if (kind == Kind::kMegatron && config.family == ModelFamily::kMiniMaxM2) {
+    // MiniMax-M2: no Megatron-Core / Megatron-Bridge mapping of its full-width q/k norms verified.
+    return absl::InvalidArgumentError(absl::StrCat("megatron: no preset layout for ", config.architecture,
+                                                   " (no verified Megatron-Core mapping of its full-width q_norm / k_norm); use fsdp, fsdp_flat, explicit pieces or an index-probe layout"));
   }
   if (kind == Kind::kMegatron && config.dsa_indexer) {
     // DeepSeek-V3.2: no Megatron-Core / Megatron-Bridge mapping of the DSA indexer verified.

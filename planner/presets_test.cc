@@ -2061,6 +2061,148 @@ TEST(Presets, DeepseekV32Refusals) {
   EXPECT_NE(heads.status().message().find("num_attention_heads"), std::string::npos) << heads.status();
 }
 
+// ---- MiniMax-M2 (MiniMaxM2ForCausalLM) on the rollout engines ----
+
+// Independent transcription of what a vLLM / SGLang TP rank (dp 1) holds for MiniMax-M2, from the
+// engines' sources: q_norm / k_norm - vLLM MiniMaxText01RMSNormTP (layers/mamba/linear_attn.py:
+// weight [size / tp], weight_loader rows [tp_rank * size/tp, +size/tp)), SGLang MiniMaxM2RMSNormTP
+// (models/minimax_m2.py: num_heads / tp heads, or one head on tp / KV ranks, shard tp_rank /
+// replicas); block_sparse_moe.gate.weight and block_sparse_moe.e_score_correction_bias whole
+// (ReplicatedLinear, a float32 Parameter on the MoE block); experts FusedMoE: w13_weight
+// [E_local, 2 I/n, H] per expert [w1 rows; w3 rows], w2_weight [E_local, H, I/n] (n = tp without
+// EP; with EP whole experts, E/tp from tp_rank * E/tp). Everything else via EngineHolds.
+std::pair<std::string, int64_t> EngineHolds(const ModelConfig& c, int64_t tp, int64_t r, const std::string& local,
+                                            const std::vector<int64_t>& shape, int64_t i);  // below (Phi-3 / OLMo-2)
+
+std::pair<std::string, int64_t> MiniMaxHolds(const ModelConfig& c, bool sglang, bool ep, int64_t tp, int64_t r,
+                                             const std::string& local, const std::vector<int64_t>& shape, int64_t i) {
+  const int64_t d = c.head_dim, H = c.hidden;
+  const std::string layer = local.substr(0, local.find(".", local.find("layers.") + 7));
+  if (absl::EndsWith(local, "self_attn.q_norm.weight")) {
+    const int64_t per = c.heads * d / tp;
+    return {local, r * per + i};
+  }
+  if (absl::EndsWith(local, "self_attn.k_norm.weight")) {
+    if (!sglang || tp <= c.kv_heads) {
+      const int64_t per = c.kv_heads * d / tp;
+      return {local, r * per + i};
+    }
+    const int64_t replicas = tp / c.kv_heads;
+    return {local, (r / replicas) * d + i};
+  }
+  if (absl::StrContains(local, "block_sparse_moe.experts.w")) {
+    const int64_t E = c.experts, I = c.intermediate;
+    const int64_t e_local = ep ? E / tp : E, n = ep ? 1 : tp, part = ep ? 0 : r;
+    const int64_t e0 = ep ? r * (E / tp) : 0;
+    const int64_t per_expert = shape[1] * shape[2];
+    const int64_t e = e0 + i / per_expert, rest = i % per_expert;
+    EXPECT_LT(i / per_expert, e_local);
+    const std::string x = absl::StrCat(layer, ".block_sparse_moe.experts.", e, ".");
+    const int64_t w = I / n;
+    if (absl::EndsWith(local, "w13_weight")) {
+      const int64_t row = rest / H, col = rest % H;
+      if (row < w) return {x + "w1.weight", (part * w + row) * H + col};
+      return {x + "w3.weight", (part * w + row - w) * H + col};
+    }
+    const int64_t h = rest / w, col = rest % w;
+    return {x + "w2.weight", h * I + part * w + col};
+  }
+  if (absl::StrContains(local, "block_sparse_moe.")) return {local, i};  // gate, e_score_correction_bias
+  return EngineHolds(c, tp, r, local, shape, i);
+}
+
+void ExpectMiniMaxLayout(const Model& m, const ParallelConfig& par) {
+  SCOPED_TRACE(par.preset + " tp=" + std::to_string(par.tp) + (par.expert_parallel ? " ep" : ""));
+  const bool sglang = par.preset == "sglang";
+  auto b = PresetBuilder::Create(m.config, m.inv, par);
+  ASSERT_TRUE(b.ok()) << b.status();
+  TensorIndex idx(m.inv);
+  for (int r = 0; r < b->world_size(); ++r) {
+    auto l = b->Make(r);
+    ASSERT_TRUE(l.ok()) << l.status();
+    std::set<std::string> names;
+    for (const LocalTensor& lt : l->local_tensors) {
+      names.insert(lt.name);
+      const bool f32 = absl::EndsWith(lt.name, "e_score_correction_bias");
+      EXPECT_EQ(lt.dtype, f32 ? DType::kF32 : DType::kBF16) << lt.name;
+      for (int64_t e = 0; e < Numel(lt.shape); ++e) {
+        const auto [want_name, want_flat] = MiniMaxHolds(m.config, sglang, par.expert_parallel, par.tp, r % par.tp, lt.name, lt.shape, e);
+        const auto got = CanonicalAt(m.inv, *l, lt, e);
+        if (want_name.empty()) {
+          ASSERT_EQ(got.first, -1) << lt.name << " rank " << r << " element " << e << " (padding)";
+          continue;
+        }
+        ASSERT_TRUE(idx.Find(want_name).has_value()) << want_name;
+        ASSERT_EQ(got, std::make_pair(*idx.Find(want_name), want_flat)) << lt.name << " rank " << r << " element " << e;
+      }
+    }
+    const std::string l0 = "model.layers.0.";
+    const std::set<std::string> want = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                                        l0 + "input_layernorm.weight", l0 + "post_attention_layernorm.weight",
+                                        l0 + "self_attn.qkv_proj.weight", l0 + "self_attn.o_proj.weight",
+                                        l0 + "self_attn.q_norm.weight", l0 + "self_attn.k_norm.weight",
+                                        l0 + "block_sparse_moe.gate.weight", l0 + "block_sparse_moe.e_score_correction_bias",
+                                        l0 + "block_sparse_moe.experts.w13_weight", l0 + "block_sparse_moe.experts.w2_weight"};
+    ASSERT_EQ(names, want) << "rank " << r;
+  }
+}
+
+const char* kSmallMiniMax = R"({"architectures":["MiniMaxM2ForCausalLM"],"hidden_size":64,"intermediate_size":32,
+    "num_attention_heads":8,"num_key_value_heads":4,"head_dim":16,"num_hidden_layers":1,"vocab_size":1000,
+    "num_local_experts":8,"num_experts_per_tok":2,"use_qk_norm":true,"qk_norm_type":"per_layer",
+    "use_routing_bias":true,"scoring_func":"sigmoid","rotary_dim":8,"shared_intermediate_size":0})";
+
+TEST(Presets, MiniMaxM2EveryElementOfEveryEngineRank) {
+  Model m = FromText(kSmallMiniMax);
+  for (bool ep : {false, true}) {
+    for (int tp : {1, 2, 4}) {
+      ExpectMiniMaxLayout(m, {.preset = "vllm", .tp = tp, .expert_parallel = ep});
+      ExpectMiniMaxLayout(m, {.preset = "sglang", .tp = tp, .expert_parallel = ep});
+    }
+    // SGLang tp = 8 > 4 KV heads: each k head (and its k_norm part) on two ranks.
+    ExpectMiniMaxLayout(m, {.preset = "sglang", .tp = 8, .expert_parallel = ep});
+  }
+}
+
+TEST(Presets, MiniMaxM2OnTheRealConfig) {
+  Model m = Load("minimax-m2.json", 1);
+  auto v = MakePresetLayout(m.config, m.inv, {.preset = "vllm", .tp = 8, .expert_parallel = true}, 3);
+  auto s = MakePresetLayout(m.config, m.inv, {.preset = "sglang", .tp = 4}, 3);
+  ASSERT_TRUE(v.ok()) << v.status();
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string l0 = "model.layers.0.";
+  // 48 heads, 8 KV heads, head_dim 128, hidden 3072; 256 experts of 1536.
+  EXPECT_EQ(FindLocal(*v, l0 + "self_attn.qkv_proj.weight")->shape, (std::vector<int64_t>{(6 + 2) * 128, 3072}));
+  EXPECT_EQ(FindLocal(*v, l0 + "self_attn.q_norm.weight")->shape, (std::vector<int64_t>{6 * 128}));
+  EXPECT_EQ(FindLocal(*v, l0 + "self_attn.k_norm.weight")->shape, (std::vector<int64_t>{128}));
+  EXPECT_EQ(FindLocal(*v, l0 + "block_sparse_moe.experts.w13_weight")->shape, (std::vector<int64_t>{32, 2 * 1536, 3072}));
+  EXPECT_EQ(FindLocal(*v, l0 + "block_sparse_moe.e_score_correction_bias")->dtype, DType::kF32);
+  EXPECT_EQ(FindLocal(*s, l0 + "self_attn.k_norm.weight")->shape, (std::vector<int64_t>{2 * 128}));
+  EXPECT_EQ(FindLocal(*s, l0 + "block_sparse_moe.experts.w2_weight")->shape, (std::vector<int64_t>{256, 3072, 1536 / 4}));
+  EXPECT_EQ(FindLocal(*s, l0 + "block_sparse_moe.gate.weight")->shape, (std::vector<int64_t>{256, 3072}));
+  for (ParallelConfig par : {ParallelConfig{.preset = "fsdp", .dp = 3}, ParallelConfig{.preset = "fsdp_flat", .dp = 5}}) {
+    auto b = PresetBuilder::Create(m.config, m.inv, par);
+    ASSERT_TRUE(b.ok()) << b.status();
+    std::vector<PresetLayout> ranks;
+    for (int r = 0; r < b->world_size(); ++r) ranks.push_back(*b->Make(r));
+    std::vector<int64_t> counts = CoverageCounts(m.inv, ranks);
+    for (size_t t = 0; t < m.inv.tensors.size(); ++t) EXPECT_EQ(counts[t], 1) << par.preset << " " << m.inv.tensors[t].name;
+  }
+}
+
+TEST(Presets, MiniMaxM2Refusals) {
+  Model m = FromText(kSmallMiniMax);
+  auto refused = [&](const ParallelConfig& par, const std::string& named) {
+    auto b = PresetBuilder::Create(m.config, m.inv, par);
+    ASSERT_FALSE(b.ok()) << par.preset;
+    EXPECT_NE(b.status().message().find(named), std::string::npos) << b.status();
+  };
+  refused({.preset = "megatron", .tp = 2}, "MiniMaxM2ForCausalLM");
+  refused({.preset = "vllm", .tp = 8}, "num_key_value_heads");  // k_norm rows would not be the rank's head
+  refused({.preset = "sglang", .tp = 2, .dp = 2}, "DeepSeek");   // DP attention: DeepSeek only
+  refused({.preset = "fsdp2_tp", .tp = 2, .dp = 2}, "MiniMaxM2ForCausalLM");
+}
+
 // ---- OLMo-2 / OLMo-3 and Phi-3 on the rollout engines ----
 
 // Independent transcription of what each vLLM / SGLang TP rank holds for Phi-3 and OLMo-2/3: for
