@@ -8,9 +8,14 @@
 //                         float32 k_norm weight / bias whole) -> vLLM tp=2.
 //   dsv32_sglang_tp2_ep:  the same -> SGLang tp=2 with expert parallelism (the indexer under the
 //                         checkpoint names, whole on every rank; experts 0..3 / 4..7).
+//   minimax_vllm_tp2:     MiniMax-M2 (full-width q_norm / k_norm split over the TP ranks,
+//                         block_sparse_moe experts, float32 e_score_correction_bias on the MoE
+//                         block) -> vLLM tp=2.
+//   minimax_sglang_tp4_ep: the same -> SGLang tp=4 with expert parallelism: 2 KV heads, each (and
+//                         its k_norm part) replicated on two ranks.
 //
-// A small config of the real family (testdata/deepseek-v32-2layer.json: 2 layers, hidden 256) so
-// that each run fits the CI budget on 2 cores.
+// Small configs of the real families (testdata/deepseek-v32-2layer.json, minimax-m2-2layer.json:
+// 2 layers, hidden 256) so that each run fits the CI budget on 2 cores.
 #include <string>
 #include <tuple>
 #include <vector>
@@ -108,7 +113,9 @@ TEST_P(Families2Test, FsdpToRolloutEveryByte) {
 INSTANTIATE_TEST_SUITE_P(
     E2E, Families2Test,
     testing::Combine(testing::Values(Case{"dsv32_vllm_tp2", "deepseek-v32-2layer.json", "vllm", 2},
-                                     Case{"dsv32_sglang_tp2_ep", "deepseek-v32-2layer.json", "sglang", 2, true}),
+                                     Case{"dsv32_sglang_tp2_ep", "deepseek-v32-2layer.json", "sglang", 2, true},
+                                     Case{"minimax_vllm_tp2", "minimax-m2-2layer.json", "vllm", 2},
+                                     Case{"minimax_sglang_tp4_ep", "minimax-m2-2layer.json", "sglang", 4, true}),
                      testing::Values("sync", "one_step_off", "async")),
     CaseName);
 
