@@ -501,6 +501,11 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
     // every node acknowledged the commit (every rollout holds it whole in live memory).
     auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->Outcome(v).has_value(); };
     if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
+      // The trainer writes its live weights again once this returns (its next step): the version
+      // is withdrawn, queued or transferring, so it never starts - or commits - from them later.
+      // A commit already decided read them whole and goes on (AbortLocked leaves it).
+      AbortLocked(req.model_id(), *m, v,
+                  absl::StrCat("publish of version ", v, " by ", worker, " timed out before the version committed"));
       return absl::DeadlineExceededError(absl::StrCat("version ", v, " not committed before the publish deadline"));
     }
     if (stopping_) return absl::UnavailableError("coordinator shutting down");

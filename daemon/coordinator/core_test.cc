@@ -162,6 +162,36 @@ TEST(CoreCommitTest, SyncPublishFailsNamingTheNodeThatCouldNotCommit) {
   EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
 }
 
+// Sync: the trainer's live weights are the version's source, and a trainer whose Publish failed
+// writes them again (its next step). A Publish that hits its deadline before the version committed
+// withdraws the version: it never starts later from weights that already hold the next step. (Chaos
+// run: rollouts still generating past the trainers' publish deadline paused a moment later, the
+// queued version started then and committed the trainers' next weights under its number; every
+// rollout reported version v holding other bytes.)
+TEST(CoreCommitTest, SyncPublishPastItsDeadlineWithdrawsTheVersion) {
+  Cluster c;
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 1, pb::MODE_SYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n1", "r0", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  // r0 is still generating (not paused): version 1 cannot start before the trainer's deadline.
+  absl::Status s = c.Publish(1, /*timeout_ms=*/300);
+  ASSERT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  // r0 pauses now; version 1 must not run from the trainer's (rewritten) weights.
+  ASSERT_TRUE(c.Ready("r0").ok());
+  s = c.WaitVersion(1, /*timeout_ms=*/5000);
+  EXPECT_TRUE(absl::IsAborted(s)) << "version 1 ran after its trainer's publish had failed: " << s;
+  EXPECT_EQ(c.fakes.at("n0")->calls().execute, 0) << "version 1 was started after its trainer's publish had failed";
+  EXPECT_EQ(c.Status().models(0).committed_version(), 0u);
+  // The next version goes through as usual.
+  ASSERT_TRUE(c.Ready("r0").ok());
+  s = c.Publish(2);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+}
+
 // The AbortVersion of a failed sync commit that a node which acknowledged the commit did not get
 // (UNAVAILABLE) is sent again until the node answers: before, it was sent once, and the node kept
 // the version as committed - a rollout resumed before the commit (EndUpdate) would have copied the
