@@ -84,6 +84,41 @@ TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
   c.Stop();
 }
 
+// A rollout paused by BeginUpdate after version 1 committed asks WaitVersion(1) (a restarted or
+// late rollout, a framework re-asking for what it holds): OK at once, no commit took its pause,
+// and its engine resumes. The coordinator still counts it paused, so version 2 starts without it
+// pausing again; before, that commit wrote the live weights the engine was reading (chaos run:
+// "applied v" then mismatches with v + 1's bytes). Now such a WaitVersion resumes it as EndUpdate
+// does: version 2 becomes its committed copy, copied at its next BeginUpdate.
+TEST(EndUpdateTest, AWaitForAVersionCommittedBeforeThePauseResumesTheRollout) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC});
+  ASSERT_FALSE(Test::HasFailure());
+  for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_EQ(CountBad(w.r0, 1), 0);
+  pb::WaitVersionResponse wv;
+  ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
+  grpc::Status s = WaitVersionAs(w.r0, "m", 1, 5000, &wv);
+  ASSERT_TRUE(s.ok()) << s.error_message();  // r0's engine resumes now
+  ASSERT_TRUE(BeginUpdateAs(w.r1, 20000).ok());
+  PublishOnly(c, 2, w);
+  ASSERT_FALSE(Test::HasFailure());
+  EXPECT_EQ(CountBad(w.r1, 2), 0);
+  EXPECT_EQ(CountBad(w.r0, 1), 0) << "the commit of version 2 wrote the live weights of a rollout whose WaitVersion had answered";
+  ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
+  EXPECT_EQ(CountBad(w.r0, 2), 0) << "BeginUpdate must copy the version committed while the rollout ran";
+  s = WaitVersionAs(w.r0, "m", 2, 5000, &wv);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  // The usual cycle afterwards.
+  for (const grpc::Status& st : c.Publish("m", pb::MODE_SYNC, 3, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(st.ok()) << st.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1}) {
+    ASSERT_TRUE(WaitVersionAs(*r, "m", 3, 5000, &wv).ok());
+    EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  }
+  c.Stop();
+}
+
 // EndUpdate while the commit's copy into the rollout's live weights runs (held midway by the
 // node's live-copy hook): it waits for it, bounded by its timeout (DEADLINE_EXCEEDED naming
 // worker, model, node and version), and once the copy ended answers what the live weights hold.

@@ -669,6 +669,19 @@ bool LocalWorkers::Pause(const WorkerKey& key) {
   return true;
 }
 
+void LocalWorkers::NotePausedAt(const WorkerKey& key, uint64_t committed) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it != workers_.end() && it->second.paused) it->second.paused_at_committed = std::max<uint64_t>(committed, 1);
+}
+
+bool LocalWorkers::PausedAfter(const WorkerKey& key, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  return it != workers_.end() && it->second.role == planner::Role::kRollout && it->second.paused &&
+         it->second.paused_at_committed > 0 && version <= it->second.paused_at_committed;
+}
+
 absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key, absl::Time deadline) {
   const std::string& me = options_.node_id;
   const std::string lk = LiveKey(key.first, key.second);
@@ -680,6 +693,7 @@ absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key
   // From here on no copy into its live weights starts (Commit, StartLiveCopyLocked); one that is
   // running already finishes (a copy is never cut short: live_copy.h) and is waited for.
   it->second.paused = false;
+  it->second.paused_at_committed = 0;
   auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || workers_.count(key) == 0 || !live_.Copying(lk); };
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&idle), deadline)) {
     const LiveState::Info info = live_.Get(lk);

@@ -103,6 +103,11 @@ class LocalWorkers {
     // from registration on: a client that never calls EndUpdate has its live weights written by
     // every commit, as before EndUpdate existed.
     bool paused = true;
+    // Sync rollout: the cluster's committed version when its last BeginUpdate was recorded (0 =
+    // none since registration or EndUpdate). That pause is for a newer version: a WaitVersion for
+    // one at most this old answers without any commit taking the pause, and the engine resumes -
+    // so it is taken as an EndUpdate (WorkerCalls::WaitVersion).
+    uint64_t paused_at_committed = 0;
   };
   // A copy of one worker's entry (without `submitted`) and its live state, taken under the lock.
   struct View {
@@ -318,6 +323,11 @@ class LocalWorkers {
   // BeginUpdate: the rollout paused; commits write its live weights again. False when `key` is
   // not a rollout here (nothing changes).
   bool Pause(const WorkerKey& key);
+  // The committed version the coordinator answered that rollout's BeginUpdate with.
+  void NotePausedAt(const WorkerKey& key, uint64_t committed);
+  // Whether `key` is a rollout paused by a BeginUpdate recorded when `version` was committed
+  // already (Worker::paused_at_committed >= version).
+  bool PausedAfter(const WorkerKey& key, uint64_t version);
   // EndUpdate: the rollout resumed; no live copy into it starts from now on (Commit, RunLiveCopies).
   // Waits (until `deadline`) for a copy into it that is running; NOT_FOUND (not a rollout here),
   // DEADLINE_EXCEEDED (the copy still runs; the worker stays resumed), UNAVAILABLE (stopped or

@@ -224,6 +224,7 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
                                [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
   resp->set_committed_version(rr.committed_version());
   if (s.ok()) versions_.NoteClusterCommitted(req.model_id(), rr.committed_version());
+  if (s.ok() && rollout_here) local_.NotePausedAt(key, rr.committed_version());
   if (!s.ok() || !rollout_here || !NewerCommitted(key)) return s;
   // A version committed while it had resumed (EndUpdate) is its committed copy, newer than its
   // live weights: copied now that it is paused, so that BeginUpdate + WaitVersion(v) OK means its
@@ -374,6 +375,19 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
     if (!req.worker_id().empty() && NewerCommitted({req.model_id(), req.worker_id()})) {
       absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/true, "WaitVersion");
       if (!holds.ok()) return holds.status();
+    }
+    // Sync: a rollout paused by BeginUpdate when version v was committed already, waiting for v or
+    // older (a late or restarted rollout a catch-up served, a framework re-asking for the version it
+    // holds), is answered without any commit taking its pause, and its engine resumes on OK. The
+    // coordinator still counts it paused, so the next version would start at once and its commit
+    // would write the live weights the engine reads (chaos run: rollouts saw v + 1's bytes while
+    // checking v). Taken as an EndUpdate: later commits become its committed copy, copied at its
+    // next BeginUpdate / WaitVersion.
+    if (!req.worker_id().empty() && local_.PausedAfter({req.model_id(), req.worker_id()}, req.version())) {
+      absl::StatusOr<LocalWorkers::Ended> ended = local_.EndUpdate({req.model_id(), req.worker_id()}, deadline);
+      if (!ended.ok()) return ended.status();
+      Log(LogLevel::kDebug, "rollout resumed (WaitVersion for a version committed before its pause)",
+          {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()}});
     }
   }
   return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
