@@ -85,24 +85,8 @@ TEST_P(Families2Test, FsdpToRolloutEveryByte) {
   }
   const uint64_t last = static_cast<uint64_t>(run.versions);
   int64_t verified = 0;
-  for (Process* p : result->rollouts) {
-    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
-    auto applied = EventsNamed(p, "applied");
-    ASSERT_FALSE(applied.empty()) << p->LogTail();
-    uint64_t prev = 0;
-    for (auto& e : applied) {
-      const uint64_t v = e["version"].get<uint64_t>();
-      EXPECT_GT(v, prev) << p->name() << " applied versions must increase";
-      // Sync and one-step-off apply every version; async may skip superseded ones.
-      if (mode != "async") {
-        EXPECT_EQ(v, prev + 1) << p->name() << " skipped a version in " << mode;
-      }
-      prev = v;
-    }
-    EXPECT_EQ(prev, last) << p->name() << " did not end on the last version";
-    EXPECT_GT(VerifiedBytes(p, last), 0) << p->name();
-    verified += VerifiedBytes(p, last);
-  }
+  absl::Status applied = CheckRolloutsApplied(result->rollouts, mode, last, &verified);
+  EXPECT_TRUE(applied.ok()) << applied;
   // The engine's ranks together hold the whole model at least once (norms and replicated KV heads
   // more often; vocabulary padding is not verified).
   const int64_t model_bytes = ModelBytes(run.config);

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "planner/inventory.h"
 #include "planner/model_config.h"
 
@@ -89,6 +90,28 @@ int64_t ModelBytes(const std::string& config_path) {
   auto inv = planner::BuildInventory(*config, planner::DType::kBF16);
   if (!inv.ok()) return -1;
   return planner::TotalElements(*inv) * 2;
+}
+
+absl::Status CheckRolloutsApplied(const std::vector<Process*>& rollouts, const std::string& mode, uint64_t last, int64_t* verified) {
+  std::vector<std::string> problems;
+  int64_t total = 0;
+  for (const Process* p : rollouts) {
+    if (!EventsNamed(p, "mismatch").empty()) problems.push_back(absl::StrCat(p->name(), ": mismatch events\n", p->LogTail()));
+    uint64_t prev = 0;
+    for (const nlohmann::json& e : EventsNamed(p, "applied")) {
+      const uint64_t v = e.value("version", uint64_t{0});
+      if (v <= prev) problems.push_back(absl::StrCat(p->name(), ": applied version ", v, " after ", prev, " (must increase)"));
+      if (mode != "async" && v != prev + 1) problems.push_back(absl::StrCat(p->name(), ": skipped from ", prev, " to ", v, " in ", mode));
+      prev = v;
+    }
+    if (prev != last) problems.push_back(absl::StrCat(p->name(), ": ended on version ", prev, ", not ", last, "\n", p->LogTail()));
+    const int64_t bytes = VerifiedBytes(p, last);
+    if (bytes <= 0) problems.push_back(absl::StrCat(p->name(), ": no byte of version ", last, " verified"));
+    total += bytes;
+  }
+  if (verified != nullptr) *verified = total;
+  if (problems.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrJoin(problems, "\n"));
 }
 
 }  // namespace wb::e2e

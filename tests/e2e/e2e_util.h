@@ -51,4 +51,10 @@ std::string ModelConfigPath(bool full = false);
 // Total bytes (bf16) of the model's canonical tensors.
 int64_t ModelBytes(const std::string& config_path);
 
+// What every rollout of a finished run must show: no "mismatch" event, applied versions rising
+// (one by one unless `mode` is "async", where superseded versions may be skipped) and ending on
+// `last`, some bytes of `last` verified. OK, or an error naming each rollout and what it showed;
+// `verified` (if not null) gets the bytes of `last` verified over all of them.
+absl::Status CheckRolloutsApplied(const std::vector<Process*>& rollouts, const std::string& mode, uint64_t last, int64_t* verified);
+
 }  // namespace wb::e2e
