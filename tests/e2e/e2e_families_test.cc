@@ -18,9 +18,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/e2e/cluster.h"
-#include "tests/e2e/e2e_util.h"
-#include "tests/e2e/harness.h"
+#include "tests/e2e/preset_run.h"
 
 namespace wb::e2e {
 namespace {
@@ -42,49 +40,11 @@ class FamiliesTest : public testing::TestWithParam<Param> {};
 
 TEST_P(FamiliesTest, FsdpToRolloutEveryByte) {
   const Case& c = std::get<0>(GetParam());
-  const std::string& mode = std::get<1>(GetParam());
-  auto harness = Harness::Create("families");
-  ASSERT_TRUE(harness.ok()) << harness.status();
-  ClusterOptions options;
-  options.num_nodes = 2;
-  auto cluster = Cluster::Start(harness->get(), options);
-  ASSERT_TRUE(cluster.ok()) << cluster.status();
-  Cluster& cl = **cluster;
-
-  RunOptions run;
-  run.config = Runfile("tests/e2e/testdata/" + c.config);
-  run.model_id = c.name;
-  run.mode = mode;
-  run.versions = 3;
-  run.timeout_ms = ScaledMs(60000);
-  run.layout_source = "preset";  // the coordinator resolves the presets from the config
-
-  std::vector<WorkerSpec> trainers, rollouts;
-  for (int r = 0; r < 2; ++r) trainers.push_back({true, 0, "fsdp", 1, 1, 2, 1, r, r});
-  for (int r = 0; r < c.tp; ++r) rollouts.push_back({false, 1, c.engine, c.tp, 1, 1, 1, r, r});
-  if (mode == "one_step_off") {
-    // A training step between publishes: one-step-off trainers do not wait for the rollouts, and an
-    // Apply(v) that finds v + 1 committed already applies the newest (docs/daemon.md), which this
-    // test would count as a skipped version.
-    for (auto& t : trainers) t.step_ms = 300;
-  }
-  auto result = cl.RunWorkers(run, trainers, rollouts);
-  ASSERT_TRUE(result.ok()) << result.status();
-  for (const absl::Status& s : result->failures) ADD_FAILURE() << s;
-  if (HasFailure()) {
-    auto st = cl.Status();
-    ADD_FAILURE() << "cluster status at failure: " << (st.ok() ? st->DebugString() : st.status().ToString());
-    return;
-  }
-  const uint64_t last = static_cast<uint64_t>(run.versions);
-  int64_t verified = 0;
-  absl::Status applied = CheckRolloutsApplied(result->rollouts, mode, last, &verified);
-  EXPECT_TRUE(applied.ok()) << applied;
-  // The engine's ranks together hold the whole model at least once (norms and replicated KV heads
-  // more often; vocabulary padding is not verified).
-  const int64_t model_bytes = ModelBytes(run.config);
-  ASSERT_GT(model_bytes, 0);
-  EXPECT_GE(verified, model_bytes);
+  PresetRun run{.harness = "families", .model_id = c.name, .config = c.config, .mode = std::get<1>(GetParam())};
+  for (int r = 0; r < 2; ++r) run.trainers.push_back({true, 0, "fsdp", 1, 1, 2, 1, r, r});
+  for (int r = 0; r < c.tp; ++r) run.rollouts.push_back({false, 1, c.engine, c.tp, 1, 1, 1, r, r});
+  absl::Status s = RunPresetCase(run);
+  EXPECT_TRUE(s.ok()) << s;
 }
 
 INSTANTIATE_TEST_SUITE_P(
