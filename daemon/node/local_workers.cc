@@ -678,8 +678,8 @@ void LocalWorkers::NotePausedAt(const WorkerKey& key, uint64_t committed) {
 bool LocalWorkers::PausedAfter(const WorkerKey& key, uint64_t version) {
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);
-  return it != workers_.end() && it->second.role == planner::Role::kRollout && it->second.paused &&
-         it->second.paused_at_committed > 0 && version <= it->second.paused_at_committed;
+  return it != workers_.end() && it->second.role == planner::Role::kRollout && it->second.mode == pb::MODE_SYNC &&
+         it->second.paused && it->second.paused_at_committed > 0 && version <= it->second.paused_at_committed;
 }
 
 absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key, absl::Time deadline) {

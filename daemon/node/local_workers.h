@@ -325,7 +325,7 @@ class LocalWorkers {
   bool Pause(const WorkerKey& key);
   // The committed version the coordinator answered that rollout's BeginUpdate with.
   void NotePausedAt(const WorkerKey& key, uint64_t committed);
-  // Whether `key` is a rollout paused by a BeginUpdate recorded when `version` was committed
+  // Whether `key` is a sync rollout paused by a BeginUpdate recorded when `version` was committed
   // already (Worker::paused_at_committed >= version).
   bool PausedAfter(const WorkerKey& key, uint64_t version);
   // EndUpdate: the rollout resumed; no live copy into it starts from now on (Commit, RunLiveCopies).
