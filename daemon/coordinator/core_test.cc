@@ -343,6 +343,21 @@ TEST(CoreSimulatedTimeTest, LeaseExpiresOnlyInSimulatedTime) {
   EXPECT_FALSE(st.nodes(1).alive()) << "n1 never heartbeat in 4 s of a 3 s lease";
 }
 
+// Moves simulated time on by `d` in 0.5 s steps, renewing n0's lease (incarnation 1) before each
+// (steps below lease / 4) and waiting for the driver's pass at each new time; false if one never came.
+bool AdvanceRenewing(Cluster& c, FakeClock& clock, absl::Duration d) {
+  for (absl::Duration done; done < d; done += absl::Milliseconds(500)) {
+    pb::HeartbeatRequest hb;
+    hb.set_node_id("n0");
+    hb.set_incarnation(1);
+    pb::HeartbeatResponse resp;
+    c.core->Heartbeat(hb, &resp).IgnoreError();
+    clock.Advance(absl::Milliseconds(500));
+    if (!c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal)) return false;
+  }
+  return true;
+}
+
 // Transfer timeout and request deadlines in simulated time: a version whose nodes never report
 // done is aborted after transfer_timeout; the trainer's Publish sees why.
 TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
@@ -371,28 +386,12 @@ TEST(CoreSimulatedTimeTest, TransferTimeoutAbortsInSimulatedTime) {
   // the waiter's 10 s deadline, then its answer is awaited in real time: advancing on until it
   // returned could pass the 30 s transfer timeout before a woken but not yet scheduled waiter
   // (loaded machine) ran, and it would see the abort instead of its deadline.
-  for (int step = 0; step < 20; ++step) {
-    pb::HeartbeatRequest hb;
-    hb.set_node_id("n0");
-    hb.set_incarnation(1);
-    pb::HeartbeatResponse resp;
-    c.core->Heartbeat(hb, &resp).IgnoreError();
-    clock.Advance(absl::Milliseconds(500));
-    ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
-  }
+  ASSERT_TRUE(AdvanceRenewing(c, clock, absl::Seconds(10)));
   ASSERT_TRUE(returned.WaitForNotificationWithTimeout(kReal));
   waiter.join();
   EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
   // Past 30 s of simulated time the version is aborted as timed out.
-  for (int step = 0; step < 50; ++step) {
-    pb::HeartbeatRequest hb;
-    hb.set_node_id("n0");
-    hb.set_incarnation(1);
-    pb::HeartbeatResponse resp;
-    c.core->Heartbeat(hb, &resp).IgnoreError();
-    clock.Advance(absl::Milliseconds(500));
-    ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
-  }
+  ASSERT_TRUE(AdvanceRenewing(c, clock, absl::Seconds(25)));
   pb::StatusResponse st = c.Status();
   ASSERT_GE(st.versions_size(), 1);
   EXPECT_EQ(st.versions(0).state(), "aborted");
@@ -413,17 +412,6 @@ TEST(CoreSimulatedTimeTest, AFailureReportedAtTheDeadlineNamesTheTimeout) {
   c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
   c.Join("n0", "r0", pb::ROLE_ROLLOUT, spec);
   ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
-  auto advance = [&](absl::Duration d) {  // lease renewals keep n0 alive (steps below lease / 4)
-    for (absl::Duration done; done < d; done += absl::Milliseconds(500)) {
-      pb::HeartbeatRequest hb;
-      hb.set_node_id("n0");
-      hb.set_incarnation(1);
-      pb::HeartbeatResponse resp;
-      c.core->Heartbeat(hb, &resp).IgnoreError();
-      clock.Advance(absl::Milliseconds(500));
-      ASSERT_TRUE(c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal));
-    }
-  };
   auto fail = [&](uint64_t v) {
     pb::ReportDoneRequest d;
     d.set_node_id("n0");
@@ -444,13 +432,13 @@ TEST(CoreSimulatedTimeTest, AFailureReportedAtTheDeadlineNamesTheTimeout) {
   // Version 1 fails 5 s into its 30 s: the node's error alone.
   ASSERT_TRUE(c.Publish(1).ok());
   ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 1; }, absl::Now() + kReal));
-  advance(absl::Seconds(5));
+  ASSERT_TRUE(AdvanceRenewing(c, clock, absl::Seconds(5)));
   ASSERT_TRUE(fail(1).ok());
   EXPECT_EQ(error_of(1), "aborted: node n0: host_tcp peer n1 vanished (control connection closed)");
   // Version 2 fails half a second before its deadline: the timeout is named first.
   ASSERT_TRUE(c.Publish(2).ok());
   ASSERT_TRUE(c.fakes.at("n0")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute == 2; }, absl::Now() + kReal));
-  advance(absl::Milliseconds(29500));
+  ASSERT_TRUE(AdvanceRenewing(c, clock, absl::Milliseconds(29500)));
   ASSERT_TRUE(fail(2).ok());
   EXPECT_EQ(error_of(2), "aborted: at the transfer deadline (30s): node n0: host_tcp peer n1 vanished (control connection closed)");
 }
