@@ -126,7 +126,10 @@ void CoordinatorSession::HeartbeatLoop() {
       if (stop_) return;
       kick_ = false;
       // Fixed rate from the previous beat's start: a slow beat does not push the next one back.
-      next = std::max(next + options_.heartbeat, clock->Now());
+      // A kicked beat before its time is extra and leaves the schedule alone (each used to push
+      // it one period on: a burst of failing worker calls silenced the node past its lease).
+      const absl::Time now = clock->Now();
+      if (now >= next) next = std::max(next + options_.heartbeat, now);
       if (!registered_) continue;  // the control thread registers
       req.set_node_id(options_.node_id);
       req.set_incarnation(incarnation_);

@@ -115,9 +115,9 @@ TEST_F(SessionTest, ReRegistersAndRejoinsAfterTheCoordinatorRestarts) {
   ASSERT_EQ(rejoins().size(), 1u);
   EXPECT_EQ(rejoins()[0], *change);
   EXPECT_TRUE(session_->AwaitRegistered(clock_.Now()));
-  // Beats go on with the new incarnation, accepted by the new instance. The re-join kicks a beat
-  // that takes the next period's slot (fixed rate: next = max(next + period, now)), and whether it
-  // was sent before `n` was read is a race, so the next scheduled beat is up to two periods away.
+  // Beats go on with the new incarnation, accepted by the new instance. The re-join kicks an extra
+  // beat (the schedule stays), and whether it was sent before `n` was read is a race: two periods
+  // leave room for either.
   const size_t n = fake_.beats().size();
   clock_.Advance(2 * kBeat);
   ASSERT_TRUE(fake_.AwaitBeats(n + 1, kRealWait));
@@ -145,8 +145,8 @@ TEST_F(SessionTest, AwaitCoordinatorChangeAnswersNoChangeAfterTwoGoodBeats) {
     change = session_->AwaitCoordinatorChange(session0, clock_.Now() + absl::Seconds(60));
     done.Notify();
   });
-  // The wait kicks a heartbeat at once (no time passes), which takes the next period's slot;
-  // the answer needs one more good beat after it.
+  // The wait kicks a heartbeat at once (no time passes), an extra beat; the answer needs one more
+  // good beat after it.
   ASSERT_TRUE(fake_.AwaitBeats(2, kRealWait));
   EXPECT_EQ(fake_.beats()[1].at, fake_.beats()[0].at);
   // Whether the first beat's success was counted before the waiter took its baseline is a race
@@ -157,6 +157,29 @@ TEST_F(SessionTest, AwaitCoordinatorChangeAnswersNoChangeAfterTwoGoodBeats) {
   EXPECT_TRUE(done.WaitForNotificationWithTimeout(kRealWait));
   waiter.join();
   EXPECT_FALSE(change.has_value());
+}
+
+// Kicked beats (every failing worker call kicks one through AwaitCoordinatorChange) are extra:
+// they must not push the fixed-rate schedule back. Before, each kicked beat moved the next regular
+// beat one period later, so a burst of failing worker calls put it tens of seconds (a long burst:
+// hours) ahead; once the burst stopped the node sent no beat, lost its lease, and, with no beat to
+// be told so, re-registered only when the schedule came round (hostile probe: 21-43 s out of the
+// cluster after 20 s of failing calls, its workers dropped, RegisterWorker "node n0 is not
+// registered").
+TEST_F(SessionTest, KickedBeatsDoNotPushTheRegularBeatsBack) {
+  StartSession();
+  ASSERT_TRUE(fake_.AwaitBeats(1, kRealWait));
+  const uint64_t session0 = session_->session();
+  for (size_t i = 2; i <= 21; ++i) {  // 20 kicks, no simulated time passing
+    EXPECT_FALSE(session_->AwaitCoordinatorChange(session0, clock_.Now()).has_value());
+    ASSERT_TRUE(fake_.AwaitBeats(i, kRealWait)) << "kicked beat " << i;
+  }
+  const size_t n = fake_.beats().size();
+  clock_.Advance(kBeat);  // the regular beat is due one period after the first
+  ASSERT_TRUE(fake_.AwaitBeats(n + 1, absl::Seconds(5))) << "no regular beat one period after 20 kicked beats";
+  EXPECT_EQ(fake_.beats().back().at, fake_.beats().front().at + kBeat);
+  clock_.Advance(kBeat);
+  ASSERT_TRUE(fake_.AwaitBeats(n + 2, kRealWait));
 }
 
 TEST_F(SessionTest, AwaitCoordinatorChangeIsBoundedByItsDeadlineWhenTheCoordinatorIsDown) {
