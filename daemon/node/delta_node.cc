@@ -104,7 +104,17 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     if (b.device != nullptr || b.host.empty()) continue;
     in_place[at] = DeltaBase{version, b.host.data(), b.size(), in->second};
   }
-  o.base = [m, model, local_rollouts, &local, in_place](const std::string& key) -> std::optional<DeltaBase> {
+  // Each local rollout's committed staging when the version starts, kept for its decodes: a
+  // one-step-off / async rollout may Apply it while the version runs, which lets it go from the
+  // worker's entry (the live weights then hold the same version, but without the canonical shadows
+  // of receiver-quantised pieces: deltas into those would be refused and resent in full). Held
+  // only while these options live; nothing writes committed staging.
+  std::map<std::string, std::pair<uint64_t, std::shared_ptr<StagedBytes>>> committed_at_start;
+  for (const auto& [index, wid] : local_rollouts) {
+    std::optional<LocalWorkers::View> v = local.Get({model, wid});
+    if (v && v->worker.committed != nullptr) committed_at_start[wid] = {v->worker.committed_version, v->worker.committed};
+  }
+  o.base = [m, model, local_rollouts, &local, in_place, committed_at_start](const std::string& key) -> std::optional<DeltaBase> {
     std::optional<std::pair<uint32_t, size_t>> at = ParseKey(key);
     if (!at) return std::nullopt;
     auto id = local_rollouts.find(at->first);
@@ -114,9 +124,16 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     if (!v) return std::nullopt;
     const LocalWorkers::Worker& w = v->worker;
     const size_t j = at->second;
-    if (w.committed != nullptr && j < w.committed->size() && (*w.committed)[j].device == nullptr) {
-      const StagedBuffer& b = (*w.committed)[j];
-      return DeltaBase{w.committed_version, b.host.data(), b.size(), w.committed};
+    std::shared_ptr<StagedBytes> committed = w.committed;
+    uint64_t committed_version = w.committed_version;
+    if (auto c = committed_at_start.find(id->second); committed == nullptr && c != committed_at_start.end() &&
+                                                      c->second.first >= w.applied_version) {
+      committed_version = c->second.first;
+      committed = c->second.second;
+    }
+    if (committed != nullptr && j < committed->size() && (*committed)[j].device == nullptr) {
+      const StagedBuffer& b = (*committed)[j];
+      return DeltaBase{committed_version, b.host.data(), b.size(), committed};
     }
     // Sync commits hand committed staging back to the pool once live weights hold it.
     if (w.applied_version > 0 && !v->copying && v->torn.ok() && j < w.buffers.size() && w.buffers[j] != nullptr) {

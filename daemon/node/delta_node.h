@@ -45,8 +45,10 @@ class NodeDeltas {
   // The executor's delta options for `version` of `model` on node `me`: base versions by slice
   // worker (from ExecuteVersionRequest.base_versions, by worker id), the model's cache and
   // buffers, and the receiver's bases: a local rollout's committed staging (host) when it holds
-  // one, else its live host buffers when they hold an applied version whole (not being copied,
-  // not TORN). Layouts are those of its staging (the slicer sends deltas only to unquantised
+  // one - also when Apply copied it into live weights and let it go after the version started
+  // (the options keep the staging the rollout held then: live weights lack the canonical shadows
+  // of receiver-quantised pieces) -, else its live host buffers when they hold an applied version
+  // whole (not being copied, not TORN). Layouts are those of its staging (the slicer sends deltas only to unquantised
   // rollouts, whose staging and live layouts are the same). The digests of boxes it decodes are
   // recorded per model for the next version's base check (DeltaOptions::recorded).
   // `staging_holds` (Exec::staging_holds) names incoming staging buffers (of `incoming`) that

@@ -6,8 +6,12 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/shm_segment.h"
 #include "daemon/delta/codec.h"
+#include "daemon/node/live_copy.h"
 #include "daemon/node/local_workers.h"
+#include "transport/config.h"
+#include "transport/host_shm/host_shm.h"
 
 namespace wb::daemon::node {
 namespace {
@@ -81,6 +85,94 @@ TEST(NodeDeltasTest, TheBackgroundApplyWaitsTheDelayOnTheClock) {
       EXPECT_EQ(o.cache->stats().applied_streams, 1u);
     }
   }
+}
+
+// A one-step-off / async rollout that applies its committed version while the next version runs
+// (chaos run, fp8_block128 rollouts: about one version in fifteen): when the version started the
+// rollout had not applied yet, so its incoming staging was not the base (no in-place decode) and
+// the base is its committed staging; Apply then copied that into live weights and let it go. The
+// base must stay that staging - live weights hold the same version but end where the staging's
+// canonical shadows of receiver-quantised pieces begin, so deltas into the shadows were refused
+// ("the committed copy has N bytes, the box reaches byte M") and resent in full.
+TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase) {
+  FakeClock clock;
+  transport::TransportConfig tc;
+  std::unique_ptr<transport::Transport> t = transport::NewHostShmTransport(tc);
+  ASSERT_NE(t, nullptr);
+  LiveCopier copier("n0", t.get(), [](const std::string&) { return absl::OkStatus(); });
+  LocalWorkers::Options lo;
+  lo.node_id = "n0";
+  lo.clock = &clock;
+  lo.copier = &copier;
+  lo.live_copy_timeout = absl::Seconds(30);
+  LocalWorkers local(lo);
+  // Live weights: one 16 KiB buffer (the quantised pieces); staging: the same plus 16 KiB of
+  // canonical shadows behind it (planner::StagingLayout).
+  constexpr int64_t kLive = 16384;
+  const LocalWorkers::WorkerKey key{"m", "rollout/0"};
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kRollout;
+  w.mode = pb::MODE_ONE_STEP_OFF;
+  local.Add(key, std::move(w), std::nullopt);
+  auto seg = transport::ShmSegment::Create(transport::ShmSegment::UniqueName("dn"), kLive);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::vector<std::shared_ptr<transport::ShmSegment>> live = {std::make_shared<transport::ShmSegment>(std::move(*seg))};
+  ASSERT_TRUE(local.AttachLayout(key, live, {nullptr}, pb::SubmitLayoutRequest(), pb::ResolvedLayout()).ok());
+  auto staging = std::make_shared<StagedBytes>(1);
+  (*staging)[0].host.assign(2 * kLive, 0xAB);
+  const uint8_t* staged = (*staging)[0].host.data();
+  EXPECT_TRUE(local.Commit("m", 1, {{"rollout/0", staging}}, {}).empty()) << "one-step-off: Apply copies";
+
+  pb::PlanSlice slice;
+  pb::PlanWorker* pw = slice.add_workers();
+  pw->set_worker_id("rollout/0");
+  pw->set_node_id("n0");
+  pw->set_role(pb::ROLE_ROLLOUT);
+  NodeDeltas deltas(0, 2, &clock);
+  // Version 2 starts: the rollout holds version 1 committed, not applied.
+  DeltaOptions o = deltas.For("n0", "m", slice, {{"rollout/0", 1}}, local);
+  std::optional<DeltaBase> before = o.base("w0.b0");
+  ASSERT_TRUE(before.has_value());
+  EXPECT_EQ(before->version, 1u);
+  EXPECT_EQ(before->data, staged);
+  EXPECT_EQ(before->size, 2 * kLive);
+
+  // Apply of version 1 while version 2 runs: the live copy, then the staging is let go.
+  std::vector<LocalWorkers::LiveJob> jobs(1);
+  jobs[0].model = "m";
+  jobs[0].worker = "rollout/0";
+  jobs[0].version = 1;
+  jobs[0].staging = staging;
+  jobs[0].live = LiveBuffers{live, {nullptr}};
+  planner::WorkerLayout layout;
+  layout.buffers = {{kLive}};
+  jobs[0].layout = layout;
+  jobs[0].inventory = std::make_shared<planner::Inventory>();
+  jobs[0].label = "apply rollout/0 v1";
+  std::vector<absl::Status> copied = local.RunLiveCopies(jobs);
+  ASSERT_TRUE(copied[0].ok()) << copied[0];
+  local.MarkApplied(key, 1, staging, /*after_commit=*/false);
+  ASSERT_EQ(local.Get(key)->worker.committed, nullptr) << "Apply let the staging go";
+  ASSERT_EQ(local.Get(key)->worker.applied_version, 1u);
+  jobs.clear();
+  staging.reset();
+
+  // Version 2's decodes: still version 1's staging, shadows included, alive while the options are.
+  std::optional<DeltaBase> after = o.base("w0.b0");
+  ASSERT_TRUE(after.has_value());
+  EXPECT_EQ(after->version, 1u);
+  EXPECT_EQ(after->size, 2 * kLive) << "the base lost the canonical shadows (live weights instead of the committed staging)";
+  EXPECT_EQ(after->data, staged);
+  ASSERT_NE(after->hold, nullptr);
+  EXPECT_EQ(after->data[2 * kLive - 1], 0xAB);
+
+  // The next version starts after the apply: live weights are the base (as before).
+  DeltaOptions next = deltas.For("n0", "m", slice, {{"rollout/0", 1}}, local);
+  std::optional<DeltaBase> b3 = next.base("w0.b0");
+  ASSERT_TRUE(b3.has_value());
+  EXPECT_EQ(b3->size, kLive);
+  EXPECT_EQ(b3->data, static_cast<const uint8_t*>(live[0]->data()));
 }
 
 }  // namespace
