@@ -97,7 +97,9 @@ absl::StatusOr<planner::LayoutInfo> LayoutDescriber::DescribeInfo(const Model& m
       return absl::FailedPreconditionError("preset layouts need a model created from hf_config_json");
     }
     const pb::ParallelConfig& pc = layout.preset();
-    auto preset = planner::MakeModelPresetLayout(*model.config, model.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
+    absl::StatusOr<planner::ParallelConfig> parallel = ParallelFromProto(pc);
+    if (!parallel.ok()) return Annotate(parallel.status(), absl::StrCat("preset ", pc.preset(), " rank ", pc.rank()));
+    auto preset = planner::MakeModelPresetLayout(*model.config, model.inventory, *parallel, static_cast<int>(pc.rank()));
     if (!preset.ok()) return Annotate(preset.status(), absl::StrCat("preset ", pc.preset(), " rank ", pc.rank()));
     for (size_t b = 0; b < preset->layout.buffers.size(); ++b) {
       buffer_ids->push_back(b < buffers.size() ? buffers[b].buffer_id() : static_cast<uint32_t>(b));

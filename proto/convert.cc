@@ -382,7 +382,31 @@ void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory
 
 // ---- parallel configs and plan statistics ----
 
-planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
+absl::StatusOr<planner::ParallelConfig> ParallelFromProto(const pb::ParallelConfig& p) {
+  // Every count is refused above the largest preset world (2^20), naming the value sent: before,
+  // tp / pp / dp / ep / etp / replicas of 2^31 or more were cast to negative ints (refused as
+  // "dp=-2147483648"), stage counts and vpp over 2^30 were refused as 2^30, and a
+  // make_vocab_size_divisible_by over 2^20 was silently taken as 2^20 (a layout the worker did
+  // not ask for).
+  const std::pair<const char*, uint32_t> counts[] = {
+      {"tp", p.tp()},
+      {"pp", p.pp()},
+      {"dp", p.dp()},
+      {"ep", p.ep()},
+      {"etp", p.etp()},
+      {"replicas", p.replicas()},
+      {"rank", p.rank()},
+      {"first_stage_layers", p.first_stage_layers()},
+      {"last_stage_layers", p.last_stage_layers()},
+      {"vpp", p.vpp()},
+      {"make_vocab_size_divisible_by", p.make_vocab_size_divisible_by()},
+      {"moe_dense_tp_size", p.moe_dense_tp_size()},
+  };
+  for (const auto& [name, value] : counts) {
+    if (value > planner::kMaxPresetWorld) {
+      return Invalid(absl::StrCat("ParallelConfig.", name, " is ", value, ": more than the limit of ", planner::kMaxPresetWorld));
+    }
+  }
   planner::ParallelConfig c;
   c.preset = p.preset();
   c.tp = p.tp() ? static_cast<int>(p.tp()) : 1;
@@ -393,18 +417,17 @@ planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p) {
   c.expert_parallel = p.expert_parallel();
   c.replicas = p.replicas() ? static_cast<int>(p.replicas()) : 1;
   c.quantization = p.quantization();
-  c.first_stage_layers = static_cast<int>(std::min<uint32_t>(p.first_stage_layers(), 1u << 30));
-  c.last_stage_layers = static_cast<int>(std::min<uint32_t>(p.last_stage_layers(), 1u << 30));
-  c.vpp = p.vpp() ? static_cast<int>(std::min<uint32_t>(p.vpp(), 1u << 30)) : 1;
+  c.first_stage_layers = static_cast<int>(p.first_stage_layers());
+  c.last_stage_layers = static_cast<int>(p.last_stage_layers());
+  c.vpp = p.vpp() ? static_cast<int>(p.vpp()) : 1;
   c.expert_placement = p.expert_placement();
   c.moe_a2a_backend = p.moe_a2a_backend();
-  c.vocab_divisible_by = p.make_vocab_size_divisible_by() ? static_cast<int>(std::min<uint32_t>(p.make_vocab_size_divisible_by(), 1u << 20)) : 128;
+  c.vocab_divisible_by = p.make_vocab_size_divisible_by() ? static_cast<int>(p.make_vocab_size_divisible_by()) : 128;
   c.moe_grouped_gemm = p.moe_grouped_gemm();
   c.moe_legacy_grouped_gemm = p.moe_use_legacy_grouped_gemm();
   c.tp_pp_dp_mapping = p.use_tp_pp_dp_mapping();
   c.enable_dp_lm_head = p.enable_dp_lm_head();
-  // Capped like the stage counts: a value over 2^30 is refused by the preset, never overflowed.
-  c.moe_dense_tp_size = static_cast<int>(std::min<uint32_t>(p.moe_dense_tp_size(), 1u << 30));
+  c.moe_dense_tp_size = static_cast<int>(p.moe_dense_tp_size());
   return c;
 }
 

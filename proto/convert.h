@@ -96,10 +96,11 @@ void LayoutToProto(const planner::WorkerLayout& layout, const planner::Inventory
 
 // ---- parallel configs and plan statistics ----
 
-// A preset's parallel config (0 = the preset's default of 1; etp 0 = tp; stage counts capped at
-// 2^30). Shared by the coordinator (resolving presets) and the node (layout discovery), so both
-// always describe the same layout.
-planner::ParallelConfig ParallelFromProto(const pb::ParallelConfig& p);
+// A preset's parallel config (0 = the preset's default of 1; etp 0 = tp). Every count (and the
+// rank) over planner::kMaxPresetWorld is INVALID_ARGUMENT naming the field and the value sent.
+// Shared by the coordinator (resolving presets) and the node (layout discovery), so both always
+// describe the same layout.
+absl::StatusOr<planner::ParallelConfig> ParallelFromProto(const pb::ParallelConfig& p);
 
 void StatsToProto(const planner::PlanStats& stats, int num_buckets, pb::PlanStats* out);
 

@@ -4,6 +4,9 @@
 #include "proto/convert.h"
 
 #include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -219,25 +222,67 @@ TEST(ConvertTest, InventoryRoundTripsAndNamesBadTensors) {
   EXPECT_THAT(Message(FromProto(bad).status()), HasSubstr("tensor b: unknown dtype enum value 77"));
 }
 
-TEST(ConvertTest, ParallelConfigDefaultsAndCaps) {
+TEST(ConvertTest, ParallelConfigDefaults) {
   pb::ParallelConfig p;
   p.set_preset("megatron");
   p.set_tp(4);
-  p.set_vpp(~0u);
-  planner::ParallelConfig c = ParallelFromProto(p);
-  EXPECT_EQ(c.preset, "megatron");
-  EXPECT_EQ(c.tp, 4);
-  EXPECT_EQ(c.pp, 1);
-  EXPECT_EQ(c.dp, 1);
-  EXPECT_EQ(c.ep, 1);
-  EXPECT_EQ(c.etp, 0);  // 0 = tp
-  EXPECT_EQ(c.replicas, 1);
-  EXPECT_EQ(c.vpp, 1 << 30);
-  EXPECT_FALSE(c.enable_dp_lm_head);
-  EXPECT_EQ(c.moe_dense_tp_size, 0);  // not set
+  p.set_vpp(2);
+  absl::StatusOr<planner::ParallelConfig> c = ParallelFromProto(p);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->preset, "megatron");
+  EXPECT_EQ(c->tp, 4);
+  EXPECT_EQ(c->pp, 1);
+  EXPECT_EQ(c->dp, 1);
+  EXPECT_EQ(c->ep, 1);
+  EXPECT_EQ(c->etp, 0);  // 0 = tp
+  EXPECT_EQ(c->replicas, 1);
+  EXPECT_EQ(c->vpp, 2);
+  EXPECT_EQ(c->vocab_divisible_by, 128);
+  EXPECT_FALSE(c->enable_dp_lm_head);
+  EXPECT_EQ(c->moe_dense_tp_size, 0);  // not set
 }
 
-// SGLang's --enable-dp-lm-head and --moe-dense-tp-size reach the preset (capped, never negative).
+// Every count over the largest preset world is refused naming the field and the value sent.
+// Before (hostile probe): dp = 2^31 was refused as "dp=-2147483648", replicas = 2^32 - 1 as
+// "replicas=-1", vpp = 2^31 as "vpp=1073741824", and make_vocab_size_divisible_by = 2^32 - 1 was
+// taken as 2^20 (a layout with 2^20-row vocab padding the worker never asked for).
+TEST(ConvertTest, ParallelConfigCountsOverTheWorldLimitAreRefusedNamingTheValue) {
+  using Setter = void (pb::ParallelConfig::*)(uint32_t);
+  const std::pair<const char*, Setter> fields[] = {
+      {"tp", &pb::ParallelConfig::set_tp},
+      {"pp", &pb::ParallelConfig::set_pp},
+      {"dp", &pb::ParallelConfig::set_dp},
+      {"ep", &pb::ParallelConfig::set_ep},
+      {"etp", &pb::ParallelConfig::set_etp},
+      {"replicas", &pb::ParallelConfig::set_replicas},
+      {"rank", &pb::ParallelConfig::set_rank},
+      {"first_stage_layers", &pb::ParallelConfig::set_first_stage_layers},
+      {"last_stage_layers", &pb::ParallelConfig::set_last_stage_layers},
+      {"vpp", &pb::ParallelConfig::set_vpp},
+      {"make_vocab_size_divisible_by", &pb::ParallelConfig::set_make_vocab_size_divisible_by},
+      {"moe_dense_tp_size", &pb::ParallelConfig::set_moe_dense_tp_size},
+  };
+  for (const auto& [name, set] : fields) {
+    for (uint32_t v : {(1u << 20) + 1, 1u << 31, ~0u}) {
+      pb::ParallelConfig p;
+      p.set_preset("megatron");
+      (p.*set)(v);
+      absl::StatusOr<planner::ParallelConfig> c = ParallelFromProto(p);
+      ASSERT_FALSE(c.ok()) << name << " = " << v;
+      EXPECT_TRUE(absl::IsInvalidArgument(c.status()));
+      EXPECT_THAT(Message(c.status()), HasSubstr(absl::StrCat("ParallelConfig.", name, " is ", v, ": more than the limit of 1048576")));
+    }
+    pb::ParallelConfig p;
+    p.set_preset("megatron");
+    (p.*set)(1u << 20);  // at the limit: taken as sent
+    EXPECT_TRUE(ParallelFromProto(p).ok()) << name;
+  }
+  pb::ParallelConfig p;
+  p.set_make_vocab_size_divisible_by(1u << 20);
+  EXPECT_EQ(ParallelFromProto(p)->vocab_divisible_by, 1 << 20);
+}
+
+// SGLang's --enable-dp-lm-head and --moe-dense-tp-size reach the preset.
 TEST(ConvertTest, ParallelConfigSglangServerOptions) {
   pb::ParallelConfig p;
   p.set_preset("sglang");
@@ -245,11 +290,10 @@ TEST(ConvertTest, ParallelConfigSglangServerOptions) {
   p.set_dp(8);
   p.set_enable_dp_lm_head(true);
   p.set_moe_dense_tp_size(1);
-  planner::ParallelConfig c = ParallelFromProto(p);
-  EXPECT_TRUE(c.enable_dp_lm_head);
-  EXPECT_EQ(c.moe_dense_tp_size, 1);
-  p.set_moe_dense_tp_size(~0u);
-  EXPECT_EQ(ParallelFromProto(p).moe_dense_tp_size, 1 << 30);
+  absl::StatusOr<planner::ParallelConfig> c = ParallelFromProto(p);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->enable_dp_lm_head);
+  EXPECT_EQ(c->moe_dense_tp_size, 1);
 }
 
 TEST(ConvertTest, PlanStats) {

@@ -59,7 +59,11 @@ absl::StatusOr<planner::WorkerLayout> ResolveLayout(const ModelRegistry::Model& 
     return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
   }
   const pb::ParallelConfig& pc = req.layout().preset();
-  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, ParallelFromProto(pc), static_cast<int>(pc.rank()));
+  absl::StatusOr<planner::ParallelConfig> parallel = ParallelFromProto(pc);
+  if (!parallel.ok()) {
+    return Annotate(parallel.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
+  }
+  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, *parallel, static_cast<int>(pc.rank()));
   if (!preset.ok()) {
     return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
   }
