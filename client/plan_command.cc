@@ -1,9 +1,9 @@
 #include "client/plan_command.h"
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -18,13 +18,29 @@
 namespace wb::client {
 namespace {
 
+// Specs and HF configs are small text files. A spec naming /dev/zero as its model grew wbctl by
+// about 0.5 GB a second until it died (a FIFO would hang it): only regular files, and at most
+// kMaxSpecFileBytes of them.
+constexpr int64_t kMaxSpecFileBytes = int64_t{64} << 20;
+
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", ec.message()));
+  if (!std::filesystem::is_regular_file(st)) return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof(chunk)) || in.gcount() > 0) {
+    text.append(chunk, static_cast<size_t>(in.gcount()));
+    if (static_cast<int64_t>(text.size()) > kMaxSpecFileBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " is larger than ", kMaxSpecFileBytes, " bytes (a spec or HF config.json is far smaller)"));
+    }
+  }
   if (in.bad()) return absl::DataLossError(absl::StrCat("cannot read ", path));
-  return ss.str();
+  return text;
 }
 
 std::string DirOf(const std::string& path) {

@@ -102,5 +102,32 @@ TEST(PlanCommandTest, UsageAndSpecErrorsExitTwo) {
   }
 }
 
+// A spec whose model is not a regular file, or is too large, is refused naming it. Before
+// (hostile probe): "model": "/dev/zero" grew wbctl by about 0.5 GB a second (10.9 GB in 20 s),
+// and a FIFO hung it.
+TEST(PlanCommandTest, ModelThatIsNotASmallRegularFileIsRefused) {
+  const std::string dir = ::testing::TempDir();
+  const std::string spec = dir + "/dev_zero_spec.json";
+  std::ofstream(spec) << R"({"model": "/dev/zero", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm"}, "cluster": {}})";
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(RunPlanCommand({"--spec", spec}, out, err), 2);
+    EXPECT_NE(err.str().find("/dev/zero is not a regular file"), std::string::npos) << err.str();
+  }
+  const std::string big = dir + "/big_config.json";
+  {
+    std::ofstream f(big);
+    const std::string mib(1 << 20, ' ');
+    for (int i = 0; i < 65; ++i) f << mib;
+  }
+  const std::string spec2 = dir + "/big_model_spec.json";
+  std::ofstream(spec2) << R"({"model": ")" << big << R"(", "trainer": {"layout": "megatron"}, "rollout": {"layout": "vllm"}, "cluster": {}})";
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(RunPlanCommand({"--spec", spec2}, out, err), 2);
+    EXPECT_NE(err.str().find("big_config.json is larger than 67108864 bytes"), std::string::npos) << err.str();
+  }
+}
+
 }  // namespace
 }  // namespace wb::client

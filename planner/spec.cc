@@ -35,7 +35,7 @@ absl::Status GetInt(const json& obj, absl::string_view where, const char* key, i
   }
   const json& v = obj[key];
   if (!v.is_number_integer() || v.get<int64_t>() < min_value || v.get<int64_t>() > (1 << 20)) {
-    return Bad(absl::StrCat(where, key), absl::StrCat("must be an integer >= ", min_value));
+    return Bad(absl::StrCat(where, key), absl::StrCat("must be an integer in [", min_value, ", ", 1 << 20, "]"));
   }
   *out = static_cast<int>(v.get<int64_t>());
   return absl::OkStatus();
@@ -229,6 +229,20 @@ absl::StatusOr<Problem> BuildProblem(const PlanSpec& spec) {
   const int num_rollouts = rollout->world_size();
   const int rollout_tp = spec.rollout.tp;
 
+  // An absurd spec (rollout.replicas 2^20) used to build layouts until the process died of
+  // std::bad_alloc (tens of GB); it is refused by its numbers, and by the pieces as they are built.
+  if (static_cast<int64_t>(num_trainers) + num_rollouts > kMaxSpecWorkers) {
+    return absl::ResourceExhaustedError(absl::StrCat("the spec has ", num_trainers, " trainer and ", num_rollouts,
+                                                     " rollout ranks, more than the limit of ", kMaxSpecWorkers, " in all"));
+  }
+  int64_t pieces = 0;
+  auto count_pieces = [&](const Worker& w) -> absl::Status {
+    pieces += static_cast<int64_t>(w.layout.pieces.size());
+    if (pieces <= kMaxSpecPieces) return absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat("the spec's layouts have more than ", kMaxSpecPieces, " pieces in all (", pieces,
+                                                     " up to ", w.id, " of ", num_trainers, " trainer and ", num_rollouts,
+                                                     " rollout ranks)"));
+  };
   Problem problem;
   problem.topology = spec.topology;
   problem.staging_budget_bytes = spec.staging_budget_bytes;
@@ -242,6 +256,7 @@ absl::StatusOr<Problem> BuildProblem(const PlanSpec& spec) {
     w.node = r / gpn;
     w.gpu = r % gpn;
     w.layout = std::move(layout->layout);
+    RETURN_IF_ERROR(count_pieces(w));
     problem.workers.push_back(std::move(w));
   }
   const int first = spec.topology.colocated ? 0 : (num_trainers + gpn - 1) / gpn * gpn;
@@ -254,6 +269,7 @@ absl::StatusOr<Problem> BuildProblem(const PlanSpec& spec) {
     w.node = (first + i) / gpn;
     w.gpu = (first + i) % gpn;
     w.layout = std::move(layout->layout);
+    RETURN_IF_ERROR(count_pieces(w));
     problem.workers.push_back(std::move(w));
   }
   problem.inventory = std::move(inventory);

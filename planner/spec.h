@@ -44,7 +44,11 @@ absl::StatusOr<PlanSpec> ParsePlanSpec(std::string_view spec_json, const ModelRe
 // The planning problem of a spec: trainer ranks fill nodes first in rank order (node = rank /
 // gpus_per_node), then rollout GPUs, replica-major (index = replica * tp + tp_rank), fill the next
 // nodes starting at a node boundary; when colocated, rollout GPU i is trainer GPU i. Worker ids are
-// "trainer/<rank>" and "rollout/<replica>/<tp_rank>". Errors from the inventory and presets.
+// "trainer/<rank>" and "rollout/<replica>/<tp_rank>". Errors from the inventory and presets;
+// RESOURCE_EXHAUSTED past kMaxSpecWorkers ranks or kMaxSpecPieces pieces in all (checked as the
+// layouts are built, so an absurd spec is refused before it takes the machine's memory).
+inline constexpr int64_t kMaxSpecWorkers = int64_t{1} << 16;
+inline constexpr int64_t kMaxSpecPieces = int64_t{1} << 21;  // ~3x the largest example spec
 absl::StatusOr<Problem> BuildProblem(const PlanSpec& spec);
 
 }  // namespace wb::planner

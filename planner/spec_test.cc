@@ -111,6 +111,35 @@ TEST(SpecTest, ErrorsNameTheField) {
   }
 }
 
+// Absurd but well-formed specs are refused before they take the machine's memory. Before (hostile
+// probe): rollout.replicas 2^20 built layouts until wbctl died of std::bad_alloc; 16,384 replicas
+// of Qwen2.5-0.5B died at a 5 GB limit after 35 s; values over 2^20 were "must be an integer >= 1".
+TEST(SpecTest, AbsurdSizesAreRefusedBeforeTheyAreBuilt) {
+  auto spec_with = [](const std::string& trainer, const std::string& rollout) {
+    return absl::StrCat(R"({"model": "qwen2.5-0.5b.json", "trainer": )", trainer, R"(, "rollout": )", rollout,
+                        R"(, "cluster": {"gpus_per_node": 8}})");
+  };
+  absl::StatusOr<PlanSpec> over = ParsePlanSpec(spec_with(R"({"layout": "megatron"})", R"({"layout": "vllm", "replicas": 1048577})"), ReadTestdata);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("rollout.replicas"), std::string::npos) << over.status();
+  EXPECT_NE(over.status().message().find("must be an integer in [1, 1048576]"), std::string::npos) << over.status();
+
+  absl::StatusOr<PlanSpec> ranks = ParsePlanSpec(spec_with(R"({"layout": "megatron"})", R"({"layout": "vllm", "replicas": 1048576})"), ReadTestdata);
+  ASSERT_TRUE(ranks.ok()) << ranks.status();
+  absl::StatusOr<Problem> p = BuildProblem(*ranks);
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
+  EXPECT_NE(p.status().message().find("1 trainer and 1048576 rollout ranks, more than the limit of 65536"), std::string::npos) << p.status();
+
+  // Within the rank limit, but 16,384 replicas x ~290 pieces: refused once the pieces pass 2^21.
+  absl::StatusOr<PlanSpec> pieces = ParsePlanSpec(spec_with(R"({"layout": "megatron"})", R"({"layout": "vllm", "replicas": 16384})"), ReadTestdata);
+  ASSERT_TRUE(pieces.ok()) << pieces.status();
+  p = BuildProblem(*pieces);
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
+  EXPECT_NE(p.status().message().find("more than 2097152 pieces in all"), std::string::npos) << p.status();
+}
+
 TEST(SpecTest, PlacementTrainersFirstThenRolloutsReplicaMajor) {
   auto spec = ParsePlanSpec(kSpec, ReadTestdata);
   ASSERT_TRUE(spec.ok());
