@@ -10,6 +10,17 @@
 //   async:         generate a step, then Apply(newer than live) at the safe point, verify.
 // With --tolerate_failures a failed version is reported ("version_failed") after checking that
 // the live weights are still exactly the previous version (all zero before the first one).
+// Sync: a failed BeginUpdate / WaitVersion is followed by EndUpdate before the weights are read,
+// as RolloutHook.update does (the engine resumes; no later commit may write them while it reads),
+// and EndUpdate's answer says which version they hold (a commit can land before the wait fails:
+// a node killed after its copy, before its answer); a TORN answer (DATA_LOSS: the copy into
+// them was cut short) is reported ("torn") and the weights are not checked until a version lands
+// whole; an answer below the version held after the node restarted (it counts the weights as
+// holding nothing) is checked against every version from the one held to the one waited for
+// (whole, whichever). A failure that says nothing about the version (UNAVAILABLE: the node or coordinator is
+// restarting) waits for the same version again, for up to --timeout_ms, instead of counting
+// versions up on fast failures.
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/flags/parse.h"
@@ -19,6 +30,20 @@
 
 namespace wb::e2e {
 namespace {
+
+// Sync: EndUpdate after a failed BeginUpdate / WaitVersion. Asked again while the node is away or
+// a copy into the live weights still runs (UNAVAILABLE / DEADLINE_EXCEEDED), for up to the
+// version timeout: until it answers, the weights may be written.
+absl::StatusOr<client::EndUpdateResult> EndUpdateAfterFailure(WorkerContext& ctx) {
+  const double until = MonotonicSeconds() + absl::ToDoubleSeconds(ctx.version_timeout);
+  while (true) {
+    absl::StatusOr<client::EndUpdateResult> ended = ctx.client->EndUpdate(ctx.version_timeout);
+    const absl::StatusCode code = ended.status().code();
+    const bool again = code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
+    if (!again || MonotonicSeconds() > until) return ended;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
 
 int Run() {
   auto ctx_or = SetUpWorker(planner::Role::kRollout);
@@ -30,6 +55,9 @@ int Run() {
   uint64_t live = 0;  // version in the live buffer (0 = never written)
   std::vector<uint64_t> applied, failed;
   uint64_t v = ctx.first_version;
+  int reconnects_at_live = 0;  // the client's reconnects when `live` was last answered
+  uint64_t retry_v = 0;  // the version asked for again after a transient failure, since retry_since
+  double retry_since = 0;
   while (v <= ctx.last_version) {
     if (ctx.mode != client::Mode::kSync && ctx.step > absl::ZeroDuration()) {
       absl::SleepFor(ctx.step);  // generation with the live weights
@@ -57,16 +85,56 @@ int Run() {
       }
     }
     if (!status.ok()) {
-      Emit(ctx, {{"event", "version_failed"}, {"version", v}, {"still", live},
+      bool torn = false;
+      bool lost_track = false;  // the node restarted since: it counts the weights as holding nothing
+      if (ctx.mode == client::Mode::kSync) {
+        absl::StatusOr<client::EndUpdateResult> ended = EndUpdateAfterFailure(ctx);
+        if (ended.status().code() == absl::StatusCode::kDataLoss) {
+          torn = true;
+        } else if (!ended.ok()) {
+          // The weights may still be written: the engine must not resume on them.
+          EmitError(ctx.worker_id, ended.status());
+          return kExitRpc;
+        } else if (ended->applied_version < live && ctx.client->reconnects() > reconnects_at_live) {
+          lost_track = true;
+        } else if (ended->applied_version < live) {
+          EmitError(ctx.worker_id, absl::InternalError(absl::StrCat(
+                                       "EndUpdate after a failed wait: live version went backwards from ",
+                                       live, " to ", ended->applied_version)));
+          return kExitMismatch;
+        } else {
+          live = ended->applied_version;  // a commit may have landed before the wait failed
+        }
+      }
+      Emit(ctx, {{"event", "version_failed"}, {"version", v}, {"still", live}, {"torn", torn},
                  {"code", absl::StatusCodeToString(status.code())},
                  {"message", std::string(status.message())}});
       std::fprintf(stderr, "%s: version %llu failed: %s\n", ctx.worker_id.c_str(),
                    static_cast<unsigned long long>(v), status.ToString().c_str());
-      // Atomicity: whatever went wrong, the live weights must still be exactly `live`.
-      if (!VerifyAndReport(ctx, live, "after_failure")) return kExitMismatch;
+      // Atomicity: whatever went wrong, the live weights must still be exactly `live` (sync: the
+      // whole version EndUpdate named), unless the node reported them torn.
+      if (torn) {
+        Emit(ctx, {{"event", "torn"}, {"version", v}, {"message", std::string(status.message())}});
+      } else if (lost_track) {
+        // Whole, whichever version: the one held before, or one whose commit landed before the
+        // node went away (its answer lost with it).
+        std::vector<uint64_t> candidates;
+        for (uint64_t c = live; c <= std::max(v, live); ++c) candidates.push_back(c);
+        std::optional<uint64_t> holds = VerifyOneOfAndReport(ctx, candidates, "after_failure");
+        if (!holds.has_value()) return kExitMismatch;
+        live = *holds;
+      } else if (!VerifyAndReport(ctx, live, "after_failure")) {
+        return kExitMismatch;
+      }
       if (!ctx.tolerate_failures) return kExitRpc;
       failed.push_back(v);
-      ++v;
+      if (retry_v != v) retry_v = v, retry_since = MonotonicSeconds();
+      const bool transient = status.code() == absl::StatusCode::kUnavailable;
+      if (!transient || MonotonicSeconds() - retry_since > absl::ToDoubleSeconds(ctx.version_timeout)) {
+        v = std::max(v + 1, live + 1);
+      } else {
+        absl::SleepFor(absl::Milliseconds(100));  // the node / coordinator is coming back: ask again
+      }
       continue;
     }
     if (got < v && ctx.mode != client::Mode::kAsync) {
@@ -80,6 +148,7 @@ int Run() {
       return kExitMismatch;
     }
     live = got;
+    reconnects_at_live = ctx.client->reconnects();
     Emit(ctx, {{"event", "applied"}, {"version", got}, {"requested", v}, {"t_start", t_start},
                {"stall_s", stall}, {"reconnects", ctx.client->reconnects()}});
     if (!VerifyAndReport(ctx, live, "applied")) return kExitMismatch;

@@ -137,6 +137,37 @@ bool VerifyAndReport(const WorkerContext& ctx, uint64_t version, const std::stri
   return true;
 }
 
+std::optional<uint64_t> VerifyOneOfAndReport(const WorkerContext& ctx, const std::vector<uint64_t>& candidates,
+                                             const std::string& why) {
+  if (candidates.empty()) return std::nullopt;
+  if (ctx.cuda != nullptr) {
+    absl::Status s = ctx.cuda->Download(const_cast<uint8_t*>(ctx.host_mirror.data()));
+    if (!s.ok()) {
+      EmitError(ctx.worker_id, s);
+      return std::nullopt;
+    }
+  }
+  std::optional<VerifyResult> first;
+  for (uint64_t version : candidates) {
+    auto r = VerifyPieces(ctx.inventory, ctx.preset.layout, ctx.memory, version);
+    if (!r.ok()) {
+      EmitError(ctx.worker_id, r.status());
+      return std::nullopt;
+    }
+    if (r->mismatches == 0) {
+      Emit(ctx, {{"event", "verified"}, {"version", version}, {"why", why}, {"candidates", candidates},
+                 {"bytes", r->bytes}, {"elements", r->elements}, {"pieces", ctx.preset.layout.pieces.size()}});
+      return version;
+    }
+    if (!first.has_value()) first = *r;
+  }
+  Emit(ctx, {{"event", "mismatch"}, {"version", candidates.front()}, {"why", why}, {"candidates", candidates},
+             {"mismatches", first->mismatches}, {"elements", first->elements}, {"first", first->first_mismatch}});
+  std::fprintf(stderr, "%s: live weights match none of %zu candidate versions (%s); against v%llu: %s\n", ctx.worker_id.c_str(),
+               candidates.size(), why.c_str(), static_cast<unsigned long long>(candidates.front()), first->first_mismatch.c_str());
+  return std::nullopt;
+}
+
 absl::Status WaitForGate(const std::string& path, absl::Duration timeout) {
   return WaitForFile(path, absl::Now() + timeout).status();
 }

@@ -13,7 +13,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -78,6 +80,14 @@ void EmitError(const std::string& worker, const absl::Status& status);
 // Checks every byte of the rollout's pieces against `version`; emits "verified" or "mismatch".
 // Returns false on any mismatch.
 bool VerifyAndReport(const WorkerContext& ctx, uint64_t version, const std::string& why);
+
+// Like VerifyAndReport, for a rollout whose daemon lost track of what its live weights hold (a
+// node restarted: it counts them as holding nothing): checks them against each candidate in turn
+// and emits "verified" (with "candidates") for the first they match whole, or "mismatch" against
+// the first candidate when they match none (part of one version and part of another, say).
+// Returns the version matched, nullopt when none.
+std::optional<uint64_t> VerifyOneOfAndReport(const WorkerContext& ctx, const std::vector<uint64_t>& candidates,
+                                             const std::string& why);
 
 // Waits until `path` exists (inotify, bounded by `timeout`).
 absl::Status WaitForGate(const std::string& path, absl::Duration timeout);

@@ -1,12 +1,14 @@
-// Soak test: a stream of async versions through a real coordinator + 2 node daemons (processes,
-// loopback TCP between the nodes) while faults are injected at random moments:
+// Soak test: a stream of versions (one test async, one sync) through a real coordinator + 2 node
+// daemons (processes, loopback TCP between the nodes) while faults are injected at random moments:
 //   node_kill    kill -9 of node n1 (rollout side) and a restart with the same id and socket;
 //   tcp_drop     every established TCP connection of n1 destroyed (`ss -K`: data plane and gRPC,
 //                both ends see a reset);
 //   slow_peer    n1 frozen with SIGSTOP for 0.3-1.5 s, then SIGCONT: a slow peer, not a lost one
 //                (the lease is 10 s, so a loaded machine's heartbeat delays on top of the freeze
 //                do not turn it into a lease loss; the test checks the coordinator lost no lease);
-//   worker_exit  rollout/1 (on n0) killed -9 and a fresh process started for the same rank.
+//   worker_exit  rollout/1 (on n0) killed -9 and a fresh process started for the same rank;
+//   coord_restart kill -9 of the coordinator and a restart on the same address (the nodes re-join
+//                with their workers, layouts and committed versions).
 // Workers are tests/e2e's trainer_worker / rollout_worker (tiny Qwen2 config, presets resolved by
 // the daemons): every applied version is checked byte for byte, and after every failed version
 // the rollout checks its live weights are still exactly the previous version (no partial apply).
@@ -226,11 +228,12 @@ bool CanDestroySockets(Harness* h) {
   return ok;
 }
 
-TEST(SoakTest, AsyncVersionsSurviveInjectedFaults) {
+// The whole soak in `mode` (async or sync): see the top of this file.
+void RunSoak(const std::string& mode) {
   const uint64_t seed = EnvOr("WB_SOAK_SEED", 20261202);
   const int versions = static_cast<int>(EnvOr("WB_SOAK_VERSIONS", 200));
   const int num_faults = static_cast<int>(EnvOr("WB_SOAK_FAULTS", 12));
-  std::printf("soak: seed=%llu (WB_SOAK_SEED) versions=%d faults=%d\n",
+  std::printf("soak: mode=%s seed=%llu (WB_SOAK_SEED) versions=%d faults=%d\n", mode.c_str(),
               static_cast<unsigned long long>(seed), versions, num_faults);
   std::fflush(stdout);
   const absl::Time t0 = absl::Now();
@@ -260,7 +263,7 @@ TEST(SoakTest, AsyncVersionsSurviveInjectedFaults) {
   RunOptions run;
   run.config = Runfile("tests/soak/testdata/qwen2-tiny.json");
   run.model_id = kModel;
-  run.mode = "async";
+  run.mode = mode;
   run.num_trainers = 2;
   run.num_rollouts = 2;
   run.versions = versions;
@@ -290,7 +293,7 @@ TEST(SoakTest, AsyncVersionsSurviveInjectedFaults) {
   // The schedule: every kind at least twice, the rest random, shuffled; fault k is injected once
   // trainer/0 reached version `milestone(k)` (spread over the first 80% of the versions, so the
   // tail completes without faults).
-  std::vector<std::string> kinds = {"node_kill", "tcp_drop", "slow_peer", "worker_exit"};
+  std::vector<std::string> kinds = {"node_kill", "tcp_drop", "slow_peer", "worker_exit", "coord_restart"};
   if (const char* only = std::getenv("WB_SOAK_KINDS"); only != nullptr && *only != '\0') {
     kinds = absl::StrSplit(only, ',', absl::SkipEmpty());  // e.g. WB_SOAK_KINDS=tcp_drop,node_kill
   }
@@ -340,6 +343,11 @@ TEST(SoakTest, AsyncVersionsSurviveInjectedFaults) {
       absl::SleepFor(pause);  // the fault itself: n1 frozen this long
       c->node(1)->Signal(SIGCONT);
       detail = absl::FormatDuration(pause);
+    } else if (kind == "coord_restart") {
+      // kill -9 of the coordinator, restarted on the same address: the nodes re-join with their
+      // workers, layouts and committed versions; a version in flight is aborted everywhere.
+      ASSERT_TRUE(c->KillCoordinator().ok());
+      ASSERT_TRUE(c->RestartCoordinator().ok()) << "restart of the coordinator after fault " << k;
     } else {  // worker_exit
       Process* old = rollouts[1];
       old->Kill();
@@ -482,15 +490,22 @@ TEST(SoakTest, AsyncVersionsSurviveInjectedFaults) {
     per_kind.push_back(absl::StrCat(kind, "=", survived[kind], "/", n));
   }
   std::printf(
-      "soak: RESULT seed=%llu faults survived %d/%d (%s; %d TCP sockets destroyed) | trainer published %d "
+      "soak: RESULT mode=%s seed=%llu faults survived %d/%d (%s; %d TCP sockets destroyed) | trainer published %d "
       "(failed %d) of %d | committed %d, aborted %d (coordinator) | rollout verifications %d "
       "(distinct versions %zu), previous version intact after %d failed applies (%d failures) | "
       "fds coordinator %d->%d n0 %d->%d | shm leaked %d, orphaned by kill -9 %d (removed) | %.1fs\n",
-      static_cast<unsigned long long>(seed), ok, faults, absl::StrJoin(per_kind, " ").c_str(),
+      mode.c_str(), static_cast<unsigned long long>(seed), ok, faults, absl::StrJoin(per_kind, " ").c_str(),
       tcp_dropped_sockets, published, publish_failed, versions, committed_versions, aborted_versions, verified,
       verified_versions.size(), kept_after_failure, version_failed, coord_fd0, coord_fd1, n0_fd0, n0_fd1, leaked,
       orphaned, absl::ToDoubleSeconds(absl::Now() - t0));
 }
+
+TEST(SoakTest, AsyncVersionsSurviveInjectedFaults) { RunSoak("async"); }
+
+// Sync mode: every rollout pauses (BeginUpdate) and waits (WaitVersion) for each version; a failed
+// wait is followed by EndUpdate and a check that the live weights are one whole version
+// (tests/e2e/rollout_worker.cc). The mode whose commits write the live weights directly.
+TEST(SoakTest, SyncVersionsSurviveInjectedFaults) { RunSoak("sync"); }
 
 }  // namespace
 }  // namespace wb::e2e
