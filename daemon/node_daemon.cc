@@ -218,6 +218,7 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     j.join.set_rejoin(true);
     j.join.set_committed_version(committed[w.key.first]);  // the model's bound
     j.join.set_applied_version(w.applied_version);
+    j.join.set_process(w.process);
     // What this worker itself holds: a late rollout whose catch-up had not finished holds less
     // than the node's committed version and must be caught up by the new session (sending the
     // node's version for it made the coordinator count it as holding that version: WaitVersion

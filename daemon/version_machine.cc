@@ -37,7 +37,7 @@ bool VersionMachine::PublishAdmissible(uint64_t version) const {
   return true;
 }
 
-absl::Status VersionMachine::RecordPublish(const std::string& trainer, uint64_t version) {
+absl::Status VersionMachine::RecordPublish(const std::string& trainer, uint64_t version, const std::string& process) {
   if (!trainers_.count(trainer)) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", trainer, " is not a registered trainer of this model"));
   }
@@ -68,6 +68,7 @@ absl::Status VersionMachine::RecordPublish(const std::string& trainer, uint64_t 
   }
   if (rec.state != VState::kPublishing) return absl::OkStatus();  // idempotent
   rec.published_by.insert(trainer);
+  if (!process.empty()) rec.publisher_process[trainer] = process;
   // Only trainers are recorded, so fewer entries than trainers means someone is missing (keeps a
   // version of T trainers at O(T log T) in all, not O(T^2)).
   if (rec.published_by.size() < trainers_.size()) return absl::OkStatus();
@@ -216,6 +217,29 @@ void VersionMachine::Prune(size_t keep) {
     if (s == VState::kQueued || s == VState::kTransferring || s == VState::kPublishing) return;
     records_.erase(it);
   }
+}
+
+namespace {
+bool Unfinished(VState s) { return s == VState::kPublishing || s == VState::kQueued || s == VState::kTransferring; }
+}  // namespace
+
+std::vector<uint64_t> VersionMachine::PublishedFromAnotherProcess(const std::string& trainer, const std::string& process) const {
+  std::vector<uint64_t> out;
+  if (process.empty()) return out;
+  for (const auto& [v, rec] : records_) {
+    if (!Unfinished(rec.state)) continue;
+    auto p = rec.publisher_process.find(trainer);
+    if (p != rec.publisher_process.end() && p->second != process) out.push_back(v);
+  }
+  return out;
+}
+
+std::vector<uint64_t> VersionMachine::UnfinishedPublishedBy(const std::string& trainer) const {
+  std::vector<uint64_t> out;
+  for (const auto& [v, rec] : records_) {
+    if (Unfinished(rec.state) && rec.published_by.count(trainer) > 0) out.push_back(v);
+  }
+  return out;
 }
 
 }  // namespace wb::daemon

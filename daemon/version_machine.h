@@ -20,6 +20,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -35,6 +36,9 @@ struct VersionRecord {
   uint64_t version = 0;
   VState state = VState::kPublishing;
   std::set<std::string> published_by;
+  // Sync: the process each trainer published from, as its node identified it (JoinWorkerRequest.
+  // process; absent or empty: unknown). The version's source is that process's live memory.
+  std::map<std::string, std::string> publisher_process;
   std::set<std::string> nodes_pending;  // transferring: nodes that have not reported done
   absl::Time started = absl::InfinitePast();
   absl::Time deadline = absl::InfiniteFuture();
@@ -70,7 +74,15 @@ class VersionMachine {
   // Trainer `trainer` published `version`. FAILED_PRECONDITION for an unknown trainer, a version
   // not newer than the newest committed/started one, or one already aborted; UNAVAILABLE while
   // draining (unless the version was already being published). Idempotent per trainer.
-  absl::Status RecordPublish(const std::string& trainer, uint64_t version);
+  // `process`: the publishing process's identity (empty: unknown), kept per trainer while the
+  // version is being published (VersionRecord::publisher_process).
+  absl::Status RecordPublish(const std::string& trainer, uint64_t version, const std::string& process = "");
+  // Versions not finished (publishing, queued, transferring) that `trainer` published from a known
+  // process other than `process` (which must be known): a new process under its id does not hold
+  // them in its memory.
+  std::vector<uint64_t> PublishedFromAnotherProcess(const std::string& trainer, const std::string& process) const;
+  // Versions not finished that `trainer` published.
+  std::vector<uint64_t> UnfinishedPublishedBy(const std::string& trainer) const;
 
   // Sync mode: a rollout worker paused for the next version.
   void RecordReady(const std::string& rollout);

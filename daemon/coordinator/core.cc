@@ -284,8 +284,10 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     }
     DropWorkerLocked(model, req.worker_id(), absl::StrCat("worker ", req.worker_id(), " registered again"));
   }
+  WithdrawPublishesOfOtherProcessLocked(req.model_id(), model, req.worker_id(), req.process());
   WorkerRec rec;
   rec.node = req.node_id();
+  rec.process = req.process();
   rec.role = FromProto(req.role());
   rec.gpu = req.gpu();
   if (req.rejoin()) {
@@ -438,9 +440,34 @@ absl::Status CoordinatorCore::LeaveWorker(const pb::LeaveWorkerRequest& req, pb:
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
-  DropWorkerLocked(*m, req.worker_id(),
-                   absl::StrCat("worker ", req.worker_id(), " left", req.reason().empty() ? "" : ": ", EchoValue(req.reason())));
+  const std::string why = absl::StrCat("worker ", req.worker_id(), " left", req.reason().empty() ? "" : ": ", EchoValue(req.reason()));
+  // Sync: a trainer that left (its process exited, it deregistered) no longer promises its live
+  // memory holds what it published: those versions never start from it (or from a process that
+  // registers the same id later).
+  if (m->machine->mode() == ModeKind::kSync) {
+    for (uint64_t v : m->machine->UnfinishedPublishedBy(req.worker_id())) {
+      AbortLocked(req.model_id(), *m, v, absl::StrCat(why, " before version ", v, ", which it published, was read from its memory"));
+    }
+  }
+  DropWorkerLocked(*m, req.worker_id(), why);
   return absl::OkStatus();
+}
+
+void CoordinatorCore::WithdrawPublishesOfOtherProcessLocked(const std::string& model_id, Model& m, const std::string& worker,
+                                                            const std::string& process) {
+  // Sync: a version is read from its trainers' live memory once it starts. A trainer id joining
+  // from another process than the one that published version v (the publisher was killed and a
+  // new process took its id, before its node noticed the exit) holds other bytes - the new
+  // process's, possibly its next step half-written (chaos run: rollouts were told v22 and held
+  // v23's bytes). Unknown processes (empty: a node built before the field) are not compared.
+  if (m.machine->mode() != ModeKind::kSync) return;
+  for (uint64_t v : m.machine->PublishedFromAnotherProcess(worker, process)) {
+    const VersionRecord* rec = m.machine->Find(v);
+    const std::string old = rec != nullptr && rec->publisher_process.count(worker) > 0 ? rec->publisher_process.at(worker) : "?";
+    AbortLocked(model_id, m, v,
+                absl::StrCat("trainer ", worker, " registered again from another process (", EchoValue(process), ") than the one that published version ",
+                             v, " (", EchoValue(old), "): its memory does not hold version ", v));
+  }
 }
 
 absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::PublishResponse* resp) {
@@ -493,7 +520,10 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
                                                     m->machine->max_staleness(), " versions behind"));
   }
   if (stopping_) return absl::UnavailableError("coordinator shutting down");
-  RETURN_IF_ERROR_WITH(m->machine->RecordPublish(worker, v), absl::StrCat("publish by ", worker));
+  // (The worker's record as it is now: the waits above let go of the lock.)
+  const auto publisher = m->workers.find(worker);
+  const std::string process = publisher != m->workers.end() ? publisher->second.process : std::string();
+  RETURN_IF_ERROR_WITH(m->machine->RecordPublish(worker, v, process), absl::StrCat("publish by ", worker));
   wake_ = true;
   StatusChangedLocked();
   if (m->machine->mode() == ModeKind::kSync) {

@@ -253,6 +253,10 @@ class CoordinatorCore {
   // is stale: cancelled at once, and the newer plan queued (see core.cc).
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker left or its node was lost: abort an in-flight version it takes part in, re-plan.
+  // Sync: aborts the unfinished versions `worker` published from another known process than
+  // `process` (it registers again from a new one).
+  void WithdrawPublishesOfOtherProcessLocked(const std::string& model_id, Model& m, const std::string& worker, const std::string& process)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

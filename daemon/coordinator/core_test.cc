@@ -54,7 +54,8 @@ class Cluster {
   }
   ~Cluster() { core->Shutdown(); }
 
-  std::map<std::string, std::string> node_of;  // worker -> the node it joined through
+  std::map<std::string, std::string> node_of;     // worker -> the node it joined through
+  std::map<std::string, std::string> process_of;  // worker -> JoinWorkerRequest.process of its next Join
   uint64_t Register(const std::string& node) {
     pb::RegisterNodeRequest req;
     req.set_node_id(node);
@@ -71,6 +72,7 @@ class Cluster {
     j.set_model_id(spec.model_id());
     j.set_role(role);
     *j.mutable_model() = spec;
+    if (auto p = process_of.find(worker); p != process_of.end()) j.set_process(p->second);
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
     node_of[worker] = node;
@@ -191,6 +193,63 @@ TEST(CoreCommitTest, SyncPublishPastItsDeadlineWithdrawsTheVersion) {
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
 }
+
+// Sync: a version is read from its trainers' live memory when it starts. Its trainer killed while
+// the version waited (queued: a rollout still generating) and a new process registering the same
+// trainer id, before its node noticed the exit, must not make the version start from the new
+// process's memory (chaos run: rollouts were told v22 and held the new trainer's v23 bytes). The
+// same process registering again (a restarted node's worker replaying its registration) keeps it.
+// `leave`: the old process's exit is reported (LeaveWorker) instead, before the new one joins.
+void ReplaceTrainerProcessWhileQueued(bool same_process, bool leave) {
+  FakeClock clock;
+  Cluster c(&clock, absl::Seconds(30));
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 1, pb::MODE_SYNC);
+  c.process_of["t0"] = "4100@777";
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n1", "r0", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  // r0 is generating (not paused): version 1, published by process 4100, waits.
+  absl::Status published;
+  const absl::Time publish_deadline = clock.Now() + absl::Seconds(10);
+  std::thread publish([&] { published = c.Publish(1, 10000); });
+  ASSERT_TRUE(clock.AwaitWaiter(publish_deadline, absl::Now() + kReal));
+  if (leave) {
+    pb::LeaveWorkerRequest l;
+    l.set_node_id("n0");
+    l.set_model_id("m");
+    l.set_worker_id("t0");
+    l.set_reason("its process exited");
+    pb::LeaveWorkerResponse lr;
+    ASSERT_TRUE(c.core->LeaveWorker(l, &lr).ok());
+  }
+  c.process_of["t0"] = same_process ? "4100@777" : "5200@901";
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  publish.join();
+  if (same_process && !leave) {
+    EXPECT_TRUE(published.ok()) << published;
+    EXPECT_EQ(c.Status().models(0).committed_version(), 1u);
+    return;
+  }
+  EXPECT_TRUE(absl::IsAborted(published)) << "version 1 went on after the process that published it was replaced: " << published;
+  EXPECT_NE(published.message().find(leave ? "before version 1, which it published, was read" : "registered again from another process"),
+            std::string::npos)
+      << published;
+  EXPECT_EQ(c.fakes.at("n0")->calls().execute, 0) << "version 1 was started from the new process's memory";
+  EXPECT_EQ(c.Status().models(0).committed_version(), 0u);
+  // The new process's own version goes through.
+  ASSERT_TRUE(c.Ready("r0").ok());
+  published = c.Publish(2, 10000);
+  EXPECT_TRUE(published.ok()) << published;
+  EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+}
+
+TEST(CoreCommitTest, SyncVersionOfAReplacedTrainerProcessNeverStarts) { ReplaceTrainerProcessWhileQueued(false, false); }
+TEST(CoreCommitTest, SyncVersionOfATrainerWhoseProcessLeftNeverStarts) { ReplaceTrainerProcessWhileQueued(false, true); }
+TEST(CoreCommitTest, SyncVersionSurvivesItsTrainerProcessRegisteringAgain) { ReplaceTrainerProcessWhileQueued(true, false); }
 
 // The AbortVersion of a failed sync commit that a node which acknowledged the commit did not get
 // (UNAVAILABLE) is sent again until the node answers: before, it was sent once, and the node kept

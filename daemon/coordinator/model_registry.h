@@ -81,6 +81,9 @@ class ModelRegistry {
     uint64_t stale_version = 0;
     std::string stale_error;
     uint64_t serial = 0;           // unique per registration (a catch-up notices a re-registered worker)
+    // The worker's process as its node identified it (JoinWorkerRequest.process; empty: unknown).
+    // Sync: a trainer's publish is read from this process's live memory.
+    std::string process;
   };
   // A catch-up in progress (catch_up.cc): `version` (committed) again, from the rollouts that hold
   // it to the late ones, on its own plan epoch; normal versions wait until it ends.

@@ -35,6 +35,8 @@ bool PidWatch::IsLive(int other) const {
   return other == pid && start_time != 0 && Alive() && ProcessStartTime(other) == start_time;
 }
 
+std::string PidWatch::Identity() const { return start_time == 0 ? std::string() : absl::StrCat(pid, "@", start_time); }
+
 absl::StatusOr<std::shared_ptr<PidWatch>> PidWatch::Open(int pid, const std::string& who) {
   auto watch = std::make_shared<PidWatch>();
   watch->pid = pid;
@@ -287,6 +289,7 @@ std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
     j.committed_version = w.committed_version;
     j.has_layout = w.has_layout;
     j.submitted = w.submitted;
+    if (w.pid) j.process = w.pid->Identity();
     out.push_back(std::move(j));
   }
   return out;

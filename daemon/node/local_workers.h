@@ -53,6 +53,8 @@ struct PidWatch {
   // `pid` is the very process watched, still alive: same pid and start time (immune to pid reuse
   // also where the kernel has no pidfd).
   bool IsLive(int pid) const;
+  // "<pid>@<start time>" (JoinWorkerRequest.process), empty when the start time is unknown.
+  std::string Identity() const;
   // Watches `pid`; INVALID_ARGUMENT naming `who` when no such process exists.
   static absl::StatusOr<std::shared_ptr<PidWatch>> Open(int pid, const std::string& who);
 };
@@ -130,6 +132,7 @@ class LocalWorkers {
     uint64_t committed_version = 0;  // the worker's own (its committed copy), not the node's
     bool has_layout = false;
     pb::SubmitLayoutRequest submitted;
+    std::string process;  // PidWatch::Identity of its process (empty: not watched / unknown)
   };
   // One copy of staging into a local rollout's live memory (sync commit or Apply).
   struct LiveJob {

@@ -78,7 +78,16 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
     LocalWorkers::WorkerKey key;
     ~Joined() { workers->EndJoin(key); }
   } joined{&local_, key};
+  // The process is watched from before the join, so the coordinator learns which process this is
+  // (JoinWorkerRequest.process) and a pid with no process is refused before anything is recorded.
+  std::shared_ptr<PidWatch> watch;
+  if (req.pid() > 0) {
+    auto opened = PidWatch::Open(req.pid(), absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id()));
+    if (!opened.ok()) return opened.status();
+    watch = std::move(*opened);
+  }
   pb::JoinWorkerRequest j;
+  if (watch) j.set_process(watch->Identity());
   j.set_node_id(options_.node_id);
   j.set_worker_id(req.worker_id());
   j.set_model_id(req.model_id());
@@ -96,11 +105,7 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
   w.spec = jr.has_model() ? jr.model() : req.model();
   if (w.spec.model_id().empty()) w.spec.set_model_id(req.model_id());
   w.registration = req;
-  if (req.pid() > 0) {
-    auto watch = PidWatch::Open(req.pid(), absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id()));
-    if (!watch.ok()) return watch.status();
-    w.pid = std::move(*watch);
-  }
+  w.pid = std::move(watch);
   auto inv = InventoryFromProto(jr.tensors());
   local_.Add(key, std::move(w), inv.ok() ? std::optional<planner::Inventory>(std::move(*inv)) : std::nullopt);
   Log(LogLevel::kInfo, "worker registered",
