@@ -96,11 +96,19 @@ absl::Status Versions::InstallPlan(const pb::InstallPlanRequest& req) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch) {
+absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch,
+                                                              std::optional<bool> want_catch_up) {
   // Catch-up (docs/daemon.md "Catch-up"): the epoch of the installed catch-up slice; its version is
   // already committed (and may have been aborted by an earlier catch-up attempt).
   auto cu = catch_up_plans_.find(model_id);
-  const bool catch_up = cu != catch_up_plans_.end() && cu->second->slice.plan_epoch() == epoch;
+  bool catch_up = cu != catch_up_plans_.end() && cu->second->slice.plan_epoch() == epoch;
+  if (want_catch_up.has_value() && *want_catch_up != catch_up) {
+    if (*want_catch_up) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("catch-up slice of plan epoch ", epoch, " of model ", model_id, " is not installed on node ", options_.node_id));
+    }
+    catch_up = false;  // the coordinator runs a version of its plan: a catch-up slice is not it
+  }
   auto it = execs_.find({model_id, version});
   if (it != execs_.end() && catch_up && (!it->second->catch_up || it->second->epoch != epoch)) {
     return absl::FailedPreconditionError(absl::StrCat("catch-up of model ", model_id, " version ", version, " on node ", options_.node_id,
@@ -162,8 +170,13 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   // abort still on its way here): dropped before this version's staging is charged to the node's
   // budget, which they would otherwise still hold.
   local_.DropSnapshotsBefore(req.model_id(), req.version());
-  auto exec = GetExecLocked(req.model_id(), req.version(), req.plan_epoch());
+  auto exec = GetExecLocked(req.model_id(), req.version(), req.plan_epoch(), req.catch_up());
   if (!exec.ok()) return exec.status();
+  if ((*exec)->catch_up != req.catch_up()) {
+    return absl::FailedPreconditionError(absl::StrCat("version ", req.version(), " of model ", req.model_id(), " plan epoch ", req.plan_epoch(),
+                                                      " is held on node ", options_.node_id, " as ", (*exec)->catch_up ? "a catch-up" : "a version",
+                                                      ", asked to run as ", req.catch_up() ? "a catch-up" : "a version"));
+  }
   if ((*exec)->started) return absl::OkStatus();
   (*exec)->started = true;
   (*exec)->coordinator_instance = req.coordinator_instance();
@@ -612,6 +625,11 @@ std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& r
       for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
     }
     execs_.clear();
+    // Catch-up slices belong to the coordinator session that installed them. A new session numbers
+    // its plan epochs from 1 again: a slice left here under the same number as its plan made every
+    // peer's ExchangeRegions of that epoch find the catch-up slice ("node n0 is not in plan epoch
+    // 4") and every version of the new session fail until its membership changed (chaos run).
+    catch_up_plans_.clear();
     rolled_back = RollBackUnconfirmedLocked(reason);
     local_.NoteRejoin(reason);
     committed = committed_;

@@ -246,7 +246,10 @@ class Versions {
   // Drops an execution no ExecuteVersion started (made by a peer's ExchangeRegions), releasing its
   // staging reservation; nothing when it started or was already replaced.
   void ReapUnstartedLocked(const std::shared_ptr<Exec>& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch)
+  // `want_catch_up` (ExecuteVersionRequest.catch_up) decides which slice an execution runs; unset
+  // (a peer's ExchangeRegions) the installed catch-up slice of `epoch` if there is one.
+  absl::StatusOr<std::shared_ptr<Exec>> GetExecLocked(const std::string& model_id, uint64_t version, uint64_t epoch,
+                                                      std::optional<bool> want_catch_up = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).
   std::vector<LocalWorkers::LiveJob> CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

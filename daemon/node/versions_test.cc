@@ -324,6 +324,52 @@ TEST_F(VersionsTest, ExchangeRegionsForAnUninstalledPlanEpochNamesIt) {
   EXPECT_NE(s.message().find("plan epoch 7 of model m is not installed on node n0"), std::string::npos) << s;
 }
 
+// A catch-up slice belongs to the coordinator session that installed it. After a coordinator
+// restart the new session numbers its plan epochs from 1 again; a slice left here under the number
+// of the new plan made every peer's ExchangeRegions of that epoch run the catch-up slice, which
+// does not name the peer ("node 'n0' is not in plan epoch 4"): every version of the new session
+// failed (chaos run). The re-join drops the old session's catch-up slices.
+TEST_F(VersionsTest, ACatchUpSliceOfTheLastCoordinatorSessionIsNotThePlanOfTheNext) {
+  pb::InstallPlanRequest cu;
+  pb::PlanSlice* s = cu.mutable_slice();
+  s->set_model_id("m");
+  s->set_plan_epoch(1);
+  s->set_catch_up(true);
+  s->set_num_buckets(1);
+  pb::PlanWorker* src = s->add_workers();
+  src->set_worker_id("rollout/1");
+  src->set_node_id("n2");
+  src->set_role(pb::ROLE_ROLLOUT);
+  pb::PlanWorker* late = s->add_workers();
+  late->set_worker_id("rollout/0");
+  late->set_node_id("n0");
+  late->set_role(pb::ROLE_ROLLOUT);
+  ASSERT_TRUE(versions_->InstallPlan(cu).ok());
+  (void)versions_->AbortAllForRejoin("coordinator restarted");
+  InstallPlan();  // the new session's plan epoch 1: trainer on n0, rollout on n1
+  const absl::Time deadline = clock_.Now() + absl::Seconds(60);
+  absl::Status exchanged = daemon::testing::EndsAtSimulatedDeadline(clock_, deadline, [&] {
+    pb::ExchangeRegionsResponse resp;
+    return versions_->ExchangeRegions(Exchange(1), &resp);  // from n1
+  });
+  // Accepted (n1 is in the plan): it waits for the version to start here.
+  EXPECT_EQ(exchanged.code(), absl::StatusCode::kDeadlineExceeded) << exchanged;
+  EXPECT_NE(exchanged.message().find("version 1 did not start in time"), std::string::npos) << exchanged;
+}
+
+// ExecuteVersion says whether it runs a catch-up: a catch-up of an epoch whose catch-up slice is
+// not installed here is refused, naming it (not run with the plan of the same number).
+TEST_F(VersionsTest, ACatchUpOfAnEpochWithoutItsSliceIsRefused) {
+  InstallPlan();
+  pb::ExecuteVersionRequest e;
+  e.set_model_id("m");
+  e.set_version(1);
+  e.set_plan_epoch(1);
+  e.set_catch_up(true);
+  absl::Status s = versions_->ExecuteVersion(e);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("catch-up slice of plan epoch 1 of model m is not installed on node n0"), std::string::npos) << s;
+}
 
 // A peer's ExchangeRegions for a version this node is never told of (hostile, or a peer that
 // raced an abort) made an execution that reserved the rollouts' staging until a restart: every
