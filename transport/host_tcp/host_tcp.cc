@@ -578,6 +578,7 @@ class HostTcpTransport : public Transport {
         }
       } unawait{awaited_, inst};
       auto ready = [&] {
+        DropClosedParkedLocked(inst);
         auto it = pending_.find(inst);
         return stopping_ || (it != pending_.end() && !it->second.fds.empty() &&
                              static_cast<int>(it->second.fds.size()) == it->second.total);
@@ -891,6 +892,7 @@ class HostTcpTransport : public Transport {
     c.parked_connections = parked_count_;
     c.parked_refused = parked_refused_;
     c.parked_expired = parked_expired_;
+    c.parked_hung_up = parked_hung_up_;
     c.hellos_refused = hellos_refused_;
     c.hellos_unknown_instance = hellos_unknown_instance_;
     c.peer_secrets = static_cast<int64_t>(peer_secrets_.size());
@@ -1207,6 +1209,28 @@ class HostTcpTransport : public Transport {
     self->done = true;
     UncountLocked(*self);
     accept_cv_.SignalAll();
+  }
+
+  // Closes the parked connections of `inst` that their dialer closed meanwhile (hung up: its
+  // Connect went through while no Connect here took them - the acceptor's version ended first -,
+  // then it disconnected that channel). Taken, they would be a dead channel, and the dialer's next
+  // connections would be parked in their place, one round late, for good. A stream the dialer
+  // connects again replaces its parked one anyway (AcceptOne); this drops the ones it did not yet.
+  void DropClosedParkedLocked(const std::string& inst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = pending_.find(inst);
+    if (it == pending_.end()) return;
+    for (auto f = it->second.fds.begin(); f != it->second.fds.end();) {
+      pollfd p{f->second, POLLRDHUP, 0};
+      if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
+        close(f->second);
+        --parked_count_;
+        ++parked_hung_up_;
+        f = it->second.fds.erase(f);
+      } else {
+        ++f;
+      }
+    }
+    if (it->second.fds.empty()) pending_.erase(it);
   }
 
   // Closes the parked connections of every claimed instance that no Connect is waiting for and
@@ -1623,6 +1647,7 @@ class HostTcpTransport : public Transport {
   int64_t parked_refused_ ABSL_GUARDED_BY(mu_) = 0;
   std::string last_parked_refused_inst_ ABSL_GUARDED_BY(mu_);
   int64_t parked_expired_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t parked_hung_up_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hellos_refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hellos_unknown_instance_ ABSL_GUARDED_BY(mu_) = 0;
   // The secret made for each peer that dials this transport, handed out in ExportEndpoint(peer).

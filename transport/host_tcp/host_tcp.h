@@ -83,6 +83,7 @@ struct HostTcpCounters {
   int64_t parked_connections = 0;    // now: authenticated connections waiting for a Connect
   int64_t parked_refused = 0;        // hellos closed before authentication: max_parked_connections
   int64_t parked_expired = 0;        // parked connections closed: no Connect within parked_timeout
+  int64_t parked_hung_up = 0;        // parked connections a Connect found closed by their dialer (dropped)
   int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, or a
                                      // claimed instance that cannot dial this one (not smaller)
   int64_t hellos_unknown_instance = 0;  // hellos closed before authentication: this transport holds

@@ -1373,6 +1373,42 @@ TEST(HostTcpLimitsTest, UnclaimedParkedConnectionsExpire) {
   ExpectMovesBytes(dialer, *dialed, acceptor, *accepted, 1 << 20);
 }
 
+// Chaos run (tests/soak:chaos_delta_test, rollout nodes relaying to each other, a node killed):
+// one version ended on the acceptor before its Connect while the dialer's Connect went through
+// (its connections parked), then the dialer's version failed and it disconnected them. The next
+// version's Connect on the acceptor took those closed, parked connections at once and the dialer's
+// fresh ones were parked in their place, one round late: every later version between the two
+// nodes failed ("host_tcp peer X is disconnected: ... vanished (control connection closed)")
+// until one of them restarted. A Connect drops parked connections their dialer closed and waits
+// for live ones.
+TEST(HostTcpLimitsTest, AConnectTakesNoParkedConnectionTheDialerClosed) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(ep.ok() && dialer_ep.ok());
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  // Round 1: only the dialer connects (the acceptor's version ended first); then it drops them.
+  auto first = dialer.Connect(*ep, deadline);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(Eventually([&] { return CountersOf(acceptor).parked_connections == 3; }));
+  ASSERT_TRUE(dialer.Disconnect(*first).ok());
+  // Round 2: the acceptor's Connect comes first and deals with the parked connections (takes or
+  // drops them) before the dialer dials again.
+  absl::StatusOr<PeerId> accepted = absl::UnknownError("not run");
+  std::thread th([&] { accepted = acceptor.Connect(*dialer_ep, deadline); });
+  ASSERT_TRUE(Eventually([&] { return CountersOf(acceptor).parked_connections == 0; }));
+  auto second = dialer.Connect(*ep, deadline);
+  th.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  ExpectMovesBytes(dialer, *second, acceptor, *accepted, 1 << 20);
+  ExpectMovesBytes(acceptor, *accepted, dialer, *second, 1 << 20);
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
+}
+
 // ---------------------------------------------------------------- per-peer secrets
 
 // Three transports with `limits`, ordered by instance id: [0] and [1] dial [2].
