@@ -124,6 +124,7 @@ absl::StatusOr<std::unique_ptr<PeerCredListener>> PeerCredListener::Bind(const s
   int rc = ::bind(l->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   ::umask(old);
   if (rc != 0) return absl::UnavailableError(Errno(absl::StrCat("bind ", path)));
+  l->bound_ = BoundSocketPath::Note(path);
   if (::chmod(path.c_str(), mode) != 0) return absl::InternalError(Errno(absl::StrCat("chmod ", path)));
   if (::listen(l->listen_fd_, 128) != 0) return absl::UnavailableError(Errno(absl::StrCat("listen ", path)));
   l->stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
@@ -147,7 +148,7 @@ void PeerCredListener::Stop() {
   if (listen_fd_ >= 0) {
     ::close(listen_fd_);
     listen_fd_ = -1;
-    ::unlink(path_.c_str());
+    bound_.UnlinkIfStillOurs();  // not a socket another daemon bound at this path since
   }
   if (stop_fd_ >= 0) {
     ::close(stop_fd_);

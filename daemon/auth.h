@@ -27,6 +27,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "base/socket_path.h"
 #include "daemon/limits.h"
 #include "proto/weightbridge.grpc.pb.h"
 
@@ -71,6 +72,7 @@ class PeerCredListener {
   PeerCredListener() = default;
   void AcceptLoop();
   std::string path_;
+  BoundSocketPath bound_;  // the socket file this listener created (removed at Stop only while still ours)
   int listen_fd_ = -1;
   int stop_fd_ = -1;  // eventfd: wakes the accept loop
   grpc::Server* server_ = nullptr;

@@ -205,6 +205,21 @@ TEST_F(WorkerFrontTest, SocketIsGroupOnly) {
   EXPECT_TRUE(S_ISSOCK(st.st_mode));
 }
 
+// A daemon stopping after another one bound the same worker socket path (a restart into the same
+// directory while the old one was still stopping) left the new daemon without its socket file:
+// its workers could not connect. It removes only the socket it bound.
+TEST(PeerCredListenerTest, StoppingLeavesTheSocketOfADaemonBoundSince) {
+  const std::string path = absl::StrCat("/tmp/wbauth-", ::getpid(), "-two.sock");
+  auto first = PeerCredListener::Bind(path, 0660);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = PeerCredListener::Bind(path, 0660);
+  ASSERT_TRUE(second.ok()) << second.status();
+  (*first)->Stop();
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "the first listener's Stop removed the second's socket";
+  (*second)->Stop();
+  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the second listener left its socket behind";
+}
+
 TEST_F(WorkerFrontTest, OwnerProcessMayActAnotherProcessMayNot) {
   ASSERT_TRUE(Register("w").ok());
   grpc::ClientContext ctx;

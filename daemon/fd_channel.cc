@@ -44,6 +44,7 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Bind(const std::string& pa
       ::listen(c->listen_fd_, 64) != 0) {
     return absl::UnavailableError(absl::StrCat("fd channel: cannot listen on ", path, ": ", std::strerror(errno)));
   }
+  c->bound_ = BoundSocketPath::Note(path);
   c->thread_ = std::thread([raw = c.get()] { raw->Serve(); });
   return c;
 }
@@ -67,7 +68,7 @@ void FdChannel::Stop() {
     (void)!::write(stop_fd_, &one, sizeof(one));
   }
   if (thread_.joinable()) thread_.join();
-  ::unlink(path_.c_str());
+  bound_.UnlinkIfStillOurs();  // not a socket another daemon bound at this path since
 }
 
 // One poll loop over the listener and every open connection: each ready connection gets one

@@ -46,6 +46,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/fd_passing.h"
+#include "base/socket_path.h"
 #include "daemon/auth.h"
 
 namespace wb::daemon {
@@ -114,6 +115,7 @@ class FdChannel {
   size_t ReleaseDeadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::string path_;
+  BoundSocketPath bound_;  // the socket file this channel created (removed at Stop only while still ours)
   Authorize authorize_;
   FdChannelLimits limits_;
   int listen_fd_ = -1;

@@ -124,7 +124,8 @@ void Server::Shutdown() {
   if (front_) front_->Stop();  // no new worker connections
   if (unix_server_) unix_server_->Shutdown(deadline);
   if (tcp_server_) tcp_server_->Shutdown(deadline);
-  if (!options_.worker_socket.empty() && node_) ::unlink(options_.worker_socket.c_str());
+  // (The worker socket file went with front_->Stop(): its listener removes it only while the path
+  // still names the socket it bound, never one a daemon started since bound there.)
 }
 
 }  // namespace wb::daemon

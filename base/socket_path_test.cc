@@ -1,0 +1,62 @@
+#include "base/socket_path.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace wb {
+namespace {
+
+// Binds a listening Unix socket at `path`; returns its fd.
+int BindAt(const std::string& path) {
+  EXPECT_LT(path.size(), sizeof(sockaddr_un::sun_path));
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ::unlink(path.c_str());
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  return fd;
+}
+
+// (Under /tmp: bazel's TEST_TMPDIR is longer than a Unix socket path may be.)
+std::string TempPath(const char* name) { return "/tmp/wbsock-" + std::to_string(::getpid()) + "-" + name; }
+
+TEST(BoundSocketPathTest, RemovesItsOwnSocket) {
+  const std::string path = TempPath("own.sock");
+  int fd = BindAt(path);
+  BoundSocketPath b = BoundSocketPath::Note(path);
+  EXPECT_TRUE(b.UnlinkIfStillOurs());
+  EXPECT_NE(::access(path.c_str(), F_OK), 0);
+  ::close(fd);
+}
+
+// A second daemon bound the same path after the first (which unlinks a stale socket before its
+// bind): the first one stopping leaves the second's socket alone.
+TEST(BoundSocketPathTest, LeavesASocketAnotherOwnerBoundSince) {
+  const std::string path = TempPath("shared.sock");
+  int first = BindAt(path);
+  BoundSocketPath b = BoundSocketPath::Note(path);
+  int second = BindAt(path);  // unlinks the first's file, binds a new one
+  EXPECT_FALSE(b.UnlinkIfStillOurs());
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "the second owner's socket was removed";
+  BoundSocketPath b2 = BoundSocketPath::Note(path);
+  EXPECT_TRUE(b2.UnlinkIfStillOurs());
+  ::close(first);
+  ::close(second);
+}
+
+TEST(BoundSocketPathTest, NothingRecordedNothingRemoved) {
+  BoundSocketPath none;
+  EXPECT_FALSE(none.UnlinkIfStillOurs());
+  BoundSocketPath missing = BoundSocketPath::Note(TempPath("never-bound.sock"));
+  EXPECT_FALSE(missing.UnlinkIfStillOurs());
+}
+
+}  // namespace
+}  // namespace wb
