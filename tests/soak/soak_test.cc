@@ -8,7 +8,9 @@
 //                do not turn it into a lease loss; the test checks the coordinator lost no lease);
 //   worker_exit  rollout/1 (on n0) killed -9 and a fresh process started for the same rank;
 //   coord_restart kill -9 of the coordinator and a restart on the same address (the nodes re-join
-//                with their workers, layouts and committed versions).
+//                with their workers, layouts and committed versions);
+//   trainer_restart both trainer ranks killed -9 a moment apart and a new pair started at the
+//                version after the newest they had touched.
 // Workers are tests/e2e's trainer_worker / rollout_worker (tiny Qwen2 config, presets resolved by
 // the daemons): every applied version is checked byte for byte, and after every failed version
 // the rollout checks its live weights are still exactly the previous version (no partial apply).
@@ -271,8 +273,9 @@ void RunSoak(const std::string& mode) {
   run.layout_source = "preset";
   run.tolerate_failures = true;
   std::vector<Process*> trainers, rollouts, killed;
-  for (int r = 0; r < 2; ++r) {
-    WorkerSpec w{.trainer = true, .node = 0, .preset = "megatron", .tp = 2, .rank = r, .step_ms = 60};
+  const WorkerSpec trainer_spec[2] = {{.trainer = true, .node = 0, .preset = "megatron", .tp = 2, .rank = 0, .step_ms = 60},
+                                      {.trainer = true, .node = 0, .preset = "megatron", .tp = 2, .rank = 1, .step_ms = 60}};
+  for (const WorkerSpec& w : trainer_spec) {
     auto p = c->SpawnWorker(run, w);
     ASSERT_TRUE(p.ok()) << p.status();
     trainers.push_back(*p);
@@ -293,7 +296,7 @@ void RunSoak(const std::string& mode) {
   // The schedule: every kind at least twice, the rest random, shuffled; fault k is injected once
   // trainer/0 reached version `milestone(k)` (spread over the first 80% of the versions, so the
   // tail completes without faults).
-  std::vector<std::string> kinds = {"node_kill", "tcp_drop", "slow_peer", "worker_exit", "coord_restart"};
+  std::vector<std::string> kinds = {"node_kill", "tcp_drop", "slow_peer", "worker_exit", "coord_restart", "trainer_restart"};
   if (const char* only = std::getenv("WB_SOAK_KINDS"); only != nullptr && *only != '\0') {
     kinds = absl::StrSplit(only, ',', absl::SkipEmpty());  // e.g. WB_SOAK_KINDS=tcp_drop,node_kill
   }
@@ -343,6 +346,32 @@ void RunSoak(const std::string& mode) {
       absl::SleepFor(pause);  // the fault itself: n1 frozen this long
       c->node(1)->Signal(SIGCONT);
       detail = absl::FormatDuration(pause);
+    } else if (kind == "trainer_restart") {
+      // Both trainer ranks killed -9 (a moment apart, mid-step or mid-publish), then a new pair
+      // started at the version after the newest either had touched: what a framework restarting
+      // its training job from a checkpoint does. A version the old pair published must never be
+      // read from the new processes' memory (sync: the trainers' live weights are the source).
+      const int first = static_cast<int>(rng() % 2);
+      trainers[first]->Kill();
+      absl::SleepFor(absl::Milliseconds(rng() % 200));  // the fault itself: the second rank dies later
+      trainers[1 - first]->Kill();
+      uint64_t touched = 0;
+      for (Process* t : trainers) {
+        ASSERT_TRUE(t->WaitExit(absl::Seconds(10)).ok());
+        for (const json& e : t->Events()) touched = std::max(touched, U64(e, "version"));
+        killed.push_back(t);
+      }
+      RunOptions again = run;
+      again.first_version = static_cast<int>(touched) + 1;
+      again.versions = versions - static_cast<int>(touched);  // (--versions counts from --first_version)
+      ASSERT_GE(again.versions, 1) << "trainer_restart after the last version";
+      for (int r = 0; r < 2; ++r) {
+        auto p = c->SpawnWorker(again, trainer_spec[r]);
+        ASSERT_TRUE(p.ok()) << p.status();
+        trainers[r] = *p;
+      }
+      newest_before = touched;
+      detail = absl::StrCat("rank ", first, " first, restart at v", touched + 1);
     } else if (kind == "coord_restart") {
       // kill -9 of the coordinator, restarted on the same address: the nodes re-join with their
       // workers, layouts and committed versions; a version in flight is aborted everywhere.
@@ -411,9 +440,14 @@ void RunSoak(const std::string& mode) {
       if (ev == "version_failed") ++version_failed;
     }
   }
-  for (const json& e : trainers[0]->Events()) {
-    if (Str(e, "event") == "published") ++published;
-    if (Str(e, "event") == "publish_failed") ++publish_failed;
+  std::vector<Process*> every_process = trainers;  // trainer/0's versions, over its restarts too
+  every_process.insert(every_process.end(), killed.begin(), killed.end());
+  for (Process* p : every_process) {
+    for (const json& e : p->Events()) {
+      if (Str(e, "worker") != "trainer/0") continue;
+      if (Str(e, "event") == "published") ++published;
+      if (Str(e, "event") == "publish_failed") ++publish_failed;
+    }
   }
   auto final_status = c->Status();
   ASSERT_TRUE(final_status.ok()) << final_status.status();
