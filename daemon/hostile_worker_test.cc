@@ -145,6 +145,50 @@ TEST(HostileMemoryTest, FifoAndOpenModeSegmentsAreRefusedAtOnce) {
   c.Stop();
 }
 
+// An index probe whose values are all below -1 (no index, and not -1, padding) was taken as pure
+// padding: the local tensor was dropped without a word (hostile probe, 2026-12-07). Refused now,
+// naming the value; -1 alone is still padding.
+TEST(HostileMemoryTest, AProbeOfValuesBelowMinusOneIsRefused) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  ASSERT_TRUE(c.RegisterWorker(r0, spec).ok());
+  // A local tensor of 4 elements at byte 0; its probe (4 x int64) at byte 64 of the same buffer.
+  auto register_probe = [&](int64_t value) {
+    int64_t* probe = reinterpret_cast<int64_t*>(static_cast<uint8_t*>(r0.seg.data()) + 64);
+    for (int i = 0; i < 4; ++i) probe[i] = value;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pb::RegisterLayoutRequest rl;
+    rl.set_model_id("m");
+    rl.set_worker_id("r0");
+    pb::BufferSpec* b = rl.add_buffers();
+    b->set_buffer_id(7);
+    b->set_size_bytes(static_cast<uint64_t>(r0.seg.size()));
+    b->set_shm_name(r0.seg.name());
+    b->set_gpu(-1);
+    pb::IndexProbe::LocalTensor* lt = rl.mutable_layout()->mutable_index_probe()->add_tensors();
+    lt->set_buffer_id(7);
+    lt->set_offset_bytes(0);
+    lt->add_shape(4);
+    lt->set_probe_buffer_id(7);
+    lt->set_probe_offset_bytes(64);
+    pb::RegisterLayoutResponse rlr;
+    return r0.stub->RegisterLayout(&ctx, rl, &rlr);
+  };
+  grpc::Status s = register_probe(-5);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("probe value -5 is neither -1 (padding) nor an index"), std::string::npos) << s.error_message();
+  // Padding only (-1): not refused as a bad probe value (the layout maps nothing, which the layout
+  // rules may refuse on their own terms).
+  s = register_probe(-1);
+  EXPECT_EQ(s.error_message().find("neither -1"), std::string::npos) << s.error_message();
+  c.Stop();
+}
+
 // ------------------------------------------------------------------ worker-binding races (issue 15.14)
 
 // Publish racing Deregister + RegisterWorker of the same worker id (same process: allowed) must

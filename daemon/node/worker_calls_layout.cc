@@ -69,6 +69,12 @@ absl::StatusOr<pb::ExplicitPieces> ResolveIndexProbe(const planner::Inventory& i
     for (const int64_t& value : values) {
       // Read once (the worker may rewrite its probe meanwhile: ExtractPieces checks every value again).
       const int64_t v = *static_cast<const volatile int64_t*>(&value);
+      // -1 is padding; anything below it is no index at all (a probe of only such values was
+      // taken as pure padding: hostile probe, 2026-12-07).
+      if (v < -1) {
+        return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": probe value ", v, " is neither -1 (padding) nor an index in [0, ",
+                                                       total, ")"));
+      }
       if (v < 0) continue;
       if (v >= total) return absl::InvalidArgumentError(absl::StrCat("local tensor ", t, ": index ", v, " out of range"));
       size_t k = static_cast<size_t>(std::upper_bound(bases.begin(), bases.end(), v) - bases.begin()) - 1;
