@@ -166,6 +166,40 @@ TEST(EndUpdateTest, ALateRolloutCaughtUpWhileTheNextVersionWaitsHoldsWhatItWasTo
   c.Stop();
 }
 
+// A rollout paused by BeginUpdate after version 1 asks WaitVersion(1); the coordinator answers
+// "committed 1" while version 2 (which could start: every rollout paused) is committing - its copy
+// into r1's live weights done or running on n1, n0's held midway. The node resumes r1 on that
+// answer (the wait-answered resume) once the copy into it ended: the answer must say what r1's
+// live weights hold then, version 2, not the coordinator's 1 (chaos run: told v104, held v105).
+TEST(EndUpdateTest, AWaitAnsweredWhileTheNextVersionCommitsNamesWhatTheWeightsHold) {
+  planner::Inventory inv = SmallInventory();
+  auto held = std::make_shared<absl::Notification>();
+  auto release = std::make_shared<absl::Notification>();
+  Cluster c;
+  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [held, release](const std::string& label) {
+                                                    if (label == "commit r0 v2 midway") {
+                                                      held->Notify();
+                                                      release->WaitForNotificationWithTimeout(absl::Seconds(60));
+                                                    }
+                                                    return absl::OkStatus();
+                                                  }});
+  ASSERT_FALSE(Test::HasFailure());
+  for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(BeginUpdateAs(*r, 20000).ok());
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&w.t0, &w.t1}, {}); });
+  ASSERT_TRUE(held->WaitForNotificationWithTimeout(absl::Seconds(30))) << "the commit's copy into r0 never started";
+  pb::WaitVersionResponse wv;
+  grpc::Status s = WaitVersionAs(w.r1, "m", 1, 20000, &wv);
+  release->Notify();
+  publisher.join();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  for (const grpc::Status& p : published) EXPECT_TRUE(p.ok()) << p.error_message();
+  EXPECT_EQ(CountBad(w.r1, wv.committed_version()), 0)
+      << "WaitVersion answered " << wv.committed_version() << " but r1's live weights hold another version";
+  c.Stop();
+}
+
 // EndUpdate while the commit's copy into the rollout's live weights runs (held midway by the
 // node's live-copy hook): it waits for it, bounded by its timeout (DEADLINE_EXCEEDED naming
 // worker, model, node and version), and once the copy ended answers what the live weights hold.

@@ -391,8 +391,13 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
     if (!req.worker_id().empty() && local_.PausedAfter({req.model_id(), req.worker_id()}, req.version())) {
       absl::StatusOr<LocalWorkers::Ended> ended = local_.EndUpdate({req.model_id(), req.worker_id()}, deadline);
       if (!ended.ok()) return ended.status();
+      // The coordinator answered before this resume and still counted the rollout paused: a newer
+      // version may have committed into its live weights in between (chaos run: told v104, held
+      // v105). EndUpdate waited for any such copy; the answer is what the weights hold now.
+      if (ended->applied_version > resp->committed_version()) resp->set_committed_version(ended->applied_version);
       Log(LogLevel::kDebug, "rollout resumed (WaitVersion for a version committed before its pause)",
-          {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()}});
+          {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()},
+           {"holds", ended->applied_version}});
     }
   }
   return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
