@@ -6,6 +6,7 @@
 // in one process (daemon/multinode_fixture.h); every rollout byte checked.
 #include <grpcpp/grpcpp.h>
 
+#include <memory>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -23,6 +24,19 @@ void PublishOnly(Cluster& c, uint64_t v, TwoNodeWorkers& w) {
   for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, v, {&w.t0, &w.t1}, {})) {
     EXPECT_TRUE(s.ok()) << "publish v" << v << ": " << s.error_message();
   }
+}
+
+// Sync setup whose n0 holds the commit's copy of version 2 into r0 midway: `held` is notified
+// there and the copy waits for `release` (bounded: a test that fails before releasing it must not
+// hang the node).
+TwoNodeSetup HoldingR0sCopyOfV2(std::shared_ptr<absl::Notification> held, std::shared_ptr<absl::Notification> release) {
+  return {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [held, release](const std::string& label) {
+            if (label == "commit r0 v2 midway") {
+              held->Notify();
+              release->WaitForNotificationWithTimeout(absl::Seconds(60));
+            }
+            return absl::OkStatus();
+          }};
 }
 
 TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
@@ -176,13 +190,7 @@ TEST(EndUpdateTest, AWaitAnsweredWhileTheNextVersionCommitsNamesWhatTheWeightsHo
   auto held = std::make_shared<absl::Notification>();
   auto release = std::make_shared<absl::Notification>();
   Cluster c;
-  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [held, release](const std::string& label) {
-                                                    if (label == "commit r0 v2 midway") {
-                                                      held->Notify();
-                                                      release->WaitForNotificationWithTimeout(absl::Seconds(60));
-                                                    }
-                                                    return absl::OkStatus();
-                                                  }});
+  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, HoldingR0sCopyOfV2(held, release));
   ASSERT_FALSE(Test::HasFailure());
   for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(BeginUpdateAs(*r, 20000).ok());
@@ -208,14 +216,7 @@ TEST(EndUpdateTest, EndUpdateWaitsForACopyIntoTheLiveWeightsThatIsRunning) {
   auto held = std::make_shared<absl::Notification>();
   auto release = std::make_shared<absl::Notification>();
   Cluster c;
-  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [held, release](const std::string& label) {
-                                                    if (label == "commit r0 v2 midway") {
-                                                      held->Notify();
-                                                      // Bounded: a test that fails before releasing it must not hang the node.
-                                                      release->WaitForNotificationWithTimeout(absl::Seconds(60));
-                                                    }
-                                                    return absl::OkStatus();
-                                                  }});
+  TwoNodeWorkers w = StartTwoNodeCluster(c, inv, HoldingR0sCopyOfV2(held, release));
   ASSERT_FALSE(Test::HasFailure());
   for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   std::vector<grpc::Status> published;

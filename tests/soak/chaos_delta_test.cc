@@ -50,6 +50,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/harness.h"
+#include "tests/soak/soak_util.h"
 
 namespace wb::e2e {
 namespace {
@@ -59,18 +60,6 @@ using nlohmann::json;
 
 constexpr int kRolloutNodes = 3;
 
-uint64_t U64(const json& e, const char* key) {
-  return e.contains(key) && e[key].is_number_unsigned() ? e[key].get<uint64_t>() : 0;
-}
-std::string Str(const json& e, const char* key) {
-  return e.contains(key) && e[key].is_string() ? e[key].get<std::string>() : "";
-}
-uint64_t EnvOr(const char* name, uint64_t def) {
-  const char* v = std::getenv(name);
-  uint64_t out = 0;
-  if (v != nullptr && absl::SimpleAtoi(v, &out)) return out;
-  return def;
-}
 
 // key=value fields of a daemon log line ("..." values unquoted).
 std::map<std::string, std::string> Fields(const std::string& line) {

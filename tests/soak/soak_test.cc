@@ -53,6 +53,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/harness.h"
+#include "tests/soak/soak_util.h"
 #include "base/status_macros.h"
 
 namespace wb::e2e {
@@ -64,19 +65,6 @@ using nlohmann::json;
 constexpr char kModel[] = "soak";
 constexpr char kSs[] = "/usr/bin/ss";
 
-uint64_t U64(const json& e, const char* key) {
-  return e.contains(key) && e[key].is_number_unsigned() ? e[key].get<uint64_t>() : 0;
-}
-std::string Str(const json& e, const char* key) {
-  return e.contains(key) && e[key].is_string() ? e[key].get<std::string>() : "";
-}
-
-uint64_t EnvOr(const char* name, uint64_t def) {
-  const char* v = std::getenv(name);
-  uint64_t out = 0;
-  if (v != nullptr && absl::SimpleAtoi(v, &out)) return out;
-  return def;
-}
 
 int CountFds(pid_t pid) {
   DIR* d = ::opendir(absl::StrCat("/proc/", pid, "/fd").c_str());
