@@ -6,6 +6,10 @@ checked byte for byte by the workers. A manual tool (not run by `make test`): th
 bounded versions are //tests/soak:soak_test and //tests/soak:chaos_delta_test (docs/soak.md).
 Build first: bazel build //daemon:weightbridged //tests/e2e:trainer_worker //tests/e2e:rollout_worker //client:wbctl
 Extra daemon flags: CHAOS_FLAGS="--log_level=debug ...".
+Waits: the driver watches files other processes write (port files, JSON progress lines in logs);
+the standard library has no inotify, so each wait polls every 20-50 ms up to its deadline. The
+only fixed pauses are the faults' own random delays and two settle periods (before the fd
+baseline, and a second look before reporting maps of dead workers' memory).
 
 usage: chaos.py MODE ROUNDS SEED [--model tiny|mid|2layer] [--quant fp8_block128|mxfp8] [--kinds a,b]
        [--delta_cache_mb N --delta_fraction F --delta_threads T --delta_in_place true|false]
@@ -166,8 +170,7 @@ def main():
         flags.append(f"--nic_GBps={a.nic_GBps}")
     print(f"chaos: daemon flags {flags} delta_fraction={a.delta_fraction if a.delta_cache_mb else 0} rollout_nodes={a.rollout_nodes} lora={a.lora!r}", flush=True)
     NR = a.rollout_nodes
-    c = Cluster(d, 1 + NR, flags)
-    time.sleep(1.0)
+    c = Cluster(d, 1 + NR, flags)  # each daemon waited for through its port file
     model = "m-" + a.mode
     base = ["--config=" + MODELS[a.model], "--model_id=" + model, "--mode=" + a.mode, "--num_trainers=2", f"--num_rollouts={NR}",
             "--max_staleness=0", "--versions=100000", "--timeout_ms=15000", "--layout_source=preset", "--tolerate_failures=true"]
@@ -253,7 +256,7 @@ def main():
         for p in all_workers() + c.daemons():
             print(p.name, open(p.log).read()[-1500:])
         sys.exit(1)
-    time.sleep(1)
+    time.sleep(1)  # settle: the fd baseline is taken once start-up connections are made
     fd0 = {p.name: p.fds() for p in c.daemons()}
     print(f"chaos: start fds {fd0}", flush=True)
     kinds = a.kinds.split(",")
@@ -321,7 +324,7 @@ def main():
             fd_max[k2] = max(fd_max.get(k2, 0), v2)
         stale = stale_maps()
         if stale:
-            time.sleep(1.0)
+            time.sleep(1.0)  # a second look: the daemons unmap a dead worker's memory on their next liveness tick
             stale = stale_maps()
             if stale:
                 problems.append(f"round {rnd}: daemons still map segments of dead workers: {stale}")
