@@ -8,7 +8,18 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
 namespace wb {
+
+// Makes `path` free for a bind of a Unix socket of `type` (SOCK_STREAM, SOCK_SEQPACKET): a socket
+// file nobody accepts connections on any more (a killed daemon's) is removed; a socket some
+// process still listens on is refused (FAILED_PRECONDITION naming `what` and the path: a second
+// daemon must not take a live daemon's workers away from it), and so is a path that is not a
+// socket (it is someone's file, not ours to delete). Nothing at `path`: OK. The probe is a
+// non-blocking connect, so it never waits (a listener with a full backlog counts as live).
+absl::Status ClearStaleSocket(const std::string& path, int type, absl::string_view what);
 
 class BoundSocketPath {
  public:

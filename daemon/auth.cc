@@ -117,7 +117,8 @@ absl::StatusOr<std::unique_ptr<PeerCredListener>> PeerCredListener::Bind(const s
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   l->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (l->listen_fd_ < 0) return absl::InternalError(Errno("socket"));
-  ::unlink(path.c_str());  // a stale socket from a killed daemon
+  // A stale socket from a killed daemon is removed; a live daemon's is not taken over.
+  if (absl::Status s = ClearStaleSocket(path, SOCK_STREAM, "worker socket"); !s.ok()) return s;
   // Create the socket file with no access at all, then open it up to `mode`: no window in which
   // a process outside the group could connect.
   mode_t old = ::umask(0777);

@@ -7,12 +7,16 @@
 
 #include <grpcpp/grpcpp.h>
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -205,19 +209,40 @@ TEST_F(WorkerFrontTest, SocketIsGroupOnly) {
   EXPECT_TRUE(S_ISSOCK(st.st_mode));
 }
 
-// A daemon stopping after another one bound the same worker socket path (a restart into the same
-// directory while the old one was still stopping) left the new daemon without its socket file:
-// its workers could not connect. It removes only the socket it bound.
-TEST(PeerCredListenerTest, StoppingLeavesTheSocketOfADaemonBoundSince) {
+// A second daemon started on a live daemon's worker socket path is refused, naming the path (it
+// used to remove the live socket and bind its own, taking the first daemon's workers away); a
+// stale socket (nobody listens any more: a killed daemon's) is taken over. And a daemon stopping
+// after another one bound the same path (a restart into the same directory while the old one was
+// still stopping) left the new daemon without its socket file: it removes only the socket it bound.
+TEST(PeerCredListenerTest, ALiveSocketIsRefusedAStaleOneTakenOverAndOnlyOursRemoved) {
   const std::string path = absl::StrCat("/tmp/wbauth-", ::getpid(), "-two.sock");
   auto first = PeerCredListener::Bind(path, 0660);
   ASSERT_TRUE(first.ok()) << first.status();
   auto second = PeerCredListener::Bind(path, 0660);
-  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_FALSE(second.ok()) << "a second listener took over a live one's path";
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+  for (const std::string& want : {path, std::string("is in use")}) {
+    EXPECT_NE(second.status().message().find(want), std::string::npos) << want << " missing in: " << second.status();
+  }
+  // The first one's socket still takes connections.
+  const int probe = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  EXPECT_EQ(::connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  ::close(probe);
+  // Another process replaced the file meanwhile (emulated: a socket bound there, not listening).
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  const int other = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_EQ(::bind(other, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
   (*first)->Stop();
-  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "the first listener's Stop removed the second's socket";
-  (*second)->Stop();
-  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the second listener left its socket behind";
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "the first listener's Stop removed another's socket";
+  // Nobody listens on that one: stale, taken over.
+  auto third = PeerCredListener::Bind(path, 0660);
+  ASSERT_TRUE(third.ok()) << third.status();
+  (*third)->Stop();
+  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the third listener left its socket behind";
+  ::close(other);
 }
 
 TEST_F(WorkerFrontTest, OwnerProcessMayActAnotherProcessMayNot) {

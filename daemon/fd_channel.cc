@@ -39,7 +39,7 @@ absl::StatusOr<std::unique_ptr<FdChannel>> FdChannel::Bind(const std::string& pa
   if (c->listen_fd_ < 0 || c->stop_fd_ < 0) return absl::InternalError(absl::StrCat("fd channel: ", std::strerror(errno)));
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.data(), path.size());
-  ::unlink(path.c_str());
+  if (absl::Status s = ClearStaleSocket(path, SOCK_SEQPACKET, "fd channel"); !s.ok()) return s;
   if (::bind(c->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::chmod(path.c_str(), mode) != 0 ||
       ::listen(c->listen_fd_, 64) != 0) {
     return absl::UnavailableError(absl::StrCat("fd channel: cannot listen on ", path, ": ", std::strerror(errno)));
