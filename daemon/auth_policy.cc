@@ -60,10 +60,17 @@ Verdict DrainOperator(const PeerRuleOptions& o, const AuthCall& call, const pb::
 
 // A waiting call's timeout_ms beyond Limits::max_wait_ms is clamped to it before the handler
 // sees the request (0 keeps each handler's default of 60 s): every wait ends, and gives back its
-// thread and slot.
+// thread and slot. A negative one is refused: it is a caller's arithmetic gone wrong (a deadline
+// already passed), and taking it as "the default" would make that caller wait a minute.
 template <typename Req>
-void ClampWait(Req& req, const Limits& limits) {
+Verdict ClampWait(Req& req, const Limits& limits, const char* call) {
+  if (req.timeout_ms() < 0) {
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(call, ": timeout_ms is ", req.timeout_ms(),
+                                                          "; give a positive number of milliseconds, or 0 for the default (60 s)")),
+                  "invalid");
+  }
   if (req.timeout_ms() > limits.max_wait_ms) req.set_timeout_ms(limits.max_wait_ms);
+  return Verdict::Ok();
 }
 
 // A slot of `pool` for the caller (PeerKey: its certificate's node, else its address).
@@ -120,12 +127,12 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
       BlockedCallsPerNode(o.limits, o.limits.max_blocked_calls), "per node, --max_blocked_calls_per_node");
   gate.Add(std::string(kCoordinator) + "WaitVersion", Rule<pb::WaitVersionRequest>([o, blocked](AuthCall& call, pb::WaitVersionRequest& req) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
-             ClampWait(req, o.limits);
+             if (Verdict v = ClampWait(req, o.limits, "WaitVersion"); !v.status.ok()) return v;
              return TakePeerSlot(*blocked, o, call);
            }));
   gate.Add(std::string(kCoordinator) + "Publish", Rule<pb::CoordPublishRequest>([o, blocked](AuthCall& call, pb::CoordPublishRequest& req) {
              if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
-             ClampWait(req, o.limits);
+             if (Verdict v = ClampWait(req, o.limits, "Publish"); !v.status.ok()) return v;
              return TakePeerSlot(*blocked, o, call);
            }));
   // Lifting a drain answers at once and needs no slot: an operator can always undo one.
@@ -133,7 +140,7 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
              if (Verdict v = Peer(o, call); !v.status.ok()) return v;
              if (Verdict v = DrainOperator(o, call, req, req.node_id(), "CoordinatorService.Drain"); !v.status.ok()) return v;
              if (req.undo()) return Verdict::Ok();
-             ClampWait(req, o.limits);
+             if (Verdict v = ClampWait(req, o.limits, "Drain"); !v.status.ok()) return v;
              return TakePeerSlot(*blocked, o, call);
            }));
   // A node's NVFP4 magnitudes: node-scoped, and it may wait for the other nodes. Its own slots
@@ -146,13 +153,20 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
   gate.Add(std::string(kCoordinator) + "ExchangeMagnitudes",
            Rule<pb::ExchangeMagnitudesRequest>([o, exchanges](AuthCall& call, pb::ExchangeMagnitudesRequest& req) {
              if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
-             ClampWait(req, o.limits);
+             if (Verdict v = ClampWait(req, o.limits, "ExchangeMagnitudes"); !v.status.ok()) return v;
              if (!req.wait()) return Verdict::Ok();
              return TakePeerSlot(*exchanges, o, call);
            }));
   AddPeerOnly<pb::StatusRequest>(gate, kCoordinator, "ClusterStatus", o);
   AddPeerOnly<pb::PlanRequest>(gate, kCoordinator, "Plan", o);
-  AddPeerOnly<pb::WatchStatusRequest>(gate, kCoordinator, "WatchStatus", o);
+  // WatchStatus caps its own stream length (its handler); a negative timeout_ms is refused here too.
+  gate.Add(std::string(kCoordinator) + "WatchStatus", Rule<pb::WatchStatusRequest>([o](AuthCall& call, pb::WatchStatusRequest& req) {
+             if (Verdict v = Peer(o, call); !v.status.ok()) return v;
+             if (req.timeout_ms() >= 0) return Verdict::Ok();
+             return Refuse(absl::InvalidArgumentError(absl::StrCat("WatchStatus: timeout_ms is ", req.timeout_ms(),
+                                                                   "; give a positive number of milliseconds, or 0 for the default")),
+                           "invalid");
+           }));
 }
 
 // ------------------------------------------------------------------------------ NodeService
@@ -195,7 +209,7 @@ void AddNodeRules(AuthGate& gate, const PeerRuleOptions& o, VersionHook on_commi
              if (Verdict v = DrainOperator(o, call, req, this_node ? o.node_id : std::string(), "NodeService.Drain"); !v.status.ok()) {
                return v;
              }
-             ClampWait(req, o.limits);
+             if (Verdict v = ClampWait(req, o.limits, "Drain"); !v.status.ok()) return v;
              return Verdict::Ok();
            }));
   AddPeerOnly<pb::StatusRequest>(gate, kNode, "Status", o);
@@ -489,7 +503,7 @@ Verdict WorkerGuard::RegisterLayout(AuthCall& call, const pb::RegisterLayoutRequ
 Verdict WorkerGuard::Publish(AuthCall& call, pb::PublishRequest& req) {
   if (absl::Status s = CheckActsAs(call, req.model_id(), req.worker_id()); !s.ok()) return Refuse(s, "impersonation");
   // Publish waits (snapshot, plan, staleness bound, a sync commit): a blocked call like WaitVersion.
-  ClampWait(req, limits_);
+  if (Verdict v = ClampWait(req, limits_, "Publish"); !v.status.ok()) return v;
   if (Verdict v = Waiting(call, req.model_id(), req.worker_id()); !v.status.ok()) return v;
   {
     // Concurrent versions: each one pins a snapshot of this trainer and staging on every node.
@@ -541,7 +555,7 @@ Verdict WorkerGuard::WaitVersion(AuthCall& call, pb::WaitVersionRequest& req) {
       counted_as = req.worker_id();
     }
   }
-  ClampWait(req, limits_);
+  if (Verdict v = ClampWait(req, limits_, "WaitVersion"); !v.status.ok()) return v;
   return TakeSlot(call, *me, req.model_id(), counted_as);
 }
 
@@ -586,18 +600,18 @@ void WorkerGuard::AddRules(AuthGate& gate) {
   // the worker's, within max_wait_ms.
   gate.Add(w + "BeginUpdate", Rule<pb::BeginUpdateRequest>([this, acts_as](AuthCall& c, pb::BeginUpdateRequest& r) {
              if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
-             ClampWait(r, limits_);
+             if (Verdict v = ClampWait(r, limits_, "BeginUpdate"); !v.status.ok()) return v;
              return Waiting(c, r.model_id(), r.worker_id());
            }));
   // EndUpdate may wait for a running commit copy into the worker's live weights: a waiting slot too.
   gate.Add(w + "EndUpdate", Rule<pb::EndUpdateRequest>([this, acts_as](AuthCall& c, pb::EndUpdateRequest& r) {
              if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
-             ClampWait(r, limits_);
+             if (Verdict v = ClampWait(r, limits_, "EndUpdate"); !v.status.ok()) return v;
              return Waiting(c, r.model_id(), r.worker_id());
            }));
   gate.Add(w + "Apply", Rule<pb::ApplyRequest>([this, acts_as](AuthCall& c, pb::ApplyRequest& r) {
              if (Verdict v = acts_as(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
-             ClampWait(r, limits_);
+             if (Verdict v = ClampWait(r, limits_, "Apply"); !v.status.ok()) return v;
              return Waiting(c, r.model_id(), r.worker_id());
            }));
   gate.Add(w + "Deregister", Rule<pb::DeregisterRequest>([this, acts_as](AuthCall& c, pb::DeregisterRequest& r) {

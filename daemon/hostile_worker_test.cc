@@ -536,6 +536,58 @@ TEST(WaitingCallsTest, AWorkerHoldsAtMostFourWaitingCallsAndNoWaitOutlastsTheCap
   c.Stop();
 }
 
+// A negative timeout_ms (a caller's deadline arithmetic gone wrong) is refused at once, naming the
+// call and the value, on every waiting call of the worker socket and of the coordinator; before,
+// it meant "the default", and the call waited a minute.
+TEST(WaitingCallsTest, ANegativeTimeoutIsRefusedAtOnce) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  const planner::WorkerLayout whole = LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}, {1, {0, 0}, {4, 6}, false}});
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, whole);
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, whole);
+  for (TestWorker* w : {&t0, &r0}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  const absl::Time start = absl::Now();
+  std::map<std::string, grpc::Status> got;
+  pb::WaitVersionResponse wresp;
+  got["WaitVersion"] = WaitVersionAs(r0, "m", 1, -5, &wresp);
+  pb::ApplyResponse aresp;
+  got["Apply"] = ApplyWithin(r0, 1, -5, &aresp);
+  got["BeginUpdate"] = BeginUpdateAs(r0, -5);
+  pb::EndUpdateResponse eresp;
+  got["EndUpdate"] = EndUpdateAs(r0, -5, &eresp);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    pb::PublishRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("t0");
+    req.set_version(1);
+    req.set_timeout_ms(-5);
+    pb::PublishResponse resp;
+    got["Publish"] = t0.stub->Publish(&ctx, req, &resp);
+  }
+  {
+    auto coord = pb::CoordinatorService::NewStub(grpc::CreateChannel(c.coord_->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    pb::WaitVersionRequest req;
+    req.set_model_id("m");
+    req.set_version(1);
+    req.set_timeout_ms(-5);
+    pb::WaitVersionResponse resp;
+    got["coordinator WaitVersion"] = coord->WaitVersion(&ctx, req, &resp);
+  }
+  for (const auto& [call, s] : got) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << call << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("timeout_ms is -5"), std::string::npos) << call << ": " << s.error_message();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20)) << "a negative timeout was waited for";
+  c.Stop();
+}
+
 // At the coordinator one node holds at most its share of the waiting slots, max(16,
 // max_blocked_calls / 4). Without TLS a node is told apart by its connection (a node daemon
 // forwards its workers' calls over its one channel): 20 WaitVersion calls over one connection

@@ -197,7 +197,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   c.set_version(req.version());
   uint64_t session0 = 0;
   absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0, [&](absl::Time dl) {
-    c.set_timeout_ms(absl::ToInt64Milliseconds(dl - options_.clock->Now()));
+    c.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(dl - options_.clock->Now())));  // 0 would mean 60 s
     return coordinator_.client().Publish(c, resp, CallTimeout(options_.clock, dl));
   });
   if (!s.ok()) {
