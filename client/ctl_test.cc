@@ -149,7 +149,8 @@ TEST(StatusViewTest, TransportsSummaryCollapsesNcclLanes) {
 
 TEST(StatusViewTest, MultiNicHostTcpShowsItsNics) {
   EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}, {"10.0.0.5", "10.0.1.5"}), "host_shm,host_tcp[10.0.0.5,10.0.1.5]");
-  EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}, {"10.0.0.5"}), "host_shm,host_tcp") << "one address: nothing striped";
+  EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}, {"10.0.0.5:4100"}), "host_shm,host_tcp[10.0.0.5:4100]")
+      << "one listener: its endpoint, where an operator probes the data plane";
   pb::StatusResponse s = Sample();
   s.mutable_nodes(0)->add_data_nics("10.0.0.5");
   s.mutable_nodes(0)->add_data_nics("10.0.1.5");

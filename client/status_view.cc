@@ -73,7 +73,7 @@ std::string TransportsSummary(const std::vector<std::string>& transports, const 
     int device = -1;
     if (t.rfind("nccl/", 0) == 0 && absl::SimpleAtoi(t.substr(5), &device) && device >= 0) {
       lanes.push_back(device);
-    } else if (t == "host_tcp" && data_nics.size() >= 2) {
+    } else if (t == "host_tcp" && !data_nics.empty()) {  // its listeners (host:port), striped over when several
       kinds.push_back(absl::StrCat(t, "[", absl::StrJoin(data_nics, ","), "]"));
     } else {
       kinds.push_back(t);

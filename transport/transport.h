@@ -126,9 +126,9 @@ struct Capabilities {
   bool two_sided = false;                // both peers post the mirror batch (see above)
   bool checksums = false;                // honours Batch::checksum
   bool native_strides = false;           // strided ops move without a packing pass
-  // Network addresses it accepts connections on, for status displays (host_tcp: one per data NIC,
-  // in TcpOptions::local_addresses order; its one bind address without multi-NIC). Empty for
-  // transports that use no sockets of their own.
+  // Network endpoints ("host:port") it accepts connections on, for status displays (host_tcp: one
+  // per data NIC, in TcpOptions::local_addresses order; its one bind address without multi-NIC).
+  // Empty for transports that use no sockets of their own.
   std::vector<std::string> local_addresses;
 
   bool Reaches(MemoryKind k) const {

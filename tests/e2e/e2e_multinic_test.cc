@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/metrics_scrape.h"
 #include "gtest/gtest.h"
@@ -53,11 +54,20 @@ TEST(MultiNicTest, VersionsCrossOverBothNicsOfEachNode) {
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   Cluster& cl = **cluster;
 
-  // The coordinator knows each node's NICs (NodeStatus.data_nics), and wbctl shows them.
+  // The coordinator knows each node's NICs and their listening ports (NodeStatus.data_nics,
+  // "host:port"), and wbctl shows them.
   auto status = cl.Status();
   ASSERT_TRUE(status.ok()) << status.status();
   std::map<std::string, std::vector<std::string>> nics;
-  for (const auto& n : status->nodes()) nics[n.node_id()] = {n.data_nics().begin(), n.data_nics().end()};
+  for (const auto& n : status->nodes()) {
+    for (const std::string& e : n.data_nics()) {
+      const size_t colon = e.rfind(':');
+      int port = 0;
+      ASSERT_NE(colon, std::string::npos) << e << ": no port";
+      EXPECT_TRUE(absl::SimpleAtoi(e.substr(colon + 1), &port) && port > 0 && port < 65536) << e;
+      nics[n.node_id()].push_back(e.substr(0, colon));
+    }
+  }
   EXPECT_EQ(nics["n0"], kN0Nics);
   EXPECT_EQ(nics["n1"], kN1Nics);
   std::vector<std::string> lines;
@@ -65,7 +75,7 @@ TEST(MultiNicTest, VersionsCrossOverBothNicsOfEachNode) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0);
   bool shown = false;
-  for (const std::string& l : lines) shown = shown || absl::StrContains(l, "host_tcp[127.0.0.3,127.0.0.4]");
+  for (const std::string& l : lines) shown = shown || (absl::StrContains(l, "host_tcp[127.0.0.3:") && absl::StrContains(l, ",127.0.0.4:"));
   EXPECT_TRUE(shown) << "wbctl status does not list n1's NICs";
 
   RunOptions run;

@@ -468,7 +468,7 @@ class HostTcpTransport : public Transport {
     c.two_sided = true;
     c.checksums = true;
     c.native_strides = true;
-    for (const Listener& l : listeners_) c.local_addresses.push_back(l.nic.addr);
+    for (const Listener& l : listeners_) c.local_addresses.push_back(absl::StrCat(l.nic.addr, ":", l.nic.port));
     return c;
   }
 
