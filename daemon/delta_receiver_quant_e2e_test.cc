@@ -10,6 +10,7 @@
 // the full path lands), every version is verified end to end. Without kept shadows (a node with
 // --delta_in_place=false, whose base would be r1's live weights, which hold no canonical bytes) the
 // coordinator plans those ops in full.
+#include <cstring>
 #include <string>
 #include <tuple>
 
@@ -104,6 +105,58 @@ TEST_P(DeltaReceiverQuantCaseTest, ShadowsRelayedToASecondReplicaAfterTheirDelta
   EXPECT_LE(replaced, 2 * (kCanonicalBytes + 2 * kNormBytes)) << "once per version: the second replica gets them by relays";
   EXPECT_LT((m3.stream - m1.stream) * 4, replaced);
 }
+
+class DeltaReceiverQuantCatchUpTest : public DeltaQuantFixture, public ::testing::WithParamInterface<pb::Mode> {};
+
+// r2 (one of two fp8_block128 replicas on n1 whose node quantises w) restarts after version 2: a
+// new process registers under its id and is caught up to version 2 from r1's quantised bytes - the
+// catch-up writes w's quantised elements and scales, never the canonical shadows r2's node
+// quantises from. Version 3's ops into w's shadows must then not travel as deltas into r2 (its
+// node has no base for them): they go full from the start, nothing refused (before, each was
+// refused - a base or, with r2's old process's recorded digests, a target digest mismatch - and
+// resent in full); r2 exact, verified. Version 4 travels as deltas again, nothing refused.
+TEST_P(DeltaReceiverQuantCatchUpTest, ARestartedReplicaCaughtUpFromQuantisedBytesGetsTheNextVersionWithoutARefusal) {
+  const ReceiverCase rc = CaseNamed("fp8_block128_split");
+  Start(GetParam(), /*replicas=*/2, rc.format, rc.split_row);
+  ASSERT_FALSE(HasFatalFailure());
+  Versions(1, 2);
+  ASSERT_FALSE(HasFatalFailure());
+  TestWorker& r2 = *rollouts_[1];
+  {
+    grpc::ClientContext ctx;
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(r2.id);
+    pb::DeregisterResponse resp;
+    ASSERT_TRUE(r2.stub->Deregister(&ctx, req, &resp).ok());
+  }
+  std::memset(r2.seg.data(), 0, r2.seg.size());  // the new process starts from nothing
+  ASSERT_TRUE(c_.Register(r2, spec_).ok());
+  if (mode_ == pb::MODE_SYNC) {
+    pb::WaitVersionResponse resp;
+    grpc::Status s = WaitVersionAs(r2, "m", 2, 20000, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  } else {
+    pb::ApplyResponse resp;
+    grpc::Status s = c_.Apply(r2, "m", 2, &resp);  // the catch-up
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(CountBadQuant(r2, geo_, ExpectedQuant(inv_, layout_, geo_, 2)), 0) << "the catch-up";
+  const DeltaMeter m0 = Meter();
+  Version(3);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0) << "r2's node holds no canonical shadows of version 2: nothing may be sent against them";
+  EXPECT_GT(m1.replaced - m0.replaced, 0) << "what has a base still travels as deltas";
+  Version(4);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m2 = Meter();
+  EXPECT_EQ(m2.fallbacks - m1.fallbacks, 0);
+  EXPECT_GE(m2.replaced - m1.replaced, kCanonicalBytes) << "version 4: w's canonical bytes travel as deltas again";
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeltaReceiverQuantCatchUpTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
+                         [](const ::testing::TestParamInfo<pb::Mode>& i) { return pb::Mode_Name(i.param); });
 
 INSTANTIATE_TEST_SUITE_P(Formats, DeltaReceiverQuantCaseTest, ::testing::Values("nvfp4", "fp8_block128_split"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });

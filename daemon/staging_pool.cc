@@ -84,8 +84,11 @@ bool StagingPool::Prewarm(int64_t size, int64_t room) {
   {
     absl::MutexLock l(&mu_);
     if (idle_bytes_ + size > std::min(room, options_.max_idle_bytes)) return false;
+    // Only an untagged buffer counts: a tagged one is some rollout's next delta base, and a
+    // late rollout's catch-up that took it (Take's last pass) would leave that rollout without its
+    // base - deltas into its receiver-quantised shadows refused and resent in full.
     for (const Idle& i : idle_) {
-      if (static_cast<int64_t>(i.buffer.size()) == size) return false;
+      if (static_cast<int64_t>(i.buffer.size()) == size && i.tag.empty()) return false;
     }
   }
   std::vector<uint8_t> buffer(static_cast<size_t>(size));  // zero-filled: every page faulted in, outside the lock

@@ -59,7 +59,8 @@ class StagingPool {
   // promise: the taker checks the bytes (a delta's base digest).
   void Give(std::vector<uint8_t> buffer, std::string tag = "");
   // Allocates (and so faults in) an idle buffer of `size` bytes ahead of the version that will
-  // Take it, unless one of that size is idle already or idle bytes would exceed `room`. The node
+  // Take it, unless an untagged one of that size is idle already (a tagged one is kept for its
+  // tag's next version) or idle bytes would exceed `room`. The node
   // calls it when a rollout registers host buffers, so a node's first version (or a late
   // rollout's catch-up) does not fault in its staging on the critical path. The buffer is
   // written once from user code and once from the kernel (read of /dev/zero): a VM shadowing page

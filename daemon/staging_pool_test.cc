@@ -140,4 +140,24 @@ TEST(StagingPoolTest, PrewarmLeavesOneIdleBufferOfThatSizeWithinRoom) {
   EXPECT_EQ(pool.stats().allocated, 0u);  // the version's Take allocated nothing
 }
 
+// A tagged idle buffer of that size (another rollout's committed staging, its next delta base)
+// does not count: Prewarm adds an untagged one, which an untagged Take (a late rollout's catch-up)
+// takes, and the tagged buffer stays for its tag. Before, the catch-up took the tagged buffer and
+// that rollout's next deltas into its receiver-quantised shadows had no base.
+TEST(StagingPoolTest, PrewarmDoesNotCountATaggedBufferAndTheUntaggedTakeLeavesIt) {
+  StagingPool pool(StagingPool::Options{});
+  std::vector<uint8_t> base(1000, 7);
+  pool.Give(std::move(base), "m/r1/b0/v2");
+  EXPECT_TRUE(pool.Prewarm(1000, 10000));
+  EXPECT_FALSE(pool.Prewarm(1000, 10000));  // an untagged one is idle now
+  bool reused = false;
+  std::vector<uint8_t> late = pool.Take(1000, &reused);
+  EXPECT_TRUE(reused);
+  EXPECT_EQ(late[0], 0) << "the catch-up got the prewarmed buffer";
+  bool matched = false;
+  std::vector<uint8_t> kept = pool.Take(1000, &reused, "m/r1/b0/v2", &matched);
+  EXPECT_TRUE(matched) << "the tagged base is still there for its rollout";
+  EXPECT_EQ(kept[0], 7);
+}
+
 }  // namespace wb::daemon

@@ -352,6 +352,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
       if (w == mp->workers.end() || w->second.serial != serial) continue;
       auto r = refused.find(w->second.node);
       if (r == refused.end()) {
+        if (v > w->second.holds) w->second.holds_without_shadows = true;  // sources' quantised bytes, never shadows
         w->second.holds = std::max(w->second.holds, v);
         w->second.catch_up_error.clear();
         caught.push_back(id);

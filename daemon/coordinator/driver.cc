@@ -234,6 +234,7 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
     if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && rec->second.serial == m.plan.serials[w] &&
         !refused.count(rec->second.node)) {
       rec->second.holds = v;
+      rec->second.holds_without_shadows = false;  // the plan wrote every shadow of v
     }
   }
   if (const VersionRecord* rec = m.machine->Find(v)) {
@@ -433,6 +434,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
     if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && rec->second.holds > 0 &&
         rec->second.serial == m.plan.serials[w]) {
       (*req.mutable_base_versions())[w] = rec->second.holds;
+      if (rec->second.holds_without_shadows) req.add_bases_without_shadows(w);
     }
   }
   // The node answers at once (the executor runs on its own thread); the deadline is the transfer

@@ -74,6 +74,11 @@ class ModelRegistry {
     // staging or live weights), set when a version or a catch-up is committed on its node; a
     // rollout holding less than the model's committed version is late and is caught up.
     uint64_t holds = 0;
+    // `holds` came from a catch-up (the other rollouts' quantised bytes, copied into its pieces'
+    // places): its node holds no canonical shadows of it for receiver-quantised pieces, so the next
+    // version's deltas into those would have no base (ExecuteVersionRequest.bases_without_shadows).
+    // Cleared when a version reaches it through its plan (every shadow written).
+    bool holds_without_shadows = false;
     uint64_t catch_up_failed = 0;  // the committed version its last catch-up failed for (not retried)
     std::string catch_up_error;
     // A catch-up found this source's memory no longer holding `stale_version` (PlanSlice.certify):

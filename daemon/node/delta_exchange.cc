@@ -89,6 +89,13 @@ absl::Status UnpackSide(const uint8_t* in, uint8_t* region, int64_t region_size,
 
 DeltaKey KeyOf(const RouteOp& op) { return DeltaKey::Of(op.tensor, op.box, op.copy.element_size, op.delta_variant); }
 
+uint64_t SlotBase(const DeltaOptions& options, const RouteOp& op) {
+  auto bv = options.base_versions.find(op.dst_worker);
+  if (bv == options.base_versions.end()) return 0;
+  if (op.into_shadow && options.without_shadows.count(op.dst_worker) > 0) return 0;
+  return bv->second;
+}
+
 std::set<std::pair<uint32_t, bool>> DeltaHashedSides(const ExecPlan& plan, const DeltaOptions& options) {
   // As DeltaRun::Make picks slots and ops only cached.
   std::set<std::pair<uint32_t, bool>> out;
@@ -98,8 +105,7 @@ std::set<std::pair<uint32_t, bool>> DeltaHashedSides(const ExecPlan& plan, const
       if (r.kind != RouteKind::kPeer) continue;
       for (const RouteOp& op : r.ops) {
         if (!op.delta || op.part != RouteOp::Part::kCanonical) continue;
-        auto bv = options.base_versions.find(op.dst_worker);
-        const bool slot = bv != options.base_versions.end() && bv->second > 0;
+        const bool slot = SlotBase(options, op) > 0;
         if (op.src_local && (slot || caching)) out.insert({op.op_index, false});
         if (op.dst_local && slot) out.insert({op.op_index, true});
       }
@@ -314,8 +320,7 @@ absl::StatusOr<std::unique_ptr<DeltaRun>> DeltaRun::Make(const ExecPlan& plan, c
       for (size_t i = 0; i < r.ops.size(); ++i) {
         const RouteOp& op = r.ops[i];
         if (!op.delta) continue;  // canonical ops, and both parts of sender-quantised ones
-        auto bv = options.base_versions.find(op.dst_worker);
-        const uint64_t base = bv != options.base_versions.end() ? bv->second : 0;
+        const uint64_t base = SlotBase(options, op);
         if (base == 0) {
           if (op.src_local && options.cache != nullptr && options.cache->enabled()) run->cache_only_.push_back({&op, b});
           continue;

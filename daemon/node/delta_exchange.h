@@ -5,7 +5,9 @@
 // decode of one op, and the worker threads that run them.
 //
 // Which ops: a kPeer (host channel) route's op with RouteOp::delta whose destination worker has a
-// base version (DeltaOptions::base_versions > 0) is a SLOT. A sender-quantised op is two slots,
+// base version (DeltaOptions::base_versions > 0) is a SLOT - except an op into a receiver-quantised
+// piece's shadow (RouteOp::into_shadow) of a rollout whose base holds no shadows
+// (DeltaOptions::without_shadows: caught up from quantised bytes): it moves in full (SlotBase). A sender-quantised op is two slots,
 // its elements and its scales (RouteOp::Part), each coded with its own element size (fp8 / packed
 // int4: 1 byte, scales: their dtype's size) and cached apart from canonical bytes (DeltaKey::variant). Both nodes of the op derive the same
 // slots from their slices and the same ExecuteVersion (base_versions goes to every node).
@@ -90,6 +92,11 @@ struct DeltaOptions {
   std::string me;  // this node's id (names the peers' regions for us: "d.<me>")
   // Per destination slice worker: the version its node holds (ExecuteVersionRequest.base_versions).
   std::map<uint32_t, uint64_t> base_versions;
+  // Destination slice workers whose base version holds no canonical shadows of their
+  // receiver-quantised pieces (ExecuteVersionRequest.bases_without_shadows): a catch-up copied the
+  // other rollouts' quantised bytes into the pieces' places and never wrote the shadows, so their
+  // ops into shadows have no base (a delta would be refused and resent in full). Both ends know.
+  std::set<uint32_t> without_shadows;
   // Sender: copies of what destinations committed; null = every slot goes full.
   DeltaCache* cache = nullptr;
   // Sender: blocks until the bytes that bucket `bucket`'s sender-quantised ops read are written
@@ -143,6 +150,11 @@ struct DeltaStats {
 };
 
 // ---- pure parts (unit-tested on their own) ----
+
+// The base version of a delta op (RouteOp::delta) in `options`: its destination's base version, or
+// 0 = not a slot (no base, or an op into a shadow of a base without shadows). Both ends of the op
+// derive the same from the same ExecuteVersion.
+uint64_t SlotBase(const DeltaOptions& options, const RouteOp& op);
 
 // Offsets in a "d.<peer>" region (see above) from the slots' MaxEncodedBytes.
 struct DeltaLayout {

@@ -501,5 +501,26 @@ TEST(DeltaPartsTest, PackAndUnpackAStridedBoxRoundTrip) {
   EXPECT_FALSE(PackSide(region.data(), static_cast<int64_t>(region.size()), op.src, op, packed.data()).ok());
 }
 
+// A rollout whose base holds no canonical shadows (caught up from quantised bytes): its ops into
+// receiver-quantised shadows are no slots (full, on both ends alike), its other delta ops keep
+// their base; other rollouts are untouched.
+TEST(DeltaSlotsTest, OpsIntoShadowsOfABaseWithoutShadowsAreNoSlots) {
+  DeltaOptions o;
+  o.base_versions = {{2, 7}, {3, 7}};
+  o.without_shadows = {3};
+  RouteOp op;
+  op.delta = true;
+  op.dst_worker = 3;
+  op.into_shadow = true;
+  EXPECT_EQ(SlotBase(o, op), 0u);
+  op.into_shadow = false;  // an unquantised piece, or a sender-quantised part, of the same rollout
+  EXPECT_EQ(SlotBase(o, op), 7u);
+  op.dst_worker = 2;
+  op.into_shadow = true;
+  EXPECT_EQ(SlotBase(o, op), 7u);
+  op.dst_worker = 4;  // no base at all
+  EXPECT_EQ(SlotBase(o, op), 0u);
+}
+
 }  // namespace
 }  // namespace wb::daemon::node

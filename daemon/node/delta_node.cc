@@ -55,7 +55,8 @@ std::shared_ptr<NodeDeltas::Model> NodeDeltas::ModelFor(const std::string& model
 DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
                              const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local,
                              const std::map<std::pair<std::string, size_t>, uint64_t>& staging_holds,
-                             const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming) {
+                             const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming,
+                             const std::set<std::string>& bases_without_shadows) {
   std::shared_ptr<Model> m = ModelFor(model);
   DeltaOptions o;
   o.me = me;
@@ -67,6 +68,7 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     const pb::PlanWorker& w = slice.workers(i);
     auto bv = base_versions.find(w.worker_id());
     if (bv != base_versions.end() && bv->second > 0) o.base_versions[static_cast<uint32_t>(i)] = bv->second;
+    if (bases_without_shadows.count(w.worker_id()) > 0) o.without_shadows.insert(static_cast<uint32_t>(i));
     if (w.node_id() == me && w.role() == pb::ROLE_ROLLOUT) local_rollouts[static_cast<uint32_t>(i)] = w.worker_id();
   }
   // Recorded base digests, by destination box. Slice indices change with plans: the key names the

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -53,10 +54,13 @@ class NodeDeltas {
   // recorded per model for the next version's base check (DeltaOptions::recorded).
   // `staging_holds` (Exec::staging_holds) names incoming staging buffers (of `incoming`) that
   // still hold a committed version: those are the base first, and the decode runs in place.
+  // `bases_without_shadows` (ExecuteVersionRequest.bases_without_shadows, by worker id): rollouts
+  // whose base holds no canonical shadows (DeltaOptions::without_shadows).
   DeltaOptions For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
                    const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local,
                    const std::map<std::pair<std::string, size_t>, uint64_t>& staging_holds = {},
-                   const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming = {});
+                   const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming = {},
+                   const std::set<std::string>& bases_without_shadows = {});
 
   // CommitVersion(version) of `model` here: its pending copies become the committed ones.
   void Commit(const std::string& model, uint64_t version);

@@ -102,6 +102,13 @@ absl::StatusOr<const planner::Piece*> LivePiece(const Slice& slice, const SliceO
   return &layouts[w].pieces[static_cast<size_t>(p)];
 }
 
+// Whether op's destination piece is quantised (its own layout): an op that is not sender-quantised
+// then lands canonical bytes in the piece's shadow, for the receiving node to quantise.
+bool IntoQuantizedPiece(const Slice& slice, const SliceOp& op) {
+  absl::StatusOr<const planner::Piece*> p = LivePiece(slice, op, false);
+  return p.ok() && (*p)->quant.has_value();
+}
+
 // The destination's quantised format of a sender-quantised op (element dtype, block, scale dtype),
 // hashed: the sender's delta cache keeps the quantised bytes of one box apart per format.
 absl::StatusOr<uint64_t> QuantFormatHash(const Slice& slice, const SliceOp& op) {
@@ -330,6 +337,7 @@ absl::Status PlanBucket(const Slice& slice, const ExecFacts& facts, const Sender
     r.dst_worker = op->dst_worker;
     // (A sender-quantised op's delta is of its quantised elements and scales: both parts below.)
     r.delta = op->delta && !op->nccl && s_local != d_local;
+    r.into_shadow = r.delta && !op->sender_quantized && IntoQuantizedPiece(slice, *op);
     const int elem = ElementSize(slice, op->tensor);
     r.copy.shape = Extents(op->box);
     r.copy.element_size = elem;

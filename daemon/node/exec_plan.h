@@ -241,6 +241,10 @@ struct RouteOp {
   bool delta = false;
   int32_t tensor = 0;
   uint32_t dst_worker = 0;
+  // Its destination is a receiver-quantised piece's shadow (canonical bytes the receiving node
+  // quantises): a delta's base is that shadow in the committed staging (DeltaOptions::
+  // without_shadows).
+  bool into_shadow = false;
   // A sender-quantised part's bytes in the sender's delta cache (DeltaKey::variant): a hash of the
   // part and the destination's format, never 0; 0 for canonical bytes.
   uint64_t delta_variant = 0;

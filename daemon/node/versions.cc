@@ -181,6 +181,7 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   (*exec)->started = true;
   (*exec)->coordinator_instance = req.coordinator_instance();
   (*exec)->base_versions = {req.base_versions().begin(), req.base_versions().end()};
+  (*exec)->bases_without_shadows = {req.bases_without_shadows().begin(), req.bases_without_shadows().end()};
   (*exec)->deadline = options_.clock->Now() + absl::Milliseconds(req.timeout_ms() > 0 ? req.timeout_ms() : 60000);
   // Answers at once: staging is allocated and every copy runs on the executor thread.
   std::shared_ptr<Exec> e = *exec;

@@ -158,6 +158,7 @@ struct Exec {
   // Lossless deltas: ExecuteVersionRequest.base_versions (rollout worker id -> the version its
   // node holds) and, executor thread only, what travelled as deltas (the "version transferred" line).
   std::map<std::string, uint64_t> base_versions;
+  std::set<std::string> bases_without_shadows;  // ExecuteVersionRequest.bases_without_shadows
   DeltaStats delta;
   // Executor thread only: the digests of this node's ops after the buckets (reported with
   // ReportDone; docs/daemon.md "End-to-end digests") and the seconds they took.

@@ -278,7 +278,8 @@ node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
   o.bytes_done = &exec.bytes_done;
   // Lossless deltas (not for catch-ups: their slices carry no delta ops).
   if (!exec.catch_up) {
-    o.deltas = deltas_.For(me, exec.model_id, exec.plan->slice, exec.base_versions, local_, exec.staging_holds, exec.incoming);
+    o.deltas = deltas_.For(me, exec.model_id, exec.plan->slice, exec.base_versions, local_, exec.staging_holds, exec.incoming,
+                           exec.bases_without_shadows);
   }
   return o;
 }
