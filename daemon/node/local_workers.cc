@@ -137,6 +137,7 @@ void LocalWorkers::EndJoin(const WorkerKey& key) {
 void LocalWorkers::Add(const WorkerKey& key, Worker w, std::optional<planner::Inventory> inventory) {
   absl::MutexLock l(&mu_);
   if (inventory) inventories_[key.first] = std::move(*inventory);
+  w.incarnation = next_incarnation_++;
   workers_[key] = std::move(w);
   live_.Forget(LiveKey(key.first, key.second));  // a new process: its memory, not the old one's
 }
@@ -298,6 +299,12 @@ std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
 bool LocalWorkers::Has(const WorkerKey& key) const {
   absl::MutexLock l(&mu_);
   return workers_.count(key) > 0;
+}
+
+uint64_t LocalWorkers::Incarnation(const WorkerKey& key) const {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  return it == workers_.end() ? 0 : it->second.incarnation;
 }
 
 std::optional<LocalWorkers::View> LocalWorkers::Get(const WorkerKey& key) const {
@@ -550,6 +557,15 @@ absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const Wor
 absl::Status LocalWorkers::StartLiveCopyLocked(LiveJob& job) {
   auto w = workers_.find({job.model, job.worker});
   const std::string lk = LiveKey(job.model, job.worker);
+  // A call of a process that was replaced while it waited: the entry (and its live memory) is
+  // another process's now, whose engine may be reading it. Nothing is written, nothing recorded.
+  if (job.incarnation != 0 && (w == workers_.end() || w->second.incarnation != job.incarnation)) {
+    job.skipped = true;
+    job.holds = w == workers_.end() ? 0 : w->second.applied_version;
+    return absl::AbortedError(absl::StrCat("worker ", lk, " registered again on node ", options_.node_id,
+                                           " (another process or new memory) while this call waited: the call is the earlier "
+                                           "registration's, so nothing was copied into the live weights of the new one"));
+  }
   // Live weights of the same memory (not a new process's) that hold this version or a newer one
   // whole: nothing to copy. Two Apply calls (or an Apply and BeginUpdate's copy) that raced:
   // the one that waited behind a newer version's copy must not write the older version over it.

@@ -99,6 +99,11 @@ class LocalWorkers {
     // A repeated RegisterWorker was answered without a join (RepeatRegistration) and the
     // RegisterLayout that tells whether it was a replay has not come yet (TakeRepeat).
     bool repeat_pending = false;
+    // Which registration this entry is (LocalWorkers::Add numbers them; a repeat of the same
+    // registration keeps it). A worker call captures it when it begins, so that a call of a process
+    // that was replaced meanwhile (killed while its WaitVersion waited, a new process registered
+    // the same id) cannot write the new process's live weights (LiveJob::incarnation).
+    uint64_t incarnation = 0;
     // Sync rollout: its engine is paused, so a commit may write its live weights. Cleared by
     // EndUpdate (the engine resumed: a commit makes the version its committed copy instead, which
     // the next BeginUpdate / Apply / WaitVersion copies), set again by BeginUpdate (Pause). True
@@ -152,10 +157,18 @@ class LocalWorkers {
     // relayed pieces, so when the worker resumed RunLiveCopies copies the relays into its staging
     // instead (to_staging), which then becomes its committed copy; its live memory is not written.
     bool needs_pause = false;
-    // Set by RunLiveCopies: the job was skipped, nothing copied into live memory (its status OK) -
-    // the worker resumed (needs_pause; or relays: to_staging is set too and the relayed pieces
-    // went into its staging), or its live weights hold `version` or newer, whole (a copy of a
-    // newer version ran first). `holds`: the version its live weights hold after the job.
+    // Apply / BeginUpdate / WaitVersion: the worker's Worker::incarnation when the call began (0:
+    // any - a commit's copy). Another one when the copy would start: the worker registered again
+    // (a new process, new memory) while the call waited, and the job is refused (ABORTED, skipped)
+    // - the call is the replaced process's, its copy would write the new process's live weights
+    // while its engine reads them (sync chaos run: a killed rollout's WaitVersion answered once the
+    // next version committed and copied it into its restarted successor, told the version before).
+    uint64_t incarnation = 0;
+    // Set by RunLiveCopies: the job was skipped, nothing copied into live memory (its status OK,
+    // but for a refused incarnation) - the worker resumed (needs_pause; or relays: to_staging is
+    // set too and the relayed pieces went into its staging), or its live weights hold `version` or
+    // newer, whole (a copy of a newer version ran first). `holds`: the version its live weights
+    // hold after the job.
     bool skipped = false;
     bool to_staging = false;
     uint64_t holds = 0;
@@ -254,6 +267,8 @@ class LocalWorkers {
 
   // ---- lookups
   bool Has(const WorkerKey& key) const;
+  // The entry's Worker::incarnation (0: not registered here).
+  uint64_t Incarnation(const WorkerKey& key) const;
   std::optional<View> Get(const WorkerKey& key) const;
   // The CUDA imports of a worker's buffers (empty when unknown).
   std::vector<std::shared_ptr<CudaImport>> Cuda(const WorkerKey& key) const;
@@ -356,6 +371,7 @@ class LocalWorkers {
   // (model, committed version) -> why a catch-up attempt of it ended here (NoteCatchUpAborted).
   std::map<std::pair<std::string, uint64_t>, std::string> catch_up_aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (Apply waiters compare)
+  uint64_t next_incarnation_ ABSL_GUARDED_BY(mu_) = 1;  // Worker::incarnation of the next Add
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
   // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until
   // measured): Apply does not start a copy that would obviously outlast its caller's timeout. Not

@@ -100,6 +100,16 @@ class LocalWorkersTest : public ::testing::Test {
     jobs[0].label = label;
     return jobs;
   }
+  // The worker's live state as a status answer names it (whole / copying / torn).
+  std::string LocalStatusOf(const Key& key) {
+    pb::StatusResponse resp;
+    pb::WorkerStatus* ws = resp.add_workers();
+    ws->set_node_id("n0");
+    ws->set_model_id(key.first);
+    ws->set_worker_id(key.second);
+    workers_->AddLiveState(&resp);
+    return resp.workers(0).live_state();
+  }
   // RunLiveCopies waits for a running copy into the same worker with this deadline on the clock.
   absl::Time CopyWaitDeadline() { return clock_.Now() + absl::Seconds(30); }
 
@@ -448,6 +458,39 @@ TEST_F(LocalWorkersTest, AResumedSyncRolloutKeepsTheCommitAsItsCommittedCopy) {
   EXPECT_EQ(workers_->Get(key)->worker.applied_version, 2u);
   EXPECT_FALSE(workers_->Pause({"m", "nobody"}));
   EXPECT_EQ(workers_->EndUpdate({"m", "nobody"}, clock_.Now()).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A call that began for one registration of r0 (a WaitVersion of the process then registered)
+// copies what the node found once its wait ended - by then r0 may be another process (the first
+// killed, a new one registered the same id) whose engine reads its live weights: the job carries
+// the incarnation its call began with and is refused, nothing written, nothing recorded (sync
+// chaos run: a killed rollout's wait, answered when the next version committed, copied it into its
+// successor, which had been told the version before). A job of the current registration copies.
+TEST_F(LocalWorkersTest, ACopyForAnEarlierRegistrationOfTheWorkerIsRefused) {
+  AddRollout("r0", pb::MODE_SYNC);
+  const Key key{"m", "r0"};
+  const uint64_t first = workers_->Incarnation(key);
+  ASSERT_NE(first, 0u);
+  EXPECT_EQ(workers_->Incarnation({"m", "nobody"}), 0u);
+  AddRollout("r0", pb::MODE_SYNC);  // the same id registered again: another process, new memory
+  const uint64_t second = workers_->Incarnation(key);
+  ASSERT_NE(second, first);
+
+  std::vector<LocalWorkers::LiveJob> stale = OneJob(2, Staging(0x22), "apply r0 v2");
+  stale[0].incarnation = first;
+  absl::Status copied = workers_->RunLiveCopies(stale)[0];
+  EXPECT_EQ(copied.code(), absl::StatusCode::kAborted) << copied;
+  EXPECT_NE(copied.message().find("registered again on node n0"), std::string::npos) << copied;
+  EXPECT_TRUE(stale[0].skipped);
+  EXPECT_EQ(LiveBytesEqual(key, 0x22), 0) << "a call of the earlier registration wrote the new one's live weights";
+  EXPECT_EQ(workers_->Get(key)->worker.applied_version, 0u);
+  EXPECT_EQ(LocalStatusOf(key), "whole");
+
+  std::vector<LocalWorkers::LiveJob> own = OneJob(2, Staging(0x22), "apply r0 v2 own");
+  own[0].incarnation = second;
+  ASSERT_TRUE(workers_->RunLiveCopies(own)[0].ok());
+  EXPECT_EQ(LiveBytesEqual(key, 0x22), 64 * 64 * 4);
+  EXPECT_EQ(workers_->Get(key)->worker.applied_version, 2u);
 }
 
 // The commit chose the rollout while it was paused, then it resumed before the copy started:

@@ -219,6 +219,7 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
   // Paused on this node before the coordinator hears of it: a commit the report lets start writes
   // its live weights (LocalWorkers::Commit).
   const bool rollout_here = local_.Pause(key);
+  const uint64_t incarnation = local_.Incarnation(key);
   pb::ReportReadyRequest r;
   r.set_node_id(options_.node_id);
   r.set_model_id(req.model_id());
@@ -229,14 +230,22 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
                                [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
   resp->set_committed_version(rr.committed_version());
   if (s.ok()) versions_.NoteClusterCommitted(req.model_id(), rr.committed_version());
+  if (s.ok() && rollout_here) s = SameRegistration(key, incarnation, "BeginUpdate");
   if (s.ok() && rollout_here) local_.NotePausedAt(key, rr.committed_version());
   if (!s.ok() || !rollout_here || !NewerCommitted(key)) return s;
   // A version committed while it had resumed (EndUpdate) is its committed copy, newer than its
   // live weights: copied now that it is paused, so that BeginUpdate + WaitVersion(v) OK means its
   // live weights hold v. The copy is not cut to the call's timeout (live_copy.h). (Nothing newer:
   // answered as before, also for TORN live weights, which the next commit restores.)
-  absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/false, "BeginUpdate");
+  absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/false, "BeginUpdate", incarnation);
   return holds.ok() ? absl::OkStatus() : holds.status();
+}
+
+absl::Status WorkerCalls::SameRegistration(const LocalWorkers::WorkerKey& key, uint64_t incarnation, const std::string& what) const {
+  if (local_.Incarnation(key) == incarnation) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat(what, " of worker ", key.second, " of model ", key.first, " on node ", options_.node_id,
+                                         ": the worker registered again (another process or new memory) while the call waited; the call "
+                                         "is the earlier registration's and changes nothing of the new one"));
 }
 
 absl::Status WorkerCalls::EndUpdate(const pb::EndUpdateRequest& req, pb::EndUpdateResponse* resp) {
@@ -269,6 +278,7 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
   const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
   const std::string& model = req.model_id();
   const std::string& wid = req.worker_id();
+  const uint64_t incarnation = local_.Incarnation({model, wid});  // a copy is for this registration only
   absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/true);
   if (found.ok() && found->ask_coordinator) {
     // Once per call: after the coordinator's answer only the node's own commit (or an abort of
@@ -277,7 +287,7 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
     found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/false);
   }
   if (!found.ok()) return found.status();
-  absl::StatusOr<uint64_t> holds = CopyApplicable(model, wid, *std::move(found), deadline, /*fit_deadline=*/true);
+  absl::StatusOr<uint64_t> holds = CopyApplicable(model, wid, *std::move(found), deadline, /*fit_deadline=*/true, incarnation);
   if (!holds.ok()) return holds.status();
   resp->set_applied_version(*holds);
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
@@ -291,23 +301,24 @@ bool WorkerCalls::NewerCommitted(const LocalWorkers::WorkerKey& key) const {
 }
 
 absl::StatusOr<uint64_t> WorkerCalls::CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
-                                                 const std::string& what) {
+                                                 const std::string& what, uint64_t incarnation) {
   // Version 0: no wait for a version, only for a copy into the worker that is running.
   absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, 0, deadline);
   if (!found.ok()) {
     return absl::Status(found.status().code(), absl::StrCat(what, " of worker ", wid, " of model ", model, " on node ", options_.node_id,
                                                             ": ", found.status().message()));
   }
-  return CopyApplicable(model, wid, *std::move(found), deadline, fit_deadline);
+  return CopyApplicable(model, wid, *std::move(found), deadline, fit_deadline, incarnation);
 }
 
 absl::StatusOr<uint64_t> WorkerCalls::CopyApplicable(const std::string& model, const std::string& wid, LocalWorkers::Applicable found,
-                                                     absl::Time deadline, bool fit_deadline) {
+                                                     absl::Time deadline, bool fit_deadline, uint64_t incarnation) {
   if (found.staging == nullptr) return found.applied_version;
   std::vector<LocalWorkers::LiveJob> jobs(1);
   LocalWorkers::LiveJob& job = jobs[0];
   job.model = model;
   job.worker = wid;
+  job.incarnation = incarnation;
   job.version = found.version;
   job.staging = found.staging;
   job.live = std::move(found.live);
@@ -368,7 +379,12 @@ absl::Status WorkerCalls::AwaitCatchUp(const std::string& model, const std::stri
 absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {
   const uint64_t session0 = coordinator_.session();
   const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
+  // The registration the caller is (a process killed while this waits may be replaced meanwhile:
+  // the answer is not the new process's, which must be neither copied into nor resumed by it).
+  const uint64_t incarnation = req.worker_id().empty() ? 0 : local_.Incarnation(key);
   absl::Status s = coordinator_.client().WaitVersion(req, resp, CallTimeout(options_.clock, deadline));
+  if (s.ok() && !req.worker_id().empty()) s = SameRegistration(key, incarnation, "WaitVersion");
   if (s.ok()) {
     versions_.NoteClusterCommitted(req.model_id(), resp->committed_version());
     // Committed cluster-wide, but a local rollout of the model whose live copy failed does not
@@ -378,7 +394,7 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
     // committed copy, not in its live weights: copied first, as Apply does, so that OK means its
     // live weights hold it.
     if (!req.worker_id().empty() && NewerCommitted({req.model_id(), req.worker_id()})) {
-      absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/true, "WaitVersion");
+      absl::StatusOr<uint64_t> holds = CopyNewest(req.model_id(), req.worker_id(), deadline, /*fit_deadline=*/true, "WaitVersion", incarnation);
       if (!holds.ok()) return holds.status();
     }
     // Sync: a rollout paused by BeginUpdate when version v was committed already, waiting for v or

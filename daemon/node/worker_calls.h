@@ -90,16 +90,21 @@ class WorkerCalls {
   // Copies what AwaitApplicable found (nothing when its staging is null) into the worker's live
   // weights and reports it applied; returns the version they hold (a copy skipped because a newer
   // one ran first answers that one). `fit_deadline`: a copy that would obviously outlast
-  // `deadline` is not started (DEADLINE_EXCEEDED, nothing copied).
+  // `deadline` is not started (DEADLINE_EXCEEDED, nothing copied). `incarnation`: the worker's
+  // entry when the call began (LocalWorkers::Incarnation): the copy is refused (ABORTED) when the
+  // worker registered again since (LiveJob::incarnation).
   absl::StatusOr<uint64_t> CopyApplicable(const std::string& model, const std::string& wid, LocalWorkers::Applicable found,
-                                          absl::Time deadline, bool fit_deadline);
+                                          absl::Time deadline, bool fit_deadline, uint64_t incarnation);
   // BeginUpdate / WaitVersion of a sync rollout: copies its newest committed version when its
   // live weights hold an older one (after a copy that is running); `what` names the call in errors.
   // `key` is a local sync rollout whose committed copy is newer than its live weights (a commit
   // while it had resumed).
   bool NewerCommitted(const LocalWorkers::WorkerKey& key) const;
   absl::StatusOr<uint64_t> CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
-                                      const std::string& what);
+                                      const std::string& what, uint64_t incarnation);
+  // ABORTED when `key` registered again since a call of it began with `incarnation` (the call is
+  // the replaced process's: it must not pause, resume or copy into the new one); else OK.
+  absl::Status SameRegistration(const LocalWorkers::WorkerKey& key, uint64_t incarnation, const std::string& what) const;
   // Apply(v) of a rollout that does not hold v after a catch-up of v ended on this node: the
   // coordinator's WaitVersion(v, worker) decides - OK once another attempt caught it up (or it
   // holds v there), ABORTED naming why when its catch-up failed for good.

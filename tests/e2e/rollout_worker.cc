@@ -20,6 +20,11 @@
 // (whole, whichever). A failure that says nothing about the version (UNAVAILABLE: the node or coordinator is
 // restarting) waits for the same version again, for up to --timeout_ms, instead of counting
 // versions up on fast failures.
+// Every mode: the live weights must not change while the engine generates (nothing may write them
+// between the answer that named them and the next update call), so once they were verified they
+// are verified again right before that call ("before_update"). Without it a write into them after
+// the check went unseen (a stale call of a killed process copying the next version into its
+// restarted successor's weights was seen only when it landed during the check).
 #include <algorithm>
 #include <cstdio>
 
@@ -58,10 +63,15 @@ int Run() {
   int reconnects_at_live = 0;  // the client's reconnects when `live` was last answered
   uint64_t retry_v = 0;  // the version asked for again after a transient failure, since retry_since
   double retry_since = 0;
+  bool live_checked = false;  // `live` was verified whole since the last update call (not torn)
   while (v <= ctx.last_version) {
     if (ctx.mode != client::Mode::kSync && ctx.step > absl::ZeroDuration()) {
       absl::SleepFor(ctx.step);  // generation with the live weights
     }
+    // Generation is over (sync: it ran after the last answer): the weights it read must still be
+    // the version the daemon named.
+    if (live_checked && !VerifyAndReport(ctx, live, "before_update")) return kExitMismatch;
+    live_checked = false;
     double t_start = MonotonicSeconds();
     uint64_t got = 0;
     double stall = 0;
@@ -123,8 +133,11 @@ int Run() {
         std::optional<uint64_t> holds = VerifyOneOfAndReport(ctx, candidates, "after_failure");
         if (!holds.has_value()) return kExitMismatch;
         live = *holds;
+        live_checked = true;
       } else if (!VerifyAndReport(ctx, live, "after_failure")) {
         return kExitMismatch;
+      } else {
+        live_checked = true;
       }
       if (!ctx.tolerate_failures) return kExitRpc;
       failed.push_back(v);
@@ -152,6 +165,7 @@ int Run() {
     Emit(ctx, {{"event", "applied"}, {"version", got}, {"requested", v}, {"t_start", t_start},
                {"stall_s", stall}, {"reconnects", ctx.client->reconnects()}});
     if (!VerifyAndReport(ctx, live, "applied")) return kExitMismatch;
+    live_checked = true;
     applied.push_back(live);
     if (ctx.mode == client::Mode::kSync && ctx.step > absl::ZeroDuration()) {
       absl::SleepFor(ctx.step);  // generation after resuming
