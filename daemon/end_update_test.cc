@@ -119,14 +119,17 @@ TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
   EXPECT_EQ(CountBad(w.r0, 1), 0) << "the commit of version 2 wrote the live weights of a rollout that had resumed";
   EXPECT_EQ(LocalStatus(c, w.r0).live_state(), "whole");
 
-  // Paused again: BeginUpdate copies version 2 before it answers; WaitVersion(2) then says OK.
+  // Paused again: BeginUpdate copies version 2 before it answers; WaitVersion(2) then says OK
+  // (and resumes r0: no commit took that pause - the coordinator no longer counts it paused).
   ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
   EXPECT_EQ(CountBad(w.r0, 2), 0) << "BeginUpdate must copy the version committed while the rollout had resumed";
   s = WaitVersionAs(w.r0, "m", 2, 5000, &wv);
   ASSERT_TRUE(s.ok()) << s.error_message();
 
-  // Resumed again; version 3 commits; WaitVersion(3) without BeginUpdate copies it before OK.
+  // Paused and resumed again (EndUpdate); version 3 commits; WaitVersion(3) without BeginUpdate
+  // copies it before OK.
   ASSERT_TRUE(BeginUpdateAs(w.r1, 20000).ok());
+  ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
   s = EndUpdateAs(w.r0, 5000, &ended);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(ended.applied_version(), 2u);
@@ -153,10 +156,13 @@ TEST(EndUpdateTest, AResumedRolloutsLiveWeightsAreWrittenOnlyOnceItWaitsAgain) {
 
 // A rollout paused by BeginUpdate after version 1 committed asks WaitVersion(1) (a restarted or
 // late rollout, a framework re-asking for what it holds): OK at once, no commit took its pause,
-// and its engine resumes. The coordinator still counts it paused, so version 2 starts without it
-// pausing again; before, that commit wrote the live weights the engine was reading (chaos run:
-// "applied v" then mismatches with v + 1's bytes). Now such a WaitVersion resumes it as EndUpdate
-// does: version 2 becomes its committed copy, copied at its next BeginUpdate.
+// and its engine resumes. Its node resumes it as EndUpdate does (before, the next commit wrote the
+// live weights the engine was reading: chaos run, "applied v" then v + 1's bytes) and tells the
+// coordinator, which no longer counts it paused (ReportReadyRequest.resumed): version 2 waits for
+// its next BeginUpdate, so a sync Publish still returns only once every rollout's live weights
+// hold the version. (Before, version 2 started at once and became r0's committed copy, copied at
+// its next BeginUpdate - Publish returned while r0 ran version 1, and a rollout that kept asking
+// for the version it was handed stayed one version behind the lockstep for good.)
 TEST(EndUpdateTest, AWaitForAVersionCommittedBeforeThePauseResumesTheRollout) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
@@ -166,17 +172,27 @@ TEST(EndUpdateTest, AWaitForAVersionCommittedBeforeThePauseResumesTheRollout) {
   ASSERT_EQ(CountBad(w.r0, 1), 0);
   pb::WaitVersionResponse wv;
   ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
+  EXPECT_TRUE(LocalStatus(c, w.r0).paused());
   grpc::Status s = WaitVersionAs(w.r0, "m", 1, 5000, &wv);
   ASSERT_TRUE(s.ok()) << s.error_message();  // r0's engine resumes now
+  EXPECT_FALSE(LocalStatus(c, w.r0).paused()) << "the coordinator still counts r0 paused: the next version would start while it runs";
   ASSERT_TRUE(BeginUpdateAs(w.r1, 20000).ok());
-  PublishOnly(c, 2, w);
-  ASSERT_FALSE(Test::HasFailure());
-  EXPECT_EQ(CountBad(w.r1, 2), 0);
-  EXPECT_EQ(CountBad(w.r0, 1), 0) << "the commit of version 2 wrote the live weights of a rollout whose WaitVersion had answered";
+  std::vector<grpc::Status> published;
+  int r0_bad_at_publish = -1;
+  std::thread publisher([&] {
+    published = c.Publish("m", pb::MODE_SYNC, 2, {&w.t0, &w.t1}, {});
+    r0_bad_at_publish = CountBad(w.r0, 2);
+  });
+  EXPECT_EQ(CountBad(w.r0, 1), 0) << "a commit wrote the live weights of a rollout whose WaitVersion had answered";
   ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
-  EXPECT_EQ(CountBad(w.r0, 2), 0) << "BeginUpdate must copy the version committed while the rollout ran";
+  publisher.join();
+  for (const grpc::Status& p : published) ASSERT_TRUE(p.ok()) << p.error_message();
+  EXPECT_EQ(r0_bad_at_publish, 0) << "sync Publish returned while r0's live weights did not hold version 2";
+  EXPECT_EQ(CountBad(w.r1, 2), 0);
   s = WaitVersionAs(w.r0, "m", 2, 5000, &wv);
   ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(wv.committed_version(), 2u);
+  EXPECT_EQ(CountBad(w.r0, 2), 0);
   // The usual cycle afterwards.
   for (const grpc::Status& st : c.Publish("m", pb::MODE_SYNC, 3, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(st.ok()) << st.error_message();
   for (TestWorker* r : {&w.r0, &w.r1}) {
@@ -218,15 +234,18 @@ TEST(EndUpdateTest, ALateRolloutCaughtUpWhileTheNextVersionWaitsHoldsWhatItWasTo
     std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, v, {&w.t0, &w.t1}, {}); });
     pb::WaitVersionResponse wv;
     grpc::Status s = WaitVersionAs(*r0, "m", 1, 20000, &wv);
+    const uint64_t told = wv.committed_version();
+    // The live weights hold what it was told, whether or not version v has committed by now.
+    EXPECT_EQ(CountBad(*r0, told), 0) << "round v" << v << ": WaitVersion answered " << told
+                                      << " but the live weights hold something else";
+    // The usual cycle: paused again, version v (started before r0 resumed, or waiting for this
+    // pause) reaches its live weights.
+    const grpc::Status paused = BeginUpdateAs(*r0, 20000);
     publisher.join();
     for (const grpc::Status& p : published) EXPECT_TRUE(p.ok()) << "publish v" << v << ": " << p.error_message();
     ASSERT_TRUE(s.ok()) << s.error_message();
-    const uint64_t told = wv.committed_version();
-    EXPECT_EQ(CountBad(*r0, told), 0) << "round v" << v << ": WaitVersion answered " << told
-                                      << " but the live weights hold something else once version " << v << " committed";
+    ASSERT_TRUE(paused.ok()) << paused.error_message();
     if (Test::HasFailure()) break;
-    // The usual cycle: the next BeginUpdate copies what committed while it ran.
-    ASSERT_TRUE(BeginUpdateAs(*r0, 20000).ok());
     ASSERT_TRUE(WaitVersionAs(*r0, "m", v, 20000, &wv).ok());
     EXPECT_EQ(CountBad(*r0, v), 0);
   }
@@ -295,7 +314,8 @@ TEST(EndUpdateTest, EndUpdateWaitsForACopyIntoTheLiveWeightsThatIsRunning) {
 }
 
 // A rollout process waiting in WaitVersion(2) is killed and a new process registers the same id
-// (new memory); it is caught up to version 1, told so, and its engine resumes on that answer.
+// (new memory); it is caught up to version 1, told so, and its engine resumes on that answer (and
+// once more after a BeginUpdate, with EndUpdate, which leaves the coordinator counting it paused).
 // Version 2 then commits - the new process's committed copy, since it resumed - and answers the
 // dead process's WaitVersion, still in the node. That call must not copy version 2 into the live
 // weights of the new process, which reads them: it is refused (ABORTED), and the new process gets
@@ -349,6 +369,11 @@ TEST(EndUpdateTest, AWaitOfAReplacedRolloutProcessLeavesItsSuccessorsWeightsAlon
   ASSERT_TRUE(s.ok()) << s.error_message();
   ASSERT_EQ(wv.committed_version(), 1u);
   ASSERT_EQ(CountBad(r0, 1), 0);
+  // It pauses and resumes once more (EndUpdate: the coordinator keeps counting it paused until
+  // the next commit), so version 2 commits while it runs - its committed copy.
+  ASSERT_TRUE(BeginUpdateAs(r0, 20000).ok());
+  pb::EndUpdateResponse ended;
+  ASSERT_TRUE(EndUpdateAs(r0, 20000, &ended).ok());
 
   // Version 2 commits; the first process's WaitVersion(2) is answered in n0 now.
   PublishOnly(c, 2, w);

@@ -86,6 +86,10 @@ class VersionMachine {
 
   // Sync mode: a rollout worker paused for the next version.
   void RecordReady(const std::string& rollout);
+  // Sync mode: a paused rollout resumed with no commit taking its pause; the next version waits
+  // for it to pause again. A version already started keeps running (its commit records no apply
+  // for it: it was not paused when the commit came).
+  void RecordResumed(const std::string& rollout) { ready_.erase(rollout); }
   bool IsPaused(const std::string& rollout) const { return ready_.count(rollout) > 0; }
   // A rollout applied `version` (used by the staleness bound).
   void RecordApplied(const std::string& rollout, uint64_t version);

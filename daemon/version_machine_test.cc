@@ -36,6 +36,29 @@ TEST(VersionMachineTest, SyncWaitsForEveryTrainerAndPausedRollout) {
   EXPECT_FALSE(m.RecordPublish("t0", 1).ok() && m.Find(1)->state != VState::kCommitted);
 }
 
+// A paused rollout that resumed with no commit taking its pause (ReportReadyRequest.resumed) is
+// waited for again before the next version starts; a version already started records no apply
+// for it at its commit (its live weights were not written).
+TEST(VersionMachineTest, SyncResumedRolloutIsWaitedForAgain) {
+  FakeClock clock;
+  VersionMachine m = Make(ModeKind::kSync);
+  m.RecordReady("r0");
+  m.RecordReady("r1");
+  m.RecordResumed("r0");
+  EXPECT_FALSE(m.IsPaused("r0"));
+  ASSERT_TRUE(m.RecordPublish("t0", 1).ok());
+  ASSERT_TRUE(m.RecordPublish("t1", 1).ok());
+  EXPECT_FALSE(m.NextToStart()) << "started while r0 runs";
+  m.RecordReady("r0");
+  ASSERT_EQ(m.NextToStart(), 1u);
+  m.Start(1, {"a"}, clock.Now(), absl::Seconds(5), 100);
+  m.RecordResumed("r1");  // resumed after the version started: it goes on
+  EXPECT_TRUE(m.NodeDone("a", 1));
+  m.Commit(1, clock.Now());
+  EXPECT_EQ(m.Applied("r0"), 1u);
+  EXPECT_EQ(m.Applied("r1"), 0u);
+}
+
 TEST(VersionMachineTest, TimeoutAbortKeepsPreviousCommitted) {
   FakeClock clock;
   VersionMachine m = Make(ModeKind::kOneStepOff);

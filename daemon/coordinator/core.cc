@@ -559,8 +559,12 @@ absl::Status CoordinatorCore::ReportReady(const pb::ReportReadyRequest& req, pb:
   if (w->second.role != planner::Role::kRollout) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), " is not a registered rollout worker"));
   }
-  w->second.paused = true;
-  m->machine->RecordReady(req.worker_id());
+  w->second.paused = !req.resumed();
+  if (req.resumed()) {
+    m->machine->RecordResumed(req.worker_id());
+  } else {
+    m->machine->RecordReady(req.worker_id());
+  }
   resp->set_committed_version(m->machine->committed());
   wake_ = true;
   StatusChangedLocked();

@@ -414,9 +414,28 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
       Log(LogLevel::kDebug, "rollout resumed (WaitVersion for a version committed before its pause)",
           {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()},
            {"holds", ended->applied_version}});
+      ReportResumed(req.model_id(), req.worker_id(), deadline);
     }
   }
   return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
+}
+
+void WorkerCalls::ReportResumed(const std::string& model, const std::string& worker, absl::Time deadline) {
+  pb::ReportReadyRequest r;
+  r.set_node_id(options_.node_id);
+  r.set_model_id(model);
+  r.set_worker_id(worker);
+  r.set_resumed(true);
+  pb::ReportReadyResponse rr;
+  // Bounded by the worker's call, at most 5 s: its answer does not depend on this report.
+  const absl::Time until = std::min(deadline, options_.clock->Now() + absl::Seconds(5));
+  absl::Status s = coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, until));
+  if (!s.ok()) {
+    // The coordinator still counts the rollout paused: the next version may start without it and
+    // become its committed copy (copied at its next BeginUpdate), as before this report existed.
+    Log(LogLevel::kWarning, "could not tell the coordinator that a rollout resumed",
+        {{"node", options_.node_id}, {"model", model}, {"worker", worker}, {"error", s.message()}});
+  }
 }
 
 absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req) {

@@ -102,6 +102,10 @@ class WorkerCalls {
   bool NewerCommitted(const LocalWorkers::WorkerKey& key) const;
   absl::StatusOr<uint64_t> CopyNewest(const std::string& model, const std::string& wid, absl::Time deadline, bool fit_deadline,
                                       const std::string& what, uint64_t incarnation);
+  // Sync: tells the coordinator that a rollout the node resumed on a WaitVersion answer (no commit
+  // took its pause) is no longer paused, so the next version waits for its next BeginUpdate
+  // (ReportReadyRequest.resumed). Best effort, bounded by `deadline` and 5 s; a failure is logged.
+  void ReportResumed(const std::string& model, const std::string& worker, absl::Time deadline);
   // ABORTED when `key` registered again since a call of it began with `incarnation` (the call is
   // the replaced process's: it must not pause, resume or copy into the new one); else OK.
   absl::Status SameRegistration(const LocalWorkers::WorkerKey& key, uint64_t incarnation, const std::string& what) const;
