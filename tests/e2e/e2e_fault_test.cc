@@ -12,6 +12,8 @@
 //  - DrainFinishesInFlightAndRefusesNew: `wbctl drain` waits for the in-flight version (held in
 //    flight by SIGSTOPping a receiving node), which then commits and is applied; a new publish
 //    is refused; a drain that cannot finish in time exits 3.
+//  - ATrainerAtTheVersionLimitWaitsAndPublishesEveryVersion: a Publish refused at the node's limit
+//    of versions published and not yet committed is published again once one landed.
 //  - MalformedLayoutIsRejectedAndChangesNothing: INVALID_ARGUMENT naming the tensor, the plan and
 //    the registered workers unchanged, and the next version still succeeds.
 #include <signal.h>
@@ -306,6 +308,56 @@ TEST(FaultTest, AsyncStalenessBound) {
   // The bound really held the trainer back (without it the trainer would never stall).
   EXPECT_GT(max_stall, 0.3);
   for (Process* r : f.rollouts) EXPECT_TRUE(EventsNamed(r, "mismatch").empty());
+}
+
+// A trainer at its node's limit of versions published and not yet committed
+// (--max_concurrent_versions, here 2) is refused (RESOURCE_EXHAUSTED, "wait for one"): it waits
+// for its newest published version to land and publishes the same version again, so every
+// version is published and the last one reaches every rollout. Before, the e2e trainer counted
+// the refusal as a failed version and went on: a transfer hung until the transfer deadline after
+// a restart (chaos_delta_test) let both trainers refuse-and-skip every remaining version within
+// seconds and exit, and every rollout then waited for versions that never existed (docs/soak.md).
+// The limit is reached deterministically: n2 is frozen (SIGSTOP) so v2 cannot commit, v2..v5 are
+// opened, and n2 resumes only once a trainer was refused.
+TEST(FaultTest, ATrainerAtTheVersionLimitWaitsAndPublishesEveryVersion) {
+  ClusterOptions copts;
+  copts.lease_ms = kHeldLeaseMs;  // n2 is frozen on purpose until the refusal; it keeps its lease
+  copts.extra_node_flags = {"--max_concurrent_versions=2"};
+  RunOptions run;
+  run.mode = "one_step_off";
+  run.versions = 5;
+  run.tolerate_failures = true;
+  run.gate_dir = "gates";
+  run.timeout_ms = ScaledMs(30000);
+  Fixture f;
+  absl::Status s = StartFixture(f, "limit", copts, run);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(OpenGate(f, 1).ok());
+  s = WaitAllApplied(f, 1, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(s.ok()) << s;
+  f.cluster->node(2)->Signal(SIGSTOP);
+  for (uint64_t v = 2; v <= 5; ++v) ASSERT_TRUE(OpenGate(f, v).ok());
+  // v2 and v3 are published and cannot commit while n2 is frozen: v4 is refused.
+  auto refused = f.trainers[0]->WaitForLine(
+      [](const std::string& line) { return line.find("\"code\":\"RESOURCE_EXHAUSTED\"") != std::string::npos; },
+      Scaled(absl::Seconds(60)));
+  f.cluster->node(2)->Signal(SIGCONT);
+  ASSERT_TRUE(refused.ok()) << refused.status() << "\n" << f.trainers[0]->LogTail();
+  EXPECT_NE(refused->find("\"version\":4"), std::string::npos) << *refused;
+  for (Process* p : f.trainers) {
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
+    EXPECT_TRUE(e.ok()) << e;
+    auto done = EventsNamed(p, "done");
+    ASSERT_EQ(done.size(), 1u) << p->LogTail();
+    EXPECT_TRUE(done[0]["failed"].empty()) << p->name() << " counted versions failed: " << done[0].dump();
+  }
+  for (Process* p : f.rollouts) {
+    EXPECT_TRUE(p->WaitForEvent("verified", 5, Scaled(absl::Seconds(60))).ok()) << p->name() << " never verified v5\n"
+                                                                                 << p->LogTail();
+    absl::Status e = ExpectCleanExit(p, Scaled(absl::Seconds(120)));
+    EXPECT_TRUE(e.ok()) << e;
+    EXPECT_TRUE(EventsNamed(p, "mismatch").empty()) << p->LogTail();
+  }
 }
 
 TEST(FaultTest, DrainFinishesInFlightAndRefusesNew) {

@@ -8,6 +8,9 @@
 //                  WaitVersion(v) before touching the buffers again.
 //   one_step_off:  fill v, Publish(v) (returns after the daemon's snapshot), go on computing v+1.
 //   async:         as one_step_off; Publish blocks while a rollout lags more than max_staleness.
+// A Publish refused because the node's limit of versions published and not yet committed is
+// reached (RESOURCE_EXHAUSTED) is asked again once the newest published version landed (a
+// "publish_limited" event), up to --timeout_ms; only then is the version counted failed.
 #include <algorithm>
 #include <cstdio>
 
@@ -59,6 +62,27 @@ int Run() {
     double t_start = MonotonicSeconds();
     auto pub = ctx.client->Publish(v, ctx.version_timeout);
     absl::Status status = pub.status();
+    // RESOURCE_EXHAUSTED: this trainer has as many versions published and not yet committed as
+    // its node allows (--max_concurrent_versions; "wait for one"), e.g. while a transfer hangs
+    // until the transfer deadline after a restart. Back-pressure, not a failed version: wait for
+    // the newest version published to land (committed or aborted - either frees the slots up to
+    // it) and publish the same version again, up to the version deadline. Counting it failed
+    // instead let the trainers refuse-and-skip every remaining version within seconds of such a
+    // hang and exit, so the last version never existed and every rollout waited for it
+    // (chaos_delta_test, docs/soak.md).
+    const absl::Time limit_deadline = absl::Now() + ctx.version_timeout;
+    while (status.code() == absl::StatusCode::kResourceExhausted && !published.empty() && absl::Now() < limit_deadline) {
+      Emit(ctx, {{"event", "publish_limited"}, {"version", v}, {"waits_for", published.back()},
+                 {"code", absl::StatusCodeToString(status.code())}, {"message", std::string(status.message())}});
+      const double wait_start = MonotonicSeconds();
+      auto landed = ctx.client->WaitVersion(published.back(), limit_deadline - absl::Now());
+      if (landed.status().code() == absl::StatusCode::kDeadlineExceeded) break;
+      // Answered at once (already committed or aborted) yet the slot may still be taken: pace the
+      // next ask instead of spinning on the node until the deadline.
+      if (MonotonicSeconds() - wait_start < 0.1) absl::SleepFor(absl::Milliseconds(100));
+      pub = ctx.client->Publish(v, std::max(absl::ZeroDuration(), limit_deadline - absl::Now()));
+      status = pub.status();
+    }
     if (status.ok()) {
       Emit(ctx, {{"event", "published"}, {"version", v}, {"t_start", t_start},
                  {"stall_s", pub->stall_seconds}, {"reconnects", ctx.client->reconnects()}});
