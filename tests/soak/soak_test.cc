@@ -29,6 +29,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -113,7 +114,10 @@ std::set<std::string> ShmNames() {
 // (reaped): a live process holding `pid` now is another one - pids are reused, and other tests run
 // beside this one (make test: two at a time) - so nothing is attributed to it, and nothing of
 // another test's (say a Python client's "wb-ptr-<pid>-...") is ever counted or unlinked here.
-std::vector<std::string> ShmOfPid(pid_t pid) {
+// Segments created before `not_before` (this soak's start) are not its workers' either: an e2e
+// worker of an earlier test that held the same pid before the pids wrapped (32768 on CI
+// machines, a few minutes of builds) and was killed left it.
+std::vector<std::string> ShmOfPid(pid_t pid, absl::Time not_before) {
   std::vector<std::string> out;
   if (::kill(pid, 0) == 0 || errno == EPERM) {
     std::printf("soak: pid %d is in use by another process again: its segments are not checked\n", static_cast<int>(pid));
@@ -121,7 +125,13 @@ std::vector<std::string> ShmOfPid(pid_t pid) {
   }
   const std::string needle = absl::StrCat("-", pid, "-");
   for (const std::string& n : ShmNames()) {
-    if (absl::StartsWith(n, "wb-e2e-") && n.find(needle) != std::string::npos) out.push_back(n);
+    if (!absl::StartsWith(n, "wb-e2e-") || n.find(needle) == std::string::npos) continue;
+    struct stat st {};
+    if (::stat(absl::StrCat("/dev/shm/", n).c_str(), &st) == 0 && absl::TimeFromTimespec(st.st_ctim) < not_before) {
+      std::printf("soak: /dev/shm/%s predates this run (an earlier process with pid %d): not counted\n", n.c_str(), static_cast<int>(pid));
+      continue;
+    }
+    out.push_back(n);
   }
   return out;
 }
@@ -220,6 +230,7 @@ bool CanDestroySockets(Harness* h) {
 
 // The whole soak in `mode` (async or sync): see the top of this file.
 void RunSoak(const std::string& mode) {
+  const absl::Time soak_start = absl::Now();  // segments older than this are no worker's of this run
   const uint64_t seed = EnvOr("WB_SOAK_SEED", 20261202);
   const int versions = static_cast<int>(EnvOr("WB_SOAK_VERSIONS", 200));
   const int num_faults = static_cast<int>(EnvOr("WB_SOAK_FAULTS", 12));
@@ -492,13 +503,13 @@ void RunSoak(const std::string& mode) {
   // Shared memory: workers that exited unlinked theirs; killed workers' segments are orphans.
   int leaked = 0, orphaned = 0;
   for (Process* w : workers) {
-    for (const std::string& n : ShmOfPid(w->pid())) {
+    for (const std::string& n : ShmOfPid(w->pid(), soak_start)) {
       ADD_FAILURE() << "shm segment /dev/shm/" << n << " of " << w->name() << " left behind";
       ++leaked;
     }
   }
   for (Process* w : killed) {
-    for (const std::string& n : ShmOfPid(w->pid())) {
+    for (const std::string& n : ShmOfPid(w->pid(), soak_start)) {
       ++orphaned;
       ::unlink(absl::StrCat("/dev/shm/", n).c_str());
     }

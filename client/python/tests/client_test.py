@@ -196,7 +196,10 @@ class ClientTest(unittest.TestCase):
     def test_buffer_size_must_be_an_integer(self):
         # int(1.5) made a 1-byte segment; a float size is refused, numpy integers are sizes.
         c = self.daemon.client("size")
-        before = set(os.listdir("/dev/shm"))
+        # Only this process's segments (wb-<prefix>-<pid>-...): tests running beside this one
+        # create and remove their own meanwhile.
+        mine = lambda: {n for n in os.listdir("/dev/shm") if n.startswith("wb-") and "-%d-" % os.getpid() in n}
+        before = mine()
         with self.assertRaisesRegex(TypeError, "integer number of bytes, got 1.5"):
             c.create_buffer(1.5)
         with self.assertRaisesRegex(TypeError, "integer number of bytes, got True"):
@@ -206,7 +209,7 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(c.create_buffer(np.int64(8192)).size_bytes, 8192)
         self.assertEqual(len(c.buffers), 1)
         c.close()
-        self.assertEqual(set(os.listdir("/dev/shm")) - before, set())
+        self.assertEqual(mine() - before, set())
 
     def test_one_step_off_every_byte(self):
         model = self.model("py_osp", "one_step_off")
