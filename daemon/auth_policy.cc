@@ -539,8 +539,10 @@ Verdict WorkerGuard::WaitVersion(AuthCall& call, pb::WaitVersionRequest& req) {
   absl::StatusOr<PeerCred> me = Caller(call);
   if (!me.ok()) return Refuse(me.status(), "unauthenticated");
   // Counted against the worker it names when that worker is the caller's own; else (no worker
-  // named, or another's) against the caller's process: naming a victim's id cannot use up its slots.
+  // named, or one not registered here) against the caller's process: naming an id cannot use up
+  // another worker's slots.
   std::string counted_as;
+  std::optional<PeerCred> owner;  // of the named worker, when that is another process
   {
     absl::MutexLock l(&mu_);
     bool member = false;
@@ -551,9 +553,24 @@ Verdict WorkerGuard::WaitVersion(AuthCall& call, pb::WaitVersionRequest& req) {
                     "impersonation");
     }
     auto named = bindings_.find({req.model_id(), req.worker_id()});
-    if (named != bindings_.end() && named->second.cred.pid == me->pid && named->second.cred.start_time == me->start_time) {
-      counted_as = req.worker_id();
+    if (named != bindings_.end()) {
+      if (named->second.cred.pid == me->pid && named->second.cred.start_time == me->start_time) {
+        counted_as = req.worker_id();
+      } else {
+        owner = named->second.cred;
+      }
     }
+  }
+  // The worker id is the caller's: for a rollout the node acts on it (a paused sync rollout
+  // waiting for a version it holds is resumed and reported resumed to the coordinator; a committed
+  // copy newer than its live weights is copied into them). Another process's worker is not the
+  // caller's to resume or to write: its engine may be reading those weights.
+  if (owner.has_value()) {
+    return Refuse(absl::PermissionDeniedError(absl::StrCat(
+                      "WaitVersion names worker ", req.worker_id(), " of model '", req.model_id(), "', which belongs to process ",
+                      owner->pid, OwnerGone(*owner), ", not to the caller (pid ", me->pid,
+                      "): a worker waits as itself (its own worker_id; none: the cluster-wide commit only)")),
+                  "impersonation");
   }
   if (Verdict v = ClampWait(req, limits_, "WaitVersion"); !v.status.ok()) return v;
   return TakeSlot(call, *me, req.model_id(), counted_as);
