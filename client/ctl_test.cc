@@ -237,6 +237,45 @@ TEST(StatusViewTest, WatchPicksRunningVersionAndComputesRateAndEta) {
   EXPECT_NE(WatchProgress::Format(second).find("ETA 0.5s"), std::string::npos);
 }
 
+// Free text in a status comes from other processes: a version's error is what a node of the
+// version reported (ReportDoneRequest.error, any bytes a token holder sends), a torn worker's detail
+// and a catch-up error from nodes too. wbctl printed them raw, so a node could make an operator's
+// terminal run escape sequences (retitle it, clear it, move the cursor) and forge whole lines of
+// the table with a newline ("  qwen  9  committed ..."). Control characters are shown escaped in
+// every human-readable view; --json carries the text as it is (JSON escapes it).
+TEST(StatusViewTest, ControlCharactersInDaemonTextAreShownEscaped) {
+  const std::string hostile = std::string("peer vanished\x1b]2;pwned\x07\x1b[2J\r\n  qwen         9        committed") + "\xc2\x9b" + "31m";
+  pb::StatusResponse s = Sample();
+  s.mutable_versions(0)->set_error(hostile);
+  pb::WorkerStatus* w = s.add_workers();
+  w->set_worker_id("r9");
+  w->set_model_id("qwen");
+  w->set_role(pb::ROLE_ROLLOUT);
+  w->set_has_layout(true);
+  w->set_live_state("torn");
+  w->set_live_detail(hostile);
+  pb::WorkerStatus* late = s.add_workers();
+  *late = *w;
+  late->set_worker_id("r10");
+  late->clear_live_state();
+  late->set_catch_up_error(hostile);
+  pb::VersionStatus running = s.versions(0);
+  running.set_state("aborted");
+  WatchProgress p;
+  for (const std::string& out : {StatusTable(s, "coordinator"), VersionsTable(VersionsOf(s, "qwen")),
+                                 WatchProgress::Format(p.Update(running, absl::UnixEpoch()))}) {
+    for (char c : out) {
+      if (c == '\n') continue;
+      EXPECT_FALSE(static_cast<unsigned char>(c) < 0x20 || c == 0x7f) << "raw control character " << static_cast<int>(c) << " in:\n" << out;
+    }
+    EXPECT_EQ(out.find("\xc2\x9b"), std::string::npos) << "raw C1 control (CSI) in:\n" << out;
+    EXPECT_EQ(out.find("\n  qwen         9"), std::string::npos) << "a forged line:\n" << out;
+    EXPECT_NE(out.find("peer vanished\\x1b]2;pwned\\x07\\x1b[2J\\r\\n  qwen"), std::string::npos) << out;
+  }
+  // JSON keeps the bytes (nlohmann escapes them in the text it writes).
+  EXPECT_EQ(StatusJson(s, "coordinator")["versions"][0]["error"].get<std::string>(), hostile);
+}
+
 // A status the coordinator trimmed to its byte budget (StatusResponse.trimmed).
 pb::StatusResponse TrimmedSample() {
   pb::StatusResponse s = Sample();

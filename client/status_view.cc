@@ -42,6 +42,30 @@ const char* StrategyName(pb::Strategy s) {
 
 }  // namespace
 
+std::string Printable(absl::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c < 0x20 || c == 0x7f) {
+      absl::StrAppendFormat(&out, "\\x%02x", c);
+    } else if (c == 0xc2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) >= 0x80 &&
+               static_cast<unsigned char>(text[i + 1]) <= 0x9f) {
+      // A C1 control character in UTF-8 (U+0080 - U+009F; U+009B is a CSI that terminals obey).
+      absl::StrAppendFormat(&out, "\\xc2\\x%02x", static_cast<unsigned char>(text[++i]));
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 bool IsFinalVersionState(const std::string& state) {
   return state == "committed" || state == "aborted" || state == "superseded" || state == "applied";
 }
@@ -50,11 +74,11 @@ std::string WorkerState(const pb::WorkerStatus& w) {
   if (!w.has_layout()) return "no layout";
   if (w.live_state() == "torn") {
     return absl::StrCat("torn: ", w.live_detail().empty() ? absl::StrCat("v", w.live_writing_version(), " over v", w.live_over_version())
-                                                          : w.live_detail());
+                                                          : Printable(w.live_detail()));
   }
   if (w.live_state() == "copying") return absl::StrCat("copying v", w.live_writing_version());
   if (w.catching_up()) return "catching up";
-  if (!w.catch_up_error().empty()) return absl::StrCat("catch-up error: ", w.catch_up_error());
+  if (!w.catch_up_error().empty()) return absl::StrCat("catch-up error: ", Printable(w.catch_up_error()));
   return w.paused() ? "paused" : "ok";
 }
 
@@ -164,8 +188,8 @@ nlohmann::json TrimmedJson(const pb::StatusResponse& s) {
 
 std::string StatusTable(const pb::StatusResponse& s, const std::string& source, const pb::StatusRequest& filter) {
   std::string out = absl::StrFormat("daemon: %s%s%s%s (answered by the %s service)\n",
-                                    s.role().empty() ? "?" : s.role(),
-                                    s.node_id().empty() ? "" : " (", s.node_id(),
+                                    s.role().empty() ? "?" : Printable(s.role()),
+                                    s.node_id().empty() ? "" : " (", Printable(s.node_id()),
                                     s.node_id().empty() ? "" : ")", source);
   if (!filter.model_id().empty() || !filter.node_id().empty()) {
     std::vector<std::string> only;
@@ -179,11 +203,11 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source, 
                           "DRAINING", "WORKERS", "LEASE_LEFT", "TRANSPORTS");
   }
   for (const auto& n : s.nodes()) {
-    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8d %-10s %s\n", n.node_id(), n.address(),
+    absl::StrAppendFormat(&out, "  %-12s %-22s %-6s %-9s %-8d %-10s %s\n", Printable(n.node_id()), Printable(n.address()),
                           n.alive() ? "yes" : "NO",
                           n.drained() ? "drained" : n.draining() ? "yes" : "no", n.num_workers(),
-                          absl::StrCat(n.lease_left_ms(), "ms"), TransportsSummary({n.transports().begin(), n.transports().end()},
-                                                                                  {n.data_nics().begin(), n.data_nics().end()}));
+                          absl::StrCat(n.lease_left_ms(), "ms"), Printable(TransportsSummary({n.transports().begin(), n.transports().end()},
+                                                                                            {n.data_nics().begin(), n.data_nics().end()})));
   }
   absl::StrAppendFormat(&out, "\nWORKERS (%d)\n", s.workers_size());
   if (s.workers_size() > 0) {
@@ -191,8 +215,8 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source, 
                           "APPLIED", "STATE");
   }
   for (const auto& w : s.workers()) {
-    absl::StrAppendFormat(&out, "  %-20s %-12s %-8s %-12s %-8d %s\n", w.worker_id(), w.model_id(),
-                          RoleName(w.role()), w.node_id(), w.applied_version(), WorkerState(w));
+    absl::StrAppendFormat(&out, "  %-20s %-12s %-8s %-12s %-8d %s\n", Printable(w.worker_id()), Printable(w.model_id()),
+                          RoleName(w.role()), Printable(w.node_id()), w.applied_version(), WorkerState(w));
   }
   absl::StrAppendFormat(&out, "\nMODELS (%d)\n", s.models_size());
   if (s.models_size() > 0) {
@@ -209,9 +233,9 @@ std::string StatusTable(const pb::StatusResponse& s, const std::string& source, 
                            : std::string("-");
     std::string rate = m.last_transfer_gbps() > 0 ? absl::StrFormat("%.2f", m.last_transfer_gbps())
                                                   : std::string("-");
-    std::string fp = m.plan_fingerprint().substr(0, 12);
+    std::string fp = Printable(m.plan_fingerprint().substr(0, 12));
     absl::StrAppendFormat(&out, "  %-12s %-13s %-16s %-9s %-9d %-10s %-12s %-9s %s%s\n",
-                          m.model_id(), ModeName(m.mode()), StrategyName(m.strategy()), workers,
+                          Printable(m.model_id()), ModeName(m.mode()), StrategyName(m.strategy()), workers,
                           m.committed_version(), xfer, FormatBytes(m.last_transfer_bytes()), rate,
                           fp.empty() ? "-" : fp, m.draining() ? " (draining)" : "");
   }
@@ -322,9 +346,9 @@ std::string VersionsTable(const std::vector<pb::VersionStatus>& versions) {
     std::string verified = v.verified() ? std::string("yes")
                            : v.ops_verified() > 0 ? absl::StrCat(v.ops_verified(), "/", v.num_ops())
                                                   : std::string("-");
-    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %-9s %-24s %s\n", v.model_id(),
-                          v.version(), v.state(), bytes, v.seconds(),
-                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), verified, DeltaCell(v), v.error());
+    absl::StrAppendFormat(&out, "  %-12s %-8d %-13s %-22s %-9.3f %-8s %-9s %-24s %s\n", Printable(v.model_id()),
+                          v.version(), Printable(v.state()), bytes, v.seconds(),
+                          rate > 0 ? absl::StrFormat("%.2f", rate) : std::string("-"), verified, DeltaCell(v), Printable(v.error()));
   }
   return out;
 }
@@ -395,12 +419,12 @@ std::string WatchProgress::Format(const Line& l) {
   double pct = l.bytes_total > 0 ? 100.0 * static_cast<double>(l.bytes_done) /
                                        static_cast<double>(l.bytes_total)
                                  : 0;
-  std::string out = absl::StrFormat("%s v%d %-12s %s / %s (%5.1f%%)  %.2f GB/s", l.model_id,
-                                    l.version, l.state, FormatBytes(l.bytes_done),
+  std::string out = absl::StrFormat("%s v%d %-12s %s / %s (%5.1f%%)  %.2f GB/s", Printable(l.model_id),
+                                    l.version, Printable(l.state), FormatBytes(l.bytes_done),
                                     FormatBytes(l.bytes_total), pct, l.rate_GBps);
   if (l.eta_s >= 0) absl::StrAppendFormat(&out, "  ETA %.1fs", l.eta_s);
   if (l.final) absl::StrAppendFormat(&out, "  after %.3fs", l.seconds);
-  if (!l.error.empty()) absl::StrAppend(&out, "  error: ", l.error);
+  if (!l.error.empty()) absl::StrAppend(&out, "  error: ", Printable(l.error));
   return out;
 }
 

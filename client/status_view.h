@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "nlohmann/json.hpp"
 #include "proto/weightbridge.pb.h"
@@ -91,5 +92,11 @@ class WatchProgress {
 };
 
 std::string FormatBytes(uint64_t bytes);
+
+// `text` from a daemon (ids, version errors, torn details: a node's or worker's bytes) as a
+// human-readable view may print it: control characters (C0, DEL, UTF-8 C1) escaped as \n, \r, \t or
+// \xNN, so that no text can run terminal escape sequences or forge a line of the table. JSON
+// output carries the text as it is (its encoder escapes it).
+std::string Printable(absl::string_view text);
 
 }  // namespace wb::client
