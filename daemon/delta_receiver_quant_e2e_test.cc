@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/delta_quant_e2e_fixture.h"
 #include "gtest/gtest.h"
 
@@ -147,6 +148,65 @@ TEST_P(DeltaReceiverQuantCatchUpTest, ARestartedReplicaCaughtUpFromQuantisedByte
   ASSERT_FALSE(HasFatalFailure());
   const DeltaMeter m1 = Meter();
   EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0) << "r2's node holds no canonical shadows of version 2: nothing may be sent against them";
+  EXPECT_GT(m1.replaced - m0.replaced, 0) << "what has a base still travels as deltas";
+  Version(4);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m2 = Meter();
+  EXPECT_EQ(m2.fallbacks - m1.fallbacks, 0);
+  EXPECT_GE(m2.replaced - m1.replaced, kCanonicalBytes) << "version 4: w's canonical bytes travel as deltas again";
+}
+
+// As above, with a coordinator restart between the catch-up and version 3: the new coordinator
+// learns what r2 holds from n1's re-join, and n1 says r2's version 2 came from a catch-up
+// (JoinWorkerRequest.holds_without_shadows), so version 3's ops into r2's shadows still go full
+// from the start: nothing refused (before, the restarted coordinator named version 2 as their
+// base and each was refused once, then resent in full). Version 4 travels as deltas again.
+TEST_P(DeltaReceiverQuantCatchUpTest, TheMarkOfACaughtUpReplicaSurvivesACoordinatorRestart) {
+  const ReceiverCase rc = CaseNamed("fp8_block128_split");
+  Start(GetParam(), /*replicas=*/2, rc.format, rc.split_row);
+  ASSERT_FALSE(HasFatalFailure());
+  Versions(1, 2);
+  ASSERT_FALSE(HasFatalFailure());
+  TestWorker& r2 = *rollouts_[1];
+  {
+    grpc::ClientContext ctx;
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(r2.id);
+    pb::DeregisterResponse resp;
+    ASSERT_TRUE(r2.stub->Deregister(&ctx, req, &resp).ok());
+  }
+  std::memset(r2.seg.data(), 0, r2.seg.size());
+  ASSERT_TRUE(c_.Register(r2, spec_).ok());
+  if (mode_ == pb::MODE_SYNC) {
+    pb::WaitVersionResponse resp;
+    grpc::Status s = WaitVersionAs(r2, "m", 2, 20000, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  } else {
+    pb::ApplyResponse resp;
+    grpc::Status s = c_.Apply(r2, "m", 2, &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(CountBadQuant(r2, geo_, ExpectedQuant(inv_, layout_, geo_, 2)), 0) << "the catch-up";
+  // The coordinator restarts on its port; both nodes re-join with their workers and layouts.
+  const int port = c_.coord_->port();
+  c_.coord_->Shutdown();
+  c_.coord_.reset();
+  c_.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port), [](ServerOptions& o) { o.bucket_bytes = 65536; });
+  ASSERT_FALSE(HasFatalFailure());
+  auto back = c_.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        int with_layout = 0;
+        for (const pb::WorkerStatus& ws : st.workers()) with_layout += ws.has_layout();
+        return with_layout == 4 && CommittedOf(st, "m") == 2;
+      },
+      absl::Seconds(20));
+  ASSERT_TRUE(back.ok()) << back.status();
+  const DeltaMeter m0 = Meter();
+  Version(3);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0) << "r2's node holds no canonical shadows of version 2, restarted coordinator or not";
   EXPECT_GT(m1.replaced - m0.replaced, 0) << "what has a base still travels as deltas";
   Version(4);
   ASSERT_FALSE(HasFatalFailure());

@@ -180,6 +180,7 @@ pb::RegisterNodeRequest NodeDaemon::Registration() const {
   req.set_heartbeat_ms(absl::ToInt64Milliseconds(options_.heartbeat));
   req.set_delta_cache_bytes(options_.delta_cache_bytes);
   req.set_delta_in_place(options_.delta_in_place);
+  req.set_understands_bases_without_shadows(true);  // ExecuteVersionRequest.bases_without_shadows
   for (const auto& t : options_.transports.all()) {
     // nccl moves GPU staging only: without a GPU staging budget the node keeps cross-node bytes on
     // the host channel, and says so by not advertising nccl (the coordinator routes by it).
@@ -224,6 +225,9 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     // node's version for it made the coordinator count it as holding that version: WaitVersion
     // answered OK for it and it was never caught up).
     if (w.role == planner::Role::kRollout) j.join.set_holds_version(std::max(w.committed_version, w.applied_version));
+    // ... and whether a catch-up gave it that version (no canonical shadows here: the new
+    // coordinator must not name it as the base of deltas into them).
+    j.join.set_holds_without_shadows(w.holds_without_shadows);
     j.has_layout = w.has_layout;
     j.layout = std::move(w.submitted);
     jobs.push_back(std::move(j));

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <map>
 #include <optional>
+#include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/coordinator/core.h"
@@ -87,10 +89,12 @@ TEST(ChooseCatchUpTest, StaleHoldersAreNoSources) {
 // ------------------------------------------------------------------ the driver, over fake nodes
 
 // One trainer (n0), rollout r0 (n0); versions run on fake nodes that report done at once, except
-// catch-ups while `stall_catch_up` is set (they never report: the catch-up times out).
+// catch-ups while `stall_catch_up` is set (they never report: the catch-up times out). Nodes in
+// `old_nodes` register as built before ExecuteVersionRequest.bases_without_shadows
+// (RegisterNodeRequest.understands_bases_without_shadows unset).
 class FakeCluster {
  public:
-  FakeCluster() {
+  explicit FakeCluster(const std::set<std::string>& old_nodes = {}) {
     CoordinatorOptions o;
     o.transfer_timeout = absl::Milliseconds(600);
     o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
@@ -103,6 +107,7 @@ class FakeCluster {
         {
           absl::MutexLock l(&mu);
           log.push_back(absl::StrCat(req.catch_up() ? "catch-up " : "version ", req.version()));
+          if (!req.catch_up()) executed[{node, req.version()}] = req;
         }
         if (req.catch_up() && stall_catch_up) return absl::OkStatus();
         pb::ReportDoneRequest done;
@@ -133,6 +138,7 @@ class FakeCluster {
       pb::RegisterNodeRequest req;
       req.set_node_id(n);
       req.set_address(n + ":1");
+      req.set_understands_bases_without_shadows(old_nodes.count(n) == 0);
       pb::RegisterNodeResponse resp;
       EXPECT_TRUE(core->RegisterNode(req, &resp).ok());
     }
@@ -142,6 +148,7 @@ class FakeCluster {
   // with the node's committed version, the worker's applied version and what it holds.
   struct Rejoin {
     uint64_t committed = 0, applied = 0, holds = 0;
+    bool without_shadows = false;  // JoinWorkerRequest.holds_without_shadows
   };
   void Join(const std::string& node, const std::string& worker, pb::Role role, std::optional<Rejoin> rejoin = std::nullopt) {
     pb::ModelSpec spec = testing::SmallModelSpec("m", 1);
@@ -157,6 +164,7 @@ class FakeCluster {
       j.set_committed_version(rejoin->committed);
       j.set_applied_version(rejoin->applied);
       j.set_holds_version(rejoin->holds);
+      j.set_holds_without_shadows(rejoin->without_shadows);
     }
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
@@ -194,6 +202,16 @@ class FakeCluster {
     absl::MutexLock l(&mu);
     return log;
   }
+  // The ExecuteVersion of version v (not a catch-up) that `node` got; a test failure when none.
+  pb::ExecuteVersionRequest Executed(const std::string& node, uint64_t v) {
+    absl::MutexLock l(&mu);
+    auto it = executed.find({node, v});
+    if (it == executed.end()) {
+      ADD_FAILURE() << "no ExecuteVersion of version " << v << " on " << node;
+      return {};
+    }
+    return it->second;
+  }
 
   // Waits (real time, 10 s at most) until `n` catch-up reports are held.
   bool AwaitHeld(size_t n) {
@@ -213,6 +231,7 @@ class FakeCluster {
   std::unique_ptr<CoordinatorCore> core;
   absl::Mutex mu;
   std::vector<std::string> log ABSL_GUARDED_BY(mu);
+  std::map<std::pair<std::string, uint64_t>, pb::ExecuteVersionRequest> executed ABSL_GUARDED_BY(mu);  // (node, version)
   std::vector<Held> held ABSL_GUARDED_BY(mu);
   std::map<std::string, std::shared_ptr<FakeNodeClient>> fakes ABSL_GUARDED_BY(mu);  // by node
   std::shared_ptr<FakeNodeClient> Fake(const std::string& node) {
@@ -331,6 +350,71 @@ TEST(CatchUpDriverTest, StaleDoneReportOfAnEarlierAttemptIsRefused) {
   auto reports = std::find(log.begin(), log.end(), "attempt 2 reports");
   EXPECT_EQ(std::count(log.begin(), log.end(), "commit 1 on n1"), 1);
   EXPECT_NE(std::find(reports, log.end(), "commit 1 on n1"), log.end()) << "the catch-up committed before its own reports";
+}
+
+// ------------------------------------------------------------------ bases without shadows
+
+std::map<std::string, uint64_t> BasesOf(const pb::ExecuteVersionRequest& req) { return {req.base_versions().begin(), req.base_versions().end()}; }
+std::vector<std::string> WithoutShadowsOf(const pb::ExecuteVersionRequest& req) {
+  return {req.bases_without_shadows().begin(), req.bases_without_shadows().end()};
+}
+
+// Late rollout r1 (n1) is caught up to version 1 from r0's bytes (n0): it holds version 1 without
+// canonical shadows. Version 2 names it in bases_without_shadows (with its base) only when every
+// node of the plan reads that field; when one of them - sender n0 or receiver n1 - is built before
+// it (RegisterNodeRequest.understands_bases_without_shadows unset), r1 gets no base at all (every
+// op into it in full, which nodes of both builds agree on), while r0 keeps its base. Version 3
+// reached r1 through the plan: its base is version 2, with shadows, on every build.
+class BasesWithoutShadowsTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BasesWithoutShadowsTest, ACaughtUpRolloutHasABaseOnlyWhenEveryPlanNodeReadsTheMark) {
+  const std::string old_node = GetParam();  // "" = every node is new
+  FakeCluster c(old_node.empty() ? std::set<std::string>{} : std::set<std::string>{old_node});
+  ASSERT_NO_FATAL_FAILURE(c.CommitVersion1());
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT);
+  ASSERT_TRUE(c.WaitFor("r1", 1).ok());
+  ASSERT_TRUE(c.Publish(2).ok());
+  ASSERT_TRUE(c.WaitFor("r1", 2).ok());
+  for (const std::string n : {"n0", "n1"}) {
+    const pb::ExecuteVersionRequest v2 = c.Executed(n, 2);
+    if (old_node.empty()) {
+      EXPECT_EQ(BasesOf(v2), (std::map<std::string, uint64_t>{{"r0", 1}, {"r1", 1}})) << n;
+      EXPECT_EQ(WithoutShadowsOf(v2), std::vector<std::string>{"r1"}) << n;
+    } else {
+      EXPECT_EQ(BasesOf(v2), (std::map<std::string, uint64_t>{{"r0", 1}})) << n << ": " << old_node << " would not read the mark";
+      EXPECT_TRUE(WithoutShadowsOf(v2).empty()) << n;
+    }
+  }
+  ASSERT_TRUE(c.Publish(3).ok());
+  ASSERT_TRUE(c.WaitFor("r1", 3).ok());
+  for (const std::string n : {"n0", "n1"}) {
+    const pb::ExecuteVersionRequest v3 = c.Executed(n, 3);
+    EXPECT_EQ(BasesOf(v3), (std::map<std::string, uint64_t>{{"r0", 2}, {"r1", 2}})) << n;
+    EXPECT_TRUE(WithoutShadowsOf(v3).empty()) << n << ": version 2 reached r1 through the plan";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(OldNode, BasesWithoutShadowsTest, ::testing::Values("", "n0", "n1"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param.empty() ? std::string("none") : i.param; });
+
+// A restarted coordinator rebuilt from re-joining nodes keeps the mark: n1 says r1 holds version 1
+// from a catch-up (JoinWorkerRequest.holds_without_shadows), so version 2 names r1 in
+// bases_without_shadows as the coordinator before the restart would have; r0 is not named.
+TEST(BasesWithoutShadowsRejoinTest, ARejoinedRolloutKeepsTheMarkItsNodeReports) {
+  FakeCluster c;
+  c.Join("n0", "t0", pb::ROLE_TRAINER, FakeCluster::Rejoin{1, 0, 0});
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{1, 1, 1});
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{1, 1, 1, /*without_shadows=*/true});
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + absl::Seconds(10)));
+  ASSERT_TRUE(c.Publish(2).ok());
+  ASSERT_TRUE(c.WaitFor("r1", 2).ok());
+  for (const std::string n : {"n0", "n1"}) {
+    const pb::ExecuteVersionRequest v2 = c.Executed(n, 2);
+    EXPECT_EQ(BasesOf(v2), (std::map<std::string, uint64_t>{{"r0", 1}, {"r1", 1}})) << n;
+    EXPECT_EQ(WithoutShadowsOf(v2), std::vector<std::string>{"r1"}) << n << ": the mark was lost over the restart";
+  }
+  const std::vector<std::string> log = c.Log();
+  EXPECT_EQ(std::find(log.begin(), log.end(), "catch-up 1"), log.end()) << "r1 holds version 1: not late";
 }
 
 }  // namespace

@@ -300,6 +300,9 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     // version: that made it count as holding it (WaitVersion answered OK, no catch-up ever ran).
     // A node built before the field sends 0: the rollout is caught up (a copy of what it holds).
     rec.holds = std::min(req.holds_version(), std::max(req.committed_version(), req.applied_version()));
+    // A version it holds from a catch-up (quantised bytes, no canonical shadows), as its node
+    // remembers it: the mark the coordinator before the restart had (WorkerRec::holds_without_shadows).
+    rec.holds_without_shadows = rec.holds > 0 && req.holds_without_shadows();
     // Held above what is committed: a number used by a commit that was not cluster-wide. Never a
     // catch-up source or destination (holds != committed), and never published again.
     const uint64_t held = std::max(rec.holds, rec.restored_applied);

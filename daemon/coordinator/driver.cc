@@ -428,11 +428,20 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
   req.set_timeout_ms(absl::ToInt64Milliseconds(options_.transfer_timeout));
   req.set_coordinator_instance(instance_);
   // Lossless deltas: the version each rollout's node holds for it is the base of the delta ops into
-  // it (TransferOp.delta); a rollout registered again since the plan holds nothing (full).
+  // it (TransferOp.delta); a rollout registered again since the plan holds nothing (full). A rollout
+  // held without shadows (a catch-up's quantised bytes) is named in bases_without_shadows, which a
+  // node built before that field ignores - it would take the ops into the shadows as deltas while
+  // the newer nodes send them full (or the reverse). So such a rollout has a base only when every
+  // node of the plan reads the field; otherwise none at all: every op into it in full this version.
+  const bool all_read_without_shadows = std::all_of(m.plan.nodes.begin(), m.plan.nodes.end(), [&](const std::string& n) {
+    const NodeTable::Node* node = nodes_.Find(n);
+    return node != nullptr && node->understands_bases_without_shadows;
+  });
   for (const std::string& w : m.plan.worker_ids) {
     auto rec = m.workers.find(w);
     if (rec != m.workers.end() && rec->second.role == planner::Role::kRollout && rec->second.holds > 0 &&
         rec->second.serial == m.plan.serials[w]) {
+      if (rec->second.holds_without_shadows && !all_read_without_shadows) continue;
       (*req.mutable_base_versions())[w] = rec->second.holds;
       if (rec->second.holds_without_shadows) req.add_bases_without_shadows(w);
     }

@@ -77,7 +77,10 @@ class ModelRegistry {
     // `holds` came from a catch-up (the other rollouts' quantised bytes, copied into its pieces'
     // places): its node holds no canonical shadows of it for receiver-quantised pieces, so the next
     // version's deltas into those would have no base (ExecuteVersionRequest.bases_without_shadows).
-    // Cleared when a version reaches it through its plan (every shadow written).
+    // Cleared when a version reaches it through its plan (every shadow written). After a
+    // coordinator restart its node says so when it re-joins (JoinWorkerRequest.holds_without_shadows).
+    // Named to the nodes only when every node of the plan reads it (StartWorkLocked); else the
+    // rollout gets no base at all.
     bool holds_without_shadows = false;
     uint64_t catch_up_failed = 0;  // the committed version its last catch-up failed for (not retried)
     std::string catch_up_error;

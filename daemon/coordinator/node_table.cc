@@ -26,6 +26,7 @@ NodeTable::Registered NodeTable::Register(const pb::RegisterNodeRequest& req, st
   n.data_nics.assign(req.data_nics().begin(), req.data_nics().end());
   n.delta_cache_bytes = req.delta_cache_bytes();
   n.delta_in_place = req.delta_in_place();
+  n.understands_bases_without_shadows = req.understands_bases_without_shadows();
   out.incarnation = n.incarnation;
   out.lease = n.lease;
   return out;

@@ -44,6 +44,9 @@ class NodeTable {
     std::vector<std::string> data_nics;  // RegisterNodeRequest.data_nics (status only)
     uint64_t delta_cache_bytes = 0;      // RegisterNodeRequest.delta_cache_bytes: > 0 = it sends deltas
     bool delta_in_place = false;         // RegisterNodeRequest.delta_in_place: keeps shadow bases
+    // RegisterNodeRequest.understands_bases_without_shadows: reads ExecuteVersionRequest.
+    // bases_without_shadows (false: a node built before it; rolling upgrades).
+    bool understands_bases_without_shadows = false;
     absl::Duration lease = absl::ZeroDuration();  // max(Options::lease, 3 heartbeats of the node)
     // shared: driver work that captured it may still run while Register replaces it.
     std::shared_ptr<NodeClient> client;

@@ -288,6 +288,8 @@ std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
     j.spec = w.spec;
     j.applied_version = w.applied_version;
     j.committed_version = w.committed_version;
+    j.holds_without_shadows = w.role == planner::Role::kRollout && w.caught_up_version > 0 &&
+                              w.caught_up_version == std::max(w.committed_version, w.applied_version);
     j.has_layout = w.has_layout;
     j.submitted = w.submitted;
     if (w.pid) j.process = w.pid->Identity();
@@ -441,7 +443,7 @@ void LocalWorkers::DropSnapshotsBefore(const std::string& model, uint64_t versio
 
 std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model, uint64_t version,
                                                         const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
-                                                        const std::set<std::string>& relayed) {
+                                                        const std::set<std::string>& relayed, bool catch_up) {
   std::vector<LiveJob> jobs;
   absl::MutexLock l(&mu_);
   for (const auto& [wid, staging] : incoming) {
@@ -452,6 +454,7 @@ std::vector<LocalWorkers::LiveJob> LocalWorkers::Commit(const std::string& model
     const bool relays = relayed.count(wid) > 0;
     w->second.committed = relays ? nullptr : staging;
     w->second.committed_version = version;
+    if (catch_up) w->second.caught_up_version = version;
     if (w->second.mode != pb::MODE_SYNC) continue;
     // Resumed (EndUpdate): its engine reads its live weights now. The staging stays its
     // committed copy, which its next BeginUpdate (or Apply, WaitVersion) copies - as in

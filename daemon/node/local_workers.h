@@ -85,6 +85,11 @@ class LocalWorkers {
     std::shared_ptr<Bytes> committed;                              // rollout: newest committed staging
     uint64_t committed_version = 0;
     uint64_t applied_version = 0;
+    // Rollout: the newest version a catch-up committed into it (0: none). Its staging holds that
+    // version at its pieces' places only (the sources' quantised bytes), never the canonical
+    // shadows of receiver-quantised pieces: while it is the version the worker holds, re-joining
+    // says so (JoinInfo::holds_without_shadows).
+    uint64_t caught_up_version = 0;
     std::shared_ptr<PidWatch> pid;  // null: the worker gave no pid (not watched)
     // What the node re-submits when it re-joins a (restarted) coordinator.
     pb::ModelSpec spec;
@@ -135,6 +140,9 @@ class LocalWorkers {
     pb::ModelSpec spec;
     uint64_t applied_version = 0;
     uint64_t committed_version = 0;  // the worker's own (its committed copy), not the node's
+    // Rollout: what it holds (max of the two above) came from a catch-up (Worker::caught_up_version):
+    // no canonical shadows of it here (JoinWorkerRequest.holds_without_shadows).
+    bool holds_without_shadows = false;
     bool has_layout = false;
     pb::SubmitLayoutRequest submitted;
     std::string process;  // PidWatch::Identity of its process (empty: not watched / unknown)
@@ -303,8 +311,9 @@ class LocalWorkers {
   // are copied into it - RunLiveCopies, to_staging). Returns the live copies paused sync rollouts
   // need (model, worker, version, staging, live, needs_pause filled in); a sync rollout that
   // resumed (EndUpdate) gets none unless it is in `relayed` (then RunLiveCopies decides).
+  // `catch_up`: the commit of a catch-up (Worker::caught_up_version = version for each rollout).
   std::vector<LiveJob> Commit(const std::string& model, uint64_t version, const std::map<std::string, std::shared_ptr<Bytes>>& incoming,
-                              const std::set<std::string>& relayed);
+                              const std::set<std::string>& relayed, bool catch_up = false);
   // AbortVersion of `version` after this node committed it (a sync commit the coordinator declared
   // failed; node::Versions rolled its committed version back): a rollout whose live weights do not
   // hold it (resumed by EndUpdate when it committed: the version became its committed copy) drops

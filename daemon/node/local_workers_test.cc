@@ -595,5 +595,26 @@ TEST_F(LocalWorkersTest, EndUpdateWaitsForACopyThatIsRunning) {
   EXPECT_EQ(LiveBytesEqual(key, 0x11), 64 * 64 * 4);
 }
 
+// What a re-join reports of a rollout's canonical shadows: a version committed by a catch-up (the
+// sources' quantised bytes) holds none, until a version committed through the plan replaces it;
+// a new registration under the id holds nothing of either.
+TEST_F(LocalWorkersTest, ARejoinSaysWhetherTheRolloutsVersionCameFromACatchUp) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  auto without_shadows = [&] {
+    std::vector<LocalWorkers::JoinInfo> joins = workers_->Joins();
+    EXPECT_EQ(joins.size(), 1u);
+    return !joins.empty() && joins[0].holds_without_shadows;
+  };
+  EXPECT_TRUE(workers_->Commit("m", 1, {{"r0", Staging(1)}}, {}).empty());
+  EXPECT_FALSE(without_shadows());
+  EXPECT_TRUE(workers_->Commit("m", 2, {{"r0", Staging(2)}}, {}, /*catch_up=*/true).empty());
+  EXPECT_TRUE(without_shadows()) << "version 2 came from a catch-up";
+  EXPECT_TRUE(workers_->Commit("m", 3, {{"r0", Staging(3)}}, {}).empty());
+  EXPECT_FALSE(without_shadows()) << "version 3 came through the plan";
+  EXPECT_TRUE(workers_->Commit("m", 4, {{"r0", Staging(4)}}, {}, /*catch_up=*/true).empty());
+  AddRollout("r0", pb::MODE_ASYNC);  // a new process under the id
+  EXPECT_FALSE(without_shadows());
+}
+
 }  // namespace
 }  // namespace wb::daemon

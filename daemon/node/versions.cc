@@ -214,7 +214,7 @@ void Versions::TagCommittedStaging(const Exec& exec, const std::string& model, c
 std::vector<LocalWorkers::LiveJob> Versions::CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) {
   std::set<std::string> relayed;  // rollouts with relays at commit
   for (const auto& [wid, pieces] : exec.pieces_at_commit) relayed.insert(wid);
-  std::vector<LocalWorkers::LiveJob> jobs = local_.Commit(req.model_id(), req.version(), exec.incoming, relayed);
+  std::vector<LocalWorkers::LiveJob> jobs = local_.Commit(req.model_id(), req.version(), exec.incoming, relayed, exec.catch_up);
   for (LocalWorkers::LiveJob& t : jobs) {
     const std::string& wid = t.worker;
     t.inventory = std::shared_ptr<const planner::Inventory>(exec.plan, &exec.plan->inventory);
