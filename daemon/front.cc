@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/log.h"
 
 namespace wb::daemon {
 
@@ -105,12 +106,6 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
   worker_gate_ = std::make_unique<AuthGate>(
       [this](const std::string&, const std::string& what) { daemon_metrics_->Rejected(node_id_, what); });
   workers_->AddRules(*worker_gate_);
-  grpc::ServerBuilder b;
-  Configure(b, worker_gate_.get());
-  b.RegisterService(worker_gate_->Guard<pb::WorkerService>(inner));
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
-  if (!server) return absl::UnavailableError(absl::StrCat("cannot start the worker service on ", path));
-  workers_ready_.store(workers_.get());
   // CUDA VMM fds (gRPC cannot carry descriptors): only the process bound to a worker may send them.
   auto fds = FdChannel::Bind(absl::StrCat(path, ".fd"), options_.worker_socket_mode,
                              [w = workers_.get()](const PeerCred& sender, const std::string& model, const std::string& worker) {
@@ -119,16 +114,29 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> DaemonFront::ServeWorkers(const st
                              FdChannelLimits{.per_worker = static_cast<size_t>(options_.limits.max_vmm_fds_per_worker),
                                              .per_uid = static_cast<size_t>(options_.limits.max_vmm_fds_per_uid),
                                              .total = static_cast<size_t>(options_.limits.max_vmm_fds_per_node)});
-  // Not fatal (e.g. the path + ".fd" no longer fits a socket address): only VMM buffers need it,
-  // and they then fail with this reason.
   if (fds.ok()) {
     fd_channel_ = std::move(*fds);
     // A deregistered worker's fds are closed at once (those of exited processes by the channel).
     workers_->set_on_deregister(
         [c = fd_channel_.get()](const std::string& model, const std::string& worker) { c->ReleaseWorker(model, worker); });
+  } else if (fds.status().code() == absl::StatusCode::kFailedPrecondition) {
+    // The path is another process's live channel (or a file that is not a socket): this daemon's
+    // VMM workers would offer their fds there. Refused like a live worker socket path (the
+    // worker socket bound above goes with the listener when the daemon is torn down).
+    return fds.status();
   } else {
+    // Not fatal (e.g. the path + ".fd" no longer fits a socket address): only VMM buffers need it,
+    // and they then fail with this reason.
     fd_channel_error_ = fds.status();
+    Log(LogLevel::kWarning, "fd channel not serving: CUDA VMM buffers of this node's workers will be refused",
+        {{"node", node_id_}, {"error", fds.status().message()}});
   }
+  grpc::ServerBuilder b;
+  Configure(b, worker_gate_.get());
+  b.RegisterService(worker_gate_->Guard<pb::WorkerService>(inner));
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  if (!server) return absl::UnavailableError(absl::StrCat("cannot start the worker service on ", path));
+  workers_ready_.store(workers_.get());
   listener_->Serve(server.get());
   return server;
 }

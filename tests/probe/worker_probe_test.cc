@@ -5,10 +5,13 @@
 // (this binary again, WB_PROBE_CHILD set) that registers a worker of its own on the model, which
 // lets it onto the model's WaitVersion, and then names the test process's rollouts in its calls.
 #include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -157,6 +160,44 @@ TEST_F(WorkerProbeTest, AWaitVersionNamingAnotherProcesssRolloutNeitherResumesNo
   ASSERT_TRUE(WaitVersionAs(w.r0, "m", 3, 5000, &wv).ok());
   EXPECT_EQ(CountBad(w.r0, 3), 0);
   EXPECT_EQ(CountBad(w.r1, 3), 0);
+}
+
+// A daemon started on a path whose fd channel (<worker socket>.fd) a live process serves: the
+// thirty-sixth session refused a live worker socket, and its fd channel refused the path too, but
+// the daemon took that refusal as "no fd channel" and ran on silently - its CUDA VMM workers would
+// offer their fds to the other process's channel, and nothing said why until a VMM registration
+// failed. Now the daemon does not start, naming the path; the worker socket it bound is removed
+// again. (A path too long for the ".fd" suffix still leaves only VMM buffers unserved, logged.)
+TEST(WorkerProbeStartTest, ADaemonWhoseFdChannelPathIsInUseDoesNotStart) {
+  const std::string sock = absl::StrCat("/tmp/wbprobe-fdc-", ::getpid(), ".sock");
+  const std::string fd_path = sock + ".fd";
+  ::unlink(sock.c_str());
+  ::unlink(fd_path.c_str());
+  const int other = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  ASSERT_GE(other, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, fd_path.c_str(), fd_path.size() + 1);
+  ASSERT_EQ(::bind(other, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(other, 4), 0);
+  ServerOptions so;
+  so.role = DaemonRole::kStandalone;
+  so.worker_socket = sock;
+  so.make_transports = HostTransports;
+  auto server = Server::Start(so);
+  EXPECT_FALSE(server.ok()) << "started beside a live fd channel at " << fd_path;
+  if (!server.ok()) {
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kFailedPrecondition) << server.status();
+    EXPECT_NE(server.status().message().find(fd_path), std::string::npos) << server.status();
+    EXPECT_NE(server.status().message().find("in use"), std::string::npos) << server.status();
+  } else {
+    (*server)->Shutdown();
+  }
+  EXPECT_NE(::access(sock.c_str(), F_OK), 0) << "the refused daemon left its worker socket behind";
+  EXPECT_EQ(::access(fd_path.c_str(), F_OK), 0) << "the refused daemon removed the other process's fd channel";
+  ::close(other);
+  ::unlink(fd_path.c_str());
+  ::unlink(sock.c_str());
 }
 
 }  // namespace
