@@ -7,7 +7,12 @@
 //   sync:          BeginUpdate (paused), WaitVersion(v) (committed = copied into live), verify v.
 //   one_step_off:  generate a step with the current weights, then Apply(v) at the step boundary
 //                  (may return a newer version), verify what was applied.
-//   async:         generate a step, then Apply(newer than live) at the safe point, verify.
+//   async:         generate a step, then Apply(v) at the safe point (waits for v or newer, applies
+//                  the newest committed), verify what was applied. v is live + 1 after an applied
+//                  version and the next one after a failed one: an aborted version is answered
+//                  ABORTED at once, every time it is asked for (the node's record of the abort), so
+//                  asking for live + 1 again would spin through the worker's versions without
+//                  applying one (docs/soak.md, chaos_delta_test seeds 13, 39, 42, 44).
 // With --tolerate_failures a failed version is reported ("version_failed") after checking that
 // the live weights are still exactly the previous version (all zero before the first one).
 // Sync: a failed BeginUpdate / WaitVersion is followed by EndUpdate before the weights are read,
@@ -85,9 +90,9 @@ int Run() {
         stall = MonotonicSeconds() - t_start;
       }
     } else {
-      // one_step_off asks for exactly the next version; async for anything newer than live.
-      uint64_t want = ctx.mode == client::Mode::kOneStepOff ? v : live + 1;
-      auto r = ctx.client->Apply(want, ctx.version_timeout);
+      // one_step_off asks for exactly v; async for v or anything newer (v > live: below). Never a
+      // version that already failed (async once asked for live + 1 again after each failure).
+      auto r = ctx.client->Apply(v, ctx.version_timeout);
       status = r.status();
       if (status.ok()) {
         got = r->applied_version;
@@ -144,6 +149,8 @@ int Run() {
       if (retry_v != v) retry_v = v, retry_since = MonotonicSeconds();
       const bool transient = status.code() == absl::StatusCode::kUnavailable;
       if (!transient || MonotonicSeconds() - retry_since > absl::ToDoubleSeconds(ctx.version_timeout)) {
+        // The failed version is given up (counted once, in `failed`); the next call asks for the
+        // one after it, in every mode, so every failure moves v on and the loop ends.
         v = std::max(v + 1, live + 1);
       } else {
         absl::SleepFor(absl::Milliseconds(100));  // the node / coordinator is coming back: ask again
