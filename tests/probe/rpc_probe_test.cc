@@ -699,6 +699,9 @@ TEST_F(RpcProbeTest, CallsFromWhereTheyDoNotBelongAreRefused) {
     const std::vector<std::tuple<std::string, std::string, grpc::StatusCode>> foreign = {
         {"Publish", "node_id: 'n1' model_id: 'm' worker_id: 't0' version: 2 timeout_ms: 100", grpc::StatusCode::PERMISSION_DENIED},
         {"ReportReady", "node_id: 'n1' model_id: 'm' worker_id: 'r0'", grpc::StatusCode::PERMISSION_DENIED},
+        // ReportReadyRequest.resumed (thirty-sixth session): resuming another node's rollout (the
+        // next sync version would wait for a BeginUpdate it already sent) is refused the same way.
+        {"ReportReady", "node_id: 'n1' model_id: 'm' worker_id: 'r0' resumed: true", grpc::StatusCode::PERMISSION_DENIED},
         {"LeaveWorker", "node_id: 'n1' model_id: 'm' worker_id: 'r0'", grpc::StatusCode::PERMISSION_DENIED},
         {"ReportApplied", "node_id: 'n1' model_id: 'm' worker_id: 'r0' version: 18446744073709551615", grpc::StatusCode::PERMISSION_DENIED},
         {"SubmitLayout", "node_id: 'n1' model_id: 'm' worker_id: 'r0'", grpc::StatusCode::PERMISSION_DENIED},
