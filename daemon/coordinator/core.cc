@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/convert.h"
@@ -430,9 +431,11 @@ void CoordinatorCore::AbortLocked(const std::string& model_id, Model& m, uint64_
   const VersionRecord* rec = m.machine->Find(version);
   if (rec && (rec->state == VState::kCommitted || rec->state == VState::kAborted)) return;
   if (m.committing == version) return;  // commit already decided
+  const std::vector<std::string> waiting = PausedPastLocked(m, version);
   m.machine->Abort(version, reason, options_.clock->Now());
   m.progress.erase(version);
   for (auto& [w, rec] : m.workers) rec.paused = false;  // released with the error; they pause again
+  PausePastLocked(model_id, m, version, waiting);        // (but those still waiting, paused, for a newer one)
   Log(LogLevel::kWarning, "version aborted", {{"model", model_id}, {"version", version}, {"reason", reason}});
   QueueAbortRpcsLocked(m.plan.nodes, model_id, version, reason);
   wake_ = true;
@@ -646,12 +649,51 @@ absl::Status CoordinatorCore::ReportApplied(const pb::ReportAppliedRequest& req,
   return absl::OkStatus();
 }
 
+std::vector<std::string> CoordinatorCore::PausedPastLocked(const Model& m, uint64_t v) const {
+  std::vector<std::string> out;
+  if (m.machine->mode() != ModeKind::kSync) return out;
+  for (const auto& [w, rec] : m.workers) {
+    if (rec.role == planner::Role::kRollout && rec.paused && !rec.waits.empty() && *rec.waits.rbegin() > v) out.push_back(w);
+  }
+  return out;
+}
+
+void CoordinatorCore::PausePastLocked(const std::string& model_id, Model& m, uint64_t v, const std::vector<std::string>& rollouts) {
+  for (const std::string& w : rollouts) {
+    auto rec = m.workers.find(w);
+    if (rec == m.workers.end()) continue;
+    rec->second.paused = true;
+    m.machine->RecordReady(w);
+    Log(LogLevel::kDebug, "rollout still paused, waiting for a newer version",
+        {{"model", model_id}, {"worker", w}, {"version", v}, {"waits_for", *rec->second.waits.rbegin()}});
+  }
+}
+
 absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {
   const absl::Time deadline = Deadline(req.timeout_ms());
   absl::MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
   ModelRegistry::Held held(models_, *m);  // m is kept across the waits below
   const uint64_t v = std::max<uint64_t>(req.version(), 1);
+  // Sync: the rollout's node forwards its wait while it is paused (BeginUpdate, then WaitVersion):
+  // recorded for as long as the wait lasts, so that a commit or abort of an older version leaves
+  // it paused (PausedPastLocked). Only on this registration: a worker registered again is another
+  // record (a new serial), which this wait is none of.
+  uint64_t wait_serial = 0;
+  if (m->machine->mode() == ModeKind::kSync && !req.worker_id().empty()) {
+    auto w = m->workers.find(req.worker_id());
+    if (w != m->workers.end() && w->second.role == planner::Role::kRollout) {
+      w->second.waits.insert(v);
+      wait_serial = w->second.serial;
+    }
+  }
+  absl::Cleanup unrecord = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {  // runs under mu_ (l outlives it)
+    if (wait_serial == 0) return;
+    auto w = m->workers.find(req.worker_id());
+    if (w == m->workers.end() || w->second.serial != wait_serial) return;
+    auto it = w->second.waits.find(v);
+    if (it != w->second.waits.end()) w->second.waits.erase(it);
+  };
   const std::string what = absl::StrCat("wait for version ", v);
   // (A used number held by a re-joined rollout without a cluster-wide commit ends the wait: it is
   // never published again, so only a newer commit could have answered it.)

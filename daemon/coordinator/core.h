@@ -260,6 +260,13 @@ class CoordinatorCore {
   void DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortLocked(const std::string& model_id, Model& m, uint64_t version, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sync: the rollouts counted paused whose pending WaitVersion asks for a version newer than `v`
+  // (WorkerRec::waits). A commit or abort of `v` releases the paused rollouts, but these wait on,
+  // paused: PausePastLocked counts them paused again afterwards, so the next version does not wait
+  // for a BeginUpdate they send only once their wait has failed.
+  std::vector<std::string> PausedPastLocked(const Model& m, uint64_t v) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void PausePastLocked(const std::string& model_id, Model& m, uint64_t v, const std::vector<std::string>& rollouts)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // End-to-end digests (digests.cc, docs/daemon.md "End-to-end digests"): a book for version v on
   // the model's current plan; a node's report into it (DATA_LOSS naming the op on a mismatch: the
   // caller aborts v); the verdict once every node reported.

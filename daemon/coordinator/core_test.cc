@@ -99,11 +99,13 @@ class Cluster {
     pb::PublishResponse resp;
     return core->Publish(p, &resp);
   }
-  absl::Status WaitVersion(uint64_t v, int64_t timeout_ms = 20000) {
+  // `worker`: the rollout whose node forwards the wait (empty: the cluster-wide commit only).
+  absl::Status WaitVersion(uint64_t v, int64_t timeout_ms = 20000, const std::string& worker = "") {
     pb::WaitVersionRequest w;
     w.set_model_id("m");
     w.set_version(v);
     w.set_timeout_ms(timeout_ms);
+    w.set_worker_id(worker);
     pb::WaitVersionResponse wr;
     return core->WaitVersion(w, &wr);
   }
@@ -250,6 +252,69 @@ void ReplaceTrainerProcessWhileQueued(bool same_process, bool leave) {
 TEST(CoreCommitTest, SyncVersionOfAReplacedTrainerProcessNeverStarts) { ReplaceTrainerProcessWhileQueued(false, false); }
 TEST(CoreCommitTest, SyncVersionOfATrainerWhoseProcessLeftNeverStarts) { ReplaceTrainerProcessWhileQueued(false, true); }
 TEST(CoreCommitTest, SyncVersionSurvivesItsTrainerProcessRegisteringAgain) { ReplaceTrainerProcessWhileQueued(true, false); }
+
+// Sync: a rollout paused (BeginUpdate) and waiting for version v + 1 when version v commits stays
+// paused: the commit writes v into its live weights, but its engine waits on. The coordinator
+// counted every commit as resuming every paused rollout, so v + 1 then waited for a BeginUpdate
+// the rollout would only send after its wait for v + 1 timed out - and the same again for every
+// later version, each one wait timeout late (chaos run, sync, seeds 1004 / 1003: a rollout told
+// v90 aborted at a coordinator restart, while its trainers' node re-published v90 to the new
+// coordinator, paused for v91 as v90 committed; v91, v92, ... each came 15 s late). `abort`: v is
+// aborted instead (its publish withdrawn), which released the paused rollouts the same way.
+void RolloutWaitingForTheNextVersionStaysPaused(bool abort) {
+  FakeClock clock;
+  Cluster c(&clock, absl::Seconds(30));
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 1, pb::MODE_SYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n1", "r0", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  // r0 is paused and waits for version 2 (through its node, with its worker id).
+  absl::Status waited;
+  // (Deadlines no timer of the coordinator has, so that AwaitWaiter finds the call's own wait.)
+  const absl::Time wait_deadline = clock.Now() + absl::Milliseconds(15013);
+  std::thread wait([&] { waited = c.WaitVersion(2, 15013, "r0"); });
+  ASSERT_TRUE(clock.AwaitWaiter(wait_deadline, absl::Now() + kReal));
+  if (abort) {
+    c.report_done = false;  // version 1 stays transferring until its publish deadline
+    absl::Status p1;
+    const absl::Time publish_deadline = clock.Now() + absl::Milliseconds(1237);
+    std::thread publish([&] { p1 = c.Publish(1, 1237); });
+    ASSERT_TRUE(clock.AwaitWaiter(publish_deadline, absl::Now() + kReal));
+    clock.Advance(absl::Milliseconds(1237));
+    publish.join();
+    ASSERT_TRUE(absl::IsDeadlineExceeded(p1)) << p1;
+    c.report_done = true;
+  } else {
+    ASSERT_TRUE(c.Publish(1).ok());  // r0 was paused: version 1 is in its live weights; it waits on
+  }
+  // Version 2 starts without another ReportReady: r0 is still paused in its wait for it.
+  absl::Status p2;
+  std::thread publish2([&] { p2 = c.Publish(2, 10000); });
+  const bool started = c.fakes.at("n1")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute >= 2; }, absl::Now() + kReal);
+  EXPECT_TRUE(started) << "version 2 waited for a BeginUpdate of r0, which was still paused waiting for version 2";
+  if (!started) clock.Advance(absl::Seconds(20));  // past both deadlines: the threads end
+  publish2.join();
+  wait.join();
+  if (!started) return;
+  EXPECT_TRUE(p2.ok()) << p2;
+  EXPECT_TRUE(waited.ok()) << waited;
+  EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+  // Its wait answered, r0 resumed: version 3 waits for its next pause.
+  absl::Status p3;
+  const absl::Time publish3_deadline = clock.Now() + absl::Milliseconds(5011);
+  std::thread publish3([&] { p3 = c.Publish(3, 5011); });
+  ASSERT_TRUE(clock.AwaitWaiter(publish3_deadline, absl::Now() + kReal));
+  EXPECT_EQ(c.fakes.at("n1")->calls().execute, 2) << "version 3 started while r0 was generating";
+  ASSERT_TRUE(c.Ready("r0").ok());
+  publish3.join();
+  EXPECT_TRUE(p3.ok()) << p3;
+}
+
+TEST(CoreCommitTest, SyncRolloutWaitingForTheNextVersionStaysPausedOverACommit) { RolloutWaitingForTheNextVersionStaysPaused(false); }
+TEST(CoreCommitTest, SyncRolloutWaitingForTheNextVersionStaysPausedOverAnAbort) { RolloutWaitingForTheNextVersionStaysPaused(true); }
 
 // The AbortVersion of a failed sync commit that a node which acknowledged the commit did not get
 // (UNAVAILABLE) is sent again until the node answers: before, it was sent once, and the node kept

@@ -166,8 +166,12 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
     failed.push_back(i);
     Log(LogLevel::kWarning, "commit not acknowledged", {{"model", model_id}, {"version", v}, {"node", nodes[i]}, {"error", acks[i].message()}});
   }
+  // Paused rollouts waiting for a newer version than v wait on, paused, after its commit (which
+  // wrote v into their live weights) or its failure.
+  const std::vector<std::string> waiting = PausedPastLocked(m, v);
   auto finish = [&] {
     for (auto& [w, rec] : m.workers) rec.paused = false;  // the commit (or its failure) resumed them
+    PausePastLocked(model_id, m, v, waiting);            // but those still waiting for a newer one
     m.progress.erase(v);
     m.machine->Prune(64);
     m.committing = 0;

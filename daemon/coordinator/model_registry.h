@@ -67,6 +67,10 @@ class ModelRegistry {
     // Sync: BeginUpdate seen for the next version. Kept here too because the version machine only
     // knows rollouts of the current plan: a pause that arrives before the (re-)plan is re-applied.
     bool paused = false;
+    // Sync rollout: the versions its pending WaitVersion calls (forwarded by its node with its
+    // worker id) wait for, while they wait. A paused rollout waiting for a version newer than one
+    // that commits or aborts stays paused (CoordinatorCore::PausedPastLocked).
+    std::multiset<uint64_t> waits;
     std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> layout_proto;  // shared with plan snapshots
     std::shared_ptr<const planner::WorkerLayout> layout;
     uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
