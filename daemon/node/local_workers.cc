@@ -697,20 +697,24 @@ void LocalWorkers::NotePausedAt(const WorkerKey& key, uint64_t committed) {
   if (it != workers_.end() && it->second.paused) it->second.paused_at_committed = std::max<uint64_t>(committed, 1);
 }
 
-bool LocalWorkers::PausedAfter(const WorkerKey& key, uint64_t version) {
+bool LocalWorkers::PausedAfter(const WorkerKey& key, uint64_t version, uint64_t incarnation) {
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);
-  return it != workers_.end() && it->second.role == planner::Role::kRollout && it->second.mode == pb::MODE_SYNC &&
+  return it != workers_.end() && (incarnation == 0 || it->second.incarnation == incarnation) && it->second.role == planner::Role::kRollout && it->second.mode == pb::MODE_SYNC &&
          it->second.paused && it->second.paused_at_committed > 0 && version <= it->second.paused_at_committed;
 }
 
-absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key, absl::Time deadline) {
+absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key, absl::Time deadline, uint64_t incarnation) {
   const std::string& me = options_.node_id;
   const std::string lk = LiveKey(key.first, key.second);
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);
   if (it == workers_.end() || it->second.role != planner::Role::kRollout) {
     return absl::NotFoundError(absl::StrCat("EndUpdate: worker ", lk, " is not a rollout worker on node ", me));
+  }
+  if (incarnation != 0 && it->second.incarnation != incarnation) {
+    return absl::AbortedError(absl::StrCat("worker ", lk, " was registered again on node ", me,
+                                           " while this call ran (another process): its pause is left as it is"));
   }
   // From here on no copy into its live weights starts (Commit, StartLiveCopyLocked); one that is
   // running already finishes (a copy is never cut short: live_copy.h) and is waited for.

@@ -353,13 +353,17 @@ class LocalWorkers {
   // The committed version the coordinator answered that rollout's BeginUpdate with.
   void NotePausedAt(const WorkerKey& key, uint64_t committed);
   // Whether `key` is a sync rollout paused by a BeginUpdate recorded when `version` was committed
-  // already (Worker::paused_at_committed >= version).
-  bool PausedAfter(const WorkerKey& key, uint64_t version);
+  // already (Worker::paused_at_committed >= version). `incarnation` != 0: and still the
+  // registration a call began with (Worker::incarnation; false for a later one).
+  bool PausedAfter(const WorkerKey& key, uint64_t version, uint64_t incarnation = 0);
   // EndUpdate: the rollout resumed; no live copy into it starts from now on (Commit, RunLiveCopies).
   // Waits (until `deadline`) for a copy into it that is running; NOT_FOUND (not a rollout here),
   // DEADLINE_EXCEEDED (the copy still runs; the worker stays resumed), UNAVAILABLE (stopped or
   // left), DATA_LOSS (its live weights are TORN). Errors name worker, model and node.
-  absl::StatusOr<Ended> EndUpdate(const WorkerKey& key, absl::Time deadline);
+  // `incarnation` != 0 (WaitVersion's resume, on behalf of the registration its call began with):
+  // ABORTED, nothing changed, when `key` is registered again meanwhile - another process's pause
+  // is not the caller's to end.
+  absl::StatusOr<Ended> EndUpdate(const WorkerKey& key, absl::Time deadline, uint64_t incarnation = 0);
 
  private:
   // RunLiveCopies, once no copy into the job's worker runs: skips it (LiveJob::skipped) or marks

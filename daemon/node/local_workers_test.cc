@@ -493,6 +493,33 @@ TEST_F(LocalWorkersTest, ACopyForAnEarlierRegistrationOfTheWorkerIsRefused) {
   EXPECT_EQ(workers_->Get(key)->worker.applied_version, 2u);
 }
 
+// WaitVersion resumes a paused sync rollout it answers (a wait for a version committed before
+// the pause) on behalf of the registration its call began with: when the id was registered again
+// meanwhile (the first process killed, another registered), the new process's pause is not the
+// caller's to end - it stays paused, so commits keep writing its live weights and the coordinator
+// keeps waiting for its own BeginUpdate.
+TEST_F(LocalWorkersTest, AResumeForAnEarlierRegistrationLeavesTheNewOnePaused) {
+  AddRollout("r0", pb::MODE_SYNC);
+  const Key key{"m", "r0"};
+  const uint64_t first = workers_->Incarnation(key);
+  AddRollout("r0", pb::MODE_SYNC);
+  const uint64_t second = workers_->Incarnation(key);
+  ASSERT_NE(first, second);
+  ASSERT_TRUE(workers_->Pause(key));
+  workers_->NotePausedAt(key, 3);
+  EXPECT_FALSE(workers_->PausedAfter(key, 2, first)) << "the earlier registration's call saw the new one's pause";
+  EXPECT_TRUE(workers_->PausedAfter(key, 2, second));
+  EXPECT_TRUE(workers_->PausedAfter(key, 2));
+  auto stale = workers_->EndUpdate(key, clock_.Now(), first);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kAborted) << stale.status();
+  EXPECT_NE(stale.status().message().find("registered again"), std::string::npos) << stale.status();
+  EXPECT_TRUE(workers_->Get(key)->worker.paused) << "the earlier registration's call resumed the new one";
+  EXPECT_TRUE(workers_->PausedAfter(key, 3, second)) << "its pause record was changed";
+  auto own = workers_->EndUpdate(key, clock_.Now(), second);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_FALSE(workers_->Get(key)->worker.paused);
+}
+
 // The commit chose the rollout while it was paused, then it resumed before the copy started:
 // the copy is skipped (nothing written), the staging stays its committed copy, and the commit's
 // MarkApplied changes nothing.

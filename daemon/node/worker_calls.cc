@@ -404,8 +404,10 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
     // would write the live weights the engine reads (chaos run: rollouts saw v + 1's bytes while
     // checking v). Taken as an EndUpdate: later commits become its committed copy, copied at its
     // next BeginUpdate / WaitVersion.
-    if (!req.worker_id().empty() && local_.PausedAfter({req.model_id(), req.worker_id()}, req.version())) {
-      absl::StatusOr<LocalWorkers::Ended> ended = local_.EndUpdate({req.model_id(), req.worker_id()}, deadline);
+    // Both steps check the registration again under the workers' lock: a process registered under
+    // the same id after the check above is not this caller's to resume.
+    if (!req.worker_id().empty() && local_.PausedAfter({req.model_id(), req.worker_id()}, req.version(), incarnation)) {
+      absl::StatusOr<LocalWorkers::Ended> ended = local_.EndUpdate({req.model_id(), req.worker_id()}, deadline, incarnation);
       if (!ended.ok()) return ended.status();
       // The coordinator answered before this resume and still counted the rollout paused: a newer
       // version may have committed into its live weights in between (chaos run: told v104, held
