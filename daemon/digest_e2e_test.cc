@@ -37,7 +37,10 @@ class CorruptingTransport final : public transport::Transport {
   transport::Capabilities capabilities() const override { return t_->capabilities(); }
   std::string instance_id() const override { return t_->instance_id(); }
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer) override { return t_->ExportEndpoint(peer); }
-  absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override { return t_->Connect(endpoint, deadline); }
+  using transport::Transport::Connect;
+  absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time deadline) override {
+    return t_->Connect(endpoint, round, deadline);
+  }
   absl::Status Disconnect(transport::PeerId peer) override { return t_->Disconnect(peer); }
   absl::StatusOr<transport::RegionHandle> RegisterMemory(const transport::MemorySpec& spec) override {
     auto h = t_->RegisterMemory(spec);

@@ -140,7 +140,10 @@ class SlowDisconnectTransport final : public transport::Transport {
   transport::Capabilities capabilities() const override { return t_->capabilities(); }
   std::string instance_id() const override { return t_->instance_id(); }
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer) override { return t_->ExportEndpoint(peer); }
-  absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override { return t_->Connect(endpoint, deadline); }
+  using transport::Transport::Connect;
+  absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time deadline) override {
+    return t_->Connect(endpoint, round, deadline);
+  }
   absl::Status Disconnect(transport::PeerId peer) override {
     if (armed_->exchange(false)) gate_->WaitForNotificationWithTimeout(absl::Seconds(30));
     return t_->Disconnect(peer);

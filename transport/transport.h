@@ -15,6 +15,16 @@
 //      Connect is collective for two-sided transports (TCP, NCCL): both sides must call it and it
 //      returns when the channel is up or the deadline passes. ExportEndpoint may create per-peer
 //      state (e.g. an NCCL unique id), so call it once per peer and give that peer those bytes.
+//      Rounds: Connect(endpoint, round, deadline) names the attempt. Both sides of one attempt
+//      must pass the same round bytes (the daemon: model, version, plan epoch and the channel's
+//      nodes and transports). For two-sided transports the connections dialled for one round are
+//      never handed to a Connect of another round, so a Connect whose caller gave up on its attempt
+//      (an aborted version) cannot take the channel of the next attempt between the same two
+//      instances: it ends at its own deadline. The empty round matches only the empty round (the
+//      two-argument Connect). At most kMaxConnectRoundBytes; a transport that honours rounds
+//      refuses a longer one with INVALID_ARGUMENT. Transports whose endpoints already tell
+//      attempts apart (NCCL: a unique id per export) or that need no connection (host shm, CUDA
+//      IPC) may ignore the round; one that wraps another transport must pass it on.
 //      Same-node one-sided transports (host shared memory, CUDA IPC) need no Connect for copies
 //      between regions the calling process registered or imported; Connect there only validates
 //      that the peer is on the same node and yields a PeerId usable in Batch::peer.
@@ -99,6 +109,7 @@
 //   Post returns. The caller must not write source bytes or read destination bytes of a batch
 //   until Wait has returned.
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -165,6 +176,9 @@ struct PeerId {
   friend bool operator!=(PeerId a, PeerId b) { return a.id != b.id; }
 };
 inline constexpr PeerId kNoPeer{0};
+
+// The longest round a Connect takes (Transport::Connect; host_tcp sends it in every hello).
+inline constexpr size_t kMaxConnectRoundBytes = 256;
 
 struct BatchId {
   uint64_t id = 0;
@@ -274,7 +288,16 @@ class Transport {
 
   // --- peers ---
   virtual absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer_instance_id) = 0;
-  virtual absl::StatusOr<PeerId> Connect(absl::string_view peer_endpoint, absl::Time deadline) = 0;
+  // `round`: the attempt this Connect belongs to, the same bytes on both sides (Lifecycle 1
+  // above). Pure virtual, so that every implementation, wrappers included, decides what to do
+  // with it: a wrapper that dropped it would connect in the empty round while its peer waits in
+  // another.
+  virtual absl::StatusOr<PeerId> Connect(absl::string_view peer_endpoint, absl::string_view round,
+                                         absl::Time deadline) = 0;
+  // Connect in the empty round. Implementations bring it into scope (`using Transport::Connect;`).
+  absl::StatusOr<PeerId> Connect(absl::string_view peer_endpoint, absl::Time deadline) {
+    return Connect(peer_endpoint, absl::string_view(), deadline);
+  }
   virtual absl::Status Disconnect(PeerId peer) = 0;
 
   // --- memory ---

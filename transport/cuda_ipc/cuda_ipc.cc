@@ -273,7 +273,9 @@ class CudaIpcTransport : public Transport {
     return std::move(w.out());
   }
 
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time) override {
+  using Transport::Connect;
+  // One-sided: nothing is dialled, so there is nothing a round could tell apart (transport.h).
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view /*round*/, absl::Time) override {
     wire::Reader r(endpoint);
     const uint32_t magic = r.U32();
     const uint8_t type = r.U8();

@@ -41,6 +41,7 @@
 #include "transport/common.h"
 #include "transport/cpu_affinity.h"
 #include "transport/host_tcp/nic_list.h"
+#include "transport/host_tcp/parking.h"
 #include "transport/host_tcp/send_pacer.h"
 #include "transport/registry.h"
 #include "transport/strided.h"
@@ -51,6 +52,16 @@ namespace {
 
 constexpr char kKind[] = "host_tcp";
 constexpr uint32_t kFrameMagic = 0x46425757;  // "WWBF"
+// A connection's hello: {magic, dialer instance id, stream index, stream count, round}
+// (docs/transport.md, "host_tcp channel setup: rounds"). Binaries before connection rounds sent
+// {kFrameMagic, id, index, count}; each side refuses the other's hello before authentication
+// (they parse it exactly), so mixed builds fail by the Connect deadline, naming why, instead of
+// connecting across rounds.
+constexpr uint32_t kHelloMagic = 0x52425757;  // "WWBR"
+// Rounds past this many bytes in a Connect are INVALID_ARGUMENT; in a hello, refused.
+constexpr size_t kMaxRoundBytes = kMaxConnectRoundBytes;
+// Distinct claimed instance ids whose old-format hellos are counted (unauthenticated: bounded).
+constexpr size_t kMaxOldHelloIds = 1024;
 constexpr int kMaxIov = 64;                    // more pieces than this per chunk: pack via scratch
 // An accepted connection must introduce itself and pass the channel authentication within this
 // time, or it is closed; each runs on its own short-lived thread, at most this many at once.
@@ -413,6 +424,8 @@ class HostTcpTransport : public Transport {
         cpus_(config.cpus),
         multi_nic_(multi_nic),
         listeners_(std::move(listeners)),
+        parking_(ParkingTable::Limits{limits.max_parked_connections, limits.max_parked_rounds_per_instance,
+                                      limits.parked_timeout}),
         peer_secrets_(static_cast<size_t>(limits.max_peer_secrets)) {
     if (options_.max_send_bytes_per_s > 0) pacer_ = std::make_unique<SendPacer>(options_.max_send_bytes_per_s, Clock::Real());
     for (Listener& l : listeners_) {
@@ -431,10 +444,7 @@ class HostTcpTransport : public Transport {
         BreakLocked(p.get(), absl::CancelledError("transport destroyed"));
         peers.push_back(p);
       }
-      for (auto& [inst, parked] : pending_) {
-        for (auto& [idx, fd] : parked.fds) close(fd);
-      }
-      pending_.clear();
+      parking_.CloseAll();
       accept_cv_.SignalAll();  // an acceptor-side Connect still waiting returns CANCELLED
       // Unblocks handshakes in progress now; none starts after stopping_ (AcceptLoop checks).
       for (Handshake& h : handshakes_) {
@@ -519,7 +529,15 @@ class HostTcpTransport : public Transport {
     return out;
   }
 
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
+  using Transport::Connect;
+  // `round_view`: the connections of this Connect are dialled (dialer) / taken (acceptor) for this
+  // round only (transport.h; docs/transport.md, "host_tcp channel setup: rounds").
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view round_view, absl::Time deadline) override {
+    if (round_view.size() > kMaxRoundBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("host_tcp Connect: a connection round of ", round_view.size(),
+                                                     " bytes (at most ", kMaxRoundBytes, ")"));
+    }
+    const std::string round(round_view);
     ASSIGN_OR_RETURN(ParsedEndpoint ep, ParseEndpoint(endpoint));
     const std::string& inst = ep.instance;
     const std::string addr = ep.nics[0].addr;
@@ -536,12 +554,12 @@ class HostTcpTransport : public Transport {
         const std::string route = local != nullptr
                                       ? absl::StrCat(" from local NIC ", *local, " to ", remote.addr, ":", remote.port)
                                       : absl::StrCat(" to ", remote.addr, ":", remote.port);
-        auto fd = Dial(inst, ep.secret, local, remote, deadline, i, total);
+        auto fd = Dial(inst, ep.secret, local, remote, deadline, i, total, round);
         for (absl::Duration backoff = kRedialFirst; !fd.ok() && IsClosedBeforeProof(fd.status()) &&
                                                     absl::Now() + backoff < deadline;
              backoff = std::min(2 * backoff, kRedialMax)) {
           absl::SleepFor(backoff);  // the acceptor was busy: a short pause, then a fresh connection
-          auto again = Dial(inst, ep.secret, local, remote, deadline, i, total);
+          auto again = Dial(inst, ep.secret, local, remote, deadline, i, total, round);
           if (again.ok() || IsClosedBeforeProof(again.status())) fd = std::move(again);
           else break;
         }
@@ -552,8 +570,15 @@ class HostTcpTransport : public Transport {
                                                            " refused the data-channel authentication: ", kAuthRefused,
                                                            " (stream ", i, ": ", fd.status().message(), ")"));
           }
+          // An acceptor that closes every hello unread until the deadline is busy, or runs a binary
+          // from before connection rounds (it refuses this hello as malformed).
+          const std::string old = IsClosedBeforeProof(fd.status())
+                                      ? " (until the deadline: the acceptor is overloaded, or it runs a WeightBridge binary "
+                                        "from before connection rounds, which closes a hello that carries a round unread; "
+                                        "every node must run one that has them)"
+                                      : "";
           return absl::Status(fd.status().code(), absl::StrCat("host_tcp connect to peer ", inst, ": stream ", i,
-                                                               route, ": ", fd.status().message()));
+                                                               route, ": ", fd.status().message(), old));
         }
         fds.push_back(*fd);
       }
@@ -567,49 +592,27 @@ class HostTcpTransport : public Transport {
             "ExportEndpoint(", inst, ") and hand that peer those bytes first; or it was dropped past max_peer_secrets = ",
             limits_.max_peer_secrets, ", ", peer_secrets_.evicted(), " dropped so far: export it again)"));
       }
-      // While this Connect waits, connections claiming `inst` are taken even when the park is
-      // full, and never expire; its secret is kept (InUseLocked).
-      ++awaited_[inst];
+      // While this Connect waits, connections claiming (`inst`, `round`) are taken even when the
+      // park is full, and never expire; its secret is kept (InUseLocked). Connections of other
+      // rounds stay parked for their own Connects.
+      const ParkingTable::Key key(inst, round);
+      parking_.Await(key);
+      accept_cv_.SignalAll();  // HostTcpTestWaitForAcceptors
       struct Unawait {
-        std::map<std::string, int>& awaited;
-        const std::string& inst;
-        ~Unawait() {
-          if (--awaited[inst] <= 0) awaited.erase(inst);
-        }
-      } unawait{awaited_, inst};
-      auto ready = [&] {
-        DropClosedParkedLocked(inst);
-        auto it = pending_.find(inst);
-        return stopping_ || (it != pending_.end() && !it->second.fds.empty() &&
-                             static_cast<int>(it->second.fds.size()) == it->second.total);
-      };
+        ParkingTable& parking;
+        const ParkingTable::Key& key;
+        ~Unawait() { parking.Unawait(key); }
+      } unawait{parking_, key};
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || parking_.Ready(key); };
       while (!ready()) {
         if (accept_cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
-          std::string why;
-          if (auto it = auth_failures_.find(inst); it != auth_failures_.end()) {
-            why = absl::StrCat("; ", it->second, " connection(s) claiming this instance failed authentication (",
-                               kAuthRefused, ")");
-          }
-          if (busy_refusals_ > 0) {
-            absl::StrAppend(&why, "; ", busy_refusals_, " unauthenticated connection(s) were closed unread since this ",
-                            "transport started (more than ", kMaxHandshakesPerSource, " in handshake from one address or ",
-                            kMaxConcurrentHandshakes, " in all; last from ", last_busy_source_, ")");
-          }
-          if (parked_refused_ > 0) {
-            absl::StrAppend(&why, "; ", parked_refused_, " connection(s) were closed before authentication since this ",
-                            "transport started because ", limits_.max_parked_connections,
-                            " authenticated connections were already parked unclaimed (last claiming ",
-                            last_parked_refused_inst_, ")");
-          }
           return absl::DeadlineExceededError(absl::StrCat("host_tcp: peer ", inst, " at ", addr, ":", port,
-                                                          " did not connect before the deadline", why));
+                                                          " did not connect before the deadline (round '",
+                                                          round.substr(0, 64), "')", WhyNotConnectedLocked(inst, round)));
         }
       }
       if (stopping_) return absl::CancelledError("transport destroyed");
-      auto taken = pending_.find(inst);
-      for (auto& [idx, fd] : taken->second.fds) fds.push_back(fd);
-      parked_count_ -= static_cast<int64_t>(taken->second.fds.size());
-      pending_.erase(taken);
+      fds = parking_.Take(key);
       auth_failures_.erase(inst);
     }
     auto peer = std::make_shared<PeerConn>();
@@ -873,8 +876,10 @@ class HostTcpTransport : public Transport {
     TransportStats s = stats_;
     s.guards = {{"hellos_refused", c.hellos_refused, true},
                 {"hellos_unknown_instance", c.hellos_unknown_instance, true},
+                {"hellos_without_round", c.hellos_without_round, true},
                 {"parked_refused", c.parked_refused, true},
                 {"parked_expired", c.parked_expired, true},
+                {"parked_superseded", c.parked_superseded, true},
                 {"early_overflows", c.early_overflows, true},
                 {"peer_secrets_evicted", c.peer_secrets_evicted, true},
                 {"parked_connections", c.parked_connections, false},
@@ -883,17 +888,40 @@ class HostTcpTransport : public Transport {
     return s;
   }
 
+  // TEST ONLY (HostTcpTestWaitForAcceptors).
+  bool WaitForAcceptors(const std::string& inst, int n, absl::Time deadline) {
+    absl::MutexLock l(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return parking_.AwaitedFor(inst) >= n; };
+    while (!enough()) {
+      if (accept_cv_.WaitWithDeadline(&mu_, deadline)) return enough();
+    }
+    return true;
+  }
+
+  // TEST ONLY (HostTcpTestWaitForParked).
+  bool WaitForParked(const ParkingTable::Key& key, int n, absl::Time deadline) {
+    absl::MutexLock l(&mu_);
+    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return parking_.ParkedFor(key) >= n; };
+    while (!enough()) {
+      if (accept_cv_.WaitWithDeadline(&mu_, deadline)) return enough();
+    }
+    return true;
+  }
+
   // TEST ONLY (HostTcpTestFlipNextReceived).
   void TestFlipNextReceived() { test_flip_next_received_ = true; }
 
   HostTcpCounters Counters() const {
     absl::MutexLock l(&mu_);
     HostTcpCounters c;
-    c.parked_connections = parked_count_;
-    c.parked_refused = parked_refused_;
-    c.parked_expired = parked_expired_;
-    c.parked_hung_up = parked_hung_up_;
+    const ParkingTable::Counters& p = parking_.counters();
+    c.parked_connections = p.parked;
+    c.parked_refused = p.refused;
+    c.parked_expired = p.expired;
+    c.parked_hung_up = p.hung_up;
+    c.parked_superseded = p.superseded;
     c.hellos_refused = hellos_refused_;
+    c.hellos_without_round = hellos_without_round_;
     c.hellos_unknown_instance = hellos_unknown_instance_;
     c.peer_secrets = static_cast<int64_t>(peer_secrets_.size());
     c.peer_secrets_evicted = peer_secrets_.evicted();
@@ -908,9 +936,43 @@ class HostTcpTransport : public Transport {
   std::set<std::string> InUseLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::set<std::string> keep;
     for (const auto& [id, p] : peers_) keep.insert(p->instance);
-    for (const auto& [inst, parked] : pending_) keep.insert(inst);
-    for (const auto& [inst, n] : awaited_) keep.insert(inst);
+    parking_.InstancesInUse(keep);
     return keep;
+  }
+
+  // What an acceptor-side Connect for (inst, round) that missed its deadline says about why.
+  std::string WhyNotConnectedLocked(const std::string& inst, const std::string& round) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::string why;
+    size_t more = 0;
+    const std::vector<std::pair<std::string, int>> others = parking_.OtherRounds(inst, round, 4, &more);
+    if (!others.empty()) {
+      absl::StrAppend(&why, "; connections from this instance are parked for other rounds, never this one's (");
+      for (size_t i = 0; i < others.size(); ++i) {
+        absl::StrAppend(&why, i > 0 ? ", " : "", "'", others[i].first.substr(0, 64), "': ", others[i].second);
+      }
+      absl::StrAppend(&why, more > 0 ? absl::StrCat(" and ", more, " more round(s)") : "",
+                      "): both sides must pass the same round");
+    }
+    if (auto it = old_hellos_.find(inst); it != old_hellos_.end()) {
+      absl::StrAppend(&why, "; ", it->second, " connection(s) claiming this instance sent a hello without a connection ",
+                      "round (a WeightBridge binary from before connection rounds: every node must run one that has them)");
+    }
+    if (auto it = auth_failures_.find(inst); it != auth_failures_.end()) {
+      absl::StrAppend(&why, "; ", it->second, " connection(s) claiming this instance failed authentication (",
+                      kAuthRefused, ")");
+    }
+    if (busy_refusals_ > 0) {
+      absl::StrAppend(&why, "; ", busy_refusals_, " unauthenticated connection(s) were closed unread since this ",
+                      "transport started (more than ", kMaxHandshakesPerSource, " in handshake from one address or ",
+                      kMaxConcurrentHandshakes, " in all; last from ", last_busy_source_, ")");
+    }
+    if (const int64_t refused = parking_.counters().refused; refused > 0) {
+      absl::StrAppend(&why, "; ", refused, " connection(s) were closed before authentication since this ",
+                      "transport started because ", limits_.max_parked_connections,
+                      " authenticated connections were already parked unclaimed (last claiming ",
+                      parking_.last_refused_instance(), ")");
+    }
+    return why;
   }
 
   // The entry of stats_.paths for (peer instance, local address, remote address), added if new.
@@ -954,8 +1016,10 @@ class HostTcpTransport : public Transport {
   // `local`: the NIC address the socket binds to before connecting (multi-NIC), or nullptr (the
   // kernel picks the source address).
   // `secret`: the one in the acceptor's endpoint, made by it for us.
+  // `round`: sent in the hello, so bound into both MACs with it (an on-path rewrite of the round
+  // fails the handshake on both sides).
   absl::StatusOr<int> Dial(const std::string& inst, const std::string& secret, const std::string* local,
-                           const Nic& remote, absl::Time deadline, int idx, int total) {
+                           const Nic& remote, absl::Time deadline, int idx, int total, const std::string& round) {
     const std::string& addr = remote.addr;
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return absl::InternalError(Errno("socket"));
@@ -1001,10 +1065,11 @@ class HostTcpTransport : public Transport {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     wire::Writer w;
-    w.U32(kFrameMagic);
+    w.U32(kHelloMagic);
     w.Str(instance_id_);
     w.U32(idx);
     w.U32(total);
+    w.Str(round);
     uint32_t n = w.out().size();
     struct iovec iov[2] = {{&n, 4}, {w.out().data(), n}};
     if (!WriteAll(fd, iov, 2)) {
@@ -1082,7 +1147,7 @@ class HostTcpTransport : public Transport {
   }
 
   struct Handshake {
-    int fd = -1;  // -1 once handed to pending_ or closed (under mu_): never shut down a reused number
+    int fd = -1;  // -1 once handed to parking_ or closed (under mu_): never shut down a reused number
     bool done = false;
     bool counted = true;  // still counted in handshakes_by_source_ / active_handshakes_
     std::string source;   // the dialer's address
@@ -1122,7 +1187,7 @@ class HostTcpTransport : public Transport {
   }
 
   // Hello, then channel authentication, all by kAcceptHandshakeTimeout. An authenticated
-  // connection goes to pending_ (Connect picks it up); any other is closed, and if it named an
+  // connection goes to parking_ under its (instance, round) (a Connect of that round picks it up); any other is closed, and if it named an
   // instance, counted against that instance for Connect's error message.
   void AcceptHandshake(std::list<Handshake>::iterator self, int fd) {
     const absl::Time deadline = absl::Now() + kAcceptHandshakeTimeout;
@@ -1138,9 +1203,14 @@ class HostTcpTransport : public Transport {
     uint32_t magic = r.U32();
     std::string inst = r.Str();
     uint32_t idx = r.U32(), total = r.U32();
+    // A binary from before connection rounds: {kFrameMagic, id, index, count}, nothing after.
+    // Refused before authentication (its connections could only ever be parked in no round, and
+    // its Connect would believe them taken), counted for this side's Connect to name.
+    const bool old_format = ok && magic == kFrameMagic && r.done();
+    std::string round = r.Str(kMaxRoundBytes);
     // Only a smaller instance dials this one (Connect), so a hello claiming an instance that is
     // not smaller could never be claimed: refused like a malformed one.
-    ok = ok && r.done() && magic == kFrameMagic && total >= 2 && total <= static_cast<uint32_t>(kMaxStreams) + 1 &&
+    ok = ok && r.done() && magic == kHelloMagic && total >= 2 && total <= static_cast<uint32_t>(kMaxStreams) + 1 &&
          idx < total && inst < instance_id_;
     // A place in the park is reserved before the handshake, so that a dialer that would find it
     // full is closed before proving itself (it redials) rather than after its Connect succeeded.
@@ -1149,7 +1219,10 @@ class HostTcpTransport : public Transport {
     if (read) {
       absl::MutexLock l(&mu_);
       const std::string* held = ok ? peer_secrets_.Find(inst) : nullptr;
-      if (!ok) {
+      if (old_format) {
+        ++hellos_without_round_;
+        if (old_hellos_.count(inst) > 0 || old_hellos_.size() < kMaxOldHelloIds) old_hellos_[inst]++;
+      } else if (!ok) {
         ++hellos_refused_;
       } else if (held == nullptr) {
         // No endpoint was exported for this instance (or its secret was dropped past the bound):
@@ -1158,17 +1231,7 @@ class HostTcpTransport : public Transport {
         ++hellos_unknown_instance_;
       } else {
         secret = *held;
-        ExpireParkedLocked();
-        if (awaited_.count(inst) == 0) {
-          if (parked_count_ + parked_reserved_ >= limits_.max_parked_connections) {
-            ok = false;
-            ++parked_refused_;
-            last_parked_refused_inst_ = inst.substr(0, 64);
-          } else {
-            ++parked_reserved_;
-            reserved = true;
-          }
-        }
+        ok = parking_.Admit({inst, round}, absl::Now(), &reserved);
       }
     }
     bool authenticated = false;
@@ -1187,18 +1250,9 @@ class HostTcpTransport : public Transport {
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     }
     absl::MutexLock l(&mu_);
-    if (reserved) --parked_reserved_;
+    if (reserved) parking_.Unreserve();
     if (authenticated && !stopping_) {
-      Parked& parked = pending_[inst];
-      if (auto old = parked.fds.find(idx); old != parked.fds.end()) {
-        close(old->second);  // the same stream again (a redial): the newer connection wins
-      } else {
-        ++parked_count_;
-      }
-      parked.fds[idx] = fd;
-      parked.total = static_cast<int>(total);
-      parked.last = absl::Now();
-      ExpireParkedLocked();
+      parking_.Park({inst, round}, idx, static_cast<int>(total), fd, absl::Now());
     } else {
       close(fd);
       if (ok && !stopping_ && (auth_failures_.count(inst) || auth_failures_.size() < kMaxAuthFailureIds)) {
@@ -1209,45 +1263,6 @@ class HostTcpTransport : public Transport {
     self->done = true;
     UncountLocked(*self);
     accept_cv_.SignalAll();
-  }
-
-  // Closes the parked connections of `inst` that their dialer closed meanwhile (hung up: its
-  // Connect went through while no Connect here took them - the acceptor's version ended first -,
-  // then it disconnected that channel). Taken, they would be a dead channel, and the dialer's next
-  // connections would be parked in their place, one round late, for good. A stream the dialer
-  // connects again replaces its parked one anyway (AcceptOne); this drops the ones it did not yet.
-  void DropClosedParkedLocked(const std::string& inst) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = pending_.find(inst);
-    if (it == pending_.end()) return;
-    for (auto f = it->second.fds.begin(); f != it->second.fds.end();) {
-      pollfd p{f->second, POLLRDHUP, 0};
-      if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
-        close(f->second);
-        --parked_count_;
-        ++parked_hung_up_;
-        f = it->second.fds.erase(f);
-      } else {
-        ++f;
-      }
-    }
-    if (it->second.fds.empty()) pending_.erase(it);
-  }
-
-  // Closes the parked connections of every claimed instance that no Connect is waiting for and
-  // whose last connection arrived more than parked_timeout ago.
-  void ExpireParkedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const absl::Time now = absl::Now();
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (awaited_.count(it->first) == 0 && now - it->second.last > limits_.parked_timeout) {
-        for (auto& [idx, fd] : it->second.fds) close(fd);
-        const int64_t n = static_cast<int64_t>(it->second.fds.size());
-        parked_count_ -= n;
-        parked_expired_ += n;
-        it = pending_.erase(it);
-      } else {
-        ++it;
-      }
-    }
   }
 
   // A failed batch starts no further chunk: its queued send chunks are dropped here, and the
@@ -1628,28 +1643,18 @@ class HostTcpTransport : public Transport {
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;         // batch/peer state changes
-  absl::CondVar accept_cv_;  // pending_ changes
+  absl::CondVar accept_cv_;  // parking_ changes (connections parked, Connects waiting)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<uint64_t, std::shared_ptr<PeerConn>> peers_ ABSL_GUARDED_BY(mu_);
   BatchTable<TcpBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
-  // Authenticated connections waiting for a Connect, by claimed dialer instance.
-  struct Parked {
-    std::map<uint32_t, int> fds;  // stream idx -> fd
-    int total = 0;                // the stream count the hellos announced (the last one's)
-    absl::Time last;              // when the last one was parked (parked_timeout runs from here)
-  };
-  std::map<std::string, Parked> pending_ ABSL_GUARDED_BY(mu_);
-  int64_t parked_count_ ABSL_GUARDED_BY(mu_) = 0;     // fds in pending_
-  int64_t parked_reserved_ ABSL_GUARDED_BY(mu_) = 0;  // places taken by handshakes in progress
-  std::map<std::string, int> awaited_ ABSL_GUARDED_BY(mu_);  // instance -> Connects waiting for it
-  int64_t parked_refused_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string last_parked_refused_inst_ ABSL_GUARDED_BY(mu_);
-  int64_t parked_expired_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t parked_hung_up_ ABSL_GUARDED_BY(mu_) = 0;
+  // Authenticated connections waiting for a Connect, by (claimed dialer instance, round).
+  ParkingTable parking_ ABSL_GUARDED_BY(mu_);
   int64_t hellos_refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hellos_unknown_instance_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t hellos_without_round_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, int> old_hellos_ ABSL_GUARDED_BY(mu_);  // claimed instance -> hellos without a round
   // The secret made for each peer that dials this transport, handed out in ExportEndpoint(peer).
   PeerSecrets peer_secrets_ ABSL_GUARDED_BY(mu_);
   int64_t early_overflows_ ABSL_GUARDED_BY(mu_) = 0;
@@ -1704,6 +1709,17 @@ absl::StatusOr<std::vector<HostTcpStreamAddresses>> HostTcpStreams(const Transpo
   return t->StreamAddresses(peer);
 }
 
+bool HostTcpTestWaitForAcceptors(Transport& transport, absl::string_view peer_instance, int n, absl::Time deadline) {
+  auto* t = dynamic_cast<HostTcpTransport*>(&transport);
+  return t != nullptr && t->WaitForAcceptors(std::string(peer_instance), n, deadline);
+}
+
+bool HostTcpTestWaitForParked(Transport& transport, absl::string_view peer_instance, absl::string_view round, int n,
+                              absl::Time deadline) {
+  auto* t = dynamic_cast<HostTcpTransport*>(&transport);
+  return t != nullptr && t->WaitForParked({std::string(peer_instance), std::string(round)}, n, deadline);
+}
+
 absl::Status HostTcpTestFlipNextReceived(Transport& transport) {
   auto* t = dynamic_cast<HostTcpTransport*>(&transport);
   if (t == nullptr) return absl::InvalidArgumentError("HostTcpTestFlipNextReceived: not a host_tcp transport");
@@ -1726,6 +1742,9 @@ absl::StatusOr<std::unique_ptr<Transport>> NewHostTcpTransport(const TransportCo
   if (limits.max_parked_connections < 0 || limits.parked_timeout < absl::ZeroDuration() ||
       limits.max_early_control_frames < 0) {
     return absl::InvalidArgumentError("host_tcp: HostTcpLimits must not be negative");
+  }
+  if (limits.max_parked_rounds_per_instance < 1) {
+    return absl::InvalidArgumentError("host_tcp: HostTcpLimits::max_parked_rounds_per_instance must be at least 1");
   }
   if (limits.max_peer_secrets < 1) {
     return absl::InvalidArgumentError("host_tcp: HostTcpLimits::max_peer_secrets must be at least 1");

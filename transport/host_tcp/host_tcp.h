@@ -2,8 +2,8 @@
 // "host_tcp": cross-node host-memory transport over TCP (two-sided; see transport.h).
 //
 // Channel: per peer, TcpOptions::streams TCP connections dialled by the peer with the smaller
-// instance id. Each connection opens with a hello (dialer instance id, stream index, stream count)
-// and then the channel authentication of transport/host_tcp/channel_auth.h, keyed by TcpOptions::auth_token
+// instance id. Each connection opens with a hello (dialer instance id, stream index, stream count,
+// the Connect's round) and then the channel authentication of transport/host_tcp/channel_auth.h, keyed by TcpOptions::auth_token
 // and the per-peer secret, and bound to that hello: both sides prove they hold the token and the
 // secret the acceptor made for the claimed dialer in ExportEndpoint(dialer) (HMAC-SHA256 over
 // fresh nonces), and only an authenticated connection is handed to a peer. A hello claiming an
@@ -12,6 +12,15 @@
 // claimed instance and names them when its own Connect then misses the deadline. Handshakes run
 // on short-lived threads, each bounded to 5 s, so a silent dialer stalls nobody. The payload is
 // not encrypted or MACed afterwards (docs/security.md, "Data channel").
+//
+// Rounds (transport.h; docs/transport.md, "host_tcp channel setup: rounds"): the acceptor parks
+// authenticated connections by (claimed instance, round), and its Connect takes only a full set
+// of its own round. A Connect left waiting by an abandoned attempt therefore ends at its deadline
+// and never takes the connections dialled for the next attempt. The round is part of the hello,
+// which both MACs cover, so it cannot be rewritten on the way without failing the handshake.
+// A hello without a round (a binary from before rounds) is refused before authentication
+// (hellos_without_round, named by the acceptor's Connect at its deadline); a binary from before
+// rounds refuses this one's hellos as malformed, which this dialer reports at its deadline.
 //
 // Every frame starts with a fixed header (type, batch tag, op index, logical byte offset within
 // the op, payload length), so a receiver always knows which op and offset every byte belongs to.
@@ -58,9 +67,15 @@ struct HostTcpLimits {
   // Authenticated connections parked until a Connect claims them (acceptor side), over all claimed
   // instances. A hello past this bound is closed before authentication (the dialer sees "closed
   // before proving" and redials until its deadline), unless a Connect is waiting for the instance
-  // it claims (then it is always taken). Per claimed instance at most 65 (stream count <= 64 + 1).
+  // it claims in that round (then it is always taken). Per claimed instance and round at most 65
+  // (stream count <= 64 + 1).
   int max_parked_connections = 1024;
-  // A claimed instance whose parked connections no Connect took within this time (since its last
+  // Rounds of one claimed instance parked with no Connect waiting for them. Parking a further round
+  // closes that instance's round whose last connection arrived first (parked_superseded): a dialer
+  // that opened a newer round gave up the older one, and its stale sets should not hold the park
+  // for parked_timeout. Rounds a Connect waits for are not counted.
+  int max_parked_rounds_per_instance = 16;
+  // An (instance, round) whose parked connections no Connect took within this time (since its last
   // one arrived) has them closed; checked whenever a hello arrives or a connection is parked.
   absl::Duration parked_timeout = absl::Seconds(60);
   // Control frames (MANIFEST / CHECKSUM / ACK) one peer channel may hold for batches this side has
@@ -84,8 +99,11 @@ struct HostTcpCounters {
   int64_t parked_refused = 0;        // hellos closed before authentication: max_parked_connections
   int64_t parked_expired = 0;        // parked connections closed: no Connect within parked_timeout
   int64_t parked_hung_up = 0;        // parked connections a Connect found closed by their dialer (dropped)
-  int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, or a
-                                     // claimed instance that cannot dial this one (not smaller)
+  int64_t parked_superseded = 0;     // parked connections closed past max_parked_rounds_per_instance
+  int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, a round
+                                     // over 256 bytes, or a claimed instance that cannot dial this
+                                     // one (not smaller)
+  int64_t hellos_without_round = 0;  // hellos in the format before connection rounds (an old binary)
   int64_t hellos_unknown_instance = 0;  // hellos closed before authentication: this transport holds
                                         // no secret for the claimed instance (never exported for)
   int64_t peer_secrets = 0;          // now: per-peer secrets held (max_peer_secrets)
@@ -109,6 +127,17 @@ struct HostTcpStreamAddresses {
 // control connection, then the data streams. INVALID_ARGUMENT if `transport` is not host_tcp,
 // NOT_FOUND for an unknown peer.
 absl::StatusOr<std::vector<HostTcpStreamAddresses>> HostTcpStreams(const Transport& transport, PeerId peer);
+
+// TEST ONLY: waits until at least `n` acceptor-side Connects of `transport` wait for connections
+// from `peer_instance` (any round); false when the deadline passes first or `transport` is not
+// host_tcp.
+bool HostTcpTestWaitForAcceptors(Transport& transport, absl::string_view peer_instance, int n, absl::Time deadline);
+
+// TEST ONLY: waits until at least `n` authenticated connections from `peer_instance` are parked
+// for `round` (no Connect took them yet); false when the deadline passes first or `transport` is
+// not host_tcp.
+bool HostTcpTestWaitForParked(Transport& transport, absl::string_view peer_instance, absl::string_view round, int n,
+                              absl::Time deadline);
 
 // TEST ONLY: the next DATA frame `transport` receives lands with one bit of its first byte flipped,
 // before any hash of it is taken (a corruption on the wire that TCP's own checksum missed).

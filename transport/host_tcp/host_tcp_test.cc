@@ -12,8 +12,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -317,10 +319,13 @@ TEST(HostTcpAuthTest, MismatchedTokensAreRefused) {
   }
 }
 
-// Forwards TCP connections to 127.0.0.1:target and records what the first client sends.
+// Forwards TCP connections to 127.0.0.1:target and records what the first client sends;
+// `rewrite`, when set, may change each piece the clients send before it is forwarded (an on-path
+// attacker).
 class Relay {
  public:
-  explicit Relay(uint32_t target) : target_(target) {
+  explicit Relay(uint32_t target, std::function<void(std::string&)> rewrite = nullptr)
+      : target_(target), rewrite_(std::move(rewrite)) {
     listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
@@ -359,11 +364,11 @@ class Relay {
       fds_.push_back(c);
       if (s < 0) return;
       fds_.push_back(s);
-      pumps_.emplace_back([this, c, s, conn] { Pump(c, s, conn == 0); });
-      pumps_.emplace_back([this, c, s] { Pump(s, c, false); });
+      pumps_.emplace_back([this, c, s, conn] { Pump(c, s, conn == 0, true); });
+      pumps_.emplace_back([this, c, s] { Pump(s, c, false, false); });
     }
   }
-  void Pump(int from, int to, bool record) {
+  void Pump(int from, int to, bool record, bool upstream) {
     char buf[1 << 16];
     while (true) {
       ssize_t n = recv(from, buf, sizeof(buf), 0);
@@ -374,12 +379,15 @@ class Relay {
         absl::MutexLock l(&mu_);
         first_upstream_.append(buf, n);
       }
-      if (!SendAll(to, std::string(buf, n))) break;
+      std::string piece(buf, n);
+      if (upstream && rewrite_) rewrite_(piece);
+      if (!SendAll(to, piece)) break;
     }
     shutdown(to, SHUT_WR);
   }
 
   const uint32_t target_;
+  const std::function<void(std::string&)> rewrite_;
   int listen_fd_ = -1;
   uint32_t port_ = 0;
   std::thread accept_;
@@ -1035,18 +1043,21 @@ std::string FrameBytes(uint8_t type, uint64_t tag, uint32_t op, int64_t offset, 
   return std::string(reinterpret_cast<const char*>(&f), sizeof(f));
 }
 
-// A connection to 127.0.0.1:port that says hello {inst, idx, total} and passes the channel
+// A connection to 127.0.0.1:port that says hello {inst, idx, total, round} and passes the channel
 // authentication with `token` and `secret` as `inst` would: what a holder of the token and of the
 // endpoint exported for `inst` can do. Returns the fd, or the dialer-side handshake's status.
+// `old_hello`: the hello of a binary from before connection rounds ("WWBF", no round).
 absl::StatusOr<int> RawDial(uint32_t port, const std::string& acceptor_inst, const std::string& token,
-                            const std::string& secret, const std::string& inst, uint32_t idx, uint32_t total) {
+                            const std::string& secret, const std::string& inst, uint32_t idx, uint32_t total,
+                            const std::string& round = "", bool old_hello = false) {
   const int fd = RawConnect(port);
   if (fd < 0) return absl::UnavailableError("connect failed");
   wire::Writer hello;
-  hello.U32(0x46425757);
+  hello.U32(old_hello ? 0x46425757 : 0x52425757);  // "WWBF" before rounds, "WWBR" since
   hello.Str(inst);
   hello.U32(idx);
   hello.U32(total);
+  if (!old_hello) hello.Str(round);
   wire::Writer framed;
   framed.U32(static_cast<uint32_t>(hello.out().size()));
   framed.Raw(hello.out().data(), hello.out().size());
@@ -1669,6 +1680,198 @@ TEST(HostTcpPeerSecretTest, MalformedSecretsAreInvalidArgumentNamingIt) {
   auto none = acceptor.ExportEndpoint("");
   EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
   EXPECT_EQ(CountersOf(acceptor).hellos_unknown_instance + CountersOf(acceptor).hellos_refused, 0) << "nothing dialled";
+}
+
+// ---------------------------------------------------------------- connection rounds
+
+// docs/status.md next step 23 (chaos runs: "v35 aborted on n2 at 10.527, n2 'data channel connected
+// version=35 peer=n3' at 10.720, n3 'connected version=36 peer=n2' at 10.724, v36 timed out"): a
+// version aborted while its acceptor-side Connect waited; that Connect went on waiting and took the
+// connections the dialer made for the next version, whose own Connect then waited out its deadline.
+// With rounds the abandoned Connect ends at its own deadline and the next round connects at once.
+TEST(HostTcpRoundTest, AnAbandonedAcceptorConnectDoesNotTakeTheNextRoundsConnections) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(ep.ok() && dialer_ep.ok());
+  // Round A: only the acceptor calls Connect (the dialer's side of the version ended first).
+  const absl::Time abandoned_deadline = absl::Now() + absl::Seconds(5);
+  absl::StatusOr<PeerId> abandoned = absl::UnknownError("not run");
+  std::atomic<bool> abandoned_returned{false};
+  std::thread a([&] {
+    abandoned = acceptor.Connect(*dialer_ep, "m v35", abandoned_deadline);
+    abandoned_returned = true;
+  });
+  struct JoinOnExit {
+    std::thread& t;
+    ~JoinOnExit() {
+      if (t.joinable()) t.join();  // a failed ASSERT below still waits for round A's Connect
+    }
+  } join_a{a};
+  ASSERT_TRUE(HostTcpTestWaitForAcceptors(acceptor, dialer.instance_id(), 1, absl::Now() + absl::Seconds(10)));
+  // Round B while round A's Connect still waits, in the order of the chaos run: the dialer's
+  // connections arrive before the acceptor's Connect of round B is called. They must stay parked
+  // for round B (before rounds, round A's Connect took them as soon as the set was complete).
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto dialed = dialer.Connect(*ep, "m v36", deadline);
+  ASSERT_TRUE(dialed.ok()) << dialed.status();
+  ASSERT_TRUE(HostTcpTestWaitForParked(acceptor, dialer.instance_id(), "m v36", 3, deadline))
+      << "round B's connections were not parked for round B (round A's Connect: "
+      << (abandoned_returned ? abandoned.status().ToString() : "still waiting") << ")";
+  auto accepted = acceptor.Connect(*dialer_ep, "m v36", deadline);
+  const bool b_before_a = !abandoned_returned;
+  ASSERT_TRUE(dialed.ok()) << dialed.status();
+  ASSERT_TRUE(accepted.ok()) << accepted.status() << " (round A's Connect: "
+                             << (abandoned_returned ? abandoned.status().ToString() : "still waiting") << ")";
+  EXPECT_TRUE(b_before_a) << "round B connected only after round A's Connect ended";
+  ExpectMovesBytes(dialer, *dialed, acceptor, *accepted, 1 << 20);
+  ExpectMovesBytes(acceptor, *accepted, dialer, *dialed, 1 << 20);
+  a.join();
+  EXPECT_EQ(abandoned.status().code(), absl::StatusCode::kDeadlineExceeded) << abandoned.status();
+  EXPECT_GE(absl::Now(), abandoned_deadline);
+  EXPECT_NE(abandoned.status().message().find("round 'm v35'"), std::string::npos) << abandoned.status();
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
+}
+
+// The other order: the dialer's Connect of round A went through (its connections parked, and
+// kept open: to the dialer that channel is up) while the acceptor's attempt ended before its
+// Connect. The acceptor's Connect of round B takes round B's connections, not A's (before rounds
+// it took A's and the dialer's B connections were parked, a round late); A's stay parked and a
+// Connect of a third round names them when it misses its deadline.
+TEST(HostTcpRoundTest, AConnectDoesNotTakeASetParkedForAnotherRound) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(ep.ok() && dialer_ep.ok());
+  auto stale = dialer.Connect(*ep, "m v35", absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<PeerId> accepted = absl::UnknownError("not run");
+  std::thread b([&] { accepted = acceptor.Connect(*dialer_ep, "m v36", deadline); });
+  auto dialed = dialer.Connect(*ep, "m v36", deadline);
+  b.join();
+  ASSERT_TRUE(dialed.ok()) << dialed.status();
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  ExpectMovesBytes(dialer, *dialed, acceptor, *accepted, 1 << 20);
+  ExpectMovesBytes(acceptor, *accepted, dialer, *dialed, 1 << 20);
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 3) << "round A's control + 2 data connections";
+  auto third = acceptor.Connect(*dialer_ep, "m v37", absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kDeadlineExceeded) << third.status();
+  EXPECT_NE(third.status().message().find("parked for other rounds, never this one's ('m v35': 3)"), std::string::npos)
+      << third.status();
+  // The empty round (the two-argument Connect) is a round of its own.
+  auto empty = acceptor.Connect(*dialer_ep, absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kDeadlineExceeded) << empty.status();
+  auto too_long = dialer.Connect(*ep, std::string(kMaxConnectRoundBytes + 1, 'r'), absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument) << too_long.status();
+}
+
+// The round is part of the hello, which both MACs cover: an on-path rewrite of it (here a relay
+// turning round A into round B) fails the handshake on both sides, so nobody can relabel a
+// connection into another round; nothing is parked, and the acceptor's round B gets nothing.
+TEST(HostTcpRoundTest, ARoundRewrittenOnThePathFailsTheHandshake) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(ep.ok() && dialer_ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  std::atomic<int> rewritten{0};
+  Relay relay(acc.port, [&](std::string& piece) {
+    for (size_t at = piece.find("round-A"); at != std::string::npos; at = piece.find("round-A", at)) {
+      piece[at + 6] = 'B';
+      ++rewritten;
+    }
+  });
+  absl::StatusOr<PeerId> accepted = absl::UnknownError("not run");
+  std::thread b([&] { accepted = acceptor.Connect(*dialer_ep, "round-B", absl::Now() + absl::Seconds(2)); });
+  auto dialed = dialer.Connect(EndpointWithPort(acc, relay.port()), "round-A", absl::Now() + absl::Seconds(10));
+  b.join();
+  EXPECT_GE(rewritten.load(), 1) << "the relay saw no round to rewrite";
+  EXPECT_EQ(dialed.status().code(), absl::StatusCode::kUnauthenticated) << dialed.status();
+  EXPECT_EQ(accepted.status().code(), absl::StatusCode::kDeadlineExceeded) << accepted.status();
+  EXPECT_NE(accepted.status().message().find("failed authentication"), std::string::npos) << accepted.status();
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
+}
+
+// Mixed builds, new acceptor: a hello in the format before connection rounds is refused before
+// authentication (the old dialer hears "closed before proving" and redials until its deadline),
+// counted, and the acceptor's Connect names it at its deadline.
+TEST(HostTcpRoundTest, AHelloWithoutARoundIsRefusedAndNamed) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  Transport& acceptor = *ts[1];
+  auto ep = acceptor.ExportEndpoint(dialer.instance_id());
+  auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
+  ASSERT_TRUE(ep.ok() && dialer_ep.ok());
+  const Endpoint acc = ParseEndpoint(*ep);
+  absl::StatusOr<int> old = RawDial(acc.port, acc.inst, "cluster-token", acc.secret, dialer.instance_id(), 0, 3, "",
+                                    /*old_hello=*/true);
+  ASSERT_FALSE(old.ok());
+  EXPECT_NE(old.status().message().find("closed the connection before proving"), std::string::npos) << old.status();
+  EXPECT_EQ(CountersOf(acceptor).hellos_without_round, 1);
+  EXPECT_EQ(CountersOf(acceptor).hellos_refused, 0);
+  EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
+  auto accepted = acceptor.Connect(*dialer_ep, "m v1", absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(accepted.status().code(), absl::StatusCode::kDeadlineExceeded) << accepted.status();
+  EXPECT_NE(accepted.status().message().find("1 connection(s) claiming this instance sent a hello without a connection round"),
+            std::string::npos)
+      << accepted.status();
+  EXPECT_NE(accepted.status().message().find("before connection rounds"), std::string::npos) << accepted.status();
+  // The same hello with a round gets in (sanity: the refusal was the format).
+  absl::StatusOr<int> fresh = RawDial(acc.port, acc.inst, "cluster-token", acc.secret, dialer.instance_id(), 0, 3, "m v1");
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  close(*fresh);
+}
+
+// Mixed builds, old acceptor: a binary from before rounds parses a hello exactly ("WWBF" and four
+// fields), so it refuses this one's hello and closes the connection before proving itself. The
+// dialer redials until its deadline and then says that the acceptor may be such a binary.
+TEST(HostTcpRoundTest, ADialerWhoseHellosAreClosedUnreadNamesOldBinaries) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  const int listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  socklen_t len = sizeof(sa);
+  ASSERT_EQ(bind(listen_fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(listen_fd, 16), 0);
+  getsockname(listen_fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  // The old acceptor: reads the length-prefixed hello, finds it malformed, closes.
+  std::thread old([&] {
+    while (true) {
+      const int c = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) return;
+      uint32_t n = 0;
+      if (recv(c, &n, 4, MSG_WAITALL) == 4 && n < 4096) {
+        std::string hello(n, '\0');
+        recv(c, hello.data(), n, MSG_WAITALL);
+        uint32_t magic = 0;
+        std::memcpy(&magic, hello.data(), 4);
+        EXPECT_NE(magic, 0x46425757u) << "a hello an old acceptor would parse as its own";
+      }
+      close(c);
+    }
+  });
+  const std::string old_ep =
+      EndpointBytes(std::string(1, '\x7f') + "old-acceptor", "old-node", ntohs(sa.sin_port), std::string(kPeerSecretBytes, 's'));
+  auto dialed = dialer.Connect(old_ep, "m v1", absl::Now() + absl::Seconds(1));
+  shutdown(listen_fd, SHUT_RDWR);
+  old.join();
+  close(listen_fd);
+  EXPECT_EQ(dialed.status().code(), absl::StatusCode::kUnavailable) << dialed.status();
+  EXPECT_NE(dialed.status().message().find("from before connection rounds"), std::string::npos) << dialed.status();
 }
 
 }  // namespace

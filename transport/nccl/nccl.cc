@@ -248,7 +248,12 @@ class NcclTransport : public Transport {
     return std::move(w.out());
   }
 
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::Time deadline) override {
+  using Transport::Connect;
+  // The round is ignored: a Connect joins the communicator of the unique id in the endpoint it was
+  // given. Not a full answer (docs/transport.md, "nccl"): an export repeats a unique id that no
+  // Connect of rank 0 consumed yet, so a rank-1 Connect left waiting by an abandoned attempt can
+  // still meet rank 0 of the next one; telling those apart needs the round at export time.
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view /*round*/, absl::Time deadline) override {
     ScopedCudaDevice keep_device;
     wire::Reader r(endpoint);
     const uint32_t magic = r.U32();

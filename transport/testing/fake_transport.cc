@@ -142,7 +142,15 @@ class FakeFabric::Impl {
   }
 
   // ---- peers ----
-  absl::StatusOr<PeerId> Connect(const std::string& me, absl::string_view endpoint, absl::Time deadline) {
+  // Both sides meet only in the same round (transport.h): a Connect left waiting by an abandoned
+  // attempt does not pair with the peer's Connect of the next one.
+  absl::StatusOr<PeerId> Connect(const std::string& me, absl::string_view endpoint, absl::string_view round_view,
+                                 absl::Time deadline) {
+    if (round_view.size() > kMaxConnectRoundBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("fake: a connection round of ", round_view.size(), " bytes (at most ",
+                                                     kMaxConnectRoundBytes, ")"));
+    }
+    const std::string round(round_view);
     std::vector<std::string> w = absl::StrSplit(endpoint, ' ');
     if (w.size() != 3 || w[0] != kEndpointMagic) return absl::InvalidArgumentError("fake: not a fake endpoint");
     const std::string& them = w[1];
@@ -151,20 +159,21 @@ class FakeFabric::Impl {
     }
     absl::MutexLock l(&mu_);
     if (auto s = UsableLocked(me); !s.ok()) return s;
-    want_.insert({me, them});
+    want_.insert({me, them, round});
     cv_.SignalAll();  // the peer may be waiting for this side's Connect
     auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return want_.count({them, me}) > 0 || !nodes_.count(them) || vanished_.count(them) > 0 || vanished_.count(me) > 0;
+      return want_.count({them, me, round}) > 0 || !nodes_.count(them) || vanished_.count(them) > 0 || vanished_.count(me) > 0;
     };
     while (!ready()) {
       if (cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
-        want_.erase({me, them});
-        return absl::DeadlineExceededError(absl::StrCat("fake: peer ", them, " did not connect to ", me, " in time"));
+        want_.erase({me, them, round});
+        return absl::DeadlineExceededError(absl::StrCat("fake: peer ", them, " did not connect to ", me, " in time (round '",
+                                                        round, "')"));
       }
     }
     if (auto s = UsableLocked(me); !s.ok()) return s;
     if (!nodes_.count(them) || vanished_.count(them)) {
-      want_.erase({me, them});
+      want_.erase({me, them, round});
       return absl::UnavailableError(absl::StrCat("fake: peer ", them, " is gone"));
     }
     broken_.erase(Pair(me, them));
@@ -442,8 +451,10 @@ class FakeFabric::Impl {
   // Every unfinished batch between `x` and `y` fails UNAVAILABLE; later posts fail until both re-connect.
   void BreakLocked(const std::string& x, const std::string& y, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     broken_.insert(Pair(x, y));
-    want_.erase({x, y});
-    want_.erase({y, x});
+    for (auto it = want_.begin(); it != want_.end();) {
+      const auto& [from, to, round] = *it;
+      it = Pair(from, to) == Pair(x, y) ? want_.erase(it) : std::next(it);
+    }
     for (const std::string& inst : {x, y}) {
       auto n = nodes_.find(inst);
       if (n == nodes_.end()) continue;
@@ -471,7 +482,7 @@ class FakeFabric::Impl {
       it = (p == inst || q == inst) ? unmatched_.erase(it) : std::next(it);
     }
     for (auto it = want_.begin(); it != want_.end();) {
-      it = (it->first == inst || it->second == inst) ? want_.erase(it) : std::next(it);
+      it = (std::get<0>(*it) == inst || std::get<1>(*it) == inst) ? want_.erase(it) : std::next(it);
     }
     cv_.SignalAll();
   }
@@ -566,7 +577,8 @@ class FakeFabric::Impl {
   std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> vanished_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::deque<absl::Status>> fail_next_ ABSL_GUARDED_BY(mu_);
-  std::set<std::pair<std::string, std::string>> want_ ABSL_GUARDED_BY(mu_);    // (from, to): Connect called
+  // (from, to, round): Connect called
+  std::set<std::tuple<std::string, std::string, std::string>> want_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> broken_ ABSL_GUARDED_BY(mu_);  // channels to re-connect
   std::map<std::tuple<std::string, std::string, uint64_t>, std::shared_ptr<Half>> unmatched_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Match>> queue_ ABSL_GUARDED_BY(mu_);
@@ -600,8 +612,9 @@ class FakeTransport final : public Transport {
   absl::StatusOr<std::string> ExportEndpoint(absl::string_view peer) override {
     return absl::StrCat(kEndpointMagic, " ", instance_, " ", peer);
   }
-  absl::StatusOr<PeerId> Connect(absl::string_view ep, absl::Time deadline) override {
-    return fabric_->impl()->Connect(instance_, ep, deadline);
+  using Transport::Connect;
+  absl::StatusOr<PeerId> Connect(absl::string_view ep, absl::string_view round, absl::Time deadline) override {
+    return fabric_->impl()->Connect(instance_, ep, round, deadline);
   }
   absl::Status Disconnect(PeerId peer) override { return fabric_->impl()->Disconnect(instance_, peer); }
   absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override { return fabric_->impl()->Register(instance_, spec); }

@@ -169,5 +169,30 @@ TEST(FakeTransport, DestroyingATransportLeavesNothingOnTheFabric) {
   EXPECT_EQ(fabric.live_transports(), 0);
 }
 
+// Connection rounds (transport.h): a Connect of round A that its caller abandoned does not pair
+// with the peer's Connect of round B; it ends at its deadline, and round B connects both sides.
+TEST(FakeTransportTest, AnAbandonedConnectDoesNotPairWithAnotherRound) {
+  FakeFabric fabric;
+  FakeOptions o;
+  o.fabric = &fabric;
+  std::unique_ptr<Transport> a = MakeFakeTransport(o), b = MakeFakeTransport(o);
+  const std::string ea = *a->ExportEndpoint(b->instance_id());
+  const std::string eb = *b->ExportEndpoint(a->instance_id());
+  const absl::Time abandoned_deadline = absl::Now() + absl::Seconds(1);
+  absl::StatusOr<PeerId> abandoned;
+  std::thread stale([&] { abandoned = a->Connect(eb, "v35", abandoned_deadline); });
+  absl::StatusOr<PeerId> pb;
+  std::thread th([&] { pb = b->Connect(ea, "v36", absl::Now() + absl::Seconds(5)); });
+  auto pa = a->Connect(eb, "v36", absl::Now() + absl::Seconds(5));
+  th.join();
+  stale.join();
+  EXPECT_TRUE(pa.ok()) << pa.status();
+  EXPECT_TRUE(pb.ok()) << pb.status();
+  EXPECT_EQ(abandoned.status().code(), absl::StatusCode::kDeadlineExceeded) << abandoned.status();
+  EXPECT_GE(absl::Now(), abandoned_deadline);
+  auto too_long = a->Connect(eb, std::string(kMaxConnectRoundBytes + 1, 'r'), absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument) << too_long.status();
+}
+
 }  // namespace
 }  // namespace wb::transport::testing
