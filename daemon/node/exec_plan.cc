@@ -25,6 +25,25 @@ std::string ChannelTransportName(const std::string& chan) {
   return nl == std::string::npos || gt == std::string::npos || gt < nl ? std::string() : chan.substr(nl + 1, gt - nl - 1);
 }
 
+std::string ConnectRound(const std::string& model_id, uint64_t version, uint64_t epoch, const std::string& me,
+                         const ChannelPlan& channel) {
+  const bool lo = me < channel.peer;
+  const std::string& lo_node = lo ? me : channel.peer;
+  const std::string& hi_node = lo ? channel.peer : me;
+  const std::string& lo_transport = lo ? channel.mine : channel.theirs;
+  const std::string& hi_transport = lo ? channel.theirs : channel.mine;
+  auto part = [](const std::string& s) { return absl::StrCat(s.size(), ":", s); };
+  const std::string ends = absl::StrCat(part(lo_node), "/", part(lo_transport), " ", part(hi_node), "/", part(hi_transport));
+  std::string round = absl::StrCat("wb1 ", part(model_id), " v", version, " e", epoch, " ", ends);
+  if (round.size() <= transport::kMaxConnectRoundBytes) return round;
+  // FNV-1a 64: stable across builds and hosts (both nodes must compute the same bytes).
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : round) h = (h ^ c) * 1099511628211ull;
+  round = absl::StrCat("wb1 #", absl::Hex(h, absl::kZeroPad16), " v", version, " e", epoch, " ", ends);
+  if (round.size() <= transport::kMaxConnectRoundBytes) return round;
+  return absl::StrCat("wb1 #", absl::Hex(h, absl::kZeroPad16), " v", version, " e", epoch);
+}
+
 absl::StatusOr<PieceAt> ResolveSide(const Slice& slice, const SliceOp& op, bool src) {
   const uint32_t worker = src ? op.src_worker : op.dst_worker;
   const int32_t piece = src ? op.src_piece : op.dst_piece;

@@ -222,6 +222,19 @@ std::string ChannelName(const std::string& peer, const std::string& mine, const 
 // <mine> of a channel name ("" for the host channel).
 std::string ChannelTransportName(const std::string& chan);
 
+// The connection round of `channel` in one execution (transport.h, Transport::Connect): the same
+// bytes on both nodes of the channel, different for every other execution or channel between
+// them. Built from what both nodes hold in SetupPeer - the model, version and plan epoch (the
+// caller of ExchangeRegions sends its epoch, and the callee's execution of that version has the
+// same: made from the request, or from the coordinator's ExecuteVersion of that epoch) and the
+// channel's two (node, transport) ends, smaller node first. So a Connect of an aborted version
+// still waiting on one node never takes the connections dialled for the next version or a
+// catch-up attempt (another epoch). Components are length-prefixed (no two tuples give the same
+// bytes); past transport::kMaxConnectRoundBytes the model id is replaced by a 64-bit hash of the
+// whole tuple.
+std::string ConnectRound(const std::string& model_id, uint64_t version, uint64_t epoch, const std::string& me,
+                         const ChannelPlan& channel);
+
 enum class RouteKind { kHost, kCuda, kPeer, kNccl };
 
 // One op of a batch: region keys and the copy with handles unset (the executor fills them).

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "absl/strings/str_cat.h"
 
 namespace wb::daemon::node {
@@ -175,6 +177,36 @@ TEST(ExecPlanTest, ChannelsAreSetUpInOneGlobalOrderSmallestFirst) {
     EXPECT_EQ(ox, oy) << x << "<->" << y;
     EXPECT_FALSE(ox.empty());
   }
+}
+
+// docs/status.md next step 23: both nodes of a channel must Connect in the same round, and no
+// other execution or channel between them may share it (a Connect of an aborted version would
+// take the next one's connections). Both ends derive it from what they hold in SetupPeer.
+TEST(ExecPlanTest, BothNodesOfAChannelDeriveTheSameConnectRoundAndNoOtherChannelSharesIt) {
+  ChannelPlan host_ab{"b", "host_tcp", "host_tcp", -1, -1, ChannelName("b", "host_tcp", "host_tcp"), {}};
+  ChannelPlan host_ba{"a", "host_tcp", "host_tcp", -1, -1, ChannelName("a", "host_tcp", "host_tcp"), {}};
+  ChannelPlan lane_ab{"b", "nccl/0", "nccl/1", 0, 1, ChannelName("b", "nccl/0", "nccl/1"), {}};
+  ChannelPlan lane_ba{"a", "nccl/1", "nccl/0", 1, 0, ChannelName("a", "nccl/1", "nccl/0"), {}};
+  ChannelPlan lane2_ab{"b", "nccl/1", "nccl/0", 1, 0, ChannelName("b", "nccl/1", "nccl/0"), {}};
+  EXPECT_EQ(ConnectRound("m", 35, 2, "a", host_ab), ConnectRound("m", 35, 2, "b", host_ba));
+  EXPECT_EQ(ConnectRound("m", 35, 2, "a", lane_ab), ConnectRound("m", 35, 2, "b", lane_ba));
+  std::set<std::string> rounds = {ConnectRound("m", 35, 2, "a", host_ab), ConnectRound("m", 36, 2, "a", host_ab),
+                                  ConnectRound("m", 35, 3, "a", host_ab), ConnectRound("m2", 35, 2, "a", host_ab),
+                                  ConnectRound("m", 35, 2, "a", lane_ab), ConnectRound("m", 35, 2, "a", lane2_ab)};
+  EXPECT_EQ(rounds.size(), 6u) << "two executions or channels share a round";
+  // Long ids stay within the transport's bound, still agree, and still tell versions apart.
+  const std::string model(300, 'm');
+  const std::string node_a(200, 'a'), node_b(200, 'b');
+  ChannelPlan long_ab{node_b, "host_tcp", "host_tcp", -1, -1, node_b, {}};
+  ChannelPlan long_ba{node_a, "host_tcp", "host_tcp", -1, -1, node_a, {}};
+  for (const std::string& id : {model, std::string("m")}) {
+    const std::string r = ConnectRound(id, 35, 2, node_a, long_ab);
+    EXPECT_LE(r.size(), transport::kMaxConnectRoundBytes);
+    EXPECT_EQ(r, ConnectRound(id, 35, 2, node_b, long_ba));
+    EXPECT_NE(r, ConnectRound(id, 36, 2, node_a, long_ab));
+  }
+  EXPECT_LE(ConnectRound(model, 35, 2, "a", host_ab).size(), transport::kMaxConnectRoundBytes);
+  EXPECT_NE(ConnectRound(model, 35, 2, "a", host_ab), ConnectRound(model + "x", 35, 2, "a", host_ab));
 }
 
 struct RelayCase {

@@ -195,7 +195,10 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
   transport::PeerId id = cached;
   if (!reuse) {
     if (cached != transport::kNoPeer) DropChannel(exec.model_id, chan, cached);
-    auto c = cross->Connect(peer_endpoint, exec.deadline);
+    // The round tells this attempt apart on both nodes: a Connect of an aborted version still
+    // waiting here or on the peer never takes the connections of this one (ConnectRound).
+    auto c = cross->Connect(peer_endpoint, ConnectRound(exec.model_id, exec.version, exec.epoch, options_.node_id, channel),
+                            exec.deadline);
     if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer, " (", kind, ")"));
     id = *c;
     Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
