@@ -75,6 +75,38 @@ INSTANTIATE_TEST_SUITE_P(ModesAndStrategies, MultiNodeTest,
                                             ::testing::Values(pb::STRATEGY_WEIGHTBRIDGE, pb::STRATEGY_RANK0_BROADCAST,
                                                               pb::STRATEGY_P2P_NO_DEDUP)));
 
+// Rolling upgrade: n1 acts as a node built before connection rounds (it neither asks for nor grants
+// them in ExchangeRegions, and connects in the empty round, whose host_tcp hello is the one before
+// rounds). n0 has rounds: the two agree on the empty round for their channel and every version
+// still lands byte exact, in every mode (before the negotiation the new node connected in its own
+// round and the old one in none: no version crossed nodes until both were upgraded).
+class RollingUpgradeTest : public ::testing::TestWithParam<pb::Mode> {};
+
+TEST_P(RollingUpgradeTest, ANodeWithoutConnectionRoundsStillExchangesVersions) {
+  const pb::Mode mode = GetParam();
+  const planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1, nullptr, nullptr,
+              [](ServerOptions& o) { o.configure_node = [](NodeDaemon::Options& no) { no.test_connect_rounds = false; }; });
+  const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
+  TwoNodeWorkers w = AddTwoNodeWorkers(c, inv);
+  for (TestWorker* x : {&w.t0, &w.t1, &w.r0, &w.r1}) ASSERT_TRUE(c.Register(*x, spec).ok()) << x->id;
+  for (uint64_t v : {1u, 2u, 3u}) {
+    for (auto& s : c.Publish("m", mode, v, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << "v" << v << ": " << s.error_message();
+    for (TestWorker* r : {&w.r0, &w.r1}) {
+      pb::ApplyResponse resp;
+      grpc::Status s = c.Apply(*r, "m", v, &resp);
+      ASSERT_TRUE(s.ok()) << r->id << " v" << v << ": " << s.error_message();
+      EXPECT_EQ(CountBad(*r, v), 0) << r->id << " version " << v;
+    }
+  }
+  c.Stop();
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, RollingUpgradeTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC));
+
 // ------------------------------------------------------------------ presets on a tiny Qwen2
 constexpr char kTinyQwen2[] = R"({"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2","hidden_size":64,
   "intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,

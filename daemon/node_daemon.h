@@ -111,6 +111,9 @@ class NodeDaemon final : private node::CoordinatorAccess {
     std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
     // TEST ONLY: when it returns true the heartbeat is skipped (a frozen node: its lease expires).
     std::function<bool()> test_skip_heartbeat;
+    // TEST ONLY: false = this node acts as one built before connection rounds (ExchangeRegions
+    // neither asks for nor grants them; it connects in the empty round): rolling-upgrade tests.
+    bool test_connect_rounds = true;
     // Channel to the coordinator (TLS + token: daemon/auth.h); empty = insecure.
     std::function<std::shared_ptr<grpc::Channel>(const std::string&)> make_channel;
     // CUDA VMM buffers (BufferSpec.cuda_vmm_key): the fd a worker sent on the fd channel

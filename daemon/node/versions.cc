@@ -565,9 +565,12 @@ absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb
   PeerState& ps = exec->peers[chan];
   ps.have = true;
   ps.reuse = reuse;
+  // Rounds when both have them (a caller built before them leaves the field unset).
+  ps.rounds = req.connect_rounds() && options_.connect_rounds;
   ps.endpoint = req.endpoint();
   for (const pb::PeerRegion& r : req.regions()) ps.regions[r.key()] = r.region_descriptor();
   resp->set_reuse(reuse);
+  resp->set_connect_rounds(ps.rounds);
   resp->set_endpoint(*endpoint);
   for (auto& [k, d] : exec->local_desc[mine]) {
     pb::PeerRegion* r = resp->add_regions();

@@ -101,6 +101,7 @@ struct ModelPlan {
 struct PeerState {
   bool have = false;  // its ExchangeRegions (request or response) arrived
   bool reuse = false;
+  bool rounds = false;  // both nodes Connect in this attempt's round (ExchangeRegions negotiated it)
   std::string endpoint;
   std::map<std::string, std::string> regions;  // key -> descriptor
 };
@@ -190,6 +191,9 @@ class Versions {
     // buckets do (0: half the cores, at least one; -1: none).
     int quantize_early_threads = 0;
     bool delta_in_place = true;      // NodeDaemon::Options::delta_in_place
+    // Connection rounds with peer nodes that have them (ExchangeRegions.connect_rounds); false
+    // only in tests (NodeDaemon::Options::test_connect_rounds).
+    bool connect_rounds = true;
     absl::Duration delta_apply_delay = absl::ZeroDuration();  // NodeDaemon::Options::delta_apply_delay
     // TEST ONLY hooks: see NodeDaemon::Options.
     std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>

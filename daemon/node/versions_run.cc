@@ -146,6 +146,7 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
   if (cache.stale != transport::kNoPeer) DropChannel(exec.model_id, chan, cache.stale);
   ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
   bool reuse = false;
+  bool rounds = false;  // both nodes Connect in this attempt's round (else in the empty round)
   std::string peer_endpoint;
   if (options_.node_id < peer) {
     // We call: the peer's regions and endpoint come back in the response.
@@ -158,6 +159,7 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     if (theirs_name != mine_name) req.set_from_transport(mine_name);
     req.set_endpoint(my_endpoint);
     req.set_reuse(cached != transport::kNoPeer);
+    req.set_connect_rounds(options_.connect_rounds);
     {
       absl::MutexLock l(&mu_);
       for (auto& [k, d] : exec.local_desc[mine_name]) {
@@ -174,9 +176,12 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     PeerState& ps = exec.peers[chan];
     ps.have = true;
     ps.reuse = resp.reuse();
+    // A peer built before rounds answers without the field: the empty round on both sides.
+    ps.rounds = resp.connect_rounds() && options_.connect_rounds;
     ps.endpoint = resp.endpoint();
     for (const pb::PeerRegion& r : resp.regions()) ps.regions[r.key()] = r.region_descriptor();
     reuse = ps.reuse;
+    rounds = ps.rounds;
     peer_endpoint = ps.endpoint;
   } else {
     // The peer calls us (ExchangeRegions handler fills exec.peers[peer]).
@@ -190,15 +195,17 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     }
     if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
     reuse = exec.peers[chan].reuse;
+    rounds = exec.peers[chan].rounds;
     peer_endpoint = exec.peers[chan].endpoint;
   }
   transport::PeerId id = cached;
   if (!reuse) {
     if (cached != transport::kNoPeer) DropChannel(exec.model_id, chan, cached);
     // The round tells this attempt apart on both nodes: a Connect of an aborted version still
-    // waiting here or on the peer never takes the connections of this one (ConnectRound).
-    auto c = cross->Connect(peer_endpoint, ConnectRound(exec.model_id, exec.version, exec.epoch, options_.node_id, channel),
-                            exec.deadline);
+    // waiting here or on the peer never takes the connections of this one (ConnectRound). With a
+    // peer built before rounds both use the empty round (as before them: such a Connect can).
+    const std::string round = rounds ? ConnectRound(exec.model_id, exec.version, exec.epoch, options_.node_id, channel) : "";
+    auto c = cross->Connect(peer_endpoint, round, exec.deadline);
     if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer, " (", kind, ")"));
     id = *c;
     Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});

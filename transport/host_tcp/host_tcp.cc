@@ -52,16 +52,16 @@ namespace {
 
 constexpr char kKind[] = "host_tcp";
 constexpr uint32_t kFrameMagic = 0x46425757;  // "WWBF"
-// A connection's hello: {magic, dialer instance id, stream index, stream count, round}
-// (docs/transport.md, "host_tcp channel setup: rounds"). Binaries before connection rounds sent
-// {kFrameMagic, id, index, count}; each side refuses the other's hello before authentication
-// (they parse it exactly), so mixed builds fail by the Connect deadline, naming why, instead of
-// connecting across rounds.
+// A connection's hello: {kHelloMagic, dialer instance id, stream index, stream count, round} for a
+// non-empty round; {kFrameMagic, id, index, count} - the hello of binaries before connection
+// rounds - for the empty round (docs/transport.md, "host_tcp channel setup: rounds"). So a Connect
+// in the empty round talks to such a binary both ways (the daemon uses the empty round with a peer
+// node that did not say it has rounds: a rolling upgrade), and a binary before rounds, which parses
+// a hello exactly, refuses a hello with a round before authentication rather than connecting
+// across rounds.
 constexpr uint32_t kHelloMagic = 0x52425757;  // "WWBR"
 // Rounds past this many bytes in a Connect are INVALID_ARGUMENT; in a hello, refused.
 constexpr size_t kMaxRoundBytes = kMaxConnectRoundBytes;
-// Distinct claimed instance ids whose old-format hellos are counted (unauthenticated: bounded).
-constexpr size_t kMaxOldHelloIds = 1024;
 constexpr int kMaxIov = 64;                    // more pieces than this per chunk: pack via scratch
 // An accepted connection must introduce itself and pass the channel authentication within this
 // time, or it is closed; each runs on its own short-lived thread, at most this many at once.
@@ -572,7 +572,7 @@ class HostTcpTransport : public Transport {
           }
           // An acceptor that closes every hello unread until the deadline is busy, or runs a binary
           // from before connection rounds (it refuses this hello as malformed).
-          const std::string old = IsClosedBeforeProof(fd.status())
+          const std::string old = IsClosedBeforeProof(fd.status()) && !round.empty()
                                       ? " (until the deadline: the acceptor is overloaded, or it runs a WeightBridge binary "
                                         "from before connection rounds, which closes a hello that carries a round unread; "
                                         "every node must run one that has them)"
@@ -953,10 +953,6 @@ class HostTcpTransport : public Transport {
       absl::StrAppend(&why, more > 0 ? absl::StrCat(" and ", more, " more round(s)") : "",
                       "): both sides must pass the same round");
     }
-    if (auto it = old_hellos_.find(inst); it != old_hellos_.end()) {
-      absl::StrAppend(&why, "; ", it->second, " connection(s) claiming this instance sent a hello without a connection ",
-                      "round (a WeightBridge binary from before connection rounds: every node must run one that has them)");
-    }
     if (auto it = auth_failures_.find(inst); it != auth_failures_.end()) {
       absl::StrAppend(&why, "; ", it->second, " connection(s) claiming this instance failed authentication (",
                       kAuthRefused, ")");
@@ -1065,11 +1061,11 @@ class HostTcpTransport : public Transport {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     wire::Writer w;
-    w.U32(kHelloMagic);
+    w.U32(round.empty() ? kFrameMagic : kHelloMagic);
     w.Str(instance_id_);
     w.U32(idx);
     w.U32(total);
-    w.Str(round);
+    if (!round.empty()) w.Str(round);
     uint32_t n = w.out().size();
     struct iovec iov[2] = {{&n, 4}, {w.out().data(), n}};
     if (!WriteAll(fd, iov, 2)) {
@@ -1203,15 +1199,19 @@ class HostTcpTransport : public Transport {
     uint32_t magic = r.U32();
     std::string inst = r.Str();
     uint32_t idx = r.U32(), total = r.U32();
-    // A binary from before connection rounds: {kFrameMagic, id, index, count}, nothing after.
-    // Refused before authentication (its connections could only ever be parked in no round, and
-    // its Connect would believe them taken), counted for this side's Connect to name.
-    const bool old_format = ok && magic == kFrameMagic && r.done();
-    std::string round = r.Str(kMaxRoundBytes);
+    // The empty round's hello (also a binary's from before connection rounds): {kFrameMagic, id,
+    // index, count}, nothing after. A non-empty round's: kHelloMagic, then the round (never empty:
+    // one encoding per round).
+    const bool empty_round = ok && magic == kFrameMagic && r.done();
+    std::string round;
+    if (!empty_round) {
+      round = r.Str(kMaxRoundBytes);
+      ok = ok && magic == kHelloMagic && !round.empty();
+    }
     // Only a smaller instance dials this one (Connect), so a hello claiming an instance that is
     // not smaller could never be claimed: refused like a malformed one.
-    ok = ok && r.done() && magic == kHelloMagic && total >= 2 && total <= static_cast<uint32_t>(kMaxStreams) + 1 &&
-         idx < total && inst < instance_id_;
+    ok = ok && r.done() && total >= 2 && total <= static_cast<uint32_t>(kMaxStreams) + 1 && idx < total &&
+         inst < instance_id_;
     // A place in the park is reserved before the handshake, so that a dialer that would find it
     // full is closed before proving itself (it redials) rather than after its Connect succeeded.
     bool reserved = false;
@@ -1219,10 +1219,8 @@ class HostTcpTransport : public Transport {
     if (read) {
       absl::MutexLock l(&mu_);
       const std::string* held = ok ? peer_secrets_.Find(inst) : nullptr;
-      if (old_format) {
-        ++hellos_without_round_;
-        if (old_hellos_.count(inst) > 0 || old_hellos_.size() < kMaxOldHelloIds) old_hellos_[inst]++;
-      } else if (!ok) {
+      if (ok && empty_round) ++hellos_without_round_;
+      if (!ok) {
         ++hellos_refused_;
       } else if (held == nullptr) {
         // No endpoint was exported for this instance (or its secret was dropped past the bound):
@@ -1654,7 +1652,6 @@ class HostTcpTransport : public Transport {
   int64_t hellos_refused_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hellos_unknown_instance_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t hellos_without_round_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, int> old_hellos_ ABSL_GUARDED_BY(mu_);  // claimed instance -> hellos without a round
   // The secret made for each peer that dials this transport, handed out in ExportEndpoint(peer).
   PeerSecrets peer_secrets_ ABSL_GUARDED_BY(mu_);
   int64_t early_overflows_ ABSL_GUARDED_BY(mu_) = 0;

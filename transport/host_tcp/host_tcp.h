@@ -18,9 +18,11 @@
 // of its own round. A Connect left waiting by an abandoned attempt therefore ends at its deadline
 // and never takes the connections dialled for the next attempt. The round is part of the hello,
 // which both MACs cover, so it cannot be rewritten on the way without failing the handshake.
-// A hello without a round (a binary from before rounds) is refused before authentication
-// (hellos_without_round, named by the acceptor's Connect at its deadline); a binary from before
-// rounds refuses this one's hellos as malformed, which this dialer reports at its deadline.
+// The empty round's hello has the format of binaries from before rounds (no round field), so a
+// Connect in the empty round interoperates with such a binary both ways (the daemon negotiates
+// rounds with each peer node and uses the empty round with one that has none: rolling upgrades);
+// a binary from before rounds refuses a hello with a round as malformed, which this dialer
+// reports at its deadline.
 //
 // Every frame starts with a fixed header (type, batch tag, op index, logical byte offset within
 // the op, payload length), so a receiver always knows which op and offset every byte belongs to.
@@ -103,7 +105,8 @@ struct HostTcpCounters {
   int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, a round
                                      // over 256 bytes, or a claimed instance that cannot dial this
                                      // one (not smaller)
-  int64_t hellos_without_round = 0;  // hellos in the format before connection rounds (an old binary)
+  int64_t hellos_without_round = 0;  // well-formed hellos of the empty round (the format of binaries
+                                     // before connection rounds: rolling upgrades)
   int64_t hellos_unknown_instance = 0;  // hellos closed before authentication: this transport holds
                                         // no secret for the claimed instance (never exported for)
   int64_t peer_secrets = 0;          // now: per-peer secrets held (max_peer_secrets)

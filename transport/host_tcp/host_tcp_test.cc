@@ -19,6 +19,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <vector>
@@ -1046,12 +1047,14 @@ std::string FrameBytes(uint8_t type, uint64_t tag, uint32_t op, int64_t offset, 
 // A connection to 127.0.0.1:port that says hello {inst, idx, total, round} and passes the channel
 // authentication with `token` and `secret` as `inst` would: what a holder of the token and of the
 // endpoint exported for `inst` can do. Returns the fd, or the dialer-side handshake's status.
-// `old_hello`: the hello of a binary from before connection rounds ("WWBF", no round).
+// `old_hello`: the hello of the empty round, which is that of a binary from before connection
+// rounds ("WWBF", no round); unset: that one exactly when `round` is empty, as host_tcp dials.
 absl::StatusOr<int> RawDial(uint32_t port, const std::string& acceptor_inst, const std::string& token,
                             const std::string& secret, const std::string& inst, uint32_t idx, uint32_t total,
-                            const std::string& round = "", bool old_hello = false) {
+                            const std::string& round = "", std::optional<bool> old_hello_or = std::nullopt) {
   const int fd = RawConnect(port);
   if (fd < 0) return absl::UnavailableError("connect failed");
+  const bool old_hello = old_hello_or.value_or(round.empty());
   wire::Writer hello;
   hello.U32(old_hello ? 0x46425757 : 0x52425757);  // "WWBF" before rounds, "WWBR" since
   hello.Str(inst);
@@ -1802,10 +1805,11 @@ TEST(HostTcpRoundTest, ARoundRewrittenOnThePathFailsTheHandshake) {
   EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
 }
 
-// Mixed builds, new acceptor: a hello in the format before connection rounds is refused before
-// authentication (the old dialer hears "closed before proving" and redials until its deadline),
-// counted, and the acceptor's Connect names it at its deadline.
-TEST(HostTcpRoundTest, AHelloWithoutARoundIsRefusedAndNamed) {
+// The empty round's hello is the one binaries before connection rounds send ({"WWBF", id, index,
+// count}): such a hello is authenticated and parked in the empty round (a node the daemon does not
+// negotiate rounds with: rolling upgrades). A Connect of another round never takes that set; a
+// Connect of the empty round does.
+TEST(HostTcpRoundTest, AHelloWithoutARoundIsTheEmptyRound) {
   std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
   ASSERT_EQ(ts.size(), 2u);
   Transport& dialer = *ts[0];
@@ -1814,23 +1818,70 @@ TEST(HostTcpRoundTest, AHelloWithoutARoundIsRefusedAndNamed) {
   auto dialer_ep = dialer.ExportEndpoint(acceptor.instance_id());
   ASSERT_TRUE(ep.ok() && dialer_ep.ok());
   const Endpoint acc = ParseEndpoint(*ep);
-  absl::StatusOr<int> old = RawDial(acc.port, acc.inst, "cluster-token", acc.secret, dialer.instance_id(), 0, 3, "",
-                                    /*old_hello=*/true);
-  ASSERT_FALSE(old.ok());
-  EXPECT_NE(old.status().message().find("closed the connection before proving"), std::string::npos) << old.status();
-  EXPECT_EQ(CountersOf(acceptor).hellos_without_round, 1);
+  std::vector<int> fds;
+  for (uint32_t idx = 0; idx < 3; ++idx) {
+    absl::StatusOr<int> old = RawDial(acc.port, acc.inst, "cluster-token", acc.secret, dialer.instance_id(), idx, 3, "",
+                                      /*old_hello=*/true);
+    ASSERT_TRUE(old.ok()) << old.status();
+    fds.push_back(*old);
+  }
+  EXPECT_EQ(CountersOf(acceptor).hellos_without_round, 3);
   EXPECT_EQ(CountersOf(acceptor).hellos_refused, 0);
+  ASSERT_TRUE(HostTcpTestWaitForParked(acceptor, dialer.instance_id(), "", 3, absl::Now() + absl::Seconds(10)));
+  auto other = acceptor.Connect(*dialer_ep, "m v1", absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kDeadlineExceeded) << other.status();
+  EXPECT_NE(other.status().message().find("parked for other rounds"), std::string::npos) << other.status();
+  auto empty = acceptor.Connect(*dialer_ep, "", absl::Now() + absl::Seconds(5));
+  EXPECT_TRUE(empty.ok()) << empty.status();
   EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
-  auto accepted = acceptor.Connect(*dialer_ep, "m v1", absl::Now() + absl::Milliseconds(300));
-  EXPECT_EQ(accepted.status().code(), absl::StatusCode::kDeadlineExceeded) << accepted.status();
-  EXPECT_NE(accepted.status().message().find("1 connection(s) claiming this instance sent a hello without a connection round"),
-            std::string::npos)
-      << accepted.status();
-  EXPECT_NE(accepted.status().message().find("before connection rounds"), std::string::npos) << accepted.status();
-  // The same hello with a round gets in (sanity: the refusal was the format).
-  absl::StatusOr<int> fresh = RawDial(acc.port, acc.inst, "cluster-token", acc.secret, dialer.instance_id(), 0, 3, "m v1");
-  ASSERT_TRUE(fresh.ok()) << fresh.status();
-  close(*fresh);
+  // A hello of the new format must carry a round: the empty one has one encoding only.
+  absl::StatusOr<int> empty_new =
+      RawDial(acc.port, acc.inst, "cluster-token", acc.secret, dialer.instance_id(), 0, 3, "", /*old_hello=*/false);
+  EXPECT_FALSE(empty_new.ok());
+  EXPECT_EQ(CountersOf(acceptor).hellos_refused, 1);
+  for (int fd : fds) close(fd);
+}
+
+// ... and a Connect of the empty round dials with that hello, so that a binary from before rounds
+// (which parses a hello exactly) takes it.
+TEST(HostTcpRoundTest, AnEmptyRoundDialsWithTheHelloOfBinariesBeforeRounds) {
+  std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
+  ASSERT_EQ(ts.size(), 2u);
+  Transport& dialer = *ts[0];
+  const int listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  socklen_t len = sizeof(sa);
+  ASSERT_EQ(bind(listen_fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(listen(listen_fd, 16), 0);
+  getsockname(listen_fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  std::string first_hello;
+  std::thread old([&] {
+    const int c = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) return;
+    uint32_t n = 0;
+    if (recv(c, &n, 4, MSG_WAITALL) == 4 && n < 4096) {
+      first_hello.assign(n, '\0');
+      if (recv(c, first_hello.data(), n, MSG_WAITALL) != static_cast<ssize_t>(n)) first_hello.clear();
+    }
+    close(c);
+  });
+  const std::string old_ep =
+      EndpointBytes(std::string(1, '\x7f') + "old-acceptor", "old-node", ntohs(sa.sin_port), std::string(kPeerSecretBytes, 's'));
+  auto dialed = dialer.Connect(old_ep, "", absl::Now() + absl::Milliseconds(500));
+  EXPECT_FALSE(dialed.ok());
+  old.join();
+  close(listen_fd);
+  wire::Reader r(first_hello);
+  const uint32_t magic = r.U32();
+  const std::string inst = r.Str();
+  const uint32_t idx = r.U32(), total = r.U32();
+  EXPECT_TRUE(r.ok() && r.done()) << "the empty round's hello carries more than the hello before rounds";
+  EXPECT_EQ(magic, 0x46425757u) << "not the hello before rounds (\"WWBF\")";
+  EXPECT_EQ(inst, dialer.instance_id());
+  EXPECT_EQ(idx, 0u);
+  EXPECT_GE(total, 2u);
 }
 
 // Mixed builds, old acceptor: a binary from before rounds parses a hello exactly ("WWBF" and four
