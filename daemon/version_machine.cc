@@ -234,6 +234,15 @@ std::vector<uint64_t> VersionMachine::PublishedFromAnotherProcess(const std::str
   return out;
 }
 
+std::vector<uint64_t> VersionMachine::PublishingWithout(const std::string& trainer, uint64_t version) const {
+  std::vector<uint64_t> out;
+  for (const auto& [v, rec] : records_) {
+    if (v >= version) break;
+    if (rec.state == VState::kPublishing && rec.published_by.count(trainer) == 0) out.push_back(v);
+  }
+  return out;
+}
+
 std::vector<uint64_t> VersionMachine::UnfinishedPublishedBy(const std::string& trainer) const {
   std::vector<uint64_t> out;
   for (const auto& [v, rec] : records_) {

@@ -83,6 +83,10 @@ class VersionMachine {
   std::vector<uint64_t> PublishedFromAnotherProcess(const std::string& trainer, const std::string& process) const;
   // Versions not finished that `trainer` published.
   std::vector<uint64_t> UnfinishedPublishedBy(const std::string& trainer) const;
+  // Versions older than `version` still being published (not every trainer yet) that `trainer`
+  // has not published: a trainer publishes its versions in order, so once it published `version`
+  // those can never be published by every trainer.
+  std::vector<uint64_t> PublishingWithout(const std::string& trainer, uint64_t version) const;
 
   // Sync mode: a rollout worker paused for the next version.
   void RecordReady(const std::string& rollout);

@@ -530,6 +530,16 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
   const auto publisher = m->workers.find(worker);
   const std::string process = publisher != m->workers.end() ? publisher->second.process : std::string();
   RETURN_IF_ERROR_WITH(m->machine->RecordPublish(worker, v, process), absl::StrCat("publish by ", worker));
+  // Older versions this trainer skipped can never be published by every trainer: the ranks that
+  // did publish them (sync: blocked until they commit) hear ABORTED now and publish this one,
+  // instead of each version waiting for the other's rank until the publish deadline (chaos: at a
+  // coordinator restart one rank's Publish in flight was answered ABORTED, the other's was sent
+  // again to the new coordinator; v35 waited for one rank, v36 for the other, 15 s each).
+  for (uint64_t older : m->machine->PublishingWithout(worker, v)) {
+    AbortLocked(req.model_id(), *m, older,
+                absl::StrCat("trainer ", worker, " published version ", v, " without publishing version ", older,
+                             ", which can therefore never be published by every trainer"));
+  }
   wake_ = true;
   StatusChangedLocked();
   if (m->machine->mode() == ModeKind::kSync) {

@@ -89,11 +89,11 @@ class Cluster {
     pb::ReportReadyResponse resp;
     return core->ReportReady(r, &resp);
   }
-  absl::Status Publish(uint64_t v, int64_t timeout_ms = 10000) {
+  absl::Status Publish(uint64_t v, int64_t timeout_ms = 10000, const std::string& trainer = "t0") {
     pb::CoordPublishRequest p;
     p.set_model_id("m");
-    p.set_worker_id("t0");
-    p.set_node_id("n0");
+    p.set_worker_id(trainer);
+    p.set_node_id(trainer == "t0" ? "n0" : node_of[trainer]);
     p.set_version(v);
     p.set_timeout_ms(timeout_ms);
     pb::PublishResponse resp;
@@ -247,6 +247,47 @@ void ReplaceTrainerProcessWhileQueued(bool same_process, bool leave) {
   published = c.Publish(2, 10000);
   EXPECT_TRUE(published.ok()) << published;
   EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+}
+
+// Sync, two trainer ranks: a version one rank published and the other skipped (it published the
+// next one: its Publish of the first was answered ABORTED when the coordinator restarted, while the
+// other rank's was sent again to the new coordinator) can never be published by both. The rank
+// blocked in its Publish hears ABORTED at once and publishes the next version too, which commits;
+// before, each version waited for the other's rank until the publish deadline (chaos seed 1002,
+// 15.6 s). Simulated time: nothing here may wait for a deadline.
+TEST(CoreCommitTest, SyncVersionSkippedByATrainerRankIsAbortedAtOnce) {
+  FakeClock clock;
+  Cluster c(&clock, absl::Seconds(30));
+  c.Register("n0");
+  c.Register("n1");
+  const pb::ModelSpec spec = Spec("m", 1, pb::MODE_SYNC);
+  c.Join("n0", "t0", pb::ROLE_TRAINER, spec);
+  c.Join("n1", "t1", pb::ROLE_TRAINER, spec);
+  c.Join("n1", "r0", pb::ROLE_ROLLOUT, spec);
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  const absl::Time publish_deadline = clock.Now() + absl::Seconds(10);
+  absl::Status t1_v1, t0_v2, t1_v2;
+  absl::Notification t1_v1_done;
+  std::thread t1_first([&] {
+    t1_v1 = c.Publish(1, 10000, "t1");
+    t1_v1_done.Notify();
+  });
+  ASSERT_TRUE(clock.AwaitWaiter(publish_deadline, absl::Now() + kReal));  // version 1 waits for t0
+  std::thread t0_next([&] { t0_v2 = c.Publish(2, 10000, "t0"); });
+  const bool answered = t1_v1_done.WaitForNotificationWithTimeout(absl::Seconds(10));
+  EXPECT_TRUE(answered) << "t1's publish of version 1 still waits for t0, which published version 2";
+  if (!answered) clock.Advance(absl::Seconds(11));  // let the threads end at their deadline
+  t1_first.join();
+  EXPECT_TRUE(absl::IsAborted(t1_v1)) << t1_v1;
+  EXPECT_NE(t1_v1.message().find("trainer t0 published version 2 without publishing version 1"), std::string::npos) << t1_v1;
+  ASSERT_TRUE(c.Ready("r0").ok());  // released by the abort (its wait for version 1 failed): pauses again
+  t1_v2 = c.Publish(2, 10000, "t1");
+  t0_next.join();
+  EXPECT_TRUE(t1_v2.ok()) << t1_v2;
+  EXPECT_TRUE(t0_v2.ok()) << t0_v2;
+  EXPECT_EQ(c.Status().models(0).committed_version(), 2u);
+  EXPECT_EQ(c.fakes.at("n0")->calls().execute, 1) << "version 1 started";
 }
 
 TEST(CoreCommitTest, SyncVersionOfAReplacedTrainerProcessNeverStarts) { ReplaceTrainerProcessWhileQueued(false, false); }
