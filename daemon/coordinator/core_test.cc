@@ -115,7 +115,7 @@ class Cluster {
     return st;
   }
 
-  bool report_done = true;
+  std::atomic<bool> report_done{true};  // read on the driver's threads (fake ExecuteVersion)
   std::map<std::string, std::function<absl::Status(const std::string&, uint64_t)>> commit_hooks;  // set before Register
   std::map<std::string, std::function<absl::Status(const std::string&, uint64_t)>> abort_hooks;   // set before Register
   std::map<std::string, std::shared_ptr<FakeNodeClient>> fakes;
@@ -324,6 +324,10 @@ void RolloutWaitingForTheNextVersionStaysPaused(bool abort) {
     const absl::Time publish_deadline = clock.Now() + absl::Milliseconds(1237);
     std::thread publish([&] { p1 = c.Publish(1, 1237); });
     ASSERT_TRUE(clock.AwaitWaiter(publish_deadline, absl::Now() + kReal));
+    // Started (transferring) before its deadline passes: the driver thread starts it a moment after
+    // the publish is recorded (under TSan the deadline came first, version 1 never started, and n1
+    // saw one ExecuteVersion in all).
+    ASSERT_TRUE(c.fakes.at("n1")->AwaitCalls([](const FakeNodeClient::Calls& k) { return k.execute >= 1; }, absl::Now() + kReal));
     clock.Advance(absl::Milliseconds(1237));
     publish.join();
     ASSERT_TRUE(absl::IsDeadlineExceeded(p1)) << p1;
