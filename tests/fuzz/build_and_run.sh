@@ -59,7 +59,7 @@ sources_of() {
     fuzz_hf_config) echo planner/model_config.cc planner/inventory.cc planner/box.cc ;;
     fuzz_transport_wire) echo transport/host_shm/host_shm.cc transport/host_tcp/host_tcp.cc transport/host_tcp/channel_auth.cc transport/common.cc transport/registry.cc \
                               base/shm_segment.cc transport/strided.cc transport/testing/peer_process.cc \
-                              transport/cpu_affinity.cc transport/host_tcp/nic_list.cc transport/host_tcp/send_pacer.cc base/stream_copy.cc ;;
+                              transport/cpu_affinity.cc transport/host_tcp/nic_list.cc transport/host_tcp/send_pacer.cc transport/host_tcp/parking.cc base/stream_copy.cc ;;
     fuzz_delta_decode) echo daemon/delta/codec.cc daemon/delta/scan.cc daemon/digest/digest.cc base/stream_copy.cc ;;
     *) echo "build_and_run.sh: unknown target $1" >&2; return 1 ;;
   esac
