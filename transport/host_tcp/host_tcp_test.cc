@@ -1805,6 +1805,23 @@ TEST(HostTcpRoundTest, ARoundRewrittenOnThePathFailsTheHandshake) {
   EXPECT_EQ(CountersOf(acceptor).parked_connections, 0);
 }
 
+// A listening socket on 127.0.0.1 at a port the kernel picks (*port): a stand-in for an acceptor
+// built before connection rounds. -1 when it cannot be made.
+int ListenLoopback(uint16_t* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  socklen_t len = sizeof(sa);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || listen(fd, 16) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  *port = ntohs(sa.sin_port);
+  return fd;
+}
+
 // The empty round's hello is the one binaries before connection rounds send ({"WWBF", id, index,
 // count}): such a hello is authenticated and parked in the empty round (a node the daemon does not
 // negotiate rounds with: rolling upgrades). A Connect of another round never takes that set; a
@@ -1848,14 +1865,9 @@ TEST(HostTcpRoundTest, AnEmptyRoundDialsWithTheHelloOfBinariesBeforeRounds) {
   std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
   ASSERT_EQ(ts.size(), 2u);
   Transport& dialer = *ts[0];
-  const int listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-  socklen_t len = sizeof(sa);
-  ASSERT_EQ(bind(listen_fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  ASSERT_EQ(listen(listen_fd, 16), 0);
-  getsockname(listen_fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  uint16_t listen_port = 0;
+  const int listen_fd = ListenLoopback(&listen_port);
+  ASSERT_GE(listen_fd, 0);
   std::string first_hello;
   std::thread old([&] {
     const int c = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
@@ -1868,7 +1880,7 @@ TEST(HostTcpRoundTest, AnEmptyRoundDialsWithTheHelloOfBinariesBeforeRounds) {
     close(c);
   });
   const std::string old_ep =
-      EndpointBytes(std::string(1, '\x7f') + "old-acceptor", "old-node", ntohs(sa.sin_port), std::string(kPeerSecretBytes, 's'));
+      EndpointBytes(std::string(1, '\x7f') + "old-acceptor", "old-node", listen_port, std::string(kPeerSecretBytes, 's'));
   auto dialed = dialer.Connect(old_ep, "", absl::Now() + absl::Milliseconds(500));
   EXPECT_FALSE(dialed.ok());
   old.join();
@@ -1891,14 +1903,9 @@ TEST(HostTcpRoundTest, ADialerWhoseHellosAreClosedUnreadNamesOldBinaries) {
   std::vector<std::unique_ptr<Transport>> ts = OrderedPair(HostTcpLimits{});
   ASSERT_EQ(ts.size(), 2u);
   Transport& dialer = *ts[0];
-  const int listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-  socklen_t len = sizeof(sa);
-  ASSERT_EQ(bind(listen_fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  ASSERT_EQ(listen(listen_fd, 16), 0);
-  getsockname(listen_fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  uint16_t listen_port = 0;
+  const int listen_fd = ListenLoopback(&listen_port);
+  ASSERT_GE(listen_fd, 0);
   // The old acceptor: reads the length-prefixed hello, finds it malformed, closes.
   std::thread old([&] {
     while (true) {
@@ -1916,7 +1923,7 @@ TEST(HostTcpRoundTest, ADialerWhoseHellosAreClosedUnreadNamesOldBinaries) {
     }
   });
   const std::string old_ep =
-      EndpointBytes(std::string(1, '\x7f') + "old-acceptor", "old-node", ntohs(sa.sin_port), std::string(kPeerSecretBytes, 's'));
+      EndpointBytes(std::string(1, '\x7f') + "old-acceptor", "old-node", listen_port, std::string(kPeerSecretBytes, 's'));
   auto dialed = dialer.Connect(old_ep, "m v1", absl::Now() + absl::Seconds(1));
   shutdown(listen_fd, SHUT_RDWR);
   old.join();
