@@ -107,7 +107,40 @@ TEST_P(DeltaReceiverQuantCaseTest, ShadowsRelayedToASecondReplicaAfterTheirDelta
   EXPECT_LT((m3.stream - m1.stream) * 4, replaced);
 }
 
-class DeltaReceiverQuantCatchUpTest : public DeltaQuantFixture, public ::testing::WithParamInterface<pb::Mode> {};
+class DeltaReceiverQuantCatchUpTest : public DeltaQuantFixture, public ::testing::WithParamInterface<pb::Mode> {
+ protected:
+  // Two fp8_block128 replicas on n1 (w split between trainer shards: quantised by n1), versions 1
+  // and 2; then r2 restarts: a new process (its memory zeroed) registers under its id and is caught
+  // up to version 2 from r1's quantised bytes, checked exact.
+  void StartAndRestartR2AfterVersion2() {
+    const ReceiverCase rc = CaseNamed("fp8_block128_split");
+    Start(GetParam(), /*replicas=*/2, rc.format, rc.split_row);
+    ASSERT_FALSE(HasFatalFailure());
+    Versions(1, 2);
+    ASSERT_FALSE(HasFatalFailure());
+    TestWorker& r2 = *rollouts_[1];
+    {
+      grpc::ClientContext ctx;
+      pb::DeregisterRequest req;
+      req.set_model_id("m");
+      req.set_worker_id(r2.id);
+      pb::DeregisterResponse resp;
+      ASSERT_TRUE(r2.stub->Deregister(&ctx, req, &resp).ok());
+    }
+    std::memset(r2.seg.data(), 0, r2.seg.size());  // the new process starts from nothing
+    ASSERT_TRUE(c_.Register(r2, spec_).ok());
+    if (mode_ == pb::MODE_SYNC) {
+      pb::WaitVersionResponse resp;
+      grpc::Status s = WaitVersionAs(r2, "m", 2, 20000, &resp);
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    } else {
+      pb::ApplyResponse resp;
+      grpc::Status s = c_.Apply(r2, "m", 2, &resp);  // the catch-up
+      ASSERT_TRUE(s.ok()) << s.error_message();
+    }
+    EXPECT_EQ(CountBadQuant(r2, geo_, ExpectedQuant(inv_, layout_, geo_, 2)), 0) << "the catch-up";
+  }
+};
 
 // r2 (one of two fp8_block128 replicas on n1 whose node quantises w) restarts after version 2: a
 // new process registers under its id and is caught up to version 2 from r1's quantised bytes - the
@@ -117,32 +150,8 @@ class DeltaReceiverQuantCatchUpTest : public DeltaQuantFixture, public ::testing
 // refused - a base or, with r2's old process's recorded digests, a target digest mismatch - and
 // resent in full); r2 exact, verified. Version 4 travels as deltas again, nothing refused.
 TEST_P(DeltaReceiverQuantCatchUpTest, ARestartedReplicaCaughtUpFromQuantisedBytesGetsTheNextVersionWithoutARefusal) {
-  const ReceiverCase rc = CaseNamed("fp8_block128_split");
-  Start(GetParam(), /*replicas=*/2, rc.format, rc.split_row);
-  ASSERT_FALSE(HasFatalFailure());
-  Versions(1, 2);
-  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_NO_FATAL_FAILURE(StartAndRestartR2AfterVersion2());
   TestWorker& r2 = *rollouts_[1];
-  {
-    grpc::ClientContext ctx;
-    pb::DeregisterRequest req;
-    req.set_model_id("m");
-    req.set_worker_id(r2.id);
-    pb::DeregisterResponse resp;
-    ASSERT_TRUE(r2.stub->Deregister(&ctx, req, &resp).ok());
-  }
-  std::memset(r2.seg.data(), 0, r2.seg.size());  // the new process starts from nothing
-  ASSERT_TRUE(c_.Register(r2, spec_).ok());
-  if (mode_ == pb::MODE_SYNC) {
-    pb::WaitVersionResponse resp;
-    grpc::Status s = WaitVersionAs(r2, "m", 2, 20000, &resp);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-  } else {
-    pb::ApplyResponse resp;
-    grpc::Status s = c_.Apply(r2, "m", 2, &resp);  // the catch-up
-    ASSERT_TRUE(s.ok()) << s.error_message();
-  }
-  EXPECT_EQ(CountBadQuant(r2, geo_, ExpectedQuant(inv_, layout_, geo_, 2)), 0) << "the catch-up";
   const DeltaMeter m0 = Meter();
   Version(3);
   ASSERT_FALSE(HasFatalFailure());
@@ -162,32 +171,8 @@ TEST_P(DeltaReceiverQuantCatchUpTest, ARestartedReplicaCaughtUpFromQuantisedByte
 // from the start: nothing refused (before, the restarted coordinator named version 2 as their
 // base and each was refused once, then resent in full). Version 4 travels as deltas again.
 TEST_P(DeltaReceiverQuantCatchUpTest, TheMarkOfACaughtUpReplicaSurvivesACoordinatorRestart) {
-  const ReceiverCase rc = CaseNamed("fp8_block128_split");
-  Start(GetParam(), /*replicas=*/2, rc.format, rc.split_row);
-  ASSERT_FALSE(HasFatalFailure());
-  Versions(1, 2);
-  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_NO_FATAL_FAILURE(StartAndRestartR2AfterVersion2());
   TestWorker& r2 = *rollouts_[1];
-  {
-    grpc::ClientContext ctx;
-    pb::DeregisterRequest req;
-    req.set_model_id("m");
-    req.set_worker_id(r2.id);
-    pb::DeregisterResponse resp;
-    ASSERT_TRUE(r2.stub->Deregister(&ctx, req, &resp).ok());
-  }
-  std::memset(r2.seg.data(), 0, r2.seg.size());
-  ASSERT_TRUE(c_.Register(r2, spec_).ok());
-  if (mode_ == pb::MODE_SYNC) {
-    pb::WaitVersionResponse resp;
-    grpc::Status s = WaitVersionAs(r2, "m", 2, 20000, &resp);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-  } else {
-    pb::ApplyResponse resp;
-    grpc::Status s = c_.Apply(r2, "m", 2, &resp);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-  }
-  EXPECT_EQ(CountBadQuant(r2, geo_, ExpectedQuant(inv_, layout_, geo_, 2)), 0) << "the catch-up";
   // The coordinator restarts on its port; both nodes re-join with their workers and layouts.
   const int port = c_.coord_->port();
   c_.coord_->Shutdown();
