@@ -107,7 +107,13 @@ void AddCoordinatorRules(AuthGate& gate, const PeerRuleOptions& o) {
   AddNodeScoped<pb::LeaveWorkerRequest>(gate, "LeaveWorker", o);
   AddNodeScoped<pb::ReportReadyRequest>(gate, "ReportReady", o);
   AddNodeScoped<pb::ReportAppliedRequest>(gate, "ReportApplied", o);
-  AddNodeScoped<pb::ReportDoneRequest>(gate, "ReportDone", o);
+  // A failure's text is the node's (any bytes a token holder sends): kept, logged and forwarded to
+  // every node of the version, so bounded here, before any handler sees it.
+  gate.Add(std::string(kCoordinator) + "ReportDone", Rule<pb::ReportDoneRequest>([o](AuthCall& call, pb::ReportDoneRequest& req) {
+             if (Verdict v = NodeScoped(o, call, req.node_id()); !v.status.ok()) return v;
+             if (req.error().size() > kMaxNodeTextBytes) req.set_error(BoundNodeText(std::move(*req.mutable_error())));
+             return Verdict::Ok();
+           }));
   AddNodeScoped<pb::JoinWorkerRequest>(gate, "JoinWorker", o, [limits = o.limits](const pb::JoinWorkerRequest& r) {
     return r.has_model() ? CheckModelSpec(r.model(), limits) : absl::OkStatus();
   });

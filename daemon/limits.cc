@@ -27,6 +27,17 @@ absl::Status CheckId(const std::string& what, const std::string& id, const Limit
   return absl::OkStatus();
 }
 
+std::string BoundNodeText(std::string text) {
+  if (text.size() <= kMaxNodeTextBytes) return text;
+  const size_t full = text.size();
+  size_t cut = kMaxNodeTextBytes;
+  // Back off continuation bytes (10xxxxxx) so that the cut never splits a UTF-8 character.
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  text.resize(cut);
+  absl::StrAppend(&text, "... (truncated: ", full, " bytes)");
+  return text;
+}
+
 int64_t PeerMessageBytes(const Limits& limits) {
   // One TensorSpec at worst: name (tag + 2-byte length + bytes), packed shape (tag + length + 10
   // bytes per varint), dtype (2), and its own tag + length (4). Twice per tensor, plus 1 MiB.

@@ -8,6 +8,7 @@
 // box ranks, duplicate buffer ids). RESOURCE_EXHAUSTED: well-formed but over a configured limit.
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "proto/weightbridge.pb.h"
@@ -75,6 +76,16 @@ absl::Status CheckModelSpec(const ::weightbridge::v1::ModelSpec& spec, const Lim
 // count, per-buffer and total size, duplicate ids, piece count, box/stride ranks, offsets.
 absl::Status CheckLayoutRequest(const google::protobuf::RepeatedPtrField<::weightbridge::v1::BufferSpec>& buffers,
                                 const ::weightbridge::v1::LayoutSpec& layout, const Limits& limits);
+
+// Free text a node sends the coordinator (ReportDoneRequest.error): the coordinator keeps it in
+// the version's record (status, wbctl), logs it, and sends it on to every node of the version in
+// AbortVersion, so it is bounded where it enters (the thirty-eighth session's size probe: a 10 MB
+// error was stored and forwarded whole).
+constexpr size_t kMaxNodeTextBytes = 4096;
+
+// `text` cut to its first kMaxNodeTextBytes bytes (never inside a UTF-8 sequence) and marked
+// "... (truncated: N bytes)"; unchanged when it fits.
+std::string BoundNodeText(std::string text);
 
 // Ids chosen by callers (model, worker, node): non-empty, bounded, printable.
 absl::Status CheckId(const std::string& what, const std::string& id, const Limits& limits);

@@ -159,6 +159,8 @@ absl::Status CheckJoinWorker(const pb::JoinWorkerRequest& req, int max_name_byte
   if (absl::Status s = CheckName("JoinWorker.worker_id", req.worker_id(), max_name_bytes); !s.ok()) return s;
   if (absl::Status s = CheckName("JoinWorker.model_id", req.model_id(), max_name_bytes); !s.ok()) return s;
   if (absl::Status s = CheckRole("JoinWorker.role", req.role()); !s.ok()) return s;
+  // "<pid>@<start time>" from a node; stored with the worker (size probe: 10 MB was kept).
+  if (absl::Status s = CheckName("JoinWorker.process", req.process(), max_name_bytes, true); !s.ok()) return s;
   if (req.has_model()) {
     if (absl::Status s = CheckName("JoinWorker.model.model_id", req.model().model_id(), max_name_bytes, true); !s.ok()) return s;
     if (absl::Status s = CheckMode("JoinWorker.model.mode", req.model().mode()); !s.ok()) return s;
