@@ -196,15 +196,24 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   c.set_worker_id(req.worker_id());
   c.set_version(req.version());
   uint64_t session0 = 0;
-  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0, [&](absl::Time dl) {
+  const std::function<absl::Status(absl::Time)> send = [&](absl::Time dl) {
     c.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(dl - options_.clock->Now())));  // 0 would mean 60 s
     return coordinator_.client().Publish(c, resp, CallTimeout(options_.clock, dl));
-  });
+  };
+  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0, send);
+  // The coordinator went away while the call was in flight: sent again to the coordinator the node
+  // re-joined (PublishAgainAfterRestart), so the version is published there instead of lost.
+  while (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled) {
+    std::optional<absl::Status> again = PublishAgainAfterRestart(req, s, deadline, &session0, send);
+    if (!again) break;
+    s = *std::move(again);
+  }
   if (!s.ok()) {
     local_.DropSnapshot({req.model_id(), req.worker_id()}, req.version());
     // NOT_FOUND: ForwardHeld already waited for a re-join; nothing was recorded anywhere.
-    if (s.code() == absl::StatusCode::kNotFound) return s;
-    return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
+    // UNAVAILABLE / CANCELLED: PublishAgainAfterRestart found no re-join (the same coordinator's
+    // answer, or the deadline).
+    return s;
   }
   // Sync: OK means every node committed it. Recorded before the trainer hears it: this node keeps
   // its own commit of the version over a re-join only when the coordinator said so.
@@ -484,6 +493,44 @@ absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::strin
     }
     Log(LogLevel::kInfo, "worker call sent again after re-join", {{"node", options_.node_id}, {"worker", worker}, {"first_answer", s.message()}});
   }
+}
+
+// Why re-sending is safe: the version's source did not change - a sync trainer's live weights
+// (the trainer is still blocked in this Publish) or its one-step-off / async snapshot (kept over
+// the re-join: AbortAllForRejoin drops executions, not snapshots) - so whatever the new
+// coordinator runs under this number holds the bytes the old one would have. And what the old
+// coordinator decided about the version is seen by the new one: a commit some node was told of
+// restores `committed` >= v (the re-send is refused "not newer"), a commit or failed commit that
+// reached some rollout's live weights makes the number used (ABORTED), and the node re-sends only
+// after its own re-join, which rolled back its unconfirmed commits first. The new coordinator
+// records the publish only after its re-plan, i.e. once every worker, with its node's committed
+// version, is back. What it does not know is a version the old one aborted before any rollout
+// held it (a failed transfer, another rank's deadline) whose answer this call lost: if it runs
+// now, it delivers the same bytes, whole, under its own number; the other ranks were told and
+// publish newer versions, so it is aborted when one of them does (PublishingWithout) or, if theirs
+// came first, at this call's deadline. A trainer that gave up (its deadline) is not re-sent for,
+// and the coordinator withdraws a re-sent publish at that same deadline.
+std::optional<absl::Status> WorkerCalls::PublishAgainAfterRestart(const pb::PublishRequest& req, const absl::Status& lost, absl::Time deadline,
+                                                                  uint64_t* session, const std::function<absl::Status(absl::Time)>& send) {
+  std::optional<std::string> change = coordinator_.AwaitCoordinatorChange(*session, deadline);
+  if (!change) return std::nullopt;  // the same coordinator answered that (or the deadline): it stands
+  const std::string what = absl::StrCat("publish of version ", req.version(), " by worker ", req.worker_id(), " of model ", req.model_id(),
+                                        " on node ", options_.node_id);
+  if (!local_.Has({req.model_id(), req.worker_id()})) {
+    return absl::AbortedError(absl::StrCat(what, " aborted: ", *change, ", and the worker was not re-joined: register again"));
+  }
+  Log(LogLevel::kInfo, "publish in flight at a coordinator change sent again",
+      {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()},
+       {"change", *change}, {"first_answer", lost.message()}});
+  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, session, send);
+  if (s.code() == absl::StatusCode::kFailedPrecondition) {
+    // "Not newer": the new coordinator restored a committed version >= v from the nodes (the old
+    // one committed it and some node was told, this one was not). Not re-run under the number;
+    // the trainer goes on with a newer version, as before re-sending existed.
+    return absl::AbortedError(absl::StrCat(what, ": the call was in flight at ", *change, "; the new coordinator refuses it (", s.message(),
+                                           "): publish a newer version"));
+  }
+  return s;
 }
 
 // A waiting call the coordinator could not answer because it went away (UNAVAILABLE, CANCELLED) or does

@@ -4,7 +4,8 @@
 // name the worker, model and node.
 //
 //   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, EndUpdate, Apply, WaitVersion, Deregister,
-//                           ClusterStatus, and the forwarding rules (ForwardHeld, RestartAware).
+//                           ClusterStatus, and the forwarding rules (ForwardHeld, RestartAware,
+//                           PublishAgainAfterRestart).
 //   worker_calls_layout.cc  RegisterLayout (buffers, CUDA imports, index probes), DescribeLayout.
 //
 // Threads and locks: calls run on gRPC threads, any number at once. WorkerCalls has no lock of
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -118,6 +120,15 @@ class WorkerCalls {
   // NOT_FOUND. *sent_in = the session of the last attempt.
   absl::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
                            const std::function<absl::Status(absl::Time)>& call);
+  // Publish whose call the coordinator could not answer (`lost`: UNAVAILABLE, CANCELLED): once the
+  // node re-joined a changed coordinator (a restart, a lost lease), the same publish is sent to it
+  // (ForwardHeld; *session = the session of that attempt) and its answer returned - it records
+  // the version unless it knows of it as committed (FAILED_PRECONDITION "not newer", returned as
+  // ABORTED), aborted or used (ABORTED). nullopt: no re-join before `deadline` (the answer
+  // stands). Sync: before, the call was answered ABORTED and the version lost (trainer ranks
+  // whose calls went different ways split, docs/soak.md seed 1002).
+  std::optional<absl::Status> PublishAgainAfterRestart(const pb::PublishRequest& req, const absl::Status& lost, absl::Time deadline,
+                                                       uint64_t* session, const std::function<absl::Status(absl::Time)>& send);
   // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
   // naming the restart once the node re-joined a restarted coordinator, else `s`.
   absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
