@@ -28,7 +28,14 @@
 // refused deltas by reason (each resent in full - never a wrong byte - but each a wasted stream).
 //
 // WB_CHAOS_SEED (default 20261207, printed), WB_CHAOS_FAULTS (default 8), WB_CHAOS_VERSIONS
-// (default 120). docs/soak.md "Chaos with deltas, quantised rollouts and relays".
+// (default 120). Variants (manual runs; the defaults are the run described above):
+//   WB_CHAOS_QUANT=fp8_block128|w4a16_g32|nvfp4|mxfp8|none  the rollouts' scheme (none: bf16);
+//   WB_CHAOS_DIGESTS=0                      daemons with --digests=false;
+//   WB_CHAOS_LORA=1                         LoRA-only versions (peft dp=2 trainers, vllm_lora
+//                                           rollouts, all seven Qwen2 targets, r=8; no quantisation);
+//   WB_CHAOS_ROLLOUT_TP=N                   each rollout node holds one engine of N ranks (default
+//                                           2 with LoRA, else 1); rollout_exit kills one rank.
+// docs/soak.md "Chaos with deltas, quantised rollouts and relays".
 #include <signal.h>
 
 #include <algorithm>
@@ -90,7 +97,7 @@ std::map<std::string, std::string> Fields(const std::string& line) {
 
 // Sums of the delta fields of the "version transferred" lines in `logs`, refusals by reason.
 struct DeltaTally {
-  double replaced = 0, stream = 0, full = 0, fallback_bytes = 0, decoded = 0, fallbacks = 0;
+  double replaced = 0, stream = 0, full = 0, fallback_bytes = 0, decoded = 0, fallbacks = 0, digest_bytes = 0;
   std::map<std::string, int> refusals;  // first refusal of a version, cut before its numbers
 };
 void Tally(const std::string& path, DeltaTally* t) {
@@ -108,6 +115,7 @@ void Tally(const std::string& path, DeltaTally* t) {
     t->fallback_bytes += num("delta_fallback_bytes");
     t->decoded += num("delta_decoded");
     t->fallbacks += num("delta_fallbacks");
+    t->digest_bytes += num("digest_bytes");
     const std::string& r = f["delta_refusal"];
     if (!r.empty()) {
       const size_t colon = r.find("): ");
@@ -123,8 +131,14 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
   const uint64_t seed = EnvOr("WB_CHAOS_SEED", 20261207);
   const int versions = static_cast<int>(EnvOr("WB_CHAOS_VERSIONS", 120));
   const int num_faults = static_cast<int>(EnvOr("WB_CHAOS_FAULTS", 8));
-  std::printf("chaos_delta: mode=%s seed=%llu (WB_CHAOS_SEED) versions=%d faults=%d\n", mode.c_str(),
-              static_cast<unsigned long long>(seed), versions, num_faults);
+  const bool lora = EnvOr("WB_CHAOS_LORA", 0) != 0;
+  const bool digests = EnvOr("WB_CHAOS_DIGESTS", 1) != 0;
+  const std::string quant = EnvStrOr("WB_CHAOS_QUANT", lora ? "none" : "fp8_block128");
+  const int rollout_tp = static_cast<int>(EnvOr("WB_CHAOS_ROLLOUT_TP", lora ? 2 : 1));
+  ASSERT_GE(rollout_tp, 1);
+  const int rollout_procs = kRolloutNodes * rollout_tp;
+  std::printf("chaos_delta: mode=%s seed=%llu (WB_CHAOS_SEED) versions=%d faults=%d quant=%s digests=%d lora=%d rollout_tp=%d\n",
+              mode.c_str(), static_cast<unsigned long long>(seed), versions, num_faults, quant.c_str(), digests, lora, rollout_tp);
   std::fflush(stdout);
   const absl::Time t0 = absl::Now();
   std::mt19937_64 rng(seed);
@@ -137,6 +151,7 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
   co.lease_ms = ScaledMs(10000);
   co.transfer_timeout_ms = ScaledMs(8000);
   co.extra_daemon_flags = {"--delta_cache_bytes=67108864", "--bucket_bytes=262144"};
+  if (!digests) co.extra_daemon_flags.push_back("--digests=false");
   co.node_metrics = true;
   auto cluster_or = Cluster::Start(h_or->get(), co);
   ASSERT_TRUE(cluster_or.ok()) << cluster_or.status();
@@ -149,21 +164,29 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
   run.model_id = "chaos-" + mode;
   run.mode = mode;
   run.num_trainers = 2;
-  run.num_rollouts = kRolloutNodes;
+  run.num_rollouts = rollout_procs;
   run.versions = versions;
   run.timeout_ms = ScaledMs(15000);
   run.layout_source = "preset";
   run.tolerate_failures = true;
-  const std::vector<std::string> weights = {"--delta_fraction=0.05"};
+  std::vector<std::string> weights = {"--delta_fraction=0.05"};
+  if (lora) {
+    // The model is the adapters alone (ModelSpec.lora), as in e2e_lora_test's qwen case.
+    weights.insert(weights.end(), {"--lora_targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "--lora_r=8",
+                                   "--lora_alpha=16"});
+  }
   auto trainer_spec = [&](int r) {
     WorkerSpec w{.trainer = true, .node = 0, .preset = "megatron", .tp = 2, .rank = r, .gpu = r, .step_ms = 60};
+    if (lora) w = WorkerSpec{.trainer = true, .node = 0, .preset = "peft", .tp = 1, .dp = 2, .rank = r, .gpu = r, .step_ms = 60};
     w.extra_flags = weights;
     return w;
   };
+  // Rollout process r: rank r % tp of the engine on node 1 + r / tp.
   auto rollout_spec = [&](int r) {
-    WorkerSpec w{.trainer = false, .node = 1 + r, .preset = "vllm", .tp = 1, .replicas = kRolloutNodes, .rank = r, .gpu = 0, .step_ms = 30};
+    WorkerSpec w{.trainer = false, .node = 1 + r / rollout_tp, .preset = lora ? "vllm_lora" : "vllm", .tp = rollout_tp,
+                 .replicas = kRolloutNodes, .rank = r, .gpu = r % rollout_tp, .step_ms = 30};
     w.extra_flags = weights;
-    w.extra_flags.push_back("--quantization=fp8_block128");
+    if (quant != "none") w.extra_flags.push_back("--quantization=" + quant);
     return w;
   };
   std::vector<Process*> trainers, rollouts, replaced;
@@ -172,7 +195,7 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
     ASSERT_TRUE(p.ok()) << p.status();
     trainers.push_back(*p);
   }
-  for (int r = 0; r < kRolloutNodes; ++r) {
+  for (int r = 0; r < rollout_procs; ++r) {
     auto p = c->SpawnWorker(run, rollout_spec(r));
     ASSERT_TRUE(p.ok()) << p.status();
     rollouts.push_back(*p);
@@ -189,6 +212,7 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
   }
   std::shuffle(schedule.begin(), schedule.end(), rng);
   std::map<std::string, int> survived;
+  double longest_recovery_s = 0;
   for (int k = 0; k < num_faults; ++k) {
     const int milestone = 3 + (k + 1) * (versions * 8 / 10 - 3) / (num_faults + 1);
     auto reached = trainers[0]->WaitForLine(
@@ -224,7 +248,7 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
       ASSERT_TRUE(c->KillCoordinator().ok());
       ASSERT_TRUE(c->RestartCoordinator().ok()) << "restart of the coordinator after fault " << k;
     } else if (kind == "rollout_exit") {
-      const int r = static_cast<int>(rng() % kRolloutNodes);
+      const int r = static_cast<int>(rng() % rollout_procs);
       rollouts[r]->Kill();
       ASSERT_TRUE(rollouts[r]->WaitExit(absl::Seconds(10)).ok());
       replaced.push_back(rollouts[r]);
@@ -270,8 +294,10 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
                             << r->LogTail(2000) << "\ncoordinator: " << c->coordinator()->LogTail(2000);
     }
     ++survived[kind];
+    const double recovery_s = absl::ToDoubleSeconds(absl::Now() - fault_at);
+    longest_recovery_s = std::max(longest_recovery_s, recovery_s);
     std::printf("chaos_delta: fault %2d %-12s %-28s after v%-4llu recovered in %6.2fs\n", k, kind.c_str(), detail.c_str(),
-                static_cast<unsigned long long>(newest_before), absl::ToDoubleSeconds(absl::Now() - fault_at));
+                static_cast<unsigned long long>(newest_before), recovery_s);
     std::fflush(stdout);
   }
 
@@ -303,6 +329,12 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
   auto st = c->Status();
   ASSERT_TRUE(st.ok()) << st.status();
   EXPECT_EQ(VersionState(*st, run.model_id, versions), "committed") << st->DebugString();
+  // Version outcomes as the coordinator (its last incarnation) knows them.
+  std::map<std::string, int> states;
+  for (int v = 1; v <= versions; ++v) {
+    const std::string s = VersionState(*st, run.model_id, static_cast<uint64_t>(v));
+    ++states[s.empty() ? "unknown" : s];
+  }
 
   // The features were in play: deltas from n0, relays between the rollout nodes (the current
   // incarnations' counters: the last 20% of the versions run without faults).
@@ -319,6 +351,12 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
     }
   }
   EXPECT_GT(relayed, 0) << "the rollout nodes relayed nothing to each other";
+  // Digests as configured: every node hashed bytes, or none did.
+  if (digests) {
+    EXPECT_GT(n0.digest_bytes + receivers.digest_bytes, 0) << "no node computed an end-to-end digest";
+  } else {
+    EXPECT_EQ(n0.digest_bytes + receivers.digest_bytes, 0) << "--digests=false, yet a node hashed bytes";
+  }
 
   for (int i = 0; i < co.num_nodes; ++i) c->node(i)->Signal(SIGTERM);
   c->coordinator()->Signal(SIGTERM);
@@ -333,11 +371,15 @@ TEST_P(ChaosDeltaTest, DeltasQuantisedRolloutsAndRelaysSurviveKills) {
   for (const auto& [why, n] : receivers.refusals) refusals.push_back(absl::StrCat(n, "x '", why, "'"));
   std::vector<std::string> per_kind;
   for (const auto& [kind, n] : survived) per_kind.push_back(absl::StrCat(kind, "=", n));
+  std::vector<std::string> per_state;
+  for (const auto& [state, n] : states) per_state.push_back(absl::StrCat(state, "=", n));
   std::printf(
-      "chaos_delta: RESULT mode=%s seed=%llu faults survived %s | rollout verifications %d, previous version intact after "
+      "chaos_delta: RESULT mode=%s seed=%llu quant=%s digests=%d lora=%d rollout_tp=%d faults survived %s, longest recovery "
+      "%.2fs | versions at the coordinator: %s | rollout verifications %d, previous version intact after "
       "%d failed versions (%d) | n0 deltas: %.1f MB replaced by %.1f MB of streams, %.1f MB full | receivers: %.0f decoded, "
       "%.0f refused (%.2f MB resent in full; first reason per version: %s) | relayed between rollout nodes %.1f MB | %.1fs\n",
-      mode.c_str(), static_cast<unsigned long long>(seed), absl::StrJoin(per_kind, " ").c_str(), verified, kept_after_failure,
+      mode.c_str(), static_cast<unsigned long long>(seed), quant.c_str(), digests, lora, rollout_tp, absl::StrJoin(per_kind, " ").c_str(),
+      longest_recovery_s, absl::StrJoin(per_state, " ").c_str(), verified, kept_after_failure,
       version_failed, n0.replaced / 1e6, n0.stream / 1e6, n0.full / 1e6, receivers.decoded, receivers.fallbacks,
       receivers.fallback_bytes / 1e6, refusals.empty() ? "none" : absl::StrJoin(refusals, ", ").c_str(), relayed / 1e6,
       absl::ToDoubleSeconds(absl::Now() - t0));

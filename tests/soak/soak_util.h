@@ -24,5 +24,10 @@ inline uint64_t EnvOr(const char* name, uint64_t def) {
   if (v != nullptr && absl::SimpleAtoi(v, &out)) return out;
   return def;
 }
+// The environment variable `name`, `def` when unset or empty.
+inline std::string EnvStrOr(const char* name, const std::string& def) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::string(v) : def;
+}
 
 }  // namespace wb::e2e

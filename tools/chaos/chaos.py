@@ -14,6 +14,9 @@ baseline, and a second look before reporting maps of dead workers' memory).
 usage: chaos.py MODE ROUNDS SEED [--model tiny|mid|2layer] [--quant fp8_block128|mxfp8] [--kinds a,b]
        [--delta_cache_mb N --delta_fraction F --delta_threads T --delta_in_place true|false]
        [--digests true|false] [--rollout_nodes N --bucket_kb K --nic_GBps G] [--lora q_proj,v_proj --lora_r 8]
+       [--rollout_tp N]
+--quant takes any rollout scheme the e2e workers know (fp8_block128, mxfp8, nvfp4, w4a16_g32).
+--rollout_tp N: each rollout node holds one engine of N ranks (N processes; rollout kills take one rank).
 chaos2: extended for issue 17 (deltas, sender-side quantisation, digests, relays, LoRA-only versions).
 """
 import argparse, ctypes, json, os, random, re, signal, subprocess, sys, tempfile, time
@@ -151,6 +154,7 @@ def main():
     ap.add_argument("--nic_GBps", type=float, default=0)
     ap.add_argument("--lora", default="")
     ap.add_argument("--lora_r", type=int, default=8)
+    ap.add_argument("--rollout_tp", type=int, default=1)
     a = ap.parse_args()
     rng = random.Random(a.seed)
     d = tempfile.mkdtemp(prefix="wbchaos-")
@@ -168,11 +172,14 @@ def main():
         flags.append(f"--bucket_bytes={a.bucket_kb << 10}")
     if a.nic_GBps:
         flags.append(f"--nic_GBps={a.nic_GBps}")
-    print(f"chaos: daemon flags {flags} delta_fraction={a.delta_fraction if a.delta_cache_mb else 0} rollout_nodes={a.rollout_nodes} lora={a.lora!r}", flush=True)
+    print(f"chaos: daemon flags {flags} delta_fraction={a.delta_fraction if a.delta_cache_mb else 0} rollout_nodes={a.rollout_nodes} "
+          f"rollout_tp={a.rollout_tp} lora={a.lora!r}", flush=True)
     NR = a.rollout_nodes
+    TP = a.rollout_tp
+    NRP = NR * TP  # rollout processes: rank r is rank r % TP of the engine on node 1 + r // TP
     c = Cluster(d, 1 + NR, flags)  # each daemon waited for through its port file
     model = "m-" + a.mode
-    base = ["--config=" + MODELS[a.model], "--model_id=" + model, "--mode=" + a.mode, "--num_trainers=2", f"--num_rollouts={NR}",
+    base = ["--config=" + MODELS[a.model], "--model_id=" + model, "--mode=" + a.mode, "--num_trainers=2", f"--num_rollouts={NRP}",
             "--max_staleness=0", "--versions=100000", "--timeout_ms=15000", "--layout_source=preset", "--tolerate_failures=true"]
     if a.delta_cache_mb:
         base.append(f"--delta_fraction={a.delta_fraction}")
@@ -189,12 +196,13 @@ def main():
     def spawn_rollout(r):
         starts[f"r{r}"] = starts.get(f"r{r}", 0) + 1
         extra = ["--quantization=" + a.quant] if a.quant else []
-        return Proc(d, f"rollout{r}-{starts[f'r{r}']}", [ROLLOUT, "--socket=" + c.sock(r + 1)] + base +
-                    ["--first_version=1", "--preset=" + ("vllm_lora" if a.lora else "vllm"), "--tp=1", f"--replicas={NR}", f"--rank={r}", "--gpu=0",
+        return Proc(d, f"rollout{r}-{starts[f'r{r}']}", [ROLLOUT, "--socket=" + c.sock(1 + r // TP)] + base +
+                    ["--first_version=1", "--preset=" + ("vllm_lora" if a.lora else "vllm"), f"--tp={TP}", f"--replicas={NR}", f"--rank={r}",
+                     f"--gpu={r % TP}",
                      f"--step_ms={a.rollout_step}"] + extra)
 
     trainers = [spawn_trainer(r, 1) for r in range(2)]
-    rollouts = [spawn_rollout(r) for r in range(NR)]
+    rollouts = [spawn_rollout(r) for r in range(NRP)]
     dead_workers = []
     problems = []
 
@@ -289,7 +297,7 @@ def main():
         elif kind == "coord":
             c.coord.kill(); c.restart_coord()
         elif kind == "rollout":
-            r = rng.choice(list(range(NR)))
+            r = rng.choice(list(range(NRP)))
             old = rollouts[r]; old.kill(); dead_workers.append(old)
             rollouts[r] = spawn_rollout(r); detail = f"rollout{r}"
         elif kind == "trainer":
@@ -303,7 +311,7 @@ def main():
             trainers = [spawn_trainer(q, nxt) for q in range(2)]
             detail = f"rank{r} first, restart at v{nxt}"
         ok = wait_verified(pre, a.recover_s)
-        for ri in range(NR):
+        for ri in range(NRP):
             rp = rollouts[ri]
             if not rp.alive():
                 whys = [e.get("why") for e in rp.poll_events() if e.get("event") == "mismatch"]
@@ -329,7 +337,7 @@ def main():
             if stale:
                 problems.append(f"round {rnd}: daemons still map segments of dead workers: {stale}")
         print(f"chaos: round {rnd:3d} {kind:12s} {detail:28s} pre=v{pre:<4d} {'recovered' if ok else 'NOT RECOVERED'} in {rec:6.2f}s"
-              f" verified " + " ".join(f"r{q}=v{newest('verified', [rollouts[q]], 'applied')}" for q in range(NR)) + f" fds={fds}",
+              f" verified " + " ".join(f"r{q}=v{newest('verified', [rollouts[q]], 'applied')}" for q in range(NRP)) + f" fds={fds}",
               flush=True)
         if not ok:
             problems.append(f"round {rnd} {kind} {detail}: not recovered within {a.recover_s}s (pre=v{pre})")
