@@ -33,7 +33,9 @@ void CoordinatorCore::QueueAbortRpcsLocked(const std::set<std::string>& nodes, c
     targets.emplace_back(std::move(p), std::move(client));
   }
   if (targets.empty() && !sent) return;
-  pending_rpcs_.push_back([this, targets, sent = std::move(sent)] {
+  // In the model's lane: after the version calls posted before it (the ExecuteVersion of the
+  // version it aborts), before those posted after.
+  pending_rpcs_.emplace_back(ModelLane(model_id), [this, targets, sent = std::move(sent)] {
     for (const auto& [p, client] : targets) SendAbort(p, client);
     if (sent) sent();
   });

@@ -36,7 +36,13 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
       // cancellation of the planner thread's job (a newer plan of the model queued, shutdown) and
       // the plan deadline.
       plan_cache_(PlanCache::Options{.plan_deadline = options_.plan_deadline, .cancelled = &PlanQueue::CurrentJobCancelled}),
-      instance_(NewInstanceId()) {
+      instance_(NewInstanceId()),
+      // After each call: the lane's model or node may have its next step waiting (a commit or an
+      // owed try is collected only while its lane is idle).
+      lanes_(RpcLanes::Options{.threads = 16, .on_idle = [this] {
+                                 absl::MutexLock l(&mu_);
+                                 wake_ = true;
+                               }}) {
   if (!options_.make_node_client) {
     auto make_channel = options_.make_channel;
     options_.make_node_client = [make_channel](const std::string&, const std::string& address) -> std::shared_ptr<NodeClient> {
@@ -63,6 +69,9 @@ void CoordinatorCore::Shutdown() {
     plan_queue_.CancelRunning("coordinator shutting down");
   }
   if (driver_.joinable()) driver_.join();
+  // Node RPCs not started are dropped; running ones end within their timeouts (as the driver's
+  // own did before lanes).
+  lanes_.Shutdown();
   // A running plan stops at the planner's next poll (milliseconds); an injected PlanFn runs to its end.
   if (planner_.joinable()) planner_.join();
 }
@@ -72,6 +81,8 @@ bool CoordinatorCore::AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) 
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return last_sweep_ != absl::InfinitePast() && last_sweep_ >= t; };
   return mu_.AwaitWithDeadline(absl::Condition(&done), real_deadline);
 }
+
+bool CoordinatorCore::AwaitNodeRpcsIdle(absl::Time real_deadline) const { return lanes_.AwaitIdle(real_deadline); }
 
 absl::Time CoordinatorCore::Deadline(int64_t timeout_ms) const {
   const absl::Duration asked = timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60);

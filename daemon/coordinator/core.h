@@ -9,8 +9,12 @@
 //   - RPC handler threads: mutate the tables under mu_, wake the driver, and wait (Publish,
 //     WaitVersion, Drain) on mu_ through Clock::WaitUntil with the request's deadline.
 //   - the driver thread (DriverLoop): under mu_ it decides (leases, timeouts, what to plan,
-//     start, commit) and collects work; every node RPC runs OUTSIDE mu_ (on up to 32 helper
-//     threads per version), then results are applied under mu_ again.
+//     start, commit) and posts the resulting node RPCs to lanes_ (rpc_lanes.h); it never waits
+//     for a node, so a frozen node holds neither lease sweeps nor other models' versions.
+//   - the lanes' worker threads (lanes_): run those RPCs OUTSIDE mu_, serially per lane - a
+//     model's version calls (start, commit, catch-up, aborts) in the order the driver posted them,
+//     a node's owed retries - each fanning out to up to 32 helper threads per version; results
+//     are applied under mu_ again.
 //   - the planner thread (PlannerLoop): takes queued plan jobs round-robin over models (PlanQueue),
 //     snapshots the model under mu_, plans and slices OUTSIDE mu_, applies the result under mu_ if
 //     membership did not change meanwhile, installs.
@@ -48,6 +52,7 @@
 #include "daemon/coordinator/node_table.h"
 #include "daemon/coordinator/plan_cache.h"
 #include "daemon/coordinator/plan_queue.h"
+#include "daemon/coordinator/rpc_lanes.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
 #include "planner/types.h"
@@ -193,8 +198,11 @@ class CoordinatorCore {
   bool AwaitModelHolds(const std::string& model_id, int n, absl::Time deadline) const;
   int num_models() const;
   // Tests in simulated time: waits (real time) until the driver has made a pass (lease sweep,
-  // timeouts, starts, commits) at clock time `t` or later.
+  // timeouts, starts, commits) at clock time `t` or later. The pass's node RPCs are posted by
+  // then, not necessarily sent: AwaitNodeRpcsIdle waits for them.
   bool AwaitDriverPassAt(absl::Time t, absl::Time real_deadline) const;
+  // Tests: waits (real time) until no node RPC the driver posted is queued or running.
+  bool AwaitNodeRpcsIdle(absl::Time real_deadline) const;
 
  private:
   // The tables (node_table.h, model_registry.h): plain data guarded by mu_, not thread-safe.
@@ -292,10 +300,11 @@ class CoordinatorCore {
   // now + timeout_ms (60 s when <= 0), at most max_wait from now.
   absl::Time Deadline(int64_t timeout_ms) const;
 
-  // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC/plan work to run
-  // outside it.
+  // Driver (driver.cc). Each *WorkLocked decides under mu_ and returns RPC work to run outside
+  // it; the driver posts each call to its lane (lanes_).
+  using LaneWork = std::vector<std::pair<std::string, std::function<void()>>>;
   void DriverLoop();
-  std::vector<std::function<void()>> CollectWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  LaneWork CollectWorkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SweepLeasesLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> CommitWorkLocked(const std::string& model_id, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishCommitLocked(const std::string& model_id, Model& m, uint64_t v, const std::vector<std::string>& nodes,
@@ -311,9 +320,9 @@ class CoordinatorCore {
   void PlannerLoop();
   void RunPlan(const std::string& model_id, Model* m);
   std::function<void()> StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OwedCommitWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OwedCommitWorkLocked(LaneWork* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Owed aborts (PendingAbort) due now: dropped for a node lost or restarted, else sent again.
-  void OwedAbortWorkLocked(std::vector<std::function<void()>>* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OwedAbortWorkLocked(LaneWork* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends `p`'s AbortVersion (without mu_, from the driver's work): an answer settles it (owed
   // entry removed); UNAVAILABLE / DEADLINE_EXCEEDED owes it (again) while the node keeps
   // p.incarnation.
@@ -366,7 +375,7 @@ class CoordinatorCore {
   NodeTable nodes_ ABSL_GUARDED_BY(mu_);
   ModelRegistry models_ ABSL_GUARDED_BY(mu_);
   PlanCache plan_cache_;                                                 // own lock
-  std::vector<std::function<void()>> pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send
+  LaneWork pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send: posted by the next driver pass
   std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
   std::vector<PendingAbort> pending_aborts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, UsedByRejoin> used_by_rejoin_ ABSL_GUARDED_BY(mu_);  // model -> (see UsedByRejoin)
@@ -385,6 +394,11 @@ class CoordinatorCore {
   static constexpr const char* kPlanJob = "plan";
   static constexpr const char* kCatchUpJob = "catch-up";
   PlanQueue plan_queue_ ABSL_GUARDED_BY(mu_);
+  // The driver's node RPCs (see Threads above). Lanes: ModelLane(model), NodeLane(node). Declared
+  // after everything its calls touch; Shutdown stops it after the driver, before the members go.
+  RpcLanes lanes_;
+  static std::string ModelLane(const std::string& model_id) { return "model/" + model_id; }
+  static std::string NodeLane(const std::string& node_id) { return "node/" + node_id; }
   std::thread driver_, planner_;
 };
 

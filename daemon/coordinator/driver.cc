@@ -41,7 +41,6 @@ struct ReleaseHold {
 
 void CoordinatorCore::DriverLoop() {
   while (true) {
-    std::vector<std::function<void()>> work;
     {
       absl::MutexLock l(&mu_);
       auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
@@ -51,9 +50,10 @@ void CoordinatorCore::DriverLoop() {
       options_.clock->WaitUntil(&mu_, absl::Condition(&woken), since + options_.tick);
       if (stopping_) return;
       wake_ = false;
-      work = CollectWorkLocked();
+      // Posted under mu_ (Post never waits for a call), so a pass seen by AwaitDriverPassAt has
+      // posted its calls. The driver never waits for a node: a lane's worker does.
+      for (auto& [lane, call] : CollectWorkLocked()) lanes_.Post(lane, std::move(call));
     }
-    for (auto& f : work) f();
   }
 }
 
@@ -75,22 +75,25 @@ void CoordinatorCore::SweepLeasesLocked(absl::Time now) {
   });
 }
 
-std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
-  std::vector<std::function<void()>> work;
+CoordinatorCore::LaneWork CoordinatorCore::CollectWorkLocked() {
+  LaneWork work;
   const absl::Time now = options_.clock->Now();
   SweepLeasesLocked(now);
   for (auto& [mid, m] : models_) {
     if (auto v = m.machine->TimedOut(now); v && m.committing != *v) {
       AbortLocked(mid, m, *v, absl::StrCat("transfer timed out after ", absl::FormatDuration(options_.transfer_timeout)));
     }
-    // Commit: every node reported done, so the decision is made.
+    const std::string lane = ModelLane(mid);
+    // Commit: every node reported done, so the decision is made. Posted once: `committing` stays
+    // set until the posted call finished (FinishCommitLocked), and a lane with a call queued or
+    // running is busy until then.
     if (m.committing != 0) {
-      work.push_back(CommitWorkLocked(mid, m));
+      if (!lanes_.Busy(lane)) work.emplace_back(lane, CommitWorkLocked(mid, m));
       continue;
     }
     // A catch-up in progress (catch_up.cc): normal versions wait for it (it is one update long).
     if (m.catch_up) {
-      if (auto f = CatchUpWorkLocked(mid, m, now)) work.push_back(std::move(f));
+      if (auto f = CatchUpWorkLocked(mid, m, now)) work.emplace_back(lane, std::move(f));
       continue;
     }
     if (m.machine->InFlight()) continue;
@@ -105,7 +108,7 @@ std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
     if (m.planning) continue;
     if (!m.plan.installed) continue;
     if (auto f = StartWorkLocked(mid, m, now)) {
-      work.push_back(std::move(f));
+      work.emplace_back(lane, std::move(f));
       continue;
     }
     // Nothing to start: a late rollout is brought to the committed version (a version that
@@ -114,7 +117,7 @@ std::vector<std::function<void()>> CoordinatorCore::CollectWorkLocked() {
   }
   OwedCommitWorkLocked(&work);
   OwedAbortWorkLocked(&work);
-  for (auto& f : pending_rpcs_) work.push_back(std::move(f));
+  for (auto& item : pending_rpcs_) work.push_back(std::move(item));
   pending_rpcs_.clear();
   return work;
 }
@@ -473,7 +476,7 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
 
 // Owed commits (async / one-step-off): retry while the node keeps the incarnation that executed
 // the version.
-void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* work) {
+void CoordinatorCore::OwedCommitWorkLocked(LaneWork* work) {
   const absl::Time now = options_.clock->Now();
   for (auto it = pending_commits_.begin(); it != pending_commits_.end();) {
     if (!nodes_.HoldsIncarnation(it->node, it->incarnation)) {
@@ -481,11 +484,12 @@ void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* w
       it = pending_commits_.erase(it);
       continue;
     }
-    if (now >= it->next_try) {
+    // One try at a time per node: its lane is busy while one is queued or running.
+    if (now >= it->next_try && !lanes_.Busy(NodeLane(it->node))) {
       it->next_try = now + options_.commit_retry;
       PendingCommit p = *it;
       std::shared_ptr<NodeClient> client = nodes_.AliveClient(p.node);  // held at p.incarnation: alive
-      work->push_back([this, p, client] {
+      work->emplace_back(NodeLane(p.node), [this, p, client] {
         absl::Status st = client->CommitVersion(p.model_id, p.version, absl::Seconds(2));
         if (absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st)) return;  // try again later
         Log(st.ok() ? LogLevel::kInfo : LogLevel::kWarning, "owed commit delivered",
@@ -502,7 +506,7 @@ void CoordinatorCore::OwedCommitWorkLocked(std::vector<std::function<void()>>* w
   }
 }
 
-void CoordinatorCore::OwedAbortWorkLocked(std::vector<std::function<void()>>* work) {
+void CoordinatorCore::OwedAbortWorkLocked(LaneWork* work) {
   const absl::Time now = options_.clock->Now();
   for (auto it = pending_aborts_.begin(); it != pending_aborts_.end();) {
     if (!nodes_.HoldsIncarnation(it->node, it->incarnation)) {
@@ -516,7 +520,7 @@ void CoordinatorCore::OwedAbortWorkLocked(std::vector<std::function<void()>>* wo
       it->next_try = absl::InfiniteFuture();
       PendingAbort p = *it;
       std::shared_ptr<NodeClient> client = nodes_.AliveClient(p.node);  // held at p.incarnation: alive
-      work->push_back([this, p, client] { SendAbort(p, client); });
+      work->emplace_back(NodeLane(p.node), [this, p, client] { SendAbort(p, client); });
     }
     ++it;
   }
