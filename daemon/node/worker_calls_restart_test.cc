@@ -1,0 +1,182 @@
+// node::WorkerCalls::Publish when the coordinator goes away while the call is in flight, on a
+// scripted coordinator: the node re-sends the publish to the coordinator it re-joined
+// (PublishAgainAfterRestart, docs/daemon.md "Coordinator restart") and answers what that one
+// says; a refusal "not newer" becomes ABORTED naming the restart; without a re-join the first
+// answer stands; a worker that was not re-joined is not sent for. (The end-to-end case with real
+// daemons: //tests/e2e:e2e_restart_publish_test.)
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "daemon/node/coordinator_access.h"
+#include "daemon/node/fake_gpu_import.h"
+#include "daemon/node/local_workers.h"
+#include "daemon/node/worker_calls.h"
+#include "daemon/testing/node_parts.h"
+
+namespace wb::daemon::node {
+namespace {
+
+// Publish answers from a script, one per call, recording the session each call was sent in; every
+// other call UNAVAILABLE. `restarts` is how many coordinator changes AwaitCoordinatorChange may
+// report (each bumps the session), after which it reports none (the same coordinator).
+class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorClient {
+ public:
+  std::deque<absl::Status> publish_answers;
+  int restarts = 0;
+  std::function<void()> on_publish;  // runs inside each Publish call (before its answer)
+
+  CoordinatorClient& client() override { return *this; }
+  bool AwaitRegistered(absl::Time) override { return true; }
+  uint64_t session() override {
+    absl::MutexLock l(&mu_);
+    return session_;
+  }
+  std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time) override {
+    absl::MutexLock l(&mu_);
+    if (session_ == session0) {
+      if (restarts == 0) return std::nullopt;
+      restarts -= 1;
+      session_ += 1;
+    }
+    return "the coordinator restarted (instance A -> B)";
+  }
+  void TrackProgress(const std::string&, uint64_t, std::weak_ptr<const std::atomic<uint64_t>>) override {}
+  std::vector<uint64_t> publish_sessions() {
+    absl::MutexLock l(&mu_);
+    return publish_sessions_;
+  }
+
+  absl::Status Publish(const pb::CoordPublishRequest& req, pb::PublishResponse* resp, absl::Duration) override {
+    absl::Status answer;
+    {
+      absl::MutexLock l(&mu_);
+      publish_sessions_.push_back(session_);
+      answer = publish_answers.empty() ? absl::InternalError("no scripted answer") : publish_answers.front();
+      if (!publish_answers.empty()) publish_answers.pop_front();
+    }
+    if (on_publish) on_publish();
+    if (answer.ok()) resp->set_version(req.version());
+    return answer;
+  }
+#define WB_UNAVAILABLE_(Name, Req, Resp) \
+  absl::Status Name(const pb::Req&, pb::Resp*, absl::Duration) override { return absl::UnavailableError(#Name); }
+  WB_UNAVAILABLE_(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
+  WB_UNAVAILABLE_(Heartbeat, HeartbeatRequest, HeartbeatResponse)
+  WB_UNAVAILABLE_(JoinWorker, JoinWorkerRequest, JoinWorkerResponse)
+  WB_UNAVAILABLE_(SubmitLayout, SubmitLayoutRequest, SubmitLayoutResponse)
+  WB_UNAVAILABLE_(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
+  WB_UNAVAILABLE_(ReportReady, ReportReadyRequest, ReportReadyResponse)
+  WB_UNAVAILABLE_(ReportDone, ReportDoneRequest, ReportDoneResponse)
+  WB_UNAVAILABLE_(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
+  WB_UNAVAILABLE_(WaitVersion, WaitVersionRequest, WaitVersionResponse)
+  WB_UNAVAILABLE_(ExchangeMagnitudes, ExchangeMagnitudesRequest, ExchangeMagnitudesResponse)
+  WB_UNAVAILABLE_(ClusterStatus, StatusRequest, StatusResponse)
+  WB_UNAVAILABLE_(Drain, DrainRequest, DrainResponse)
+#undef WB_UNAVAILABLE_
+
+ private:
+  absl::Mutex mu_;
+  uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+class PublishRestartTest : public ::testing::Test, public daemon::testing::NodeParts {
+ protected:
+  PublishRestartTest() : NodeParts({}) {
+    MakeVersions(coordinator_);
+    WorkerCalls::Options wo;
+    wo.node_id = "n0";
+    wo.clock = &clock_;
+    wo.metrics = &metrics_;
+    wo.gpu_import = std::make_shared<FakeGpuImport>();
+    calls_ = std::make_unique<WorkerCalls>(wo, *local_, *staging_, *versions_, *transports_, coordinator_);
+    // A sync trainer with its layout (no buffers: a sync Publish takes no snapshot).
+    LocalWorkers::Worker w;
+    w.model_id = "m";
+    w.role = planner::Role::kTrainer;
+    w.mode = pb::MODE_SYNC;
+    w.has_layout = true;
+    local_->Add({"m", "t0"}, std::move(w), std::nullopt);
+  }
+  ~PublishRestartTest() override {
+    calls_.reset();
+    versions_.reset();
+    local_.reset();
+  }
+  absl::Status Publish(uint64_t version) {
+    pb::PublishRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("t0");
+    req.set_version(version);
+    req.set_timeout_ms(10000);
+    pb::PublishResponse resp;
+    return calls_->Publish(req, &resp);
+  }
+
+  ScriptedCoordinator coordinator_;
+  std::unique_ptr<WorkerCalls> calls_;
+};
+
+TEST_F(PublishRestartTest, APublishLostToACoordinatorRestartIsSentAgainAndCommits) {
+  coordinator_.restarts = 1;
+  coordinator_.publish_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  absl::Status s = Publish(2);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.publish_sessions(), (std::vector<uint64_t>{0, 1})) << "sent again once, in the new session";
+}
+
+TEST_F(PublishRestartTest, APublishIsSentAgainAfterEachRestart) {
+  coordinator_.restarts = 2;
+  coordinator_.publish_answers = {absl::CancelledError("server shut down"), absl::UnavailableError("connection reset"), absl::OkStatus()};
+  absl::Status s = Publish(2);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.publish_sessions(), (std::vector<uint64_t>{0, 1, 2}));
+}
+
+TEST_F(PublishRestartTest, TheNewCoordinatorsAnswerIsReturned) {
+  // The new coordinator knows the number as used (a rollout re-joined holding it): its ABORTED.
+  coordinator_.restarts = 1;
+  coordinator_.publish_answers = {absl::UnavailableError("Socket closed"), absl::AbortedError("version 2 of model m is not committed and its number is used")};
+  absl::Status s = Publish(2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("its number is used"), std::string::npos) << s;
+}
+
+TEST_F(PublishRestartTest, ANotNewerRefusalAfterARestartIsAbortedNamingTheRestart) {
+  // The old coordinator committed it and another node was told: restored as committed.
+  coordinator_.restarts = 1;
+  coordinator_.publish_answers = {absl::UnavailableError("Socket closed"),
+                                  absl::FailedPreconditionError("publish by t0: version 2 is not newer than version 2")};
+  absl::Status s = Publish(2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("the coordinator restarted (instance A -> B)"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("is not newer than version 2"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("publish a newer version"), std::string::npos) << s;
+}
+
+TEST_F(PublishRestartTest, WithoutACoordinatorChangeTheAnswerStands) {
+  coordinator_.restarts = 0;
+  coordinator_.publish_answers = {absl::UnavailableError("cluster is draining: version 2 refused")};
+  absl::Status s = Publish(2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_EQ(coordinator_.publish_sessions().size(), 1u);
+}
+
+TEST_F(PublishRestartTest, AWorkerNotReJoinedIsNotSentFor) {
+  coordinator_.restarts = 1;
+  coordinator_.publish_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  coordinator_.on_publish = [this] { local_->Remove({"m", "t0"}); };  // its process exited meanwhile
+  absl::Status s = Publish(2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("was not re-joined"), std::string::npos) << s;
+  EXPECT_EQ(coordinator_.publish_sessions().size(), 1u);
+}
+
+}  // namespace
+}  // namespace wb::daemon::node
