@@ -41,6 +41,7 @@ class CorruptingTransport final : public transport::Transport {
   absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time deadline) override {
     return t_->Connect(endpoint, round, deadline);
   }
+  absl::Status CancelRound(absl::string_view round) override { return t_->CancelRound(round); }
   absl::Status Disconnect(transport::PeerId peer) override { return t_->Disconnect(peer); }
   absl::StatusOr<transport::RegionHandle> RegisterMemory(const transport::MemorySpec& spec) override {
     auto h = t_->RegisterMemory(spec);

@@ -144,6 +144,7 @@ class SlowDisconnectTransport final : public transport::Transport {
   absl::StatusOr<transport::PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time deadline) override {
     return t_->Connect(endpoint, round, deadline);
   }
+  absl::Status CancelRound(absl::string_view round) override { return t_->CancelRound(round); }
   absl::Status Disconnect(transport::PeerId peer) override {
     if (armed_->exchange(false)) gate_->WaitForNotificationWithTimeout(absl::Seconds(30));
     return t_->Disconnect(peer);

@@ -43,4 +43,32 @@ RegionInfo BasicRegionInfo(const RegionRecord& r) {
   return info;
 }
 
+absl::Status CancelledRounds::Check(absl::string_view kind, absl::string_view round) {
+  if (round.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kind, " CancelRound: the empty round names no one attempt (every Connect without a round shares it)"));
+  }
+  if (round.size() > kMaxConnectRoundBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(kind, " CancelRound: a connection round of ", round.size(),
+                                                   " bytes (at most ", kMaxConnectRoundBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CancelledRounds::Error(absl::string_view kind, absl::string_view peer, absl::string_view round) {
+  return absl::CancelledError(absl::StrCat(kind, " Connect to peer ", peer, ": its round '", round.substr(0, 64),
+                                           "' was cancelled (CancelRound: the caller gave up on this attempt)"));
+}
+
+void CancelledRounds::Add(absl::string_view round) {
+  const std::string r(round);
+  if (auto it = rounds_.find(r); it != rounds_.end()) order_.erase(it->second);
+  rounds_[r] = next_;
+  order_[next_++] = r;
+  while (rounds_.size() > remember_ && !order_.empty()) {
+    rounds_.erase(order_.begin()->second);
+    order_.erase(order_.begin());
+  }
+}
+
 }  // namespace wb::transport

@@ -205,4 +205,28 @@ class PeerInstances {
   std::map<uint64_t, std::string> peers_;  // peer id -> instance id
 };
 
+// Rounds Transport::CancelRound cancelled (transport.h), the same in every backend: at least the
+// last kMinRememberedCancelledRounds of them; the oldest is forgotten first. The caller's mutex
+// guards it and its waiting Connects check Has(round) under it.
+class CancelledRounds {
+ public:
+  // The checks of CancelRound: INVALID_ARGUMENT "<kind> CancelRound: ..." for the empty round or
+  // one over kMaxConnectRoundBytes.
+  static absl::Status Check(absl::string_view kind, absl::string_view round);
+  // What a Connect of a cancelled round returns: CANCELLED naming `kind`, the peer and the round.
+  static absl::Status Error(absl::string_view kind, absl::string_view peer, absl::string_view round);
+
+  explicit CancelledRounds(size_t remember = kMinRememberedCancelledRounds) : remember_(remember) {}
+  // Remembers `round` (again: it becomes the newest).
+  void Add(absl::string_view round);
+  bool Has(absl::string_view round) const { return rounds_.count(std::string(round)) > 0; }
+  size_t size() const { return rounds_.size(); }
+
+ private:
+  const size_t remember_;
+  std::map<std::string, uint64_t> rounds_;  // round -> sequence number of its latest cancel
+  std::map<uint64_t, std::string> order_;   // sequence number -> round, oldest first
+  uint64_t next_ = 0;
+};
+
 }  // namespace wb::transport

@@ -144,5 +144,31 @@ TEST(PeerInstancesTest, SameInstanceSameIdRemoveForgets) {
   EXPECT_EQ(peers.Find("a"), kNoPeer);
 }
 
+// CancelRound's memory: the newest rounds kept, the oldest forgotten first; a round cancelled
+// again becomes the newest; the empty round and over-long ones refused.
+TEST(CancelledRoundsTest, RemembersTheNewestRounds) {
+  CancelledRounds c(/*remember=*/3);
+  for (const char* r : {"a", "b", "c"}) c.Add(r);
+  c.Add("a");  // "a" again: newest, so "b" is the oldest now
+  c.Add("d");
+  EXPECT_TRUE(c.Has("a"));
+  EXPECT_FALSE(c.Has("b"));
+  EXPECT_TRUE(c.Has("c"));
+  EXPECT_TRUE(c.Has("d"));
+  EXPECT_EQ(c.size(), 3u);
+  EXPECT_EQ(CancelledRounds::Check("k", "").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CancelledRounds::Check("k", std::string(kMaxConnectRoundBytes + 1, 'x')).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CancelledRounds::Check("k", std::string(kMaxConnectRoundBytes, 'x')).ok());
+  absl::Status e = CancelledRounds::Error("k", "peer-1", "round r");
+  EXPECT_EQ(e.code(), absl::StatusCode::kCancelled);
+  EXPECT_NE(e.message().find("'round r'"), std::string::npos) << e;
+  CancelledRounds defaults;
+  for (size_t i = 0; i <= kMinRememberedCancelledRounds; ++i) defaults.Add(absl::StrCat("r", i));
+  EXPECT_EQ(defaults.size(), kMinRememberedCancelledRounds);
+  EXPECT_FALSE(defaults.Has("r0"));
+  EXPECT_TRUE(defaults.Has("r1"));
+}
+
 }  // namespace
 }  // namespace wb::transport

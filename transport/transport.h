@@ -25,6 +25,14 @@
 //      refuses a longer one with INVALID_ARGUMENT. Transports whose endpoints already tell
 //      attempts apart (NCCL: a unique id per export) or that need no connection (host shm, CUDA
 //      IPC) may ignore the round; one that wraps another transport must pass it on.
+//      Cancelling: CancelRound(round) ends the attempt on this side. Every Connect of that round
+//      waiting in this transport returns CANCELLED naming the round, promptly (well before its
+//      deadline), and so does every later Connect of it (at once); connections parked or dialled
+//      for it are closed. Channels already connected are not touched (Disconnect them). A round
+//      names one attempt: do not Connect in a round again once it was cancelled (a transport
+//      remembers at least kMinRememberedCancelledRounds cancelled rounds; one cancelled longer ago
+//      may connect again). Every transport implements it, also those that ignore the round for
+//      pairing; one that wraps another must pass it on.
 //      Same-node one-sided transports (host shared memory, CUDA IPC) need no Connect for copies
 //      between regions the calling process registered or imported; Connect there only validates
 //      that the peer is on the same node and yields a PeerId usable in Batch::peer.
@@ -179,6 +187,9 @@ inline constexpr PeerId kNoPeer{0};
 
 // The longest round a Connect takes (Transport::Connect; host_tcp sends it in every hello).
 inline constexpr size_t kMaxConnectRoundBytes = 256;
+// How many cancelled rounds a transport remembers at least (Transport::CancelRound): a Connect of
+// one of them fails at once. The oldest is forgotten past it (each costs its bytes, <= 256).
+inline constexpr size_t kMinRememberedCancelledRounds = 1024;
 
 struct BatchId {
   uint64_t id = 0;
@@ -298,6 +309,13 @@ class Transport {
   absl::StatusOr<PeerId> Connect(absl::string_view peer_endpoint, absl::Time deadline) {
     return Connect(peer_endpoint, absl::string_view(), deadline);
   }
+  // Cancels `round` on this side (Lifecycle 1 above): its waiting Connects return CANCELLED
+  // naming it, promptly, later ones at once; what was parked or dialled for it is closed; connected
+  // channels are not touched. INVALID_ARGUMENT for the empty round (it names no one attempt: every
+  // two-argument Connect shares it) or one over kMaxConnectRoundBytes; OK otherwise, also when no
+  // Connect of it ever ran. Pure virtual for the reason Connect is: a wrapper that dropped it would
+  // leave the wrapped transport's Connect waiting until its deadline.
+  virtual absl::Status CancelRound(absl::string_view round) = 0;
   virtual absl::Status Disconnect(PeerId peer) = 0;
 
   // --- memory ---

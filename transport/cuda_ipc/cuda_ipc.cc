@@ -274,8 +274,9 @@ class CudaIpcTransport : public Transport {
   }
 
   using Transport::Connect;
-  // One-sided: nothing is dialled, so there is nothing a round could tell apart (transport.h).
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view /*round*/, absl::Time) override {
+  // One-sided: nothing is dialled, so there is nothing a round could tell apart (transport.h);
+  // only a cancelled round is refused (CancelRound).
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time) override {
     wire::Reader r(endpoint);
     const uint32_t magic = r.U32();
     const uint8_t type = r.U8();
@@ -288,10 +289,19 @@ class CudaIpcTransport : public Transport {
                                                      "', this is node '", node_id_, "' (same-node transport)"));
     }
     absl::MutexLock l(&mu_);
+    if (cancelled_.Has(round)) return CancelledRounds::Error(kKind, inst, round);
     if (PeerId known = peers_.Find(inst); known != kNoPeer) return known;
     const uint64_t id = next_id_++;
     peers_.Add(id, inst);
     return PeerId{id};
+  }
+
+  // A Connect here never waits: cancelling only makes later Connects of the round fail.
+  absl::Status CancelRound(absl::string_view round) override {
+    if (absl::Status s = CancelledRounds::Check(kKind, round); !s.ok()) return s;
+    absl::MutexLock l(&mu_);
+    cancelled_.Add(round);
+    return absl::OkStatus();
   }
 
   absl::Status Disconnect(PeerId peer) override {
@@ -988,6 +998,7 @@ class CudaIpcTransport : public Transport {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   PeerInstances peers_ ABSL_GUARDED_BY(mu_){kKind};
+  CancelledRounds cancelled_ ABSL_GUARDED_BY(mu_);
   BatchTable<IpcBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, Mapping> mappings_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);

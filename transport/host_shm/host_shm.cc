@@ -118,8 +118,9 @@ class HostShmTransport : public Transport {
   }
 
   using Transport::Connect;
-  // One-sided: nothing is dialled, so there is nothing a round could tell apart (transport.h).
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view /*round*/, absl::Time) override {
+  // One-sided: nothing is dialled, so there is nothing a round could tell apart (transport.h);
+  // only a cancelled round is refused (CancelRound).
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time) override {
     wire::Reader r(endpoint);
     uint32_t magic = r.U32();
     uint8_t type = r.U8();
@@ -132,10 +133,19 @@ class HostShmTransport : public Transport {
                                                      "', this is node '", node_id_, "' (same-node transport)"));
     }
     absl::MutexLock l(&mu_);
+    if (cancelled_.Has(round)) return CancelledRounds::Error(kKind, inst, round);
     if (PeerId known = peers_.Find(inst); known != kNoPeer) return known;
     uint64_t id = next_id_++;
     peers_.Add(id, inst);
     return PeerId{id};
+  }
+
+  // A Connect here never waits: cancelling only makes later Connects of the round fail.
+  absl::Status CancelRound(absl::string_view round) override {
+    if (absl::Status s = CancelledRounds::Check(kKind, round); !s.ok()) return s;
+    absl::MutexLock l(&mu_);
+    cancelled_.Add(round);
+    return absl::OkStatus();
   }
 
   absl::Status Disconnect(PeerId peer) override {
@@ -461,6 +471,7 @@ class HostShmTransport : public Transport {
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};
   PeerInstances peers_ ABSL_GUARDED_BY(mu_){kKind};
+  CancelledRounds cancelled_ ABSL_GUARDED_BY(mu_);
   BatchTable<BatchRun> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::deque<std::shared_ptr<BatchRun>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

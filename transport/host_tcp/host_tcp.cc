@@ -544,6 +544,10 @@ class HostTcpTransport : public Transport {
     const uint32_t port = ep.nics[0].port;
     if (inst == instance_id_) return absl::InvalidArgumentError("host_tcp Connect: cannot connect to itself");
     const int total = std::max(1, options_.streams) + 1;
+    {
+      absl::MutexLock l(&mu_);
+      if (cancelled_.Has(round)) return CancelledRounds::Error(kKind, inst, round);
+    }
     std::vector<int> fds;
     if (instance_id_ < inst) {
       for (int i = 0; i < total; ++i) {
@@ -558,13 +562,19 @@ class HostTcpTransport : public Transport {
         for (absl::Duration backoff = kRedialFirst; !fd.ok() && IsClosedBeforeProof(fd.status()) &&
                                                     absl::Now() + backoff < deadline;
              backoff = std::min(2 * backoff, kRedialMax)) {
-          absl::SleepFor(backoff);  // the acceptor was busy: a short pause, then a fresh connection
+          // The acceptor was busy: a short pause (ended early by CancelRound), then a fresh connection.
+          if (PauseUnlessCancelled(round, absl::Now() + backoff)) break;
           auto again = Dial(inst, ep.secret, local, remote, deadline, i, total, round);
           if (again.ok() || IsClosedBeforeProof(again.status())) fd = std::move(again);
           else break;
         }
-        if (!fd.ok()) {
+        if (!fd.ok() || RoundCancelled(round)) {
           for (int f : fds) close(f);
+          // A dial that CancelRound shut down (or one that was cancelled between dials) ends CANCELLED.
+          if (RoundCancelled(round)) {
+            if (fd.ok()) close(*fd);
+            return CancelledRounds::Error(kKind, inst, round);
+          }
           if (fd.status().code() == absl::StatusCode::kUnauthenticated) {
             return absl::UnauthenticatedError(absl::StrCat("host_tcp peer ", inst, " at ", remote.addr, ":", remote.port,
                                                            " refused the data-channel authentication: ", kAuthRefused,
@@ -603,7 +613,9 @@ class HostTcpTransport : public Transport {
         const ParkingTable::Key& key;
         ~Unawait() { parking.Unawait(key); }
       } unawait{parking_, key};
-      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || parking_.Ready(key); };
+      auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || cancelled_.Has(round) || parking_.Ready(key);
+      };
       while (!ready()) {
         if (accept_cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
           return absl::DeadlineExceededError(absl::StrCat("host_tcp: peer ", inst, " at ", addr, ":", port,
@@ -612,6 +624,7 @@ class HostTcpTransport : public Transport {
         }
       }
       if (stopping_) return absl::CancelledError("transport destroyed");
+      if (cancelled_.Has(round)) return CancelledRounds::Error(kKind, inst, round);
       fds = parking_.Take(key);
       auth_failures_.erase(inst);
     }
@@ -656,6 +669,20 @@ class HostTcpTransport : public Transport {
                                                       pinned.message()));
     }
     return PeerId{peer->id};
+  }
+
+  // Wakes this round's acceptor-side Connects (they check cancelled_ under mu_), shuts down the
+  // sockets its dialer-side Connects are dialling (their blocking connect / handshake returns at
+  // once) and closes what is parked for it; later hellos of it are refused before the handshake.
+  absl::Status CancelRound(absl::string_view round_view) override {
+    RETURN_IF_ERROR(CancelledRounds::Check(kKind, round_view));
+    const std::string round(round_view);
+    absl::MutexLock l(&mu_);
+    cancelled_.Add(round);
+    parking_.CloseRound(round);
+    for (auto [it, end] = dialing_.equal_range(round); it != end; ++it) shutdown(it->second, SHUT_RDWR);
+    accept_cv_.SignalAll();
+    return absl::OkStatus();
   }
 
   absl::Status Disconnect(PeerId id) override {
@@ -880,6 +907,7 @@ class HostTcpTransport : public Transport {
                 {"parked_refused", c.parked_refused, true},
                 {"parked_expired", c.parked_expired, true},
                 {"parked_superseded", c.parked_superseded, true},
+                {"parked_cancelled", c.parked_cancelled, true},
                 {"early_overflows", c.early_overflows, true},
                 {"peer_secrets_evicted", c.peer_secrets_evicted, true},
                 {"parked_connections", c.parked_connections, false},
@@ -920,6 +948,7 @@ class HostTcpTransport : public Transport {
     c.parked_expired = p.expired;
     c.parked_hung_up = p.hung_up;
     c.parked_superseded = p.superseded;
+    c.parked_cancelled = p.cancelled;
     c.hellos_refused = hellos_refused_;
     c.hellos_without_round = hellos_without_round_;
     c.hellos_unknown_instance = hellos_unknown_instance_;
@@ -931,6 +960,63 @@ class HostTcpTransport : public Transport {
   }
 
  private:
+  bool RoundCancelled(const std::string& round) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    return cancelled_.Has(round);
+  }
+
+  // A dialer's pause between redials: true (at once) when `round` is or gets cancelled before `until`.
+  bool PauseUnlessCancelled(const std::string& round, absl::Time until) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock l(&mu_);
+    while (!cancelled_.Has(round) && !stopping_) {
+      if (accept_cv_.WaitWithDeadline(&mu_, until)) break;
+    }
+    return cancelled_.Has(round);
+  }
+
+  // A socket a dialer-side Connect of `round` is dialling, known to CancelRound (which shuts it down)
+  // from socket() until it is handed out or closed; Release() hands it out.
+  class DialingFd {
+   public:
+    DialingFd(HostTcpTransport* t, std::string round, int fd) : t_(t), round_(std::move(round)), fd_(fd) {}
+    ~DialingFd() {
+      if (fd_ >= 0) close(Release());
+    }
+    DialingFd(const DialingFd&) = delete;
+    DialingFd& operator=(const DialingFd&) = delete;
+    // False (the round is cancelled): not tracked.
+    bool Track() {
+      absl::MutexLock l(&t_->mu_);
+      if (t_->cancelled_.Has(round_)) return false;
+      t_->dialing_.emplace(round_, fd_);
+      tracked_ = true;
+      return true;
+    }
+    // Untracked under mu_ before the caller may close it, so CancelRound never shuts down a reused fd number.
+    int Release() {
+      if (tracked_) {
+        absl::MutexLock l(&t_->mu_);
+        for (auto [it, end] = t_->dialing_.equal_range(round_); it != end; ++it) {
+          if (it->second == fd_) {
+            t_->dialing_.erase(it);
+            break;
+          }
+        }
+        tracked_ = false;
+      }
+      const int fd = fd_;
+      fd_ = -1;
+      return fd;
+    }
+    int fd() const { return fd_; }
+
+   private:
+    HostTcpTransport* t_;
+    std::string round_;
+    int fd_;
+    bool tracked_ = false;
+  };
+
   // Peer instances whose secrets must stay (PeerSecrets' eviction): a channel (even a broken one
   // not yet disconnected), parked connections, or a Connect waiting for them.
   std::set<std::string> InUseLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -1017,13 +1103,16 @@ class HostTcpTransport : public Transport {
   absl::StatusOr<int> Dial(const std::string& inst, const std::string& secret, const std::string* local,
                            const Nic& remote, absl::Time deadline, int idx, int total, const std::string& round) {
     const std::string& addr = remote.addr;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return absl::InternalError(Errno("socket"));
+    const int raw = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (raw < 0) return absl::InternalError(Errno("socket"));
+    DialingFd dialing(this, round, raw);  // closes it on every error return below
+    const int fd = dialing.fd();
+    // CancelRound shuts this socket down from here on, so a blocking connect or handshake ends.
+    if (!dialing.Track()) return CancelledRounds::Error(kKind, inst, round);
     sockaddr_in sa{};
     sa.sin_family = AF_INET;
     sa.sin_port = htons(remote.port);
     if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) {
-      close(fd);
       return absl::InvalidArgumentError(absl::StrCat("bad IPv4 address '", addr, "'"));
     }
     if (local != nullptr) {
@@ -1034,29 +1123,21 @@ class HostTcpTransport : public Transport {
       la.sin_port = 0;
       if (inet_pton(AF_INET, local->c_str(), &la.sin_addr) != 1 ||
           bind(fd, reinterpret_cast<sockaddr*>(&la), sizeof(la)) != 0) {
-        std::string e = Errno(absl::StrCat("bind to local NIC ", *local).c_str());
-        close(fd);
-        return absl::UnavailableError(e);
+        return absl::UnavailableError(Errno(absl::StrCat("bind to local NIC ", *local).c_str()));
       }
     }
     if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 && errno != EINPROGRESS) {
-      std::string e = Errno("connect");
-      close(fd);
-      return absl::UnavailableError(e);
+      return absl::UnavailableError(Errno("connect"));
     }
     struct pollfd pfd = {fd, POLLOUT, 0};
     int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
     if (poll(&pfd, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30))) != 1) {
-      close(fd);
       return absl::DeadlineExceededError("connect did not complete before the Connect deadline (address unreachable?)");
     }
     int err = 0;
     socklen_t len = sizeof(err);
     getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err != 0) {
-      close(fd);
-      return absl::UnavailableError(absl::StrCat("connect: ", std::strerror(err)));
-    }
+    if (err != 0) return absl::UnavailableError(absl::StrCat("connect: ", std::strerror(err)));
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -1068,10 +1149,7 @@ class HostTcpTransport : public Transport {
     if (!round.empty()) w.Str(round);
     uint32_t n = w.out().size();
     struct iovec iov[2] = {{&n, 4}, {w.out().data(), n}};
-    if (!WriteAll(fd, iov, 2)) {
-      close(fd);
-      return absl::UnavailableError(Errno("hello"));
-    }
+    if (!WriteAll(fd, iov, 2)) return absl::UnavailableError(Errno("hello"));
     ChannelAuthParams auth;
     auth.key = options_.auth_token;
     auth.peer_secret = secret;
@@ -1079,11 +1157,8 @@ class HostTcpTransport : public Transport {
     auth.peer = inst;
     auth.context = w.out();
     auth.deadline = deadline;
-    if (absl::Status s = AuthenticateDialer(fd, auth); !s.ok()) {
-      close(fd);
-      return s;
-    }
-    return fd;
+    RETURN_IF_ERROR(AuthenticateDialer(fd, auth));
+    return dialing.Release();
   }
 
   // Accepts connections and hands each to its own handshake thread, so a slow or silent dialer
@@ -1227,6 +1302,10 @@ class HostTcpTransport : public Transport {
         // it cannot prove itself, and nothing is parked or counted per instance for it.
         ok = false;
         ++hellos_unknown_instance_;
+      } else if (cancelled_.Has(round)) {
+        // Its Connect here ended (CancelRound): nothing would ever take it.
+        ok = false;
+        parking_.RefuseCancelled();
       } else {
         secret = *held;
         ok = parking_.Admit({inst, round}, absl::Now(), &reserved);
@@ -1249,7 +1328,10 @@ class HostTcpTransport : public Transport {
     }
     absl::MutexLock l(&mu_);
     if (reserved) parking_.Unreserve();
-    if (authenticated && !stopping_) {
+    if (authenticated && !stopping_ && cancelled_.Has(round)) {
+      close(fd);  // cancelled during its handshake
+      parking_.RefuseCancelled();
+    } else if (authenticated && !stopping_) {
       parking_.Park({inst, round}, idx, static_cast<int>(total), fd, absl::Now());
     } else {
       close(fd);
@@ -1641,7 +1723,9 @@ class HostTcpTransport : public Transport {
 
   mutable absl::Mutex mu_;
   absl::CondVar cv_;         // batch/peer state changes
-  absl::CondVar accept_cv_;  // parking_ changes (connections parked, Connects waiting)
+  absl::CondVar accept_cv_;  // parking_ changes (connections parked, Connects waiting), rounds cancelled
+  CancelledRounds cancelled_ ABSL_GUARDED_BY(mu_);          // CancelRound
+  std::multimap<std::string, int> dialing_ ABSL_GUARDED_BY(mu_);  // round -> socket a Connect is dialling (DialingFd)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   RegionRegistry<Region> regions_ ABSL_GUARDED_BY(mu_){kKind};

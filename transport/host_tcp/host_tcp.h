@@ -102,6 +102,8 @@ struct HostTcpCounters {
   int64_t parked_expired = 0;        // parked connections closed: no Connect within parked_timeout
   int64_t parked_hung_up = 0;        // parked connections a Connect found closed by their dialer (dropped)
   int64_t parked_superseded = 0;     // parked connections closed past max_parked_rounds_per_instance
+  int64_t parked_cancelled = 0;      // connections closed because CancelRound cancelled their round
+                                     // (parked ones, and hellos of it arriving later)
   int64_t hellos_refused = 0;        // malformed hellos, stream index / count out of range, a round
                                      // over 256 bytes, or a claimed instance that cannot dial this
                                      // one (not smaller)

@@ -123,6 +123,14 @@ void ParkingTable::Expire(absl::Time now) {
   }
 }
 
+void ParkingTable::CloseRound(const std::string& round) {
+  for (auto it = sets_.begin(); it != sets_.end();) {
+    auto next = std::next(it);
+    if (it->first.second == round) CloseSet(it, &counters_.cancelled);
+    it = next;
+  }
+}
+
 void ParkingTable::CloseAll() {
   while (!sets_.empty()) CloseSet(sets_.begin(), nullptr);
 }

@@ -15,7 +15,8 @@
 //     (`superseded`): a dialer that opened a newer round has moved on from the older ones;
 //   - timeout: a key no Connect waits for has its connections closed `timeout` after its last one
 //     arrived (checked in Admit and Park);
-//   - a parked connection its dialer closed is dropped when a Connect looks at its key (`hung_up`).
+//   - a parked connection its dialer closed is dropped when a Connect looks at its key (`hung_up`);
+//   - a cancelled round (Transport::CancelRound) has its sets closed at once (`cancelled`).
 //
 // Not thread-safe: the transport guards it with its own mutex. Owns the parked fds (closes them
 // when they are dropped, expired, superseded, or on destruction) until Take hands them out.
@@ -44,6 +45,7 @@ class ParkingTable {
     int64_t expired = 0;     // fds closed past `timeout`
     int64_t hung_up = 0;     // fds a Connect found closed by their dialer
     int64_t superseded = 0;  // fds closed past max_rounds_per_instance
+    int64_t cancelled = 0;   // fds closed because their round was cancelled (CloseRound, RefuseCancelled)
   };
   // (dialer instance, round)
   using Key = std::pair<std::string, std::string>;
@@ -79,6 +81,11 @@ class ParkingTable {
   bool Ready(const Key& key);
   // The key's fds in stream order ([0] control), removed from the table (the caller owns them).
   std::vector<int> Take(const Key& key);
+
+  // Transport::CancelRound: closes the sets of `round` of every instance (awaited or not).
+  void CloseRound(const std::string& round);
+  // A hello of a cancelled round, closed before the handshake: counted with the sets CloseRound closed.
+  void RefuseCancelled() { ++counters_.cancelled; }
 
   // Closes the sets no Connect waits for whose last connection arrived more than `timeout` ago.
   void Expire(absl::Time now);

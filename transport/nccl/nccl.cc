@@ -249,11 +249,13 @@ class NcclTransport : public Transport {
   }
 
   using Transport::Connect;
-  // The round is ignored: a Connect joins the communicator of the unique id in the endpoint it was
-  // given. Not a full answer (docs/transport.md, "nccl"): an export repeats a unique id that no
-  // Connect of rank 0 consumed yet, so a rank-1 Connect left waiting by an abandoned attempt can
-  // still meet rank 0 of the next one; telling those apart needs the round at export time.
-  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view /*round*/, absl::Time deadline) override {
+  // The round does not pair anything: a Connect joins the communicator of the unique id in the
+  // endpoint it was given. Not a full answer (docs/transport.md, "nccl"): an export repeats a
+  // unique id that no Connect of rank 0 consumed yet, so a rank-1 Connect left waiting by an
+  // abandoned attempt can still meet rank 0 of the next one unless its caller cancels its round
+  // (CancelRound, which the daemon does when it aborts the version); telling those apart without
+  // that needs the round at export time. A cancelled round ends the communicator init (abort).
+  absl::StatusOr<PeerId> Connect(absl::string_view endpoint, absl::string_view round, absl::Time deadline) override {
     ScopedCudaDevice keep_device;
     wire::Reader r(endpoint);
     const uint32_t magic = r.U32();
@@ -268,6 +270,10 @@ class NcclTransport : public Transport {
     if (inst == instance_id_) return absl::InvalidArgumentError("nccl Connect: cannot connect to itself");
     const int rank = instance_id_ < inst ? 0 : 1;
     ncclUniqueId uid;
+    {
+      absl::MutexLock l(&mu_);
+      if (cancelled_.Has(round)) return CancelledRounds::Error(kKind, inst, round);
+    }
     if (rank == 0) {
       absl::MutexLock l(&mu_);
       auto it = pending_uids_.find(inst);
@@ -290,7 +296,7 @@ class NcclTransport : public Transport {
     p->remote_rank = 1 - rank;
     p->pid = static_cast<pid_t>(pid);
     p->same_pidns = node == node_id_ && !pidns.empty() && pidns == pidns_;
-    if (absl::Status s = CreateComm(p.get(), uid, rank, deadline); !s.ok()) {
+    if (absl::Status s = CreateComm(p.get(), uid, rank, deadline, round); !s.ok()) {
       FreePeerResources(p.get());
       return s;
     }
@@ -299,6 +305,14 @@ class NcclTransport : public Transport {
     peers_[p->id] = p;
     p->worker = std::thread([this, p] { WorkerLoop(p); });
     return PeerId{p->id};
+  }
+
+  // A waiting Connect of `round` sees it at its next poll (<= 5 ms) and ends CANCELLED.
+  absl::Status CancelRound(absl::string_view round) override {
+    RETURN_IF_ERROR(CancelledRounds::Check(kKind, round));
+    absl::MutexLock l(&mu_);
+    cancelled_.Add(round);
+    return absl::OkStatus();
   }
 
   absl::Status Disconnect(PeerId id) override {
@@ -531,9 +545,14 @@ class NcclTransport : public Transport {
   }
 
  private:
-  absl::Status CreateComm(NcclPeer* p, const ncclUniqueId& uid, int rank, absl::Time deadline) {
+  absl::Status CreateComm(NcclPeer* p, const ncclUniqueId& uid, int rank, absl::Time deadline, absl::string_view round) {
     const std::string what = absl::StrCat("nccl Connect to ", p->instance, " (rank ", rank, ", GPU ", device_, ")");
-    RETURN_IF_ERROR(nccl_internal::InitComm(device_, 2, rank, uid, deadline, what, &p->comm));
+    // CancelRound ends the init between polls (the caller aborts the half-made communicator).
+    auto cancelled = [&]() -> absl::Status {
+      absl::MutexLock l(&mu_);
+      return cancelled_.Has(round) ? CancelledRounds::Error(kKind, p->instance, round) : absl::OkStatus();
+    };
+    RETURN_IF_ERROR(nccl_internal::InitComm(device_, 2, rank, uid, deadline, what, &p->comm, cancelled));
     WB_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking),
                             absl::StrCat(what, ": cudaStreamCreateWithFlags"));
     WB_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&p->event, cudaEventDisableTiming),
@@ -756,6 +775,7 @@ class NcclTransport : public Transport {
   std::map<uint64_t, std::shared_ptr<NcclPeer>> peers_ ABSL_GUARDED_BY(mu_);
   BatchTable<NcclBatch> batches_ ABSL_GUARDED_BY(mu_){kKind};
   std::map<std::string, ncclUniqueId, std::less<>> pending_uids_ ABSL_GUARDED_BY(mu_);  // peer instance -> our id
+  CancelledRounds cancelled_ ABSL_GUARDED_BY(mu_);
   TransportStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -10,6 +10,11 @@ namespace wb::transport::nccl_internal {
 
 absl::Status InitComm(int device, int nranks, int rank, const ncclUniqueId& uid, absl::Time deadline,
                       absl::string_view what, ncclComm_t* comm) {
+  return InitComm(device, nranks, rank, uid, deadline, what, comm, [] { return absl::OkStatus(); });
+}
+
+absl::Status InitComm(int device, int nranks, int rank, const ncclUniqueId& uid, absl::Time deadline,
+                      absl::string_view what, ncclComm_t* comm, Interrupt interrupt) {
   *comm = nullptr;
   WB_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat(what, ": cudaSetDevice(", device, ")"));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -32,6 +37,7 @@ absl::Status InitComm(int device, int nranks, int rank, const ncclUniqueId& uid,
       return absl::DeadlineExceededError(absl::StrCat(
           what, ": the communicator was not up before the deadline (did every rank join with this unique id?)"));
     }
+    if (absl::Status s = interrupt(); !s.ok()) return s;
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Milliseconds(5));
   }

@@ -31,6 +31,11 @@ absl::Status InitComm(int device, int nranks, int rank, const ncclUniqueId& uid,
 // deadline / peer-liveness checks).
 using Interrupt = absl::FunctionRef<absl::Status()>;
 
+// InitComm whose wait also ends when `interrupt()` returns a non-OK status (checked between
+// polls; that status is returned as is): the transport's CancelRound.
+absl::Status InitComm(int device, int nranks, int rank, const ncclUniqueId& uid, absl::Time deadline,
+                      absl::string_view what, ncclComm_t* comm, Interrupt interrupt);
+
 // Polls until `event` has completed or, with event == nullptr, until `comm` has no operation in
 // progress (ncclCommGetAsyncError leaves ncclInProgress). Backoff 5 us .. 1 ms. An NCCL async error
 // is UNAVAILABLE, a CUDA error on the event is CudaStatus's code; `interrupt()`'s non-OK status is

@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "transport/registry.h"
 #include "transport/strided.h"
 
 namespace wb::transport::testing {
@@ -126,6 +127,7 @@ class FakeFabric::Impl {
     AwaitStoppedLocked([&](const Match& m) { return m.a->poster == inst || m.b->poster == inst; });
     nodes_.erase(inst);
     vanished_.erase(inst);
+    cancelled_.erase(inst);
   }
   int Live() const {
     absl::MutexLock l(&mu_);
@@ -159,10 +161,16 @@ class FakeFabric::Impl {
     }
     absl::MutexLock l(&mu_);
     if (auto s = UsableLocked(me); !s.ok()) return s;
+    auto cancelled = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      auto c = cancelled_.find(me);
+      return c != cancelled_.end() && c->second.Has(round);
+    };
+    if (cancelled()) return CancelledRounds::Error("fake", them, round);
     want_.insert({me, them, round});
     cv_.SignalAll();  // the peer may be waiting for this side's Connect
     auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return want_.count({them, me, round}) > 0 || !nodes_.count(them) || vanished_.count(them) > 0 || vanished_.count(me) > 0;
+      return want_.count({them, me, round}) > 0 || !nodes_.count(them) || vanished_.count(them) > 0 ||
+             vanished_.count(me) > 0 || cancelled();
     };
     while (!ready()) {
       if (cv_.WaitWithDeadline(&mu_, deadline) && !ready()) {
@@ -170,6 +178,10 @@ class FakeFabric::Impl {
         return absl::DeadlineExceededError(absl::StrCat("fake: peer ", them, " did not connect to ", me, " in time (round '",
                                                         round, "')"));
       }
+    }
+    if (cancelled()) {
+      want_.erase({me, them, round});
+      return CancelledRounds::Error("fake", them, round);
     }
     if (auto s = UsableLocked(me); !s.ok()) return s;
     if (!nodes_.count(them) || vanished_.count(them)) {
@@ -187,6 +199,15 @@ class FakeFabric::Impl {
       if (!r.local && r.key.owner == them) r.peer = PeerId{id};
     }
     return PeerId{id};
+  }
+
+  // Its waiting Connects wake (they check cancelled_), later ones fail at once.
+  absl::Status CancelRound(const std::string& me, absl::string_view round) {
+    if (absl::Status s = CancelledRounds::Check("fake", round); !s.ok()) return s;
+    absl::MutexLock l(&mu_);
+    cancelled_[me].Add(round);
+    cv_.SignalAll();
+    return absl::OkStatus();
   }
 
   absl::Status Disconnect(const std::string& me, PeerId peer) {
@@ -579,6 +600,7 @@ class FakeFabric::Impl {
   std::map<std::string, std::deque<absl::Status>> fail_next_ ABSL_GUARDED_BY(mu_);
   // (from, to, round): Connect called
   std::set<std::tuple<std::string, std::string, std::string>> want_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, CancelledRounds> cancelled_ ABSL_GUARDED_BY(mu_);  // instance -> its CancelRound calls
   std::set<std::pair<std::string, std::string>> broken_ ABSL_GUARDED_BY(mu_);  // channels to re-connect
   std::map<std::tuple<std::string, std::string, uint64_t>, std::shared_ptr<Half>> unmatched_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Match>> queue_ ABSL_GUARDED_BY(mu_);
@@ -616,6 +638,7 @@ class FakeTransport final : public Transport {
   absl::StatusOr<PeerId> Connect(absl::string_view ep, absl::string_view round, absl::Time deadline) override {
     return fabric_->impl()->Connect(instance_, ep, round, deadline);
   }
+  absl::Status CancelRound(absl::string_view round) override { return fabric_->impl()->CancelRound(instance_, round); }
   absl::Status Disconnect(PeerId peer) override { return fabric_->impl()->Disconnect(instance_, peer); }
   absl::StatusOr<RegionHandle> RegisterMemory(const MemorySpec& spec) override { return fabric_->impl()->Register(instance_, spec); }
   absl::StatusOr<std::string> ExportDescriptor(RegionHandle r) override { return fabric_->impl()->Export(instance_, r); }

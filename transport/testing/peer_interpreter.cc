@@ -31,7 +31,28 @@ absl::StatusOr<std::unique_ptr<PeerInterpreter>> PeerInterpreter::Create(std::un
   return p;
 }
 
-PeerInterpreter::~PeerInterpreter() { transport_.reset(); }
+PeerInterpreter::~PeerInterpreter() {
+  if (async_.joinable()) {
+    // Its Connect would hold this thread until its deadline: cancelled (the empty round cannot be).
+    if (!async_round_.empty()) (void)transport_->CancelRound(async_round_);
+    async_.join();
+  }
+  transport_.reset();
+}
+
+std::string PeerInterpreter::AsyncResult(absl::Duration timeout) {
+  if (!async_.joinable()) return ErrLine(absl::FailedPreconditionError("no CONNECT_ASYNC running"));
+  absl::StatusOr<PeerId> r = absl::UnknownError("");
+  {
+    absl::MutexLock l(&async_mu_);
+    auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(async_mu_) { return async_result_.has_value(); };
+    if (!async_mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) return "OK RUNNING";
+    r = *async_result_;
+    async_result_.reset();
+  }
+  async_.join();
+  return r.ok() ? absl::StrCat("OK ", r->id) : ErrLine(r.status());
+}
 
 std::string PeerInterpreter::Execute(const std::string& line, bool* quit) {
   *quit = false;
@@ -48,6 +69,38 @@ std::string PeerInterpreter::Execute(const std::string& line, bool* quit) {
     auto p = bytes.ok() ? t.Connect(*bytes, absl::Now() + absl::Seconds(30)) : bytes.status();
     if (p.ok()) peer_ = *p;
     return p.ok() ? absl::StrCat("OK ", p->id) : ErrLine(p.status());
+  }
+  if ((cmd == "CONNECT_ROUND" || cmd == "CONNECT_ASYNC") && w.size() == 4) {
+    auto bytes = HexDecode(w[1]);
+    auto round = HexDecode(w[2]);
+    int64_t ms = 0;
+    if (!bytes.ok() || !round.ok() || !absl::SimpleAtoi(w[3], &ms)) {
+      return ErrLine(absl::InvalidArgumentError(cmd + ": <hex endpoint> <hex round> <ms>"));
+    }
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(ms);
+    if (cmd == "CONNECT_ROUND") {
+      auto p = t.Connect(*bytes, *round, deadline);
+      if (p.ok()) peer_ = *p;
+      return p.ok() ? absl::StrCat("OK ", p->id) : ErrLine(p.status());
+    }
+    if (async_.joinable()) return ErrLine(absl::FailedPreconditionError("a CONNECT_ASYNC is still running"));
+    async_round_ = *round;
+    async_ = std::thread([this, endpoint = *bytes, r = *round, deadline] {
+      absl::StatusOr<PeerId> p = transport_->Connect(endpoint, r, deadline);
+      absl::MutexLock l(&async_mu_);
+      async_result_ = std::move(p);
+    });
+    return "OK";
+  }
+  if (cmd == "CONNECT_RESULT" && w.size() == 2) {
+    int64_t ms = 0;
+    (void)absl::SimpleAtoi(w[1], &ms);
+    return AsyncResult(absl::Milliseconds(ms));
+  }
+  if (cmd == "CANCEL_ROUND" && w.size() == 2) {
+    auto round = HexDecode(w[1]);
+    absl::Status s = round.ok() ? t.CancelRound(*round) : round.status();
+    return s.ok() ? "OK" : ErrLine(s);
   }
   if (cmd == "DESC") {
     auto d = t.ExportDescriptor(region_);

@@ -5,9 +5,13 @@
 // protocol with the same code.
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "transport/testing/test_buffer.h"
 #include "transport/transport.h"
 
@@ -29,11 +33,20 @@ class PeerInterpreter {
 
  private:
   PeerInterpreter() = default;
+  // CONNECT_RESULT: waits up to `timeout` for the background Connect; its reply line.
+  std::string AsyncResult(absl::Duration timeout);
+
   std::unique_ptr<TestBuffer> buffer_;      // declared first: destroyed last
   std::unique_ptr<Transport> transport_;
   RegionHandle region_;                      // the buffer's registration
   RegionHandle test_region_;                 // the test's buffer, once imported
   PeerId peer_ = kNoPeer;
+
+  // CONNECT_ASYNC: one Connect at a time in the background (an attempt whose caller gives up on it).
+  std::thread async_;
+  std::string async_round_;
+  absl::Mutex async_mu_;
+  std::optional<absl::StatusOr<PeerId>> async_result_ ABSL_GUARDED_BY(async_mu_);
 };
 
 // "ERR <code> <message>" with newlines flattened.

@@ -6,6 +6,11 @@
 //   ID                      -> OK <instance_id>
 //   ENDPOINT <peer_inst>    -> OK <hex endpoint bytes for that peer>
 //   CONNECT <hex endpoint>  -> OK <peer id>            (blocks up to 30 s inside the peer)
+//   CONNECT_ROUND <hex endpoint> <hex round> <ms>      -> OK <peer id> (Connect in that round, deadline ms)
+//   CONNECT_ASYNC <hex endpoint> <hex round> <ms>      -> OK  (the same Connect started in the
+//                           background: one at a time; its peer id is never used for batches)
+//   CONNECT_RESULT <ms>     -> OK RUNNING (still waiting after ms) | OK <peer id> | ERR <code> <message>
+//   CANCEL_ROUND <hex round> -> OK | ERR <code> <message>   (Transport::CancelRound)
 //   DESC                    -> OK <hex descriptor of the peer's buffer>
 //   IMPORT <hex descriptor> -> OK <handle id>
 //   POST <hex mirror batch> -> OK <batch id>           (ops in peer terms, see EncodeMirror)
