@@ -391,6 +391,11 @@ void LocalWorkers::NoteAborted(const std::string& model, uint64_t version, const
   aborted_[{model, version}] = reason;
 }
 
+void LocalWorkers::ForgetAborted(const std::string& model, uint64_t version) {
+  absl::MutexLock l(&mu_);
+  aborted_.erase({model, version});
+}
+
 std::optional<std::string> LocalWorkers::AbortReason(const std::string& model, uint64_t version) const {
   absl::MutexLock l(&mu_);
   auto it = aborted_.find({model, version});

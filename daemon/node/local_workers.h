@@ -294,6 +294,9 @@ class LocalWorkers {
   // Apply waiters of it end with ABORTED naming `reason`.
   void NoteAborted(const std::string& model, uint64_t version, const std::string& reason);
   std::optional<std::string> AbortReason(const std::string& model, uint64_t version) const;
+  // The version runs again (a re-joined coordinator runs a version whose execution the re-join
+  // aborted here, its Publish re-sent): its abort is no longer its outcome here.
+  void ForgetAborted(const std::string& model, uint64_t version);
   // A catch-up attempt of the committed `version` ended on this node (AbortVersion naming a plan
   // epoch, a re-join ending a catch-up execution): not an outcome for anyone here - the attempt
   // may be followed by another, and a rollout registering later has its own catch-up. Apply(v)

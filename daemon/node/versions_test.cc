@@ -432,5 +432,43 @@ TEST_F(VersionsTest, PeerExchangeForAVersionNeverStartedReleasesItsStaging) {
   versions_->AbortVersion(a).IgnoreError();
 }
 
+// A version whose execution a re-join aborted may run again for the coordinator re-joined (its
+// trainers' Publish re-sent: WorkerCalls::PublishAgainAfterRestart), once; a version aborted by
+// an AbortVersion - before or after that - is refused as before. Before, the re-join's record
+// refused it ("version 34 was aborted: the coordinator restarted", chaos seed 1002): re-sent
+// publishes of a version that had started were lost anyway.
+TEST_F(VersionsTest, AVersionAbortedByAReJoinRunsAgainForTheNewCoordinator) {
+  InstallPlan(pb::MODE_SYNC);
+  pb::ExecuteVersionRequest e;
+  e.set_model_id("m");
+  e.set_version(2);
+  e.set_plan_epoch(1);
+  e.set_timeout_ms(1000);
+  ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
+  (void)versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
+  EXPECT_TRUE(local_->AbortReason("m", 2).has_value()) << "Apply waiters of the old session are answered";
+  InstallPlan(pb::MODE_SYNC);  // the new session's plan epoch 1
+  absl::Status again = versions_->ExecuteVersion(e);
+  EXPECT_TRUE(again.ok()) << again;
+  EXPECT_FALSE(local_->AbortReason("m", 2).has_value());
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(2);
+  a.set_reason("a node failed");
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  absl::Status third = versions_->ExecuteVersion(e);
+  EXPECT_EQ(third.code(), absl::StatusCode::kAborted) << third;
+  EXPECT_NE(third.message().find("a node failed"), std::string::npos) << third;
+  // Aborted by the re-join, then by the new coordinator before it started here: refused.
+  e.set_version(3);
+  ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
+  (void)versions_->AbortAllForRejoin("the coordinator restarted (instance B -> C)");
+  InstallPlan(pb::MODE_SYNC);
+  a.set_version(3);
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  absl::Status fourth = versions_->ExecuteVersion(e);
+  EXPECT_EQ(fourth.code(), absl::StatusCode::kAborted) << fourth;
+}
+
 }  // namespace
 }  // namespace wb::daemon::node
