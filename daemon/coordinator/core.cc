@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/convert.h"
@@ -344,16 +345,46 @@ std::optional<absl::Status> CoordinatorCore::UsedUncommittedLocked(const std::st
                                          " restarted); publish a version newer than ", u.version));
 }
 
+// Resolving and validating a layout is outside mu_ (1e6 pieces took seconds, and every other call
+// of every model waited for them): a snapshot under mu_ (ModelRegistry::SnapshotLayout, which
+// holds the model), the work without it, and under mu_ again the result is applied if the worker
+// is still the registration with the layout the snapshot saw; else it is resolved again (a
+// worker that left or joined again meanwhile gets the answer a fresh call would).
 absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
-  absl::MutexLock l(&mu_);
-  ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
-  RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
-  ASSIGN_OR_RETURN(const bool changed, models_.SetLayout(*m, req, resp));
-  if (!changed) return absl::OkStatus();  // the same layout again
-  MarkPlanDirtyLocked(*m);
-  wake_ = true;
-  StatusChangedLocked();
-  return absl::OkStatus();
+  constexpr int kAttempts = 3;
+  for (int attempt = 1;; ++attempt) {
+    ModelRegistry::LayoutSnapshot snap;
+    {
+      absl::MutexLock l(&mu_);
+      ASSIGN_OR_RETURN(Model * m, models_.Get(req.model_id()));
+      RETURN_IF_ERROR(WorkerOnNode(*m, req.worker_id(), req.node_id()));
+      ASSIGN_OR_RETURN(snap, models_.SnapshotLayout(*m, req.worker_id()));
+    }
+    if (options_.test_before_layout_resolve) options_.test_before_layout_resolve();
+    absl::StatusOr<ModelRegistry::ResolvedWorkerLayout> resolved = ModelRegistry::ResolveSnapshot(snap, req);
+    absl::StatusOr<bool> changed;
+    {
+      absl::MutexLock l(&mu_);
+      if (!resolved.ok()) {
+        models_.DropSnapshot(snap);
+        return resolved.status();
+      }
+      Model& m = *snap.model;
+      changed = models_.ApplyLayout(snap, req, *resolved);
+      if (changed.ok() && *changed) {
+        MarkPlanDirtyLocked(m);
+        wake_ = true;
+        StatusChangedLocked();
+      }
+    }
+    if (absl::IsAborted(changed.status()) && absl::StrContains(changed.status().message(), ModelRegistry::kLayoutChanged) &&
+        attempt < kAttempts) {
+      continue;
+    }
+    RETURN_IF_ERROR(changed.status());
+    *resp->mutable_layout() = *resolved->proto;  // outside mu_: the resolved layout is never changed once made
+    return absl::OkStatus();
+  }
 }
 
 void CoordinatorCore::DropWorkerLocked(Model& m, const std::string& worker, const std::string& reason) {

@@ -8,6 +8,8 @@
 // Threads and what they own:
 //   - RPC handler threads: mutate the tables under mu_, wake the driver, and wait (Publish,
 //     WaitVersion, Drain) on mu_ through Clock::WaitUntil with the request's deadline.
+//     SubmitLayout resolves and validates its layout OUTSIDE mu_ (a snapshot under it, the result
+//     applied under it if the worker did not change meanwhile: ModelRegistry::SnapshotLayout).
 //   - the driver thread (DriverLoop): under mu_ it decides (leases, timeouts, what to plan,
 //     start, commit) and posts the resulting node RPCs to lanes_ (rpc_lanes.h); it never waits
 //     for a node, so a frozen node holds neither lease sweeps nor other models' versions.
@@ -17,7 +19,7 @@
 //     are applied under mu_ again.
 //   - the planner thread (PlannerLoop): takes queued plan jobs round-robin over models (PlanQueue),
 //     snapshots the model under mu_, plans and slices OUTSIDE mu_, applies the result under mu_ if
-//     membership did not change meanwhile, installs.
+//     membership did not change meanwhile, and posts the installs to the model's lane.
 //   Nothing slow ever runs under mu_.
 // Locking: mu_ is the one lock of the membership state. The node table (node_table.h) and the
 // model registry (model_registry.h) are plain data, not thread-safe, guarded by mu_ and only
@@ -126,6 +128,9 @@ struct CoordinatorOptions {
   // Where the coordinator's events are counted (daemon/metrics.h; the daemon's instance, made in
   // main.cc); null = the process default, Metrics(). Must outlive the coordinator.
   DaemonMetrics* metrics = nullptr;
+  // Tests: SubmitLayout calls it with mu_ NOT held, between its snapshot and resolving the layout
+  // (submit_layout_test holds it there while other calls are answered).
+  std::function<void()> test_before_layout_resolve;
 };
 
 class CoordinatorCore {
@@ -319,6 +324,14 @@ class CoordinatorCore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlannerLoop();
   void RunPlan(const std::string& model_id, Model* m);
+  // A plan's installs, posted by RunPlan to the model's lane: every node's slice, then (under mu_)
+  // the plan installed if its epoch is still the model's, else re-planned; ends RunPlan's hold.
+  struct InstallJob {
+    SliceInput in;
+    PlanOutcome outcome;
+    std::vector<std::pair<std::shared_ptr<NodeClient>, std::string>> installs;  // client, node
+  };
+  void InstallPlanSlices(const std::string& model_id, Model* m, InstallJob* job);
   std::function<void()> StartWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OwedCommitWorkLocked(LaneWork* work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Owed aborts (PendingAbort) due now: dropped for a node lost or restarted, else sent again.
@@ -336,6 +349,14 @@ class CoordinatorCore {
   void StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> CatchUpWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunCatchUpPlan(const std::string& model_id, Model* m, const SliceInput& in);
+  // A catch-up's installs and starts, posted by RunCatchUpPlan to the model's lane.
+  struct CatchUpInstallJob {
+    SliceInput in;
+    PlanOutcome outcome;
+    std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;  // node, client
+    uint64_t version = 0;
+  };
+  void InstallCatchUp(const std::string& model_id, Model* m, CatchUpInstallJob* job);
   // A node's report of a catch-up execution. FAILED_PRECONDITION for a report of another plan
   // epoch than the catch-up running (a late report of an earlier attempt of the same version).
   absl::Status CatchUpDoneLocked(const pb::ReportDoneRequest& req, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -45,17 +45,17 @@ absl::Status BuildInventory(const pb::ModelSpec& spec, ModelRegistry::Model* m) 
 
 // A layout as submitted (pieces, or a preset of a model made from hf_config_json) -> the
 // planner's layout; `resolved` gets the buffers and the pieces it resolved to.
-absl::StatusOr<planner::WorkerLayout> ResolveLayout(const ModelRegistry::Model& m, const pb::SubmitLayoutRequest& req,
-                                                    pb::ResolvedLayout* resolved) {
+absl::StatusOr<planner::WorkerLayout> ResolveLayout(const planner::Inventory& inventory, const planner::ModelConfig* config,
+                                                    const pb::SubmitLayoutRequest& req, pb::ResolvedLayout* resolved) {
   *resolved->mutable_buffers() = req.buffers();
   if (req.layout().has_pieces()) {
     *resolved->mutable_pieces() = req.layout().pieces().pieces();
-    return LayoutFromProto(*resolved, *m.inventory);
+    return LayoutFromProto(*resolved, inventory);
   }
   if (!req.layout().has_preset()) {
     return absl::InvalidArgumentError("layout: pieces or preset required (index probes are resolved by the node)");
   }
-  if (!m.config) {
+  if (config == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), ": preset layouts need a model created from hf_config_json"));
   }
   const pb::ParallelConfig& pc = req.layout().preset();
@@ -63,7 +63,7 @@ absl::StatusOr<planner::WorkerLayout> ResolveLayout(const ModelRegistry::Model& 
   if (!parallel.ok()) {
     return Annotate(parallel.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
   }
-  auto preset = planner::MakeModelPresetLayout(*m.config, *m.inventory, *parallel, static_cast<int>(pc.rank()));
+  auto preset = planner::MakeModelPresetLayout(*config, inventory, *parallel, static_cast<int>(pc.rank()));
   if (!preset.ok()) {
     return Annotate(preset.status(), absl::StrCat("worker ", req.worker_id(), " preset ", pc.preset(), " rank ", pc.rank()));
   }
@@ -81,7 +81,7 @@ absl::StatusOr<planner::WorkerLayout> ResolveLayout(const ModelRegistry::Model& 
     layout.buffers[i].size_bytes = static_cast<int64_t>(req.buffers(i).size_bytes());
   }
   resolved->clear_pieces();
-  LayoutToProto(layout, *m.inventory, req.buffers(), resolved);
+  LayoutToProto(layout, inventory, req.buffers(), resolved);
   return layout;
 }
 
@@ -223,46 +223,97 @@ ModelRegistry::WorkerRec& ModelRegistry::AddWorker(Model& m, const std::string& 
 }
 
 absl::StatusOr<bool> ModelRegistry::SetLayout(Model& m, const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse* resp) {
-  auto w = m.workers.find(req.worker_id());
-  if (w == m.workers.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(req.worker_id()), " has not joined model ", req.model_id()));
+  ASSIGN_OR_RETURN(LayoutSnapshot snap, SnapshotLayout(m, req.worker_id()));
+  absl::StatusOr<ResolvedWorkerLayout> resolved = ResolveSnapshot(snap, req);
+  if (!resolved.ok()) {
+    DropSnapshot(snap);
+    return resolved.status();
   }
+  ASSIGN_OR_RETURN(const bool changed, ApplyLayout(snap, req, *resolved));
+  *resp->mutable_layout() = *resolved->proto;
+  return changed;
+}
+
+absl::StatusOr<ModelRegistry::LayoutSnapshot> ModelRegistry::SnapshotLayout(Model& m, const std::string& worker_id) {
+  auto w = m.workers.find(worker_id);
+  if (w == m.workers.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", EchoValue(worker_id), " has not joined model ", m.spec.model_id()));
+  }
+  LayoutSnapshot snap;
+  snap.model = &m;
+  snap.inventory = m.inventory;
+  snap.config = m.config ? &*m.config : nullptr;
+  snap.role = w->second.role;
+  snap.serial = w->second.serial;
+  if (w->second.has_layout) snap.current = w->second.layout_proto;
+  Hold(m);
+  return snap;
+}
+
+void ModelRegistry::DropSnapshot(LayoutSnapshot& snap) {
+  if (snap.model == nullptr) return;
+  Release(*snap.model);
+  snap.model = nullptr;
+}
+
+absl::StatusOr<ModelRegistry::ResolvedWorkerLayout> ModelRegistry::ResolveSnapshot(const LayoutSnapshot& snap,
+                                                                                   const pb::SubmitLayoutRequest& req) {
   auto resolved = std::make_shared<pb::ResolvedLayout>();
-  ASSIGN_OR_RETURN(planner::WorkerLayout layout, ResolveLayout(m, req, resolved.get()));
-  absl::Status s = planner::ValidateLayout(*m.inventory, layout, w->second.role, req.worker_id());
+  ASSIGN_OR_RETURN(planner::WorkerLayout layout, ResolveLayout(*snap.inventory, snap.config, req, resolved.get()));
+  absl::Status s = planner::ValidateLayout(*snap.inventory, layout, snap.role, req.worker_id());
   if (!s.ok()) {
     Log(LogLevel::kWarning, "layout rejected", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"error", s.message()}});
     return s;
   }
-  // A second layout for the same worker (NODE helper, issue 15.13): the same one again is OK and
-  // changes nothing; another one while the worker is in the model's plan is refused (dropping the
-  // worker here left it registered on its node but gone from the coordinator); before any plan
-  // includes it, it replaces the first.
-  if (w->second.has_layout) {
-    if (w->second.layout_proto != nullptr && w->second.layout_proto->SerializeAsString() == resolved->SerializeAsString()) {
-      *resp->mutable_layout() = *w->second.layout_proto;
-      return false;
-    }
-    if (m.InPlan(req.worker_id()) || m.planning) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "worker ", EchoValue(req.worker_id()), " of model ", req.model_id(), " already has a different layout in the model's plan",
-          m.plan.epoch > 0 ? absl::StrCat(" (epoch ", m.plan.epoch, ")") : std::string(),
-          "; a worker's layout cannot change under a plan: Deregister and RegisterWorker again to register a new one"));
-    }
-  }
-  w->second.has_layout = true;
-  w->second.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
+  ResolvedWorkerLayout out;
+  // The same layout again is judged by its bytes; a different number of pieces or buffers cannot be.
+  out.same = snap.current != nullptr && snap.current->pieces_size() == resolved->pieces_size() &&
+             snap.current->buffers_size() == resolved->buffers_size() &&
+             snap.current->SerializeAsString() == resolved->SerializeAsString();
   // A worker with CUDA buffers sits on their GPU as its node daemon numbers it (the node rewrites
   // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
   // topology (same-GPU colocation) then compares GPUs of one numbering.
   for (const pb::BufferSpec& b : resolved->buffers()) {
     if ((b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) && b.gpu() >= 0) {
-      w->second.gpu = b.gpu();
+      out.gpu = b.gpu();
       break;
     }
   }
-  *resp->mutable_layout() = *resolved;
-  w->second.layout_proto = std::move(resolved);
+  if (out.same) {
+    out.proto = snap.current;
+  } else {
+    out.proto = std::move(resolved);
+    out.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
+  }
+  return out;
+}
+
+absl::StatusOr<bool> ModelRegistry::ApplyLayout(LayoutSnapshot& snap, const pb::SubmitLayoutRequest& req, const ResolvedWorkerLayout& resolved) {
+  Model& m = *snap.model;
+  DropSnapshot(snap);  // mu_ is held again: m stays valid until the caller releases it
+  auto w = m.workers.find(req.worker_id());
+  const bool has_layout = w != m.workers.end() && w->second.has_layout;
+  if (w == m.workers.end() || w->second.serial != snap.serial || (has_layout ? w->second.layout_proto : nullptr) != snap.current) {
+    // Dropped and joined again, or another SubmitLayout of it won meanwhile: what was resolved
+    // may be for another registration, or judged against a layout it no longer has.
+    return absl::AbortedError(absl::StrCat("worker ", EchoValue(req.worker_id()), " of model ", req.model_id(), " ", kLayoutChanged,
+                                           " (registered again, left, or another layout submitted); submit it again"));
+  }
+  // A second layout for the same worker (NODE helper, issue 15.13): the same one again is OK and
+  // changes nothing; another one while the worker is in the model's plan is refused (dropping the
+  // worker here left it registered on its node but gone from the coordinator); before any plan
+  // includes it, it replaces the first.
+  if (resolved.same) return false;
+  if (has_layout && (m.InPlan(req.worker_id()) || m.planning)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker ", EchoValue(req.worker_id()), " of model ", req.model_id(), " already has a different layout in the model's plan",
+        m.plan.epoch > 0 ? absl::StrCat(" (epoch ", m.plan.epoch, ")") : std::string(),
+        "; a worker's layout cannot change under a plan: Deregister and RegisterWorker again to register a new one"));
+  }
+  w->second.has_layout = true;
+  w->second.layout = resolved.layout;
+  if (resolved.gpu >= 0) w->second.gpu = resolved.gpu;
+  w->second.layout_proto = resolved.proto;
   return true;
 }
 

@@ -228,8 +228,37 @@ class ModelRegistry {
   // `resp`. true = the worker's layout changed (the model must be re-planned); false = the same
   // layout again. NOT_FOUND for a worker that has not joined; FAILED_PRECONDITION for a
   // different layout of a worker already in the model's plan.
+  // SetLayout does it all in one call (mu_ held throughout: tests, small layouts). The
+  // coordinator runs it in three steps so that resolving a big layout (1e6 pieces: seconds) does
+  // not hold mu_ (docs/daemon.md "Layouts are resolved outside the lock"):
+  //   SnapshotLayout (mu_ held) - what resolving reads, and a hold on the model;
+  //   ResolveSnapshot (mu_ NOT held) - converts, resolves, validates; touches no registry state;
+  //   ApplyLayout (mu_ held) - stores it if the worker is still the registration the snapshot
+  //     saw with the layout it saw; else ABORTED with kLayoutChanged in the message (the caller
+  //     takes a new snapshot and resolves again). Always ends the snapshot's hold.
   absl::StatusOr<bool> SetLayout(Model& m, const ::weightbridge::v1::SubmitLayoutRequest& req,
                                  ::weightbridge::v1::SubmitLayoutResponse* resp);
+  struct LayoutSnapshot {
+    Model* model = nullptr;  // held (Hold) until ApplyLayout or DropSnapshot
+    std::shared_ptr<const planner::Inventory> inventory;
+    const planner::ModelConfig* config = nullptr;  // m.config (never changes after creation; the hold keeps it)
+    planner::Role role = planner::Role::kTrainer;
+    uint64_t serial = 0;  // WorkerRec::serial seen
+    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> current;  // the worker's layout then (null: none)
+  };
+  struct ResolvedWorkerLayout {
+    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> proto;
+    std::shared_ptr<const planner::WorkerLayout> layout;
+    bool same = false;  // byte for byte the snapshot's `current`
+    int32_t gpu = -1;   // the GPU of its first CUDA buffer (-1: none)
+  };
+  static constexpr const char* kLayoutChanged = "changed while its layout was resolved";
+  absl::StatusOr<LayoutSnapshot> SnapshotLayout(Model& m, const std::string& worker_id);
+  static absl::StatusOr<ResolvedWorkerLayout> ResolveSnapshot(const LayoutSnapshot& snap,
+                                                              const ::weightbridge::v1::SubmitLayoutRequest& req);
+  absl::StatusOr<bool> ApplyLayout(LayoutSnapshot& snap, const ::weightbridge::v1::SubmitLayoutRequest& req,
+                                   const ResolvedWorkerLayout& resolved);
+  void DropSnapshot(LayoutSnapshot& snap);
 
   // Holds (see the contract above): Hold under mu_ before releasing it with Model* kept, Release
   // under mu_ once the Model* is no longer used; the model counts as used at the release. Touch:
