@@ -136,8 +136,8 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
   plan_queue_.Push(model_id, kCatchUpJob, [this, model_id, mp, in = std::move(in)] { RunCatchUpPlan(model_id, mp, in); });
 }
 
-// Planner thread: plan, install the catch-up slices, start the executors (no lock held while
-// planning or calling nodes).
+// Planner thread: plan the catch-up and post its installs and starts to the model's lane
+// (InstallCatchUp; no lock held while planning or calling nodes).
 void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, const SliceInput& in) {
   PlanSettings settings;  // the weightbridge planner whatever the model's strategy: a catch-up is ours alone
   settings.strategy = planner::Strategy::kWeightBridge;
@@ -184,6 +184,21 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
     Log(LogLevel::kInfo, "catch-up sources to certify",
         {{"model", model_id}, {"version", version}, {"boxes", certify.boxes}, {"sources", certify.sources},
          {"sources_without_record", certify.uncovered_sources}});
+  }
+  // Installs and starts run in the model's lane, not on the planner thread: a node slow to answer
+  // holds this catch-up, never the other models' plans.
+  auto job = std::make_shared<CatchUpInstallJob>(CatchUpInstallJob{in, std::move(*outcome), std::move(clients), version});
+  lanes_.Post(ModelLane(model_id), [this, model_id, m, job] { InstallCatchUp(model_id, m, job.get()); });
+}
+
+void CoordinatorCore::InstallCatchUp(const std::string& model_id, Model* m, CatchUpInstallJob* job) {
+  const SliceInput& in = job->in;
+  PlanOutcome* outcome = &job->outcome;
+  const auto& clients = job->clients;
+  const uint64_t version = job->version;
+  {
+    absl::MutexLock l(&mu_);  // (no hold: as in StartCatchUpLocked)
+    if (stopping_ || !m->catch_up || m->catch_up->epoch != in.epoch) return;
   }
   std::vector<absl::Status> results(clients.size());
   ParallelFor(clients.size(), kRpcThreads, [&](size_t i) {

@@ -341,7 +341,7 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m) {
   std::vector<std::pair<std::shared_ptr<NodeClient>, std::string>> installs;  // client, node
   {
     absl::MutexLock l(&mu_);
-    ReleaseHold release{models_, m};  // disarmed below when the installs (and m) follow
+    ReleaseHold release{models_, m};  // disarmed below when the installs (and m) follow (InstallPlanSlices)
     m->planning = false;
     wake_ = true;
     if (stopping_) return;
@@ -388,7 +388,18 @@ void CoordinatorCore::RunPlan(const std::string& model_id, Model* m) {
                                        {"plan_ms", plan.stats.plan_ms}, {"cached", outcome->cached ? "yes" : "no"}});
     for (auto& [n, slice] : outcome->slices.by_node) installs.push_back({nodes_.Client(n), n});
     release.armed = false;  // still held across the installs
+    // The installs run in the model's lane (after its calls posted before, e.g. the aborts of the
+    // old epoch), not on the planner thread: a node slow to answer InstallPlan (30 s each) holds
+    // this model, never the other models' plans.
+    auto job = std::make_shared<InstallJob>(InstallJob{std::move(in), std::move(*outcome), std::move(installs)});
+    lanes_.Post(ModelLane(model_id), [this, model_id, m, job] { InstallPlanSlices(model_id, m, job.get()); });
   }
+}
+
+void CoordinatorCore::InstallPlanSlices(const std::string& model_id, Model* m, InstallJob* job) {
+  const SliceInput& in = job->in;
+  PlanOutcome* outcome = &job->outcome;
+  const auto& installs = job->installs;
   // Each slice gets its header (inventory, workers: the bulk of it) just before it is sent, so at
   // most the 32 slices in flight are held whole.
   std::vector<absl::Status> results(installs.size());

@@ -31,6 +31,14 @@ class DriverLanesTest : public ::testing::Test {
     o.lease = lease;
     o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
       auto fake = std::make_shared<FakeNodeClient>(node);
+      fake->on_install = [this, node](const pb::PlanSlice& slice) {
+        if (freeze_installs_ && node == "n1" && slice.model_id() == "a") {
+          executing_frozen_.Notify();
+          release_frozen_.WaitForNotificationWithTimeout(kReal);
+          return absl::DeadlineExceededError("frozen node: InstallPlan timed out");
+        }
+        return absl::OkStatus();
+      };
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
         if (node == "n1" && req.model_id() == "a") {
           executing_frozen_.Notify();
@@ -59,7 +67,8 @@ class DriverLanesTest : public ::testing::Test {
   }
   // `model`'s trainer on `trainer_node` and one rollout on `rollout_node` (async: a version
   // commits once every node of the plan reported it done).
-  void JoinModel(const std::string& model, const std::string& trainer_node, const std::string& rollout_node) {
+  void JoinModel(const std::string& model, const std::string& trainer_node, const std::string& rollout_node,
+                 bool await_installed = true) {
     pb::ModelSpec spec = testing::SmallModelSpec(model, 1);
     spec.set_mode(pb::MODE_ASYNC);
     for (const auto& [worker, node, role] :
@@ -78,7 +87,7 @@ class DriverLanesTest : public ::testing::Test {
       absl::Status s = core_->SubmitLayout(l, &lr);
       ASSERT_TRUE(s.ok()) << s;
     }
-    ASSERT_TRUE(core_->AwaitPlanInstalled(model, absl::Now() + kReal)) << model;
+    if (await_installed) ASSERT_TRUE(core_->AwaitPlanInstalled(model, absl::Now() + kReal)) << model;
   }
   absl::Status Publish(const std::string& model, const std::string& node, uint64_t v) {
     pb::CoordPublishRequest p;
@@ -99,6 +108,7 @@ class DriverLanesTest : public ::testing::Test {
     return core_->WaitVersion(w, &wr);
   }
 
+  bool freeze_installs_ = false;  // set before StartCore: n1 freezes in model a's InstallPlan
   FakeClock clock_;  // declared before core_: outlives it (TearDown shuts the core down)
   absl::Notification executing_frozen_, release_frozen_;
   std::unique_ptr<CoordinatorCore> core_;
@@ -142,6 +152,22 @@ TEST_F(DriverLanesTest, AFrozenNodesLeaseRunsOutWhileItsCallIsHeld) {
   EXPECT_EQ(a.code(), absl::StatusCode::kAborted) << a;
   EXPECT_NE(a.message().find("node n1 lost its lease"), std::string::npos) << a;
   EXPECT_FALSE(release_frozen_.HasBeenNotified()) << "the abort came only after the frozen call ended";
+}
+
+// Model a's plan install waits on frozen n1 (InstallPlan, 30 s per node). Model b becomes ready
+// meanwhile: its plan is made and installed at once. Before, the installs ran on the one planner
+// thread, so b's plan waited for a's install to give up.
+TEST_F(DriverLanesTest, AFrozenNodesInstallHoldsNoOtherModelsPlan) {
+  freeze_installs_ = true;
+  StartCore(Clock::Real(), absl::Minutes(10));
+  for (const char* n : {"n0", "n1", "n2"}) Register(n);
+  JoinModel("a", "n0", "n1", /*await_installed=*/false);
+  ASSERT_TRUE(executing_frozen_.WaitForNotificationWithTimeout(kReal)) << "a's plan was never installed";
+  JoinModel("b", "n2", "n2", /*await_installed=*/false);
+  EXPECT_TRUE(core_->AwaitPlanInstalled("b", absl::Now() + kPrompt)) << "model b's plan waited for model a's frozen node";
+  ASSERT_TRUE(Publish("b", "n2", 1).ok());
+  absl::Status b = WaitVersion("b", 1, kPrompt);
+  EXPECT_TRUE(b.ok()) << b;
 }
 
 }  // namespace

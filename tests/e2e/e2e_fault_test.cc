@@ -107,8 +107,9 @@ const int64_t kHeldLeaseMs = ScaledMs(20000);
 // copts.lease_ms must outlast the time from the freeze until v2 starts (the trainers fill, push
 // and publish it meanwhile: longer than a 3 s lease on a loaded 2-core machine): a node lost
 // before v2 starts is not in v2's plan, and v2 is not held (kHeldLeaseMs). Once v2 is in flight
-// the lease does not end it: the coordinator's ExecuteVersion to the frozen node returns at the
-// kill or the transfer timeout.
+// the caller's fault must come within n2's lease too: the coordinator's ExecuteVersion to the
+// frozen node is held until the kill or the transfer timeout, but the driver no longer waits for
+// it (docs/daemon.md "The driver never waits for a node"), so a lease that runs out aborts v2.
 void StartWithV2HeldInFlight(Fixture& f, const std::string& tag, const ClusterOptions& copts,
                              const std::string& mode = "one_step_off", int versions = 3) {
   RunOptions run;
