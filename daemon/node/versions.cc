@@ -116,12 +116,7 @@ absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string&
   }
   if (it != execs_.end()) return it->second;
   if (std::optional<std::string> aborted = local_.AbortReason(model_id, version); !catch_up && aborted) {
-    // Aborted here by a re-join only (never by an AbortVersion since): the coordinator re-joined
-    // runs it again from the same source (the trainers' Publish re-sent), once.
-    if (rejoin_aborted_.erase({model_id, version}) == 0) {
-      return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", *aborted));
-    }
-    local_.ForgetAborted(model_id, version);
+    return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", *aborted));
   }
   if (!catch_up && version <= committed_[model_id]) return absl::FailedPreconditionError(absl::StrCat("version ", version, " is already committed"));
   auto p = catch_up ? cu : plans_.find(model_id);
@@ -400,8 +395,15 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   return absl::OkStatus();
 }
 
+// The Connects in progress of aborted executions end now (CANCELLED) instead of holding their
+// threads until the version's deadline. Called without mu_ (a transport call).
+void Versions::CancelConnects(const std::vector<std::pair<transport::Transport*, std::string>>& rounds) {
+  for (const auto& [t, round] : rounds) (void)t->CancelRound(round);
+}
+
 absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   std::map<std::string, transport::PeerId> connected;
+  std::vector<std::pair<transport::Transport*, std::string>> connecting;
   uint64_t other_epoch = 0;  // of an execution of the version this abort leaves running
   std::optional<uint64_t> rolled_back;  // committed_ before this abort rolled `version` back
   uint64_t committed_now = 0;
@@ -420,7 +422,6 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
     const bool other = req.plan_epoch() != 0 && it != execs_.end() && it->second->epoch != req.plan_epoch();
     const bool catch_up = other || (it != execs_.end() ? it->second->catch_up : req.plan_epoch() != 0);
     if (catch_up) local_.NoteCatchUpAborted(req.model_id(), req.version(), req.reason());
-    if (!catch_up) rejoin_aborted_.erase({req.model_id(), req.version()});  // aborted since: not run again
     if (other) {
       other_epoch = it->second->epoch;
     } else {
@@ -431,6 +432,7 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
         it->second->aborted = true;
         it->second->error = req.reason();
         connected = it->second->connected;
+        for (const auto& [chan, c] : it->second->connecting) connecting.push_back(c);
         execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
       } else if (!catch_up) {
         // Already committed here: a sync commit the coordinator declared failed (another node did
@@ -460,7 +462,8 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   metrics().Version(options_.node_id, req.model_id(), "aborted");
   metrics().Failure(options_.node_id, absl::AbortedError(req.reason()));
   deltas_.Drop(req.model_id(), req.version());
-  // Blocked waits on the version's channels end now instead of at the transfer deadline.
+  // Blocked waits on the version's channels, and its Connects, end now instead of at the deadline.
+  CancelConnects(connecting);
   for (auto& [peer, id] : connected) DropChannel(req.model_id(), peer, id);
   Log(LogLevel::kInfo, "version aborted on node",
       {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"reason", req.reason()}});
@@ -631,9 +634,11 @@ std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& r
         local_.NoteCatchUpAborted(key.first, key.second, reason);
       } else {
         local_.NoteAborted(key.first, key.second, reason);
-        rejoin_aborted_.insert(key);
       }
       for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
+      // Its Connects in progress are not cancelled (CancelRound): the new session numbers plan
+      // epochs from 1 again and may run the version again, in the very same round, which a
+      // cancel would fail at once. They end at the version's deadline, as before cancels.
     }
     execs_.clear();
     // Catch-up slices belong to the coordinator session that installed them. A new session numbers
@@ -656,11 +661,18 @@ std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& r
 }
 
 bool Versions::Stop() {
-  absl::MutexLock l(&mu_);
-  if (stopping_) return false;
-  stopping_ = true;
-  for (auto& [k, e] : execs_) e->aborted = true;
-  local_.Stop();
+  std::vector<std::pair<transport::Transport*, std::string>> connecting;
+  {
+    absl::MutexLock l(&mu_);
+    if (stopping_) return false;
+    stopping_ = true;
+    for (auto& [k, e] : execs_) {
+      e->aborted = true;
+      for (const auto& [chan, c] : e->connecting) connecting.push_back(c);
+    }
+    local_.Stop();
+  }
+  CancelConnects(connecting);
   return true;
 }
 

@@ -205,7 +205,18 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     // waiting here or on the peer never takes the connections of this one (ConnectRound). With a
     // peer built before rounds both use the empty round (as before them: such a Connect can).
     const std::string round = rounds ? ConnectRound(exec.model_id, exec.version, exec.epoch, options_.node_id, channel) : "";
+    {
+      // Checked and noted under mu_: an abort either came first (no Connect) or sees the round
+      // and cancels it (CancelConnects), which also fails a Connect that starts after it.
+      absl::MutexLock l(&mu_);
+      if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+      if (!round.empty()) exec.connecting[chan] = {cross, round};
+    }
     auto c = cross->Connect(peer_endpoint, round, exec.deadline);
+    {
+      absl::MutexLock l(&mu_);
+      exec.connecting.erase(chan);
+    }
     if (!c.ok()) return Annotate(c.status(), absl::StrCat("connecting to node ", peer, " (", kind, ")"));
     id = *c;
     Log(LogLevel::kDebug, "data channel connected", {{"model", exec.model_id}, {"version", exec.version}, {"peer", peer}, {"transport", kind}});
