@@ -116,7 +116,12 @@ absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string&
   }
   if (it != execs_.end()) return it->second;
   if (std::optional<std::string> aborted = local_.AbortReason(model_id, version); !catch_up && aborted) {
-    return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", *aborted));
+    // Aborted here by a re-join only (never by an AbortVersion since): the coordinator re-joined
+    // runs it again from the same source (the trainers' Publish re-sent), once.
+    if (rejoin_aborted_.erase({model_id, version}) == 0) {
+      return absl::AbortedError(absl::StrCat("version ", version, " was aborted: ", *aborted));
+    }
+    local_.ForgetAborted(model_id, version);
   }
   if (!catch_up && version <= committed_[model_id]) return absl::FailedPreconditionError(absl::StrCat("version ", version, " is already committed"));
   auto p = catch_up ? cu : plans_.find(model_id);
@@ -422,6 +427,7 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
     const bool other = req.plan_epoch() != 0 && it != execs_.end() && it->second->epoch != req.plan_epoch();
     const bool catch_up = other || (it != execs_.end() ? it->second->catch_up : req.plan_epoch() != 0);
     if (catch_up) local_.NoteCatchUpAborted(req.model_id(), req.version(), req.reason());
+    if (!catch_up) rejoin_aborted_.erase({req.model_id(), req.version()});  // aborted since: not run again
     if (other) {
       other_epoch = it->second->epoch;
     } else {
@@ -634,6 +640,7 @@ std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& r
         local_.NoteCatchUpAborted(key.first, key.second, reason);
       } else {
         local_.NoteAborted(key.first, key.second, reason);
+        rejoin_aborted_.insert(key);
       }
       for (auto& [peer, id] : e->connected) drop.push_back({key.first, peer, id});
       // Its Connects in progress are not cancelled (CancelRound): the new session numbers plan

@@ -299,9 +299,9 @@ class Versions {
   class ExecChannels;
   // Deadline, abort check, metrics and progress of the executor for `exec`.
   ExecOptions ExecOptionsFor(Exec& exec);
-  // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
   // Transport::CancelRound of each (transport, round) (aborted executions' Connects in progress).
   static void CancelConnects(const std::vector<std::pair<transport::Transport*, std::string>>& rounds);
+  // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
   void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
 
   // versions_memory.cc
@@ -366,6 +366,10 @@ class Versions {
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
   // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
   std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
+  // Versions whose execution a re-join aborted (AbortAllForRejoin): the new coordinator may run
+  // them again (their Publish re-sent, WorkerCalls::PublishAgainAfterRestart), which their abort
+  // record alone would refuse (GetExecLocked).
+  std::set<std::pair<std::string, uint64_t>> rejoin_aborted_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::shared_ptr<Exec>> execs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> committed_ ABSL_GUARDED_BY(mu_);  // model -> version
   // model -> the newest versions committed here (at most kCommittedHistory): an AbortVersion of a
