@@ -200,8 +200,8 @@ absl::Status DecodeOp(const RouteOp& op, uint8_t* dst, int64_t dst_size, const s
   // The base is laid out as the staging as far as the box reaches: the same size for unquantised
   // rollouts; a quantised rollout's live buffers end where its staging's canonical shadows begin.
   if (base->size < l->end_byte()) {
-    return absl::FailedPreconditionError(absl::StrCat("delta for ", what, ": the committed copy has ", base->size,
-                                                      " bytes, the box reaches byte ", l->end_byte()));
+    return absl::FailedPreconditionError(absl::StrCat("delta for ", what, ": the base (", base->what, ", version ", base->version, ") has ",
+                                                      base->size, " bytes, the box reaches byte ", l->end_byte()));
   }
   const bool dense = l->num_runs() <= 1;
   std::vector<uint8_t> base_box, out_box;

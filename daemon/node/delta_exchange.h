@@ -70,6 +70,8 @@ struct DeltaBase {
   const uint8_t* data = nullptr;
   int64_t size = 0;
   std::shared_ptr<const void> hold;  // keeps `data` alive while the executor decodes
+  // Which memory it is, named in refusals (NodeDeltas::For says which of its bases it chose).
+  const char* what = "the committed copy";
 };
 
 // Reusable host buffers for the per-peer delta regions (first touch of fresh memory is slow on

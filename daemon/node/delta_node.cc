@@ -104,7 +104,7 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     if (in == incoming.end() || in->second == nullptr || at.second >= in->second->size()) continue;
     const StagedBuffer& b = (*in->second)[at.second];
     if (b.device != nullptr || b.host.empty()) continue;
-    in_place[at] = DeltaBase{version, b.host.data(), b.size(), in->second};
+    in_place[at] = DeltaBase{version, b.host.data(), b.size(), in->second, "the incoming staging (in place)"};
   }
   // Each local rollout's committed staging when the version starts, kept for its decodes: a
   // one-step-off / async rollout may Apply it while the version runs, which lets it go from the
@@ -128,19 +128,22 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     const size_t j = at->second;
     std::shared_ptr<StagedBytes> committed = w.committed;
     uint64_t committed_version = w.committed_version;
+    const char* what = "the committed staging";
     if (auto c = committed_at_start.find(id->second); committed == nullptr && c != committed_at_start.end() &&
                                                       c->second.first >= w.applied_version) {
       committed_version = c->second.first;
       committed = c->second.second;
+      what = "the committed staging held at the start";
     }
     if (committed != nullptr && j < committed->size() && (*committed)[j].device == nullptr) {
       const StagedBuffer& b = (*committed)[j];
-      return DeltaBase{committed_version, b.host.data(), b.size(), committed};
+      return DeltaBase{committed_version, b.host.data(), b.size(), committed, what};
     }
     // Sync commits hand committed staging back to the pool once live weights hold it.
     if (w.applied_version > 0 && !v->copying && v->torn.ok() && j < w.buffers.size() && w.buffers[j] != nullptr) {
       const std::shared_ptr<transport::ShmSegment>& seg = w.buffers[j];
-      return DeltaBase{w.applied_version, static_cast<const uint8_t*>(seg->data()), static_cast<int64_t>(seg->size()), seg};
+      return DeltaBase{w.applied_version, static_cast<const uint8_t*>(seg->data()), static_cast<int64_t>(seg->size()), seg,
+                       "the live weights"};
     }
     return std::nullopt;
   };

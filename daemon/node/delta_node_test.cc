@@ -137,6 +137,7 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
   EXPECT_EQ(before->version, 1u);
   EXPECT_EQ(before->data, staged);
   EXPECT_EQ(before->size, 2 * kLive);
+  EXPECT_STREQ(before->what, "the committed staging");  // named in a refusal (DecodeOp)
 
   // Apply of version 1 while version 2 runs: the live copy, then the staging is let go.
   std::vector<LocalWorkers::LiveJob> jobs(1);
@@ -164,6 +165,7 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
   EXPECT_EQ(after->version, 1u);
   EXPECT_EQ(after->size, 2 * kLive) << "the base lost the canonical shadows (live weights instead of the committed staging)";
   EXPECT_EQ(after->data, staged);
+  EXPECT_STREQ(after->what, "the committed staging held at the start");
   ASSERT_NE(after->hold, nullptr);
   EXPECT_EQ(after->data[2 * kLive - 1], 0xAB);
 
@@ -172,6 +174,7 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
   std::optional<DeltaBase> b3 = next.base("w0.b0");
   ASSERT_TRUE(b3.has_value());
   EXPECT_EQ(b3->size, kLive);
+  EXPECT_STREQ(b3->what, "the live weights");
   EXPECT_EQ(b3->data, static_cast<const uint8_t*>(live[0]->data()));
 }
 
