@@ -243,6 +243,18 @@ std::vector<uint64_t> VersionMachine::PublishingWithout(const std::string& train
   return out;
 }
 
+std::string VersionMachine::PublishedPastWithout(const std::string& trainer, uint64_t version) const {
+  auto mine = records_.find(version);
+  for (const std::string& other : trainers_) {
+    if (other == trainer) continue;
+    if (mine != records_.end() && mine->second.published_by.count(other) > 0) continue;
+    for (auto it = records_.upper_bound(version); it != records_.end(); ++it) {
+      if (it->second.published_by.count(other) > 0) return other;
+    }
+  }
+  return "";
+}
+
 std::vector<uint64_t> VersionMachine::UnfinishedPublishedBy(const std::string& trainer) const {
   std::vector<uint64_t> out;
   for (const auto& [v, rec] : records_) {

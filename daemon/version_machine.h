@@ -87,6 +87,10 @@ class VersionMachine {
   // has not published: a trainer publishes its versions in order, so once it published `version`
   // those can never be published by every trainer.
   std::vector<uint64_t> PublishingWithout(const std::string& trainer, uint64_t version) const;
+  // The reverse order: another current trainer that already published a version newer than
+  // `version` without publishing `version` (its first such, by name), so `version` - published
+  // now by `trainer` - can never be published by every trainer. Empty if none.
+  std::string PublishedPastWithout(const std::string& trainer, uint64_t version) const;
 
   // Sync mode: a rollout worker paused for the next version.
   void RecordReady(const std::string& rollout);

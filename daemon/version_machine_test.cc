@@ -202,5 +202,23 @@ TEST(VersionMachineTest, CommitFailedIsNotCommitted) {
   EXPECT_TRUE(m.RecordPublish("t0", 2).ok());
 }
 
+// Trainers publish in order: once t0 published 2 without 1, a 1 published by t1 afterwards (a
+// Publish re-sent after a coordinator restart) can never be published by every trainer.
+TEST(VersionMachineTest, PublishedPastWithoutNamesTheRankAlreadyPastTheVersion) {
+  VersionMachine m = Make(ModeKind::kSync);
+  ASSERT_TRUE(m.RecordPublish("t0", 2).ok());
+  ASSERT_TRUE(m.RecordPublish("t1", 1).ok());
+  EXPECT_EQ(m.PublishedPastWithout("t1", 1), "t0");
+  EXPECT_EQ(m.PublishedPastWithout("t0", 2), "") << "nobody is past 2";
+  ASSERT_TRUE(m.RecordPublish("t0", 3).ok());
+  ASSERT_TRUE(m.RecordPublish("t1", 3).ok());
+  EXPECT_EQ(m.PublishedPastWithout("t1", 3), "");
+  // t0 published 4 after t1's 4 was recorded: t0 is in 4's published_by, not past it.
+  ASSERT_TRUE(m.RecordPublish("t1", 4).ok());
+  ASSERT_TRUE(m.RecordPublish("t0", 4).ok());
+  ASSERT_TRUE(m.RecordPublish("t0", 5).ok());
+  EXPECT_EQ(m.PublishedPastWithout("t1", 4), "");
+}
+
 }  // namespace
 }  // namespace wb::daemon

@@ -501,6 +501,14 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
                 absl::StrCat("trainer ", worker, " published version ", v, " without publishing version ", older,
                              ", which can therefore never be published by every trainer"));
   }
+  // The same, the other way round: another rank is past v already (a Publish of v re-sent after a
+  // coordinator restart, docs/daemon.md "Coordinator restart", can arrive after the other rank's
+  // newer one). v would wait for that rank until this call's deadline.
+  if (std::string past = m->machine->PublishedPastWithout(worker, v); !past.empty()) {
+    AbortLocked(req.model_id(), *m, v,
+                absl::StrCat("trainer ", past, " published a newer version without publishing version ", v,
+                             ", which can therefore never be published by every trainer"));
+  }
   wake_ = true;
   StatusChangedLocked();
   if (m->machine->mode() == ModeKind::kSync) {
