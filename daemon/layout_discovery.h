@@ -73,6 +73,10 @@ class LayoutDescriber {
                                                          const std::string& source, planner::Role role, const std::string& worker);
 
  private:
+  // Explicit pieces over `resolved`'s buffers: converted, described and validated (DescribeInfo).
+  static absl::StatusOr<planner::LayoutInfo> DescribeResolvedPieces(const Model& model, const pb::ResolvedLayout& resolved,
+                                                                    std::optional<planner::Role> validate_as, const std::string& worker);
+
   static constexpr size_t kCacheEntries = 8;
   absl::Mutex mu_;
   // (cache key, model), most recently used last.

@@ -39,28 +39,38 @@ absl::StatusOr<int64_t> PieceEndByte(const Inventory& inventory, const Piece& pi
   if (piece.tensor < 0 || piece.tensor >= static_cast<int32_t>(inventory.tensors.size())) {
     return absl::InvalidArgumentError(absl::StrCat("piece names tensor index ", piece.tensor, " of ", inventory.tensors.size()));
   }
-  const std::string what = absl::StrCat("piece of ", inventory.tensors[piece.tensor].name, " ", BoxToString(piece.box));
+  // Built only for an error: once per piece it was most of the cost of describing 1e6 pieces.
+  auto what = [&] { return absl::StrCat("piece of ", inventory.tensors[piece.tensor].name, " ", BoxToString(piece.box)); };
   if (piece.box.begin.size() != piece.box.end.size() || piece.strides.size() != piece.box.begin.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": box has ", piece.box.begin.size(), "/", piece.box.end.size(),
+    return absl::InvalidArgumentError(absl::StrCat(what(), ": box has ", piece.box.begin.size(), "/", piece.box.end.size(),
                                                    " dims and ", piece.strides.size(), " strides"));
   }
-  if (piece.offset_bytes < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative offset ", piece.offset_bytes));
-  if (piece.quant.has_value()) RETURN_IF_ERROR(CheckInt4Packing(piece, what));
-  const ByteView view = StoredBytes(inventory, piece);
+  if (piece.offset_bytes < 0) return absl::InvalidArgumentError(absl::StrCat(what(), ": negative offset ", piece.offset_bytes));
+  if (piece.quant.has_value()) RETURN_IF_ERROR(CheckInt4Packing(piece, what()));
+  // The stored bytes' view (a copy of the piece) only for quantised pieces: unquantised ones are
+  // their own view, and copying each of 1e6 pieces cost three allocations apiece.
+  std::optional<ByteView> quantised;
+  const Piece* stored = &piece;
+  int element_size = DTypeSize(inventory.tensors[piece.tensor].dtype);
+  if (piece.quant.has_value()) {
+    quantised = StoredBytes(inventory, piece);
+    stored = &quantised->piece;
+    element_size = quantised->element_size;
+  }
   int64_t span = 0;
-  for (size_t d = 0; d < view.piece.strides.size(); ++d) {
-    const int64_t ext = view.piece.box.end[d] - view.piece.box.begin[d];
+  for (size_t d = 0; d < stored->strides.size(); ++d) {
+    const int64_t ext = stored->box.end[d] - stored->box.begin[d];
     if (ext <= 0) return piece.offset_bytes;  // empty box: no bytes
-    if (view.piece.strides[d] < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative stride"));
+    if (stored->strides[d] < 0) return absl::InvalidArgumentError(absl::StrCat(what(), ": negative stride"));
     int64_t term = 0;
-    if (__builtin_mul_overflow(ext - 1, view.piece.strides[d], &term) || __builtin_add_overflow(span, term, &span)) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": strides overflow"));
+    if (__builtin_mul_overflow(ext - 1, stored->strides[d], &term) || __builtin_add_overflow(span, term, &span)) {
+      return absl::InvalidArgumentError(absl::StrCat(what(), ": strides overflow"));
     }
   }
   int64_t end = 0;
-  if (__builtin_add_overflow(span, 1, &end) || __builtin_mul_overflow(end, view.element_size, &end) ||
+  if (__builtin_add_overflow(span, 1, &end) || __builtin_mul_overflow(end, element_size, &end) ||
       __builtin_add_overflow(end, piece.offset_bytes, &end)) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", piece.offset_bytes, " + extent overflows 64 bits"));
+    return absl::InvalidArgumentError(absl::StrCat(what(), ": offset ", piece.offset_bytes, " + extent overflows 64 bits"));
   }
   return end;
 }
@@ -111,8 +121,13 @@ LayoutInfo DescribePresetLayout(const Inventory& inventory, const PresetLayout& 
 }
 
 absl::StatusOr<LayoutInfo> DescribePieces(const Inventory& inventory, const WorkerLayout& layout, int num_buffers) {
+  return DescribePieces(inventory, WorkerLayout(layout), num_buffers);
+}
+
+absl::StatusOr<LayoutInfo> DescribePieces(const Inventory& inventory, WorkerLayout&& moved, int num_buffers) {
   LayoutInfo info;
-  info.layout = layout;
+  info.layout = std::move(moved);
+  const WorkerLayout& layout = info.layout;  // (its buffers are resized only at the end)
   std::map<int32_t, int> pieces_of;  // tensor -> pieces in the layout
   std::map<std::pair<int32_t, int64_t>, std::string> global_names;  // NVFP4 global scale place -> its name
   for (const Piece& p : layout.pieces) ++pieces_of[p.tensor];

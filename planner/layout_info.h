@@ -59,6 +59,8 @@ LayoutInfo DescribePresetLayout(const Inventory& inventory, const PresetLayout& 
 // entries). INVALID_ARGUMENT naming the piece for an unknown tensor index, a box/stride rank
 // mismatch, a negative stride or buffer index, or byte extents that overflow 64 bits.
 absl::StatusOr<LayoutInfo> DescribePieces(const Inventory& inventory, const WorkerLayout& layout, int num_buffers = 0);
+// The same, taking the layout over (no copy of 1e6 pieces).
+absl::StatusOr<LayoutInfo> DescribePieces(const Inventory& inventory, WorkerLayout&& layout, int num_buffers = 0);
 
 // One past the last byte of `piece` (its stored bytes, planner/quantized.h StoredBytes), or
 // INVALID_ARGUMENT on negative strides / overflow. Empty boxes reach their offset.

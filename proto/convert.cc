@@ -33,53 +33,53 @@ absl::StatusOr<planner::Piece> ConvertPiece(const pb::Piece& p, int index, const
   if (t == tensor_index.end()) {
     return Invalid(absl::StrCat(PieceName(index, ""), ": unknown tensor '", p.tensor(), "' (not in the model)"));
   }
-  const std::string name = PieceName(index, p.tensor());
+  auto name = [&] { return PieceName(index, p.tensor()); };  // only for an error: not per piece of 1e6
   planner::Piece piece;
   piece.tensor = t->second;
   auto box = FromProto(p.box());
-  if (!box.ok()) return Invalid(absl::StrCat(name, ": ", box.status().message()));
+  if (!box.ok()) return Invalid(absl::StrCat(name(), ": ", box.status().message()));
   piece.box = *std::move(box);
   std::optional<int32_t> b = buffer_index(p.buffer_id());
-  if (!b) return Invalid(absl::StrCat(name, ": unknown buffer_id ", p.buffer_id()));
+  if (!b) return Invalid(absl::StrCat(name(), ": unknown buffer_id ", p.buffer_id()));
   piece.buffer = *b;
   if (p.offset_bytes() > static_cast<uint64_t>(INT64_MAX)) {
-    return Invalid(absl::StrCat(name, ": offset_bytes ", p.offset_bytes(), " too large"));
+    return Invalid(absl::StrCat(name(), ": offset_bytes ", p.offset_bytes(), " too large"));
   }
   piece.offset_bytes = static_cast<int64_t>(p.offset_bytes());
   piece.strides.assign(p.strides().begin(), p.strides().end());
   if (p.quant_dtype() != pb::DTYPE_UNSPECIFIED) {
     planner::Quantization q;
     auto dtype = FromProto(p.quant_dtype());
-    if (!dtype.ok()) return Invalid(absl::StrCat(name, ": quant_dtype: ", dtype.status().message()));
+    if (!dtype.ok()) return Invalid(absl::StrCat(name(), ": quant_dtype: ", dtype.status().message()));
     q.dtype = *dtype;
     if (p.quant_scale_dtype() != pb::DTYPE_UNSPECIFIED) {
       auto scale = FromProto(p.quant_scale_dtype());
-      if (!scale.ok()) return Invalid(absl::StrCat(name, ": quant_scale_dtype: ", scale.status().message()));
+      if (!scale.ok()) return Invalid(absl::StrCat(name(), ": quant_scale_dtype: ", scale.status().message()));
       q.scale_dtype = *scale;
     }
     q.block.assign(p.quant_block().begin(), p.quant_block().end());
     std::optional<int32_t> sb = buffer_index(p.scale_buffer_id());
-    if (!sb) return Invalid(absl::StrCat(name, ": unknown scale_buffer_id ", p.scale_buffer_id()));
+    if (!sb) return Invalid(absl::StrCat(name(), ": unknown scale_buffer_id ", p.scale_buffer_id()));
     q.scale_buffer = *sb;
     if (p.scale_offset_bytes() > static_cast<uint64_t>(INT64_MAX)) {
-      return Invalid(absl::StrCat(name, ": scale_offset_bytes ", p.scale_offset_bytes(), " too large"));
+      return Invalid(absl::StrCat(name(), ": scale_offset_bytes ", p.scale_offset_bytes(), " too large"));
     }
     q.scale_offset_bytes = static_cast<int64_t>(p.scale_offset_bytes());
     if (p.has_quant_global_scale_offset()) {
       if (p.quant_global_scale_offset() > static_cast<uint64_t>(INT64_MAX)) {
-        return Invalid(absl::StrCat(name, ": quant_global_scale_offset ", p.quant_global_scale_offset(), " too large"));
+        return Invalid(absl::StrCat(name(), ": quant_global_scale_offset ", p.quant_global_scale_offset(), " too large"));
       }
       q.global_scale_offset_bytes = static_cast<int64_t>(p.quant_global_scale_offset());
     }
     piece.quant = std::move(q);
   } else if (p.quant_block_size() > 0) {
-    return Invalid(absl::StrCat(name, ": quant_block without quant_dtype"));
+    return Invalid(absl::StrCat(name(), ": quant_block without quant_dtype"));
   } else if (p.has_quant_global_scale_offset()) {
-    return Invalid(absl::StrCat(name, ": quant_global_scale_offset without quant_dtype"));
+    return Invalid(absl::StrCat(name(), ": quant_global_scale_offset without quant_dtype"));
   }
   const size_t rank = inventory.tensors[t->second].shape.size();
   if (piece.box.begin.size() != rank || piece.strides.size() != rank) {
-    return Invalid(absl::StrCat(name, ": box/strides rank must be ", rank, " (the tensor's), got box rank ",
+    return Invalid(absl::StrCat(name(), ": box/strides rank must be ", rank, " (the tensor's), got box rank ",
                                 piece.box.begin.size(), " and ", piece.strides.size(), " strides"));
   }
   return piece;
@@ -349,6 +349,7 @@ absl::StatusOr<planner::WorkerLayout> LayoutFromProto(const pb::ResolvedLayout& 
     if (it == buffer_index.end()) return std::nullopt;
     return it->second;
   };
+  out.pieces.reserve(static_cast<size_t>(layout.pieces_size()));
   for (int i = 0; i < layout.pieces_size(); ++i) {
     ASSIGN_OR_RETURN(planner::Piece piece, ConvertPiece(layout.pieces(i), i, inventory, tensor_index, by_id));
     out.pieces.push_back(std::move(piece));

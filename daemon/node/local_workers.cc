@@ -85,7 +85,7 @@ bool SameMemory(const LocalWorkers::Worker& w, const pb::RegisterLayoutRequest& 
       }
       continue;
     }
-    const pb::BufferSpec* was = i < w.layout_request.buffers_size() ? &w.layout_request.buffers(i) : nullptr;
+    const pb::BufferSpec* was = static_cast<size_t>(i) < w.layout_buffers.size() ? &w.layout_buffers[i] : nullptr;
     if (b.memory_case() != pb::BufferSpec::kCudaIpcHandle || was == nullptr || was->memory_case() != pb::BufferSpec::kCudaIpcHandle ||
         was->cuda_ipc_handle() != b.cuda_ipc_handle()) {
       return false;
@@ -145,21 +145,23 @@ void LocalWorkers::Add(const WorkerKey& key, Worker w, std::optional<planner::In
 absl::StatusOr<uint64_t> LocalWorkers::AttachLayout(const WorkerKey& key, std::vector<std::shared_ptr<transport::ShmSegment>> buffers,
                                                     std::vector<std::shared_ptr<CudaImport>> cuda, pb::SubmitLayoutRequest submitted,
                                                     const pb::ResolvedLayout& resolved) {
-  absl::MutexLock l(&mu_);
-  auto it = workers_.find(key);
-  if (it == workers_.end()) return absl::NotFoundError("worker deregistered concurrently");
   // The layout's bytes (what its pieces cover), not the registered buffers' sizes (which
-  // include padding, probe buffers, ...).
+  // include padding, probe buffers, ...). Worked out, and the layout serialized, before mu_ is
+  // taken: 1e6 pieces take a second, and every worker call of this node waits for mu_.
   uint64_t bytes = 0;
-  auto inv = inventories_.find(key.first);
-  if (inv != inventories_.end()) {
-    auto layout = convert::LayoutFromProto(resolved, inv->second);
+  if (std::optional<planner::Inventory> inv = Inventory(key.first)) {
+    auto layout = convert::LayoutFromProto(resolved, *inv);
     if (layout.ok()) {
       for (const planner::Piece& p : layout->pieces) {
-        bytes += static_cast<uint64_t>(planner::BoxVolume(p.box) * planner::DTypeSize(inv->second.tensors[p.tensor].dtype));
+        bytes += static_cast<uint64_t>(planner::BoxVolume(p.box) * planner::DTypeSize(inv->tensors[p.tensor].dtype));
       }
     }
   }
+  std::string submitted_bytes = submitted.SerializeAsString();
+  submitted.Clear();
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end()) return absl::NotFoundError("worker deregistered concurrently");
   Worker& w = it->second;
   absl::StatusOr<std::vector<SegmentId>> ids = IdentifySegments(buffers);
   std::vector<SegmentId> segments = ids.ok() ? *std::move(ids) : std::vector<SegmentId>();
@@ -178,11 +180,12 @@ absl::StatusOr<uint64_t> LocalWorkers::AttachLayout(const WorkerKey& key, std::v
   it->second.buffers = std::move(buffers);
   it->second.cuda = std::move(cuda);
   it->second.has_layout = true;  // pieces live in the plan slice the coordinator installs
-  it->second.layout_request.Clear();  // recorded once answered (RecordLayoutAnswer)
-  it->second.layout_response.Clear();
+  it->second.layout_request.clear();  // recorded once answered (RecordLayoutAnswer)
+  it->second.layout_response.clear();
+  it->second.layout_buffers.clear();
   // Memory an earlier process of this daemon died copying into (a live-copy marker): TORN.
   live_.Adopt(key.first, LiveKey(key.first, key.second), it->second.buffers, options_.node_id);
-  it->second.submitted = std::move(submitted);
+  it->second.submitted = std::move(submitted_bytes);
   return bytes;
 }
 
@@ -200,17 +203,24 @@ bool LocalWorkers::RepeatRegistration(const WorkerKey& key, const pb::RegisterWo
 std::optional<pb::RegisterLayoutResponse> LocalWorkers::SameLayout(const WorkerKey& key, const pb::RegisterLayoutRequest& req,
                                                                    const std::vector<std::vector<std::string>>& vmm_now) {
   if (req.layout().has_index_probe()) return std::nullopt;
-  absl::MutexLock l(&mu_);
-  auto it = workers_.find(key);
-  if (it == workers_.end() || !it->second.has_layout || it->second.layout_request.buffers().empty()) return std::nullopt;
-  if (it->second.layout_request.SerializeAsString() != req.SerializeAsString()) return std::nullopt;
-  // A mapping that faulted (the worker truncated its segment under a copy) or shrank stays refused
-  // until the worker registers its layout again (docs/security.md): that registration maps anew,
-  // even when its request is the same. So does a name that now names another file (the worker
-  // unlinked its segment and created a new one under the same name): the node must map that one.
-  if (!SameMemory(it->second, req, /*cuda_by_request=*/true, &vmm_now)) return std::nullopt;
-  it->second.repeat_pending = false;
-  return it->second.layout_response;
+  const std::string req_bytes = req.SerializeAsString();  // (no map fields: equal requests, equal bytes)
+  std::string answer;
+  {
+    absl::MutexLock l(&mu_);
+    auto it = workers_.find(key);
+    if (it == workers_.end() || !it->second.has_layout || it->second.layout_buffers.empty()) return std::nullopt;
+    if (it->second.layout_request != req_bytes) return std::nullopt;
+    // A mapping that faulted (the worker truncated its segment under a copy) or shrank stays refused
+    // until the worker registers its layout again (docs/security.md): that registration maps anew,
+    // even when its request is the same. So does a name that now names another file (the worker
+    // unlinked its segment and created a new one under the same name): the node must map that one.
+    if (!SameMemory(it->second, req, /*cuda_by_request=*/true, &vmm_now)) return std::nullopt;
+    it->second.repeat_pending = false;
+    answer = it->second.layout_response;
+  }
+  pb::RegisterLayoutResponse resp;
+  if (!resp.ParseFromString(answer)) return std::nullopt;  // (never: this process serialized it)
+  return resp;
 }
 
 std::optional<pb::RegisterWorkerRequest> LocalWorkers::TakeRepeat(const WorkerKey& key) {
@@ -230,11 +240,15 @@ std::optional<pb::RegisterWorkerRequest> LocalWorkers::NewMemory(const WorkerKey
 }
 
 void LocalWorkers::RecordLayoutAnswer(const WorkerKey& key, const pb::RegisterLayoutRequest& req, const pb::RegisterLayoutResponse& resp) {
+  if (req.buffers().empty()) return;  // (never the same layout again: SameLayout)
+  std::string req_bytes = req.SerializeAsString(), resp_bytes = resp.SerializeAsString();
+  std::vector<pb::BufferSpec> buffers(req.buffers().begin(), req.buffers().end());
   absl::MutexLock l(&mu_);
   auto it = workers_.find(key);
   if (it == workers_.end() || !it->second.has_layout) return;
-  it->second.layout_request = req;
-  it->second.layout_response = resp;
+  it->second.layout_request = std::move(req_bytes);
+  it->second.layout_response = std::move(resp_bytes);
+  it->second.layout_buffers = std::move(buffers);
 }
 
 void LocalWorkers::Remove(const WorkerKey& key) {
@@ -279,21 +293,27 @@ std::string LocalWorkers::restart_reason() const {
 
 std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
   std::vector<JoinInfo> out;
-  absl::MutexLock l(&mu_);
-  for (const auto& [key, w] : workers_) {
-    JoinInfo j;
-    j.key = key;
-    j.role = w.role;
-    j.gpu = w.gpu;
-    j.spec = w.spec;
-    j.applied_version = w.applied_version;
-    j.committed_version = w.committed_version;
-    j.holds_without_shadows = w.role == planner::Role::kRollout && w.caught_up_version > 0 &&
-                              w.caught_up_version == std::max(w.committed_version, w.applied_version);
-    j.has_layout = w.has_layout;
-    j.submitted = w.submitted;
-    if (w.pid) j.process = w.pid->Identity();
-    out.push_back(std::move(j));
+  std::vector<std::string> layouts;  // serialized, parsed below without mu_
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& [key, w] : workers_) {
+      JoinInfo j;
+      j.key = key;
+      j.role = w.role;
+      j.gpu = w.gpu;
+      j.spec = w.spec;
+      j.applied_version = w.applied_version;
+      j.committed_version = w.committed_version;
+      j.holds_without_shadows = w.role == planner::Role::kRollout && w.caught_up_version > 0 &&
+                                w.caught_up_version == std::max(w.committed_version, w.applied_version);
+      j.has_layout = w.has_layout;
+      layouts.push_back(w.submitted);
+      if (w.pid) j.process = w.pid->Identity();
+      out.push_back(std::move(j));
+  }
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!out[i].submitted.ParseFromString(layouts[i])) out[i].submitted.Clear();  // (never: serialized here)
   }
   return out;
 }

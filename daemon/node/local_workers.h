@@ -93,14 +93,18 @@ class LocalWorkers {
     std::shared_ptr<PidWatch> pid;  // null: the worker gave no pid (not watched)
     // What the node re-submits when it re-joins a (restarted) coordinator.
     pb::ModelSpec spec;
-    pb::SubmitLayoutRequest submitted;  // valid when has_layout
+    // Layouts are kept in wire form (serialized): a layout of 1e6 pieces is ~25 MB so and was
+    // ~400 MB as each of these protos (docs/security.md, the thirty-eighth session's size probe);
+    // they are parsed only when used (a re-join, a repeated RegisterLayout).
+    std::string submitted;  // the SubmitLayoutRequest; valid when has_layout
     // RegisterWorker as it came (pid filled in): the same request again from the same live process
     // is a repeat (SameRegistration), not a new registration.
     pb::RegisterWorkerRequest registration;
-    // RegisterLayout as it came and what it answered (empty until answered): the same request
-    // again is answered the same (SameLayout).
-    pb::RegisterLayoutRequest layout_request;
-    pb::RegisterLayoutResponse layout_response;
+    // RegisterLayout as it came and what it answered (serialized; empty until answered): the same
+    // request again is answered the same (SameLayout). Its buffers parsed (SameMemory).
+    std::string layout_request;
+    std::string layout_response;
+    std::vector<pb::BufferSpec> layout_buffers;
     // A repeated RegisterWorker was answered without a join (RepeatRegistration) and the
     // RegisterLayout that tells whether it was a replay has not come yet (TakeRepeat).
     bool repeat_pending = false;
