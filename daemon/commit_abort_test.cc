@@ -40,6 +40,30 @@ void AwaitQueuedNodeRpcs(Cluster& c) {
   ASSERT_TRUE(core.AwaitNodeRpcsIdle(absl::Now() + kReal));
 }
 
+// Shuts the coordinator down while a node call of it is held (the test's hook waits on `release`):
+// once Shutdown began (its waiting calls answered UNAVAILABLE), releases the call and waits for the
+// shutdown to end. Returns what a waiting WaitVersion got.
+absl::Status ShutDownReleasingHeldCall(Cluster& c, absl::Notification& release) {
+  CoordinatorCore& old_core = c.coord_->coordinator()->core();
+  std::thread stopper([&] { c.coord_->Shutdown(); });
+  pb::WaitVersionRequest never;
+  never.set_model_id("m");
+  never.set_version(1000);
+  never.set_timeout_ms(absl::ToInt64Milliseconds(kReal));
+  pb::WaitVersionResponse never_resp;
+  const absl::Status stopping = old_core.WaitVersion(never, &never_resp);  // ends when Shutdown began
+  release.Notify();
+  stopper.join();
+  return stopping;
+}
+
+// A new coordinator process on the stopped one's port (the nodes find it there and re-join).
+void RestartCoordinatorOnItsPort(Cluster& c) {
+  const int port = c.coord_->port();
+  c.coord_.reset();
+  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+}
+
 // An AbortVersion of version 2 reaches n0 while its CommitVersion(2) is copying it into r0's live
 // weights (the copy is held at its start). The commit sees the abort before it advances n0's
 // committed version: it answers ABORTED naming the abort, so the coordinator does not count
@@ -168,25 +192,13 @@ TEST(CommitAbortTest, AFailedSyncCommitWhoseAbortWasLostIsNotRestoredAfterACoord
   std::vector<grpc::Status> published;
   std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1}); });
   const bool held = entered.WaitForNotificationWithTimeout(kReal);
-  // The coordinator stops while n0's commit is held: its driver, waiting for that answer, then
-  // declares version 2 failed and exits without sending the AbortVersions it queued.
-  CoordinatorCore& old_core = c.coord_->coordinator()->core();
-  std::thread stopper([&] { c.coord_->Shutdown(); });
-  pb::WaitVersionRequest never;
-  never.set_model_id("m");
-  never.set_version(1000);
-  never.set_timeout_ms(absl::ToInt64Milliseconds(kReal));
-  pb::WaitVersionResponse never_resp;
-  const absl::Status stopping = old_core.WaitVersion(never, &never_resp);  // ends when Shutdown began
-  release.Notify();
-  stopper.join();
+  // The coordinator stops while n0's commit is held: its commit call, waiting for that answer, then
+  // declares version 2 failed and the coordinator exits without sending the AbortVersions it queued.
+  const absl::Status stopping = ShutDownReleasingHeldCall(c, release);
   ASSERT_TRUE(held) << "n0's commit of version 2 never started its live copy";
   ASSERT_TRUE(absl::IsUnavailable(stopping)) << stopping;
   EXPECT_EQ(CountBad(r1, 2), 0) << "n1 did not commit version 2 into r1's live weights";
-  const int port = c.coord_->port();
-  c.coord_.reset();
-  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
-  ASSERT_FALSE(Test::HasFatalFailure());
+  ASSERT_NO_FATAL_FAILURE(RestartCoordinatorOnItsPort(c));
   publisher.join();
   for (const grpc::Status& s : published) EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
   ASSERT_TRUE(c.coord_->coordinator()->core().AwaitPlanInstalled("m", absl::Now() + kReal)) << "no plan after the restart";
@@ -298,6 +310,60 @@ TEST(CommitAbortTest, AResumedRolloutDropsItsCopyOfAFailedSyncCommit) {
   EXPECT_GT(CountBad(r1, 2), 0);
   for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   for (TestWorker* r : {&r0, &r1}) EXPECT_EQ(CountBad(*r, 3), 0) << r->id;
+  c.Stop();
+}
+
+// A sync version committed only on a node without rollouts (the trainers' n0) when the coordinator
+// dies - n1's commit into r1 is held, and fails after the old coordinator began to shut down - is
+// rolled back on n0 at its re-join. The trainers' Publish, answered UNAVAILABLE by the dying
+// coordinator, is sent again to the new one (docs/daemon.md "Coordinator restart"), which runs the
+// version again: n0 takes its new ExecuteVersion, version 2 commits and reaches r1 whole. Before,
+// n0's rollback recorded version 2 aborted and refused it ("... rolled back at the re-join"; chaos
+// seed 1002, v34): the trainers' Publish(2) was answered ABORTED.
+TEST(CommitAbortTest, AVersionRolledBackOnTheTrainersNodeAtItsReJoinRunsAgain) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  absl::Notification entered, release;
+  std::atomic<bool> armed{true};
+  c.StartCoordinator();
+  c.StartNode(0);
+  c.StartNode(1, nullptr, nullptr, [&](ServerOptions& o) {
+    o.configure_node = [&](NodeDaemon::Options& no) {
+      no.test_live_copy_fault = [&](const std::string& label) {
+        if (label != "commit r1 v2" || !armed.exchange(false)) return absl::OkStatus();
+        entered.Notify();
+        release.WaitForNotificationWithTimeout(kReal);
+        return absl::UnavailableError("injected transport failure");
+      };
+    };
+  });
+  ASSERT_FALSE(Test::HasFatalFailure());
+  TestWorker& t0 = c.AddWorker("t0", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {4, 16}, false}, {1, {0, 0}, {4, 6}, false}}));
+  TestWorker& t1 = c.AddWorker("t1", pb::ROLE_TRAINER, 0, &inv, LayoutOf(inv, {{0, {4, 0}, {8, 16}, false}}));
+  TestWorker& r1 = c.AddWorker("r1", pb::ROLE_ROLLOUT, 1, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, true}, {1, {0, 0}, {4, 6}, true}}));
+  const pb::ModelSpec spec = SpecOf(inv, pb::MODE_SYNC, pb::STRATEGY_WEIGHTBRIDGE, 2, 1);
+  for (TestWorker* w : {&t0, &t1, &r1}) ASSERT_TRUE(c.Register(*w, spec).ok()) << w->id;
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<grpc::Status> published;
+  std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r1}); });
+  const bool held = entered.WaitForNotificationWithTimeout(kReal);
+  // The coordinator stops while n1's commit is held: the trainers' Publish calls end UNAVAILABLE
+  // when its Shutdown begins, before the commit fails (n0 committed version 2 by then).
+  const absl::Status stopping = ShutDownReleasingHeldCall(c, release);
+  ASSERT_TRUE(held) << "n1's commit of version 2 never started its live copy";
+  ASSERT_TRUE(absl::IsUnavailable(stopping)) << stopping;
+  ASSERT_NO_FATAL_FAILURE(RestartCoordinatorOnItsPort(c));
+  // The new coordinator does not know r1 paused (sync pauses are not rebuilt): a rollout engine
+  // pauses again once its wait for version 2 failed at the restart.
+  ASSERT_TRUE(c.coord_->coordinator()->core().AwaitPlanInstalled("m", absl::Now() + kReal)) << "no plan after the restart";
+  grpc::Status paused = BeginUpdateAs(r1, 10000);
+  publisher.join();
+  ASSERT_TRUE(paused.ok()) << paused.error_message();
+  for (const grpc::Status& s : published) EXPECT_TRUE(s.ok()) << "publish of version 2 after the restart: " << s.error_message();
+  EXPECT_EQ(CountBad(r1, 2), 0) << "version 2 did not reach r1 whole";
+  EXPECT_EQ(CommittedOf(c.Status(r1), "m"), 2u);
+  for (auto& s : c.Publish("m", pb::MODE_SYNC, 3, {&t0, &t1}, {&r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r1, 3), 0);
   c.Stop();
 }
 

@@ -194,6 +194,11 @@ absl::Status CoordinatorCore::Heartbeat(const pb::HeartbeatRequest& req, pb::Hea
   const absl::Time received = options_.clock->Now();
   RETURN_IF_ERROR(nodes_.CheckHeartbeat(req));  // refused before anything is stored
   absl::MutexLock l(&mu_);
+  // A coordinator shutting down (a graceful restart: SIGTERM, then the next process) answered its
+  // waiting calls UNAVAILABLE already. Heartbeats answered OK meanwhile told the nodes "the same
+  // coordinator is there", so they passed that UNAVAILABLE on instead of waiting for the next
+  // coordinator (a trainer's Publish in flight is sent again there, WorkerCalls).
+  if (stopping_) return absl::UnavailableError("coordinator shutting down");
   resp->set_coordinator_instance(instance_);
   ASSIGN_OR_RETURN(const absl::Duration lease, nodes_.Heartbeat(req.node_id(), req.incarnation(), received));
   for (const pb::VersionProgress& p : req.progress()) {

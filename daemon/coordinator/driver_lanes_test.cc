@@ -33,7 +33,9 @@ class DriverLanesTest : public ::testing::Test {
       auto fake = std::make_shared<FakeNodeClient>(node);
       fake->on_install = [this, node](const pb::PlanSlice& slice) {
         if (freeze_installs_ && node == "n1" && slice.model_id() == "a") {
-          executing_frozen_.Notify();
+          // (A retry after the release - a re-plan, another start - comes here again; the
+          // lane runs one call of the model at a time.)
+          if (!executing_frozen_.HasBeenNotified()) executing_frozen_.Notify();
           release_frozen_.WaitForNotificationWithTimeout(kReal);
           return absl::DeadlineExceededError("frozen node: InstallPlan timed out");
         }
@@ -41,7 +43,9 @@ class DriverLanesTest : public ::testing::Test {
       };
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
         if (node == "n1" && req.model_id() == "a") {
-          executing_frozen_.Notify();
+          // (A retry after the release - a re-plan, another start - comes here again; the
+          // lane runs one call of the model at a time.)
+          if (!executing_frozen_.HasBeenNotified()) executing_frozen_.Notify();
           release_frozen_.WaitForNotificationWithTimeout(kReal);  // frozen until the test ends
           return absl::DeadlineExceededError("frozen node: ExecuteVersion timed out");
         }

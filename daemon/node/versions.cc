@@ -529,6 +529,12 @@ std::vector<Versions::RolledBack> Versions::RollBackUnconfirmedLocked(const std:
                                                   " but never confirmed committed cluster-wide before ", reason,
                                                   " (not every node may have committed it; its AbortVersion may have been lost): "
                                                   "rolled back at the re-join"));
+      // Like an execution the re-join aborted (AbortAllForRejoin), it may run again for the new
+      // coordinator, once: its trainers' Publish is sent again there (WorkerCalls::
+      // PublishAgainAfterRestart), from the same source. A number a rollout's live weights
+      // hold is never run again: the coordinator refuses it as used (UsedUncommittedLocked).
+      // Before, this record refused the new ExecuteVersion (chaos seed 1002, v34).
+      rejoin_aborted_.insert({model, *v});
       out.push_back({model, *v, committed_[model], local_.DropAbortedCommit(model, *v)});
     }
   }
