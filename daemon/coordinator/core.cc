@@ -32,7 +32,7 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
     : options_(std::move(options)),
       nodes_(NodeTable::Options{options_.lease, options_.local_node, options_.max_heartbeat_progress}),
       models_(ModelRegistry::Options{options_.max_models, options_.max_name_bytes, options_.max_reply_bytes,
-                                     options_.model_idle_grace, options_.clock}),
+                                     options_.max_inventory_bytes_total, options_.model_idle_grace, options_.clock}),
       // No default make_plan: PlanCache then plans with MakePlanWithOptions and polls the
       // cancellation of the planner thread's job (a newer plan of the model queued, shutdown) and
       // the plan deadline.

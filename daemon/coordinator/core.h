@@ -121,6 +121,9 @@ struct CoordinatorOptions {
   // Largest CreateModel / JoinWorker reply (the inventory): over it the call fails and the model
   // it created is removed. 4 MiB = gRPC's default receive limit of the nodes' coordinator channel.
   int64_t max_reply_bytes = int64_t{4} << 20;
+  // Encoded bytes of all models' inventories together (CreateModel / JoinWorker with a spec over it:
+  // RESOURCE_EXHAUSTED naming it); each costs several times its size in memory. <= 0: no bound.
+  int64_t max_inventory_bytes_total = int64_t{2} << 30;
   // The longest any request waits (Publish, WaitVersion, Drain, ExchangeMagnitudes): a longer
   // timeout_ms is cut to it (the gate already clamps remote calls to Limits::max_wait_ms; this
   // bounds every caller of the core). Past it the call ends DEADLINE_EXCEEDED as at its own timeout.

@@ -119,6 +119,21 @@ absl::StatusOr<bool> ModelRegistry::Create(const pb::ModelSpec& spec) {
   Model m;
   m.spec = spec;
   RETURN_IF_ERROR(BuildInventory(spec, &m));
+  // All inventories together are bounded too: each costs the coordinator several times its
+  // encoded size (parsed, planner form, reply copy), and max_models times the largest reply would
+  // be tens of GB (size probe, thirty-eighth session: 135 MB kept ~650 MB).
+  if (options_.max_inventory_bytes_total > 0) {
+    int64_t held = 0;
+    for (const auto& [id, other] : models_) {
+      if (victim == models_.end() || id != victim->first) held += static_cast<int64_t>(other.inventory_bytes);
+    }
+    if (held + static_cast<int64_t>(m.inventory_bytes) > options_.max_inventory_bytes_total) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "model ", spec.model_id(), " refused: its inventory is ", m.inventory_bytes, " bytes and the ", models_.size(),
+          " models held keep ", held, " bytes of inventories, more than the limit (max_inventory_bytes_total) of ",
+          options_.max_inventory_bytes_total, " bytes"));
+    }
+  }
   m.machine = std::make_unique<VersionMachine>(ToMode(spec.mode()), spec.max_staleness());
   m.last_used = options_.clock->Now();
   if (victim != models_.end()) {

@@ -184,6 +184,9 @@ class ModelRegistry {
     int max_models = 256;        // models held at once
     int max_name_bytes = 1024;   // model ids
     int64_t max_reply_bytes = int64_t{4} << 20;  // largest CreateModel / JoinWorker reply
+    // Encoded bytes of every model's inventory together (CoordinatorOptions::
+    // max_inventory_bytes_total); <= 0: no bound.
+    int64_t max_inventory_bytes_total = int64_t{2} << 30;
     // An evictable model must have been untouched this long (CoordinatorOptions::model_idle_grace).
     absl::Duration idle_grace = absl::Seconds(60);
     Clock* clock = Clock::Real();  // every eviction time (tests: FakeClock)

@@ -83,6 +83,27 @@ TEST(ModelRegistry, ModelCapNamesTheLimit) {
   EXPECT_EQ(r.size(), 2u);
 }
 
+// The inventories of all models together are bounded: a model whose inventory would pass the total
+// is refused naming the limit and leaves nothing; the same spec of a model held is no new inventory.
+TEST(ModelRegistry, InventoryTotalNamesTheLimit) {
+  ModelRegistry::Options o = Opts();
+  ModelRegistry probe(Opts());
+  ASSERT_TRUE(probe.Create(SmallModelSpec("x")).ok());
+  const int64_t one = static_cast<int64_t>(probe.Find("x")->inventory_bytes);
+  o.max_inventory_bytes_total = 2 * one;  // room for two models of SmallModelSpec's inventory
+  ModelRegistry r(o);
+  ASSERT_TRUE(r.Create(SmallModelSpec("a")).ok());
+  ASSERT_TRUE(r.Create(SmallModelSpec("b")).ok());
+  auto third = r.Create(SmallModelSpec("c"));
+  EXPECT_TRUE(absl::IsResourceExhausted(third.status())) << third.status();
+  EXPECT_TRUE(Contains(third.status(), "model c refused")) << third.status();
+  EXPECT_TRUE(Contains(third.status(), "max_inventory_bytes_total")) << third.status();
+  EXPECT_EQ(r.size(), 2u);
+  EXPECT_EQ(r.Find("c"), nullptr);
+  auto again = r.Create(SmallModelSpec("a"));  // the same spec again is no new inventory
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
 TEST(ModelRegistry, UnknownModel) {
   ModelRegistry r(Opts());
   absl::Status s = r.Get("nope").status();
