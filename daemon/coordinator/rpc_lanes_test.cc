@@ -4,6 +4,7 @@
 #include "daemon/coordinator/rpc_lanes.h"
 
 #include <atomic>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,8 +72,14 @@ TEST(RpcLanesTest, OnIdleRunsAfterEveryCallWithNoLaneLockHeld) {
   EXPECT_TRUE(busy_seen_free.load());
 }
 
+// Notifies when the last copy of the call holding it is destroyed: Shutdown dropping the call.
+struct OnDestroy {
+  absl::Notification* n;
+  ~OnDestroy() { n->Notify(); }
+};
+
 TEST(RpcLanesTest, ShutdownDropsCallsNotStartedAndWaitsForTheRunningOne) {
-  absl::Notification started, release;
+  absl::Notification started, release, a_dropped, b_dropped;
   std::atomic<int> ran{0};
   RpcLanes lanes({.threads = 1});
   lanes.Post("a", [&] {
@@ -80,10 +87,14 @@ TEST(RpcLanesTest, ShutdownDropsCallsNotStartedAndWaitsForTheRunningOne) {
     release.WaitForNotificationWithTimeout(kReal);
     ran.fetch_add(1);
   });
-  lanes.Post("a", [&] { ran.fetch_add(100); });
-  lanes.Post("b", [&] { ran.fetch_add(100); });
+  lanes.Post("a", [&, g = std::shared_ptr<OnDestroy>(new OnDestroy{&a_dropped})] { ran.fetch_add(100); });
+  lanes.Post("b", [&, g = std::shared_ptr<OnDestroy>(new OnDestroy{&b_dropped})] { ran.fetch_add(100); });
   ASSERT_TRUE(started.WaitForNotificationWithTimeout(kReal));
   std::thread stopper([&] { lanes.Shutdown(); });
+  // The running call is released only once Shutdown has dropped the others: released earlier, the
+  // one worker could run them before Shutdown began (TSan's slower thread start showed that race).
+  EXPECT_TRUE(a_dropped.WaitForNotificationWithTimeout(kReal)) << "Shutdown kept a's queued call";
+  EXPECT_TRUE(b_dropped.WaitForNotificationWithTimeout(kReal)) << "Shutdown kept b's queued call";
   release.Notify();
   stopper.join();
   EXPECT_EQ(ran.load(), 1) << "a call not started ran after Shutdown, or the running one was not waited for";
