@@ -428,7 +428,32 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
       ReportResumed(req.model_id(), req.worker_id(), deadline);
     }
   }
-  return RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
+  absl::Status out = RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
+  if (absl::IsAborted(out) && !absl::IsAborted(s)) out = WaitAgainAfterRestart(req, resp, deadline, out);
+  return out;
+}
+
+absl::Status WorkerCalls::WaitAgainAfterRestart(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
+                                                const absl::Status& aborted) {
+  // A rollout's wait stays ABORTED: it pauses again (sync) or asks again itself, and an OK would
+  // need this node's pause and live-copy steps for the new session.
+  std::optional<planner::Role> role;
+  if (!req.worker_id().empty() && (!local_.SpecOf(req.model_id(), req.worker_id(), &role) || role != planner::Role::kTrainer)) {
+    return aborted;
+  }
+  // A trainer's wait (or a watcher's): the version may have committed before the restart - the new
+  // coordinator restores the committed version from the nodes and answers a version at or below
+  // it at once. Asked once, briefly; otherwise ABORTED as before. (Chaos, seed 1002 with only
+  // coordinator kills: v33 and v75 committed on every node, yet both trainer ranks were told
+  // ABORTED; for v54 one rank was told committed and the other ABORTED.)
+  const absl::Time until = std::min(deadline, options_.clock->Now() + absl::Seconds(2));
+  pb::WaitVersionRequest again = req;
+  again.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(until - options_.clock->Now())));
+  pb::WaitVersionResponse answer;
+  if (!coordinator_.client().WaitVersion(again, &answer, CallTimeout(options_.clock, until)).ok()) return aborted;
+  versions_.NoteClusterCommitted(req.model_id(), answer.committed_version());
+  *resp = std::move(answer);
+  return absl::OkStatus();
 }
 
 void WorkerCalls::ReportResumed(const std::string& model, const std::string& worker, absl::Time deadline) {

@@ -131,6 +131,10 @@ class WorkerCalls {
                                                        uint64_t* session, const std::function<absl::Status(absl::Time)>& send);
   // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
   // naming the restart once the node re-joined a restarted coordinator, else `s`.
+  // WaitVersion of a trainer (not a rollout) answered ABORTED by RestartAware: asks the re-joined
+  // coordinator once, for at most 2 s; its OK is the answer, else `aborted`.
+  absl::Status WaitAgainAfterRestart(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
+                                     const absl::Status& aborted);
   absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
   // PERMISSION_DENIED naming worker, buffer and segment unless `seg` (as this node opened it) is
   // owned by the uid `worker` is bound to (Options::worker_uid; OK when unset).

@@ -1,4 +1,4 @@
-// node::WorkerCalls::Publish when the coordinator goes away while the call is in flight, on a
+// node::WorkerCalls::Publish (and a trainer's WaitVersion) when the coordinator goes away while the call is in flight, on a
 // scripted coordinator: the node re-sends the publish to the coordinator it re-joined
 // (PublishAgainAfterRestart, docs/daemon.md "Coordinator restart") and answers what that one
 // says; a refusal "not newer" becomes ABORTED naming the restart; without a re-join the first
@@ -64,6 +64,23 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     if (answer.ok()) resp->set_version(req.version());
     return answer;
   }
+  // WaitVersion answers from a script too (OK: committed_version = the version asked); counted.
+  std::deque<absl::Status> wait_answers;
+  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Duration) override {
+    absl::Status answer;
+    {
+      absl::MutexLock l(&mu_);
+      ++waits_;
+      answer = wait_answers.empty() ? absl::InternalError("no scripted answer") : wait_answers.front();
+      if (!wait_answers.empty()) wait_answers.pop_front();
+    }
+    if (answer.ok()) resp->set_committed_version(req.version());
+    return answer;
+  }
+  int waits() {
+    absl::MutexLock l(&mu_);
+    return waits_;
+  }
 #define WB_UNAVAILABLE_(Name, Req, Resp) \
   absl::Status Name(const pb::Req&, pb::Resp*, absl::Duration) override { return absl::UnavailableError(#Name); }
   WB_UNAVAILABLE_(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
@@ -74,7 +91,6 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   WB_UNAVAILABLE_(ReportReady, ReportReadyRequest, ReportReadyResponse)
   WB_UNAVAILABLE_(ReportDone, ReportDoneRequest, ReportDoneResponse)
   WB_UNAVAILABLE_(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
-  WB_UNAVAILABLE_(WaitVersion, WaitVersionRequest, WaitVersionResponse)
   WB_UNAVAILABLE_(ExchangeMagnitudes, ExchangeMagnitudesRequest, ExchangeMagnitudesResponse)
   WB_UNAVAILABLE_(ClusterStatus, StatusRequest, StatusResponse)
   WB_UNAVAILABLE_(Drain, DrainRequest, DrainResponse)
@@ -84,6 +100,7 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   absl::Mutex mu_;
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
+  int waits_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class PublishRestartTest : public ::testing::Test, public daemon::testing::NodeParts {
@@ -117,6 +134,15 @@ class PublishRestartTest : public ::testing::Test, public daemon::testing::NodeP
     req.set_timeout_ms(10000);
     pb::PublishResponse resp;
     return calls_->Publish(req, &resp);
+  }
+
+  absl::Status WaitVersion(const std::string& worker, uint64_t version, pb::WaitVersionResponse* resp) {
+    pb::WaitVersionRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    req.set_version(version);
+    req.set_timeout_ms(10000);
+    return calls_->WaitVersion(req, resp);
   }
 
   ScriptedCoordinator coordinator_;
@@ -176,6 +202,46 @@ TEST_F(PublishRestartTest, AWorkerNotReJoinedIsNotSentFor) {
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_NE(s.message().find("was not re-joined"), std::string::npos) << s;
   EXPECT_EQ(coordinator_.publish_sessions().size(), 1u);
+}
+
+// A trainer's WaitVersion in flight at a coordinator restart: the version may have committed before
+// it (chaos, seed 1002 with only coordinator kills: v33 and v75 committed on every node, both
+// trainer ranks told ABORTED; v54: one rank told committed, the other ABORTED). The node asks the
+// re-joined coordinator once, briefly; its OK is the answer.
+TEST_F(PublishRestartTest, ATrainersWaitLostToARestartIsAskedAgainAndAnsweredCommitted) {
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("t0", 2, &resp);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.committed_version(), 2u);
+  EXPECT_EQ(coordinator_.waits(), 2);
+}
+
+// The new coordinator does not hold it committed (in time): ABORTED naming the restart, as before.
+TEST_F(PublishRestartTest, ATrainersWaitForAVersionNotCommittedAfterARestartIsAborted) {
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::DeadlineExceededError("version 2 of model m not committed in time")};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("t0", 2, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("the coordinator restarted (instance A -> B)"), std::string::npos) << s;
+}
+
+// A rollout's wait is not asked again (it pauses again or asks itself; an OK would need this node's
+// pause and live-copy steps for the new session).
+TEST_F(PublishRestartTest, ARolloutsWaitLostToARestartStaysAborted) {
+  LocalWorkers::Worker r;
+  r.model_id = "m";
+  r.role = planner::Role::kRollout;
+  r.mode = pb::MODE_SYNC;
+  local_->Add({"m", "r0"}, std::move(r), std::nullopt);
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("r0", 2, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_EQ(coordinator_.waits(), 1);
 }
 
 }  // namespace
