@@ -400,6 +400,8 @@ class CoordinatorCore {
   ModelRegistry models_ ABSL_GUARDED_BY(mu_);
   PlanCache plan_cache_;                                                 // own lock
   LaneWork pending_rpcs_ ABSL_GUARDED_BY(mu_);  // aborts to send: posted by the next driver pass
+  // Clients of nodes lost in this driver pass: their calls in flight are cancelled after it.
+  std::vector<std::shared_ptr<NodeClient>> lost_clients_ ABSL_GUARDED_BY(mu_);
   std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
   std::vector<PendingAbort> pending_aborts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, UsedByRejoin> used_by_rejoin_ ABSL_GUARDED_BY(mu_);  // model -> (see UsedByRejoin)

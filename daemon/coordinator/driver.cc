@@ -41,6 +41,7 @@ struct ReleaseHold {
 
 void CoordinatorCore::DriverLoop() {
   while (true) {
+    std::vector<std::shared_ptr<NodeClient>> lost;
     {
       absl::MutexLock l(&mu_);
       auto woken = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return wake_ || stopping_; };
@@ -53,7 +54,12 @@ void CoordinatorCore::DriverLoop() {
       // Posted under mu_ (Post never waits for a call), so a pass seen by AwaitDriverPassAt has
       // posted its calls. The driver never waits for a node: a lane's worker does.
       for (auto& [lane, call] : CollectWorkLocked()) lanes_.Post(lane, std::move(call));
+      lost.swap(lost_clients_);
     }
+    // Nodes whose lease ran out in this pass: their calls still in flight (a frozen node's held
+    // ExecuteVersion / CommitVersion / InstallPlan) end now instead of holding their lanes - and
+    // the models' next plans and versions behind them - until their deadlines (up to 60 s).
+    for (const std::shared_ptr<NodeClient>& client : lost) client->CancelCalls();
   }
 }
 
@@ -66,6 +72,7 @@ void CoordinatorCore::SweepLeasesLocked(absl::Time now) {
     StatusChangedLocked();
     const std::string reason = absl::StrCat("node ", nid, " lost its lease");
     Log(LogLevel::kWarning, "node lost", {{"node", nid}, {"reason", reason}});
+    if (std::shared_ptr<NodeClient> client = nodes_.Client(nid)) lost_clients_.push_back(std::move(client));
     for (auto& [mid, m] : models_) {
       if (m.machine->InFlightInvolves(nid)) AbortLocked(mid, m, *m.machine->InFlight(), reason);
       std::vector<std::string> gone;

@@ -41,12 +41,17 @@ class DriverLanesTest : public ::testing::Test {
         }
         return absl::OkStatus();
       };
+      // As gRPC's TryCancel: the frozen call returns.
+      fake->on_cancel = [this, node] {
+        if (node == "n1" && cancel_releases_ && !release_frozen_.HasBeenNotified()) release_frozen_.Notify();
+      };
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
         if (node == "n1" && req.model_id() == "a") {
           // (A retry after the release - a re-plan, another start - comes here again; the
           // lane runs one call of the model at a time.)
           if (!executing_frozen_.HasBeenNotified()) executing_frozen_.Notify();
-          release_frozen_.WaitForNotificationWithTimeout(kReal);  // frozen until the test ends
+          release_frozen_.WaitForNotificationWithTimeout(kReal);  // frozen until the test ends or cancels
+          if (!frozen_call_ended_.HasBeenNotified()) frozen_call_ended_.Notify();
           return absl::DeadlineExceededError("frozen node: ExecuteVersion timed out");
         }
         pb::ReportDoneResponse resp;
@@ -58,7 +63,7 @@ class DriverLanesTest : public ::testing::Test {
     core_->Start();
   }
   void TearDown() override {
-    release_frozen_.Notify();
+    if (!release_frozen_.HasBeenNotified()) release_frozen_.Notify();  // (a cancel may have, on_cancel)
     if (core_) core_->Shutdown();
   }
   uint64_t Register(const std::string& node) {
@@ -112,6 +117,8 @@ class DriverLanesTest : public ::testing::Test {
     return core_->WaitVersion(w, &wr);
   }
 
+  bool cancel_releases_ = false;  // set before StartCore: n1's CancelCalls ends its frozen call
+  absl::Notification frozen_call_ended_;
   bool freeze_installs_ = false;  // set before StartCore: n1 freezes in model a's InstallPlan
   FakeClock clock_;  // declared before core_: outlives it (TearDown shuts the core down)
   absl::Notification executing_frozen_, release_frozen_;
@@ -172,6 +179,30 @@ TEST_F(DriverLanesTest, AFrozenNodesInstallHoldsNoOtherModelsPlan) {
   ASSERT_TRUE(Publish("b", "n2", 1).ok());
   absl::Status b = WaitVersion("b", 1, kPrompt);
   EXPECT_TRUE(b.ok()) << b;
+}
+
+// When the frozen node's lease runs out its calls in flight are cancelled (NodeClient::CancelCalls),
+// so its held ExecuteVersion ends then - not at its deadline (the transfer timeout, 60 s), which
+// held the model's lane, and its next plan and versions, that long.
+TEST_F(DriverLanesTest, AFrozenNodesCallsAreCancelledWhenItsLeaseRunsOut) {
+  cancel_releases_ = true;
+  StartCore(&clock_, absl::Seconds(3));
+  const uint64_t inc0 = Register("n0");
+  Register("n1");
+  JoinModel("a", "n0", "n1");
+  ASSERT_TRUE(Publish("a", "n0", 1).ok());
+  ASSERT_TRUE(executing_frozen_.WaitForNotificationWithTimeout(kReal)) << "a's version 1 never started";
+  for (int step = 0; step < 8; ++step) {  // 8 x 0.5 s = 4 s > the 3 s lease
+    pb::HeartbeatRequest hb;
+    hb.set_node_id("n0");
+    hb.set_incarnation(inc0);
+    pb::HeartbeatResponse resp;
+    ASSERT_TRUE(core_->Heartbeat(hb, &resp).ok());
+    clock_.Advance(absl::Milliseconds(500));
+    ASSERT_TRUE(core_->AwaitDriverPassAt(clock_.Now(), absl::Now() + kPrompt));
+  }
+  EXPECT_TRUE(frozen_call_ended_.WaitForNotificationWithTimeout(kPrompt)) << "n1's call was not cancelled when its lease ran out";
+  EXPECT_TRUE(core_->AwaitNodeRpcsIdle(absl::Now() + kPrompt)) << "model a's lane is still held";
 }
 
 }  // namespace

@@ -28,6 +28,14 @@ absl::Status FakeNodeClient::CommitVersion(const std::string& model_id, uint64_t
   return s;
 }
 
+void FakeNodeClient::CancelCalls() {
+  {
+    absl::MutexLock l(&mu_);
+    ++calls_.cancel;
+  }
+  if (on_cancel) on_cancel();
+}
+
 absl::Status FakeNodeClient::AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string&,
                                           absl::Duration) {
   absl::Status s = on_abort ? on_abort(model_id, version) : absl::OkStatus();

@@ -26,16 +26,18 @@ class FakeNodeClient final : public NodeClient {
   std::function<absl::Status(const pb::ExecuteVersionRequest&)> on_execute;
   std::function<absl::Status(const std::string& model_id, uint64_t version)> on_commit;
   std::function<absl::Status(const std::string& model_id, uint64_t version)> on_abort;
+  std::function<void()> on_cancel;  // CancelCalls (a hook blocking a call ends it here)
 
   absl::Status InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) override;
   absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req, absl::Duration timeout) override;
   absl::Status CommitVersion(const std::string& model_id, uint64_t version, absl::Duration timeout) override;
   absl::Status AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                             absl::Duration timeout) override;
+  void CancelCalls() override;
 
   // What the coordinator asked so far.
   struct Calls {
-    int install = 0, execute = 0, commit = 0, abort = 0;
+    int install = 0, execute = 0, commit = 0, abort = 0, cancel = 0;
     uint64_t last_plan_epoch = 0;
     std::vector<uint64_t> committed, aborted;  // versions, in call order
     std::vector<uint64_t> aborted_epochs;      // AbortVersion's plan_epoch, as `aborted`

@@ -6,31 +6,44 @@
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
-namespace {
 
 // One unary call with its deadline `timeout` from now (real time), gRPC status -> absl; sent again
-// while the node's server had no thread for it (proto/grpc_retry.h).
+// while the node's server had no thread for it (proto/grpc_retry.h). Each attempt's context is
+// registered for CancelCalls while it runs.
 template <typename Req, typename Resp, typename Method>
-absl::Status Call(pb::NodeService::Stub* stub, Method method, const Req& req, absl::Duration timeout) {
+absl::Status GrpcNodeClient::Call(Method method, const Req& req, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   return CallWhileServerBusy(Clock::Real(), deadline, [&] {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
+    {
+      absl::MutexLock l(&mu_);
+      in_flight_.insert(&ctx);
+    }
     Resp resp;
-    return FromGrpcStatus((stub->*method)(&ctx, req, &resp));
+    const grpc::Status st = (stub_.get()->*method)(&ctx, req, &resp);
+    {
+      absl::MutexLock l(&mu_);
+      in_flight_.erase(&ctx);
+    }
+    return FromGrpcStatus(st);
   });
 }
 
-}  // namespace
+void GrpcNodeClient::CancelCalls() {
+  // TryCancel never blocks; a context leaves in_flight_ (under mu_) before it is destroyed.
+  absl::MutexLock l(&mu_);
+  for (grpc::ClientContext* ctx : in_flight_) ctx->TryCancel();
+}
 
 absl::Status GrpcNodeClient::InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) {
   pb::InstallPlanRequest req;
   *req.mutable_slice() = slice;
-  return Call<pb::InstallPlanRequest, pb::InstallPlanResponse>(stub_.get(), &pb::NodeService::Stub::InstallPlan, req, timeout);
+  return Call<pb::InstallPlanRequest, pb::InstallPlanResponse>(&pb::NodeService::Stub::InstallPlan, req, timeout);
 }
 
 absl::Status GrpcNodeClient::ExecuteVersion(const pb::ExecuteVersionRequest& req, absl::Duration timeout) {
-  return Call<pb::ExecuteVersionRequest, pb::ExecuteVersionResponse>(stub_.get(), &pb::NodeService::Stub::ExecuteVersion, req,
+  return Call<pb::ExecuteVersionRequest, pb::ExecuteVersionResponse>(&pb::NodeService::Stub::ExecuteVersion, req,
                                                                      timeout);
 }
 
@@ -38,7 +51,7 @@ absl::Status GrpcNodeClient::CommitVersion(const std::string& model_id, uint64_t
   pb::CommitVersionRequest req;
   req.set_model_id(model_id);
   req.set_version(version);
-  return Call<pb::CommitVersionRequest, pb::CommitVersionResponse>(stub_.get(), &pb::NodeService::Stub::CommitVersion, req, timeout);
+  return Call<pb::CommitVersionRequest, pb::CommitVersionResponse>(&pb::NodeService::Stub::CommitVersion, req, timeout);
 }
 
 absl::Status GrpcNodeClient::AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
@@ -48,7 +61,7 @@ absl::Status GrpcNodeClient::AbortVersion(const std::string& model_id, uint64_t 
   req.set_version(version);
   req.set_plan_epoch(plan_epoch);
   req.set_reason(reason);
-  return Call<pb::AbortVersionRequest, pb::AbortVersionResponse>(stub_.get(), &pb::NodeService::Stub::AbortVersion, req, timeout);
+  return Call<pb::AbortVersionRequest, pb::AbortVersionResponse>(&pb::NodeService::Stub::AbortVersion, req, timeout);
 }
 
 }  // namespace wb::daemon

@@ -34,6 +34,12 @@ class NodeClient {
   // attempt's; a node running the version on another epoch keeps it); 0: whatever runs for it.
   virtual absl::Status AbortVersion(const std::string& model_id, uint64_t version, uint64_t plan_epoch, const std::string& reason,
                                     absl::Duration timeout) = 0;
+  // Ends the calls of this client in flight now: each returns promptly, CANCELLED (the node may or
+  // may not have acted, as for UNAVAILABLE). Later calls are not affected; a call that starts while
+  // this runs may escape it and run to its own deadline. The coordinator cancels a node's calls
+  // when its lease runs out: a frozen node's call would otherwise hold its lane until its deadline
+  // (docs/daemon.md "The driver never waits for a node").
+  virtual void CancelCalls() = 0;
 };
 
 // Makes the client for a node from its NodeService address (RegisterNodeRequest.address).
