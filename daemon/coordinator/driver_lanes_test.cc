@@ -117,6 +117,28 @@ class DriverLanesTest : public ::testing::Test {
     return core_->WaitVersion(w, &wr);
   }
 
+  // Simulated time (lease 3 s): model a on n0 and n1, n1 frozen in version 1's ExecuteVersion;
+  // 4 s pass in 0.5 s steps, n0 heartbeating before each and a driver pass awaited after each
+  // (none comes while the driver waits for the frozen node).
+  void FreezeN1InVersion1AndOutliveItsLease() {
+    StartCore(&clock_, absl::Seconds(3));
+    const uint64_t inc0 = Register("n0");
+    Register("n1");
+    JoinModel("a", "n0", "n1");
+    ASSERT_TRUE(Publish("a", "n0", 1).ok());
+    ASSERT_TRUE(executing_frozen_.WaitForNotificationWithTimeout(kReal)) << "a's version 1 never started";
+    for (int step = 0; step < 8; ++step) {  // 8 x 0.5 s = 4 s > the 3 s lease
+      pb::HeartbeatRequest hb;
+      hb.set_node_id("n0");
+      hb.set_incarnation(inc0);
+      pb::HeartbeatResponse resp;
+      ASSERT_TRUE(core_->Heartbeat(hb, &resp).ok());
+      clock_.Advance(absl::Milliseconds(500));
+      ASSERT_TRUE(core_->AwaitDriverPassAt(clock_.Now(), absl::Now() + kPrompt))
+          << "no driver pass at +" << (step + 1) * 0.5 << " s: the driver waits for the frozen node";
+    }
+  }
+
   bool cancel_releases_ = false;  // set before StartCore: n1's CancelCalls ends its frozen call
   absl::Notification frozen_call_ended_;
   bool freeze_installs_ = false;  // set before StartCore: n1 freezes in model a's InstallPlan
@@ -143,22 +165,7 @@ TEST_F(DriverLanesTest, AFrozenNodeHoldsNoOtherModelsVersion) {
 // driver keeps sweeping leases, so n1 is lost after its 3 s lease and a's version 1 is aborted
 // naming it - while the frozen call still runs. Before lanes no pass came until the call gave up.
 TEST_F(DriverLanesTest, AFrozenNodesLeaseRunsOutWhileItsCallIsHeld) {
-  StartCore(&clock_, absl::Seconds(3));
-  const uint64_t inc0 = Register("n0");
-  Register("n1");
-  JoinModel("a", "n0", "n1");
-  ASSERT_TRUE(Publish("a", "n0", 1).ok());
-  ASSERT_TRUE(executing_frozen_.WaitForNotificationWithTimeout(kReal)) << "a's version 1 never started";
-  for (int step = 0; step < 8; ++step) {  // 8 x 0.5 s = 4 s > the 3 s lease
-    pb::HeartbeatRequest hb;
-    hb.set_node_id("n0");
-    hb.set_incarnation(inc0);
-    pb::HeartbeatResponse resp;
-    ASSERT_TRUE(core_->Heartbeat(hb, &resp).ok());
-    clock_.Advance(absl::Milliseconds(500));
-    ASSERT_TRUE(core_->AwaitDriverPassAt(clock_.Now(), absl::Now() + kPrompt))
-        << "no driver pass at +" << (step + 1) * 0.5 << " s: the driver waits for the frozen node";
-  }
+  ASSERT_NO_FATAL_FAILURE(FreezeN1InVersion1AndOutliveItsLease());
   absl::Status a = WaitVersion("a", 1, absl::Seconds(1));
   EXPECT_EQ(a.code(), absl::StatusCode::kAborted) << a;
   EXPECT_NE(a.message().find("node n1 lost its lease"), std::string::npos) << a;
@@ -186,21 +193,7 @@ TEST_F(DriverLanesTest, AFrozenNodesInstallHoldsNoOtherModelsPlan) {
 // held the model's lane, and its next plan and versions, that long.
 TEST_F(DriverLanesTest, AFrozenNodesCallsAreCancelledWhenItsLeaseRunsOut) {
   cancel_releases_ = true;
-  StartCore(&clock_, absl::Seconds(3));
-  const uint64_t inc0 = Register("n0");
-  Register("n1");
-  JoinModel("a", "n0", "n1");
-  ASSERT_TRUE(Publish("a", "n0", 1).ok());
-  ASSERT_TRUE(executing_frozen_.WaitForNotificationWithTimeout(kReal)) << "a's version 1 never started";
-  for (int step = 0; step < 8; ++step) {  // 8 x 0.5 s = 4 s > the 3 s lease
-    pb::HeartbeatRequest hb;
-    hb.set_node_id("n0");
-    hb.set_incarnation(inc0);
-    pb::HeartbeatResponse resp;
-    ASSERT_TRUE(core_->Heartbeat(hb, &resp).ok());
-    clock_.Advance(absl::Milliseconds(500));
-    ASSERT_TRUE(core_->AwaitDriverPassAt(clock_.Now(), absl::Now() + kPrompt));
-  }
+  ASSERT_NO_FATAL_FAILURE(FreezeN1InVersion1AndOutliveItsLease());
   EXPECT_TRUE(frozen_call_ended_.WaitForNotificationWithTimeout(kPrompt)) << "n1's call was not cancelled when its lease ran out";
   EXPECT_TRUE(core_->AwaitNodeRpcsIdle(absl::Now() + kPrompt)) << "model a's lane is still held";
 }
