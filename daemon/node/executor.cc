@@ -88,6 +88,27 @@ class Run {
     return h;
   }
 
+  // The channel a route's batches travel on ("" for same-node copies).
+  static const std::string& ChannelOf(const Route& r) {
+    static const std::string kNone;
+    return r.kind == RouteKind::kPeer || r.kind == RouteKind::kNccl ? r.channel : kNone;
+  }
+
+  // Batches on a channel are counted while in flight (ExecOptions::channel_post / channel_waited):
+  // the node tears down an aborted execution's shared channel only when it has batches on it.
+  absl::StatusOr<transport::BatchId> PostOn(Transport* t, const transport::Batch& batch, const std::string& channel) {
+    const bool counted = !channel.empty() && o_.channel_post != nullptr;
+    if (counted) RETURN_IF_ERROR(o_.channel_post(channel));
+    absl::StatusOr<transport::BatchId> id = t->Post(batch);
+    if (counted && !id.ok() && o_.channel_waited) o_.channel_waited(channel);
+    return id;
+  }
+  absl::Status WaitOn(Transport* t, transport::BatchId id, const std::string& channel) {
+    absl::Status s = t->Wait(id, o_.deadline);
+    if (!channel.empty() && o_.channel_post != nullptr && o_.channel_waited) o_.channel_waited(channel);
+    return s;
+  }
+
   absl::Status PostAndWait(Transport* t, const transport::Batch& batch, const std::string& what) {
     if (batch.ops.empty()) return absl::OkStatus();
     ASSIGN_OR_RETURN(transport::BatchId id, t->Post(batch));
@@ -200,7 +221,7 @@ class Run {
 
   // Posts the protocol's own batches (lengths or refusals) and waits for all of them.
   absl::Status PostDeltaBatches(const std::vector<DeltaBatchPlan>& plans, const char* what) {
-    std::vector<std::pair<Transport*, transport::BatchId>> posted;
+    std::vector<std::pair<transport::BatchId, const std::string*>> posted;  // on the host channel
     absl::Status error;
     for (const DeltaBatchPlan& p : plans) {
       auto rh = remote_h_.find(p.channel);
@@ -223,15 +244,15 @@ class Run {
         batch.ops.push_back(DeltaCopyOp(c, sh->second, dh->second));
       }
       if (!error.ok()) break;
-      absl::StatusOr<transport::BatchId> bid = t_.cross->Post(batch);
+      absl::StatusOr<transport::BatchId> bid = PostOn(t_.cross, batch, p.channel);
       if (!bid.ok()) {
         error = Annotate(bid.status(), absl::StrCat(what, " with node ", p.peer));
         break;
       }
-      posted.push_back({t_.cross, *bid});
+      posted.push_back({*bid, &p.channel});
     }
-    for (auto& [t, bid] : posted) {
-      absl::Status s = t->Wait(bid, o_.deadline);
+    for (auto& [bid, channel] : posted) {
+      absl::Status s = WaitOn(t_.cross, bid, *channel);
       if (!s.ok() && error.ok()) error = Annotate(s, what);
     }
     return error;
@@ -445,7 +466,7 @@ class Run {
       absl::MutexLock l(&mu_);
       first_post_.emplace(r.peer, absl::Now());
     }
-    absl::StatusOr<transport::BatchId> id = batch.ok() ? t->Post(*batch) : batch.status();
+    absl::StatusOr<transport::BatchId> id = batch.ok() ? PostOn(t, *batch, ChannelOf(r)) : batch.status();
     if (!id.ok()) {
       Finish(r, t, id.status());
       return;
@@ -461,7 +482,7 @@ class Run {
     for (const Posted& p : outstanding_) {
       absl::StatusOr<transport::BatchState> st = p.t->Poll(p.id);
       if (st.ok() && *st == transport::BatchState::kDone) {
-        Finish(*p.route, p.t, p.t->Wait(p.id, o_.deadline));
+        Finish(*p.route, p.t, WaitOn(p.t, p.id, ChannelOf(*p.route)));
       } else {
         left.push_back(p);
       }
@@ -477,7 +498,7 @@ class Run {
         later.push_back(p);
         continue;
       }
-      Finish(*p.route, p.t, p.t->Wait(p.id, o_.deadline));
+      Finish(*p.route, p.t, WaitOn(p.t, p.id, ChannelOf(*p.route)));
     }
     outstanding_ = std::move(later);
     if (o_.after_wait) o_.after_wait();
@@ -526,8 +547,8 @@ class Run {
               absl::MutexLock l(&mu_);
               first_post_.emplace(r->peer, absl::Now());
             }
-            absl::StatusOr<transport::BatchId> id = batch.ok() ? t->Post(*batch) : batch.status();
-            absl::Status s = id.ok() ? t->Wait(*id, o_.deadline) : id.status();
+            absl::StatusOr<transport::BatchId> id = batch.ok() ? PostOn(t, *batch, ChannelOf(*r)) : batch.status();
+            absl::Status s = id.ok() ? WaitOn(t, *id, ChannelOf(*r)) : id.status();
             Finish(*r, t, s);
             if (!s.ok()) return;  // the version fails; the peer's mirrors end with the aborted version
           }

@@ -109,6 +109,14 @@ struct ExecOptions {
   // place) right before it is posted: end-to-end digests ask the host channel to hash what it
   // moves there (transport::Batch::unit_hashes). Null: nothing.
   std::function<void(const Route& route, transport::Batch& batch)> prepare_batch;
+  // Batches on a cross-node channel (host channel routes, delta protocol batches, nccl lanes):
+  // `channel_post(channel)` right before each is posted - a non-OK answer fails it unposted (the
+  // version was aborted) - and `channel_waited(channel)` once it was waited for or its post failed.
+  // The node counts its batches in flight per channel with them: an aborted execution's channel
+  // that another execution shares is torn down only while the aborted one has batches on it
+  // (Versions::AbortVersion). Any thread, never under the executor's lock. Null: not counted.
+  std::function<absl::Status(const std::string& channel)> channel_post;
+  std::function<void(const std::string& channel)> channel_waited;
   // Bytes landed on this node so far (progress, read by another thread); may be null.
   std::atomic<uint64_t>* bytes_done = nullptr;
   // Lossless deltas (issue 17.2; daemon/node/delta_exchange.h): ops with RouteOp::delta whose

@@ -407,7 +407,8 @@ void Versions::CancelConnects(const std::vector<std::pair<transport::Transport*,
 }
 
 absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
-  std::map<std::string, transport::PeerId> connected;
+  std::shared_ptr<Exec> aborted;       // the execution this abort ends (its channels, below)
+  std::map<std::string, int> in_flight;  // its batches in flight per channel, when it was marked aborted
   std::vector<std::pair<transport::Transport*, std::string>> connecting;
   uint64_t other_epoch = 0;  // of an execution of the version this abort leaves running
   std::optional<uint64_t> rolled_back;  // committed_ before this abort rolled `version` back
@@ -437,7 +438,8 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
         // not commit it.)
         it->second->aborted = true;
         it->second->error = req.reason();
-        connected = it->second->connected;
+        aborted = it->second;
+        in_flight = it->second->in_flight;  // final: no batch is posted once `aborted` is set
         for (const auto& [chan, c] : it->second->connecting) connecting.push_back(c);
         execs_.erase(it);  // staging dropped with the last reference (the executor holds one until it stops)
       } else if (!catch_up) {
@@ -469,8 +471,10 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   metrics().Failure(options_.node_id, absl::AbortedError(req.reason()));
   deltas_.Drop(req.model_id(), req.version());
   // Blocked waits on the version's channels, and its Connects, end now instead of at the deadline.
+  // A channel another execution of the model shares is kept for that one unless this version has
+  // batches in flight on it (AbortChannels; daemon/node/channel_cache.h).
   CancelConnects(connecting);
-  for (auto& [peer, id] : connected) DropChannel(req.model_id(), peer, id);
+  if (aborted != nullptr) AbortChannels(*aborted, in_flight);
   Log(LogLevel::kInfo, "version aborted on node",
       {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"reason", req.reason()}});
   return absl::OkStatus();

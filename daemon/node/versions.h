@@ -8,7 +8,8 @@
 //                       and shutdown.
 //   versions_run.cc     one version on the executor thread: RunExec (ReportDone), RunExecInner
 //                       (exec plan -> executor), ExecOptionsFor, the channel setup with peers
-//                       (ExecChannels, SetupPeer, DropChannel).
+//                       (ExecChannels, SetupPeer) and the channels' ends (DropChannel,
+//                       ForgetChannel, ReleaseChannels, AbortChannels).
 //   versions_memory.cc  the memory of a version: AllocateStaging, GatherVersionMemory,
 //                       HostLiveSyncRollouts, DigestVersion, StartQuantizing / FinishQuantizing.
 //
@@ -18,7 +19,8 @@
 // For each peer node, the node with the smaller id calls the other's ExchangeRegions (endpoint +
 // region descriptors, per model); both connect (or keep a healthy channel) and import. Then the
 // buckets run (daemon/node/exec_plan.h states the ordering and deadlock rules, daemon/node/
-// executor.h runs them). AbortVersion disconnects the version's peers so blocked waits end at once.
+// executor.h runs them). AbortVersion disconnects the version's channels that no other execution
+// shares or that carry its batches, so blocked waits end at once (daemon/node/channel_cache.h).
 //
 // Threads and locks:
 //  - NodeService calls run on gRPC threads; each started version runs on its own executor thread
@@ -141,7 +143,13 @@ struct Exec {
   // transport name (a kind, "host_tcp", or an nccl lane, "nccl/<device>") -> (key -> descriptor)
   std::map<std::string, std::map<std::string, std::string>> local_desc;
   std::map<std::string, PeerState> peers;              // channel (ChannelName) -> the peer's side
-  std::map<std::string, transport::PeerId> connected;  // channel -> the connection this version uses
+  // channel -> the connection this version uses (kept after it ended: a re-join drops them). While
+  // it runs it also holds each in the ChannelCache (holder: this Exec), which says when one may be
+  // disconnected; RunExec releases them before it reports.
+  std::map<std::string, transport::PeerId> connected;
+  // channel -> this version's batches on it posted and not yet waited for (ExecOptions::
+  // channel_post / channel_waited); no post starts once `aborted` is set.
+  std::map<std::string, int> in_flight;
   // channel -> (transport, round) of a Connect in progress in a non-empty round: an abort cancels
   // these rounds (Transport::CancelRound) so that its Connects end now, not at the deadline.
   std::map<std::string, std::pair<transport::Transport*, std::string>> connecting;
@@ -301,8 +309,19 @@ class Versions {
   ExecOptions ExecOptionsFor(Exec& exec);
   // Transport::CancelRound of each (transport, round) (aborted executions' Connects in progress).
   static void CancelConnects(const std::vector<std::pair<transport::Transport*, std::string>>& rounds);
-  // Drops the cached channel `chan` (ChannelName) of a model and disconnects it (outside mu_).
+  // Channels shared by executions (daemon/node/channel_cache.h), all outside mu_:
+  // DropChannel forgets `id` of `chan` (ChannelName) entirely and disconnects it, whoever holds it
+  // (a re-join, shutdown); ForgetChannel takes it out of the cache and disconnects it only when no
+  // running execution holds it (a stale or replaced one); ReleaseChannels ends `exec`'s holds at
+  // its end (with `failed`, its channels are not reused) and disconnects what nothing uses any
+  // more; AbortChannels is AbortVersion's: `exec`'s channels leave the cache, and those no other
+  // execution holds, or with batches of `exec` in flight (`in_flight`), are disconnected now so
+  // that its blocked waits end.
   void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
+  void ForgetChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
+  void ReleaseChannels(const Exec& exec, bool failed);
+  void AbortChannels(const Exec& exec, const std::map<std::string, int>& in_flight);
+  void Disconnect(const std::string& chan, transport::PeerId id);
 
   // versions_memory.cc
   // Which memory backs each region key of a version on this node ("w<i>.b<j>", "g"), and what

@@ -34,11 +34,6 @@ void Versions::RunExec(std::shared_ptr<Exec> exec) {
       if (ls.bytes > 0 && ls.seconds > 0) metrics().Link(options_.node_id, peer, ls.bytes, ls.seconds);
     }
   }
-  std::map<std::string, transport::PeerId> connected;
-  {
-    absl::MutexLock l(&mu_);
-    connected = exec->connected;
-  }
   // A catch-up whose sources here no longer hold the version (pb::CertifyBox) reports before its
   // channels go: the peers' executions would otherwise fail on the closed channels and their
   // reports (without the stale sources) could reach the coordinator first and end the catch-up for
@@ -52,11 +47,13 @@ void Versions::RunExec(std::shared_ptr<Exec> exec) {
     ReportDone(*exec, s, t0);
   };
   if (report_first) report();
-  if (!s.ok()) {
-    deltas_.Drop(exec->model_id, exec->version);  // its pending delta copies never become anyone's base
-    // A failed batch may leave a channel unusable: start the next version on fresh ones.
-    for (auto& [peer, id] : connected) DropChannel(exec->model_id, peer, id);
-  }
+  if (!s.ok()) deltas_.Drop(exec->model_id, exec->version);  // its pending delta copies never become anyone's base
+  // A failed batch may leave a channel unusable: the next version starts on fresh ones. But another
+  // execution of the model (the next version, a catch-up) may be running on the same cached
+  // channel: disconnecting it under that one failed it too ("unknown peer N", docs/soak.md). So a
+  // channel is disconnected only once nothing uses it - also, after a success, one replaced in the
+  // cache while this version ran on it.
+  ReleaseChannels(*exec, !s.ok());
   if (!report_first) report();
 }
 
@@ -118,10 +115,36 @@ void Versions::ReportDone(const Exec& exec, const absl::Status& s, absl::Time t0
   coordinator_.client().ReportDone(req, &resp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(10))).IgnoreError();
 }
 
-void Versions::DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
-  channels_.EraseIf(model_id, chan, id);
+void Versions::Disconnect(const std::string& chan, transport::PeerId id) {
   transport::Transport* cross = transports_.OfChannel(chan);
   if (cross != nullptr && id != transport::kNoPeer) (void)cross->Disconnect(id);
+}
+
+void Versions::DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
+  channels_.Drop(model_id, chan, id);
+  Disconnect(chan, id);
+}
+
+void Versions::ForgetChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
+  if (channels_.Forget(model_id, chan, id)) Disconnect(chan, id);
+}
+
+void Versions::ReleaseChannels(const Exec& exec, bool failed) {
+  for (const ChannelCache::Keyed& c : channels_.ReleaseAll(&exec, failed)) Disconnect(c.channel, c.id);
+}
+
+void Versions::AbortChannels(const Exec& exec, const std::map<std::string, int>& in_flight) {
+  std::set<std::string> busy;
+  for (const auto& [chan, n] : in_flight) {
+    if (n > 0) busy.insert(chan);
+  }
+  const std::vector<ChannelCache::Keyed> drop = channels_.Abandon(&exec, busy);
+  for (const ChannelCache::Keyed& c : drop) Disconnect(c.channel, c.id);
+  if (!drop.empty() || !in_flight.empty()) {
+    Log(LogLevel::kDebug, "aborted version's channels",
+        {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"disconnected", drop.size()},
+         {"busy", busy.size()}});
+  }
 }
 
 absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& channel, transport::Transport* cross) {
@@ -140,10 +163,11 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     return absl::FailedPreconditionError(absl::StrCat("node ", peer, " has no '", theirs_name, "' transport"));
   }
   const std::string& peer_instance = inst_it->second;
-  // A peer that restarted (new transport instance) left a stale channel: disconnected, not reused.
-  const ChannelCache::Lookup cache = channels_.ForPeer(exec.model_id, chan, peer_instance);
+  // A peer that restarted (new transport instance) left a stale channel: disconnected (once no
+  // execution holds it), not reused. A channel to reuse is held by this execution from here on.
+  const ChannelCache::Lookup cache = channels_.ForPeer(exec.model_id, chan, peer_instance, &exec);
   const transport::PeerId cached = cache.reuse;
-  if (cache.stale != transport::kNoPeer) DropChannel(exec.model_id, chan, cache.stale);
+  if (cache.stale != transport::kNoPeer) Disconnect(chan, cache.stale);
   ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
   bool reuse = false;
   bool rounds = false;  // both nodes Connect in this attempt's round (else in the empty round)
@@ -198,9 +222,17 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     rounds = exec.peers[chan].rounds;
     peer_endpoint = exec.peers[chan].endpoint;
   }
+  if (reuse && cached == transport::kNoPeer) {
+    // The peer reuses a channel this node no longer caches (it was forgotten or replaced since):
+    // fail rather than post on no connection; the next version connects afresh.
+    return absl::FailedPreconditionError(absl::StrCat("node ", peer, " reuses a channel (", kind, ") node ", options_.node_id,
+                                                      " no longer caches for model ", exec.model_id));
+  }
   transport::PeerId id = cached;
   if (!reuse) {
-    if (cached != transport::kNoPeer) DropChannel(exec.model_id, chan, cached);
+    // The peer does not reuse it (its side was forgotten): out of the cache here too; disconnected
+    // once no sibling execution runs on it.
+    if (cached != transport::kNoPeer && channels_.Release(&exec, exec.model_id, chan, cached, /*forget=*/true)) Disconnect(chan, cached);
     // The round tells this attempt apart on both nodes: a Connect of an aborted version still
     // waiting here or on the peer never takes the connections of this one (ConnectRound). With a
     // peer built before rounds both use the empty round (as before them: such a Connect can).
@@ -228,18 +260,15 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
   {
     absl::MutexLock l(&mu_);
     // Another version of the model may have cached its own channel meanwhile; the one we replace
-    // must be disconnected (its fds closed) unless a version in flight still uses it.
-    replaced = channels_.Put(exec.model_id, chan, id, peer_instance);
-    for (auto& [key, other] : execs_) {
-      for (auto& [p, used] : other->connected) {
-        if (used == replaced) replaced = transport::kNoPeer;
-      }
-    }
+    // must be disconnected (its fds closed): now when no execution holds it, else by its last
+    // holder's release (ChannelCache::Put). A reused channel is held since ForPeer and is not
+    // cached again: a sibling that failed on it meanwhile took it out of the cache for good.
+    if (!reuse) replaced = channels_.Put(exec.model_id, chan, id, peer_instance, &exec);
     exec.connected[chan] = id;
     link.regions = exec.peers[chan].regions;
     if (exec.aborted) aborted = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
   }
-  if (replaced != transport::kNoPeer) DropChannel(exec.model_id, chan, replaced);
+  if (replaced != transport::kNoPeer) Disconnect(chan, replaced);
   if (!aborted.ok()) return aborted;
   return link;
 }
@@ -274,6 +303,20 @@ node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
     absl::MutexLock l(&mu_);
     if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
     return absl::OkStatus();
+  };
+  // Batches in flight per channel (AbortChannels). Checked and counted under mu_, where an abort
+  // sets `aborted` and reads the counts: either the abort sees this batch (and disconnects its
+  // channel) or the batch sees the abort (and is not posted).
+  o.channel_post = [this, &exec](const std::string& chan) -> absl::Status {
+    absl::MutexLock l(&mu_);
+    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    ++exec.in_flight[chan];
+    return absl::OkStatus();
+  };
+  o.channel_waited = [this, &exec](const std::string& chan) {
+    absl::MutexLock l(&mu_);
+    auto it = exec.in_flight.find(chan);
+    if (it != exec.in_flight.end() && --it->second <= 0) exec.in_flight.erase(it);
   };
   if (options_.test_before_bucket) o.before_bucket = [this, &exec](uint32_t b) { options_.test_before_bucket(exec.model_id, exec.version, b); };
   o.device_staging = [this](int device, int64_t size, const std::string& what) { return staging_.TryDeviceStaging(device, size, what); };
