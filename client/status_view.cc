@@ -77,6 +77,7 @@ std::string WorkerState(const pb::WorkerStatus& w) {
                                                           : Printable(w.live_detail()));
   }
   if (w.live_state() == "copying") return absl::StrCat("copying v", w.live_writing_version());
+  if (w.left_out()) return absl::StrCat("left out: ", Printable(w.left_out_reason()));
   if (w.catching_up()) return "catching up";
   if (!w.catch_up_error().empty()) return absl::StrCat("catch-up error: ", Printable(w.catch_up_error()));
   return w.paused() ? "paused" : "ok";
@@ -275,7 +276,9 @@ nlohmann::json StatusJson(const pb::StatusResponse& s, const std::string& source
                             {"state", WorkerState(w)},
                             {"live_state", w.live_state()},
                             {"catching_up", w.catching_up()},
-                            {"catch_up_error", w.catch_up_error()}});
+                            {"catch_up_error", w.catch_up_error()},
+                            {"left_out", w.left_out()},
+                            {"left_out_reason", w.left_out_reason()}});
   }
   j["models"] = nlohmann::json::array();
   for (const auto& m : s.models()) {

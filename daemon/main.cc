@@ -105,6 +105,12 @@ ABSL_FLAG(int64_t, heartbeat_ms, 500, "node -> coordinator heartbeat period");
 ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost");
 ABSL_FLAG(int64_t, transfer_timeout_ms, 60000, "a version not transferred in this time is aborted");
 ABSL_FLAG(int64_t, plan_deadline_s, 120, "coordinator: a plan still running after this many seconds is abandoned (DEADLINE_EXCEEDED naming the model; planned again when its layouts are submitted again); 0: no deadline");
+ABSL_FLAG(int64_t, sync_pause_timeout_ms, 30000,
+          "coordinator / standalone, sync models: a fully-published version waits at most this long for the rollouts of its "
+          "plan to pause (BeginUpdate); then, if at least one is paused, the others are left out of the plan (logged, "
+          "wb_versions_total{event=\"rollout_left_out\"}, shown in wbctl status) until their next BeginUpdate, which puts "
+          "them back and catches them up. Keep it below the trainers' publish timeout (clients: 60 s). 0: wait as long as the "
+          "trainers do");
 ABSL_FLAG(std::string, log_level, "info", "info | debug | warning | error");
 // Observability and security (docs/observability.md, docs/security.md).
 ABSL_FLAG(std::string, metrics_listen, "", "Prometheus /metrics host:port (port 0 = pick one); empty = off");
@@ -190,6 +196,9 @@ absl::Status CheckNumericFlags() {
   }
   if (absl::GetFlag(FLAGS_gpu_staging_bytes) < 0) return absl::InvalidArgumentError("--gpu_staging_bytes must be >= 0");
   if (absl::GetFlag(FLAGS_plan_deadline_s) < 0) return absl::InvalidArgumentError("--plan_deadline_s must be >= 0 (0: no deadline)");
+  if (absl::GetFlag(FLAGS_sync_pause_timeout_ms) < 0) {
+    return absl::InvalidArgumentError("--sync_pause_timeout_ms must be >= 0 (0: wait as long as the trainers do)");
+  }
   return absl::OkStatus();
 }
 
@@ -331,6 +340,7 @@ absl::StatusOr<wb::daemon::ServerOptions> ServerOptionsFromFlags(int argc, char*
   o.lease = absl::Milliseconds(absl::GetFlag(FLAGS_lease_ms));
   o.transfer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_transfer_timeout_ms));
   o.plan_deadline = absl::Seconds(absl::GetFlag(FLAGS_plan_deadline_s));
+  o.sync_pause_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_sync_pause_timeout_ms));
   RETURN_IF_ERROR(SecurityFromFlags(o));
   o.topology.intra_node_GBps = absl::GetFlag(FLAGS_intra_node_GBps);
   o.topology.nic_GBps_per_gpu = absl::GetFlag(FLAGS_nic_GBps);

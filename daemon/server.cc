@@ -49,6 +49,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     co.make_channel = s->front_->channel_factory();
     co.transfer_timeout = o.transfer_timeout;
     co.plan_deadline = o.plan_deadline;
+    co.sync_pause_timeout = o.sync_pause_timeout;
     co.make_plan = o.make_plan;
     co.topology = o.topology;
     co.bucket_bytes = o.bucket_bytes;

@@ -33,6 +33,7 @@ struct ServerOptions {
   absl::Duration lease = absl::Seconds(3);
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration plan_deadline = absl::Seconds(120);  // coordinator: CoordinatorOptions::plan_deadline (<= 0: none)
+  absl::Duration sync_pause_timeout = absl::Seconds(30);  // coordinator: CoordinatorOptions::sync_pause_timeout (<= 0: none)
   Clock* clock = Clock::Real();
   // TLS/token between daemons, request limits, worker socket mode, metrics endpoint (daemon/front.h).
   SecurityOptions security;

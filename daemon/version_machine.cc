@@ -114,6 +114,13 @@ std::optional<uint64_t> VersionMachine::NextToStart() const {
   return std::nullopt;
 }
 
+std::optional<uint64_t> VersionMachine::NewestQueued() const {
+  for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
+    if (it->second.state == VState::kQueued) return it->first;
+  }
+  return std::nullopt;
+}
+
 void VersionMachine::Start(uint64_t version, std::set<std::string> nodes, absl::Time now,
                            absl::Duration timeout, uint64_t bytes_total) {
   VersionRecord& rec = records_[version];

@@ -105,6 +105,8 @@ class VersionMachine {
 
   // The queued version that may start now (none in flight; sync: every rollout paused), if any.
   std::optional<uint64_t> NextToStart() const;
+  // The newest queued version, whether or not it may start (sync: rollouts not paused yet).
+  std::optional<uint64_t> NewestQueued() const;
   void Start(uint64_t version, std::set<std::string> nodes, absl::Time now, absl::Duration timeout,
              uint64_t bytes_total);
   // A node finished its part. True when every node of the transfer is done (ready to commit).

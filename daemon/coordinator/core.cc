@@ -554,6 +554,7 @@ absl::Status CoordinatorCore::ReportReady(const pb::ReportReadyRequest& req, pb:
     m->machine->RecordResumed(req.worker_id());
   } else {
     m->machine->RecordReady(req.worker_id());
+    RejoinLeftOutLocked(req.model_id(), *m, req.worker_id());  // left out for not pausing: back in the plan
   }
   resp->set_committed_version(m->machine->committed());
   wake_ = true;

@@ -55,6 +55,7 @@
 #include "daemon/coordinator/plan_cache.h"
 #include "daemon/coordinator/plan_queue.h"
 #include "daemon/coordinator/rpc_lanes.h"
+#include "daemon/coordinator/sync_pause.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
 #include "planner/types.h"
@@ -79,6 +80,12 @@ struct CoordinatorOptions {
   // naming the model and the time; PlanCache::Options::plan_deadline; flag --plan_deadline_s).
   // <= 0: none.
   absl::Duration plan_deadline = kDefaultPlanDeadline;
+  // Sync: the longest a fully-published version waits for the rollouts of its plan to pause
+  // (BeginUpdate). Past it, with at least one rollout paused, the others are left out of the plan
+  // and the version runs without them (sync_pause.h; flag --sync_pause_timeout_ms). Default 30 s:
+  // half the clients' default publish timeout (60 s), so that the version still has time to run
+  // before its trainers give up. <= 0: wait as long as the trainers do.
+  absl::Duration sync_pause_timeout = absl::Seconds(30);
   // Bandwidths the planner assumes (node index = registered node daemon, gpu = the worker's gpu
   // or, for host workers (gpu < 0), a distinct slot per worker of the node).
   planner::Topology topology;
@@ -366,6 +373,16 @@ class CoordinatorCore {
   // Ends the catch-up: AbortVersion to its nodes; with `final`, its late rollouts are not tried
   // again for this version (they get the next one) and `reason` is what they are told.
   void FailCatchUpLocked(const std::string& model_id, Model& m, const std::string& reason, bool final) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sync rollouts that do not pause (sync_pause.cc, sync_pause.h). SyncPauseLocked: at the point
+  // where the driver would start a version; once the newest queued version waited
+  // sync_pause_timeout for rollouts to pause, leaves out the ones not paused (log, metric, status)
+  // and marks the plan dirty: true when it did (the driver re-plans before anything starts).
+  // RejoinLeftOutLocked: the rollout paused (BeginUpdate): back into the next plan. LeftOutLocked:
+  // the record of a rollout left out (this registration), or null.
+  bool SyncPauseLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RejoinLeftOutLocked(const std::string& model_id, Model& m, const std::string& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const LeftOutRollout* LeftOutLocked(const Model& m, const std::string& worker) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   // WaitVersion for `worker`: a late rollout is not told `v` until it holds it (nullopt: keep
   // waiting; OK: it holds it or is not a late rollout; ABORTED: its catch-up failed).
   std::optional<absl::Status> CaughtUpLocked(const Model& m, const std::string& worker, uint64_t v) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -405,6 +422,7 @@ class CoordinatorCore {
   std::vector<PendingCommit> pending_commits_ ABSL_GUARDED_BY(mu_);
   std::vector<PendingAbort> pending_aborts_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, UsedByRejoin> used_by_rejoin_ ABSL_GUARDED_BY(mu_);  // model -> (see UsedByRejoin)
+  std::map<std::string, SyncPauseBook> sync_pause_ ABSL_GUARDED_BY(mu_);   // model -> rollouts left out (sync_pause.h)
   uint64_t next_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

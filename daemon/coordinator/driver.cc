@@ -114,6 +114,8 @@ CoordinatorCore::LaneWork CoordinatorCore::CollectWorkLocked() {
     }
     if (m.planning) continue;
     if (!m.plan.installed) continue;
+    // Sync: rollouts that did not pause in time are left out, and the model planned again first.
+    if (SyncPauseLocked(mid, m, now)) continue;
     if (auto f = StartWorkLocked(mid, m, now)) {
       work.emplace_back(lane, std::move(f));
       continue;
@@ -261,10 +263,11 @@ void CoordinatorCore::FinishCommitLocked(const std::string& model_id, Model& m, 
 }
 
 // (Re-)plan: trainers complete; rollouts complete the first time, any non-empty set later.
+// Rollouts left out for not pausing (sync_pause.h) are in no plan until they pause.
 bool CoordinatorCore::PlanReadyLocked(const Model& m) const {
   uint32_t nt = 0, nr = 0;
   for (auto& [w, rec] : m.workers) {
-    if (!rec.has_layout) continue;
+    if (!rec.has_layout || LeftOutLocked(m, w) != nullptr) continue;
     (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
   }
   return nt >= m.spec.num_trainer_workers() && nr > 0 && (m.planned_once || nr >= m.spec.num_rollout_workers());
@@ -297,7 +300,7 @@ bool CoordinatorCore::PlanSnapshotLocked(const std::string& model_id, Model& m, 
   // Problem order: trainers then rollouts (ids sorted: std::map order), only workers with a layout.
   for (planner::Role role : {planner::Role::kTrainer, planner::Role::kRollout}) {
     for (auto& [id, w] : m.workers) {
-      if (!w.has_layout || w.role != role) continue;
+      if (!w.has_layout || w.role != role || LeftOutLocked(m, id) != nullptr) continue;
       in->workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
       if (const Node* n = nodes_.Find(w.node)) in->nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0, n->delta_in_place};
     }

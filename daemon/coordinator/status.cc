@@ -95,7 +95,11 @@ void CoordinatorCore::FillStatusLocked(const pb::StatusRequest& filter, pb::Stat
       ws->set_applied_version(m.machine->Applied(w));
       ws->set_has_layout(rec.has_layout);
       ws->set_paused(m.machine->IsPaused(w));
-      if (rec.role == planner::Role::kRollout && rec.has_layout && rec.holds < m.machine->committed()) {
+      if (const LeftOutRollout* lo = LeftOutLocked(m, w)) {
+        // Not being caught up while left out: only once its BeginUpdate put it back in the plan.
+        ws->set_left_out(true);
+        ws->set_left_out_reason(lo->reason);
+      } else if (rec.role == planner::Role::kRollout && rec.has_layout && rec.holds < m.machine->committed()) {
         // Late (docs/daemon.md "Catch-up"): being caught up, or why its catch-up failed.
         ws->set_catching_up(rec.catch_up_failed != m.machine->committed());
         ws->set_catch_up_error(rec.catch_up_error);
