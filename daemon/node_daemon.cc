@@ -238,6 +238,8 @@ void NodeDaemon::Rejoin(const std::string& reason) {
   for (Job& j : jobs) {
     pb::JoinWorkerResponse jr;
     absl::Status s = client().JoinWorker(j.join, &jr, absl::Seconds(12));
+    // A sync rollout's pause the old coordinator held, before its layout (so before a re-plan).
+    if (s.ok()) worker_calls_.ResendPause(j.worker);
     if (s.ok() && j.has_layout) {
       pb::SubmitLayoutResponse sr;
       s = client().SubmitLayout(j.layout, &sr, absl::Seconds(32));

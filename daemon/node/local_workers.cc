@@ -713,6 +713,7 @@ bool LocalWorkers::Pause(const WorkerKey& key) {
   auto it = workers_.find(key);
   if (it == workers_.end() || it->second.role != planner::Role::kRollout) return false;
   it->second.paused = true;
+  it->second.pause_mark = it->second.committed_version;  // before the coordinator hears of it
   return true;
 }
 
@@ -761,6 +762,33 @@ absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key
   out.applied_version = it->second.applied_version;
   out.committed_version = it->second.committed_version;
   return out;
+}
+
+std::optional<uint64_t> LocalWorkers::PauseToResend(const WorkerKey& key) const {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end()) return std::nullopt;
+  const Worker& w = it->second;
+  const bool open = w.role == planner::Role::kRollout && w.mode == pb::MODE_SYNC && w.paused && w.paused_at_committed > 0 &&
+                    w.committed_version == w.pause_mark;
+  return open ? std::optional<uint64_t>(w.incarnation) : std::nullopt;
+}
+
+bool LocalWorkers::NotePauseResent(const WorkerKey& key, uint64_t incarnation) {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || it->second.incarnation != incarnation || !it->second.paused) return false;
+  it->second.pause_resent_at = restarts_;
+  return true;
+}
+
+bool LocalWorkers::WaitResendable(const WorkerKey& key, uint64_t incarnation, uint64_t version) const {
+  absl::MutexLock l(&mu_);
+  auto it = workers_.find(key);
+  if (it == workers_.end() || it->second.incarnation != incarnation) return false;
+  const Worker& w = it->second;
+  if (w.role != planner::Role::kRollout || w.mode != pb::MODE_SYNC) return false;
+  return (w.paused && w.pause_resent_at != 0 && w.pause_resent_at == restarts_) || std::max(w.committed_version, w.applied_version) >= version;
 }
 
 }  // namespace wb::daemon

@@ -124,6 +124,12 @@ class LocalWorkers {
     // one at most this old answers without any commit taking the pause, and the engine resumes -
     // so it is taken as an EndUpdate (WorkerCalls::WaitVersion).
     uint64_t paused_at_committed = 0;
+    // Sync rollout: its own committed_version when its last BeginUpdate paused it. A commit since
+    // then (committed_version moved) took the coordinator's record of that pause, so a re-join
+    // does not re-send it (PauseToResend).
+    uint64_t pause_mark = 0;
+    // The re-join (restarts_ count) that re-sent its pause to the new coordinator (0: none).
+    uint64_t pause_resent_at = 0;
   };
   // A copy of one worker's entry (without `submitted`) and its live state, taken under the lock.
   struct View {
@@ -371,6 +377,20 @@ class LocalWorkers {
   // ABORTED, nothing changed, when `key` is registered again meanwhile - another process's pause
   // is not the caller's to end.
   absl::StatusOr<Ended> EndUpdate(const WorkerKey& key, absl::Time deadline, uint64_t incarnation = 0);
+  // ---- sync pause over a re-join (WorkerCalls::ResendPause, WaitAgainForRollout)
+  // A sync rollout whose BeginUpdate the coordinator recorded (paused_at_committed set) and that
+  // is still paused, with no commit since (committed_version == pause_mark): the pause the old
+  // coordinator held. Returns its incarnation; nullopt otherwise.
+  std::optional<uint64_t> PauseToResend(const WorkerKey& key) const;
+  // That pause reached the coordinator of the current re-join: true and recorded
+  // (pause_resent_at) when `key` is still that registration, paused; false when it resumed or
+  // registered again meanwhile (the caller then reports it resumed).
+  bool NotePauseResent(const WorkerKey& key, uint64_t incarnation);
+  // A sync rollout's WaitVersion(`version`) lost to a re-join may be asked of the new coordinator:
+  // still registration `incarnation`, and either paused with its pause re-sent by the latest
+  // re-join (the version can start) or holding `version` already (committed into it: answered at
+  // once, OK or the number's ABORTED).
+  bool WaitResendable(const WorkerKey& key, uint64_t incarnation, uint64_t version) const;
 
  private:
   // RunLiveCopies, once no copy into the job's worker runs: skips it (LiveJob::skipped) or marks

@@ -393,6 +393,13 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
   // the answer is not the new process's, which must be neither copied into nor resumed by it).
   const uint64_t incarnation = req.worker_id().empty() ? 0 : local_.Incarnation(key);
   absl::Status s = coordinator_.client().WaitVersion(req, resp, CallTimeout(options_.clock, deadline));
+  // A rollout's wait lost to a coordinator change: asked again of the new coordinator when its
+  // re-join re-sent the rollout's pause (the re-sent version can start into it), else ABORTED
+  // naming the change. Its OK then goes through the steps below like a first answer's.
+  std::optional<planner::Role> role;
+  const bool rollout = !req.worker_id().empty() && local_.SpecOf(req.model_id(), req.worker_id(), &role) && role == planner::Role::kRollout;
+  const bool lost = s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kCancelled;
+  if (rollout && lost) s = WaitAgainForRollout(req, resp, deadline, incarnation, session0, s);
   if (s.ok() && !req.worker_id().empty()) s = SameRegistration(key, incarnation, "WaitVersion");
   if (s.ok()) {
     versions_.NoteClusterCommitted(req.model_id(), resp->committed_version());
@@ -428,15 +435,71 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
       ReportResumed(req.model_id(), req.worker_id(), deadline);
     }
   }
+  if (rollout && lost) return s;  // WaitAgainForRollout applied the restart rules
   absl::Status out = RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
   if (absl::IsAborted(out) && !absl::IsAborted(s)) out = WaitAgainAfterRestart(req, resp, deadline, out);
   return out;
 }
 
+// Why asking again is right for a rollout whose pause was re-sent: the old coordinator counted it
+// paused and the node's re-join told the new one the same before the worker's layout (so before
+// any re-plan could let a re-sent version start), so the version it waits for - re-published by
+// its trainers (PublishAgainAfterRestart) - starts and commits into its live weights as it would
+// have there, and the answer is the version's real outcome. Before, the wait was answered
+// ABORTED; the client resumed, the re-sent version became its committed copy and was never
+// verified by it (chaos seed 1002, coordinator kills only: 26 such answers in 40 rounds). A
+// rollout whose pause was not re-sent (a commit took it, it resumed, the report failed) would wait
+// for a version that waits for its next BeginUpdate: ABORTED as before, unless the version is
+// committed into it already (then the new coordinator answers at once).
+absl::Status WorkerCalls::WaitAgainForRollout(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
+                                              uint64_t incarnation, uint64_t session0, const absl::Status& lost) {
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
+  const std::string what = absl::StrCat("version ", req.version());
+  absl::Status s = lost;
+  uint64_t session = session0;
+  while (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kCancelled) {
+    std::optional<std::string> change = coordinator_.AwaitCoordinatorChange(session, deadline);
+    if (!change) return s;  // the same coordinator answered that (or the deadline): it stands
+    session = coordinator_.session();
+    if (!local_.WaitResendable(key, incarnation, req.version())) return RestartAborted(what, *change);
+    Log(LogLevel::kInfo, "rollout's wait in flight at a coordinator change sent again",
+        {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()},
+         {"change", *change}, {"first_answer", s.message()}});
+    pb::WaitVersionRequest again = req;
+    again.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - options_.clock->Now())));
+    resp->Clear();
+    s = coordinator_.client().WaitVersion(again, resp, CallTimeout(options_.clock, deadline));
+  }
+  return s;
+}
+
+void WorkerCalls::ResendPause(const LocalWorkers::WorkerKey& key) {
+  const std::optional<uint64_t> incarnation = local_.PauseToResend(key);
+  if (!incarnation) return;
+  pb::ReportReadyRequest r;
+  r.set_node_id(options_.node_id);
+  r.set_model_id(key.first);
+  r.set_worker_id(key.second);
+  pb::ReportReadyResponse rr;
+  // Bounded like the re-join's other calls; the node's worker calls are held meanwhile.
+  absl::Status s = coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5)));
+  if (!s.ok()) {
+    Log(LogLevel::kWarning, "could not re-send a paused rollout's pause at re-join",
+        {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}, {"error", s.message()}});
+    return;
+  }
+  if (local_.NotePauseResent(key, *incarnation)) {
+    Log(LogLevel::kInfo, "paused rollout's pause re-sent at re-join", {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}});
+    return;
+  }
+  // EndUpdate (or a new registration) while the report was on its way: the new coordinator must
+  // not count a resumed rollout paused (a version would start and commit without its BeginUpdate).
+  ReportResumed(key.first, key.second, options_.clock->Now() + absl::Seconds(5));
+}
+
 absl::Status WorkerCalls::WaitAgainAfterRestart(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
                                                 const absl::Status& aborted) {
-  // A rollout's wait stays ABORTED: it pauses again (sync) or asks again itself, and an OK would
-  // need this node's pause and live-copy steps for the new session.
+  // Rollouts are WaitAgainForRollout's (their pause must be re-sent first).
   std::optional<planner::Role> role;
   if (!req.worker_id().empty() && (!local_.SpecOf(req.model_id(), req.worker_id(), &role) || role != planner::Role::kTrainer)) {
     return aborted;
@@ -569,8 +632,12 @@ absl::Status WorkerCalls::RestartAware(const absl::Status& s, uint64_t session0,
   }
   std::optional<std::string> change = coordinator_.AwaitCoordinatorChange(session0, deadline);
   if (!change) return s;
+  return RestartAborted(what, *change);
+}
+
+absl::Status WorkerCalls::RestartAborted(const std::string& what, const std::string& change) const {
   return absl::AbortedError(
-      absl::StrCat(what, " aborted: ", *change, " (node ", options_.node_id, " re-submitted its workers; publish a newer version)"));
+      absl::StrCat(what, " aborted: ", change, " (node ", options_.node_id, " re-submitted its workers; publish a newer version)"));
 }
 
 }  // namespace wb::daemon::node

@@ -5,7 +5,7 @@
 //
 //   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, EndUpdate, Apply, WaitVersion, Deregister,
 //                           ClusterStatus, and the forwarding rules (ForwardHeld, RestartAware,
-//                           PublishAgainAfterRestart).
+//                           PublishAgainAfterRestart, ResendPause / WaitAgainForRollout).
 //   worker_calls_layout.cc  RegisterLayout (buffers, CUDA imports, index probes), DescribeLayout.
 //
 // Threads and locks: calls run on gRPC threads, any number at once. WorkerCalls has no lock of
@@ -80,6 +80,14 @@ class WorkerCalls {
   absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
   // Status on both services: the coordinator's cluster status plus this node's live states.
   absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
+  // The node's re-join, once the coordinator took worker `key` back (JoinWorker, before its
+  // layout): a sync rollout paused by a BeginUpdate the old coordinator recorded, with no commit
+  // since, is reported paused again (ReportReady), so the versions re-sent to the new coordinator
+  // can start into it and its WaitVersion lost to the restart can be asked again there
+  // (WaitAgainForRollout). The new coordinator keeps no pause of its own. A rollout that resumed
+  // (EndUpdate) meanwhile is then reported resumed. Best effort: a failure is logged (its wait is
+  // then answered ABORTED, as before).
+  void ResendPause(const LocalWorkers::WorkerKey& key);
 
  private:
   using Bytes = StagedBytes;
@@ -135,7 +143,17 @@ class WorkerCalls {
   // coordinator once, for at most 2 s; its OK is the answer, else `aborted`.
   absl::Status WaitAgainAfterRestart(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
                                      const absl::Status& aborted);
+  // WaitVersion of a sync rollout (registration `incarnation`) whose call the coordinator could not
+  // answer (`lost`: UNAVAILABLE, NOT_FOUND, CANCELLED): once the node re-joined a changed
+  // coordinator, asked again there within `deadline` (again after each further change) when the
+  // re-join re-sent its pause (ResendPause) or the version is committed into it already
+  // (LocalWorkers::WaitResendable); its answer is returned. Else ABORTED naming the change, as
+  // before; `lost` itself when no re-join came.
+  absl::Status WaitAgainForRollout(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
+                                   uint64_t incarnation, uint64_t session0, const absl::Status& lost);
   absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
+  // RestartAware's ABORTED for `what` after coordinator change `change`.
+  absl::Status RestartAborted(const std::string& what, const std::string& change) const;
   // PERMISSION_DENIED naming worker, buffer and segment unless `seg` (as this node opened it) is
   // owned by the uid `worker` is bound to (Options::worker_uid; OK when unset).
   absl::Status CheckWorkerOwns(const std::string& model, const std::string& worker, uint32_t buffer_id, const transport::ShmSegment& seg) const;

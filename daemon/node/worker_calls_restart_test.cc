@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/node/coordinator_access.h"
 #include "daemon/node/fake_gpu_import.h"
@@ -37,11 +38,21 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     absl::MutexLock l(&mu_);
     return session_;
   }
+  // Runs (without the lock) for each change, before the session bumps: the node's re-join.
+  std::function<void()> on_rejoin;
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time) override {
-    absl::MutexLock l(&mu_);
-    if (session_ == session0) {
-      if (restarts == 0) return std::nullopt;
-      restarts -= 1;
+    bool rejoin = false;
+    {
+      absl::MutexLock l(&mu_);
+      if (session_ == session0) {
+        if (restarts == 0) return std::nullopt;
+        restarts -= 1;
+        rejoin = true;
+      }
+    }
+    if (rejoin) {
+      if (on_rejoin) on_rejoin();
+      absl::MutexLock l(&mu_);
       session_ += 1;
     }
     return "the coordinator restarted (instance A -> B)";
@@ -81,6 +92,21 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     absl::MutexLock l(&mu_);
     return waits_;
   }
+  // ReportReady: OK (committed_version 1), recorded as "paused@<session>" / "resumed@<session>".
+  std::function<void()> on_ready;  // runs inside each ReportReady (before its answer)
+  absl::Status ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp, absl::Duration) override {
+    {
+      absl::MutexLock l(&mu_);
+      readies_.push_back(absl::StrCat(req.resumed() ? "resumed@" : "paused@", session_));
+    }
+    if (on_ready) on_ready();
+    resp->set_committed_version(1);
+    return absl::OkStatus();
+  }
+  std::vector<std::string> readies() {
+    absl::MutexLock l(&mu_);
+    return readies_;
+  }
 #define WB_UNAVAILABLE_(Name, Req, Resp) \
   absl::Status Name(const pb::Req&, pb::Resp*, absl::Duration) override { return absl::UnavailableError(#Name); }
   WB_UNAVAILABLE_(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
@@ -88,7 +114,6 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   WB_UNAVAILABLE_(JoinWorker, JoinWorkerRequest, JoinWorkerResponse)
   WB_UNAVAILABLE_(SubmitLayout, SubmitLayoutRequest, SubmitLayoutResponse)
   WB_UNAVAILABLE_(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
-  WB_UNAVAILABLE_(ReportReady, ReportReadyRequest, ReportReadyResponse)
   WB_UNAVAILABLE_(ReportDone, ReportDoneRequest, ReportDoneResponse)
   WB_UNAVAILABLE_(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
   WB_UNAVAILABLE_(ExchangeMagnitudes, ExchangeMagnitudesRequest, ExchangeMagnitudesResponse)
@@ -101,6 +126,7 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
   int waits_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> readies_ ABSL_GUARDED_BY(mu_);
 };
 
 class PublishRestartTest : public ::testing::Test, public daemon::testing::NodeParts {
@@ -228,8 +254,8 @@ TEST_F(PublishRestartTest, ATrainersWaitForAVersionNotCommittedAfterARestartIsAb
   EXPECT_NE(s.message().find("the coordinator restarted (instance A -> B)"), std::string::npos) << s;
 }
 
-// A rollout's wait is not asked again (it pauses again or asks itself; an OK would need this node's
-// pause and live-copy steps for the new session).
+// A rollout that never paused (no BeginUpdate recorded): the new coordinator would wait for its
+// BeginUpdate, so its wait is not asked again - ABORTED, as before.
 TEST_F(PublishRestartTest, ARolloutsWaitLostToARestartStaysAborted) {
   LocalWorkers::Worker r;
   r.model_id = "m";
@@ -242,6 +268,104 @@ TEST_F(PublishRestartTest, ARolloutsWaitLostToARestartStaysAborted) {
   absl::Status s = WaitVersion("r0", 2, &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_EQ(coordinator_.waits(), 1);
+}
+
+// A sync rollout paused by BeginUpdate (recorded by the old coordinator) whose WaitVersion is in
+// flight at a restart (docs/daemon.md "Coordinator restart").
+class RolloutWaitRestartTest : public PublishRestartTest {
+ protected:
+  RolloutWaitRestartTest() {
+    LocalWorkers::Worker r;
+    r.model_id = "m";
+    r.role = planner::Role::kRollout;
+    r.mode = pb::MODE_SYNC;
+    local_->Add({"m", "r0"}, std::move(r), std::nullopt);
+    // The node's re-join (NodeDaemon::Rejoin): versions aborted, the rollout's pause re-sent.
+    coordinator_.on_rejoin = [this] {
+      versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
+      calls_->ResendPause({"m", "r0"});
+    };
+  }
+  absl::Status BeginUpdate() {
+    pb::BeginUpdateRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("r0");
+    req.set_timeout_ms(10000);
+    pb::BeginUpdateResponse resp;
+    return calls_->BeginUpdate(req, &resp);
+  }
+};
+
+// The re-join reports the pause again (in the new session, before any version could start there)
+// and the wait is asked again of the new coordinator: its OK is the answer. Before, ABORTED: the
+// re-sent version committed into the rollout while it waited for the next one, never verified.
+TEST_F(RolloutWaitRestartTest, APausedRolloutsWaitIsAskedAgainAfterItsPauseWasReSent) {
+  ASSERT_TRUE(BeginUpdate().ok());
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("r0", 2, &resp);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.committed_version(), 2u);
+  EXPECT_EQ(coordinator_.waits(), 2);
+  EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"paused@0", "paused@0"}))
+      << "BeginUpdate's report, then the re-join's, both before the new session opened";
+}
+
+// Asked again after each further restart, within the call's deadline.
+TEST_F(RolloutWaitRestartTest, APausedRolloutsWaitIsAskedAgainAfterEachRestart) {
+  ASSERT_TRUE(BeginUpdate().ok());
+  coordinator_.restarts = 2;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::CancelledError("server shut down"), absl::OkStatus()};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("r0", 2, &resp);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.waits(), 3);
+  EXPECT_EQ(coordinator_.readies().size(), 3u) << "the pause re-sent at each re-join";
+}
+
+// The new coordinator's real outcome is the answer (the number is used there: ABORTED naming it).
+TEST_F(RolloutWaitRestartTest, TheNewCoordinatorsOutcomeIsTheAnswer) {
+  ASSERT_TRUE(BeginUpdate().ok());
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::AbortedError("version 2 of model m is not committed and its number is used")};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("r0", 2, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("its number is used"), std::string::npos) << s;
+}
+
+// EndUpdate while the re-join's report was on its way: reported resumed right after, and the wait
+// (which would wait for a BeginUpdate) is ABORTED naming the restart.
+TEST_F(RolloutWaitRestartTest, ARolloutThatResumedWhileItsPauseWasReSentIsReportedResumed) {
+  ASSERT_TRUE(BeginUpdate().ok());
+  coordinator_.on_ready = [this] {
+    if (coordinator_.readies().size() != 2) return;  // the re-join's report
+    ASSERT_TRUE(local_->EndUpdate({"m", "r0"}, clock_.Now() + absl::Seconds(1)).ok());
+  };
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("r0", 2, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("the coordinator restarted (instance A -> B)"), std::string::npos) << s;
+  EXPECT_EQ(coordinator_.waits(), 1);
+  EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"paused@0", "paused@0", "resumed@0"}));
+}
+
+// A commit since its BeginUpdate took the pause at the old coordinator (it released the rollout):
+// not re-sent - the next version must wait for its next BeginUpdate - and a wait for a newer
+// version is ABORTED as before.
+TEST_F(RolloutWaitRestartTest, APauseACommitTookIsNotReSent) {
+  ASSERT_TRUE(BeginUpdate().ok());
+  local_->Commit("m", 2, {{"r0", nullptr}}, {});  // v2 committed into it (its copy not run here)
+  coordinator_.restarts = 1;
+  coordinator_.wait_answers = {absl::UnavailableError("Socket closed"), absl::OkStatus()};
+  pb::WaitVersionResponse resp;
+  absl::Status s = WaitVersion("r0", 3, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_EQ(coordinator_.waits(), 1);
+  EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"paused@0"}));
 }
 
 }  // namespace
