@@ -16,6 +16,7 @@
 #include "daemon/coordinator/fake_node_client.h"
 #include "daemon/coordinator/test_specs.h"
 #include "gtest/gtest.h"
+#include "planner/planner.h"
 
 namespace wb::daemon {
 namespace {
@@ -34,8 +35,9 @@ TEST(RolloutsToLeaveOutTest, TheOnesNotPausedAndOnlyWhenOneIs) {
 // report a version (or catch-up) done as soon as they are told to execute it.
 class PauseCluster {
  public:
-  PauseCluster(FakeClock* clock, absl::Duration sync_pause_timeout) : clock_(clock) {
+  PauseCluster(FakeClock* clock, absl::Duration sync_pause_timeout, PlanFn make_plan = nullptr) : clock_(clock) {
     CoordinatorOptions o;
+    o.make_plan = std::move(make_plan);
     o.clock = clock;
     o.transfer_timeout = absl::Seconds(60);
     o.sync_pause_timeout = sync_pause_timeout;
@@ -225,6 +227,39 @@ TEST(SyncPauseTest, TimeoutLeavesOutTheRolloutNotPausedAndTheVersionCommits) {
   s = c.Published();
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.executes[1], 1) << "version 2 did not reach n1";
+}
+
+// The race at the timeout: r1 pauses while the plan that leaves it out is being made. That plan
+// is void (membership changed), the next one has r1 in it, and version 1 runs on both nodes - r1 is
+// in the version, and not caught up as well (never both, never neither).
+TEST(SyncPauseTest, ARolloutPausingAsItIsLeftOutIsInTheVersion) {
+  FakeClock clock;
+  std::atomic<bool> hold_next_plan{false};
+  absl::Notification planning, release;
+  PauseCluster c(&clock, absl::Seconds(5), [&](const planner::Problem& p, planner::Strategy s) -> absl::StatusOr<planner::Plan> {
+    if (hold_next_plan.exchange(false)) {
+      planning.Notify();
+      release.WaitForNotificationWithTimeout(kReal);
+    }
+    return planner::MakePlan(p, s);
+  });
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_TRUE(c.Ready("r0").ok());
+  c.StartPublish(1, 30000);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  hold_next_plan = true;
+  ASSERT_TRUE(c.Advance(absl::Seconds(6)));
+  ASSERT_TRUE(planning.WaitForNotificationWithTimeout(kReal)) << "r1 was not left out (no plan without it)";
+  EXPECT_TRUE(c.Worker("r1").left_out());
+  ASSERT_TRUE(c.Ready("r1").ok());  // just as the plan without it is being made
+  release.Notify();
+  absl::Status s = c.Published();
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.executes[1].load(), 1) << "r1 paused before version 1 started, but the version ran without it";
+  s = c.WaitFor("r1", 1, 10000);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.catch_ups[1].load(), 0) << "r1 was in version 1 and caught up to it as well";
+  EXPECT_FALSE(c.Worker("r1").left_out());
 }
 
 // No rollout paused: nobody is left out; version 1 waits until the trainer's publish deadline.
