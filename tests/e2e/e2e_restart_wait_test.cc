@@ -1,0 +1,132 @@
+// End-to-end: a sync rollout paused (BeginUpdate) and waiting (WaitVersion(v)) when the coordinator
+// restarts gets v, not a spurious ABORTED. A coordinator and two node daemons as separate
+// processes; a Megatron tp=1 trainer on n0 and a vLLM tp=1 rollout on n1; weights in shared
+// memory, the reduced 2-layer Qwen2.5-0.5B.
+//
+//  - RestartWaitTest/*.APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestart: v1 everywhere;
+//    the rollout pauses for v2 and waits for it (the coordinator counts it paused). The coordinator
+//    is then killed (-9) or shut down (SIGTERM), the trainer publishes v2 while it is away (its
+//    node sends the publish again to the next coordinator, PublishAgainAfterRestart), and the
+//    coordinator is started again on the same address. n1's re-join re-sends the rollout's pause
+//    (WorkerCalls::ResendPause) and the rollout's wait is asked again of the new coordinator
+//    (WaitAgainForRollout, docs/daemon.md "Coordinator restart"): v2 commits into the paused
+//    rollout, its WaitVersion(2) answers OK and its live weights hold v2 byte for byte; v3
+//    follows. Before, n1 answered the wait ABORTED ("the coordinator restarted"): the rollout
+//    resumed, v2 became its committed copy and it never verified v2.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/e2e/cluster.h"
+#include "tests/e2e/e2e_util.h"
+#include "tests/e2e/harness.h"
+
+namespace wb::e2e {
+namespace {
+
+namespace pb = ::weightbridge::v1;
+
+// Whether `s` shows `model`'s rollout paused (BeginUpdate recorded) with `committed` committed.
+bool RolloutPausedAt(const pb::StatusResponse& s, const std::string& model, uint64_t committed) {
+  bool committed_ok = false;
+  for (const pb::ModelStatus& m : s.models()) {
+    if (m.model_id() == model) committed_ok = m.committed_version() == committed;
+  }
+  if (!committed_ok) return false;
+  for (const pb::WorkerStatus& w : s.workers()) {
+    if (w.model_id() == model && w.role() == pb::ROLE_ROLLOUT) return w.paused();
+  }
+  return false;
+}
+
+// The coordinator goes away by kill -9 (true) or a graceful shutdown, SIGTERM (false).
+class RestartWaitTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestart) {
+  auto h = Harness::Create(GetParam() ? "restartwait9" : "restartwaitterm");
+  ASSERT_TRUE(h.ok()) << h.status();
+  ClusterOptions copts;
+  copts.num_nodes = 2;
+  auto c = Cluster::Start(h->get(), copts);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Cluster& cl = **c;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.mode = "sync";
+  run.num_trainers = 1;
+  run.num_rollouts = 1;
+  run.versions = 3;
+  run.tolerate_failures = true;  // before the fix v2 fails for the rollout: the run goes on to say how
+  run.timeout_ms = ScaledMs(60000);
+  run.gate_dir = (*h)->Path("gates");
+  ASSERT_EQ(::mkdir(run.gate_dir.c_str(), 0700), 0);
+  auto trainer_or = cl.SpawnWorker(run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0});
+  ASSERT_TRUE(trainer_or.ok()) << trainer_or.status();
+  Process* trainer = *trainer_or;
+  auto rollout_or = cl.SpawnWorker(run, {false, 1, "vllm", 1, 1, 1, 1, 0, 0});
+  ASSERT_TRUE(rollout_or.ok()) << rollout_or.status();
+  Process* rollout = *rollout_or;
+
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-1")).ok());
+  auto v1 = rollout->WaitForEvent("verified", 1, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(v1.ok()) << v1.status() << rollout->LogTail();
+  // The rollout paused for v2 (its BeginUpdate is recorded) and calls WaitVersion(2) right after;
+  // v2 is not published yet (its gate is closed).
+  auto paused = cl.WaitForStatus([&](const pb::StatusResponse& r) { return RolloutPausedAt(r, run.model_id, 1); },
+                                 Scaled(absl::Seconds(30)), "the rollout paused for v2");
+  ASSERT_TRUE(paused.ok()) << paused.status();
+
+  if (GetParam()) {
+    ASSERT_TRUE(cl.KillCoordinator().ok());
+  } else {
+    cl.coordinator()->Signal(SIGTERM);
+    auto exited = cl.coordinator()->WaitExit(Scaled(absl::Seconds(30)));
+    ASSERT_TRUE(exited.ok()) << exited.status() << cl.coordinator()->LogTail();
+  }
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-2")).ok());
+  ASSERT_TRUE(cl.RestartCoordinator().ok());
+
+  // The rollout's WaitVersion(2) answered OK: v2 in its live weights, every byte checked.
+  auto v2 = rollout->WaitForEvent("verified", 2, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(v2.ok()) << v2.status() << rollout->LogTail();
+  EXPECT_GT(VerifiedBytes(rollout, 2), 0);
+  for (const nlohmann::json& f : EventsNamed(rollout, "version_failed")) {
+    ADD_FAILURE() << "the rollout was told a version failed: " << f.dump();
+  }
+  bool applied2 = false;
+  for (const nlohmann::json& a : EventsNamed(rollout, "applied")) {
+    if (a.value("version", uint64_t{0}) == 2 && a.value("requested", uint64_t{0}) == 2) applied2 = true;
+  }
+  EXPECT_TRUE(applied2) << "no WaitVersion(2) answered 2: " << rollout->LogTail();
+  auto published = trainer->WaitForEvent("published", 2, Scaled(absl::Seconds(30)));
+  EXPECT_TRUE(published.ok()) << published.status() << trainer->LogTail();
+
+  // The run goes on: v3, clean exits, no mismatch, versions 1, 2, 3 applied one by one.
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
+  absl::Status e = ExpectCleanExit(rollout, Scaled(absl::Seconds(120)));
+  EXPECT_TRUE(e.ok()) << e;
+  e = ExpectCleanExit(trainer, Scaled(absl::Seconds(60)));
+  EXPECT_TRUE(e.ok()) << e;
+  EXPECT_TRUE(EventsNamed(trainer, "publish_failed").empty()) << trainer->LogTail();
+  EXPECT_TRUE(EventsNamed(rollout, "mismatch").empty()) << rollout->LogTail();
+  int64_t verified = 0;
+  EXPECT_TRUE(CheckRolloutsApplied({rollout}, "sync", 3, &verified).ok()) << rollout->LogTail();
+  // The path taken: n1 re-sent the pause and the wait.
+  std::ifstream log(cl.node(1)->log_path());
+  std::stringstream text;
+  text << log.rdbuf();
+  EXPECT_NE(text.str().find("paused rollout's pause re-sent at re-join"), std::string::npos) << cl.node(1)->LogTail();
+}
+
+INSTANTIATE_TEST_SUITE_P(KillOrShutdown, RestartWaitTest, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Kill9" : "Sigterm"; });
+
+}  // namespace
+}  // namespace wb::e2e
