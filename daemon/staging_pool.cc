@@ -32,6 +32,45 @@ void ZeroFromKernel(std::vector<uint8_t>& buffer) {
 
 }  // namespace
 
+StagingPool::~StagingPool() { options_.clock->Forget(&mu_); }
+
+void StagingPool::CountFreed(const std::list<Idle>& freed) {
+  for (const Idle& i : freed) tagged_freed_ += i.tag.empty() ? 0 : 1;
+}
+
+void StagingPool::Lend(const std::string& tag, std::weak_ptr<void> holder) {
+  if (tag.empty()) return;
+  absl::MutexLock l(&mu_);
+  // Bounded by the live holders: entries of holders gone without giving their buffer back (a
+  // device buffer, a pool that refused it) are dropped here.
+  for (auto it = lent_.begin(); it != lent_.end();) it = it->second.expired() ? lent_.erase(it) : std::next(it);
+  lent_[tag] = std::move(holder);
+}
+
+StagingPool::Tagged StagingPool::TakeTagged(int64_t size, const std::string& tag, absl::Time deadline) {
+  Tagged out;
+  if (size <= 0 || tag.empty()) return out;
+  absl::MutexLock l(&mu_);
+  // Back (idle with the tag), gone for good (no entry: given back and then taken or freed, or
+  // never lent), or held: all but "let go, not given back yet", which Give ends under this lock.
+  auto settled = [this, &tag]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = lent_.find(tag);
+    return it == lent_.end() || !it->second.expired();
+  };
+  if (!settled()) options_.clock->WaitUntil(&mu_, absl::Condition(&settled), deadline);
+  for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
+    if (static_cast<int64_t>(it->buffer.size()) != size || it->tag != tag) continue;
+    out.buffer = std::move(it->buffer);
+    idle_.erase(std::next(it).base());
+    idle_bytes_ -= size;
+    ++reused_;
+    return out;
+  }
+  auto it = lent_.find(tag);
+  if (it != lent_.end()) out.holder = it->second.lock();
+  return out;
+}
+
 std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused, const std::string& tag, bool* tag_matched) {
   if (reused != nullptr) *reused = false;
   if (tag_matched != nullptr) *tag_matched = false;
@@ -54,6 +93,7 @@ std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused, const std::st
         if (pass == 0 && it->tag != tag) continue;
         if (pass == 1 && !it->tag.empty()) continue;
         if (pass == 0 && tag_matched != nullptr) *tag_matched = true;
+        if (pass == 2 && !it->tag.empty() && it->tag != tag) ++tagged_given_away_;
         return take(it);
       }
     }
@@ -65,15 +105,22 @@ std::vector<uint8_t> StagingPool::Take(int64_t size, bool* reused, const std::st
 
 void StagingPool::Give(std::vector<uint8_t> buffer, std::string tag) {
   const int64_t size = static_cast<int64_t>(buffer.size());
-  if (size == 0) return;
   std::list<Idle> freed;  // destroyed after the lock is released (munmap of large buffers)
   {
     absl::MutexLock l(&mu_);
-    if (size > options_.max_idle_bytes) return;  // `buffer` is freed on return, outside the lock
+    // Back (or freed): a TakeTagged waiting for it settles under this same lock. Only a holder
+    // that let go: a newer holder of the same tag keeps its entry.
+    if (auto it = tag.empty() ? lent_.end() : lent_.find(tag); it != lent_.end() && it->second.expired()) lent_.erase(it);
+    if (size == 0) return;
+    if (size > options_.max_idle_bytes) {
+      tagged_freed_ += tag.empty() ? 0 : 1;
+      return;  // `buffer` is freed on return, outside the lock
+    }
     while (idle_bytes_ + size > options_.max_idle_bytes && !idle_.empty()) {
       idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
       freed.splice(freed.end(), idle_, idle_.begin());
     }
+    CountFreed(freed);
     idle_.push_back(Idle{std::move(buffer), options_.clock->Now(), std::move(tag)});
     idle_bytes_ += size;
   }
@@ -105,6 +152,7 @@ void StagingPool::Trim() {
     idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
     freed.splice(freed.end(), idle_, idle_.begin());
   }
+  CountFreed(freed);
 }
 
 void StagingPool::TrimTo(int64_t max_idle_bytes) {
@@ -114,6 +162,7 @@ void StagingPool::TrimTo(int64_t max_idle_bytes) {
     idle_bytes_ -= static_cast<int64_t>(idle_.front().buffer.size());
     freed.splice(freed.end(), idle_, idle_.begin());
   }
+  CountFreed(freed);
 }
 
 void StagingPool::Clear() {
@@ -121,11 +170,19 @@ void StagingPool::Clear() {
   absl::MutexLock l(&mu_);
   freed.swap(idle_);
   idle_bytes_ = 0;
+  CountFreed(freed);
 }
 
 StagingPool::Stats StagingPool::stats() const {
   absl::MutexLock l(&mu_);
-  return Stats{reused_, allocated_, idle_bytes_, idle_.size()};
+  Stats s;
+  s.reused = reused_;
+  s.allocated = allocated_;
+  s.idle_bytes = idle_bytes_;
+  s.idle_buffers = idle_.size();
+  s.tagged_given_away = tagged_given_away_;
+  s.tagged_freed = tagged_freed_;
+  return s;
 }
 
 }  // namespace wb::daemon

@@ -20,6 +20,8 @@
 
 #include <cstdint>
 #include <list>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,11 +42,16 @@ class StagingPool {
   struct Stats {
     uint64_t reused = 0;     // Take answered with a recycled buffer
     uint64_t allocated = 0;  // Take had to allocate
+    // Diagnostics of delta bases (docs/soak.md "NVFP4 deltas"): tagged buffers handed to a Take
+    // that asked for another tag or none (their base is gone), and tagged buffers freed idle.
+    uint64_t tagged_given_away = 0;
+    uint64_t tagged_freed = 0;
     int64_t idle_bytes = 0;  // held for reuse right now
     size_t idle_buffers = 0;
   };
 
   explicit StagingPool(Options options) : options_(options) {}
+  ~StagingPool();
 
   // A host buffer of exactly `size` bytes: an idle one of that size when there is one (its bytes
   // are stale: see above; *reused = true), else a new, zero-filled one. With `tag`, the idle buffer
@@ -58,6 +65,23 @@ class StagingPool {
   // place, docs/daemon.md "Deltas"); a tag is only a hint of who wants the buffer back, never a
   // promise: the taker checks the bytes (a delta's base digest).
   void Give(std::vector<uint8_t> buffer, std::string tag = "");
+  // What TakeTagged found for a tag.
+  struct Tagged {
+    std::vector<uint8_t> buffer;         // the buffer given back with the tag (empty: not idle here)
+    std::shared_ptr<void> holder;        // else, who Lend named as still holding it, when alive
+  };
+  // Only the idle buffer given back with `tag` (never another), else the holder Lend named for the
+  // tag while that holder is alive. A holder that has just let go (its last reference dropped,
+  // its buffers not given back yet: the deleter is between the two) is waited for, until
+  // `deadline` on the pool's clock: the buffer comes back within microseconds. Why: a rollout's
+  // committed staging goes back to the pool when its last reference drops, which races the next
+  // version's choice of staging (an Apply that still holds it while it reports to the
+  // coordinator); a miss there made the next version's deltas into receiver-quantised shadows
+  // refused and resent in full (docs/soak.md "NVFP4 deltas").
+  Tagged TakeTagged(int64_t size, const std::string& tag, absl::Time deadline);
+  // `holder` holds the buffer that will be given back with `tag` (Give), until its last reference
+  // drops. Replaces an earlier holder of the same tag.
+  void Lend(const std::string& tag, std::weak_ptr<void> holder);
   // Allocates (and so faults in) an idle buffer of `size` bytes ahead of the version that will
   // Take it, unless an untagged one of that size is idle already (a tagged one is kept for its
   // tag's next version) or idle bytes would exceed `room`. The node
@@ -88,6 +112,12 @@ class StagingPool {
   int64_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tagged_given_away_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t tagged_freed_ ABSL_GUARDED_BY(mu_) = 0;
+  // Lend: tag -> who holds the buffer that comes back with that tag (erased when it comes back).
+  std::map<std::string, std::weak_ptr<void>> lent_ ABSL_GUARDED_BY(mu_);
+  // Frees `freed` (outside the lock), counting the tagged ones.
+  void CountFreed(const std::list<Idle>& freed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace wb::daemon

@@ -1,6 +1,8 @@
 #include "daemon/staging_pool.h"
 
 #include <cstring>
+#include <memory>
+#include <thread>
 
 #include "gtest/gtest.h"
 
@@ -158,6 +160,81 @@ TEST(StagingPoolTest, PrewarmDoesNotCountATaggedBufferAndTheUntaggedTakeLeavesIt
   std::vector<uint8_t> kept = pool.Take(1000, &reused, "m/r1/b0/v2", &matched);
   EXPECT_TRUE(matched) << "the tagged base is still there for its rollout";
   EXPECT_EQ(kept[0], 7);
+}
+
+// A rollout's committed staging goes back to the pool, tagged, when its last reference drops -
+// which may be after the next version chose its staging (an Apply that still holds it while it
+// reports to the coordinator). TakeTagged then names the holder (the base, out of place) and never
+// hands out a buffer of another tag; once the buffer is back, the buffer itself.
+TEST(StagingPoolTest, TakeTaggedNamesTheHolderUntilTheBufferIsBack) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  std::vector<uint8_t> base = pool.Take(4096);
+  const uint8_t* at = base.data();
+  auto holder = std::make_shared<int>(1);
+  pool.Lend("r0 v1", holder);
+  std::vector<uint8_t> untagged = pool.Take(4096), older = pool.Take(4096);
+  pool.Give(std::move(untagged));        // an untagged buffer of the size: not it
+  pool.Give(std::move(older), "r0 v0");  // another tag: not it either
+  const absl::Time deadline = clock.Now() + absl::Seconds(1);
+  StagingPool::Tagged t = pool.TakeTagged(4096, "r0 v1", deadline);
+  EXPECT_TRUE(t.buffer.empty());
+  EXPECT_EQ(t.holder, holder) << "alive: the base is where it is";
+  // Its last reference goes, its buffer comes back (as NodeStaging::NewBytes' deleter does).
+  t.holder.reset();
+  holder.reset();
+  pool.Give(std::move(base), "r0 v1");
+  t = pool.TakeTagged(4096, "r0 v1", deadline);
+  EXPECT_EQ(t.buffer.data(), at);
+  EXPECT_EQ(t.holder, nullptr);
+  // Neither idle nor lent: nothing, at once (a wait here would never end on the fake clock).
+  t = pool.TakeTagged(4096, "r0 v1", deadline);
+  EXPECT_TRUE(t.buffer.empty());
+  EXPECT_EQ(t.holder, nullptr);
+  EXPECT_EQ(pool.stats().idle_buffers, 2u);
+}
+
+// The holder's last reference has dropped but its deleter has not given the buffer back yet (the
+// two are not one step): TakeTagged waits for it, on the pool's clock, instead of missing it.
+TEST(StagingPoolTest, TakeTaggedWaitsForAHolderThatLetGoUntilTheBufferIsBack) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  std::vector<uint8_t> base = pool.Take(4096);
+  const uint8_t* at = base.data();
+  auto holder = std::make_shared<int>(1);
+  pool.Lend("r0 v1", holder);
+  holder.reset();  // let go, not given back yet
+  const absl::Time deadline = clock.Now() + absl::Seconds(1);
+  StagingPool::Tagged t;
+  std::thread taker([&] { t = pool.TakeTagged(4096, "r0 v1", deadline); });
+  ASSERT_TRUE(clock.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30))) << "TakeTagged did not wait for the buffer";
+  pool.Give(std::move(base), "r0 v1");
+  taker.join();
+  EXPECT_EQ(t.buffer.data(), at);
+
+  // A buffer that never comes back: the wait ends at the deadline, with nothing.
+  auto gone = std::make_shared<int>(2);
+  pool.Lend("r0 v2", gone);
+  gone.reset();
+  std::thread late([&] { t = pool.TakeTagged(4096, "r0 v2", deadline); });
+  ASSERT_TRUE(clock.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30)));
+  clock.Advance(absl::Seconds(1));
+  late.join();
+  EXPECT_TRUE(t.buffer.empty());
+  EXPECT_EQ(t.holder, nullptr);
+}
+
+// Diagnostics: a tagged buffer handed to a taker of another tag, or freed idle, is counted.
+TEST(StagingPoolTest, TaggedBuffersGivenAwayOrFreedAreCounted) {
+  FakeClock clock;
+  StagingPool pool(Opts(&clock));
+  pool.Give(pool.Take(4096), "r0 v1");
+  pool.Give(pool.Take(8192), "r0 v1 b1");
+  std::vector<uint8_t> other = pool.Take(4096, nullptr, "r1 v1");  // no untagged one: r0's
+  EXPECT_EQ(other.size(), 4096u);
+  EXPECT_EQ(pool.stats().tagged_given_away, 1u);
+  pool.Clear();
+  EXPECT_EQ(pool.stats().tagged_freed, 1u);
 }
 
 }  // namespace wb::daemon

@@ -70,8 +70,9 @@ struct DeltaBase {
   const uint8_t* data = nullptr;
   int64_t size = 0;
   std::shared_ptr<const void> hold;  // keeps `data` alive while the executor decodes
-  // Which memory it is, named in refusals (NodeDeltas::For says which of its bases it chose).
-  const char* what = "the committed copy";
+  // Which memory it is, named in refusals (NodeDeltas::For says which of its bases it chose, and
+  // for the live weights what the rollout held when the version started and at the lookup).
+  std::string what = "the committed copy";
 };
 
 // Reusable host buffers for the per-peer delta regions (first touch of fresh memory is slow on

@@ -56,7 +56,8 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
                              const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local,
                              const std::map<std::pair<std::string, size_t>, uint64_t>& staging_holds,
                              const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming,
-                             const std::set<std::string>& bases_without_shadows) {
+                             const std::set<std::string>& bases_without_shadows,
+                             const std::map<std::string, std::pair<uint64_t, std::shared_ptr<StagedBytes>>>& bases_held) {
   std::shared_ptr<Model> m = ModelFor(model);
   DeltaOptions o;
   o.me = me;
@@ -111,12 +112,31 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
   // worker's entry (the live weights then hold the same version, but without the canonical shadows
   // of receiver-quantised pieces: deltas into those would be refused and resent in full). Held
   // only while these options live; nothing writes committed staging.
+  // Staging the version's staging choice held on to comes first unless the worker now holds a
+  // newer committed staging (the rollout's Apply may have let go of it in between, and an applied
+  // staging still held by its Apply is in no worker entry at all).
   std::map<std::string, std::pair<uint64_t, std::shared_ptr<StagedBytes>>> committed_at_start;
+  for (const auto& [wid, held] : bases_held) {
+    if (held.second != nullptr) committed_at_start[wid] = held;
+  }
+  // What each rollout held when the version started, named in a refusal against its live weights
+  // (which lack the shadows: such a refusal means no staging with the base was found).
+  std::map<std::string, std::string> state_at_start;
   for (const auto& [index, wid] : local_rollouts) {
     std::optional<LocalWorkers::View> v = local.Get({model, wid});
-    if (v && v->worker.committed != nullptr) committed_at_start[wid] = {v->worker.committed_version, v->worker.committed};
+    if (v && v->worker.committed != nullptr) {
+      auto& c = committed_at_start[wid];
+      if (c.second == nullptr || v->worker.committed_version >= c.first) c = {v->worker.committed_version, v->worker.committed};
+    }
+    if (v) {
+      bool held_in_place = false;
+      for (const auto& [at, version] : in_place) held_in_place = held_in_place || at.first == wid;
+      state_at_start[wid] = absl::StrCat("at the start committed v", v->worker.committed_version, " applied v", v->worker.applied_version,
+                                         v->worker.committed != nullptr ? ", committed staging held" : ", no committed staging",
+                                         held_in_place ? ", in place" : ", not in place");
+    }
   }
-  o.base = [m, model, local_rollouts, &local, in_place, committed_at_start](const std::string& key) -> std::optional<DeltaBase> {
+  o.base = [m, model, local_rollouts, &local, in_place, committed_at_start, state_at_start](const std::string& key) -> std::optional<DeltaBase> {
     std::optional<std::pair<uint32_t, size_t>> at = ParseKey(key);
     if (!at) return std::nullopt;
     auto id = local_rollouts.find(at->first);
@@ -128,7 +148,7 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     const size_t j = at->second;
     std::shared_ptr<StagedBytes> committed = w.committed;
     uint64_t committed_version = w.committed_version;
-    const char* what = "the committed staging";
+    std::string what = "the committed staging";
     if (auto c = committed_at_start.find(id->second); committed == nullptr && c != committed_at_start.end() &&
                                                       c->second.first >= w.applied_version) {
       committed_version = c->second.first;
@@ -142,8 +162,10 @@ DeltaOptions NodeDeltas::For(const std::string& me, const std::string& model, co
     // Sync commits hand committed staging back to the pool once live weights hold it.
     if (w.applied_version > 0 && !v->copying && v->torn.ok() && j < w.buffers.size() && w.buffers[j] != nullptr) {
       const std::shared_ptr<transport::ShmSegment>& seg = w.buffers[j];
+      auto st = state_at_start.find(id->second);
       return DeltaBase{w.applied_version, static_cast<const uint8_t*>(seg->data()), static_cast<int64_t>(seg->size()), seg,
-                       "the live weights"};
+                       absl::StrCat("the live weights; committed v", w.committed_version, " applied v", w.applied_version, " now; ",
+                                    st != state_at_start.end() ? st->second : std::string("not local at the start"))};
     }
     return std::nullopt;
   };

@@ -56,11 +56,15 @@ class NodeDeltas {
   // still hold a committed version: those are the base first, and the decode runs in place.
   // `bases_without_shadows` (ExecuteVersionRequest.bases_without_shadows, by worker id): rollouts
   // whose base holds no canonical shadows (DeltaOptions::without_shadows).
+  // `bases_held` (Exec::bases_held, by worker id): staging the version's choice of staging found
+  // holding a rollout's committed version - its committed staging then, or its applied staging
+  // not yet back in the pool -, a base as the committed staging held at the start is.
   DeltaOptions For(const std::string& me, const std::string& model, const pb::PlanSlice& slice,
                    const std::map<std::string, uint64_t>& base_versions, const LocalWorkers& local,
                    const std::map<std::pair<std::string, size_t>, uint64_t>& staging_holds = {},
                    const std::map<std::string, std::shared_ptr<StagedBytes>>& incoming = {},
-                   const std::set<std::string>& bases_without_shadows = {});
+                   const std::set<std::string>& bases_without_shadows = {},
+                   const std::map<std::string, std::pair<uint64_t, std::shared_ptr<StagedBytes>>>& bases_held = {});
 
   // CommitVersion(version) of `model` here: its pending copies become the committed ones.
   void Commit(const std::string& model, uint64_t version);

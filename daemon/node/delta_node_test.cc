@@ -5,11 +5,14 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "base/clock.h"
 #include "base/shm_segment.h"
 #include "daemon/delta/codec.h"
 #include "daemon/node/live_copy.h"
 #include "daemon/node/local_workers.h"
+#include "daemon/node/node_staging.h"
+#include "daemon/metrics.h"
 #include "transport/config.h"
 #include "transport/host_shm/host_shm.h"
 
@@ -137,7 +140,7 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
   EXPECT_EQ(before->version, 1u);
   EXPECT_EQ(before->data, staged);
   EXPECT_EQ(before->size, 2 * kLive);
-  EXPECT_STREQ(before->what, "the committed staging");  // named in a refusal (DecodeOp)
+  EXPECT_EQ(before->what, "the committed staging");  // named in a refusal (DecodeOp)
 
   // Apply of version 1 while version 2 runs: the live copy, then the staging is let go.
   std::vector<LocalWorkers::LiveJob> jobs(1);
@@ -165,7 +168,7 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
   EXPECT_EQ(after->version, 1u);
   EXPECT_EQ(after->size, 2 * kLive) << "the base lost the canonical shadows (live weights instead of the committed staging)";
   EXPECT_EQ(after->data, staged);
-  EXPECT_STREQ(after->what, "the committed staging held at the start");
+  EXPECT_EQ(after->what, "the committed staging held at the start");
   ASSERT_NE(after->hold, nullptr);
   EXPECT_EQ(after->data[2 * kLive - 1], 0xAB);
 
@@ -174,8 +177,108 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
   std::optional<DeltaBase> b3 = next.base("w0.b0");
   ASSERT_TRUE(b3.has_value());
   EXPECT_EQ(b3->size, kLive);
-  EXPECT_STREQ(b3->what, "the live weights");
+  // Named in a refusal with what the rollout held: live weights lack the shadows.
+  EXPECT_TRUE(absl::StartsWith(b3->what, "the live weights; committed v1 applied v1 now; at the start committed v1 applied v1, no committed staging"))
+      << b3->what;
   EXPECT_EQ(b3->data, static_cast<const uint8_t*>(live[0]->data()));
+}
+
+// The race behind NVFP4 deltas refused in one-step-off / async chaos runs (docs/soak.md "NVFP4
+// deltas"): the rollout applied version 1 (its committed staging left the worker's entry) just
+// before version 2 chose its staging, while the Apply still held that staging (it reports to the
+// coordinator before it returns), so the tagged buffer was not back in the pool. Before the fix
+// the tag missed, no staging was named and the base was the live weights, which lack the
+// canonical shadows: every delta into a shadow refused and resent in full. Now the staging choice
+// (NodeStaging::TakeBase, as Versions::AllocateStaging calls it) finds the staging still held and
+// it is the base; once the Apply lets go, the buffer itself comes back for an in-place decode.
+TEST(NodeDeltasTest, AnApplyStillHoldingItsStagingAtTheNextVersionsChoiceLeavesItTheBase) {
+  FakeClock clock;
+  transport::TransportConfig tc;
+  std::unique_ptr<transport::Transport> t = transport::NewHostShmTransport(tc);
+  ASSERT_NE(t, nullptr);
+  LiveCopier copier("n0", t.get(), [](const std::string&) { return absl::OkStatus(); });
+  DaemonMetrics metrics;
+  NodeStaging::Options so;
+  so.node_id = "n0";
+  so.clock = &clock;
+  so.metrics = &metrics;
+  so.copier = &copier;
+  NodeStaging staging_pool(so);
+  LocalWorkers::Options lo;
+  lo.node_id = "n0";
+  lo.clock = &clock;
+  lo.copier = &copier;
+  lo.live_copy_timeout = absl::Seconds(30);
+  LocalWorkers local(lo);
+  constexpr int64_t kLive = 16384;  // live: the quantised pieces; staging: those + the shadows
+  const LocalWorkers::WorkerKey key{"m", "rollout/0"};
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kRollout;
+  w.mode = pb::MODE_ASYNC;
+  local.Add(key, std::move(w), std::nullopt);
+  auto seg = transport::ShmSegment::Create(transport::ShmSegment::UniqueName("dn"), kLive);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  std::vector<std::shared_ptr<transport::ShmSegment>> live = {std::make_shared<transport::ShmSegment>(std::move(*seg))};
+  ASSERT_TRUE(local.AttachLayout(key, live, {nullptr}, pb::SubmitLayoutRequest(), pb::ResolvedLayout()).ok());
+  // Version 1's incoming staging from the pool, committed and tagged (Versions::CommitVersion).
+  std::shared_ptr<StagedBytes> staging = staging_pool.NewBytes(1);
+  (*staging)[0].host = staging_pool.TakeHost(2 * kLive);
+  std::memset((*staging)[0].host.data(), 0xAB, 2 * kLive);
+  const uint8_t* staged = (*staging)[0].host.data();
+  EXPECT_TRUE(local.Commit("m", 1, {{"rollout/0", staging}}, {}).empty());
+  const std::string tag = NodeStaging::BaseTag("m", "rollout/0", 0, 1);
+  (*staging)[0].pool_tag = tag;
+  staging_pool.Lend(staging);
+
+  // Apply of version 1: the live copy, then the entry lets the staging go - but the Apply's job
+  // still holds it (WorkerCalls::CopyApplicable reports to the coordinator first).
+  std::vector<LocalWorkers::LiveJob> jobs(1);
+  jobs[0].model = "m";
+  jobs[0].worker = "rollout/0";
+  jobs[0].version = 1;
+  jobs[0].staging = staging;
+  jobs[0].live = LiveBuffers{live, {nullptr}};
+  planner::WorkerLayout layout;
+  layout.buffers = {{kLive}};
+  jobs[0].layout = layout;
+  jobs[0].inventory = std::make_shared<planner::Inventory>();
+  jobs[0].label = "apply rollout/0 v1";
+  ASSERT_TRUE(local.RunLiveCopies(jobs)[0].ok());
+  local.MarkApplied(key, 1, staging, /*after_commit=*/false);
+  staging.reset();
+  ASSERT_EQ(local.Get(key)->worker.committed, nullptr);
+  ASSERT_EQ(local.Get(key)->worker.applied_version, 1u);
+
+  // Version 2 chooses its staging now: held = the applied version 1.
+  const absl::Time deadline = clock.Now() + absl::Seconds(10);
+  NodeStaging::Base b = staging_pool.TakeBase(2 * kLive, tag, deadline);
+  EXPECT_FALSE(b.matched) << "the buffer is not back yet";
+  ASSERT_NE(b.held, nullptr) << "the staging still held by the Apply was not found";
+  EXPECT_EQ((*b.held)[0].host.data(), staged);
+  pb::PlanSlice slice;
+  pb::PlanWorker* pw = slice.add_workers();
+  pw->set_worker_id("rollout/0");
+  pw->set_node_id("n0");
+  pw->set_role(pb::ROLE_ROLLOUT);
+  NodeDeltas deltas(0, 2, &clock);
+  DeltaOptions o = deltas.For("n0", "m", slice, {{"rollout/0", 1}}, local, {}, {}, {}, {{"rollout/0", {1, b.held}}});
+  b.held.reset();
+  jobs.clear();  // the Apply returns: only version 2's options hold the staging now
+  std::optional<DeltaBase> base = o.base("w0.b0");
+  ASSERT_TRUE(base.has_value());
+  EXPECT_EQ(base->version, 1u);
+  EXPECT_EQ(base->size, 2 * kLive) << "the base lost the canonical shadows: " << base->what;
+  EXPECT_EQ(base->data, staged);
+  EXPECT_EQ(base->data[2 * kLive - 1], 0xAB);
+
+  // Version 3, after version 2's options are gone: the buffer is back, taken by its tag.
+  o = DeltaOptions();
+  base.reset();
+  NodeStaging::Base again = staging_pool.TakeBase(2 * kLive, tag, deadline);
+  EXPECT_TRUE(again.matched);
+  EXPECT_EQ(again.host.data(), staged);
+  EXPECT_EQ(again.held, nullptr);
 }
 
 }  // namespace

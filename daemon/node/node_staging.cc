@@ -31,6 +31,35 @@ std::vector<uint8_t> NodeStaging::TakeHost(int64_t size, const std::string& tag,
   return out;
 }
 
+void NodeStaging::Lend(const std::shared_ptr<Bytes>& staging) const {
+  if (staging == nullptr) return;
+  for (const StagedBuffer& b : *staging) {
+    if (!b.pool_tag.empty() && !b.host.empty()) pool_->Lend(b.pool_tag, std::weak_ptr<void>(std::shared_ptr<void>(staging)));
+  }
+}
+
+NodeStaging::Base NodeStaging::TakeBase(int64_t size, const std::string& tag, absl::Time deadline) {
+  Base out;
+  StagingPool::Tagged t = pool_->TakeTagged(size, tag, deadline);
+  if (!t.buffer.empty()) {
+    out.host = std::move(t.buffer);
+    out.matched = true;
+    if (size > 0) options_.metrics->StagingTaken(options_.node_id, /*reused=*/true, static_cast<uint64_t>(size));
+    return out;
+  }
+  out.held = std::static_pointer_cast<Bytes>(std::move(t.holder));
+  out.host = TakeHost(size);
+  if (out.held == nullptr) {
+    // Neither back nor held: given to another taker or freed (the pool's tagged_given_away /
+    // tagged_freed counters say which). Deltas into this rollout's receiver-quantised shadows are
+    // refused this version and resent in full.
+    StagingPool::Stats st = pool_->stats();
+    Log(LogLevel::kInfo, "delta base staging not found",
+        {{"node", options_.node_id}, {"bytes", size}, {"tagged_given_away", st.tagged_given_away}, {"tagged_freed", st.tagged_freed}});
+  }
+  return out;
+}
+
 void NodeStaging::PrewarmStaging(int64_t size) {
   if (pool_->Prewarm(size, std::max<int64_t>(0, budget_->budget() - budget_->in_use()))) {
     options_.metrics->StagingPoolBytes(options_.node_id, pool_->stats().idle_bytes);

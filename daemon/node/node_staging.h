@@ -49,6 +49,22 @@ class NodeStaging {
   // Host staging of `size` bytes from the pool (recycled when one of that size is idle). With
   // `tag`, the buffer given back with that tag first (*tag_matched: it came back).
   std::vector<uint8_t> TakeHost(int64_t size, const std::string& tag = "", bool* tag_matched = nullptr);
+  // `staging`'s tagged buffers (StagedBuffer::pool_tag) come back to the pool when its last
+  // reference drops: until then TakeBase finds `staging` itself by those tags.
+  void Lend(const std::shared_ptr<Bytes>& staging) const;
+  // Incoming staging of `size` bytes for a rollout whose base is in the buffer tagged `tag`:
+  // that buffer when it is back in the pool (`matched`: decode in place), else a recycled or new
+  // one, and `held`: the staging that still holds the tagged buffer (an Apply reporting to the
+  // coordinator, a running version's base), which is then the base, out of place. Waits (at most
+  // until `deadline`) only for a holder between its last reference and giving the buffer back.
+  struct Base {
+    std::vector<uint8_t> host;
+    bool matched = false;
+    std::shared_ptr<Bytes> held;
+  };
+  Base TakeBase(int64_t size, const std::string& tag, absl::Time deadline);
+  // The pool's counters (tests, diagnostics).
+  StagingPool::Stats pool_stats() const { return pool_->stats(); }
   // The pool tag of a sync rollout's committed staging buffer: buffer `buffer` of `worker` of
   // `model` holds `version` (StagedBuffer::pool_tag).
   static std::string BaseTag(const std::string& model, const std::string& worker, size_t buffer, uint64_t version);

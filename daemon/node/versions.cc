@@ -214,6 +214,7 @@ void Versions::TagCommittedStaging(const Exec& exec, const std::string& model, c
     if (b.device != nullptr) return;
   }
   for (size_t j = 0; j < staging->size(); ++j) (*staging)[j].pool_tag = NodeStaging::BaseTag(model, worker, j, version);
+  staging_.Lend(staging);  // the next version finds it by tag also while someone still holds it
 }
 
 std::vector<LocalWorkers::LiveJob> Versions::CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) {

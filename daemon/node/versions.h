@@ -121,6 +121,10 @@ struct Exec {
   // commit's tagged buffer came back from the pool (NodeStaging::BaseTag), so delta ops decode in
   // place there instead of copying the base from live weights (NodeDeltas::For).
   std::map<std::pair<std::string, size_t>, uint64_t> staging_holds;
+  // Local rollout -> (version, staging): its committed staging when this version's staging was
+  // chosen, or its applied staging not yet back in the pool (NodeStaging::TakeBase): the base of
+  // its deltas (NodeDeltas::For), held while the version runs.
+  std::map<std::string, std::pair<uint64_t, std::shared_ptr<Bytes>>> bases_held;
   std::shared_ptr<Bytes> gather;                           // rank-0 gather staging (one buffer)
   std::atomic<uint64_t> bytes_done{0};  // read by the heartbeat thread without mu_
   int64_t staging_bytes = 0;            // incoming + gather, allocated by the executor (not under mu_)

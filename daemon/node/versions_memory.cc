@@ -27,6 +27,7 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
   }
   std::map<std::string, std::shared_ptr<Bytes>> incoming;
   std::map<std::pair<std::string, size_t>, uint64_t> holds;
+  std::map<std::string, std::pair<uint64_t, std::shared_ptr<Bytes>>> bases_held;
   std::shared_ptr<Bytes> gather;
   for (int i = 0; i < plan.slice.workers_size(); ++i) {
     const pb::PlanWorker& w = plan.slice.workers(i);
@@ -36,11 +37,12 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
     // the pool got it back once live weights held that version (a sync commit's copy, or Apply):
     // asked for by that tag, the pool hands the same buffers back. Only while the rollout holds
     // its newest committed version: that is the base the sender's deltas are made against.
+    // One look at the worker for both: the committed staging is kept as this version's base
+    // when the rollout has not applied it (an Apply before NodeDeltas::For would let it go).
     uint64_t held = 0;
-    if (options_.delta_in_place) {
-      std::optional<LocalWorkers::View> lw = local_.Get({exec.model_id, w.worker_id()});
-      if (lw && lw->worker.applied_version >= lw->worker.committed_version) held = lw->worker.applied_version;
-    }
+    std::optional<LocalWorkers::View> lw = local_.Get({exec.model_id, w.worker_id()});
+    if (!exec.catch_up && lw && lw->worker.committed != nullptr) bases_held[w.worker_id()] = {lw->worker.committed_version, lw->worker.committed};
+    if (options_.delta_in_place && lw && lw->worker.applied_version >= lw->worker.committed_version) held = lw->worker.applied_version;
     std::shared_ptr<Bytes> bytes = staging_.NewBytes(0, {exec.charge});
     for (size_t j = 0; j < plan.layouts[i].buffers.size(); ++j) {
       const int64_t size = plan.layouts[i].buffers[j].size_bytes;
@@ -69,10 +71,15 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
           bytes = NodeStaging::KeepWith(std::move(bytes), std::move(extra));
         }
       }
-      if (sb.device == nullptr) {
-        bool matched = false;  // recycled: see daemon/staging_pool.h
-        sb.host = staging_.TakeHost(size, held > 0 ? NodeStaging::BaseTag(exec.model_id, w.worker_id(), j, held) : "", &matched);
-        if (matched) holds[{w.worker_id(), j}] = held;
+      if (sb.device == nullptr && held > 0 && !exec.catch_up) {
+        // The applied staging may not be back in the pool yet (still held by the Apply that
+        // copied it, or by a running version): then it is this version's base, out of place.
+        NodeStaging::Base b = staging_.TakeBase(size, NodeStaging::BaseTag(exec.model_id, w.worker_id(), j, held), exec.deadline);
+        sb.host = std::move(b.host);
+        if (b.matched) holds[{w.worker_id(), j}] = held;
+        if (b.held != nullptr) bases_held[w.worker_id()] = {held, std::move(b.held)};
+      } else if (sb.device == nullptr) {
+        sb.host = staging_.TakeHost(size);  // recycled: see daemon/staging_pool.h
       }
       bytes->push_back(std::move(sb));
     }
@@ -85,6 +92,7 @@ absl::Status Versions::AllocateStaging(Exec& exec, const node::LanePlan& lanes) 
   absl::MutexLock l(&mu_);
   exec.incoming = std::move(incoming);
   exec.staging_holds = std::move(holds);
+  exec.bases_held = std::move(bases_held);
   exec.gather = std::move(gather);
   return absl::OkStatus();
 }

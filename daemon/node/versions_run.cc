@@ -343,7 +343,7 @@ node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
   // Lossless deltas (not for catch-ups: their slices carry no delta ops).
   if (!exec.catch_up) {
     o.deltas = deltas_.For(me, exec.model_id, exec.plan->slice, exec.base_versions, local_, exec.staging_holds, exec.incoming,
-                           exec.bases_without_shadows);
+                           exec.bases_without_shadows, exec.bases_held);
   }
   return o;
 }
