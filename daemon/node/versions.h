@@ -9,7 +9,7 @@
 //   versions_run.cc     one version on the executor thread: RunExec (ReportDone), RunExecInner
 //                       (exec plan -> executor), ExecOptionsFor, the channel setup with peers
 //                       (ExecChannels, SetupPeer) and the channels' ends (DropChannel,
-//                       ForgetChannel, ReleaseChannels, AbortChannels).
+//                       ReleaseChannels, AbortChannels).
 //   versions_memory.cc  the memory of a version: AllocateStaging, GatherVersionMemory,
 //                       HostLiveSyncRollouts, DigestVersion, StartQuantizing / FinishQuantizing.
 //
@@ -315,14 +315,11 @@ class Versions {
   static void CancelConnects(const std::vector<std::pair<transport::Transport*, std::string>>& rounds);
   // Channels shared by executions (daemon/node/channel_cache.h), all outside mu_:
   // DropChannel forgets `id` of `chan` (ChannelName) entirely and disconnects it, whoever holds it
-  // (a re-join, shutdown); ForgetChannel takes it out of the cache and disconnects it only when no
-  // running execution holds it (a stale or replaced one); ReleaseChannels ends `exec`'s holds at
-  // its end (with `failed`, its channels are not reused) and disconnects what nothing uses any
-  // more; AbortChannels is AbortVersion's: `exec`'s channels leave the cache, and those no other
-  // execution holds, or with batches of `exec` in flight (`in_flight`), are disconnected now so
-  // that its blocked waits end.
+  // (a re-join, shutdown); ReleaseChannels ends `exec`'s holds at its end (with `failed`, its
+  // channels are not reused) and disconnects what nothing uses any more; AbortChannels is
+  // AbortVersion's: `exec`'s channels leave the cache, and those no other execution holds, or with
+  // batches of `exec` in flight (`in_flight`), are disconnected now so that its blocked waits end.
   void DropChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
-  void ForgetChannel(const std::string& model_id, const std::string& chan, transport::PeerId id);
   void ReleaseChannels(const Exec& exec, bool failed);
   void AbortChannels(const Exec& exec, const std::map<std::string, int>& in_flight);
   void Disconnect(const std::string& chan, transport::PeerId id);

@@ -125,10 +125,6 @@ void Versions::DropChannel(const std::string& model_id, const std::string& chan,
   Disconnect(chan, id);
 }
 
-void Versions::ForgetChannel(const std::string& model_id, const std::string& chan, transport::PeerId id) {
-  if (channels_.Forget(model_id, chan, id)) Disconnect(chan, id);
-}
-
 void Versions::ReleaseChannels(const Exec& exec, bool failed) {
   for (const ChannelCache::Keyed& c : channels_.ReleaseAll(&exec, failed)) Disconnect(c.channel, c.id);
 }
