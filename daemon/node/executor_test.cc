@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -103,6 +105,8 @@ class ExecutorTest : public ::testing::Test {
         if (before_bucket) o.before_bucket = [&, n](uint32_t b) { before_bucket(n, b); };
         o.aborted = aborted;
         if (before_post_) o.before_post = [&, n](uint32_t b) { return before_post_(n, b); };
+        if (channel_post_) o.channel_post = [&, n](const std::string& c) { return channel_post_(n, c); };
+        if (channel_waited_) o.channel_waited = [&, n](const std::string& c) { channel_waited_(n, c); };
         out_[n].status = rendezvous_.RunNode(slice_, me, mem, local_.get(), cross_[n].get(), o, out_[n].result);
       });
     }
@@ -118,7 +122,77 @@ class ExecutorTest : public ::testing::Test {
   Rendezvous rendezvous_;
   Outcome out_[2];
   std::function<absl::Status(int node, uint32_t bucket)> before_post_;  // ExecOptions::before_post per node
+  std::function<absl::Status(int node, const std::string& channel)> channel_post_;  // ExecOptions::channel_post per node
+  std::function<void(int node, const std::string& channel)> channel_waited_;
 };
+
+// Per node and channel: batches posted, waited for, in flight now (ExecOptions::channel_post /
+// channel_waited), as the node daemon counts them for aborts (Versions::AbortChannels).
+struct ChannelCounts {
+  absl::Mutex mu;
+  std::map<std::pair<int, std::string>, int> posted ABSL_GUARDED_BY(mu), waited ABSL_GUARDED_BY(mu), in_flight ABSL_GUARDED_BY(mu);
+  int InFlight(int node, const std::string& channel) {
+    absl::MutexLock l(&mu);
+    return in_flight[{node, channel}];
+  }
+};
+
+// Every batch on a cross-node channel is counted while in flight: posted -> waited, balanced at the
+// end; same-node copies are not (bucket 2 is n1's relay). Bucket 0's batch is still in flight
+// when bucket 1 comes up (slow link, pipelined buckets).
+TEST_F(ExecutorTest, BatchesOnAChannelAreCountedWhileInFlight) {
+  MakeTransports(/*link=*/4000);  // bucket 0 (2 KiB) takes about half a second
+  ChannelCounts c;
+  channel_post_ = [&](int n, const std::string& chan) {
+    absl::MutexLock l(&c.mu);
+    ++c.posted[{n, chan}];
+    ++c.in_flight[{n, chan}];
+    return absl::OkStatus();
+  };
+  channel_waited_ = [&](int n, const std::string& chan) {
+    absl::MutexLock l(&c.mu);
+    ++c.waited[{n, chan}];
+    --c.in_flight[{n, chan}];
+  };
+  int in_flight_at_bucket_1[2] = {-1, -1};
+  RunBoth(absl::Seconds(10), [&](int node, uint32_t bucket) {
+    if (bucket == 1) in_flight_at_bucket_1[node] = c.InFlight(node, node == 0 ? "n1" : "n0");
+  });
+  ASSERT_TRUE(out_[0].status.ok()) << out_[0].status;
+  ASSERT_TRUE(out_[1].status.ok()) << out_[1].status;
+  EXPECT_EQ(mem_[1], mem_[0]);
+  absl::MutexLock l(&c.mu);
+  using Key = std::pair<int, std::string>;
+  EXPECT_EQ(c.posted, (std::map<Key, int>{{{0, "n1"}, 2}, {{1, "n0"}, 2}}));
+  EXPECT_EQ(c.waited, c.posted);
+  EXPECT_EQ(in_flight_at_bucket_1[0], 1);
+  EXPECT_EQ(in_flight_at_bucket_1[1], 1);
+}
+
+// A post the node refuses (its version was aborted meanwhile) is not made: the version fails with
+// the refusal, and what was posted before is still waited for.
+TEST_F(ExecutorTest, ARefusedChannelPostFailsTheVersionWithoutPosting) {
+  MakeTransports();
+  ChannelCounts c;
+  channel_post_ = [&](int n, const std::string& chan) -> absl::Status {
+    absl::MutexLock l(&c.mu);
+    if (n == 0 && c.posted[{n, chan}] == 1) return absl::AbortedError("version 1 aborted: test");
+    ++c.posted[{n, chan}];
+    return absl::OkStatus();
+  };
+  channel_waited_ = [&](int n, const std::string& chan) {
+    absl::MutexLock l(&c.mu);
+    ++c.waited[{n, chan}];
+  };
+  RunBoth(absl::Seconds(2));
+  ASSERT_FALSE(out_[0].status.ok());
+  EXPECT_EQ(out_[0].status.code(), absl::StatusCode::kAborted) << out_[0].status;
+  EXPECT_NE(out_[0].status.message().find("bucket 1"), std::string::npos) << out_[0].status;
+  EXPECT_FALSE(out_[1].status.ok()) << "n1's bucket 1 had no mirror";
+  absl::MutexLock l(&c.mu);
+  EXPECT_EQ(c.posted[std::make_pair(0, std::string("n1"))], 1);
+  EXPECT_EQ(c.waited, c.posted);
+}
 
 TEST_F(ExecutorTest, TwoNodesMoveEveryByteExactlyAndCountIt) {
   MakeTransports();
