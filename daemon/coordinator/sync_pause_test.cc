@@ -102,6 +102,20 @@ class PauseCluster {
     pb::WaitVersionResponse wr;
     return core->WaitVersion(w, &wr);
   }
+  // WaitVersion(v) of `worker` that must be answered without simulated time moving (real-time
+  // bound); one that is not is ended by moving simulated time past its deadline, and fails.
+  absl::Status WaitAnswered(const std::string& worker, uint64_t v) {
+    absl::Status out;
+    absl::Notification done;
+    std::thread waiter([&] {
+      out = WaitFor(worker, v, 10000);
+      done.Notify();
+    });
+    const bool answered = done.WaitForNotificationWithTimeout(kReal);
+    if (!answered) clock_->Advance(absl::Seconds(11));
+    waiter.join();
+    return answered ? out : absl::InternalError(absl::StrCat("WaitVersion(", v, ") of ", worker, " not answered: ", out.ToString()));
+  }
   // Publish(v) by t0 on its own thread, timeout `timeout_ms`; returns once it waits on the clock.
   void StartPublish(uint64_t v, int64_t timeout_ms) {
     const absl::Time deadline = clock_->Now() + absl::Milliseconds(timeout_ms);
@@ -123,7 +137,8 @@ class PauseCluster {
   }
   // The publish's answer (real-time bound).
   absl::Status Published() {
-    EXPECT_TRUE(publish_returned_->WaitForNotificationWithTimeout(kReal)) << "Publish did not return";
+    // Not returned: the thread is left to the destructor (Shutdown ends its wait), the test fails.
+    if (!publish_returned_->WaitForNotificationWithTimeout(kReal)) return absl::InternalError("Publish did not return");
     if (publisher_.joinable()) publisher_.join();
     return published_;
   }
@@ -215,7 +230,7 @@ TEST(SyncPauseTest, TimeoutLeavesOutTheRolloutNotPausedAndTheVersionCommits) {
   EXPECT_EQ(c.catch_ups[1], 0);
   // r1 pauses: back in the plan, caught up to version 1 before its wait answers.
   ASSERT_TRUE(c.Ready("r1").ok());
-  s = c.WaitFor("r1", 1, 10000);  // answered without simulated time moving: the catch-up runs in real time
+  s = c.WaitAnswered("r1", 1);  // without simulated time moving: the catch-up runs in real time
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.catch_ups[1].load(), 1) << "r1 was answered without a catch-up";
   EXPECT_FALSE(c.Worker("r1").left_out());
@@ -256,7 +271,7 @@ TEST(SyncPauseTest, ARolloutPausingAsItIsLeftOutIsInTheVersion) {
   absl::Status s = c.Published();
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.executes[1].load(), 1) << "r1 paused before version 1 started, but the version ran without it";
-  s = c.WaitFor("r1", 1, 10000);
+  s = c.WaitAnswered("r1", 1);
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.catch_ups[1].load(), 0) << "r1 was in version 1 and caught up to it as well";
   EXPECT_FALSE(c.Worker("r1").left_out());
