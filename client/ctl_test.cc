@@ -138,6 +138,23 @@ TEST(StatusViewTest, WorkerStatesNameTornCatchingUpAndCatchUpErrors) {
   EXPECT_NE(j["workers"][5]["catch_up_error"].get<std::string>().find("no longer holds version 1"), std::string::npos);
 }
 
+// A sync rollout left out for not pausing (docs/daemon.md "Rollouts that never pause") says so and why.
+TEST(StatusViewTest, ALeftOutRolloutIsShownLeftOutWithTheReason) {
+  pb::StatusResponse s;
+  pb::WorkerStatus* w = s.add_workers();
+  w->set_worker_id("r-out");
+  w->set_model_id("m");
+  w->set_role(pb::ROLE_ROLLOUT);
+  w->set_has_layout(true);
+  w->set_left_out(true);
+  w->set_left_out_reason("did not pause (BeginUpdate) while version 5 waited for it 30s");
+  EXPECT_NE(StatusTable(s, "coordinator").find("left out: did not pause (BeginUpdate) while version 5"), std::string::npos)
+      << StatusTable(s, "coordinator");
+  auto j = StatusJson(s, "coordinator");
+  EXPECT_TRUE(j["workers"][0]["left_out"].get<bool>());
+  EXPECT_NE(j["workers"][0]["left_out_reason"].get<std::string>().find("version 5"), std::string::npos);
+}
+
 TEST(StatusViewTest, TransportsSummaryCollapsesNcclLanes) {
   EXPECT_EQ(TransportsSummary({}), "-");
   EXPECT_EQ(TransportsSummary({"host_shm", "host_tcp"}), "host_shm,host_tcp");
