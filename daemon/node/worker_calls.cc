@@ -361,6 +361,10 @@ absl::StatusOr<uint64_t> WorkerCalls::CopyApplicable(const std::string& model, c
   if (job.skipped) return job.holds;
   // Applied: the staging is not read again (a later Apply finds nothing newer); back to the pool.
   local_.MarkApplied({model, wid}, version, job.staging, /*after_commit=*/false);
+  // Let go before the report: the next version may start meanwhile (the coordinator answers it),
+  // and it decodes in place only if the tagged staging is back in the pool (NodeStaging::TakeBase).
+  found.staging.reset();
+  jobs.clear();  // `job` is not used below
   pb::ReportAppliedRequest r;
   r.set_node_id(options_.node_id);
   r.set_model_id(model);
