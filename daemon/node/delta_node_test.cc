@@ -185,9 +185,10 @@ TEST(NodeDeltasTest, AnApplyWhileTheVersionRunsLeavesTheCommittedStagingTheBase)
 
 // The race behind NVFP4 deltas refused in one-step-off / async chaos runs (docs/soak.md "NVFP4
 // deltas"): the rollout applied version 1 (its committed staging left the worker's entry) just
-// before version 2 chose its staging, while the Apply still held that staging (it reports to the
-// coordinator before it returns), so the tagged buffer was not back in the pool. Before the fix
-// the tag missed, no staging was named and the base was the live weights, which lack the
+// before version 2 chose its staging, while something still held that staging (the Apply until
+// it reported to the coordinator, before 6117dfa; a running version's options; any holder between
+// the entry letting go and the last reference), so the tagged buffer was not back in the pool.
+// Before the fix the tag missed, no staging was named and the base was the live weights, which lack the
 // canonical shadows: every delta into a shadow refused and resent in full. Now the staging choice
 // (NodeStaging::TakeBase, as Versions::AllocateStaging calls it) finds the staging still held and
 // it is the base; once the Apply lets go, the buffer itself comes back for an in-place decode.
@@ -232,7 +233,7 @@ TEST(NodeDeltasTest, AnApplyStillHoldingItsStagingAtTheNextVersionsChoiceLeavesI
   staging_pool.Lend(staging);
 
   // Apply of version 1: the live copy, then the entry lets the staging go - but the Apply's job
-  // still holds it (WorkerCalls::CopyApplicable reports to the coordinator first).
+  // still holds it (as WorkerCalls::CopyApplicable did until its report to the coordinator).
   std::vector<LocalWorkers::LiveJob> jobs(1);
   jobs[0].model = "m";
   jobs[0].worker = "rollout/0";
