@@ -204,7 +204,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   // The coordinator went away while the call was in flight: sent again to the coordinator the node
   // re-joined (PublishAgainAfterRestart), so the version is published there instead of lost.
   while (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled) {
-    std::optional<absl::Status> again = PublishAgainAfterRestart(req, s, deadline, &session0, send);
+    std::optional<absl::Status> again = PublishAgainAfterRestart(req, sync, s, deadline, &session0, send);
     if (!again) break;
     s = *std::move(again);
   }
@@ -218,6 +218,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   // Sync: OK means every node committed it. Recorded before the trainer hears it: this node keeps
   // its own commit of the version over a re-join only when the coordinator said so.
   if (sync) versions_.NoteClusterCommitted(req.model_id(), req.version());
+  if (resp->version() == 0) resp->set_version(req.version());  // (an OK found by CommittedThere)
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
   return absl::OkStatus();
 }
@@ -602,8 +603,9 @@ absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::strin
 // publish newer versions, so it is aborted when one of them does (PublishingWithout) or, if theirs
 // came first, at this call's deadline. A trainer that gave up (its deadline) is not re-sent for,
 // and the coordinator withdraws a re-sent publish at that same deadline.
-std::optional<absl::Status> WorkerCalls::PublishAgainAfterRestart(const pb::PublishRequest& req, const absl::Status& lost, absl::Time deadline,
-                                                                  uint64_t* session, const std::function<absl::Status(absl::Time)>& send) {
+std::optional<absl::Status> WorkerCalls::PublishAgainAfterRestart(const pb::PublishRequest& req, bool sync, const absl::Status& lost,
+                                                                  absl::Time deadline, uint64_t* session,
+                                                                  const std::function<absl::Status(absl::Time)>& send) {
   std::optional<std::string> change = coordinator_.AwaitCoordinatorChange(*session, deadline);
   if (!change) return std::nullopt;  // the same coordinator answered that (or the deadline): it stands
   const std::string what = absl::StrCat("publish of version ", req.version(), " by worker ", req.worker_id(), " of model ", req.model_id(),
@@ -617,12 +619,31 @@ std::optional<absl::Status> WorkerCalls::PublishAgainAfterRestart(const pb::Publ
   absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, session, send);
   if (s.code() == absl::StatusCode::kFailedPrecondition) {
     // "Not newer": the new coordinator restored a committed version >= v from the nodes (the old
-    // one committed it and some node was told, this one was not). Not re-run under the number;
-    // the trainer goes on with a newer version, as before re-sending existed.
+    // one committed it and some node was told, this one was not). Sync: this rank is still
+    // blocked in Publish(v), so no newer version can have committed without it - committed = v is
+    // this very version, committed cluster-wide: OK (chaos seed 1002, coordinator kills only: v99,
+    // v50 committed and verified by every rollout, both ranks told ABORTED). Otherwise not re-run
+    // under the number; the trainer goes on with a newer version, as before re-sending existed.
+    if (sync && CommittedThere(req.model_id(), req.worker_id(), req.version(), deadline)) {
+      Log(LogLevel::kInfo, "publish in flight at a coordinator change: committed before it",
+          {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()}});
+      return absl::OkStatus();
+    }
     return absl::AbortedError(absl::StrCat(what, ": the call was in flight at ", *change, "; the new coordinator refuses it (", s.message(),
                                            "): publish a newer version"));
   }
   return s;
+}
+
+bool WorkerCalls::CommittedThere(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline) {
+  const absl::Time until = std::min(deadline, options_.clock->Now() + absl::Seconds(2));
+  pb::WaitVersionRequest w;
+  w.set_model_id(model);
+  w.set_worker_id(worker);
+  w.set_version(version);
+  w.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(until - options_.clock->Now())));
+  pb::WaitVersionResponse answer;
+  return coordinator_.client().WaitVersion(w, &answer, CallTimeout(options_.clock, until)).ok() && answer.committed_version() == version;
 }
 
 // A waiting call the coordinator could not answer because it went away (UNAVAILABLE, CANCELLED) or does

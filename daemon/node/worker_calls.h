@@ -132,11 +132,15 @@ class WorkerCalls {
   // node re-joined a changed coordinator (a restart, a lost lease), the same publish is sent to it
   // (ForwardHeld; *session = the session of that attempt) and its answer returned - it records
   // the version unless it knows of it as committed (FAILED_PRECONDITION "not newer", returned as
-  // ABORTED), aborted or used (ABORTED). nullopt: no re-join before `deadline` (the answer
-  // stands). Sync: before, the call was answered ABORTED and the version lost (trainer ranks
-  // whose calls went different ways split, docs/soak.md seed 1002).
-  std::optional<absl::Status> PublishAgainAfterRestart(const pb::PublishRequest& req, const absl::Status& lost, absl::Time deadline,
+  // ABORTED; `sync`: OK when the new coordinator holds this very version committed, CommittedThere),
+  // aborted or used (ABORTED). nullopt: no re-join before `deadline` (the answer stands). Sync:
+  // before, the call was answered ABORTED and the version lost (trainer ranks whose calls went
+  // different ways split, docs/soak.md seed 1002).
+  std::optional<absl::Status> PublishAgainAfterRestart(const pb::PublishRequest& req, bool sync, const absl::Status& lost, absl::Time deadline,
                                                        uint64_t* session, const std::function<absl::Status(absl::Time)>& send);
+  // Whether the coordinator now answers WaitVersion(`version`) of `model` OK with exactly that
+  // version committed (asked once, for at most 2 s, within `deadline`).
+  bool CommittedThere(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline);
   // A waiting call the coordinator could not answer (UNAVAILABLE, NOT_FOUND, CANCELLED): ABORTED
   // naming the restart once the node re-joined a restarted coordinator, else `s`.
   // WaitVersion of a trainer (not a rollout) answered ABORTED by RestartAware: asks the re-joined

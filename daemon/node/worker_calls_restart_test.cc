@@ -212,6 +212,27 @@ TEST_F(PublishRestartTest, ANotNewerRefusalAfterARestartIsAbortedNamingTheRestar
   EXPECT_NE(s.message().find("publish a newer version"), std::string::npos) << s;
 }
 
+// The same refusal, but the new coordinator holds v2 committed (asked: WaitVersion(2) OK with
+// committed 2): this rank, still blocked in Publish(2), is part of that commit - OK, not ABORTED
+// (chaos seed 1002, coordinator kills only: v99 and v50 committed and verified everywhere, both
+// ranks told ABORTED).
+TEST_F(PublishRestartTest, ANotNewerRefusalOfAVersionCommittedThereIsOk) {
+  coordinator_.restarts = 1;
+  coordinator_.publish_answers = {absl::UnavailableError("Socket closed"),
+                                  absl::FailedPreconditionError("publish by t0: version 2 is not newer than version 2")};
+  coordinator_.wait_answers = {absl::OkStatus()};
+  pb::PublishRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("t0");
+  req.set_version(2);
+  req.set_timeout_ms(10000);
+  pb::PublishResponse resp;
+  absl::Status s = calls_->Publish(req, &resp);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.version(), 2u);
+  EXPECT_EQ(coordinator_.waits(), 1);
+}
+
 TEST_F(PublishRestartTest, WithoutACoordinatorChangeTheAnswerStands) {
   coordinator_.restarts = 0;
   coordinator_.publish_answers = {absl::UnavailableError("cluster is draining: version 2 refused")};
