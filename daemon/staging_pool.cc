@@ -57,7 +57,9 @@ StagingPool::Tagged StagingPool::TakeTagged(int64_t size, const std::string& tag
     auto it = lent_.find(tag);
     return it == lent_.end() || !it->second.expired();
   };
-  if (!settled()) options_.clock->WaitUntil(&mu_, absl::Condition(&settled), deadline);
+  // At most a second: a deleter gives its buffers back within microseconds, and an entry that
+  // never settles (a buffer given back under another tag) must not hold a version's start.
+  if (!settled()) options_.clock->WaitUntil(&mu_, absl::Condition(&settled), std::min(deadline, options_.clock->Now() + absl::Seconds(1)));
   for (auto it = idle_.rbegin(); it != idle_.rend(); ++it) {
     if (static_cast<int64_t>(it->buffer.size()) != size || it->tag != tag) continue;
     out.buffer = std::move(it->buffer);

@@ -73,7 +73,7 @@ class StagingPool {
   // Only the idle buffer given back with `tag` (never another), else the holder Lend named for the
   // tag while that holder is alive. A holder that has just let go (its last reference dropped,
   // its buffers not given back yet: the deleter is between the two) is waited for, until
-  // `deadline` on the pool's clock: the buffer comes back within microseconds. Why: a rollout's
+  // `deadline` (at most a second) on the pool's clock: the buffer comes back within microseconds. Why: a rollout's
   // committed staging goes back to the pool when its last reference drops, which races the next
   // version's choice of staging (an Apply that still holds it while it reports to the
   // coordinator); a miss there made the next version's deltas into receiver-quantised shadows
