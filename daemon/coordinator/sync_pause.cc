@@ -50,7 +50,9 @@ bool CoordinatorCore::SyncPauseLocked(const std::string& model_id, Model& m, abs
     }
   }
   const std::optional<uint64_t> queued = m.machine->NewestQueued();
-  if (!queued || m.machine->NextToStart()) {  // nothing waits for a pause
+  // Nothing waits for a pause: no queued version, one that may start, or one behind a version in
+  // flight (its rollouts pause again only after that commit: timed from then, not from now).
+  if (!queued || m.machine->NextToStart() || m.machine->InFlight()) {
     if (it != sync_pause_.end()) {
       it->second.waiting = 0;
       if (it->second.left_out.empty()) sync_pause_.erase(it);
