@@ -64,6 +64,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
 node::WorkerCalls::Options WorkerCallsOptions(const NodeDaemon::Options& o, std::shared_ptr<GpuImport> gpu_import) {
   node::WorkerCalls::Options wo;
   wo.node_id = o.node_id;
+  wo.coordinator = o.coordinator;
   wo.clock = o.clock;
   wo.metrics = MetricsOf(o);
   wo.cuda_vmm_fd = o.cuda_vmm_fd;

@@ -236,8 +236,11 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
   r.set_worker_id(req.worker_id());
   pb::ReportReadyResponse rr;
   uint64_t session0 = 0;
-  absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0,
-                               [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); });
+  // Held over a coordinator that is down too ("BeginUpdate"): ReportReady may be recorded twice
+  // (it only marks the rollout paused), and a pause re-sent by the re-join meanwhile is the same.
+  absl::Status s = ForwardHeld(
+      req.model_id(), req.worker_id(), deadline, &session0,
+      [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); }, "BeginUpdate");
   resp->set_committed_version(rr.committed_version());
   if (s.ok()) versions_.NoteClusterCommitted(req.model_id(), rr.committed_version());
   if (s.ok() && rollout_here) s = SameRegistration(key, incarnation, "BeginUpdate");
@@ -568,8 +571,19 @@ absl::Status WorkerCalls::ClusterStatus(const pb::StatusRequest& req, pb::Status
 // (or a lost lease). Then, once the node has re-joined (a new session: the worker was
 // re-submitted), the call is sent again - never twice in one session, all within `deadline`.
 // Returns the last answer; *sent_in = the session that attempt was sent in.
+//
+// With `held_call`, also an UNAVAILABLE / CANCELLED answer: the coordinator is down (killed, not
+// yet restarted) or shutting down. Before, such a call answered at once and its client retried
+// it blindly (chaos sync 1002, coordinator kills only: 28-53 BeginUpdate failures per rollout per
+// run). Now it waits, within `deadline`, for what the node's session learns: a re-join of a
+// restarted coordinator (the call is sent there, after the re-join re-sent the worker and any pause
+// it held) or the same coordinator answering heartbeats again (sent once more in that session).
+// Only for calls the coordinator may record twice without harm - what the client's own retry
+// would send; the first attempt may have been recorded before the answer was lost.
 absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
-                                     const std::function<absl::Status(absl::Time)>& call) {
+                                     const std::function<absl::Status(absl::Time)>& call, const std::string& held_call) {
+  const absl::Time start = options_.clock->Now();
+  bool resent_in_session = false;  // an unreachable call re-sent to the same coordinator, once
   *sent_in = coordinator_.session();
   while (true) {
     if (!coordinator_.AwaitRegistered(deadline)) {
@@ -578,8 +592,25 @@ absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::strin
     }
     *sent_in = coordinator_.session();
     absl::Status s = call(deadline);
-    if (s.code() != absl::StatusCode::kNotFound) return s;
-    if (!coordinator_.AwaitCoordinatorChange(*sent_in, deadline)) return s;  // no re-join: the answer stands
+    const bool unreachable = !held_call.empty() && (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled);
+    if (s.code() != absl::StatusCode::kNotFound && !unreachable) return s;
+    if (!coordinator_.AwaitCoordinatorChange(*sent_in, deadline)) {
+      if (!unreachable) return s;  // no re-join: the answer stands
+      if (options_.clock->Now() >= deadline) {
+        return absl::UnavailableError(absl::StrCat(
+            held_call, " of worker ", worker, " of model ", model, " on node ", options_.node_id, ": the coordinator at ",
+            options_.coordinator.empty() ? "(unknown address)" : options_.coordinator, " could not be reached (", s.message(),
+            ") and was not back within the call's timeout (held ", absl::FormatDuration(options_.clock->Now() - start),
+            " for the node to re-join it); nothing is recorded there - call again"));
+      }
+      // The same coordinator answers heartbeats again (a stall, not a restart), or the node is
+      // stopping (AwaitRegistered says so): sent once more, never in a loop.
+      if (resent_in_session) return s;
+      resent_in_session = true;
+      Log(LogLevel::kInfo, "worker call sent again: the coordinator answers again",
+          {{"node", options_.node_id}, {"worker", worker}, {"call", held_call}, {"first_answer", s.message()}});
+      continue;
+    }
     if (!local_.Has({model, worker})) {
       return absl::NotFoundError(absl::StrCat("worker ", worker, " of model ", model, " was not re-joined by node ", options_.node_id, " after ",
                                               local_.restart_reason(), ": register again"));

@@ -48,6 +48,9 @@ class WorkerCalls {
  public:
   struct Options {
     std::string node_id;
+    // host:port of the coordinator (NodeDaemon::Options::coordinator): named by a held call that
+    // gave up because the coordinator did not come back in time (ForwardHeld).
+    std::string coordinator;
     Clock* clock = Clock::Real();
     DaemonMetrics* metrics = nullptr;  // required; must outlive this
     // CUDA VMM buffers: the fd a worker sent on the fd channel (NodeDaemon::Options::cuda_vmm_fd).
@@ -125,9 +128,13 @@ class WorkerCalls {
   absl::Status AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline);
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
   // held while the node (re-)registers and sent again once after a re-join that answered
-  // NOT_FOUND. *sent_in = the session of the last attempt.
+  // NOT_FOUND. `held_call` non-empty (the worker call's name; only for calls safe to send twice:
+  // BeginUpdate's ReportReady): an UNAVAILABLE / CANCELLED answer (the coordinator is down) is
+  // held too, until the node re-joined a coordinator (sent again there) or the same coordinator
+  // answers heartbeats again (sent again once); at `deadline` UNAVAILABLE naming the coordinator
+  // and the wait. *sent_in = the session of the last attempt.
   absl::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
-                           const std::function<absl::Status(absl::Time)>& call);
+                           const std::function<absl::Status(absl::Time)>& call, const std::string& held_call = "");
   // Publish whose call the coordinator could not answer (`lost`: UNAVAILABLE, CANCELLED): once the
   // node re-joined a changed coordinator (a restart, a lost lease), the same publish is sent to it
   // (ForwardHeld; *session = the session of that attempt) and its answer returned - it records

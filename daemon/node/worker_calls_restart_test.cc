@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -40,10 +41,24 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   }
   // Runs (without the lock) for each change, before the session bumps: the node's re-join.
   std::function<void()> on_rejoin;
-  std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time) override {
+  // The coordinator is down (GoDown) until simulated time `back_at`: ReportReady answers
+  // UNAVAILABLE and AwaitCoordinatorChange waits on `clock` until then (nullopt at its deadline).
+  // Back, it is a restarted coordinator while `restarts` > 0, else the same one (nullopt).
+  Clock* clock = nullptr;
+  void GoDown(absl::Time back_at) {
+    absl::MutexLock l(&mu_);
+    down_ = true;
+    back_at_ = back_at;
+  }
+  std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) override {
     bool rejoin = false;
     {
       absl::MutexLock l(&mu_);
+      if (down_ && session_ == session0) {
+        auto back = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return clock->Now() >= back_at_; };
+        if (!clock->WaitUntil(&mu_, absl::Condition(&back), deadline)) return std::nullopt;
+        down_ = false;
+      }
       if (session_ == session0) {
         if (restarts == 0) return std::nullopt;
         restarts -= 1;
@@ -97,6 +112,10 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   absl::Status ReportReady(const pb::ReportReadyRequest& req, pb::ReportReadyResponse* resp, absl::Duration) override {
     {
       absl::MutexLock l(&mu_);
+      if (down_) {
+        readies_.push_back(absl::StrCat("unreachable@", session_));
+        return absl::UnavailableError("failed to connect to all addresses");
+      }
       readies_.push_back(absl::StrCat(req.resumed() ? "resumed@" : "paused@", session_));
     }
     if (on_ready) on_ready();
@@ -124,6 +143,8 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
  private:
   absl::Mutex mu_;
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
+  bool down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time back_at_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
   int waits_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> readies_ ABSL_GUARDED_BY(mu_);
@@ -135,7 +156,9 @@ class PublishRestartTest : public ::testing::Test, public daemon::testing::NodeP
     MakeVersions(coordinator_);
     WorkerCalls::Options wo;
     wo.node_id = "n0";
+    wo.coordinator = "coord.test:7070";
     wo.clock = &clock_;
+    coordinator_.clock = &clock_;
     wo.metrics = &metrics_;
     wo.gpu_import = std::make_shared<FakeGpuImport>();
     calls_ = std::make_unique<WorkerCalls>(wo, *local_, *staging_, *versions_, *transports_, coordinator_);
@@ -307,11 +330,11 @@ class RolloutWaitRestartTest : public PublishRestartTest {
       calls_->ResendPause({"m", "r0"});
     };
   }
-  absl::Status BeginUpdate() {
+  absl::Status BeginUpdate(int64_t timeout_ms = 10000) {
     pb::BeginUpdateRequest req;
     req.set_model_id("m");
     req.set_worker_id("r0");
-    req.set_timeout_ms(10000);
+    req.set_timeout_ms(timeout_ms);
     pb::BeginUpdateResponse resp;
     return calls_->BeginUpdate(req, &resp);
   }
@@ -387,6 +410,57 @@ TEST_F(RolloutWaitRestartTest, APauseACommitTookIsNotReSent) {
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_EQ(coordinator_.waits(), 1);
   EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"paused@0"}));
+}
+
+// A BeginUpdate sent while the coordinator is down (killed, not restarted yet): its ReportReady
+// answers UNAVAILABLE. Held (the call's deadline) until the node re-joined the restarted
+// coordinator, then sent there once: OK. Before, UNAVAILABLE at once (chaos sync 1002, coordinator
+// kills only: 28-53 such failures per rollout per run, each retried by the client).
+class CoordinatorDownTest : public RolloutWaitRestartTest {
+ protected:
+  // BeginUpdate(timeout_ms) on its own thread, once the coordinator went down (back after `down_for`).
+  absl::Status BeginUpdateWhileDown(int64_t timeout_ms, absl::Duration down_for, absl::Duration advance) {
+    const absl::Time t0 = clock_.Now();
+    coordinator_.GoDown(t0 + down_for);
+    absl::Status s;
+    std::thread call([&] { s = BeginUpdate(timeout_ms); });
+    // Held: waiting for the node's session, bounded by the call's deadline (not answered at once).
+    EXPECT_TRUE(clock_.AwaitWaiter(t0 + absl::Milliseconds(timeout_ms), absl::Now() + absl::Seconds(10))) << "the call is not held";
+    clock_.Advance(advance);
+    call.join();
+    return s;
+  }
+};
+
+TEST_F(CoordinatorDownTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldAndSentAfterTheReJoin) {
+  coordinator_.restarts = 1;
+  absl::Status s = BeginUpdateWhileDown(10000, absl::Seconds(2), absl::Seconds(2));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"unreachable@0", "paused@1"}))
+      << "sent again once, to the re-joined coordinator (session 1)";
+  // Recorded as a pause the coordinator holds: the next re-join re-sends it (ResendPause).
+  EXPECT_TRUE(local_->PauseToResend({"m", "r0"}).has_value());
+}
+
+// The coordinator is not back by the call's deadline: UNAVAILABLE naming the coordinator and the
+// wait; the node's pause stays as after any failed BeginUpdate (not a pause the coordinator holds:
+// a later re-join does not re-send it).
+TEST_F(CoordinatorDownTest, ABeginUpdateWhoseDeadlinePassesFirstIsUnavailableNamingTheWait) {
+  coordinator_.restarts = 1;
+  absl::Status s = BeginUpdateWhileDown(3000, absl::Seconds(30), absl::Seconds(3));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("the coordinator at coord.test:7070 could not be reached"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("held 3s"), std::string::npos) << s;
+  EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"unreachable@0"}));
+  EXPECT_FALSE(local_->PauseToResend({"m", "r0"}).has_value());
+}
+
+// The same coordinator answers again (stalled, not restarted: no re-join): sent once more.
+TEST_F(CoordinatorDownTest, ABeginUpdateIsSentOnceMoreWhenTheSameCoordinatorIsBack) {
+  coordinator_.restarts = 0;
+  absl::Status s = BeginUpdateWhileDown(10000, absl::Seconds(2), absl::Seconds(2));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"unreachable@0", "paused@0"}));
 }
 
 }  // namespace
