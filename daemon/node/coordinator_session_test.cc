@@ -207,6 +207,38 @@ TEST_F(SessionTest, AwaitCoordinatorChangeIsBoundedByItsDeadlineWhenTheCoordinat
   EXPECT_EQ(fake_.registrations(), 1);  // an outage is not a lost session: no re-registration
 }
 
+// A worker call held while the coordinator is down (WorkerCalls::ForwardHeld, "BeginUpdate") waits
+// here: the restarted coordinator is found by the next beat (NOT_FOUND), the node registers again
+// and re-joins, and the wait answers the restart well before its deadline.
+TEST_F(SessionTest, AwaitCoordinatorChangeStartedWhileTheCoordinatorIsDownAnswersItsRestart) {
+  StartSession();
+  ASSERT_TRUE(fake_.AwaitBeats(1, kRealWait));
+  fake_.SetReachable(false);
+  const uint64_t session0 = session_->session();
+  const absl::Time deadline = clock_.Now() + absl::Seconds(10);
+  absl::Notification done;
+  std::optional<std::string> change;
+  std::thread waiter([&] {
+    change = session_->AwaitCoordinatorChange(session0, deadline);
+    done.Notify();
+  });
+  ASSERT_TRUE(fake_.AwaitBeats(2, kRealWait));  // the kicked beat, failed: the coordinator is down
+  EXPECT_FALSE(fake_.beats()[1].ok);
+  clock_.Advance(kBeat);
+  ASSERT_TRUE(fake_.AwaitBeats(3, kRealWait));
+  EXPECT_FALSE(done.HasBeenNotified());
+  fake_.Restart();  // back as a new process, 1 s after it went down
+  fake_.SetReachable(true);
+  clock_.Advance(kBeat);
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(kRealWait));
+  waiter.join();
+  ASSERT_TRUE(change.has_value());
+  EXPECT_NE(change->find("the coordinator restarted"), std::string::npos) << *change;
+  EXPECT_LT(clock_.Now(), deadline);
+  EXPECT_EQ(session_->session(), session0 + 1);
+  EXPECT_TRUE(session_->AwaitRegistered(clock_.Now()));
+}
+
 TEST_F(SessionTest, StopEndsWaits) {
   StartSession();
   EXPECT_TRUE(session_->AwaitRegistered(clock_.Now()));

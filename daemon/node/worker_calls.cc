@@ -601,7 +601,7 @@ absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::strin
             held_call, " of worker ", worker, " of model ", model, " on node ", options_.node_id, ": the coordinator at ",
             options_.coordinator.empty() ? "(unknown address)" : options_.coordinator, " could not be reached (", s.message(),
             ") and was not back within the call's timeout (held ", absl::FormatDuration(options_.clock->Now() - start),
-            " for the node to re-join it); nothing is recorded there - call again"));
+            " for the node to re-join it); the call may not be recorded there - call it again"));
       }
       // The same coordinator answers heartbeats again (a stall, not a restart), or the node is
       // stopping (AwaitRegistered says so): sent once more, never in a loop.
