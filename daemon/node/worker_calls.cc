@@ -594,6 +594,10 @@ absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::strin
     absl::Status s = call(deadline);
     const bool unreachable = !held_call.empty() && (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled);
     if (s.code() != absl::StatusCode::kNotFound && !unreachable) return s;
+    if (unreachable && !resent_in_session) {
+      Log(LogLevel::kInfo, "worker call held: the coordinator is unreachable",
+          {{"node", options_.node_id}, {"worker", worker}, {"call", held_call}, {"coordinator", options_.coordinator}, {"error", s.message()}});
+    }
     if (!coordinator_.AwaitCoordinatorChange(*sent_in, deadline)) {
       if (!unreachable) return s;  // no re-join: the answer stands
       if (options_.clock->Now() >= deadline) {

@@ -13,6 +13,10 @@
 //    rollout, its WaitVersion(2) answers OK and its live weights hold v2 byte for byte; v3
 //    follows. Before, n1 answered the wait ABORTED ("the coordinator restarted"): the rollout
 //    resumed, v2 became its committed copy and it never verified v2.
+//  - RestartBeginUpdateTest.ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUntilItIsBack: the
+//    rollout's BeginUpdate(2) goes out (its gate, begin-2) while the coordinator is killed; n1
+//    holds it (WorkerCalls::ForwardHeld) until it re-joined the coordinator started 1.5 s later,
+//    then sends it there: OK, v2 verified, v3 follows. Before, UNAVAILABLE at once, each retry too.
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
@@ -123,6 +128,76 @@ TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestar
   std::stringstream text;
   text << log.rdbuf();
   EXPECT_NE(text.str().find("paused rollout's pause re-sent at re-join"), std::string::npos) << cl.node(1)->LogTail();
+}
+
+// A sync rollout's BeginUpdate sent while the coordinator is down (killed -9, not restarted yet)
+// is held by its node until the node re-joined the restarted coordinator, then sent there: OK,
+// and v2 commits into the rollout. Before, the node answered UNAVAILABLE at once (chaos sync
+// 1002, coordinator kills only: 28-53 such failures per rollout per run, each retried).
+TEST(RestartBeginUpdateTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUntilItIsBack) {
+  auto h = Harness::Create("restartbegin");
+  ASSERT_TRUE(h.ok()) << h.status();
+  ClusterOptions copts;
+  copts.num_nodes = 2;
+  auto c = Cluster::Start(h->get(), copts);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Cluster& cl = **c;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.mode = "sync";
+  run.num_trainers = 1;
+  run.num_rollouts = 1;
+  run.versions = 3;
+  run.tolerate_failures = true;  // before the fix BeginUpdate(2) fails: the run goes on to say how
+  run.timeout_ms = ScaledMs(60000);
+  run.gate_dir = (*h)->Path("gates");
+  ASSERT_EQ(::mkdir(run.gate_dir.c_str(), 0700), 0);
+  auto trainer_or = cl.SpawnWorker(run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0});
+  ASSERT_TRUE(trainer_or.ok()) << trainer_or.status();
+  Process* trainer = *trainer_or;
+  WorkerSpec rs{false, 1, "vllm", 1, 1, 1, 1, 0, 0};
+  rs.extra_flags = {"--gate_dir=" + run.gate_dir};  // the rollout's BeginUpdate of v waits for begin-<v>
+  auto rollout_or = cl.SpawnWorker(run, rs);
+  ASSERT_TRUE(rollout_or.ok()) << rollout_or.status();
+  Process* rollout = *rollout_or;
+
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-1")).ok());
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-1")).ok());
+  auto v1 = rollout->WaitForEvent("verified", 1, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(v1.ok()) << v1.status() << rollout->LogTail();
+
+  ASSERT_TRUE(cl.KillCoordinator().ok());
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-2")).ok());
+  auto begun = rollout->WaitForEvent("begin_update", 2, Scaled(absl::Seconds(30)));
+  ASSERT_TRUE(begun.ok()) << begun.status() << rollout->LogTail();
+  // The outage: the coordinator is started again 1.5 s after the rollout's BeginUpdate(2) went out
+  // (not a poll: how long it is away). n1 holds the call meanwhile (checked in its log below).
+  absl::SleepFor(absl::Milliseconds(1500));
+  ASSERT_TRUE(cl.RestartCoordinator().ok());
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-2")).ok());
+
+  auto v2 = rollout->WaitForEvent("verified", 2, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(v2.ok()) << v2.status() << rollout->LogTail();
+  EXPECT_GT(VerifiedBytes(rollout, 2), 0);
+  for (const nlohmann::json& f : EventsNamed(rollout, "version_failed")) {
+    ADD_FAILURE() << "the rollout was told a version failed: " << f.dump();
+  }
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-3")).ok());
+  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
+  absl::Status e = ExpectCleanExit(rollout, Scaled(absl::Seconds(120)));
+  EXPECT_TRUE(e.ok()) << e;
+  e = ExpectCleanExit(trainer, Scaled(absl::Seconds(60)));
+  EXPECT_TRUE(e.ok()) << e;
+  EXPECT_TRUE(EventsNamed(rollout, "mismatch").empty()) << rollout->LogTail();
+  int64_t verified = 0;
+  EXPECT_TRUE(CheckRolloutsApplied({rollout}, "sync", 3, &verified).ok()) << rollout->LogTail();
+  // The path taken: n1 held the call (its ReportReady could not reach the coordinator) and sent it
+  // again after its re-join.
+  std::ifstream log(cl.node(1)->log_path());
+  std::stringstream text;
+  text << log.rdbuf();
+  EXPECT_NE(text.str().find("worker call held: the coordinator is unreachable"), std::string::npos) << cl.node(1)->LogTail();
+  EXPECT_NE(text.str().find("worker call sent again after re-join"), std::string::npos) << cl.node(1)->LogTail();
 }
 
 INSTANTIATE_TEST_SUITE_P(KillOrShutdown, RestartWaitTest, ::testing::Values(true, false),

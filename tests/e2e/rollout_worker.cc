@@ -82,6 +82,16 @@ int Run() {
     double stall = 0;
     absl::Status status;
     if (ctx.mode == client::Mode::kSync) {
+      if (!ctx.gate_dir.empty()) {
+        // Test pacing (--gate_dir given to a rollout): BeginUpdate of v goes when the test opens
+        // its gate (e2e_restart_wait_test sends it while the coordinator is down).
+        absl::Status gate = WaitForGate(absl::StrCat(ctx.gate_dir, "/begin-", v), std::max(ctx.version_timeout, absl::Minutes(10)));
+        if (!gate.ok()) {
+          EmitError(ctx.worker_id, gate);
+          return kExitRpc;
+        }
+        Emit(ctx, {{"event", "begin_update"}, {"version", v}});
+      }
       status = ctx.client->BeginUpdate(ctx.version_timeout);
       if (status.ok()) {
         auto committed = ctx.client->WaitVersion(v, ctx.version_timeout);

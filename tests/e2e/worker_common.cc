@@ -55,7 +55,8 @@ ABSL_FLAG(int64_t, reconnect_timeout_ms, 30000, "how long to wait for a restarte
 ABSL_FLAG(bool, tolerate_failures, false,
           "a failed version is reported and the worker moves on (fault tests)");
 ABSL_FLAG(std::string, gate_dir, "",
-          "trainer: wait for <gate_dir>/publish-<v> before publishing v (test pacing)");
+          "trainer: wait for <gate_dir>/publish-<v> before publishing v; sync rollout: for <gate_dir>/begin-<v> before "
+          "BeginUpdate of v (test pacing)");
 ABSL_FLAG(bool, populate, false, "pre-fault the shm buffer");
 ABSL_FLAG(std::string, memory, "shm",
           "where the weights live: shm (POSIX shared memory) | cuda (cudaMalloc on --gpu, registered by CUDA IPC handle) | "

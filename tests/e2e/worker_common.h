@@ -60,7 +60,7 @@ struct WorkerContext {
   absl::Duration version_timeout;
   absl::Duration step;  // simulated compute (trainer) / generation (rollout) per step
   bool tolerate_failures = false;
-  std::string gate_dir;  // trainer: wait for <gate_dir>/publish-<v> before publishing v
+  std::string gate_dir;  // trainer: wait for <gate_dir>/publish-<v> before publishing v; sync rollout: <gate_dir>/begin-<v>
 };
 
 // Reads the flags (declared in worker_common.cc), builds the inventory and this rank's preset
