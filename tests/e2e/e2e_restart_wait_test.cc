@@ -51,6 +51,25 @@ bool RolloutPausedAt(const pb::StatusResponse& s, const std::string& model, uint
   return false;
 }
 
+// The end both tests share, once v3's gates are open: both workers exit cleanly, the rollout saw
+// no mismatch and applied v1..v3 byte for byte, and n1's log shows each of `node_lines` (the path
+// the restart took there).
+void ExpectV3CleanAndNodeLogged(Cluster& cl, Process* trainer, Process* rollout, const std::vector<std::string>& node_lines) {
+  absl::Status e = ExpectCleanExit(rollout, Scaled(absl::Seconds(120)));
+  EXPECT_TRUE(e.ok()) << e;
+  e = ExpectCleanExit(trainer, Scaled(absl::Seconds(60)));
+  EXPECT_TRUE(e.ok()) << e;
+  EXPECT_TRUE(EventsNamed(rollout, "mismatch").empty()) << rollout->LogTail();
+  int64_t verified = 0;
+  EXPECT_TRUE(CheckRolloutsApplied({rollout}, "sync", 3, &verified).ok()) << rollout->LogTail();
+  std::ifstream log(cl.node(1)->log_path());
+  std::stringstream text;
+  text << log.rdbuf();
+  for (const std::string& line : node_lines) {
+    EXPECT_NE(text.str().find(line), std::string::npos) << line << "\n" << cl.node(1)->LogTail();
+  }
+}
+
 // The coordinator goes away by kill -9 (true) or a graceful shutdown, SIGTERM (false).
 class RestartWaitTest : public ::testing::TestWithParam<bool> {};
 
@@ -115,19 +134,9 @@ TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestar
 
   // The run goes on: v3, clean exits, no mismatch, versions 1, 2, 3 applied one by one.
   ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
-  absl::Status e = ExpectCleanExit(rollout, Scaled(absl::Seconds(120)));
-  EXPECT_TRUE(e.ok()) << e;
-  e = ExpectCleanExit(trainer, Scaled(absl::Seconds(60)));
-  EXPECT_TRUE(e.ok()) << e;
-  EXPECT_TRUE(EventsNamed(trainer, "publish_failed").empty()) << trainer->LogTail();
-  EXPECT_TRUE(EventsNamed(rollout, "mismatch").empty()) << rollout->LogTail();
-  int64_t verified = 0;
-  EXPECT_TRUE(CheckRolloutsApplied({rollout}, "sync", 3, &verified).ok()) << rollout->LogTail();
   // The path taken: n1 re-sent the pause and the wait.
-  std::ifstream log(cl.node(1)->log_path());
-  std::stringstream text;
-  text << log.rdbuf();
-  EXPECT_NE(text.str().find("paused rollout's pause re-sent at re-join"), std::string::npos) << cl.node(1)->LogTail();
+  ExpectV3CleanAndNodeLogged(cl, trainer, rollout, {"paused rollout's pause re-sent at re-join"});
+  EXPECT_TRUE(EventsNamed(trainer, "publish_failed").empty()) << trainer->LogTail();
 }
 
 // A sync rollout's BeginUpdate sent while the coordinator is down (killed -9, not restarted yet)
@@ -184,20 +193,10 @@ TEST(RestartBeginUpdateTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUnti
   }
   ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-3")).ok());
   ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
-  absl::Status e = ExpectCleanExit(rollout, Scaled(absl::Seconds(120)));
-  EXPECT_TRUE(e.ok()) << e;
-  e = ExpectCleanExit(trainer, Scaled(absl::Seconds(60)));
-  EXPECT_TRUE(e.ok()) << e;
-  EXPECT_TRUE(EventsNamed(rollout, "mismatch").empty()) << rollout->LogTail();
-  int64_t verified = 0;
-  EXPECT_TRUE(CheckRolloutsApplied({rollout}, "sync", 3, &verified).ok()) << rollout->LogTail();
   // The path taken: n1 held the call (its ReportReady could not reach the coordinator) and sent it
   // again after its re-join.
-  std::ifstream log(cl.node(1)->log_path());
-  std::stringstream text;
-  text << log.rdbuf();
-  EXPECT_NE(text.str().find("worker call held: the coordinator is unreachable"), std::string::npos) << cl.node(1)->LogTail();
-  EXPECT_NE(text.str().find("worker call sent again after re-join"), std::string::npos) << cl.node(1)->LogTail();
+  ExpectV3CleanAndNodeLogged(cl, trainer, rollout,
+                             {"worker call held: the coordinator is unreachable", "worker call sent again after re-join"});
 }
 
 INSTANTIATE_TEST_SUITE_P(KillOrShutdown, RestartWaitTest, ::testing::Values(true, false),
