@@ -422,7 +422,10 @@ TEST(CoreSimulatedTimeTest, OwedAbortsRetriedUntilAnsweredOrTheNodeRestarts) {
       c.core->Heartbeat(hb, &resp).IgnoreError();
     }
     clock.Advance(absl::Milliseconds(100));
-    return c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal);
+    // The pass's retries are posted to lanes, not yet sent: a retry still running when the clock
+    // moves on makes the next pass skip its node (one call per lane), so the counts below would
+    // depend on thread timing. Each step therefore ends when every posted call was answered.
+    return c.core->AwaitDriverPassAt(clock.Now(), absl::Now() + kReal) && c.core->AwaitNodeRpcsIdle(absl::Now() + kReal);
   };
   // Past the 30 s transfer timeout: version 1 aborted, both nodes told, neither gets it.
   const absl::Time start = clock.Now();
