@@ -116,6 +116,11 @@ std::optional<std::string> NodeDaemon::AwaitCoordinatorChange(uint64_t session0,
   return s->AwaitCoordinatorChange(session0, deadline);
 }
 
+std::optional<absl::Time> NodeDaemon::UnreachableSince() {
+  CoordinatorSession* s = session_.load();
+  return s != nullptr ? s->UnreachableSince() : std::nullopt;
+}
+
 void NodeDaemon::TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) {
   CoordinatorSession* s = session_.load();
   if (s != nullptr) s->TrackProgress(model_id, version, std::move(bytes_done));

@@ -28,6 +28,9 @@ class CoordinatorAccess {
   virtual bool AwaitRegistered(absl::Time deadline) = 0;
   virtual uint64_t session() = 0;
   virtual std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) = 0;
+  // CoordinatorSession::UnreachableSince: since when heartbeats find the coordinator unreachable
+  // (named by a held worker call that gave up); nullopt while it answers, or unknown.
+  virtual std::optional<absl::Time> UnreachableSince() { return std::nullopt; }
   // Heartbeats report `bytes_done` of the version while it exists.
   virtual void TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) = 0;
 };

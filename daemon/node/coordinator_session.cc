@@ -58,6 +58,7 @@ absl::Status CoordinatorSession::Register() {
     coordinator_instance_ = resp.coordinator_instance();
     if (resp.lease_ms() > 0) lease_ = absl::Milliseconds(resp.lease_ms());
     registered_ = true;
+    unreachable_since_.reset();  // it answered
     rejoining_ = !reason.empty();
     if (!reason.empty()) last_change_ = reason;
   }
@@ -101,6 +102,11 @@ void CoordinatorSession::TrackProgress(const std::string& model_id, uint64_t ver
                                        std::weak_ptr<const std::atomic<uint64_t>> bytes_done) {
   absl::MutexLock l(&mu_);
   progress_[{model_id, version}] = std::move(bytes_done);
+}
+
+std::optional<absl::Time> CoordinatorSession::UnreachableSince() {
+  absl::MutexLock l(&mu_);
+  return unreachable_since_;
 }
 
 std::string CoordinatorSession::coordinator_instance() {
@@ -150,8 +156,16 @@ void CoordinatorSession::HeartbeatLoop() {
     }
     if (options_.test_skip_heartbeat && options_.test_skip_heartbeat()) continue;
     pb::HeartbeatResponse resp;
+    const absl::Time sent = clock->Now();
     absl::Status s = options_.client->Heartbeat(req, &resp, rpc_timeout);
     absl::MutexLock l(&mu_);
+    // Any answer from the coordinator (NOT_FOUND included) ends an outage; no answer starts one.
+    const bool unreachable = absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsCancelled(s);
+    if (!unreachable) {
+      unreachable_since_.reset();
+    } else if (!unreachable_since_) {
+      unreachable_since_ = sent;
+    }
     if (s.ok() && req.incarnation() == incarnation_) {
       hb_ok_ += 1;
       if (resp.lease_ms() > 0) lease_ = absl::Milliseconds(resp.lease_ms());

@@ -69,6 +69,10 @@ class CoordinatorSession {
   // a coordinator (returns why: the restart) or two heartbeats on the unchanged session succeeded
   // (nullopt); nullopt at the deadline.
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline);
+  // When the first heartbeat of the current outage was sent (the coordinator answered none since:
+  // UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED); nullopt while heartbeats are answered. A held
+  // worker call that gives up names it (WorkerCalls::CoordinatorDown).
+  std::optional<absl::Time> UnreachableSince();
   // Heartbeats report `bytes_done` for (model, version) until it expires.
   void TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done);
 
@@ -90,6 +94,7 @@ class CoordinatorSession {
   bool rejoining_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;     // bumps after each completed re-join
   uint64_t hb_ok_ ABSL_GUARDED_BY(mu_) = 0;       // heartbeats acknowledged
+  std::optional<absl::Time> unreachable_since_ ABSL_GUARDED_BY(mu_);  // UnreachableSince
   bool kick_ ABSL_GUARDED_BY(mu_) = false;        // heartbeat now rather than at the next tick
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool started_ ABSL_GUARDED_BY(mu_) = false;

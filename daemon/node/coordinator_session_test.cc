@@ -6,6 +6,7 @@
 #include "daemon/node/coordinator_session.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -185,6 +186,7 @@ TEST_F(SessionTest, KickedBeatsDoNotPushTheRegularBeatsBack) {
 TEST_F(SessionTest, AwaitCoordinatorChangeIsBoundedByItsDeadlineWhenTheCoordinatorIsDown) {
   StartSession();
   ASSERT_TRUE(fake_.AwaitBeats(1, kRealWait));
+  EXPECT_FALSE(session_->UnreachableSince().has_value());
   fake_.SetReachable(false);
   const uint64_t session0 = session_->session();
   const absl::Time deadline = clock_.Now() + absl::Seconds(2);
@@ -200,6 +202,9 @@ TEST_F(SessionTest, AwaitCoordinatorChangeIsBoundedByItsDeadlineWhenTheCoordinat
   for (int i = 0; i < 3; ++i) clock_.Advance(kBeat);
   ASSERT_TRUE(fake_.AwaitBeats(4, kRealWait));
   EXPECT_FALSE(done.HasBeenNotified());
+  // Since the first failed beat (named by a held worker call that gives up); beats run one after
+  // another, so the fourth was sent after the second's answer was taken in.
+  EXPECT_EQ(session_->UnreachableSince(), std::optional<absl::Time>(fake_.beats()[1].at));
   clock_.Advance(kBeat);  // reaches the deadline
   EXPECT_TRUE(done.WaitForNotificationWithTimeout(kRealWait));
   waiter.join();
@@ -237,6 +242,7 @@ TEST_F(SessionTest, AwaitCoordinatorChangeStartedWhileTheCoordinatorIsDownAnswer
   EXPECT_LT(clock_.Now(), deadline);
   EXPECT_EQ(session_->session(), session0 + 1);
   EXPECT_TRUE(session_->AwaitRegistered(clock_.Now()));
+  EXPECT_FALSE(session_->UnreachableSince().has_value()) << "the restarted coordinator answered";
 }
 
 TEST_F(SessionTest, StopEndsWaits) {

@@ -2,6 +2,7 @@
 // Deadlines of the node daemon's calls: a worker's request deadline and the timeout of a call the
 // node makes on its behalf. Both on the node's injected clock (NodeDaemon::Options::clock).
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/time/time.h"
@@ -12,6 +13,16 @@ namespace wb::daemon {
 // The deadline of a worker's call: its timeout_ms from now, or 60 s when it gave none.
 inline absl::Time Deadline(Clock* clock, int64_t timeout_ms) {
   return clock->Now() + (timeout_ms > 0 ? absl::Milliseconds(timeout_ms) : absl::Seconds(60));
+}
+
+// The deadline of a worker call without timeout_ms (RegisterWorker, RegisterLayout, Deregister):
+// `time_left` of its gRPC deadline less a margin (at most 1 s), so that the node's own answer,
+// which names what it waited for, reaches the worker before its deadline cuts the call; 30 s (the
+// clients' default call timeout) when it gave none; at most 60 s, like Deadline.
+inline absl::Time CallerDeadline(Clock* clock, absl::Duration time_left) {
+  if (time_left == absl::InfiniteDuration()) return clock->Now() + absl::Seconds(30);
+  const absl::Duration margin = std::min(absl::Seconds(1), time_left / 4);
+  return clock->Now() + std::clamp(time_left - margin, absl::ZeroDuration(), absl::Seconds(60));
 }
 
 // A forwarded call (daemon/node/coordinator_client.h, which takes a timeout) gets 2 s beyond the

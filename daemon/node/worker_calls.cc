@@ -29,7 +29,8 @@ WorkerCalls::WorkerCalls(Options options, LocalWorkers& local, NodeStaging& stag
       coordinator_(coordinator) {}
 
 // ------------------------------------------------------------------------------- WorkerService calls
-absl::Status WorkerCalls::RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp) {
+absl::Status WorkerCalls::RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp, absl::Duration time_left) {
+  const absl::Time deadline = CallerDeadline(options_.clock, time_left);
   // Enums are checked before anything is forwarded or stored (role 99 was counted as a trainer).
   // Ids were checked by the front (daemon/limits.h: length, control characters).
   if (req.role() != pb::ROLE_TRAINER && req.role() != pb::ROLE_ROLLOUT) {
@@ -59,20 +60,20 @@ absl::Status WorkerCalls::RegisterWorker(const pb::RegisterWorkerRequest& req, p
     resp->set_session(absl::StrCat(options_.node_id, "/", req.worker_id()));
     return absl::OkStatus();
   }
-  return JoinWorker(req, resp);
+  return JoinWorker(req, resp, deadline);
 }
 
-absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp) {
+absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp, absl::Time deadline) {
   // A join sent before this node's (re-)registration and re-join have finished could reach the
   // coordinator first and then be dropped by that registration (a restarted node's workers are
   // dropped there) while this node keeps the worker: it would be left out of every plan.
-  if (!coordinator_.AwaitRegistered(options_.clock->Now() + absl::Seconds(10))) {
+  if (!coordinator_.AwaitRegistered(std::min(deadline, options_.clock->Now() + absl::Seconds(10)))) {
     return absl::UnavailableError(absl::StrCat("node ", options_.node_id, " is not registered with the coordinator yet (retry)"));
   }
   const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
   // An earlier process of this worker id that exited: its LeaveWorker reaches the coordinator
   // before this join (LocalWorkers::BeginJoin).
-  if (absl::Status joining = local_.BeginJoin(key, options_.clock->Now() + absl::Seconds(10)); !joining.ok()) return joining;
+  if (absl::Status joining = local_.BeginJoin(key, std::min(deadline, options_.clock->Now() + absl::Seconds(10))); !joining.ok()) return joining;
   struct Joined {
     LocalWorkers* workers;
     LocalWorkers::WorkerKey key;
@@ -95,7 +96,20 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
   j.set_gpu(req.gpu());
   if (req.has_model()) *j.mutable_model() = req.model();
   pb::JoinWorkerResponse jr;
-  absl::Status s = coordinator_.client().JoinWorker(j, &jr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(10)));
+  // Held while the coordinator is down (a worker restarting during a coordinator restart): sent
+  // once the node re-joined the restarted coordinator - after the re-join, which re-sent only the
+  // workers this node had then (this one is added below, after its join), so it is joined once,
+  // by this call - or once more to the same coordinator when it answers again (a join recorded
+  // before its answer was lost is then recorded again: a fresh registration, as the client's own
+  // retry would make).
+  uint64_t sent_in = 0;
+  absl::Status s = ForwardHeld(
+      req.model_id(), req.worker_id(), deadline, &sent_in,
+      [&](absl::Time dl) {
+        jr.Clear();
+        return coordinator_.client().JoinWorker(j, &jr, std::min(absl::Seconds(10), CallTimeout(options_.clock, dl)));
+      },
+      Hold{.call = "RegisterWorker", .hold_not_found = false, .rejoined_worker = false});
   if (!s.ok()) return s;
   LocalWorkers::Worker w;
   w.model_id = req.model_id();
@@ -201,12 +215,20 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
     return coordinator_.client().Publish(c, resp, CallTimeout(options_.clock, dl));
   };
   absl::Status s = ForwardHeld(req.model_id(), req.worker_id(), deadline, &session0, send);
+  const absl::Time held_from = options_.clock->Now();
   // The coordinator went away while the call was in flight: sent again to the coordinator the node
   // re-joined (PublishAgainAfterRestart), so the version is published there instead of lost.
   while (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled) {
     std::optional<absl::Status> again = PublishAgainAfterRestart(req, sync, s, deadline, &session0, send);
     if (!again) break;
     s = *std::move(again);
+  }
+  if ((absl::IsUnavailable(s) || absl::IsCancelled(s)) && options_.clock->Now() >= deadline) {
+    // The coordinator was not back (no re-join, no answer) by the deadline: say what the call
+    // waited for, as a held BeginUpdate does, not the transport's last words.
+    s = CoordinatorDown(absl::StrCat("Publish of version ", req.version(), " by worker ", req.worker_id(), " of model ", req.model_id(),
+                                     " on node ", options_.node_id),
+                        s, held_from, "the version is not published (a restarted coordinator never heard of it): publish it again");
   }
   if (!s.ok()) {
     local_.DropSnapshot({req.model_id(), req.worker_id()}, req.version());
@@ -240,7 +262,7 @@ absl::Status WorkerCalls::BeginUpdate(const pb::BeginUpdateRequest& req, pb::Beg
   // (it only marks the rollout paused), and a pause re-sent by the re-join meanwhile is the same.
   absl::Status s = ForwardHeld(
       req.model_id(), req.worker_id(), deadline, &session0,
-      [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); }, "BeginUpdate");
+      [&](absl::Time dl) { return coordinator_.client().ReportReady(r, &rr, CallTimeout(options_.clock, dl)); }, Hold{.call = "BeginUpdate"});
   resp->set_committed_version(rr.committed_version());
   if (s.ok()) versions_.NoteClusterCommitted(req.model_id(), rr.committed_version());
   if (s.ok() && rollout_here) s = SameRegistration(key, incarnation, "BeginUpdate");
@@ -545,82 +567,12 @@ void WorkerCalls::ReportResumed(const std::string& model, const std::string& wor
   }
 }
 
-absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req) {
-  local_.Remove({req.model_id(), req.worker_id()});
-  pb::LeaveWorkerRequest r;
-  r.set_node_id(options_.node_id);
-  r.set_model_id(req.model_id());
-  r.set_worker_id(req.worker_id());
-  r.set_reason("deregistered");
-  pb::LeaveWorkerResponse rr;
-  return coordinator_.client().LeaveWorker(r, &rr, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5)));
-}
-
 absl::Status WorkerCalls::ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp) {
   absl::Status s = coordinator_.client().ClusterStatus(req, resp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(5)));
   resp->set_role("node");
   resp->set_node_id(options_.node_id);
   local_.AddLiveState(resp);
   return s;
-}
-
-// Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline).
-// Held while the node (re-)registers and re-joins, so it reaches the session that knows the
-// worker. NOT_FOUND from the coordinator (Publish, ReportReady) means it does not know the
-// worker or model and recorded nothing: a restarted coordinator this node has not re-joined yet
-// (or a lost lease). Then, once the node has re-joined (a new session: the worker was
-// re-submitted), the call is sent again - never twice in one session, all within `deadline`.
-// Returns the last answer; *sent_in = the session that attempt was sent in.
-//
-// With `held_call`, also an UNAVAILABLE / CANCELLED answer: the coordinator is down (killed, not
-// yet restarted) or shutting down. Before, such a call answered at once and its client retried
-// it blindly (chaos sync 1002, coordinator kills only: 28-53 BeginUpdate failures per rollout per
-// run). Now it waits, within `deadline`, for what the node's session learns: a re-join of a
-// restarted coordinator (the call is sent there, after the re-join re-sent the worker and any pause
-// it held) or the same coordinator answering heartbeats again (sent once more in that session).
-// Only for calls the coordinator may record twice without harm - what the client's own retry
-// would send; the first attempt may have been recorded before the answer was lost.
-absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
-                                     const std::function<absl::Status(absl::Time)>& call, const std::string& held_call) {
-  const absl::Time start = options_.clock->Now();
-  bool resent_in_session = false;  // an unreachable call re-sent to the same coordinator, once
-  *sent_in = coordinator_.session();
-  while (true) {
-    if (!coordinator_.AwaitRegistered(deadline)) {
-      return absl::UnavailableError(
-          absl::StrCat("node ", options_.node_id, " is not registered with the coordinator (re-joining?); worker ", worker, " of model ", model));
-    }
-    *sent_in = coordinator_.session();
-    absl::Status s = call(deadline);
-    const bool unreachable = !held_call.empty() && (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kCancelled);
-    if (s.code() != absl::StatusCode::kNotFound && !unreachable) return s;
-    if (unreachable && !resent_in_session) {
-      Log(LogLevel::kInfo, "worker call held: the coordinator is unreachable",
-          {{"node", options_.node_id}, {"worker", worker}, {"call", held_call}, {"coordinator", options_.coordinator}, {"error", s.message()}});
-    }
-    if (!coordinator_.AwaitCoordinatorChange(*sent_in, deadline)) {
-      if (!unreachable) return s;  // no re-join: the answer stands
-      if (options_.clock->Now() >= deadline) {
-        return absl::UnavailableError(absl::StrCat(
-            held_call, " of worker ", worker, " of model ", model, " on node ", options_.node_id, ": the coordinator at ",
-            options_.coordinator.empty() ? "(unknown address)" : options_.coordinator, " could not be reached (", s.message(),
-            ") and was not back within the call's timeout (held ", absl::FormatDuration(options_.clock->Now() - start),
-            " for the node to re-join it); the call may not be recorded there - call it again"));
-      }
-      // The same coordinator answers heartbeats again (a stall, not a restart), or the node is
-      // stopping (AwaitRegistered says so): sent once more, never in a loop.
-      if (resent_in_session) return s;
-      resent_in_session = true;
-      Log(LogLevel::kInfo, "worker call sent again: the coordinator answers again",
-          {{"node", options_.node_id}, {"worker", worker}, {"call", held_call}, {"first_answer", s.message()}});
-      continue;
-    }
-    if (!local_.Has({model, worker})) {
-      return absl::NotFoundError(absl::StrCat("worker ", worker, " of model ", model, " was not re-joined by node ", options_.node_id, " after ",
-                                              local_.restart_reason(), ": register again"));
-    }
-    Log(LogLevel::kInfo, "worker call sent again after re-join", {{"node", options_.node_id}, {"worker", worker}, {"first_answer", s.message()}});
-  }
 }
 
 // Why re-sending is safe: the version's source did not change - a sync trainer's live weights

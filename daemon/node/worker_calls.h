@@ -3,10 +3,12 @@
 // worker_service.cc only adapts gRPC to them). Each answers as the RPC of the same name; errors
 // name the worker, model and node.
 //
-//   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, EndUpdate, Apply, WaitVersion, Deregister,
-//                           ClusterStatus, and the forwarding rules (ForwardHeld, RestartAware,
+//   worker_calls.cc         RegisterWorker, Publish, BeginUpdate, EndUpdate, Apply, WaitVersion,
+//                           ClusterStatus, and the restart rules (RestartAware,
 //                           PublishAgainAfterRestart, ResendPause / WaitAgainForRollout).
 //   worker_calls_layout.cc  RegisterLayout (buffers, CUDA imports, index probes), DescribeLayout.
+//   worker_calls_held.cc    Deregister and the holding of forwarded calls while the node re-joins
+//                           or the coordinator is down (ForwardHeld, CoordinatorDown).
 //
 // Threads and locks: calls run on gRPC threads, any number at once. WorkerCalls has no lock of
 // its own: worker state is LocalWorkers' (own mutex), staging NodeStaging's (leaf locks), plans
@@ -44,6 +46,28 @@
 
 namespace wb::daemon::node {
 
+// How WorkerCalls::ForwardHeld holds a forwarded call (at namespace scope: a default argument
+// there needs it complete).
+struct ForwardHold {
+  // The worker call's name. Non-empty: an UNAVAILABLE / CANCELLED answer (the coordinator is
+  // down) is held too - only for calls the coordinator may record twice without harm (what the
+  // client's own retry would send: BeginUpdate's ReportReady, RegisterWorker's JoinWorker,
+  // RegisterLayout's SubmitLayout, Deregister's LeaveWorker).
+  std::string call;
+  // NOT_FOUND (the coordinator does not know the worker or model: a restarted one the node has
+  // not re-joined yet) is held until a re-join too. False: it is the answer (JoinWorker never
+  // answers it for that; a LeaveWorker's NOT_FOUND is Deregister's to judge).
+  bool hold_not_found = true;
+  // After a re-join the worker must be one the node re-joined (NOT_FOUND "register again"
+  // otherwise). False for a worker that is not joined here (RegisterWorker) or no longer is
+  // (Deregister removed it first).
+  bool rejoined_worker = true;
+  // What its error at the deadline ("<call> of worker <w> of model <m> on node <n>: the coordinator
+  // at ... could not be reached ...") tells the worker to do; empty: "the call may not be recorded
+  // there - call it again".
+  std::string advice;
+};
+
 class WorkerCalls {
  public:
   struct Options {
@@ -68,8 +92,13 @@ class WorkerCalls {
   WorkerCalls(const WorkerCalls&) = delete;
   WorkerCalls& operator=(const WorkerCalls&) = delete;
 
-  absl::Status RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
-  absl::Status RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp);
+  // RegisterWorker, RegisterLayout and Deregister have no timeout_ms: `time_left` is what is left
+  // of the worker's gRPC deadline (worker_service.cc; infinite: it gave none). Their calls to a
+  // coordinator that is down are held within it (CallerDeadline, ForwardHeld).
+  absl::Status RegisterWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp,
+                              absl::Duration time_left = absl::InfiniteDuration());
+  absl::Status RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp,
+                              absl::Duration time_left = absl::InfiniteDuration());
   absl::Status Publish(const pb::PublishRequest& req, pb::PublishResponse* resp);
   // Sync pause (docs/daemon.md): BeginUpdate pauses the rollout on this node before it tells the
   // coordinator, then copies a version committed while it had resumed into its live weights;
@@ -79,7 +108,7 @@ class WorkerCalls {
   absl::Status EndUpdate(const pb::EndUpdateRequest& req, pb::EndUpdateResponse* resp);
   absl::Status Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
   absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
-  absl::Status Deregister(const pb::DeregisterRequest& req);
+  absl::Status Deregister(const pb::DeregisterRequest& req, absl::Duration time_left = absl::InfiniteDuration());
   absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
   // Status on both services: the coordinator's cluster status plus this node's live states.
   absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
@@ -97,8 +126,9 @@ class WorkerCalls {
   DaemonMetrics& metrics() const { return *options_.metrics; }
   // Publish / Apply without their metrics (Publish and Apply count them before the reply).
   absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
-  // RegisterWorker's join: JoinWorker at the coordinator, then the node's entry (replacing any).
-  absl::Status JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp);
+  // RegisterWorker's join: JoinWorker at the coordinator (held while it is down, within
+  // `deadline`), then the node's entry (replacing any).
+  absl::Status JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp, absl::Time deadline);
   absl::Status ApplyVersion(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
   // Copies what AwaitApplicable found (nothing when its staging is null) into the worker's live
   // weights and reports it applied; returns the version they hold (a copy skipped because a newer
@@ -126,15 +156,20 @@ class WorkerCalls {
   // coordinator's WaitVersion(v, worker) decides - OK once another attempt caught it up (or it
   // holds v there), ABORTED naming why when its catch-up failed for good.
   absl::Status AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline);
+  using Hold = ForwardHold;
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
   // held while the node (re-)registers and sent again once after a re-join that answered
-  // NOT_FOUND. `held_call` non-empty (the worker call's name; only for calls safe to send twice:
-  // BeginUpdate's ReportReady): an UNAVAILABLE / CANCELLED answer (the coordinator is down) is
-  // held too, until the node re-joined a coordinator (sent again there) or the same coordinator
-  // answers heartbeats again (sent again once); at `deadline` UNAVAILABLE naming the coordinator
-  // and the wait. *sent_in = the session of the last attempt.
+  // NOT_FOUND (Hold). With Hold::call: an UNAVAILABLE / CANCELLED answer is held until the node
+  // re-joined a coordinator (sent again there) or the same coordinator answers heartbeats again
+  // (sent again once); at `deadline` UNAVAILABLE naming the coordinator and the wait
+  // (CoordinatorDown). *sent_in = the session of the last attempt.
   absl::Status ForwardHeld(const std::string& model, const std::string& worker, absl::Time deadline, uint64_t* sent_in,
-                           const std::function<absl::Status(absl::Time)>& call, const std::string& held_call = "");
+                           const std::function<absl::Status(absl::Time)>& call, const Hold& hold = {});
+  // UNAVAILABLE for a call (`what`: "BeginUpdate of worker r0 of model m on node n0") that was held from `held_from` and gave up at
+  // its deadline because the coordinator could not be reached (`last`: its last answer): names the
+  // coordinator's address, since when it was unreachable (the node's heartbeats, else `held_from`),
+  // how long the call waited, and `advice`.
+  absl::Status CoordinatorDown(const std::string& what, const absl::Status& last, absl::Time held_from, const std::string& advice) const;
   // Publish whose call the coordinator could not answer (`lost`: UNAVAILABLE, CANCELLED): once the
   // node re-joined a changed coordinator (a restart, a lost lease), the same publish is sent to it
   // (ForwardHeld; *session = the session of that attempt) and its answer returned - it records

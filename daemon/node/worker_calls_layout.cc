@@ -132,7 +132,8 @@ std::vector<std::vector<std::string>> WorkerCalls::VmmAllocationsNow(const pb::R
   return out;
 }
 
-absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp) {
+absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, pb::RegisterLayoutResponse* resp, absl::Duration time_left) {
+  const absl::Time deadline = CallerDeadline(options_.clock, time_left);
   const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
   if (std::optional<pb::RegisterLayoutResponse> same = local_.SameLayout(key, req, VmmAllocationsNow(req))) {
     // The layout this worker registered, again (a client's replay after a reconnect, after its
@@ -146,7 +147,7 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
     // another layout, so it registers anew, as RegisterWorker always did before repeats were
     // recognised (the coordinator drops and re-adds the worker, the node's entry is replaced).
     pb::RegisterWorkerResponse joined;
-    RETURN_IF_ERROR(JoinWorker(*repeated, &joined));
+    RETURN_IF_ERROR(JoinWorker(*repeated, &joined, deadline));
   }
   // Judged before mapping (what the entry mapped), joined once the new memory is mapped.
   std::optional<pb::RegisterWorkerRequest> fresh = local_.NewMemory(key, req);
@@ -218,7 +219,7 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
     Log(LogLevel::kWarning, "rollout layout over new memory: registered anew",
         {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}});
     pb::RegisterWorkerResponse joined;
-    if (absl::Status s = JoinWorker(*fresh, &joined); !s.ok()) {
+    if (absl::Status s = JoinWorker(*fresh, &joined, deadline); !s.ok()) {
       return Annotate(s, absl::StrCat("registering rollout ", req.worker_id(), " of model ", req.model_id(), " anew on node ", options_.node_id,
                                       " (its layout names new memory)"));
     }
@@ -246,7 +247,19 @@ absl::Status WorkerCalls::RegisterLayout(const pb::RegisterLayoutRequest& req, p
   // Before the coordinator knows the layout: a late rollout's catch-up starts right after it.
   if (role == planner::Role::kRollout) PrewarmIncomingStaging(spec, req, sreq.layout(), is_cuda);
   pb::SubmitLayoutResponse sresp;
-  absl::Status s = coordinator_.client().SubmitLayout(sreq, &sresp, CallTimeout(options_.clock, options_.clock->Now() + absl::Seconds(30)));
+  // Held while the coordinator is down or the node re-joins (a worker registering during a
+  // coordinator restart): sent once the node re-joined - the re-join re-sent this worker's join
+  // (it is registered here) but no layout (it has none yet), so the layout reaches the new
+  // coordinator once, from here - or once more to the same coordinator (the same layout again
+  // changes nothing there). A worker the re-join could not re-submit: NOT_FOUND, register again.
+  uint64_t sent_in = 0;
+  absl::Status s = ForwardHeld(
+      req.model_id(), req.worker_id(), deadline, &sent_in,
+      [&](absl::Time dl) {
+        sresp.Clear();
+        return coordinator_.client().SubmitLayout(sreq, &sresp, std::min(absl::Seconds(30), CallTimeout(options_.clock, dl)));
+      },
+      Hold{.call = "RegisterLayout", .advice = "the layout is not registered: call RegisterLayout again"});
   if (!s.ok()) return s;
   if (preset_described->has_value()) {
     *resp->mutable_layout() = std::move(**preset_described);

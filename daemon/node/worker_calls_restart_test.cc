@@ -15,7 +15,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/shm_segment.h"
 #include "daemon/node/coordinator_access.h"
+#include "daemon/node/deadlines.h"
 #include "daemon/node/fake_gpu_import.h"
 #include "daemon/node/local_workers.h"
 #include "daemon/node/worker_calls.h"
@@ -45,10 +47,16 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   // UNAVAILABLE and AwaitCoordinatorChange waits on `clock` until then (nullopt at its deadline).
   // Back, it is a restarted coordinator while `restarts` > 0, else the same one (nullopt).
   Clock* clock = nullptr;
-  void GoDown(absl::Time back_at) {
+  void GoDown(absl::Time back_at, std::optional<absl::Time> unreachable_since = std::nullopt) {
     absl::MutexLock l(&mu_);
     down_ = true;
     back_at_ = back_at;
+    unreachable_since_ = unreachable_since;
+  }
+  // What the node's heartbeats know of the outage (GoDown's `unreachable_since`, while down).
+  std::optional<absl::Time> UnreachableSince() override {
+    absl::MutexLock l(&mu_);
+    return down_ ? unreachable_since_ : std::nullopt;
   }
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) override {
     bool rejoin = false;
@@ -126,13 +134,39 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     absl::MutexLock l(&mu_);
     return readies_;
   }
+  // JoinWorker / SubmitLayout / LeaveWorker: UNAVAILABLE while down, else OK (LeaveWorker: the
+  // next of `leave_answers`, OK when none); recorded in log() as "<call> <worker> unreachable@<session>"
+  // or "<call> <worker>@<session>", next to what Note adds (the test's re-join).
+  std::deque<absl::Status> leave_answers;
+  absl::Status JoinWorker(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse*, absl::Duration) override {
+    return Record("join", req.worker_id(), absl::OkStatus());
+  }
+  absl::Status SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse*, absl::Duration) override {
+    return Record("layout", req.worker_id(), absl::OkStatus());
+  }
+  absl::Status LeaveWorker(const pb::LeaveWorkerRequest& req, pb::LeaveWorkerResponse*, absl::Duration) override {
+    absl::Status answer;
+    {
+      absl::MutexLock l(&mu_);
+      if (!down_ && !leave_answers.empty()) {
+        answer = leave_answers.front();
+        leave_answers.pop_front();
+      }
+    }
+    return Record("leave", req.worker_id(), answer);
+  }
+  void Note(const std::string& what) {
+    absl::MutexLock l(&mu_);
+    log_.push_back(absl::StrCat(what, "@", session_));
+  }
+  std::vector<std::string> log() {
+    absl::MutexLock l(&mu_);
+    return log_;
+  }
 #define WB_UNAVAILABLE_(Name, Req, Resp) \
   absl::Status Name(const pb::Req&, pb::Resp*, absl::Duration) override { return absl::UnavailableError(#Name); }
   WB_UNAVAILABLE_(RegisterNode, RegisterNodeRequest, RegisterNodeResponse)
   WB_UNAVAILABLE_(Heartbeat, HeartbeatRequest, HeartbeatResponse)
-  WB_UNAVAILABLE_(JoinWorker, JoinWorkerRequest, JoinWorkerResponse)
-  WB_UNAVAILABLE_(SubmitLayout, SubmitLayoutRequest, SubmitLayoutResponse)
-  WB_UNAVAILABLE_(LeaveWorker, LeaveWorkerRequest, LeaveWorkerResponse)
   WB_UNAVAILABLE_(ReportDone, ReportDoneRequest, ReportDoneResponse)
   WB_UNAVAILABLE_(ReportApplied, ReportAppliedRequest, ReportAppliedResponse)
   WB_UNAVAILABLE_(ExchangeMagnitudes, ExchangeMagnitudesRequest, ExchangeMagnitudesResponse)
@@ -141,9 +175,21 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
 #undef WB_UNAVAILABLE_
 
  private:
+  absl::Status Record(const std::string& call, const std::string& worker, const absl::Status& answer) {
+    absl::MutexLock l(&mu_);
+    if (down_) {
+      log_.push_back(absl::StrCat(call, " ", worker, " unreachable@", session_));
+      return absl::UnavailableError("failed to connect to all addresses");
+    }
+    log_.push_back(absl::StrCat(call, " ", worker, "@", session_));
+    return answer;
+  }
+
   absl::Mutex mu_;
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
   bool down_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<absl::Time> unreachable_since_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> log_ ABSL_GUARDED_BY(mu_);
   absl::Time back_at_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
   int waits_ ABSL_GUARDED_BY(mu_) = 0;
@@ -461,6 +507,160 @@ TEST_F(CoordinatorDownTest, ABeginUpdateIsSentOnceMoreWhenTheSameCoordinatorIsBa
   absl::Status s = BeginUpdateWhileDown(10000, absl::Seconds(2), absl::Seconds(2));
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(coordinator_.readies(), (std::vector<std::string>{"unreachable@0", "paused@0"}));
+}
+
+// The other worker calls that forward to the coordinator (RegisterWorker's JoinWorker,
+// RegisterLayout's SubmitLayout, Deregister's LeaveWorker), sent while the coordinator is down: a
+// trainer or rollout restarting during a coordinator restart (a cluster-wide rolling restart).
+// Held like BeginUpdate, within what is left of the worker's gRPC deadline (CallerDeadline).
+// Before, each answered UNAVAILABLE at once and the worker's client errored out.
+class HeldCallsTest : public CoordinatorDownTest {
+ protected:
+  HeldCallsTest() {
+    // The node's re-join, recorded: every worker it re-sends (NodeDaemon::Rejoin's list).
+    coordinator_.on_rejoin = [this] {
+      versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
+      for (const LocalWorkers::JoinInfo& j : local_->Joins()) coordinator_.Note(absl::StrCat("rejoin ", j.key.second));
+    };
+  }
+  // `call` on its own thread, once the coordinator went down (back after `down_for`; the node's
+  // heartbeats found it unreachable 5 s before). `time_left`: the worker's gRPC deadline.
+  absl::Status WhileDown(absl::Duration time_left, absl::Duration down_for, absl::Duration advance,
+                         const std::function<absl::Status(absl::Duration)>& call) {
+    const absl::Time t0 = clock_.Now();
+    const absl::Time deadline = CallerDeadline(&clock_, time_left);
+    coordinator_.GoDown(t0 + down_for, t0 - absl::Seconds(5));
+    absl::Status s;
+    std::thread caller([&] { s = call(time_left); });
+    EXPECT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(10))) << "the call is not held";
+    clock_.Advance(advance);
+    caller.join();
+    return s;
+  }
+  absl::Status RegisterWorker(const std::string& worker, absl::Duration time_left) {
+    pb::RegisterWorkerRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    req.set_role(pb::ROLE_ROLLOUT);
+    pb::RegisterWorkerResponse resp;
+    return calls_->RegisterWorker(req, &resp, time_left);
+  }
+  absl::Status Deregister(const std::string& worker, absl::Duration time_left) {
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(worker);
+    return calls_->Deregister(req, time_left);
+  }
+  std::string Since(absl::Time t) { return absl::FormatTime("%Y-%m-%d %H:%M:%E3S UTC", t, absl::UTCTimeZone()); }
+};
+
+// Joined once, by the held call, after the re-join (which re-sent only the workers the node had:
+// t0 and r0, not r1) - no duplicate, no race with the re-join's re-registration.
+TEST_F(HeldCallsTest, ARegisterWorkerSentWhileTheCoordinatorIsDownIsHeldAndJoinedOnceAfterTheReJoin) {
+  coordinator_.restarts = 1;
+  absl::Status s = WhileDown(absl::Seconds(10), absl::Seconds(2), absl::Seconds(2), [&](absl::Duration left) { return RegisterWorker("r1", left); });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"join r1 unreachable@0", "rejoin r0@0", "rejoin t0@0", "join r1@1"}));
+  EXPECT_TRUE(local_->Has({"m", "r1"}));
+}
+
+TEST_F(HeldCallsTest, ARegisterWorkerIsSentOnceMoreWhenTheSameCoordinatorIsBack) {
+  coordinator_.restarts = 0;
+  absl::Status s = WhileDown(absl::Seconds(10), absl::Seconds(2), absl::Seconds(2), [&](absl::Duration left) { return RegisterWorker("r1", left); });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"join r1 unreachable@0", "join r1@0"}));
+  EXPECT_TRUE(local_->Has({"m", "r1"}));
+}
+
+// Not back within the worker's deadline (4 s, answered 1 s before it): UNAVAILABLE naming the
+// coordinator, since when the node's heartbeats found it unreachable, and the wait; nothing joined.
+TEST_F(HeldCallsTest, ARegisterWorkerWhoseDeadlinePassesFirstNamesTheCoordinatorAndSinceWhen) {
+  coordinator_.restarts = 1;
+  const absl::Time t0 = clock_.Now();
+  absl::Status s = WhileDown(absl::Seconds(4), absl::Seconds(30), absl::Seconds(3), [&](absl::Duration left) { return RegisterWorker("r1", left); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  for (const std::string& want : {std::string("RegisterWorker of worker r1 of model m on node n0: the coordinator at coord.test:7070 could not be reached since "),
+                                  Since(t0 - absl::Seconds(5)), std::string("(8s ago; failed to connect to all addresses)"), std::string("held 3s"),
+                                  std::string("call it again")}) {
+    EXPECT_NE(s.message().find(want), std::string::npos) << want << " missing in: " << s;
+  }
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"join r1 unreachable@0"}));
+  EXPECT_FALSE(local_->Has({"m", "r1"}));
+}
+
+// A rollout registered (r0), its RegisterLayout sent while the coordinator is down: the re-join
+// re-sends its join (no layout yet), then the held call submits the layout there, once.
+TEST_F(HeldCallsTest, ARegisterLayoutSentWhileTheCoordinatorIsDownIsHeldAndSubmittedAfterTheReJoin) {
+  auto seg = transport::ShmSegment::Create(transport::ShmSegment::UniqueName("held"), 4096);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  pb::RegisterLayoutRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("r0");
+  pb::BufferSpec* b = req.add_buffers();
+  b->set_buffer_id(0);
+  b->set_shm_name(seg->name());
+  b->set_size_bytes(4096);
+  coordinator_.restarts = 1;
+  absl::Status s = WhileDown(absl::Seconds(10), absl::Seconds(2), absl::Seconds(2), [&](absl::Duration left) {
+    pb::RegisterLayoutResponse resp;
+    return calls_->RegisterLayout(req, &resp, left);
+  });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"layout r0 unreachable@0", "rejoin r0@0", "rejoin t0@0", "layout r0@1"}));
+  std::optional<LocalWorkers::View> r0 = local_->Get({"m", "r0"});
+  ASSERT_TRUE(r0.has_value());
+  EXPECT_TRUE(r0->worker.has_layout);
+}
+
+// Deregister removes the worker here first, so the re-join does not re-send it; the held
+// LeaveWorker then reaches the restarted coordinator, which does not know the model (no other
+// worker of it re-joined): NOT_FOUND there means nothing is left to leave - OK.
+TEST_F(HeldCallsTest, ADeregisterSentWhileTheCoordinatorIsDownIsHeldAndDoneAfterTheReJoin) {
+  coordinator_.restarts = 1;
+  coordinator_.leave_answers = {absl::NotFoundError("unknown model \"m\"")};
+  absl::Status s = WhileDown(absl::Seconds(10), absl::Seconds(2), absl::Seconds(2), [&](absl::Duration left) { return Deregister("r0", left); });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"leave r0 unreachable@0", "rejoin t0@0", "leave r0@1"})) << "no re-join of r0";
+  EXPECT_FALSE(local_->Has({"m", "r0"}));
+}
+
+TEST_F(HeldCallsTest, ADeregisterIsSentOnceMoreWhenTheSameCoordinatorIsBack) {
+  coordinator_.restarts = 0;
+  absl::Status s = WhileDown(absl::Seconds(10), absl::Seconds(2), absl::Seconds(2), [&](absl::Duration left) { return Deregister("r0", left); });
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"leave r0 unreachable@0", "leave r0@0"}));
+}
+
+TEST_F(HeldCallsTest, ADeregisterWhoseDeadlinePassesFirstSaysTheCoordinatorMayStillCountTheWorker) {
+  coordinator_.restarts = 1;
+  absl::Status s = WhileDown(absl::Seconds(4), absl::Seconds(30), absl::Seconds(3), [&](absl::Duration left) { return Deregister("r0", left); });
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("Deregister of worker r0 of model m on node n0: the coordinator at coord.test:7070 could not be reached since"),
+            std::string::npos) << s;
+  EXPECT_NE(s.message().find("the coordinator may still count it: call Deregister again"), std::string::npos) << s;
+}
+
+// A Publish whose deadline passes while the coordinator is down (it keeps its own re-send after a
+// re-join, PublishAgainAfterRestart): the answer names the wait, like a held BeginUpdate's, not the
+// transport's last words ("failed to connect to all addresses", all it said before).
+TEST_F(HeldCallsTest, APublishWhoseDeadlinePassesWhileTheCoordinatorIsDownNamesTheWait) {
+  coordinator_.restarts = 1;
+  coordinator_.publish_answers = {absl::UnavailableError("failed to connect to all addresses")};
+  const absl::Time t0 = clock_.Now();
+  coordinator_.GoDown(t0 + absl::Seconds(30), t0 - absl::Seconds(5));
+  absl::Status s;
+  std::thread caller([&] { s = Publish(2); });
+  ASSERT_TRUE(clock_.AwaitWaiter(t0 + absl::Seconds(10), absl::Now() + absl::Seconds(10))) << "the publish is not held";
+  clock_.Advance(absl::Seconds(10));
+  caller.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  for (const std::string& want : {std::string("Publish of version 2 by worker t0 of model m on node n0: the coordinator at coord.test:7070 could not be "
+                                              "reached since "),
+                                  Since(t0 - absl::Seconds(5)), std::string("(15s ago; failed to connect to all addresses)"), std::string("held 10s"),
+                                  std::string("publish it again")}) {
+    EXPECT_NE(s.message().find(want), std::string::npos) << want << " missing in: " << s;
+  }
+  EXPECT_EQ(coordinator_.publish_sessions(), (std::vector<uint64_t>{0}));
 }
 
 }  // namespace

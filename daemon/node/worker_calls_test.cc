@@ -167,9 +167,10 @@ TEST_F(WorkerCallsTest, RegisterLayoutRefusesASegmentNotOwnedByTheWorkersUid) {
     EXPECT_NE(s.message().find(want), std::string::npos) << want << " missing in: " << s;
   }
   // The same segment for a worker bound to its owner passes the check (and fails later: no
-  // coordinator here), so the refusal above is the owner's.
+  // coordinator here - the node is never registered, and no time is left to wait for it), so the
+  // refusal above is the owner's.
   worker_uid_ = 65534;
-  s = calls_->RegisterLayout(req, &resp);
+  s = calls_->RegisterLayout(req, &resp, absl::ZeroDuration());
   EXPECT_EQ(s.message().find("owned by uid"), std::string::npos) << s;
 }
 

@@ -2,21 +2,36 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
 #include "daemon/node/worker_calls.h"
 #include "proto/grpc_status.h"
 
 namespace wb::daemon {
 namespace {
 
+// What is left of a call's gRPC deadline (infinite: the worker gave none), for the calls whose
+// request carries no timeout_ms (WorkerCalls::RegisterWorker, RegisterLayout, Deregister).
+absl::Duration TimeLeft(const grpc::ServerContext* ctx) {
+  const std::chrono::system_clock::time_point d = ctx->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteDuration();
+  const std::chrono::system_clock::time_point now = std::chrono::system_clock::now();
+  if (d <= now) return absl::ZeroDuration();
+  return absl::FromChrono(d - now);
+}
+
 class WorkerServiceImpl final : public pb::WorkerService::Service {
  public:
   explicit WorkerServiceImpl(node::WorkerCalls* node) : node_(node) {}
 
-  grpc::Status RegisterWorker(grpc::ServerContext*, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse* resp) override {
-    return ToGrpcStatus(node_->RegisterWorker(*req, resp));
+  grpc::Status RegisterWorker(grpc::ServerContext* ctx, const pb::RegisterWorkerRequest* req, pb::RegisterWorkerResponse* resp) override {
+    return ToGrpcStatus(node_->RegisterWorker(*req, resp, TimeLeft(ctx)));
   }
-  grpc::Status RegisterLayout(grpc::ServerContext*, const pb::RegisterLayoutRequest* req, pb::RegisterLayoutResponse* resp) override {
-    return ToGrpcStatus(node_->RegisterLayout(*req, resp));
+  grpc::Status RegisterLayout(grpc::ServerContext* ctx, const pb::RegisterLayoutRequest* req, pb::RegisterLayoutResponse* resp) override {
+    return ToGrpcStatus(node_->RegisterLayout(*req, resp, TimeLeft(ctx)));
   }
   grpc::Status Publish(grpc::ServerContext*, const pb::PublishRequest* req, pb::PublishResponse* resp) override {
     return ToGrpcStatus(node_->Publish(*req, resp));
@@ -33,8 +48,8 @@ class WorkerServiceImpl final : public pb::WorkerService::Service {
   grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) override {
     return ToGrpcStatus(node_->WaitVersion(*req, resp));
   }
-  grpc::Status Deregister(grpc::ServerContext*, const pb::DeregisterRequest* req, pb::DeregisterResponse*) override {
-    return ToGrpcStatus(node_->Deregister(*req));
+  grpc::Status Deregister(grpc::ServerContext* ctx, const pb::DeregisterRequest* req, pb::DeregisterResponse*) override {
+    return ToGrpcStatus(node_->Deregister(*req, TimeLeft(ctx)));
   }
   grpc::Status Status(grpc::ServerContext*, const pb::StatusRequest* req, pb::StatusResponse* resp) override {
     return ToGrpcStatus(node_->ClusterStatus(*req, resp));
