@@ -198,9 +198,8 @@ absl::StatusOr<int> Cluster::RunWbctl(const std::vector<std::string>& args, absl
   std::vector<std::string> argv = {Runfile("client/wbctl")};
   argv.insert(argv.end(), args.begin(), args.end());
   ASSIGN_OR_RETURN(Process * p, harness_->Spawn(absl::StrCat("wbctl-", ++wbctl_runs_), argv));
+  // WaitExit returns once stdout is read to the end too: the lines are complete.
   ASSIGN_OR_RETURN(int code, p->WaitExit(timeout));
-  // Lines are complete once stdout closed; the process exited, so wait for the reader briefly.
-  (void)p->WaitForLine([](const std::string&) { return false; }, absl::Seconds(2));
   if (lines) *lines = p->Lines();
   return code;
 }

@@ -63,8 +63,16 @@ bool Process::Exited() const {
 
 absl::StatusOr<int> Process::WaitExit(absl::Duration timeout) const {
   absl::MutexLock l(&mu_);
-  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return exited_; };
+  // Exited AND its stdout read to the end: the reaper sees the exit independently of the reader,
+  // which on a loaded machine may still hold the last lines (a rollout's final "applied") when
+  // the caller goes on to inspect Lines() / Events().
+  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return exited_ && stdout_closed_; };
   if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+    if (exited_) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          name_, " (pid ", pid_, ") exited with status ", exit_status_, " but its stdout was still open after ",
+          absl::FormatDuration(timeout), " (a process it started holds it?)"));
+    }
     return absl::DeadlineExceededError(
         absl::StrCat(name_, " (pid ", pid_, ") still running after ", absl::FormatDuration(timeout)));
   }

@@ -63,7 +63,9 @@ class Process {
   void Signal(int sig);
   void Kill() { Signal(9); }
   bool Exited() const;
-  // Exit status once exited: the exit code, or -signal when killed by a signal.
+  // Exit status once exited and every stdout line read (Lines() / Events() are then complete):
+  // the exit code, or -signal when killed by a signal. A process whose stdout stays open after
+  // its exit (held by a process it started) is DEADLINE_EXCEEDED at `timeout`.
   absl::StatusOr<int> WaitExit(absl::Duration timeout) const;
 
   // Waits until some stdout line (from the first one on) satisfies `pred`; returns it.

@@ -5,6 +5,7 @@
 
 #include <fstream>
 
+#include "absl/strings/numbers.h"
 #include "gtest/gtest.h"
 
 namespace wb::e2e {
@@ -30,6 +31,44 @@ TEST(HarnessTest, CapturesEventsAndExitCode) {
   auto missing = (*p)->WaitForEvent("committed", 0, absl::Seconds(30));
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+// A child that ends with a pipe full of lines: its exit is seen (reaper) before the reader has
+// taken them all. Every line must be there once WaitExit returns - the e2e tests read a rollout's
+// last events right after its exit.
+TEST(HarnessTest, WaitExitReturnsOnlyOnceEveryLineIsRead) {
+  auto h = Harness::Create("harness");
+  ASSERT_TRUE(h.ok());
+  constexpr int kLines = 200000;
+  for (int round = 0; round < 5; ++round) {
+    auto p = (*h)->Spawn("seq", {"/usr/bin/seq", "1", std::to_string(kLines)});
+    ASSERT_TRUE(p.ok()) << p.status();
+    auto code = (*p)->WaitExit(absl::Seconds(60));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0);
+    const std::vector<std::string> lines = (*p)->Lines();
+    ASSERT_EQ(lines.size(), static_cast<size_t>(kLines)) << "round " << round;
+    EXPECT_EQ(lines.back(), std::to_string(kLines));
+  }
+}
+
+// stdout held open by a process the child left behind: WaitExit says so at its deadline rather
+// than returning with lines still to come.
+TEST(HarnessTest, WaitExitNamesAStdoutHeldPastTheExit) {
+  auto h = Harness::Create("harness");
+  ASSERT_TRUE(h.ok());
+  auto p = (*h)->Spawn("leaver", {"/bin/sh", "-c", "sleep 120 & echo $!; exit 0"});
+  ASSERT_TRUE(p.ok());
+  auto line = (*p)->WaitForLine([](const std::string&) { return true; }, absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status();
+  pid_t left = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(*line, &left)) << *line;
+  // Generous: the shell only has to exit; the sleep holds stdout far longer.
+  auto code = (*p)->WaitExit(absl::Seconds(10));
+  EXPECT_EQ(code.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(code.status().message().find("stdout was still open"), std::string::npos) << code.status();
+  ASSERT_EQ(::kill(left, SIGKILL), 0);  // the pipe closes: the reader (and ~Harness) can finish
+  EXPECT_TRUE((*p)->WaitExit(absl::Seconds(30)).ok());
 }
 
 TEST(HarnessTest, KillAndDeadlines) {
