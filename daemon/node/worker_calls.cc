@@ -228,7 +228,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
     // waited for, as a held BeginUpdate does, not the transport's last words.
     s = CoordinatorDown(absl::StrCat("Publish of version ", req.version(), " by worker ", req.worker_id(), " of model ", req.model_id(),
                                      " on node ", options_.node_id),
-                        s, held_from, "the version is not published (a restarted coordinator never heard of it): publish it again");
+                        s, held_from, "the version may not be recorded there: publish it again");
   }
   if (!s.ok()) {
     local_.DropSnapshot({req.model_id(), req.worker_id()}, req.version());

@@ -17,6 +17,12 @@
 //    rollout's BeginUpdate(2) goes out (its gate, begin-2) while the coordinator is killed; n1
 //    holds it (WorkerCalls::ForwardHeld) until it re-joined the coordinator started 1.5 s later,
 //    then sends it there: OK, v2 verified, v3 follows. Before, UNAVAILABLE at once, each retry too.
+//  - RestartRegisterTest.ARolloutRegisteringWhileTheCoordinatorIsDownIsServedAfterItIsBack: the
+//    coordinator is killed after the trainer registered; the rollout starts and registers on n1
+//    while it is away (a rollout restarting during a rolling restart). n1 holds its RegisterWorker
+//    (WorkerCalls::ForwardHeld, "RegisterWorker") until it re-joined the coordinator started 1.5 s
+//    later, then joins it there; its RegisterLayout follows, and v1..v3 reach it byte for byte.
+//    Before, the registration answered UNAVAILABLE at once and the rollout exited with it.
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -197,6 +203,50 @@ TEST(RestartBeginUpdateTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUnti
   // again after its re-join.
   ExpectV3CleanAndNodeLogged(cl, trainer, rollout,
                              {"worker call held: the coordinator is unreachable", "worker call sent again after re-join"});
+}
+
+TEST(RestartRegisterTest, ARolloutRegisteringWhileTheCoordinatorIsDownIsServedAfterItIsBack) {
+  auto h = Harness::Create("restartregister");
+  ASSERT_TRUE(h.ok()) << h.status();
+  ClusterOptions copts;
+  copts.num_nodes = 2;
+  auto c = Cluster::Start(h->get(), copts);
+  ASSERT_TRUE(c.ok()) << c.status();
+  Cluster& cl = **c;
+  RunOptions run;
+  run.config = ModelConfigPath();
+  run.mode = "sync";
+  run.num_trainers = 1;
+  run.num_rollouts = 1;
+  run.versions = 3;
+  run.timeout_ms = ScaledMs(60000);
+  run.gate_dir = (*h)->Path("gates");
+  ASSERT_EQ(::mkdir(run.gate_dir.c_str(), 0700), 0);
+  auto trainer_or = cl.SpawnWorker(run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0});
+  ASSERT_TRUE(trainer_or.ok()) << trainer_or.status();
+  Process* trainer = *trainer_or;
+  auto ready = trainer->WaitForEvent("ready", 0, Scaled(absl::Seconds(90)));
+  ASSERT_TRUE(ready.ok()) << ready.status() << trainer->LogTail();
+
+  ASSERT_TRUE(cl.KillCoordinator().ok());
+  auto rollout_or = cl.SpawnWorker(run, {false, 1, "vllm", 1, 1, 1, 1, 0, 0});
+  ASSERT_TRUE(rollout_or.ok()) << rollout_or.status();
+  Process* rollout = *rollout_or;
+  auto registering = rollout->WaitForEvent("registering", 0, Scaled(absl::Seconds(60)));
+  ASSERT_TRUE(registering.ok()) << registering.status() << rollout->LogTail();
+  // The outage: the coordinator is started again 1.5 s after the rollout's RegisterWorker went out
+  // (not a poll: how long it is away). n1 holds the call meanwhile (checked in its log below).
+  absl::SleepFor(absl::Milliseconds(1500));
+  ASSERT_TRUE(cl.RestartCoordinator().ok());
+  auto rollout_ready = rollout->WaitForEvent("ready", 0, Scaled(absl::Seconds(60)));
+  ASSERT_TRUE(rollout_ready.ok()) << rollout_ready.status() << rollout->LogTail() << cl.node(1)->LogTail();
+
+  for (int v = 1; v <= 3; ++v) ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-", v)).ok());
+  // The path taken: n1 held the registration (its JoinWorker could not reach the coordinator) and
+  // sent it again after its re-join.
+  ExpectV3CleanAndNodeLogged(cl, trainer, rollout,
+                             {"worker call held: the coordinator is unreachable", "call=RegisterWorker",
+                              "worker call sent again after re-join"});
 }
 
 INSTANTIATE_TEST_SUITE_P(KillOrShutdown, RestartWaitTest, ::testing::Values(true, false),

@@ -263,6 +263,8 @@ absl::StatusOr<WorkerContext> SetUpWorker(planner::Role role) {
   model.max_staleness = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_staleness));
   model.strategy = strategy;
   model.lora = ctx.config.lora;
+  // Tests that change the cluster while a registration is in flight wait for this (e2e_restart_wait_test).
+  Emit(ctx, {{"event", "registering"}, {"role", role_name}});
   RETURN_IF_ERROR(ctx.client->RegisterWorker(
       model, {ctx.worker_id, role, static_cast<int32_t>(absl::GetFlag(FLAGS_gpu))}));
 
