@@ -101,7 +101,8 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
   // workers this node had then (this one is added below, after its join), so it is joined once,
   // by this call - or once more to the same coordinator when it answers again (a join recorded
   // before its answer was lost is then recorded again: a fresh registration, as the client's own
-  // retry would make).
+  // retry would make). A restarted coordinator the node has not noticed yet refuses the join
+  // ("node n is not registered"): held the same way, until the node's re-join.
   uint64_t sent_in = 0;
   absl::Status s = ForwardHeld(
       req.model_id(), req.worker_id(), deadline, &sent_in,
@@ -109,7 +110,7 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
         jr.Clear();
         return coordinator_.client().JoinWorker(j, &jr, std::min(absl::Seconds(10), CallTimeout(options_.clock, dl)));
       },
-      Hold{.call = "RegisterWorker", .hold_not_found = false, .rejoined_worker = false});
+      Hold{.call = "RegisterWorker", .hold_not_found = false, .hold_failed_precondition = true, .rejoined_worker = false});
   if (!s.ok()) return s;
   LocalWorkers::Worker w;
   w.model_id = req.model_id();

@@ -58,6 +58,9 @@ struct ForwardHold {
   // not re-joined yet) is held until a re-join too. False: it is the answer (JoinWorker never
   // answers it for that; a LeaveWorker's NOT_FOUND is Deregister's to judge).
   bool hold_not_found = true;
+  // FAILED_PRECONDITION is held until a re-join too: JoinWorker's "node n is not registered", its
+  // only one - a restarted coordinator the node has not noticed yet (up to a heartbeat period).
+  bool hold_failed_precondition = false;
   // After a re-join the worker must be one the node re-joined (NOT_FOUND "register again"
   // otherwise). False for a worker that is not joined here (RegisterWorker) or no longer is
   // (Deregister removed it first).

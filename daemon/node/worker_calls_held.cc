@@ -41,7 +41,8 @@ absl::Status WorkerCalls::ForwardHeld(const std::string& model, const std::strin
     *sent_in = coordinator_.session();
     absl::Status s = call(deadline);
     const bool unreachable = !hold.call.empty() && (absl::IsUnavailable(s) || absl::IsCancelled(s));
-    if (!(hold.hold_not_found && absl::IsNotFound(s)) && !unreachable) return s;
+    const bool unknown_here = (hold.hold_not_found && absl::IsNotFound(s)) || (hold.hold_failed_precondition && absl::IsFailedPrecondition(s));
+    if (!unknown_here && !unreachable) return s;
     if (unreachable && !held_from) {
       held_from = options_.clock->Now();
       Log(LogLevel::kInfo, "worker call held: the coordinator is unreachable",

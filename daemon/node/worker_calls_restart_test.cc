@@ -138,22 +138,15 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   // next of `leave_answers`, OK when none); recorded in log() as "<call> <worker> unreachable@<session>"
   // or "<call> <worker>@<session>", next to what Note adds (the test's re-join).
   std::deque<absl::Status> leave_answers;
+  std::deque<absl::Status> join_answers;  // JoinWorker's likewise
   absl::Status JoinWorker(const pb::JoinWorkerRequest& req, pb::JoinWorkerResponse*, absl::Duration) override {
-    return Record("join", req.worker_id(), absl::OkStatus());
+    return Record("join", req.worker_id(), NextAnswer(join_answers));
   }
   absl::Status SubmitLayout(const pb::SubmitLayoutRequest& req, pb::SubmitLayoutResponse*, absl::Duration) override {
     return Record("layout", req.worker_id(), absl::OkStatus());
   }
   absl::Status LeaveWorker(const pb::LeaveWorkerRequest& req, pb::LeaveWorkerResponse*, absl::Duration) override {
-    absl::Status answer;
-    {
-      absl::MutexLock l(&mu_);
-      if (!down_ && !leave_answers.empty()) {
-        answer = leave_answers.front();
-        leave_answers.pop_front();
-      }
-    }
-    return Record("leave", req.worker_id(), answer);
+    return Record("leave", req.worker_id(), NextAnswer(leave_answers));
   }
   void Note(const std::string& what) {
     absl::MutexLock l(&mu_);
@@ -175,6 +168,13 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
 #undef WB_UNAVAILABLE_
 
  private:
+  absl::Status NextAnswer(std::deque<absl::Status>& answers) {
+    absl::MutexLock l(&mu_);
+    if (down_ || answers.empty()) return absl::OkStatus();
+    absl::Status answer = answers.front();
+    answers.pop_front();
+    return answer;
+  }
   absl::Status Record(const std::string& call, const std::string& worker, const absl::Status& answer) {
     absl::MutexLock l(&mu_);
     if (down_) {
@@ -561,6 +561,18 @@ TEST_F(HeldCallsTest, ARegisterWorkerSentWhileTheCoordinatorIsDownIsHeldAndJoine
   absl::Status s = WhileDown(absl::Seconds(10), absl::Seconds(2), absl::Seconds(2), [&](absl::Duration left) { return RegisterWorker("r1", left); });
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"join r1 unreachable@0", "rejoin r0@0", "rejoin t0@0", "join r1@1"}));
+  EXPECT_TRUE(local_->Has({"m", "r1"}));
+}
+
+// The coordinator is back (restarted) but the node has not noticed yet: the join is refused "node
+// n0 is not registered" (FAILED_PRECONDITION, nothing recorded). Held until the node's re-join,
+// then joined there once. Before, the refusal was the answer.
+TEST_F(HeldCallsTest, ARegisterWorkerRefusedByARestartedCoordinatorBeforeTheReJoinIsSentAfterIt) {
+  coordinator_.restarts = 1;
+  coordinator_.join_answers = {absl::FailedPreconditionError("node n0 is not registered")};
+  absl::Status s = RegisterWorker("r1", absl::Seconds(10));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(coordinator_.log(), (std::vector<std::string>{"join r1@0", "rejoin r0@0", "rejoin t0@0", "join r1@1"}));
   EXPECT_TRUE(local_->Has({"m", "r1"}));
 }
 
