@@ -62,6 +62,7 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     bool rejoin = false;
     {
       absl::MutexLock l(&mu_);
+      ++change_waits_;
       if (down_ && session_ == session0) {
         auto back = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return clock->Now() >= back_at_; };
         if (!clock->WaitUntil(&mu_, absl::Condition(&back), deadline)) return std::nullopt;
@@ -81,6 +82,14 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     return "the coordinator restarted (instance A -> B)";
   }
   void TrackProgress(const std::string&, uint64_t, std::weak_ptr<const std::atomic<uint64_t>>) override {}
+  // Tests: until AwaitCoordinatorChange was entered `n` times (bounded in real time). A call's clock
+  // waits before its hold (a join's BeginJoin) may share the hold's deadline: a test waits for
+  // this first, then for the hold's waiter on the clock.
+  bool AwaitChangeWaits(int n) {
+    absl::MutexLock l(&mu_);
+    auto entered = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return change_waits_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&entered), absl::Seconds(10));
+  }
   std::vector<uint64_t> publish_sessions() {
     absl::MutexLock l(&mu_);
     return publish_sessions_;
@@ -189,6 +198,7 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   uint64_t session_ ABSL_GUARDED_BY(mu_) = 0;
   bool down_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<absl::Time> unreachable_since_ ABSL_GUARDED_BY(mu_);
+  int change_waits_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> log_ ABSL_GUARDED_BY(mu_);
   absl::Time back_at_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
@@ -532,6 +542,7 @@ class HeldCallsTest : public CoordinatorDownTest {
     coordinator_.GoDown(t0 + down_for, t0 - absl::Seconds(5));
     absl::Status s;
     std::thread caller([&] { s = call(time_left); });
+    EXPECT_TRUE(coordinator_.AwaitChangeWaits(1)) << "the call is not held";
     EXPECT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(10))) << "the call is not held";
     clock_.Advance(advance);
     caller.join();
@@ -662,7 +673,8 @@ TEST_F(HeldCallsTest, APublishWhoseDeadlinePassesWhileTheCoordinatorIsDownNamesT
   coordinator_.GoDown(t0 + absl::Seconds(30), t0 - absl::Seconds(5));
   absl::Status s;
   std::thread caller([&] { s = Publish(2); });
-  ASSERT_TRUE(clock_.AwaitWaiter(t0 + absl::Seconds(10), absl::Now() + absl::Seconds(10))) << "the publish is not held";
+  EXPECT_TRUE(coordinator_.AwaitChangeWaits(1)) << "the publish is not held";
+  EXPECT_TRUE(clock_.AwaitWaiter(t0 + absl::Seconds(10), absl::Now() + absl::Seconds(10))) << "the publish is not held";
   clock_.Advance(absl::Seconds(10));
   caller.join();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
