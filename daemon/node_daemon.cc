@@ -235,6 +235,9 @@ void NodeDaemon::Rejoin(const std::string& reason) {
     // ... and whether a catch-up gave it that version (no canonical shadows here: the new
     // coordinator must not name it as the base of deltas into them).
     j.join.set_holds_without_shadows(w.holds_without_shadows);
+    // A trainer's last publish the old coordinator recorded: never sent again, so a number the new
+    // coordinator must count used (a rollout's Apply of it is answered ABORTED, not left waiting).
+    if (w.role == planner::Role::kTrainer) j.join.set_published_version(w.published_version);
     j.has_layout = w.has_layout;
     j.layout = std::move(w.submitted);
     jobs.push_back(std::move(j));

@@ -149,6 +149,7 @@ class FakeCluster {
   struct Rejoin {
     uint64_t committed = 0, applied = 0, holds = 0;
     bool without_shadows = false;  // JoinWorkerRequest.holds_without_shadows
+    uint64_t published = 0;        // JoinWorkerRequest.published_version
   };
   void Join(const std::string& node, const std::string& worker, pb::Role role, std::optional<Rejoin> rejoin = std::nullopt) {
     pb::ModelSpec spec = testing::SmallModelSpec("m", 1);
@@ -165,6 +166,7 @@ class FakeCluster {
       j.set_applied_version(rejoin->applied);
       j.set_holds_version(rejoin->holds);
       j.set_holds_without_shadows(rejoin->without_shadows);
+      j.set_published_version(rejoin->published);
     }
     pb::JoinWorkerResponse jr;
     ASSERT_TRUE(core->JoinWorker(j, &jr).ok());
@@ -287,6 +289,42 @@ TEST(CatchUpDriverTest, ARejoinedRolloutHoldsWhatItSaysNotWhatItsNodeCommitted) 
   const std::vector<std::string> log = c.Log();
   EXPECT_NE(std::find(log.begin(), log.end(), "catch-up 1"), log.end()) << "r1 was counted as holding version 1";
   EXPECT_NE(std::find(log.begin(), log.end(), "commit 1 on n1"), log.end());
+}
+
+// status.md item 24: version 2 was published (one-step-off / async: the trainer's Publish answered
+// at record) to a coordinator that died before committing it anywhere; the trainer never publishes
+// it again. The restarted coordinator learns the number from the trainer's re-join
+// (published_version) and counts it used: a wait for it (a rollout node's Apply(2) asking, without
+// the worker) is ABORTED at once naming the restart, a re-sent publish of it too, and version 3
+// runs. Before, the wait lasted until its deadline: no coordinator ever runs version 2.
+TEST(CatchUpDriverTest, AVersionATrainerPublishedBeforeTheRestartIsAbortedNotAwaited) {
+  FakeCluster c;
+  c.Join("n0", "t0", pb::ROLE_TRAINER, FakeCluster::Rejoin{1, 0, 0, false, /*published=*/2});
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{1, 1, 1});
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{1, 1, 1});
+  const absl::Time start = absl::Now();
+  absl::Status s = c.WaitFor("", 2, /*timeout_ms=*/5000);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4)) << "answered at its deadline, not at once";
+  EXPECT_NE(s.message().find("its number is used: trainer t0 on node n0"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("coordinator restarted"), std::string::npos) << s;
+  EXPECT_TRUE(c.WaitFor("r1", 1).ok()) << "version 1 stays committed";
+  s = c.Publish(2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  ASSERT_TRUE(c.Publish(3).ok());
+  s = c.WaitFor("r1", 3);
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+// A trainer's published version the nodes committed is no used number: nothing changes.
+TEST(CatchUpDriverTest, APublishedVersionCommittedOnTheNodesIsNotUsed) {
+  FakeCluster c;
+  c.Join("n0", "t0", pb::ROLE_TRAINER, FakeCluster::Rejoin{2, 0, 0, false, /*published=*/2});
+  c.Join("n0", "r0", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{2, 2, 2});
+  c.Join("n1", "r1", pb::ROLE_ROLLOUT, FakeCluster::Rejoin{2, 2, 2});
+  EXPECT_TRUE(c.WaitFor("r1", 2).ok());
+  ASSERT_TRUE(c.Publish(3).ok());
+  EXPECT_TRUE(c.WaitFor("r1", 3).ok());
 }
 
 // A catch-up attempt made void by a re-registered late rollout (not final: tried again) leaves its

@@ -292,6 +292,7 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "committed_version", req.committed_version()));
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "applied_version", req.applied_version()));
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "holds_version", req.holds_version()));
+    RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "published_version", req.published_version()));
   }
   if (auto old = model.workers.find(req.worker_id()); old != model.workers.end()) {
     // Moving a worker to another node is fine once its old node is gone; while that node lives,
@@ -327,6 +328,12 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     if (UsedByRejoin& used = used_by_rejoin_[req.model_id()]; held > model.machine->committed() && held > used.version) {
       used = {held, req.worker_id(), req.node_id()};
     }
+    // A trainer's publish the old coordinator recorded (not sync; a publish whose answer was lost
+    // is re-sent, not counted here): never sent again, so the number is used too.
+    const uint64_t published = rec.role == planner::Role::kTrainer ? req.published_version() : 0;
+    if (UsedByRejoin& used = used_by_rejoin_[req.model_id()]; published > model.machine->committed() && published > used.version) {
+      used = {published, req.worker_id(), req.node_id(), /*published=*/true};
+    }
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
   }
@@ -343,6 +350,11 @@ std::optional<absl::Status> CoordinatorCore::UsedUncommittedLocked(const std::st
     return std::nullopt;
   }
   const UsedByRejoin& u = used->second;
+  if (u.published) {
+    return absl::AbortedError(absl::StrCat(what, ": version ", v, " of model ", model_id, " is not committed and its number is used: trainer ", u.worker,
+                                           " on node ", u.node, " re-joined having published version ", u.version, " to the coordinator before the "
+                                           "coordinator restarted, and never publishes it again; publish a version newer than ", u.version));
+  }
   return absl::AbortedError(absl::StrCat(what, ": version ", v, " of model ", model_id, " is not committed and its number is used: rollout ",
                                          u.worker, " on node ", u.node, " re-joined holding version ", u.version,
                                          ", above the committed version ", m.machine->committed(),

@@ -262,9 +262,14 @@ class CoordinatorCore {
   // rolled back on the node when the coordinator's AbortVersion came or, lost, at its re-join.
   // The number is used: publishing it again is refused (the rollout's live weights hold its bytes),
   // and WaitVersion of it answers ABORTED. Per model, the newest such number and who held it.
+  // Also a number a re-joined trainer published to the coordinator before (one-step-off / async:
+  // JoinWorkerRequest.published_version) above the committed version: that coordinator recorded
+  // it and is gone, the trainer never publishes it again, so no coordinator runs it - a rollout's
+  // Apply / WaitVersion of it would otherwise wait until its deadline (status.md item 24).
   struct UsedByRejoin {
     uint64_t version = 0;
     std::string worker, node;
+    bool published = false;  // a trainer's published_version (else a rollout's held version)
   };
   // ABORTED naming the rollout when `v` of `m` is such a number (not committed, no record of this
   // coordinator, at most the newest held) and the model was planned since (every worker of its

@@ -280,44 +280,6 @@ void LocalWorkers::LeaveDone(const WorkerKey& key) {
   leaving_.erase(key);
 }
 
-void LocalWorkers::NoteRejoin(const std::string& reason) {
-  absl::MutexLock l(&mu_);
-  restarts_ += 1;
-  restart_reason_ = reason;
-}
-
-std::string LocalWorkers::restart_reason() const {
-  absl::MutexLock l(&mu_);
-  return restart_reason_;
-}
-
-std::vector<LocalWorkers::JoinInfo> LocalWorkers::Joins() const {
-  std::vector<JoinInfo> out;
-  std::vector<std::string> layouts;  // serialized, parsed below without mu_
-  {
-    absl::MutexLock l(&mu_);
-    for (const auto& [key, w] : workers_) {
-      JoinInfo j;
-      j.key = key;
-      j.role = w.role;
-      j.gpu = w.gpu;
-      j.spec = w.spec;
-      j.applied_version = w.applied_version;
-      j.committed_version = w.committed_version;
-      j.holds_without_shadows = w.role == planner::Role::kRollout && w.caught_up_version > 0 &&
-                                w.caught_up_version == std::max(w.committed_version, w.applied_version);
-      j.has_layout = w.has_layout;
-      layouts.push_back(w.submitted);
-      if (w.pid) j.process = w.pid->Identity();
-      out.push_back(std::move(j));
-  }
-  }
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (!out[i].submitted.ParseFromString(layouts[i])) out[i].submitted.Clear();  // (never: serialized here)
-  }
-  return out;
-}
-
 bool LocalWorkers::Has(const WorkerKey& key) const {
   absl::MutexLock l(&mu_);
   return workers_.count(key) > 0;
@@ -526,7 +488,7 @@ void LocalWorkers::MarkApplied(const WorkerKey& key, uint64_t version, const std
 }
 
 absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline,
-                                                                       bool ask_on_catch_up_abort) const {
+                                                                       bool ask_on_catch_up_abort, bool ask_if_unknown_since_rejoin) const {
   const std::string& me = options_.node_id;
   const std::string& model = key.first;
   const std::string& wid = key.second;
@@ -537,6 +499,16 @@ absl::StatusOr<LocalWorkers::Applicable> LocalWorkers::AwaitApplicable(const Wor
   }
   const std::string lk = LiveKey(model, wid);  // LiveState's name for it
   const uint64_t restarts0 = restarts_;
+  // Since the re-join nothing ran here at or below `want`: it may be a number the old coordinator
+  // used (its execution never reached this node: no abort recorded) that no coordinator runs again.
+  // Every number the new session runs is above the used ones: one it ran here at or below `want` settles it.
+  auto first = session_first_.find(model);
+  if (ask_if_unknown_since_rejoin && want != 0 && restarts_ > 0 && it->second.committed_version < want && it->second.applied_version < want &&
+      aborted_.count({model, want}) == 0 && (first == session_first_.end() || want < first->second)) {
+    Applicable ask;
+    ask.ask_coordinator = ask.unknown_since_rejoin = true;
+    return ask;
+  }
   auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     auto w = workers_.find(key);
     if (stopping_ || w == workers_.end()) return true;
@@ -762,33 +734,6 @@ absl::StatusOr<LocalWorkers::Ended> LocalWorkers::EndUpdate(const WorkerKey& key
   out.applied_version = it->second.applied_version;
   out.committed_version = it->second.committed_version;
   return out;
-}
-
-std::optional<uint64_t> LocalWorkers::PauseToResend(const WorkerKey& key) const {
-  absl::MutexLock l(&mu_);
-  auto it = workers_.find(key);
-  if (it == workers_.end()) return std::nullopt;
-  const Worker& w = it->second;
-  const bool open = w.role == planner::Role::kRollout && w.mode == pb::MODE_SYNC && w.paused && w.paused_at_committed > 0 &&
-                    w.committed_version == w.pause_mark;
-  return open ? std::optional<uint64_t>(w.incarnation) : std::nullopt;
-}
-
-bool LocalWorkers::NotePauseResent(const WorkerKey& key, uint64_t incarnation) {
-  absl::MutexLock l(&mu_);
-  auto it = workers_.find(key);
-  if (it == workers_.end() || it->second.incarnation != incarnation || !it->second.paused) return false;
-  it->second.pause_resent_at = restarts_;
-  return true;
-}
-
-bool LocalWorkers::WaitResendable(const WorkerKey& key, uint64_t incarnation, uint64_t version) const {
-  absl::MutexLock l(&mu_);
-  auto it = workers_.find(key);
-  if (it == workers_.end() || it->second.incarnation != incarnation) return false;
-  const Worker& w = it->second;
-  if (w.role != planner::Role::kRollout || w.mode != pb::MODE_SYNC) return false;
-  return (w.paused && w.pause_resent_at != 0 && w.pause_resent_at == restarts_) || std::max(w.committed_version, w.applied_version) >= version;
 }
 
 }  // namespace wb::daemon

@@ -82,6 +82,10 @@ class LocalWorkers {
     // (SameLayout, NewMemory).
     std::vector<SegmentId> segments;
     std::map<uint64_t, std::shared_ptr<Bytes>> snapshots;          // trainer: version -> copy
+    // Trainer, one-step-off / async: the newest version whose Publish the coordinator answered OK
+    // (NotePublished). Re-joining says so (JoinInfo::published_version): the trainer never
+    // publishes it again, so a restarted coordinator counts the number used.
+    uint64_t published_version = 0;
     std::shared_ptr<Bytes> committed;                              // rollout: newest committed staging
     uint64_t committed_version = 0;
     uint64_t applied_version = 0;
@@ -153,6 +157,7 @@ class LocalWorkers {
     // Rollout: what it holds (max of the two above) came from a catch-up (Worker::caught_up_version):
     // no canonical shadows of it here (JoinWorkerRequest.holds_without_shadows).
     bool holds_without_shadows = false;
+    uint64_t published_version = 0;  // trainer: Worker::published_version
     bool has_layout = false;
     pb::SubmitLayoutRequest submitted;
     std::string process;  // PidWatch::Identity of its process (empty: not watched / unknown)
@@ -203,6 +208,12 @@ class LocalWorkers {
     // it: only the coordinator knows whether that was final or another attempt follows (WorkerCalls
     // asks it, then waits again with ask_on_catch_up_abort = false). Nothing else is set.
     bool ask_coordinator = false;
+    // With ask_coordinator: not a catch-up's end but a version this node knows nothing of since it
+    // re-joined a coordinator (AwaitApplicable's ask_if_unknown_since_rejoin): a number the
+    // coordinator before the re-join used, which no coordinator runs any more, or the next version.
+    // Only the coordinator knows (its WaitVersion answers ABORTED for a used number, else once v is
+    // decided); WorkerCalls asks it, then waits again without this question.
+    bool unknown_since_rejoin = false;
   };
 
   struct Options {
@@ -278,8 +289,18 @@ class LocalWorkers {
   // and marked leaving until LeaveDone (a join of the same id waits for it).
   std::vector<WorkerKey> ReapExited();
   void LeaveDone(const WorkerKey& key);
-  // Re-join after a coordinator change: counts it (Apply waiters get ABORTED naming `reason`).
+  // Re-join after a coordinator change: counts it (Apply waiters get ABORTED naming `reason`) and
+  // starts a new session (NoteSessionVersion).
   void NoteRejoin(const std::string& reason);
+  // The coordinator session runs `version` of `model` on this node (an execution, not a catch-up):
+  // the lowest such version since the last re-join bounds which Apply(v) ask the coordinator
+  // (AwaitApplicable): every number a coordinator before the re-join used is below it, since a
+  // used number is never published again.
+  void NoteSessionVersion(const std::string& model, uint64_t version);
+  // A trainer's Publish of `version` (one-step-off / async) was answered OK by the coordinator, on
+  // behalf of registration `incarnation` (Worker::published_version; nothing when it registered
+  // again meanwhile).
+  void NotePublished(const WorkerKey& key, uint64_t version, uint64_t incarnation);
   std::string restart_reason() const;
   std::vector<JoinInfo> Joins() const;
 
@@ -347,8 +368,13 @@ class LocalWorkers {
   // nothing to restore it from). `ask_on_catch_up_abort`: also ends when a catch-up of `want` was
   // aborted here (before or during the wait) and the worker does not hold it, answering
   // ask_coordinator (NoteCatchUpAborted); false: such aborts are not waited for.
-  absl::StatusOr<Applicable> AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline,
-                                             bool ask_on_catch_up_abort = false) const;
+  // `ask_if_unknown_since_rejoin`: after a re-join (NoteRejoin), a `want` above what the rollout
+  // holds that this node has no abort of and that is below every version the session ran here (or
+  // none ran yet) is answered ask_coordinator + unknown_since_rejoin at once - this node cannot
+  // tell a number the old coordinator used (its ExecuteVersion never came here) from the next
+  // version, and waiting for it here lasted until the deadline (status.md item 24).
+  absl::StatusOr<Applicable> AwaitApplicable(const WorkerKey& key, uint64_t want, absl::Time deadline, bool ask_on_catch_up_abort = false,
+                                             bool ask_if_unknown_since_rejoin = false) const;
   // Runs `jobs` at once under the live-copy contract (daemon/node/live_copy.h): waits (bounded by
   // live_copy_timeout) until no copy into the same workers runs, then skips (LiveJob::skipped,
   // OK) a job whose worker's live weights hold its version or a newer one whole (two Apply calls
@@ -411,6 +437,9 @@ class LocalWorkers {
   // (model, committed version) -> why a catch-up attempt of it ended here (NoteCatchUpAborted).
   std::map<std::pair<std::string, uint64_t>, std::string> catch_up_aborted_ ABSL_GUARDED_BY(mu_);
   uint64_t restarts_ ABSL_GUARDED_BY(mu_) = 0;  // re-joins so far (Apply waiters compare)
+  // model -> the lowest version the coordinator session ran here since the last re-join
+  // (NoteSessionVersion; cleared by NoteRejoin).
+  std::map<std::string, uint64_t> session_first_ ABSL_GUARDED_BY(mu_);
   uint64_t next_incarnation_ ABSL_GUARDED_BY(mu_) = 1;  // Worker::incarnation of the next Add
   std::string restart_reason_ ABSL_GUARDED_BY(mu_);
   // Observed staging -> live copy speed (bytes/s; 10 GB/s, a multi-threaded memcpy, until

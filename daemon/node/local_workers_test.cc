@@ -643,5 +643,66 @@ TEST_F(LocalWorkersTest, ARejoinSaysWhetherTheRolloutsVersionCameFromACatchUp) {
   EXPECT_FALSE(without_shadows());
 }
 
+// status.md item 24: after a re-join, Apply(v) of a version this node knows nothing of (no
+// execution of it reached the node before the coordinator died, so no abort of it is recorded;
+// the Apply came after the re-join, so the re-join did not end its wait) is sent to the
+// coordinator at once instead of waiting for a version no coordinator may run. Not before any
+// re-join, not for a version the rollout holds or whose abort is recorded, and not at or above a
+// version the new session ran here (every number the old coordinator used is below it).
+TEST_F(LocalWorkersTest, AfterAReJoinApplyOfAVersionUnknownHereAsksTheCoordinator) {
+  AddRollout("r0", pb::MODE_ASYNC);
+  const Key key{"m", "r0"};
+  EXPECT_TRUE(workers_->Commit("m", 1, {{"r0", Staging(1)}}, {}).empty());
+  auto asks = [&](uint64_t want) {
+    absl::StatusOr<LocalWorkers::Applicable> got = workers_->AwaitApplicable(key, want, clock_.Now(), true, /*ask_if_unknown_since_rejoin=*/true);
+    return got.ok() && got->ask_coordinator && got->unknown_since_rejoin;
+  };
+  auto waits = [&](uint64_t want) {  // waited locally (to its deadline: now)
+    return workers_->AwaitApplicable(key, want, clock_.Now(), true, /*ask_if_unknown_since_rejoin=*/true).status().code() ==
+           absl::StatusCode::kDeadlineExceeded;
+  };
+  EXPECT_TRUE(waits(2)) << "no re-join yet: the next version is awaited here";
+  workers_->NoteRejoin("the coordinator restarted (instance A -> B)");
+  EXPECT_TRUE(asks(2));
+  EXPECT_TRUE(asks(7));
+  // The second wait after the coordinator's answer does not ask again.
+  EXPECT_EQ(workers_->AwaitApplicable(key, 2, clock_.Now(), /*ask_on_catch_up_abort=*/true).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // Held: answered here.
+  absl::StatusOr<LocalWorkers::Applicable> one = workers_->AwaitApplicable(key, 1, clock_.Now(), true, true);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_FALSE(one->ask_coordinator);
+  EXPECT_EQ(one->version, 1u);
+  // Its abort recorded here (AbortVersion, or the re-join ended its execution): ABORTED here.
+  workers_->NoteAborted("m", 5, "a peer failed");
+  EXPECT_EQ(workers_->AwaitApplicable(key, 5, clock_.Now(), true, true).status().code(), absl::StatusCode::kAborted);
+  // The new session runs version 4 here: 4 and above are awaited here, below it still asked.
+  workers_->NoteSessionVersion("m", 4);
+  EXPECT_TRUE(waits(4));
+  EXPECT_TRUE(waits(6));
+  EXPECT_TRUE(asks(3));
+  EXPECT_TRUE(asks(2));
+  // Another re-join starts another session: asked again.
+  workers_->NoteRejoin("node n0 lost its lease at the coordinator and registered again");
+  EXPECT_TRUE(asks(6));
+}
+
+// A trainer's publish the coordinator answered (one-step-off / async) is what a re-join reports as
+// published (JoinWorkerRequest.published_version), for its registration only.
+TEST_F(LocalWorkersTest, ARejoinReportsTheTrainersLastRecordedPublish) {
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kTrainer;
+  w.mode = pb::MODE_ONE_STEP_OFF;
+  workers_->Add({"m", "t0"}, std::move(w), std::nullopt);
+  const uint64_t inc = workers_->Incarnation({"m", "t0"});
+  workers_->NotePublished({"m", "t0"}, 3, inc);
+  workers_->NotePublished({"m", "t0"}, 2, inc);  // (an older answer arriving late)
+  workers_->NotePublished({"m", "t0"}, 9, inc + 1);  // another registration's
+  std::vector<LocalWorkers::JoinInfo> joins = workers_->Joins();
+  ASSERT_EQ(joins.size(), 1u);
+  EXPECT_EQ(joins[0].published_version, 3u);
+}
+
 }  // namespace
 }  // namespace wb::daemon

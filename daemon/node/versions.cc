@@ -184,6 +184,10 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   }
   if ((*exec)->started) return absl::OkStatus();
   (*exec)->started = true;
+  // The session runs it here (a peer's ExchangeRegions may have created the exec first, but only
+  // the coordinator's call says this session runs the version): Apply(v) at or above it needs no
+  // question to the coordinator (LocalWorkers::AwaitApplicable).
+  if (!req.catch_up()) local_.NoteSessionVersion(req.model_id(), req.version());
   (*exec)->coordinator_instance = req.coordinator_instance();
   (*exec)->base_versions = {req.base_versions().begin(), req.base_versions().end()};
   (*exec)->bases_without_shadows = {req.bases_without_shadows().begin(), req.bases_without_shadows().end()};

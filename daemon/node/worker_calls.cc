@@ -150,6 +150,8 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   std::shared_ptr<StagingBudget::Charge> snap_charge;
   bool snapshot = false;
   bool sync = false;
+  // The registration this publish is for (NotePublished).
+  const uint64_t incarnation = local_.Incarnation({req.model_id(), req.worker_id()});
   {
     std::optional<LocalWorkers::View> it = local_.Get({req.model_id(), req.worker_id()});
     if (!it || !it->worker.has_layout) {
@@ -241,6 +243,9 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   // Sync: OK means every node committed it. Recorded before the trainer hears it: this node keeps
   // its own commit of the version over a re-join only when the coordinator said so.
   if (sync) versions_.NoteClusterCommitted(req.model_id(), req.version());
+  // Not sync: recorded there, never sent again - a re-join tells a restarted coordinator, which
+  // has no record of it, that the number is used (JoinWorkerRequest.published_version).
+  if (!sync) local_.NotePublished({req.model_id(), req.worker_id()}, req.version(), incarnation);
   if (resp->version() == 0) resp->set_version(req.version());  // (an OK found by CommittedThere)
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
   return absl::OkStatus();
@@ -315,7 +320,18 @@ absl::Status WorkerCalls::ApplyVersion(const pb::ApplyRequest& req, pb::ApplyRes
   const std::string& model = req.model_id();
   const std::string& wid = req.worker_id();
   const uint64_t incarnation = local_.Incarnation({model, wid});  // a copy is for this registration only
-  absl::StatusOr<LocalWorkers::Applicable> found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/true);
+  absl::StatusOr<LocalWorkers::Applicable> found =
+      local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/true, /*ask_if_unknown_since_rejoin=*/true);
+  if (found.ok() && found->unknown_since_rejoin) {
+    // A version unknown here since a re-join (status.md item 24): asked once, for the model - not
+    // for the worker: whether the number is used or the version committed is the model's, and a
+    // sync rollout's wait must not be recorded as its pause there (CoordinatorCore::WaitVersion).
+    // Its ABORTED (a used number) is the answer; after OK the node's own commit decides.
+    Log(LogLevel::kInfo, "Apply of a version unknown here since the re-join: asking the coordinator",
+        {{"node", options_.node_id}, {"model", model}, {"worker", wid}, {"version", req.version()}});
+    if (absl::Status s = AwaitCatchUp(model, /*worker=*/"", req.version(), deadline); !s.ok()) return s;
+    found = local_.AwaitApplicable({model, wid}, req.version(), deadline, /*ask_on_catch_up_abort=*/true);
+  }
   if (found.ok() && found->ask_coordinator) {
     // Once per call: after the coordinator's answer only the node's own commit (or an abort of
     // the version itself, a re-join, the deadline) ends the wait.

@@ -157,7 +157,11 @@ class WorkerCalls {
   absl::Status SameRegistration(const LocalWorkers::WorkerKey& key, uint64_t incarnation, const std::string& what) const;
   // Apply(v) of a rollout that does not hold v after a catch-up of v ended on this node: the
   // coordinator's WaitVersion(v, worker) decides - OK once another attempt caught it up (or it
-  // holds v there), ABORTED naming why when its catch-up failed for good.
+  // holds v there), ABORTED naming why when its catch-up failed for good. With `worker` empty:
+  // Apply(v) of a version this node knows nothing of since it re-joined
+  // (Applicable::unknown_since_rejoin) - OK once v is committed there (the node's own commit then
+  // ends the wait), ABORTED at once for a number the coordinator before the re-join used
+  // (JoinWorkerRequest.published_version), or for v aborted.
   absl::Status AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline);
   using Hold = ForwardHold;
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "base/shm_segment.h"
 #include "daemon/node/coordinator_access.h"
 #include "daemon/node/deadlines.h"
@@ -114,6 +115,7 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
     {
       absl::MutexLock l(&mu_);
       ++waits_;
+      wait_workers_.push_back(req.worker_id());
       answer = wait_answers.empty() ? absl::InternalError("no scripted answer") : wait_answers.front();
       if (!wait_answers.empty()) wait_answers.pop_front();
     }
@@ -123,6 +125,10 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   int waits() {
     absl::MutexLock l(&mu_);
     return waits_;
+  }
+  std::vector<std::string> wait_workers() {  // WaitVersionRequest.worker_id of each call
+    absl::MutexLock l(&mu_);
+    return wait_workers_;
   }
   // ReportReady: OK (committed_version 1), recorded as "paused@<session>" / "resumed@<session>".
   std::function<void()> on_ready;  // runs inside each ReportReady (before its answer)
@@ -203,6 +209,7 @@ class ScriptedCoordinator final : public CoordinatorAccess, public CoordinatorCl
   absl::Time back_at_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> publish_sessions_ ABSL_GUARDED_BY(mu_);
   int waits_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> wait_workers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> readies_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -685,6 +692,93 @@ TEST_F(HeldCallsTest, APublishWhoseDeadlinePassesWhileTheCoordinatorIsDownNamesT
     EXPECT_NE(s.message().find(want), std::string::npos) << want << " missing in: " << s;
   }
   EXPECT_EQ(coordinator_.publish_sessions(), (std::vector<uint64_t>{0}));
+}
+
+// status.md item 24 (e2e KillCoordinatorMidTransfer, once in a clean-clone run): a one-step-off
+// rollout's Apply(2) reaches its node only after the node re-joined a restarted coordinator, and
+// no execution of version 2 ever reached this node (its ExecuteVersion was not delivered before
+// the kill), so the re-join recorded no abort of it and ended no wait. The node asks the
+// coordinator (WaitVersion without the worker: the model's answer, no sync pause recorded), whose
+// ABORTED - the number is used, a trainer re-joined having published it - is the answer, at once.
+// Before, the Apply waited on the node until its deadline.
+class ApplyAfterRejoinTest : public PublishRestartTest {
+ protected:
+  ApplyAfterRejoinTest() {
+    LocalWorkers::Worker r;
+    r.model_id = "m";
+    r.role = planner::Role::kRollout;
+    r.mode = pb::MODE_ONE_STEP_OFF;
+    local_->Add({"m", "r0"}, std::move(r), std::nullopt);
+    versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");  // the re-join, before the Apply
+  }
+  // Apply(version) of r0 with a 10 s timeout on the fake clock. A call still waiting after 30 s of
+  // real time is moved past its deadline, so that a wait on the node fails the test (its error
+  // says so) instead of hanging it.
+  absl::Status Apply(uint64_t version, bool expect_local_wait = false) {
+    pb::ApplyRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("r0");
+    req.set_version(version);
+    req.set_timeout_ms(10000);
+    const absl::Time deadline = clock_.Now() + absl::Seconds(10);
+    absl::Status s = absl::UnknownError("not run");
+    absl::Notification done;
+    std::thread t([&] {
+      pb::ApplyResponse resp;
+      s = calls_->Apply(req, &resp);
+      done.Notify();
+    });
+    if (expect_local_wait) EXPECT_TRUE(clock_.AwaitWaiter(deadline, absl::Now() + absl::Seconds(30))) << "no wait on the node";
+    if (expect_local_wait || !done.WaitForNotificationWithTimeout(absl::Seconds(30))) clock_.Advance(absl::Seconds(11));
+    t.join();
+    return s;
+  }
+};
+
+TEST_F(ApplyAfterRejoinTest, AnApplyOfAVersionUnknownHereSinceTheReJoinIsAnsweredByTheCoordinator) {
+  coordinator_.wait_answers = {absl::AbortedError(
+      "wait for version 2: version 2 of model m is not committed and its number is used: trainer t0 on node n0 re-joined having "
+      "published version 2 to the coordinator before the coordinator restarted")};
+  absl::Status s = Apply(2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_NE(s.message().find("its number is used"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("coordinator restarted"), std::string::npos) << s;
+  EXPECT_EQ(coordinator_.wait_workers(), (std::vector<std::string>{""})) << "asked once, for the model";
+}
+
+// A version that is coming (the coordinator answers OK once it is committed there) is still awaited
+// on the node: the node's own commit, not the coordinator's answer, decides what is copied.
+TEST_F(ApplyAfterRejoinTest, AVersionTheCoordinatorCommitsIsAwaitedOnTheNode) {
+  coordinator_.wait_answers = {absl::OkStatus()};
+  absl::Status s = Apply(2, /*expect_local_wait=*/true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_NE(s.message().find("version 2 not committed on node n0 in time"), std::string::npos) << s;
+  EXPECT_EQ(coordinator_.waits(), 1);
+}
+
+// The trainer's side: a one-step-off publish the coordinator answered is what the node's re-join
+// reports as published (JoinWorkerRequest.published_version); a sync trainer's is not (its Publish
+// returns once the version is committed).
+TEST_F(PublishRestartTest, AnAnsweredOneStepOffPublishIsReportedAtTheReJoin) {
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kTrainer;
+  w.mode = pb::MODE_ONE_STEP_OFF;
+  w.has_layout = true;
+  local_->Add({"m", "t1"}, std::move(w), std::nullopt);
+  coordinator_.publish_answers = {absl::OkStatus(), absl::OkStatus()};
+  pb::PublishRequest req;
+  req.set_model_id("m");
+  req.set_worker_id("t1");
+  req.set_version(2);
+  req.set_timeout_ms(10000);
+  pb::PublishResponse resp;
+  absl::Status s = calls_->Publish(req, &resp);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(Publish(2).ok());  // the sync trainer t0
+  for (const LocalWorkers::JoinInfo& j : local_->Joins()) {
+    EXPECT_EQ(j.published_version, j.key.second == "t1" ? 2u : 0u) << j.key.second;
+  }
 }
 
 }  // namespace
