@@ -60,19 +60,22 @@ bool CoordinatorCore::SyncPauseLocked(const std::string& model_id, Model& m, abs
     return false;
   }
   SyncPauseBook& book = it != sync_pause_.end() ? it->second : sync_pause_[model_id];
-  if (book.waiting != *queued) {
+  // No rollout paused: keep waiting, until the trainers' publish deadline as before. Leaving every
+  // rollout out would leave nobody to receive the version (and no plan: it needs a rollout), and a
+  // whole fleet not paused is a long generation step, not one rollout holding the others back.
+  const std::vector<std::string> out =
+      RolloutsToLeaveOut(m.machine->rollouts(), [&](const std::string& r) { return m.machine->IsPaused(r); });
+  // Timed from the first pass at which some rollout IS paused, not from the version's full
+  // publication: after a generation step longer than the timeout, the first rollout to pause
+  // would otherwise leave out at once its peers a moment behind it (e2e_quant_test's w4a16
+  // rollouts, verifying 25 s per pass on a loaded machine, were left out one second late).
+  if (book.waiting != *queued || out.empty()) {
     book.waiting = *queued;
     book.since = now;
     return false;
   }
   const absl::Duration waited = now - book.since;
   if (waited < options_.sync_pause_timeout) return false;
-  // No rollout paused: keep waiting, until the trainers' publish deadline as before. Leaving every
-  // rollout out would leave nobody to receive the version (and no plan: it needs a rollout), and a
-  // whole fleet not paused is a long generation step, not one rollout holding the others back.
-  const std::vector<std::string> out =
-      RolloutsToLeaveOut(m.machine->rollouts(), [&](const std::string& r) { return m.machine->IsPaused(r); });
-  if (out.empty()) return false;
   const uint64_t v = *queued;
   const size_t paused = m.machine->rollouts().size() - out.size();
   DaemonMetrics& metrics = options_.metrics != nullptr ? *options_.metrics : Metrics();

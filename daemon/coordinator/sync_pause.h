@@ -4,8 +4,9 @@
 // hung engine, or any process on the worker socket that joined the model with memory of its own)
 // would hold every later version of the model until the trainers' publish deadline, and each of
 // them would then abort. CoordinatorOptions::sync_pause_timeout bounds that wait: once a
-// fully-published version waited that long and at least one rollout of the plan is paused, the
-// rollouts not paused are LEFT OUT - the model is planned again without them (the version never
+// fully-published version waited that long since some rollout of the plan paused (timed from the
+// first pause, so a fleet that all generated longer than the timeout is not cut at its first
+// pause), the rollouts not paused are LEFT OUT - the model is planned again without them (the version never
 // runs towards them, so nothing of it is ever written into their memory), and the version runs
 // for the paused ones. A left-out rollout stays out of every later plan until its next
 // BeginUpdate, which puts it back into the plan; it is then a late rollout like any other (its
@@ -36,7 +37,8 @@ struct LeftOutRollout {
 // Per model (CoordinatorCore::sync_pause_, under mu_).
 struct SyncPauseBook {
   // The queued version whose wait for pauses is being timed (0: none), and since when: the first
-  // driver pass that found it ready to start but for rollouts not paused.
+  // driver pass that found it ready to start but for rollouts not paused, with at least one
+  // rollout paused (a fleet all still generating is not timed).
   uint64_t waiting = 0;
   absl::Time since = absl::InfinitePast();
   std::map<std::string, LeftOutRollout> left_out;  // rollout id -> why
