@@ -8,6 +8,7 @@
 
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/multinode_fixture.h"
@@ -100,6 +101,10 @@ TEST_P(CatchUpTest, NewerVersionDuringCatchUpIsNotOvertaken) {
   const pb::Mode mode = GetParam();
   std::atomic<bool> armed{false};
   absl::Notification entered, release;
+  // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
+  // assertion returns early (TearDown came after them: a hook still called by an execution then
+  // locked a destroyed Notification, and the test hung until the test timeout).
+  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed.exchange(false)) return;
@@ -189,6 +194,10 @@ TEST_P(CatchUpTest, AVoidedAttemptDoesNotFailTheRolloutsApply) {
   std::atomic<bool> armed{false};
   std::atomic<int> entered{0};
   absl::Notification first, second, release_first, release_second;
+  // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
+  // assertion returns early (TearDown came after them: a hook still called by an execution then
+  // locked a destroyed Notification, and the test hung until the test timeout).
+  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed) return;
@@ -248,6 +257,10 @@ TEST_P(CatchUpTest, AFinalFailureIsToldToItsRolloutNotToLaterOnes) {
   const pb::Mode mode = GetParam();
   std::atomic<bool> armed{false};
   std::atomic<int> flips{0};
+  // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
+  // assertion returns early (TearDown came after them: a hook still called by an execution then
+  // locked a destroyed Notification, and the test hung until the test timeout).
+  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
   c_.StartCoordinator();
   c_.StartNode(0);
   c_.StartNode(1, nullptr, nullptr, [&](ServerOptions& o) {
@@ -300,6 +313,10 @@ TEST_P(CatchUpTest, ALateRolloutIsCaughtUpAfterACoordinatorRestart) {
   const pb::Mode mode = GetParam();
   std::atomic<bool> armed{false};
   absl::Notification entered, release;
+  // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
+  // assertion returns early (TearDown came after them: a hook still called by an execution then
+  // locked a destroyed Notification, and the test hung until the test timeout).
+  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed.exchange(false)) return;

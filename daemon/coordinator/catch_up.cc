@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +61,20 @@ void CatchUpDigestEvent(const CoordinatorOptions& o, const std::string& model_id
   const bool bad = absl::string_view(event) == "catch_up_digest_mismatch" || absl::string_view(event) == "catch_up_stale_source";
   Log(bad ? LogLevel::kError : LogLevel::kInfo, absl::StrReplaceAll(event, {{"_", " "}}),
       {{"model", model_id}, {"version", version}, {bad ? "error" : "ops", detail}});
+}
+
+// Why model m's running catch-up is void (a source or late rollout left, registered again or lost
+// its node), nullopt while every one of them is there. Under the core's mu_.
+std::optional<std::string> CatchUpMemberGone(const ModelRegistry::Model& m, const NodeTable& nodes) {
+  for (const auto* side : {&m.catch_up->sources, &m.catch_up->dests}) {
+    for (const auto& [id, serial] : *side) {
+      auto w = m.workers.find(id);
+      if (w == m.workers.end() || w->second.serial != serial || !nodes.IsAlive(w->second.node)) {
+        return absl::StrCat("worker ", id, " left or registered again during the catch-up");
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -260,6 +276,15 @@ absl::Status CoordinatorCore::CatchUpDoneLocked(const pb::ReportDoneRequest& req
     return absl::OkStatus();
   }
   if (!req.ok()) {
+    // A source or late rollout already gone here (its leave handled, the driver's pass that voids
+    // the attempt not yet run): the failure is most likely that departure seen by a node - a
+    // source's node no longer finds it -, so the attempt is void, not final, as the driver would
+    // have made it a moment later. Counted as final, the late rollouts were told the catch-up
+    // failed and waited for the next version (daemon catch_up_test, AVoidedAttempt..., under load).
+    if (std::optional<std::string> gone = CatchUpMemberGone(m, nodes_)) {
+      FailCatchUpLocked(req.model_id(), m, absl::StrCat(*gone, " (node ", req.node_id(), ": ", req.error(), ")"), false);
+      return absl::OkStatus();
+    }
     const std::string reason = absl::StrCat("node ", req.node_id(), ": ", req.error());
     // Sources of that node whose memory no longer holds the version (PlanSlice.certify): they serve
     // it no more; the next attempt, chosen again at once, takes it from the other holders (or tells
@@ -321,15 +346,7 @@ std::function<void()> CoordinatorCore::CatchUpWorkLocked(const std::string& mode
     }
     // A source or late rollout that left, registered again or lost its node: this attempt is
     // void (not final: the next pass chooses again from who is there).
-    for (const auto* side : {&c.sources, &c.dests}) {
-      for (const auto& [id, serial] : *side) {
-        auto w = m.workers.find(id);
-        if (w == m.workers.end() || w->second.serial != serial || !nodes_.IsAlive(w->second.node)) {
-          FailCatchUpLocked(model_id, m, absl::StrCat("worker ", id, " left or registered again during the catch-up"), false);
-          return nullptr;
-        }
-      }
-    }
+    if (std::optional<std::string> gone = CatchUpMemberGone(m, nodes_)) FailCatchUpLocked(model_id, m, *gone, false);
     return nullptr;
   }
   // Every node reported done: commit on all of them at once (sync: the late rollouts' nodes copy

@@ -135,6 +135,10 @@ absl::Status Versions::GatherVersionMemory(Exec& exec, VersionMemory& out) {
     }
     std::optional<LocalWorkers::View> w = local_.Get({exec.model_id, pw.worker_id()});
     if (!w || !w->worker.has_layout) {
+      // A catch-up source that left this node (its leave may still be on its way to the
+      // coordinator) serves the version no more: reported as such (before the channels go), the
+      // coordinator tries again from the other holders instead of ending the catch-up for good.
+      if (exec.catch_up) exec.stale_sources.push_back(pw.worker_id());
       return absl::FailedPreconditionError(absl::StrCat("trainer worker ", pw.worker_id(), " of model ", exec.model_id, " is gone from node ", me));
     }
     if (w->worker.buffers.size() < layout.buffers.size()) {
