@@ -106,8 +106,8 @@ ABSL_FLAG(int64_t, lease_ms, 3000, "a node missing heartbeats this long is lost"
 ABSL_FLAG(int64_t, transfer_timeout_ms, 60000, "a version not transferred in this time is aborted");
 ABSL_FLAG(int64_t, plan_deadline_s, 120, "coordinator: a plan still running after this many seconds is abandoned (DEADLINE_EXCEEDED naming the model; planned again when its layouts are submitted again); 0: no deadline");
 ABSL_FLAG(int64_t, sync_pause_timeout_ms, 30000,
-          "coordinator / standalone, sync models: a fully-published version waits at most this long for the rollouts of its "
-          "plan to pause (BeginUpdate); then, if at least one is paused, the others are left out of the plan (logged, "
+          "coordinator / standalone, sync models: once one rollout of a fully-published version's plan paused (BeginUpdate), "
+          "the version waits at most this long for the others to pause; then they are left out of the plan (logged, "
           "wb_versions_total{event=\"rollout_left_out\"}, shown in wbctl status) until their next BeginUpdate, which puts "
           "them back and catches them up. Keep it below the trainers' publish timeout (clients: 60 s). 0: wait as long as the "
           "trainers do");

@@ -80,8 +80,8 @@ struct CoordinatorOptions {
   // naming the model and the time; PlanCache::Options::plan_deadline; flag --plan_deadline_s).
   // <= 0: none.
   absl::Duration plan_deadline = kDefaultPlanDeadline;
-  // Sync: the longest a fully-published version waits for the rollouts of its plan to pause
-  // (BeginUpdate). Past it, with at least one rollout paused, the others are left out of the plan
+  // Sync: the longest a fully-published version waits, counted from the first pass at which one
+  // rollout of its plan is paused (BeginUpdate), for the others. Past it they are left out of the plan
   // and the version runs without them (sync_pause.h; flag --sync_pause_timeout_ms). Default 30 s:
   // half the clients' default publish timeout (60 s), so that the version still has time to run
   // before its trainers give up. <= 0: wait as long as the trainers do.
