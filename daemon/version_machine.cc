@@ -122,7 +122,7 @@ std::optional<uint64_t> VersionMachine::NewestQueued() const {
 }
 
 void VersionMachine::Start(uint64_t version, std::set<std::string> nodes, absl::Time now,
-                           absl::Duration timeout, uint64_t bytes_total) {
+                           absl::Duration timeout, uint64_t bytes_total, uint32_t num_ops) {
   VersionRecord& rec = records_[version];
   rec.version = version;
   rec.state = VState::kTransferring;
@@ -130,6 +130,7 @@ void VersionMachine::Start(uint64_t version, std::set<std::string> nodes, absl::
   rec.started = now;
   rec.deadline = now + timeout;
   rec.bytes_total = bytes_total;
+  rec.num_ops = num_ops;
   newest_started_ = std::max(newest_started_, version);
 }
 

@@ -44,6 +44,9 @@ struct VersionRecord {
   absl::Time deadline = absl::InfiniteFuture();
   absl::Time finished = absl::InfinitePast();
   uint64_t bytes_total = 0;
+  // Ops of the plan the version ran (set at Start): the model may be planned again while or after
+  // it runs (a sync rollout left out and back), so its status must not read the model's plan.
+  uint32_t num_ops = 0;
   std::string error;
 };
 
@@ -108,7 +111,7 @@ class VersionMachine {
   // The newest queued version, whether or not it may start (sync: rollouts not paused yet).
   std::optional<uint64_t> NewestQueued() const;
   void Start(uint64_t version, std::set<std::string> nodes, absl::Time now, absl::Duration timeout,
-             uint64_t bytes_total);
+             uint64_t bytes_total, uint32_t num_ops = 0);
   // A node finished its part. True when every node of the transfer is done (ready to commit).
   bool NodeDone(const std::string& node, uint64_t version);
   void Commit(uint64_t version, absl::Time now);

@@ -441,7 +441,8 @@ std::function<void()> CoordinatorCore::StartWorkLocked(const std::string& model_
   auto next = m.machine->NextToStart();
   if (!next) return nullptr;
   const uint64_t v = *next;
-  m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes);
+  m.machine->Start(v, m.plan.nodes, now, options_.transfer_timeout, m.plan.total_bytes,
+                   static_cast<uint32_t>(m.plan.plan->stats.num_ops));
   StartDigestsLocked(model_id, m, v);
   StartMagnitudesLocked(model_id, m, v);
   StatusChangedLocked();

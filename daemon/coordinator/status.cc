@@ -122,7 +122,9 @@ void CoordinatorCore::FillStatusLocked(const pb::StatusRequest& filter, pb::Stat
         vs->set_seconds(absl::ToDoubleSeconds(end - rec.started));
       }
       vs->set_error(rec.error);
-      vs->set_num_ops(static_cast<uint32_t>(plan.stats.num_ops));
+      // A started version: the plan it ran (the model's plan may have changed since, e.g. a sync
+      // rollout left out of it and back: issue H115); a queued one: the plan it would run now.
+      vs->set_num_ops(rec.started != absl::InfinitePast() ? rec.num_ops : static_cast<uint32_t>(plan.stats.num_ops));
       if (auto d = m.verdicts.find(v); d != m.verdicts.end()) {
         vs->set_verified(d->second.verified);
         vs->set_ops_verified(d->second.ops_verified);

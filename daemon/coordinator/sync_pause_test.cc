@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/coordinator/core.h"
 #include "daemon/coordinator/fake_node_client.h"
@@ -43,9 +44,29 @@ class PauseCluster {
     o.sync_pause_timeout = sync_pause_timeout;
     o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
       auto fake = std::make_shared<FakeNodeClient>(node);
+      fake->on_install = [this, node](const pb::PlanSlice& slice) {
+        if (slice.catch_up()) return absl::OkStatus();
+        absl::MutexLock l(&slices_mu_);
+        slices_[{node, slice.plan_epoch()}] = slice;
+        return absl::OkStatus();
+      };
       fake->on_execute = [this, node](const pb::ExecuteVersionRequest& req) {
         (req.catch_up() ? catch_ups : executes)[node == "n0" ? 0 : 1]++;
         pb::ReportDoneRequest done = testing::DoneReport(node, req);
+        if (!req.catch_up()) {
+          // The digests of every op of its slice, both ends alike (a clean transfer): the version
+          // is verified when every op of the plan it ran was reported.
+          absl::MutexLock l(&slices_mu_);
+          version_epoch_[req.version()] = req.plan_epoch();
+          if (auto it = slices_.find({node, req.plan_epoch()}); it != slices_.end()) {
+            for (const pb::TransferOp& op : it->second.ops()) {
+              for (pb::OpDigest* d : {done.add_source_digests(), done.add_landed_digests()}) {
+                d->set_op(op.index());
+                d->set_digest(op.index() + 1000);
+              }
+            }
+          }
+        }
         done.set_catch_up(req.catch_up());
         done.set_plan_epoch(req.plan_epoch());
         pb::ReportDoneResponse resp;
@@ -170,6 +191,28 @@ class PauseCluster {
     ADD_FAILURE() << "no status of " << id;
     return {};
   }
+  pb::VersionStatus Version(uint64_t v) {
+    pb::StatusResponse st;
+    EXPECT_TRUE(core->ClusterStatus(pb::StatusRequest(), &st).ok());
+    for (const pb::VersionStatus& vs : st.versions()) {
+      if (vs.version() == v) return vs;
+    }
+    ADD_FAILURE() << "no status of version " << v;
+    return {};
+  }
+  // Ops of the plan (its num_ops, from n0's slice) version `v` was executed on; 0 if none.
+  int64_t OpsOfPlanRun(uint64_t v) {
+    absl::MutexLock l(&slices_mu_);
+    auto e = version_epoch_.find(v);
+    if (e == version_epoch_.end()) return 0;
+    auto it = slices_.find({"n0", e->second});
+    return it == slices_.end() ? 0 : it->second.stats().num_ops();
+  }
+  int64_t ModelPlanOps() {
+    pb::StatusResponse st;
+    EXPECT_TRUE(core->ClusterStatus(pb::StatusRequest(), &st).ok());
+    return st.models_size() > 0 ? st.models(0).plan_stats().num_ops() : 0;
+  }
   uint64_t Committed() {
     pb::StatusResponse st;
     EXPECT_TRUE(core->ClusterStatus(pb::StatusRequest(), &st).ok());
@@ -183,6 +226,9 @@ class PauseCluster {
   FakeClock* clock_;
   std::map<std::string, uint64_t> incarnation_;
   std::map<std::string, std::string> node_of_;
+  absl::Mutex slices_mu_;
+  std::map<std::pair<std::string, uint64_t>, pb::PlanSlice> slices_ ABSL_GUARDED_BY(slices_mu_);  // by node, epoch
+  std::map<uint64_t, uint64_t> version_epoch_ ABSL_GUARDED_BY(slices_mu_);  // version -> plan epoch it ran on
   std::thread publisher_;
   std::shared_ptr<absl::Notification> publish_returned_;
   absl::Status published_;
@@ -244,6 +290,38 @@ TEST(SyncPauseTest, TimeoutLeavesOutTheRolloutNotPausedAndTheVersionCommits) {
   s = c.Published();
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(c.executes[1], 1) << "version 2 did not reach n1";
+}
+
+// Issue H115: version 1 ran on the plan without r1 (fewer ops); r1 then came back and the model
+// was planned again with it. Version 1's status still describes the plan it ran: its num_ops is that
+// plan's, and with every op's digests reported, all of them verified (it read the model's new plan,
+// so a verified version showed 1 of 2 ops verified and looked unproven).
+TEST(SyncPauseTest, AVersionRunWithoutALeftOutRolloutShowsThePlanItRan) {
+  FakeClock clock;
+  PauseCluster c(&clock, absl::Seconds(5));
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  const int64_t full_ops = c.ModelPlanOps();
+  ASSERT_TRUE(c.Ready("r0").ok());
+  c.StartPublish(1, 30000);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  ASSERT_TRUE(c.Advance(absl::Seconds(6)));
+  absl::Status s = c.Published();
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(c.Worker("r1").left_out());
+  const int64_t ran_ops = c.OpsOfPlanRun(1);
+  ASSERT_GT(ran_ops, 0);
+  ASSERT_LT(ran_ops, full_ops) << "the plan without r1 is not smaller: the test shows nothing";
+  // r1 pauses: back in the plan (planned again with it), caught up to version 1.
+  ASSERT_TRUE(c.Ready("r1").ok());
+  s = c.WaitAnswered("r1", 1);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(c.core->AwaitPlanInstalled("m", absl::Now() + kReal));
+  ASSERT_EQ(c.ModelPlanOps(), full_ops) << "the model was not planned again with r1";
+  const pb::VersionStatus v1 = c.Version(1);
+  EXPECT_EQ(v1.state(), "committed");
+  EXPECT_EQ(v1.num_ops(), static_cast<uint32_t>(ran_ops)) << "version 1's num_ops is not that of the plan it ran";
+  EXPECT_EQ(v1.ops_verified(), v1.num_ops());
+  EXPECT_TRUE(v1.verified());
 }
 
 // The race at the timeout: r1 pauses while the plan that leaves it out is being made. That plan
