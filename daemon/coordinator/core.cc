@@ -322,17 +322,14 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     // A version it holds from a catch-up (quantised bytes, no canonical shadows), as its node
     // remembers it: the mark the coordinator before the restart had (WorkerRec::holds_without_shadows).
     rec.holds_without_shadows = rec.holds > 0 && req.holds_without_shadows();
-    // Held above what is committed: a number used by a commit that was not cluster-wide. Never a
-    // catch-up source or destination (holds != committed), and never published again.
+    // Used numbers, above what is committed: one held (a commit that was not cluster-wide; never a
+    // catch-up source or destination, holds != committed) or a trainer's publish the old coordinator
+    // recorded (not sync; one whose answer was lost is re-sent, not counted): never published again.
     const uint64_t held = std::max(rec.holds, rec.restored_applied);
-    if (UsedByRejoin& used = used_by_rejoin_[req.model_id()]; held > model.machine->committed() && held > used.version) {
-      used = {held, req.worker_id(), req.node_id()};
-    }
-    // A trainer's publish the old coordinator recorded (not sync; a publish whose answer was lost
-    // is re-sent, not counted here): never sent again, so the number is used too.
     const uint64_t published = rec.role == planner::Role::kTrainer ? req.published_version() : 0;
-    if (UsedByRejoin& used = used_by_rejoin_[req.model_id()]; published > model.machine->committed() && published > used.version) {
-      used = {published, req.worker_id(), req.node_id(), /*published=*/true};
+    for (const auto& [n, is_publish] : {std::pair{held, false}, std::pair{published, true}}) {
+      UsedByRejoin& used = used_by_rejoin_[req.model_id()];
+      if (n > model.machine->committed() && n > used.version) used = {n, req.worker_id(), req.node_id(), is_publish};
     }
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
