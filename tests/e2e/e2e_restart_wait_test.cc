@@ -33,6 +33,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/cluster.h"
@@ -76,35 +77,52 @@ void ExpectV3CleanAndNodeLogged(Cluster& cl, Process* trainer, Process* rollout,
   }
 }
 
+// What the tests share: a coordinator and two node daemons; a sync run of v1..v3 with one Megatron
+// tp=1 trainer on n0 (started here) and one vLLM tp=1 rollout on n1 (started by each test, when its
+// case needs it); version v is published when the test opens its gate (publish-<v> in gate_dir).
+// Members in this order: the cluster stops before its harness goes.
+struct GatedSyncRun {
+  std::unique_ptr<Harness> h;
+  std::unique_ptr<Cluster> cl;
+  RunOptions run;
+  Process* trainer = nullptr;
+};
+
+absl::StatusOr<GatedSyncRun> StartGatedSyncRun(const std::string& tag, bool tolerate_failures) {
+  GatedSyncRun r;
+  ASSIGN_OR_RETURN(r.h, Harness::Create(tag));
+  ClusterOptions copts;
+  copts.num_nodes = 2;
+  ASSIGN_OR_RETURN(r.cl, Cluster::Start(r.h.get(), copts));
+  r.run.config = ModelConfigPath();
+  r.run.mode = "sync";
+  r.run.num_trainers = 1;
+  r.run.num_rollouts = 1;
+  r.run.versions = 3;
+  r.run.tolerate_failures = tolerate_failures;
+  r.run.timeout_ms = ScaledMs(60000);
+  r.run.gate_dir = r.h->Path("gates");
+  if (::mkdir(r.run.gate_dir.c_str(), 0700) != 0) return absl::InternalError("mkdir " + r.run.gate_dir);
+  ASSIGN_OR_RETURN(r.trainer, r.cl->SpawnWorker(r.run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0}));
+  return r;
+}
+
 // The coordinator goes away by kill -9 (true) or a graceful shutdown, SIGTERM (false).
 class RestartWaitTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestart) {
-  auto h = Harness::Create(GetParam() ? "restartwait9" : "restartwaitterm");
-  ASSERT_TRUE(h.ok()) << h.status();
-  ClusterOptions copts;
-  copts.num_nodes = 2;
-  auto c = Cluster::Start(h->get(), copts);
-  ASSERT_TRUE(c.ok()) << c.status();
-  Cluster& cl = **c;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.mode = "sync";
-  run.num_trainers = 1;
-  run.num_rollouts = 1;
-  run.versions = 3;
-  run.tolerate_failures = true;  // before the fix v2 fails for the rollout: the run goes on to say how
-  run.timeout_ms = ScaledMs(60000);
-  run.gate_dir = (*h)->Path("gates");
-  ASSERT_EQ(::mkdir(run.gate_dir.c_str(), 0700), 0);
-  auto trainer_or = cl.SpawnWorker(run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0});
-  ASSERT_TRUE(trainer_or.ok()) << trainer_or.status();
-  Process* trainer = *trainer_or;
+  // Failures tolerated: before the fix v2 fails for the rollout, and the run goes on to say how.
+  auto r = StartGatedSyncRun(GetParam() ? "restartwait9" : "restartwaitterm", /*tolerate_failures=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto& h = r->h;
+  Cluster& cl = *r->cl;
+  const RunOptions& run = r->run;
+  Process* trainer = r->trainer;
   auto rollout_or = cl.SpawnWorker(run, {false, 1, "vllm", 1, 1, 1, 1, 0, 0});
   ASSERT_TRUE(rollout_or.ok()) << rollout_or.status();
   Process* rollout = *rollout_or;
 
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-1")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-1")).ok());
   auto v1 = rollout->WaitForEvent("verified", 1, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(v1.ok()) << v1.status() << rollout->LogTail();
   // The rollout paused for v2 (its BeginUpdate is recorded) and calls WaitVersion(2) right after;
@@ -120,7 +138,7 @@ TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestar
     auto exited = cl.coordinator()->WaitExit(Scaled(absl::Seconds(30)));
     ASSERT_TRUE(exited.ok()) << exited.status() << cl.coordinator()->LogTail();
   }
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-2")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-2")).ok());
   ASSERT_TRUE(cl.RestartCoordinator().ok());
 
   // The rollout's WaitVersion(2) answered OK: v2 in its live weights, every byte checked.
@@ -139,7 +157,7 @@ TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestar
   EXPECT_TRUE(published.ok()) << published.status() << trainer->LogTail();
 
   // The run goes on: v3, clean exits, no mismatch, versions 1, 2, 3 applied one by one.
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
   // The path taken: n1 re-sent the pause and the wait.
   ExpectV3CleanAndNodeLogged(cl, trainer, rollout, {"paused rollout's pause re-sent at re-join"});
   EXPECT_TRUE(EventsNamed(trainer, "publish_failed").empty()) << trainer->LogTail();
@@ -150,46 +168,33 @@ TEST_P(RestartWaitTest, APausedRolloutsWaitGetsTheVersionAfterACoordinatorRestar
 // and v2 commits into the rollout. Before, the node answered UNAVAILABLE at once (chaos sync
 // 1002, coordinator kills only: 28-53 such failures per rollout per run, each retried).
 TEST(RestartBeginUpdateTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUntilItIsBack) {
-  auto h = Harness::Create("restartbegin");
-  ASSERT_TRUE(h.ok()) << h.status();
-  ClusterOptions copts;
-  copts.num_nodes = 2;
-  auto c = Cluster::Start(h->get(), copts);
-  ASSERT_TRUE(c.ok()) << c.status();
-  Cluster& cl = **c;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.mode = "sync";
-  run.num_trainers = 1;
-  run.num_rollouts = 1;
-  run.versions = 3;
-  run.tolerate_failures = true;  // before the fix BeginUpdate(2) fails: the run goes on to say how
-  run.timeout_ms = ScaledMs(60000);
-  run.gate_dir = (*h)->Path("gates");
-  ASSERT_EQ(::mkdir(run.gate_dir.c_str(), 0700), 0);
-  auto trainer_or = cl.SpawnWorker(run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0});
-  ASSERT_TRUE(trainer_or.ok()) << trainer_or.status();
-  Process* trainer = *trainer_or;
+  // Failures tolerated: before the fix BeginUpdate(2) fails, and the run goes on to say how.
+  auto r = StartGatedSyncRun("restartbegin", /*tolerate_failures=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto& h = r->h;
+  Cluster& cl = *r->cl;
+  const RunOptions& run = r->run;
+  Process* trainer = r->trainer;
   WorkerSpec rs{false, 1, "vllm", 1, 1, 1, 1, 0, 0};
   rs.extra_flags = {"--gate_dir=" + run.gate_dir};  // the rollout's BeginUpdate of v waits for begin-<v>
   auto rollout_or = cl.SpawnWorker(run, rs);
   ASSERT_TRUE(rollout_or.ok()) << rollout_or.status();
   Process* rollout = *rollout_or;
 
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-1")).ok());
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-1")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/begin-1")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-1")).ok());
   auto v1 = rollout->WaitForEvent("verified", 1, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(v1.ok()) << v1.status() << rollout->LogTail();
 
   ASSERT_TRUE(cl.KillCoordinator().ok());
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-2")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/begin-2")).ok());
   auto begun = rollout->WaitForEvent("begin_update", 2, Scaled(absl::Seconds(30)));
   ASSERT_TRUE(begun.ok()) << begun.status() << rollout->LogTail();
   // The outage: the coordinator is started again 1.5 s after the rollout's BeginUpdate(2) went out
   // (not a poll: how long it is away). n1 holds the call meanwhile (checked in its log below).
   absl::SleepFor(absl::Milliseconds(1500));
   ASSERT_TRUE(cl.RestartCoordinator().ok());
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-2")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-2")).ok());
 
   auto v2 = rollout->WaitForEvent("verified", 2, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(v2.ok()) << v2.status() << rollout->LogTail();
@@ -197,8 +202,8 @@ TEST(RestartBeginUpdateTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUnti
   for (const nlohmann::json& f : EventsNamed(rollout, "version_failed")) {
     ADD_FAILURE() << "the rollout was told a version failed: " << f.dump();
   }
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/begin-3")).ok());
-  ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/begin-3")).ok());
+  ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-3")).ok());
   // The path taken: n1 held the call (its ReportReady could not reach the coordinator) and sent it
   // again after its re-join.
   ExpectV3CleanAndNodeLogged(cl, trainer, rollout,
@@ -206,25 +211,12 @@ TEST(RestartBeginUpdateTest, ABeginUpdateSentWhileTheCoordinatorIsDownIsHeldUnti
 }
 
 TEST(RestartRegisterTest, ARolloutRegisteringWhileTheCoordinatorIsDownIsServedAfterItIsBack) {
-  auto h = Harness::Create("restartregister");
-  ASSERT_TRUE(h.ok()) << h.status();
-  ClusterOptions copts;
-  copts.num_nodes = 2;
-  auto c = Cluster::Start(h->get(), copts);
-  ASSERT_TRUE(c.ok()) << c.status();
-  Cluster& cl = **c;
-  RunOptions run;
-  run.config = ModelConfigPath();
-  run.mode = "sync";
-  run.num_trainers = 1;
-  run.num_rollouts = 1;
-  run.versions = 3;
-  run.timeout_ms = ScaledMs(60000);
-  run.gate_dir = (*h)->Path("gates");
-  ASSERT_EQ(::mkdir(run.gate_dir.c_str(), 0700), 0);
-  auto trainer_or = cl.SpawnWorker(run, {true, 0, "megatron", 1, 1, 1, 1, 0, 0});
-  ASSERT_TRUE(trainer_or.ok()) << trainer_or.status();
-  Process* trainer = *trainer_or;
+  auto r = StartGatedSyncRun("restartregister", /*tolerate_failures=*/false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto& h = r->h;
+  Cluster& cl = *r->cl;
+  const RunOptions& run = r->run;
+  Process* trainer = r->trainer;
   auto ready = trainer->WaitForEvent("ready", 0, Scaled(absl::Seconds(90)));
   ASSERT_TRUE(ready.ok()) << ready.status() << trainer->LogTail();
 
@@ -241,7 +233,7 @@ TEST(RestartRegisterTest, ARolloutRegisteringWhileTheCoordinatorIsDownIsServedAf
   auto rollout_ready = rollout->WaitForEvent("ready", 0, Scaled(absl::Seconds(60)));
   ASSERT_TRUE(rollout_ready.ok()) << rollout_ready.status() << rollout->LogTail() << cl.node(1)->LogTail();
 
-  for (int v = 1; v <= 3; ++v) ASSERT_TRUE((*h)->Touch(absl::StrCat(run.gate_dir, "/publish-", v)).ok());
+  for (int v = 1; v <= 3; ++v) ASSERT_TRUE(h->Touch(absl::StrCat(run.gate_dir, "/publish-", v)).ok());
   // The path taken: n1 held the registration (its JoinWorker could not reach the coordinator) and
   // sent it again after its re-join.
   ExpectV3CleanAndNodeLogged(cl, trainer, rollout,
