@@ -127,17 +127,8 @@ void NodeDaemon::TrackProgress(const std::string& model_id, uint64_t version, st
 }
 
 void NodeDaemon::CheckWorkers() {
-  const std::vector<LocalWorkers::WorkerKey> gone = local_.ReapExited();  // (model, worker), marked leaving
-  for (auto& [model, worker] : gone) {
-    pb::LeaveWorkerRequest r;
-    r.set_node_id(options_.node_id);
-    r.set_model_id(model);
-    r.set_worker_id(worker);
-    r.set_reason("its process exited");
-    pb::LeaveWorkerResponse rr;
-    client().LeaveWorker(r, &rr, absl::Seconds(7)).IgnoreError();  // the lease drops it otherwise
-    local_.LeaveDone({model, worker});
-  }
+  worker_calls_.LeaveExited();     // exited workers' leaves (owed when the coordinator does not answer)
+  worker_calls_.SendOwedLeaves();  // once it answers again
 }
 
 absl::Status NodeDaemon::Start(const std::string& node_address) {

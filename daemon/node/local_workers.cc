@@ -139,6 +139,7 @@ void LocalWorkers::Add(const WorkerKey& key, Worker w, std::optional<planner::In
   if (inventory) inventories_[key.first] = std::move(*inventory);
   w.incarnation = next_incarnation_++;
   workers_[key] = std::move(w);
+  owed_leaves_.erase(key);  // the join replaced the old registration at the coordinator
   live_.Forget(LiveKey(key.first, key.second));  // a new process: its memory, not the old one's
 }
 

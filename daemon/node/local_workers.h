@@ -238,7 +238,8 @@ class LocalWorkers {
   absl::Status BeginJoin(const WorkerKey& key, absl::Time deadline);
   void EndJoin(const WorkerKey& key);
   // The coordinator accepted the join: `w` replaces any entry of `key` (its live state too: a new
-  // process, its memory). `inventory` (the model's tensors from the join) is kept when set.
+  // process, its memory; and a leave owed for the id: the join replaced it there). `inventory`
+  // (the model's tensors from the join) is kept when set.
   void Add(const WorkerKey& key, Worker w, std::optional<planner::Inventory> inventory);
   // The worker's buffers are mapped and its layout submitted: NOT_FOUND when it left meanwhile.
   // Adopts TORN markers an earlier process left on the same memory (LiveState::Adopt). Returns the
@@ -289,8 +290,35 @@ class LocalWorkers {
   // and marked leaving until LeaveDone (a join of the same id waits for it).
   std::vector<WorkerKey> ReapExited();
   void LeaveDone(const WorkerKey& key);
-  // Re-join after a coordinator change: counts it (Apply waiters get ABORTED naming `reason`) and
-  // starts a new session (NoteSessionVersion).
+  // ---- owed leaves (daemon/node/local_workers_leaves.cc)
+  // A LeaveWorker that could not reach the coordinator (it stalls: no answer, or refused
+  // connections) is owed to it: re-sent once it answers again (WorkerCalls::SendOwedLeaves), so a
+  // coordinator that comes back as the same process does not keep the departed worker as a member
+  // (holding later versions that wait on it until their timeouts). A re-join drops them all
+  // (NoteRejoin): the node re-submits only the workers it has, so the membership is rebuilt
+  // without them. Bounded: at most kMaxOwedLeaves (4096, as the coordinator's owed aborts).
+  static constexpr size_t kMaxOwedLeaves = 4096;
+  enum class Owed {
+    kKept,        // owed: re-sent when the coordinator answers again
+    kSuperseded,  // the id is registered or joining here again: that join replaces it there
+    kFull,        // kMaxOwedLeaves are owed already: not kept
+  };
+  struct OwedLeave {
+    WorkerKey key;
+    std::string reason;  // LeaveWorkerRequest.reason
+  };
+  // The leave of `key` (ReapExited's, Deregister's, or a re-send TakeOwedLeaves handed out) did
+  // not reach the coordinator. Ends the id's leaving mark either way (a join of it no longer
+  // waits: a join that reaches the coordinator replaces the old registration there, and a
+  // successful one - Add - settles the debt).
+  Owed OweLeave(const WorkerKey& key, const std::string& reason);
+  // The owed leaves to send now, each marked leaving until LeaveDone / OweLeave (a join of the id
+  // waits for its leave, as for ReapExited's). Ids joining here now stay owed (not handed out).
+  std::vector<OwedLeave> TakeOwedLeaves();
+  size_t OwedLeaves() const;
+  // Re-join after a coordinator change: counts it (Apply waiters get ABORTED naming `reason`),
+  // starts a new session (NoteSessionVersion) and drops the owed leaves (called before the re-join
+  // takes its list of workers: a leave owed after that is of a worker it may have re-submitted).
   void NoteRejoin(const std::string& reason);
   // The coordinator session runs `version` of `model` on this node (an execution, not a catch-up):
   // the lowest such version since the last re-join bounds which Apply(v) ask the coordinator
@@ -433,6 +461,8 @@ class LocalWorkers {
   // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
   std::set<WorkerKey> leaving_ ABSL_GUARDED_BY(mu_);
   std::set<WorkerKey> joining_ ABSL_GUARDED_BY(mu_);
+  // Leaves the coordinator did not get (OweLeave): id -> LeaveWorkerRequest.reason.
+  std::map<WorkerKey, std::string> owed_leaves_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason
   // (model, committed version) -> why a catch-up attempt of it ended here (NoteCatchUpAborted).
   std::map<std::pair<std::string, uint64_t>, std::string> catch_up_aborted_ ABSL_GUARDED_BY(mu_);

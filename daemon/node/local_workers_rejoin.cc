@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "daemon/log.h"
+
 namespace wb::daemon {
 
 void LocalWorkers::NoteRejoin(const std::string& reason) {
@@ -12,6 +14,12 @@ void LocalWorkers::NoteRejoin(const std::string& reason) {
   restarts_ += 1;
   restart_reason_ = reason;
   session_first_.clear();
+  // The membership is rebuilt from the workers this node has (the re-join's list, taken after
+  // this): a departed worker's owed leave has nothing left to undo there.
+  if (!owed_leaves_.empty()) {
+    Log(LogLevel::kInfo, "owed leaves dropped at re-join", {{"node", options_.node_id}, {"owed", owed_leaves_.size()}, {"reason", reason}});
+  }
+  owed_leaves_.clear();
 }
 
 std::string LocalWorkers::restart_reason() const {

@@ -440,6 +440,7 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
   // the answer is not the new process's, which must be neither copied into nor resumed by it).
   const uint64_t incarnation = req.worker_id().empty() ? 0 : local_.Incarnation(key);
   absl::Status s = coordinator_.client().WaitVersion(req, resp, CallTimeout(options_.clock, deadline));
+  const absl::Time answered = options_.clock->Now();
   // A rollout's wait lost to a coordinator change: asked again of the new coordinator when its
   // re-join re-sent the rollout's pause (the re-sent version can start into it), else ABORTED
   // naming the change. Its OK then goes through the steps below like a first answer's.
@@ -482,10 +483,24 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
       ReportResumed(req.model_id(), req.worker_id(), deadline);
     }
   }
-  if (rollout && lost) return s;  // WaitAgainForRollout applied the restart rules
+  if (rollout && lost) return WaitUnreached(req, s, answered, deadline);  // WaitAgainForRollout applied the restart rules
   absl::Status out = RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
   if (absl::IsAborted(out) && !absl::IsAborted(s)) out = WaitAgainAfterRestart(req, resp, deadline, out);
-  return out;
+  return WaitUnreached(req, out, answered, deadline);
+}
+
+absl::Status WorkerCalls::WaitUnreached(const pb::WaitVersionRequest& req, const absl::Status& s, absl::Time answered,
+                                        absl::Time deadline) const {
+  // No answer by the deadline from a coordinator the node's heartbeats cannot reach either (it
+  // stalls), or refused connections (it is down) until then. Before, the transport's words
+  // ("failed to connect to all addresses") were the whole answer; now it says so as the held calls
+  // do - UNAVAILABLE (the version did not time out: the coordinator was away), naming it and since
+  // when. A wait the coordinator itself timed out (it answers: DEADLINE_EXCEEDED) is left alone.
+  const bool away = absl::IsUnavailable(s) || absl::IsCancelled(s) || (absl::IsDeadlineExceeded(s) && coordinator_.UnreachableSince().has_value());
+  if (!away || options_.clock->Now() < deadline) return s;
+  const std::string what = absl::StrCat("WaitVersion of version ", req.version(), req.worker_id().empty() ? "" : " by worker ", req.worker_id(),
+                                        " of model ", req.model_id(), " on node ", options_.node_id);
+  return CoordinatorDown(what, s, answered, "the version may still be committed there: wait for it again");
 }
 
 // Why asking again is right for a rollout whose pause was re-sent: the old coordinator counted it

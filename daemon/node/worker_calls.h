@@ -7,8 +7,9 @@
 //                           ClusterStatus, and the restart rules (RestartAware,
 //                           PublishAgainAfterRestart, ResendPause / WaitAgainForRollout).
 //   worker_calls_layout.cc  RegisterLayout (buffers, CUDA imports, index probes), DescribeLayout.
-//   worker_calls_held.cc    Deregister and the holding of forwarded calls while the node re-joins
-//                           or the coordinator is down (ForwardHeld, CoordinatorDown).
+//   worker_calls_held.cc    Deregister, leaves of exited workers and owed leaves (LeaveExited,
+//                           SendOwedLeaves), and the holding of forwarded calls while the node
+//                           re-joins or the coordinator is down (ForwardHeld, CoordinatorDown).
 //
 // Threads and locks: calls run on gRPC threads, any number at once. WorkerCalls has no lock of
 // its own: worker state is LocalWorkers' (own mutex), staging NodeStaging's (leaf locks), plans
@@ -123,6 +124,14 @@ class WorkerCalls {
   // (EndUpdate) meanwhile is then reported resumed. Best effort: a failure is logged (its wait is
   // then answered ABORTED, as before).
   void ResendPause(const LocalWorkers::WorkerKey& key);
+  // The node's liveness check (its control tick, NodeDaemon::CheckWorkers): each local worker whose
+  // process exited is removed here and its LeaveWorker sent once; a leave that finds the coordinator
+  // unreachable (no answer, refused) is owed (LocalWorkers::OweLeave).
+  void LeaveExited();
+  // Re-sends the owed leaves once the coordinator answers again (registered, its heartbeats
+  // answered: the same coordinator back from a stall - a re-join drops them instead); stops at the
+  // first that finds it unreachable again (the rest stay owed). Control tick, after LeaveExited.
+  void SendOwedLeaves();
 
  private:
   using Bytes = StagedBytes;
@@ -164,6 +173,8 @@ class WorkerCalls {
   // (JoinWorkerRequest.published_version), or for v aborted.
   absl::Status AwaitCatchUp(const std::string& model, const std::string& worker, uint64_t version, absl::Time deadline);
   using Hold = ForwardHold;
+  // One LeaveWorker of `key` for `reason`, answered within `timeout`.
+  absl::Status SendLeave(const LocalWorkers::WorkerKey& key, const std::string& reason, absl::Duration timeout);
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
   // held while the node (re-)registers and sent again once after a re-join that answered
   // NOT_FOUND (Hold). With Hold::call: an UNAVAILABLE / CANCELLED answer is held until the node
@@ -205,6 +216,11 @@ class WorkerCalls {
   absl::Status WaitAgainForRollout(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
                                    uint64_t incarnation, uint64_t session0, const absl::Status& lost);
   absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
+  // WaitVersion's answer `s` (its first coordinator answer came at `answered`): a coordinator that
+  // stayed away to the call's deadline - refused connections, or no answer while the node's
+  // heartbeats find it unreachable - becomes UNAVAILABLE naming it and since when (CoordinatorDown),
+  // as a held call's; anything else is returned as it is.
+  absl::Status WaitUnreached(const pb::WaitVersionRequest& req, const absl::Status& s, absl::Time answered, absl::Time deadline) const;
   // RestartAware's ABORTED for `what` after coordinator change `change`.
   absl::Status RestartAborted(const std::string& what, const std::string& change) const;
   // PERMISSION_DENIED naming worker, buffer and segment unless `seg` (as this node opened it) is

@@ -1,5 +1,6 @@
 // node::WorkerCalls, part three: forwarded calls held while the node (re-)joins its coordinator or
-// the coordinator is down (ForwardHeld, CoordinatorDown), and Deregister (see worker_calls.h).
+// the coordinator is down (ForwardHeld, CoordinatorDown), Deregister, the leaves of exited workers
+// and the owed leaves (see worker_calls.h).
 #include <algorithm>
 #include <optional>
 
@@ -86,32 +87,98 @@ absl::Status WorkerCalls::CoordinatorDown(const std::string& what, const absl::S
       ") and was not back within the call's timeout (held ", absl::FormatDuration(now - held_from), " for the node to re-join it); ", advice));
 }
 
-absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req, absl::Duration time_left) {
-  const absl::Time deadline = CallerDeadline(options_.clock, time_left);
-  // Removed here first: a re-join from now on does not re-send it, so a coordinator the node
-  // re-joins after this never hears of the worker.
-  local_.Remove({req.model_id(), req.worker_id()});
+namespace {
+
+// A leave the coordinator did not answer: no answer in time (it stalls), refused connections (it
+// is down), or its server shut down under the call. It may come back as the same process.
+bool Unanswered(const absl::Status& s) { return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsCancelled(s); }
+
+}  // namespace
+
+absl::Status WorkerCalls::SendLeave(const LocalWorkers::WorkerKey& key, const std::string& reason, absl::Duration timeout) {
   pb::LeaveWorkerRequest r;
   r.set_node_id(options_.node_id);
-  r.set_model_id(req.model_id());
-  r.set_worker_id(req.worker_id());
-  r.set_reason("deregistered");
+  r.set_model_id(key.first);
+  r.set_worker_id(key.second);
+  r.set_reason(reason);
   pb::LeaveWorkerResponse rr;
+  return coordinator_.client().LeaveWorker(r, &rr, timeout);
+}
+
+absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req, absl::Duration time_left) {
+  const absl::Time deadline = CallerDeadline(options_.clock, time_left);
+  const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
+  // Removed here first: a re-join from now on does not re-send it, so a coordinator the node
+  // re-joins after this never hears of the worker.
+  local_.Remove(key);
   const uint64_t session0 = coordinator_.session();
   uint64_t sent_in = 0;
   // Held while the coordinator is down (a worker leaving during a coordinator restart): a
   // LeaveWorker is harmless twice (a worker the coordinator does not have is no error there).
   absl::Status s = ForwardHeld(
       req.model_id(), req.worker_id(), deadline, &sent_in,
-      [&](absl::Time dl) { return coordinator_.client().LeaveWorker(r, &rr, std::min(absl::Seconds(5), CallTimeout(options_.clock, dl))); },
-      Hold{.call = "Deregister",
-           .hold_not_found = false,
-           .rejoined_worker = false,
-           .advice = "the worker is removed on this node, but the coordinator may still count it: call Deregister again"});
+      [&](absl::Time dl) { return SendLeave(key, "deregistered", std::min(absl::Seconds(5), CallTimeout(options_.clock, dl))); },
+      Hold{.call = "Deregister", .hold_not_found = false, .rejoined_worker = false, .advice = "the worker is removed on this node"});
   // Sent after a re-join: the restarted coordinator was not given the worker (removed here before
   // that re-join took its list), so its "unknown model" means nothing is left to leave.
   if (absl::IsNotFound(s) && sent_in != session0) return absl::OkStatus();
-  return s;
+  if (!Unanswered(s)) return s;
+  // Not answered by the deadline: the node owes the leave and sends it when the coordinator
+  // answers again (SendOwedLeaves). Before, the caller was told to call Deregister again, and a
+  // coordinator back from a stall kept the worker as a member until a re-join.
+  switch (local_.OweLeave(key, "deregistered")) {
+    case LocalWorkers::Owed::kKept:
+      return absl::Status(s.code(), absl::StrCat(s.message(), "; node ", options_.node_id,
+                                                 " owes the coordinator the worker's leave and sends it when the coordinator answers again (a "
+                                                 "re-join of the node rebuilds the membership without the worker instead): no need to call "
+                                                 "Deregister again"));
+    case LocalWorkers::Owed::kSuperseded:
+      return absl::Status(s.code(), absl::StrCat(s.message(), "; the worker registered again on node ", options_.node_id,
+                                                 " meanwhile, which replaces its old registration at the coordinator"));
+    case LocalWorkers::Owed::kFull:
+      break;
+  }
+  return absl::Status(s.code(), absl::StrCat(s.message(), "; the coordinator may still count it (node ", options_.node_id, " owes it ",
+                                             LocalWorkers::kMaxOwedLeaves, " leaves already): call Deregister again"));
+}
+
+void WorkerCalls::LeaveExited() {
+  for (const LocalWorkers::WorkerKey& key : local_.ReapExited()) {  // removed here, marked leaving
+    const std::string reason = "its process exited";
+    absl::Status s = SendLeave(key, reason, absl::Seconds(7));
+    if (Unanswered(s)) {
+      // Best effort once was all it got before: a coordinator back from a stall (the same process,
+      // no re-join) kept the worker as a member, holding later versions that waited for it.
+      const LocalWorkers::Owed owed = local_.OweLeave(key, reason);
+      Log(LogLevel::kWarning, "exited worker's leave owed: the coordinator did not answer",
+          {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}, {"error", s.message()},
+           {"kept", owed == LocalWorkers::Owed::kKept}});
+      continue;
+    }
+    if (!s.ok()) Log(LogLevel::kInfo, "exited worker's leave refused", {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}, {"error", s.message()}});
+    local_.LeaveDone(key);
+  }
+}
+
+void WorkerCalls::SendOwedLeaves() {
+  if (local_.OwedLeaves() == 0) return;
+  // Only once the coordinator answers again: the node's heartbeats got an answer since the outage
+  // and the node is registered, not re-joining (a re-join drops the owed leaves instead). Each try
+  // at a coordinator still away would hold the node's control thread for its timeout.
+  if (coordinator_.UnreachableSince().has_value() || !coordinator_.AwaitRegistered(options_.clock->Now())) return;
+  bool unanswered = false;
+  for (const LocalWorkers::OwedLeave& o : local_.TakeOwedLeaves()) {
+    absl::Status s = unanswered ? absl::UnavailableError("not sent") : SendLeave(o.key, o.reason, absl::Seconds(5));
+    if (Unanswered(s)) {
+      unanswered = true;  // away again: the rest stay owed, untried
+      local_.OweLeave(o.key, o.reason);
+      continue;
+    }
+    // NOT_FOUND: the coordinator does not have the worker (any more): nothing left to leave.
+    Log(LogLevel::kInfo, "owed leave sent",
+        {{"node", options_.node_id}, {"model", o.key.first}, {"worker", o.key.second}, {"answer", s.ok() ? std::string("OK") : std::string(s.message())}});
+    local_.LeaveDone(o.key);
+  }
 }
 
 }  // namespace wb::daemon::node
