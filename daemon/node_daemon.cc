@@ -121,6 +121,11 @@ std::optional<absl::Time> NodeDaemon::UnreachableSince() {
   return s != nullptr ? s->UnreachableSince() : std::nullopt;
 }
 
+std::string NodeDaemon::coordinator_instance() {
+  CoordinatorSession* s = session_.load();
+  return s != nullptr ? s->coordinator_instance() : std::string();
+}
+
 void NodeDaemon::TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) {
   CoordinatorSession* s = session_.load();
   if (s != nullptr) s->TrackProgress(model_id, version, std::move(bytes_done));

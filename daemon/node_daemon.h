@@ -165,6 +165,7 @@ class NodeDaemon final : private node::CoordinatorAccess {
   uint64_t session() override;
   std::optional<std::string> AwaitCoordinatorChange(uint64_t session0, absl::Time deadline) override;
   std::optional<absl::Time> UnreachableSince() override;
+  std::string coordinator_instance() override;
   void TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) override;
 
   // Checks local worker processes; tells the coordinator about the ones that exited.

@@ -31,6 +31,11 @@ class CoordinatorAccess {
   // CoordinatorSession::UnreachableSince: since when heartbeats find the coordinator unreachable
   // (named by a held worker call that gave up); nullopt while it answers, or unknown.
   virtual std::optional<absl::Time> UnreachableSince() { return std::nullopt; }
+  // CoordinatorSession::coordinator_instance: the instance of the coordinator the node registered
+  // with last (set before the re-join runs); empty while unknown (then nothing is checked against
+  // it). node::Versions refuses ExecuteVersion calls stamped with another instance: a coordinator
+  // that restarted since cannot run versions here any more (docs/daemon.md "Coordinator restart").
+  virtual std::string coordinator_instance() { return {}; }
   // Heartbeats report `bytes_done` of the version while it exists.
   virtual void TrackProgress(const std::string& model_id, uint64_t version, std::weak_ptr<const std::atomic<uint64_t>> bytes_done) = 0;
 };

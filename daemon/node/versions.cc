@@ -162,6 +162,25 @@ absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string&
   return exec;
 }
 
+absl::Status Versions::CheckCoordinatorInstanceLocked(const pb::ExecuteVersionRequest& req) {
+  // An empty instance on either side: a coordinator built before the field, or no registration
+  // yet - nothing to compare (as before).
+  const std::string current = coordinator_.coordinator_instance();
+  if (req.coordinator_instance().empty() || current.empty() || req.coordinator_instance() == current) return absl::OkStatus();
+  // The dead coordinator's call, late (a frozen node, or its handler scheduled after the
+  // re-join): its ReportDone would be ignored by instance, but the execution would still run,
+  // take staging, drop older snapshots, consume a re-join's run-again mark and count as run by
+  // the new session (LocalWorkers::NoteSessionVersion: an Apply(v) would then wait for it to fail
+  // instead of asking the new coordinator).
+  Log(LogLevel::kWarning, "stale ExecuteVersion refused",
+      {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"from_instance", req.coordinator_instance()},
+       {"instance", current}});
+  return absl::FailedPreconditionError(absl::StrCat(
+      "ExecuteVersion of model ", req.model_id(), " version ", req.version(), req.catch_up() ? " (catch-up)" : "", " refused on node ",
+      options_.node_id, ": it comes from coordinator instance ", req.coordinator_instance(), ", but the node is registered with coordinator instance ",
+      current, " (the coordinator restarted and the node re-joined the new one; only its calls run versions here)"));
+}
+
 absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   // Declared before the lock so finished executors are joined after it is released.
   std::vector<std::thread> finished;
@@ -171,6 +190,10 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   absl::MutexLock l(&mu_);
   if (stopping_) return absl::UnavailableError(absl::StrCat("node ", options_.node_id, " is shutting down"));
   finished = TakeFinishedExecThreadsLocked();
+  // First, before anything is dropped, created or recorded: a call of a coordinator this node has
+  // left for a restarted one (read under mu_, so a re-join's AbortAllForRejoin either aborts what
+  // this call starts or has already made this check see the new instance).
+  RETURN_IF_ERROR(CheckCoordinatorInstanceLocked(req));
   // Snapshots older than this version can never be sent any more (superseded, or aborted with the
   // abort still on its way here): dropped before this version's staging is charged to the node's
   // budget, which they would otherwise still hold.

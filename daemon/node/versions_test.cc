@@ -10,6 +10,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "base/clock.h"
 #include "daemon/metrics.h"
@@ -37,6 +38,9 @@ class NoCoordinator final : public CoordinatorAccess {
   uint64_t session() override { return 0; }
   std::optional<std::string> AwaitCoordinatorChange(uint64_t, absl::Time) override { return std::nullopt; }
   void TrackProgress(const std::string&, uint64_t, std::weak_ptr<const std::atomic<uint64_t>>) override {}
+  // The coordinator instance the node registered with last (set by the test, before the calls).
+  std::string coordinator_instance() override { return instance; }
+  std::string instance;
 
  private:
   UnstartedCoordinatorClient client_{"n0"};
@@ -468,6 +472,61 @@ TEST_F(VersionsTest, AVersionAbortedByAReJoinRunsAgainForTheNewCoordinator) {
   ASSERT_TRUE(versions_->AbortVersion(a).ok());
   absl::Status fourth = versions_->ExecuteVersion(e);
   EXPECT_EQ(fourth.code(), absl::StatusCode::kAborted) << fourth;
+}
+
+// Status.md items 20 / 24: an ExecuteVersion of the coordinator this node left for a restarted one
+// (a frozen node, or a handler scheduled after the re-join) is refused, naming both instances,
+// before anything is recorded: it does not count as run by the new session, so an Apply(v) of a
+// number below the new session's still asks the new coordinator instead of waiting for that
+// execution to fail; nor does it use up the run-again mark of a version the re-join aborted.
+// Before, it started an execution (its ReportDone ignored by instance) and NoteSessionVersion(3)
+// made Apply(3) wait on the node.
+TEST_F(VersionsTest, AnExecuteVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAndNotCountedAsRun) {
+  LocalWorkers::Worker r;
+  r.model_id = "m";
+  r.role = planner::Role::kRollout;
+  r.mode = pb::MODE_SYNC;
+  local_->Add({"m", "r0"}, std::move(r), std::nullopt);
+  coordinator_.instance = "A";
+  InstallPlan(pb::MODE_SYNC);
+  pb::ExecuteVersionRequest e;
+  e.set_model_id("m");
+  e.set_version(2);
+  e.set_plan_epoch(1);
+  e.set_timeout_ms(1000);
+  e.set_coordinator_instance("A");
+  ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
+  coordinator_.instance = "B";  // registered with the restarted coordinator, then the re-join:
+  (void)versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
+  InstallPlan(pb::MODE_SYNC);  // the new session's plan epoch 1
+  for (uint64_t v : {3, 2}) {  // one the old coordinator had not run here, and the one the re-join aborted
+    e.set_version(v);
+    absl::Status stale = versions_->ExecuteVersion(e);
+    EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
+    EXPECT_NE(stale.message().find(absl::StrCat("version ", v, " refused on node n0: it comes from coordinator instance A, but the node is "
+                                                "registered with coordinator instance B")),
+              std::string::npos)
+        << stale;
+  }
+  // Not counted as run by the new session: Apply(3) of the local rollout asks the coordinator.
+  absl::StatusOr<LocalWorkers::Applicable> a = local_->AwaitApplicable({"m", "r0"}, 3, clock_.Now(), /*ask_on_catch_up_abort=*/false,
+                                                                       /*ask_if_unknown_since_rejoin=*/true);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->unknown_since_rejoin);
+  EXPECT_TRUE(a->ask_coordinator);
+  // The new coordinator's ExecuteVersion of the version the re-join aborted runs (its mark is
+  // left), and from then on the node's own record decides Apply(3): it waits here.
+  e.set_coordinator_instance("B");
+  absl::Status fresh = versions_->ExecuteVersion(e);
+  EXPECT_TRUE(fresh.ok()) << fresh;
+  EXPECT_FALSE(local_->AbortReason("m", 2).has_value());
+  a = local_->AwaitApplicable({"m", "r0"}, 3, clock_.Now(), false, /*ask_if_unknown_since_rejoin=*/true);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kDeadlineExceeded) << a.status();
+  // A coordinator built before the field stamps nothing: accepted, as before.
+  e.set_version(4);
+  e.set_coordinator_instance("");
+  absl::Status old_peer = versions_->ExecuteVersion(e);
+  EXPECT_TRUE(old_peer.ok()) << old_peer;
 }
 
 }  // namespace
