@@ -10,9 +10,12 @@
 // the full path lands), every version is verified end to end. Without kept shadows (a node with
 // --delta_in_place=false, whose base would be r1's live weights, which hold no canonical bytes) the
 // coordinator plans those ops in full.
+#include <atomic>
 #include <cstring>
+#include <map>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/delta_quant_e2e_fixture.h"
@@ -199,6 +202,67 @@ TEST_P(DeltaReceiverQuantCatchUpTest, TheMarkOfACaughtUpReplicaSurvivesACoordina
   EXPECT_EQ(m2.fallbacks - m1.fallbacks, 0);
   EXPECT_GE(m2.replaced - m1.replaced, kCanonicalBytes) << "version 4: w's canonical bytes travel as deltas again";
 }
+
+class DeltaReceiverQuantAbortTest : public DeltaQuantFixture, public ::testing::WithParamInterface<pb::Mode> {
+ protected:
+  // Members, not the test's locals: the nodes' hooks may run until TearDown stops them.
+  std::atomic<bool> armed_{false};
+  std::atomic<int> flips_{0};
+};
+
+// Version 3 decodes in place into r1's base - the staging of version 2, the only copy of w's
+// canonical shadows on n1 - and is then aborted: after its buckets a byte of n in r1's staging
+// flips, which its end-to-end digest catches (n1 hashes after the buckets here). r1 still holds
+// version 2 (live weights, quantised pieces), its shadows are gone. Version 4's ops into them must
+// not travel as deltas against version 2 (the coordinator marks r1 at the abort): full from the
+// start, nothing refused (before, each was refused - no staging held the base - and resent in
+// full); n still travels as a delta; r1 exact and verified. Version 5 is all deltas again.
+TEST_P(DeltaReceiverQuantAbortTest, AVersionAbortedAfterDecodingInPlaceCostsTheNextVersionNoRefusal) {
+  const ReceiverCase rc = CaseNamed("fp8_block128_split");
+  Start(GetParam(), /*replicas=*/1, rc.format, rc.split_row, [this](ServerOptions& o) {
+    o.digest_overlap = false;  // the flip comes after the buckets
+    o.configure_node = [this](NodeDaemon::Options& no) {
+      no.test_after_buckets = [this](const std::string&, uint64_t v, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions) {
+        auto r = regions.find("r1.b0");
+        bool expected = true;
+        if (v != 3 || r == regions.end() || r->second.second <= geo_.norm_at || !armed_.compare_exchange_strong(expected, false)) return;
+        r->second.first[geo_.norm_at] ^= 0x01;  // n's first element
+        ++flips_;
+      };
+    };
+  });
+  ASSERT_FALSE(HasFatalFailure());
+  Versions(1, 2);
+  ASSERT_FALSE(HasFatalFailure());
+  armed_ = true;
+  for (const grpc::Status& s : c_.Publish("m", mode_, 3, {t0_, t1_}, rollouts_)) {
+    if (mode_ == pb::MODE_SYNC) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+    }
+  }
+  if (mode_ != pb::MODE_SYNC) {
+    pb::ApplyResponse resp;
+    grpc::Status a = c_.Apply(*r1_, "m", 3, &resp);
+    EXPECT_EQ(a.error_code(), grpc::StatusCode::ABORTED) << a.error_message();
+  }
+  ASSERT_EQ(flips_.load(), 1) << "the staging fault never fired";
+  EXPECT_EQ(FinalVersionStatus(c_, 3).state(), "aborted");
+  EXPECT_EQ(CountBadQuant(*r1_, geo_, ExpectedQuant(inv_, layout_, geo_, 2)), 0) << "r1 must still hold version 2";
+  const DeltaMeter m0 = Meter();
+  Version(4);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m1 = Meter();
+  EXPECT_EQ(m1.fallbacks - m0.fallbacks, 0) << "the aborted version tore r1's shadows of version 2: nothing may be sent against them";
+  EXPECT_GT(m1.replaced - m0.replaced, 0) << "n still travels as a delta";
+  Version(5);
+  ASSERT_FALSE(HasFatalFailure());
+  const DeltaMeter m2 = Meter();
+  EXPECT_EQ(m2.fallbacks - m1.fallbacks, 0);
+  EXPECT_GE(m2.replaced - m1.replaced, kCanonicalBytes) << "version 5: w's canonical bytes travel as deltas again";
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DeltaReceiverQuantAbortTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
+                         [](const ::testing::TestParamInfo<pb::Mode>& i) { return pb::Mode_Name(i.param); });
 
 INSTANTIATE_TEST_SUITE_P(Modes, DeltaReceiverQuantCatchUpTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF, pb::MODE_ASYNC),
                          [](const ::testing::TestParamInfo<pb::Mode>& i) { return pb::Mode_Name(i.param); });

@@ -88,6 +88,36 @@ void CoordinatorCore::AbortLocked(const std::string& model_id, Model& m, uint64_
   const VersionRecord* rec = m.machine->Find(version);
   if (rec && (rec->state == VState::kCommitted || rec->state == VState::kAborted)) return;
   if (m.committing == version) return;  // commit already decided
+  // Deltas (docs/daemon.md "Deltas", "After an abort"): a node that decodes in place took each
+  // rollout's base - the staging of the version the rollout holds, the only copy of its canonical
+  // shadows - as this version's incoming staging, and what landed there is now neither version.
+  // The rollout still holds its version (live weights, quantised pieces), but not those shadows: the
+  // next version's deltas into them would be refused and resent in full. Marked as a catch-up's
+  // rollout is (no base for the ops into its shadows; its other ops keep theirs) for every rollout
+  // this version named a base for on such a node, whether or not the node got to take it: its
+  // abort answer would come too late, as the next version may already be made (one waiting in
+  // async, or started in the same driver pass as a timeout). Only when every node of the plan
+  // reads the mark: otherwise it would cost the rollout every base (StartWorkLocked), more than
+  // the one refusal it saves.
+  if (rec && rec->state == VState::kTransferring) {
+    const bool all_read_without_shadows = std::all_of(m.plan.nodes.begin(), m.plan.nodes.end(), [&](const std::string& n) {
+      const NodeTable::Node* node = nodes_.Find(n);
+      return node != nullptr && node->understands_bases_without_shadows;
+    });
+    for (const std::string& w : m.plan.worker_ids) {
+      auto wr = m.workers.find(w);
+      if (!all_read_without_shadows || wr == m.workers.end()) continue;
+      WorkerRec& r = wr->second;
+      const NodeTable::Node* node = nodes_.Find(r.node);
+      if (r.role != planner::Role::kRollout || r.holds == 0 || r.serial != m.plan.serials[w] || r.holds_without_shadows ||
+          node == nullptr || !node->delta_in_place) {
+        continue;
+      }
+      r.holds_without_shadows = true;
+      Log(LogLevel::kInfo, "delta base may be torn by the abort",
+          {{"model", model_id}, {"version", version}, {"worker", w}, {"holds", r.holds}, {"node", r.node}});
+    }
+  }
   const std::vector<std::string> waiting = PausedPastLocked(m, version);
   m.machine->Abort(version, reason, options_.clock->Now());
   m.progress.erase(version);
