@@ -68,6 +68,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (has_node) {
     NodeDaemon::Options no;
     no.node_id = o.node_id;
+    // Named by the node's worker calls that give up on an unreachable coordinator (WorkerCalls
+    // copies it at construction: set_coordinator below came too late, and they said "(unknown
+    // address)"). A standalone's own address is known only once its server listens.
+    if (o.role != DaemonRole::kStandalone) no.coordinator = o.coordinator;
     no.data_listen = o.data_listen;
     no.clock = o.clock;
     no.heartbeat = o.heartbeat;
