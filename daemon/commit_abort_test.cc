@@ -75,6 +75,7 @@ TEST(CommitAbortTest, AnAbortDuringTheSyncCommitsLiveCopyIsSeenByTheCommit) {
   Cluster c;
   absl::Notification entered, release;
   std::atomic<bool> armed{true};
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [&](const std::string& label) {
                                                          if (label == "commit r0 v2" && armed.exchange(false)) {
                                                            entered.Notify();
@@ -181,6 +182,7 @@ TEST(CommitAbortTest, AFailedSyncCommitWhoseAbortWasLostIsNotRestoredAfterACoord
   Cluster c;
   absl::Notification entered, release;
   std::atomic<bool> armed{true};
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.mode = pb::MODE_SYNC, .n0_live_copy_fault = [&](const std::string& label) {
                                                          if (label != "commit r0 v2" || !armed.exchange(false)) return absl::OkStatus();
                                                          entered.Notify();
@@ -276,6 +278,7 @@ TEST(CommitAbortTest, AResumedRolloutDropsItsCopyOfAFailedSyncCommit) {
   auto faults = std::make_shared<std::atomic<int>>(1);
   absl::Notification entered, release;
   std::atomic<bool> armed{false};
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   TwoNodeSetup setup{.mode = pb::MODE_SYNC, .n0_live_copy_fault = [faults](const std::string& l) {
                        return l == "commit r0 v2" && faults->fetch_sub(1) > 0 ? absl::UnavailableError("injected transport failure")
                                                                               : absl::OkStatus();
@@ -325,6 +328,7 @@ TEST(CommitAbortTest, AVersionRolledBackOnTheTrainersNodeAtItsReJoinRunsAgain) {
   Cluster c;
   absl::Notification entered, release;
   std::atomic<bool> armed{true};
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   c.StartCoordinator();
   c.StartNode(0);
   c.StartNode(1, nullptr, nullptr, [&](ServerOptions& o) {

@@ -40,6 +40,7 @@ TEST(HostileMemoryTest, WorkerTruncatingItsSegmentFailsOnlyThatWorker) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
   std::string r0_segment;
+  const StopAtExit stop(c);  // the nodes stop before r0_segment, which the hook reads, goes
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n0_live_copy_fault = [&](const std::string& label) {
     if (label == "apply r0 v2") {
       EXPECT_TRUE(TruncateSegment(r0_segment).ok());

@@ -36,6 +36,10 @@ struct Freeze {
     frozen = false;
     release.Notify();
   }
+  // Thaw unless thawed (a StopAtExit's release; only the test's thread thaws).
+  void ThawOnce() {
+    if (!release.HasBeenNotified()) Thaw();
+  }
 };
 
 // The lease tests' model: one-step-off, WeightBridge plans.
@@ -88,6 +92,7 @@ TEST(FaultTest, LeaseExpiresMidTransferAbortsAndKeepsPrevious) {
   Cluster c;
   c.StartCoordinator(absl::Milliseconds(600));
   Freeze n1;
+  const StopAtExit stop(c, [&] { n1.ThawOnce(); });  // the nodes stop before the hooks' locals go
   c.StartNode(0);
   // The hook runs before every bucket and freezes only the first (bucket 0 of version 2). After
   // the thaw the executor may well reach bucket 1 of the aborted version: its bucket-0 posts go
@@ -179,6 +184,12 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
   c.StartCoordinator(absl::Milliseconds(600));
   std::atomic<bool> disconnect_armed{false};
   absl::Notification gate;
+  Freeze n1;
+  absl::Notification later_bucket;
+  const StopAtExit stop(c, [&] {  // the nodes stop before the locals of the hooks and the transport go
+    NotifyOnce(gate);
+    n1.ThawOnce();
+  });
   c.StartNode(0, nullptr, nullptr, [&](ServerOptions& o) {
     o.make_transports = [&] {
       return HostTransportsWrappingTcp([&](transport::TransportSet tcp) -> std::unique_ptr<transport::Transport> {
@@ -186,8 +197,6 @@ TEST(FaultTest, ThawedNodeRunsOnIntoItsAbortedVersionHarmlessly) {
       });
     };
   });
-  Freeze n1;
-  absl::Notification later_bucket;
   c.StartNode(1, [&](const std::string&, uint64_t version, uint32_t bucket) {
     if (version != 2) return;
     if (n1.entered.HasBeenNotified()) {  // the executor's thread only: no race with the first call
@@ -226,6 +235,7 @@ TEST(FaultTest, CoordinatorRestartRebuildsStateFromNodes) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
   absl::Notification entered, release;
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n0_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 2 || entered.HasBeenNotified()) return;  // hold bucket 0 only (the hook runs per bucket)
     entered.Notify();
@@ -298,6 +308,7 @@ TEST(FaultTest, StaleReportDoneFromBeforeRestartIsIgnored) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
   absl::Notification entered, release;
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n0_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || entered.HasBeenNotified()) return;  // hold the first batch of version 1
     entered.Notify();

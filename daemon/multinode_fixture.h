@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/server.h"
 #include "planner/inventory.h"
@@ -56,7 +57,8 @@ class Cluster {
 
   void StartCoordinator(absl::Duration lease = absl::Seconds(3), const std::string& listen = "127.0.0.1:0",
                         const std::function<void(ServerOptions&)>& configure = nullptr);
-  // Node "n<n>": `hook` is its test_before_bucket, `skip_heartbeat` its test_skip_heartbeat.
+  // Node "n<n>": `hook` is its test_before_bucket, `skip_heartbeat` its test_skip_heartbeat. Hooks
+  // (these, and those `configure` installs) that capture a test's locals need a StopAtExit.
   void StartNode(int n, BucketHook hook = nullptr, std::function<bool()> skip_heartbeat = nullptr,
                  std::function<void(ServerOptions&)> configure = nullptr);
   void Stop();
@@ -99,6 +101,34 @@ class Cluster {
   std::vector<std::unique_ptr<TestWorker>> workers_;
 };
 
+// Stops `c` when it goes out of scope, after `release` (when given) let go of what the test's
+// hooks hold (so the stop need not wait for their own timeouts). Node hooks that capture a test's
+// locals must not run once those are gone, also when an ASSERT returns early: TearDown (or a local
+// Cluster declared before them) stops the nodes only after the locals died, and a hook still called
+// by an execution then waited on a destroyed Notification and hung the test to its timeout.
+// Declare it right after the last local a hook (or `release`) uses, before installing the hooks:
+// it is destroyed first. Stop may run again afterwards (the test's own Stop, TearDown).
+class StopAtExit {
+ public:
+  explicit StopAtExit(Cluster& c, std::function<void()> release = nullptr) : c_(c), release_(std::move(release)) {}
+  ~StopAtExit() {
+    if (release_) release_();
+    c_.Stop();
+  }
+  StopAtExit(const StopAtExit&) = delete;
+  StopAtExit& operator=(const StopAtExit&) = delete;
+
+ private:
+  Cluster& c_;
+  std::function<void()> release_;
+};
+
+// Notifies `n` unless it was notified already (absl::Notification aborts on a second Notify): for a
+// StopAtExit's release of a notification only the test's own thread notifies.
+inline void NotifyOnce(absl::Notification& n) {
+  if (!n.HasBeenNotified()) n.Notify();
+}
+
 // ------------------------------------------------------------------ explicit pieces, 2 tensors
 struct PieceDef { int tensor; std::vector<int64_t> begin, end; bool transposed; };
 
@@ -123,6 +153,7 @@ TwoNodeWorkers AddTwoNodeWorkers(Cluster& c, const planner::Inventory& inv);
 // as its NodeDaemon::Options::test_live_copy_fault and `n0_before_bucket` when given) and n1 (with
 // `n1_before_bucket`), the
 // TwoNodeWorkers cast registered for SmallSpec(mode, weightbridge). Check HasFatalFailure() after.
+// Hooks that capture the test's locals need a StopAtExit.
 struct TwoNodeSetup {
   pb::Mode mode = pb::MODE_ONE_STEP_OFF;
   std::function<absl::Status(const std::string& label)> n0_live_copy_fault;

@@ -90,6 +90,7 @@ TEST_P(ReregisterTest, TheSameRegistrationFromTheSameProcessChangesNothing) {
   const pb::ModelSpec spec = SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE);
   std::atomic<bool> armed{false};
   absl::Notification entered, release;
+  const StopAtExit stop(c_, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go, not in TearDown
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 2 || !armed.exchange(false)) return;

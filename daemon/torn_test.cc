@@ -166,6 +166,7 @@ TEST(TornTest, CommitOfAVersionNotFullyLandedIsRefused) {
   planner::Inventory inv = SmallInventory();
   Cluster c;
   absl::Notification entered, release;
+  const StopAtExit stop(c, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go
   auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t bucket) {
     if (version != 2 || bucket != 0) return;
     entered.Notify();

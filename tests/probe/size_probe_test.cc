@@ -51,6 +51,7 @@ class SizeProbeTest : public ::testing::Test {
 TEST_F(SizeProbeTest, ATenMegabyteReportDoneErrorIsCutWhereItEnters) {
   std::atomic<bool> armed{true};
   absl::Notification entered, release;
+  const StopAtExit stop(c_, [&] { NotifyOnce(release); });  // the nodes stop before the hook's locals go, not in TearDown
   TwoNodeSetup setup{pb::MODE_ONE_STEP_OFF};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed.exchange(false)) return;
