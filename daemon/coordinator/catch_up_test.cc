@@ -100,6 +100,8 @@ class FakeCluster {
   explicit FakeCluster(const std::set<std::string>& old_nodes = {}, const std::set<std::string>& in_place_nodes = {}) {
     CoordinatorOptions o;
     o.transfer_timeout = absl::Milliseconds(600);
+    // A restart's re-join window well inside the fake nodes' lease (3 s: they never heartbeat).
+    o.rejoin_window = absl::Seconds(1);
     o.make_node_client = [this](const std::string& node, const std::string&) -> std::shared_ptr<NodeClient> {
       auto fake = std::make_shared<FakeNodeClient>(node);
       {
@@ -301,8 +303,9 @@ TEST(CatchUpDriverTest, ARejoinedRolloutHoldsWhatItSaysNotWhatItsNodeCommitted) 
 // at record) to a coordinator that died before committing it anywhere; the trainer never publishes
 // it again. The restarted coordinator learns the number from the trainer's re-join
 // (published_version) and counts it used: a wait for it (a rollout node's Apply(2) asking, without
-// the worker) is ABORTED at once naming the restart, a re-sent publish of it too, and version 3
-// runs. Before, the wait lasted until its deadline: no coordinator ever runs version 2.
+// the worker) is ABORTED naming the restart once the re-join window closed (rejoin_window.cc; 1 s
+// here), a re-sent publish of it too, and version 3 runs. Before, the wait lasted until its
+// deadline: no coordinator ever runs version 2.
 TEST(CatchUpDriverTest, AVersionATrainerPublishedBeforeTheRestartIsAbortedNotAwaited) {
   FakeCluster c;
   c.Join("n0", "t0", pb::ROLE_TRAINER, FakeCluster::Rejoin{1, 0, 0, false, /*published=*/2});

@@ -38,6 +38,7 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
       // the plan deadline.
       plan_cache_(PlanCache::Options{.plan_deadline = options_.plan_deadline, .cancelled = &PlanQueue::CurrentJobCancelled}),
       instance_(NewInstanceId()),
+      rejoin_window_end_(options_.clock->Now() + options_.rejoin_window.value_or(options_.lease)),
       // After each call: the lane's model or node may have its next step waiting (a commit or an
       // owed try is collected only while its lane is idle).
       lanes_(RpcLanes::Options{.threads = 16, .on_idle = [this] {
@@ -491,8 +492,9 @@ absl::Status CoordinatorCore::Publish(const pb::CoordPublishRequest& req, pb::Pu
                                             " with a layout at this coordinator (node ", EchoValue(req.node_id()), " not re-joined yet?)"));
   }
   RETURN_IF_ERROR(WorkerOnNode(*m, worker, req.node_id()));
-  // A number a re-joined rollout holds without a cluster-wide commit: never named again (other
-  // bytes under it would pass for what that rollout holds).
+  // A number a re-joined rollout holds without a cluster-wide commit: never named again (other bytes
+  // under it would pass for what that rollout holds) once no re-joining node may restore its commit.
+  if (UsedUncommittedLocked(req.model_id(), *m, v, "")) (void)AwaitRejoinWindowLocked(req.model_id(), *m, v, deadline);
   if (std::optional<absl::Status> used = UsedUncommittedLocked(req.model_id(), *m, v, absl::StrCat("publish by ", worker))) return *used;
   // Staleness bound (async): hold the trainer while a rollout is too far behind.
   auto admissible = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || m->machine->PublishAdmissible(v); };
@@ -669,17 +671,20 @@ absl::Status CoordinatorCore::WaitVersion(const pb::WaitVersionRequest& req, pb:
     if (it != w->second.waits.end()) w->second.waits.erase(it);
   };
   const std::string what = absl::StrCat("wait for version ", v);
-  // (A used number held by a re-joined rollout without a cluster-wide commit ends the wait: it is
-  // never published again, so only a newer commit could have answered it.)
+  // (A used number held by a re-joined rollout without a cluster-wide commit ends the wait - it is
+  // never published again - once no node still re-joining may restore its commit.)
   auto done = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stopping_ || m->machine->Outcome(v).has_value() || UsedUncommittedLocked(req.model_id(), *m, v, what).has_value();
   };
-  if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat("version ", v, " of model ", req.model_id(),
-                                                    " not committed in time (committed: ", m->machine->committed(), ")"));
-  }
-  if (stopping_) return absl::UnavailableError("coordinator shutting down");
-  const std::optional<absl::Status> outcome = m->machine->Outcome(v);
+  std::optional<absl::Status> outcome;
+  do {
+    if (!options_.clock->WaitUntil(&mu_, absl::Condition(&done), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("version ", v, " of model ", req.model_id(),
+                                                      " not committed in time (committed: ", m->machine->committed(), ")"));
+    }
+    if (stopping_) return absl::UnavailableError("coordinator shutting down");
+    outcome = m->machine->Outcome(v);
+  } while (!outcome.has_value() && AwaitRejoinWindowLocked(req.model_id(), *m, v, deadline));
   if (!outcome.has_value()) return *UsedUncommittedLocked(req.model_id(), *m, v, what);
   RETURN_IF_ERROR(*outcome);
   // A late rollout (registered or restarted after the version was committed) is told only once

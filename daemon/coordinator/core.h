@@ -73,6 +73,10 @@ class DaemonMetrics;  // daemon/metrics.h
 struct CoordinatorOptions {
   Clock* clock = Clock::Real();
   absl::Duration lease = absl::Seconds(3);
+  // After a restart, how long from its start the coordinator waits for nodes still re-joining
+  // before it answers a used number ABORTED (AwaitRejoinWindowLocked); unset: one lease, within
+  // which every node alive at the restart has heard of it. Tests set it apart from other timers.
+  std::optional<absl::Duration> rejoin_window;
   absl::Duration transfer_timeout = absl::Seconds(60);
   absl::Duration tick = absl::Milliseconds(20);  // driver wake-up cap
   PlanFn make_plan;  // empty = planner::MakePlanWithOptions, cancellable (plan_cache.h); tests inject one
@@ -277,6 +281,13 @@ class CoordinatorCore {
   // version first); nullopt otherwise.
   std::optional<absl::Status> UsedUncommittedLocked(const std::string& model_id, const Model& m, uint64_t v, const std::string& what) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Such a number may still turn out committed: the first plan after a restart needs only the
+  // spec's rollouts, so a node outside it (a rollout beyond num_rollout_workers) that was told `v`
+  // committed may re-join after it and restore the commit. Until rejoin_window_end_ (and at most
+  // `deadline`) this waits for that: returns false at once when that time has passed, else true
+  // once `v` has an outcome or is used no more, the coordinator stops, or that time comes
+  // (rejoin_window.cc; docs/daemon.md "Coordinator restart").
+  bool AwaitRejoinWindowLocked(const std::string& model_id, const Model& m, uint64_t v, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The model's membership changed (a layout, a worker gone): re-plan. A plan of it being made now
   // is stale: cancelled at once, and the newer plan queued (see core.cc).
   void MarkPlanDirtyLocked(Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -437,6 +448,7 @@ class CoordinatorCore {
   mutable std::atomic<int64_t> status_warned_at_s_{0};  // FitStatus's last warning (unix seconds)
   // Random per process: nodes that see a new one know the coordinator restarted (lost its state).
   const std::string instance_;
+  const absl::Time rejoin_window_end_;  // AwaitRejoinWindowLocked: start + options_.rejoin_window
   absl::Time last_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // last lease check by the driver
   // The planner thread's work: per model, round-robin; a model's plan job and its catch-up job
   // are keyed (PlanQueue coalesces a key's waiting job).
