@@ -139,7 +139,7 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
   for (const auto& [ids, role] : {std::pair{&choice.sources, planner::Role::kTrainer}, std::pair{&choice.dests, planner::Role::kRollout}}) {
     for (const std::string& id : *ids) {
       const WorkerRec& w = m.workers.at(id);
-      in.workers.push_back({id, w.node, role, w.gpu, w.layout, w.layout_proto});
+      in.workers.push_back({id, w.node, role, w.gpu, w.layout, w.layout_proto, w.layout_pieces});
       if (const Node* n = nodes_.Find(w.node)) in.nodes[w.node] = {n->data_address, n->transport_instances};
       (role == planner::Role::kTrainer ? run.sources : run.dests)[id] = w.serial;
     }

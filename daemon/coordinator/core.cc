@@ -397,7 +397,7 @@ absl::Status CoordinatorCore::SubmitLayout(const pb::SubmitLayoutRequest& req, p
       continue;
     }
     RETURN_IF_ERROR(changed.status());
-    *resp->mutable_layout() = *resolved->proto;  // outside mu_: the resolved layout is never changed once made
+    resp->mutable_layout()->Swap(resolved->answer.get());  // outside mu_; the answer is this call's alone
     return absl::OkStatus();
   }
 }

@@ -301,7 +301,7 @@ bool CoordinatorCore::PlanSnapshotLocked(const std::string& model_id, Model& m, 
   for (planner::Role role : {planner::Role::kTrainer, planner::Role::kRollout}) {
     for (auto& [id, w] : m.workers) {
       if (!w.has_layout || w.role != role || LeftOutLocked(m, id) != nullptr) continue;
-      in->workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto});
+      in->workers.push_back({id, w.node, w.role, w.gpu, w.layout, w.layout_proto, w.layout_pieces});
       if (const Node* n = nodes_.Find(w.node)) in->nodes[w.node] = {n->data_address, n->transport_instances, n->delta_cache_bytes > 0, n->delta_in_place};
     }
   }

@@ -245,7 +245,7 @@ absl::StatusOr<bool> ModelRegistry::SetLayout(Model& m, const pb::SubmitLayoutRe
     return resolved.status();
   }
   ASSIGN_OR_RETURN(const bool changed, ApplyLayout(snap, req, *resolved));
-  *resp->mutable_layout() = *resolved->proto;
+  resp->mutable_layout()->Swap(resolved->answer.get());
   return changed;
 }
 
@@ -260,7 +260,10 @@ absl::StatusOr<ModelRegistry::LayoutSnapshot> ModelRegistry::SnapshotLayout(Mode
   snap.config = m.config ? &*m.config : nullptr;
   snap.role = w->second.role;
   snap.serial = w->second.serial;
-  if (w->second.has_layout) snap.current = w->second.layout_proto;
+  if (w->second.has_layout) {
+    snap.current = w->second.layout_proto;
+    snap.current_pieces = w->second.layout_pieces;
+  }
   Hold(m);
   return snap;
 }
@@ -281,10 +284,16 @@ absl::StatusOr<ModelRegistry::ResolvedWorkerLayout> ModelRegistry::ResolveSnapsh
     return s;
   }
   ResolvedWorkerLayout out;
+  // Kept once (docs/security.md, the size probe's entry): the buffers parsed, the pieces encoded
+  // (their tensor names interned in the inventory), the planner's form; the whole resolved proto
+  // only until it is the answer.
+  auto buffers = std::make_shared<pb::ResolvedLayout>();
+  *buffers->mutable_buffers() = resolved->buffers();
+  ASSIGN_OR_RETURN(std::shared_ptr<const StoredPieces> pieces, StoredPieces::Make(resolved->pieces(), layout, snap.inventory));
   // The same layout again is judged by its bytes; a different number of pieces or buffers cannot be.
-  out.same = snap.current != nullptr && snap.current->pieces_size() == resolved->pieces_size() &&
-             snap.current->buffers_size() == resolved->buffers_size() &&
-             snap.current->SerializeAsString() == resolved->SerializeAsString();
+  out.same = snap.current != nullptr && snap.current_pieces != nullptr && snap.current_pieces->size() == pieces->size() &&
+             snap.current->buffers_size() == buffers->buffers_size() &&
+             snap.current->SerializeAsString() == buffers->SerializeAsString() && *snap.current_pieces == *pieces;
   // A worker with CUDA buffers sits on their GPU as its node daemon numbers it (the node rewrites
   // BufferSpec.gpu; the worker's own `gpu` may use its CUDA_VISIBLE_DEVICES numbering): the plan's
   // topology (same-GPU colocation) then compares GPUs of one numbering.
@@ -296,10 +305,13 @@ absl::StatusOr<ModelRegistry::ResolvedWorkerLayout> ModelRegistry::ResolveSnapsh
   }
   if (out.same) {
     out.proto = snap.current;
+    out.pieces = snap.current_pieces;
   } else {
-    out.proto = std::move(resolved);
+    out.proto = std::move(buffers);
+    out.pieces = std::move(pieces);
     out.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
   }
+  out.answer = std::move(resolved);
   return out;
 }
 
@@ -329,6 +341,7 @@ absl::StatusOr<bool> ModelRegistry::ApplyLayout(LayoutSnapshot& snap, const pb::
   w->second.layout = resolved.layout;
   if (resolved.gpu >= 0) w->second.gpu = resolved.gpu;
   w->second.layout_proto = resolved.proto;
+  w->second.layout_pieces = resolved.pieces;
   return true;
 }
 

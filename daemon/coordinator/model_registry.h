@@ -46,6 +46,7 @@
 #include "base/clock.h"
 #include "daemon/coordinator/digest_book.h"
 #include "daemon/coordinator/magnitude_book.h"
+#include "daemon/coordinator/stored_pieces.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
 #include "planner/types.h"
@@ -71,7 +72,12 @@ class ModelRegistry {
     // worker id) wait for, while they wait. A paused rollout waiting for a version newer than one
     // that commits or aborts stays paused (CoordinatorCore::PausedPastLocked).
     std::multiset<uint64_t> waits;
-    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> layout_proto;  // shared with plan snapshots
+    // The layout as it was resolved, kept once (docs/security.md, the size probe's entry): the
+    // planner's form, which the planner, slicer, catch-up and NVFP4 books read; the buffers as
+    // registered (layout_proto: no pieces); the pieces as resolved, encoded (layout_pieces: parsed
+    // only into the slices and the plan cache key). All three shared with plan snapshots.
+    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> layout_proto;
+    std::shared_ptr<const StoredPieces> layout_pieces;
     std::shared_ptr<const planner::WorkerLayout> layout;
     uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
     // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
@@ -248,10 +254,15 @@ class ModelRegistry {
     planner::Role role = planner::Role::kTrainer;
     uint64_t serial = 0;  // WorkerRec::serial seen
     std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> current;  // the worker's layout then (null: none)
+    std::shared_ptr<const StoredPieces> current_pieces;
   };
   struct ResolvedWorkerLayout {
-    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> proto;
+    std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> proto;  // the buffers (WorkerRec::layout_proto)
+    std::shared_ptr<const StoredPieces> pieces;
     std::shared_ptr<const planner::WorkerLayout> layout;
+    // The whole resolved layout, for the answer (SubmitLayoutResponse.layout): moved into it, not
+    // kept (the coordinator keeps the forms above).
+    std::shared_ptr<::weightbridge::v1::ResolvedLayout> answer;
     bool same = false;  // byte for byte the snapshot's `current`
     int32_t gpu = -1;   // the GPU of its first CUDA buffer (-1: none)
   };

@@ -225,6 +225,49 @@ TEST(ModelRegistry, WorkersGetFreshSerialsAndLayouts) {
   EXPECT_FALSE(m.workers.at("t0").has_layout);
 }
 
+// The registry keeps a worker's layout once (docs/security.md, the size probe's entry): the
+// buffers parsed without the pieces, the pieces encoded (stored_pieces.h) and the planner's form;
+// the answer is the whole resolved layout, and the pieces kept give it back byte for byte. A
+// layout that differs only in a piece is another layout.
+TEST(ModelRegistryTest, ALayoutIsKeptOnceAndItsPiecesDecideWhetherItIsTheSame) {
+  ModelRegistry r(ModelRegistry::Options{});
+  ASSERT_TRUE(r.Create(SmallModelSpec("m")).ok());
+  ModelRegistry::Model& m = *r.Find("m");
+  ModelRegistry::WorkerRec rec;
+  rec.node = "n1";
+  rec.role = planner::Role::kRollout;
+  r.AddWorker(m, "r0", rec);
+  pb::SubmitLayoutResponse resp;
+  auto changed = r.SetLayout(m, WholeTensorLayout("n1", "r0"), &resp);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_TRUE(*changed);
+  const ModelRegistry::WorkerRec& w = m.workers.at("r0");
+  ASSERT_NE(w.layout_proto, nullptr);
+  ASSERT_NE(w.layout_pieces, nullptr);
+  EXPECT_EQ(w.layout_proto->pieces_size(), 0) << "the pieces are kept once, encoded";
+  EXPECT_EQ(w.layout_pieces->size(), 1);
+  pb::ResolvedLayout kept = *w.layout_proto;
+  ASSERT_TRUE(w.layout_pieces->AppendTo(&kept).ok());
+  EXPECT_EQ(kept.SerializeAsString(), resp.layout().SerializeAsString());
+  EXPECT_EQ(resp.layout().pieces_size(), 1);
+
+  // The same buffers, the piece transposed (strides 1, 4): another layout, which replaces the
+  // first before a plan includes the worker and is refused after.
+  pb::SubmitLayoutRequest transposed = WholeTensorLayout("n1", "r0");
+  transposed.mutable_layout()->mutable_pieces()->mutable_pieces(0)->set_strides(0, 1);
+  transposed.mutable_layout()->mutable_pieces()->mutable_pieces(0)->set_strides(1, 4);
+  changed = r.SetLayout(m, transposed, &resp);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_TRUE(*changed) << "another layout";
+  EXPECT_EQ(m.workers.at("r0").layout->pieces[0].strides, (std::vector<int64_t>{1, 4}));
+  changed = r.SetLayout(m, transposed, &resp);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_FALSE(*changed) << "the same again";
+  m.plan.worker_ids = {"r0"};
+  changed = r.SetLayout(m, WholeTensorLayout("n1", "r0"), &resp);
+  EXPECT_TRUE(absl::IsFailedPrecondition(changed.status())) << changed.status();
+}
+
 // At the cap, a new model evicts the evictable model idle longest (untouched for the 60 s
 // grace): creation order does not decide, the last call touching a model does.
 TEST(ModelRegistryEviction, NewModelEvictsTheModelIdleLongest) {

@@ -67,6 +67,7 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     // The role too: a catch-up plan (catch_up.cc) has rollouts as sources, so the same ids with the
     // same layouts may be a source in one plan and a destination in another.
     absl::StrAppend(&key_src, "|", w.id, "@", pw.node, ":", pw.gpu, ":", static_cast<int>(w.role), ":", w.layout_proto->SerializeAsString());
+    if (w.layout_pieces != nullptr) w.layout_pieces->AppendSerialized(&key_src);  // the whole layout's bytes, as before
     problem.workers.push_back(std::move(pw));
   }
   const std::string key = absl::StrCat(absl::Hex(XXH3_64bits(key_src.data(), key_src.size())));

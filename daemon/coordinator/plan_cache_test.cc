@@ -107,6 +107,37 @@ TEST(PlanCacheTest, CanonicalPlansKeepTheBucketBudget) {
   EXPECT_EQ(out->plan->buckets.size(), 1u);
 }
 
+// The cache key holds every byte of each worker's layout as it was resolved, its stored pieces
+// (stored_pieces.h) too: layouts differing only there are planned apart, the same ones hit.
+TEST(PlanCacheTest, LayoutsDifferingOnlyInTheirStoredPiecesArePlannedApart) {
+  PlanCache cache;
+  PlanSettings settings;
+  SliceInput in = Input(false);
+  auto stored = [&](uint64_t offset) {
+    google::protobuf::RepeatedPtrField<pb::Piece> pieces;
+    for (const planner::Piece& p : in.workers[1].layout->pieces) {
+      pb::Piece* q = pieces.Add();
+      q->set_tensor(in.inventory->tensors[p.tensor].name);
+      q->set_offset_bytes(offset + static_cast<uint64_t>(p.offset_bytes));
+    }
+    absl::StatusOr<std::shared_ptr<const StoredPieces>> out = StoredPieces::Make(pieces, *in.workers[1].layout, in.inventory);
+    EXPECT_TRUE(out.ok()) << out.status();
+    return out.ok() ? *out : nullptr;
+  };
+  in.workers[1].layout_pieces = stored(0);
+  absl::StatusOr<PlanOutcome> first = cache.PlanAndSlice(in, settings, planner::MakePlan);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->cached);
+  in.workers[1].layout_pieces = stored(0);
+  absl::StatusOr<PlanOutcome> same = cache.PlanAndSlice(in, settings, planner::MakePlan);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(same->cached) << "equal bytes: the cached plan";
+  in.workers[1].layout_pieces = stored(64);
+  absl::StatusOr<PlanOutcome> other = cache.PlanAndSlice(in, settings, planner::MakePlan);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_FALSE(other->cached) << "other pieces: planned, not the cached plan";
+}
+
 // Negative cache: a layout set that failed fails again at once with the same error (the planner
 // is not called), at most max_failures are kept (the oldest forgotten first), and errors that may
 // pass on another try are not kept.

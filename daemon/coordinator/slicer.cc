@@ -250,7 +250,12 @@ void FillSliceHeader(const planner::Plan& plan, const SliceInput& in, const Slic
       pw->set_data_address(n->second.data_address);
       for (auto& [k, v] : n->second.transport_instances) (*pw->mutable_transport_instances())[k] = v;
     }
-    if (w.node == node || known.count(static_cast<int32_t>(i))) *pw->mutable_layout() = *w.layout_proto;
+    if (w.node == node || known.count(static_cast<int32_t>(i))) {
+      *pw->mutable_layout() = *w.layout_proto;
+      // The stored pieces are bytes this process encoded and they parse; were one not to, the
+      // layout goes without pieces and the node refuses the slice's ops naming them.
+      if (w.layout_pieces != nullptr && !w.layout_pieces->AppendTo(pw->mutable_layout()).ok()) pw->mutable_layout()->clear_pieces();
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/coordinator/stored_pieces.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
 
@@ -24,7 +25,10 @@ struct SliceWorker {
   planner::Role role = planner::Role::kTrainer;
   int32_t gpu = 0;
   std::shared_ptr<const planner::WorkerLayout> layout;
+  // The layout as the worker's node resolved it, sent in slices: layout_proto's buffers (and its
+  // pieces, if any), then layout_pieces' (the coordinator keeps them there: stored_pieces.h).
   std::shared_ptr<const pb::ResolvedLayout> layout_proto;
+  std::shared_ptr<const StoredPieces> layout_pieces;
 };
 
 struct SliceNode {

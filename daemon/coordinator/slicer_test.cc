@@ -245,6 +245,40 @@ TEST(SlicerTest, QuantisedPiecesAndUnquantisedPiecesOfQuantisedRolloutsMayBeDelt
   EXPECT_EQ(delta, (std::vector<bool>{false, false, true})) << "the scales on a GPU: the quantised piece's ops go full";
 }
 
+// A worker's pieces as the coordinator keeps them (stored_pieces.h) travel in the slices of the
+// nodes that must know its layout, after its buffers, with their tensor names.
+TEST(SlicerTest, StoredPiecesTravelInTheSlicesAfterTheBuffers) {
+  SliceInput in = Input();
+  google::protobuf::RepeatedPtrField<pb::Piece> pieces;
+  pb::Piece* p = pieces.Add();
+  p->set_tensor("w");
+  for (int d = 0; d < 2; ++d) {
+    p->mutable_box()->add_begin(0);
+    p->mutable_box()->add_end(4);
+  }
+  p->add_strides(4);
+  p->add_strides(1);
+  p->set_offset_bytes(8);
+  auto stored = StoredPieces::Make(pieces, *in.workers[1].layout, in.inventory);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  in.workers[1].layout_pieces = *stored;  // r0 (b)
+  planner::Plan plan;
+  plan.fingerprint = "f";
+  plan.buckets.resize(1);
+  plan.buckets[0].ops = {Op(0, 1, 32, planner::Route::kInterNode)};  // t0 (a) -> r0 (b)
+  auto slices = SlicePlan(plan, in);
+  ASSERT_TRUE(slices.ok()) << slices.status();
+  for (const char* node : {"a", "b"}) {
+    const pb::ResolvedLayout& l = slices->by_node.at(node).workers(1).layout();
+    ASSERT_EQ(l.buffers_size(), 1) << node;
+    EXPECT_EQ(l.buffers(0).shm_name(), "r0") << node;
+    ASSERT_EQ(l.pieces_size(), 1) << node;
+    EXPECT_EQ(l.pieces(0).SerializeAsString(), pieces[0].SerializeAsString()) << node;
+    EXPECT_EQ(l.pieces(0).tensor(), "w") << node;
+  }
+  EXPECT_FALSE(slices->by_node.at("c").workers(1).has_layout()) << "c has no op with r0";
+}
+
 TEST(SlicerTest, StagedReadWithoutAGatherIsAnInternalErrorNamingTheTensor) {
   planner::Plan plan;
   plan.buckets.resize(1);
