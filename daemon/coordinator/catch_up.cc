@@ -79,7 +79,7 @@ std::optional<std::string> CatchUpMemberGone(const ModelRegistry::Model& m, cons
 
 }  // namespace
 
-void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) {
+void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now, bool without_plan) {
   const uint64_t v = m.machine->committed();
   if (v == 0 || m.catch_up || m.catch_up_aborts_unsent > 0) return;
   // An owed commit (async) still lands on its node: that node's version staging must not meet a
@@ -95,7 +95,9 @@ void CoordinatorCore::StartCatchUpLocked(const std::string& model_id, Model& m, 
     c.node = rec.node;
     c.rollout = rec.role == planner::Role::kRollout;
     c.has_layout = rec.has_layout && rec.layout != nullptr;
-    c.in_plan = in_plan.count(id) > 0;
+    // Without a plan (trainers gone), a rollout that is not left out is one the next plan would
+    // hold; a left-out one has not paused, so no commit may write its live memory.
+    c.in_plan = without_plan ? LeftOutLocked(m, id) == nullptr : in_plan.count(id) > 0;
     c.holds = rec.holds;
     c.catch_up_failed = rec.catch_up_failed;
     c.stale = rec.stale_version == v;

@@ -345,6 +345,8 @@ class CoordinatorCore {
   // the model's snapshot when the planner thread starts it (PlanSnapshotLocked), plans outside
   // mu_, applies the result if membership did not change meanwhile, and installs.
   bool PlanReadyLocked(const Model& m) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Fewer trainers with a layout than the spec names (they exited): no plan can be made.
+  bool TrainersMissingLocked(const Model& m) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool PlanWorkLocked(const std::string& model_id, Model& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool PlanSnapshotLocked(const std::string& model_id, Model& m, SliceInput* in, PlanSettings* settings)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -370,9 +372,12 @@ class CoordinatorCore {
   // Catch-up of late rollouts (catch_up.cc, docs/daemon.md "Catch-up"). StartCatchUpLocked: when
   // nothing else runs for the model and a rollout of its plan holds less than the committed
   // version, queues the catch-up plan (planner thread: plan, install, ExecuteVersion) or, with no
-  // source, records why for those rollouts. CatchUpWorkLocked: while one runs: its timeout, a
+  // source, records why for those rollouts. `without_plan`: the model cannot be planned (its
+  // trainers are gone): late are the rollouts with a layout that are not left out (sync_pause.h),
+  // as a plan made now would hold them. CatchUpWorkLocked: while one runs: its timeout, a
   // source or late rollout that went away, and the commit once every node reported done.
-  void StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartCatchUpLocked(const std::string& model_id, Model& m, absl::Time now, bool without_plan = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> CatchUpWorkLocked(const std::string& model_id, Model& m, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunCatchUpPlan(const std::string& model_id, Model* m, const SliceInput& in);
   // A catch-up's installs and starts, posted by RunCatchUpPlan to the model's lane.

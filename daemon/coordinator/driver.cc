@@ -109,7 +109,12 @@ CoordinatorCore::LaneWork CoordinatorCore::CollectWorkLocked() {
       // gets to it, so it plans the newest membership however often the model changed meanwhile.
       // Queued also while an older plan of the model is being made (that one will be discarded):
       // the model then waits its turn behind the other models' plans (PlanQueue: round-robin).
-      if (!m.plan_queued) PlanWorkLocked(mid, m);
+      if (m.plan_queued || PlanWorkLocked(mid, m) || m.planning) continue;
+      // No plan can be made while trainers are missing (they exited after the last publish), yet
+      // the committed version is in rollouts: a late rollout is caught up from them, which needs
+      // no trainer. Trainers coming back make the model plannable again, and a plan queued (or a
+      // version) wins over this; one coming back while this catch-up runs waits for it.
+      if (TrainersMissingLocked(m)) StartCatchUpLocked(mid, m, now, /*without_plan=*/true);
       continue;
     }
     if (m.planning) continue;
@@ -271,6 +276,12 @@ bool CoordinatorCore::PlanReadyLocked(const Model& m) const {
     (rec.role == planner::Role::kTrainer ? nt : nr) += 1;
   }
   return nt >= m.spec.num_trainer_workers() && nr > 0 && (m.planned_once || nr >= m.spec.num_rollout_workers());
+}
+
+bool CoordinatorCore::TrainersMissingLocked(const Model& m) const {
+  uint32_t nt = 0;
+  for (auto& [w, rec] : m.workers) nt += rec.has_layout && rec.role == planner::Role::kTrainer ? 1 : 0;
+  return nt < m.spec.num_trainer_workers();
 }
 
 // Queues a plan of the model for the planner thread (PlanQueue, round-robin over models). The job
