@@ -345,6 +345,61 @@ TEST(FaultTest, StaleReportDoneFromBeforeRestartIsIgnored) {
   c.Stop();
 }
 
+// The other direction (status.md items 20 / 24): an ExecuteVersion the previous coordinator sent
+// just before it died and a node handles only after its re-join of the restarted one (a frozen
+// node) names the old instance. The node refuses it, naming both instances, and runs nothing - the
+// new session's plan has the same epoch number, so before, it ran version 2 from this call (its
+// ReportDone ignored by instance) and the new coordinator's own ExecuteVersion(2) found it already
+// started. The new coordinator's calls, stamped with the instance the node registered with, run
+// version 2 to every rollout byte for byte.
+TEST(FaultTest, StaleExecuteVersionFromBeforeRestartIsRefusedAfterTheReJoin) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  const StopAtExit stop(c);
+  auto [t0, t1, r0, r1] = StartTwoNodeCluster(c, inv, {});
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(WaitCommitted(t0, "m", 1).ok());
+  const int port = c.coord_->port();
+  c.coord_->Shutdown();
+  c.coord_.reset();
+  c.StartCoordinator(absl::Seconds(3), absl::StrCat("127.0.0.1:", port));
+  auto back = c.WaitForCoordinator(
+      [](const pb::StatusResponse& st) {
+        int with_layout = 0;
+        for (const pb::WorkerStatus& ws : st.workers()) with_layout += ws.has_layout();
+        return with_layout == 4;
+      },
+      absl::Seconds(30));
+  ASSERT_TRUE(back.ok()) << back.status();  // both nodes re-joined the new coordinator
+  for (int n : {0, 1}) {
+    auto node = pb::NodeService::NewStub(grpc::CreateChannel(c.nodes_[n]->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    pb::ExecuteVersionRequest req;
+    req.set_model_id("m");
+    req.set_version(2);
+    req.set_plan_epoch(1);
+    req.set_timeout_ms(5000);
+    req.set_coordinator_instance("previous-coordinator-instance");
+    pb::ExecuteVersionResponse resp;
+    grpc::Status s = node->ExecuteVersion(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "n" << n << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("it comes from coordinator instance previous-coordinator-instance, but the node is registered with "
+                                     "coordinator instance "),
+              std::string::npos)
+        << s.error_message();
+  }
+  for (auto& s : c.Publish("m", pb::MODE_ONE_STEP_OFF, 2, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
+  pb::ApplyResponse resp;
+  for (TestWorker* r : {&r0, &r1}) {
+    grpc::Status s = c.Apply(*r, "m", 2, &resp);
+    ASSERT_TRUE(s.ok()) << r->id << ": " << s.error_message();
+    EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
+  }
+  c.Stop();
+}
+
 // A CUDA IPC buffer on a node without a cuda_ipc transport (no GPU here) is refused clearly at
 // RegisterLayout and changes nothing (the worker can still register host memory).
 TEST(FaultTest, CudaBufferWithoutGpuIsRefusedClearly) {
