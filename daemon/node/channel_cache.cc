@@ -40,6 +40,7 @@ ChannelCache::Lookup ChannelCache::ForPeer(const std::string& model_id, const st
   const Conn c{model_id, channel, it->second.id.id};
   if (it->second.peer_instance == peer_instance) {
     out.reuse = it->second.id;
+    out.round = it->second.round;
     holders_[c].insert(holder);
     return out;
   }
@@ -51,12 +52,12 @@ ChannelCache::Lookup ChannelCache::ForPeer(const std::string& model_id, const st
 }
 
 transport::PeerId ChannelCache::Put(const std::string& model_id, const std::string& channel, transport::PeerId id,
-                                    const std::string& peer_instance, Holder holder) {
+                                    const std::string& peer_instance, Holder holder, const std::string& round) {
   absl::MutexLock l(&mu_);
   holders_[{model_id, channel, id.id}].insert(holder);
   Entry& slot = channels_[{model_id, channel}];
   const transport::PeerId before = slot.id;
-  slot = Entry{id, peer_instance};
+  slot = Entry{id, peer_instance, round};
   if (before == transport::kNoPeer || before == id) return transport::kNoPeer;
   return holders_.count({model_id, channel, before.id}) == 0 ? before : transport::kNoPeer;
 }

@@ -38,6 +38,9 @@ class ChannelCache {
   struct Entry {
     transport::PeerId id;
     std::string peer_instance;  // the peer transport's instance_id() the channel was made with
+    // The connection round it was connected in (node::ConnectRound: both nodes name it alike, so it
+    // tells the two ends of one connection from those of another); empty: the empty round.
+    std::string round;
   };
   struct Keyed {
     std::string model_id, channel;
@@ -52,14 +55,15 @@ class ChannelCache {
   // holds it (disconnect it now; else its last holder's Release returns it).
   struct Lookup {
     transport::PeerId reuse = transport::kNoPeer;
+    std::string round;  // reuse's Entry::round
     transport::PeerId stale = transport::kNoPeer;
   };
   Lookup ForPeer(const std::string& model_id, const std::string& channel, const std::string& peer_instance, Holder holder);
-  // Caches `id` as the channel, held by `holder`. Returns the different channel it replaced when
-  // nothing holds that one (disconnect it now); one still held is disconnected after its last
-  // Release. kNoPeer if none.
+  // Caches `id` (connected in `round`) as the channel, held by `holder`. Returns the different
+  // channel it replaced when nothing holds that one (disconnect it now); one still held is
+  // disconnected after its last Release. kNoPeer if none.
   transport::PeerId Put(const std::string& model_id, const std::string& channel, transport::PeerId id, const std::string& peer_instance,
-                        Holder holder);
+                        Holder holder, const std::string& round = "");
   // Takes `id` out of the cache if it is still the cached channel (a newer one stays). True when
   // nothing holds it: disconnect it now (else the last holder's Release says so).
   bool Forget(const std::string& model_id, const std::string& channel, transport::PeerId id);

@@ -34,6 +34,22 @@ TEST(ChannelCacheTest, AChannelIsReusedOnlyWithTheSamePeerInstance) {
   EXPECT_EQ(c.ForPeer("m", "n1\nnccl/0>nccl/1", "i1", b).reuse, transport::kNoPeer);
 }
 
+// A look-up names the round the cached channel was connected in (the receiver of ExchangeRegions
+// compares it with the caller's), the newest channel's after a replacement.
+TEST(ChannelCacheTest, ALookUpNamesTheRoundOfTheCachedChannel) {
+  ChannelCache c;
+  c.Put("m", "n1", PeerId{7}, "i1", a, "round x");
+  ChannelCache::Lookup x = c.ForPeer("m", "n1", "i1", b);
+  EXPECT_EQ(x.reuse, PeerId{7});
+  EXPECT_EQ(x.round, "round x");
+  c.Put("m", "n1", PeerId{8}, "i1", a, "round z");
+  ChannelCache::Lookup z = c.ForPeer("m", "n1", "i1", b);
+  EXPECT_EQ(z.reuse, PeerId{8});
+  EXPECT_EQ(z.round, "round z");
+  c.Put("m", "n1", PeerId{9}, "i1", a);  // the empty round (a peer built before rounds)
+  EXPECT_EQ(c.ForPeer("m", "n1", "i1", b).round, "");
+}
+
 // The peer restarted: its old channel is stale, never reused; it leaves the cache at once, and is
 // to be disconnected now when nothing runs on it, else by its last holder.
 TEST(ChannelCacheTest, AStaleChannelIsDisconnectedOnceNothingRunsOnIt) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <numeric>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -200,7 +201,7 @@ class SharedChannelTest : public ::testing::Test, public daemon::testing::NodePa
       w->set_worker_id(id);
       w->set_node_id(node);
       w->set_role(role);
-      (*w->mutable_transport_instances())["host_tcp"] = node == "n1" ? peer_->instance_id() : mine_->instance_id();
+      (*w->mutable_transport_instances())["host_tcp"] = node == peer_node_ ? peer_->instance_id() : mine_->instance_id();
       pb::BufferSpec* b = w->mutable_layout()->add_buffers();
       b->set_buffer_id(0);
       b->set_size_bytes(4096);
@@ -213,7 +214,7 @@ class SharedChannelTest : public ::testing::Test, public daemon::testing::NodePa
       pc->add_strides(1);
       pc->set_buffer_id(0);
     };
-    add_worker("trainer/0", "n1", pb::ROLE_TRAINER, "/wb-shared-channel-t");
+    add_worker("trainer/0", peer_node_, pb::ROLE_TRAINER, "/wb-shared-channel-t");
     add_worker("rollout/0", "n0", pb::ROLE_ROLLOUT, "/wb-shared-channel-r");
     pb::TransferOp* op = s->add_ops();
     op->set_index(0);
@@ -247,14 +248,15 @@ class SharedChannelTest : public ::testing::Test, public daemon::testing::NodePa
 
   // n1's side of bucket 0 of `version` (answered kServe): its mirror of n0's batch on the cached
   // connection. OK once it completed.
-  absl::Status ServeBucket0(uint64_t version) {
+  absl::Status ServeBucket0(uint64_t version) { return ServeBucket0On(version, c1_); }
+  absl::Status ServeBucket0On(uint64_t version, PeerId on) {
     PeerAnswer& a = Answer(version);
     if (!a.served.WaitForNotificationWithTimeout(absl::Seconds(20))) return absl::DeadlineExceededError("version never served");
     absl::StatusOr<transport::RegionHandle> dst = peer_->ImportDescriptor(a.rollout_descriptor);
     if (!dst.ok()) return dst.status();
     transport::Batch b;
     b.tag = BatchTag(version, 0);
-    b.peer = c1_;
+    b.peer = on;
     b.checksum = true;
     transport::CopyOp op;
     op.shape = {1024};
@@ -289,7 +291,25 @@ class SharedChannelTest : public ::testing::Test, public daemon::testing::NodePa
     return absl::StrContains(p.status().message(), "unknown peer");
   }
 
+  // A connection between n0 and the peer made in `round` (ids on n0, on the peer).
+  std::pair<PeerId, PeerId> ConnectPair(const std::string& round) {
+    absl::StatusOr<std::string> e0 = mine_->ExportEndpoint(peer_->instance_id());
+    absl::StatusOr<std::string> e1 = peer_->ExportEndpoint(mine_->instance_id());
+    EXPECT_TRUE(e0.ok() && e1.ok());
+    if (!e0.ok() || !e1.ok()) return {};
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    absl::StatusOr<PeerId> c1 = absl::UnknownError("not run");
+    std::thread peer([&] { c1 = peer_->Connect(*e0, round, deadline); });
+    absl::StatusOr<PeerId> c0 = mine_->Connect(*e1, round, deadline);
+    peer.join();
+    EXPECT_TRUE(c0.ok()) << c0.status();
+    EXPECT_TRUE(c1.ok()) << c1.status();
+    if (!c0.ok() || !c1.ok()) return {};
+    return {*c0, *c1};
+  }
+
   Coordinator coordinator_;
+  std::string peer_node_ = "n1";                // the node the test plays
   std::unique_ptr<transport::Transport> peer_;  // n1 (before fabric_ goes: a member of this class)
   transport::Transport* mine_ = nullptr;        // n0's host channel transport
   PeerId c0_, c1_;
@@ -387,6 +407,112 @@ TEST_F(SharedChannelTest, AnAbortOfTheOnlyUserDisconnectsAtOnce) {
   EXPECT_TRUE(Disconnected());
   EXPECT_TRUE(channels_.All().empty());
   Answer(2).answer.Notify();
+}
+
+// n0 as the receiver of ExchangeRegions: its peer is node "a1" (a lower id: the caller), played by
+// the test, which calls n0's handler itself.
+class SharedChannelReceiverTest : public SharedChannelTest {
+ protected:
+  SharedChannelReceiverTest() { peer_node_ = "a1"; }
+
+  // A finished version's channel X, cached on both ends (connected in round "x"); then version 2
+  // starts on n0, which waits for a1's call. `replace`: a sibling execution's new connection Z
+  // (round "z") replaces n0's cached channel after a1 looked its own (X) up, before its call reaches
+  // n0. a1 then asks to reuse X; whatever n0 answers, a1 serves bucket 0 as n0 said (on X, or on a
+  // new connection in version 2's round) and the version must land byte for byte.
+  void RunVersion2(bool replace) {
+    ASSERT_NO_FATAL_FAILURE(InstallPlan());
+    const auto [x0, x1] = ConnectPair("x");
+    ASSERT_FALSE(HasFailure());
+    const int finished = 0, sibling = 0;
+    channels_.Put("m", "a1", x0, peer_->instance_id(), &finished, "x");
+    ASSERT_TRUE(channels_.ReleaseAll(&finished, /*forget=*/false).empty());
+    pb::ExecuteVersionRequest e;
+    e.set_model_id("m");
+    e.set_version(2);
+    e.set_plan_epoch(1);
+    e.set_timeout_ms(10000);
+    ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
+    // a1 looked X up (its request below names X's round). Now the sibling's connection:
+    if (replace) {
+      const auto [z0, z1] = ConnectPair("z");
+      ASSERT_FALSE(HasFailure());
+      (void)z1;
+      // The sibling still runs on Z (it holds it until the test's end), so n0 does not disconnect
+      // it when it connects afresh.
+      channels_.Put("m", "a1", z0, peer_->instance_id(), &sibling, "z");
+    }
+    PeerAnswer& a = Answer(2);
+    a.trainer.resize(4096);
+    std::iota(a.trainer.begin(), a.trainer.end(), static_cast<uint8_t>(2));
+    transport::MemorySpec spec;
+    spec.kind = transport::MemoryKind::kHost;
+    spec.base = a.trainer.data();
+    spec.size_bytes = 4096;
+    spec.label = "trainer/0";
+    absl::StatusOr<transport::RegionHandle> h = peer_->RegisterMemory(spec);
+    ASSERT_TRUE(h.ok()) << h.status();
+    a.trainer_region = *h;
+    absl::StatusOr<std::string> d = peer_->ExportDescriptor(*h);
+    ASSERT_TRUE(d.ok()) << d.status();
+    absl::StatusOr<std::string> endpoint = peer_->ExportEndpoint(mine_->instance_id());
+    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+    pb::ExchangeRegionsRequest req;
+    req.set_model_id("m");
+    req.set_version(2);
+    req.set_plan_epoch(1);
+    req.set_from_node("a1");
+    req.set_transport_kind("host_tcp");
+    req.set_endpoint(*endpoint);
+    req.set_reuse(true);
+    req.set_reuse_round("x");
+    req.set_connect_rounds(true);
+    pb::PeerRegion* r = req.add_regions();
+    r->set_key(RegionKey(0, 0));
+    r->set_region_descriptor(*d);
+    pb::ExchangeRegionsResponse resp;
+    absl::Status x = versions_->ExchangeRegions(req, &resp);
+    ASSERT_TRUE(x.ok()) << x;
+    for (const pb::PeerRegion& mine : resp.regions()) {
+      if (mine.key() == RegionKey(1, 0)) a.rollout_descriptor = mine.region_descriptor();
+    }
+    a.served.Notify();
+    EXPECT_EQ(resp.reuse(), !replace) << "n0's cached channel is the other end of a1's only when nothing replaced it";
+    PeerId on = x1;
+    if (!resp.reuse()) {
+      ASSERT_TRUE(resp.connect_rounds());
+      ChannelPlan channel;
+      channel.peer = "n0";
+      channel.mine = channel.theirs = "host_tcp";
+      channel.name = ChannelName("n0", "host_tcp", "host_tcp");
+      absl::StatusOr<PeerId> fresh = peer_->Connect(resp.endpoint(), ConnectRound("m", 2, 1, "a1", channel), absl::Now() + absl::Seconds(10));
+      ASSERT_TRUE(fresh.ok()) << fresh.status();
+      on = *fresh;
+    }
+    absl::Status served = ServeBucket0On(2, on);
+    EXPECT_TRUE(served.ok()) << served;
+    std::optional<pb::ReportDoneRequest> done = coordinator_.client_.Await(2, absl::Seconds(20));
+    ASSERT_TRUE(done.has_value()) << "version 2 did not end";
+    EXPECT_TRUE(done->ok()) << done->error();
+    EXPECT_EQ(Landed(2), Sent(2)) << "version 2 did not land byte for byte";
+    (void)peer_->Release(a.trainer_region);
+    (void)channels_.ReleaseAll(&sibling, /*forget=*/false);
+  }
+};
+
+// Nothing replaced n0's cached channel: it is a1's X (same round), reused; the version lands on it.
+TEST_F(SharedChannelReceiverTest, TheCallersCachedChannelIsReusedWhenItIsTheOtherEndOfTheReceivers) {
+  RunVersion2(/*replace=*/false);
+}
+
+// The race in SetupPeer: n0's cached channel was replaced (a sibling execution's new connection Z)
+// between a1's look-up of its end (X) and n0's reuse decision. n0 must not answer reuse - it would
+// post on Z while a1 serves on X, and the version would wait for a mirror that never comes - but
+// connect afresh with a1 in version 2's round, on which the version lands byte for byte. (The fake
+// transport keeps one connection per pair of transports, so X and Z are one there and the stall
+// itself does not show: what fails without the fix is n0's answer.)
+TEST_F(SharedChannelReceiverTest, AChannelReplacedBetweenTheCallersLookUpAndTheReceiversDecisionIsNotReused) {
+  RunVersion2(/*replace=*/true);
 }
 
 }  // namespace

@@ -611,11 +611,20 @@ absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb
     }
   }
   const std::string chan = ChannelName(req.from_node(), mine, theirs);
-  const std::optional<ChannelCache::Entry> c = channels_.Find(req.model_id(), chan);
-  const bool reuse = req.reuse() && c.has_value() && c->peer_instance == from_instance;
   auto endpoint = cross->ExportEndpoint(from_instance);
   if (!endpoint.ok()) return endpoint.status();
   PeerState& ps = exec->peers[chan];
+  if (!ps.looked_up) {
+    // Once per execution and channel (a repeated call answers alike): the execution holds what it
+    // found until it ends (its channels' release), and SetupPeer disconnects a stale one.
+    ps.lookup = channels_.ForPeer(req.model_id(), chan, from_instance, exec.get());
+    ps.looked_up = true;
+  }
+  // Reused only when the caller's cached channel is the other end of ours: connected in the same
+  // round (ChannelCache::Entry::round). A sibling execution may have replaced either cached channel
+  // by its own new connection since the caller looked its up: each end would then post on another
+  // connection, and the batches wait for mirrors that never come.
+  const bool reuse = req.reuse() && ps.lookup.reuse != transport::kNoPeer && ps.lookup.round == req.reuse_round();
   ps.have = true;
   ps.reuse = reuse;
   // Rounds when both have them (a caller built before them leaves the field unset).

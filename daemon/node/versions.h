@@ -106,6 +106,12 @@ struct PeerState {
   bool rounds = false;  // both nodes Connect in this attempt's round (ExchangeRegions negotiated it)
   std::string endpoint;
   std::map<std::string, std::string> regions;  // key -> descriptor
+  // The receiver of ExchangeRegions (the node with the higher id): its look-up of its cached
+  // channel to the caller, made once by the handler, which decides `reuse` against it; SetupPeer
+  // then runs on what it found (held for the execution), never on a later look-up - the cache may
+  // have changed in between (a sibling execution's new connection).
+  bool looked_up = false;
+  ChannelCache::Lookup lookup;
 };
 
 // One execution of a version on this node.

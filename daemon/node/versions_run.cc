@@ -126,6 +126,16 @@ void Versions::DropChannel(const std::string& model_id, const std::string& chan,
 }
 
 void Versions::ReleaseChannels(const Exec& exec, bool failed) {
+  // A stale channel the ExchangeRegions handler forgot for a channel this execution never set up
+  // (it failed first): SetupPeer would have disconnected it.
+  std::vector<std::pair<std::string, transport::PeerId>> stale;
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& [chan, ps] : exec.peers) {
+      if (ps.lookup.stale != transport::kNoPeer) stale.push_back({chan, ps.lookup.stale});
+    }
+  }
+  for (const auto& [chan, id] : stale) Disconnect(chan, id);
   for (const ChannelCache::Keyed& c : channels_.ReleaseAll(&exec, failed)) Disconnect(c.channel, c.id);
 }
 
@@ -161,14 +171,20 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
   const std::string& peer_instance = inst_it->second;
   // A peer that restarted (new transport instance) left a stale channel: disconnected (once no
   // execution holds it), not reused. A channel to reuse is held by this execution from here on.
-  const ChannelCache::Lookup cache = channels_.ForPeer(exec.model_id, chan, peer_instance, &exec);
-  const transport::PeerId cached = cache.reuse;
-  if (cache.stale != transport::kNoPeer) Disconnect(chan, cache.stale);
+  // The caller looks its cached channel up here; the receiver's ExchangeRegions handler does, and
+  // decides against what it found (PeerState::lookup): one look-up per node and execution.
+  const bool caller = options_.node_id < peer;
+  ChannelCache::Lookup cache;
+  if (caller) {
+    cache = channels_.ForPeer(exec.model_id, chan, peer_instance, &exec);
+    if (cache.stale != transport::kNoPeer) Disconnect(chan, cache.stale);
+  }
   ASSIGN_OR_RETURN(std::string my_endpoint, cross->ExportEndpoint(peer_instance));
   bool reuse = false;
   bool rounds = false;  // both nodes Connect in this attempt's round (else in the empty round)
   std::string peer_endpoint;
-  if (options_.node_id < peer) {
+  absl::Status ended;  // the receiver's: aborted while it waited for the caller
+  if (caller) {
     // We call: the peer's regions and endpoint come back in the response.
     pb::ExchangeRegionsRequest req;
     req.set_model_id(exec.model_id);
@@ -178,7 +194,8 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     req.set_transport_kind(theirs_name);
     if (theirs_name != mine_name) req.set_from_transport(mine_name);
     req.set_endpoint(my_endpoint);
-    req.set_reuse(cached != transport::kNoPeer);
+    req.set_reuse(cache.reuse != transport::kNoPeer);
+    req.set_reuse_round(cache.round);
     req.set_connect_rounds(options_.connect_rounds);
     {
       absl::MutexLock l(&mu_);
@@ -213,11 +230,17 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     if (!options_.clock->WaitUntil(&mu_, absl::Condition(&have), exec.deadline)) {
       return absl::DeadlineExceededError(absl::StrCat("node ", peer, " did not set up the data plane of version ", exec.version, " in time"));
     }
-    if (exec.aborted || stopping_) return absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
-    reuse = exec.peers[chan].reuse;
-    rounds = exec.peers[chan].rounds;
-    peer_endpoint = exec.peers[chan].endpoint;
+    PeerState& ps = exec.peers[chan];
+    cache = ps.lookup;  // held for this execution by the handler
+    ps.lookup.stale = transport::kNoPeer;  // disconnected below, once
+    if (exec.aborted || stopping_) ended = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
+    reuse = ps.reuse;
+    rounds = ps.rounds;
+    peer_endpoint = ps.endpoint;
   }
+  if (cache.stale != transport::kNoPeer && !caller) Disconnect(chan, cache.stale);
+  RETURN_IF_ERROR(ended);
+  const transport::PeerId cached = cache.reuse;
   if (reuse && cached == transport::kNoPeer) {
     // The peer reuses a channel this node no longer caches (it was forgotten or replaced since):
     // fail rather than post on no connection; the next version connects afresh.
@@ -225,6 +248,7 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
                                                       " no longer caches for model ", exec.model_id));
   }
   transport::PeerId id = cached;
+  std::string round;  // of a new connection (ChannelCache::Entry::round)
   if (!reuse) {
     // The peer does not reuse it (its side was forgotten): out of the cache here too; disconnected
     // once no sibling execution runs on it.
@@ -232,7 +256,7 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     // The round tells this attempt apart on both nodes: a Connect of an aborted version still
     // waiting here or on the peer never takes the connections of this one (ConnectRound). With a
     // peer built before rounds both use the empty round (as before them: such a Connect can).
-    const std::string round = rounds ? ConnectRound(exec.model_id, exec.version, exec.epoch, options_.node_id, channel) : "";
+    round = rounds ? ConnectRound(exec.model_id, exec.version, exec.epoch, options_.node_id, channel) : "";
     {
       // Checked and noted under mu_: an abort either came first (no Connect) or sees the round
       // and cancels it (CancelConnects), which also fails a Connect that starts after it.
@@ -259,7 +283,7 @@ absl::StatusOr<ChannelLink> Versions::SetupPeer(Exec& exec, const ChannelPlan& c
     // must be disconnected (its fds closed): now when no execution holds it, else by its last
     // holder's release (ChannelCache::Put). A reused channel is held since ForPeer and is not
     // cached again: a sibling that failed on it meanwhile took it out of the cache for good.
-    if (!reuse) replaced = channels_.Put(exec.model_id, chan, id, peer_instance, &exec);
+    if (!reuse) replaced = channels_.Put(exec.model_id, chan, id, peer_instance, &exec, round);
     exec.connected[chan] = id;
     link.regions = exec.peers[chan].regions;
     if (exec.aborted) aborted = absl::AbortedError(absl::StrCat("version ", exec.version, " aborted: ", exec.error));
