@@ -340,26 +340,6 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
   return absl::OkStatus();
 }
 
-std::optional<absl::Status> CoordinatorCore::UsedUncommittedLocked(const std::string& model_id, const Model& m, uint64_t v,
-                                                                   const std::string& what) const {
-  auto used = used_by_rejoin_.find(model_id);
-  if (used == used_by_rejoin_.end() || v > used->second.version || v <= m.machine->committed() || m.machine->Find(v) != nullptr ||
-      !m.planned_once) {
-    return std::nullopt;
-  }
-  const UsedByRejoin& u = used->second;
-  if (u.published) {
-    return absl::AbortedError(absl::StrCat(what, ": version ", v, " of model ", model_id, " is not committed and its number is used: trainer ", u.worker,
-                                           " on node ", u.node, " re-joined having published version ", u.version, " to the coordinator before the "
-                                           "coordinator restarted, and never publishes it again; publish a version newer than ", u.version));
-  }
-  return absl::AbortedError(absl::StrCat(what, ": version ", v, " of model ", model_id, " is not committed and its number is used: rollout ",
-                                         u.worker, " on node ", u.node, " re-joined holding version ", u.version,
-                                         ", above the committed version ", m.machine->committed(),
-                                         " (a sync commit that failed on another node, or was never confirmed before the coordinator"
-                                         " restarted); publish a version newer than ", u.version));
-}
-
 // Resolving and validating a layout is outside mu_ (1e6 pieces took seconds, and every other call
 // of every model waited for them): a snapshot under mu_ (ModelRegistry::SnapshotLayout, which
 // holds the model), the work without it, and under mu_ again the result is applied if the worker
