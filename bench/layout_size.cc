@@ -10,7 +10,9 @@
 // Meanwhile a client polls ClusterStatus of another model every 20 ms: `status_max_ms` is its
 // slowest answer during the step (what the coordinator's lock held it for).
 // `kept_per_piece` = heap still in use after the step once the client dropped its request and
-// answer, divided by N. Usage: bazel run -c opt //bench:layout_size -- [--pieces=N] [--json]
+// answer, divided by N. `--tensor_name` names the tensor (default "w"; a real name, e.g.
+// model.layers.17.mlp.experts.123.gate_up_proj.weight, shows what each piece's copy of it costs).
+// Usage: bazel run -c opt //bench:layout_size -- [--pieces=N] [--tensor_name=NAME] [--json]
 #include <malloc.h>
 
 #include <atomic>
@@ -29,6 +31,7 @@
 #include "daemon/multinode_fixture.h"
 
 ABSL_FLAG(int64_t, pieces, 1000000, "explicit pieces in the layout");
+ABSL_FLAG(std::string, tensor_name, "w", "the name of the layout's one tensor (every piece names it)");
 ABSL_FLAG(bool, json, false, "print one JSON object");
 
 namespace wb::daemon {
@@ -108,13 +111,13 @@ Step Measure(const std::string& name, pb::CoordinatorService::Stub& coord, int64
   return s;
 }
 
-pb::LayoutSpec Pieces(int64_t n, uint32_t buffer_id) {
+pb::LayoutSpec Pieces(int64_t n, uint32_t buffer_id, const std::string& name) {
   pb::LayoutSpec layout;
   auto* pieces = layout.mutable_pieces()->mutable_pieces();
   pieces->Reserve(static_cast<int>(n));
   for (int64_t i = 0; i < n; ++i) {
     pb::Piece* p = pieces->Add();
-    p->set_tensor("w");
+    p->set_tensor(name);
     p->mutable_box()->add_begin(i);
     p->mutable_box()->add_begin(0);
     p->mutable_box()->add_end(i + 1);
@@ -127,9 +130,9 @@ pb::LayoutSpec Pieces(int64_t n, uint32_t buffer_id) {
   return layout;
 }
 
-int Main(int64_t n, bool json) {
+int Main(int64_t n, const std::string& name, bool json) {
   planner::Inventory inv;
-  inv.tensors.push_back({"w", {n, 8}, planner::DType::kBF16});
+  inv.tensors.push_back({name, {n, 8}, planner::DType::kBF16});
   planner::Inventory other_inv = SmallInventory();
   Cluster c;
   c.StartCoordinator(absl::Seconds(30), "127.0.0.1:0", [](ServerOptions& o) { o.bucket_bytes = int64_t{1} << 30; });
@@ -172,7 +175,7 @@ int Main(int64_t n, bool json) {
     b->set_size_bytes(static_cast<uint64_t>(t0.seg.size()));
     b->set_shm_name(t0.seg.name());
     b->set_gpu(-1);
-    *req.mutable_layout() = Pieces(n, 7);
+    *req.mutable_layout() = Pieces(n, 7, name);
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
     pb::RegisterLayoutResponse resp;
@@ -182,7 +185,7 @@ int Main(int64_t n, bool json) {
     pb::DescribeLayoutRequest req;
     req.set_model_id("m");
     req.set_worker_id("t0");
-    *req.mutable_layout() = Pieces(n, 7);
+    *req.mutable_layout() = Pieces(n, 7, name);
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
     pb::DescribeLayoutResponse resp;
@@ -207,14 +210,14 @@ int Main(int64_t n, bool json) {
     b->set_buffer_id(3);
     b->set_size_bytes(static_cast<uint64_t>(n) * 16);
     b->set_shm_name("/not-mapped-by-the-coordinator");
-    *req.mutable_layout() = Pieces(n, 3);
+    *req.mutable_layout() = Pieces(n, 3, name);
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
     pb::SubmitLayoutResponse resp;
     return coord->SubmitLayout(&ctx, req, &resp);
   }));
   if (json) {
-    std::string out = absl::StrCat("{\"pieces\": ", n, ", \"steps\": [");
+    std::string out = absl::StrCat("{\"pieces\": ", n, ", \"tensor_name_bytes\": ", name.size(), ", \"steps\": [");
     for (size_t i = 0; i < steps.size(); ++i) {
       const Step& s = steps[i];
       absl::StrAppend(&out, i ? ", " : "", "{\"step\": \"", s.name, "\", \"ok\": ", s.ok ? "true" : "false", ", \"seconds\": ", s.seconds,
@@ -241,5 +244,5 @@ int Main(int64_t n, bool json) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  return wb::daemon::Main(absl::GetFlag(FLAGS_pieces), absl::GetFlag(FLAGS_json));
+  return wb::daemon::Main(absl::GetFlag(FLAGS_pieces), absl::GetFlag(FLAGS_tensor_name), absl::GetFlag(FLAGS_json));
 }
