@@ -182,6 +182,44 @@ TEST_P(CatchUpTest, NoSourceIsReportedAndTheNextVersionWorks) {
   Version(c_, mode, 2, {&w.t0, &w.t1}, {&r2});
 }
 
+// Both trainers exit (Deregister) after version 1 committed; then a rollout registers on n1. No
+// plan can be made without trainers, but r0 and r1 hold version 1: the late rollout is caught up
+// from them (WaitVersion(1) in sync, Apply(1) otherwise answers OK with version 1 byte for byte),
+// and once the trainers are back version 2 reaches all three. Before (next steps 25), no catch-up
+// started without a plan and the late rollout's WaitVersion / Apply ran to its deadline.
+TEST_P(CatchUpTest, ALateRolloutIsCaughtUpAfterTheTrainersExited) {
+  const pb::Mode mode = GetParam();
+  TwoNodeWorkers w = StartTwoNodeCluster(c_, inv_, {mode});
+  ASSERT_FALSE(HasFatalFailure());
+  Version(c_, mode, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1});
+  ASSERT_FALSE(HasFatalFailure());
+  for (TestWorker* t : {&w.t0, &w.t1}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    pb::DeregisterRequest req;
+    req.set_model_id("m");
+    req.set_worker_id(t->id);
+    pb::DeregisterResponse resp;
+    ASSERT_TRUE(t->stub->Deregister(&ctx, req, &resp).ok()) << t->id;
+  }
+  // The coordinator knows them gone before the late rollout registers (else a plan with them could
+  // still be made and the catch-up be the ordinary one).
+  auto gone = c_.WaitForCoordinator([](const pb::StatusResponse& s) {
+    for (const pb::ModelStatus& ms : s.models()) {
+      if (ms.model_id() == "m") return ms.registered_trainers() == 0;
+    }
+    return false;
+  }, absl::Seconds(10));
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  TestWorker& r2 = c_.AddWorker("r2", pb::ROLE_ROLLOUT, 1, &inv_, Whole(inv_, false));
+  ASSERT_TRUE(c_.Register(r2, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok());
+  grpc::Status s = Receive(c_, r2, mode, 1);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(CountBad(r2, 1), 0) << "the late rollout was told version 1 before holding it";
+  for (TestWorker* t : {&w.t0, &w.t1}) ASSERT_TRUE(c_.Register(*t, SmallSpec(mode, pb::STRATEGY_WEIGHTBRIDGE)).ok()) << t->id;
+  Version(c_, mode, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1, &r2});
+}
+
 // A catch-up attempt made void mid-transfer (a source, r0, leaves while n1 holds the attempt
 // before a bucket) is followed by another from the remaining source: the late rollout's Apply(1)
 // on n1 - one waiting since before, one sent while the retry is held there - does not answer

@@ -673,6 +673,18 @@ std::shared_ptr<const ModelPlan> Versions::Plan(const std::string& model_id) {
   return it == plans_.end() ? nullptr : it->second;
 }
 
+std::shared_ptr<const ModelPlan> Versions::PlanWith(const std::string& model_id, const std::string& worker) {
+  absl::MutexLock l(&mu_);
+  for (const auto* plans : {&plans_, &catch_up_plans_}) {
+    auto it = plans->find(model_id);
+    if (it == plans->end()) continue;
+    for (const auto& w : it->second->slice.workers()) {
+      if (w.worker_id() == worker) return it->second;
+    }
+  }
+  return nullptr;
+}
+
 std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& reason) {
   std::vector<std::tuple<std::string, std::string, transport::PeerId>> drop;
   std::map<std::string, uint64_t> committed;

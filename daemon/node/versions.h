@@ -248,6 +248,10 @@ class Versions {
   uint64_t Committed(const std::string& model_id);
   // The model's installed plan (not a catch-up slice), or null.
   std::shared_ptr<const ModelPlan> Plan(const std::string& model_id);
+  // The plan whose slice lists `worker`: the model's, else its catch-up slice's (a rollout caught
+  // up while the model's plan does not hold it: its trainers exited, so no plan was made with it);
+  // null with neither. Apply's copy takes the worker's live layout from it.
+  std::shared_ptr<const ModelPlan> PlanWith(const std::string& model_id, const std::string& worker);
   // A worker call's answer from the coordinator says `version` of `model` is committed cluster-wide
   // (a sync Publish answered OK; ReportReady's or WaitVersion's committed_version). Only such
   // versions are kept over a re-join (AbortAllForRejoin).

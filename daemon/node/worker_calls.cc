@@ -374,7 +374,11 @@ absl::StatusOr<uint64_t> WorkerCalls::CopyApplicable(const std::string& model, c
   job.version = found.version;
   job.staging = found.staging;
   job.live = std::move(found.live);
-  std::shared_ptr<const ModelPlan> plan = versions_.Plan(model);
+  // The worker's live layout: from the model's plan, or from the catch-up slice that brought it
+  // the version when the model's plan does not hold it (caught up while its trainers were gone).
+  // Before, such a worker got an empty layout: nothing copied, and Apply answered OK.
+  std::shared_ptr<const ModelPlan> plan = versions_.PlanWith(model, wid);
+  if (plan == nullptr) plan = versions_.Plan(model);
   if (plan == nullptr) return absl::FailedPreconditionError("no plan installed");
   job.inventory = std::shared_ptr<const planner::Inventory>(plan, &plan->inventory);
   for (int i = 0; i < plan->slice.workers_size(); ++i) {
