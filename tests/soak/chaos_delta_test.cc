@@ -28,7 +28,8 @@
 // refused deltas by reason (each resent in full - never a wrong byte - but each a wasted stream).
 //
 // Modes: sync, one-step-off, async (one case each). WB_CHAOS_SEED (default 20261207, printed),
-// WB_CHAOS_FAULTS (default 8), WB_CHAOS_VERSIONS (default 120; 60 in sync). Variants (manual runs; the defaults are the run described above):
+// WB_CHAOS_FAULTS (default 8), WB_CHAOS_VERSIONS (default 120; 60 in sync). Variants (manual runs;
+// the defaults are the run described above):
 //   WB_CHAOS_QUANT=fp8_block128|w4a16_g32|nvfp4|mxfp8|none  the rollouts' scheme (none: bf16);
 //   WB_CHAOS_DIGESTS=0                      daemons with --digests=false;
 //   WB_CHAOS_LORA=1                         LoRA-only versions (peft dp=2 trainers, vllm_lora
