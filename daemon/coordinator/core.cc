@@ -47,9 +47,12 @@ CoordinatorCore::CoordinatorCore(CoordinatorOptions options)
                                }}) {
   if (!options_.make_node_client) {
     auto make_channel = options_.make_channel;
-    options_.make_node_client = [make_channel](const std::string&, const std::string& address) -> std::shared_ptr<NodeClient> {
-      return std::make_shared<GrpcNodeClient>(make_channel ? make_channel(address)
-                                                           : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    // Stamped with this process's instance: a node that re-joined after a restart refuses its late
+    // InstallPlan / CommitVersion / AbortVersion (docs/daemon.md "Coordinator restart").
+    options_.make_node_client = [make_channel, instance = instance_](const std::string&,
+                                                                     const std::string& address) -> std::shared_ptr<NodeClient> {
+      return std::make_shared<GrpcNodeClient>(
+          make_channel ? make_channel(address) : grpc::CreateChannel(address, grpc::InsecureChannelCredentials()), instance);
     };
   }
 }

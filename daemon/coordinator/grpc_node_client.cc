@@ -39,6 +39,7 @@ void GrpcNodeClient::CancelCalls() {
 absl::Status GrpcNodeClient::InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) {
   pb::InstallPlanRequest req;
   *req.mutable_slice() = slice;
+  req.set_coordinator_instance(coordinator_instance_);
   return Call<pb::InstallPlanRequest, pb::InstallPlanResponse>(&pb::NodeService::Stub::InstallPlan, req, timeout);
 }
 
@@ -51,6 +52,7 @@ absl::Status GrpcNodeClient::CommitVersion(const std::string& model_id, uint64_t
   pb::CommitVersionRequest req;
   req.set_model_id(model_id);
   req.set_version(version);
+  req.set_coordinator_instance(coordinator_instance_);
   return Call<pb::CommitVersionRequest, pb::CommitVersionResponse>(&pb::NodeService::Stub::CommitVersion, req, timeout);
 }
 
@@ -61,6 +63,7 @@ absl::Status GrpcNodeClient::AbortVersion(const std::string& model_id, uint64_t 
   req.set_version(version);
   req.set_plan_epoch(plan_epoch);
   req.set_reason(reason);
+  req.set_coordinator_instance(coordinator_instance_);
   return Call<pb::AbortVersionRequest, pb::AbortVersionResponse>(&pb::NodeService::Stub::AbortVersion, req, timeout);
 }
 

@@ -16,7 +16,11 @@ namespace wb::daemon {
 
 class GrpcNodeClient final : public NodeClient {
  public:
-  explicit GrpcNodeClient(std::shared_ptr<grpc::Channel> channel) : stub_(pb::NodeService::NewStub(channel)) {}
+  // `coordinator_instance`: the coordinator process's instance, stamped on every InstallPlan,
+  // CommitVersion and AbortVersion (ExecuteVersion's request carries its own), so a node that
+  // re-joined a restarted coordinator refuses this one's late calls; empty: not stamped.
+  explicit GrpcNodeClient(std::shared_ptr<grpc::Channel> channel, std::string coordinator_instance = {})
+      : stub_(pb::NodeService::NewStub(channel)), coordinator_instance_(std::move(coordinator_instance)) {}
 
   absl::Status InstallPlan(const pb::PlanSlice& slice, absl::Duration timeout) override;
   absl::Status ExecuteVersion(const pb::ExecuteVersionRequest& req, absl::Duration timeout) override;
@@ -31,6 +35,7 @@ class GrpcNodeClient final : public NodeClient {
   absl::Status Call(Method method, const Req& req, absl::Duration timeout);
 
   std::unique_ptr<pb::NodeService::Stub> stub_;
+  const std::string coordinator_instance_;
   absl::Mutex mu_;
   std::set<grpc::ClientContext*> in_flight_ ABSL_GUARDED_BY(mu_);  // TryCancel'ed by CancelCalls
 };

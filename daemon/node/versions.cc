@@ -91,6 +91,11 @@ absl::Status Versions::InstallPlan(const pb::InstallPlanRequest& req) {
   Log(LogLevel::kDebug, "plan installed",
       {{"node", me}, {"model", plan->slice.model_id()}, {"epoch", plan->slice.plan_epoch()}, {"ops", plan->slice.ops_size()}});
   absl::MutexLock l(&mu_);
+  // Under mu_, as ExecuteVersion's: a re-join between the check and the install cannot let the
+  // dead coordinator's slice replace the new session's plan.
+  RETURN_IF_ERROR(CheckCoordinatorInstanceLocked(
+      "InstallPlan", plan->slice.model_id(),
+      absl::StrCat("plan epoch ", plan->slice.plan_epoch(), plan->slice.catch_up() ? " (catch-up)" : ""), req.coordinator_instance()));
   // A catch-up slice (docs/daemon.md "Catch-up") never replaces the model's plan.
   (plan->slice.catch_up() ? catch_up_plans_ : plans_)[plan->slice.model_id()] = std::move(plan);
   return absl::OkStatus();
@@ -162,23 +167,23 @@ absl::StatusOr<std::shared_ptr<Exec>> Versions::GetExecLocked(const std::string&
   return exec;
 }
 
-absl::Status Versions::CheckCoordinatorInstanceLocked(const pb::ExecuteVersionRequest& req) {
+absl::Status Versions::CheckCoordinatorInstanceLocked(absl::string_view call, const std::string& model_id, absl::string_view what,
+                                                      const std::string& from_instance) {
   // An empty instance on either side: a coordinator built before the field, or no registration
   // yet - nothing to compare (as before).
   const std::string current = coordinator_.coordinator_instance();
-  if (req.coordinator_instance().empty() || current.empty() || req.coordinator_instance() == current) return absl::OkStatus();
+  if (from_instance.empty() || current.empty() || from_instance == current) return absl::OkStatus();
   // The dead coordinator's call, late (a frozen node, or its handler scheduled after the
-  // re-join): its ReportDone would be ignored by instance, but the execution would still run,
-  // take staging, drop older snapshots, consume a re-join's run-again mark and count as run by
-  // the new session (LocalWorkers::NoteSessionVersion: an Apply(v) would then wait for it to fail
-  // instead of asking the new coordinator).
-  Log(LogLevel::kWarning, "stale ExecuteVersion refused",
-      {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"from_instance", req.coordinator_instance()},
-       {"instance", current}});
+  // re-join). An ExecuteVersion would run, take staging, drop older snapshots, consume a re-join's
+  // run-again mark and count as run by the new session (LocalWorkers::NoteSessionVersion); an
+  // InstallPlan would replace the new session's plan, a CommitVersion commit a re-run the new
+  // coordinator has not decided, an AbortVersion lose a re-run it may still commit.
+  Log(LogLevel::kWarning, absl::StrCat("stale ", call, " refused"),
+      {{"node", options_.node_id}, {"model", model_id}, {"what", what}, {"from_instance", from_instance}, {"instance", current}});
   return absl::FailedPreconditionError(absl::StrCat(
-      "ExecuteVersion of model ", req.model_id(), " version ", req.version(), req.catch_up() ? " (catch-up)" : "", " refused on node ",
-      options_.node_id, ": it comes from coordinator instance ", req.coordinator_instance(), ", but the node is registered with coordinator instance ",
-      current, " (the coordinator restarted and the node re-joined the new one; only its calls run versions here)"));
+      call, " of model ", model_id, " ", what, " refused on node ", options_.node_id, ": it comes from coordinator instance ", from_instance,
+      ", but the node is registered with coordinator instance ", current,
+      " (the coordinator restarted and the node re-joined the new one; only its calls act here)"));
 }
 
 absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
@@ -193,7 +198,9 @@ absl::Status Versions::ExecuteVersion(const pb::ExecuteVersionRequest& req) {
   // First, before anything is dropped, created or recorded: a call of a coordinator this node has
   // left for a restarted one (read under mu_, so a re-join's AbortAllForRejoin either aborts what
   // this call starts or has already made this check see the new instance).
-  RETURN_IF_ERROR(CheckCoordinatorInstanceLocked(req));
+  RETURN_IF_ERROR(CheckCoordinatorInstanceLocked("ExecuteVersion", req.model_id(),
+                                                 absl::StrCat("version ", req.version(), req.catch_up() ? " (catch-up)" : ""),
+                                                 req.coordinator_instance()));
   // Snapshots older than this version can never be sent any more (superseded, or aborted with the
   // abort still on its way here): dropped before this version's staging is charged to the node's
   // budget, which they would otherwise still hold.
@@ -317,6 +324,8 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
   const std::string& me = options_.node_id;
   {
     absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckCoordinatorInstanceLocked("CommitVersion", req.model_id(), absl::StrCat("version ", req.version()),
+                                                   req.coordinator_instance()));
     auto it = execs_.find({req.model_id(), req.version()});
     if (it == execs_.end()) return CommitOfUnknownLocked(req);
     exec = it->second;
@@ -444,6 +453,8 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   std::vector<std::string> dropped_copies;  // resumed rollouts whose committed copy of it went
   {
     absl::MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckCoordinatorInstanceLocked("AbortVersion", req.model_id(), absl::StrCat("version ", req.version()),
+                                                   req.coordinator_instance()));
     auto it = execs_.find({req.model_id(), req.version()});
     // Only a catch-up attempt's abort names a plan epoch (version aborts send 0): it ends that
     // attempt's execution, but it is no outcome of the version for this node's rollouts - the

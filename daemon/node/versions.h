@@ -53,6 +53,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/clock.h"
@@ -306,10 +307,12 @@ class Versions {
   void TagCommittedStaging(const Exec& exec, const std::string& model, const std::string& worker, uint64_t version,
                            const std::shared_ptr<Bytes>& staging) const;
 
-  // ExecuteVersion stamped with another coordinator instance than the one the node is registered
-  // with (CoordinatorAccess::coordinator_instance): FAILED_PRECONDITION naming both; OK when
-  // either is empty (a coordinator built before the field, no registration yet).
-  absl::Status CheckCoordinatorInstanceLocked(const pb::ExecuteVersionRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A coordinator call (`call` of `model_id`, `what`: "version 3") stamped with another
+  // coordinator instance than the one the node is registered with (CoordinatorAccess::
+  // coordinator_instance): FAILED_PRECONDITION naming both; OK when either is empty (a
+  // coordinator built before the field, no registration yet).
+  absl::Status CheckCoordinatorInstanceLocked(absl::string_view call, const std::string& model_id, absl::string_view what,
+                                              const std::string& from_instance) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CommitVersion of a version with no execution here: OK for one committed already, ABORTED for
   // one aborted here, FAILED_PRECONDITION when a restart lost its staging (noted for Apply).
   absl::Status CommitOfUnknownLocked(const pb::CommitVersionRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -56,11 +56,12 @@ class VersionsTest : public ::testing::Test, public daemon::testing::NodeParts {
   }
 
   // Model "m", plan epoch 1: a trainer on n0 and a rollout on n1, no ops.
-  void InstallPlan(pb::Mode mode = pb::MODE_UNSPECIFIED) {
+  void InstallPlan(pb::Mode mode = pb::MODE_UNSPECIFIED) { ASSERT_TRUE(versions_->InstallPlan(PlanRequest(mode)).ok()); }
+  pb::InstallPlanRequest PlanRequest(pb::Mode mode, uint64_t epoch = 1) {
     pb::InstallPlanRequest req;
     pb::PlanSlice* s = req.mutable_slice();
     s->set_model_id("m");
-    s->set_plan_epoch(1);
+    s->set_plan_epoch(epoch);
     s->set_mode(mode);
     s->set_num_buckets(1);
     pb::PlanWorker* t = s->add_workers();
@@ -72,7 +73,7 @@ class VersionsTest : public ::testing::Test, public daemon::testing::NodeParts {
     r->set_node_id("n1");
     r->set_role(pb::ROLE_ROLLOUT);
     (*r->mutable_transport_instances())["host_tcp"] = "n1-instance";
-    ASSERT_TRUE(versions_->InstallPlan(req).ok());
+    return req;
   }
 
   pb::ExchangeRegionsRequest Exchange(uint64_t version) {
@@ -527,6 +528,97 @@ TEST_F(VersionsTest, AnExecuteVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAnd
   e.set_coordinator_instance("");
   absl::Status old_peer = versions_->ExecuteVersion(e);
   EXPECT_TRUE(old_peer.ok()) << old_peer;
+}
+
+// The dead coordinator's late InstallPlan (after the re-join) is refused like its ExecuteVersion,
+// before the slice replaces the new session's plan: the new session numbers plan epochs from 1
+// again, so the old slice would make its next versions fail "not installed" or run the old slice.
+TEST_F(VersionsTest, AnInstallPlanOfTheCoordinatorBeforeTheReJoinIsRefusedAndKeepsThePlan) {
+  coordinator_.instance = "B";
+  pb::InstallPlanRequest fresh = PlanRequest(pb::MODE_SYNC, 1);
+  fresh.set_coordinator_instance("B");
+  ASSERT_TRUE(versions_->InstallPlan(fresh).ok());
+  pb::InstallPlanRequest stale = PlanRequest(pb::MODE_SYNC, 2);
+  stale.set_coordinator_instance("A");
+  absl::Status refused = versions_->InstallPlan(stale);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("InstallPlan of model m plan epoch 2 refused on node n0: it comes from coordinator instance A, but the "
+                                   "node is registered with coordinator instance B"),
+            std::string::npos)
+      << refused;
+  pb::ExecuteVersionRequest e;
+  e.set_model_id("m");
+  e.set_version(2);
+  e.set_plan_epoch(1);
+  e.set_timeout_ms(1000);
+  e.set_coordinator_instance("B");
+  absl::Status run = versions_->ExecuteVersion(e);
+  EXPECT_TRUE(run.ok()) << "the new session's plan epoch 1 was replaced: " << run;
+  // A coordinator built before the field stamps nothing: installed, as before.
+  stale.clear_coordinator_instance();
+  absl::Status old_peer = versions_->InstallPlan(stale);
+  EXPECT_TRUE(old_peer.ok()) << old_peer;
+}
+
+// The dead coordinator's late CommitVersion is refused before the node looks the version up: it
+// commits nothing (a re-run the new coordinator has not decided) and records nothing - here, a
+// sync version with no staging would otherwise be noted aborted on the node.
+TEST_F(VersionsTest, ACommitVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAndRecordsNothing) {
+  coordinator_.instance = "B";
+  InstallPlan(pb::MODE_SYNC);
+  pb::CommitVersionRequest c;
+  c.set_model_id("m");
+  c.set_version(3);
+  c.set_coordinator_instance("A");
+  absl::Status stale = versions_->CommitVersion(c);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
+  EXPECT_NE(stale.message().find("CommitVersion of model m version 3 refused on node n0: it comes from coordinator instance A, but the "
+                                 "node is registered with coordinator instance B"),
+            std::string::npos)
+      << stale;
+  EXPECT_FALSE(local_->AbortReason("m", 3).has_value()) << *local_->AbortReason("m", 3);
+  EXPECT_EQ(versions_->Committed("m"), 0u);
+  // The new coordinator's commit is handled as before (no staging here, sync: aborted here).
+  c.set_coordinator_instance("B");
+  absl::Status fresh = versions_->CommitVersion(c);
+  EXPECT_NE(fresh.message().find("no longer holds the staging of version 3"), std::string::npos) << fresh;
+  EXPECT_TRUE(local_->AbortReason("m", 3).has_value());
+}
+
+// The dead coordinator's late AbortVersion of a version the re-join aborted is refused: the
+// run-again mark stays, so the new coordinator's re-run of it (its trainers' Publish re-sent)
+// still runs here instead of being refused ABORTED with the dead coordinator's reason.
+TEST_F(VersionsTest, AnAbortVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAndKeepsTheReRun) {
+  coordinator_.instance = "A";
+  InstallPlan(pb::MODE_SYNC);
+  pb::ExecuteVersionRequest e;
+  e.set_model_id("m");
+  e.set_version(2);
+  e.set_plan_epoch(1);
+  e.set_timeout_ms(1000);
+  e.set_coordinator_instance("A");
+  ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
+  coordinator_.instance = "B";
+  (void)versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
+  InstallPlan(pb::MODE_SYNC);  // the new session's plan epoch 1
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(2);
+  a.set_reason("the old coordinator gave up");
+  a.set_coordinator_instance("A");
+  absl::Status stale = versions_->AbortVersion(a);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
+  EXPECT_NE(stale.message().find("AbortVersion of model m version 2 refused on node n0: it comes from coordinator instance A, but the "
+                                 "node is registered with coordinator instance B"),
+            std::string::npos)
+      << stale;
+  e.set_coordinator_instance("B");
+  absl::Status rerun = versions_->ExecuteVersion(e);
+  EXPECT_TRUE(rerun.ok()) << rerun;
+  // The new coordinator's abort ends it, as before.
+  a.set_coordinator_instance("B");
+  EXPECT_TRUE(versions_->AbortVersion(a).ok());
+  EXPECT_TRUE(local_->AbortReason("m", 2).has_value());
 }
 
 }  // namespace
