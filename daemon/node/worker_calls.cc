@@ -377,9 +377,19 @@ absl::StatusOr<uint64_t> WorkerCalls::CopyApplicable(const std::string& model, c
   // The worker's live layout: from the model's plan, or from the catch-up slice that brought it
   // the version when the model's plan does not hold it (caught up while its trainers were gone).
   // Before, such a worker got an empty layout: nothing copied, and Apply answered OK.
+  // A plan that does not list the worker has no layout for it: copying "its" pieces from such a
+  // plan copied nothing and Apply answered OK over unchanged live weights (a silent non-landing).
+  // Refused instead, naming why; the staging stays for a later Apply once a plan lists the worker.
+  // (Listed with an empty layout is different: the worker holds no pieces, and OK is right.)
   std::shared_ptr<const ModelPlan> plan = versions_.PlanWith(model, wid);
-  if (plan == nullptr) plan = versions_.Plan(model);
-  if (plan == nullptr) return absl::FailedPreconditionError("no plan installed");
+  if (plan == nullptr) {
+    const bool any = versions_.Plan(model) != nullptr;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version ", job.version, " of model ", model, " is committed on node ", options_.node_id, " for worker ", wid,
+        " but no plan installed there lists the worker (", any ? "the model's plan was made without it" : "no plan of the model is installed",
+        ", and no catch-up slice lists it), so its live layout is unknown; nothing was copied: live weights still hold version ",
+        found.applied_version, " (the version stays staged: Apply again once the worker is planned)"));
+  }
   job.inventory = std::shared_ptr<const planner::Inventory>(plan, &plan->inventory);
   for (int i = 0; i < plan->slice.workers_size(); ++i) {
     if (plan->slice.workers(i).worker_id() == wid) job.layout = plan->live_layouts[i];

@@ -8,7 +8,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -133,6 +136,69 @@ TEST_F(WorkerCallsTest, PublishByAWorkerWithoutLayoutNamesWorkerModelAndNode) {
   absl::Status s = calls_->Publish(req, &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
   EXPECT_NE(s.message().find("worker trainer/0 of model m has no layout on node n0"), std::string::npos) << s;
+}
+
+// Helper 122: a one-step-off rollout r0 holds committed version 1 in its staging, but the plan
+// installed on its node does not list it (a re-plan made without it, a catch-up slice replaced by
+// another rollout's): its live layout is unknown. Apply(1) copied nothing and answered OK over
+// unchanged live weights; it is FAILED_PRECONDITION naming worker, model, version and why, and the
+// staging stays: once a plan lists r0 (here with no pieces: OK is right then) Apply(1) lands.
+TEST_F(WorkerCallsTest, ApplyForAWorkerNoInstalledPlanListsIsRefusedNotAnsweredOk) {
+  auto install = [&](uint64_t epoch, const std::string& rollout) {
+    pb::InstallPlanRequest req;
+    pb::PlanSlice* s = req.mutable_slice();
+    s->set_model_id("m");
+    s->set_plan_epoch(epoch);
+    s->set_mode(pb::MODE_ONE_STEP_OFF);
+    s->set_num_buckets(1);
+    pb::PlanWorker* r = s->add_workers();
+    r->set_worker_id(rollout);
+    r->set_node_id("n0");
+    r->set_role(pb::ROLE_ROLLOUT);
+    absl::Status installed = versions_->InstallPlan(req);
+    EXPECT_TRUE(installed.ok()) << installed;
+  };
+  LocalWorkers::Worker w;
+  w.model_id = "m";
+  w.role = planner::Role::kRollout;
+  w.mode = pb::MODE_ONE_STEP_OFF;
+  local_->Add({"m", "r0"}, std::move(w), std::nullopt);
+  auto seg = transport::ShmSegment::Create(transport::ShmSegment::UniqueName("unplanned"), 4096);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  auto live = std::make_shared<transport::ShmSegment>(std::move(*seg));
+  std::memset(live->data(), 0x11, 4096);
+  ASSERT_TRUE(local_->AttachLayout({"m", "r0"}, {live}, {nullptr}, pb::SubmitLayoutRequest(), pb::ResolvedLayout()).ok());
+  auto staged = std::make_shared<StagedBytes>(1);
+  (*staged)[0].host.assign(4096, 0xAB);
+  EXPECT_TRUE(local_->Commit("m", 1, {{"r0", staged}}, {}).empty());  // one-step-off: no copy at commit
+  install(1, "r1");                                                    // the model's plan, without r0
+  auto apply = [&] {
+    pb::ApplyRequest req;
+    req.set_model_id("m");
+    req.set_worker_id("r0");
+    req.set_version(1);
+    req.set_timeout_ms(10000);
+    pb::ApplyResponse resp;
+    absl::Status s = calls_->Apply(req, &resp);
+    return s.ok() ? absl::StatusOr<uint64_t>(resp.applied_version()) : absl::StatusOr<uint64_t>(s);
+  };
+  absl::StatusOr<uint64_t> applied = apply();
+  EXPECT_EQ(applied.status().code(), absl::StatusCode::kFailedPrecondition) << applied.status();
+  for (const std::string& want : {std::string("version 1 of model m is committed on node n0 for worker r0"),
+                                  std::string("no plan installed there lists the worker"), std::string("live weights still hold version 0")}) {
+    EXPECT_NE(applied.status().message().find(want), std::string::npos) << want << " missing in: " << applied.status();
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(live->data());
+  EXPECT_EQ(std::count(p, p + 4096, 0x11), 4096) << "live weights written";
+  std::optional<LocalWorkers::View> v = local_->Get({"m", "r0"});
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->worker.applied_version, 0u);
+  EXPECT_EQ(v->worker.committed, staged) << "the staging is kept for a later Apply";
+  // A plan listing r0 (no pieces in it): Apply(1) answers OK from the kept staging.
+  install(2, "r0");
+  applied = apply();
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_EQ(*applied, 1u);
 }
 
 // M3 of the hostile review: the front checks a segment's owner on a descriptor of its own and
