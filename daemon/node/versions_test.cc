@@ -57,6 +57,16 @@ class VersionsTest : public ::testing::Test, public daemon::testing::NodeParts {
 
   // Model "m", plan epoch 1: a trainer on n0 and a rollout on n1, no ops.
   void InstallPlan(pb::Mode mode = pb::MODE_UNSPECIFIED) { ASSERT_TRUE(versions_->InstallPlan(PlanRequest(mode)).ok()); }
+  // An ExecuteVersion of model m, plan epoch 1, 1 s, stamped with `instance` (empty: none).
+  static pb::ExecuteVersionRequest ExecuteRequest(uint64_t version, const std::string& instance = "") {
+    pb::ExecuteVersionRequest e;
+    e.set_model_id("m");
+    e.set_version(version);
+    e.set_plan_epoch(1);
+    e.set_timeout_ms(1000);
+    if (!instance.empty()) e.set_coordinator_instance(instance);
+    return e;
+  }
   pb::InstallPlanRequest PlanRequest(pb::Mode mode, uint64_t epoch = 1) {
     pb::InstallPlanRequest req;
     pb::PlanSlice* s = req.mutable_slice();
@@ -423,11 +433,7 @@ TEST_F(VersionsTest, PeerExchangeForAVersionNeverStartedReleasesItsStaging) {
     return versions_->ExchangeRegions(Exchange(1000000), &r2);
   });
   EXPECT_EQ(exchanged.code(), absl::StatusCode::kDeadlineExceeded) << exchanged;
-  pb::ExecuteVersionRequest e;
-  e.set_model_id("m");
-  e.set_version(2);
-  e.set_plan_epoch(1);
-  e.set_timeout_ms(1000);
+  pb::ExecuteVersionRequest e = ExecuteRequest(2);
   absl::Status st = versions_->ExecuteVersion(e);
   EXPECT_TRUE(st.ok()) << st;
   pb::AbortVersionRequest a;
@@ -444,11 +450,7 @@ TEST_F(VersionsTest, PeerExchangeForAVersionNeverStartedReleasesItsStaging) {
 // publishes of a version that had started were lost anyway.
 TEST_F(VersionsTest, AVersionAbortedByAReJoinRunsAgainForTheNewCoordinator) {
   InstallPlan(pb::MODE_SYNC);
-  pb::ExecuteVersionRequest e;
-  e.set_model_id("m");
-  e.set_version(2);
-  e.set_plan_epoch(1);
-  e.set_timeout_ms(1000);
+  pb::ExecuteVersionRequest e = ExecuteRequest(2);
   ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
   (void)versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
   EXPECT_TRUE(local_->AbortReason("m", 2).has_value()) << "Apply waiters of the old session are answered";
@@ -490,12 +492,7 @@ TEST_F(VersionsTest, AnExecuteVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAnd
   local_->Add({"m", "r0"}, std::move(r), std::nullopt);
   coordinator_.instance = "A";
   InstallPlan(pb::MODE_SYNC);
-  pb::ExecuteVersionRequest e;
-  e.set_model_id("m");
-  e.set_version(2);
-  e.set_plan_epoch(1);
-  e.set_timeout_ms(1000);
-  e.set_coordinator_instance("A");
+  pb::ExecuteVersionRequest e = ExecuteRequest(2, "A");
   ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
   coordinator_.instance = "B";  // registered with the restarted coordinator, then the re-join:
   (void)versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
@@ -546,12 +543,7 @@ TEST_F(VersionsTest, AnInstallPlanOfTheCoordinatorBeforeTheReJoinIsRefusedAndKee
                                    "node is registered with coordinator instance B"),
             std::string::npos)
       << refused;
-  pb::ExecuteVersionRequest e;
-  e.set_model_id("m");
-  e.set_version(2);
-  e.set_plan_epoch(1);
-  e.set_timeout_ms(1000);
-  e.set_coordinator_instance("B");
+  pb::ExecuteVersionRequest e = ExecuteRequest(2, "B");
   absl::Status run = versions_->ExecuteVersion(e);
   EXPECT_TRUE(run.ok()) << "the new session's plan epoch 1 was replaced: " << run;
   // A coordinator built before the field stamps nothing: installed, as before.
@@ -591,12 +583,7 @@ TEST_F(VersionsTest, ACommitVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAndRe
 TEST_F(VersionsTest, AnAbortVersionOfTheCoordinatorBeforeTheReJoinIsRefusedAndKeepsTheReRun) {
   coordinator_.instance = "A";
   InstallPlan(pb::MODE_SYNC);
-  pb::ExecuteVersionRequest e;
-  e.set_model_id("m");
-  e.set_version(2);
-  e.set_plan_epoch(1);
-  e.set_timeout_ms(1000);
-  e.set_coordinator_instance("A");
+  pb::ExecuteVersionRequest e = ExecuteRequest(2, "A");
   ASSERT_TRUE(versions_->ExecuteVersion(e).ok());
   coordinator_.instance = "B";
   (void)versions_->AbortAllForRejoin("the coordinator restarted (instance A -> B)");
