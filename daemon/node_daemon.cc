@@ -53,6 +53,7 @@ node::Versions::Options VersionsOptions(const NodeDaemon::Options& o, node::Peer
   vo.delta_apply_delay = o.delta_apply_delay;
   vo.test_after_buckets = o.test_after_buckets;
   vo.test_before_bucket = o.test_before_bucket;
+  vo.test_commit_answer = o.test_commit_answer;
   vo.connect_rounds = o.test_connect_rounds;
   vo.exchange_regions = [peers](const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,
                                 pb::ExchangeRegionsResponse* resp, absl::Time deadline) {

@@ -109,6 +109,8 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // one per GPU listed by --nccl_devices (daemon/nccl_route.h).
     // TEST ONLY: called by the executor before it posts each bucket (fault tests stall a node here).
     std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
+    // TEST ONLY: see node::Versions::Options::test_commit_answer (a CommitVersion answer lost).
+    std::function<absl::Status(const std::string& model_id, uint64_t version, bool catch_up)> test_commit_answer;
     // TEST ONLY: when it returns true the heartbeat is skipped (a frozen node: its lease expires).
     std::function<bool()> test_skip_heartbeat;
     // TEST ONLY: false = this node acts as one built before connection rounds (ExchangeRegions

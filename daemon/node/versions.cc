@@ -348,6 +348,9 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
     // finds it, marks it aborted and erases it; the second block below then does not commit.
     exec->committing = true;
     jobs = CommitJobsLocked(req, *exec);
+    // Under the same lock as the staging becomes committed (CommitJobsLocked): an Apply that finds
+    // it finds the plan it landed with too.
+    NoteLandedWithLocked(*exec);
     // One-step-off / async rollouts: their incoming staging is now the committed copy, which Apply
     // copies into live weights and then hands back to the pool - tagged, so that the next version
     // takes it back and decodes its deltas in place when the rollout applied this one before it
@@ -434,6 +437,7 @@ absl::Status Versions::CommitVersion(const pb::CommitVersionRequest& req) {
        {"version", req.version()},
        {"live_copies", jobs.size()},
        {"copy_s", absl::ToDoubleSeconds(options_.clock->Now() - copy_start)}});
+  if (options_.test_commit_answer) return options_.test_commit_answer(req.model_id(), req.version(), exec->catch_up);
   return absl::OkStatus();
 }
 
@@ -517,71 +521,6 @@ absl::Status Versions::AbortVersion(const pb::AbortVersionRequest& req) {
   Log(LogLevel::kInfo, "version aborted on node",
       {{"node", options_.node_id}, {"model", req.model_id()}, {"version", req.version()}, {"reason", req.reason()}});
   return absl::OkStatus();
-}
-
-void Versions::NoteCommittedLocked(const std::string& model, uint64_t version) {
-  committed_[model] = std::max(committed_[model], version);
-  std::set<uint64_t>& history = committed_history_[model];
-  history.insert(version);
-  while (history.size() > kCommittedHistory) history.erase(history.begin());
-}
-
-std::optional<uint64_t> Versions::RollBackCommittedLocked(const std::string& model, uint64_t version) {
-  auto h = committed_history_.find(model);
-  if (h == committed_history_.end() || h->second.erase(version) == 0) return std::nullopt;
-  uint64_t& committed = committed_[model];
-  const uint64_t before = committed;
-  // The newest version committed here that is left (0: none known). One level back is what sync
-  // needs (one version at a time); a version rolled back under a newer one changes nothing.
-  if (committed == version) committed = h->second.empty() ? 0 : *h->second.rbegin();
-  return before;
-}
-
-std::optional<pb::Mode> Versions::ModeLocked(const std::string& model) {
-  if (auto p = plans_.find(model); p != plans_.end()) return p->second->slice.mode();
-  std::optional<planner::Role> role;
-  if (std::optional<pb::ModelSpec> spec = local_.SpecOf(model, "", &role)) return spec->mode();
-  return std::nullopt;
-}
-
-void Versions::NoteClusterCommitted(const std::string& model, uint64_t version) {
-  if (version == 0) return;
-  absl::MutexLock l(&mu_);
-  uint64_t& confirmed = confirmed_[model];
-  confirmed = std::max(confirmed, version);
-}
-
-std::vector<Versions::RolledBack> Versions::RollBackUnconfirmedLocked(const std::string& reason) {
-  std::vector<RolledBack> out;
-  for (auto& [model, history] : committed_history_) {
-    const uint64_t confirmed = confirmed_[model];
-    if (history.empty() || *history.rbegin() <= confirmed) continue;
-    // Only sync: in the other modes the coordinator decides the commit before it sends
-    // CommitVersion, so a version committed here is committed (owed to nodes that missed it).
-    const std::optional<pb::Mode> mode = ModeLocked(model);
-    if (!mode.has_value() || (*mode != pb::MODE_SYNC && *mode != pb::MODE_UNSPECIFIED)) continue;
-    std::vector<uint64_t> unconfirmed(history.upper_bound(confirmed), history.end());
-    for (auto v = unconfirmed.rbegin(); v != unconfirmed.rend(); ++v) {
-      // As the AbortVersion of a failed sync commit would have: committed_ falls back, the
-      // version is recorded aborted here (a CommitVersion or ExecuteVersion of it, or the number
-      // published again, is refused ABORTED), resumed rollouts' committed copy of it goes.
-      // Rollouts whose live weights hold it still say so (holds_version): above the restored
-      // committed version they are neither catch-up sources nor destinations.
-      if (!RollBackCommittedLocked(model, *v)) continue;
-      local_.NoteAborted(model, *v, absl::StrCat("version ", *v, " was committed on node ", options_.node_id,
-                                                  " but never confirmed committed cluster-wide before ", reason,
-                                                  " (not every node may have committed it; its AbortVersion may have been lost): "
-                                                  "rolled back at the re-join"));
-      // Like an execution the re-join aborted (AbortAllForRejoin), it may run again for the new
-      // coordinator, once: its trainers' Publish is sent again there (WorkerCalls::
-      // PublishAgainAfterRestart), from the same source. A number a rollout's live weights
-      // hold is never run again: the coordinator refuses it as used (UsedUncommittedLocked).
-      // Before, this record refused the new ExecuteVersion (chaos seed 1002, v34).
-      rejoin_aborted_.insert({model, *v});
-      out.push_back({model, *v, committed_[model], local_.DropAbortedCommit(model, *v)});
-    }
-  }
-  return out;
 }
 
 absl::Status Versions::ExchangeRegions(const pb::ExchangeRegionsRequest& req, pb::ExchangeRegionsResponse* resp) {
@@ -670,30 +609,6 @@ absl::Status Versions::Drain(const pb::DrainRequest& req, pb::DrainResponse* res
   pb::DrainRequest r = req;
   if (r.node_id().empty()) r.set_node_id(options_.node_id);
   return coordinator_.client().Drain(r, resp, CallTimeout(options_.clock, Deadline(options_.clock, req.timeout_ms())));
-}
-
-uint64_t Versions::Committed(const std::string& model_id) {
-  absl::MutexLock l(&mu_);
-  auto it = committed_.find(model_id);
-  return it == committed_.end() ? 0 : it->second;
-}
-
-std::shared_ptr<const ModelPlan> Versions::Plan(const std::string& model_id) {
-  absl::MutexLock l(&mu_);
-  auto it = plans_.find(model_id);
-  return it == plans_.end() ? nullptr : it->second;
-}
-
-std::shared_ptr<const ModelPlan> Versions::PlanWith(const std::string& model_id, const std::string& worker) {
-  absl::MutexLock l(&mu_);
-  for (const auto* plans : {&plans_, &catch_up_plans_}) {
-    auto it = plans->find(model_id);
-    if (it == plans->end()) continue;
-    for (const auto& w : it->second->slice.workers()) {
-      if (w.worker_id() == worker) return it->second;
-    }
-  }
-  return nullptr;
 }
 
 std::map<std::string, uint64_t> Versions::AbortAllForRejoin(const std::string& reason) {

@@ -12,6 +12,10 @@
 //                       ReleaseChannels, AbortChannels).
 //   versions_memory.cc  the memory of a version: AllocateStaging, GatherVersionMemory,
 //                       HostLiveSyncRollouts, DigestVersion, StartQuantizing / FinishQuantizing.
+//   versions_committed.cc  what is committed here: committed_, its history and confirmations
+//                       (the re-join's rollback), the installed plans as WorkerCalls reads them
+//                       (Plan, PlanWith) and the plan each committed staging landed with
+//                       (PlanForApply).
 //
 // Executor (per version): every local memory of the version (trainer live buffers in sync mode or
 // their Publish snapshot, rollout incoming staging, the rank-0 gather staging) is registered with
@@ -221,6 +225,11 @@ class Versions {
     std::function<void(const std::string& model_id, uint64_t version, const std::map<std::string, std::pair<uint8_t*, int64_t>>& regions)>
         test_after_buckets;
     std::function<void(const std::string& model_id, uint64_t version, uint32_t bucket)> test_before_bucket;
+    // TEST ONLY: called once CommitVersion committed a version here (a catch-up: `catch_up`); a
+    // non-OK status is answered instead of OK, as if the answer were lost on its way (the commit
+    // stands here; the coordinator counts the node as not having acknowledged it). Runs under mu_:
+    // it must not block or call into the node.
+    std::function<absl::Status(const std::string& model_id, uint64_t version, bool catch_up)> test_commit_answer;
     // Seam: peer node `peer`'s ExchangeRegions at `address`, cut at `deadline` (PeerStubs).
     std::function<absl::Status(const std::string& peer, const std::string& address, const pb::ExchangeRegionsRequest& req,
                                pb::ExchangeRegionsResponse* resp, absl::Time deadline)>
@@ -253,6 +262,12 @@ class Versions {
   // up while the model's plan does not hold it: its trainers exited, so no plan was made with it);
   // null with neither. Apply's copy takes the worker's live layout from it.
   std::shared_ptr<const ModelPlan> PlanWith(const std::string& model_id, const std::string& worker);
+  // The plan Apply copies `staging` (`worker`'s committed staging) into its live weights by: the
+  // plan that staging landed with (its CommitVersion's execution: the worker's live layout as the
+  // version was committed, whatever was installed since - a re-plan made without the worker, its
+  // catch-up slice replaced by the next late rollout's), else PlanWith (a staging committed
+  // outside CommitVersion, tests only); null when neither lists the worker.
+  std::shared_ptr<const ModelPlan> PlanForApply(const std::string& model_id, const std::string& worker, const std::shared_ptr<Bytes>& staging);
   // A worker call's answer from the coordinator says `version` of `model` is committed cluster-wide
   // (a sync Publish answered OK; ReportReady's or WaitVersion's committed_version). Only such
   // versions are kept over a re-join (AbortAllForRejoin).
@@ -284,6 +299,9 @@ class Versions {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rollout live copies a commit of `exec` asks for, with layouts and relays (under mu_).
   std::vector<LocalWorkers::LiveJob> CommitJobsLocked(const pb::CommitVersionRequest& req, Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CommitVersion: each local rollout of `exec` (its incoming staging) landed with exec.plan
+  // (landed_with_); entries whose staging is gone are dropped first.
+  void NoteLandedWithLocked(const Exec& exec) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // committed_ advances to `version` of `model` (and it joins committed_history_).
   void NoteCommittedLocked(const std::string& model, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AbortVersion(version) of `model` (a version abort, no plan epoch) for a version this node had
@@ -401,8 +419,23 @@ class Versions {
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<const ModelPlan>> plans_ ABSL_GUARDED_BY(mu_);
-  // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan.
+  // model -> its latest catch-up slice (PlanSlice.catch_up), apart from its plan. One per model:
+  // the coordinator runs one catch-up of a model at a time, and an execution holds its own slice
+  // (Exec::plan); what a rollout needs after its catch-up committed is in landed_with_.
   std::map<std::string, std::shared_ptr<const ModelPlan>> catch_up_plans_ ABSL_GUARDED_BY(mu_);
+  // (model, local rollout) -> the plan its newest committed staging landed with (CommitVersion),
+  // for Apply (PlanForApply): before, Apply looked the worker's layout up in the plans installed
+  // when it ran, and a rollout no installed plan listed any more was refused (a one-step-off /
+  // async rollout caught up while the trainers were gone, whose catch-up slice the next late
+  // rollout's replaced; a sync rollout that resumed at a commit and was left out of the re-plan).
+  // Bounded: one entry per local rollout, a shared reference to a plan (never a copy); an entry
+  // whose staging is gone (applied and back in the pool, the worker left) is dropped at the next
+  // commit here.
+  struct LandedWith {
+    std::weak_ptr<Bytes> staging;
+    std::shared_ptr<const ModelPlan> plan;
+  };
+  std::map<std::pair<std::string, std::string>, LandedWith> landed_with_ ABSL_GUARDED_BY(mu_);
   // Versions whose execution a re-join aborted (AbortAllForRejoin): the new coordinator may run
   // them again (their Publish re-sent, WorkerCalls::PublishAgainAfterRestart), which their abort
   // record alone would refuse (GetExecLocked).

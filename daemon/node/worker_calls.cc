@@ -374,14 +374,15 @@ absl::StatusOr<uint64_t> WorkerCalls::CopyApplicable(const std::string& model, c
   job.version = found.version;
   job.staging = found.staging;
   job.live = std::move(found.live);
-  // The worker's live layout: from the model's plan, or from the catch-up slice that brought it
-  // the version when the model's plan does not hold it (caught up while its trainers were gone).
-  // Before, such a worker got an empty layout: nothing copied, and Apply answered OK.
-  // A plan that does not list the worker has no layout for it: copying "its" pieces from such a
-  // plan copied nothing and Apply answered OK over unchanged live weights (a silent non-landing).
-  // Refused instead, naming why; the staging stays for a later Apply once a plan lists the worker.
+  // The worker's live layout: from the plan this staging landed with (its commit's), whatever
+  // is installed now - a re-plan made without the worker, or the next late rollout's catch-up
+  // slice replacing the one that brought it the version, left it in no installed plan, and its
+  // Apply was refused (status.md item 25). Before that refusal, such a worker got an empty
+  // layout: nothing copied, and Apply answered OK over unchanged live weights (a silent
+  // non-landing). A staging whose layout is truly unknown (no commit plan, no installed plan
+  // lists the worker) is still refused, naming why; it stays for a later Apply.
   // (Listed with an empty layout is different: the worker holds no pieces, and OK is right.)
-  std::shared_ptr<const ModelPlan> plan = versions_.PlanWith(model, wid);
+  std::shared_ptr<const ModelPlan> plan = versions_.PlanForApply(model, wid, job.staging);
   if (plan == nullptr) {
     const bool any = versions_.Plan(model) != nullptr;
     return absl::FailedPreconditionError(absl::StrCat(
