@@ -71,4 +71,11 @@ void CancelledRounds::Add(absl::string_view round) {
   }
 }
 
+void CancelledRounds::Remove(absl::string_view round) {
+  auto it = rounds_.find(std::string(round));
+  if (it == rounds_.end()) return;
+  order_.erase(it->second);
+  rounds_.erase(it);
+}
+
 }  // namespace wb::transport

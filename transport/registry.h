@@ -220,6 +220,9 @@ class CancelledRounds {
   // Remembers `round` (again: it becomes the newest).
   void Add(absl::string_view round);
   bool Has(absl::string_view round) const { return rounds_.count(std::string(round)) > 0; }
+  // Forgets `round` (host_tcp also keeps cancelled batch tags and groups here: a tag is consumed by
+  // the one Post it refuses).
+  void Remove(absl::string_view round);
   size_t size() const { return rounds_.size(); }
 
  private:

@@ -125,6 +125,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
@@ -145,6 +146,10 @@ struct Capabilities {
   bool two_sided = false;                // both peers post the mirror batch (see above)
   bool checksums = false;                // honours Batch::checksum
   bool native_strides = false;           // strided ops move without a packing pass
+  // CancelBatches works (Transport::CancelBatches): one group's batches end CANCELLED while the
+  // channel and other groups' batches on it go on. False: CancelBatches is UNIMPLEMENTED and the
+  // caller ends such batches as before (Disconnect, which fails every batch of the channel).
+  bool cancel_batches = false;
   // Network endpoints ("host:port") it accepts connections on, for status displays (host_tcp: one
   // per data NIC, in TcpOptions::local_addresses order; its one bind address without multi-NIC).
   // Empty for transports that use no sockets of their own.
@@ -190,6 +195,9 @@ inline constexpr size_t kMaxConnectRoundBytes = 256;
 // How many cancelled rounds a transport remembers at least (Transport::CancelRound): a Connect of
 // one of them fails at once. The oldest is forgotten past it (each costs its bytes, <= 256).
 inline constexpr size_t kMinRememberedCancelledRounds = 1024;
+// How many cancelled batch groups a transport remembers at least (Transport::CancelBatches): a Post
+// in one of them fails at once.
+inline constexpr size_t kMinRememberedCancelledGroups = 1024;
 
 struct BatchId {
   uint64_t id = 0;
@@ -250,6 +258,9 @@ struct Batch {
                            // (ignored with a warning-free no-op when !capabilities().checksums)
   std::vector<CopyOp> ops;
   std::shared_ptr<UnitHashes> unit_hashes;  // optional: see UnitHashes (read only after Wait returned OK)
+  // Which of the caller's groups the batch belongs to (the daemon: one execution of a version), for
+  // CancelBatches; 0 = none. Local to this side: the peer's mirror may name another group.
+  uint64_t group = 0;
 };
 
 enum class BatchState : uint8_t { kRunning, kDone };
@@ -332,6 +343,22 @@ class Transport {
   // StatusOr: kRunning / kDone, or the batch's error. NOT_FOUND for an unknown/retired id.
   virtual absl::StatusOr<BatchState> Poll(BatchId batch) = 0;
   virtual absl::Status Wait(BatchId batch, absl::Time deadline) = 0;
+  // Cancels every unfinished batch of `group` (Batch::group) on every peer, and refuses later Posts
+  // of it (a transport remembers at least kMinRememberedCancelledGroups cancelled groups, so a
+  // group must not be reused). A cancelled batch still needs its Wait, which returns CANCELLED
+  // naming `why` promptly (well before its deadline) once no thread of the transport touches its
+  // memory. The channel and every other batch on it are untouched: they go on and complete. A
+  // two-sided transport tells the peer, whose mirror of a cancelled batch ends CANCELLED too
+  // (also one it posts after the cancel arrived). Where a peer cannot take such a cancel (a build
+  // from before it), the batch still ends CANCELLED but that channel is closed, as a missed
+  // deadline closes it. INVALID_ARGUMENT for group 0; UNIMPLEMENTED when
+  // !capabilities().cancel_batches (the default here, so that a wrapper that does not pass it on
+  // leaves its caller on the Disconnect path rather than half-cancelled).
+  virtual absl::Status CancelBatches(uint64_t group, absl::string_view why) {
+    (void)group;
+    (void)why;
+    return absl::UnimplementedError(absl::StrCat(capabilities().kind, " cannot cancel a group of batches"));
+  }
 
   virtual TransportStats stats() const = 0;
 };

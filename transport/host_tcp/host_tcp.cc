@@ -96,7 +96,23 @@ constexpr uint32_t kSecretMagic = 0x53504257;  // "WBPS"
 // [2, kMaxStreams + 1] and its index below the count; any other hello is closed unauthenticated.
 constexpr int kMaxStreams = 64;
 
-enum FrameType : uint8_t { kManifest = 1, kData = 2, kChecksum = 3, kAck = 4 };
+// kFeatures, kCancel (control connection) and kCancelEnd (data connections) came with
+// CancelBatches (docs/transport.md, "host_tcp: cancelling a group of batches"). A binary from before
+// them ignores a control frame of a type it does not know (so every channel opens with kFeatures)
+// but closes a data connection on one: kCancel and kCancelEnd go only to a peer whose kFeatures
+// said it takes them.
+enum FrameType : uint8_t {
+  kManifest = 1,
+  kData = 2,
+  kChecksum = 3,
+  kAck = 4,
+  kFeatures = 5,   // op: the sender's feature bits (kFeature*); first frame of every channel
+  kCancel = 6,     // the sender cancelled batch `tag` (its mirror ends CANCELLED here)
+  kCancelEnd = 7,  // on each data connection: no frame of batch `tag` follows on it from the sender
+};
+constexpr uint32_t kFeatureCancel = 1;  // takes kCancel / kCancelEnd
+// A discarded DATA frame of a cancelled batch is read into scratch in pieces of at most this size.
+constexpr int64_t kDiscardPiece = int64_t{1} << 20;
 
 // Every frame starts with this header; DATA/ACK carry `len` payload bytes after it.
 struct FrameHeader {
@@ -233,6 +249,7 @@ struct PeerConn;
 struct TcpBatch {
   uint64_t id = 0;
   uint64_t tag = 0;
+  uint64_t group = 0;  // Batch::group (CancelBatches)
   std::shared_ptr<PeerConn> peer;
   bool checksum = false;
   bool corrupt_once = false;
@@ -293,10 +310,35 @@ struct PeerConn {
   std::map<uint64_t, uint64_t> early_checksum;
   std::map<uint64_t, absl::Status> early_ack;
   std::vector<std::thread> threads;
+  // CancelBatches: the peer's kFeatures said it takes kCancel / kCancelEnd (a build from before
+  // them sends none: cancelling a batch of it closes the channel instead).
+  bool peer_can_cancel = false;
+  // Any control frame came from the peer (its kFeatures, if it has them, is the first). Until then
+  // whether it can take a cancel is unknown: CancelBatches holds the batches' cancels here and
+  // decides at that first frame (a peer sends it at once when it connects).
+  bool features_known = false;
+  std::vector<std::pair<uint64_t, absl::Status>> pending_cancels;
+  // Batches being cancelled, by tag, from the first of: our CancelBatches, the peer's kCancel, a
+  // peer's kCancelEnd. Each side sends one kCancel and one kCancelEnd per data connection per
+  // cancel (when its entry is made); the entry goes once the peer's kCancel and its kCancelEnd on
+  // every data connection arrived, so no frame of the batch can follow on any connection. Meanwhile
+  // DATA frames of it are read and dropped, its control frames ignored.
+  struct Cancelling {
+    bool peer_cancel_seen = false;
+    std::vector<bool> peer_ended;  // per fd index (data connections 1..)
+    int ended = 0;
+  };
+  std::map<uint64_t, Cancelling> cancelling;
+  // Per fd index: tags whose kCancelEnd this data connection's writer still has to send (after the
+  // chunk it is writing: so after every frame of the batch it sent).
+  std::vector<std::deque<uint64_t>> end_markers;
+  // Tags the peer cancelled before this side posted them: such a Post fails CANCELLED (once).
+  std::unique_ptr<CancelledRounds> peer_cancelled = std::make_unique<CancelledRounds>();
 
-  // Control frames held for batches this side has not posted (bounded: HostTcpLimits).
+  // Control frames held for batches this side has not posted, and cancels in progress (bounded:
+  // HostTcpLimits::max_early_control_frames).
   int64_t early_frames() const {
-    return static_cast<int64_t>(early_manifest.size() + early_checksum.size() + early_ack.size());
+    return static_cast<int64_t>(early_manifest.size() + early_checksum.size() + early_ack.size() + cancelling.size());
   }
 };
 
@@ -478,6 +520,7 @@ class HostTcpTransport : public Transport {
     c.two_sided = true;
     c.checksums = true;
     c.native_strides = true;
+    c.cancel_batches = true;
     for (const Listener& l : listeners_) c.local_addresses.push_back(absl::StrCat(l.nic.addr, ":", l.nic.port));
     return c;
   }
@@ -643,6 +686,12 @@ class HostTcpTransport : public Transport {
       absl::MutexLock l(&mu_);
       peer->path.assign(fds.size(), 0);
       for (size_t i = 1; i < fds.size(); ++i) peer->path[i] = PathIndexLocked(inst, ends[i].local_address, ends[i].peer_address);
+      peer->end_markers.resize(fds.size());
+      // First on the control connection, before any MANIFEST: what this side takes (a binary from
+      // before kFeatures ignores it).
+      ControlFrame features{};
+      features.h = Header(kFeatures, 0, kFeatureCancel, 0, 0);
+      peer->control.push_back(std::move(features));
       peer->id = next_id_++;
       peers_[peer->id] = peer;
       for (size_t i = 0; i < fds.size(); ++i) {
@@ -761,9 +810,14 @@ class HostTcpTransport : public Transport {
   absl::StatusOr<BatchId> Post(const Batch& batch) override {
     auto b = std::make_shared<TcpBatch>();
     b->tag = batch.tag;
+    b->group = batch.group;
     b->checksum = batch.checksum;
     b->corrupt_once = batch.checksum && corrupt_;
     absl::MutexLock l(&mu_);
+    if (batch.group != 0 && cancelled_groups_.Has(absl::StrCat(batch.group))) {
+      return absl::CancelledError(absl::StrCat("host_tcp batch ", batch.tag, ": its group ", batch.group,
+                                               " was cancelled (CancelBatches)"));
+    }
     auto pit = peers_.find(batch.peer.id);
     if (pit == peers_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("host_tcp batch ", batch.tag, ": unknown peer ", batch.peer.id,
@@ -776,6 +830,12 @@ class HostTcpTransport : public Transport {
     }
     if (peer->batches.count(batch.tag)) {
       return absl::InvalidArgumentError(absl::StrCat("host_tcp: batch tag ", batch.tag, " already in flight"));
+    }
+    const std::string tag_key = absl::StrCat(batch.tag);
+    if (peer->cancelling.count(batch.tag) > 0 || peer->peer_cancelled->Has(tag_key)) {
+      peer->peer_cancelled->Remove(tag_key);  // once: the mirror of that one batch
+      return absl::CancelledError(absl::StrCat("host_tcp batch ", batch.tag, ": peer ", peer->instance,
+                                               " cancelled its mirror (CancelBatches there)"));
     }
     // Which instance sends is part of the manifest so that both sides hash the same bytes.
     wire::Writer m;
@@ -893,6 +953,33 @@ class HostTcpTransport : public Transport {
     batches_.Retire(id.id);
     if (!b->status.ok()) stats_.batches_failed++;
     return b->status;
+  }
+
+  // Every unfinished batch of `group` ends CANCELLED; the peer is told (kCancel) and both sides
+  // drop what of it is still on the wire, so the channel and its other batches go on. A peer from
+  // before kCancel: its channel is closed instead (the old way a batch could end early).
+  absl::Status CancelBatches(uint64_t group, absl::string_view why) override {
+    if (group == 0) return absl::InvalidArgumentError("host_tcp CancelBatches: group 0 names no group (batches without one)");
+    absl::MutexLock l(&mu_);
+    cancelled_groups_.Add(absl::StrCat(group));
+    for (auto& [id, p] : peers_) {
+      if (p->broken) continue;  // its batches failed already
+      std::vector<std::shared_ptr<TcpBatch>> mine;
+      for (auto& [tag, b] : p->batches) {
+        if (b->group == group && b->status.ok() && !b->Succeeded()) mine.push_back(b);
+      }
+      for (const std::shared_ptr<TcpBatch>& b : mine) {
+        const absl::Status st = absl::CancelledError(
+            absl::StrCat("host_tcp batch ", b->tag, " with peer ", p->instance, " cancelled: ", why));
+        if (!p->features_known) {
+          p->pending_cancels.push_back({b->tag, st});
+        } else {
+          CancelOrBreakLocked(p.get(), b->tag, st);
+        }
+      }
+    }
+    cv_.SignalAll();
+    return absl::OkStatus();
   }
 
   TransportStats stats() const override {
@@ -1372,6 +1459,72 @@ class HostTcpTransport : public Transport {
     cv_.SignalAll();
   }
 
+  // Batch `tag` of `p` is being cancelled (our CancelBatches, the peer's kCancel or kCancelEnd). The
+  // first time: our kCancel goes out, each data writer sends kCancelEnd after its current chunk, the
+  // batch fails with `why` (its queued chunks dropped) or, not posted here yet, its later Post fails,
+  // and what the peer sent early for it is dropped.
+  // `from_peer`: the peer cancelled it (its kCancel, or `cancel_frame` false: its kCancelEnd).
+  void CancelTagLocked(PeerConn* p, uint64_t tag, bool from_peer, const absl::Status& why, bool cancel_frame = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto [it, fresh] = p->cancelling.try_emplace(tag);
+    PeerConn::Cancelling& c = it->second;
+    if (from_peer && cancel_frame) c.peer_cancel_seen = true;
+    if (fresh) {
+      c.peer_ended.assign(p->fds.size(), false);
+      ControlFrame f{};
+      f.h = Header(kCancel, tag, 0, 0, 0);
+      p->control.push_back(std::move(f));
+      for (size_t i = 1; i < p->end_markers.size(); ++i) p->end_markers[i].push_back(tag);
+      p->early_manifest.erase(tag);
+      p->early_checksum.erase(tag);
+      p->early_ack.erase(tag);
+      auto b = p->batches.find(tag);
+      if (b != p->batches.end()) {
+        FailLocked(b->second.get(), why);
+      } else if (from_peer) {
+        p->peer_cancelled->Add(absl::StrCat(tag));
+      }
+    }
+    MaybeEndCancelLocked(p, tag);
+    cv_.SignalAll();
+  }
+
+  // Our cancel of batch `tag`: told to a peer that takes it; a peer from before kCancel has the
+  // channel closed instead (the batch still ends with `why`, its other batches fail).
+  void CancelOrBreakLocked(PeerConn* p, uint64_t tag, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (p->broken) return;
+    if (p->peer_can_cancel) {
+      CancelTagLocked(p, tag, /*from_peer=*/false, why);
+      return;
+    }
+    if (auto b = p->batches.find(tag); b != p->batches.end()) FailLocked(b->second.get(), why);
+    BreakLocked(p, absl::UnavailableError(absl::StrCat("channel closed: batch ", tag, " was cancelled and peer ", p->instance,
+                                                       " runs a build that cannot take a cancel (its other batches fail)")));
+  }
+
+  // The peer's kCancelEnd for `tag` on data connection `stream`.
+  void OnCancelEndLocked(PeerConn* p, size_t stream, uint64_t tag) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (p->cancelling.count(tag) == 0) {
+      // The peer cancelled it and its kCancel has not come yet (another connection).
+      CancelTagLocked(p, tag, /*from_peer=*/true,
+                      absl::CancelledError(absl::StrCat("host_tcp batch ", tag, ": peer ", p->instance, " cancelled it")),
+                      /*cancel_frame=*/false);
+    }
+    PeerConn::Cancelling& c = p->cancelling[tag];
+    if (stream < c.peer_ended.size() && !c.peer_ended[stream]) {
+      c.peer_ended[stream] = true;
+      ++c.ended;
+    }
+    MaybeEndCancelLocked(p, tag);
+  }
+
+  void MaybeEndCancelLocked(PeerConn* p, uint64_t tag) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = p->cancelling.find(tag);
+    if (it == p->cancelling.end()) return;
+    const int data_streams = static_cast<int>(p->fds.size()) - 1;
+    if (it->second.peer_cancel_seen && it->second.ended >= data_streams) p->cancelling.erase(it);
+  }
+
   void OnManifestLocked(PeerConn* p, TcpBatch* b, uint64_t theirs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (theirs == b->manifest) {
       b->manifest_matched = true;
@@ -1448,6 +1601,33 @@ class HostTcpTransport : public Transport {
                                                                  " vanished (control connection closed)")));
         return;
       }
+      if (!p->features_known) {
+        // The peer's first frame: kFeatures from a build that has it, anything else from one before.
+        p->features_known = true;
+        p->peer_can_cancel = h.type == kFeatures && (h.op & kFeatureCancel) != 0;
+        for (const auto& [tag, why] : p->pending_cancels) CancelOrBreakLocked(p.get(), tag, why);
+        p->pending_cancels.clear();
+        cv_.SignalAll();
+      }
+      if (h.type == kFeatures) continue;
+      if (h.type == kCancel) {
+        // Counted like early frames (an entry lives until the peer's kCancelEnd on every connection).
+        if (p->cancelling.count(h.tag) == 0 && p->early_frames() >= limits_.max_early_control_frames) {
+          ++early_overflows_;
+          BreakLocked(p.get(), absl::ResourceExhaustedError(absl::StrCat(
+                                   "host_tcp peer ", p->instance, " cancelled more than ", limits_.max_early_control_frames,
+                                   " batches without ending them on every connection; channel closed")));
+          return;
+        }
+        if (!p->broken) {
+          CancelTagLocked(p.get(), h.tag, /*from_peer=*/true,
+                          absl::CancelledError(absl::StrCat("host_tcp batch ", h.tag, ": peer ", p->instance,
+                                                            " cancelled it (CancelBatches there)")));
+        }
+        continue;
+      }
+      // A batch being cancelled: what the peer sent for it before it knew is void.
+      if (p->cancelling.count(h.tag) > 0) continue;
       auto it = p->batches.find(h.tag);
       TcpBatch* b = it == p->batches.end() ? nullptr : it->second.get();
       // A frame for a batch this side has not posted yet is held until Post (not on a broken
@@ -1503,9 +1683,24 @@ class HostTcpTransport : public Transport {
     std::vector<char> scratch;
     XxhState unit_state(XXH3_createState());
     absl::MutexLock l(&mu_);
+    std::deque<uint64_t>& ends = p->end_markers[stream];
     while (true) {
-      while (!p->broken && p->send_queue.empty()) cv_.Wait(&mu_);
+      while (!p->broken && p->send_queue.empty() && ends.empty()) cv_.Wait(&mu_);
       if (p->broken) return;
+      if (!ends.empty()) {
+        // After the chunk this writer last sent: no frame of the cancelled batch follows it here.
+        FrameHeader end = Header(kCancelEnd, ends.front(), 0, 0, 0);
+        ends.pop_front();
+        mu_.Unlock();
+        struct iovec iov = {&end, sizeof(end)};
+        const bool sent = WriteAll(fd, &iov, 1);
+        mu_.Lock();
+        if (!sent) {
+          BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance, " vanished (", Errno("send"), ")")));
+          return;
+        }
+        continue;
+      }
       std::shared_ptr<TcpBatch> b = p->send_queue.front();
       const Chunk c = b->chunks[b->next_chunk++];
       if (b->next_chunk == b->chunks.size()) p->send_queue.pop_front();
@@ -1596,7 +1791,8 @@ class HostTcpTransport : public Transport {
       }
       stats_.bytes_copied += c.len;
       stats_.paths[p->path[stream]].bytes_sent += c.len;
-      if (b->chunks_written == b->chunks.size() && b->checksum) {
+      // (Not for a failed or cancelled batch: the peer dropped it, or must not hold it.)
+      if (b->chunks_written == b->chunks.size() && b->checksum && b->status.ok()) {
         ControlFrame f{};
         f.h = Header(kChecksum, b->tag, 0, static_cast<int64_t>(b->send_hash), 0);
         p->control.push_back(std::move(f));
@@ -1611,20 +1807,53 @@ class HostTcpTransport : public Transport {
     XxhState unit_state(XXH3_createState());
     while (true) {
       FrameHeader h;
-      bool ok = ReadAll(fd, &h, sizeof(h)) && h.magic == kFrameMagic && h.type == kData;
+      bool ok = ReadAll(fd, &h, sizeof(h)) && h.magic == kFrameMagic && (h.type == kData || (h.type == kCancelEnd && h.len == 0));
       absl::MutexLock l(&mu_);
       if (!ok) {
         BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance,
                                                                  " vanished mid-transfer (data connection closed)")));
         return;
       }
-      // Nothing is written before this side posted the batch and both manifests matched.
+      if (h.type == kCancelEnd) {
+        if (p->cancelling.count(h.tag) == 0 && p->early_frames() >= limits_.max_early_control_frames) {
+          ++early_overflows_;
+          BreakLocked(p.get(), absl::ResourceExhaustedError(absl::StrCat(
+                                   "host_tcp peer ", p->instance, " cancelled more than ", limits_.max_early_control_frames,
+                                   " batches without ending them on every connection; channel closed")));
+          return;
+        }
+        if (!p->broken) OnCancelEndLocked(p.get(), stream, h.tag);
+        continue;
+      }
+      // Nothing is written before this side posted the batch and both manifests matched. A frame of a
+      // batch being cancelled is read and dropped (its memory may be the caller's again).
       auto ready = [&] {
         auto it = p->batches.find(h.tag);
-        return p->broken || (it != p->batches.end() && (it->second->manifest_matched || !it->second->status.ok()));
+        return p->broken || p->cancelling.count(h.tag) > 0 ||
+               (it != p->batches.end() && (it->second->manifest_matched || !it->second->status.ok()));
       };
       while (!ready()) cv_.Wait(&mu_);
       if (p->broken) return;
+      if (p->cancelling.count(h.tag) > 0) {
+        if (h.len < 0 || h.len > (int64_t{1} << 31)) {
+          BreakLocked(p.get(), absl::InternalError(absl::StrCat("host_tcp peer ", p->instance, " sent a bad frame (batch ",
+                                                                h.tag, ": length ", h.len, ")")));
+          return;
+        }
+        mu_.Unlock();
+        scratch.resize(static_cast<size_t>(std::min(h.len, kDiscardPiece)));
+        for (int64_t left = h.len; ok && left > 0; left -= kDiscardPiece) {
+          ok = ReadAll(fd, scratch.data(), static_cast<size_t>(std::min(left, kDiscardPiece)));
+        }
+        mu_.Lock();
+        if (!ok) {
+          BreakLocked(p.get(), absl::UnavailableError(absl::StrCat("host_tcp peer ", p->instance,
+                                                                   " vanished mid-transfer (", Errno("recv"), ")")));
+          return;
+        }
+        stats_.paths[p->path[stream]].bytes_received += h.len;
+        continue;
+      }
       std::shared_ptr<TcpBatch> b = p->batches[h.tag];
       if (!b->status.ok()) {
         BreakLocked(p.get(), b->status);
@@ -1725,6 +1954,7 @@ class HostTcpTransport : public Transport {
   absl::CondVar cv_;         // batch/peer state changes
   absl::CondVar accept_cv_;  // parking_ changes (connections parked, Connects waiting), rounds cancelled
   CancelledRounds cancelled_ ABSL_GUARDED_BY(mu_);          // CancelRound
+  CancelledRounds cancelled_groups_ ABSL_GUARDED_BY(mu_){kMinRememberedCancelledGroups};  // CancelBatches (group as text)
   std::multimap<std::string, int> dialing_ ABSL_GUARDED_BY(mu_);  // round -> socket a Connect is dialling (DialingFd)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -1182,7 +1182,7 @@ struct RawReceive {
   BatchId id;
 };
 
-void PostReceive(Transport& t, const RawPeer& peer, uint64_t tag, int64_t n, RawReceive& r) {
+void PostReceive(Transport& t, const RawPeer& peer, uint64_t tag, int64_t n, RawReceive& r, uint64_t group = 0) {
   r.dst.assign(n, 0);
   auto dh = t.RegisterMemory({MemoryKind::kHost, r.dst.data(), n, -1, "", 0, "dst"});
   ASSERT_TRUE(dh.ok()) << dh.status();
@@ -1190,6 +1190,7 @@ void PostReceive(Transport& t, const RawPeer& peer, uint64_t tag, int64_t n, Raw
   ASSERT_TRUE(sh.ok()) << sh.status();
   Batch b;
   b.tag = tag;
+  b.group = group;
   b.peer = peer.id;
   b.ops = {Contig(*sh, 0, *dh, 0, n)};
   auto id = t.Post(b);
@@ -1197,7 +1198,8 @@ void PostReceive(Transport& t, const RawPeer& peer, uint64_t tag, int64_t n, Raw
   r.id = *id;
   // The mirror: the peer echoes this side's manifest (the hash of the batch as both sides see it)
   // and ACKs (it receives nothing in this batch).
-  // (ACKs of earlier batches may come first: skipped with their payload.)
+  // (ACKs of earlier batches may come first: skipped with their payload; so is the channel's first
+  // frame, FEATURES, type 5.)
   RawFrame m;
   do {
     ASSERT_EQ(recv(peer.control, &m, sizeof(m), MSG_WAITALL), static_cast<ssize_t>(sizeof(m)));
@@ -1205,10 +1207,55 @@ void PostReceive(Transport& t, const RawPeer& peer, uint64_t tag, int64_t n, Raw
       std::string payload(m.len, '\0');
       ASSERT_EQ(recv(peer.control, payload.data(), m.len, MSG_WAITALL), m.len);
     }
-  } while (m.type == 4);
+  } while (m.type == 4 || m.type == 5);
   ASSERT_EQ(m.type, 1);
   ASSERT_EQ(m.tag, tag);
   ASSERT_TRUE(SendAll(peer.control, FrameBytes(1, tag, 0, m.offset, 0) + FrameBytes(4, tag, 0, 0, 0)));
+}
+
+// The frame types in `bytes` (a control connection's: ACKs carry their payload).
+std::vector<int> FrameTypes(const std::string& bytes) {
+  std::vector<int> types;
+  for (size_t at = 0; at + sizeof(RawFrame) <= bytes.size();) {
+    RawFrame f;
+    std::memcpy(&f, bytes.data() + at, sizeof(f));
+    types.push_back(f.type);
+    at += sizeof(f) + (f.type == 4 && f.len > 0 ? static_cast<size_t>(f.len) : 0);
+  }
+  return types;
+}
+
+// A peer built before CancelBatches (this raw peer: it never sends FEATURES) is never sent CANCEL
+// or CANCEL_END, frames it does not know (it would close a data connection on one): cancelling a
+// batch with it ends the batch CANCELLED at once and closes the channel, as before the cancel.
+TEST(HostTcpCancelTest, APeerFromBeforeCancelsIsSentNoCancelFrameAndTheChannelCloses) {
+  auto t = NewHostTcpTransport(WithToken("cluster-token"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  Transport& acceptor = **t;
+  EXPECT_TRUE(acceptor.capabilities().cancel_batches);
+  RawPeer peer;
+  peer.inst = "!old-build";
+  ConnectRawPeer(acceptor, "cluster-token", peer);
+  if (HasFatalFailure()) return;
+  RawReceive r;
+  PostReceive(acceptor, peer, 42, 1 << 16, r, /*group=*/3);  // its MANIFEST echoed, no data sent
+  if (HasFatalFailure()) return;
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(acceptor.CancelBatches(3, "aborted").ok());
+  absl::Status s = acceptor.Wait(r.id, start + absl::Seconds(30));
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  bool closed = false;
+  const std::vector<int> control = FrameTypes(ReadUntilClosed(peer.control, &closed));
+  EXPECT_TRUE(closed) << "the channel stays open";
+  EXPECT_EQ(std::count(control.begin(), control.end(), 6), 0) << "CANCEL sent to a peer that did not say it takes it";
+  const std::string data = ReadUntilClosed(peer.data, &closed);
+  EXPECT_TRUE(closed);
+  EXPECT_TRUE(data.empty()) << "a CANCEL_END (or anything) on a data connection of a receive-only batch";
+  Batch b;
+  b.tag = 43;
+  b.peer = peer.id;
+  EXPECT_EQ(acceptor.Post(b).status().code(), absl::StatusCode::kUnavailable) << "the channel was closed";
 }
 
 // Review L1: a DATA frame's bounds were checked as offset + len > op bytes in int64, which

@@ -207,9 +207,10 @@ class Harness {
     return std::unique_ptr<PeerHandle>(std::make_unique<InProcessPeer>(std::move(*interp), p_.vanish));
   }
 
-  Batch MakeBatch(const Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum) {
+  Batch MakeBatch(const Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum, uint64_t group = 0) {
     Batch b;
     b.tag = tag;
+    b.group = group;
     b.peer = peer.id;
     b.checksum = checksum;
     for (const TOp& o : ops) {
@@ -222,17 +223,19 @@ class Harness {
   }
 
   // Tells the peer to post the mirror (two-sided transports only). Returns the peer's batch id.
-  absl::StatusOr<std::string> PostMirror(Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum) {
+  // `group`: the peer's Batch::group for it (0: none).
+  absl::StatusOr<std::string> PostMirror(Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum,
+                                         uint64_t group = 0) {
     MirrorBatch m;
     m.tag = tag;
     m.checksum = checksum;
     for (const TOp& o : ops) m.ops.push_back({!o.src_local, o.op});
-    return peer.proc->Command("POST " + HexEncode(EncodeMirror(m)));
+    return peer.proc->Command("POST " + HexEncode(EncodeMirror(m)) + (group != 0 ? absl::StrCat(" ", group) : ""));
   }
 
   // Runs ops to completion on both sides; returns the first error (local first).
   absl::Status Run(Peer& peer, const std::vector<TOp>& ops, uint64_t tag, bool checksum,
-                   absl::Duration timeout = absl::Seconds(60)) {
+                   absl::Duration timeout = absl::Seconds(60), uint64_t group = 0) {
     std::string peer_batch;
     if (two_sided()) {
       auto id = PostMirror(peer, ops, tag, checksum);
@@ -243,7 +246,7 @@ class Harness {
         return s;
       }
     }
-    auto id = t_->Post(MakeBatch(peer, ops, tag, checksum));
+    auto id = t_->Post(MakeBatch(peer, ops, tag, checksum, group));
     absl::Status local = id.ok() ? t_->Wait(*id, absl::Now() + timeout) : id.status();
     absl::Status remote;
     if (two_sided()) {
@@ -543,6 +546,107 @@ TEST_P(TransportConformanceTest, RegionInUseCannotBeReleased) {
     EXPECT_TRUE(h.t().Release(h.local_region()).ok());
   }
   EXPECT_EQ(h.t().Release(h.local_region()).code(), absl::StatusCode::kNotFound);
+}
+
+// CancelBatches(G) ends G's batches promptly with CANCELLED and leaves the channel and the other
+// batches on it alone: a batch of group 7 whose mirror the peer never posts (host_tcp: its frames
+// hold the peer's connections) is cancelled while a batch of group 8, posted after it, still runs;
+// that one completes byte for byte, a later Post in group 7 is refused, and the channel carries a
+// new batch both ways. A transport without the capability says UNIMPLEMENTED and leaves a batch of
+// the group to complete as before (the caller disconnects instead).
+TEST_P(TransportConformanceTest, CancelBatchesEndsOneGroupAndLeavesTheChannel) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  if (!h.t().capabilities().cancel_batches) {
+    EXPECT_EQ(h.t().CancelBatches(1, "test").code(), absl::StatusCode::kUnimplemented);
+    const std::vector<TOp> ops = {{true, Contig(0, 0, 1024, 4)}, {false, Contig(kSize / 2, kSize / 2, 1024, 4)}};
+    absl::Status s = h.Run(peer, ops, 80, true, absl::Seconds(30), /*group=*/1);
+    ASSERT_TRUE(s.ok()) << "a group whose cancel was refused must run as before: " << s;
+    EXPECT_EQ(h.Verify(peer, ops), "");
+    return;
+  }
+  EXPECT_EQ(h.t().CancelBatches(0, "test").code(), absl::StatusCode::kInvalidArgument) << "group 0 is no group";
+  const std::vector<TOp> aborted = {{true, Contig(0, 0, kSize / 2, 1)}};  // never mirrored
+  const std::vector<TOp> sibling = {{true, Contig(kSize / 2, kSize / 2, kSize / 4, 1)},
+                                    {false, Contig(3 * kSize / 4, kSize / 2, kSize / 4, 1)}};
+  absl::StatusOr<BatchId> a = h.t().Post(h.MakeBatch(peer, aborted, 80, false, /*group=*/7));
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto mirror = h.PostMirror(peer, sibling, 81, true, /*group=*/99);
+  ASSERT_TRUE(mirror.ok()) << mirror.status();
+  ASSERT_TRUE(peer.proc->Send(absl::StrCat("WAIT ", *mirror, " 30000")).ok());
+  absl::StatusOr<BatchId> b = h.t().Post(h.MakeBatch(peer, sibling, 81, true, /*group=*/8));
+  ASSERT_TRUE(b.ok()) << b.status();
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(h.t().CancelBatches(7, "version 3 aborted").ok());
+  absl::Status sa = h.t().Wait(*a, start + absl::Seconds(30));
+  EXPECT_EQ(sa.code(), absl::StatusCode::kCancelled) << sa;
+  EXPECT_NE(sa.message().find("version 3 aborted"), std::string::npos) << sa;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the cancelled batch waited for its deadline";
+  absl::Status sb = h.t().Wait(*b, start + absl::Seconds(30));
+  EXPECT_TRUE(sb.ok()) << "the other group's batch on the channel: " << sb;
+  auto peer_b = peer.proc->Reply(absl::Seconds(40));
+  EXPECT_TRUE(peer_b.ok()) << "the peer's mirror of the other group's batch: " << peer_b.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(h.Verify(peer, sibling), "") << "the cancelled batch wrote bytes, or the other one did not land";
+  absl::StatusOr<BatchId> late = h.t().Post(h.MakeBatch(peer, aborted, 82, false, /*group=*/7));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kCancelled) << "a Post in a cancelled group";
+  const std::vector<TOp> after = {{true, Contig(kSize / 4, 0, 4096, 4)}, {false, Contig(kSize / 4, 0, 4096, 4)}};
+  absl::Status s = h.Run(peer, after, 83, true, absl::Seconds(30), /*group=*/8);
+  ASSERT_TRUE(s.ok()) << "the channel after the cancel: " << s;
+  std::vector<TOp> all = sibling;
+  all.insert(all.end(), after.begin(), after.end());
+  EXPECT_EQ(h.Verify(peer, all), "");
+}
+
+// A cancel reaches the peer: its mirror of a cancelled batch ends too (CANCELLED, or OK when it had
+// completed first), well before its deadline; a batch the peer cancels whose mirror this side never
+// posted ends there although its frames reached this side (dropped here), and a Post of that mirror
+// here is refused; the channel carries bytes both ways after both cancels.
+TEST_P(TransportConformanceTest, CancelBatchesEndsThePeersMirror) {
+  SKIP_WITHOUT_GPU();
+  SETUP_OR_FAIL(h, kSize, kSize, peer);
+  if (!h.t().capabilities().cancel_batches || !h.two_sided()) {
+    GTEST_SKIP() << GetParam().kind
+                 << " cannot cancel a group of batches, or has no mirrors (CancelBatchesEndsOneGroupAndLeavesTheChannel)";
+  }
+  // Batch 91, this side's group 9, cancelled right after it was posted (its bytes on their way).
+  const std::vector<TOp> sent = {{true, Contig(0, 0, kSize / 2, 1)}};
+  auto y = h.PostMirror(peer, sent, 91, true);
+  ASSERT_TRUE(y.ok()) << y.status();
+  ASSERT_TRUE(peer.proc->Send(absl::StrCat("WAIT ", *y, " 30000")).ok());
+  absl::StatusOr<BatchId> mine = h.t().Post(h.MakeBatch(peer, sent, 91, true, /*group=*/9));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  absl::Time start = absl::Now();
+  ASSERT_TRUE(h.t().CancelBatches(9, "aborted here").ok());
+  absl::Status s = h.t().Wait(*mine, start + absl::Seconds(30));
+  EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kCancelled) << s;
+  auto theirs = peer.proc->Reply(absl::Seconds(40));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the peer's mirror waited for its deadline";
+  EXPECT_TRUE(theirs.ok() || theirs.status().code() == absl::StatusCode::kCancelled) << theirs.status();
+  if (s.ok()) {
+    EXPECT_TRUE(theirs.ok()) << "completed here, cancelled there: " << theirs.status();
+  }
+  // The peer's batch 90 (its group 5), never posted here, cancelled there: it ends although its
+  // frames came here.
+  const std::vector<TOp> unmirrored = {{false, Contig(0, 0, kSize / 2, 1)}};
+  auto x = h.PostMirror(peer, unmirrored, 90, false, /*group=*/5);
+  ASSERT_TRUE(x.ok()) << x.status();
+  start = absl::Now();
+  ASSERT_TRUE(peer.proc->Command("CANCEL_GROUP 5").ok());
+  auto xs = peer.proc->Command(absl::StrCat("WAIT ", *x, " 30000"), absl::Seconds(40));
+  EXPECT_EQ(xs.status().code(), absl::StatusCode::kCancelled) << xs.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the peer's cancelled batch waited for its deadline";
+  // Fresh contents, then a batch both ways on the same channel.
+  ASSERT_TRUE(h.local().Fill(kLocalSeed).ok());
+  ASSERT_TRUE(peer.proc->Command(absl::StrCat("FILL ", kPeerSeed)).ok());
+  const std::vector<TOp> after = {{true, Contig(kSize / 4, 0, 4096, 4)}, {false, Contig(kSize / 2, 0, 4096, 4)}};
+  absl::Status again = h.Run(peer, after, 92, true, absl::Seconds(30));
+  ASSERT_TRUE(again.ok()) << "the channel after both cancels: " << again;
+  EXPECT_EQ(h.Verify(peer, after), "");
+  // (Batch 92 completed, so this side has heard of the peer's cancel of 90, sent before it.)
+  absl::StatusOr<BatchId> late = h.t().Post(h.MakeBatch(peer, unmirrored, 90, false));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kCancelled) << "the mirror of a batch the peer cancelled";
+  if (late.ok()) (void)h.t().Wait(*late, absl::Now());
 }
 
 // An attempt's Connect of one side's, abandoned: started in round A on `local` (this process) or

@@ -112,7 +112,13 @@ std::string PeerInterpreter::Execute(const std::string& line, bool* quit) {
     if (h.ok()) test_region_ = *h;
     return h.ok() ? absl::StrCat("OK ", h->id) : ErrLine(h.status());
   }
-  if (cmd == "POST" && w.size() == 2) {
+  if (cmd == "CANCEL_GROUP" && w.size() == 2) {
+    uint64_t group = 0;
+    (void)absl::SimpleAtoi(w[1], &group);
+    absl::Status s = t.CancelBatches(group, "cancelled by the test (CANCEL_GROUP)");
+    return s.ok() ? "OK" : ErrLine(s);
+  }
+  if (cmd == "POST" && (w.size() == 2 || w.size() == 3)) {
     auto bytes = HexDecode(w[1]);
     auto m = bytes.ok() ? DecodeMirror(*bytes) : absl::StatusOr<MirrorBatch>(bytes.status());
     if (!m.ok()) return ErrLine(m.status());
@@ -120,6 +126,7 @@ std::string PeerInterpreter::Execute(const std::string& line, bool* quit) {
     b.tag = m->tag;
     b.checksum = m->checksum;
     b.peer = peer_;
+    if (w.size() == 3) (void)absl::SimpleAtoi(w[2], &b.group);
     for (auto& o : m->ops) {
       CopyOp op = o.op;
       op.src.region = o.src_is_peer ? region_ : test_region_;

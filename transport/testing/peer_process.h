@@ -13,7 +13,8 @@
 //   CANCEL_ROUND <hex round> -> OK | ERR <code> <message>   (Transport::CancelRound)
 //   DESC                    -> OK <hex descriptor of the peer's buffer>
 //   IMPORT <hex descriptor> -> OK <handle id>
-//   POST <hex mirror batch> -> OK <batch id>           (ops in peer terms, see EncodeMirror)
+//   POST <hex mirror batch> [group] -> OK <batch id>   (ops in peer terms, see EncodeMirror; Batch::group)
+//   CANCEL_GROUP <group>    -> OK | ERR <code> <message>   (Transport::CancelBatches)
 //   WAIT <batch id> <ms>    -> OK | ERR <code> <message>
 //   READ <offset> <len>     -> OK <hex bytes>
 //   FILL <seed>             -> OK
