@@ -232,6 +232,7 @@ class Run {
       }
       transport::Batch batch;
       batch.tag = p.tag;
+      batch.group = o_.batch_group;
       batch.peer = id->second;
       batch.checksum = true;
       for (const DeltaCopy& c : p.copies) {
@@ -371,6 +372,7 @@ class Run {
     transport::Batch batch;
     batch.tag = r.bucket == 0xFFFFFFu ? FallbackTag(o_.version) : r.after_deltas ? AfterDeltasTag(o_.version, r.bucket) : BatchTag(o_.version, r.bucket);
     batch.checksum = r.checksum;
+    if (!ChannelOf(r).empty()) batch.group = o_.batch_group;
     const std::map<std::string, RegionHandle>* mine = nullptr;
     const std::map<std::string, RegionHandle>* theirs = nullptr;
     switch (r.kind) {

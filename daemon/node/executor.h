@@ -116,6 +116,9 @@ struct ExecOptions {
   // that another execution shares is torn down only while the aborted one has batches on it
   // (Versions::AbortVersion). Any thread, never under the executor's lock. Null: not counted.
   std::function<absl::Status(const std::string& channel)> channel_post;
+  // Batch::group of every batch on a cross-node channel (0: none): the node cancels an aborted
+  // execution's batches on a channel another execution shares with Transport::CancelBatches.
+  uint64_t batch_group = 0;
   std::function<void(const std::string& channel)> channel_waited;
   // Bytes landed on this node so far (progress, read by another thread); may be null.
   std::atomic<uint64_t>* bytes_done = nullptr;

@@ -5,12 +5,15 @@
 // the test is n1: its own fake transport on the same fabric, connected to n0 beforehand (the
 // channel a finished version left in n0's cache), and n1's ExchangeRegions is the seam
 // (Versions::Options::exchange_regions), which the test holds per version and then answers.
+// SharedChannelTcpTest runs the same on real host_tcp transports (n0's wrapped to tell the test
+// which batches it posted): an abort with a batch in flight on the shared channel.
 #include <gtest/gtest.h>
 
 #include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -24,6 +27,8 @@
 #include "daemon/node/exec_plan.h"
 #include "daemon/node/versions.h"
 #include "daemon/testing/node_parts.h"
+#include "transport/config.h"
+#include "transport/host_tcp/host_tcp.h"
 #include "transport/testing/fake_transport.h"
 
 namespace wb::daemon::node {
@@ -78,6 +83,46 @@ class Coordinator final : public CoordinatorAccess {
   ReportsDone client_;
 };
 
+// n0's host_tcp as its executor sees it, telling the test the tag of every batch posted (so that
+// an abort can come while a batch is in flight). Passes everything on, CancelBatches included.
+class PostsSeen final : public transport::Transport {
+ public:
+  explicit PostsSeen(std::unique_ptr<transport::Transport> t) : t_(std::move(t)) {}
+  transport::Capabilities capabilities() const override { return t_->capabilities(); }
+  std::string instance_id() const override { return t_->instance_id(); }
+  absl::StatusOr<std::string> ExportEndpoint(absl::string_view p) override { return t_->ExportEndpoint(p); }
+  using Transport::Connect;
+  absl::StatusOr<PeerId> Connect(absl::string_view e, absl::string_view r, absl::Time d) override { return t_->Connect(e, r, d); }
+  absl::Status CancelRound(absl::string_view round) override { return t_->CancelRound(round); }
+  absl::Status Disconnect(PeerId p) override { return t_->Disconnect(p); }
+  absl::StatusOr<transport::RegionHandle> RegisterMemory(const transport::MemorySpec& s) override { return t_->RegisterMemory(s); }
+  absl::StatusOr<std::string> ExportDescriptor(transport::RegionHandle r) override { return t_->ExportDescriptor(r); }
+  absl::StatusOr<transport::RegionHandle> ImportDescriptor(absl::string_view d) override { return t_->ImportDescriptor(d); }
+  absl::StatusOr<transport::RegionInfo> Describe(transport::RegionHandle r) const override { return t_->Describe(r); }
+  absl::Status Release(transport::RegionHandle r) override { return t_->Release(r); }
+  absl::StatusOr<transport::BatchId> Post(const transport::Batch& b) override {
+    absl::StatusOr<transport::BatchId> id = t_->Post(b);
+    absl::MutexLock l(&mu_);
+    if (id.ok()) posted_.insert(b.tag);
+    return id;
+  }
+  absl::StatusOr<transport::BatchState> Poll(transport::BatchId b) override { return t_->Poll(b); }
+  absl::Status Wait(transport::BatchId b, absl::Time d) override { return t_->Wait(b, d); }
+  absl::Status CancelBatches(uint64_t group, absl::string_view why) override { return t_->CancelBatches(group, why); }
+  transport::TransportStats stats() const override { return t_->stats(); }
+  // True once a batch of `tag` was posted, within `timeout`.
+  bool AwaitPosted(uint64_t tag, absl::Duration timeout) {
+    absl::MutexLock l(&mu_);
+    auto there = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return posted_.count(tag) > 0; };
+    return mu_.AwaitWithTimeout(absl::Condition(&there), timeout);
+  }
+
+ private:
+  std::unique_ptr<transport::Transport> t_;
+  absl::Mutex mu_;
+  std::set<uint64_t> posted_ ABSL_GUARDED_BY(mu_);
+};
+
 // n1's ExchangeRegions for one version: reached (`called`), held until `answer` is notified, then
 // it answers as `how` says.
 struct PeerAnswer {
@@ -95,12 +140,27 @@ struct PeerAnswer {
 
 class SharedChannelTest : public ::testing::Test, public daemon::testing::NodeParts {
  protected:
-  SharedChannelTest() : NodeParts({.fake_host_tcp = true, .staging_budget_bytes = int64_t{1} << 20}) {
-    transport::testing::FakeOptions fo;
-    fo.fabric = &fabric_;
-    fo.node_id = "n1";
-    fo.kind = "host_tcp";
-    peer_ = transport::testing::MakeFakeTransport(fo);
+  // `real_tcp`: n0 and n1 on real host_tcp transports (n0's wrapped: posted_), not the fake.
+  explicit SharedChannelTest(bool real_tcp = false)
+      : NodeParts({.fake_host_tcp = !real_tcp, .staging_budget_bytes = int64_t{1} << 20}) {
+    if (real_tcp) {
+      transport::TransportConfig config;
+      config.node_id = "n0";
+      absl::StatusOr<std::unique_ptr<transport::Transport>> n0 = transport::NewHostTcpTransport(config);
+      config.node_id = "n1";
+      absl::StatusOr<std::unique_ptr<transport::Transport>> n1 = transport::NewHostTcpTransport(config);
+      EXPECT_TRUE(n0.ok() && n1.ok());
+      auto wrapped = std::make_unique<PostsSeen>(std::move(*n0));
+      posted_ = wrapped.get();
+      set_.Add(std::move(wrapped));
+      peer_ = std::move(*n1);
+    } else {
+      transport::testing::FakeOptions fo;
+      fo.fabric = &fabric_;
+      fo.node_id = "n1";
+      fo.kind = "host_tcp";
+      peer_ = transport::testing::MakeFakeTransport(fo);
+    }
     mine_ = set_.Find("host_tcp");
     Versions::Options vo;
     vo.node_id = "n0";
@@ -312,6 +372,7 @@ class SharedChannelTest : public ::testing::Test, public daemon::testing::NodePa
   std::string peer_node_ = "n1";                // the node the test plays
   std::unique_ptr<transport::Transport> peer_;  // n1 (before fabric_ goes: a member of this class)
   transport::Transport* mine_ = nullptr;        // n0's host channel transport
+  PostsSeen* posted_ = nullptr;                 // real_tcp: mine_
   PeerId c0_, c1_;
   absl::Mutex mu_;
   std::map<uint64_t, PeerAnswer> answers_ ABSL_GUARDED_BY(mu_);  // node-stable: PeerAnswer is not movable
@@ -407,6 +468,52 @@ TEST_F(SharedChannelTest, AnAbortOfTheOnlyUserDisconnectsAtOnce) {
   EXPECT_TRUE(Disconnected());
   EXPECT_TRUE(channels_.All().empty());
   Answer(2).answer.Notify();
+}
+
+class SharedChannelTcpTest : public SharedChannelTest {
+ protected:
+  SharedChannelTcpTest() : SharedChannelTest(/*real_tcp=*/true) {}
+};
+
+// Version 3 is aborted while its batch is in flight on the channel it shares with version 2 (posted
+// on n0; n1, which has not heard of the abort yet, has not posted its mirror): the abort cancels
+// version 3's batches (Transport::CancelBatches) instead of disconnecting the channel, so version
+// 2 completes on it byte for byte, and n1's late mirror of version 3's batch ends CANCELLED (n0
+// told n1). Before: the abort disconnected the shared channel, and version 2 failed ("unknown
+// peer").
+TEST_F(SharedChannelTcpTest, AnAbortWithABatchInFlightLeavesTheSharedChannelToTheOther) {
+  ASSERT_NO_FATAL_FAILURE(CacheAChannel());
+  ASSERT_NO_FATAL_FAILURE(InstallPlan());
+  ASSERT_NO_FATAL_FAILURE(StartAndReachPeer(2));
+  Answer(3).how = PeerAnswer::kServe;
+  Answer(3).answer.Notify();
+  ASSERT_NO_FATAL_FAILURE(StartAndReachPeer(3));
+  ASSERT_TRUE(posted_->AwaitPosted(BatchTag(3, 0), absl::Seconds(20))) << "version 3 never posted its batch";
+  EXPECT_EQ(channels_.Holders("m", "n1", c0_), 2u);
+  pb::AbortVersionRequest a;
+  a.set_model_id("m");
+  a.set_version(3);
+  a.set_reason("a worker left");
+  ASSERT_TRUE(versions_->AbortVersion(a).ok());
+  EXPECT_FALSE(channels_.Find("m", "n1").has_value()) << "an aborted execution's channel must not be reused";
+  // n1's mirror of version 3's batch, posted after n0's cancel reached it: CANCELLED at once.
+  const absl::Time start = absl::Now();
+  absl::Status late = ServeBucket0(3);
+  EXPECT_EQ(late.code(), absl::StatusCode::kCancelled) << late;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+
+  Answer(2).how = PeerAnswer::kServe;
+  Answer(2).answer.Notify();
+  absl::Status served = ServeBucket0(2);
+  EXPECT_TRUE(served.ok()) << served;
+  std::optional<pb::ReportDoneRequest> done = coordinator_.client_.Await(2, absl::Seconds(20));
+  ASSERT_TRUE(done.has_value()) << "version 2 did not end";
+  EXPECT_TRUE(done->ok()) << done->error();
+  EXPECT_EQ(Landed(2), Sent(2)) << "version 2 did not land byte for byte";
+  EXPECT_FALSE(coordinator_.client_.Await(3, absl::ZeroDuration()).has_value()) << "an aborted version does not report";
+  versions_->Stop();
+  versions_->Join();  // version 3's executor ended too: nothing uses the channel any more
+  EXPECT_TRUE(Disconnected());
 }
 
 // n0 as the receiver of ExchangeRegions: its peer is node "a1" (a lower id: the caller), played by

@@ -119,6 +119,12 @@ struct PeerState {
   ChannelCache::Lookup lookup;
 };
 
+// A batch group no other execution of this process had (Exec::batch_group).
+inline uint64_t NewBatchGroup() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 // One execution of a version on this node.
 struct Exec {
   using Bytes = StagedBytes;
@@ -165,6 +171,10 @@ struct Exec {
   // channel -> this version's batches on it posted and not yet waited for (ExecOptions::
   // channel_post / channel_waited); no post starts once `aborted` is set.
   std::map<std::string, int> in_flight;
+  // Its batches' Batch::group (ExecOptions::batch_group): an abort cancels this group on a channel
+  // it shares (Transport::CancelBatches) instead of disconnecting it. Unique in the process, never
+  // reused (a transport refuses later posts of a cancelled group).
+  const uint64_t batch_group = NewBatchGroup();
   // channel -> (transport, round) of a Connect in progress in a non-empty round: an abort cancels
   // these rounds (Transport::CancelRound) so that its Connects end now, not at the deadline.
   std::map<std::string, std::pair<transport::Transport*, std::string>> connecting;

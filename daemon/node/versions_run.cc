@@ -140,16 +140,24 @@ void Versions::ReleaseChannels(const Exec& exec, bool failed) {
 }
 
 void Versions::AbortChannels(const Exec& exec, const std::map<std::string, int>& in_flight) {
+  // Its batches in flight end CANCELLED (their mirrors on the peer too) where the transport can
+  // cancel one execution's batches: the channel then stays for the executions sharing it. Where it
+  // cannot (nccl, a wrapper), only a disconnect ends the waits: such a channel is `busy`.
   std::set<std::string> busy;
+  std::map<transport::Transport*, bool> cancelled;  // per transport, once: CancelBatches is per group
+  const std::string why = absl::StrCat(exec.model_id, " v", exec.version, " aborted on this node");
   for (const auto& [chan, n] : in_flight) {
-    if (n > 0) busy.insert(chan);
+    if (n <= 0) continue;
+    transport::Transport* t = transports_.OfChannel(chan);
+    if (t != nullptr && !cancelled.count(t)) cancelled[t] = t->CancelBatches(exec.batch_group, why).ok();
+    if (t == nullptr || !cancelled[t]) busy.insert(chan);
   }
   const std::vector<ChannelCache::Keyed> drop = channels_.Abandon(&exec, busy);
   for (const ChannelCache::Keyed& c : drop) Disconnect(c.channel, c.id);
   if (!drop.empty() || !in_flight.empty()) {
     Log(LogLevel::kDebug, "aborted version's channels",
         {{"node", options_.node_id}, {"model", exec.model_id}, {"version", exec.version}, {"disconnected", drop.size()},
-         {"busy", busy.size()}});
+         {"busy", busy.size()}, {"batches_cancelled", in_flight.size() - busy.size()}});
   }
 }
 
@@ -333,6 +341,7 @@ node::ExecOptions Versions::ExecOptionsFor(Exec& exec) {
     ++exec.in_flight[chan];
     return absl::OkStatus();
   };
+  o.batch_group = exec.batch_group;
   o.channel_waited = [this, &exec](const std::string& chan) {
     absl::MutexLock l(&mu_);
     auto it = exec.in_flight.find(chan);
