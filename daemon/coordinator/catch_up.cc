@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -75,6 +76,41 @@ std::optional<std::string> CatchUpMemberGone(const ModelRegistry::Model& m, cons
     }
   }
   return std::nullopt;
+}
+
+// A catch-up of several late rollouts that has no plan: the late rollouts that have none alone
+// (each planned with every source), each with why. Before, one rollout the sources cannot serve (a
+// tensor or a quantised form no source holds: a process that joined with such a layout) failed the
+// catch-up of every late rollout planned with it - each then waited for the next version, which
+// never comes while the trainers are gone. Empty when there is one late rollout, when each has a
+// plan alone (the set's failure: all fail, as before), or when planning was cancelled or ran past
+// its deadline (nothing known of any one rollout). One plan per late rollout, on the planner thread.
+std::map<std::string, std::string> UnservableDests(PlanCache& cache, const PlanFn& make_plan, const SliceInput& in,
+                                                   const PlanSettings& settings, const absl::Status& failed) {
+  std::map<std::string, std::string> out;
+  if (absl::IsCancelled(failed) || absl::IsDeadlineExceeded(failed)) return out;
+  SliceInput solo = in;
+  solo.workers.clear();
+  size_t dests = 0;
+  for (const SliceWorker& w : in.workers) {
+    if (w.role == planner::Role::kRollout) {
+      ++dests;
+    } else {
+      solo.workers.push_back(w);
+    }
+  }
+  if (dests < 2) return out;
+  for (const SliceWorker& w : in.workers) {
+    if (w.role != planner::Role::kRollout) continue;
+    solo.workers.push_back(w);  // problem order as in the joint plan: sources, then the late rollout
+    absl::StatusOr<PlanOutcome> alone = cache.PlanAndSlice(solo, settings, make_plan);
+    solo.workers.pop_back();
+    if (alone.ok()) continue;
+    if (absl::IsCancelled(alone.status()) || absl::IsDeadlineExceeded(alone.status())) return {};
+    out[w.id] = std::string(alone.status().message());
+  }
+  if (out.size() == dests) out.clear();
+  return out;
 }
 
 }  // namespace
@@ -167,6 +203,8 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
   settings.sender_quantization = false;
   settings.quantized_sources = true;
   absl::StatusOr<PlanOutcome> outcome = plan_cache_.PlanAndSlice(in, settings, options_.make_plan);
+  const std::map<std::string, std::string> unservable =
+      outcome.ok() ? std::map<std::string, std::string>() : UnservableDests(plan_cache_, options_.make_plan, in, settings, outcome.status());
   std::vector<std::pair<std::string, std::shared_ptr<NodeClient>>> clients;
   uint64_t version = 0;
   std::shared_ptr<const LandedRecord> landed;  // what the version landed in each rollout
@@ -174,6 +212,27 @@ void CoordinatorCore::RunCatchUpPlan(const std::string& model_id, Model* m, cons
     absl::MutexLock l(&mu_);
     if (stopping_ || !m->catch_up || m->catch_up->epoch != in.epoch) return;
     version = m->catch_up->version;
+    if (!outcome.ok() && !unservable.empty()) {
+      // Only these late rollouts cannot be served: each fails alone, told its own reason (its node
+      // gets the attempt's abort, so a waiting Apply(v) asks and learns it), and the attempt is
+      // void, not final: the next one, chosen at once, brings the others (catch_up_failed leaves
+      // these out of it).
+      for (const auto& [id, why] : unservable) {
+        auto d = m->catch_up->dests.find(id);
+        auto w = m->workers.find(id);
+        if (d == m->catch_up->dests.end() || w == m->workers.end() || w->second.serial != d->second) continue;
+        w->second.catch_up_failed = version;
+        w->second.catch_up_error =
+            absl::StrCat("catch-up of model ", model_id, " version ", version, " failed: no plan from the rollouts holding it: ", why,
+                         "; it gets the next version");
+        m->catch_up->nodes.insert(w->second.node);
+      }
+      FailCatchUpLocked(model_id, *m,
+                        absl::StrCat("late rollout(s) ", absl::StrJoin(unservable, ", ", [](std::string* o, const auto& u) { o->append(u.first); }),
+                                     " cannot be served (", outcome.status().message(), "); the others are tried again without them"),
+                        false);
+      return;
+    }
     if (!outcome.ok()) {
       FailCatchUpLocked(model_id, *m, absl::StrCat("no plan from the rollouts holding it: ", outcome.status().message()), true);
       return;
