@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "base/stream_copy.h"
 #include "daemon/delta/codec_parts.h"
+#include "daemon/delta/decode_parts.h"
 #include "daemon/delta/encode_parts.h"
 #include "daemon/delta/scan.h"
 #include "daemon/digest/digest.h"
@@ -202,6 +203,14 @@ void PutHeader(uint8_t* out, const StreamHeader& h) {
 }
 
 }  // namespace
+
+namespace internal {
+namespace {
+thread_local bool portable_decode_for_test = false;
+}  // namespace
+void SetPortableDecodeForTest(bool portable) { portable_decode_for_test = portable; }
+bool PortableDecodeForTest() { return portable_decode_for_test; }
+}  // namespace internal
 
 std::string Digest::ToString() const { return absl::StrFormat("%016x%016x", hi, lo); }
 
@@ -473,7 +482,7 @@ struct ExceptionCursor {
 
 template <typename T>
 absl::Status DecodeChunk(const ChunkHead& h, const uint8_t* payload, const uint8_t* stream_end, const uint8_t* base,
-                         uint8_t* out, uint64_t n, const std::function<std::string()>& where) {
+                         uint8_t* out, uint64_t n, const std::function<std::string()>& where, ChunkPrefetch* pf) {
   constexpr int kEs = sizeof(T);
   const ChunkKind kind = static_cast<ChunkKind>(h.kind);
   const uint8_t* end = payload + h.payload;
@@ -488,11 +497,18 @@ absl::Status DecodeChunk(const ChunkHead& h, const uint8_t* payload, const uint8
   auto bad = [&](const std::string& why) { return absl::DataLossError(absl::StrCat(where(), ": ", why)); };
   const int width = h.width;
   const uint64_t values = h.changed;
-  // 2-byte elements with 1-byte values (nearly every bf16 chunk) on AVX-512: checked first, then
-  // applied 32 elements per step; anything off leaves it to the loops below, which name it.
+  const bool portable = internal::PortableDecodeForTest();
+  // Index chunks (few changes): checked first, then only the changed elements visited
+  // (decode_parts.h); anything off leaves it to the loops below, which name it.
+  if (kind == ChunkKind::kIndex && !portable &&
+      internal::DecodeIndexChunk<T>(payload, end, stream_end, values, h.excs, width, base, out, n, pf)) {
+    return absl::OkStatus();
+  }
+  // Bitmap chunks of 2-byte elements with 1-byte values (bf16 at lr 1e-5) on AVX-512: checked
+  // first, then applied 32 elements per step; anything off leaves it to the loops below.
   if constexpr (kEs == 2) {
-    if (width == 1 && (kind == ChunkKind::kBitmap || kind == ChunkKind::kIndex) &&
-        internal::DecodeSparse16(kind == ChunkKind::kIndex, payload, end, values, h.excs, base, out, n)) {
+    if (width == 1 && kind == ChunkKind::kBitmap && !portable &&
+        internal::DecodeSparse16(payload, end, values, h.excs, base, out, n)) {
       return absl::OkStatus();
     }
   }
@@ -665,14 +681,23 @@ absl::Status DecodeImpl(absl::Span<const uint8_t> stream, const DecodeBase& base
     const uint8_t* payload = p + kChunkHeaderBytes;
     const size_t off = c * h.chunk_elems * es;
     const std::function<std::string()> where = [&] { return ChunkWhere(what, c, h.chunk_elems, n); };
+    // The next chunk's base is pulled into cache while this one is decoded and hashed: the
+    // decoder's first touch of the base is a wait on memory otherwise (as the encoder's scan,
+    // ChunkPrefetch).
+    ChunkPrefetch pf;
+    if (c + 1 < h.num_chunks) {
+      pf.a = base.bytes.data() + off + n * es;
+      pf.bytes = ChunkElems(elems, h.chunk_elems, c + 1) * es;
+    }
     absl::Status s;
     switch (es) {
-      case 1: s = DecodeChunk<uint8_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where); break;
-      case 2: s = DecodeChunk<uint16_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where); break;
-      case 4: s = DecodeChunk<uint32_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where); break;
-      default: s = DecodeChunk<uint64_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where); break;
+      case 1: s = DecodeChunk<uint8_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where, &pf); break;
+      case 2: s = DecodeChunk<uint16_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where, &pf); break;
+      case 4: s = DecodeChunk<uint32_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where, &pf); break;
+      default: s = DecodeChunk<uint64_t>(head, payload, stream_end, base.bytes.data() + off, out.data() + off, n, where, &pf); break;
     }
     if (!s.ok()) return s;
+    pf.To(pf.bytes);  // chunks decoded without it (same, raw, bitmap, dense_diff)
     ht.Update(out.data() + off, n * es);
     if (on_out) on_out(absl::MakeConstSpan(out.data() + off, n * es));
     p = payload + head.payload;

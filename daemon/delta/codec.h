@@ -220,4 +220,11 @@ absl::Status DecodeInPlace(absl::Span<const uint8_t> stream, uint64_t base_versi
                            absl::Span<uint8_t> data, std::string_view what = "", const ChunkObserver& on_out = {},
                            std::vector<uint64_t>* out_unit_hashes = nullptr);
 
+namespace internal {
+// TEST ONLY, for the calling thread: Decode and DecodeInPlace take their portable loops even where
+// a faster path exists (codec_test checks both give the same bytes and the same errors).
+void SetPortableDecodeForTest(bool portable);
+bool PortableDecodeForTest();
+}  // namespace internal
+
 }  // namespace wb::delta

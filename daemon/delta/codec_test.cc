@@ -422,6 +422,112 @@ TEST(DeltaCodec, FusedWalkAndPortableLoopAgreeOnRandomShapes) {
   }
 }
 
+// Decodes `stream` against `base` four ways - Decode and DecodeInPlace, each with the fast paths
+// (index chunks: decode_parts.h; bf16 bitmap chunks on AVX-512) and with the portable loops
+// forced - into buffers that start `misalign` bytes past an aligned address, and expects the same
+// status from all four (message included: a hostile stream is named the same either way) and, when
+// OK, the same bytes and unit hashes.
+void ExpectFastAndPortableDecodeAgree(const Bytes& stream, const Bytes& base, size_t misalign, const std::string& what) {
+  absl::Status status[4];
+  Bytes got[4];
+  std::vector<uint64_t> units[4];
+  for (int way = 0; way < 4; ++way) {
+    const bool portable = way >= 2, in_place = way % 2 == 1;
+    internal::SetPortableDecodeForTest(portable);
+    std::vector<uint64_t> buf((base.size() + misalign) / 8 + 2);
+    uint8_t* at = reinterpret_cast<uint8_t*>(buf.data()) + misalign;
+    absl::Span<uint8_t> out(at, base.size());
+    if (in_place) {
+      std::memcpy(at, base.data(), base.size());
+      status[way] = DecodeInPlace(stream, 4, std::nullopt, out, "w", {}, &units[way]);
+    } else {
+      status[way] = Decode(stream, DecodeBase{4, base, std::nullopt}, out, "w", {}, &units[way]);
+    }
+    internal::SetPortableDecodeForTest(false);
+    got[way].assign(out.begin(), out.end());
+  }
+  for (int way = 1; way < 4; ++way) {
+    ASSERT_EQ(status[way], status[0]) << what << " way " << way;
+    if (status[0].ok()) {
+      ASSERT_EQ(got[way], got[0]) << what << " way " << way;
+      ASSERT_EQ(units[way], units[0]) << what << " way " << way;
+    }
+  }
+}
+
+// The decoder's fast paths against its portable loops on valid streams: every element size, random
+// shapes (chunk sizes 64..32768, lengths that are no multiple of a vector or a chunk, densities
+// 1e-5..1, small steps, steps needing exceptions, random changes), unaligned buffers; and edge
+// cases: all equal, all different, changes only at a chunk's first or last element, gaps of every
+// LEB128 length (up to 4 bytes: a 2^22-element chunk). Every stream also decodes to the target.
+TEST(DeltaCodec, FastAndPortableDecodeAgreeOnValidStreams) {
+  std::mt19937_64 rng(131);
+  uint64_t index_chunks = 0;
+  for (int i = 0; i < 240; ++i) {
+    const int es = 1 << (i % 4);
+    const uint32_t chunk = 64u << (rng() % 10);
+    const size_t count = 1 + rng() % (3 * chunk + 200);
+    const double share = std::pow(10.0, -5.0 * static_cast<double>(rng() % 1000) / 1000.0);
+    const int max_step = 1 + static_cast<int>(rng() % (rng() % 2 ? 200 : 70000));
+    const Pair p = MakePair(count, es, share, max_step, static_cast<uint32_t>(rng()), rng() % 5 == 0);
+    const Coded c = EncodeOk(p, es, chunk);
+    index_chunks += c.stats.chunks[static_cast<int>(ChunkKind::kIndex)];
+    Bytes out(p.target.size());
+    ASSERT_TRUE(DecodeInto(c.stream, p.base, out).ok());
+    ASSERT_EQ(out, p.target);
+    ExpectFastAndPortableDecodeAgree(c.stream, p.base, i % 8,
+                                     "case " + std::to_string(i) + " es " + std::to_string(es) + " chunk " + std::to_string(chunk));
+  }
+  EXPECT_GT(index_chunks, 200u) << "the random shapes hardly reach the index path";
+  for (int es : {1, 2, 4, 8}) {
+    for (double share : {0.0, 1.0}) {  // all equal, all different
+      const Pair p = MakePair(4096 + 13, es, share, 3, 7 + es);
+      ExpectFastAndPortableDecodeAgree(EncodeOk(p, es, 1024).stream, p.base, 3, "share " + std::to_string(share));
+    }
+    Pair p = MakePair(4 * 1024 + 5, es, 0.0, 1, 11 + es);  // first and last element of each chunk
+    for (size_t i = 0; i < p.target.size() / es; ++i) {
+      if (i % 1024 == 0 || i % 1024 == 1023 || i + 1 == p.target.size() / es) p.target[i * es] ^= 0x81;
+    }
+    const Coded c = EncodeOk(p, es, 1024);
+    ASSERT_GT(c.stats.chunks[static_cast<int>(ChunkKind::kIndex)], 0u);
+    ExpectFastAndPortableDecodeAgree(c.stream, p.base, 5, "chunk ends, es " + std::to_string(es));
+  }
+  Pair p = MakePair((size_t{1} << 22) + 100, 1, 0.0, 1, 3);  // gaps of 1..4 LEB128 bytes
+  for (size_t i : {size_t{0}, size_t{1}, size_t{200}, size_t{20000}, size_t{3000000}, (size_t{1} << 22) - 1}) p.target[i] ^= 0x41;
+  const Coded big = EncodeOk(p, 1, 1u << 22);
+  ASSERT_EQ(big.stats.chunks[static_cast<int>(ChunkKind::kIndex)], 1u);
+  ExpectFastAndPortableDecodeAgree(big.stream, p.base, 1, "LEB128 lengths");
+}
+
+// ... and on broken streams: every prefix and every single-byte change (3 patterns) of streams of
+// index chunks with exceptions, for every element size: the same status, message included, from
+// the fast paths and the portable loops (a fast path never accepts what the portable loop refuses).
+TEST(DeltaCodec, FastAndPortableDecodeAgreeOnBrokenStreams) {
+  for (int es : {1, 2, 4, 8}) {
+    // Index chunks (< 8 of 64 elements changed), each with one value needing its high bytes.
+    Pair p = MakePair(300, es, 0.0, 1, 40 + es);
+    for (size_t i = 0; i < 300; ++i) {
+      if (i % 11 == 3) p.target[i * es] = static_cast<uint8_t>(p.target[i * es] + 1 + i % 50);
+      if (i % 64 == 40) p.target[i * es + es - 1] ^= 0x40;
+    }
+    const Coded c = EncodeOk(p, es, 64);
+    ASSERT_GT(c.stats.chunks[static_cast<int>(ChunkKind::kIndex)], 0u) << es;
+    if (es > 1) ASSERT_GT(c.stats.exceptions, 0u) << es;
+    for (size_t len = 0; len < c.stream.size(); ++len) {
+      ExpectFastAndPortableDecodeAgree(Bytes(c.stream.begin(), c.stream.begin() + len), p.base, 0,
+                                       "es " + std::to_string(es) + " prefix " + std::to_string(len));
+    }
+    for (size_t pos = kHeaderBytes; pos < c.stream.size(); ++pos) {
+      for (uint8_t flip : {0x01, 0x80, 0xFF}) {
+        Bytes bad = c.stream;
+        bad[pos] ^= flip;
+        ExpectFastAndPortableDecodeAgree(bad, p.base, 0, "es " + std::to_string(es) + " byte " + std::to_string(pos) +
+                                                             " ^ " + std::to_string(flip));
+      }
+    }
+  }
+}
+
 // The sender's fused pass: the same stream as packing first, the target written out whole, its
 // digest returned; a recorded base digest gives the same stream without hashing the base; a wrong
 // one is refused by the receiver, never decoded into wrong bytes.

@@ -144,42 +144,24 @@ struct Sparse16Scratch {
 };
 
 // Phase 1 of DecodeSparse16: the checks and the change bitmap; returns where the values start, or
-// null when anything is off.
-const uint8_t* CheckSparse16(bool index_kind, const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
-                             uint64_t n, Sparse16Scratch* s) {
+// null when anything is off. (Index chunks take decode_parts.h's path, which visits only the
+// changed elements.)
+const uint8_t* CheckSparse16(const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs, uint64_t n,
+                             Sparse16Scratch* s) {
   const uint64_t words = (n + 63) / 64;
   s->masks.assign(words, 0);
-  const uint8_t* vals;
-  if (index_kind) {
-    const uint8_t* q = payload;
-    int64_t prev = -1;
-    for (uint64_t k = 0; k < values; ++k) {
-      uint64_t gap;
-      if (q < end && *q < 0x80) {
-        gap = *q++;
-      } else if (!GetVarint(q, end, &gap)) {
-        return nullptr;
-      }
-      const uint64_t idx = static_cast<uint64_t>(prev + 1) + gap;
-      if (idx >= n) return nullptr;
-      s->masks[idx / 64] |= uint64_t{1} << (idx % 64);
-      prev = static_cast<int64_t>(idx);
-    }
-    vals = q;
-  } else {
-    const uint64_t bitmap_bytes = (n + 7) / 8;
-    if (static_cast<uint64_t>(end - payload) < bitmap_bytes) return nullptr;
-    uint64_t set = 0;
-    for (uint64_t w = 0; w < words; ++w) {
-      uint64_t m = 0;
-      std::memcpy(&m, payload + 8 * w, std::min<uint64_t>(8, bitmap_bytes - 8 * w));
-      if (n - w * 64 < 64 && (m >> (n - w * 64)) != 0) return nullptr;
-      s->masks[w] = m;
-      set += static_cast<uint64_t>(std::popcount(m));
-    }
-    if (set != values) return nullptr;
-    vals = payload + bitmap_bytes;
+  const uint64_t bitmap_bytes = (n + 7) / 8;
+  if (static_cast<uint64_t>(end - payload) < bitmap_bytes) return nullptr;
+  uint64_t set = 0;
+  for (uint64_t w = 0; w < words; ++w) {
+    uint64_t m = 0;
+    std::memcpy(&m, payload + 8 * w, std::min<uint64_t>(8, bitmap_bytes - 8 * w));
+    if (n - w * 64 < 64 && (m >> (n - w * 64)) != 0) return nullptr;
+    s->masks[w] = m;
+    set += static_cast<uint64_t>(std::popcount(m));
   }
+  if (set != values) return nullptr;
+  const uint8_t* vals = payload + bitmap_bytes;
   if (static_cast<uint64_t>(end - vals) < values) return nullptr;
   s->excs.clear();
   const uint8_t* e = vals + values;
@@ -241,12 +223,12 @@ WB_AVX512 void PatchExceptions16(const Sparse16Scratch& s, const uint8_t* vals, 
 
 }  // namespace
 
-bool DecodeSparse16(bool index_kind, const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
+bool DecodeSparse16(const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
                     const uint8_t* base, uint8_t* out, uint64_t n) {
 #if defined(__x86_64__)
   if (!HasAvx512Vbmi2()) return false;
   thread_local Sparse16Scratch scratch;
-  const uint8_t* vals = CheckSparse16(index_kind, payload, end, values, excs, n, &scratch);
+  const uint8_t* vals = CheckSparse16(payload, end, values, excs, n, &scratch);
   if (vals == nullptr) return false;
   ApplySparse16(scratch.masks.data(), vals, base, out, n, out == base);
   PatchExceptions16(scratch, vals, out);

@@ -91,15 +91,15 @@ struct Walk16 {
 bool ScanAndWalk16(const uint8_t* a, const uint8_t* b, uint64_t n, uint64_t* masks, uint8_t* gaps, uint8_t* vals,
                    std::vector<std::pair<uint32_t, uint64_t>>* excs, Walk16* out, ChunkPrefetch* pf);
 
-// The decoder's counterpart for a bitmap or index chunk of 2-byte elements with 1-byte values
-// (AVX-512 VBMI2 expand): first checks everything the portable loop checks (every index gap
-// readable and inside the chunk, the bitmap's bits and count, the values inside the payload, the
-// exception list, no zero difference) and builds the chunk's change bitmap, writing nothing; then,
-// 32 elements per step, expands the next values into the changed lanes, un-zigzags and adds them to
-// the base (`out` may be `base`: in place, only changed lanes are stored; else every element is)
-// and finally adds the high bytes of the exceptions. False, having written nothing, where the CPU
-// lacks it or any check fails: the caller's portable loop then finds and names what is wrong.
-bool DecodeSparse16(bool index_kind, const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
+// The decoder's counterpart for a bitmap chunk of 2-byte elements with 1-byte values (AVX-512
+// VBMI2 expand; index chunks take decode_parts.h's path): first checks everything the portable loop
+// checks (the bitmap's bits and count, the values inside the payload, the exception list, no zero
+// difference), writing nothing; then, 32 elements per step, expands the next values into the
+// changed lanes, un-zigzags and adds them to the base (`out` may be `base`: in place, only changed
+// lanes are stored; else every element is) and finally adds the high bytes of the exceptions.
+// False, having written nothing, where the CPU lacks it or any check fails: the caller's portable
+// loop then finds and names what is wrong.
+bool DecodeSparse16(const uint8_t* payload, const uint8_t* end, uint64_t values, uint64_t excs,
                     const uint8_t* base, uint8_t* out, uint64_t n);
 
 // The vector scan where there is one (unless `portable`: tests compare both), else the portable loop.
