@@ -304,6 +304,15 @@ Verdict WorkerGuard::Waiting(AuthCall& call, const std::string& model, const std
   return TakeSlot(call, *me, model, worker);
 }
 
+// Before (fortieth session on), these calls held over a coordinator outage took no slot: one
+// process's held registrations took every thread of the worker socket's quota, and every other
+// worker's calls (Status, Apply, WaitVersion) were answered "Server Threadpool Exhausted".
+Verdict WorkerGuard::Registering(AuthCall& call, const std::string& model, const std::string& worker) {
+  absl::StatusOr<PeerCred> me = Caller(call);
+  if (!me.ok()) return Refuse(me.status(), "unauthenticated");
+  return TakeSlot(call, *me, model, absl::StrCat(worker, " (registration calls)"));
+}
+
 absl::Status WorkerGuard::CheckBound(const PeerCred& sender, const std::string& model, const std::string& worker) {
   PeerCred owner;
   {
@@ -347,6 +356,7 @@ Verdict WorkerGuard::RegisterWorker(AuthCall& call, pb::RegisterWorkerRequest& r
   for (auto [what, id] : {std::pair{"model_id", &req.model_id()}, std::pair{"worker_id", &req.worker_id()}}) {
     if (absl::Status s = CheckId(what, *id, limits_); !s.ok()) return Refuse(s, "limit");
   }
+  if (Verdict v = Registering(call, req.model_id(), req.worker_id()); !v.status.ok()) return v;
   if (req.has_model()) {
     if (absl::Status s = CheckModelSpec(req.model(), limits_); !s.ok()) return Refuse(s, "limit");
   }
@@ -464,6 +474,7 @@ void WorkerGuard::SweepExitedBindings() {
 
 Verdict WorkerGuard::RegisterLayout(AuthCall& call, const pb::RegisterLayoutRequest& req) {
   if (absl::Status s = CheckActsAs(call, req.model_id(), req.worker_id()); !s.ok()) return Refuse(s, "impersonation");
+  if (Verdict v = Registering(call, req.model_id(), req.worker_id()); !v.status.ok()) return v;
   if (absl::Status s = CheckLayoutRequest(req.buffers(), req.layout(), limits_); !s.ok()) {
     return Refuse(absl::Status(s.code(), absl::StrCat("worker ", req.worker_id(), ": ", s.message())), "limit");
   }
@@ -640,6 +651,7 @@ void WorkerGuard::AddRules(AuthGate& gate) {
   gate.Add(w + "Deregister", Rule<pb::DeregisterRequest>([this, acts_as](AuthCall& c, pb::DeregisterRequest& r) {
              Verdict v = acts_as(c, r.model_id(), r.worker_id());
              if (!v.status.ok()) return v;
+             if (v = Registering(c, r.model_id(), r.worker_id()); !v.status.ok()) return v;
              c.after = [this, model = r.model_id(), worker = r.worker_id()](const grpc::Status&, const void*) {
                {
                  absl::MutexLock l(&mu_);

@@ -109,6 +109,10 @@ class WorkerGuard {
   Verdict TakeSlot(AuthCall& call, const PeerCred& me, const std::string& model, const std::string& worker);
   // The same for the caller of `call`.
   Verdict Waiting(AuthCall& call, const std::string& model, const std::string& worker);
+  // A slot for a RegisterWorker / RegisterLayout / Deregister of `worker`: the node holds them
+  // while its coordinator is down (up to 60 s), each on a server thread, so they count against
+  // max_blocked_calls too - with a per-worker share of their own, apart from its waiting calls.
+  Verdict Registering(AuthCall& call, const std::string& model, const std::string& worker);
   Verdict DescribeLayout(AuthCall& call, const ::weightbridge::v1::DescribeLayoutRequest& req);
   // Drops the bindings of processes that have exited (a worker that never deregistered: the node
   // reaps the worker, nothing else erases its binding), once the table has doubled since the last

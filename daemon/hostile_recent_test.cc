@@ -5,6 +5,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -117,6 +119,70 @@ TEST_P(UnservableLateRolloutTest, ALateRolloutTheSourcesCannotServeFailsAloneNot
     ASSERT_TRUE(a.ok()) << r->id << ": " << a.error_message();
     EXPECT_EQ(CountBad(*r, 2), 0) << r->id;
   }
+}
+
+// RegisterWorker / RegisterLayout / Deregister are held while the node's coordinator is down (up to
+// the worker's deadline; fortieth session), each on a worker-socket server thread. They took no
+// waiting-call slot: with the node's quota at 16 threads (max_blocked_calls 8 + 8 of headroom), 40
+// RegisterWorker of one process during an outage took every thread (15 held, 25 turned away by
+// gRPC) and another worker's Status was answered "Server Threadpool Exhausted" (3 of 3) until they
+// timed out. Now they count against max_blocked_calls: at most 8 are held, the other 32 are
+// answered RESOURCE_EXHAUSTED at once, and the other worker's Status gets a thread meanwhile.
+TEST(HeldRegistrationsTest, RegistrationsHeldDuringACoordinatorOutageLeaveThreadsForOtherWorkers) {
+  planner::Inventory inv = SmallInventory();
+  Cluster c;
+  c.StartCoordinator();
+  c.StartNode(0, nullptr, nullptr, [](ServerOptions& o) {
+    o.security.limits.max_blocked_calls = 8;
+    o.security.limits.server_thread_headroom = 8;
+  });
+  const pb::ModelSpec spec = SmallSpec(pb::MODE_ONE_STEP_OFF, pb::STRATEGY_WEIGHTBRIDGE);
+  TestWorker& r0 = c.AddWorker("r0", pb::ROLE_ROLLOUT, 0, &inv, LayoutOf(inv, {{0, {0, 0}, {8, 16}, false}}));
+  ASSERT_TRUE(c.RegisterWorker(r0, spec).ok());
+  c.coord_->Shutdown();  // down: the node holds what it would forward
+  constexpr int kCalls = 40, kHeld = 8;
+  absl::Mutex mu;
+  int exhausted = 0;  // answered RESOURCE_EXHAUSTED (by the limit, or by gRPC for want of a thread)
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCalls; ++i) {
+    callers.emplace_back([&, i] {
+      auto stub = pb::WorkerService::NewStub(grpc::CreateChannel("unix://" + c.nodes_[0]->worker_socket(), grpc::InsecureChannelCredentials()));
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(14));
+      pb::RegisterWorkerRequest rw;
+      rw.set_model_id("m");
+      rw.set_worker_id(absl::StrCat("h", i));
+      rw.set_role(pb::ROLE_ROLLOUT);
+      rw.set_gpu(-1);
+      *rw.mutable_model() = spec;
+      pb::RegisterWorkerResponse resp;
+      grpc::Status s = stub->RegisterWorker(&ctx, rw, &resp);
+      absl::MutexLock l(&mu);
+      if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++exhausted;
+    });
+  }
+  bool refused_at_once = false;
+  {
+    absl::MutexLock l(&mu);
+    auto all_but_held = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return exhausted >= kCalls - kHeld; };
+    // Before the held calls' own 13 s: only the calls refused at once count.
+    refused_at_once = mu.AwaitWithTimeout(absl::Condition(&all_but_held), absl::Seconds(10));
+  }
+  grpc::Status status;
+  if (refused_at_once) {
+    // (The node asks the coordinator for the cluster's view first, up to 5 s, then answers its own.)
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(12));
+    pb::StatusResponse st;
+    status = r0.stub->Status(&ctx, pb::StatusRequest(), &st);
+  }
+  for (std::thread& t : callers) t.join();
+  ASSERT_TRUE(refused_at_once) << "more than " << kHeld << " registrations held during the outage (RESOURCE_EXHAUSTED: " << exhausted << ")";
+  // Served: whatever the node answers without its coordinator (its question to the coordinator
+  // times out), not gRPC's "Server Threadpool Exhausted".
+  EXPECT_NE(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << "another worker's Status while registrations are held: "
+                                                                        << status.error_message();
+  c.Stop();
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, UnservableLateRolloutTest, ::testing::Values(pb::MODE_SYNC, pb::MODE_ONE_STEP_OFF),
