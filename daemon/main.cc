@@ -92,7 +92,8 @@ ABSL_FLAG(int64_t, bucket_bytes, int64_t{2} << 30, "planner: max bytes a GPU sen
 ABSL_FLAG(int64_t, staging_budget_bytes, int64_t{64} << 30, "max staging + snapshot bytes per node");
 ABSL_FLAG(std::string, live_state_dir, "",
           "node/standalone: private directory (0700, this user's) where a copy into a worker's live memory is recorded "
-          "before its first byte, so that after a crash the restarted daemon reports that worker's weights TORN; must "
+          "before its first byte, so that after a crash the restarted daemon reports that worker's weights TORN, and where "
+          "its trainers' last answered publishes are kept (a restarted coordinator then counts those numbers used); must "
           "survive a daemon restart. Empty: $STATE_DIRECTORY/live (systemd StateDirectory=) or ${TMPDIR:-/tmp}/weightbridge-<uid>/live");
 ABSL_FLAG(std::string, nccl_devices, "all",
           "GPUs that get an nccl lane (their own communicators, so each sends and receives on the NIC nearest to it): "

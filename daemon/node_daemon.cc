@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "daemon/convert.h"
@@ -145,6 +146,15 @@ absl::Status NodeDaemon::Start(const std::string& node_address) {
     // Before the first worker can register: leftovers of a previous process make theirs TORN.
     ASSIGN_OR_RETURN(markers_, LiveMarkers::Open(options_.live_state_dir, options_.node_id));
     local_.AttachMarkers(markers_.get());
+    // Its trainers' answered publishes (status.md item 24): inherited by the same process only.
+    auto alive = [](const std::string& process) {
+      int pid = 0;
+      if (!absl::SimpleAtoi(process.substr(0, process.find('@')), &pid) || pid <= 0) return false;
+      absl::StatusOr<std::shared_ptr<PidWatch>> w = PidWatch::Open(pid, "a trainer of the publish record");
+      return w.ok() && (*w)->Identity() == process;
+    };
+    ASSIGN_OR_RETURN(publish_record_, node::PublishRecord::Open(options_.live_state_dir, options_.node_id, alive));
+    worker_calls_.AttachPublishRecord(publish_record_.get());
   }
   node_address_ = node_address;
   data_address_ = node_address;  // peers reach our NodeService (ExchangeRegions) here

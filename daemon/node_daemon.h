@@ -45,6 +45,7 @@
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
 #include "daemon/node/peer_stubs.h"
+#include "daemon/node/publish_record.h"
 #include "daemon/node/versions.h"
 #include "daemon/node/worker_calls.h"
 #include "proto/weightbridge.grpc.pb.h"
@@ -137,8 +138,9 @@ class NodeDaemon final : private node::CoordinatorAccess {
     // null = the process default, Metrics(). Must outlive the daemon.
     DaemonMetrics* metrics = nullptr;
     // Where a copy into live memory is recorded before its first byte (daemon/node/live_markers.h),
-    // so that a restarted daemon reports those workers TORN. Empty: not recorded (main.cc always
-    // sets it: --live_state_dir, default LiveMarkers::DefaultDir()).
+    // so that a restarted daemon reports those workers TORN, and its trainers' last answered
+    // publishes (daemon/node/publish_record.h). Empty: not recorded (main.cc always sets it:
+    // --live_state_dir, default LiveMarkers::DefaultDir()).
     std::string live_state_dir;
   };
 
@@ -208,6 +210,7 @@ class NodeDaemon final : private node::CoordinatorAccess {
   std::atomic<CoordinatorClient*> client_{nullptr};
   std::atomic<CoordinatorSession*> session_{nullptr};
   std::unique_ptr<LiveMarkers> markers_;  // set by Start (live_state_dir), then const; used through local_
+  std::unique_ptr<node::PublishRecord> publish_record_;  // the same; used through worker_calls_
   std::string node_address_, data_address_;
   std::atomic<bool> stopped_{false};
 };

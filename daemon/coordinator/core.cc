@@ -296,8 +296,8 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "committed_version", req.committed_version()));
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "applied_version", req.applied_version()));
     RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "holds_version", req.holds_version()));
-    RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "published_version", req.published_version()));
   }
+  RETURN_IF_ERROR(CheckRestoredVersion(*model.machine, "published_version", req.published_version()));
   if (auto old = model.workers.find(req.worker_id()); old != model.workers.end()) {
     // Moving a worker to another node is fine once its old node is gone; while that node lives,
     // the worker is its (another node's join would take it over).
@@ -326,17 +326,20 @@ absl::Status CoordinatorCore::JoinWorkerLocked(const pb::JoinWorkerRequest& req,
     // A version it holds from a catch-up (quantised bytes, no canonical shadows), as its node
     // remembers it: the mark the coordinator before the restart had (WorkerRec::holds_without_shadows).
     rec.holds_without_shadows = rec.holds > 0 && req.holds_without_shadows();
-    // Used numbers, above what is committed: one held (a commit that was not cluster-wide; never a
-    // catch-up source or destination, holds != committed) or a trainer's publish the old coordinator
-    // recorded (not sync; one whose answer was lost is re-sent, not counted): never published again.
-    const uint64_t held = std::max(rec.holds, rec.restored_applied);
-    const uint64_t published = rec.role == planner::Role::kTrainer ? req.published_version() : 0;
-    for (const auto& [n, is_publish] : {std::pair{held, false}, std::pair{published, true}}) {
-      UsedByRejoin& used = used_by_rejoin_[req.model_id()];
-      if (n > model.machine->committed() && n > used.version) used = {n, req.worker_id(), req.node_id(), is_publish};
-    }
     Log(LogLevel::kInfo, "worker re-joined", {{"model", req.model_id()}, {"worker", req.worker_id()}, {"node", req.node_id()},
                                               {"committed", req.committed_version()}, {"applied", req.applied_version()}});
+  }
+  // Used numbers, above what is committed: one held (a commit that was not cluster-wide; never a
+  // catch-up source or destination, holds != committed) or a trainer's publish an earlier
+  // coordinator recorded (not sync; one whose answer was lost is re-sent, not counted): never
+  // published again. The latter also on a first join: a trainer's node that restarted sends the
+  // record it kept on disk when the same trainer process registers again (node::PublishRecord).
+  const uint64_t held = req.rejoin() ? std::max(rec.holds, rec.restored_applied) : 0;
+  const uint64_t published = rec.role == planner::Role::kTrainer ? req.published_version() : 0;
+  for (const auto& [n, is_publish] : {std::pair{held, false}, std::pair{published, true}}) {
+    if (n <= model.machine->committed()) continue;  // (no entry for every model's first joins)
+    UsedByRejoin& used = used_by_rejoin_[req.model_id()];
+    if (n > used.version) used = {n, req.worker_id(), req.node_id(), is_publish};
   }
   models_.AddWorker(model, req.worker_id(), std::move(rec));
   StatusChangedLocked();

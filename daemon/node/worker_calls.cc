@@ -87,6 +87,15 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
     if (!opened.ok()) return opened.status();
     watch = std::move(*opened);
   }
+  // A trainer process registering again with this node after the node restarted: the newest
+  // publish a coordinator answered it, as the node kept it on disk (PublishRecord). Told to a
+  // coordinator other than the one that answered it (that one has its own record), which then
+  // counts the number used, as a re-join's (JoinWorkerRequest.published_version).
+  std::optional<PublishEntry> inherited;
+  if (publish_record_ != nullptr && req.role() == pb::ROLE_TRAINER && watch && !watch->Identity().empty()) {
+    inherited = publish_record_->Find(req.model_id(), req.worker_id());
+    if (inherited && inherited->process != watch->Identity()) inherited.reset();  // another process numbers its own versions
+  }
   pb::JoinWorkerRequest j;
   if (watch) j.set_process(watch->Identity());
   j.set_node_id(options_.node_id);
@@ -108,6 +117,7 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
       req.model_id(), req.worker_id(), deadline, &sent_in,
       [&](absl::Time dl) {
         jr.Clear();
+        j.set_published_version(inherited && inherited->instance != coordinator_.coordinator_instance() ? inherited->version : 0);
         return coordinator_.client().JoinWorker(j, &jr, std::min(absl::Seconds(10), CallTimeout(options_.clock, dl)));
       },
       Hold{.call = "RegisterWorker", .hold_not_found = false, .hold_failed_precondition = true, .rejoined_worker = false});
@@ -123,6 +133,11 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
   w.pid = std::move(watch);
   auto inv = InventoryFromProto(jr.tensors());
   local_.Add(key, std::move(w), inv.ok() ? std::optional<planner::Inventory>(std::move(*inv)) : std::nullopt);
+  if (inherited) {
+    local_.NotePublished(key, inherited->version, local_.Incarnation(key));  // this node's later re-joins report it too
+  } else if (publish_record_ != nullptr) {
+    publish_record_->Forget(req.model_id(), req.worker_id());  // an earlier process's record: no one inherits it
+  }
   Log(LogLevel::kInfo, "worker registered",
       {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"role", pb::Role_Name(req.role())}, {"pid", req.pid()}});
   resp->set_session(absl::StrCat(options_.node_id, "/", req.worker_id()));
@@ -150,6 +165,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   std::shared_ptr<StagingBudget::Charge> snap_charge;
   bool snapshot = false;
   bool sync = false;
+  std::string process;  // the trainer's process (PublishRecord)
   // The registration this publish is for (NotePublished).
   const uint64_t incarnation = local_.Incarnation({req.model_id(), req.worker_id()});
   {
@@ -162,6 +178,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
       return absl::FailedPreconditionError(absl::StrCat("worker ", req.worker_id(), " of model ", req.model_id(), " is not a trainer"));
     }
     sync = w.mode == pb::MODE_SYNC;
+    if (w.pid) process = w.pid->Identity();
     if (!sync) {
       // Snapshot: the trainer's only stall. Budget bounds snapshot + staging memory.
       // With GPU staging, CUDA buffers are snapshotted on their GPU (under its own budget); if
@@ -213,7 +230,9 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   c.set_worker_id(req.worker_id());
   c.set_version(req.version());
   uint64_t session0 = 0;
+  std::string sent_to;  // the coordinator instance the node was registered with when it sent the call
   const std::function<absl::Status(absl::Time)> send = [&](absl::Time dl) {
+    sent_to = coordinator_.coordinator_instance();
     c.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(dl - options_.clock->Now())));  // 0 would mean 60 s
     return coordinator_.client().Publish(c, resp, CallTimeout(options_.clock, dl));
   };
@@ -245,7 +264,7 @@ absl::Status WorkerCalls::PublishVersion(const pb::PublishRequest& req, pb::Publ
   if (sync) versions_.NoteClusterCommitted(req.model_id(), req.version());
   // Not sync: recorded there, never sent again - a re-join tells a restarted coordinator, which
   // has no record of it, that the number is used (JoinWorkerRequest.published_version).
-  if (!sync) local_.NotePublished({req.model_id(), req.worker_id()}, req.version(), incarnation);
+  if (!sync) RecordPublished(req, incarnation, process, sent_to, deadline);
   if (resp->version() == 0) resp->set_version(req.version());  // (an OK found by CommittedThere)
   resp->set_stall_seconds(absl::ToDoubleSeconds(options_.clock->Now() - start));
   return absl::OkStatus();

@@ -42,6 +42,7 @@
 #include "daemon/node/local_workers.h"
 #include "daemon/node/node_staging.h"
 #include "daemon/node/node_transports.h"
+#include "daemon/node/publish_record.h"
 #include "daemon/node/versions.h"
 #include "proto/weightbridge.pb.h"
 
@@ -116,6 +117,9 @@ class WorkerCalls {
   absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
   // Status on both services: the coordinator's cluster status plus this node's live states.
   absl::Status ClusterStatus(const pb::StatusRequest& req, pb::StatusResponse* resp);
+  // The node's record of its trainers' publishes on disk (node::PublishRecord; null: none). Set
+  // once, before the first call (NodeDaemon::Start, before the worker socket opens); must outlive this.
+  void AttachPublishRecord(PublishRecord* record) { publish_record_ = record; }
   // The node's re-join, once the coordinator took worker `key` back (JoinWorker, before its
   // layout): a sync rollout paused by a BeginUpdate the old coordinator recorded, with no commit
   // since, is reported paused again (ReportReady), so the versions re-sent to the new coordinator
@@ -138,6 +142,14 @@ class WorkerCalls {
   DaemonMetrics& metrics() const { return *options_.metrics; }
   // Publish / Apply without their metrics (Publish and Apply count them before the reply).
   absl::Status PublishVersion(const pb::PublishRequest& req, pb::PublishResponse* resp);
+  // A one-step-off / async publish the coordinator of instance `answered_by` answered OK: recorded
+  // for the node's re-joins (LocalWorkers::NotePublished) and, with the trainer's `process`, on
+  // disk for the node's own restart (PublishRecord). When the node registered with another
+  // coordinator since the answer was sent, its re-join may have reported the trainer without it:
+  // the publish is sent to the new coordinator too (within `deadline`; its answer is logged, the
+  // trainer is answered OK as the first coordinator said). In worker_calls_publish.cc.
+  void RecordPublished(const pb::PublishRequest& req, uint64_t incarnation, const std::string& process, const std::string& answered_by,
+                       absl::Time deadline);
   // RegisterWorker's join: JoinWorker at the coordinator (held while it is down, within
   // `deadline`), then the node's entry (replacing any).
   absl::Status JoinWorker(const pb::RegisterWorkerRequest& req, pb::RegisterWorkerResponse* resp, absl::Time deadline);
@@ -242,6 +254,7 @@ class WorkerCalls {
   LocalWorkers& local_;
   NodeStaging& staging_;
   Versions& versions_;
+  PublishRecord* publish_record_ = nullptr;  // AttachPublishRecord (then const)
   const NodeTransports& transports_;
   CoordinatorAccess& coordinator_;
   LayoutDescriber describer_;  // RegisterLayout / DescribeLayout (thread-safe)

@@ -111,6 +111,7 @@ absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req, absl::Dur
   // Removed here first: a re-join from now on does not re-send it, so a coordinator the node
   // re-joins after this never hears of the worker.
   local_.Remove(key);
+  if (publish_record_ != nullptr) publish_record_->Forget(key.first, key.second);
   const uint64_t session0 = coordinator_.session();
   uint64_t sent_in = 0;
   // Held while the coordinator is down (a worker leaving during a coordinator restart): a
