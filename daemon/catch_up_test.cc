@@ -8,7 +8,6 @@
 
 #include <thread>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "daemon/multinode_fixture.h"
@@ -103,8 +102,9 @@ TEST_P(CatchUpTest, NewerVersionDuringCatchUpIsNotOvertaken) {
   absl::Notification entered, release;
   // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
   // assertion returns early (TearDown came after them: a hook still called by an execution then
-  // locked a destroyed Notification, and the test hung until the test timeout).
-  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
+  // locked a destroyed Notification, and the test hung until the test timeout), and a held hook is
+  // released first (the stop waited 15-20 s for its own timeout).
+  const StopAtExit stop(c_, [&] { NotifyOnce(release); });
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed.exchange(false)) return;
@@ -234,8 +234,12 @@ TEST_P(CatchUpTest, AVoidedAttemptDoesNotFailTheRolloutsApply) {
   absl::Notification first, second, release_first, release_second;
   // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
   // assertion returns early (TearDown came after them: a hook still called by an execution then
-  // locked a destroyed Notification, and the test hung until the test timeout).
-  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
+  // locked a destroyed Notification, and the test hung until the test timeout), and a held hook is
+  // released first (the stop waited 15-20 s for its own timeout).
+  const StopAtExit stop(c_, [&] {
+    NotifyOnce(release_first);
+    NotifyOnce(release_second);
+  });
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed) return;
@@ -298,7 +302,7 @@ TEST_P(CatchUpTest, AFinalFailureIsToldToItsRolloutNotToLaterOnes) {
   // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
   // assertion returns early (TearDown came after them: a hook still called by an execution then
   // locked a destroyed Notification, and the test hung until the test timeout).
-  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
+  const StopAtExit stop(c_);
   c_.StartCoordinator();
   c_.StartNode(0);
   c_.StartNode(1, nullptr, nullptr, [&](ServerOptions& o) {
@@ -353,8 +357,9 @@ TEST_P(CatchUpTest, ALateRolloutIsCaughtUpAfterACoordinatorRestart) {
   absl::Notification entered, release;
   // The nodes' hooks below use this test's locals: the cluster stops before they go, also when an
   // assertion returns early (TearDown came after them: a hook still called by an execution then
-  // locked a destroyed Notification, and the test hung until the test timeout).
-  const absl::Cleanup stop_cluster = [this] { c_.Stop(); };
+  // locked a destroyed Notification, and the test hung until the test timeout), and a held hook is
+  // released first (the stop waited 15-20 s for its own timeout).
+  const StopAtExit stop(c_, [&] { NotifyOnce(release); });
   TwoNodeSetup setup{mode};
   setup.n1_before_bucket = [&](const std::string&, uint64_t version, uint32_t) {
     if (version != 1 || !armed.exchange(false)) return;

@@ -193,6 +193,7 @@ TEST(CommitAbortTest, AFailedSyncCommitWhoseAbortWasLostIsNotRestoredAfterACoord
   for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r0, &r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   std::vector<grpc::Status> published;
   std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r0, &r1}); });
+  const JoinAtExit join_publisher(c, publisher, [&] { NotifyOnce(release); });  // also when an ASSERT below returns
   const bool held = entered.WaitForNotificationWithTimeout(kReal);
   // The coordinator stops while n0's commit is held: its commit call, waiting for that answer, then
   // declares version 2 failed and the coordinator exits without sending the AbortVersions it queued.
@@ -350,6 +351,7 @@ TEST(CommitAbortTest, AVersionRolledBackOnTheTrainersNodeAtItsReJoinRunsAgain) {
   for (auto& s : c.Publish("m", pb::MODE_SYNC, 1, {&t0, &t1}, {&r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   std::vector<grpc::Status> published;
   std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&t0, &t1}, {&r1}); });
+  const JoinAtExit join_publisher(c, publisher, [&] { NotifyOnce(release); });  // also when an ASSERT below returns
   const bool held = entered.WaitForNotificationWithTimeout(kReal);
   // The coordinator stops while n1's commit is held: the trainers' Publish calls end UNAVAILABLE
   // when its Shutdown begins, before the commit fails (n0 committed version 2 by then).

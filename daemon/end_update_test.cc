@@ -183,6 +183,7 @@ TEST(EndUpdateTest, AWaitForAVersionCommittedBeforeThePauseResumesTheRollout) {
     published = c.Publish("m", pb::MODE_SYNC, 2, {&w.t0, &w.t1}, {});
     r0_bad_at_publish = CountBad(w.r0, 2);
   });
+  const JoinAtExit join_publisher(c, publisher);  // also when an ASSERT below returns
   EXPECT_EQ(CountBad(w.r0, 1), 0) << "a commit wrote the live weights of a rollout whose WaitVersion had answered";
   ASSERT_TRUE(BeginUpdateAs(w.r0, 20000).ok());
   publisher.join();
@@ -268,6 +269,7 @@ TEST(EndUpdateTest, AWaitAnsweredWhileTheNextVersionCommitsNamesWhatTheWeightsHo
   for (TestWorker* r : {&w.r0, &w.r1}) ASSERT_TRUE(BeginUpdateAs(*r, 20000).ok());
   std::vector<grpc::Status> published;
   std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&w.t0, &w.t1}, {}); });
+  const JoinAtExit join_publisher(c, publisher, [release] { NotifyOnce(*release); });  // also when an ASSERT below returns
   ASSERT_TRUE(held->WaitForNotificationWithTimeout(absl::Seconds(30))) << "the commit's copy into r0 never started";
   pb::WaitVersionResponse wv;
   grpc::Status s = WaitVersionAs(w.r1, "m", 1, 20000, &wv);
@@ -293,6 +295,7 @@ TEST(EndUpdateTest, EndUpdateWaitsForACopyIntoTheLiveWeightsThatIsRunning) {
   for (const grpc::Status& s : c.Publish("m", pb::MODE_SYNC, 1, {&w.t0, &w.t1}, {&w.r0, &w.r1})) ASSERT_TRUE(s.ok()) << s.error_message();
   std::vector<grpc::Status> published;
   std::thread publisher([&] { published = c.Publish("m", pb::MODE_SYNC, 2, {&w.t0, &w.t1}, {&w.r0, &w.r1}); });
+  const JoinAtExit join_publisher(c, publisher, [release] { NotifyOnce(*release); });  // also when an ASSERT below returns
   ASSERT_TRUE(held->WaitForNotificationWithTimeout(absl::Seconds(30))) << "the commit's copy into r0 never started";
 
   pb::EndUpdateResponse ended;
@@ -349,6 +352,7 @@ TEST(EndUpdateTest, AWaitOfAReplacedRolloutProcessLeavesItsSuccessorsWeightsAlon
   grpc::Status first_answer;
   pb::WaitVersionResponse first_wv;
   std::thread first([&] { first_answer = WaitVersionAs(w.r0, "m", 2, 20000, &first_wv); });
+  const JoinAtExit join_first(c, first);  // also when an ASSERT below returns
   ASSERT_TRUE(waits->AwaitAtLeast(forwarded + 1, absl::Seconds(30))) << "r0's WaitVersion(2) never reached the coordinator";
 
   // That process is gone; a new one registers r0 with new memory, is caught up to version 1 and

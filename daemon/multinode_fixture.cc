@@ -119,6 +119,10 @@ void Cluster::StartNode(int n, BucketHook hook,
 }
 void Cluster::Stop() {
   workers_.clear();
+  ShutDownDaemons();
+}
+
+void Cluster::ShutDownDaemons() {
   for (auto& n : nodes_) if (n) n->Shutdown();
   if (coord_) coord_->Shutdown();
 }

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -62,6 +63,9 @@ class Cluster {
   void StartNode(int n, BucketHook hook = nullptr, std::function<bool()> skip_heartbeat = nullptr,
                  std::function<void(ServerOptions&)> configure = nullptr);
   void Stop();
+  // The daemons' Shutdown alone (workers kept): calls still running end within Server::Shutdown's
+  // 2 s (JoinAtExit). Stop may follow.
+  void ShutDownDaemons();
 
   TestWorker& AddWorker(const std::string& id, pb::Role role, int node, const planner::Inventory* inv, planner::WorkerLayout layout);
   // (Re)connects w's stub to its node's worker socket.
@@ -120,6 +124,34 @@ class StopAtExit {
 
  private:
   Cluster& c_;
+  std::function<void()> release_;
+};
+
+// Joins `t` on every way out of the scope it is declared in (right after `t` starts): a failed
+// ASSERT between starting a thread and joining it returns early, and std::thread's destructor then
+// calls std::terminate. On such an exit (`t` still joinable) it calls `release` (when given: let
+// go of what the test's hooks hold), shuts the daemons down so the thread's calls end (within 2 s)
+// and joins - before the workers the thread uses go (Cluster::Stop, the StopAtExit declared before
+// it). A test that joins `t` itself leaves it nothing to do.
+class JoinAtExit {
+ public:
+  JoinAtExit(Cluster& c, std::thread& t, std::function<void()> release = nullptr) : c_(c), t_(t), release_(std::move(release)) {}
+  ~JoinAtExit() {
+    if (!t_.joinable()) return;
+    if (release_) release_();
+    // The coordinator first: its waiting calls answer at once when it stops, so the nodes' calls
+    // forwarded to it (a worker's WaitVersion, Publish) end before the nodes stop - a node's stop
+    // waits for its running calls, which otherwise ran to their own timeouts (20 s).
+    if (c_.coord_) c_.coord_->Shutdown();
+    c_.ShutDownDaemons();
+    t_.join();
+  }
+  JoinAtExit(const JoinAtExit&) = delete;
+  JoinAtExit& operator=(const JoinAtExit&) = delete;
+
+ private:
+  Cluster& c_;
+  std::thread& t_;
   std::function<void()> release_;
 };
 
