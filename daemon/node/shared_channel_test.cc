@@ -480,16 +480,18 @@ class SharedChannelTcpTest : public SharedChannelTest {
 // version 3's batches (Transport::CancelBatches) instead of disconnecting the channel, so version
 // 2 completes on it byte for byte, and n1's late mirror of version 3's batch ends CANCELLED (n0
 // told n1). Before: the abort disconnected the shared channel, and version 2 failed ("unknown
-// peer").
+// peer"). Version 4 holds the channel too until the end: the last holder of a channel nothing
+// caches disconnects it as it lets go, which could close it under n1's wait for version 2's ACK.
 TEST_F(SharedChannelTcpTest, AnAbortWithABatchInFlightLeavesTheSharedChannelToTheOther) {
   ASSERT_NO_FATAL_FAILURE(CacheAChannel());
   ASSERT_NO_FATAL_FAILURE(InstallPlan());
   ASSERT_NO_FATAL_FAILURE(StartAndReachPeer(2));
+  ASSERT_NO_FATAL_FAILURE(StartAndReachPeer(4));
   Answer(3).how = PeerAnswer::kServe;
   Answer(3).answer.Notify();
   ASSERT_NO_FATAL_FAILURE(StartAndReachPeer(3));
   ASSERT_TRUE(posted_->AwaitPosted(BatchTag(3, 0), absl::Seconds(20))) << "version 3 never posted its batch";
-  EXPECT_EQ(channels_.Holders("m", "n1", c0_), 2u);
+  EXPECT_EQ(channels_.Holders("m", "n1", c0_), 3u);
   pb::AbortVersionRequest a;
   a.set_model_id("m");
   a.set_version(3);
@@ -511,6 +513,8 @@ TEST_F(SharedChannelTcpTest, AnAbortWithABatchInFlightLeavesTheSharedChannelToTh
   EXPECT_TRUE(done->ok()) << done->error();
   EXPECT_EQ(Landed(2), Sent(2)) << "version 2 did not land byte for byte";
   EXPECT_FALSE(coordinator_.client_.Await(3, absl::ZeroDuration()).has_value()) << "an aborted version does not report";
+  Answer(4).answer.Notify();  // kUnavailable: version 4 fails before it used the channel
+  ASSERT_TRUE(coordinator_.client_.Await(4, absl::Seconds(20)).has_value()) << "version 4 did not end";
   versions_->Stop();
   versions_->Join();  // version 3's executor ended too: nothing uses the channel any more
   EXPECT_TRUE(Disconnected());

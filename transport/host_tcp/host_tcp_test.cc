@@ -1245,6 +1245,10 @@ TEST(HostTcpCancelTest, APeerFromBeforeCancelsIsSentNoCancelFrameAndTheChannelCl
   absl::Status s = acceptor.Wait(r.id, start + absl::Seconds(30));
   EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // Bounded reads: a channel left open fails the test at 10 s instead of hanging it.
+  const struct timeval limit = {10, 0};
+  setsockopt(peer.control, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+  setsockopt(peer.data, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
   bool closed = false;
   const std::vector<int> control = FrameTypes(ReadUntilClosed(peer.control, &closed));
   EXPECT_TRUE(closed) << "the channel stays open";

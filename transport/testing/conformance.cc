@@ -568,7 +568,7 @@ TEST_P(TransportConformanceTest, CancelBatchesEndsOneGroupAndLeavesTheChannel) {
   EXPECT_EQ(h.t().CancelBatches(0, "test").code(), absl::StatusCode::kInvalidArgument) << "group 0 is no group";
   const std::vector<TOp> aborted = {{true, Contig(0, 0, kSize / 2, 1)}};  // never mirrored
   const std::vector<TOp> sibling = {{true, Contig(kSize / 2, kSize / 2, kSize / 4, 1)},
-                                    {false, Contig(3 * kSize / 4, kSize / 2, kSize / 4, 1)}};
+                                    {false, Contig(3 * kSize / 4, 3 * kSize / 4, kSize / 4, 1)}};  // sources never overlap destinations
   absl::StatusOr<BatchId> a = h.t().Post(h.MakeBatch(peer, aborted, 80, false, /*group=*/7));
   ASSERT_TRUE(a.ok()) << a.status();
   auto mirror = h.PostMirror(peer, sibling, 81, true, /*group=*/99);
