@@ -12,12 +12,16 @@
 // `kept_per_piece` = heap still in use after the step once the client dropped its request and
 // answer, divided by N. `--tensor_name` names the tensor (default "w"; a real name, e.g.
 // model.layers.17.mlp.experts.123.gate_up_proj.weight, shows what each piece's copy of it costs).
-// Usage: bazel run -c opt //bench:layout_size -- [--pieces=N] [--tensor_name=NAME] [--json]
+// `request_MB` / `answer_MB`: the client's parsed request and answer of the step (SpaceUsedLong), the
+// client's part of the step's peak in this one process; `--request_before_peak` builds each
+// request before the step (its peak then leaves the client's request out; kept is unchanged).
+// Usage: bazel run -c opt //bench:layout_size -- [--pieces=N] [--tensor_name=NAME] [--request_before_peak] [--json]
 #include <malloc.h>
 
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -33,6 +37,8 @@
 ABSL_FLAG(int64_t, pieces, 1000000, "explicit pieces in the layout");
 ABSL_FLAG(std::string, tensor_name, "w", "the name of the layout's one tensor (every piece names it)");
 ABSL_FLAG(bool, json, false, "print one JSON object");
+ABSL_FLAG(bool, request_before_peak, false,
+          "build each step's request before the step's peak is reset (the peak then leaves the client's request out)");
 
 namespace wb::daemon {
 namespace {
@@ -69,6 +75,7 @@ struct Step {
   double seconds = 0;
   double kept_mb = 0, kept_per_piece = 0, peak_mb = 0;
   double status_max_ms = 0;
+  double request_mb = 0, answer_mb = 0;  // the client's parsed request and answer
 };
 
 // Polls ClusterStatus of model "other" while `fn` runs.
@@ -95,7 +102,7 @@ Step Measure(const std::string& name, pb::CoordinatorService::Stub& coord, int64
     }
   });
   const absl::Time t0 = absl::Now();
-  grpc::Status st = fn();  // drops its request and answer before it returns
+  grpc::Status st = fn(s);  // drops its answer (and its request, unless built before) before it returns
   s.seconds = absl::ToDoubleSeconds(absl::Now() - t0);
   done = true;
   poller.join();
@@ -130,7 +137,7 @@ pb::LayoutSpec Pieces(int64_t n, uint32_t buffer_id, const std::string& name) {
   return layout;
 }
 
-int Main(int64_t n, const std::string& name, bool json) {
+int Main(int64_t n, const std::string& name, bool json, bool request_before_peak) {
   planner::Inventory inv;
   inv.tensors.push_back({name, {n, 8}, planner::DType::kBF16});
   planner::Inventory other_inv = SmallInventory();
@@ -166,7 +173,9 @@ int Main(int64_t n, const std::string& name, bool json) {
     return 1;
   }
   std::vector<Step> steps;
-  steps.push_back(Measure("register", *coord, n, [&] {
+  // Each step's request: built inside the step, or before it (--request_before_peak: kept alive
+  // until the step was measured, so the kept heap is the same either way).
+  auto register_request = [&] {
     pb::RegisterLayoutRequest req;
     req.set_model_id("m");
     req.set_worker_id("t0");
@@ -176,32 +185,16 @@ int Main(int64_t n, const std::string& name, bool json) {
     b->set_shm_name(t0.seg.name());
     b->set_gpu(-1);
     *req.mutable_layout() = Pieces(n, 7, name);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
-    pb::RegisterLayoutResponse resp;
-    return t0.stub->RegisterLayout(&ctx, req, &resp);
-  }));
-  steps.push_back(Measure("describe", *coord, n, [&] {
+    return req;
+  };
+  auto describe_request = [&] {
     pb::DescribeLayoutRequest req;
     req.set_model_id("m");
     req.set_worker_id("t0");
     *req.mutable_layout() = Pieces(n, 7, name);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
-    pb::DescribeLayoutResponse resp;
-    return t0.stub->DescribeLayout(&ctx, req, &resp);
-  }));
-  steps.push_back(Measure("submit", *coord, n, [&] {
-    {
-      pb::JoinWorkerRequest req;
-      req.set_node_id("n0");
-      req.set_model_id("m");
-      req.set_worker_id("t1");
-      req.set_role(pb::ROLE_TRAINER);
-      grpc::ClientContext ctx;
-      pb::JoinWorkerResponse resp;
-      if (grpc::Status st = coord->JoinWorker(&ctx, req, &resp); !st.ok()) return st;
-    }
+    return req;
+  };
+  auto submit_request = [&] {
     pb::SubmitLayoutRequest req;
     req.set_node_id("n0");
     req.set_model_id("m");
@@ -211,25 +204,69 @@ int Main(int64_t n, const std::string& name, bool json) {
     b->set_size_bytes(static_cast<uint64_t>(n) * 16);
     b->set_shm_name("/not-mapped-by-the-coordinator");
     *req.mutable_layout() = Pieces(n, 3, name);
+    return req;
+  };
+  // Calls `call` with the step's request and records the client's parsed request and answer.
+  auto step = [&](const std::string& step_name, auto make_request, auto call) {
+    using Req = decltype(make_request());
+    std::optional<Req> early;
+    if (request_before_peak) early.emplace(make_request());
+    steps.push_back(Measure(step_name, *coord, n, [&](Step& s) {
+      std::optional<Req> own;
+      const Req& req = early ? *early : own.emplace(make_request());
+      s.request_mb = static_cast<double>(req.SpaceUsedLong()) / 1e6;
+      return call(req, &s.answer_mb);
+    }));
+  };
+  step("register", register_request, [&](const pb::RegisterLayoutRequest& req, double* answer_mb) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
+    pb::RegisterLayoutResponse resp;
+    grpc::Status st = t0.stub->RegisterLayout(&ctx, req, &resp);
+    *answer_mb = static_cast<double>(resp.SpaceUsedLong()) / 1e6;
+    return st;
+  });
+  step("describe", describe_request, [&](const pb::DescribeLayoutRequest& req, double* answer_mb) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
+    pb::DescribeLayoutResponse resp;
+    grpc::Status st = t0.stub->DescribeLayout(&ctx, req, &resp);
+    *answer_mb = static_cast<double>(resp.SpaceUsedLong()) / 1e6;
+    return st;
+  });
+  step("submit", submit_request, [&](const pb::SubmitLayoutRequest& req, double* answer_mb) {
+    {
+      pb::JoinWorkerRequest join;
+      join.set_node_id("n0");
+      join.set_model_id("m");
+      join.set_worker_id("t1");
+      join.set_role(pb::ROLE_TRAINER);
+      grpc::ClientContext ctx;
+      pb::JoinWorkerResponse resp;
+      if (grpc::Status st = coord->JoinWorker(&ctx, join, &resp); !st.ok()) return st;
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(10)));
     pb::SubmitLayoutResponse resp;
-    return coord->SubmitLayout(&ctx, req, &resp);
-  }));
+    grpc::Status st = coord->SubmitLayout(&ctx, req, &resp);
+    *answer_mb = static_cast<double>(resp.SpaceUsedLong()) / 1e6;
+    return st;
+  });
   if (json) {
     std::string out = absl::StrCat("{\"pieces\": ", n, ", \"tensor_name_bytes\": ", name.size(), ", \"steps\": [");
     for (size_t i = 0; i < steps.size(); ++i) {
       const Step& s = steps[i];
       absl::StrAppend(&out, i ? ", " : "", "{\"step\": \"", s.name, "\", \"ok\": ", s.ok ? "true" : "false", ", \"seconds\": ", s.seconds,
                       ", \"kept_mb\": ", s.kept_mb, ", \"kept_bytes_per_piece\": ", s.kept_per_piece, ", \"peak_rss_mb\": ", s.peak_mb,
-                      ", \"status_max_ms\": ", s.status_max_ms, "}");
+                      ", \"status_max_ms\": ", s.status_max_ms, ", \"request_mb\": ", s.request_mb, ", \"answer_mb\": ", s.answer_mb, "}");
     }
     std::printf("%s]}\n", out.c_str());
   } else {
-    std::printf("%-9s %4s %9s %10s %15s %12s %14s\n", "step", "ok", "seconds", "kept_MB", "kept_B/piece", "peak_RSS_MB", "status_max_ms");
+    std::printf("%-9s %4s %9s %10s %15s %12s %14s %11s %10s\n", "step", "ok", "seconds", "kept_MB", "kept_B/piece", "peak_RSS_MB",
+                "status_max_ms", "request_MB", "answer_MB");
     for (const Step& s : steps) {
-      std::printf("%-9s %4s %9.2f %10.1f %15.0f %12.1f %14.1f %s\n", s.name.c_str(), s.ok ? "ok" : "FAIL", s.seconds, s.kept_mb,
-                  s.kept_per_piece, s.peak_mb, s.status_max_ms, s.ok ? "" : s.error.c_str());
+      std::printf("%-9s %4s %9.2f %10.1f %15.0f %12.1f %14.1f %11.1f %10.1f %s\n", s.name.c_str(), s.ok ? "ok" : "FAIL", s.seconds, s.kept_mb,
+                  s.kept_per_piece, s.peak_mb, s.status_max_ms, s.request_mb, s.answer_mb, s.ok ? "" : s.error.c_str());
     }
   }
   c.Stop();
@@ -244,5 +281,6 @@ int Main(int64_t n, const std::string& name, bool json) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  return wb::daemon::Main(absl::GetFlag(FLAGS_pieces), absl::GetFlag(FLAGS_tensor_name), absl::GetFlag(FLAGS_json));
+  return wb::daemon::Main(absl::GetFlag(FLAGS_pieces), absl::GetFlag(FLAGS_tensor_name), absl::GetFlag(FLAGS_json),
+                             absl::GetFlag(FLAGS_request_before_peak));
 }

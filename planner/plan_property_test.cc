@@ -13,6 +13,8 @@
 #include "gtest/gtest.h"
 #include "planner/box.h"
 #include "planner/cost_model.h"
+#include "planner/fingerprint.h"
+#include "planner/packed_layout.h"
 #include "planner/plan_checker.h"
 #include "planner/planner.h"
 #include "planner/quantized.h"
@@ -304,6 +306,20 @@ void CheckAllStrategies(const Problem& p, const PlanOptions& opt, const std::str
       ASSERT_TRUE(again.ok());
       EXPECT_EQ(again->fingerprint, plan->fingerprint) << ctx;
     }
+    // The coordinator keeps layouts packed (planner/packed_layout.h) and plans from them unpacked:
+    // the same problem, so the same plan, op for op (Fingerprint covers every op field).
+    Problem repacked = p;
+    for (Worker& w : repacked.workers) {
+      absl::StatusOr<PackedLayout> packed = PackedLayout::Pack(w.layout);
+      ASSERT_TRUE(packed.ok()) << ctx << ": " << packed.status();
+      w.layout = packed->Unpack();
+    }
+    ASSERT_EQ(ProblemFingerprint(repacked), ProblemFingerprint(p)) << ctx;
+    auto from_packed = MakePlanWithOptions(repacked, s, opt);
+    ASSERT_TRUE(from_packed.ok()) << ctx << " " << StrategyName(s) << ": " << from_packed.status();
+    EXPECT_EQ(Fingerprint(repacked, *from_packed), Fingerprint(p, *plan)) << ctx << " " << StrategyName(s);
+    EXPECT_EQ(from_packed->fingerprint, plan->fingerprint) << ctx << " " << StrategyName(s);
+    EXPECT_EQ(from_packed->stats.makespan_s, plan->stats.makespan_s) << ctx << " " << StrategyName(s);
   }
 }
 

@@ -1,5 +1,6 @@
 #include "daemon/coordinator/certify_boxes.h"
 
+#include <optional>
 #include <set>
 
 #include "planner/box.h"
@@ -29,7 +30,7 @@ CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, co
       ++count.uncovered_sources;
       continue;
     }
-    const std::vector<planner::Piece>& pieces = source.layout->pieces;
+    const planner::PackedLayout& pieces = *source.layout;
     int64_t added = 0;
     for (const LandedBox& l : record->second) {
       auto t = by_tensor.find(l.tensor);
@@ -37,19 +38,21 @@ CertifyCount AddCertifyBoxes(const planner::Plan& plan, const SliceInput& in, co
       bool read = false;
       for (const planner::Box* r : t->second) read = read || planner::Intersect(*r, l.box).has_value();
       if (!read) continue;
-      for (size_t p = 0; p < pieces.size(); ++p) {
+      for (size_t p = 0; p < pieces.num_pieces(); ++p) {
         // A canonical digest certifies an unquantised piece; a sender-quantised one a quantised
         // piece holding the box in whole blocks (the source's node checks the format's grid).
-        if (pieces[p].tensor != l.tensor || pieces[p].quant.has_value() != l.quantized || !planner::BoxContains(pieces[p].box, l.box)) {
+        if (pieces.tensor(p) != l.tensor || pieces.quantized(p) != l.quantized || !pieces.BoxContains(p, l.box)) {
           continue;
         }
         // A quantised digest certifies whole blocks of a format senders produce, as the source's
         // node checks (digest::CertifySources); anything else would fail the catch-up, not name a
         // stale source: such a record certifies nothing.
-        if (l.quantized && (in.inventory == nullptr || static_cast<size_t>(l.tensor) >= in.inventory->tensors.size() ||
-                            !planner::SenderCanQuantize(*pieces[p].quant) ||
-                            !planner::BoxOnBlockGrid(l.box, in.inventory->tensors[static_cast<size_t>(l.tensor)].shape, pieces[p].quant->block))) {
-          continue;
+        if (l.quantized) {
+          const std::optional<planner::Quantization> q = pieces.quant(p);
+          if (in.inventory == nullptr || static_cast<size_t>(l.tensor) >= in.inventory->tensors.size() || !planner::SenderCanQuantize(*q) ||
+              !planner::BoxOnBlockGrid(l.box, in.inventory->tensors[static_cast<size_t>(l.tensor)].shape, q->block)) {
+            continue;
+          }
         }
         pb::CertifyBox* c = slice->second.add_certify();
         c->set_worker(static_cast<uint32_t>(w));

@@ -25,8 +25,8 @@ struct Fixture {
     s0->pieces.push_back(q);
     auto s1 = std::make_shared<planner::WorkerLayout>();
     s1->pieces.push_back({0, planner::Box{{0, 0}, {4, 4}}, 0, 0, {4, 1}, std::nullopt});
-    in.workers = {{"s0", "n0", planner::Role::kTrainer, -1, s0, nullptr},
-                  {"s1", "n1", planner::Role::kTrainer, -1, s1, nullptr},
+    in.workers = {{"s0", "n0", planner::Role::kTrainer, -1, *planner::PackedLayout::PackShared(*s0), nullptr},
+                  {"s1", "n1", planner::Role::kTrainer, -1, *planner::PackedLayout::PackShared(*s1), nullptr},
                   {"l0", "n2", planner::Role::kRollout, -1, nullptr, nullptr}};
     planner::Bucket b;
     b.ops.push_back(Op(0, 2, 0, planner::Box{{4, 0}, {6, 4}}));  // rows 4..6 from s0
@@ -117,10 +117,10 @@ TEST(CertifyBoxesTest, QuantisedRecordsTheSourceCannotCheckAreLeftOut) {
   landed["s0"] = {{1, planner::Box{{1}, {3}}, 13, 0, false, true, true}};
   EXPECT_EQ(AddCertifyBoxes(off_grid.plan, off_grid.in, landed, &off_grid.by_node).boxes, 0);
   Fixture nvfp4;
-  auto layout = std::make_shared<planner::WorkerLayout>(*nvfp4.in.workers[0].layout);
-  layout->pieces[1].quant->dtype = planner::DType::kF4E2M1;
-  layout->pieces[1].quant->scale_dtype = planner::DType::kF8E4M3;
-  nvfp4.in.workers[0].layout = layout;
+  planner::WorkerLayout layout = nvfp4.in.workers[0].layout->Unpack();
+  layout.pieces[1].quant->dtype = planner::DType::kF4E2M1;
+  layout.pieces[1].quant->scale_dtype = planner::DType::kF8E4M3;
+  nvfp4.in.workers[0].layout = *planner::PackedLayout::PackShared(layout);
   landed["s0"] = {{1, planner::Box{{0}, {4}}, 13, 0, false, true, true}};
   EXPECT_EQ(AddCertifyBoxes(nvfp4.plan, nvfp4.in, landed, &nvfp4.by_node).boxes, 0);
 }

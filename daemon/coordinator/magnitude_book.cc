@@ -12,13 +12,14 @@ namespace wb::daemon {
 std::shared_ptr<const MagnitudePlan> MakeMagnitudePlan(const std::vector<MagnitudeWorker>& workers, const planner::Inventory& inventory) {
   auto plan = std::make_shared<MagnitudePlan>();
   for (const MagnitudeWorker& w : workers) {
-    if (!w.rollout || w.layout == nullptr || !planner::HasGlobalScales(*w.layout)) continue;
+    if (!w.rollout || w.layout == nullptr || !w.layout->HasGlobalScales()) continue;
     std::map<int32_t, std::vector<planner::Box>>& held = plan->held[w.node];
-    for (const planner::Piece& p : w.layout->pieces) {
-      if (!p.quant.has_value() || p.quant->global_scale_offset_bytes < 0) continue;
-      if (p.tensor < 0 || static_cast<size_t>(p.tensor) >= inventory.tensors.size()) continue;  // validated layouts: never
-      held[p.tensor].push_back(p.box);
-      plan->index.emplace(inventory.tensors[static_cast<size_t>(p.tensor)].name, p.tensor);
+    for (size_t i = 0; i < w.layout->num_pieces(); ++i) {
+      if (w.layout->global_scale_offset_bytes(i) < 0) continue;  // unquantised: -1 too
+      const int32_t t = w.layout->tensor(i);
+      if (t < 0 || static_cast<size_t>(t) >= inventory.tensors.size()) continue;  // validated layouts: never
+      held[t].push_back(w.layout->box(i));
+      plan->index.emplace(inventory.tensors[static_cast<size_t>(t)].name, t);
     }
   }
   return plan;

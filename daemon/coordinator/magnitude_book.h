@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "planner/packed_layout.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
 
@@ -35,7 +36,7 @@ namespace pb = ::weightbridge::v1;
 struct MagnitudeWorker {
   std::string node;
   bool rollout = false;
-  const planner::WorkerLayout* layout = nullptr;
+  const planner::PackedLayout* layout = nullptr;
 };
 
 // What a plan's nodes hold of NVFP4 tensors: per node holding NVFP4 rollout pieces (a global

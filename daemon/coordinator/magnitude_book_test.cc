@@ -3,6 +3,7 @@
 #include "daemon/coordinator/magnitude_book.h"
 
 #include <cmath>
+#include <deque>
 #include <limits>
 
 #include "gtest/gtest.h"
@@ -18,6 +19,13 @@ planner::Inventory Inv() {
 }
 
 // An NVFP4 piece of `tensor` rows [row0, row1) (global scale slot at 0), or an fp8 one.
+// The coordinator's form of a layout (planner/packed_layout.h), kept for the test's process.
+const planner::PackedLayout* Packed(const planner::WorkerLayout& l) {
+  static std::deque<planner::PackedLayout> kept;
+  kept.push_back(*planner::PackedLayout::Pack(l));
+  return &kept.back();
+}
+
 planner::Piece PieceOf(int32_t tensor, int64_t row0, int64_t row1, bool nvfp4 = true) {
   planner::Piece p;
   p.tensor = tensor;
@@ -57,7 +65,7 @@ struct TwoNodes {
   TwoNodes() {
     r0.pieces = {PieceOf(0, 0, 32), PieceOf(1, 0, 8)};
     r1.pieces = {PieceOf(0, 32, 64), PieceOf(1, 8, 16)};
-    plan = MakeMagnitudePlan({{"n0", true, &r0}, {"n1", true, &r1}}, inv);
+    plan = MakeMagnitudePlan({{"n0", true, Packed(r0)}, {"n1", true, Packed(r1)}}, inv);
   }
 };
 
@@ -121,7 +129,7 @@ TEST(MagnitudeBookTest, OverlappingPartsCoverOnlyWhatTheyHold) {
   planner::WorkerLayout a, b;
   a.pieces = {PieceOf(0, 0, 32)};
   b.pieces = {PieceOf(0, 0, 32)};
-  MagnitudeBook book("m", 3, MakeMagnitudePlan({{"n0", true, &a}, {"n1", true, &b}}, inv));
+  MagnitudeBook book("m", 3, MakeMagnitudePlan({{"n0", true, Packed(a)}, {"n1", true, Packed(b)}}, inv));
   ASSERT_TRUE(book.Add(Report("n0", "q", 1.0f)).ok());
   ASSERT_TRUE(book.Add(Report("n1", "q", 1.0f)).ok());
   EXPECT_TRUE(book.complete());
@@ -134,7 +142,7 @@ TEST(MagnitudeBookTest, RefusesStrangersAndTensorsTheNodeDoesNotHold) {
   planner::Inventory inv = Inv();
   planner::WorkerLayout r0;
   r0.pieces = {PieceOf(0, 0, 64), PieceOf(1, 0, 16, /*nvfp4=*/false)};
-  MagnitudeBook book("m", 3, MakeMagnitudePlan({{"n0", true, &r0}}, inv));
+  MagnitudeBook book("m", 3, MakeMagnitudePlan({{"n0", true, Packed(r0)}}, inv));
   absl::Status s = book.Add(Report("n9", "q", 1.0f));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("n9"), std::string::npos) << s;
@@ -165,7 +173,7 @@ TEST(MagnitudeBookTest, ThePlanHoldsNodesWithNvfp4RolloutPieces) {
   plain.pieces.push_back(p);
   fp8.pieces.push_back(PieceOf(0, 0, 64, false));
   nvfp4.pieces = {PieceOf(1, 0, 16, false), PieceOf(0, 0, 64), PieceOf(0, 0, 8)};
-  auto plan = MakeMagnitudePlan({{"n0", true, &plain}, {"n1", true, &fp8}, {"n2", true, &nvfp4}, {"n3", false, &nvfp4}, {"n4", true, nullptr}}, inv);
+  auto plan = MakeMagnitudePlan({{"n0", true, Packed(plain)}, {"n1", true, Packed(fp8)}, {"n2", true, Packed(nvfp4)}, {"n3", false, Packed(nvfp4)}, {"n4", true, nullptr}}, inv);
   ASSERT_EQ(plan->held.size(), 1u);
   ASSERT_EQ(plan->held.count("n2"), 1u);
   EXPECT_EQ(plan->held.at("n2").size(), 1u);       // q only (k's piece is fp8)

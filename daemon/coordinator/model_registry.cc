@@ -285,11 +285,15 @@ absl::StatusOr<ModelRegistry::ResolvedWorkerLayout> ModelRegistry::ResolveSnapsh
   }
   ResolvedWorkerLayout out;
   // Kept once (docs/security.md, the size probe's entry): the buffers parsed, the pieces encoded
-  // (their tensor names interned in the inventory), the planner's form; the whole resolved proto
+  // (their tensor names interned in the inventory), the planner's form packed; the whole resolved proto
   // only until it is the answer.
   auto buffers = std::make_shared<pb::ResolvedLayout>();
   *buffers->mutable_buffers() = resolved->buffers();
-  ASSIGN_OR_RETURN(std::shared_ptr<const StoredPieces> pieces, StoredPieces::Make(resolved->pieces(), layout, snap.inventory));
+  // Packed before the pieces are encoded, and the unpacked form dropped: one less copy of the
+  // layout at the resolve's peak.
+  ASSIGN_OR_RETURN(std::shared_ptr<const planner::PackedLayout> packed, planner::PackedLayout::PackShared(layout));
+  layout = planner::WorkerLayout();
+  ASSIGN_OR_RETURN(std::shared_ptr<const StoredPieces> pieces, StoredPieces::Make(resolved->pieces(), *packed, snap.inventory));
   // The same layout again is judged by its bytes; a different number of pieces or buffers cannot be.
   out.same = snap.current != nullptr && snap.current_pieces != nullptr && snap.current_pieces->size() == pieces->size() &&
              snap.current->buffers_size() == buffers->buffers_size() &&
@@ -309,7 +313,7 @@ absl::StatusOr<ModelRegistry::ResolvedWorkerLayout> ModelRegistry::ResolveSnapsh
   } else {
     out.proto = std::move(buffers);
     out.pieces = std::move(pieces);
-    out.layout = std::make_shared<const planner::WorkerLayout>(std::move(layout));
+    out.layout = std::move(packed);
   }
   out.answer = std::move(resolved);
   return out;

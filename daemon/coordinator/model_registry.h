@@ -49,6 +49,7 @@
 #include "daemon/coordinator/stored_pieces.h"
 #include "daemon/version_machine.h"
 #include "planner/model_config.h"
+#include "planner/packed_layout.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
 
@@ -73,12 +74,13 @@ class ModelRegistry {
     // that commits or aborts stays paused (CoordinatorCore::PausedPastLocked).
     std::multiset<uint64_t> waits;
     // The layout as it was resolved, kept once (docs/security.md, the size probe's entry): the
-    // planner's form, which the planner, slicer, catch-up and NVFP4 books read; the buffers as
+    // planner's form, packed (planner/packed_layout.h: ~80 bytes per 2-D piece, unpacked only into
+    // a plan's problem), which the planner, slicer, catch-up and NVFP4 books read; the buffers as
     // registered (layout_proto: no pieces); the pieces as resolved, encoded (layout_pieces: parsed
     // only into the slices and the plan cache key). All three shared with plan snapshots.
     std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> layout_proto;
     std::shared_ptr<const StoredPieces> layout_pieces;
-    std::shared_ptr<const planner::WorkerLayout> layout;
+    std::shared_ptr<const planner::PackedLayout> layout;
     uint64_t restored_applied = 0;  // rollout re-joined after a coordinator restart: its applied version
     // Catch-up (catch_up.cc): the committed version this rollout's node holds for it (committed
     // staging or live weights), set when a version or a catch-up is committed on its node; a
@@ -259,7 +261,7 @@ class ModelRegistry {
   struct ResolvedWorkerLayout {
     std::shared_ptr<const ::weightbridge::v1::ResolvedLayout> proto;  // the buffers (WorkerRec::layout_proto)
     std::shared_ptr<const StoredPieces> pieces;
-    std::shared_ptr<const planner::WorkerLayout> layout;
+    std::shared_ptr<const planner::PackedLayout> layout;
     // The whole resolved layout, for the answer (SubmitLayoutResponse.layout): moved into it, not
     // kept (the coordinator keeps the forms above).
     std::shared_ptr<::weightbridge::v1::ResolvedLayout> answer;

@@ -259,7 +259,7 @@ TEST(ModelRegistryTest, ALayoutIsKeptOnceAndItsPiecesDecideWhetherItIsTheSame) {
   changed = r.SetLayout(m, transposed, &resp);
   ASSERT_TRUE(changed.ok()) << changed.status();
   EXPECT_TRUE(*changed) << "another layout";
-  EXPECT_EQ(m.workers.at("r0").layout->pieces[0].strides, (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(m.workers.at("r0").layout->Unpack().pieces[0].strides, (std::vector<int64_t>{1, 4}));
   changed = r.SetLayout(m, transposed, &resp);
   ASSERT_TRUE(changed.ok()) << changed.status();
   EXPECT_FALSE(*changed) << "the same again";

@@ -21,10 +21,10 @@ bool SenderQuantizationFor(const SliceInput& in, const PlanSettings& settings) {
   for (const SliceWorker& w : in.workers) {
     if (w.layout == nullptr) return false;
     if (w.role == planner::Role::kRollout) {
-      quantized_rollout = quantized_rollout || planner::HasQuantizedPieces(*w.layout);
+      quantized_rollout = quantized_rollout || w.layout->HasQuantizedPieces();
       continue;
     }
-    if (planner::HasQuantizedPieces(*w.layout) || w.layout_proto == nullptr) return false;
+    if (w.layout->HasQuantizedPieces() || w.layout_proto == nullptr) return false;
     for (const pb::BufferSpec& b : w.layout_proto->buffers()) {
       if (b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey) return false;
     }
@@ -53,7 +53,7 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
   bool quantized_sources = false;
   if (settings.quantized_sources && !sender_quantization) {
     for (const SliceWorker& w : in.workers) {
-      quantized_sources = quantized_sources || (w.role == planner::Role::kTrainer && w.layout != nullptr && planner::HasQuantizedPieces(*w.layout));
+      quantized_sources = quantized_sources || (w.role == planner::Role::kTrainer && w.layout != nullptr && w.layout->HasQuantizedPieces());
     }
   }
   absl::StrAppend(&key_src, quantized_sources ? "|qs" : "");
@@ -63,7 +63,7 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
     pw.role = w.role;
     pw.node = node_index.at(w.node);
     pw.gpu = w.gpu >= 0 ? w.gpu : 1024 + host_slots[w.node]++;
-    pw.layout = *w.layout;
+    // pw.layout is unpacked below, only when the plan is not cached.
     // The role too: a catch-up plan (catch_up.cc) has rollouts as sources, so the same ids with the
     // same layouts may be a source in one plan and a destination in another.
     absl::StrAppend(&key_src, "|", w.id, "@", pw.node, ":", pw.gpu, ":", static_cast<int>(w.role), ":", w.layout_proto->SerializeAsString());
@@ -104,6 +104,11 @@ absl::StatusOr<PlanOutcome> PlanCache::PlanAndSlice(const SliceInput& in, const 
       return absl::OkStatus();
     };
     if (absl::Status go = check(); !go.ok()) return go;
+    // The planner's form of each layout, exactly as resolved (planner/packed_layout.h): the
+    // coordinator keeps it packed; the plan's problem holds it unpacked only while it is planned.
+    for (size_t i = 0; i < in.workers.size(); ++i) {
+      if (in.workers[i].layout != nullptr) problem.workers[i].layout = in.workers[i].layout->Unpack();
+    }
     std::vector<const planner::Worker*> sources, destinations;
     for (const planner::Worker& w : problem.workers) (w.role == planner::Role::kTrainer ? sources : destinations).push_back(&w);
     if (absl::Status covered = planner::ValidateCoverage(problem.inventory, sources, destinations); !covered.ok()) {

@@ -29,7 +29,7 @@ SliceInput Input(bool quantised) {
     inv->tensors.push_back({"model.layers." + std::to_string(i) + ".mlp.down_proj.weight", {kRows, kCols}, planner::DType::kBF16});
   }
   auto layout = [&](bool quant) {
-    auto l = std::make_shared<planner::WorkerLayout>();
+    auto l = std::make_shared<planner::WorkerLayout>();  // packed below
     const int64_t elements = quant ? kRows * kCols : kRows * kCols * 2;
     const int64_t scales = quant ? (kRows / 128) * (kCols / 128) * 4 : 0;
     for (int i = 0; i < kTensors; ++i) {
@@ -43,7 +43,7 @@ SliceInput Input(bool quantised) {
       l->pieces.push_back(p);
     }
     l->buffers.push_back({kTensors * (elements + scales)});
-    return l;
+    return *planner::PackedLayout::PackShared(*l);
   };
   auto proto = [](int64_t size) {
     auto p = std::make_shared<pb::ResolvedLayout>();
@@ -57,8 +57,8 @@ SliceInput Input(bool quantised) {
   in.model_id = "m";
   in.inventory = inv;
   auto tl = layout(false), rl = layout(quantised);
-  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, tl, proto(tl->buffers[0].size_bytes)});
-  in.workers.push_back({"r", "n1", planner::Role::kRollout, -1, rl, proto(rl->buffers[0].size_bytes)});
+  in.workers.push_back({"t", "n0", planner::Role::kTrainer, -1, tl, proto(tl->buffers()[0].size_bytes)});
+  in.workers.push_back({"r", "n1", planner::Role::kRollout, -1, rl, proto(rl->buffers()[0].size_bytes)});
   in.nodes["n0"] = {};
   in.nodes["n1"] = {};
   return in;
@@ -115,10 +115,11 @@ TEST(PlanCacheTest, LayoutsDifferingOnlyInTheirStoredPiecesArePlannedApart) {
   SliceInput in = Input(false);
   auto stored = [&](uint64_t offset) {
     google::protobuf::RepeatedPtrField<pb::Piece> pieces;
-    for (const planner::Piece& p : in.workers[1].layout->pieces) {
+    const planner::PackedLayout& l = *in.workers[1].layout;
+    for (size_t i = 0; i < l.num_pieces(); ++i) {
       pb::Piece* q = pieces.Add();
-      q->set_tensor(in.inventory->tensors[p.tensor].name);
-      q->set_offset_bytes(offset + static_cast<uint64_t>(p.offset_bytes));
+      q->set_tensor(in.inventory->tensors[l.tensor(i)].name);
+      q->set_offset_bytes(offset + static_cast<uint64_t>(l.offset_bytes(i)));
     }
     absl::StatusOr<std::shared_ptr<const StoredPieces>> out = StoredPieces::Make(pieces, *in.workers[1].layout, in.inventory);
     EXPECT_TRUE(out.ok()) << out.status();
@@ -194,9 +195,9 @@ TEST(PlanCacheTest, ACoverageFailureIsRemembered) {
     return planner::MakePlan(p, s);
   };
   SliceInput in = Input(false);
-  auto holed = std::make_shared<planner::WorkerLayout>(*in.workers[0].layout);
-  holed->pieces.pop_back();  // the trainer no longer holds the last tensor
-  in.workers[0].layout = holed;
+  planner::WorkerLayout holed = in.workers[0].layout->Unpack();
+  holed.pieces.pop_back();  // the trainer no longer holds the last tensor
+  in.workers[0].layout = *planner::PackedLayout::PackShared(holed);
   absl::StatusOr<PlanOutcome> first = cache.PlanAndSlice(in, settings, counting);
   ASSERT_FALSE(first.ok());
   EXPECT_NE(first.status().message().find("model m: "), absl::string_view::npos) << first.status();

@@ -49,7 +49,7 @@ planner::Problem BigProblem(int tensors) {
     pw.role = w.role;
     pw.node = w.node == "n0" ? 0 : w.node == "n1" ? 1 : 2;
     pw.gpu = 1024 + slots[w.node]++;
-    pw.layout = *w.layout;
+    pw.layout = w.layout->Unpack();
     p.workers.push_back(std::move(pw));
   }
   return p;

@@ -52,8 +52,8 @@ class GatherStaging {
 
 // The CUDA buffer a piece lives in, or null (host memory, or the rank-0 gather staging).
 const pb::BufferSpec* CudaBuffer(const SliceWorker& w, int32_t piece) {
-  if (piece < 0 || piece >= static_cast<int32_t>(w.layout->pieces.size())) return nullptr;
-  const int32_t buffer = w.layout->pieces[piece].buffer;
+  if (piece < 0 || static_cast<size_t>(piece) >= w.layout->num_pieces()) return nullptr;
+  const int32_t buffer = w.layout->buffer(static_cast<size_t>(piece));
   if (buffer < 0 || buffer >= w.layout_proto->buffers_size()) return nullptr;
   const pb::BufferSpec& b = w.layout_proto->buffers(buffer);
   const bool cuda = b.memory_case() == pb::BufferSpec::kCudaIpcHandle || b.memory_case() == pb::BufferSpec::kCudaVmmKey;
@@ -67,12 +67,12 @@ std::vector<bool> NcclOps(const planner::Plan& plan, const SliceInput& in,
     auto it = lanes.find(node);
     return it != lanes.end() && !it->second.empty();
   };
-  // Once per worker, not per op: HasQuantizedPieces walks every piece of the layout (per op it was
+  // Once per worker, not per op: HasQuantizedPieces walked every piece of the layout (per op it was
   // quadratic: 8192 tensors x 16 rollouts spent 1.3 s here, 16384 tensors over 300 s, unpolled by
   // plan cancellation).
   std::vector<bool> quantized(in.workers.size());
   for (size_t w = 0; w < in.workers.size(); ++w) {
-    quantized[w] = in.workers[w].layout != nullptr && planner::HasQuantizedPieces(*in.workers[w].layout);
+    quantized[w] = in.workers[w].layout != nullptr && in.workers[w].layout->HasQuantizedPieces();
   }
   std::vector<RouteOpFacts> facts;
   for (const planner::Bucket& b : plan.buckets) {
@@ -196,9 +196,9 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
   // shadows: every such delta would be refused and resent in full.
   auto host_target = [&](const SliceWorker& dw, const planner::TransferOp& op) {
     if (CudaBuffer(dw, op.dst_piece) != nullptr) return false;
-    const planner::Piece& p = dw.layout->pieces[op.dst_piece];
-    if (!p.quant.has_value()) return !op.sender_quantized;
-    if (CudaBufferAt(dw, p.quant->scale_buffer)) return false;
+    const auto p = static_cast<size_t>(op.dst_piece);
+    if (!dw.layout->quantized(p)) return !op.sender_quantized;
+    if (CudaBufferAt(dw, dw.layout->scale_buffer(p))) return false;
     if (op.sender_quantized) return true;
     auto dn = in.nodes.find(dw.node);
     return dn != in.nodes.end() && dn->second.keeps_shadows;
@@ -212,7 +212,7 @@ std::vector<bool> DeltaOps(const planner::Plan& plan, const SliceInput& in, cons
       auto n = in.nodes.find(sw.node);
       const bool ok = in.deltas && !over_nccl[i] && sw.node != dw.node && n != in.nodes.end() && n->second.sends_deltas &&
                       sw.role == planner::Role::kTrainer && dw.role == planner::Role::kRollout && op.src_piece >= 0 &&
-                      op.dst_piece >= 0 && op.dst_piece < static_cast<int32_t>(dw.layout->pieces.size()) &&
+                      op.dst_piece >= 0 && static_cast<size_t>(op.dst_piece) < dw.layout->num_pieces() &&
                       CudaBuffer(sw, op.src_piece) == nullptr && host_target(dw, op) && !relays_box(op.dst_worker, op.tensor, op.box);
       out.push_back(ok);
       ++i;

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/coordinator/stored_pieces.h"
+#include "planner/packed_layout.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
 
@@ -24,7 +25,7 @@ struct SliceWorker {
   std::string id, node;
   planner::Role role = planner::Role::kTrainer;
   int32_t gpu = 0;
-  std::shared_ptr<const planner::WorkerLayout> layout;
+  std::shared_ptr<const planner::PackedLayout> layout;  // unpacked only into the plan's problem
   // The layout as the worker's node resolved it, sent in slices: layout_proto's buffers (and its
   // pieces, if any), then layout_pieces' (the coordinator keeps them there: stored_pieces.h).
   std::shared_ptr<const pb::ResolvedLayout> layout_proto;

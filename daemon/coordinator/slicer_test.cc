@@ -6,16 +6,18 @@
 namespace wb::daemon {
 namespace {
 
-std::shared_ptr<const planner::WorkerLayout> OnePiece() {
-  auto l = std::make_shared<planner::WorkerLayout>();
+planner::WorkerLayout OnePieceLayout() {
+  planner::WorkerLayout l;
   planner::Piece p;
   p.tensor = 0;
   p.box = {{0, 0}, {4, 4}};
   p.strides = {4, 1};
-  l->pieces.push_back(p);
-  l->buffers.push_back({});
+  l.pieces.push_back(p);
+  l.buffers.push_back({});
   return l;
 }
+
+std::shared_ptr<const planner::PackedLayout> OnePiece() { return *planner::PackedLayout::PackShared(OnePieceLayout()); }
 
 std::shared_ptr<const pb::ResolvedLayout> Proto(const std::string& tag) {
   auto p = std::make_shared<pb::ResolvedLayout>();
@@ -198,14 +200,14 @@ TEST(SlicerTest, QuantisedPiecesAndUnquantisedPiecesOfQuantisedRolloutsMayBeDelt
   SliceInput in = Input();
   in.nodes["a"].sends_deltas = true;
   in.nodes["b"].keeps_shadows = true;
-  auto q = std::make_shared<planner::WorkerLayout>(*OnePiece());
-  planner::Piece norm = q->pieces[0];
+  planner::WorkerLayout q = OnePieceLayout();
+  planner::Piece norm = q.pieces[0];
   planner::Quantization quant;
   quant.block = {4, 4};
   quant.scale_offset_bytes = 16;
-  q->pieces[0].quant = quant;
-  q->pieces.push_back(norm);  // an unquantised piece of the same rollout
-  in.workers[1].layout = q;   // r0 (b)
+  q.pieces[0].quant = quant;
+  q.pieces.push_back(norm);                                 // an unquantised piece of the same rollout
+  in.workers[1].layout = *planner::PackedLayout::PackShared(q);  // r0 (b)
   planner::Plan plan;
   plan.fingerprint = "f";
   plan.buckets.resize(1);
@@ -230,9 +232,10 @@ TEST(SlicerTest, QuantisedPiecesAndUnquantisedPiecesOfQuantisedRolloutsMayBeDelt
   in.nodes["b"].keeps_shadows = true;
 
   // The scales in a second buffer, on a GPU.
-  q->pieces[0].quant->scale_buffer = 1;
-  q->pieces[0].quant->scale_offset_bytes = 0;
-  q->buffers.push_back({});
+  q.pieces[0].quant->scale_buffer = 1;
+  q.pieces[0].quant->scale_offset_bytes = 0;
+  q.buffers.push_back({});
+  in.workers[1].layout = *planner::PackedLayout::PackShared(q);
   auto proto = std::make_shared<pb::ResolvedLayout>(*in.workers[1].layout_proto);
   pb::BufferSpec* gpu = proto->add_buffers();
   gpu->set_size_bytes(32);

@@ -43,10 +43,10 @@ uint64_t GetVarint(const std::string& s, size_t* at) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const StoredPieces>> StoredPieces::Make(const google::protobuf::RepeatedPtrField<pb::Piece>& pieces,
-                                                                       const planner::WorkerLayout& layout,
+                                                                       const planner::PackedLayout& layout,
                                                                        std::shared_ptr<const planner::Inventory> inventory) {
-  if (static_cast<size_t>(pieces.size()) != layout.pieces.size() || inventory == nullptr) {
-    return absl::InternalError(absl::StrCat("stored layout: ", pieces.size(), " pieces resolved, ", layout.pieces.size(),
+  if (static_cast<size_t>(pieces.size()) != layout.num_pieces() || inventory == nullptr) {
+    return absl::InternalError(absl::StrCat("stored layout: ", pieces.size(), " pieces resolved, ", layout.num_pieces(),
                                             " in the planner's form", inventory == nullptr ? ", no inventory" : ""));
   }
   std::shared_ptr<StoredPieces> out(new StoredPieces());
@@ -59,7 +59,7 @@ absl::StatusOr<std::shared_ptr<const StoredPieces>> StoredPieces::Make(const goo
     // A parsed message serializes its fields in field-number order (unknown fields last), so a
     // piece with a name starts with it: field 1, its length, the name. Kept without it, the name
     // comes back from the inventory.
-    const int32_t t = layout.pieces[static_cast<size_t>(i)].tensor;
+    const int32_t t = layout.tensor(static_cast<size_t>(i));
     const std::string& name = p.tensor();
     size_t skip = 0;
     if (!name.empty() && t >= 0 && static_cast<size_t>(t) < inventory->tensors.size() && inventory->tensors[t].name == name) {

@@ -5,7 +5,7 @@
 // name kept as the tensor's index in the model's inventory (the names are the model's, shared by
 // every piece and every rank: interned there). Slices and the plan cache key read the pieces back
 // exactly as they were resolved (the same bytes, so the same slices and the same cache keys as
-// when the parsed protos were kept); the planner reads planner::WorkerLayout, kept beside this.
+// when the parsed protos were kept); the planner reads planner::PackedLayout, kept beside this.
 //
 // Immutable once made; shared (shared_ptr) between the model registry and plan snapshots, read
 // outside the coordinator's lock.
@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "planner/packed_layout.h"
 #include "planner/types.h"
 #include "proto/weightbridge.pb.h"
 
@@ -28,7 +29,7 @@ class StoredPieces {
   // interned form). A piece whose name is not its planner piece's tensor is kept with its name
   // (not expected; the bytes stay exact either way).
   static absl::StatusOr<std::shared_ptr<const StoredPieces>> Make(
-      const google::protobuf::RepeatedPtrField<::weightbridge::v1::Piece>& pieces, const planner::WorkerLayout& layout,
+      const google::protobuf::RepeatedPtrField<::weightbridge::v1::Piece>& pieces, const planner::PackedLayout& layout,
       std::shared_ptr<const planner::Inventory> inventory);
 
   int size() const { return count_; }

@@ -71,7 +71,7 @@ TEST(StoredPiecesTest, GivesBackTheResolvedPiecesByteForByte) {
   const pb::ResolvedLayout resolved = Resolved(100);
   absl::StatusOr<planner::WorkerLayout> layout = LayoutFromProto(resolved, *inv);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto stored = StoredPieces::Make(resolved.pieces(), *layout, inv);
+  auto stored = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv);
   ASSERT_TRUE(stored.ok()) << stored.status();
   EXPECT_EQ((*stored)->size(), 101);
 
@@ -99,7 +99,7 @@ TEST(StoredPiecesTest, KeepsTensorNamesOncePerModelNotOncePerPiece) {
   const pb::ResolvedLayout resolved = Resolved(n);
   absl::StatusOr<planner::WorkerLayout> layout = LayoutFromProto(resolved, *inv);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto stored = StoredPieces::Make(resolved.pieces(), *layout, inv);
+  auto stored = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv);
   ASSERT_TRUE(stored.ok()) << stored.status();
   const size_t serialized = PiecesOnly(resolved).size();
   // Each of the n pieces would carry the 51-byte name (53 with its tag and length); kept, each
@@ -115,7 +115,7 @@ TEST(StoredPiecesTest, APieceNotNamedAsItsPlannerTensorKeepsItsNameAndStaysExact
   absl::StatusOr<planner::WorkerLayout> layout = LayoutFromProto(resolved, *inv);
   ASSERT_TRUE(layout.ok()) << layout.status();
   layout->pieces[1].tensor = 1;  // not the name's tensor: its name is kept in its bytes
-  auto stored = StoredPieces::Make(resolved.pieces(), *layout, inv);
+  auto stored = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv);
   ASSERT_TRUE(stored.ok()) << stored.status();
   pb::ResolvedLayout back;
   ASSERT_TRUE((*stored)->AppendTo(&back).ok());
@@ -125,7 +125,7 @@ TEST(StoredPiecesTest, APieceNotNamedAsItsPlannerTensorKeepsItsNameAndStaysExact
   EXPECT_EQ(bytes, PiecesOnly(resolved));
 
   layout->pieces.pop_back();
-  EXPECT_EQ(StoredPieces::Make(resolved.pieces(), *layout, inv).status().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv).status().code(), absl::StatusCode::kInternal);
 }
 
 TEST(StoredPiecesTest, EqualOnlyForTheSamePiecesOfTheSameModel) {
@@ -133,15 +133,15 @@ TEST(StoredPiecesTest, EqualOnlyForTheSamePiecesOfTheSameModel) {
   pb::ResolvedLayout resolved = Resolved(3);
   absl::StatusOr<planner::WorkerLayout> layout = LayoutFromProto(resolved, *inv);
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto a = StoredPieces::Make(resolved.pieces(), *layout, inv);
-  auto b = StoredPieces::Make(resolved.pieces(), *layout, inv);
+  auto a = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv);
+  auto b = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_TRUE(**a == **b);
-  auto other_model = StoredPieces::Make(resolved.pieces(), *layout, TwoTensors());
+  auto other_model = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), TwoTensors());
   ASSERT_TRUE(other_model.ok());
   EXPECT_FALSE(**a == **other_model);
   resolved.mutable_pieces(2)->set_offset_bytes(48);
-  auto moved = StoredPieces::Make(resolved.pieces(), *layout, inv);
+  auto moved = StoredPieces::Make(resolved.pieces(), *planner::PackedLayout::Pack(*layout), inv);
   ASSERT_TRUE(moved.ok());
   EXPECT_FALSE(**a == **moved);
 }

@@ -55,19 +55,20 @@ pb::ReportDoneRequest DoneReport(const std::string& node, const pb::ExecuteVersi
 SliceInput BigSliceInput(const std::string& model, int tensors) {
   auto inv = std::make_shared<planner::Inventory>();
   for (int i = 0; i < tensors; ++i) inv->tensors.push_back({"t" + std::to_string(i), {64, 64}, planner::DType::kBF16});
-  auto layout = std::make_shared<planner::WorkerLayout>();
+  planner::WorkerLayout unpacked;
   for (int i = 0; i < tensors; ++i) {
     planner::Piece p;
     p.tensor = i;
     p.box = {{0, 0}, {64, 64}};
     p.strides = {64, 1};
     p.offset_bytes = int64_t{i} * 64 * 64 * 2;
-    layout->pieces.push_back(p);
+    unpacked.pieces.push_back(p);
   }
-  layout->buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
+  unpacked.buffers.push_back({int64_t{tensors} * 64 * 64 * 2});
+  std::shared_ptr<const planner::PackedLayout> layout = *planner::PackedLayout::PackShared(unpacked);
   auto proto = std::make_shared<pb::ResolvedLayout>();
   pb::BufferSpec* b = proto->add_buffers();
-  b->set_size_bytes(static_cast<uint64_t>(layout->buffers[0].size_bytes));
+  b->set_size_bytes(static_cast<uint64_t>(layout->buffers()[0].size_bytes));
   b->set_shm_name("/wb-test");
   b->set_gpu(-1);
   SliceInput in;
