@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <random>
 #include <cstring>
 #include <set>
 #include <utility>
@@ -117,8 +118,20 @@ absl::StatusOr<pb::ModelSpec> ModelSpecToProto(const ModelConfig& model) {
   return spec;
 }
 
+namespace {
+
+// 128 random bits as 32 hex characters: two clients of one process never draw the same token.
+std::string NewClientInstance() {
+  std::random_device rd;
+  std::string out;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&out, absl::Hex(static_cast<uint32_t>(rd()), absl::kZeroPad8));
+  return out;
+}
+
+}  // namespace
+
 WorkerClient::WorkerClient(std::string socket_path, ClientOptions options)
-    : socket_path_(std::move(socket_path)), options_(std::move(options)) {}
+    : socket_path_(std::move(socket_path)), options_(std::move(options)), client_instance_(NewClientInstance()) {}
 
 WorkerClient::~WorkerClient() {
   // Segments unlink their names in their destructors (created here, default unlink policy).
@@ -208,10 +221,12 @@ absl::Status WorkerClient::CallWithReconnect(absl::Time deadline, Fn rpc) {
 
 absl::Status WorkerClient::Replay(absl::Time deadline) {
   if (!registered_) return absl::OkStatus();
-  absl::Status s = DoRegisterWorker(deadline);
-  // ALREADY_EXISTS: the daemon did not restart after all (a transient UNAVAILABLE) and still
-  // knows this worker; the registration we would replay is in place.
-  if (!s.ok() && s.code() != absl::StatusCode::kAlreadyExists) return s;
+  // A daemon that did not restart after all (a transient UNAVAILABLE) answers the replay OK: the
+  // same request with this client's token is a repeat there, changing nothing. ALREADY_EXISTS is
+  // no such answer any more: another client of this process holds the worker id now (it
+  // registered while the daemon restarted), and replaying the layout over its registration would
+  // take its memory's place.
+  RETURN_IF_ERROR(DoRegisterWorker(deadline));
   // A restarted daemon has none of our VMM fds (and one that did not restart takes them again).
   RETURN_IF_ERROR(OfferVmmAllocations(deadline));
   if (layout_registered_) {
@@ -266,6 +281,7 @@ absl::Status WorkerClient::RegisterWorker(const ModelConfig& model, const Worker
   req.set_role(ToProto(who.role));
   req.set_gpu(who.gpu);
   *req.mutable_model() = std::move(spec);
+  req.set_client_instance(client_instance_);  // the same in every replay of this registration
   register_request_ = req;
   absl::Time deadline = options_.clock->Now() + options_.call_timeout;
   // Not registered yet, so a reconnect replays nothing and the retry is the registration itself.

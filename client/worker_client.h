@@ -27,8 +27,12 @@
 //    accept connections again, replays what it had registered (RegisterWorker, the fds of shared
 //    CUDA VMM allocations, then RegisterLayout with the same shm names: the segments are owned by
 //    this process and survive the daemon; EndUpdate again for a sync rollout whose last call of
-//    the two was EndUpdate), and (after UNAVAILABLE) retries the call once. The daemon must treat a
-//    re-registration with an identical spec as idempotent (ALREADY_EXISTS is accepted too).
+//    the two was EndUpdate), and (after UNAVAILABLE) retries the call once. The daemon treats a
+//    re-registration with an identical request as a repeat (OK, nothing changes). Every
+//    registration carries the client's own random token (client_instance()), the same in replays:
+//    another client of the same process registering a worker id this one holds is refused
+//    ALREADY_EXISTS by the node, a replay of this one is not (and a replay refused ALREADY_EXISTS
+//    fails: another client took the id meanwhile).
 //  - Buffers created here belong to this client: their shm names are unlinked when the client is
 //    destroyed. Pointers returned by CreateBuffer stay valid for the client's lifetime.
 //  - Thread-compatible: one thread drives a client at a time (a worker is one rank).
@@ -312,6 +316,11 @@ class WorkerClient {
   absl::StatusOr<pb::StatusResponse> Status();
 
   const std::string& socket_path() const { return socket_path_; }
+  // This client's random token (RegisterWorkerRequest.client_instance), drawn once per client and
+  // sent with every send of its registration: the node tells this client's replays from another
+  // client of the same process registering the same worker id (refused ALREADY_EXISTS while this
+  // one holds it).
+  const std::string& client_instance() const { return client_instance_; }
   // Number of successful reconnect-and-replay cycles (tests and progress lines read it).
   int reconnects() const { return reconnects_; }
 
@@ -338,6 +347,7 @@ class WorkerClient {
 
   const std::string socket_path_;
   const ClientOptions options_;
+  const std::string client_instance_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<pb::WorkerService::Stub> stub_;
 

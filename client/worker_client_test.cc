@@ -401,6 +401,53 @@ TEST(WorkerClientTest, ReconnectsAfterDaemonRestartAndReplaysRegistration) {
   EXPECT_EQ(daemon->service().publish_[0].version(), 2u);
 }
 
+// Every send of a registration carries the client's own token (RegisterWorkerRequest.client_instance,
+// 32 hex characters, another one per client); the replay to a restarted daemon sends the same one,
+// so the node takes it for this client's replay. A replay refused ALREADY_EXISTS (another client of
+// this process took the worker id while the daemon restarted) fails the call, and the layout is not
+// replayed over that client's registration (before, ALREADY_EXISTS was taken for "still registered").
+TEST(WorkerClientTest, RegistrationsCarryTheClientsTokenAndAReplayRefusedAlreadyExistsFails) {
+  std::string sock = TempSocket("token");
+  auto daemon = std::make_unique<FakeDaemon>(sock);
+  auto a = WorkerClient::Connect(sock, FastOptions());
+  auto b = WorkerClient::Connect(sock, FastOptions());
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  WorkerClient& c = **a;
+  EXPECT_EQ(c.client_instance().size(), 32u);
+  EXPECT_NE(c.client_instance(), (*b)->client_instance());
+  ASSERT_TRUE(c.RegisterWorker(TinyModel(), {"trainer/0", planner::Role::kTrainer, -1}).ok());
+  ASSERT_TRUE(c.CreateBuffer(64).ok());
+  ASSERT_TRUE(c.RegisterLayout(PresetLayout{"fsdp"}).ok());
+  {
+    absl::MutexLock l(&daemon->service().mu_);
+    ASSERT_EQ(daemon->service().register_worker_.size(), 1u);
+    EXPECT_EQ(daemon->service().register_worker_[0].client_instance(), c.client_instance());
+  }
+  daemon->Stop();
+  daemon = std::make_unique<FakeDaemon>(sock);
+  auto pub = c.Publish(2, absl::Seconds(5));
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  {
+    absl::MutexLock l(&daemon->service().mu_);
+    ASSERT_EQ(daemon->service().register_worker_.size(), 1u);
+    EXPECT_EQ(daemon->service().register_worker_[0].client_instance(), c.client_instance()) << "the replay sent another token";
+  }
+  daemon->Stop();
+  daemon = std::make_unique<FakeDaemon>(sock);
+  {
+    absl::MutexLock l(&daemon->service().mu_);
+    daemon->service().register_worker_status_ =
+        absl::AlreadyExistsError("worker trainer/0 of model tiny on node n0 is registered by another client of the same process");
+  }
+  pub = c.Publish(3, absl::Seconds(5));
+  EXPECT_EQ(pub.status().code(), absl::StatusCode::kAlreadyExists) << pub.status();
+  absl::MutexLock l(&daemon->service().mu_);
+  EXPECT_EQ(daemon->service().register_worker_.size(), 1u);
+  EXPECT_TRUE(daemon->service().register_layout_.empty()) << "the layout was replayed over another client's registration";
+  EXPECT_TRUE(daemon->service().publish_.empty());
+}
+
 // A sync rollout that resumed (EndUpdate) counts as paused again on a restarted daemon: the
 // replay sends EndUpdate after the registrations. One that paused again (BeginUpdate) does not.
 TEST(WorkerClientTest, AReplayEndsTheUpdateAgainForARolloutThatResumed) {

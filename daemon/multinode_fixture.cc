@@ -162,6 +162,7 @@ grpc::Status Cluster::RegisterWorker(TestWorker& w, const pb::ModelSpec& spec, i
   rw.set_role(w.role);
   rw.set_gpu(gpu);
   rw.set_pid(pid);
+  rw.set_client_instance(w.client_instance);
   *rw.mutable_model() = spec;
   pb::RegisterWorkerResponse rwr;
   return w.stub->RegisterWorker(&c1, rw, &rwr);

@@ -35,6 +35,9 @@ struct TestWorker {
   planner::WorkerLayout layout;  // buffer 0 = seg
   transport::ShmSegment seg;
   std::unique_ptr<pb::WorkerService::Stub> stub;
+  // RegisterWorkerRequest.client_instance its registrations send (empty: none, as clients built
+  // before the field; two TestWorkers of one id then pass for the same client).
+  std::string client_instance;
 };
 
 // Writes version `version`'s canonical bytes into every piece of `w`.

@@ -110,7 +110,11 @@ void LocalWorkers::Stop() {
   stopping_ = true;
 }
 
-absl::Status LocalWorkers::BeginJoin(const WorkerKey& key, absl::Time deadline) {
+absl::Status LocalWorkers::BeginJoin(const WorkerKey& key, absl::Time deadline, const pb::RegisterWorkerRequest* req) {
+  if (req != nullptr && req->client_instance().size() > kMaxClientInstanceBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("RegisterWorker.client_instance of worker ", key.second, " is ", req->client_instance().size(),
+                                                   " bytes; at most ", kMaxClientInstanceBytes));
+  }
   // An earlier process of this worker id that exited: its LeaveWorker must reach the coordinator
   // before this join, or it would drop the new registration there (found by the soak test
   // under TSan: a restarted rollout's RegisterLayout got NOT_FOUND).
@@ -119,6 +123,9 @@ absl::Status LocalWorkers::BeginJoin(const WorkerKey& key, absl::Time deadline) 
   if (!options_.clock->WaitUntil(&mu_, absl::Condition(&not_leaving), deadline)) {
     return absl::UnavailableError(absl::StrCat("worker ", key.second, " of model ", key.first, ": its previous process is still leaving (retry)"));
   }
+  if (req != nullptr) {
+    if (absl::Status other = CheckSameProcessClientLocked(key, *req); !other.ok()) return other;
+  }
   // Not reaped yet by the liveness check: this join replaces it (the coordinator treats it as
   // registered again), so no LeaveWorker is sent for it.
   // Another model's worker under the same id is another worker (ids are scoped per model):
@@ -126,12 +133,36 @@ absl::Status LocalWorkers::BeginJoin(const WorkerKey& key, absl::Time deadline) 
   auto old = workers_.find(key);
   if (old != workers_.end() && old->second.pid && !old->second.pid->Alive()) workers_.erase(old);
   joining_.insert(key);
+  if (req != nullptr) joining_registration_[key] = *req;
   return absl::OkStatus();
 }
 
 void LocalWorkers::EndJoin(const WorkerKey& key) {
   absl::MutexLock l(&mu_);
   joining_.erase(key);
+  joining_registration_.erase(key);
+}
+
+absl::Status LocalWorkers::CheckSameProcessClientLocked(const WorkerKey& key, const pb::RegisterWorkerRequest& req) {
+  // Two clients of one process under one worker id: the node's worker guard lets both through (the
+  // same process), and before the client token the second one's identical request was answered as
+  // a replay of the first's (or, differing, replaced it). Only the tokens tell them apart; either
+  // one empty (a client built before them): as before.
+  if (req.client_instance().empty() || req.pid() <= 0) return absl::OkStatus();
+  const pb::RegisterWorkerRequest* holder = nullptr;
+  std::string process;
+  if (auto it = workers_.find(key); it != workers_.end() && it->second.pid != nullptr && it->second.pid->IsLive(req.pid())) {
+    holder = &it->second.registration;
+    process = it->second.pid->Identity();
+  } else if (auto j = joining_registration_.find(key); j != joining_registration_.end() && j->second.pid() == req.pid()) {
+    holder = &j->second;  // registering right now (its process is the caller's: the same pid, alive)
+    process = absl::StrCat(req.pid());
+  }
+  if (holder == nullptr || holder->client_instance().empty() || holder->client_instance() == req.client_instance()) return absl::OkStatus();
+  return absl::AlreadyExistsError(absl::StrCat(
+      "worker ", key.second, " of model ", key.first, " on node ", options_.node_id, " is registered by another client of the same process (pid ",
+      req.pid(), ", process ", process, "): one client per worker id in a process - deregister it through the client that registered it (or end "
+      "that client's process), or register this client under another worker id"));
 }
 
 void LocalWorkers::Add(const WorkerKey& key, Worker w, std::optional<planner::Inventory> inventory) {

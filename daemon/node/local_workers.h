@@ -235,7 +235,11 @@ class LocalWorkers {
   // Before a join of `key`: waits (until `deadline`) while an exited earlier process of the same
   // id is still leaving, drops a dead entry not reaped yet, and marks the id joining (the liveness
   // check leaves it alone) until EndJoin. UNAVAILABLE when the leave does not finish in time.
-  absl::Status BeginJoin(const WorkerKey& key, absl::Time deadline);
+  // `req` (the registration; null: a join without one) is checked against the id's holder: another
+  // client of the same live process (both sent a RegisterWorkerRequest.client_instance, and they
+  // differ) registered or registering it is ALREADY_EXISTS naming worker, node and process.
+  absl::Status BeginJoin(const WorkerKey& key, absl::Time deadline, const pb::RegisterWorkerRequest* req = nullptr);
+  static constexpr size_t kMaxClientInstanceBytes = 128;  // RegisterWorkerRequest.client_instance
   void EndJoin(const WorkerKey& key);
   // The coordinator accepted the join: `w` replaces any entry of `key` (its live state too: a new
   // process, its memory; and a leave owed for the id: the join replaced it there). `inventory`
@@ -250,9 +254,10 @@ class LocalWorkers {
   // A RegisterWorker of `key` that only repeats its registration (a client replaying it after its
   // channel to this node left READY - gRPC's idle timeout included - although the daemon did not
   // restart): the entry's process is alive and is the one `req` names (PidWatch::IsLive), `req` is
-  // identical to the request it registered with (role, gpu, pid, model spec), and the id is not
-  // joining or leaving. The node then keeps the entry as it is (applied version, snapshots,
-  // committed staging, live state) and tells the coordinator nothing.
+  // identical to the request it registered with (role, gpu, pid, model spec, client_instance:
+  // another client of the process is no repeat - BeginJoin refuses it), and the id is not joining
+  // or leaving. The node then keeps the entry as it is (applied version, snapshots, committed
+  // staging, live state) and tells the coordinator nothing.
   // When the entry has a layout the repeat stays pending until the next RegisterLayout says what
   // it was (SameLayout, TakeRepeat).
   bool RepeatRegistration(const WorkerKey& key, const pb::RegisterWorkerRequest& req);
@@ -461,6 +466,11 @@ class LocalWorkers {
   // joining id alone, so a late LeaveWorker never drops the NEW process's registration.
   std::set<WorkerKey> leaving_ ABSL_GUARDED_BY(mu_);
   std::set<WorkerKey> joining_ ABSL_GUARDED_BY(mu_);
+  // The registration of a join in flight (BeginJoin with a request): a second client of the same
+  // process joining the id at the same time is refused as if the first were registered already.
+  std::map<WorkerKey, pb::RegisterWorkerRequest> joining_registration_ ABSL_GUARDED_BY(mu_);
+  // ALREADY_EXISTS when `req` comes from another client of the process that holds `key` (BeginJoin).
+  absl::Status CheckSameProcessClientLocked(const WorkerKey& key, const pb::RegisterWorkerRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Leaves the coordinator did not get (OweLeave): id -> LeaveWorkerRequest.reason.
   std::map<WorkerKey, std::string> owed_leaves_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::string> aborted_ ABSL_GUARDED_BY(mu_);  // reason

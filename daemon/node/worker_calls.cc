@@ -72,8 +72,9 @@ absl::Status WorkerCalls::JoinWorker(const pb::RegisterWorkerRequest& req, pb::R
   }
   const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
   // An earlier process of this worker id that exited: its LeaveWorker reaches the coordinator
-  // before this join (LocalWorkers::BeginJoin).
-  if (absl::Status joining = local_.BeginJoin(key, std::min(deadline, options_.clock->Now() + absl::Seconds(10))); !joining.ok()) return joining;
+  // before this join; another client of the same process holding the id refuses it
+  // (LocalWorkers::BeginJoin).
+  if (absl::Status joining = local_.BeginJoin(key, std::min(deadline, options_.clock->Now() + absl::Seconds(10)), &req); !joining.ok()) return joining;
   struct Joined {
     LocalWorkers* workers;
     LocalWorkers::WorkerKey key;

@@ -404,6 +404,37 @@ class ClientTest(unittest.TestCase):
         c.close()
         self.close([trainer])
 
+    def test_a_second_client_of_the_process_cannot_take_a_worker_id_the_first_holds(self):
+        """Two clients of this process, one worker id: each sends its own token
+        (RegisterWorkerRequest.client_instance), so the second is refused ALREADY_EXISTS naming the
+        worker, the node and the process - before, its request, identical but for the token, was
+        answered as a replay of the first's. The first keeps the id: its own replay (what it sends
+        after a dropped connection) is answered and versions still reach its memory. Once the first
+        deregistered, the second registers."""
+        model = self.model("py_two_clients", "one_step_off", rollouts=1)
+        trainers = [Worker(self.daemon, model, "trainer/%d" % r, "trainer", HALF[r]) for r in (0, 1)]
+        rollout = Worker(self.daemon, model, "rollout/0", "rollout", FULL, prefix="r")
+        second = self.daemon.client("r2")
+        self.assertEqual(len(rollout.client.client_instance), 32)
+        self.assertNotEqual(second.client_instance, rollout.client.client_instance)
+        with self.assertRaises(wb.WeightBridgeError) as cm:
+            second.register_worker(model, "rollout/0", "rollout")
+        self.assertEqual(cm.exception.code, grpc.StatusCode.ALREADY_EXISTS, str(cm.exception))
+        self.assertIn("worker rollout/0 of model py_two_clients on node ", str(cm.exception))
+        self.assertIn("another client of the same process (pid %d" % os.getpid(), str(cm.exception))
+        rollout.client._replay(time.monotonic() + TIMEOUT)
+        for v in (1, 2):
+            for t in trainers:
+                fill(t.buf, t.index, v)
+                t.client.publish(v, timeout=TIMEOUT)
+            self.assertEqual(rollout.client.apply(v, timeout=TIMEOUT).applied_version, v)
+            self.assertEqual(mismatches(rollout.buf, rollout.index, v), 0, "v%d" % v)
+        self.close([rollout])
+        second.register_worker(model, "rollout/0", "rollout")  # the id is free now
+        second.deregister()
+        second.close()
+        self.close(trainers)
+
     def test_reconnect_after_unavailable_call_fails_cleanly_without_daemon(self):
         d = tempfile.mkdtemp(prefix="wbpy.")
         with self.assertRaises(wb.WeightBridgeError) as cm:

@@ -9,9 +9,12 @@ Same verbs and contract as the C++ client (client/worker_client.h):
   rollout) -> deregister; status() any time.
 Every call has a deadline (control calls: call_timeout; version calls: the explicit timeout, also
 sent to the daemon as timeout_ms). Errors raise WeightBridgeError carrying the daemon's gRPC code.
-Reconnect: on UNAVAILABLE the client waits (bounded) for the socket, replays RegisterWorker, the fds
+Reconnect: on UNAVAILABLE the client waits (bounded) for the socket, replays RegisterWorker (with the
+client's own token, client_instance: another client of the process registering a worker id this one
+holds is refused ALREADY_EXISTS, a replay of this one is not), the fds
 of shared VMM allocations and RegisterLayout (same shm names: the segments belong to this process
-and survive the daemon) and retries the call once. Buffers are unlinked by close(), or by
+and survive the daemon) and retries the call once. close() deregisters a worker still registered
+(best effort). Buffers are unlinked by close(), or by
 free_buffers() after deregister (an engine going to sleep). One thread drives a client at a time.
 """
 
@@ -236,6 +239,10 @@ class WorkerClient:
         self._vmm = {}  # key -> (our fd of the allocation, its bytes, cuda.VmmRange)
         self._channel = None
         self._stub = None
+        # This client's random token (RegisterWorkerRequest.client_instance), sent with every send of
+        # its registration (replays too): the daemon refuses another client of this process that
+        # registers a worker id this one holds (ALREADY_EXISTS), and takes this one's replays as such.
+        self.client_instance = os.urandom(16).hex()
         self._open(time.monotonic() + connect_timeout)
 
     # ------------------------------------------------------------------ channel
@@ -308,11 +315,13 @@ class WorkerClient:
                                   ("RegisterLayout", "RegisterLayout", self._layout_req)):
             if req is None:
                 continue
+            # A daemon that did not restart answers the same request (this client's token in it) OK,
+            # changing nothing. ALREADY_EXISTS means another client of this process holds the worker
+            # id now: replaying the layout would take its place, so the replay fails.
             try:
                 getattr(self._stub, method)(req, timeout=max(0.001, deadline - time.monotonic()))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    raise WeightBridgeError("replay " + what, e.code(), e.details() or "") from None
+                raise WeightBridgeError("replay " + what, e.code(), e.details() or "") from None
             if method == "RegisterWorker":  # a restarted daemon has none of our VMM fds
                 self._offer_vmm_all(deadline)
         if self._resumed and self._register_req is not None:
@@ -338,7 +347,7 @@ class WorkerClient:
             raise WeightBridgeError("RegisterWorker", grpc.StatusCode.FAILED_PRECONDITION,
                                     "already registered as %s" % self.worker_id)
         req = pb.RegisterWorkerRequest(model_id=model.model_id, worker_id=worker_id, role=ROLES[role], gpu=gpu,
-                                       model=model.to_proto())
+                                       model=model.to_proto(), client_instance=self.client_instance)
         resp = self._call("RegisterWorker %s" % worker_id, "RegisterWorker", req, self.call_timeout)
         self._register_req = req
         self.model_id, self.worker_id = model.model_id, worker_id
@@ -632,6 +641,17 @@ class WorkerClient:
         self._vmm = {}
 
     def close(self):
+        """Deregisters a worker still registered (best effort, one call of at most 5 s: a daemon that is
+        gone forgets it anyway), unlinks the buffers and closes the channel. Without the deregister the
+        node kept the worker registered to this client's unlinked memory, and another client of this
+        process could not take the worker id (ALREADY_EXISTS: its token differs)."""
+        if self._register_req is not None and self._stub is not None:
+            try:
+                self._stub.Deregister(pb.DeregisterRequest(model_id=self.model_id, worker_id=self.worker_id),
+                                      timeout=min(5.0, self.call_timeout))
+            except grpc.RpcError:
+                pass  # a daemon that is gone forgot the worker; close goes on either way
+            self._register_req = self._layout_req = None
         self._close_buffers()
         if self._channel is not None:
             self._channel.close()
