@@ -75,6 +75,19 @@ TEST(CertifyBoxesTest, LandedBoxesTheCatchUpReadsGoToTheirSourcesNode) {
   EXPECT_EQ(f.by_node["n2"].certify_size(), 0);
 }
 
+// A landed box the catch-up reads but that no piece of the source holds whole (s1 holds rows 0..4;
+// the record says 1..6) certifies nothing: the source's node could not check it against one piece.
+TEST(CertifyBoxesTest, ALandedBoxNoPieceHoldsWholeCertifiesNothing) {
+  Fixture f;
+  std::map<std::string, std::vector<LandedBox>> landed;
+  landed["s1"] = {{0, planner::Box{{1, 0}, {6, 4}}, 21, 7, false}};
+  const CertifyCount n = AddCertifyBoxes(f.plan, f.in, landed, &f.by_node);
+  EXPECT_EQ(n.boxes, 0);
+  EXPECT_EQ(f.by_node["n1"].certify_size(), 0);
+  landed["s1"] = {{0, planner::Box{{1, 0}, {4, 4}}, 21, 7, false}};  // inside it: certified
+  EXPECT_EQ(AddCertifyBoxes(f.plan, f.in, landed, &f.by_node).boxes, 1);
+}
+
 TEST(CertifyBoxesTest, ASourceWithoutARecordIsCountedAndGetsNothing) {
   Fixture f;
   std::map<std::string, std::vector<LandedBox>> landed;
