@@ -291,6 +291,7 @@ void NodeDaemon::Shutdown() {
   if (stopped_.exchange(true)) return;
   versions_.Stop();          // aborts versions in flight, ends LocalWorkers' waits
   if (coord_) coord_->Stop();
+  worker_calls_.StopLeaves();  // no tick queues more; a leave in flight ends before the client goes
   versions_.Join();          // tears down channels (blocked executors end), joins executors
 }
 

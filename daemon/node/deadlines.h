@@ -25,6 +25,16 @@ inline absl::Time CallerDeadline(Clock* clock, absl::Duration time_left) {
   return clock->Now() + std::clamp(time_left - margin, absl::ZeroDuration(), absl::Seconds(60));
 }
 
+// When a worker call with a gRPC deadline `time_left` away must have its answer on the way: that
+// deadline less CallerDeadline's margin (at most 1 s), so a forwarded call cut there still leaves
+// the node time to answer with its own words (naming the coordinator) before the worker's deadline
+// cuts the call with a bare DEADLINE_EXCEEDED. The infinite future when the worker gave none.
+inline absl::Time ReplyBy(Clock* clock, absl::Duration time_left) {
+  if (time_left == absl::InfiniteDuration()) return absl::InfiniteFuture();
+  const absl::Duration margin = std::min(absl::Seconds(1), time_left / 4);
+  return clock->Now() + std::max(absl::ZeroDuration(), time_left - margin);
+}
+
 // A forwarded call (daemon/node/coordinator_client.h, which takes a timeout) gets 2 s beyond the
 // deadline it serves, so the far side answers (with its own deadline error) before the transport
 // cuts the call.

@@ -467,22 +467,59 @@ absl::Status WorkerCalls::AwaitCatchUp(const std::string& model, const std::stri
   return RestartAware(s, session0, deadline, absl::StrCat("version ", version));
 }
 
-absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp) {
+absl::Duration WorkerCalls::WaitCallTimeout(absl::Time until, absl::Time reply_by) const {
+  return std::max(absl::Milliseconds(1), std::min(CallTimeout(options_.clock, until), reply_by - options_.clock->Now()));
+}
+
+absl::Status WorkerCalls::AskWait(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline, absl::Time reply_by,
+                                  uint64_t session0, absl::Time* answered) {
+  absl::Duration backoff = kWaitAskAgainFirst;
+  for (bool first = true;; first = false) {
+    pb::WaitVersionRequest ask = req;
+    ask.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - options_.clock->Now())));
+    resp->Clear();
+    absl::Status s = coordinator_.client().WaitVersion(ask, resp, WaitCallTimeout(deadline, reply_by));
+    if (first) *answered = options_.clock->Now();
+    // Refused at once: the coordinator is down (refused connections) or shutting down. A wait is
+    // a read, so asking again is harmless - but only of the SAME coordinator once it answers the
+    // node's heartbeats again: a restarted one is the restart rules' (RestartAware,
+    // WaitAgainForRollout: a rollout's pause must be re-sent there first). Before, the refusal was
+    // the answer although the coordinator was back long before the wait's deadline.
+    if (!absl::IsUnavailable(s) && !absl::IsCancelled(s)) return s;
+    if (coordinator_.AwaitCoordinatorChange(session0, deadline).has_value()) return s;
+    // Bounded: a coordinator that answers heartbeats but keeps refusing is asked at most once per
+    // backoff (doubling to kWaitAskAgainMax), never past the deadline.
+    const absl::Time again = options_.clock->Now() + backoff;
+    if (again >= deadline) return s;
+    options_.clock->SleepUntil(again);
+    backoff = std::min(2 * backoff, kWaitAskAgainMax);
+    Log(LogLevel::kInfo, "WaitVersion refused by a coordinator that answers again: asked again",
+        {{"node", options_.node_id}, {"model", req.model_id()}, {"worker", req.worker_id()}, {"version", req.version()},
+         {"first_answer", s.message()}});
+  }
+}
+
+absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Duration time_left) {
   const uint64_t session0 = coordinator_.session();
   const absl::Time deadline = Deadline(options_.clock, req.timeout_ms());
+  // The coordinator calls below are cut before the worker's own gRPC deadline (ReplyBy): a
+  // stalled coordinator (no answer at all) otherwise held them to 2 s past the wait's deadline -
+  // the clients' own grace - and the worker saw its transport's DEADLINE_EXCEEDED instead of the
+  // node's UNAVAILABLE naming the coordinator (WaitUnreached).
+  const absl::Time reply_by = ReplyBy(options_.clock, time_left);
   const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
   // The registration the caller is (a process killed while this waits may be replaced meanwhile:
   // the answer is not the new process's, which must be neither copied into nor resumed by it).
   const uint64_t incarnation = req.worker_id().empty() ? 0 : local_.Incarnation(key);
-  absl::Status s = coordinator_.client().WaitVersion(req, resp, CallTimeout(options_.clock, deadline));
-  const absl::Time answered = options_.clock->Now();
+  absl::Time answered;  // the coordinator's first answer (WaitUnreached: how long the call was held)
+  absl::Status s = AskWait(req, resp, deadline, reply_by, session0, &answered);
   // A rollout's wait lost to a coordinator change: asked again of the new coordinator when its
   // re-join re-sent the rollout's pause (the re-sent version can start into it), else ABORTED
   // naming the change. Its OK then goes through the steps below like a first answer's.
   std::optional<planner::Role> role;
   const bool rollout = !req.worker_id().empty() && local_.SpecOf(req.model_id(), req.worker_id(), &role) && role == planner::Role::kRollout;
   const bool lost = s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kCancelled;
-  if (rollout && lost) s = WaitAgainForRollout(req, resp, deadline, incarnation, session0, s);
+  if (rollout && lost) s = WaitAgainForRollout(req, resp, deadline, reply_by, incarnation, session0, s);
   if (s.ok() && !req.worker_id().empty()) s = SameRegistration(key, incarnation, "WaitVersion");
   if (s.ok()) {
     versions_.NoteClusterCommitted(req.model_id(), resp->committed_version());
@@ -520,7 +557,7 @@ absl::Status WorkerCalls::WaitVersion(const pb::WaitVersionRequest& req, pb::Wai
   }
   if (rollout && lost) return WaitUnreached(req, s, answered, deadline);  // WaitAgainForRollout applied the restart rules
   absl::Status out = RestartAware(s, session0, deadline, absl::StrCat("version ", req.version()));
-  if (absl::IsAborted(out) && !absl::IsAborted(s)) out = WaitAgainAfterRestart(req, resp, deadline, out);
+  if (absl::IsAborted(out) && !absl::IsAborted(s)) out = WaitAgainAfterRestart(req, resp, deadline, reply_by, out);
   return WaitUnreached(req, out, answered, deadline);
 }
 
@@ -549,7 +586,7 @@ absl::Status WorkerCalls::WaitUnreached(const pb::WaitVersionRequest& req, const
 // for a version that waits for its next BeginUpdate: ABORTED as before, unless the version is
 // committed into it already (then the new coordinator answers at once).
 absl::Status WorkerCalls::WaitAgainForRollout(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
-                                              uint64_t incarnation, uint64_t session0, const absl::Status& lost) {
+                                              absl::Time reply_by, uint64_t incarnation, uint64_t session0, const absl::Status& lost) {
   const LocalWorkers::WorkerKey key{req.model_id(), req.worker_id()};
   const std::string what = absl::StrCat("version ", req.version());
   absl::Status s = lost;
@@ -565,7 +602,7 @@ absl::Status WorkerCalls::WaitAgainForRollout(const pb::WaitVersionRequest& req,
     pb::WaitVersionRequest again = req;
     again.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - options_.clock->Now())));
     resp->Clear();
-    s = coordinator_.client().WaitVersion(again, resp, CallTimeout(options_.clock, deadline));
+    s = coordinator_.client().WaitVersion(again, resp, WaitCallTimeout(deadline, reply_by));
   }
   return s;
 }
@@ -595,7 +632,7 @@ void WorkerCalls::ResendPause(const LocalWorkers::WorkerKey& key) {
 }
 
 absl::Status WorkerCalls::WaitAgainAfterRestart(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
-                                                const absl::Status& aborted) {
+                                                absl::Time reply_by, const absl::Status& aborted) {
   // Rollouts are WaitAgainForRollout's (their pause must be re-sent first).
   std::optional<planner::Role> role;
   if (!req.worker_id().empty() && (!local_.SpecOf(req.model_id(), req.worker_id(), &role) || role != planner::Role::kTrainer)) {
@@ -610,7 +647,7 @@ absl::Status WorkerCalls::WaitAgainAfterRestart(const pb::WaitVersionRequest& re
   pb::WaitVersionRequest again = req;
   again.set_timeout_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(until - options_.clock->Now())));
   pb::WaitVersionResponse answer;
-  if (!coordinator_.client().WaitVersion(again, &answer, CallTimeout(options_.clock, until)).ok()) return aborted;
+  if (!coordinator_.client().WaitVersion(again, &answer, WaitCallTimeout(until, reply_by)).ok()) return aborted;
   versions_.NoteClusterCommitted(req.model_id(), answer.committed_version());
   *resp = std::move(answer);
   return absl::OkStatus();

@@ -11,8 +11,9 @@
 //                           SendOwedLeaves), and the holding of forwarded calls while the node
 //                           re-joins or the coordinator is down (ForwardHeld, CoordinatorDown).
 //
-// Threads and locks: calls run on gRPC threads, any number at once. WorkerCalls has no lock of
-// its own: worker state is LocalWorkers' (own mutex), staging NodeStaging's (leaf locks), plans
+// Threads and locks: calls run on gRPC threads, any number at once; leaves of exited workers and
+// owed leaves on the leave sender's thread (LeaveExited). WorkerCalls' only lock is the leave
+// queue's (a leaf but for LocalWorkers::OweLeave under it): worker state is LocalWorkers' (own mutex), staging NodeStaging's (leaf locks), plans
 // and committed versions node::Versions' (read through Plan / Committed, never held across a
 // call), and coordinator calls and waits go through the CoordinatorAccess seam without any lock
 // held. Every deadline and wait is on Options::clock.
@@ -23,13 +24,18 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/clock.h"
 #include "base/shm_segment.h"
@@ -94,6 +100,7 @@ class WorkerCalls {
   };
   WorkerCalls(Options options, LocalWorkers& local, NodeStaging& staging, Versions& versions, const NodeTransports& transports,
               CoordinatorAccess& coordinator);
+  ~WorkerCalls();  // StopLeaves
   WorkerCalls(const WorkerCalls&) = delete;
   WorkerCalls& operator=(const WorkerCalls&) = delete;
 
@@ -112,7 +119,10 @@ class WorkerCalls {
   absl::Status BeginUpdate(const pb::BeginUpdateRequest& req, pb::BeginUpdateResponse* resp);
   absl::Status EndUpdate(const pb::EndUpdateRequest& req, pb::EndUpdateResponse* resp);
   absl::Status Apply(const pb::ApplyRequest& req, pb::ApplyResponse* resp);
-  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp);
+  // `time_left`: what is left of the worker's gRPC deadline (worker_service.cc; infinite: none):
+  // the node's answer is on its way before it (ReplyBy), also when the coordinator stalls.
+  absl::Status WaitVersion(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp,
+                           absl::Duration time_left = absl::InfiniteDuration());
   absl::Status Deregister(const pb::DeregisterRequest& req, absl::Duration time_left = absl::InfiniteDuration());
   absl::Status DescribeLayout(const pb::DescribeLayoutRequest& req, pb::DescribeLayoutResponse* resp);
   // Status on both services: the coordinator's cluster status plus this node's live states.
@@ -129,13 +139,22 @@ class WorkerCalls {
   // then answered ABORTED, as before).
   void ResendPause(const LocalWorkers::WorkerKey& key);
   // The node's liveness check (its control tick, NodeDaemon::CheckWorkers): each local worker whose
-  // process exited is removed here and its LeaveWorker sent once; a leave that finds the coordinator
-  // unreachable (no answer, refused) is owed (LocalWorkers::OweLeave).
+  // process exited is removed here and its LeaveWorker queued for the leave sender (a thread of
+  // its own, so a coordinator that gives no answer never holds the control thread); a leave that
+  // finds the coordinator unreachable (no answer, refused) is owed (LocalWorkers::OweLeave), and so
+  // are the ones queued behind it, untried. Returns without waiting for the sends.
   void LeaveExited();
-  // Re-sends the owed leaves once the coordinator answers again (registered, its heartbeats
-  // answered: the same coordinator back from a stall - a re-join drops them instead); stops at the
-  // first that finds it unreachable again (the rest stay owed). Control tick, after LeaveExited.
+  // Queues the owed leaves for the sender once the coordinator answers again (registered, its
+  // heartbeats answered: the same coordinator back from a stall - a re-join drops them instead);
+  // the first that finds it unreachable again stays owed, and so do the rest, untried. Control
+  // tick, after LeaveExited.
   void SendOwedLeaves();
+  // Ends the leave sender: a leave in flight ends within its timeout; the ones queued behind it and
+  // any queued later are owed, not sent (the node is stopping). Idempotent. NodeDaemon::Shutdown,
+  // before the coordinator client goes.
+  void StopLeaves();
+  // TEST ONLY: waits (real time, up to `timeout`) until no leave is queued or being sent; whether so.
+  bool AwaitLeavesSent(absl::Duration timeout);
 
  private:
   using Bytes = StagedBytes;
@@ -187,6 +206,17 @@ class WorkerCalls {
   using Hold = ForwardHold;
   // One LeaveWorker of `key` for `reason`, answered within `timeout`.
   absl::Status SendLeave(const LocalWorkers::WorkerKey& key, const std::string& reason, absl::Duration timeout);
+  // A leave for the sender: an exited worker's (LeaveExited) or an owed one re-sent (`owed`).
+  struct QueuedLeave {
+    LocalWorkers::WorkerKey key;
+    std::string reason;  // LeaveWorkerRequest.reason
+    absl::Duration timeout;
+    bool owed = false;
+  };
+  // Appends to the sender's queue and starts the sender when none runs.
+  void QueueLeaves(std::vector<QueuedLeave> leaves);
+  // The sender thread: sends the queued leaves one by one until none is left, then ends.
+  void SendQueuedLeaves();
   // Forwards a call about local worker `worker` to the coordinator (`call` gets the deadline),
   // held while the node (re-)registers and sent again once after a re-join that answered
   // NOT_FOUND (Hold). With Hold::call: an UNAVAILABLE / CANCELLED answer is held until the node
@@ -218,7 +248,7 @@ class WorkerCalls {
   // WaitVersion of a trainer (not a rollout) answered ABORTED by RestartAware: asks the re-joined
   // coordinator once, for at most 2 s; its OK is the answer, else `aborted`.
   absl::Status WaitAgainAfterRestart(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
-                                     const absl::Status& aborted);
+                                     absl::Time reply_by, const absl::Status& aborted);
   // WaitVersion of a sync rollout (registration `incarnation`) whose call the coordinator could not
   // answer (`lost`: UNAVAILABLE, NOT_FOUND, CANCELLED): once the node re-joined a changed
   // coordinator, asked again there within `deadline` (again after each further change) when the
@@ -226,7 +256,21 @@ class WorkerCalls {
   // (LocalWorkers::WaitResendable); its answer is returned. Else ABORTED naming the change, as
   // before; `lost` itself when no re-join came.
   absl::Status WaitAgainForRollout(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline,
-                                   uint64_t incarnation, uint64_t session0, const absl::Status& lost);
+                                   absl::Time reply_by, uint64_t incarnation, uint64_t session0, const absl::Status& lost);
+  // WaitVersion's first ask (timeout_ms: what is left of `deadline`), asked again while the coordinator
+  // refuses it at once (UNAVAILABLE, CANCELLED) and then answers the node's heartbeats again - the
+  // same coordinator, back before the deadline - after a backoff on the clock (kWaitAskAgainFirst,
+  // doubling to kWaitAskAgainMax). Returns the last answer; a coordinator change (a re-join since
+  // `session0`) or the deadline ends it with the refusal (the restart rules take it from there).
+  // *answered = when the first answer came.
+  absl::Status AskWait(const pb::WaitVersionRequest& req, pb::WaitVersionResponse* resp, absl::Time deadline, absl::Time reply_by,
+                       uint64_t session0, absl::Time* answered);
+  static constexpr absl::Duration kWaitAskAgainFirst = absl::Milliseconds(100);
+  static constexpr absl::Duration kWaitAskAgainMax = absl::Seconds(1);
+  // The timeout of a coordinator WaitVersion serving a wait until `until`: CallTimeout (the
+  // coordinator's own answer at `until` gets through), but cut at `reply_by` (ReplyBy: the
+  // worker's gRPC deadline less a margin); at least 1 ms.
+  absl::Duration WaitCallTimeout(absl::Time until, absl::Time reply_by) const;
   absl::Status RestartAware(const absl::Status& s, uint64_t session0, absl::Time deadline, const std::string& what);
   // WaitVersion's answer `s` (its first coordinator answer came at `answered`): a coordinator that
   // stayed away to the call's deadline - refused connections, or no answer while the node's
@@ -258,6 +302,13 @@ class WorkerCalls {
   const NodeTransports& transports_;
   CoordinatorAccess& coordinator_;
   LayoutDescriber describer_;  // RegisterLayout / DescribeLayout (thread-safe)
+  // The leave sender (worker_calls_held.cc): a leaf lock - no call is made and no other lock
+  // taken under it except LocalWorkers' (OweLeave, at stop).
+  absl::Mutex leaves_mu_;
+  std::deque<QueuedLeave> queued_leaves_ ABSL_GUARDED_BY(leaves_mu_);
+  bool sending_ ABSL_GUARDED_BY(leaves_mu_) = false;  // sender_ runs (and takes what is queued)
+  bool leaves_stopped_ ABSL_GUARDED_BY(leaves_mu_) = false;
+  std::thread sender_ ABSL_GUARDED_BY(leaves_mu_);  // the last sender started; joined by the next start or StopLeaves
 };
 
 }  // namespace wb::daemon::node

@@ -3,6 +3,9 @@
 // and the owed leaves (see worker_calls.h).
 #include <algorithm>
 #include <optional>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -143,43 +146,109 @@ absl::Status WorkerCalls::Deregister(const pb::DeregisterRequest& req, absl::Dur
                                              LocalWorkers::kMaxOwedLeaves, " leaves already): call Deregister again"));
 }
 
+// Why the leaves go to a sender thread: the liveness check runs on the node's control thread,
+// which also re-registers and re-joins after a coordinator restart and runs the staging pool's
+// tick. A leave to a coordinator that gives no answer held that thread for the leave's timeout
+// (7 s; 5 s per owed leave re-sent), so a re-join waited behind it. Now the control tick only
+// queues them and returns; the sender owes the ones that go unanswered, as before.
 void WorkerCalls::LeaveExited() {
-  for (const LocalWorkers::WorkerKey& key : local_.ReapExited()) {  // removed here, marked leaving
-    const std::string reason = "its process exited";
-    absl::Status s = SendLeave(key, reason, absl::Seconds(7));
-    if (Unanswered(s)) {
-      // Best effort once was all it got before: a coordinator back from a stall (the same process,
-      // no re-join) kept the worker as a member, holding later versions that waited for it.
-      const LocalWorkers::Owed owed = local_.OweLeave(key, reason);
-      Log(LogLevel::kWarning, "exited worker's leave owed: the coordinator did not answer",
-          {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}, {"error", s.message()},
-           {"kept", owed == LocalWorkers::Owed::kKept}});
-      continue;
-    }
-    if (!s.ok()) Log(LogLevel::kInfo, "exited worker's leave refused", {{"node", options_.node_id}, {"model", key.first}, {"worker", key.second}, {"error", s.message()}});
-    local_.LeaveDone(key);
+  std::vector<QueuedLeave> leaves;
+  for (LocalWorkers::WorkerKey& key : local_.ReapExited()) {  // removed here, marked leaving
+    leaves.push_back({std::move(key), "its process exited", absl::Seconds(7), /*owed=*/false});
   }
+  QueueLeaves(std::move(leaves));
 }
 
 void WorkerCalls::SendOwedLeaves() {
   if (local_.OwedLeaves() == 0) return;
   // Only once the coordinator answers again: the node's heartbeats got an answer since the outage
-  // and the node is registered, not re-joining (a re-join drops the owed leaves instead). Each try
-  // at a coordinator still away would hold the node's control thread for its timeout.
+  // and the node is registered, not re-joining (a re-join drops the owed leaves instead). A try
+  // at a coordinator still away would only find it away.
   if (coordinator_.UnreachableSince().has_value() || !coordinator_.AwaitRegistered(options_.clock->Now())) return;
+  std::vector<QueuedLeave> leaves;
+  for (LocalWorkers::OwedLeave& o : local_.TakeOwedLeaves()) leaves.push_back({std::move(o.key), std::move(o.reason), absl::Seconds(5), true});
+  QueueLeaves(std::move(leaves));
+}
+
+void WorkerCalls::QueueLeaves(std::vector<QueuedLeave> leaves) {
+  if (leaves.empty()) return;
+  std::thread ended;  // a sender that has run out of work: joined outside the lock (it is done)
+  {
+    absl::MutexLock l(&leaves_mu_);
+    if (leaves_stopped_) {
+      // The node is stopping: not sent. Owed, so that the ids are no longer marked leaving.
+      for (const QueuedLeave& q : leaves) local_.OweLeave(q.key, q.reason);
+      return;
+    }
+    for (QueuedLeave& q : leaves) queued_leaves_.push_back(std::move(q));
+    if (sending_) return;  // the running sender takes them
+    sending_ = true;
+    ended = std::move(sender_);
+    sender_ = std::thread([this] { SendQueuedLeaves(); });
+  }
+  if (ended.joinable()) ended.join();
+}
+
+void WorkerCalls::SendQueuedLeaves() {
+  // Once one owed leave found the coordinator unreachable again, the owed ones after it stay owed
+  // untried (SendOwedLeaves re-queues them when it answers again); an exited worker's first leave
+  // is always tried, as the tick tried each before.
   bool unanswered = false;
-  for (const LocalWorkers::OwedLeave& o : local_.TakeOwedLeaves()) {
-    absl::Status s = unanswered ? absl::UnavailableError("not sent") : SendLeave(o.key, o.reason, absl::Seconds(5));
+  while (true) {
+    QueuedLeave q;
+    {
+      absl::MutexLock l(&leaves_mu_);
+      if (queued_leaves_.empty() || leaves_stopped_) {
+        for (const QueuedLeave& left : queued_leaves_) local_.OweLeave(left.key, left.reason);  // stopping
+        queued_leaves_.clear();
+        sending_ = false;
+        return;
+      }
+      q = std::move(queued_leaves_.front());
+      queued_leaves_.pop_front();
+    }
+    absl::Status s = unanswered && q.owed ? absl::UnavailableError("not sent: the coordinator did not answer the leave before it")
+                                          : SendLeave(q.key, q.reason, q.timeout);
     if (Unanswered(s)) {
-      unanswered = true;  // away again: the rest stay owed, untried
-      local_.OweLeave(o.key, o.reason);
+      unanswered = true;
+      // Best effort once was all an exited worker's leave got before owed leaves: a coordinator
+      // back from a stall (the same process, no re-join) kept the worker as a member, holding
+      // later versions that waited for it.
+      const LocalWorkers::Owed owed = local_.OweLeave(q.key, q.reason);
+      if (!q.owed) {
+        Log(LogLevel::kWarning, "exited worker's leave owed: the coordinator did not answer",
+            {{"node", options_.node_id}, {"model", q.key.first}, {"worker", q.key.second}, {"error", s.message()},
+             {"kept", owed == LocalWorkers::Owed::kKept}});
+      }
       continue;
     }
     // NOT_FOUND: the coordinator does not have the worker (any more): nothing left to leave.
-    Log(LogLevel::kInfo, "owed leave sent",
-        {{"node", options_.node_id}, {"model", o.key.first}, {"worker", o.key.second}, {"answer", s.ok() ? std::string("OK") : std::string(s.message())}});
-    local_.LeaveDone(o.key);
+    if (q.owed) {
+      Log(LogLevel::kInfo, "owed leave sent",
+          {{"node", options_.node_id}, {"model", q.key.first}, {"worker", q.key.second}, {"answer", s.ok() ? std::string("OK") : std::string(s.message())}});
+    } else if (!s.ok()) {
+      Log(LogLevel::kInfo, "exited worker's leave refused", {{"node", options_.node_id}, {"model", q.key.first}, {"worker", q.key.second}, {"error", s.message()}});
+    }
+    local_.LeaveDone(q.key);
   }
+}
+
+WorkerCalls::~WorkerCalls() { StopLeaves(); }
+
+void WorkerCalls::StopLeaves() {
+  std::thread sender;
+  {
+    absl::MutexLock l(&leaves_mu_);
+    leaves_stopped_ = true;
+    sender = std::move(sender_);
+  }
+  if (sender.joinable()) sender.join();  // a leave in flight ends within its timeout
+}
+
+bool WorkerCalls::AwaitLeavesSent(absl::Duration timeout) {
+  absl::MutexLock l(&leaves_mu_);
+  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(leaves_mu_) { return !sending_; };
+  return leaves_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
 }  // namespace wb::daemon::node

@@ -14,7 +14,8 @@ namespace wb::daemon {
 namespace {
 
 // What is left of a call's gRPC deadline (infinite: the worker gave none), for the calls whose
-// request carries no timeout_ms (WorkerCalls::RegisterWorker, RegisterLayout, Deregister).
+// request carries no timeout_ms (WorkerCalls::RegisterWorker, RegisterLayout, Deregister) and for
+// WaitVersion, whose answer must reach the worker before that deadline (WorkerCalls' ReplyBy).
 absl::Duration TimeLeft(const grpc::ServerContext* ctx) {
   const std::chrono::system_clock::time_point d = ctx->deadline();
   if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteDuration();
@@ -45,8 +46,8 @@ class WorkerServiceImpl final : public pb::WorkerService::Service {
   grpc::Status Apply(grpc::ServerContext*, const pb::ApplyRequest* req, pb::ApplyResponse* resp) override {
     return ToGrpcStatus(node_->Apply(*req, resp));
   }
-  grpc::Status WaitVersion(grpc::ServerContext*, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) override {
-    return ToGrpcStatus(node_->WaitVersion(*req, resp));
+  grpc::Status WaitVersion(grpc::ServerContext* ctx, const pb::WaitVersionRequest* req, pb::WaitVersionResponse* resp) override {
+    return ToGrpcStatus(node_->WaitVersion(*req, resp, TimeLeft(ctx)));
   }
   grpc::Status Deregister(grpc::ServerContext* ctx, const pb::DeregisterRequest* req, pb::DeregisterResponse*) override {
     return ToGrpcStatus(node_->Deregister(*req, TimeLeft(ctx)));
