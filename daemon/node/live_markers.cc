@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/log.h"
+#include "daemon/node/state_files.h"
 
 namespace wb::daemon {
 namespace {
@@ -22,19 +23,7 @@ constexpr char kHeader[] = "weightbridge-live-marker 1";
 constexpr char kPrefix[] = "live-";
 constexpr char kSuffix[] = ".marker";
 
-// FNV-1a: stable across builds and restarts (file names must be found again by the next process).
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-std::string Errno(const std::string& what, const std::string& path) {
-  return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
-}
+std::string Errno(const std::string& what, const std::string& path) { return state_files::ErrnoMessage(what, path); }
 
 // Creates `dir` 0700 when missing; checks it is a directory of ours, private.
 absl::Status EnsurePrivateDir(const std::string& dir, bool create) {
@@ -112,9 +101,7 @@ absl::StatusOr<std::unique_ptr<LiveMarkers>> LiveMarkers::Open(const std::string
 }
 
 std::string LiveMarkers::PathFor(const std::string& worker) const {
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(Fnv1a(absl::StrCat(node_, std::string(1, '\0'), worker))));
-  return absl::StrCat(dir_, "/", kPrefix, hex, kSuffix);
+  return absl::StrCat(dir_, "/", kPrefix, state_files::StableHex(absl::StrCat(node_, std::string(1, '\0'), worker)), kSuffix);
 }
 
 std::string LiveMarkers::Serialize(const LiveMarker& m) {

@@ -13,23 +13,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/log.h"
+#include "daemon/node/state_files.h"
 
 namespace wb::daemon::node {
 namespace {
 
 constexpr char kHeader[] = "weightbridge-publish-record 1";
 
-// FNV-1a: stable across builds and restarts (the next process must find the file again).
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-std::string Errno(const std::string& what, const std::string& path) { return absl::StrCat(what, " ", path, ": ", std::strerror(errno)); }
+std::string Errno(const std::string& what, const std::string& path) { return state_files::ErrnoMessage(what, path); }
 
 // The whole file, at most PublishRecord::kMaxFileBytes; nullopt when there is none.
 absl::StatusOr<std::optional<std::string>> ReadSmallFile(const std::string& path) {
@@ -86,9 +77,7 @@ absl::StatusOr<std::vector<PublishEntry>> PublishRecord::Parse(const std::string
 
 absl::StatusOr<std::unique_ptr<PublishRecord>> PublishRecord::Open(const std::string& dir, const std::string& node_id,
                                                                    const std::function<bool(const std::string& process)>& alive) {
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(Fnv1a(node_id)));
-  std::unique_ptr<PublishRecord> r(new PublishRecord(absl::StrCat(dir, "/publish-", hex, ".record")));
+  std::unique_ptr<PublishRecord> r(new PublishRecord(absl::StrCat(dir, "/publish-", state_files::StableHex(node_id), ".record")));
   absl::StatusOr<std::optional<std::string>> text = ReadSmallFile(r->path_);
   absl::StatusOr<std::vector<PublishEntry>> entries =
       !text.ok() ? absl::StatusOr<std::vector<PublishEntry>>(text.status()) : !text->has_value() ? std::vector<PublishEntry>() : Parse(**text);
